@@ -1,0 +1,42 @@
+"""pipeloom: pipeline-parallel schedules for PyTorch, built, searched, simulated, drawn and run."""
+
+from pipeloom.errors import (
+    DeadlockError,
+    MemoryLimitError,
+    OrderError,
+    PipeloomError,
+    ProblemError,
+    ScheduleError,
+    ScheduleFormatError,
+)
+from pipeloom.ir import Action, Schedule, load_schedule, save_schedule
+from pipeloom.problem import Costs, Problem, Stage, Task, stage_graph
+from pipeloom.schedules import build_schedule, schedule_names
+from pipeloom.sim import Timeline, simulate
+from pipeloom.validate import validate
+
+__all__ = [
+    "Action",
+    "Costs",
+    "DeadlockError",
+    "MemoryLimitError",
+    "OrderError",
+    "PipeloomError",
+    "Problem",
+    "ProblemError",
+    "Schedule",
+    "ScheduleError",
+    "ScheduleFormatError",
+    "Stage",
+    "Task",
+    "Timeline",
+    "build_schedule",
+    "load_schedule",
+    "save_schedule",
+    "schedule_names",
+    "simulate",
+    "stage_graph",
+    "validate",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,41 @@
+"""Exceptions raised by pipeloom; every one names the bad value and how to fix it."""
+
+from __future__ import annotations
+
+__all__ = [
+    "PipeloomError",
+    "ProblemError",
+    "ScheduleFormatError",
+    "ScheduleError",
+    "DeadlockError",
+    "MemoryLimitError",
+    "OrderError",
+]
+
+
+class PipeloomError(ValueError):
+    """Base class of every error pipeloom raises for bad input."""
+
+
+class ProblemError(PipeloomError):
+    """The task graph or stage graph is malformed (unknown rank, cycle, negative duration...)."""
+
+
+class ScheduleFormatError(PipeloomError):
+    """A schedule file or action string cannot be read (malformed JSON/CSV, wrong format tag...)."""
+
+
+class ScheduleError(PipeloomError):
+    """A schedule is not valid for its task graph (missing, duplicate or foreign actions)."""
+
+
+class DeadlockError(ScheduleError):
+    """The per-rank action lists cannot run to the end: every remaining head waits forever."""
+
+
+class MemoryLimitError(ScheduleError):
+    """A rank's peak memory exceeds the schedule's memory limit."""
+
+
+class OrderError(ScheduleError):
+    """Gradient-producing actions (B or W) of a stage do not run in micro-batch order."""

@@ -1,0 +1,399 @@
+"""The problem model: per-micro-batch tasks on ranks, and the stage-graph builder (DESIGN §1).
+
+Every micro-batch runs the same small DAG of tasks. A ``Problem`` holds that DAG plus the
+machine facts a schedule is judged against (ranks, communication latency, memory limit).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pipeloom.errors import ProblemError
+
+__all__ = [
+    "KINDS",
+    "Kind",
+    "TaskKey",
+    "Task",
+    "Problem",
+    "Stage",
+    "Costs",
+    "Backward",
+    "stage_graph",
+    "task_name",
+    "parse_task_name",
+]
+
+Kind = Literal["F", "B", "I", "W"]
+KINDS: tuple[str, ...] = ("F", "B", "I", "W")
+TaskKey = tuple[int, str]
+"""A task is named by (stage, kind); its text form is ``f"{stage}{kind}"``, e.g. ``2F``."""
+
+Backward = Literal["full", "split", "none"]
+"""How the stage-graph builder derives backward tasks: one B, I+W, or none (inference)."""
+
+_TASK_NAME = re.compile(r"^(\d+)([FBIW])$")
+
+
+def task_name(key: TaskKey) -> str:
+    """Text form of a task key: ``(2, "F") -> "2F"``."""
+    return f"{key[0]}{key[1]}"
+
+
+def parse_task_name(text: str) -> TaskKey:
+    """Inverse of :func:`task_name`; raises ProblemError on anything else."""
+    match = _TASK_NAME.match(text.strip()) if isinstance(text, str) else None
+    if match is None:
+        raise ProblemError(
+            f"bad task name {text!r}: expected STAGE then a kind letter F, B, I or W, e.g. '2F'"
+        )
+    return int(match.group(1)), match.group(2)
+
+
+def _check_number(what: str, value: object, *, minimum: float | None = 0.0) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ProblemError(f"{what} must be a finite number, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ProblemError(f"{what} must be >= {minimum:g}, got {value!r}")
+    return float(value)
+
+
+def _check_index(what: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ProblemError(f"{what} must be a non-negative integer, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Task:
+    """One piece of compute of one stage, run once per micro-batch."""
+
+    stage: int
+    """Index of the model fragment this task belongs to."""
+    kind: str
+    """``F`` forward, ``B`` full backward, ``I`` input-gradient backward, ``W`` weight-gradient backward."""
+    ranks: tuple[int, ...]
+    """Ranks the task occupies at once (more than one: e.g. a tensor-parallel block)."""
+    duration: float
+    """Time the task takes, any unit, >= 0."""
+    memory: float = 0.0
+    """Signed change of the memory held on each of its ranks when the task starts."""
+    deps: tuple[TaskKey, ...] = ()
+    """Tasks of the same micro-batch that must finish first."""
+
+    def __post_init__(self) -> None:
+        _check_index("task stage", self.stage)
+        if self.kind not in KINDS:
+            raise ProblemError(f"task {self.stage}{self.kind}: kind must be one of F, B, I, W")
+        name = f"{self.stage}{self.kind}"
+        ranks = tuple(self.ranks)
+        if not ranks:
+            raise ProblemError(f"task {name} has no ranks; give it at least one rank")
+        for rank in ranks:
+            _check_index(f"task {name} rank", rank)
+        if len(set(ranks)) != len(ranks):
+            raise ProblemError(f"task {name} lists a rank twice: {list(ranks)}")
+        object.__setattr__(self, "ranks", ranks)
+        object.__setattr__(self, "duration", _check_number(f"task {name} duration", self.duration))
+        object.__setattr__(
+            self, "memory", _check_number(f"task {name} memory", self.memory, minimum=None)
+        )
+        deps = tuple(self.deps)
+        for dep in deps:
+            if (
+                not isinstance(dep, tuple)
+                or len(dep) != 2
+                or dep[1] not in KINDS
+                or isinstance(dep[0], bool)
+                or not isinstance(dep[0], int)
+            ):
+                raise ProblemError(f"task {name}: dependency {dep!r} is not a (stage, kind) pair")
+        if len(set(deps)) != len(deps):
+            raise ProblemError(f"task {name} lists a dependency twice")
+        object.__setattr__(self, "deps", deps)
+
+    @property
+    def key(self) -> TaskKey:
+        """``(stage, kind)``, the task's identity inside a micro-batch."""
+        return (self.stage, self.kind)
+
+    @property
+    def name(self) -> str:
+        """Text form, e.g. ``2F``."""
+        return f"{self.stage}{self.kind}"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Problem:
+    """The per-micro-batch task DAG and the machine it runs on."""
+
+    num_ranks: int
+    """Number of devices (ranks 0 .. num_ranks-1)."""
+    tasks: tuple[Task, ...]
+    """Every task of one micro-batch; (stage, kind) is unique."""
+    comm_latency: float = 0.0
+    """Delay between a dep finishing and a task starting when they run on different rank sets."""
+    memory_limit: float | None = None
+    """Per-rank cap on held memory; None means unlimited."""
+    static_memory: tuple[float, ...] | None = None
+    """Memory each rank holds before any action (e.g. weights); None means 0 everywhere."""
+    _index: Mapping[TaskKey, int] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.num_ranks, bool) or not isinstance(self.num_ranks, int) or self.num_ranks < 1:
+            raise ProblemError(f"num_ranks must be a positive integer, got {self.num_ranks!r}")
+        tasks = tuple(self.tasks)
+        if not tasks:
+            raise ProblemError("the problem has no tasks; give at least one task")
+        object.__setattr__(self, "tasks", tasks)
+        index: dict[TaskKey, int] = {}
+        for i, task in enumerate(tasks):
+            if not isinstance(task, Task):
+                raise ProblemError(f"tasks[{i}] is {type(task).__name__}, expected a Task")
+            if task.key in index:
+                raise ProblemError(f"task {task.name} is defined twice; (stage, kind) must be unique")
+            index[task.key] = i
+            for rank in task.ranks:
+                if rank >= self.num_ranks:
+                    raise ProblemError(
+                        f"task {task.name} runs on rank {rank}, but there are only "
+                        f"{self.num_ranks} ranks (0..{self.num_ranks - 1}); raise num_ranks or fix the task"
+                    )
+        object.__setattr__(self, "_index", index)
+        for task in tasks:
+            for dep in task.deps:
+                if dep not in index:
+                    raise ProblemError(
+                        f"task {task.name} depends on {task_name(dep)}, which is not a task of the problem"
+                    )
+        self._check_acyclic()
+        object.__setattr__(
+            self, "comm_latency", _check_number("comm_latency", self.comm_latency)
+        )
+        if self.memory_limit is not None:
+            object.__setattr__(
+                self, "memory_limit", _check_number("memory_limit", self.memory_limit, minimum=None)
+            )
+        if self.static_memory is not None:
+            static = tuple(
+                _check_number(f"static_memory[{r}]", v, minimum=None)
+                for r, v in enumerate(self.static_memory)
+            )
+            if len(static) != self.num_ranks:
+                raise ProblemError(
+                    f"static_memory has {len(static)} entries; give one per rank ({self.num_ranks})"
+                )
+            object.__setattr__(self, "static_memory", static)
+
+    def _check_acyclic(self) -> None:
+        """Kahn's algorithm over the dependency edges; a leftover task lies on a cycle."""
+        indegree = {task.key: len(task.deps) for task in self.tasks}
+        users: dict[TaskKey, list[TaskKey]] = {task.key: [] for task in self.tasks}
+        for task in self.tasks:
+            for dep in task.deps:
+                users[dep].append(task.key)
+        ready = [key for key, n in indegree.items() if n == 0]
+        seen = 0
+        while ready:
+            key = ready.pop()
+            seen += 1
+            for user in users[key]:
+                indegree[user] -= 1
+                if indegree[user] == 0:
+                    ready.append(user)
+        if seen != len(self.tasks):
+            cyclic = sorted(task_name(k) for k, n in indegree.items() if n > 0)
+            raise ProblemError(
+                f"the task dependencies form a cycle through {', '.join(cyclic)}; remove one of those edges"
+            )
+
+    def task(self, key: TaskKey) -> Task:
+        """The task named ``key``; ProblemError if there is none."""
+        try:
+            return self.tasks[self._index[key]]
+        except KeyError:
+            raise ProblemError(f"no task {task_name(key)} in the problem") from None
+
+    def has_task(self, key: TaskKey) -> bool:
+        """Whether a task named ``key`` exists."""
+        return key in self._index
+
+    def index(self, key: TaskKey) -> int:
+        """Position of the task named ``key`` in :attr:`tasks`."""
+        return self._index[key]
+
+    @property
+    def num_stages(self) -> int:
+        """One more than the largest stage index."""
+        return 1 + max(task.stage for task in self.tasks)
+
+    def tasks_on(self, rank: int) -> tuple[Task, ...]:
+        """Tasks that occupy ``rank``."""
+        return tuple(task for task in self.tasks if rank in task.ranks)
+
+    def work_per_microbatch(self) -> tuple[float, ...]:
+        """Busy time each rank spends on one micro-batch (sum of its tasks' durations)."""
+        work = [0.0] * self.num_ranks
+        for task in self.tasks:
+            for rank in task.ranks:
+                work[rank] += task.duration
+        return tuple(work)
+
+    @property
+    def splits_backward(self) -> bool:
+        """True when the backward is split into I and W tasks."""
+        return any(task.kind in ("I", "W") for task in self.tasks)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Stage:
+    """A model fragment in a stage graph: where it runs and what it costs per micro-batch."""
+
+    ranks: tuple[int, ...]
+    """Ranks the stage occupies (an int is taken as one rank)."""
+    f: float = 1.0
+    """Forward time."""
+    b: float = 1.0
+    """Input-gradient backward time (I); a full backward B takes ``b + w``."""
+    w: float = 1.0
+    """Weight-gradient backward time (W)."""
+    memory: float = 1.0
+    """Activation memory the forward takes and the backward releases."""
+    w_memory: float = 0.0
+    """Part of ``memory`` still held after I and released by W (split backward only)."""
+
+    def __post_init__(self) -> None:
+        ranks = (self.ranks,) if isinstance(self.ranks, int) else tuple(self.ranks)
+        object.__setattr__(self, "ranks", ranks)
+        for name in ("f", "b", "w", "memory", "w_memory"):
+            object.__setattr__(self, name, _check_number(f"stage {name}", getattr(self, name)))
+        if self.w_memory > self.memory:
+            raise ProblemError(
+                f"stage w_memory {self.w_memory:g} exceeds its memory {self.memory:g}; "
+                "W can release at most what F took"
+            )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Costs:
+    """Per-micro-batch costs of one rank's share of the model (a stage of the 1F1B layout).
+
+    A schedule that cuts each rank's share into ``v`` stages gives each of them ``1/v`` of the
+    time and memory, so every schedule of the library runs the same model.
+    """
+
+    f: float = 1.0
+    """Forward time."""
+    b: float = 1.0
+    """Input-gradient backward time; schedules without split backward run one B of ``b + w``."""
+    w: float = 1.0
+    """Weight-gradient backward time."""
+    comm: float = 0.0
+    """Communication latency between ranks."""
+    memory: float = 1.0
+    """Activation memory one forward takes (1 = "one micro-batch of activations")."""
+    w_memory: float = 0.0
+    """Part of ``memory`` held until W when the backward is split."""
+
+    def __post_init__(self) -> None:
+        for name in ("f", "b", "w", "comm", "memory", "w_memory"):
+            object.__setattr__(self, name, _check_number(f"cost {name}", getattr(self, name)))
+        if self.w_memory > self.memory:
+            raise ProblemError(
+                f"w_memory {self.w_memory:g} exceeds memory {self.memory:g}; W can release at most what F took"
+            )
+
+    def stage(self, ranks: int | Sequence[int], *, share: float = 1.0) -> Stage:
+        """A stage on ``ranks`` carrying ``share`` of these costs (``1/v`` for v stages per rank)."""
+        return Stage(
+            ranks=ranks,
+            f=self.f * share,
+            b=self.b * share,
+            w=self.w * share,
+            memory=self.memory * share,
+            w_memory=self.w_memory * share,
+        )
+
+
+def stage_graph(
+    stages: Sequence[Stage],
+    *,
+    num_ranks: int | None = None,
+    edges: Sequence[tuple[int, int]] | None = None,
+    backward: Backward = "full",
+    comm_latency: float = 0.0,
+    memory_limit: float | None = None,
+    static_memory: Sequence[float] | None = None,
+) -> Problem:
+    """Derive the task graph of DESIGN §1 from stages and forward edges.
+
+    F(s) waits for F(u) of every producer u; B or I of s waits for F(s) and for B/I of every
+    consumer of s; W(s) waits for I(s). ``edges`` default to the chain 0 -> 1 -> ... -> S-1.
+    ``backward="full"`` gives one B per stage (``b + w``), ``"split"`` gives I (``b``) and
+    W (``w``), ``"none"`` gives forward-only tasks with no memory (inference).
+    """
+    if backward not in ("full", "split", "none"):
+        raise ProblemError(f"backward must be 'full', 'split' or 'none', got {backward!r}")
+    stages = list(stages)
+    if not stages:
+        raise ProblemError("the stage graph has no stages; give at least one")
+    count = len(stages)
+    if edges is None:
+        edges = [(s, s + 1) for s in range(count - 1)]
+    producers: list[list[int]] = [[] for _ in range(count)]
+    consumers: list[list[int]] = [[] for _ in range(count)]
+    for edge in edges:
+        if len(edge) != 2:
+            raise ProblemError(f"edge {edge!r} must be a (producer, consumer) pair of stage indices")
+        u, v = edge
+        for s in (u, v):
+            if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < count:
+                raise ProblemError(f"edge {edge!r} names stage {s!r}; stages are 0..{count - 1}")
+        if u == v:
+            raise ProblemError(f"edge {edge!r} joins stage {u} to itself; remove it")
+        if v not in consumers[u]:
+            consumers[u].append(v)
+            producers[v].append(u)
+    if num_ranks is None:
+        num_ranks = 1 + max(max(stage.ranks, default=0) for stage in stages)
+    back = "I" if backward == "split" else "B"
+    tasks: list[Task] = []
+    for s, stage in enumerate(stages):
+        tasks.append(
+            Task(
+                stage=s,
+                kind="F",
+                ranks=stage.ranks,
+                duration=stage.f,
+                memory=0.0 if backward == "none" else stage.memory,
+                deps=tuple((u, "F") for u in producers[s]),
+            )
+        )
+        if backward == "none":
+            continue
+        deps = ((s, "F"),) + tuple((v, back) for v in consumers[s])
+        if backward == "full":
+            tasks.append(
+                Task(stage=s, kind="B", ranks=stage.ranks, duration=stage.b + stage.w,
+                     memory=-stage.memory, deps=deps)
+            )
+        else:
+            tasks.append(
+                Task(stage=s, kind="I", ranks=stage.ranks, duration=stage.b,
+                     memory=-(stage.memory - stage.w_memory), deps=deps)
+            )
+            tasks.append(
+                Task(stage=s, kind="W", ranks=stage.ranks, duration=stage.w,
+                     memory=-stage.w_memory, deps=((s, "I"),))
+            )
+    return Problem(
+        num_ranks=num_ranks,
+        tasks=tuple(tasks),
+        comm_latency=comm_latency,
+        memory_limit=memory_limit,
+        static_memory=None if static_memory is None else tuple(static_memory),
+    )

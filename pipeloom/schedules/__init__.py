@@ -1,0 +1,106 @@
+"""The schedule library: one module per family and a registry mapping names to generators.
+
+Every generator is a pure function ``(num_ranks, num_microbatches, *, costs, memory_limit, ...)
+-> Schedule``. Modules are imported on first use, so listing names costs nothing.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from pipeloom.errors import PipeloomError
+from pipeloom.ir import Schedule
+from pipeloom.problem import Costs
+
+__all__ = ["ScheduleInfo", "REGISTRY", "schedule_names", "schedule_info", "build_schedule"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ScheduleInfo:
+    """A registry entry: where a generator lives and what it accepts."""
+
+    name: str
+    """Registry name, e.g. ``zb-h1``."""
+    summary: str
+    """One-line description for ``pipeloom list``."""
+    module: str
+    """Module (under ``pipeloom.schedules``) holding the generator."""
+    function: str
+    """Generator function name in that module."""
+    options: tuple[str, ...] = ()
+    """Keyword options beyond ``costs`` and ``memory_limit``, e.g. ``stages_per_rank``."""
+    splits_backward: bool = False
+    """Whether the schedule runs I and W instead of one B."""
+
+    @property
+    def generator(self) -> Callable[..., Schedule]:
+        """The generator function (imports its module on first use)."""
+        module = importlib.import_module(f"pipeloom.schedules.{self.module}")
+        return getattr(module, self.function)
+
+
+def _entries(*infos: ScheduleInfo) -> MappingProxyType:
+    return MappingProxyType({info.name: info for info in infos})
+
+
+REGISTRY = _entries(
+    ScheduleInfo(name="gpipe", module="gpipe", function="gpipe",
+                 summary="all forwards, then all backwards; memory m"),
+    ScheduleInfo(name="1f1b", module="one_f_one_b", function="one_f_one_b",
+                 summary="warm-up forwards, then one forward / one backward; memory p"),
+    ScheduleInfo(name="interleaved-1f1b", module="interleaved", function="interleaved_1f1b",
+                 options=("stages_per_rank",),
+                 summary="Megatron interleaved 1F1B, v looped stages per rank; bubble / v"),
+    ScheduleInfo(name="looped-bfs", module="looped_bfs", function="looped_bfs",
+                 options=("stages_per_rank",),
+                 summary="v looped stages per rank, breadth-first: each stage's forwards together"),
+    ScheduleInfo(name="zb-h1", module="zero_bubble", function="zb_h1", splits_backward=True,
+                 summary="zero-bubble H1: split backward, W fills bubbles; 1F1B memory"),
+    ScheduleInfo(name="zb-h2", module="zero_bubble", function="zb_h2", splits_backward=True,
+                 summary="zero-bubble H2: more warm-up forwards, near-zero bubble; about 2p memory"),
+    ScheduleInfo(name="zbv", module="zbv", function="zbv", splits_backward=True,
+                 summary="zero-bubble V: 2 stages per rank in a V, cost- and memory-aware"),
+    ScheduleInfo(name="dualpipev", module="dualpipe", function="dualpipev", splits_backward=True,
+                 summary="DualPipeV: bidirectional V, 2 stages per rank, one model copy"),
+    ScheduleInfo(name="dualpipe", module="dualpipe", function="dualpipe", splits_backward=True,
+                 summary="DualPipe: two model replicas fed from both ends; even ranks"),
+    ScheduleInfo(name="chimera", module="chimera", function="chimera",
+                 summary="Chimera: two opposite 1F1B pipelines sharing the micro-batches"),
+)
+"""Every built-in schedule by name."""
+
+
+def schedule_names() -> tuple[str, ...]:
+    """Names of the built-in schedules, in registry order."""
+    return tuple(REGISTRY)
+
+
+def schedule_info(name: str) -> ScheduleInfo:
+    """The registry entry for ``name``; PipeloomError listing the names if unknown."""
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise PipeloomError(
+            f"unknown schedule {name!r}; choose one of: {', '.join(REGISTRY)}"
+        ) from None
+
+
+def build_schedule(
+    name: str,
+    num_ranks: int,
+    num_microbatches: int,
+    *,
+    costs: Costs = Costs(),
+    memory_limit: float | None = None,
+    **options: object,
+) -> Schedule:
+    """Build the built-in schedule ``name``; options it does not take are an error."""
+    info = schedule_info(name)
+    unknown = sorted(set(options) - set(info.options))
+    if unknown:
+        takes = ", ".join(info.options) if info.options else "no extra options"
+        raise PipeloomError(f"schedule {name!r} does not take {', '.join(unknown)} (it takes {takes})")
+    return info.generator(num_ranks, num_microbatches, costs=costs, memory_limit=memory_limit, **options)
