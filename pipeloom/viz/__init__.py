@@ -1,0 +1,24 @@
+"""Pictures of simulated schedules: timeline PNG/SVG, comparisons, Perfetto traces, terminal view.
+
+Nothing heavy is imported here: matplotlib and rich load inside the functions that need them.
+"""
+
+from pipeloom.viz.compare import comparison_figure, draw_comparison
+from pipeloom.viz.style import KIND_COLORS, KIND_NAMES
+from pipeloom.viz.terminal import render_timeline, render_timeline_rich
+from pipeloom.viz.timeline import FIGURE_SUFFIXES, draw_timeline, timeline_figure
+from pipeloom.viz.trace import trace_events, write_trace
+
+__all__ = [
+    "FIGURE_SUFFIXES",
+    "KIND_COLORS",
+    "KIND_NAMES",
+    "comparison_figure",
+    "draw_comparison",
+    "draw_timeline",
+    "render_timeline",
+    "render_timeline_rich",
+    "timeline_figure",
+    "trace_events",
+    "write_trace",
+]
