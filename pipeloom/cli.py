@@ -1,0 +1,477 @@
+"""The ``pipeloom`` command line, a thin layer over the library: list, show, simulate, compare, demo.
+
+Every bad input ends as one line ``pipeloom: error: ...`` on stderr and a non-zero exit status
+(2 for usage errors, 1 for the rest); the library's exceptions carry the message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from pipeloom.errors import PipeloomError
+from pipeloom.ir import load_schedule, save_schedule
+from pipeloom.problem import Costs, Problem
+from pipeloom.schedules import REGISTRY, build_schedule
+from pipeloom.sim import Timeline
+from pipeloom.validate import validate
+
+__all__ = ["main", "DEMO_COSTS", "DEMO_RANKS", "DEMO_MICROBATCHES", "DEMO_SCHEDULES"]
+
+DEMO_COSTS = Costs(f=18522, b=18086, w=9337, comm=601)
+"""Per-rank F, I, W and communication costs from the zero-bubble paper, used by ``pipeloom demo``."""
+DEMO_RANKS, DEMO_MICROBATCHES = 8, 24
+DEMO_SCHEDULES = ("1f1b", "zb-h1", "zb-h2", "zbv", "interleaved-1f1b", "dualpipev", "gpipe")
+"""Schedules the demo compares; one that cannot be built gets a note instead of a row."""
+
+_COST_FLAGS = ("f", "b", "w", "comm")
+COST_HELP = (
+    "Costs are per micro-batch for ONE RANK'S SHARE of the model (a stage of the 1F1B layout): "
+    "--f forward, --b input-gradient backward (I), --w weight-gradient backward (W). Schedules "
+    "that do not split the backward run one B costing b+w; schedules with v stages per rank give "
+    "each stage 1/v of the costs, so every schedule runs the same model. Defaults: f=b=w=1, comm=0."
+)
+
+
+class _UsageError(PipeloomError):
+    """Bad command-line usage (exit status 2)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors become one-line ``_UsageError``s instead of usage dumps."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise _UsageError(f"{message} (see `{self.prog} --help`)")
+
+
+# ------------------------------------------------------------------------------ argument types
+
+
+def _number(kind: type, words: str, minimum: float):
+    """An argparse type parsing ``kind`` and requiring a finite value >= ``minimum``."""
+
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value < minimum:
+            raise argparse.ArgumentTypeError(f"must be {words}, got {text!r}")
+        return value
+
+    return parse
+
+
+_cost = _number(float, "a finite number >= 0", 0)
+_count = _number(int, "a positive integer", 1)
+
+
+def _path_with(*suffixes: str):
+    """An argparse type accepting a path whose suffix is one of ``suffixes``."""
+
+    def check(text: str) -> Path:
+        path = Path(text)
+        if path.suffix.lower() not in suffixes:
+            raise argparse.ArgumentTypeError(f"{text!r}: use a {' or '.join(suffixes)} file name")
+        return path
+
+    return check
+
+
+# ---------------------------------------------------------------------------------- the parser
+
+
+def _add_costs(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("costs", COST_HELP)
+    group.add_argument("--f", type=_cost, metavar="F", help="forward time (default 1)")
+    group.add_argument("--b", type=_cost, metavar="B", help="input-gradient backward time (default 1)")
+    group.add_argument("--w", type=_cost, metavar="W", help="weight-gradient backward time (default 1)")
+    group.add_argument("--comm", type=_cost, metavar="C", help="latency between ranks (default 0)")
+    group.add_argument("--memory-limit", type=_cost, metavar="L",
+                       help="per-rank cap on held activations, in micro-batches of one rank's share")
+
+
+def _add_outputs(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("outputs")
+    group.add_argument("-o", "--out", type=_path_with(".png", ".svg"), help="timeline picture (.png/.svg)")
+    group.add_argument("--trace", type=_path_with(".json"), help="Chrome/Perfetto trace (.json)")
+    group.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    group.add_argument("--terminal", action="store_true", help="draw the timeline in the terminal")
+    group.add_argument("--width", type=_count, help="width of the --terminal view (default: terminal width)")
+
+
+def _add_shape(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ranks", "-p", type=_count, required=True, metavar="P", help="number of ranks")
+    parser.add_argument(
+        "--microbatches", "-m", type=_count, required=True, metavar="M",
+        help="number of micro-batches (real ones; two-replica schedules pair them)",
+    )
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="pipeloom",
+        description="Build, validate, simulate, compare and draw pipeline-parallel schedules.",
+        epilog=COST_HELP,
+    )
+    parser.add_argument("--verbose", "-v", action="store_true", help="print full error details")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    listing = commands.add_parser("list", help="list the built-in schedules and placements")
+    listing.add_argument("--json", action="store_true", help="print one JSON object")
+    listing.set_defaults(handler=_cmd_list)
+
+    show = commands.add_parser("show", help="build one schedule, check it, report and draw it",
+                               epilog=COST_HELP)
+    show.add_argument("name", metavar="NAME", help="schedule name (see `pipeloom list`)")
+    _add_shape(show)
+    show.add_argument("--stages-per-rank", type=_count, metavar="V",
+                      help="stages per rank, for schedules that take it (e.g. interleaved-1f1b)")
+    _add_costs(show)
+    _add_outputs(show)
+    show.add_argument("--save", type=_path_with(".json", ".csv"),
+                      help="save the schedule: pipeloom JSON (.json) or torch compute-only CSV (.csv)")
+    show.set_defaults(handler=_cmd_show)
+
+    sim = commands.add_parser("simulate", help="check and simulate a saved schedule (JSON or torch CSV)",
+                              epilog=COST_HELP + " The cost flags apply to CSV files only.")
+    sim.add_argument("file", type=Path, metavar="FILE", help="a pipeloom .json or torch .csv schedule")
+    sim.add_argument("--allow-unordered", action="store_true",
+                     help="accept B/W of a stage out of micro-batch order (not exact in the runtime)")
+    _add_costs(sim)
+    _add_outputs(sim)
+    sim.set_defaults(handler=_cmd_simulate)
+
+    compare = commands.add_parser("compare", help="compare schedules side by side", epilog=COST_HELP)
+    compare.add_argument("names", nargs="+", metavar="NAME", help="schedule names (see `pipeloom list`)")
+    _add_shape(compare)
+    _add_costs(compare)
+    compare.add_argument("-o", "--out", type=_path_with(".png", ".svg"), help="comparison figure (.png/.svg)")
+    compare.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    compare.set_defaults(handler=_cmd_compare)
+
+    demo = commands.add_parser("demo", help="compare the main schedules on the zero-bubble paper's costs")
+    demo.add_argument("--out", type=Path, default=Path("demo-output"),
+                      help="output folder (default demo-output)")
+    demo.set_defaults(handler=_cmd_demo)
+    return parser
+
+
+# --------------------------------------------------------------------------- building, reports
+
+
+def _costs(args: argparse.Namespace) -> Costs:
+    """Costs from the --f/--b/--w/--comm flags; a flag left out keeps the Costs default."""
+    return Costs(**{k: getattr(args, k) for k in _COST_FLAGS if getattr(args, k) is not None})
+
+
+def _check_name(name: str) -> None:
+    if name not in REGISTRY:
+        raise _UsageError(f"unknown schedule {name!r}; choose one of: {', '.join(REGISTRY)}")
+
+
+def _build(name: str, ranks: int, microbatches: int, costs: Costs, limit: float | None,
+           **options: Any) -> Timeline:
+    """Build a registered schedule and validate it in ordered mode; returns its timeline."""
+    try:
+        schedule = build_schedule(name, ranks, microbatches, costs=costs, memory_limit=limit, **options)
+    except ImportError as error:
+        raise PipeloomError(f"schedule {name!r} is registered but cannot be imported ({error})") from None
+    return validate(schedule, ordered=True)
+
+
+def _report(timeline: Timeline, *, microbatches: int | None = None, costs: Costs | None = None) -> dict:
+    """The metrics of a timeline as a JSON-ready dict (the ``--json`` output)."""
+    schedule = timeline.schedule
+    return {
+        "name": schedule.name,
+        "num_ranks": schedule.num_ranks,
+        "num_microbatches": schedule.num_microbatches if microbatches is None else microbatches,
+        "schedule_microbatches": schedule.num_microbatches,
+        "makespan": timeline.makespan,
+        "bubble_ratio": timeline.bubble_ratio,
+        "peak_memory": list(timeline.peak_memory),
+        "busy": list(timeline.busy),
+        "lower_bound": max(timeline.busy, default=0.0),
+        "num_actions": schedule.num_actions,
+        "memory_limit": schedule.problem.memory_limit,
+        "costs": None if costs is None else dataclasses.asdict(costs),
+    }
+
+
+def _num(value: float) -> str:
+    return f"{value:,.3f}".rstrip("0").rstrip(".")
+
+
+def _print_summary(console: Console, report: dict) -> None:
+    makespan, bound = report["makespan"], report["lower_bound"]
+    table = Table(title=f"schedule {report['name']}", show_header=False)
+    table.add_column("metric", style="bold")
+    table.add_column("value", justify="right")
+    micro = str(report["num_microbatches"])
+    if report["schedule_microbatches"] != report["num_microbatches"]:
+        micro += f" ({report['schedule_microbatches']} pairs)"
+    for label, value in (
+        ("ranks", str(report["num_ranks"])),
+        ("micro-batches", micro),
+        ("makespan", _num(makespan)),
+        ("bubble ratio", f"{report['bubble_ratio']:.2%}"),
+        ("work lower bound (busiest rank)", _num(bound)),
+        ("makespan / lower bound", f"{makespan / bound:.3f}" if bound > 0 else "-"),
+        ("peak memory (max over ranks)", _num(max(report["peak_memory"]))),
+        ("actions", str(report["num_actions"])),
+    ):
+        table.add_row(label, value)
+    console.print(table)
+    ranks = Table(title="per rank")
+    for column in ("rank", "busy", "idle", "peak memory"):
+        ranks.add_column(column, justify="right")
+    for r, (busy, peak) in enumerate(zip(report["busy"], report["peak_memory"])):
+        ranks.add_row(str(r), _num(busy), _num(max(0.0, makespan - busy)), _num(peak))
+    console.print(ranks)
+
+
+def _emit(args: argparse.Namespace, timeline: Timeline, report: dict) -> int:
+    """Print the report (table or JSON), the terminal view, and write the requested files."""
+    console = Console(stderr=args.json, highlight=False)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        _print_summary(console, report)
+    if args.terminal or args.out or args.trace:
+        from pipeloom import viz
+
+        if args.terminal:
+            view = viz.render_timeline_rich(timeline, width=args.width or console.width)
+            console.print(view, soft_wrap=True)
+        if args.out:
+            title = f"{report['name']}: p={report['num_ranks']}, m={report['num_microbatches']}"
+            viz.draw_timeline(timeline, args.out, title=title)
+            console.print(f"wrote timeline picture {args.out}", markup=False)
+        if args.trace:
+            viz.write_trace(timeline, args.trace)
+            console.print(f"wrote trace {args.trace} (open it in https://ui.perfetto.dev)", markup=False)
+    if getattr(args, "save", None):
+        save_schedule(timeline.schedule, args.save)
+        console.print(f"wrote schedule {args.save}", markup=False)
+    return 0
+
+
+# ------------------------------------------------------------------------------------ commands
+
+
+def _cmd_list(args: argparse.Namespace) -> int:
+    placements: list[dict] = []  # Tessel-style placements join here once the search catalog exists
+    if args.json:
+        schedules = [
+            {"name": info.name, "summary": info.summary, "options": list(info.options),
+             "splits_backward": info.splits_backward}
+            for info in REGISTRY.values()
+        ]
+        print(json.dumps({"schedules": schedules, "placements": placements}))
+        return 0
+    console = Console(highlight=False)
+    table = Table(title="Schedules (pipeloom show NAME --ranks P --microbatches M)")
+    for column in ("name", "backward", "options", "summary"):
+        table.add_column(column)
+    for info in REGISTRY.values():
+        table.add_row(info.name, "I + W" if info.splits_backward else "B",
+                      ", ".join(f"--{o.replace('_', '-')}" for o in info.options), info.summary)
+    console.print(table)
+    console.print("\nPlacements (task graphs for the search)", style="bold")
+    if not placements:
+        console.print("  none registered yet")
+    return 0
+
+
+def _cmd_show(args: argparse.Namespace) -> int:
+    _check_name(args.name)
+    options = {}
+    if args.stages_per_rank is not None:
+        if "stages_per_rank" not in REGISTRY[args.name].options:
+            takers = [name for name, info in REGISTRY.items() if "stages_per_rank" in info.options]
+            raise _UsageError(f"schedule {args.name!r} does not take --stages-per-rank; "
+                              f"schedules that do: {', '.join(takers)}")
+        options["stages_per_rank"] = args.stages_per_rank
+    costs = _costs(args)
+    timeline = _build(args.name, args.ranks, args.microbatches, costs, args.memory_limit, **options)
+    report = _report(timeline, microbatches=args.microbatches, costs=costs)
+    return _emit(args, timeline, report)
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    is_csv = args.file.suffix == ".csv"
+    cost_flags = [f"--{k}" for k in _COST_FLAGS if getattr(args, k) is not None]
+    if cost_flags and not is_csv:
+        raise _UsageError(f"{'/'.join(cost_flags)} set the costs of a torch CSV; a pipeloom JSON "
+                          "schedule carries its own task durations")
+    costs = _costs(args)
+    schedule = load_schedule(args.file, costs=costs)
+    problem = schedule.problem
+    if is_csv:
+        problem = _split_rank_shares(problem)
+    if args.memory_limit is not None:  # overrides the limit a JSON file carries
+        problem = dataclasses.replace(problem, memory_limit=args.memory_limit)
+    schedule = dataclasses.replace(schedule, problem=problem)
+    timeline = validate(schedule, ordered=not args.allow_unordered)
+    return _emit(args, timeline, _report(timeline, costs=costs if is_csv else None))
+
+
+def _split_rank_shares(problem: Problem) -> Problem:
+    """Cost convention for CSV input: the flags give a rank's share, so a stage on a rank that
+    runs v stages gets 1/v of its time and memory (a CSV stage runs on exactly one rank)."""
+    stages_on = Counter(task.ranks[0] for task in problem.tasks if task.kind == "F")
+    if all(count == 1 for count in stages_on.values()):
+        return problem
+    tasks = []
+    for task in problem.tasks:
+        share = 1.0 / stages_on[task.ranks[0]]
+        tasks.append(dataclasses.replace(task, duration=task.duration * share, memory=task.memory * share))
+    return dataclasses.replace(problem, tasks=tuple(tasks))
+
+
+def _compare(names: Sequence[str], ranks: int, microbatches: int, costs: Costs,
+             limit: float | None) -> tuple[list[dict], list[Timeline]]:
+    """Build each schedule; a failure becomes a row with an ``error``. Adds ``relative_makespan``."""
+    rows, timelines = [], []
+    for name in names:
+        try:
+            timeline = _build(name, ranks, microbatches, costs, limit)
+        except ValueError as error:
+            rows.append({"name": name, "error": _first_line(error)})
+            continue
+        rows.append({**_report(timeline, microbatches=microbatches, costs=costs), "name": name})
+        timelines.append(timeline)
+    built = [row for row in rows if "error" not in row]
+    if not built:
+        reasons = "; ".join(f"{row['name']}: {row['error']}" for row in rows)
+        raise PipeloomError(f"no schedule could be built ({reasons})")
+    best = min(row["makespan"] for row in built)
+    for row in built:
+        row["relative_makespan"] = row["makespan"] / best if best > 0 else 1.0
+    return rows, timelines
+
+
+def _compare_cells(row: dict, *, reason: bool = True) -> list[str]:
+    if "error" in row:
+        return [row["name"], "-", "-", "-", "-", f"not built: {row['error']}" if reason else "not built"]
+    return [row["name"], _num(row["makespan"]), f"{row['relative_makespan']:.3f}",
+            f"{row['bubble_ratio']:.2%}", _num(max(row["peak_memory"])), ""]
+
+
+_COMPARE_COLUMNS = ("schedule", "makespan", "vs best", "bubble", "peak memory", "note")
+
+
+def _print_compare(console: Console, rows: list[dict], title: str) -> None:
+    """The comparison table; why a schedule was not built is printed under it."""
+    table = Table(title=title)
+    failed = [row for row in rows if "error" in row]
+    columns = _COMPARE_COLUMNS if failed else _COMPARE_COLUMNS[:-1]
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("schedule", "note") else "right")
+    for row in rows:
+        table.add_row(*_compare_cells(row, reason=False)[: len(columns)])
+    console.print(table)
+    for row in failed:
+        console.print(f"{row['name']} not built: {row['error']}", markup=False)
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    for name in args.names:
+        _check_name(name)
+    costs = _costs(args)
+    rows, timelines = _compare(args.names, args.ranks, args.microbatches, costs, args.memory_limit)
+    console = Console(stderr=args.json, highlight=False)
+    if args.json:
+        print(json.dumps({"num_ranks": args.ranks, "num_microbatches": args.microbatches,
+                          "costs": dataclasses.asdict(costs), "memory_limit": args.memory_limit,
+                          "schedules": rows}))
+    else:
+        _print_compare(console, rows, f"p={args.ranks}, m={args.microbatches}")
+    if args.out:
+        from pipeloom import viz
+
+        viz.draw_comparison(timelines, args.out, title=f"p={args.ranks}, m={args.microbatches}")
+        console.print(f"wrote comparison figure {args.out}", markup=False)
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from pipeloom import viz
+
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    rows, timelines = _compare(DEMO_SCHEDULES, DEMO_RANKS, DEMO_MICROBATCHES, DEMO_COSTS, None)
+    c = DEMO_COSTS
+    title = (f"p={DEMO_RANKS}, m={DEMO_MICROBATCHES}, zero-bubble paper costs "
+             f"(f={c.f:g}, b={c.b:g}, w={c.w:g}, comm={c.comm:g})")
+    console = Console(highlight=False)
+    _print_compare(console, rows, title)
+    built = [row["name"] for row in rows if "error" not in row]  # aligned with timelines
+    best = min(range(len(built)), key=lambda i: timelines[i].makespan)
+    name = built[best]
+    files = [(out / "compare.png", "comparison figure"),
+             (out / f"timeline-{name}.png", f"timeline of the best schedule, {name}"),
+             (out / f"trace-{name}.json", "its trace; open it in https://ui.perfetto.dev"),
+             (out / "summary.md", "the table and the command that made it")]
+    viz.draw_comparison(timelines, files[0][0], title=title)
+    viz.draw_timeline(timelines[best], files[1][0], title=f"{name}: {title}")
+    viz.write_trace(timelines[best], files[2][0])
+    files[3][0].write_text(_summary_markdown(rows, title, out))
+    console.print("Files:", markup=False)
+    for path, what in files:
+        console.print(f"  {path}  ({what})", markup=False)
+    return 0
+
+
+def _summary_markdown(rows: list[dict], title: str, out: Path) -> str:
+    """The demo's table as Markdown, with the commands that reproduce it."""
+    c, names = DEMO_COSTS, " ".join(row["name"] for row in rows)
+    cells = [_COMPARE_COLUMNS, ["---"] * len(_COMPARE_COLUMNS), *map(_compare_cells, rows)]
+    table = ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in cells]
+    return "\n".join([
+        "# pipeloom demo", "", title, "", *table, "", f"Made by `pipeloom demo --out {out}`, or:",
+        "", "```", f"pipeloom compare {names} --ranks {DEMO_RANKS} --microbatches {DEMO_MICROBATCHES} "
+        f"--f {c.f:g} --b {c.b:g} --w {c.w:g} --comm {c.comm:g}", "```", "",
+    ])
+
+
+# ---------------------------------------------------------------------------------------- main
+
+
+def _first_line(error: BaseException) -> str:
+    if isinstance(error, OSError) and error.filename is not None and error.strerror:
+        return f"{error.filename}: {error.strerror}"
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+def _fail(error: BaseException, status: int, verbose: bool) -> int:
+    """Print one ``pipeloom: error:`` line; with --verbose also the rest (e.g. the step grid)."""
+    extra = str(error).strip().splitlines()[1:]
+    hint = " (add --verbose for details)" if extra and not verbose else ""
+    print(f"pipeloom: error: {_first_line(error)}{hint}", file=sys.stderr)
+    if verbose and extra:
+        print("\n".join(extra), file=sys.stderr)
+    return status
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line on ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
+    args = None
+    try:
+        args = _parser().parse_args(argv)
+        return args.handler(args)
+    except _UsageError as error:
+        return _fail(error, 2, getattr(args, "verbose", False))
+    except (PipeloomError, ValueError, OSError) as error:
+        return _fail(error, 1, getattr(args, "verbose", False))
