@@ -1,0 +1,182 @@
+"""DualPipe and DualPipeV (DeepSeek-V3): micro-batches fed from both ends, forward/backward pairs.
+
+Both run one eight-phase program per rank on a "half" pipeline of P ranks; DualPipeV folds one model
+into a V over P ranks, DualPipe runs two model replicas on 2P ranks, rank r and 2P-1-r mirroring.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from itertools import count, repeat
+
+from pipeloom.ir import Action, Schedule
+from pipeloom.problem import Costs, Problem, stage_graph
+from pipeloom.schedules._common import chain_problem, check_counts, make_schedule
+
+__all__ = ["dualpipe", "dualpipev", "dualpipe_program", "two_replica_problem"]
+
+Step = tuple[str, int]
+"""One step of a rank's program: ``(op, phase)``.
+
+``op`` is ``F`` (forward), ``B`` (backward whose W runs at once), ``Z`` (zero-bubble backward: its
+W is deferred to a later ``W`` step) or ``W`` (run the oldest deferred W; phase -1). Phase 0 is the
+direction that enters the pipeline on this rank's side, phase 1 the other one.
+"""
+
+
+def dualpipe_program(num_half_ranks: int, half_rank: int, num_chunks: int) -> list[Step]:
+    """The reference's eight phases for one rank of a P-rank half pipeline, M micro-batches per phase.
+
+    With P = ``num_half_ranks``, h = ``half_rank`` and M = ``num_chunks`` (M >= 2P):
+
+    1. ``2(P-h-1)`` x F0;  2. ``h+1`` x (F0 F1);  3. ``P-h-1`` x (Z1 W F1)  (zero bubble);
+    4. ``M-2P+h+1`` x (F0 B1 F1 B0), the overlapped F&B pairs written F then B;
+    5. ``P-h-1`` x (B1 F1 B0);  6. ``h+1`` x (B1 B0), the second half of them zero bubble;
+    7. ``P-h-1`` x (W Z0);  8. ``h+1`` x W.
+    """
+    P, h, M = num_half_ranks, half_rank, num_chunks
+    if not 0 <= h < P <= M // 2:
+        raise ValueError(
+            f"dualpipe_program needs 0 <= half_rank < num_half_ranks <= num_chunks / 2, got "
+            f"half_rank={h}, num_half_ranks={P}, num_chunks={M}"
+        )
+    tail = P - h - 1
+    program: list[Step] = [("F", 0)] * (2 * tail)
+    program += [("F", 0), ("F", 1)] * (h + 1)
+    program += [("Z", 1), ("W", -1), ("F", 1)] * tail
+    program += [("F", 0), ("B", 1), ("F", 1), ("B", 0)] * (M - 2 * P + h + 1)
+    program += [("B", 1), ("F", 1), ("B", 0)] * tail
+    cooldown = [("B", 1), ("B", 0)] * (h + 1)
+    program += cooldown[: h + 1] + [("Z", phase) for _, phase in cooldown[h + 1 :]]
+    program += [("W", -1), ("Z", 0)] * tail
+    program += [("W", -1)] * (h + 1)
+    return program
+
+
+def _next_actions(stages: tuple[int, int], kind: str) -> list:
+    """Per phase, a function returning that stage's next ``kind`` action: micro-batch 0, 1, 2, ..."""
+    return [map(Action._make, zip(repeat(stage), repeat(kind), count())).__next__ for stage in stages]
+
+
+def _lower(program: Sequence[Step], stages: tuple[int, int]) -> list[Action]:
+    """Turn a program into actions: phase k runs ``stages[k]``; micro-batches count up per phase.
+
+    B becomes I then W; Z becomes I and queues its W, which the next ``W`` step runs (FIFO, as the
+    reference's weight-gradient store), so every stage's W keep micro-batch order.
+    """
+    next_f, next_i, next_w = (_next_actions(stages, kind) for kind in ("F", "I", "W"))
+    deferred: deque[Action] = deque()
+    actions: list[Action] = []
+    emit = actions.append
+    for op, phase in program:
+        if op == "F":
+            emit(next_f[phase]())
+        elif op == "W":
+            emit(deferred.popleft())
+        else:
+            emit(next_i[phase]())
+            if op == "B":
+                emit(next_w[phase]())
+            else:
+                deferred.append(next_w[phase]())
+    assert not deferred, "every deferred W must run"
+    return actions
+
+
+def two_replica_problem(
+    num_ranks: int,
+    costs: Costs,
+    *,
+    split_backward: bool,
+    memory_limit: float | None,
+) -> Problem:
+    """Two model replicas as two disjoint chains, each stage a full rank share (share 1).
+
+    Down chain: stage s on rank s (0..p-1). Up chain: stage p+k on rank p-1-k, so data enters it
+    at rank p-1. One micro-batch of this problem is a pair of real ones, one per direction.
+    """
+    p = num_ranks
+    stage_ranks = list(range(p)) + [p - 1 - k for k in range(p)]
+    edges = [(s, s + 1) for s in range(p - 1)] + [(p + k, p + k + 1) for k in range(p - 1)]
+    return stage_graph(
+        [costs.stage(rank) for rank in stage_ranks],
+        num_ranks=p,
+        edges=edges,
+        backward="split" if split_backward else "full",
+        comm_latency=costs.comm,
+        memory_limit=memory_limit,
+    )
+
+
+def dualpipev(
+    num_ranks: int,
+    num_microbatches: int,
+    *,
+    costs: Costs = Costs(),
+    memory_limit: float | None = None,
+) -> Schedule:
+    """DualPipeV: one model cut into 2p stages in a V; rank r holds stages r and 2p-1-r (share 1/2).
+
+    Every rank runs :func:`dualpipe_program` with P = p, h = r, M = m; phase 0 is stage r (the way
+    down), phase 1 stage 2p-1-r (the way back). Requires m >= 2p.
+
+    Bubble per rank, no communication latency: the reference counts (p-1)(F&B + B - 3W) with F,
+    B = I + W and W the costs of one stage (half a rank share) and F&B an overlapped pair. This IR
+    runs a pair as F then I, so F&B = F + B: the simulated bubble stays within (p-1)(F + 2B - 3W)
+    when F <= B and W <= I, and is exactly (p-1)F = (p-1)f/2 when f = b = w (1F1B: 3(p-1)f).
+    Activation memory: peak 2p+1 stage forwards = (p + 1/2) x ``costs.memory`` on every rank, for
+    any ``w_memory`` (no deferred W is pending at the peak); one model copy.
+    """
+    check_counts("dualpipev", num_ranks, num_microbatches, min_microbatches=2 * num_ranks)
+    p, m = num_ranks, num_microbatches
+    stage_ranks = list(range(p)) + list(reversed(range(p)))
+    problem = chain_problem(
+        stage_ranks, costs, num_ranks=p, split_backward=True, memory_limit=memory_limit, share=0.5
+    )
+    ranks = [_lower(dualpipe_program(p, r, m), (r, 2 * p - 1 - r)) for r in range(p)]
+    return make_schedule("dualpipev", problem, m, ranks)
+
+
+def dualpipe(
+    num_ranks: int,
+    num_microbatches: int,
+    *,
+    costs: Costs = Costs(),
+    memory_limit: float | None = None,
+) -> Schedule:
+    """DualPipe: two model replicas on p ranks (p even), m/2 micro-batches fed from each end.
+
+    Rank r holds stage r of the down replica and stage p-1-r of the up replica (task stages 0..p-1
+    down, p..2p-1 up, see :func:`two_replica_problem`), each a full rank share. One IR micro-batch is
+    a *pair* of real micro-batches, one per direction, so the schedule has m // 2 micro-batches;
+    m must be even and >= 2p (the reference's requirement). Each half of the ranks runs DualPipeV's
+    program with P = p/2, h = min(r, p-1-r), M = m/2; its phase 0 is the replica entering on its side.
+
+    Bubble per rank, no communication latency: (p/2-1)(F&B + B - 3W) in the reference, F, B = b + w
+    and W being rank-share costs; with F&B = F + B, as this IR runs it, the simulated bubble stays
+    within (p/2-1)(F + 2B - 3W) when F <= B and W <= I, and is exactly (p/2-1)f when f = b = w.
+    Activation memory: peak p+1 forwards (x ``costs.memory``) on every rank, for any ``w_memory``;
+    2x weights (two replicas).
+    """
+    check_counts("dualpipe", num_ranks, num_microbatches)
+    p, m = num_ranks, num_microbatches
+    if p % 2:
+        raise ValueError(
+            f"dualpipe needs an even number of ranks (its two halves mirror each other), got {p}; "
+            f"use an even count such as {p + 1}"
+        )
+    if m % 2:
+        raise ValueError(
+            f"dualpipe feeds half of the micro-batches from each end, so their number must be even, "
+            f"got {m}; use {m - 1} or {m + 1}"
+        )
+    check_counts("dualpipe", p, m, min_microbatches=2 * p)
+    problem = two_replica_problem(p, costs, split_backward=True, memory_limit=memory_limit)
+    half = p // 2
+    ranks = []
+    for r in range(p):
+        down, up = r, 2 * p - 1 - r
+        stages = (down, up) if r < half else (up, down)
+        ranks.append(_lower(dualpipe_program(half, min(r, p - 1 - r), m // 2), stages))
+    return make_schedule("dualpipe", problem, m // 2, ranks)

@@ -1,0 +1,195 @@
+"""DualPipe and DualPipeV against the DeepSeek reference's program, closed forms and 1F1B."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from pipeloom.errors import MemoryLimitError
+from pipeloom.problem import Costs
+from pipeloom.schedules import build_schedule, schedule_info
+from pipeloom.schedules.dualpipe import dualpipe, dualpipe_program, dualpipev
+from pipeloom.schedules.one_f_one_b import one_f_one_b
+from pipeloom.sim import simulate
+from pipeloom.validate import validate
+
+COSTS = [
+    Costs(),
+    Costs(f=1, b=2, w=1),
+    Costs(f=2, b=3, w=1, memory=2, w_memory=0.5),
+    Costs(f=1, b=1, w=1, comm=0.3),
+    Costs(f=1.5, b=1, w=0.5, comm=1.0),
+]
+V_SIZES = [(p, m) for p in range(1, 17) for m in sorted({2 * p, 2 * p + 1, 3 * p + 2, 64}) if m <= 64]
+DUAL_SIZES = [(p, m) for p in range(2, 17, 2) for m in sorted({2 * p, 2 * p + 2, 3 * p + 2, 64}) if m <= 64]
+
+
+def _bubble(schedule) -> float:
+    """Idle time per rank (every rank does the same work here, so the ranks' bubbles agree)."""
+    timeline = simulate(schedule)
+    assert max(timeline.busy) - min(timeline.busy) < 1e-9
+    return timeline.makespan - timeline.busy[0]
+
+
+# ------------------------------------------------------------------------ validity and inputs
+
+
+@pytest.mark.parametrize("costs", COSTS, ids=str)
+@pytest.mark.parametrize("p,m", V_SIZES)
+def test_dualpipev_is_valid_and_ordered(p, m, costs):
+    schedule = dualpipev(p, m, costs=costs)
+    validate(schedule, ordered=True)
+    assert schedule.num_microbatches == m
+    assert schedule.problem.num_stages == 2 * p
+
+
+@pytest.mark.parametrize("costs", COSTS, ids=str)
+@pytest.mark.parametrize("p,m", DUAL_SIZES)
+def test_dualpipe_is_valid_and_ordered_with_pairs_as_microbatches(p, m, costs):
+    schedule = dualpipe(p, m, costs=costs)
+    validate(schedule, ordered=True)
+    assert schedule.num_microbatches == m // 2  # one IR micro-batch = one real micro-batch per direction
+    assert schedule.problem.num_stages == 2 * p
+
+
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda: dualpipev(4, 7), "at least 8 micro-batches"),
+        (lambda: dualpipev(0, 8), "positive integer"),
+        (lambda: dualpipe(3, 12), "even number of ranks"),
+        (lambda: dualpipe(4, 9), "must be even"),
+        (lambda: dualpipe(4, 6), "at least 8 micro-batches"),
+        (lambda: dualpipe(4, 0), "positive integer"),
+        (lambda: dualpipe_program(2, 2, 8), "half_rank < num_half_ranks"),
+        (lambda: dualpipe_program(4, 0, 7), "num_half_ranks <= num_chunks / 2"),
+    ],
+)
+def test_bad_inputs_raise_value_errors_that_say_what_is_needed(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_registry_builds_both_with_split_backward():
+    for name in ("dualpipe", "dualpipev"):
+        assert schedule_info(name).splits_backward
+        schedule = build_schedule(name, 4, 16)
+        assert schedule.problem.splits_backward
+        validate(schedule, ordered=True)
+
+
+def test_memory_limit_reaches_the_problem_and_the_validator():
+    costs = Costs(memory=2.0)
+    validate(dualpipe(4, 16, costs=costs, memory_limit=10.0))  # peak (p+1) x 2 = 10
+    with pytest.raises(MemoryLimitError):
+        validate(dualpipe(4, 16, costs=costs, memory_limit=9.5))
+
+
+# ---------------------------------------------------------------------- the reference's program
+
+
+def test_dualpipev_golden_text_follows_the_reference_phases():
+    # Hand-traced from the reference's step() with 2 ranks and 4 chunks, pairs written F then I W.
+    assert dualpipev(2, 4).to_text() == (
+        "rank 0: 0F0 0F1 0F2 3F0 3I0 3W0 3F1 0F3 3I1 3W1 3F2 0I0 0W0 3I2 3W2 3F3 0I1 0W1 3I3 3W3 "
+        "0I2 0W2 0I3 0W3\n"
+        "rank 1: 1F0 2F0 1F1 2F1 1F2 2I0 2W0 2F2 1I0 1W0 1F3 2I1 2W1 2F3 1I1 1W1 2I2 2W2 1I2 1W2 "
+        "2I3 1I3 2W3 1W3"
+    )
+
+
+@pytest.mark.parametrize("P,M", [(1, 2), (2, 4), (3, 7), (4, 8), (8, 20)])
+def test_program_counts_match_the_reference_loops(P, M):
+    for h in range(P):
+        program = dualpipe_program(P, h, M)
+        for phase in (0, 1):
+            assert program.count(("F", phase)) == M
+            backwards = program.count(("B", phase)) + program.count(("Z", phase))
+            assert backwards == M
+        # Zero-bubble backwards: P-h-1 in phase 3, h+1 in phase 6, P-h-1 in phase 7.
+        zero_bubble = sum(op == "Z" for op, _ in program)
+        assert zero_bubble == 2 * (P - h - 1) + (h + 1)
+        assert program.count(("W", -1)) == zero_bubble
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (5, 13), (8, 16)])
+def test_dualpipev_ranks_end_with_their_deferred_weight_gradients(p, m):
+    # Phase 8 of the reference: rank r runs its last r+1 deferred W, after the last I (phase 6/7).
+    for r, actions in enumerate(dualpipev(p, m).ranks):
+        assert [a.kind for a in actions[-(r + 2):]] == ["I"] + ["W"] * (r + 1)
+
+
+def test_dualpipe_halves_mirror_each_other():
+    p = 8
+    schedule = dualpipe(p, 24)
+    for r in range(p):  # down stage s <-> up stage s + p
+        mirrored = [((a.stage + p) % (2 * p), a.kind, a.microbatch) for a in schedule.ranks[r]]
+        assert mirrored == list(schedule.ranks[p - 1 - r])
+
+
+@pytest.mark.parametrize("costs", COSTS[:3], ids=str)
+@pytest.mark.parametrize("P", [1, 2, 3, 5])
+def test_dualpipe_bubble_equals_dualpipev_on_half_the_ranks(P, costs):
+    # DualPipe is DualPipeV's program on each half: with per-stage costs equal (V stages are half a
+    # rank share, so double the V costs) both schedules idle exactly as long.
+    doubled = Costs(f=2 * costs.f, b=2 * costs.b, w=2 * costs.w)
+    m = 4 * P + 2
+    expected = _bubble(dualpipev(P, m, costs=doubled))
+    assert _bubble(dualpipe(2 * P, 2 * m, costs=costs)) == pytest.approx(expected)
+
+
+# ----------------------------------------------------------------------- bubble and memory
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 8, 16])
+def test_dualpipev_bubble_with_equal_costs_is_p_minus_1_stage_forwards(p):
+    assert _bubble(dualpipev(p, 4 * p, costs=Costs(f=2, b=2, w=2))) == pytest.approx((p - 1) * 1.0)
+
+
+@pytest.mark.parametrize("p", [2, 4, 8, 16])
+def test_dualpipe_bubble_with_equal_costs_is_half_p_minus_1_forwards(p):
+    assert _bubble(dualpipe(p, 4 * p, costs=Costs(f=1.5, b=1.5, w=1.5))) == pytest.approx((p // 2 - 1) * 1.5)
+
+
+@pytest.mark.parametrize(
+    "f,b,w", [(1, 1, 1), (1, 2, 1), (2, 3, 1), (1, 3, 0.25), (2, 2, 2), (2, 1, 1), (1, 1, 0.5)]
+)
+@pytest.mark.parametrize("P", [2, 3, 4, 6])
+def test_bubble_within_the_reference_formula_with_sequential_pairs(P, f, b, w):
+    # DeepSeek-V3: (P-1)(F&B + B - 3W); here F&B = F + B (pairs not overlapped), F <= B, W <= I.
+    bound = (P - 1) * (f + 2 * (b + w) - 3 * w)
+    assert _bubble(dualpipe(2 * P, 8 * P, costs=Costs(f=f, b=b, w=w))) <= bound + 1e-9
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 8, 16])
+def test_dualpipev_bubble_ratio_below_one_f_one_b_with_equal_costs(p):
+    for m in (2 * p, 4 * p):
+        assert validate(dualpipev(p, m)).bubble_ratio < validate(one_f_one_b(p, m)).bubble_ratio
+
+
+@pytest.mark.parametrize("w_memory", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 8])
+def test_dualpipev_peak_memory_is_p_plus_half_on_every_rank(p, w_memory):
+    timeline = simulate(dualpipev(p, 3 * p + 1, costs=Costs(memory=1.0, w_memory=w_memory)))
+    assert timeline.peak_memory == pytest.approx([p + 0.5] * p)
+
+
+@pytest.mark.parametrize("w_memory", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("p", [2, 4, 6, 8])
+def test_dualpipe_peak_memory_is_p_plus_1_on_every_rank(p, w_memory):
+    timeline = simulate(dualpipe(p, 3 * p + 2, costs=Costs(memory=2.0, w_memory=w_memory)))
+    assert timeline.peak_memory == pytest.approx([2.0 * (p + 1)] * p)
+
+
+# ------------------------------------------------------------------------------------- speed
+
+
+@pytest.mark.parametrize("generator", [dualpipe, dualpipev])
+def test_generators_are_linear_time(generator):
+    best = float("inf")
+    for _ in range(3):  # best of three: the test machine is shared
+        start = time.perf_counter()
+        generator(64, 1024)
+        best = min(best, time.perf_counter() - start)
+    assert best < 0.5
