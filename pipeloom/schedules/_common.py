@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from pipeloom.ir import Action, Schedule
 from pipeloom.problem import Costs, Problem, stage_graph
 
-__all__ = ["check_counts", "chain_problem", "merge_one_f_one_b", "make_schedule"]
+__all__ = ["check_counts", "chain_problem", "two_replica_problem", "merge_one_f_one_b", "make_schedule"]
 
 
 def check_counts(name: str, num_ranks: int, num_microbatches: int, *, min_microbatches: int = 1) -> None:
@@ -38,6 +38,31 @@ def chain_problem(
     return stage_graph(
         [costs.stage(rank, share=share) for rank in stage_ranks],
         num_ranks=num_ranks,
+        backward="split" if split_backward else "full",
+        comm_latency=costs.comm,
+        memory_limit=memory_limit,
+    )
+
+
+def two_replica_problem(
+    num_ranks: int,
+    costs: Costs,
+    *,
+    split_backward: bool,
+    memory_limit: float | None,
+) -> Problem:
+    """Two model replicas as two disjoint chains, each stage a full rank share (share 1).
+
+    Down chain: stage s on rank s (0..p-1). Up chain: stage p+k on rank p-1-k, so data enters it
+    at rank p-1. One micro-batch of this problem is a pair of real ones, one per direction.
+    """
+    p = num_ranks
+    stage_ranks = list(range(p)) + [p - 1 - k for k in range(p)]
+    edges = [(s, s + 1) for s in range(p - 1)] + [(p + k, p + k + 1) for k in range(p - 1)]
+    return stage_graph(
+        [costs.stage(rank) for rank in stage_ranks],
+        num_ranks=p,
+        edges=edges,
         backward="split" if split_backward else "full",
         comm_latency=costs.comm,
         memory_limit=memory_limit,

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from pipeloom.ir import Action, Schedule
 from pipeloom.problem import Costs
-from pipeloom.schedules._common import check_counts, make_schedule
-from pipeloom.schedules.dualpipe import two_replica_problem
+from pipeloom.schedules._common import check_counts, make_schedule, two_replica_problem
 
 __all__ = ["chimera", "chimera_slots"]
 

@@ -11,10 +11,10 @@ from collections.abc import Sequence
 from itertools import count, repeat
 
 from pipeloom.ir import Action, Schedule
-from pipeloom.problem import Costs, Problem, stage_graph
-from pipeloom.schedules._common import chain_problem, check_counts, make_schedule
+from pipeloom.problem import Costs
+from pipeloom.schedules._common import chain_problem, check_counts, make_schedule, two_replica_problem
 
-__all__ = ["dualpipe", "dualpipev", "dualpipe_program", "two_replica_problem"]
+__all__ = ["dualpipe", "dualpipev", "dualpipe_program"]
 
 Step = tuple[str, int]
 """One step of a rank's program: ``(op, phase)``.
@@ -82,31 +82,6 @@ def _lower(program: Sequence[Step], stages: tuple[int, int]) -> list[Action]:
                 deferred.append(next_w[phase]())
     assert not deferred, "every deferred W must run"
     return actions
-
-
-def two_replica_problem(
-    num_ranks: int,
-    costs: Costs,
-    *,
-    split_backward: bool,
-    memory_limit: float | None,
-) -> Problem:
-    """Two model replicas as two disjoint chains, each stage a full rank share (share 1).
-
-    Down chain: stage s on rank s (0..p-1). Up chain: stage p+k on rank p-1-k, so data enters it
-    at rank p-1. One micro-batch of this problem is a pair of real ones, one per direction.
-    """
-    p = num_ranks
-    stage_ranks = list(range(p)) + [p - 1 - k for k in range(p)]
-    edges = [(s, s + 1) for s in range(p - 1)] + [(p + k, p + k + 1) for k in range(p - 1)]
-    return stage_graph(
-        [costs.stage(rank) for rank in stage_ranks],
-        num_ranks=p,
-        edges=edges,
-        backward="split" if split_backward else "full",
-        comm_latency=costs.comm,
-        memory_limit=memory_limit,
-    )
 
 
 def dualpipev(
