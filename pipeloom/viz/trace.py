@@ -1,7 +1,7 @@
 """Chrome / Perfetto trace (Trace Event Format, JSON object form) of a simulated timeline.
 
-One process per rank (``pid = rank + 1``: Perfetto treats pid 0 as the kernel's swapper, see
-google/perfetto#394; the process is named ``rank N``), one thread per stage the rank holds, one
+One process per rank (``pid = rank``, named ``rank N``; Perfetto's collapsed preview of pid 0 can
+look odd, see google/perfetto#394, but its expanded tracks are right), one thread per stage the rank holds, one
 complete event (``"ph": "X"``) per action and a ``memory held`` counter (``"ph": "C"``) per rank.
 Times are integer microseconds: ``ts = round(time * time_unit_us)``, with ``time_unit_us`` (the
 microseconds one schedule time unit becomes) stored in ``otherData`` and each event's ``args``
@@ -43,11 +43,11 @@ def _metadata(timeline: Timeline, tids: dict[tuple[int, int], int]) -> list[dict
     """process_name / thread_name (and sort-index hints for chrome://tracing) events."""
     events: list[dict[str, Any]] = []
     for rank in range(timeline.num_ranks):
-        pid = rank + 1
+        pid = rank
         events.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": f"rank {rank}"}})
         events.append({"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": rank}})
     for (rank, stage), tid in tids.items():
-        pid = rank + 1
+        pid = rank
         events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid,
                        "args": {"name": f"stage {stage}"}})
         events.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid,
@@ -66,7 +66,7 @@ def _thread_ids(timeline: Timeline) -> dict[tuple[int, int], int]:
 
 def _rank_events(timeline: Timeline, rank: int, tids: dict[tuple[int, int], int], scale: float) -> list[dict]:
     """The complete events of one rank, then its memory counter (only where the value changes)."""
-    pid = rank + 1
+    pid = rank
     events: list[dict[str, Any]] = []
     for action, start, end in timeline.events(rank):
         ts = round(start * scale)

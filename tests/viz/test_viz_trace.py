@@ -35,7 +35,7 @@ def test_one_process_per_rank():
     names = {e["pid"]: e["args"]["name"] for e in _of(trace, "M") if e["name"] == "process_name"}
     assert sorted(names.values()) == [f"rank {r}" for r in range(4)]
     assert {e["pid"] for e in _of(trace, "X")} == set(names)
-    assert 0 not in names  # pid 0 is the kernel's swapper in Perfetto
+    assert names == {r: f"rank {r}" for r in range(4)}  # pid = rank, as the issue asks
     threads = [e for e in _of(trace, "M") if e["name"] == "thread_name"]
     assert sorted(e["args"]["name"] for e in threads) == [f"stage {s}" for s in range(4)]
 
@@ -75,7 +75,7 @@ def test_memory_counter_follows_the_simulator():
     timeline = _timeline("gpipe", 3, 4)
     trace = trace_events(timeline)
     for rank in range(3):
-        values = [e["args"]["held"] for e in _of(trace, "C") if e["pid"] == rank + 1]
+        values = [e["args"]["held"] for e in _of(trace, "C") if e["pid"] == rank]
         # GPipe: 0, then +1 per forward up to m, then -1 per backward (DESIGN §6 memory m)
         assert values == [0, 1, 2, 3, 4, 3, 2, 1, 0]
         assert max(values) == timeline.peak_memory[rank]
