@@ -8,11 +8,18 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import reduce
+from itertools import accumulate
+from operator import add, itemgetter
 
 from pipeloom.errors import DeadlockError, ScheduleError
 from pipeloom.ir import Action, Schedule, format_grid
+from pipeloom.problem import Problem
 
 __all__ = ["Timeline", "simulate"]
+
+_TASK_KEY = itemgetter(0, 1)
+_MICROBATCH = itemgetter(2)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -74,129 +81,25 @@ def simulate(schedule: Schedule) -> Timeline:
     the lists cannot run to the end; use :func:`pipeloom.validate.validate` for full checks.
     """
     problem = schedule.problem
-    tasks = problem.tasks
     num_mb = schedule.num_microbatches
-    latency = problem.comm_latency
-    index = {task.key: i for i, task in enumerate(tasks)}
-    durations = [task.duration for task in tasks]
-    rank_sets = [task.ranks for task in tasks]
-    deps = [
-        tuple(
-            (index[dep], 0.0 if set(tasks[index[dep]].ranks) == set(task.ranks) else latency)
-            for dep in task.deps
-        )
-        for task in tasks
-    ]
-    num_ranks = problem.num_ranks
-    seqs = []
-    for r, actions in enumerate(schedule.ranks):
-        seq = []
-        for step, action in enumerate(actions):
-            t = index.get((action[0], action[1]))
-            if t is None or not 0 <= action[2] < num_mb:
-                raise ScheduleError(
-                    f"rank {r} step {step}: {action} is not a task of this schedule's problem "
-                    "(run the validator for details)"
-                )
-            seq.append(t * num_mb + action[2])
-        seqs.append(seq)
-
-    finish: list[float | None] = [None] * (len(tasks) * num_mb)
-    starts = [[0.0] * len(seq) for seq in seqs]
-    ends = [[0.0] * len(seq) for seq in seqs]
-    pos = [0] * num_ranks
-    free = [0.0] * num_ranks
-    waiting_on_action: dict[int, list[int]] = {}
-    waiting_on_rank: list[list[int]] = [[] for _ in range(num_ranks)]
-    todo = list(range(num_ranks))
-    while todo:
-        r = todo.pop()
-        seq, i, n = seqs[r], pos[r], len(seqs[r])
-        rank_starts, rank_ends = starts[r], ends[r]
-        now = free[r]
-        while i < n:
-            slot = seq[i]
-            t, mb = divmod(slot, num_mb)
-            start = now
-            blocked = False
-            for d, lat in deps[t]:
-                done = finish[d * num_mb + mb]
-                if done is None:
-                    waiting_on_action.setdefault(d * num_mb + mb, []).append(r)
-                    blocked = True
-                    break
-                if done + lat > start:
-                    start = done + lat
-            if blocked:
-                break
-            ranks = rank_sets[t]
-            if len(ranks) == 1:
-                end = start + durations[t]
-                rank_starts[i] = start
-                rank_ends[i] = end
-                now = end
-                i += 1
-            else:
-                others_ready = True
-                for q in ranks:
-                    if q != r and (pos[q] >= len(seqs[q]) or seqs[q][pos[q]] != slot):
-                        waiting_on_rank[q].append(r)
-                        others_ready = False
-                        break
-                if not others_ready:
-                    break
-                for q in ranks:
-                    if q != r and free[q] > start:
-                        start = free[q]
-                end = start + durations[t]
-                for q in ranks:
-                    if q == r:
-                        continue
-                    starts[q][pos[q]] = start
-                    ends[q][pos[q]] = end
-                    pos[q] += 1
-                    free[q] = end
-                    todo.append(q)
-                    if waiting_on_rank[q]:
-                        todo.extend(waiting_on_rank[q])
-                        waiting_on_rank[q].clear()
-                rank_starts[i] = start
-                rank_ends[i] = end
-                now = end
-                i += 1
-            finish[slot] = end
-            woken = waiting_on_action.pop(slot, None)
-            if woken:
-                todo.extend(woken)
-        if i != pos[r]:
-            pos[r] = i
-            free[r] = now
-            if waiting_on_rank[r]:
-                todo.extend(waiting_on_rank[r])
-                waiting_on_rank[r].clear()
-
-    stuck = [r for r in range(num_ranks) if pos[r] < len(seqs[r])]
+    index = {task.key: i for i, task in enumerate(problem.tasks)}
+    seq_tasks, seq_mbs = zip(*(_compile(schedule, r, index) for r in range(problem.num_ranks)))
+    replay = _Replay(problem, num_mb, seq_tasks, seq_mbs)
+    replay.run()
+    finish, starts, ends, pos = replay.finish, replay.starts, replay.ends, replay.pos
+    stuck = [r for r in range(problem.num_ranks) if pos[r] < len(seq_tasks[r])]
     if stuck:
         raise DeadlockError(_deadlock_message(schedule, pos, stuck, finish, num_mb, index))
-
-    static = problem.static_memory or (0.0,) * num_ranks
-    memory_delta = [task.memory for task in tasks]
+    static = problem.static_memory or (0.0,) * problem.num_ranks
+    memory_delta = [task.memory for task in problem.tasks]
+    durations = [task.duration for task in problem.tasks]
     held_lists, peaks, busy = [], [], []
-    for r, seq in enumerate(seqs):
-        held = static[r]
-        peak = held
-        held_list = [0.0] * len(seq)
-        total = 0.0
-        for i, slot in enumerate(seq):
-            t = slot // num_mb
-            held += memory_delta[t]
-            held_list[i] = held
-            if held > peak:
-                peak = held
-            total += durations[t]
-        held_lists.append(tuple(held_list))
-        peaks.append(peak)
-        busy.append(total)
+    for r, seq in enumerate(seq_tasks):
+        # accumulate/reduce add in list order, exactly like a running sum.
+        held = list(accumulate(map(memory_delta.__getitem__, seq), initial=static[r]))
+        held_lists.append(tuple(held[1:]))
+        peaks.append(max(held))
+        busy.append(reduce(add, map(durations.__getitem__, seq), 0.0))
     makespan = max((e[-1] for e in ends if e), default=0.0)
     return Timeline(
         schedule=schedule,
@@ -207,6 +110,128 @@ def simulate(schedule: Schedule) -> Timeline:
         busy=tuple(busy),
         peak_memory=tuple(peaks),
     )
+
+
+def _compile(schedule: Schedule, rank: int, index: dict[tuple[int, str], int]) -> tuple[list, list]:
+    """Task indices and micro-batches of ``rank``'s list (C-level maps: no per-action Python code)."""
+    actions = schedule.ranks[rank]
+    tasks = list(map(index.get, map(_TASK_KEY, actions)))
+    mbs = list(map(_MICROBATCH, actions))
+    if None in tasks or (mbs and (min(mbs) < 0 or max(mbs) >= schedule.num_microbatches)):
+        step = next(
+            i for i, (t, mb) in enumerate(zip(tasks, mbs))
+            if t is None or not 0 <= mb < schedule.num_microbatches
+        )
+        raise ScheduleError(
+            f"rank {rank} step {step}: {actions[step]} is not a task of this schedule's problem "
+            "(run the validator for details)"
+        )
+    return tasks, mbs
+
+
+class _Replay:
+    """The event replay: every rank runs its list as far as it can, parking when blocked.
+
+    A slot is ``task * num_mb + microbatch``. A rank blocked on a dep parks on that dep's slot; a
+    rank blocked on a multi-rank action parks on the other rank that has not reached it yet.
+    """
+
+    def __init__(self, problem: Problem, num_mb: int, seq_tasks, seq_mbs) -> None:
+        tasks = problem.tasks
+        index = {task.key: i for i, task in enumerate(tasks)}
+        self.num_mb = num_mb
+        self.seq_tasks, self.seq_mbs = seq_tasks, seq_mbs
+        self.durations = [task.duration for task in tasks]
+        self.rank_sets = [task.ranks for task in tasks]
+        self.single = [len(task.ranks) == 1 for task in tasks]
+        # (dep slot base, latency): latency only when the dep ran on another set of ranks.
+        self.deps = [
+            tuple(
+                (index[dep] * num_mb,
+                 0.0 if set(tasks[index[dep]].ranks) == set(task.ranks) else problem.comm_latency)
+                for dep in task.deps
+            )
+            for task in tasks
+        ]
+        self.finish: list[float | None] = [None] * (len(tasks) * num_mb)
+        self.waiters: list[list[int] | None] = [None] * len(self.finish)
+        self.starts = [[0.0] * len(seq) for seq in seq_tasks]
+        self.ends = [[0.0] * len(seq) for seq in seq_tasks]
+        self.pos = [0] * problem.num_ranks
+        self.free = [0.0] * problem.num_ranks
+        self.waiting_on_rank: list[list[int]] = [[] for _ in range(problem.num_ranks)]
+        self.todo = list(range(problem.num_ranks))
+
+    def run(self) -> None:
+        """Advance ranks until none can move (the hot loop: locals only, no per-action objects)."""
+        num_mb, deps, finish, waiters = self.num_mb, self.deps, self.finish, self.waiters
+        durations, single, todo = self.durations, self.single, self.todo
+        while todo:
+            r = todo.pop()
+            seq, mbs, i, n = self.seq_tasks[r], self.seq_mbs[r], self.pos[r], len(self.seq_tasks[r])
+            rank_starts, rank_ends = self.starts[r], self.ends[r]
+            now = self.free[r]
+            while i < n:
+                t, mb = seq[i], mbs[i]
+                start, blocked = now, -1
+                for base, lat in deps[t]:
+                    done = finish[base + mb]
+                    if done is None:
+                        blocked = base + mb
+                        break
+                    if done + lat > start:  # noqa: PLR1730 - a call to max() costs more here
+                        start = done + lat
+                if blocked >= 0:
+                    if waiters[blocked] is None:
+                        waiters[blocked] = [r]
+                    else:
+                        waiters[blocked].append(r)
+                    break
+                slot = t * num_mb + mb
+                if single[t]:
+                    end = start + durations[t]
+                else:
+                    joined = self._join(r, t, slot, start)
+                    if joined is None:
+                        break
+                    start, end = joined
+                rank_starts[i], rank_ends[i] = start, end
+                now = end
+                i += 1
+                finish[slot] = end
+                if waiters[slot] is not None:
+                    todo.extend(waiters[slot])
+                    waiters[slot] = None
+            if i != self.pos[r]:
+                self.pos[r], self.free[r] = i, now
+                self._wake(r)
+
+    def _join(self, r: int, t: int, slot: int, start: float) -> tuple[float, float] | None:
+        """Run multi-rank action ``slot`` on all its ranks if each has it at its head, else None."""
+        pos, ranks = self.pos, self.rank_sets[t]
+        for q in ranks:
+            if q != r and (pos[q] >= len(self.seq_tasks[q])
+                           or self.seq_tasks[q][pos[q]] * self.num_mb + self.seq_mbs[q][pos[q]] != slot):
+                self.waiting_on_rank[q].append(r)
+                return None
+        for q in ranks:
+            if q != r and self.free[q] > start:
+                start = self.free[q]
+        end = start + self.durations[t]
+        for q in ranks:
+            if q != r:
+                self.starts[q][pos[q]], self.ends[q][pos[q]] = start, end
+                pos[q] += 1
+                self.free[q] = end
+                self.todo.append(q)
+                self._wake(q)
+        return start, end
+
+    def _wake(self, q: int) -> None:
+        """Ranks parked on rank ``q`` (waiting for it to reach a shared action) may move again."""
+        if self.waiting_on_rank[q]:
+            self.todo.extend(self.waiting_on_rank[q])
+            self.waiting_on_rank[q].clear()
 
 
 def _deadlock_message(

@@ -91,10 +91,10 @@ def check_memory(timeline: Timeline) -> None:
         if peak <= bound:
             continue
         held = timeline.memory_curve(r)
-        step = next((i for i, (_, value) in enumerate(held[1:]) if value > bound), len(held) - 1)
-        if step >= len(schedule.ranks[r]):
-            _fail(schedule, r, 0, f"static memory {held[0][1]:g} exceeds the limit {limit:g}",
-                  MemoryLimitError)
+        if held[0][1] > bound:
+            _fail(schedule, r, 0, f"static memory {held[0][1]:g} exceeds the limit {limit:g} "
+                  "before any action runs; raise the limit or lower the static memory", MemoryLimitError)
+        step = next(i for i, (_, value) in enumerate(held[1:]) if value > bound)
         action = schedule.ranks[r][step]
         _fail(
             schedule, r, step,

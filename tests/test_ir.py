@@ -1,0 +1,277 @@
+"""Tests of pipeloom.ir: action text, JSON and torch-CSV forms, and the step x rank grid.
+
+Oracles: parsing undoes printing (hypothesis round trips over generated schedules), the JSON
+example of DESIGN §2, and hand-written golden text.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipeloom.errors import ScheduleFormatError
+from pipeloom.ir import (
+    FORMAT,
+    Action,
+    Schedule,
+    format_grid,
+    load_schedule,
+    save_schedule,
+    schedule_from_csv,
+    schedule_from_json,
+    schedule_to_csv,
+    schedule_to_json,
+)
+from pipeloom.problem import Costs, Problem, Task, stage_graph
+from pipeloom.schedules import build_schedule
+
+# ------------------------------------------------------------------------------------ strategies
+
+actions = st.builds(
+    Action, st.integers(0, 10_000), st.sampled_from("FBIW"), st.integers(0, 10_000)
+)
+numbers = st.one_of(st.integers(-5, 5), st.floats(-1e6, 1e6, allow_nan=False, allow_infinity=False))
+durations = st.one_of(st.integers(0, 5), st.floats(0, 1e6, allow_nan=False, allow_infinity=False))
+
+
+@st.composite
+def chain_schedules(draw) -> Schedule:
+    """A linear stage chain, each stage on one rank, and any order of all its actions per rank.
+
+    Every (task, micro-batch) appears once, so the torch CSV (which infers the problem from the
+    rows) can carry it; validity does not matter for I/O.
+    """
+    num_ranks = draw(st.integers(1, 4))
+    num_stages = draw(st.integers(1, 6))
+    stage_ranks = [draw(st.integers(0, num_ranks - 1)) for _ in range(num_stages)]
+    costs = Costs(f=draw(durations), b=draw(durations), w=draw(durations), comm=draw(durations),
+                  memory=3.0, w_memory=draw(st.sampled_from([0.0, 1.0, 3.0])))
+    backward = draw(st.sampled_from(["full", "split", "none"]))
+    limit = draw(st.one_of(st.none(), numbers))
+    problem = stage_graph(
+        [costs.stage(rank) for rank in stage_ranks], num_ranks=num_ranks, backward=backward,
+        comm_latency=costs.comm, memory_limit=limit,
+    )
+    num_mb = draw(st.integers(1, 4))
+    ranks = []
+    for r in range(num_ranks):
+        own = [Action(t.stage, t.kind, mb) for t in problem.tasks_on(r) for mb in range(num_mb)]
+        ranks.append(draw(st.permutations(own)))
+    schedule = Schedule(name="gen", problem=problem, num_microbatches=num_mb, ranks=ranks)
+    return schedule, costs, limit
+
+
+@st.composite
+def task_graph_schedules(draw) -> Schedule:
+    """Arbitrary tasks (multi-rank, any deps on earlier tasks, static memory) and arbitrary lists."""
+    num_ranks = draw(st.integers(1, 4))
+    tasks = []
+    for i in range(draw(st.integers(1, 5))):
+        ranks = draw(st.sets(st.integers(0, num_ranks - 1), min_size=1))
+        deps = draw(st.sets(st.sampled_from([t.key for t in tasks]), max_size=3)) if tasks else set()
+        tasks.append(Task(stage=i, kind=draw(st.sampled_from("FBIW")), ranks=tuple(sorted(ranks)),
+                          duration=draw(durations), memory=draw(numbers), deps=tuple(sorted(deps))))
+    static = draw(st.one_of(st.none(), st.lists(numbers, min_size=num_ranks, max_size=num_ranks)))
+    problem = Problem(num_ranks=num_ranks, tasks=tuple(tasks), comm_latency=draw(durations),
+                      memory_limit=draw(st.one_of(st.none(), numbers)),
+                      static_memory=None if static is None else tuple(static))
+    rows = [draw(st.lists(actions, max_size=6)) for _ in range(num_ranks)]
+    return Schedule(name=draw(st.text(max_size=8)), problem=problem,
+                    num_microbatches=draw(st.integers(1, 9)), ranks=rows)
+
+
+# ---------------------------------------------------------------------------------------- actions
+
+
+def test_action_text_matches_torch_letters():
+    assert str(Action(2, "F", 0)) == "2F0"
+    assert str(Action(0, "I", 13)) == "0I13"
+    assert Action.parse("1W3") == Action(1, "W", 3)
+    assert Action.parse(" 10B12 ").task == (10, "B")
+
+
+@given(actions)
+def test_action_text_round_trip(action):
+    assert Action.parse(str(action)) == action
+
+
+@pytest.mark.parametrize("text", ["", "F0", "2F", "2X0", "2F-1", "-2F0", "2 F0", "2F0x", "(0F1;1B0)OVERLAP_F_B",
+                                  "1SEND_F0"])
+def test_bad_action_text_is_a_format_error_with_an_example(text):
+    with pytest.raises(ScheduleFormatError, match=r"e\.g\. '2F0'"):
+        Action.parse(text)
+
+
+def test_action_parse_rejects_non_strings():
+    with pytest.raises(ScheduleFormatError):
+        Action.parse(3)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------------------ JSON
+
+
+@settings(max_examples=60, deadline=None)
+@given(task_graph_schedules())
+def test_json_round_trip_of_any_schedule(schedule):
+    assert schedule_from_json(schedule_to_json(schedule)) == schedule
+    assert schedule_from_json(schedule_to_json(schedule, indent=2)) == schedule
+
+
+def test_json_document_follows_design_example():
+    schedule = build_schedule("1f1b", 2, 2, costs=Costs(f=1, b=1, w=1))
+    document = json.loads(schedule_to_json(schedule))
+    assert document["format"] == FORMAT == "pipeloom.schedule/1"
+    assert (document["name"], document["num_ranks"], document["num_microbatches"]) == ("1f1b", 2, 2)
+    assert document["tasks"][1] == {"stage": 0, "kind": "B", "ranks": [0], "duration": 2.0,
+                                    "memory": -1.0, "deps": ["0F", "1B"]}
+    assert document["ranks"] == [["0F0", "0F1", "0B0", "0B1"], ["1F0", "1B0", "1F1", "1B1"]]
+    assert document["comm_latency"] == 0.0 and document["memory_limit"] is None
+
+
+def _document() -> dict:
+    return json.loads(schedule_to_json(build_schedule("gpipe", 2, 2)))
+
+
+@pytest.mark.parametrize(
+    ("edit", "words"),
+    [
+        (lambda d: d.pop("format"), ["missing key 'format'", FORMAT]),
+        (lambda d: d.update(format="pipeloom.schedule/2"), ["pipeloom.schedule/2", "expected", FORMAT]),
+        (lambda d: d.update(colour="red"), ["unknown key", "colour"]),
+        (lambda d: d["tasks"][0].update(size=3), ["tasks[0]", "unknown key", "size"]),
+        (lambda d: d.pop("ranks"), ["missing key 'ranks'"]),
+        (lambda d: d.update(num_ranks="2"), ["num_ranks", "integer"]),
+        (lambda d: d.update(num_ranks=True), ["num_ranks", "True"]),
+        (lambda d: d["ranks"][1].__setitem__(0, "1Q0"), ["ranks[1]", "1Q0"]),
+        (lambda d: d["tasks"][0].update(deps=["zz"]), ["zz", "task name"]),
+        (lambda d: d["tasks"][0].update(duration=-2), ["tasks[0]", "duration", "-2"]),
+        (lambda d: d["tasks"][0].update(ranks=[5]), ["rank 5", "only 2 ranks"]),
+        (lambda d: d.update(num_microbatches=0), ["num_microbatches", "positive"]),
+        (lambda d: d["ranks"].pop(), ["1 rank lists", "2 ranks"]),
+    ],
+)
+def test_bad_json_is_a_format_error_naming_the_key(edit, words):
+    document = _document()
+    edit(document)
+    with pytest.raises(ScheduleFormatError) as caught:
+        schedule_from_json(json.dumps(document))
+    for word in words:
+        assert word in str(caught.value)
+
+
+@pytest.mark.parametrize(("text", "words"), [("{", "malformed JSON"), ("[]", "JSON object")])
+def test_unreadable_json_is_a_format_error(text, words):
+    with pytest.raises(ScheduleFormatError, match=words):
+        schedule_from_json(text)
+
+
+# ------------------------------------------------------------------------------------------- CSV
+
+
+@settings(max_examples=80, deadline=None)
+@given(chain_schedules())
+def test_csv_round_trip_of_single_rank_stage_schedules(drawn):
+    schedule, costs, limit = drawn
+    back = schedule_from_csv(schedule_to_csv(schedule), costs=costs, memory_limit=limit)
+    assert back.ranks == schedule.ranks
+    assert back.num_microbatches == schedule.num_microbatches
+    assert back.problem == schedule.problem
+
+
+def test_csv_is_one_row_per_rank_and_empty_cells_are_idle():
+    schedule = build_schedule("1f1b", 2, 2)
+    assert schedule_to_csv(schedule) == "0F0,0F1,0B0,0B1\n1F0,1B0,1F1,1B1\n"
+    loaded = schedule_from_csv(",0F0,,0F1,0B0,0B1\n,,1F0,1B0,1F1,,1B1,\n")
+    assert loaded.ranks == schedule.ranks and loaded.problem == schedule.problem
+
+
+def test_csv_with_an_idle_rank_and_split_backward():
+    loaded = schedule_from_csv("0F0,0I0,0W0\n\n")
+    assert loaded.num_ranks == 2 and loaded.ranks[1] == ()
+    assert [t.name for t in loaded.problem.tasks] == ["0F", "0I", "0W"]
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ("", ["empty"]),
+        ("\n,\n", ["no actions"]),
+        ("0F0,1F0\n1B0\n", ["row 2", "stage 1", "rank 0", "JSON"]),
+        ("0F0,0B0\n2F0\n", ["stages [1] never run"]),
+        ("0F0,0B0,0I0\n", ["mixes", "B", "I/W"]),
+        ("0F0,0Z0\n", ["row 1, column 2", "0Z0"]),
+    ],
+)
+def test_bad_csv_is_a_format_error_naming_the_cell(text, words):
+    with pytest.raises(ScheduleFormatError) as caught:
+        schedule_from_csv(text)
+    for word in words:
+        assert word in str(caught.value)
+
+
+# ----------------------------------------------------------------------------------------- files
+
+
+@pytest.mark.parametrize("suffix", [".json", ".csv"])
+def test_save_and_load_by_suffix(tmp_path, suffix):
+    schedule = build_schedule("1f1b", 3, 4)
+    path = tmp_path / f"one{suffix}"
+    save_schedule(schedule, path)
+    back = load_schedule(path)
+    assert back.ranks == schedule.ranks and back.problem == schedule.problem
+    assert back.name == ("1f1b" if suffix == ".json" else "one")
+
+
+def test_save_and_load_reject_unknown_suffix_and_missing_file(tmp_path):
+    schedule = build_schedule("gpipe", 1, 1)
+    with pytest.raises(ScheduleFormatError, match=r"\.json or \.csv"):
+        save_schedule(schedule, tmp_path / "x.txt")
+    with pytest.raises(ScheduleFormatError, match="cannot read"):
+        load_schedule(tmp_path / "missing.json")
+    (tmp_path / "x.yaml").write_text("")
+    with pytest.raises(ScheduleFormatError, match=r"\.json"):
+        load_schedule(tmp_path / "x.yaml")
+
+
+# --------------------------------------------------------------------------------- text and grid
+
+
+def test_schedule_text_golden():
+    assert build_schedule("1f1b", 3, 3).to_text() == (
+        "rank 0: 0F0 0F1 0F2 0B0 0B1 0B2\n"
+        "rank 1: 1F0 1F1 1B0 1F2 1B1 1B2\n"
+        "rank 2: 2F0 2B0 2F1 2B1 2F2 2B2"
+    )
+
+
+def test_schedule_counts_and_rank_list_check():
+    schedule = build_schedule("gpipe", 3, 5)
+    assert (schedule.num_ranks, schedule.num_actions) == (3, 30)
+    with pytest.raises(ValueError, match="one list per rank"):
+        Schedule(name="x", problem=schedule.problem, num_microbatches=5, ranks=schedule.ranks[:2])
+    with pytest.raises(ValueError, match="positive integer"):
+        Schedule(name="x", problem=schedule.problem, num_microbatches=0, ranks=schedule.ranks)
+
+
+def test_format_grid_golden_with_mark():
+    grid = format_grid([["0F0", "0B0"], ["1F0"]], mark=(1, 0))
+    assert grid == (
+        "step | rank 0 | rank 1\n"
+        "   0 |    0F0 |  >1F0<   <-- here\n"
+        "   1 |    0B0 |       "
+    )
+
+
+def test_format_grid_windows_long_schedules():
+    ranks = [[f"{r}F{i}" for i in range(100)] for r in range(30)]
+    grid = format_grid(ranks, mark=(29, 50), context=2, max_ranks=4)
+    lines = grid.splitlines()
+    assert lines[0].split(" | ") == ["step", "rank 26", "rank 27", "rank 28", "rank 29"]
+    assert [line.split(" | ")[0].strip() for line in lines[1:6]] == ["48", "49", "50", "51", "52"]
+    assert ">29F50<" in lines[3] and lines[3].endswith("<-- here")
+    assert lines[-1] == "(steps 48..52 of 100, ranks 26..29 of 30)"
+    head = format_grid(ranks, context=1, max_ranks=2).splitlines()
+    assert len(head) == 1 + 3 + 1 and head[-1] == "(steps 0..2 of 100, ranks 0..1 of 30)"

@@ -1,0 +1,232 @@
+"""Tests of pipeloom.sim against hand-computed timelines and a naive reference simulator.
+
+Oracles: start/end/memory values worked out on paper from DESIGN §3, and (hypothesis) a slow
+"run any rank whose head can start" replay written here from the same rules.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipeloom.errors import DeadlockError, ScheduleError
+from pipeloom.ir import Action, Schedule
+from pipeloom.problem import Problem, Stage, Task, stage_graph
+from pipeloom.sim import simulate
+
+
+def _schedule(problem: Problem, rows: list[str], num_mb: int = 1) -> Schedule:
+    ranks = [[Action.parse(a) for a in row.split()] for row in rows]
+    return Schedule(name="hand", problem=problem, num_microbatches=num_mb, ranks=ranks)
+
+
+def _two_stage_chain(comm: float) -> Problem:
+    # F0 1, F1 2, B1 3, B0 4 (b + w), memory 2 / 5 per stage.
+    return stage_graph(
+        [Stage(ranks=0, f=1, b=3, w=1, memory=2), Stage(ranks=1, f=2, b=2, w=1, memory=5)],
+        comm_latency=comm,
+    )
+
+
+def test_chain_with_comm_latency_by_hand():
+    timeline = simulate(_schedule(_two_stage_chain(0.5), ["0F0 0B0", "1F0 1B0"]))
+    # 0F0 [0, 1]; 1F0 waits 1 + 0.5 -> [1.5, 3.5]; 1B0 same rank, no latency -> [3.5, 6.5];
+    # 0B0 waits 6.5 + 0.5 -> [7, 11].
+    assert timeline.starts == ((0.0, 7.0), (1.5, 3.5))
+    assert timeline.ends == ((1.0, 11.0), (3.5, 6.5))
+    assert timeline.makespan == 11.0
+    assert timeline.busy == (5.0, 5.0)
+    assert timeline.bubble_ratio == pytest.approx(1 - 10 / 22)
+    # Memory changes when an action starts: +2 then -2 on rank 0, +5 then -5 on rank 1.
+    assert timeline.memory == ((2.0, 0.0), (5.0, 0.0))
+    assert timeline.peak_memory == (2.0, 5.0)
+    assert timeline.memory_curve(1) == [(0.0, 0.0), (1.5, 5.0), (3.5, 0.0)]
+
+
+def _simulate(problem: Problem, rows: list[str], num_mb: int = 1):
+    return simulate(_schedule(problem, rows, num_mb))
+
+
+def test_rank_runs_in_order_and_waits_for_its_own_previous_action():
+    timeline = _simulate(_two_stage_chain(0.0), ["0F0 0F1 0B0 0B1", "1F0 1F1 1B0 1B1"], num_mb=2)
+    # rank 0: F0 [0,1] F1 [1,2]; rank 1: F0 [1,3] F1 [3,5] B0 [5,8] B1 [8,11];
+    # rank 0: B0 waits 8 -> [8,12], B1 waits 11 and 12 -> [12,16].
+    assert timeline.starts == ((0, 1, 8, 12), (1, 3, 5, 8))
+    assert timeline.makespan == 16
+    assert timeline.memory == ((2, 4, 2, 0), (5, 10, 5, 0))
+    assert timeline.peak_memory == (4, 10)
+
+
+def test_comm_latency_only_between_different_rank_sets():
+    # A on {0,1}; B on {1,0} (same set, listed in another order) -> no latency;
+    # C on {0} only -> latency 10 after B.
+    problem = Problem(num_ranks=2, comm_latency=10.0, tasks=(
+        Task(stage=0, kind="F", ranks=(0, 1), duration=1),
+        Task(stage=1, kind="F", ranks=(1, 0), duration=1, deps=((0, "F"),)),
+        Task(stage=2, kind="F", ranks=(0,), duration=1, deps=((1, "F"),)),
+    ))
+    timeline = _simulate(problem, ["0F0 1F0 2F0", "0F0 1F0"])
+    assert timeline.starts == ((0.0, 1.0, 12.0), (0.0, 1.0))
+    assert timeline.makespan == 13.0
+
+
+def test_multi_rank_task_waits_for_all_its_ranks():
+    # Rank 1 is busy with a 5-long task first; the joint task starts at 5 on both ranks.
+    problem = Problem(num_ranks=2, tasks=(
+        Task(stage=0, kind="F", ranks=(1,), duration=5),
+        Task(stage=1, kind="F", ranks=(0, 1), duration=2),
+        Task(stage=2, kind="F", ranks=(0,), duration=1),
+    ))
+    timeline = _simulate(problem, ["1F0 2F0", "0F0 1F0"])
+    assert timeline.starts == ((5.0, 7.0), (0.0, 5.0))
+    assert timeline.ends == ((7.0, 8.0), (5.0, 7.0))
+    assert timeline.busy == (3.0, 7.0)
+    assert timeline.bubble_ratio == pytest.approx(1 - 10 / 16)
+    assert timeline.action_times()[Action(1, "F", 0)] == (5.0, 7.0)
+    assert list(timeline.events(0)) == [(Action(1, "F", 0), 5.0, 7.0), (Action(2, "F", 0), 7.0, 8.0)]
+
+
+def test_multi_rank_task_started_by_the_rank_that_is_free_first():
+    # Rank 1 (replayed first) reaches the joint task at 5 and waits for rank 0, which gets
+    # there at 1 after a short task: the joint task must still start at 5, not at 1.
+    problem = Problem(num_ranks=2, tasks=(
+        Task(stage=0, kind="F", ranks=(1,), duration=5),
+        Task(stage=1, kind="F", ranks=(0,), duration=1),
+        Task(stage=2, kind="F", ranks=(0, 1), duration=2),
+    ))
+    timeline = _simulate(problem, ["1F0 2F0", "0F0 2F0"])
+    assert timeline.starts == ((0.0, 5.0), (0.0, 5.0))
+    assert timeline.ends == ((1.0, 7.0), (5.0, 7.0))
+
+
+def test_static_memory_is_the_baseline_of_every_curve():
+    problem = stage_graph([Stage(ranks=0, memory=3), Stage(ranks=1, memory=1)],
+                          static_memory=[10, 0.5])
+    timeline = _simulate(problem, ["0F0 0F1 0B0 0B1", "1F0 1B0 1F1 1B1"], num_mb=2)
+    assert timeline.memory == ((13, 16, 13, 10), (1.5, 0.5, 1.5, 0.5))
+    assert timeline.peak_memory == (16, 1.5)
+    assert timeline.memory_curve(0)[0] == (0.0, 10)
+
+
+def test_negative_static_peak_is_the_static_value_and_empty_rank_is_idle():
+    problem = Problem(num_ranks=2, static_memory=(4.0, 2.0),
+                      tasks=(Task(stage=0, kind="B", ranks=(0,), duration=0, memory=-1),))
+    timeline = _simulate(problem, ["0B0", ""])
+    assert timeline.peak_memory == (4.0, 2.0)
+    assert timeline.makespan == 0.0 and timeline.bubble_ratio == 0.0
+    assert timeline.starts == ((0.0,), ())
+
+
+def test_bubble_ratio_formula():
+    timeline = _simulate(_two_stage_chain(0.0), ["0F0 0F1 0B0 0B1", "1F0 1F1 1B0 1B1"], num_mb=2)
+    assert timeline.busy == (10, 10)
+    assert timeline.bubble_ratio == pytest.approx(1 - 20 / (2 * 16))
+
+
+# ------------------------------------------------------------------------------------- deadlock
+
+
+def test_deadlock_names_rank_action_and_marks_the_grid():
+    # Rank 0 runs its backward before its forward: 0B0 waits for 1B0, which waits for 1F0 <- 0F0.
+    schedule = _schedule(_two_stage_chain(0.0), ["0B0 0F0", "1F0 1B0"])
+    with pytest.raises(DeadlockError) as caught:
+        simulate(schedule)
+    message = str(caught.value)
+    assert "deadlock in schedule 'hand'" in message
+    assert "rank 0 step 0: 0B0 waits for 0F0, 1B0, which never runs first" in message
+    assert "rank 1 step 0: 1F0 waits for 0F0" in message
+    assert ">0B0<" in message and "<-- here" in message
+
+
+def test_deadlock_of_multi_rank_tasks_in_opposite_orders():
+    problem = Problem(num_ranks=2, tasks=(
+        Task(stage=0, kind="F", ranks=(0, 1), duration=1),
+        Task(stage=1, kind="F", ranks=(0, 1), duration=1),
+    ))
+    with pytest.raises(DeadlockError, match="rank 0 step 0: 0F0 waits for ranks 1 to reach it too"):
+        _simulate(problem, ["0F0 1F0", "1F0 0F0"])
+
+
+def test_simulate_rejects_foreign_actions_with_a_pointer_to_the_validator():
+    with pytest.raises(ScheduleError, match="rank 1 step 1: 1W0 is not a task.*validator"):
+        _simulate(_two_stage_chain(0.0), ["0F0 0B0", "1F0 1W0"])
+    with pytest.raises(ScheduleError, match="rank 0 step 0: 0F3"):
+        _simulate(_two_stage_chain(0.0), ["0F3 0B0", "1F0 1B0"])
+
+
+# ------------------------------------------------------------------------ reference simulator
+
+
+def _reference(schedule: Schedule):
+    """Naive replay: repeatedly start any action whose ranks all have it at their head."""
+    problem = schedule.problem
+    pos = [0] * problem.num_ranks
+    free = [0.0] * problem.num_ranks
+    finish: dict[Action, float] = {}
+    starts = [[None] * len(row) for row in schedule.ranks]
+    progress = True
+    while progress:
+        progress = False
+        for r, row in enumerate(schedule.ranks):
+            if pos[r] >= len(row):
+                continue
+            action = row[pos[r]]
+            task = problem.task(action.task)
+            heads_agree = all(pos[q] < len(schedule.ranks[q]) and schedule.ranks[q][pos[q]] == action
+                              for q in task.ranks)
+            deps = [Action(s, k, action.microbatch) for s, k in task.deps]
+            if not heads_agree or any(d not in finish for d in deps):
+                continue
+            start = max([free[q] for q in task.ranks] + [
+                finish[d] + (0 if set(problem.task(d.task).ranks) == set(task.ranks)
+                             else problem.comm_latency)
+                for d in deps
+            ])
+            finish[action] = start + task.duration
+            for q in task.ranks:
+                starts[q][pos[q]] = start
+                free[q] = finish[action]
+                pos[q] += 1
+            progress = True
+    done = all(pos[r] == len(row) for r, row in enumerate(schedule.ranks))
+    return done, starts, max(finish.values(), default=0.0)
+
+
+@st.composite
+def random_schedules(draw) -> Schedule:
+    """Random multi-rank task DAGs, each rank's list a random order (valid or not)."""
+    num_ranks = draw(st.integers(1, 4))
+    tasks: list[Task] = []
+    for i in range(draw(st.integers(1, 5))):
+        deps = draw(st.sets(st.sampled_from([t.key for t in tasks]), max_size=2)) if tasks else set()
+        tasks.append(Task(
+            stage=i, kind="F", ranks=tuple(sorted(draw(st.sets(st.integers(0, num_ranks - 1), min_size=1)))),
+            duration=draw(st.sampled_from([0, 0.5, 1, 2, 3])), memory=draw(st.integers(-2, 2)),
+            deps=tuple(deps),
+        ))
+    problem = Problem(num_ranks=num_ranks, tasks=tuple(tasks),
+                      comm_latency=draw(st.sampled_from([0, 0.25, 1])))
+    num_mb = draw(st.integers(1, 3))
+    rows = []
+    for r in range(num_ranks):
+        own = [Action(t.stage, t.kind, mb) for t in problem.tasks_on(r) for mb in range(num_mb)]
+        rows.append(draw(st.permutations(own)))
+    return Schedule(name="random", problem=problem, num_microbatches=num_mb, ranks=rows)
+
+
+@settings(max_examples=150, deadline=None)
+@given(random_schedules())
+def test_simulate_agrees_with_the_naive_reference(schedule):
+    done, starts, makespan = _reference(schedule)
+    if not done:
+        with pytest.raises(DeadlockError):
+            simulate(schedule)
+        return
+    timeline = simulate(schedule)
+    assert timeline.makespan == pytest.approx(makespan)
+    for r, row in enumerate(schedule.ranks):
+        assert list(timeline.starts[r]) == pytest.approx(starts[r])
+        durations = [schedule.problem.task(a.task).duration for a in row]
+        assert list(timeline.ends[r]) == pytest.approx([s + d for s, d in zip(starts[r], durations)])
+        assert timeline.busy[r] == pytest.approx(sum(durations))
