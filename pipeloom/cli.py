@@ -11,7 +11,6 @@ import dataclasses
 import json
 import math
 import sys
-from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from rich.table import Table
 
 from pipeloom.errors import PipeloomError
 from pipeloom.ir import load_schedule, save_schedule
-from pipeloom.problem import Costs, Problem
+from pipeloom.problem import Costs
 from pipeloom.schedules import REGISTRY, build_schedule
 from pipeloom.sim import Timeline
 from pipeloom.validate import validate
@@ -252,18 +251,20 @@ def _emit(args: argparse.Namespace, timeline: Timeline, report: dict) -> int:
         from pipeloom import viz
 
         if args.terminal:
-            view = viz.render_timeline_rich(timeline, width=args.width or console.width)
+            # the view adds "rank N |" before and "|" after the time columns
+            margin = len(f"rank {timeline.num_ranks - 1} |") + 1
+            view = viz.render_timeline_rich(timeline, width=args.width or max(20, console.width - margin))
             console.print(view, soft_wrap=True)
         if args.out:
             title = f"{report['name']}: p={report['num_ranks']}, m={report['num_microbatches']}"
             viz.draw_timeline(timeline, args.out, title=title)
-            console.print(f"wrote timeline picture {args.out}", markup=False)
+            console.print(f"wrote timeline picture {args.out}", markup=False, soft_wrap=True)
         if args.trace:
             viz.write_trace(timeline, args.trace)
-            console.print(f"wrote trace {args.trace} (open it in https://ui.perfetto.dev)", markup=False)
+            console.print(f"wrote trace {args.trace} (open it in https://ui.perfetto.dev)", markup=False, soft_wrap=True)
     if getattr(args, "save", None):
         save_schedule(timeline.schedule, args.save)
-        console.print(f"wrote schedule {args.save}", markup=False)
+        console.print(f"wrote schedule {args.save}", markup=False, soft_wrap=True)
     return 0
 
 
@@ -318,26 +319,11 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     costs = _costs(args)
     schedule = load_schedule(args.file, costs=costs)
     problem = schedule.problem
-    if is_csv:
-        problem = _split_rank_shares(problem)
     if args.memory_limit is not None:  # overrides the limit a JSON file carries
         problem = dataclasses.replace(problem, memory_limit=args.memory_limit)
     schedule = dataclasses.replace(schedule, problem=problem)
     timeline = validate(schedule, ordered=not args.allow_unordered)
     return _emit(args, timeline, _report(timeline, costs=costs if is_csv else None))
-
-
-def _split_rank_shares(problem: Problem) -> Problem:
-    """Cost convention for CSV input: the flags give a rank's share, so a stage on a rank that
-    runs v stages gets 1/v of its time and memory (a CSV stage runs on exactly one rank)."""
-    stages_on = Counter(task.ranks[0] for task in problem.tasks if task.kind == "F")
-    if all(count == 1 for count in stages_on.values()):
-        return problem
-    tasks = []
-    for task in problem.tasks:
-        share = 1.0 / stages_on[task.ranks[0]]
-        tasks.append(dataclasses.replace(task, duration=task.duration * share, memory=task.memory * share))
-    return dataclasses.replace(problem, tasks=tuple(tasks))
 
 
 def _compare(names: Sequence[str], ranks: int, microbatches: int, costs: Costs,
@@ -383,7 +369,7 @@ def _print_compare(console: Console, rows: list[dict], title: str) -> None:
         table.add_row(*_compare_cells(row, reason=False)[: len(columns)])
     console.print(table)
     for row in failed:
-        console.print(f"{row['name']} not built: {row['error']}", markup=False)
+        console.print(f"{row['name']} not built: {row['error']}", markup=False, soft_wrap=True)
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
@@ -402,7 +388,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         from pipeloom import viz
 
         viz.draw_comparison(timelines, args.out, title=f"p={args.ranks}, m={args.microbatches}")
-        console.print(f"wrote comparison figure {args.out}", markup=False)
+        console.print(f"wrote comparison figure {args.out}", markup=False, soft_wrap=True)
     return 0
 
 
@@ -428,9 +414,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     viz.draw_timeline(timelines[best], files[1][0], title=f"{name}: {title}")
     viz.write_trace(timelines[best], files[2][0])
     files[3][0].write_text(_summary_markdown(rows, title, out))
-    console.print("Files:", markup=False)
+    console.print("Files:", markup=False, soft_wrap=True)
     for path, what in files:
-        console.print(f"  {path}  ({what})", markup=False)
+        console.print(f"  {path}  ({what})", markup=False, soft_wrap=True)
     return 0
 
 

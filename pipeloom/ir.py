@@ -10,6 +10,7 @@ import csv
 import io
 import json
 import re
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -300,7 +301,8 @@ def schedule_from_csv(
     """Read a compute-only torch CSV (empty cell = idle) and infer its problem.
 
     Stages form the chain 0 -> 1 -> ... -> S-1, each on the one rank whose row runs it; the
-    backward is split when any I or W appears; every stage costs ``costs`` (f, b, w).
+    backward is split when any I or W appears. ``costs`` are a rank's share of the model (the
+    library's convention), so a stage on a rank that runs v stages gets 1/v of them.
     """
     rows = list(csv.reader(io.StringIO(text)))
     if not rows:
@@ -339,8 +341,9 @@ def schedule_from_csv(
     if "B" in kinds and kinds & {"I", "W"}:
         raise ScheduleFormatError("the CSV mixes full backward B with split I/W; use one or the other")
     backward = "split" if kinds & {"I", "W"} else ("full" if "B" in kinds else "none")
+    stages_on = Counter(stage_rank.values())
     problem = stage_graph(
-        [costs.stage(stage_rank[s]) for s in range(num_stages)],
+        [costs.stage(stage_rank[s], share=1.0 / stages_on[stage_rank[s]]) for s in range(num_stages)],
         num_ranks=len(rows),
         backward=backward,
         comm_latency=costs.comm,

@@ -41,6 +41,8 @@ durations = st.one_of(st.integers(0, 5), st.floats(0, 1e6, allow_nan=False, allo
 def chain_schedules(draw) -> Schedule:
     """A linear stage chain, each stage on one rank, and any order of all its actions per rank.
 
+    Costs are a rank's share, split evenly over the stages a rank holds (the CSV reader's rule).
+
     Every (task, micro-batch) appears once, so the torch CSV (which infers the problem from the
     rows) can carry it; validity does not matter for I/O.
     """
@@ -51,8 +53,9 @@ def chain_schedules(draw) -> Schedule:
                   memory=3.0, w_memory=draw(st.sampled_from([0.0, 1.0, 3.0])))
     backward = draw(st.sampled_from(["full", "split", "none"]))
     limit = draw(st.one_of(st.none(), numbers))
+    share = {rank: 1.0 / stage_ranks.count(rank) for rank in stage_ranks}  # a rank's share split evenly
     problem = stage_graph(
-        [costs.stage(rank) for rank in stage_ranks], num_ranks=num_ranks, backward=backward,
+        [costs.stage(rank, share=share[rank]) for rank in stage_ranks], num_ranks=num_ranks, backward=backward,
         comm_latency=costs.comm, memory_limit=limit,
     )
     num_mb = draw(st.integers(1, 4))
