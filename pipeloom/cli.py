@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
 
 from pipeloom.errors import PipeloomError
 from pipeloom.ir import load_schedule, save_schedule
@@ -24,14 +23,20 @@ from pipeloom.problem import Costs
 from pipeloom.schedules import REGISTRY, build_schedule
 from pipeloom.sim import Timeline
 from pipeloom.validate import validate
+from pipeloom.viz.report import (compare_markdown, comparison_rows, per_rank_table, print_comparison,
+                                 schedules_table, summary_table, terminal_timeline, timeline_report)
 
-__all__ = ["main", "DEMO_COSTS", "DEMO_RANKS", "DEMO_MICROBATCHES", "DEMO_SCHEDULES"]
+__all__ = ["main", "DEMO_COSTS", "DEMO_RANKS", "DEMO_MICROBATCHES", "DEMO_SCHEDULES", "MAX_ACTIONS"]
 
 DEMO_COSTS = Costs(f=18522, b=18086, w=9337, comm=601)
 """Per-rank F, I, W and communication costs from the zero-bubble paper, used by ``pipeloom demo``."""
 DEMO_RANKS, DEMO_MICROBATCHES = 8, 24
 DEMO_SCHEDULES = ("1f1b", "zb-h1", "zb-h2", "zbv", "interleaved-1f1b", "dualpipev", "gpipe")
 """Schedules the demo compares; one that cannot be built gets a note instead of a row."""
+
+MAX_ACTIONS = 10_000_000
+"""Most actions (estimated) ``show``/``compare`` build: about a minute and 4 GB, since building and
+validating took 2.5-4.5 s and 0.4 GB per million actions (1f1b p=64 m=8192, zbv p=64 m=4096)."""
 
 _COST_FLAGS = ("f", "b", "w", "comm")
 COST_HELP = (
@@ -76,12 +81,19 @@ _count = _number(int, "a positive integer", 1)
 
 
 def _path_with(*suffixes: str):
-    """An argparse type accepting a path whose suffix is one of ``suffixes``."""
+    """An argparse type for an output file: suffix one of ``suffixes`` (any case), in an existing
+    folder, not itself a folder; checked while parsing, so before anything is built or printed."""
 
     def check(text: str) -> Path:
         path = Path(text)
         if path.suffix.lower() not in suffixes:
             raise argparse.ArgumentTypeError(f"{text!r}: use a {' or '.join(suffixes)} file name")
+        parent = path.parent
+        if not parent.is_dir():
+            what = "is not a folder" if parent.exists() else "does not exist"
+            raise argparse.ArgumentTypeError(f"{text!r}: the folder {str(parent)!r} {what}; create it first")
+        if path.is_dir():
+            raise argparse.ArgumentTypeError(f"{text!r} is a folder; give a file name")
         return path
 
     return check
@@ -111,10 +123,8 @@ def _add_outputs(parser: argparse.ArgumentParser) -> None:
 
 def _add_shape(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ranks", "-p", type=_count, required=True, metavar="P", help="number of ranks")
-    parser.add_argument(
-        "--microbatches", "-m", type=_count, required=True, metavar="M",
-        help="number of micro-batches (real ones; two-replica schedules pair them)",
-    )
+    parser.add_argument("--microbatches", "-m", type=_count, required=True, metavar="M",
+                        help="number of micro-batches (real ones; two-replica schedules pair them)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -179,6 +189,17 @@ def _check_name(name: str) -> None:
         raise _UsageError(f"unknown schedule {name!r}; choose one of: {', '.join(REGISTRY)}")
 
 
+def _check_size(name: str, ranks: int, microbatches: int, stages_per_rank: int | None = None) -> None:
+    """Refuse, before building, a schedule of more than about ``MAX_ACTIONS`` actions, estimated as
+    ranks x micro-batches x stages per rank (``stages_per_rank``, else 2, the most a built-in uses
+    by default) x kinds (3 with a split backward: F, I, W; else 2: F, B), a rough upper bound."""
+    estimate = ranks * microbatches * (stages_per_rank or 2) * (3 if REGISTRY[name].splits_backward else 2)
+    if estimate > MAX_ACTIONS:
+        shape = f"p={ranks}, m={microbatches}" + (f", v={stages_per_rank}" if stages_per_rank else "")
+        raise _UsageError(f"{name} with {shape} would have about {estimate:,} actions, above the limit "
+                          f"of {MAX_ACTIONS:,}; use fewer ranks, micro-batches or stages per rank")
+
+
 def _build(name: str, ranks: int, microbatches: int, costs: Costs, limit: float | None,
            **options: Any) -> Timeline:
     """Build a registered schedule and validate it in ordered mode; returns its timeline."""
@@ -189,82 +210,40 @@ def _build(name: str, ranks: int, microbatches: int, costs: Costs, limit: float 
     return validate(schedule, ordered=True)
 
 
-def _report(timeline: Timeline, *, microbatches: int | None = None, costs: Costs | None = None) -> dict:
-    """The metrics of a timeline as a JSON-ready dict (the ``--json`` output)."""
-    schedule = timeline.schedule
-    return {
-        "name": schedule.name,
-        "num_ranks": schedule.num_ranks,
-        "num_microbatches": schedule.num_microbatches if microbatches is None else microbatches,
-        "schedule_microbatches": schedule.num_microbatches,
-        "makespan": timeline.makespan,
-        "bubble_ratio": timeline.bubble_ratio,
-        "peak_memory": list(timeline.peak_memory),
-        "busy": list(timeline.busy),
-        "lower_bound": max(timeline.busy, default=0.0),
-        "num_actions": schedule.num_actions,
-        "memory_limit": schedule.problem.memory_limit,
-        "costs": None if costs is None else dataclasses.asdict(costs),
-    }
+def _write_files(args: argparse.Namespace, timeline: Timeline, report: dict) -> list[str]:
+    """Write the requested files before anything is printed, so a refused or failed write leaves
+    stdout empty; returns one message per file written."""
+    written = []
+    if getattr(args, "save", None):
+        save_schedule(timeline.schedule, args.save)
+        written.append(f"wrote schedule {args.save}")
+    if args.out or args.trace:
+        from pipeloom import viz
 
-
-def _num(value: float) -> str:
-    return f"{value:,.3f}".rstrip("0").rstrip(".")
-
-
-def _print_summary(console: Console, report: dict) -> None:
-    makespan, bound = report["makespan"], report["lower_bound"]
-    table = Table(title=f"schedule {report['name']}", show_header=False)
-    table.add_column("metric", style="bold")
-    table.add_column("value", justify="right")
-    micro = str(report["num_microbatches"])
-    if report["schedule_microbatches"] != report["num_microbatches"]:
-        micro += f" ({report['schedule_microbatches']} pairs)"
-    for label, value in (
-        ("ranks", str(report["num_ranks"])),
-        ("micro-batches", micro),
-        ("makespan", _num(makespan)),
-        ("bubble ratio", f"{report['bubble_ratio']:.2%}"),
-        ("work lower bound (busiest rank)", _num(bound)),
-        ("makespan / lower bound", f"{makespan / bound:.3f}" if bound > 0 else "-"),
-        ("peak memory (max over ranks)", _num(max(report["peak_memory"]))),
-        ("actions", str(report["num_actions"])),
-    ):
-        table.add_row(label, value)
-    console.print(table)
-    ranks = Table(title="per rank")
-    for column in ("rank", "busy", "idle", "peak memory"):
-        ranks.add_column(column, justify="right")
-    for r, (busy, peak) in enumerate(zip(report["busy"], report["peak_memory"])):
-        ranks.add_row(str(r), _num(busy), _num(max(0.0, makespan - busy)), _num(peak))
-    console.print(ranks)
+        if args.out:
+            title = f"{report['name']}: p={report['num_ranks']}, m={report['num_microbatches']}"
+            viz.draw_timeline(timeline, args.out, title=title)
+            written.append(f"wrote timeline picture {args.out}")
+        if args.trace:
+            viz.write_trace(timeline, args.trace)
+            written.append(f"wrote trace {args.trace} (open it in https://ui.perfetto.dev)")
+    return written
 
 
 def _emit(args: argparse.Namespace, timeline: Timeline, report: dict) -> int:
-    """Print the report (table or JSON), the terminal view, and write the requested files."""
+    """Write the requested files, then print the report (tables or JSON) and the terminal view."""
+    written = _write_files(args, timeline, report)
     console = Console(stderr=args.json, highlight=False)
     if args.json:
         print(json.dumps(report))
     else:
-        _print_summary(console, report)
-    if args.terminal or args.out or args.trace:
-        from pipeloom import viz
-
-        if args.terminal:
-            # the view adds "rank N |" before and "|" after the time columns
-            margin = len(f"rank {timeline.num_ranks - 1} |") + 1
-            view = viz.render_timeline_rich(timeline, width=args.width or max(20, console.width - margin))
-            console.print(view, soft_wrap=True)
-        if args.out:
-            title = f"{report['name']}: p={report['num_ranks']}, m={report['num_microbatches']}"
-            viz.draw_timeline(timeline, args.out, title=title)
-            console.print(f"wrote timeline picture {args.out}", markup=False, soft_wrap=True)
-        if args.trace:
-            viz.write_trace(timeline, args.trace)
-            console.print(f"wrote trace {args.trace} (open it in https://ui.perfetto.dev)", markup=False, soft_wrap=True)
-    if getattr(args, "save", None):
-        save_schedule(timeline.schedule, args.save)
-        console.print(f"wrote schedule {args.save}", markup=False, soft_wrap=True)
+        console.print(summary_table(report))
+        console.print(per_rank_table(report))
+    if args.terminal:
+        view = terminal_timeline(timeline, console_width=console.width, width=args.width)
+        console.print(view, soft_wrap=True)
+    for message in written:
+        console.print(message, markup=False, soft_wrap=True)
     return 0
 
 
@@ -282,13 +261,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
         print(json.dumps({"schedules": schedules, "placements": placements}))
         return 0
     console = Console(highlight=False)
-    table = Table(title="Schedules (pipeloom show NAME --ranks P --microbatches M)")
-    for column in ("name", "backward", "options", "summary"):
-        table.add_column(column)
-    for info in REGISTRY.values():
-        table.add_row(info.name, "I + W" if info.splits_backward else "B",
-                      ", ".join(f"--{o.replace('_', '-')}" for o in info.options), info.summary)
-    console.print(table)
+    console.print(schedules_table(REGISTRY.values()))
     console.print("\nPlacements (task graphs for the search)", style="bold")
     if not placements:
         console.print("  none registered yet")
@@ -304,90 +277,68 @@ def _cmd_show(args: argparse.Namespace) -> int:
             raise _UsageError(f"schedule {args.name!r} does not take --stages-per-rank; "
                               f"schedules that do: {', '.join(takers)}")
         options["stages_per_rank"] = args.stages_per_rank
+    _check_size(args.name, args.ranks, args.microbatches, args.stages_per_rank)
     costs = _costs(args)
     timeline = _build(args.name, args.ranks, args.microbatches, costs, args.memory_limit, **options)
-    report = _report(timeline, microbatches=args.microbatches, costs=costs)
-    return _emit(args, timeline, report)
+    return _emit(args, timeline, timeline_report(timeline, microbatches=args.microbatches, costs=costs))
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
-    is_csv = args.file.suffix == ".csv"
+    is_csv = args.file.suffix.lower() == ".csv"
     cost_flags = [f"--{k}" for k in _COST_FLAGS if getattr(args, k) is not None]
     if cost_flags and not is_csv:
         raise _UsageError(f"{'/'.join(cost_flags)} set the costs of a torch CSV; a pipeloom JSON "
                           "schedule carries its own task durations")
     costs = _costs(args)
-    schedule = load_schedule(args.file, costs=costs)
+    try:
+        schedule = load_schedule(args.file, costs=costs)
+    except UnicodeDecodeError as error:
+        raise PipeloomError(f"{args.file} is not a UTF-8 text file (byte {error.start}); expected "
+                            "pipeloom JSON or a torch CSV") from None
     problem = schedule.problem
     if args.memory_limit is not None:  # overrides the limit a JSON file carries
         problem = dataclasses.replace(problem, memory_limit=args.memory_limit)
     schedule = dataclasses.replace(schedule, problem=problem)
     timeline = validate(schedule, ordered=not args.allow_unordered)
-    return _emit(args, timeline, _report(timeline, costs=costs if is_csv else None))
+    return _emit(args, timeline, timeline_report(timeline, costs=costs if is_csv else None))
 
 
 def _compare(names: Sequence[str], ranks: int, microbatches: int, costs: Costs,
              limit: float | None) -> tuple[list[dict], list[Timeline]]:
-    """Build each schedule; a failure becomes a row with an ``error``. Adds ``relative_makespan``."""
-    rows, timelines = [], []
+    """Build each schedule: rows as ``comparison_rows`` (a failure is a row with an ``error``) and
+    the timelines built; raises when none could be built."""
+    outcomes: list[tuple[str, Timeline | str]] = []
     for name in names:
         try:
-            timeline = _build(name, ranks, microbatches, costs, limit)
+            outcomes.append((name, _build(name, ranks, microbatches, costs, limit)))
         except ValueError as error:
-            rows.append({"name": name, "error": _first_line(error)})
-            continue
-        rows.append({**_report(timeline, microbatches=microbatches, costs=costs), "name": name})
-        timelines.append(timeline)
-    built = [row for row in rows if "error" not in row]
-    if not built:
+            outcomes.append((name, _first_line(error)))
+    rows = comparison_rows(outcomes, microbatches=microbatches, costs=costs)
+    if all("error" in row for row in rows):
         reasons = "; ".join(f"{row['name']}: {row['error']}" for row in rows)
         raise PipeloomError(f"no schedule could be built ({reasons})")
-    best = min(row["makespan"] for row in built)
-    for row in built:
-        row["relative_makespan"] = row["makespan"] / best if best > 0 else 1.0
-    return rows, timelines
-
-
-def _compare_cells(row: dict, *, reason: bool = True) -> list[str]:
-    if "error" in row:
-        return [row["name"], "-", "-", "-", "-", f"not built: {row['error']}" if reason else "not built"]
-    return [row["name"], _num(row["makespan"]), f"{row['relative_makespan']:.3f}",
-            f"{row['bubble_ratio']:.2%}", _num(max(row["peak_memory"])), ""]
-
-
-_COMPARE_COLUMNS = ("schedule", "makespan", "vs best", "bubble", "peak memory", "note")
-
-
-def _print_compare(console: Console, rows: list[dict], title: str) -> None:
-    """The comparison table; why a schedule was not built is printed under it."""
-    table = Table(title=title)
-    failed = [row for row in rows if "error" in row]
-    columns = _COMPARE_COLUMNS if failed else _COMPARE_COLUMNS[:-1]
-    for column in columns:
-        table.add_column(column, justify="left" if column in ("schedule", "note") else "right")
-    for row in rows:
-        table.add_row(*_compare_cells(row, reason=False)[: len(columns)])
-    console.print(table)
-    for row in failed:
-        console.print(f"{row['name']} not built: {row['error']}", markup=False, soft_wrap=True)
+    return rows, [outcome for _, outcome in outcomes if not isinstance(outcome, str)]
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
     for name in args.names:
         _check_name(name)
+        _check_size(name, args.ranks, args.microbatches)
     costs = _costs(args)
     rows, timelines = _compare(args.names, args.ranks, args.microbatches, costs, args.memory_limit)
+    title = f"p={args.ranks}, m={args.microbatches}"
+    if args.out:  # written first: a failed write leaves stdout empty
+        from pipeloom import viz
+
+        viz.draw_comparison(timelines, args.out, title=title)
     console = Console(stderr=args.json, highlight=False)
     if args.json:
         print(json.dumps({"num_ranks": args.ranks, "num_microbatches": args.microbatches,
                           "costs": dataclasses.asdict(costs), "memory_limit": args.memory_limit,
                           "schedules": rows}))
     else:
-        _print_compare(console, rows, f"p={args.ranks}, m={args.microbatches}")
+        print_comparison(console, rows, title)
     if args.out:
-        from pipeloom import viz
-
-        viz.draw_comparison(timelines, args.out, title=f"p={args.ranks}, m={args.microbatches}")
         console.print(f"wrote comparison figure {args.out}", markup=False, soft_wrap=True)
     return 0
 
@@ -396,13 +347,14 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from pipeloom import viz
 
     out: Path = args.out
-    out.mkdir(parents=True, exist_ok=True)
+    try:  # before anything is built
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise _UsageError(f"--out {str(out)!r}: cannot create the folder ({error.strerror})") from None
     rows, timelines = _compare(DEMO_SCHEDULES, DEMO_RANKS, DEMO_MICROBATCHES, DEMO_COSTS, None)
     c = DEMO_COSTS
     title = (f"p={DEMO_RANKS}, m={DEMO_MICROBATCHES}, zero-bubble paper costs "
              f"(f={c.f:g}, b={c.b:g}, w={c.w:g}, comm={c.comm:g})")
-    console = Console(highlight=False)
-    _print_compare(console, rows, title)
     built = [row["name"] for row in rows if "error" not in row]  # aligned with timelines
     best = min(range(len(built)), key=lambda i: timelines[i].makespan)
     name = built[best]
@@ -414,6 +366,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     viz.draw_timeline(timelines[best], files[1][0], title=f"{name}: {title}")
     viz.write_trace(timelines[best], files[2][0])
     files[3][0].write_text(_summary_markdown(rows, title, out))
+    console = Console(highlight=False)
+    print_comparison(console, rows, title)
     console.print("Files:", markup=False, soft_wrap=True)
     for path, what in files:
         console.print(f"  {path}  ({what})", markup=False, soft_wrap=True)
@@ -423,13 +377,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _summary_markdown(rows: list[dict], title: str, out: Path) -> str:
     """The demo's table as Markdown, with the commands that reproduce it."""
     c, names = DEMO_COSTS, " ".join(row["name"] for row in rows)
-    cells = [_COMPARE_COLUMNS, ["---"] * len(_COMPARE_COLUMNS), *map(_compare_cells, rows)]
-    table = ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in cells]
-    return "\n".join([
-        "# pipeloom demo", "", title, "", *table, "", f"Made by `pipeloom demo --out {out}`, or:",
-        "", "```", f"pipeloom compare {names} --ranks {DEMO_RANKS} --microbatches {DEMO_MICROBATCHES} "
-        f"--f {c.f:g} --b {c.b:g} --w {c.w:g} --comm {c.comm:g}", "```", "",
-    ])
+    command = (f"pipeloom compare {names} --ranks {DEMO_RANKS} --microbatches {DEMO_MICROBATCHES} "
+               f"--f {c.f:g} --b {c.b:g} --w {c.w:g} --comm {c.comm:g}")
+    footer = [f"Made by `pipeloom demo --out {out}`, or:", "", "```", command, "```"]
+    return compare_markdown(rows, heading="pipeloom demo", title=title, footer=footer)
 
 
 # ---------------------------------------------------------------------------------------- main
@@ -461,3 +412,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(error, 2, getattr(args, "verbose", False))
     except (PipeloomError, ValueError, OSError) as error:
         return _fail(error, 1, getattr(args, "verbose", False))
+    except MemoryError:
+        error = MemoryError("out of memory; use fewer ranks, micro-batches or stages per rank")
+        return _fail(error, 1, False)

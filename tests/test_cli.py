@@ -31,10 +31,12 @@ def run_json(capsys: pytest.CaptureFixture, *argv: str) -> dict:
 
 
 def assert_one_line_error(result: tuple[int, str, str], status: int, *fragments: str) -> str:
-    """Exit ``status``, exactly one ``pipeloom: error:`` line on stderr holding ``fragments``."""
-    code, _, err = result
+    """Exit ``status``, nothing on stdout, exactly one ``pipeloom: error:`` line on stderr holding
+    ``fragments``."""
+    code, out, err = result
     lines = err.strip().splitlines()
     assert code == status, err
+    assert out == "", out  # refused before any report is printed
     assert len(lines) == 1, err
     assert lines[0].startswith("pipeloom: error: ")
     assert "Traceback" not in err
@@ -317,9 +319,120 @@ def test_missing_command_and_missing_required_flags(capsys):
     assert_one_line_error(run(capsys, "show", "1f1b", "-m", "2"), 2, "--ranks")
 
 
-def test_unwritable_output_is_one_line(capsys, tmp_path):
-    target = tmp_path / "no" / "such" / "dir" / "s.json"
-    assert_one_line_error(run(capsys, "show", "1f1b", "-p", "2", "-m", "2", "--save", str(target)), 1)
+@pytest.mark.parametrize("flag", ["-o", "--trace", "--save"])
+def test_output_in_a_missing_folder_is_refused_before_the_report(capsys, tmp_path, flag):
+    suffix = {"-o": ".PNG", "--trace": ".json", "--save": ".Csv"}[flag]  # suffixes in any case
+    target = tmp_path / "no" / "such" / f"x{suffix}"
+    result = run(capsys, "show", "1f1b", "-p", "2", "-m", "2", flag, str(target))
+    assert_one_line_error(result, 2, flag, "does not exist")
+    assert not (tmp_path / "no").exists()
+
+
+def test_output_under_a_file_or_onto_a_folder_is_refused(capsys, tmp_path):
+    (tmp_path / "file").write_text("")
+    (tmp_path / "dir.svg").mkdir()
+    under_file = run(capsys, "simulate", "x.csv", "--trace", str(tmp_path / "file" / "t.json"))
+    assert_one_line_error(under_file, 2, "--trace", "is not a folder")
+    onto_folder = run(capsys, "compare", "1f1b", "-p", "2", "-m", "2", "-o", str(tmp_path / "dir.svg"))
+    assert_one_line_error(onto_folder, 2, "-o/--out", "is a folder")
+
+
+@pytest.mark.parametrize("folder", ["file/sub", "file"])
+def test_demo_folder_that_cannot_be_created_is_refused_first(capsys, tmp_path, monkeypatch, folder):
+    (tmp_path / "file").write_text("")
+    monkeypatch.setattr("pipeloom.cli._compare", pytest.fail)  # nothing may be built
+    assert_one_line_error(run(capsys, "demo", "--out", str(tmp_path / folder)), 2, "--out", "cannot create")
+
+
+@pytest.mark.parametrize("argv", [
+    ["show", "1f1b", "-p", "4", "-m", "100000000000"],
+    ["show", "interleaved-1f1b", "-p", "4", "-m", "8", "--stages-per-rank", "100000000"],
+    ["compare", "gpipe", "zbv", "-p", "100000", "-m", "100000"],
+])
+def test_huge_inputs_are_refused_before_building(capsys, monkeypatch, argv):
+    monkeypatch.setattr("pipeloom.cli.build_schedule", pytest.fail)
+    assert_one_line_error(run(capsys, *argv), 2, "actions, above the limit of 10,000,000", "use fewer")
+
+
+def test_size_limit_counts_ranks_microbatches_stages_and_kinds(capsys, monkeypatch):
+    # estimate p x m x v x kinds: 1f1b p=4, m=4 -> 4*4*2*2 = 64 (v = 2 unless given, F and B);
+    # zb-h1 splits the backward (F, I, W): 4*4*2*3 = 96; interleaved v=3: 4*4*3*2 = 96.
+    monkeypatch.setattr("pipeloom.cli.MAX_ACTIONS", 64)
+    assert run(capsys, "show", "1f1b", "-p", "4", "-m", "4")[0] == 0
+    assert_one_line_error(run(capsys, "show", "1f1b", "-p", "4", "-m", "5"), 2, "about 80 actions")
+    assert_one_line_error(run(capsys, "show", "zb-h1", "-p", "4", "-m", "4"), 2, "about 96 actions")
+    result = run(capsys, "show", "interleaved-1f1b", "-p", "4", "-m", "4", "--stages-per-rank", "3")
+    assert_one_line_error(result, 2, "v=3", "about 96 actions")
+
+
+def test_out_of_memory_is_one_line(capsys, monkeypatch):
+    def exhausted(*args, **kwargs):
+        raise MemoryError
+
+    monkeypatch.setattr("pipeloom.cli.build_schedule", exhausted)
+    assert_one_line_error(run(capsys, "show", "1f1b", "-p", "2", "-m", "2"), 1, "out of memory", "fewer")
+
+
+# ------------------------------------------------------------- errors from generators and files
+
+
+def test_zbv_memory_limit_below_one_microbatch(capsys):
+    result = run(capsys, "show", "zbv", "-p", "4", "-m", "8", "--memory-limit", "0.5")
+    assert_one_line_error(result, 1, "zbv", "0.5")
+
+
+def test_dualpipev_with_fewer_than_2p_microbatches(capsys):
+    assert_one_line_error(run(capsys, "show", "dualpipev", "-p", "4", "-m", "7"), 1, "dualpipev", "8")
+
+
+def test_dualpipe_with_odd_microbatches(capsys):
+    assert_one_line_error(run(capsys, "show", "dualpipe", "-p", "4", "-m", "7"), 1, "dualpipe", "even")
+
+
+def _saved_json(tmp_path, **changes) -> str:
+    path = tmp_path / "s.json"
+    save_schedule(build_schedule("1f1b", 2, 2), path)
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+    return str(path)
+
+
+def test_json_with_an_unknown_top_level_key(capsys, tmp_path):
+    assert_one_line_error(run(capsys, "simulate", _saved_json(tmp_path, colour="red")), 1, "colour")
+
+
+def test_json_with_a_static_memory_that_is_not_a_list(capsys, tmp_path):
+    # static_memory is one number per rank; a bare number must be a format error, not a traceback
+    code, out, err = run(capsys, "simulate", _saved_json(tmp_path, static_memory=5))
+    assert code != 0 and out == ""
+    assert err.startswith("pipeloom: error: ") and len(err.strip().splitlines()) == 1, err
+
+
+def test_csv_with_a_garbage_cell(capsys, tmp_path):
+    path = tmp_path / "garbage.csv"
+    path.write_text("0F0,hello\n")
+    assert_one_line_error(run(capsys, "simulate", str(path)), 1, "row 1, column 2", "'hello'")
+
+
+@pytest.mark.parametrize("name", ["empty.csv", "empty.json"])
+def test_empty_file(capsys, tmp_path, name):
+    path = tmp_path / name
+    path.write_text("")
+    assert_one_line_error(run(capsys, "simulate", str(path)), 1)
+
+
+@pytest.mark.parametrize("name", ["binary.csv", "binary.json"])
+def test_binary_file(capsys, tmp_path, name):
+    path = tmp_path / name
+    path.write_bytes(bytes(range(256)))
+    assert_one_line_error(run(capsys, "simulate", str(path)), 1, name, "not a UTF-8 text file")
+
+
+def test_saving_dualpipe_as_csv_is_refused(capsys, tmp_path):
+    # torch's CSV has no room for DualPipe's two replicas; ir.save_schedule refuses it and the
+    # CLI writes files before printing, so the refusal leaves stdout empty.
+    code, out, err = run(capsys, "show", "dualpipe", "-p", "4", "-m", "8", "--save", str(tmp_path / "x.csv"))
+    assert code != 0 and out == ""
+    assert err.startswith("pipeloom: error: ") and len(err.strip().splitlines()) == 1, err
 
 
 def test_help_documents_the_cost_convention(capsys):

@@ -1,0 +1,182 @@
+"""Reports of simulated schedules: the metrics as a JSON-ready dict, and the terminal tables
+(summary, per rank, comparison) and Markdown table the command line prints.
+
+rich loads inside the functions that build tables, so importing this module stays cheap.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+from pipeloom.problem import Costs
+from pipeloom.sim import Timeline
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    from pipeloom.schedules import ScheduleInfo
+
+__all__ = [
+    "COMPARE_COLUMNS",
+    "compare_cells",
+    "compare_markdown",
+    "compare_table",
+    "comparison_rows",
+    "format_number",
+    "per_rank_table",
+    "print_comparison",
+    "schedules_table",
+    "summary_table",
+    "terminal_timeline",
+    "timeline_report",
+]
+
+COMPARE_COLUMNS = ("schedule", "makespan", "vs best", "bubble", "peak memory", "note")
+"""Columns of the comparison table; ``note`` appears only when some schedule was not built."""
+
+
+def timeline_report(timeline: Timeline, *, microbatches: int | None = None,
+                    costs: Costs | None = None) -> dict:
+    """The metrics of ``timeline`` as a JSON-ready dict (the CLI's ``--json`` object).
+
+    ``microbatches`` is the user's count of real micro-batches where it differs from the schedule's
+    (two-replica schedules pair them); ``costs`` the per-rank costs the schedule was built from.
+    ``lower_bound`` is the busiest rank's total work, a floor for the makespan.
+    """
+    schedule = timeline.schedule
+    return {
+        "name": schedule.name,
+        "num_ranks": schedule.num_ranks,
+        "num_microbatches": schedule.num_microbatches if microbatches is None else microbatches,
+        "schedule_microbatches": schedule.num_microbatches,
+        "makespan": timeline.makespan,
+        "bubble_ratio": timeline.bubble_ratio,
+        "peak_memory": list(timeline.peak_memory),
+        "busy": list(timeline.busy),
+        "lower_bound": max(timeline.busy, default=0.0),
+        "num_actions": schedule.num_actions,
+        "memory_limit": schedule.problem.memory_limit,
+        "costs": None if costs is None else dataclasses.asdict(costs),
+    }
+
+
+def format_number(value: float) -> str:
+    """``value`` with thousands separators and at most 3 decimals, trailing zeros dropped."""
+    return f"{value:,.3f}".rstrip("0").rstrip(".")
+
+
+def summary_table(report: dict) -> Table:
+    """Two-column table of a ``timeline_report``: shape, makespan, bubble, bound, memory."""
+    from rich.table import Table
+
+    makespan, bound = report["makespan"], report["lower_bound"]
+    micro = str(report["num_microbatches"])
+    if report["schedule_microbatches"] != report["num_microbatches"]:
+        micro += f" ({report['schedule_microbatches']} pairs)"
+    table = Table(title=f"schedule {report['name']}", show_header=False)
+    table.add_column("metric", style="bold")
+    table.add_column("value", justify="right")
+    for label, value in (
+        ("ranks", str(report["num_ranks"])),
+        ("micro-batches", micro),
+        ("makespan", format_number(makespan)),
+        ("bubble ratio", f"{report['bubble_ratio']:.2%}"),
+        ("work lower bound (busiest rank)", format_number(bound)),
+        ("makespan / lower bound", f"{makespan / bound:.3f}" if bound > 0 else "-"),
+        ("peak memory (max over ranks)", format_number(max(report["peak_memory"]))),
+        ("actions", str(report["num_actions"])),
+    ):
+        table.add_row(label, value)
+    return table
+
+
+def per_rank_table(report: dict) -> Table:
+    """One row per rank of a ``timeline_report``: busy, idle (makespan - busy), peak memory."""
+    from rich.table import Table
+
+    table = Table(title="per rank")
+    for column in ("rank", "busy", "idle", "peak memory"):
+        table.add_column(column, justify="right")
+    for rank, (busy, peak) in enumerate(zip(report["busy"], report["peak_memory"])):
+        idle = max(0.0, report["makespan"] - busy)
+        table.add_row(str(rank), format_number(busy), format_number(idle), format_number(peak))
+    return table
+
+
+def comparison_rows(outcomes: Sequence[tuple[str, Timeline | str]], *, microbatches: int | None = None,
+                    costs: Costs | None = None) -> list[dict]:
+    """One row per ``(name, timeline or error message)``: a ``timeline_report`` under ``name`` plus
+    ``relative_makespan`` (makespan / the best makespan), or ``{"name", "error"}``."""
+    rows = [{"name": name, "error": outcome} if isinstance(outcome, str) else
+            {**timeline_report(outcome, microbatches=microbatches, costs=costs), "name": name}
+            for name, outcome in outcomes]
+    built = [row for row in rows if "error" not in row]
+    best = min((row["makespan"] for row in built), default=0.0)
+    for row in built:
+        row["relative_makespan"] = row["makespan"] / best if best > 0 else 1.0
+    return rows
+
+
+def compare_cells(row: dict, *, reason: bool = True) -> list[str]:
+    """The ``COMPARE_COLUMNS`` cells of a comparison row: a report with ``relative_makespan``,
+    or ``{"name", "error"}`` for a schedule that was not built (the error in the note if ``reason``)."""
+    if "error" in row:
+        return [row["name"], "-", "-", "-", "-", f"not built: {row['error']}" if reason else "not built"]
+    return [row["name"], format_number(row["makespan"]), f"{row['relative_makespan']:.3f}",
+            f"{row['bubble_ratio']:.2%}", format_number(max(row["peak_memory"])), ""]
+
+
+def compare_table(rows: Sequence[dict], title: str) -> Table:
+    """The comparison table; the ``note`` column only when a row was not built (reason left out,
+    so the table stays narrow: print the reasons under it)."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    failed = any("error" in row for row in rows)
+    columns = COMPARE_COLUMNS if failed else COMPARE_COLUMNS[:-1]
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("schedule", "note") else "right")
+    for row in rows:
+        table.add_row(*compare_cells(row, reason=False)[: len(columns)])
+    return table
+
+
+def print_comparison(console: Console, rows: Sequence[dict], title: str) -> None:
+    """Print ``compare_table`` and, under it, why each schedule that was not built failed."""
+    console.print(compare_table(rows, title))
+    for row in rows:
+        if "error" in row:
+            console.print(f"{row['name']} not built: {row['error']}", markup=False, soft_wrap=True)
+
+
+def compare_markdown(rows: Sequence[dict], *, heading: str, title: str, footer: Sequence[str] = ()) -> str:
+    """A Markdown page: ``# heading``, ``title``, the comparison table (reasons of rows not built
+    in the note column; ``|`` in a cell escaped), then the ``footer`` lines."""
+    cells = [COMPARE_COLUMNS, ["---"] * len(COMPARE_COLUMNS), *map(compare_cells, rows)]
+    table = ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in cells]
+    return "\n".join([f"# {heading}", "", title, "", *table, "", *footer, ""])
+
+
+def schedules_table(infos: Iterable[ScheduleInfo]) -> Table:
+    """The ``pipeloom list`` table: name, backward kinds, options (as flags), summary."""
+    from rich.table import Table
+
+    table = Table(title="Schedules (pipeloom show NAME --ranks P --microbatches M)")
+    for column in ("name", "backward", "options", "summary"):
+        table.add_column(column)
+    for info in infos:
+        flags = ", ".join(f"--{option.replace('_', '-')}" for option in info.options)
+        table.add_row(info.name, "I + W" if info.splits_backward else "B", flags, info.summary)
+    return table
+
+
+def terminal_timeline(timeline: Timeline, *, console_width: int, width: int | None = None) -> Text:
+    """The terminal timeline view, ``width`` time columns (default: fill ``console_width``)."""
+    from pipeloom.viz.terminal import render_timeline_rich
+
+    margin = len(f"rank {timeline.num_ranks - 1} |") + 1  # the view's "rank N |" ... "|" frame
+    return render_timeline_rich(timeline, width=width or max(20, console_width - margin))
