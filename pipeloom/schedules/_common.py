@@ -1,4 +1,4 @@
-"""Helpers shared by the schedule families: argument checks, linear problems, 1F1B merging."""
+"""Helpers shared by the schedule families: argument checks, linear and V problems, 1F1B merging."""
 
 from __future__ import annotations
 
@@ -7,7 +7,17 @@ from collections.abc import Sequence
 from pipeloom.ir import Action, Schedule
 from pipeloom.problem import Costs, Problem, stage_graph
 
-__all__ = ["check_counts", "chain_problem", "two_replica_problem", "merge_one_f_one_b", "make_schedule"]
+__all__ = [
+    "check_counts",
+    "even_microbatches_hint",
+    "chain_problem",
+    "v_stage_ranks",
+    "v_rank_stages",
+    "v_problem",
+    "two_replica_problem",
+    "merge_one_f_one_b",
+    "make_schedule",
+]
 
 
 def check_counts(name: str, num_ranks: int, num_microbatches: int, *, min_microbatches: int = 1) -> None:
@@ -21,8 +31,22 @@ def check_counts(name: str, num_ranks: int, num_microbatches: int, *, min_microb
     if num_microbatches < min_microbatches:
         raise ValueError(
             f"{name} needs at least {min_microbatches} micro-batches with {num_ranks} ranks, "
-            f"got {num_microbatches}; raise --microbatches"
+            f"got {num_microbatches}; use {min_microbatches} or more"
         )
+
+
+def even_microbatches_hint(num_microbatches: int, *, minimum: int) -> str:
+    """The valid micro-batch counts nearest to an invalid one, when valid means even and >= ``minimum``.
+
+    "use 8" for 3 with minimum 8 (the smallest valid count, max(minimum, next even number)),
+    "use 10 or 12" for 11 when both neighbours are valid.
+    """
+    minimum = max(minimum, 2)
+    larger = max(minimum + minimum % 2, num_microbatches + num_microbatches % 2)
+    smaller = num_microbatches - 1
+    if num_microbatches % 2 and smaller >= minimum:
+        return f"use {smaller} or {larger}"
+    return f"use {larger}"
 
 
 def chain_problem(
@@ -44,6 +68,33 @@ def chain_problem(
     )
 
 
+def v_stage_ranks(num_ranks: int) -> list[int]:
+    """The V placement of 2p stages on p ranks: stage s on rank s for s < p, on rank 2p-1-s after.
+
+    So rank r holds stages r and 2p-1-r (:func:`v_rank_stages`); a chain through the stages goes
+    down the ranks and comes back up.
+    """
+    p = num_ranks
+    return [s if s < p else 2 * p - 1 - s for s in range(2 * p)]
+
+
+def v_rank_stages(num_ranks: int, *, rank: int) -> tuple[int, int]:
+    """The two stages rank ``rank`` holds in the V placement: (rank, 2p-1-rank), the way down first."""
+    return rank, 2 * num_ranks - 1 - rank
+
+
+def v_problem(num_ranks: int, *, costs: Costs, memory_limit: float | None) -> Problem:
+    """One model as a chain of 2p stages in the V placement, split backward, each stage half a rank share."""
+    return chain_problem(
+        v_stage_ranks(num_ranks),
+        costs,
+        num_ranks=num_ranks,
+        split_backward=True,
+        memory_limit=memory_limit,
+        share=0.5,
+    )
+
+
 def two_replica_problem(
     num_ranks: int,
     costs: Costs,
@@ -54,10 +105,12 @@ def two_replica_problem(
     """Two model replicas as two disjoint chains, each stage a full rank share (share 1).
 
     Down chain: stage s on rank s (0..p-1). Up chain: stage p+k on rank p-1-k, so data enters it
-    at rank p-1. One micro-batch of this problem is a pair of real ones, one per direction.
+    at rank p-1. The stages sit as in the V placement (:func:`v_stage_ranks`), but the chain is
+    cut between stages p-1 and p. One micro-batch of this problem is a pair of real ones, one
+    per direction.
     """
     p = num_ranks
-    stage_ranks = list(range(p)) + [p - 1 - k for k in range(p)]
+    stage_ranks = v_stage_ranks(p)
     edges = [(s, s + 1) for s in range(p - 1)] + [(p + k, p + k + 1) for k in range(p - 1)]
     return stage_graph(
         [costs.stage(rank) for rank in stage_ranks],
@@ -70,7 +123,7 @@ def two_replica_problem(
 
 
 def merge_one_f_one_b(
-    forwards: Sequence[Action], backwards: Sequence[Action], warmup: int
+    forwards: Sequence[Action], *, backwards: Sequence[Action], warmup: int
 ) -> list[Action]:
     """``warmup`` forwards, then one forward and one backward in turn, then the remaining backwards."""
     warmup = min(warmup, len(forwards))
@@ -86,7 +139,9 @@ def merge_one_f_one_b(
     return order
 
 
-def make_schedule(name: str, problem: Problem, num_microbatches: int, ranks: Sequence[Sequence[Action]]) -> Schedule:
+def make_schedule(
+    name: str, *, problem: Problem, num_microbatches: int, ranks: Sequence[Sequence[Action]]
+) -> Schedule:
     """Wrap per-rank lists into a Schedule."""
     return Schedule(
         name=name,

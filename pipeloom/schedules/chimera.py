@@ -13,7 +13,13 @@ from typing import Literal
 
 from pipeloom.ir import Action, Schedule
 from pipeloom.problem import Costs
-from pipeloom.schedules._common import check_counts, make_schedule, two_replica_problem
+from pipeloom.schedules._common import (
+    check_counts,
+    even_microbatches_hint,
+    make_schedule,
+    two_replica_problem,
+    v_rank_stages,
+)
 from pipeloom.sim import simulate
 
 __all__ = ["chimera", "chimera_caps", "chimera_list_order", "chimera_slots"]
@@ -35,7 +41,7 @@ def chimera_slots(num_ranks: int, rank: int, num_pairs: int) -> list[tuple[int, 
     starts where this one's slots of each parity end ("direct concatenation", no gap).
     """
     p, r, k = num_ranks, rank, num_ranks // 2
-    down, up = r, 2 * p - 1 - r
+    down, up = v_rank_stages(p, rank=r)
     slots = []
     for pair in range(num_pairs):
         unit, i = divmod(pair, k)
@@ -205,16 +211,18 @@ def chimera(
     if m % 2:
         raise ValueError(
             f"chimera feeds half of the micro-batches to each pipeline, so their number must be even, "
-            f"got {m}; use {m - 1} or {m + 1}"
+            f"got {m}; {even_microbatches_hint(m, minimum=2)}"
         )
     if order not in ("best", "grid", "list"):
         raise ValueError(f"chimera order must be 'best', 'grid' or 'list', got {order!r}")
     problem = two_replica_problem(p, costs, split_backward=False, memory_limit=memory_limit)
     grid_ranks = [_in_slot_order(chimera_slots(p, r, m // 2)) for r in range(p)]
-    grid = make_schedule("chimera", problem, m // 2, grid_ranks)
+    grid = make_schedule("chimera", problem=problem, num_microbatches=m // 2, ranks=grid_ranks)
     if order == "grid" or (order == "best" and m <= p):
         return grid
-    listed = make_schedule("chimera", problem, m // 2, chimera_list_order(p, m // 2, costs))
+    listed = make_schedule(
+        "chimera", problem=problem, num_microbatches=m // 2, ranks=chimera_list_order(p, m // 2, costs)
+    )
     if order == "list" or simulate(listed).makespan < simulate(grid).makespan:
         return listed
     return grid

@@ -12,7 +12,14 @@ from itertools import count, repeat
 
 from pipeloom.ir import Action, Schedule
 from pipeloom.problem import Costs
-from pipeloom.schedules._common import chain_problem, check_counts, make_schedule, two_replica_problem
+from pipeloom.schedules._common import (
+    check_counts,
+    even_microbatches_hint,
+    make_schedule,
+    two_replica_problem,
+    v_problem,
+    v_rank_stages,
+)
 
 __all__ = ["dualpipe", "dualpipev", "dualpipe_program"]
 
@@ -25,21 +32,22 @@ direction that enters the pipeline on this rank's side, phase 1 the other one.
 """
 
 
-def dualpipe_program(num_half_ranks: int, half_rank: int, num_chunks: int) -> list[Step]:
+def dualpipe_program(num_half_ranks: int, *, half_rank: int, num_microbatches: int) -> list[Step]:
     """The reference's eight phases for one rank of a P-rank half pipeline, M micro-batches per phase.
 
-    With P = ``num_half_ranks``, h = ``half_rank`` and M = ``num_chunks`` (M >= 2P):
+    With P = ``num_half_ranks``, h = ``half_rank`` and M = ``num_microbatches`` (M >= 2P; the
+    reference calls them chunks):
 
     1. ``2(P-h-1)`` x F0;  2. ``h+1`` x (F0 F1);  3. ``P-h-1`` x (Z1 W F1)  (zero bubble);
     4. ``M-2P+h+1`` x (F0 B1 F1 B0), the overlapped F&B pairs written F then B;
     5. ``P-h-1`` x (B1 F1 B0);  6. ``h+1`` x (B1 B0), the second half of them zero bubble;
     7. ``P-h-1`` x (W Z0);  8. ``h+1`` x W.
     """
-    P, h, M = num_half_ranks, half_rank, num_chunks
+    P, h, M = num_half_ranks, half_rank, num_microbatches
     if not 0 <= h < P <= M // 2:
         raise ValueError(
-            f"dualpipe_program needs 0 <= half_rank < num_half_ranks <= num_chunks / 2, got "
-            f"half_rank={h}, num_half_ranks={P}, num_chunks={M}"
+            f"dualpipe_program needs 0 <= half_rank < num_half_ranks <= num_microbatches / 2, got "
+            f"half_rank={h}, num_half_ranks={P}, num_microbatches={M}"
         )
     tail = P - h - 1
     program: list[Step] = [("F", 0)] * (2 * tail)
@@ -105,12 +113,12 @@ def dualpipev(
     """
     check_counts("dualpipev", num_ranks, num_microbatches, min_microbatches=2 * num_ranks)
     p, m = num_ranks, num_microbatches
-    stage_ranks = list(range(p)) + list(reversed(range(p)))
-    problem = chain_problem(
-        stage_ranks, costs, num_ranks=p, split_backward=True, memory_limit=memory_limit, share=0.5
-    )
-    ranks = [_lower(dualpipe_program(p, r, m), (r, 2 * p - 1 - r)) for r in range(p)]
-    return make_schedule("dualpipev", problem, m, ranks)
+    problem = v_problem(p, costs=costs, memory_limit=memory_limit)
+    ranks = [
+        _lower(dualpipe_program(p, half_rank=r, num_microbatches=m), v_rank_stages(p, rank=r))
+        for r in range(p)
+    ]
+    return make_schedule("dualpipev", problem=problem, num_microbatches=m, ranks=ranks)
 
 
 def dualpipe(
@@ -141,17 +149,18 @@ def dualpipe(
             f"dualpipe needs an even number of ranks (its two halves mirror each other), got {p}; "
             f"use an even count such as {p + 1}"
         )
-    if m % 2:
+    if m % 2 or m < 2 * p:
         raise ValueError(
-            f"dualpipe feeds half of the micro-batches from each end, so their number must be even, "
-            f"got {m}; use {m - 1} or {m + 1}"
+            f"dualpipe needs an even number of micro-batches (half enter at each end), at least "
+            f"2p = {2 * p} with {p} ranks (the reference's requirement), got {m}; "
+            f"{even_microbatches_hint(m, minimum=2 * p)}"
         )
-    check_counts("dualpipe", p, m, min_microbatches=2 * p)
     problem = two_replica_problem(p, costs, split_backward=True, memory_limit=memory_limit)
     half = p // 2
     ranks = []
     for r in range(p):
-        down, up = r, 2 * p - 1 - r
-        stages = (down, up) if r < half else (up, down)
-        ranks.append(_lower(dualpipe_program(half, min(r, p - 1 - r), m // 2), stages))
-    return make_schedule("dualpipe", problem, m // 2, ranks)
+        down, up = v_rank_stages(p, rank=r)
+        stages = (down, up) if r < half else (up, down)  # phase 0: the replica entering on r's side
+        program = dualpipe_program(half, half_rank=min(r, p - 1 - r), num_microbatches=m // 2)
+        ranks.append(_lower(program, stages))
+    return make_schedule("dualpipe", problem=problem, num_microbatches=m // 2, ranks=ranks)

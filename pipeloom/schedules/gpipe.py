@@ -30,4 +30,4 @@ def gpipe(
         + [Action(r, "B", mb) for mb in range(num_microbatches)]
         for r in range(num_ranks)
     ]
-    return make_schedule("gpipe", problem, num_microbatches, ranks)
+    return make_schedule("gpipe", problem=problem, num_microbatches=num_microbatches, ranks=ranks)

@@ -23,7 +23,7 @@ def check_stages_per_rank(name: str, stages_per_rank: object) -> int:
 
 
 def looped_problem(
-    num_ranks: int, stages_per_rank: int, costs: Costs, *, memory_limit: float | None
+    num_ranks: int, *, stages_per_rank: int, costs: Costs, memory_limit: float | None
 ) -> Problem:
     """The looped chain of p*v stages, stage s on rank s % p, each with share 1/v of ``costs``.
 
@@ -96,7 +96,7 @@ def interleaved_1f1b(
     check_counts("interleaved-1f1b", num_ranks, num_microbatches)
     v = check_stages_per_rank("interleaved-1f1b", stages_per_rank)
     p = num_ranks
-    problem = looped_problem(p, v, costs, memory_limit=memory_limit)
+    problem = looped_problem(p, stages_per_rank=v, costs=costs, memory_limit=memory_limit)
     sizes = group_sizes(p, num_microbatches)
     forward_order = grouped_order(sizes, v)
     backward_order = grouped_order(sizes, v, reverse=True)
@@ -106,8 +106,8 @@ def interleaved_1f1b(
         ranks.append(
             merge_one_f_one_b(
                 [Action(c * p + r, "F", mb) for c, mb in forward_order],
-                [Action(c * p + r, "B", mb) for c, mb in backward_order],
+                backwards=[Action(c * p + r, "B", mb) for c, mb in backward_order],
                 warmup=warmup,
             )
         )
-    return make_schedule("interleaved-1f1b", problem, num_microbatches, ranks)
+    return make_schedule("interleaved-1f1b", problem=problem, num_microbatches=num_microbatches, ranks=ranks)

@@ -33,10 +33,10 @@ def looped_bfs(
     check_counts("looped-bfs", num_ranks, num_microbatches)
     v = check_stages_per_rank("looped-bfs", stages_per_rank)
     p, m = num_ranks, num_microbatches
-    problem = looped_problem(p, v, costs, memory_limit=memory_limit)
+    problem = looped_problem(p, stages_per_rank=v, costs=costs, memory_limit=memory_limit)
     ranks = [
         [Action(c * p + r, "F", mb) for c in range(v) for mb in range(m)]
         + [Action(c * p + r, "B", mb) for c in reversed(range(v)) for mb in range(m)]
         for r in range(p)
     ]
-    return make_schedule("looped-bfs", problem, m, ranks)
+    return make_schedule("looped-bfs", problem=problem, num_microbatches=m, ranks=ranks)

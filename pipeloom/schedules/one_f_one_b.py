@@ -28,9 +28,9 @@ def one_f_one_b(
     ranks = [
         merge_one_f_one_b(
             [Action(r, "F", mb) for mb in range(num_microbatches)],
-            [Action(r, "B", mb) for mb in range(num_microbatches)],
+            backwards=[Action(r, "B", mb) for mb in range(num_microbatches)],
             warmup=num_ranks - r - 1,
         )
         for r in range(num_ranks)
     ]
-    return make_schedule("1f1b", problem, num_microbatches, ranks)
+    return make_schedule("1f1b", problem=problem, num_microbatches=num_microbatches, ranks=ranks)

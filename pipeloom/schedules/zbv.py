@@ -6,15 +6,13 @@ the ranks and comes back up; each stage carries half of a rank's share of the mo
 
 from __future__ import annotations
 
-import gc
 import heapq
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
+from pipeloom.errors import PipeloomError
 from pipeloom.ir import Action, Schedule
 from pipeloom.problem import Costs, Problem
-from pipeloom.schedules._common import chain_problem, check_counts, make_schedule
+from pipeloom.schedules._common import check_counts, make_schedule, v_problem, v_rank_stages, v_stage_ranks
 
 __all__ = ["zbv"]
 
@@ -60,6 +58,10 @@ class _Plan:
 
     num_ranks: int
     num_microbatches: int
+    rank_stages: tuple[tuple[int, int], ...]
+    """``rank_stages[r]``: rank r's (first, second) stage in the V placement."""
+    owner: tuple[int, ...]
+    """``owner[s]``: the rank that runs stage s."""
     duration: tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]
     """``duration[kind][stage]`` for kind 0 = F, 1 = I, 2 = W."""
     memory: tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]
@@ -72,32 +74,17 @@ class _Plan:
     """Per-rank memory cap, with a rounding tolerance below the validator's."""
 
 
-@contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector while hundreds of thousands of Actions are created.
-
-    None of them can form a cycle, yet collections keep walking them (a NamedTuple, unlike a
-    plain tuple, is never untracked); with a large schedule already alive (e.g. in a benchmark
-    loop) that more than doubled the build time at p=64, m=1024.
-    """
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
 def _plan(problem: Problem, num_microbatches: int, limit: float) -> _Plan:
     p = problem.num_ranks
     stages = range(2 * p)
     tasks = [[problem.task((s, kind)) for s in stages] for kind in "FIW"]
     comm = problem.comm_latency
-    owner = [s if s < p else 2 * p - 1 - s for s in stages]
+    owner = v_stage_ranks(p)
     return _Plan(
         num_ranks=p,
         num_microbatches=num_microbatches,
+        rank_stages=tuple(v_rank_stages(p, rank=r) for r in range(p)),
+        owner=tuple(owner),
         duration=tuple(tuple(t.duration for t in row) for row in tasks),
         memory=tuple(tuple(t.memory for t in row) for row in tasks),
         latency_f=tuple(0.0 if s == 0 or owner[s - 1] == owner[s] else comm for s in stages),
@@ -121,14 +108,15 @@ def _list_schedule(plan: _Plan, policy: _Policy) -> tuple[list[list[Action]], fl
     last = 2 * p - 1
     (f_dur, i_dur, w_dur), (f_mem, i_mem, w_mem) = plan.duration, plan.memory
     lat_f, lat_i, limit, w_fits = plan.latency_f, plan.latency_i, plan.limit, policy.w_only_if_fits
+    rank_stages, owner = plan.rank_stages, plan.owner
     # Room an F of stage s needs: its activations, plus, for a first stage, room for micro-batches
     # still to come back through the rank's second stage (without it memory can deadlock).
     need = [f_mem[s] + (policy.reserve * f_mem[last - s] if s < p else 0.0) for s in range(2 * p)]
     # Per rank: (phase 0 F / 1 I, stage, patient new work) in priority order.
     candidates = [
-        tuple((phase, last - r if side else r, policy.patient and not phase and not side)
+        tuple((phase, stages[side], policy.patient and not phase and not side)
               for phase, side in policy.order)
-        for r in range(p)
+        for stages in rank_stages
     ]
     nf, ni, nw = [0] * (2 * p), [0] * (2 * p), [0] * (2 * p)
     f_end = [[0.0] * m for _ in range(2 * p)]
@@ -143,7 +131,8 @@ def _list_schedule(plan: _Plan, policy: _Policy) -> tuple[list[list[Action]], fl
         t, r = pop(heap)
         if t != pending[r]:
             continue  # superseded by an earlier wake-up
-        order, cand, a, c, h = orders[r], candidates[r], r, last - r, held[r]
+        order, cand, h = orders[r], candidates[r], held[r]
+        a, c = rank_stages[r]
         while True:
             kind, nxt = -1, _INF
             for phase, s, patient in cand:
@@ -192,7 +181,7 @@ def _list_schedule(plan: _Plan, policy: _Policy) -> tuple[list[list[Action]], fl
                 h += f_mem[s]
                 order.append(new(Action, (s, "F", k)))
                 if s < last and s != p - 1 and nf[s + 1] == k:
-                    n, ready = (s + 1 if s < p - 1 else last - s - 1), end + lat_f[s + 1]
+                    n, ready = owner[s + 1], end + lat_f[s + 1]
             elif kind == 1:
                 k = ni[s]
                 ni[s] = k + 1
@@ -200,7 +189,7 @@ def _list_schedule(plan: _Plan, policy: _Policy) -> tuple[list[list[Action]], fl
                 h += i_mem[s]
                 order.append(new(Action, (s, "I", k)))
                 if s and s != p and ni[s - 1] == k and nf[s - 1] > k:
-                    n, ready = (s - 1 if s < p else last - s + 1), end + lat_i[s - 1]
+                    n, ready = owner[s - 1], end + lat_i[s - 1]
             else:
                 k = nw[s]
                 nw[s] = k + 1
@@ -256,10 +245,7 @@ def zbv(
     p, m = num_ranks, num_microbatches
     if memory_limit is None:
         memory_limit = min(p, m) * costs.memory
-    stage_ranks = [s if s < p else 2 * p - 1 - s for s in range(2 * p)]
-    problem = chain_problem(
-        stage_ranks, costs, num_ranks=p, split_backward=True, memory_limit=memory_limit, share=0.5
-    )
+    problem = v_problem(p, costs=costs, memory_limit=memory_limit)
     limit = problem.memory_limit
     if limit < costs.memory * (1 - 1e-12):
         raise ValueError(
@@ -270,13 +256,18 @@ def zbv(
     plan = _plan(problem, m, limit)
     policies = _VARIANTS if 6 * p * m <= _VARIANT_ACTIONS else (_DEFAULT,)
     best = None
-    with _gc_paused():
-        for policy in policies:
-            if policy.reserve > 1 and 0.5 * (1 + policy.reserve) * costs.memory > plan.limit:
-                continue
-            result = _list_schedule(plan, policy)
-            if result is not None and (best is None or result[1] < best[1]):
-                best = result
+    for policy in policies:
+        if policy.reserve > 1 and 0.5 * (1 + policy.reserve) * costs.memory > plan.limit:
+            continue
+        result = _list_schedule(plan, policy)
+        if result is not None and (best is None or result[1] < best[1]):
+            best = result
     if best is None:
-        raise AssertionError(f"zbv: every policy deadlocked for p={p}, m={m}, {costs}")
-    return make_schedule("zbv", problem, m, best[0])
+        # Not seen for any input tested (p <= 16, m <= 64, many costs and limits), but the list
+        # scheduler is a heuristic, so name the inputs instead of failing an assert.
+        raise PipeloomError(
+            f"zbv found no deadlock-free order for p={p}, m={m}, memory_limit={limit:g}, {costs}: "
+            f"every list-scheduling policy deadlocked; this is a pipeloom bug, please report it "
+            f"with these inputs (a larger memory_limit or another schedule may work meanwhile)"
+        )
+    return make_schedule("zbv", problem=problem, num_microbatches=m, ranks=best[0])

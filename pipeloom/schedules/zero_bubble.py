@@ -94,7 +94,7 @@ def zb_h1(
         )
         for r in range(num_ranks)
     ]
-    return make_schedule("zb-h1", problem, num_microbatches, ranks)
+    return make_schedule("zb-h1", problem=problem, num_microbatches=num_microbatches, ranks=ranks)
 
 
 def zb_h2(
@@ -132,4 +132,4 @@ def zb_h2(
         lead = min(2 * (num_ranks - r) - 1, m)
         gap_weights = partial(_h2_gap_weights, lead=lead, num_microbatches=m, short_gaps=2 * num_ranks - 2)
         ranks.append(_rank_actions(r, m, lead=lead, weights_after=gap_weights, weights_before_forward=False))
-    return make_schedule("zb-h2", problem, m, ranks)
+    return make_schedule("zb-h2", problem=problem, num_microbatches=m, ranks=ranks)

@@ -46,4 +46,4 @@ def draw_comparison(timelines: Sequence[Timeline], path: str | Path, *, title: s
     shorter schedule visibly ends earlier.
     """
     path, fmt = check_figure_path(path)
-    save_figure(comparison_figure(timelines, title=title), path, fmt)
+    save_figure(comparison_figure(timelines, title=title), path=path, fmt=fmt)

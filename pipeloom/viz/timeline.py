@@ -217,7 +217,7 @@ def _holds_several_stages(timeline: Timeline) -> bool:
     return any(len({a.stage for a in actions}) > 1 for actions in timeline.schedule.ranks)
 
 
-def save_figure(fig: Figure, path: Path, fmt: str) -> None:
+def save_figure(fig: Figure, *, path: Path, fmt: str) -> None:
     """Write ``fig`` as PNG (``figsize * DPI`` pixels) or SVG (text kept as text, dense box sets
     embedded as a 200 dpi image)."""
     import matplotlib
@@ -248,4 +248,4 @@ def draw_timeline(timeline: Timeline, path: str | Path, *, title: str | None = N
     on the x axis, and a title with the schedule name, makespan, bubble ratio and peak memory.
     """
     path, fmt = check_figure_path(path)
-    save_figure(timeline_figure(timeline, title=title), path, fmt)
+    save_figure(timeline_figure(timeline, title=title), path=path, fmt=fmt)

@@ -1,9 +1,10 @@
-"""Every registry schedule over a grid of sizes and costs: rejected clearly, or valid and sane.
+"""Every registry schedule over a grid of sizes and costs: valid and sane, or rejected exactly when
+its documented requirement says so.
 
-Oracles: the validator (ordered mode), the per-rank work lower bound M * max_r work_r, the JSON
-round trip, and closed forms of DESIGN §6: GPipe and 1F1B take (m+p-1)(f+b+w) without
-communication; interleaved 1F1B (m + (p-1)/v)(f+b+w) when p divides m; ZB-H1 takes 3m+p-1
-when f=b=w=1 and m >= p.
+Oracles: each family's stated acceptance rule (``ACCEPTS``), the validator (ordered mode), the
+per-rank work lower bound M * max_r work_r, the JSON round trip, and closed forms of DESIGN §6:
+GPipe and 1F1B take (m+p-1)(f+b+w) without communication; interleaved 1F1B (m + (p-1)/v)(f+b+w)
+when p divides m; ZB-H1 takes 3m+p-1 when f=b=w=1 and m >= p.
 """
 
 from __future__ import annotations
@@ -42,13 +43,32 @@ VARIANTS = _variants()
 _IDS = [name + "".join(f"-v{v}" for v in options.values()) for name, options in VARIANTS]
 
 
+ACCEPTS = {
+    "dualpipev": lambda p, m: m >= 2 * p,
+    "dualpipe": lambda p, m: p % 2 == 0 and m % 2 == 0 and m >= 2 * p,
+    "chimera": lambda p, m: p % 2 == 0 and m % 2 == 0,
+}
+"""The (ranks, micro-batches) each family's docstring requires; every other family takes any
+positive counts."""
+
+
+def _accepts(name: str, ranks: int, microbatches: int) -> bool:
+    return ACCEPTS.get(name, lambda p, m: True)(ranks, microbatches)
+
+
+def test_acceptance_rules_name_registry_schedules():
+    assert set(ACCEPTS) <= set(REGISTRY), "a rule for a schedule that is not in the registry"
+
+
 def _build(name: str, ranks: int, microbatches: int, costs: Costs, options: dict) -> Schedule | None:
-    """The schedule, or None when the generator rejects these inputs with a ValueError."""
-    try:
+    """The schedule when its family accepts these counts (any error fails the test), else None
+    after checking that the generator rejects them with a ValueError that says something."""
+    if _accepts(name, ranks, microbatches):
         return build_schedule(name, ranks, microbatches, costs=costs, **options)
-    except ValueError as error:
-        assert str(error), f"{name} rejected p={ranks} m={microbatches} with an empty message"
-        return None
+    with pytest.raises(ValueError) as error:
+        build_schedule(name, ranks, microbatches, costs=costs, **options)
+    assert str(error.value), f"{name} rejected p={ranks} m={microbatches} with an empty message"
+    return None
 
 
 def check_schedule(schedule: Schedule, name: str) -> None:

@@ -41,7 +41,8 @@ def test_chimera_is_valid_and_ordered(p, m, costs, order):
     [
         (lambda: chimera(3, 8), "even number of ranks"),
         (lambda: chimera(1, 8), "even number of ranks"),
-        (lambda: chimera(4, 7), "must be even"),
+        (lambda: chimera(4, 7), "must be even, got 7; use 6 or 8$"),
+        (lambda: chimera(4, 1), "must be even, got 1; use 2$"),  # never the invalid 0
         (lambda: chimera(4, 0), "positive integer"),
         (lambda: chimera(0, 4), "positive integer"),
         (lambda: chimera(4, 8, order="fast"), "'best', 'grid' or 'list'"),
@@ -194,7 +195,8 @@ def test_list_order_keeps_each_stage_in_microbatch_order():
     for rank, actions in enumerate(chimera_list_order(6, 20)):
         for stage in (rank, 11 - rank):
             for kind in "FB":
-                assert [a.microbatch for a in actions if a.stage == stage and a.kind == kind] == list(range(20))
+                microbatches = [a.microbatch for a in actions if a.stage == stage and a.kind == kind]
+                assert microbatches == list(range(20))
 
 
 @pytest.mark.parametrize("costs", [Costs(), Costs(f=1, b=1, w=1, comm=0.3)], ids=str)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 
 import pytest
 
@@ -55,19 +56,37 @@ def test_dualpipe_is_valid_and_ordered_with_pairs_as_microbatches(p, m, costs):
 @pytest.mark.parametrize(
     "call,match",
     [
-        (lambda: dualpipev(4, 7), "at least 8 micro-batches"),
+        (lambda: dualpipev(4, 7), "at least 8 micro-batches .*; use 8 or more$"),
         (lambda: dualpipev(0, 8), "positive integer"),
-        (lambda: dualpipe(3, 12), "even number of ranks"),
-        (lambda: dualpipe(4, 9), "must be even"),
-        (lambda: dualpipe(4, 6), "at least 8 micro-batches"),
+        (lambda: dualpipe(3, 12), "even number of ranks.*such as 4$"),
+        # The suggestion is always a valid count: even and >= 2p.
+        (lambda: dualpipe(4, 9), "even number of micro-batches.*got 9; use 8 or 10$"),
+        (lambda: dualpipe(4, 3), "at least 2p = 8 .*got 3; use 8$"),
+        (lambda: dualpipe(4, 1), "got 1; use 8$"),
+        (lambda: dualpipe(4, 6), "at least 2p = 8 .*got 6; use 8$"),
         (lambda: dualpipe(4, 0), "positive integer"),
-        (lambda: dualpipe_program(2, 2, 8), "half_rank < num_half_ranks"),
-        (lambda: dualpipe_program(4, 0, 7), "num_half_ranks <= num_chunks / 2"),
+        (lambda: dualpipe_program(2, half_rank=2, num_microbatches=8), "half_rank < num_half_ranks"),
+        (lambda: dualpipe_program(4, half_rank=0, num_microbatches=7),
+         "num_half_ranks <= num_microbatches / 2"),
     ],
 )
 def test_bad_inputs_raise_value_errors_that_say_what_is_needed(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+@pytest.mark.parametrize("generator", [dualpipe, dualpipev])
+def test_suggested_microbatch_counts_are_accepted(generator):
+    """Every count a rejection suggests ("use 8", "use 10 or 12", "use 8 or more") builds."""
+    for p in (2, 4, 6):
+        for m in range(1, 3 * p + 2):
+            try:
+                generator(p, m)
+            except ValueError as error:
+                suggested = re.search(r"; use (\d+)(?: or (\d+))?", str(error))
+                assert suggested, f"p={p} m={m}: no suggestion in {error}"
+                for count in filter(None, suggested.groups()):
+                    validate(generator(p, int(count)), ordered=True)
 
 
 def test_registry_builds_both_with_split_backward():
@@ -89,7 +108,8 @@ def test_memory_limit_reaches_the_problem_and_the_validator():
 
 
 def test_dualpipev_golden_text_follows_the_reference_phases():
-    # Hand-traced from the reference's step() with 2 ranks and 4 chunks, pairs written F then I W.
+    # Hand-traced from the reference's step() with 2 ranks and 4 micro-batches (its "chunks"),
+    # pairs written F then I W.
     assert dualpipev(2, 4).to_text() == (
         "rank 0: 0F0 0F1 0F2 3F0 3I0 3W0 3F1 0F3 3I1 3W1 3F2 0I0 0W0 3I2 3W2 3F3 0I1 0W1 3I3 3W3 "
         "0I2 0W2 0I3 0W3\n"
@@ -101,7 +121,7 @@ def test_dualpipev_golden_text_follows_the_reference_phases():
 @pytest.mark.parametrize("P,M", [(1, 2), (2, 4), (3, 7), (4, 8), (8, 20)])
 def test_program_counts_match_the_reference_loops(P, M):
     for h in range(P):
-        program = dualpipe_program(P, h, M)
+        program = dualpipe_program(P, half_rank=h, num_microbatches=M)
         for phase in (0, 1):
             assert program.count(("F", phase)) == M
             backwards = program.count(("B", phase)) + program.count(("Z", phase))

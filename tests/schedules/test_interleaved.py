@@ -8,6 +8,7 @@ from pipeloom.errors import MemoryLimitError
 from pipeloom.problem import Costs
 from pipeloom.schedules import build_schedule
 from pipeloom.schedules.interleaved import group_sizes, interleaved_1f1b
+from pipeloom.schedules.looped_bfs import looped_bfs
 from pipeloom.schedules.one_f_one_b import one_f_one_b
 from pipeloom.sim import simulate
 from pipeloom.validate import validate
@@ -54,7 +55,7 @@ def test_bubble_ratio_strictly_shrinks_as_stages_per_rank_grows(p, m):
     ratios = [simulate(interleaved_1f1b(p, m, stages_per_rank=v)).bubble_ratio for v in (1, 2, 4)]
     assert ratios[0] > ratios[1] > ratios[2] > 0
     # The ratio itself is bubble / (work + bubble) with bubble (p-1)(F+B)/v.
-    for v, ratio in zip((1, 2, 4), ratios):
+    for v, ratio in zip((1, 2, 4), ratios, strict=True):
         assert ratio == pytest.approx(((p - 1) / v) / (m + (p - 1) / v))
 
 
@@ -110,13 +111,25 @@ def test_valid_in_order_for_every_rank_and_microbatch_count(v, m_step):
             validate(interleaved_1f1b(p, m, stages_per_rank=v), ordered=True)
 
 
-def test_valid_with_communication_latency():
+@pytest.mark.parametrize("generator", [interleaved_1f1b, looped_bfs])
+def test_valid_with_communication_latency(generator):
+    """Both looped-layout schedules (this module's placement) stay valid with latency, and latency
+    costs at least one hop: the same action lists without latency (whose makespan the formula
+    tests check) end later than any one rank's work, so every critical path of theirs crosses
+    ranks at least once and gets at least ``comm`` longer.
+    """
     costs = Costs(f=1.0, b=2.0, w=1.0, comm=0.5)
+    no_latency = Costs(f=1.0, b=2.0, w=1.0)
     for v in (1, 2, 3):
         for p in (2, 3, 4, 7):
             for m in (1, 3, 4, 9, 16):
-                timeline = validate(interleaved_1f1b(p, m, costs=costs, stages_per_rank=v), ordered=True)
-                assert timeline.makespan > megatron_makespan(p, m, v, costs) - 1e-9
+                schedule = generator(p, m, costs=costs, stages_per_rank=v)
+                reference = generator(p, m, costs=no_latency, stages_per_rank=v)
+                assert schedule.ranks == reference.ranks, "the order does not depend on costs"
+                without = simulate(reference)
+                assert without.makespan > max(reference.problem.work_per_microbatch()) * m
+                with_latency = validate(schedule, ordered=True).makespan
+                assert with_latency >= without.makespan + costs.comm - 1e-9, (v, p, m)
 
 
 def test_memory_limit_reaches_the_validator():

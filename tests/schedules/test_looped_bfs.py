@@ -79,15 +79,6 @@ def test_valid_in_order_for_every_rank_and_microbatch_count():
                 validate(looped_bfs(p, m, stages_per_rank=v), ordered=True)
 
 
-def test_valid_with_communication_latency():
-    costs = Costs(f=1.0, b=2.0, w=1.0, comm=0.5)
-    for v in (1, 2, 3):
-        for p in (2, 3, 4, 7):
-            for m in (1, 3, 4, 9, 16):
-                timeline = validate(looped_bfs(p, m, costs=costs, stages_per_rank=v), ordered=True)
-                assert timeline.makespan > derived_makespan(p, m, v, costs)
-
-
 def test_memory_limit_reaches_the_validator():
     schedule = looped_bfs(4, 8, stages_per_rank=2, memory_limit=7.0)
     assert schedule.problem.memory_limit == 7.0

@@ -3,18 +3,20 @@
 Oracles: the validator (ordered mode, memory limit); the V placement of the zero-bubble paper
 (rank r holds stages r and 2p-1-r, each with half of a rank's costs); the lower bound
 (p-1)(f/2 + comm) + m(f+b+w) (rank p-1 cannot start earlier and then has m(f+b+w) of work);
-ZB-H1's closed form m(f+b+w) + (p-1)(f+b-w) (DESIGN §6) and ZB-H1 itself from the registry.
+ZB-H1's closed form m(f+b+w) + (p-1)(f+b-w) (DESIGN §6) and ZB-H1 itself (zero_bubble.zb_h1).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from pipeloom.errors import MemoryLimitError
+import pipeloom.schedules.zbv as zbv_module
+from pipeloom.errors import MemoryLimitError, PipeloomError
 from pipeloom.ir import Schedule
 from pipeloom.problem import Costs
 from pipeloom.schedules import REGISTRY, build_schedule
 from pipeloom.schedules.zbv import zbv
+from pipeloom.schedules.zero_bubble import zb_h1
 from pipeloom.sim import simulate
 from pipeloom.validate import validate
 
@@ -33,14 +35,6 @@ SIZES = [(1, 1), (1, 5), (2, 1), (2, 3), (3, 7), (4, 4), (5, 13), (7, 2), (8, 24
 
 def _lower_bound(p: int, m: int, costs: Costs) -> float:
     return (p - 1) * (costs.f / 2 + costs.comm) + m * (costs.f + costs.b + costs.w)
-
-
-def _zb_h1(p: int, m: int, costs: Costs) -> Schedule:
-    """ZB-H1 from the registry (another module); skipped only until that module exists."""
-    try:
-        return build_schedule("zb-h1", p, m, costs=costs)
-    except ModuleNotFoundError:
-        pytest.skip("zb-h1 (pipeloom/schedules/zero_bubble.py) is not in the tree yet")
 
 
 @pytest.mark.parametrize("cost_name", list(COSTS))
@@ -103,6 +97,13 @@ def test_bad_counts_raise_value_error():
             zbv(p, m)
 
 
+def test_every_policy_deadlocking_is_a_pipeloom_error_naming_the_inputs(monkeypatch):
+    """No known input makes every policy deadlock, so force it: the error must name the inputs."""
+    monkeypatch.setattr(zbv_module, "_list_schedule", lambda plan, policy: None)
+    with pytest.raises(PipeloomError, match=r"p=3, m=5, memory_limit=3.*please report it"):
+        zbv(3, 5)
+
+
 def test_the_registry_builds_the_same_schedule():
     assert build_schedule("zbv", 5, 11, costs=PAPER) == zbv(5, 11, costs=PAPER)
 
@@ -131,7 +132,7 @@ def test_equal_costs_bubble_below_zb_h1(p, m):
     ours = validate(zbv(p, m, costs=costs), ordered=True)
     closed_form_h1 = 1 - 3 * m / (3 * m + p - 1)  # ZB-H1: makespan 3m + p - 1
     assert ours.bubble_ratio < closed_form_h1
-    theirs = validate(_zb_h1(p, m, costs), ordered=True)
+    theirs = validate(zb_h1(p, m, costs=costs), ordered=True)
     assert ours.bubble_ratio < theirs.bubble_ratio
     assert max(ours.peak_memory) <= max(theirs.peak_memory)
 
@@ -143,7 +144,7 @@ def test_beats_zb_h1_on_the_paper_setting():
     h1_closed_form = m * (PAPER.f + PAPER.b + PAPER.w) + (p - 1) * (PAPER.f + PAPER.b - PAPER.w)
     assert ours.makespan < h1_closed_form  # ZB-H1 without latency; latency only adds to it
     assert ours.makespan <= 1.01 * _lower_bound(p, m, PAPER)  # within 1% of the bound
-    theirs = validate(_zb_h1(p, m, PAPER), ordered=True)
+    theirs = validate(zb_h1(p, m, costs=PAPER), ordered=True)
     assert ours.makespan < theirs.makespan
 
 

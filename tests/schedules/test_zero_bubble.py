@@ -8,7 +8,6 @@ Golden lists are worked by hand from the rules in the docstrings.
 
 from __future__ import annotations
 
-
 import pytest
 
 from pipeloom.errors import MemoryLimitError

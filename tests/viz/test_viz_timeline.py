@@ -32,7 +32,10 @@ def _looped(num_ranks: int = 4, num_microbatches: int = 6):
         ranks.append([Action(low, "F", i) for i in mbs] + [Action(high, "F", i) for i in mbs]
                      + [a for i in mbs for a in (Action(high, "I", i), Action(high, "W", i))]
                      + [a for i in mbs for a in (Action(low, "I", i), Action(low, "W", i))])
-    return validate(make_schedule("looped-by-hand", problem, num_microbatches, ranks), ordered=True)
+    schedule = make_schedule(
+        "looped-by-hand", problem=problem, num_microbatches=num_microbatches, ranks=ranks
+    )
+    return validate(schedule, ordered=True)
 
 
 def _rgb(color: str) -> tuple[int, int, int]:
