@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from pipeloom.errors import PipeloomError, ScheduleFormatError
-from pipeloom.problem import Costs, Problem, Task, parse_task_name, stage_graph, task_name
+from pipeloom.problem import Costs, Problem, Stage, Task, parse_task_name, stage_graph, task_name
 
 __all__ = [
     "FORMAT",
@@ -33,7 +33,8 @@ __all__ = [
 ]
 
 FORMAT = "pipeloom.schedule/1"
-_ACTION = re.compile(r"^(\d+)([FBIW])(\d+)$")
+_ACTION = re.compile(r"^(\d+)([FBIW])(\d+)$", re.ASCII)
+_MAX_DIGITS = 18  # indices beyond 10**18 are typos, and int() refuses more than 4300 digits
 
 
 class Action(NamedTuple):
@@ -57,7 +58,12 @@ class Action(NamedTuple):
         match = _ACTION.match(text.strip()) if isinstance(text, str) else None
         if match is None:
             raise ScheduleFormatError(
-                f"bad action {text!r}: expected STAGE KIND MICROBATCH with kind F, B, I or W, e.g. '2F0'"
+                f"bad action {_shown(text)}: expected STAGE KIND MICROBATCH with kind F, B, I or W, "
+                "e.g. '2F0'"
+            )
+        if max(len(match.group(1)), len(match.group(3))) > _MAX_DIGITS:
+            raise ScheduleFormatError(
+                f"bad action {_shown(text)}: an index is too long (over {_MAX_DIGITS} digits)"
             )
         return cls(int(match.group(1)), match.group(2), int(match.group(3)))
 
@@ -155,6 +161,7 @@ _TOP_KEYS = {
     "static_memory", "ranks",
 }
 _TASK_KEYS = {"stage", "kind", "ranks", "duration", "memory", "deps"}
+_NUMBER = (int, float)
 
 
 def schedule_to_json(schedule: Schedule, *, indent: int | None = None) -> str:
@@ -187,24 +194,46 @@ def schedule_to_json(schedule: Schedule, *, indent: int | None = None) -> str:
 def _require(document: dict, key: str, types: type | tuple[type, ...], where: str) -> Any:
     if key not in document:
         raise ScheduleFormatError(f"{where}: missing key {key!r}")
-    value = document[key]
-    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
-        raise ScheduleFormatError(f"{where}.{key}: expected a number, got {value!r}")
-    if not isinstance(value, types):
-        raise ScheduleFormatError(f"{where}.{key}: expected {_type_words(types)}, got {value!r}")
+    return _typed(document[key], types, f"{where}.{key}")
+
+
+def _typed(value: Any, types: type | tuple[type, ...], what: str, *, null: bool = False) -> Any:
+    """``value`` if it is one of ``types`` (a bool is no number), or None when ``null``."""
+    types = types if isinstance(types, tuple) else (types,)
+    if value is None and null:
+        return None
+    if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
+        words = _type_words(types) + (" or null" if null else "")
+        raise ScheduleFormatError(f"{what}: expected {words}, got {_shown(value)}")
     return value
 
 
-def _type_words(types: type | tuple[type, ...]) -> str:
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _type_words(types: tuple[type, ...]) -> str:
     names = {int: "an integer", float: "a number", str: "a string", list: "a list", dict: "an object"}
-    types = types if isinstance(types, tuple) else (types,)
+    if float in types:
+        types = tuple(t for t in types if t is not int)
     return " or ".join(dict.fromkeys(names.get(t, t.__name__) for t in types))
+
+
+def _numbers(value: Any, what: str) -> tuple[float, ...] | None:
+    """A JSON list of numbers as a tuple, or None for null."""
+    if value is not None and not (
+        isinstance(value, list)
+        and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+    ):
+        raise ScheduleFormatError(f"{what}: expected a list of numbers or null, got {_shown(value)}")
+    return None if value is None else tuple(value)
 
 
 def _task_from_json(entry: Any, i: int) -> Task:
     where = f"tasks[{i}]"
     if not isinstance(entry, dict):
-        raise ScheduleFormatError(f"{where}: expected an object, got {entry!r}")
+        raise ScheduleFormatError(f"{where}: expected an object, got {_shown(entry)}")
     unknown = set(entry) - _TASK_KEYS
     if unknown:
         raise ScheduleFormatError(
@@ -220,7 +249,7 @@ def _task_from_json(entry: Any, i: int) -> Task:
             kind=_require(entry, "kind", str, where),
             ranks=tuple(ranks),
             duration=_require(entry, "duration", (int, float), where),
-            memory=entry.get("memory", 0.0),
+            memory=_typed(entry.get("memory", 0.0), _NUMBER, f"{where}.memory"),
             deps=tuple(parse_task_name(d) for d in deps),
         )
     except ScheduleFormatError:
@@ -229,11 +258,23 @@ def _task_from_json(entry: Any, i: int) -> Task:
         raise ScheduleFormatError(f"{where}: {error}") from None
 
 
-def schedule_from_json(text: str) -> Schedule:
-    """Parse ``pipeloom.schedule/1`` JSON; unknown keys or another format are errors."""
+def _rank_lists_from_json(document: dict) -> tuple[tuple[Action, ...], ...]:
+    actions = []
+    for r, row in enumerate(_require(document, "ranks", list, "schedule")):
+        if not isinstance(row, list):
+            raise ScheduleFormatError(f"ranks[{r}]: expected a list of action strings")
+        try:
+            actions.append(tuple(Action.parse(a) for a in row))
+        except ScheduleFormatError as error:
+            raise ScheduleFormatError(f"ranks[{r}]: {error}") from None
+    return tuple(actions)
+
+
+def _json_document(text: str) -> dict:
+    """The parsed top-level object, its format tag and key names checked."""
     try:
         document = json.loads(text)
-    except json.JSONDecodeError as error:
+    except (ValueError, RecursionError) as error:  # JSONDecodeError, over-long ints, deep nesting
         raise ScheduleFormatError(f"malformed JSON: {error}") from None
     if not isinstance(document, dict):
         raise ScheduleFormatError("a schedule file must hold a JSON object")
@@ -241,37 +282,33 @@ def schedule_from_json(text: str) -> Schedule:
         raise ScheduleFormatError(f"missing key 'format'; expected \"format\": \"{FORMAT}\"")
     if document["format"] != FORMAT:
         raise ScheduleFormatError(
-            f"format {document['format']!r} is not supported; expected {FORMAT!r}"
+            f"format {_shown(document['format'])} is not supported; expected {FORMAT!r}"
         )
     unknown = set(document) - _TOP_KEYS
     if unknown:
         raise ScheduleFormatError(f"unknown key(s) {sorted(unknown)}; allowed: {sorted(_TOP_KEYS)}")
+    return document
+
+
+def schedule_from_json(text: str) -> Schedule:
+    """Parse ``pipeloom.schedule/1`` JSON; unknown keys, another format or a wrong type are errors."""
+    document = _json_document(text)
     where = "schedule"
     tasks = [_task_from_json(entry, i) for i, entry in enumerate(_require(document, "tasks", list, where))]
-    rank_lists = _require(document, "ranks", list, where)
-    actions = []
-    for r, row in enumerate(rank_lists):
-        if not isinstance(row, list):
-            raise ScheduleFormatError(f"ranks[{r}]: expected a list of action strings")
-        try:
-            actions.append(tuple(Action.parse(a) for a in row))
-        except ScheduleFormatError as error:
-            raise ScheduleFormatError(f"ranks[{r}]: {error}") from None
-    limit = document.get("memory_limit")
-    static = document.get("static_memory")
+    actions = _rank_lists_from_json(document)
     try:
         problem = Problem(
             num_ranks=_require(document, "num_ranks", int, where),
             tasks=tuple(tasks),
-            comm_latency=document.get("comm_latency", 0.0),
-            memory_limit=limit,
-            static_memory=None if static is None else tuple(static),
+            comm_latency=_typed(document.get("comm_latency", 0.0), _NUMBER, f"{where}.comm_latency"),
+            memory_limit=_typed(document.get("memory_limit"), _NUMBER, f"{where}.memory_limit", null=True),
+            static_memory=_numbers(document.get("static_memory"), f"{where}.static_memory"),
         )
         return Schedule(
-            name=str(document.get("name", "schedule")),
+            name=_typed(document.get("name", "schedule"), str, f"{where}.name"),
             problem=problem,
             num_microbatches=_require(document, "num_microbatches", int, where),
-            ranks=tuple(actions),
+            ranks=actions,
         )
     except ScheduleFormatError:
         raise
@@ -283,12 +320,75 @@ def schedule_from_json(text: str) -> Schedule:
 
 
 def schedule_to_csv(schedule: Schedule) -> str:
-    """torch.distributed.pipelining's compute-only CSV: one row per rank, one action per cell."""
+    """torch.distributed.pipelining's compute-only CSV: one row per rank, one action per cell.
+
+    Only a schedule whose problem :func:`schedule_from_csv` would infer again can be written
+    (ScheduleFormatError otherwise); durations, memory and static memory are not carried.
+    """
+    obstacle = _csv_obstacle(schedule)
+    if obstacle is not None:
+        raise ScheduleFormatError(
+            f"schedule {schedule.name!r} cannot be saved as torch CSV because {obstacle}; save it as .json"
+        )
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     for actions in schedule.ranks:
         writer.writerow([str(action) for action in actions])
     return out.getvalue()
+
+
+_STYLES = {("F",): "none", ("B", "F"): "full", ("F", "I", "W"): "split"}
+
+
+def _csv_obstacle(schedule: Schedule) -> str | None:
+    """Why the CSV reader would not infer ``schedule``'s task graph back, or None if it would.
+
+    The reader sees one rank per task, each stage on one rank, stages 0..S-1 chained s -> s+1
+    with the stage-graph builder's deps, one backward style, and no trailing idle rank.
+    """
+    rank_of: dict[int, int] = {}
+    kinds: dict[int, list[str]] = {}
+    for task in schedule.problem.tasks:
+        if len(task.ranks) != 1:
+            return f"task {task.name} runs on ranks {list(task.ranks)} and a CSV cell holds one rank's action"
+        owner = rank_of.setdefault(task.stage, task.ranks[0])
+        if owner != task.ranks[0]:
+            return f"stage {task.stage} runs on ranks {owner} and {task.ranks[0]}"
+        kinds.setdefault(task.stage, []).append(task.kind)
+    count = 1 + max(rank_of)
+    if len(rank_of) != count:
+        return f"stages {sorted(set(range(count)) - set(rank_of))} have no tasks (stages 0..{count - 1})"
+    styles = [_STYLES.get(tuple(sorted(kinds[s]))) for s in range(count)]
+    odd = next((s for s in range(count) if styles[s] is None or styles[s] != styles[0]), None)
+    if odd is not None:
+        return (f"stage {odd} has tasks {', '.join(sorted(kinds[odd]))} and stage 0 has "
+                f"{', '.join(sorted(kinds[0]))}; a CSV gives every stage one backward style "
+                "(F+B, F+I+W or F alone)")
+    chain = stage_graph([Stage(ranks=rank_of[s]) for s in range(count)], backward=styles[0])
+    problem = schedule.problem
+    for s in range(1, count):
+        if (s - 1, "F") not in problem.task((s, "F")).deps:
+            return f"stage {s} does not depend on stage {s - 1} (a CSV chains stages 0 -> 1 -> ...)"
+    for task in problem.tasks:
+        want = chain.task(task.key).deps
+        if set(task.deps) != set(want):
+            names = [", ".join(sorted(map(task_name, deps))) or "nothing" for deps in (task.deps, want)]
+            return f"task {task.name} waits for {names[0]}, but a CSV would make it wait for {names[1]}"
+    if not schedule.ranks[-1]:
+        return (f"rank {schedule.num_ranks - 1}, the last, has no actions, and blank rows at the end of "
+                "a CSV are not ranks")
+    return None
+
+
+def _csv_rows(text: str) -> list[list[str]]:
+    """The rows of ``text`` (strict CSV: a stray or unterminated quote is an error)."""
+    reader = csv.reader(io.StringIO(text), strict=True)
+    try:
+        return list(reader)
+    except csv.Error as error:
+        raise ScheduleFormatError(
+            f"malformed CSV at line {reader.line_num}: {error}; check the quote characters"
+        ) from None
 
 
 def schedule_from_csv(
@@ -300,17 +400,19 @@ def schedule_from_csv(
 ) -> Schedule:
     """Read a compute-only torch CSV (empty cell = idle) and infer its problem.
 
-    Stages form the chain 0 -> 1 -> ... -> S-1, each on the one rank whose row runs it; the
-    backward is split when any I or W appears. ``costs`` are a rank's share of the model (the
-    library's convention), so a stage on a rank that runs v stages gets 1/v of them.
+    Row r is rank r. An empty row between rows is an idle rank; blank rows after the last row
+    with an action are not ranks (files often end in blank lines). Stages form the chain
+    0 -> 1 -> ... -> S-1, each on the one rank whose row runs it; the backward is split when
+    any I or W appears. ``costs`` are a rank's share of the model (the library's convention),
+    so a stage on a rank that runs v stages gets 1/v of them.
     """
-    rows = list(csv.reader(io.StringIO(text)))
+    rows = _csv_rows(text)
     if not rows:
         raise ScheduleFormatError("the CSV is empty; expected one row of actions per rank")
+    while rows and not any(cell.strip() for cell in rows[-1]):
+        rows.pop()
     ranks: list[tuple[Action, ...]] = []
     stage_rank: dict[int, int] = {}
-    kinds: set[str] = set()
-    last_mb = -1
     for r, row in enumerate(rows):
         actions = []
         for c, cell in enumerate(row):
@@ -326,10 +428,17 @@ def schedule_from_csv(
                     f"row {r + 1}: stage {action.stage} also runs on rank {owner}; a CSV schedule "
                     "keeps each stage on one rank (save multi-rank tasks as pipeloom JSON)"
                 )
-            kinds.add(action.kind)
-            last_mb = max(last_mb, action.microbatch)
             actions.append(action)
         ranks.append(tuple(actions))
+    problem = _csv_problem(ranks, stage_rank, costs, memory_limit)
+    last_mb = max(action.microbatch for actions in ranks for action in actions)
+    return Schedule(name=name, problem=problem, num_microbatches=last_mb + 1, ranks=tuple(ranks))
+
+
+def _csv_problem(
+    ranks: list[tuple[Action, ...]], stage_rank: dict[int, int], costs: Costs, memory_limit: float | None
+) -> Problem:
+    """The chain 0 -> ... -> S-1 with each stage on its rank and the backward style the actions use."""
     if not stage_rank:
         raise ScheduleFormatError("the CSV holds no actions")
     num_stages = 1 + max(stage_rank)
@@ -338,43 +447,54 @@ def schedule_from_csv(
         raise ScheduleFormatError(
             f"stages {missing} never run; a CSV schedule must run every stage 0..{num_stages - 1}"
         )
+    kinds = {action.kind for actions in ranks for action in actions}
     if "B" in kinds and kinds & {"I", "W"}:
         raise ScheduleFormatError("the CSV mixes full backward B with split I/W; use one or the other")
     backward = "split" if kinds & {"I", "W"} else ("full" if "B" in kinds else "none")
     stages_on = Counter(stage_rank.values())
-    problem = stage_graph(
+    return stage_graph(
         [costs.stage(stage_rank[s], share=1.0 / stages_on[stage_rank[s]]) for s in range(num_stages)],
-        num_ranks=len(rows),
+        num_ranks=len(ranks),
         backward=backward,
         comm_latency=costs.comm,
         memory_limit=memory_limit,
     )
-    return Schedule(name=name, problem=problem, num_microbatches=last_mb + 1, ranks=tuple(ranks))
 
 
 # ---------------------------------------------------------------------------------------- files
 
 
 def save_schedule(schedule: Schedule, path: str | Path) -> None:
-    """Write ``schedule`` as pipeloom JSON (``.json``) or torch compute-only CSV (``.csv``)."""
+    """Write ``schedule`` as pipeloom JSON (``.json``) or torch compute-only CSV (``.csv``).
+
+    The suffix is matched case-insensitively; nothing is written when the CSV cannot carry it.
+    """
     path = Path(path)
-    if path.suffix == ".csv":
-        path.write_text(schedule_to_csv(schedule))
-    elif path.suffix == ".json":
-        path.write_text(schedule_to_json(schedule, indent=1) + "\n")
+    suffix = path.suffix.lower()
+    if suffix == ".csv":
+        text = schedule_to_csv(schedule)
+    elif suffix == ".json":
+        text = schedule_to_json(schedule, indent=1) + "\n"
     else:
         raise ScheduleFormatError(f"cannot save {path}: use a .json or .csv suffix")
+    path.write_text(text, encoding="utf-8")
 
 
 def load_schedule(path: str | Path, *, costs: Costs = Costs()) -> Schedule:
-    """Read a schedule saved as pipeloom JSON or torch CSV (chosen by suffix)."""
+    """Read a schedule saved as pipeloom JSON or torch CSV (chosen by suffix, any case).
+
+    The file must be UTF-8 text (a leading byte-order mark is allowed).
+    """
     path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix not in (".csv", ".json"):
+        raise ScheduleFormatError(f"cannot read {path}: use a .json (pipeloom) or .csv (torch) file")
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as error:
+        raise ScheduleFormatError(f"cannot read {path}: not UTF-8 text (byte {error.start})") from None
     except OSError as error:
         raise ScheduleFormatError(f"cannot read {path}: {error.strerror or error}") from None
-    if path.suffix == ".csv":
+    if suffix == ".csv":
         return schedule_from_csv(text, name=path.stem, costs=costs)
-    if path.suffix == ".json":
-        return schedule_from_json(text)
-    raise ScheduleFormatError(f"cannot read {path}: use a .json (pipeloom) or .csv (torch) file")
+    return schedule_from_json(text)

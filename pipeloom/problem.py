@@ -54,12 +54,23 @@ def parse_task_name(text: str) -> TaskKey:
     return int(match.group(1)), match.group(2)
 
 
-def _check_number(what: str, value: object, *, minimum: float | None = 0.0) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ProblemError(f"{what} must be a finite number, got {value!r}")
+def _check_number(what: str, value: object, *, minimum: float | None = 0.0, hint: str = "") -> float:
+    """``value`` as a float; ProblemError unless it is a finite number >= ``minimum`` (if given)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
+        huge = isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**30
+        shown = f"an integer of {len(str(abs(value)))} digits" if huge else repr(value)
+        raise ProblemError(f"{what} must be a finite number, got {shown}")
     if minimum is not None and value < minimum:
-        raise ProblemError(f"{what} must be >= {minimum:g}, got {value!r}")
+        raise ProblemError(f"{what} must be >= {minimum:g}{hint}, got {value!r}")
     return float(value)
+
+
+def _finite(value: float) -> bool:
+    """``math.isfinite`` that answers False for an int too large for a float (no OverflowError)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def _check_index(what: str, value: object) -> int:
@@ -175,9 +186,8 @@ class Problem:
             self, "comm_latency", _check_number("comm_latency", self.comm_latency)
         )
         if self.memory_limit is not None:
-            object.__setattr__(
-                self, "memory_limit", _check_number("memory_limit", self.memory_limit, minimum=None)
-            )
+            limit = _check_number("memory_limit", self.memory_limit, hint=" (or None for no limit)")
+            object.__setattr__(self, "memory_limit", limit)
         if self.static_memory is not None:
             static = tuple(
                 _check_number(f"static_memory[{r}]", v, minimum=None)
@@ -319,6 +329,58 @@ class Costs:
         )
 
 
+def _edge_lists(
+    edges: Sequence[tuple[int, int]] | None, count: int
+) -> tuple[list[list[int]], list[list[int]]]:
+    """``(producers, consumers)`` of each of ``count`` stages; ``edges=None`` is the chain.
+
+    Each edge must be a (producer, consumer) pair of distinct stage indices; a repeated edge
+    counts once, and the lists keep the order edges first appear in.
+    """
+    if edges is None:
+        edges = [(s, s + 1) for s in range(count - 1)]
+    producers: list[list[int]] = [[] for _ in range(count)]
+    consumers: list[list[int]] = [[] for _ in range(count)]
+    for edge in edges:
+        if not isinstance(edge, (tuple, list)) or len(edge) != 2:
+            raise ProblemError(f"edge {edge!r} must be a (producer, consumer) pair of stage indices")
+        u, v = edge
+        for s in (u, v):
+            if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < count:
+                raise ProblemError(f"edge {edge!r} names stage {s!r}; stages are 0..{count - 1}")
+        if u == v:
+            raise ProblemError(f"edge {edge!r} joins stage {u} to itself; remove it")
+        if v not in consumers[u]:
+            consumers[u].append(v)
+            producers[v].append(u)
+    return producers, consumers
+
+
+def _stage_tasks(
+    s: int, stage: Stage, producers: list[int], consumers: list[int], backward: Backward
+) -> list[Task]:
+    """The tasks of stage ``s`` with the deps of DESIGN §1 (see :func:`stage_graph`)."""
+    forward = Task(
+        stage=s, kind="F", ranks=stage.ranks, duration=stage.f,
+        memory=0.0 if backward == "none" else stage.memory,
+        deps=tuple((u, "F") for u in producers),
+    )
+    if backward == "none":
+        return [forward]
+    back = "I" if backward == "split" else "B"
+    deps = ((s, "F"),) + tuple((v, back) for v in consumers)
+    if backward == "full":
+        return [forward, Task(stage=s, kind="B", ranks=stage.ranks, duration=stage.b + stage.w,
+                              memory=-stage.memory, deps=deps)]
+    return [
+        forward,
+        Task(stage=s, kind="I", ranks=stage.ranks, duration=stage.b,
+             memory=-(stage.memory - stage.w_memory), deps=deps),
+        Task(stage=s, kind="W", ranks=stage.ranks, duration=stage.w,
+             memory=-stage.w_memory, deps=((s, "I"),)),
+    ]
+
+
 def stage_graph(
     stages: Sequence[Stage],
     *,
@@ -341,55 +403,14 @@ def stage_graph(
     stages = list(stages)
     if not stages:
         raise ProblemError("the stage graph has no stages; give at least one")
-    count = len(stages)
-    if edges is None:
-        edges = [(s, s + 1) for s in range(count - 1)]
-    producers: list[list[int]] = [[] for _ in range(count)]
-    consumers: list[list[int]] = [[] for _ in range(count)]
-    for edge in edges:
-        if len(edge) != 2:
-            raise ProblemError(f"edge {edge!r} must be a (producer, consumer) pair of stage indices")
-        u, v = edge
-        for s in (u, v):
-            if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < count:
-                raise ProblemError(f"edge {edge!r} names stage {s!r}; stages are 0..{count - 1}")
-        if u == v:
-            raise ProblemError(f"edge {edge!r} joins stage {u} to itself; remove it")
-        if v not in consumers[u]:
-            consumers[u].append(v)
-            producers[v].append(u)
+    producers, consumers = _edge_lists(edges, len(stages))
     if num_ranks is None:
         num_ranks = 1 + max(max(stage.ranks, default=0) for stage in stages)
-    back = "I" if backward == "split" else "B"
-    tasks: list[Task] = []
-    for s, stage in enumerate(stages):
-        tasks.append(
-            Task(
-                stage=s,
-                kind="F",
-                ranks=stage.ranks,
-                duration=stage.f,
-                memory=0.0 if backward == "none" else stage.memory,
-                deps=tuple((u, "F") for u in producers[s]),
-            )
-        )
-        if backward == "none":
-            continue
-        deps = ((s, "F"),) + tuple((v, back) for v in consumers[s])
-        if backward == "full":
-            tasks.append(
-                Task(stage=s, kind="B", ranks=stage.ranks, duration=stage.b + stage.w,
-                     memory=-stage.memory, deps=deps)
-            )
-        else:
-            tasks.append(
-                Task(stage=s, kind="I", ranks=stage.ranks, duration=stage.b,
-                     memory=-(stage.memory - stage.w_memory), deps=deps)
-            )
-            tasks.append(
-                Task(stage=s, kind="W", ranks=stage.ranks, duration=stage.w,
-                     memory=-stage.w_memory, deps=((s, "I"),))
-            )
+    tasks = [
+        task
+        for s, stage in enumerate(stages)
+        for task in _stage_tasks(s, stage, producers[s], consumers[s], backward)
+    ]
     return Problem(
         num_ranks=num_ranks,
         tasks=tuple(tasks),

@@ -81,15 +81,15 @@ def simulate(schedule: Schedule) -> Timeline:
     the lists cannot run to the end; use :func:`pipeloom.validate.validate` for full checks.
     """
     problem = schedule.problem
-    num_mb = schedule.num_microbatches
     index = {task.key: i for i, task in enumerate(problem.tasks)}
     seq_tasks, seq_mbs = zip(*(_compile(schedule, r, index) for r in range(problem.num_ranks)))
-    replay = _Replay(problem, num_mb, seq_tasks, seq_mbs)
+    seq_mbs, dense = _densify(seq_mbs, schedule.num_microbatches)
+    replay = _Replay(problem, len(dense), seq_tasks, seq_mbs)
     replay.run()
-    finish, starts, ends, pos = replay.finish, replay.starts, replay.ends, replay.pos
+    starts, ends, pos = replay.starts, replay.ends, replay.pos
     stuck = [r for r in range(problem.num_ranks) if pos[r] < len(seq_tasks[r])]
     if stuck:
-        raise DeadlockError(_deadlock_message(schedule, pos, stuck, finish, num_mb, index))
+        raise DeadlockError(_deadlock_message(schedule, pos, stuck, replay.finish, dense, index))
     static = problem.static_memory or (0.0,) * problem.num_ranks
     memory_delta = [task.memory for task in problem.tasks]
     durations = [task.duration for task in problem.tasks]
@@ -129,10 +129,24 @@ def _compile(schedule: Schedule, rank: int, index: dict[tuple[int, str], int]) -
     return tasks, mbs
 
 
+def _densify(seq_mbs: tuple[list[int], ...], num_mb: int) -> tuple[tuple[list[int], ...], dict[int, int]]:
+    """Renumber the micro-batches the lists use as 0..K-1 (K <= actions) and return that map.
+
+    The replay keeps one slot per (task, micro-batch); a micro-batch no action names has no slot
+    anyone waits on, so a schedule claiming M = 10**12 costs memory by its actions, not by M.
+    """
+    used = sorted(set().union(*map(set, seq_mbs)))
+    if len(used) == num_mb:  # every micro-batch appears (a complete schedule): keep the numbers
+        return seq_mbs, dict(zip(used, used))
+    dense = {mb: i for i, mb in enumerate(used)}
+    return tuple(list(map(dense.__getitem__, mbs)) for mbs in seq_mbs), dense
+
+
 class _Replay:
     """The event replay: every rank runs its list as far as it can, parking when blocked.
 
-    A slot is ``task * num_mb + microbatch``. A rank blocked on a dep parks on that dep's slot; a
+    A slot is ``task * num_mb + microbatch``, micro-batches numbered densely by :func:`_densify`
+    (``num_mb`` counts those the lists use). A rank blocked on a dep parks on that dep's slot; a
     rank blocked on a multi-rank action parks on the other rank that has not reached it yet.
     """
 
@@ -239,19 +253,23 @@ def _deadlock_message(
     pos: list[int],
     stuck: list[int],
     finish: list[float | None],
-    num_mb: int,
+    dense: dict[int, int],
     index: dict[tuple[int, str], int],
 ) -> str:
-    """Name each stuck rank's head action and what it waits for, then show the grid."""
+    """Name each stuck rank's head action and what it waits for, then show the grid.
+
+    ``dense`` maps a micro-batch to its replay number (see :func:`_densify`).
+    """
     problem = schedule.problem
     reasons = []
     for r in stuck:
         action = schedule.ranks[r][pos[r]]
         task = problem.tasks[index[action.task]]
+        mb = dense[action.microbatch]
         missing = [
             f"{dep[0]}{dep[1]}{action.microbatch}"
             for dep in task.deps
-            if finish[index[dep] * num_mb + action.microbatch] is None
+            if finish[index[dep] * len(dense) + mb] is None
         ]
         if missing:
             why = "waits for " + ", ".join(missing) + ", which never runs first"

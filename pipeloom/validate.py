@@ -6,6 +6,8 @@ on request, the "ordered" rule (B/W of a stage in micro-batch order) the exact r
 
 from __future__ import annotations
 
+from itertools import islice
+
 from pipeloom.errors import MemoryLimitError, OrderError, ScheduleError
 from pipeloom.ir import Action, Schedule, format_grid
 from pipeloom.sim import Timeline, simulate
@@ -19,6 +21,7 @@ def validate(schedule: Schedule, *, ordered: bool = False, check_memory_limit: b
     """Raise a ScheduleError subclass naming action, rank and step if ``schedule`` is invalid.
 
     Returns the simulated :class:`~pipeloom.sim.Timeline` (the deadlock check needs it anyway).
+    The structure check runs first and costs O(actions), whatever the micro-batch count claims.
     """
     check_structure(schedule)
     timeline = simulate(schedule)
@@ -69,14 +72,19 @@ def check_structure(schedule: Schedule) -> None:
             seen.add(action)
         expected = len(own) * num_mb
         if len(seen) != expected:
-            missing = sorted(
-                (Action(stage, kind, mb) for stage, kind in own for mb in range(num_mb)
-                 if Action(stage, kind, mb) not in seen),
+            # M may be huge (a file can claim 10**12 micro-batches): count the gap, list only the
+            # first 6 missing actions, lazily and in sorted order (stage, kind, micro-batch).
+            missing = (
+                Action(stage, kind, mb)
+                for stage, kind in sorted(own) for mb in range(num_mb)
+                if Action(stage, kind, mb) not in seen
             )
-            shown = ", ".join(map(str, missing[:6])) + (", ..." if len(missing) > 6 else "")
+            first = list(islice(missing, 6))
+            count = expected - len(seen)
+            shown = ", ".join(map(str, first)) + (", ..." if count > len(first) else "")
             _fail(
                 schedule, r, len(actions),
-                f"rank {r} never runs {len(missing)} action(s) it owns: {shown}",
+                f"rank {r} never runs {count} action(s) it owns: {shown}",
             )
 
 

@@ -6,6 +6,7 @@ example of DESIGN §2, and hand-written golden text.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -25,8 +26,8 @@ from pipeloom.ir import (
     schedule_to_csv,
     schedule_to_json,
 )
-from pipeloom.problem import Costs, Problem, Task, stage_graph
-from pipeloom.schedules import build_schedule
+from pipeloom.problem import Costs, Problem, Stage, Task, stage_graph
+from pipeloom.schedules import REGISTRY, build_schedule
 
 # ------------------------------------------------------------------------------------ strategies
 
@@ -34,6 +35,7 @@ actions = st.builds(
     Action, st.integers(0, 10_000), st.sampled_from("FBIW"), st.integers(0, 10_000)
 )
 numbers = st.one_of(st.integers(-5, 5), st.floats(-1e6, 1e6, allow_nan=False, allow_infinity=False))
+limits = st.one_of(st.none(), st.integers(0, 5), st.floats(0, 1e6, allow_nan=False, allow_infinity=False))
 durations = st.one_of(st.integers(0, 5), st.floats(0, 1e6, allow_nan=False, allow_infinity=False))
 
 
@@ -49,10 +51,11 @@ def chain_schedules(draw) -> Schedule:
     num_ranks = draw(st.integers(1, 4))
     num_stages = draw(st.integers(1, 6))
     stage_ranks = [draw(st.integers(0, num_ranks - 1)) for _ in range(num_stages)]
+    num_ranks = 1 + max(stage_ranks)  # a CSV has no row for a trailing idle rank (middle ones: yes)
     costs = Costs(f=draw(durations), b=draw(durations), w=draw(durations), comm=draw(durations),
                   memory=3.0, w_memory=draw(st.sampled_from([0.0, 1.0, 3.0])))
     backward = draw(st.sampled_from(["full", "split", "none"]))
-    limit = draw(st.one_of(st.none(), numbers))
+    limit = draw(limits)
     share = {rank: 1.0 / stage_ranks.count(rank) for rank in stage_ranks}  # a rank's share split evenly
     problem = stage_graph(
         [costs.stage(rank, share=share[rank]) for rank in stage_ranks], num_ranks=num_ranks, backward=backward,
@@ -79,7 +82,7 @@ def task_graph_schedules(draw) -> Schedule:
                           duration=draw(durations), memory=draw(numbers), deps=tuple(sorted(deps))))
     static = draw(st.one_of(st.none(), st.lists(numbers, min_size=num_ranks, max_size=num_ranks)))
     problem = Problem(num_ranks=num_ranks, tasks=tuple(tasks), comm_latency=draw(durations),
-                      memory_limit=draw(st.one_of(st.none(), numbers)),
+                      memory_limit=draw(limits),
                       static_memory=None if static is None else tuple(static))
     rows = [draw(st.lists(actions, max_size=6)) for _ in range(num_ranks)]
     return Schedule(name=draw(st.text(max_size=8)), problem=problem,
@@ -154,6 +157,21 @@ def _document() -> dict:
         (lambda d: d["tasks"][0].update(ranks=[5]), ["rank 5", "only 2 ranks"]),
         (lambda d: d.update(num_microbatches=0), ["num_microbatches", "positive"]),
         (lambda d: d["ranks"].pop(), ["1 rank lists", "2 ranks"]),
+        (lambda d: d.update(static_memory=5), ["static_memory", "list of numbers or null", "5"]),
+        (lambda d: d.update(static_memory=["a", 1]), ["static_memory", "list of numbers or null"]),
+        (lambda d: d.update(static_memory={"0": 1}), ["static_memory", "list of numbers or null"]),
+        (lambda d: d.update(static_memory=[1]), ["static_memory", "one per rank"]),
+        (lambda d: d.update(name=None), ["name", "string", "None"]),
+        (lambda d: d.update(name=3), ["name", "string", "3"]),
+        (lambda d: d.update(comm_latency=None), ["comm_latency", "number", "None"]),
+        (lambda d: d.update(comm_latency="1"), ["comm_latency", "number"]),
+        (lambda d: d.update(memory_limit=[1]), ["memory_limit", "number or null"]),
+        (lambda d: d.update(memory_limit=True), ["memory_limit", "True"]),
+        (lambda d: d.update(memory_limit=-1), ["memory_limit", ">= 0"]),
+        (lambda d: d["tasks"][0].update(stage=True), ["tasks[0].stage", "integer", "True"]),
+        (lambda d: d["tasks"][0].update(memory="x"), ["tasks[0]", "memory", "'x'"]),
+        (lambda d: d["tasks"][0].update(ranks=[[0]]), ["tasks[0]", "rank", "[0]"]),
+        (lambda d: d["tasks"][0].update(duration=10**400), ["tasks[0]", "duration", "finite"]),
     ],
 )
 def test_bad_json_is_a_format_error_naming_the_key(edit, words):
@@ -165,10 +183,44 @@ def test_bad_json_is_a_format_error_naming_the_key(edit, words):
         assert word in str(caught.value)
 
 
-@pytest.mark.parametrize(("text", "words"), [("{", "malformed JSON"), ("[]", "JSON object")])
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ("{", "malformed JSON"),
+        ("[]", "JSON object"),
+        ("[" * 100_000 + "]" * 100_000, "malformed JSON"),  # deeper than the parser's recursion limit
+        ('{"format": ' + "1" * 5000 + "}", "malformed JSON"),  # longer than Python's int-digit limit
+    ],
+)
 def test_unreadable_json_is_a_format_error(text, words):
     with pytest.raises(ScheduleFormatError, match=words):
         schedule_from_json(text)
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.integers(-(10**400), 10**400)
+    | st.floats() | st.text(max_size=6),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=6,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    where=st.sampled_from(["top", "task"]),
+    key=st.sampled_from(sorted({"format", "name", "num_ranks", "num_microbatches", "tasks", "comm_latency",
+                                "memory_limit", "static_memory", "ranks", "stage", "kind", "duration",
+                                "memory", "deps"})),
+    value=json_values,
+)
+def test_any_json_value_for_any_key_loads_or_is_a_format_error(where, key, value):
+    """Property: replacing one top-level or task value by any JSON value never escapes as TypeError etc."""
+    document = _document()
+    (document if where == "top" else document["tasks"][1])[key] = value
+    try:
+        schedule_from_json(json.dumps(document))
+    except ScheduleFormatError:
+        pass
 
 
 # ------------------------------------------------------------------------------------------- CSV
@@ -192,9 +244,16 @@ def test_csv_is_one_row_per_rank_and_empty_cells_are_idle():
 
 
 def test_csv_with_an_idle_rank_and_split_backward():
-    loaded = schedule_from_csv("0F0,0I0,0W0\n\n")
-    assert loaded.num_ranks == 2 and loaded.ranks[1] == ()
-    assert [t.name for t in loaded.problem.tasks] == ["0F", "0I", "0W"]
+    loaded = schedule_from_csv("0F0,0I0,0W0\n\n1F0,1I0,1W0\n")
+    assert loaded.num_ranks == 3 and loaded.ranks[1] == ()
+    assert [t.name for t in loaded.problem.tasks] == ["0F", "0I", "0W", "1F", "1I", "1W"]
+    assert [t.ranks for t in loaded.problem.tasks] == [(0,)] * 3 + [(2,)] * 3
+
+
+@pytest.mark.parametrize("tail", ["\n", "\n\n", "\n\n\n", "\r\n\r\n", "\n,,\n \n"])
+def test_csv_blank_rows_after_the_last_action_row_are_not_ranks(tail):
+    loaded = schedule_from_csv("0F0,0B0" + tail)
+    assert loaded.num_ranks == 1 and loaded.ranks == ((Action(0, "F", 0), Action(0, "B", 0)),)
 
 
 @pytest.mark.parametrize(
@@ -206,6 +265,11 @@ def test_csv_with_an_idle_rank_and_split_backward():
         ("0F0,0B0\n2F0\n", ["stages [1] never run"]),
         ("0F0,0B0,0I0\n", ["mixes", "B", "I/W"]),
         ("0F0,0Z0\n", ["row 1, column 2", "0Z0"]),
+        ('0F0,"0B0\n', ["malformed CSV", "line 1", "unexpected end of data", "quote"]),
+        ('0F0,0B0\n"1F0,1B0\n\n', ["malformed CSV", "line 3", "unexpected end of data"]),
+        ('0F0,"0B"0\n', ["malformed CSV", "line 1", "',' expected after '\"'"]),
+        ("0F0,0B" + "9" * 5000 + "\n", ["row 1, column 2", "too long"]),
+        ("0F0,\u0663B0\n", ["row 1, column 2", "e.g. '2F0'"]),  # ASCII digits only
     ],
 )
 def test_bad_csv_is_a_format_error_naming_the_cell(text, words):
@@ -226,6 +290,90 @@ def test_save_and_load_by_suffix(tmp_path, suffix):
     back = load_schedule(path)
     assert back.ranks == schedule.ranks and back.problem == schedule.problem
     assert back.name == ("1f1b" if suffix == ".json" else "one")
+
+
+@pytest.mark.parametrize("suffix", [".JSON", ".Csv"])
+def test_suffixes_are_case_insensitive(tmp_path, suffix):
+    schedule = build_schedule("1f1b", 2, 3)
+    path = tmp_path / f"one{suffix}"
+    save_schedule(schedule, path)
+    assert load_schedule(path).ranks == schedule.ranks
+
+
+@pytest.mark.parametrize("suffix", [".json", ".csv"])
+def test_a_file_that_is_not_utf8_is_a_format_error(tmp_path, suffix):
+    path = tmp_path / f"latin1{suffix}"
+    path.write_bytes("0F0,0B0 \u00e9\n".encode("latin-1"))
+    with pytest.raises(ScheduleFormatError, match=r"cannot read .*latin1.*: not UTF-8 text \(byte 8\)$"):
+        load_schedule(path)
+
+
+def _registry_schedule(name: str) -> Schedule:
+    """A small instance every family accepts (4 ranks, 8 micro-batches, split costs)."""
+    return build_schedule(name, 4, 8, costs=Costs(f=1, b=1, w=1))
+
+
+CSV_READABLE = {"gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zb-h1", "zb-h2", "zbv", "dualpipev"}
+
+
+@pytest.mark.parametrize("name", list(REGISTRY))
+def test_csv_export_round_trips_or_refuses_each_registry_schedule(name, tmp_path):
+    """Oracle: the CSV reader. A schedule saved as CSV reads back with the same lists and tasks."""
+    assert set(REGISTRY) - CSV_READABLE == {"dualpipe", "chimera"}  # a new family must be listed here
+    schedule = _registry_schedule(name)
+    if name in CSV_READABLE:
+        back = schedule_from_csv(schedule_to_csv(schedule))
+        assert back.ranks == schedule.ranks and back.num_microbatches == schedule.num_microbatches
+        shape = lambda problem: [(t.key, t.ranks, set(t.deps)) for t in problem.tasks]
+        assert shape(back.problem) == shape(schedule.problem)
+        return
+    for write in (schedule_to_csv, lambda s: save_schedule(s, tmp_path / "x.csv")):
+        with pytest.raises(ScheduleFormatError) as caught:
+            write(schedule)
+        message = str(caught.value)
+        assert f"schedule {name!r}" in message and "torch CSV" in message and "save it as .json" in message
+        assert "stage 4 does not depend on stage 3" in message  # the second replica's chain starts afresh
+    assert not (tmp_path / "x.csv").exists()
+
+
+def _problem_with(**changes) -> Problem:
+    problem = stage_graph([Stage(ranks=0), Stage(ranks=1)], backward="split")
+    tasks = [dataclasses.replace(t, **changes[t.name]) if t.name in changes else t for t in problem.tasks]
+    return dataclasses.replace(problem, tasks=tuple(tasks))
+
+
+@pytest.mark.parametrize(
+    ("problem", "words"),
+    [
+        (_problem_with(**{"1W": {"ranks": (0, 1)}}), ["task 1W runs on ranks [0, 1]", "one rank"]),
+        (_problem_with(**{"1W": {"ranks": (0,)}}), ["stage 1 runs on ranks 1 and 0"]),
+        (_problem_with(**{"1F": {"deps": ()}}), ["stage 1 does not depend on stage 0"]),
+        (_problem_with(**{"0I": {"deps": ((0, "F"),)}}), ["task 0I waits for 0F,", "wait for 0F, 1I"]),
+        (_problem_with(**{"1W": {"deps": ((1, "I"), (0, "F"))}}),
+         ["task 1W waits for 0F, 1I,", "wait for 1I"]),
+        (_problem_with(**{"1W": {"kind": "B", "deps": ((1, "F"),)}}),
+         ["stage 1 has tasks B, F, I and stage 0 has F, I, W", "one backward style"]),
+        (Problem(num_ranks=2, tasks=(Task(stage=0, kind="F", ranks=(0,), duration=1),
+                                     Task(stage=1, kind="F", ranks=(1,), duration=1, deps=((0, "F"),)),
+                                     Task(stage=1, kind="B", ranks=(1,), duration=1, deps=((1, "F"),)))),
+         ["stage 1 has tasks B, F and stage 0 has F;"]),
+        (stage_graph([Stage(ranks=0), Stage(ranks=1), Stage(ranks=0)], edges=[(0, 1), (0, 2)]),
+         ["stage 2 does not depend on stage 1"]),
+        (Problem(num_ranks=1, tasks=(Task(stage=1, kind="F", ranks=(0,), duration=1),)),
+         ["stages 0..1", "[0]"]),
+        (stage_graph([Stage(ranks=0), Stage(ranks=0)], num_ranks=2), ["rank 1", "last", "no actions"]),
+    ],
+)
+def test_csv_export_names_what_the_csv_cannot_carry(problem, words):
+    ranks = [[Action(t.stage, t.kind, 0) for t in problem.tasks_on(r)] for r in range(problem.num_ranks)]
+    schedule = Schedule(name="odd", problem=problem, num_microbatches=1, ranks=ranks)
+    with pytest.raises(ScheduleFormatError) as caught:
+        schedule_to_csv(schedule)
+    message = str(caught.value)
+    assert message.startswith("schedule 'odd' cannot be saved as torch CSV because ")
+    assert message.endswith("; save it as .json")
+    for word in words:
+        assert word in message
 
 
 def test_save_and_load_reject_unknown_suffix_and_missing_file(tmp_path):

@@ -155,6 +155,26 @@ def test_simulate_rejects_foreign_actions_with_a_pointer_to_the_validator():
         _simulate(_two_stage_chain(0.0), ["0F3 0B0", "1F0 1B0"])
 
 
+# ---------------------------------------------------------------------- huge micro-batch counts
+
+
+@pytest.mark.timeout(20)
+def test_simulate_allocates_by_actions_not_by_microbatch_count():
+    """Oracle: the same lists replay alike with M = 3 and M = 10**12 (micro-batch 1 never runs)."""
+    problem = _two_stage_chain(0.5)
+    rows = ["0F0 0F2 0B0 0B2", "1F0 1B0 1F2 1B2"]
+    small, huge = _simulate(problem, rows, num_mb=3), _simulate(problem, rows, num_mb=10**12)
+    assert (huge.starts, huge.ends, huge.memory, huge.makespan) == (
+        small.starts, small.ends, small.memory, small.makespan)
+
+
+@pytest.mark.timeout(20)
+def test_deadlock_message_with_a_huge_microbatch_count_names_the_real_microbatch():
+    schedule = _schedule(_two_stage_chain(0.0), ["0F0 0B0 0B999999999999", "1F0 1B0"], num_mb=10**12)
+    with pytest.raises(DeadlockError, match="0B999999999999 waits for 0F999999999999, 1B999999999999"):
+        simulate(schedule)
+
+
 # ------------------------------------------------------------------------ reference simulator
 
 

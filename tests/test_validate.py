@@ -12,10 +12,10 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from pipeloom.errors import DeadlockError, MemoryLimitError, OrderError, ScheduleError
-from pipeloom.ir import Action, Schedule
+from pipeloom.ir import Action, Schedule, schedule_from_csv
 from pipeloom.problem import Costs, Problem, Task
 from pipeloom.schedules import REGISTRY, build_schedule
-from pipeloom.validate import is_valid, validate
+from pipeloom.validate import check_structure, is_valid, validate
 
 
 def _edit(schedule: Schedule, rank: int, row: str, **changes) -> Schedule:
@@ -117,6 +117,32 @@ def test_multi_rank_task_missing_on_one_of_its_ranks():
     schedule = Schedule(name="tp", problem=problem, num_microbatches=1, ranks=[[Action(0, "F", 0)], []])
     with pytest.raises(ScheduleError, match="rank 1 never runs 1 action"):
         validate(schedule)
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("num_mb", [10**5, 10**12])
+def test_a_huge_microbatch_count_fails_fast_naming_the_count(num_mb):
+    """A file may claim 10**12 micro-batches: the structure check counts the gap, lists 6, and stops."""
+    small = build_schedule("gpipe", 2, 2)
+    big = Schedule(name="big", problem=small.problem, num_microbatches=num_mb, ranks=small.ranks)
+    with pytest.raises(ScheduleError) as caught:
+        validate(big)
+    assert (f"rank 0 step 4: rank 0 never runs {2 * num_mb - 4} action(s) it owns: "
+            "0B2, 0B3, 0B4, 0B5, 0B6, 0B7, ...\n") in str(caught.value)
+
+
+@pytest.mark.timeout(20)
+def test_a_csv_cell_with_a_huge_microbatch_fails_fast():
+    schedule = schedule_from_csv("0F0,0B0,0F99999999999999\n")
+    assert schedule.num_microbatches == 10**14
+    with pytest.raises(ScheduleError, match=r"never runs 199999999999997 action\(s\) it owns: 0B1, 0B2,"):
+        validate(schedule)
+
+
+def test_the_missing_list_is_sorted_and_cut_at_six():
+    schedule = _edit(_one_f_one_b(), 1, "1F1 1B1")
+    with pytest.raises(ScheduleError, match=r"never runs 4 action\(s\) it owns: 1B0, 1B2, 1F0, 1F2\n"):
+        check_structure(schedule)
 
 
 # ------------------------------------------------------------------------ corruption properties
