@@ -290,11 +290,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         raise _UsageError(f"{'/'.join(cost_flags)} set the costs of a torch CSV; a pipeloom JSON "
                           "schedule carries its own task durations")
     costs = _costs(args)
-    try:
-        schedule = load_schedule(args.file, costs=costs)
-    except UnicodeDecodeError as error:
-        raise PipeloomError(f"{args.file} is not a UTF-8 text file (byte {error.start}); expected "
-                            "pipeloom JSON or a torch CSV") from None
+    schedule = load_schedule(args.file, costs=costs)
     problem = schedule.problem
     if args.memory_limit is not None:  # overrides the limit a JSON file carries
         problem = dataclasses.replace(problem, memory_limit=args.memory_limit)

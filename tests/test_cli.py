@@ -424,7 +424,7 @@ def test_empty_file(capsys, tmp_path, name):
 def test_binary_file(capsys, tmp_path, name):
     path = tmp_path / name
     path.write_bytes(bytes(range(256)))
-    assert_one_line_error(run(capsys, "simulate", str(path)), 1, name, "not a UTF-8 text file")
+    assert_one_line_error(run(capsys, "simulate", str(path)), 1, name, "not UTF-8 text")
 
 
 def test_saving_dualpipe_as_csv_is_refused(capsys, tmp_path):
