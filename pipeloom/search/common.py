@@ -1,0 +1,181 @@
+"""Shared pieces of the schedule search: integer scaling, lower bounds, orders from start times."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from pipeloom.errors import PipeloomError
+from pipeloom.ir import Action, Schedule
+from pipeloom.problem import Problem
+
+__all__ = [
+    "SearchError",
+    "IntegerProblem",
+    "to_integers",
+    "topological_order",
+    "head_tail",
+    "lower_bound",
+    "schedule_from_starts",
+]
+
+
+class SearchError(PipeloomError):
+    """The search cannot return a schedule (e.g. the memory limit admits none)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class IntegerProblem:
+    """A problem with times and memory scaled to integers for CP-SAT (``int = round(real * scale)``)."""
+
+    problem: Problem
+    """The original problem."""
+    time_scale: float
+    """Integer time units per real time unit."""
+    memory_scale: float
+    """Integer memory units per real memory unit."""
+    exact: bool
+    """True when scaling lost nothing (every duration, latency and memory became a whole number)."""
+    durations: tuple[int, ...]
+    """Per task (index into ``problem.tasks``)."""
+    memory: tuple[int, ...]
+    """Per task: held-memory change at its start."""
+    deps: tuple[tuple[tuple[int, int], ...], ...]
+    """Per task: ``(dep task index, latency)`` with the latency already 0 on the same rank set."""
+    limits: tuple[int | None, ...]
+    """Per rank: memory the actions may add on top of its static memory (None = unlimited)."""
+
+
+def _scale_for(values: list[float], resolution: int) -> tuple[float, bool]:
+    """Smallest power of ten (up to ``resolution``) making every value whole, else a fitted scale."""
+    scale = 1
+    while scale <= resolution:
+        if all(abs(v * scale - round(v * scale)) <= 1e-9 * max(1.0, abs(v * scale)) for v in values):
+            return float(scale), True
+        scale *= 10
+    top = max((abs(v) for v in values), default=1.0) or 1.0
+    return resolution / top, False
+
+
+def to_integers(problem: Problem, *, memory_limit: float | None = None, resolution: int = 10**6) -> IntegerProblem:
+    """Scale ``problem`` to integers; ``memory_limit`` overrides the problem's own limit.
+
+    Times use one scale (durations and latency), memory another. When no power of ten up to
+    ``resolution`` makes everything whole, values are rounded at ``resolution`` steps of the
+    largest one and ``exact`` is False (the caller re-simulates with the real values).
+    """
+    tasks = problem.tasks
+    index = {task.key: i for i, task in enumerate(tasks)}
+    time_scale, time_exact = _scale_for([t.duration for t in tasks] + [problem.comm_latency], resolution)
+    memory_scale, memory_exact = _scale_for([t.memory for t in tasks], resolution)
+    latency = round(problem.comm_latency * time_scale)
+    deps = tuple(
+        tuple(
+            (index[dep], 0 if set(tasks[index[dep]].ranks) == set(task.ranks) else latency)
+            for dep in task.deps
+        )
+        for task in tasks
+    )
+    limit = problem.memory_limit if memory_limit is None else memory_limit
+    static = problem.static_memory or (0.0,) * problem.num_ranks
+    limits = tuple(
+        None if limit is None else math.floor((limit - static[r]) * memory_scale + 1e-9)
+        for r in range(problem.num_ranks)
+    )
+    return IntegerProblem(
+        problem=problem,
+        time_scale=time_scale,
+        memory_scale=memory_scale,
+        exact=time_exact and memory_exact,
+        durations=tuple(round(t.duration * time_scale) for t in tasks),
+        memory=tuple(round(t.memory * memory_scale) for t in tasks),
+        deps=deps,
+        limits=limits,
+    )
+
+
+def topological_order(problem: Problem) -> list[int]:
+    """Task indices with every dependency before its user (stable: ties keep definition order)."""
+    index = {task.key: i for i, task in enumerate(problem.tasks)}
+    placed: list[int] = []
+    done: set[int] = set()
+    pending = list(range(len(problem.tasks)))
+    while pending:
+        remaining = []
+        for i in pending:
+            if all(index[dep] in done for dep in problem.tasks[i].deps):
+                placed.append(i)
+                done.add(i)
+            else:
+                remaining.append(i)
+        pending = remaining
+    return placed
+
+
+def head_tail(problem: Problem) -> tuple[list[float], list[float]]:
+    """Per task: longest path from the micro-batch's start to the task's start (head) and from the
+    task's end to the micro-batch's end (tail), latencies included."""
+    tasks = problem.tasks
+    index = {task.key: i for i, task in enumerate(tasks)}
+    order = topological_order(problem)
+
+    def latency(dep: int, user: int) -> float:
+        return 0.0 if set(tasks[dep].ranks) == set(tasks[user].ranks) else problem.comm_latency
+
+    head = [0.0] * len(tasks)
+    for i in order:
+        for dep in tasks[i].deps:
+            d = index[dep]
+            head[i] = max(head[i], head[d] + tasks[d].duration + latency(d, i))
+    tail = [0.0] * len(tasks)
+    for i in reversed(order):
+        for dep in tasks[i].deps:
+            d = index[dep]
+            tail[d] = max(tail[d], tasks[i].duration + tail[i] + latency(d, i))
+    return head, tail
+
+
+def lower_bound(problem: Problem, num_microbatches: int) -> float:
+    """A makespan no schedule can beat: the longest micro-batch path, and per rank
+    ``min head + M * work + min tail`` over the tasks on it (its first action cannot start before
+    its head, its last must still be followed by its tail)."""
+    head, tail = head_tail(problem)
+    bound = max(head[i] + task.duration + tail[i] for i, task in enumerate(problem.tasks))
+    work = problem.work_per_microbatch()
+    for rank in range(problem.num_ranks):
+        on_rank = [i for i, task in enumerate(problem.tasks) if rank in task.ranks]
+        if on_rank:
+            first = min(head[i] for i in on_rank)
+            last = min(tail[i] for i in on_rank)
+            bound = max(bound, first + num_microbatches * work[rank] + last)
+    return bound
+
+
+def schedule_from_starts(
+    problem: Problem,
+    *,
+    name: str,
+    num_microbatches: int,
+    starts: Mapping[tuple[int, int], float],
+) -> Schedule:
+    """Per-rank action lists ordered by ``starts[(task index, micro-batch)]``.
+
+    Ties (zero-duration tasks) go by topological position, then micro-batch, so a dependency
+    always comes first.
+    """
+    position = {t: p for p, t in enumerate(topological_order(problem))}
+    ranks: list[list[tuple[float, int, int, Action]]] = [[] for _ in range(problem.num_ranks)]
+    for (t, mb), start in starts.items():
+        task = problem.tasks[t]
+        action = Action(task.stage, task.kind, mb)
+        for rank in task.ranks:
+            ranks[rank].append((start, position[t], mb, action))
+    for entries in ranks:
+        entries.sort()
+    return Schedule(
+        name=name,
+        problem=problem,
+        num_microbatches=num_microbatches,
+        ranks=tuple(tuple(entry[3] for entry in entries) for entries in ranks),
+    )

@@ -1,0 +1,60 @@
+"""What a search returns: the schedule, the solver's status, the bound and the gap."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from pipeloom.ir import Schedule
+
+__all__ = ["SearchResult", "SearchProgress", "Status", "Mode"]
+
+Status = Literal["optimal", "feasible"]
+Mode = Literal["exact", "periodic"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SearchResult:
+    """A searched schedule with its proof of quality."""
+
+    schedule: Schedule
+    """The schedule found (validates; B/W in micro-batch order)."""
+    status: Status
+    """``optimal`` when the makespan equals the proven lower bound, else ``feasible``."""
+    mode: Mode
+    """Which search produced it."""
+    makespan: float
+    """Simulated makespan of ``schedule`` (real time units)."""
+    lower_bound: float
+    """No schedule of this problem under the memory limit finishes earlier."""
+    seconds: float
+    """Wall time the search took."""
+    peak_memory: tuple[float, ...]
+    """Per-rank peak memory of ``schedule``."""
+    period: float | None = None
+    """Steady-state period (periodic mode), real time units."""
+    period_lower_bound: float | None = None
+    """Per-rank work per micro-batch: no period can be shorter (periodic mode)."""
+    time_scale: float = 1.0
+    """Integer solver units per real time unit (durations were scaled to integers)."""
+
+    @property
+    def gap(self) -> float:
+        """``(makespan - lower_bound) / lower_bound``; 0 when proven optimal."""
+        if self.lower_bound <= 0:
+            return 0.0
+        return max(0.0, (self.makespan - self.lower_bound) / self.lower_bound)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SearchProgress:
+    """A progress report while a search runs (for a terminal display)."""
+
+    seconds: float
+    """Time since the search started."""
+    best: float | None
+    """Best makespan (or period, in periodic mode) found so far, real units."""
+    bound: float
+    """Current proven bound, real units."""
+    phase: str
+    """What runs now, e.g. ``exact``, ``period``, ``warm-up``."""
