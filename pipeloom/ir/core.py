@@ -1,0 +1,141 @@
+"""Actions and schedules (DESIGN §2): ``Action`` prints ``2F0``; ``Schedule`` holds per-rank action
+lists with the problem they schedule; ``format_grid`` draws the step x rank grid for errors.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from pipeloom.errors import PipeloomError, ScheduleFormatError
+from pipeloom.problem import Problem
+
+__all__ = ["Action", "Schedule", "format_grid", "shown"]
+
+_ACTION = re.compile(r"^(\d+)([FBIW])(\d+)$", re.ASCII)
+_MAX_DIGITS = 18  # indices beyond 10**18 are typos, and int() refuses more than 4300 digits
+
+
+class Action(NamedTuple):
+    """One task of one micro-batch, as a rank runs it: ``Action(2, "F", 0)`` prints ``2F0``."""
+
+    stage: int
+    kind: str
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind}{self.microbatch}"
+
+    @property
+    def task(self) -> tuple[int, str]:
+        """The task key ``(stage, kind)``."""
+        return (self.stage, self.kind)
+
+    @classmethod
+    def parse(cls, text: str) -> Action:
+        """Inverse of ``str``: ``Action.parse("2F0") == Action(2, "F", 0)``."""
+        match = _ACTION.match(text.strip()) if isinstance(text, str) else None
+        if match is None:
+            raise ScheduleFormatError(
+                f"bad action {shown(text)}: expected STAGE KIND MICROBATCH with kind F, B, I or W, "
+                "e.g. '2F0'"
+            )
+        if max(len(match.group(1)), len(match.group(3))) > _MAX_DIGITS:
+            raise ScheduleFormatError(
+                f"bad action {shown(text)}: an index is too long (over {_MAX_DIGITS} digits)"
+            )
+        return cls(int(match.group(1)), match.group(2), int(match.group(3)))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Schedule:
+    """For each rank, the ordered actions it runs, plus the problem they schedule."""
+
+    name: str
+    """Schedule name, e.g. ``1f1b``."""
+    problem: Problem
+    """The task graph and machine the schedule is for."""
+    num_microbatches: int
+    """Number of micro-batches M; every task runs once for each of 0..M-1."""
+    ranks: tuple[tuple[Action, ...], ...]
+    """``ranks[r]`` is rank r's action list in execution order."""
+
+    def __post_init__(self) -> None:
+        m = self.num_microbatches
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise PipeloomError(f"num_microbatches must be a positive integer, got {m!r}")
+        ranks = tuple(tuple(actions) for actions in self.ranks)
+        if len(ranks) != self.problem.num_ranks:
+            raise PipeloomError(
+                f"schedule {self.name!r} has {len(ranks)} rank lists but the problem has "
+                f"{self.problem.num_ranks} ranks; give one list per rank"
+            )
+        object.__setattr__(self, "ranks", ranks)
+
+    @property
+    def num_ranks(self) -> int:
+        """Number of ranks."""
+        return self.problem.num_ranks
+
+    @property
+    def num_actions(self) -> int:
+        """Total entries over all rank lists."""
+        return sum(len(actions) for actions in self.ranks)
+
+    def to_text(self) -> str:
+        """One line per rank: ``rank 0: 0F0 0F1 0B0 ...`` (golden-snapshot friendly)."""
+        return "\n".join(
+            f"rank {r}: " + " ".join(map(str, actions)) for r, actions in enumerate(self.ranks)
+        )
+
+
+def format_grid(
+    ranks: Sequence[Sequence[Any]],
+    *,
+    mark: tuple[int, int] | None = None,
+    context: int = 5,
+    max_ranks: int = 12,
+) -> str:
+    """The step x rank grid of action strings; ``mark=(rank, step)`` flags the failing cell.
+
+    Only ``context`` steps around the mark (and ``max_ranks`` ranks around its rank) are shown
+    so that errors stay readable for long schedules.
+    """
+    num_steps = max((len(actions) for actions in ranks), default=0)
+    if mark is None:
+        first, last = 0, min(num_steps, 2 * context + 1)
+        rank_lo, rank_hi = 0, min(len(ranks), max_ranks)
+    else:
+        first, last = max(0, mark[1] - context), min(num_steps, mark[1] + context + 1)
+        rank_lo = max(0, min(mark[0] - max_ranks // 2, len(ranks) - max_ranks))
+        rank_hi = min(len(ranks), rank_lo + max_ranks)
+    columns = range(rank_lo, rank_hi)
+    cells = [["step"] + [f"rank {r}" for r in columns]]
+    for step in range(first, last):
+        row = [str(step)]
+        for r in columns:
+            text = str(ranks[r][step]) if step < len(ranks[r]) else ""
+            if mark == (r, step):
+                text = f">{text}<"
+            row.append(text)
+        cells.append(row)
+    widths = [max(len(row[c]) for row in cells) for c in range(len(cells[0]))]
+    lines = [" | ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in cells]
+    if mark is not None and first <= mark[1] < last:
+        lines[1 + mark[1] - first] += "   <-- here"
+    notes = []
+    if first > 0 or last < num_steps:
+        notes.append(f"steps {first}..{last - 1} of {num_steps}")
+    if rank_lo > 0 or rank_hi < len(ranks):
+        notes.append(f"ranks {rank_lo}..{rank_hi - 1} of {len(ranks)}")
+    if notes:
+        lines.append("(" + ", ".join(notes) + ")")
+    return "\n".join(lines)
+
+
+def shown(value: Any) -> str:
+    """``repr(value)`` cut to 60 characters, for error messages."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

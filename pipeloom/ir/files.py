@@ -1,0 +1,49 @@
+"""Saving and loading schedule files, pipeloom JSON or torch CSV chosen by the file suffix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipeloom.errors import ScheduleFormatError
+from pipeloom.ir.core import Schedule
+from pipeloom.ir.json_io import schedule_from_json, schedule_to_json
+from pipeloom.ir.torch_csv import schedule_from_csv, schedule_to_csv
+from pipeloom.problem import Costs
+
+__all__ = ["save_schedule", "load_schedule"]
+
+
+def save_schedule(schedule: Schedule, path: str | Path) -> None:
+    """Write ``schedule`` as pipeloom JSON (``.json``) or torch compute-only CSV (``.csv``).
+
+    The suffix is matched case-insensitively; nothing is written when the CSV cannot carry it.
+    """
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix == ".csv":
+        text = schedule_to_csv(schedule)
+    elif suffix == ".json":
+        text = schedule_to_json(schedule, indent=1) + "\n"
+    else:
+        raise ScheduleFormatError(f"cannot save {path}: use a .json or .csv suffix")
+    path.write_text(text, encoding="utf-8")
+
+
+def load_schedule(path: str | Path, *, costs: Costs = Costs()) -> Schedule:
+    """Read a schedule saved as pipeloom JSON or torch CSV (chosen by suffix, any case).
+
+    The file must be UTF-8 text (a leading byte-order mark is allowed).
+    """
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix not in (".csv", ".json"):
+        raise ScheduleFormatError(f"cannot read {path}: use a .json (pipeloom) or .csv (torch) file")
+    try:
+        text = path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as error:
+        raise ScheduleFormatError(f"cannot read {path}: not UTF-8 text (byte {error.start})") from None
+    except OSError as error:
+        raise ScheduleFormatError(f"cannot read {path}: {error.strerror or error}") from None
+    if suffix == ".csv":
+        return schedule_from_csv(text, name=path.stem, costs=costs)
+    return schedule_from_json(text)

@@ -1,0 +1,169 @@
+"""The ``pipeloom.schedule/1`` JSON form of a schedule: tasks, machine facts and rank lists."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pipeloom.errors import PipeloomError, ScheduleFormatError
+from pipeloom.ir.core import Action, Schedule, shown
+from pipeloom.problem import Problem, Task, parse_task_name, task_name
+
+__all__ = ["FORMAT", "schedule_to_json", "schedule_from_json"]
+
+FORMAT = "pipeloom.schedule/1"
+
+_TOP_KEYS = {
+    "format", "name", "num_ranks", "num_microbatches", "tasks", "comm_latency", "memory_limit",
+    "static_memory", "ranks",
+}
+_TASK_KEYS = {"stage", "kind", "ranks", "duration", "memory", "deps"}
+_NUMBER = (int, float)
+
+
+def schedule_to_json(schedule: Schedule, *, indent: int | None = None) -> str:
+    """The ``pipeloom.schedule/1`` JSON text of a schedule (tasks, machine facts, rank lists)."""
+    problem = schedule.problem
+    document = {
+        "format": FORMAT,
+        "name": schedule.name,
+        "num_ranks": problem.num_ranks,
+        "num_microbatches": schedule.num_microbatches,
+        "tasks": [
+            {
+                "stage": task.stage,
+                "kind": task.kind,
+                "ranks": list(task.ranks),
+                "duration": task.duration,
+                "memory": task.memory,
+                "deps": [task_name(dep) for dep in task.deps],
+            }
+            for task in problem.tasks
+        ],
+        "comm_latency": problem.comm_latency,
+        "memory_limit": problem.memory_limit,
+        "static_memory": None if problem.static_memory is None else list(problem.static_memory),
+        "ranks": [[str(action) for action in actions] for actions in schedule.ranks],
+    }
+    return json.dumps(document, indent=indent)
+
+
+def _require(document: dict, key: str, types: type | tuple[type, ...], where: str) -> Any:
+    if key not in document:
+        raise ScheduleFormatError(f"{where}: missing key {key!r}")
+    return _typed(document[key], types, f"{where}.{key}")
+
+
+def _typed(value: Any, types: type | tuple[type, ...], what: str, *, null: bool = False) -> Any:
+    """``value`` if it is one of ``types`` (a bool is no number), or None when ``null``."""
+    types = types if isinstance(types, tuple) else (types,)
+    if value is None and null:
+        return None
+    if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
+        words = _type_words(types) + (" or null" if null else "")
+        raise ScheduleFormatError(f"{what}: expected {words}, got {shown(value)}")
+    return value
+
+
+def _type_words(types: tuple[type, ...]) -> str:
+    names = {int: "an integer", float: "a number", str: "a string", list: "a list", dict: "an object"}
+    if float in types:
+        types = tuple(t for t in types if t is not int)
+    return " or ".join(dict.fromkeys(names.get(t, t.__name__) for t in types))
+
+
+def _numbers(value: Any, what: str) -> tuple[float, ...] | None:
+    """A JSON list of numbers as a tuple, or None for null."""
+    if value is not None and not (
+        isinstance(value, list)
+        and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+    ):
+        raise ScheduleFormatError(f"{what}: expected a list of numbers or null, got {shown(value)}")
+    return None if value is None else tuple(value)
+
+
+def _task_from_json(entry: Any, i: int) -> Task:
+    where = f"tasks[{i}]"
+    if not isinstance(entry, dict):
+        raise ScheduleFormatError(f"{where}: expected an object, got {shown(entry)}")
+    unknown = set(entry) - _TASK_KEYS
+    if unknown:
+        raise ScheduleFormatError(
+            f"{where}: unknown key(s) {sorted(unknown)}; allowed: {sorted(_TASK_KEYS)}"
+        )
+    ranks = _require(entry, "ranks", list, where)
+    deps = entry.get("deps", [])
+    if not isinstance(deps, list) or not all(isinstance(d, str) for d in deps):
+        raise ScheduleFormatError(f"{where}.deps: expected a list of task names like '0F'")
+    try:
+        return Task(
+            stage=_require(entry, "stage", int, where),
+            kind=_require(entry, "kind", str, where),
+            ranks=tuple(ranks),
+            duration=_require(entry, "duration", (int, float), where),
+            memory=_typed(entry.get("memory", 0.0), _NUMBER, f"{where}.memory"),
+            deps=tuple(parse_task_name(d) for d in deps),
+        )
+    except ScheduleFormatError:
+        raise
+    except PipeloomError as error:
+        raise ScheduleFormatError(f"{where}: {error}") from None
+
+
+def _rank_lists_from_json(document: dict) -> tuple[tuple[Action, ...], ...]:
+    actions = []
+    for r, row in enumerate(_require(document, "ranks", list, "schedule")):
+        if not isinstance(row, list):
+            raise ScheduleFormatError(f"ranks[{r}]: expected a list of action strings")
+        try:
+            actions.append(tuple(Action.parse(a) for a in row))
+        except ScheduleFormatError as error:
+            raise ScheduleFormatError(f"ranks[{r}]: {error}") from None
+    return tuple(actions)
+
+
+def _json_document(text: str) -> dict:
+    """The parsed top-level object, its format tag and key names checked."""
+    try:
+        document = json.loads(text)
+    except (ValueError, RecursionError) as error:  # JSONDecodeError, over-long ints, deep nesting
+        raise ScheduleFormatError(f"malformed JSON: {error}") from None
+    if not isinstance(document, dict):
+        raise ScheduleFormatError("a schedule file must hold a JSON object")
+    if "format" not in document:
+        raise ScheduleFormatError(f"missing key 'format'; expected \"format\": \"{FORMAT}\"")
+    if document["format"] != FORMAT:
+        raise ScheduleFormatError(
+            f"format {shown(document['format'])} is not supported; expected {FORMAT!r}"
+        )
+    unknown = set(document) - _TOP_KEYS
+    if unknown:
+        raise ScheduleFormatError(f"unknown key(s) {sorted(unknown)}; allowed: {sorted(_TOP_KEYS)}")
+    return document
+
+
+def schedule_from_json(text: str) -> Schedule:
+    """Parse ``pipeloom.schedule/1`` JSON; unknown keys, another format or a wrong type are errors."""
+    document = _json_document(text)
+    where = "schedule"
+    tasks = [_task_from_json(entry, i) for i, entry in enumerate(_require(document, "tasks", list, where))]
+    actions = _rank_lists_from_json(document)
+    try:
+        problem = Problem(
+            num_ranks=_require(document, "num_ranks", int, where),
+            tasks=tuple(tasks),
+            comm_latency=_typed(document.get("comm_latency", 0.0), _NUMBER, f"{where}.comm_latency"),
+            memory_limit=_typed(document.get("memory_limit"), _NUMBER, f"{where}.memory_limit", null=True),
+            static_memory=_numbers(document.get("static_memory"), f"{where}.static_memory"),
+        )
+        return Schedule(
+            name=_typed(document.get("name", "schedule"), str, f"{where}.name"),
+            problem=problem,
+            num_microbatches=_require(document, "num_microbatches", int, where),
+            ranks=actions,
+        )
+    except ScheduleFormatError:
+        raise
+    except PipeloomError as error:
+        raise ScheduleFormatError(str(error)) from None
+

@@ -1,0 +1,158 @@
+"""torch.distributed.pipelining's compute-only CSV: export (when the reader would infer the same
+problem back) and import (inferring the chained stage graph from the actions).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+from collections import Counter
+
+from pipeloom.errors import ScheduleFormatError
+from pipeloom.ir.core import Action, Schedule
+from pipeloom.problem import Costs, Problem, Stage, stage_graph, task_name
+
+__all__ = ["schedule_to_csv", "schedule_from_csv"]
+
+
+def schedule_to_csv(schedule: Schedule) -> str:
+    """torch.distributed.pipelining's compute-only CSV: one row per rank, one action per cell.
+
+    Only a schedule whose problem :func:`schedule_from_csv` would infer again can be written
+    (ScheduleFormatError otherwise); durations, memory and static memory are not carried.
+    """
+    obstacle = _csv_obstacle(schedule)
+    if obstacle is not None:
+        raise ScheduleFormatError(
+            f"schedule {schedule.name!r} cannot be saved as torch CSV because {obstacle}; save it as .json"
+        )
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    for actions in schedule.ranks:
+        writer.writerow([str(action) for action in actions])
+    return out.getvalue()
+
+
+_STYLES = {("F",): "none", ("B", "F"): "full", ("F", "I", "W"): "split"}
+
+
+def _csv_obstacle(schedule: Schedule) -> str | None:
+    """Why the CSV reader would not infer ``schedule``'s task graph back, or None if it would.
+
+    The reader sees one rank per task, each stage on one rank, stages 0..S-1 chained s -> s+1
+    with the stage-graph builder's deps, one backward style, and no trailing idle rank.
+    """
+    rank_of: dict[int, int] = {}
+    kinds: dict[int, list[str]] = {}
+    for task in schedule.problem.tasks:
+        if len(task.ranks) != 1:
+            return f"task {task.name} runs on ranks {list(task.ranks)} and a CSV cell holds one rank's action"
+        owner = rank_of.setdefault(task.stage, task.ranks[0])
+        if owner != task.ranks[0]:
+            return f"stage {task.stage} runs on ranks {owner} and {task.ranks[0]}"
+        kinds.setdefault(task.stage, []).append(task.kind)
+    count = 1 + max(rank_of)
+    if len(rank_of) != count:
+        return f"stages {sorted(set(range(count)) - set(rank_of))} have no tasks (stages 0..{count - 1})"
+    styles = [_STYLES.get(tuple(sorted(kinds[s]))) for s in range(count)]
+    odd = next((s for s in range(count) if styles[s] is None or styles[s] != styles[0]), None)
+    if odd is not None:
+        return (f"stage {odd} has tasks {', '.join(sorted(kinds[odd]))} and stage 0 has "
+                f"{', '.join(sorted(kinds[0]))}; a CSV gives every stage one backward style "
+                "(F+B, F+I+W or F alone)")
+    chain = stage_graph([Stage(ranks=rank_of[s]) for s in range(count)], backward=styles[0])
+    problem = schedule.problem
+    for s in range(1, count):
+        if (s - 1, "F") not in problem.task((s, "F")).deps:
+            return f"stage {s} does not depend on stage {s - 1} (a CSV chains stages 0 -> 1 -> ...)"
+    for task in problem.tasks:
+        want = chain.task(task.key).deps
+        if set(task.deps) != set(want):
+            names = [", ".join(sorted(map(task_name, deps))) or "nothing" for deps in (task.deps, want)]
+            return f"task {task.name} waits for {names[0]}, but a CSV would make it wait for {names[1]}"
+    if not schedule.ranks[-1]:
+        return (f"rank {schedule.num_ranks - 1}, the last, has no actions, and blank rows at the end of "
+                "a CSV are not ranks")
+    return None
+
+
+def _csv_rows(text: str) -> list[list[str]]:
+    """The rows of ``text`` (strict CSV: a stray or unterminated quote is an error)."""
+    reader = csv.reader(io.StringIO(text), strict=True)
+    try:
+        return list(reader)
+    except csv.Error as error:
+        raise ScheduleFormatError(
+            f"malformed CSV at line {reader.line_num}: {error}; check the quote characters"
+        ) from None
+
+
+def schedule_from_csv(
+    text: str,
+    *,
+    name: str = "csv",
+    costs: Costs = Costs(),
+    memory_limit: float | None = None,
+) -> Schedule:
+    """Read a compute-only torch CSV (empty cell = idle) and infer its problem.
+
+    Row r is rank r. An empty row between rows is an idle rank; blank rows after the last row
+    with an action are not ranks (files often end in blank lines). Stages form the chain
+    0 -> 1 -> ... -> S-1, each on the one rank whose row runs it; the backward is split when
+    any I or W appears. ``costs`` are a rank's share of the model (the library's convention),
+    so a stage on a rank that runs v stages gets 1/v of them.
+    """
+    rows = _csv_rows(text)
+    if not rows:
+        raise ScheduleFormatError("the CSV is empty; expected one row of actions per rank")
+    while rows and not any(cell.strip() for cell in rows[-1]):
+        rows.pop()
+    ranks: list[tuple[Action, ...]] = []
+    stage_rank: dict[int, int] = {}
+    for r, row in enumerate(rows):
+        actions = []
+        for c, cell in enumerate(row):
+            if not cell.strip():
+                continue
+            try:
+                action = Action.parse(cell)
+            except ScheduleFormatError as error:
+                raise ScheduleFormatError(f"row {r + 1}, column {c + 1}: {error}") from None
+            owner = stage_rank.setdefault(action.stage, r)
+            if owner != r:
+                raise ScheduleFormatError(
+                    f"row {r + 1}: stage {action.stage} also runs on rank {owner}; a CSV schedule "
+                    "keeps each stage on one rank (save multi-rank tasks as pipeloom JSON)"
+                )
+            actions.append(action)
+        ranks.append(tuple(actions))
+    problem = _csv_problem(ranks, stage_rank, costs, memory_limit)
+    last_mb = max(action.microbatch for actions in ranks for action in actions)
+    return Schedule(name=name, problem=problem, num_microbatches=last_mb + 1, ranks=tuple(ranks))
+
+
+def _csv_problem(
+    ranks: list[tuple[Action, ...]], stage_rank: dict[int, int], costs: Costs, memory_limit: float | None
+) -> Problem:
+    """The chain 0 -> ... -> S-1 with each stage on its rank and the backward style the actions use."""
+    if not stage_rank:
+        raise ScheduleFormatError("the CSV holds no actions")
+    num_stages = 1 + max(stage_rank)
+    missing = [s for s in range(num_stages) if s not in stage_rank]
+    if missing:
+        raise ScheduleFormatError(
+            f"stages {missing} never run; a CSV schedule must run every stage 0..{num_stages - 1}"
+        )
+    kinds = {action.kind for actions in ranks for action in actions}
+    if "B" in kinds and kinds & {"I", "W"}:
+        raise ScheduleFormatError("the CSV mixes full backward B with split I/W; use one or the other")
+    backward = "split" if kinds & {"I", "W"} else ("full" if "B" in kinds else "none")
+    stages_on = Counter(stage_rank.values())
+    return stage_graph(
+        [costs.stage(stage_rank[s], share=1.0 / stages_on[stage_rank[s]]) for s in range(num_stages)],
+        num_ranks=len(ranks),
+        backward=backward,
+        comm_latency=costs.comm,
+        memory_limit=memory_limit,
+    )
+
