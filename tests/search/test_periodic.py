@@ -1,0 +1,171 @@
+"""Periodic (repetend) search: unrolling correctness up to 4096 micro-batches, the steady-state
+memory formula against the simulator, the period against the per-rank work bound, and errors."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import replace
+
+import ortools  # noqa: F401  (before anything that may load SciPy)
+import pytest
+
+from pipeloom.problem import Costs, Problem, Stage, stage_graph
+from pipeloom.schedules import build_schedule
+from pipeloom.search.common import SearchError, lower_bound, to_integers
+from pipeloom.search.periodic import (
+    Repetend,
+    coarsen,
+    solve_periodic,
+    solve_repetend,
+    steady_state_peak,
+    unroll,
+)
+from pipeloom.search.result import SearchProgress
+from pipeloom.sim import simulate
+from pipeloom.validate import validate
+
+
+def chain(num_ranks: int, *, f: float = 1, b: float = 3, limit: float | None = None) -> Problem:
+    """Tessel's vshape: F on ranks 0..n-1, then B on n-1..0 (F span 1 memory +1, B span 3)."""
+    stages = [Stage(ranks=r, f=f, b=b, w=0) for r in range(num_ranks)]
+    return stage_graph(stages, memory_limit=limit)
+
+
+def branches(num_ranks: int = 4) -> Problem:
+    """Tessel's kshape: two half-rank chains joined by a loss block on every rank."""
+    half = num_ranks // 2
+    stages = [Stage(ranks=r, f=1, b=3, w=0) for r in range(num_ranks)]
+    stages.append(Stage(ranks=tuple(range(num_ranks)), f=1, b=1, w=0, memory=1))
+    edges = [(r, r + 1) for r in range(half - 1)] + [(r, r + 1) for r in range(half, num_ranks - 1)]
+    edges += [(half - 1, num_ranks), (num_ranks - 1, num_ranks)]
+    return stage_graph(stages, edges=edges)
+
+
+def mllm(num_ranks: int = 4) -> Problem:
+    """F(all) -> chain -> F(all), backward mirrored: multi-rank blocks between chains."""
+    every = Stage(ranks=tuple(range(num_ranks)), f=1, b=1, w=0, memory=0)
+    stages = [every] + [Stage(ranks=r, f=1, b=3, w=0) for r in range(num_ranks)] + [every]
+    return stage_graph(stages)
+
+
+PROBLEMS = {
+    "vshape": lambda: chain(4),
+    "kshape": branches,
+    "mllm": mllm,
+    "1f1b": lambda: build_schedule("1f1b", 4, 8).problem,
+    "zbv": lambda: build_schedule("zbv", 4, 8).problem,
+    "zb-h1": lambda: build_schedule("zb-h1", 4, 8).problem,
+}
+
+
+@functools.cache
+def repetend_of(name: str, limit: float | None) -> tuple[Problem, Repetend]:
+    problem = replace(PROBLEMS[name](), memory_limit=limit)
+    found = solve_repetend(to_integers(problem), time_limit=1.0)
+    assert found is not None
+    return problem, found
+
+
+def periodic_finish(problem: Problem, repetend: Repetend, num_microbatches: int) -> float:
+    """Latest finish of the timed periodic schedule (micro-batch R*i + c at i*T + o_{c,t})."""
+    ip = to_integers(problem)
+    rows = repetend.copies
+    last = max(
+        (j // rows) * repetend.period + repetend.offsets[j % rows][t] + ip.durations[t]
+        for t in range(len(problem.tasks))
+        for j in range(max(0, num_microbatches - 2 * rows), num_microbatches)
+    )
+    return last / ip.time_scale
+
+
+@pytest.mark.parametrize("num_microbatches", [1, 2, 3, 7, 128, 4096])
+def test_unrolled_schedule_is_valid_and_no_later_than_the_periodic_timing(num_microbatches: int) -> None:
+    problem, repetend = repetend_of("vshape", 6.0)
+    schedule = unroll(problem, repetend, num_microbatches)
+    timeline = validate(schedule, ordered=True)
+    assert max(timeline.peak_memory) <= 6.0
+    assert timeline.makespan <= periodic_finish(problem, repetend, num_microbatches)
+
+
+@pytest.mark.parametrize("name", sorted(PROBLEMS))
+@pytest.mark.parametrize("limit", [None, 2.0, 3.0, 6.0])
+def test_steady_state_memory_formula_matches_the_simulated_unrolled_peak(name: str, limit: float | None) -> None:
+    """Oracle: simulate() of the unrolled schedule; for M large enough its peak on every rank is
+    the model's steady-state peak (warm-up and cool-down hold no more, F runs before its B)."""
+    try:
+        problem, repetend = repetend_of(name, limit)
+    except SearchError:
+        pytest.skip("limit below every repetend (covered by the infeasible-limit test)")
+    ip = to_integers(problem)
+    timeline = simulate(unroll(problem, repetend, 40 * repetend.copies))
+    assert timeline.peak_memory == pytest.approx(steady_state_peak(ip, repetend))
+    if limit is not None:
+        assert max(timeline.peak_memory) <= limit
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "vshape"])
+def test_period_reaches_the_work_bound_on_the_linear_placement_with_unbounded_memory(name: str) -> None:
+    problem = replace(PROBLEMS[name](), memory_limit=None)
+    result = solve_periodic(problem, 64, time_limit=5.0)
+    assert result.period == pytest.approx(result.period_lower_bound)
+    assert result.period_lower_bound == max(problem.work_per_microbatch())
+    assert result.mode == "periodic"
+    assert result.lower_bound == lower_bound(problem, 64)
+    assert (result.status == "optimal") == (result.makespan == pytest.approx(result.lower_bound))
+
+
+def test_result_simulates_to_its_makespan_and_respects_the_limit() -> None:
+    problem = mllm(4)
+    result = solve_periodic(problem, 128, memory_limit=6, time_limit=5.0)
+    timeline = validate(result.schedule, ordered=True)
+    assert timeline.makespan == result.makespan
+    assert timeline.peak_memory == result.peak_memory
+    assert max(result.peak_memory) <= 6
+    assert result.makespan >= result.lower_bound
+    assert result.period >= result.period_lower_bound
+
+
+def test_memory_limit_raises_the_period_of_a_long_chain() -> None:
+    """8 ranks need 8 micro-batches in flight on rank 0 at the work bound; 6 cannot reach it."""
+    free = solve_periodic(chain(8), 64, time_limit=5.0)
+    tight = solve_periodic(chain(8), 64, memory_limit=6, time_limit=5.0)
+    assert free.period == 4
+    assert tight.period > 4
+    assert max(tight.peak_memory) <= 6
+
+
+def test_infeasible_limit_names_the_smallest_limit_known_to_work() -> None:
+    with pytest.raises(SearchError, match=r"memory limit 0\.5 .*smallest limit known to work is 1\b"):
+        solve_periodic(chain(4), 16, memory_limit=0.5, time_limit=5.0)
+
+
+def test_static_memory_counts_against_the_limit() -> None:
+    problem = replace(chain(4), static_memory=(2.0, 0.0, 0.0, 0.0))
+    result = solve_periodic(problem, 32, memory_limit=4, time_limit=5.0)
+    assert result.peak_memory[0] <= 4
+    with pytest.raises(SearchError, match="smallest limit known to work is 3"):
+        solve_periodic(problem, 32, memory_limit=2.5, time_limit=5.0)
+
+
+def test_large_real_durations_are_searched_on_a_coarse_grid_and_re_simulated_exactly() -> None:
+    costs = Costs(f=18522, b=18086, w=9337, comm=601)
+    problem = build_schedule("zb-h1", 4, 8, costs=costs).problem
+    assert coarsen(to_integers(problem)).time_scale < 1
+    result = solve_periodic(problem, 64, memory_limit=4, time_limit=5.0)
+    timeline = validate(result.schedule, ordered=True)
+    assert timeline.makespan == result.makespan
+    assert max(result.peak_memory) <= 4
+    assert result.period >= result.period_lower_bound - 1e-6
+
+
+def test_progress_reports_real_units() -> None:
+    seen: list[SearchProgress] = []
+    solve_periodic(chain(4, f=0.5, b=1.5), 16, memory_limit=6, time_limit=5.0, progress=seen.append)
+    assert seen
+    assert all(report.best is not None and report.best >= report.bound - 1e-9 for report in seen)
+    assert min(report.best for report in seen) == pytest.approx(2.0)
+
+
+def test_bad_microbatch_count_is_rejected() -> None:
+    with pytest.raises(SearchError, match="positive integer"):
+        solve_periodic(chain(2), 0)
