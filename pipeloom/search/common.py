@@ -17,6 +17,8 @@ __all__ = [
     "topological_order",
     "head_tail",
     "lower_bound",
+    "period_lower_bound",
+    "memory_time_per_microbatch",
     "schedule_from_starts",
 ]
 
@@ -136,10 +138,12 @@ def head_tail(problem: Problem) -> tuple[list[float], list[float]]:
     return head, tail
 
 
-def lower_bound(problem: Problem, num_microbatches: int) -> float:
+def lower_bound(problem: Problem, num_microbatches: int, *, memory_limit: float | None = None) -> float:
     """A makespan no schedule can beat: the longest micro-batch path, and per rank
     ``min head + M * work + min tail`` over the tasks on it (its first action cannot start before
-    its head, its last must still be followed by its tail)."""
+    its head, its last must still be followed by its tail). Under a memory limit (the problem's,
+    or ``memory_limit``) also ``M * area / limit`` per rank, see :func:`memory_time_per_microbatch`.
+    """
     head, tail = head_tail(problem)
     bound = max(head[i] + task.duration + tail[i] for i, task in enumerate(problem.tasks))
     work = problem.work_per_microbatch()
@@ -149,7 +153,79 @@ def lower_bound(problem: Problem, num_microbatches: int) -> float:
             first = min(head[i] for i in on_rank)
             last = min(tail[i] for i in on_rank)
             bound = max(bound, first + num_microbatches * work[rank] + last)
+    return max(bound, num_microbatches * period_lower_bound(problem, memory_limit=memory_limit))
+
+
+def period_lower_bound(problem: Problem, *, memory_limit: float | None = None) -> float:
+    """No steady state can start micro-batches faster than one per this much time: the busiest
+    rank's work per micro-batch and, under a memory limit L (above a rank's static memory), each
+    rank's memory-time area per micro-batch divided by L."""
+    bound = max(problem.work_per_microbatch())
+    limit = problem.memory_limit if memory_limit is None else memory_limit
+    if limit is None:
+        return bound
+    static = problem.static_memory or (0.0,) * problem.num_ranks
+    for rank, area in enumerate(memory_time_per_microbatch(problem)):
+        room = limit - static[rank]
+        if area > 0 and room > 0:
+            bound = max(bound, area / room)
     return bound
+
+
+def memory_time_per_microbatch(problem: Problem) -> list[float]:
+    """Per rank, the least memory x time one micro-batch occupies there, whatever the schedule.
+
+    Memory a task takes (m_p > 0 at its start s_p) is given back by later tasks (m_n < 0). For any
+    flow f matching taken to given-back memory, the area is sum f(p, n) (s_n - s_p); choosing f only
+    between a task and its descendants makes every term >= f(p, n) * dist(p, n), the longest path
+    from p's start to n's start. A rank whose memory cannot be matched that way (or does not
+    return to zero) gets 0, which bounds nothing.
+    """
+    tasks = problem.tasks
+    index = {task.key: i for i, task in enumerate(tasks)}
+    order = topological_order(problem)
+    users: list[list[int]] = [[] for _ in tasks]
+    for i, task in enumerate(tasks):
+        for dep in task.deps:
+            users[index[dep]].append(i)
+
+    def latency(a: int, b: int) -> float:
+        return 0.0 if set(tasks[a].ranks) == set(tasks[b].ranks) else problem.comm_latency
+
+    def distances(source: int) -> dict[int, float]:
+        dist = {source: 0.0}
+        for i in order:
+            if i in dist:
+                for user in users[i]:
+                    reach = dist[i] + tasks[i].duration + latency(i, user)
+                    if reach > dist.get(user, -1.0):
+                        dist[user] = reach
+        return dist
+
+    areas = []
+    for rank in range(problem.num_ranks):
+        on_rank = [i for i in order if rank in tasks[i].ranks]
+        taken = {i: tasks[i].memory for i in on_rank if tasks[i].memory > 0}
+        area = 0.0
+        for n in (i for i in on_rank if tasks[i].memory < 0):
+            need = -tasks[n].memory
+            sources = sorted(
+                ((d[n], p) for p in taken if n in (d := distances(p))), reverse=True
+            )
+            for dist, p in sources:
+                moved = min(need, taken[p])
+                area += moved * dist
+                taken[p] -= moved
+                need -= moved
+                if need <= 1e-12:
+                    break
+            if need > 1e-9:
+                area = 0.0
+                break
+        if any(left > 1e-9 for left in taken.values()):
+            area = 0.0
+        areas.append(area)
+    return areas
 
 
 def schedule_from_starts(

@@ -1,0 +1,71 @@
+"""search.common: integer scaling, the lower bounds (checked against exact optima) and order building."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeloom.problem import Costs
+from pipeloom.schedules import build_schedule
+from pipeloom.search.common import (
+    lower_bound,
+    memory_time_per_microbatch,
+    period_lower_bound,
+    schedule_from_starts,
+    to_integers,
+)
+from pipeloom.search.exact import solve_exact
+from pipeloom.search.placements import placement
+from pipeloom.validate import validate
+
+
+def test_scaling_is_exact_for_decimals_and_flags_rounding():
+    problem = build_schedule("1f1b", 2, 2, costs=Costs(f=0.25, b=1.5, w=0.5)).problem
+    scaled = to_integers(problem)
+    assert scaled.exact and scaled.time_scale == 100 and scaled.durations == (25, 200, 25, 200)
+    thirds = build_schedule("1f1b", 2, 2, costs=Costs(f=1 / 3)).problem
+    assert not to_integers(thirds).exact
+
+
+def test_lower_bound_of_the_linear_placement_is_1f1b_makespan():
+    # (m + p - 1)(f + b + w): rank p-1 waits (p-1)f, works m(f+b+w), then (p-1)(b+w) remain.
+    for p, m in [(1, 1), (2, 3), (4, 8)]:
+        assert lower_bound(build_schedule("1f1b", p, m).problem, m) == (m + p - 1) * 3
+
+
+def test_memory_time_area_is_the_path_from_forward_to_backward():
+    # 1F1B, p=4: on rank 0, F0 holds its activation until B0 starts: 1 (F0) + 3 (F1..F3) + 3*2
+    # (B3..B1) = 10 time units; on rank 3 only F3 itself: 1.
+    problem = build_schedule("1f1b", 4, 8).problem
+    assert memory_time_per_microbatch(problem) == [10.0, 7.0, 4.0, 1.0]
+    assert period_lower_bound(problem) == 3.0  # no limit: the work per micro-batch
+    assert period_lower_bound(problem, memory_limit=2) == 5.0  # rank 0: 10 / 2
+    assert lower_bound(problem, 8, memory_limit=2) == 40.0
+
+
+@pytest.mark.parametrize(
+    ("problem", "m", "limit"),
+    [
+        (build_schedule("1f1b", 3, 4).problem, 4, 1.0),
+        (build_schedule("1f1b", 3, 4).problem, 4, 2.0),
+        (build_schedule("zb-h1", 3, 3).problem, 3, 1.5),
+        (placement("vshape", 4), 3, 2.0),
+        (placement("xshape", 4), 3, 2.0),
+        (placement("mshape", 4), 3, 3.0),
+    ],
+)
+def test_lower_bound_never_exceeds_the_exact_optimum(problem, m, limit):
+    result = solve_exact(problem, m, memory_limit=limit, time_limit=20)
+    assert result.status == "optimal"
+    assert lower_bound(problem, m, memory_limit=limit) <= result.makespan + 1e-9
+
+
+def test_schedule_from_starts_orders_each_rank_by_start():
+    problem = build_schedule("gpipe", 2, 2).problem
+    # one micro-batch after the other: F then B on rank 0 while rank 1 follows
+    starts = {}
+    for t, task in enumerate(problem.tasks):
+        for mb in range(2):
+            starts[(t, mb)] = {"F": 0, "B": 10}[task.kind] + task.stage + 3 * mb
+    schedule = schedule_from_starts(problem, name="x", num_microbatches=2, starts=starts)
+    assert [str(a) for a in schedule.ranks[0]] == ["0F0", "0F1", "0B0", "0B1"]
+    validate(schedule, ordered=True)
