@@ -182,7 +182,8 @@ def solve_exact(
     ``memory_limit`` overrides the problem's own. The model's horizon is the best valid schedule
     among the list schedule and ``hints`` (invalid or over-limit hints are skipped), which also
     warm-starts the solver. The result re-simulates the solver's order; its lower bound is the
-    solver's bound where scaling was exact, else the analytic :func:`~pipeloom.search.common.lower_bound`.
+    analytic :func:`~pipeloom.search.common.lower_bound` under the effective limit (its memory-time
+    term included), raised to the solver's bound where scaling was exact.
     Raises SearchError when no schedule meets the limit (naming the smallest feasible limit
     when it is known).
     """
@@ -200,7 +201,7 @@ def solve_exact(
         )
     known, greedy_error = _known_schedules(problem, num_microbatches, hints, name)
     best = min(known, key=lambda pair: pair[1], default=None)
-    analytic = lower_bound(problem, num_microbatches)
+    analytic = lower_bound(problem, num_microbatches, memory_limit=limit)
     if best is not None and best[1] <= analytic * (1 + 1e-12):
         return _result(best[0], best[1], analytic, began, integer)  # already optimal
 

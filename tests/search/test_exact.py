@@ -17,7 +17,7 @@ from pipeloom.errors import DeadlockError
 from pipeloom.ir import Action, Schedule
 from pipeloom.problem import Costs, Problem, Stage, Task, stage_graph
 from pipeloom.schedules import build_schedule
-from pipeloom.search.common import SearchError
+from pipeloom.search.common import SearchError, lower_bound
 from pipeloom.search.exact import solve_exact
 from pipeloom.sim import simulate
 from pipeloom.validate import validate
@@ -219,3 +219,16 @@ def test_hints_of_another_problem_are_skipped_and_progress_is_reported():
     check(result, 3.0)
     for report in reports:
         assert report.best >= report.bound - 1e-9
+
+
+def test_bound_includes_the_memory_time_term_of_the_limit_argument():
+    """1F1B placement, p=4, m=8, thirds (scaling inexact: the bound is the analytic one). Rank 0
+    holds each activation 10/3 time units, so limit 2 admits one micro-batch per 5/3: 8 * 5/3
+    beats the path bound (8 + 3) * 1."""
+    costs = Costs(f=1 / 3, b=1 / 3, w=1 / 3)
+    problem = build_schedule("1f1b", 4, 8, costs=costs).problem  # no limit of its own
+    result = solve_exact(problem, 8, memory_limit=2.0, time_limit=3)
+    check(result, 2.0)
+    assert lower_bound(problem, 8, memory_limit=2.0) == pytest.approx(8 * 5 / 3)
+    assert lower_bound(problem, 8) == pytest.approx(11.0)
+    assert result.lower_bound >= 8 * 5 / 3 - 1e-9

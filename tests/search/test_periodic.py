@@ -1,17 +1,20 @@
 """Periodic (repetend) search: unrolling correctness up to 4096 micro-batches, the steady-state
-memory formula against the simulator, the period against the per-rank work bound, and errors."""
+memory formula against the simulator, the period against the per-rank work bound and the
+memory-aware bounds of search.common, the list-schedule/exact fallback, and errors."""
 
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import replace
 
 import ortools  # noqa: F401  (before anything that may load SciPy)
 import pytest
 
-from pipeloom.problem import Costs, Problem, Stage, stage_graph
+from pipeloom.errors import MemoryLimitError
+from pipeloom.problem import Costs, Problem, Stage, Task, stage_graph
 from pipeloom.schedules import build_schedule
-from pipeloom.search.common import SearchError, lower_bound, to_integers
+from pipeloom.search.common import SearchError, lower_bound, period_lower_bound, to_integers
 from pipeloom.search.periodic import (
     Repetend,
     coarsen,
@@ -20,6 +23,8 @@ from pipeloom.search.periodic import (
     steady_state_peak,
     unroll,
 )
+from pipeloom.search.placements import placement
+from pipeloom.search.repetend import RepetendModel, solver_period_bound
 from pipeloom.search.result import SearchProgress
 from pipeloom.sim import simulate
 from pipeloom.validate import validate
@@ -169,3 +174,81 @@ def test_progress_reports_real_units() -> None:
 def test_bad_microbatch_count_is_rejected() -> None:
     with pytest.raises(SearchError, match="positive integer"):
         solve_periodic(chain(2), 0)
+
+
+def test_reported_bounds_use_the_memory_limit_argument() -> None:
+    """8-rank vshape, limit 6: rank 0 holds F0's activation for 1 + 7 + 7*3 = 29 time units per
+    micro-batch, so 6 units of memory admit one micro-batch per 29/6 at best (work alone: 4); at
+    M = 64 that beats the path bound 7 + 64 * 4 + 21."""
+    problem = placement("vshape", 8)  # no limit of its own: the argument must be used
+    result = solve_periodic(problem, 64, memory_limit=6, time_limit=3.0)
+    assert result.period_lower_bound == pytest.approx(29 / 6)
+    assert result.lower_bound == lower_bound(problem, 64, memory_limit=6) == pytest.approx(64 * 29 / 6)
+    assert result.lower_bound > lower_bound(problem, 64)
+    assert result.makespan >= result.lower_bound
+    assert result.period >= result.period_lower_bound - 1e-9
+    assert max(result.peak_memory) <= 6
+
+
+def test_the_period_lower_bound_is_the_models_least_period() -> None:
+    """In solver units (integer here: scale 1) T >= ceil(R * 29/6) for R copies."""
+    ip = to_integers(placement("vshape", 8, memory_limit=6))
+    assert solver_period_bound(ip, ip.limits) == pytest.approx(29 / 6)
+    assert solver_period_bound(ip, (None,) * 8) == 4  # unlimited: the work per micro-batch
+    for copies in (1, 2, 3):
+        assert RepetendModel(ip, copies=copies, limits=ip.limits).period_low == math.ceil(copies * 29 / 6)
+
+
+@pytest.mark.parametrize("name", ["vshape", "xshape", "mshape", "kshape", "finetune", "alphafold"])
+@pytest.mark.parametrize("limit", [3.0, 6.0])
+def test_results_never_beat_the_memory_aware_bounds(name: str, limit: float) -> None:
+    problem = placement(name, 4, memory_limit=limit)
+    try:
+        result = solve_periodic(problem, 32, time_limit=1.0)
+    except SearchError:
+        pytest.skip("limit below every schedule of this placement")
+    timeline = validate(result.schedule, ordered=True)
+    assert max(timeline.peak_memory) <= limit
+    assert result.lower_bound == lower_bound(problem, 32, memory_limit=limit)
+    assert result.makespan >= result.lower_bound - 1e-9
+    assert result.period_lower_bound == period_lower_bound(problem, memory_limit=limit)
+    assert (result.status == "optimal") == (result.makespan <= result.lower_bound + 1e-9)
+
+
+def growing() -> Problem:
+    """Rank 0 keeps 1 unit per micro-batch (F0 +2, B0 -1): its memory never returns to 0, so the
+    steady state cannot bound it; rank 1 is balanced. Chain F0 -> F1 -> B1 -> B0, all span 1."""
+    return Problem(num_ranks=2, tasks=(
+        Task(stage=0, kind="F", ranks=(0,), duration=1, memory=2),
+        Task(stage=1, kind="F", ranks=(1,), duration=1, memory=1, deps=((0, "F"),)),
+        Task(stage=1, kind="B", ranks=(1,), duration=1, memory=-1, deps=((1, "F"),)),
+        Task(stage=0, kind="B", ranks=(0,), duration=1, memory=-1, deps=((1, "B"),)),
+    ))
+
+
+@pytest.mark.parametrize(("num_microbatches", "mode"), [(4, "exact"), (128, "periodic")])
+def test_unrolled_schedule_over_the_limit_falls_back_to_a_valid_schedule(num_microbatches: int, mode: str) -> None:
+    """At period 2 rank 0 runs F0 twice before its first B0 and peaks at M + 2; one micro-batch
+    at a time peaks at M + 1 (the limit). Small problems fall back to exact mode, large ones to
+    the list schedule."""
+    limit = num_microbatches + 1.0
+    problem = replace(growing(), memory_limit=limit)
+    repetend = solve_repetend(to_integers(problem), time_limit=2.0)
+    with pytest.raises(MemoryLimitError):  # the case this test is about
+        validate(unroll(problem, repetend, num_microbatches), ordered=True)
+    result = solve_periodic(problem, num_microbatches, time_limit=2.0)
+    timeline = validate(result.schedule, ordered=True)
+    assert result.mode == mode
+    assert max(timeline.peak_memory) <= limit
+    assert timeline.makespan == result.makespan
+    assert result.lower_bound >= lower_bound(problem, num_microbatches)
+    assert result.makespan >= result.lower_bound
+    assert (result.status == "optimal") == (result.makespan <= result.lower_bound + 1e-9)
+
+
+def test_fallback_that_also_fails_still_raises() -> None:
+    """Limit M: rank 0 holds at least 3 when the last F0 adds 2, so nothing fits; no repetend
+    limit is named, since the repetend model does not bound rank 0."""
+    with pytest.raises(SearchError, match="nor does the list schedule") as error:
+        solve_periodic(growing(), 4, memory_limit=4, time_limit=2.0)
+    assert "smallest limit" not in str(error.value)
