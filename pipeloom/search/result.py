@@ -34,7 +34,8 @@ class SearchResult:
     period: float | None = None
     """Steady-state period (periodic mode), real time units."""
     period_lower_bound: float | None = None
-    """Per-rank work per micro-batch: no period can be shorter (periodic mode)."""
+    """No period can be shorter: the busiest rank's work per micro-batch, or its memory-time area per
+    micro-batch over the memory limit when larger (periodic mode)."""
     time_scale: float = 1.0
     """Integer solver units per real time unit (durations were scaled to integers)."""
 
