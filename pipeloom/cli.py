@@ -1,4 +1,5 @@
-"""The ``pipeloom`` command line, a thin layer over the library: list, show, simulate, compare, demo.
+"""The ``pipeloom`` command line, a thin layer over the library: list, show, simulate, compare, demo,
+search.
 
 Every bad input ends as one line ``pipeloom: error: ...`` on stderr and a non-zero exit status
 (2 for usage errors, 1 for the rest); the library's exceptions carry the message.
@@ -7,6 +8,7 @@ Every bad input ends as one line ``pipeloom: error: ...`` on stderr and a non-ze
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -23,8 +25,9 @@ from pipeloom.problem import Costs
 from pipeloom.schedules import REGISTRY, build_schedule
 from pipeloom.sim import Timeline
 from pipeloom.validate import validate
-from pipeloom.viz.report import (compare_markdown, comparison_rows, per_rank_table, print_comparison,
-                                 schedules_table, summary_table, terminal_timeline, timeline_report)
+from pipeloom.viz.report import (compare_markdown, comparison_rows, format_number, per_rank_table,
+                                 placements_table, print_comparison, schedules_table, search_table,
+                                 summary_table, terminal_timeline, timeline_report)
 
 __all__ = ["main", "DEMO_COSTS", "DEMO_RANKS", "DEMO_MICROBATCHES", "DEMO_SCHEDULES", "MAX_ACTIONS"]
 
@@ -173,7 +176,33 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", type=Path, default=Path("demo-output"),
                       help="output folder (default demo-output)")
     demo.set_defaults(handler=_cmd_demo)
+    _add_search(commands)
     return parser
+
+
+def _add_search(commands: argparse._SubParsersAction) -> None:
+    search = commands.add_parser("search", help="search the fastest schedule of a placement or task graph",
+                                 description="Search a schedule with CP-SAT (see docs/search.md).")
+    source = search.add_mutually_exclusive_group(required=True)
+    source.add_argument("--placement", metavar="NAME", help="a catalog placement (see `pipeloom list`)")
+    source.add_argument("--problem", type=Path, metavar="FILE", help="a problem JSON file (docs/search.md)")
+    search.add_argument("--ranks", "-p", type=_count, metavar="D", help="number of ranks (with --placement)")
+    search.add_argument("--microbatches", "-m", type=_count, required=True, metavar="M",
+                        help="number of micro-batches")
+    search.add_argument("--memory-limit", type=_cost, metavar="L",
+                        help="per-rank cap on held memory (overrides a problem file's)")
+    search.add_argument("--time-limit", type=_number(float, "a number of seconds >= 0.01", 0.01),
+                        default=30.0, metavar="S", help="search time limit in seconds (default 30)")
+    search.add_argument("--mode", choices=("auto", "exact", "periodic"), default="auto",
+                        help="exact model, periodic (repetend) model, or auto by size (default)")
+    search.add_argument("--workers", type=_count, default=2, help="CP-SAT worker threads (default 2)")
+    search.add_argument("--split-backward", action="store_true", help="split B into I and W (placements)")
+    search.add_argument("--inference", action="store_true", help="forward only, memory 0 (placements)")
+    search.add_argument("--comm", type=_cost, metavar="C", help="latency between rank sets (default 0)")
+    _add_outputs(search)
+    search.add_argument("--save", type=_path_with(".json", ".csv"),
+                        help="save the schedule: pipeloom JSON (.json) or torch compute-only CSV (.csv)")
+    search.set_defaults(handler=_cmd_search)
 
 
 # --------------------------------------------------------------------------- building, reports
@@ -230,14 +259,14 @@ def _write_files(args: argparse.Namespace, timeline: Timeline, report: dict) -> 
     return written
 
 
-def _emit(args: argparse.Namespace, timeline: Timeline, report: dict) -> int:
+def _emit(args: argparse.Namespace, timeline: Timeline, report: dict, table=summary_table) -> int:
     """Write the requested files, then print the report (tables or JSON) and the terminal view."""
     written = _write_files(args, timeline, report)
     console = Console(stderr=args.json, highlight=False)
     if args.json:
         print(json.dumps(report))
     else:
-        console.print(summary_table(report))
+        console.print(table(report))
         console.print(per_rank_table(report))
     if args.terminal:
         view = terminal_timeline(timeline, console_width=console.width, width=args.width)
@@ -251,7 +280,10 @@ def _emit(args: argparse.Namespace, timeline: Timeline, report: dict) -> int:
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
-    placements: list[dict] = []  # Tessel-style placements join here once the search catalog exists
+    from pipeloom.search.placements import PLACEMENTS
+
+    placements = [{"name": info.name, "summary": info.summary, "ranks": info.rule}
+                  for info in PLACEMENTS.values()]
     if args.json:
         schedules = [
             {"name": info.name, "summary": info.summary, "options": list(info.options),
@@ -263,8 +295,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
     console = Console(highlight=False)
     console.print(schedules_table(REGISTRY.values()))
     console.print("\nPlacements (task graphs for the search)", style="bold")
-    if not placements:
-        console.print("  none registered yet")
+    console.print(placements_table(PLACEMENTS.values()))
     return 0
 
 
@@ -337,6 +368,64 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     if args.out:
         console.print(f"wrote comparison figure {args.out}", markup=False, soft_wrap=True)
     return 0
+
+
+def _search_problem(args: argparse.Namespace):
+    """The problem ``pipeloom search`` works on: a catalog placement, or a problem file."""
+    from pipeloom.search import PLACEMENTS, load_problem, placement
+
+    if args.placement is None:
+        flags = [flag for flag, on in (("--ranks", args.ranks), ("--split-backward", args.split_backward),
+                                       ("--inference", args.inference)) if on]
+        if flags:
+            raise _UsageError(f"{', '.join(flags)} apply to --placement; a problem file has its own tasks")
+        problem = load_problem(args.problem)
+        return problem if args.comm is None else dataclasses.replace(problem, comm_latency=args.comm)
+    if args.placement not in PLACEMENTS:
+        raise _UsageError(f"unknown placement {args.placement!r}; choose one of: {', '.join(PLACEMENTS)}")
+    if args.ranks is None:
+        raise _UsageError("--placement needs --ranks D")
+    return placement(args.placement, args.ranks, split_backward=args.split_backward,
+                     inference=args.inference, memory_limit=args.memory_limit, comm_latency=args.comm or 0.0)
+
+
+@contextlib.contextmanager
+def _search_status(enabled: bool):
+    """A transient stderr line (best, bound, gap) once a search has run 1 s; only on a terminal."""
+    console = Console(stderr=True, highlight=False)
+    if not enabled or not console.is_terminal:
+        yield None
+        return
+    status = console.status("searching")
+
+    def show(report) -> None:
+        if report.seconds < 1.0:
+            return
+        best = "-" if report.best is None else format_number(report.best)
+        gap = "-" if report.best is None or report.bound <= 0 else f"{report.best / report.bound - 1:.2%}"
+        status.update(f"searching ({report.phase}, {report.seconds:.0f} s): best {best}, "
+                      f"bound {format_number(report.bound)}, gap {gap}")
+        status.start()  # no-op once started
+
+    try:
+        yield show
+    finally:
+        status.stop()
+
+
+def _cmd_search(args: argparse.Namespace) -> int:
+    from pipeloom.search import search
+
+    problem = _search_problem(args)
+    with _search_status(not args.json) as progress:
+        result = search(problem, args.microbatches, mode=args.mode, memory_limit=args.memory_limit,
+                        time_limit=args.time_limit, workers=args.workers, progress=progress)
+    timeline = validate(result.schedule, ordered=True)
+    report = {**timeline_report(timeline), "makespan": result.makespan, "lower_bound": result.lower_bound,
+              "gap": result.gap, "status": result.status, "mode": result.mode, "period": result.period,
+              "period_lower_bound": result.period_lower_bound, "search_seconds": result.seconds,
+              "peak_memory": list(result.peak_memory)}
+    return _emit(args, timeline, report, table=search_table)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:

@@ -14,6 +14,7 @@ from pipeloom.cli import DEMO_SCHEDULES, main
 from pipeloom.ir import save_schedule
 from pipeloom.problem import Costs
 from pipeloom.schedules import build_schedule, schedule_names
+from pipeloom.search.placements import PLACEMENTS
 from pipeloom.sim import simulate
 
 
@@ -56,7 +57,7 @@ def test_list_names_every_registered_schedule_and_a_placements_section(capsys):
     assert "Placements" in out
     listing = run_json(capsys, "list")
     assert [entry["name"] for entry in listing["schedules"]] == list(schedule_names())
-    assert listing["placements"] == []
+    assert [entry["name"] for entry in listing["placements"]] == list(PLACEMENTS)
 
 
 def test_show_json_matches_the_1f1b_closed_form(capsys):

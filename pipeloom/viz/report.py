@@ -28,8 +28,10 @@ __all__ = [
     "comparison_rows",
     "format_number",
     "per_rank_table",
+    "placements_table",
     "print_comparison",
     "schedules_table",
+    "search_table",
     "summary_table",
     "terminal_timeline",
     "timeline_report",
@@ -180,3 +182,47 @@ def terminal_timeline(timeline: Timeline, *, console_width: int, width: int | No
 
     margin = len(f"rank {timeline.num_ranks - 1} |") + 1  # the view's "rank N |" ... "|" frame
     return render_timeline_rich(timeline, width=width or max(20, console_width - margin))
+
+
+# ------------------------------------------------------------------------------------ search
+
+
+def search_table(report: dict) -> Table:
+    """Two-column table of a ``pipeloom search`` report: shape, limit, makespan against the
+    proven lower bound, the gap and status, the period (periodic mode) and the time spent."""
+    from rich.table import Table
+
+    limit = report.get("memory_limit")
+    rows = [
+        ("mode, status", f"{report['mode']}, {report['status']}"),
+        ("ranks", str(report["num_ranks"])),
+        ("micro-batches", str(report["num_microbatches"])),
+        ("memory limit", "none" if limit is None else format_number(limit)),
+        ("makespan", format_number(report["makespan"])),
+        ("lower bound (proven)", format_number(report["lower_bound"])),
+        ("gap", f"{report['gap']:.2%}"),
+        ("bubble ratio", f"{report['bubble_ratio']:.2%}"),
+    ]
+    if report.get("period") is not None:
+        rows.append(("period (lower bound)",
+                     f"{format_number(report['period'])} ({format_number(report['period_lower_bound'])})"))
+    rows += [("peak memory (max over ranks)", format_number(max(report["peak_memory"]))),
+             ("search seconds", f"{report['search_seconds']:.2f}")]
+    table = Table(title=f"search result {report['name']}", show_header=False)
+    table.add_column("metric", style="bold")
+    table.add_column("value", justify="right")
+    for label, value in rows:
+        table.add_row(label, value)
+    return table
+
+
+def placements_table(infos: Iterable) -> Table:
+    """The ``pipeloom list`` placements table: name, valid rank counts, summary (PlacementInfo)."""
+    from rich.table import Table
+
+    table = Table(title="Placements (pipeloom search --placement NAME --ranks D --microbatches M)")
+    for column in ("name", "ranks", "summary"):
+        table.add_column(column)
+    for info in infos:
+        table.add_row(info.name, info.rule, info.summary)
+    return table

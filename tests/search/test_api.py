@@ -1,0 +1,210 @@
+"""Tests of ``pipeloom.search.search`` and problem files: the answer is never worse than the
+built-in schedules that fit (compared with them built directly), it is proven optimal where 1F1B
+is known to be optimal, it validates and simulates to what it reports; bad problem files are
+refused with errors naming the fault."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipeloom.errors import PipeloomError, ScheduleFormatError
+from pipeloom.ir import schedule_to_json
+from pipeloom.problem import Costs, Stage, stage_graph
+from pipeloom.schedules import build_schedule
+from pipeloom.search import PLACEMENTS, SearchError, SearchResult, placement, problem_from_json, search
+from pipeloom.search.api import AUTO_EXACT_INTERVALS, builtin_candidates, search_plan
+from pipeloom.sim import simulate
+from pipeloom.validate import validate
+
+FAST = {"time_limit": 5.0, "workers": 2}
+
+
+def linear(ranks: int, *, b: float = 2.0, split: bool = False, limit: float | None = None):
+    """The 1F1B placement: stage s on rank s, F 1, backward b (I b, W 1 when split)."""
+    stages = [Stage(ranks=r, f=1.0, b=b if split else b - 1.0, w=1.0) for r in range(ranks)]
+    return stage_graph(stages, backward="split" if split else "full", memory_limit=limit)
+
+
+def check_result(result: SearchResult, limit: float | None = None) -> None:
+    """What every result must satisfy: validates in ordered mode, simulates to its makespan,
+    reports its peak memory, stays under the limit, and makespan >= proven bound."""
+    timeline = validate(result.schedule, ordered=True)
+    assert timeline.makespan == pytest.approx(result.makespan)
+    assert tuple(timeline.peak_memory) == pytest.approx(result.peak_memory)
+    if limit is not None:
+        assert max(result.peak_memory) <= limit + 1e-9
+    assert result.makespan >= result.lower_bound - 1e-6
+    assert result.gap == pytest.approx(max(0.0, result.makespan / result.lower_bound - 1))
+
+
+# ------------------------------------------------------------------------------ mode choice
+
+
+def test_auto_mode_adds_the_exact_model_to_the_periodic_one_for_small_models_only():
+    problem = linear(4)  # 8 tasks
+    small = AUTO_EXACT_INTERVALS // len(problem.tasks)
+    assert search_plan(problem, small) == ("periodic", "exact")
+    assert search_plan(problem, small + 1) == ("periodic",)
+    assert search_plan(problem, 10_000, "exact") == ("exact",)
+    assert search_plan(problem, 2, "periodic") == ("periodic",)
+    with pytest.raises(PipeloomError, match="auto, exact or periodic"):
+        search_plan(problem, 4, "fast")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    ({"num_microbatches": 0}, "num_microbatches"),
+    ({"num_microbatches": 4, "time_limit": 0}, "time_limit"),
+    ({"num_microbatches": 4, "workers": 0}, "workers"),
+])
+def test_bad_arguments_are_refused_before_searching(kwargs, fragment):
+    with pytest.raises(PipeloomError, match=fragment):
+        search(linear(2), **kwargs)
+
+
+# --------------------------------------------------------------------------- built-in hints
+
+
+def test_builtins_that_fit_are_found_and_run_on_the_users_costs():
+    problem = linear(4, b=3.0)
+    found = dict(builtin_candidates(problem, 8))
+    assert "1f1b" in found and "gpipe" in found
+    assert "zb-h1" not in found and "zbv" not in found  # split backward: other tasks
+    direct = simulate(build_schedule("1f1b", 4, 8, costs=Costs(f=1, b=3, w=0)))
+    assert found["1f1b"].makespan == pytest.approx(direct.makespan)
+    assert found["1f1b"].schedule.problem == problem  # re-targeted, not the built-in's own problem
+
+
+def test_builtins_over_the_memory_limit_are_left_out():
+    found = dict(builtin_candidates(linear(4, limit=4), 8))
+    assert "1f1b" in found and "gpipe" not in found  # gpipe holds all 8 micro-batches on rank 0
+    assert not dict(builtin_candidates(linear(4, limit=0.5), 8))
+
+
+def test_a_placement_no_builtin_has_gets_no_hints():
+    stages = [Stage(ranks=0), Stage(ranks=1), Stage(ranks=1)]  # rank 1 holds two consecutive stages
+    assert not dict(builtin_candidates(stage_graph(stages), 4))
+
+
+# ---------------------------------------------------------------------------------- search
+
+
+def test_linear_unbounded_no_split_is_proven_optimal_at_1f1bs_makespan():
+    """1F1B is optimal for the linear placement with unbounded memory and a full backward."""
+    problem = linear(3)
+    result = search(problem, 4, mode="exact", **FAST)
+    check_result(result)
+    one_f_one_b = simulate(build_schedule("1f1b", 3, 4, costs=Costs(f=1, b=1, w=1)))
+    assert result.makespan == pytest.approx(one_f_one_b.makespan)
+    assert result.status == "optimal" and result.gap == 0.0
+    assert result.mode == "exact"
+
+
+@pytest.mark.parametrize("split, limit", [(False, 3), (False, None), (True, 3), (True, 6)])
+def test_never_worse_than_the_builtins_under_the_same_limit(split, limit):
+    problem = linear(3, split=split, limit=limit)
+    result = search(problem, 6, **FAST)
+    check_result(result, limit)
+    builtins = dict(builtin_candidates(problem, 6))
+    assert builtins, "a built-in should fit the linear placement"
+    assert result.makespan <= min(t.makespan for t in builtins.values()) + 1e-9
+
+
+def test_a_builtin_wins_when_the_solver_finds_nothing(monkeypatch):
+    from pipeloom.search import exact
+
+    def nothing(*args, **kwargs):
+        raise SearchError("no solution within the time limit")
+
+    monkeypatch.setattr(exact, "solve_exact", nothing)
+    problem = linear(3)
+    result = search(problem, 4, mode="exact", **FAST)
+    check_result(result)
+    assert result.schedule.name.startswith("search (=")
+    assert result.period is None
+
+
+def test_memory_limit_argument_overrides_the_problems_and_is_met():
+    problem = linear(3, split=True, limit=None)
+    result = search(problem, 6, memory_limit=2, **FAST)
+    check_result(result, 2)
+    assert result.schedule.problem.memory_limit == 2
+
+
+def test_an_infeasible_limit_with_no_builtin_raises_search_error():
+    with pytest.raises(SearchError):
+        search(linear(3, limit=0.5), 4, **FAST)
+
+
+def test_periodic_mode_on_a_catalog_placement_is_valid_with_a_period():
+    problem = placement("vshape", 4, memory_limit=6)
+    result = search(problem, 64, mode="periodic", **FAST)
+    check_result(result, 6)
+    assert result.mode == "periodic"
+    if not result.schedule.name.startswith("search (="):
+        assert result.period is not None and result.period >= result.period_lower_bound - 1e-9
+
+
+@pytest.mark.parametrize("name", sorted(PLACEMENTS))
+def test_auto_mode_solves_every_placement_at_4_ranks(name):
+    problem = placement(name, 4, memory_limit=6)
+    result = search(problem, 4, **FAST)
+    check_result(result, 6)
+
+
+# ---------------------------------------------------------------------------- problem files
+
+
+def problem_document(**changes) -> dict:
+    document = {
+        "num_ranks": 2,
+        "tasks": [
+            {"stage": 0, "kind": "F", "ranks": [0], "duration": 1, "memory": 1, "deps": []},
+            {"stage": 1, "kind": "F", "ranks": [1], "duration": 1, "memory": 1, "deps": ["0F"]},
+            {"stage": 1, "kind": "B", "ranks": [1], "duration": 2, "memory": -1, "deps": ["1F"]},
+            {"stage": 0, "kind": "B", "ranks": [0], "duration": 2, "memory": -1, "deps": ["0F", "1B"]},
+        ],
+        "comm_latency": 0.5,
+        "memory_limit": 2,
+    }
+    document.update(changes)
+    return document
+
+
+def test_problem_file_reads_tasks_and_machine_facts():
+    problem = problem_from_json(json.dumps(problem_document()))
+    assert problem.num_ranks == 2 and len(problem.tasks) == 4
+    assert problem.comm_latency == 0.5 and problem.memory_limit == 2
+    assert problem.task((0, "B")).deps == ((0, "F"), (1, "B"))
+    expected = stage_graph([Stage(ranks=0), Stage(ranks=1)], comm_latency=0.5, memory_limit=2)
+    assert set(problem.tasks) == set(expected.tasks)  # the stage-graph builder's 2-stage chain
+
+
+def test_a_whole_schedule_file_is_also_a_problem_file():
+    schedule = build_schedule("1f1b", 3, 4)
+    assert problem_from_json(schedule_to_json(schedule)) == schedule.problem
+
+
+@pytest.mark.parametrize("changes, fragment", [
+    ({"tasks": [{"stage": 0, "kind": "F", "ranks": [0], "duration": 1, "deps": ["0B"]},
+                 {"stage": 0, "kind": "B", "ranks": [0], "duration": 1, "deps": ["0F"]}]}, "cycle"),
+    ({"num_ranks": 1}, "rank 1"),
+    ({"tasks": [{"stage": 0, "kind": "F", "ranks": [0], "duration": -1}]}, "duration"),
+    ({"tasks": [{"stage": 0, "kind": "F", "ranks": [0], "duration": 1, "deps": ["3F"]}]}, "3F"),
+    ({"extra": 1}, "unknown key"),
+    ({"num_ranks": "two"}, "num_ranks"),
+    ({"comm_latency": "x"}, "problem.comm_latency"),
+])
+def test_bad_problem_files_are_refused_with_the_fault_named(changes, fragment):
+    with pytest.raises(ScheduleFormatError, match=fragment):
+        problem_from_json(json.dumps(problem_document(**changes)))
+
+
+def test_malformed_or_incomplete_problem_json_is_refused():
+    with pytest.raises(ScheduleFormatError, match="malformed JSON"):
+        problem_from_json("{")
+    with pytest.raises(ScheduleFormatError, match="'tasks'"):
+        problem_from_json(json.dumps({"num_ranks": 2}))
+    with pytest.raises(ScheduleFormatError, match="JSON object"):
+        problem_from_json("[]")

@@ -1,0 +1,171 @@
+"""Tests of ``pipeloom search``: run ``main([...])`` in-process and compare its JSON with the library
+(the saved schedule re-validated and re-simulated, the built-in 1F1B built directly); every bad
+input gives one ``pipeloom: error:`` line and a non-zero status."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipeloom.cli import main
+from pipeloom.ir import load_schedule, save_schedule, schedule_to_json
+from pipeloom.problem import Costs
+from pipeloom.schedules import build_schedule
+from pipeloom.search import PLACEMENTS
+from pipeloom.sim import simulate
+from pipeloom.validate import validate
+
+JSON_KEYS = {"makespan", "lower_bound", "gap", "status", "mode", "period", "period_lower_bound",
+             "search_seconds", "peak_memory", "num_ranks", "num_microbatches", "name"}
+QUICK = ("--time-limit", "3")
+
+
+def run(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def run_json(capsys: pytest.CaptureFixture, *argv: str) -> dict:
+    code, out, err = run(capsys, "search", *argv, *QUICK, "--json")
+    assert code == 0, err
+    return json.loads(out)
+
+
+def assert_one_line_error(result: tuple[int, str, str], status: int, *fragments: str) -> str:
+    code, out, err = result
+    lines = err.strip().splitlines()
+    assert code == status, err
+    assert out == ""
+    assert len(lines) == 1, err
+    assert lines[0].startswith("pipeloom: error: ") and "Traceback" not in err
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    return lines[0]
+
+
+# ---------------------------------------------------------------------------------- searching
+
+
+def test_json_report_has_the_search_fields_and_is_consistent(capsys):
+    report = run_json(capsys, "--placement", "xshape", "--ranks", "4", "--microbatches", "4",
+                      "--memory-limit", "6", "--mode", "exact")
+    assert JSON_KEYS <= set(report)
+    assert (report["num_ranks"], report["num_microbatches"]) == (4, 4)
+    assert report["mode"] == "exact" and report["period"] is None
+    assert report["makespan"] >= report["lower_bound"] - 1e-9
+    assert report["gap"] == pytest.approx(max(0.0, report["makespan"] / report["lower_bound"] - 1))
+    assert max(report["peak_memory"]) <= 6
+    assert report["status"] in ("optimal", "feasible")
+
+
+def test_saved_schedule_revalidates_to_the_reported_makespan(capsys, tmp_path):
+    path = tmp_path / "s.json"
+    report = run_json(capsys, "--placement", "vshape", "--ranks", "2", "--microbatches", "3",
+                      "--split-backward", "--save", str(path))
+    timeline = validate(load_schedule(path), ordered=True)
+    assert timeline.makespan == pytest.approx(report["makespan"])
+    assert list(timeline.peak_memory) == pytest.approx(report["peak_memory"])
+
+
+def test_periodic_mode_reports_a_period_at_least_its_bound(capsys):
+    report = run_json(capsys, "--placement", "vshape", "--ranks", "4", "--microbatches", "32",
+                      "--memory-limit", "6", "--mode", "periodic")
+    assert report["mode"] == "periodic"
+    if report["period"] is not None:  # None only when a built-in schedule won
+        assert report["period"] >= report["period_lower_bound"] - 1e-9
+
+
+def test_problem_file_search_is_never_worse_than_1f1b(capsys, tmp_path):
+    """The problem file of 1F1B's own task graph: the search must match or beat 1F1B."""
+    costs = Costs(f=1, b=2, w=0, comm=0.5)
+    built = build_schedule("1f1b", 3, 4, costs=costs)
+    document = json.loads(schedule_to_json(built))
+    problem = {key: document[key] for key in ("num_ranks", "tasks", "comm_latency", "memory_limit")}
+    path = tmp_path / "problem.json"
+    path.write_text(json.dumps(problem))
+    report = run_json(capsys, "--problem", str(path), "--microbatches", "4")
+    assert report["makespan"] <= simulate(built).makespan + 1e-9
+
+
+def test_a_schedule_file_works_as_a_problem_file_and_comm_overrides(capsys, tmp_path):
+    path = tmp_path / "s.json"
+    save_schedule(build_schedule("1f1b", 2, 2), path)
+    plain = run_json(capsys, "--problem", str(path), "--microbatches", "2")
+    slower = run_json(capsys, "--problem", str(path), "--microbatches", "2", "--comm", "1")
+    assert slower["makespan"] > plain["makespan"]
+
+
+def test_tables_name_the_bound_and_gap_and_trace_is_written(capsys, tmp_path):
+    trace = tmp_path / "t.json"
+    code, out, err = run(capsys, "search", "--placement", "vshape", "--ranks", "2", "--microbatches", "2",
+                         "--trace", str(trace), *QUICK)
+    assert code == 0, err
+    assert "lower bound" in out and "gap" in out and "per rank" in out
+    assert json.loads(trace.read_text())  # a Chrome trace
+    assert "searching" not in err  # no progress line when stderr is not a terminal
+
+
+def test_list_shows_every_placement(capsys):
+    code, out, _ = run(capsys, "list")
+    assert code == 0
+    for name in PLACEMENTS:
+        assert name in out
+    code, out, _ = run(capsys, "list", "--json")
+    assert [entry["name"] for entry in json.loads(out)["placements"]] == list(PLACEMENTS)
+
+
+# ------------------------------------------------------------------------------------- errors
+
+
+def test_unknown_placement_lists_the_valid_names(capsys):
+    line = assert_one_line_error(run(capsys, "search", "--placement", "zshape", "--ranks", "4",
+                                     "--microbatches", "4"), 2, "zshape")
+    for name in PLACEMENTS:
+        assert name in line
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--placement", "vshape", "--microbatches", "4"], "--ranks"),
+    (["--microbatches", "4"], "--placement"),
+    (["--placement", "vshape", "--ranks", "4", "--microbatches", "4", "--mode", "fast"], "--mode"),
+    (["--placement", "vshape", "--ranks", "4", "--microbatches", "4", "--time-limit", "0"], "--time-limit"),
+])
+def test_usage_errors_are_one_line(capsys, argv, fragment):
+    assert_one_line_error(run(capsys, "search", *argv), 2, fragment)
+
+
+def test_placement_flags_with_a_problem_file_are_refused(capsys, tmp_path):
+    path = tmp_path / "s.json"
+    save_schedule(build_schedule("1f1b", 2, 2), path)
+    assert_one_line_error(run(capsys, "search", "--problem", str(path), "--microbatches", "2",
+                              "--split-backward"), 2, "--split-backward", "--placement")
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("{", "malformed JSON"),
+    (json.dumps({"num_ranks": 1, "tasks": [
+        {"stage": 0, "kind": "F", "ranks": [0], "duration": 1, "deps": ["0B"]},
+        {"stage": 0, "kind": "B", "ranks": [0], "duration": 1, "deps": ["0F"]}]}), "cycle"),
+    (json.dumps({"num_ranks": 1, "tasks": [{"stage": 0, "kind": "F", "ranks": [3], "duration": 1}]}),
+     "rank 3"),
+    (json.dumps({"num_ranks": 1, "tasks": [{"stage": 0, "kind": "F", "ranks": [0], "duration": -2}]}),
+     "duration"),
+])
+def test_bad_problem_files_give_one_line_naming_the_file(capsys, tmp_path, text, fragment):
+    path = tmp_path / "bad.json"
+    path.write_text(text)
+    assert_one_line_error(run(capsys, "search", "--problem", str(path), "--microbatches", "2"), 1,
+                          str(path), fragment)
+
+
+def test_missing_problem_file_is_one_line(capsys, tmp_path):
+    assert_one_line_error(run(capsys, "search", "--problem", str(tmp_path / "none.json"),
+                              "--microbatches", "2"), 1, "none.json")
+
+
+def test_an_infeasible_memory_limit_is_one_line(capsys):
+    line = assert_one_line_error(run(capsys, "search", "--placement", "vshape", "--ranks", "2",
+                                     "--microbatches", "2", "--memory-limit", "0.5", *QUICK), 1)
+    assert "limit" in line
