@@ -341,7 +341,7 @@ def test_output_under_a_file_or_onto_a_folder_is_refused(capsys, tmp_path):
 @pytest.mark.parametrize("folder", ["file/sub", "file"])
 def test_demo_folder_that_cannot_be_created_is_refused_first(capsys, tmp_path, monkeypatch, folder):
     (tmp_path / "file").write_text("")
-    monkeypatch.setattr("pipeloom.cli._compare", pytest.fail)  # nothing may be built
+    monkeypatch.setattr("pipeloom.cli.demo.compare_schedules", pytest.fail)  # nothing may be built
     assert_one_line_error(run(capsys, "demo", "--out", str(tmp_path / folder)), 2, "--out", "cannot create")
 
 
@@ -351,14 +351,14 @@ def test_demo_folder_that_cannot_be_created_is_refused_first(capsys, tmp_path, m
     ["compare", "gpipe", "zbv", "-p", "100000", "-m", "100000"],
 ])
 def test_huge_inputs_are_refused_before_building(capsys, monkeypatch, argv):
-    monkeypatch.setattr("pipeloom.cli.build_schedule", pytest.fail)
+    monkeypatch.setattr("pipeloom.cli.schedules.build_schedule", pytest.fail)
     assert_one_line_error(run(capsys, *argv), 2, "actions, above the limit of 10,000,000", "use fewer")
 
 
 def test_size_limit_counts_ranks_microbatches_stages_and_kinds(capsys, monkeypatch):
     # estimate p x m x v x kinds: 1f1b p=4, m=4 -> 4*4*2*2 = 64 (v = 2 unless given, F and B);
     # zb-h1 splits the backward (F, I, W): 4*4*2*3 = 96; interleaved v=3: 4*4*3*2 = 96.
-    monkeypatch.setattr("pipeloom.cli.MAX_ACTIONS", 64)
+    monkeypatch.setattr("pipeloom.cli.schedules.MAX_ACTIONS", 64)
     assert run(capsys, "show", "1f1b", "-p", "4", "-m", "4")[0] == 0
     assert_one_line_error(run(capsys, "show", "1f1b", "-p", "4", "-m", "5"), 2, "about 80 actions")
     assert_one_line_error(run(capsys, "show", "zb-h1", "-p", "4", "-m", "4"), 2, "about 96 actions")
@@ -370,7 +370,7 @@ def test_out_of_memory_is_one_line(capsys, monkeypatch):
     def exhausted(*args, **kwargs):
         raise MemoryError
 
-    monkeypatch.setattr("pipeloom.cli.build_schedule", exhausted)
+    monkeypatch.setattr("pipeloom.cli.schedules.build_schedule", exhausted)
     assert_one_line_error(run(capsys, "show", "1f1b", "-p", "2", "-m", "2"), 1, "out of memory", "fewer")
 
 

@@ -1,0 +1,44 @@
+"""The ``pipeloom`` command line, a thin layer over the library: list, show, simulate, compare, demo,
+search.
+
+Every bad input ends as one line ``pipeloom: error: ...`` on stderr and a non-zero exit status
+(2 for usage errors, 1 for the rest); the library's exceptions carry the message.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from pipeloom.cli.common import UsageError, first_line
+from pipeloom.cli.demo import DEMO_COSTS, DEMO_MICROBATCHES, DEMO_RANKS, DEMO_SCHEDULES
+from pipeloom.cli.parser import build_parser
+from pipeloom.cli.schedules import MAX_ACTIONS
+from pipeloom.errors import PipeloomError
+
+__all__ = ["main", "DEMO_COSTS", "DEMO_RANKS", "DEMO_MICROBATCHES", "DEMO_SCHEDULES", "MAX_ACTIONS"]
+
+
+def _fail(error: BaseException, status: int, verbose: bool) -> int:
+    """Print one ``pipeloom: error:`` line; with --verbose also the rest (e.g. the step grid)."""
+    extra = str(error).strip().splitlines()[1:]
+    hint = " (add --verbose for details)" if extra and not verbose else ""
+    print(f"pipeloom: error: {first_line(error)}{hint}", file=sys.stderr)
+    if verbose and extra:
+        print("\n".join(extra), file=sys.stderr)
+    return status
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line on ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
+    args = None
+    try:
+        args = build_parser().parse_args(argv)
+        return args.handler(args)
+    except UsageError as error:
+        return _fail(error, 2, getattr(args, "verbose", False))
+    except (PipeloomError, ValueError, OSError) as error:
+        return _fail(error, 1, getattr(args, "verbose", False))
+    except MemoryError:
+        error = MemoryError("out of memory; use fewer ranks, micro-batches or stages per rank")
+        return _fail(error, 1, False)

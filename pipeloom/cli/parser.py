@@ -1,0 +1,175 @@
+"""The argparse definitions of ``pipeloom`` and the checks on single arguments (numbers, output
+file names) that run while parsing, so before anything is built or printed."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+from pipeloom.cli.common import UsageError
+from pipeloom.cli.demo import cmd_demo
+from pipeloom.cli.schedules import cmd_compare, cmd_list, cmd_show, cmd_simulate
+from pipeloom.cli.search import cmd_search
+
+__all__ = ["COST_HELP", "build_parser"]
+
+COST_HELP = (
+    "Costs are per micro-batch for ONE RANK'S SHARE of the model (a stage of the 1F1B layout): "
+    "--f forward, --b input-gradient backward (I), --w weight-gradient backward (W). Schedules "
+    "that do not split the backward run one B costing b+w; schedules with v stages per rank give "
+    "each stage 1/v of the costs, so every schedule runs the same model. Defaults: f=b=w=1, comm=0."
+)
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors become one-line ``UsageError``s instead of usage dumps."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(f"{message} (see `{self.prog} --help`)")
+
+
+# ------------------------------------------------------------------------------ argument types
+
+
+def _number(kind: type, words: str, minimum: float):
+    """An argparse type parsing ``kind`` and requiring a finite value >= ``minimum``."""
+
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value < minimum:
+            raise argparse.ArgumentTypeError(f"must be {words}, got {text!r}")
+        return value
+
+    return parse
+
+
+_cost = _number(float, "a finite number >= 0", 0)
+_count = _number(int, "a positive integer", 1)
+
+
+def _path_with(*suffixes: str):
+    """An argparse type for an output file: suffix one of ``suffixes`` (any case), in an existing
+    folder, not itself a folder; checked while parsing, so before anything is built or printed."""
+
+    def check(text: str) -> Path:
+        path = Path(text)
+        if path.suffix.lower() not in suffixes:
+            raise argparse.ArgumentTypeError(f"{text!r}: use a {' or '.join(suffixes)} file name")
+        parent = path.parent
+        if not parent.is_dir():
+            what = "is not a folder" if parent.exists() else "does not exist"
+            raise argparse.ArgumentTypeError(f"{text!r}: the folder {str(parent)!r} {what}; create it first")
+        if path.is_dir():
+            raise argparse.ArgumentTypeError(f"{text!r} is a folder; give a file name")
+        return path
+
+    return check
+
+
+# ---------------------------------------------------------------------------------- the parser
+
+
+def _add_costs(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("costs", COST_HELP)
+    group.add_argument("--f", type=_cost, metavar="F", help="forward time (default 1)")
+    group.add_argument("--b", type=_cost, metavar="B", help="input-gradient backward time (default 1)")
+    group.add_argument("--w", type=_cost, metavar="W", help="weight-gradient backward time (default 1)")
+    group.add_argument("--comm", type=_cost, metavar="C", help="latency between ranks (default 0)")
+    group.add_argument("--memory-limit", type=_cost, metavar="L",
+                       help="per-rank cap on held activations, in micro-batches of one rank's share")
+
+
+def _add_outputs(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("outputs")
+    group.add_argument("-o", "--out", type=_path_with(".png", ".svg"), help="timeline picture (.png/.svg)")
+    group.add_argument("--trace", type=_path_with(".json"), help="Chrome/Perfetto trace (.json)")
+    group.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    group.add_argument("--terminal", action="store_true", help="draw the timeline in the terminal")
+    group.add_argument("--width", type=_count, help="width of the --terminal view (default: terminal width)")
+
+
+def _add_shape(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ranks", "-p", type=_count, required=True, metavar="P", help="number of ranks")
+    parser.add_argument("--microbatches", "-m", type=_count, required=True, metavar="M",
+                        help="number of micro-batches (real ones; two-replica schedules pair them)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``pipeloom`` parser; each command sets ``handler``, a function of the parsed arguments
+    returning the exit status."""
+    parser = _Parser(
+        prog="pipeloom",
+        description="Build, validate, simulate, compare and draw pipeline-parallel schedules.",
+        epilog=COST_HELP,
+    )
+    parser.add_argument("--verbose", "-v", action="store_true", help="print full error details")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    listing = commands.add_parser("list", help="list the built-in schedules and placements")
+    listing.add_argument("--json", action="store_true", help="print one JSON object")
+    listing.set_defaults(handler=cmd_list)
+
+    show = commands.add_parser("show", help="build one schedule, check it, report and draw it",
+                               epilog=COST_HELP)
+    show.add_argument("name", metavar="NAME", help="schedule name (see `pipeloom list`)")
+    _add_shape(show)
+    show.add_argument("--stages-per-rank", type=_count, metavar="V",
+                      help="stages per rank, for schedules that take it (e.g. interleaved-1f1b)")
+    _add_costs(show)
+    _add_outputs(show)
+    show.add_argument("--save", type=_path_with(".json", ".csv"),
+                      help="save the schedule: pipeloom JSON (.json) or torch compute-only CSV (.csv)")
+    show.set_defaults(handler=cmd_show)
+
+    sim = commands.add_parser("simulate", help="check and simulate a saved schedule (JSON or torch CSV)",
+                              epilog=COST_HELP + " The cost flags apply to CSV files only.")
+    sim.add_argument("file", type=Path, metavar="FILE", help="a pipeloom .json or torch .csv schedule")
+    sim.add_argument("--allow-unordered", action="store_true",
+                     help="accept B/W of a stage out of micro-batch order (not exact in the runtime)")
+    _add_costs(sim)
+    _add_outputs(sim)
+    sim.set_defaults(handler=cmd_simulate)
+
+    compare = commands.add_parser("compare", help="compare schedules side by side", epilog=COST_HELP)
+    compare.add_argument("names", nargs="+", metavar="NAME", help="schedule names (see `pipeloom list`)")
+    _add_shape(compare)
+    _add_costs(compare)
+    compare.add_argument("-o", "--out", type=_path_with(".png", ".svg"), help="comparison figure (.png/.svg)")
+    compare.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    compare.set_defaults(handler=cmd_compare)
+
+    demo = commands.add_parser("demo", help="compare the main schedules on the zero-bubble paper's costs")
+    demo.add_argument("--out", type=Path, default=Path("demo-output"),
+                      help="output folder (default demo-output)")
+    demo.set_defaults(handler=cmd_demo)
+    _add_search(commands)
+    return parser
+
+
+def _add_search(commands: argparse._SubParsersAction) -> None:
+    search = commands.add_parser("search", help="search the fastest schedule of a placement or task graph",
+                                 description="Search a schedule with CP-SAT (see docs/search.md).")
+    source = search.add_mutually_exclusive_group(required=True)
+    source.add_argument("--placement", metavar="NAME", help="a catalog placement (see `pipeloom list`)")
+    source.add_argument("--problem", type=Path, metavar="FILE", help="a problem JSON file (docs/search.md)")
+    search.add_argument("--ranks", "-p", type=_count, metavar="D", help="number of ranks (with --placement)")
+    search.add_argument("--microbatches", "-m", type=_count, required=True, metavar="M",
+                        help="number of micro-batches")
+    search.add_argument("--memory-limit", type=_cost, metavar="L",
+                        help="per-rank cap on held memory (overrides a problem file's)")
+    search.add_argument("--time-limit", type=_number(float, "a number of seconds >= 0.01", 0.01),
+                        default=30.0, metavar="S", help="search time limit in seconds (default 30)")
+    search.add_argument("--mode", choices=("auto", "exact", "periodic"), default="auto",
+                        help="exact model, periodic (repetend) model, or auto by size (default)")
+    search.add_argument("--workers", type=_count, default=2, help="CP-SAT worker threads (default 2)")
+    search.add_argument("--split-backward", action="store_true", help="split B into I and W (placements)")
+    search.add_argument("--inference", action="store_true", help="forward only, memory 0 (placements)")
+    search.add_argument("--comm", type=_cost, metavar="C", help="latency between rank sets (default 0)")
+    _add_outputs(search)
+    search.add_argument("--save", type=_path_with(".json", ".csv"),
+                        help="save the schedule: pipeloom JSON (.json) or torch compute-only CSV (.csv)")
+    search.set_defaults(handler=cmd_search)

@@ -1,0 +1,154 @@
+"""The schedule commands of ``pipeloom``: list, show, simulate and compare, with the size check
+that refuses a schedule too big to build."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from rich.console import Console
+
+from pipeloom.cli.common import COST_FLAGS, UsageError, costs_from_args, emit, first_line
+from pipeloom.errors import PipeloomError
+from pipeloom.ir import load_schedule
+from pipeloom.problem import Costs
+from pipeloom.schedules import REGISTRY, build_schedule
+from pipeloom.sim import Timeline
+from pipeloom.validate import validate
+from pipeloom.viz.report import (
+    comparison_rows,
+    placements_table,
+    print_comparison,
+    schedules_table,
+    timeline_report,
+)
+
+__all__ = ["MAX_ACTIONS", "compare_schedules", "cmd_list", "cmd_show", "cmd_simulate", "cmd_compare"]
+
+MAX_ACTIONS = 10_000_000
+"""Most actions (estimated) ``show``/``compare`` build: about a minute and 4 GB, since building and
+validating took 2.5-4.5 s and 0.4 GB per million actions (1f1b p=64 m=8192, zbv p=64 m=4096)."""
+
+
+def _check_name(name: str) -> None:
+    if name not in REGISTRY:
+        raise UsageError(f"unknown schedule {name!r}; choose one of: {', '.join(REGISTRY)}")
+
+
+def _check_size(name: str, ranks: int, microbatches: int, stages_per_rank: int | None = None) -> None:
+    """Refuse, before building, a schedule of more than about ``MAX_ACTIONS`` actions, estimated as
+    ranks x micro-batches x stages per rank (``stages_per_rank``, else 2, the most a built-in uses
+    by default) x kinds (3 with a split backward: F, I, W; else 2: F, B), a rough upper bound."""
+    estimate = ranks * microbatches * (stages_per_rank or 2) * (3 if REGISTRY[name].splits_backward else 2)
+    if estimate > MAX_ACTIONS:
+        shape = f"p={ranks}, m={microbatches}" + (f", v={stages_per_rank}" if stages_per_rank else "")
+        raise UsageError(f"{name} with {shape} would have about {estimate:,} actions, above the limit "
+                         f"of {MAX_ACTIONS:,}; use fewer ranks, micro-batches or stages per rank")
+
+
+def _build(name: str, ranks: int, microbatches: int, costs: Costs, limit: float | None,
+           **options: Any) -> Timeline:
+    """Build a registered schedule and validate it in ordered mode; returns its timeline."""
+    try:
+        schedule = build_schedule(name, ranks, microbatches, costs=costs, memory_limit=limit, **options)
+    except ImportError as error:
+        raise PipeloomError(f"schedule {name!r} is registered but cannot be imported ({error})") from None
+    return validate(schedule, ordered=True)
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    """``pipeloom list``: the registered schedules and the search's placements."""
+    from pipeloom.search.placements import PLACEMENTS
+
+    placements = [{"name": info.name, "summary": info.summary, "ranks": info.rule}
+                  for info in PLACEMENTS.values()]
+    if args.json:
+        schedules = [
+            {"name": info.name, "summary": info.summary, "options": list(info.options),
+             "splits_backward": info.splits_backward}
+            for info in REGISTRY.values()
+        ]
+        print(json.dumps({"schedules": schedules, "placements": placements}))
+        return 0
+    console = Console(highlight=False)
+    console.print(schedules_table(REGISTRY.values()))
+    console.print("\nPlacements (task graphs for the search)", style="bold")
+    console.print(placements_table(PLACEMENTS.values()))
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    """``pipeloom show``: build one schedule, check it, report and draw it."""
+    _check_name(args.name)
+    options = {}
+    if args.stages_per_rank is not None:
+        if "stages_per_rank" not in REGISTRY[args.name].options:
+            takers = [name for name, info in REGISTRY.items() if "stages_per_rank" in info.options]
+            raise UsageError(f"schedule {args.name!r} does not take --stages-per-rank; "
+                             f"schedules that do: {', '.join(takers)}")
+        options["stages_per_rank"] = args.stages_per_rank
+    _check_size(args.name, args.ranks, args.microbatches, args.stages_per_rank)
+    costs = costs_from_args(args)
+    timeline = _build(args.name, args.ranks, args.microbatches, costs, args.memory_limit, **options)
+    return emit(args, timeline, timeline_report(timeline, microbatches=args.microbatches, costs=costs))
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    """``pipeloom simulate``: check and simulate a saved schedule (pipeloom JSON or torch CSV)."""
+    is_csv = args.file.suffix.lower() == ".csv"
+    cost_flags = [f"--{k}" for k in COST_FLAGS if getattr(args, k) is not None]
+    if cost_flags and not is_csv:
+        raise UsageError(f"{'/'.join(cost_flags)} set the costs of a torch CSV; a pipeloom JSON "
+                         "schedule carries its own task durations")
+    costs = costs_from_args(args)
+    schedule = load_schedule(args.file, costs=costs)
+    problem = schedule.problem
+    if args.memory_limit is not None:  # overrides the limit a JSON file carries
+        problem = dataclasses.replace(problem, memory_limit=args.memory_limit)
+    schedule = dataclasses.replace(schedule, problem=problem)
+    timeline = validate(schedule, ordered=not args.allow_unordered)
+    return emit(args, timeline, timeline_report(timeline, costs=costs if is_csv else None))
+
+
+def compare_schedules(names: Sequence[str], ranks: int, microbatches: int, costs: Costs,
+                      limit: float | None) -> tuple[list[dict], list[Timeline]]:
+    """Build each schedule: rows as ``comparison_rows`` (a failure is a row with an ``error``) and
+    the timelines built; raises when none could be built."""
+    outcomes: list[tuple[str, Timeline | str]] = []
+    for name in names:
+        try:
+            outcomes.append((name, _build(name, ranks, microbatches, costs, limit)))
+        except ValueError as error:
+            outcomes.append((name, first_line(error)))
+    rows = comparison_rows(outcomes, microbatches=microbatches, costs=costs)
+    if all("error" in row for row in rows):
+        reasons = "; ".join(f"{row['name']}: {row['error']}" for row in rows)
+        raise PipeloomError(f"no schedule could be built ({reasons})")
+    return rows, [outcome for _, outcome in outcomes if not isinstance(outcome, str)]
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    """``pipeloom compare``: build the named schedules and compare them side by side."""
+    for name in args.names:
+        _check_name(name)
+        _check_size(name, args.ranks, args.microbatches)
+    costs = costs_from_args(args)
+    rows, timelines = compare_schedules(args.names, args.ranks, args.microbatches, costs, args.memory_limit)
+    title = f"p={args.ranks}, m={args.microbatches}"
+    if args.out:  # written first: a failed write leaves stdout empty
+        from pipeloom import viz
+
+        viz.draw_comparison(timelines, args.out, title=title)
+    console = Console(stderr=args.json, highlight=False)
+    if args.json:
+        print(json.dumps({"num_ranks": args.ranks, "num_microbatches": args.microbatches,
+                          "costs": dataclasses.asdict(costs), "memory_limit": args.memory_limit,
+                          "schedules": rows}))
+    else:
+        print_comparison(console, rows, title)
+    if args.out:
+        console.print(f"wrote comparison figure {args.out}", markup=False, soft_wrap=True)
+    return 0

@@ -1,0 +1,75 @@
+"""``pipeloom search``: search the fastest schedule of a catalog placement or a problem file with
+CP-SAT, showing a progress line (best, bound, gap) on a terminal."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+
+from rich.console import Console
+
+from pipeloom.cli.common import UsageError, emit
+from pipeloom.validate import validate
+from pipeloom.viz.report import format_number, search_table, timeline_report
+
+__all__ = ["cmd_search"]
+
+
+def _search_problem(args: argparse.Namespace):
+    """The problem ``pipeloom search`` works on: a catalog placement, or a problem file."""
+    from pipeloom.search import PLACEMENTS, load_problem, placement
+
+    if args.placement is None:
+        flags = [flag for flag, on in (("--ranks", args.ranks), ("--split-backward", args.split_backward),
+                                       ("--inference", args.inference)) if on]
+        if flags:
+            raise UsageError(f"{', '.join(flags)} apply to --placement; a problem file has its own tasks")
+        problem = load_problem(args.problem)
+        return problem if args.comm is None else dataclasses.replace(problem, comm_latency=args.comm)
+    if args.placement not in PLACEMENTS:
+        raise UsageError(f"unknown placement {args.placement!r}; choose one of: {', '.join(PLACEMENTS)}")
+    if args.ranks is None:
+        raise UsageError("--placement needs --ranks D")
+    return placement(args.placement, args.ranks, split_backward=args.split_backward,
+                     inference=args.inference, memory_limit=args.memory_limit, comm_latency=args.comm or 0.0)
+
+
+@contextlib.contextmanager
+def _search_status(enabled: bool):
+    """A transient stderr line (best, bound, gap) once a search has run 1 s; only on a terminal."""
+    console = Console(stderr=True, highlight=False)
+    if not enabled or not console.is_terminal:
+        yield None
+        return
+    status = console.status("searching")
+
+    def show(report) -> None:
+        if report.seconds < 1.0:
+            return
+        best = "-" if report.best is None else format_number(report.best)
+        gap = "-" if report.best is None or report.bound <= 0 else f"{report.best / report.bound - 1:.2%}"
+        status.update(f"searching ({report.phase}, {report.seconds:.0f} s): best {best}, "
+                      f"bound {format_number(report.bound)}, gap {gap}")
+        status.start()  # no-op once started
+
+    try:
+        yield show
+    finally:
+        status.stop()
+
+
+def cmd_search(args: argparse.Namespace) -> int:
+    """``pipeloom search``: search, validate the result, report and draw it."""
+    from pipeloom.search import search
+
+    problem = _search_problem(args)
+    with _search_status(not args.json) as progress:
+        result = search(problem, args.microbatches, mode=args.mode, memory_limit=args.memory_limit,
+                        time_limit=args.time_limit, workers=args.workers, progress=progress)
+    timeline = validate(result.schedule, ordered=True)
+    report = {**timeline_report(timeline), "makespan": result.makespan, "lower_bound": result.lower_bound,
+              "gap": result.gap, "status": result.status, "mode": result.mode, "period": result.period,
+              "period_lower_bound": result.period_lower_bound, "search_seconds": result.seconds,
+              "peak_memory": list(result.peak_memory)}
+    return emit(args, timeline, report, table=search_table)
