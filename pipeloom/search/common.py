@@ -11,15 +11,16 @@ from pipeloom.ir import Action, Schedule
 from pipeloom.problem import Problem
 
 __all__ = [
-    "SearchError",
     "IntegerProblem",
-    "to_integers",
-    "topological_order",
+    "SearchError",
+    "forced_idle",
     "head_tail",
     "lower_bound",
-    "period_lower_bound",
     "memory_time_per_microbatch",
+    "period_lower_bound",
     "schedule_from_starts",
+    "to_integers",
+    "topological_order",
 ]
 
 
@@ -139,10 +140,12 @@ def head_tail(problem: Problem) -> tuple[list[float], list[float]]:
 
 
 def lower_bound(problem: Problem, num_microbatches: int, *, memory_limit: float | None = None) -> float:
-    """A makespan no schedule can beat: the longest micro-batch path, and per rank
-    ``min head + M * work + min tail`` over the tasks on it (its first action cannot start before
-    its head, its last must still be followed by its tail). Under a memory limit (the problem's,
-    or ``memory_limit``) also ``M * area / limit`` per rank, see :func:`memory_time_per_microbatch`.
+    """A makespan no schedule can beat: the longest micro-batch path, and per rank r
+    ``M * work_r + max(min head + min tail, idle_r)`` over the tasks on it (its first action cannot
+    start before its head, its last must still be followed by its tail; ``idle_r`` is time rank r
+    provably waits while other ranks work, see :func:`forced_idle`). Under a memory limit (the
+    problem's, or ``memory_limit``) also ``M * area / limit`` per rank, see
+    :func:`memory_time_per_microbatch`.
     """
     head, tail = head_tail(problem)
     bound = max(head[i] + task.duration + tail[i] for i, task in enumerate(problem.tasks))
@@ -150,10 +153,79 @@ def lower_bound(problem: Problem, num_microbatches: int, *, memory_limit: float 
     for rank in range(problem.num_ranks):
         on_rank = [i for i, task in enumerate(problem.tasks) if rank in task.ranks]
         if on_rank:
-            first = min(head[i] for i in on_rank)
-            last = min(tail[i] for i in on_rank)
-            bound = max(bound, first + num_microbatches * work[rank] + last)
+            ends = min(head[i] for i in on_rank) + min(tail[i] for i in on_rank)
+            idle = forced_idle(problem, num_microbatches, rank)
+            bound = max(bound, num_microbatches * work[rank] + max(ends, idle))
     return max(bound, num_microbatches * period_lower_bound(problem, memory_limit=memory_limit))
+
+
+_EXACT_IDLE_MICROBATCHES = 64
+"""Up to this many micro-batches :func:`forced_idle` walks every copy; beyond, it collapses the
+middle copies (a smaller, still valid, chain)."""
+
+
+def forced_idle(problem: Problem, num_microbatches: int, rank: int) -> float:
+    """Time rank ``rank`` must stand idle in every schedule (a lower bound; 0 if none is known).
+
+    Write u_j for copy j of task u (interval ``[s_uj, s_uj + d_u)``), r for ``rank``, and
+    ``D_r(u) = {a on r : R_a and R_u share no rank}`` for a task u not on r. While u_j runs, r can
+    only run copies of tasks in ``D_r(u)`` (any other task on r shares a rank with u_j). So r is
+    idle throughout u_j when no copy a_i of a task in ``D_r(u)`` can overlap it:
+
+    - ``D_r(u)`` is empty: every copy j of u;
+    - every a in ``D_r(u)`` descends from u, and j = 0: ``s_ai >= s_ui + d_u >= s_u0 + d_u``
+      (the micro-batch order ``s_u,i+1 >= s_ui + d_u`` loses nothing, see the exact model);
+    - every a in ``D_r(u)`` is an ancestor of u, and j = M - 1: symmetrically, ``a_i`` ends by
+      ``s_ui <= s_u,M-1``.
+
+    Such idle intervals u_j and v_k never overlap when u is v or an ancestor of v, j <= k and
+    (u, j) != (v, k): ``u_j`` ends before ``v_j`` starts (the dependency path) and ``v_j`` before
+    ``v_k``. Rank r's idle time is disjoint from its ``M * work_r`` busy time, so the heaviest such
+    chain (a longest path over the (task, copy) grid) adds to it: makespan >= M work_r + chain.
+    """
+    tasks = problem.tasks
+    m = num_microbatches
+    if m < 1 or not any(rank in task.ranks for task in tasks):
+        return 0.0
+    index = {task.key: i for i, task in enumerate(tasks)}
+    order = topological_order(problem)
+    deps = [[index[dep] for dep in task.deps] for task in tasks]
+    ancestors: list[set[int]] = [set() for _ in tasks]
+    for i in order:
+        for d in deps[i]:
+            ancestors[i] |= ancestors[d] | {d}
+    on_rank = [i for i, task in enumerate(tasks) if rank in task.ranks]
+    first = [0.0] * len(tasks)  # weight of copy 0, copy M-1, and every other copy
+    last = [0.0] * len(tasks)
+    middle = [0.0] * len(tasks)
+    for u, task in enumerate(tasks):
+        if rank in task.ranks or task.duration <= 0:
+            continue
+        free = [a for a in on_rank if not set(tasks[a].ranks) & set(task.ranks)]
+        if not free:
+            first[u] = last[u] = middle[u] = task.duration
+        elif all(u in ancestors[a] for a in free):
+            first[u] = task.duration
+        elif all(a in ancestors[u] for a in free):
+            last[u] = task.duration
+
+    def layer(previous: list[float], weight: list[float]) -> list[float]:
+        """Heaviest chain ending at (t, this copy): ``w_t + max(f(t, copy before), f(dep, this copy))``."""
+        current = [0.0] * len(tasks)
+        for t in order:
+            current[t] = weight[t] + max([previous[t], *(current[d] for d in deps[t])])
+        return current
+
+    if m == 1:
+        return max(layer([0.0] * len(tasks), [max(a, b) for a, b in zip(first, last)]))
+    chain = layer([0.0] * len(tasks), first)
+    if m - 2 <= _EXACT_IDLE_MICROBATCHES:
+        for _ in range(m - 2):
+            chain = layer(chain, middle)
+    else:  # copies 1..M-2 of one task t, after the best chain into t's ancestors or t
+        best = [max([chain[t], *(chain[a] for a in ancestors[t])]) for t in range(len(tasks))]
+        chain = [b + (m - 2) * w for b, w in zip(best, middle)]
+    return max(layer(chain, last))
 
 
 def period_lower_bound(problem: Problem, *, memory_limit: float | None = None) -> float:

@@ -4,6 +4,7 @@ memory limit, warm-started from the list schedule and the caller's hints; return
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -27,7 +28,10 @@ from pipeloom.search.result import SearchProgress, SearchResult
 from pipeloom.sim import simulate
 from pipeloom.validate import validate
 
-__all__ = ["solve_exact"]
+__all__ = ["PERIODIC_SHARE", "solve_exact"]
+
+PERIODIC_SHARE = 0.1
+"""Share of the time limit the periodic warm start (a repetend unrolled) may take."""
 
 Starts = dict[tuple[int, int], int]
 
@@ -36,13 +40,14 @@ class _Model:
     """The exact scheduling model, in integer time and memory units.
 
     Data: tasks t with duration d_t, memory change m_t, ranks R_t and deps (u, lat_ut); micro-batches
-    j = 0..M-1; horizon H (the best known schedule's makespan); per-rank limit L_r.
+    j = 0..M-1; horizon H (the best known schedule's makespan); per-rank limit L_r; a floor F that
+    no schedule beats (the analytic lower bound, 0 when scaling rounded values).
     Variables: start s_tj, interval [s_tj, s_tj + d_t) (one per (t, j), shared by all ranks of t),
     makespan C. Objective: minimise C.
     """
 
-    def __init__(self, integer: IntegerProblem, num_microbatches: int, horizon: int) -> None:
-        self.integer, self.num_mb, self.horizon = integer, num_microbatches, horizon
+    def __init__(self, integer: IntegerProblem, num_microbatches: int, horizon: int, floor: int = 0) -> None:
+        self.integer, self.num_mb, self.horizon, self.floor = integer, num_microbatches, horizon, floor
         self.tasks = range(len(integer.durations))
         self.microbatches = range(num_microbatches)
         self.model = cp_model.CpModel()
@@ -80,7 +85,7 @@ class _Model:
                 self.start[t, j] = s
                 self.end[t, j] = s + d[t]
                 self.interval[t, j] = self.model.NewFixedSizeIntervalVar(s, d[t], f"x_{t}_{j}")
-        self.makespan = self.model.NewIntVar(0, h, "makespan")
+        self.makespan = self.model.NewIntVar(min(self.floor, h), h, "makespan")
 
     def _no_overlap(self) -> None:
         """For each rank r: the intervals of {(t, j) : r in R_t} do not overlap."""
@@ -127,7 +132,9 @@ class _Model:
             self.model.AddReservoirConstraint(list(times), list(changes), lowest, limit)
 
     def _objective(self) -> None:
-        """``C >= s_t,M-1 + d_t`` for every t (the last copy of each task ends last); minimise C."""
+        """``C >= s_t,M-1 + d_t`` for every t (the last copy of each task ends last), ``C >= F``
+        (redundant: F bounds every schedule, so it only lets the solver stop as soon as it meets
+        F); minimise C."""
         for t in self.tasks:
             self.model.Add(self.makespan >= self.end[t, self.num_mb - 1])
         self.model.Minimize(self.makespan)
@@ -204,8 +211,14 @@ def solve_exact(
     analytic = lower_bound(problem, num_microbatches, memory_limit=limit)
     if best is not None and best[1] <= analytic * (1 + 1e-12):
         return _result(best[0], best[1], analytic, began, integer)  # already optimal
+    periodic = _periodic_schedule(problem, num_microbatches, name, PERIODIC_SHARE * time_limit, workers)
+    if periodic is not None and (best is None or periodic[1] < best[1]):
+        best = periodic
+        if best[1] <= analytic * (1 + 1e-12):
+            return _result(best[0], best[1], analytic, began, integer)
 
-    status, starts, proven = _solve(integer, num_microbatches, best, time_limit, workers,
+    left = time_limit - (time.perf_counter() - began)
+    status, starts, proven = _solve(integer, num_microbatches, best, analytic, left, workers,
                                     progress and _Progress(progress, began, integer, analytic))
     if starts is not None:
         found = _checked(problem, num_microbatches, name, starts)
@@ -221,11 +234,13 @@ def _solve(
     integer: IntegerProblem,
     num_microbatches: int,
     best: tuple[Schedule, float] | None,
+    analytic: float,
     time_limit: float,
     workers: int,
     callback: cp_model.CpSolverSolutionCallback | None,
 ) -> tuple[int, Starts | None, float | None]:
-    """Build and solve the model within the best known makespan, warm-started from it.
+    """Build and solve the model within the best known makespan, warm-started from it, with the
+    analytic lower bound as the makespan's floor where scaling was exact.
 
     Returns the solver status, the solution's start times (None without one) and the proven
     lower bound in real units (None when scaling rounded values, as it then bounds another problem).
@@ -236,7 +251,8 @@ def _solve(
     else:
         hint_starts = None
         horizon = _serial_horizon(integer, num_microbatches)
-    model = _Model(integer, num_microbatches, horizon)
+    floor = math.ceil(analytic * integer.time_scale * (1 - 1e-9)) if integer.exact else 0
+    model = _Model(integer, num_microbatches, horizon, floor)
     if hint_starts is not None:
         model.hint(hint_starts)
     solver = cp_model.CpSolver()
@@ -274,6 +290,23 @@ def _known_schedules(
         except ScheduleError:
             continue
     return known, greedy_error
+
+
+def _periodic_schedule(
+    problem: Problem, num_microbatches: int, name: str, time_limit: float, workers: int
+) -> tuple[Schedule, float] | None:
+    """The periodic mode's repetend unrolled to ``num_microbatches`` (a warm start that is often
+    optimal already), with its makespan; None when none is found in ``time_limit`` or it fails
+    validation (e.g. its warm-up exceeds the limit)."""
+    from pipeloom.search.periodic import coarsen, solve_repetend, unroll  # periodic imports this module
+
+    try:
+        repetend = solve_repetend(coarsen(to_integers(problem)), time_limit=time_limit, workers=workers)
+        if repetend is None:
+            return None
+        return _checked_schedule(unroll(problem, repetend, num_microbatches, name=name))
+    except (SearchError, ScheduleError):
+        return None
 
 
 def _checked_schedule(schedule: Schedule) -> tuple[Schedule, float]:

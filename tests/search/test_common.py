@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from pipeloom.problem import Costs
+from pipeloom.problem import Costs, Problem, Task
 from pipeloom.schedules import build_schedule
 from pipeloom.search.common import (
+    forced_idle,
     lower_bound,
     memory_time_per_microbatch,
     period_lower_bound,
@@ -69,3 +70,25 @@ def test_schedule_from_starts_orders_each_rank_by_start():
     schedule = schedule_from_starts(problem, name="x", num_microbatches=2, starts=starts)
     assert [str(a) for a in schedule.ranks[0]] == ["0F0", "0F1", "0B0", "0B1"]
     validate(schedule, ordered=True)
+
+
+def test_forced_idle_counts_the_waits_behind_all_rank_blocks():
+    # nnshape, 4 ranks: rank r waits out the forwards of ranks < r in micro-batch 0 and the
+    # backwards of ranks < r in the last one (span 3), so 4r; with 8 work per micro-batch the bound
+    # is 8M + 12, the optimum the exact search proves.
+    problem = placement("nnshape", 4, memory_limit=6)
+    assert [forced_idle(problem, 8, r) for r in range(4)] == [0.0, 4.0, 8.0, 12.0]
+    assert lower_bound(problem, 8) == 76.0
+    assert [forced_idle(problem, 1, r) for r in range(4)] == [0.0, 4.0, 8.0, 12.0]
+
+
+def test_forced_idle_counts_every_copy_of_a_task_that_blocks_the_whole_rank():
+    # Rank 1 runs only X (ranks 0 and 1); rank 0 runs A before X: every A leaves rank 1 idle,
+    # also in the middle copies (collapsed beyond 64 micro-batches, exactly below).
+    problem = Problem(num_ranks=2, tasks=(
+        Task(stage=0, kind="F", ranks=(0,), duration=2),
+        Task(stage=1, kind="F", ranks=(0, 1), duration=1, deps=((0, "F"),)),
+    ))
+    for m in (1, 2, 3, 10, 100):
+        assert forced_idle(problem, m, 1) == 2 * m
+        assert lower_bound(problem, m) == 3 * m

@@ -19,6 +19,7 @@ from pipeloom.problem import Costs, Problem, Stage, Task, stage_graph
 from pipeloom.schedules import build_schedule
 from pipeloom.search.common import SearchError, lower_bound
 from pipeloom.search.exact import solve_exact
+from pipeloom.search.placements import placement
 from pipeloom.sim import simulate
 from pipeloom.validate import validate
 
@@ -142,10 +143,43 @@ def test_random_tiny_graphs_match_brute_force(problem, limit):
         with pytest.raises(SearchError):
             solve_exact(problem, 2, memory_limit=limit, time_limit=5)
         return
+    assert lower_bound(problem, 2, memory_limit=limit) <= expected + 1e-9  # the model's floor is valid
     result = solve_exact(problem, 2, memory_limit=limit, time_limit=5)
     check(result, limit)
     assert result.makespan == pytest.approx(expected)
     assert result.status == "optimal"
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problem=tiny_problems(), num_mb=st.sampled_from([1, 2]))
+def test_lower_bound_with_forced_idle_never_beats_brute_force(problem, num_mb):
+    expected = brute_force(problem, num_mb, None)
+    assert lower_bound(problem, num_mb) <= expected + 1e-9
+
+
+def test_forced_idle_bound_is_tight_on_the_three_rank_chain_with_a_shared_block():
+    # F0 (rank 0) -> F1 (rank 1) -> A (ranks 0-2) -> F2 (rank 2): rank 2 waits out F0 and F1 of
+    # micro-batch 0 and can share nothing with them; rank 0 waits out F2 of the last micro-batch.
+    problem = Problem(num_ranks=3, tasks=(
+        Task(stage=0, kind="F", ranks=(0,), duration=1),
+        Task(stage=1, kind="F", ranks=(1,), duration=2, deps=((0, "F"),)),
+        Task(stage=2, kind="F", ranks=(0, 1, 2), duration=1, deps=((1, "F"),)),
+        Task(stage=3, kind="F", ranks=(2,), duration=2, deps=((2, "F"),)),
+    ))
+    assert lower_bound(problem, 2) == brute_force(problem, 2, None)
+    result = solve_exact(problem, 3, time_limit=5)
+    check(result, None)
+    assert result.status == "optimal"
+
+
+@pytest.mark.parametrize("name", ["nnshape", "mllm"])
+def test_tessel_placements_with_all_rank_blocks_are_proven_optimal(name):
+    # Each rank works 8 per micro-batch; rank 3 also waits out F on ranks 0-2 of the first
+    # micro-batch (3) and B on ranks 2-0 of the last (9): the optimum is 8M + 12.
+    problem = placement(name, 4, memory_limit=6)
+    result = solve_exact(problem, 4, time_limit=10)
+    check(result, 6.0)
+    assert result.status == "optimal" and result.makespan == 4 * 8 + 12
 
 
 @pytest.mark.parametrize(("p", "m"), [(2, 2), (2, 4), (3, 3), (4, 4)])
