@@ -13,7 +13,7 @@ from typing import Literal
 
 from pipeloom.ir import Action, Schedule
 from pipeloom.problem import Costs
-from pipeloom.schedules._common import (
+from pipeloom.schedules.common import (
     check_counts,
     even_microbatches_hint,
     make_schedule,

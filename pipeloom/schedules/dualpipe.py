@@ -12,7 +12,7 @@ from itertools import count, repeat
 
 from pipeloom.ir import Action, Schedule
 from pipeloom.problem import Costs
-from pipeloom.schedules._common import (
+from pipeloom.schedules.common import (
     check_counts,
     even_microbatches_hint,
     make_schedule,

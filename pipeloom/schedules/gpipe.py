@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pipeloom.ir import Action, Schedule
 from pipeloom.problem import Costs
-from pipeloom.schedules._common import chain_problem, check_counts, make_schedule
+from pipeloom.schedules.common import chain_problem, check_counts, make_schedule
 
 __all__ = ["gpipe"]
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pipeloom.ir import Action, Schedule
 from pipeloom.problem import Costs, Problem
-from pipeloom.schedules._common import chain_problem, check_counts, make_schedule, merge_one_f_one_b
+from pipeloom.schedules.common import chain_problem, check_counts, make_schedule, merge_one_f_one_b
 
 __all__ = ["interleaved_1f1b", "check_stages_per_rank", "looped_problem", "group_sizes", "grouped_order"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pipeloom.ir import Action, Schedule
 from pipeloom.problem import Costs
-from pipeloom.schedules._common import check_counts, make_schedule
+from pipeloom.schedules.common import check_counts, make_schedule
 from pipeloom.schedules.interleaved import check_stages_per_rank, looped_problem
 
 __all__ = ["looped_bfs"]

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pipeloom.errors import PipeloomError
 from pipeloom.ir import Action, Schedule
 from pipeloom.problem import Costs, Problem
-from pipeloom.schedules._common import check_counts, make_schedule, v_problem, v_rank_stages, v_stage_ranks
+from pipeloom.schedules.common import check_counts, make_schedule, v_problem, v_rank_stages, v_stage_ranks
 
 __all__ = ["zbv"]
 

@@ -11,7 +11,7 @@ from functools import partial
 
 from pipeloom.ir import Action, Schedule
 from pipeloom.problem import Costs
-from pipeloom.schedules._common import chain_problem, check_counts, make_schedule
+from pipeloom.schedules.common import chain_problem, check_counts, make_schedule
 
 __all__ = ["zb_h1", "zb_h2"]
 

@@ -12,7 +12,7 @@ from types import MappingProxyType
 
 from pipeloom.errors import PipeloomError
 from pipeloom.problem import Costs, Problem, stage_graph
-from pipeloom.schedules._common import chain_problem, v_stage_ranks
+from pipeloom.schedules.common import chain_problem, v_stage_ranks
 from pipeloom.search.blocks import Block, PlacementBuilder
 
 __all__ = ["PLACEMENTS", "PlacementInfo", "placement", "placement_names"]

@@ -10,7 +10,7 @@ import pytest
 from pipeloom.ir import Action
 from pipeloom.problem import Costs
 from pipeloom.schedules import build_schedule
-from pipeloom.schedules._common import chain_problem, make_schedule
+from pipeloom.schedules.common import chain_problem, make_schedule
 from pipeloom.sim import simulate
 from pipeloom.validate import validate
 from pipeloom.viz import KIND_COLORS, draw_timeline, timeline_figure

@@ -1,4 +1,4 @@
-"""Helpers shared by the schedule families: argument checks, linear and V problems, 1F1B merging."""
+"""Building blocks shared by the schedule families and the search's placements: checks, layouts, 1F1B merging."""
 
 from __future__ import annotations
 
