@@ -10,7 +10,7 @@ from pipeloom.ir.json_io import schedule_from_json, schedule_to_json
 from pipeloom.ir.torch_csv import schedule_from_csv, schedule_to_csv
 from pipeloom.problem import Costs
 
-__all__ = ["save_schedule", "load_schedule"]
+__all__ = ["save_schedule", "load_schedule", "read_text"]
 
 
 def save_schedule(schedule: Schedule, path: str | Path) -> None:
@@ -29,6 +29,17 @@ def save_schedule(schedule: Schedule, path: str | Path) -> None:
     path.write_text(text, encoding="utf-8")
 
 
+def read_text(path: str | Path) -> str:
+    """The UTF-8 text of ``path`` (a leading byte-order mark is allowed); ScheduleFormatError
+    naming the file when it cannot be read or is not UTF-8."""
+    try:
+        return Path(path).read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as error:
+        raise ScheduleFormatError(f"cannot read {path}: not UTF-8 text (byte {error.start})") from None
+    except OSError as error:
+        raise ScheduleFormatError(f"cannot read {path}: {error.strerror or error}") from None
+
+
 def load_schedule(path: str | Path, *, costs: Costs = Costs()) -> Schedule:
     """Read a schedule saved as pipeloom JSON or torch CSV (chosen by suffix, any case).
 
@@ -38,12 +49,7 @@ def load_schedule(path: str | Path, *, costs: Costs = Costs()) -> Schedule:
     suffix = path.suffix.lower()
     if suffix not in (".csv", ".json"):
         raise ScheduleFormatError(f"cannot read {path}: use a .json (pipeloom) or .csv (torch) file")
-    try:
-        text = path.read_text(encoding="utf-8-sig")
-    except UnicodeDecodeError as error:
-        raise ScheduleFormatError(f"cannot read {path}: not UTF-8 text (byte {error.start})") from None
-    except OSError as error:
-        raise ScheduleFormatError(f"cannot read {path}: {error.strerror or error}") from None
+    text = read_text(path)
     if suffix == ".csv":
         return schedule_from_csv(text, name=path.stem, costs=costs)
     return schedule_from_json(text)

@@ -16,6 +16,7 @@ from typing import Literal
 
 from pipeloom.errors import PipeloomError, ScheduleFormatError
 from pipeloom.ir import FORMAT, Schedule, schedule_from_json
+from pipeloom.ir.files import read_text
 from pipeloom.problem import Costs, Problem
 from pipeloom.schedules import REGISTRY, build_schedule
 from pipeloom.search.common import SearchError, lower_bound, topological_order
@@ -284,12 +285,7 @@ def problem_from_json(text: str) -> Problem:
 def load_problem(path: str | Path) -> Problem:
     """:func:`problem_from_json` of a UTF-8 file; errors name the file."""
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8-sig")
-    except UnicodeDecodeError as error:
-        raise ScheduleFormatError(f"cannot read {path}: not UTF-8 text (byte {error.start})") from None
-    except OSError as error:
-        raise ScheduleFormatError(f"cannot read {path}: {error.strerror or error}") from None
+    text = read_text(path)
     try:
         return problem_from_json(text)
     except ScheduleFormatError as error:
