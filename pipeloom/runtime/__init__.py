@@ -1,0 +1,38 @@
+"""The distributed runtime: model splitting (and, later, stage execution, p2p and the engine).
+
+Importing this package imports torch; nothing else in pipeloom does (DESIGN §4).
+"""
+
+from __future__ import annotations
+
+from pipeloom.runtime.split import (
+    MODEL_INPUT,
+    ModelTraceError,
+    SplitError,
+    SplitOrderError,
+    StagedModel,
+    StageGraph,
+    StageSpec,
+    StageValueError,
+    UnknownSplitPointError,
+    ValueRef,
+    check_stage_value,
+    split_model,
+    stages_from_modules,
+)
+
+__all__ = [
+    "MODEL_INPUT",
+    "ModelTraceError",
+    "SplitError",
+    "SplitOrderError",
+    "StageGraph",
+    "StageSpec",
+    "StageValueError",
+    "StagedModel",
+    "UnknownSplitPointError",
+    "ValueRef",
+    "check_stage_value",
+    "split_model",
+    "stages_from_modules",
+]

@@ -1,0 +1,325 @@
+"""Cut an unchanged ``nn.Module`` into pipeline stages with ``torch.fx``, or chain given modules.
+
+Stages reuse the model's own Parameter objects; a frozen :class:`StageGraph` says which values each
+stage consumes from which earlier stage (or from the model inputs), so stages may form a DAG.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx, nn
+from torch.fx.node import map_aggregate
+
+from pipeloom.errors import PipeloomError
+
+__all__ = [
+    "MODEL_INPUT",
+    "ModelTraceError",
+    "SplitError",
+    "SplitOrderError",
+    "StageGraph",
+    "StageSpec",
+    "StageValueError",
+    "StagedModel",
+    "UnknownSplitPointError",
+    "ValueRef",
+    "check_stage_value",
+    "split_model",
+    "stages_from_modules",
+]
+
+MODEL_INPUT = -1
+"""The ``stage`` of a :class:`ValueRef` that names a model input rather than a stage output."""
+
+
+class SplitError(PipeloomError):
+    """A model cannot be cut into stages as asked."""
+
+
+class UnknownSplitPointError(SplitError):
+    """A split point names no module that the traced model calls."""
+
+
+class SplitOrderError(SplitError):
+    """Split points are duplicated, out of call order, or leave a stage empty."""
+
+
+class ModelTraceError(SplitError):
+    """``torch.fx.symbolic_trace`` cannot trace the model; manual mode is the way out."""
+
+
+class StageValueError(SplitError):
+    """A value passed between stages is not a tensor or a tuple/list/dict of tensors."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ValueRef:
+    """One value flowing into a stage: output ``index`` of ``stage`` (or model input ``index``)."""
+
+    stage: int  # producing stage, or MODEL_INPUT
+    index: int  # position among the producer's outputs (or among the model inputs)
+    name: str = field(default="", compare=False)  # the fx node's name, for error messages
+
+    def __post_init__(self) -> None:
+        if self.stage < MODEL_INPUT or self.index < 0:
+            raise SplitError(f"bad value reference stage={self.stage}, index={self.index}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StageSpec:
+    """What one stage consumes and produces.
+
+    The stage module is called as ``module(*values of inputs)``; it returns the value itself when
+    ``num_outputs == 1``, else a tuple of ``num_outputs`` values.
+    """
+
+    index: int  # the stage's position in StagedModel.stages
+    inputs: tuple[ValueRef, ...]  # in the order of the module's forward arguments
+    num_outputs: int  # how many values the stage returns
+
+    def __post_init__(self) -> None:
+        for ref in self.inputs:
+            if ref.stage >= self.index:
+                raise SplitError(f"stage {self.index} consumes {ref} from a stage that is not earlier")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StageGraph:
+    """The dataflow between stages: every stage's inputs, and where the model outputs come from."""
+
+    stages: tuple[StageSpec, ...]  # in execution order; stage s only reads from stages < s
+    input_names: tuple[str, ...]  # the model's positional inputs (one ValueRef index each)
+    output: object  # the model's output structure with ValueRef leaves (a ValueRef, tuple, dict...)
+
+    def edges(self) -> list[tuple[int, int]]:
+        """Forward edges ``(producer, consumer)`` between stages, sorted, each once.
+
+        The list fits ``pipeloom.problem.stage_graph(..., edges=...)``.
+        """
+        pairs = {(ref.stage, spec.index) for spec in self.stages for ref in spec.inputs if ref.stage >= 0}
+        return sorted(pairs)
+
+    def output_refs(self) -> tuple[ValueRef, ...]:
+        """The ValueRef leaves of ``output`` in order (values the caller must keep)."""
+        leaves: list[ValueRef] = []
+        map_aggregate(self.output, lambda v: leaves.append(v) if isinstance(v, ValueRef) else None)
+        return tuple(leaves)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StagedModel:
+    """Stage modules sharing the original parameters, and the graph that connects them."""
+
+    stages: tuple[nn.Module, ...]  # stage s is stages[s]; its parameters are the model's own objects
+    graph: StageGraph  # which values flow between the stages
+
+    def __post_init__(self) -> None:
+        if len(self.stages) != len(self.graph.stages):
+            raise SplitError(f"{len(self.stages)} stage modules for {len(self.graph.stages)} stage specs")
+
+    @property
+    def num_stages(self) -> int:
+        """Number of stages."""
+        return len(self.stages)
+
+    def edges(self) -> list[tuple[int, int]]:
+        """Forward edges between stages (see :meth:`StageGraph.edges`)."""
+        return self.graph.edges()
+
+    def run(self, *inputs: object) -> object:
+        """Run all stages in order on one device, checking each value passed between stages.
+
+        Equals the original model's ``forward(*inputs)`` bitwise; autograd flows through it.
+        """
+        if len(inputs) != len(self.graph.input_names):
+            names = ", ".join(self.graph.input_names)
+            raise SplitError(f"the model takes {len(self.graph.input_names)} inputs ({names}), got {len(inputs)}")
+        outputs: list[tuple[object, ...]] = []
+
+        def fetch(ref: ValueRef, consumer: str) -> object:
+            if ref.stage == MODEL_INPUT:
+                return inputs[ref.index]
+            value = outputs[ref.stage][ref.index]
+            check_stage_value(value, name=ref.name or f"output {ref.index}",
+                              where=f"from stage {ref.stage} to {consumer}")
+            return value
+
+        for spec, module in zip(self.graph.stages, self.stages):
+            result = module(*(fetch(ref, f"stage {spec.index}") for ref in spec.inputs))
+            outputs.append((result,) if spec.num_outputs == 1 else tuple(result))
+        return map_aggregate(self.graph.output,
+                             lambda v: fetch(v, "the model output") if isinstance(v, ValueRef) else v)
+
+
+def check_stage_value(value: object, *, name: str, where: str = "between stages") -> None:
+    """Raise StageValueError unless ``value`` is a tensor or a (nested) tuple/list/dict of tensors."""
+    if isinstance(value, torch.Tensor):
+        return
+    if isinstance(value, (tuple, list)) and value:
+        for item in value:
+            check_stage_value(item, name=name, where=where)
+        return
+    if isinstance(value, dict) and value:
+        for item in value.values():
+            check_stage_value(item, name=name, where=where)
+        return
+    raise StageValueError(
+        f"value {name!r} passed {where} is of type {type(value).__name__} ({value!r:.80}); only tensors and "
+        "tuples/lists/dicts of tensors may cross a stage boundary: move the split point so that this "
+        "value is made and used inside one stage, or compute it from a tensor in the consuming stage"
+    )
+
+
+def _trace(model: nn.Module) -> fx.GraphModule:
+    """``symbolic_trace`` with a pointer to manual mode when tracing fails."""
+    try:
+        return fx.symbolic_trace(model)
+    except Exception as error:  # fx raises TraceError, TypeError, NotImplementedError... alike
+        raise ModelTraceError(
+            f"torch.fx cannot trace {type(model).__name__}: {type(error).__name__}: {error}. Split it by hand "
+            "instead: pipeloom.runtime.stages_from_modules([stage0, stage1, ...]) with one nn.Module per stage"
+        ) from error
+
+
+def _first_calls(graph: fx.Graph) -> dict[str, int]:
+    """Node position of the first call into each module name (call_module targets and their parents)."""
+    first: dict[str, int] = {}
+    for position, node in enumerate(graph.nodes):
+        if node.op == "call_module":
+            parts = str(node.target).split(".")
+            for depth in range(1, len(parts) + 1):
+                first.setdefault(".".join(parts[:depth]), position)
+    return first
+
+
+def _stage_starts(graph: fx.Graph, split_points: Sequence[str]) -> list[int]:
+    """Node positions where stages 1.. start, checked against unknown names, order and emptiness."""
+    if isinstance(split_points, str):
+        raise SplitError(f"split_points must be a list of module names, got the string {split_points!r}; "
+                         f"write [{split_points!r}]")
+    first = _first_calls(graph)
+    targets = list(dict.fromkeys(str(n.target) for n in graph.nodes if n.op == "call_module"))
+    unknown = [name for name in split_points if name not in first]
+    if unknown:
+        raise UnknownSplitPointError(
+            f"unknown split point(s) {unknown}; valid names are the called modules, in call order: "
+            f"{targets} (or any parent of them, e.g. 'layers.4' for 'layers.4.fc')"
+        )
+    duplicated = sorted({name for name in split_points if list(split_points).count(name) > 1})
+    if duplicated:
+        raise SplitOrderError(f"split point(s) {duplicated} given more than once; give each once")
+    starts = [first[name] for name in split_points]
+    first_compute = next(i for i, n in enumerate(graph.nodes) if n.op not in ("placeholder", "get_attr"))
+    if starts and starts[0] <= first_compute:
+        raise SplitOrderError(f"split point {split_points[0]!r} leaves stage 0 empty: it is the model's "
+                              "first computation; drop it")
+    for s in range(1, len(starts)):
+        if starts[s] <= starts[s - 1]:
+            in_order = sorted(split_points, key=first.__getitem__)
+            raise SplitOrderError(
+                f"split point {split_points[s]!r} is first called before or together with "
+                f"{split_points[s - 1]!r}, which would leave a stage empty; list split points in call "
+                f"order, each calling later than the one before: {in_order}"
+            )
+    return starts
+
+
+def _assign(graph: fx.Graph, starts: list[int]) -> dict[fx.Node, int]:
+    """Stage of every placeholder (MODEL_INPUT) and compute node; get_attr nodes are copied per use."""
+    stage_of: dict[fx.Node, int] = {}
+    stage = 0
+    for position, node in enumerate(graph.nodes):
+        while stage < len(starts) and position >= starts[stage]:
+            stage += 1
+        if node.op == "placeholder":
+            stage_of[node] = MODEL_INPUT
+        elif node.op not in ("get_attr", "output"):
+            stage_of[node] = stage
+    return stage_of
+
+
+def _build_stage(root: fx.GraphModule, nodes: list[fx.Node], inputs: list[fx.Node],
+                 outputs: list[fx.Node], index: int) -> fx.GraphModule:
+    """A GraphModule over ``nodes`` taking ``inputs`` and returning ``outputs`` (bare when one)."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {node: graph.placeholder(node.name) for node in inputs}
+
+    def lookup(node: fx.Node) -> fx.Node:
+        if node not in env:  # a get_attr (parameter, buffer, constant) used here: copy it in
+            assert node.op == "get_attr", node
+            env[node] = graph.node_copy(node)
+        return env[node]
+
+    for node in nodes:
+        env[node] = graph.node_copy(node, lookup)
+    graph.output(env[outputs[0]] if len(outputs) == 1 else tuple(env[n] for n in outputs))
+    graph.lint()
+    return fx.GraphModule(root, graph, class_name=f"Stage{index}")
+
+
+def split_model(model: nn.Module, split_points: Sequence[str]) -> StagedModel:
+    """Cut ``model`` into ``len(split_points) + 1`` stages; split point s-1 is where stage s starts.
+
+    A split point is a module name (e.g. ``"layers.4"``): the stage starts at the first call into that
+    module in the traced graph. Stage s holds the nodes from split point s-1 up to split point s.
+    """
+    root = _trace(model)
+    graph = root.graph
+    starts = _stage_starts(graph, split_points)
+    stage_of = _assign(graph, starts)
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    num_stages = len(starts) + 1
+    nodes: list[list[fx.Node]] = [[] for _ in range(num_stages)]
+    inputs: list[list[fx.Node]] = [[] for _ in range(num_stages)]
+    outputs: list[list[fx.Node]] = [[] for _ in range(num_stages)]
+    output_node = next(n for n in graph.nodes if n.op == "output")
+    for node in graph.nodes:
+        if node in stage_of and stage_of[node] != MODEL_INPUT:
+            nodes[stage_of[node]].append(node)
+    for s, stage_nodes in enumerate(nodes):
+        if not stage_nodes:
+            raise SplitOrderError(f"stage {s} would hold no computation; remove split point {split_points[s]!r}")
+        for node in stage_nodes:
+            for source in node.all_input_nodes:
+                if source in stage_of and stage_of[source] != s and source not in inputs[s]:
+                    inputs[s].append(source)
+                    if stage_of[source] != MODEL_INPUT and source not in outputs[stage_of[source]]:
+                        outputs[stage_of[source]].append(source)
+    for source in output_node.all_input_nodes:
+        if stage_of.get(source, MODEL_INPUT) != MODEL_INPUT and source not in outputs[stage_of[source]]:
+            outputs[stage_of[source]].append(source)
+
+    def ref(node: fx.Node) -> ValueRef:
+        if stage_of.get(node, MODEL_INPUT) == MODEL_INPUT:
+            return ValueRef(stage=MODEL_INPUT, index=placeholders.index(node), name=node.name)
+        return ValueRef(stage=stage_of[node], index=outputs[stage_of[node]].index(node), name=node.name)
+
+    for source in output_node.all_input_nodes:
+        if source.op == "get_attr":
+            raise SplitError(f"the model returns the attribute {source.target!r} directly; return it from a "
+                             "computation or leave it out of the output")
+    modules = tuple(_build_stage(root, nodes[s], inputs[s], outputs[s], s) for s in range(num_stages))
+    specs = tuple(StageSpec(index=s, inputs=tuple(ref(n) for n in inputs[s]), num_outputs=len(outputs[s]))
+                  for s in range(num_stages))
+    output = map_aggregate(output_node.args[0], lambda v: ref(v) if isinstance(v, fx.Node) else v)
+    names = tuple(str(n.target) for n in placeholders)
+    return StagedModel(stages=modules, graph=StageGraph(stages=specs, input_names=names, output=output))
+
+
+def stages_from_modules(modules: Sequence[nn.Module], *, num_inputs: int = 1) -> StagedModel:
+    """Manual mode: a linear chain where stage 0 takes the ``num_inputs`` model inputs and stage s > 0
+    takes stage s-1's return value as its one argument; the model output is the last stage's value."""
+    modules = tuple(modules)
+    if not modules or not all(isinstance(m, nn.Module) for m in modules):
+        raise SplitError(f"stages_from_modules needs a non-empty list of nn.Module, got {modules!r:.120}")
+    if num_inputs < 1:
+        raise SplitError(f"num_inputs must be at least 1, got {num_inputs}")
+    first = tuple(ValueRef(stage=MODEL_INPUT, index=i) for i in range(num_inputs))
+    specs = tuple(StageSpec(index=s, inputs=first if s == 0 else (ValueRef(stage=s - 1, index=0),),
+                            num_outputs=1) for s in range(len(modules)))
+    names = tuple(f"input{i}" for i in range(num_inputs))
+    graph = StageGraph(stages=specs, input_names=names, output=ValueRef(stage=len(modules) - 1, index=0))
+    return StagedModel(stages=modules, graph=graph)
