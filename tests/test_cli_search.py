@@ -141,6 +141,9 @@ def test_placement_flags_with_a_problem_file_are_refused(capsys, tmp_path):
     save_schedule(build_schedule("1f1b", 2, 2), path)
     assert_one_line_error(run(capsys, "search", "--problem", str(path), "--microbatches", "2",
                               "--split-backward"), 2, "--split-backward", "--placement")
+    line = assert_one_line_error(run(capsys, "search", "--problem", str(path), "--microbatches", "2",
+                                     "--ranks", "2"), 2, "--ranks applies to --placement")
+    assert "apply to" not in line
 
 
 @pytest.mark.parametrize("text, fragment", [
@@ -169,3 +172,33 @@ def test_an_infeasible_memory_limit_is_one_line(capsys):
     line = assert_one_line_error(run(capsys, "search", "--placement", "vshape", "--ranks", "2",
                                      "--microbatches", "2", "--memory-limit", "0.5", *QUICK), 1)
     assert "limit" in line
+
+
+def test_a_huge_search_is_refused_before_building_anything(capsys, monkeypatch):
+    from pipeloom.search import api
+
+    def never(*args, **kwargs):
+        raise AssertionError("built a candidate")
+
+    monkeypatch.setattr(api, "builtin_candidates", never)
+    assert_one_line_error(run(capsys, "search", "--placement", "vshape", "--ranks", "4",
+                              "--microbatches", "1000000000"), 1, "1,000,000,000 micro-batches", "10,000,000")
+
+
+def test_a_csv_that_cannot_carry_the_placement_is_refused_before_searching(capsys, tmp_path, monkeypatch):
+    import pipeloom.search
+
+    def never(*args, **kwargs):
+        raise AssertionError("searched")
+
+    monkeypatch.setattr(pipeloom.search, "search", never)
+    target = tmp_path / "x.csv"
+    assert_one_line_error(run(capsys, "search", "--placement", "xshape", "--ranks", "4", "--microbatches", "4",
+                              "--save", str(target)), 2, "x.csv", "torch CSV", ".json")
+    assert not target.exists()
+
+
+def test_a_memory_limit_beyond_integer_range_means_no_limit(capsys):
+    report = run_json(capsys, "--placement", "vshape", "--ranks", "2", "--microbatches", "4",
+                      "--memory-limit", "1e308")
+    assert report["makespan"] >= report["lower_bound"]

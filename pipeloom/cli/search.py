@@ -24,7 +24,8 @@ def _search_problem(args: argparse.Namespace):
         flags = [flag for flag, on in (("--ranks", args.ranks), ("--split-backward", args.split_backward),
                                        ("--inference", args.inference)) if on]
         if flags:
-            raise UsageError(f"{', '.join(flags)} apply to --placement; a problem file has its own tasks")
+            verb = "applies" if len(flags) == 1 else "apply"
+            raise UsageError(f"{', '.join(flags)} {verb} to --placement; a problem file has its own tasks")
         problem = load_problem(args.problem)
         return problem if args.comm is None else dataclasses.replace(problem, comm_latency=args.comm)
     if args.placement not in PLACEMENTS:
@@ -33,6 +34,24 @@ def _search_problem(args: argparse.Namespace):
         raise UsageError("--placement needs --ranks D")
     return placement(args.placement, args.ranks, split_backward=args.split_backward,
                      inference=args.inference, memory_limit=args.memory_limit, comm_latency=args.comm or 0.0)
+
+
+def _check_save(args: argparse.Namespace, problem) -> None:
+    """Refuse ``--save x.csv`` before searching when the CSV cannot carry ``problem`` (e.g. a task on
+    several ranks): the same check :func:`~pipeloom.ir.schedule_to_csv` makes, on a one-micro-batch
+    list schedule of the problem (the check depends on the task graph, not on the order)."""
+    save = getattr(args, "save", None)
+    if save is None or save.suffix.lower() != ".csv":
+        return
+    from pipeloom.errors import ScheduleFormatError
+    from pipeloom.ir import schedule_to_csv
+    from pipeloom.search.greedy import list_schedule
+
+    tiny = list_schedule(dataclasses.replace(problem, memory_limit=None), 1, name="search")
+    try:
+        schedule_to_csv(tiny)
+    except ScheduleFormatError as error:
+        raise UsageError(f"--save {save}: {error}") from None
 
 
 @contextlib.contextmanager
@@ -64,6 +83,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     from pipeloom.search import search
 
     problem = _search_problem(args)
+    _check_save(args, problem)
     with _search_status(not args.json) as progress:
         result = search(problem, args.microbatches, mode=args.mode, memory_limit=args.memory_limit,
                         time_limit=args.time_limit, workers=args.workers, progress=progress)

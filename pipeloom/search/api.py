@@ -19,13 +19,14 @@ from pipeloom.ir import FORMAT, Schedule, schedule_from_json
 from pipeloom.ir.files import read_text
 from pipeloom.problem import Costs, Problem
 from pipeloom.schedules import REGISTRY, build_schedule
-from pipeloom.search.common import SearchError, lower_bound, topological_order
+from pipeloom.search.common import SearchError, lower_bound, to_integers, topological_order
 from pipeloom.search.result import SearchProgress, SearchResult
 from pipeloom.sim import Timeline
 from pipeloom.validate import validate
 
 __all__ = [
     "AUTO_EXACT_INTERVALS",
+    "MAX_INTERVALS",
     "SearchMode",
     "builtin_candidates",
     "load_problem",
@@ -44,6 +45,15 @@ from about 250 intervals on, while up to ~500 the exact model still improves it 
 282 -> 267) or proves it optimal; beyond that it rarely finishes and the periodic schedule,
 whose gap shrinks as 1/M, is the better use of the time."""
 
+MAX_INTERVALS = 10_000_000
+""":func:`search` refuses, before building anything, a problem of more (task, micro-batch)
+intervals (= actions of the schedule) than this: the same cap as ``pipeloom show``'s
+``MAX_ACTIONS`` (a schedule that size already takes gigabytes to hold and simulate)."""
+
+BUILTIN_SHARE = 0.5
+"""Share of :func:`search`'s time limit that building the built-in candidates may take; entries
+not reached by then are skipped."""
+
 _PROBLEM_KEYS = {"num_ranks", "tasks", "comm_latency", "memory_limit", "static_memory"}
 
 
@@ -51,16 +61,18 @@ _PROBLEM_KEYS = {"num_ranks", "tasks", "comm_latency", "memory_limit", "static_m
 
 
 def search_plan(problem: Problem, num_microbatches: int, mode: SearchMode = "auto") -> tuple[str, ...]:
-    """The solvers :func:`search` runs, in order: ``mode`` itself unless ``auto``, which runs the
+    """The solvers :func:`search` runs, in order. ``periodic``: the periodic model. ``auto``: the
     periodic model, then (at most ``AUTO_EXACT_INTERVALS`` (task, micro-batch) intervals) the
-    exact model warm-started from it."""
+    exact model warm-started from it. ``exact``: the exact model, after the periodic model above
+    ``AUTO_EXACT_INTERVALS`` intervals (a full-time warm start the exact model could not match)."""
     if mode not in ("auto", "exact", "periodic"):
         raise PipeloomError(f"unknown search mode {mode!r}; choose auto, exact or periodic")
-    if mode != "auto":
-        return (mode,)
-    if len(problem.tasks) * num_microbatches <= AUTO_EXACT_INTERVALS:
-        return ("periodic", "exact")
-    return ("periodic",)
+    small = len(problem.tasks) * num_microbatches <= AUTO_EXACT_INTERVALS
+    if mode == "periodic":
+        return ("periodic",)
+    if mode == "exact":
+        return ("exact",) if small else ("periodic", "exact")
+    return ("periodic", "exact") if small else ("periodic",)
 
 
 def search(
@@ -83,14 +95,17 @@ def search(
     worse than the library; a built-in that wins is named ``"{name} (={builtin})"`` and has no
     period. The lower bound is the best any solver proved (at least the closed-form
     :func:`~pipeloom.search.common.lower_bound`). Raises the solver's SearchError when no
-    schedule meets the limit.
+    schedule meets the limit, and PipeloomError, before any work, above :data:`MAX_INTERVALS`
+    (task, micro-batch) intervals. Building the built-ins may take ``BUILTIN_SHARE`` of the time.
     """
     _check_arguments(num_microbatches, time_limit, workers)
+    _check_size(problem, num_microbatches)
     started = time.perf_counter()
     limit = problem.memory_limit if memory_limit is None else memory_limit
     target = problem if limit == problem.memory_limit else dataclasses.replace(problem, memory_limit=limit)
     plan = search_plan(target, num_microbatches, mode)
-    builtins = dict(builtin_candidates(target, num_microbatches))
+    to_integers(target, num_microbatches=num_microbatches if "exact" in plan else 1)  # int64 range, up front
+    builtins = dict(builtin_candidates(target, num_microbatches, deadline=started + BUILTIN_SHARE * time_limit))
     results: list[SearchResult] = []
     failure: SearchError | None = None
     for step, solver in enumerate(plan):
@@ -126,6 +141,17 @@ def _check_arguments(num_microbatches: int, time_limit: float, workers: int) -> 
         raise PipeloomError(f"time_limit must be a positive number of seconds, got {time_limit!r}")
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise PipeloomError(f"workers must be a positive integer, got {workers!r}")
+
+
+def _check_size(problem: Problem, num_microbatches: int) -> None:
+    """Refuse more than :data:`MAX_INTERVALS` intervals before building anything."""
+    intervals = len(problem.tasks) * num_microbatches
+    if intervals > MAX_INTERVALS:
+        raise PipeloomError(
+            f"{len(problem.tasks)} tasks x {num_microbatches:,} micro-batches = {intervals:,} actions, over "
+            f"the search cap of {MAX_INTERVALS:,}; use fewer micro-batches (a periodic schedule's time "
+            f"per micro-batch does not depend on M) or fewer ranks"
+        )
 
 
 def _best(problem: Problem, num_microbatches: int, results: list[SearchResult],
@@ -188,19 +214,25 @@ def _costs_like(problem: Problem, stages_per_rank: int) -> Costs | None:
         return None
 
 
-def builtin_candidates(problem: Problem, num_microbatches: int) -> Iterator[tuple[str, Timeline]]:
+def builtin_candidates(problem: Problem, num_microbatches: int, *,
+                       deadline: float | None = None) -> Iterator[tuple[str, Timeline]]:
     """``(name, timeline)`` of every built-in schedule whose task structure (rank sets and
     transitive deps, see :func:`_structure`) is ``problem``'s,
     re-targeted to ``problem`` (its durations, memory and limit) and valid in ordered mode.
 
-    Each registry entry is built with default costs and with costs read off ``problem``'s stage 0,
-    each with and without the memory limit (memory-aware generators adapt to it); the fastest
-    valid variant represents the entry.
+    Each registry entry is first built at a few micro-batches (:func:`_probe`) to compare its
+    structure, which does not depend on M; only a matching entry is built at ``num_microbatches``,
+    with default costs and with costs read off ``problem``'s stage 0, each with and without the
+    memory limit (memory-aware generators adapt to it); the fastest valid variant represents the
+    entry. Entries (and an entry's further variants) not started by ``deadline`` (a
+    :func:`time.perf_counter` value) are skipped.
     """
     wanted = _structure(problem)
     stages_per_rank, extra = divmod(problem.num_stages, problem.num_ranks)
     limit = problem.memory_limit
     for info in REGISTRY.values():
+        if deadline is not None and time.perf_counter() >= deadline:
+            return
         if info.splits_backward != problem.splits_backward:
             continue
         options = {}
@@ -208,10 +240,14 @@ def builtin_candidates(problem: Problem, num_microbatches: int) -> Iterator[tupl
             if extra or stages_per_rank < 1:
                 continue
             options["stages_per_rank"] = stages_per_rank
+        if not _probe(info.name, problem, num_microbatches, wanted, options):
+            continue
         timelines = []
         costs_options = [Costs(), _costs_like(problem, stages_per_rank or 1)]
         for costs in dict.fromkeys(c for c in costs_options if c is not None):
             for cap in dict.fromkeys((None, limit)):
+                if timelines and deadline is not None and time.perf_counter() >= deadline:
+                    break  # out of time: keep the variants built so far
                 built = _build(info.name, problem, num_microbatches, costs, cap, options)
                 if built is not None and _structure(built.problem) != wanted:
                     break  # another placement: no cost or limit changes that
@@ -222,6 +258,18 @@ def builtin_candidates(problem: Problem, num_microbatches: int) -> Iterator[tupl
         valid = [timeline for timeline in timelines if timeline is not None]
         if valid:
             yield info.name, min(valid, key=lambda timeline: timeline.makespan)
+
+
+def _probe(name: str, problem: Problem, num_microbatches: int, wanted: dict, options: dict) -> bool:
+    """Whether built-in ``name`` may fit ``problem``: built at ``2p`` then ``4p`` micro-batches (at
+    most ``num_microbatches``), its structure must be ``wanted``. True when neither size builds
+    (the family may only accept the full count; the full build decides)."""
+    p = problem.num_ranks
+    for small in dict.fromkeys(min(num_microbatches, k * p) for k in (2, 4)):
+        built = _build(name, problem, small, Costs(), None, options)
+        if built is not None:
+            return _structure(built.problem) == wanted
+    return True
 
 
 def _build(name: str, problem: Problem, num_microbatches: int, costs: Costs, cap: float | None,

@@ -11,6 +11,7 @@ from pipeloom.ir import Action, Schedule
 from pipeloom.problem import Problem
 
 __all__ = [
+    "MAX_SCALED",
     "IntegerProblem",
     "SearchError",
     "forced_idle",
@@ -61,12 +62,23 @@ def _scale_for(values: list[float], resolution: int) -> tuple[float, bool]:
     return resolution / top, False
 
 
-def to_integers(problem: Problem, *, memory_limit: float | None = None, resolution: int = 10**6) -> IntegerProblem:
+MAX_SCALED = 2**53
+"""Largest integer a scaled quantity may reach (CP-SAT works in int64 and sums these; floats stay
+exact up to here). A memory limit whose scaled room exceeds it counts as unlimited; a problem whose
+scaled serial time or memory traffic over all micro-batches exceeds it is refused."""
+
+
+def to_integers(problem: Problem, *, memory_limit: float | None = None, resolution: int = 10**6,
+                num_microbatches: int = 1) -> IntegerProblem:
     """Scale ``problem`` to integers; ``memory_limit`` overrides the problem's own limit.
 
     Times use one scale (durations and latency), memory another. When no power of ten up to
     ``resolution`` makes everything whole, values are rounded at ``resolution`` steps of the
     largest one and ``exact`` is False (the caller re-simulates with the real values).
+    A limit whose scaled room above a rank's static memory exceeds :data:`MAX_SCALED` (no schedule
+    in integer range can reach it) is None, unlimited. Raises SearchError when ``num_microbatches``
+    times the scaled sum of durations and latencies (the serial makespan), or of absolute memory
+    changes, exceeds :data:`MAX_SCALED`: the solvers' int64 arithmetic could overflow.
     """
     tasks = problem.tasks
     index = {task.key: i for i, task in enumerate(tasks)}
@@ -82,17 +94,26 @@ def to_integers(problem: Problem, *, memory_limit: float | None = None, resoluti
     )
     limit = problem.memory_limit if memory_limit is None else memory_limit
     static = problem.static_memory or (0.0,) * problem.num_ranks
-    limits = tuple(
-        None if limit is None else math.floor((limit - static[r]) * memory_scale + 1e-9)
-        for r in range(problem.num_ranks)
-    )
+    rooms = [None if limit is None else (limit - static[r]) * memory_scale for r in range(problem.num_ranks)]
+    limits = tuple(None if room is None or room > MAX_SCALED else math.floor(room + 1e-9) for room in rooms)
+    durations = tuple(round(t.duration * time_scale) for t in tasks)
+    memory = tuple(round(t.memory * memory_scale) for t in tasks)
+    serial = num_microbatches * (sum(durations) + sum(lat for row in deps for _, lat in row))
+    traffic = num_microbatches * sum(abs(m) for m in memory)
+    if serial > MAX_SCALED or traffic > MAX_SCALED:
+        what = "durations and latencies" if serial > MAX_SCALED else "memory changes"
+        raise SearchError(
+            f"the {what} of {num_microbatches:,} micro-batches scale to {max(serial, traffic):.3g} integer "
+            f"units, over the solvers' range of 2**53 (time scale {time_scale:g}, memory scale "
+            f"{memory_scale:g}); use fewer micro-batches or values with fewer significant digits"
+        )
     return IntegerProblem(
         problem=problem,
         time_scale=time_scale,
         memory_scale=memory_scale,
         exact=time_exact and memory_exact,
-        durations=tuple(round(t.duration * time_scale) for t in tasks),
-        memory=tuple(round(t.memory * memory_scale) for t in tasks),
+        durations=durations,
+        memory=memory,
         deps=deps,
         limits=limits,
     )

@@ -28,7 +28,12 @@ from pipeloom.search.result import SearchProgress, SearchResult
 from pipeloom.sim import simulate
 from pipeloom.validate import validate
 
-__all__ = ["PERIODIC_SHARE", "solve_exact"]
+__all__ = ["MAX_EXACT_INTERVALS", "PERIODIC_SHARE", "feasible_limit_note", "solve_exact"]
+
+MAX_EXACT_INTERVALS = 20_000
+"""Above this many (task, micro-batch) intervals :func:`solve_exact` builds no CP-SAT model (it
+would take minutes and gigabytes just to build): it answers the best of the list schedule, the
+hints and the periodic warm start, status ``feasible`` unless it meets the lower bound."""
 
 PERIODIC_SHARE = 0.1
 """Share of the time limit the periodic warm start (a repetend unrolled) may take."""
@@ -191,6 +196,8 @@ def solve_exact(
     warm-starts the solver. The result re-simulates the solver's order; its lower bound is the
     analytic :func:`~pipeloom.search.common.lower_bound` under the effective limit (its memory-time
     term included), raised to the solver's bound where scaling was exact.
+    Above :data:`MAX_EXACT_INTERVALS` intervals no model is built: the best of those warm starts
+    is the answer (SearchError if there is none).
     Raises SearchError when no schedule meets the limit (naming the smallest feasible limit
     when it is known).
     """
@@ -200,7 +207,7 @@ def solve_exact(
     limit = problem.memory_limit if memory_limit is None else float(memory_limit)
     if limit != problem.memory_limit:
         problem = replace(problem, memory_limit=limit)
-    integer = to_integers(problem, memory_limit=limit)
+    integer = to_integers(problem, memory_limit=limit, num_microbatches=num_microbatches)
     if any(cap is not None and cap < 0 for cap in integer.limits):
         raise SearchError(
             f"memory limit {limit:g} is below the static memory of a rank "
@@ -216,6 +223,15 @@ def solve_exact(
         best = periodic
         if best[1] <= analytic * (1 + 1e-12):
             return _result(best[0], best[1], analytic, began, integer)
+    intervals = len(problem.tasks) * num_microbatches
+    if intervals > MAX_EXACT_INTERVALS:
+        if best is None:
+            raise SearchError(
+                f"{intervals:,} intervals (tasks x micro-batches) are too many for the exact model "
+                f"(at most {MAX_EXACT_INTERVALS:,}) and no list, periodic or hinted schedule meets the "
+                f"memory limit {limit:g}; use --mode periodic, fewer micro-batches or a higher limit"
+            )
+        return _result(best[0], best[1], analytic, began, integer)
 
     left = time_limit - (time.perf_counter() - began)
     status, starts, proven = _solve(integer, num_microbatches, best, analytic, left, workers,
@@ -359,14 +375,7 @@ def _no_schedule_message(
 ) -> str:
     """Why no schedule came back, with the smallest feasible limit as far as it is known."""
     limit = problem.memory_limit
-    static = problem.static_memory or (0.0,) * problem.num_ranks
-    enough = max(s + h for s, h in zip(static, microbatch_peak_memory(problem)))
-    try:  # the list scheduler's own minimum is feasible unless memory grows per micro-batch
-        list_schedule(problem, num_microbatches, memory_limit=enough)
-    except SearchError:
-        known = "the smallest feasible limit is unknown"
-    else:
-        known = f"the smallest feasible limit is at most {enough:g} (the list scheduler meets it)"
+    known = feasible_limit_note(problem, num_microbatches)
     if status == cp_model.INFEASIBLE:
         return (
             f"no schedule keeps every rank within the memory limit {limit:g} (proven by the exact "
@@ -376,6 +385,27 @@ def _no_schedule_message(
         f"the exact search found no schedule within the memory limit {limit:g} in {time_limit:g} s "
         f"({greedy}); {known}; raise the limit or the time limit"
     )
+
+
+def feasible_limit_note(problem: Problem, num_microbatches: int, *, periodic_limit: float | None = None) -> str:
+    """The smallest memory limit known to work, for the error when none is met (exact and
+    periodic mode alike): the least of ``periodic_limit`` (the least a repetend needs, when the
+    caller knows it) and the list scheduler's per-micro-batch peak (static memory included) when
+    the list scheduler meets it; "unknown" when neither is known."""
+    static = problem.static_memory or (0.0,) * problem.num_ranks
+    enough = max(s + h for s, h in zip(static, microbatch_peak_memory(problem)))
+    known = [] if periodic_limit is None else [(periodic_limit, "a periodic schedule")]
+    try:  # the list scheduler's own minimum is feasible unless memory grows per micro-batch
+        list_schedule(problem, num_microbatches, memory_limit=enough)
+    except SearchError:
+        pass
+    else:
+        known.append((enough, "the list schedule"))
+    if not known:
+        return "the smallest feasible limit is unknown"
+    value, source = min(known)
+    return (f"the smallest limit known to work is {value:g} ({source} meets it), so the smallest "
+            f"feasible limit is at most {value:g}")
 
 
 def _result(schedule: Schedule, makespan: float, bound: float, began: float, integer: IntegerProblem) -> SearchResult:

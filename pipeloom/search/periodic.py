@@ -24,7 +24,7 @@ from pipeloom.search.common import (
     schedule_from_starts,
     to_integers,
 )
-from pipeloom.search.exact import solve_exact
+from pipeloom.search.exact import feasible_limit_note, solve_exact
 from pipeloom.search.greedy import list_schedule
 from pipeloom.search.repetend import GRID, Repetend, RepetendModel, coarsen, steady_state_peak
 from pipeloom.search.result import SearchProgress, SearchResult
@@ -205,7 +205,7 @@ def solve_periodic(
                          time_limit=max(0.2, time_limit - (time.perf_counter() - begin)))
     if fallback is not None:
         return fallback
-    raise _no_schedule(ip, failure, begin=begin, time_limit=time_limit, workers=workers)
+    raise _no_schedule(ip, num_microbatches, failure, begin=begin, time_limit=time_limit, workers=workers)
 
 
 def _result(timeline: Timeline, period: float, time_scale: float, begin: float) -> SearchResult:
@@ -249,14 +249,16 @@ def _fallback(problem: Problem, num_microbatches: int, *, name: str, begin: floa
     return _result(timeline, timeline.makespan / num_microbatches if period is None else period, 1.0, begin)
 
 
-def _no_schedule(ip: IntegerProblem, failure: SearchError | None, *, begin: float,
+def _no_schedule(ip: IntegerProblem, num_microbatches: int, failure: SearchError | None, *, begin: float,
                  time_limit: float, workers: int) -> SearchError:
-    """The error when nothing fits: why, and the smallest limit a one-copy repetend needs if known
-    (only when every rank's memory per micro-batch sums to 0: the repetend bounds no other rank)."""
+    """The error when nothing fits: why, and the smallest limit known to work, as exact mode words
+    it (:func:`~pipeloom.search.exact.feasible_limit_note`): the least of the list scheduler's and,
+    when every rank's memory per micro-batch sums to 0 (else the repetend bounds no other rank),
+    the least a one-copy repetend needs."""
     problem, smallest = ip.problem, None
     if all(sum(m for m, task in zip(ip.memory, problem.tasks) if q in task.ranks) == 0
            for q in range(problem.num_ranks)):
         smallest = smallest_limit(ip, time_limit=max(1.0, time_limit - (time.perf_counter() - begin)),
                                   workers=workers)
-    known = "" if smallest is None else f"; the smallest limit known to work is {smallest:g}"
-    return SearchError(f"{failure}, nor does the list schedule{known}; raise the limit")
+    known = feasible_limit_note(problem, num_microbatches, periodic_limit=smallest)
+    return SearchError(f"{failure}, nor does the list schedule; {known}; raise the limit")

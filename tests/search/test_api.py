@@ -5,6 +5,7 @@ refused with errors naming the fault."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -47,7 +48,8 @@ def test_auto_mode_adds_the_exact_model_to_the_periodic_one_for_small_models_onl
     small = AUTO_EXACT_INTERVALS // len(problem.tasks)
     assert search_plan(problem, small) == ("periodic", "exact")
     assert search_plan(problem, small + 1) == ("periodic",)
-    assert search_plan(problem, 10_000, "exact") == ("exact",)
+    assert search_plan(problem, small, "exact") == ("exact",)
+    assert search_plan(problem, 10_000, "exact") == ("periodic", "exact")  # periodic warm start first
     assert search_plan(problem, 2, "periodic") == ("periodic",)
     with pytest.raises(PipeloomError, match="auto, exact or periodic"):
         search_plan(problem, 4, "fast")  # type: ignore[arg-type]
@@ -87,7 +89,72 @@ def test_a_placement_no_builtin_has_gets_no_hints():
     assert not dict(builtin_candidates(stage_graph(stages), 4))
 
 
+def test_builtins_are_built_at_full_size_only_when_their_structure_matches(monkeypatch):
+    from pipeloom.search import api
+
+    calls = []
+    real = api._build
+
+    def recording(name, problem, num_microbatches, *args, **kwargs):
+        built = real(name, problem, num_microbatches, *args, **kwargs)
+        calls.append((name, num_microbatches, built is not None))
+        return built
+
+    monkeypatch.setattr(api, "_build", recording)
+    found = dict(builtin_candidates(linear(4), 40))
+    full = {name for name, m, _ in calls if m == 40}
+    probed = {name for name, m, ok in calls if m < 40 and ok}  # built at 8 or 16 micro-batches
+    assert "1f1b" in found and "1f1b" in probed
+    assert not (full - set(found)) & probed  # a probe that built with another structure stops the entry
+    calls.clear()
+    assert not dict(builtin_candidates(placement("xshape", 4), 40))
+    assert ("1f1b", 8, True) in calls  # 1F1B builds, but not with xshape's tasks ...
+    assert not any(name == "1f1b" and m == 40 for name, m, _ in calls)  # ... so never at full size
+
+
+def test_builtins_not_started_by_the_deadline_are_skipped():
+    assert not dict(builtin_candidates(linear(4), 8, deadline=0.0))
+
+
 # ---------------------------------------------------------------------------------- search
+
+
+def test_a_huge_problem_is_refused_before_anything_is_built(monkeypatch):
+    from pipeloom.cli.schedules import MAX_ACTIONS
+    from pipeloom.search import api
+
+    assert api.MAX_INTERVALS == MAX_ACTIONS
+
+    def never(*args, **kwargs):
+        raise AssertionError("built a candidate")
+
+    monkeypatch.setattr(api, "builtin_candidates", never)
+    with pytest.raises(PipeloomError, match=r"1,000,000,000 micro-batches.*fewer micro-batches"):
+        search(placement("vshape", 4), 1_000_000_000)
+
+
+def test_exact_mode_on_a_big_problem_warm_starts_from_a_full_periodic_run(monkeypatch):
+    from pipeloom.search import api, exact, periodic
+
+    seen = {}
+    real = exact.solve_exact
+
+    def spy(problem, num_microbatches, *, hints=(), **kwargs):
+        seen["hints"] = [hint.name for hint in hints]
+        return real(problem, num_microbatches, hints=hints, **kwargs)
+
+    def not_optimal(*args, **kwargs):  # so that the exact model still runs after it
+        return dataclasses.replace(real_periodic(*args, **kwargs), status="feasible")
+
+    real_periodic = periodic.solve_periodic
+    monkeypatch.setattr(periodic, "solve_periodic", not_optimal)
+    monkeypatch.setattr(exact, "solve_exact", spy)
+    monkeypatch.setattr(api, "AUTO_EXACT_INTERVALS", 8)
+    result = search(linear(3), 4, mode="exact", **FAST)
+    check_result(result)
+    assert "search" in seen["hints"]  # the periodic result (named like the search) is a hint
+
+
 
 
 def test_linear_unbounded_no_split_is_proven_optimal_at_1f1bs_makespan():
@@ -208,3 +275,32 @@ def test_malformed_or_incomplete_problem_json_is_refused():
         problem_from_json(json.dumps({"num_ranks": 2}))
     with pytest.raises(ScheduleFormatError, match="JSON object"):
         problem_from_json("[]")
+
+
+def test_exact_builds_no_model_above_its_interval_cap(monkeypatch):
+    from pipeloom.search import exact
+
+    def never(*args, **kwargs):
+        raise AssertionError("built the exact model")
+
+    monkeypatch.setattr(exact, "_Model", never)
+    monkeypatch.setattr(exact, "MAX_EXACT_INTERVALS", 16)
+    problem = placement("xshape", 2)
+    result = exact.solve_exact(problem, 8, time_limit=2.0)  # the best warm start is the answer
+    check_result(result)
+    assert result.status in ("feasible", "optimal")
+    with pytest.raises(SearchError, match="too many for the exact model"):
+        exact.solve_exact(linear(3), 8, memory_limit=0.5, time_limit=2.0)
+
+
+@pytest.mark.parametrize("mode", ["periodic", "exact"])
+def test_both_modes_name_the_smallest_feasible_limit_alike(mode):
+    with pytest.raises(SearchError, match=r"smallest limit known to work is 1 .*smallest feasible limit is at most 1"):
+        search(linear(3, limit=0.5), 4, mode=mode, **FAST)
+
+
+def test_a_limit_beyond_integer_range_is_no_limit_and_huge_durations_are_refused_up_front():
+    result = search(linear(3), 4, memory_limit=1e308, **FAST)
+    check_result(result)
+    with pytest.raises(PipeloomError, match=r"2\*\*53"):
+        search(linear(3, b=1e15), 100, mode="exact", **FAST)

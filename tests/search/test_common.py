@@ -92,3 +92,19 @@ def test_forced_idle_counts_every_copy_of_a_task_that_blocks_the_whole_rank():
     for m in (1, 2, 3, 10, 100):
         assert forced_idle(problem, m, 1) == 2 * m
         assert lower_bound(problem, m) == 3 * m
+
+
+def test_a_limit_beyond_integer_range_is_unlimited_and_huge_values_are_refused():
+    from pipeloom.search.common import MAX_SCALED, SearchError
+    from pipeloom.search.periodic import solve_periodic
+
+    problem = build_schedule("1f1b", 2, 2, costs=Costs(f=1, b=2)).problem
+    assert to_integers(problem, memory_limit=1e308).limits == (None, None)
+    assert to_integers(problem, memory_limit=float(MAX_SCALED)).limits != (None, None)
+    for solve in (solve_exact, solve_periodic):  # no int64 overflow in either model
+        result = solve(problem, 4, memory_limit=1e308, time_limit=2.0)
+        assert validate(result.schedule, ordered=True).makespan == pytest.approx(result.makespan)
+    slow = build_schedule("1f1b", 2, 2, costs=Costs(f=1e15, b=2e15)).problem
+    to_integers(slow)  # one micro-batch still fits
+    with pytest.raises(SearchError, match="durations and latencies of 1,000 micro-batches .* 2\\*\\*53"):
+        to_integers(slow, num_microbatches=1000)
