@@ -156,10 +156,11 @@ def _check_size(problem: Problem, num_microbatches: int) -> None:
 
 def _best(problem: Problem, num_microbatches: int, results: list[SearchResult],
           builtins: dict[str, Timeline], *, mode: str, name: str, seconds: float) -> SearchResult:
-    """The fastest of the solvers' results (ties: the later solver) unless a built-in is strictly
-    faster, with the best proven lower bound and its status."""
+    """The fastest of the solvers' results unless a built-in is strictly faster, with the best
+    proven lower bound and its status. Ties go to a result that knows its period (exact mode
+    handing back the periodic schedule it was hinted with), then to the later solver."""
     bound = max([lower_bound(problem, num_microbatches)] + [r.lower_bound for r in results])
-    found = min(reversed(results), key=lambda r: r.makespan, default=None)
+    found = min(reversed(results), key=lambda r: (r.makespan, r.period is None), default=None)
     winner = min(builtins, key=lambda key: builtins[key].makespan, default=None)
     if found is not None and (winner is None or found.makespan <= builtins[winner].makespan):
         return dataclasses.replace(found, lower_bound=bound, seconds=seconds,
