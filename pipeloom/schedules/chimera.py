@@ -15,6 +15,7 @@ from pipeloom.ir import Action, Schedule
 from pipeloom.problem import Costs
 from pipeloom.schedules.common import (
     check_counts,
+    check_even_ranks,
     even_microbatches_hint,
     make_schedule,
     two_replica_problem,
@@ -203,11 +204,7 @@ def chimera(
     """
     check_counts("chimera", num_ranks, num_microbatches)
     p, m = num_ranks, num_microbatches
-    if p % 2:
-        raise ValueError(
-            f"chimera needs an even number of ranks (its two pipelines interleave on alternate slots), "
-            f"got {p}; use an even count such as {p + 1}"
-        )
+    check_even_ranks("chimera", p, reason="its two pipelines interleave on alternate slots")
     if m % 2:
         raise ValueError(
             f"chimera feeds half of the micro-batches to each pipeline, so their number must be even, "

@@ -9,6 +9,7 @@ from pipeloom.problem import Costs, Problem, stage_graph
 
 __all__ = [
     "check_counts",
+    "check_even_ranks",
     "even_microbatches_hint",
     "chain_problem",
     "v_stage_ranks",
@@ -32,6 +33,15 @@ def check_counts(name: str, num_ranks: int, num_microbatches: int, *, min_microb
         raise ValueError(
             f"{name} needs at least {min_microbatches} micro-batches with {num_ranks} ranks, "
             f"got {num_microbatches}; use {min_microbatches} or more"
+        )
+
+
+def check_even_ranks(name: str, num_ranks: int, *, reason: str) -> None:
+    """ValueError unless ``num_ranks`` is even; ``reason`` says why the schedule needs it."""
+    if num_ranks % 2:
+        raise ValueError(
+            f"{name} needs an even number of ranks ({reason}), got {num_ranks}; "
+            f"use an even count such as {num_ranks + 1}"
         )
 
 

@@ -14,6 +14,7 @@ from pipeloom.ir import Action, Schedule
 from pipeloom.problem import Costs
 from pipeloom.schedules.common import (
     check_counts,
+    check_even_ranks,
     even_microbatches_hint,
     make_schedule,
     two_replica_problem,
@@ -144,11 +145,7 @@ def dualpipe(
     """
     check_counts("dualpipe", num_ranks, num_microbatches)
     p, m = num_ranks, num_microbatches
-    if p % 2:
-        raise ValueError(
-            f"dualpipe needs an even number of ranks (its two halves mirror each other), got {p}; "
-            f"use an even count such as {p + 1}"
-        )
+    check_even_ranks("dualpipe", p, reason="its two halves mirror each other")
     if m % 2 or m < 2 * p:
         raise ValueError(
             f"dualpipe needs an even number of micro-batches (half enter at each end), at least "
