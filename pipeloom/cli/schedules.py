@@ -16,6 +16,7 @@ from pipeloom.errors import PipeloomError
 from pipeloom.ir import load_schedule
 from pipeloom.problem import Costs
 from pipeloom.schedules import REGISTRY, build_schedule
+from pipeloom.search.api import MAX_INTERVALS
 from pipeloom.sim import Timeline
 from pipeloom.validate import validate
 from pipeloom.viz.report import (
@@ -28,9 +29,10 @@ from pipeloom.viz.report import (
 
 __all__ = ["MAX_ACTIONS", "compare_schedules", "cmd_list", "cmd_show", "cmd_simulate", "cmd_compare"]
 
-MAX_ACTIONS = 10_000_000
-"""Most actions (estimated) ``show``/``compare`` build: about a minute and 4 GB, since building and
-validating took 2.5-4.5 s and 0.4 GB per million actions (1f1b p=64 m=8192, zbv p=64 m=4096)."""
+MAX_ACTIONS = MAX_INTERVALS
+"""Most actions (estimated) ``show``/``compare`` build, the same cap as the search's: about a minute
+and 4 GB, since building and validating took 2.5-4.5 s and 0.4 GB per million actions (1f1b p=64
+m=8192, zbv p=64 m=4096)."""
 
 
 def _check_name(name: str) -> None:

@@ -47,8 +47,8 @@ whose gap shrinks as 1/M, is the better use of the time."""
 
 MAX_INTERVALS = 10_000_000
 """:func:`search` refuses, before building anything, a problem of more (task, micro-batch)
-intervals (= actions of the schedule) than this: the same cap as ``pipeloom show``'s
-``MAX_ACTIONS`` (a schedule that size already takes gigabytes to hold and simulate)."""
+intervals (= actions of the schedule) than this; ``pipeloom show`` uses it too (a schedule that
+size already takes gigabytes to hold and simulate)."""
 
 BUILTIN_SHARE = 0.5
 """Share of :func:`search`'s time limit that building the built-in candidates may take; entries
