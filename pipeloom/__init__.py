@@ -40,3 +40,12 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    """``pipeloom.pipeline`` and ``pipeloom.PipelineError`` load the torch runtime on first use."""
+    if name in ("pipeline", "PipelineEngine", "PipelineError"):
+        import pipeloom.runtime  # noqa: PLC0415 (torch is imported only when the runtime is used)
+
+        return getattr(pipeloom.runtime, name)
+    raise AttributeError(f"module 'pipeloom' has no attribute {name!r}")

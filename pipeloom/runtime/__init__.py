@@ -1,10 +1,12 @@
-"""The distributed runtime: model splitting (and, later, stage execution, p2p and the engine).
+"""The distributed runtime: model splitting, the lowering of schedules, p2p and the engine.
 
 Importing this package imports torch; nothing else in pipeloom does (DESIGN §4).
 """
 
 from __future__ import annotations
 
+from pipeloom.runtime.engine import PipelineEngine, pipeline
+from pipeloom.runtime.lower import PipelineError
 from pipeloom.runtime.split import (
     MODEL_INPUT,
     ModelTraceError,
@@ -24,6 +26,8 @@ from pipeloom.runtime.split import (
 __all__ = [
     "MODEL_INPUT",
     "ModelTraceError",
+    "PipelineEngine",
+    "PipelineError",
     "SplitError",
     "SplitOrderError",
     "StageGraph",
@@ -33,6 +37,7 @@ __all__ = [
     "UnknownSplitPointError",
     "ValueRef",
     "check_stage_value",
+    "pipeline",
     "split_model",
     "stages_from_modules",
 ]

@@ -1,0 +1,315 @@
+"""Point-to-point messages of one step: receives posted early in each sender's order, sends kept until
+done, waits bounded by a timeout, and the first step's shape discovery.
+
+Every message belongs to a :class:`~pipeloom.runtime.lower.Unit`. A unit's tensors travel as one
+message each, tagged with their position in the (sender, receiver) stream, and every receiver posts
+its receives in the sender's order — what gloo's tags and NCCL's in-order matching both need. On a
+step whose input shapes were not seen before, each forward unit is preceded by its description
+(structure, shapes, dtypes), so the receiver can allocate; later steps with the same input shapes
+post their receives before the data exists.
+"""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from pipeloom.runtime.lower import PipelineError, Unit
+
+__all__ = ["LeafMeta", "Messenger", "flatten", "unflatten"]
+
+ERROR_KEY = "pipeloom/error/{run}/{rank}"
+
+
+@dataclass(frozen=True, slots=True)
+class LeafMeta:
+    """Shape, dtype and whether one tensor of a message requires grad."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+    @staticmethod
+    def of(tensor: torch.Tensor) -> LeafMeta:
+        return LeafMeta(tuple(tensor.shape), tensor.dtype, tensor.requires_grad)
+
+    def describe(self) -> str:
+        return f"{str(self.dtype).removeprefix('torch.')}{list(self.shape)}"
+
+
+def flatten(value: object) -> tuple[list[torch.Tensor], object]:
+    """Tensor leaves of a (nested) tuple/list/dict of tensors, and its structure for :func:`unflatten`."""
+    leaves: list[torch.Tensor] = []
+
+    def walk(v: object) -> object:
+        if isinstance(v, torch.Tensor):
+            leaves.append(v)
+            return None
+        if isinstance(v, (tuple, list)):
+            return (type(v).__name__, [walk(x) for x in v])
+        if isinstance(v, dict):
+            return ("dict", list(v.keys()), [walk(x) for x in v.values()])
+        raise TypeError(type(v).__name__)
+
+    return leaves, walk(value)
+
+
+def unflatten(leaves: Sequence[torch.Tensor], spec: object) -> object:
+    """Rebuild a value from its leaves and the structure :func:`flatten` returned."""
+    it = iter(leaves)
+
+    def build(s: object) -> object:
+        if s is None:
+            return next(it)
+        if s[0] == "dict":
+            return dict(zip(s[1], (build(x) for x in s[2])))
+        items = [build(x) for x in s[1]]
+        return tuple(items) if s[0] == "tuple" else items
+
+    return build(spec)
+
+
+@dataclass(slots=True)
+class _Posted:
+    """Receives of one unit: buffers and their works (None where already complete)."""
+
+    buffers: list[torch.Tensor]
+    works: list
+
+
+class Messenger:
+    """The step's messages for one rank over ``group`` (global peer ranks from ``to_global``)."""
+
+    def __init__(self, *, rank: int, group: object, to_global: Callable[[int], int], device: torch.device,
+                 timeout: float, units: Sequence[Unit], pair_order: dict[tuple[int, int], tuple[int, ...]],
+                 batch: bool, store: object, run_id: str) -> None:
+        self.rank = rank
+        self.group = group
+        self.to_global = to_global
+        self.device = device
+        self.timeout = timeout
+        self.units = units
+        self.batch = batch  # NCCL: post each point's sends and receives as one batch
+        self.store = store
+        self.run_id = run_id
+        self.position = {uid: i for order in pair_order.values() for i, uid in enumerate(order)}
+        self.incoming = {src: order for (src, dst), order in pair_order.items() if dst == rank}
+        self.events: list | None = None
+
+    # --------------------------------------------------------------------------- per step state
+
+    def begin(self, metas: dict[int, list[LeafMeta]] | None, specs: dict[int, list], *,
+              events: list | None, unit_filter: Callable[[Unit], bool]) -> None:
+        """Start a step; ``metas`` maps unit id -> leaf metas when shapes are known (None: discover)."""
+        self.metas = metas if metas is not None else {}
+        self.discover = metas is None
+        self.specs = specs
+        self.events = events
+        self.filter = unit_filter
+        self.send_tag = {}
+        self.recv_tag = {}
+        self.posted: dict[int, _Posted] = {}
+        self.next_index = {src: 0 for src in self.incoming}
+        self.sent: list[list] = []
+        self.batch_ops: list = []
+
+    def _tag(self, table: dict[int, int], peer: int) -> int:
+        tag = table.get(peer, 0)
+        table[peer] = tag + 1
+        return tag
+
+    def _note(self, name: str, kind: str, start: int) -> None:
+        if self.events is not None:
+            self.events.append((name, kind, start, time.time_ns()))
+
+    # --------------------------------------------------------------------------------- sending
+
+    def send(self, unit: Unit, leaves: list[torch.Tensor], spec: list | None) -> None:
+        """Send one unit's tensors (forward values, or gradients) to its receiver."""
+        start = time.time_ns() if self.events is not None else 0
+        dst = self.to_global(unit.dst)
+        if self.discover and unit.kind == "F":
+            blob = torch.frombuffer(bytearray(pickle.dumps((spec, [LeafMeta.of(t) for t in leaves]))),
+                                    dtype=torch.uint8)
+            size = torch.tensor([blob.numel()], dtype=torch.int64)
+            self._isend(size.to(self.device), dst, unit)
+            self._isend(blob.to(self.device), dst, unit)
+        for tensor in leaves:
+            self._isend(tensor.detach().contiguous(), dst, unit)
+        if self.batch:
+            self.flush()
+        if self.events is not None:
+            self._note(f"SEND {self.units_name(unit)} to {unit.dst}", "send", start)
+
+    def _isend(self, tensor: torch.Tensor, dst: int, unit: Unit) -> None:
+        tag = self._tag(self.send_tag, unit.dst)
+        if self.batch:
+            entry = [None, tensor, unit]
+            self.batch_ops.append((dist.P2POp(dist.isend, tensor, dst, self.group, tag), entry, 0))
+            self.sent.append(entry)
+        else:
+            self.sent.append([dist.isend(tensor, dst, group=self.group, tag=tag), tensor, unit])
+
+    def flush(self) -> None:
+        """Post the batched operations (NCCL)."""
+        if self.batch_ops:
+            works = dist.batch_isend_irecv([op for op, _, _ in self.batch_ops])
+            for (_, holder, index), work in zip(self.batch_ops, works):
+                holder[index] = work
+            self.batch_ops = []
+
+    def finish(self) -> None:
+        """Wait for every send of the step (bounded by the timeout)."""
+        for work, _, unit in self.sent:
+            if work is not None:
+                self._wait(work, unit, "sending")
+        self.sent = []
+
+    # ------------------------------------------------------------------------------- receiving
+
+    def units_name(self, unit: Unit) -> str:
+        what = "outputs" if unit.kind == "F" else "gradients"
+        return f"{what} of stage {unit.producer} for stage {unit.consumer}, micro-batch {unit.microbatch}"
+
+    def leaf_metas(self, unit: Unit) -> list[LeafMeta]:
+        return self.metas[unit.id]
+
+    def post_through(self, uid: int) -> None:
+        """Post the receives of every unit from ``uid``'s sender up to ``uid`` (sender order)."""
+        unit = self.units[uid]
+        if self.discover:
+            return
+        order = self.incoming[unit.src]
+        stop = self.position[uid]
+        while self.next_index[unit.src] <= stop:
+            other = self.units[order[self.next_index[unit.src]]]
+            self.next_index[unit.src] += 1
+            if self.filter(other):
+                self._post(other)
+        if self.batch:
+            self.flush()
+
+    def _post(self, unit: Unit) -> None:
+        src = self.to_global(unit.src)
+        buffers, works = [], []
+        for meta in self._expected(unit):
+            buffer = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
+            tag = self._tag(self.recv_tag, unit.src)
+            if self.batch:
+                self.batch_ops.append((dist.P2POp(dist.irecv, buffer, src, self.group, tag), works, len(works)))
+                works.append(None)
+            else:
+                works.append(dist.irecv(buffer, src, group=self.group, tag=tag))
+            buffers.append(buffer)
+        self.posted[unit.id] = _Posted(buffers, works)
+
+    def _expected(self, unit: Unit) -> list[LeafMeta]:
+        if unit.kind == "F":
+            return self.metas[unit.id]
+        forward = self.metas[self.forward_of(unit)]
+        return [m for m in forward if m.requires_grad]
+
+    def forward_of(self, unit: Unit) -> int:
+        """The id of the forward unit whose values ``unit`` (a gradient unit) answers."""
+        return self._forward_ids[(unit.producer, unit.consumer, unit.microbatch)]
+
+    def index_forward_units(self) -> None:
+        self._forward_ids = {(u.producer, u.consumer, u.microbatch): u.id for u in self.units if u.kind == "F"}
+
+    def receive(self, uid: int) -> list[torch.Tensor]:
+        """The tensors of unit ``uid``, waiting for them (bounded by the timeout)."""
+        unit = self.units[uid]
+        start = time.time_ns() if self.events is not None else 0
+        if self.discover:
+            self._receive_in_order(unit)
+        else:
+            self.post_through(uid)
+        posted = self.posted.pop(uid)
+        for work in posted.works:
+            if work is not None:
+                self._wait(work, unit, "receiving")
+        if self.events is not None:
+            self._note(f"RECV {self.units_name(unit)} from {unit.src}", "wait", start)
+        return posted.buffers
+
+    def _receive_in_order(self, unit: Unit) -> None:
+        """Discovery: receive (blocking) every unit from the sender up to ``unit``, in its order."""
+        order = self.incoming[unit.src]
+        src = self.to_global(unit.src)
+        while self.next_index[unit.src] <= self.position[unit.id]:
+            other = self.units[order[self.next_index[unit.src]]]
+            self.next_index[unit.src] += 1
+            if not self.filter(other):
+                continue
+            if other.kind == "F":
+                size = torch.empty(1, dtype=torch.int64, device=self.device)
+                self._recv_now(size, src, other)
+                blob = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
+                self._recv_now(blob, src, other)
+                spec, metas = pickle.loads(blob.cpu().numpy().tobytes())
+                self.metas[other.id] = metas
+                self.specs[other.id] = spec
+            buffers = []
+            for meta in self._expected(other):
+                buffer = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
+                self._recv_now(buffer, src, other)
+                buffers.append(buffer)
+            self.posted[other.id] = _Posted(buffers, [None] * len(buffers))
+
+    def _recv_now(self, buffer: torch.Tensor, src: int, unit: Unit) -> None:
+        tag = self._tag(self.recv_tag, unit.src)
+        self._wait(dist.irecv(buffer, src, group=self.group, tag=tag), unit, "receiving")
+
+    # ---------------------------------------------------------------------------------- failure
+
+    def _wait(self, work, unit: Unit, doing: str) -> None:
+        peer = unit.src if doing == "receiving" else unit.dst
+        try:
+            done = work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+        except Exception as error:  # gloo raises on timeouts and on a closed connection alike
+            raise PipelineError(self._failure(peer, doing, unit, f"{type(error).__name__}: {error}")) from error
+        if done is False:
+            raise PipelineError(self._failure(peer, doing, unit, f"no answer within {self.timeout:g} s"))
+
+    def _failure(self, peer: int, doing: str, unit: Unit, detail: str) -> str:
+        reason = self.peer_error(peer)
+        where = f"rank {self.rank} stopped while {doing} {self.units_name(unit)} (rank {peer})"
+        if reason:
+            return f"{where}: rank {peer} failed: {reason}"
+        others = self.any_error()
+        if others:
+            return f"{where}: {others}"
+        return (f"{where}: {detail}; rank {peer} died, hung or runs a different schedule (raise timeout= if its "
+                "work is just slow)")
+
+    def peer_error(self, rank: int) -> str | None:
+        """The failure message another rank left in the store, if any."""
+        if self.store is None:
+            return None
+        key = ERROR_KEY.format(run=self.run_id, rank=rank)
+        try:
+            if self.store.check([key]):
+                return self.store.get(key).decode()
+        except Exception:  # the store may be gone with the failed rank; the timeout message stands
+            return None
+        return None
+
+    def any_error(self) -> str | None:
+        for rank in range(dist.get_world_size(self.group)):
+            if rank != self.rank and (message := self.peer_error(rank)):
+                return f"rank {rank} failed: {message}"
+        return None
+
+    def report(self, message: str) -> None:
+        """Leave this rank's failure where the other ranks look when their waits break."""
+        if self.store is not None:
+            try:
+                self.store.set(ERROR_KEY.format(run=self.run_id, rank=self.rank), message)
+            except Exception:  # best effort: the peers' timeouts still bound their wait
+                pass

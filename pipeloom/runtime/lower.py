@@ -1,0 +1,245 @@
+"""Lower a compute-only schedule onto a staged model: which piece each schedule stage runs, which
+real micro-batch each action works on, and the messages between ranks in the order they are sent.
+
+A schedule whose forward graph has c disjoint components, each shaped like the model, runs c model
+replicas (DualPipe, Chimera): component j's stages run the model's pieces in index order, and IR
+micro-batch m of component j is real micro-batch ``c * m + j``. Every other schedule has c = 1.
+
+This module needs no torch: it works on the schedule and on the stage graph's value references.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from pipeloom.errors import PipeloomError
+from pipeloom.ir import Action, Schedule
+
+__all__ = ["Lowering", "PipelineError", "Step", "Unit", "lower"]
+
+MODEL_INPUT = -1
+
+
+class PipelineError(PipeloomError, RuntimeError):
+    """A pipeline cannot be built from these pieces, or a step failed on some rank."""
+
+
+@dataclass(frozen=True, slots=True)
+class Unit:
+    """One message between ranks: stage outputs (kind "F") or their gradients (kind "B") of one
+    micro-batch; ``indices`` are output positions of the producer's piece."""
+
+    id: int
+    kind: str  # "F": producer -> consumer values; "B": consumer -> producer gradients
+    producer: int  # schedule stage making the values
+    consumer: int  # schedule stage using them
+    microbatch: int  # real micro-batch
+    indices: tuple[int, ...]
+    src: int  # sending rank
+    dst: int  # receiving rank
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One compute action of a rank with the messages it needs first and sends after."""
+
+    action: Action
+    piece: int
+    microbatch: int  # real micro-batch
+    recvs: tuple[int, ...]  # unit ids to have received before running
+    sends: tuple[int, ...]  # unit ids to send after running
+
+
+@dataclass(frozen=True, slots=True)
+class Lowering:
+    """Everything the engine needs to run a schedule on a model, for every rank."""
+
+    schedule: Schedule
+    replicas: int  # c: model replicas (1, or 2 for DualPipe/Chimera)
+    num_microbatches: int  # real micro-batches per step (c × the schedule's)
+    piece_of: tuple[int, ...]  # schedule stage -> model piece
+    replica_of: tuple[int, ...]  # schedule stage -> component
+    stage_for: tuple[tuple[int, ...], ...]  # [component][piece] -> schedule stage
+    rank_of: tuple[int, ...]  # schedule stage -> rank
+    sources: tuple[tuple[tuple[int, int, int], ...], ...]  # per stage: per piece input (stage|-1, index, -)
+    loss_sources: tuple[tuple[int, int], ...]  # model output leaves: (piece, index) in leaf order
+    units: tuple[Unit, ...]
+    programs: tuple[tuple[Step, ...], ...]  # per rank
+    pair_order: dict[tuple[int, int], tuple[int, ...]] = field(default_factory=dict)  # (src, dst) -> unit ids
+
+    @property
+    def num_pieces(self) -> int:
+        """Pieces of the model (stages of one replica)."""
+        return len(self.stage_for[0])
+
+    def stages_on(self, rank: int) -> tuple[int, ...]:
+        """Schedule stages held by ``rank``, sorted."""
+        return tuple(s for s, r in enumerate(self.rank_of) if r == rank)
+
+
+def _components(num_stages: int, edges: set[tuple[int, int]]) -> list[list[int]]:
+    """Connected components of the forward graph (undirected), each sorted, ordered by first stage."""
+    parent = list(range(num_stages))
+
+    def find(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for u, v in edges:
+        parent[find(u)] = find(v)
+    groups: dict[int, list[int]] = defaultdict(list)
+    for s in range(num_stages):
+        groups[find(s)].append(s)
+    return sorted(groups.values(), key=lambda g: g[0])
+
+
+def _reachable(num_stages: int, edges: set[tuple[int, int]]) -> list[set[int]]:
+    """For every stage, the stages its forward output reaches (transitively)."""
+    after: dict[int, list[int]] = defaultdict(list)
+    for u, v in edges:
+        after[u].append(v)
+    reach: list[set[int]] = []
+    for s in range(num_stages):
+        seen: set[int] = set()
+        stack = list(after[s])
+        while stack:
+            v = stack.pop()
+            if v not in seen:
+                seen.add(v)
+                stack.extend(after[v])
+        reach.append(seen)
+    return reach
+
+
+def _forward_edges(schedule: Schedule) -> set[tuple[int, int]]:
+    return {(dep[0], task.stage) for task in schedule.problem.tasks if task.kind == "F"
+            for dep in task.deps if dep[1] == "F"}
+
+
+def lower(schedule: Schedule, piece_inputs: Sequence[Sequence[tuple[int, int]]],
+          output_refs: Sequence[tuple[int, int]]) -> Lowering:
+    """Map ``schedule`` onto a model of ``len(piece_inputs)`` pieces and list every rank's steps.
+
+    ``piece_inputs[k]`` are piece k's inputs as ``(piece or -1 for a model input, index)``;
+    ``output_refs`` are the model output's leaves the same way. The loss runs on the last piece.
+    """
+    problem = schedule.problem
+    num_pieces = len(piece_inputs)
+    num_stages = problem.num_stages
+    for task in problem.tasks:
+        if len(task.ranks) != 1:
+            raise PipelineError(f"task {task.name} runs on ranks {list(task.ranks)}; the runtime runs each stage "
+                                "on one rank: use a schedule whose stages each have one rank")
+    rank_of = [0] * num_stages
+    for task in problem.tasks:
+        rank_of[task.stage] = task.ranks[0]
+    edges = _forward_edges(schedule)
+    components = _components(num_stages, edges)
+    replicas = len(components)
+    if any(len(c) != num_pieces for c in components):
+        sizes = sorted({len(c) for c in components})
+        per = f"{replicas} replicas of {sizes} stages" if replicas > 1 else f"{num_stages} stages"
+        raise PipelineError(
+            f"the schedule {schedule.name!r} has {per}, but the model is cut into {num_pieces} pieces; "
+            f"cut the model into {num_stages // replicas if num_stages % replicas == 0 else num_stages} pieces "
+            "(split_points one fewer), or choose a schedule with as many stages as pieces"
+        )
+    piece_of = [0] * num_stages
+    replica_of = [0] * num_stages
+    for j, comp in enumerate(components):
+        for k, s in enumerate(comp):
+            piece_of[s], replica_of[s] = k, j
+    stage_for = tuple(tuple(comp) for comp in components)
+    reach = _reachable(num_stages, edges)
+    for j, comp in enumerate(components):
+        for k, inputs in enumerate(piece_inputs):
+            for u, _ in inputs:
+                if u != MODEL_INPUT and comp[k] not in reach[comp[u]]:
+                    raise PipelineError(
+                        f"model piece {k} reads piece {u}'s output, but in the schedule stage {comp[k]} does not "
+                        f"come after stage {comp[u]}; the pieces' dataflow must follow the schedule's stage order"
+                    )
+    sources = tuple(tuple((MODEL_INPUT if u == MODEL_INPUT else stage_for[replica_of[s]][u], i, 0)
+                          for u, i in piece_inputs[piece_of[s]]) for s in range(num_stages))
+    last = num_pieces - 1
+    # what each consumer stage needs from each producer stage (sorted output indices)
+    needs: dict[tuple[int, int], set[int]] = defaultdict(set)
+    for s in range(num_stages):
+        for u, i, _ in sources[s]:
+            if u != MODEL_INPUT:
+                needs[(u, s)].add(i)
+        if piece_of[s] == last:
+            for piece, i in output_refs:
+                u = stage_for[replica_of[s]][piece]
+                if u != s:
+                    needs[(u, s)].add(i)
+    consumers: dict[int, list[tuple[int, tuple[int, ...]]]] = defaultdict(list)
+    for (u, s), indices in sorted(needs.items()):
+        consumers[u].append((s, tuple(sorted(indices))))
+    producers: dict[int, list[tuple[int, tuple[int, ...]]]] = defaultdict(list)
+    for (u, s), indices in sorted(needs.items(), key=lambda item: (item[0][1], item[0][0])):
+        producers[s].append((u, tuple(sorted(indices))))
+
+    units: list[Unit] = []
+    unit_of: dict[tuple[str, int, int, int], int] = {}
+
+    def unit(kind: str, u: int, s: int, mb: int, indices: tuple[int, ...]) -> int:
+        src, dst = (rank_of[u], rank_of[s]) if kind == "F" else (rank_of[s], rank_of[u])
+        uid = len(units)
+        units.append(Unit(id=uid, kind=kind, producer=u, consumer=s, microbatch=mb, indices=indices,
+                          src=src, dst=dst))
+        unit_of[(kind, u, s, mb)] = uid
+        return uid
+
+    def real(stage: int, m: int) -> int:
+        return replicas * m + replica_of[stage]
+
+    backward_kinds = {t.stage: t.kind for t in problem.tasks if t.kind in ("B", "I")}
+    # units are created in each sender's program order, so ids are each pair's send order
+    pending_sends: list[list[tuple[Action, list[int]]]] = []
+    for rank in range(schedule.num_ranks):
+        steps: list[tuple[Action, list[int]]] = []
+        for action in schedule.ranks[rank]:
+            s, kind, m = action.stage, action.kind, action.microbatch
+            sends: list[int] = []
+            if kind == "F":
+                for c, indices in consumers[s]:
+                    if rank_of[c] != rank:
+                        sends.append(unit("F", s, c, real(s, m), indices))
+            elif kind in ("B", "I"):
+                for u, indices in producers[s]:
+                    if rank_of[u] != rank:
+                        sends.append(unit("B", u, s, real(s, m), indices))
+            steps.append((action, sends))
+        pending_sends.append(steps)
+    programs = []
+    for rank, steps in enumerate(pending_sends):
+        program = []
+        for action, sends in steps:
+            s, kind, m = action.stage, action.kind, action.microbatch
+            mb = real(s, m)
+            recvs: list[int] = []
+            if kind == "F":
+                for u, _ in producers[s]:
+                    if rank_of[u] != rank:
+                        recvs.append(unit_of[("F", u, s, mb)])
+            elif kind in ("B", "I"):
+                for c, _ in consumers[s]:
+                    if rank_of[c] != rank and backward_kinds.get(c):
+                        recvs.append(unit_of[("B", s, c, mb)])
+            program.append(Step(action=action, piece=piece_of[s], microbatch=mb, recvs=tuple(recvs),
+                                sends=tuple(sends)))
+        programs.append(tuple(program))
+    pair_order: dict[tuple[int, int], list[int]] = defaultdict(list)
+    for u in units:
+        pair_order[(u.src, u.dst)].append(u.id)
+    return Lowering(
+        schedule=schedule, replicas=replicas, num_microbatches=replicas * schedule.num_microbatches,
+        piece_of=tuple(piece_of), replica_of=tuple(replica_of), stage_for=stage_for, rank_of=tuple(rank_of),
+        sources=sources, loss_sources=tuple(output_refs), units=tuple(units), programs=tuple(programs),
+        pair_order={k: tuple(v) for k, v in pair_order.items()},
+    )

@@ -1,0 +1,63 @@
+"""Run a function on several gloo ranks (spawned processes) and collect what each returns."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import traceback
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, fn, args, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        result = fn(rank, world, *args)
+        queue.put((rank, "ok", result))
+    except BaseException as error:  # report everything; the parent decides
+        queue.put((rank, "error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # a failed peer may have broken the group already
+                pass
+
+
+def run_ranks(world: int, fn, *args, timeout: float = 120.0) -> dict[int, tuple[str, object]]:
+    """``{rank: ("ok", result) | ("error", text)}``; ranks that never answer within ``timeout``
+    are killed and reported as ("timeout", None)."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, queue), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, tuple[str, object]] = {}
+    import queue as queues
+    import time
+
+    deadline = time.monotonic() + timeout
+    while len(results) < world and time.monotonic() < deadline:
+        try:
+            rank, status, value = queue.get(timeout=max(0.1, deadline - time.monotonic()))
+        except queues.Empty:
+            break
+        results[rank] = (status, value)
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+    for r in range(world):
+        results.setdefault(r, ("timeout", None))
+    return results
