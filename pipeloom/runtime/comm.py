@@ -11,6 +11,7 @@ post their receives before the data exists.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import pickle
 import time
@@ -154,7 +155,7 @@ class Messenger:
             self.batch_ops.append((dist.P2POp(dist.isend, tensor, dst, self.group, tag), entry, 0))
             self.sent.append(entry)
         else:
-            self.sent.append([dist.isend(tensor, dst, group=self.group, tag=tag), tensor, unit])
+            self.sent.append([self._call(dist.isend, tensor, dst, tag, unit, "sending"), tensor, unit])
 
     def flush(self) -> None:
         """Post the batched operations (NCCL)."""
@@ -205,7 +206,7 @@ class Messenger:
                 self.batch_ops.append((dist.P2POp(dist.irecv, buffer, src, self.group, tag), works, len(works)))
                 works.append(None)
             else:
-                works.append(dist.irecv(buffer, src, group=self.group, tag=tag))
+                works.append(self._call(dist.irecv, buffer, src, tag, unit, "receiving"))
             buffers.append(buffer)
         self.posted[unit.id] = _Posted(buffers, works)
 
@@ -264,9 +265,17 @@ class Messenger:
 
     def _recv_now(self, buffer: torch.Tensor, src: int, unit: Unit) -> None:
         tag = self._tag(self.recv_tag, unit.src)
-        self._wait(dist.irecv(buffer, src, group=self.group, tag=tag), unit, "receiving")
+        self._wait(self._call(dist.irecv, buffer, src, tag, unit, "receiving"), unit, "receiving")
 
     # ---------------------------------------------------------------------------------- failure
+
+    def _call(self, op, tensor: torch.Tensor, peer: int, tag: int, unit: Unit, doing: str):
+        """Post one point-to-point operation; a broken connection becomes a PipelineError."""
+        try:
+            return op(tensor, peer, group=self.group, tag=tag)
+        except Exception as error:  # gloo reports a dead peer from the post itself
+            rank = unit.src if doing == "receiving" else unit.dst
+            raise PipelineError(self._failure(rank, doing, unit, f"{type(error).__name__}: {error}")) from error
 
     def _wait(self, work, unit: Unit, doing: str) -> None:
         peer = unit.src if doing == "receiving" else unit.dst
@@ -296,7 +305,7 @@ class Messenger:
         try:
             if self.store.check([key]):
                 return self.store.get(key).decode()
-        except Exception:  # the store may be gone with the failed rank; the timeout message stands
+        except Exception:  # noqa: BLE001 (the store may be gone with the failed rank; the timeout message stands)
             return None
         return None
 
@@ -309,7 +318,5 @@ class Messenger:
     def report(self, message: str) -> None:
         """Leave this rank's failure where the other ranks look when their waits break."""
         if self.store is not None:
-            try:
+            with contextlib.suppress(Exception):  # best effort: the peers' timeouts still bound their wait
                 self.store.set(ERROR_KEY.format(run=self.run_id, rank=self.rank), message)
-            except Exception:  # best effort: the peers' timeouts still bound their wait
-                pass

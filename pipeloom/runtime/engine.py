@@ -26,7 +26,7 @@ from pipeloom.ir.json_io import schedule_to_json
 from pipeloom.runtime.backward import PendingWeights, accumulate_grad, backward_full, backward_input
 from pipeloom.runtime.comm import LeafMeta, Messenger, flatten, unflatten
 from pipeloom.runtime.lower import MODEL_INPUT, Lowering, PipelineError, Step, Unit, lower
-from pipeloom.runtime.split import StagedModel, StageValueError, ValueRef, split_model, stages_from_modules
+from pipeloom.runtime.split import StagedModel, ValueRef, check_stage_value, split_model, stages_from_modules
 from pipeloom.schedules import build_schedule, schedule_info, schedule_names
 from pipeloom.validate import validate
 
@@ -462,7 +462,7 @@ def _default_store() -> object:
         from torch.distributed.distributed_c10d import _get_default_store
 
         return _get_default_store()
-    except Exception:  # private API: without it failures still surface through timeouts
+    except Exception:  # noqa: BLE001 (private API: without it failures still surface through timeouts)
         return None
 
 
@@ -547,7 +547,9 @@ class _StepRun:
         """Leaves, structure and requires-grad flags of output ``index`` of ``producer`` for ``mb``."""
         low = self.low
         if low.rank_of[producer] == self.engine.rank:
-            leaves, spec = flatten(self.values[(producer, mb)][index])
+            value = self.values[(producer, mb)][index]
+            check_stage_value(value, name=f"output {index}", where=f"from stage {producer} to stage {stage}")
+            leaves, spec = flatten(value)
             return leaves, spec, [t.requires_grad for t in leaves]
         uid = self.engine.unit_ids[("F", producer, stage, mb)]
         if uid not in self.received:
@@ -624,13 +626,8 @@ class _StepRun:
         leaves: list = []
         specs = []
         for i in unit.indices:
-            try:
-                found, spec = flatten(outs[i])
-            except TypeError as error:
-                raise StageValueError(
-                    f"stage {unit.producer} returns output {i} of type {error} for stage {unit.consumer}; only tensors "
-                    "and tuples/lists/dicts of tensors may cross a stage boundary: move the split point"
-                ) from None
+            check_stage_value(outs[i], name=f"output {i}", where=f"from stage {unit.producer} to stage {unit.consumer}")
+            found, spec = flatten(outs[i])
             leaves.extend(found)
             specs.append(spec)
         metas = [LeafMeta.of(t) for t in leaves]

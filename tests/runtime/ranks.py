@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import socket
@@ -24,19 +25,17 @@ def _worker(rank: int, world: int, port: int, fn, args, queue) -> None:
         dist.init_process_group("gloo", rank=rank, world_size=world)
         result = fn(rank, world, *args)
         queue.put((rank, "ok", result))
-    except BaseException as error:  # report everything; the parent decides
+    except BaseException as error:  # noqa: BLE001 (report everything; the parent decides)
         queue.put((rank, "error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
     finally:
         if dist.is_initialized():
-            try:
+            with contextlib.suppress(Exception):  # a failed peer may have broken the group already
                 dist.destroy_process_group()
-            except Exception:  # a failed peer may have broken the group already
-                pass
 
 
 def run_ranks(world: int, fn, *args, timeout: float = 120.0) -> dict[int, tuple[str, object]]:
-    """``{rank: ("ok", result) | ("error", text)}``; ranks that never answer within ``timeout``
-    are killed and reported as ("timeout", None)."""
+    """``{rank: ("ok", result) | ("error", text) | ("died", exit code)}``; ranks that never answer
+    within ``timeout`` are killed and reported as ("timeout", None)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
@@ -50,14 +49,17 @@ def run_ranks(world: int, fn, *args, timeout: float = 120.0) -> dict[int, tuple[
     deadline = time.monotonic() + timeout
     while len(results) < world and time.monotonic() < deadline:
         try:
-            rank, status, value = queue.get(timeout=max(0.1, deadline - time.monotonic()))
+            rank, status, value = queue.get(timeout=0.2)
         except queues.Empty:
-            break
+            if not any(p.is_alive() for p in procs):  # all gone: whoever did not answer died
+                break
+            continue
         results[rank] = (status, value)
     for p in procs:
         p.join(timeout=5)
         if p.is_alive():
             p.kill()
     for r in range(world):
-        results.setdefault(r, ("timeout", None))
+        code = procs[r].exitcode
+        results.setdefault(r, ("timeout", None) if code is None else ("died", code))
     return results

@@ -1,0 +1,101 @@
+"""Small models for the runtime tests, and the single-device reference of DESIGN §5."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Residual(nn.Module):
+    """``layers`` residual tanh blocks and a classifier head."""
+
+    def __init__(self, layers: int = 8, hidden: int = 16, classes: int = 3) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(layers))
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + torch.tanh(layer(x))
+        return self.head(x)
+
+
+class Skip(nn.Module):
+    """A value made in the first piece is used again two pieces later (a skip connection)."""
+
+    def __init__(self, hidden: int = 16) -> None:
+        super().__init__()
+        self.inp = nn.Linear(hidden, hidden)
+        self.mid1 = nn.Linear(hidden, hidden)
+        self.mid2 = nn.Linear(hidden, hidden)
+        self.out = nn.Linear(hidden, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.inp(x))
+        a = torch.tanh(self.mid1(h))
+        b = torch.tanh(self.mid2(a))
+        return self.out(b + h)
+
+
+class TwoInputs(nn.Module):
+    """Two model inputs; the second one is used only by a later piece."""
+
+    def __init__(self, hidden: int = 16) -> None:
+        super().__init__()
+        self.a = nn.Linear(hidden, hidden)
+        self.b = nn.Linear(hidden, hidden)
+        self.gate = nn.Linear(4, hidden)
+        self.c = nn.Linear(hidden, hidden)
+        self.out = nn.Linear(hidden, 3)
+
+    def forward(self, x: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        h = torch.tanh(self.b(h)) * torch.sigmoid(self.gate(extra))
+        return self.out(torch.tanh(self.c(h)))
+
+
+SPLITS = {  # model -> split points for 1, 2 and 4 pieces
+    "residual": {1: [], 2: ["layers.4"], 3: ["layers.3", "layers.6"], 4: ["layers.2", "layers.4", "layers.6"],
+                 8: [f"layers.{i}" for i in range(1, 8)]},
+    "skip": {1: [], 2: ["mid2"], 4: ["mid1", "mid2", "out"]},
+    "two_inputs": {1: [], 2: ["b"], 4: ["b", "c", "out"]},
+}
+
+
+def build(name: str, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return {"residual": Residual, "skip": Skip, "two_inputs": TwoInputs}[name]()
+
+
+def batch(name: str, rows: int = 16, seed: int = 1) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, 16, generator=generator)
+    y = torch.randint(0, 3, (rows,), generator=generator)
+    if name == "two_inputs":
+        return (x, torch.randn(rows, 4, generator=generator)), y
+    return (x,), y
+
+
+def reference_step(model: nn.Module, inputs: tuple, target: torch.Tensor, microbatches: int) -> torch.Tensor:
+    """DESIGN §5: ``for m: (loss_fn(model(x_m), y_m) / M).backward()``; returns the sum of the losses."""
+    chunks = [torch.chunk(t, microbatches) for t in inputs]
+    total = None
+    for m, y in enumerate(torch.chunk(target, microbatches)):
+        loss = F.cross_entropy(model(*(c[m] for c in chunks)), y) / microbatches
+        loss.backward()
+        total = loss.detach() if total is None else total + loss.detach()
+    return total
+
+
+def mismatches(model: nn.Module, reference: nn.Module, owned: set[int]) -> list[str]:
+    """Names of owned parameters whose .grad or value is not bitwise equal to the reference's."""
+    bad = []
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        if id(p) not in owned:
+            continue
+        if (p.grad is None) != (q.grad is None) or (p.grad is not None and not torch.equal(p.grad, q.grad)):
+            bad.append(f"{name}.grad")
+        if not torch.equal(p.detach(), q.detach()):
+            bad.append(name)
+    return bad

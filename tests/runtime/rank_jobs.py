@@ -1,0 +1,122 @@
+"""What each spawned rank runs in the multi-rank runtime tests (importable by the child processes)."""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+
+
+def exactness(rank: int, world: int, cases: list[tuple[str, str, int, object]], steps: int = 2) -> dict:
+    """For every (model, schedule, pieces, options) case: train ``steps`` SGD steps with the engine and
+    with the single-device reference; report mismatching parameters and whether the losses agree."""
+    import torch
+    import torch.nn.functional as F
+    from models import SPLITS, batch, build, mismatches, reference_step
+
+    from pipeloom.runtime import pipeline
+
+    results = {}
+    for model_name, schedule, pieces, options in cases:
+        key = f"{model_name}/{schedule if isinstance(schedule, str) else schedule.name}/{pieces}"
+        model = build(model_name)
+        reference = copy.deepcopy(model)
+        engine = pipeline(model, schedule=schedule, split_points=SPLITS[model_name][pieces], loss_fn=F.cross_entropy,
+                          microbatches=8, schedule_options=options, timeout=30)
+        owned = {id(p) for p in engine.parameters()}
+        ours = torch.optim.SGD(engine.parameters(), lr=0.1)
+        theirs = torch.optim.SGD(reference.parameters(), lr=0.1)
+        problems, losses_equal = [], True
+        for step in range(steps):
+            inputs, target = batch(model_name, seed=step)
+            loss = engine.step(inputs if len(inputs) > 1 else inputs[0], target=target)
+            expected = reference_step(reference, inputs, target, 8)
+            losses_equal &= torch.equal(loss, expected)
+            problems += [f"step {step}: {name}" for name in mismatches(model, reference, owned)]
+            ours.step()
+            theirs.step()
+            ours.zero_grad()
+            theirs.zero_grad()
+        results[key] = {"mismatches": problems, "losses_equal": bool(losses_equal), "owned": len(owned)}
+    return results
+
+
+def searched_schedule(world: int, microbatches: int):
+    """A schedule found by pipeloom.search for a V placement with split backward on ``world`` ranks."""
+    from pipeloom.search import search
+    from pipeloom.search.placements import placement
+
+    problem = placement("v", world)
+    return search(problem, microbatches, memory_limit=None, time_limit=5.0, workers=1).schedule
+
+
+def fault(rank: int, world: int, mode: str, fail_rank: int) -> object:
+    """Rank ``fail_rank`` raises (or dies) in its third forward; every rank reports what it saw."""
+    import torch
+    import torch.nn.functional as F
+    from models import SPLITS, build
+
+    from pipeloom.runtime import PipelineError, pipeline
+
+    model = build("residual")
+    engine = pipeline(model, schedule="1f1b", split_points=SPLITS["residual"][world], loss_fn=F.cross_entropy,
+                      microbatches=8, timeout=5)
+    calls = [0]
+
+    def hook(module, args):
+        calls[0] += 1
+        if calls[0] == 3:
+            if mode == "die":
+                os._exit(3)
+            raise ValueError("injected fault")
+
+    if rank == fail_rank:
+        engine.modules[engine.local_stages[0]].register_forward_pre_hook(hook)
+    start = time.monotonic()
+    x = torch.randn(16, 16)
+    y = torch.randint(0, 3, (16,))
+    try:
+        engine.step(x, target=y)
+    except PipelineError as error:
+        return {"seconds": time.monotonic() - start, "message": str(error)}
+    return {"seconds": time.monotonic() - start, "message": None}
+
+
+def shape_change(rank: int, world: int) -> object:
+    """The first stage's output shape changes in the second step although the inputs' do not."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    from pipeloom.runtime import PipelineError, pipeline
+
+    class Grow(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls = 0
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            self.calls += 1
+            return self.lin(x) if self.calls <= 8 else torch.cat([self.lin(x), x], dim=1)
+
+    class Head(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.LazyLinear(3)
+
+        def forward(self, x):
+            return self.lin(x)
+
+    torch.manual_seed(0)
+    first, second = Grow(), nn.Linear(4, 3)
+    engine = pipeline(schedule="1f1b", stages=[first, second], loss_fn=F.cross_entropy, microbatches=8, timeout=10)
+    x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
+    messages = []
+    for _ in range(2):
+        try:
+            engine.step(x, target=y)
+        except PipelineError as error:
+            messages.append(str(error))
+            break
+    return messages

@@ -1,0 +1,191 @@
+"""The engine in one process (a world of one rank): exactness for every schedule that fits one rank,
+eval_step, traces, and the errors users meet first."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import torch.nn.functional as F
+from models import SPLITS, batch, build, mismatches, reference_step
+from torch import nn
+
+import pipeloom
+from pipeloom.runtime import PipelineError, StageValueError, pipeline
+
+ONE_RANK = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("zb-h2", 1), ("interleaved-1f1b", 2), ("looped-bfs", 2),
+            ("zbv", 2), ("dualpipev", 2), ("interleaved-1f1b", 4)]
+
+
+def _train(model_name: str, schedule, pieces: int, steps: int = 3, **options) -> tuple[list[str], list[bool]]:
+    model = build(model_name)
+    reference = copy.deepcopy(model)
+    engine = pipeline(model, schedule=schedule, split_points=SPLITS[model_name][pieces], loss_fn=F.cross_entropy,
+                      microbatches=8, **options)
+    ours, theirs = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1)
+    problems, losses = [], []
+    for step in range(steps):
+        inputs, target = batch(model_name, seed=step)
+        loss = engine.step(inputs if len(inputs) > 1 else inputs[0], target=target)
+        losses.append(torch.equal(loss, reference_step(reference, inputs, target, 8)))
+        problems += [f"step {step}: {n}" for n in mismatches(model, reference, {id(p) for p in model.parameters()})]
+        for opt in (ours, theirs):
+            opt.step()
+            opt.zero_grad()
+    return problems, losses
+
+
+@pytest.mark.parametrize(("schedule", "pieces"), ONE_RANK, ids=[f"{s}-{p}" for s, p in ONE_RANK])
+def test_one_rank_is_bitwise_exact_over_several_steps(schedule, pieces):
+    problems, losses = _train("residual", schedule, pieces)
+    assert problems == []
+    assert all(losses)
+
+
+@pytest.mark.parametrize("model_name", ["skip", "two_inputs"])
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_skip_connections_and_two_inputs_are_exact(model_name, schedule):
+    problems, losses = _train(model_name, schedule, 2 if schedule == "zbv" else 1)
+    assert problems == [] and all(losses)
+
+
+def test_a_searched_schedule_runs_exactly():
+    from pipeloom.search import search
+    from pipeloom.search.placements import placement
+
+    found = search(placement("v", 1, split_backward=True), 8, time_limit=2.0, workers=1).schedule
+    problems, losses = _train("residual", found, 2)
+    assert problems == [] and all(losses)
+
+
+def test_saved_schedules_load_from_json_and_csv(tmp_path):
+    schedule = pipeloom.build_schedule("zb-h1", 1, 8)
+    for suffix in (".json", ".csv"):
+        path = tmp_path / f"s{suffix}"
+        pipeloom.save_schedule(schedule, path)
+        problems, losses = _train("residual", str(path), 1, steps=1)
+        assert problems == [] and all(losses)
+
+
+def test_eval_step_returns_outputs_and_loss_without_touching_gradients():
+    model = build("residual")
+    engine = pipeline(model, schedule="zbv", split_points=SPLITS["residual"][2], loss_fn=F.cross_entropy,
+                      microbatches=4)
+    (x,), y = batch("residual")
+    out = engine.eval_step(x)
+    with torch.no_grad():
+        expected = torch.cat([model(c) for c in torch.chunk(x, 4)])
+        loss = sum((F.cross_entropy(model(c), t) / 4 for c, t in zip(torch.chunk(x, 4), torch.chunk(y, 4))),
+                   torch.zeros(()))
+    assert torch.equal(out, expected)
+    assert torch.allclose(engine.eval_step(x, target=y), loss)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_trace_files_hold_every_action_in_order(tmp_path, monkeypatch):
+    monkeypatch.setenv("PIPELOOM_TRACE", str(tmp_path / "env"))
+    engine = pipeline(build("residual"), schedule="zbv", split_points=SPLITS["residual"][2],
+                      loss_fn=F.cross_entropy, microbatches=4)
+    (x,), y = batch("residual")
+    engine.step(x, target=y)
+    engine.step(x, target=y)
+    document = json.loads((tmp_path / "env" / "rank0.json").read_text())
+    assert document["format"] == "pipeloom.runtime-trace/1" and document["world_size"] == 1
+    assert len(document["steps"]) == 2
+    names = [e["name"] for e in document["steps"][1]["events"] if e["kind"] == "compute"]
+    assert names == [str(a) for a in engine.schedule.ranks[0]]
+    for event in document["steps"][1]["events"]:
+        assert event["start_ns"] <= event["end_ns"]
+
+
+def test_parameters_are_the_models_own_objects():
+    model = build("residual")
+    engine = pipeline(model, schedule="1f1b", split_points=[], loss_fn=F.cross_entropy, microbatches=2)
+    assert {id(p) for p in engine.parameters()} == {id(p) for p in model.parameters()}
+    assert pipeloom.pipeline is pipeline
+
+
+# ------------------------------------------------------------------------------------------ errors
+
+
+def _engine(**overrides):
+    arguments = {"schedule": "1f1b", "split_points": [], "loss_fn": F.cross_entropy, "microbatches": 4}
+    arguments.update(overrides)
+    return pipeline(build("residual"), **arguments)
+
+
+@pytest.mark.parametrize(("overrides", "words"), [
+    ({"split_points": None}, "split_points="),
+    ({"schedule": "nope"}, "neither a built-in"),
+    ({"schedule": "zbv"}, "cut the model into 2 pieces"),
+    ({"split_points": ["layers.4"]}, "cut the model into 1 pieces"),
+    ({"loss_fn": None}, "loss_fn="),
+    ({"microbatches": 0}, "positive integer"),
+    ({"timeout": -1}, "timeout"),
+])
+def test_bad_arguments_say_what_to_do(overrides, words):
+    with pytest.raises(PipelineError, match=words):
+        _engine(**overrides)
+
+
+def test_a_schedule_for_more_ranks_names_the_launch_command():
+    with pytest.raises(PipelineError, match="torchrun --nproc-per-node 2"):
+        _engine(schedule=pipeloom.build_schedule("1f1b", 2, 4), split_points=["layers.4"])
+
+
+def test_a_loaded_schedule_with_other_microbatches_is_refused(tmp_path):
+    with pytest.raises(PipelineError, match="microbatches=8"):
+        _engine(schedule=pipeloom.build_schedule("1f1b", 1, 8), microbatches=4)
+
+
+def test_step_errors_name_the_fix():
+    engine = _engine()
+    x = torch.randn(2, 16)
+    with pytest.raises(PipelineError, match="at least 4"):
+        engine.step(x, target=torch.zeros(2, dtype=torch.long))
+    with pytest.raises(PipelineError, match="target="):
+        engine.step(torch.randn(8, 16))
+    with pytest.raises(PipelineError, match="takes 1 input"):
+        engine.step((torch.randn(8, 16), torch.randn(8, 16)), target=torch.zeros(8, dtype=torch.long))
+
+
+def test_a_failure_inside_a_stage_names_rank_stage_and_action_and_disables_the_engine():
+    model = build("residual")
+    engine = pipeline(model, schedule="1f1b", split_points=[], loss_fn=F.cross_entropy, microbatches=4)
+    model.layers[3].register_forward_hook(lambda *_: (_ for _ in ()).throw(ArithmeticError("bad luck")))
+    (x,), y = batch("residual")
+    with pytest.raises(PipelineError, match=r"rank 0: stage 0 \(model piece 0\) failed in action 0F0.*bad luck"):
+        engine.step(x, target=y)
+    with pytest.raises(PipelineError, match="failed earlier"):
+        engine.step(x, target=y)
+
+
+def test_weights_shared_by_two_pieces_are_refused():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+            self.b = nn.Linear(4, 4)
+            self.b.weight = self.a.weight
+
+        def forward(self, x):
+            return self.b(self.a(x))
+
+    with pytest.raises(PipelineError, match="used by model pieces 0 and 1"):
+        pipeline(Tied(), schedule="interleaved-1f1b", split_points=["b"], loss_fn=F.mse_loss, microbatches=2)
+
+
+def test_values_that_are_not_tensors_cannot_cross_stages():
+    class Pair(nn.Module):
+        def forward(self, x):
+            return x, 3
+
+    engine = pipeline(schedule="interleaved-1f1b", stages=[Pair(), nn.Identity()], loss_fn=lambda o, t: o[0].sum(),
+                      microbatches=2, schedule_options={"stages_per_rank": 2})
+    with pytest.raises(PipelineError, match="'output 0' passed from stage 0 to stage 1 is of type int") as caught:
+        engine.step(torch.randn(4, 2), target=torch.zeros(4))
+    assert isinstance(caught.value.__cause__, StageValueError)

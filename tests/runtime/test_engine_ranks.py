@@ -1,0 +1,93 @@
+"""The engine on 2 and 4 gloo ranks (spawned CPU processes): bitwise-exact gradients and losses for
+every built-in schedule and for searched ones, failures that reach every rank, shape changes."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch")
+
+from rank_jobs import exactness, fault, shape_change
+from ranks import run_ranks
+
+from pipeloom.search import search
+from pipeloom.search.placements import placement
+
+LIBRARY = [  # (schedule, pieces per rank, options)
+    ("gpipe", 1, None), ("1f1b", 1, None), ("interleaved-1f1b", 2, None), ("looped-bfs", 2, None),
+    ("zb-h1", 1, None), ("zb-h2", 1, None), ("zbv", 2, None), ("dualpipev", 2, None),
+    ("dualpipe", 1, None), ("chimera", 1, None),
+]
+
+
+def _searched(name: str, world: int, *, split: bool):
+    problem = placement(name, world, split_backward=split)
+    return search(problem, 8, time_limit=3.0, workers=1, name=f"searched-{name}").schedule
+
+
+def _cases(world: int) -> list:
+    cases = [("residual", name, world * per, options) for name, per, options in LIBRARY]
+    cases += [("skip", "1f1b", world, None), ("two_inputs", "zb-h1", world, None),
+              ("skip", "interleaved-1f1b", 4, None) if world == 2 else ("skip", "dualpipe", 4, None),
+              ("two_inputs", "zbv", 4, None) if world == 2 else ("two_inputs", "chimera", 4, None)]
+    cases += [("residual", _searched("v", world, split=True), 2 * world, None),
+              ("residual", _searched("linear", world, split=True), world, None)]
+    return cases
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
+def exact_runs(request):
+    world = request.param
+    cases = _cases(world)
+    results = run_ranks(world, exactness, cases, timeout=240)
+    return world, cases, results
+
+
+@pytest.mark.timeout(300)
+def test_every_schedule_is_bitwise_exact_on_every_rank(exact_runs):
+    world, cases, results = exact_runs
+    failures = {rank: value for rank, (status, value) in results.items() if status != "ok"}
+    assert not failures, failures
+    keys = set()
+    for rank, (_, report) in results.items():
+        assert len(report) == len(cases)
+        for key, outcome in report.items():
+            keys.add(key)
+            assert outcome["mismatches"] == [], (rank, key, outcome)
+            assert outcome["losses_equal"], (rank, key)
+    # every parameter is owned by some rank (one rank, or two for a two-replica schedule)
+    for key in keys:
+        assert all(results[r][1][key]["owned"] > 0 for r in range(world)), key
+    assert any(key.startswith("residual/searched-v") for key in keys)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["raise", "die"])
+def test_a_failing_rank_makes_every_rank_fail_quickly(mode):
+    results = run_ranks(3, fault, mode, 1, timeout=90)
+    if mode == "die":
+        assert results[1][0] == "died"
+    else:
+        status, report = results[1]
+        assert status == "ok", report
+        assert "rank 1: stage 1" in report["message"] and "injected fault" in report["message"]
+        assert "1F2" in report["message"]
+    for rank in (0, 2):
+        status, report = results[rank]
+        assert status == "ok", report
+        assert report["message"] is not None, f"rank {rank} finished although rank 1 failed"
+        assert "rank 1" in report["message"] or "rank 2" in report["message"], report["message"]
+        assert report["seconds"] < 30  # bounded by the 10 s timeout (plus teardown); never a hang
+
+
+@pytest.mark.timeout(120)
+def test_a_stage_whose_output_shape_changes_is_named_with_both_sides():
+    results = run_ranks(2, shape_change, timeout=90)
+    status, messages = results[0]
+    assert status == "ok", messages
+    assert messages and "stage 0 (rank 0) produced [float32[2, 8]]" in messages[0], messages
+    assert "stage 1 (rank 1) expects [float32[2, 4]]" in messages[0], messages
+    assert results[1][0] == "ok"
+    assert results[1][1], "rank 1 must fail too"
+
+
