@@ -497,6 +497,7 @@ class _StepRun:
         self.received: dict[int, list] = {}
         self.replica_grads: dict[int, dict[int, list]] = defaultdict(dict)
         self.current: Step | None = None
+        self.outbox: list[tuple[Unit, list, list | None]] = []  # sends of the running action
 
     def wants(self, unit: Unit) -> bool:
         """Which incoming units this run receives (forward only when not training)."""
@@ -529,8 +530,14 @@ class _StepRun:
                     for uid in ahead.recvs:
                         if self.wants(self.low.units[uid]):
                             messenger.post_through(uid)
-            start = time.time_ns() if self.events is not None else 0
             kind = step.action.kind
+            if kind == "F":  # receive first, so compute times hold no waiting
+                for uid in step.recvs:
+                    if uid not in self.received:
+                        self.received[uid] = messenger.receive(uid)
+            elif kind in ("B", "I"):
+                self._collect_remote(step)
+            start = time.time_ns() if self.events is not None else 0
             if kind == "F":
                 self.forward(step)
             elif kind in ("B", "I"):
@@ -539,6 +546,9 @@ class _StepRun:
                 self.weight(step)
             if self.events is not None:
                 self.events.append((str(step.action), "compute", start, time.time_ns()))
+            for unit, tensors, specs in self.outbox:
+                messenger.send(unit, tensors, specs)
+            self.outbox.clear()
         self.current = None
 
     # --------------------------------------------------------------------------- value routing
@@ -644,7 +654,7 @@ class _StepRun:
         else:
             self.metas[unit.id] = metas
             self.specs[unit.id] = specs
-        self.engine.messenger.send(unit, leaves, specs)
+        self.outbox.append((unit, leaves, specs))
 
     # ------------------------------------------------------------------------------- backward
 
@@ -688,7 +698,6 @@ class _StepRun:
     def backward(self, step: Step) -> None:
         engine, low = self.engine, self.low
         s, mb = step.action.stage, step.microbatch
-        self._collect_remote(step)
         roots, grads = self._roots(s, mb)
         entries = self.leaves.pop((s, mb))
         inputs = [leaf for leaf, *_ in entries]
@@ -753,7 +762,7 @@ class _StepRun:
                             total = torch.zeros(meta.shape, dtype=meta.dtype, device=self.engine.device)
                         tensors.append(total)
                 offset += _count(spec)
-            self.engine.messenger.send(unit, tensors, None)
+            self.outbox.append((unit, tensors, None))
 
 
 
