@@ -69,6 +69,7 @@ class _WeightGroup:
     roots: list  # GradientEdge into an input-path node, or an output tensor off the input path
     grads: list[torch.Tensor]  # the gradient arriving at each root
     params: list[torch.Tensor]
+    edges: list[GradientEdge]  # the parameters' accumulator nodes
 
 
 @dataclass(slots=True)
@@ -84,8 +85,7 @@ class PendingWeights:
         for group in self.groups:
             if not group.grads:  # the node never ran in I (no gradient reached it)
                 continue
-            edges = [GradientEdge(grad_node(p), 0) for p in group.params]
-            found = torch.autograd.grad(group.roots, edges, group.grads, allow_unused=True)
+            found = torch.autograd.grad(group.roots, group.edges, group.grads, allow_unused=True)
             done.extend((p, g) for p, g in zip(group.params, found) if g is not None)
         for param, grad in done:
             accumulate_grad(param, grad)
@@ -156,8 +156,18 @@ def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
         return [None] * len(inputs), pending
     roots = [grad_node(o) for o in outs]
     order, children = _graph(roots)
-    param_of = {node: p for p in params if p.requires_grad and (node := grad_node(p)) in children}
-    input_nodes = {grad_node(leaf) for leaf in wanted} & set(children)
+    # leaves' accumulators sit in the graph with their tensor as .variable: no lookups needed
+    trainable = {id(p) for p in params if p.requires_grad}
+    wanted_ids = {id(leaf) for leaf in wanted}
+    param_of: dict[Node, torch.Tensor] = {}
+    input_nodes: set[Node] = set()
+    for node in order:
+        if not children[node] and hasattr(node, "variable"):
+            variable = node.variable
+            if id(variable) in trainable:
+                param_of[node] = variable
+            elif id(variable) in wanted_ids:
+                input_nodes.add(node)
     input_path = _reaching(order, children, input_nodes)
     # groups: each hooked input-path node, plus one for the outputs off the input path
     hooked: list[tuple[Node, list[Node]]] = []
@@ -176,16 +186,17 @@ def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
     kept: dict[Node, _WeightGroup] = {}
     handles = []
     for node, below in hooked:
-        mine = [param_of[n] for n in below if uses[n] == 1]
+        mine = [n for n in below if uses[n] == 1]
         if mine:
-            group = _WeightGroup(roots=[], grads=[], params=mine)
+            group = _WeightGroup(roots=[], grads=[], params=[param_of[n] for n in mine],
+                                 edges=[GradientEdge(n, 0) for n in mine])
             kept[node] = group
             pending.groups.append(group)
             handles.append(node.register_prehook(_keeper(node, group)))
-    mine = [param_of[n] for n in free_params if uses[n] == 1]
+    mine = [n for n in free_params if uses[n] == 1]
     if mine:
         pending.groups.append(_WeightGroup(roots=[o for o, _ in free_roots], grads=[g for _, g in free_roots],
-                                           params=mine))
+                                           params=[param_of[n] for n in mine], edges=[GradientEdge(n, 0) for n in mine]))
     shared_params = [param_of[n] for n in shared]
     try:
         if wanted and input_nodes or shared_params:
