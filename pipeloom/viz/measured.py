@@ -1,0 +1,401 @@
+"""Measured against predicted: per-task times and step times from a run's trace files, the schedule
+re-costed with those times and simulated, and both timelines side by side (summary, picture, and one
+Perfetto trace). Times are seconds; 0 is the start of a step (measured) or of the simulation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import accumulate
+from pathlib import Path
+from typing import Any
+
+from pipeloom.errors import PipeloomError
+from pipeloom.ir import Action, Schedule
+from pipeloom.problem import TaskKey
+from pipeloom.sim import Timeline, simulate
+from pipeloom.viz.run_trace import RunTrace, TraceFormatError, load_run_trace
+from pipeloom.viz.trace import trace_events
+
+__all__ = [
+    "Comparison",
+    "RunTrace",
+    "StepSelectionError",
+    "TraceFormatError",
+    "comm_latency_estimate",
+    "compare_run",
+    "draw_measured",
+    "load_run_trace",
+    "measured_step_time",
+    "measured_timeline",
+    "merged_trace_events",
+    "predicted_timeline",
+    "recosted_schedule",
+    "selected_steps",
+    "step_times",
+    "task_durations",
+    "trace_summary",
+    "typical_step",
+    "write_merged_trace",
+]
+
+Steps = str | Sequence[int]
+"""Which recorded steps to measure: ``"warm"`` (all but the first when there are two or more: the
+first step warms up caches, allocators and kernels), ``"all"``, or a list of step numbers."""
+
+_NS = 1e-9  # seconds per nanosecond
+_US_PER_S = 1_000_000  # trace.py's time_unit_us for timelines in seconds: ts in real microseconds
+_COMM_KINDS = ("compute", "wait", "send")  # the events a step's measured span covers
+
+
+class StepSelectionError(PipeloomError):
+    """A step selection names a step the trace does not hold, or is not ``warm``/``all``/a list."""
+
+
+# ---------------------------------------------------------------------------------- measuring
+
+
+def selected_steps(run: RunTrace, steps: Steps = "warm") -> tuple[int, ...]:
+    """The step numbers ``steps`` selects from ``run.steps`` (see :data:`Steps`)."""
+    if steps == "warm":
+        return run.steps[1:] if len(run.steps) >= 2 else run.steps
+    if steps == "all":
+        return run.steps
+    if isinstance(steps, str) or not isinstance(steps, Sequence):
+        raise StepSelectionError(f"steps {steps!r}: use 'warm', 'all' or a list of step numbers")
+    unknown = [step for step in steps if step not in run.steps]
+    if not steps or unknown:
+        raise StepSelectionError(f"steps {unknown or '[]'} are not in the trace; recorded steps: "
+                                 f"{_step_list(run.steps)}")
+    return tuple(sorted(set(steps)))
+
+
+def _step_list(steps: Sequence[int]) -> str:
+    return ", ".join(map(str, steps[:10])) + (", ..." if len(steps) > 10 else "")
+
+
+def _indices(run: RunTrace, steps: Steps) -> list[int]:
+    """Positions in ``run.steps`` of the selected steps."""
+    position = {step: i for i, step in enumerate(run.steps)}
+    return [position[step] for step in selected_steps(run, steps)]
+
+
+def _span_ns(run: RunTrace, i: int) -> tuple[int, int]:
+    """``(earliest start, latest end)`` over the compute, wait and send events of step index ``i``."""
+    events = [e for record in run.ranks for e in record[i].events if e.kind in _COMM_KINDS]
+    return min(e.start_ns for e in events), max(e.end_ns for e in events)
+
+
+def step_times(run: RunTrace, *, steps: Steps = "warm") -> dict[int, float]:
+    """``{step: seconds}``: latest end minus earliest start of the compute, wait and send events of
+    each selected step over all ranks (the part of ``engine.step`` that the schedule describes)."""
+    times = {}
+    for i in _indices(run, steps):
+        start, end = _span_ns(run, i)
+        times[run.steps[i]] = (end - start) * _NS
+    return times
+
+
+def measured_step_time(run: RunTrace, *, steps: Steps = "warm") -> float:
+    """Median over the selected steps of :func:`step_times`, in seconds."""
+    return statistics.median(step_times(run, steps=steps).values())
+
+
+def _compute_events(run: RunTrace, rank: int, i: int):
+    """``(action, event)`` pairs of ``rank`` in step index ``i`` (the loader checked they align)."""
+    return zip(run.schedule.ranks[rank], run.ranks[rank][i].of_kind("compute"))
+
+
+def _duration_samples(run: RunTrace, steps: Steps) -> dict[TaskKey, list[int]]:
+    """Nanosecond durations of every (stage, kind), over ranks, micro-batches and selected steps."""
+    samples: dict[TaskKey, list[int]] = {task.key: [] for task in run.schedule.problem.tasks}
+    for i in _indices(run, steps):
+        for rank in range(run.world_size):
+            for action, event in _compute_events(run, rank, i):
+                samples[action.task].append(event.end_ns - event.start_ns)
+    return samples
+
+
+def task_durations(run: RunTrace, *, steps: Steps = "warm") -> dict[TaskKey, float]:
+    """``{(stage, kind): seconds}``: median duration of each task over ranks, micro-batches and
+    the selected steps; a task with no event (none in a complete schedule) keeps 0."""
+    return {key: statistics.median(ns) * _NS if ns else 0.0
+            for key, ns in _duration_samples(run, steps).items()}
+
+
+def comm_latency_estimate(run: RunTrace, *, steps: Steps = "warm") -> float:
+    """The communication latency, in seconds, that the simulator's model fits to the measured run.
+
+    The simulator starts an action at ``max(rank free, dep end + latency)`` for a dep on another rank
+    set. Where a single-rank action's cross-rank deps finished after its rank became free, the rank
+    was waiting for them, so ``start - latest such dep end`` samples the latency (send, transfer,
+    receive and launch overhead together). Returns the median sample, clipped at 0; 0 without samples.
+    """
+    problem = run.schedule.problem
+    cross = {task.key: [dep for dep in task.deps if set(problem.task(dep).ranks) != set(task.ranks)]
+             for task in problem.tasks if len(task.ranks) == 1}
+    samples = []
+    for i in _indices(run, steps):
+        ends: dict[Action, int] = {}
+        for rank in range(run.world_size):
+            for action, event in _compute_events(run, rank, i):
+                ends[action] = max(ends.get(action, event.end_ns), event.end_ns)
+        for rank in range(run.world_size):
+            free = None
+            for action, event in _compute_events(run, rank, i):
+                deps = cross.get(action.task)
+                if deps:
+                    arrived = max(ends[Action(stage, kind, action.microbatch)] for stage, kind in deps)
+                    if free is None or arrived > free:
+                        samples.append(event.start_ns - arrived)
+                free = event.end_ns
+    return max(0.0, statistics.median(samples) * _NS) if samples else 0.0
+
+
+# --------------------------------------------------------------------------------- timelines
+
+
+def recosted_schedule(run: RunTrace, *, steps: Steps = "warm", comm_latency: float | None = None,
+                      name: str | None = None) -> Schedule:
+    """The run's schedule (same action lists, deps, memory and ranks) with each task's duration the
+    measured median (seconds) and the comm latency :func:`comm_latency_estimate` unless given."""
+    schedule = run.schedule
+    durations = task_durations(run, steps=steps)
+    latency = comm_latency_estimate(run, steps=steps) if comm_latency is None else comm_latency
+    tasks = tuple(dataclasses.replace(task, duration=durations[task.key]) for task in schedule.problem.tasks)
+    problem = dataclasses.replace(schedule.problem, tasks=tasks, comm_latency=latency)
+    return dataclasses.replace(schedule, problem=problem, name=name or schedule.name)
+
+
+def predicted_timeline(run: RunTrace, *, steps: Steps = "warm", comm_latency: float | None = None) -> Timeline:
+    """:func:`pipeloom.simulate` of :func:`recosted_schedule`: the step the simulator predicts from
+    the measured task times (its makespan is the predicted step time)."""
+    name = f"{run.schedule.name} predicted"
+    return simulate(recosted_schedule(run, steps=steps, comm_latency=comm_latency, name=name))
+
+
+def typical_step(run: RunTrace, *, steps: Steps = "warm") -> int:
+    """The selected step whose step time is the median (the lower of the two middle ones)."""
+    times = step_times(run, steps=steps)
+    ordered = sorted(times, key=lambda step: (times[step], step))
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def measured_timeline(run: RunTrace, *, step: int | None = None, steps: Steps = "warm") -> Timeline:
+    """The measured times of one step as a :class:`~pipeloom.Timeline` (seconds, 0 = the step's
+    earliest compute, wait or send event), so every timeline view draws it.
+
+    ``step`` defaults to :func:`typical_step`. Its schedule is :func:`recosted_schedule`; memory
+    follows the action order exactly as in the simulator.
+    """
+    step = typical_step(run, steps=steps) if step is None else step
+    return _measured_timeline(run, step, recosted_schedule(run, steps=steps))
+
+
+def _measured_timeline(run: RunTrace, step: int, recosted: Schedule) -> Timeline:
+    """:func:`measured_timeline` of ``step`` with ``recosted`` (:func:`recosted_schedule`)."""
+    if step not in run.steps:
+        raise StepSelectionError(f"step {step!r} is not in the trace; recorded steps: {_step_list(run.steps)}")
+    i = run.steps.index(step)
+    origin, _ = _span_ns(run, i)
+    schedule = dataclasses.replace(recosted, name=f"{run.schedule.name} measured (step {step})")
+    problem = schedule.problem
+    starts, ends, memory, peaks = [], [], [], []
+    for rank in range(run.world_size):
+        events = [event for _, event in _compute_events(run, rank, i)]
+        starts.append(tuple((e.start_ns - origin) * _NS for e in events))
+        ends.append(tuple((e.end_ns - origin) * _NS for e in events))
+        static = problem.static_memory[rank] if problem.static_memory else 0.0
+        held = list(accumulate((problem.task(a.task).memory for a in schedule.ranks[rank]), initial=static))
+        memory.append(tuple(held[1:]))
+        peaks.append(max(held))
+    return Timeline(
+        schedule=schedule, starts=tuple(starts), ends=tuple(ends), memory=tuple(memory),
+        makespan=max((e[-1] for e in ends if e), default=0.0),
+        busy=tuple(sum(e - s for s, e in zip(*pair)) for pair in zip(starts, ends)),
+        peak_memory=tuple(peaks),
+    )
+
+
+# -------------------------------------------------------------------------------- comparison
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Comparison:
+    """A run's measured step next to the simulator's prediction from its measured task times."""
+
+    run: RunTrace
+    """The trace."""
+    steps: tuple[int, ...]
+    """The steps measured (medians and step time are over these)."""
+    step: int
+    """The step :attr:`measured` shows."""
+    measured: Timeline
+    """:func:`measured_timeline` of :attr:`step`."""
+    predicted: Timeline
+    """:func:`predicted_timeline`."""
+    step_times: dict[int, float]
+    """:func:`step_times` of :attr:`steps`."""
+
+    @property
+    def measured_step_time(self) -> float:
+        """Median of :attr:`step_times`, seconds."""
+        return statistics.median(self.step_times.values())
+
+    @property
+    def ratio(self) -> float | None:
+        """Measured / predicted step time; None when the prediction is 0."""
+        predicted = self.predicted.makespan
+        return self.measured_step_time / predicted if predicted > 0 else None
+
+    @property
+    def origin_ns(self) -> int:
+        """The clock value that is time 0 of :attr:`measured`."""
+        return _span_ns(self.run, self.run.steps.index(self.step))[0]
+
+
+def compare_run(run: RunTrace, *, steps: Steps = "warm", step: int | None = None,
+                comm_latency: float | None = None) -> Comparison:
+    """Measure ``run`` over ``steps`` and predict its step; ``step`` picks the measured step shown."""
+    selected = selected_steps(run, steps)
+    times = step_times(run, steps=selected)
+    step = typical_step(run, steps=selected) if step is None else step
+    recosted = recosted_schedule(run, steps=selected, comm_latency=comm_latency)
+    return Comparison(
+        run=run, steps=selected, step=step, step_times=times,
+        measured=_measured_timeline(run, step, recosted),
+        predicted=simulate(dataclasses.replace(recosted, name=f"{run.schedule.name} predicted")),
+    )
+
+
+def _per_step_mean(run: RunTrace, steps: Sequence[int], rank: int, kind: str) -> float:
+    """Mean over ``steps`` of the seconds ``rank`` spent in events of ``kind`` per step."""
+    indices = _indices(run, steps)
+    total = sum(e.end_ns - e.start_ns for i in indices for e in run.ranks[rank][i].of_kind(kind))
+    return total * _NS / len(indices)
+
+
+def trace_summary(comparison: Comparison) -> dict[str, Any]:
+    """The comparison as a JSON-ready dict (seconds): step times, their ratio, the estimated comm
+    latency, per-task medians and per rank the compute (busy), wait and send time per step (means
+    over the steps) and idle = measured step time - busy."""
+    run, predicted, steps = comparison.run, comparison.predicted, comparison.steps
+    samples = _duration_samples(run, steps)
+    brackets = [max(r[i].end_ns for r in run.ranks) - min(r[i].start_ns for r in run.ranks)
+                for i in _indices(run, steps)]
+    return {
+        "schedule": run.schedule.name,
+        "num_ranks": run.world_size,
+        "num_microbatches": run.schedule.num_microbatches,
+        "unit": "seconds",
+        "steps_recorded": list(run.steps),
+        "steps_used": list(steps),
+        "step_shown": comparison.step,
+        "measured_step_time": comparison.measured_step_time,
+        "predicted_step_time": predicted.makespan,
+        "ratio": comparison.ratio,
+        "step_times": [{"step": step, "time": time} for step, time in comparison.step_times.items()],
+        "wall_step_time": statistics.median(brackets) * _NS,
+        "comm_latency": predicted.schedule.problem.comm_latency,
+        "tasks": [{"stage": task.stage, "kind": task.kind, "median": task.duration,
+                   "count": len(samples[task.key])} for task in predicted.schedule.problem.tasks],
+        "ranks": [{"rank": rank,
+                   "busy": _per_step_mean(run, steps, rank, "compute"),
+                   "idle": max(0.0, comparison.measured_step_time - _per_step_mean(run, steps, rank, "compute")),
+                   "wait": _per_step_mean(run, steps, rank, "wait"),
+                   "send": _per_step_mean(run, steps, rank, "send"),
+                   "predicted_busy": predicted.busy[rank],
+                   "predicted_idle": max(0.0, predicted.makespan - predicted.busy[rank])}
+                  for rank in range(run.world_size)],
+        "notes": list(run.notes),
+    }
+
+
+# ----------------------------------------------------------------------------- trace, picture
+
+
+def _relabel(events: list[dict], label: str, *, pid_offset: int, tid_offset: int) -> list[dict]:
+    """trace.py's events moved to pids ``rank + pid_offset`` (named ``label rank N``) and tids
+    shifted by ``tid_offset``, so two timelines share one trace without colliding."""
+    moved = []
+    for event in events:
+        event = {**event, "pid": event["pid"] + pid_offset}
+        if "tid" in event:
+            event["tid"] += tid_offset
+        if event["ph"] == "M" and event["name"] == "process_name":
+            event["args"] = {"name": f"{label} {event['args']['name']}"}
+        elif event["ph"] == "M" and event["name"] == "process_sort_index":
+            event["args"] = {"sort_index": event["args"]["sort_index"] + pid_offset}
+        moved.append(event)
+    return moved
+
+
+def _comm_events(comparison: Comparison, first_tid: int) -> list[dict]:
+    """The measured step's waits and sends: one ``recv waits`` and one ``sends`` thread per rank."""
+    run, origin = comparison.run, comparison.origin_ns
+    i = run.steps.index(comparison.step)
+    events: list[dict[str, Any]] = []
+    for rank in range(run.world_size):
+        for k, (kind, title) in enumerate((("wait", "recv waits"), ("send", "sends"))):
+            tid = first_tid + 2 * rank + k
+            events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": title}})
+            events.append({"ph": "M", "name": "thread_sort_index", "pid": rank, "tid": tid,
+                           "args": {"sort_index": 1_000_000 + k}})
+            for e in run.ranks[rank][i].of_kind(kind):
+                ts = round((e.start_ns - origin) / 1000)
+                events.append({"name": e.name, "cat": kind, "ph": "X", "pid": rank, "tid": tid, "ts": ts,
+                               "dur": max(0, round((e.end_ns - origin) / 1000) - ts),
+                               "args": {"start_ns": e.start_ns, "end_ns": e.end_ns}})
+    return events
+
+
+def merged_trace_events(comparison: Comparison) -> dict[str, Any]:
+    """One Chrome/Perfetto trace: ``measured rank N`` processes (compute per stage as in
+    :func:`~pipeloom.viz.trace_events`, plus recv-wait and send threads) above ``predicted rank N``
+    ones; ts in microseconds, 0 = the start of the measured step and of the simulation."""
+    p = comparison.run.world_size
+    measured = _relabel(trace_events(comparison.measured, time_unit_us=_US_PER_S)["traceEvents"],
+                        "measured", pid_offset=0, tid_offset=0)
+    first_tid = 1 + max((e.get("tid", 0) for e in measured), default=0)
+    comm = _comm_events(comparison, first_tid)
+    predicted = _relabel(trace_events(comparison.predicted, time_unit_us=_US_PER_S)["traceEvents"],
+                         "predicted", pid_offset=p, tid_offset=first_tid + 2 * p)
+    return {
+        "traceEvents": measured + comm + predicted,
+        "displayTimeUnit": "ms",
+        "otherData": {
+            "generator": "pipeloom",
+            "schedule": comparison.run.schedule.name,
+            "time_unit_us": _US_PER_S,
+            "time_note": "ts and dur are microseconds; 0 = start of the measured step / of the simulation",
+            "step_shown": comparison.step,
+            "measured_step_time_s": comparison.measured_step_time,
+            "predicted_step_time_s": comparison.predicted.makespan,
+            "ratio": comparison.ratio,
+        },
+    }
+
+
+def write_merged_trace(comparison: Comparison, path: str | Path) -> None:
+    """Write :func:`merged_trace_events` as JSON; open it in https://ui.perfetto.dev."""
+    trace = merged_trace_events(comparison)
+    Path(path).write_text(json.dumps(trace, separators=(",", ":"), allow_nan=False) + "\n")
+
+
+def draw_measured(comparison: Comparison, path: str | Path) -> None:
+    """Save the measured step above the predicted one on one time axis (seconds), PNG or SVG."""
+    from pipeloom.viz.compare import comparison_figure
+    from pipeloom.viz.timeline import check_figure_path, save_figure
+
+    path, fmt = check_figure_path(path)
+    run = comparison.run
+    ratio = "-" if comparison.ratio is None else f"{comparison.ratio:.3f}"
+    title = (f"{run.schedule.name}, p={run.world_size}, m={run.schedule.num_microbatches}: measured step "
+             f"{comparison.step} vs predicted from median task times (measured/predicted {ratio}; seconds)")
+    fig = comparison_figure([comparison.measured, comparison.predicted], title=title)
+    fig.axes[-1].set_xlabel("time (s)", fontsize=9)
+    save_figure(fig, path=path, fmt=fmt)

@@ -1,0 +1,383 @@
+"""The runtime's per-rank trace files (``<folder>/rank<R>.json``, format ``pipeloom.runtime-trace/1``):
+reading and checking one run's files, and writing such files from simulated timelines (to try the
+tools without a GPU, and as the tests' oracle). The format is described in docs/trace.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeloom.errors import PipeloomError
+from pipeloom.ir import Schedule, schedule_from_json, schedule_to_json
+from pipeloom.ir.core import shown
+from pipeloom.sim import Timeline
+
+__all__ = [
+    "EVENT_KINDS",
+    "TRACE_FORMAT",
+    "RunTrace",
+    "StepTrace",
+    "TraceEvent",
+    "TraceFormatError",
+    "load_run_trace",
+    "simulated_run_trace",
+    "write_run_trace",
+]
+
+TRACE_FORMAT = "pipeloom.runtime-trace/1"
+"""The ``format`` tag of a per-rank trace file this version reads."""
+EVENT_KINDS = ("compute", "wait", "send")
+"""Event kinds kept when reading; any other kind (``loss``, ``sync``, ...) is skipped."""
+
+_RANK_FILE = re.compile(r"rank(\d+)\.json")
+_FIX = "record the run again into an empty folder"
+
+
+class TraceFormatError(PipeloomError):
+    """A runtime trace file cannot be read, or the files given are not the complete trace of one run."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TraceEvent:
+    """One timed interval on one rank; times are ``time.time_ns()`` values."""
+
+    name: str
+    """Action text (``0F1``) for compute events; free text for the others."""
+    kind: str
+    """``compute``, ``wait`` (blocked on a receive) or ``send`` (posting a send)."""
+    start_ns: int
+    """Start, nanoseconds since the epoch."""
+    end_ns: int
+    """End, nanoseconds since the epoch (>= start_ns)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepTrace:
+    """One rank's record of one ``engine.step`` call."""
+
+    step: int
+    """Step number as the engine counted it."""
+    start_ns: int
+    """Start of the ``engine.step`` call on this rank."""
+    end_ns: int
+    """End of the ``engine.step`` call on this rank."""
+    events: tuple[TraceEvent, ...]
+    """Compute, wait and send events, in the order the file lists them."""
+
+    def of_kind(self, kind: str) -> tuple[TraceEvent, ...]:
+        """The events of ``kind``; ``compute`` ones follow the rank's action list."""
+        return tuple(event for event in self.events if event.kind == kind)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunTrace:
+    """Every rank's trace of one run, checked against the schedule the run executed."""
+
+    schedule: Schedule
+    """The schedule the engine ran (its durations are the planned ones, in the plan's units)."""
+    paths: tuple[Path, ...]
+    """``paths[r]`` is the file rank r wrote."""
+    steps: tuple[int, ...]
+    """Step numbers that every rank recorded, increasing."""
+    ranks: tuple[tuple[StepTrace, ...], ...]
+    """``ranks[r][i]`` is rank r's record of step ``steps[i]``."""
+    notes: tuple[str, ...] = ()
+    """What was left out while reading (e.g. a step only some ranks recorded)."""
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks of the run."""
+        return len(self.ranks)
+
+
+# ------------------------------------------------------------------------------------- reading
+
+
+def load_run_trace(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> RunTrace:
+    """Read and check the ``rank*.json`` files of one run: a folder, a file, or a list of either.
+
+    Every rank 0..world_size-1 must be present exactly once, all files must carry the same
+    ``world_size`` and schedule, the compute events of each step must be the rank's actions in
+    order, and each step's ``engine.step`` calls must overlap in time on all ranks (files of two
+    runs do not). Steps that only some ranks recorded are left out, with a note.
+    """
+    files = _trace_files(paths)
+    documents = [(path, _read_document(path)) for path in files]
+    by_rank = _check_ranks(documents)
+    schedule = _check_schedules(by_rank)
+    records = [_rank_steps(path, document, schedule) for path, document in by_rank]
+    steps, notes = _common_steps(records, [path for path, _ in by_rank])
+    ranks = tuple(tuple(record[n] for n in steps) for record in records)
+    _check_overlap(steps, ranks, [path for path, _ in by_rank])
+    return RunTrace(schedule=schedule, paths=tuple(path for path, _ in by_rank), steps=steps,
+                    ranks=ranks, notes=tuple(notes))
+
+
+def _trace_files(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Path]:
+    """The files named, a folder standing for its ``rank<N>.json`` files; each file once."""
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    files: list[Path] = []
+    for path in map(Path, paths):
+        if path.is_dir():
+            found = [f for f in path.iterdir() if _RANK_FILE.fullmatch(f.name) and f.is_file()]
+            if not found:
+                raise TraceFormatError(f"{path}: no rank<N>.json files in this folder; record a run with "
+                                       f"trace={str(path)!r} (or PIPELOOM_TRACE={path})")
+            files.extend(sorted(found, key=lambda f: int(_RANK_FILE.fullmatch(f.name).group(1))))
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise TraceFormatError(f"{path}: no such file or folder")
+    if not files:
+        raise TraceFormatError("no trace files given; pass the run's trace folder or its rank*.json files")
+    seen: set[Path] = set()
+    unique = []
+    for file in files:  # a file named twice (or by its folder too) counts once
+        if file.resolve() not in seen:
+            seen.add(file.resolve())
+            unique.append(file)
+    return unique
+
+
+def _read_document(path: Path) -> dict:
+    """The checked top-level object of one file (format, clock, rank, world_size, schedule, steps)."""
+    try:
+        text = path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as error:
+        raise TraceFormatError(f"{path}: not UTF-8 text (byte {error.start}); pass a rank*.json trace") from None
+    except OSError as error:
+        raise TraceFormatError(f"{path}: cannot read it ({error.strerror or error})") from None
+    try:
+        document = json.loads(text)
+    except (ValueError, RecursionError) as error:
+        raise TraceFormatError(f"{path}: malformed JSON ({error}); was the run stopped while it was "
+                               f"writing? {_FIX}") from None
+    if not isinstance(document, dict):
+        raise TraceFormatError(f"{path}: a trace file holds a JSON object, got {type(document).__name__}")
+    _check_format(path, document)
+    for key, kind in (("rank", int), ("world_size", int), ("schedule", dict), ("steps", list)):
+        _field(path, document, key, kind)
+    if document["world_size"] < 1 or not 0 <= document["rank"] < document["world_size"]:
+        raise TraceFormatError(f"{path}: rank {document['rank']} is not in 0..world_size-1 "
+                               f"(world_size {document['world_size']})")
+    if document.get("clock") != "unix_ns":
+        raise TraceFormatError(f"{path}: clock {shown(document.get('clock'))} is not supported; "
+                               "expected 'unix_ns' (time.time_ns() values)")
+    return document
+
+
+def _check_format(path: Path, document: dict) -> None:
+    """The ``format`` tag, with a hint for the files people pass by mistake."""
+    tag = document.get("format")
+    if tag == TRACE_FORMAT:
+        return
+    if tag is None and "traceEvents" in document:
+        hint = "it is a Chrome/Perfetto trace (e.g. one pipeloom wrote), not a runtime trace"
+    elif tag is None:
+        hint = "it has no 'format' key"
+    elif isinstance(tag, str) and tag.startswith("pipeloom.runtime-trace/"):
+        hint = f"its format {tag!r} is another version than this pipeloom reads; upgrade pipeloom"
+    elif isinstance(tag, str) and tag.startswith("pipeloom.schedule/"):
+        hint = "it is a schedule file, not a runtime trace"
+    else:
+        hint = f"its format {shown(tag)} is not a pipeloom runtime trace"
+    raise TraceFormatError(f"{path}: {hint}; expected \"format\": \"{TRACE_FORMAT}\" "
+                           "(pass the rank*.json files the engine writes with trace=FOLDER)")
+
+
+def _field(path: Path, obj: dict, key: str, kind: type, where: str = "") -> Any:
+    """``obj[key]``, which must be a ``kind`` (an int is never a bool)."""
+    if key not in obj:
+        raise TraceFormatError(f"{path}: {where}missing key {key!r}")
+    value = obj[key]
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise TraceFormatError(f"{path}: {where}{key} must be {kind.__name__}, got {shown(value)}")
+    return value
+
+
+def _check_ranks(documents: list[tuple[Path, dict]]) -> list[tuple[Path, dict]]:
+    """The documents in rank order; every rank once, one world size."""
+    first_path, first = documents[0]
+    world = first["world_size"]
+    by_rank: dict[int, tuple[Path, dict]] = {}
+    for path, document in documents:
+        if document["world_size"] != world:
+            raise TraceFormatError(f"{path} has world_size {document['world_size']} but {first_path} has "
+                                   f"{world}: files of different runs; {_FIX}")
+        rank = document["rank"]
+        if rank in by_rank:
+            raise TraceFormatError(f"rank {rank} is in both {by_rank[rank][0]} and {path}: files of "
+                                   f"different runs; pass one file per rank")
+        by_rank[rank] = (path, document)
+    missing = [r for r in range(world) if r not in by_rank]
+    if missing:
+        names = ", ".join(f"rank{r}.json" for r in missing[:8]) + (", ..." if len(missing) > 8 else "")
+        raise TraceFormatError(f"missing {names} of the {world} ranks (world_size in {first_path}); "
+                               "pass every rank's file, e.g. the whole trace folder")
+    return [by_rank[r] for r in range(world)]
+
+
+def _check_schedules(by_rank: list[tuple[Path, dict]]) -> Schedule:
+    """The one schedule every file carries, parsed and matching the world size."""
+    path0, document0 = by_rank[0]
+    for path, document in by_rank[1:]:
+        if document["schedule"] != document0["schedule"]:
+            raise TraceFormatError(f"{path} records another schedule than {path0}: files of different "
+                                   f"runs; {_FIX}")
+    try:
+        schedule = schedule_from_json(json.dumps(document0["schedule"]))
+    except PipeloomError as error:
+        raise TraceFormatError(f"{path0}: its schedule cannot be read: {error}") from None
+    if schedule.num_ranks != len(by_rank):
+        raise TraceFormatError(f"{path0}: the schedule has {schedule.num_ranks} ranks but the run has "
+                               f"world_size {len(by_rank)}")
+    return schedule
+
+
+def _rank_steps(path: Path, document: dict, schedule: Schedule) -> dict[int, StepTrace]:
+    """``{step number: StepTrace}`` of one file; compute events checked against the rank's list."""
+    expected = [str(action) for action in schedule.ranks[document["rank"]]]
+    steps: dict[int, StepTrace] = {}
+    for i, entry in enumerate(document["steps"]):
+        where = f"steps[{i}]: "
+        if not isinstance(entry, dict):
+            raise TraceFormatError(f"{path}: {where}expected an object, got {shown(entry)}")
+        step = _field(path, entry, "step", int, where)
+        if step in steps:
+            raise TraceFormatError(f"{path}: step {step} is recorded twice; {_FIX}")
+        start, end = _interval(path, entry, where)
+        events = _events(path, _field(path, entry, "events", list, where), step)
+        names = [event.name for event in events if event.kind == "compute"]
+        if names != expected:
+            raise TraceFormatError(f"{path}: step {step}: {_mismatch(names, expected, document['rank'])}; "
+                                   "the file does not match the schedule it carries")
+        steps[step] = StepTrace(step=step, start_ns=start, end_ns=end, events=events)
+    return steps
+
+
+def _interval(path: Path, obj: dict, where: str) -> tuple[int, int]:
+    start, end = _field(path, obj, "start_ns", int, where), _field(path, obj, "end_ns", int, where)
+    if end < start:
+        raise TraceFormatError(f"{path}: {where}end_ns {end} is before start_ns {start}")
+    return start, end
+
+
+def _events(path: Path, entries: list, step: int) -> tuple[TraceEvent, ...]:
+    """The events of ``EVENT_KINDS`` in one step's list; other kinds are skipped unread."""
+    events = []
+    for j, event in enumerate(entries):
+        where = f"step {step} event {j}: "
+        if not isinstance(event, dict):
+            raise TraceFormatError(f"{path}: {where}expected an object, got {shown(event)}")
+        kind = _field(path, event, "kind", str, where)
+        if kind in EVENT_KINDS:
+            start, end = _interval(path, event, where)
+            events.append(TraceEvent(name=_field(path, event, "name", str, where), kind=kind,
+                                     start_ns=start, end_ns=end))
+    return tuple(events)
+
+
+def _mismatch(names: list[str], expected: list[str], rank: int) -> str:
+    """Where the compute events first differ from rank ``rank``'s action list."""
+    for i, (name, action) in enumerate(zip(names, expected)):
+        if name != action:
+            return f"compute event {i} is {name!r} but rank {rank}'s action {i} is {action!r}"
+    return f"{len(names)} compute events but rank {rank} runs {len(expected)} actions"
+
+
+def _common_steps(records: list[dict[int, StepTrace]], paths: list[Path]) -> tuple[tuple[int, ...], list[str]]:
+    """Step numbers every rank recorded, and a note for those only some ranks did."""
+    common = set(records[0]).intersection(*records[1:])
+    every = set().union(*records)
+    if not common:
+        empty = [str(path) for path, record in zip(paths, records) if not record]
+        why = f"{', '.join(empty)} record no steps" if empty else "no step is recorded by every rank"
+        raise TraceFormatError(f"{why}; run at least one engine.step with trace= set")
+    notes = []
+    if every - common:
+        left = sorted(every - common)
+        notes.append(f"steps {', '.join(map(str, left[:8]))}{', ...' if len(left) > 8 else ''} are not "
+                     "in every rank's file and were left out (a run stopped during a step?)")
+    return tuple(sorted(common)), notes
+
+
+def _check_overlap(steps: tuple[int, ...], ranks: tuple[tuple[StepTrace, ...], ...], paths: list[Path]) -> None:
+    """Every rank is inside ``engine.step`` at one common moment of each step (the loss reaches all)."""
+    for i, step in enumerate(steps):
+        late = max(range(len(ranks)), key=lambda r: ranks[r][i].start_ns)
+        early = min(range(len(ranks)), key=lambda r: ranks[r][i].end_ns)
+        if ranks[late][i].start_ns > ranks[early][i].end_ns:
+            raise TraceFormatError(
+                f"step {step}: {paths[early]} ends it before {paths[late]} starts it: files of different "
+                f"runs (or hosts whose clocks disagree); {_FIX}")
+
+
+# ------------------------------------------------------------------------------------- writing
+
+
+def simulated_run_trace(timelines: Sequence[Timeline], *, unit_ns: int = 1_000_000,
+                        start_ns: int = 1_700_000_000_000_000_000, gap_ns: int = 1_000_000) -> list[dict]:
+    """The trace documents (one per rank) of a run whose step ``k`` behaves like ``timelines[k]``.
+
+    All timelines must simulate the same action lists (e.g. one schedule re-costed per step). One
+    schedule time unit lasts ``unit_ns``; steps follow each other ``gap_ns`` apart. Each idle gap
+    before an action becomes a ``wait`` event, and each action whose output another rank uses is
+    followed by a zero-length ``send`` event, as the engine records them.
+    """
+    if not timelines:
+        raise TraceFormatError("simulated_run_trace needs at least one timeline (one per step)")
+    schedule = timelines[0].schedule
+    if any(t.schedule.ranks != schedule.ranks for t in timelines):
+        raise TraceFormatError("the timelines simulate different action lists; give one schedule's timelines")
+    ranks = [[] for _ in range(schedule.num_ranks)]
+    origin = start_ns
+    for step, timeline in enumerate(timelines):
+        end = origin + round(timeline.makespan * unit_ns)
+        for rank, steps in enumerate(ranks):
+            events = _simulated_events(timeline, rank, origin, unit_ns)
+            steps.append({"step": step, "start_ns": origin, "end_ns": end, "events": events})
+        origin = end + gap_ns
+    document = json.loads(schedule_to_json(schedule))
+    return [{"format": TRACE_FORMAT, "rank": rank, "world_size": schedule.num_ranks, "clock": "unix_ns",
+             "schedule": document, "steps": steps} for rank, steps in enumerate(ranks)]
+
+
+def _simulated_events(timeline: Timeline, rank: int, origin: int, unit_ns: int) -> list[dict]:
+    """One rank's events of one simulated step: waits in the gaps, computes, sends to other ranks."""
+
+    def ns(time: float) -> int:
+        return origin + round(time * unit_ns)
+
+    problem = timeline.schedule.problem
+    users: dict[tuple[int, str], set[int]] = {}
+    for task in problem.tasks:
+        for dep in task.deps:
+            users.setdefault(dep, set()).update(q for q in task.ranks if q not in problem.task(dep).ranks)
+    events, free = [], 0.0
+    for action, start, end in timeline.events(rank):
+        if start > free:
+            events.append({"name": f"RECV for {action}", "kind": "wait", "start_ns": ns(free), "end_ns": ns(start)})
+        events.append({"name": str(action), "kind": "compute", "start_ns": ns(start), "end_ns": ns(end)})
+        for q in sorted(users.get(action.task, ())):
+            events.append({"name": f"SEND {action} to {q}", "kind": "send", "start_ns": ns(end), "end_ns": ns(end)})
+        free = end
+    return events
+
+
+def write_run_trace(documents: Sequence[dict], folder: str | os.PathLike) -> list[Path]:
+    """Write each document to ``folder/rank<R>.json`` (the folder is created); returns the paths."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for document in documents:
+        path = folder / f"rank{document['rank']}.json"
+        path.write_text(json.dumps(document) + "\n", encoding="utf-8")
+        paths.append(path)
+    return paths
