@@ -9,8 +9,11 @@ from pathlib import Path
 
 from pipeloom.cli.common import UsageError
 from pipeloom.cli.demo import cmd_demo
+from pipeloom.cli.plan import add_plan_parser
+from pipeloom.cli.profile import add_profile_parser
 from pipeloom.cli.schedules import cmd_compare, cmd_list, cmd_show, cmd_simulate
 from pipeloom.cli.search import cmd_search
+from pipeloom.cli.trace import cmd_trace
 
 __all__ = ["COST_HELP", "build_parser"]
 
@@ -147,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="output folder (default demo-output)")
     demo.set_defaults(handler=cmd_demo)
     _add_search(commands)
+    add_plan_parser(commands)
+    add_profile_parser(commands)
+    _add_trace(commands)
     return parser
 
 
@@ -173,3 +179,21 @@ def _add_search(commands: argparse._SubParsersAction) -> None:
     search.add_argument("--save", type=_path_with(".json", ".csv"),
                         help="save the schedule: pipeloom JSON (.json) or torch compute-only CSV (.csv)")
     search.set_defaults(handler=cmd_search)
+
+
+def _add_trace(commands: argparse._SubParsersAction) -> None:
+    trace = commands.add_parser("trace", help="compare a run's measured step with the simulator's prediction",
+                                description="Read the per-rank trace files of one run (engine trace=FOLDER) "
+                                            "and compare them with the schedule simulated on the measured "
+                                            "task times (see docs/trace.md).")
+    trace.add_argument("paths", nargs="+", type=Path, metavar="FOLDER_OR_FILE",
+                       help="the run's trace folder, or its rank*.json files")
+    trace.add_argument("-o", "--out", type=_path_with(".json"),
+                       help="merged Perfetto trace, measured and predicted side by side (.json)")
+    trace.add_argument("--png", type=_path_with(".png", ".svg"),
+                       help="picture: measured step above predicted on one time axis (.png/.svg)")
+    trace.add_argument("--steps", choices=("warm", "all"), default="warm",
+                       help="steps to measure: all but the first (warm, default) or all")
+    trace.add_argument("--step", type=int, metavar="N", help="step to show (default: the median one)")
+    trace.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    trace.set_defaults(handler=cmd_trace)

@@ -1,0 +1,168 @@
+"""``pipeloom plan``: choose the whole pipeline plan (split points, schedule, micro-batches) for a cost
+table, print the best plan and the runners-up, and draw or save it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from rich.console import Console
+
+from pipeloom.cli.common import UsageError
+from pipeloom.errors import PipeloomError
+
+__all__ = ["add_plan_parser", "bytes_argument", "cmd_plan"]
+
+
+def bytes_argument(text: str) -> float:
+    """An argparse type for sizes such as ``80GiB``, ``512MiB``, ``16GB`` or a number of bytes."""
+    from pipeloom.plan.costs import parse_bytes
+
+    try:
+        value = parse_bytes(text)
+    except PipeloomError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 bytes, got {text!r}")
+    return value
+
+
+def add_plan_parser(commands: argparse._SubParsersAction) -> None:
+    """Register ``pipeloom plan``."""
+    from pipeloom.cli.parser import _count, _number, _path_with
+
+    plan = commands.add_parser(
+        "plan", help="choose split points, schedule and micro-batches for a cost table",
+        description="Search every schedule, stages per rank and micro-batch count for the fastest plan that "
+                    "fits the memory (see docs/plan.md).")
+    plan.add_argument("--costs", type=Path, nargs="+", required=True, metavar="FILE",
+                      help="pipeloom.costs/1 files (pipeloom profile --save, or written by hand); several "
+                           "files of one model at different micro-batch sizes are interpolated")
+    plan.add_argument("--ranks", "-p", type=_count, required=True, metavar="P", help="number of ranks")
+    plan.add_argument("--global-batch", type=_count, required=True, metavar="B", help="samples per step")
+    plan.add_argument("--memory-limit", type=bytes_argument, metavar="SIZE",
+                      help="bytes per rank, e.g. 80GiB or 512MiB (default: no limit)")
+    plan.add_argument("--schedules", metavar="NAMES",
+                      help="comma-separated schedules to try (default: every built-in one)")
+    plan.add_argument("--stages-per-rank", type=_count, nargs="+", default=[2], metavar="V",
+                      help="stages per rank for the looped schedules (default 2)")
+    plan.add_argument("--microbatches", "-m", type=_count, nargs="+", metavar="M",
+                      help="micro-batch counts to try (default: every divisor of the global batch)")
+    plan.add_argument("--search", type=_number(float, "a number of seconds >= 0", 0), default=0.0,
+                      metavar="SECONDS", help="also run the CP-SAT schedule search on the best candidates for "
+                                              "this long (default 0: off); a better order is saved next to --save")
+    plan.add_argument("--top", type=_count, default=10, metavar="N", help="runners-up to show (default 10)")
+    plan.add_argument("-o", "--out", type=_path_with(".png", ".svg"),
+                      help="the best plan's simulated timeline (.png/.svg)")
+    plan.add_argument("--save", type=_path_with(".json"), help="write the plan (pipeloom.plan/1 JSON)")
+    plan.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    plan.set_defaults(handler=cmd_plan)
+
+
+def _schedules(text: str | None) -> list[str] | None:
+    if text is None:
+        return None
+    from pipeloom.schedules import REGISTRY
+
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in REGISTRY]
+    if unknown or not names:
+        raise UsageError(f"--schedules: unknown schedule(s) {unknown or [text]}; choose among: {', '.join(REGISTRY)}")
+    return names
+
+
+def _candidate_json(candidate) -> dict:
+    return {
+        "schedule": candidate.schedule, "schedule_options": candidate.schedule_options,
+        "microbatches": candidate.microbatches, "microbatch_size": candidate.microbatch_size,
+        "step_time": candidate.step_time, "peak_memory": candidate.peak_memory,
+        "bubble_ratio": candidate.bubble_ratio,
+        "split_points": None if candidate.split_points is None else list(candidate.split_points),
+        "fits": candidate.fits, "reason": candidate.reason,
+    }
+
+
+def _best_table(result):
+    from rich.table import Table
+
+    from pipeloom.plan.costs import format_bytes
+
+    plan = result.plan
+    table = Table(title="best plan", show_header=False)
+    table.add_column("field", style="bold")
+    table.add_column("value")
+    options = ", ".join(f"{k}={v}" for k, v in plan.schedule_options.items())
+    limit = "none" if plan.memory_limit is None else format_bytes(plan.memory_limit)
+    for label, value in (
+        ("schedule", plan.schedule + (f" ({options})" if options else "")),
+        ("ranks / model stages", f"{plan.num_ranks} / {plan.num_stages}"),
+        ("micro-batches", f"{plan.microbatches} x {plan.microbatch_size} samples"),
+        ("predicted step time", f"{plan.predicted_step_time:#.4g} s"),
+        ("bubble ratio", f"{plan.bubble_ratio:.2%}"),
+        ("peak memory (max over ranks)", f"{format_bytes(max(plan.peak_memory))} (limit {limit})"),
+        ("split points", ", ".join(plan.split_points) or "-"),
+        ("candidates tried", f"{len(result.candidates)} in {result.seconds:.2f} s"),
+    ):
+        table.add_row(label, value)
+    return table
+
+
+def _runners_up(result, top: int):
+    from rich.table import Table
+
+    from pipeloom.plan.costs import format_bytes
+
+    best = result.plan.predicted_step_time
+    table = Table(title=f"runners-up (best {top} of {len(result.candidates)})")
+    for column in ("#", "schedule", "M x size", "step time (s)", "vs best", "bubble", "peak memory", "note"):
+        table.add_column(column, justify="left" if column in ("schedule", "note") else "right")
+    for k, c in enumerate(result.candidates[:top]):
+        fits = c.fits
+        table.add_row(
+            str(k + 1), c.label, f"{c.microbatches} x {c.microbatch_size}",
+            f"{c.step_time:#.4g}" if c.step_time is not None else "-",
+            f"{c.step_time / best:.3f}" if c.step_time is not None and fits else "-",
+            f"{c.bubble_ratio:.1%}" if c.bubble_ratio is not None else "-",
+            format_bytes(c.peak_memory) if c.peak_memory is not None else "-",
+            "" if fits else c.reason[:70],
+        )
+    return table
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """``pipeloom plan``: search, write the requested files, then print the plan and runners-up."""
+    from pipeloom.plan.costs import load_costs
+    from pipeloom.plan.search import plan_pipeline
+
+    tables = [load_costs(path) for path in args.costs]
+    result = plan_pipeline(
+        tables, num_ranks=args.ranks, global_batch=args.global_batch, memory_limit=args.memory_limit,
+        schedules=_schedules(args.schedules), stages_per_rank=args.stages_per_rank, microbatches=args.microbatches,
+        search_time=args.search,
+    )
+    written = []
+    if args.save:
+        result.save(args.save)
+        written.append(f"wrote plan {args.save}")
+    if args.out:
+        from pipeloom.viz import draw_timeline
+
+        plan = result.plan
+        title = (f"{plan.schedule}: p={plan.num_ranks}, m={plan.microbatches} x {plan.microbatch_size}, "
+                 f"predicted {plan.predicted_step_time:.4g} s (time in seconds, memory in bytes)")
+        draw_timeline(result.timeline, args.out, title=title)
+        written.append(f"wrote timeline picture {args.out}")
+    console = Console(stderr=args.json, highlight=False)
+    if args.json:
+        from pipeloom.plan.plan import plan_to_json
+
+        print(json.dumps({"plan": json.loads(plan_to_json(result.plan, indent=None)),
+                          "candidates": [_candidate_json(c) for c in result.candidates],
+                          "seconds": result.seconds}))
+    else:
+        console.print(_best_table(result))
+        console.print(_runners_up(result, args.top))
+    for message in written:
+        console.print(message, markup=False, soft_wrap=True)
+    return 0

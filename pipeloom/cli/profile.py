@@ -1,0 +1,209 @@
+"""``pipeloom profile FILE.py:FUNCTION``: build a model with a user's function, measure its cost table
+on this machine and save it (imports torch, only when the command runs).
+
+FUNCTION convention: it is called with the ``--arg KEY=VALUE`` keywords and returns the model, or
+``(model, inputs)``, or ``(model, inputs, target)``. Without inputs, FILE may define
+``example_inputs(model, batch, seq)`` returning inputs or ``(inputs, target)``; else inputs are made
+from the first module the model calls: token ids below ``num_embeddings`` for an ``nn.Embedding``
+(``--seq`` needed), normal noise for an ``nn.Linear``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib.util
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from pipeloom.cli.common import UsageError
+
+__all__ = ["add_profile_parser", "cmd_profile", "load_function"]
+
+
+def add_profile_parser(commands: argparse._SubParsersAction) -> None:
+    """Register ``pipeloom profile``."""
+    from pipeloom.cli.parser import _count, _number, _path_with
+    from pipeloom.cli.plan import bytes_argument
+
+    profile = commands.add_parser(
+        "profile", help="measure a model's cost table (needs torch)",
+        description="Build a model with FILE.py:FUNCTION, time every piece's F, I and W and count its bytes "
+                    "(see docs/plan.md for the FUNCTION convention).")
+    profile.add_argument("target", metavar="FILE.py:FUNCTION", help="the function that builds the model")
+    profile.add_argument("--batch", type=_count, required=True, metavar="N", help="samples per micro-batch")
+    profile.add_argument("--seq", type=_count, metavar="S", help="tokens per sample, for made-up token inputs")
+    profile.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE",
+                         help="keyword argument for FUNCTION (a Python literal, else a string); repeatable")
+    profile.add_argument("--loss", metavar="NAME",
+                         help="a function loss(output, target) in FILE, run in the last piece")
+    profile.add_argument("--pieces", metavar="NAMES",
+                         help="comma-separated module names in call order (default: the top-level children, "
+                              "ModuleLists expanded)")
+    profile.add_argument("--device", help="cpu, cuda, cuda:1... (default: cuda when available, else cpu)")
+    profile.add_argument("--warmup", type=_number(int, "an integer >= 0", 0), default=2, metavar="N",
+                         help="untimed runs per piece (default 2)")
+    profile.add_argument("--repeats", type=_count, default=5, metavar="N", help="timed runs per piece (default 5)")
+    profile.add_argument("--threads", type=_count, metavar="N", help="torch CPU threads (default: torch's)")
+    profile.add_argument("--optimizer-factor", type=_number(float, "a number >= 0", 0), default=2.0,
+                         metavar="X", help="optimizer-state bytes per parameter byte (default 2: Adam)")
+    profile.add_argument("--latency", type=_number(float, "a number of seconds >= 0", 0), default=0.0,
+                         metavar="S", help="link latency between ranks in seconds (default 0)")
+    profile.add_argument("--bandwidth", type=bytes_argument, metavar="SIZE",
+                         help="link bytes per second between ranks, e.g. 10GB (default: unlimited)")
+    profile.add_argument("--save", type=_path_with(".json"), help="write the cost table (pipeloom.costs/1)")
+    profile.add_argument("--json", action="store_true", help="print the cost table's JSON instead of a table")
+    profile.set_defaults(handler=cmd_profile)
+
+
+def load_function(target: str):
+    """``(module, function)`` for ``FILE.py:FUNCTION``; UsageError naming what is wrong."""
+    path_text, _, name = target.rpartition(":")
+    if not path_text or not name:
+        raise UsageError(f"{target!r}: write FILE.py:FUNCTION, e.g. examples/train_gpt.py:build_model")
+    path = Path(path_text)
+    if not path.is_file():
+        raise UsageError(f"{target!r}: no file {path_text!r}")
+    spec = importlib.util.spec_from_file_location(f"pipeloom_profiled_{path.stem}", path)
+    if spec is None or spec.loader is None:
+        raise UsageError(f"{target!r}: {path_text!r} is not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses and pickling look the module up by name
+    sys.path.insert(0, str(path.parent.resolve()))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.pop(0)
+    function = getattr(module, name, None)
+    if not callable(function):
+        raise UsageError(f"{target!r}: {path_text} defines no function {name!r}")
+    return module, function
+
+
+def _keywords(pairs: list[str]) -> dict:
+    keywords = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep or not key.isidentifier():
+            raise UsageError(f"--arg {pair!r}: write KEY=VALUE, e.g. --arg layers=8")
+        try:
+            keywords[key] = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            keywords[key] = text
+    return keywords
+
+
+def _made_up_inputs(model, args: argparse.Namespace):
+    """Inputs for the first module the model calls: token ids (Embedding) or noise (Linear)."""
+    import torch
+    from torch import fx, nn
+
+    first = next((node.target for node in fx.symbolic_trace(model).graph.nodes if node.op == "call_module"), None)
+    module = model.get_submodule(first) if first is not None else None
+    if isinstance(module, nn.Embedding):
+        if args.seq is None:
+            raise UsageError(f"the model starts with an embedding ({first}); give --seq S for its token inputs")
+        return torch.randint(module.num_embeddings, (args.batch, args.seq))
+    if isinstance(module, nn.Linear):
+        shape = (args.batch,) + ((args.seq,) if args.seq else ()) + (module.in_features,)
+        return torch.randn(shape)
+    raise UsageError(f"cannot make inputs for a model starting with {type(module).__name__}; return (model, "
+                     f"inputs) from the function, or define example_inputs(model, batch, seq) in the file")
+
+
+def _model_and_inputs(module, function, args: argparse.Namespace):
+    """``(model, inputs, target)`` by the convention of this module's docstring."""
+    from torch import nn
+
+    built = function(**_keywords(args.arg))
+    parts = built if isinstance(built, tuple) else (built,)
+    if not parts or not isinstance(parts[0], nn.Module) or len(parts) > 3:
+        raise UsageError(f"{args.target} must return a model, (model, inputs) or (model, inputs, target); "
+                         f"got {type(built).__name__}")
+    model, inputs, target = (list(parts) + [None, None])[:3]
+    if inputs is None:
+        maker = getattr(module, "example_inputs", None)
+        if callable(maker):
+            made = maker(model, batch=args.batch, seq=args.seq)
+            inputs, target = made if isinstance(made, tuple) and len(made) == 2 else (made, None)
+        else:
+            inputs = _made_up_inputs(model, args)
+    return model, inputs, target
+
+
+def _loss(module, args: argparse.Namespace):
+    if args.loss is None:
+        return None
+    loss = getattr(module, args.loss, None)
+    if not callable(loss):
+        raise UsageError(f"--loss {args.loss!r}: {args.target.rpartition(':')[0]} defines no such function")
+    return loss
+
+
+def _made_up_target(model, inputs):
+    """Class targets for the model's output: integers below its last dimension, one per other position."""
+    import torch
+
+    with torch.no_grad():
+        out = model(*(inputs if isinstance(inputs, tuple) else (inputs,)))
+    return torch.randint(out.size(-1), out.shape[:-1])
+
+
+def _pieces_table(table):
+    from rich.table import Table
+
+    from pipeloom.plan.costs import format_bytes
+
+    view = Table(title=f"cost table: {table.device}, micro-batch of {table.microbatch_size}")
+    view.add_column("piece", min_width=max(len(name) for name in table.names))
+    for column in ("F (ms)", "I (ms)", "W (ms)", "saved", "params", "output"):
+        view.add_column(column, justify="right", no_wrap=True)
+    if not table.is_chain:  # say which pieces each one reads, when it is not simply the one before
+        view.add_column("reads", overflow="fold")
+    for piece in table.pieces:
+        reads = [", ".join(piece.inputs or ()) or "(inputs)"] if not table.is_chain else []
+        view.add_row(piece.name, f"{piece.f * 1e3:.3f}", f"{piece.i * 1e3:.3f}", f"{piece.w * 1e3:.3f}",
+                     format_bytes(piece.activation_bytes), format_bytes(piece.param_bytes),
+                     format_bytes(piece.output_bytes), *reads)
+    return view
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    """``pipeloom profile``: build, profile, save, then print the cost table."""
+    try:
+        import torch
+    except ImportError:
+        raise UsageError("pipeloom profile needs torch; install it (pip install torch)") from None
+    from pipeloom.plan.costs import Link, costs_to_json, save_costs
+    from pipeloom.plan.profile import profile_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    module, function = load_function(args.target)
+    model, inputs, target = _model_and_inputs(module, function, args)
+    first = next((t for t in (inputs if isinstance(inputs, tuple) else (inputs,))
+                  if isinstance(t, torch.Tensor) and t.dim() > 0), None)
+    if first is None or first.size(0) != args.batch:
+        held = "no tensor" if first is None else f"{first.size(0)} samples"
+        raise UsageError(f"the inputs hold {held} but --batch is {args.batch}; make the function's inputs "
+                         f"match --batch")
+    loss = _loss(module, args)
+    if loss is not None and target is None:
+        target = _made_up_target(model, inputs)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    pieces = [name.strip() for name in args.pieces.split(",") if name.strip()] if args.pieces else None
+    table = profile_model(model, inputs, pieces=pieces, device=device, warmup=args.warmup, repeats=args.repeats,
+                          loss_fn=loss, target=target, optimizer_factor=args.optimizer_factor,
+                          link=Link(latency=args.latency, bandwidth=args.bandwidth))
+    if args.save:
+        save_costs(table, args.save)
+    console = Console(stderr=args.json, highlight=False)
+    if args.json:
+        print(costs_to_json(table, indent=None))
+    else:
+        console.print(_pieces_table(table))
+    if args.save:
+        console.print(f"wrote cost table {args.save}", markup=False, soft_wrap=True)
+    return 0

@@ -1,0 +1,361 @@
+"""Cost tables: per-piece times and bytes of a model, the link between ranks, and the
+``pipeloom.costs/1`` JSON form users can read and edit (no torch here).
+
+A *piece* is a part of the model the runtime can cut at: its name is a module name that
+``pipeloom.runtime.split_model`` accepts as a split point (e.g. ``blocks.3``). Pieces are listed in
+call order; each names the pieces whose outputs it reads (``inputs``), so they form a DAG, normally
+a chain.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeloom.errors import PipeloomError
+from pipeloom.ir.core import shown
+from pipeloom.plan.jsonfields import check_keys, integer, json_object, number, read_json_file, string, strings
+
+__all__ = [
+    "COSTS_FORMAT",
+    "CostTable",
+    "CostTableError",
+    "Link",
+    "Piece",
+    "costs_from_json",
+    "costs_to_json",
+    "format_bytes",
+    "load_costs",
+    "parse_bytes",
+    "save_costs",
+    "table_for_size",
+]
+
+COSTS_FORMAT = "pipeloom.costs/1"
+
+
+class CostTableError(PipeloomError):
+    """A cost table or its file is malformed (unknown key, bad number, unknown piece name...)."""
+
+
+def _check(what: str, value: object, *, minimum: float = 0.0) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise CostTableError(f"{what} must be a finite number, got {shown(value)}")
+    if value < minimum:
+        raise CostTableError(f"{what} must be >= {minimum:g}, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Link:
+    """Communication between two ranks: ``time(bytes) = latency + bytes / bandwidth``."""
+
+    latency: float = 0.0
+    """Seconds per message."""
+    bandwidth: float | None = None
+    """Bytes per second; None means unlimited (only the latency counts)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "latency", _check("link latency", self.latency))
+        if self.bandwidth is not None:
+            bandwidth = _check("link bandwidth", self.bandwidth)
+            if bandwidth <= 0:
+                raise CostTableError("link bandwidth must be > 0 bytes/s (or None for unlimited)")
+            object.__setattr__(self, "bandwidth", bandwidth)
+
+    def time(self, nbytes: float) -> float:
+        """Seconds to send ``nbytes`` (0 when there is nothing to send)."""
+        if nbytes <= 0:
+            return 0.0
+        return self.latency + (0.0 if self.bandwidth is None else nbytes / self.bandwidth)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Piece:
+    """One cuttable part of the model; times are per micro-batch of the table's ``microbatch_size``."""
+
+    name: str
+    """A module name the runtime accepts as a split point, e.g. ``blocks.3``."""
+    f: float
+    """Forward seconds."""
+    i: float
+    """Input-gradient backward seconds (zero-bubble I)."""
+    w: float
+    """Weight-gradient backward seconds (zero-bubble W); a full backward B takes ``i + w``."""
+    activation_bytes: float = 0.0
+    """Bytes the forward keeps for the backward (saved tensors), released by the backward."""
+    w_activation_bytes: float = 0.0
+    """Part of ``activation_bytes`` still needed by W after I (e.g. the inputs of linear layers)."""
+    param_bytes: float = 0.0
+    """Bytes of the piece's parameters."""
+    output_bytes: float = 0.0
+    """Bytes of the values the piece passes on (sent when a stage boundary follows it)."""
+    inputs: tuple[str, ...] | None = None
+    """Pieces whose outputs it reads; None means the piece before it (a chain), () the model inputs only."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise CostTableError(f"a piece name must be a non-empty string, got {shown(self.name)}")
+        for key in ("f", "i", "w", "activation_bytes", "w_activation_bytes", "param_bytes", "output_bytes"):
+            object.__setattr__(self, key, _check(f"piece {self.name!r} {key}", getattr(self, key)))
+        if self.w_activation_bytes > self.activation_bytes:
+            raise CostTableError(
+                f"piece {self.name!r}: w_activation_bytes {self.w_activation_bytes:g} exceeds activation_bytes "
+                f"{self.activation_bytes:g}; W can only keep part of what the forward saved"
+            )
+        if self.inputs is not None:
+            if isinstance(self.inputs, str) or not all(isinstance(n, str) for n in self.inputs):
+                raise CostTableError(f"piece {self.name!r}: inputs must be a list of piece names")
+            object.__setattr__(self, "inputs", tuple(dict.fromkeys(self.inputs)))
+
+    @property
+    def time(self) -> float:
+        """``f + i + w``: the piece's compute per micro-batch."""
+        return self.f + self.i + self.w
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CostTable:
+    """The pieces of one model in call order, measured (or estimated) for one micro-batch size."""
+
+    pieces: tuple[Piece, ...]
+    """In call order; ``inputs`` name only earlier pieces (normalised: never None here)."""
+    microbatch_size: int
+    """Samples per micro-batch the times and activation/output bytes are for."""
+    device: str = ""
+    """Where the costs come from, e.g. ``cuda:0 (NVIDIA H100)``, ``cpu``, ``analytical``."""
+    link: Link = Link()
+    """Communication between ranks."""
+    optimizer_factor: float = 2.0
+    """Optimizer-state bytes per parameter byte (2 for Adam's two moments in the parameters' dtype).
+
+    A rank holding a piece keeps ``param_bytes * (2 + optimizer_factor)``: weights, gradients, state."""
+    source: str = "manual"
+    """``profile``, ``analytical`` or ``manual``."""
+
+    def __post_init__(self) -> None:
+        pieces = tuple(self.pieces)
+        if not pieces:
+            raise CostTableError("the cost table has no pieces; give at least one")
+        if isinstance(self.microbatch_size, bool) or not isinstance(self.microbatch_size, int) \
+                or self.microbatch_size < 1:
+            raise CostTableError(f"microbatch_size must be a positive integer, got {shown(self.microbatch_size)}")
+        object.__setattr__(self, "optimizer_factor", _check("optimizer_factor", self.optimizer_factor))
+        seen: dict[str, int] = {}
+        normal = []
+        for k, piece in enumerate(pieces):
+            if not isinstance(piece, Piece):
+                raise CostTableError(f"pieces[{k}] is {type(piece).__name__}, expected a Piece")
+            if piece.name in seen:
+                raise CostTableError(f"piece name {piece.name!r} appears twice; names must be unique")
+            inputs = piece.inputs if piece.inputs is not None else ((pieces[k - 1].name,) if k else ())
+            for name in inputs:
+                if name not in seen:
+                    later = "a later piece" if any(p.name == name for p in pieces) else "no piece of the table"
+                    raise CostTableError(
+                        f"piece {piece.name!r} reads from {name!r}, which is {later}; list pieces in call "
+                        f"order and name only earlier pieces in inputs"
+                    )
+            seen[piece.name] = k
+            normal.append(piece if piece.inputs == inputs else dataclasses.replace(piece, inputs=inputs))
+        object.__setattr__(self, "pieces", tuple(normal))
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Piece names in call order."""
+        return tuple(piece.name for piece in self.pieces)
+
+    @property
+    def edges(self) -> tuple[tuple[int, int], ...]:
+        """``(producer, consumer)`` piece indices, producer < consumer."""
+        index = {name: k for k, name in enumerate(self.names)}
+        return tuple((index[name], k) for k, piece in enumerate(self.pieces) for name in piece.inputs)
+
+    @property
+    def is_chain(self) -> bool:
+        """True when every piece reads exactly the one before it (and the first reads the model inputs)."""
+        return all(piece.inputs == ((self.pieces[k - 1].name,) if k else ()) for k, piece in enumerate(self.pieces))
+
+    def static_bytes(self, piece: Piece) -> float:
+        """Bytes a rank holds for ``piece`` whatever runs: weights, gradients and optimizer state."""
+        return piece.param_bytes * (2.0 + self.optimizer_factor)
+
+    def scaled(self, microbatch_size: int) -> CostTable:
+        """The table for another micro-batch size, assuming every cost is linear in the size.
+
+        Times, activation and output bytes scale by ``microbatch_size / self.microbatch_size``;
+        parameter bytes do not. (Real kernels have a fixed part, so small sizes cost more than this.)
+        """
+        if isinstance(microbatch_size, bool) or not isinstance(microbatch_size, int) or microbatch_size < 1:
+            raise CostTableError(f"microbatch_size must be a positive integer, got {shown(microbatch_size)}")
+        if microbatch_size == self.microbatch_size:
+            return self
+        factor = microbatch_size / self.microbatch_size
+        pieces = tuple(
+            dataclasses.replace(
+                piece, f=piece.f * factor, i=piece.i * factor, w=piece.w * factor,
+                activation_bytes=piece.activation_bytes * factor,
+                w_activation_bytes=piece.w_activation_bytes * factor,
+                output_bytes=piece.output_bytes * factor,
+            )
+            for piece in self.pieces
+        )
+        return dataclasses.replace(self, pieces=pieces, microbatch_size=microbatch_size)
+
+
+_SCALED = ("f", "i", "w", "activation_bytes", "w_activation_bytes", "output_bytes")
+
+
+def table_for_size(tables: CostTable | Sequence[CostTable], microbatch_size: int) -> CostTable:
+    """The cost table for ``microbatch_size`` from tables measured at one or more sizes.
+
+    A measured size is used as it is; between two measured sizes every time and byte count is
+    interpolated linearly (an affine model, fixed costs included, between the two); below the
+    smallest or above the largest the nearest table is scaled in proportion (:meth:`CostTable.scaled`).
+    The tables must list the same pieces (same names and inputs); the first one's device, link and
+    optimizer factor are kept.
+    """
+    tables = [tables] if isinstance(tables, CostTable) else list(tables)
+    if not tables:
+        raise CostTableError("give at least one cost table")
+    first = tables[0]
+    for other in tables[1:]:
+        if [(p.name, p.inputs) for p in other.pieces] != [(p.name, p.inputs) for p in first.pieces]:
+            raise CostTableError(
+                f"the cost tables for micro-batch sizes {first.microbatch_size} and {other.microbatch_size} list "
+                f"different pieces; profile the same model with the same pieces at every size"
+            )
+    by_size = {table.microbatch_size: table for table in tables}
+    if microbatch_size in by_size:
+        return by_size[microbatch_size]
+    below = [size for size in by_size if size < microbatch_size]
+    above = [size for size in by_size if size > microbatch_size]
+    if not below or not above:
+        return by_size[max(below) if below else min(above)].scaled(microbatch_size)
+    low, high = by_size[max(below)], by_size[min(above)]
+    share = (microbatch_size - low.microbatch_size) / (high.microbatch_size - low.microbatch_size)
+    pieces = tuple(
+        dataclasses.replace(a, **{key: getattr(a, key) + share * (getattr(b, key) - getattr(a, key)) for key in _SCALED})
+        for a, b in zip(low.pieces, high.pieces)
+    )
+    return dataclasses.replace(first, pieces=pieces, microbatch_size=microbatch_size)
+
+
+# ------------------------------------------------------------------------------------------ JSON
+
+_TOP_KEYS = {"format", "device", "source", "microbatch_size", "optimizer_factor", "link", "pieces"}
+_LINK_KEYS = {"latency", "bandwidth"}
+_PIECE_KEYS = {"name", "f", "i", "w", "activation_bytes", "w_activation_bytes", "param_bytes", "output_bytes",
+               "inputs"}
+
+
+def costs_to_json(table: CostTable, *, indent: int | None = 1) -> str:
+    """The ``pipeloom.costs/1`` JSON text of ``table`` (every key written, inputs explicit)."""
+    document = {
+        "format": COSTS_FORMAT,
+        "device": table.device,
+        "source": table.source,
+        "microbatch_size": table.microbatch_size,
+        "optimizer_factor": table.optimizer_factor,
+        "link": {"latency": table.link.latency, "bandwidth": table.link.bandwidth},
+        "pieces": [
+            {"name": p.name, "f": p.f, "i": p.i, "w": p.w, "activation_bytes": p.activation_bytes,
+             "w_activation_bytes": p.w_activation_bytes, "param_bytes": p.param_bytes,
+             "output_bytes": p.output_bytes, "inputs": list(p.inputs or ())}
+            for p in table.pieces
+        ],
+    }
+    return json.dumps(document, indent=indent)
+
+
+def _piece_from_json(entry: object, k: int) -> Piece:
+    where = f"pieces[{k}]"
+    if not isinstance(entry, dict):
+        raise CostTableError(f"{where}: expected an object, got {shown(entry)}")
+    check_keys(entry, _PIECE_KEYS, where=where, error=CostTableError)
+    values = {key: number(entry, key, where=where, error=CostTableError) for key in ("f", "i", "w")}
+    for key in ("activation_bytes", "w_activation_bytes", "param_bytes", "output_bytes"):
+        values[key] = number(entry, key, where=where, error=CostTableError, default=0.0)
+    inputs = None if entry.get("inputs") is None else strings(entry, "inputs", where=where, error=CostTableError)
+    return Piece(name=string(entry, "name", where=where, error=CostTableError), inputs=inputs, **values)
+
+
+def costs_from_json(text: str) -> CostTable:
+    """Parse ``pipeloom.costs/1`` JSON; unknown keys, another format or a wrong type are errors.
+
+    Optional keys: ``device`` (""), ``source`` ("manual"), ``optimizer_factor`` (2), ``link``
+    (no latency, unlimited bandwidth), and per piece the byte counts (0) and ``inputs`` (the piece
+    before it).
+    """
+    document = json_object(text, fmt=COSTS_FORMAT, keys=_TOP_KEYS, error=CostTableError, what="cost table")
+    where = "costs"
+    link = document.get("link") or {}
+    if not isinstance(link, dict):
+        raise CostTableError(f"{where}.link: expected an object with latency and bandwidth, got {shown(link)}")
+    check_keys(link, _LINK_KEYS, where=f"{where}.link", error=CostTableError)
+    entries = document.get("pieces")
+    if not isinstance(entries, list):
+        raise CostTableError(f"{where}.pieces: expected a list of pieces, got {shown(entries)}")
+    return CostTable(
+        pieces=tuple(_piece_from_json(entry, k) for k, entry in enumerate(entries)),
+        microbatch_size=integer(document, "microbatch_size", where=where, error=CostTableError),
+        device=string(document, "device", where=where, error=CostTableError, default=""),
+        source=string(document, "source", where=where, error=CostTableError, default="manual"),
+        optimizer_factor=number(document, "optimizer_factor", where=where, error=CostTableError, default=2.0),
+        link=Link(
+            latency=number(link, "latency", where=f"{where}.link", error=CostTableError, default=0.0),
+            bandwidth=number(link, "bandwidth", where=f"{where}.link", error=CostTableError, default=None,
+                             null=True),
+        ),
+    )
+
+
+def load_costs(path: str | Path) -> CostTable:
+    """Read a ``pipeloom.costs/1`` file; CostTableError naming the file and the problem."""
+    try:
+        return costs_from_json(read_json_file(path, CostTableError))
+    except CostTableError as error:
+        if str(path) in str(error):
+            raise
+        raise CostTableError(f"{path}: {error}") from None
+
+
+def save_costs(table: CostTable, path: str | Path) -> None:
+    """Write ``table`` as ``pipeloom.costs/1`` JSON."""
+    Path(path).write_text(costs_to_json(table) + "\n", encoding="utf-8")
+
+
+# ----------------------------------------------------------------------------------------- bytes
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+
+
+def parse_bytes(text: str | float) -> float:
+    """``"80GiB" -> 85899345920.0``: a number with an optional unit B, KB/MB/GB/TB (powers of 1000) or
+    KiB/MiB/GiB/TiB (powers of 1024), any case; a bare number is bytes."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        return _check("a byte count", text)
+    match = _SIZE.match(text) if isinstance(text, str) else None
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _UNITS:
+        raise CostTableError(
+            f"bad size {shown(text)}: write a number and a unit such as 80GiB, 512MiB, 16GB or 1e9 (bytes)"
+        )
+    return _check("a byte count", float(match.group(1)) * _UNITS[unit])
+
+
+def format_bytes(nbytes: float) -> str:
+    """``85899345920 -> "80 GiB"`` (binary units, three significant digits)."""
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024:
+            return f"{value:.0f} B" if unit == "B" else f"{value:.3g} {unit}"
+        value /= 1024
+    return f"{value:.3g} TiB"

@@ -1,0 +1,99 @@
+"""Strict reading of the planner's JSON files (cost tables, plans): format tag, known keys, typed values.
+
+Every check raises the caller's error class with a message naming the key and what was expected.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from pipeloom.errors import PipeloomError, ScheduleFormatError
+from pipeloom.ir.core import shown
+from pipeloom.ir.files import read_text
+
+__all__ = ["MISSING", "check_keys", "integer", "json_object", "number", "read_json_file", "string", "strings"]
+
+MISSING = object()
+"""Default of the getters: the key is required."""
+
+
+def read_json_file(path: str | Path, error: type[PipeloomError]) -> str:
+    """The UTF-8 text of ``path``; ``error`` naming the file when it cannot be read."""
+    try:
+        return read_text(path)
+    except ScheduleFormatError as failure:
+        raise error(str(failure)) from None
+
+
+def json_object(text: str, *, fmt: str, keys: set[str], error: type[PipeloomError], what: str) -> dict:
+    """The top-level object of ``text``: valid JSON, an object, ``"format": fmt``, only ``keys``."""
+    try:
+        document = json.loads(text)
+    except (ValueError, RecursionError) as failure:
+        raise error(f"malformed JSON in the {what}: {failure}") from None
+    if not isinstance(document, dict):
+        raise error(f"a {what} must hold a JSON object, got {shown(document)}")
+    if "format" not in document:
+        raise error(f"the {what} has no 'format' key; expected \"format\": \"{fmt}\"")
+    if document["format"] != fmt:
+        raise error(f"format {shown(document['format'])} is not supported; expected {fmt!r}")
+    check_keys(document, keys, where=what, error=error)
+    return document
+
+
+def check_keys(entry: dict, keys: set[str], *, where: str, error: type[PipeloomError]) -> None:
+    """``error`` listing the allowed keys when ``entry`` has others."""
+    unknown = set(entry) - keys
+    if unknown:
+        raise error(f"{where}: unknown key(s) {sorted(unknown)}; allowed: {sorted(keys)}")
+
+
+def _get(entry: dict, key: str, default: Any, where: str, error: type[PipeloomError]) -> Any:
+    if key in entry:
+        return entry[key]
+    if default is MISSING:
+        raise error(f"{where}: missing key {key!r}")
+    return default
+
+
+def number(entry: dict, key: str, *, where: str, error: type[PipeloomError], default: Any = MISSING,
+           minimum: float | None = 0.0, null: bool = False) -> float | None:
+    """A finite number >= ``minimum`` (None allowed when ``null``)."""
+    value = _get(entry, key, default, where, error)
+    if value is None and null:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        extra = " or null" if null else ""
+        raise error(f"{where}.{key}: expected a finite number{extra}, got {shown(value)}")
+    if minimum is not None and value < minimum:
+        raise error(f"{where}.{key}: must be >= {minimum:g}, got {shown(value)}")
+    return float(value)
+
+
+def integer(entry: dict, key: str, *, where: str, error: type[PipeloomError], default: Any = MISSING,
+            minimum: int = 1) -> int:
+    """An integer >= ``minimum``."""
+    value = _get(entry, key, default, where, error)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise error(f"{where}.{key}: expected an integer >= {minimum}, got {shown(value)}")
+    return value
+
+
+def string(entry: dict, key: str, *, where: str, error: type[PipeloomError], default: Any = MISSING) -> str:
+    """A string."""
+    value = _get(entry, key, default, where, error)
+    if not isinstance(value, str):
+        raise error(f"{where}.{key}: expected a string, got {shown(value)}")
+    return value
+
+
+def strings(entry: dict, key: str, *, where: str, error: type[PipeloomError], default: Any = MISSING
+            ) -> tuple[str, ...]:
+    """A list of strings, as a tuple."""
+    value = _get(entry, key, default, where, error)
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise error(f"{where}.{key}: expected a list of strings, got {shown(value)}")
+    return tuple(value)

@@ -1,0 +1,207 @@
+"""A pipeline plan: where to cut the model, which schedule to run with how many micro-batches, and
+what the simulator predicts; its ``pipeloom.plan/1`` JSON form, which the runtime reads."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from pipeloom.errors import PipeloomError
+from pipeloom.ir.core import shown
+from pipeloom.plan.jsonfields import integer, json_object, number, read_json_file, string, strings
+from pipeloom.schedules import REGISTRY
+
+__all__ = [
+    "PLAN_FORMAT",
+    "Plan",
+    "PlanError",
+    "load_plan",
+    "model_stage_count",
+    "plan_from_json",
+    "plan_to_json",
+    "save_plan",
+]
+
+PLAN_FORMAT = "pipeloom.plan/1"
+
+_SCHEDULE_FILE_SUFFIXES = (".json", ".csv")
+
+
+class PlanError(PipeloomError):
+    """A plan cannot be made or read (no plan fits the memory, too many stages, malformed file...)."""
+
+
+class PartitionError(PlanError):
+    """No partition meets the request (bad graph, more stages than pieces, memory too small...)."""
+
+
+def model_stage_count(schedule: str, num_ranks: int, options: dict | None = None) -> int | None:
+    """How many pieces the model is cut into for the built-in ``schedule`` on ``num_ranks`` ranks.
+
+    p for one stage per rank (gpipe, 1f1b, zb-h1, zb-h2) and for the two-replica schedules (dualpipe,
+    chimera: each rank holds a piece of each replica); p*v for the looped ones (interleaved-1f1b,
+    looped-bfs, v = ``stages_per_rank``, default 2); 2p for the V ones (zbv, dualpipev). None for a
+    name that is not built in (a saved schedule file).
+    """
+    options = options or {}
+    if schedule not in REGISTRY:
+        return None
+    if "stages_per_rank" in REGISTRY[schedule].options:
+        return num_ranks * int(options.get("stages_per_rank", 2))
+    if schedule in ("zbv", "dualpipev"):
+        return 2 * num_ranks
+    return num_ranks
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Plan:
+    """Everything the runtime needs to run a planned pipeline, and what the planner predicted."""
+
+    num_ranks: int
+    """Ranks (pipeline devices)."""
+    split_points: tuple[str, ...]
+    """Module names where model stages 1.. start (``pipeloom.runtime.split_model``)."""
+    schedule: str
+    """A built-in schedule name, or the path of a saved ``.json``/``.csv`` schedule."""
+    schedule_options: dict = field(default_factory=dict)
+    """Options of the built-in schedule, e.g. ``{"stages_per_rank": 2}``."""
+    microbatches: int
+    """Micro-batches per step (real ones: two-replica schedules pair them)."""
+    global_batch: int
+    """Samples per step; each micro-batch holds ``global_batch / microbatches``."""
+    predicted_step_time: float
+    """Simulated seconds per step (one pass of the schedule)."""
+    peak_memory: tuple[float, ...] = ()
+    """Simulated peak bytes per rank: weights, gradients, optimizer state and activations."""
+    memory_limit: float | None = None
+    """The per-rank byte limit the plan was made for."""
+    bubble_ratio: float | None = None
+    """Simulated idle share of the step."""
+    stage_times: tuple[float, ...] = ()
+    """Seconds per micro-batch of each model stage (F + I + W and the send of its output)."""
+    device: str = ""
+    """Where the costs were measured (the cost table's device)."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_ranks", "microbatches", "global_batch"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise PlanError(f"plan {name} must be a positive integer, got {shown(value)}")
+        if self.global_batch % self.microbatches:
+            raise PlanError(f"plan global_batch {self.global_batch} is not a multiple of microbatches "
+                            f"{self.microbatches}; every micro-batch must hold the same number of samples")
+        split = tuple(self.split_points)
+        if len(set(split)) != len(split) or not all(isinstance(s, str) and s for s in split):
+            raise PlanError(f"plan split_points must be distinct module names, got {list(split)}")
+        object.__setattr__(self, "split_points", split)
+        if not isinstance(self.schedule, str) or not self.schedule:
+            raise PlanError(f"plan schedule must be a schedule name or file, got {shown(self.schedule)}")
+        if self.schedule in REGISTRY:
+            unknown = sorted(set(self.schedule_options) - set(REGISTRY[self.schedule].options))
+            if unknown:
+                takes = ", ".join(REGISTRY[self.schedule].options) or "no options"
+                raise PlanError(f"plan: schedule {self.schedule!r} does not take {', '.join(unknown)} "
+                                f"(it takes {takes})")
+        expected = model_stage_count(self.schedule, self.num_ranks, self.schedule_options)
+        if expected is not None and expected != len(split) + 1:
+            raise PlanError(
+                f"plan: schedule {self.schedule!r} on {self.num_ranks} ranks runs {expected} model stages, but "
+                f"the {len(split)} split points make {len(split) + 1}; give {expected - 1} split points"
+            )
+        object.__setattr__(self, "peak_memory", tuple(float(v) for v in self.peak_memory))
+        object.__setattr__(self, "stage_times", tuple(float(v) for v in self.stage_times))
+
+    @property
+    def microbatch_size(self) -> int:
+        """Samples per micro-batch."""
+        return self.global_batch // self.microbatches
+
+    @property
+    def num_stages(self) -> int:
+        """Model stages (pieces of the cut model)."""
+        return len(self.split_points) + 1
+
+
+_KEYS = {"format", "num_ranks", "split_points", "schedule", "schedule_options", "microbatches", "global_batch",
+         "microbatch_size", "predicted_step_time", "peak_memory", "memory_limit", "bubble_ratio", "stage_times",
+         "device"}
+
+
+def plan_to_json(plan: Plan, *, indent: int | None = 1) -> str:
+    """The ``pipeloom.plan/1`` JSON text of ``plan``."""
+    document = {
+        "format": PLAN_FORMAT,
+        "num_ranks": plan.num_ranks,
+        "split_points": list(plan.split_points),
+        "schedule": plan.schedule,
+        "schedule_options": dict(plan.schedule_options),
+        "microbatches": plan.microbatches,
+        "global_batch": plan.global_batch,
+        "microbatch_size": plan.microbatch_size,
+        "predicted_step_time": plan.predicted_step_time,
+        "peak_memory": list(plan.peak_memory),
+        "memory_limit": plan.memory_limit,
+        "bubble_ratio": plan.bubble_ratio,
+        "stage_times": list(plan.stage_times),
+        "device": plan.device,
+    }
+    return json.dumps(document, indent=indent)
+
+
+def _numbers(document: dict, key: str) -> tuple[float, ...]:
+    values = document.get(key, [])
+    if not isinstance(values, list):
+        raise PlanError(f"plan.{key}: expected a list of numbers, got {shown(values)}")
+    return tuple(number({key: v}, key, where="plan", error=PlanError) for v in values)
+
+
+def plan_from_json(text: str) -> Plan:
+    """Parse ``pipeloom.plan/1`` JSON; unknown keys, another format or a wrong type are errors.
+
+    Required: ``num_ranks``, ``split_points``, ``schedule``, ``microbatches``, ``global_batch``,
+    ``predicted_step_time``; ``microbatch_size``, when present, must equal global_batch / microbatches.
+    """
+    document = json_object(text, fmt=PLAN_FORMAT, keys=_KEYS, error=PlanError, what="plan")
+    where = "plan"
+    options = document.get("schedule_options") or {}
+    if not isinstance(options, dict):
+        raise PlanError(f"plan.schedule_options: expected an object, got {shown(options)}")
+    plan = Plan(
+        num_ranks=integer(document, "num_ranks", where=where, error=PlanError),
+        split_points=strings(document, "split_points", where=where, error=PlanError),
+        schedule=string(document, "schedule", where=where, error=PlanError),
+        schedule_options=options,
+        microbatches=integer(document, "microbatches", where=where, error=PlanError),
+        global_batch=integer(document, "global_batch", where=where, error=PlanError),
+        predicted_step_time=number(document, "predicted_step_time", where=where, error=PlanError),
+        peak_memory=_numbers(document, "peak_memory"),
+        memory_limit=number(document, "memory_limit", where=where, error=PlanError, default=None, null=True),
+        bubble_ratio=number(document, "bubble_ratio", where=where, error=PlanError, default=None, null=True),
+        stage_times=_numbers(document, "stage_times"),
+        device=string(document, "device", where=where, error=PlanError, default=""),
+    )
+    size = document.get("microbatch_size", plan.microbatch_size)
+    if size != plan.microbatch_size:
+        raise PlanError(f"plan.microbatch_size {shown(size)} is not global_batch / microbatches = "
+                        f"{plan.microbatch_size}; fix one of them")
+    return plan
+
+
+def load_plan(path: str | Path) -> Plan:
+    """Read a ``pipeloom.plan/1`` file. A schedule given as a relative ``.json``/``.csv`` file name is
+    taken relative to the plan file's folder (and returned as that path)."""
+    path = Path(path)
+    try:
+        plan = plan_from_json(read_json_file(path, PlanError))
+    except PlanError as error:
+        raise PlanError(str(error) if str(path) in str(error) else f"{path}: {error}") from None
+    schedule = Path(plan.schedule)
+    if schedule.suffix.lower() in _SCHEDULE_FILE_SUFFIXES and not schedule.is_absolute():
+        return replace(plan, schedule=str(path.parent / schedule))
+    return plan
+
+
+def save_plan(plan: Plan, path: str | Path) -> None:
+    """Write ``plan`` as ``pipeloom.plan/1`` JSON."""
+    Path(path).write_text(plan_to_json(plan) + "\n", encoding="utf-8")

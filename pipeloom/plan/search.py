@@ -1,0 +1,354 @@
+"""The plan search: for every schedule, stages per rank and micro-batch count, cut the model, re-cost the
+schedule with the cut's real stage costs, simulate it, and keep the fastest plan that fits the memory.
+
+The simulator is the judge: each candidate's step time is the simulated makespan of the library
+schedule's per-rank action order on a problem built from the cost table (seconds and bytes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipeloom.errors import PipeloomError
+from pipeloom.ir import Schedule, save_schedule
+from pipeloom.plan.costs import CostTable, format_bytes, table_for_size
+from pipeloom.plan.partition import Partition, PartitionError
+from pipeloom.plan.partitioner import MemoryTooSmall, SchedulePartitioner
+from pipeloom.plan.placement import library_schedule, schedule_shape
+from pipeloom.plan.plan import Plan, PlanError, save_plan
+from pipeloom.problem import Problem, Stage, stage_graph
+from pipeloom.schedules import REGISTRY
+from pipeloom.sim import Timeline, simulate
+
+__all__ = ["DEFAULT_SCHEDULES", "Candidate", "NoPlanFits", "PlanResult", "plan_pipeline", "recost", "replica_sync_time"]
+
+DEFAULT_SCHEDULES = ("1f1b", "zb-h1", "zb-h2", "interleaved-1f1b", "zbv", "dualpipev", "gpipe", "looped-bfs",
+                     "dualpipe", "chimera")
+"""The schedules :func:`plan_pipeline` tries unless told otherwise (every built-in one)."""
+
+_FIT = 1 + 1e-9  # float slack on the memory limit
+
+
+class NoPlanFits(PlanError):
+    """No candidate fits the request; ``smallest_limit`` is a per-rank limit under which one does
+    (None when nothing could be built at all)."""
+
+    def __init__(self, message: str, *, smallest_limit: float | None) -> None:
+        super().__init__(message)
+        self.smallest_limit = smallest_limit
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Candidate:
+    """One (schedule, options, micro-batch count) the search tried, and how it came out."""
+
+    schedule: str
+    """Schedule name (``search`` for a schedule found by :func:`pipeloom.search.search`)."""
+    schedule_options: dict
+    """Options of the built-in schedule, e.g. ``{"stages_per_rank": 2}``."""
+    microbatches: int
+    """Micro-batches per step."""
+    microbatch_size: int
+    """Samples per micro-batch."""
+    step_time: float | None = None
+    """Predicted seconds per step: the simulated makespan, plus the replicas' gradient exchange for
+    two-replica schedules (:func:`replica_sync_time`); None when no split fits."""
+    peak_memory: float | None = None
+    """Simulated peak bytes of the fullest rank; for a candidate no split fits, the least limit that would."""
+    bubble_ratio: float | None = None
+    """Simulated idle share."""
+    split_points: tuple[str, ...] | None = None
+    """Where model stages 1.. start."""
+    reason: str = ""
+    """Why the candidate does not fit ("" when it does)."""
+    timeline: Timeline | None = field(default=None, repr=False, compare=False)
+    """The simulated timeline (seconds, bytes)."""
+    partition: Partition | None = field(default=None, repr=False, compare=False)
+    """The split and its stage times."""
+
+    @property
+    def fits(self) -> bool:
+        """Built, simulated and within the memory limit."""
+        return self.step_time is not None and not self.reason
+
+    @property
+    def label(self) -> str:
+        """``interleaved-1f1b (v=2)``-style name."""
+        if "stages_per_rank" in self.schedule_options:
+            return f"{self.schedule} (v={self.schedule_options['stages_per_rank']})"
+        return self.schedule
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlanResult:
+    """The best plan, its simulated timeline, and every candidate tried (best first)."""
+
+    plan: Plan
+    """The fastest candidate that fits, as a plan the runtime reads."""
+    timeline: Timeline
+    """Its simulated timeline (seconds and bytes)."""
+    candidates: tuple[Candidate, ...]
+    """Fitting candidates by step time, then the others."""
+    seconds: float
+    """Wall time of the search."""
+
+    @property
+    def schedule(self) -> Schedule:
+        """The best plan's schedule, re-costed with the plan's stage costs."""
+        return self.timeline.schedule
+
+    def save(self, path: str | Path) -> None:
+        """Write the plan; a searched schedule (not a built-in one) goes next to it as
+        ``<stem>.schedule.json``, which the plan names (relative to the plan file)."""
+        path = Path(path)
+        plan = self.plan
+        if plan.schedule not in REGISTRY:
+            schedule_file = path.with_name(f"{path.stem}.schedule.json")
+            save_schedule(self.schedule, schedule_file)
+            plan = dataclasses.replace(plan, schedule=schedule_file.name)
+        save_plan(plan, path)
+
+
+# ----------------------------------------------------------------------------------- re-costing
+
+
+def recost(schedule: Schedule, table: CostTable, found: Partition, *, memory_limit: float | None) -> Problem:
+    """The problem of ``schedule``'s task graph with the real costs of ``found``'s stages.
+
+    Stage durations are F, I (b) and W of the stage's pieces in seconds, activations in bytes,
+    static memory per rank the weights, gradients and optimizer state of its stages, and the
+    communication latency the link time of the largest output crossing ranks. The task graph keeps
+    the schedule's (same ranks, edges and backward split), so its action order stays valid.
+    """
+    shape = schedule_shape(schedule)
+    pieces = table.pieces
+    starts = [found.stage_of.index(j) for j in range(found.num_stages)] + [len(pieces)]
+    parts = [pieces[starts[j]:starts[j + 1]] for j in range(found.num_stages)]
+    stages = []
+    static = [0.0] * shape.num_ranks
+    for s, j in enumerate(shape.model_stage):
+        part = parts[j]
+        stages.append(Stage(ranks=(shape.rank[s],), f=sum(p.f for p in part), b=sum(p.i for p in part),
+                            w=sum(p.w for p in part), memory=sum(p.activation_bytes for p in part),
+                            w_memory=sum(p.w_activation_bytes for p in part)))
+        static[shape.rank[s]] += sum(table.static_bytes(p) for p in part)
+    edges = [(s, c) for s in range(len(shape.rank)) for c in shape.consumers[s]]
+    crossing = [pieces[starts[shape.model_stage[c]] - 1].output_bytes for s, c in edges
+                if shape.rank[s] != shape.rank[c]]
+    problem = stage_graph(
+        stages, num_ranks=shape.num_ranks, edges=edges,
+        backward="split" if schedule.problem.splits_backward else "full",
+        comm_latency=max((table.link.time(b) for b in crossing), default=0.0),
+        memory_limit=memory_limit, static_memory=static,
+    )
+    _check_same_graph(schedule.problem, problem)
+    return problem
+
+
+def replica_sync_time(table: CostTable, schedule: Schedule, found: Partition) -> float:
+    """Seconds to add up the replicas' weight gradients after the step (two-replica schedules, else 0).
+
+    Each rank sends the gradients of the stages it holds to the rank holding their twins and
+    receives theirs: ``link.time(parameter bytes on the rank)``, the largest over ranks.
+    """
+    shape = schedule_shape(schedule)
+    if shape.replicas == 1:
+        return 0.0
+    params = [0.0] * found.num_stages
+    for piece, j in zip(table.pieces, found.stage_of):
+        params[j] += piece.param_bytes
+    held = [0.0] * shape.num_ranks
+    for s, j in enumerate(shape.model_stage):
+        held[shape.rank[s]] += params[j]
+    return max(table.link.time(nbytes) for nbytes in held)
+
+
+def _check_same_graph(original: Problem, costed: Problem) -> None:
+    def shape(problem: Problem) -> dict:
+        return {task.key: (task.ranks, frozenset(task.deps)) for task in problem.tasks}
+
+    assert shape(original) == shape(costed), "re-costing changed the schedule's task graph"
+
+
+# ---------------------------------------------------------------------------------- the search
+
+
+def _options(name: str, stages_per_rank: Sequence[int]) -> list[dict]:
+    if "stages_per_rank" in REGISTRY[name].options:
+        return [{"stages_per_rank": v} for v in stages_per_rank]
+    return [{}]
+
+
+def _divisors(n: int) -> list[int]:
+    return [m for m in range(1, n + 1) if n % m == 0]
+
+
+class _Search:
+    """The state of one :func:`plan_pipeline` call: inputs, and a partitioner per micro-batch size."""
+
+    def __init__(self, tables: Sequence[CostTable], *, num_ranks: int, memory_limit: float | None) -> None:
+        self.tables, self.num_ranks, self.memory_limit = tables, num_ranks, memory_limit
+        self._partitioners: dict[int, SchedulePartitioner] = {}
+
+    def partitioner(self, size: int) -> SchedulePartitioner:
+        if size not in self._partitioners:
+            self._partitioners[size] = SchedulePartitioner(table_for_size(self.tables, size))
+        return self._partitioners[size]
+
+    def candidate(self, name: str, options: dict, microbatches: int, size: int) -> Candidate:
+        """Build, cut, re-cost and simulate one candidate; a failure becomes its ``reason``."""
+        base = Candidate(schedule=name, schedule_options=options, microbatches=microbatches, microbatch_size=size)
+        partitioner = self.partitioner(size)
+        limit = self.memory_limit
+        # ZB-V orders its actions for a memory limit: try it with the plan's limit and with its default
+        limits = (limit, None) if name == "zbv" and limit is not None else (None,)
+        return min((self._try(base, partitioner, library_limit=lim) for lim in limits), key=_rank)
+
+    def _try(self, base: Candidate, partitioner: SchedulePartitioner, *, library_limit: float | None
+             ) -> Candidate:
+        table, limit = partitioner.table, self.memory_limit
+        try:
+            library = library_schedule(table, base.schedule, self.num_ranks, base.microbatches,
+                                       memory_limit=library_limit, **base.schedule_options)
+        except (ValueError, PipeloomError) as error:
+            return dataclasses.replace(base, reason=f"not built: {error}")
+        try:
+            splits = partitioner.candidates(library, memory_limit=limit)
+        except MemoryTooSmall as error:
+            return dataclasses.replace(base, peak_memory=error.smallest_limit,
+                                       reason=f"no split fits; needs about {format_bytes(error.smallest_limit)}")
+        except PartitionError as error:
+            return dataclasses.replace(base, reason=f"too many stages: {error}")
+        return min((self._simulated(base, table, library, found) for found in splits), key=_rank)
+
+    def _simulated(self, base: Candidate, table: CostTable, library: Schedule, found: Partition) -> Candidate:
+        """``base`` with ``library``'s order re-costed for the split ``found`` and simulated."""
+        limit = self.memory_limit
+        timeline = simulate(dataclasses.replace(library, problem=recost(library, table, found, memory_limit=limit)))
+        peak = max(timeline.peak_memory)
+        reason = "" if limit is None or peak <= limit * _FIT else f"peak {format_bytes(peak)} > {format_bytes(limit)}"
+        return dataclasses.replace(
+            base, step_time=timeline.makespan + replica_sync_time(table, library, found), peak_memory=peak,
+            bubble_ratio=timeline.bubble_ratio, split_points=found.split_points, timeline=timeline,
+            partition=found, reason=reason,
+        )
+
+
+def plan_pipeline(
+    table: CostTable | Sequence[CostTable],
+    *,
+    num_ranks: int,
+    global_batch: int,
+    memory_limit: float | None = None,
+    schedules: Sequence[str] | None = None,
+    stages_per_rank: Sequence[int] = (2,),
+    microbatches: Sequence[int] | None = None,
+    search_time: float = 0.0,
+    search_top: int = 2,
+) -> PlanResult:
+    """The fastest pipeline plan for ``table`` on ``num_ranks`` ranks of ``memory_limit`` bytes each.
+
+    Tries every schedule of ``schedules`` (default :data:`DEFAULT_SCHEDULES`), with each of
+    ``stages_per_rank`` for the looped ones, and every micro-batch count M of ``microbatches``
+    (default: the divisors of ``global_batch``; micro-batch size = global_batch / M). ``table`` may
+    be several tables of one model measured at different micro-batch sizes (:func:`table_for_size`
+    interpolates between them; one table is scaled linearly). Each candidate is cut by the
+    partitioner for the schedule's placement and memory profile, re-costed (:func:`recost`) and
+    simulated. With ``search_time`` > 0, :func:`pipeloom.search.search` then looks for a faster
+    order of the ``search_top`` best candidates' re-costed task graphs, that many seconds in all; a
+    better one joins as schedule ``search`` (:meth:`PlanResult.save` writes it next to the plan).
+    :class:`NoPlanFits` when nothing fits: it names the smallest per-rank limit that would, or why
+    nothing could be built.
+    """
+    started = time.perf_counter()
+    tables = [table] if isinstance(table, CostTable) else list(table)
+    table = table_for_size(tables, tables[0].microbatch_size if tables else 1)  # checks they match
+    _check_request(table, num_ranks, global_batch, memory_limit, schedules)
+    counts = sorted(set(microbatches)) if microbatches is not None else _divisors(global_batch)
+    for m in counts:
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1 or global_batch % m:
+            raise PlanError(f"micro-batch count {m!r} does not divide the global batch {global_batch}; "
+                            f"choose among {_divisors(global_batch)}")
+    search = _Search(tables, num_ranks=num_ranks, memory_limit=memory_limit)
+    tried = [search.candidate(name, options, m, global_batch // m)
+             for m in counts for name in (schedules or DEFAULT_SCHEDULES)
+             for options in _options(name, stages_per_rank)]
+    ranked = sorted(tried, key=_rank)
+    if search_time > 0:
+        top = [c for c in ranked if c.fits][:search_top]
+        ranked = sorted(ranked + [found for c in top if (found := _searched(c, search_time / len(top),
+                                                                           memory_limit)) is not None], key=_rank)
+    best = ranked[0]
+    if not best.fits:
+        raise _nothing_fits(table, num_ranks, memory_limit, ranked)
+    plan = Plan(
+        num_ranks=num_ranks, split_points=best.split_points or (), schedule=best.schedule,
+        schedule_options=best.schedule_options, microbatches=best.microbatches, global_batch=global_batch,
+        predicted_step_time=best.step_time, peak_memory=best.timeline.peak_memory, memory_limit=memory_limit,
+        bubble_ratio=best.bubble_ratio, stage_times=best.partition.stage_times, device=table.device,
+    )
+    return PlanResult(plan=plan, timeline=best.timeline, candidates=tuple(ranked),
+                      seconds=time.perf_counter() - started)
+
+
+def _searched(candidate: Candidate, seconds: float, memory_limit: float | None) -> Candidate | None:
+    """The CP-SAT search's schedule for ``candidate``'s re-costed task graph, when it is faster."""
+    from pipeloom.search import search
+
+    schedule = candidate.timeline.schedule
+    try:
+        result = search(schedule.problem, schedule.num_microbatches, time_limit=seconds, memory_limit=memory_limit,
+                        name="search")
+    except PipeloomError:
+        return None
+    timeline = simulate(result.schedule)
+    step = timeline.makespan + (candidate.step_time - candidate.timeline.makespan)  # same replica exchange
+    if step >= candidate.step_time * (1 - 1e-9):
+        return None
+    return dataclasses.replace(candidate, schedule="search", schedule_options={}, step_time=step,
+                               peak_memory=max(timeline.peak_memory), bubble_ratio=timeline.bubble_ratio,
+                               timeline=timeline, reason="")
+
+
+def _rank(candidate: Candidate) -> tuple:
+    """Fitting candidates first by step time (ties: less memory), then the others by the memory they need."""
+    if candidate.fits:
+        return (0, candidate.step_time, candidate.peak_memory, candidate.microbatches)
+    need = candidate.peak_memory if candidate.peak_memory is not None else float("inf")
+    return (1, need, 0.0, candidate.microbatches)
+
+
+def _check_request(table: CostTable, num_ranks: int, global_batch: int, memory_limit: float | None,
+                   schedules: Sequence[str] | None) -> None:
+    for name, value in (("num_ranks", num_ranks), ("global_batch", global_batch)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise PlanError(f"{name} must be a positive integer, got {value!r}")
+    if memory_limit is not None and not memory_limit > 0:
+        raise PlanError(f"memory_limit must be a positive number of bytes, got {memory_limit!r}")
+    unknown = [name for name in schedules or () if name not in REGISTRY]
+    if unknown:
+        raise PlanError(f"unknown schedule(s) {unknown}; choose among: {', '.join(REGISTRY)}")
+    if num_ranks > len(table.pieces):
+        raise PlanError(
+            f"{num_ranks} ranks need at least {num_ranks} pieces (one stage each), but the cost table has "
+            f"{len(table.pieces)}; use at most {len(table.pieces)} ranks, or profile finer pieces"
+        )
+
+
+def _nothing_fits(table: CostTable, num_ranks: int, memory_limit: float | None,
+                  ranked: Sequence[Candidate]) -> NoPlanFits:
+    sized = [c for c in ranked if c.peak_memory is not None]
+    if memory_limit is not None and sized:
+        least = min(sized, key=lambda c: c.peak_memory)
+        return NoPlanFits(
+            f"no plan fits {format_bytes(memory_limit)} per rank on {num_ranks} ranks; the smallest that fits "
+            f"is about {format_bytes(least.peak_memory)} ({least.label}, {least.microbatches} micro-batches of "
+            f"{least.microbatch_size}): raise the memory limit, or use more ranks", smallest_limit=least.peak_memory,
+        )
+    reasons = "; ".join(dict.fromkeys(c.reason for c in ranked))
+    return NoPlanFits(f"no plan could be built for {len(table.pieces)} pieces on {num_ranks} ranks: {reasons}",
+                      smallest_limit=None)

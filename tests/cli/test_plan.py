@@ -1,0 +1,117 @@
+"""``pipeloom plan`` and ``pipeloom profile`` run in-process.
+
+Oracles: the library called directly (same plan as ``plan_pipeline``), the files the commands write
+(read back with ``load_plan`` / ``load_costs``), and one ``pipeloom: error:`` line for bad input.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pipeloom.cli import main
+from pipeloom.plan import CostTable, Link, Piece, load_costs, load_plan, plan_pipeline, save_costs
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_gpt.py"
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def one_line_error(result: tuple[int, str, str], status: int, *fragments: str) -> None:
+    code, out, err = result
+    assert code == status, err
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pipeloom: error: "), err
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+@pytest.fixture
+def costs(tmp_path) -> Path:
+    pieces = tuple(Piece(name=f"blocks.{k}", f=0.01, i=0.01, w=0.008, activation_bytes=2**20,
+                         w_activation_bytes=2**18, param_bytes=2**19, output_bytes=2**16) for k in range(8))
+    path = tmp_path / "costs.json"
+    save_costs(CostTable(pieces=pieces, microbatch_size=1, link=Link(latency=1e-4, bandwidth=1e9)), path)
+    return path
+
+
+def test_plan_prints_the_best_plan_and_writes_files(capsys, costs, tmp_path):
+    code, out, err = run(capsys, "plan", "--costs", str(costs), "--ranks", "4", "--memory-limit", "16MiB",
+                         "--global-batch", "16", "-o", str(tmp_path / "plan.png"), "--save", str(tmp_path / "p.json"))
+    assert code == 0, err
+    assert "best plan" in out and "runners-up" in out
+    assert "wrote plan" in out and "wrote timeline picture" in out
+    assert (tmp_path / "plan.png").stat().st_size > 1000
+    plan = load_plan(tmp_path / "p.json")
+    expected = plan_pipeline(load_costs(costs), num_ranks=4, global_batch=16, memory_limit=16 * 2**20).plan
+    assert plan == expected
+    assert plan.schedule in out
+
+
+def test_plan_json(capsys, costs):
+    code, out, err = run(capsys, "plan", "--costs", str(costs), "--ranks", "2", "--global-batch", "8",
+                         "--schedules", "1f1b,zb-h1", "-m", "4", "8", "--json")
+    assert code == 0, err
+    document = json.loads(out)
+    assert document["plan"]["format"] == "pipeloom.plan/1"
+    assert {c["schedule"] for c in document["candidates"]} == {"1f1b", "zb-h1"}
+    assert {c["microbatches"] for c in document["candidates"]} == {4, 8}
+    assert document["plan"]["predicted_step_time"] == min(c["step_time"] for c in document["candidates"])
+
+
+@pytest.mark.parametrize(("argv", "status", "words"), [
+    (["--memory-limit", "80XB"], 2, ["bad size '80XB'"]),
+    (["--memory-limit", "1KiB"], 1, ["no plan fits 1 KiB per rank", "the smallest that fits is about"]),
+    (["--schedules", "1f1b,3f3b"], 2, ["unknown schedule(s) ['3f3b']"]),
+    (["-m", "3"], 1, ["does not divide the global batch 16"]),
+    (["--ranks", "9"], 1, ["9 ranks need at least 9 pieces"]),
+])
+def test_plan_errors_are_one_line(capsys, costs, argv, status, words):
+    base = {"--ranks": "4"}
+    args = ["plan", "--costs", str(costs), "--global-batch", "16"]
+    if "--ranks" not in argv:
+        args += ["--ranks", base["--ranks"]]
+    one_line_error(run(capsys, *args, *argv), status, *words)
+
+
+def test_plan_bad_costs_file(capsys, tmp_path):
+    path = tmp_path / "costs.json"
+    path.write_text('{"format": "pipeloom.costs/1", "microbatch_size": 1, "pieces": [], "gpu": 1}')
+    one_line_error(run(capsys, "plan", "--costs", str(path), "--ranks", "2", "--global-batch", "4"), 1,
+                   "unknown key(s) ['gpu']")
+
+
+def test_profile_the_gpt_example(capsys, tmp_path):
+    pytest.importorskip("torch")
+    out_file = tmp_path / "costs.json"
+    code, out, err = run(capsys, "profile", f"{EXAMPLE}:build_model", "--batch", "2", "--seq", "8",
+                         "--arg", "layers=2", "--arg", "seq_len=8", "--loss", "lm_loss", "--warmup", "0",
+                         "--repeats", "1", "--bandwidth", "1GB", "--save", str(out_file))
+    assert code == 0, err
+    table = load_costs(out_file)
+    assert table.names == ("token_embedding", "blocks.0", "blocks.1", "ln_f", "head")
+    assert table.microbatch_size == 2 and table.link.bandwidth == 1e9
+    assert "wrote cost table" in out and "blocks.1" in out
+    # the profiled table plans for 2 ranks, split points the example's model accepts
+    code, out, err = run(capsys, "plan", "--costs", str(out_file), "--ranks", "2", "--global-batch", "4")
+    assert code == 0, err
+
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (["nofile.py:build_model", "--batch", "2"], ["no file 'nofile.py'"]),
+    ([f"{EXAMPLE}:nothing", "--batch", "2"], ["defines no function 'nothing'"]),
+    ([f"{EXAMPLE}", "--batch", "2"], ["write FILE.py:FUNCTION"]),
+    ([f"{EXAMPLE}:build_model", "--batch", "2"], ["give --seq S"]),
+    ([f"{EXAMPLE}:build_model", "--batch", "2", "--seq", "8", "--arg", "layers"], ["write KEY=VALUE"]),
+    ([f"{EXAMPLE}:build_model", "--batch", "2", "--seq", "8", "--loss", "nope"], ["--loss 'nope'"]),
+])
+def test_profile_errors_are_one_line(capsys, argv, words):
+    pytest.importorskip("torch")
+    one_line_error(run(capsys, "profile", *argv), 2, *words)

@@ -1,0 +1,208 @@
+"""Cost tables, their JSON file, byte sizes and the analytical GPT source.
+
+Oracles: hand-computed values (link times, scaled costs, GPT parameter counts 12h² + 13h per block),
+the round trip through JSON, and the exact error messages' key words.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipeloom.plan import (
+    COSTS_FORMAT,
+    CostTable,
+    CostTableError,
+    Link,
+    Piece,
+    analytical_gpt_costs,
+    format_bytes,
+    load_costs,
+    parse_bytes,
+    save_costs,
+)
+from pipeloom.plan.analytical import gpt_block_flops
+from pipeloom.plan.costs import costs_from_json, costs_to_json
+
+
+def _table(**overrides) -> CostTable:
+    pieces = (
+        Piece(name="embed", f=1.0, i=0.0, w=2.0, activation_bytes=10, param_bytes=100, output_bytes=8),
+        Piece(name="layers.0", f=2.0, i=2.0, w=2.0, activation_bytes=40, w_activation_bytes=10, param_bytes=50,
+              output_bytes=8),
+        Piece(name="head", f=1.0, i=1.0, w=1.0, activation_bytes=20, param_bytes=30, output_bytes=64),
+    )
+    return CostTable(**{"pieces": pieces, "microbatch_size": 4, "link": Link(latency=0.5, bandwidth=4.0),
+                        **overrides})
+
+
+def test_link_time_is_latency_plus_bytes_over_bandwidth():
+    assert Link(latency=0.5, bandwidth=4.0).time(8) == 0.5 + 2.0
+    assert Link(latency=0.5).time(1e12) == 0.5  # unlimited bandwidth
+    assert Link(latency=0.5, bandwidth=4.0).time(0) == 0.0  # nothing to send
+    with pytest.raises(CostTableError, match="bandwidth must be > 0"):
+        Link(bandwidth=0)
+
+
+def test_pieces_default_to_a_chain_and_edges_follow_inputs():
+    table = _table()
+    assert table.is_chain
+    assert [p.inputs for p in table.pieces] == [(), ("embed",), ("layers.0",)]
+    assert table.edges == ((0, 1), (1, 2))
+    skip = CostTable(pieces=(*table.pieces[:2], Piece(name="head", f=1, i=1, w=1, inputs=("embed", "layers.0"))),
+                     microbatch_size=1)
+    assert not skip.is_chain
+    assert skip.edges == ((0, 1), (0, 2), (1, 2))
+
+
+@pytest.mark.parametrize(("pieces", "words"), [
+    ((Piece(name="a", f=1, i=1, w=1), Piece(name="a", f=1, i=1, w=1)), "appears twice"),
+    ((Piece(name="a", f=1, i=1, w=1, inputs=("b",)), Piece(name="b", f=1, i=1, w=1)), "a later piece"),
+    ((Piece(name="a", f=1, i=1, w=1, inputs=("zz",)),), "no piece of the table"),
+    ((), "no pieces"),
+])
+def test_bad_tables_say_what_is_wrong(pieces, words):
+    with pytest.raises(CostTableError, match=words):
+        CostTable(pieces=pieces, microbatch_size=1)
+
+
+def test_bad_piece_values_are_refused():
+    with pytest.raises(CostTableError, match="piece 'x' f must be >= 0"):
+        Piece(name="x", f=-1, i=0, w=0)
+    with pytest.raises(CostTableError, match="w_activation_bytes .* exceeds"):
+        Piece(name="x", f=1, i=1, w=1, activation_bytes=1, w_activation_bytes=2)
+    with pytest.raises(CostTableError, match="microbatch_size must be a positive integer"):
+        _table(microbatch_size=0)
+
+
+def test_static_bytes_count_weights_gradients_and_optimizer_state():
+    table = _table(optimizer_factor=2.0)
+    assert table.static_bytes(table.pieces[0]) == 100 * 4  # weights + grads + two Adam moments
+    assert _table(optimizer_factor=6.0).static_bytes(table.pieces[0]) == 800
+
+
+def test_scaling_is_linear_except_parameters():
+    table = _table()
+    double = table.scaled(8)
+    assert double.microbatch_size == 8
+    for old, new in zip(table.pieces, double.pieces):
+        assert (new.f, new.i, new.w) == (2 * old.f, 2 * old.i, 2 * old.w)
+        assert new.activation_bytes == 2 * old.activation_bytes
+        assert new.w_activation_bytes == 2 * old.w_activation_bytes
+        assert new.output_bytes == 2 * old.output_bytes
+        assert new.param_bytes == old.param_bytes
+    assert table.scaled(4) is table
+
+
+def test_json_round_trip(tmp_path):
+    table = _table(device="cpu", source="profile", optimizer_factor=3.0)
+    path = tmp_path / "costs.json"
+    save_costs(table, path)
+    document = json.loads(path.read_text())
+    assert document["format"] == COSTS_FORMAT
+    assert load_costs(path) == table
+
+
+def test_json_optional_keys_take_their_defaults():
+    text = json.dumps({"format": COSTS_FORMAT, "microbatch_size": 2,
+                       "pieces": [{"name": "a", "f": 1, "i": 1, "w": 1}, {"name": "b", "f": 2, "i": 2, "w": 2}]})
+    table = costs_from_json(text)
+    assert table.link == Link() and table.optimizer_factor == 2.0 and table.source == "manual"
+    assert table.pieces[1].inputs == ("a",) and table.pieces[0].param_bytes == 0.0
+
+
+@pytest.mark.parametrize(("change", "words"), [
+    (lambda d: d.pop("format"), "no 'format' key"),
+    (lambda d: d.update(format="pipeloom.costs/9"), "expected 'pipeloom.costs/1'"),
+    (lambda d: d.update(extra=1), r"unknown key\(s\) \['extra'\]"),
+    (lambda d: d["pieces"][0].update(flops=1), r"pieces\[0\]: unknown key\(s\) \['flops'\]"),
+    (lambda d: d["pieces"][0].update(f="fast"), r"pieces\[0\]\.f: expected a finite number"),
+    (lambda d: d["pieces"][0].pop("w"), r"pieces\[0\]: missing key 'w'"),
+    (lambda d: d.update(link={"latency": 1, "speed": 2}), r"costs\.link: unknown key"),
+    (lambda d: d.update(microbatch_size=1.5), "microbatch_size: expected an integer"),
+])
+def test_json_errors_name_the_key(change, words):
+    document = json.loads(costs_to_json(_table()))
+    change(document)
+    with pytest.raises(CostTableError, match=words):
+        costs_from_json(json.dumps(document))
+
+
+def test_load_costs_names_the_file(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text("{not json")
+    with pytest.raises(CostTableError, match="bad.json.*malformed JSON"):
+        load_costs(path)
+    with pytest.raises(CostTableError, match="missing.json"):
+        load_costs(tmp_path / "missing.json")
+
+
+@pytest.mark.parametrize(("text", "value"), [
+    ("80GiB", 80 * 2**30), ("512MiB", 512 * 2**20), ("16GB", 16e9), ("1.5 kib", 1536), ("1e9", 1e9),
+    ("100", 100), ("2TiB", 2 * 2**40), (4096, 4096),
+])
+def test_parse_bytes(text, value):
+    assert parse_bytes(text) == value
+
+
+@pytest.mark.parametrize("text", ["80XB", "GiB", "-1GiB", "", "1,5GB"])
+def test_parse_bytes_refuses_other_text(text):
+    with pytest.raises(CostTableError, match="bad size|must be >= 0"):
+        parse_bytes(text)
+
+
+def test_format_bytes():
+    assert format_bytes(80 * 2**30) == "80 GiB"
+    assert format_bytes(1536) == "1.5 KiB"
+    assert format_bytes(12) == "12 B"
+    assert format_bytes(3 * 2**40) == "3 TiB"
+
+
+def test_gpt_block_flops_matches_the_closed_form():
+    f, i, w = gpt_block_flops(batch=2, seq=8, hidden=16)
+    linear, attention = 24 * 2 * 8 * 16**2, 4 * 2 * 8**2 * 16
+    assert (f, i, w) == (linear + attention, linear + 2 * attention, linear)
+
+
+def test_analytical_gpt_costs():
+    table = analytical_gpt_costs(layers=4, hidden=1024, heads=16, seq=128, vocab=1000, microbatch_size=2,
+                                 flops_per_second=1e14, bytes_per_second=1e18)
+    assert table.names == ("token_embedding", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "ln_f", "head")
+    assert table.is_chain and table.source == "analytical" and table.microbatch_size == 2
+    block = table.pieces[1]
+    assert block.param_bytes == (12 * 1024**2 + 13 * 1024) * 2  # 12h² + 13h parameters of 2 bytes
+    assert block.activation_bytes == pytest.approx(128 * 2 * 1024 * (34 + 5 * 16 * 128 / 1024))
+    # compute-bound (huge memory bandwidth) and s << h: I ≈ W ≈ F, within the attention share
+    assert block.i == pytest.approx(block.f, rel=0.03) and block.w == pytest.approx(block.f, rel=0.03)
+    assert block.f == pytest.approx(gpt_block_flops(batch=2, seq=128, hidden=1024)[0] / 1e14)
+    head = table.pieces[-1]
+    assert head.f == pytest.approx(2 * 2 * 128 * 1024 * 1000 / 1e14)
+    assert table.pieces[0].i == 0.0  # no gradient flows into token ids
+    assert table.scaled(4).pieces[1].f == pytest.approx(2 * block.f)
+
+
+def test_analytical_gpt_costs_checks_its_arguments():
+    with pytest.raises(CostTableError, match="not a multiple of heads"):
+        analytical_gpt_costs(layers=1, hidden=10, heads=3, seq=4, vocab=5, microbatch_size=1,
+                             flops_per_second=1, bytes_per_second=1)
+    with pytest.raises(CostTableError, match="flops_per_second must be a positive number"):
+        analytical_gpt_costs(layers=1, hidden=8, heads=2, seq=4, vocab=5, microbatch_size=1,
+                             flops_per_second=0, bytes_per_second=1)
+
+
+def test_table_for_size_interpolates_between_measured_sizes():
+    from pipeloom.plan.costs import table_for_size
+
+    small = CostTable(pieces=(Piece(name="a", f=1.0, i=1.0, w=1.0, activation_bytes=10, param_bytes=7),),
+                      microbatch_size=1)
+    large = CostTable(pieces=(Piece(name="a", f=5.0, i=3.0, w=1.0, activation_bytes=50, param_bytes=7),),
+                      microbatch_size=5)
+    assert table_for_size([small, large], 5) is large
+    middle = table_for_size([large, small], 2).pieces[0]  # any order
+    assert (middle.f, middle.i, middle.w, middle.activation_bytes) == (2.0, 1.5, 1.0, 20.0)
+    assert table_for_size([small, large], 10).pieces[0].f == 10.0  # beyond: the nearest, scaled
+    assert table_for_size(small, 3).pieces[0].f == 3.0
+    other = CostTable(pieces=(Piece(name="b", f=1, i=1, w=1),), microbatch_size=2)
+    with pytest.raises(CostTableError, match="list different pieces"):
+        table_for_size([small, other], 2)

@@ -1,0 +1,80 @@
+"""The ``pipeloom.plan/1`` file: round trip, strict keys, and the checks a hand-edited plan needs.
+
+Oracle: the stage counts each built-in schedule runs (checked against the schedules themselves).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipeloom import build_schedule
+from pipeloom.plan import PLAN_FORMAT, Plan, PlanError, load_plan, save_plan
+from pipeloom.plan.placement import schedule_shape
+from pipeloom.plan.plan import model_stage_count, plan_from_json, plan_to_json
+from pipeloom.schedules import REGISTRY
+
+
+def _plan(**overrides) -> Plan:
+    return Plan(**{"num_ranks": 2, "split_points": ("blocks.2", "blocks.4", "blocks.6"), "schedule": "zbv",
+                   "microbatches": 8, "global_batch": 32, "predicted_step_time": 1.5,
+                   "peak_memory": (10.0, 12.0), "memory_limit": 16.0, "bubble_ratio": 0.1,
+                   "stage_times": (0.1, 0.1, 0.1, 0.1), "device": "cpu", **overrides})
+
+
+def test_round_trip(tmp_path):
+    plan = _plan()
+    save_plan(plan, tmp_path / "plan.json")
+    document = json.loads((tmp_path / "plan.json").read_text())
+    assert document["format"] == PLAN_FORMAT and document["microbatch_size"] == 4
+    assert set(document) >= {"num_ranks", "split_points", "schedule", "schedule_options", "microbatches",
+                             "global_batch", "predicted_step_time", "peak_memory"}
+    assert load_plan(tmp_path / "plan.json") == plan
+
+
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+def test_model_stage_count_matches_the_schedules(name):
+    options = {"stages_per_rank": 3} if "stages_per_rank" in REGISTRY[name].options else {}
+    schedule = build_schedule(name, 4, 8, **options)
+    assert model_stage_count(name, 4, options) == schedule_shape(schedule).num_model_stages
+    assert model_stage_count("my_schedule.json", 4) is None
+
+
+def test_plan_checks():
+    with pytest.raises(PlanError, match="zbv.* runs 4 model stages.*give 3 split points"):
+        _plan(split_points=("blocks.2",))
+    with pytest.raises(PlanError, match="not a multiple of microbatches"):
+        _plan(global_batch=30)
+    with pytest.raises(PlanError, match="does not take stages_per_rank"):
+        _plan(schedule_options={"stages_per_rank": 2})
+    with pytest.raises(PlanError, match="distinct module names"):
+        _plan(split_points=("a", "a", "b"))
+    assert _plan(schedule="interleaved-1f1b", schedule_options={"stages_per_rank": 2}).num_stages == 4
+
+
+@pytest.mark.parametrize(("change", "words"), [
+    (lambda d: d.update(format="pipeloom.plan/2"), "expected 'pipeloom.plan/1'"),
+    (lambda d: d.update(stages=3), r"unknown key\(s\) \['stages'\]"),
+    (lambda d: d.pop("schedule"), "missing key 'schedule'"),
+    (lambda d: d.update(microbatches="8"), "plan.microbatches: expected an integer"),
+    (lambda d: d.update(microbatch_size=3), "microbatch_size 3 is not global_batch / microbatches = 4"),
+    (lambda d: d.update(split_points="blocks.2"), "split_points: expected a list of strings"),
+])
+def test_json_errors(change, words):
+    document = json.loads(plan_to_json(_plan()))
+    change(document)
+    with pytest.raises(PlanError, match=words):
+        plan_from_json(json.dumps(document))
+
+
+def test_a_saved_schedule_is_found_next_to_the_plan(tmp_path):
+    plan = _plan(schedule="searched.json")
+    save_plan(plan, tmp_path / "plan.json")
+    loaded = load_plan(tmp_path / "plan.json")
+    assert loaded.schedule == str(tmp_path / "searched.json")
+
+
+def test_load_plan_names_the_file(tmp_path):
+    with pytest.raises(PlanError, match="nowhere.json"):
+        load_plan(tmp_path / "nowhere.json")

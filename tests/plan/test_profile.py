@@ -1,0 +1,96 @@
+"""The profiler on small CPU models.
+
+Oracles: exact byte counts (parameters, outputs, the activations a Linear + ReLU saves), the module
+structure (piece names, call order, DAG inputs from a skip connection), and that profiling leaves
+no gradients behind. Times are only checked to be positive: no timed assertions.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn
+
+from pipeloom.plan.profile import default_pieces, profile_model
+
+
+class MLP(nn.Module):
+    def __init__(self, width: int = 16, depth: int = 3) -> None:
+        super().__init__()
+        self.inp = nn.Linear(width, width)
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.out = nn.Linear(width, 2)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return self.out(x)
+
+
+class Skip(nn.Module):
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.a = nn.Linear(width, width)
+        self.b = nn.Linear(width, width)
+        self.c = nn.Linear(width, width)
+
+    def forward(self, x):
+        first = self.a(x)
+        return self.c(self.b(first)) + first  # the add runs in piece c, reading a's output
+
+
+class Declared(nn.Module):
+    """Children declared in another order than called, one never called."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.second = nn.Linear(4, 4)
+        self.unused = nn.Linear(4, 4)
+        self.first = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.second(self.first(x))
+
+
+def test_default_pieces_expand_module_lists_in_call_order():
+    assert default_pieces(MLP()) == ["inp", "layers.0", "layers.1", "layers.2", "out"]
+    assert default_pieces(Declared()) == ["first", "second"]
+
+
+def test_profile_counts_bytes_exactly():
+    torch.manual_seed(0)
+    model = MLP()
+    x = torch.randn(5, 16)
+    table = profile_model(model, x, warmup=0, repeats=1)
+    assert table.names == ("inp", "layers.0", "layers.1", "layers.2", "out")
+    assert table.is_chain and table.microbatch_size == 5 and table.source == "profile"
+    assert table.device.startswith("cpu")
+    assert table.pieces[0].param_bytes == (16 * 16 + 16) * 4
+    assert table.pieces[-1].param_bytes == (16 * 2 + 2) * 4
+    assert [p.output_bytes for p in table.pieces] == [5 * 16 * 4] * 4 + [5 * 2 * 4]
+    # layers.k saves its input (for the weight gradient) and relu's output: 2 x (5, 16) floats
+    assert table.pieces[1].activation_bytes == 2 * 5 * 16 * 4
+    for piece in table.pieces:
+        assert piece.f > 0 and piece.i >= 0 and piece.w > 0
+    assert table.pieces[0].i == 0.0 or table.pieces[0].i < table.pieces[0].w * 10  # no float input to stage 0
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_profile_reads_dag_inputs_and_runs_the_loss():
+    model = Skip()
+    x, y = torch.randn(3, 8), torch.randn(3, 8)
+    table = profile_model(model, x, warmup=0, repeats=1, loss_fn=nn.functional.mse_loss, target=y)
+    assert [p.inputs for p in table.pieces] == [(), ("a",), ("a", "b")]
+    assert not table.is_chain
+
+
+def test_profile_takes_given_pieces_and_options():
+    model = MLP(depth=4)
+    table = profile_model(model, torch.randn(2, 16), pieces=["inp", "layers.2", "out"], warmup=1, repeats=2,
+                          optimizer_factor=6.0)
+    assert table.names == ("inp", "layers.2", "out")
+    assert table.optimizer_factor == 6.0
+    # "inp" runs up to layers.2, so it holds inp, layers.0 and layers.1
+    assert table.pieces[0].param_bytes == 3 * (16 * 16 + 16) * 4

@@ -1,0 +1,157 @@
+"""The plan search: re-costed schedules, the best plan against its candidates, and infeasible requests.
+
+Oracles: 1F1B's closed-form makespan (m + p - 1)(F + B) for equal stages and a free link, the
+validator on every re-costed schedule, the simulator's peak against the limit, and re-planning
+with the limit an error message suggests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from pipeloom import validate
+from pipeloom.plan import CostTable, Link, Piece, PlanError, load_plan, plan_pipeline
+from pipeloom.plan.partitioner import SchedulePartitioner
+from pipeloom.plan.placement import library_schedule
+from pipeloom.plan.search import DEFAULT_SCHEDULES, NoPlanFits, recost, replica_sync_time
+from pipeloom.schedules import REGISTRY
+
+
+def _table(n: int = 8, **overrides) -> CostTable:
+    pieces = tuple(Piece(name=f"blocks.{k}", f=1.0, i=1.0, w=1.0, activation_bytes=100.0, w_activation_bytes=20.0,
+                         param_bytes=10.0, output_bytes=8.0) for k in range(n))
+    return CostTable(**{"pieces": pieces, "microbatch_size": 1, **overrides})
+
+
+def test_default_schedules_are_every_built_in():
+    assert set(DEFAULT_SCHEDULES) == set(REGISTRY)
+
+
+def test_1f1b_prediction_matches_the_closed_form():
+    # 8 equal pieces on 4 ranks: 2 per stage, F = 2, B = I + W = 4 per stage; free link
+    result = plan_pipeline(_table(), num_ranks=4, global_batch=8, schedules=["1f1b"], microbatches=[8])
+    assert result.plan.split_points == ("blocks.2", "blocks.4", "blocks.6")
+    assert result.plan.predicted_step_time == pytest.approx((8 + 4 - 1) * (2 + 4))
+    assert result.plan.stage_times == (6.0, 6.0, 6.0, 6.0)
+    # static memory: 2 pieces x 10 bytes x (2 + optimizer factor 2); 1F1B holds p - r micro-batches
+    assert result.plan.peak_memory == tuple(80 + (4 - r) * 200.0 for r in range(4))
+
+
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+def test_recosted_schedules_validate_and_keep_the_task_graph(name):
+    table = _table(16, link=Link(latency=0.25))
+    options = {"stages_per_rank": 2} if "stages_per_rank" in REGISTRY[name].options else {}
+    schedule = library_schedule(table, name, 4, 8, memory_limit=None, **options)
+    found = SchedulePartitioner(table).partition(schedule, memory_limit=None)
+    problem = recost(schedule, table, found, memory_limit=None)
+    assert {t.key: (t.ranks, set(t.deps)) for t in problem.tasks} == \
+        {t.key: (t.ranks, set(t.deps)) for t in schedule.problem.tasks}
+    assert problem.comm_latency == 0.25  # link latency + 8 bytes at unlimited bandwidth
+    timeline = validate(dataclasses.replace(schedule, problem=problem), ordered=True)
+    assert sum(timeline.busy) == pytest.approx(sum(t.duration for t in problem.tasks) * schedule.num_microbatches)
+
+
+def test_the_best_plan_is_the_fastest_candidate_that_fits():
+    table = _table(12, link=Link(latency=0.1, bandwidth=100.0))
+    limit = 1500.0
+    result = plan_pipeline(table, num_ranks=4, global_batch=16, memory_limit=limit)
+    fitting = [c for c in result.candidates if c.fits]
+    assert fitting and result.candidates[:len(fitting)] == tuple(fitting)  # fitting ones first
+    assert result.plan.predicted_step_time == min(c.step_time for c in fitting)
+    assert [c.step_time for c in fitting] == sorted(c.step_time for c in fitting)
+    for candidate in fitting:
+        assert max(candidate.timeline.peak_memory) <= limit
+    assert max(result.plan.peak_memory) <= limit
+    assert result.timeline.makespan == pytest.approx(result.plan.predicted_step_time)
+    assert any(not c.fits and "needs about" in c.reason for c in result.candidates)  # GPipe at large M
+    assert result.plan.global_batch == 16 and 16 % result.plan.microbatches == 0
+
+
+def test_two_replica_schedules_pay_the_gradient_exchange():
+    table = _table(8, link=Link(latency=0.5, bandwidth=10.0))
+    result = plan_pipeline(table, num_ranks=4, global_batch=8, schedules=["chimera"], microbatches=[8])
+    best = result.candidates[0]
+    # every rank holds two stages of 2 pieces: 40 parameter bytes -> 0.5 + 40 / 10 seconds
+    assert replica_sync_time(table, best.timeline.schedule, best.partition) == 4.5
+    assert best.step_time == pytest.approx(best.timeline.makespan + 4.5)
+
+
+def test_memory_too_small_names_a_limit_that_fits():
+    table = _table(8)
+    with pytest.raises(PlanError, match="no plan fits 100 B per rank.*the smallest that fits is about") as caught:
+        plan_pipeline(table, num_ranks=4, global_batch=8, memory_limit=100.0)
+    suggested = caught.value.smallest_limit
+    assert isinstance(caught.value, NoPlanFits)
+    result = plan_pipeline(table, num_ranks=4, global_batch=8, memory_limit=suggested)
+    assert max(result.plan.peak_memory) <= suggested
+
+
+def test_more_ranks_than_pieces_says_how_many_fit():
+    with pytest.raises(PlanError, match="8 ranks need at least 8 pieces.*at most 3 ranks"):
+        plan_pipeline(_table(3), num_ranks=8, global_batch=8)
+
+
+def test_too_many_stages_for_every_schedule():
+    with pytest.raises(PlanError, match="no plan could be built.*too many stages"):
+        plan_pipeline(_table(3), num_ranks=2, global_batch=4, schedules=["zbv", "interleaved-1f1b"],
+                      microbatches=[4])
+
+
+def test_bad_requests():
+    with pytest.raises(PlanError, match="does not divide the global batch 8"):
+        plan_pipeline(_table(), num_ranks=2, global_batch=8, microbatches=[3])
+    with pytest.raises(PlanError, match="unknown schedule"):
+        plan_pipeline(_table(), num_ranks=2, global_batch=8, schedules=["2f2b"])
+    with pytest.raises(PlanError, match="num_ranks must be a positive integer"):
+        plan_pipeline(_table(), num_ranks=0, global_batch=8)
+
+
+def test_micro_batch_size_scales_the_table():
+    # twice the samples per micro-batch, half as many micro-batches: 1F1B's fill costs twice as much
+    table = _table(4)
+    one = plan_pipeline(table, num_ranks=4, global_batch=8, schedules=["1f1b"], microbatches=[8])
+    two = plan_pipeline(table, num_ranks=4, global_batch=8, schedules=["1f1b"], microbatches=[4])
+    assert one.plan.predicted_step_time == pytest.approx((8 + 3) * 3)
+    assert two.plan.predicted_step_time == pytest.approx((4 + 3) * 6)
+    assert two.plan.microbatch_size == 2
+
+
+def test_save_writes_a_plan_the_runtime_reads(tmp_path):
+    result = plan_pipeline(_table(), num_ranks=2, global_batch=8, schedules=["interleaved-1f1b"], microbatches=[4])
+    result.save(tmp_path / "plan.json")
+    plan = load_plan(tmp_path / "plan.json")
+    assert plan == result.plan
+    assert plan.schedule_options == {"stages_per_rank": 2} and len(plan.split_points) == 3
+
+
+def test_tables_at_several_sizes_capture_fixed_costs():
+    # measured: 1 sample costs 1 s per phase and piece, 4 samples only 1.2 s (a fixed part dominates)
+    pieces = [Piece(name=f"blocks.{k}", f=1.0, i=1.0, w=1.0) for k in range(4)]
+    small = CostTable(pieces=tuple(pieces), microbatch_size=1)
+    large = CostTable(pieces=tuple(dataclasses.replace(p, f=1.2, i=1.2, w=1.2) for p in pieces), microbatch_size=4)
+    alone = plan_pipeline(small, num_ranks=2, global_batch=16, schedules=["1f1b"])
+    both = plan_pipeline([small, large], num_ranks=2, global_batch=16, schedules=["1f1b"])
+    assert alone.plan.microbatch_size == 1  # linear scaling sees no fixed cost
+    assert both.plan.microbatch_size == 4
+    assert both.plan.predicted_step_time == pytest.approx((4 + 1) * 2 * 3.6)  # (m + p - 1)(F + B), 2 pieces
+
+
+def test_the_search_can_beat_a_built_in_and_its_schedule_is_saved(tmp_path):
+    from pipeloom import load_schedule
+
+    costs = [1, 3, 1, 2, 1, 1, 4, 1]
+    table = CostTable(pieces=tuple(Piece(name=f"b{k}", f=c, i=c, w=0.5, activation_bytes=1) for k, c in enumerate(costs)),
+                      microbatch_size=1, link=Link(latency=0.5))
+    plain = plan_pipeline(table, num_ranks=4, global_batch=8, schedules=["zb-h1"], microbatches=[8])
+    searched = plan_pipeline(table, num_ranks=4, global_batch=8, schedules=["zb-h1"], microbatches=[8],
+                             search_time=3.0)
+    assert searched.plan.schedule == "search"
+    assert searched.plan.predicted_step_time < plain.plan.predicted_step_time
+    assert searched.plan.split_points == plain.plan.split_points  # same cut, better order
+    searched.save(tmp_path / "plan.json")
+    plan = load_plan(tmp_path / "plan.json")
+    assert plan.schedule == str(tmp_path / "plan.schedule.json")
+    timeline = validate(load_schedule(plan.schedule), ordered=True)
+    assert timeline.makespan == pytest.approx(searched.plan.predicted_step_time)
