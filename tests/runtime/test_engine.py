@@ -189,3 +189,18 @@ def test_values_that_are_not_tensors_cannot_cross_stages():
     with pytest.raises(PipelineError, match="'output 0' passed from stage 0 to stage 1 is of type int") as caught:
         engine.step(torch.randn(4, 2), target=torch.zeros(4))
     assert isinstance(caught.value.__cause__, StageValueError)
+
+
+def test_a_plan_file_gives_split_points_schedule_and_microbatches(tmp_path):
+    from pipeloom.plan import Plan, save_plan
+
+    plan = Plan(num_ranks=1, split_points=("layers.4",), schedule="zbv", microbatches=4, global_batch=16,
+                predicted_step_time=1.0)
+    save_plan(plan, tmp_path / "plan.json")
+    model = build("residual")
+    reference = copy.deepcopy(model)
+    engine = pipeline(model, plan=tmp_path / "plan.json", loss_fn=F.cross_entropy)
+    assert engine.schedule.name == "zbv" and engine.num_microbatches == 4 and len(engine.local_stages) == 2
+    (x,), y = batch("residual")
+    assert torch.equal(engine.step(x, target=y), reference_step(reference, (x,), y, 4))
+    assert mismatches(model, reference, {id(p) for p in model.parameters()}) == []
