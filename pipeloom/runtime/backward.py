@@ -36,8 +36,7 @@ def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
     if param.grad is None:
         param.grad = grad.detach()
     else:
-        with torch.no_grad():
-            param.grad += grad
+        param.grad.add_(grad)  # .grad never requires grad: no autograd recording
 
 
 def _differentiable(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]):
@@ -110,14 +109,17 @@ def _graph(roots: Sequence[Node]) -> tuple[list[Node], dict[Node, list[Node]]]:
 
 def _reaching(order: list[Node], children: dict[Node, list[Node]], targets: set[Node]) -> set[Node]:
     """Nodes from which some node of ``targets`` can be reached (targets included)."""
+    parents: dict[Node, list[Node]] = {}
+    for node in order:
+        for child in children[node]:
+            parents.setdefault(child, []).append(node)
     reach = set(targets)
-    changed = True
-    while changed:  # discovery order is nearly topological: one or two rounds in practice
-        changed = False
-        for node in reversed(order):
-            if node not in reach and any(child in reach for child in children[node]):
-                reach.add(node)
-                changed = True
+    stack = list(targets)
+    while stack:
+        for parent in parents.get(stack.pop(), ()):
+            if parent not in reach:
+                reach.add(parent)
+                stack.append(parent)
     return reach
 
 
