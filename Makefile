@@ -1,10 +1,11 @@
 # Two entry points: `make demo` and `make test`. Both create .venv and install what they need.
-# The schedule workbench needs no torch; the test suite installs the CPU build of torch 2.13
-# (from this machine's wheel cache) to check our CSV export against torch's own parser and validator.
+# The schedule workbench needs no torch; the runtime demo and the test suite install the CPU build
+# of torch 2.13 (from this machine's wheel cache; the package itself accepts a range of versions).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 BASE := $(VENV)/.installed-base
+TORCH := $(VENV)/.installed-torch
 TESTING := $(VENV)/.installed-test
 DEMO_DIR ?= demo-output
 
@@ -15,15 +16,23 @@ $(BASE): pyproject.toml Makefile
 	$(PY) -m pip install -q -e .
 	touch $(BASE)
 
-$(TESTING): $(BASE)
+$(TORCH): $(BASE)
 	$(PY) -m pip install -q torch==2.13.0
+	touch $(TORCH)
+
+$(TESTING): $(TORCH)
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(TESTING)
 
 install: $(BASE)
 
-demo: $(BASE)
+demo: $(TORCH)
 	$(VENV)/bin/pipeloom demo --out $(DEMO_DIR)
+	@echo "== training a small GPT with ZB-V on 2 CPU ranks (gloo), timed per action =="
+	rm -rf $(DEMO_DIR)/trace
+	$(PY) -m torch.distributed.run --standalone --nproc-per-node 2 examples/train_gpt.py \
+		--schedule zbv --steps 6 --trace $(DEMO_DIR)/trace
+	$(VENV)/bin/pipeloom trace $(DEMO_DIR)/trace -o $(DEMO_DIR)/measured-trace.json --png $(DEMO_DIR)/measured.png
 
 test: $(TESTING)
 	PIPELOOM_REQUIRE_TORCH=1 $(PY) -m pytest -q -n 2
