@@ -14,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import datetime
 import pickle
+import queue
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -102,6 +104,8 @@ class Messenger:
         self.position = {uid: i for order in pair_order.values() for i, uid in enumerate(order)}
         self.incoming = {src: order for (src, dst), order in pair_order.items() if dst == rank}
         self.events: list | None = None
+        self._queue: queue.Queue | None = None  # gloo: sends are posted by a helper thread
+        self._send_error: PipelineError | None = None
 
     # --------------------------------------------------------------------------- per step state
 
@@ -155,7 +159,27 @@ class Messenger:
             self.batch_ops.append((dist.P2POp(dist.isend, tensor, dst, self.group, tag), entry, 0))
             self.sent.append(entry)
         else:
-            self.sent.append([self._call(dist.isend, tensor, dst, tag, unit, "sending"), tensor, unit])
+            entry = [None, tensor, unit]
+            self.sent.append(entry)
+            self._sender().put((entry, dst, tag))
+
+    def _sender(self) -> queue.Queue:
+        """The queue of a thread that posts the sends, so the compute thread never blocks on one."""
+        if self._queue is None:
+            self._queue = queue.Queue()
+            threading.Thread(target=self._post_sends, name="pipeloom-sends", daemon=True).start()
+        return self._queue
+
+    def _post_sends(self) -> None:
+        while True:
+            entry, dst, tag = self._queue.get()
+            try:
+                if self._send_error is None:
+                    entry[0] = self._call(dist.isend, entry[1], dst, tag, entry[2], "sending")
+            except PipelineError as error:
+                self._send_error = error
+            finally:
+                self._queue.task_done()
 
     def flush(self) -> None:
         """Post the batched operations (NCCL)."""
@@ -167,6 +191,10 @@ class Messenger:
 
     def finish(self) -> None:
         """Wait for every send of the step (bounded by the timeout)."""
+        if self._queue is not None:
+            self._queue.join()
+        if self._send_error is not None:
+            raise self._send_error
         for work, _, unit in self.sent:
             if work is not None:
                 self._wait(work, unit, "sending")
