@@ -523,15 +523,11 @@ class _StepRun:
         engine = self.engine
         program = engine.program if self.training else engine.eval_program
         messenger = engine.messenger
+        self._post_ahead(program, 0)
         for t, step in enumerate(program):
             self.current = step
-            if not messenger.discover:
-                for ahead in program[t:t + LOOKAHEAD + 1]:
-                    for uid in ahead.recvs:
-                        if self.wants(self.low.units[uid]):
-                            messenger.post_through(uid)
             kind = step.action.kind
-            if kind == "F":  # receive first, so compute times hold no waiting
+            if kind == "F":  # receive first, so an action's time holds no waiting
                 for uid in step.recvs:
                     if uid not in self.received:
                         self.received[uid] = messenger.receive(uid)
@@ -544,12 +540,23 @@ class _StepRun:
                 self.backward(step)
             elif kind == "W":
                 self.weight(step)
-            if self.events is not None:
-                self.events.append((str(step.action), "compute", start, time.time_ns()))
             for unit, tensors, specs in self.outbox:
                 messenger.send(unit, tensors, specs)
             self.outbox.clear()
+            self._post_ahead(program, t + 1)
+            if self.events is not None:  # compute plus this action's own sends and bookkeeping
+                self.events.append((str(step.action), "compute", start, time.time_ns()))
         self.current = None
+
+    def _post_ahead(self, program: tuple[Step, ...], first: int) -> None:
+        """Post the receives of the next few actions (and, per sender, every earlier one)."""
+        messenger = self.engine.messenger
+        if messenger.discover:
+            return
+        for ahead in program[first:first + LOOKAHEAD + 1]:
+            for uid in ahead.recvs:
+                if self.wants(self.low.units[uid]):
+                    messenger.post_through(uid)
 
     # --------------------------------------------------------------------------- value routing
 
