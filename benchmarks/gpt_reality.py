@@ -1,0 +1,412 @@
+"""The measuring half of ``plan_gpt.py``'s prediction-vs-reality check, on two gloo ranks on this CPU.
+
+One spawned pair of processes (``torch.set_num_threads(1)`` in each: one core per rank) does, in order:
+
+1. **Link**: a gloo ping-pong between the two ranks at two message sizes, fitted as
+   ``latency + bytes / bandwidth``.
+2. **Profile**: both ranks run ``pipeloom.plan.profile_model`` on the example GPT at every micro-batch
+   size the plan search may pick, at the same time (a barrier before each size), so every piece is
+   timed with the other core busy, as in the run; the two ranks' times are averaged.
+3. **Plan**: rank 0 runs ``plan_pipeline`` for 2 ranks and saves the best plan of each schedule.
+4. **Rounds**: for each plan in turn, profile its micro-batch size again, re-predict the plan from that
+   profile (same split and order, ``recost`` + ``simulate``), then run it through
+   ``pipeloom.pipeline(model, plan=...)``: warm-up steps, then timed steps (a barrier, then rank 0's
+   wall clock of ``engine.step``). Profile and run are seconds apart, so the drifting speed of a
+   shared virtual machine hits both alike. A measurement during which other processes used more
+   than ``max_foreign`` cores is taken again.
+5. **Traces**: one traced run per plan (``trace=``) for ``pipeloom.viz.measured``.
+
+Rank 0 writes everything to ``results.json`` in the output folder; ``plan_gpt.py`` prints it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from itertools import pairwise
+from pathlib import Path
+from typing import Self, TypeVar
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import pipeloom
+from pipeloom import Schedule, build_schedule, load_schedule, save_schedule
+from pipeloom.plan import (
+    CostTable,
+    Link,
+    Partition,
+    Plan,
+    plan_pipeline,
+    profile_model,
+    recost,
+    save_costs,
+    save_plan,
+)
+from pipeloom.plan.costs import costs_from_json, costs_to_json, table_for_size
+from pipeloom.plan.search import replica_sync_time
+from pipeloom.sim import simulate
+
+__all__ = ["RealityConfig", "example", "run_reality", "wait_until_quiet"]
+
+T = TypeVar("T")
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+SEQ_LEN = 32  # the example's sequence length (GPTConfig.seq_len)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RealityConfig:
+    """What to profile, plan and run."""
+
+    out: str
+    """Folder for the cost tables, plans, traces and ``results.json``."""
+    layers: int = 8
+    """Transformer blocks of the example GPT (width 64, 4 heads, vocabulary 64, 32 tokens)."""
+    global_batch: int = 16
+    """Sequences per step."""
+    memory_limit: float = float(1 << 30)
+    """Bytes per rank for the plan search (generous: the model is tiny)."""
+    schedules: tuple[str, ...] | None = None
+    """Schedules the plan search tries (None: every built-in one)."""
+    max_plans: int = 10
+    """How many plans to run: the best one of each schedule, best first."""
+    repeats: int = 20
+    """Profiler repeats per piece (medians), after ``profile_warmup``."""
+    profile_warmup: int = 3
+    """Profiler warm-up runs per piece."""
+    rounds: int = 3
+    """Rounds over all plans (each: profile, re-predict and run every plan)."""
+    warmup_steps: int = 3
+    """Untimed steps of each plan at the start of each round."""
+    steps: int = 10
+    """Timed steps of each plan per round."""
+    trace_steps: int = 5
+    """Steps of the traced run of each plan (after ``warmup_steps``)."""
+    max_foreign: float = 0.2
+    """Cores other processes may use during a measurement (a profiled size, a plan's round) before it is
+    measured again: the machine is shared."""
+    retries: int = 5
+    """Extra attempts of a measurement while others use more than ``max_foreign``; then the quietest is kept."""
+    pause: float = 2.0
+    """Seconds to wait before measuring again."""
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "global_batch", "max_plans", "repeats", "rounds", "steps", "trace_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def sizes(self) -> list[int]:
+        """Micro-batch sizes the plan search may pick: the divisors of the global batch."""
+        return [b for b in range(1, self.global_batch + 1) if self.global_batch % b == 0]
+
+
+def example():
+    """The example script as a module (``build_model``, ``lm_loss``, ``synthetic_batch``...)."""
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))
+    import train_gpt
+
+    return train_gpt
+
+
+def _cpu_busy() -> tuple[float, float]:
+    """``(busy CPU seconds of the whole machine, wall seconds)`` from /proc/stat (0, 0 where it is missing)."""
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    except (OSError, ValueError):
+        return 0.0, 0.0
+    ticks = os.sysconf("SC_CLK_TCK")
+    idle = fields[3] + fields[4]  # idle + iowait
+    return (sum(fields) - idle) / ticks, time.monotonic()
+
+
+def wait_until_quiet(*, idle: float = 0.85, limit: float = 120.0) -> float:
+    """Wait (at most ``limit`` seconds) until the machine is idle for ``idle`` of a second; returns the
+    idle share last seen, so a caller can say when it started on a busy machine."""
+    started = time.monotonic()
+    share = 0.0
+    while time.monotonic() - started < limit:
+        busy0, wall0 = _cpu_busy()
+        time.sleep(1.0)
+        busy1, wall1 = _cpu_busy()
+        if wall1 == 0.0:
+            return 1.0
+        share = 1.0 - (busy1 - busy0) / ((wall1 - wall0) * (os.cpu_count() or 1))
+        if share >= idle:
+            break
+    return share
+
+
+class _Foreign:
+    """CPU that processes other than the two ranks used while it was open, in cores (rank 0 reads it)."""
+
+    def __enter__(self) -> Self:
+        self.busy, self.wall = _cpu_busy()
+        self.own = time.process_time()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        busy, wall = _cpu_busy()
+        own = torch.tensor([time.process_time() - self.own], dtype=torch.float64)
+        dist.all_reduce(own)  # both ranks' CPU seconds, gloo threads included
+        cores = (busy - self.busy - float(own)) / (wall - self.wall) if wall > self.wall else 0.0
+        shared = torch.tensor([max(0.0, cores)], dtype=torch.float64)
+        dist.broadcast(shared, src=0)  # rank 0's reading on both ranks, so they agree on retrying
+        self.cores = float(shared)
+
+
+def _quiet(work: Callable[[], T], config: RealityConfig) -> tuple[T, float, int]:
+    """``work()`` (run on both ranks) repeated while other processes used more than ``config.max_foreign``
+    cores during it, at most ``config.retries`` more times. Returns the attempt with the least foreign
+    load, that load in cores, and the number of attempts."""
+    best: tuple[T, float] | None = None
+    attempt = 0
+    for attempt in range(1, config.retries + 2):
+        with _Foreign() as foreign:
+            result = work()
+        if best is None or foreign.cores < best[1]:
+            best = (result, foreign.cores)
+        if foreign.cores <= config.max_foreign:
+            break
+        time.sleep(config.pause)
+    assert best is not None
+    return best[0], best[1], attempt
+
+
+# --------------------------------------------------------------------------------------- link
+
+
+def _one_way(rank: int, nbytes: int, repeats: int) -> float:
+    """Median of half a ping-pong of ``nbytes`` between ranks 0 and 1, in seconds."""
+    buffer = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
+    samples = []
+    for k in range(repeats + 5):
+        dist.barrier()
+        start = time.perf_counter()
+        if rank == 0:
+            dist.send(buffer, 1)
+            dist.recv(buffer, 1)
+        else:
+            dist.recv(buffer, 0)
+            dist.send(buffer, 0)
+        if k >= 5:
+            samples.append((time.perf_counter() - start) / 2)
+    return statistics.median(samples)
+
+
+def _measure_link(rank: int, *, small: int, large: int, repeats: int = 200) -> tuple[Link, dict[int, float]]:
+    """gloo's link, ``latency + bytes / bandwidth`` through the one-way times at ``small`` and ``large`` bytes."""
+    times = {nbytes: _one_way(rank, nbytes, repeats) for nbytes in (small, large)}
+    shared = [times]
+    dist.broadcast_object_list(shared, src=0)  # rank 0's numbers on both ranks
+    times = shared[0]
+    slope = (times[large] - times[small]) / (large - small)
+    if slope <= 0:
+        return Link(latency=times[small]), times
+    return Link(latency=max(0.0, times[small] - small * slope), bandwidth=1 / slope), times
+
+
+# ------------------------------------------------------------------------------------ profile
+
+
+def _profile_together(config: RealityConfig, link: Link, sizes: list[int]) -> tuple[list[CostTable], list[dict]]:
+    """Both ranks profile every size at once (each size again while others load the machine); the
+    tables with the two ranks' times averaged, and per size the foreign load and attempts."""
+    gpt = example()
+    tables, notes = [], []
+    for size in sizes:
+        model = gpt.build_model(layers=config.layers)
+        inputs, target = gpt.synthetic_batch(0, batch=size, seq_len=SEQ_LEN, vocab=model.head.out_features)
+
+        def measure(model=model, inputs=inputs, target=target) -> CostTable:
+            dist.barrier()
+            table = profile_model(model, inputs, loss_fn=gpt.lm_loss, target=target,
+                                  warmup=config.profile_warmup, repeats=config.repeats, link=link)
+            both: list[str | None] = [None, None]
+            dist.all_gather_object(both, costs_to_json(table))
+            return _mean_table([costs_from_json(text) for text in both])
+
+        table, foreign, attempts = _quiet(measure, config)
+        tables.append(table)
+        notes.append({"size": size, "foreign": foreign, "attempts": attempts})
+    return tables, notes
+
+
+def _mean_table(tables: list[CostTable]) -> CostTable:
+    """One table with each piece's f, i and w the mean over ``tables`` (same model, same size)."""
+    pieces = tuple(
+        dataclasses.replace(group[0], **{key: statistics.fmean(getattr(p, key) for p in group) for key in "fiw"})
+        for group in zip(*(table.pieces for table in tables))
+    )
+    return dataclasses.replace(tables[0], pieces=pieces, device="cpu (1 thread per rank, both ranks profiling)")
+
+
+# --------------------------------------------------------------------------------------- plan
+
+
+def choose_plans(tables: list[CostTable], config: RealityConfig) -> tuple[list[dict], float]:
+    """Plan, and save the best plan of each schedule (best first, at most ``max_plans``) in ``out``.
+
+    Returns one record per plan (its file, label, prediction...) and the search's seconds. The engine
+    builds a built-in name with default costs; where that order differs from the one the search
+    simulated (cost-aware generators such as ZB-V), the plan names a saved copy of the simulated
+    order instead (``own_order``), so the run executes what was predicted.
+    """
+    result = plan_pipeline(tables, num_ranks=2, global_batch=config.global_batch,
+                           memory_limit=config.memory_limit, schedules=config.schedules)
+    records, seen = [], set()
+    for candidate in (c for c in result.candidates if c.fits):
+        if candidate.label in seen or len(records) == config.max_plans:
+            continue
+        seen.add(candidate.label)
+        path = Path(config.out) / f"plan{len(records)}-{candidate.schedule}.json"
+        schedule, options = candidate.schedule, candidate.schedule_options
+        own_order = not _same_order(build_schedule(schedule, 2, candidate.microbatches, **options),
+                                    candidate.timeline.schedule)
+        if own_order:
+            schedule_file = path.with_name(f"{path.stem}.schedule.json")
+            save_schedule(candidate.timeline.schedule, schedule_file)
+            schedule, options = schedule_file.name, {}
+        save_plan(Plan(num_ranks=2, split_points=candidate.split_points, schedule=schedule,
+                       schedule_options=options, microbatches=candidate.microbatches,
+                       global_batch=config.global_batch, predicted_step_time=candidate.step_time,
+                       peak_memory=candidate.timeline.peak_memory, memory_limit=config.memory_limit,
+                       bubble_ratio=candidate.bubble_ratio, stage_times=candidate.partition.stage_times,
+                       device=tables[0].device), path)
+        records.append({
+            "file": str(path), "label": candidate.label, "schedule": candidate.schedule,
+            "schedule_options": options if not own_order else candidate.schedule_options,
+            "run_schedule": str(path.with_name(schedule)) if own_order else None,
+            "microbatches": candidate.microbatches, "microbatch_size": candidate.microbatch_size,
+            "split_points": list(candidate.split_points), "predicted": candidate.step_time, "own_order": own_order,
+        })
+    return records, result.seconds
+
+
+def predict(record: dict, tables: list[CostTable], config: RealityConfig) -> float:
+    """The plan search's prediction for a saved plan, re-made from ``tables``: the same split and
+    action order, re-costed (``recost``) and simulated, plus the replicas' gradient exchange."""
+    if record["run_schedule"] is not None:
+        schedule = load_schedule(record["run_schedule"])
+    else:
+        schedule = build_schedule(record["schedule"], 2, record["microbatches"], **record["schedule_options"])
+    table = table_for_size(tables, record["microbatch_size"])
+    starts = [0] + [table.names.index(name) for name in record["split_points"]] + [len(table.pieces)]
+    count = len(starts) - 1
+    split = Partition(stage_of=tuple(j for j in range(count) for _ in range(starts[j], starts[j + 1])),
+                      split_points=tuple(record["split_points"]), stage_times=(0.0,) * count,
+                      stage_memory=(0.0,) * count, objective=0.0, weight=0.0)
+    problem = recost(schedule, table, split, memory_limit=config.memory_limit)
+    return simulate(dataclasses.replace(schedule, problem=problem)).makespan + replica_sync_time(table, schedule, split)
+
+
+def _same_order(a: Schedule, b: Schedule) -> bool:
+    return [list(map(str, actions)) for actions in a.ranks] == [list(map(str, actions)) for actions in b.ranks]
+
+
+# ---------------------------------------------------------------------------------------- run
+
+
+def _engine(plan_file: str, config: RealityConfig, trace: str | None = None):
+    gpt = example()
+    model = gpt.build_model(layers=config.layers)
+    return pipeloom.pipeline(model, plan=plan_file, loss_fn=gpt.lm_loss, trace=trace)
+
+
+def _steps(engine, batches: list, count: int, *, first: int = 0) -> list[float]:
+    """Run ``count`` steps; rank 0's wall seconds of each ``engine.step`` (both ranks start it together)."""
+    times = []
+    for step in range(first, first + count):
+        inputs, targets = batches[step % len(batches)]
+        for param in engine.parameters():
+            param.grad = None  # as after optimizer.zero_grad(set_to_none=True): each step starts from no .grad
+        dist.barrier()
+        start = time.perf_counter()
+        engine.step(inputs, target=targets)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def _log(rank: int, started: float, what: str) -> None:
+    if rank == 0:
+        print(f"[{time.perf_counter() - started:6.1f} s] {what}", file=sys.stderr, flush=True)
+
+
+def _worker(rank: int, store_file: str, config: RealityConfig) -> None:
+    begun = time.perf_counter()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=2)
+    gpt = example()
+    out = Path(config.out)
+    unit = 4 * SEQ_LEN * 64  # bytes of one sample's activations between blocks (float32, width 64)
+    _log(rank, begun, "measuring the link")
+    link, link_times = _measure_link(rank, small=unit, large=config.global_batch * unit * 8)
+    _log(rank, begun, "profiling every micro-batch size")
+    started = time.perf_counter()
+    tables, notes = _profile_together(config, link, config.sizes)
+    profiled = {"seconds": time.perf_counter() - started, "sizes": notes}
+    shared: list = [None]
+    if rank == 0:
+        for table in tables:
+            save_costs(table, out / f"costs-b{table.microbatch_size}.json")
+        shared = [choose_plans(tables, config)]
+    dist.broadcast_object_list(shared, src=0)
+    records, profiled["plan_seconds"] = shared[0]
+    engines = [_engine(record["file"], config) for record in records]
+    batches = [gpt.synthetic_batch(step, batch=config.global_batch, seq_len=SEQ_LEN, vocab=64) for step in range(8)]
+    for round_ in range(config.rounds):
+        _log(rank, begun, f"round {round_ + 1} of {config.rounds}: profile, predict and run each of {len(records)} plans")
+        for record, engine in zip(records, engines):
+            _measure_plan(rank, record, engine, batches, config, link)
+    _log(rank, begun, "traced runs")
+    for k, record in enumerate(records):
+        record["trace"] = str(out / f"trace{k}-{record['schedule']}")
+        _steps(_engine(record["file"], config, trace=record["trace"]), batches, config.warmup_steps + config.trace_steps)
+    if rank == 0:
+        (out / "results.json").write_text(json.dumps({
+            "link": {"latency": link.latency, "bandwidth": link.bandwidth},
+            "link_times": {str(k): v for k, v in link_times.items()}, "profile": profiled, "plans": records,
+        }, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _measure_plan(rank: int, record: dict, engine, batches: list, config: RealityConfig, link: Link) -> None:
+    """One round of one plan: profile its micro-batch size, re-predict, run; appended to ``record`` (rank 0)."""
+    (table,), (note,) = _profile_together(config, link, [record["microbatch_size"]])
+
+    def measure() -> list[float]:
+        _steps(engine, batches, config.warmup_steps)
+        return _steps(engine, batches, config.steps, first=config.warmup_steps)
+
+    times, foreign, attempts = _quiet(measure, config)
+    if rank == 0:
+        entry = {"predicted": predict(record, [table], config), "times": times, "foreign": foreign,
+                 "attempts": attempts, "profile_foreign": note["foreign"], "profile_attempts": note["attempts"],
+                 "stage_costs": _stage_costs(record, table)}
+        record.setdefault("rounds", []).append(entry)
+
+
+def _stage_costs(record: dict, table: CostTable) -> list[dict]:
+    """Per model stage of the plan: the profiled F, I, W in seconds."""
+    starts = [0] + [table.names.index(name) for name in record["split_points"]] + [len(table.pieces)]
+    return [{kind: sum(getattr(p, kind.lower()) for p in table.pieces[a:b]) for kind in "FIW"}
+            for a, b in pairwise(starts)]
+
+
+def run_reality(config: RealityConfig) -> dict:
+    """Measure, profile, plan and run on two spawned gloo ranks; the ``results.json`` document."""
+    Path(config.out).mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as folder:
+        mp.spawn(_worker, args=(str(Path(folder) / "store"), config), nprocs=2, join=True)
+    return json.loads((Path(config.out) / "results.json").read_text())
