@@ -336,10 +336,16 @@ class PipelineEngine:
 
     def _merge_replicas(self, run: _StepRun) -> None:
         """Two-replica schedules: add each piece's micro-batch gradients in micro-batch order on the
-        first replica's rank, and give both replicas the same result."""
+        first replica's rank, and give both replicas the same result.
+
+        The second replica sends all its micro-batch gradients of a piece at once (a presence mask and
+        one flat buffer per dtype); the first adds everything in micro-batch order and sends the sums
+        back the same way. Pieces go in index order on every rank, so the exchanges pair up.
+        """
         if self.lowering.replicas == 1:
             return
         low = self.lowering
+        sends: list = []
         for piece in range(low.num_pieces):
             stages = [low.stage_for[j][piece] for j in range(low.replicas)]
             ranks = [low.rank_of[s] for s in stages]
@@ -351,83 +357,75 @@ class PipelineEngine:
             contributions: dict[int, list] = {}
             for s in mine:
                 contributions.update(run.replica_grads.get(s, {}))
+            tag = self._REPLICA_TAG + 4 * piece
             if self.rank == owner:
-                for other in sorted(set(ranks) - {self.rank}):
-                    contributions.update(self._receive_grads(other, params, low, stages, piece))
+                for j, other in enumerate(ranks):
+                    if other == self.rank:
+                        continue
+                    mbs = [low.replicas * m + j for m in range(low.schedule.num_microbatches)]
+                    grads = self._receive_packed(other, params * len(mbs), tag)
+                    for k, mb in enumerate(mbs):
+                        contributions[mb] = grads[k * len(params):(k + 1) * len(params)]
                 for mb in sorted(contributions):
                     for param, grad in zip(params, contributions[mb]):
                         if grad is not None:
                             accumulate_grad(param, grad)
                 for other in sorted(set(ranks) - {self.rank}):
-                    self._send_final(other, params)
+                    sends += self._send_packed(other, [p.grad for p in params], tag + 2)
             else:
-                self._send_grads(owner, params, contributions)
-                self._receive_final(owner, params)
+                flat = [g for mb in sorted(contributions) for g in contributions[mb]]
+                sends += self._send_packed(owner, flat, tag)
+                for param, grad in zip(params, self._receive_packed(owner, params, tag + 2)):
+                    param.grad = None if grad is None else grad.clone()
+        for work, peer in sends:
+            self._wait_replica(work, peer)
 
     _REPLICA_TAG = 1 << 24
 
-    def _p2p(self, op, tensor: torch.Tensor, peer: int, tag: int) -> None:
-        work = op(tensor, dist.get_global_rank(self.group, peer), group=self.group, tag=self._REPLICA_TAG + tag)
+    def _wait_replica(self, work, peer: int) -> None:
         try:
             work.wait(timeout=_timedelta(self.timeout))
         except Exception as error:
             raise PipelineError(f"rank {self.rank}: exchanging replica gradients with rank {peer} failed: {error}; "
                                 f"{self.messenger.peer_error(peer) or 'it failed or hung'}") from error
 
-    def _send_grads(self, owner: int, params: list, contributions: dict[int, list]) -> None:
-        mbs = sorted(contributions)
-        header = torch.tensor([len(mbs), *mbs], dtype=torch.int64)
-        self._p2p(dist.isend, torch.tensor([header.numel()], dtype=torch.int64).to(self.device), owner, 0)
-        self._p2p(dist.isend, header.to(self.device), owner, 1)
-        tag = 2
-        for mb in mbs:
-            mask = torch.tensor([g is not None for g in contributions[mb]], dtype=torch.uint8).to(self.device)
-            self._p2p(dist.isend, mask, owner, tag)
-            tag += 1
-            for grad in contributions[mb]:
-                if grad is not None:
-                    self._p2p(dist.isend, grad.contiguous(), owner, tag)
-                    tag += 1
+    def _send_packed(self, peer: int, grads: list, tag: int) -> list:
+        """Post the sends of ``grads`` (None where absent) as a mask and one flat buffer per dtype."""
+        mask = torch.tensor([g is not None for g in grads], dtype=torch.uint8, device=self.device)
+        by_dtype: dict[torch.dtype, list] = {}
+        for grad in grads:
+            if grad is not None:
+                by_dtype.setdefault(grad.dtype, []).append(grad.reshape(-1))
+        global_peer = dist.get_global_rank(self.group, peer)
+        works = [(dist.isend(mask, global_peer, group=self.group, tag=tag), peer)]
+        works += [(dist.isend(torch.cat(parts), global_peer, group=self.group, tag=tag + 1), peer)
+                  for parts in by_dtype.values()]
+        return works
 
-    def _receive_grads(self, other: int, params: list, low: Lowering, stages: list, piece: int) -> dict:
-        size = torch.empty(1, dtype=torch.int64, device=self.device)
-        self._p2p(dist.irecv, size, other, 0)
-        header = torch.empty(int(size.item()), dtype=torch.int64, device=self.device)
-        self._p2p(dist.irecv, header, other, 1)
-        mbs = header.tolist()[1:]
-        tag = 2
-        found: dict[int, list] = {}
-        for mb in mbs:
-            mask = torch.empty(len(params), dtype=torch.uint8, device=self.device)
-            self._p2p(dist.irecv, mask, other, tag)
-            tag += 1
-            grads = []
-            for param, present in zip(params, mask.tolist()):
-                if present:
-                    grad = torch.empty_like(param)
-                    self._p2p(dist.irecv, grad, other, tag)
-                    tag += 1
-                    grads.append(grad)
-                else:
-                    grads.append(None)
-            found[mb] = grads
-        return found
-
-    def _send_final(self, other: int, params: list) -> None:
-        mask = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8).to(self.device)
-        self._p2p(dist.isend, mask, other, 0)
-        for i, param in enumerate(params):
-            if param.grad is not None:
-                self._p2p(dist.isend, param.grad.contiguous(), other, 1 + i)
-
-    def _receive_final(self, owner: int, params: list) -> None:
-        mask = torch.empty(len(params), dtype=torch.uint8, device=self.device)
-        self._p2p(dist.irecv, mask, owner, 0)
-        for i, (param, present) in enumerate(zip(params, mask.tolist())):
-            if present:
-                grad = torch.empty_like(param)
-                self._p2p(dist.irecv, grad, owner, 1 + i)
-                param.grad = grad
+    def _receive_packed(self, peer: int, templates: list, tag: int) -> list:
+        """Receive what :meth:`_send_packed` sent for tensors shaped like ``templates``."""
+        global_peer = dist.get_global_rank(self.group, peer)
+        mask = torch.empty(len(templates), dtype=torch.uint8, device=self.device)
+        self._wait_replica(dist.irecv(mask, global_peer, group=self.group, tag=tag), peer)
+        present = mask.tolist()
+        sizes: dict[torch.dtype, int] = {}
+        for template, here in zip(templates, present):
+            if here:
+                sizes[template.dtype] = sizes.get(template.dtype, 0) + template.numel()
+        buffers = {}
+        for dtype, size in sizes.items():
+            buffers[dtype] = torch.empty(size, dtype=dtype, device=self.device)
+            self._wait_replica(dist.irecv(buffers[dtype], global_peer, group=self.group, tag=tag + 1), peer)
+        offsets = dict.fromkeys(sizes, 0)
+        grads = []
+        for template, here in zip(templates, present):
+            if not here:
+                grads.append(None)
+                continue
+            start = offsets[template.dtype]
+            offsets[template.dtype] = start + template.numel()
+            grads.append(buffers[template.dtype][start:start + template.numel()].view(template.shape))
+        return grads
 
     # ------------------------------------------------------------------------------ trace
 
