@@ -3,7 +3,10 @@
 One spawned pair of processes (``torch.set_num_threads(1)`` in each: one core per rank) does, in order:
 
 1. **Link**: a gloo ping-pong between the two ranks at two message sizes, fitted as
-   ``latency + bytes / bandwidth``.
+   ``latency + bytes / bandwidth``. **Engine overhead**: a trivial two-piece pipeline (two 4x4
+   linear layers, 1F1B) run at two micro-batch counts; the measured step time minus the simulated one
+   (link latencies, near-zero compute), fitted as ``fixed + actions per rank x overhead``, gives the
+   cost table's ``action_overhead`` (the per-step ``fixed`` part is reported, not priced).
 2. **Profile**: both ranks run ``pipeloom.plan.profile_model`` on the example GPT at every micro-batch
    size the plan search may pick, at the same time (a barrier before each size), so every piece is
    timed with the other core busy, as in the run; the two ranks' times are averaged.
@@ -216,10 +219,55 @@ def _measure_link(rank: int, *, small: int, large: int, repeats: int = 200) -> t
     return Link(latency=max(0.0, times[small] - small * slope), bandwidth=1 / slope), times
 
 
+# ---------------------------------------------------------------------------- engine overhead
+
+
+def _trivial_prediction(table: CostTable, microbatches: int) -> float:
+    schedule = build_schedule("1f1b", 2, microbatches)
+    split = Partition(stage_of=(0, 1), split_points=("1",), stage_times=(0.0, 0.0), stage_memory=(0.0, 0.0),
+                      objective=0.0, weight=0.0)
+    problem = recost(schedule, table, split, memory_limit=None)
+    return simulate(dataclasses.replace(schedule, problem=problem)).makespan
+
+
+def _measure_overhead(rank: int, config: RealityConfig, link: Link, *, counts: tuple[int, int] = (4, 16),
+                      steps: int = 40) -> tuple[float, dict]:
+    """Seconds the engine spends per action beyond compute and link: a pipeline of two 4x4 linear layers
+    (1F1B, 2 actions per micro-batch and rank) at two micro-batch counts, measured minus simulated
+    (profiled compute, link latencies, no overhead), fitted as ``fixed + 2 M x overhead``."""
+    out = Path(config.out)
+    residual = {}
+    for count in counts:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+
+        def loss_fn(output, target):
+            return ((output - target) ** 2).mean()
+
+        inputs, targets = torch.randn(count, 4), torch.randn(count, 4)
+        table = profile_model(model, inputs[:1], loss_fn=loss_fn, target=targets[:1], warmup=5, repeats=20, link=link)
+        path = out / f"overhead-m{count}.json"
+        if rank == 0:
+            save_plan(Plan(num_ranks=2, split_points=("1",), schedule="1f1b", microbatches=count, global_batch=count,
+                           predicted_step_time=0.0), path)
+        dist.barrier()
+        engine = pipeloom.pipeline(model, plan=str(path), loss_fn=loss_fn)
+        times = _steps(engine, [(inputs, targets)], 5 + steps)[5:]
+        shared = [statistics.median(times)]
+        dist.broadcast_object_list(shared, src=0)
+        residual[count] = (shared[0], _trivial_prediction(table, count))
+    (m1, (t1, p1)), (m2, (t2, p2)) = residual.items()
+    overhead = max(0.0, ((t2 - p2) - (t1 - p1)) / (2 * (m2 - m1)))
+    fixed = (t1 - p1) - 2 * m1 * overhead
+    return overhead, {"overhead": overhead, "fixed": fixed,
+                      "runs": {str(m): {"measured": t, "simulated": p} for m, (t, p) in residual.items()}}
+
+
 # ------------------------------------------------------------------------------------ profile
 
 
-def _profile_together(config: RealityConfig, link: Link, sizes: list[int]) -> tuple[list[CostTable], list[dict]]:
+def _profile_together(config: RealityConfig, link: Link, sizes: list[int], overhead: float = 0.0
+                      ) -> tuple[list[CostTable], list[dict]]:
     """Both ranks profile every size at once (each size again while others load the machine); the
     tables with the two ranks' times averaged, and per size the foreign load and attempts."""
     gpt = example()
@@ -234,7 +282,8 @@ def _profile_together(config: RealityConfig, link: Link, sizes: list[int]) -> tu
                                   warmup=config.profile_warmup, repeats=config.repeats, link=link)
             both: list[str | None] = [None, None]
             dist.all_gather_object(both, costs_to_json(table))
-            return _mean_table([costs_from_json(text) for text in both])
+            return dataclasses.replace(_mean_table([costs_from_json(text) for text in both]),
+                                       action_overhead=overhead)
 
         table, foreign, attempts = _quiet(measure, config)
         tables.append(table)
@@ -351,9 +400,12 @@ def _worker(rank: int, store_file: str, config: RealityConfig) -> None:
     unit = 4 * SEQ_LEN * 64  # bytes of one sample's activations between blocks (float32, width 64)
     _log(rank, begun, "measuring the link")
     link, link_times = _measure_link(rank, small=unit, large=config.global_batch * unit * 8)
-    _log(rank, begun, "profiling every micro-batch size")
+    _log(rank, begun, "measuring the engine's overhead per action")
+    overhead, overhead_note = _measure_overhead(rank, config, link)
+    _log(rank, begun, f"overhead {overhead * 1e6:.0f} us per action, fixed {overhead_note['fixed'] * 1e3:.2f} ms "
+                      f"per step; profiling every micro-batch size")
     started = time.perf_counter()
-    tables, notes = _profile_together(config, link, config.sizes)
+    tables, notes = _profile_together(config, link, config.sizes, overhead)
     profiled = {"seconds": time.perf_counter() - started, "sizes": notes}
     shared: list = [None]
     if rank == 0:
@@ -367,7 +419,7 @@ def _worker(rank: int, store_file: str, config: RealityConfig) -> None:
     for round_ in range(config.rounds):
         _log(rank, begun, f"round {round_ + 1} of {config.rounds}: profile, predict and run each of {len(records)} plans")
         for record, engine in zip(records, engines):
-            _measure_plan(rank, record, engine, batches, config, link)
+            _measure_plan(rank, record, engine, batches, config, link, overhead)
     _log(rank, begun, "traced runs")
     for k, record in enumerate(records):
         record["trace"] = str(out / f"trace{k}-{record['schedule']}")
@@ -375,15 +427,17 @@ def _worker(rank: int, store_file: str, config: RealityConfig) -> None:
     if rank == 0:
         (out / "results.json").write_text(json.dumps({
             "link": {"latency": link.latency, "bandwidth": link.bandwidth},
-            "link_times": {str(k): v for k, v in link_times.items()}, "profile": profiled, "plans": records,
+            "link_times": {str(k): v for k, v in link_times.items()}, "overhead": overhead_note,
+            "profile": profiled, "plans": records,
         }, indent=1))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def _measure_plan(rank: int, record: dict, engine, batches: list, config: RealityConfig, link: Link) -> None:
+def _measure_plan(rank: int, record: dict, engine, batches: list, config: RealityConfig, link: Link,
+                  overhead: float) -> None:
     """One round of one plan: profile its micro-batch size, re-predict, run; appended to ``record`` (rank 0)."""
-    (table,), (note,) = _profile_together(config, link, [record["microbatch_size"]])
+    (table,), (note,) = _profile_together(config, link, [record["microbatch_size"]], overhead)
 
     def measure() -> list[float]:
         _steps(engine, batches, config.warmup_steps)

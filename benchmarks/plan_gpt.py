@@ -92,6 +92,12 @@ def prediction_vs_reality(args: argparse.Namespace) -> None:
     print(f"link (gloo ping-pong, one way): {format_bytes(int(small))} {times[small] * 1e3:.3f} ms, "
           f"{format_bytes(int(large))} {times[large] * 1e3:.3f} ms -> latency {link['latency'] * 1e3:.3f} ms, "
           f"{bandwidth}")
+    if "overhead" in results:
+        note = results["overhead"]
+        runs = ", ".join(f"M={m} {r['measured'] * 1e3:.2f} ms measured vs {r['simulated'] * 1e3:.2f} simulated"
+                         for m, r in note["runs"].items())
+        print(f"engine overhead (trivial 1F1B pipeline: {runs}): {note['overhead'] * 1e6:.0f} us per action "
+              f"(in every prediction), {note['fixed'] * 1e3:.2f} ms fixed per step (not priced)")
     print(f"profile for the plan search: sizes {', '.join(map(str, config.sizes))}, {config.repeats} repeats, both "
           f"ranks at once, {profile['seconds']:.1f} s; plan search {profile['plan_seconds']:.2f} s")
     foreign = [n["foreign"] for n in profile["sizes"]] + [e["profile_foreign"] for e in rounds]

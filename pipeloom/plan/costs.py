@@ -84,9 +84,12 @@ class Piece:
     f: float
     """Forward seconds."""
     i: float
-    """Input-gradient backward seconds (zero-bubble I)."""
+    """Input-gradient backward seconds (zero-bubble I: ``pipeloom.runtime.backward.backward_input``)."""
     w: float
-    """Weight-gradient backward seconds (zero-bubble W); a full backward B takes ``i + w``."""
+    """Weight-gradient backward seconds (zero-bubble W: the ``weight()`` that I leaves pending); a full
+    backward B is priced ``i + w``. Where a stage's inputs are only model inputs (which carry no gradient),
+    the engine's I computes nothing and W does the whole backward: the planner then counts the stage's
+    ``i`` as W (:func:`pipeloom.plan.recost`)."""
     activation_bytes: float = 0.0
     """Bytes the forward keeps for the backward (saved tensors), released by the backward."""
     w_activation_bytes: float = 0.0
@@ -137,6 +140,10 @@ class CostTable:
     A rank holding a piece keeps ``param_bytes * (2 + optimizer_factor)``: weights, gradients, state."""
     source: str = "manual"
     """``profile``, ``analytical`` or ``manual``."""
+    action_overhead: float = 0.0
+    """Seconds the runtime spends per action beyond the piece times (dispatch, bookkeeping, posting
+    messages); the simulator adds it to every task (F, B, I and W alike). Not scaled with the
+    micro-batch size."""
 
     def __post_init__(self) -> None:
         pieces = tuple(self.pieces)
@@ -146,6 +153,7 @@ class CostTable:
                 or self.microbatch_size < 1:
             raise CostTableError(f"microbatch_size must be a positive integer, got {shown(self.microbatch_size)}")
         object.__setattr__(self, "optimizer_factor", _check("optimizer_factor", self.optimizer_factor))
+        object.__setattr__(self, "action_overhead", _check("action_overhead", self.action_overhead))
         seen: dict[str, int] = {}
         normal = []
         for k, piece in enumerate(pieces):
@@ -217,8 +225,8 @@ def table_for_size(tables: CostTable | Sequence[CostTable], microbatch_size: int
     A measured size is used as it is; between two measured sizes every time and byte count is
     interpolated linearly (an affine model, fixed costs included, between the two); below the
     smallest or above the largest the nearest table is scaled in proportion (:meth:`CostTable.scaled`).
-    The tables must list the same pieces (same names and inputs); the first one's device, link and
-    optimizer factor are kept.
+    The tables must list the same pieces (same names and inputs); the first one's device, link,
+    optimizer factor and action overhead are kept.
     """
     tables = [tables] if isinstance(tables, CostTable) else list(tables)
     if not tables:
@@ -248,7 +256,8 @@ def table_for_size(tables: CostTable | Sequence[CostTable], microbatch_size: int
 
 # ------------------------------------------------------------------------------------------ JSON
 
-_TOP_KEYS = {"format", "device", "source", "microbatch_size", "optimizer_factor", "link", "pieces"}
+_TOP_KEYS = {"format", "device", "source", "microbatch_size", "optimizer_factor", "action_overhead", "link",
+             "pieces"}
 _LINK_KEYS = {"latency", "bandwidth"}
 _PIECE_KEYS = {"name", "f", "i", "w", "activation_bytes", "w_activation_bytes", "param_bytes", "output_bytes",
                "inputs"}
@@ -262,6 +271,7 @@ def costs_to_json(table: CostTable, *, indent: int | None = 1) -> str:
         "source": table.source,
         "microbatch_size": table.microbatch_size,
         "optimizer_factor": table.optimizer_factor,
+        "action_overhead": table.action_overhead,
         "link": {"latency": table.link.latency, "bandwidth": table.link.bandwidth},
         "pieces": [
             {"name": p.name, "f": p.f, "i": p.i, "w": p.w, "activation_bytes": p.activation_bytes,
@@ -288,7 +298,8 @@ def _piece_from_json(entry: object, k: int) -> Piece:
 def costs_from_json(text: str) -> CostTable:
     """Parse ``pipeloom.costs/1`` JSON; unknown keys, another format or a wrong type are errors.
 
-    Optional keys: ``device`` (""), ``source`` ("manual"), ``optimizer_factor`` (2), ``link``
+    Optional keys: ``device`` (""), ``source`` ("manual"), ``optimizer_factor`` (2),
+    ``action_overhead`` (0 seconds), ``link``
     (no latency, unlimited bandwidth), and per piece the byte counts (0) and ``inputs`` (the piece
     before it).
     """
@@ -307,6 +318,7 @@ def costs_from_json(text: str) -> CostTable:
         device=string(document, "device", where=where, error=CostTableError, default=""),
         source=string(document, "source", where=where, error=CostTableError, default="manual"),
         optimizer_factor=number(document, "optimizer_factor", where=where, error=CostTableError, default=2.0),
+        action_overhead=number(document, "action_overhead", where=where, error=CostTableError, default=0.0),
         link=Link(
             latency=number(link, "latency", where=f"{where}.link", error=CostTableError, default=0.0),
             bandwidth=number(link, "bandwidth", where=f"{where}.link", error=CostTableError, default=None,

@@ -1,5 +1,5 @@
 """Measure a model's cost table on this machine: cut it at every piece with ``split_model``, then time
-each piece's forward, full backward and input/weight-gradient split, and count its bytes.
+each piece's forward and its input/weight-gradient split as the engine runs it, and count its bytes.
 
 The one planner module that imports torch (DESIGN §4).
 """
@@ -75,7 +75,7 @@ def _nbytes(tensors: Sequence[torch.Tensor]) -> float:
 
 
 class _StageRun:
-    """One stage of the cut model with its real inputs: runs F, B, and I then W, and times them."""
+    """One stage of the cut model with its real inputs: runs F, then I and W, and times them."""
 
     def __init__(self, module: nn.Module, inputs: Sequence[object], *, sync: Callable[[], None],
                  loss: Callable[[object], torch.Tensor] | None) -> None:
@@ -114,21 +114,18 @@ class _StageRun:
             self.forward()
         return total
 
-    def times(self, *, warmup: int, repeats: int) -> tuple[float, float, float, float]:
-        """Median ``(F, B, I, W)`` seconds over ``repeats`` runs after ``warmup``."""
+    def times(self, *, warmup: int, repeats: int) -> tuple[float, float, float]:
+        """Median ``(F, I, W)`` seconds over ``repeats`` runs after ``warmup``."""
         runs = [self._one_run() for _ in range(warmup + repeats)][warmup:]
-        return tuple(statistics.median(run[k] for run in runs) for k in range(4))  # type: ignore[return-value]
+        return tuple(statistics.median(run[k] for run in runs) for k in range(3))  # type: ignore[return-value]
 
-    def _one_run(self) -> tuple[float, float, float, float]:
-        """F, then B; F again, then I and W (``pipeloom.runtime.backward``); gradients cleared after."""
-        _, outs, grads, forward = self.forward()
-        full, _ = self._timed(torch.autograd.backward, outs, grads) if outs else (0.0, None)
-        self._clear()
-        leaves, outs, grads, forward_again = self.forward()
+    def _one_run(self) -> tuple[float, float, float]:
+        """F, then I and W as the engine runs them (``pipeloom.runtime.backward``); gradients cleared after."""
+        leaves, outs, grads, forward = self.forward()
         inputs, (_, pending) = self._timed(backward_input, outs, grads, leaves, self.params)
         weights, _ = self._timed(pending.weight)
         self._clear()
-        return min(forward, forward_again), full, inputs, weights
+        return forward, inputs, weights
 
     def _timed(self, work: Callable[..., object], *args: object) -> tuple[float, object]:
         """``(seconds, work(*args))``, synchronised on both ends."""
@@ -181,19 +178,23 @@ def profile_model(
     target: object = None,
     optimizer_factor: float = 2.0,
     link: Link = _FREE_LINK,
+    action_overhead: float = 0.0,
 ) -> CostTable:
     """The cost table of ``model`` measured on ``device`` for one micro-batch ``example_inputs``.
 
     ``pieces`` (default :func:`default_pieces`) are module names in call order; the model is cut at
     every one with ``pipeloom.runtime.split_model``, so piece k is everything from the first call of
-    piece k to the first call of piece k+1. Per piece: F is the forward; I and W are the input- and
-    weight-gradient halves of ``pipeloom.runtime.backward`` (what zero-bubble schedules run), scaled
-    so that I + W equals the measured full backward B; medians of ``repeats`` runs after ``warmup``,
-    with CUDA synchronisation around each. Activation bytes are the storages the forward saves for
+    piece k to the first call of piece k+1. Per piece: F is the forward; I and W are
+    ``pipeloom.runtime.backward.backward_input`` and then the pending ``weight()``, timed as the engine
+    runs them (not rescaled; a full backward is priced I + W); each a median of ``repeats`` runs after
+    ``warmup``, with CUDA synchronisation around each. Floating-point inputs of a piece are taken to
+    carry a gradient; integer ones (token ids) do not, so such a piece's I is about 0 and W holds its
+    whole backward (the planner moves the I of any stage reading only model inputs to W). Activation bytes are the storages the forward saves for
     backward (``saved_tensors_hooks``; parameters excluded); W-kept bytes are not measured (0).
     The last piece includes ``loss_fn(output, target)`` when both are given, else its backward
     starts from gradients of ones. ``model`` is moved to ``device`` (default: where its parameters
-    are) and left in training mode; parameter gradients are cleared after.
+    are) and left in training mode; parameter gradients are cleared after. ``link`` and
+    ``action_overhead`` (seconds the runtime adds per action) are copied into the table.
     """
     inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     first = next(iter(model.parameters()), None)
@@ -212,16 +213,15 @@ def profile_model(
         loss = (lambda out: loss_fn(out, target)) if k == last and loss_fn is not None and target is not None \
             else None
         run = _StageRun(module, stage_inputs[k], sync=sync, loss=loss)
-        forward, full, i, w = run.times(warmup=warmup, repeats=repeats)
-        share = full / (i + w) if i + w > 0 else 0.0
+        forward, i, w = run.times(warmup=warmup, repeats=repeats)
         with torch.no_grad():
             out = module(*stage_inputs[k])
         params = {id(p): p for p in module.parameters()}
         profiled.append(Piece(
-            name=name, f=forward, i=i * share, w=w * share, activation_bytes=run.saved_bytes(),
+            name=name, f=forward, i=i, w=w, activation_bytes=run.saved_bytes(),
             param_bytes=_nbytes(list(params.values())), output_bytes=_nbytes(_tensors(out)),
             inputs=tuple(names[j] for j in sorted({ref.stage for ref in spec.inputs if ref.stage != MODEL_INPUT})),
         ))
     size = next((t.size(0) for t in _tensors(inputs) if t.dim() > 0), 1)
     return CostTable(pieces=tuple(profiled), microbatch_size=int(size), device=_device_name(device), link=link,
-                     optimizer_factor=optimizer_factor, source="profile")
+                     optimizer_factor=optimizer_factor, source="profile", action_overhead=action_overhead)

@@ -21,7 +21,7 @@ from pipeloom.plan.partitioner import MemoryTooSmall, SchedulePartitioner
 from pipeloom.plan.placement import library_schedule, schedule_shape
 from pipeloom.plan.plan import Plan, PlanError, save_plan
 from pipeloom.problem import Problem, Stage, stage_graph
-from pipeloom.schedules import REGISTRY
+from pipeloom.schedules import REGISTRY, build_schedule
 from pipeloom.sim import Timeline, simulate
 
 __all__ = ["DEFAULT_SCHEDULES", "Candidate", "NoPlanFits", "PlanResult", "plan_pipeline", "recost", "replica_sync_time"]
@@ -102,15 +102,29 @@ class PlanResult:
         return self.timeline.schedule
 
     def save(self, path: str | Path) -> None:
-        """Write the plan; a searched schedule (not a built-in one) goes next to it as
-        ``<stem>.schedule.json``, which the plan names (relative to the plan file)."""
+        """Write the plan. Where the simulated action order is not what the engine builds from the
+        plan's schedule name with default costs (a searched schedule, or a cost-aware generator such
+        as ZB-V's list scheduler), that order goes next to the plan as ``<stem>.schedule.json`` and the
+        plan names it (relative to the plan file), so the runtime runs exactly what was simulated."""
         path = Path(path)
         plan = self.plan
-        if plan.schedule not in REGISTRY:
+        if not _builds_same_order(plan, self.schedule):
             schedule_file = path.with_name(f"{path.stem}.schedule.json")
             save_schedule(self.schedule, schedule_file)
-            plan = dataclasses.replace(plan, schedule=schedule_file.name)
+            plan = dataclasses.replace(plan, schedule=schedule_file.name, schedule_options={})
         save_plan(plan, path)
+
+
+def _builds_same_order(plan: Plan, simulated: Schedule) -> bool:
+    """Whether ``build_schedule(plan.schedule, ...)`` with default costs gives ``simulated``'s action order."""
+    if plan.schedule not in REGISTRY:
+        return False
+    try:
+        built = build_schedule(plan.schedule, plan.num_ranks, plan.microbatches, **plan.schedule_options)
+    except (ValueError, PipeloomError):
+        return False
+    return [list(map(str, actions)) for actions in built.ranks] == \
+        [list(map(str, actions)) for actions in simulated.ranks]
 
 
 # ----------------------------------------------------------------------------------- re-costing
@@ -121,19 +135,27 @@ def recost(schedule: Schedule, table: CostTable, found: Partition, *, memory_lim
 
     Stage durations are F, I (b) and W of the stage's pieces in seconds, activations in bytes,
     static memory per rank the weights, gradients and optimizer state of its stages, and the
-    communication latency the link time of the largest output crossing ranks. The task graph keeps
-    the schedule's (same ranks, edges and backward split), so its action order stays valid.
+    communication latency the link time of the largest output crossing ranks. A stage that reads
+    only model inputs (no gradient flows into it) has its I counted as W, as the engine's I has no
+    input gradient to compute there. Every task also pays ``table.action_overhead`` (a full B once).
+    The task graph keeps the schedule's (same ranks, edges and backward split), so its action order
+    stays valid.
     """
     shape = schedule_shape(schedule)
     pieces = table.pieces
     starts = [found.stage_of.index(j) for j in range(found.num_stages)] + [len(pieces)]
     parts = [pieces[starts[j]:starts[j + 1]] for j in range(found.num_stages)]
+    split = schedule.problem.splits_backward
+    extra = table.action_overhead
     stages = []
     static = [0.0] * shape.num_ranks
     for s, j in enumerate(shape.model_stage):
         part = parts[j]
-        stages.append(Stage(ranks=(shape.rank[s],), f=sum(p.f for p in part), b=sum(p.i for p in part),
-                            w=sum(p.w for p in part), memory=sum(p.activation_bytes for p in part),
+        i, w = sum(p.i for p in part), sum(p.w for p in part)
+        if _reads_model_inputs_only(part):
+            i, w = 0.0, i + w
+        stages.append(Stage(ranks=(shape.rank[s],), f=sum(p.f for p in part) + extra, b=i + extra,
+                            w=w + (extra if split else 0.0), memory=sum(p.activation_bytes for p in part),
                             w_memory=sum(p.w_activation_bytes for p in part)))
         static[shape.rank[s]] += sum(table.static_bytes(p) for p in part)
     edges = [(s, c) for s in range(len(shape.rank)) for c in shape.consumers[s]]
@@ -141,7 +163,7 @@ def recost(schedule: Schedule, table: CostTable, found: Partition, *, memory_lim
                 if shape.rank[s] != shape.rank[c]]
     problem = stage_graph(
         stages, num_ranks=shape.num_ranks, edges=edges,
-        backward="split" if schedule.problem.splits_backward else "full",
+        backward="split" if split else "full",
         comm_latency=max((table.link.time(b) for b in crossing), default=0.0),
         memory_limit=memory_limit, static_memory=static,
     )
@@ -149,11 +171,21 @@ def recost(schedule: Schedule, table: CostTable, found: Partition, *, memory_lim
     return problem
 
 
+def _reads_model_inputs_only(part: Sequence) -> bool:
+    """True when the pieces of a stage read nothing from other stages (only model inputs and each other)."""
+    inside = {p.name for p in part}
+    return all(name in inside for p in part for name in p.inputs)
+
+
 def replica_sync_time(table: CostTable, schedule: Schedule, found: Partition) -> float:
     """Seconds to add up the replicas' weight gradients after the step (two-replica schedules, else 0).
 
-    Each rank sends the gradients of the stages it holds to the rank holding their twins and
-    receives theirs: ``link.time(parameter bytes on the rank)``, the largest over ranks.
+    As the engine does it, per model stage: the second replica's rank sends its M/2 micro-batch
+    gradients of the stage (one buffer per micro-batch, ``M/2 x`` parameter bytes) to the first
+    replica's rank, which adds them up and sends the sums back (parameter bytes once). All sends are
+    posted before waiting, so the stages' exchanges overlap; what arrives at one rank is serialised:
+    the time is the busiest rank's incoming ``M/2`` messages, then the busiest rank's incoming sums,
+    each message paying ``link.latency``.
     """
     shape = schedule_shape(schedule)
     if shape.replicas == 1:
@@ -161,10 +193,18 @@ def replica_sync_time(table: CostTable, schedule: Schedule, found: Partition) ->
     params = [0.0] * found.num_stages
     for piece, j in zip(table.pieces, found.stage_of):
         params[j] += piece.param_bytes
-    held = [0.0] * shape.num_ranks
-    for s, j in enumerate(shape.model_stage):
-        held[shape.rank[s]] += params[j]
-    return max(table.link.time(nbytes) for nbytes in held)
+    half = schedule.num_microbatches  # micro-batches per replica (M/2)
+    link = table.link
+    gather = [0.0] * shape.num_ranks
+    back = [0.0] * shape.num_ranks
+    for j in range(found.num_stages):
+        holders = sorted(s for s in range(len(shape.model_stage)) if shape.model_stage[s] == j)
+        owner = shape.rank[holders[0]]
+        for s in holders[1:]:
+            if shape.rank[s] != owner and params[j] > 0:
+                gather[owner] += half * link.time(params[j])
+                back[shape.rank[s]] += link.time(params[j])
+    return max(gather) + max(back)
 
 
 def _check_same_graph(original: Problem, costed: Problem) -> None:

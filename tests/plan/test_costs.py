@@ -93,10 +93,11 @@ def test_scaling_is_linear_except_parameters():
         assert new.output_bytes == 2 * old.output_bytes
         assert new.param_bytes == old.param_bytes
     assert table.scaled(4) is table
+    assert _table(action_overhead=0.5).scaled(8).action_overhead == 0.5  # per action, not per sample
 
 
 def test_json_round_trip(tmp_path):
-    table = _table(device="cpu", source="profile", optimizer_factor=3.0)
+    table = _table(device="cpu", source="profile", optimizer_factor=3.0, action_overhead=1e-4)
     path = tmp_path / "costs.json"
     save_costs(table, path)
     document = json.loads(path.read_text())
@@ -109,6 +110,7 @@ def test_json_optional_keys_take_their_defaults():
                        "pieces": [{"name": "a", "f": 1, "i": 1, "w": 1}, {"name": "b", "f": 2, "i": 2, "w": 2}]})
     table = costs_from_json(text)
     assert table.link == Link() and table.optimizer_factor == 2.0 and table.source == "manual"
+    assert table.action_overhead == 0.0
     assert table.pieces[1].inputs == ("a",) and table.pieces[0].param_bytes == 0.0
 
 
@@ -121,6 +123,7 @@ def test_json_optional_keys_take_their_defaults():
     (lambda d: d["pieces"][0].pop("w"), r"pieces\[0\]: missing key 'w'"),
     (lambda d: d.update(link={"latency": 1, "speed": 2}), r"costs\.link: unknown key"),
     (lambda d: d.update(microbatch_size=1.5), "microbatch_size: expected an integer"),
+    (lambda d: d.update(action_overhead=-1), "action_overhead: must be >= 0"),
 ])
 def test_json_errors_name_the_key(change, words):
     document = json.loads(costs_to_json(_table()))

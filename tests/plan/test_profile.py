@@ -74,7 +74,6 @@ def test_profile_counts_bytes_exactly():
     assert table.pieces[1].activation_bytes == 2 * 5 * 16 * 4
     for piece in table.pieces:
         assert piece.f > 0 and piece.i >= 0 and piece.w > 0
-    assert table.pieces[0].i == 0.0 or table.pieces[0].i < table.pieces[0].w * 10  # no float input to stage 0
     assert all(p.grad is None for p in model.parameters())
 
 

@@ -73,9 +73,10 @@ def test_two_replica_schedules_pay_the_gradient_exchange():
     table = _table(8, link=Link(latency=0.5, bandwidth=10.0))
     result = plan_pipeline(table, num_ranks=4, global_batch=8, schedules=["chimera"], microbatches=[8])
     best = result.candidates[0]
-    # every rank holds two stages of 2 pieces: 40 parameter bytes -> 0.5 + 40 / 10 seconds
-    assert replica_sync_time(table, best.timeline.schedule, best.partition) == 4.5
-    assert best.step_time == pytest.approx(best.timeline.makespan + 4.5)
+    # a model stage is 2 pieces, 20 parameter bytes: one link message takes 0.5 + 20 / 10 = 2.5 s. The
+    # second replica sends its 4 micro-batch gradients (4 messages), the first sends the sum back (1)
+    assert replica_sync_time(table, best.timeline.schedule, best.partition) == pytest.approx(4 * 2.5 + 2.5)
+    assert best.step_time == pytest.approx(best.timeline.makespan + 12.5)
 
 
 def test_memory_too_small_names_a_limit_that_fits():
@@ -155,3 +156,38 @@ def test_the_search_can_beat_a_built_in_and_its_schedule_is_saved(tmp_path):
     assert plan.schedule == str(tmp_path / "plan.schedule.json")
     timeline = validate(load_schedule(plan.schedule), ordered=True)
     assert timeline.makespan == pytest.approx(searched.plan.predicted_step_time)
+
+
+def test_recost_moves_the_first_stages_input_gradient_to_w_and_adds_the_action_overhead():
+    table = _table(4, action_overhead=0.25)
+    zb = library_schedule(table, "zb-h1", 2, 4, memory_limit=None)
+    found = SchedulePartitioner(table).candidates(zb, memory_limit=None)[0]
+    assert found.split_points == ("blocks.2",)
+    split = recost(zb, table, found, memory_limit=None)
+    # stage 0 reads only model inputs: no input gradient, its I (2 pieces x 1 s) is done in W
+    assert [split.task((0, kind)).duration for kind in ("F", "I", "W")] == [2.25, 0.25, 4.25]
+    assert [split.task((1, kind)).duration for kind in ("F", "I", "W")] == [2.25, 2.25, 2.25]
+    full = recost(library_schedule(table, "1f1b", 2, 4, memory_limit=None), table, found, memory_limit=None)
+    assert [full.task((s, "B")).duration for s in (0, 1)] == [4.25, 4.25]  # one B: overhead once
+
+
+def test_save_writes_the_simulated_order_when_the_name_builds_another(tmp_path):
+    from pipeloom import build_schedule, load_schedule
+
+    # ZB-V's list scheduler orders by costs: with I three times F its order is not the default one
+    table = CostTable(pieces=tuple(Piece(name=f"blocks.{k}", f=1.0, i=3.0, w=1.0, activation_bytes=100.0)
+                                   for k in range(8)), microbatch_size=1)
+    result = plan_pipeline(table, num_ranks=2, global_batch=8, schedules=["zbv"], microbatches=[8])
+    assert result.plan.schedule == "zbv"
+    default = build_schedule("zbv", 2, 8)
+    assert [list(map(str, r)) for r in default.ranks] != [list(map(str, r)) for r in result.schedule.ranks]
+    result.save(tmp_path / "plan.json")
+    plan = load_plan(tmp_path / "plan.json")
+    assert plan.schedule == str(tmp_path / "plan.schedule.json")
+    saved = load_schedule(plan.schedule)
+    assert [list(map(str, r)) for r in saved.ranks] == [list(map(str, r)) for r in result.schedule.ranks]
+    # 1F1B does not depend on costs: the plan names it
+    plain = plan_pipeline(table, num_ranks=2, global_batch=8, schedules=["1f1b"], microbatches=[8])
+    plain.save(tmp_path / "plain.json")
+    assert load_plan(tmp_path / "plain.json").schedule == "1f1b"
+    assert not (tmp_path / "plain.schedule.json").exists()
