@@ -8,32 +8,31 @@ action), runs F, B, I and W with autograd, and hands values between stages of on
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import time
 import uuid
-from collections import defaultdict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.fx.node import map_aggregate
 
 from pipeloom.ir import Schedule, load_schedule
 from pipeloom.ir.json_io import schedule_to_json
-from pipeloom.runtime.backward import PendingWeights, accumulate_grad, backward_full, backward_input
-from pipeloom.runtime.comm import LeafMeta, Messenger, flatten, unflatten
-from pipeloom.runtime.lower import MODEL_INPUT, Lowering, PipelineError, Step, Unit, lower
-from pipeloom.runtime.split import StagedModel, ValueRef, check_stage_value, split_model, stages_from_modules
+from pipeloom.runtime.comm import Messenger
+from pipeloom.runtime.lower import Lowering, PipelineError, lower
+from pipeloom.runtime.replicas import merge_replicas
+from pipeloom.runtime.split import StagedModel, split_model, stages_from_modules
+from pipeloom.runtime.step import StepRun
 from pipeloom.schedules import build_schedule, schedule_info, schedule_names
 from pipeloom.validate import validate
 
 __all__ = ["PipelineEngine", "PipelineError", "pipeline"]
 
 TRACE_ENV = "PIPELOOM_TRACE"
-LOOKAHEAD = 2  # compute actions whose receives are posted ahead of time
 
 
 def _world(process_group: object) -> tuple[int, int, object]:
@@ -193,8 +192,8 @@ class PipelineEngine:
         self.trace_steps: list[dict] = []
         self.broken: str | None = None
         self._meta_cache: dict[tuple, tuple[dict, dict]] = {}
-        self._num_outputs = [spec.num_outputs for spec in staged.graph.stages]
-        self._last_piece = lowering.num_pieces - 1
+        self.num_outputs = [spec.num_outputs for spec in staged.graph.stages]
+        self.last_piece = lowering.num_pieces - 1
         store, run_id = None, "local"
         if world_size > 1:
             store = _default_store()
@@ -276,7 +275,7 @@ class PipelineEngine:
         metas, specs = (cached if cached is not None else ({}, {}))
         events: list | None = [] if self.trace_dir is not None else None
         step_start = time.time_ns()
-        run = _StepRun(self, chunks, targets, training=training, metas=metas, specs=specs, events=events)
+        run = StepRun(self, chunks, targets, training=training, metas=metas, specs=specs, events=events)
         self.messenger.begin(metas if cached is not None else None, specs, events=events,
                              unit_filter=run.wants)
         if self.messenger.discover:
@@ -287,7 +286,7 @@ class PipelineEngine:
             self.messenger.finish()
             loss = self._reduce_loss(run.losses, targets, events)
             if training:
-                self._merge_replicas(run)
+                merge_replicas(self, run)
         except PipelineError as error:
             self.broken = str(error)
             self.messenger.report(str(error))
@@ -322,7 +321,7 @@ class PipelineEngine:
                 vector = vector.to(torch.float64) if dtype != torch.float64 else vector
             work = dist.all_reduce(vector, group=self.group, async_op=True)
             try:
-                work.wait(timeout=_timedelta(self.timeout))
+                work.wait(timeout=datetime.timedelta(seconds=self.timeout))
             except Exception as error:
                 raise PipelineError(f"rank {self.rank}: summing the loss across ranks failed: {error}; "
                                     f"{self.messenger.any_error() or 'another rank failed or hung'}") from error
@@ -333,99 +332,6 @@ class PipelineEngine:
         for mb in range(1, m):
             total = total + vector[mb]
         return total
-
-    def _merge_replicas(self, run: _StepRun) -> None:
-        """Two-replica schedules: add each piece's micro-batch gradients in micro-batch order on the
-        first replica's rank, and give both replicas the same result.
-
-        The second replica sends all its micro-batch gradients of a piece at once (a presence mask and
-        one flat buffer per dtype); the first adds everything in micro-batch order and sends the sums
-        back the same way. Pieces go in index order on every rank, so the exchanges pair up.
-        """
-        if self.lowering.replicas == 1:
-            return
-        low = self.lowering
-        sends: list = []
-        for piece in range(low.num_pieces):
-            stages = [low.stage_for[j][piece] for j in range(low.replicas)]
-            ranks = [low.rank_of[s] for s in stages]
-            if self.rank not in ranks:
-                continue
-            owner = ranks[0]
-            mine = [s for s in stages if low.rank_of[s] == self.rank]
-            params = self.params[mine[0]]
-            contributions: dict[int, list] = {}
-            for s in mine:
-                contributions.update(run.replica_grads.get(s, {}))
-            tag = self._REPLICA_TAG + 4 * piece
-            if self.rank == owner:
-                for j, other in enumerate(ranks):
-                    if other == self.rank:
-                        continue
-                    mbs = [low.replicas * m + j for m in range(low.schedule.num_microbatches)]
-                    grads = self._receive_packed(other, params * len(mbs), tag)
-                    for k, mb in enumerate(mbs):
-                        contributions[mb] = grads[k * len(params):(k + 1) * len(params)]
-                for mb in sorted(contributions):
-                    for param, grad in zip(params, contributions[mb]):
-                        if grad is not None:
-                            accumulate_grad(param, grad)
-                for other in sorted(set(ranks) - {self.rank}):
-                    sends += self._send_packed(other, [p.grad for p in params], tag + 2)
-            else:
-                flat = [g for mb in sorted(contributions) for g in contributions[mb]]
-                sends += self._send_packed(owner, flat, tag)
-                for param, grad in zip(params, self._receive_packed(owner, params, tag + 2)):
-                    param.grad = None if grad is None else grad.clone()
-        for work, peer in sends:
-            self._wait_replica(work, peer)
-
-    _REPLICA_TAG = 1 << 24
-
-    def _wait_replica(self, work, peer: int) -> None:
-        try:
-            work.wait(timeout=_timedelta(self.timeout))
-        except Exception as error:
-            raise PipelineError(f"rank {self.rank}: exchanging replica gradients with rank {peer} failed: {error}; "
-                                f"{self.messenger.peer_error(peer) or 'it failed or hung'}") from error
-
-    def _send_packed(self, peer: int, grads: list, tag: int) -> list:
-        """Post the sends of ``grads`` (None where absent) as a mask and one flat buffer per dtype."""
-        mask = torch.tensor([g is not None for g in grads], dtype=torch.uint8, device=self.device)
-        by_dtype: dict[torch.dtype, list] = {}
-        for grad in grads:
-            if grad is not None:
-                by_dtype.setdefault(grad.dtype, []).append(grad.reshape(-1))
-        global_peer = dist.get_global_rank(self.group, peer)
-        works = [(dist.isend(mask, global_peer, group=self.group, tag=tag), peer)]
-        works += [(dist.isend(torch.cat(parts), global_peer, group=self.group, tag=tag + 1), peer)
-                  for parts in by_dtype.values()]
-        return works
-
-    def _receive_packed(self, peer: int, templates: list, tag: int) -> list:
-        """Receive what :meth:`_send_packed` sent for tensors shaped like ``templates``."""
-        global_peer = dist.get_global_rank(self.group, peer)
-        mask = torch.empty(len(templates), dtype=torch.uint8, device=self.device)
-        self._wait_replica(dist.irecv(mask, global_peer, group=self.group, tag=tag), peer)
-        present = mask.tolist()
-        sizes: dict[torch.dtype, int] = {}
-        for template, here in zip(templates, present):
-            if here:
-                sizes[template.dtype] = sizes.get(template.dtype, 0) + template.numel()
-        buffers = {}
-        for dtype, size in sizes.items():
-            buffers[dtype] = torch.empty(size, dtype=dtype, device=self.device)
-            self._wait_replica(dist.irecv(buffers[dtype], global_peer, group=self.group, tag=tag + 1), peer)
-        offsets = dict.fromkeys(sizes, 0)
-        grads = []
-        for template, here in zip(templates, present):
-            if not here:
-                grads.append(None)
-                continue
-            start = offsets[template.dtype]
-            offsets[template.dtype] = start + template.numel()
-            grads.append(buffers[template.dtype][start:start + template.numel()].view(template.shape))
-        return grads
 
     # ------------------------------------------------------------------------------ trace
 
@@ -448,12 +354,6 @@ class PipelineEngine:
         path.write_text(json.dumps(document))
 
 
-def _timedelta(seconds: float):
-    import datetime
-
-    return datetime.timedelta(seconds=seconds)
-
-
 def _default_store() -> object:
     """The process group's key-value store, used only to pass failure messages (None if unreachable)."""
     try:
@@ -471,321 +371,3 @@ def _shared_run_id(group: object, rank: int) -> str:
     tensor = mine.cuda() if backend == "nccl" else mine
     dist.broadcast(tensor, src=dist.get_global_rank(group, 0), group=group)
     return bytes(tensor.cpu().tolist()).hex()
-
-
-class _StepRun:
-    """The state of one step on one rank: values, leaves, gradients and pending weight work."""
-
-    def __init__(self, engine: PipelineEngine, chunks: list, targets: list, *, training: bool,
-                 metas: dict, specs: dict, events: list | None) -> None:
-        self.engine = engine
-        self.low = engine.lowering
-        self.chunks = chunks
-        self.targets = targets
-        self.training = training
-        self.metas = metas
-        self.specs = specs
-        self.events = events
-        self.values: dict[tuple[int, int], list] = {}  # (stage, mb) -> output values
-        self.leaves: dict[tuple[int, int], list] = {}  # (stage, mb) -> [(leaf, producer, index, position)]
-        self.grads: dict[tuple[int, int], dict] = {}  # (stage, mb) -> {index: {position: [gradients]}}
-        self.pending: dict[tuple[int, int], PendingWeights] = {}
-        self.losses: dict[int, torch.Tensor] = {}
-        self.model_outputs: dict[int, object] = {}
-        self.received: dict[int, list] = {}
-        self.replica_grads: dict[int, dict[int, list]] = defaultdict(dict)
-        self.current: Step | None = None
-        self.outbox: list[tuple[Unit, list, list | None]] = []  # sends of the running action
-
-    def wants(self, unit: Unit) -> bool:
-        """Which incoming units this run receives (forward only when not training)."""
-        return self.training or unit.kind == "F"
-
-    def describe_failure(self, error: Exception) -> str:
-        step = self.current
-        if step is None:
-            return f"rank {self.engine.rank}: {type(error).__name__}: {error}"
-        action = step.action
-        return (f"rank {self.engine.rank}: stage {action.stage} (model piece {step.piece}) failed in action "
-                f"{action} (micro-batch {step.microbatch}): {type(error).__name__}: {error}")
-
-    def outputs(self) -> object:
-        if not self.model_outputs:
-            return None
-        values = [self.model_outputs[mb] for mb in sorted(self.model_outputs)]
-        if len(values) == self.low.num_microbatches and all(isinstance(v, torch.Tensor) for v in values):
-            return torch.cat(values, dim=0)
-        return values
-
-    def execute(self) -> None:
-        engine = self.engine
-        program = engine.program if self.training else engine.eval_program
-        messenger = engine.messenger
-        self._post_ahead(program, 0)
-        for t, step in enumerate(program):
-            self.current = step
-            kind = step.action.kind
-            if kind == "F":  # receive first, so an action's time holds no waiting
-                for uid in step.recvs:
-                    if uid not in self.received:
-                        self.received[uid] = messenger.receive(uid)
-            elif kind in ("B", "I"):
-                self._collect_remote(step)
-            start = time.time_ns() if self.events is not None else 0
-            if kind == "F":
-                self.forward(step)
-            elif kind in ("B", "I"):
-                self.backward(step)
-            elif kind == "W":
-                self.weight(step)
-            for unit, tensors, specs in self.outbox:
-                messenger.send(unit, tensors, specs)
-            self.outbox.clear()
-            self._post_ahead(program, t + 1)
-            if self.events is not None:  # compute plus this action's own sends and bookkeeping
-                self.events.append((str(step.action), "compute", start, time.time_ns()))
-        self.current = None
-
-    def _post_ahead(self, program: tuple[Step, ...], first: int) -> None:
-        """Post the receives of the next few actions (and, per sender, every earlier one)."""
-        messenger = self.engine.messenger
-        if messenger.discover:
-            return
-        for ahead in program[first:first + LOOKAHEAD + 1]:
-            for uid in ahead.recvs:
-                if self.wants(self.low.units[uid]):
-                    messenger.post_through(uid)
-
-    # --------------------------------------------------------------------------- value routing
-
-    def _fetch(self, stage: int, producer: int, index: int, mb: int) -> tuple[list, object, list[bool]]:
-        """Leaves, structure and requires-grad flags of output ``index`` of ``producer`` for ``mb``."""
-        low = self.low
-        if low.rank_of[producer] == self.engine.rank:
-            value = self.values[(producer, mb)][index]
-            check_stage_value(value, name=f"output {index}", where=f"from stage {producer} to stage {stage}")
-            leaves, spec = flatten(value)
-            return leaves, spec, [t.requires_grad for t in leaves]
-        uid = self.engine.unit_ids[("F", producer, stage, mb)]
-        if uid not in self.received:
-            self.received[uid] = self.engine.messenger.receive(uid)
-        unit = low.units[uid]
-        leaves, metas, specs = self.received[uid], self.metas[uid], self.specs[uid]
-        offset = 0
-        for i, spec in zip(unit.indices, specs):
-            count = _count(spec)
-            if i == index:
-                flags = [m.requires_grad for m in metas[offset:offset + count]]
-                return leaves[offset:offset + count], spec, flags
-            offset += count
-        raise AssertionError((uid, index))
-
-    def forward(self, step: Step) -> None:
-        engine, low = self.engine, self.low
-        s, mb = step.action.stage, step.microbatch
-        leaves: list = []
-        args = []
-        for producer, index, _ in low.sources[s]:
-            if producer == MODEL_INPUT:
-                args.append(self.chunks[index][mb])
-                continue
-            args.append(self._leaf_value(s, producer, index, mb, leaves))
-        module = engine.modules[s]
-        result = module(*args)
-        piece = low.piece_of[s]
-        outs = [result] if engine._num_outputs[piece] == 1 else list(result)
-        self.values[(s, mb)] = outs
-        for uid in step.sends:
-            self._send_forward(low.units[uid], outs)
-        if piece == engine._last_piece:
-            output = self._model_output(s, mb, outs, leaves)
-            if self.targets:
-                loss = engine.loss_fn(output, _pick(self.targets, mb)) / low.num_microbatches
-                self.losses[mb] = loss.detach()
-                if self.training:
-                    self.values[(s, mb)] = outs + [loss]
-            if not self.training:
-                self.model_outputs[mb] = output
-        if self.training:
-            self.leaves[(s, mb)] = leaves
-        for uid in step.recvs:
-            self.received.pop(uid, None)
-
-    def _leaf_value(self, s: int, producer: int, index: int, mb: int, leaves: list) -> object:
-        found, spec, flags = self._fetch(s, producer, index, mb)
-        detached = []
-        for position, (tensor, flag) in enumerate(zip(found, flags)):
-            leaf = tensor.detach()
-            if self.training and flag:
-                leaf.requires_grad_()
-                leaves.append((leaf, producer, index, position))
-            detached.append(leaf)
-        return unflatten(detached, spec)
-
-    def _model_output(self, s: int, mb: int, outs: list, leaves: list) -> object:
-        piece = self.low.piece_of[s]
-        stage_for = self.low.stage_for[self.low.replica_of[s]]
-
-        def resolve(ref: object) -> object:
-            if not isinstance(ref, ValueRef):
-                return ref
-            if ref.stage == MODEL_INPUT:
-                return self.chunks[ref.index][mb]
-            if ref.stage == piece:
-                return outs[ref.index]
-            return self._leaf_value(s, stage_for[ref.stage], ref.index, mb, leaves)
-
-        return map_aggregate(self.engine.staged.graph.output, resolve)
-
-    def _send_forward(self, unit: Unit, outs: list) -> None:
-        leaves: list = []
-        specs = []
-        for i in unit.indices:
-            check_stage_value(outs[i], name=f"output {i}", where=f"from stage {unit.producer} to stage {unit.consumer}")
-            found, spec = flatten(outs[i])
-            leaves.extend(found)
-            specs.append(spec)
-        metas = [LeafMeta.of(t) for t in leaves]
-        known = self.metas.get(unit.id)
-        if known is not None and not self.engine.messenger.discover:
-            if known != metas:
-                theirs = ", ".join(m.describe() for m in known)
-                ours = ", ".join(m.describe() for m in metas)
-                raise PipelineError(
-                    f"stage {unit.producer} (rank {unit.src}) produced [{ours}] for micro-batch {unit.microbatch}, "
-                    f"but stage {unit.consumer} (rank {unit.dst}) expects [{theirs}] as in the first step with these "
-                    "input shapes; a stage's output shapes must follow from the input shapes"
-                )
-        else:
-            self.metas[unit.id] = metas
-            self.specs[unit.id] = specs
-        self.outbox.append((unit, leaves, specs))
-
-    # ------------------------------------------------------------------------------- backward
-
-    def _roots(self, s: int, mb: int) -> tuple[list, list]:
-        """Outputs of (s, mb) with the summed gradients their consumers sent back."""
-        outs = self.values.pop((s, mb))
-        roots, grads = [], []
-        piece = self.low.piece_of[s]
-        if piece == self.engine._last_piece and self.targets:
-            loss = outs.pop()
-            roots.append(loss)
-            grads.append(torch.ones_like(loss))
-        contributions = self.grads.pop((s, mb), {})
-        for index, per_leaf in sorted(contributions.items()):
-            leaves, _ = flatten(outs[index])
-            for position, parts in sorted(per_leaf.items()):
-                total = parts[0]
-                for part in parts[1:]:
-                    total = total + part
-                roots.append(leaves[position])
-                grads.append(total)
-        return roots, grads
-
-    def _collect_remote(self, step: Step) -> None:
-        """Receive the gradient units this backward needs into the contribution table."""
-        s, mb = step.action.stage, step.microbatch
-        for uid in step.recvs:
-            unit = self.low.units[uid]
-            buffers = self.engine.messenger.receive(uid)
-            forward = self.engine.messenger.forward_of(unit)
-            metas, specs = self.metas[forward], self.specs[forward]
-            k = 0
-            offset = 0
-            for index, spec in zip(unit.indices, specs):
-                for position in range(_count(spec)):
-                    if metas[offset + position].requires_grad:
-                        _add(self.grads, (s, mb), index, position, buffers[k])
-                        k += 1
-                offset += _count(spec)
-
-    def backward(self, step: Step) -> None:
-        engine, low = self.engine, self.low
-        s, mb = step.action.stage, step.microbatch
-        roots, grads = self._roots(s, mb)
-        entries = self.leaves.pop((s, mb))
-        inputs = [leaf for leaf, *_ in entries]
-        replicated = low.replicas > 1
-        saved = self._swap_out(s) if replicated and step.action.kind == "B" else None
-        if step.action.kind == "B":
-            found = backward_full(roots, grads, inputs)
-        else:
-            found, pending = backward_input(roots, grads, inputs, engine.params[s])
-            self.pending[(s, mb)] = pending
-        if saved is not None:
-            self._swap_in(s, mb, saved)
-        self._route_input_grads(step, entries, found)
-
-    def weight(self, step: Step) -> None:
-        s, mb = step.action.stage, step.microbatch
-        pending = self.pending.pop((s, mb))
-        saved = self._swap_out(s) if self.low.replicas > 1 else None
-        pending.weight()
-        if saved is not None:
-            self._swap_in(s, mb, saved)
-
-    def _swap_out(self, s: int) -> list:
-        params = self.engine.params[s]
-        saved = [p.grad for p in params]
-        for p in params:
-            p.grad = None
-        return saved
-
-    def _swap_in(self, s: int, mb: int, saved: list) -> None:
-        params = self.engine.params[s]
-        self.replica_grads[s][mb] = [p.grad for p in params]
-        for p, g in zip(params, saved):
-            p.grad = g
-
-    def _route_input_grads(self, step: Step, entries: list, found: list) -> None:
-        low, rank, mb = self.low, self.engine.rank, step.microbatch
-        remote: dict[tuple[int, int, int], list] = defaultdict(list)
-        for (leaf, producer, index, position), grad in zip(entries, found):
-            if grad is None:
-                continue
-            if low.rank_of[producer] == rank:
-                _add(self.grads, (producer, mb), index, position, grad)
-            else:
-                remote[(producer, index, position)].append(grad)
-        for uid in step.sends:
-            unit = low.units[uid]
-            forward = self.engine.unit_ids[("F", unit.producer, unit.consumer, mb)]
-            metas, specs = self.metas[forward], self.specs[forward]
-            tensors = []
-            offset = 0
-            for index, spec in zip(unit.indices, specs):
-                for position in range(_count(spec)):
-                    meta = metas[offset + position]
-                    if meta.requires_grad:
-                        parts = remote.get((unit.producer, index, position))
-                        if parts:
-                            total = parts[0]
-                            for part in parts[1:]:
-                                total = total + part
-                        else:
-                            total = torch.zeros(meta.shape, dtype=meta.dtype, device=self.engine.device)
-                        tensors.append(total)
-                offset += _count(spec)
-            self.outbox.append((unit, tensors, None))
-
-
-
-def _add(table: dict, key: tuple[int, int], index: int, position: int, grad: torch.Tensor) -> None:
-    """Record one consumer's gradient for leaf ``position`` of output ``index`` of ``key``."""
-    table.setdefault(key, {}).setdefault(index, {}).setdefault(position, []).append(grad)
-
-
-def _count(spec: object) -> int:
-    if spec is None:
-        return 1
-    if spec[0] == "dict":
-        return sum(_count(x) for x in spec[2])
-    return sum(_count(x) for x in spec[1])
-
-
-def _pick(per_input: list[list], mb: int) -> object:
-    """The ``mb``-th micro-batch of a target given as one tensor or several."""
-    if len(per_input) == 1:
-        return per_input[0][mb]
-    return tuple(parts[mb] for parts in per_input)

@@ -1,0 +1,341 @@
+"""One step on one rank: the values, input leaves, gradients and pending weight work of every
+(stage, micro-batch), and the F, B, I and W actions that move them."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from typing import TYPE_CHECKING
+
+import torch
+from torch.fx.node import map_aggregate
+
+from pipeloom.runtime.backward import PendingWeights, backward_full, backward_input
+from pipeloom.runtime.comm import LeafMeta, flatten, unflatten
+from pipeloom.runtime.lower import MODEL_INPUT, PipelineError, Step, Unit
+from pipeloom.runtime.split import ValueRef, check_stage_value
+
+if TYPE_CHECKING:
+    from pipeloom.runtime.engine import PipelineEngine
+
+__all__ = ["LOOKAHEAD", "StepRun"]
+
+LOOKAHEAD = 2  # compute actions whose receives are posted ahead of time
+
+
+class StepRun:
+    """The state of one step on one rank: values, leaves, gradients and pending weight work."""
+
+    def __init__(self, engine: PipelineEngine, chunks: list, targets: list, *, training: bool,
+                 metas: dict, specs: dict, events: list | None) -> None:
+        self.engine = engine
+        self.low = engine.lowering
+        self.chunks = chunks
+        self.targets = targets
+        self.training = training
+        self.metas = metas
+        self.specs = specs
+        self.events = events
+        self.values: dict[tuple[int, int], list] = {}  # (stage, mb) -> output values
+        self.leaves: dict[tuple[int, int], list] = {}  # (stage, mb) -> [(leaf, producer, index, position)]
+        self.grads: dict[tuple[int, int], dict] = {}  # (stage, mb) -> {index: {position: [gradients]}}
+        self.pending: dict[tuple[int, int], PendingWeights] = {}
+        self.losses: dict[int, torch.Tensor] = {}
+        self.model_outputs: dict[int, object] = {}
+        self.received: dict[int, list] = {}
+        self.replica_grads: dict[int, dict[int, list]] = defaultdict(dict)
+        self.current: Step | None = None
+        self.outbox: list[tuple[Unit, list, list | None]] = []  # sends of the running action
+
+    def wants(self, unit: Unit) -> bool:
+        """Which incoming units this run receives (forward only when not training)."""
+        return self.training or unit.kind == "F"
+
+    def describe_failure(self, error: Exception) -> str:
+        step = self.current
+        if step is None:
+            return f"rank {self.engine.rank}: {type(error).__name__}: {error}"
+        action = step.action
+        return (f"rank {self.engine.rank}: stage {action.stage} (model piece {step.piece}) failed in action "
+                f"{action} (micro-batch {step.microbatch}): {type(error).__name__}: {error}")
+
+    def outputs(self) -> object:
+        if not self.model_outputs:
+            return None
+        values = [self.model_outputs[mb] for mb in sorted(self.model_outputs)]
+        if len(values) == self.low.num_microbatches and all(isinstance(v, torch.Tensor) for v in values):
+            return torch.cat(values, dim=0)
+        return values
+
+    def execute(self) -> None:
+        engine = self.engine
+        program = engine.program if self.training else engine.eval_program
+        messenger = engine.messenger
+        self._post_ahead(program, 0)
+        for t, step in enumerate(program):
+            self.current = step
+            kind = step.action.kind
+            if kind == "F":  # receive first, so an action's time holds no waiting
+                for uid in step.recvs:
+                    if uid not in self.received:
+                        self.received[uid] = messenger.receive(uid)
+            elif kind in ("B", "I"):
+                self._collect_remote(step)
+            start = time.time_ns() if self.events is not None else 0
+            if kind == "F":
+                self.forward(step)
+            elif kind in ("B", "I"):
+                self.backward(step)
+            elif kind == "W":
+                self.weight(step)
+            for unit, tensors, specs in self.outbox:
+                messenger.send(unit, tensors, specs)
+            self.outbox.clear()
+            self._post_ahead(program, t + 1)
+            if self.events is not None:  # compute plus this action's own sends and bookkeeping
+                self.events.append((str(step.action), "compute", start, time.time_ns()))
+        self.current = None
+
+    def _post_ahead(self, program: tuple[Step, ...], first: int) -> None:
+        """Post the receives of the next few actions (and, per sender, every earlier one)."""
+        messenger = self.engine.messenger
+        if messenger.discover:
+            return
+        for ahead in program[first:first + LOOKAHEAD + 1]:
+            for uid in ahead.recvs:
+                if self.wants(self.low.units[uid]):
+                    messenger.post_through(uid)
+
+    # --------------------------------------------------------------------------- value routing
+
+    def _fetch(self, stage: int, producer: int, index: int, mb: int) -> tuple[list, object, list[bool]]:
+        """Leaves, structure and requires-grad flags of output ``index`` of ``producer`` for ``mb``."""
+        low = self.low
+        if low.rank_of[producer] == self.engine.rank:
+            value = self.values[(producer, mb)][index]
+            check_stage_value(value, name=f"output {index}", where=f"from stage {producer} to stage {stage}")
+            leaves, spec = flatten(value)
+            return leaves, spec, [t.requires_grad for t in leaves]
+        uid = self.engine.unit_ids[("F", producer, stage, mb)]
+        if uid not in self.received:
+            self.received[uid] = self.engine.messenger.receive(uid)
+        unit = low.units[uid]
+        leaves, metas, specs = self.received[uid], self.metas[uid], self.specs[uid]
+        offset = 0
+        for i, spec in zip(unit.indices, specs):
+            count = _count(spec)
+            if i == index:
+                flags = [m.requires_grad for m in metas[offset:offset + count]]
+                return leaves[offset:offset + count], spec, flags
+            offset += count
+        raise AssertionError((uid, index))
+
+    def forward(self, step: Step) -> None:
+        engine, low = self.engine, self.low
+        s, mb = step.action.stage, step.microbatch
+        leaves: list = []
+        args = []
+        for producer, index, _ in low.sources[s]:
+            if producer == MODEL_INPUT:
+                args.append(self.chunks[index][mb])
+                continue
+            args.append(self._leaf_value(s, producer, index, mb, leaves))
+        module = engine.modules[s]
+        result = module(*args)
+        piece = low.piece_of[s]
+        outs = [result] if engine.num_outputs[piece] == 1 else list(result)
+        self.values[(s, mb)] = outs
+        for uid in step.sends:
+            self._send_forward(low.units[uid], outs)
+        if piece == engine.last_piece:
+            output = self._model_output(s, mb, outs, leaves)
+            if self.targets:
+                loss = engine.loss_fn(output, _pick(self.targets, mb)) / low.num_microbatches
+                self.losses[mb] = loss.detach()
+                if self.training:
+                    self.values[(s, mb)] = outs + [loss]
+            if not self.training:
+                self.model_outputs[mb] = output
+        if self.training:
+            self.leaves[(s, mb)] = leaves
+        for uid in step.recvs:
+            self.received.pop(uid, None)
+
+    def _leaf_value(self, s: int, producer: int, index: int, mb: int, leaves: list) -> object:
+        found, spec, flags = self._fetch(s, producer, index, mb)
+        detached = []
+        for position, (tensor, flag) in enumerate(zip(found, flags)):
+            leaf = tensor.detach()
+            if self.training and flag:
+                leaf.requires_grad_()
+                leaves.append((leaf, producer, index, position))
+            detached.append(leaf)
+        return unflatten(detached, spec)
+
+    def _model_output(self, s: int, mb: int, outs: list, leaves: list) -> object:
+        piece = self.low.piece_of[s]
+        stage_for = self.low.stage_for[self.low.replica_of[s]]
+
+        def resolve(ref: object) -> object:
+            if not isinstance(ref, ValueRef):
+                return ref
+            if ref.stage == MODEL_INPUT:
+                return self.chunks[ref.index][mb]
+            if ref.stage == piece:
+                return outs[ref.index]
+            return self._leaf_value(s, stage_for[ref.stage], ref.index, mb, leaves)
+
+        return map_aggregate(self.engine.staged.graph.output, resolve)
+
+    def _send_forward(self, unit: Unit, outs: list) -> None:
+        leaves: list = []
+        specs = []
+        for i in unit.indices:
+            check_stage_value(outs[i], name=f"output {i}", where=f"from stage {unit.producer} to stage {unit.consumer}")
+            found, spec = flatten(outs[i])
+            leaves.extend(found)
+            specs.append(spec)
+        metas = [LeafMeta.of(t) for t in leaves]
+        known = self.metas.get(unit.id)
+        if known is not None and not self.engine.messenger.discover:
+            if known != metas:
+                theirs = ", ".join(m.describe() for m in known)
+                ours = ", ".join(m.describe() for m in metas)
+                raise PipelineError(
+                    f"stage {unit.producer} (rank {unit.src}) produced [{ours}] for micro-batch {unit.microbatch}, "
+                    f"but stage {unit.consumer} (rank {unit.dst}) expects [{theirs}] as in the first step with these "
+                    "input shapes; a stage's output shapes must follow from the input shapes"
+                )
+        else:
+            self.metas[unit.id] = metas
+            self.specs[unit.id] = specs
+        self.outbox.append((unit, leaves, specs))
+
+    # ------------------------------------------------------------------------------- backward
+
+    def _roots(self, s: int, mb: int) -> tuple[list, list]:
+        """Outputs of (s, mb) with the summed gradients their consumers sent back."""
+        outs = self.values.pop((s, mb))
+        roots, grads = [], []
+        piece = self.low.piece_of[s]
+        if piece == self.engine.last_piece and self.targets:
+            loss = outs.pop()
+            roots.append(loss)
+            grads.append(torch.ones_like(loss))
+        contributions = self.grads.pop((s, mb), {})
+        for index, per_leaf in sorted(contributions.items()):
+            leaves, _ = flatten(outs[index])
+            for position, parts in sorted(per_leaf.items()):
+                total = parts[0]
+                for part in parts[1:]:
+                    total = total + part
+                roots.append(leaves[position])
+                grads.append(total)
+        return roots, grads
+
+    def _collect_remote(self, step: Step) -> None:
+        """Receive the gradient units this backward needs into the contribution table."""
+        s, mb = step.action.stage, step.microbatch
+        for uid in step.recvs:
+            unit = self.low.units[uid]
+            buffers = self.engine.messenger.receive(uid)
+            forward = self.engine.messenger.forward_of(unit)
+            metas, specs = self.metas[forward], self.specs[forward]
+            k = 0
+            offset = 0
+            for index, spec in zip(unit.indices, specs):
+                for position in range(_count(spec)):
+                    if metas[offset + position].requires_grad:
+                        _add(self.grads, (s, mb), index, position, buffers[k])
+                        k += 1
+                offset += _count(spec)
+
+    def backward(self, step: Step) -> None:
+        engine, low = self.engine, self.low
+        s, mb = step.action.stage, step.microbatch
+        roots, grads = self._roots(s, mb)
+        entries = self.leaves.pop((s, mb))
+        inputs = [leaf for leaf, *_ in entries]
+        replicated = low.replicas > 1
+        saved = self._swap_out(s) if replicated and step.action.kind == "B" else None
+        if step.action.kind == "B":
+            found = backward_full(roots, grads, inputs)
+        else:
+            found, pending = backward_input(roots, grads, inputs, engine.params[s])
+            self.pending[(s, mb)] = pending
+        if saved is not None:
+            self._swap_in(s, mb, saved)
+        self._route_input_grads(step, entries, found)
+
+    def weight(self, step: Step) -> None:
+        s, mb = step.action.stage, step.microbatch
+        pending = self.pending.pop((s, mb))
+        saved = self._swap_out(s) if self.low.replicas > 1 else None
+        pending.weight()
+        if saved is not None:
+            self._swap_in(s, mb, saved)
+
+    def _swap_out(self, s: int) -> list:
+        params = self.engine.params[s]
+        saved = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        return saved
+
+    def _swap_in(self, s: int, mb: int, saved: list) -> None:
+        params = self.engine.params[s]
+        self.replica_grads[s][mb] = [p.grad for p in params]
+        for p, g in zip(params, saved):
+            p.grad = g
+
+    def _route_input_grads(self, step: Step, entries: list, found: list) -> None:
+        low, rank, mb = self.low, self.engine.rank, step.microbatch
+        remote: dict[tuple[int, int, int], list] = defaultdict(list)
+        for (leaf, producer, index, position), grad in zip(entries, found):
+            if grad is None:
+                continue
+            if low.rank_of[producer] == rank:
+                _add(self.grads, (producer, mb), index, position, grad)
+            else:
+                remote[(producer, index, position)].append(grad)
+        for uid in step.sends:
+            unit = low.units[uid]
+            forward = self.engine.unit_ids[("F", unit.producer, unit.consumer, mb)]
+            metas, specs = self.metas[forward], self.specs[forward]
+            tensors = []
+            offset = 0
+            for index, spec in zip(unit.indices, specs):
+                for position in range(_count(spec)):
+                    meta = metas[offset + position]
+                    if meta.requires_grad:
+                        parts = remote.get((unit.producer, index, position))
+                        if parts:
+                            total = parts[0]
+                            for part in parts[1:]:
+                                total = total + part
+                        else:
+                            total = torch.zeros(meta.shape, dtype=meta.dtype, device=self.engine.device)
+                        tensors.append(total)
+                offset += _count(spec)
+            self.outbox.append((unit, tensors, None))
+
+
+
+def _add(table: dict, key: tuple[int, int], index: int, position: int, grad: torch.Tensor) -> None:
+    """Record one consumer's gradient for leaf ``position`` of output ``index`` of ``key``."""
+    table.setdefault(key, {}).setdefault(index, {}).setdefault(position, []).append(grad)
+
+
+def _count(spec: object) -> int:
+    if spec is None:
+        return 1
+    if spec[0] == "dict":
+        return sum(_count(x) for x in spec[2])
+    return sum(_count(x) for x in spec[1])
+
+
+def _pick(per_input: list[list], mb: int) -> object:
+    """The ``mb``-th micro-batch of a target given as one tensor or several."""
+    if len(per_input) == 1:
+        return per_input[0][mb]
+    return tuple(parts[mb] for parts in per_input)
