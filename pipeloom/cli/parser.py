@@ -106,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     returning the exit status."""
     parser = _Parser(
         prog="pipeloom",
-        description="Build, validate, simulate, compare and draw pipeline-parallel schedules.",
+        description="Build, search, validate, simulate, compare and draw pipeline-parallel schedules; "
+                    "profile a model, plan its pipeline, and compare measured runs with predictions.",
         epilog=COST_HELP,
     )
     parser.add_argument("--verbose", "-v", action="store_true", help="print full error details")
