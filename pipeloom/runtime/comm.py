@@ -163,6 +163,29 @@ class Messenger:
             self.sent.append(entry)
             self._sender().put((entry, dst, tag))
 
+    def post_send(self, tensor: torch.Tensor, peer: int, tag: int) -> list:
+        """Send ``tensor`` to group rank ``peer`` outside the step's units (e.g. replica gradients);
+        returns ``[work, tensor, None]``, the work filled in once posted (see :meth:`wait_posted`)."""
+        entry = [None, tensor, None]
+        if self.batch:
+            entry[0] = dist.isend(tensor, self.to_global(peer), group=self.group, tag=tag)
+        else:
+            self._sender().put((entry, self.to_global(peer), tag))
+        return entry
+
+    def wait_posted(self, entries: list, describe: Callable[[], str]) -> None:
+        """Wait (bounded by the timeout) for sends made with :meth:`post_send`."""
+        if self._queue is not None:
+            self._queue.join()
+        if self._send_error is not None:
+            raise self._send_error
+        for work, _, _ in entries:
+            try:
+                work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+            except Exception as error:
+                raise PipelineError(f"rank {self.rank}: {describe()} failed: {error}; "
+                                    f"{self.any_error() or 'the peer failed or hung'}") from error
+
     def _sender(self) -> queue.Queue:
         """The queue of a thread that posts the sends, so the compute thread never blocks on one."""
         if self._queue is None:
@@ -175,7 +198,8 @@ class Messenger:
             entry, dst, tag = self._queue.get()
             try:
                 if self._send_error is None:
-                    entry[0] = self._call(dist.isend, entry[1], dst, tag, entry[2], "sending")
+                    entry[0] = self._call(dist.isend, entry[1], dst, tag, entry[2],
+                                          "sending" if entry[2] is not None else "sending replica gradients")
             except PipelineError as error:
                 self._send_error = error
             finally:
@@ -297,11 +321,14 @@ class Messenger:
 
     # ---------------------------------------------------------------------------------- failure
 
-    def _call(self, op, tensor: torch.Tensor, peer: int, tag: int, unit: Unit, doing: str):
+    def _call(self, op, tensor: torch.Tensor, peer: int, tag: int, unit: Unit | None, doing: str):
         """Post one point-to-point operation; a broken connection becomes a PipelineError."""
         try:
             return op(tensor, peer, group=self.group, tag=tag)
         except Exception as error:  # gloo reports a dead peer from the post itself
+            if unit is None:
+                raise PipelineError(f"rank {self.rank}: {doing} to global rank {peer} failed: "
+                                    f"{type(error).__name__}: {error}") from error
             rank = unit.src if doing == "receiving" else unit.dst
             raise PipelineError(self._failure(rank, doing, unit, f"{type(error).__name__}: {error}")) from error
 

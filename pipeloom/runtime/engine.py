@@ -283,10 +283,16 @@ class PipelineEngine:
         try:
             with torch.enable_grad() if training else torch.no_grad():
                 run.execute()
+            start = time.time_ns()
             self.messenger.finish()
+            if events is not None:
+                events.append(("sends complete", "sync", start, time.time_ns()))
             loss = self._reduce_loss(run.losses, targets, events)
-            if training:
+            if training and self.lowering.replicas > 1:
+                start = time.time_ns()
                 merge_replicas(self, run)
+                if events is not None:
+                    events.append(("replica gradients merged", "sync", start, time.time_ns()))
         except PipelineError as error:
             self.broken = str(error)
             self.messenger.report(str(error))

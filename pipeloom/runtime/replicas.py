@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import datetime
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -16,98 +17,159 @@ if TYPE_CHECKING:
     from pipeloom.runtime.engine import PipelineEngine
     from pipeloom.runtime.step import StepRun
 
-__all__ = ["merge_replicas"]
+__all__ = ["merge_replicas", "post_contributions", "post_receives"]
 
 REPLICA_TAG = 1 << 24  # tags of these messages, clear of the step's own
+
+
+def _pieces(engine: PipelineEngine):
+    """(piece, stages of its replicas, their ranks) for every piece held by this rank."""
+    low = engine.lowering
+    for piece in range(low.num_pieces):
+        stages = [low.stage_for[j][piece] for j in range(low.replicas)]
+        ranks = [low.rank_of[s] for s in stages]
+        if engine.rank in ranks:
+            yield piece, stages, ranks
+
+
+def _local_params(engine: PipelineEngine, stages: list[int]) -> list:
+    low = engine.lowering
+    return engine.params[next(s for s in stages if low.rank_of[s] == engine.rank)]
+
+
+@dataclass(slots=True)
+class _Incoming:
+    """Receives posted for one packed message: a presence mask and one flat buffer per dtype."""
+
+    peer: int
+    templates: list  # tensors shaped like the gradients to come, in order
+    mask: torch.Tensor
+    buffers: dict  # dtype -> flat buffer
+    works: list
+
+
+def post_receives(engine: PipelineEngine) -> dict:
+    """At the start of a step, post every replica-gradient receive of this rank, so the transfers
+    happen while it computes: the first replica's rank waits for the others' micro-batch gradients,
+    the others for the sums. Sizes are fixed (absent gradients travel as zeros, flagged in the mask)."""
+    low = engine.lowering
+    incoming: dict = {}
+    for piece, stages, ranks in _pieces(engine):
+        params = _local_params(engine, stages)
+        tag = REPLICA_TAG + 4 * piece
+        if ranks[0] == engine.rank:
+            for j, other in enumerate(ranks):
+                if other != engine.rank:
+                    incoming[(piece, j)] = _post_incoming(engine, other, params * low.schedule.num_microbatches, tag)
+        else:
+            incoming[(piece, "sums")] = _post_incoming(engine, ranks[0], params, tag + 2)
+    return incoming
+
+
+def post_contributions(engine: PipelineEngine, run: StepRun, stage: int) -> list:
+    """Second replica: send ``stage``'s micro-batch gradients to the first replica's rank (async).
+
+    Called as soon as the stage's last gradient action ran, so the transfer overlaps the rest of the
+    step; returns the posted entries.
+    """
+    low = engine.lowering
+    piece = low.piece_of[stage]
+    owner = low.rank_of[low.stage_for[0][piece]]
+    contributions = run.replica_grads.get(stage, {})
+    params = engine.params[stage]
+    flat = [g for mb in sorted(contributions) for g in contributions[mb]]
+    return _send_packed(engine, owner, flat, params * len(contributions), REPLICA_TAG + 4 * piece)
 
 
 def merge_replicas(engine: PipelineEngine, run: StepRun) -> None:
     """Two-replica schedules: add each piece's micro-batch gradients in micro-batch order on the
     first replica's rank, and give both replicas the same result.
 
-    The second replica sends all its micro-batch gradients of a piece at once (a presence mask and
-    one flat buffer per dtype); the first adds everything in micro-batch order and sends the sums
-    back the same way. Pieces go in index order on every rank, so the exchanges pair up.
+    The second replica sends all its micro-batch gradients of a piece at once (posted when its last
+    gradient action ends, into receives posted at the start of the step); the first adds everything
+    in micro-batch order and sends the sums back the same way.
     """
-    if engine.lowering.replicas == 1:
-        return
     low = engine.lowering
     sends: list = []
-    for piece in range(low.num_pieces):
-        stages = [low.stage_for[j][piece] for j in range(low.replicas)]
-        ranks = [low.rank_of[s] for s in stages]
-        if engine.rank not in ranks:
+    for piece, stages, ranks in _pieces(engine):  # second replicas: make sure their sends are out
+        for stage in stages[1:]:
+            if low.rank_of[stage] == engine.rank and ranks[0] != engine.rank:
+                sends += run.early_sends.pop(stage, None) or post_contributions(engine, run, stage)
+    for piece, stages, ranks in _pieces(engine):  # first replicas: receive, add in order, answer
+        if ranks[0] != engine.rank:
             continue
-        owner = ranks[0]
-        mine = [s for s in stages if low.rank_of[s] == engine.rank]
-        params = engine.params[mine[0]]
+        params = engine.params[stages[0]]
         contributions: dict[int, list] = {}
-        for s in mine:
-            contributions.update(run.replica_grads.get(s, {}))
-        tag = REPLICA_TAG + 4 * piece
-        if engine.rank == owner:
-            for j, other in enumerate(ranks):
-                if other == engine.rank:
-                    continue
-                mbs = [low.replicas * m + j for m in range(low.schedule.num_microbatches)]
-                grads = _receive_packed(engine, other, params * len(mbs), tag)
-                for k, mb in enumerate(mbs):
-                    contributions[mb] = grads[k * len(params):(k + 1) * len(params)]
-            for mb in sorted(contributions):
-                for param, grad in zip(params, contributions[mb]):
-                    if grad is not None:
-                        accumulate_grad(param, grad)
-            for other in sorted(set(ranks) - {engine.rank}):
-                sends += _send_packed(engine, other, [p.grad for p in params], tag + 2)
-        else:
-            flat = [g for mb in sorted(contributions) for g in contributions[mb]]
-            sends += _send_packed(engine, owner, flat, tag)
-            for param, grad in zip(params, _receive_packed(engine, owner, params, tag + 2)):
-                param.grad = None if grad is None else grad.clone()
-    for work, peer in sends:
-        _wait(engine, work, peer)
+        for stage in stages:
+            if low.rank_of[stage] == engine.rank:
+                contributions.update(run.replica_grads.get(stage, {}))
+        for j, other in enumerate(ranks):
+            if other == engine.rank:
+                continue
+            mbs = [low.replicas * m + j for m in range(low.schedule.num_microbatches)]
+            grads = _take(engine, run.replica_incoming[(piece, j)])
+            for k, mb in enumerate(mbs):
+                contributions[mb] = grads[k * len(params):(k + 1) * len(params)]
+        for mb in sorted(contributions):
+            for param, grad in zip(params, contributions[mb]):
+                if grad is not None:
+                    accumulate_grad(param, grad)
+        for other in sorted(set(ranks) - {engine.rank}):
+            sends += _send_packed(engine, other, [p.grad for p in params], params, REPLICA_TAG + 4 * piece + 2)
+    for piece, stages, ranks in _pieces(engine):  # second replicas: take the sums
+        if ranks[0] == engine.rank:
+            continue
+        params = _local_params(engine, stages)
+        for param, grad in zip(params, _take(engine, run.replica_incoming[(piece, "sums")])):
+            param.grad = None if grad is None else grad.clone()
+    engine.messenger.wait_posted(sends, lambda: "sending replica gradients")
 
-def _wait(engine: PipelineEngine, work, peer: int) -> None:
-    try:
-        work.wait(timeout=datetime.timedelta(seconds=engine.timeout))
-    except Exception as error:
-        raise PipelineError(f"rank {engine.rank}: exchanging replica gradients with rank {peer} failed: {error}; "
-                            f"{engine.messenger.peer_error(peer) or 'it failed or hung'}") from error
 
-def _send_packed(engine: PipelineEngine, peer: int, grads: list, tag: int) -> list:
-    """Post the sends of ``grads`` (None where absent) as a mask and one flat buffer per dtype."""
+def _sizes(templates: list) -> dict:
+    """Elements per dtype, in the order dtypes first appear."""
+    sizes: dict = {}
+    for template in templates:
+        sizes[template.dtype] = sizes.get(template.dtype, 0) + template.numel()
+    return sizes
+
+
+def _send_packed(engine: PipelineEngine, peer: int, grads: list, templates: list, tag: int) -> list:
+    """Post ``grads`` (None where absent, sent as zeros) as a mask and one flat buffer per dtype."""
     mask = torch.tensor([g is not None for g in grads], dtype=torch.uint8, device=engine.device)
-    by_dtype: dict[torch.dtype, list] = {}
-    for grad in grads:
-        if grad is not None:
-            by_dtype.setdefault(grad.dtype, []).append(grad.reshape(-1))
-    global_peer = dist.get_global_rank(engine.group, peer)
-    works = [(dist.isend(mask, global_peer, group=engine.group, tag=tag), peer)]
-    works += [(dist.isend(torch.cat(parts), global_peer, group=engine.group, tag=tag + 1), peer)
-              for parts in by_dtype.values()]
-    return works
+    by_dtype: dict = {dtype: [] for dtype in _sizes(templates)}
+    for grad, template in zip(grads, templates):
+        part = grad if grad is not None else torch.zeros_like(template)
+        by_dtype[template.dtype].append(part.reshape(-1))
+    entries = [engine.messenger.post_send(mask, peer, tag)]
+    entries += [engine.messenger.post_send(torch.cat(parts), peer, tag + 1) for parts in by_dtype.values()]
+    return entries
 
-def _receive_packed(engine: PipelineEngine, peer: int, templates: list, tag: int) -> list:
-    """Receive what :meth:`_send_packed` sent for tensors shaped like ``templates``."""
+
+def _post_incoming(engine: PipelineEngine, peer: int, templates: list, tag: int) -> _Incoming:
     global_peer = dist.get_global_rank(engine.group, peer)
     mask = torch.empty(len(templates), dtype=torch.uint8, device=engine.device)
-    _wait(engine, dist.irecv(mask, global_peer, group=engine.group, tag=tag), peer)
-    present = mask.tolist()
-    sizes: dict[torch.dtype, int] = {}
-    for template, here in zip(templates, present):
-        if here:
-            sizes[template.dtype] = sizes.get(template.dtype, 0) + template.numel()
+    works = [dist.irecv(mask, global_peer, group=engine.group, tag=tag)]
     buffers = {}
-    for dtype, size in sizes.items():
+    for dtype, size in _sizes(templates).items():
         buffers[dtype] = torch.empty(size, dtype=dtype, device=engine.device)
-        _wait(engine, dist.irecv(buffers[dtype], global_peer, group=engine.group, tag=tag + 1), peer)
-    offsets = dict.fromkeys(sizes, 0)
+        works.append(dist.irecv(buffers[dtype], global_peer, group=engine.group, tag=tag + 1))
+    return _Incoming(peer=peer, templates=templates, mask=mask, buffers=buffers, works=works)
+
+
+def _take(engine: PipelineEngine, incoming: _Incoming) -> list:
+    """Wait for a posted packed message and cut it back into gradients (None where flagged absent)."""
+    for work in incoming.works:
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=engine.timeout))
+        except Exception as error:
+            peer = incoming.peer
+            raise PipelineError(f"rank {engine.rank}: exchanging replica gradients with rank {peer} failed: "
+                                f"{error}; {engine.messenger.peer_error(peer) or 'it failed or hung'}") from error
+    offsets = dict.fromkeys(incoming.buffers, 0)
     grads = []
-    for template, here in zip(templates, present):
-        if not here:
-            grads.append(None)
-            continue
+    for template, present in zip(incoming.templates, incoming.mask.tolist()):
         start = offsets[template.dtype]
         offsets[template.dtype] = start + template.numel()
-        grads.append(buffers[template.dtype][start:start + template.numel()].view(template.shape))
+        view = incoming.buffers[template.dtype][start:start + template.numel()].view(template.shape)
+        grads.append(view if present else None)
     return grads

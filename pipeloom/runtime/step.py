@@ -13,6 +13,7 @@ from torch.fx.node import map_aggregate
 from pipeloom.runtime.backward import PendingWeights, backward_full, backward_input
 from pipeloom.runtime.comm import LeafMeta, flatten, unflatten
 from pipeloom.runtime.lower import MODEL_INPUT, PipelineError, Step, Unit
+from pipeloom.runtime.replicas import post_contributions, post_receives
 from pipeloom.runtime.split import ValueRef, check_stage_value
 
 if TYPE_CHECKING:
@@ -44,6 +45,8 @@ class StepRun:
         self.model_outputs: dict[int, object] = {}
         self.received: dict[int, list] = {}
         self.replica_grads: dict[int, dict[int, list]] = defaultdict(dict)
+        self.early_sends: dict[int, list] = {}  # second-replica stage -> its posted gradient sends
+        self.replica_incoming = post_receives(engine) if training and self.low.replicas > 1 else {}
         self.current: Step | None = None
         self.outbox: list[tuple[Unit, list, list | None]] = []  # sends of the running action
 
@@ -287,6 +290,9 @@ class StepRun:
         self.replica_grads[s][mb] = [p.grad for p in params]
         for p, g in zip(params, saved):
             p.grad = g
+        low = self.low
+        if low.replica_of[s] > 0 and len(self.replica_grads[s]) == low.schedule.num_microbatches:
+            self.early_sends[s] = post_contributions(self.engine, self, s)  # overlaps the rest of the step
 
     def _route_input_grads(self, step: Step, entries: list, found: list) -> None:
         low, rank, mb = self.low, self.engine.rank, step.microbatch
