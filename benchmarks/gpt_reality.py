@@ -6,7 +6,7 @@ One spawned pair of processes (``torch.set_num_threads(1)`` in each: one core pe
    ``latency + bytes / bandwidth``. **Engine overhead**: a trivial two-piece pipeline (two 4x4
    linear layers, 1F1B) run at two micro-batch counts; the measured step time minus the simulated one
    (link latencies, near-zero compute), fitted as ``fixed + actions per rank x overhead``, gives the
-   cost table's ``action_overhead`` (the per-step ``fixed`` part is reported, not priced).
+   cost table's ``action_overhead``, and the per-step ``fixed`` part its ``step_overhead``.
 2. **Profile**: both ranks run ``pipeloom.plan.profile_model`` on the example GPT at every micro-batch
    size the plan search may pick, at the same time (a barrier before each size), so every piece is
    timed with the other core busy, as in the run; the two ranks' times are averaged.
@@ -266,8 +266,8 @@ def _measure_overhead(rank: int, config: RealityConfig, link: Link, *, counts: t
 # ------------------------------------------------------------------------------------ profile
 
 
-def _profile_together(config: RealityConfig, link: Link, sizes: list[int], overhead: float = 0.0
-                      ) -> tuple[list[CostTable], list[dict]]:
+def _profile_together(config: RealityConfig, link: Link, sizes: list[int], overhead: float = 0.0,
+                      step_overhead: float = 0.0) -> tuple[list[CostTable], list[dict]]:
     """Both ranks profile every size at once (each size again while others load the machine); the
     tables with the two ranks' times averaged, and per size the foreign load and attempts."""
     gpt = example()
@@ -283,7 +283,7 @@ def _profile_together(config: RealityConfig, link: Link, sizes: list[int], overh
             both: list[str | None] = [None, None]
             dist.all_gather_object(both, costs_to_json(table))
             return dataclasses.replace(_mean_table([costs_from_json(text) for text in both]),
-                                       action_overhead=overhead)
+                                       action_overhead=overhead, step_overhead=step_overhead)
 
         table, foreign, attempts = _quiet(measure, config)
         tables.append(table)
@@ -292,9 +292,10 @@ def _profile_together(config: RealityConfig, link: Link, sizes: list[int], overh
 
 
 def _mean_table(tables: list[CostTable]) -> CostTable:
-    """One table with each piece's f, i and w the mean over ``tables`` (same model, same size)."""
+    """One table with each piece's f, i, w and b the mean over ``tables`` (same model, same size)."""
     pieces = tuple(
-        dataclasses.replace(group[0], **{key: statistics.fmean(getattr(p, key) for p in group) for key in "fiw"})
+        dataclasses.replace(group[0], **{key: statistics.fmean(getattr(p, key) for p in group) for key in "fiw"},
+                            b=statistics.fmean(p.full_backward for p in group))
         for group in zip(*(table.pieces for table in tables))
     )
     return dataclasses.replace(tables[0], pieces=pieces, device="cpu (1 thread per rank, both ranks profiling)")
@@ -344,7 +345,8 @@ def choose_plans(tables: list[CostTable], config: RealityConfig) -> tuple[list[d
 
 def predict(record: dict, tables: list[CostTable], config: RealityConfig) -> float:
     """The plan search's prediction for a saved plan, re-made from ``tables``: the same split and
-    action order, re-costed (``recost``) and simulated, plus the replicas' gradient exchange."""
+    action order, re-costed (``recost``) and simulated, plus the replicas' gradient exchange and the
+    table's fixed ``step_overhead``."""
     if record["run_schedule"] is not None:
         schedule = load_schedule(record["run_schedule"])
     else:
@@ -356,7 +358,8 @@ def predict(record: dict, tables: list[CostTable], config: RealityConfig) -> flo
                       split_points=tuple(record["split_points"]), stage_times=(0.0,) * count,
                       stage_memory=(0.0,) * count, objective=0.0, weight=0.0)
     problem = recost(schedule, table, split, memory_limit=config.memory_limit)
-    return simulate(dataclasses.replace(schedule, problem=problem)).makespan + replica_sync_time(table, schedule, split)
+    return (simulate(dataclasses.replace(schedule, problem=problem)).makespan
+            + replica_sync_time(table, schedule, split) + table.step_overhead)
 
 
 def _same_order(a: Schedule, b: Schedule) -> bool:
@@ -405,7 +408,8 @@ def _worker(rank: int, store_file: str, config: RealityConfig) -> None:
     _log(rank, begun, f"overhead {overhead * 1e6:.0f} us per action, fixed {overhead_note['fixed'] * 1e3:.2f} ms "
                       f"per step; profiling every micro-batch size")
     started = time.perf_counter()
-    tables, notes = _profile_together(config, link, config.sizes, overhead)
+    step_overhead = max(0.0, overhead_note["fixed"])
+    tables, notes = _profile_together(config, link, config.sizes, overhead, step_overhead)
     profiled = {"seconds": time.perf_counter() - started, "sizes": notes}
     shared: list = [None]
     if rank == 0:
@@ -419,7 +423,7 @@ def _worker(rank: int, store_file: str, config: RealityConfig) -> None:
     for round_ in range(config.rounds):
         _log(rank, begun, f"round {round_ + 1} of {config.rounds}: profile, predict and run each of {len(records)} plans")
         for record, engine in zip(records, engines):
-            _measure_plan(rank, record, engine, batches, config, link, overhead)
+            _measure_plan(rank, record, engine, batches, config, link, overhead, step_overhead)
     _log(rank, begun, "traced runs")
     for k, record in enumerate(records):
         record["trace"] = str(out / f"trace{k}-{record['schedule']}")
@@ -435,9 +439,9 @@ def _worker(rank: int, store_file: str, config: RealityConfig) -> None:
 
 
 def _measure_plan(rank: int, record: dict, engine, batches: list, config: RealityConfig, link: Link,
-                  overhead: float) -> None:
+                  overhead: float, step_overhead: float) -> None:
     """One round of one plan: profile its micro-batch size, re-predict, run; appended to ``record`` (rank 0)."""
-    (table,), (note,) = _profile_together(config, link, [record["microbatch_size"]], overhead)
+    (table,), (note,) = _profile_together(config, link, [record["microbatch_size"]], overhead, step_overhead)
 
     def measure() -> list[float]:
         _steps(engine, batches, config.warmup_steps)
@@ -452,9 +456,10 @@ def _measure_plan(rank: int, record: dict, engine, batches: list, config: Realit
 
 
 def _stage_costs(record: dict, table: CostTable) -> list[dict]:
-    """Per model stage of the plan: the profiled F, I, W in seconds."""
+    """Per model stage of the plan: the profiled F, I, W and full B in seconds."""
     starts = [0] + [table.names.index(name) for name in record["split_points"]] + [len(table.pieces)]
-    return [{kind: sum(getattr(p, kind.lower()) for p in table.pieces[a:b]) for kind in "FIW"}
+    return [{**{kind: sum(getattr(p, kind.lower()) for p in table.pieces[a:b]) for kind in "FIW"},
+             "B": sum(p.full_backward for p in table.pieces[a:b])}
             for a, b in pairwise(starts)]
 
 

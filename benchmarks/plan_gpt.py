@@ -97,7 +97,7 @@ def prediction_vs_reality(args: argparse.Namespace) -> None:
         runs = ", ".join(f"M={m} {r['measured'] * 1e3:.2f} ms measured vs {r['simulated'] * 1e3:.2f} simulated"
                          for m, r in note["runs"].items())
         print(f"engine overhead (trivial 1F1B pipeline: {runs}): {note['overhead'] * 1e6:.0f} us per action "
-              f"(in every prediction), {note['fixed'] * 1e3:.2f} ms fixed per step (not priced)")
+              f"(in every prediction), {note['fixed'] * 1e3:.2f} ms fixed per step (in every prediction)")
     print(f"profile for the plan search: sizes {', '.join(map(str, config.sizes))}, {config.repeats} repeats, both "
           f"ranks at once, {profile['seconds']:.1f} s; plan search {profile['plan_seconds']:.2f} s")
     foreign = [n["foreign"] for n in profile["sizes"]] + [e["profile_foreign"] for e in rounds]
@@ -107,6 +107,9 @@ def prediction_vs_reality(args: argparse.Namespace) -> None:
           f"ran ({sum(e['attempts'] - 1 for e in rounds)} measured again; limit {config.max_foreign} cores)")
     _print_plans(results, config)
     _print_tasks(plans[0], config)
+    split = next((r for r in plans[1:] if r["schedule"] == "zb-h1"), None)  # a split-backward plan too
+    if split is not None:
+        _print_tasks(split, config)
 
 
 def _short(split_points: list[str]) -> str:
@@ -162,7 +165,7 @@ def _print_tasks(record: dict, config) -> None:
     print(f"{'stage':>5} {'rank':>4} {'model stage':>11} {'kind':>4} {'profiled':>9} {'measured':>9} {'ratio':>6}")
     for (stage, kind), seconds in sorted(measured.items()):
         part = costs[shape.model_stage[stage]]
-        profiled = part["I"] + part["W"] if kind == "B" else part[kind]
+        profiled = part.get("B", part["I"] + part["W"]) if kind == "B" else part[kind]
         print(f"{stage:5} {shape.rank[stage]:4} {shape.model_stage[stage]:11} {kind:>4} {profiled * 1e3:9.2f} "
               f"{seconds * 1e3:9.2f} {seconds / profiled if profiled else float('nan'):6.2f}")
     print(f"traced step span {comparison.measured_step_time * 1e3:.1f} ms; simulated from these task times "

@@ -86,10 +86,13 @@ class Piece:
     i: float
     """Input-gradient backward seconds (zero-bubble I: ``pipeloom.runtime.backward.backward_input``)."""
     w: float
-    """Weight-gradient backward seconds (zero-bubble W: the ``weight()`` that I leaves pending); a full
-    backward B is priced ``i + w``. Where a stage's inputs are only model inputs (which carry no gradient),
+    """Weight-gradient backward seconds (zero-bubble W: the ``weight()`` that I leaves pending). Where a stage's inputs are only model inputs (which carry no gradient),
     the engine's I computes nothing and W does the whole backward: the planner then counts the stage's
     ``i`` as W (:func:`pipeloom.plan.recost`)."""
+    b: float | None = None
+    """Full backward seconds (input and weight gradients in one ``autograd.backward``, as the engine runs a
+    ``B``: ``pipeloom.runtime.backward.backward_full``); None means not measured, priced ``i + w``
+    (:attr:`full_backward`). One backward pass is usually cheaper than the split's two."""
     activation_bytes: float = 0.0
     """Bytes the forward keeps for the backward (saved tensors), released by the backward."""
     w_activation_bytes: float = 0.0
@@ -106,6 +109,8 @@ class Piece:
             raise CostTableError(f"a piece name must be a non-empty string, got {shown(self.name)}")
         for key in ("f", "i", "w", "activation_bytes", "w_activation_bytes", "param_bytes", "output_bytes"):
             object.__setattr__(self, key, _check(f"piece {self.name!r} {key}", getattr(self, key)))
+        if self.b is not None:
+            object.__setattr__(self, "b", _check(f"piece {self.name!r} b", self.b))
         if self.w_activation_bytes > self.activation_bytes:
             raise CostTableError(
                 f"piece {self.name!r}: w_activation_bytes {self.w_activation_bytes:g} exceeds activation_bytes "
@@ -120,6 +125,11 @@ class Piece:
     def time(self) -> float:
         """``f + i + w``: the piece's compute per micro-batch."""
         return self.f + self.i + self.w
+
+    @property
+    def full_backward(self) -> float:
+        """Seconds of a full backward B: ``b`` where measured, else ``i + w``."""
+        return self.i + self.w if self.b is None else self.b
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -144,6 +154,10 @@ class CostTable:
     """Seconds the runtime spends per action beyond the piece times (dispatch, bookkeeping, posting
     messages); the simulator adds it to every task (F, B, I and W alike). Not scaled with the
     micro-batch size."""
+    step_overhead: float = 0.0
+    """Seconds the runtime spends once per step outside the actions (the step's preamble, the loss
+    all-reduce, waiting for the last sends); added to every predicted step time. Not scaled with the
+    micro-batch size."""
 
     def __post_init__(self) -> None:
         pieces = tuple(self.pieces)
@@ -154,6 +168,7 @@ class CostTable:
             raise CostTableError(f"microbatch_size must be a positive integer, got {shown(self.microbatch_size)}")
         object.__setattr__(self, "optimizer_factor", _check("optimizer_factor", self.optimizer_factor))
         object.__setattr__(self, "action_overhead", _check("action_overhead", self.action_overhead))
+        object.__setattr__(self, "step_overhead", _check("step_overhead", self.step_overhead))
         seen: dict[str, int] = {}
         normal = []
         for k, piece in enumerate(pieces):
@@ -207,6 +222,7 @@ class CostTable:
         pieces = tuple(
             dataclasses.replace(
                 piece, f=piece.f * factor, i=piece.i * factor, w=piece.w * factor,
+                b=None if piece.b is None else piece.b * factor,
                 activation_bytes=piece.activation_bytes * factor,
                 w_activation_bytes=piece.w_activation_bytes * factor,
                 output_bytes=piece.output_bytes * factor,
@@ -226,7 +242,8 @@ def table_for_size(tables: CostTable | Sequence[CostTable], microbatch_size: int
     interpolated linearly (an affine model, fixed costs included, between the two); below the
     smallest or above the largest the nearest table is scaled in proportion (:meth:`CostTable.scaled`).
     The tables must list the same pieces (same names and inputs); the first one's device, link,
-    optimizer factor and action overhead are kept.
+    optimizer factor, action and step overheads are kept. A full backward ``b`` missing from one of
+    two tables is taken as its ``i + w``.
     """
     tables = [tables] if isinstance(tables, CostTable) else list(tables)
     if not tables:
@@ -248,7 +265,9 @@ def table_for_size(tables: CostTable | Sequence[CostTable], microbatch_size: int
     low, high = by_size[max(below)], by_size[min(above)]
     share = (microbatch_size - low.microbatch_size) / (high.microbatch_size - low.microbatch_size)
     pieces = tuple(
-        dataclasses.replace(a, **{key: getattr(a, key) + share * (getattr(b, key) - getattr(a, key)) for key in _SCALED})
+        dataclasses.replace(a, **{key: getattr(a, key) + share * (getattr(b, key) - getattr(a, key)) for key in _SCALED},
+                            b=None if a.b is None and b.b is None
+                            else a.full_backward + share * (b.full_backward - a.full_backward))
         for a, b in zip(low.pieces, high.pieces)
     )
     return dataclasses.replace(first, pieces=pieces, microbatch_size=microbatch_size)
@@ -256,10 +275,10 @@ def table_for_size(tables: CostTable | Sequence[CostTable], microbatch_size: int
 
 # ------------------------------------------------------------------------------------------ JSON
 
-_TOP_KEYS = {"format", "device", "source", "microbatch_size", "optimizer_factor", "action_overhead", "link",
-             "pieces"}
+_TOP_KEYS = {"format", "device", "source", "microbatch_size", "optimizer_factor", "action_overhead",
+             "step_overhead", "link", "pieces"}
 _LINK_KEYS = {"latency", "bandwidth"}
-_PIECE_KEYS = {"name", "f", "i", "w", "activation_bytes", "w_activation_bytes", "param_bytes", "output_bytes",
+_PIECE_KEYS = {"name", "f", "i", "w", "b", "activation_bytes", "w_activation_bytes", "param_bytes", "output_bytes",
                "inputs"}
 
 
@@ -272,9 +291,10 @@ def costs_to_json(table: CostTable, *, indent: int | None = 1) -> str:
         "microbatch_size": table.microbatch_size,
         "optimizer_factor": table.optimizer_factor,
         "action_overhead": table.action_overhead,
+        "step_overhead": table.step_overhead,
         "link": {"latency": table.link.latency, "bandwidth": table.link.bandwidth},
         "pieces": [
-            {"name": p.name, "f": p.f, "i": p.i, "w": p.w, "activation_bytes": p.activation_bytes,
+            {"name": p.name, "f": p.f, "i": p.i, "w": p.w, "b": p.b, "activation_bytes": p.activation_bytes,
              "w_activation_bytes": p.w_activation_bytes, "param_bytes": p.param_bytes,
              "output_bytes": p.output_bytes, "inputs": list(p.inputs or ())}
             for p in table.pieces
@@ -291,6 +311,7 @@ def _piece_from_json(entry: object, k: int) -> Piece:
     values = {key: number(entry, key, where=where, error=CostTableError) for key in ("f", "i", "w")}
     for key in ("activation_bytes", "w_activation_bytes", "param_bytes", "output_bytes"):
         values[key] = number(entry, key, where=where, error=CostTableError, default=0.0)
+    values["b"] = number(entry, "b", where=where, error=CostTableError, default=None, null=True)
     inputs = None if entry.get("inputs") is None else strings(entry, "inputs", where=where, error=CostTableError)
     return Piece(name=string(entry, "name", where=where, error=CostTableError), inputs=inputs, **values)
 
@@ -299,9 +320,9 @@ def costs_from_json(text: str) -> CostTable:
     """Parse ``pipeloom.costs/1`` JSON; unknown keys, another format or a wrong type are errors.
 
     Optional keys: ``device`` (""), ``source`` ("manual"), ``optimizer_factor`` (2),
-    ``action_overhead`` (0 seconds), ``link``
-    (no latency, unlimited bandwidth), and per piece the byte counts (0) and ``inputs`` (the piece
-    before it).
+    ``action_overhead`` and ``step_overhead`` (0 seconds), ``link``
+    (no latency, unlimited bandwidth), and per piece ``b`` (null: the full backward is priced
+    ``i + w``), the byte counts (0) and ``inputs`` (the piece before it).
     """
     document = json_object(text, fmt=COSTS_FORMAT, keys=_TOP_KEYS, error=CostTableError, what="cost table")
     where = "costs"
@@ -319,6 +340,7 @@ def costs_from_json(text: str) -> CostTable:
         source=string(document, "source", where=where, error=CostTableError, default="manual"),
         optimizer_factor=number(document, "optimizer_factor", where=where, error=CostTableError, default=2.0),
         action_overhead=number(document, "action_overhead", where=where, error=CostTableError, default=0.0),
+        step_overhead=number(document, "step_overhead", where=where, error=CostTableError, default=0.0),
         link=Link(
             latency=number(link, "latency", where=f"{where}.link", error=CostTableError, default=0.0),
             bandwidth=number(link, "bandwidth", where=f"{where}.link", error=CostTableError, default=None,

@@ -1,5 +1,6 @@
 """Measure a model's cost table on this machine: cut it at every piece with ``split_model``, then time
-each piece's forward and its input/weight-gradient split as the engine runs it, and count its bytes.
+each piece's forward, its full backward and its input/weight-gradient split as the engine runs them,
+and count its bytes.
 
 The one planner module that imports torch (DESIGN §4).
 """
@@ -15,7 +16,7 @@ from torch import fx, nn
 
 from pipeloom.plan.costs import CostTable, Link, Piece
 from pipeloom.runtime import MODEL_INPUT, split_model
-from pipeloom.runtime.backward import backward_input
+from pipeloom.runtime.backward import backward_full, backward_input
 from pipeloom.runtime.split import StagedModel
 
 __all__ = ["default_pieces", "profile_model"]
@@ -75,7 +76,7 @@ def _nbytes(tensors: Sequence[torch.Tensor]) -> float:
 
 
 class _StageRun:
-    """One stage of the cut model with its real inputs: runs F, then I and W, and times them."""
+    """One stage of the cut model with its real inputs: runs F, then I and W (or a full B), and times them."""
 
     def __init__(self, module: nn.Module, inputs: Sequence[object], *, sync: Callable[[], None],
                  loss: Callable[[object], torch.Tensor] | None) -> None:
@@ -114,18 +115,24 @@ class _StageRun:
             self.forward()
         return total
 
-    def times(self, *, warmup: int, repeats: int) -> tuple[float, float, float]:
-        """Median ``(F, I, W)`` seconds over ``repeats`` runs after ``warmup``."""
+    def times(self, *, warmup: int, repeats: int) -> tuple[float, float, float, float]:
+        """Median ``(F, I, W, B)`` seconds over ``repeats`` runs after ``warmup`` (each run does F with the
+        split backward, then F with the full one; F is the median over both)."""
         runs = [self._one_run() for _ in range(warmup + repeats)][warmup:]
-        return tuple(statistics.median(run[k] for run in runs) for k in range(3))  # type: ignore[return-value]
+        forward = statistics.median(f for run in runs for f in (run[0], run[3]))
+        return (forward, *(statistics.median(run[k] for run in runs) for k in (1, 2, 4)))  # type: ignore[return-value]
 
-    def _one_run(self) -> tuple[float, float, float]:
-        """F, then I and W as the engine runs them (``pipeloom.runtime.backward``); gradients cleared after."""
+    def _one_run(self) -> tuple[float, float, float, float, float]:
+        """F, I and W, then F and B, as the engine runs them (``pipeloom.runtime.backward``); gradients
+        cleared after each backward. ``(F, I, W, F, B)`` seconds."""
         leaves, outs, grads, forward = self.forward()
         inputs, (_, pending) = self._timed(backward_input, outs, grads, leaves, self.params)
         weights, _ = self._timed(pending.weight)
         self._clear()
-        return forward, inputs, weights
+        leaves, outs, grads, forward_again = self.forward()
+        full, _ = self._timed(backward_full, outs, grads, leaves)
+        self._clear()
+        return forward, inputs, weights, forward_again, full
 
     def _timed(self, work: Callable[..., object], *args: object) -> tuple[float, object]:
         """``(seconds, work(*args))``, synchronised on both ends."""
@@ -179,22 +186,25 @@ def profile_model(
     optimizer_factor: float = 2.0,
     link: Link = _FREE_LINK,
     action_overhead: float = 0.0,
+    step_overhead: float = 0.0,
 ) -> CostTable:
     """The cost table of ``model`` measured on ``device`` for one micro-batch ``example_inputs``.
 
     ``pieces`` (default :func:`default_pieces`) are module names in call order; the model is cut at
     every one with ``pipeloom.runtime.split_model``, so piece k is everything from the first call of
     piece k to the first call of piece k+1. Per piece: F is the forward; I and W are
-    ``pipeloom.runtime.backward.backward_input`` and then the pending ``weight()``, timed as the engine
-    runs them (not rescaled; a full backward is priced I + W); each a median of ``repeats`` runs after
-    ``warmup``, with CUDA synchronisation around each. Floating-point inputs of a piece are taken to
-    carry a gradient; integer ones (token ids) do not, so such a piece's I is about 0 and W holds its
-    whole backward (the planner moves the I of any stage reading only model inputs to W). Activation bytes are the storages the forward saves for
-    backward (``saved_tensors_hooks``; parameters excluded); W-kept bytes are not measured (0).
-    The last piece includes ``loss_fn(output, target)`` when both are given, else its backward
-    starts from gradients of ones. ``model`` is moved to ``device`` (default: where its parameters
-    are) and left in training mode; parameter gradients are cleared after. ``link`` and
-    ``action_overhead`` (seconds the runtime adds per action) are copied into the table.
+    ``pipeloom.runtime.backward.backward_input`` and then the pending ``weight()``, and B the full
+    backward ``backward_full`` (one ``autograd.backward``, usually cheaper than I + W), timed as the
+    engine runs them (not rescaled); each a median of ``repeats`` runs after ``warmup``, with CUDA
+    synchronisation around each. Floating-point inputs of a piece are taken to carry a gradient;
+    integer ones (token ids) do not, so such a piece's I is about 0 and W holds its whole backward
+    (the planner moves the I of any stage reading only model inputs to W). Activation bytes are the
+    storages the forward saves for backward (``saved_tensors_hooks``; parameters excluded); W-kept
+    bytes are not measured (0). The last piece includes ``loss_fn(output, target)`` when both are
+    given, else its backward starts from gradients of ones. ``model`` is moved to ``device`` (default:
+    where its parameters are) and left in training mode; parameter gradients are cleared after.
+    ``link``, ``action_overhead`` (seconds the runtime adds per action) and ``step_overhead`` (seconds
+    it adds once per step) are copied into the table.
     """
     inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     first = next(iter(model.parameters()), None)
@@ -213,15 +223,16 @@ def profile_model(
         loss = (lambda out: loss_fn(out, target)) if k == last and loss_fn is not None and target is not None \
             else None
         run = _StageRun(module, stage_inputs[k], sync=sync, loss=loss)
-        forward, i, w = run.times(warmup=warmup, repeats=repeats)
+        forward, i, w, b = run.times(warmup=warmup, repeats=repeats)
         with torch.no_grad():
             out = module(*stage_inputs[k])
         params = {id(p): p for p in module.parameters()}
         profiled.append(Piece(
-            name=name, f=forward, i=i, w=w, activation_bytes=run.saved_bytes(),
+            name=name, f=forward, i=i, w=w, b=b, activation_bytes=run.saved_bytes(),
             param_bytes=_nbytes(list(params.values())), output_bytes=_nbytes(_tensors(out)),
             inputs=tuple(names[j] for j in sorted({ref.stage for ref in spec.inputs if ref.stage != MODEL_INPUT})),
         ))
     size = next((t.size(0) for t in _tensors(inputs) if t.dim() > 0), 1)
     return CostTable(pieces=tuple(profiled), microbatch_size=int(size), device=_device_name(device), link=link,
-                     optimizer_factor=optimizer_factor, source="profile", action_overhead=action_overhead)
+                     optimizer_factor=optimizer_factor, source="profile", action_overhead=action_overhead,
+                     step_overhead=step_overhead)

@@ -56,7 +56,8 @@ class Candidate:
     """Samples per micro-batch."""
     step_time: float | None = None
     """Predicted seconds per step: the simulated makespan, plus the replicas' gradient exchange for
-    two-replica schedules (:func:`replica_sync_time`); None when no split fits."""
+    two-replica schedules (:func:`replica_sync_time`), plus the table's fixed ``step_overhead``; None
+    when no split fits."""
     peak_memory: float | None = None
     """Simulated peak bytes of the fullest rank; for a candidate no split fits, the least limit that would."""
     bubble_ratio: float | None = None
@@ -133,7 +134,8 @@ def _builds_same_order(plan: Plan, simulated: Schedule) -> bool:
 def recost(schedule: Schedule, table: CostTable, found: Partition, *, memory_limit: float | None) -> Problem:
     """The problem of ``schedule``'s task graph with the real costs of ``found``'s stages.
 
-    Stage durations are F, I (b) and W of the stage's pieces in seconds, activations in bytes,
+    Stage durations are F, I (b) and W of the stage's pieces in seconds (for a schedule with a full
+    backward, B is the pieces' measured full backward, :attr:`Piece.full_backward`), activations in bytes,
     static memory per rank the weights, gradients and optimizer state of its stages, and the
     communication latency the link time of the largest output crossing ranks. A stage that reads
     only model inputs (no gradient flows into it) has its I counted as W, as the engine's I has no
@@ -152,7 +154,9 @@ def recost(schedule: Schedule, table: CostTable, found: Partition, *, memory_lim
     for s, j in enumerate(shape.model_stage):
         part = parts[j]
         i, w = sum(p.i for p in part), sum(p.w for p in part)
-        if _reads_model_inputs_only(part):
+        if not split:
+            i, w = sum(p.full_backward for p in part), 0.0  # one autograd.backward, as the engine's B
+        elif _reads_model_inputs_only(part):
             i, w = 0.0, i + w
         stages.append(Stage(ranks=(shape.rank[s],), f=sum(p.f for p in part) + extra, b=i + extra,
                             w=w + (extra if split else 0.0), memory=sum(p.activation_bytes for p in part),
@@ -272,7 +276,8 @@ class _Search:
         peak = max(timeline.peak_memory)
         reason = "" if limit is None or peak <= limit * _FIT else f"peak {format_bytes(peak)} > {format_bytes(limit)}"
         return dataclasses.replace(
-            base, step_time=timeline.makespan + replica_sync_time(table, library, found), peak_memory=peak,
+            base, step_time=timeline.makespan + replica_sync_time(table, library, found) + table.step_overhead,
+            peak_memory=peak,
             bubble_ratio=timeline.bubble_ratio, split_points=found.split_points, timeline=timeline,
             partition=found, reason=reason,
         )

@@ -23,7 +23,7 @@ from pipeloom.plan import (
     save_costs,
 )
 from pipeloom.plan.analytical import gpt_block_flops
-from pipeloom.plan.costs import costs_from_json, costs_to_json
+from pipeloom.plan.costs import costs_from_json, costs_to_json, table_for_size
 
 
 def _table(**overrides) -> CostTable:
@@ -209,3 +209,34 @@ def test_table_for_size_interpolates_between_measured_sizes():
     other = CostTable(pieces=(Piece(name="b", f=1, i=1, w=1),), microbatch_size=2)
     with pytest.raises(CostTableError, match="list different pieces"):
         table_for_size([small, other], 2)
+
+
+def test_full_backward_is_b_where_measured_else_i_plus_w():
+    table = _table()
+    assert [p.full_backward for p in table.pieces] == [2.0, 4.0, 2.0]
+    measured = Piece(name="x", f=1.0, i=2.0, w=3.0, b=4.0)
+    assert measured.full_backward == 4.0
+    assert measured.time == 6.0  # f + i + w: the split's compute, whatever b is
+    with pytest.raises(CostTableError, match="piece 'x' b must be >= 0"):
+        Piece(name="x", f=1.0, i=1.0, w=1.0, b=-1.0)
+
+
+def test_b_and_step_overhead_round_trip_and_default_for_old_files():
+    pieces = (Piece(name="a", f=1.0, i=1.0, w=1.0, b=1.5), Piece(name="b", f=2.0, i=2.0, w=2.0))
+    table = CostTable(pieces=pieces, microbatch_size=2, step_overhead=3e-3)
+    again = costs_from_json(costs_to_json(table))
+    assert again == table and again.pieces[0].b == 1.5 and again.pieces[1].b is None
+    old = json.dumps({"format": COSTS_FORMAT, "microbatch_size": 2, "pieces": [{"name": "a", "f": 1, "i": 1, "w": 2}]})
+    table = costs_from_json(old)
+    assert table.step_overhead == 0.0 and table.pieces[0].b is None and table.pieces[0].full_backward == 3.0
+
+
+def test_b_scales_and_interpolates_with_the_other_times():
+    pieces = (Piece(name="a", f=1.0, i=1.0, w=1.0, b=1.5), Piece(name="b", f=2.0, i=2.0, w=2.0))
+    small = CostTable(pieces=pieces, microbatch_size=2)
+    assert [p.b for p in small.scaled(4).pieces] == [3.0, None]
+    big = CostTable(pieces=tuple(Piece(name=p.name, f=2 * p.f, i=2 * p.i, w=2 * p.w, b=5.5) for p in pieces),
+                    microbatch_size=6)
+    middle = table_for_size([small, big], 4)
+    # halfway: a from 1.5 to 5.5, b from i + w = 4 (not measured) to 5.5
+    assert [p.b for p in middle.pieces] == [pytest.approx(3.5), pytest.approx(4.75)]

@@ -191,3 +191,26 @@ def test_save_writes_the_simulated_order_when_the_name_builds_another(tmp_path):
     plain.save(tmp_path / "plain.json")
     assert load_plan(tmp_path / "plain.json").schedule == "1f1b"
     assert not (tmp_path / "plain.schedule.json").exists()
+
+
+def test_full_backward_schedules_price_b_and_split_ones_i_and_w():
+    pieces = tuple(Piece(name=f"blocks.{k}", f=1.0, i=1.0, w=1.0, b=1.5) for k in range(4))
+    table = CostTable(pieces=pieces, microbatch_size=1)
+    zb = library_schedule(table, "zb-h1", 2, 4, memory_limit=None)
+    found = SchedulePartitioner(table).candidates(zb, memory_limit=None)[0]
+    split = recost(zb, table, found, memory_limit=None)
+    assert [split.task((1, kind)).duration for kind in ("F", "I", "W")] == [2.0, 2.0, 2.0]
+    full = recost(library_schedule(table, "1f1b", 2, 4, memory_limit=None), table, found, memory_limit=None)
+    assert [full.task((s, "B")).duration for s in (0, 1)] == [3.0, 3.0]  # 2 pieces x b, not I + W
+
+
+def test_step_overhead_is_added_once_to_every_prediction():
+    table = _table()
+    plain = plan_pipeline(table, num_ranks=4, global_batch=8, microbatches=[8])
+    extra = plan_pipeline(dataclasses.replace(table, step_overhead=2.5), num_ranks=4, global_batch=8,
+                          microbatches=[8])
+    before = {(c.label, c.microbatches): c.step_time for c in plain.candidates if c.fits}
+    after = {(c.label, c.microbatches): c.step_time for c in extra.candidates if c.fits}
+    assert after.keys() == before.keys()
+    assert all(after[key] == pytest.approx(before[key] + 2.5) for key in before)
+    assert extra.plan.predicted_step_time == pytest.approx(plain.plan.predicted_step_time + 2.5)
