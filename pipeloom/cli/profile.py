@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import ast
 import importlib.util
+import inspect
 import sys
 from pathlib import Path
 
@@ -117,7 +118,15 @@ def _model_and_inputs(module, function, args: argparse.Namespace):
     """``(model, inputs, target)`` by the convention of this module's docstring."""
     from torch import nn
 
-    built = function(**_keywords(args.arg))
+    keywords = _keywords(args.arg)
+    try:
+        inspect.signature(function).bind(**keywords)
+    except TypeError as error:
+        parameters = inspect.signature(function).parameters
+        unknown = sorted(set(keywords) - set(parameters)) or sorted(keywords)
+        takes = ", ".join(parameters) or "nothing"
+        raise UsageError(f"{args.target} cannot take {unknown} ({error}); it takes: {takes}") from None
+    built = function(**keywords)
     parts = built if isinstance(built, tuple) else (built,)
     if not parts or not isinstance(parts[0], nn.Module) or len(parts) > 3:
         raise UsageError(f"{args.target} must return a model, (model, inputs) or (model, inputs, target); "

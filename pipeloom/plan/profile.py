@@ -15,6 +15,7 @@ import torch
 from torch import fx, nn
 
 from pipeloom.plan.costs import CostTable, Link, Piece
+from pipeloom.plan.plan import PlanError
 from pipeloom.runtime import MODEL_INPUT, split_model
 from pipeloom.runtime.backward import backward_full, backward_input
 from pipeloom.runtime.split import StagedModel
@@ -208,12 +209,16 @@ def profile_model(
     """
     inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     first = next(iter(model.parameters()), None)
-    device = torch.device(device) if device is not None else (first.device if first is not None else
-                                                                torch.device("cpu"))
+    device = _device(device) if device is not None else (first.device if first is not None else
+                                                          torch.device("cpu"))
     model.to(device).train()
     inputs = tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in inputs)
     target = target.to(device) if isinstance(target, torch.Tensor) else target
     names = list(pieces) if pieces is not None else default_pieces(model)
+    unknown = [name for name in names if not _has_module(model, name)]
+    if unknown:
+        raise PlanError(f"piece(s) {unknown} name no module of {type(model).__name__}; pieces are module names "
+                        f"in call order, e.g. {default_pieces(model)[:4]}")
     staged = split_model(model, names[1:])
     sync = _sync_for(device)
     stage_inputs = _stage_inputs(staged, inputs)
@@ -236,3 +241,22 @@ def profile_model(
     return CostTable(pieces=tuple(profiled), microbatch_size=int(size), device=_device_name(device), link=link,
                      optimizer_factor=optimizer_factor, source="profile", action_overhead=action_overhead,
                      step_overhead=step_overhead)
+
+
+def _device(name: str | torch.device) -> torch.device:
+    """``torch.device(name)``, with errors that say what to pass instead."""
+    try:
+        device = torch.device(name)
+    except RuntimeError as error:
+        raise PlanError(f"unknown device {name!r} ({error}); use cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise PlanError(f"device {name!r} asked for, but this torch sees no CUDA device; use --device cpu")
+    return device
+
+
+def _has_module(model: nn.Module, name: str) -> bool:
+    try:
+        model.get_submodule(name)
+    except AttributeError:
+        return False
+    return True

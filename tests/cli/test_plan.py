@@ -115,3 +115,16 @@ def test_profile_the_gpt_example(capsys, tmp_path):
 def test_profile_errors_are_one_line(capsys, argv, words):
     pytest.importorskip("torch")
     one_line_error(run(capsys, "profile", *argv), 2, *words)
+
+
+@pytest.mark.parametrize(("extra", "code", "words"), [
+    (["--arg", "foo=1"], 2, ["cannot take ['foo']", "it takes: layers"]),
+    (["--device", "bogus"], 1, ["unknown device 'bogus'"]),
+    (["--pieces", "nothere,blocks.0"], 1, ["piece(s) ['nothere'] name no module"]),
+])
+def test_profile_refuses_bad_arguments_devices_and_pieces(capsys, tmp_path, extra, code, words):
+    pytest.importorskip("torch")
+    argv = [f"{EXAMPLE}:build_model", "--batch", "2", "--seq", "8", "--arg", "seq_len=8", "--warmup", "0",
+            "--repeats", "1", "--save", str(tmp_path / "c.json"), *extra]
+    one_line_error(run(capsys, "profile", *argv), code, *words)
+    assert not (tmp_path / "c.json").exists()
