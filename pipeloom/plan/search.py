@@ -354,6 +354,8 @@ def _searched(candidate: Candidate, seconds: float, memory_limit: float | None) 
     step = timeline.makespan + (candidate.step_time - candidate.timeline.makespan)  # same replica exchange
     if step >= candidate.step_time * (1 - 1e-9):
         return None
+    if memory_limit is not None and max(timeline.peak_memory) > memory_limit * _FIT:
+        return None  # the simulator is the judge of memory too
     return dataclasses.replace(candidate, schedule="search", schedule_options={}, step_time=step,
                                peak_memory=max(timeline.peak_memory), bubble_ratio=timeline.bubble_ratio,
                                timeline=timeline, reason="")
