@@ -43,7 +43,8 @@ class LeafMeta:
         return LeafMeta(tuple(tensor.shape), tensor.dtype, tensor.requires_grad)
 
     def describe(self) -> str:
-        return f"{str(self.dtype).removeprefix('torch.')}{list(self.shape)}"
+        grad = " requiring grad" if self.requires_grad else ""
+        return f"{str(self.dtype).removeprefix('torch.')}{list(self.shape)}{grad}"
 
 
 def flatten(value: object) -> tuple[list[torch.Tensor], object]:

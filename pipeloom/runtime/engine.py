@@ -33,6 +33,7 @@ from pipeloom.validate import validate
 __all__ = ["PipelineEngine", "PipelineError", "pipeline"]
 
 TRACE_ENV = "PIPELOOM_TRACE"
+_LOSS_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)  # agreed on across ranks
 
 
 def _world(process_group: object) -> tuple[int, int, object]:
@@ -204,6 +205,8 @@ class PipelineEngine:
             pair_order=lowering.pair_order, batch=backend == "nccl", store=store, run_id=run_id,
         )
         self.messenger.index_forward_units()
+        last = lowering.num_pieces - 1
+        self._loss_ranks = len({lowering.rank_of[lowering.stage_for[j][last]] for j in range(lowering.replicas)})
         self.unit_ids = {(u.kind, u.producer, u.consumer, u.microbatch): u.id for u in lowering.units}
         self._step_count = 0
 
@@ -248,10 +251,13 @@ class PipelineEngine:
         for i, v in enumerate(values):
             if not isinstance(v, torch.Tensor):
                 raise PipelineError(f"{what}[{i}] is {type(v).__name__}; step() takes tensors (or a tuple of tensors)")
+            if v.dim() == 0:
+                raise PipelineError(f"{what}[{i}] is a 0-d tensor; micro-batches are cut along dim 0, so give one "
+                                    "row per sample")
             parts = list(torch.chunk(v.to(self.device), m, dim=0))
             if len(parts) != m:
-                raise PipelineError(f"{what} has {v.shape[0] if v.dim() else 0} rows along dim 0, fewer than the "
-                                    f"{m} micro-batches; use a batch of at least {m} (ideally a multiple)")
+                raise PipelineError(f"{what} has {v.shape[0]} rows along dim 0, which torch.chunk cuts into "
+                                    f"{len(parts)} pieces, not the {m} micro-batches; use a multiple of {m} rows")
             out.append(parts)
         return out
 
@@ -275,7 +281,12 @@ class PipelineEngine:
         metas, specs = (cached if cached is not None else ({}, {}))
         events: list | None = [] if self.trace_dir is not None else None
         step_start = time.time_ns()
-        run = StepRun(self, chunks, targets, training=training, metas=metas, specs=specs, events=events)
+        try:  # posts the replica-gradient receives: a failure there breaks the engine like any other
+            run = StepRun(self, chunks, targets, training=training, metas=metas, specs=specs, events=events)
+        except Exception as error:
+            self.broken = f"rank {self.rank}: starting the step failed: {type(error).__name__}: {error}"
+            self.messenger.report(self.broken)
+            raise PipelineError(self.broken) from error
         self.messenger.begin(metas if cached is not None else None, specs, events=events,
                              unit_filter=run.wants)
         if self.messenger.discover:
@@ -320,11 +331,12 @@ class PipelineEngine:
         for mb, value in losses.items():
             vector[mb] = value
         if self.world_size > 1:
+            # float64 holds every float loss exactly; the last slot carries the loss dtype's code from
+            # each rank holding a last piece, so ranks without one return the same dtype
             start = time.time_ns()
-            if sample is None:  # agree on the dtype: ranks without a loss use float32; cast after
-                vector = vector.to(torch.float64)
-            else:
-                vector = vector.to(torch.float64) if dtype != torch.float64 else vector
+            vector = torch.cat([vector.to(torch.float64), torch.zeros(1, dtype=torch.float64, device=self.device)])
+            if sample is not None:
+                vector[m] = _LOSS_DTYPES.index(dtype) + 1 if dtype in _LOSS_DTYPES else 0
             work = dist.all_reduce(vector, group=self.group, async_op=True)
             try:
                 work.wait(timeout=datetime.timedelta(seconds=self.timeout))
@@ -333,7 +345,8 @@ class PipelineEngine:
                                     f"{self.messenger.any_error() or 'another rank failed or hung'}") from error
             if events is not None:
                 events.append(("loss all-reduce", "sync", start, time.time_ns()))
-            vector = vector.to(dtype) if sample is not None else vector.to(torch.float32)
+            code = round(float(vector[m]) / self._loss_ranks) - 1
+            vector = vector[:m].to(_LOSS_DTYPES[code] if code >= 0 else dtype)
         total = vector[0]
         for mb in range(1, m):
             total = total + vector[mb]

@@ -174,6 +174,8 @@ def lower(schedule: Schedule, piece_inputs: Sequence[Sequence[tuple[int, int]]],
                 needs[(u, s)].add(i)
         if piece_of[s] == last:
             for piece, i in output_refs:
+                if piece == MODEL_INPUT:  # a model input returned as an output: every rank has it
+                    continue
                 u = stage_for[replica_of[s]][piece]
                 if u != s:
                     needs[(u, s)].add(i)

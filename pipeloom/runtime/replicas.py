@@ -107,7 +107,11 @@ def merge_replicas(engine: PipelineEngine, run: StepRun) -> None:
             if other == engine.rank:
                 continue
             mbs = [low.replicas * m + j for m in range(low.schedule.num_microbatches)]
-            grads = _take(engine, run.replica_incoming[(piece, j)])
+            incoming = run.replica_incoming.get((piece, j))
+            if incoming is None:
+                incoming = _post_incoming(engine, other, params * low.schedule.num_microbatches,
+                                          REPLICA_TAG + 4 * piece)
+            grads = _take(engine, incoming)
             for k, mb in enumerate(mbs):
                 contributions[mb] = grads[k * len(params):(k + 1) * len(params)]
         for mb in sorted(contributions):
@@ -120,7 +124,10 @@ def merge_replicas(engine: PipelineEngine, run: StepRun) -> None:
         if ranks[0] == engine.rank:
             continue
         params = _local_params(engine, stages)
-        for param, grad in zip(params, _take(engine, run.replica_incoming[(piece, "sums")])):
+        incoming = run.replica_incoming.get((piece, "sums"))
+        if incoming is None:
+            incoming = _post_incoming(engine, ranks[0], params, REPLICA_TAG + 4 * piece + 2)
+        for param, grad in zip(params, _take(engine, incoming)):
             param.grad = None if grad is None else grad.clone()
     engine.messenger.wait_posted(sends, lambda: "sending replica gradients")
 

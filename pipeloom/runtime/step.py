@@ -46,7 +46,10 @@ class StepRun:
         self.received: dict[int, list] = {}
         self.replica_grads: dict[int, dict[int, list]] = defaultdict(dict)
         self.early_sends: dict[int, list] = {}  # second-replica stage -> its posted gradient sends
-        self.replica_incoming = post_receives(engine) if training and self.low.replicas > 1 else {}
+        # gloo matches by tag, so replica traffic can be posted early; NCCL matches in posting order,
+        # so there it waits for the merge after the step's own messages
+        early = training and self.low.replicas > 1 and not engine.messenger.batch
+        self.replica_incoming = post_receives(engine) if early else {}
         self.current: Step | None = None
         self.outbox: list[tuple[Unit, list, list | None]] = []  # sends of the running action
 
@@ -291,7 +294,8 @@ class StepRun:
         for p, g in zip(params, saved):
             p.grad = g
         low = self.low
-        if low.replica_of[s] > 0 and len(self.replica_grads[s]) == low.schedule.num_microbatches:
+        if (low.replica_of[s] > 0 and len(self.replica_grads[s]) == low.schedule.num_microbatches
+                and not self.engine.messenger.batch):
             self.early_sends[s] = post_contributions(self.engine, self, s)  # overlaps the rest of the step
 
     def _route_input_grads(self, step: Step, entries: list, found: list) -> None:

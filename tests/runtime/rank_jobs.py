@@ -120,3 +120,23 @@ def shape_change(rank: int, world: int) -> object:
             messages.append(str(error))
             break
     return messages
+
+
+def float64_loss(rank: int, world: int) -> dict:
+    """A float64 model: every rank returns the reference loss in float64, whichever holds the loss."""
+    import torch
+    import torch.nn.functional as F
+    from models import SPLITS, batch, build, reference_step
+
+    from pipeloom.runtime import pipeline
+
+    found = {}
+    for name, per_rank in (("1f1b", 1), ("zbv", 2), ("dualpipe", 1)):
+        model = build("residual").double()
+        reference = copy.deepcopy(model)
+        engine = pipeline(model, schedule=name, split_points=SPLITS["residual"][world * per_rank],
+                          loss_fn=F.cross_entropy, microbatches=8, timeout=30)
+        (x,), y = batch("residual")
+        loss = engine.step(x.double(), target=y)
+        found[name] = loss.dtype == torch.float64 and torch.equal(loss, reference_step(reference, (x.double(),), y, 8))
+    return found

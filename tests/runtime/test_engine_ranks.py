@@ -7,7 +7,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from rank_jobs import exactness, fault, shape_change
+from rank_jobs import exactness, fault, float64_loss, shape_change
 from ranks import run_ranks
 
 from pipeloom.search import search
@@ -85,9 +85,17 @@ def test_a_stage_whose_output_shape_changes_is_named_with_both_sides():
     results = run_ranks(2, shape_change, timeout=90)
     status, messages = results[0]
     assert status == "ok", messages
-    assert messages and "stage 0 (rank 0) produced [float32[2, 8]]" in messages[0], messages
-    assert "stage 1 (rank 1) expects [float32[2, 4]]" in messages[0], messages
+    assert messages and "stage 0 (rank 0) produced [float32[2, 8] requiring grad]" in messages[0], messages
+    assert "stage 1 (rank 1) expects [float32[2, 4] requiring grad]" in messages[0], messages
     assert results[1][0] == "ok"
     assert results[1][1], "rank 1 must fail too"
 
 
+
+
+@pytest.mark.timeout(120)
+def test_a_float64_loss_is_the_same_float64_on_every_rank():
+    results = run_ranks(2, float64_loss, timeout=90)
+    for rank, (status, found) in results.items():
+        assert status == "ok", found
+        assert all(found.values()), (rank, found)
