@@ -148,8 +148,6 @@ class Messenger:
             self._isend(blob.to(self.device), dst, unit)
         for tensor in leaves:
             self._isend(tensor.detach().contiguous(), dst, unit)
-        if self.batch:
-            self.flush()
         if self.events is not None:
             self._note(f"SEND {self.units_name(unit)} to {unit.dst}", "send", start)
 
@@ -207,7 +205,8 @@ class Messenger:
                 self._queue.task_done()
 
     def flush(self) -> None:
-        """Post the batched operations (NCCL)."""
+        """Post the batched operations (NCCL): an action's sends and the next action's receives go
+        out as one ``batch_isend_irecv``, as NCCL needs to progress both directions together."""
         if self.batch_ops:
             works = dist.batch_isend_irecv([op for op, _, _ in self.batch_ops])
             for (_, holder, index), work in zip(self.batch_ops, works):
@@ -216,6 +215,7 @@ class Messenger:
 
     def finish(self) -> None:
         """Wait for every send of the step (bounded by the timeout)."""
+        self.flush()
         if self._queue is not None:
             self._queue.join()
         if self._send_error is not None:
@@ -246,8 +246,6 @@ class Messenger:
             self.next_index[unit.src] += 1
             if self.filter(other):
                 self._post(other)
-        if self.batch:
-            self.flush()
 
     def _post(self, unit: Unit) -> None:
         src = self.to_global(unit.src)
@@ -281,9 +279,11 @@ class Messenger:
         unit = self.units[uid]
         start = time.time_ns() if self.events is not None else 0
         if self.discover:
+            self.flush()
             self._receive_in_order(unit)
         else:
             self.post_through(uid)
+            self.flush()
         posted = self.posted.pop(uid)
         for work in posted.works:
             if work is not None:

@@ -107,10 +107,12 @@ class StepRun:
         messenger = self.engine.messenger
         if messenger.discover:
             return
-        for ahead in program[first:first + LOOKAHEAD + 1]:
+        lookahead = 0 if messenger.batch else LOOKAHEAD  # NCCL: receives queued early would block sends
+        for ahead in program[first:first + lookahead + 1]:
             for uid in ahead.recvs:
                 if self.wants(self.low.units[uid]):
                     messenger.post_through(uid)
+        messenger.flush()
 
     # --------------------------------------------------------------------------- value routing
 

@@ -7,7 +7,8 @@ import os
 import time
 
 
-def exactness(rank: int, world: int, cases: list[tuple[str, str, int, object]], steps: int = 2) -> dict:
+def exactness(rank: int, world: int, cases: list[tuple[str, str, int, object]], steps: int = 2,
+              batched: bool = False) -> dict:
     """For every (model, schedule, pieces, options) case: train ``steps`` SGD steps with the engine and
     with the single-device reference; report mismatching parameters and whether the losses agree."""
     import torch
@@ -23,6 +24,7 @@ def exactness(rank: int, world: int, cases: list[tuple[str, str, int, object]], 
         reference = copy.deepcopy(model)
         engine = pipeline(model, schedule=schedule, split_points=SPLITS[model_name][pieces], loss_fn=F.cross_entropy,
                           microbatches=8, schedule_options=options, timeout=30)
+        engine.messenger.batch |= batched  # the NCCL code path (batch_isend_irecv, no lookahead) on gloo
         owned = {id(p) for p in engine.parameters()}
         ours = torch.optim.SGD(engine.parameters(), lr=0.1)
         theirs = torch.optim.SGD(reference.parameters(), lr=0.1)

@@ -99,3 +99,13 @@ def test_a_float64_loss_is_the_same_float64_on_every_rank():
     for rank, (status, found) in results.items():
         assert status == "ok", found
         assert all(found.values()), (rank, found)
+
+
+@pytest.mark.timeout(180)
+def test_the_batched_nccl_code_path_is_exact_on_gloo():
+    cases = [("residual", name, 2 * per, None) for name, per, _ in LIBRARY if name in ("1f1b", "zbv", "dualpipe")]
+    results = run_ranks(2, exactness, cases, 2, True, timeout=150)
+    for rank, (status, report) in results.items():
+        assert status == "ok", report
+        for key, outcome in report.items():
+            assert outcome["mismatches"] == [] and outcome["losses_equal"], (rank, key, outcome)
