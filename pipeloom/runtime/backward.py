@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
-__all__ = ["PendingWeights", "accumulate_grad", "backward_full", "backward_input", "grad_node"]
+__all__ = ["PendingWeights", "accumulate_grad", "add_in_order", "backward_full", "backward_input", "grad_node"]
 
 
 def grad_node(tensor: torch.Tensor) -> Node | None:
@@ -37,6 +37,14 @@ def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
         param.grad = grad.detach()
     else:
         param.grad.add_(grad)  # .grad never requires grad: no autograd recording
+
+
+def add_in_order(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``((p0 + p1) + p2) + ...``: the left-to-right sum autograd and the reference loop compute."""
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return total
 
 
 def _differentiable(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]):

@@ -55,11 +55,11 @@ def flatten(value: object) -> tuple[list[torch.Tensor], object]:
         if isinstance(v, torch.Tensor):
             leaves.append(v)
             return None
-        if isinstance(v, (tuple, list)):
+        if isinstance(v, (tuple, list)) and v:
             return (type(v).__name__, [walk(x) for x in v])
-        if isinstance(v, dict):
+        if isinstance(v, dict) and v:
             return ("dict", list(v.keys()), [walk(x) for x in v.values()])
-        raise TypeError(type(v).__name__)
+        raise TypeError(type(v).__name__)  # what check_stage_value refuses, so callers can ask it why
 
     return leaves, walk(value)
 
@@ -92,13 +92,14 @@ class Messenger:
 
     def __init__(self, *, rank: int, group: object, to_global: Callable[[int], int], device: torch.device,
                  timeout: float, units: Sequence[Unit], pair_order: dict[tuple[int, int], tuple[int, ...]],
-                 batch: bool, store: object, run_id: str) -> None:
+                 unit_of: dict[tuple[str, int, int, int], int], batch: bool, store: object, run_id: str) -> None:
         self.rank = rank
         self.group = group
         self.to_global = to_global
         self.device = device
         self.timeout = timeout
         self.units = units
+        self.unit_of = unit_of
         self.batch = batch  # NCCL: post each point's sends and receives as one batch
         self.store = store
         self.run_id = run_id
@@ -110,11 +111,12 @@ class Messenger:
 
     # --------------------------------------------------------------------------- per step state
 
-    def begin(self, metas: dict[int, list[LeafMeta]] | None, specs: dict[int, list], *,
+    def begin(self, metas: dict[int, list[LeafMeta]], specs: dict[int, list], *, discover: bool,
               events: list | None, unit_filter: Callable[[Unit], bool]) -> None:
-        """Start a step; ``metas`` maps unit id -> leaf metas when shapes are known (None: discover)."""
-        self.metas = metas if metas is not None else {}
-        self.discover = metas is None
+        """Start a step. ``metas``/``specs`` map unit id -> leaf metas / value structures: known from an
+        earlier step with these input shapes, or (``discover``) filled as units arrive."""
+        self.metas = metas
+        self.discover = discover
         self.specs = specs
         self.events = events
         self.filter = unit_filter
@@ -231,9 +233,6 @@ class Messenger:
         what = "outputs" if unit.kind == "F" else "gradients"
         return f"{what} of stage {unit.producer} for stage {unit.consumer}, micro-batch {unit.microbatch}"
 
-    def leaf_metas(self, unit: Unit) -> list[LeafMeta]:
-        return self.metas[unit.id]
-
     def post_through(self, uid: int) -> None:
         """Post the receives of every unit from ``uid``'s sender up to ``uid`` (sender order)."""
         unit = self.units[uid]
@@ -264,15 +263,8 @@ class Messenger:
     def _expected(self, unit: Unit) -> list[LeafMeta]:
         if unit.kind == "F":
             return self.metas[unit.id]
-        forward = self.metas[self.forward_of(unit)]
+        forward = self.metas[self.unit_of[("F", unit.producer, unit.consumer, unit.microbatch)]]
         return [m for m in forward if m.requires_grad]
-
-    def forward_of(self, unit: Unit) -> int:
-        """The id of the forward unit whose values ``unit`` (a gradient unit) answers."""
-        return self._forward_ids[(unit.producer, unit.consumer, unit.microbatch)]
-
-    def index_forward_units(self) -> None:
-        self._forward_ids = {(u.producer, u.consumer, u.microbatch): u.id for u in self.units if u.kind == "F"}
 
     def receive(self, uid: int) -> list[torch.Tensor]:
         """The tensors of unit ``uid``, waiting for them (bounded by the timeout)."""

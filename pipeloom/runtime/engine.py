@@ -22,6 +22,7 @@ from torch import nn
 
 from pipeloom.ir import Schedule, load_schedule
 from pipeloom.ir.json_io import schedule_to_json
+from pipeloom.runtime.backward import add_in_order
 from pipeloom.runtime.comm import Messenger
 from pipeloom.runtime.lower import Lowering, PipelineError, lower
 from pipeloom.runtime.replicas import merge_replicas
@@ -202,12 +203,11 @@ class PipelineEngine:
         self.messenger = Messenger(
             rank=rank, group=group, to_global=(lambda r: dist.get_global_rank(group, r)) if group is not None
             else (lambda r: r), device=self.device, timeout=timeout, units=lowering.units,
-            pair_order=lowering.pair_order, batch=backend == "nccl", store=store, run_id=run_id,
+            pair_order=lowering.pair_order, unit_of=lowering.unit_of, batch=backend == "nccl", store=store,
+            run_id=run_id,
         )
-        self.messenger.index_forward_units()
         last = lowering.num_pieces - 1
         self._loss_ranks = len({lowering.rank_of[lowering.stage_for[j][last]] for j in range(lowering.replicas)})
-        self.unit_ids = {(u.kind, u.producer, u.consumer, u.microbatch): u.id for u in lowering.units}
         self._step_count = 0
 
     # ------------------------------------------------------------------------------ public API
@@ -287,10 +287,7 @@ class PipelineEngine:
             self.broken = f"rank {self.rank}: starting the step failed: {type(error).__name__}: {error}"
             self.messenger.report(self.broken)
             raise PipelineError(self.broken) from error
-        self.messenger.begin(metas if cached is not None else None, specs, events=events,
-                             unit_filter=run.wants)
-        if self.messenger.discover:
-            self.messenger.metas = metas  # filled while discovering; cached below
+        self.messenger.begin(metas, specs, discover=cached is None, events=events, unit_filter=run.wants)
         try:
             with torch.enable_grad() if training else torch.no_grad():
                 run.execute()
@@ -347,10 +344,7 @@ class PipelineEngine:
                 events.append(("loss all-reduce", "sync", start, time.time_ns()))
             code = round(float(vector[m]) / self._loss_ranks) - 1
             vector = vector[:m].to(_LOSS_DTYPES[code] if code >= 0 else dtype)
-        total = vector[0]
-        for mb in range(1, m):
-            total = total + vector[mb]
-        return total
+        return add_in_order(list(vector))
 
     # ------------------------------------------------------------------------------ trace
 

@@ -63,9 +63,9 @@ class Lowering:
     replica_of: tuple[int, ...]  # schedule stage -> component
     stage_for: tuple[tuple[int, ...], ...]  # [component][piece] -> schedule stage
     rank_of: tuple[int, ...]  # schedule stage -> rank
-    sources: tuple[tuple[tuple[int, int, int], ...], ...]  # per stage: per piece input (stage|-1, index, -)
-    loss_sources: tuple[tuple[int, int], ...]  # model output leaves: (piece, index) in leaf order
+    sources: tuple[tuple[tuple[int, int], ...], ...]  # per stage: its piece's inputs as (stage or -1, index)
     units: tuple[Unit, ...]
+    unit_of: dict[tuple[str, int, int, int], int]  # (kind, producer, consumer, real micro-batch) -> unit id
     programs: tuple[tuple[Step, ...], ...]  # per rank
     pair_order: dict[tuple[int, int], tuple[int, ...]] = field(default_factory=dict)  # (src, dst) -> unit ids
 
@@ -163,13 +163,13 @@ def lower(schedule: Schedule, piece_inputs: Sequence[Sequence[tuple[int, int]]],
                         f"model piece {k} reads piece {u}'s output, but in the schedule stage {comp[k]} does not "
                         f"come after stage {comp[u]}; the pieces' dataflow must follow the schedule's stage order"
                     )
-    sources = tuple(tuple((MODEL_INPUT if u == MODEL_INPUT else stage_for[replica_of[s]][u], i, 0)
+    sources = tuple(tuple((MODEL_INPUT if u == MODEL_INPUT else stage_for[replica_of[s]][u], i)
                           for u, i in piece_inputs[piece_of[s]]) for s in range(num_stages))
     last = num_pieces - 1
     # what each consumer stage needs from each producer stage (sorted output indices)
     needs: dict[tuple[int, int], set[int]] = defaultdict(set)
     for s in range(num_stages):
-        for u, i, _ in sources[s]:
+        for u, i in sources[s]:
             if u != MODEL_INPUT:
                 needs[(u, s)].add(i)
         if piece_of[s] == last:
@@ -242,6 +242,6 @@ def lower(schedule: Schedule, piece_inputs: Sequence[Sequence[tuple[int, int]]],
     return Lowering(
         schedule=schedule, replicas=replicas, num_microbatches=replicas * schedule.num_microbatches,
         piece_of=tuple(piece_of), replica_of=tuple(replica_of), stage_for=stage_for, rank_of=tuple(rank_of),
-        sources=sources, loss_sources=tuple(output_refs), units=tuple(units), programs=tuple(programs),
+        sources=sources, units=tuple(units), unit_of=unit_of, programs=tuple(programs),
         pair_order={k: tuple(v) for k, v in pair_order.items()},
     )

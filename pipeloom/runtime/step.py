@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.fx.node import map_aggregate
 
-from pipeloom.runtime.backward import PendingWeights, backward_full, backward_input
+from pipeloom.runtime.backward import PendingWeights, add_in_order, backward_full, backward_input
 from pipeloom.runtime.comm import LeafMeta, flatten, unflatten
 from pipeloom.runtime.lower import MODEL_INPUT, PipelineError, Step, Unit
 from pipeloom.runtime.replicas import post_contributions, post_receives
@@ -120,11 +120,9 @@ class StepRun:
         """Leaves, structure and requires-grad flags of output ``index`` of ``producer`` for ``mb``."""
         low = self.low
         if low.rank_of[producer] == self.engine.rank:
-            value = self.values[(producer, mb)][index]
-            check_stage_value(value, name=f"output {index}", where=f"from stage {producer} to stage {stage}")
-            leaves, spec = flatten(value)
+            leaves, spec = _leaves(self.values[(producer, mb)][index], index, producer, stage)
             return leaves, spec, [t.requires_grad for t in leaves]
-        uid = self.engine.unit_ids[("F", producer, stage, mb)]
+        uid = low.unit_of[("F", producer, stage, mb)]
         if uid not in self.received:
             self.received[uid] = self.engine.messenger.receive(uid)
         unit = low.units[uid]
@@ -143,7 +141,7 @@ class StepRun:
         s, mb = step.action.stage, step.microbatch
         leaves: list = []
         args = []
-        for producer, index, _ in low.sources[s]:
+        for producer, index in low.sources[s]:
             if producer == MODEL_INPUT:
                 args.append(self.chunks[index][mb])
                 continue
@@ -199,8 +197,7 @@ class StepRun:
         leaves: list = []
         specs = []
         for i in unit.indices:
-            check_stage_value(outs[i], name=f"output {i}", where=f"from stage {unit.producer} to stage {unit.consumer}")
-            found, spec = flatten(outs[i])
+            found, spec = _leaves(outs[i], i, unit.producer, unit.consumer)
             leaves.extend(found)
             specs.append(spec)
         metas = [LeafMeta.of(t) for t in leaves]
@@ -234,11 +231,8 @@ class StepRun:
         for index, per_leaf in sorted(contributions.items()):
             leaves, _ = flatten(outs[index])
             for position, parts in sorted(per_leaf.items()):
-                total = parts[0]
-                for part in parts[1:]:
-                    total = total + part
                 roots.append(leaves[position])
-                grads.append(total)
+                grads.append(add_in_order(parts))
         return roots, grads
 
     def _collect_remote(self, step: Step) -> None:
@@ -247,7 +241,7 @@ class StepRun:
         for uid in step.recvs:
             unit = self.low.units[uid]
             buffers = self.engine.messenger.receive(uid)
-            forward = self.engine.messenger.forward_of(unit)
+            forward = self.low.unit_of[("F", unit.producer, unit.consumer, unit.microbatch)]
             metas, specs = self.metas[forward], self.specs[forward]
             k = 0
             offset = 0
@@ -312,7 +306,7 @@ class StepRun:
                 remote[(producer, index, position)].append(grad)
         for uid in step.sends:
             unit = low.units[uid]
-            forward = self.engine.unit_ids[("F", unit.producer, unit.consumer, mb)]
+            forward = low.unit_of[("F", unit.producer, unit.consumer, mb)]
             metas, specs = self.metas[forward], self.specs[forward]
             tensors = []
             offset = 0
@@ -321,16 +315,21 @@ class StepRun:
                     meta = metas[offset + position]
                     if meta.requires_grad:
                         parts = remote.get((unit.producer, index, position))
-                        if parts:
-                            total = parts[0]
-                            for part in parts[1:]:
-                                total = total + part
-                        else:
-                            total = torch.zeros(meta.shape, dtype=meta.dtype, device=self.engine.device)
-                        tensors.append(total)
+                        tensors.append(add_in_order(parts) if parts else
+                                       torch.zeros(meta.shape, dtype=meta.dtype, device=self.engine.device))
                 offset += _count(spec)
             self.outbox.append((unit, tensors, None))
 
+
+
+def _leaves(value: object, index: int, producer: int, consumer: int) -> tuple[list, object]:
+    """``flatten(value)`` of output ``index`` of ``producer``; StageValueError, naming both stages,
+    when it is not a tensor or a non-empty tuple/list/dict of them."""
+    try:
+        return flatten(value)
+    except TypeError:
+        check_stage_value(value, name=f"output {index}", where=f"from stage {producer} to stage {consumer}")
+        raise
 
 
 def _add(table: dict, key: tuple[int, int], index: int, position: int, grad: torch.Tensor) -> None:
