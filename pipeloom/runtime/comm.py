@@ -174,18 +174,24 @@ class Messenger:
             self._sender().put((entry, self.to_global(peer), tag))
         return entry
 
-    def wait_posted(self, entries: list, describe: Callable[[], str]) -> None:
+    def wait_posted(self, entries: list, what: str) -> None:
         """Wait (bounded by the timeout) for sends made with :meth:`post_send`."""
         if self._queue is not None:
             self._queue.join()
         if self._send_error is not None:
             raise self._send_error
         for work, _, _ in entries:
-            try:
-                work.wait(timeout=datetime.timedelta(seconds=self.timeout))
-            except Exception as error:
-                raise PipelineError(f"rank {self.rank}: {describe()} failed: {error}; "
-                                    f"{self.any_error() or 'the peer failed or hung'}") from error
+            self.wait_work(work, what)
+
+    def wait_work(self, work, what: str, peer: int | None = None) -> None:
+        """Wait for a work outside the step's units (loss, replica gradients), bounded by the timeout;
+        a failure names ``what`` and what the peer (or any rank) left in the store."""
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+        except Exception as error:
+            reason = (self.peer_error(peer) if peer is not None else None) or self.any_error()
+            raise PipelineError(f"rank {self.rank}: {what} failed: {error}; "
+                                f"{reason or 'another rank failed or hung'}") from error
 
     def _sender(self) -> queue.Queue:
         """The queue of a thread that posts the sends, so the compute thread never blocks on one."""

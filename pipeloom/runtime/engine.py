@@ -8,7 +8,6 @@ action), runs F, B, I and W with autograd, and hands values between stages of on
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import time
@@ -334,12 +333,8 @@ class PipelineEngine:
             vector = torch.cat([vector.to(torch.float64), torch.zeros(1, dtype=torch.float64, device=self.device)])
             if sample is not None:
                 vector[m] = _LOSS_DTYPES.index(dtype) + 1 if dtype in _LOSS_DTYPES else 0
-            work = dist.all_reduce(vector, group=self.group, async_op=True)
-            try:
-                work.wait(timeout=datetime.timedelta(seconds=self.timeout))
-            except Exception as error:
-                raise PipelineError(f"rank {self.rank}: summing the loss across ranks failed: {error}; "
-                                    f"{self.messenger.any_error() or 'another rank failed or hung'}") from error
+            self.messenger.wait_work(dist.all_reduce(vector, group=self.group, async_op=True),
+                                     "summing the loss across ranks")
             if events is not None:
                 events.append(("loss all-reduce", "sync", start, time.time_ns()))
             code = round(float(vector[m]) / self._loss_ranks) - 1

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import datetime
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -11,7 +10,6 @@ import torch
 import torch.distributed as dist
 
 from pipeloom.runtime.backward import accumulate_grad
-from pipeloom.runtime.lower import PipelineError
 
 if TYPE_CHECKING:
     from pipeloom.runtime.engine import PipelineEngine
@@ -129,7 +127,7 @@ def merge_replicas(engine: PipelineEngine, run: StepRun) -> None:
             incoming = _post_incoming(engine, ranks[0], params, REPLICA_TAG + 4 * piece + 2)
         for param, grad in zip(params, _take(engine, incoming)):
             param.grad = None if grad is None else grad.clone()
-    engine.messenger.wait_posted(sends, lambda: "sending replica gradients")
+    engine.messenger.wait_posted(sends, "sending replica gradients")
 
 
 def _sizes(templates: list) -> dict:
@@ -166,12 +164,7 @@ def _post_incoming(engine: PipelineEngine, peer: int, templates: list, tag: int)
 def _take(engine: PipelineEngine, incoming: _Incoming) -> list:
     """Wait for a posted packed message and cut it back into gradients (None where flagged absent)."""
     for work in incoming.works:
-        try:
-            work.wait(timeout=datetime.timedelta(seconds=engine.timeout))
-        except Exception as error:
-            peer = incoming.peer
-            raise PipelineError(f"rank {engine.rank}: exchanging replica gradients with rank {peer} failed: "
-                                f"{error}; {engine.messenger.peer_error(peer) or 'it failed or hung'}") from error
+        engine.messenger.wait_work(work, f"receiving replica gradients from rank {incoming.peer}", incoming.peer)
     offsets = dict.fromkeys(incoming.buffers, 0)
     grads = []
     for template, present in zip(incoming.templates, incoming.mask.tolist()):
