@@ -7,9 +7,10 @@ from typing import Any
 
 from pipeloom.errors import PipeloomError, ScheduleFormatError
 from pipeloom.ir.core import Action, Schedule, shown
+from pipeloom.ir.jsonfields import json_object
 from pipeloom.problem import Problem, Task, parse_task_name, task_name
 
-__all__ = ["FORMAT", "schedule_to_json", "schedule_from_json"]
+__all__ = ["FORMAT", "schedule_from_json", "schedule_to_json"]
 
 FORMAT = "pipeloom.schedule/1"
 
@@ -122,29 +123,9 @@ def _rank_lists_from_json(document: dict) -> tuple[tuple[Action, ...], ...]:
     return tuple(actions)
 
 
-def _json_document(text: str) -> dict:
-    """The parsed top-level object, its format tag and key names checked."""
-    try:
-        document = json.loads(text)
-    except (ValueError, RecursionError) as error:  # JSONDecodeError, over-long ints, deep nesting
-        raise ScheduleFormatError(f"malformed JSON: {error}") from None
-    if not isinstance(document, dict):
-        raise ScheduleFormatError("a schedule file must hold a JSON object")
-    if "format" not in document:
-        raise ScheduleFormatError(f"missing key 'format'; expected \"format\": \"{FORMAT}\"")
-    if document["format"] != FORMAT:
-        raise ScheduleFormatError(
-            f"format {shown(document['format'])} is not supported; expected {FORMAT!r}"
-        )
-    unknown = set(document) - _TOP_KEYS
-    if unknown:
-        raise ScheduleFormatError(f"unknown key(s) {sorted(unknown)}; allowed: {sorted(_TOP_KEYS)}")
-    return document
-
-
 def schedule_from_json(text: str) -> Schedule:
     """Parse ``pipeloom.schedule/1`` JSON; unknown keys, another format or a wrong type are errors."""
-    document = _json_document(text)
+    document = json_object(text, fmt=FORMAT, keys=_TOP_KEYS, error=ScheduleFormatError, what="schedule file")
     where = "schedule"
     tasks = [_task_from_json(entry, i) for i, entry in enumerate(_require(document, "tasks", list, where))]
     actions = _rank_lists_from_json(document)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from pipeloom.errors import PipeloomError
 from pipeloom.ir.core import shown
-from pipeloom.plan.jsonfields import check_keys, integer, json_object, number, read_json_file, string, strings
+from pipeloom.ir.jsonfields import check_keys, integer, json_object, number, read_json_file, string, strings
 
 __all__ = [
     "COSTS_FORMAT",

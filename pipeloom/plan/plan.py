@@ -9,7 +9,7 @@ from pathlib import Path
 
 from pipeloom.errors import PipeloomError
 from pipeloom.ir.core import shown
-from pipeloom.plan.jsonfields import integer, json_object, number, read_json_file, string, strings
+from pipeloom.ir.jsonfields import integer, json_object, number, read_json_file, string, strings
 from pipeloom.schedules import REGISTRY
 
 __all__ = [

@@ -115,7 +115,7 @@ def test_json_optional_keys_take_their_defaults():
 
 
 @pytest.mark.parametrize(("change", "words"), [
-    (lambda d: d.pop("format"), "no 'format' key"),
+    (lambda d: d.pop("format"), "missing key 'format'"),
     (lambda d: d.update(format="pipeloom.costs/9"), "expected 'pipeloom.costs/1'"),
     (lambda d: d.update(extra=1), r"unknown key\(s\) \['extra'\]"),
     (lambda d: d["pieces"][0].update(flops=1), r"pieces\[0\]: unknown key\(s\) \['flops'\]"),

@@ -1,4 +1,5 @@
-"""Strict reading of the planner's JSON files (cost tables, plans): format tag, known keys, typed values.
+"""Strict reading of pipeloom's format-tagged JSON files (schedules, cost tables, plans): the format
+tag, known keys, typed values.
 
 Every check raises the caller's error class with a message naming the key and what was expected.
 """
@@ -12,7 +13,6 @@ from typing import Any
 
 from pipeloom.errors import PipeloomError, ScheduleFormatError
 from pipeloom.ir.core import shown
-from pipeloom.ir.files import read_text
 
 __all__ = ["MISSING", "check_keys", "integer", "json_object", "number", "read_json_file", "string", "strings"]
 
@@ -22,6 +22,8 @@ MISSING = object()
 
 def read_json_file(path: str | Path, error: type[PipeloomError]) -> str:
     """The UTF-8 text of ``path``; ``error`` naming the file when it cannot be read."""
+    from pipeloom.ir.files import read_text
+
     try:
         return read_text(path)
     except ScheduleFormatError as failure:
@@ -37,7 +39,7 @@ def json_object(text: str, *, fmt: str, keys: set[str], error: type[PipeloomErro
     if not isinstance(document, dict):
         raise error(f"a {what} must hold a JSON object, got {shown(document)}")
     if "format" not in document:
-        raise error(f"the {what} has no 'format' key; expected \"format\": \"{fmt}\"")
+        raise error(f"the {what} is missing key 'format'; expected \"format\": \"{fmt}\"")
     if document["format"] != fmt:
         raise error(f"format {shown(document['format'])} is not supported; expected {fmt!r}")
     check_keys(document, keys, where=what, error=error)
