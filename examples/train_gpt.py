@@ -17,7 +17,6 @@ import math
 import os
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -28,7 +27,7 @@ import pipeloom.runtime as rt
 from pipeloom import Schedule, build_schedule, load_schedule
 from pipeloom.schedules import REGISTRY
 
-__all__ = ["GPT", "GPTConfig", "build_model", "lm_loss", "main", "replicas", "synthetic_batch"]
+__all__ = ["GPT", "GPTConfig", "build_model", "lm_loss", "main", "synthetic_batch"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -140,15 +139,6 @@ def load_or_build(schedule: str, *, ranks: int, microbatches: int, options: dict
         raise SystemExit(f"train_gpt: schedule {schedule!r} on {ranks} rank(s): {error}") from None
 
 
-def replicas(schedule: Schedule) -> int:
-    """Model replicas the schedule runs: 2 for dualpipe and chimera, else 1.
-
-    Each replica is a chain entered by a stage whose forward waits for no other forward.
-    """
-    return sum(1 for task in schedule.problem.tasks if task.kind == "F"
-               and not any(kind == "F" for _, kind in task.deps))
-
-
 def even_split_points(layers: int, stages: int) -> list[str]:
     """Split points ``blocks.k`` cutting ``layers`` blocks into ``stages`` nearly equal runs."""
     if stages > layers:
@@ -195,13 +185,11 @@ def main(argv: list[str] | None = None) -> int:
     info = REGISTRY.get(args.schedule)
     options = {"stages_per_rank": args.stages_per_rank} if info and "stages_per_rank" in info.options else {}
     schedule = load_or_build(args.schedule, ranks=ranks, microbatches=args.microbatches, options=options)
-    stages = schedule.problem.num_stages // replicas(schedule)  # pieces of the model
+    stages = rt.model_pieces(schedule)  # stages over replicas (dualpipe and chimera hold two)
     model = build_model(layers=args.layers, seed=args.seed).to(device)
-    engine = rt.pipeline(
-        model, schedule=args.schedule if info else str(Path(args.schedule)), loss_fn=lm_loss,
-        split_points=even_split_points(args.layers, stages),
-        microbatches=args.microbatches if info else None,  # a saved schedule fixes M
-        process_group=group, schedule_options=options or None, device=device, trace=args.trace,
+    engine = rt.pipeline(  # the schedule built or loaded above, so it is not built twice
+        model, schedule=schedule, loss_fn=lm_loss, split_points=even_split_points(args.layers, stages),
+        process_group=group, device=device, trace=args.trace,
     )
     optimizer = torch.optim.AdamW(engine.parameters(), lr=args.lr)
     for step in range(args.steps):

@@ -6,7 +6,7 @@ Importing this package imports torch; nothing else in pipeloom does (DESIGN §4)
 from __future__ import annotations
 
 from pipeloom.runtime.engine import PipelineEngine, pipeline
-from pipeloom.runtime.lower import PipelineError
+from pipeloom.runtime.lower import PipelineError, model_pieces
 from pipeloom.runtime.split import (
     MODEL_INPUT,
     ModelTraceError,
@@ -37,6 +37,7 @@ __all__ = [
     "UnknownSplitPointError",
     "ValueRef",
     "check_stage_value",
+    "model_pieces",
     "pipeline",
     "split_model",
     "stages_from_modules",

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pipeloom.errors import PipeloomError
 from pipeloom.ir import Action, Schedule
 
-__all__ = ["Lowering", "PipelineError", "Step", "Unit", "lower"]
+__all__ = ["Lowering", "PipelineError", "Step", "Unit", "lower", "model_pieces"]
 
 MODEL_INPUT = -1
 
@@ -118,6 +118,12 @@ def _reachable(num_stages: int, edges: set[tuple[int, int]]) -> list[set[int]]:
 def _forward_edges(schedule: Schedule) -> set[tuple[int, int]]:
     return {(dep[0], task.stage) for task in schedule.problem.tasks if task.kind == "F"
             for dep in task.deps if dep[1] == "F"}
+
+
+def model_pieces(schedule: Schedule) -> int:
+    """How many pieces the model must be cut into to run ``schedule``: its stages over its replicas."""
+    num_stages = schedule.problem.num_stages
+    return num_stages // len(_components(num_stages, _forward_edges(schedule)))
 
 
 def lower(schedule: Schedule, piece_inputs: Sequence[Sequence[tuple[int, int]]],

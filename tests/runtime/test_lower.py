@@ -71,3 +71,12 @@ def test_multi_rank_tasks_are_refused():
     schedule = _schedule(problem, [["0F0", "0B0"], ["0F0", "0B0"]])
     with pytest.raises(PipelineError, match="one rank"):
         lower(schedule, [[(-1, 0)]], [(0, 0)])
+
+
+@pytest.mark.parametrize(("name", "ranks", "pieces"), [
+    ("1f1b", 4, 4), ("zbv", 2, 4), ("interleaved-1f1b", 2, 4), ("dualpipe", 4, 4), ("chimera", 2, 2),
+])
+def test_model_pieces_is_stages_over_replicas(name, ranks, pieces):
+    schedule = pipeloom.build_schedule(name, ranks, 8)
+    assert model_pieces(schedule) == pieces
+    assert lower(schedule, CHAIN[pieces], OUT[pieces]).num_pieces == pieces
