@@ -9,7 +9,7 @@ pytest.importorskip("torch")
 import pipeloom
 from pipeloom.ir import Action
 from pipeloom.problem import Costs, stage_graph
-from pipeloom.runtime.lower import PipelineError, lower
+from pipeloom.runtime.lower import PipelineError, lower, model_pieces
 
 CHAIN = {n: [[(-1, 0)]] + [[(k - 1, 0)] for k in range(1, n)] for n in (2, 4, 8)}
 OUT = {n: [(n - 1, 0)] for n in (2, 4, 8)}
