@@ -111,7 +111,7 @@ def pipeline(
     process_group: object = None,
     schedule_options: dict | None = None,
     device: torch.device | str | None = None,
-    trace: str | Path | None = None,
+    trace: str | Path | bool | None = None,
     timeout: float = 60.0,
     plan: str | Path | None = None,
 ) -> PipelineEngine:
@@ -120,6 +120,8 @@ def pipeline(
     ``schedule``: a built-in name (built for this world size, ``microbatches`` and the model's
     pieces), a :class:`~pipeloom.Schedule`, or a saved ``.json``/``.csv`` file. ``plan``: a plan file
     of ``pipeloom plan`` (split points, schedule and micro-batches; explicit arguments win).
+    ``trace``: a folder to write ``rank<R>.json`` to after every step, or True to record the steps
+    in memory only (``engine.trace_steps``; ``engine.write_trace(path)`` writes them).
     """
     if plan is not None:
         from pipeloom.plan import load_plan
@@ -164,7 +166,7 @@ class PipelineEngine:
     """Runs one lowered schedule on this rank; see :func:`pipeline`."""
 
     def __init__(self, *, staged: StagedModel, lowering: Lowering, loss_fn: Callable, rank: int, world_size: int,
-                 group: object, device: torch.device | str | None, trace: str | Path | None,
+                 group: object, device: torch.device | str | None, trace: str | Path | bool | None,
                  timeout: float) -> None:
         self.staged = staged
         self.lowering = lowering
@@ -189,7 +191,8 @@ class PipelineEngine:
         self.params = {s: [p for p in module.parameters() if p.requires_grad] for s, module in self.modules.items()}
         self.program = lowering.programs[rank]
         self.eval_program = tuple(step for step in self.program if step.action.kind == "F")
-        self.trace_dir = Path(trace) if trace is not None else None
+        self.tracing = trace is not None and trace is not False
+        self.trace_dir = Path(trace) if isinstance(trace, (str, Path)) else None
         self.trace_steps: list[dict] = []
         self.broken: str | None = None
         self._meta_cache: dict[tuple, tuple[dict, dict]] = {}
@@ -278,7 +281,7 @@ class PipelineEngine:
         signature = self._signature(chunks, targets, training)
         cached = self._meta_cache.get(signature)
         metas, specs = (cached if cached is not None else ({}, {}))
-        events: list | None = [] if self.trace_dir is not None else None
+        events: list | None = [] if self.tracing else None
         step_start = time.time_ns()
         try:  # posts the replica-gradient receives: a failure there breaks the engine like any other
             run = StepRun(self, chunks, targets, training=training, metas=metas, specs=specs, events=events)
@@ -348,18 +351,22 @@ class PipelineEngine:
             "step": self._step_count, "start_ns": start, "end_ns": end,
             "events": [{"name": n, "kind": k, "start_ns": a, "end_ns": b} for n, k, a, b in events],
         })
-        self.write_trace(self.trace_dir / f"rank{self.rank}.json")
+        if self.trace_dir is not None:
+            self.write_trace(self.trace_dir / f"rank{self.rank}.json")
+
+    def trace_document(self) -> dict:
+        """This rank's recorded steps as a ``pipeloom.runtime-trace/1`` document (docs/trace.md)."""
+        return {
+            "format": "pipeloom.runtime-trace/1", "rank": self.rank, "world_size": self.world_size,
+            "clock": "unix_ns", "schedule": json.loads(schedule_to_json(self.schedule)),
+            "steps": self.trace_steps,
+        }
 
     def write_trace(self, path: str | Path) -> None:
         """Write this rank's recorded steps (format ``pipeloom.runtime-trace/1``, see docs/trace.md)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        document = {
-            "format": "pipeloom.runtime-trace/1", "rank": self.rank, "world_size": self.world_size,
-            "clock": "unix_ns", "schedule": json.loads(schedule_to_json(self.schedule)),
-            "steps": self.trace_steps,
-        }
-        path.write_text(json.dumps(document))
+        path.write_text(json.dumps(self.trace_document()))
 
 
 def _default_store() -> object:

@@ -127,13 +127,14 @@ def task_durations(run: RunTrace, *, steps: Steps = "warm") -> dict[TaskKey, flo
             for key, ns in _duration_samples(run, steps).items()}
 
 
-def comm_latency_estimate(run: RunTrace, *, steps: Steps = "warm") -> float:
+def comm_latency_estimate(run: RunTrace, *, steps: Steps = "warm", mean: bool = False) -> float:
     """The communication latency, in seconds, that the simulator's model fits to the measured run.
 
     The simulator starts an action at ``max(rank free, dep end + latency)`` for a dep on another rank
     set. Where a single-rank action's cross-rank deps finished after its rank became free, the rank
     was waiting for them, so ``start - latest such dep end`` samples the latency (send, transfer,
-    receive and launch overhead together). Returns the median sample, clipped at 0; 0 without samples.
+    receive and launch overhead together). Returns the median sample (``mean=True``: the mean, which
+    keeps the long waits a loaded machine adds now and then), clipped at 0; 0 without samples.
     """
     problem = run.schedule.problem
     cross = {task.key: [dep for dep in task.deps if set(problem.task(dep).ranks) != set(task.ranks)]
@@ -153,7 +154,9 @@ def comm_latency_estimate(run: RunTrace, *, steps: Steps = "warm") -> float:
                     if free is None or arrived > free:
                         samples.append(event.start_ns - arrived)
                 free = event.end_ns
-    return max(0.0, statistics.median(samples) * _NS) if samples else 0.0
+    if not samples:
+        return 0.0
+    return max(0.0, (statistics.fmean(samples) if mean else statistics.median(samples)) * _NS)
 
 
 # --------------------------------------------------------------------------------- timelines

@@ -111,6 +111,9 @@ def test_medians_leave_out_the_warm_up_step_by_default(tmp_path):
     assert measured_step_time(run, steps="all") == pytest.approx(2.5 * makespan)  # median of 1, 2, 3, 10
     # the latency scales with the step too: 0.5 units x (1, 2, 3) -> median 1 unit
     assert comm_latency_estimate(run) == pytest.approx(1.0 * MS)
+    # over all steps the samples are 0.5 units x (10, 1, 2, 3): median 1.25 units, mean 2 units
+    assert comm_latency_estimate(run, steps="all") == pytest.approx(1.25 * MS)
+    assert comm_latency_estimate(run, steps="all", mean=True) == pytest.approx(2.0 * MS)
     assert compare_run(run).step == 2  # the step with the median step time is the one shown
 
 
