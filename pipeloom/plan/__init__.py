@@ -1,7 +1,8 @@
 """The planner: cost tables (profiled or analytical), stage partitioning and the whole-plan search.
 
-Nothing here imports torch except :mod:`pipeloom.plan.profile`; the DAG partitioner
-(:mod:`pipeloom.plan.dag`, CP-SAT) and the profiler load on first use of their names.
+Nothing here imports torch except :mod:`pipeloom.plan.profile` and :mod:`pipeloom.plan.inplace`
+(profiling inside the runtime); the DAG partitioner (:mod:`pipeloom.plan.dag`, CP-SAT) and the
+profilers load on first use of their names.
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ _LAZY = {
     "DagPartition": "pipeloom.plan.dag",  # imports OR-Tools
     "partition_dag": "pipeloom.plan.dag",
     "profile_model": "pipeloom.plan.profile",  # imports torch
+    "EngineProfiler": "pipeloom.plan.inplace",  # imports torch and the runtime
+    "profile_in_engine": "pipeloom.plan.inplace",
 }
 
 

@@ -142,3 +142,25 @@ def float64_loss(rank: int, world: int) -> dict:
         loss = engine.step(x.double(), target=y)
         found[name] = loss.dtype == torch.float64 and torch.equal(loss, reference_step(reference, (x.double(),), y, 8))
     return found
+
+
+def profile_in_engine_job(rank: int, world: int, folder: str) -> dict:
+    """profile_in_engine on the residual model; the table as JSON, and what an in-memory trace left behind."""
+    import torch.nn.functional as F
+    from models import batch, build
+
+    from pipeloom.plan.costs import costs_to_json
+    from pipeloom.plan.inplace import profile_in_engine
+    from pipeloom.runtime import pipeline
+
+    model = build("residual")
+    (x,), y = batch("residual")
+    folder = os.path.join(folder, f"rank{rank}")
+    os.chdir(folder)  # an in-memory trace must write nothing here
+    table = profile_in_engine(model, x, loss_fn=F.cross_entropy, target=y, microbatches=4, warmup_steps=1, steps=2)
+    grads = [p.grad is None for p in model.parameters()]
+    engine = pipeline(model, schedule="1f1b", split_points=["layers.4"], loss_fn=F.cross_entropy, microbatches=4,
+                      trace=True)
+    engine.step(x, target=y)
+    return {"table": costs_to_json(table), "trace_steps": len(engine.trace_steps), "files": os.listdir(folder),
+            "grads": grads}

@@ -1,0 +1,209 @@
+"""Measure a model's piece times inside the runtime, on the ranks that will train it.
+
+:func:`pipeloom.plan.profile_model` times each piece alone on one process. In a pipeline the same
+kernels run while the other ranks compute and the runtime sends, receives and keeps its books, and
+on shared CPU cores that changes their time by tens of percent. :func:`profile_in_engine` instead
+cuts the model at every piece, gives each rank a run of consecutive pieces, runs that pipeline through
+``pipeloom.pipeline`` with tracing on (once with a full backward B, once split into I and W), and
+takes each piece's median traced F, B, I and W. Bytes still come from ``profile_model``.
+
+Every rank must call it (a collective on the process group); every rank gets the same table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipeloom.ir import Action, Schedule
+from pipeloom.plan.costs import CostTable, Link
+from pipeloom.plan.plan import PlanError
+from pipeloom.plan.profile import default_pieces, profile_model
+from pipeloom.problem import Costs
+from pipeloom.runtime import pipeline
+from pipeloom.schedules.common import chain_problem
+from pipeloom.viz.measured import comm_latency_estimate, step_times, task_durations
+from pipeloom.viz.run_trace import RunTrace, load_run_trace
+
+__all__ = ["EngineProfiler", "profile_in_engine", "profiling_schedule"]
+
+_NS = 1e-9
+
+
+def profiling_schedule(num_pieces: int, num_ranks: int, num_microbatches: int, *, split_backward: bool) -> Schedule:
+    """The schedule :func:`profile_in_engine` runs: piece k is stage k, the pieces cut into
+    ``num_ranks`` runs of consecutive pieces (piece k on rank ``k * num_ranks // num_pieces``).
+
+    Micro-batch by micro-batch, each rank runs the forwards of its pieces, then (after every forward)
+    the backwards in reverse, B or I then W. Only the pieces at the ends of a rank's run send to
+    another rank, as in a pipeline of ``num_ranks`` stages, and the ranks compute at the same time on
+    different micro-batches (GPipe's pattern). Every rank's list is a subsequence of one dependency
+    order, so it cannot deadlock.
+    """
+    if num_pieces < num_ranks:
+        raise PlanError(f"the model has {num_pieces} piece(s) for {num_ranks} ranks; profiling in the engine "
+                        f"needs at least one piece per rank (name more pieces, or profile on fewer ranks)")
+    rank_of = [k * num_ranks // num_pieces for k in range(num_pieces)]
+    problem = chain_problem(rank_of, Costs(), num_ranks=num_ranks, split_backward=split_backward, memory_limit=None)
+    backward = ("I", "W") if split_backward else ("B",)
+    order = [Action(s, "F", m) for m in range(num_microbatches) for s in range(num_pieces)]
+    order += [Action(s, kind, m) for m in range(num_microbatches) for s in reversed(range(num_pieces))
+              for kind in backward]
+    ranks = tuple(tuple(a for a in order if rank_of[a.stage] == r) for r in range(num_ranks))
+    name = "profile-split" if split_backward else "profile-full"
+    return Schedule(name=name, problem=problem, num_microbatches=num_microbatches, ranks=ranks)
+
+
+class EngineProfiler:
+    """The two profiling pipelines of :func:`profile_in_engine`, run step by step.
+
+    Each :meth:`step` runs one traced step of each (a collective on the process group); :meth:`table`
+    turns the steps recorded so far into a cost table. Stepping it between the steps of a training
+    run measures both under the same conditions (on a shared machine whose speed drifts, that is
+    the fair comparison).
+    """
+
+    def __init__(self, model: nn.Module, inputs: torch.Tensor | tuple, *,
+                 loss_fn: Callable[[object, object], torch.Tensor], target: object, microbatches: int,
+                 pieces: Sequence[str] | None = None, process_group: object = None,
+                 base: CostTable | None = None) -> None:
+        if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+            raise PlanError(f"microbatches must be a positive integer, got {microbatches!r}")
+        self.model, self.inputs, self.target = model, inputs, target
+        self.group = process_group if process_group is not None else dist.group.WORLD
+        self.world = dist.get_world_size(self.group)
+        self.names = list(pieces) if pieces is not None else default_pieces(model)
+        if base is None:
+            args = inputs if isinstance(inputs, tuple) else (inputs,)
+            first = tuple(t.chunk(microbatches)[0] if isinstance(t, torch.Tensor) else t for t in args)
+            first_target = target.chunk(microbatches)[0] if isinstance(target, torch.Tensor) else target
+            base = profile_model(model, first, pieces=self.names, loss_fn=loss_fn, target=first_target,
+                                 warmup=1, repeats=1)
+        if base.names != tuple(self.names):
+            raise PlanError(f"base table pieces {list(base.names)} differ from the profiled pieces {self.names}")
+        self.base = base
+        self.engines = [
+            pipeline(model, schedule=profiling_schedule(len(self.names), self.world, microbatches,
+                                                        split_backward=split),
+                     split_points=self.names[1:], loss_fn=loss_fn, process_group=process_group,
+                     trace=True)
+            for split in (False, True)
+        ]
+        self.steps = 0
+
+    def step(self) -> None:
+        """One traced step of each profiling pipeline (every rank calls it)."""
+        for engine in self.engines:
+            self._clear()
+            dist.barrier(self.group)
+            engine.step(self.inputs, target=self.target)
+        self._clear()
+        self.steps += 1
+
+    def table(self, *, skip: int = 0, action_cost: float = 0.0, bandwidth: float | None = None,
+              action_overhead: float | None = None) -> CostTable:
+        """The cost table from the steps after the first ``skip``; the same on every rank.
+
+        Piece times: medians over steps and micro-batches (F over both pipelines), each less
+        ``action_cost``. ``action_overhead`` (default ``action_cost``) is what the planner adds per
+        action. Also measured, from the same steps: the link latency under load (mean wait of an
+        action for a message it was waiting for) and the step's own cost outside the schedule
+        (``engine.step`` time minus the schedule's span: preamble, loss all-reduce, last sends); both
+        are averaged over the two pipelines and kept in :attr:`fit` too.
+        ``bandwidth`` (bytes/s; None: unlimited) goes into the table's link.
+        """
+        if self.steps <= skip:
+            raise PlanError(f"{self.steps} profiling step(s) recorded, {skip} to skip; run step() more often")
+        runs = [self._run(engine) for engine in self.engines]
+        steps = list(range(skip, self.steps))
+        durations = [task_durations(run, steps=steps) for run in runs]
+        fits = [_fit_run(run, steps) for run in runs]
+        self.fit = {"latency": statistics.fmean(f[0] for f in fits), "step_overhead": statistics.fmean(f[1] for f in fits)}
+
+        def seconds(stage: int, kind: str) -> float:
+            values = [d[(stage, kind)] for d in durations if (stage, kind) in d]
+            return max(0.0, statistics.fmean(values) - action_cost)
+
+        pieces = tuple(dataclasses.replace(piece, f=seconds(k, "F"), i=seconds(k, "I"), w=seconds(k, "W"),
+                                           b=seconds(k, "B"))
+                       for k, piece in enumerate(self.base.pieces))
+        where = self.base.device.split(" (")[0]
+        return dataclasses.replace(
+            self.base, pieces=pieces, source="profile",
+            link=Link(latency=self.fit["latency"], bandwidth=bandwidth),
+            action_overhead=action_cost if action_overhead is None else action_overhead,
+            step_overhead=self.fit["step_overhead"],
+            device=f"{where} (in the engine, {self.world} ranks, {torch.get_num_threads()} thread(s) each)")
+
+    def _run(self, engine: object) -> RunTrace:
+        """The engine's recorded steps on every rank, as one checked :class:`RunTrace`."""
+        documents: list[dict | None] = [None] * self.world
+        dist.all_gather_object(documents, engine.trace_document(), group=self.group)
+        with tempfile.TemporaryDirectory(prefix="pipeloom-profile-") as folder:
+            for document in documents:
+                (Path(folder) / f"rank{document['rank']}.json").write_text(json.dumps(document))
+            return load_run_trace(folder)
+
+    def _clear(self) -> None:
+        for param in self.model.parameters():
+            param.grad = None
+
+
+def _fit_run(run: RunTrace, steps: list[int]) -> tuple[float, float]:
+    """``(latency, step overhead)`` of a profiling run: the mean time from a message's producer
+    ending to its consumer starting, where the consumer's rank was waiting for it (latency under
+    load: :func:`~pipeloom.viz.measured.comm_latency_estimate` with ``mean=True``), and the median of
+    each step's ``engine.step`` time minus its span."""
+    spans = step_times(run, steps=steps)
+    outside = [max(0.0, _engine_step_seconds(run, i) - spans[run.steps[i]]) for i in range(len(run.steps))
+               if run.steps[i] in spans]
+    return comm_latency_estimate(run, steps=steps, mean=True), statistics.median(outside)
+
+
+def _engine_step_seconds(run: RunTrace, index: int) -> float:
+    """The longest ``engine.step`` call of step ``index`` over the ranks."""
+    return max(rank[index].end_ns - rank[index].start_ns for rank in run.ranks) * _NS
+
+
+def profile_in_engine(
+    model: nn.Module,
+    inputs: torch.Tensor | tuple,
+    *,
+    loss_fn: Callable[[object, object], torch.Tensor],
+    target: object,
+    microbatches: int,
+    pieces: Sequence[str] | None = None,
+    process_group: object = None,
+    warmup_steps: int = 2,
+    steps: int = 4,
+    action_cost: float = 0.0,
+    bandwidth: float | None = None,
+    base: CostTable | None = None,
+) -> CostTable:
+    """The cost table of ``model`` with piece times measured inside the runtime (see the module text).
+
+    ``inputs``/``target`` are one step's batch, cut into ``microbatches``; the table is for that
+    micro-batch size. ``warmup_steps`` untimed steps, then ``steps`` traced ones, of each of the two
+    :func:`profiling_schedule` pipelines (:class:`EngineProfiler`). A traced action also holds the
+    runtime's own per-action work (posting its sends and the next receives): ``action_cost``, the
+    seconds of that work per action, is taken off every piece time and becomes the table's
+    ``action_overhead``, so that a stage of several pieces pays it once. The link latency and the
+    per-step overhead are fitted from the same steps (:meth:`EngineProfiler.table`); ``bandwidth``
+    (bytes/s) completes the link. Bytes come from ``base`` (default: ``profile_model`` on one
+    micro-batch). Every rank calls this and gets the same table; the model's gradients are cleared.
+    """
+    if warmup_steps < 0 or steps < 1:
+        raise PlanError(f"need warmup_steps >= 0 and steps >= 1, got {warmup_steps} and {steps}")
+    profiler = EngineProfiler(model, inputs, loss_fn=loss_fn, target=target, microbatches=microbatches,
+                              pieces=pieces, process_group=process_group, base=base)
+    for _ in range(warmup_steps + steps):
+        profiler.step()
+    return profiler.table(skip=warmup_steps, action_cost=action_cost, bandwidth=bandwidth)

@@ -1,0 +1,54 @@
+"""pipeloom.plan.inplace: the profiling schedule, and piece times traced inside the engine on 2 gloo ranks."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch")
+
+from rank_jobs import profile_in_engine_job
+from ranks import run_ranks
+
+from pipeloom import validate
+from pipeloom.plan import PlanError
+from pipeloom.plan.costs import costs_from_json
+from pipeloom.plan.inplace import profiling_schedule
+
+
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize(("pieces", "ranks"), [(1, 1), (2, 2), (5, 2), (7, 3), (4, 4)])
+@pytest.mark.parametrize("microbatches", [1, 3])
+def test_profiling_schedule_is_valid_with_consecutive_pieces_per_rank(pieces, ranks, microbatches, split):
+    schedule = profiling_schedule(pieces, ranks, microbatches, split_backward=split)
+    validate(schedule, ordered=True, check_memory_limit=False)
+    stages = [sorted({a.stage for a in actions}) for actions in schedule.ranks]
+    assert all(stages), "every rank profiles at least one piece"
+    assert [s for rank in stages for s in rank] == list(range(pieces))  # consecutive runs, in rank order
+    kinds = {a.kind for actions in schedule.ranks for a in actions}
+    assert kinds == ({"F", "I", "W"} if split else {"F", "B"})
+    assert sum(map(len, schedule.ranks)) == pieces * microbatches * (3 if split else 2)
+
+
+def test_profiling_schedule_needs_a_piece_per_rank():
+    with pytest.raises(PlanError, match="2 piece.*4 ranks"):
+        profiling_schedule(2, 4, 2, split_backward=False)
+
+
+@pytest.mark.timeout(180)
+def test_profile_in_engine_gives_every_rank_the_same_table(tmp_path):
+    folders = [tmp_path / "rank0", tmp_path / "rank1"]
+    for folder in folders:
+        folder.mkdir()
+    results = run_ranks(2, profile_in_engine_job, str(tmp_path), timeout=150)
+    assert all(status == "ok" for status, _ in results.values()), results
+    (_, first), (_, second) = results[0], results[1]
+    assert first["table"] == second["table"]
+    table = costs_from_json(first["table"])
+    assert table.names == tuple([f"layers.{k}" for k in range(8)] + ["head"])
+    assert table.microbatch_size == 4
+    assert all(p.f > 0 and p.full_backward > 0 and p.w > 0 for p in table.pieces)
+    assert table.link.latency >= 0 and table.step_overhead >= 0
+    assert "in the engine, 2 ranks" in table.device
+    assert all(p.param_bytes > 0 and p.activation_bytes > 0 for p in table.pieces)  # from profile_model
+    assert first["trace_steps"] == 1 and first["files"] == []  # trace=True keeps the steps in memory only
+    assert all(first["grads"]), "gradients are cleared after profiling"
