@@ -3,21 +3,24 @@
 One spawned pair of processes (``torch.set_num_threads(1)`` in each: one core per rank) does, in order:
 
 1. **Link**: a gloo ping-pong between the two ranks at two message sizes, fitted as
-   ``latency + bytes / bandwidth``. **Engine overhead**: a trivial two-piece pipeline (two 4x4
-   linear layers, 1F1B) run at two micro-batch counts; the measured step time minus the simulated one
-   (link latencies, near-zero compute), fitted as ``fixed + actions per rank x overhead``, gives the
-   cost table's ``action_overhead``, and the per-step ``fixed`` part its ``step_overhead``.
-2. **Profile**: both ranks run ``pipeloom.plan.profile_model`` on the example GPT at every micro-batch
-   size the plan search may pick, at the same time (a barrier before each size), so every piece is
-   timed with the other core busy, as in the run; the two ranks' times are averaged.
+   ``latency + bytes / bandwidth`` (the bandwidth is used; the latency under load comes from step 2).
+   **Engine cost per action**: a pipeline of two 4x4 linear layers profiled inside the engine
+   (``profile_in_engine``): its traced actions hold next to no compute, so their median time is the
+   runtime's own work per action, taken off every piece and added back once per action.
+2. **Profile** (``profiler="engine"``, the default): ``profile_in_engine`` on the example GPT at every
+   micro-batch size the plan search may pick: piece times traced inside the runtime on both ranks, the
+   latency under load and the per-step cost fitted from the same steps (their medians over the sizes
+   go into every table). ``profiler="alone"``: both ranks run ``profile_model`` at once, and the
+   per-action and per-step costs come from a 1F1B run of the 4x4 pipeline at two micro-batch counts.
 3. **Plan**: rank 0 runs ``plan_pipeline`` for 2 ranks and saves the best plan of each schedule.
-4. **Rounds**: for each plan in turn, profile its micro-batch size again, re-predict the plan from that
-   profile (same split and order, ``recost`` + ``simulate``), then run it through
-   ``pipeloom.pipeline(model, plan=...)``: warm-up steps, then timed steps (a barrier, then rank 0's
-   wall clock of ``engine.step``). Profile and run are seconds apart, so the drifting speed of a
-   shared virtual machine hits both alike. A measurement during which other processes used more
-   than ``max_foreign`` cores is taken again.
-5. **Traces**: one traced run per plan (``trace=``) for ``pipeloom.viz.measured``.
+4. **Rounds**: for each plan in turn, warm-up steps, then ``cycles`` times one profiling step of the
+   plan's micro-batch size (``EngineProfiler``) followed by a share of the plan's timed steps (a
+   barrier, then rank 0's wall clock of ``engine.step``); the prediction (same split and order,
+   ``recost`` + ``simulate``) comes from those profiling steps. Profile and run interleave within a
+   second, so the drifting speed of a shared virtual machine hits both alike. A measurement during
+   which other processes used more than ``max_foreign`` cores is taken again.
+5. **Traces**: every plan's engine traces in memory (``trace=True``); the timed steps' traces are
+   written per plan for ``pipeloom.viz.measured`` (task times and span of the very steps timed).
 
 Rank 0 writes everything to ``results.json`` in the output folder; ``plan_gpt.py`` prints it.
 """
@@ -55,6 +58,7 @@ from pipeloom.plan import (
     save_plan,
 )
 from pipeloom.plan.costs import costs_from_json, costs_to_json, table_for_size
+from pipeloom.plan.inplace import EngineProfiler, profile_in_engine
 from pipeloom.plan.search import replica_sync_time
 from pipeloom.sim import simulate
 
@@ -85,15 +89,20 @@ class RealityConfig:
     repeats: int = 20
     """Profiler repeats per piece (medians), after ``profile_warmup``."""
     profile_warmup: int = 3
-    """Profiler warm-up runs per piece."""
+    """Profiler warm-up runs per piece (``alone``) or warm-up steps (``engine``)."""
+    profiler: str = "engine"
+    """``engine``: piece times traced inside the runtime (``profile_in_engine``); ``alone``: each piece
+    timed alone (``profile_model``) on both ranks at once."""
+    profile_steps: int = 4
+    """Traced steps of each of the engine profiler's two runs (for the plan search)."""
+    cycles: int = 5
+    """Engine profiler: each round of a plan alternates this many profiling steps with its timed steps."""
     rounds: int = 3
     """Rounds over all plans (each: profile, re-predict and run every plan)."""
     warmup_steps: int = 3
     """Untimed steps of each plan at the start of each round."""
     steps: int = 10
     """Timed steps of each plan per round."""
-    trace_steps: int = 5
-    """Steps of the traced run of each plan (after ``warmup_steps``)."""
     max_foreign: float = 0.2
     """Cores other processes may use during a measurement (a profiled size, a plan's round) before it is
     measured again: the machine is shared."""
@@ -103,7 +112,7 @@ class RealityConfig:
     """Seconds to wait before measuring again."""
 
     def __post_init__(self) -> None:
-        for name in ("layers", "global_batch", "max_plans", "repeats", "rounds", "steps", "trace_steps"):
+        for name in ("layers", "global_batch", "max_plans", "repeats", "rounds", "steps", "cycles"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
@@ -231,21 +240,38 @@ def _trivial_prediction(table: CostTable, microbatches: int) -> float:
 
 
 def _measure_overhead(rank: int, config: RealityConfig, link: Link, *, counts: tuple[int, int] = (4, 16),
-                      steps: int = 40) -> tuple[float, dict]:
-    """Seconds the engine spends per action beyond compute and link: a pipeline of two 4x4 linear layers
-    (1F1B, 2 actions per micro-batch and rank) at two micro-batch counts, measured minus simulated
-    (profiled compute, link latencies, no overhead), fitted as ``fixed + 2 M x overhead``."""
+                      steps: int = 40) -> tuple[float, float, dict]:
+    """The engine's own cost per action: ``(inside, total, note)``.
+
+    Engine profiler: a pipeline of two 4x4 linear layers has next to no compute, so what its traced
+    actions take in the engine (``profile_in_engine``) is the runtime's work inside an action (posting
+    sends and receives, bookkeeping): ``inside`` = ``total``. The latency under load and the per-step
+    cost come from the real model's profiling runs (``EngineProfiler.table``).
+
+    ``alone`` profiler: the same pipeline runs 1F1B (2 actions per micro-batch and rank) at two
+    micro-batch counts; measured minus simulated (pieces timed alone, ping-pong latency) is fitted as
+    ``fixed + 2 M x total``, and ``fixed`` is the note's per-step cost.
+    """
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+
+    def loss_fn(output, target):
+        return ((output - target) ** 2).mean()
+
+    if config.profiler == "engine":
+        count = counts[-1]
+        inputs, targets = torch.randn(count, 4), torch.randn(count, 4)
+        table = profile_in_engine(model, inputs, loss_fn=loss_fn, target=targets, microbatches=count,
+                                  pieces=["0", "1"], warmup_steps=3, steps=10)
+        inside = statistics.median(getattr(p, key) for p in table.pieces for key in "fiwb")
+        return inside, inside, {"inside": inside, "overhead": inside, "fixed": table.step_overhead,
+                                "latency": table.link.latency}
     out = Path(config.out)
     residual = {}
     for count in counts:
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
-
-        def loss_fn(output, target):
-            return ((output - target) ** 2).mean()
-
         inputs, targets = torch.randn(count, 4), torch.randn(count, 4)
-        table = profile_model(model, inputs[:1], loss_fn=loss_fn, target=targets[:1], warmup=5, repeats=20, link=link)
+        table = profile_model(model, inputs[:1], loss_fn=loss_fn, target=targets[:1], warmup=5, repeats=20,
+                              link=link)
         path = out / f"overhead-m{count}.json"
         if rank == 0:
             save_plan(Plan(num_ranks=2, split_points=("1",), schedule="1f1b", microbatches=count, global_batch=count,
@@ -259,36 +285,70 @@ def _measure_overhead(rank: int, config: RealityConfig, link: Link, *, counts: t
     (m1, (t1, p1)), (m2, (t2, p2)) = residual.items()
     overhead = max(0.0, ((t2 - p2) - (t1 - p1)) / (2 * (m2 - m1)))
     fixed = (t1 - p1) - 2 * m1 * overhead
-    return overhead, {"overhead": overhead, "fixed": fixed,
-                      "runs": {str(m): {"measured": t, "simulated": p} for m, (t, p) in residual.items()}}
+    return 0.0, overhead, {"inside": 0.0, "overhead": overhead, "fixed": fixed,
+                           "runs": {str(m): {"measured": t, "simulated": p} for m, (t, p) in residual.items()}}
 
 
 # ------------------------------------------------------------------------------------ profile
 
 
-def _profile_together(config: RealityConfig, link: Link, sizes: list[int], overhead: float = 0.0,
-                      step_overhead: float = 0.0) -> tuple[list[CostTable], list[dict]]:
-    """Both ranks profile every size at once (each size again while others load the machine); the
-    tables with the two ranks' times averaged, and per size the foreign load and attempts."""
+def _profile_together(config: RealityConfig, link: Link, sizes: list[int], costs: EngineCosts,
+                      bases: dict[int, CostTable] | None = None) -> tuple[list[CostTable], list[dict]]:
+    """Profile every size; the tables and, per size, the foreign load and attempts.
+
+    ``config.profiler == "engine"``: ``profile_in_engine`` on both ranks (pieces traced inside the
+    runtime, the global batch cut into micro-batches of the size). ``"alone"``: both ranks run
+    ``profile_model`` at once, each piece timed alone while the other core computes, the two ranks'
+    times averaged. ``bases`` (per size) spares the engine profiler its byte count.
+    """
     gpt = example()
     tables, notes = [], []
     for size in sizes:
         model = gpt.build_model(layers=config.layers)
-        inputs, target = gpt.synthetic_batch(0, batch=size, seq_len=SEQ_LEN, vocab=model.head.out_features)
+        if config.profiler == "engine":
+            inputs, target = gpt.synthetic_batch(0, batch=config.global_batch, seq_len=SEQ_LEN,
+                                                 vocab=model.head.out_features)
+        else:
+            inputs, target = gpt.synthetic_batch(0, batch=size, seq_len=SEQ_LEN, vocab=model.head.out_features)
 
-        def measure(model=model, inputs=inputs, target=target) -> CostTable:
+        def measure(model=model, inputs=inputs, target=target, size=size) -> CostTable:
             dist.barrier()
+            if config.profiler == "engine":
+                return profile_in_engine(model, inputs, loss_fn=gpt.lm_loss, target=target,
+                                         microbatches=config.global_batch // size, warmup_steps=config.profile_warmup,
+                                         steps=config.profile_steps, action_cost=costs.inside,
+                                         bandwidth=link.bandwidth, base=(bases or {}).get(size))
             table = profile_model(model, inputs, loss_fn=gpt.lm_loss, target=target,
                                   warmup=config.profile_warmup, repeats=config.repeats, link=link)
             both: list[str | None] = [None, None]
             dist.all_gather_object(both, costs_to_json(table))
             return dataclasses.replace(_mean_table([costs_from_json(text) for text in both]),
-                                       action_overhead=overhead, step_overhead=step_overhead)
+                                       action_overhead=costs.overhead, step_overhead=costs.step)
 
         table, foreign, attempts = _quiet(measure, config)
         tables.append(table)
         notes.append({"size": size, "foreign": foreign, "attempts": attempts})
     return tables, notes
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCosts:
+    """The runtime's own costs the tables carry: per action inside a traced action (``inside``, taken
+    off engine-profiled piece times), per action in all (``overhead``), per step (``step``)."""
+
+    inside: float
+    overhead: float
+    step: float
+    latency: float | None = None
+    """Engine profiler: the link latency under load every table gets (None: each table's own fit)."""
+
+
+def _with_engine_costs(table: CostTable, costs: EngineCosts) -> CostTable:
+    """``table`` with the pooled latency under load and per-step cost (where pooled)."""
+    if costs.latency is None:
+        return table
+    return dataclasses.replace(table, link=dataclasses.replace(table.link, latency=costs.latency),
+                               step_overhead=costs.step)
 
 
 def _mean_table(tables: list[CostTable]) -> CostTable:
@@ -369,7 +429,7 @@ def _same_order(a: Schedule, b: Schedule) -> bool:
 # ---------------------------------------------------------------------------------------- run
 
 
-def _engine(plan_file: str, config: RealityConfig, trace: str | None = None):
+def _engine(plan_file: str, config: RealityConfig, trace: str | bool | None = None):
     gpt = example()
     model = gpt.build_model(layers=config.layers)
     return pipeloom.pipeline(model, plan=plan_file, loss_fn=gpt.lm_loss, trace=trace)
@@ -404,13 +464,23 @@ def _worker(rank: int, store_file: str, config: RealityConfig) -> None:
     _log(rank, begun, "measuring the link")
     link, link_times = _measure_link(rank, small=unit, large=config.global_batch * unit * 8)
     _log(rank, begun, "measuring the engine's overhead per action")
-    overhead, overhead_note = _measure_overhead(rank, config, link)
+    inside, overhead, overhead_note = _measure_overhead(rank, config, link)
     _log(rank, begun, f"overhead {overhead * 1e6:.0f} us per action, fixed {overhead_note['fixed'] * 1e3:.2f} ms "
                       f"per step; profiling every micro-batch size")
     started = time.perf_counter()
-    step_overhead = max(0.0, overhead_note["fixed"])
-    tables, notes = _profile_together(config, link, config.sizes, overhead, step_overhead)
+    costs = EngineCosts(inside=inside, overhead=overhead, step=max(0.0, overhead_note["fixed"]))
+    tables, notes = _profile_together(config, link, config.sizes, costs)
     profiled = {"seconds": time.perf_counter() - started, "sizes": notes}
+    if config.profiler == "engine":
+        # latency under load and per-step cost belong to the machine and runtime, not to one micro-batch
+        # size: one value each, the median of the fits at every size (each fit alone is noisy)
+        costs = dataclasses.replace(costs, step=statistics.median(t.step_overhead for t in tables),
+                                    latency=statistics.median(t.link.latency for t in tables))
+        profiled["fits"] = [{"size": t.microbatch_size, "latency": t.link.latency, "step_overhead": t.step_overhead}
+                            for t in tables]
+        tables = [_with_engine_costs(table, costs) for table in tables]
+        profiled.update(latency=costs.latency, step_overhead=costs.step)
+    bases = {table.microbatch_size: table for table in tables}
     shared: list = [None]
     if rank == 0:
         for table in tables:
@@ -418,16 +488,23 @@ def _worker(rank: int, store_file: str, config: RealityConfig) -> None:
         shared = [choose_plans(tables, config)]
     dist.broadcast_object_list(shared, src=0)
     records, profiled["plan_seconds"] = shared[0]
-    engines = [_engine(record["file"], config) for record in records]
+    engines = [_engine(record["file"], config, trace=True) for record in records]
     batches = [gpt.synthetic_batch(step, batch=config.global_batch, seq_len=SEQ_LEN, vocab=64) for step in range(8)]
+    profilers = {}
+    if config.profiler == "engine":
+        for size in sorted({record["microbatch_size"] for record in records}):
+            model = gpt.build_model(layers=config.layers)
+            inputs, target = batches[0]
+            profilers[size] = EngineProfiler(model, inputs, loss_fn=gpt.lm_loss, target=target,
+                                             microbatches=config.global_batch // size, base=bases[size])
     for round_ in range(config.rounds):
         _log(rank, begun, f"round {round_ + 1} of {config.rounds}: profile, predict and run each of {len(records)} plans")
         for record, engine in zip(records, engines):
-            _measure_plan(rank, record, engine, batches, config, link, overhead, step_overhead)
-    _log(rank, begun, "traced runs")
-    for k, record in enumerate(records):
+            _measure_plan(rank, record, engine, profilers.get(record["microbatch_size"]), batches, config, link,
+                          costs, bases)
+    for k, (record, engine) in enumerate(zip(records, engines)):
         record["trace"] = str(out / f"trace{k}-{record['schedule']}")
-        _steps(_engine(record["file"], config, trace=record["trace"]), batches, config.warmup_steps + config.trace_steps)
+        engine.write_trace(Path(record["trace"]) / f"rank{rank}.json")
     if rank == 0:
         (out / "results.json").write_text(json.dumps({
             "link": {"latency": link.latency, "bandwidth": link.bandwidth},
@@ -438,20 +515,46 @@ def _worker(rank: int, store_file: str, config: RealityConfig) -> None:
     dist.destroy_process_group()
 
 
-def _measure_plan(rank: int, record: dict, engine, batches: list, config: RealityConfig, link: Link,
-                  overhead: float, step_overhead: float) -> None:
-    """One round of one plan: profile its micro-batch size, re-predict, run; appended to ``record`` (rank 0)."""
-    (table,), (note,) = _profile_together(config, link, [record["microbatch_size"]], overhead, step_overhead)
+def _measure_plan(rank: int, record: dict, engine, profiler: EngineProfiler | None, batches: list,
+                  config: RealityConfig, link: Link, costs: EngineCosts, bases: dict[int, CostTable]) -> None:
+    """One round of one plan: profile its micro-batch size, re-predict, run; appended to ``record`` (rank 0).
 
-    def measure() -> list[float]:
-        _steps(engine, batches, config.warmup_steps)
-        return _steps(engine, batches, config.steps, first=config.warmup_steps)
+    With the engine profiler the two interleave: ``config.cycles`` times one profiling step, then a
+    share of the plan's timed steps, so that profile and run meet the machine's drifting speed alike.
+    """
+    if profiler is None:
+        (table,), (note,) = _profile_together(config, link, [record["microbatch_size"]], costs, bases)
 
-    times, foreign, attempts = _quiet(measure, config)
+        def measure() -> list[float]:
+            _steps(engine, batches, config.warmup_steps)
+            return _steps(engine, batches, config.steps, first=config.warmup_steps)
+
+        times, foreign, attempts = _quiet(measure, config)
+        traced = [record["step"] for record in engine.trace_steps[-len(times):]]
+        profile_note = {"profile_foreign": note["foreign"], "profile_attempts": note["attempts"]}
+        fitted_link = (table.link.latency, table.step_overhead)
+    else:
+        def interleaved() -> tuple[list[float], CostTable, list[int], tuple[float, float]]:
+            for _ in range(config.profile_warmup):
+                profiler.step()
+            _steps(engine, batches, config.warmup_steps)
+            skip, times = profiler.steps, []
+            share = -(-config.steps // config.cycles)
+            for cycle in range(config.cycles):
+                profiler.step()
+                times += _steps(engine, batches, share, first=config.warmup_steps + cycle * share)
+            fitted = profiler.table(skip=skip, action_cost=costs.inside, bandwidth=link.bandwidth)
+            table = _with_engine_costs(fitted, costs)
+            return times, table, [record["step"] for record in engine.trace_steps[-len(times):]], \
+                (fitted.link.latency, fitted.step_overhead)
+
+        (times, table, traced, fitted_link), foreign, attempts = _quiet(interleaved, config)
+        profile_note = {"profile_foreign": foreign, "profile_attempts": attempts}
     if rank == 0:
-        entry = {"predicted": predict(record, [table], config), "times": times, "foreign": foreign,
-                 "attempts": attempts, "profile_foreign": note["foreign"], "profile_attempts": note["attempts"],
-                 "stage_costs": _stage_costs(record, table)}
+        entry = {"predicted": predict(record, [table], config), "times": times, "traced_steps": traced,
+                 "latency": fitted_link[0], "step_overhead": fitted_link[1],
+                 "foreign": foreign,
+                 "attempts": attempts, **profile_note, "stage_costs": _stage_costs(record, table)}
         record.setdefault("rounds", []).append(entry)
 
 

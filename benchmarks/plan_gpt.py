@@ -80,6 +80,7 @@ def prediction_vs_reality(args: argparse.Namespace) -> None:
     config = RealityConfig(out=args.reality_out or tempfile.mkdtemp(prefix="plan_gpt_reality_"),
                            layers=args.gpt_layers, global_batch=args.gpt_batch, rounds=args.rounds,
                            steps=args.steps, repeats=args.profile_repeats, max_plans=args.max_plans,
+                           profiler=args.profiler,
                            schedules=tuple(args.schedules.split(",")) if args.schedules else None)
     results = run_reality(config)
     link, times = results["link"], results["link_times"]
@@ -92,14 +93,21 @@ def prediction_vs_reality(args: argparse.Namespace) -> None:
     print(f"link (gloo ping-pong, one way): {format_bytes(int(small))} {times[small] * 1e3:.3f} ms, "
           f"{format_bytes(int(large))} {times[large] * 1e3:.3f} ms -> latency {link['latency'] * 1e3:.3f} ms, "
           f"{bandwidth}")
-    if "overhead" in results:
-        note = results["overhead"]
+    note = results["overhead"]
+    if config.profiler == "engine":
+        fits = ", ".join(f"b={f['size']} {f['latency'] * 1e3:.2f}/{f['step_overhead'] * 1e3:.2f}" for f in profile["fits"])
+        print(f"engine cost per action (traced actions of a 4x4-linear pipeline): {note['inside'] * 1e6:.0f} us; "
+              f"latency under load / per-step cost fitted at each size (ms): {fits}; medians used in every "
+              f"prediction: {profile['latency'] * 1e3:.2f} ms latency, {profile['step_overhead'] * 1e3:.2f} ms per step")
+    else:
         runs = ", ".join(f"M={m} {r['measured'] * 1e3:.2f} ms measured vs {r['simulated'] * 1e3:.2f} simulated"
                          for m, r in note["runs"].items())
-        print(f"engine overhead (trivial 1F1B pipeline: {runs}): {note['overhead'] * 1e6:.0f} us per action "
-              f"(in every prediction), {note['fixed'] * 1e3:.2f} ms fixed per step (in every prediction)")
-    print(f"profile for the plan search: sizes {', '.join(map(str, config.sizes))}, {config.repeats} repeats, both "
-          f"ranks at once, {profile['seconds']:.1f} s; plan search {profile['plan_seconds']:.2f} s")
+        print(f"engine overhead (trivial 1F1B pipeline: {runs}): {note['overhead'] * 1e6:.0f} us per action, "
+              f"{note['fixed'] * 1e3:.2f} ms fixed per step (both in every prediction)")
+    how = (f"traced inside the engine ({config.profile_steps} steps of each profiling run)"
+           if config.profiler == "engine" else f"each piece alone, {config.repeats} repeats, both ranks at once")
+    print(f"profile for the plan search: sizes {', '.join(map(str, config.sizes))}, {how}, "
+          f"{profile['seconds']:.1f} s; plan search {profile['plan_seconds']:.2f} s")
     foreign = [n["foreign"] for n in profile["sizes"]] + [e["profile_foreign"] for e in rounds]
     again = sum(n["attempts"] - 1 for n in profile["sizes"]) + sum(e["profile_attempts"] - 1 for e in rounds)
     print(f"machine idle {idle:.0%} at the start; other processes used at most {max(foreign):.2f} cores while "
@@ -119,18 +127,27 @@ def _short(split_points: list[str]) -> str:
     return ",".join(split_points)
 
 
-def _traced(record: dict, config):
-    """The traced run of a plan and its :class:`~pipeloom.viz.measured.Comparison` (steps after warm-up)."""
+def _timed_steps(record: dict) -> list[int]:
+    """The plan's timed steps over all rounds (the engine traced every step it ran)."""
+    return [step for entry in record["rounds"] for step in entry["traced_steps"]]
+
+
+def _traced(record: dict):
+    """A plan's trace and its :class:`~pipeloom.viz.measured.Comparison` over the timed steps."""
     from pipeloom.viz.measured import compare_run, load_run_trace
 
     run = load_run_trace(record["trace"])
-    return run, compare_run(run, steps=list(range(config.warmup_steps, config.warmup_steps + config.trace_steps)))
+    return run, compare_run(run, steps=_timed_steps(record))
 
 
 def _print_plans(results: dict, config) -> None:
-    print(f"\n{config.rounds} rounds; in each, for each plan: profile its micro-batch size, re-predict, then "
-          f"{config.warmup_steps} + {config.steps} steps (median of the timed ones). Target: measured / predicted "
-          f"within {TARGET - 1:.0%}. Times in ms.")
+    if config.profiler == "engine":
+        how = (f"{config.cycles} times one profiling step of its micro-batch size then {config.steps // config.cycles} "
+               f"timed steps of the plan (after {config.warmup_steps} warm-up steps); predict from those profiling steps")
+    else:
+        how = (f"profile its micro-batch size, re-predict, then {config.warmup_steps} + {config.steps} steps")
+    print(f"\n{config.rounds} rounds; in each, for each plan: {how}. measured: median of the timed steps. "
+          f"Target: measured / predicted within {TARGET - 1:.0%}. Times in ms.")
     print(f"{'schedule':22} {'M x b':>6} {'split':12} {'planned':>7} {'predicted':>9} {'measured':>8} {'ratio':>5} "
           f"{'':3} {'ratio per round':16} {'tasks':>6} {'span':>6}")
     for k, record in enumerate(results["plans"]):
@@ -138,7 +155,7 @@ def _print_plans(results: dict, config) -> None:
         measured = [statistics.median(entry["times"]) for entry in record["rounds"]]
         ratios = [m / p for m, p in zip(measured, predicted)]
         ratio = statistics.median(ratios)
-        _, comparison = _traced(record, config)
+        _, comparison = _traced(record)
         mark = "ok" if 1 / TARGET <= ratio <= TARGET else "--"
         label = record["label"] + (" own" if record["own_order"] else "") + (" *" if k == 0 else "")
         shape = f"{record['microbatches']} x {record['microbatch_size']}"
@@ -149,18 +166,18 @@ def _print_plans(results: dict, config) -> None:
     print("* the plan the search chose. planned: the plan file's prediction (the search's profile). predicted, "
           "measured: medians over the rounds; ratio: median of the rounds' measured / predicted. own: the plan "
           "names the order the search simulated, saved as a schedule file, as the engine builds this name in "
-          "another order. tasks: the simulator on a traced run's own median task times; span: that run's "
-          "schedule span (pipeloom.viz.measured).")
+          "another order. tasks: the simulator on the timed steps' own median task times (traced); span: their "
+          "schedule span (pipeloom.viz.measured); measured - span is the step's time outside the schedule.")
 
 
 def _print_tasks(record: dict, config) -> None:
     """Per task of a plan: its last round's profile against the traced run (run right after)."""
     from pipeloom.plan.placement import schedule_shape
 
-    run, comparison = _traced(record, config)
+    run, comparison = _traced(record)
     costs = record["rounds"][-1]["stage_costs"]
     shape = schedule_shape(run.schedule)
-    measured = task_durations(run, steps=list(range(config.warmup_steps, config.warmup_steps + config.trace_steps)))
+    measured = task_durations(run, steps=_timed_steps(record))
     print(f"\n{record['label']}: per task, its last profile vs the traced run (median over micro-batches and steps), ms")
     print(f"{'stage':>5} {'rank':>4} {'model stage':>11} {'kind':>4} {'profiled':>9} {'measured':>9} {'ratio':>6}")
     for (stage, kind), seconds in sorted(measured.items()):
@@ -225,7 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     reality.add_argument("--gpt-batch", type=int, default=16, help="sequences per step")
     reality.add_argument("--schedules", help="schedules the plan search tries, comma-separated (default: all)")
     reality.add_argument("--max-plans", type=int, default=10, help="plans run: the best of each schedule, best first")
-    reality.add_argument("--profile-repeats", type=int, default=20, help="profiler repeats per piece")
+    reality.add_argument("--profiler", choices=("engine", "alone"), default="engine",
+                         help="engine: piece times traced inside the runtime; alone: each piece timed by itself")
+    reality.add_argument("--profile-repeats", type=int, default=20, help="repeats per piece of the 'alone' profiler")
     reality.add_argument("--rounds", type=int, default=3, help="rounds over all plans")
     reality.add_argument("--steps", type=int, default=10, help="timed steps per plan and round")
     reality.add_argument("--reality-out", metavar="DIR", help="folder for costs, plans, traces (default: a temp dir)")
