@@ -534,7 +534,7 @@ def _measure_plan(rank: int, record: dict, engine, profiler: EngineProfiler | No
         profile_note = {"profile_foreign": note["foreign"], "profile_attempts": note["attempts"]}
         fitted_link = (table.link.latency, table.step_overhead)
     else:
-        def interleaved() -> tuple[list[float], CostTable, list[int], tuple[float, float]]:
+        def interleaved() -> tuple[list[float], CostTable, list[int]]:
             for _ in range(config.profile_warmup):
                 profiler.step()
             _steps(engine, batches, config.warmup_steps)
@@ -544,11 +544,11 @@ def _measure_plan(rank: int, record: dict, engine, profiler: EngineProfiler | No
                 profiler.step()
                 times += _steps(engine, batches, share, first=config.warmup_steps + cycle * share)
             fitted = profiler.table(skip=skip, action_cost=costs.inside, bandwidth=link.bandwidth)
-            table = _with_engine_costs(fitted, costs)
-            return times, table, [record["step"] for record in engine.trace_steps[-len(times):]], \
-                (fitted.link.latency, fitted.step_overhead)
+            return times, fitted, [record["step"] for record in engine.trace_steps[-len(times):]]
 
-        (times, table, traced, fitted_link), foreign, attempts = _quiet(interleaved, config)
+        (times, fitted, traced), foreign, attempts = _quiet(interleaved, config)
+        fitted_link = (fitted.link.latency, fitted.step_overhead)
+        table = _with_engine_costs(fitted, costs)
         profile_note = {"profile_foreign": foreign, "profile_attempts": attempts}
     if rank == 0:
         entry = {"predicted": predict(record, [table], config), "times": times, "traced_steps": traced,

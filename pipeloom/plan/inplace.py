@@ -13,11 +13,8 @@ Every rank must call it (a collective on the process group); every rank gets the
 from __future__ import annotations
 
 import dataclasses
-import json
 import statistics
-import tempfile
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -31,7 +28,7 @@ from pipeloom.problem import Costs
 from pipeloom.runtime import pipeline
 from pipeloom.schedules.common import chain_problem
 from pipeloom.viz.measured import comm_latency_estimate, step_times, task_durations
-from pipeloom.viz.run_trace import RunTrace, load_run_trace
+from pipeloom.viz.run_trace import RunTrace, run_trace_from_documents
 
 __all__ = ["EngineProfiler", "profile_in_engine", "profiling_schedule"]
 
@@ -112,12 +109,12 @@ class EngineProfiler:
               action_overhead: float | None = None) -> CostTable:
         """The cost table from the steps after the first ``skip``; the same on every rank.
 
-        Piece times: medians over steps and micro-batches (F over both pipelines), each less
-        ``action_cost``. ``action_overhead`` (default ``action_cost``) is what the planner adds per
-        action. Also measured, from the same steps: the link latency under load (mean wait of an
-        action for a message it was waiting for) and the step's own cost outside the schedule
+        Piece times: medians over steps and micro-batches (F: the mean of the two pipelines' medians),
+        each less ``action_cost``. ``action_overhead`` (default ``action_cost``) is what the planner
+        adds per action. Also measured, from the same steps: the link latency under load (mean wait of
+        an action for a message it was waiting for) and the step's own cost outside the schedule
         (``engine.step`` time minus the schedule's span: preamble, loss all-reduce, last sends); both
-        are averaged over the two pipelines and kept in :attr:`fit` too.
+        averaged over the two pipelines.
         ``bandwidth`` (bytes/s; None: unlimited) goes into the table's link.
         """
         if self.steps <= skip:
@@ -125,8 +122,7 @@ class EngineProfiler:
         runs = [self._run(engine) for engine in self.engines]
         steps = list(range(skip, self.steps))
         durations = [task_durations(run, steps=steps) for run in runs]
-        fits = [_fit_run(run, steps) for run in runs]
-        self.fit = {"latency": statistics.fmean(f[0] for f in fits), "step_overhead": statistics.fmean(f[1] for f in fits)}
+        latencies, outside = zip(*(_fit_run(run, steps) for run in runs))
 
         def seconds(stage: int, kind: str) -> float:
             values = [d[(stage, kind)] for d in durations if (stage, kind) in d]
@@ -138,19 +134,16 @@ class EngineProfiler:
         where = self.base.device.split(" (")[0]
         return dataclasses.replace(
             self.base, pieces=pieces, source="profile",
-            link=Link(latency=self.fit["latency"], bandwidth=bandwidth),
+            link=Link(latency=statistics.fmean(latencies), bandwidth=bandwidth),
             action_overhead=action_cost if action_overhead is None else action_overhead,
-            step_overhead=self.fit["step_overhead"],
+            step_overhead=statistics.fmean(outside),
             device=f"{where} (in the engine, {self.world} ranks, {torch.get_num_threads()} thread(s) each)")
 
     def _run(self, engine: object) -> RunTrace:
         """The engine's recorded steps on every rank, as one checked :class:`RunTrace`."""
         documents: list[dict | None] = [None] * self.world
         dist.all_gather_object(documents, engine.trace_document(), group=self.group)
-        with tempfile.TemporaryDirectory(prefix="pipeloom-profile-") as folder:
-            for document in documents:
-                (Path(folder) / f"rank{document['rank']}.json").write_text(json.dumps(document))
-            return load_run_trace(folder)
+        return run_trace_from_documents(documents)
 
     def _clear(self) -> None:
         for param in self.model.parameters():

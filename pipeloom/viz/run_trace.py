@@ -26,6 +26,7 @@ __all__ = [
     "TraceEvent",
     "TraceFormatError",
     "load_run_trace",
+    "run_trace_from_documents",
     "simulated_run_trace",
     "write_run_trace",
 ]
@@ -107,8 +108,21 @@ def load_run_trace(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> Ru
     order, and each step's ``engine.step`` calls must overlap in time on all ranks (files of two
     runs do not). Steps that only some ranks recorded are left out, with a note.
     """
-    files = _trace_files(paths)
-    documents = [(path, _read_document(path)) for path in files]
+    return _checked_run([(path, _read_document(path)) for path in _trace_files(paths)])
+
+
+def run_trace_from_documents(documents: Sequence[object]) -> RunTrace:
+    """:func:`load_run_trace` for documents already in memory, e.g. every rank's
+    ``engine.trace_document()`` gathered in one process; the same checks, and messages name
+    document k as ``document k``."""
+    if not documents:
+        raise TraceFormatError("no trace documents given; pass every rank's engine.trace_document()")
+    return _checked_run([(Path(f"document {k}"), _check_document(Path(f"document {k}"), document))
+                         for k, document in enumerate(documents)])
+
+
+def _checked_run(documents: list[tuple[Path, dict]]) -> RunTrace:
+    """The :class:`RunTrace` of checked documents, each named by its path in messages."""
     by_rank = _check_ranks(documents)
     schedule = _check_schedules(by_rank)
     records = [_rank_steps(path, document, schedule) for path, document in by_rank]
@@ -159,6 +173,12 @@ def _read_document(path: Path) -> dict:
     except (ValueError, RecursionError) as error:
         raise TraceFormatError(f"{path}: malformed JSON ({error}); was the run stopped while it was "
                                f"writing? {_FIX}") from None
+    return _check_document(path, document)
+
+
+def _check_document(path: Path, document: object) -> dict:
+    """``document`` checked as the top-level object of a trace (format, clock, rank, world_size,
+    schedule, steps)."""
     if not isinstance(document, dict):
         raise TraceFormatError(f"{path}: a trace file holds a JSON object, got {type(document).__name__}")
     _check_format(path, document)

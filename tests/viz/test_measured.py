@@ -37,7 +37,7 @@ from pipeloom.viz.measured import (
     trace_summary,
     write_merged_trace,
 )
-from pipeloom.viz.run_trace import simulated_run_trace, write_run_trace
+from pipeloom.viz.run_trace import run_trace_from_documents, simulated_run_trace, write_run_trace
 
 MS = 1e-3  # seconds per schedule time unit in the synthetic files (unit_ns = 1_000_000)
 
@@ -115,6 +115,23 @@ def test_medians_leave_out_the_warm_up_step_by_default(tmp_path):
     assert comm_latency_estimate(run, steps="all") == pytest.approx(1.25 * MS)
     assert comm_latency_estimate(run, steps="all", mean=True) == pytest.approx(2.0 * MS)
     assert compare_run(run).step == 2  # the step with the median step time is the one shown
+
+
+def test_documents_in_memory_read_as_their_files_do(tmp_path):
+    folder = _write(tmp_path, ONE_F_ONE_B, factors=(1.0, 2.0))
+    from_files = load_run_trace(folder)
+    from_memory = run_trace_from_documents(list(reversed(_docs(folder))))  # any order: sorted by rank
+    assert (from_memory.schedule, from_memory.steps, from_memory.ranks) == \
+        (from_files.schedule, from_files.steps, from_files.ranks)
+    assert step_times(from_memory) == step_times(from_files)
+    with pytest.raises(TraceFormatError, match="no trace documents"):
+        run_trace_from_documents([])
+    with pytest.raises(TraceFormatError, match="document 1: a trace file holds a JSON object, got list"):
+        run_trace_from_documents([_docs(folder)[0], []])
+    broken = _docs(folder)
+    del broken[1]["clock"]
+    with pytest.raises(TraceFormatError, match="document 1: clock"):
+        run_trace_from_documents(broken)
 
 
 def test_a_single_step_is_measured_even_though_it_is_the_warm_up(tmp_path):
