@@ -59,8 +59,8 @@ from pipeloom.plan import (
 )
 from pipeloom.plan.costs import costs_from_json, costs_to_json, table_for_size
 from pipeloom.plan.inplace import EngineProfiler, profile_in_engine
-from pipeloom.plan.search import replica_sync_time
-from pipeloom.sim import simulate
+from pipeloom.plan.search import replica_sync_time, stage_spreads
+from pipeloom.sim import expected_makespan, simulate
 
 __all__ = ["RealityConfig", "example", "run_reality", "wait_until_quiet"]
 
@@ -418,7 +418,7 @@ def predict(record: dict, tables: list[CostTable], config: RealityConfig) -> flo
                       split_points=tuple(record["split_points"]), stage_times=(0.0,) * count,
                       stage_memory=(0.0,) * count, objective=0.0, weight=0.0)
     problem = recost(schedule, table, split, memory_limit=config.memory_limit)
-    return (simulate(dataclasses.replace(schedule, problem=problem)).makespan
+    return (expected_makespan(dataclasses.replace(schedule, problem=problem), stage_spreads(table, schedule, split))
             + replica_sync_time(table, schedule, split) + table.step_overhead)
 
 
@@ -476,7 +476,9 @@ def _worker(rank: int, store_file: str, config: RealityConfig) -> None:
         # size: one value each, the median of the fits at every size (each fit alone is noisy)
         costs = dataclasses.replace(costs, step=statistics.median(t.step_overhead for t in tables),
                                     latency=statistics.median(t.link.latency for t in tables))
-        profiled["fits"] = [{"size": t.microbatch_size, "latency": t.link.latency, "step_overhead": t.step_overhead}
+        profiled["fits"] = [{"size": t.microbatch_size, "latency": t.link.latency, "step_overhead": t.step_overhead,
+                             "replica_latency": None if t.replica_link is None else t.replica_link.latency,
+                             "time_spread": t.time_spread}
                             for t in tables]
         tables = [_with_engine_costs(table, costs) for table in tables]
         profiled.update(latency=costs.latency, step_overhead=costs.step)
@@ -548,8 +550,10 @@ def _measure_plan(rank: int, record: dict, engine, profiler: EngineProfiler | No
 
         (times, fitted, traced), foreign, attempts = _quiet(interleaved, config)
         fitted_link = (fitted.link.latency, fitted.step_overhead)
+        profile_note_replica = None if fitted.replica_link is None else fitted.replica_link.latency
         table = _with_engine_costs(fitted, costs)
-        profile_note = {"profile_foreign": foreign, "profile_attempts": attempts}
+        profile_note = {"profile_foreign": foreign, "profile_attempts": attempts,
+                        "replica_latency": profile_note_replica, "time_spread": fitted.time_spread}
     if rank == 0:
         entry = {"predicted": predict(record, [table], config), "times": times, "traced_steps": traced,
                  "latency": fitted_link[0], "step_overhead": fitted_link[1],

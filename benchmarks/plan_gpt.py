@@ -95,9 +95,13 @@ def prediction_vs_reality(args: argparse.Namespace) -> None:
           f"{bandwidth}")
     note = results["overhead"]
     if config.profiler == "engine":
-        fits = ", ".join(f"b={f['size']} {f['latency'] * 1e3:.2f}/{f['step_overhead'] * 1e3:.2f}" for f in profile["fits"])
+        fits = ", ".join(f"b={f['size']} {f['latency'] * 1e3:.2f}/{f['step_overhead'] * 1e3:.2f}"
+                         + ("" if f.get("replica_latency") is None else f"/{f['replica_latency'] * 1e3:.2f}")
+                         + f" spread {f.get('time_spread', 0):.2f}"
+                         for f in profile["fits"])
         print(f"engine cost per action (traced actions of a 4x4-linear pipeline): {note['inside'] * 1e6:.0f} us; "
-              f"latency under load / per-step cost fitted at each size (ms): {fits}; medians used in every "
+              f"latency under load / per-step cost / replica-exchange latency fitted at each size (ms): {fits}; "
+              f"medians used in every "
               f"prediction: {profile['latency'] * 1e3:.2f} ms latency, {profile['step_overhead'] * 1e3:.2f} ms per step")
     else:
         runs = ", ".join(f"M={m} {r['measured'] * 1e3:.2f} ms measured vs {r['simulated'] * 1e3:.2f} simulated"

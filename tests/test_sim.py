@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from pipeloom.errors import DeadlockError, ScheduleError
 from pipeloom.ir import Action, Schedule
 from pipeloom.problem import Problem, Stage, Task, stage_graph
-from pipeloom.sim import simulate
+from pipeloom.sim import expected_makespan, simulate
 
 
 def _schedule(problem: Problem, rows: list[str], num_mb: int = 1) -> Schedule:
@@ -250,3 +250,50 @@ def test_simulate_agrees_with_the_naive_reference(schedule):
         durations = [schedule.problem.task(a.task).duration for a in row]
         assert list(timeline.ends[r]) == pytest.approx([s + d for s, d in zip(starts[r], durations)])
         assert timeline.busy[r] == pytest.approx(sum(durations))
+
+
+# ------------------------------------------------------------------------------- expected_makespan
+
+
+def _busy_pipeline() -> Schedule:
+    from pipeloom.schedules import build_schedule
+
+    return build_schedule("1f1b", 4, 8)
+
+
+def test_expected_makespan_without_spread_is_the_simulated_one():
+    schedule = _busy_pipeline()
+    assert expected_makespan(schedule, 0.0) == simulate(schedule).makespan
+    assert expected_makespan(schedule, [0.0] * schedule.problem.num_stages) == simulate(schedule).makespan
+
+
+def test_expected_makespan_is_reproducible_and_grows_with_the_spread():
+    schedule = _busy_pipeline()
+    plain = simulate(schedule).makespan
+    small, large = expected_makespan(schedule, 0.1), expected_makespan(schedule, 0.4)
+    assert expected_makespan(schedule, 0.4) == large  # seeded
+    assert expected_makespan(schedule, 0.4, seed=1) != large
+    # waiting for the later of two paths costs time on average: the mean step is longer
+    assert plain < small < large
+
+
+def test_expected_makespan_of_one_rank_is_the_sum_of_its_actions():
+    # no waiting on another path: the mean of a sum of mean-1 factors stays close to the plain sum
+    problem = stage_graph([Stage(ranks=0, f=1.0, b=2.0)], num_ranks=1)
+    schedule = _schedule(problem, ["0F0 0F1 0B0 0B1"], num_mb=2)
+    assert expected_makespan(schedule, 0.2, samples=2000) == pytest.approx(simulate(schedule).makespan, rel=0.02)
+
+
+def test_expected_makespan_spread_per_stage():
+    schedule = _busy_pipeline()
+    only_last = [0.0, 0.0, 0.0, 0.5]
+    assert simulate(schedule).makespan < expected_makespan(schedule, only_last) < expected_makespan(schedule, 0.5)
+
+
+@pytest.mark.parametrize(("spread", "samples", "words"), [
+    (-0.1, 8, "finite number >= 0"), (float("nan"), 8, "finite number >= 0"), ([0.1], 8, "one per stage \\(4\\)"),
+    (0.1, 0, "positive integer"),
+])
+def test_expected_makespan_refuses_bad_arguments(spread, samples, words):
+    with pytest.raises(ValueError, match=words):
+        expected_makespan(_busy_pipeline(), spread, samples=samples)

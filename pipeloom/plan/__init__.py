@@ -32,7 +32,7 @@ from pipeloom.plan.partition import (
 )
 from pipeloom.plan.partitioner import SchedulePartitioner, partition
 from pipeloom.plan.plan import PLAN_FORMAT, Plan, PlanError, load_plan, save_plan
-from pipeloom.plan.search import Candidate, PlanResult, plan_pipeline, recost
+from pipeloom.plan.search import Candidate, PlanResult, plan_pipeline, recost, replica_sync_time
 
 __all__ = [
     "COSTS_FORMAT",
@@ -60,6 +60,7 @@ __all__ = [
     "partition_pieces",
     "plan_pipeline",
     "recost",
+    "replica_sync_time",
     "save_costs",
     "save_plan",
 ]

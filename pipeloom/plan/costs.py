@@ -158,6 +158,17 @@ class CostTable:
     """Seconds the runtime spends once per step outside the actions (the step's preamble, the loss
     all-reduce, waiting for the last sends); added to every predicted step time. Not scaled with the
     micro-batch size."""
+    time_spread: float = 0.0
+    """How much one action's time varies around its piece's between micro-batches and steps: the
+    coefficient of variation (0: not at all). The plan search predicts the mean step time over
+    replays whose action times vary this much (:func:`pipeloom.sim.expected_makespan`): where a
+    rank waits for the later of two paths, variation costs time on average. Measured by
+    :func:`pipeloom.plan.profile_in_engine`."""
+    replica_link: Link | None = None
+    """The two-replica schedules' gradient exchange as the engine runs it, per packed message (see
+    :func:`pipeloom.plan.replica_sync_time`): packing, adding and sending back, under the load of the
+    step's last messages. Fitted by :func:`pipeloom.plan.profile_in_engine` from a two-replica
+    profiling pipeline; None prices the exchange with :attr:`link`."""
 
     def __post_init__(self) -> None:
         pieces = tuple(self.pieces)
@@ -169,6 +180,9 @@ class CostTable:
         object.__setattr__(self, "optimizer_factor", _check("optimizer_factor", self.optimizer_factor))
         object.__setattr__(self, "action_overhead", _check("action_overhead", self.action_overhead))
         object.__setattr__(self, "step_overhead", _check("step_overhead", self.step_overhead))
+        object.__setattr__(self, "time_spread", _check("time_spread", self.time_spread))
+        if self.replica_link is not None and not isinstance(self.replica_link, Link):
+            raise CostTableError(f"replica_link is {type(self.replica_link).__name__}, expected a Link or None")
         seen: dict[str, int] = {}
         normal = []
         for k, piece in enumerate(pieces):
@@ -242,8 +256,8 @@ def table_for_size(tables: CostTable | Sequence[CostTable], microbatch_size: int
     interpolated linearly (an affine model, fixed costs included, between the two); below the
     smallest or above the largest the nearest table is scaled in proportion (:meth:`CostTable.scaled`).
     The tables must list the same pieces (same names and inputs); the first one's device, link,
-    optimizer factor, action and step overheads are kept. A full backward ``b`` missing from one of
-    two tables is taken as its ``i + w``.
+    optimizer factor, action and step overheads and time spread are kept, and the first ``replica_link`` any of them
+    has. A full backward ``b`` missing from one of two tables is taken as its ``i + w``.
     """
     tables = [tables] if isinstance(tables, CostTable) else list(tables)
     if not tables:
@@ -256,12 +270,16 @@ def table_for_size(tables: CostTable | Sequence[CostTable], microbatch_size: int
                 f"different pieces; profile the same model with the same pieces at every size"
             )
     by_size = {table.microbatch_size: table for table in tables}
+    replica_link = next((table.replica_link for table in tables if table.replica_link is not None), None)
     if microbatch_size in by_size:
-        return by_size[microbatch_size]
+        found = by_size[microbatch_size]
+        return found if found.replica_link is not None or replica_link is None \
+            else dataclasses.replace(found, replica_link=replica_link)
     below = [size for size in by_size if size < microbatch_size]
     above = [size for size in by_size if size > microbatch_size]
     if not below or not above:
-        return by_size[max(below) if below else min(above)].scaled(microbatch_size)
+        near = by_size[max(below) if below else min(above)].scaled(microbatch_size)
+        return near if near.replica_link is not None else dataclasses.replace(near, replica_link=replica_link)
     low, high = by_size[max(below)], by_size[min(above)]
     share = (microbatch_size - low.microbatch_size) / (high.microbatch_size - low.microbatch_size)
     pieces = tuple(
@@ -270,13 +288,14 @@ def table_for_size(tables: CostTable | Sequence[CostTable], microbatch_size: int
                             else a.full_backward + share * (b.full_backward - a.full_backward))
         for a, b in zip(low.pieces, high.pieces)
     )
-    return dataclasses.replace(first, pieces=pieces, microbatch_size=microbatch_size)
+    return dataclasses.replace(first, pieces=pieces, microbatch_size=microbatch_size,
+                               replica_link=first.replica_link or replica_link)
 
 
 # ------------------------------------------------------------------------------------------ JSON
 
 _TOP_KEYS = {"format", "device", "source", "microbatch_size", "optimizer_factor", "action_overhead",
-             "step_overhead", "link", "pieces"}
+             "step_overhead", "time_spread", "link", "replica_link", "pieces"}
 _LINK_KEYS = {"latency", "bandwidth"}
 _PIECE_KEYS = {"name", "f", "i", "w", "b", "activation_bytes", "w_activation_bytes", "param_bytes", "output_bytes",
                "inputs"}
@@ -292,7 +311,10 @@ def costs_to_json(table: CostTable, *, indent: int | None = 1) -> str:
         "optimizer_factor": table.optimizer_factor,
         "action_overhead": table.action_overhead,
         "step_overhead": table.step_overhead,
+        "time_spread": table.time_spread,
         "link": {"latency": table.link.latency, "bandwidth": table.link.bandwidth},
+        "replica_link": None if table.replica_link is None
+        else {"latency": table.replica_link.latency, "bandwidth": table.replica_link.bandwidth},
         "pieces": [
             {"name": p.name, "f": p.f, "i": p.i, "w": p.w, "b": p.b, "activation_bytes": p.activation_bytes,
              "w_activation_bytes": p.w_activation_bytes, "param_bytes": p.param_bytes,
@@ -320,16 +342,16 @@ def costs_from_json(text: str) -> CostTable:
     """Parse ``pipeloom.costs/1`` JSON; unknown keys, another format or a wrong type are errors.
 
     Optional keys: ``device`` (""), ``source`` ("manual"), ``optimizer_factor`` (2),
-    ``action_overhead`` and ``step_overhead`` (0 seconds), ``link``
-    (no latency, unlimited bandwidth), and per piece ``b`` (null: the full backward is priced
+    ``action_overhead`` and ``step_overhead`` (0 seconds), ``time_spread`` (0), ``link``
+    (no latency, unlimited bandwidth), ``replica_link`` (null: the exchange is priced with ``link``), and per piece ``b`` (null: the full backward is priced
     ``i + w``), the byte counts (0) and ``inputs`` (the piece before it).
     """
     document = json_object(text, fmt=COSTS_FORMAT, keys=_TOP_KEYS, error=CostTableError, what="cost table")
     where = "costs"
-    link = document.get("link") or {}
-    if not isinstance(link, dict):
-        raise CostTableError(f"{where}.link: expected an object with latency and bandwidth, got {shown(link)}")
-    check_keys(link, _LINK_KEYS, where=f"{where}.link", error=CostTableError)
+    link = _link_from_json(document.get("link") or {}, f"{where}.link")
+    replica_link = document.get("replica_link")
+    if replica_link is not None:
+        replica_link = _link_from_json(replica_link, f"{where}.replica_link")
     entries = document.get("pieces")
     if not isinstance(entries, list):
         raise CostTableError(f"{where}.pieces: expected a list of pieces, got {shown(entries)}")
@@ -341,12 +363,17 @@ def costs_from_json(text: str) -> CostTable:
         optimizer_factor=number(document, "optimizer_factor", where=where, error=CostTableError, default=2.0),
         action_overhead=number(document, "action_overhead", where=where, error=CostTableError, default=0.0),
         step_overhead=number(document, "step_overhead", where=where, error=CostTableError, default=0.0),
-        link=Link(
-            latency=number(link, "latency", where=f"{where}.link", error=CostTableError, default=0.0),
-            bandwidth=number(link, "bandwidth", where=f"{where}.link", error=CostTableError, default=None,
-                             null=True),
-        ),
+        time_spread=number(document, "time_spread", where=where, error=CostTableError, default=0.0),
+        link=link, replica_link=replica_link,
     )
+
+
+def _link_from_json(entry: object, where: str) -> Link:
+    if not isinstance(entry, dict):
+        raise CostTableError(f"{where}: expected an object with latency and bandwidth, got {shown(entry)}")
+    check_keys(entry, _LINK_KEYS, where=where, error=CostTableError)
+    return Link(latency=number(entry, "latency", where=where, error=CostTableError, default=0.0),
+                bandwidth=number(entry, "bandwidth", where=where, error=CostTableError, default=None, null=True))
 
 
 def load_costs(path: str | Path) -> CostTable:

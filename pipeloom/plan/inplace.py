@@ -5,7 +5,8 @@ kernels run while the other ranks compute and the runtime sends, receives and ke
 on shared CPU cores that changes their time by tens of percent. :func:`profile_in_engine` instead
 cuts the model at every piece, gives each rank a run of consecutive pieces, runs that pipeline through
 ``pipeloom.pipeline`` with tracing on (once with a full backward B, once split into I and W), and
-takes each piece's median traced F, B, I and W. Bytes still come from ``profile_model``.
+takes each piece's median traced F, B, I and W. Bytes still come from ``profile_model``. A third,
+two-replica pipeline (as Chimera and DualPipe run) measures what their gradient exchange costs.
 
 Every rank must call it (a collective on the process group); every rank gets the same table.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 from collections.abc import Callable, Sequence
+from itertools import pairwise
 
 import torch
 import torch.distributed as dist
@@ -24,7 +26,8 @@ from pipeloom.ir import Action, Schedule
 from pipeloom.plan.costs import CostTable, Link
 from pipeloom.plan.plan import PlanError
 from pipeloom.plan.profile import default_pieces, profile_model
-from pipeloom.problem import Costs
+from pipeloom.plan.search import exchange_time
+from pipeloom.problem import Costs, stage_graph
 from pipeloom.runtime import pipeline
 from pipeloom.schedules.common import chain_problem
 from pipeloom.viz.measured import comm_latency_estimate, step_times, task_durations
@@ -35,7 +38,8 @@ __all__ = ["EngineProfiler", "profile_in_engine", "profiling_schedule"]
 _NS = 1e-9
 
 
-def profiling_schedule(num_pieces: int, num_ranks: int, num_microbatches: int, *, split_backward: bool) -> Schedule:
+def profiling_schedule(num_pieces: int, num_ranks: int, num_microbatches: int, *, split_backward: bool,
+                       replicas: int = 1) -> Schedule:
     """The schedule :func:`profile_in_engine` runs: piece k is stage k, the pieces cut into
     ``num_ranks`` runs of consecutive pieces (piece k on rank ``k * num_ranks // num_pieces``).
 
@@ -44,23 +48,52 @@ def profiling_schedule(num_pieces: int, num_ranks: int, num_microbatches: int, *
     another rank, as in a pipeline of ``num_ranks`` stages, and the ranks compute at the same time on
     different micro-batches (GPipe's pattern). Every rank's list is a subsequence of one dependency
     order, so it cannot deadlock.
+
+    ``replicas=2``: two model replicas as in Chimera, the second one's piece k (stage
+    ``num_pieces + k``) on the mirrored rank ``num_ranks - 1 - k * num_ranks // num_pieces``, and
+    ``num_microbatches`` per replica. Each rank runs its first-replica forwards, its second-replica
+    forwards, their backwards, then its first-replica backwards: the ranks' lists are again
+    subsequences of one dependency order (forwards down the ranks, then up; backwards up, then down).
     """
     if num_pieces < num_ranks:
         raise PlanError(f"the model has {num_pieces} piece(s) for {num_ranks} ranks; profiling in the engine "
                         f"needs at least one piece per rank (name more pieces, or profile on fewer ranks)")
+    if replicas not in (1, 2):
+        raise PlanError(f"replicas must be 1 or 2, got {replicas!r}")
+    if replicas == 2 and num_ranks < 2:
+        raise PlanError("two replicas need at least two ranks (a rank cannot hold both copies of a piece)")
     rank_of = [k * num_ranks // num_pieces for k in range(num_pieces)]
-    problem = chain_problem(rank_of, Costs(), num_ranks=num_ranks, split_backward=split_backward, memory_limit=None)
     backward = ("I", "W") if split_backward else ("B",)
-    order = [Action(s, "F", m) for m in range(num_microbatches) for s in range(num_pieces)]
-    order += [Action(s, kind, m) for m in range(num_microbatches) for s in reversed(range(num_pieces))
-              for kind in backward]
-    ranks = tuple(tuple(a for a in order if rank_of[a.stage] == r) for r in range(num_ranks))
     name = "profile-split" if split_backward else "profile-full"
-    return Schedule(name=name, problem=problem, num_microbatches=num_microbatches, ranks=ranks)
+
+    def forwards(stages: list[int]) -> list[Action]:
+        return [Action(s, "F", m) for m in range(num_microbatches) for s in stages]
+
+    def backwards(stages: list[int]) -> list[Action]:
+        return [Action(s, kind, m) for m in range(num_microbatches) for s in reversed(stages) for kind in backward]
+
+    if replicas == 1:
+        problem = chain_problem(rank_of, Costs(), num_ranks=num_ranks, split_backward=split_backward,
+                                memory_limit=None)
+        order = forwards(list(range(num_pieces))) + backwards(list(range(num_pieces)))
+        ranks = tuple(tuple(a for a in order if rank_of[a.stage] == r) for r in range(num_ranks))
+        return Schedule(name=name, problem=problem, num_microbatches=num_microbatches, ranks=ranks)
+    stage_rank = rank_of + [num_ranks - 1 - r for r in rank_of]
+    edges = [(k, k + 1) for k in range(num_pieces - 1)] + [(num_pieces + k, num_pieces + k + 1)
+                                                         for k in range(num_pieces - 1)]
+    problem = stage_graph([Costs().stage(r) for r in stage_rank], num_ranks=num_ranks, edges=edges,
+                          backward="split" if split_backward else "full")
+    ranks = []
+    for r in range(num_ranks):
+        first = [k for k in range(num_pieces) if stage_rank[k] == r]
+        second = [num_pieces + k for k in range(num_pieces) if stage_rank[num_pieces + k] == r]
+        ranks.append(tuple(forwards(first) + forwards(second) + backwards(second) + backwards(first)))
+    return Schedule(name=f"{name}-2", problem=problem, num_microbatches=num_microbatches, ranks=tuple(ranks))
 
 
 class EngineProfiler:
-    """The two profiling pipelines of :func:`profile_in_engine`, run step by step.
+    """The profiling pipelines of :func:`profile_in_engine`, run step by step: full backward, split
+    backward and (``exchange``, where it can run) the two-replica one.
 
     Each :meth:`step` runs one traced step of each (a collective on the process group); :meth:`table`
     turns the steps recorded so far into a cost table. Stepping it between the steps of a training
@@ -71,7 +104,7 @@ class EngineProfiler:
     def __init__(self, model: nn.Module, inputs: torch.Tensor | tuple, *,
                  loss_fn: Callable[[object, object], torch.Tensor], target: object, microbatches: int,
                  pieces: Sequence[str] | None = None, process_group: object = None,
-                 base: CostTable | None = None) -> None:
+                 base: CostTable | None = None, exchange: bool = True) -> None:
         if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
             raise PlanError(f"microbatches must be a positive integer, got {microbatches!r}")
         self.model, self.inputs, self.target = model, inputs, target
@@ -94,11 +127,30 @@ class EngineProfiler:
                      trace=True)
             for split in (False, True)
         ]
+        self.exchange = self._exchange_pipeline(loss_fn, microbatches, process_group) if exchange else None
         self.steps = 0
+
+    def _exchange_pipeline(self, loss_fn: Callable, microbatches: int, process_group: object):
+        """The two-replica pipeline whose replica-gradient exchange :meth:`table` prices, or None
+        where there is none to run (one rank, or an odd number of micro-batches): each rank's run
+        of pieces is one stage, and the replicas mirror each other (:func:`profiling_schedule`)."""
+        if self.world < 2 or microbatches % 2:
+            return None
+        rank_of = [k * self.world // len(self.names) for k in range(len(self.names))]
+        cuts = [k for k in range(1, len(self.names)) if rank_of[k] != rank_of[k - 1]]
+        bounds = [0, *cuts, len(self.names)]
+        self.exchange_params = [sum(p.param_bytes for p in self.base.pieces[a:b]) for a, b in pairwise(bounds)]
+        schedule = profiling_schedule(self.world, self.world, microbatches // 2, split_backward=False, replicas=2)
+        return pipeline(self.model, schedule=schedule, split_points=[self.names[k] for k in cuts], loss_fn=loss_fn,
+                        process_group=process_group, trace=True)
+
+    @property
+    def _all_engines(self) -> list:
+        return [*self.engines, *([self.exchange] if self.exchange is not None else [])]
 
     def step(self) -> None:
         """One traced step of each profiling pipeline (every rank calls it)."""
-        for engine in self.engines:
+        for engine in self._all_engines:
             self._clear()
             dist.barrier(self.group)
             engine.step(self.inputs, target=self.target)
@@ -114,7 +166,10 @@ class EngineProfiler:
         adds per action. Also measured, from the same steps: the link latency under load (mean wait of
         an action for a message it was waiting for) and the step's own cost outside the schedule
         (``engine.step`` time minus the schedule's span: preamble, loss all-reduce, last sends); both
-        averaged over the two pipelines.
+        averaged over the two pipelines. Where the two-replica pipeline ran, its own cost outside the
+        schedule beyond that is its replica-gradient exchange: the table's ``replica_link`` is the
+        per-message latency that prices that exchange at the measured seconds
+        (:func:`~pipeloom.plan.search.exchange_time`, with ``bandwidth``).
         ``bandwidth`` (bytes/s; None: unlimited) goes into the table's link.
         """
         if self.steps <= skip:
@@ -131,12 +186,19 @@ class EngineProfiler:
         pieces = tuple(dataclasses.replace(piece, f=seconds(k, "F"), i=seconds(k, "I"), w=seconds(k, "W"),
                                            b=seconds(k, "B"))
                        for k, piece in enumerate(self.base.pieces))
+        spread = _time_spread([(run, task_durations(run, steps=steps)) for run in runs], steps)
         where = self.base.device.split(" (")[0]
+        replica_link = None
+        if self.exchange is not None:
+            _, exchange_outside = _fit_run(self._run(self.exchange), steps)
+            replica_link = Link(latency=_exchange_latency(max(0.0, exchange_outside - statistics.fmean(outside)),
+                                                          self.exchange_params, self.exchange.schedule, bandwidth),
+                                bandwidth=bandwidth)
         return dataclasses.replace(
             self.base, pieces=pieces, source="profile",
-            link=Link(latency=statistics.fmean(latencies), bandwidth=bandwidth),
+            link=Link(latency=statistics.fmean(latencies), bandwidth=bandwidth), replica_link=replica_link,
             action_overhead=action_cost if action_overhead is None else action_overhead,
-            step_overhead=statistics.fmean(outside),
+            step_overhead=statistics.fmean(outside), time_spread=spread,
             device=f"{where} (in the engine, {self.world} ranks, {torch.get_num_threads()} thread(s) each)")
 
     def _run(self, engine: object) -> RunTrace:
@@ -161,6 +223,57 @@ def _fit_run(run: RunTrace, steps: list[int]) -> tuple[float, float]:
     return comm_latency_estimate(run, steps=steps, mean=True), statistics.median(outside)
 
 
+def _time_spread(runs: list[tuple[RunTrace, dict]], steps: list[int]) -> float:
+    """How much one piece's action time varies around the piece's median: a coefficient of variation.
+
+    The speed of the whole machine drifts from step to step, which moves every action of a step
+    alike and costs a schedule nothing beyond the mean; so each step's actions are first divided by
+    that step's drift (the median of their ratios to their piece's median). Of the relative
+    deviations left, the time-weighted median absolute one, times 1.4826 (a normal spread's ratio of
+    standard to median absolute deviation): robust to the rare long stall, and tiny pieces, whose
+    relative noise is large but costs nothing, weigh little.
+    """
+    deviations: list[tuple[float, float]] = []
+    for run, medians in runs:
+        position = {step: i for i, step in enumerate(run.steps)}
+        for step in steps:
+            samples = [
+                ((event.end_ns - event.start_ns) * _NS, medians[action.task])
+                for rank in range(run.world_size)
+                for action, event in zip(run.schedule.ranks[rank], run.ranks[rank][position[step]].of_kind("compute"))
+                if medians[action.task] > 0
+            ]
+            if samples:
+                drift = statistics.median(t / m for t, m in samples)
+                deviations += [(abs(t / drift / m - 1), m) for t, m in samples]
+    if not deviations:
+        return 0.0
+    deviations.sort()
+    half, seen = sum(m for _, m in deviations) / 2, 0.0
+    for deviation, weight in deviations:
+        seen += weight
+        if seen >= half:
+            return 1.4826 * deviation
+    return 1.4826 * deviations[-1][0]
+
+
+def _exchange_latency(seconds: float, stage_params: list[float], schedule: Schedule, bandwidth: float | None) -> float:
+    """The per-message latency at which :func:`exchange_time` of ``schedule`` is ``seconds`` (0 where
+    the bytes alone take longer): it grows with the latency, so bisect."""
+    def priced(latency: float) -> float:
+        return exchange_time(stage_params, schedule, Link(latency=latency, bandwidth=bandwidth))
+
+    low, high = 0.0, max(seconds, 1e-9)
+    if priced(low) >= seconds or priced(high) == priced(low):  # no message to price (no parameters)
+        return 0.0
+    while priced(high) < seconds:
+        high *= 2
+    for _ in range(60):
+        middle = (low + high) / 2
+        low, high = (middle, high) if priced(middle) < seconds else (low, middle)
+    return (low + high) / 2
+
+
 def _engine_step_seconds(run: RunTrace, index: int) -> float:
     """The longest ``engine.step`` call of step ``index`` over the ranks."""
     return max(rank[index].end_ns - rank[index].start_ns for rank in run.ranks) * _NS
@@ -180,6 +293,7 @@ def profile_in_engine(
     action_cost: float = 0.0,
     bandwidth: float | None = None,
     base: CostTable | None = None,
+    exchange: bool = True,
 ) -> CostTable:
     """The cost table of ``model`` with piece times measured inside the runtime (see the module text).
 
@@ -191,12 +305,14 @@ def profile_in_engine(
     ``action_overhead``, so that a stage of several pieces pays it once. The link latency and the
     per-step overhead are fitted from the same steps (:meth:`EngineProfiler.table`); ``bandwidth``
     (bytes/s) completes the link. Bytes come from ``base`` (default: ``profile_model`` on one
-    micro-batch). Every rank calls this and gets the same table; the model's gradients are cleared.
+    micro-batch). ``exchange`` (with two ranks or more and an even number of micro-batches) also runs a
+    two-replica profiling pipeline and fits the table's ``replica_link`` from its gradient exchange.
+    Every rank calls this and gets the same table; the model's gradients are cleared.
     """
     if warmup_steps < 0 or steps < 1:
         raise PlanError(f"need warmup_steps >= 0 and steps >= 1, got {warmup_steps} and {steps}")
     profiler = EngineProfiler(model, inputs, loss_fn=loss_fn, target=target, microbatches=microbatches,
-                              pieces=pieces, process_group=process_group, base=base)
+                              pieces=pieces, process_group=process_group, base=base, exchange=exchange)
     for _ in range(warmup_steps + steps):
         profiler.step()
     return profiler.table(skip=warmup_steps, action_cost=action_cost, bandwidth=bandwidth)

@@ -8,6 +8,7 @@ schedule's per-rank action order on a problem built from the cost table (seconds
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -15,16 +16,17 @@ from pathlib import Path
 
 from pipeloom.errors import PipeloomError
 from pipeloom.ir import Schedule, save_schedule
-from pipeloom.plan.costs import CostTable, format_bytes, table_for_size
+from pipeloom.plan.costs import CostTable, Link, format_bytes, table_for_size
 from pipeloom.plan.partition import Partition, PartitionError
 from pipeloom.plan.partitioner import MemoryTooSmall, SchedulePartitioner
 from pipeloom.plan.placement import library_schedule, schedule_shape
 from pipeloom.plan.plan import Plan, PlanError, save_plan
 from pipeloom.problem import Problem, Stage, stage_graph
 from pipeloom.schedules import REGISTRY, build_schedule
-from pipeloom.sim import Timeline, simulate
+from pipeloom.sim import Timeline, expected_makespan, simulate
 
-__all__ = ["DEFAULT_SCHEDULES", "Candidate", "NoPlanFits", "PlanResult", "plan_pipeline", "recost", "replica_sync_time"]
+__all__ = ["DEFAULT_SCHEDULES", "Candidate", "NoPlanFits", "PlanResult", "exchange_time", "plan_pipeline", "recost",
+           "replica_sync_time", "stage_spreads"]
 
 DEFAULT_SCHEDULES = ("1f1b", "zb-h1", "zb-h2", "interleaved-1f1b", "zbv", "dualpipev", "gpipe", "looped-bfs",
                      "dualpipe", "chimera")
@@ -55,9 +57,10 @@ class Candidate:
     microbatch_size: int
     """Samples per micro-batch."""
     step_time: float | None = None
-    """Predicted seconds per step: the simulated makespan, plus the replicas' gradient exchange for
-    two-replica schedules (:func:`replica_sync_time`), plus the table's fixed ``step_overhead``; None
-    when no split fits."""
+    """Predicted seconds per step: the simulated makespan (with the table's ``time_spread``, the mean
+    over replays with varying action times: :func:`pipeloom.sim.expected_makespan`), plus the
+    replicas' gradient exchange for two-replica schedules (:func:`replica_sync_time`), plus the
+    table's fixed ``step_overhead``; None when no split fits."""
     peak_memory: float | None = None
     """Simulated peak bytes of the fullest rank; for a candidate no split fits, the least limit that would."""
     bubble_ratio: float | None = None
@@ -181,7 +184,7 @@ def _reads_model_inputs_only(part: Sequence) -> bool:
     return all(name in inside for p in part for name in p.inputs)
 
 
-def replica_sync_time(table: CostTable, schedule: Schedule, found: Partition) -> float:
+def replica_sync_time(table: CostTable, schedule: Schedule, found: Partition, *, link: Link | None = None) -> float:
     """Seconds to add up the replicas' weight gradients after the step (two-replica schedules, else 0).
 
     As the engine does it, per model stage: the second replica's rank sends its M/2 micro-batch
@@ -189,25 +192,44 @@ def replica_sync_time(table: CostTable, schedule: Schedule, found: Partition) ->
     replica's rank, which adds them up and sends the sums back (parameter bytes once). All sends are
     posted before waiting, so the stages' exchanges overlap; what arrives at one rank is serialised:
     the time is the busiest rank's incoming ``M/2`` messages, then the busiest rank's incoming sums,
-    each message paying ``link.latency``.
+    each message paying the link's latency. The link is ``link``, else the table's ``replica_link``
+    (measured as the engine exchanges), else its ``link``.
     """
-    shape = schedule_shape(schedule)
-    if shape.replicas == 1:
-        return 0.0
     params = [0.0] * found.num_stages
     for piece, j in zip(table.pieces, found.stage_of):
         params[j] += piece.param_bytes
+    return exchange_time(params, schedule, link or table.replica_link or table.link)
+
+
+def stage_spreads(table: CostTable, schedule: Schedule, found: Partition) -> list[float]:
+    """Per stage of ``schedule``: how much its actions' times vary (coefficient of variation), from
+    the table's ``time_spread`` of one piece's action. Pieces vary independently, so a stage of
+    pieces with forward times ``f`` varies by ``time_spread * sqrt(sum f^2) / sum f``: less than
+    one piece alone."""
+    shape = schedule_shape(schedule)
+    times: list[list[float]] = [[] for _ in range(found.num_stages)]
+    for piece, j in zip(table.pieces, found.stage_of):
+        times[j].append(piece.f)
+    model = [table.time_spread * math.sqrt(sum(f * f for f in fs)) / sum(fs) if sum(fs) > 0 else 0.0
+             for fs in times]
+    return [model[j] for j in shape.model_stage]
+
+
+def exchange_time(stage_params: Sequence[float], schedule: Schedule, link: Link) -> float:
+    """:func:`replica_sync_time` for model stages of ``stage_params`` bytes of parameters each."""
+    shape = schedule_shape(schedule)
+    if shape.replicas == 1:
+        return 0.0
     half = schedule.num_microbatches  # micro-batches per replica (M/2)
-    link = table.link
     gather = [0.0] * shape.num_ranks
     back = [0.0] * shape.num_ranks
-    for j in range(found.num_stages):
+    for j, params in enumerate(stage_params):
         holders = sorted(s for s in range(len(shape.model_stage)) if shape.model_stage[s] == j)
         owner = shape.rank[holders[0]]
         for s in holders[1:]:
-            if shape.rank[s] != owner and params[j] > 0:
-                gather[owner] += half * link.time(params[j])
-                back[shape.rank[s]] += link.time(params[j])
+            if shape.rank[s] != owner and params > 0:
+                gather[owner] += half * link.time(params)
+                back[shape.rank[s]] += link.time(params)
     return max(gather) + max(back)
 
 
@@ -272,11 +294,14 @@ class _Search:
     def _simulated(self, base: Candidate, table: CostTable, library: Schedule, found: Partition) -> Candidate:
         """``base`` with ``library``'s order re-costed for the split ``found`` and simulated."""
         limit = self.memory_limit
-        timeline = simulate(dataclasses.replace(library, problem=recost(library, table, found, memory_limit=limit)))
+        costed = dataclasses.replace(library, problem=recost(library, table, found, memory_limit=limit))
+        timeline = simulate(costed)
+        makespan = (expected_makespan(costed, stage_spreads(table, library, found)) if table.time_spread
+                    else timeline.makespan)
         peak = max(timeline.peak_memory)
         reason = "" if limit is None or peak <= limit * _FIT else f"peak {format_bytes(peak)} > {format_bytes(limit)}"
         return dataclasses.replace(
-            base, step_time=timeline.makespan + replica_sync_time(table, library, found) + table.step_overhead,
+            base, step_time=makespan + replica_sync_time(table, library, found) + table.step_overhead,
             peak_memory=peak,
             bubble_ratio=timeline.bubble_ratio, split_points=found.split_points, timeline=timeline,
             partition=found, reason=reason,
@@ -325,8 +350,10 @@ def plan_pipeline(
     ranked = sorted(tried, key=_rank)
     if search_time > 0:
         top = [c for c in ranked if c.fits][:search_top]
-        ranked = sorted(ranked + [found for c in top if (found := _searched(c, search_time / len(top),
-                                                                           memory_limit)) is not None], key=_rank)
+        ranked = sorted(ranked + [found for c in top if (found := _searched(
+            c, search_time / len(top), memory_limit,
+            stage_spreads(table_for_size(tables, c.microbatch_size), c.timeline.schedule, c.partition)))
+            is not None], key=_rank)
     best = ranked[0]
     if not best.fits:
         raise _nothing_fits(table, num_ranks, memory_limit, ranked)
@@ -340,8 +367,10 @@ def plan_pipeline(
                       seconds=time.perf_counter() - started)
 
 
-def _searched(candidate: Candidate, seconds: float, memory_limit: float | None) -> Candidate | None:
-    """The CP-SAT search's schedule for ``candidate``'s re-costed task graph, when it is faster."""
+def _searched(candidate: Candidate, seconds: float, memory_limit: float | None,
+              spread: list[float]) -> Candidate | None:
+    """The CP-SAT search's schedule for ``candidate``'s re-costed task graph, when it is faster
+    (both predicted with the table's ``spread``)."""
     from pipeloom.search import search
 
     schedule = candidate.timeline.schedule
@@ -351,7 +380,9 @@ def _searched(candidate: Candidate, seconds: float, memory_limit: float | None) 
     except PipeloomError:
         return None
     timeline = simulate(result.schedule)
-    step = timeline.makespan + (candidate.step_time - candidate.timeline.makespan)  # same replica exchange
+    before, after = ((expected_makespan(schedule, spread), expected_makespan(result.schedule, spread)) if any(spread)
+                     else (candidate.timeline.makespan, timeline.makespan))
+    step = after + (candidate.step_time - before)  # the same replica exchange and step overhead
     if step >= candidate.step_time * (1 - 1e-9):
         return None
     if memory_limit is not None and max(timeline.peak_memory) > memory_limit * _FIT:

@@ -240,3 +240,42 @@ def test_b_scales_and_interpolates_with_the_other_times():
     middle = table_for_size([small, big], 4)
     # halfway: a from 1.5 to 5.5, b from i + w = 4 (not measured) to 5.5
     assert [p.b for p in middle.pieces] == [pytest.approx(3.5), pytest.approx(4.75)]
+
+
+def test_time_spread_and_replica_link_round_trip_and_default_for_old_files():
+    table = _table(time_spread=0.15, replica_link=Link(latency=2e-3, bandwidth=3e9))
+    again = costs_from_json(costs_to_json(table))
+    assert again == table and again.replica_link == Link(latency=2e-3, bandwidth=3e9)
+    document = json.loads(costs_to_json(_table()))
+    assert document["replica_link"] is None and document["time_spread"] == 0.0
+    for key in ("replica_link", "time_spread"):
+        document.pop(key)
+    old = costs_from_json(json.dumps(document))
+    assert old.replica_link is None and old.time_spread == 0.0
+
+
+@pytest.mark.parametrize(("change", "words"), [
+    (lambda d: d.update(replica_link={"latency": 1, "speed": 2}), r"costs\.replica_link: unknown key"),
+    (lambda d: d.update(replica_link=[1, 2]), r"costs\.replica_link: expected an object"),
+    (lambda d: d.update(time_spread=-0.5), "time_spread: must be >= 0"),
+])
+def test_time_spread_and_replica_link_errors_name_the_key(change, words):
+    document = json.loads(costs_to_json(_table()))
+    change(document)
+    with pytest.raises(CostTableError, match=words):
+        costs_from_json(json.dumps(document))
+
+
+def test_replica_link_must_be_a_link():
+    with pytest.raises(CostTableError, match="replica_link is dict, expected a Link"):
+        _table(replica_link={"latency": 1.0})
+
+
+def test_table_for_size_keeps_a_replica_link_any_table_measured():
+    exchange = Link(latency=2e-3)
+    small = _table(microbatch_size=2)  # e.g. one micro-batch per step: no two-replica profile there
+    large = _table(microbatch_size=8, replica_link=exchange)
+    assert table_for_size([small, large], 4).replica_link == exchange
+    assert table_for_size([small, large], 2).replica_link == exchange
+    assert table_for_size([small, large], 16).replica_link == exchange
+    assert table_for_size([small], 2).replica_link is None

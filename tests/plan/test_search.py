@@ -15,7 +15,9 @@ from pipeloom import validate
 from pipeloom.plan import CostTable, Link, Piece, PlanError, load_plan, plan_pipeline
 from pipeloom.plan.partitioner import SchedulePartitioner
 from pipeloom.plan.placement import library_schedule
-from pipeloom.plan.search import DEFAULT_SCHEDULES, NoPlanFits, recost, replica_sync_time
+from pipeloom.plan.partition import Partition
+from pipeloom.plan.search import DEFAULT_SCHEDULES, NoPlanFits, recost, replica_sync_time, stage_spreads
+from pipeloom.sim import expected_makespan
 from pipeloom.schedules import REGISTRY
 
 
@@ -214,3 +216,43 @@ def test_step_overhead_is_added_once_to_every_prediction():
     assert after.keys() == before.keys()
     assert all(after[key] == pytest.approx(before[key] + 2.5) for key in before)
     assert extra.plan.predicted_step_time == pytest.approx(plain.plan.predicted_step_time + 2.5)
+
+
+def test_the_replica_link_prices_the_exchange_where_the_table_has_one():
+    table = _table(8, link=Link(latency=0.5, bandwidth=10.0), replica_link=Link(latency=1.5, bandwidth=10.0))
+    result = plan_pipeline(table, num_ranks=4, global_batch=8, schedules=["chimera"], microbatches=[8])
+    best = result.candidates[0]
+    # as above, with 1.5 + 20 / 10 = 3.5 s per message: 4 micro-batch gradients in, the sum back
+    assert replica_sync_time(table, best.timeline.schedule, best.partition) == pytest.approx(5 * 3.5)
+    assert replica_sync_time(table, best.timeline.schedule, best.partition, link=Link(latency=0.5)) \
+        == pytest.approx(5 * 0.5)
+    assert best.step_time == pytest.approx(best.timeline.makespan + 17.5)
+    one = plan_pipeline(table, num_ranks=4, global_batch=8, schedules=["1f1b"], microbatches=[8]).candidates[0]
+    assert replica_sync_time(table, one.timeline.schedule, one.partition) == 0.0
+
+
+def test_stage_spreads_add_independent_pieces_in_quadrature():
+    pieces = (Piece(name="a", f=3.0, i=1.0, w=1.0), Piece(name="b", f=4.0, i=1.0, w=1.0),
+              Piece(name="c", f=1.0, i=1.0, w=1.0), Piece(name="d", f=0.0, i=0.0, w=0.0))
+    table = CostTable(pieces=pieces, microbatch_size=1, time_spread=0.35)
+    schedule = library_schedule(table, "1f1b", 3, 3, memory_limit=None)
+    found = Partition(stage_of=(0, 0, 1, 2), split_points=("c", "d"), stage_times=(0.0,) * 3,
+                      stage_memory=(0.0,) * 3, objective=0.0, weight=0.0)
+    # a stage of pieces 3 and 4: sqrt(9 + 16) / 7 of one piece's spread; one piece alone keeps it; no time, none
+    assert stage_spreads(table, schedule, found) == pytest.approx([0.35 * 5 / 7, 0.35, 0.0])
+
+
+def test_a_time_spread_predicts_the_mean_step_and_keeps_the_plain_timeline():
+    table = _table()
+    spread = dataclasses.replace(table, time_spread=0.3)
+    plain = plan_pipeline(table, num_ranks=4, global_batch=8, microbatches=[8], schedules=["1f1b", "gpipe"])
+    varied = plan_pipeline(spread, num_ranks=4, global_batch=8, microbatches=[8], schedules=["1f1b", "gpipe"])
+    before = {c.label: c for c in plain.candidates if c.fits}
+    after = {c.label: c for c in varied.candidates if c.fits}
+    assert after.keys() == before.keys()
+    for label, candidate in after.items():
+        assert candidate.timeline.makespan == before[label].timeline.makespan  # the picture is the plain replay
+        assert candidate.step_time > before[label].step_time  # waiting on the later path costs on average
+        schedule = candidate.timeline.schedule
+        assert candidate.step_time == pytest.approx(
+            expected_makespan(schedule, stage_spreads(spread, schedule, candidate.partition)))

@@ -12,7 +12,11 @@ from ranks import run_ranks
 from pipeloom import validate
 from pipeloom.plan import PlanError
 from pipeloom.plan.costs import costs_from_json
-from pipeloom.plan.inplace import profiling_schedule
+from pipeloom.plan.costs import Link
+from pipeloom.plan.inplace import _exchange_latency, profiling_schedule
+from pipeloom.plan.placement import schedule_shape
+from pipeloom.plan.search import exchange_time
+from pipeloom.runtime.lower import model_pieces
 
 
 @pytest.mark.parametrize("split", [False, True])
@@ -48,7 +52,42 @@ def test_profile_in_engine_gives_every_rank_the_same_table(tmp_path):
     assert table.microbatch_size == 4
     assert all(p.f > 0 and p.full_backward > 0 and p.w > 0 for p in table.pieces)
     assert table.link.latency >= 0 and table.step_overhead >= 0
+    assert 0 <= table.time_spread < 10
+    # 4 micro-batches: the two-replica pipeline ran too, and its exchange priced the replica link
+    assert table.replica_link is not None and table.replica_link.latency >= 0 and table.replica_link.bandwidth is None
     assert "in the engine, 2 ranks" in table.device
     assert all(p.param_bytes > 0 and p.activation_bytes > 0 for p in table.pieces)  # from profile_model
     assert first["trace_steps"] == 1 and first["files"] == []  # trace=True keeps the steps in memory only
     assert all(first["grads"]), "gradients are cleared after profiling"
+
+
+@pytest.mark.parametrize(("pieces", "ranks"), [(2, 2), (5, 2), (7, 3), (4, 4)])
+@pytest.mark.parametrize("microbatches", [1, 3])
+@pytest.mark.parametrize("split", [False, True])
+def test_two_replica_profiling_schedule_mirrors_the_first(pieces, ranks, microbatches, split):
+    schedule = profiling_schedule(pieces, ranks, microbatches, split_backward=split, replicas=2)
+    validate(schedule, ordered=True, check_memory_limit=False)
+    shape = schedule_shape(schedule)
+    assert shape.replicas == 2 and model_pieces(schedule) == pieces
+    assert [shape.rank[k] for k in range(pieces)] == [k * ranks // pieces for k in range(pieces)]
+    assert [shape.rank[pieces + k] for k in range(pieces)] == [ranks - 1 - k * ranks // pieces for k in range(pieces)]
+    assert sum(map(len, schedule.ranks)) == 2 * pieces * microbatches * (3 if split else 2)
+
+
+def test_two_replica_profiling_needs_two_ranks_and_one_or_two_replicas():
+    with pytest.raises(PlanError, match="two replicas need at least two ranks"):
+        profiling_schedule(3, 1, 2, split_backward=False, replicas=2)
+    with pytest.raises(PlanError, match="replicas must be 1 or 2"):
+        profiling_schedule(3, 2, 2, split_backward=False, replicas=3)
+
+
+@pytest.mark.parametrize("bandwidth", [None, 1e3])
+@pytest.mark.parametrize("latency", [0.0, 0.25, 3.0])
+def test_the_exchange_latency_fit_inverts_the_priced_exchange(latency, bandwidth):
+    schedule = profiling_schedule(2, 2, 3, split_backward=False, replicas=2)
+    params = [400.0, 100.0]
+    seconds = exchange_time(params, schedule, Link(latency=latency, bandwidth=bandwidth))
+    assert _exchange_latency(seconds, params, schedule, bandwidth) == pytest.approx(latency, abs=1e-9)
+    if bandwidth is not None:  # faster than the bytes alone allow: no latency
+        assert _exchange_latency(0.1, params, schedule, bandwidth) == 0.0
+    assert _exchange_latency(1.0, [0.0, 0.0], schedule, bandwidth) == 0.0  # nothing to exchange
