@@ -8,7 +8,6 @@ schedule's per-rank action order on a problem built from the cost table (seconds
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -202,17 +201,18 @@ def replica_sync_time(table: CostTable, schedule: Schedule, found: Partition, *,
 
 
 def stage_spreads(table: CostTable, schedule: Schedule, found: Partition) -> list[float]:
-    """Per stage of ``schedule``: how much its actions' times vary (coefficient of variation), from
-    the table's ``time_spread`` of one piece's action. Pieces vary independently, so a stage of
-    pieces with forward times ``f`` varies by ``time_spread * sqrt(sum f^2) / sum f``: less than
-    one piece alone."""
+    """Per stage of ``schedule``: how much its actions' times vary (coefficient of variation): the
+    table's ``time_spread``, measured on one piece's actions, for every stage with work to do.
+
+    A stage of several pieces varies about as much as one piece does (measured on the example GPT's
+    plans: their stages' spread was that of the profile's pieces, not the smaller one independent
+    pieces would add up to); what varies is the machine's speed during the action, not each kernel.
+    """
     shape = schedule_shape(schedule)
-    times: list[list[float]] = [[] for _ in range(found.num_stages)]
+    work = [0.0] * found.num_stages
     for piece, j in zip(table.pieces, found.stage_of):
-        times[j].append(piece.f)
-    model = [table.time_spread * math.sqrt(sum(f * f for f in fs)) / sum(fs) if sum(fs) > 0 else 0.0
-             for fs in times]
-    return [model[j] for j in shape.model_stage]
+        work[j] += piece.f + piece.full_backward
+    return [table.time_spread if work[j] > 0 else 0.0 for j in shape.model_stage]
 
 
 def exchange_time(stage_params: Sequence[float], schedule: Schedule, link: Link) -> float:

@@ -13,12 +13,12 @@ import pytest
 
 from pipeloom import validate
 from pipeloom.plan import CostTable, Link, Piece, PlanError, load_plan, plan_pipeline
+from pipeloom.plan.partition import Partition
 from pipeloom.plan.partitioner import SchedulePartitioner
 from pipeloom.plan.placement import library_schedule
-from pipeloom.plan.partition import Partition
 from pipeloom.plan.search import DEFAULT_SCHEDULES, NoPlanFits, recost, replica_sync_time, stage_spreads
-from pipeloom.sim import expected_makespan
 from pipeloom.schedules import REGISTRY
+from pipeloom.sim import expected_makespan
 
 
 def _table(n: int = 8, **overrides) -> CostTable:
@@ -231,15 +231,18 @@ def test_the_replica_link_prices_the_exchange_where_the_table_has_one():
     assert replica_sync_time(table, one.timeline.schedule, one.partition) == 0.0
 
 
-def test_stage_spreads_add_independent_pieces_in_quadrature():
+def test_stage_spreads_are_the_tables_for_every_stage_with_work():
     pieces = (Piece(name="a", f=3.0, i=1.0, w=1.0), Piece(name="b", f=4.0, i=1.0, w=1.0),
               Piece(name="c", f=1.0, i=1.0, w=1.0), Piece(name="d", f=0.0, i=0.0, w=0.0))
     table = CostTable(pieces=pieces, microbatch_size=1, time_spread=0.35)
     schedule = library_schedule(table, "1f1b", 3, 3, memory_limit=None)
     found = Partition(stage_of=(0, 0, 1, 2), split_points=("c", "d"), stage_times=(0.0,) * 3,
                       stage_memory=(0.0,) * 3, objective=0.0, weight=0.0)
-    # a stage of pieces 3 and 4: sqrt(9 + 16) / 7 of one piece's spread; one piece alone keeps it; no time, none
-    assert stage_spreads(table, schedule, found) == pytest.approx([0.35 * 5 / 7, 0.35, 0.0])
+    assert stage_spreads(table, schedule, found) == [0.35, 0.35, 0.0]  # a stage with no time varies by nothing
+    chimera = library_schedule(table, "chimera", 2, 2, memory_limit=None)
+    two = Partition(stage_of=(0, 0, 1, 1), split_points=("c",), stage_times=(0.0,) * 2,
+                    stage_memory=(0.0,) * 2, objective=0.0, weight=0.0)
+    assert stage_spreads(table, chimera, two) == [0.35] * 4  # both replicas' stages
 
 
 def test_a_time_spread_predicts_the_mean_step_and_keeps_the_plain_timeline():

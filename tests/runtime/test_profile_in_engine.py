@@ -11,8 +11,7 @@ from ranks import run_ranks
 
 from pipeloom import validate
 from pipeloom.plan import PlanError
-from pipeloom.plan.costs import costs_from_json
-from pipeloom.plan.costs import Link
+from pipeloom.plan.costs import Link, costs_from_json
 from pipeloom.plan.inplace import _exchange_latency, profiling_schedule
 from pipeloom.plan.placement import schedule_shape
 from pipeloom.plan.search import exchange_time
