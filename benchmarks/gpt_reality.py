@@ -6,11 +6,12 @@ One spawned pair of processes (``torch.set_num_threads(1)`` in each: one core pe
    ``latency + bytes / bandwidth`` (the bandwidth is used; the latency under load comes from step 2).
    **Engine cost per action**: a pipeline of two 4x4 linear layers profiled inside the engine
    (``profile_in_engine``): its traced actions hold next to no compute, so their median time is the
-   runtime's own work per action, taken off every piece and added back once per action.
+   runtime's own work per action of a pipeline that sends at every action (printed for reference).
 2. **Profile** (``profiler="engine"``, the default): ``profile_in_engine`` on the example GPT at every
    micro-batch size the plan search may pick: piece times traced inside the runtime on both ranks, the
    latency under load and the per-step cost fitted from the same steps (their medians over the sizes
-   go into every table). ``profiler="alone"``: both ranks run ``profile_model`` at once, and the
+   go into every table); from its two-replica pipeline, the cost per action (runs of pieces timed
+   whole against their pieces), the replica-exchange latency, and from all, the time spread. ``profiler="alone"``: both ranks run ``profile_model`` at once, and the
    per-action and per-step costs come from a 1F1B run of the 4x4 pipeline at two micro-batch counts.
 3. **Plan**: rank 0 runs ``plan_pipeline`` for 2 ranks and saves the best plan of each schedule.
 4. **Rounds**: for each plan in turn, warm-up steps, then ``cycles`` times one profiling step of the
@@ -316,7 +317,7 @@ def _profile_together(config: RealityConfig, link: Link, sizes: list[int], costs
             if config.profiler == "engine":
                 return profile_in_engine(model, inputs, loss_fn=gpt.lm_loss, target=target,
                                          microbatches=config.global_batch // size, warmup_steps=config.profile_warmup,
-                                         steps=config.profile_steps, action_cost=costs.inside,
+                                         steps=config.profile_steps,
                                          bandwidth=link.bandwidth, base=(bases or {}).get(size))
             table = profile_model(model, inputs, loss_fn=gpt.lm_loss, target=target,
                                   warmup=config.profile_warmup, repeats=config.repeats, link=link)
@@ -478,7 +479,7 @@ def _worker(rank: int, store_file: str, config: RealityConfig) -> None:
                                     latency=statistics.median(t.link.latency for t in tables))
         profiled["fits"] = [{"size": t.microbatch_size, "latency": t.link.latency, "step_overhead": t.step_overhead,
                              "replica_latency": None if t.replica_link is None else t.replica_link.latency,
-                             "time_spread": t.time_spread}
+                             "time_spread": t.time_spread, "action_cost": t.action_overhead}
                             for t in tables]
         tables = [_with_engine_costs(table, costs) for table in tables]
         profiled.update(latency=costs.latency, step_overhead=costs.step)
@@ -545,7 +546,7 @@ def _measure_plan(rank: int, record: dict, engine, profiler: EngineProfiler | No
             for cycle in range(config.cycles):
                 profiler.step()
                 times += _steps(engine, batches, share, first=config.warmup_steps + cycle * share)
-            fitted = profiler.table(skip=skip, action_cost=costs.inside, bandwidth=link.bandwidth)
+            fitted = profiler.table(skip=skip, bandwidth=link.bandwidth)
             return times, fitted, [record["step"] for record in engine.trace_steps[-len(times):]]
 
         (times, fitted, traced), foreign, attempts = _quiet(interleaved, config)
@@ -553,7 +554,8 @@ def _measure_plan(rank: int, record: dict, engine, profiler: EngineProfiler | No
         profile_note_replica = None if fitted.replica_link is None else fitted.replica_link.latency
         table = _with_engine_costs(fitted, costs)
         profile_note = {"profile_foreign": foreign, "profile_attempts": attempts,
-                        "replica_latency": profile_note_replica, "time_spread": fitted.time_spread}
+                        "replica_latency": profile_note_replica, "time_spread": fitted.time_spread,
+                        "action_cost": fitted.action_overhead}
     if rank == 0:
         entry = {"predicted": predict(record, [table], config), "times": times, "traced_steps": traced,
                  "latency": fitted_link[0], "step_overhead": fitted_link[1],

@@ -139,6 +139,7 @@ class EngineProfiler:
         rank_of = [k * self.world // len(self.names) for k in range(len(self.names))]
         cuts = [k for k in range(1, len(self.names)) if rank_of[k] != rank_of[k - 1]]
         bounds = [0, *cuts, len(self.names)]
+        self.exchange_bounds = bounds
         self.exchange_params = [sum(p.param_bytes for p in self.base.pieces[a:b]) for a, b in pairwise(bounds)]
         schedule = profiling_schedule(self.world, self.world, microbatches // 2, split_backward=False, replicas=2)
         return pipeline(self.model, schedule=schedule, split_points=[self.names[k] for k in cuts], loss_fn=loss_fn,
@@ -157,13 +158,16 @@ class EngineProfiler:
         self._clear()
         self.steps += 1
 
-    def table(self, *, skip: int = 0, action_cost: float = 0.0, bandwidth: float | None = None,
+    def table(self, *, skip: int = 0, action_cost: float | None = None, bandwidth: float | None = None,
               action_overhead: float | None = None) -> CostTable:
         """The cost table from the steps after the first ``skip``; the same on every rank.
 
         Piece times: medians over steps and micro-batches (F: the mean of the two pipelines' medians),
-        each less ``action_cost``. ``action_overhead`` (default ``action_cost``) is what the planner
-        adds per action. Also measured, from the same steps: the link latency under load (mean wait of
+        each less ``action_cost``, the runtime's own seconds inside one action. None fits it where the
+        two-replica pipeline ran (else 0): that pipeline runs each rank's run of pieces as one action,
+        so a run of n pieces timed whole, ``T``, against its pieces timed apart, ``sum t``, gives
+        ``(sum t - T) / (n - 1)``; the median over runs, replicas, F and B, at least 0.
+        ``action_overhead`` (default ``action_cost``) is what the planner adds per action. Also measured, from the same steps: the link latency under load (mean wait of
         an action for a message it was waiting for) and the step's own cost outside the schedule
         (``engine.step`` time minus the schedule's span: preamble, loss all-reduce, last sends); both
         averaged over the two pipelines. Where the two-replica pipeline ran, its own cost outside the
@@ -179,9 +183,16 @@ class EngineProfiler:
         durations = [task_durations(run, steps=steps) for run in runs]
         latencies, outside = zip(*(_fit_run(run, steps) for run in runs))
 
+        def raw(stage: int, kind: str) -> float:
+            return statistics.fmean(d[(stage, kind)] for d in durations if (stage, kind) in d)
+
+        exchange = self._run(self.exchange) if self.exchange is not None else None
+        if action_cost is None:
+            action_cost = 0.0 if exchange is None else _fitted_action_cost(
+                raw, self.exchange_bounds, task_durations(exchange, steps=steps))
+
         def seconds(stage: int, kind: str) -> float:
-            values = [d[(stage, kind)] for d in durations if (stage, kind) in d]
-            return max(0.0, statistics.fmean(values) - action_cost)
+            return max(0.0, raw(stage, kind) - action_cost)
 
         pieces = tuple(dataclasses.replace(piece, f=seconds(k, "F"), i=seconds(k, "I"), w=seconds(k, "W"),
                                            b=seconds(k, "B"))
@@ -189,8 +200,8 @@ class EngineProfiler:
         spread = _time_spread([(run, task_durations(run, steps=steps)) for run in runs], steps)
         where = self.base.device.split(" (")[0]
         replica_link = None
-        if self.exchange is not None:
-            _, exchange_outside = _fit_run(self._run(self.exchange), steps)
+        if exchange is not None:
+            _, exchange_outside = _fit_run(exchange, steps)
             replica_link = Link(latency=_exchange_latency(max(0.0, exchange_outside - statistics.fmean(outside)),
                                                           self.exchange_params, self.exchange.schedule, bandwidth),
                                 bandwidth=bandwidth)
@@ -221,6 +232,18 @@ def _fit_run(run: RunTrace, steps: list[int]) -> tuple[float, float]:
     outside = [max(0.0, _engine_step_seconds(run, i) - spans[run.steps[i]]) for i in range(len(run.steps))
                if run.steps[i] in spans]
     return comm_latency_estimate(run, steps=steps, mean=True), statistics.median(outside)
+
+
+def _fitted_action_cost(raw: Callable[[int, str], float], bounds: list[int], whole: dict) -> float:
+    """The runtime's seconds inside one action: runs of pieces timed whole (``whole``: the two-replica
+    pipeline, run k as stage k and ``len(bounds) - 1 + k``) against their pieces timed apart (``raw``)."""
+    runs = len(bounds) - 1
+    samples = [
+        (sum(raw(piece, kind) for piece in range(a, b)) - whole[(stage, kind)]) / (b - a - 1)
+        for k, (a, b) in enumerate(pairwise(bounds)) if b - a > 1
+        for stage in (k, runs + k) for kind in ("F", "B")
+    ]
+    return max(0.0, statistics.median(samples)) if samples else 0.0
 
 
 def _time_spread(runs: list[tuple[RunTrace, dict]], steps: list[int]) -> float:
@@ -290,7 +313,7 @@ def profile_in_engine(
     process_group: object = None,
     warmup_steps: int = 2,
     steps: int = 4,
-    action_cost: float = 0.0,
+    action_cost: float | None = None,
     bandwidth: float | None = None,
     base: CostTable | None = None,
     exchange: bool = True,
@@ -302,7 +325,8 @@ def profile_in_engine(
     :func:`profiling_schedule` pipelines (:class:`EngineProfiler`). A traced action also holds the
     runtime's own per-action work (posting its sends and the next receives): ``action_cost``, the
     seconds of that work per action, is taken off every piece time and becomes the table's
-    ``action_overhead``, so that a stage of several pieces pays it once. The link latency and the
+    ``action_overhead``, so that a stage of several pieces pays it once; None fits it from the
+    two-replica pipeline (where it runs; else 0). The link latency and the
     per-step overhead are fitted from the same steps (:meth:`EngineProfiler.table`); ``bandwidth``
     (bytes/s) completes the link. Bytes come from ``base`` (default: ``profile_model`` on one
     micro-batch). ``exchange`` (with two ranks or more and an even number of micro-batches) also runs a
