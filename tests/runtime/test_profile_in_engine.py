@@ -12,7 +12,7 @@ from ranks import run_ranks
 from pipeloom import validate
 from pipeloom.plan import PlanError
 from pipeloom.plan.costs import Link, costs_from_json
-from pipeloom.plan.inplace import _exchange_latency, profiling_schedule
+from pipeloom.plan.inplace import _exchange_latency, _fitted_action_cost, profiling_schedule
 from pipeloom.plan.placement import schedule_shape
 from pipeloom.plan.search import exchange_time
 from pipeloom.runtime.lower import model_pieces
@@ -49,7 +49,9 @@ def test_profile_in_engine_gives_every_rank_the_same_table(tmp_path):
     table = costs_from_json(first["table"])
     assert table.names == tuple([f"layers.{k}" for k in range(8)] + ["head"])
     assert table.microbatch_size == 4
-    assert all(p.f > 0 and p.full_backward > 0 and p.w > 0 for p in table.pieces)
+    # each piece is its time less the runtime's cost per action (fitted; a tiny piece may keep 0 of it)
+    assert all(min(p.f, p.full_backward, p.w) >= 0 for p in table.pieces)
+    assert all(min(p.f, p.full_backward, p.w) + table.action_overhead > 0 for p in table.pieces)
     assert table.link.latency >= 0 and table.step_overhead >= 0
     assert 0 <= table.time_spread < 10
     # 4 micro-batches: the two-replica pipeline ran too, and its exchange priced the replica link
@@ -90,3 +92,18 @@ def test_the_exchange_latency_fit_inverts_the_priced_exchange(latency, bandwidth
     if bandwidth is not None:  # faster than the bytes alone allow: no latency
         assert _exchange_latency(0.1, params, schedule, bandwidth) == 0.0
     assert _exchange_latency(1.0, [0.0, 0.0], schedule, bandwidth) == 0.0  # nothing to exchange
+
+
+def test_the_action_cost_fit_compares_runs_timed_whole_with_their_pieces():
+    # pieces of 1 s (F) and 2 s (B) of compute, each traced action holding 0.25 s of the runtime's own
+    bounds = [0, 3, 7]  # runs of 3 and 4 pieces: stages 0, 1 (first replica) and 2, 3 (second)
+
+    def raw(piece: int, kind: str) -> float:
+        return (1.0 if kind == "F" else 2.0) + 0.25
+
+    whole = {(stage, kind): n * (1.0 if kind == "F" else 2.0) + 0.25
+             for stage, n in ((0, 3), (1, 4), (2, 3), (3, 4)) for kind in ("F", "B")}
+    assert _fitted_action_cost(raw, bounds, whole) == pytest.approx(0.25)
+    slower = {key: value + 1.0 for key, value in whole.items()}  # whole runs slower than their pieces: no cost
+    assert _fitted_action_cost(raw, bounds, slower) == 0.0
+    assert _fitted_action_cost(raw, [0, 1, 2], {}) == 0.0  # one piece per run: nothing to compare
