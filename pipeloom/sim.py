@@ -121,8 +121,9 @@ def expected_makespan(schedule: Schedule, spread: float | Sequence[float], *, sa
     Real actions of one task differ from one micro-batch and step to the next; where a rank waits
     for the later of two paths, that variation costs time on average, which a replay with every
     action at its task's time misses. Each of ``samples`` replays (seeded: the result is
-    reproducible) draws an independent factor for every single-rank action, lognormal with mean 1
-    and coefficient of variation ``spread`` (one number, or one per stage); the mean of their
+    reproducible, and the same draws for every order of one task graph) draws an independent factor
+    for every single-rank action, lognormal with mean 1 and coefficient of variation ``spread`` (one
+    number, or one per stage); the mean of their
     makespans is returned. A spread of 0 everywhere gives :func:`simulate`'s makespan. ``samples``
     None: 32, fewer for long schedules (at least 4; about 50,000 actions in all), whose many
     actions already average their variation out. DeadlockError as :func:`simulate`.
@@ -145,13 +146,16 @@ def expected_makespan(schedule: Schedule, spread: float | Sequence[float], *, sa
     seq_tasks, seq_mbs = zip(*(_compile(schedule, r, index) for r in range(problem.num_ranks)))
     seq_mbs, dense = _densify(seq_mbs, schedule.num_microbatches)
     sigmas = [math.sqrt(math.log1p(value * value)) for value in spreads]
-    stage_of = [task.stage for task in problem.tasks]
-    rank_sigmas = [[sigmas[stage_of[t]] for t in seq] for seq in seq_tasks]
+    task_sigmas = [sigmas[task.stage] for task in problem.tasks]
+    num_mb = len(dense)
     draw = random.Random(seed).lognormvariate
     total = 0.0
     for _ in range(samples):
-        scales = [[draw(-sigma * sigma / 2, sigma) if sigma else 1.0 for sigma in row] for row in rank_sigmas]
-        replay = _Replay(problem, len(dense), seq_tasks, seq_mbs, scales)
+        # one factor per (task, micro-batch), drawn in that order: two orders of one task graph see the
+        # same draws, so comparing them is not decided by which position drew what
+        factors = [draw(-sigma * sigma / 2, sigma) if sigma else 1.0 for sigma in task_sigmas for _ in range(num_mb)]
+        scales = [[factors[t * num_mb + mb] for t, mb in zip(seq, mbs)] for seq, mbs in zip(seq_tasks, seq_mbs)]
+        replay = _Replay(problem, num_mb, seq_tasks, seq_mbs, scales)
         replay.run()
         total += max((e[-1] for e in replay.ends if e), default=0.0)
     return total / samples

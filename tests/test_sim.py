@@ -284,6 +284,22 @@ def test_expected_makespan_of_one_rank_is_the_sum_of_its_actions():
     assert expected_makespan(schedule, 0.2, samples=2000) == pytest.approx(simulate(schedule).makespan, rel=0.02)
 
 
+def test_expected_makespan_factors_have_mean_one():
+    # one action: the mean makespan is the mean factor times the duration (a mean-1 lognormal)
+    schedule = _schedule(stage_graph([Stage(ranks=0, f=1.0, b=0.0)], num_ranks=1, backward="none"), ["0F0"])
+    assert expected_makespan(schedule, 0.3, samples=20000) == pytest.approx(1.0, rel=0.01)
+
+
+def test_expected_makespan_draws_per_action_not_per_position():
+    # one rank: the makespan is the sum of its actions whatever their order; the same (task,
+    # micro-batch) draws give the same sum to both orders
+    problem = stage_graph([Stage(ranks=0, f=1.0, b=2.0)], num_ranks=1)
+    first = _schedule(problem, ["0F0 0F1 0B0 0B1"], num_mb=2)
+    second = _schedule(problem, ["0F0 0B0 0F1 0B1"], num_mb=2)
+    assert expected_makespan(first, 0.3, samples=8) == pytest.approx(expected_makespan(second, 0.3, samples=8),
+                                                                       rel=1e-12)
+
+
 def test_expected_makespan_spread_per_stage():
     schedule = _busy_pipeline()
     only_last = [0.0, 0.0, 0.0, 0.5]

@@ -256,8 +256,8 @@ def table_for_size(tables: CostTable | Sequence[CostTable], microbatch_size: int
     interpolated linearly (an affine model, fixed costs included, between the two); below the
     smallest or above the largest the nearest table is scaled in proportion (:meth:`CostTable.scaled`).
     The tables must list the same pieces (same names and inputs); the first one's device, link,
-    optimizer factor, action and step overheads and time spread are kept, and the first ``replica_link`` any of them
-    has. A full backward ``b`` missing from one of two tables is taken as its ``i + w``.
+    optimizer factor and step overhead are kept, and the first ``replica_link`` any of them has. The
+    action overhead and time spread, fitted with each table's pieces, are interpolated with them. A full backward ``b`` missing from one of two tables is taken as its ``i + w``.
     """
     tables = [tables] if isinstance(tables, CostTable) else list(tables)
     if not tables:
@@ -288,8 +288,10 @@ def table_for_size(tables: CostTable | Sequence[CostTable], microbatch_size: int
                             else a.full_backward + share * (b.full_backward - a.full_backward))
         for a, b in zip(low.pieces, high.pieces)
     )
-    return dataclasses.replace(first, pieces=pieces, microbatch_size=microbatch_size,
-                               replica_link=first.replica_link or replica_link)
+    return dataclasses.replace(
+        first, pieces=pieces, microbatch_size=microbatch_size, replica_link=first.replica_link or replica_link,
+        **{key: getattr(low, key) + share * (getattr(high, key) - getattr(low, key))
+           for key in ("action_overhead", "time_spread")})
 
 
 # ------------------------------------------------------------------------------------------ JSON

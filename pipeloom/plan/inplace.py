@@ -60,8 +60,9 @@ def profiling_schedule(num_pieces: int, num_ranks: int, num_microbatches: int, *
                         f"needs at least one piece per rank (name more pieces, or profile on fewer ranks)")
     if replicas not in (1, 2):
         raise PlanError(f"replicas must be 1 or 2, got {replicas!r}")
-    if replicas == 2 and num_ranks < 2:
-        raise PlanError("two replicas need at least two ranks (a rank cannot hold both copies of a piece)")
+    if replicas == 2 and num_ranks % 2:
+        raise PlanError(f"two replicas need an even number of ranks, got {num_ranks} (with an odd number the "
+                        f"middle rank would hold both copies of a piece, which the engine refuses)")
     rank_of = [k * num_ranks // num_pieces for k in range(num_pieces)]
     backward = ("I", "W") if split_backward else ("B",)
     name = "profile-split" if split_backward else "profile-full"
@@ -132,9 +133,10 @@ class EngineProfiler:
 
     def _exchange_pipeline(self, loss_fn: Callable, microbatches: int, process_group: object):
         """The two-replica pipeline whose replica-gradient exchange :meth:`table` prices, or None
-        where there is none to run (one rank, or an odd number of micro-batches): each rank's run
+        where there is none to run (an odd number of ranks, as two-replica schedules need an even one,
+        or of micro-batches): each rank's run
         of pieces is one stage, and the replicas mirror each other (:func:`profiling_schedule`)."""
-        if self.world < 2 or microbatches % 2:
+        if self.world < 2 or self.world % 2 or microbatches % 2:
             return None
         rank_of = [k * self.world // len(self.names) for k in range(len(self.names))]
         cuts = [k for k in range(1, len(self.names)) if rank_of[k] != rank_of[k - 1]]
@@ -199,7 +201,7 @@ class EngineProfiler:
                        for k, piece in enumerate(self.base.pieces))
         spread = _time_spread([(run, task_durations(run, steps=steps)) for run in runs], steps)
         where = self.base.device.split(" (")[0]
-        replica_link = None
+        replica_link = self.base.replica_link
         if exchange is not None:
             _, exchange_outside = _fit_run(exchange, steps)
             replica_link = Link(latency=_exchange_latency(max(0.0, exchange_outside - statistics.fmean(outside)),

@@ -279,3 +279,12 @@ def test_table_for_size_keeps_a_replica_link_any_table_measured():
     assert table_for_size([small, large], 2).replica_link == exchange
     assert table_for_size([small, large], 16).replica_link == exchange
     assert table_for_size([small], 2).replica_link is None
+
+
+def test_table_for_size_interpolates_the_fitted_action_overhead_and_time_spread():
+    small = _table(microbatch_size=2, action_overhead=1e-4, time_spread=0.2, step_overhead=1e-3)
+    large = _table(microbatch_size=6, action_overhead=3e-4, time_spread=0.1, step_overhead=5e-3)
+    middle = table_for_size([small, large], 4)
+    assert middle.action_overhead == pytest.approx(2e-4) and middle.time_spread == pytest.approx(0.15)
+    assert middle.step_overhead == 1e-3  # the first table's, as before
+    assert table_for_size([small, large], 6).action_overhead == 3e-4  # a measured size keeps its own

@@ -164,3 +164,17 @@ def profile_in_engine_job(rank: int, world: int, folder: str) -> dict:
     engine.step(x, target=y)
     return {"table": costs_to_json(table), "trace_steps": len(engine.trace_steps), "files": os.listdir(folder),
             "grads": grads}
+
+
+def profile_in_engine_odd_job(rank: int, world: int) -> str:
+    """profile_in_engine on 3 ranks (no two-replica pipeline: the middle rank would hold both copies)."""
+    import torch.nn.functional as F
+    from models import batch, build
+
+    from pipeloom.plan.costs import costs_to_json
+    from pipeloom.plan.inplace import profile_in_engine
+
+    model = build("residual")
+    (x,), y = batch("residual")
+    return costs_to_json(profile_in_engine(model, x, loss_fn=F.cross_entropy, target=y, microbatches=4,
+                                           warmup_steps=1, steps=2))

@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 pytest.importorskip("torch")
 
-from rank_jobs import profile_in_engine_job
+from rank_jobs import profile_in_engine_job, profile_in_engine_odd_job
 from ranks import run_ranks
 
 from pipeloom import validate
+from pipeloom.ir import schedule_to_json
 from pipeloom.plan import PlanError
 from pipeloom.plan.costs import Link, costs_from_json
-from pipeloom.plan.inplace import _exchange_latency, _fitted_action_cost, profiling_schedule
+from pipeloom.plan.inplace import _exchange_latency, _fitted_action_cost, _time_spread, profiling_schedule
 from pipeloom.plan.placement import schedule_shape
 from pipeloom.plan.search import exchange_time
 from pipeloom.runtime.lower import model_pieces
+from pipeloom.viz.measured import task_durations
+from pipeloom.viz.run_trace import TRACE_FORMAT, run_trace_from_documents
 
 
 @pytest.mark.parametrize("split", [False, True])
@@ -50,10 +55,10 @@ def test_profile_in_engine_gives_every_rank_the_same_table(tmp_path):
     assert table.names == tuple([f"layers.{k}" for k in range(8)] + ["head"])
     assert table.microbatch_size == 4
     # each piece is its time less the runtime's cost per action (fitted; a tiny piece may keep 0 of it)
-    assert all(min(p.f, p.full_backward, p.w) >= 0 for p in table.pieces)
     assert all(min(p.f, p.full_backward, p.w) + table.action_overhead > 0 for p in table.pieces)
+    assert sum(p.f + p.full_backward for p in table.pieces) > 0
     assert table.link.latency >= 0 and table.step_overhead >= 0
-    assert 0 <= table.time_spread < 10
+    assert 0 < table.time_spread < 1  # real actions vary, by far less than their own time
     # 4 micro-batches: the two-replica pipeline ran too, and its exchange priced the replica link
     assert table.replica_link is not None and table.replica_link.latency >= 0 and table.replica_link.bandwidth is None
     assert "in the engine, 2 ranks" in table.device
@@ -62,7 +67,7 @@ def test_profile_in_engine_gives_every_rank_the_same_table(tmp_path):
     assert all(first["grads"]), "gradients are cleared after profiling"
 
 
-@pytest.mark.parametrize(("pieces", "ranks"), [(2, 2), (5, 2), (7, 3), (4, 4)])
+@pytest.mark.parametrize(("pieces", "ranks"), [(2, 2), (5, 2), (7, 4), (4, 4)])
 @pytest.mark.parametrize("microbatches", [1, 3])
 @pytest.mark.parametrize("split", [False, True])
 def test_two_replica_profiling_schedule_mirrors_the_first(pieces, ranks, microbatches, split):
@@ -75,11 +80,54 @@ def test_two_replica_profiling_schedule_mirrors_the_first(pieces, ranks, microba
     assert sum(map(len, schedule.ranks)) == 2 * pieces * microbatches * (3 if split else 2)
 
 
-def test_two_replica_profiling_needs_two_ranks_and_one_or_two_replicas():
-    with pytest.raises(PlanError, match="two replicas need at least two ranks"):
-        profiling_schedule(3, 1, 2, split_backward=False, replicas=2)
+def test_two_replica_profiling_needs_an_even_number_of_ranks_and_one_or_two_replicas():
+    for ranks in (1, 3):  # the middle rank would hold both copies of a piece
+        with pytest.raises(PlanError, match=f"even number of ranks, got {ranks}"):
+            profiling_schedule(3, ranks, 2, split_backward=False, replicas=2)
     with pytest.raises(PlanError, match="replicas must be 1 or 2"):
         profiling_schedule(3, 2, 2, split_backward=False, replicas=3)
+
+
+@pytest.mark.timeout(120)
+def test_profile_in_engine_on_three_ranks_runs_no_two_replica_pipeline():
+    results = run_ranks(3, profile_in_engine_odd_job, timeout=100)
+    assert all(status == "ok" for status, _ in results.values()), results
+    tables = [costs_from_json(value) for _, value in results.values()]
+    assert tables[0] == tables[1] == tables[2]
+    assert tables[0].replica_link is None and tables[0].action_overhead == 0.0  # nothing to fit them from
+
+
+def _documents(schedule, factor) -> list[dict]:
+    """Runtime-trace documents of two steps of ``schedule``: each action takes ``factor(step, action)``
+    seconds, one after the other on its rank."""
+    documents = []
+    for rank, actions in enumerate(schedule.ranks):
+        steps = []
+        for step in range(2):
+            now, events = 0, []
+            for action in actions:
+                end = now + round(factor(step, action) * 1e9)
+                events.append({"name": str(action), "kind": "compute", "start_ns": now, "end_ns": end})
+                now = end
+            steps.append({"step": step, "start_ns": 0, "end_ns": now, "events": events})
+        documents.append({"format": TRACE_FORMAT, "rank": rank, "world_size": len(schedule.ranks),
+                          "clock": "unix_ns", "schedule": json.loads(schedule_to_json(schedule)), "steps": steps})
+    return documents
+
+
+@pytest.mark.parametrize("drift", [1.0, 1.5])
+def test_time_spread_is_the_variation_left_after_each_steps_drift(drift):
+    schedule = profiling_schedule(2, 2, 2, split_backward=False)
+    # micro-batch 0 at 0.8 and 1 at 1.2 of the piece's time: 0.2 either way; the second step all
+    # ``drift`` times slower, which the spread must not count
+    base = {"F": 0.01, "B": 0.02}
+    run = run_trace_from_documents(_documents(
+        schedule, lambda step, a: base[a.kind] * (1 + a.stage) * (0.8 if a.microbatch == 0 else 1.2)
+        * (drift if step else 1.0)))
+    spread = _time_spread([(run, task_durations(run, steps=[0, 1]))], [0, 1])
+    assert spread == pytest.approx(1.4826 * 0.2, rel=1e-3)
+    steady = run_trace_from_documents(_documents(schedule, lambda step, a: base[a.kind] * (drift if step else 1.0)))
+    assert _time_spread([(steady, task_durations(steady, steps=[0, 1]))], [0, 1]) == pytest.approx(0.0, abs=1e-6)
 
 
 @pytest.mark.parametrize("bandwidth", [None, 1e3])
