@@ -54,6 +54,14 @@ def add_profile_parser(commands: argparse._SubParsersAction) -> None:
                          metavar="S", help="link latency between ranks in seconds (default 0)")
     profile.add_argument("--bandwidth", type=bytes_argument, metavar="SIZE",
                          help="link bytes per second between ranks, e.g. 10GB (default: unlimited)")
+    profile.add_argument("--in-engine", action="store_true",
+                         help="time the pieces inside the runtime on the ranks that will train (every rank of a "
+                              "torchrun launch runs it; CPU ranks with gloo; rank 0 saves and prints); "
+                              "--warmup and --repeats count profiling steps, and the latency (--latency is "
+                              "not used), per-step and per-action costs, time spread and replica link are fitted")
+    profile.add_argument("--microbatches", type=_count, default=4, metavar="M",
+                         help="--in-engine: micro-batches per profiling step (default 4; the inputs hold "
+                              "--batch x M samples)")
     profile.add_argument("--save", type=_path_with(".json"), help="write the cost table (pipeloom.costs/1)")
     profile.add_argument("--json", action="store_true", help="print the cost table's JSON instead of a table")
     profile.set_defaults(handler=cmd_profile)
@@ -185,19 +193,16 @@ def cmd_profile(args: argparse.Namespace) -> int:
         import torch
     except ImportError:
         raise UsageError("pipeloom profile needs torch; install it (pip install torch)") from None
-    from pipeloom.plan.costs import Link, costs_to_json, save_costs
+    from pipeloom.plan.costs import Link
     from pipeloom.plan.profile import profile_model
 
     if args.threads:
         torch.set_num_threads(args.threads)
     module, function = load_function(args.target)
+    if args.in_engine:
+        return _profile_in_engine(args, module, function)
     model, inputs, target = _model_and_inputs(module, function, args)
-    first = next((t for t in (inputs if isinstance(inputs, tuple) else (inputs,))
-                  if isinstance(t, torch.Tensor) and t.dim() > 0), None)
-    if first is None or first.size(0) != args.batch:
-        held = "no tensor" if first is None else f"{first.size(0)} samples"
-        raise UsageError(f"the inputs hold {held} but --batch is {args.batch}; make the function's inputs "
-                         f"match --batch")
+    _check_batch(inputs, args.batch, "--batch")
     loss = _loss(module, args)
     if loss is not None and target is None:
         target = _made_up_target(model, inputs)
@@ -206,6 +211,23 @@ def cmd_profile(args: argparse.Namespace) -> int:
     table = profile_model(model, inputs, pieces=pieces, device=device, warmup=args.warmup, repeats=args.repeats,
                           loss_fn=loss, target=target, optimizer_factor=args.optimizer_factor,
                           link=Link(latency=args.latency, bandwidth=args.bandwidth))
+    _show(table, args)
+    return 0
+
+
+def _check_batch(inputs, samples: int, what: str) -> None:
+    import torch
+
+    first = next((t for t in (inputs if isinstance(inputs, tuple) else (inputs,))
+                  if isinstance(t, torch.Tensor) and t.dim() > 0), None)
+    if first is None or first.size(0) != samples:
+        held = "no tensor" if first is None else f"{first.size(0)} samples"
+        raise UsageError(f"the inputs hold {held} but {what} is {samples}; make the function's inputs match {what}")
+
+
+def _show(table, args: argparse.Namespace) -> None:
+    from pipeloom.plan.costs import costs_to_json, save_costs
+
     if args.save:
         save_costs(table, args.save)
     console = Console(stderr=args.json, highlight=False)
@@ -215,4 +237,53 @@ def cmd_profile(args: argparse.Namespace) -> int:
         console.print(_pieces_table(table))
     if args.save:
         console.print(f"wrote cost table {args.save}", markup=False, soft_wrap=True)
+
+
+def _profile_in_engine(args: argparse.Namespace, module, function) -> int:
+    """``--in-engine``: every rank profiles inside the runtime (pipeloom.plan.profile_in_engine)."""
+    import dataclasses
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from pipeloom.plan.inplace import profile_in_engine
+
+    if args.device not in (None, "cpu"):
+        raise UsageError(f"--in-engine profiles CPU ranks with gloo, not --device {args.device}; on a GPU, "
+                         f"profile one rank without --in-engine")
+    if not dist.is_initialized() and "WORLD_SIZE" not in os.environ:
+        raise UsageError("--in-engine runs on every rank of a launch: torchrun --nproc-per-node 2 -m pipeloom "
+                         "profile FILE.py:FUNCTION ... --in-engine")
+    loss = _loss(module, args)
+    if loss is None:
+        raise UsageError("--in-engine runs training steps; name the loss with --loss NAME")
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo")
+    try:
+        torch.manual_seed(0)  # the same model and made-up batch on every rank
+        samples = args.batch * args.microbatches
+        model, inputs, target = _model_and_inputs(module, function, argparse.Namespace(**{**vars(args),
+                                                                                          "batch": samples}))
+        _check_batch(inputs, samples, "--batch x --microbatches")
+        if target is None:
+            target = _made_up_target(model, inputs)
+        pieces = [name.strip() for name in args.pieces.split(",") if name.strip()] if args.pieces else None
+        table = profile_in_engine(model, inputs, loss_fn=loss, target=target, microbatches=args.microbatches,
+                                  pieces=pieces, warmup_steps=args.warmup, steps=args.repeats,
+                                  bandwidth=args.bandwidth)
+        table = dataclasses.replace(table, optimizer_factor=args.optimizer_factor)
+        if dist.get_rank() == 0:
+            _show(table, args)
+            exchange = ("none (odd ranks or micro-batches)" if table.replica_link is None
+                        else f"{table.replica_link.latency * 1e3:.2f} ms per message")
+            Console(stderr=args.json, highlight=False).print(
+                f"fitted: latency under load {table.link.latency * 1e3:.2f} ms, per step "
+                f"{table.step_overhead * 1e3:.2f} ms, per action {table.action_overhead * 1e6:.0f} us, time spread "
+                f"{table.time_spread:.2f}, replica exchange {exchange}", markup=False, soft_wrap=True)
+        dist.barrier()
+    finally:
+        if created:
+            dist.destroy_process_group()
     return 0

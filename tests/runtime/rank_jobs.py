@@ -178,3 +178,16 @@ def profile_in_engine_odd_job(rank: int, world: int) -> str:
     (x,), y = batch("residual")
     return costs_to_json(profile_in_engine(model, x, loss_fn=F.cross_entropy, target=y, microbatches=4,
                                            warmup_steps=1, steps=2))
+
+
+def profile_cli_job(rank: int, world: int, example: str, out: str) -> int:
+    """``pipeloom profile ... --in-engine`` on every rank of an already started group; its exit code."""
+    import contextlib
+    import io
+
+    from pipeloom.cli import main
+
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        return main(["profile", f"{example}:build_model", "--batch", "2", "--seq", "8", "--arg", "layers=2",
+                     "--arg", "seq_len=8", "--loss", "lm_loss", "--in-engine", "--microbatches", "4",
+                     "--warmup", "1", "--repeats", "2", "--optimizer-factor", "6", "--save", out])

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("torch")
 
-from rank_jobs import profile_in_engine_job, profile_in_engine_odd_job
+from rank_jobs import profile_cli_job, profile_in_engine_job, profile_in_engine_odd_job
 from ranks import run_ranks
 
 from pipeloom import validate
+from pipeloom.cli import main
 from pipeloom.ir import schedule_to_json
-from pipeloom.plan import PlanError
+from pipeloom.plan import PlanError, load_costs
 from pipeloom.plan.costs import Link, costs_from_json
 from pipeloom.plan.inplace import _exchange_latency, _fitted_action_cost, _time_spread, profiling_schedule
 from pipeloom.plan.placement import schedule_shape
@@ -155,3 +157,37 @@ def test_the_action_cost_fit_compares_runs_timed_whole_with_their_pieces():
     slower = {key: value + 1.0 for key, value in whole.items()}  # whole runs slower than their pieces: no cost
     assert _fitted_action_cost(raw, bounds, slower) == 0.0
     assert _fitted_action_cost(raw, [0, 1, 2], {}) == 0.0  # one piece per run: nothing to compare
+
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_gpt.py"
+
+
+@pytest.mark.timeout(150)
+def test_pipeloom_profile_in_engine_on_two_ranks(tmp_path):
+    out = tmp_path / "costs.json"
+    results = run_ranks(2, profile_cli_job, str(EXAMPLE), str(out), timeout=120)
+    assert results == {0: ("ok", 0), 1: ("ok", 0)}, results
+    table = load_costs(out)  # written by rank 0
+    assert table.names == ("token_embedding", "blocks.0", "blocks.1", "ln_f", "head")
+    assert table.microbatch_size == 2 and table.optimizer_factor == 6
+    assert "in the engine, 2 ranks" in table.device and table.replica_link is not None
+
+
+@pytest.mark.parametrize(("extra", "words"), [
+    ([], "torchrun --nproc-per-node 2 -m pipeloom profile"),
+    (["--device", "cuda"], "profiles CPU ranks with gloo, not --device cuda"),
+])
+def test_pipeloom_profile_in_engine_says_how_to_launch_it(capsys, monkeypatch, tmp_path, extra, words):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    code = main(["profile", f"{EXAMPLE}:build_model", "--batch", "2", "--seq", "8", "--loss", "lm_loss",
+                 "--in-engine", "--save", str(tmp_path / "c.json"), *extra])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and words in err[0], err
+    assert not (tmp_path / "c.json").exists()
+
+
+def test_pipeloom_profile_in_engine_needs_a_loss(capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as under torchrun: the missing loss is found before any group starts
+    code = main(["profile", f"{EXAMPLE}:build_model", "--batch", "2", "--seq", "8", "--in-engine"])
+    err = capsys.readouterr().err
+    assert code == 2 and "name the loss with --loss NAME" in err, err
