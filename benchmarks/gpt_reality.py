@@ -551,10 +551,10 @@ def _measure_plan(rank: int, record: dict, engine, profiler: EngineProfiler | No
 
         (times, fitted, traced), foreign, attempts = _quiet(interleaved, config)
         fitted_link = (fitted.link.latency, fitted.step_overhead)
-        profile_note_replica = None if fitted.replica_link is None else fitted.replica_link.latency
         table = _with_engine_costs(fitted, costs)
         profile_note = {"profile_foreign": foreign, "profile_attempts": attempts,
-                        "replica_latency": profile_note_replica, "time_spread": fitted.time_spread,
+                        "replica_latency": None if fitted.replica_link is None else fitted.replica_link.latency,
+                        "time_spread": fitted.time_spread,
                         "action_cost": fitted.action_overhead}
     if rank == 0:
         entry = {"predicted": predict(record, [table], config), "times": times, "traced_steps": traced,

@@ -83,15 +83,10 @@ def simulate(schedule: Schedule) -> Timeline:
     the lists cannot run to the end; use :func:`pipeloom.validate.validate` for full checks.
     """
     problem = schedule.problem
-    index = {task.key: i for i, task in enumerate(problem.tasks)}
-    seq_tasks, seq_mbs = zip(*(_compile(schedule, r, index) for r in range(problem.num_ranks)))
-    seq_mbs, dense = _densify(seq_mbs, schedule.num_microbatches)
-    replay = _Replay(problem, len(dense), seq_tasks, seq_mbs)
-    replay.run()
-    starts, ends, pos = replay.starts, replay.ends, replay.pos
-    stuck = [r for r in range(problem.num_ranks) if pos[r] < len(seq_tasks[r])]
-    if stuck:
-        raise DeadlockError(_deadlock_message(schedule, pos, stuck, replay.finish, dense, index))
+    compiled = _Compiled.of(schedule)
+    seq_tasks = compiled.seq_tasks
+    replay = compiled.replay()
+    starts, ends = replay.starts, replay.ends
     static = problem.static_memory or (0.0,) * problem.num_ranks
     memory_delta = [task.memory for task in problem.tasks]
     durations = [task.duration for task in problem.tasks]
@@ -102,7 +97,7 @@ def simulate(schedule: Schedule) -> Timeline:
         held_lists.append(tuple(held[1:]))
         peaks.append(max(held))
         busy.append(reduce(add, map(durations.__getitem__, seq), 0.0))
-    makespan = max((e[-1] for e in ends if e), default=0.0)
+    makespan = replay.makespan
     return Timeline(
         schedule=schedule,
         starts=tuple(map(tuple, starts)),
@@ -139,26 +134,52 @@ def expected_makespan(schedule: Schedule, spread: float | Sequence[float], *, sa
         samples = max(4, min(32, 50_000 // max(1, sum(map(len, schedule.ranks)))))
     if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
         raise ValueError(f"samples must be a positive integer, got {samples!r}")
-    makespan = simulate(schedule).makespan  # also checks the schedule runs to the end
+    compiled = _Compiled.of(schedule)
     if not any(spreads):
-        return makespan
-    index = {task.key: i for i, task in enumerate(problem.tasks)}
-    seq_tasks, seq_mbs = zip(*(_compile(schedule, r, index) for r in range(problem.num_ranks)))
-    seq_mbs, dense = _densify(seq_mbs, schedule.num_microbatches)
+        return compiled.replay().makespan  # every replay checks that the lists run to the end
     sigmas = [math.sqrt(math.log1p(value * value)) for value in spreads]
     task_sigmas = [sigmas[task.stage] for task in problem.tasks]
-    num_mb = len(dense)
+    num_mb = len(compiled.dense)
     draw = random.Random(seed).lognormvariate
     total = 0.0
     for _ in range(samples):
         # one factor per (task, micro-batch), drawn in that order: two orders of one task graph see the
         # same draws, so comparing them is not decided by which position drew what
         factors = [draw(-sigma * sigma / 2, sigma) if sigma else 1.0 for sigma in task_sigmas for _ in range(num_mb)]
-        scales = [[factors[t * num_mb + mb] for t, mb in zip(seq, mbs)] for seq, mbs in zip(seq_tasks, seq_mbs)]
-        replay = _Replay(problem, num_mb, seq_tasks, seq_mbs, scales)
-        replay.run()
-        total += max((e[-1] for e in replay.ends if e), default=0.0)
+        total += compiled.replay([[factors[t * num_mb + mb] for t, mb in zip(seq, mbs)]
+                                  for seq, mbs in zip(compiled.seq_tasks, compiled.seq_mbs)]).makespan
     return total / samples
+
+
+@dataclass(frozen=True, slots=True)
+class _Compiled:
+    """A schedule's rank lists as task indices and dense micro-batches, ready to replay."""
+
+    schedule: Schedule
+    index: dict[tuple[int, str], int]
+    seq_tasks: tuple[list, ...]
+    seq_mbs: tuple[list, ...]
+    dense: dict[int, int]
+
+    @classmethod
+    def of(cls, schedule: Schedule) -> _Compiled:
+        problem = schedule.problem
+        index = {task.key: i for i, task in enumerate(problem.tasks)}
+        seq_tasks, seq_mbs = zip(*(_compile(schedule, r, index) for r in range(problem.num_ranks)))
+        seq_mbs, dense = _densify(seq_mbs, schedule.num_microbatches)
+        return cls(schedule, index, seq_tasks, seq_mbs, dense)
+
+    def replay(self, scales: list | None = None) -> _Replay:
+        """The replay run to the end (``scales``: a factor per single-rank action); DeadlockError
+        naming each stuck rank's head action when the lists cannot finish."""
+        problem = self.schedule.problem
+        replay = _Replay(problem, len(self.dense), self.seq_tasks, self.seq_mbs, scales)
+        replay.run()
+        stuck = [r for r in range(problem.num_ranks) if replay.pos[r] < len(self.seq_tasks[r])]
+        if stuck:
+            raise DeadlockError(_deadlock_message(self.schedule, replay.pos, stuck, replay.finish, self.dense,
+                                                  self.index))
+        return replay
 
 
 def _compile(schedule: Schedule, rank: int, index: dict[tuple[int, str], int]) -> tuple[list, list]:
@@ -225,6 +246,11 @@ class _Replay:
         self.free = [0.0] * problem.num_ranks
         self.waiting_on_rank: list[list[int]] = [[] for _ in range(problem.num_ranks)]
         self.todo = list(range(problem.num_ranks))
+
+    @property
+    def makespan(self) -> float:
+        """The latest end over the ranks' lists (each rank's last action ends last)."""
+        return max((e[-1] for e in self.ends if e), default=0.0)
 
     def run(self) -> None:
         """Advance ranks until none can move (the hot loop: locals only, no per-action objects)."""

@@ -207,12 +207,16 @@ def cmd_profile(args: argparse.Namespace) -> int:
     if loss is not None and target is None:
         target = _made_up_target(model, inputs)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    pieces = [name.strip() for name in args.pieces.split(",") if name.strip()] if args.pieces else None
-    table = profile_model(model, inputs, pieces=pieces, device=device, warmup=args.warmup, repeats=args.repeats,
-                          loss_fn=loss, target=target, optimizer_factor=args.optimizer_factor,
+    table = profile_model(model, inputs, pieces=_pieces(args), device=device, warmup=args.warmup,
+                          repeats=args.repeats, loss_fn=loss, target=target, optimizer_factor=args.optimizer_factor,
                           link=Link(latency=args.latency, bandwidth=args.bandwidth))
     _show(table, args)
     return 0
+
+
+def _pieces(args: argparse.Namespace) -> list[str] | None:
+    """``--pieces a,b,c`` as names (None: the profiler's default pieces)."""
+    return [name.strip() for name in args.pieces.split(",") if name.strip()] if args.pieces else None
 
 
 def _check_batch(inputs, samples: int, what: str) -> None:
@@ -269,9 +273,8 @@ def _profile_in_engine(args: argparse.Namespace, module, function) -> int:
         _check_batch(inputs, samples, "--batch x --microbatches")
         if target is None:
             target = _made_up_target(model, inputs)
-        pieces = [name.strip() for name in args.pieces.split(",") if name.strip()] if args.pieces else None
         table = profile_in_engine(model, inputs, loss_fn=loss, target=target, microbatches=args.microbatches,
-                                  pieces=pieces, warmup_steps=args.warmup, steps=args.repeats,
+                                  pieces=_pieces(args), warmup_steps=args.warmup, steps=args.repeats,
                                   bandwidth=args.bandwidth)
         table = dataclasses.replace(table, optimizer_factor=args.optimizer_factor)
         if dist.get_rank() == 0:

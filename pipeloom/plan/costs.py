@@ -257,7 +257,8 @@ def table_for_size(tables: CostTable | Sequence[CostTable], microbatch_size: int
     smallest or above the largest the nearest table is scaled in proportion (:meth:`CostTable.scaled`).
     The tables must list the same pieces (same names and inputs); the first one's device, link,
     optimizer factor and step overhead are kept, and the first ``replica_link`` any of them has. The
-    action overhead and time spread, fitted with each table's pieces, are interpolated with them. A full backward ``b`` missing from one of two tables is taken as its ``i + w``.
+    action overhead and time spread, fitted with each table's pieces, are interpolated with them. A
+    full backward ``b`` missing from one of two tables is taken as its ``i + w``.
     """
     tables = [tables] if isinstance(tables, CostTable) else list(tables)
     if not tables:
@@ -271,15 +272,19 @@ def table_for_size(tables: CostTable | Sequence[CostTable], microbatch_size: int
             )
     by_size = {table.microbatch_size: table for table in tables}
     replica_link = next((table.replica_link for table in tables if table.replica_link is not None), None)
+
+    def linked(table: CostTable) -> CostTable:
+        """``table``, given the replica link another table measured where it has none."""
+        if table.replica_link is not None or replica_link is None:
+            return table
+        return dataclasses.replace(table, replica_link=replica_link)
+
     if microbatch_size in by_size:
-        found = by_size[microbatch_size]
-        return found if found.replica_link is not None or replica_link is None \
-            else dataclasses.replace(found, replica_link=replica_link)
+        return linked(by_size[microbatch_size])
     below = [size for size in by_size if size < microbatch_size]
     above = [size for size in by_size if size > microbatch_size]
     if not below or not above:
-        near = by_size[max(below) if below else min(above)].scaled(microbatch_size)
-        return near if near.replica_link is not None else dataclasses.replace(near, replica_link=replica_link)
+        return linked(by_size[max(below) if below else min(above)].scaled(microbatch_size))
     low, high = by_size[max(below)], by_size[min(above)]
     share = (microbatch_size - low.microbatch_size) / (high.microbatch_size - low.microbatch_size)
     pieces = tuple(
@@ -289,7 +294,7 @@ def table_for_size(tables: CostTable | Sequence[CostTable], microbatch_size: int
         for a, b in zip(low.pieces, high.pieces)
     )
     return dataclasses.replace(
-        first, pieces=pieces, microbatch_size=microbatch_size, replica_link=first.replica_link or replica_link,
+        first, pieces=pieces, microbatch_size=microbatch_size, replica_link=replica_link,
         **{key: getattr(low, key) + share * (getattr(high, key) - getattr(low, key))
            for key in ("action_overhead", "time_spread")})
 
@@ -344,9 +349,10 @@ def costs_from_json(text: str) -> CostTable:
     """Parse ``pipeloom.costs/1`` JSON; unknown keys, another format or a wrong type are errors.
 
     Optional keys: ``device`` (""), ``source`` ("manual"), ``optimizer_factor`` (2),
-    ``action_overhead`` and ``step_overhead`` (0 seconds), ``time_spread`` (0), ``link``
-    (no latency, unlimited bandwidth), ``replica_link`` (null: the exchange is priced with ``link``), and per piece ``b`` (null: the full backward is priced
-    ``i + w``), the byte counts (0) and ``inputs`` (the piece before it).
+    ``action_overhead`` and ``step_overhead`` (0 seconds), ``time_spread`` (0), ``link`` (no
+    latency, unlimited bandwidth), ``replica_link`` (null: the exchange is priced with ``link``), and
+    per piece ``b`` (null: the full backward is priced ``i + w``), the byte counts (0) and ``inputs``
+    (the piece before it).
     """
     document = json_object(text, fmt=COSTS_FORMAT, keys=_TOP_KEYS, error=CostTableError, what="cost table")
     where = "costs"

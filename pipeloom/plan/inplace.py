@@ -142,7 +142,6 @@ class EngineProfiler:
         cuts = [k for k in range(1, len(self.names)) if rank_of[k] != rank_of[k - 1]]
         bounds = [0, *cuts, len(self.names)]
         self.exchange_bounds = bounds
-        self.exchange_params = [sum(p.param_bytes for p in self.base.pieces[a:b]) for a, b in pairwise(bounds)]
         schedule = profiling_schedule(self.world, self.world, microbatches // 2, split_backward=False, replicas=2)
         return pipeline(self.model, schedule=schedule, split_points=[self.names[k] for k in cuts], loss_fn=loss_fn,
                         process_group=process_group, trace=True)
@@ -169,8 +168,10 @@ class EngineProfiler:
         two-replica pipeline ran (else 0): that pipeline runs each rank's run of pieces as one action,
         so a run of n pieces timed whole, ``T``, against its pieces timed apart, ``sum t``, gives
         ``(sum t - T) / (n - 1)``; the median over runs, replicas, F and B, at least 0.
-        ``action_overhead`` (default ``action_cost``) is what the planner adds per action. Also measured, from the same steps: the link latency under load (mean wait of
-        an action for a message it was waiting for) and the step's own cost outside the schedule
+        ``action_overhead`` (default ``action_cost``) is what the planner adds per action. Also
+        measured, from the same steps: the link latency under load (mean wait of an action for a
+        message it was waiting for), the time spread (:func:`_time_spread`) and the step's own cost
+        outside the schedule
         (``engine.step`` time minus the schedule's span: preamble, loss all-reduce, last sends); both
         averaged over the two pipelines. Where the two-replica pipeline ran, its own cost outside the
         schedule beyond that is its replica-gradient exchange: the table's ``replica_link`` is the
@@ -199,14 +200,15 @@ class EngineProfiler:
         pieces = tuple(dataclasses.replace(piece, f=seconds(k, "F"), i=seconds(k, "I"), w=seconds(k, "W"),
                                            b=seconds(k, "B"))
                        for k, piece in enumerate(self.base.pieces))
-        spread = _time_spread([(run, task_durations(run, steps=steps)) for run in runs], steps)
+        spread = _time_spread(list(zip(runs, durations)), steps)
         where = self.base.device.split(" (")[0]
         replica_link = self.base.replica_link
         if exchange is not None:
             _, exchange_outside = _fit_run(exchange, steps)
-            replica_link = Link(latency=_exchange_latency(max(0.0, exchange_outside - statistics.fmean(outside)),
-                                                          self.exchange_params, self.exchange.schedule, bandwidth),
-                                bandwidth=bandwidth)
+            exchanged = max(0.0, exchange_outside - statistics.fmean(outside))  # beyond the one-replica step cost
+            params = [sum(p.param_bytes for p in self.base.pieces[a:b]) for a, b in pairwise(self.exchange_bounds)]
+            latency = _exchange_latency(exchanged, params, self.exchange.schedule, bandwidth)
+            replica_link = Link(latency=latency, bandwidth=bandwidth)
         return dataclasses.replace(
             self.base, pieces=pieces, source="profile",
             link=Link(latency=statistics.fmean(latencies), bandwidth=bandwidth), replica_link=replica_link,
