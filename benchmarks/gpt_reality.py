@@ -419,7 +419,8 @@ def predict(record: dict, tables: list[CostTable], config: RealityConfig) -> flo
                       split_points=tuple(record["split_points"]), stage_times=(0.0,) * count,
                       stage_memory=(0.0,) * count, objective=0.0, weight=0.0)
     problem = recost(schedule, table, split, memory_limit=config.memory_limit)
-    return (expected_makespan(dataclasses.replace(schedule, problem=problem), stage_spreads(table, schedule, split))
+    return (expected_makespan(dataclasses.replace(schedule, problem=problem), stage_spreads(table, schedule, split),
+                              start_skew=table.start_skew)
             + replica_sync_time(table, schedule, split) + table.step_overhead)
 
 
@@ -479,7 +480,8 @@ def _worker(rank: int, store_file: str, config: RealityConfig) -> None:
                                     latency=statistics.median(t.link.latency for t in tables))
         profiled["fits"] = [{"size": t.microbatch_size, "latency": t.link.latency, "step_overhead": t.step_overhead,
                              "replica_latency": None if t.replica_link is None else t.replica_link.latency,
-                             "time_spread": t.time_spread, "action_cost": t.action_overhead}
+                             "time_spread": t.time_spread, "start_skew": t.start_skew,
+                             "action_cost": t.action_overhead}
                             for t in tables]
         tables = [_with_engine_costs(table, costs) for table in tables]
         profiled.update(latency=costs.latency, step_overhead=costs.step)
@@ -554,7 +556,7 @@ def _measure_plan(rank: int, record: dict, engine, profiler: EngineProfiler | No
         table = _with_engine_costs(fitted, costs)
         profile_note = {"profile_foreign": foreign, "profile_attempts": attempts,
                         "replica_latency": None if fitted.replica_link is None else fitted.replica_link.latency,
-                        "time_spread": fitted.time_spread,
+                        "time_spread": fitted.time_spread, "start_skew": fitted.start_skew,
                         "action_cost": fitted.action_overhead}
     if rank == 0:
         entry = {"predicted": predict(record, [table], config), "times": times, "traced_steps": traced,

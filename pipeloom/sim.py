@@ -18,7 +18,7 @@ from pipeloom.errors import DeadlockError, ScheduleError
 from pipeloom.ir import Action, Schedule, format_grid
 from pipeloom.problem import Problem
 
-__all__ = ["Timeline", "expected_makespan", "simulate"]
+__all__ = ["Timeline", "expected_makespan", "simulate", "starting_ranks"]
 
 _TASK_KEY = itemgetter(0, 1)
 _MICROBATCH = itemgetter(2)
@@ -109,8 +109,16 @@ def simulate(schedule: Schedule) -> Timeline:
     )
 
 
-def expected_makespan(schedule: Schedule, spread: float | Sequence[float], *, samples: int | None = None,
-                      seed: int = 0) -> float:
+def starting_ranks(schedule: Schedule) -> list[int]:
+    """Ranks whose first action needs no other action: they all start a step at once (one rank in
+    a one-replica pipeline, the first stage of each replica in a two-replica one)."""
+    problem = schedule.problem
+    return [r for r, actions in enumerate(schedule.ranks)
+            if actions and not problem.task(_TASK_KEY(actions[0])).deps]
+
+
+def expected_makespan(schedule: Schedule, spread: float | Sequence[float], *, start_skew: float = 0.0,
+                      samples: int | None = None, seed: int = 0) -> float:
     """The mean makespan of ``schedule`` when each action's time varies around its task's.
 
     Real actions of one task differ from one micro-batch and step to the next; where a rank waits
@@ -119,9 +127,12 @@ def expected_makespan(schedule: Schedule, spread: float | Sequence[float], *, sa
     reproducible, and the same draws for every order of one task graph) draws an independent factor
     for every single-rank action, lognormal with mean 1 and coefficient of variation ``spread`` (one
     number, or one per stage); the mean of their
-    makespans is returned. A spread of 0 everywhere gives :func:`simulate`'s makespan. ``samples``
-    None: 32, fewer for long schedules (at least 4; about 50,000 actions in all), whose many
-    actions already average their variation out. DeadlockError as :func:`simulate`.
+    makespans is returned. ``start_skew`` (seconds): where several ranks start a step at once
+    (:func:`starting_ranks`), each also begins after its own delay, drawn exponential with that mean,
+    less the earliest one's (the step starts with the first rank that moves): two such ranks start
+    ``start_skew`` apart on average. A spread of 0 everywhere and no skew give :func:`simulate`'s
+    makespan. ``samples`` None: 32, fewer for long schedules (at least 4; about 50,000 actions in
+    all), whose many actions already average their variation out. DeadlockError as :func:`simulate`.
     """
     problem = schedule.problem
     spreads = [spread] * problem.num_stages if isinstance(spread, (int, float)) else list(spread)
@@ -134,20 +145,34 @@ def expected_makespan(schedule: Schedule, spread: float | Sequence[float], *, sa
         samples = max(4, min(32, 50_000 // max(1, sum(map(len, schedule.ranks)))))
     if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
         raise ValueError(f"samples must be a positive integer, got {samples!r}")
+    if isinstance(start_skew, bool) or not isinstance(start_skew, (int, float)) or not math.isfinite(start_skew) \
+            or start_skew < 0:
+        raise ValueError(f"start_skew must be a finite number of seconds >= 0, got {start_skew!r}")
     compiled = _Compiled.of(schedule)
-    if not any(spreads):
+    starting = starting_ranks(schedule) if start_skew else []
+    if not any(spreads) and len(starting) < 2:
         return compiled.replay().makespan  # every replay checks that the lists run to the end
     sigmas = [math.sqrt(math.log1p(value * value)) for value in spreads]
     task_sigmas = [sigmas[task.stage] for task in problem.tasks]
     num_mb = len(compiled.dense)
-    draw = random.Random(seed).lognormvariate
+    draws = random.Random(seed)
     total = 0.0
     for _ in range(samples):
-        # one factor per (task, micro-batch), drawn in that order: two orders of one task graph see the
-        # same draws, so comparing them is not decided by which position drew what
-        factors = [draw(-sigma * sigma / 2, sigma) if sigma else 1.0 for sigma in task_sigmas for _ in range(num_mb)]
-        total += compiled.replay([[factors[t * num_mb + mb] for t, mb in zip(seq, mbs)]
-                                  for seq, mbs in zip(compiled.seq_tasks, compiled.seq_mbs)]).makespan
+        scales = None
+        if any(spreads):
+            # one factor per (task, micro-batch), drawn in that order: two orders of one task graph see
+            # the same draws, so comparing them is not decided by which position drew what
+            factors = [draws.lognormvariate(-sigma * sigma / 2, sigma) if sigma else 1.0
+                       for sigma in task_sigmas for _ in range(num_mb)]
+            scales = [[factors[t * num_mb + mb] for t, mb in zip(seq, mbs)]
+                      for seq, mbs in zip(compiled.seq_tasks, compiled.seq_mbs)]
+        release = None
+        if len(starting) > 1:
+            delays = [draws.expovariate(1 / start_skew) for _ in starting]
+            release = [0.0] * problem.num_ranks
+            for r, delay in zip(starting, delays):
+                release[r] = delay - min(delays)
+        total += compiled.replay(scales, release).makespan
     return total / samples
 
 
@@ -169,11 +194,12 @@ class _Compiled:
         seq_mbs, dense = _densify(seq_mbs, schedule.num_microbatches)
         return cls(schedule, index, seq_tasks, seq_mbs, dense)
 
-    def replay(self, scales: list | None = None) -> _Replay:
-        """The replay run to the end (``scales``: a factor per single-rank action); DeadlockError
-        naming each stuck rank's head action when the lists cannot finish."""
+    def replay(self, scales: list | None = None, release: list | None = None) -> _Replay:
+        """The replay run to the end (``scales``: a factor per single-rank action; ``release``: the
+        time each rank may begin); DeadlockError naming each stuck rank's head action when the lists
+        cannot finish."""
         problem = self.schedule.problem
-        replay = _Replay(problem, len(self.dense), self.seq_tasks, self.seq_mbs, scales)
+        replay = _Replay(problem, len(self.dense), self.seq_tasks, self.seq_mbs, scales, release)
         replay.run()
         stuck = [r for r in range(problem.num_ranks) if replay.pos[r] < len(self.seq_tasks[r])]
         if stuck:
@@ -220,7 +246,7 @@ class _Replay:
     rank blocked on a multi-rank action parks on the other rank that has not reached it yet.
     """
 
-    def __init__(self, problem: Problem, num_mb: int, seq_tasks, seq_mbs, scales=None) -> None:
+    def __init__(self, problem: Problem, num_mb: int, seq_tasks, seq_mbs, scales=None, release=None) -> None:
         tasks = problem.tasks
         self.scales = scales  # per rank, per position: a factor on that single-rank action's duration
         index = {task.key: i for i, task in enumerate(tasks)}
@@ -243,7 +269,7 @@ class _Replay:
         self.starts = [[0.0] * len(seq) for seq in seq_tasks]
         self.ends = [[0.0] * len(seq) for seq in seq_tasks]
         self.pos = [0] * problem.num_ranks
-        self.free = [0.0] * problem.num_ranks
+        self.free = list(release) if release is not None else [0.0] * problem.num_ranks
         self.waiting_on_rank: list[list[int]] = [[] for _ in range(problem.num_ranks)]
         self.todo = list(range(problem.num_ranks))
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from pipeloom.errors import DeadlockError, ScheduleError
 from pipeloom.ir import Action, Schedule
 from pipeloom.problem import Problem, Stage, Task, stage_graph
-from pipeloom.sim import expected_makespan, simulate
+from pipeloom.sim import expected_makespan, simulate, starting_ranks
 
 
 def _schedule(problem: Problem, rows: list[str], num_mb: int = 1) -> Schedule:
@@ -304,6 +304,36 @@ def test_expected_makespan_spread_per_stage():
     schedule = _busy_pipeline()
     only_last = [0.0, 0.0, 0.0, 0.5]
     assert simulate(schedule).makespan < expected_makespan(schedule, only_last) < expected_makespan(schedule, 0.5)
+
+
+def test_starting_ranks_are_those_whose_first_action_needs_nothing():
+    from pipeloom.schedules import build_schedule
+
+    assert starting_ranks(build_schedule("1f1b", 4, 8)) == [0]
+    assert starting_ranks(build_schedule("chimera", 4, 8)) == [0, 3]  # each replica's first stage
+    assert starting_ranks(build_schedule("dualpipev", 4, 8)) == [0]  # both directions start on rank 0
+
+
+def test_start_skew_delays_one_of_two_ranks_that_start_at_once():
+    from pipeloom.schedules import build_schedule
+
+    chimera = build_schedule("chimera", 2, 2)  # symmetric: the later rank's first forward holds up both
+    plain = simulate(chimera).makespan
+    skewed = expected_makespan(chimera, 0.0, start_skew=0.5, samples=4000)
+    # exponential delays of mean 0.5 on both ranks: the later one starts 0.5 after the other on average
+    assert skewed == pytest.approx(plain + 0.5, rel=0.01)
+    assert expected_makespan(chimera, 0.0, start_skew=0.5, samples=50) == \
+        expected_makespan(chimera, 0.0, start_skew=0.5, samples=50)  # seeded
+    one_start = _busy_pipeline()  # one starting rank: nothing to skew
+    assert expected_makespan(one_start, 0.0, start_skew=5.0) == simulate(one_start).makespan
+    assert expected_makespan(one_start, 0.2, start_skew=5.0) == expected_makespan(one_start, 0.2)
+    assert expected_makespan(chimera, 0.2, start_skew=0.5) > expected_makespan(chimera, 0.2)
+
+
+@pytest.mark.parametrize("skew", [-1.0, float("inf"), True])
+def test_expected_makespan_refuses_a_bad_start_skew(skew):
+    with pytest.raises(ValueError, match="start_skew must be a finite number of seconds >= 0"):
+        expected_makespan(_busy_pipeline(), 0.1, start_skew=skew)
 
 
 @pytest.mark.parametrize(("spread", "samples", "words"), [

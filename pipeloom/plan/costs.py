@@ -164,6 +164,12 @@ class CostTable:
     replays whose action times vary this much (:func:`pipeloom.sim.expected_makespan`): where a
     rank waits for the later of two paths, variation costs time on average. Measured by
     :func:`pipeloom.plan.profile_in_engine`."""
+    start_skew: float = 0.0
+    """Seconds: how far apart ranks that start a step at once (the first stage of each replica in a
+    two-replica schedule) begin their first actions, on average. Each draws an exponential delay of
+    this mean in :func:`pipeloom.sim.expected_makespan`; the later one holds up what depends on it.
+    Measured by :func:`pipeloom.plan.profile_in_engine` on its two-replica profiling pipeline (on
+    gloo with every core busy, a rank posting its first messages can stall for a scheduler slice)."""
     replica_link: Link | None = None
     """The two-replica schedules' gradient exchange as the engine runs it, per packed message (see
     :func:`pipeloom.plan.replica_sync_time`): packing, adding and sending back, under the load of the
@@ -181,6 +187,7 @@ class CostTable:
         object.__setattr__(self, "action_overhead", _check("action_overhead", self.action_overhead))
         object.__setattr__(self, "step_overhead", _check("step_overhead", self.step_overhead))
         object.__setattr__(self, "time_spread", _check("time_spread", self.time_spread))
+        object.__setattr__(self, "start_skew", _check("start_skew", self.start_skew))
         if self.replica_link is not None and not isinstance(self.replica_link, Link):
             raise CostTableError(f"replica_link is {type(self.replica_link).__name__}, expected a Link or None")
         seen: dict[str, int] = {}
@@ -257,7 +264,8 @@ def table_for_size(tables: CostTable | Sequence[CostTable], microbatch_size: int
     smallest or above the largest the nearest table is scaled in proportion (:meth:`CostTable.scaled`).
     The tables must list the same pieces (same names and inputs); the first one's device, link,
     optimizer factor and step overhead are kept, and the first ``replica_link`` any of them has. The
-    action overhead and time spread, fitted with each table's pieces, are interpolated with them. A
+    action overhead, time spread and start skew, fitted with each table's pieces, are interpolated
+    with them. A
     full backward ``b`` missing from one of two tables is taken as its ``i + w``.
     """
     tables = [tables] if isinstance(tables, CostTable) else list(tables)
@@ -296,13 +304,13 @@ def table_for_size(tables: CostTable | Sequence[CostTable], microbatch_size: int
     return dataclasses.replace(
         first, pieces=pieces, microbatch_size=microbatch_size, replica_link=replica_link,
         **{key: getattr(low, key) + share * (getattr(high, key) - getattr(low, key))
-           for key in ("action_overhead", "time_spread")})
+           for key in ("action_overhead", "time_spread", "start_skew")})
 
 
 # ------------------------------------------------------------------------------------------ JSON
 
 _TOP_KEYS = {"format", "device", "source", "microbatch_size", "optimizer_factor", "action_overhead",
-             "step_overhead", "time_spread", "link", "replica_link", "pieces"}
+             "step_overhead", "time_spread", "start_skew", "link", "replica_link", "pieces"}
 _LINK_KEYS = {"latency", "bandwidth"}
 _PIECE_KEYS = {"name", "f", "i", "w", "b", "activation_bytes", "w_activation_bytes", "param_bytes", "output_bytes",
                "inputs"}
@@ -319,6 +327,7 @@ def costs_to_json(table: CostTable, *, indent: int | None = 1) -> str:
         "action_overhead": table.action_overhead,
         "step_overhead": table.step_overhead,
         "time_spread": table.time_spread,
+        "start_skew": table.start_skew,
         "link": {"latency": table.link.latency, "bandwidth": table.link.bandwidth},
         "replica_link": None if table.replica_link is None
         else {"latency": table.replica_link.latency, "bandwidth": table.replica_link.bandwidth},
@@ -349,7 +358,7 @@ def costs_from_json(text: str) -> CostTable:
     """Parse ``pipeloom.costs/1`` JSON; unknown keys, another format or a wrong type are errors.
 
     Optional keys: ``device`` (""), ``source`` ("manual"), ``optimizer_factor`` (2),
-    ``action_overhead`` and ``step_overhead`` (0 seconds), ``time_spread`` (0), ``link`` (no
+    ``action_overhead``, ``step_overhead`` and ``start_skew`` (0 seconds), ``time_spread`` (0), ``link`` (no
     latency, unlimited bandwidth), ``replica_link`` (null: the exchange is priced with ``link``), and
     per piece ``b`` (null: the full backward is priced ``i + w``), the byte counts (0) and ``inputs``
     (the piece before it).
@@ -372,6 +381,7 @@ def costs_from_json(text: str) -> CostTable:
         action_overhead=number(document, "action_overhead", where=where, error=CostTableError, default=0.0),
         step_overhead=number(document, "step_overhead", where=where, error=CostTableError, default=0.0),
         time_spread=number(document, "time_spread", where=where, error=CostTableError, default=0.0),
+        start_skew=number(document, "start_skew", where=where, error=CostTableError, default=0.0),
         link=link, replica_link=replica_link,
     )
 

@@ -30,6 +30,7 @@ from pipeloom.plan.search import exchange_time
 from pipeloom.problem import Costs, stage_graph
 from pipeloom.runtime import pipeline
 from pipeloom.schedules.common import chain_problem
+from pipeloom.sim import starting_ranks
 from pipeloom.viz.measured import comm_latency_estimate, step_times, task_durations
 from pipeloom.viz.run_trace import RunTrace, run_trace_from_documents
 
@@ -51,9 +52,10 @@ def profiling_schedule(num_pieces: int, num_ranks: int, num_microbatches: int, *
 
     ``replicas=2``: two model replicas as in Chimera, the second one's piece k (stage
     ``num_pieces + k``) on the mirrored rank ``num_ranks - 1 - k * num_ranks // num_pieces``, and
-    ``num_microbatches`` per replica. Each rank runs its first-replica forwards, its second-replica
-    forwards, their backwards, then its first-replica backwards: the ranks' lists are again
-    subsequences of one dependency order (forwards down the ranks, then up; backwards up, then down).
+    ``num_microbatches`` per replica. Each rank runs the forwards of the replica whose pieces it
+    holds nearer that replica's start, then the other replica's forwards, their backwards, then the
+    first one's backwards, as Chimera does: the last rank starts the second replica while the first
+    rank starts the first, both at the step's start, and every rank's list follows the data.
     """
     if num_pieces < num_ranks:
         raise PlanError(f"the model has {num_pieces} piece(s) for {num_ranks} ranks; profiling in the engine "
@@ -88,6 +90,8 @@ def profiling_schedule(num_pieces: int, num_ranks: int, num_microbatches: int, *
     for r in range(num_ranks):
         first = [k for k in range(num_pieces) if stage_rank[k] == r]
         second = [num_pieces + k for k in range(num_pieces) if stage_rank[num_pieces + k] == r]
+        if second[0] - num_pieces < first[0]:  # nearer the start of the second replica's chain
+            first, second = second, first
         ranks.append(tuple(forwards(first) + forwards(second) + backwards(second) + backwards(first)))
     return Schedule(name=f"{name}-2", problem=problem, num_microbatches=num_microbatches, ranks=tuple(ranks))
 
@@ -176,7 +180,8 @@ class EngineProfiler:
         averaged over the two pipelines. Where the two-replica pipeline ran, its own cost outside the
         schedule beyond that is its replica-gradient exchange: the table's ``replica_link`` is the
         per-message latency that prices that exchange at the measured seconds
-        (:func:`~pipeloom.plan.search.exchange_time`, with ``bandwidth``).
+        (:func:`~pipeloom.plan.search.exchange_time`, with ``bandwidth``); and, as both its replicas
+        start a step at once, its ``start_skew`` (:func:`_start_skew`).
         ``bandwidth`` (bytes/s; None: unlimited) goes into the table's link.
         """
         if self.steps <= skip:
@@ -202,8 +207,9 @@ class EngineProfiler:
                        for k, piece in enumerate(self.base.pieces))
         spread = _time_spread(list(zip(runs, durations)), steps)
         where = self.base.device.split(" (")[0]
-        replica_link = self.base.replica_link
+        replica_link, skew = self.base.replica_link, self.base.start_skew
         if exchange is not None:
+            skew = _start_skew(exchange, steps)
             _, exchange_outside = _fit_run(exchange, steps)
             exchanged = max(0.0, exchange_outside - statistics.fmean(outside))  # beyond the one-replica step cost
             params = [sum(p.param_bytes for p in self.base.pieces[a:b]) for a, b in pairwise(self.exchange_bounds)]
@@ -213,7 +219,7 @@ class EngineProfiler:
             self.base, pieces=pieces, source="profile",
             link=Link(latency=statistics.fmean(latencies), bandwidth=bandwidth), replica_link=replica_link,
             action_overhead=action_cost if action_overhead is None else action_overhead,
-            step_overhead=statistics.fmean(outside), time_spread=spread,
+            step_overhead=statistics.fmean(outside), time_spread=spread, start_skew=skew,
             device=f"{where} (in the engine, {self.world} ranks, {torch.get_num_threads()} thread(s) each)")
 
     def _run(self, engine: object) -> RunTrace:
@@ -248,6 +254,24 @@ def _fitted_action_cost(raw: Callable[[int, str], float], bounds: list[int], who
         for stage in (k, runs + k) for kind in ("F", "B")
     ]
     return max(0.0, statistics.median(samples)) if samples else 0.0
+
+
+def _start_skew(run: RunTrace, steps: list[int]) -> float:
+    """The mean start delay of ranks that start a step at once (:func:`pipeloom.sim.starting_ranks`),
+    as :func:`pipeloom.sim.expected_makespan` draws it: exponential delays of mean m give k such
+    ranks a mean gap of ``m * (1 + 1/2 + ... + 1/(k-1))`` between the first and the last to begin, so
+    m is the measured mean gap over that sum (0 where fewer than two ranks start at once)."""
+    starting = starting_ranks(run.schedule)
+    if len(starting) < 2:
+        return 0.0
+    wanted = set(steps)
+    gaps = []
+    for i, step in enumerate(run.steps):
+        if step in wanted:
+            firsts = [run.ranks[r][i].of_kind("compute")[0].start_ns for r in starting]
+            gaps.append((max(firsts) - min(firsts)) * 1e-9)
+    harmonic = sum(1 / k for k in range(1, len(starting)))
+    return statistics.fmean(gaps) / harmonic if gaps else 0.0
 
 
 def _time_spread(runs: list[tuple[RunTrace, dict]], steps: list[int]) -> float:

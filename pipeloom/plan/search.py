@@ -56,8 +56,9 @@ class Candidate:
     microbatch_size: int
     """Samples per micro-batch."""
     step_time: float | None = None
-    """Predicted seconds per step: the simulated makespan (with the table's ``time_spread``, the mean
-    over replays with varying action times: :func:`pipeloom.sim.expected_makespan`), plus the
+    """Predicted seconds per step: the simulated makespan (with the table's ``time_spread`` or
+    ``start_skew``, the mean over replays with varying action times and start delays:
+    :func:`pipeloom.sim.expected_makespan`), plus the
     replicas' gradient exchange for two-replica schedules (:func:`replica_sync_time`), plus the
     table's fixed ``step_overhead``; None when no split fits."""
     peak_memory: float | None = None
@@ -296,8 +297,8 @@ class _Search:
         limit = self.memory_limit
         costed = dataclasses.replace(library, problem=recost(library, table, found, memory_limit=limit))
         timeline = simulate(costed)
-        makespan = (expected_makespan(costed, stage_spreads(table, library, found)) if table.time_spread
-                    else timeline.makespan)
+        makespan = (expected_makespan(costed, stage_spreads(table, library, found), start_skew=table.start_skew)
+                    if table.time_spread or table.start_skew else timeline.makespan)
         peak = max(timeline.peak_memory)
         reason = "" if limit is None or peak <= limit * _FIT else f"peak {format_bytes(peak)} > {format_bytes(limit)}"
         return dataclasses.replace(
@@ -351,9 +352,8 @@ def plan_pipeline(
     if search_time > 0:
         top = [c for c in ranked if c.fits][:search_top]
         ranked = sorted(ranked + [found for c in top if (found := _searched(
-            c, search_time / len(top), memory_limit,
-            stage_spreads(table_for_size(tables, c.microbatch_size), c.timeline.schedule, c.partition)))
-            is not None], key=_rank)
+            c, search_time / len(top), memory_limit, table_for_size(tables, c.microbatch_size))) is not None],
+            key=_rank)
     best = ranked[0]
     if not best.fits:
         raise _nothing_fits(table, num_ranks, memory_limit, ranked)
@@ -368,19 +368,22 @@ def plan_pipeline(
 
 
 def _searched(candidate: Candidate, seconds: float, memory_limit: float | None,
-              spread: list[float]) -> Candidate | None:
+              table: CostTable) -> Candidate | None:
     """The CP-SAT search's schedule for ``candidate``'s re-costed task graph, when it is faster
-    (both predicted with the table's ``spread``)."""
+    (both predicted with ``table``'s time spread and start skew)."""
     from pipeloom.search import search
 
     schedule = candidate.timeline.schedule
+    spread = stage_spreads(table, schedule, candidate.partition)
     try:
         result = search(schedule.problem, schedule.num_microbatches, time_limit=seconds, memory_limit=memory_limit,
                         name="search")
     except PipeloomError:
         return None
     timeline = simulate(result.schedule)
-    before, after = ((expected_makespan(schedule, spread), expected_makespan(result.schedule, spread)) if any(spread)
+    skew = table.start_skew
+    before, after = ((expected_makespan(schedule, spread, start_skew=skew),
+                      expected_makespan(result.schedule, spread, start_skew=skew)) if any(spread) or skew
                      else (candidate.timeline.makespan, timeline.makespan))
     step = after + (candidate.step_time - before)  # the same replica exchange and step overhead
     if step >= candidate.step_time * (1 - 1e-9):

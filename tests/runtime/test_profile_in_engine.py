@@ -17,10 +17,17 @@ from pipeloom.cli import main
 from pipeloom.ir import schedule_to_json
 from pipeloom.plan import PlanError, load_costs
 from pipeloom.plan.costs import Link, costs_from_json
-from pipeloom.plan.inplace import _exchange_latency, _fitted_action_cost, _time_spread, profiling_schedule
+from pipeloom.plan.inplace import (
+    _exchange_latency,
+    _fitted_action_cost,
+    _start_skew,
+    _time_spread,
+    profiling_schedule,
+)
 from pipeloom.plan.placement import schedule_shape
 from pipeloom.plan.search import exchange_time
 from pipeloom.runtime.lower import model_pieces
+from pipeloom.sim import starting_ranks
 from pipeloom.viz.measured import task_durations
 from pipeloom.viz.run_trace import TRACE_FORMAT, run_trace_from_documents
 
@@ -80,6 +87,7 @@ def test_two_replica_profiling_schedule_mirrors_the_first(pieces, ranks, microba
     assert [shape.rank[k] for k in range(pieces)] == [k * ranks // pieces for k in range(pieces)]
     assert [shape.rank[pieces + k] for k in range(pieces)] == [ranks - 1 - k * ranks // pieces for k in range(pieces)]
     assert sum(map(len, schedule.ranks)) == 2 * pieces * microbatches * (3 if split else 2)
+    assert starting_ranks(schedule) == [0, ranks - 1]  # both replicas start at once, as in Chimera
 
 
 def test_two_replica_profiling_needs_an_even_number_of_ranks_and_one_or_two_replicas():
@@ -99,14 +107,14 @@ def test_profile_in_engine_on_three_ranks_runs_no_two_replica_pipeline():
     assert tables[0].replica_link is None and tables[0].action_overhead == 0.0  # nothing to fit them from
 
 
-def _documents(schedule, factor) -> list[dict]:
+def _documents(schedule, factor, start=lambda step, rank: 0.0) -> list[dict]:
     """Runtime-trace documents of two steps of ``schedule``: each action takes ``factor(step, action)``
-    seconds, one after the other on its rank."""
+    seconds, one after the other on its rank, the first ``start(step, rank)`` seconds into the step."""
     documents = []
     for rank, actions in enumerate(schedule.ranks):
         steps = []
         for step in range(2):
-            now, events = 0, []
+            now, events = round(start(step, rank) * 1e9), []
             for action in actions:
                 end = now + round(factor(step, action) * 1e9)
                 events.append({"name": str(action), "kind": "compute", "start_ns": now, "end_ns": end})
@@ -130,6 +138,19 @@ def test_time_spread_is_the_variation_left_after_each_steps_drift(drift):
     assert spread == pytest.approx(1.4826 * 0.2, rel=1e-3)
     steady = run_trace_from_documents(_documents(schedule, lambda step, a: base[a.kind] * (drift if step else 1.0)))
     assert _time_spread([(steady, task_durations(steady, steps=[0, 1]))], [0, 1]) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_start_skew_is_the_mean_gap_between_ranks_that_start_at_once():
+    # 4 ranks, two of which (0 and 3) start the step: 3 ms apart in step 0, 1 ms in step 1 (rank 0
+    # late there); the middle ranks' first actions wait for data and do not count
+    schedule = profiling_schedule(4, 4, 2, split_backward=False, replicas=2)
+    offsets = {(0, 3): 3e-3, (1, 0): 1e-3, (0, 1): 7e-3, (1, 2): 9e-3}
+    run = run_trace_from_documents(_documents(schedule, lambda step, a: 0.01,
+                                              lambda step, rank: offsets.get((step, rank), 0.0)))
+    assert _start_skew(run, [0, 1]) == pytest.approx(2e-3)
+    assert _start_skew(run, [1]) == pytest.approx(1e-3)
+    one = profiling_schedule(2, 2, 2, split_backward=False)  # one replica: one rank starts
+    assert _start_skew(run_trace_from_documents(_documents(one, lambda step, a: 0.01)), [0, 1]) == 0.0
 
 
 @pytest.mark.parametrize("bandwidth", [None, 1e3])
