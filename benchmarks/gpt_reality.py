@@ -266,7 +266,7 @@ def _measure_overhead(rank: int, config: RealityConfig, link: Link, *, counts: t
                                   pieces=["0", "1"], warmup_steps=3, steps=10)
         inside = statistics.median(getattr(p, key) for p in table.pieces for key in "fiwb")
         return inside, inside, {"inside": inside, "overhead": inside, "fixed": table.step_overhead,
-                                "latency": table.link.latency}
+                                "latency": table.link.latency, "message": table.message_cost}
     out = Path(config.out)
     residual = {}
     for count in counts:
@@ -481,7 +481,7 @@ def _worker(rank: int, store_file: str, config: RealityConfig) -> None:
         profiled["fits"] = [{"size": t.microbatch_size, "latency": t.link.latency, "step_overhead": t.step_overhead,
                              "replica_latency": None if t.replica_link is None else t.replica_link.latency,
                              "time_spread": t.time_spread, "start_skew": t.start_skew,
-                             "action_cost": t.action_overhead}
+                             "action_cost": t.action_overhead, "message_cost": t.message_cost}
                             for t in tables]
         tables = [_with_engine_costs(table, costs) for table in tables]
         profiled.update(latency=costs.latency, step_overhead=costs.step)
@@ -557,6 +557,7 @@ def _measure_plan(rank: int, record: dict, engine, profiler: EngineProfiler | No
         profile_note = {"profile_foreign": foreign, "profile_attempts": attempts,
                         "replica_latency": None if fitted.replica_link is None else fitted.replica_link.latency,
                         "time_spread": fitted.time_spread, "start_skew": fitted.start_skew,
+                        "message_cost": fitted.message_cost,
                         "action_cost": fitted.action_overhead}
     if rank == 0:
         entry = {"predicted": predict(record, [table], config), "times": times, "traced_steps": traced,

@@ -99,10 +99,12 @@ def prediction_vs_reality(args: argparse.Namespace) -> None:
                          + ("" if f.get("replica_latency") is None else f"/{f['replica_latency'] * 1e3:.2f}")
                          + f" spread {f.get('time_spread', 0):.2f} skew {f.get('start_skew', 0) * 1e3:.2f} ms"
                          + f" action {f.get('action_cost', 0) * 1e6:.0f} us"
+                         + f" message {f.get('message_cost', 0) * 1e6:.0f} us"
                          for f in profile["fits"])
         print(f"engine cost per action of a 4x4-linear pipeline that sends at every action (for reference): "
-              f"{note['inside'] * 1e6:.0f} us; latency under load / per-step cost / replica-exchange latency (ms), "
-              f"time spread, start skew and cost per action fitted at each size: {fits}; "
+              f"{note['inside'] * 1e6:.0f} us and {note.get('message', 0) * 1e6:.0f} us per message; "
+              f"latency under load / per-step cost / replica-exchange latency (ms), "
+              f"time spread, start skew, cost per action and per message fitted at each size: {fits}; "
               f"medians used in every "
               f"prediction: {profile['latency'] * 1e3:.2f} ms latency, {profile['step_overhead'] * 1e3:.2f} ms per step")
     else:

@@ -283,7 +283,8 @@ def _profile_in_engine(args: argparse.Namespace, module, function) -> int:
                         else f"{table.replica_link.latency * 1e3:.2f} ms per message")
             Console(stderr=args.json, highlight=False).print(
                 f"fitted: latency under load {table.link.latency * 1e3:.2f} ms, per step "
-                f"{table.step_overhead * 1e3:.2f} ms, per action {table.action_overhead * 1e6:.0f} us, time spread "
+                f"{table.step_overhead * 1e3:.2f} ms, per action {table.action_overhead * 1e6:.0f} us, per message "
+                f"{table.message_cost * 1e6:.0f} us, time spread "
                 f"{table.time_spread:.2f}, start skew {table.start_skew * 1e3:.2f} ms, replica exchange {exchange}",
                 markup=False, soft_wrap=True)
         dist.barrier()

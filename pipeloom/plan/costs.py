@@ -154,6 +154,12 @@ class CostTable:
     """Seconds the runtime spends per action beyond the piece times (dispatch, bookkeeping, posting
     messages); the simulator adds it to every task (F, B, I and W alike). Not scaled with the
     micro-batch size."""
+    message_cost: float = 0.0
+    """Seconds an action spends per message to or from another rank: posting the send, or the
+    receive ahead of the action that needs it (the runtime's own work, and on a busy machine the
+    transport's stalls). :func:`~pipeloom.plan.recost` adds it to a stage's F and its B or I once
+    per edge of the stage that crosses ranks: the piece times themselves hold no messages. Not
+    scaled with the micro-batch size. Measured by :func:`pipeloom.plan.profile_in_engine`."""
     step_overhead: float = 0.0
     """Seconds the runtime spends once per step outside the actions (the step's preamble, the loss
     all-reduce, waiting for the last sends); added to every predicted step time. Not scaled with the
@@ -188,6 +194,7 @@ class CostTable:
         object.__setattr__(self, "step_overhead", _check("step_overhead", self.step_overhead))
         object.__setattr__(self, "time_spread", _check("time_spread", self.time_spread))
         object.__setattr__(self, "start_skew", _check("start_skew", self.start_skew))
+        object.__setattr__(self, "message_cost", _check("message_cost", self.message_cost))
         if self.replica_link is not None and not isinstance(self.replica_link, Link):
             raise CostTableError(f"replica_link is {type(self.replica_link).__name__}, expected a Link or None")
         seen: dict[str, int] = {}
@@ -264,8 +271,8 @@ def table_for_size(tables: CostTable | Sequence[CostTable], microbatch_size: int
     smallest or above the largest the nearest table is scaled in proportion (:meth:`CostTable.scaled`).
     The tables must list the same pieces (same names and inputs); the first one's device, link,
     optimizer factor and step overhead are kept, and the first ``replica_link`` any of them has. The
-    action overhead, time spread and start skew, fitted with each table's pieces, are interpolated
-    with them. A
+    action overhead, message cost, time spread and start skew, fitted with each table's pieces, are
+    interpolated with them. A
     full backward ``b`` missing from one of two tables is taken as its ``i + w``.
     """
     tables = [tables] if isinstance(tables, CostTable) else list(tables)
@@ -304,13 +311,13 @@ def table_for_size(tables: CostTable | Sequence[CostTable], microbatch_size: int
     return dataclasses.replace(
         first, pieces=pieces, microbatch_size=microbatch_size, replica_link=replica_link,
         **{key: getattr(low, key) + share * (getattr(high, key) - getattr(low, key))
-           for key in ("action_overhead", "time_spread", "start_skew")})
+           for key in ("action_overhead", "message_cost", "time_spread", "start_skew")})
 
 
 # ------------------------------------------------------------------------------------------ JSON
 
 _TOP_KEYS = {"format", "device", "source", "microbatch_size", "optimizer_factor", "action_overhead",
-             "step_overhead", "time_spread", "start_skew", "link", "replica_link", "pieces"}
+             "message_cost", "step_overhead", "time_spread", "start_skew", "link", "replica_link", "pieces"}
 _LINK_KEYS = {"latency", "bandwidth"}
 _PIECE_KEYS = {"name", "f", "i", "w", "b", "activation_bytes", "w_activation_bytes", "param_bytes", "output_bytes",
                "inputs"}
@@ -325,6 +332,7 @@ def costs_to_json(table: CostTable, *, indent: int | None = 1) -> str:
         "microbatch_size": table.microbatch_size,
         "optimizer_factor": table.optimizer_factor,
         "action_overhead": table.action_overhead,
+        "message_cost": table.message_cost,
         "step_overhead": table.step_overhead,
         "time_spread": table.time_spread,
         "start_skew": table.start_skew,
@@ -358,7 +366,7 @@ def costs_from_json(text: str) -> CostTable:
     """Parse ``pipeloom.costs/1`` JSON; unknown keys, another format or a wrong type are errors.
 
     Optional keys: ``device`` (""), ``source`` ("manual"), ``optimizer_factor`` (2),
-    ``action_overhead``, ``step_overhead`` and ``start_skew`` (0 seconds), ``time_spread`` (0), ``link`` (no
+    ``action_overhead``, ``message_cost``, ``step_overhead`` and ``start_skew`` (0 seconds), ``time_spread`` (0), ``link`` (no
     latency, unlimited bandwidth), ``replica_link`` (null: the exchange is priced with ``link``), and
     per piece ``b`` (null: the full backward is priced ``i + w``), the byte counts (0) and ``inputs``
     (the piece before it).
@@ -379,6 +387,7 @@ def costs_from_json(text: str) -> CostTable:
         source=string(document, "source", where=where, error=CostTableError, default="manual"),
         optimizer_factor=number(document, "optimizer_factor", where=where, error=CostTableError, default=2.0),
         action_overhead=number(document, "action_overhead", where=where, error=CostTableError, default=0.0),
+        message_cost=number(document, "message_cost", where=where, error=CostTableError, default=0.0),
         step_overhead=number(document, "step_overhead", where=where, error=CostTableError, default=0.0),
         time_spread=number(document, "time_spread", where=where, error=CostTableError, default=0.0),
         start_skew=number(document, "start_skew", where=where, error=CostTableError, default=0.0),

@@ -31,7 +31,7 @@ from pipeloom.problem import Costs, stage_graph
 from pipeloom.runtime import pipeline
 from pipeloom.schedules.common import chain_problem
 from pipeloom.sim import starting_ranks
-from pipeloom.viz.measured import comm_latency_estimate, step_times, task_durations
+from pipeloom.viz.measured import comm_latency_estimate, message_cost, step_times, task_durations
 from pipeloom.viz.run_trace import RunTrace, run_trace_from_documents
 
 __all__ = ["EngineProfiler", "profile_in_engine", "profiling_schedule"]
@@ -167,8 +167,10 @@ class EngineProfiler:
               action_overhead: float | None = None) -> CostTable:
         """The cost table from the steps after the first ``skip``; the same on every rank.
 
-        Piece times: medians over steps and micro-batches (F: the mean of the two pipelines' medians),
-        each less ``action_cost``, the runtime's own seconds inside one action. None fits it where the
+        Piece times: medians over steps and micro-batches (F: the mean of the two pipelines' medians)
+        of each action less the sends and receive posts it made (their mean time becomes the table's
+        ``message_cost``, which a plan's stages pay per edge crossing ranks), and less
+        ``action_cost``, the runtime's own seconds inside one action. None fits it where the
         two-replica pipeline ran (else 0): that pipeline runs each rank's run of pieces as one action,
         so a run of n pieces timed whole, ``T``, against its pieces timed apart, ``sum t``, gives
         ``(sum t - T) / (n - 1)``; the median over runs, replicas, F and B, at least 0.
@@ -188,7 +190,7 @@ class EngineProfiler:
             raise PlanError(f"{self.steps} profiling step(s) recorded, {skip} to skip; run step() more often")
         runs = [self._run(engine) for engine in self.engines]
         steps = list(range(skip, self.steps))
-        durations = [task_durations(run, steps=steps) for run in runs]
+        durations = [task_durations(run, steps=steps, messages=False) for run in runs]
         latencies, outside = zip(*(_fit_run(run, steps) for run in runs))
 
         def raw(stage: int, kind: str) -> float:
@@ -197,7 +199,8 @@ class EngineProfiler:
         exchange = self._run(self.exchange) if self.exchange is not None else None
         if action_cost is None:
             action_cost = 0.0 if exchange is None else _fitted_action_cost(
-                raw, self.exchange_bounds, task_durations(exchange, steps=steps))
+                raw, self.exchange_bounds, task_durations(exchange, steps=steps, messages=False))
+        messages = statistics.fmean(message_cost(run, steps=steps) for run in runs)
 
         def seconds(stage: int, kind: str) -> float:
             return max(0.0, raw(stage, kind) - action_cost)
@@ -205,7 +208,7 @@ class EngineProfiler:
         pieces = tuple(dataclasses.replace(piece, f=seconds(k, "F"), i=seconds(k, "I"), w=seconds(k, "W"),
                                            b=seconds(k, "B"))
                        for k, piece in enumerate(self.base.pieces))
-        spread = _time_spread(list(zip(runs, durations)), steps)
+        spread = _time_spread([(run, task_durations(run, steps=steps)) for run in runs], steps)
         where = self.base.device.split(" (")[0]
         replica_link, skew = self.base.replica_link, self.base.start_skew
         if exchange is not None:
@@ -218,7 +221,7 @@ class EngineProfiler:
         return dataclasses.replace(
             self.base, pieces=pieces, source="profile",
             link=Link(latency=statistics.fmean(latencies), bandwidth=bandwidth), replica_link=replica_link,
-            action_overhead=action_cost if action_overhead is None else action_overhead,
+            action_overhead=action_cost if action_overhead is None else action_overhead, message_cost=messages,
             step_overhead=statistics.fmean(outside), time_spread=spread, start_skew=skew,
             device=f"{where} (in the engine, {self.world} ranks, {torch.get_num_threads()} thread(s) each)")
 

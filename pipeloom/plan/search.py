@@ -142,8 +142,9 @@ def recost(schedule: Schedule, table: CostTable, found: Partition, *, memory_lim
     static memory per rank the weights, gradients and optimizer state of its stages, and the
     communication latency the link time of the largest output crossing ranks. A stage that reads
     only model inputs (no gradient flows into it) has its I counted as W, as the engine's I has no
-    input gradient to compute there. Every task also pays ``table.action_overhead`` (a full B once).
-    The task graph keeps the schedule's (same ranks, edges and backward split), so its action order
+    input gradient to compute there. Every task also pays ``table.action_overhead`` (a full B once),
+    and a stage's F and its B or I pay ``table.message_cost`` once per edge of the stage to or from
+    another rank (the send or the receive that action posts). The task graph keeps the schedule's (same ranks, edges and backward split), so its action order
     stays valid.
     """
     shape = schedule_shape(schedule)
@@ -154,6 +155,12 @@ def recost(schedule: Schedule, table: CostTable, found: Partition, *, memory_lim
     extra = table.action_overhead
     stages = []
     static = [0.0] * shape.num_ranks
+    crossings = [0] * len(shape.rank)  # edges to or from another rank, per stage
+    for s in range(len(shape.rank)):
+        for c in shape.consumers[s]:
+            if shape.rank[c] != shape.rank[s]:
+                crossings[s] += 1
+                crossings[c] += 1
     for s, j in enumerate(shape.model_stage):
         part = parts[j]
         i, w = sum(p.i for p in part), sum(p.w for p in part)
@@ -161,8 +168,10 @@ def recost(schedule: Schedule, table: CostTable, found: Partition, *, memory_lim
             i, w = sum(p.full_backward for p in part), 0.0  # one autograd.backward, as the engine's B
         elif _reads_model_inputs_only(part):
             i, w = 0.0, i + w
-        stages.append(Stage(ranks=(shape.rank[s],), f=sum(p.f for p in part) + extra, b=i + extra,
-                            w=w + (extra if split else 0.0), memory=sum(p.activation_bytes for p in part),
+        messages = table.message_cost * crossings[s]
+        stages.append(Stage(ranks=(shape.rank[s],), f=sum(p.f for p in part) + extra + messages,
+                            b=i + extra + messages, w=w + (extra if split else 0.0),
+                            memory=sum(p.activation_bytes for p in part),
                             w_memory=sum(p.w_activation_bytes for p in part)))
         static[shape.rank[s]] += sum(table.static_bytes(p) for p in part)
     edges = [(s, c) for s in range(len(shape.rank)) for c in shape.consumers[s]]

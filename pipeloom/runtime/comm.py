@@ -253,6 +253,7 @@ class Messenger:
                 self._post(other)
 
     def _post(self, unit: Unit) -> None:
+        start = time.time_ns() if self.events is not None else 0
         src = self.to_global(unit.src)
         buffers, works = [], []
         for meta in self._expected(unit):
@@ -265,6 +266,8 @@ class Messenger:
                 works.append(self._call(dist.irecv, buffer, src, tag, unit, "receiving"))
             buffers.append(buffer)
         self.posted[unit.id] = _Posted(buffers, works)
+        if self.events is not None and not self.batch:  # NCCL posts them later, with flush()
+            self._note(f"POST {self.units_name(unit)} from {unit.src}", "post", start)
 
     def _expected(self, unit: Unit) -> list[LeafMeta]:
         if unit.kind == "F":

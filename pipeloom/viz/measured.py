@@ -22,6 +22,7 @@ from pipeloom.viz.run_trace import RunTrace, TraceFormatError, load_run_trace
 from pipeloom.viz.trace import trace_events
 
 __all__ = [
+    "MESSAGE_KINDS",
     "Comparison",
     "RunTrace",
     "StepSelectionError",
@@ -33,6 +34,7 @@ __all__ = [
     "measured_step_time",
     "measured_timeline",
     "merged_trace_events",
+    "message_cost",
     "predicted_timeline",
     "recosted_schedule",
     "selected_steps",
@@ -110,21 +112,45 @@ def _compute_events(run: RunTrace, rank: int, i: int):
     return zip(run.schedule.ranks[rank], run.ranks[rank][i].of_kind("compute"))
 
 
-def _duration_samples(run: RunTrace, steps: Steps) -> dict[TaskKey, list[int]]:
-    """Nanosecond durations of every (stage, kind), over ranks, micro-batches and selected steps."""
+MESSAGE_KINDS = ("send", "post")
+"""Events of the runtime's own work for one message inside an action: posting a send, or the
+receive of a unit ahead of the action that needs it."""
+
+
+def _duration_samples(run: RunTrace, steps: Steps, *, messages: bool = True) -> dict[TaskKey, list[int]]:
+    """Nanosecond durations of every (stage, kind), over ranks, micro-batches and selected steps;
+    ``messages=False`` leaves out the send and post events inside each action."""
     samples: dict[TaskKey, list[int]] = {task.key: [] for task in run.schedule.problem.tasks}
     for i in _indices(run, steps):
         for rank in range(run.world_size):
+            inside = [] if messages else [e for e in run.ranks[rank][i].events if e.kind in MESSAGE_KINDS]
             for action, event in _compute_events(run, rank, i):
-                samples[action.task].append(event.end_ns - event.start_ns)
+                own = sum(e.end_ns - e.start_ns for e in inside
+                          if e.start_ns >= event.start_ns and e.end_ns <= event.end_ns)
+                samples[action.task].append(event.end_ns - event.start_ns - own)
     return samples
 
 
-def task_durations(run: RunTrace, *, steps: Steps = "warm") -> dict[TaskKey, float]:
+def task_durations(run: RunTrace, *, steps: Steps = "warm", messages: bool = True) -> dict[TaskKey, float]:
     """``{(stage, kind): seconds}``: median duration of each task over ranks, micro-batches and
-    the selected steps; a task with no event (none in a complete schedule) keeps 0."""
+    the selected steps; a task with no event (none in a complete schedule) keeps 0.
+    ``messages=False``: each action less the sends and receive posts it made (``send`` and
+    ``post`` events inside it), its compute and own bookkeeping only."""
     return {key: statistics.median(ns) * _NS if ns else 0.0
-            for key, ns in _duration_samples(run, steps).items()}
+            for key, ns in _duration_samples(run, steps, messages=messages).items()}
+
+
+def message_cost(run: RunTrace, *, steps: Steps = "warm") -> float:
+    """Mean seconds of the ``send`` and ``post`` events of the selected steps inside actions: what an
+    action spends per message it sends or whose receive it posts (0 where there is none)."""
+    durations = [
+        e.end_ns - e.start_ns
+        for i in _indices(run, steps) for rank in range(run.world_size)
+        for compute in [run.ranks[rank][i].of_kind("compute")]
+        for e in run.ranks[rank][i].events
+        if e.kind in MESSAGE_KINDS and any(c.start_ns <= e.start_ns and e.end_ns <= c.end_ns for c in compute)
+    ]
+    return statistics.fmean(durations) * _NS if durations else 0.0
 
 
 def comm_latency_estimate(run: RunTrace, *, steps: Steps = "warm", mean: bool = False) -> float:

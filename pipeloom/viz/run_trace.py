@@ -33,7 +33,7 @@ __all__ = [
 
 TRACE_FORMAT = "pipeloom.runtime-trace/1"
 """The ``format`` tag of a per-rank trace file this version reads."""
-EVENT_KINDS = ("compute", "wait", "send")
+EVENT_KINDS = ("compute", "wait", "send", "post")
 """Event kinds kept when reading; any other kind (``loss``, ``sync``, ...) is skipped."""
 
 _RANK_FILE = re.compile(r"rank(\d+)\.json")
@@ -51,7 +51,8 @@ class TraceEvent:
     name: str
     """Action text (``0F1``) for compute events; free text for the others."""
     kind: str
-    """``compute``, ``wait`` (blocked on a receive) or ``send`` (posting a send)."""
+    """``compute``, ``wait`` (blocked on a receive), ``send`` (posting a send) or ``post`` (posting a
+    receive ahead of its action)."""
     start_ns: int
     """Start, nanoseconds since the epoch."""
     end_ns: int
@@ -69,7 +70,7 @@ class StepTrace:
     end_ns: int
     """End of the ``engine.step`` call on this rank."""
     events: tuple[TraceEvent, ...]
-    """Compute, wait and send events, in the order the file lists them."""
+    """Compute, wait, send and post events, in the order the file lists them."""
 
     def of_kind(self, kind: str) -> tuple[TraceEvent, ...]:
         """The events of ``kind``; ``compute`` ones follow the rank's action list."""

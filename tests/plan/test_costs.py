@@ -128,6 +128,7 @@ def test_json_optional_keys_take_their_defaults():
     (lambda d: d.update(replica_link=[1, 2]), r"costs\.replica_link: expected an object"),
     (lambda d: d.update(time_spread=-0.5), "time_spread: must be >= 0"),
     (lambda d: d.update(start_skew=-0.5), "start_skew: must be >= 0"),
+    (lambda d: d.update(message_cost=-1e-4), "message_cost: must be >= 0"),
     (lambda d: d.update(start_skew="late"), r"start_skew: expected a finite number"),
 ])
 def test_json_errors_name_the_key(change, words):
@@ -248,15 +249,17 @@ def test_b_scales_and_interpolates_with_the_other_times():
 
 
 def test_time_spread_and_replica_link_round_trip_and_default_for_old_files():
-    table = _table(time_spread=0.15, start_skew=2e-3, replica_link=Link(latency=2e-3, bandwidth=3e9))
+    table = _table(time_spread=0.15, start_skew=2e-3, message_cost=3e-4,
+                   replica_link=Link(latency=2e-3, bandwidth=3e9))
     again = costs_from_json(costs_to_json(table))
-    assert again == table and again.replica_link == Link(latency=2e-3, bandwidth=3e9) and again.start_skew == 2e-3
+    assert again == table and again.replica_link == Link(latency=2e-3, bandwidth=3e9)
+    assert (again.start_skew, again.message_cost) == (2e-3, 3e-4)
     document = json.loads(costs_to_json(_table()))
     assert document["replica_link"] is None and document["time_spread"] == 0.0 and document["start_skew"] == 0.0
-    for key in ("replica_link", "time_spread", "start_skew"):
+    for key in ("replica_link", "time_spread", "start_skew", "message_cost"):
         document.pop(key)
     old = costs_from_json(json.dumps(document))
-    assert old.replica_link is None and old.time_spread == 0.0 and old.start_skew == 0.0
+    assert old.replica_link is None and old.time_spread == old.start_skew == old.message_cost == 0.0
 
 
 def test_replica_link_must_be_a_link():
@@ -275,10 +278,12 @@ def test_table_for_size_keeps_a_replica_link_any_table_measured():
 
 
 def test_table_for_size_interpolates_the_fitted_action_overhead_and_time_spread():
-    small = _table(microbatch_size=2, action_overhead=1e-4, time_spread=0.2, step_overhead=1e-3, start_skew=1e-3)
-    large = _table(microbatch_size=6, action_overhead=3e-4, time_spread=0.1, step_overhead=5e-3, start_skew=3e-3)
+    small = _table(microbatch_size=2, action_overhead=1e-4, time_spread=0.2, step_overhead=1e-3, start_skew=1e-3,
+                   message_cost=4e-4)
+    large = _table(microbatch_size=6, action_overhead=3e-4, time_spread=0.1, step_overhead=5e-3, start_skew=3e-3,
+                   message_cost=2e-4)
     middle = table_for_size([small, large], 4)
     assert middle.action_overhead == pytest.approx(2e-4) and middle.time_spread == pytest.approx(0.15)
-    assert middle.start_skew == pytest.approx(2e-3)
+    assert middle.start_skew == pytest.approx(2e-3) and middle.message_cost == pytest.approx(3e-4)
     assert middle.step_overhead == 1e-3  # the first table's, as before
     assert table_for_size([small, large], 6).action_overhead == 3e-4  # a measured size keeps its own

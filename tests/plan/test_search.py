@@ -173,6 +173,22 @@ def test_recost_moves_the_first_stages_input_gradient_to_w_and_adds_the_action_o
     assert [full.task((s, "B")).duration for s in (0, 1)] == [4.25, 4.25]  # one B: overhead once
 
 
+def test_recost_charges_the_message_cost_per_edge_that_crosses_ranks():
+    table = _table(4, message_cost=0.5)
+    one = library_schedule(table, "1f1b", 2, 4, memory_limit=None)
+    found = SchedulePartitioner(table).candidates(one, memory_limit=None)[0]
+    full = recost(one, table, found, memory_limit=None)
+    # each stage sends to or receives from the other rank once: its F and its B pay one message
+    assert [full.task((s, kind)).duration for s in (0, 1) for kind in ("F", "B")] == [2.5, 4.5, 2.5, 4.5]
+    looped = library_schedule(table, "interleaved-1f1b", 2, 4, memory_limit=None, stages_per_rank=2)
+    split = SchedulePartitioner(table).candidates(looped, memory_limit=None)[0]
+    costed = recost(looped, table, split, memory_limit=None)
+    free = recost(looped, dataclasses.replace(table, message_cost=0.0), split, memory_limit=None)
+    # stages 0..3 alternate ranks: the inner ones have a neighbour on the other rank on both sides
+    assert [costed.task((s, "F")).duration - free.task((s, "F")).duration for s in range(4)] == [0.5, 1.0, 1.0, 0.5]
+    assert costed.task((1, "B")).duration - free.task((1, "B")).duration == 1.0
+
+
 def test_save_writes_the_simulated_order_when_the_name_builds_another(tmp_path):
     from pipeloom import build_schedule, load_schedule
 

@@ -68,11 +68,14 @@ def test_profile_in_engine_gives_every_rank_the_same_table(tmp_path):
     assert sum(p.f + p.full_backward for p in table.pieces) > 0
     assert table.link.latency >= 0 and table.step_overhead >= 0
     assert 0 < table.time_spread < 1  # real actions vary, by far less than their own time
+    assert table.message_cost > 0  # the pieces at the ends of a rank's run send and post receives
     # 4 micro-batches: the two-replica pipeline ran too, and its exchange priced the replica link
     assert table.replica_link is not None and table.replica_link.latency >= 0 and table.replica_link.bandwidth is None
     assert "in the engine, 2 ranks" in table.device
     assert all(p.param_bytes > 0 and p.activation_bytes > 0 for p in table.pieces)  # from profile_model
-    assert first["trace_steps"] == 1 and first["files"] == []  # trace=True keeps the steps in memory only
+    assert first["trace_steps"] == 2 and first["files"] == []  # trace=True keeps the steps in memory only
+    for _, result in results.values():  # every rank posts receives ahead of their actions on gloo
+        assert {"compute", "post", "send", "wait"} <= set(result["kinds"])
     assert all(first["grads"]), "gradients are cleared after profiling"
 
 

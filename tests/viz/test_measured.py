@@ -285,7 +285,36 @@ def test_a_list_of_files_in_any_order_and_extra_keys_and_kinds_are_accepted(tmp_
     _save(folder, docs)
     run = load_run_trace([folder / "rank1.json", folder / "rank0.json", folder / "rank0.json"])
     assert run.paths == (folder / "rank0.json", folder / "rank1.json")
-    assert all(e.kind in ("compute", "wait", "send") for e in run.ranks[0][0].events)
+    assert all(e.kind in ("compute", "wait", "send", "post") for e in run.ranks[0][0].events)
+
+
+def test_task_durations_without_messages_and_the_message_cost():
+    from pipeloom import build_schedule
+    from pipeloom.ir import schedule_to_json
+    from pipeloom.viz.measured import message_cost, task_durations
+    from pipeloom.viz.run_trace import TRACE_FORMAT, run_trace_from_documents
+
+    schedule = build_schedule("1f1b", 2, 1)  # rank 0: 0F0 0B0, rank 1: 1F0 1B0; 1 ms each
+    ms = 1_000_000
+    documents = []
+    for rank, actions in enumerate(schedule.ranks):
+        events = []
+        for k, action in enumerate(actions):
+            start = (2 * rank + k) * 2 * ms
+            events.append({"name": str(action), "kind": "compute", "start_ns": start, "end_ns": start + ms})
+            # inside the action: a send of 0.2 ms and a receive posted ahead, 0.1 ms
+            events.append({"name": "SEND", "kind": "send", "start_ns": start + ms // 2, "end_ns": start + 7 * ms // 10})
+            events.append({"name": "POST", "kind": "post", "start_ns": start + 8 * ms // 10,
+                           "end_ns": start + 9 * ms // 10})
+        # outside every action: a post of 1 ms before the step's first one, counted nowhere
+        events.append({"name": "POST", "kind": "post", "start_ns": 10 * ms, "end_ns": 11 * ms})
+        documents.append({"format": TRACE_FORMAT, "rank": rank, "world_size": 2, "clock": "unix_ns",
+                          "schedule": json.loads(schedule_to_json(schedule)),
+                          "steps": [{"step": 0, "start_ns": 0, "end_ns": 12 * ms, "events": events}]})
+    run = run_trace_from_documents(documents)
+    assert task_durations(run, steps="all") == {key: pytest.approx(1e-3) for key in task_durations(run, steps="all")}
+    assert all(v == pytest.approx(0.7e-3) for v in task_durations(run, steps="all", messages=False).values())
+    assert message_cost(run, steps="all") == pytest.approx(0.15e-3)  # the mean of 0.2 and 0.1 ms
 
 
 def test_a_step_only_some_ranks_recorded_is_left_out_with_a_note(tmp_path):
