@@ -58,7 +58,8 @@ def add_profile_parser(commands: argparse._SubParsersAction) -> None:
                          help="time the pieces inside the runtime on the ranks that will train (every rank of a "
                               "torchrun launch runs it; CPU ranks with gloo; rank 0 saves and prints); "
                               "--warmup and --repeats count profiling steps, and the latency (--latency is "
-                              "not used), per-step and per-action costs, time spread and replica link are fitted")
+                              "not used), per-step, per-action and per-message costs, time spread, start skew and "
+                              "replica link are fitted")
     profile.add_argument("--microbatches", type=_count, default=4, metavar="M",
                          help="--in-engine: micro-batches per profiling step (default 4; the inputs hold "
                               "--batch x M samples)")
