@@ -18,7 +18,7 @@ from pipeloom.errors import PipeloomError
 from pipeloom.ir import Action, Schedule
 from pipeloom.problem import TaskKey
 from pipeloom.sim import Timeline, simulate
-from pipeloom.viz.run_trace import RunTrace, TraceFormatError, load_run_trace
+from pipeloom.viz.run_trace import RunTrace, StepTrace, TraceFormatError, load_run_trace
 from pipeloom.viz.trace import trace_events
 
 __all__ = [
@@ -117,16 +117,31 @@ MESSAGE_KINDS = ("send", "post")
 receive of a unit ahead of the action that needs it."""
 
 
+def _messages_inside(record: StepTrace) -> list[list[int]]:
+    """Per compute event of one rank's step, in order: the nanoseconds of each send or post event
+    inside it (one pass over both, sorted by start)."""
+    computes = record.of_kind("compute")
+    messages = sorted((e for e in record.events if e.kind in MESSAGE_KINDS), key=lambda e: e.start_ns)
+    inside: list[list[int]] = [[] for _ in computes]
+    k = 0
+    for event in messages:
+        while k < len(computes) and computes[k].end_ns < event.start_ns:
+            k += 1
+        if k < len(computes) and computes[k].start_ns <= event.start_ns and event.end_ns <= computes[k].end_ns:
+            inside[k].append(event.end_ns - event.start_ns)
+    return inside
+
+
 def _duration_samples(run: RunTrace, steps: Steps, *, messages: bool = True) -> dict[TaskKey, list[int]]:
     """Nanosecond durations of every (stage, kind), over ranks, micro-batches and selected steps;
     ``messages=False`` leaves out the send and post events inside each action."""
     samples: dict[TaskKey, list[int]] = {task.key: [] for task in run.schedule.problem.tasks}
     for i in _indices(run, steps):
         for rank in range(run.world_size):
-            inside = [] if messages else [e for e in run.ranks[rank][i].events if e.kind in MESSAGE_KINDS]
-            for action, event in _compute_events(run, rank, i):
-                own = sum(e.end_ns - e.start_ns for e in inside
-                          if e.start_ns >= event.start_ns and e.end_ns <= event.end_ns)
+            record = run.ranks[rank][i]
+            inside = _messages_inside(record) if not messages else None
+            for k, (action, event) in enumerate(zip(run.schedule.ranks[rank], record.of_kind("compute"))):
+                own = sum(inside[k]) if inside is not None else 0
                 samples[action.task].append(event.end_ns - event.start_ns - own)
     return samples
 
@@ -143,13 +158,8 @@ def task_durations(run: RunTrace, *, steps: Steps = "warm", messages: bool = Tru
 def message_cost(run: RunTrace, *, steps: Steps = "warm") -> float:
     """Mean seconds of the ``send`` and ``post`` events of the selected steps inside actions: what an
     action spends per message it sends or whose receive it posts (0 where there is none)."""
-    durations = [
-        e.end_ns - e.start_ns
-        for i in _indices(run, steps) for rank in range(run.world_size)
-        for compute in [run.ranks[rank][i].of_kind("compute")]
-        for e in run.ranks[rank][i].events
-        if e.kind in MESSAGE_KINDS and any(c.start_ns <= e.start_ns and e.end_ns <= c.end_ns for c in compute)
-    ]
+    durations = [ns for i in _indices(run, steps) for rank in range(run.world_size)
+                 for inside in _messages_inside(run.ranks[rank][i]) for ns in inside]
     return statistics.fmean(durations) * _NS if durations else 0.0
 
 
