@@ -139,14 +139,13 @@ def expected_makespan(schedule: Schedule, spread: float | Sequence[float], *, st
     if len(spreads) != problem.num_stages:
         raise ValueError(f"give one spread, or one per stage ({problem.num_stages}), not {len(spreads)}")
     for value in spreads:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        if not _nonnegative(value):
             raise ValueError(f"a spread must be a finite number >= 0, got {value!r}")
     if samples is None:
         samples = max(4, min(32, 50_000 // max(1, sum(map(len, schedule.ranks)))))
     if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
         raise ValueError(f"samples must be a positive integer, got {samples!r}")
-    if isinstance(start_skew, bool) or not isinstance(start_skew, (int, float)) or not math.isfinite(start_skew) \
-            or start_skew < 0:
+    if not _nonnegative(start_skew):
         raise ValueError(f"start_skew must be a finite number of seconds >= 0, got {start_skew!r}")
     compiled = _Compiled.of(schedule)
     starting = starting_ranks(schedule) if start_skew else []
@@ -174,6 +173,11 @@ def expected_makespan(schedule: Schedule, spread: float | Sequence[float], *, st
                 release[r] = delay - min(delays)
         total += compiled.replay(scales, release).makespan
     return total / samples
+
+
+def _nonnegative(value: object) -> bool:
+    """A finite int or float >= 0 (not a bool)."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value >= 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -128,10 +128,11 @@ def _model_and_inputs(module, function, args: argparse.Namespace):
     from torch import nn
 
     keywords = _keywords(args.arg)
+    signature = inspect.signature(function)
     try:
-        inspect.signature(function).bind(**keywords)
+        signature.bind(**keywords)
     except TypeError as error:
-        parameters = inspect.signature(function).parameters
+        parameters = signature.parameters
         unknown = sorted(set(keywords) - set(parameters)) or sorted(keywords)
         takes = ", ".join(parameters) or "nothing"
         raise UsageError(f"{args.target} cannot take {unknown} ({error}); it takes: {takes}") from None

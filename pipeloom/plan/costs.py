@@ -151,9 +151,9 @@ class CostTable:
     source: str = "manual"
     """``profile``, ``analytical`` or ``manual``."""
     action_overhead: float = 0.0
-    """Seconds the runtime spends per action beyond the piece times (dispatch, bookkeeping, posting
-    messages); the simulator adds it to every task (F, B, I and W alike). Not scaled with the
-    micro-batch size."""
+    """Seconds the runtime spends per action beyond the piece times (dispatch, bookkeeping; its
+    messages are :attr:`message_cost`); the simulator adds it to every task (F, B, I and W alike).
+    Not scaled with the micro-batch size."""
     message_cost: float = 0.0
     """Seconds an action spends per message to or from another rank: posting the send, or the
     receive ahead of the action that needs it (the runtime's own work, and on a busy machine the
@@ -189,12 +189,8 @@ class CostTable:
         if isinstance(self.microbatch_size, bool) or not isinstance(self.microbatch_size, int) \
                 or self.microbatch_size < 1:
             raise CostTableError(f"microbatch_size must be a positive integer, got {shown(self.microbatch_size)}")
-        object.__setattr__(self, "optimizer_factor", _check("optimizer_factor", self.optimizer_factor))
-        object.__setattr__(self, "action_overhead", _check("action_overhead", self.action_overhead))
-        object.__setattr__(self, "step_overhead", _check("step_overhead", self.step_overhead))
-        object.__setattr__(self, "time_spread", _check("time_spread", self.time_spread))
-        object.__setattr__(self, "start_skew", _check("start_skew", self.start_skew))
-        object.__setattr__(self, "message_cost", _check("message_cost", self.message_cost))
+        for key in ("optimizer_factor", *_RUNTIME_KEYS):
+            object.__setattr__(self, key, _check(key, getattr(self, key)))
         if self.replica_link is not None and not isinstance(self.replica_link, Link):
             raise CostTableError(f"replica_link is {type(self.replica_link).__name__}, expected a Link or None")
         seen: dict[str, int] = {}
@@ -316,6 +312,9 @@ def table_for_size(tables: CostTable | Sequence[CostTable], microbatch_size: int
 
 # ------------------------------------------------------------------------------------------ JSON
 
+_RUNTIME_KEYS = ("action_overhead", "message_cost", "step_overhead", "time_spread", "start_skew")
+"""The table's runtime fits: numbers >= 0, 0 when absent."""
+
 _TOP_KEYS = {"format", "device", "source", "microbatch_size", "optimizer_factor", "action_overhead",
              "message_cost", "step_overhead", "time_spread", "start_skew", "link", "replica_link", "pieces"}
 _LINK_KEYS = {"latency", "bandwidth"}
@@ -386,12 +385,8 @@ def costs_from_json(text: str) -> CostTable:
         device=string(document, "device", where=where, error=CostTableError, default=""),
         source=string(document, "source", where=where, error=CostTableError, default="manual"),
         optimizer_factor=number(document, "optimizer_factor", where=where, error=CostTableError, default=2.0),
-        action_overhead=number(document, "action_overhead", where=where, error=CostTableError, default=0.0),
-        message_cost=number(document, "message_cost", where=where, error=CostTableError, default=0.0),
-        step_overhead=number(document, "step_overhead", where=where, error=CostTableError, default=0.0),
-        time_spread=number(document, "time_spread", where=where, error=CostTableError, default=0.0),
-        start_skew=number(document, "start_skew", where=where, error=CostTableError, default=0.0),
         link=link, replica_link=replica_link,
+        **{key: number(document, key, where=where, error=CostTableError, default=0.0) for key in _RUNTIME_KEYS},
     )
 
 

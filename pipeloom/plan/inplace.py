@@ -354,11 +354,12 @@ def profile_in_engine(
     ``inputs``/``target`` are one step's batch, cut into ``microbatches``; the table is for that
     micro-batch size. ``warmup_steps`` untimed steps, then ``steps`` traced ones, of each of the two
     :func:`profiling_schedule` pipelines (:class:`EngineProfiler`). A traced action also holds the
-    runtime's own per-action work (posting its sends and the next receives): ``action_cost``, the
-    seconds of that work per action, is taken off every piece time and becomes the table's
-    ``action_overhead``, so that a stage of several pieces pays it once; None fits it from the
-    two-replica pipeline (where it runs; else 0). The link latency and the
-    per-step overhead are fitted from the same steps (:meth:`EngineProfiler.table`); ``bandwidth``
+    runtime's own work: the sends and receive posts it makes are taken off its piece time (their mean
+    becomes the table's ``message_cost``), and ``action_cost``, the seconds of the rest per action, is
+    taken off every piece time and becomes the table's ``action_overhead``, so that a stage of
+    several pieces pays it once; None fits it from the two-replica pipeline (where it runs; else 0).
+    The link latency, the per-step overhead, the time spread and (two-replica pipeline) the start
+    skew are fitted from the same steps (:meth:`EngineProfiler.table`); ``bandwidth``
     (bytes/s) completes the link. Bytes come from ``base`` (default: ``profile_model`` on one
     micro-batch). ``exchange`` (with two ranks or more and an even number of micro-batches) also runs a
     two-replica profiling pipeline and fits the table's ``replica_link`` from its gradient exchange.

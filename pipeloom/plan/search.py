@@ -155,12 +155,12 @@ def recost(schedule: Schedule, table: CostTable, found: Partition, *, memory_lim
     extra = table.action_overhead
     stages = []
     static = [0.0] * shape.num_ranks
+    edges = [(s, c) for s in range(len(shape.rank)) for c in shape.consumers[s]]
     crossings = [0] * len(shape.rank)  # edges to or from another rank, per stage
-    for s in range(len(shape.rank)):
-        for c in shape.consumers[s]:
-            if shape.rank[c] != shape.rank[s]:
-                crossings[s] += 1
-                crossings[c] += 1
+    for s, c in edges:
+        if shape.rank[c] != shape.rank[s]:
+            crossings[s] += 1
+            crossings[c] += 1
     for s, j in enumerate(shape.model_stage):
         part = parts[j]
         i, w = sum(p.i for p in part), sum(p.w for p in part)
@@ -174,7 +174,6 @@ def recost(schedule: Schedule, table: CostTable, found: Partition, *, memory_lim
                             memory=sum(p.activation_bytes for p in part),
                             w_memory=sum(p.w_activation_bytes for p in part)))
         static[shape.rank[s]] += sum(table.static_bytes(p) for p in part)
-    edges = [(s, c) for s in range(len(shape.rank)) for c in shape.consumers[s]]
     crossing = [pieces[starts[shape.model_stage[c]] - 1].output_bytes for s, c in edges
                 if shape.rank[s] != shape.rank[c]]
     problem = stage_graph(
@@ -390,11 +389,10 @@ def _searched(candidate: Candidate, seconds: float, memory_limit: float | None,
     except PipeloomError:
         return None
     timeline = simulate(result.schedule)
-    skew = table.start_skew
-    before, after = ((expected_makespan(schedule, spread, start_skew=skew),
-                      expected_makespan(result.schedule, spread, start_skew=skew)) if any(spread) or skew
-                     else (candidate.timeline.makespan, timeline.makespan))
-    step = after + (candidate.step_time - before)  # the same replica exchange and step overhead
+    makespan = (expected_makespan(result.schedule, spread, start_skew=table.start_skew)
+                if any(spread) or table.start_skew else timeline.makespan)
+    # the same replica exchange and step overhead as the candidate's
+    step = makespan + replica_sync_time(table, schedule, candidate.partition) + table.step_overhead
     if step >= candidate.step_time * (1 - 1e-9):
         return None
     if memory_limit is not None and max(timeline.peak_memory) > memory_limit * _FIT:

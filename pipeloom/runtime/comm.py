@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from pipeloom.runtime.lower import PipelineError, Unit
+from pipeloom.runtime.lower import PipelineError, Unit, forward_unit
 
 __all__ = ["LeafMeta", "Messenger", "flatten", "unflatten"]
 
@@ -176,10 +176,7 @@ class Messenger:
 
     def wait_posted(self, entries: list, what: str) -> None:
         """Wait (bounded by the timeout) for sends made with :meth:`post_send`."""
-        if self._queue is not None:
-            self._queue.join()
-        if self._send_error is not None:
-            raise self._send_error
+        self._sends_posted()
         for work, _, _ in entries:
             self.wait_work(work, what)
 
@@ -192,6 +189,13 @@ class Messenger:
             reason = (self.peer_error(peer) if peer is not None else None) or self.any_error()
             raise PipelineError(f"rank {self.rank}: {what} failed: {error}; "
                                 f"{reason or 'another rank failed or hung'}") from error
+
+    def _sends_posted(self) -> None:
+        """Wait until the helper thread has posted every queued send; its failure, if any, raised here."""
+        if self._queue is not None:
+            self._queue.join()
+        if self._send_error is not None:
+            raise self._send_error
 
     def _sender(self) -> queue.Queue:
         """The queue of a thread that posts the sends, so the compute thread never blocks on one."""
@@ -224,10 +228,7 @@ class Messenger:
     def finish(self) -> None:
         """Wait for every send of the step (bounded by the timeout)."""
         self.flush()
-        if self._queue is not None:
-            self._queue.join()
-        if self._send_error is not None:
-            raise self._send_error
+        self._sends_posted()
         for work, _, unit in self.sent:
             if work is not None:
                 self._wait(work, unit, "sending")
@@ -272,7 +273,7 @@ class Messenger:
     def _expected(self, unit: Unit) -> list[LeafMeta]:
         if unit.kind == "F":
             return self.metas[unit.id]
-        forward = self.metas[self.unit_of[("F", unit.producer, unit.consumer, unit.microbatch)]]
+        forward = self.metas[forward_unit(self.unit_of, unit)]
         return [m for m in forward if m.requires_grad]
 
     def receive(self, uid: int) -> list[torch.Tensor]:

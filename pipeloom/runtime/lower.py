@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pipeloom.errors import PipeloomError
 from pipeloom.ir import Action, Schedule
 
-__all__ = ["Lowering", "PipelineError", "Step", "Unit", "lower", "model_pieces"]
+__all__ = ["Lowering", "PipelineError", "Step", "Unit", "forward_unit", "lower", "model_pieces"]
 
 MODEL_INPUT = -1
 
@@ -124,6 +124,11 @@ def model_pieces(schedule: Schedule) -> int:
     """How many pieces the model must be cut into to run ``schedule``: its stages over its replicas."""
     num_stages = schedule.problem.num_stages
     return num_stages // len(_components(num_stages, _forward_edges(schedule)))
+
+
+def forward_unit(unit_of: dict[tuple[str, int, int, int], int], unit: Unit) -> int:
+    """The id of the forward unit whose values gradient ``unit`` answers (``unit_of``: Lowering.unit_of)."""
+    return unit_of[("F", unit.producer, unit.consumer, unit.microbatch)]
 
 
 def lower(schedule: Schedule, piece_inputs: Sequence[Sequence[tuple[int, int]]],

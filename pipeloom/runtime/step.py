@@ -12,7 +12,7 @@ from torch.fx.node import map_aggregate
 
 from pipeloom.runtime.backward import PendingWeights, add_in_order, backward_full, backward_input
 from pipeloom.runtime.comm import LeafMeta, flatten, unflatten
-from pipeloom.runtime.lower import MODEL_INPUT, PipelineError, Step, Unit
+from pipeloom.runtime.lower import MODEL_INPUT, PipelineError, Step, Unit, forward_unit
 from pipeloom.runtime.replicas import post_contributions, post_receives
 from pipeloom.runtime.split import ValueRef, check_stage_value
 
@@ -241,7 +241,7 @@ class StepRun:
         for uid in step.recvs:
             unit = self.low.units[uid]
             buffers = self.engine.messenger.receive(uid)
-            forward = self.low.unit_of[("F", unit.producer, unit.consumer, unit.microbatch)]
+            forward = forward_unit(self.low.unit_of, unit)
             metas, specs = self.metas[forward], self.specs[forward]
             k = 0
             offset = 0
@@ -306,7 +306,7 @@ class StepRun:
                 remote[(producer, index, position)].append(grad)
         for uid in step.sends:
             unit = low.units[uid]
-            forward = low.unit_of[("F", unit.producer, unit.consumer, mb)]
+            forward = forward_unit(low.unit_of, unit)
             metas, specs = self.metas[forward], self.specs[forward]
             tensors = []
             offset = 0

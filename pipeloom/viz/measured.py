@@ -138,9 +138,8 @@ def _duration_samples(run: RunTrace, steps: Steps, *, messages: bool = True) -> 
     samples: dict[TaskKey, list[int]] = {task.key: [] for task in run.schedule.problem.tasks}
     for i in _indices(run, steps):
         for rank in range(run.world_size):
-            record = run.ranks[rank][i]
-            inside = _messages_inside(record) if not messages else None
-            for k, (action, event) in enumerate(zip(run.schedule.ranks[rank], record.of_kind("compute"))):
+            inside = _messages_inside(run.ranks[rank][i]) if not messages else None
+            for k, (action, event) in enumerate(_compute_events(run, rank, i)):
                 own = sum(inside[k]) if inside is not None else 0
                 samples[action.task].append(event.end_ns - event.start_ns - own)
     return samples
