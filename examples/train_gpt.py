@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 from dataclasses import dataclass
 
@@ -147,20 +146,6 @@ def even_split_points(layers: int, stages: int) -> list[str]:
     return [f"blocks.{(s * layers) // stages}" for s in range(1, stages)]
 
 
-def init_ranks() -> tuple[dist.ProcessGroup | None, torch.device]:
-    """Join the torchrun group when launched by torchrun (gloo on CPU, NCCL with one GPU per rank)."""
-    if "RANK" not in os.environ:
-        return None, torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl")
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
-    return dist.group.WORLD, device
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--schedule", default="1f1b", help="built-in name, or a saved .json/.csv schedule")
@@ -180,7 +165,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)  # the same arithmetic on 1 rank and on N (and N ranks share the cores)
-    group, device = init_ranks()
+    group, device = rt.init_ranks()  # torchrun's group (gloo on CPU, NCCL per GPU), or one rank
     ranks = dist.get_world_size() if group is not None else 1
     info = REGISTRY.get(args.schedule)
     options = {"stages_per_rank": args.stages_per_rank} if info and "stages_per_rank" in info.options else {}
@@ -200,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         optimizer.step()
         if engine.rank == 0:
             print(f"step {step} loss {float(loss)!r}", flush=True)
+    engine.close()  # ends the engine's helper threads before torch's teardown
     if group is not None:
         dist.destroy_process_group()
     return 0

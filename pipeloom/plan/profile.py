@@ -219,7 +219,7 @@ def profile_model(
     if unknown:
         raise PlanError(f"piece(s) {unknown} name no module of {type(model).__name__}; pieces are module names "
                         f"in call order, e.g. {default_pieces(model)[:4]}")
-    staged = split_model(model, names[1:])
+    staged = split_model(model, names[1:], example_inputs=inputs)  # torch.export where torch.fx fails
     sync = _sync_for(device)
     stage_inputs = _stage_inputs(staged, inputs)
     last = len(names) - 1

@@ -5,8 +5,11 @@ Importing this package imports torch; nothing else in pipeloom does (DESIGN §4)
 
 from __future__ import annotations
 
+from pipeloom.runtime.agree import StepMismatchError
 from pipeloom.runtime.engine import PipelineEngine, pipeline
+from pipeloom.runtime.launch import init_ranks
 from pipeloom.runtime.lower import PipelineError, model_pieces
+from pipeloom.runtime.rng import forward_seed, reference_step
 from pipeloom.runtime.split import (
     MODEL_INPUT,
     ModelTraceError,
@@ -22,9 +25,12 @@ from pipeloom.runtime.split import (
     split_model,
     stages_from_modules,
 )
+from pipeloom.runtime.state import LoadResult, ModelNames, model_names
 
 __all__ = [
     "MODEL_INPUT",
+    "LoadResult",
+    "ModelNames",
     "ModelTraceError",
     "PipelineEngine",
     "PipelineError",
@@ -33,12 +39,17 @@ __all__ = [
     "StageGraph",
     "StageSpec",
     "StageValueError",
+    "StepMismatchError",
     "StagedModel",
     "UnknownSplitPointError",
     "ValueRef",
     "check_stage_value",
+    "forward_seed",
+    "init_ranks",
+    "model_names",
     "model_pieces",
     "pipeline",
+    "reference_step",
     "split_model",
     "stages_from_modules",
 ]

@@ -7,16 +7,18 @@ its receives in the sender's order — what gloo's tags and NCCL's in-order matc
 step whose input shapes were not seen before, each forward unit is preceded by its description
 (structure, shapes, dtypes), so the receiver can allocate; later steps with the same input shapes
 post their receives before the data exists.
+
+Every wait is bounded by the timeout and hears of another rank's failure within about a second
+(:mod:`pipeloom.runtime.watch`). Gloo sends are posted by a helper thread; :meth:`Messenger.close`
+ends it and the watch (also at interpreter exit, for a messenger never closed).
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import pickle
-import queue
-import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -24,10 +26,10 @@ import torch
 import torch.distributed as dist
 
 from pipeloom.runtime.lower import PipelineError, Unit, forward_unit
+from pipeloom.runtime.threads import HelperThreads, SendThread
+from pipeloom.runtime.watch import FailureBoard, PeerWatch, close_connections, poll_work
 
 __all__ = ["LeafMeta", "Messenger", "flatten", "unflatten"]
-
-ERROR_KEY = "pipeloom/error/{run}/{rank}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,11 +105,17 @@ class Messenger:
         self.batch = batch  # NCCL: post each point's sends and receives as one batch
         self.store = store
         self.run_id = run_id
+        world = dist.get_world_size(group) if group is not None else 1
+        self.board = FailureBoard(store, run_id=run_id, rank=rank, world_size=world)
+        self.peer = to_global((rank + 1) % world)  # whom close_connections' receive names
+        self.polled = self.device.type != "cpu"  # NCCL works complete by themselves; gloo's need wait()
+        self._wait_timeout = datetime.timedelta(seconds=timeout)
         self.position = {uid: i for order in pair_order.values() for i, uid in enumerate(order)}
         self.incoming = {src: order for (src, dst), order in pair_order.items() if dst == rank}
         self.events: list | None = None
-        self._queue: queue.Queue | None = None  # gloo: sends are posted by a helper thread
         self._send_error: PipelineError | None = None
+        self._helpers = HelperThreads()
+        self._closer = weakref.finalize(self, self._helpers.stop)  # runs at close(), collection or exit
 
     # --------------------------------------------------------------------------- per step state
 
@@ -162,7 +170,7 @@ class Messenger:
         else:
             entry = [None, tensor, unit]
             self.sent.append(entry)
-            self._sender().put((entry, dst, tag))
+            self._sender().queue.put((entry, dst, tag))
 
     def post_send(self, tensor: torch.Tensor, peer: int, tag: int) -> list:
         """Send ``tensor`` to group rank ``peer`` outside the step's units (e.g. replica gradients);
@@ -171,7 +179,7 @@ class Messenger:
         if self.batch:
             entry[0] = dist.isend(tensor, self.to_global(peer), group=self.group, tag=tag)
         else:
-            self._sender().put((entry, self.to_global(peer), tag))
+            self._sender().queue.put((entry, self.to_global(peer), tag))
         return entry
 
     def wait_posted(self, entries: list, what: str) -> None:
@@ -181,40 +189,75 @@ class Messenger:
             self.wait_work(work, what)
 
     def wait_work(self, work, what: str, peer: int | None = None) -> None:
-        """Wait for a work outside the step's units (loss, replica gradients), bounded by the timeout;
-        a failure names ``what`` and what the peer (or any rank) left in the store."""
+        """Wait for a work outside the step's units (loss, replica gradients, collectives), bounded by
+        the timeout; a failure names ``what`` and what the peer (or any rank) left in the store."""
+        failed = self._await(work)
+        if failed is not None:
+            reason = self.failure_reason(peer)
+            raise PipelineError(f"rank {self.rank}: {what} failed: {failed[0]}; "
+                                f"{reason or 'another rank failed or hung'}") from failed[1]
+
+    def _await(self, work) -> tuple[str, Exception | None] | None:
+        """Wait for ``work`` within the timeout: None when done, else (what went wrong, the error). Another
+        rank's failure in the store ends the wait within about ``PEER_POLL_S`` seconds (module watch)."""
+        if self.polled:
+            return poll_work(work, timeout=self.timeout, board=self.board)
+        watch = self._watch()
+        if watch is not None:
+            watch.waiting += 1
         try:
-            work.wait(timeout=datetime.timedelta(seconds=self.timeout))
-        except Exception as error:
-            reason = (self.peer_error(peer) if peer is not None else None) or self.any_error()
-            raise PipelineError(f"rank {self.rank}: {what} failed: {error}; "
-                                f"{reason or 'another rank failed or hung'}") from error
+            done = work.wait(timeout=self._wait_timeout)
+        except Exception as error:  # noqa: BLE001 (gloo raises on timeouts and on a closed connection alike)
+            if watch is not None and watch.failure is not None:  # the watch closed the connections
+                return "stopped on another rank's failure", error
+            return f"{type(error).__name__}: {error}", error
+        finally:
+            if watch is not None:
+                watch.waiting -= 1
+        return None if done is not False else (f"no answer within {self.timeout:g} s", None)
+
+    def _watch(self) -> PeerWatch | None:
+        """The thread looking for other ranks' failures while this one waits (none without a store)."""
+        helpers = self._helpers
+        if helpers.watch is None and self.store is not None and not helpers.stopped:
+            group, peer = self.group, self.peer
+            helpers.watch = PeerWatch(self.board, lambda: close_connections(group, peer))
+        return helpers.watch
 
     def _sends_posted(self) -> None:
         """Wait until the helper thread has posted every queued send; its failure, if any, raised here."""
-        if self._queue is not None:
-            self._queue.join()
+        sender = self._helpers.sender
+        if sender is not None:
+            sender.queue.join()
+            if sender.failure is not None and self._send_error is None:
+                error, entry, dst = sender.failure
+                detail = f"{type(error).__name__}: {error}"
+                unit = entry[2]
+                self._send_error = PipelineError(
+                    self._failure(unit.dst, "sending", unit, detail) if unit is not None
+                    else f"rank {self.rank}: sending to global rank {dst} failed: {detail}")
+                self._send_error.__cause__ = error
         if self._send_error is not None:
             raise self._send_error
 
-    def _sender(self) -> queue.Queue:
-        """The queue of a thread that posts the sends, so the compute thread never blocks on one."""
-        if self._queue is None:
-            self._queue = queue.Queue()
-            threading.Thread(target=self._post_sends, name="pipeloom-sends", daemon=True).start()
-        return self._queue
+    def _sender(self) -> SendThread:
+        """The thread that posts the sends (gloo), started with the first one."""
+        helpers = self._helpers
+        if helpers.stopped:
+            raise PipelineError("this engine was closed (close()); build a new one to take more steps")
+        if helpers.sender is None:
+            helpers.sender = SendThread(self.group)
+        return helpers.sender
 
-    def _post_sends(self) -> None:
-        while True:
-            entry, dst, tag = self._queue.get()
-            try:
-                if self._send_error is None:
-                    entry[0] = self._call(dist.isend, entry[1], dst, tag, entry[2],
-                                          "sending" if entry[2] is not None else "sending replica gradients")
-            except PipelineError as error:
-                self._send_error = error
-            finally:
-                self._queue.task_done()
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran."""
+        return self._helpers.stopped
+
+    def close(self) -> None:
+        """End the helper threads (sends, failure watch). Idempotent; also runs when the messenger is
+        collected and at interpreter exit, before torch's teardown."""
+        self._closer()
 
     def flush(self) -> None:
         """Post the batched operations (NCCL): an action's sends and the next action's receives go
@@ -324,57 +367,47 @@ class Messenger:
 
     # ---------------------------------------------------------------------------------- failure
 
-    def _call(self, op, tensor: torch.Tensor, peer: int, tag: int, unit: Unit | None, doing: str):
+    def _call(self, op, tensor: torch.Tensor, peer: int, tag: int, unit: Unit, doing: str):
         """Post one point-to-point operation; a broken connection becomes a PipelineError."""
         try:
             return op(tensor, peer, group=self.group, tag=tag)
         except Exception as error:  # gloo reports a dead peer from the post itself
-            if unit is None:
-                raise PipelineError(f"rank {self.rank}: {doing} to global rank {peer} failed: "
-                                    f"{type(error).__name__}: {error}") from error
             rank = unit.src if doing == "receiving" else unit.dst
             raise PipelineError(self._failure(rank, doing, unit, f"{type(error).__name__}: {error}")) from error
 
     def _wait(self, work, unit: Unit, doing: str) -> None:
-        peer = unit.src if doing == "receiving" else unit.dst
-        try:
-            done = work.wait(timeout=datetime.timedelta(seconds=self.timeout))
-        except Exception as error:  # gloo raises on timeouts and on a closed connection alike
-            raise PipelineError(self._failure(peer, doing, unit, f"{type(error).__name__}: {error}")) from error
-        if done is False:
-            raise PipelineError(self._failure(peer, doing, unit, f"no answer within {self.timeout:g} s"))
+        failed = self._await(work)
+        if failed is not None:
+            peer = unit.src if doing == "receiving" else unit.dst
+            raise PipelineError(self._failure(peer, doing, unit, failed[0])) from failed[1]
 
     def _failure(self, peer: int, doing: str, unit: Unit, detail: str) -> str:
-        reason = self.peer_error(peer)
         where = f"rank {self.rank} stopped while {doing} {self.units_name(unit)} (rank {peer})"
+        reason = self.failure_reason(peer)
         if reason:
-            return f"{where}: rank {peer} failed: {reason}"
-        others = self.any_error()
-        if others:
-            return f"{where}: {others}"
+            return f"{where}: {reason}"
         return (f"{where}: {detail}; rank {peer} died, hung or runs a different schedule (raise timeout= if its "
                 "work is just slow)")
 
     def peer_error(self, rank: int) -> str | None:
         """The failure message another rank left in the store, if any."""
-        if self.store is None:
-            return None
-        key = ERROR_KEY.format(run=self.run_id, rank=rank)
-        try:
-            if self.store.check([key]):
-                return self.store.get(key).decode()
-        except Exception:  # noqa: BLE001 (the store may be gone with the failed rank; the timeout message stands)
-            return None
-        return None
+        return self.board.message_of(rank)
 
     def any_error(self) -> str | None:
-        for rank in range(dist.get_world_size(self.group)):
-            if rank != self.rank and (message := self.peer_error(rank)):
-                return f"rank {rank} failed: {message}"
-        return None
+        found = self.board.first_failure(quick=False)
+        return f"rank {found[0]} failed: {found[1]}" if found is not None else None
+
+    def failure_reason(self, peer: int | None) -> str | None:
+        """``rank R failed: message`` for the failure behind a broken wait: ``peer``'s own, else the one
+        the watch found (kept, as the store may be gone by now), else any other rank's."""
+        watch = self._helpers.watch
+        found = watch.failure if watch is not None else None
+        if peer is not None and (found is None or found[0] != peer) and (message := self.peer_error(peer)):
+            return f"rank {peer} failed: {message}"
+        if found is not None:
+            return f"rank {found[0]} failed: {found[1]}"
+        return self.any_error()
 
     def report(self, message: str) -> None:
-        """Leave this rank's failure where the other ranks look when their waits break."""
-        if self.store is not None:
-            with contextlib.suppress(Exception):  # best effort: the peers' timeouts still bound their wait
-                self.store.set(ERROR_KEY.format(run=self.run_id, rank=self.rank), message)
+        """Leave this rank's failure where the other ranks look while they wait."""
+        self.board.report(message)

@@ -12,7 +12,7 @@ import json
 import os
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -21,11 +21,15 @@ from torch import nn
 
 from pipeloom.ir import Schedule, load_schedule
 from pipeloom.ir.json_io import schedule_to_json
+from pipeloom.runtime import state
+from pipeloom.runtime.agree import StepMismatchError, agree_on_step
 from pipeloom.runtime.backward import add_in_order
 from pipeloom.runtime.comm import Messenger
 from pipeloom.runtime.lower import Lowering, PipelineError, lower
 from pipeloom.runtime.replicas import merge_replicas
+from pipeloom.runtime.shared import SharedParameters, check_placement, shared_parameters
 from pipeloom.runtime.split import StagedModel, split_model, stages_from_modules
+from pipeloom.runtime.state import LoadResult, ModelNames, model_names
 from pipeloom.runtime.step import StepRun
 from pipeloom.schedules import build_schedule, schedule_info, schedule_names
 from pipeloom.validate import validate
@@ -46,7 +50,7 @@ def _world(process_group: object) -> tuple[int, int, object]:
 
 
 def _staged(model: nn.Module | None, split_points: Sequence[str] | None,
-            stages: StagedModel | Sequence[nn.Module] | None) -> StagedModel:
+            stages: StagedModel | Sequence[nn.Module] | None, **tracing: object) -> StagedModel:
     if stages is not None and split_points is not None:
         raise PipelineError("give split_points= or stages=, not both")
     if isinstance(stages, StagedModel):
@@ -58,7 +62,7 @@ def _staged(model: nn.Module | None, split_points: Sequence[str] | None,
                             "1.. start) or stages=[module0, module1, ...]; split_points=[] runs it as one stage")
     if model is None:
         raise PipelineError("split_points needs the model; pass it as the first argument")
-    return split_model(model, split_points)
+    return split_model(model, split_points, **tracing)
 
 
 def _resolve_schedule(schedule: object, *, num_ranks: int, num_pieces: int, microbatches: int | None,
@@ -88,18 +92,6 @@ def _resolve_schedule(schedule: object, *, num_ranks: int, num_pieces: int, micr
                         f"got {type(schedule).__name__}")
 
 
-def _check_shared_parameters(staged: StagedModel) -> None:
-    owner: dict[int, int] = {}
-    for k, module in enumerate(staged.stages):
-        for name, param in module.named_parameters():
-            first = owner.setdefault(id(param), k)
-            if first != k:
-                raise PipelineError(
-                    f"parameter {name!r} is used by model pieces {first} and {k}; the runtime needs every "
-                    "parameter in one piece (tied weights): move the split points so both uses fall in one stage"
-                )
-
-
 def pipeline(
     model: nn.Module | None = None,
     *,
@@ -114,6 +106,10 @@ def pipeline(
     trace: str | Path | bool | None = None,
     timeout: float = 60.0,
     plan: str | Path | None = None,
+    tracer: str = "auto",
+    leaf_modules: Sequence[str] = (),
+    example_inputs: object = None,
+    seed: int | None = None,
 ) -> PipelineEngine:
     """Build the engine that runs ``schedule`` over ``model`` cut into stages on this process group.
 
@@ -122,6 +118,10 @@ def pipeline(
     of ``pipeloom plan`` (split points, schedule and micro-batches; explicit arguments win).
     ``trace``: a folder to write ``rank<R>.json`` to after every step, or True to record the steps
     in memory only (``engine.trace_steps``; ``engine.write_trace(path)`` writes them).
+    ``tracer``/``leaf_modules``/``example_inputs``: how ``split_points`` cut the model
+    (:func:`~pipeloom.runtime.split_model`: torch.fx, or torch.export from example inputs).
+    ``seed``: the random numbers of every piece's forward derive from it (default: rank 0's
+    ``torch.initial_seed()``), so dropout draws the same on any number of ranks (docs/runtime.md).
     """
     if plan is not None:
         from pipeloom.plan import load_plan
@@ -141,8 +141,9 @@ def pipeline(
                                      or microbatches < 1):
         raise PipelineError(f"microbatches must be a positive integer, got {microbatches!r}")
     rank, world, group = _world(process_group)
-    staged = _staged(model, split_points, stages)
-    _check_shared_parameters(staged)
+    staged = _staged(model, split_points, stages, tracer=tracer, leaf_modules=leaf_modules,
+                     example_inputs=example_inputs)
+    shared = shared_parameters(staged.stages)
     sched = _resolve_schedule(schedule, num_ranks=world, num_pieces=staged.num_stages,
                               microbatches=microbatches, options=schedule_options or {})
     if sched.num_ranks != world:
@@ -154,12 +155,15 @@ def pipeline(
     piece_inputs = [[(ref.stage, ref.index) for ref in spec.inputs] for spec in staged.graph.stages]
     outputs = [(ref.stage, ref.index) for ref in staged.graph.output_refs()]
     lowering = lower(sched, piece_inputs, outputs)
+    check_placement(shared, lowering)
     if microbatches is not None and lowering.num_microbatches != microbatches:
         raise PipelineError(f"the schedule runs {lowering.num_microbatches} micro-batches per step, but "
                             f"microbatches={microbatches}; pass microbatches={lowering.num_microbatches} or rebuild it")
     trace = trace if trace is not None else os.environ.get(TRACE_ENV) or None
     return PipelineEngine(staged=staged, lowering=lowering, loss_fn=loss_fn, rank=rank, world_size=world,
-                          group=group, device=device, trace=trace, timeout=float(timeout))
+                          group=group, device=device, trace=trace, timeout=float(timeout),
+                          shared=shared, seed=_shared_seed(group, world, seed),
+                          names=model_names(model, staged.stages))
 
 
 class PipelineEngine:
@@ -167,7 +171,8 @@ class PipelineEngine:
 
     def __init__(self, *, staged: StagedModel, lowering: Lowering, loss_fn: Callable, rank: int, world_size: int,
                  group: object, device: torch.device | str | None, trace: str | Path | bool | None,
-                 timeout: float) -> None:
+                 timeout: float, shared: SharedParameters | None = None, seed: int = 0,
+                 names: ModelNames | None = None) -> None:
         self.staged = staged
         self.lowering = lowering
         self.schedule = lowering.schedule
@@ -211,6 +216,12 @@ class PipelineEngine:
         last = lowering.num_pieces - 1
         self._loss_ranks = len({lowering.rank_of[lowering.stage_for[j][last]] for j in range(lowering.replicas)})
         self._step_count = 0
+        self.shared = shared if shared is not None else shared_parameters(())
+        self.seed = seed
+        self.training_steps = 0  # training steps run: part of every forward's random seed
+        self.training = True
+        # the original model's names of the pieces' tensors (manual mode: stages.{k}.{name})
+        self.names = names if names is not None else model_names(None, staged.stages)
 
     # ------------------------------------------------------------------------------ public API
 
@@ -240,8 +251,33 @@ class PipelineEngine:
         """Forward only, without autograd. With ``target``: the loss, on every rank. Without: the model
         outputs (concatenated over micro-batches when a tensor) on the rank(s) holding the last
         piece, None elsewhere."""
-        loss, outputs = self._run(inputs, target, training=False)
+        modes = {s: module.training for s, module in self.modules.items()}
+        for module in self.modules.values():
+            module.eval()
+        try:
+            loss, outputs = self._run(inputs, target, training=False)
+        finally:
+            for s, module in self.modules.items():
+                module.train(modes[s])
         return loss if target is not None else outputs
+
+    def train(self, mode: bool = True) -> PipelineEngine:
+        """Put this rank's stages in training (or, ``mode=False``, evaluation) mode, as ``nn.Module.train``
+        does; dropout follows it even where the traced code fixed ``training=True``."""
+        self.training = bool(mode)
+        for module in self.modules.values():
+            module.train(self.training)
+        return self
+
+    def eval(self) -> PipelineEngine:
+        """``train(False)``: dropout off in ``step`` too."""
+        return self.train(False)
+
+    def close(self) -> None:
+        """Stop this rank's helper threads (sends, failure watch); call it before
+        ``dist.destroy_process_group()``. Idempotent; an engine never closed is closed at interpreter
+        exit. A closed engine takes no more steps."""
+        self.messenger.close()
 
     # ------------------------------------------------------------------------------ the step
 
@@ -270,6 +306,16 @@ class PipelineEngine:
     def _run(self, inputs: object, target: object, *, training: bool) -> tuple[torch.Tensor | None, object]:
         if self.broken:
             raise PipelineError(f"this engine failed earlier ({self.broken}); build a new one (and process group)")
+        if self.messenger.closed:
+            raise PipelineError("this engine was closed (close()); build a new one to take more steps")
+        try:  # every rank was given the same step, before any tensor moves (a mismatch leaves it usable)
+            agree_on_step(self, inputs, target, training=training)
+        except StepMismatchError:
+            raise
+        except PipelineError as error:
+            self.broken = str(error)
+            self.messenger.report(self.broken)
+            raise
         chunks = self._chunks(inputs, "inputs")
         num_inputs = len(self.staged.graph.input_names)
         if len(chunks) != num_inputs:
@@ -295,6 +341,8 @@ class PipelineEngine:
                 run.execute()
             start = time.time_ns()
             self.messenger.finish()
+            if run.shared is not None:
+                run.shared.exchange(self.messenger, self.device)
             if events is not None:
                 events.append(("sends complete", "sync", start, time.time_ns()))
             loss = self._reduce_loss(run.losses, targets, events)
@@ -317,6 +365,7 @@ class PipelineEngine:
         if events is not None:
             self._write_trace(step_start, time.time_ns(), events)
         self._step_count += 1
+        self.training_steps += training
         return loss, run.outputs()
 
     def _reduce_loss(self, losses: dict[int, torch.Tensor], targets: list, events: list | None) -> torch.Tensor | None:
@@ -368,6 +417,65 @@ class PipelineEngine:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(self.trace_document()))
 
+    # ------------------------------------------------------------------------------ training-loop helpers
+    # (runtime/state.py; every rank calls the collective ones: clip_grad_norm_, full_state_dict, checkpoints)
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's parameters under the model's ``named_parameters()`` names (a tied one under the
+        name the model gives it; manual mode: ``stages.{k}.{name}``), each once, in the model's order."""
+        return iter(state.named_parameters(self.names, self._pieces()))
+
+    def clip_grad_norm_(self, max_norm: float, *, norm_type: float | str = 2.0,
+                        error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` over every rank, bitwise: scales this
+        rank's gradients and returns the total norm, the same on every rank."""
+        return state.clip_grad_norm_(self.named_parameters(), self.names.parameters, max_norm,
+                                     norm_type=norm_type, error_if_nonfinite=error_if_nonfinite, foreach=foreach,
+                                     group=self._group_for("clip_grad_norm_"), device=self.device,
+                                     wait=self.messenger.wait_work)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters and buffers under the model's ``state_dict()`` keys (tied ones under
+        each of theirs), detached and sharing storage, as ``nn.Module.state_dict`` gives them."""
+        return state.state_dict(self.names, self._pieces())
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor], *, strict: bool = True) -> LoadResult:
+        """Copy ``state_dict`` into this rank's tensors; keys of other ranks' tensors are skipped, so a
+        single-device checkpoint loads on every rank. ``strict``: this rank's keys all present and no
+        key the model lacks, else PipelineError before anything is copied."""
+        return state.load_state_dict(self.names, self._pieces(), state_dict, strict=strict)
+
+    def full_state_dict(self, rank: int = 0) -> dict[str, torch.Tensor]:
+        """A copy of the whole model's state dict, on the CPU, on group rank ``rank`` (``{}`` elsewhere):
+        what ``model.state_dict()`` gives on one device, loadable with ``model.load_state_dict``."""
+        return state.full_state_dict(self.names, self._pieces(), dst=rank, rank=self.rank,
+                                     group=self._group_for("full_state_dict"), device=self.device,
+                                     wait=self.messenger.wait_work)
+
+    def save_checkpoint(self, path: str | Path, *, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Save the model (and ``optimizer``'s state, by parameter name) with ``torch.distributed.checkpoint``
+        into the folder ``path``; every rank calls it. Any pipeline of the model, or one device, loads it."""
+        state.save_checkpoint(path, self.names, self._pieces(), optimizer=optimizer, group=self._dcp_group(),
+                              counters={"training_steps": self.training_steps})
+
+    def load_checkpoint(self, path: str | Path, *, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Load what :meth:`save_checkpoint` saved into this rank's tensors and ``optimizer``."""
+        found = state.load_checkpoint(path, self.names, self._pieces(), optimizer=optimizer,
+                                      group=self._dcp_group(), counters={"training_steps": self.training_steps})
+        self.training_steps = found["training_steps"]  # the next step draws the random numbers it would have
+
+    def _pieces(self) -> dict[int, nn.Module]:
+        return {self.lowering.piece_of[s]: module for s, module in self.modules.items()}
+
+    def _group_for(self, what: str) -> object:
+        """The group for a collective helper (None with one rank); refused once the engine failed."""
+        if self.broken:
+            raise PipelineError(f"{what}: this engine failed earlier ({self.broken}); build a new one")
+        return self.group if self.world_size > 1 else None
+
+    def _dcp_group(self) -> object:
+        return self.group if dist.is_available() and dist.is_initialized() else None
+
 
 def _default_store() -> object:
     """The process group's key-value store, used only to pass failure messages (None if unreachable)."""
@@ -377,6 +485,20 @@ def _default_store() -> object:
         return _get_default_store()
     except Exception:  # noqa: BLE001 (private API: without it failures still surface through timeouts)
         return None
+
+
+def _shared_seed(group: object, world: int, seed: int | None) -> int:
+    """``seed``, or rank 0's ``torch.initial_seed()`` on every rank (63 bits)."""
+    if seed is not None:
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise PipelineError(f"seed must be an integer, got {seed!r}")
+        return seed & ((1 << 63) - 1)
+    value = torch.tensor([torch.initial_seed() & ((1 << 63) - 1)], dtype=torch.int64)
+    if world > 1:
+        tensor = value.cuda() if dist.get_backend(group) == "nccl" else value
+        dist.broadcast(tensor, src=dist.get_global_rank(group, 0), group=group)
+        value = tensor.cpu()
+    return int(value.item())
 
 
 def _shared_run_id(group: object, rank: int) -> str:

@@ -12,10 +12,11 @@ import torch.distributed as dist
 from pipeloom.runtime.backward import accumulate_grad
 
 if TYPE_CHECKING:
+    from pipeloom.runtime.comm import Messenger
     from pipeloom.runtime.engine import PipelineEngine
     from pipeloom.runtime.step import StepRun
 
-__all__ = ["merge_replicas", "post_contributions", "post_receives"]
+__all__ = ["merge_replicas", "post_contributions", "post_receives", "receive_packed", "send_packed"]
 
 REPLICA_TAG = 1 << 24  # tags of these messages, clear of the step's own
 
@@ -58,9 +59,10 @@ def post_receives(engine: PipelineEngine) -> dict:
         if ranks[0] == engine.rank:
             for j, other in enumerate(ranks):
                 if other != engine.rank:
-                    incoming[(piece, j)] = _post_incoming(engine, other, params * low.schedule.num_microbatches, tag)
+                    incoming[(piece, j)] = _post_incoming(engine.messenger, other,
+                                                          params * low.schedule.num_microbatches, tag, engine.device)
         else:
-            incoming[(piece, "sums")] = _post_incoming(engine, ranks[0], params, tag + 2)
+            incoming[(piece, "sums")] = _post_incoming(engine.messenger, ranks[0], params, tag + 2, engine.device)
     return incoming
 
 
@@ -76,7 +78,8 @@ def post_contributions(engine: PipelineEngine, run: StepRun, stage: int) -> list
     contributions = run.replica_grads.get(stage, {})
     params = engine.params[stage]
     flat = [g for mb in sorted(contributions) for g in contributions[mb]]
-    return _send_packed(engine, owner, flat, params * len(contributions), REPLICA_TAG + 4 * piece)
+    return send_packed(engine.messenger, owner, flat, params * len(contributions), REPLICA_TAG + 4 * piece,
+                       engine.device)
 
 
 def merge_replicas(engine: PipelineEngine, run: StepRun) -> None:
@@ -107,9 +110,9 @@ def merge_replicas(engine: PipelineEngine, run: StepRun) -> None:
             mbs = [low.replicas * m + j for m in range(low.schedule.num_microbatches)]
             incoming = run.replica_incoming.get((piece, j))
             if incoming is None:
-                incoming = _post_incoming(engine, other, params * low.schedule.num_microbatches,
-                                          REPLICA_TAG + 4 * piece)
-            grads = _take(engine, incoming)
+                incoming = _post_incoming(engine.messenger, other, params * low.schedule.num_microbatches,
+                                          REPLICA_TAG + 4 * piece, engine.device)
+            grads = _take(engine.messenger, incoming)
             for k, mb in enumerate(mbs):
                 contributions[mb] = grads[k * len(params):(k + 1) * len(params)]
         for mb in sorted(contributions):
@@ -117,15 +120,17 @@ def merge_replicas(engine: PipelineEngine, run: StepRun) -> None:
                 if grad is not None:
                     accumulate_grad(param, grad)
         for other in sorted(set(ranks) - {engine.rank}):
-            sends += _send_packed(engine, other, [p.grad for p in params], params, REPLICA_TAG + 4 * piece + 2)
+            sends += send_packed(engine.messenger, other, [p.grad for p in params], params,
+                                 REPLICA_TAG + 4 * piece + 2, engine.device)
     for piece, stages, ranks in _pieces(engine):  # second replicas: take the sums
         if ranks[0] == engine.rank:
             continue
         params = _local_params(engine, stages)
         incoming = run.replica_incoming.get((piece, "sums"))
         if incoming is None:
-            incoming = _post_incoming(engine, ranks[0], params, REPLICA_TAG + 4 * piece + 2)
-        for param, grad in zip(params, _take(engine, incoming)):
+            incoming = _post_incoming(engine.messenger, ranks[0], params, REPLICA_TAG + 4 * piece + 2,
+                                      engine.device)
+        for param, grad in zip(params, _take(engine.messenger, incoming)):
             param.grad = None if grad is None else grad.clone()
     engine.messenger.wait_posted(sends, "sending replica gradients")
 
@@ -138,33 +143,40 @@ def _sizes(templates: list) -> dict:
     return sizes
 
 
-def _send_packed(engine: PipelineEngine, peer: int, grads: list, templates: list, tag: int) -> list:
-    """Post ``grads`` (None where absent, sent as zeros) as a mask and one flat buffer per dtype."""
-    mask = torch.tensor([g is not None for g in grads], dtype=torch.uint8, device=engine.device)
+def send_packed(messenger: Messenger, peer: int, grads: list, templates: list, tag: int,
+                device: torch.device) -> list:
+    """Post ``grads`` (None where absent, sent as zeros) to group rank ``peer`` as a mask and one flat
+    buffer per dtype; returns the posted entries (:meth:`Messenger.wait_posted`)."""
+    mask = torch.tensor([g is not None for g in grads], dtype=torch.uint8, device=device)
     by_dtype: dict = {dtype: [] for dtype in _sizes(templates)}
     for grad, template in zip(grads, templates):
         part = grad if grad is not None else torch.zeros_like(template)
         by_dtype[template.dtype].append(part.reshape(-1))
-    entries = [engine.messenger.post_send(mask, peer, tag)]
-    entries += [engine.messenger.post_send(torch.cat(parts), peer, tag + 1) for parts in by_dtype.values()]
+    entries = [messenger.post_send(mask, peer, tag)]
+    entries += [messenger.post_send(torch.cat(parts), peer, tag + 1) for parts in by_dtype.values()]
     return entries
 
 
-def _post_incoming(engine: PipelineEngine, peer: int, templates: list, tag: int) -> _Incoming:
-    global_peer = dist.get_global_rank(engine.group, peer)
-    mask = torch.empty(len(templates), dtype=torch.uint8, device=engine.device)
-    works = [dist.irecv(mask, global_peer, group=engine.group, tag=tag)]
+def _post_incoming(messenger: Messenger, peer: int, templates: list, tag: int, device: torch.device) -> _Incoming:
+    global_peer = messenger.to_global(peer)
+    mask = torch.empty(len(templates), dtype=torch.uint8, device=device)
+    works = [dist.irecv(mask, global_peer, group=messenger.group, tag=tag)]
     buffers = {}
     for dtype, size in _sizes(templates).items():
-        buffers[dtype] = torch.empty(size, dtype=dtype, device=engine.device)
-        works.append(dist.irecv(buffers[dtype], global_peer, group=engine.group, tag=tag + 1))
+        buffers[dtype] = torch.empty(size, dtype=dtype, device=device)
+        works.append(dist.irecv(buffers[dtype], global_peer, group=messenger.group, tag=tag + 1))
     return _Incoming(peer=peer, templates=templates, mask=mask, buffers=buffers, works=works)
 
 
-def _take(engine: PipelineEngine, incoming: _Incoming) -> list:
+def receive_packed(messenger: Messenger, peer: int, templates: list, tag: int, device: torch.device) -> list:
+    """Receive what :func:`send_packed` sent from group rank ``peer``: gradients shaped like ``templates``."""
+    return _take(messenger, _post_incoming(messenger, peer, templates, tag, device))
+
+
+def _take(messenger: Messenger, incoming: _Incoming) -> list:
     """Wait for a posted packed message and cut it back into gradients (None where flagged absent)."""
     for work in incoming.works:
-        engine.messenger.wait_work(work, f"receiving replica gradients from rank {incoming.peer}", incoming.peer)
+        messenger.wait_work(work, f"receiving replica gradients from rank {incoming.peer}", incoming.peer)
     offsets = dict.fromkeys(incoming.buffers, 0)
     grads = []
     for template, present in zip(incoming.templates, incoming.mask.tolist()):

@@ -6,14 +6,25 @@ stage consumes from which earlier stage (or from the model inputs), so stages ma
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 import torch
 from torch import fx, nn
-from torch.fx.node import map_aggregate
+import torch.utils._pytree as pytree
 
-from pipeloom.errors import PipeloomError
+from pipeloom.runtime.errors import (
+    ModelTraceError,
+    SplitError,
+    SplitOrderError,
+    StageValueError,
+    UnknownSplitPointError,
+)
+from pipeloom.runtime.modes import switch_modes
+from pipeloom.runtime.passes import copy_mutated_inputs, localize_sizes
+from pipeloom.runtime.tracing import TracedModel, module_scopes, trace_model
 
 __all__ = [
     "MODEL_INPUT",
@@ -33,26 +44,6 @@ __all__ = [
 
 MODEL_INPUT = -1
 """The ``stage`` of a :class:`ValueRef` that names a model input rather than a stage output."""
-
-
-class SplitError(PipeloomError):
-    """A model cannot be cut into stages as asked."""
-
-
-class UnknownSplitPointError(SplitError):
-    """A split point names no module that the traced model calls."""
-
-
-class SplitOrderError(SplitError):
-    """Split points are duplicated, out of call order, or leave a stage empty."""
-
-
-class ModelTraceError(SplitError):
-    """``torch.fx.symbolic_trace`` cannot trace the model; manual mode is the way out."""
-
-
-class StageValueError(SplitError):
-    """A value passed between stages is not a tensor or a tuple/list/dict of tensors."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -104,9 +95,7 @@ class StageGraph:
 
     def output_refs(self) -> tuple[ValueRef, ...]:
         """The ValueRef leaves of ``output`` in order (values the caller must keep)."""
-        leaves: list[ValueRef] = []
-        map_aggregate(self.output, lambda v: leaves.append(v) if isinstance(v, ValueRef) else None)
-        return tuple(leaves)
+        return tuple(leaf for leaf in pytree.tree_leaves(self.output) if isinstance(leaf, ValueRef))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -129,10 +118,12 @@ class StagedModel:
         """Forward edges between stages (see :meth:`StageGraph.edges`)."""
         return self.graph.edges()
 
-    def run(self, *inputs: object) -> object:
+    def run(self, *inputs: object, around: Callable[[int], AbstractContextManager] | None = None) -> object:
         """Run all stages in order on one device, checking each value passed between stages.
 
         Equals the original model's ``forward(*inputs)`` bitwise; autograd flows through it.
+        ``around(k)``, when given, is a context manager entered around stage k's call (the runtime's
+        random-number seeding: :func:`pipeloom.runtime.rng.reference_step`).
         """
         if len(inputs) != len(self.graph.input_names):
             names = ", ".join(self.graph.input_names)
@@ -148,10 +139,12 @@ class StagedModel:
             return value
 
         for spec, module in zip(self.graph.stages, self.stages):
-            result = module(*(fetch(ref, f"stage {spec.index}") for ref in spec.inputs))
+            args = [fetch(ref, f"stage {spec.index}") for ref in spec.inputs]
+            with around(spec.index) if around is not None else contextlib.nullcontext():
+                result = module(*args)
             outputs.append((result,) if spec.num_outputs == 1 else tuple(result))
-        return map_aggregate(self.graph.output,
-                             lambda v: fetch(v, "the model output") if isinstance(v, ValueRef) else v)
+        return pytree.tree_map(lambda v: fetch(v, "the model output") if isinstance(v, ValueRef) else v,
+                               self.graph.output)
 
 
 def check_stage_value(value: object, *, name: str, where: str = "between stages") -> None:
@@ -173,40 +166,44 @@ def check_stage_value(value: object, *, name: str, where: str = "between stages"
     )
 
 
-def _trace(model: nn.Module) -> fx.GraphModule:
-    """``symbolic_trace`` with a pointer to manual mode when tracing fails."""
-    try:
-        return fx.symbolic_trace(model)
-    except Exception as error:  # fx raises TraceError, TypeError, NotImplementedError... alike
-        raise ModelTraceError(
-            f"torch.fx cannot trace {type(model).__name__}: {type(error).__name__}: {error}. Split it by hand "
-            "instead: pipeloom.runtime.stages_from_modules([stage0, stage1, ...]) with one nn.Module per stage"
-        ) from error
-
-
 def _first_calls(graph: fx.Graph) -> dict[str, int]:
-    """Node position of the first call into each module name (call_module targets and their parents)."""
+    """Node position of the first node inside each module (its scopes: every enclosing module name)."""
     first: dict[str, int] = {}
     for position, node in enumerate(graph.nodes):
-        if node.op == "call_module":
-            parts = str(node.target).split(".")
-            for depth in range(1, len(parts) + 1):
-                first.setdefault(".".join(parts[:depth]), position)
+        for name in module_scopes(node):
+            first.setdefault(name, position)
     return first
 
 
-def _stage_starts(graph: fx.Graph, split_points: Sequence[str]) -> list[int]:
-    """Node positions where stages 1.. start, checked against unknown names, order and emptiness."""
+def _spans(graph: fx.Graph, names: Sequence[str]) -> dict[str, tuple[int, int]]:
+    """First and last node position inside each of ``names`` (modules kept whole)."""
+    spans: dict[str, tuple[int, int]] = {}
+    wanted = set(names)
+    for position, node in enumerate(graph.nodes):
+        for name in wanted.intersection(module_scopes(node)):
+            spans[name] = (spans.get(name, (position, position))[0], position)
+    return spans
+
+
+def _stage_starts(graph: fx.Graph, split_points: Sequence[str], leaf_modules: Sequence[str] = ()) -> list[int]:
+    """Node positions where stages 1.. start, checked against unknown names, order, emptiness and
+    modules kept whole."""
     if isinstance(split_points, str):
         raise SplitError(f"split_points must be a list of module names, got the string {split_points!r}; "
                          f"write [{split_points!r}]")
     first = _first_calls(graph)
-    targets = list(dict.fromkeys(str(n.target) for n in graph.nodes if n.op == "call_module"))
+    inside = [name for name in first if any(name.startswith(leaf + ".") for leaf in leaf_modules)]
+    for name in inside:
+        del first[name]
+    targets = list(dict.fromkeys(str(n.target) for n in graph.nodes if n.op == "call_module")) or list(first)
     unknown = [name for name in split_points if name not in first]
     if unknown:
+        shown = targets if len(targets) <= 60 else [*targets[:60], f"... {len(targets) - 60} more"]
         raise UnknownSplitPointError(
             f"unknown split point(s) {unknown}; valid names are the called modules, in call order: "
-            f"{targets} (or any parent of them, e.g. 'layers.4' for 'layers.4.fc')"
+            f"{shown} (or any parent of them, e.g. 'layers.4' for 'layers.4.fc')"
+            + ("; modules inside leaf_modules are kept whole and cannot start a stage"
+               if any(name.startswith(leaf + ".") for name in unknown for leaf in leaf_modules) else "")
         )
     duplicated = sorted({name for name in split_points if list(split_points).count(name) > 1})
     if duplicated:
@@ -224,6 +221,11 @@ def _stage_starts(graph: fx.Graph, split_points: Sequence[str]) -> list[int]:
                 f"{split_points[s - 1]!r}, which would leave a stage empty; list split points in call "
                 f"order, each calling later than the one before: {in_order}"
             )
+    for leaf, (begin, end) in _spans(graph, leaf_modules).items():
+        for name, start in zip(split_points, starts):
+            if begin < start <= end:
+                raise SplitOrderError(f"split point {name!r} would cut {leaf!r}, which leaf_modules keeps whole; "
+                                      f"move the split point before or after {leaf!r}")
     return starts
 
 
@@ -241,7 +243,7 @@ def _assign(graph: fx.Graph, starts: list[int]) -> dict[fx.Node, int]:
     return stage_of
 
 
-def _build_stage(root: fx.GraphModule, nodes: list[fx.Node], inputs: list[fx.Node],
+def _build_stage(root: nn.Module | dict, nodes: list[fx.Node], inputs: list[fx.Node],
                  outputs: list[fx.Node], index: int) -> fx.GraphModule:
     """A GraphModule over ``nodes`` taking ``inputs`` and returning ``outputs`` (bare when one)."""
     graph = fx.Graph()
@@ -257,25 +259,43 @@ def _build_stage(root: fx.GraphModule, nodes: list[fx.Node], inputs: list[fx.Nod
         env[node] = graph.node_copy(node, lookup)
     graph.output(env[outputs[0]] if len(outputs) == 1 else tuple(env[n] for n in outputs))
     graph.lint()
-    return fx.GraphModule(root, graph, class_name=f"Stage{index}")
+    module = fx.GraphModule(root, graph, class_name=f"Stage{index}")
+    switch_modes(module)
+    copy_mutated_inputs(module)
+    return module
 
 
-def split_model(model: nn.Module, split_points: Sequence[str]) -> StagedModel:
+def split_model(model: nn.Module | TracedModel, split_points: Sequence[str], *, tracer: str = "auto",
+                leaf_modules: Sequence[str] = (), example_inputs: object = None) -> StagedModel:
     """Cut ``model`` into ``len(split_points) + 1`` stages; split point s-1 is where stage s starts.
 
-    A split point is a module name (e.g. ``"layers.4"``): the stage starts at the first call into that
-    module in the traced graph. Stage s holds the nodes from split point s-1 up to split point s.
+    A split point is a module name (e.g. ``"layers.4"``): the stage starts at the first node inside
+    that module in the traced graph. Stage s holds the nodes from split point s-1 up to split point s.
+    ``tracer``: ``"fx"`` (torch.fx), ``"export"`` (torch.export, needs ``example_inputs``: a batch like
+    the ones ``step()`` takes) or ``"auto"`` (torch.fx, then torch.export when it fails and example
+    inputs are given). ``leaf_modules``: module names never cut (and kept as calls by torch.fx).
+    ``model`` may be a :class:`~pipeloom.runtime.tracing.TracedModel` (``trace_model``), to cut one
+    trace several ways.
     """
-    root = _trace(model)
-    graph = root.graph
-    starts = _stage_starts(graph, split_points)
+    if not isinstance(model, TracedModel):
+        model = trace_model(model, tracer=tracer, leaf_modules=leaf_modules, example_inputs=example_inputs)
+    return _split(model, split_points, leaf_modules)
+
+
+def _split(traced: TracedModel, split_points: Sequence[str], leaf_modules: Sequence[str]) -> StagedModel:
+    graph = fx.Graph()  # a copy: sizes localized for this split leave the traced graph as it was
+    copies: dict[fx.Node, fx.Node] = {}
+    graph.graph_copy(traced.graph, copies)
+    traced_output = pytree.tree_map(lambda v: copies[v] if isinstance(v, fx.Node) else v, traced.output)
+    starts = _stage_starts(graph, split_points, leaf_modules)
     stage_of = _assign(graph, starts)
+    localize_sizes(graph, stage_of)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     num_stages = len(starts) + 1
     nodes: list[list[fx.Node]] = [[] for _ in range(num_stages)]
     inputs: list[list[fx.Node]] = [[] for _ in range(num_stages)]
     outputs: list[list[fx.Node]] = [[] for _ in range(num_stages)]
-    output_node = next(n for n in graph.nodes if n.op == "output")
+    output_nodes = [leaf for leaf in pytree.tree_leaves(traced_output) if isinstance(leaf, fx.Node)]
     for node in graph.nodes:
         if node in stage_of and stage_of[node] != MODEL_INPUT:
             nodes[stage_of[node]].append(node)
@@ -288,25 +308,30 @@ def split_model(model: nn.Module, split_points: Sequence[str]) -> StagedModel:
                     inputs[s].append(source)
                     if stage_of[source] != MODEL_INPUT and source not in outputs[stage_of[source]]:
                         outputs[stage_of[source]].append(source)
-    for source in output_node.all_input_nodes:
+    for source in output_nodes:
+        if source.op == "get_attr":
+            raise SplitError(f"the model returns the attribute {source.target!r} directly; return it from a "
+                             "computation or leave it out of the output")
         if stage_of.get(source, MODEL_INPUT) != MODEL_INPUT and source not in outputs[stage_of[source]]:
             outputs[stage_of[source]].append(source)
+    for s in range(num_stages):
+        if not outputs[s]:
+            raise SplitOrderError(f"stage {s} computes nothing that a later stage or the model output uses; "
+                                  f"move split point {split_points[s - 1] if s else split_points[0]!r}")
 
-    def ref(node: fx.Node) -> ValueRef:
+    def ref(node: object) -> object:
+        if not isinstance(node, fx.Node):
+            return node
         if stage_of.get(node, MODEL_INPUT) == MODEL_INPUT:
             return ValueRef(stage=MODEL_INPUT, index=placeholders.index(node), name=node.name)
         return ValueRef(stage=stage_of[node], index=outputs[stage_of[node]].index(node), name=node.name)
 
-    for source in output_node.all_input_nodes:
-        if source.op == "get_attr":
-            raise SplitError(f"the model returns the attribute {source.target!r} directly; return it from a "
-                             "computation or leave it out of the output")
-    modules = tuple(_build_stage(root, nodes[s], inputs[s], outputs[s], s) for s in range(num_stages))
+    modules = tuple(_build_stage(traced.root, nodes[s], inputs[s], outputs[s], s) for s in range(num_stages))
     specs = tuple(StageSpec(index=s, inputs=tuple(ref(n) for n in inputs[s]), num_outputs=len(outputs[s]))
                   for s in range(num_stages))
-    output = map_aggregate(output_node.args[0], lambda v: ref(v) if isinstance(v, fx.Node) else v)
-    names = tuple(str(n.target) for n in placeholders)
-    return StagedModel(stages=modules, graph=StageGraph(stages=specs, input_names=names, output=output))
+    output = pytree.tree_map(ref, traced_output)
+    return StagedModel(stages=modules, graph=StageGraph(stages=specs, input_names=traced.input_names,
+                                                       output=output))
 
 
 def stages_from_modules(modules: Sequence[nn.Module], *, num_inputs: int = 1) -> StagedModel:

@@ -8,12 +8,14 @@ from collections import defaultdict
 from typing import TYPE_CHECKING
 
 import torch
-from torch.fx.node import map_aggregate
+import torch.utils._pytree as pytree
 
 from pipeloom.runtime.backward import PendingWeights, add_in_order, backward_full, backward_input
 from pipeloom.runtime.comm import LeafMeta, flatten, unflatten
 from pipeloom.runtime.lower import MODEL_INPUT, PipelineError, Step, Unit, forward_unit
 from pipeloom.runtime.replicas import post_contributions, post_receives
+from pipeloom.runtime.rng import seeded
+from pipeloom.runtime.shared import SharedGradients
 from pipeloom.runtime.split import ValueRef, check_stage_value
 
 if TYPE_CHECKING:
@@ -50,6 +52,8 @@ class StepRun:
         # so there it waits for the merge after the step's own messages
         early = training and self.low.replicas > 1 and not engine.messenger.batch
         self.replica_incoming = post_receives(engine) if early else {}
+        self.shared = (SharedGradients(engine.shared, self.low, engine.rank, self.low.num_microbatches)
+                       if training and engine.shared.params else None)
         self.current: Step | None = None
         self.outbox: list[tuple[Unit, list, list | None]] = []  # sends of the running action
 
@@ -66,12 +70,21 @@ class StepRun:
                 f"{action} (micro-batch {step.microbatch}): {type(error).__name__}: {error}")
 
     def outputs(self) -> object:
+        """The model outputs of every micro-batch, joined along dim 0 when they all have one structure
+        (a tensor, a tuple, a ModelOutput...) of tensors with a batch dimension; else a list per micro-batch."""
         if not self.model_outputs:
             return None
         values = [self.model_outputs[mb] for mb in sorted(self.model_outputs)]
-        if len(values) == self.low.num_microbatches and all(isinstance(v, torch.Tensor) for v in values):
-            return torch.cat(values, dim=0)
-        return values
+        if len(values) != self.low.num_microbatches:
+            return values
+        flat = [pytree.tree_flatten(v) for v in values]
+        spec = flat[0][1]
+        joinable = all(s == spec for _, s in flat) and all(
+            isinstance(t, torch.Tensor) and t.dim() > 0 for leaves, _ in flat for t in leaves)
+        if not joinable:
+            return values
+        joined = [torch.cat(parts, dim=0) for parts in zip(*(leaves for leaves, _ in flat))]
+        return pytree.tree_unflatten(joined, spec)
 
     def execute(self) -> None:
         engine = self.engine
@@ -147,8 +160,9 @@ class StepRun:
                 continue
             args.append(self._leaf_value(s, producer, index, mb, leaves))
         module = engine.modules[s]
-        result = module(*args)
         piece = low.piece_of[s]
+        with seeded(engine.seed, engine.training_steps, piece, mb, engine.device):
+            result = module(*args)
         outs = [result] if engine.num_outputs[piece] == 1 else list(result)
         self.values[(s, mb)] = outs
         for uid in step.sends:
@@ -191,7 +205,7 @@ class StepRun:
                 return outs[ref.index]
             return self._leaf_value(s, stage_for[ref.stage], ref.index, mb, leaves)
 
-        return map_aggregate(self.engine.staged.graph.output, resolve)
+        return pytree.tree_map(resolve, self.engine.staged.graph.output)
 
     def _send_forward(self, unit: Unit, outs: list) -> None:
         leaves: list = []
@@ -253,13 +267,12 @@ class StepRun:
                 offset += _count(spec)
 
     def backward(self, step: Step) -> None:
-        engine, low = self.engine, self.low
+        engine = self.engine
         s, mb = step.action.stage, step.microbatch
         roots, grads = self._roots(s, mb)
         entries = self.leaves.pop((s, mb))
         inputs = [leaf for leaf, *_ in entries]
-        replicated = low.replicas > 1
-        saved = self._swap_out(s) if replicated and step.action.kind == "B" else None
+        saved = self._swap_out(s) if step.action.kind == "B" else None
         if step.action.kind == "B":
             found = backward_full(roots, grads, inputs)
         else:
@@ -272,24 +285,41 @@ class StepRun:
     def weight(self, step: Step) -> None:
         s, mb = step.action.stage, step.microbatch
         pending = self.pending.pop((s, mb))
-        saved = self._swap_out(s) if self.low.replicas > 1 else None
+        saved = self._swap_out(s)
         pending.weight()
         if saved is not None:
             self._swap_in(s, mb, saved)
 
-    def _swap_out(self, s: int) -> list:
-        params = self.engine.params[s]
+    def _kept(self, s: int) -> list:
+        """Parameters of stage ``s`` whose gradient actions' results are kept per micro-batch instead of
+        added into ``.grad``: all of them on two-replica schedules, else the shared ones."""
+        if self.low.replicas > 1:
+            return self.engine.params[s]
+        if self.shared is None:
+            return []
+        params = self.shared.shared.params
+        return [params[i] for i in self.shared.shared.of_piece(self.low.piece_of[s])]
+
+    def _swap_out(self, s: int) -> list | None:
+        params = self._kept(s)
+        if not params:
+            return None
         saved = [p.grad for p in params]
         for p in params:
             p.grad = None
         return saved
 
     def _swap_in(self, s: int, mb: int, saved: list) -> None:
-        params = self.engine.params[s]
-        self.replica_grads[s][mb] = [p.grad for p in params]
+        params = self._kept(s)
+        found = [p.grad for p in params]
         for p, g in zip(params, saved):
             p.grad = g
         low = self.low
+        if low.replicas == 1:
+            indices = self.shared.shared.of_piece(low.piece_of[s])
+            self.shared.collect(low.piece_of[s], mb, dict(zip(indices, found)))
+            return
+        self.replica_grads[s][mb] = found
         if (low.replica_of[s] > 0 and len(self.replica_grads[s]) == low.schedule.num_microbatches
                 and not self.engine.messenger.batch):
             self.early_sends[s] = post_contributions(self.engine, self, s)  # overlaps the rest of the step

@@ -102,6 +102,21 @@ def test_saved_schedule_file_runs_like_the_built_in(one_rank, tmp_path):
     assert _losses(run_example("--schedule", str(path), ranks=2)) == one_rank
 
 
+@pytest.mark.timeout(4 * TIMEOUT + 30)
+def test_every_rank_exits_zero_after_a_successful_run():
+    """Four 2-rank launches in a row, as users launch them: every rank's process exits 0 (a rank once
+    died after its last step with ``terminate called without an active exception``)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    env.pop("PIPELOOM_TRACE", None)
+    for schedule in ("1f1b", "zbv", "dualpipe", "1f1b"):
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                   str(EXAMPLE), "--steps", str(STEPS), "--schedule", schedule]
+        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=TIMEOUT, check=False)
+        assert done.returncode == 0, f"{schedule}: exit {done.returncode}\nstderr:\n{done.stderr}"
+        assert "terminate called" not in done.stderr, done.stderr
+        assert len(_losses(done.stdout)) == STEPS
+
+
 def test_unbuildable_schedule_is_one_line_and_nonzero():
     done = subprocess.run([sys.executable, str(EXAMPLE), "--schedule", "chimera", "--steps", "1"],
                           capture_output=True, text=True, timeout=TIMEOUT, check=False)

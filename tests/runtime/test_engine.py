@@ -168,19 +168,50 @@ def test_a_failure_inside_a_stage_names_rank_stage_and_action_and_disables_the_e
         engine.step(x, target=y)
 
 
-def test_weights_shared_by_two_pieces_are_refused():
-    class Tied(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a = nn.Linear(4, 4)
-            self.b = nn.Linear(4, 4)
-            self.b.weight = self.a.weight
+class Tied(nn.Module):
+    """Four linear layers; the first and the last share their weight (a tied embedding and head)."""
 
-        def forward(self, x):
-            return self.b(self.a(x))
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+        self.b = nn.Linear(6, 6)
+        self.c = nn.Linear(6, 6)
+        self.d = nn.Linear(6, 3)
+        self.d.weight = nn.Parameter(self.a.weight[:3].detach().clone())
+        self.c.weight = self.a.weight
 
-    with pytest.raises(PipelineError, match="used by model pieces 0 and 1"):
-        pipeline(Tied(), schedule="interleaved-1f1b", split_points=["b"], loss_fn=F.mse_loss, microbatches=2)
+    def forward(self, x):
+        return self.d(torch.tanh(self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))))
+
+
+@pytest.mark.parametrize("schedule, points", [("interleaved-1f1b", ["c"]), ("looped-bfs", ["b"]), ("zbv", ["b"]),
+                                              ("interleaved-1f1b", ["b", "c", "d"]), ("zbv", ["c"])])
+def test_weights_shared_by_two_pieces_get_the_reference_gradients(schedule, points):
+    """Oracle: the unsplit model's for-loop reference; the tied weight's .grad is torch.equal to it."""
+    torch.manual_seed(0)
+    model = Tied()
+    reference = copy.deepcopy(model)
+    engine = pipeline(model, schedule=schedule, split_points=points, loss_fn=F.cross_entropy, microbatches=4)
+    assert len(engine.shared.params) == 1 and engine.shared.pieces[0] == (0, sum(p in ("b", "c") for p in points))
+    x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    for _ in range(2):  # the second step adds to the first step's .grad
+        loss = engine.step(x, target=y)
+        assert torch.equal(loss, reference_step(reference, (x,), y, 4))
+        assert mismatches(model, reference, {id(p) for p in model.parameters()}) == []
+
+
+def test_weights_shared_by_two_pieces_are_refused_with_two_replicas():
+    from pipeloom import build_schedule
+    from pipeloom.runtime.lower import lower
+    from pipeloom.runtime.shared import check_placement, shared_parameters
+    from pipeloom.runtime.split import split_model
+
+    staged = split_model(Tied(), ["c"])
+    inputs = [[(ref.stage, ref.index) for ref in spec.inputs] for spec in staged.graph.stages]
+    outputs = [(ref.stage, ref.index) for ref in staged.graph.output_refs()]
+    lowering = lower(build_schedule("dualpipe", 2, 4), inputs, outputs)
+    with pytest.raises(PipelineError, match=r"used by model pieces \[0, 1\].*two model replicas"):
+        check_placement(shared_parameters(staged.stages), lowering)
 
 
 def test_values_that_are_not_tensors_cannot_cross_stages():

@@ -271,3 +271,36 @@ def test_check_stage_value_accepts_tensor_containers_only() -> None:
     for bad in (None, 3, (t, "s"), {}, ()):
         with pytest.raises(StageValueError, match="'v'"):
             check_stage_value(bad, name="v")
+
+
+class InPlaceAfterSplit(nn.Module):
+    """The second stage starts with in-place operations on its input (as ResNet's ``relu`` piece does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.act = nn.ReLU(inplace=True)
+        self.b = nn.Linear(4, 4)
+        self.c = nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.act(self.a(x))
+        h = self.b(h)
+        h.mul_(2)
+        return self.c(torch.nn.functional.relu(h, inplace=True))
+
+
+@pytest.mark.parametrize("points", [["act"], ["b", "c"], ["c"]])
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_a_stage_may_change_its_input_in_place(points, tracer) -> None:
+    """Oracle: the unsplit model; each stage runs on detached leaf inputs as the engine runs it."""
+    torch.manual_seed(0)
+    model = InPlaceAfterSplit()
+    x = torch.randn(3, 4)
+    staged = split_model(model, points, tracer=tracer, example_inputs=(x,))
+    expected = model(x)
+    values = [x]
+    for module in staged.stages:
+        leaf = values[-1].detach().requires_grad_()
+        values.append(module(leaf))
+    assert torch.equal(values[-1], expected)

@@ -1,0 +1,33 @@
+"""Errors of cutting a model into stages (tracing, split points, values between stages)."""
+
+from __future__ import annotations
+
+from pipeloom.errors import PipeloomError
+
+__all__ = [
+    "ModelTraceError",
+    "SplitError",
+    "SplitOrderError",
+    "StageValueError",
+    "UnknownSplitPointError",
+]
+
+
+class SplitError(PipeloomError):
+    """A model cannot be cut into stages as asked."""
+
+
+class UnknownSplitPointError(SplitError):
+    """A split point names no module that the traced model calls."""
+
+
+class SplitOrderError(SplitError):
+    """Split points are duplicated, out of call order, leave a stage empty or cut a kept module."""
+
+
+class ModelTraceError(SplitError):
+    """Neither ``torch.fx`` nor ``torch.export`` can trace the model; manual mode is the way out."""
+
+
+class StageValueError(SplitError):
+    """A value passed between stages is not a tensor or a tuple/list/dict of tensors."""

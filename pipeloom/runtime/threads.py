@@ -1,0 +1,66 @@
+"""The helper threads of a :class:`~pipeloom.runtime.comm.Messenger`: one posting gloo sends, one
+watching the store for failed ranks (:class:`~pipeloom.runtime.watch.PeerWatch`), stopped together by
+``close()`` (or at interpreter exit, before torch's teardown, for an engine never closed)."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from pipeloom.runtime.watch import PeerWatch
+
+__all__ = ["STOP_JOIN_S", "HelperThreads", "SendThread"]
+
+STOP_JOIN_S = 5.0  # how long stopping waits for a helper thread
+
+
+class SendThread:
+    """A daemon thread posting gloo sends in queue order, so the compute thread never blocks on one.
+    Queue items are ``(entry, global dst, tag)`` with ``entry = [work, tensor, unit or None]``; the
+    thread fills ``entry[0]``. After the first failure, ``(error, entry, dst)``, it posts nothing more."""
+
+    def __init__(self, group: object) -> None:
+        self.queue: queue.Queue = queue.Queue()
+        self.failure: tuple[Exception, list, int] | None = None
+        self.stopping = False
+        self.thread = threading.Thread(target=self._run, args=(group,), name="pipeloom-sends", daemon=True)
+        self.thread.start()
+
+    def _run(self, group: object) -> None:
+        while (item := self.queue.get()) is not None:
+            entry, dst, tag = item
+            try:
+                if self.failure is None and not self.stopping:
+                    entry[0] = dist.isend(entry[1], dst, group=group, tag=tag)
+            except Exception as error:  # noqa: BLE001 (gloo reports a dead peer from the post itself)
+                self.failure = (error, entry, dst)
+            finally:
+                del item, entry  # no work or tensor outlives its step in this thread's frame
+                self.queue.task_done()
+        self.queue.task_done()
+
+    def stop(self) -> None:
+        """Skip what is still queued and end the thread."""
+        self.stopping = True
+        self.queue.put(None)
+        if self.thread is not threading.current_thread():
+            self.thread.join(STOP_JOIN_S)
+
+
+@dataclass(slots=True)
+class HelperThreads:
+    """A messenger's helper threads, each started when first needed; ``stop`` ends both."""
+
+    sender: SendThread | None = None
+    watch: PeerWatch | None = None
+    stopped: bool = False
+
+    def stop(self) -> None:
+        self.stopped = True
+        if self.sender is not None:
+            self.sender.stop()
+        if self.watch is not None:
+            self.watch.stop(STOP_JOIN_S)

@@ -1,0 +1,210 @@
+"""Two tracing front ends with one result: ``torch.fx``'s symbolic trace and ``torch.export``.
+
+Both give one flat fx graph whose parameters and buffers are ``get_attr`` nodes naming the model's own
+tensors by their qualified names, the model's output structure with fx nodes at its leaves, and each
+node's module scopes (``nn_module_stack``), from which split points are found.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.utils._pytree as pytree
+from torch import fx, nn
+
+from pipeloom.runtime.errors import ModelTraceError, SplitError
+
+__all__ = ["TRACERS", "TracedModel", "module_scopes", "trace_model"]
+
+TRACERS = ("auto", "fx", "export")
+"""``tracer=`` values: ``"auto"`` tries torch.fx, then torch.export when example inputs are given."""
+
+_DROPPED = {  # export's runtime assertions: they check the trace device and sizes, not the model's math
+    torch.ops.aten._assert_tensor_metadata.default,
+    torch.ops.aten._assert_scalar.default,
+    torch.ops.aten.sym_constrain_range_for_size.default,
+}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TracedModel:
+    """One flat graph of the whole model, ready to be cut into stages."""
+
+    root: nn.Module | dict[str, object]  # what the graph's get_attr targets resolve against
+    graph: fx.Graph  # placeholders = model inputs; get_attr = the model's own parameters and buffers
+    input_names: tuple[str, ...]  # the model's positional inputs, one placeholder each
+    output: object  # the model's output structure (a pytree: tuple, dict, ModelOutput...) with fx.Node leaves
+    tracer: str  # "fx" or "export"
+
+
+def module_scopes(node: fx.Node) -> list[str]:
+    """Qualified names of the modules whose forward produced ``node`` (outermost first)."""
+    names: list[str] = []
+    stack = node.meta.get("nn_module_stack") or {}
+    for value in stack.values():
+        path = value[0] if isinstance(value, tuple) else str(value)
+        if path:
+            names.append(path)
+    if node.op == "call_module":
+        parts = str(node.target).split(".")
+        names.extend(".".join(parts[:depth]) for depth in range(1, len(parts) + 1))
+    return list(dict.fromkeys(names))
+
+
+def trace_model(model: nn.Module, *, tracer: str = "auto", leaf_modules: Sequence[str] = (),
+                example_inputs: object = None) -> TracedModel:
+    """Trace ``model`` with torch.fx (``"fx"``), torch.export (``"export"``, needs ``example_inputs``) or
+    torch.fx falling back to torch.export (``"auto"``). ``leaf_modules`` are module names kept whole."""
+    if tracer not in TRACERS:
+        raise SplitError(f"tracer must be one of {', '.join(map(repr, TRACERS))}, got {tracer!r}")
+    if isinstance(leaf_modules, str):
+        raise SplitError(f"leaf_modules must be a list of module names, got the string {leaf_modules!r}; "
+                         f"write [{leaf_modules!r}]")
+    modules = dict(model.named_modules())
+    unknown = [name for name in leaf_modules if name not in modules or not name]
+    if unknown:
+        raise SplitError(f"leaf module(s) {unknown} are not submodules of {type(model).__name__}; give names "
+                         "from model.named_modules(), e.g. 'layers.3'")
+    if tracer == "export":
+        return _export(model, example_inputs)
+    try:
+        return _symbolic(model, leaf_modules)
+    except ModelTraceError as error:
+        if tracer == "fx":
+            raise
+        if example_inputs is None:
+            raise ModelTraceError(f"{error}. Or give example_inputs=(a batch like the ones step() takes) so "
+                                  "pipeloom traces it with torch.export instead") from error.__cause__
+        return _export(model, example_inputs)
+
+
+class _Tracer(fx.Tracer):
+    """torch.fx's tracer, keeping the named modules whole (as call_module nodes)."""
+
+    def __init__(self, leaves: Sequence[str]) -> None:
+        super().__init__()
+        self.leaves = set(leaves)
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return module_qualified_name in self.leaves or super().is_leaf_module(m, module_qualified_name)
+
+
+def _symbolic(model: nn.Module, leaf_modules: Sequence[str]) -> TracedModel:
+    tracer = _Tracer(leaf_modules)
+    try:
+        graph = tracer.trace(model)
+    except Exception as error:  # fx raises TraceError, TypeError, NotImplementedError, ValueError... alike
+        raise ModelTraceError(
+            f"torch.fx cannot trace {type(model).__name__}: {type(error).__name__}: {error}. Split it by hand "
+            "instead: pipeloom.runtime.stages_from_modules([stage0, stage1, ...]) with one nn.Module per stage"
+        ) from error
+    root = fx.GraphModule(tracer.root, graph, type(model).__name__)
+    output = next(n for n in root.graph.nodes if n.op == "output")
+    names = tuple(str(n.target) for n in root.graph.nodes if n.op == "placeholder")
+    return TracedModel(root=root, graph=root.graph, input_names=names, output=output.args[0], tracer="fx")
+
+
+def _export(model: nn.Module, example_inputs: object) -> TracedModel:
+    """torch.export with every input dimension left to export (``Dim.AUTO``), then one fx graph whose
+    parameters, buffers and constants are get_attr nodes of the model's own tensors."""
+    exported = _exported(model, example_inputs)
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    root: dict[str, object] = {}
+    names = _inputs(model, exported, graph, env, root)
+    output = None
+    for node in exported.graph.nodes:
+        if node.op == "placeholder" or (node.op == "call_function" and node.target in _DROPPED):
+            continue
+        if node.op == "get_attr":  # submodules of higher-order operators
+            target = f"_pipeloom_module_{node.target}"
+            root[target] = getattr(exported.graph_module, str(node.target))
+            env[node] = graph.get_attr(target)
+            env[node].meta = dict(node.meta)
+        elif node.op == "output":
+            output = node
+        else:
+            env[node] = graph.node_copy(node, env.__getitem__)
+    user = _outputs(model, exported, output, graph, env, root)
+    graph.output(tuple(user))
+    tree = pytree.tree_unflatten(user, exported.call_spec.out_spec)
+    return TracedModel(root=root, graph=graph, input_names=names, output=tree, tracer="export")
+
+
+def _exported(model: nn.Module, example_inputs: object) -> torch.export.ExportedProgram:
+    from torch.export import Dim
+
+    if example_inputs is None:
+        raise ModelTraceError("tracer='export' needs example_inputs=(a batch like the ones step() takes)")
+    args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    if not args or not all(isinstance(a, torch.Tensor) for a in args):
+        raise ModelTraceError(f"example_inputs must be a tensor or a tuple of tensors (the model's positional "
+                              f"inputs), got {type(example_inputs).__name__}")
+    dynamic = tuple({d: Dim.AUTO for d in range(a.dim())} for a in args)
+    try:
+        exported = torch.export.export(model, args, dynamic_shapes=dynamic, strict=False)
+    except Exception as error:  # export raises many kinds (Unsupported, UserError, RuntimeError...)
+        raise ModelTraceError(
+            f"torch.export cannot trace {type(model).__name__}: {type(error).__name__}: {str(error)[:600]}. "
+            "Split it by hand instead: pipeloom.runtime.stages_from_modules([stage0, stage1, ...])"
+        ) from error
+    return exported
+
+
+def _inputs(model: nn.Module, exported: torch.export.ExportedProgram, graph: fx.Graph,
+            env: dict[fx.Node, fx.Node], root: dict[str, object]) -> tuple[str, ...]:
+    """Parameters, buffers and constants become get_attr nodes of the model's tensors; user inputs
+    placeholders (their names returned)."""
+    from torch.export.graph_signature import InputKind
+
+    names: list[str] = []
+    placeholders = [n for n in exported.graph.nodes if n.op == "placeholder"]
+    signature = exported.graph_signature
+    for node, spec in zip(placeholders, signature.input_specs):
+        if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
+            target = str(spec.target)
+            root[target] = _tensor(model, target, spec.kind == InputKind.PARAMETER)
+            env[node] = graph.get_attr(target)
+        elif spec.kind == InputKind.CONSTANT_TENSOR:
+            target = f"_pipeloom_constant_{spec.target}"
+            root[target] = exported.constants[spec.target]
+            env[node] = graph.get_attr(target)
+        elif spec.kind == InputKind.USER_INPUT:
+            env[node] = graph.placeholder(node.name)
+            names.append(node.name)
+        else:
+            raise ModelTraceError(f"torch.export gave {type(model).__name__} an input of kind {spec.kind.name}, "
+                                  "which pipeloom cannot run; split it by hand (stages_from_modules)")
+        env[node].meta = dict(node.meta)
+    return tuple(names)
+
+
+def _outputs(model: nn.Module, exported: torch.export.ExportedProgram, output: fx.Node, graph: fx.Graph,
+             env: dict[fx.Node, fx.Node], root: dict[str, object]) -> list[object]:
+    """The user outputs (graph nodes, in the output spec's order); buffer updates are written back."""
+    from torch.export.graph_signature import OutputKind
+
+    user: list[object] = []
+    for value, spec in zip(output.args[0], exported.graph_signature.output_specs):
+        if spec.kind == OutputKind.BUFFER_MUTATION:  # write the new value back where the model keeps it
+            new = env[value]
+            with graph.inserting_after(new):
+                buffer = graph.get_attr(str(spec.target))
+            with graph.inserting_after(buffer):
+                graph.call_function(torch.ops.aten.copy_.default, (buffer, new))
+            root[str(spec.target)] = _tensor(model, str(spec.target), False)
+        elif spec.kind in (OutputKind.USER_OUTPUT, OutputKind.LOSS_OUTPUT):
+            user.append(env[value] if isinstance(value, fx.Node) else value)
+        else:
+            what = "changes its input in place" if spec.kind == OutputKind.USER_INPUT_MUTATION else \
+                f"has an output of kind {spec.kind.name}"
+            raise ModelTraceError(f"{type(model).__name__} {what}, which pipeloom cannot run across stages; "
+                                  "split it by hand (stages_from_modules)")
+    return user
+
+
+def _tensor(model: nn.Module, target: str, parameter: bool) -> torch.Tensor:
+    """The model's own parameter or buffer named ``target`` (tied names resolve to the shared object)."""
+    return model.get_parameter(target) if parameter else model.get_buffer(target)

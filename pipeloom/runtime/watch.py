@@ -1,0 +1,145 @@
+"""Failures that reach every rank within a second: a rank that fails leaves its message in the process
+group's store, and every wait of the engine looks there at most every ``PEER_POLL_S`` seconds, so the
+other ranks raise that message whether or not the failed process exits.
+
+Gloo's point-to-point works cannot be polled (``is_completed`` stays False until ``wait`` is called, and
+a ``wait`` that times out closes the group's connections), so on the CPU the wait blocks as before and a
+helper thread (:class:`PeerWatch`) looks at the store while it lasts; on finding another rank's failure
+it closes this rank's connections of the group, which wakes the wait at once. Accelerator backends
+(NCCL) complete their works by themselves: there :func:`poll_work` polls ``is_completed`` and the store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["PEER_POLL_S", "FailureBoard", "PeerWatch", "close_connections", "poll_work"]
+
+ERROR_KEY = "pipeloom/error/{run}/{rank}"  # a failed rank's message
+COUNT_KEY = "pipeloom/failed/{run}"  # ranks that reported so far: one store round trip per look
+FIRST_KEY = "pipeloom/first/{run}"  # the first rank that reported: the cause, the others' reports follow it
+PEER_POLL_S = 0.5  # seconds between two looks at the store while a wait lasts
+BREAK_TAG = (1 << 30) + 1  # a tag no rank sends on: a receive on it that times out closes the connections
+_FIRST_PAUSE_S = 2e-6  # poll_work's first sleep; it doubles up to _LAST_PAUSE_S
+_LAST_PAUSE_S = 1e-3
+
+
+class FailureBoard:
+    """The failure messages of one engine's ranks in the process group's store (none without a store)."""
+
+    def __init__(self, store: object, *, run_id: str, rank: int, world_size: int) -> None:
+        self.store = store
+        self.run_id = run_id
+        self.rank = rank
+        self.world_size = world_size
+        self._count_key = COUNT_KEY.format(run=run_id)
+        self._first_key = FIRST_KEY.format(run=run_id)
+
+    def report(self, message: str) -> None:
+        """Leave this rank's failure where the other ranks look while they wait."""
+        if self.store is not None:
+            with contextlib.suppress(Exception):  # best effort: the peers' timeouts still bound their wait
+                self.store.set(ERROR_KEY.format(run=self.run_id, rank=self.rank), message)
+                if self.store.add(self._count_key, 1) == 1:
+                    self.store.set(self._first_key, str(self.rank))
+
+    def message_of(self, rank: int) -> str | None:
+        """The failure message ``rank`` left, if any."""
+        if self.store is None:
+            return None
+        key = ERROR_KEY.format(run=self.run_id, rank=rank)
+        try:
+            if self.store.check([key]):
+                return self.store.get(key).decode()
+        except Exception:  # noqa: BLE001 (the store may be gone with the failed rank; the wait's error says)
+            return None
+        return None
+
+    def first_failure(self, *, quick: bool = True) -> tuple[int, str] | None:
+        """(rank, message) of another rank that failed: the first to report, else the lowest. ``quick``:
+        one store round trip (the count of reports) while no rank failed; else every rank is asked for."""
+        if self.store is None:
+            return None
+        try:
+            if quick and self.store.add(self._count_key, 0) == 0:
+                return None
+            first = int(self.store.get(self._first_key)) if self.store.check([self._first_key]) else self.rank
+        except Exception:  # noqa: BLE001 (a store that is gone cannot tell; the waits' own errors will)
+            return None
+        if first != self.rank and (message := self.message_of(first)) is not None:
+            return first, message
+        for rank in range(self.world_size):
+            if rank != self.rank and (message := self.message_of(rank)) is not None:
+                return rank, message
+        return None
+
+
+class PeerWatch:
+    """While this rank waits (``waiting`` > 0), a daemon thread asks ``board`` for another rank's failure
+    every ``PEER_POLL_S`` seconds; on the first one it records it in ``failure`` and calls ``wake``."""
+
+    def __init__(self, board: FailureBoard, wake: Callable[[], None]) -> None:
+        self.board = board
+        self.wake = wake
+        self.waiting = 0  # waits in progress, counted by the compute thread (an int: no lock, no cost)
+        self.failure: tuple[int, str] | None = None
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pipeloom-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stopped.wait(PEER_POLL_S):
+            if not self.waiting:
+                continue
+            found = self.board.first_failure()
+            if found is not None and not self._stopped.is_set():
+                self.failure = found
+                self.wake()
+                return  # a failure ends the engine: nothing more to watch
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """End the thread (within ``timeout`` seconds even if a store call hangs)."""
+        self._stopped.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+
+def close_connections(group: object, peer: int) -> None:
+    """Make every pending operation of this rank on ``group`` (gloo) fail now, as if the process had
+    exited: a receive from global rank ``peer`` that times out makes gloo close all of the group's
+    connections ("Application timeout caused pair closure"), which also tells the peers."""
+    buffer = torch.empty(1)
+    with contextlib.suppress(Exception):
+        dist.irecv(buffer, peer, group=group, tag=BREAK_TAG).wait(timeout=datetime.timedelta(milliseconds=1))
+
+
+def poll_work(work: object, *, timeout: float, board: FailureBoard) -> tuple[str, Exception | None] | None:
+    """Wait for ``work`` by polling ``is_completed`` (sleeping 2 us, doubling up to 1 ms) and the store
+    (every ``PEER_POLL_S`` s): None when done, else (why not, the work's error). For backends whose works
+    complete by themselves (NCCL), never gloo's point-to-point ones."""
+    if not work.is_completed():
+        start = time.monotonic()
+        look = start + PEER_POLL_S
+        pause = _FIRST_PAUSE_S
+        while not work.is_completed():
+            now = time.monotonic()
+            if now >= look:
+                look = now + PEER_POLL_S
+                if (found := board.first_failure()) is not None:
+                    return f"rank {found[0]} failed: {found[1]}", None
+            if now - start >= timeout:
+                return f"no answer within {timeout:g} s", None
+            time.sleep(pause)
+            pause = min(2 * pause, _LAST_PAUSE_S)
+    try:
+        work.wait()  # complete: raises the work's own error, if it failed
+    except Exception as error:  # noqa: BLE001 (the caller names the peer and the store's message)
+        return f"{type(error).__name__}: {error}", error
+    return None

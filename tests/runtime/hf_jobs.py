@@ -1,0 +1,97 @@
+"""What each spawned rank runs in the transformers-model runtime tests (importable by the child processes)."""
+
+from __future__ import annotations
+
+import copy
+
+
+def hf_exactness(rank: int, world: int, cases: list[tuple[str, str, int]], steps: int = 2) -> dict:
+    """For every (model, schedule, pieces): ``steps`` SGD steps with the engine and with the unsplit model's
+    for-loop reference (the second step with a shorter sequence); mismatching parameters, whether the
+    losses agree, and the shared (tied) parameters' values after training."""
+    import torch
+    from hf_models import build_hf, hf_splits, lm_loss, tokens
+    from models import mismatches
+
+    from pipeloom.runtime import pipeline, split_model
+    from pipeloom.runtime.tracing import trace_model
+
+    results = {}
+    traced: dict = {}  # one torch.export trace per model, cut several ways
+    for name, schedule, pieces in cases:
+        if name not in traced:
+            model = build_hf(name)
+            traced[name] = (model, copy.deepcopy(model.state_dict()),
+                            trace_model(model, tracer="export", example_inputs=(tokens()[0],)))
+        model, initial, trace = traced[name]
+        model.load_state_dict(initial)
+        model.zero_grad(set_to_none=True)
+        reference = copy.deepcopy(model)
+        engine = pipeline(model, schedule=schedule, stages=split_model(trace, hf_splits(name, pieces)),
+                          loss_fn=lm_loss, microbatches=4, timeout=60)
+        owned = {id(p) for p in engine.parameters()}
+        ours = torch.optim.SGD(engine.parameters(), lr=0.1)
+        theirs = torch.optim.SGD(reference.parameters(), lr=0.1)
+        problems, losses_equal = [], True
+        for step in range(steps):
+            x, y = tokens(seq=12 if step == 0 else 7, seed=step)
+            loss = engine.step(x, target=y)
+            expected = None
+            for xm, ym in zip(torch.chunk(x, 4), torch.chunk(y, 4)):
+                part = lm_loss(reference(xm), ym) / 4
+                part.backward()
+                expected = part.detach() if expected is None else expected + part.detach()
+            losses_equal &= torch.equal(loss, expected)
+            problems += [f"step {step}: {n}" for n in mismatches(model, reference, owned)]
+            for optimizer in (ours, theirs):
+                optimizer.step()
+                optimizer.zero_grad()
+        shared = {name: p.detach().flatten().tolist() for name, p in zip(engine.shared.names, engine.shared.params)
+                  if id(p) in owned}
+        results[f"{name}/{schedule}"] = {"mismatches": problems, "losses_equal": bool(losses_equal),
+                                         "owned": len(owned), "shared": shared}
+    return results
+
+
+def hf_dropout(rank: int, world: int, schedules: list[str], steps: int = 2) -> dict:
+    """GPT-2 with dropout 0.1 cut into 4 pieces: the engine's losses, gradients and SGD updates against the
+    single-process reference with the runtime's random numbers (pipeloom.runtime.reference_step), run
+    on the same model from the same state just before each engine step."""
+    import torch
+    from hf_models import build_hf, hf_splits, lm_loss, tokens
+
+    from pipeloom.runtime import pipeline, reference_step, split_model
+
+    x, y = tokens()
+    model = build_hf("gpt2", dropout=0.1)
+    initial = copy.deepcopy(model.state_dict())
+    staged = split_model(model, hf_splits("gpt2", 4), tracer="export", example_inputs=(x,))
+    params = dict(model.named_parameters())
+    results = {}
+    for schedule in schedules:
+        model.load_state_dict(initial)
+        engine = pipeline(model, schedule=schedule, stages=staged, loss_fn=lm_loss, microbatches=4, seed=1234,
+                          timeout=60)
+        owned = {id(p) for p in engine.parameters()}
+        problems, losses = [], []
+        for step in range(steps):
+            before = {name: p.detach().clone() for name, p in params.items()}
+            expected = reference_step(staged, x, y, loss_fn=lm_loss, microbatches=4, seed=1234, step=step)
+            grads = {name: p.grad.clone() for name, p in params.items()}
+            with torch.no_grad():
+                for name, p in params.items():
+                    p.grad = None
+            loss = engine.step(x, target=y)
+            losses.append((float(loss), float(expected)))
+            problems += [f"step {step}: {name}.grad" for name, p in params.items()
+                         if id(p) in owned and not torch.equal(p.grad, grads[name])]
+            with torch.no_grad():
+                for name, p in params.items():  # SGD on the reference gradients, the same on every rank
+                    p.copy_(before[name] - 0.1 * grads[name])
+                    p.grad = None
+        with torch.no_grad():
+            model.eval()
+            plain = sum(float(lm_loss(model(xm), ym)) / 4 for xm, ym in zip(torch.chunk(x, 4), torch.chunk(y, 4)))
+            model.train()
+        results[schedule] = {"mismatches": problems, "losses": losses, "no_dropout_loss": plain}
+    return results

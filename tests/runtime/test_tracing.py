@@ -1,0 +1,238 @@
+"""Tracing front ends, kept modules, dropout's train/eval switch and the runtime's random numbers, in one
+process. Oracles: the unsplit model (bitwise), and torch's own dropout with the same generator state."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import torch.nn.functional as F
+from torch import nn
+
+from pipeloom.runtime import (
+    ModelTraceError,
+    SplitOrderError,
+    UnknownSplitPointError,
+    forward_seed,
+    pipeline,
+    reference_step,
+    split_model,
+)
+from pipeloom.runtime.errors import SplitError
+
+
+class Dropper(nn.Module):
+    """Dropout written the way torch.fx bakes in: ``F.dropout(x, training=self.training)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.drop = nn.Dropout(0.5)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = F.dropout(torch.tanh(self.a(x)), p=0.5, training=self.training)
+        h = self.drop(torch.tanh(self.b(h)))
+        return self.head(h)
+
+
+class Blocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)) for _ in range(3))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+def test_eval_step_runs_without_dropout_whatever_the_code_says():
+    torch.manual_seed(0)
+    model = Dropper()
+    engine = pipeline(model, schedule="interleaved-1f1b", split_points=["b"], loss_fn=F.cross_entropy,
+                      microbatches=2)
+    x = torch.randn(4, 8)
+    expected = copy.deepcopy(model).eval()(x)
+    assert torch.equal(engine.eval_step(x), expected)
+    assert torch.equal(engine.eval_step(x), expected)
+    assert all(module.training for module in engine.modules.values())  # eval_step restores the mode
+
+
+def test_engine_eval_turns_dropout_off_in_step_and_train_back_on():
+    torch.manual_seed(0)
+    model = Dropper()
+    reference = copy.deepcopy(model)
+    engine = pipeline(model, schedule="interleaved-1f1b", split_points=["b"], loss_fn=F.cross_entropy,
+                      microbatches=2)
+    x, y = torch.randn(4, 8), torch.randint(0, 3, (4,))
+    plain = sum(F.cross_entropy(reference.eval()(xm), ym) / 2 for xm, ym in zip(x.chunk(2), y.chunk(2)))
+    assert engine.eval() is engine
+    assert torch.equal(engine.step(x, target=y), plain)
+    engine.train()
+    assert not torch.equal(engine.step(x, target=y), plain)
+
+
+def test_a_training_step_leaves_the_callers_random_state_alone():
+    torch.manual_seed(0)
+    engine = pipeline(Dropper(), schedule="interleaved-1f1b", split_points=["b"], loss_fn=F.cross_entropy,
+                      microbatches=2, seed=7)
+    x, y = torch.randn(4, 8), torch.randint(0, 3, (4,))
+    state = torch.get_rng_state()
+    engine.step(x, target=y)
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_step_draws_what_the_single_process_reference_draws():
+    torch.manual_seed(0)
+    model = Dropper()
+    reference = copy.deepcopy(model)
+    staged = split_model(reference, ["b"])
+    x, y = torch.randn(8, 8), torch.randint(0, 3, (8,))
+    engine = pipeline(model, schedule="looped-bfs", split_points=["b"], loss_fn=F.cross_entropy, microbatches=4,
+                      seed=11)
+    for step in range(2):
+        loss = engine.step(x, target=y)
+        assert torch.equal(loss, reference_step(staged, x, y, loss_fn=F.cross_entropy, microbatches=4, seed=11,
+                                                step=step))
+        for p, q in zip(model.parameters(), reference.parameters()):
+            assert torch.equal(p.grad, q.grad)
+    # the seed decides the draws: another seed gives another loss
+    other = pipeline(copy.deepcopy(reference), schedule="looped-bfs", split_points=["b"], loss_fn=F.cross_entropy,
+                     microbatches=4, seed=12)
+    assert not torch.equal(other.step(x, target=y), reference_step(staged, x, y, loss_fn=F.cross_entropy,
+                                                                   microbatches=4, seed=11, step=0))
+
+
+def test_forward_seeds_differ_per_step_piece_and_microbatch():
+    seeds = {forward_seed(1, step, piece, mb) for step in range(3) for piece in range(3) for mb in range(3)}
+    assert len(seeds) == 27 and all(0 <= s < 2**63 for s in seeds)
+    assert forward_seed(1, 0, 0, 0) != forward_seed(2, 0, 0, 0)
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_both_tracers_cut_the_same_model_bitwise(tracer):
+    torch.manual_seed(0)
+    model = Blocks()
+    x = torch.randn(5, 4)
+    staged = split_model(model, ["blocks.1", "blocks.2"], tracer=tracer, example_inputs=(x,))
+    assert staged.num_stages == 3
+    for rows in (5, 2):  # export keeps the batch dimension symbolic
+        x = torch.randn(rows, 4)
+        assert torch.equal(staged.run(x), model(x))
+
+
+def test_leaf_modules_stay_whole():
+    staged = split_model(Blocks(), ["blocks.1"], tracer="fx", leaf_modules=["blocks.0"])
+    calls = [n.target for n in staged.stages[0].graph.nodes if n.op == "call_module"]
+    assert calls == ["blocks.0"]
+    with pytest.raises(UnknownSplitPointError, match="inside leaf_modules"):
+        split_model(Blocks(), ["blocks.0.2"], tracer="fx", leaf_modules=["blocks.0"])
+    with pytest.raises(UnknownSplitPointError, match="inside leaf_modules"):
+        split_model(Blocks(), ["blocks.0.2"], tracer="export", leaf_modules=["blocks.0"],
+                    example_inputs=(torch.randn(2, 4),))
+    with pytest.raises(SplitError, match="not submodules"):
+        split_model(Blocks(), ["blocks.1"], leaf_modules=["nowhere"])
+
+
+def test_tracer_errors_say_what_to_do():
+    pytest.importorskip("transformers")
+    from hf_models import build_hf, tokens
+
+    model = build_hf("gpt2")
+    with pytest.raises(ModelTraceError, match="example_inputs="):
+        split_model(model, ["transformer.h.2"])
+    with pytest.raises(ModelTraceError, match="torch.fx cannot trace GPT2LMHeadModel"):
+        split_model(model, ["transformer.h.2"], tracer="fx", example_inputs=(tokens()[0],))
+    with pytest.raises(ModelTraceError, match="needs example_inputs"):
+        split_model(model, ["transformer.h.2"], tracer="export")
+    with pytest.raises(SplitError, match="tracer must be one of"):
+        split_model(model, ["transformer.h.2"], tracer="jit")
+    with pytest.raises(SplitOrderError):
+        split_model(model, ["transformer.h.2", "transformer.h.1"], example_inputs=(tokens()[0],))
+
+
+def test_a_transformers_model_runs_on_one_rank_and_eval_step_returns_its_output():
+    """GPT-2 (tied head) on one rank, split by auto-traced torch.export; eval_step joins the micro-batches'
+    ModelOutputs into one."""
+    pytest.importorskip("transformers")
+    from hf_models import build_hf, lm_loss, tokens
+
+    model = build_hf("gpt2", dropout=0.1)
+    reference = copy.deepcopy(model).eval()
+    x, y = tokens()
+    engine = pipeline(model, schedule="zbv", split_points=["transformer.h.2"], loss_fn=lm_loss, microbatches=4,
+                      example_inputs=(x,))
+    assert engine.staged.num_stages == 2 and len(engine.shared.params) == 1
+    out = engine.eval_step(x)
+    assert type(out).__name__ == "CausalLMOutputWithCrossAttentions"
+    assert torch.equal(out.logits, torch.cat([reference(xm).logits for xm in x.chunk(4)]))
+    assert torch.isfinite(engine.step(x, target=y))
+
+
+class Convs(nn.Module):
+    """BatchNorm and in-place ReLU, as in torchvision's ResNets (torchvision itself is not installable here)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(4)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(4, 4, 3, padding=1)
+        self.bn2 = nn.BatchNorm2d(4)
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.relu(self.bn1(self.conv1(x)))
+        h = self.relu(self.bn2(self.conv2(h)) + h)
+        return self.fc(h.mean(dim=(2, 3)))
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_batch_norm_trains_and_evaluates_like_the_model(tracer):
+    """Oracle: the unsplit model in train mode (outputs and running statistics) and in eval mode."""
+    torch.manual_seed(0)
+    model = Convs()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(4, 3, 6, 6), torch.randint(0, 3, (4,))
+    engine = pipeline(model, schedule="interleaved-1f1b", split_points=["relu", "conv2"], loss_fn=F.cross_entropy,
+                      microbatches=2, tracer=tracer, example_inputs=(x,), schedule_options={"stages_per_rank": 3})
+    loss = engine.step(x, target=y)
+    expected = sum(F.cross_entropy(reference(xm), ym) / 2 for xm, ym in zip(x.chunk(2), y.chunk(2)))
+    assert torch.equal(loss, expected)
+    assert torch.equal(model.bn1.running_mean, reference.bn1.running_mean)
+    assert torch.equal(model.bn2.running_var, reference.bn2.running_var)
+    assert torch.equal(engine.eval_step(x), reference.eval()(x))
+
+
+def test_a_checkpoint_resumes_dropout_bitwise(tmp_path):
+    """The training-step count that seeds the random numbers travels with the checkpoint."""
+
+    def engine_for(seed: int):
+        torch.manual_seed(seed)
+        engine = pipeline(Dropper(), schedule="looped-bfs", split_points=["b"], loss_fn=F.cross_entropy,
+                          microbatches=2, seed=5)
+        return engine, torch.optim.AdamW(engine.parameters(), lr=0.01)
+
+    x, y = torch.randn(4, 8), torch.randint(0, 3, (4,))
+
+    def train(engine, optimizer, steps):
+        losses = []
+        for _ in range(steps):
+            losses.append(engine.step(x, target=y))
+            optimizer.step()
+            optimizer.zero_grad()
+        return losses
+
+    engine, optimizer = engine_for(0)
+    train(engine, optimizer, 2)
+    engine.save_checkpoint(tmp_path / "ckpt", optimizer=optimizer)
+    expected = train(engine, optimizer, 2)
+    resumed, optimizer = engine_for(1)
+    resumed.load_checkpoint(tmp_path / "ckpt", optimizer=optimizer)
+    assert resumed.training_steps == 2
+    assert [torch.equal(a, b) for a, b in zip(train(resumed, optimizer, 2), expected)] == [True, True]
