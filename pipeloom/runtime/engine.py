@@ -11,85 +11,41 @@ from __future__ import annotations
 import json
 import os
 import time
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import fx, nn
 
-from pipeloom.ir import Schedule, load_schedule
 from pipeloom.ir.json_io import schedule_to_json
 from pipeloom.runtime import state
+from pipeloom.runtime.checkpoint import load_checkpoint, save_checkpoint
+from pipeloom.runtime.clip import clip_grad_norm_
 from pipeloom.runtime.agree import StepMismatchError, agree_on_step
 from pipeloom.runtime.backward import add_in_order
 from pipeloom.runtime.comm import Messenger
-from pipeloom.runtime.lower import Lowering, PipelineError, lower
+from pipeloom.runtime.lower import Lowering, PipelineError
+from pipeloom.runtime.passes import retarget_devices
 from pipeloom.runtime.replicas import merge_replicas
 from pipeloom.runtime.shared import SharedParameters, check_placement, shared_parameters
-from pipeloom.runtime.split import StagedModel, split_model, stages_from_modules
+from pipeloom.runtime.setup import (
+    default_store,
+    lower_for,
+    resolve_schedule,
+    shared_run_id,
+    shared_seed,
+    staged_model,
+    world_of,
+)
+from pipeloom.runtime.split import StagedModel
 from pipeloom.runtime.state import LoadResult, ModelNames, model_names
 from pipeloom.runtime.step import StepRun
-from pipeloom.schedules import build_schedule, schedule_info, schedule_names
-from pipeloom.validate import validate
 
 __all__ = ["PipelineEngine", "PipelineError", "pipeline"]
 
 TRACE_ENV = "PIPELOOM_TRACE"
 _LOSS_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)  # agreed on across ranks
-
-
-def _world(process_group: object) -> tuple[int, int, object]:
-    """(rank, world size, group) — a world of one when no process group exists."""
-    if process_group is not None:
-        return dist.get_rank(process_group), dist.get_world_size(process_group), process_group
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size(), dist.group.WORLD
-    return 0, 1, None
-
-
-def _staged(model: nn.Module | None, split_points: Sequence[str] | None,
-            stages: StagedModel | Sequence[nn.Module] | None, **tracing: object) -> StagedModel:
-    if stages is not None and split_points is not None:
-        raise PipelineError("give split_points= or stages=, not both")
-    if isinstance(stages, StagedModel):
-        return stages
-    if stages is not None:
-        return stages_from_modules(list(stages))
-    if split_points is None:
-        raise PipelineError("say where to cut the model: split_points=['layers.4', ...] (module names where stages "
-                            "1.. start) or stages=[module0, module1, ...]; split_points=[] runs it as one stage")
-    if model is None:
-        raise PipelineError("split_points needs the model; pass it as the first argument")
-    return split_model(model, split_points, **tracing)
-
-
-def _resolve_schedule(schedule: object, *, num_ranks: int, num_pieces: int, microbatches: int | None,
-                      options: dict) -> Schedule:
-    """A Schedule from a built-in name, a Schedule, or a saved .json/.csv file."""
-    if isinstance(schedule, Schedule):
-        return schedule
-    if isinstance(schedule, (str, Path)) and str(schedule) in schedule_names():
-        name = str(schedule)
-        if microbatches is None:
-            raise PipelineError(f"schedule {name!r} is built here; say how many micro-batches: microbatches=8")
-        info = schedule_info(name)
-        options = dict(options)
-        if "stages_per_rank" in info.options and "stages_per_rank" not in options:
-            if num_pieces % num_ranks:
-                raise PipelineError(f"{name} puts the same number of stages on every rank, but the model has "
-                                    f"{num_pieces} pieces for {num_ranks} ranks; cut it into a multiple of {num_ranks}")
-            options["stages_per_rank"] = num_pieces // num_ranks
-        return build_schedule(name, num_ranks, microbatches, **options)  # two-replica ones pair them
-    if isinstance(schedule, (str, Path)):
-        path = Path(schedule)
-        if path.suffix.lower() in (".json", ".csv") or path.exists():
-            return load_schedule(path)
-        names = ", ".join(schedule_names())
-        raise PipelineError(f"schedule {str(schedule)!r} is neither a built-in ({names}) nor a .json/.csv file")
-    raise PipelineError(f"schedule must be a built-in name, a pipeloom.Schedule or a file path, "
-                        f"got {type(schedule).__name__}")
 
 
 def pipeline(
@@ -140,29 +96,18 @@ def pipeline(
     if microbatches is not None and (isinstance(microbatches, bool) or not isinstance(microbatches, int)
                                      or microbatches < 1):
         raise PipelineError(f"microbatches must be a positive integer, got {microbatches!r}")
-    rank, world, group = _world(process_group)
-    staged = _staged(model, split_points, stages, tracer=tracer, leaf_modules=leaf_modules,
-                     example_inputs=example_inputs)
+    rank, world, group = world_of(process_group)
+    staged = staged_model(model, split_points, stages, tracer=tracer, leaf_modules=leaf_modules,
+                          example_inputs=example_inputs)
+    sched = resolve_schedule(schedule, num_ranks=world, num_pieces=staged.num_stages,
+                             microbatches=microbatches, options=schedule_options or {})
+    lowering = lower_for(sched, staged, world=world, microbatches=microbatches)
     shared = shared_parameters(staged.stages)
-    sched = _resolve_schedule(schedule, num_ranks=world, num_pieces=staged.num_stages,
-                              microbatches=microbatches, options=schedule_options or {})
-    if sched.num_ranks != world:
-        raise PipelineError(
-            f"schedule {sched.name!r} is for {sched.num_ranks} ranks but this process group has {world}; launch "
-            f"with `torchrun --nproc-per-node {sched.num_ranks}` or use a schedule for {world} ranks"
-        )
-    validate(sched, ordered=True, check_memory_limit=False)
-    piece_inputs = [[(ref.stage, ref.index) for ref in spec.inputs] for spec in staged.graph.stages]
-    outputs = [(ref.stage, ref.index) for ref in staged.graph.output_refs()]
-    lowering = lower(sched, piece_inputs, outputs)
     check_placement(shared, lowering)
-    if microbatches is not None and lowering.num_microbatches != microbatches:
-        raise PipelineError(f"the schedule runs {lowering.num_microbatches} micro-batches per step, but "
-                            f"microbatches={microbatches}; pass microbatches={lowering.num_microbatches} or rebuild it")
     trace = trace if trace is not None else os.environ.get(TRACE_ENV) or None
     return PipelineEngine(staged=staged, lowering=lowering, loss_fn=loss_fn, rank=rank, world_size=world,
                           group=group, device=device, trace=trace, timeout=float(timeout),
-                          shared=shared, seed=_shared_seed(group, world, seed),
+                          shared=shared, seed=shared_seed(group, world, seed),
                           names=model_names(model, staged.stages))
 
 
@@ -193,7 +138,9 @@ class PipelineEngine:
         self.modules = {s: staged.stages[lowering.piece_of[s]] for s in self.local_stages}
         for module in self.modules.values():
             module.to(self.device)
-        self.params = {s: [p for p in module.parameters() if p.requires_grad] for s, module in self.modules.items()}
+            if isinstance(module, fx.GraphModule):
+                retarget_devices(module, self.device)
+        self.params = self._trainable()
         self.program = lowering.programs[rank]
         self.eval_program = tuple(step for step in self.program if step.action.kind == "F")
         self.tracing = trace is not None and trace is not False
@@ -205,8 +152,8 @@ class PipelineEngine:
         self.last_piece = lowering.num_pieces - 1
         store, run_id = None, "local"
         if world_size > 1:
-            store = _default_store()
-            run_id = _shared_run_id(group, rank)
+            store = default_store()
+            run_id = shared_run_id(group, rank)
         self.messenger = Messenger(
             rank=rank, group=group, to_global=(lambda r: dist.get_global_rank(group, r)) if group is not None
             else (lambda r: r), device=self.device, timeout=timeout, units=lowering.units,
@@ -299,6 +246,10 @@ class PipelineEngine:
             out.append(parts)
         return out
 
+    def _trainable(self) -> dict[int, list[nn.Parameter]]:
+        """Per local stage, its parameters that require a gradient now."""
+        return {s: [p for p in module.parameters() if p.requires_grad] for s, module in self.modules.items()}
+
     def _signature(self, chunks: list[list], targets: list[list], training: bool) -> tuple:
         return (training, tuple(tuple((tuple(t.shape), t.dtype) for t in per) for per in chunks),
                 tuple(tuple((tuple(t.shape), t.dtype) for t in per) for per in targets))
@@ -316,6 +267,7 @@ class PipelineEngine:
             self.broken = str(error)
             self.messenger.report(self.broken)
             raise
+        self.params = self._trainable()  # requires_grad may have changed since the last step
         chunks = self._chunks(inputs, "inputs")
         num_inputs = len(self.staged.graph.input_names)
         if len(chunks) != num_inputs:
@@ -418,7 +370,7 @@ class PipelineEngine:
         path.write_text(json.dumps(self.trace_document()))
 
     # ------------------------------------------------------------------------------ training-loop helpers
-    # (runtime/state.py; every rank calls the collective ones: clip_grad_norm_, full_state_dict, checkpoints)
+    # (runtime/state.py, clip.py, checkpoint.py; every rank calls the collective ones: clip_grad_norm_, full_state_dict, checkpoints)
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """This rank's parameters under the model's ``named_parameters()`` names (a tied one under the
@@ -429,7 +381,7 @@ class PipelineEngine:
                         error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` over every rank, bitwise: scales this
         rank's gradients and returns the total norm, the same on every rank."""
-        return state.clip_grad_norm_(self.named_parameters(), self.names.parameters, max_norm,
+        return clip_grad_norm_(self.named_parameters(), self.names.parameters, max_norm,
                                      norm_type=norm_type, error_if_nonfinite=error_if_nonfinite, foreach=foreach,
                                      group=self._group_for("clip_grad_norm_"), device=self.device,
                                      wait=self.messenger.wait_work)
@@ -455,12 +407,12 @@ class PipelineEngine:
     def save_checkpoint(self, path: str | Path, *, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Save the model (and ``optimizer``'s state, by parameter name) with ``torch.distributed.checkpoint``
         into the folder ``path``; every rank calls it. Any pipeline of the model, or one device, loads it."""
-        state.save_checkpoint(path, self.names, self._pieces(), optimizer=optimizer, group=self._dcp_group(),
+        save_checkpoint(path, self.names, self._pieces(), optimizer=optimizer, group=self._dcp_group(),
                               counters={"training_steps": self.training_steps})
 
     def load_checkpoint(self, path: str | Path, *, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Load what :meth:`save_checkpoint` saved into this rank's tensors and ``optimizer``."""
-        found = state.load_checkpoint(path, self.names, self._pieces(), optimizer=optimizer,
+        found = load_checkpoint(path, self.names, self._pieces(), optimizer=optimizer,
                                       group=self._dcp_group(), counters={"training_steps": self.training_steps})
         self.training_steps = found["training_steps"]  # the next step draws the random numbers it would have
 
@@ -475,36 +427,3 @@ class PipelineEngine:
 
     def _dcp_group(self) -> object:
         return self.group if dist.is_available() and dist.is_initialized() else None
-
-
-def _default_store() -> object:
-    """The process group's key-value store, used only to pass failure messages (None if unreachable)."""
-    try:
-        from torch.distributed.distributed_c10d import _get_default_store
-
-        return _get_default_store()
-    except Exception:  # noqa: BLE001 (private API: without it failures still surface through timeouts)
-        return None
-
-
-def _shared_seed(group: object, world: int, seed: int | None) -> int:
-    """``seed``, or rank 0's ``torch.initial_seed()`` on every rank (63 bits)."""
-    if seed is not None:
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise PipelineError(f"seed must be an integer, got {seed!r}")
-        return seed & ((1 << 63) - 1)
-    value = torch.tensor([torch.initial_seed() & ((1 << 63) - 1)], dtype=torch.int64)
-    if world > 1:
-        tensor = value.cuda() if dist.get_backend(group) == "nccl" else value
-        dist.broadcast(tensor, src=dist.get_global_rank(group, 0), group=group)
-        value = tensor.cpu()
-    return int(value.item())
-
-
-def _shared_run_id(group: object, rank: int) -> str:
-    """One id for this engine on every rank (rank 0's, broadcast), so failure keys never collide."""
-    mine = torch.tensor(list(uuid.uuid4().bytes), dtype=torch.uint8)
-    backend = dist.get_backend(group)
-    tensor = mine.cuda() if backend == "nccl" else mine
-    dist.broadcast(tensor, src=dist.get_global_rank(group, 0), group=group)
-    return bytes(tensor.cpu().tolist()).hex()

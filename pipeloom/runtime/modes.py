@@ -33,7 +33,9 @@ _DROP = {**dict.fromkeys((F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.al
          **dict.fromkeys((torch.ops.aten.dropout.default, torch.ops.aten.native_dropout.default,
                           torch.ops.aten.feature_dropout.default, torch.ops.aten.alpha_dropout.default,
                           torch.ops.aten.feature_alpha_dropout.default, torch.dropout, torch.alpha_dropout,
-                          torch.feature_dropout, torch.feature_alpha_dropout), ModeArgument(2, "train", False))}
+                          torch.feature_dropout, torch.feature_alpha_dropout, torch.ops.aten.dropout_.default,
+                          torch.ops.aten.feature_dropout_.default, torch.ops.aten.alpha_dropout_.default,
+                          torch.ops.aten.feature_alpha_dropout_.default), ModeArgument(2, "train", False))}
 
 MODE_ARGUMENTS: dict[object, ModeArgument] = {
     **_DROP,

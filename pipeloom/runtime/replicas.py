@@ -168,15 +168,16 @@ def _post_incoming(messenger: Messenger, peer: int, templates: list, tag: int, d
     return _Incoming(peer=peer, templates=templates, mask=mask, buffers=buffers, works=works)
 
 
-def receive_packed(messenger: Messenger, peer: int, templates: list, tag: int, device: torch.device) -> list:
+def receive_packed(messenger: Messenger, peer: int, templates: list, tag: int, device: torch.device, *,
+                   what: str = "replica gradients") -> list:
     """Receive what :func:`send_packed` sent from group rank ``peer``: gradients shaped like ``templates``."""
-    return _take(messenger, _post_incoming(messenger, peer, templates, tag, device))
+    return _take(messenger, _post_incoming(messenger, peer, templates, tag, device), what)
 
 
-def _take(messenger: Messenger, incoming: _Incoming) -> list:
+def _take(messenger: Messenger, incoming: _Incoming, what: str = "replica gradients") -> list:
     """Wait for a posted packed message and cut it back into gradients (None where flagged absent)."""
     for work in incoming.works:
-        messenger.wait_work(work, f"receiving replica gradients from rank {incoming.peer}", incoming.peer)
+        messenger.wait_work(work, f"receiving {what} from rank {incoming.peer}", incoming.peer)
     offsets = dict.fromkeys(incoming.buffers, 0)
     grads = []
     for template, present in zip(incoming.templates, incoming.mask.tolist()):

@@ -23,6 +23,7 @@ from pipeloom.runtime.lower import Lowering, PipelineError
 __all__ = ["SHARED_TAG", "SharedGradients", "SharedParameters", "shared_parameters"]
 
 SHARED_TAG = 1 << 25  # tags of the exchange, clear of the step's own messages and of the replicas'
+_WHAT = "shared-parameter gradients"
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,12 +40,13 @@ class SharedParameters:
 
 
 def shared_parameters(stages: Sequence[nn.Module]) -> SharedParameters:
-    """Parameters (requiring grad) that more than one stage module uses."""
+    """Parameters that more than one stage module uses (frozen ones too: a frozen parameter gets no
+    gradient, and one unfrozen later is combined like the others)."""
     users: dict[int, list[int]] = {}
     found: dict[int, tuple[nn.Parameter, str]] = {}
     for k, module in enumerate(stages):
         for name, param in module.named_parameters():
-            if param.requires_grad and k not in users.setdefault(id(param), []):
+            if k not in users.setdefault(id(param), []):
                 users[id(param)].append(k)
                 found.setdefault(id(param), (param, name))
     keys = [key for key, pieces in users.items() if len(pieces) > 1]
@@ -96,8 +98,9 @@ class SharedGradients:
         while mb < self.num_microbatches and len(self.parts.get((index, mb), ())) == len(pieces):
             parts = self.parts.pop((index, mb))
             present = [parts[k] for k in sorted(pieces, reverse=True) if parts[k] is not None]
-            if present:
-                accumulate_grad(self.shared.params[index], add_in_order(present))
+            if present:  # a lone part may be a view into a received buffer: keep a copy, not the buffer
+                total = add_in_order(present) if len(present) > 1 else present[0].clone()
+                accumulate_grad(self.shared.params[index], total)
             mb += 1
         self.next_mb[index] = mb
 
@@ -113,9 +116,9 @@ class SharedGradients:
             tag = SHARED_TAG + 2 * min(self.rank, peer)
             if self.rank < peer:  # one order per pair, as NCCL matches in posting order
                 sends += send_packed(messenger, peer, [self._part(*e) for e in ours], templates, tag, device)
-                found = receive_packed(messenger, peer, their_templates, tag, device)
+                found = receive_packed(messenger, peer, their_templates, tag, device, what=_WHAT)
             else:
-                found = receive_packed(messenger, peer, their_templates, tag, device)
+                found = receive_packed(messenger, peer, their_templates, tag, device, what=_WHAT)
                 sends += send_packed(messenger, peer, [self._part(*e) for e in ours], templates, tag, device)
             for (index, mb, piece), grad in zip(theirs, found):
                 self.parts.setdefault((index, mb), {})[piece] = grad

@@ -23,7 +23,7 @@ from pipeloom.runtime.errors import (
     UnknownSplitPointError,
 )
 from pipeloom.runtime.modes import switch_modes
-from pipeloom.runtime.passes import copy_mutated_inputs, localize_sizes
+from pipeloom.runtime.passes import TRACED_DEVICE, copy_mutated_inputs, localize_sizes
 from pipeloom.runtime.tracing import TracedModel, module_scopes, trace_model
 
 __all__ = [
@@ -244,7 +244,7 @@ def _assign(graph: fx.Graph, starts: list[int]) -> dict[fx.Node, int]:
 
 
 def _build_stage(root: nn.Module | dict, nodes: list[fx.Node], inputs: list[fx.Node],
-                 outputs: list[fx.Node], index: int) -> fx.GraphModule:
+                 outputs: list[fx.Node], index: int, device: torch.device | None = None) -> fx.GraphModule:
     """A GraphModule over ``nodes`` taking ``inputs`` and returning ``outputs`` (bare when one)."""
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {node: graph.placeholder(node.name) for node in inputs}
@@ -260,8 +260,10 @@ def _build_stage(root: nn.Module | dict, nodes: list[fx.Node], inputs: list[fx.N
     graph.output(env[outputs[0]] if len(outputs) == 1 else tuple(env[n] for n in outputs))
     graph.lint()
     module = fx.GraphModule(root, graph, class_name=f"Stage{index}")
+    if device is not None:
+        module.meta[TRACED_DEVICE] = str(device)
+    copy_mutated_inputs(module)  # first: it reads in-place flags that switch_modes moves into submodules
     switch_modes(module)
-    copy_mutated_inputs(module)
     return module
 
 
@@ -326,7 +328,8 @@ def _split(traced: TracedModel, split_points: Sequence[str], leaf_modules: Seque
             return ValueRef(stage=MODEL_INPUT, index=placeholders.index(node), name=node.name)
         return ValueRef(stage=stage_of[node], index=outputs[stage_of[node]].index(node), name=node.name)
 
-    modules = tuple(_build_stage(traced.root, nodes[s], inputs[s], outputs[s], s) for s in range(num_stages))
+    modules = tuple(_build_stage(traced.root, nodes[s], inputs[s], outputs[s], s, traced.device)
+                    for s in range(num_stages))
     specs = tuple(StageSpec(index=s, inputs=tuple(ref(n) for n in inputs[s]), num_outputs=len(outputs[s]))
                   for s in range(num_stages))
     output = pytree.tree_map(ref, traced_output)

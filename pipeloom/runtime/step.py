@@ -79,11 +79,16 @@ class StepRun:
             return values
         flat = [pytree.tree_flatten(v) for v in values]
         spec = flat[0][1]
-        joinable = all(s == spec for _, s in flat) and all(
-            isinstance(t, torch.Tensor) and t.dim() > 0 for leaves, _ in flat for t in leaves)
-        if not joinable:
+        columns = list(zip(*(leaves for leaves, _ in flat)))  # each leaf position over the micro-batches
+
+        def joinable(parts: tuple) -> bool:  # tensors with a batch dimension, or the same non-tensor
+            if all(isinstance(t, torch.Tensor) for t in parts):
+                return all(t.dim() > 0 for t in parts)
+            return all(not isinstance(t, torch.Tensor) and t == parts[0] for t in parts)
+
+        if not all(s == spec for _, s in flat) or not all(joinable(parts) for parts in columns):
             return values
-        joined = [torch.cat(parts, dim=0) for parts in zip(*(leaves for leaves, _ in flat))]
+        joined = [torch.cat(parts, dim=0) if isinstance(parts[0], torch.Tensor) else parts[0] for parts in columns]
         return pytree.tree_unflatten(joined, spec)
 
     def execute(self) -> None:

@@ -37,6 +37,7 @@ class TracedModel:
     input_names: tuple[str, ...]  # the model's positional inputs, one placeholder each
     output: object  # the model's output structure (a pytree: tuple, dict, ModelOutput...) with fx.Node leaves
     tracer: str  # "fx" or "export"
+    device: torch.device | None = None  # torch.export: the device of the example inputs, baked into the graph
 
 
 def module_scopes(node: fx.Node) -> list[str]:
@@ -130,7 +131,8 @@ def _export(model: nn.Module, example_inputs: object) -> TracedModel:
     user = _outputs(model, exported, output, graph, env, root)
     graph.output(tuple(user))
     tree = pytree.tree_unflatten(user, exported.call_spec.out_spec)
-    return TracedModel(root=root, graph=graph, input_names=names, output=tree, tracer="export")
+    device = next(t.device for t in pytree.tree_leaves(example_inputs) if isinstance(t, torch.Tensor))
+    return TracedModel(root=root, graph=graph, input_names=names, output=tree, tracer="export", device=device)
 
 
 def _exported(model: nn.Module, example_inputs: object) -> torch.export.ExportedProgram:

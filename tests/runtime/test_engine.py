@@ -239,3 +239,18 @@ def test_a_plan_file_gives_split_points_schedule_and_microbatches(tmp_path):
     (x,), y = batch("residual")
     assert torch.equal(engine.step(x, target=y), reference_step(reference, (x,), y, 4))
     assert mismatches(model, reference, {id(p) for p in model.parameters()}) == []
+
+
+def test_a_parameter_unfrozen_after_pipeline_gets_its_gradient():
+    """Oracle: the for-loop reference with the same parameter trainable. The split backward's W computes
+    the parameters that require a gradient at the step, not at pipeline()."""
+    model = build("residual")
+    model.layers[1].weight.requires_grad_(False)
+    engine = pipeline(model, schedule="zbv", split_points=SPLITS["residual"][2], loss_fn=F.cross_entropy,
+                      microbatches=8)
+    model.layers[1].weight.requires_grad_(True)
+    reference = copy.deepcopy(model)
+    (x,), y = batch("residual")
+    engine.step(x, target=y)
+    reference_step(reference, (x,), y, 8)
+    assert mismatches(model, reference, {id(p) for p in model.parameters()}) == []

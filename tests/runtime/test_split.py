@@ -304,3 +304,61 @@ def test_a_stage_may_change_its_input_in_place(points, tracer) -> None:
         leaf = values[-1].detach().requires_grad_()
         values.append(module(leaf))
     assert torch.equal(values[-1], expected)
+
+
+class Tail(nn.Module):
+    """Writes into its input through views before using it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.b = nn.Linear(4, 2)
+
+    def forward(self, h):
+        h.view(-1).mul_(2)
+        h.select(1, 0).zero_()
+        return self.b(h)
+
+
+class ViewWrites(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.tail = Tail()
+
+    def forward(self, x):
+        return self.tail(torch.tanh(self.a(x)))
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_a_stage_may_write_into_its_input_through_a_view(tracer) -> None:
+    """Oracle: the unsplit model; the second stage runs on a detached leaf input as the engine runs it."""
+    torch.manual_seed(0)
+    model = ViewWrites()
+    x = torch.randn(3, 4)
+    staged = split_model(model, ["tail"], tracer=tracer, example_inputs=(x,))
+    expected = model(x)
+    leaf = staged.stages[0](x).detach().requires_grad_()
+    assert torch.equal(staged.stages[1](leaf), expected)
+
+
+class SizeLater(nn.Module):
+    """A size read in the first stage is used by the second stage before any tensor of its own exists."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.post = nn.Linear(4, 4)
+
+    def forward(self, x):
+        n = x.shape[0]
+        h = self.a(x)
+        return self.post(h) + torch.arange(n, dtype=h.dtype).unsqueeze(1)
+
+
+def test_a_size_from_an_earlier_stage_is_read_from_what_the_later_stage_has() -> None:
+    torch.manual_seed(0)
+    model = SizeLater()
+    staged = split_model(model, ["post"], tracer="export", example_inputs=(torch.randn(3, 4),))
+    for rows in (3, 5):
+        x = torch.randn(rows, 4)
+        assert torch.equal(staged.run(x), model(x))

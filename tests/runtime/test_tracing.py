@@ -236,3 +236,23 @@ def test_a_checkpoint_resumes_dropout_bitwise(tmp_path):
     resumed.load_checkpoint(tmp_path / "ckpt", optimizer=optimizer)
     assert resumed.training_steps == 2
     assert [torch.equal(a, b) for a, b in zip(train(resumed, optimizer, 2), expected)] == [True, True]
+
+
+def test_the_trace_device_is_replaced_by_the_device_a_stage_runs_on():
+    """torch.export writes the example's device into LLaMA's rotary embedding (``aten.to.device``); a stage
+    moved elsewhere (here: the meta device, standing in for a GPU) must not send tensors back to it."""
+    pytest.importorskip("transformers")
+    from hf_models import build_hf, tokens
+
+    from pipeloom.runtime.passes import retarget_devices
+
+    x, _ = tokens()
+    staged = split_model(build_hf("llama"), ["model.layers.2"], tracer="export", example_inputs=(x,))
+    first = staged.stages[0]
+    baked = [n for n in first.graph.nodes if torch.device("cpu") in (*n.args, *n.kwargs.values())]
+    assert baked  # the graph names the trace device
+    first.to("meta")
+    assert retarget_devices(first, torch.device("meta")) >= len(baked)
+    outputs = first(x.to("meta"))
+    assert all(t.device.type == "meta" for t in (outputs if isinstance(outputs, tuple) else (outputs,)))
+    assert retarget_devices(first, torch.device("meta")) == 0  # once is enough
