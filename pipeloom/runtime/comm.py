@@ -259,6 +259,13 @@ class Messenger:
         collected and at interpreter exit, before torch's teardown."""
         self._closer()
 
+    def release(self) -> None:
+        """After :meth:`close`: forget the process group and the store (a closed messenger sends nothing)."""
+        self.group = None
+        self.to_global = lambda r: r
+        self.store = None
+        self.board.store = None
+
     def flush(self) -> None:
         """Post the batched operations (NCCL): an action's sends and the next action's receives go
         out as one ``batch_isend_irecv``, as NCCL needs to progress both directions together."""

@@ -8,9 +8,12 @@ action), runs F, B, I and W with autograd, and hands values between stages of on
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
 import os
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -45,6 +48,16 @@ from pipeloom.runtime.step import StepRun
 __all__ = ["PipelineEngine", "PipelineError", "pipeline"]
 
 TRACE_ENV = "PIPELOOM_TRACE"
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # engines not yet collected
+
+
+@atexit.register
+def _close_live_engines() -> None:
+    """Close every engine still alive at exit (their threads and group references), while the
+    interpreter is still whole."""
+    for engine in list(_LIVE):
+        with contextlib.suppress(Exception):
+            engine.close()
 _LOSS_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)  # agreed on across ranks
 
 
@@ -163,6 +176,7 @@ class PipelineEngine:
         last = lowering.num_pieces - 1
         self._loss_ranks = len({lowering.rank_of[lowering.stage_for[j][last]] for j in range(lowering.replicas)})
         self._step_count = 0
+        _LIVE.add(self)  # closed at interpreter exit if the script does not close it
         self.shared = shared if shared is not None else shared_parameters(())
         self.seed = seed
         self.training_steps = 0  # training steps run: part of every forward's random seed
@@ -225,6 +239,11 @@ class PipelineEngine:
         ``dist.destroy_process_group()``. Idempotent; an engine never closed is closed at interpreter
         exit. A closed engine takes no more steps."""
         self.messenger.close()
+        # drop this engine's references to the process group and the store, so that a group the script
+        # destroys is really destroyed then, not during interpreter finalization (where gloo's worker
+        # threads can abort the process)
+        self.messenger.release()
+        self.group = None
 
     # ------------------------------------------------------------------------------ the step
 
@@ -423,7 +442,11 @@ class PipelineEngine:
         """The group for a collective helper (None with one rank); refused once the engine failed."""
         if self.broken:
             raise PipelineError(f"{what}: this engine failed earlier ({self.broken}); build a new one")
+        if self.messenger.closed and self.world_size > 1:
+            raise PipelineError(f"{what}: this engine was closed (close()); call it before close()")
         return self.group if self.world_size > 1 else None
 
     def _dcp_group(self) -> object:
+        if self.messenger.closed and self.world_size > 1:
+            raise PipelineError("checkpoints: this engine was closed (close()); save or load before close()")
         return self.group if dist.is_available() and dist.is_initialized() else None

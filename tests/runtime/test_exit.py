@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("torch.distributed.run")
 
 SCRIPT = Path(__file__).with_name("forgetful_run.py")
-RUNS = 3
+RUNS = 2
 TIMEOUT = 120
 
 
