@@ -396,24 +396,16 @@ class Messenger:
         return (f"{where}: {detail}; rank {peer} died, hung or runs a different schedule (raise timeout= if its "
                 "work is just slow)")
 
-    def peer_error(self, rank: int) -> str | None:
-        """The failure message another rank left in the store, if any."""
-        return self.board.message_of(rank)
-
-    def any_error(self) -> str | None:
-        found = self.board.first_failure(quick=False)
-        return f"rank {found[0]} failed: {found[1]}" if found is not None else None
-
     def failure_reason(self, peer: int | None) -> str | None:
         """``rank R failed: message`` for the failure behind a broken wait: ``peer``'s own, else the one
         the watch found (kept, as the store may be gone by now), else any other rank's."""
         watch = self._helpers.watch
         found = watch.failure if watch is not None else None
-        if peer is not None and (found is None or found[0] != peer) and (message := self.peer_error(peer)):
+        if peer is not None and (found is None or found[0] != peer) and (message := self.board.message_of(peer)):
             return f"rank {peer} failed: {message}"
-        if found is not None:
-            return f"rank {found[0]} failed: {found[1]}"
-        return self.any_error()
+        if found is None:
+            found = self.board.first_failure(quick=False)
+        return f"rank {found[0]} failed: {found[1]}" if found is not None else None
 
     def report(self, message: str) -> None:
         """Leave this rank's failure where the other ranks look while they wait."""

@@ -74,11 +74,16 @@ class SharedGradients:
     num_microbatches: int
     parts: dict[tuple[int, int], dict[int, torch.Tensor | None]] = field(default_factory=dict)
     next_mb: dict[int, int] = field(default_factory=dict)  # parameter -> first micro-batch not yet added
+    ranks: tuple[list[int], ...] = field(init=False)  # per parameter: the ranks holding a piece using it
+
+    def __post_init__(self) -> None:
+        low = self.lowering
+        self.ranks = tuple(sorted({low.rank_of[low.stage_for[0][k]] for k in pieces})
+                           for pieces in self.shared.pieces)
 
     def holders(self, index: int) -> list[int]:
         """Ranks holding a piece that uses shared parameter ``index``."""
-        low = self.lowering
-        return sorted({low.rank_of[low.stage_for[0][k]] for k in self.shared.pieces[index]})
+        return self.ranks[index]
 
     def local(self) -> list[int]:
         """Shared parameters this rank holds."""
