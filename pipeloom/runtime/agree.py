@@ -9,15 +9,12 @@ only after a mismatch. A world of one rank compares nothing.
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from pipeloom.runtime.lower import PipelineError
-
-if TYPE_CHECKING:
-    from pipeloom.runtime.engine import PipelineEngine
 
 __all__ = ["FIELDS", "StepMismatchError", "agree_on_step", "describe_step", "describe_value"]
 
@@ -72,30 +69,29 @@ def _who(values: list[str]) -> str:
                      for value, ranks in groups.items())
 
 
-def agree_on_step(engine: PipelineEngine, inputs: object, target: object, *, training: bool) -> None:
-    """Raise :class:`StepMismatchError` on every rank unless all ranks describe this step alike
-    (:func:`describe_step`); a failed exchange raises the messenger's PipelineError."""
-    world = engine.world_size
+def agree_on_step(inputs: object, target: object, *, training: bool, microbatches: int, group: object,
+                  world: int, rank: int, device: torch.device, wait: Callable[[object, str], None]) -> None:
+    """Raise :class:`StepMismatchError` on every rank of ``group`` (``world`` ranks) unless all describe this
+    step alike (:func:`describe_step`); a failed exchange raises ``wait``'s PipelineError."""
     if world <= 1:
         return
-    mine = describe_step(microbatches=engine.num_microbatches, training=training, inputs=inputs,
-                         target=target)
-    digest = _digest(mine, engine.device)
+    mine = describe_step(microbatches=microbatches, training=training, inputs=inputs, target=target)
+    digest = _digest(mine, device)
     gathered = [torch.empty_like(digest) for _ in range(world)]
     doing = "comparing this step's inputs across ranks"
     try:
-        work = dist.all_gather(gathered, digest, group=engine.group, async_op=True)
+        work = dist.all_gather(gathered, digest, group=group, async_op=True)
     except Exception as error:  # noqa: BLE001 (a broken group can refuse the post itself)
-        raise PipelineError(f"rank {engine.rank}: {doing} failed: {type(error).__name__}: {error}") from error
-    engine.messenger.wait_work(work, doing)
+        raise PipelineError(f"rank {rank}: {doing} failed: {type(error).__name__}: {error}") from error
+    wait(work, doing)
     rows = [row.tolist() for row in gathered]
     if all(row == rows[0] for row in rows):
         return
     texts: list = [None] * world
     try:  # every rank saw the mismatch, so all of them call it
-        dist.all_gather_object(texts, list(mine), group=engine.group)
+        dist.all_gather_object(texts, list(mine), group=group)
     except Exception as error:  # noqa: BLE001
-        raise PipelineError(f"rank {engine.rank}: {doing} failed: {type(error).__name__}: {error}") from error
+        raise PipelineError(f"rank {rank}: {doing} failed: {type(error).__name__}: {error}") from error
     for index, field in enumerate(FIELDS):
         values = [t[index] for t in texts]
         if any(v != values[0] for v in values):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import json
 import os
 import time
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import fx, nn
+from torch import nn
 
 from pipeloom.ir.json_io import schedule_to_json
 from pipeloom.runtime import state
@@ -28,22 +29,24 @@ from pipeloom.runtime.clip import clip_grad_norm_
 from pipeloom.runtime.agree import StepMismatchError, agree_on_step
 from pipeloom.runtime.backward import add_in_order
 from pipeloom.runtime.comm import Messenger
+from pipeloom.runtime.dp import GradientBuckets, Layout, layout_of
 from pipeloom.runtime.lower import Lowering, PipelineError
-from pipeloom.runtime.passes import retarget_devices
+from pipeloom.runtime.materialize import StateSource, place_pieces
 from pipeloom.runtime.replicas import merge_replicas
 from pipeloom.runtime.shared import SharedParameters, check_placement, shared_parameters
 from pipeloom.runtime.setup import (
     default_store,
+    device_for,
     lower_for,
     resolve_schedule,
     shared_run_id,
     shared_seed,
     staged_model,
-    world_of,
 )
 from pipeloom.runtime.split import StagedModel
 from pipeloom.runtime.state import LoadResult, ModelNames, model_names
 from pipeloom.runtime.step import StepRun
+from pipeloom.runtime.timing import ActionClock
 
 __all__ = ["PipelineEngine", "PipelineError", "pipeline"]
 
@@ -79,6 +82,9 @@ def pipeline(
     leaf_modules: Sequence[str] = (),
     example_inputs: object = None,
     seed: int | None = None,
+    mesh: object = None,
+    state_dict: StateSource | None = None,
+    init_weights: Callable[[nn.Module], object] | None = None,
 ) -> PipelineEngine:
     """Build the engine that runs ``schedule`` over ``model`` cut into stages on this process group.
 
@@ -91,6 +97,11 @@ def pipeline(
     (:func:`~pipeloom.runtime.split_model`: torch.fx, or torch.export from example inputs).
     ``seed``: the random numbers of every piece's forward derive from it (default: rank 0's
     ``torch.initial_seed()``), so dropout draws the same on any number of ranks (docs/runtime.md).
+    ``mesh``: a ``DeviceMesh`` with a ``"pp"`` dimension (the pipeline) and optionally ``"dp"`` (replicas of
+    it, each running its share of the global batch; :mod:`pipeloom.runtime.dp`), instead of ``process_group``.
+    ``state_dict``/``init_weights``: for a model built on the meta device, what fills this rank's pieces
+    (a state dict, a ``torch.save`` file or a ``torch.distributed.checkpoint`` folder; a function called on
+    every module this rank holds); other ranks' tensors are never allocated.
     """
     if plan is not None:
         from pipeloom.plan import load_plan
@@ -109,7 +120,8 @@ def pipeline(
     if microbatches is not None and (isinstance(microbatches, bool) or not isinstance(microbatches, int)
                                      or microbatches < 1):
         raise PipelineError(f"microbatches must be a positive integer, got {microbatches!r}")
-    rank, world, group = world_of(process_group)
+    layout = layout_of(process_group, mesh)
+    rank, world = layout.rank, layout.world
     staged = staged_model(model, split_points, stages, tracer=tracer, leaf_modules=leaf_modules,
                           example_inputs=example_inputs)
     sched = resolve_schedule(schedule, num_ranks=world, num_pieces=staged.num_stages,
@@ -117,48 +129,53 @@ def pipeline(
     lowering = lower_for(sched, staged, world=world, microbatches=microbatches)
     shared = shared_parameters(staged.stages)
     check_placement(shared, lowering)
+    names = model_names(model, staged.stages)  # by identity: before any tensor is moved or allocated
+    device = device_for(layout, device)
+    pieces = [lowering.piece_of[s] for s in lowering.stages_on(rank)]
+    if len(set(pieces)) != len(pieces):
+        raise PipelineError(f"rank {rank} holds two replicas of one model piece; put replicas on different ranks")
+    replaced = place_pieces({k: staged.stages[k] for k in pieces}, device, model=model, names=names,
+                            state_dict=state_dict, init_weights=init_weights)
+    shared = dataclasses.replace(shared, params=tuple(replaced.get(id(p), p) for p in shared.params))
     trace = trace if trace is not None else os.environ.get(TRACE_ENV) or None
-    return PipelineEngine(staged=staged, lowering=lowering, loss_fn=loss_fn, rank=rank, world_size=world,
-                          group=group, device=device, trace=trace, timeout=float(timeout),
-                          shared=shared, seed=shared_seed(group, world, seed),
-                          names=model_names(model, staged.stages))
+    return PipelineEngine(staged=staged, lowering=lowering, loss_fn=loss_fn, layout=layout, device=device,
+                          trace=trace, timeout=float(timeout), shared=shared,
+                          seed=shared_seed(layout.everyone, layout.everyone_size, seed), names=names)
 
 
 class PipelineEngine:
     """Runs one lowered schedule on this rank; see :func:`pipeline`."""
 
-    def __init__(self, *, staged: StagedModel, lowering: Lowering, loss_fn: Callable, rank: int, world_size: int,
-                 group: object, device: torch.device | str | None, trace: str | Path | bool | None,
-                 timeout: float, shared: SharedParameters | None = None, seed: int = 0,
-                 names: ModelNames | None = None) -> None:
+    def __init__(self, *, staged: StagedModel, lowering: Lowering, loss_fn: Callable, layout: Layout,
+                 device: torch.device, trace: str | Path | bool | None, timeout: float,
+                 shared: SharedParameters | None = None, seed: int = 0, names: ModelNames | None = None) -> None:
+        """Built by :func:`pipeline`, which has put this rank's pieces on ``device``."""
         self.staged = staged
         self.lowering = lowering
         self.schedule = lowering.schedule
         self.loss_fn = loss_fn
-        self.rank = rank
-        self.world_size = world_size
-        self.group = group
+        self.layout = layout
+        self.rank = rank = layout.rank
+        self.world_size = world_size = layout.world
+        self.group = group = layout.group
+        self.dp = layout.dp
         self.timeout = timeout
         backend = dist.get_backend(group) if group is not None else "gloo"
-        if device is None:
-            device = (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
-                      else torch.device("cpu"))
         self.device = torch.device(device)
         self.local_stages = lowering.stages_on(rank)
-        pieces = [lowering.piece_of[s] for s in self.local_stages]
-        if len(set(pieces)) != len(pieces):
-            raise PipelineError(f"rank {rank} holds two replicas of one model piece; put replicas on different ranks")
         self.modules = {s: staged.stages[lowering.piece_of[s]] for s in self.local_stages}
-        for module in self.modules.values():
-            module.to(self.device)
-            if isinstance(module, fx.GraphModule):
-                retarget_devices(module, self.device)
         self.params = self._trainable()
         self.program = lowering.programs[rank]
         self.eval_program = tuple(step for step in self.program if step.action.kind == "F")
+        last_gradient: dict[int, int] = {}  # stage -> the program index of its last weight-gradient action
+        for t, step in enumerate(self.program):
+            if step.action.kind in ("B", "W"):
+                last_gradient[step.action.stage] = t
+        self.stage_gradients_done = {t: s for s, t in last_gradient.items()}  # where "dp" buckets are posted
         self.tracing = trace is not None and trace is not False
         self.trace_dir = Path(trace) if isinstance(trace, (str, Path)) else None
         self.trace_steps: list[dict] = []
+        self.clock = ActionClock(self.device)  # action times of traced steps (CUDA events on a GPU)
         self.broken: str | None = None
         self._meta_cache: dict[tuple, tuple[dict, dict]] = {}
         self.num_outputs = [spec.num_outputs for spec in staged.graph.stages]
@@ -188,8 +205,13 @@ class PipelineEngine:
 
     @property
     def num_microbatches(self) -> int:
-        """Real micro-batches per step."""
+        """Real micro-batches per step of this pipeline (of one data-parallel replica)."""
         return self.lowering.num_microbatches
+
+    @property
+    def total_microbatches(self) -> int:
+        """Micro-batches of the global batch: ``num_microbatches`` × the data-parallel replicas."""
+        return self.lowering.num_microbatches * self.dp.size
 
     def parameters(self) -> list[nn.Parameter]:
         """This rank's parameters: the original model's Parameter objects of its stages."""
@@ -250,7 +272,8 @@ class PipelineEngine:
     def _chunks(self, value: object, what: str) -> list[list]:
         """value -> per model input, its M micro-batches (a list of tensors)."""
         values = value if isinstance(value, (tuple, list)) else (value,)
-        m = self.num_microbatches
+        m, total = self.num_microbatches, self.total_microbatches
+        first = self.dp.rank * m  # this replica's share of the global batch's micro-batches
         out = []
         for i, v in enumerate(values):
             if not isinstance(v, torch.Tensor):
@@ -258,11 +281,13 @@ class PipelineEngine:
             if v.dim() == 0:
                 raise PipelineError(f"{what}[{i}] is a 0-d tensor; micro-batches are cut along dim 0, so give one "
                                     "row per sample")
-            parts = list(torch.chunk(v.to(self.device), m, dim=0))
-            if len(parts) != m:
+            parts = list(torch.chunk(v, total, dim=0))
+            if len(parts) != total:
+                per = f" ({m} per replica × {self.dp.size} replicas)" if self.dp.size > 1 else ""
                 raise PipelineError(f"{what} has {v.shape[0]} rows along dim 0, which torch.chunk cuts into "
-                                    f"{len(parts)} pieces, not the {m} micro-batches; use a multiple of {m} rows")
-            out.append(parts)
+                                    f"{len(parts)} pieces, not the {total} micro-batches{per}; use a multiple of "
+                                    f"{total} rows")
+            out.append([part.to(self.device) for part in parts[first:first + m]])
         return out
 
     def _trainable(self) -> dict[int, list[nn.Parameter]]:
@@ -279,7 +304,9 @@ class PipelineEngine:
         if self.messenger.closed:
             raise PipelineError("this engine was closed (close()); build a new one to take more steps")
         try:  # every rank was given the same step, before any tensor moves (a mismatch leaves it usable)
-            agree_on_step(self, inputs, target, training=training)
+            agree_on_step(inputs, target, training=training, microbatches=self.num_microbatches,
+                          group=self.layout.everyone, world=self.layout.everyone_size, rank=self.rank,
+                          device=self.device, wait=self.messenger.wait_work)
         except StepMismatchError:
             raise
         except PipelineError as error:
@@ -299,9 +326,17 @@ class PipelineEngine:
         cached = self._meta_cache.get(signature)
         metas, specs = (cached if cached is not None else ({}, {}))
         events: list | None = [] if self.tracing else None
+        if events is not None:
+            self.clock.begin()
         step_start = time.time_ns()
+        buckets = None
+        if training and self.dp.size > 1:
+            buckets = GradientBuckets(dp=self.dp, stage_params=self.params, late=self._late_params(),
+                                      wait=self.messenger.wait_work)
+            buckets.begin()
         try:  # posts the replica-gradient receives: a failure there breaks the engine like any other
-            run = StepRun(self, chunks, targets, training=training, metas=metas, specs=specs, events=events)
+            run = StepRun(self, chunks, targets, training=training, metas=metas, specs=specs, events=events,
+                          buckets=buckets)
         except Exception as error:
             self.broken = f"rank {self.rank}: starting the step failed: {type(error).__name__}: {error}"
             self.messenger.report(self.broken)
@@ -322,6 +357,11 @@ class PipelineEngine:
                 merge_replicas(self, run)
                 if events is not None:
                     events.append(("replica gradients merged", "sync", start, time.time_ns()))
+            if buckets is not None:
+                start = time.time_ns()
+                buckets.finish()
+                if events is not None:
+                    events.append(("data-parallel gradients summed", "sync", start, time.time_ns()))
         except PipelineError as error:
             self.broken = str(error)
             self.messenger.report(str(error))
@@ -334,13 +374,14 @@ class PipelineEngine:
         if cached is None:
             self._meta_cache[signature] = (metas, specs)
         if events is not None:
+            self.clock.resolve(events)
             self._write_trace(step_start, time.time_ns(), events)
         self._step_count += 1
         self.training_steps += training
         return loss, run.outputs()
 
     def _reduce_loss(self, losses: dict[int, torch.Tensor], targets: list, events: list | None) -> torch.Tensor | None:
-        """Sum of the micro-batch losses in micro-batch order, the same on every rank."""
+        """Sum of the micro-batch losses of the global batch in micro-batch order, the same on every rank."""
         if not targets:
             return None
         m = self.num_microbatches
@@ -349,20 +390,33 @@ class PipelineEngine:
         vector = torch.zeros(m, dtype=dtype, device=self.device)
         for mb, value in losses.items():
             vector[mb] = value
-        if self.world_size > 1:
+        if self.world_size > 1 or self.dp.size > 1:
             # float64 holds every float loss exactly; the last slot carries the loss dtype's code from
             # each rank holding a last piece, so ranks without one return the same dtype
             start = time.time_ns()
             vector = torch.cat([vector.to(torch.float64), torch.zeros(1, dtype=torch.float64, device=self.device)])
             if sample is not None:
                 vector[m] = _LOSS_DTYPES.index(dtype) + 1 if dtype in _LOSS_DTYPES else 0
-            self.messenger.wait_work(dist.all_reduce(vector, group=self.group, async_op=True),
-                                     "summing the loss across ranks")
+            if self.world_size > 1:
+                self.messenger.wait_work(dist.all_reduce(vector, group=self.group, async_op=True),
+                                         "summing the loss across ranks")
+            code = round(float(vector[m]) / self._loss_ranks) - 1
+            if self.dp.size > 1:  # the replicas' micro-batches, in global order
+                gathered = [torch.empty_like(vector) for _ in range(self.dp.size)]
+                self.messenger.wait_work(dist.all_gather(gathered, vector, group=self.dp.group, async_op=True),
+                                         "gathering the loss of every data-parallel replica")
+                vector = torch.cat([part[:m] for part in gathered] + [vector[m:]])
             if events is not None:
                 events.append(("loss all-reduce", "sync", start, time.time_ns()))
-            code = round(float(vector[m]) / self._loss_ranks) - 1
-            vector = vector[:m].to(_LOSS_DTYPES[code] if code >= 0 else dtype)
+            vector = vector[:-1].to(_LOSS_DTYPES[code] if code >= 0 else dtype)
         return add_in_order(list(vector))
+
+    def _late_params(self) -> set[int]:
+        """Parameters whose gradient is settled only at the end of the step (reduced over "dp" then):
+        shared ones, and all of them on two-replica schedules."""
+        if self.lowering.replicas > 1:
+            return {id(p) for ps in self.params.values() for p in ps}
+        return {id(p) for p in self.shared.params}
 
     # ------------------------------------------------------------------------------ trace
 
@@ -449,4 +503,6 @@ class PipelineEngine:
     def _dcp_group(self) -> object:
         if self.messenger.closed and self.world_size > 1:
             raise PipelineError("checkpoints: this engine was closed (close()); save or load before close()")
+        if self.dp.size > 1:  # every replica saves the same keys; DCP keeps one copy of each
+            return self.layout.everyone
         return self.group if dist.is_available() and dist.is_initialized() else None

@@ -134,17 +134,18 @@ def copy_mutated_inputs(module: fx.GraphModule) -> None:
 
 def retarget_devices(module: fx.GraphModule, device: torch.device) -> int:
     """Replace the device torch.export traced on (``module.meta[TRACED_DEVICE]``), which it writes into
-    calls such as ``aten.to.device`` and ``aten.arange(device=...)``, by ``device``; returns how many
+    calls such as ``aten.to.device`` and ``aten.arange(device=...)``, by ``device``; so too the meta device
+    (a model built on it bakes it in wherever its code asks a parameter for its device). Returns how many
     arguments changed. Stages traced by torch.fx keep their devices (they come from the model's code)."""
     traced = module.meta.get(TRACED_DEVICE)
-    if traced is None or torch.device(traced) == device:
+    if traced is None:
         return 0
-    traced = torch.device(traced)
+    stale = {torch.device(traced).type, "meta"}
     count = 0
 
     def swap(value: object) -> object:
         nonlocal count
-        if isinstance(value, torch.device) and value.type == traced.type:
+        if isinstance(value, torch.device) and value.type in stale and value != device:
             count += 1
             return device
         if isinstance(value, (list, tuple)):

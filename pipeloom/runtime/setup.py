@@ -12,22 +12,25 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeloom.ir import Schedule, load_schedule
+from pipeloom.runtime.dp import Layout
 from pipeloom.runtime.lower import Lowering, PipelineError, lower
 from pipeloom.runtime.split import StagedModel, split_model, stages_from_modules
 from pipeloom.schedules import build_schedule, schedule_info, schedule_names
 from pipeloom.validate import validate
 
-__all__ = ["default_store", "lower_for", "resolve_schedule", "shared_run_id", "shared_seed", "staged_model",
-           "world_of"]
+__all__ = ["default_store", "device_for", "lower_for", "resolve_schedule", "shared_run_id", "shared_seed",
+           "staged_model"]
 
 
-def world_of(process_group: object) -> tuple[int, int, object]:
-    """(rank, world size, group) — a world of one when no process group exists."""
-    if process_group is not None:
-        return dist.get_rank(process_group), dist.get_world_size(process_group), process_group
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size(), dist.group.WORLD
-    return 0, 1, None
+def device_for(layout: Layout, device: torch.device | str | None) -> torch.device:
+    """``device``, or the one the backend (or the mesh) implies: the current CUDA device for NCCL or a
+    CUDA mesh, else the CPU."""
+    if device is not None:
+        return torch.device(device)
+    backend = dist.get_backend(layout.group) if layout.group is not None else None
+    if backend == "nccl" or layout.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def staged_model(model: nn.Module | None, split_points: Sequence[str] | None,

@@ -3,12 +3,12 @@
 
 from __future__ import annotations
 
-import time
 from collections import defaultdict
 from typing import TYPE_CHECKING
 
 import torch
 import torch.utils._pytree as pytree
+from torch.profiler import record_function
 
 from pipeloom.runtime.backward import PendingWeights, add_in_order, backward_full, backward_input
 from pipeloom.runtime.comm import LeafMeta, flatten, unflatten
@@ -19,6 +19,7 @@ from pipeloom.runtime.shared import SharedGradients
 from pipeloom.runtime.split import ValueRef, check_stage_value
 
 if TYPE_CHECKING:
+    from pipeloom.runtime.dp import GradientBuckets
     from pipeloom.runtime.engine import PipelineEngine
 
 __all__ = ["LOOKAHEAD", "StepRun"]
@@ -30,8 +31,9 @@ class StepRun:
     """The state of one step on one rank: values, leaves, gradients and pending weight work."""
 
     def __init__(self, engine: PipelineEngine, chunks: list, targets: list, *, training: bool,
-                 metas: dict, specs: dict, events: list | None) -> None:
+                 metas: dict, specs: dict, events: list | None, buckets: GradientBuckets | None = None) -> None:
         self.engine = engine
+        self.buckets = buckets  # the gradient reduction over "dp", posted stage by stage
         self.low = engine.lowering
         self.chunks = chunks
         self.targets = targets
@@ -95,6 +97,7 @@ class StepRun:
         engine = self.engine
         program = engine.program if self.training else engine.eval_program
         messenger = engine.messenger
+        clock = engine.clock
         self._post_ahead(program, 0)
         for t, step in enumerate(program):
             self.current = step
@@ -105,19 +108,22 @@ class StepRun:
                         self.received[uid] = messenger.receive(uid)
             elif kind in ("B", "I"):
                 self._collect_remote(step)
-            start = time.time_ns() if self.events is not None else 0
-            if kind == "F":
-                self.forward(step)
-            elif kind in ("B", "I"):
-                self.backward(step)
-            elif kind == "W":
-                self.weight(step)
+            start = clock.now() if self.events is not None else 0
+            with record_function(f"pipeloom {step.action}"):  # shows in the user's torch.profiler trace
+                if kind == "F":
+                    self.forward(step)
+                elif kind in ("B", "I"):
+                    self.backward(step)
+                elif kind == "W":
+                    self.weight(step)
+            if self.buckets is not None and self.low.replicas == 1 and t in engine.stage_gradients_done:
+                self.buckets.stage_done(step.action.stage)
             for unit, tensors, specs in self.outbox:
                 messenger.send(unit, tensors, specs)
             self.outbox.clear()
             self._post_ahead(program, t + 1)
             if self.events is not None:  # compute plus this action's own sends and bookkeeping
-                self.events.append((str(step.action), "compute", start, time.time_ns()))
+                clock.record(self.events, str(step.action), "compute", start)
         self.current = None
 
     def _post_ahead(self, program: tuple[Step, ...], first: int) -> None:
@@ -166,7 +172,8 @@ class StepRun:
             args.append(self._leaf_value(s, producer, index, mb, leaves))
         module = engine.modules[s]
         piece = low.piece_of[s]
-        with seeded(engine.seed, engine.training_steps, piece, mb, engine.device):
+        first = engine.dp.rank * low.num_microbatches  # micro-batches are numbered over the global batch
+        with seeded(engine.seed, engine.training_steps, piece, first + mb, engine.device):
             result = module(*args)
         outs = [result] if engine.num_outputs[piece] == 1 else list(result)
         self.values[(s, mb)] = outs
@@ -175,7 +182,7 @@ class StepRun:
         if piece == engine.last_piece:
             output = self._model_output(s, mb, outs, leaves)
             if self.targets:
-                loss = engine.loss_fn(output, _pick(self.targets, mb)) / low.num_microbatches
+                loss = engine.loss_fn(output, _pick(self.targets, mb)) / engine.total_microbatches
                 self.losses[mb] = loss.detach()
                 if self.training:
                     self.values[(s, mb)] = outs + [loss]

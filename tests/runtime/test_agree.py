@@ -3,8 +3,6 @@ their texts, and that one rank compares nothing. The multi-rank mismatches are i
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -39,6 +37,5 @@ def test_one_rank_compares_nothing():
     def refuse(*args, **kwargs):
         raise AssertionError("a world of one rank must not communicate")
 
-    engine = SimpleNamespace(world_size=1, messenger=SimpleNamespace(wait_work=refuse), num_microbatches=4,
-                             device=torch.device("cpu"), group=None)
-    agree_on_step(engine, torch.zeros(8, 2), torch.zeros(8), training=True)
+    agree_on_step(torch.zeros(8, 2), torch.zeros(8), training=True, microbatches=4, group=None, world=1, rank=0,
+                  device=torch.device("cpu"), wait=refuse)

@@ -1,0 +1,90 @@
+"""What each spawned rank runs in the scale tests: models built on the meta device and filled by the
+engine, and pipelines × data-parallel replicas on a DeviceMesh (importable by the child processes)."""
+
+from __future__ import annotations
+
+
+def _plain(tensor):
+    """A tensor as a numpy array: the bits cross the process boundary without torch's shared memory."""
+    return tensor.detach().cpu().clone().numpy()
+
+
+def _grads(engine) -> dict:
+    return {name: _plain(p.grad) for name, p in engine.named_parameters() if p.grad is not None}
+
+
+def deferred(rank: int, world: int, cases: list[tuple[str, str, str]], folder: str) -> dict:
+    """For each (model, schedule, source): build the model on the meta device, let the engine fill this
+    rank's pieces from ``source`` ("dict", "file", "dcp", "init+dict"), take one step; report the
+    gradients, the loss and which pieces' tensors were allocated."""
+    import torch
+    import torch.nn.functional as F
+    from hf_models import build_hf, hf_splits, lm_loss, tokens
+    from models import SPLITS, batch, build
+
+    from pipeloom.runtime import pipeline
+
+    results = {}
+    for model_name, schedule, source in cases:
+        hf = model_name in ("gpt2", "llama")
+        with torch.device("meta"):
+            model = build_hf(model_name) if hf else build(model_name)
+        reference = build_hf(model_name) if hf else build(model_name)
+        sources = {"dict": reference.state_dict(), "file": f"{folder}/{model_name}.pt",
+                   "dcp": f"{folder}/{model_name}-dcp", "init+dict": reference.state_dict()}
+        inputs, target = tokens() if hf else batch(model_name)
+        extra = {"init_weights": model._init_weights} if source.startswith("init") else {}
+        if hf:
+            extra["example_inputs"] = (inputs,)
+        pieces = 2 * world if schedule in ("zbv", "interleaved-1f1b") else world
+        splits = hf_splits(model_name, pieces) if hf else SPLITS[model_name][pieces]
+        engine = pipeline(model, schedule=schedule, split_points=splits, microbatches=4,
+                          loss_fn=lm_loss if hf else F.cross_entropy, state_dict=sources[source], timeout=60,
+                          **extra)
+        loss = engine.step(inputs if hf else inputs[0], target=target)
+        local = {engine.lowering.piece_of[s] for s in engine.local_stages}
+        allocated = {k: [not t.is_meta for t in (*stage.parameters(), *stage.buffers())]
+                     for k, stage in enumerate(engine.staged.stages)}
+        results[(model_name, schedule, source)] = {
+            "loss": _plain(loss), "grads": _grads(engine), "local": sorted(local),
+            "allocated": {k: (all(flags), any(flags)) for k, flags in allocated.items()},
+            "model_meta": sum(p.is_meta for p in model.parameters()),
+        }
+        engine.close()
+    return results
+
+
+def meshed(rank: int, world: int, cases: list[tuple[str, int]], steps: int, folder: str) -> dict:
+    """For each (schedule, pieces): a (dp 2, pp 2) mesh, ``steps`` SGD steps on the global batch; report
+    each step's loss and gradients (by name), the clipped norm, and save a checkpoint after the last."""
+    import torch
+    import torch.nn.functional as F
+    from models import SPLITS, batch, build
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from pipeloom.runtime import pipeline
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    results = {}
+    for schedule, pieces in cases:
+        model = build("residual")
+        engine = pipeline(model, schedule=schedule, split_points=SPLITS["residual"][pieces], loss_fn=F.cross_entropy,
+                          microbatches=4, mesh=mesh, timeout=60)
+        optimizer = torch.optim.SGD(engine.parameters(), lr=0.1)
+        losses, grads = [], []
+        for step in range(steps):
+            inputs, target = batch("residual", rows=32, seed=step)
+            losses.append(_plain(engine.step(inputs[0], target=target)))
+            grads.append(_grads(engine))
+            optimizer.step()
+            optimizer.zero_grad()
+        inputs, target = batch("residual", rows=32, seed=steps)
+        engine.step(inputs[0], target=target)
+        norm = engine.clip_grad_norm_(1e-3)
+        clipped = _grads(engine)
+        engine.save_checkpoint(f"{folder}/{schedule}", optimizer=optimizer)
+        results[schedule] = {"losses": losses, "grads": grads, "norm": _plain(norm), "clipped": clipped,
+                             "params": {name: _plain(p) for name, p in engine.named_parameters()},
+                             "pp": engine.rank, "dp": engine.dp.rank}
+        engine.close()
+    return results

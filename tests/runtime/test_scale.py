@@ -1,0 +1,237 @@
+"""Models larger than one device and pipelines × replicas, on spawned gloo ranks: a model built on the
+meta device is filled by the engine (only this rank's pieces are allocated) and trains bitwise as on one
+device; on a (dp 2, pp 2) mesh the replicas stay bitwise identical and match one device over the global
+batch within the summation bound of docs/runtime.md."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import torch.nn.functional as F
+from hf_models import build_hf, lm_loss, tokens
+from models import SPLITS, batch, build, reference_step
+from ranks import run_ranks
+from scale_jobs import deferred, meshed
+
+from pipeloom.runtime import PipelineError, pipeline
+
+U = 2.0**-24  # float32's unit roundoff
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The ranks compute with one thread; so does the reference (CPU reductions such as LayerNorm's weight
+    gradient add in another order with more threads)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _tensors(value: object) -> object:
+    """The ranks' results with their numpy arrays back as tensors."""
+    import numpy as np
+
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(value)
+    if isinstance(value, dict):
+        return {k: _tensors(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_tensors(v) for v in value]
+    return value
+
+
+def _ok(results: dict) -> dict:
+    bad = {r: v for r, v in results.items() if v[0] != "ok"}
+    assert not bad, bad
+    return {r: _tensors(v[1]) for r, v in results.items()}
+
+
+# ------------------------------------------------------------------------------ deferred initialisation
+
+DEFERRED = [("residual", "1f1b", "dict"), ("residual", "zbv", "file"), ("residual", "zb-h1", "dcp"),
+            ("gpt2", "1f1b", "dcp"), ("llama", "zb-h1", "init+dict")]
+
+
+@pytest.fixture(scope="module")
+def deferred_runs(tmp_path_factory):
+    import torch.distributed.checkpoint as dcp
+
+    folder = tmp_path_factory.mktemp("deferred")
+    for name in ("residual", "gpt2", "llama"):
+        model = build_hf(name) if name != "residual" else build(name)
+        torch.save(model.state_dict(), folder / f"{name}.pt")
+        dcp.save(model.state_dict(), checkpoint_id=str(folder / f"{name}-dcp"), no_dist=True)
+    return _ok(run_ranks(2, deferred, DEFERRED, str(folder), timeout=240))
+
+
+@pytest.mark.parametrize("case", DEFERRED, ids=["-".join(c) for c in DEFERRED])
+def test_a_meta_model_filled_by_the_engine_trains_bitwise(deferred_runs, case):
+    model_name, schedule, source = case
+    hf = model_name != "residual"
+    reference = build_hf(model_name) if hf else build(model_name)
+    if hf:
+        inputs, target = tokens()
+        total = None
+        for x, y in zip(torch.chunk(inputs, 4), torch.chunk(target, 4)):
+            loss = lm_loss(reference(x), y) / 4
+            loss.backward()
+            total = loss.detach() if total is None else total + loss.detach()
+    else:
+        inputs, target = batch(model_name)
+        total = reference_step(reference, inputs, target, 4)
+    expected = {name: p.grad for name, p in reference.named_parameters()}
+    for rank, found in deferred_runs.items():
+        run = found[case]
+        assert torch.equal(run["loss"], total), (rank, run["loss"], total)
+        assert run["grads"], rank
+        for name, grad in run["grads"].items():
+            assert torch.equal(grad, expected[name]), (rank, name)
+
+
+@pytest.mark.parametrize("case", DEFERRED, ids=["-".join(c) for c in DEFERRED])
+def test_a_meta_model_never_allocates_another_ranks_pieces(deferred_runs, case):
+    for rank, found in deferred_runs.items():
+        run = found[case]
+        for piece, (every, some) in run["allocated"].items():
+            if piece in run["local"]:
+                assert every, (rank, piece)
+            else:
+                assert not some, (rank, piece, "another rank's tensor was allocated")
+        assert run["model_meta"] > 0, rank  # the model keeps the other ranks' parameters on meta
+
+
+def test_meta_models_need_values_and_real_models_refuse_them():
+    with torch.device("meta"):
+        model = build("residual")
+    with pytest.raises(PipelineError, match="meta device .*state_dict=.*init_weights="):
+        pipeline(model, schedule="gpipe", split_points=[], microbatches=2, loss_fn=F.cross_entropy)
+    with pytest.raises(PipelineError, match="not a torch.distributed.checkpoint|does not exist"):
+        pipeline(model, schedule="gpipe", split_points=[], microbatches=2, loss_fn=F.cross_entropy,
+                 state_dict="/nonexistent/model.pt")
+    with pytest.raises(PipelineError, match="fill a model built on the meta device"):
+        pipeline(build("residual"), schedule="gpipe", split_points=[], microbatches=2, loss_fn=F.cross_entropy,
+                 state_dict=build("residual").state_dict())
+
+
+def test_missing_non_persistent_buffers_are_named():
+    with torch.device("meta"):
+        model = build_hf("llama")
+    state = build_hf("llama").state_dict()
+    with pytest.raises(PipelineError, match="inv_freq.*init_weights="):
+        pipeline(model, schedule="gpipe", split_points=[], microbatches=2, loss_fn=lm_loss, state_dict=state,
+                 example_inputs=(tokens()[0],))
+
+
+def test_one_rank_meta_model_equals_the_model_it_was_saved_from():
+    reference = build("skip")
+    with torch.device("meta"):
+        model = build("skip")
+    engine = pipeline(model, schedule="gpipe", split_points=SPLITS["skip"][1], microbatches=4,
+                      loss_fn=F.cross_entropy, state_dict=reference.state_dict())
+    inputs, target = batch("skip")
+    loss = engine.step(inputs[0], target=target)
+    assert torch.equal(loss, reference_step(reference, inputs, target, 4))
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        assert not p.is_meta and torch.equal(p.grad, q.grad), name
+
+
+# ------------------------------------------------------------------------------ pipeline × data parallel
+
+MESHED = [("1f1b", 2), ("zbv", 4), ("dualpipe", 2)]
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def mesh_runs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("mesh")
+    return _ok(run_ranks(4, meshed, MESHED, STEPS, str(folder), timeout=300)), folder
+
+
+def _per_microbatch_abs(model, inputs, target, n) -> dict:
+    """Σ_m |g_m| per parameter: the scale of the summation bound."""
+    totals = {name: torch.zeros_like(p) for name, p in model.named_parameters()}
+    for x, y in zip(torch.chunk(inputs[0], n), torch.chunk(target, n)):
+        loss = F.cross_entropy(model(x), y) / n
+        for (name, _), g in zip(model.named_parameters(), torch.autograd.grad(loss, list(model.parameters()))):
+            totals[name] += g.abs()
+    return totals
+
+
+@pytest.mark.parametrize("schedule", [s for s, _ in MESHED])
+def test_replicas_are_bitwise_identical(mesh_runs, schedule):
+    runs, _ = mesh_runs
+    by_pp: dict[int, list] = {}
+    for rank, found in runs.items():
+        by_pp.setdefault(found[schedule]["pp"], []).append(found[schedule])
+    assert sorted(by_pp) == [0, 1] and all(len(v) == 2 for v in by_pp.values())
+    for first, second in by_pp.values():
+        assert first["dp"] != second["dp"]
+        for step in range(STEPS):
+            assert torch.equal(first["losses"][step], second["losses"][step])
+            assert first["grads"][step].keys() == second["grads"][step].keys()
+            for name, grad in first["grads"][step].items():
+                assert torch.equal(grad, second["grads"][step][name]), (step, name)
+        assert all(torch.equal(v, second["params"][k]) for k, v in first["params"].items())
+
+
+@pytest.mark.parametrize("schedule", [s for s, _ in MESHED])
+def test_the_mesh_matches_one_device_over_the_global_batch(mesh_runs, schedule):
+    runs, _ = mesh_runs
+    model = build("residual")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    n = 8  # 4 micro-batches per replica × 2 replicas
+    for step in range(STEPS):
+        inputs, target = batch("residual", rows=32, seed=step)
+        scale = _per_microbatch_abs(copy.deepcopy(model), inputs, target, n)
+        loss = reference_step(model, inputs, target, n)
+        expected = {name: p.grad.clone() for name, p in model.named_parameters()}
+        for rank, found in runs.items():
+            run = found[schedule]
+            if step == 0:  # the same micro-batch losses added in the same order
+                assert torch.equal(run["losses"][0], loss), (rank, run["losses"][0], loss)
+                names = set(run["grads"][0])
+                assert names and names <= set(expected)
+                for name in names:
+                    error = (run["grads"][0][name] - expected[name]).abs()
+                    bound = 2 * (n - 1) * U * scale[name]
+                    assert bool((error <= bound).all()), (rank, name, float((error - bound).max()))
+            else:  # the parameters drifted apart by rounding: the loss curve agrees closely
+                assert torch.allclose(run["losses"][step], loss, rtol=1e-5, atol=0), (step, rank)
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def test_clipping_and_checkpoints_cover_both_dimensions(mesh_runs):
+    import torch.distributed.checkpoint as dcp
+
+    runs, folder = mesh_runs
+    for schedule, _ in MESHED:
+        norms = [found[schedule]["norm"] for found in runs.values()]
+        assert all(torch.equal(norm, norms[0]) for norm in norms), schedule
+        model = build("residual")
+        state = {"model": model.state_dict()}
+        dcp.load(state, checkpoint_id=str(folder / schedule), no_dist=True)
+        model.load_state_dict(state["model"])
+        for found in runs.values():
+            for name, value in found[schedule]["params"].items():
+                assert torch.equal(dict(model.named_parameters())[name].detach(), value), (schedule, name)
+
+
+def test_a_mesh_needs_named_pp_and_dp_dimensions():
+    class FakeMesh:
+        mesh_dim_names = ("dp", "tp")
+
+        def get_group(self, name):
+            raise AssertionError
+
+    with pytest.raises(PipelineError, match=r"\"pp\" dimension"):
+        pipeline(build("residual"), schedule="gpipe", split_points=[], microbatches=2, loss_fn=F.cross_entropy,
+                 mesh=FakeMesh())
+    with pytest.raises(PipelineError, match="DeviceMesh"):
+        pipeline(build("residual"), schedule="gpipe", split_points=[], microbatches=2, loss_fn=F.cross_entropy,
+                 mesh=object())
