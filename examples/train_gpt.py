@@ -2,12 +2,19 @@
 
     python examples/train_gpt.py --steps 20
     torchrun --nproc-per-node 4 examples/train_gpt.py --steps 20 --schedule zbv
+    torchrun --nproc-per-node 4 examples/train_gpt.py --steps 20 --dp 2 --meta
 
 Both print ``step k loss X`` with X in full precision (``repr``), bit for bit the same: the engine's
 gradients equal the single-device ones exactly (DESIGN §5). Ranks use gloo on CPU, or NCCL with one
 GPU per rank when CUDA is available. The tokens are synthetic and deterministic: each sequence
 counts up from a random token in a random stride (``x[t+1] = x[t] + k mod vocab``), a pattern the
 model learns within a few dozen steps, so the loss visibly falls from about ln(vocab).
+
+``--dp N`` runs N pipelines side by side (a ``DeviceMesh`` of N replicas × world/N stages ranks), each
+on its share of the batch; its losses equal the one-rank ones to rounding (the replicas' gradients are
+summed in another order). ``--meta`` builds the model on the meta device: each rank allocates and
+initialises only its own pieces. Every module is initialised from a seed of its own name
+(:func:`init_module`), so ``--meta`` and a whole-model build hold the same weights.
 """
 
 from __future__ import annotations
@@ -15,6 +22,8 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +35,7 @@ import pipeloom.runtime as rt
 from pipeloom import Schedule, build_schedule, load_schedule
 from pipeloom.schedules import REGISTRY
 
-__all__ = ["GPT", "GPTConfig", "build_model", "lm_loss", "main", "synthetic_batch"]
+__all__ = ["GPT", "GPTConfig", "build_model", "init_module", "lm_loss", "main", "synthetic_batch"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -104,10 +113,32 @@ class GPT(nn.Module):
 
 
 def build_model(*, layers: int = 8, width: int = 64, heads: int = 4, vocab: int = 64, seq_len: int = 32,
-                seed: int = 0) -> GPT:
-    """The example's model, the same on every rank that calls it with the same arguments."""
-    torch.manual_seed(seed)
-    return GPT(GPTConfig(vocab=vocab, seq_len=seq_len, width=width, heads=heads, layers=layers))
+                seed: int = 0, meta: bool = False) -> GPT:
+    """The example's model, the same on every rank that calls it with the same arguments. ``meta``: its
+    tensors on the meta device (no values; the engine allocates and initialises each rank's pieces)."""
+    with torch.device("meta" if meta else "cpu"):
+        model = GPT(GPTConfig(vocab=vocab, seq_len=seq_len, width=width, heads=heads, layers=layers))
+    if not meta:
+        init = init_module(model, seed)
+        for module in model.modules():
+            init(module)
+    return model
+
+
+def init_module(model: nn.Module, seed: int) -> Callable[[nn.Module], None]:
+    """``init(module)``: (re)initialise ``module``'s own tensors from a seed of (``seed``, its name in
+    ``model``), so a module gets the same values whichever rank initialises it, and whenever."""
+    names = {id(module): name for name, module in model.named_modules()}
+
+    @torch.no_grad()
+    def init(module: nn.Module) -> None:
+        torch.manual_seed(seed * 1_000_003 + zlib.crc32(names[id(module)].encode()))
+        if isinstance(module, GPT):
+            module.position_embedding.normal_(0.0, 0.02)
+        elif hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+
+    return init
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -153,12 +184,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="stages per rank for the looped schedules (interleaved-1f1b, looped-bfs)")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--microbatches", type=int, default=8,
-                        help="micro-batches per step (a saved schedule's own count wins)")
+                        help="micro-batches per step of each pipeline (a saved schedule's own count wins)")
     parser.add_argument("--batch", type=int, default=16, help="sequences per step")
     parser.add_argument("--layers", type=int, default=8, help="transformer blocks")
     parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trace", metavar="DIR", help="write per-rank action timings to DIR")
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas of the pipeline (divides the ranks)")
+    parser.add_argument("--meta", action="store_true",
+                        help="build the model on the meta device; each rank allocates only its pieces")
     return parser.parse_args(argv)
 
 
@@ -166,15 +200,24 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)  # the same arithmetic on 1 rank and on N (and N ranks share the cores)
     group, device = rt.init_ranks()  # torchrun's group (gloo on CPU, NCCL per GPU), or one rank
-    ranks = dist.get_world_size() if group is not None else 1
+    world = dist.get_world_size() if group is not None else 1
+    if args.dp < 1 or world % args.dp:
+        raise SystemExit(f"train_gpt: --dp {args.dp} does not divide the {world} rank(s)")
+    ranks = world // args.dp  # of one pipeline
+    mesh = None
+    if group is not None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device.type, (args.dp, ranks), mesh_dim_names=("dp", "pp"))
     info = REGISTRY.get(args.schedule)
     options = {"stages_per_rank": args.stages_per_rank} if info and "stages_per_rank" in info.options else {}
     schedule = load_or_build(args.schedule, ranks=ranks, microbatches=args.microbatches, options=options)
     stages = rt.model_pieces(schedule)  # stages over replicas (dualpipe and chimera hold two)
-    model = build_model(layers=args.layers, seed=args.seed).to(device)
+    model = build_model(layers=args.layers, seed=args.seed, meta=args.meta)
     engine = rt.pipeline(  # the schedule built or loaded above, so it is not built twice
         model, schedule=schedule, loss_fn=lm_loss, split_points=even_split_points(args.layers, stages),
-        process_group=group, device=device, trace=args.trace,
+        mesh=mesh, device=device, trace=args.trace,
+        init_weights=init_module(model, args.seed) if args.meta else None,
     )
     optimizer = torch.optim.AdamW(engine.parameters(), lr=args.lr)
     for step in range(args.steps):
@@ -183,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         optimizer.zero_grad(set_to_none=True)
         loss = engine.step(inputs.to(device), target=targets.to(device))
         optimizer.step()
-        if engine.rank == 0:
+        if group is None or dist.get_rank() == 0:
             print(f"step {step} loss {float(loss)!r}", flush=True)
     engine.close()  # ends the engine's helper threads before torch's teardown
     if group is not None:

@@ -2,6 +2,7 @@
 
     python examples/train_hf.py --model gpt2 --steps 10
     torchrun --nproc-per-node 2 examples/train_hf.py --model gpt2 --schedule zbv --steps 10
+    torchrun --nproc-per-node 4 examples/train_hf.py --model llama --dp 2 --pieces 2 --schedule 1f1b --meta
 
 The model comes from a tiny random-init config (no downloads) and is cut at its transformer blocks by
 module name (``transformer.h.2``, ``model.layers.2``...), traced with ``torch.export`` (``torch.fx``
@@ -10,12 +11,19 @@ micro-batch draws from a generator seeded by (seed, step, piece, micro-batch), s
 ``--pieces`` every launch prints the same ``step k loss X`` lines, bit for bit. GPT-2, BERT and Qwen2
 tie the LM head to the embedding; pipeloom keeps the tied weight on every rank that uses it. Gradients
 are clipped by their global norm over all ranks (``engine.clip_grad_norm_``), as on one device.
+
+``--dp N`` runs N pipelines side by side on a ``DeviceMesh``, each on its share of the batch (losses equal
+to rounding). ``--meta`` builds the model on the meta device and lets each rank allocate and initialise
+only its pieces: every module is initialised by the model's own ``_init_weights`` from a seed of its
+name (:func:`init_module`), so ``--meta`` and a whole-model build hold the same weights.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import zlib
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -25,7 +33,7 @@ import pipeloom.runtime as rt
 from pipeloom import load_schedule
 from pipeloom.errors import PipeloomError
 
-__all__ = ["BLOCKS", "build_model", "lm_loss", "main", "synthetic_batch"]
+__all__ = ["BLOCKS", "build_model", "init_module", "lm_loss", "main", "synthetic_batch"]
 
 BLOCKS = {"gpt2": "transformer.h", "llama": "model.layers", "bert": "bert.encoder.layer", "qwen2": "model.layers"}
 """Where each model keeps its transformer blocks: split points are ``{BLOCKS[model]}.{k}``."""
@@ -34,14 +42,36 @@ MASK_RATE = 0.15  # BERT: share of input tokens replaced by the mask token
 
 
 def build_model(name: str, *, layers: int = 4, width: int = 64, vocab: int = 128, dropout: float = 0.1,
-                seed: int = 0) -> torch.nn.Module:
-    """A tiny random-init model of the family ``name``, the same on every rank (same arguments).
+                seed: int = 0, meta: bool = False) -> torch.nn.Module:
+    """A tiny random-init model of the family ``name``, the same on every rank (same arguments); with
+    ``meta`` its tensors are on the meta device (the engine allocates and initialises each rank's pieces)."""
+    with torch.device("meta" if meta else "cpu"):
+        model = _construct(name, layers=layers, width=width, vocab=vocab, dropout=dropout)
+    if not meta:
+        init = init_module(model, seed)
+        for module in model.modules():
+            init(module)
+    return model
 
-    LLaMA and Qwen2 use eager attention: with SDPA, transformers skips the causal mask when the model
+
+def init_module(model: torch.nn.Module, seed: int) -> Callable[[torch.nn.Module], None]:
+    """``init(module)``: the model's own ``_init_weights(module)`` under a seed of (``seed``, the module's
+    name), so a module gets the same values whichever rank initialises it."""
+    names = {id(module): name for name, module in model.named_modules()}
+
+    @torch.no_grad()
+    def init(module: torch.nn.Module) -> None:
+        torch.manual_seed(seed * 1_000_003 + zlib.crc32(names[id(module)].encode()))
+        model._init_weights(module)
+
+    return init
+
+
+def _construct(name: str, *, layers: int, width: int, vocab: int, dropout: float) -> torch.nn.Module:
+    """LLaMA and Qwen2 use eager attention: with SDPA, transformers skips the causal mask when the model
     runs untraced but builds it under tracing, so the untraced model would run another kernel."""
     import transformers as T
 
-    torch.manual_seed(seed)
     common = dict(vocab_size=vocab, use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
     if name == "gpt2":
         return T.GPT2LMHeadModel(T.GPT2Config(n_layer=layers, n_embd=width, n_head=4, n_positions=256,
@@ -98,13 +128,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="model pieces (the same on every launch, so the random numbers are too)")
     parser.add_argument("--layers", type=int, default=4, help="transformer blocks (a multiple of --pieces)")
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--microbatches", type=int, default=4, help="micro-batches per step of each pipeline")
     parser.add_argument("--batch", type=int, default=8, help="sequences per step")
     parser.add_argument("--seq", type=int, default=32, help="tokens per sequence")
     parser.add_argument("--dropout", type=float, default=0.1)
     parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
     parser.add_argument("--clip", type=float, default=1.0, help="max global gradient norm (0: no clipping)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas of the pipeline (divides the ranks)")
+    parser.add_argument("--meta", action="store_true",
+                        help="build the model on the meta device; each rank allocates only its pieces")
     return parser.parse_args(argv)
 
 
@@ -114,7 +147,15 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"train_hf: --layers {args.layers} is not a multiple of --pieces {args.pieces}")
     torch.set_num_threads(1)  # the same arithmetic on 1 rank and on N (and N ranks share the cores)
     group, device = rt.init_ranks()  # torchrun's group (gloo on CPU, NCCL per GPU), or one rank
-    model = build_model(args.model, layers=args.layers, dropout=args.dropout, seed=args.seed)
+    world = dist.get_world_size() if group is not None else 1
+    if args.dp < 1 or world % args.dp:
+        raise SystemExit(f"train_hf: --dp {args.dp} does not divide the {world} rank(s)")
+    mesh = None
+    if group is not None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device.type, (args.dp, world // args.dp), mesh_dim_names=("dp", "pp"))
+    model = build_model(args.model, layers=args.layers, dropout=args.dropout, seed=args.seed, meta=args.meta)
     step_size = args.layers // args.pieces
     split_points = [f"{BLOCKS[args.model]}.{k}" for k in range(step_size, args.layers, step_size)]
     vocab = model.config.vocab_size
@@ -125,8 +166,9 @@ def main(argv: list[str] | None = None) -> int:
         schedule = load_schedule(schedule)
     try:
         engine = rt.pipeline(model, schedule=schedule, split_points=split_points, loss_fn=lm_loss,
-                             microbatches=args.microbatches, example_inputs=(batches[0][0],), process_group=group,
-                             device=device, seed=args.seed)
+                             microbatches=args.microbatches, example_inputs=(batches[0][0],), mesh=mesh,
+                             device=device, seed=args.seed,
+                             init_weights=init_module(model, args.seed) if args.meta else None)
     except PipeloomError as error:
         raise SystemExit(f"train_hf: {error}") from None
     optimizer = torch.optim.AdamW(engine.parameters(), lr=args.lr)
@@ -136,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.clip > 0:
             engine.clip_grad_norm_(args.clip)
         optimizer.step()
-        if engine.rank == 0:
+        if group is None or dist.get_rank() == 0:
             print(f"step {step} loss {float(loss)!r}", flush=True)
     engine.close()  # ends the engine's helper threads before torch's teardown
     if group is not None:

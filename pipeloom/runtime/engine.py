@@ -130,8 +130,8 @@ def pipeline(
     shared = shared_parameters(staged.stages)
     check_placement(shared, lowering)
     names = model_names(model, staged.stages)  # by identity: before any tensor is moved or allocated
-    device = device_for(layout, device)
     pieces = [lowering.piece_of[s] for s in lowering.stages_on(rank)]
+    device = device_for(layout, device, [staged.stages[k] for k in pieces])
     if len(set(pieces)) != len(pieces):
         raise PipelineError(f"rank {rank} holds two replicas of one model piece; put replicas on different ranks")
     replaced = place_pieces({k: staged.stages[k] for k in pieces}, device, model=model, names=names,

@@ -22,14 +22,19 @@ __all__ = ["default_store", "device_for", "lower_for", "resolve_schedule", "shar
            "staged_model"]
 
 
-def device_for(layout: Layout, device: torch.device | str | None) -> torch.device:
+def device_for(layout: Layout, device: torch.device | str | None, modules: Sequence[nn.Module]) -> torch.device:
     """``device``, or the one the backend (or the mesh) implies: the current CUDA device for NCCL or a
-    CUDA mesh, else the CPU."""
+    CUDA mesh; else, with one rank, where this rank's ``modules`` already are (a model moved to a GPU stays
+    there); else the CPU."""
     if device is not None:
         return torch.device(device)
     backend = dist.get_backend(layout.group) if layout.group is not None else None
     if backend == "nccl" or layout.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
+    if layout.world == 1 and layout.dp.size == 1:
+        found = {t.device for module in modules for t in (*module.parameters(), *module.buffers()) if not t.is_meta}
+        if len(found) == 1:
+            return found.pop()
     return torch.device("cpu")
 
 

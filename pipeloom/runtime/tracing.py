@@ -109,7 +109,11 @@ def _symbolic(model: nn.Module, leaf_modules: Sequence[str]) -> TracedModel:
 
 def _export(model: nn.Module, example_inputs: object) -> TracedModel:
     """torch.export with every input dimension left to export (``Dim.AUTO``), then one fx graph whose
-    parameters, buffers and constants are get_attr nodes of the model's own tensors."""
+    parameters, buffers and constants are get_attr nodes of the model's own tensors. A model built on
+    the meta device is traced with its example inputs there too (fake tensors refuse mixed devices)."""
+    if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        example_inputs = pytree.tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t,
+                                         example_inputs)
     exported = _exported(model, example_inputs)
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}

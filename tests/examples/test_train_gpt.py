@@ -94,6 +94,19 @@ def test_torchrun_prints_the_one_rank_losses(one_rank, ranks, schedule):
     assert _losses(run_example("--schedule", schedule, ranks=ranks)) == one_rank
 
 
+def test_a_meta_build_prints_the_whole_builds_losses(one_rank):
+    assert _losses(run_example("--meta")) == one_rank
+
+
+def test_pipelines_times_replicas_print_the_one_rank_losses_to_rounding():
+    """2 replicas × 2 stages, built on meta, 4 micro-batches each: the one-rank run over 8 micro-batches of
+    the same batch, to rounding (the replicas' gradients are summed in another order)."""
+    oracle = _losses(run_example("--microbatches", "8"))
+    found = _losses(run_example("--dp", "2", "--meta", "--microbatches", "4", ranks=4))
+    assert found[0] == oracle[0]  # the first step's losses are the same numbers added in the same order
+    assert all(abs(float(a) - float(b)) <= 1e-5 * abs(float(b)) for a, b in zip(found, oracle)), (found, oracle)
+
+
 def test_saved_schedule_file_runs_like_the_built_in(one_rank, tmp_path):
     from pipeloom import build_schedule, save_schedule
 

@@ -55,6 +55,16 @@ def test_torchrun_prints_the_one_rank_losses(model, schedule):
     assert run_example("--model", model, "--schedule", schedule, ranks=2) == one_rank
 
 
+def test_replicas_of_a_meta_built_pipeline_print_the_one_rank_losses():
+    """llama, 2 replicas × 2 stages built on the meta device (4 micro-batches each) against one rank running
+    the same 2 pieces over 8 micro-batches: dropout draws the same; losses equal to rounding."""
+    oracle = run_example("--model", "llama", "--pieces", "2", "--schedule", "zbv", "--microbatches", "8")
+    found = run_example("--model", "llama", "--pieces", "2", "--schedule", "1f1b", "--microbatches", "4",
+                        "--dp", "2", "--meta", ranks=4)
+    assert found[0] == oracle[0]
+    assert all(abs(float(a) - float(b)) <= 1e-5 * abs(float(b)) for a, b in zip(found, oracle)), (found, oracle)
+
+
 def test_a_schedule_for_other_pieces_is_one_line():
     command = [sys.executable, str(EXAMPLE), "--schedule", "zbv", "--steps", "1"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT, check=False,
