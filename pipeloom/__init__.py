@@ -1,7 +1,9 @@
 """pipeloom: pipeline-parallel schedules for PyTorch, built, searched, simulated, drawn and run."""
 
 from pipeloom.errors import (
+    CommError,
     DeadlockError,
+    LoweringError,
     MemoryLimitError,
     OrderError,
     PipeloomError,
@@ -9,7 +11,8 @@ from pipeloom.errors import (
     ScheduleError,
     ScheduleFormatError,
 )
-from pipeloom.ir import Action, Schedule, load_schedule, save_schedule
+from pipeloom.ir import Action, Comm, Schedule, load_schedule, save_schedule
+from pipeloom.lowering import lower
 from pipeloom.problem import Costs, Problem, Stage, Task, stage_graph
 from pipeloom.schedules import build_schedule, schedule_names
 from pipeloom.sim import Timeline, simulate
@@ -17,8 +20,11 @@ from pipeloom.validate import validate
 
 __all__ = [
     "Action",
+    "Comm",
+    "CommError",
     "Costs",
     "DeadlockError",
+    "LoweringError",
     "MemoryLimitError",
     "OrderError",
     "PipeloomError",
@@ -32,6 +38,7 @@ __all__ = [
     "Timeline",
     "build_schedule",
     "load_schedule",
+    "lower",
     "save_schedule",
     "schedule_names",
     "simulate",

@@ -10,6 +10,8 @@ __all__ = [
     "DeadlockError",
     "MemoryLimitError",
     "OrderError",
+    "CommError",
+    "LoweringError",
 ]
 
 
@@ -39,3 +41,15 @@ class MemoryLimitError(ScheduleError):
 
 class OrderError(ScheduleError):
     """Gradient-producing actions (B or W) of a stage do not run in micro-batch order."""
+
+
+class CommError(ScheduleError):
+    """The communication actions of a lowered schedule do not match: a send nobody receives, a
+    receive nobody sends, messages between two ranks received out of their send order, data sent
+    before it is made or used before it is received."""
+
+
+class LoweringError(ScheduleError):
+    """A schedule's problem cannot carry communication actions (a task on several ranks, a stage
+    split over ranks, a cross-rank dependency that is neither forward values nor gradients), or its
+    receives admit no order that keeps each pair of ranks first-in first-out."""

@@ -2,6 +2,7 @@
 
 ``simulate(schedule)`` replays every rank's list in order and returns a :class:`Timeline`:
 start/end of each action, per-rank memory held, makespan, bubble ratio, busy time and peaks.
+A lowered schedule's communication takes its own time (:mod:`pipeloom.lowering.replay`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from operator import add, itemgetter
 
 from pipeloom.errors import DeadlockError, ScheduleError
 from pipeloom.ir import Action, Schedule, format_grid
+from pipeloom.lowering import replay_lowered
 from pipeloom.problem import Problem
 
 __all__ = ["Timeline", "expected_makespan", "simulate", "starting_ranks"]
@@ -39,7 +41,7 @@ class Timeline:
     makespan: float
     """Latest finish over all actions."""
     busy: tuple[float, ...]
-    """Per-rank sum of action durations."""
+    """Per-rank sum of compute action durations (communication is not work)."""
     peak_memory: tuple[float, ...]
     """Per-rank maximum held memory (static memory included)."""
 
@@ -79,9 +81,14 @@ def simulate(schedule: Schedule) -> Timeline:
     """Replay ``schedule``: each rank runs its list in order, one action at a time.
 
     An action starts at the latest of its ranks becoming free and each dep's finish (plus the
-    communication latency when the dep ran on another set of ranks). Raises DeadlockError when
-    the lists cannot run to the end; use :func:`pipeloom.validate.validate` for full checks.
+    communication latency when the dep ran on another set of ranks). In a lowered schedule the
+    receives carry that latency instead (see :mod:`pipeloom.lowering.replay`). Raises DeadlockError
+    when the lists cannot run to the end; use :func:`pipeloom.validate.validate` for full checks.
     """
+    if schedule.lowered:
+        lowered = replay_lowered(schedule)
+        return Timeline(schedule=schedule, starts=lowered.starts, ends=lowered.ends, memory=lowered.memory,
+                        makespan=lowered.makespan, busy=lowered.busy, peak_memory=lowered.peak_memory)
     problem = schedule.problem
     compiled = _Compiled.of(schedule)
     seq_tasks = compiled.seq_tasks
@@ -134,6 +141,9 @@ def expected_makespan(schedule: Schedule, spread: float | Sequence[float], *, st
     makespan. ``samples`` None: 32, fewer for long schedules (at least 4; about 50,000 actions in
     all), whose many actions already average their variation out. DeadlockError as :func:`simulate`.
     """
+    if schedule.lowered:
+        raise ScheduleError(f"expected_makespan replays compute-only schedules and {schedule.name!r} is "
+                            "lowered; pass the schedule before lower()")
     problem = schedule.problem
     spreads = [spread] * problem.num_stages if isinstance(spread, (int, float)) else list(spread)
     if len(spreads) != problem.num_stages:

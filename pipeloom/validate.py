@@ -1,7 +1,8 @@
 """Checks that a schedule is valid for its problem (DESIGN §3), with errors that point at the step.
 
 ``validate`` checks completeness, duplicates, foreign actions, deadlock, the memory limit and,
-on request, the "ordered" rule (B/W of a stage in micro-batch order) the exact runtime needs.
+on request, the "ordered" rule (B/W of a stage in micro-batch order) the exact runtime needs; in a
+lowered schedule also its communication (:func:`pipeloom.lowering.check_comms`).
 """
 
 from __future__ import annotations
@@ -9,7 +10,8 @@ from __future__ import annotations
 from itertools import islice
 
 from pipeloom.errors import MemoryLimitError, OrderError, ScheduleError
-from pipeloom.ir import Action, Schedule, format_grid
+from pipeloom.ir import Action, Comm, Schedule, format_grid
+from pipeloom.lowering import check_comms
 from pipeloom.sim import Timeline, simulate
 
 __all__ = ["validate", "check_structure", "check_memory", "check_order", "is_valid"]
@@ -22,8 +24,12 @@ def validate(schedule: Schedule, *, ordered: bool = False, check_memory_limit: b
 
     Returns the simulated :class:`~pipeloom.sim.Timeline` (the deadlock check needs it anyway).
     The structure check runs first and costs O(actions), whatever the micro-batch count claims.
+    A lowered schedule's communication is checked next (CommError: unmatched send or receive,
+    pair order, a receive missing before use); its replay finds deadlocks through communication.
     """
     check_structure(schedule)
+    if schedule.lowered:
+        check_comms(schedule)
     timeline = simulate(schedule)
     if check_memory_limit:
         check_memory(timeline)
@@ -49,7 +55,8 @@ def _fail(schedule: Schedule, rank: int, step: int, message: str, error: type = 
 
 
 def check_structure(schedule: Schedule) -> None:
-    """Every (task, micro-batch) exactly once on each of its ranks, and nothing else."""
+    """Every (task, micro-batch) exactly once on each of its ranks, and nothing else (communication
+    actions are left to :func:`pipeloom.lowering.check_comms`)."""
     problem = schedule.problem
     num_mb = schedule.num_microbatches
     for r, actions in enumerate(schedule.ranks):
@@ -58,6 +65,8 @@ def check_structure(schedule: Schedule) -> None:
         for step, action in enumerate(actions):
             key = (action[0], action[1])
             if key not in own:
+                if type(action) is Comm:
+                    continue
                 if problem.has_task(key):
                     ranks = list(problem.task(key).ranks)
                     _fail(schedule, r, step, f"{action} belongs to ranks {ranks}, not rank {r}")

@@ -1,5 +1,6 @@
-"""Actions and schedules (DESIGN §2): ``Action`` prints ``2F0``; ``Schedule`` holds per-rank action
-lists with the problem they schedule; ``format_grid`` draws the step x rank grid for errors.
+"""Actions and schedules (DESIGN §2): ``Action`` prints ``2F0``, ``Comm`` (made by lowering) prints
+``1SEND_F0``; ``Schedule`` holds per-rank action lists with the problem they schedule;
+``format_grid`` draws the step x rank grid for errors.
 """
 
 from __future__ import annotations
@@ -12,9 +13,13 @@ from typing import Any, NamedTuple
 from pipeloom.errors import PipeloomError, ScheduleFormatError
 from pipeloom.problem import Problem
 
-__all__ = ["Action", "Schedule", "format_grid", "shown"]
+__all__ = ["COMM_KINDS", "Action", "Comm", "Schedule", "format_grid", "parse_action", "shown"]
+
+COMM_KINDS: tuple[str, ...] = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+"""Kinds of a communication action, torch's letters: send/receive forward values (F) or gradients (B)."""
 
 _ACTION = re.compile(r"^(\d+)([FBIW])(\d+)$", re.ASCII)
+_COMM = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B)(\d+)$", re.ASCII)
 _MAX_DIGITS = 18  # indices beyond 10**18 are typos, and int() refuses more than 4300 digits
 
 
@@ -49,6 +54,61 @@ class Action(NamedTuple):
         return cls(int(match.group(1)), match.group(2), int(match.group(3)))
 
 
+class Comm(NamedTuple):
+    """A communication action of a lowered schedule, torch's ``sSEND_Fm`` and kin: ``Comm(1, "SEND_F", 0)``
+    prints ``1SEND_F0``. It runs on the rank of ``stage`` (its own type: never a sentinel stage).
+
+    - ``SEND_F``: send stage s's forward output of micro-batch m to its consumer stages on other ranks;
+    - ``RECV_F``: receive stage s's forward inputs of m from its producer stages on other ranks;
+    - ``SEND_B``: send stage s's input gradients of m back to its producer stages on other ranks;
+    - ``RECV_B``: receive the gradients of stage s's outputs of m from its consumer stages on other ranks.
+
+    One action covers every peer stage on another rank (see :mod:`pipeloom.lowering` for the order of
+    its messages), so a linear pipeline reads exactly as torch writes it.
+    """
+
+    stage: int
+    kind: str
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind}{self.microbatch}"
+
+    @property
+    def is_send(self) -> bool:
+        """True for ``SEND_F``/``SEND_B``, False for the receives."""
+        return self.kind.startswith("SEND")
+
+    @property
+    def direction(self) -> str:
+        """``"F"`` for forward values, ``"B"`` for gradients."""
+        return self.kind[-1]
+
+    @classmethod
+    def parse(cls, text: str) -> Comm:
+        """Inverse of ``str``: ``Comm.parse("1SEND_F0") == Comm(1, "SEND_F", 0)``."""
+        match = _COMM.match(text.strip()) if isinstance(text, str) else None
+        if match is None or max(len(match.group(1)), len(match.group(3))) > _MAX_DIGITS:
+            raise ScheduleFormatError(
+                f"bad communication action {shown(text)}: expected STAGE KIND MICROBATCH with kind "
+                "SEND_F, RECV_F, SEND_B or RECV_B, e.g. '1SEND_F0'"
+            )
+        return cls(int(match.group(1)), match.group(2), int(match.group(3)))
+
+
+def parse_action(text: str) -> Action | Comm:
+    """A compute action (``2F0``) or a communication action (``1SEND_F0``) from its text."""
+    if isinstance(text, str) and _COMM.match(text.strip()):
+        return Comm.parse(text)
+    try:
+        return Action.parse(text)
+    except ScheduleFormatError:
+        raise ScheduleFormatError(
+            f"bad action {shown(text)}: expected STAGE KIND MICROBATCH with kind F, B, I or W, e.g. '2F0', "
+            "or a communication action with kind SEND_F, RECV_F, SEND_B or RECV_B, e.g. '1SEND_F0'"
+        ) from None
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Schedule:
     """For each rank, the ordered actions it runs, plus the problem they schedule."""
@@ -59,8 +119,8 @@ class Schedule:
     """The task graph and machine the schedule is for."""
     num_microbatches: int
     """Number of micro-batches M; every task runs once for each of 0..M-1."""
-    ranks: tuple[tuple[Action, ...], ...]
-    """``ranks[r]`` is rank r's action list in execution order."""
+    ranks: tuple[tuple[Action | Comm, ...], ...]
+    """``ranks[r]`` is rank r's action list in execution order (``Comm`` actions only after lowering)."""
 
     def __post_init__(self) -> None:
         m = self.num_microbatches
@@ -78,6 +138,11 @@ class Schedule:
     def num_ranks(self) -> int:
         """Number of ranks."""
         return self.problem.num_ranks
+
+    @property
+    def lowered(self) -> bool:
+        """Whether any rank list holds a communication action (see :func:`pipeloom.lower`)."""
+        return any(Comm in set(map(type, actions)) for actions in self.ranks)
 
     @property
     def num_actions(self) -> int:

@@ -14,9 +14,10 @@ __all__ = ["save_schedule", "load_schedule", "read_text"]
 
 
 def save_schedule(schedule: Schedule, path: str | Path) -> None:
-    """Write ``schedule`` as pipeloom JSON (``.json``) or torch compute-only CSV (``.csv``).
+    """Write ``schedule`` as pipeloom JSON (``.json``) or torch CSV (``.csv``: ``compute_only``, or
+    ``compute_comms`` for a lowered schedule, which JSON does not hold).
 
-    The suffix is matched case-insensitively; nothing is written when the CSV cannot carry it.
+    The suffix is matched case-insensitively; nothing is written when the format cannot carry it.
     """
     path = Path(path)
     suffix = path.suffix.lower()

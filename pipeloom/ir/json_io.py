@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 from pipeloom.errors import PipeloomError, ScheduleFormatError
-from pipeloom.ir.core import Action, Schedule, shown
+from pipeloom.ir.core import Action, Comm, Schedule, shown
 from pipeloom.ir.jsonfields import json_object
 from pipeloom.problem import Problem, Task, parse_task_name, task_name
 
@@ -23,7 +23,16 @@ _NUMBER = (int, float)
 
 
 def schedule_to_json(schedule: Schedule, *, indent: int | None = None) -> str:
-    """The ``pipeloom.schedule/1`` JSON text of a schedule (tasks, machine facts, rank lists)."""
+    """The ``pipeloom.schedule/1`` JSON text of a schedule (tasks, machine facts, rank lists).
+
+    Files hold compute-only schedules: a lowered one is a ScheduleFormatError (save it as torch
+    ``compute_comms`` CSV, or save the schedule before lowering).
+    """
+    if schedule.lowered:
+        raise ScheduleFormatError(
+            f"schedule {schedule.name!r} is lowered (it has communication actions) and pipeloom JSON holds "
+            "compute-only schedules; save it as a torch compute_comms .csv, or save it before lower()"
+        )
     problem = schedule.problem
     document = {
         "format": FORMAT,
@@ -119,8 +128,22 @@ def _rank_lists_from_json(document: dict) -> tuple[tuple[Action, ...], ...]:
         try:
             actions.append(tuple(Action.parse(a) for a in row))
         except ScheduleFormatError as error:
+            comm = next((a for a in row if _is_comm(a)), None)
+            if comm is not None:
+                raise ScheduleFormatError(
+                    f"ranks[{r}]: {comm} is a communication action; pipeloom JSON holds compute-only "
+                    "schedules (a lowered schedule is saved as a torch compute_comms .csv)"
+                ) from None
             raise ScheduleFormatError(f"ranks[{r}]: {error}") from None
     return tuple(actions)
+
+
+def _is_comm(text: Any) -> bool:
+    try:
+        Comm.parse(text)
+    except ScheduleFormatError:
+        return False
+    return True
 
 
 def schedule_from_json(text: str) -> Schedule:

@@ -1,5 +1,6 @@
-"""torch.distributed.pipelining's compute-only CSV: export (when the reader would infer the same
-problem back) and import (inferring the chained stage graph from the actions).
+"""torch.distributed.pipelining's per-rank CSV, ``compute_only`` or (a lowered schedule)
+``compute_comms``: export (when the reader would infer the same problem back) and import
+(inferring the chained stage graph from the actions).
 """
 
 from __future__ import annotations
@@ -9,17 +10,24 @@ import io
 from collections import Counter
 
 from pipeloom.errors import ScheduleFormatError
-from pipeloom.ir.core import Action, Schedule
+from pipeloom.ir.core import Action, Comm, Schedule, parse_action
 from pipeloom.problem import Costs, Problem, Stage, stage_graph, task_name
 
-__all__ = ["schedule_to_csv", "schedule_from_csv"]
+__all__ = ["TORCH_ONLY_KINDS", "schedule_to_csv", "schedule_from_csv"]
+
+TORCH_ONLY_KINDS: tuple[str, ...] = ("UNSHARD", "RESHARD", "REDUCE_GRAD")
+"""Actions torch's lowering adds for FSDP and data-parallel gradient reduction (``1UNSHARD``, no
+micro-batch); pipeloom's IR has no such actions, so the CSV reader skips these cells."""
 
 
 def schedule_to_csv(schedule: Schedule) -> str:
-    """torch.distributed.pipelining's compute-only CSV: one row per rank, one action per cell.
+    """torch.distributed.pipelining's CSV: one row per rank, one action per cell.
 
-    Only a schedule whose problem :func:`schedule_from_csv` would infer again can be written
-    (ScheduleFormatError otherwise); durations, memory and static memory are not carried.
+    A compute-only schedule gives torch's ``compute_only`` format; a lowered one (see
+    :func:`pipeloom.lower`) its ``compute_comms`` format, which ``_PipelineScheduleRuntime._load_csv(
+    path, format="compute_comms")`` runs as it is. Only a schedule whose problem
+    :func:`schedule_from_csv` would infer again can be written (ScheduleFormatError otherwise);
+    durations, memory and static memory are not carried.
     """
     obstacle = _csv_obstacle(schedule)
     if obstacle is not None:
@@ -94,9 +102,10 @@ def schedule_from_csv(
     costs: Costs = Costs(),
     memory_limit: float | None = None,
 ) -> Schedule:
-    """Read a compute-only torch CSV (empty cell = idle) and infer its problem.
+    """Read a torch CSV (empty cell = idle) and infer its problem.
 
-    Row r is rank r. An empty row between rows is an idle rank; blank rows after the last row
+    A file with communication cells (``1SEND_F0``: torch's ``compute_comms`` format) gives a lowered
+    schedule; cells of :data:`TORCH_ONLY_KINDS` (``0UNSHARD``, ...) are skipped. Row r is rank r. An empty row between rows is an idle rank; blank rows after the last row
     with an action are not ranks (files often end in blank lines). Stages form the chain
     0 -> 1 -> ... -> S-1, each on the one rank whose row runs it; the backward is split when
     any I or W appears. ``costs`` are a rank's share of the model (the library's convention),
@@ -107,15 +116,15 @@ def schedule_from_csv(
         raise ScheduleFormatError("the CSV is empty; expected one row of actions per rank")
     while rows and not any(cell.strip() for cell in rows[-1]):
         rows.pop()
-    ranks: list[tuple[Action, ...]] = []
+    ranks: list[tuple[Action | Comm, ...]] = []
     stage_rank: dict[int, int] = {}
     for r, row in enumerate(rows):
         actions = []
         for c, cell in enumerate(row):
-            if not cell.strip():
+            if not cell.strip() or cell.strip().lstrip("0123456789") in TORCH_ONLY_KINDS:
                 continue
             try:
-                action = Action.parse(cell)
+                action = parse_action(cell)
             except ScheduleFormatError as error:
                 raise ScheduleFormatError(f"row {r + 1}, column {c + 1}: {error}") from None
             owner = stage_rank.setdefault(action.stage, r)
@@ -132,7 +141,7 @@ def schedule_from_csv(
 
 
 def _csv_problem(
-    ranks: list[tuple[Action, ...]], stage_rank: dict[int, int], costs: Costs, memory_limit: float | None
+    ranks: list[tuple[Action | Comm, ...]], stage_rank: dict[int, int], costs: Costs, memory_limit: float | None
 ) -> Problem:
     """The chain 0 -> ... -> S-1 with each stage on its rank and the backward style the actions use."""
     if not stage_rank:

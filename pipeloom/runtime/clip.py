@@ -13,7 +13,7 @@ from torch import nn
 from pipeloom.runtime.lower import PipelineError
 from pipeloom.runtime.state import Wait, plain_wait
 
-__all__ = ["clip_grad_norm_"]
+__all__ = ["clip_grad_norm_", "is_sharded"]
 
 
 def _norms(grads: list[torch.Tensor], norm_type: float, foreach: bool | None) -> list[torch.Tensor]:
@@ -26,7 +26,12 @@ def _norms(grads: list[torch.Tensor], norm_type: float, foreach: bool | None) ->
     )
 
     norms: list = [None] * len(grads)
-    groups = _group_tensors_by_device_and_dtype([grads], with_indices=True)
+    plain = [i for i, g in enumerate(grads) if not is_sharded(g)]
+    for i in set(range(len(grads))) - set(plain):  # FSDP's shards: the norm over every shard (a collective)
+        norms[i] = torch.linalg.vector_norm(grads[i], norm_type).full_tensor()
+    if not plain:
+        return norms
+    groups = _group_tensors_by_device_and_dtype([[grads[i] for i in plain]], with_indices=True)
     for (device, _), ([tensors], indices) in groups.items():
         if (foreach is None and _has_foreach_support(tensors, device)
                 or foreach and _device_has_foreach_support(device)):
@@ -37,8 +42,26 @@ def _norms(grads: list[torch.Tensor], norm_type: float, foreach: bool | None) ->
         else:
             found = [torch.linalg.vector_norm(g, norm_type) for g in tensors]
         for i, norm in zip(indices, found):
-            norms[i] = norm
+            norms[plain[i]] = norm
     return norms
+
+
+def is_sharded(tensor: torch.Tensor | None) -> bool:
+    """Whether ``tensor`` is a ``DTensor`` (an FSDP-sharded parameter or gradient)."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+def _scale(params: list[nn.Parameter], max_norm: float, total: torch.Tensor, foreach: bool | None) -> None:
+    """Scale the gradients by ``max_norm / (total + 1e-6)`` clamped to 1, as torch does; a sharded
+    gradient's local shard is scaled in place with the same factor."""
+    torch.nn.utils.clip_grads_with_norm_([p for p in params if not is_sharded(p.grad)], max_norm, total, foreach)
+    sharded = [p.grad.to_local() for p in params if is_sharded(p.grad)]
+    if sharded:
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for local in sharded:
+            local.mul_(coefficient.to(local.device))
 
 
 def _stack_order(dtypes: list[torch.dtype], device: torch.device) -> list[int]:
@@ -115,7 +138,7 @@ def clip_grad_norm_(named: Iterable[tuple[str, nn.Parameter]], order: Sequence[s
         if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
             raise PipelineError(f"the total norm of order {norm_type} of the gradients is non-finite, so it "
                                 "cannot be clipped; pass error_if_nonfinite=False to scale by it anyway")
-        torch.nn.utils.clip_grads_with_norm_([p for _, p in named], max_norm, total, foreach)
+        _scale([p for _, p in named], max_norm, total, foreach)
     return total
 
 

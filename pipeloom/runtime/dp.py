@@ -36,6 +36,7 @@ class DataParallel:
     group: object  # the "dp" process group (None when size is 1)
     rank: int  # this replica's index: it runs micro-batches rank·M … rank·M + M − 1
     size: int
+    mesh: object = None  # the "dp" sub-mesh (for FSDP), when the mesh has that dimension
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +72,8 @@ def layout_of(process_group: object, mesh: object) -> Layout:
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if "dp" in names and mesh.size(names.index("dp")) > 1:
         dp_group = mesh.get_group("dp")
-        dp = DataParallel(group=dp_group, rank=dist.get_rank(dp_group), size=dist.get_world_size(dp_group))
+        dp = DataParallel(group=dp_group, rank=dist.get_rank(dp_group), size=dist.get_world_size(dp_group),
+                          mesh=mesh["dp"])
         if mesh.size() != dist.get_world_size():
             raise PipelineError(f"the mesh holds {mesh.size()} of the {dist.get_world_size()} ranks; with \"dp\" "
                                 "pipeloom needs a mesh over every rank of the default process group")

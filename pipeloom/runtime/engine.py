@@ -30,6 +30,7 @@ from pipeloom.runtime.agree import StepMismatchError, agree_on_step
 from pipeloom.runtime.backward import add_in_order
 from pipeloom.runtime.comm import Messenger
 from pipeloom.runtime.dp import GradientBuckets, Layout, layout_of
+from pipeloom.runtime.fsdp import ShardedGradients, shard_pieces, whole_parameters
 from pipeloom.runtime.lower import Lowering, PipelineError
 from pipeloom.runtime.materialize import StateSource, place_pieces
 from pipeloom.runtime.replicas import merge_replicas
@@ -85,6 +86,7 @@ def pipeline(
     mesh: object = None,
     state_dict: StateSource | None = None,
     init_weights: Callable[[nn.Module], object] | None = None,
+    data_parallel: str = "replicate",
 ) -> PipelineEngine:
     """Build the engine that runs ``schedule`` over ``model`` cut into stages on this process group.
 
@@ -102,6 +104,8 @@ def pipeline(
     ``state_dict``/``init_weights``: for a model built on the meta device, what fills this rank's pieces
     (a state dict, a ``torch.save`` file or a ``torch.distributed.checkpoint`` folder; a function called on
     every module this rank holds); other ranks' tensors are never allocated.
+    ``data_parallel``: how the mesh's ``"dp"`` replicas hold the pieces: ``"replicate"`` (whole, gradients
+    all-reduced) or ``"fsdp"`` (sharded with torch's ``fully_shard``; :mod:`pipeloom.runtime.fsdp`).
     """
     if plan is not None:
         from pipeloom.plan import load_plan
@@ -137,10 +141,31 @@ def pipeline(
     replaced = place_pieces({k: staged.stages[k] for k in pieces}, device, model=model, names=names,
                             state_dict=state_dict, init_weights=init_weights)
     shared = dataclasses.replace(shared, params=tuple(replaced.get(id(p), p) for p in shared.params))
+    if _sharded(data_parallel, layout, lowering, shared):
+        shard_pieces({k: staged.stages[k] for k in pieces}, layout.dp.mesh)
     trace = trace if trace is not None else os.environ.get(TRACE_ENV) or None
     return PipelineEngine(staged=staged, lowering=lowering, loss_fn=loss_fn, layout=layout, device=device,
                           trace=trace, timeout=float(timeout), shared=shared,
-                          seed=shared_seed(layout.everyone, layout.everyone_size, seed), names=names)
+                          seed=shared_seed(layout.everyone, layout.everyone_size, seed), names=names,
+                          sharded=data_parallel == "fsdp")
+
+
+def _sharded(data_parallel: str, layout: Layout, lowering: Lowering, shared: SharedParameters) -> bool:
+    """Whether the pieces are sharded with FSDP2 (checking that they can be)."""
+    if data_parallel not in ("replicate", "fsdp"):
+        raise PipelineError(f"data_parallel must be 'replicate' or 'fsdp', got {data_parallel!r}")
+    if data_parallel == "replicate":
+        return False
+    if layout.dp.mesh is None:
+        raise PipelineError("data_parallel='fsdp' shards over the mesh's \"dp\" dimension: pass mesh= with "
+                            "mesh_dim_names=('dp', 'pp') and a dp size above 1")
+    if lowering.replicas > 1:
+        raise PipelineError(f"schedule {lowering.schedule.name!r} holds two replicas of each piece; with "
+                            "data_parallel='fsdp' choose a one-replica schedule (1f1b, zbv, interleaved-1f1b, ...)")
+    if shared.params:
+        raise PipelineError(f"parameter {shared.names[0]!r} is used by several pieces, which FSDP cannot shard "
+                            "once; use data_parallel='replicate', or split so that all its uses fall in one piece")
+    return True
 
 
 class PipelineEngine:
@@ -148,7 +173,8 @@ class PipelineEngine:
 
     def __init__(self, *, staged: StagedModel, lowering: Lowering, loss_fn: Callable, layout: Layout,
                  device: torch.device, trace: str | Path | bool | None, timeout: float,
-                 shared: SharedParameters | None = None, seed: int = 0, names: ModelNames | None = None) -> None:
+                 shared: SharedParameters | None = None, seed: int = 0, names: ModelNames | None = None,
+                 sharded: bool = False) -> None:
         """Built by :func:`pipeline`, which has put this rank's pieces on ``device``."""
         self.staged = staged
         self.lowering = lowering
@@ -159,6 +185,7 @@ class PipelineEngine:
         self.world_size = world_size = layout.world
         self.group = group = layout.group
         self.dp = layout.dp
+        self.sharded = sharded  # pieces sharded over "dp" with FSDP2
         self.timeout = timeout
         backend = dist.get_backend(group) if group is not None else "gloo"
         self.device = torch.device(device)
@@ -290,6 +317,12 @@ class PipelineEngine:
             out.append([part.to(self.device) for part in parts[first:first + m]])
         return out
 
+    def weight_parameters(self, stage: int) -> list[nn.Parameter]:
+        """The parameters local stage ``stage`` computes gradients for (the whole ones of a sharded piece)."""
+        if self.sharded:
+            return [p for p in whole_parameters(self.modules[stage]) if p.requires_grad]
+        return self.params[stage]
+
     def _trainable(self) -> dict[int, list[nn.Parameter]]:
         """Per local stage, its parameters that require a gradient now."""
         return {s: [p for p in module.parameters() if p.requires_grad] for s, module in self.modules.items()}
@@ -330,7 +363,10 @@ class PipelineEngine:
             self.clock.begin()
         step_start = time.time_ns()
         buckets = None
-        if training and self.dp.size > 1:
+        if training and self.sharded:
+            buckets = ShardedGradients(self.modules)
+            buckets.begin()
+        elif training and self.dp.size > 1:
             buckets = GradientBuckets(dp=self.dp, stage_params=self.params, late=self._late_params(),
                                       wait=self.messenger.wait_work)
             buckets.begin()

@@ -187,8 +187,20 @@ def load_state_dict(names: ModelNames, pieces: Mapping[int, nn.Module], values: 
         sources[key] = tensor
     with torch.no_grad():
         for key, tensor in sources.items():
-            tensor.copy_(values[key])
+            _copy_into(tensor, values[key])
     return LoadResult(missing, unexpected)
+
+
+def _copy_into(tensor: torch.Tensor, value: torch.Tensor) -> None:
+    """``tensor.copy_(value)``; into an FSDP-sharded tensor, this rank's shard of ``value``."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(tensor, DTensor) and not isinstance(value, DTensor):
+        shard = distribute_tensor(value.detach().to(tensor.device), tensor.device_mesh, tensor.placements,
+                                  src_data_rank=None)
+        tensor.to_local().copy_(shard.to_local())
+    else:
+        tensor.copy_(value)
 
 
 def full_state_dict(names: ModelNames, pieces: Mapping[int, nn.Module], *, dst: int, rank: int,
@@ -198,7 +210,7 @@ def full_state_dict(names: ModelNames, pieces: Mapping[int, nn.Module], *, dst: 
 
     Keys no rank holds (tensors no piece uses) are left out.
     """
-    held = _held(names, pieces)
+    held = {i: _whole(tensor) for i, tensor in _held(names, pieces).items()}
     if group is None:
         return names.in_state_order({i: _snapshot(tensor) for i, tensor in held.items()})
     world = dist.get_world_size(group)
@@ -227,6 +239,13 @@ def full_state_dict(names: ModelNames, pieces: Mapping[int, nn.Module], *, dst: 
         return {}
     found = {i: _snapshot(tensor) for i, tensor in held.items()}
     return names.in_state_order(found | {i: tensor.cpu() for i, tensor in buffers.items()})
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole value of an FSDP-sharded tensor (a collective over its shards), else the tensor."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.detach().full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def _snapshot(tensor: torch.Tensor) -> torch.Tensor:

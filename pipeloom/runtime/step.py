@@ -20,6 +20,7 @@ from pipeloom.runtime.split import ValueRef, check_stage_value
 
 if TYPE_CHECKING:
     from pipeloom.runtime.dp import GradientBuckets
+    from pipeloom.runtime.fsdp import ShardedGradients
     from pipeloom.runtime.engine import PipelineEngine
 
 __all__ = ["LOOKAHEAD", "StepRun"]
@@ -31,7 +32,8 @@ class StepRun:
     """The state of one step on one rank: values, leaves, gradients and pending weight work."""
 
     def __init__(self, engine: PipelineEngine, chunks: list, targets: list, *, training: bool,
-                 metas: dict, specs: dict, events: list | None, buckets: GradientBuckets | None = None) -> None:
+                 metas: dict, specs: dict, events: list | None,
+                 buckets: GradientBuckets | ShardedGradients | None = None) -> None:
         self.engine = engine
         self.buckets = buckets  # the gradient reduction over "dp", posted stage by stage
         self.low = engine.lowering
@@ -288,7 +290,7 @@ class StepRun:
         if step.action.kind == "B":
             found = backward_full(roots, grads, inputs)
         else:
-            found, pending = backward_input(roots, grads, inputs, engine.params[s])
+            found, pending = backward_input(roots, grads, inputs, engine.weight_parameters(s))
             self.pending[(s, mb)] = pending
         if saved is not None:
             self._swap_in(s, mb, saved)

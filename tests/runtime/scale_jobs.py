@@ -5,7 +5,10 @@ from __future__ import annotations
 
 
 def _plain(tensor):
-    """A tensor as a numpy array: the bits cross the process boundary without torch's shared memory."""
+    """A tensor as a numpy array (the whole value of an FSDP-sharded one): the bits cross the process
+    boundary without torch's shared memory."""
+    if hasattr(tensor, "full_tensor"):
+        tensor = tensor.full_tensor()
     return tensor.detach().cpu().clone().numpy()
 
 
@@ -54,9 +57,11 @@ def deferred(rank: int, world: int, cases: list[tuple[str, str, str]], folder: s
     return results
 
 
-def meshed(rank: int, world: int, cases: list[tuple[str, int]], steps: int, folder: str) -> dict:
+def meshed(rank: int, world: int, cases: list[tuple[str, int]], steps: int, folder: str,
+           data_parallel: str = "replicate") -> dict:
     """For each (schedule, pieces): a (dp 2, pp 2) mesh, ``steps`` SGD steps on the global batch; report
-    each step's loss and gradients (by name), the clipped norm, and save a checkpoint after the last."""
+    each step's loss and gradients (by name), the clipped norm, the full state dict on the pipeline's
+    first rank, and save a checkpoint after the last."""
     import torch
     import torch.nn.functional as F
     from models import SPLITS, batch, build
@@ -69,7 +74,7 @@ def meshed(rank: int, world: int, cases: list[tuple[str, int]], steps: int, fold
     for schedule, pieces in cases:
         model = build("residual")
         engine = pipeline(model, schedule=schedule, split_points=SPLITS["residual"][pieces], loss_fn=F.cross_entropy,
-                          microbatches=4, mesh=mesh, timeout=60)
+                          microbatches=4, mesh=mesh, timeout=60, data_parallel=data_parallel)
         optimizer = torch.optim.SGD(engine.parameters(), lr=0.1)
         losses, grads = [], []
         for step in range(steps):
@@ -82,9 +87,10 @@ def meshed(rank: int, world: int, cases: list[tuple[str, int]], steps: int, fold
         engine.step(inputs[0], target=target)
         norm = engine.clip_grad_norm_(1e-3)
         clipped = _grads(engine)
+        full = {key: _plain(value) for key, value in engine.full_state_dict().items()}
         engine.save_checkpoint(f"{folder}/{schedule}", optimizer=optimizer)
         results[schedule] = {"losses": losses, "grads": grads, "norm": _plain(norm), "clipped": clipped,
                              "params": {name: _plain(p) for name, p in engine.named_parameters()},
-                             "pp": engine.rank, "dp": engine.dp.rank}
+                             "pp": engine.rank, "dp": engine.dp.rank, "full": full}
         engine.close()
     return results

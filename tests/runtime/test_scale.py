@@ -222,6 +222,61 @@ def test_clipping_and_checkpoints_cover_both_dimensions(mesh_runs):
                 assert torch.equal(dict(model.named_parameters())[name].detach(), value), (schedule, name)
 
 
+SHARDED = [("1f1b", 2), ("zbv", 4)]
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("fsdp")
+    return _ok(run_ranks(4, meshed, SHARDED, STEPS, str(folder), "fsdp", timeout=300)), folder
+
+
+@pytest.mark.parametrize("schedule", [s for s, _ in SHARDED])
+def test_fsdp_shards_train_as_the_replicas_do(mesh_runs, fsdp_runs, schedule):
+    """FSDP2 over "dp" reduce-scatters what the replicas all-reduce: with two replicas both add the same
+    two partial sums, so losses, gradients, clipping, parameters and the full state dict are bitwise
+    those of data_parallel="replicate"."""
+    replicated, _ = mesh_runs
+    sharded, _ = fsdp_runs
+    for rank in range(4):
+        ours, theirs = sharded[rank][schedule], replicated[rank][schedule]
+        for step in range(STEPS):
+            assert torch.equal(ours["losses"][step], theirs["losses"][step]), (rank, step)
+            assert ours["grads"][step].keys() == theirs["grads"][step].keys()
+            for name, grad in ours["grads"][step].items():
+                assert torch.equal(grad, theirs["grads"][step][name]), (rank, step, name)
+        assert torch.equal(ours["norm"], theirs["norm"])
+        for name, grad in ours["clipped"].items():
+            assert torch.equal(grad, theirs["clipped"][name]), (rank, name)
+        for name, value in ours["params"].items():
+            assert torch.equal(value, theirs["params"][name]), (rank, name)
+        assert ours["full"].keys() == theirs["full"].keys()
+        assert all(torch.equal(v, theirs["full"][k]) for k, v in ours["full"].items())
+
+
+def test_an_fsdp_checkpoint_loads_into_one_device(fsdp_runs):
+    import torch.distributed.checkpoint as dcp
+
+    runs, folder = fsdp_runs
+    for schedule, _ in SHARDED:
+        model = build("residual")
+        state = {"model": model.state_dict()}
+        dcp.load(state, checkpoint_id=str(folder / schedule), no_dist=True)
+        model.load_state_dict(state["model"])
+        for found in runs.values():
+            for name, value in found[schedule]["params"].items():
+                assert torch.equal(dict(model.named_parameters())[name].detach(), value), (schedule, name)
+
+
+def test_fsdp_is_refused_where_it_cannot_shard():
+    with pytest.raises(PipelineError, match="data_parallel must be"):
+        pipeline(build("residual"), schedule="gpipe", split_points=[], microbatches=2, loss_fn=F.cross_entropy,
+                 data_parallel="zero")
+    with pytest.raises(PipelineError, match="shards over the mesh's \"dp\" dimension"):
+        pipeline(build("residual"), schedule="gpipe", split_points=[], microbatches=2, loss_fn=F.cross_entropy,
+                 data_parallel="fsdp")
+
+
 def test_a_mesh_needs_named_pp_and_dp_dimensions():
     class FakeMesh:
         mesh_dim_names = ("dp", "tp")
