@@ -26,10 +26,11 @@ import torch
 import torch.distributed as dist
 
 from pipeloom.runtime.lower import PipelineError, Unit, forward_unit
-from pipeloom.runtime.threads import HelperThreads, SendThread
+from pipeloom.runtime.threads import HelperThreads
+from pipeloom.runtime.transport import Posted, Transport, transport_for
 from pipeloom.runtime.watch import FailureBoard, PeerWatch, close_connections, poll_work
 
-__all__ = ["LeafMeta", "Messenger", "flatten", "unflatten"]
+__all__ = ["LeafMeta", "Messenger", "StepMessages"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,52 +50,15 @@ class LeafMeta:
         return f"{str(self.dtype).removeprefix('torch.')}{list(self.shape)}{grad}"
 
 
-def flatten(value: object) -> tuple[list[torch.Tensor], object]:
-    """Tensor leaves of a (nested) tuple/list/dict of tensors, and its structure for :func:`unflatten`."""
-    leaves: list[torch.Tensor] = []
-
-    def walk(v: object) -> object:
-        if isinstance(v, torch.Tensor):
-            leaves.append(v)
-            return None
-        if isinstance(v, (tuple, list)) and v:
-            return (type(v).__name__, [walk(x) for x in v])
-        if isinstance(v, dict) and v:
-            return ("dict", list(v.keys()), [walk(x) for x in v.values()])
-        raise TypeError(type(v).__name__)  # what check_stage_value refuses, so callers can ask it why
-
-    return leaves, walk(value)
-
-
-def unflatten(leaves: Sequence[torch.Tensor], spec: object) -> object:
-    """Rebuild a value from its leaves and the structure :func:`flatten` returned."""
-    it = iter(leaves)
-
-    def build(s: object) -> object:
-        if s is None:
-            return next(it)
-        if s[0] == "dict":
-            return dict(zip(s[1], (build(x) for x in s[2])))
-        items = [build(x) for x in s[1]]
-        return tuple(items) if s[0] == "tuple" else items
-
-    return build(spec)
-
-
-@dataclass(slots=True)
-class _Posted:
-    """Receives of one unit: buffers and their works (None where already complete)."""
-
-    buffers: list[torch.Tensor]
-    works: list
-
-
 class Messenger:
-    """The step's messages for one rank over ``group`` (global peer ranks from ``to_global``)."""
+    """The messages of one engine's rank over ``group`` (global peer ranks from ``to_global``): the
+    backend's :class:`~pipeloom.runtime.transport.Transport`, waits bounded by the timeout, and the
+    failures other ranks leave in the store. Each step's messages live in a :class:`StepMessages`."""
 
     def __init__(self, *, rank: int, group: object, to_global: Callable[[int], int], device: torch.device,
                  timeout: float, units: Sequence[Unit], pair_order: dict[tuple[int, int], tuple[int, ...]],
-                 unit_of: dict[tuple[str, int, int, int], int], batch: bool, store: object, run_id: str) -> None:
+                 unit_of: dict[tuple[str, int, int, int], int], store: object, run_id: str,
+                 transport: Transport | None = None) -> None:
         self.rank = rank
         self.group = group
         self.to_global = to_global
@@ -102,7 +66,6 @@ class Messenger:
         self.timeout = timeout
         self.units = units
         self.unit_of = unit_of
-        self.batch = batch  # NCCL: post each point's sends and receives as one batch
         self.store = store
         self.run_id = run_id
         world = dist.get_world_size(group) if group is not None else 1
@@ -112,92 +75,46 @@ class Messenger:
         self._wait_timeout = datetime.timedelta(seconds=timeout)
         self.position = {uid: i for order in pair_order.values() for i, uid in enumerate(order)}
         self.incoming = {src: order for (src, dst), order in pair_order.items() if dst == rank}
-        self.events: list | None = None
         self._send_error: PipelineError | None = None
         self._helpers = HelperThreads()
+        self.transport = transport if transport is not None else transport_for(group, self._helpers)
         self._closer = weakref.finalize(self, self._helpers.stop)  # runs at close(), collection or exit
 
-    # --------------------------------------------------------------------------- per step state
-
     def begin(self, metas: dict[int, list[LeafMeta]], specs: dict[int, list], *, discover: bool,
-              events: list | None, unit_filter: Callable[[Unit], bool]) -> None:
-        """Start a step. ``metas``/``specs`` map unit id -> leaf metas / value structures: known from an
-        earlier step with these input shapes, or (``discover``) filled as units arrive."""
-        self.metas = metas
-        self.discover = discover
-        self.specs = specs
-        self.events = events
-        self.filter = unit_filter
-        self.send_tag = {}
-        self.recv_tag = {}
-        self.posted: dict[int, _Posted] = {}
-        self.next_index = {src: 0 for src in self.incoming}
-        self.sent: list[list] = []
-        self.batch_ops: list = []
+              events: list | None, unit_filter: Callable[[Unit], bool]) -> StepMessages:
+        """A step's messages. ``metas``/``specs`` map unit id -> leaf metas / value structures: known from
+        an earlier step with these input shapes, or (``discover``) filled as units arrive."""
+        if self._helpers.stopped:
+            raise PipelineError("this engine was closed (close()); build a new one to take more steps")
+        return StepMessages(self, metas, specs, discover=discover, events=events, unit_filter=unit_filter)
 
-    def _tag(self, table: dict[int, int], peer: int) -> int:
-        tag = table.get(peer, 0)
-        table[peer] = tag + 1
-        return tag
+    # --------------------------------------------------------------------- outside the units
 
-    def _note(self, name: str, kind: str, start: int) -> None:
-        if self.events is not None:
-            self.events.append((name, kind, start, time.time_ns()))
+    def post_send(self, tensor: torch.Tensor, peer: int, tag: int) -> Posted:
+        """Send ``tensor`` to group rank ``peer`` outside the step's units (e.g. replica gradients); its
+        work is filled in once posted (see :meth:`wait_posted`)."""
+        if self._helpers.stopped:
+            raise PipelineError("this engine was closed (close()); build a new one to take more steps")
+        posted = Posted(tensor)
+        self.transport.send_now(posted, self.to_global(peer), tag)
+        return posted
 
-    # --------------------------------------------------------------------------------- sending
-
-    def send(self, unit: Unit, leaves: list[torch.Tensor], spec: list | None) -> None:
-        """Send one unit's tensors (forward values, or gradients) to its receiver."""
-        start = time.time_ns() if self.events is not None else 0
-        dst = self.to_global(unit.dst)
-        if self.discover and unit.kind == "F":
-            blob = torch.frombuffer(bytearray(pickle.dumps((spec, [LeafMeta.of(t) for t in leaves]))),
-                                    dtype=torch.uint8)
-            size = torch.tensor([blob.numel()], dtype=torch.int64)
-            self._isend(size.to(self.device), dst, unit)
-            self._isend(blob.to(self.device), dst, unit)
-        for tensor in leaves:
-            self._isend(tensor.detach().contiguous(), dst, unit)
-        if self.events is not None:
-            self._note(f"SEND {self.units_name(unit)} to {unit.dst}", "send", start)
-
-    def _isend(self, tensor: torch.Tensor, dst: int, unit: Unit) -> None:
-        tag = self._tag(self.send_tag, unit.dst)
-        if self.batch:
-            entry = [None, tensor, unit]
-            self.batch_ops.append((dist.P2POp(dist.isend, tensor, dst, self.group, tag), entry, 0))
-            self.sent.append(entry)
-        else:
-            entry = [None, tensor, unit]
-            self.sent.append(entry)
-            self._sender().queue.put((entry, dst, tag))
-
-    def post_send(self, tensor: torch.Tensor, peer: int, tag: int) -> list:
-        """Send ``tensor`` to group rank ``peer`` outside the step's units (e.g. replica gradients);
-        returns ``[work, tensor, None]``, the work filled in once posted (see :meth:`wait_posted`)."""
-        entry = [None, tensor, None]
-        if self.batch:
-            entry[0] = dist.isend(tensor, self.to_global(peer), group=self.group, tag=tag)
-        else:
-            self._sender().queue.put((entry, self.to_global(peer), tag))
-        return entry
-
-    def wait_posted(self, entries: list, what: str) -> None:
+    def wait_posted(self, entries: Sequence[Posted], what: str) -> None:
         """Wait (bounded by the timeout) for sends made with :meth:`post_send`."""
-        self._sends_posted()
-        for work, _, _ in entries:
-            self.wait_work(work, what)
+        self.sends_posted()
+        for posted in entries:
+            self.wait_work(posted.work, what)
 
     def wait_work(self, work, what: str, peer: int | None = None) -> None:
         """Wait for a work outside the step's units (loss, replica gradients, collectives), bounded by
         the timeout; a failure names ``what`` and what the peer (or any rank) left in the store."""
-        failed = self._await(work)
+        failed = self.await_work(work)
         if failed is not None:
             reason = self.failure_reason(peer)
             raise PipelineError(f"rank {self.rank}: {what} failed: {failed[0]}; "
                                 f"{reason or 'another rank failed or hung'}") from failed[1]
 
-    def _await(self, work) -> tuple[str, Exception | None] | None:
+    def await_work(self, work) -> tuple[str, Exception | None] | None:
         """Wait for ``work`` within the timeout: None when done, else (what went wrong, the error). Another
         rank's failure in the store ends the wait within about ``PEER_POLL_S`` seconds (module watch)."""
         if self.polled:
@@ -224,30 +141,21 @@ class Messenger:
             helpers.watch = PeerWatch(self.board, lambda: close_connections(group, peer))
         return helpers.watch
 
-    def _sends_posted(self) -> None:
-        """Wait until the helper thread has posted every queued send; its failure, if any, raised here."""
-        sender = self._helpers.sender
-        if sender is not None:
-            sender.queue.join()
-            if sender.failure is not None and self._send_error is None:
-                error, entry, dst = sender.failure
-                detail = f"{type(error).__name__}: {error}"
-                unit = entry[2]
-                self._send_error = PipelineError(
-                    self._failure(unit.dst, "sending", unit, detail) if unit is not None
-                    else f"rank {self.rank}: sending to global rank {dst} failed: {detail}")
-                self._send_error.__cause__ = error
+    def sends_posted(self) -> None:
+        """Wait until the transport has posted every queued send; a failed post raises here."""
+        failure = self.transport.settle()
+        if failure is not None and self._send_error is None:
+            error, posted, dst = failure
+            detail = f"{type(error).__name__}: {error}"
+            unit = posted.unit
+            self._send_error = PipelineError(
+                self.failure_text(unit.dst, "sending", unit, detail) if unit is not None
+                else f"rank {self.rank}: sending to global rank {dst} failed: {detail}")
+            self._send_error.__cause__ = error
         if self._send_error is not None:
             raise self._send_error
 
-    def _sender(self) -> SendThread:
-        """The thread that posts the sends (gloo), started with the first one."""
-        helpers = self._helpers
-        if helpers.stopped:
-            raise PipelineError("this engine was closed (close()); build a new one to take more steps")
-        if helpers.sender is None:
-            helpers.sender = SendThread(self.group)
-        return helpers.sender
+    # ---------------------------------------------------------------------------- lifetime
 
     @property
     def closed(self) -> bool:
@@ -262,133 +170,18 @@ class Messenger:
     def release(self) -> None:
         """After :meth:`close`: forget the process group and the store (a closed messenger sends nothing)."""
         self.group = None
+        self.transport.group = None
         self.to_global = lambda r: r
         self.store = None
         self.board.store = None
 
-    def flush(self) -> None:
-        """Post the batched operations (NCCL): an action's sends and the next action's receives go
-        out as one ``batch_isend_irecv``, as NCCL needs to progress both directions together."""
-        if self.batch_ops:
-            works = dist.batch_isend_irecv([op for op, _, _ in self.batch_ops])
-            for (_, holder, index), work in zip(self.batch_ops, works):
-                holder[index] = work
-            self.batch_ops = []
-
-    def finish(self) -> None:
-        """Wait for every send of the step (bounded by the timeout)."""
-        self.flush()
-        self._sends_posted()
-        for work, _, unit in self.sent:
-            if work is not None:
-                self._wait(work, unit, "sending")
-        self.sent = []
-
-    # ------------------------------------------------------------------------------- receiving
+    # ----------------------------------------------------------------------------- failures
 
     def units_name(self, unit: Unit) -> str:
         what = "outputs" if unit.kind == "F" else "gradients"
         return f"{what} of stage {unit.producer} for stage {unit.consumer}, micro-batch {unit.microbatch}"
 
-    def post_through(self, uid: int) -> None:
-        """Post the receives of every unit from ``uid``'s sender up to ``uid`` (sender order)."""
-        unit = self.units[uid]
-        if self.discover:
-            return
-        order = self.incoming[unit.src]
-        stop = self.position[uid]
-        while self.next_index[unit.src] <= stop:
-            other = self.units[order[self.next_index[unit.src]]]
-            self.next_index[unit.src] += 1
-            if self.filter(other):
-                self._post(other)
-
-    def _post(self, unit: Unit) -> None:
-        start = time.time_ns() if self.events is not None else 0
-        src = self.to_global(unit.src)
-        buffers, works = [], []
-        for meta in self._expected(unit):
-            buffer = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
-            tag = self._tag(self.recv_tag, unit.src)
-            if self.batch:
-                self.batch_ops.append((dist.P2POp(dist.irecv, buffer, src, self.group, tag), works, len(works)))
-                works.append(None)
-            else:
-                works.append(self._call(dist.irecv, buffer, src, tag, unit, "receiving"))
-            buffers.append(buffer)
-        self.posted[unit.id] = _Posted(buffers, works)
-        if self.events is not None and not self.batch:  # NCCL posts them later, with flush()
-            self._note(f"POST {self.units_name(unit)} from {unit.src}", "post", start)
-
-    def _expected(self, unit: Unit) -> list[LeafMeta]:
-        if unit.kind == "F":
-            return self.metas[unit.id]
-        forward = self.metas[forward_unit(self.unit_of, unit)]
-        return [m for m in forward if m.requires_grad]
-
-    def receive(self, uid: int) -> list[torch.Tensor]:
-        """The tensors of unit ``uid``, waiting for them (bounded by the timeout)."""
-        unit = self.units[uid]
-        start = time.time_ns() if self.events is not None else 0
-        if self.discover:
-            self.flush()
-            self._receive_in_order(unit)
-        else:
-            self.post_through(uid)
-            self.flush()
-        posted = self.posted.pop(uid)
-        for work in posted.works:
-            if work is not None:
-                self._wait(work, unit, "receiving")
-        if self.events is not None:
-            self._note(f"RECV {self.units_name(unit)} from {unit.src}", "wait", start)
-        return posted.buffers
-
-    def _receive_in_order(self, unit: Unit) -> None:
-        """Discovery: receive (blocking) every unit from the sender up to ``unit``, in its order."""
-        order = self.incoming[unit.src]
-        src = self.to_global(unit.src)
-        while self.next_index[unit.src] <= self.position[unit.id]:
-            other = self.units[order[self.next_index[unit.src]]]
-            self.next_index[unit.src] += 1
-            if not self.filter(other):
-                continue
-            if other.kind == "F":
-                size = torch.empty(1, dtype=torch.int64, device=self.device)
-                self._recv_now(size, src, other)
-                blob = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
-                self._recv_now(blob, src, other)
-                spec, metas = pickle.loads(blob.cpu().numpy().tobytes())
-                self.metas[other.id] = metas
-                self.specs[other.id] = spec
-            buffers = []
-            for meta in self._expected(other):
-                buffer = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
-                self._recv_now(buffer, src, other)
-                buffers.append(buffer)
-            self.posted[other.id] = _Posted(buffers, [None] * len(buffers))
-
-    def _recv_now(self, buffer: torch.Tensor, src: int, unit: Unit) -> None:
-        tag = self._tag(self.recv_tag, unit.src)
-        self._wait(self._call(dist.irecv, buffer, src, tag, unit, "receiving"), unit, "receiving")
-
-    # ---------------------------------------------------------------------------------- failure
-
-    def _call(self, op, tensor: torch.Tensor, peer: int, tag: int, unit: Unit, doing: str):
-        """Post one point-to-point operation; a broken connection becomes a PipelineError."""
-        try:
-            return op(tensor, peer, group=self.group, tag=tag)
-        except Exception as error:  # gloo reports a dead peer from the post itself
-            rank = unit.src if doing == "receiving" else unit.dst
-            raise PipelineError(self._failure(rank, doing, unit, f"{type(error).__name__}: {error}")) from error
-
-    def _wait(self, work, unit: Unit, doing: str) -> None:
-        failed = self._await(work)
-        if failed is not None:
-            peer = unit.src if doing == "receiving" else unit.dst
-            raise PipelineError(self._failure(peer, doing, unit, failed[0])) from failed[1]
-
-    def _failure(self, peer: int, doing: str, unit: Unit, detail: str) -> str:
+    def failure_text(self, peer: int, doing: str, unit: Unit, detail: str) -> str:
         where = f"rank {self.rank} stopped while {doing} {self.units_name(unit)} (rank {peer})"
         reason = self.failure_reason(peer)
         if reason:
@@ -410,3 +203,174 @@ class Messenger:
     def report(self, message: str) -> None:
         """Leave this rank's failure where the other ranks look while they wait."""
         self.board.report(message)
+
+
+class StepMessages:
+    """One step's messages on one rank: tags per peer, the receives posted and the sends to wait for.
+
+    Every message belongs to a :class:`~pipeloom.runtime.lower.Unit`; a unit's tensors travel as one
+    message each, tagged with their position in the (sender, receiver) stream, and receives are posted
+    in each sender's order.
+    """
+
+    def __init__(self, messenger: Messenger, metas: dict[int, list[LeafMeta]], specs: dict[int, list], *,
+                 discover: bool, events: list | None, unit_filter: Callable[[Unit], bool]) -> None:
+        self.messenger = messenger
+        self.transport = messenger.transport
+        self.units = messenger.units
+        self.metas = metas
+        self.specs = specs
+        self.discover = discover
+        self.events = events
+        self.filter = unit_filter
+        self.send_tag: dict[int, int] = {}
+        self.recv_tag: dict[int, int] = {}
+        self.posted: dict[int, list[Posted]] = {}  # unit id -> its receives
+        self.next_index = {src: 0 for src in messenger.incoming}
+        self.sent: list[Posted] = []
+
+    @property
+    def lookahead(self) -> int:
+        """Compute actions whose receives are posted ahead (none while sizes are being discovered)."""
+        return 0 if self.discover else self.transport.lookahead
+
+    def _tag(self, table: dict[int, int], peer: int) -> int:
+        tag = table.get(peer, 0)
+        table[peer] = tag + 1
+        return tag
+
+    def _note(self, name: str, kind: str, start: int) -> None:
+        if self.events is not None:
+            self.events.append((name, kind, start, time.time_ns()))
+
+    # --------------------------------------------------------------------------------- sending
+
+    def send(self, unit: Unit, leaves: list[torch.Tensor], spec: list | None) -> None:
+        """Send one unit's tensors (forward values, or gradients) to its receiver."""
+        start = time.time_ns() if self.events is not None else 0
+        device = self.messenger.device
+        if self.discover and unit.kind == "F":
+            blob = torch.frombuffer(bytearray(pickle.dumps((spec, [LeafMeta.of(t) for t in leaves]))),
+                                    dtype=torch.uint8)
+            size = torch.tensor([blob.numel()], dtype=torch.int64)
+            self._send(size.to(device), unit)
+            self._send(blob.to(device), unit)
+        for tensor in leaves:
+            self._send(tensor.detach().contiguous(), unit)
+        if self.events is not None:
+            self._note(f"SEND {self.messenger.units_name(unit)} to {unit.dst}", "send", start)
+
+    def _send(self, tensor: torch.Tensor, unit: Unit) -> None:
+        posted = Posted(tensor, unit)
+        self.sent.append(posted)
+        self.transport.send(posted, self.messenger.to_global(unit.dst), self._tag(self.send_tag, unit.dst))
+
+    def flush(self) -> None:
+        """Hand the batched operations to the backend (NCCL; nothing on gloo)."""
+        self.transport.flush()
+
+    def finish(self) -> None:
+        """Wait for every send of the step (bounded by the timeout)."""
+        self.transport.flush()
+        self.messenger.sends_posted()
+        for posted in self.sent:
+            if posted.work is not None:
+                self._wait(posted.work, posted.unit, "sending")
+        self.sent = []
+
+    # ------------------------------------------------------------------------------- receiving
+
+    def post_through(self, uid: int) -> None:
+        """Post the receives of every unit from ``uid``'s sender up to ``uid`` (sender order)."""
+        if self.discover:
+            return
+        unit = self.units[uid]
+        order = self.messenger.incoming[unit.src]
+        stop = self.messenger.position[uid]
+        while self.next_index[unit.src] <= stop:
+            other = self.units[order[self.next_index[unit.src]]]
+            self.next_index[unit.src] += 1
+            if self.filter(other):
+                self._post(other)
+
+    def _post(self, unit: Unit) -> None:
+        start = time.time_ns() if self.events is not None else 0
+        src = self.messenger.to_global(unit.src)
+        received = []
+        for meta in self._expected(unit):
+            posted = Posted(torch.empty(meta.shape, dtype=meta.dtype, device=self.messenger.device), unit)
+            self._call(self.transport.receive, posted, src, self._tag(self.recv_tag, unit.src), "receiving")
+            received.append(posted)
+        self.posted[unit.id] = received
+        if self.events is not None and self.transport.lookahead:  # NCCL posts them later, with flush()
+            self._note(f"POST {self.messenger.units_name(unit)} from {unit.src}", "post", start)
+
+    def _expected(self, unit: Unit) -> list[LeafMeta]:
+        if unit.kind == "F":
+            return self.metas[unit.id]
+        forward = self.metas[forward_unit(self.messenger.unit_of, unit)]
+        return [m for m in forward if m.requires_grad]
+
+    def receive(self, uid: int) -> list[torch.Tensor]:
+        """The tensors of unit ``uid``, waiting for them (bounded by the timeout)."""
+        unit = self.units[uid]
+        start = time.time_ns() if self.events is not None else 0
+        if self.discover:
+            self.transport.flush()
+            self._receive_in_order(unit)
+        else:
+            self.post_through(uid)
+            self.transport.flush()
+        received = self.posted.pop(uid)
+        for posted in received:
+            if posted.work is not None:
+                self._wait(posted.work, unit, "receiving")
+        if self.events is not None:
+            self._note(f"RECV {self.messenger.units_name(unit)} from {unit.src}", "wait", start)
+        return [posted.tensor for posted in received]
+
+    def _receive_in_order(self, unit: Unit) -> None:
+        """Discovery: receive (blocking) every unit from the sender up to ``unit``, in its order."""
+        order = self.messenger.incoming[unit.src]
+        src = self.messenger.to_global(unit.src)
+        device = self.messenger.device
+        while self.next_index[unit.src] <= self.messenger.position[unit.id]:
+            other = self.units[order[self.next_index[unit.src]]]
+            self.next_index[unit.src] += 1
+            if not self.filter(other):
+                continue
+            if other.kind == "F":
+                size = self._receive_now(torch.empty(1, dtype=torch.int64, device=device), src, other)
+                blob = self._receive_now(torch.empty(int(size.item()), dtype=torch.uint8, device=device), src,
+                                         other)
+                spec, metas = pickle.loads(blob.cpu().numpy().tobytes())
+                self.metas[other.id] = metas
+                self.specs[other.id] = spec
+            self.posted[other.id] = [Posted(self._receive_now(torch.empty(meta.shape, dtype=meta.dtype,
+                                                                          device=device), src, other), other)
+                                     for meta in self._expected(other)]
+
+    def _receive_now(self, buffer: torch.Tensor, src: int, unit: Unit) -> torch.Tensor:
+        posted = Posted(buffer, unit)
+        self._call(self.transport.receive, posted, src, self._tag(self.recv_tag, unit.src), "receiving")
+        self.transport.flush()
+        self._wait(posted.work, unit, "receiving")
+        return buffer
+
+    # ---------------------------------------------------------------------------------- failure
+
+    def _call(self, post: Callable, posted: Posted, peer: int, tag: int, doing: str) -> None:
+        """Post one point-to-point operation; a broken connection becomes a PipelineError."""
+        try:
+            post(posted, peer, tag)
+        except Exception as error:  # gloo reports a dead peer from the post itself
+            unit = posted.unit
+            rank = unit.src if doing == "receiving" else unit.dst
+            raise PipelineError(self.messenger.failure_text(rank, doing, unit,
+                                                            f"{type(error).__name__}: {error}")) from error
+
+    def _wait(self, work, unit: Unit, doing: str) -> None:
+        failed = self.messenger.await_work(work)
+        if failed is not None:
+            peer = unit.src if doing == "receiving" else unit.dst
+            raise PipelineError(self.messenger.failure_text(peer, doing, unit, failed[0])) from failed[1]

@@ -30,10 +30,9 @@ from pipeloom.runtime.agree import StepMismatchError, agree_on_step
 from pipeloom.runtime.backward import add_in_order
 from pipeloom.runtime.comm import Messenger
 from pipeloom.runtime.dp import GradientBuckets, Layout, layout_of
-from pipeloom.runtime.fsdp import ShardedGradients, shard_pieces, whole_parameters
+from pipeloom.runtime.fsdp import ShardedGradients, shard_pieces
 from pipeloom.runtime.lower import Lowering, PipelineError
 from pipeloom.runtime.materialize import StateSource, place_pieces
-from pipeloom.runtime.replicas import merge_replicas
 from pipeloom.runtime.shared import SharedParameters, check_placement, shared_parameters
 from pipeloom.runtime.setup import (
     default_store,
@@ -46,6 +45,7 @@ from pipeloom.runtime.setup import (
 )
 from pipeloom.runtime.split import StagedModel
 from pipeloom.runtime.state import LoadResult, ModelNames, model_names
+from pipeloom.runtime.pieces import RankPieces
 from pipeloom.runtime.step import StepRun
 from pipeloom.runtime.timing import ActionClock
 
@@ -168,6 +168,24 @@ def _sharded(data_parallel: str, layout: Layout, lowering: Lowering, shared: Sha
     return True
 
 
+def _rank_pieces(lowering: Lowering, rank: int, device: torch.device, modules: dict[int, nn.Module],
+                 staged: StagedModel, loss_fn: Callable, seed: int, shared: SharedParameters, layout: Layout,
+                 sharded: bool) -> RankPieces:
+    """What every step of ``rank`` reads (see :class:`~pipeloom.runtime.pieces.RankPieces`)."""
+    program = lowering.programs[rank]
+    last_gradient: dict[int, int] = {}  # stage -> the program index of its last weight-gradient action
+    for t, step in enumerate(program):
+        if step.action.kind in ("B", "W"):
+            last_gradient[step.action.stage] = t
+    return RankPieces(
+        lowering=lowering, rank=rank, device=device, modules=modules, program=program,
+        eval_program=tuple(step for step in program if step.action.kind == "F"),
+        num_outputs=tuple(spec.num_outputs for spec in staged.graph.stages), output=staged.graph.output,
+        loss_fn=loss_fn, seed=seed, shared=shared, dp=layout.dp, sharded=sharded,
+        gradients_done={t: s for s, t in last_gradient.items()},  # where "dp" buckets are posted
+    )
+
+
 class PipelineEngine:
     """Runs one lowered schedule on this rank; see :func:`pipeline`."""
 
@@ -187,26 +205,20 @@ class PipelineEngine:
         self.dp = layout.dp
         self.sharded = sharded  # pieces sharded over "dp" with FSDP2
         self.timeout = timeout
-        backend = dist.get_backend(group) if group is not None else "gloo"
         self.device = torch.device(device)
         self.local_stages = lowering.stages_on(rank)
         self.modules = {s: staged.stages[lowering.piece_of[s]] for s in self.local_stages}
-        self.params = self._trainable()
-        self.program = lowering.programs[rank]
-        self.eval_program = tuple(step for step in self.program if step.action.kind == "F")
-        last_gradient: dict[int, int] = {}  # stage -> the program index of its last weight-gradient action
-        for t, step in enumerate(self.program):
-            if step.action.kind in ("B", "W"):
-                last_gradient[step.action.stage] = t
-        self.stage_gradients_done = {t: s for s, t in last_gradient.items()}  # where "dp" buckets are posted
+        self.shared = shared if shared is not None else shared_parameters(())
+        self.seed = seed
+        self.pieces = _rank_pieces(lowering, rank, self.device, self.modules, staged, loss_fn, seed, self.shared,
+                                   layout, sharded)
+        self.params = self.pieces.trainable()
         self.tracing = trace is not None and trace is not False
         self.trace_dir = Path(trace) if isinstance(trace, (str, Path)) else None
         self.trace_steps: list[dict] = []
         self.clock = ActionClock(self.device)  # action times of traced steps (CUDA events on a GPU)
         self.broken: str | None = None
         self._meta_cache: dict[tuple, tuple[dict, dict]] = {}
-        self.num_outputs = [spec.num_outputs for spec in staged.graph.stages]
-        self.last_piece = lowering.num_pieces - 1
         store, run_id = None, "local"
         if world_size > 1:
             store = default_store()
@@ -214,15 +226,12 @@ class PipelineEngine:
         self.messenger = Messenger(
             rank=rank, group=group, to_global=(lambda r: dist.get_global_rank(group, r)) if group is not None
             else (lambda r: r), device=self.device, timeout=timeout, units=lowering.units,
-            pair_order=lowering.pair_order, unit_of=lowering.unit_of, batch=backend == "nccl", store=store,
-            run_id=run_id,
+            pair_order=lowering.pair_order, unit_of=lowering.unit_of, store=store, run_id=run_id,
         )
         last = lowering.num_pieces - 1
         self._loss_ranks = len({lowering.rank_of[lowering.stage_for[j][last]] for j in range(lowering.replicas)})
         self._step_count = 0
         _LIVE.add(self)  # closed at interpreter exit if the script does not close it
-        self.shared = shared if shared is not None else shared_parameters(())
-        self.seed = seed
         self.training_steps = 0  # training steps run: part of every forward's random seed
         self.training = True
         # the original model's names of the pieces' tensors (manual mode: stages.{k}.{name})
@@ -317,16 +326,6 @@ class PipelineEngine:
             out.append([part.to(self.device) for part in parts[first:first + m]])
         return out
 
-    def weight_parameters(self, stage: int) -> list[nn.Parameter]:
-        """The parameters local stage ``stage`` computes gradients for (the whole ones of a sharded piece)."""
-        if self.sharded:
-            return [p for p in whole_parameters(self.modules[stage]) if p.requires_grad]
-        return self.params[stage]
-
-    def _trainable(self) -> dict[int, list[nn.Parameter]]:
-        """Per local stage, its parameters that require a gradient now."""
-        return {s: [p for p in module.parameters() if p.requires_grad] for s, module in self.modules.items()}
-
     def _signature(self, chunks: list[list], targets: list[list], training: bool) -> tuple:
         return (training, tuple(tuple((tuple(t.shape), t.dtype) for t in per) for per in chunks),
                 tuple(tuple((tuple(t.shape), t.dtype) for t in per) for per in targets))
@@ -346,7 +345,7 @@ class PipelineEngine:
             self.broken = str(error)
             self.messenger.report(self.broken)
             raise
-        self.params = self._trainable()  # requires_grad may have changed since the last step
+        self.params = self.pieces.trainable()  # requires_grad may have changed since the last step
         chunks = self._chunks(inputs, "inputs")
         num_inputs = len(self.staged.graph.input_names)
         if len(chunks) != num_inputs:
@@ -371,18 +370,18 @@ class PipelineEngine:
                                       wait=self.messenger.wait_work)
             buckets.begin()
         try:  # posts the replica-gradient receives: a failure there breaks the engine like any other
-            run = StepRun(self, chunks, targets, training=training, metas=metas, specs=specs, events=events,
-                          buckets=buckets)
+            run = StepRun(self.pieces, self.messenger, chunks, targets, training=training, params=self.params,
+                          step_index=self.training_steps, metas=metas, specs=specs, discover=cached is None,
+                          events=events, clock=self.clock, buckets=buckets)
         except Exception as error:
             self.broken = f"rank {self.rank}: starting the step failed: {type(error).__name__}: {error}"
             self.messenger.report(self.broken)
             raise PipelineError(self.broken) from error
-        self.messenger.begin(metas, specs, discover=cached is None, events=events, unit_filter=run.wants)
         try:
             with torch.enable_grad() if training else torch.no_grad():
                 run.execute()
             start = time.time_ns()
-            self.messenger.finish()
+            run.messages.finish()
             if run.shared is not None:
                 run.shared.exchange(self.messenger, self.device)
             if events is not None:
@@ -390,7 +389,7 @@ class PipelineEngine:
             loss = self._reduce_loss(run.losses, targets, events)
             if training and self.lowering.replicas > 1:
                 start = time.time_ns()
-                merge_replicas(self, run)
+                run.replicas.merge()
                 if events is not None:
                     events.append(("replica gradients merged", "sync", start, time.time_ns()))
             if buckets is not None:

@@ -18,7 +18,9 @@ import torch
 from torch import nn
 
 from pipeloom.runtime.backward import accumulate_grad, add_in_order
+from pipeloom.runtime.comm import Messenger
 from pipeloom.runtime.lower import Lowering, PipelineError
+from pipeloom.runtime.packed import receive_packed, send_packed
 
 __all__ = ["SHARED_TAG", "SharedGradients", "SharedParameters", "shared_parameters"]
 
@@ -109,10 +111,8 @@ class SharedGradients:
             mb += 1
         self.next_mb[index] = mb
 
-    def exchange(self, messenger: object, device: torch.device) -> None:
+    def exchange(self, messenger: Messenger, device: torch.device) -> None:
         """Send this rank's contributions to every other holder, receive theirs, and add everything."""
-        from pipeloom.runtime.replicas import receive_packed, send_packed
-
         peers = sorted({r for i in self.local() for r in self.holders(i)} - {self.rank})
         sends: list = []
         for peer in peers:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -11,32 +12,34 @@ import torch.utils._pytree as pytree
 from torch.profiler import record_function
 
 from pipeloom.runtime.backward import PendingWeights, add_in_order, backward_full, backward_input
-from pipeloom.runtime.comm import LeafMeta, flatten, unflatten
+from pipeloom.runtime.comm import LeafMeta, Messenger, StepMessages
 from pipeloom.runtime.lower import MODEL_INPUT, PipelineError, Step, Unit, forward_unit
-from pipeloom.runtime.replicas import post_contributions, post_receives
+from pipeloom.runtime.pieces import RankPieces
+from pipeloom.runtime.replicas import ReplicaExchange
 from pipeloom.runtime.rng import seeded
 from pipeloom.runtime.shared import SharedGradients
-from pipeloom.runtime.split import ValueRef, check_stage_value
+from pipeloom.runtime.split import StageValueError, ValueRef, check_stage_value
+from pipeloom.runtime.timing import ActionClock
 
 if TYPE_CHECKING:
     from pipeloom.runtime.dp import GradientBuckets
     from pipeloom.runtime.fsdp import ShardedGradients
-    from pipeloom.runtime.engine import PipelineEngine
 
-__all__ = ["LOOKAHEAD", "StepRun"]
-
-LOOKAHEAD = 2  # compute actions whose receives are posted ahead of time
-
+__all__ = ["StepRun"]
 
 class StepRun:
     """The state of one step on one rank: values, leaves, gradients and pending weight work."""
 
-    def __init__(self, engine: PipelineEngine, chunks: list, targets: list, *, training: bool,
-                 metas: dict, specs: dict, events: list | None,
+    def __init__(self, pieces: RankPieces, messenger: Messenger, chunks: list, targets: list, *, training: bool,
+                 params: Mapping[int, list], step_index: int, metas: dict, specs: dict, discover: bool,
+                 events: list | None, clock: ActionClock,
                  buckets: GradientBuckets | ShardedGradients | None = None) -> None:
-        self.engine = engine
+        self.pieces = pieces
+        self.low = pieces.lowering
+        self.params = params  # local stage -> its trainable parameters this step
+        self.step_index = step_index  # training steps taken before: part of every forward's seed
+        self.clock = clock
         self.buckets = buckets  # the gradient reduction over "dp", posted stage by stage
-        self.low = engine.lowering
         self.chunks = chunks
         self.targets = targets
         self.training = training
@@ -50,16 +53,14 @@ class StepRun:
         self.losses: dict[int, torch.Tensor] = {}
         self.model_outputs: dict[int, object] = {}
         self.received: dict[int, list] = {}
-        self.replica_grads: dict[int, dict[int, list]] = defaultdict(dict)
-        self.early_sends: dict[int, list] = {}  # second-replica stage -> its posted gradient sends
-        # gloo matches by tag, so replica traffic can be posted early; NCCL matches in posting order,
-        # so there it waits for the merge after the step's own messages
-        early = training and self.low.replicas > 1 and not engine.messenger.batch
-        self.replica_incoming = post_receives(engine) if early else {}
-        self.shared = (SharedGradients(engine.shared, self.low, engine.rank, self.low.num_microbatches)
-                       if training and engine.shared.params else None)
+        self.replicas = (ReplicaExchange(pieces, params, messenger) if training and self.low.replicas > 1
+                         else None)
+        self.shared = (SharedGradients(pieces.shared, self.low, pieces.rank, self.low.num_microbatches)
+                       if training and pieces.shared.params else None)
         self.current: Step | None = None
         self.outbox: list[tuple[Unit, list, list | None]] = []  # sends of the running action
+        self.messages: StepMessages = messenger.begin(metas, specs, discover=discover, events=events,
+                                                      unit_filter=self.wants)
 
     def wants(self, unit: Unit) -> bool:
         """Which incoming units this run receives (forward only when not training)."""
@@ -68,9 +69,9 @@ class StepRun:
     def describe_failure(self, error: Exception) -> str:
         step = self.current
         if step is None:
-            return f"rank {self.engine.rank}: {type(error).__name__}: {error}"
+            return f"rank {self.pieces.rank}: {type(error).__name__}: {error}"
         action = step.action
-        return (f"rank {self.engine.rank}: stage {action.stage} (model piece {step.piece}) failed in action "
+        return (f"rank {self.pieces.rank}: stage {action.stage} (model piece {step.piece}) failed in action "
                 f"{action} (micro-batch {step.microbatch}): {type(error).__name__}: {error}")
 
     def outputs(self) -> object:
@@ -96,10 +97,8 @@ class StepRun:
         return pytree.tree_unflatten(joined, spec)
 
     def execute(self) -> None:
-        engine = self.engine
-        program = engine.program if self.training else engine.eval_program
-        messenger = engine.messenger
-        clock = engine.clock
+        pieces, messages, clock = self.pieces, self.messages, self.clock
+        program = pieces.program if self.training else pieces.eval_program
         self._post_ahead(program, 0)
         for t, step in enumerate(program):
             self.current = step
@@ -107,7 +106,7 @@ class StepRun:
             if kind == "F":  # receive first, so an action's time holds no waiting
                 for uid in step.recvs:
                     if uid not in self.received:
-                        self.received[uid] = messenger.receive(uid)
+                        self.received[uid] = messages.receive(uid)
             elif kind in ("B", "I"):
                 self._collect_remote(step)
             start = clock.now() if self.events is not None else 0
@@ -118,10 +117,10 @@ class StepRun:
                     self.backward(step)
                 elif kind == "W":
                     self.weight(step)
-            if self.buckets is not None and self.low.replicas == 1 and t in engine.stage_gradients_done:
+            if self.buckets is not None and self.low.replicas == 1 and t in pieces.gradients_done:
                 self.buckets.stage_done(step.action.stage)
             for unit, tensors, specs in self.outbox:
-                messenger.send(unit, tensors, specs)
+                messages.send(unit, tensors, specs)
             self.outbox.clear()
             self._post_ahead(program, t + 1)
             if self.events is not None:  # compute plus this action's own sends and bookkeeping
@@ -130,32 +129,31 @@ class StepRun:
 
     def _post_ahead(self, program: tuple[Step, ...], first: int) -> None:
         """Post the receives of the next few actions (and, per sender, every earlier one)."""
-        messenger = self.engine.messenger
-        if messenger.discover:
+        messages = self.messages
+        if messages.discover:
             return
-        lookahead = 0 if messenger.batch else LOOKAHEAD  # NCCL: receives queued early would block sends
-        for ahead in program[first:first + lookahead + 1]:
+        for ahead in program[first:first + messages.lookahead + 1]:  # NCCL: none ahead (they would block sends)
             for uid in ahead.recvs:
                 if self.wants(self.low.units[uid]):
-                    messenger.post_through(uid)
-        messenger.flush()
+                    messages.post_through(uid)
+        messages.flush()
 
     # --------------------------------------------------------------------------- value routing
 
     def _fetch(self, stage: int, producer: int, index: int, mb: int) -> tuple[list, object, list[bool]]:
         """Leaves, structure and requires-grad flags of output ``index`` of ``producer`` for ``mb``."""
         low = self.low
-        if low.rank_of[producer] == self.engine.rank:
+        if low.rank_of[producer] == self.pieces.rank:
             leaves, spec = _leaves(self.values[(producer, mb)][index], index, producer, stage)
             return leaves, spec, [t.requires_grad for t in leaves]
         uid = low.unit_of[("F", producer, stage, mb)]
         if uid not in self.received:
-            self.received[uid] = self.engine.messenger.receive(uid)
+            self.received[uid] = self.messages.receive(uid)
         unit = low.units[uid]
         leaves, metas, specs = self.received[uid], self.metas[uid], self.specs[uid]
         offset = 0
         for i, spec in zip(unit.indices, specs):
-            count = _count(spec)
+            count = spec.num_leaves
             if i == index:
                 flags = [m.requires_grad for m in metas[offset:offset + count]]
                 return leaves[offset:offset + count], spec, flags
@@ -163,7 +161,7 @@ class StepRun:
         raise AssertionError((uid, index))
 
     def forward(self, step: Step) -> None:
-        engine, low = self.engine, self.low
+        pieces, low = self.pieces, self.low
         s, mb = step.action.stage, step.microbatch
         leaves: list = []
         args = []
@@ -172,19 +170,19 @@ class StepRun:
                 args.append(self.chunks[index][mb])
                 continue
             args.append(self._leaf_value(s, producer, index, mb, leaves))
-        module = engine.modules[s]
+        module = pieces.modules[s]
         piece = low.piece_of[s]
-        first = engine.dp.rank * low.num_microbatches  # micro-batches are numbered over the global batch
-        with seeded(engine.seed, engine.training_steps, piece, first + mb, engine.device):
+        # micro-batches are numbered over the global batch
+        with seeded(pieces.seed, self.step_index, piece, pieces.first_microbatch + mb, pieces.device):
             result = module(*args)
-        outs = [result] if engine.num_outputs[piece] == 1 else list(result)
+        outs = [result] if pieces.num_outputs[piece] == 1 else list(result)
         self.values[(s, mb)] = outs
         for uid in step.sends:
             self._send_forward(low.units[uid], outs)
-        if piece == engine.last_piece:
+        if piece == pieces.last_piece:
             output = self._model_output(s, mb, outs, leaves)
             if self.targets:
-                loss = engine.loss_fn(output, _pick(self.targets, mb)) / engine.total_microbatches
+                loss = pieces.loss_fn(output, _pick(self.targets, mb)) / pieces.total_microbatches
                 self.losses[mb] = loss.detach()
                 if self.training:
                     self.values[(s, mb)] = outs + [loss]
@@ -204,7 +202,7 @@ class StepRun:
                 leaf.requires_grad_()
                 leaves.append((leaf, producer, index, position))
             detached.append(leaf)
-        return unflatten(detached, spec)
+        return pytree.tree_unflatten(detached, spec)
 
     def _model_output(self, s: int, mb: int, outs: list, leaves: list) -> object:
         piece = self.low.piece_of[s]
@@ -219,7 +217,7 @@ class StepRun:
                 return outs[ref.index]
             return self._leaf_value(s, stage_for[ref.stage], ref.index, mb, leaves)
 
-        return pytree.tree_map(resolve, self.engine.staged.graph.output)
+        return pytree.tree_map(resolve, self.pieces.output)
 
     def _send_forward(self, unit: Unit, outs: list) -> None:
         leaves: list = []
@@ -230,7 +228,7 @@ class StepRun:
             specs.append(spec)
         metas = [LeafMeta.of(t) for t in leaves]
         known = self.metas.get(unit.id)
-        if known is not None and not self.engine.messenger.discover:
+        if known is not None and not self.messages.discover:
             if known != metas:
                 theirs = ", ".join(m.describe() for m in known)
                 ours = ", ".join(m.describe() for m in metas)
@@ -251,13 +249,13 @@ class StepRun:
         outs = self.values.pop((s, mb))
         roots, grads = [], []
         piece = self.low.piece_of[s]
-        if piece == self.engine.last_piece and self.targets:
+        if piece == self.pieces.last_piece and self.targets:
             loss = outs.pop()
             roots.append(loss)
             grads.append(torch.ones_like(loss))
         contributions = self.grads.pop((s, mb), {})
         for index, per_leaf in sorted(contributions.items()):
-            leaves, _ = flatten(outs[index])
+            leaves = pytree.tree_leaves(outs[index])
             for position, parts in sorted(per_leaf.items()):
                 roots.append(leaves[position])
                 grads.append(add_in_order(parts))
@@ -268,20 +266,19 @@ class StepRun:
         s, mb = step.action.stage, step.microbatch
         for uid in step.recvs:
             unit = self.low.units[uid]
-            buffers = self.engine.messenger.receive(uid)
+            buffers = self.messages.receive(uid)
             forward = forward_unit(self.low.unit_of, unit)
             metas, specs = self.metas[forward], self.specs[forward]
             k = 0
             offset = 0
             for index, spec in zip(unit.indices, specs):
-                for position in range(_count(spec)):
+                for position in range(spec.num_leaves):
                     if metas[offset + position].requires_grad:
                         _add(self.grads, (s, mb), index, position, buffers[k])
                         k += 1
-                offset += _count(spec)
+                offset += spec.num_leaves
 
     def backward(self, step: Step) -> None:
-        engine = self.engine
         s, mb = step.action.stage, step.microbatch
         roots, grads = self._roots(s, mb)
         entries = self.leaves.pop((s, mb))
@@ -290,7 +287,7 @@ class StepRun:
         if step.action.kind == "B":
             found = backward_full(roots, grads, inputs)
         else:
-            found, pending = backward_input(roots, grads, inputs, engine.weight_parameters(s))
+            found, pending = backward_input(roots, grads, inputs, self.pieces.weight_parameters(s, self.params))
             self.pending[(s, mb)] = pending
         if saved is not None:
             self._swap_in(s, mb, saved)
@@ -308,7 +305,7 @@ class StepRun:
         """Parameters of stage ``s`` whose gradient actions' results are kept per micro-batch instead of
         added into ``.grad``: all of them on two-replica schedules, else the shared ones."""
         if self.low.replicas > 1:
-            return self.engine.params[s]
+            return self.params[s]
         if self.shared is None:
             return []
         params = self.shared.shared.params
@@ -333,13 +330,10 @@ class StepRun:
             indices = self.shared.shared.of_piece(low.piece_of[s])
             self.shared.collect(low.piece_of[s], mb, dict(zip(indices, found)))
             return
-        self.replica_grads[s][mb] = found
-        if (low.replica_of[s] > 0 and len(self.replica_grads[s]) == low.schedule.num_microbatches
-                and not self.engine.messenger.batch):
-            self.early_sends[s] = post_contributions(self.engine, self, s)  # overlaps the rest of the step
+        self.replicas.collect(s, mb, found)
 
     def _route_input_grads(self, step: Step, entries: list, found: list) -> None:
-        low, rank, mb = self.low, self.engine.rank, step.microbatch
+        low, rank, mb = self.low, self.pieces.rank, step.microbatch
         remote: dict[tuple[int, int, int], list] = defaultdict(list)
         for (leaf, producer, index, position), grad in zip(entries, found):
             if grad is None:
@@ -355,38 +349,32 @@ class StepRun:
             tensors = []
             offset = 0
             for index, spec in zip(unit.indices, specs):
-                for position in range(_count(spec)):
+                for position in range(spec.num_leaves):
                     meta = metas[offset + position]
                     if meta.requires_grad:
                         parts = remote.get((unit.producer, index, position))
                         tensors.append(add_in_order(parts) if parts else
-                                       torch.zeros(meta.shape, dtype=meta.dtype, device=self.engine.device))
-                offset += _count(spec)
+                                       torch.zeros(meta.shape, dtype=meta.dtype, device=self.pieces.device))
+                offset += spec.num_leaves
             self.outbox.append((unit, tensors, None))
 
 
 
-def _leaves(value: object, index: int, producer: int, consumer: int) -> tuple[list, object]:
-    """``flatten(value)`` of output ``index`` of ``producer``; StageValueError, naming both stages,
-    when it is not a tensor or a non-empty tuple/list/dict of them."""
-    try:
-        return flatten(value)
-    except TypeError:
-        check_stage_value(value, name=f"output {index}", where=f"from stage {producer} to stage {consumer}")
-        raise
+def _leaves(value: object, index: int, producer: int, consumer: int) -> tuple[list, pytree.TreeSpec]:
+    """The tensor leaves of output ``index`` of ``producer`` and their structure (``torch.utils._pytree``);
+    StageValueError, naming both stages, when it is not a tensor or a tuple/list/dict of them."""
+    leaves, spec = pytree.tree_flatten(value)
+    if leaves and all(isinstance(leaf, torch.Tensor) for leaf in leaves):
+        return leaves, spec
+    where = f"from stage {producer} to stage {consumer}"
+    check_stage_value(value, name=f"output {index}", where=where)
+    raise StageValueError(f"output {index} passed {where} holds no tensor; only tensors and tuples/lists/dicts "
+                          "of tensors may cross a stage boundary")
 
 
 def _add(table: dict, key: tuple[int, int], index: int, position: int, grad: torch.Tensor) -> None:
     """Record one consumer's gradient for leaf ``position`` of output ``index`` of ``key``."""
     table.setdefault(key, {}).setdefault(index, {}).setdefault(position, []).append(grad)
-
-
-def _count(spec: object) -> int:
-    if spec is None:
-        return 1
-    if spec[0] == "dict":
-        return sum(_count(x) for x in spec[2])
-    return sum(_count(x) for x in spec[1])
 
 
 def _pick(per_input: list[list], mb: int) -> object:

@@ -19,26 +19,26 @@ STOP_JOIN_S = 5.0  # how long stopping waits for a helper thread
 
 class SendThread:
     """A daemon thread posting gloo sends in queue order, so the compute thread never blocks on one.
-    Queue items are ``(entry, global dst, tag)`` with ``entry = [work, tensor, unit or None]``; the
-    thread fills ``entry[0]``. After the first failure, ``(error, entry, dst)``, it posts nothing more."""
+    Queue items are ``(posted, global dst, tag)`` (a :class:`~pipeloom.runtime.transport.Posted`); the
+    thread fills ``posted.work``. After the first failure, ``(error, posted, dst)``, it posts nothing more."""
 
     def __init__(self, group: object) -> None:
         self.queue: queue.Queue = queue.Queue()
-        self.failure: tuple[Exception, list, int] | None = None
+        self.failure: tuple[Exception, object, int] | None = None
         self.stopping = False
         self.thread = threading.Thread(target=self._run, args=(group,), name="pipeloom-sends", daemon=True)
         self.thread.start()
 
     def _run(self, group: object) -> None:
         while (item := self.queue.get()) is not None:
-            entry, dst, tag = item
+            posted, dst, tag = item
             try:
                 if self.failure is None and not self.stopping:
-                    entry[0] = dist.isend(entry[1], dst, group=group, tag=tag)
+                    posted.work = dist.isend(posted.tensor, dst, group=group, tag=tag)
             except Exception as error:  # noqa: BLE001 (gloo reports a dead peer from the post itself)
-                self.failure = (error, entry, dst)
+                self.failure = (error, posted, dst)
             finally:
-                del item, entry  # no work or tensor outlives its step in this thread's frame
+                del item, posted  # no work or tensor outlives its step in this thread's frame
                 self.queue.task_done()
         self.queue.task_done()
 

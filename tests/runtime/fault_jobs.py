@@ -42,13 +42,15 @@ def lingering_fault(rank: int, world: int, where: str, fail_rank: int, linger: f
     engine.step(x, target=y)  # shapes known: the second step posts its receives ahead
     if rank == fail_rank:
         if where == "end":
-            finish = engine.messenger.finish
+            from pipeloom.runtime.comm import StepMessages
 
-            def failing_finish() -> None:
-                finish()
+            finish = StepMessages.finish
+
+            def failing_finish(messages) -> None:
+                finish(messages)
                 raise RuntimeError("injected fault after the sends")
 
-            engine.messenger.finish = failing_finish
+            StepMessages.finish = failing_finish  # in this rank's process only
         else:
             calls = [0]
 

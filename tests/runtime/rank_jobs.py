@@ -16,6 +16,7 @@ def exactness(rank: int, world: int, cases: list[tuple[str, str, int, object]], 
     from models import SPLITS, batch, build, mismatches, reference_step
 
     from pipeloom.runtime import pipeline
+    from pipeloom.runtime.transport import OrderedTransport
 
     results = {}
     for model_name, schedule, pieces, options in cases:
@@ -24,7 +25,8 @@ def exactness(rank: int, world: int, cases: list[tuple[str, str, int, object]], 
         reference = copy.deepcopy(model)
         engine = pipeline(model, schedule=schedule, split_points=SPLITS[model_name][pieces], loss_fn=F.cross_entropy,
                           microbatches=8, schedule_options=options, timeout=30)
-        engine.messenger.batch |= batched  # the NCCL code path (batch_isend_irecv, no lookahead) on gloo
+        if batched:  # the NCCL transport (batch_isend_irecv, in posting order, no lookahead) on gloo
+            engine.messenger.transport = OrderedTransport(engine.messenger.group)
         owned = {id(p) for p in engine.parameters()}
         ours = torch.optim.SGD(engine.parameters(), lr=0.1)
         theirs = torch.optim.SGD(reference.parameters(), lr=0.1)
