@@ -123,10 +123,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_shape(show)
     show.add_argument("--stages-per-rank", type=_count, metavar="V",
                       help="stages per rank, for schedules that take it (e.g. interleaved-1f1b)")
+    show.add_argument("--with-comms", action="store_true",
+                      help="lower the schedule first: add the send/receive actions (1SEND_F0, 2RECV_B3, "
+                           "...), simulate their time (--comm per message) and draw them; --save then needs "
+                           ".csv (torch compute_comms)")
     _add_costs(show)
     _add_outputs(show)
     show.add_argument("--save", type=_path_with(".json", ".csv"),
-                      help="save the schedule: pipeloom JSON (.json) or torch compute-only CSV (.csv)")
+                      help="save the schedule: pipeloom JSON (.json) or torch CSV (.csv; compute_comms "
+                           "with --with-comms)")
     show.set_defaults(handler=cmd_show)
 
     sim = commands.add_parser("simulate", help="check and simulate a saved schedule (JSON or torch CSV)",

@@ -14,6 +14,7 @@ from rich.console import Console
 from pipeloom.cli.common import COST_FLAGS, UsageError, costs_from_args, emit, first_line
 from pipeloom.errors import PipeloomError
 from pipeloom.ir import load_schedule
+from pipeloom.lowering import lower
 from pipeloom.problem import Costs
 from pipeloom.schedules import REGISTRY, build_schedule
 from pipeloom.search.api import MAX_INTERVALS
@@ -27,7 +28,8 @@ from pipeloom.viz.report import (
     timeline_report,
 )
 
-__all__ = ["MAX_ACTIONS", "compare_schedules", "cmd_list", "cmd_show", "cmd_simulate", "cmd_compare"]
+__all__ = ["MAX_ACTIONS", "MAX_LOWERED_ACTIONS", "compare_schedules", "cmd_list", "cmd_show", "cmd_simulate",
+           "cmd_compare"]
 
 MAX_ACTIONS = MAX_INTERVALS
 """Most actions (estimated) ``show``/``compare`` build, the same cap as the search's: about a minute
@@ -35,29 +37,43 @@ and 4 GB, since building and validating took 2.5-4.5 s and 0.4 GB per million ac
 m=8192, zbv p=64 m=4096)."""
 
 
+MAX_LOWERED_ACTIONS = 1_000_000
+"""Most compute actions (estimated as for ``MAX_ACTIONS``) ``show --with-comms`` lowers: lowering adds
+about 2 communication actions per compute action and checks and replays them in Python, about 6 s per
+100,000 compute actions (1f1b p=64 m=1024), so this is about a minute too."""
+
+
 def _check_name(name: str) -> None:
     if name not in REGISTRY:
         raise UsageError(f"unknown schedule {name!r}; choose one of: {', '.join(REGISTRY)}")
 
 
-def _check_size(name: str, ranks: int, microbatches: int, stages_per_rank: int | None = None) -> None:
-    """Refuse, before building, a schedule of more than about ``MAX_ACTIONS`` actions, estimated as
-    ranks x micro-batches x stages per rank (``stages_per_rank``, else 2, the most a built-in uses
-    by default) x kinds (3 with a split backward: F, I, W; else 2: F, B), a rough upper bound."""
+def _check_size(name: str, ranks: int, microbatches: int, stages_per_rank: int | None = None, *,
+                with_comms: bool = False) -> None:
+    """Refuse, before building, a schedule of more than about ``MAX_ACTIONS`` actions (``MAX_LOWERED_ACTIONS``
+    ``with_comms``), estimated as ranks x micro-batches x stages per rank (``stages_per_rank``, else 2,
+    the most a built-in uses by default) x kinds (3 with a split backward: F, I, W; else 2: F, B), a
+    rough upper bound."""
     estimate = ranks * microbatches * (stages_per_rank or 2) * (3 if REGISTRY[name].splits_backward else 2)
-    if estimate > MAX_ACTIONS:
+    limit = MAX_LOWERED_ACTIONS if with_comms else MAX_ACTIONS
+    if estimate > limit:
         shape = f"p={ranks}, m={microbatches}" + (f", v={stages_per_rank}" if stages_per_rank else "")
-        raise UsageError(f"{name} with {shape} would have about {estimate:,} actions, above the limit "
-                         f"of {MAX_ACTIONS:,}; use fewer ranks, micro-batches or stages per rank")
+        what = " compute actions to lower (--with-comms)" if with_comms else " actions"
+        raise UsageError(f"{name} with {shape} would have about {estimate:,}{what}, above the limit "
+                         f"of {limit:,}; use fewer ranks, micro-batches or stages per rank")
 
 
-def _build(name: str, ranks: int, microbatches: int, costs: Costs, limit: float | None,
-           **options: Any) -> Timeline:
-    """Build a registered schedule and validate it in ordered mode; returns its timeline."""
+def _build(name: str, ranks: int, microbatches: int, costs: Costs, limit: float | None, *,
+           with_comms: bool = False, **options: Any) -> Timeline:
+    """Build a registered schedule (lowered when ``with_comms``) and validate it in ordered mode;
+    returns its timeline."""
     try:
         schedule = build_schedule(name, ranks, microbatches, costs=costs, memory_limit=limit, **options)
     except ImportError as error:
         raise PipeloomError(f"schedule {name!r} is registered but cannot be imported ({error})") from None
+    if with_comms:
+        validate(schedule, ordered=True)  # a compute-order error is reported as such, not through its comms
+        schedule = lower(schedule)
     return validate(schedule, ordered=True)
 
 
@@ -92,9 +108,13 @@ def cmd_show(args: argparse.Namespace) -> int:
             raise UsageError(f"schedule {args.name!r} does not take --stages-per-rank; "
                              f"schedules that do: {', '.join(takers)}")
         options["stages_per_rank"] = args.stages_per_rank
-    _check_size(args.name, args.ranks, args.microbatches, args.stages_per_rank)
+    _check_size(args.name, args.ranks, args.microbatches, args.stages_per_rank, with_comms=args.with_comms)
+    if args.with_comms and args.save is not None and args.save.suffix.lower() != ".csv":
+        raise UsageError(f"--save {args.save}: a lowered schedule (--with-comms) is saved as torch "
+                         "compute_comms CSV; use a .csv file name")
     costs = costs_from_args(args)
-    timeline = _build(args.name, args.ranks, args.microbatches, costs, args.memory_limit, **options)
+    timeline = _build(args.name, args.ranks, args.microbatches, costs, args.memory_limit,
+                      with_comms=args.with_comms, **options)
     return emit(args, timeline, timeline_report(timeline, microbatches=args.microbatches, costs=costs))
 
 

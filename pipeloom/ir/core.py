@@ -97,16 +97,11 @@ class Comm(NamedTuple):
 
 
 def parse_action(text: str) -> Action | Comm:
-    """A compute action (``2F0``) or a communication action (``1SEND_F0``) from its text."""
-    if isinstance(text, str) and _COMM.match(text.strip()):
+    """A compute action (``2F0``) or a communication action (``1SEND_F0``) from its text; the
+    error is :meth:`Comm.parse`'s for text naming SEND or RECV, else :meth:`Action.parse`'s."""
+    if isinstance(text, str) and ("SEND" in text or "RECV" in text):
         return Comm.parse(text)
-    try:
-        return Action.parse(text)
-    except ScheduleFormatError:
-        raise ScheduleFormatError(
-            f"bad action {shown(text)}: expected STAGE KIND MICROBATCH with kind F, B, I or W, e.g. '2F0', "
-            "or a communication action with kind SEND_F, RECV_F, SEND_B or RECV_B, e.g. '1SEND_F0'"
-        ) from None
+    return Action.parse(text)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

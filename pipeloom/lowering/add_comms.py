@@ -71,7 +71,7 @@ class _Receiver:
     """Places one rank's receives: before the compute that needs them, in each pair's send order."""
 
     def __init__(self, rank: int, graph: CommGraph, order: dict[tuple[int, int], dict[Message, int]]) -> None:
-        self.graph = graph
+        self.rank, self.graph = rank, graph
         self.incoming = {src: list(pair) for (src, dst), pair in order.items() if dst == rank}
         self.position = {src: order[(src, rank)] for src in self.incoming}
         self.next = dict.fromkeys(self.incoming, 0)  # sender -> first message not yet received
@@ -94,11 +94,13 @@ class _Receiver:
         if receive in self.placed:
             return
         if receive in self.placing:
-            cycle = " -> ".join(map(str, self.placing[self.placing.index(receive):] + [receive]))
+            others = self.placing[self.placing.index(receive) + 1:]
+            why = ("it takes several messages from one rank in increasing peer stage order and that rank "
+                   "sends them in another order" if not others else
+                   f"it must come both before and after {', '.join(map(str, others))}")
             raise LoweringError(
-                f"the receives {cycle} each need another first to keep the pair order (messages between "
-                "two ranks are received in the order they are sent); no receive order fits these sends: "
-                "change the compute order of the sending ranks"
+                f"rank {self.rank} cannot receive {receive} in pair order (messages between two ranks are "
+                f"received in the order they are sent): {why}; change the compute order of the sending ranks"
             )
         self.placing.append(receive)
         for message in self.graph.messages(receive):

@@ -99,10 +99,10 @@ def _check_pair(schedule: Schedule, graph: CommGraph, pair: tuple[int, int],
     for k, ((message, (s_rank, s_step, send)), (other, (rank, step, action))) in enumerate(zip(sent, taken)):
         if message != other:
             _fail(schedule, rank, step,
-                  f"pair order: rank {src}'s message #{k + 1} to rank {dst} is {message} ({send}, rank {s_rank} "
-                  f"step {s_step}), but rank {dst}'s receive #{k + 1} from rank {src} takes {other} ({action}); "
-                  "messages between two ranks are received in the order they are sent: reorder the "
-                  f"receives on rank {dst} or the sends on rank {src} (lower() keeps this order)")
+                  f"pair order: rank {src}'s message #{k + 1} to rank {dst} is {message} ({send}, rank "
+                  f"{s_rank} step {s_step}), but rank {dst}'s receive #{k + 1} from rank {src} takes {other} "
+                  f"({action}); messages between two ranks are received in the order they are sent: reorder "
+                  f"the receives on rank {dst} or the sends on rank {src} (lower() keeps this order)")
 
 
 def _check_inputs(schedule: Schedule, graph: CommGraph, rank: int) -> None:

@@ -59,7 +59,8 @@ def replay_lowered(schedule: Schedule) -> LoweredReplay:
         busy.append(reduce(add, (t.duration for t in tasks if t is not None), 0.0))  # as the compute-only sum
     return LoweredReplay(
         starts=tuple(map(tuple, state.starts)), ends=tuple(map(tuple, state.ends)), memory=tuple(memory),
-        makespan=max((e[-1] for e in state.ends if e), default=0.0), busy=tuple(busy), peak_memory=tuple(peaks),
+        makespan=max((e[-1] for e in state.ends if e), default=0.0), busy=tuple(busy),
+        peak_memory=tuple(peaks),
     )
 
 
@@ -103,8 +104,8 @@ class _State:
 
     def _compute(self, action: Action, rank: int) -> tuple[float, float] | None:
         if not self.problem.has_task(action.task):
-            raise ScheduleError(f"rank {rank} step {self.pos[rank]}: {action} is not a task of this schedule's "
-                                "problem (run the validator for details)")
+            raise ScheduleError(f"rank {rank} step {self.pos[rank]}: {action} is not a task of this "
+                                "schedule's problem (run the validator for details)")
         task = self.problem.task(action.task)
         start = self.free[rank]
         for dep in task.deps:

@@ -7,7 +7,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipeloom.sim import Timeline
-from pipeloom.viz.timeline import add_legend, check_figure_path, figure_for_panels, plot_timeline, save_figure
+from pipeloom.viz.timeline import (
+    add_legend,
+    check_figure_path,
+    figure_for_panels,
+    legend_rows_of,
+    plot_timeline,
+    save_figure,
+)
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -26,7 +33,8 @@ def comparison_figure(timelines: Sequence[Timeline], *, title: str | None = None
                 f"timelines[{i}] is {type(timeline).__name__}, expected a Timeline "
                 "(simulate or validate the schedule first)"
             )
-    fig, axes = figure_for_panels([t.num_ranks for t in timelines], heading=title is not None)
+    fig, axes = figure_for_panels([t.num_ranks for t in timelines], heading=title is not None,
+                                  legend_rows=legend_rows_of(timelines))
     xmax = max(t.makespan for t in timelines)
     for ax, timeline in zip(axes, timelines):
         plot_timeline(ax, timeline, xmax=xmax)

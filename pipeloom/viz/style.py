@@ -9,6 +9,8 @@ from __future__ import annotations
 from pipeloom.sim import Timeline
 
 __all__ = [
+    "COMM_COLORS",
+    "COMM_NAMES",
     "KIND_COLORS",
     "KIND_NAMES",
     "IDLE_COLOR",
@@ -35,6 +37,18 @@ KIND_NAMES: dict[str, str] = {
     "W": "weight-grad backward",
 }
 """Legend words for each action kind."""
+
+COMM_COLORS: dict[str, str] = {
+    "send": "#000000",  # black
+    "receive": "#D55E00",  # vermillion
+}
+"""Colour of the communication marks of a lowered schedule (Okabe-Ito, apart from the kinds')."""
+
+COMM_NAMES: dict[str, str] = {
+    "send": "send",
+    "receive": "receive (waiting for data)",
+}
+"""Legend words for the communication marks."""
 
 IDLE_COLOR = "#EEEEEE"
 """Background of the rank rows, so that bubbles read as empty grey space."""

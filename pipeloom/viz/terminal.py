@@ -5,7 +5,8 @@ Column c covers times ``[c, c+1) * makespan / width``. An action fills the colum
 its micro-batch number if it has room, then the kind letter again (``F12FFF``); an action too
 short for a column of its own takes the column it starts in if that one is free. Idle is ``.``:
 a column the simulator has the rank idle over throughout is always ``.``, and a column shows an
-action when that action covers more than half of it.
+action when that action covers more than half of it. A lowered schedule's communication actions
+are not drawn (their time shows as ``.``); the pictures show them.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 from itertools import groupby
 from typing import TYPE_CHECKING
 
+from pipeloom.ir import Comm
 from pipeloom.sim import Timeline
 from pipeloom.viz.style import KIND_COLORS, KIND_NAMES, kinds_present, summary, text_color
 
@@ -56,6 +58,8 @@ def timeline_cells(timeline: Timeline, *, width: int = 100) -> list[list[Cell]]:
     per_time = width / timeline.makespan
     for rank, row in enumerate(grid):
         for action, start, end in timeline.events(rank):
+            if type(action) is Comm:
+                continue
             first, last = round(start * per_time), min(round(end * per_time), width)
             if last <= first:
                 first = last = min(int(start * per_time), width - 1)

@@ -2,7 +2,8 @@
 
 One process per rank (``pid = rank``, named ``rank N``; Perfetto's collapsed preview of pid 0 can
 look odd, see google/perfetto#394, but its expanded tracks are right), one thread per stage the rank holds, one
-complete event (``"ph": "X"``) per action and a ``memory held`` counter (``"ph": "C"``) per rank.
+complete event (``"ph": "X"``) per action (a lowered schedule's sends and receives too, category
+``communication``, on their stage's thread) and a ``memory held`` counter (``"ph": "C"``) per rank.
 Times are integer microseconds: ``ts = round(time * time_unit_us)``, with ``time_unit_us`` (the
 microseconds one schedule time unit becomes) stored in ``otherData`` and each event's ``args``
 keeping the original start and end. Rounding both ends keeps back-to-back actions exactly
@@ -71,7 +72,7 @@ def _rank_events(timeline: Timeline, rank: int, tids: dict[tuple[int, int], int]
     for action, start, end in timeline.events(rank):
         ts = round(start * scale)
         events.append({
-            "name": str(action), "cat": KIND_NAMES[action.kind], "ph": "X", "pid": pid,
+            "name": str(action), "cat": KIND_NAMES.get(action.kind, "communication"), "ph": "X", "pid": pid,
             "tid": tids[(rank, action.stage)], "ts": ts, "dur": max(0, round(end * scale) - ts),
             "args": {"stage": action.stage, "kind": action.kind, "microbatch": action.microbatch,
                      "start": start, "end": end},
