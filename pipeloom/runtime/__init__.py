@@ -6,7 +6,8 @@ Importing this package imports torch; nothing else in pipeloom does (DESIGN §4)
 from __future__ import annotations
 
 from pipeloom.runtime.agree import StepMismatchError
-from pipeloom.runtime.engine import PipelineEngine, pipeline
+from pipeloom.runtime.build import pipeline
+from pipeloom.runtime.engine import PipelineEngine
 from pipeloom.runtime.launch import init_ranks
 from pipeloom.runtime.lower import PipelineError, model_pieces
 from pipeloom.runtime.rng import forward_seed, reference_step

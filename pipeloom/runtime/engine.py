@@ -1,5 +1,6 @@
-"""Run a pipeloom schedule on ``torch.distributed``: :func:`pipeline` builds a :class:`PipelineEngine`
-whose ``step`` trains one batch and returns the loss on every rank, exactly as one device would.
+"""Run a pipeloom schedule on ``torch.distributed``: :func:`~pipeloom.runtime.pipeline` builds a
+:class:`PipelineEngine` whose ``step`` trains one batch and returns the loss on every rank, exactly as
+one device would.
 
 Every rank builds the same model and calls the same ``step``; the engine keeps the stages its rank
 holds, lowers the compute schedule (receives posted early in each sender's order, sends after each
@@ -10,12 +11,11 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import dataclasses
 import json
-import os
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
+from typing import NoReturn
 from pathlib import Path
 
 import torch
@@ -29,29 +29,18 @@ from pipeloom.runtime.clip import clip_grad_norm_
 from pipeloom.runtime.agree import StepMismatchError, agree_on_step
 from pipeloom.runtime.backward import add_in_order
 from pipeloom.runtime.comm import Messenger
-from pipeloom.runtime.dp import GradientBuckets, Layout, layout_of
-from pipeloom.runtime.fsdp import ShardedGradients, shard_pieces
-from pipeloom.runtime.lower import Lowering, PipelineError
-from pipeloom.runtime.materialize import StateSource, place_pieces
-from pipeloom.runtime.shared import SharedParameters, check_placement, shared_parameters
-from pipeloom.runtime.setup import (
-    default_store,
-    device_for,
-    lower_for,
-    resolve_schedule,
-    shared_run_id,
-    shared_seed,
-    staged_model,
-)
-from pipeloom.runtime.split import StagedModel
-from pipeloom.runtime.state import LoadResult, ModelNames, model_names
+from pipeloom.runtime.dp import GradientBuckets, Layout
+from pipeloom.runtime.fsdp import ShardedGradients
+from pipeloom.runtime.lower import PipelineError
 from pipeloom.runtime.pieces import RankPieces
+from pipeloom.runtime.setup import default_store, shared_run_id
+from pipeloom.runtime.split import StagedModel
+from pipeloom.runtime.state import LoadResult, ModelNames
 from pipeloom.runtime.step import StepRun
 from pipeloom.runtime.timing import ActionClock
 
-__all__ = ["PipelineEngine", "PipelineError", "pipeline"]
+__all__ = ["PipelineEngine", "PipelineError"]
 
-TRACE_ENV = "PIPELOOM_TRACE"
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # engines not yet collected
 
 
@@ -65,154 +54,30 @@ def _close_live_engines() -> None:
 _LOSS_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)  # agreed on across ranks
 
 
-def pipeline(
-    model: nn.Module | None = None,
-    *,
-    schedule: object = None,
-    split_points: Sequence[str] | None = None,
-    stages: StagedModel | Sequence[nn.Module] | None = None,
-    loss_fn: Callable[..., torch.Tensor] | None = None,
-    microbatches: int | None = None,
-    process_group: object = None,
-    schedule_options: dict | None = None,
-    device: torch.device | str | None = None,
-    trace: str | Path | bool | None = None,
-    timeout: float = 60.0,
-    plan: str | Path | None = None,
-    tracer: str = "auto",
-    leaf_modules: Sequence[str] = (),
-    example_inputs: object = None,
-    seed: int | None = None,
-    mesh: object = None,
-    state_dict: StateSource | None = None,
-    init_weights: Callable[[nn.Module], object] | None = None,
-    data_parallel: str = "replicate",
-) -> PipelineEngine:
-    """Build the engine that runs ``schedule`` over ``model`` cut into stages on this process group.
-
-    ``schedule``: a built-in name (built for this world size, ``microbatches`` and the model's
-    pieces), a :class:`~pipeloom.Schedule`, or a saved ``.json``/``.csv`` file. ``plan``: a plan file
-    of ``pipeloom plan`` (split points, schedule and micro-batches; explicit arguments win).
-    ``trace``: a folder to write ``rank<R>.json`` to after every step, or True to record the steps
-    in memory only (``engine.trace_steps``; ``engine.write_trace(path)`` writes them).
-    ``tracer``/``leaf_modules``/``example_inputs``: how ``split_points`` cut the model
-    (:func:`~pipeloom.runtime.split_model`: torch.fx, or torch.export from example inputs).
-    ``seed``: the random numbers of every piece's forward derive from it (default: rank 0's
-    ``torch.initial_seed()``), so dropout draws the same on any number of ranks (docs/runtime.md).
-    ``mesh``: a ``DeviceMesh`` with a ``"pp"`` dimension (the pipeline) and optionally ``"dp"`` (replicas of
-    it, each running its share of the global batch; :mod:`pipeloom.runtime.dp`), instead of ``process_group``.
-    ``state_dict``/``init_weights``: for a model built on the meta device, what fills this rank's pieces
-    (a state dict, a ``torch.save`` file or a ``torch.distributed.checkpoint`` folder; a function called on
-    every module this rank holds); other ranks' tensors are never allocated.
-    ``data_parallel``: how the mesh's ``"dp"`` replicas hold the pieces: ``"replicate"`` (whole, gradients
-    all-reduced) or ``"fsdp"`` (sharded with torch's ``fully_shard``; :mod:`pipeloom.runtime.fsdp`).
-    """
-    if plan is not None:
-        from pipeloom.plan import load_plan
-
-        chosen = load_plan(plan)
-        split_points = chosen.split_points if split_points is None and stages is None else split_points
-        schedule = chosen.schedule if schedule is None else schedule
-        schedule_options = dict(chosen.schedule_options) if schedule_options is None else schedule_options
-        microbatches = chosen.microbatches if microbatches is None else microbatches
-    if schedule is None:
-        raise PipelineError("say which schedule to run: schedule='1f1b' (see `pipeloom list`), a Schedule or a file")
-    if loss_fn is None:
-        raise PipelineError("give loss_fn=, called as loss_fn(output, target) for every micro-batch")
-    if not (isinstance(timeout, (int, float)) and timeout > 0):
-        raise PipelineError(f"timeout must be a positive number of seconds, got {timeout!r}")
-    if microbatches is not None and (isinstance(microbatches, bool) or not isinstance(microbatches, int)
-                                     or microbatches < 1):
-        raise PipelineError(f"microbatches must be a positive integer, got {microbatches!r}")
-    layout = layout_of(process_group, mesh)
-    rank, world = layout.rank, layout.world
-    staged = staged_model(model, split_points, stages, tracer=tracer, leaf_modules=leaf_modules,
-                          example_inputs=example_inputs)
-    sched = resolve_schedule(schedule, num_ranks=world, num_pieces=staged.num_stages,
-                             microbatches=microbatches, options=schedule_options or {})
-    lowering = lower_for(sched, staged, world=world, microbatches=microbatches)
-    shared = shared_parameters(staged.stages)
-    check_placement(shared, lowering)
-    names = model_names(model, staged.stages)  # by identity: before any tensor is moved or allocated
-    pieces = [lowering.piece_of[s] for s in lowering.stages_on(rank)]
-    device = device_for(layout, device, [staged.stages[k] for k in pieces])
-    if len(set(pieces)) != len(pieces):
-        raise PipelineError(f"rank {rank} holds two replicas of one model piece; put replicas on different ranks")
-    replaced = place_pieces({k: staged.stages[k] for k in pieces}, device, model=model, names=names,
-                            state_dict=state_dict, init_weights=init_weights)
-    shared = dataclasses.replace(shared, params=tuple(replaced.get(id(p), p) for p in shared.params))
-    if _sharded(data_parallel, layout, lowering, shared):
-        shard_pieces({k: staged.stages[k] for k in pieces}, layout.dp.mesh)
-    trace = trace if trace is not None else os.environ.get(TRACE_ENV) or None
-    return PipelineEngine(staged=staged, lowering=lowering, loss_fn=loss_fn, layout=layout, device=device,
-                          trace=trace, timeout=float(timeout), shared=shared,
-                          seed=shared_seed(layout.everyone, layout.everyone_size, seed), names=names,
-                          sharded=data_parallel == "fsdp")
-
-
-def _sharded(data_parallel: str, layout: Layout, lowering: Lowering, shared: SharedParameters) -> bool:
-    """Whether the pieces are sharded with FSDP2 (checking that they can be)."""
-    if data_parallel not in ("replicate", "fsdp"):
-        raise PipelineError(f"data_parallel must be 'replicate' or 'fsdp', got {data_parallel!r}")
-    if data_parallel == "replicate":
-        return False
-    if layout.dp.mesh is None:
-        raise PipelineError("data_parallel='fsdp' shards over the mesh's \"dp\" dimension: pass mesh= with "
-                            "mesh_dim_names=('dp', 'pp') and a dp size above 1")
-    if lowering.replicas > 1:
-        raise PipelineError(f"schedule {lowering.schedule.name!r} holds two replicas of each piece; with "
-                            "data_parallel='fsdp' choose a one-replica schedule (1f1b, zbv, interleaved-1f1b, ...)")
-    if shared.params:
-        raise PipelineError(f"parameter {shared.names[0]!r} is used by several pieces, which FSDP cannot shard "
-                            "once; use data_parallel='replicate', or split so that all its uses fall in one piece")
-    return True
-
-
-def _rank_pieces(lowering: Lowering, rank: int, device: torch.device, modules: dict[int, nn.Module],
-                 staged: StagedModel, loss_fn: Callable, seed: int, shared: SharedParameters, layout: Layout,
-                 sharded: bool) -> RankPieces:
-    """What every step of ``rank`` reads (see :class:`~pipeloom.runtime.pieces.RankPieces`)."""
-    program = lowering.programs[rank]
-    last_gradient: dict[int, int] = {}  # stage -> the program index of its last weight-gradient action
-    for t, step in enumerate(program):
-        if step.action.kind in ("B", "W"):
-            last_gradient[step.action.stage] = t
-    return RankPieces(
-        lowering=lowering, rank=rank, device=device, modules=modules, program=program,
-        eval_program=tuple(step for step in program if step.action.kind == "F"),
-        num_outputs=tuple(spec.num_outputs for spec in staged.graph.stages), output=staged.graph.output,
-        loss_fn=loss_fn, seed=seed, shared=shared, dp=layout.dp, sharded=sharded,
-        gradients_done={t: s for s, t in last_gradient.items()},  # where "dp" buckets are posted
-    )
-
-
 class PipelineEngine:
     """Runs one lowered schedule on this rank; see :func:`pipeline`."""
 
-    def __init__(self, *, staged: StagedModel, lowering: Lowering, loss_fn: Callable, layout: Layout,
-                 device: torch.device, trace: str | Path | bool | None, timeout: float,
-                 shared: SharedParameters | None = None, seed: int = 0, names: ModelNames | None = None,
-                 sharded: bool = False) -> None:
-        """Built by :func:`pipeline`, which has put this rank's pieces on ``device``."""
+    def __init__(self, *, staged: StagedModel, pieces: RankPieces, layout: Layout, trace: str | Path | bool | None,
+                 timeout: float, names: ModelNames) -> None:
+        """Built by :func:`~pipeloom.runtime.pipeline`, which has put this rank's pieces on their device."""
         self.staged = staged
-        self.lowering = lowering
+        self.pieces = pieces
+        self.lowering = lowering = pieces.lowering
         self.schedule = lowering.schedule
-        self.loss_fn = loss_fn
+        self.loss_fn = pieces.loss_fn
         self.layout = layout
         self.rank = rank = layout.rank
         self.world_size = world_size = layout.world
         self.group = group = layout.group
         self.dp = layout.dp
-        self.sharded = sharded  # pieces sharded over "dp" with FSDP2
+        self.sharded = pieces.sharded  # pieces sharded over "dp" with FSDP2
         self.timeout = timeout
-        self.device = torch.device(device)
+        self.device = pieces.device
         self.local_stages = lowering.stages_on(rank)
-        self.modules = {s: staged.stages[lowering.piece_of[s]] for s in self.local_stages}
-        self.shared = shared if shared is not None else shared_parameters(())
-        self.seed = seed
-        self.pieces = _rank_pieces(lowering, rank, self.device, self.modules, staged, loss_fn, seed, self.shared,
-                                   layout, sharded)
-        self.params = self.pieces.trainable()
+        self.modules = dict(pieces.modules)
+        self.shared = pieces.shared
+        self.seed = pieces.seed
+        self.params = pieces.trainable()
         self.tracing = trace is not None and trace is not False
         self.trace_dir = Path(trace) if isinstance(trace, (str, Path)) else None
         self.trace_steps: list[dict] = []
@@ -234,20 +99,19 @@ class PipelineEngine:
         _LIVE.add(self)  # closed at interpreter exit if the script does not close it
         self.training_steps = 0  # training steps run: part of every forward's random seed
         self.training = True
-        # the original model's names of the pieces' tensors (manual mode: stages.{k}.{name})
-        self.names = names if names is not None else model_names(None, staged.stages)
+        self.names = names  # the original model's names of the pieces' tensors (manual mode: stages.{k}.{name})
 
     # ------------------------------------------------------------------------------ public API
 
     @property
     def num_microbatches(self) -> int:
         """Real micro-batches per step of this pipeline (of one data-parallel replica)."""
-        return self.lowering.num_microbatches
+        return self.pieces.num_microbatches
 
     @property
     def total_microbatches(self) -> int:
         """Micro-batches of the global batch: ``num_microbatches`` × the data-parallel replicas."""
-        return self.lowering.num_microbatches * self.dp.size
+        return self.pieces.total_microbatches
 
     def parameters(self) -> list[nn.Parameter]:
         """This rank's parameters: the original model's Parameter objects of its stages."""
@@ -331,29 +195,9 @@ class PipelineEngine:
                 tuple(tuple((tuple(t.shape), t.dtype) for t in per) for per in targets))
 
     def _run(self, inputs: object, target: object, *, training: bool) -> tuple[torch.Tensor | None, object]:
-        if self.broken:
-            raise PipelineError(f"this engine failed earlier ({self.broken}); build a new one (and process group)")
-        if self.messenger.closed:
-            raise PipelineError("this engine was closed (close()); build a new one to take more steps")
-        try:  # every rank was given the same step, before any tensor moves (a mismatch leaves it usable)
-            agree_on_step(inputs, target, training=training, microbatches=self.num_microbatches,
-                          group=self.layout.everyone, world=self.layout.everyone_size, rank=self.rank,
-                          device=self.device, wait=self.messenger.wait_work)
-        except StepMismatchError:
-            raise
-        except PipelineError as error:
-            self.broken = str(error)
-            self.messenger.report(self.broken)
-            raise
+        self._agree(inputs, target, training)
         self.params = self.pieces.trainable()  # requires_grad may have changed since the last step
-        chunks = self._chunks(inputs, "inputs")
-        num_inputs = len(self.staged.graph.input_names)
-        if len(chunks) != num_inputs:
-            raise PipelineError(f"the model takes {num_inputs} input(s) ({', '.join(self.staged.graph.input_names)}), "
-                                f"step() got {len(chunks)}; pass a tuple with one tensor per input")
-        if training and target is None:
-            raise PipelineError("step() needs target= (passed to loss_fn with each micro-batch's output)")
-        targets = self._chunks(target, "target") if target is not None else []
+        chunks, targets = self._inputs(inputs, target, training)
         signature = self._signature(chunks, targets, training)
         cached = self._meta_cache.get(signature)
         metas, specs = (cached if cached is not None else ({}, {}))
@@ -361,51 +205,21 @@ class PipelineEngine:
         if events is not None:
             self.clock.begin()
         step_start = time.time_ns()
-        buckets = None
-        if training and self.sharded:
-            buckets = ShardedGradients(self.modules)
-            buckets.begin()
-        elif training and self.dp.size > 1:
-            buckets = GradientBuckets(dp=self.dp, stage_params=self.params, late=self._late_params(),
-                                      wait=self.messenger.wait_work)
-            buckets.begin()
+        buckets = self._gradient_reduction() if training else None
         try:  # posts the replica-gradient receives: a failure there breaks the engine like any other
             run = StepRun(self.pieces, self.messenger, chunks, targets, training=training, params=self.params,
                           step_index=self.training_steps, metas=metas, specs=specs, discover=cached is None,
                           events=events, clock=self.clock, buckets=buckets)
         except Exception as error:
-            self.broken = f"rank {self.rank}: starting the step failed: {type(error).__name__}: {error}"
-            self.messenger.report(self.broken)
-            raise PipelineError(self.broken) from error
+            self._fail(f"rank {self.rank}: starting the step failed: {type(error).__name__}: {error}", error)
         try:
             with torch.enable_grad() if training else torch.no_grad():
                 run.execute()
-            start = time.time_ns()
-            run.messages.finish()
-            if run.shared is not None:
-                run.shared.exchange(self.messenger, self.device)
-            if events is not None:
-                events.append(("sends complete", "sync", start, time.time_ns()))
-            loss = self._reduce_loss(run.losses, targets, events)
-            if training and self.lowering.replicas > 1:
-                start = time.time_ns()
-                run.replicas.merge()
-                if events is not None:
-                    events.append(("replica gradients merged", "sync", start, time.time_ns()))
-            if buckets is not None:
-                start = time.time_ns()
-                buckets.finish()
-                if events is not None:
-                    events.append(("data-parallel gradients summed", "sync", start, time.time_ns()))
+            loss = self._settle(run, buckets, events)
         except PipelineError as error:
-            self.broken = str(error)
-            self.messenger.report(str(error))
-            raise
+            self._fail(str(error), error)
         except Exception as error:
-            message = run.describe_failure(error)
-            self.broken = message
-            self.messenger.report(message)
-            raise PipelineError(message) from error
+            self._fail(run.describe_failure(error), error)
         if cached is None:
             self._meta_cache[signature] = (metas, specs)
         if events is not None:
@@ -414,6 +228,74 @@ class PipelineEngine:
         self._step_count += 1
         self.training_steps += training
         return loss, run.outputs()
+
+    def _agree(self, inputs: object, target: object, training: bool) -> None:
+        """Refuse a step on a broken or closed engine; every rank was given the same step (checked before
+        any tensor moves, so a mismatch leaves the engine usable)."""
+        if self.broken:
+            raise PipelineError(f"this engine failed earlier ({self.broken}); build a new one (and process group)")
+        if self.messenger.closed:
+            raise PipelineError("this engine was closed (close()); build a new one to take more steps")
+        try:
+            agree_on_step(inputs, target, training=training, microbatches=self.num_microbatches,
+                          group=self.layout.everyone, world=self.layout.everyone_size, rank=self.rank,
+                          device=self.device, wait=self.messenger.wait_work)
+        except StepMismatchError:
+            raise
+        except PipelineError as error:
+            self._fail(str(error), error)
+
+    def _inputs(self, inputs: object, target: object, training: bool) -> tuple[list, list]:
+        """This replica's micro-batches of the inputs and of the target."""
+        chunks = self._chunks(inputs, "inputs")
+        names = self.staged.graph.input_names
+        if len(chunks) != len(names):
+            raise PipelineError(f"the model takes {len(names)} input(s) ({', '.join(names)}), step() got "
+                                f"{len(chunks)}; pass a tuple with one tensor per input")
+        if training and target is None:
+            raise PipelineError("step() needs target= (passed to loss_fn with each micro-batch's output)")
+        return chunks, self._chunks(target, "target") if target is not None else []
+
+    def _gradient_reduction(self) -> GradientBuckets | ShardedGradients | None:
+        """This training step's gradient handling over "dp" (begun), if the pieces have replicas."""
+        if self.sharded:
+            buckets = ShardedGradients(self.modules)
+        elif self.dp.size > 1:
+            buckets = GradientBuckets(dp=self.dp, stage_params=self.params, late=self._late_params(),
+                                      wait=self.messenger.wait_work)
+        else:
+            return None
+        buckets.begin()
+        return buckets
+
+    def _settle(self, run: StepRun, buckets: GradientBuckets | ShardedGradients | None,
+                events: list | None) -> torch.Tensor | None:
+        """After the actions: sends complete, shared and replica gradients combined, the loss summed over
+        ranks and the gradients over "dp"; returns the loss."""
+        start = time.time_ns()
+        run.messages.finish()
+        if run.shared is not None:
+            run.shared.exchange(self.messenger, self.device)
+        if events is not None:
+            events.append(("sends complete", "sync", start, time.time_ns()))
+        loss = self._reduce_loss(run.losses, run.targets, events)
+        for name, settle in (("replica gradients merged", run.replicas and run.replicas.merge),
+                             ("data-parallel gradients summed", buckets and buckets.finish)):
+            if settle:
+                start = time.time_ns()
+                settle()
+                if events is not None:
+                    events.append((name, "sync", start, time.time_ns()))
+        return loss
+
+    def _fail(self, message: str, cause: Exception) -> NoReturn:
+        """The engine is broken: leave the message where the other ranks look, and raise it (``cause``
+        itself when it is already a PipelineError)."""
+        self.broken = message
+        self.messenger.report(message)
+        if isinstance(cause, PipelineError):
+            raise cause
+        raise PipelineError(message) from cause
 
     def _reduce_loss(self, losses: dict[int, torch.Tensor], targets: list, events: list | None) -> torch.Tensor | None:
         """Sum of the micro-batch losses of the global batch in micro-batch order, the same on every rank."""

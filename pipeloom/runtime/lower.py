@@ -10,16 +10,19 @@ This module needs no torch: it works on the schedule and on the stage graph's va
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pipeloom.errors import PipeloomError
-from pipeloom.ir import Action, Schedule
+from pipeloom.ir import Action, Comm, Schedule
 
 __all__ = ["Lowering", "PipelineError", "Step", "Unit", "forward_unit", "lower", "model_pieces"]
 
 MODEL_INPUT = -1
+"""The producer of a value that is a model input, not a piece's output (in ``ValueRef.stage`` and in
+``lower``'s piece inputs): the one definition of it."""
 
 
 class PipelineError(PipeloomError, RuntimeError):
@@ -50,6 +53,7 @@ class Step:
     microbatch: int  # real micro-batch
     recvs: tuple[int, ...]  # unit ids to have received before running
     sends: tuple[int, ...]  # unit ids to send after running
+    posts: tuple[int, ...] = ()  # a lowered schedule's receives placed before this action (unit ids)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +72,7 @@ class Lowering:
     unit_of: dict[tuple[str, int, int, int], int]  # (kind, producer, consumer, real micro-batch) -> unit id
     programs: tuple[tuple[Step, ...], ...]  # per rank
     pair_order: dict[tuple[int, int], tuple[int, ...]] = field(default_factory=dict)  # (src, dst) -> unit ids
+    explicit_posts: bool = False  # lowered from a schedule with RECV actions: receives posted where they stand
 
     @property
     def num_pieces(self) -> int:
@@ -138,6 +143,10 @@ def lower(schedule: Schedule, piece_inputs: Sequence[Sequence[tuple[int, int]]],
     ``piece_inputs[k]`` are piece k's inputs as ``(piece or -1 for a model input, index)``;
     ``output_refs`` are the model output's leaves the same way. The loss runs on the last piece.
     """
+    given = schedule
+    if schedule.lowered:  # run its compute actions; its receives say where to post (_receive_points)
+        schedule = dataclasses.replace(schedule, ranks=tuple(
+            tuple(a for a in actions if not isinstance(a, Comm)) for actions in schedule.ranks))
     problem = schedule.problem
     num_pieces = len(piece_inputs)
     num_stages = problem.num_stages
@@ -250,9 +259,28 @@ def lower(schedule: Schedule, piece_inputs: Sequence[Sequence[tuple[int, int]]],
     pair_order: dict[tuple[int, int], list[int]] = defaultdict(list)
     for u in units:
         pair_order[(u.src, u.dst)].append(u.id)
+    if given.lowered:
+        programs = [_receive_points(given.ranks[rank], program) for rank, program in enumerate(programs)]
     return Lowering(
         schedule=schedule, replicas=replicas, num_microbatches=replicas * schedule.num_microbatches,
         piece_of=tuple(piece_of), replica_of=tuple(replica_of), stage_for=stage_for, rank_of=tuple(rank_of),
         sources=sources, units=tuple(units), unit_of=unit_of, programs=tuple(programs),
-        pair_order={k: tuple(v) for k, v in pair_order.items()},
+        pair_order={k: tuple(v) for k, v in pair_order.items()}, explicit_posts=given.lowered,
     )
+
+
+def _receive_points(actions: Sequence[Action | Comm], program: Sequence[Step]) -> tuple[Step, ...]:
+    """A lowered rank list's receives as post points: ``xRECV_Fm`` posts the receives of ``xFm``, and
+    ``xRECV_Bm`` those of ``xBm``/``xIm``, before the compute action that follows it in the list."""
+    needs = {(step.action.stage, "F" if step.action.kind == "F" else "B", step.action.microbatch): step.recvs
+             for step in program if step.action.kind != "W"}
+    posts: list[list[int]] = [[] for _ in range(len(program) + 1)]
+    done = 0
+    for action in actions:
+        if isinstance(action, Comm):
+            if action.kind.startswith("RECV"):
+                posts[min(done, len(program) - 1)].extend(
+                    needs.get((action.stage, action.kind[-1], action.microbatch), ()))
+        else:
+            done += 1
+    return tuple(dataclasses.replace(step, posts=tuple(posts[t])) for t, step in enumerate(program))

@@ -22,6 +22,7 @@ from pipeloom.runtime.errors import (
     StageValueError,
     UnknownSplitPointError,
 )
+from pipeloom.runtime.lower import MODEL_INPUT
 from pipeloom.runtime.modes import switch_modes
 from pipeloom.runtime.passes import TRACED_DEVICE, copy_mutated_inputs, localize_sizes
 from pipeloom.runtime.tracing import TracedModel, module_scopes, trace_model
@@ -42,8 +43,6 @@ __all__ = [
     "stages_from_modules",
 ]
 
-MODEL_INPUT = -1
-"""The ``stage`` of a :class:`ValueRef` that names a model input rather than a stage output."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -132,10 +132,13 @@ class StepRun:
         messages = self.messages
         if messages.discover:
             return
-        for ahead in program[first:first + messages.lookahead + 1]:  # NCCL: none ahead (they would block sends)
-            for uid in ahead.recvs:
-                if self.wants(self.low.units[uid]):
-                    messages.post_through(uid)
+        if self.low.explicit_posts and self.training:  # a lowered schedule says where
+            wanted = program[first].posts if first < len(program) else ()
+        else:  # NCCL: none ahead (they would block sends)
+            wanted = [uid for ahead in program[first:first + messages.lookahead + 1] for uid in ahead.recvs]
+        for uid in wanted:
+            if self.wants(self.low.units[uid]):
+                messages.post_through(uid)
         messages.flush()
 
     # --------------------------------------------------------------------------- value routing

@@ -37,6 +37,16 @@ def _same_grads(model, reference) -> list[str]:
             if (p.grad is None) != (q.grad is None) or (p.grad is not None and not torch.equal(p.grad, q.grad))]
 
 
+def _loop(model, x, y, loss_fn, n: int) -> torch.Tensor:
+    """DESIGN §5's reference: ``for m: (loss_fn(model(x_m), y_m) / n).backward()``; the summed loss."""
+    total = None
+    for xm, ym in zip(torch.chunk(x, n), torch.chunk(y, n)):
+        part = loss_fn(model(xm), ym) / n
+        part.backward()
+        total = part.detach() if total is None else total + part.detach()
+    return total
+
+
 ONE_GPU = [("gpipe", 1), ("interleaved-1f1b", 4), ("looped-bfs", 4), ("zbv", 2)]
 
 
@@ -68,12 +78,7 @@ def test_an_exported_transformers_model_runs_on_the_gpu_exactly():
     engine = pipeline(model, schedule="zbv", split_points=hf_splits("gpt2", 2), microbatches=4, loss_fn=lm_loss,
                       example_inputs=(x,), device="cuda")
     loss = engine.step(x, target=y)
-    expected = None
-    for xm, ym in zip(torch.chunk(x.cuda(), 4), torch.chunk(y.cuda(), 4)):
-        part = lm_loss(reference(xm), ym) / 4
-        part.backward()
-        expected = part.detach() if expected is None else expected + part.detach()
-    assert torch.equal(loss, expected)
+    assert torch.equal(loss, _loop(reference, x.cuda(), y.cuda(), lm_loss, 4))
     assert _same_grads(model, reference) == []
 
 
@@ -93,13 +98,7 @@ def test_a_meta_model_is_allocated_on_the_gpu(name):
                       state_dict=copy.deepcopy(reference.state_dict()), device="cuda", **extra)
     assert all(p.is_cuda for p in model.parameters())
     loss = engine.step(x, target=y)
-    x, y = x.cuda(), y.cuda()
-    expected = None
-    for xm, ym in zip(torch.chunk(x, 4), torch.chunk(y, 4)):
-        part = (lm_loss if hf else F.cross_entropy)(reference(xm), ym) / 4
-        part.backward()
-        expected = part.detach() if expected is None else expected + part.detach()
-    assert torch.equal(loss, expected)
+    assert torch.equal(loss, _loop(reference, x.cuda(), y.cuda(), lm_loss if hf else F.cross_entropy, 4))
     assert _same_grads(model, reference) == []
 
 

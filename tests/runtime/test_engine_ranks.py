@@ -109,3 +109,23 @@ def test_the_batched_nccl_code_path_is_exact_on_gloo():
         assert status == "ok", report
         for key, outcome in report.items():
             assert outcome["mismatches"] == [] and outcome["losses_equal"], (rank, key, outcome)
+
+
+@pytest.mark.timeout(240)
+def test_a_lowered_schedule_handed_in_runs_exactly(tmp_path):
+    """A schedule already lowered (pipeloom.lower, or torch's compute_comms CSV) runs as given: its
+    receives are posted where its RECV actions stand; on gloo and on the NCCL transport."""
+    from pipeloom import build_schedule, lower, save_schedule
+
+    zbv = lower(build_schedule("zbv", 2, 8))
+    path = tmp_path / "1f1b_comms.csv"
+    save_schedule(lower(build_schedule("1f1b", 2, 8)), path)
+    cases = [("residual", zbv, 4, None), ("residual", str(path), 2, None),
+             ("residual", lower(build_schedule("dualpipe", 2, 8)), 2, None)]
+    for batched in (False, True):
+        results = run_ranks(2, exactness, cases, 2, batched, timeout=150)
+        for rank, (status, report) in results.items():
+            assert status == "ok", report
+            assert len(report) == 3
+            for key, outcome in report.items():
+                assert outcome["mismatches"] == [] and outcome["losses_equal"], (batched, rank, key, outcome)

@@ -80,3 +80,19 @@ def test_model_pieces_is_stages_over_replicas(name, ranks, pieces):
     schedule = pipeloom.build_schedule(name, ranks, 8)
     assert model_pieces(schedule) == pieces
     assert lower(schedule, CHAIN[pieces], OUT[pieces]).num_pieces == pieces
+
+
+def test_a_lowered_schedule_posts_its_receives_where_they_stand():
+    compute = pipeloom.build_schedule("zbv", 2, 4)
+    plain = lower(compute, CHAIN[4], OUT[4])
+    given = lower(pipeloom.lower(compute), CHAIN[4], OUT[4])
+    assert given.explicit_posts and not plain.explicit_posts
+    for rank in range(2):  # the same compute program and messages, with post points
+        assert [(s.action, s.recvs, s.sends) for s in given.programs[rank]] == \
+               [(s.action, s.recvs, s.sends) for s in plain.programs[rank]]
+        posted = [uid for step in given.programs[rank] for uid in step.posts]
+        received = [uid for step in plain.programs[rank] for uid in step.recvs]
+        assert sorted(posted) == sorted(received) and len(set(posted)) == len(posted)
+        for t, step in enumerate(given.programs[rank]):  # each posted at or before the action needing it
+            needed = {uid for later in given.programs[rank][t:] for uid in later.recvs}
+            assert set(step.posts) <= needed

@@ -207,12 +207,18 @@ def test_the_mesh_matches_one_device_over_the_global_batch(mesh_runs, schedule):
 
 
 def test_clipping_and_checkpoints_cover_both_dimensions(mesh_runs):
-    import torch.distributed.checkpoint as dcp
-
     runs, folder = mesh_runs
     for schedule, _ in MESHED:
         norms = [found[schedule]["norm"] for found in runs.values()]
         assert all(torch.equal(norm, norms[0]) for norm in norms), schedule
+    _checkpoints_load_into_one_device(runs, folder, [s for s, _ in MESHED])
+
+
+def _checkpoints_load_into_one_device(runs: dict, folder, schedules: list[str]) -> None:
+    """Each schedule's DCP folder loads into a one-device model holding every rank's final parameters."""
+    import torch.distributed.checkpoint as dcp
+
+    for schedule in schedules:
         model = build("residual")
         state = {"model": model.state_dict()}
         dcp.load(state, checkpoint_id=str(folder / schedule), no_dist=True)
@@ -255,17 +261,8 @@ def test_fsdp_shards_train_as_the_replicas_do(mesh_runs, fsdp_runs, schedule):
 
 
 def test_an_fsdp_checkpoint_loads_into_one_device(fsdp_runs):
-    import torch.distributed.checkpoint as dcp
-
     runs, folder = fsdp_runs
-    for schedule, _ in SHARDED:
-        model = build("residual")
-        state = {"model": model.state_dict()}
-        dcp.load(state, checkpoint_id=str(folder / schedule), no_dist=True)
-        model.load_state_dict(state["model"])
-        for found in runs.values():
-            for name, value in found[schedule]["params"].items():
-                assert torch.equal(dict(model.named_parameters())[name].detach(), value), (schedule, name)
+    _checkpoints_load_into_one_device(runs, folder, [s for s, _ in SHARDED])
 
 
 def test_fsdp_is_refused_where_it_cannot_shard():

@@ -1,0 +1,166 @@
+"""``pipeline()``: everything settled before a rank's engine runs — the process groups, the stages, the
+schedule and its lowering, this rank's pieces on its device (moved, or allocated from the meta device and
+filled; sharded with FSDP2 where asked) — and the :class:`~pipeloom.runtime.engine.PipelineEngine` that
+runs them."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from pipeloom.runtime.dp import Layout, layout_of
+from pipeloom.runtime.engine import PipelineEngine
+from pipeloom.runtime.fsdp import shard_pieces
+from pipeloom.runtime.lower import Lowering, PipelineError
+from pipeloom.runtime.materialize import StateSource, place_pieces
+from pipeloom.runtime.pieces import RankPieces
+from pipeloom.runtime.setup import device_for, lower_for, resolve_schedule, shared_seed, staged_model
+from pipeloom.runtime.shared import SharedParameters, check_placement, shared_parameters
+from pipeloom.runtime.split import StagedModel
+from pipeloom.runtime.state import model_names
+
+__all__ = ["TRACE_ENV", "pipeline"]
+
+TRACE_ENV = "PIPELOOM_TRACE"
+
+
+def pipeline(
+    model: nn.Module | None = None,
+    *,
+    schedule: object = None,
+    split_points: Sequence[str] | None = None,
+    stages: StagedModel | Sequence[nn.Module] | None = None,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    microbatches: int | None = None,
+    process_group: object = None,
+    schedule_options: dict | None = None,
+    device: torch.device | str | None = None,
+    trace: str | Path | bool | None = None,
+    timeout: float = 60.0,
+    plan: str | Path | None = None,
+    tracer: str = "auto",
+    leaf_modules: Sequence[str] = (),
+    example_inputs: object = None,
+    seed: int | None = None,
+    mesh: object = None,
+    state_dict: StateSource | None = None,
+    init_weights: Callable[[nn.Module], object] | None = None,
+    data_parallel: str = "replicate",
+) -> PipelineEngine:
+    """Build the engine that runs ``schedule`` over ``model`` cut into stages on this process group.
+
+    ``schedule``: a built-in name (built for this world size, ``microbatches`` and the model's
+    pieces), a :class:`~pipeloom.Schedule`, or a saved ``.json``/``.csv`` file. ``plan``: a plan file
+    of ``pipeloom plan`` (split points, schedule and micro-batches; explicit arguments win).
+    ``trace``: a folder to write ``rank<R>.json`` to after every step, or True to record the steps
+    in memory only (``engine.trace_steps``; ``engine.write_trace(path)`` writes them).
+    ``tracer``/``leaf_modules``/``example_inputs``: how ``split_points`` cut the model
+    (:func:`~pipeloom.runtime.split_model`: torch.fx, or torch.export from example inputs).
+    ``seed``: the random numbers of every piece's forward derive from it (default: rank 0's
+    ``torch.initial_seed()``), so dropout draws the same on any number of ranks (docs/runtime.md).
+    ``mesh``: a ``DeviceMesh`` with a ``"pp"`` dimension (the pipeline) and optionally ``"dp"`` (replicas of
+    it, each running its share of the global batch; :mod:`pipeloom.runtime.dp`), instead of ``process_group``.
+    ``state_dict``/``init_weights``: for a model built on the meta device, what fills this rank's pieces
+    (a state dict, a ``torch.save`` file or a ``torch.distributed.checkpoint`` folder; a function called on
+    every module this rank holds); other ranks' tensors are never allocated.
+    ``data_parallel``: how the mesh's ``"dp"`` replicas hold the pieces: ``"replicate"`` (whole, gradients
+    all-reduced) or ``"fsdp"`` (sharded with torch's ``fully_shard``; :mod:`pipeloom.runtime.fsdp`).
+    """
+    if plan is not None:
+        schedule, planned, schedule_options, microbatches = _from_plan(
+            plan, schedule, split_points, schedule_options, microbatches)
+        split_points = planned if stages is None else split_points
+    _check_arguments(schedule, loss_fn, timeout, microbatches)
+    layout = layout_of(process_group, mesh)
+    rank, world = layout.rank, layout.world
+    staged = staged_model(model, split_points, stages, tracer=tracer, leaf_modules=leaf_modules,
+                          example_inputs=example_inputs)
+    sched = resolve_schedule(schedule, num_ranks=world, num_pieces=staged.num_stages,
+                             microbatches=microbatches, options=schedule_options or {})
+    lowering = lower_for(sched, staged, world=world, microbatches=microbatches)
+    shared = shared_parameters(staged.stages)
+    check_placement(shared, lowering)
+    names = model_names(model, staged.stages)  # by identity: before any tensor is moved or allocated
+    held = [lowering.piece_of[s] for s in lowering.stages_on(rank)]
+    if len(set(held)) != len(held):
+        raise PipelineError(f"rank {rank} holds two replicas of one model piece; put replicas on different ranks")
+    device = device_for(layout, device, [staged.stages[k] for k in held])
+    replaced = place_pieces({k: staged.stages[k] for k in held}, device, model=model, names=names,
+                            state_dict=state_dict, init_weights=init_weights)
+    shared = dataclasses.replace(shared, params=tuple(replaced.get(id(p), p) for p in shared.params))
+    sharded = _sharded(data_parallel, layout, lowering, shared)
+    if sharded:
+        shard_pieces({k: staged.stages[k] for k in held}, layout.dp.mesh)
+    pieces = _rank_pieces(lowering, layout, device, staged, loss_fn,
+                          shared_seed(layout.everyone, layout.everyone_size, seed), shared, sharded)
+    trace = trace if trace is not None else os.environ.get(TRACE_ENV) or None
+    return PipelineEngine(staged=staged, pieces=pieces, layout=layout, trace=trace, timeout=float(timeout),
+                          names=names)
+
+
+def _from_plan(plan: str | Path, schedule: object, split_points: Sequence[str] | None,
+               options: dict | None, microbatches: int | None) -> tuple:
+    """(schedule, split points, schedule options, micro-batches) from a plan file, explicit ones winning."""
+    from pipeloom.plan import load_plan
+
+    chosen = load_plan(plan)
+    return (chosen.schedule if schedule is None else schedule,
+            chosen.split_points if split_points is None else split_points,
+            dict(chosen.schedule_options) if options is None else options,
+            chosen.microbatches if microbatches is None else microbatches)
+
+
+def _check_arguments(schedule: object, loss_fn: object, timeout: object, microbatches: object) -> None:
+    if schedule is None:
+        raise PipelineError("say which schedule to run: schedule='1f1b' (see `pipeloom list`), a Schedule or a file")
+    if loss_fn is None:
+        raise PipelineError("give loss_fn=, called as loss_fn(output, target) for every micro-batch")
+    if not (isinstance(timeout, (int, float)) and timeout > 0):
+        raise PipelineError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if microbatches is not None and (isinstance(microbatches, bool) or not isinstance(microbatches, int)
+                                     or microbatches < 1):
+        raise PipelineError(f"microbatches must be a positive integer, got {microbatches!r}")
+
+
+def _sharded(data_parallel: str, layout: Layout, lowering: Lowering, shared: SharedParameters) -> bool:
+    """Whether the pieces are sharded with FSDP2 (checking that they can be)."""
+    if data_parallel not in ("replicate", "fsdp"):
+        raise PipelineError(f"data_parallel must be 'replicate' or 'fsdp', got {data_parallel!r}")
+    if data_parallel == "replicate":
+        return False
+    if layout.dp.mesh is None:
+        raise PipelineError("data_parallel='fsdp' shards over the mesh's \"dp\" dimension: pass mesh= with "
+                            "mesh_dim_names=('dp', 'pp') and a dp size above 1")
+    if lowering.replicas > 1:
+        raise PipelineError(f"schedule {lowering.schedule.name!r} holds two replicas of each piece; with "
+                            "data_parallel='fsdp' choose a one-replica schedule (1f1b, zbv, interleaved-1f1b, ...)")
+    if shared.params:
+        raise PipelineError(f"parameter {shared.names[0]!r} is used by several pieces, which FSDP cannot shard "
+                            "once; use data_parallel='replicate', or split so that all its uses fall in one piece")
+    return True
+
+
+def _rank_pieces(lowering: Lowering, layout: Layout, device: torch.device, staged: StagedModel, loss_fn: Callable,
+                 seed: int, shared: SharedParameters, sharded: bool) -> RankPieces:
+    """What every step of this rank reads (see :class:`~pipeloom.runtime.pieces.RankPieces`)."""
+    rank = layout.rank
+    program = lowering.programs[rank]
+    modules = {s: staged.stages[lowering.piece_of[s]] for s in lowering.stages_on(rank)}
+    last_gradient: dict[int, int] = {}  # stage -> the program index of its last weight-gradient action
+    for t, step in enumerate(program):
+        if step.action.kind in ("B", "W"):
+            last_gradient[step.action.stage] = t
+    return RankPieces(
+        lowering=lowering, rank=rank, device=device, modules=modules, program=program,
+        eval_program=tuple(step for step in program if step.action.kind == "F"),
+        num_outputs=tuple(spec.num_outputs for spec in staged.graph.stages), output=staged.graph.output,
+        loss_fn=loss_fn, seed=seed, shared=shared, dp=layout.dp, sharded=sharded,
+        gradients_done={t: s for s, t in last_gradient.items()},  # where "dp" buckets are posted
+    )
+
+
