@@ -11,6 +11,7 @@ This module needs no torch: it works on the schedule and on the stage graph's va
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -18,11 +19,21 @@ from dataclasses import dataclass, field
 from pipeloom.errors import PipeloomError
 from pipeloom.ir import Action, Comm, Schedule
 
-__all__ = ["Lowering", "PipelineError", "Step", "Unit", "forward_unit", "lower", "model_pieces"]
+__all__ = ["MODEL_INPUT", "Lowering", "PipelineError", "Source", "Step", "Unit", "forward_unit", "lower", "model_pieces"]
 
-MODEL_INPUT = -1
+class Source(enum.Enum):
+    """Where a value comes from when it is not a piece's output."""
+
+    MODEL_INPUT = "model input"
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+MODEL_INPUT = Source.MODEL_INPUT
 """The producer of a value that is a model input, not a piece's output (in ``ValueRef.stage`` and in
-``lower``'s piece inputs): the one definition of it."""
+``lower``'s piece inputs): a marker of its own type, so it is never taken for a stage number (a list
+indexed by it fails loudly instead of reading the last entry)."""
 
 
 class PipelineError(PipeloomError, RuntimeError):
@@ -67,7 +78,7 @@ class Lowering:
     replica_of: tuple[int, ...]  # schedule stage -> component
     stage_for: tuple[tuple[int, ...], ...]  # [component][piece] -> schedule stage
     rank_of: tuple[int, ...]  # schedule stage -> rank
-    sources: tuple[tuple[tuple[int, int], ...], ...]  # per stage: its piece's inputs as (stage or -1, index)
+    sources: tuple[tuple[tuple[int | Source, int], ...], ...]  # per stage: its piece's inputs (stage or MODEL_INPUT, index)
     units: tuple[Unit, ...]
     unit_of: dict[tuple[str, int, int, int], int]  # (kind, producer, consumer, real micro-batch) -> unit id
     programs: tuple[tuple[Step, ...], ...]  # per rank
@@ -140,7 +151,7 @@ def lower(schedule: Schedule, piece_inputs: Sequence[Sequence[tuple[int, int]]],
           output_refs: Sequence[tuple[int, int]]) -> Lowering:
     """Map ``schedule`` onto a model of ``len(piece_inputs)`` pieces and list every rank's steps.
 
-    ``piece_inputs[k]`` are piece k's inputs as ``(piece or -1 for a model input, index)``;
+    ``piece_inputs[k]`` are piece k's inputs as ``(piece or MODEL_INPUT, index)``;
     ``output_refs`` are the model output's leaves the same way. The loss runs on the last piece.
     """
     given = schedule

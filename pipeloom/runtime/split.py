@@ -22,7 +22,7 @@ from pipeloom.runtime.errors import (
     StageValueError,
     UnknownSplitPointError,
 )
-from pipeloom.runtime.lower import MODEL_INPUT
+from pipeloom.runtime.lower import MODEL_INPUT, Source
 from pipeloom.runtime.modes import switch_modes
 from pipeloom.runtime.passes import TRACED_DEVICE, copy_mutated_inputs, localize_sizes
 from pipeloom.runtime.tracing import TracedModel, module_scopes, trace_model
@@ -49,12 +49,13 @@ __all__ = [
 class ValueRef:
     """One value flowing into a stage: output ``index`` of ``stage`` (or model input ``index``)."""
 
-    stage: int  # producing stage, or MODEL_INPUT
+    stage: int | Source  # producing stage, or MODEL_INPUT
     index: int  # position among the producer's outputs (or among the model inputs)
     name: str = field(default="", compare=False)  # the fx node's name, for error messages
 
     def __post_init__(self) -> None:
-        if self.stage < MODEL_INPUT or self.index < 0:
+        if (self.stage is not MODEL_INPUT and (isinstance(self.stage, bool) or not isinstance(self.stage, int)
+                                               or self.stage < 0)) or self.index < 0:
             raise SplitError(f"bad value reference stage={self.stage}, index={self.index}")
 
 
@@ -72,7 +73,7 @@ class StageSpec:
 
     def __post_init__(self) -> None:
         for ref in self.inputs:
-            if ref.stage >= self.index:
+            if ref.stage is not MODEL_INPUT and ref.stage >= self.index:
                 raise SplitError(f"stage {self.index} consumes {ref} from a stage that is not earlier")
 
 
@@ -89,7 +90,7 @@ class StageGraph:
 
         The list fits ``pipeloom.problem.stage_graph(..., edges=...)``.
         """
-        pairs = {(ref.stage, spec.index) for spec in self.stages for ref in spec.inputs if ref.stage >= 0}
+        pairs = {(ref.stage, spec.index) for spec in self.stages for ref in spec.inputs if ref.stage is not MODEL_INPUT}
         return sorted(pairs)
 
     def output_refs(self) -> tuple[ValueRef, ...]:
@@ -228,9 +229,9 @@ def _stage_starts(graph: fx.Graph, split_points: Sequence[str], leaf_modules: Se
     return starts
 
 
-def _assign(graph: fx.Graph, starts: list[int]) -> dict[fx.Node, int]:
+def _assign(graph: fx.Graph, starts: list[int]) -> dict[fx.Node, int | Source]:
     """Stage of every placeholder (MODEL_INPUT) and compute node; get_attr nodes are copied per use."""
-    stage_of: dict[fx.Node, int] = {}
+    stage_of: dict[fx.Node, int | Source] = {}
     stage = 0
     for position, node in enumerate(graph.nodes):
         while stage < len(starts) and position >= starts[stage]:

@@ -9,9 +9,9 @@ pytest.importorskip("torch")
 import pipeloom
 from pipeloom.ir import Action
 from pipeloom.problem import Costs, stage_graph
-from pipeloom.runtime.lower import PipelineError, lower, model_pieces
+from pipeloom.runtime.lower import MODEL_INPUT, PipelineError, lower, model_pieces
 
-CHAIN = {n: [[(-1, 0)]] + [[(k - 1, 0)] for k in range(1, n)] for n in (2, 4, 8)}
+CHAIN = {n: [[(MODEL_INPUT, 0)]] + [[(k - 1, 0)] for k in range(1, n)] for n in (2, 4, 8)}
 OUT = {n: [(n - 1, 0)] for n in (2, 4, 8)}
 
 
@@ -43,7 +43,7 @@ def test_two_replicas_take_alternate_microbatches():
 
 
 def test_a_skip_connection_becomes_its_own_unit():
-    skip = [[(-1, 0)], [(0, 0)], [(1, 0), (0, 0)]]
+    skip = [[(MODEL_INPUT, 0)], [(0, 0)], [(1, 0), (0, 0)]]
     low = lower(pipeloom.build_schedule("1f1b", 3, 4), skip, [(2, 0)])
     pairs = {(u.producer, u.consumer) for u in low.units if u.kind == "F"}
     assert pairs == {(0, 1), (1, 2), (0, 2)}
@@ -70,7 +70,7 @@ def test_multi_rank_tasks_are_refused():
     problem = stage_graph([Costs().stage([0, 1])], num_ranks=2)
     schedule = _schedule(problem, [["0F0", "0B0"], ["0F0", "0B0"]])
     with pytest.raises(PipelineError, match="one rank"):
-        lower(schedule, [[(-1, 0)]], [(0, 0)])
+        lower(schedule, [[(MODEL_INPUT, 0)]], [(0, 0)])
 
 
 @pytest.mark.parametrize(("name", "ranks", "pieces"), [
