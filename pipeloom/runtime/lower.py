@@ -147,20 +147,59 @@ def forward_unit(unit_of: dict[tuple[str, int, int, int], int], unit: Unit) -> i
     return unit_of[("F", unit.producer, unit.consumer, unit.microbatch)]
 
 
-def lower(schedule: Schedule, piece_inputs: Sequence[Sequence[tuple[int, int]]],
-          output_refs: Sequence[tuple[int, int]]) -> Lowering:
+def lower(schedule: Schedule, piece_inputs: Sequence[Sequence[tuple[int | Source, int]]],
+          output_refs: Sequence[tuple[int | Source, int]]) -> Lowering:
     """Map ``schedule`` onto a model of ``len(piece_inputs)`` pieces and list every rank's steps.
 
     ``piece_inputs[k]`` are piece k's inputs as ``(piece or MODEL_INPUT, index)``;
     ``output_refs`` are the model output's leaves the same way. The loss runs on the last piece.
+    A lowered schedule (with SEND/RECV actions) runs its compute actions, its receives posted where
+    they stand (:func:`_receive_points`).
     """
     given = schedule
-    if schedule.lowered:  # run its compute actions; its receives say where to post (_receive_points)
+    if schedule.lowered:
         schedule = dataclasses.replace(schedule, ranks=tuple(
             tuple(a for a in actions if not isinstance(a, Comm)) for actions in schedule.ranks))
+    placed = _place(schedule, piece_inputs)
+    sources = tuple(tuple((MODEL_INPUT if u is MODEL_INPUT else placed.stage_for[placed.replica_of[s]][u], i)
+                          for u, i in piece_inputs[placed.piece_of[s]]) for s in range(len(placed.piece_of)))
+    consumers, producers = _routes(placed, sources, output_refs, last=len(piece_inputs) - 1)
+    units, unit_of, programs = _programs(schedule, placed, consumers, producers)
+    pair_order: dict[tuple[int, int], list[int]] = defaultdict(list)
+    for u in units:
+        pair_order[(u.src, u.dst)].append(u.id)
+    if given.lowered:
+        programs = [_receive_points(given.ranks[rank], program) for rank, program in enumerate(programs)]
+    return Lowering(
+        schedule=schedule, replicas=placed.replicas, num_microbatches=placed.replicas * schedule.num_microbatches,
+        piece_of=placed.piece_of, replica_of=placed.replica_of, stage_for=placed.stage_for,
+        rank_of=placed.rank_of, sources=sources, units=tuple(units), unit_of=unit_of, programs=tuple(programs),
+        pair_order={k: tuple(v) for k, v in pair_order.items()}, explicit_posts=given.lowered,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Placed:
+    """Which piece, replica and rank every schedule stage runs."""
+
+    piece_of: tuple[int, ...]
+    replica_of: tuple[int, ...]
+    stage_for: tuple[tuple[int, ...], ...]  # [replica][piece] -> stage
+    rank_of: tuple[int, ...]
+
+    @property
+    def replicas(self) -> int:
+        return len(self.stage_for)
+
+    def real(self, stage: int, m: int) -> int:
+        """The real micro-batch of IR micro-batch ``m`` of ``stage``."""
+        return self.replicas * m + self.replica_of[stage]
+
+
+def _place(schedule: Schedule, piece_inputs: Sequence[Sequence[tuple[int | Source, int]]]) -> _Placed:
+    """The stages' pieces (one chain of pieces per forward component), checked against the model."""
     problem = schedule.problem
-    num_pieces = len(piece_inputs)
-    num_stages = problem.num_stages
+    num_pieces, num_stages = len(piece_inputs), problem.num_stages
     for task in problem.tasks:
         if len(task.ranks) != 1:
             raise PipelineError(f"task {task.name} runs on ranks {list(task.ranks)}; the runtime runs each stage "
@@ -179,105 +218,91 @@ def lower(schedule: Schedule, piece_inputs: Sequence[Sequence[tuple[int, int]]],
             f"cut the model into {num_stages // replicas if num_stages % replicas == 0 else num_stages} pieces "
             "(split_points one fewer), or choose a schedule with as many stages as pieces"
         )
-    piece_of = [0] * num_stages
-    replica_of = [0] * num_stages
+    piece_of, replica_of = [0] * num_stages, [0] * num_stages
     for j, comp in enumerate(components):
         for k, s in enumerate(comp):
             piece_of[s], replica_of[s] = k, j
-    stage_for = tuple(tuple(comp) for comp in components)
     reach = _reachable(num_stages, edges)
-    for j, comp in enumerate(components):
+    for comp in components:
         for k, inputs in enumerate(piece_inputs):
             for u, _ in inputs:
-                if u != MODEL_INPUT and comp[k] not in reach[comp[u]]:
+                if u is not MODEL_INPUT and comp[k] not in reach[comp[u]]:
                     raise PipelineError(
                         f"model piece {k} reads piece {u}'s output, but in the schedule stage {comp[k]} does not "
                         f"come after stage {comp[u]}; the pieces' dataflow must follow the schedule's stage order"
                     )
-    sources = tuple(tuple((MODEL_INPUT if u == MODEL_INPUT else stage_for[replica_of[s]][u], i)
-                          for u, i in piece_inputs[piece_of[s]]) for s in range(num_stages))
-    last = num_pieces - 1
-    # what each consumer stage needs from each producer stage (sorted output indices)
+    return _Placed(piece_of=tuple(piece_of), replica_of=tuple(replica_of),
+                   stage_for=tuple(tuple(comp) for comp in components), rank_of=tuple(rank_of))
+
+
+Routes = dict[int, list[tuple[int, tuple[int, ...]]]]  # stage -> [(other stage, output indices)]
+
+
+def _routes(placed: _Placed, sources: tuple, output_refs: Sequence[tuple[int | Source, int]],
+            last: int) -> tuple[Routes, Routes]:
+    """(consumers, producers): what each consumer stage needs from each producer stage, both ways."""
     needs: dict[tuple[int, int], set[int]] = defaultdict(set)
-    for s in range(num_stages):
-        for u, i in sources[s]:
-            if u != MODEL_INPUT:
+    for s, stage_sources in enumerate(sources):
+        for u, i in stage_sources:
+            if u is not MODEL_INPUT:
                 needs[(u, s)].add(i)
-        if piece_of[s] == last:
+        if placed.piece_of[s] == last:
             for piece, i in output_refs:
-                if piece == MODEL_INPUT:  # a model input returned as an output: every rank has it
+                if piece is MODEL_INPUT:  # a model input returned as an output: every rank has it
                     continue
-                u = stage_for[replica_of[s]][piece]
+                u = placed.stage_for[placed.replica_of[s]][piece]
                 if u != s:
                     needs[(u, s)].add(i)
-    consumers: dict[int, list[tuple[int, tuple[int, ...]]]] = defaultdict(list)
+    consumers: Routes = defaultdict(list)
     for (u, s), indices in sorted(needs.items()):
         consumers[u].append((s, tuple(sorted(indices))))
-    producers: dict[int, list[tuple[int, tuple[int, ...]]]] = defaultdict(list)
+    producers: Routes = defaultdict(list)
     for (u, s), indices in sorted(needs.items(), key=lambda item: (item[0][1], item[0][0])):
         producers[s].append((u, tuple(sorted(indices))))
+    return consumers, producers
 
+
+def _programs(schedule: Schedule, placed: _Placed, consumers: Routes,
+              producers: Routes) -> tuple[list[Unit], dict, list[tuple[Step, ...]]]:
+    """Every message unit (numbered in each sender's program order, so ids are each pair's send order)
+    and every rank's steps."""
+    rank_of = placed.rank_of
     units: list[Unit] = []
     unit_of: dict[tuple[str, int, int, int], int] = {}
 
     def unit(kind: str, u: int, s: int, mb: int, indices: tuple[int, ...]) -> int:
         src, dst = (rank_of[u], rank_of[s]) if kind == "F" else (rank_of[s], rank_of[u])
-        uid = len(units)
-        units.append(Unit(id=uid, kind=kind, producer=u, consumer=s, microbatch=mb, indices=indices,
+        units.append(Unit(id=len(units), kind=kind, producer=u, consumer=s, microbatch=mb, indices=indices,
                           src=src, dst=dst))
-        unit_of[(kind, u, s, mb)] = uid
-        return uid
+        unit_of[(kind, u, s, mb)] = len(units) - 1
+        return len(units) - 1
 
-    def real(stage: int, m: int) -> int:
-        return replicas * m + replica_of[stage]
-
-    backward_kinds = {t.stage: t.kind for t in problem.tasks if t.kind in ("B", "I")}
-    # units are created in each sender's program order, so ids are each pair's send order
-    pending_sends: list[list[tuple[Action, list[int]]]] = []
+    sends: dict[tuple[int, int], tuple[int, ...]] = {}  # (rank, position) -> unit ids sent after it
     for rank in range(schedule.num_ranks):
-        steps: list[tuple[Action, list[int]]] = []
-        for action in schedule.ranks[rank]:
-            s, kind, m = action.stage, action.kind, action.microbatch
-            sends: list[int] = []
+        for t, action in enumerate(schedule.ranks[rank]):
+            s, kind, mb = action.stage, action.kind, placed.real(action.stage, action.microbatch)
             if kind == "F":
-                for c, indices in consumers[s]:
-                    if rank_of[c] != rank:
-                        sends.append(unit("F", s, c, real(s, m), indices))
+                sends[(rank, t)] = tuple(unit("F", s, c, mb, indices) for c, indices in consumers[s]
+                                         if rank_of[c] != rank)
             elif kind in ("B", "I"):
-                for u, indices in producers[s]:
-                    if rank_of[u] != rank:
-                        sends.append(unit("B", u, s, real(s, m), indices))
-            steps.append((action, sends))
-        pending_sends.append(steps)
+                sends[(rank, t)] = tuple(unit("B", u, s, mb, indices) for u, indices in producers[s]
+                                         if rank_of[u] != rank)
+    backward_kinds = {t.stage: t.kind for t in schedule.problem.tasks if t.kind in ("B", "I")}
     programs = []
-    for rank, steps in enumerate(pending_sends):
+    for rank in range(schedule.num_ranks):
         program = []
-        for action, sends in steps:
-            s, kind, m = action.stage, action.kind, action.microbatch
-            mb = real(s, m)
-            recvs: list[int] = []
+        for t, action in enumerate(schedule.ranks[rank]):
+            s, kind, mb = action.stage, action.kind, placed.real(action.stage, action.microbatch)
+            recvs: tuple[int, ...] = ()
             if kind == "F":
-                for u, _ in producers[s]:
-                    if rank_of[u] != rank:
-                        recvs.append(unit_of[("F", u, s, mb)])
+                recvs = tuple(unit_of[("F", u, s, mb)] for u, _ in producers[s] if rank_of[u] != rank)
             elif kind in ("B", "I"):
-                for c, _ in consumers[s]:
-                    if rank_of[c] != rank and backward_kinds.get(c):
-                        recvs.append(unit_of[("B", s, c, mb)])
-            program.append(Step(action=action, piece=piece_of[s], microbatch=mb, recvs=tuple(recvs),
-                                sends=tuple(sends)))
+                recvs = tuple(unit_of[("B", s, c, mb)] for c, _ in consumers[s]
+                              if rank_of[c] != rank and backward_kinds.get(c))
+            program.append(Step(action=action, piece=placed.piece_of[s], microbatch=mb, recvs=recvs,
+                                sends=sends.get((rank, t), ())))
         programs.append(tuple(program))
-    pair_order: dict[tuple[int, int], list[int]] = defaultdict(list)
-    for u in units:
-        pair_order[(u.src, u.dst)].append(u.id)
-    if given.lowered:
-        programs = [_receive_points(given.ranks[rank], program) for rank, program in enumerate(programs)]
-    return Lowering(
-        schedule=schedule, replicas=replicas, num_microbatches=replicas * schedule.num_microbatches,
-        piece_of=tuple(piece_of), replica_of=tuple(replica_of), stage_for=stage_for, rank_of=tuple(rank_of),
-        sources=sources, units=tuple(units), unit_of=unit_of, programs=tuple(programs),
-        pair_order={k: tuple(v) for k, v in pair_order.items()}, explicit_posts=given.lowered,
-    )
+    return units, unit_of, programs
 
 
 def _receive_points(actions: Sequence[Action | Comm], program: Sequence[Step]) -> tuple[Step, ...]:
