@@ -1,16 +1,24 @@
-"""pipeloom's runtime against torch.distributed.pipelining: same model, same schedule, side by side.
+"""pipeloom's runtime against torch.distributed.pipelining: same model, same action order, side by side.
 
-Run ``python benchmarks/runtime_vs_torch.py`` (``--help`` for sizes). It spawns ``--ranks`` processes
-(gloo on CPU, ``torch.set_num_threads(1)`` in each: the development machine has 2 cores for 2 ranks),
-builds the same residual-MLP model on every rank from one seed, and for each schedule runs warm-up
-steps, then ``--steps`` timed steps of pipeloom and torch in turn (also of pipeloom running torch's
-own action lists, for the multi-stage classes). A step's time is the slowest rank's wall time of
-one ``step`` call (all ranks start it together after a barrier). Gradients are zeroed between steps
-and no optimizer runs, so every step sees the same weights and loss.
+Run ``python benchmarks/runtime_vs_torch.py`` (``--help``; docs/runtime-benchmark.md explains it). It
+spawns ``--ranks`` processes (gloo on CPU, one thread each: the development machine has 2 cores), builds
+the same residual-MLP model on every rank from one seed and, for every torch class of GPipe, 1F1B,
+Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble and DualPipeV that this torch has, times in
+rounds (who goes first rotates): **torch**; **same order**, pipeloom on torch's own compute actions
+(the multi-stage classes' ``pipeline_order`` as a torch CSV, a full B that torch mixes with I/W run as
+I then W; for GPipe and 1F1B, whose loops do not execute ``pipeline_order``, pipeloom's ``gpipe`` and
+``1f1b``, which reproduce those loops action for action); and **own order**, pipeloom's own schedule
+for the placement, in general a different order and never parity: gpipe, 1f1b, interleaved-1f1b, one
+found by ``pipeloom.search`` on the looped placement with split backward (no built-in interleaved
+zero-bubble exists), zbv, dualpipev. Where the own order equals torch's list, one run fills both.
 
-Printed per schedule: the step-time medians and pipeloom / torch (target <= 0.9), the loss of both
-(they must agree), and pipeloom's measured step time against the simulator's prediction from the
-measured per-action costs of a traced run (target <= 1.15).
+A step's time is the slowest rank's wall time of one ``step`` call (ranks start together after a
+barrier); gradients are zeroed between steps and no optimizer runs. A ratio is the median over rounds
+of pipeloom's time / torch's in the same round (paired: load drifts cancel), its spread the 10th-90th
+percentile. Sizes: "hidden" is the printed inner width ``width * expansion``, so "hidden 256 batch 64"
+is ``--size small`` (width 64, expansion 4, batch 64) and "hidden 1024 batch 256" is ``large`` (width
+256, expansion 4, batch 256). Targets: same order <= 0.95 for every class, own order <= 0.9, and
+wall/pred <= 1.15 for a traced run of the own order against the simulator's prediction.
 """
 
 from __future__ import annotations
@@ -24,53 +32,81 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+from torch.distributed import pipelining
 from torch.nn import functional
 
 __all__ = ["main"]
 
 
 COMPUTE = re.compile(r"\d+[FBIW]\d+")  # a compute action's text, e.g. 2F0 or 0W3
+SEARCHED = "searched"  # Case.own for a schedule found by pipeloom.search (built in main, once)
+SAME_TARGET, OWN_TARGET = 0.95, 0.9
+LEGEND = """\
+ratio: median over rounds of pipeloom's step time / torch's in the same round; p10-p90: its spread.
+same order: pipeloom on torch's own action list (= own: identical to pipeloom's order, one run gives both
+columns; loop: torch's GPipe/1F1B loops; B=I+W: torch's full backwards run as I then W). own order:
+pipeloom's own schedule for the same placement, in general a different action order (not parity).
+losses: all systems' step losses compared as floats. wall/pred: the own order's traced step time / the
+simulator's prediction from its measured task times."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Case:
-    """One schedule in both systems."""
+    """One torch schedule class and pipeloom's own schedule for the same placement."""
 
-    name: str  # pipeloom's built-in schedule name
-    torch_class: str  # the torch.distributed.pipelining schedule class of the same family
-    stages_per_rank: int  # model stages each rank holds (1, or 2 for looped and V placements)
+    torch_class: str  # the torch.distributed.pipelining schedule class
+    own: str  # pipeloom's built-in of the same family, or SEARCHED
+    placement: str  # where stage s lives: "linear" (rank s), "looped" (rank s % p), "v" (r and 2p-1-r)
+
+    @property
+    def stages_per_rank(self) -> int:
+        """Model stages each rank holds: 1, or 2 for the looped and V placements."""
+        return 1 if self.placement == "linear" else 2
+
+    @property
+    def label(self) -> str:
+        """The class name without ``Schedule``, e.g. ``Interleaved1F1B``."""
+        return self.torch_class.removeprefix("Schedule")
 
 
-CASES = (
-    Case(name="gpipe", torch_class="ScheduleGPipe", stages_per_rank=1),
-    Case(name="1f1b", torch_class="Schedule1F1B", stages_per_rank=1),
-    Case(name="interleaved-1f1b", torch_class="ScheduleInterleaved1F1B", stages_per_rank=2),
-    Case(name="zbv", torch_class="ScheduleZBVZeroBubble", stages_per_rank=2),
-)
+CASES = tuple(case for case in (
+    Case(torch_class="ScheduleGPipe", own="gpipe", placement="linear"),
+    Case(torch_class="Schedule1F1B", own="1f1b", placement="linear"),
+    Case(torch_class="ScheduleInterleaved1F1B", own="interleaved-1f1b", placement="looped"),
+    Case(torch_class="ScheduleInterleavedZeroBubble", own=SEARCHED, placement="looped"),
+    Case(torch_class="ScheduleZBVZeroBubble", own="zbv", placement="v"),
+    Case(torch_class="ScheduleDualPipeV", own="dualpipev", placement="v"),
+) if hasattr(pipelining, case.torch_class))  # every one of them that this torch has
+
+SIZES = {"small": {"width": 64, "expansion": 4, "batch": 64},  # hidden 256, batch 64
+         "large": {"width": 256, "expansion": 4, "batch": 256}}  # hidden 1024, batch 256
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Config:
-    """Sizes and repetitions of one benchmark run."""
+    """Sizes and repetitions of one benchmark run (one model size)."""
 
+    size: str  # the preset's name, or "custom"
     ranks: int  # processes, one pipeline rank each
     blocks: int  # residual MLP blocks in the model
     width: int  # features of the residual stream
     expansion: int  # hidden features of a block = expansion * width
     batch: int  # rows per step, cut into `microbatches` equal micro-batches
     microbatches: int  # M
-    warmup: int  # untimed steps per system before timing
-    steps: int  # timed steps per system
+    warmup: int  # untimed rounds before timing
+    steps: int  # timed rounds (one step of every system each)
     traced_steps: int  # steps of a separate traced pipeloom run for the simulator comparison
+    search_seconds: float  # time limit of the search for the SEARCHED own order
     seed: int  # model and data seed, the same on every rank
-    schedules: tuple[str, ...]  # names from CASES
+    schedules: tuple[str, ...]  # Case.label of the torch classes to run
+    searched: str  # the SEARCHED own order as torch CSV ("" until main() has searched)
 
 
 class Block(nn.Module):
@@ -118,20 +154,40 @@ def stage_bounds(num_blocks: int, num_stages: int) -> list[tuple[int, int]]:
 
 
 def torch_stage_indices(case: Case, rank: int, ranks: int) -> list[int]:
-    """Stages torch places on ``rank``: looped (s % p) for interleaved, V (r, 2p-1-r) for ZB-V."""
-    if case.stages_per_rank == 1:
+    """Stages torch places on ``rank``: rank, looped (s % p) or V (r, 2p-1-r)."""
+    if case.placement == "linear":
         return [rank]
-    if case.torch_class == "ScheduleZBVZeroBubble":
+    if case.placement == "v":
         return [rank, 2 * ranks - 1 - rank]
     return [rank + k * ranks for k in range(case.stages_per_rank)]
 
 
+def compute_texts(action: object) -> list[str]:
+    """torch action -> its compute actions as text (an overlapped F+B pair gives both, in order)."""
+    if action is None:
+        return []
+    if getattr(action, "sub_actions", None):
+        return [text for sub in action.sub_actions for text in compute_texts(sub)]
+    return [str(action)] if COMPUTE.fullmatch(str(action)) else []
+
+
+def torch_order(schedule: object) -> tuple[list[list[str]], bool]:
+    """The compute actions torch's ``pipeline_order`` lists, one row per rank, and whether B was split:
+    a list mixing B with I/W gets each B as I then W (pipeloom's CSV reader takes one backward style)."""
+    order = schedule.pipeline_order
+    rows = [[text for action in order[rank] for text in compute_texts(action)] for rank in sorted(order)]
+    kinds = {re.sub(r"\d", "", text) for row in rows for text in row}
+    mixed = "B" in kinds and bool(kinds & {"I", "W"})
+    if mixed:
+        rows = [[part for text in row for part in ((text.replace("B", "I"), text.replace("B", "W"))
+                                                   if "B" in text else (text,))] for row in rows]
+    return rows, mixed
+
+
 class TorchRunner:
-    """torch.distributed.pipelining running ``case`` on this rank."""
+    """torch.distributed.pipelining running ``case``'s class on this rank."""
 
     def __init__(self, case: Case, config: Config, rank: int) -> None:
-        from torch.distributed import pipelining
-
         model = build_model(config)
         num_stages = config.ranks * case.stages_per_rank
         bounds = stage_bounds(config.blocks, num_stages)
@@ -146,16 +202,6 @@ class TorchRunner:
                                        config.microbatches, loss_fn=functional.mse_loss)
         self.holds_last = (num_stages - 1) in torch_stage_indices(case, rank, config.ranks)
 
-    def order_csv(self) -> str:
-        """The compute actions torch runs, as a torch CSV (one row per rank) that pipeloom loads.
-
-        Only for the multi-stage classes: they execute ``pipeline_order``; the single-stage ones
-        (GPipe, 1F1B) run their own loops and keep ``pipeline_order`` for display.
-        """
-        order = self.schedule.pipeline_order
-        return "".join(",".join(str(a) for a in order[rank] if a is not None and COMPUTE.match(str(a))) + "\n"
-                       for rank in sorted(order))
-
     def step(self, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
         losses: list[torch.Tensor] = []
         self.schedule.step(x, target=y, losses=losses, return_outputs=False)
@@ -169,19 +215,24 @@ class TorchRunner:
 
 
 class PipeloomRunner:
-    """pipeloom's engine running ``case`` on this rank (trace to ``trace`` when given)."""
+    """pipeloom's engine running ``schedule`` (a built-in name or a Schedule) over ``case``'s stages."""
 
-    def __init__(self, case: Case, config: Config, *, trace: str | None = None, schedule: object = None) -> None:
+    def __init__(self, case: Case, config: Config, schedule: object, *, trace: str | None = None) -> None:
         import pipeloom.runtime as rt
 
         model = build_model(config)
         num_stages = config.ranks * case.stages_per_rank
         split_points = [f"blocks.{start}" for start, _ in stage_bounds(config.blocks, num_stages)[1:]]
-        options = {"stages_per_rank": case.stages_per_rank} if case.name == "interleaved-1f1b" else None
-        self.engine = rt.pipeline(model, schedule=schedule or case.name, split_points=split_points,
+        options = {"stages_per_rank": case.stages_per_rank} if schedule == "interleaved-1f1b" else None
+        self.engine = rt.pipeline(model, schedule=schedule, split_points=split_points,
                                   loss_fn=functional.mse_loss, microbatches=config.microbatches,
-                                  schedule_options=None if schedule else options, trace=trace)
+                                  schedule_options=options, trace=trace)
         self.parameters = list(self.engine.parameters())
+
+    def order(self) -> list[list[str]]:
+        """The compute actions of every rank, as text (comparable with :func:`torch_order`)."""
+        ranks = self.engine.schedule.ranks
+        return [[str(a) for a in actions if COMPUTE.fullmatch(str(a))] for actions in ranks]
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return self.engine.step(x, target=y)
@@ -190,7 +241,15 @@ class PipeloomRunner:
         return float(loss.detach())
 
 
-def timed_step(runner: TorchRunner | PipeloomRunner, x: torch.Tensor, y: torch.Tensor) -> tuple[float, object]:
+def own_schedule(case: Case, config: Config) -> object:
+    """pipeloom's own order for ``case``: a built-in name, or the searched schedule main() found."""
+    from pipeloom.ir import schedule_from_csv
+
+    return schedule_from_csv(config.searched, name=SEARCHED) if case.own == SEARCHED else case.own
+
+
+def timed_step(runner: TorchRunner | PipeloomRunner, x: torch.Tensor, y: torch.Tensor
+               ) -> tuple[float, object]:
     """Seconds of one step on the slowest rank (ranks start together), and the step's result."""
     dist.barrier()
     start = time.perf_counter()
@@ -202,44 +261,56 @@ def timed_step(runner: TorchRunner | PipeloomRunner, x: torch.Tensor, y: torch.T
     return float(elapsed), result
 
 
-def run_side_by_side(case: Case, config: Config, x: torch.Tensor, y: torch.Tensor) -> dict:
-    """Warm-up, then timed steps of every runner in turn (rotating who goes first); medians, losses."""
-    from pipeloom.ir import schedule_from_csv
-
-    torch_runner = TorchRunner(case, config, dist.get_rank())
-    runners: dict[str, TorchRunner | PipeloomRunner] = {"torch": torch_runner,
-                                                        "pipeloom": PipeloomRunner(case, config)}
-    if case.stages_per_rank > 1:  # torch executes its pipeline_order: pipeloom runs the very same lists
-        order = schedule_from_csv(torch_runner.order_csv(), name=f"torch-{case.name}")
-        runners["pipeloom_torch_order"] = PipeloomRunner(case, config, schedule=order)
+def timed_rounds(runners: dict, config: Config, x: torch.Tensor, y: torch.Tensor) -> tuple[dict, dict]:
+    """Warm-up, then rounds of one step per runner (rotating who goes first): times and last losses."""
     times: dict[str, list[float]] = {name: [] for name in runners}
     losses: dict[str, float] = {}
     names = list(runners)
     for step in range(config.warmup + config.steps):
         for name in names[step % len(names):] + names[:step % len(names)]:
-            runner = runners[name]
-            seconds, result = timed_step(runner, x, y)
+            seconds, result = timed_step(runners[name], x, y)
             if step >= config.warmup:
                 times[name].append(seconds)
-            losses[name] = runner.loss(result)
-    row = {"schedule": case.name, "torch_class": case.torch_class}
-    for name in runners:
-        row[f"{name}_median_s"] = statistics.median(times[name])
-        row[f"{name}_loss"] = losses[name]
-        # paired: each round's steps ran back to back, so their ratio cancels slow drifts of machine load
-        row[f"{name}_paired_ratio"] = statistics.median(a / b for a, b in zip(times[name], times["torch"]))
-    return row
+            losses[name] = runners[name].loss(result)
+    return times, losses
+
+
+def paired(times: dict[str, list[float]], name: str) -> dict:
+    """Median and 10th/90th percentile over rounds of ``name``'s time / torch's in the same round."""
+    ratios = [a / b for a, b in zip(times[name], times["torch"])]
+    low, high = (statistics.quantiles(ratios, n=10, method="inclusive")[::8] if len(ratios) > 1
+                 else (ratios[0], ratios[0]))
+    return {f"{name}_s": statistics.median(times[name]), f"{name}_ratio": statistics.median(ratios),
+            f"{name}_p10": low, f"{name}_p90": high}
+
+
+def run_side_by_side(case: Case, config: Config, x: torch.Tensor, y: torch.Tensor) -> dict:
+    """torch, pipeloom on torch's list and pipeloom's own order, timed in rounds; one table row."""
+    from pipeloom.ir import schedule_from_csv
+
+    torch_runner = TorchRunner(case, config, dist.get_rank())
+    own = PipeloomRunner(case, config, own_schedule(case, config))
+    runners: dict[str, TorchRunner | PipeloomRunner] = {"torch": torch_runner, "own": own}
+    if case.placement == "linear":  # torch runs its own loop, whose order gpipe/1f1b reproduce
+        identical, how = True, "= own, loop"
+    else:  # torch executes pipeline_order
+        rows, split_b = torch_order(torch_runner.schedule)
+        identical = own.order() == rows
+        how = ("= own" if identical else "torch list") + (", B=I+W" if split_b else "")
+    if not identical:
+        csv = "".join(",".join(row) + "\n" for row in rows)
+        runners["same"] = PipeloomRunner(case, config, schedule_from_csv(csv, name=f"torch-{case.label}"))
+    times, losses = timed_rounds(runners, config, x, y)
+    if identical:  # one pipeloom run is both columns
+        times["same"], losses["same"] = times["own"], losses["own"]
+    return {"torch_class": case.label, "own": case.own, "same_run": how, "losses": losses,
+            "torch_s": statistics.median(times["torch"]), **paired(times, "same"), **paired(times, "own")}
 
 
 def traced_prediction(case: Case, config: Config, x: torch.Tensor, y: torch.Tensor, folder: str) -> dict:
-    """pipeloom's measured step time against the simulator's prediction from the same traced steps.
-
-    The prediction re-costs the schedule with the median measured time of each (stage, kind) and the
-    fitted communication latency (``pipeloom.viz.measured``) and simulates it. Two measured times:
-    ``wall`` brackets the whole ``engine.step`` calls (first start to last end over ranks), ``span``
-    only the schedule's compute, wait and send events.
-    """
-    runner = PipeloomRunner(case, config, trace=folder)
+    """The own order's wall step time (whole ``engine.step`` calls) and the simulator's prediction from
+    the same traced steps' median (stage, kind) times and fitted latency (``pipeloom.viz.measured``)."""
+    runner = PipeloomRunner(case, config, own_schedule(case, config), trace=folder)
     for _ in range(config.warmup + config.traced_steps):
         timed_step(runner, x, y)
     dist.barrier()  # every rank's trace file is written
@@ -249,8 +320,7 @@ def traced_prediction(case: Case, config: Config, x: torch.Tensor, y: torch.Tens
 
     run = load_run_trace(folder)
     summary = trace_summary(compare_run(run, steps=list(run.steps[-config.traced_steps:])))
-    return {"measured_s": summary["wall_step_time"], "span_s": summary["measured_step_time"],
-            "predicted_s": summary["predicted_step_time"]}
+    return {"measured_s": summary["wall_step_time"], "predicted_s": summary["predicted_step_time"]}
 
 
 def worker(rank: int, config: Config, port: int, folder: str) -> None:
@@ -263,10 +333,10 @@ def worker(rank: int, config: Config, port: int, folder: str) -> None:
         x = torch.randn(config.batch, config.width, generator=generator)
         y = torch.randn(config.batch, config.width, generator=generator)
         rows = []
-        for case in (c for c in CASES if c.name in config.schedules):
+        for case in (c for c in CASES if c.label in config.schedules):
             row = run_side_by_side(case, config, x, y)
             if config.traced_steps > 0:
-                row.update(traced_prediction(case, config, x, y, os.path.join(folder, case.name)))
+                row.update(traced_prediction(case, config, x, y, os.path.join(folder, case.label)))
             rows.append(row)
         if rank == 0:
             Path(folder, "result.json").write_text(json.dumps({"config": asdict(config), "rows": rows}))
@@ -275,88 +345,113 @@ def worker(rank: int, config: Config, port: int, folder: str) -> None:
 
 
 def free_port() -> int:
+    """A TCP port free on this machine for the gloo rendezvous."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
-def ratio(numerator: float | None, denominator: float | None) -> str:
-    if numerator is None or denominator is None:
-        return "-"
-    return f"{numerator / denominator:.3f}"
-
-
-def milliseconds(value: float | None) -> str:
-    return "-" if value is None else f"{value * 1e3:.1f}"
-
-
 def loss_check(row: dict) -> str:
     """``equal`` when every system's loss is the same float, else the largest difference."""
-    losses = [row[key] for key in row if key.endswith("_loss")]
-    spread = max(losses) - min(losses)
+    spread = max(row["losses"].values()) - min(row["losses"].values())
     return "equal" if spread == 0 else f"differ {spread:.1e}"
 
 
 def table(result: dict) -> str:
-    """The printed table: one row per schedule."""
+    """The printed table of one size: one row per torch class."""
     c = result["config"]
-    lines = [(f"{c['ranks']} ranks (gloo, CPU, 1 thread each), {c['blocks']} residual MLP blocks, width "
-              f"{c['width']}, hidden {c['width'] * c['expansion']}, batch {c['batch']} = {c['microbatches']} "
-              f"micro-batches; medians of {c['steps']} steps after {c['warmup']} warm-up; times in ms"),
-             (f"{'schedule':<17} {'pipeloom':>8} {'torch':>7} {'ratio':>6} {'same order':>10} {'ratio':>6} "
-              f"{'loss (pipeloom)':>19} {'losses':>8} {'wall':>7} {'span':>7} {'predicted':>9} "
-              f"{'wall/pred':>9} {'span/pred':>9}")]
+    lines = [(f"{c['size']}: {c['ranks']} ranks (gloo, CPU, 1 thread each), {c['blocks']} residual MLP "
+              f"blocks, width {c['width']}, hidden {c['width'] * c['expansion']}, batch {c['batch']} = "
+              f"{c['microbatches']} micro-batches; medians of {c['steps']} rounds after {c['warmup']} "
+              "warm-up; ms"),
+             (f"{'torch class':<21} {'torch':>7} | {'same order':>17} {'ms':>7} {'ratio':>6} "
+              f"{'p10-p90':>11} | {'own order':>16} {'ms':>7} {'ratio':>6} {'p10-p90':>11} | "
+              f"{'losses':>7} {'wall/pred':>9}")]
     for row in result["rows"]:
-        ours, theirs, same = (row.get(f"{k}_median_s") for k in ("pipeloom", "torch", "pipeloom_torch_order"))
-        paired, paired_same = row["pipeloom_paired_ratio"], row.get("pipeloom_torch_order_paired_ratio")
-        lines.append(
-            f"{row['schedule']:<17} {milliseconds(ours):>8} {milliseconds(theirs):>7} {paired:>6.3f} "
-            f"{milliseconds(same):>10} {'-' if paired_same is None else f'{paired_same:.3f}':>6} "
-            f"{row['pipeloom_loss']!r:>19} "
-            f"{loss_check(row):>8} {milliseconds(row.get('measured_s')):>7} {milliseconds(row.get('span_s')):>7} "
-            f"{milliseconds(row.get('predicted_s')):>9} {ratio(row.get('measured_s'), row.get('predicted_s')):>9} "
-            f"{ratio(row.get('span_s'), row.get('predicted_s')):>9}")
-    lines += [
-        "ratio = median over rounds of pipeloom's step time / torch's in the same round (target <= 0.9);",
-        "same order = pipeloom running torch's own action lists",
-        "(multi-stage classes only; torch's GPipe/1F1B run the same order as pipeloom's). losses: pipeloom's",
-        "and torch's step loss compared as floats. wall = engine.step calls of a separate traced run (first",
-        "start to last end over ranks), span = its compute/wait/send events; predicted = the simulator on the",
-        "measured median task times and fitted comm latency (target wall/pred <= 1.15).",
-    ]
-    return "\n".join(lines)
+        cells = [f"{row['torch_class']:<21} {row['torch_s'] * 1e3:>7.1f} |"]
+        for name, label, width in (("same", row["same_run"], 17), ("own", row["own"], 16)):
+            spread = f"{row[f'{name}_p10']:.2f}-{row[f'{name}_p90']:.2f}"
+            cells.append(f"{label:>{width}} {row[f'{name}_s'] * 1e3:>7.1f} {row[f'{name}_ratio']:>6.3f} "
+                         f"{spread:>11} |")
+        wall_pred = f"{row['measured_s'] / row['predicted_s']:.3f}" if "predicted_s" in row else "-"
+        cells.append(f"{loss_check(row):>7} {wall_pred:>9}")
+        lines.append(" ".join(cells))
+    return "\n".join(lines + verdicts(result["rows"]))
 
 
-def parse_args(argv: list[str] | None) -> Config:
+def verdicts(rows: list[dict]) -> list[str]:
+    """One line per target, as measured: worst same-order ratio, best own-order ratio."""
+    worst = max(rows, key=lambda row: row["same_ratio"])
+    best = min(rows, key=lambda row: row["own_ratio"])
+    lines = []
+    for text, row, key, target in (
+            ("same order (pipeloom on torch's own list): worst", worst, "same", SAME_TARGET),
+            ("own order (pipeloom's schedule; not parity unless '= own'): best", best, "own", OWN_TARGET)):
+        value, met = row[f"{key}_ratio"], sum(r[f"{key}_ratio"] <= target for r in rows)
+        lines.append(f"{text} {value:.3f} ({row[key] + ' vs ' if key == 'own' else ''}{row['torch_class']}) "
+                     f"vs target <= {target}: {'met' if value <= target else 'MISSED'} "
+                     f"({met} of {len(rows)} classes <= {target})")
+    return lines
+
+
+def searched_schedule(config: Config) -> str:
+    """pipeloom.search on the looped placement (2 stages per rank, split backward), as torch CSV."""
+    from pipeloom.ir import schedule_to_csv
+    from pipeloom.search import placement, search
+
+    problem = placement("interleaved", config.ranks, split_backward=True)
+    found = search(problem, config.microbatches, time_limit=config.search_seconds, workers=1, name=SEARCHED)
+    print(f"{SEARCHED} (own order for InterleavedZeroBubble): pipeloom.search, {found.mode} mode, "
+          f"{found.status}, makespan {found.makespan:g} vs lower bound {found.lower_bound:g} (Costs(): F 1, "
+          f"I 1, W 1 per rank's share), {found.seconds:.1f} s")
+    return schedule_to_csv(found.schedule)
+
+
+def parse_args(argv: list[str] | None) -> list[Config]:
+    """One Config per selected size (``--width/--expansion/--batch`` override the presets)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", choices=[*SIZES, "both"], default="both",
+                        help="small: hidden 256 batch 64; large: hidden 1024 batch 256")
+    for name in ("width", "expansion", "batch"):
+        parser.add_argument(f"--{name}", type=int, help="override the preset")
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--blocks", type=int, default=8)
-    parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--expansion", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=512)
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--traced-steps", type=int, default=10)
+    parser.add_argument("--search-seconds", type=float, default=10.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--schedules", nargs="+", default=[c.name for c in CASES],
-                        choices=[c.name for c in CASES])
+    labels = [case.label for case in CASES]
+    parser.add_argument("--schedules", nargs="+", default=labels, choices=labels)
     args = parser.parse_args(argv)
-    return Config(ranks=args.ranks, blocks=args.blocks, width=args.width, expansion=args.expansion,
-                  batch=args.batch, microbatches=args.microbatches, warmup=args.warmup, steps=args.steps,
-                  traced_steps=args.traced_steps, seed=args.seed, schedules=tuple(args.schedules))
+    configs = []
+    for size in SIZES if args.size == "both" else [args.size]:
+        shape = {name: getattr(args, name) or value for name, value in SIZES[size].items()}
+        label = size if shape == SIZES[size] else f"{size} (custom)"
+        configs.append(Config(size=label, ranks=args.ranks, blocks=args.blocks, warmup=args.warmup,
+                              microbatches=args.microbatches, steps=args.steps,
+                              traced_steps=args.traced_steps, search_seconds=args.search_seconds,
+                              seed=args.seed, schedules=tuple(args.schedules), searched="", **shape))
+    return configs
 
 
 def main(argv: list[str] | None = None) -> int:
-    config = parse_args(argv)
-    load_before = os.getloadavg()[0]
-    with tempfile.TemporaryDirectory() as folder:
-        mp.spawn(worker, args=(config, free_port(), folder), nprocs=config.ranks, join=True)
-        result = json.loads(Path(folder, "result.json").read_text())
-    print(table(result))
-    # the machine's other work disturbs the medians: say how busy it was
-    print(f"1-minute load average: {load_before:.2f} before, {os.getloadavg()[0]:.2f} after "
-          f"({os.cpu_count()} CPUs)")
+    """Search the own order if needed, then one spawned run and one table per size."""
+    configs = parse_args(argv)
+    if any(case.own == SEARCHED and case.label in configs[0].schedules for case in CASES):
+        searched = searched_schedule(configs[0])  # once: the problem does not depend on the size
+        configs = [replace(config, searched=searched) for config in configs]
+    for config in configs:
+        load_before = os.getloadavg()[0]
+        with tempfile.TemporaryDirectory() as folder:
+            mp.spawn(worker, args=(config, free_port(), folder), nprocs=config.ranks, join=True)
+            result = json.loads(Path(folder, "result.json").read_text())
+        print(table(result))
+        # the machine's other work disturbs the medians: say how busy it was
+        print(f"1-minute load average: {load_before:.2f} before, {os.getloadavg()[0]:.2f} after "
+              f"({os.cpu_count()} CPUs)\n")
+    print(LEGEND)
     return 0
 
 

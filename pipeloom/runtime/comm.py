@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 
 from pipeloom.runtime.lower import PipelineError, Unit, forward_unit
 from pipeloom.runtime.threads import HelperThreads
@@ -250,7 +251,8 @@ class StepMessages:
         start = time.time_ns() if self.events is not None else 0
         device = self.messenger.device
         if self.discover and unit.kind == "F":
-            blob = torch.frombuffer(bytearray(pickle.dumps((spec, [LeafMeta.of(t) for t in leaves]))),
+            structures = [pytree.treespec_dumps(one) for one in spec]  # text: a pickled TreeSpec warns on load
+            blob = torch.frombuffer(bytearray(pickle.dumps((structures, [LeafMeta.of(t) for t in leaves]))),
                                     dtype=torch.uint8)
             size = torch.tensor([blob.numel()], dtype=torch.int64)
             self._send(size.to(device), unit)
@@ -343,9 +345,9 @@ class StepMessages:
                 size = self._receive_now(torch.empty(1, dtype=torch.int64, device=device), src, other)
                 blob = self._receive_now(torch.empty(int(size.item()), dtype=torch.uint8, device=device), src,
                                          other)
-                spec, metas = pickle.loads(blob.cpu().numpy().tobytes())
+                structures, metas = pickle.loads(blob.cpu().numpy().tobytes())
                 self.metas[other.id] = metas
-                self.specs[other.id] = spec
+                self.specs[other.id] = [pytree.treespec_loads(one) for one in structures]
             self.posted[other.id] = [Posted(self._receive_now(torch.empty(meta.shape, dtype=meta.dtype,
                                                                           device=device), src, other), other)
                                      for meta in self._expected(other)]
