@@ -11,32 +11,17 @@ Without torch the module is skipped, unless PIPELOOM_REQUIRE_TORCH=1 (set by ``m
 from __future__ import annotations
 
 import csv
-import importlib
 import io
-import os
-from types import ModuleType
 
 import pytest
+from torch_pipelining import import_torch_schedules
 
 from pipeloom import Comm, lower, simulate, validate
 from pipeloom.ir import parse_action, schedule_from_csv, schedule_to_csv
 from pipeloom.schedules import build_schedule
 
 
-def _import_torch_schedules() -> ModuleType:
-    """torch's pipelining schedules; skip the module without them, fail if they are required."""
-    try:
-        return importlib.import_module("torch.distributed.pipelining.schedules")
-    except ImportError as error:
-        reason = str(error)
-    if os.environ.get("PIPELOOM_REQUIRE_TORCH") == "1":
-        pytest.fail(f"PIPELOOM_REQUIRE_TORCH=1 but torch's pipelining cannot be imported: {reason}",
-                    pytrace=False)
-    pytest.skip(f"torch is not installed ({reason}); set PIPELOOM_REQUIRE_TORCH=1 to make this a failure",
-                allow_module_level=True)
-
-
-ts = _import_torch_schedules()
+ts = import_torch_schedules()
 
 # (registry name, options, stages per rank) of chain schedules a torch CSV carries.
 CHAINS = [

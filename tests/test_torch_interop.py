@@ -11,12 +11,10 @@ which turns a missing torch into a failure so these checks cannot silently stop 
 from __future__ import annotations
 
 import csv
-import importlib
 import io
-import os
-from types import ModuleType
 
 import pytest
+from torch_pipelining import import_torch_schedules
 
 from pipeloom.errors import ScheduleFormatError
 from pipeloom.ir import schedule_from_csv, schedule_to_csv
@@ -24,20 +22,7 @@ from pipeloom.schedules import build_schedule
 from pipeloom.validate import validate
 
 
-def _import_torch_schedules() -> ModuleType:
-    """torch's pipelining schedules; skip the module without them, fail if they are required."""
-    try:
-        return importlib.import_module("torch.distributed.pipelining.schedules")
-    except ImportError as error:
-        reason = str(error)
-    if os.environ.get("PIPELOOM_REQUIRE_TORCH") == "1":
-        pytest.fail(f"PIPELOOM_REQUIRE_TORCH=1 but torch's pipelining cannot be imported: {reason}",
-                    pytrace=False)
-    pytest.skip(f"torch is not installed ({reason}); set PIPELOOM_REQUIRE_TORCH=1 to make this a failure",
-                allow_module_level=True)
-
-
-torch_schedules = _import_torch_schedules()
+torch_schedules = import_torch_schedules()
 _Action = torch_schedules._Action
 
 # (registry name, options, stages per rank) of every schedule we export for torch.
