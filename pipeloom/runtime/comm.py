@@ -31,7 +31,7 @@ from pipeloom.runtime.threads import HelperThreads
 from pipeloom.runtime.transport import Posted, Transport, transport_for
 from pipeloom.runtime.watch import FailureBoard, PeerWatch, close_connections, poll_work
 
-__all__ = ["LeafMeta", "Messenger", "StepMessages"]
+__all__ = ["FailureScope", "LeafMeta", "Messenger", "StepMessages"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +51,23 @@ class LeafMeta:
         return f"{str(self.dtype).removeprefix('torch.')}{list(self.shape)}{grad}"
 
 
+def _same(rank: int) -> int:
+    return rank
+
+
+@dataclass(frozen=True, slots=True)
+class FailureScope:
+    """Which ranks share one failure board: by default this pipeline's group (board numbers are group
+    ranks); with data-parallel replicas every rank of the mesh (numbers are global ranks), so a failure
+    in one replica stops the others' waits too."""
+
+    rank: int  # this rank's number on the board
+    world: int  # numbers on the board: 0 .. world - 1
+    of_peer: Callable[[int], int] = _same  # a peer's group rank -> its number on the board
+    name: Callable[[int], str] = str  # a board number -> how messages name that rank
+    wake: tuple[tuple[object, int], ...] = ()  # (group, global peer) whose connections a failure also closes
+
+
 class Messenger:
     """The messages of one engine's rank over ``group`` (global peer ranks from ``to_global``): the
     backend's :class:`~pipeloom.runtime.transport.Transport`, waits bounded by the timeout, and the
@@ -59,7 +76,7 @@ class Messenger:
     def __init__(self, *, rank: int, group: object, to_global: Callable[[int], int], device: torch.device,
                  timeout: float, units: Sequence[Unit], pair_order: dict[tuple[int, int], tuple[int, ...]],
                  unit_of: dict[tuple[str, int, int, int], int], store: object, run_id: str,
-                 transport: Transport | None = None) -> None:
+                 transport: Transport | None = None, scope: FailureScope | None = None) -> None:
         self.rank = rank
         self.group = group
         self.to_global = to_global
@@ -70,7 +87,8 @@ class Messenger:
         self.store = store
         self.run_id = run_id
         world = dist.get_world_size(group) if group is not None else 1
-        self.board = FailureBoard(store, run_id=run_id, rank=rank, world_size=world)
+        self.scope = scope if scope is not None else FailureScope(rank=rank, world=world)
+        self.board = FailureBoard(store, run_id=run_id, rank=self.scope.rank, world_size=self.scope.world)
         self.peer = to_global((rank + 1) % world)  # whom close_connections' receive names
         self.polled = self.device.type != "cpu"  # NCCL works complete by themselves; gloo's need wait()
         self._wait_timeout = datetime.timedelta(seconds=timeout)
@@ -138,8 +156,13 @@ class Messenger:
         """The thread looking for other ranks' failures while this one waits (none without a store)."""
         helpers = self._helpers
         if helpers.watch is None and self.store is not None and not helpers.stopped:
-            group, peer = self.group, self.peer
-            helpers.watch = PeerWatch(self.board, lambda: close_connections(group, peer))
+            closes = ((self.group, self.peer), *self.scope.wake)
+
+            def wake() -> None:
+                for group, peer in closes:
+                    close_connections(group, peer)
+
+            helpers.watch = PeerWatch(self.board, wake)
         return helpers.watch
 
     def sends_posted(self) -> None:
@@ -195,11 +218,12 @@ class Messenger:
         the watch found (kept, as the store may be gone by now), else any other rank's."""
         watch = self._helpers.watch
         found = watch.failure if watch is not None else None
-        if peer is not None and (found is None or found[0] != peer) and (message := self.board.message_of(peer)):
+        mine = self.scope.of_peer(peer) if peer is not None else None
+        if mine is not None and (found is None or found[0] != mine) and (message := self.board.message_of(mine)):
             return f"rank {peer} failed: {message}"
         if found is None:
             found = self.board.first_failure(quick=False)
-        return f"rank {found[0]} failed: {found[1]}" if found is not None else None
+        return f"rank {self.scope.name(found[0])} failed: {found[1]}" if found is not None else None
 
     def report(self, message: str) -> None:
         """Leave this rank's failure where the other ranks look while they wait."""

@@ -28,7 +28,7 @@ from pipeloom.runtime.checkpoint import load_checkpoint, save_checkpoint
 from pipeloom.runtime.clip import clip_grad_norm_
 from pipeloom.runtime.agree import StepMismatchError, agree_on_step
 from pipeloom.runtime.backward import add_in_order
-from pipeloom.runtime.comm import Messenger
+from pipeloom.runtime.comm import FailureScope, Messenger
 from pipeloom.runtime.dp import GradientBuckets, Layout
 from pipeloom.runtime.fsdp import ShardedGradients
 from pipeloom.runtime.lower import PipelineError
@@ -54,6 +54,22 @@ def _close_live_engines() -> None:
 _LOSS_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)  # agreed on across ranks
 
 
+def _mesh_scope(layout: Layout) -> FailureScope | None:
+    """With data-parallel replicas, one failure board over every rank of the mesh (global numbers; a
+    rank of another replica is named so), whose failures also wake waits on the "dp" group."""
+    if layout.dp.size <= 1:
+        return None
+    group, dp = layout.group, layout.dp.group
+    mine = {dist.get_global_rank(group, r): r for r in range(layout.world)} if group is not None else {}
+
+    def name(number: int) -> str:
+        return str(mine[number]) if number in mine else f"{number} (global; another data-parallel replica)"
+
+    peer = dist.get_global_rank(dp, (layout.dp.rank + 1) % layout.dp.size)
+    return FailureScope(rank=dist.get_rank(), world=dist.get_world_size(), name=name, wake=((dp, peer),),
+                        of_peer=(lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r))
+
+
 class PipelineEngine:
     """Runs one lowered schedule on this rank; see :func:`pipeline`."""
 
@@ -67,7 +83,7 @@ class PipelineEngine:
         self.loss_fn = pieces.loss_fn
         self.layout = layout
         self.rank = rank = layout.rank
-        self.world_size = world_size = layout.world
+        self.world_size = layout.world
         self.group = group = layout.group
         self.dp = layout.dp
         self.sharded = pieces.sharded  # pieces sharded over "dp" with FSDP2
@@ -85,13 +101,14 @@ class PipelineEngine:
         self.broken: str | None = None
         self._meta_cache: dict[tuple, tuple[dict, dict]] = {}
         store, run_id = None, "local"
-        if world_size > 1:
+        if layout.everyone_size > 1:
             store = default_store()
-            run_id = shared_run_id(group, rank)
+            run_id = shared_run_id(layout.everyone, dist.get_rank(layout.everyone))
         self.messenger = Messenger(
             rank=rank, group=group, to_global=(lambda r: dist.get_global_rank(group, r)) if group is not None
             else (lambda r: r), device=self.device, timeout=timeout, units=lowering.units,
             pair_order=lowering.pair_order, unit_of=lowering.unit_of, store=store, run_id=run_id,
+            scope=_mesh_scope(layout),
         )
         last = lowering.num_pieces - 1
         self._loss_ranks = len({lowering.rank_of[lowering.stage_for[j][last]] for j in range(lowering.replicas)})

@@ -94,3 +94,42 @@ def meshed(rank: int, world: int, cases: list[tuple[str, int]], steps: int, fold
                              "pp": engine.rank, "dp": engine.dp.rank, "full": full}
         engine.close()
     return results
+
+
+def replica_fault(rank: int, world: int, linger: float) -> dict:
+    """On a (dp 2, pp 2) mesh, after a good first step, global rank 3 (stage 1 of replica 1) raises in
+    its third forward of the second step and keeps its process open for ``linger`` seconds; every rank
+    reports what it saw and how long its failed step took. Engines wait up to 60 s."""
+    import time
+
+    import torch.nn.functional as F
+    from models import SPLITS, batch, build
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from pipeloom.runtime import PipelineError, pipeline
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    engine = pipeline(build("residual"), schedule="1f1b", split_points=SPLITS["residual"][2],
+                      loss_fn=F.cross_entropy, microbatches=4, mesh=mesh, timeout=60)
+    inputs, target = batch("residual", rows=32)
+    engine.step(inputs[0], target=target)
+    if rank == 3:
+        calls = [0]
+
+        def hook(module, args) -> None:
+            calls[0] += 1
+            if calls[0] == 3:
+                raise ValueError("injected fault")
+
+        for module in engine.modules.values():
+            module.register_forward_pre_hook(hook)
+    start = time.monotonic()
+    message = None
+    try:
+        engine.step(inputs[0], target=target)
+    except PipelineError as error:
+        message = str(error)
+    seconds = time.monotonic() - start
+    if rank == 3:
+        time.sleep(linger)
+    return {"message": message, "seconds": seconds}

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from hf_models import build_hf, lm_loss, tokens
 from models import SPLITS, batch, build, reference_step
 from ranks import run_ranks
-from scale_jobs import deferred, meshed
+from scale_jobs import deferred, meshed, replica_fault
 
 from pipeloom.runtime import PipelineError, pipeline
 
@@ -287,3 +287,16 @@ def test_a_mesh_needs_named_pp_and_dp_dimensions():
     with pytest.raises(PipelineError, match="DeviceMesh"):
         pipeline(build("residual"), schedule="gpipe", split_points=[], microbatches=2, loss_fn=F.cross_entropy,
                  mesh=object())
+
+
+@pytest.mark.timeout(180)
+def test_a_failure_in_one_replica_stops_the_other_replicas_promptly():
+    """One failure board spans the mesh: the other replica's ranks (waiting in the "dp" gradient
+    reduction or on their pipeline) learn of it within seconds, not at the 60 s timeout, and say why."""
+    results = _ok(run_ranks(4, replica_fault, 15.0, timeout=150))
+    assert "injected fault" in results[3]["message"]
+    for rank in (0, 1, 2):
+        report = results[rank]
+        assert report["message"] is not None, f"rank {rank} finished although rank 3 failed"
+        assert report["seconds"] < 10.0, (rank, report)
+        assert "injected fault" in report["message"], (rank, report)
