@@ -98,8 +98,9 @@ def meshed(rank: int, world: int, cases: list[tuple[str, int]], steps: int, fold
 
 def replica_fault(rank: int, world: int, linger: float) -> dict:
     """On a (dp 2, pp 2) mesh, after a good first step, global rank 3 (stage 1 of replica 1) raises in
-    its third forward of the second step and keeps its process open for ``linger`` seconds; every rank
-    reports what it saw and how long its failed step took. Engines wait up to 60 s."""
+    its third forward of the second step; every rank reports what it saw and how long its failed step
+    took, and keeps its process open for ``linger`` seconds (rank 0 hosts the store the failure board
+    lives in, so it must not leave before the others have looked). Engines wait up to 60 s."""
     import time
 
     import torch.nn.functional as F
@@ -130,6 +131,5 @@ def replica_fault(rank: int, world: int, linger: float) -> dict:
     except PipelineError as error:
         message = str(error)
     seconds = time.monotonic() - start
-    if rank == 3:
-        time.sleep(linger)
+    time.sleep(linger)
     return {"message": message, "seconds": seconds}
