@@ -314,9 +314,9 @@ def _receive_points(actions: Sequence[Action | Comm], program: Sequence[Step]) -
     done = 0
     for action in actions:
         if isinstance(action, Comm):
-            if action.kind.startswith("RECV"):
+            if not action.is_send:
                 posts[min(done, len(program) - 1)].extend(
-                    needs.get((action.stage, action.kind[-1], action.microbatch), ()))
+                    needs.get((action.stage, action.direction, action.microbatch), ()))
         else:
             done += 1
     return tuple(dataclasses.replace(step, posts=tuple(posts[t])) for t, step in enumerate(program))
