@@ -19,6 +19,11 @@ from dataclasses import dataclass, field
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
+try:  # torch's own entry into the C++ engine, under torch.autograd.grad/backward (torch >= 2.3)
+    from torch.autograd.graph import _engine_run_backward
+except ImportError:  # pragma: no cover - older torch: the public functions do the same
+    _engine_run_backward = None
+
 __all__ = ["PendingWeights", "accumulate_grad", "add_in_order", "backward_full", "backward_input", "grad_node"]
 
 
@@ -47,6 +52,25 @@ def add_in_order(parts: Sequence[torch.Tensor]) -> torch.Tensor:
     return total
 
 
+def _run_engine(roots: Sequence, grads: Sequence[torch.Tensor], inputs: Sequence = (), *,
+                retain_graph: bool = False) -> tuple[torch.Tensor | None, ...]:
+    """Run autograd from ``roots`` (tensors or gradient edges) with ``grads``.
+
+    With ``inputs``: their gradients are returned (``None`` where unreachable), nothing is
+    accumulated, like ``torch.autograd.grad(..., allow_unused=True)``. Without: every leaf's
+    gradient is accumulated into ``.grad``, like ``torch.autograd.backward``. It calls the engine
+    the way those functions do, without their Python-side checks of the gradients' shapes (about
+    50 us a call, several calls per I and W): the C++ engine checks every root's gradient itself.
+    """
+    if _engine_run_backward is None:  # pragma: no cover
+        if inputs:
+            return torch.autograd.grad(roots, inputs, grads, retain_graph=retain_graph, allow_unused=True)
+        torch.autograd.backward(roots, grads, retain_graph=retain_graph)
+        return ()
+    return _engine_run_backward(tuple(roots), tuple(grads), retain_graph, False, tuple(inputs), True,
+                                accumulate_grad=not inputs)
+
+
 def _differentiable(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]):
     """The (output, grad) pairs that carry a gradient: outputs that require grad and got one."""
     pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
@@ -61,7 +85,7 @@ def backward_full(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor 
     """
     outs, gs = _differentiable(outputs, grads)
     if outs:
-        torch.autograd.backward(outs, gs)
+        _run_engine(outs, gs)
     result = []
     for leaf in inputs:
         result.append(leaf.grad if leaf.requires_grad else None)
@@ -87,15 +111,22 @@ class PendingWeights:
     ready: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (param, grad) from I
 
     def weight(self) -> None:
-        """W: compute the parameters' gradients and accumulate them into ``.grad``; frees the graph."""
-        done: list[tuple[torch.Tensor, torch.Tensor]] = list(self.ready)
-        for group in self.groups:
+        """W: compute the parameters' gradients and accumulate them into ``.grad``; frees the graph.
+
+        Groups run in reverse discovery order (the nodes I reached last first, whose kept gradients
+        and saved inputs are the most recently touched), each accumulated at once while its result
+        is still in cache. Every parameter belongs to one group, so the order across groups does
+        not change any ``.grad``.
+        """
+        for param, grad in self.ready:
+            accumulate_grad(param, grad)
+        for group in reversed(self.groups):
             if not group.grads:  # the node never ran in I (no gradient reached it)
                 continue
-            found = torch.autograd.grad(group.roots, group.edges, group.grads, allow_unused=True)
-            done.extend((p, g) for p, g in zip(group.params, found) if g is not None)
-        for param, grad in done:
-            accumulate_grad(param, grad)
+            found = _run_engine(group.roots, group.grads, group.edges)
+            for param, grad in zip(group.params, found):
+                if grad is not None:
+                    accumulate_grad(param, grad)
         self.groups.clear()
         self.ready.clear()
 
@@ -210,7 +241,7 @@ def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
     shared_params = [param_of[n] for n in shared]
     try:
         if wanted and input_nodes or shared_params:
-            found = torch.autograd.grad(outs, wanted + shared_params, gs, retain_graph=True, allow_unused=True)
+            found = _run_engine(outs, gs, wanted + shared_params, retain_graph=True)
         else:
             found = [None] * len(wanted)
     finally:

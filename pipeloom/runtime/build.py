@@ -161,6 +161,8 @@ def _rank_pieces(lowering: Lowering, layout: Layout, device: torch.device, stage
         num_outputs=tuple(spec.num_outputs for spec in staged.graph.stages), output=staged.graph.output,
         loss_fn=loss_fn, seed=seed, shared=shared, dp=layout.dp, sharded=sharded,
         gradients_done={t: s for s, t in last_gradient.items()},  # where "dp" buckets are posted
+        joined=frozenset(t for t, (step, after) in enumerate(zip(program, program[1:]))
+                         if step.action.kind == "I" and after.action == step.action._replace(kind="W")),
     )
 
 

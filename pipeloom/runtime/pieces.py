@@ -35,6 +35,10 @@ class RankPieces:
     dp: DataParallel
     sharded: bool  # pieces sharded over "dp" with FSDP2
     gradients_done: Mapping[int, int]  # program index -> the stage whose last gradient action it is
+    joined: frozenset[int] = frozenset()  # program indices of I steps whose W is the next step
+    """Such an I runs as one full backward (B) and its W does nothing: the same gradients bit for bit
+    (each autograd node runs the same kernels), in one pass over the graph instead of one for I and
+    one per weight group for W. Steps traced for their action times keep I and W apart."""
 
     @property
     def last_piece(self) -> int:

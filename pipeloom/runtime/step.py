@@ -49,7 +49,7 @@ class StepRun:
         self.values: dict[tuple[int, int], list] = {}  # (stage, mb) -> output values
         self.leaves: dict[tuple[int, int], list] = {}  # (stage, mb) -> [(leaf, producer, index, position)]
         self.grads: dict[tuple[int, int], dict] = {}  # (stage, mb) -> {index: {position: [gradients]}}
-        self.pending: dict[tuple[int, int], PendingWeights] = {}
+        self.pending: dict[tuple[int, int], PendingWeights | None] = {}
         self.losses: dict[int, torch.Tensor] = {}
         self.model_outputs: dict[int, object] = {}
         self.received: dict[int, list] = {}
@@ -100,6 +100,7 @@ class StepRun:
         pieces, messages, clock = self.pieces, self.messages, self.clock
         program = pieces.program if self.training else pieces.eval_program
         self._post_ahead(program, 0)
+        profiling = torch._C._autograd._profiler_enabled()  # record_function costs ~15 us an action
         for t, step in enumerate(program):
             self.current = step
             kind = step.action.kind
@@ -110,13 +111,11 @@ class StepRun:
             elif kind in ("B", "I"):
                 self._collect_remote(step)
             start = clock.now() if self.events is not None else 0
-            with record_function(f"pipeloom {step.action}"):  # shows in the user's torch.profiler trace
-                if kind == "F":
-                    self.forward(step)
-                elif kind in ("B", "I"):
-                    self.backward(step)
-                elif kind == "W":
-                    self.weight(step)
+            if profiling:  # the action shows by name in the user's torch.profiler trace
+                with record_function(f"pipeloom {step.action}"):
+                    self._act(t, step)
+            else:
+                self._act(t, step)
             if self.buckets is not None and self.low.replicas == 1 and t in pieces.gradients_done:
                 self.buckets.stage_done(step.action.stage)
             for unit, tensors, specs in self.outbox:
@@ -126,6 +125,16 @@ class StepRun:
             if self.events is not None:  # compute plus this action's own sends and bookkeeping
                 clock.record(self.events, str(step.action), "compute", start)
         self.current = None
+
+    def _act(self, t: int, step: Step) -> None:
+        """Run compute action ``t`` of the program."""
+        kind = step.action.kind
+        if kind == "F":
+            self.forward(step)
+        elif kind in ("B", "I"):
+            self.backward(step, full=kind == "B" or (t in self.pieces.joined and self.events is None))
+        elif kind == "W":
+            self.weight(step)
 
     def _post_ahead(self, program: tuple[Step, ...], first: int) -> None:
         """Post the receives of the next few actions (and, per sender, every earlier one)."""
@@ -281,14 +290,17 @@ class StepRun:
                         k += 1
                 offset += spec.num_leaves
 
-    def backward(self, step: Step) -> None:
+    def backward(self, step: Step, *, full: bool) -> None:
+        """B, or I; ``full``: the whole backward (B, or an I whose W comes next: that W does nothing)."""
         s, mb = step.action.stage, step.microbatch
         roots, grads = self._roots(s, mb)
         entries = self.leaves.pop((s, mb))
         inputs = [leaf for leaf, *_ in entries]
-        saved = self._swap_out(s) if step.action.kind == "B" else None
-        if step.action.kind == "B":
+        saved = self._swap_out(s) if full else None
+        if full:
             found = backward_full(roots, grads, inputs)
+            if step.action.kind == "I":
+                self.pending[(s, mb)] = None  # its W, next, has nothing left to do
         else:
             found, pending = backward_input(roots, grads, inputs, self.pieces.weight_parameters(s, self.params))
             self.pending[(s, mb)] = pending
@@ -299,6 +311,8 @@ class StepRun:
     def weight(self, step: Step) -> None:
         s, mb = step.action.stage, step.microbatch
         pending = self.pending.pop((s, mb))
+        if pending is None:  # its I ran the whole backward
+            return
         saved = self._swap_out(s)
         pending.weight()
         if saved is not None:

@@ -102,6 +102,36 @@ def test_trace_files_hold_every_action_in_order(tmp_path, monkeypatch):
         assert event["start_ns"] <= event["end_ns"]
 
 
+@pytest.mark.parametrize(("schedule", "pieces"), [("zb-h2", 1), ("dualpipev", 2)])
+@pytest.mark.parametrize("traced", [False, True])
+def test_an_input_gradient_followed_by_its_weight_gradient_runs_as_one_backward(schedule, pieces, traced, tmp_path,
+                                                                               monkeypatch):
+    """An I directly followed by its W (dualpipev's full backwards, one of zb-h2's) runs untraced as one
+    full backward and the W does nothing; traced steps keep them apart to time each. Both bitwise exact."""
+    from pipeloom.runtime import step as step_module
+
+    calls = {"full": 0, "input": 0}
+    for name, key in (("backward_full", "full"), ("backward_input", "input")):
+        original = getattr(step_module, name)
+
+        def counted(*args, _original=original, _key=key, **kwargs):
+            calls[_key] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(step_module, name, counted)
+    options = {"trace": str(tmp_path)} if traced else {}
+    problems, losses = _train("residual", schedule, pieces, steps=2, **options)
+    assert problems == [] and all(losses)
+    actions = pipeloom.build_schedule(schedule, 1, 8).ranks[0]
+    adjacent = sum(1 for a, b in zip(actions, actions[1:]) if a.kind == "I" and b == a._replace(kind="W"))
+    inputs = sum(1 for a in actions if a.kind == "I")
+    assert adjacent > 0
+    if traced:
+        assert calls == {"full": 0, "input": 2 * inputs}
+    else:
+        assert calls == {"full": 2 * adjacent, "input": 2 * (inputs - adjacent)}
+
+
 def test_parameters_are_the_models_own_objects():
     model = build("residual")
     engine = pipeline(model, schedule="1f1b", split_points=[], loss_fn=F.cross_entropy, microbatches=2)
