@@ -27,10 +27,10 @@ from pipeloom.runtime import state
 from pipeloom.runtime.checkpoint import load_checkpoint, save_checkpoint
 from pipeloom.runtime.clip import clip_grad_norm_
 from pipeloom.runtime.agree import StepMismatchError, agree_on_step
-from pipeloom.runtime.backward import add_in_order
 from pipeloom.runtime.comm import FailureScope, Messenger
 from pipeloom.runtime.dp import GradientBuckets, Layout
 from pipeloom.runtime.fsdp import ShardedGradients
+from pipeloom.runtime.loss import LossSum
 from pipeloom.runtime.lower import PipelineError
 from pipeloom.runtime.pieces import RankPieces
 from pipeloom.runtime.setup import default_store, shared_run_id
@@ -51,9 +51,6 @@ def _close_live_engines() -> None:
     for engine in list(_LIVE):
         with contextlib.suppress(Exception):
             engine.close()
-_LOSS_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)  # agreed on across ranks
-
-
 def _mesh_scope(layout: Layout) -> FailureScope | None:
     """With data-parallel replicas, one failure board over every rank of the mesh (global numbers; a
     rank of another replica is named so), whose failures also wake waits on the "dp" group."""
@@ -111,7 +108,9 @@ class PipelineEngine:
             scope=_mesh_scope(layout),
         )
         last = lowering.num_pieces - 1
-        self._loss_ranks = len({lowering.rank_of[lowering.stage_for[j][last]] for j in range(lowering.replicas)})
+        self.loss_sum = LossSum(layout=layout, messenger=self.messenger, num_microbatches=pieces.num_microbatches,
+                                device=self.device, loss_ranks=len(
+                                    {lowering.rank_of[lowering.stage_for[j][last]] for j in range(lowering.replicas)}))
         self._step_count = 0
         _LIVE.add(self)  # closed at interpreter exit if the script does not close it
         self.training_steps = 0  # training steps run: part of every forward's random seed
@@ -295,7 +294,7 @@ class PipelineEngine:
             run.shared.exchange(self.messenger, self.device)
         if events is not None:
             events.append(("sends complete", "sync", start, time.time_ns()))
-        loss = self._reduce_loss(run.losses, run.targets, events)
+        loss = self.loss_sum.total(run.losses, events) if run.targets else None
         for name, settle in (("replica gradients merged", run.replicas and run.replicas.merge),
                              ("data-parallel gradients summed", buckets and buckets.finish)):
             if settle:
@@ -313,37 +312,6 @@ class PipelineEngine:
         if isinstance(cause, PipelineError):
             raise cause
         raise PipelineError(message) from cause
-
-    def _reduce_loss(self, losses: dict[int, torch.Tensor], targets: list, events: list | None) -> torch.Tensor | None:
-        """Sum of the micro-batch losses of the global batch in micro-batch order, the same on every rank."""
-        if not targets:
-            return None
-        m = self.num_microbatches
-        sample = next(iter(losses.values()), None)
-        dtype = sample.dtype if sample is not None else torch.float32
-        vector = torch.zeros(m, dtype=dtype, device=self.device)
-        for mb, value in losses.items():
-            vector[mb] = value
-        if self.world_size > 1 or self.dp.size > 1:
-            # float64 holds every float loss exactly; the last slot carries the loss dtype's code from
-            # each rank holding a last piece, so ranks without one return the same dtype
-            start = time.time_ns()
-            vector = torch.cat([vector.to(torch.float64), torch.zeros(1, dtype=torch.float64, device=self.device)])
-            if sample is not None:
-                vector[m] = _LOSS_DTYPES.index(dtype) + 1 if dtype in _LOSS_DTYPES else 0
-            if self.world_size > 1:
-                self.messenger.wait_work(dist.all_reduce(vector, group=self.group, async_op=True),
-                                         "summing the loss across ranks")
-            code = round(float(vector[m]) / self._loss_ranks) - 1
-            if self.dp.size > 1:  # the replicas' micro-batches, in global order
-                gathered = [torch.empty_like(vector) for _ in range(self.dp.size)]
-                self.messenger.wait_work(dist.all_gather(gathered, vector, group=self.dp.group, async_op=True),
-                                         "gathering the loss of every data-parallel replica")
-                vector = torch.cat([part[:m] for part in gathered] + [vector[m:]])
-            if events is not None:
-                events.append(("loss all-reduce", "sync", start, time.time_ns()))
-            vector = vector[:-1].to(_LOSS_DTYPES[code] if code >= 0 else dtype)
-        return add_in_order(list(vector))
 
     def _late_params(self) -> set[int]:
         """Parameters whose gradient is settled only at the end of the step (reduced over "dp" then):
