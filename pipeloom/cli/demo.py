@@ -11,6 +11,7 @@ from rich.console import Console
 from pipeloom.cli.common import UsageError
 from pipeloom.cli.schedules import compare_schedules
 from pipeloom.problem import Costs
+from pipeloom.schedules import REGISTRY
 from pipeloom.viz.report import compare_markdown, print_comparison
 
 __all__ = ["DEMO_COSTS", "DEMO_RANKS", "DEMO_MICROBATCHES", "DEMO_SCHEDULES", "cmd_demo"]
@@ -18,7 +19,7 @@ __all__ = ["DEMO_COSTS", "DEMO_RANKS", "DEMO_MICROBATCHES", "DEMO_SCHEDULES", "c
 DEMO_COSTS = Costs(f=18522, b=18086, w=9337, comm=601)
 """Per-rank F, I, W and communication costs from the zero-bubble paper, used by ``pipeloom demo``."""
 DEMO_RANKS, DEMO_MICROBATCHES = 8, 24
-DEMO_SCHEDULES = ("1f1b", "zb-h1", "zb-h2", "zbv", "interleaved-1f1b", "dualpipev", "gpipe")
+DEMO_SCHEDULES = tuple(name for name, info in REGISTRY.items() if info.in_demo)  # the registry says which
 """Schedules the demo compares; one that cannot be built gets a note instead of a row."""
 
 

@@ -86,7 +86,8 @@ def cmd_list(args: argparse.Namespace) -> int:
     if args.json:
         schedules = [
             {"name": info.name, "summary": info.summary, "options": list(info.options),
-             "splits_backward": info.splits_backward}
+             "splits_backward": info.splits_backward, "placement": info.placement,
+             "memory_aware": info.memory_aware}
             for info in REGISTRY.values()
         ]
         print(json.dumps({"schedules": schedules, "placements": placements}))

@@ -18,7 +18,7 @@ from pipeloom.plan.partition import (
     smallest_memory_scale,
 )
 from pipeloom.plan.placement import (
-    PLACEMENTS,
+    PARTITION_PROFILES,
     Placement,
     ScheduleShape,
     library_schedule,
@@ -26,6 +26,7 @@ from pipeloom.plan.placement import (
     schedule_shape,
     stage_rules,
 )
+from pipeloom.schedules import REGISTRY
 
 __all__ = ["MemoryTooSmall", "SchedulePartitioner", "partition"]
 
@@ -225,10 +226,10 @@ def partition(
     ``memory_limit`` is bytes per rank. ``method``: ``dp`` (exact), ``dag`` (CP-SAT, for big
     tables), ``auto`` (DP up to :data:`DP_MAX_PIECES` pieces).
     """
-    if placement not in PLACEMENTS:
-        raise PartitionError(f"unknown placement {placement!r}; choose one of: {', '.join(PLACEMENTS)}")
-    name, looped = PLACEMENTS[placement]
-    options = {"stages_per_rank": stages_per_rank} if looped else {}
+    if placement not in PARTITION_PROFILES:
+        raise PartitionError(f"unknown placement {placement!r}; choose one of: {', '.join(PARTITION_PROFILES)}")
+    name = PARTITION_PROFILES[placement]
+    options = {"stages_per_rank": stages_per_rank} if "stages_per_rank" in REGISTRY[name].options else {}
     try:
         schedule = library_schedule(table, name, num_ranks, microbatches, memory_limit=memory_limit, **options)
     except ValueError as error:

@@ -20,10 +20,10 @@ from pipeloom.plan.partition import (
     StageRule,
 )
 from pipeloom.problem import Costs
-from pipeloom.schedules import build_schedule
+from pipeloom.schedules import REGISTRY, build_schedule
 
 __all__ = [
-    "PLACEMENTS",
+    "PARTITION_PROFILES",
     "Placement",
     "ScheduleShape",
     "copy_memory",
@@ -38,12 +38,9 @@ __all__ = [
 ]
 
 Placement = Literal["linear", "interleaved", "v"]
-PLACEMENTS: dict[str, tuple[str, bool]] = {
-    "linear": ("1f1b", False),  # one stage per rank
-    "interleaved": ("interleaved-1f1b", True),  # v stages per rank, stage s on rank s % p
-    "v": ("zbv", False),  # rank r holds stages r and 2p-1-r
-}
-"""Placement name -> (the schedule whose memory profile :func:`partition` assumes, takes stages_per_rank)."""
+PARTITION_PROFILES: dict[str, str] = {"linear": "1f1b", "interleaved": "interleaved-1f1b", "v": "zbv"}
+"""Placement (:attr:`ScheduleInfo.placement`) -> the built-in schedule whose memory profile
+:func:`~pipeloom.plan.partitioner.partition` assumes when cutting for that placement."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -225,7 +222,7 @@ def library_schedule(table: CostTable, name: str, num_ranks: int, microbatches: 
     (ZB-V) gets the per-rank limit less the average weights, gradients and optimizer state."""
     costs = library_costs(table, num_ranks)
     limit = None
-    if name == "zbv" and memory_limit is not None:
+    if REGISTRY[name].memory_aware and memory_limit is not None:
         static = sum(table.static_bytes(p) for p in table.pieces) / num_ranks
         limit = memory_limit - static if memory_limit - static >= costs.memory else None
     return build_schedule(name, num_ranks, microbatches, costs=costs, memory_limit=limit, **options)

@@ -44,14 +44,9 @@ def model_stage_count(schedule: str, num_ranks: int, options: dict | None = None
     looped-bfs, v = ``stages_per_rank``, default 2); 2p for the V ones (zbv, dualpipev). None for a
     name that is not built in (a saved schedule file).
     """
-    options = options or {}
     if schedule not in REGISTRY:
         return None
-    if "stages_per_rank" in REGISTRY[schedule].options:
-        return num_ranks * int(options.get("stages_per_rank", 2))
-    if schedule in ("zbv", "dualpipev"):
-        return 2 * num_ranks
-    return num_ranks
+    return REGISTRY[schedule].num_pieces(num_ranks, options)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -24,12 +24,13 @@ from pipeloom.problem import Problem, Stage, stage_graph
 from pipeloom.schedules import REGISTRY, build_schedule
 from pipeloom.sim import Timeline, expected_makespan, simulate
 
-__all__ = ["DEFAULT_SCHEDULES", "Candidate", "NoPlanFits", "PlanResult", "exchange_time", "plan_pipeline", "recost",
+__all__ = ["Candidate", "default_schedules", "NoPlanFits", "PlanResult", "exchange_time", "plan_pipeline", "recost",
            "replica_sync_time", "stage_spreads"]
 
-DEFAULT_SCHEDULES = ("1f1b", "zb-h1", "zb-h2", "interleaved-1f1b", "zbv", "dualpipev", "gpipe", "looped-bfs",
-                     "dualpipe", "chimera")
-"""The schedules :func:`plan_pipeline` tries unless told otherwise (every built-in one)."""
+def default_schedules() -> tuple[str, ...]:
+    """The schedules :func:`plan_pipeline` tries unless told otherwise: every registry entry, read at
+    call time (a new entry is tried with no other edit)."""
+    return tuple(REGISTRY)
 
 _FIT = 1 + 1e-9  # float slack on the memory limit
 
@@ -279,8 +280,8 @@ class _Search:
         base = Candidate(schedule=name, schedule_options=options, microbatches=microbatches, microbatch_size=size)
         partitioner = self.partitioner(size)
         limit = self.memory_limit
-        # ZB-V orders its actions for a memory limit: try it with the plan's limit and with its default
-        limits = (limit, None) if name == "zbv" and limit is not None else (None,)
+        # a memory-aware schedule (ZB-V) orders its actions for a limit: try the plan's and its default
+        limits = (limit, None) if REGISTRY[name].memory_aware and limit is not None else (None,)
         return min((self._try(base, partitioner, library_limit=lim) for lim in limits), key=_rank)
 
     def _try(self, base: Candidate, partitioner: SchedulePartitioner, *, library_limit: float | None
@@ -331,7 +332,7 @@ def plan_pipeline(
 ) -> PlanResult:
     """The fastest pipeline plan for ``table`` on ``num_ranks`` ranks of ``memory_limit`` bytes each.
 
-    Tries every schedule of ``schedules`` (default :data:`DEFAULT_SCHEDULES`), with each of
+    Tries every schedule of ``schedules`` (default :func:`default_schedules`), with each of
     ``stages_per_rank`` for the looped ones, and every micro-batch count M of ``microbatches``
     (default: the divisors of ``global_batch``; micro-batch size = global_batch / M). ``table`` may
     be several tables of one model measured at different micro-batch sizes (:func:`table_for_size`
@@ -354,7 +355,7 @@ def plan_pipeline(
                             f"choose among {_divisors(global_batch)}")
     search = _Search(tables, num_ranks=num_ranks, memory_limit=memory_limit)
     tried = [search.candidate(name, options, m, global_batch // m)
-             for m in counts for name in (schedules or DEFAULT_SCHEDULES)
+             for m in counts for name in (schedules or default_schedules())
              for options in _options(name, stages_per_rank)]
     ranked = sorted(tried, key=_rank)
     if search_time > 0:

@@ -7,15 +7,21 @@ Every generator is a pure function ``(num_ranks, num_microbatches, *, costs, mem
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import Literal, get_args
 
 from pipeloom.errors import PipeloomError
 from pipeloom.ir import Schedule
 from pipeloom.problem import Costs
 
-__all__ = ["ScheduleInfo", "REGISTRY", "schedule_names", "schedule_info", "build_schedule"]
+__all__ = ["PLACEMENT_KINDS", "Placement", "ScheduleInfo", "REGISTRY", "build_schedule", "schedule_info",
+           "schedule_names"]
+
+Placement = Literal["linear", "interleaved", "v", "bidirectional"]
+PLACEMENT_KINDS: tuple[str, ...] = get_args(Placement)
+"""How a built-in schedule's stages sit on the ranks (:attr:`ScheduleInfo.placement`)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -34,6 +40,31 @@ class ScheduleInfo:
     """Keyword options beyond ``costs`` and ``memory_limit``, e.g. ``stages_per_rank``."""
     splits_backward: bool = False
     """Whether the schedule runs I and W instead of one B."""
+    placement: Placement = "linear"
+    """How its stages sit on the ranks: ``linear`` (stage r on rank r), ``interleaved`` (v looped
+    stages per rank: stage s on rank s % p), ``v`` (rank r holds stages r and 2p-1-r) or
+    ``bidirectional`` (two model replicas fed from both ends, each rank holding a piece of each)."""
+    memory_aware: bool = False
+    """Whether it orders its actions for ``memory_limit`` (the planner tries it with the plan's limit)."""
+    in_demo: bool = False
+    """Shown by ``pipeloom demo``."""
+
+    def __post_init__(self) -> None:
+        if self.placement not in PLACEMENT_KINDS:
+            raise ValueError(f"placement must be one of {', '.join(PLACEMENT_KINDS)}, got {self.placement!r}")
+
+    @property
+    def replicas(self) -> int:
+        """Model copies the schedule runs (2 for the bidirectional ones)."""
+        return 2 if self.placement == "bidirectional" else 1
+
+    def num_pieces(self, num_ranks: int, options: Mapping[str, object] | None = None) -> int:
+        """Pieces the model is cut into on ``num_ranks`` ranks: p (linear, and bidirectional: each
+        rank holds a piece of each replica), p*v (interleaved, v = ``stages_per_rank``, default 2) or
+        2p (v)."""
+        if self.placement == "interleaved":
+            return num_ranks * int((options or {}).get("stages_per_rank", 2))
+        return 2 * num_ranks if self.placement == "v" else num_ranks
 
     @property
     def generator(self) -> Callable[..., Schedule]:
@@ -42,35 +73,34 @@ class ScheduleInfo:
         return getattr(module, self.function)
 
 
-def _entries(*infos: ScheduleInfo) -> MappingProxyType:
-    return MappingProxyType({info.name: info for info in infos})
-
-
-REGISTRY = _entries(
-    ScheduleInfo(name="gpipe", module="gpipe", function="gpipe",
+_BY_NAME: dict[str, ScheduleInfo] = {info.name: info for info in (
+    ScheduleInfo(name="gpipe", module="gpipe", function="gpipe", in_demo=True,
                  summary="all forwards, then all backwards; memory m"),
-    ScheduleInfo(name="1f1b", module="one_f_one_b", function="one_f_one_b",
+    ScheduleInfo(name="1f1b", module="one_f_one_b", function="one_f_one_b", in_demo=True,
                  summary="warm-up forwards, then one forward / one backward; memory p"),
     ScheduleInfo(name="interleaved-1f1b", module="interleaved", function="interleaved_1f1b",
-                 options=("stages_per_rank",),
+                 options=("stages_per_rank",), placement="interleaved", in_demo=True,
                  summary="Megatron interleaved 1F1B, v looped stages per rank; bubble / v"),
     ScheduleInfo(name="looped-bfs", module="looped_bfs", function="looped_bfs",
-                 options=("stages_per_rank",),
+                 options=("stages_per_rank",), placement="interleaved",
                  summary="v looped stages per rank, breadth-first: each stage's forwards together"),
-    ScheduleInfo(name="zb-h1", module="zero_bubble", function="zb_h1", splits_backward=True,
+    ScheduleInfo(name="zb-h1", module="zero_bubble", function="zb_h1", splits_backward=True, in_demo=True,
                  summary="zero-bubble H1: split backward, W fills bubbles; 1F1B memory"),
-    ScheduleInfo(name="zb-h2", module="zero_bubble", function="zb_h2", splits_backward=True,
+    ScheduleInfo(name="zb-h2", module="zero_bubble", function="zb_h2", splits_backward=True, in_demo=True,
                  summary="zero-bubble H2: more warm-up forwards, near-zero bubble; about 2p memory"),
-    ScheduleInfo(name="zbv", module="zbv", function="zbv", splits_backward=True,
+    ScheduleInfo(name="zbv", module="zbv", function="zbv", splits_backward=True, placement="v",
+                 memory_aware=True, in_demo=True,
                  summary="zero-bubble V: 2 stages per rank in a V, cost- and memory-aware"),
-    ScheduleInfo(name="dualpipev", module="dualpipe", function="dualpipev", splits_backward=True,
-                 summary="DualPipeV: bidirectional V, 2 stages per rank, one model copy"),
+    ScheduleInfo(name="dualpipev", module="dualpipe", function="dualpipev", splits_backward=True, placement="v",
+                 in_demo=True, summary="DualPipeV: bidirectional V, 2 stages per rank, one model copy"),
     ScheduleInfo(name="dualpipe", module="dualpipe", function="dualpipe", splits_backward=True,
-                 summary="DualPipe: two model replicas fed from both ends; even ranks"),
-    ScheduleInfo(name="chimera", module="chimera", function="chimera",
+                 placement="bidirectional", summary="DualPipe: two model replicas fed from both ends; even ranks"),
+    ScheduleInfo(name="chimera", module="chimera", function="chimera", placement="bidirectional",
                  summary="Chimera: two opposite 1F1B pipelines sharing the micro-batches"),
-)
-"""Every built-in schedule by name."""
+)}
+REGISTRY: Mapping[str, ScheduleInfo] = MappingProxyType(_BY_NAME)
+"""Every built-in schedule by name: the one home of their names, placements and options, read by the
+planner, the search, the demo and the tests."""
 
 
 def schedule_names() -> tuple[str, ...]:

@@ -164,15 +164,15 @@ def compare_markdown(rows: Sequence[dict], *, heading: str, title: str, footer: 
 
 
 def schedules_table(infos: Iterable[ScheduleInfo]) -> Table:
-    """The ``pipeloom list`` table: name, backward kinds, options (as flags), summary."""
+    """The ``pipeloom list`` table: name, placement, backward kinds, options (as flags), summary."""
     from rich.table import Table
 
     table = Table(title="Schedules (pipeloom show NAME --ranks P --microbatches M)")
-    for column in ("name", "backward", "options", "summary"):
+    for column in ("name", "placement", "backward", "options", "summary"):
         table.add_column(column)
     for info in infos:
         flags = ", ".join(f"--{option.replace('_', '-')}" for option in info.options)
-        table.add_row(info.name, "I + W" if info.splits_backward else "B", flags, info.summary)
+        table.add_row(info.name, info.placement, "I + W" if info.splits_backward else "B", flags, info.summary)
     return table
 
 

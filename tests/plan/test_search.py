@@ -16,7 +16,7 @@ from pipeloom.plan import CostTable, Link, Piece, PlanError, load_plan, plan_pip
 from pipeloom.plan.partition import Partition
 from pipeloom.plan.partitioner import SchedulePartitioner
 from pipeloom.plan.placement import library_schedule
-from pipeloom.plan.search import DEFAULT_SCHEDULES, NoPlanFits, recost, replica_sync_time, stage_spreads
+from pipeloom.plan.search import NoPlanFits, default_schedules, recost, replica_sync_time, stage_spreads
 from pipeloom.schedules import REGISTRY
 from pipeloom.sim import expected_makespan
 
@@ -28,7 +28,20 @@ def _table(n: int = 8, **overrides) -> CostTable:
 
 
 def test_default_schedules_are_every_built_in():
-    assert set(DEFAULT_SCHEDULES) == set(REGISTRY)
+    assert default_schedules() == tuple(REGISTRY)
+
+
+def test_a_new_registry_entry_is_tried_by_the_planner_with_no_other_edit(monkeypatch):
+    import pipeloom.schedules as schedules
+
+    entry = schedules.ScheduleInfo(name="zb-h1-again", module="zero_bubble", function="zb_h1", splits_backward=True,
+                                   summary="a second name for zb-h1")
+    monkeypatch.setitem(schedules._BY_NAME, entry.name, entry)
+    result = plan_pipeline(_table(), num_ranks=4, global_batch=8, microbatches=[8])
+    tried = {c.schedule: c for c in result.candidates}
+    assert set(tried) >= set(REGISTRY) and "zb-h1-again" in tried
+    assert tried["zb-h1-again"].reason == ""
+    assert tried["zb-h1-again"].step_time == tried["zb-h1"].step_time
 
 
 def test_1f1b_prediction_matches_the_closed_form():
