@@ -24,7 +24,7 @@ from pipeloom.problem import Problem, Stage, stage_graph
 from pipeloom.schedules import REGISTRY, build_schedule
 from pipeloom.sim import Timeline, expected_makespan, simulate
 
-__all__ = ["Candidate", "default_schedules", "NoPlanFits", "PlanResult", "exchange_time", "plan_pipeline", "recost",
+__all__ = ["MAX_PLAN_MICROBATCHES", "Candidate", "default_schedules", "NoPlanFits", "PlanResult", "exchange_time", "plan_pipeline", "recost",
            "replica_sync_time", "stage_spreads"]
 
 def default_schedules() -> tuple[str, ...]:
@@ -259,8 +259,15 @@ def _options(name: str, stages_per_rank: Sequence[int]) -> list[dict]:
     return [{}]
 
 
+MAX_PLAN_MICROBATCHES = 1024
+"""Most micro-batches per step a plan considers: the default counts are the divisors of the global
+batch up to this (found without counting to the batch), and a larger count asked for is refused.
+Each candidate is simulated, and a step of more micro-batches than this has no bubble left to gain."""
+
+
 def _divisors(n: int) -> list[int]:
-    return [m for m in range(1, n + 1) if n % m == 0]
+    """The divisors of ``n`` up to :data:`MAX_PLAN_MICROBATCHES`."""
+    return [m for m in range(1, min(n, MAX_PLAN_MICROBATCHES) + 1) if n % m == 0]
 
 
 class _Search:
@@ -334,7 +341,8 @@ def plan_pipeline(
 
     Tries every schedule of ``schedules`` (default :func:`default_schedules`), with each of
     ``stages_per_rank`` for the looped ones, and every micro-batch count M of ``microbatches``
-    (default: the divisors of ``global_batch``; micro-batch size = global_batch / M). ``table`` may
+    (default: the divisors of ``global_batch`` up to :data:`MAX_PLAN_MICROBATCHES`; micro-batch size =
+    global_batch / M). ``table`` may
     be several tables of one model measured at different micro-batch sizes (:func:`table_for_size`
     interpolates between them; one table is scaled linearly). Each candidate is cut by the
     partitioner for the schedule's placement and memory profile, re-costed (:func:`recost`) and
@@ -350,6 +358,9 @@ def plan_pipeline(
     _check_request(table, num_ranks, global_batch, memory_limit, schedules)
     counts = sorted(set(microbatches)) if microbatches is not None else _divisors(global_batch)
     for m in counts:
+        if isinstance(m, int) and not isinstance(m, bool) and m > MAX_PLAN_MICROBATCHES:
+            raise PlanError(f"{m} micro-batches per step is more than the planner considers "
+                            f"({MAX_PLAN_MICROBATCHES}); choose at most {MAX_PLAN_MICROBATCHES}")
         if isinstance(m, bool) or not isinstance(m, int) or m < 1 or global_batch % m:
             raise PlanError(f"micro-batch count {m!r} does not divide the global batch {global_batch}; "
                             f"choose among {_divisors(global_batch)}")

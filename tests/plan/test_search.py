@@ -288,3 +288,16 @@ def test_a_time_spread_predicts_the_mean_step_and_keeps_the_plain_timeline():
         schedule = candidate.timeline.schedule
         assert candidate.step_time == pytest.approx(
             expected_makespan(schedule, stage_spreads(spread, schedule, candidate.partition)))
+
+
+def test_a_huge_or_prime_global_batch_plans_at_once_and_too_many_microbatches_are_refused():
+    import time
+
+    from pipeloom.plan.search import MAX_PLAN_MICROBATCHES
+
+    started = time.perf_counter()
+    result = plan_pipeline(_table(), num_ranks=4, global_batch=1_000_000_007, schedules=["1f1b"])  # a prime
+    assert time.perf_counter() - started < 30  # counted to the batch before: never ended
+    assert {c.microbatches for c in result.candidates} == {1}
+    with pytest.raises(PlanError, match=f"choose at most {MAX_PLAN_MICROBATCHES}"):
+        plan_pipeline(_table(), num_ranks=4, global_batch=4096, schedules=["1f1b"], microbatches=[4096])
