@@ -456,3 +456,16 @@ def test_python_dash_m_entry_point_runs_in_a_fresh_process(tmp_path):
     assert bad.returncode == 2 and bad.stdout == ""
     assert bad.stderr.strip().splitlines() == [bad.stderr.strip()]
     assert bad.stderr.startswith("pipeloom: error: unknown schedule 'nope'")
+
+
+def test_a_reader_closing_the_pipe_early_ends_the_command_quietly(monkeypatch, capsys):
+    import os
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone: every write fails with EPIPE
+    with open(write_end, "w", buffering=1) as closed:
+        monkeypatch.setattr("sys.stdout", closed)
+        assert main(["list", "--json"]) == 0
+        closed.write("x" * 10)  # stdout now goes to the null device: the exit's flush cannot fail
+        closed.flush()
+    assert capsys.readouterr().err == ""

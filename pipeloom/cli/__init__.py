@@ -2,7 +2,8 @@
 search.
 
 Every bad input ends as one line ``pipeloom: error: ...`` on stderr and a non-zero exit status
-(2 for usage errors, 1 for the rest); the library's exceptions carry the message.
+(2 for usage errors, 1 for the rest); the library's exceptions carry the message. A reader closing
+the pipe early (``pipeloom list | head -1``) ends the command quietly with status 0.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         return args.handler(args)
+    except BrokenPipeError:  # the reader went away (`pipeloom list | head -1`): not an error of ours
+        _silence_stdout()
+        return 0
     except UsageError as error:
         return _fail(error, 2, getattr(args, "verbose", False))
     except (PipeloomError, ValueError, OSError) as error:
@@ -42,3 +46,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except MemoryError:
         error = MemoryError("out of memory; use fewer ranks, micro-batches or stages per rank")
         return _fail(error, 1, False)
+
+
+def _silence_stdout() -> None:
+    """Point stdout at the null device, so the interpreter's flush at exit does not fail again."""
+    import os
+
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # no real file behind stdout (a test's stand-in)
+        pass
