@@ -12,16 +12,53 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import importlib.util
 import inspect
+import io
 import sys
+import traceback
+from collections.abc import Iterator
 from pathlib import Path
 
 from rich.console import Console
 
 from pipeloom.cli.common import UsageError
+from pipeloom.errors import PipeloomError
 
-__all__ = ["add_profile_parser", "cmd_profile", "load_function"]
+__all__ = ["UserCodeError", "add_profile_parser", "cmd_profile", "load_function"]
+
+
+class UserCodeError(PipeloomError):
+    """The user's file raised while pipeloom ran it (importing it, building the model, making inputs,
+    the forward or the loss). The first line names the file, the line and the error; the rest of
+    the message is the traceback (shown with --verbose)."""
+
+
+@contextlib.contextmanager
+def user_code(path: str, doing: str) -> Iterator[None]:
+    """Turn an exception raised by the user's code while ``doing`` into one :class:`UserCodeError`
+    line naming ``path`` (and its line where the traceback passes through it). pipeloom's own
+    errors pass through unchanged. What the code prints to stderr meanwhile (torch.fx prints its
+    own traceback of a failing generated forward) is kept for the verbose part."""
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(printed):
+            yield
+    except (PipeloomError, KeyboardInterrupt):
+        sys.stderr.write(printed.getvalue())
+        raise
+    except Exception as error:  # noqa: BLE001 (any exception of the user's code is reported, not ours)
+        where = Path(path).resolve()
+        lines = [frame.lineno for frame in traceback.extract_tb(error.__traceback__)
+                 if Path(frame.filename).resolve() == where]
+        if isinstance(error, SyntaxError) and error.lineno is not None:
+            lines.append(error.lineno)
+        place = f"{path}:{lines[-1]}" if lines else path
+        detail = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        text = f"{type(error).__name__}: {detail}" if detail else type(error).__name__
+        trace = printed.getvalue() + "".join(traceback.format_exception(type(error), error, error.__traceback__))
+        raise UserCodeError(f"{place}: {text} (while {doing}; fix it in your file)\n{trace}") from error
 
 
 def add_profile_parser(commands: argparse._SubParsersAction) -> None:
@@ -83,7 +120,8 @@ def load_function(target: str):
     sys.modules[spec.name] = module  # dataclasses and pickling look the module up by name
     sys.path.insert(0, str(path.parent.resolve()))
     try:
-        spec.loader.exec_module(module)
+        with user_code(path_text, f"importing {path_text}"):
+            spec.loader.exec_module(module)
     finally:
         sys.path.pop(0)
     function = getattr(module, name, None)
@@ -136,7 +174,9 @@ def _model_and_inputs(module, function, args: argparse.Namespace):
         unknown = sorted(set(keywords) - set(parameters)) or sorted(keywords)
         takes = ", ".join(parameters) or "nothing"
         raise UsageError(f"{args.target} cannot take {unknown} ({error}); it takes: {takes}") from None
-    built = function(**keywords)
+    file = args.target.rpartition(":")[0]
+    with user_code(file, f"calling {args.target}"):
+        built = function(**keywords)
     parts = built if isinstance(built, tuple) else (built,)
     if not parts or not isinstance(parts[0], nn.Module) or len(parts) > 3:
         raise UsageError(f"{args.target} must return a model, (model, inputs) or (model, inputs, target); "
@@ -145,10 +185,12 @@ def _model_and_inputs(module, function, args: argparse.Namespace):
     if inputs is None:
         maker = getattr(module, "example_inputs", None)
         if callable(maker):
-            made = maker(model, batch=args.batch, seq=args.seq)
+            with user_code(file, "calling example_inputs"):
+                made = maker(model, batch=args.batch, seq=args.seq)
             inputs, target = made if isinstance(made, tuple) and len(made) == 2 else (made, None)
         else:
-            inputs = _made_up_inputs(model, args)
+            with user_code(file, "tracing the model to make up inputs"):
+                inputs = _made_up_inputs(model, args)
     return model, inputs, target
 
 
@@ -206,12 +248,16 @@ def cmd_profile(args: argparse.Namespace) -> int:
     model, inputs, target = _model_and_inputs(module, function, args)
     _check_batch(inputs, args.batch, "--batch")
     loss = _loss(module, args)
+    file = args.target.rpartition(":")[0]
     if loss is not None and target is None:
-        target = _made_up_target(model, inputs)
+        with user_code(file, "running the model to make up a target"):
+            target = _made_up_target(model, inputs)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    table = profile_model(model, inputs, pieces=_pieces(args), device=device, warmup=args.warmup,
-                          repeats=args.repeats, loss_fn=loss, target=target, optimizer_factor=args.optimizer_factor,
-                          link=Link(latency=args.latency, bandwidth=args.bandwidth))
+    with user_code(file, "profiling the model (its forward, backward and loss)"):
+        table = profile_model(model, inputs, pieces=_pieces(args), device=device, warmup=args.warmup,
+                              repeats=args.repeats, loss_fn=loss, target=target,
+                              optimizer_factor=args.optimizer_factor,
+                              link=Link(latency=args.latency, bandwidth=args.bandwidth))
     _show(table, args)
     return 0
 
@@ -274,7 +320,8 @@ def _profile_in_engine(args: argparse.Namespace, module, function) -> int:
                                                                                           "batch": samples}))
         _check_batch(inputs, samples, "--batch x --microbatches")
         if target is None:
-            target = _made_up_target(model, inputs)
+            with user_code(args.target.rpartition(":")[0], "running the model to make up a target"):
+                target = _made_up_target(model, inputs)
         table = profile_in_engine(model, inputs, loss_fn=loss, target=target, microbatches=args.microbatches,
                                   pieces=_pieces(args), warmup_steps=args.warmup, steps=args.repeats,
                                   bandwidth=args.bandwidth)

@@ -128,3 +128,35 @@ def test_profile_refuses_bad_arguments_devices_and_pieces(capsys, tmp_path, extr
             "--repeats", "1", "--save", str(tmp_path / "c.json"), *extra]
     one_line_error(run(capsys, "profile", *argv), code, *words)
     assert not (tmp_path / "c.json").exists()
+
+
+USER_FILES = {  # what the user's file does wrong -> the words of the one line naming it
+    "syntax": ("def build(:\n", "SyntaxError", ":1:", "importing"),
+    "nulls": ("x = 1\0\n", "source code string cannot contain null bytes", "importing"),
+    "import": ("import no_such_module_here\n", "ModuleNotFoundError", ":1:", "importing"),
+    "build": ("def build():\n    raise RuntimeError('out of ideas')\n", "RuntimeError: out of ideas", ":2:",
+              "calling"),
+    "forward": ("import torch\n"
+                "class M(torch.nn.Module):\n"
+                "    def __init__(self):\n"
+                "        super().__init__()\n"
+                "        self.a = torch.nn.Linear(4, 4)\n"
+                "    def forward(self, x):\n"
+                "        return self.a(x).view(3, -1, 7)\n"
+                "def build():\n"
+                "    return M(), torch.randn(4, 4)\n", "RuntimeError: shape '[3, -1, 7]' is invalid",
+                "profiling the model"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(USER_FILES))
+def test_an_error_in_the_users_file_is_one_line_naming_the_file_and_line(capsys, tmp_path, case):
+    pytest.importorskip("torch")
+    text, *words = USER_FILES[case]
+    path = tmp_path / "model.py"
+    path.write_bytes(text.encode())
+    result = run(capsys, "profile", f"{path}:build", "--batch", "4", "--warmup", "0", "--repeats", "1")
+    one_line_error(result, 1, str(path), *words, "(add --verbose for details)")
+    code, _, err = run(capsys, "--verbose", "profile", f"{path}:build", "--batch", "4", "--warmup", "0",
+                       "--repeats", "1")
+    assert code == 1 and "Traceback (most recent call last)" in err
