@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pipeloom.errors import PipeloomError
-from pipeloom.ir import Action, Comm, Schedule
+from pipeloom.ir import Action, Comm, Overlap, Schedule, compute_parts
 
 __all__ = ["MODEL_INPUT", "Lowering", "PipelineError", "Source", "Step", "Unit", "forward_unit", "lower", "model_pieces"]
 
@@ -57,7 +57,11 @@ class Unit:
 
 @dataclass(frozen=True, slots=True)
 class Step:
-    """One compute action of a rank with the messages it needs first and sends after."""
+    """One compute action of a rank with the messages it needs first and sends after.
+
+    An overlapped pair is two steps, its forward then its backward, each with ``pair`` set: the step
+    run receives both parts' messages before the forward and sends both parts' after the backward.
+    """
 
     action: Action
     piece: int
@@ -65,6 +69,17 @@ class Step:
     recvs: tuple[int, ...]  # unit ids to have received before running
     sends: tuple[int, ...]  # unit ids to send after running
     posts: tuple[int, ...] = ()  # a lowered schedule's receives placed before this action (unit ids)
+    pair: Overlap | None = None  # the overlapped pair this step is a part of
+
+    @property
+    def opens_pair(self) -> bool:
+        """Whether this step is the forward part of an overlapped pair (its backward is the next step)."""
+        return self.pair is not None and self.action == self.pair.forward
+
+    @property
+    def closes_pair(self) -> bool:
+        """Whether this step is the backward part of an overlapped pair."""
+        return self.pair is not None and self.action == self.pair.backward
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,10 +228,11 @@ def _place(schedule: Schedule, piece_inputs: Sequence[Sequence[tuple[int | Sourc
     if any(len(c) != num_pieces for c in components):
         sizes = sorted({len(c) for c in components})
         per = f"{replicas} replicas of {sizes} stages" if replicas > 1 else f"{num_stages} stages"
+        wanted = num_stages // replicas if num_stages % replicas == 0 else num_stages
         raise PipelineError(
-            f"the schedule {schedule.name!r} has {per}, but the model is cut into {num_pieces} pieces; "
-            f"cut the model into {num_stages // replicas if num_stages % replicas == 0 else num_stages} pieces "
-            "(split_points one fewer), or choose a schedule with as many stages as pieces"
+            f"the schedule {schedule.name!r} has {per}, but the model is cut into {num_pieces} pieces "
+            f"({num_pieces - 1} split points); cut the model into {wanted} pieces ({wanted - 1} split points), or "
+            "choose a schedule with as many stages as pieces"
         )
     piece_of, replica_of = [0] * num_stages, [0] * num_stages
     for j, comp in enumerate(components):
@@ -277,9 +293,10 @@ def _programs(schedule: Schedule, placed: _Placed, consumers: Routes,
         unit_of[(kind, u, s, mb)] = len(units) - 1
         return len(units) - 1
 
+    flat = [_flatten(actions) for actions in schedule.ranks]  # per rank: (compute action, its pair or None)
     sends: dict[tuple[int, int], tuple[int, ...]] = {}  # (rank, position) -> unit ids sent after it
     for rank in range(schedule.num_ranks):
-        for t, action in enumerate(schedule.ranks[rank]):
+        for t, (action, _) in enumerate(flat[rank]):
             s, kind, mb = action.stage, action.kind, placed.real(action.stage, action.microbatch)
             if kind == "F":
                 sends[(rank, t)] = tuple(unit("F", s, c, mb, indices) for c, indices in consumers[s]
@@ -291,7 +308,7 @@ def _programs(schedule: Schedule, placed: _Placed, consumers: Routes,
     programs = []
     for rank in range(schedule.num_ranks):
         program = []
-        for t, action in enumerate(schedule.ranks[rank]):
+        for t, (action, pair) in enumerate(flat[rank]):
             s, kind, mb = action.stage, action.kind, placed.real(action.stage, action.microbatch)
             recvs: tuple[int, ...] = ()
             if kind == "F":
@@ -300,9 +317,16 @@ def _programs(schedule: Schedule, placed: _Placed, consumers: Routes,
                 recvs = tuple(unit_of[("B", s, c, mb)] for c, _ in consumers[s]
                               if rank_of[c] != rank and backward_kinds.get(c))
             program.append(Step(action=action, piece=placed.piece_of[s], microbatch=mb, recvs=recvs,
-                                sends=sends.get((rank, t), ())))
+                                sends=sends.get((rank, t), ()), pair=pair))
         programs.append(tuple(program))
     return units, unit_of, programs
+
+
+def _flatten(actions: Sequence[Action | Overlap]) -> list[tuple[Action, Overlap | None]]:
+    """Each compute action with None, and each overlapped pair as its forward then its backward, with
+    the pair (a B on a split stage stays one step: the runtime runs it as one full backward)."""
+    return [(part, action if type(action) is Overlap else None)
+            for action in actions for part in compute_parts(action)]
 
 
 def _receive_points(actions: Sequence[Action | Comm], program: Sequence[Step]) -> tuple[Step, ...]:
@@ -318,5 +342,5 @@ def _receive_points(actions: Sequence[Action | Comm], program: Sequence[Step]) -
                 posts[min(done, len(program) - 1)].extend(
                     needs.get((action.stage, action.direction, action.microbatch), ()))
         else:
-            done += 1
+            done += len(compute_parts(action))  # a pair is two steps
     return tuple(dataclasses.replace(step, posts=tuple(posts[t])) for t, step in enumerate(program))
