@@ -4,6 +4,8 @@ from __future__ import annotations
 
 __all__ = [
     "PipeloomError",
+    "ArgumentError",
+    "ArgumentTypeError",
     "ProblemError",
     "ScheduleFormatError",
     "ScheduleError",
@@ -16,7 +18,16 @@ __all__ = [
 
 
 class PipeloomError(ValueError):
-    """Base class of every error pipeloom raises for bad input."""
+    """Base class of every error pipeloom raises for bad input: one ``except PipeloomError`` catches
+    them all (it is a ValueError, and the type errors below are also TypeErrors)."""
+
+
+class ArgumentError(PipeloomError):
+    """A bad argument of a public function (a count, a size, an option out of range)."""
+
+
+class ArgumentTypeError(ArgumentError, TypeError):
+    """An argument of the wrong type (a string where Costs are expected, ...)."""
 
 
 class ProblemError(PipeloomError):

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Literal, get_args
 
-from pipeloom.errors import PipeloomError
+from pipeloom.errors import ArgumentTypeError, PipeloomError
 from pipeloom.ir import Schedule
 from pipeloom.problem import Costs
 
@@ -127,8 +127,24 @@ def build_schedule(
     memory_limit: float | None = None,
     **options: object,
 ) -> Schedule:
-    """Build the built-in schedule ``name``; options it does not take are an error."""
+    """Build the built-in schedule ``name``; options it does not take are an error.
+
+    Arguments of the wrong type raise :class:`~pipeloom.errors.ArgumentTypeError` (a TypeError and a
+    PipeloomError), bad counts :class:`~pipeloom.errors.ArgumentError`, before anything is built.
+    """
+    if not isinstance(name, str):
+        raise ArgumentTypeError(f"name must be a schedule name (str), got {type(name).__name__}; "
+                                f"choose one of: {', '.join(REGISTRY)}")
     info = schedule_info(name)
+    for label, value in (("num_ranks", num_ranks), ("num_microbatches", num_microbatches)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ArgumentTypeError(f"{label} must be an integer, got {type(value).__name__} {value!r}")
+    if not isinstance(costs, Costs):
+        raise ArgumentTypeError(f"costs must be a pipeloom.Costs (e.g. Costs(f=1, b=2, w=1)), got "
+                                f"{type(costs).__name__} {costs!r}")
+    if memory_limit is not None and (isinstance(memory_limit, bool) or not isinstance(memory_limit, (int, float))):
+        raise ArgumentTypeError(f"memory_limit must be a number or None, got {type(memory_limit).__name__} "
+                                f"{memory_limit!r}")
     unknown = sorted(set(options) - set(info.options))
     if unknown:
         takes = ", ".join(info.options) if info.options else "no extra options"

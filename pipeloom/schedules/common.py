@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from pipeloom.errors import ArgumentError
 from pipeloom.ir import Action, Schedule
 from pipeloom.problem import Costs, Problem, stage_graph
 
@@ -22,24 +23,24 @@ __all__ = [
 
 
 def check_counts(name: str, num_ranks: int, num_microbatches: int, *, min_microbatches: int = 1) -> None:
-    """ValueError unless ranks >= 1 and micro-batches >= ``min_microbatches`` (integers)."""
+    """ArgumentError (a ValueError) unless ranks >= 1 and micro-batches >= ``min_microbatches`` (integers)."""
     if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 1:
-        raise ValueError(f"{name}: the number of ranks must be a positive integer, got {num_ranks!r}")
+        raise ArgumentError(f"{name}: the number of ranks must be a positive integer, got {num_ranks!r}")
     if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
-        raise ValueError(
+        raise ArgumentError(
             f"{name}: the number of micro-batches must be a positive integer, got {num_microbatches!r}"
         )
     if num_microbatches < min_microbatches:
-        raise ValueError(
+        raise ArgumentError(
             f"{name} needs at least {min_microbatches} micro-batches with {num_ranks} ranks, "
             f"got {num_microbatches}; use {min_microbatches} or more"
         )
 
 
 def check_even_ranks(name: str, num_ranks: int, *, reason: str) -> None:
-    """ValueError unless ``num_ranks`` is even; ``reason`` says why the schedule needs it."""
+    """ArgumentError (a ValueError) unless ``num_ranks`` is even; ``reason`` says why the schedule needs it."""
     if num_ranks % 2:
-        raise ValueError(
+        raise ArgumentError(
             f"{name} needs an even number of ranks ({reason}), got {num_ranks}; "
             f"use an even count such as {num_ranks + 1}"
         )
