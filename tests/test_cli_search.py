@@ -202,3 +202,43 @@ def test_a_memory_limit_beyond_integer_range_means_no_limit(capsys):
     report = run_json(capsys, "--placement", "vshape", "--ranks", "2", "--microbatches", "4",
                       "--memory-limit", "1e308")
     assert report["makespan"] >= report["lower_bound"]
+
+
+# ------------------------------------------------------------------------------- placement costs
+
+
+def test_cost_flags_set_a_catalogue_placements_costs(capsys):
+    """Linear placement, unlimited memory: 1F1B is optimal, (M + p - 1)(f + b + w) = (4 + 1) * 7."""
+    report = run_json(capsys, "--placement", "linear", "--ranks", "2", "--microbatches", "4",
+                      "--f", "2", "--b", "3", "--w", "2")
+    assert report["makespan"] == pytest.approx(35.0)
+    assert report["origin"] in ("solver", "builtin:1f1b", "builtin:gpipe")
+
+
+def test_w_memory_lets_w_keep_part_of_the_memory(capsys):
+    """Tessel vshape split: W holding half a unit leaves more memory held (peak) than W holding none."""
+    common = ("--placement", "vshape", "--ranks", "2", "--microbatches", "4", "--split-backward", "--mode",
+              "exact")
+    none = run_json(capsys, *common)
+    half = run_json(capsys, *common, "--w-memory", "0.5", "--f", "1", "--b", "2", "--w", "1")
+    assert none["lower_bound"] == pytest.approx(half["lower_bound"])  # same spans as the default 3 -> 2 + 1
+    assert max(half["peak_memory"]) >= max(none["peak_memory"])
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--placement", "vshape", "--ranks", "2", "--microbatches", "2", "--w-memory", "0.5"], "--split-backward"),
+    (["--placement", "vshape", "--ranks", "2", "--microbatches", "2", "--split-backward", "--w-memory", "2"],
+     "at most 1"),
+    (["--placement", "vshape", "--ranks", "2", "--microbatches", "2", "--inference", "--b", "2"], "--inference"),
+    (["--placement", "vshape", "--ranks", "2", "--microbatches", "2", "--f", "-1"], "--f"),
+    (["--placement", "vshape", "--ranks", "2", "--microbatches", "2", "--w", "nan"], "--w"),
+])
+def test_bad_cost_flags_are_one_line_errors(capsys, argv, fragment):
+    assert_one_line_error(run(capsys, "search", *argv), 2, fragment)
+
+
+def test_cost_flags_with_a_problem_file_are_refused(capsys, tmp_path):
+    path = tmp_path / "s.json"
+    save_schedule(build_schedule("1f1b", 2, 2), path)
+    assert_one_line_error(run(capsys, "search", "--problem", str(path), "--microbatches", "2", "--f", "2"),
+                          2, "--f", "--placement")

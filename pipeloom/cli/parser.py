@@ -181,6 +181,15 @@ def _add_search(commands: argparse._SubParsersAction) -> None:
     search.add_argument("--split-backward", action="store_true", help="split B into I and W (placements)")
     search.add_argument("--inference", action="store_true", help="forward only, memory 0 (placements)")
     search.add_argument("--comm", type=_cost, metavar="C", help="latency between rank sets (default 0)")
+    shares = search.add_argument_group(
+        "placement costs", "Per-micro-batch costs of one rank's share (--placement only; default: the "
+        "placement's own). Classic placements spread them over their stages like `show`; Tessel ones give "
+        "them to every single-rank block (F = f, B = b + w, or I = b and W = w with --split-backward).")
+    shares.add_argument("--f", type=_cost, metavar="F", help="forward time")
+    shares.add_argument("--b", type=_cost, metavar="B", help="input-gradient backward time (I)")
+    shares.add_argument("--w", type=_cost, metavar="W", help="weight-gradient backward time (W)")
+    shares.add_argument("--w-memory", type=_cost, metavar="S",
+                        help="memory W releases, of the 1 unit a forward takes (needs --split-backward)")
     _add_outputs(search)
     search.add_argument("--save", type=_path_with(".json", ".csv"),
                         help="save the schedule: pipeloom JSON (.json) or torch compute-only CSV (.csv)")

@@ -20,9 +20,12 @@ def _search_problem(args: argparse.Namespace):
     """The problem ``pipeloom search`` works on: a catalog placement, or a problem file."""
     from pipeloom.search import PLACEMENTS, load_problem, placement
 
+    costs = {"f": args.f, "b": args.b, "w": args.w, "w_memory": args.w_memory}
     if args.placement is None:
         flags = [flag for flag, on in (("--ranks", args.ranks), ("--split-backward", args.split_backward),
-                                       ("--inference", args.inference)) if on]
+                                       ("--inference", args.inference), ("--f", args.f is not None),
+                                       ("--b", args.b is not None), ("--w", args.w is not None),
+                                       ("--w-memory", args.w_memory is not None)) if on]
         if flags:
             verb = "applies" if len(flags) == 1 else "apply"
             raise UsageError(f"{', '.join(flags)} {verb} to --placement; a problem file has its own tasks")
@@ -32,8 +35,24 @@ def _search_problem(args: argparse.Namespace):
         raise UsageError(f"unknown placement {args.placement!r}; choose one of: {', '.join(PLACEMENTS)}")
     if args.ranks is None:
         raise UsageError("--placement needs --ranks D")
-    return placement(args.placement, args.ranks, split_backward=args.split_backward,
-                     inference=args.inference, memory_limit=args.memory_limit, comm_latency=args.comm or 0.0)
+    _check_costs(args)
+    return placement(args.placement, args.ranks, split_backward=args.split_backward, inference=args.inference,
+                     memory_limit=args.memory_limit, comm_latency=args.comm or 0.0, **costs)
+
+
+def _check_costs(args: argparse.Namespace) -> None:
+    """Refuse cost flags that cannot apply: backward costs with --inference, --w-memory without
+    --split-backward or above the 1 unit a forward takes."""
+    if args.inference:
+        given = [flag for flag, value in (("--b", args.b), ("--w", args.w), ("--w-memory", args.w_memory))
+                 if value is not None]
+        if given:
+            raise UsageError(f"{', '.join(given)}: --inference has no backward; drop {'them' if len(given) > 1 else 'it'}")
+    if args.w_memory is not None:
+        if not args.split_backward:
+            raise UsageError("--w-memory is the memory W releases; add --split-backward (W exists only then)")
+        if args.w_memory > 1:
+            raise UsageError(f"--w-memory must be at most 1 (a forward takes 1 unit), got {args.w_memory:g}")
 
 
 def _check_save(args: argparse.Namespace, problem) -> None:
@@ -90,6 +109,6 @@ def cmd_search(args: argparse.Namespace) -> int:
     timeline = validate(result.schedule, ordered=True)
     report = {**timeline_report(timeline), "makespan": result.makespan, "lower_bound": result.lower_bound,
               "gap": result.gap, "status": result.status, "mode": result.mode, "period": result.period,
-              "period_lower_bound": result.period_lower_bound, "search_seconds": result.seconds,
+              "period_lower_bound": result.period_lower_bound, "search_seconds": result.seconds, "origin": result.origin,
               "peak_memory": list(result.peak_memory)}
     return emit(args, timeline, report, table=search_table)

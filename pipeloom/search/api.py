@@ -19,13 +19,18 @@ from pipeloom.ir import FORMAT, Schedule, schedule_from_json
 from pipeloom.ir.files import read_text
 from pipeloom.problem import Costs, Problem
 from pipeloom.schedules import REGISTRY, build_schedule
+from pipeloom.search.budget import Budget
 from pipeloom.search.common import SearchError, lower_bound, to_integers, topological_order
+from pipeloom.search.constructions import BLOCK_PLACEMENTS, insert_all_rank_tasks, split_each_backward
 from pipeloom.search.result import SearchProgress, SearchResult
+from pipeloom.search.transforms import merge_backward, without_all_rank_tasks
 from pipeloom.sim import Timeline
 from pipeloom.validate import validate
 
 __all__ = [
     "AUTO_EXACT_INTERVALS",
+    "BUILTIN_SHARE",
+    "CONSTRUCTION_SHARE",
     "MAX_INTERVALS",
     "SearchMode",
     "builtin_candidates",
@@ -50,9 +55,19 @@ MAX_INTERVALS = 10_000_000
 intervals (= actions of the schedule) than this; ``pipeloom show`` uses it too (a schedule that
 size already takes gigabytes to hold and simulate)."""
 
-BUILTIN_SHARE = 0.5
+BUILTIN_SHARE = 0.3
 """Share of :func:`search`'s time limit that building the built-in candidates may take; entries
-not reached by then are skipped."""
+(and variants) whose estimated build-and-validate time does not fit are skipped."""
+
+CONSTRUCTION_SHARE = 0.3
+"""Share of the time left that each construction's search of another problem may take."""
+
+MAX_HINTS = 3
+"""The exact model is hinted with the fastest this many built-ins and constructions (each hint is
+validated again there)."""
+
+MIN_INNER_SECONDS = 0.05
+"""A construction's search or a solver given less time than this is not started."""
 
 _PROBLEM_KEYS = {"num_ranks", "tasks", "comm_latency", "memory_limit", "static_memory"}
 
@@ -88,50 +103,154 @@ def search(
 ) -> SearchResult:
     """The fastest schedule found for ``num_microbatches`` micro-batches of ``problem``.
 
-    ``memory_limit`` overrides the problem's own limit; ``time_limit`` bounds the whole call.
-    The solvers of :func:`search_plan` run in turn (exact gets every earlier schedule and every
-    fitting built-in as hints). The answer is the fastest of their schedules and of the built-in
-    schedules that fit the problem (:func:`builtin_candidates`) and meet the limit, so never
-    worse than the library; a built-in that wins is named ``"{name} (={builtin})"`` and has no
-    period. The lower bound is the best any solver proved (at least the closed-form
-    :func:`~pipeloom.search.common.lower_bound`). Raises the solver's SearchError when no
-    schedule meets the limit, and PipeloomError, before any work, above :data:`MAX_INTERVALS`
-    (task, micro-batch) intervals. Building the built-ins may take ``BUILTIN_SHARE`` of the time.
+    ``memory_limit`` overrides the problem's own limit. The answer is the fastest of, in this
+    order (each step skipped once the best so far meets the lower bound):
+
+    1. the built-in schedules that fit the problem (:func:`builtin_candidates`), in at most
+       ``BUILTIN_SHARE`` of the time;
+    2. the constructions (:mod:`pipeloom.search.constructions`), each from a search of another
+       problem in ``CONSTRUCTION_SHARE`` of the time left: with all-rank tasks, that search's answer
+       for the problem without them with them put back; with a split backward, the answer for the
+       full-backward twin with each B split into I then W;
+    3. the solvers of :func:`search_plan` with the time left (exact gets every schedule so far as hints).
+
+    Ties go to the solver. ``time_limit`` bounds the whole call, every phase included: steps that
+    cannot be stopped half-way (building and validating a whole schedule) are skipped when their
+    estimated time does not fit (:class:`~pipeloom.search.budget.Budget`). The result's ``origin``
+    says which step won; a built-in or construction that wins is named ``"{name} (={origin})"``
+    and has no period. The lower bound is the best any solver proved (at least the closed-form
+    :func:`~pipeloom.search.common.lower_bound`). Raises SearchError when no schedule meets the
+    limit or none could be built in the time, and PipeloomError, before any work, above
+    :data:`MAX_INTERVALS` (task, micro-batch) intervals.
     """
     _check_arguments(num_microbatches, time_limit, workers)
     _check_size(problem, num_microbatches)
     started = time.perf_counter()
+    budget = Budget(deadline=started + time_limit)
     limit = problem.memory_limit if memory_limit is None else memory_limit
     target = problem if limit == problem.memory_limit else dataclasses.replace(problem, memory_limit=limit)
     plan = search_plan(target, num_microbatches, mode)
     to_integers(target, num_microbatches=num_microbatches if "exact" in plan else 1)  # int64 range, up front
-    builtins = dict(builtin_candidates(target, num_microbatches, deadline=started + BUILTIN_SHARE * time_limit))
-    results: list[SearchResult] = []
-    failure: SearchError | None = None
-    for step, solver in enumerate(plan):
-        left = time_limit - (time.perf_counter() - started)
-        share = left if step == len(plan) - 1 else left / 4  # periodic first: it is quick
-        options = {"memory_limit": limit, "time_limit": max(0.05 * time_limit, share), "workers": workers,
-                       "progress": progress, "name": name}
+    run = _Search(target, num_microbatches, plan=plan, budget=budget, workers=workers, name=name,
+                  mode=mode, progress=progress)
+    run.builtins()
+    if not run.done():
+        run.constructions()
+    if not run.done():
+        run.solvers()
+    return run.answer(seconds=time.perf_counter() - started, time_limit=time_limit)
+
+
+class _Search:
+    """The state of one :func:`search` call: the candidates found so far and the lower bound."""
+
+    def __init__(self, problem: Problem, num_microbatches: int, *, plan: tuple[str, ...], budget: Budget,
+                 workers: int, name: str, mode: SearchMode,
+                 progress: Callable[[SearchProgress], None] | None) -> None:
+        self.problem, self.num_mb, self.plan, self.budget = problem, num_microbatches, plan, budget
+        self.workers, self.name, self.mode, self.progress = workers, name, mode, progress
+        self.actions = len(problem.tasks) * num_microbatches
+        self.bound = lower_bound(problem, num_microbatches)
+        self.candidates: dict[str, Timeline] = {}
+        """Built-ins (``builtin:NAME``) and constructions by origin."""
+        self.results: list[SearchResult] = []
+        self.failure: SearchError | None = None
+
+    def best_makespan(self) -> float:
+        return min([t.makespan for t in self.candidates.values()] + [r.makespan for r in self.results],
+                   default=math.inf)
+
+    def done(self) -> bool:
+        """Whether the best schedule so far meets the lower bound, or the time is up."""
+        return _status(self.best_makespan(), self.bound) == "optimal" or self.budget.expired()
+
+    def offer(self, origin: str, timeline: Timeline | None) -> None:
+        if timeline is not None and (origin not in self.candidates
+                                     or timeline.makespan < self.candidates[origin].makespan):
+            self.candidates[origin] = timeline
+
+    def builtins(self) -> None:
+        """Step 1: the fitting built-ins, until one meets the bound."""
+        share = self.budget.sub(BUILTIN_SHARE)
+        for key, timeline in builtin_candidates(self.problem, self.num_mb, enough=self.bound, budget=share):
+            self.offer(f"builtin:{key}", timeline)
+            if self.done():
+                break
+        self.budget.seconds_per_action = share.seconds_per_action
+
+    def constructions(self) -> None:
+        """Step 2: the all-rank-block and split-backward constructions that apply."""
+        reduced = without_all_rank_tasks(self.problem)
+        if reduced is not None:
+            inner = self._inner(reduced.problem)
+            for where in BLOCK_PLACEMENTS if inner is not None else ():
+                if self.done() or not self.budget.fits(self.actions):
+                    break
+                self.offer(f"all-rank-blocks({inner.origin})", self._timed(
+                    insert_all_rank_tasks, inner.schedule, self.problem, reduced, where=where))
+        merged = merge_backward(self.problem)
+        if merged is not None and not self.done():
+            inner = self._inner(merged)
+            if inner is not None and self.budget.fits(self.actions):
+                self.offer(f"split-backward({inner.origin})",
+                           self._timed(split_each_backward, inner.schedule, self.problem))
+
+    def _inner(self, other: Problem) -> SearchResult | None:
+        """A search of ``other`` in ``CONSTRUCTION_SHARE`` of the time left (less the time to
+        validate what is built from it); None when there is no time or no schedule."""
+        seconds = self.budget.left() * CONSTRUCTION_SHARE - self.budget.schedule_cost(self.actions)
+        if seconds < MIN_INNER_SECONDS:
+            return None
         try:
-            if solver == "exact":
-                from pipeloom.search.exact import solve_exact
+            return search(other, self.num_mb, mode=self.mode, time_limit=seconds, workers=self.workers,
+                          name=self.name)
+        except SearchError:
+            return None
 
-                hints = tuple(t.schedule for t in builtins.values()) + tuple(r.schedule for r in results)
-                results.append(solve_exact(target, num_microbatches, hints=hints, **options))
-            else:
-                from pipeloom.search.periodic import solve_periodic
+    def _timed(self, build: Callable[..., Timeline | None], *args, **kwargs) -> Timeline | None:
+        """``build(*args, **kwargs)``, teaching the budget how long a schedule pass takes."""
+        began = time.perf_counter()
+        timeline = build(*args, **kwargs)
+        self.budget.observe(self.actions, time.perf_counter() - began)
+        return timeline
 
-                results.append(solve_periodic(target, num_microbatches, **options))
-        except SearchError as error:
-            failure = error
-        if results and results[-1].status == "optimal":
-            break
-    if not results and not builtins:
-        assert failure is not None
-        raise failure
-    return _best(target, num_microbatches, results, builtins, mode=plan[-1], name=name,
-                 seconds=time.perf_counter() - started)
+    def solvers(self) -> None:
+        """Step 3: the solvers of the plan in turn, each keeping time to validate its schedule."""
+        from pipeloom.search.exact import solve_exact
+        from pipeloom.search.periodic import solve_periodic
+
+        limit = self.problem.memory_limit
+        for step, solver in enumerate(self.plan):
+            left = self.budget.left() - self.budget.schedule_cost(self.actions)
+            share = left if step == len(self.plan) - 1 else left / 4  # periodic first: it is quick
+            if share < MIN_INNER_SECONDS or self.done():
+                break
+            options = {"memory_limit": limit, "time_limit": share, "workers": self.workers,
+                       "progress": self.progress, "name": self.name}
+            try:
+                if solver == "exact":
+                    known = sorted(self.candidates.values(), key=lambda t: t.makespan)[:MAX_HINTS]
+                    hints = tuple(t.schedule for t in known) + tuple(r.schedule for r in self.results)
+                    self.results.append(solve_exact(self.problem, self.num_mb, hints=hints, **options))
+                else:
+                    self.results.append(solve_periodic(self.problem, self.num_mb, **options))
+            except SearchError as error:
+                self.failure = error
+            if self.results and self.results[-1].status == "optimal":
+                break
+
+    def answer(self, *, seconds: float, time_limit: float) -> SearchResult:
+        """The fastest of the solvers' results unless a candidate is strictly faster (see :func:`_best`)."""
+        if not self.results and not self.candidates:
+            if self.failure is not None:
+                raise self.failure
+            raise SearchError(
+                f"no schedule found within the time limit of {time_limit:g} s ({self.actions:,} actions "
+                f"take about {self.budget.schedule_cost(self.actions):.2g} s to build and check on this "
+                "machine); raise the time limit"
+            )
+        return _best(self.problem, self.num_mb, self.results, self.candidates, mode=self.plan[-1],
+                     name=self.name, seconds=seconds, bound=self.bound)
 
 
 def _check_arguments(num_microbatches: int, time_limit: float, workers: int) -> None:
@@ -155,20 +274,24 @@ def _check_size(problem: Problem, num_microbatches: int) -> None:
 
 
 def _best(problem: Problem, num_microbatches: int, results: list[SearchResult],
-          builtins: dict[str, Timeline], *, mode: str, name: str, seconds: float) -> SearchResult:
-    """The fastest of the solvers' results unless a built-in is strictly faster, with the best
-    proven lower bound and its status. Ties go to a result that knows its period (exact mode
-    handing back the periodic schedule it was hinted with), then to the later solver."""
-    bound = max([lower_bound(problem, num_microbatches)] + [r.lower_bound for r in results])
+          candidates: dict[str, Timeline], *, mode: str, name: str, seconds: float,
+          bound: float | None = None) -> SearchResult:
+    """The fastest of the solvers' results unless a candidate (built-in or construction, by origin)
+    is strictly faster, with the best proven lower bound and its status. Ties go to a result that
+    knows its period (exact mode handing back the periodic schedule it was hinted with), then to
+    the later solver."""
+    floor = lower_bound(problem, num_microbatches) if bound is None else bound
+    bound = max([floor] + [r.lower_bound for r in results])
     found = min(reversed(results), key=lambda r: (r.makespan, r.period is None), default=None)
-    winner = min(builtins, key=lambda key: builtins[key].makespan, default=None)
-    if found is not None and (winner is None or found.makespan <= builtins[winner].makespan):
+    winner = min(candidates, key=lambda key: candidates[key].makespan, default=None)
+    if found is not None and (winner is None or found.makespan <= candidates[winner].makespan):
         return dataclasses.replace(found, lower_bound=bound, seconds=seconds,
                                    status=_status(found.makespan, bound))
-    assert winner is not None  # search() re-raises when no solver and no built-in succeeded
-    timeline = builtins[winner]
+    assert winner is not None  # search() raises when no solver and no candidate succeeded
+    timeline = candidates[winner]
+    label = winner.removeprefix("builtin:")
     return SearchResult(
-        schedule=dataclasses.replace(timeline.schedule, name=f"{name} (={winner})"),
+        schedule=dataclasses.replace(timeline.schedule, name=f"{name} (={label})"),
         status=_status(timeline.makespan, bound),
         mode=mode,  # type: ignore[arg-type]
         makespan=timeline.makespan,
@@ -178,6 +301,7 @@ def _best(problem: Problem, num_microbatches: int, results: list[SearchResult],
         period=None,
         period_lower_bound=next((r.period_lower_bound for r in results if r.period_lower_bound), None),
         time_scale=results[0].time_scale if results else 1.0,
+        origin=winner,
     )
 
 
@@ -215,8 +339,9 @@ def _costs_like(problem: Problem, stages_per_rank: int) -> Costs | None:
         return None
 
 
-def builtin_candidates(problem: Problem, num_microbatches: int, *,
-                       deadline: float | None = None) -> Iterator[tuple[str, Timeline]]:
+def builtin_candidates(problem: Problem, num_microbatches: int, *, deadline: float | None = None,
+                       budget: Budget | None = None,
+                       enough: float | None = None) -> Iterator[tuple[str, Timeline]]:
     """``(name, timeline)`` of every built-in schedule whose task structure (rank sets and
     transitive deps, see :func:`_structure`) is ``problem``'s,
     re-targeted to ``problem`` (its durations, memory and limit) and valid in ordered mode.
@@ -225,14 +350,19 @@ def builtin_candidates(problem: Problem, num_microbatches: int, *,
     structure, which does not depend on M; only a matching entry is built at ``num_microbatches``,
     with default costs and with costs read off ``problem``'s stage 0, each with and without the
     memory limit (memory-aware generators adapt to it); the fastest valid variant represents the
-    entry. Entries (and an entry's further variants) not started by ``deadline`` (a
-    :func:`time.perf_counter` value) are skipped.
+    entry, and no further variant is built once one reaches ``enough`` (e.g. the lower bound).
+    Entries and variants not started by ``deadline`` (a :func:`time.perf_counter` value), or
+    whose estimated build-and-validate time does not fit ``budget``, are skipped.
     """
+    if budget is None:
+        budget = Budget(deadline=math.inf if deadline is None else deadline)
+    elif deadline is not None:
+        budget = Budget(deadline=min(deadline, budget.deadline), seconds_per_action=budget.seconds_per_action)
     wanted = _structure(problem)
     stages_per_rank, extra = divmod(problem.num_stages, problem.num_ranks)
-    limit = problem.memory_limit
+    actions = len(problem.tasks) * num_microbatches
     for info in REGISTRY.values():
-        if deadline is not None and time.perf_counter() >= deadline:
+        if budget.expired():
             return
         if info.splits_backward != problem.splits_backward:
             continue
@@ -243,22 +373,33 @@ def builtin_candidates(problem: Problem, num_microbatches: int, *,
             options["stages_per_rank"] = stages_per_rank
         if not _probe(info.name, problem, num_microbatches, wanted, options):
             continue
-        timelines = []
-        costs_options = [Costs(), _costs_like(problem, stages_per_rank or 1)]
-        for costs in dict.fromkeys(c for c in costs_options if c is not None):
-            for cap in dict.fromkeys((None, limit)):
-                if timelines and deadline is not None and time.perf_counter() >= deadline:
-                    break  # out of time: keep the variants built so far
-                built = _build(info.name, problem, num_microbatches, costs, cap, options)
-                if built is not None and _structure(built.problem) != wanted:
-                    break  # another placement: no cost or limit changes that
-                timelines.append(_retarget(built, problem) if built is not None else None)
-            else:
-                continue
-            break
-        valid = [timeline for timeline in timelines if timeline is not None]
+        valid = [t for t in _variants(info.name, problem, num_microbatches, wanted, options, budget, enough)
+                 if t is not None]
         if valid:
             yield info.name, min(valid, key=lambda timeline: timeline.makespan)
+        if not budget.fits(actions):
+            return
+
+
+def _variants(name: str, problem: Problem, num_microbatches: int, wanted: dict, options: dict,
+              budget: Budget, enough: float | None) -> Iterator[Timeline | None]:
+    """Built-in ``name`` at full size with each cost set and cap (see :func:`builtin_candidates`),
+    re-targeted; stops at another structure, at ``enough``, or when the next one does not fit."""
+    actions = len(problem.tasks) * num_microbatches
+    costs_options = [Costs(), _costs_like(problem, (problem.num_stages // problem.num_ranks) or 1)]
+    for costs in dict.fromkeys(c for c in costs_options if c is not None):
+        for cap in dict.fromkeys((None, problem.memory_limit)):
+            if not budget.fits(actions):
+                return  # out of time: keep the variants built so far
+            began = time.perf_counter()
+            built = _build(name, problem, num_microbatches, costs, cap, options)
+            if built is not None and _structure(built.problem) != wanted:
+                return  # another placement: no cost or limit changes that
+            timeline = _retarget(built, problem) if built is not None else None
+            budget.observe(actions, time.perf_counter() - began)
+            yield timeline
+            if timeline is not None and enough is not None and timeline.makespan <= enough * (1 + 1e-9):
+                return
 
 
 def _probe(name: str, problem: Problem, num_microbatches: int, wanted: dict, options: dict) -> bool:

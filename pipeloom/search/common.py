@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pipeloom.errors import PipeloomError
 from pipeloom.ir import Action, Schedule
 from pipeloom.problem import Problem
+from pipeloom.search.transforms import without_all_rank_tasks
 
 __all__ = [
     "MAX_SCALED",
     "IntegerProblem",
+    "all_rank_bound",
     "SearchError",
     "forced_idle",
     "head_tail",
@@ -177,7 +179,52 @@ def lower_bound(problem: Problem, num_microbatches: int, *, memory_limit: float 
             ends = min(head[i] for i in on_rank) + min(tail[i] for i in on_rank)
             idle = forced_idle(problem, num_microbatches, rank)
             bound = max(bound, num_microbatches * work[rank] + max(ends, idle))
-    return max(bound, num_microbatches * period_lower_bound(problem, memory_limit=memory_limit))
+    bound = max(bound, num_microbatches * period_lower_bound(problem, memory_limit=memory_limit))
+    return max(bound, all_rank_bound(problem, num_microbatches, memory_limit=memory_limit))
+
+
+def all_rank_bound(problem: Problem, num_microbatches: int, *, memory_limit: float | None = None) -> float:
+    """``M * A + lower_bound(rest)``: a task on every rank stops every rank, so cutting the time of
+    the all-rank tasks (A per micro-batch) out of any schedule leaves a schedule of the problem
+    without them (:func:`~pipeloom.search.transforms.without_all_rank_tasks`: deps rewired through
+    the removed tasks), which cannot beat that problem's :func:`lower_bound`; 0 without all-rank tasks.
+
+    Cutting time out can shrink a latency gap, so ``rest`` is bounded with latency 0; it keeps the
+    memory limit only where the all-rank tasks can never hold less than 0 (then the rest holds no
+    more than the whole schedule did): all of them free of memory, or one chain whose running sum
+    of memory never drops below 0.
+    """
+    reduced = without_all_rank_tasks(problem)
+    if reduced is None:
+        return 0.0
+    limit = problem.memory_limit if memory_limit is None else memory_limit
+    keeps_limit = limit is not None and _holds_no_less_than_zero(problem, reduced.removed)
+    rest = replace(reduced.problem, comm_latency=0.0, memory_limit=limit if keeps_limit else None)
+    return num_microbatches * reduced.work + lower_bound(rest, num_microbatches)
+
+
+def _holds_no_less_than_zero(problem: Problem, removed: tuple[int, ...]) -> bool:
+    """Whether the tasks ``removed`` hold memory >= 0 in every started (dependency-closed) set: all
+    of them free of memory, or each one waiting (transitively) for the one before it in topological
+    order, with every running sum of their memory >= 0 (a closed set then holds a prefix)."""
+    tasks = problem.tasks
+    if all(tasks[i].memory == 0 for i in removed):
+        return True
+    index = {task.key: i for i, task in enumerate(tasks)}
+    ancestors: list[set[int]] = [set() for _ in tasks]
+    order = topological_order(problem)
+    for i in order:
+        for dep in tasks[i].deps:
+            ancestors[i] |= ancestors[index[dep]] | {index[dep]}
+    chain = [i for i in order if i in set(removed)]
+    held = 0.0
+    for previous, current in zip([None, *chain], chain):
+        if previous is not None and previous not in ancestors[current]:
+            return False
+        held += tasks[current].memory
+        if held < -1e-12:
+            return False
+    return True
 
 
 _EXACT_IDLE_MICROBATCHES = 64

@@ -213,7 +213,8 @@ def solve_exact(
             f"memory limit {limit:g} is below the static memory of a rank "
             f"({max(problem.static_memory or (0.0,)):g}); raise the limit"
         )
-    known, greedy_error = _known_schedules(problem, num_microbatches, hints, name)
+    deadline = began + time_limit
+    known, greedy_error = _known_schedules(problem, num_microbatches, hints, name, deadline=deadline)
     best = min(known, key=lambda pair: pair[1], default=None)
     analytic = lower_bound(problem, num_microbatches, memory_limit=limit)
     if best is not None and best[1] <= analytic * (1 + 1e-12):
@@ -233,15 +234,15 @@ def solve_exact(
             )
         return _result(best[0], best[1], analytic, began, integer)
 
-    left = time_limit - (time.perf_counter() - began)
-    status, starts, proven = _solve(integer, num_microbatches, best, analytic, left, workers,
+    status, starts, proven = _solve(integer, num_microbatches, best, analytic, deadline, workers,
                                     progress and _Progress(progress, began, integer, analytic))
     if starts is not None:
         found = _checked(problem, num_microbatches, name, starts)
         if found is not None and (best is None or found[1] <= best[1]):
             best = found
     if best is None:
-        raise SearchError(_no_schedule_message(problem, num_microbatches, status, time_limit, greedy_error))
+        raise SearchError(_no_schedule_message(problem, num_microbatches, status, time_limit, greedy_error,
+                                               deadline=deadline))
     bound = analytic if proven is None else max(analytic, proven)
     return _result(best[0], best[1], min(bound, best[1]), began, integer)
 
@@ -251,12 +252,14 @@ def _solve(
     num_microbatches: int,
     best: tuple[Schedule, float] | None,
     analytic: float,
-    time_limit: float,
+    deadline: float,
     workers: int,
     callback: cp_model.CpSolverSolutionCallback | None,
 ) -> tuple[int, Starts | None, float | None]:
     """Build and solve the model within the best known makespan, warm-started from it, with the
-    analytic lower bound as the makespan's floor where scaling was exact.
+    analytic lower bound as the makespan's floor where scaling was exact; the solver gets the time
+    left until ``deadline`` (a :func:`time.perf_counter` value) once the model is built, and does
+    not run (status UNKNOWN) when none is left.
 
     Returns the solver status, the solution's start times (None without one) and the proven
     lower bound in real units (None when scaling rounded values, as it then bounds another problem).
@@ -271,8 +274,11 @@ def _solve(
     model = _Model(integer, num_microbatches, horizon, floor)
     if hint_starts is not None:
         model.hint(hint_starts)
+    left = deadline - time.perf_counter()  # building the model counts
+    if left <= 0.01:
+        return cp_model.UNKNOWN, None, None
     solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = max(0.01, float(time_limit))
+    solver.parameters.max_time_in_seconds = left
     solver.parameters.num_workers = max(1, int(workers))
     status = solver.Solve(model.model, callback)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
@@ -285,14 +291,14 @@ def _solve(
 
 
 def _known_schedules(
-    problem: Problem, num_microbatches: int, hints: Sequence[Schedule], name: str
+    problem: Problem, num_microbatches: int, hints: Sequence[Schedule], name: str, *, deadline: float
 ) -> tuple[list[tuple[Schedule, float]], SearchError | None]:
-    """``(schedule, makespan)`` of the list schedule and each valid hint, renamed ``name``, under
-    ``problem`` (its limit); the list scheduler's error when it found none."""
+    """``(schedule, makespan)`` of the list schedule (if done by ``deadline``) and each valid hint,
+    renamed ``name``, under ``problem`` (its limit); the list scheduler's error when it found none."""
     known = []
     greedy_error = None
     try:
-        known.append(_checked_schedule(list_schedule(problem, num_microbatches, name=name)))
+        known.append(_checked_schedule(list_schedule(problem, num_microbatches, name=name, deadline=deadline)))
     except SearchError as error:
         greedy_error = error
     for hint in hints:
@@ -371,11 +377,12 @@ def _serial_horizon(integer: IntegerProblem, num_microbatches: int) -> int:
 
 
 def _no_schedule_message(
-    problem: Problem, num_microbatches: int, status: int, time_limit: float, greedy: SearchError | None
+    problem: Problem, num_microbatches: int, status: int, time_limit: float, greedy: SearchError | None,
+    *, deadline: float,
 ) -> str:
     """Why no schedule came back, with the smallest feasible limit as far as it is known."""
     limit = problem.memory_limit
-    known = feasible_limit_note(problem, num_microbatches)
+    known = feasible_limit_note(problem, num_microbatches, deadline=deadline)
     if status == cp_model.INFEASIBLE:
         return (
             f"no schedule keeps every rank within the memory limit {limit:g} (proven by the exact "
@@ -387,16 +394,18 @@ def _no_schedule_message(
     )
 
 
-def feasible_limit_note(problem: Problem, num_microbatches: int, *, periodic_limit: float | None = None) -> str:
+def feasible_limit_note(problem: Problem, num_microbatches: int, *, periodic_limit: float | None = None,
+                        deadline: float | None = None) -> str:
     """The smallest memory limit known to work, for the error when none is met (exact and
     periodic mode alike): the least of ``periodic_limit`` (the least a repetend needs, when the
     caller knows it) and the list scheduler's per-micro-batch peak (static memory included) when
-    the list scheduler meets it; "unknown" when neither is known."""
+    the list scheduler meets it (by ``deadline``, a :func:`time.perf_counter` value); "unknown"
+    when neither is known."""
     static = problem.static_memory or (0.0,) * problem.num_ranks
     enough = max(s + h for s, h in zip(static, microbatch_peak_memory(problem)))
     known = [] if periodic_limit is None else [(periodic_limit, "a periodic schedule")]
     try:  # the list scheduler's own minimum is feasible unless memory grows per micro-batch
-        list_schedule(problem, num_microbatches, memory_limit=enough)
+        list_schedule(problem, num_microbatches, memory_limit=enough, deadline=deadline)
     except SearchError:
         pass
     else:

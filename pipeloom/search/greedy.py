@@ -5,7 +5,9 @@ It warm-starts the exact search and stands in where no built-in schedule fits th
 
 from __future__ import annotations
 
+import heapq
 import math
+import time
 from collections import defaultdict, deque
 from dataclasses import dataclass, replace
 
@@ -79,6 +81,7 @@ def list_schedule(
     *,
     memory_limit: float | None = None,
     name: str = "greedy",
+    deadline: float | None = None,
 ) -> Schedule:
     """A time-aware list schedule: simulate while ordering, starting the best ready action first.
 
@@ -94,7 +97,9 @@ def list_schedule(
     oldest unfinished one can always be admitted: the schedule runs to the end.
 
     ``memory_limit`` overrides the problem's limit (the schedule's problem carries the one used).
-    Raises SearchError naming the smallest limit this rule needs when the limit is below it.
+    Raises SearchError naming the smallest limit this rule needs when the limit is below it, and
+    when ``deadline`` (a :func:`time.perf_counter` value) passes before the schedule is complete
+    (a pass costs O(tasks) per action: seconds for hundreds of thousands of actions).
     """
     if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
         raise SearchError(f"num_microbatches must be a positive integer, got {num_microbatches!r}")
@@ -102,7 +107,7 @@ def list_schedule(
     if limit != problem.memory_limit:
         problem = replace(problem, memory_limit=limit)
     builder = _ListScheduler(problem, num_microbatches, limit)
-    builder.run()
+    builder.run(deadline)
     return Schedule(
         name=name,
         problem=problem,
@@ -142,6 +147,14 @@ class _ListScheduler:
         self.net = [sum(t.memory for t in tasks if r in t.ranks) for r in range(num_ranks)]
         self.count_on = [sum(1 for t in tasks if r in t.ranks) for r in range(num_ranks)]
         self.next_mb = [0] * len(tasks)
+        self.users: list[list[int]] = [[] for _ in tasks]
+        for t, deps in enumerate(self.deps):
+            for d, _ in deps:
+                self.users[d].append(t)
+        self.ready = [0.0] * len(tasks)
+        """Per task: when its queued micro-batch's deps are done (latency included)."""
+        self.queued = [False] * len(tasks)
+        """Per task: whether its next micro-batch waits in :meth:`run`'s heap."""
         self.finish: dict[tuple[int, int], float] = {}
         self.free = [0.0] * num_ranks
         self.committed = list(static)
@@ -158,33 +171,62 @@ class _ListScheduler:
                     f"the list scheduler needs a limit of at least {max(need):g}"
                 )
 
-    def run(self) -> None:
-        """Start one action per step until every (task, micro-batch) has started."""
-        for _ in range(len(self.problem.tasks) * self.num_mb):
-            best = None
-            for candidate in self._ready():
-                if (best is None or (candidate.start, candidate.priority) < (best.start, best.priority)) \
-                        and self._admits(candidate.task, candidate.microbatch):
-                    best = candidate
-            if best is None:
-                raise SearchError(self._stuck_message())
-            self._start(best)
+    def run(self, deadline: float | None = None) -> None:
+        """Start one action per step until every (task, micro-batch) has started (SearchError
+        once ``deadline`` has passed, checked every 64 steps).
 
-    def _ready(self):
-        """Each task's next micro-batch whose deps have all started (their finish times are known)."""
-        tasks = self.problem.tasks
-        for t, mb in enumerate(self.next_mb):
-            if mb >= self.num_mb:
-                continue
-            ready = 0.0
-            for dep, latency in self.deps[t]:
-                done = self.finish.get((dep, mb))
-                if done is None:
+        Each step starts the ready candidate with the least ``(start, priority)`` that the
+        admission rule allows. Candidates wait in a heap under a key that can only be too early
+        (a rank's free time only grows): a popped key that is out of date goes back with its
+        current start, so the first up-to-date admitted one is the least: O(log) per action.
+        """
+        heap: list[tuple[float, tuple[float, int, int], int, int]] = []
+        for t in range(len(self.problem.tasks)):
+            self._push_if_ready(heap, t)
+        total = len(self.problem.tasks) * self.num_mb
+        for step in range(total):
+            if deadline is not None and step % 64 == 0 and time.perf_counter() > deadline:
+                raise SearchError(f"the list scheduler ran out of time after {step:,} of {total:,} "
+                                  "actions; raise the time limit")
+            waiting, chosen = [], None
+            while heap:
+                entry = heapq.heappop(heap)
+                start, priority, t, mb = entry
+                now = self._start_time(t)
+                if now > start:
+                    heapq.heappush(heap, (now, priority, t, mb))
+                elif self._admits(t, mb):
+                    chosen = _Candidate(start, priority, t, mb)
                     break
-                ready = max(ready, done + latency)
-            else:
-                start = max([ready] + [self.free[r] for r in tasks[t].ranks])
-                yield _Candidate(start, (*self.priority[t][:1], mb, self.priority[t][1]), t, mb)
+                else:
+                    waiting.append(entry)
+            for entry in waiting:
+                heapq.heappush(heap, entry)
+            if chosen is None:
+                raise SearchError(self._stuck_message())
+            self.queued[chosen.task] = False
+            self._start(chosen)
+            for t in (chosen.task, *self.users[chosen.task]):
+                self._push_if_ready(heap, t)
+
+    def _push_if_ready(self, heap: list, t: int) -> None:
+        """Queue task ``t``'s next micro-batch once every dep of it has started (finish known)."""
+        mb = self.next_mb[t]
+        if self.queued[t] or mb >= self.num_mb:
+            return
+        ready = 0.0
+        for dep, latency in self.deps[t]:
+            done = self.finish.get((dep, mb))
+            if done is None:
+                return
+            ready = max(ready, done + latency)
+        self.ready[t] = ready
+        self.queued[t] = True
+        heapq.heappush(heap, (self._start_time(t), (self.priority[t][0], mb, self.priority[t][1]), t, mb))
+
+    def _start_time(self, t: int) -> float:
+        """When task ``t``'s queued micro-batch could start: its deps done, its ranks free."""
+        return max([self.ready[t]] + [self.free[r] for r in self.problem.tasks[t].ranks])
 
     def _admits(self, t: int, mb: int) -> bool:
         """Whether starting (t, mb) keeps the admission rule on each of its ranks."""

@@ -16,6 +16,7 @@ from ortools.sat.python import cp_model
 from pipeloom.errors import ScheduleError
 from pipeloom.ir import Schedule
 from pipeloom.problem import Problem
+from pipeloom.search.budget import SECONDS_PER_ACTION
 from pipeloom.search.common import (
     IntegerProblem,
     SearchError,
@@ -45,7 +46,10 @@ __all__ = [
 
 Progress = Callable[[SearchProgress], None]
 _RESERVE = 0.1
-"""Seconds of the time limit kept for unrolling and re-simulating."""
+"""Seconds of the time limit kept for unrolling and re-simulating, plus :data:`_FALLBACK_PASSES`."""
+_FALLBACK_PASSES = 2.0
+"""Whole-schedule passes (:data:`~pipeloom.search.budget.SECONDS_PER_ACTION` each) kept for the
+list-schedule fallback when the repetend fails (building it, validating it)."""
 FALLBACK_EXACT_INTERVALS = 400
 """When the unrolled schedule fails, the exact search (warm-started from the list schedule) runs
 if tasks x micro-batches is at most this (as ``pipeloom.search.api``'s auto mode); else the list
@@ -94,6 +98,9 @@ def solve_repetend(ip: IntegerProblem, *, copies: Sequence[int] = (1, 2, 3), tim
         model = RepetendModel(ip, copies=r, limits=ip.limits, period_max=cap)
         if cap is not None and cap < model.period_low:
             continue
+        left = time_limit - (time.perf_counter() - begin)  # building the model counts
+        if left <= 0.01:
+            break
         solver, status = _solve(model, time_limit=left / (len(copies) - i), workers=workers,
                                 progress=progress, scale=ip.time_scale * r, phase=f"period ({r} per period)")
         if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
@@ -114,9 +121,13 @@ def solve_repetend(ip: IntegerProblem, *, copies: Sequence[int] = (1, 2, 3), tim
 
 def _shortest_latency(ip: IntegerProblem, best: Repetend, *, time_limit: float, workers: int) -> Repetend:
     """The same period with the least micro-batch latency (see :meth:`RepetendModel.minimise_span`)."""
+    began = time.perf_counter()
     model = RepetendModel(ip, copies=best.copies, limits=ip.limits, period_max=best.period)
     model.minimise_span(best)
-    solver, status = _solve(model, time_limit=time_limit, workers=workers, progress=None, scale=1.0, phase="latency")
+    left = time_limit - (time.perf_counter() - began)  # building the model counts
+    if left <= 0.01:
+        return best
+    solver, status = _solve(model, time_limit=left, workers=workers, progress=None, scale=1.0, phase="latency")
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return best
     found = model.repetend(solver)
@@ -184,7 +195,8 @@ def solve_periodic(
     limited = replace(problem, memory_limit=limit)
     ip = coarsen(to_integers(limited))
     try:
-        repetend = solve_repetend(ip, time_limit=max(0.1, time_limit - _RESERVE), workers=workers,
+        reserve = _RESERVE + _FALLBACK_PASSES * SECONDS_PER_ACTION * len(problem.tasks) * num_microbatches
+        repetend = solve_repetend(ip, time_limit=max(0.05, time_limit - reserve), workers=workers,
                                   progress=progress)
     except SearchError as error:  # out of time before any repetend
         repetend, failure = None, error
@@ -202,7 +214,7 @@ def solve_periodic(
                 period = _measured_period(timeline, repetend.copies) or period
             return _result(timeline, period, ip.time_scale, begin)
     fallback = _fallback(limited, num_microbatches, name=name, begin=begin, workers=workers,
-                         time_limit=max(0.2, time_limit - (time.perf_counter() - begin)))
+                         time_limit=time_limit - (time.perf_counter() - begin))
     if fallback is not None:
         return fallback
     raise _no_schedule(ip, num_microbatches, failure, begin=begin, time_limit=time_limit, workers=workers)
@@ -232,7 +244,9 @@ def _fallback(problem: Problem, num_microbatches: int, *, name: str, begin: floa
               time_limit: float) -> SearchResult | None:
     """The best valid schedule without a repetend: the exact search (warm-started from the list
     schedule) when tasks x micro-batches <= :data:`FALLBACK_EXACT_INTERVALS`, else the list
-    schedule; None when neither meets the limit."""
+    schedule; None when neither meets the limit or ``time_limit`` (seconds left) runs out."""
+    if time_limit < 0.05:
+        return None
     if len(problem.tasks) * num_microbatches <= FALLBACK_EXACT_INTERVALS:
         try:
             found = solve_exact(problem, num_microbatches, time_limit=time_limit, workers=workers, name=name)
@@ -242,7 +256,8 @@ def _fallback(problem: Problem, num_microbatches: int, *, name: str, begin: floa
         return replace(found, seconds=time.perf_counter() - begin, period=period,
                        period_lower_bound=period_lower_bound(problem, memory_limit=problem.memory_limit))
     try:
-        timeline = validate(list_schedule(problem, num_microbatches, name=name), ordered=True)
+        deadline = time.perf_counter() + time_limit
+        timeline = validate(list_schedule(problem, num_microbatches, name=name, deadline=deadline), ordered=True)
     except SearchError:
         return None
     period = _measured_period(timeline, 1)
@@ -256,9 +271,10 @@ def _no_schedule(ip: IntegerProblem, num_microbatches: int, failure: SearchError
     when every rank's memory per micro-batch sums to 0 (else the repetend bounds no other rank),
     the least a one-copy repetend needs."""
     problem, smallest = ip.problem, None
-    if all(sum(m for m, task in zip(ip.memory, problem.tasks) if q in task.ranks) == 0
-           for q in range(problem.num_ranks)):
-        smallest = smallest_limit(ip, time_limit=max(1.0, time_limit - (time.perf_counter() - begin)),
-                                  workers=workers)
-    known = feasible_limit_note(problem, num_microbatches, periodic_limit=smallest)
+    deadline = begin + time_limit  # both look-ups below stay within the time limit
+    if deadline - time.perf_counter() > 0.05 and all(
+            sum(m for m, task in zip(ip.memory, problem.tasks) if q in task.ranks) == 0
+            for q in range(problem.num_ranks)):
+        smallest = smallest_limit(ip, time_limit=deadline - time.perf_counter(), workers=workers)
+    known = feasible_limit_note(problem, num_microbatches, periodic_limit=smallest, deadline=deadline)
     return SearchError(f"{failure}, nor does the list schedule; {known}; raise the limit")

@@ -6,14 +6,16 @@ very problems the built-in schedules build with ``Costs()``, so a search can war
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
 from pipeloom.errors import PipeloomError
 from pipeloom.problem import Costs, Problem, stage_graph
+from pipeloom.schedules import REGISTRY
 from pipeloom.schedules.common import chain_problem, v_stage_ranks
-from pipeloom.search.blocks import Block, PlacementBuilder
+from pipeloom.search.blocks import Block, PlacementBuilder, split_span
 
 __all__ = ["PLACEMENTS", "PlacementInfo", "placement", "placement_names"]
 
@@ -35,10 +37,9 @@ class PlacementInfo:
     """Fewest ranks the shape needs."""
     even_ranks: bool = False
     """Whether the rank count must be even (the shape cuts the ranks in halves)."""
-    builtins: tuple[str, ...] = ()
-    """Built-in schedules whose problem (``Costs(comm=comm_latency)``) equals this one with a full B."""
-    split_builtins: tuple[str, ...] = ()
-    """Built-in schedules whose problem equals this one with ``split_backward=True``."""
+    classic: bool = False
+    """A placement built-in schedules are written for (``linear``, ``v``, ``interleaved``): the
+    registry entries declaring it (:attr:`ScheduleInfo.placement`) build this very problem."""
 
     @property
     def rule(self) -> str:
@@ -62,8 +63,12 @@ class PlacementInfo:
             )
 
     def builtin_names(self, *, split_backward: bool) -> tuple[str, ...]:
-        """Built-in schedules of the same problem for this backward option (warm starts, comparisons)."""
-        return self.split_builtins if split_backward else self.builtins
+        """Built-in schedules of the same problem for this backward option (warm starts, comparisons):
+        the registry's entries declaring this placement and backward, read at call time."""
+        if not self.classic:
+            return ()
+        return tuple(name for name, info in REGISTRY.items()
+                     if info.placement == self.name and info.splits_backward == split_backward)
 
     def _nearest(self, num_ranks: object) -> str:
         low = max(2, self.min_ranks) if self.even_ranks else self.min_ranks
@@ -199,15 +204,14 @@ def _classic_stage_ranks(name: str, num_ranks: int) -> tuple[list[int], float]:
 
 def _classic(
     name: str, num_ranks: int, *, split_backward: bool, inference: bool,
-    memory_limit: float | None, comm_latency: float,
+    memory_limit: float | None, costs: Costs,
 ) -> Problem:
-    """The chain the built-ins build (``chain_problem`` with ``Costs(comm=comm_latency)``)."""
+    """The chain the built-ins build (``chain_problem`` with ``costs``)."""
     stage_ranks, share = _classic_stage_ranks(name, num_ranks)
-    costs = Costs(comm=comm_latency)
     if inference:
         return stage_graph(
             [costs.stage(rank, share=share) for rank in stage_ranks],
-            num_ranks=num_ranks, backward="none", comm_latency=comm_latency, memory_limit=memory_limit,
+            num_ranks=num_ranks, backward="none", comm_latency=costs.comm, memory_limit=memory_limit,
         )
     return chain_problem(
         stage_ranks, costs, num_ranks=num_ranks, split_backward=split_backward,
@@ -233,11 +237,11 @@ PLACEMENTS: Mapping[str, PlacementInfo] = _entries(
                   summary="two half-rank V branches joined by a loss block on all ranks"),
     PlacementInfo(name="finetune", summary="frozen F(all), F chain holding activations, B chain of span 2"),
     PlacementInfo(name="alphafold", summary="three forward passes over the ranks (last holds), B of span 1"),
-    PlacementInfo(name="linear", builtins=("gpipe", "1f1b"), split_builtins=("zb-h1", "zb-h2"),
+    PlacementInfo(name="linear", classic=True,
                   summary="stage r on rank r (1F1B layout), Costs(): F 1, B 2 or I 1 + W 1"),
-    PlacementInfo(name="v", split_builtins=("zbv", "dualpipev"),
+    PlacementInfo(name="v", classic=True,
                   summary="2 stages per rank in a V (rank r: stages r and 2n-1-r), half a share each"),
-    PlacementInfo(name="interleaved", builtins=("interleaved-1f1b", "looped-bfs"),
+    PlacementInfo(name="interleaved", classic=True,
                   summary="2 looped stages per rank (stage s on rank s % n), half a share each"),
 )
 """Every placement by name: the Tessel shapes of DESIGN §6, then the classic ones."""
@@ -256,6 +260,10 @@ def placement(
     inference: bool = False,
     memory_limit: float | None = None,
     comm_latency: float = 0.0,
+    f: float | None = None,
+    b: float | None = None,
+    w: float | None = None,
+    w_memory: float | None = None,
 ) -> Problem:
     """The per-micro-batch problem of placement ``name`` on ``num_ranks`` ranks.
 
@@ -266,6 +274,12 @@ def placement(
     ``split_backward`` splits each B into I + W (Tessel spans by
     :func:`~pipeloom.search.blocks.split_span`: 3 -> 2 + 1, I releases the memory; classic ones by
     Costs(): I = b, W = w); ``inference`` keeps the forwards only, with memory 0.
+
+    ``f``, ``b``, ``w`` and ``w_memory`` are per-rank-share costs (as :class:`~pipeloom.problem.Costs`;
+    None keeps the placement's own). Classic shapes: ``Costs(f, b, w, comm, w_memory=w_memory)``
+    spread over their stages. Tessel shapes: every single-rank block takes them (F = f; B = b + w,
+    or I = b and W = w when split, an absent one keeping its part of the block's span; W releases
+    ``w_memory`` of its forward's memory, I the rest); the all-rank blocks keep their spans.
     """
     try:
         info = PLACEMENTS[name]
@@ -274,10 +288,41 @@ def placement(
     info.check(num_ranks)
     if split_backward and inference:
         raise PipeloomError("split_backward and inference exclude each other: inference has no backward")
+    if w_memory is not None and not split_backward:
+        raise PipeloomError("w_memory is W's share of the memory, so it needs split_backward=True")
     if name in _CLASSIC:
+        costs = Costs(f=1.0 if f is None else f, b=1.0 if b is None else b, w=1.0 if w is None else w,
+                      comm=comm_latency, w_memory=w_memory or 0.0)
         return _classic(name, num_ranks, split_backward=split_backward, inference=inference,
-                        memory_limit=memory_limit, comm_latency=comm_latency)
+                        memory_limit=memory_limit, costs=costs)
     builder = PlacementBuilder(num_ranks)
     _TESSEL[name](builder)
-    return builder.build(memory_limit=memory_limit, comm_latency=comm_latency,
-                         split_backward=split_backward, inference=inference)
+    problem = builder.build(memory_limit=memory_limit, comm_latency=comm_latency,
+                            split_backward=split_backward, inference=inference)
+    return _with_share_costs(problem, f=f, b=b, w=w, w_memory=w_memory)
+
+
+def _with_share_costs(problem: Problem, *, f: float | None, b: float | None, w: float | None,
+                      w_memory: float | None) -> Problem:
+    """``problem`` with its single-rank blocks costing ``f``, ``b``, ``w`` (None keeps the block's
+    own: a full B keeps its :func:`~pipeloom.search.blocks.split_span` part) and W releasing
+    ``w_memory`` of its forward's memory (see :func:`placement`)."""
+    if f is None and b is None and w is None and w_memory is None:
+        return problem
+    tasks = []
+    for task in problem.tasks:
+        duration, memory = task.duration, task.memory
+        if len(task.ranks) == 1:
+            own_i, own_w = split_span(task.duration)
+            duration = {"F": task.duration if f is None else f,
+                        "B": (own_i if b is None else b) + (own_w if w is None else w),
+                        "I": task.duration if b is None else b,
+                        "W": task.duration if w is None else w}[task.kind]
+            if w_memory is not None and task.kind in ("I", "W"):
+                taken = problem.task((task.stage, "F")).memory
+                if not 0 <= w_memory <= taken:
+                    raise PipeloomError(f"w_memory {w_memory:g} must lie between 0 and the {taken:g} a "
+                                        f"forward of this placement takes; lower it")
+                memory = -(taken - w_memory) if task.kind == "I" else -w_memory
+        tasks.append(dataclasses.replace(task, duration=duration, memory=memory))
+    return dataclasses.replace(problem, tasks=tuple(tasks))

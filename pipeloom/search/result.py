@@ -38,6 +38,12 @@ class SearchResult:
     micro-batch over the memory limit when larger (periodic mode)."""
     time_scale: float = 1.0
     """Integer solver units per real time unit (durations were scaled to integers)."""
+    origin: str = "solver"
+    """What produced ``schedule``: ``solver`` (the mode's CP-SAT model or its list-schedule
+    fallback), ``builtin:NAME`` (a registry schedule), or a construction from another problem's
+    answer, with that answer's origin in brackets: ``split-backward(...)`` (each B of the
+    full-backward problem's answer split into I then W) or ``all-rank-blocks(...)`` (the answer
+    without the all-rank blocks, the blocks put back)."""
 
     @property
     def gap(self) -> float:
