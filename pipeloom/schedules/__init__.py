@@ -84,6 +84,10 @@ _BY_NAME: dict[str, ScheduleInfo] = {info.name: info for info in (
     ScheduleInfo(name="looped-bfs", module="looped_bfs", function="looped_bfs",
                  options=("stages_per_rank",), placement="interleaved",
                  summary="v looped stages per rank, breadth-first: each stage's forwards together"),
+    ScheduleInfo(name="interleaved-zb", module="interleaved_zb", function="interleaved_zb",
+                 options=("stages_per_rank",), splits_backward=True, placement="interleaved", memory_aware=True,
+                 summary="zero bubble on v looped stages per rank; never slower than torch's "
+                         "InterleavedZeroBubble, at its memory"),
     ScheduleInfo(name="zb-h1", module="zero_bubble", function="zb_h1", splits_backward=True, in_demo=True,
                  summary="zero-bubble H1: split backward, W fills bubbles; 1F1B memory"),
     ScheduleInfo(name="zb-h2", module="zero_bubble", function="zb_h2", splits_backward=True, in_demo=True,

@@ -15,6 +15,8 @@ whatever the scheduler reaches under it (measured in docs/search.md, "Controllab
 
 from __future__ import annotations
 
+import dataclasses
+
 from pipeloom.errors import ArgumentError
 from pipeloom.ir import Schedule
 from pipeloom.problem import Costs
@@ -37,15 +39,13 @@ def v_min_memory(num_ranks: int, *, costs: Costs = Costs()) -> float:
 def _v_at(name: str, num_ranks: int, num_microbatches: int, costs: Costs, memory_limit: float | None,
           documented: float) -> Schedule:
     check_counts(name, num_ranks, num_microbatches)
-    if memory_limit is not None and memory_limit > documented:
-        raise ArgumentError(
-            f"{name}: memory_limit {memory_limit:g} is above its documented memory {documented:g} "
-            f"for p={num_ranks}; use zbv for larger limits, or leave memory_limit unset"
-        )
-    limit = documented if memory_limit is None else memory_limit
-    schedule = zbv(num_ranks, num_microbatches, costs=costs, memory_limit=limit)
-    return Schedule(name=name, problem=schedule.problem, num_microbatches=num_microbatches,
-                    ranks=schedule.ranks)
+    if memory_limit is not None and (isinstance(memory_limit, bool) or not isinstance(memory_limit, (int, float))):
+        raise ArgumentError(f"{name}: memory_limit must be a number or None, got {memory_limit!r}")
+    cap = documented if memory_limit is None else min(memory_limit, documented)
+    schedule = zbv(num_ranks, num_microbatches, costs=costs, memory_limit=cap)
+    # the problem carries the caller's limit (a larger one still holds: the order stays within ``cap``)
+    problem = dataclasses.replace(schedule.problem, memory_limit=documented if memory_limit is None else memory_limit)
+    return Schedule(name=name, problem=problem, num_microbatches=num_microbatches, ranks=schedule.ranks)
 
 
 def v_half(
@@ -58,8 +58,8 @@ def v_half(
     """V-Half on the V placement: rank r runs stages r and 2p-1-r, each with half of ``costs``.
 
     Memory: at most ``(p+2)//2 * costs.memory`` per rank (about half of 1F1B's p), or the smaller
-    ``memory_limit`` given (a larger one is an ArgumentError: that is zbv). The Schedule's problem
-    carries the limit so the validator enforces it.
+    ``memory_limit`` given; a larger limit is carried by the Schedule's problem (the validator
+    enforces it) while the order stays at the documented memory (for more, use zbv).
 
     Bubble: documented as about p/(2m) of the makespan when f = b = w (against 1F1B's (p-1)/m);
     the order here is zbv's list scheduler under the limit, which reaches 0.07 at p=8, m=32 and
@@ -79,8 +79,8 @@ def v_min(
     """V-Min on the V placement: rank r runs stages r and 2p-1-r, each with half of ``costs``.
 
     Memory: at most ``(p+4)//3 * costs.memory`` per rank (about a third of 1F1B's p), or the
-    smaller ``memory_limit`` given (a larger one is an ArgumentError). The Schedule's problem carries
-    the limit so the validator enforces it.
+    smaller ``memory_limit`` given; a larger limit is carried by the Schedule's problem while the
+    order stays at the documented memory.
 
     Bubble: documented as about 2p/(3m) of the makespan when f = b = w; the order here is zbv's
     list scheduler under the limit: 0.11 at p=8, m=32 (below the documented 0.17) but 0.23 at

@@ -48,7 +48,9 @@ def test_bubble_at_equal_costs_is_near_the_documented_one():
         assert 1 - 3 * m / timeline.makespan <= documented + 1e-9
 
 
-def test_a_limit_above_the_documented_memory_is_refused():
-    with pytest.raises(ValueError, match="above its documented memory 3"):
-        v_half(4, 8, memory_limit=4)
+def test_a_limit_above_the_documented_memory_keeps_the_documented_order():
+    schedule = v_half(4, 8, memory_limit=7)
+    assert schedule.problem.memory_limit == 7  # the caller's limit, checked by the validator
+    assert schedule.ranks == v_half(4, 8).ranks  # the order stays at the documented memory, 3
+    assert max(simulate(schedule).peak_memory) <= 3
     assert max(simulate(v_min(8, 16, memory_limit=3)).peak_memory) <= 3
