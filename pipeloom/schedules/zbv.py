@@ -1,4 +1,5 @@
-"""ZB-V: the zero-bubble V schedule (Qi et al., 2024), built by a cost- and memory-aware list scheduler.
+"""ZB-V: the zero-bubble V schedule (Qi et al., 2024), built by a cost- and memory-aware list scheduler
+and by the round construction of :mod:`pipeloom.schedules.zbv_rounds`, keeping the shorter.
 
 Rank r holds stages r and 2p-1-r of the chain 0 -> 1 -> ... -> 2p-1, so every micro-batch goes down
 the ranks and comes back up; each stage carries half of a rank's share of the model.
@@ -9,10 +10,13 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-from pipeloom.errors import PipeloomError
+from pipeloom.errors import PipeloomError, ScheduleError
 from pipeloom.ir import Action, Schedule
-from pipeloom.problem import Costs, Problem
-from pipeloom.schedules.common import check_counts, make_schedule, v_problem, v_rank_stages, v_stage_ranks
+from pipeloom.problem import Costs
+from pipeloom.schedules.common import check_counts, make_schedule, v_problem
+from pipeloom.schedules.zbv_plan import VPlan, v_plan
+from pipeloom.schedules.zbv_rounds import round_candidates
+from pipeloom.validate import validate
 
 __all__ = ["zbv"]
 
@@ -58,51 +62,11 @@ _VARIANTS = (
 incl. latency and w_memory, p 3..16, m 5..64, two limits) their best was within 1.4% of the best
 of all 24 without backfill. The last five were added greedily over the 324 cells of
 benchmarks/data/zbv_reference.json (the authors' generator): with them the best of these eleven
-equals the best of all 48 in cells slower than the generator (73 of 324, down from 95 with six)."""
+equals the best of all 48 in cells slower than the generator (73 of 324, down from 95 with six);
+zbv_rounds' construction closes those 73 (zbv() keeps it only where it is shorter)."""
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class _Plan:
-    """Per-stage durations, memory deltas and latencies read off the Problem (same floats as sim)."""
-
-    num_ranks: int
-    num_microbatches: int
-    rank_stages: tuple[tuple[int, int], ...]
-    """``rank_stages[r]``: rank r's (first, second) stage in the V placement."""
-    owner: tuple[int, ...]
-    """``owner[s]``: the rank that runs stage s."""
-    duration: tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]
-    """``duration[kind][stage]`` for kind 0 = F, 1 = I, 2 = W."""
-    memory: tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]
-    """``memory[kind][stage]``: held-memory change when the action starts."""
-    latency_f: tuple[float, ...]
-    """Delay between F(s-1) ending and F(s) starting (0 on the same rank)."""
-    latency_i: tuple[float, ...]
-    """Delay between I(s+1) ending and I(s) starting (0 on the same rank)."""
-    limit: float
-    """Per-rank memory cap, with a rounding tolerance below the validator's."""
-
-
-def _plan(problem: Problem, num_microbatches: int, limit: float) -> _Plan:
-    p = problem.num_ranks
-    stages = range(2 * p)
-    tasks = [[problem.task((s, kind)) for s in stages] for kind in "FIW"]
-    comm = problem.comm_latency
-    owner = v_stage_ranks(p)
-    return _Plan(
-        num_ranks=p,
-        num_microbatches=num_microbatches,
-        rank_stages=tuple(v_rank_stages(p, rank=r) for r in range(p)),
-        owner=tuple(owner),
-        duration=tuple(tuple(t.duration for t in row) for row in tasks),
-        memory=tuple(tuple(t.memory for t in row) for row in tasks),
-        latency_f=tuple(0.0 if s == 0 or owner[s - 1] == owner[s] else comm for s in stages),
-        latency_i=tuple(0.0 if s == 2 * p - 1 or owner[s + 1] == owner[s] else comm for s in stages),
-        limit=limit + 1e-12 * max(1.0, abs(limit)),
-    )
-
-
-def _list_schedule(plan: _Plan, policy: _Policy) -> tuple[list[list[Action]], float] | None:
+def _list_schedule(plan: VPlan, policy: _Policy) -> tuple[list[list[Action]], float] | None:
     """Build every rank's order while simulating it; None if the policy ends in a deadlock.
 
     Ranks are taken in order of the time they become free (a heap), so when rank r decides at
@@ -259,8 +223,12 @@ def zbv(
     runs the ready F or I its policy ranks first (a first-stage F only if memory stays below the
     limit with room for the micro-batches coming back through its second stage), and a W only
     to fill what would otherwise be idle time. Schedules of up to 40k actions try eleven policy
-    variants and keep the shortest makespan; larger ones run the default policy once
-    (p=64, m=1024: 393k actions in about 0.7 s).
+    variants and also the round construction of ``zbv_rounds`` (deep staggered warm-up, one I and
+    one F per rank per round, W in the waits, four W options); a round order replaces the list
+    scheduler's only if the validator accepts it (ordered, memory limit) and the simulator finds
+    it shorter. With it zbv is nowhere slower than the authors' ZB-V generator on the 324 cells of
+    benchmarks/data/zbv_reference.json. Larger schedules run the default policy once
+    (p=64, m=1024: 393k actions in about 2 s).
 
     Memory: at most ``memory_limit`` per rank, by default 1F1B's peak ``min(p, m) * costs.memory``;
     the Schedule's problem carries the limit so the validator enforces it. A limit below
@@ -285,7 +253,7 @@ def zbv(
             f"(the activations of both its stages, costs.memory = {costs.memory:g}); "
             f"the smallest workable limit is {costs.memory:g}"
         )
-    plan = _plan(problem, m, limit)
+    plan = v_plan(problem, m, limit)
     policies = _VARIANTS if 6 * p * m <= _VARIANT_ACTIONS else (_DEFAULT,)
     best = None
     for policy in policies:
@@ -302,4 +270,24 @@ def zbv(
             f"every list-scheduling policy deadlocked; this is a pipeloom bug, please report it "
             f"with these inputs (a larger memory_limit or another schedule may work meanwhile)"
         )
-    return make_schedule("zbv", problem=problem, num_microbatches=m, ranks=best[0])
+    schedule = make_schedule("zbv", problem=problem, num_microbatches=m, ranks=best[0])
+    if 6 * p * m <= _VARIANT_ACTIONS:
+        schedule = _shorter_round_schedule(plan, schedule, best[1])
+    return schedule
+
+
+def _shorter_round_schedule(plan: VPlan, schedule: Schedule, makespan: float) -> Schedule:
+    """The shortest of zbv_rounds' candidates if the validator (ordered, memory limit) accepts it and
+    its simulated makespan is below ``makespan``; else ``schedule`` unchanged."""
+    for estimate, ranks in sorted(round_candidates(plan), key=lambda found: found[0]):
+        if estimate >= makespan:
+            break
+        candidate = make_schedule("zbv", problem=schedule.problem, num_microbatches=plan.num_microbatches,
+                                  ranks=ranks)
+        try:
+            timeline = validate(candidate, ordered=True)
+        except ScheduleError:
+            continue
+        if timeline.makespan < makespan:
+            return candidate
+    return schedule

@@ -3,10 +3,14 @@
 Oracles: the validator (ordered mode, memory limit); the V placement of the zero-bubble paper
 (rank r holds stages r and 2p-1-r, each with half of a rank's costs); the lower bound
 (p-1)(f/2 + comm) + m(f+b+w) (rank p-1 cannot start earlier and then has m(f+b+w) of work);
-ZB-H1's closed form m(f+b+w) + (p-1)(f+b-w) (DESIGN §6) and ZB-H1 itself (zero_bubble.zb_h1).
+ZB-H1's closed form m(f+b+w) + (p-1)(f+b-w) (DESIGN §6) and ZB-H1 itself (zero_bubble.zb_h1);
+the zero-bubble authors' ZB-V generator's makespans recorded in benchmarks/data/zbv_reference.json.
 """
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import pytest
 
@@ -15,7 +19,10 @@ from pipeloom.errors import MemoryLimitError, PipeloomError
 from pipeloom.ir import Schedule
 from pipeloom.problem import Costs
 from pipeloom.schedules import REGISTRY, build_schedule
+from pipeloom.schedules.common import make_schedule, v_problem
 from pipeloom.schedules.zbv import zbv
+from pipeloom.schedules.zbv_plan import v_plan
+from pipeloom.schedules.zbv_rounds import round_candidates
 from pipeloom.schedules.zero_bubble import zb_h1
 from pipeloom.sim import simulate
 from pipeloom.validate import validate
@@ -158,3 +165,70 @@ def test_costs_change_the_order():
     equal = zbv(6, 18).ranks
     assert zbv(6, 18, costs=Costs(comm=2.0)).ranks != equal
     assert zbv(6, 18, costs=PAPER).ranks != equal
+
+
+REFERENCE = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "zbv_reference.json"
+"""The authors' generator's makespans (benchmarks/zbv_reference_data.py); 324 cells, p up to 16."""
+
+
+def _reference_cells(max_p: int, max_m: int) -> list[dict]:
+    cells = json.loads(REFERENCE.read_text())["cells"]
+    return [c for c in cells if c["makespan"] is not None and c["p"] <= max_p and c["m"] <= max_m]
+
+
+@pytest.mark.parametrize("cell", _reference_cells(8, 24),
+                         ids=lambda c: f"{c['costs']}-p{c['p']}-m{c['m']}-L{c['memory_limit']:g}-wm{c['w_memory']:g}")
+def test_never_slower_than_the_authors_generator(cell):
+    """Against the recorded cells with p <= 8, m <= 24 (108 of 324; the benchmark runs all)."""
+    costs = Costs(f=cell["f"], b=cell["b"], w=cell["w"], comm=cell["comm"], w_memory=cell["w_memory"])
+    schedule = zbv(cell["p"], cell["m"], costs=costs, memory_limit=cell["memory_limit"])
+    timeline = validate(schedule, ordered=True)
+    assert timeline.makespan <= cell["makespan"] * (1 + 1e-9)
+
+
+def test_the_former_worst_cell_matches_the_generator():
+    """f 1 b 2 w 0.5 comm 0.1, p 8, m 16, limit 8: the list scheduler alone gives 71.95, the generator 66.5."""
+    costs = Costs(f=1, b=2, w=0.5, comm=0.1)
+    problem = v_problem(8, costs=costs, memory_limit=8)
+    plan = v_plan(problem, 16, 8)
+    list_only = min(zbv_module._list_schedule(plan, policy)[1] for policy in zbv_module._VARIANTS)
+    assert list_only == pytest.approx(71.95)
+    assert simulate(zbv(8, 16, costs=costs, memory_limit=8)).makespan == pytest.approx(66.5)
+
+
+@pytest.mark.parametrize(("p", "m", "cost_name", "factor"),
+                         [(1, 3, "comm", 1), (2, 4, "equal", 1), (4, 16, "equal", 1), (5, 13, "paper", 1.5),
+                          (8, 16, "comm", 1), (6, 20, "w_memory", 2), (3, 2, "comm", 1)])
+def test_round_candidates_are_valid_and_timed_like_the_simulator(p, m, cost_name, factor):
+    """Every candidate the round construction returns passes the validator (ordered mode, the limit)
+    and its own clock gives the simulator's makespan."""
+    costs = COSTS[cost_name]
+    limit = factor * min(p, m) * costs.memory
+    problem = v_problem(p, costs=costs, memory_limit=limit)
+    for estimate, ranks in round_candidates(v_plan(problem, m, limit)):
+        timeline = validate(make_schedule("zbv", problem=problem, num_microbatches=m, ranks=ranks), ordered=True)
+        assert timeline.makespan == pytest.approx(estimate, rel=1e-12)
+
+
+@pytest.mark.parametrize(("p", "m"), [(4, 16), (8, 24)])
+def test_round_warm_up_fills_rank_r_with_2_p_minus_r_minus_1_first_stage_forwards(p, m):
+    """Equal costs, default limit: rank r runs 2(p-r)-1 first-stage forwards before anything else."""
+    problem = v_problem(p, costs=Costs(), memory_limit=p)
+    _, ranks = round_candidates(v_plan(problem, m, p))[0]
+    for r, order in enumerate(ranks):
+        depth = next(i for i, action in enumerate(order) if action.kind != "F" or action.stage >= p)
+        assert depth == 2 * (p - r) - 1, f"rank {r}"
+
+
+def test_a_round_candidate_is_used_only_if_valid_and_shorter(monkeypatch):
+    """Candidates claiming makespan 0 that break the order, or are valid but slower, are dropped."""
+    costs = Costs(f=1, b=2, w=0.5, comm=0.1)
+    monkeypatch.setattr(zbv_module, "round_candidates", lambda plan: [])
+    list_only = zbv(4, 8, costs=costs)
+    bad = [list(reversed(order)) for order in list_only.ranks]
+    monkeypatch.setattr(zbv_module, "round_candidates", lambda plan: [(0.0, bad)])
+    assert zbv(4, 8, costs=costs) == list_only
+    slower = zbv(4, 8, costs=costs, memory_limit=1).ranks  # valid under the larger limit too
+    assert simulate(zbv(4, 8, costs=costs, memory_limit=1)).makespan > simulate(list_only).makespan
+    monkeypatch.setattr(zbv_module, "round_candidates", lambda plan: [(0.0, slower)])
+    assert zbv(4, 8, costs=costs) == list_only  # valid but not shorter by the simulator
