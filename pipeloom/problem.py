@@ -152,6 +152,8 @@ class Problem:
     """Per-rank cap on held memory; None means unlimited."""
     static_memory: tuple[float, ...] | None = None
     """Memory each rank holds before any action (e.g. weights); None means 0 everywhere."""
+    overlap_overhead: float = 0.0
+    """Time an overlapped forward + backward pair takes beyond its longer part (>= 0; see docs/semantics.md)."""
     _index: Mapping[TaskKey, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -184,6 +186,9 @@ class Problem:
         self._check_acyclic()
         object.__setattr__(
             self, "comm_latency", _check_number("comm_latency", self.comm_latency)
+        )
+        object.__setattr__(
+            self, "overlap_overhead", _check_number("overlap_overhead", self.overlap_overhead)
         )
         if self.memory_limit is not None:
             limit = _check_number("memory_limit", self.memory_limit, hint=" (or None for no limit)")

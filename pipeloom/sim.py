@@ -16,9 +16,10 @@ from itertools import accumulate
 from operator import add, itemgetter
 
 from pipeloom.errors import DeadlockError, ScheduleError
-from pipeloom.ir import Action, Schedule, format_grid
+from pipeloom.ir import Action, Overlap, Schedule, compute_parts, format_grid, part_tasks, task_actions
 from pipeloom.lowering import replay_lowered
 from pipeloom.problem import Problem
+from pipeloom.sim_composite import Composite, composite_of
 
 __all__ = ["Timeline", "expected_makespan", "simulate", "starting_ranks"]
 
@@ -77,26 +78,30 @@ class Timeline:
         return curve
 
 
-def simulate(schedule: Schedule) -> Timeline:
+def simulate(schedule: Schedule, *, overlap_overhead: float | None = None) -> Timeline:
     """Replay ``schedule``: each rank runs its list in order, one action at a time.
 
     An action starts at the latest of its ranks becoming free and each dep's finish (plus the
     communication latency when the dep ran on another set of ranks). In a lowered schedule the
-    receives carry that latency instead (see :mod:`pipeloom.lowering.replay`). Raises DeadlockError
-    when the lists cannot run to the end; use :func:`pipeloom.validate.validate` for full checks.
+    receives carry that latency instead (see :mod:`pipeloom.lowering.replay`). An overlapped pair
+    (and a full ``B`` on a split stage) is one action: it starts when every part's deps are met and
+    takes ``max(forward, backward) + overlap_overhead`` (I + W); ``overlap_overhead`` None: the
+    problem's (docs/semantics.md). Raises DeadlockError when the lists cannot run to the end; use
+    :func:`pipeloom.validate.validate` for full checks.
     """
+    overhead = _overhead(schedule, overlap_overhead)
     if schedule.lowered:
-        lowered = replay_lowered(schedule)
+        lowered = replay_lowered(schedule, overlap_overhead=overhead)
         return Timeline(schedule=schedule, starts=lowered.starts, ends=lowered.ends, memory=lowered.memory,
                         makespan=lowered.makespan, busy=lowered.busy, peak_memory=lowered.peak_memory)
     problem = schedule.problem
-    compiled = _Compiled.of(schedule)
+    compiled = _Compiled.of(schedule, overhead)
     seq_tasks = compiled.seq_tasks
     replay = compiled.replay()
     starts, ends = replay.starts, replay.ends
     static = problem.static_memory or (0.0,) * problem.num_ranks
-    memory_delta = [task.memory for task in problem.tasks]
-    durations = [task.duration for task in problem.tasks]
+    memory_delta = [task.memory for task in problem.tasks] + [c.memory for c in compiled.composites]
+    durations = [task.duration for task in problem.tasks] + [c.duration for c in compiled.composites]
     held_lists, peaks, busy = [], [], []
     for r, seq in enumerate(seq_tasks):
         # accumulate/reduce add in list order, exactly like a running sum.
@@ -116,12 +121,21 @@ def simulate(schedule: Schedule) -> Timeline:
     )
 
 
+def _overhead(schedule: Schedule, overlap_overhead: float | None) -> float:
+    """The overlapped pairs' overhead: the problem's, or a finite number >= 0 given."""
+    if overlap_overhead is None:
+        return schedule.problem.overlap_overhead
+    if not _nonnegative(overlap_overhead):
+        raise ValueError(f"overlap_overhead must be a finite number >= 0, got {overlap_overhead!r}")
+    return float(overlap_overhead)
+
+
 def starting_ranks(schedule: Schedule) -> list[int]:
     """Ranks whose first action needs no other action: they all start a step at once (one rank in
     a one-replica pipeline, the first stage of each replica in a two-replica one)."""
     problem = schedule.problem
     return [r for r, actions in enumerate(schedule.ranks)
-            if actions and not problem.task(_TASK_KEY(actions[0])).deps]
+            if actions and not any(problem.task(task.task).deps for task in task_actions(problem, actions[0]))]
 
 
 def expected_makespan(schedule: Schedule, spread: float | Sequence[float], *, start_skew: float = 0.0,
@@ -157,7 +171,8 @@ def expected_makespan(schedule: Schedule, spread: float | Sequence[float], *, st
         raise ValueError(f"samples must be a positive integer, got {samples!r}")
     if not _nonnegative(start_skew):
         raise ValueError(f"start_skew must be a finite number of seconds >= 0, got {start_skew!r}")
-    compiled = _Compiled.of(schedule)
+    compiled = _Compiled.of(schedule, problem.overlap_overhead)
+    num_tasks = len(problem.tasks)
     starting = starting_ranks(schedule) if start_skew else []
     if not any(spreads) and len(starting) < 2:
         return compiled.replay().makespan  # every replay checks that the lists run to the end
@@ -173,7 +188,8 @@ def expected_makespan(schedule: Schedule, spread: float | Sequence[float], *, st
             # the same draws, so comparing them is not decided by which position drew what
             factors = [draws.lognormvariate(-sigma * sigma / 2, sigma) if sigma else 1.0
                        for sigma in task_sigmas for _ in range(num_mb)]
-            scales = [[factors[t * num_mb + mb] for t, mb in zip(seq, mbs)]
+            scales = [[factors[t * num_mb + mb] if t < num_tasks else compiled.scale(t, factors)
+                       for t, mb in zip(seq, mbs)]
                       for seq, mbs in zip(compiled.seq_tasks, compiled.seq_mbs)]
         release = None
         if len(starting) > 1:
@@ -192,21 +208,35 @@ def _nonnegative(value: object) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class _Compiled:
-    """A schedule's rank lists as task indices and dense micro-batches, ready to replay."""
+    """A schedule's rank lists as task indices and dense micro-batches, ready to replay; a composite
+    action (an overlapped pair, a B on a split stage) is index ``len(tasks) + k`` for ``composites[k]``."""
 
     schedule: Schedule
     index: dict[tuple[int, str], int]
     seq_tasks: tuple[list, ...]
     seq_mbs: tuple[list, ...]
     dense: dict[int, int]
+    composites: tuple[Composite, ...]
 
     @classmethod
-    def of(cls, schedule: Schedule) -> _Compiled:
+    def of(cls, schedule: Schedule, overhead: float) -> _Compiled:
         problem = schedule.problem
         index = {task.key: i for i, task in enumerate(problem.tasks)}
-        seq_tasks, seq_mbs = zip(*(_compile(schedule, r, index) for r in range(problem.num_ranks)))
-        seq_mbs, dense = _densify(seq_mbs, schedule.num_microbatches)
-        return cls(schedule, index, seq_tasks, seq_mbs, dense)
+        found: dict = {}
+        seq_tasks, seq_mbs = zip(*(_compile(schedule, r, index, overhead, found) for r in range(problem.num_ranks)))
+        composites = tuple(composite for _, composite in found.values())
+        extra = {mb for c in composites for unit in c.units for _, mb in unit}
+        seq_mbs, dense = _densify(seq_mbs, schedule.num_microbatches, extra)
+        return cls(schedule, index, seq_tasks, seq_mbs, dense, composites)
+
+    def scale(self, t: int, factors: list[float]) -> float:
+        """The factor on composite ``t``'s duration when each (task, micro-batch) has its own factor."""
+        composite = self.composites[t - len(self.index)]
+        if composite.duration <= 0:
+            return 1.0
+        num_mb, durations = len(self.dense), [task.duration for task in self.schedule.problem.tasks]
+        scaled = composite.scaled(durations, lambda task, mb: factors[task * num_mb + self.dense[mb]])
+        return scaled / composite.duration
 
     def replay(self, scales: list | None = None, release: list | None = None) -> _Replay:
         """The replay run to the end (``scales``: a factor per single-rank action; ``release``: the
@@ -214,6 +244,7 @@ class _Compiled:
         cannot finish."""
         problem = self.schedule.problem
         replay = _Replay(problem, len(self.dense), self.seq_tasks, self.seq_mbs, scales, release)
+        replay.add_composites(self.composites, self.dense)
         replay.run()
         stuck = [r for r in range(problem.num_ranks) if replay.pos[r] < len(self.seq_tasks[r])]
         if stuck:
@@ -222,11 +253,20 @@ class _Compiled:
         return replay
 
 
-def _compile(schedule: Schedule, rank: int, index: dict[tuple[int, str], int]) -> tuple[list, list]:
-    """Task indices and micro-batches of ``rank``'s list (C-level maps: no per-action Python code)."""
+def _compile(schedule: Schedule, rank: int, index: dict[tuple[int, str], int], overhead: float,
+             found: dict) -> tuple[list, list]:
+    """Task indices and micro-batches of ``rank``'s list (C-level maps: no per-action Python code,
+    unless the list holds composite actions, which get indices after the tasks' in ``found``)."""
     actions = schedule.ranks[rank]
-    tasks = list(map(index.get, map(_TASK_KEY, actions)))
-    mbs = list(map(_MICROBATCH, actions))
+    if Overlap in set(map(type, actions)):
+        tasks, mbs = [None] * len(actions), [0] * len(actions)
+    else:
+        tasks = list(map(index.get, map(_TASK_KEY, actions)))
+        mbs = list(map(_MICROBATCH, actions))
+    if None in tasks:
+        for i, action in enumerate(actions):
+            if tasks[i] is None:
+                tasks[i], mbs[i] = _composite_index(schedule, index, action, overhead, found)
     if None in tasks or (mbs and (min(mbs) < 0 or max(mbs) >= schedule.num_microbatches)):
         step = next(
             i for i, (t, mb) in enumerate(zip(tasks, mbs))
@@ -239,13 +279,36 @@ def _compile(schedule: Schedule, rank: int, index: dict[tuple[int, str], int]) -
     return tasks, mbs
 
 
-def _densify(seq_mbs: tuple[list[int], ...], num_mb: int) -> tuple[tuple[list[int], ...], dict[int, int]]:
-    """Renumber the micro-batches the lists use as 0..K-1 (K <= actions) and return that map.
+def _composite_index(schedule: Schedule, index: dict, action, overhead: float, found: dict) -> tuple[int | None, int]:
+    """``(index, micro-batch)`` of a composite action (the first part's micro-batch; its parts' are
+    checked), or ``(None, 0)`` when ``action`` is none of the problem's."""
+    if action in found:
+        k, composite = found[action]
+        return len(index) + k, _first_mb(composite)
+    if type(action) not in (Action, Overlap):
+        return None, 0
+    composite = composite_of(schedule.problem, index, action, overhead)
+    if composite is None:
+        return None, 0
+    if not all(0 <= mb < schedule.num_microbatches for unit in composite.units for _, mb in unit):
+        return None, -1
+    found[action] = (len(found), composite)
+    return len(index) + len(found) - 1, _first_mb(composite)
+
+
+def _first_mb(composite: Composite) -> int:
+    return composite.units[0][0][1]
+
+
+def _densify(seq_mbs: tuple[list[int], ...], num_mb: int,
+             extra: set[int] = frozenset()) -> tuple[tuple[list[int], ...], dict[int, int]]:
+    """Renumber the micro-batches the lists use (and ``extra``: composite parts') as 0..K-1
+    (K <= actions) and return that map.
 
     The replay keeps one slot per (task, micro-batch); a micro-batch no action names has no slot
     anyone waits on, so a schedule claiming M = 10**12 costs memory by its actions, not by M.
     """
-    used = sorted(set().union(*map(set, seq_mbs)))
+    used = sorted(set(extra).union(*map(set, seq_mbs)))
     if len(used) == num_mb:  # every micro-batch appears (a complete schedule): keep the numbers
         return seq_mbs, dict(zip(used, used))
     dense = {mb: i for i, mb in enumerate(used)}
@@ -286,6 +349,24 @@ class _Replay:
         self.free = list(release) if release is not None else [0.0] * problem.num_ranks
         self.waiting_on_rank: list[list[int]] = [[] for _ in range(problem.num_ranks)]
         self.todo = list(range(problem.num_ranks))
+        self.num_tasks = len(tasks)
+        self.part_slots: list[tuple[int, ...]] = []
+
+    def add_composites(self, composites: tuple[Composite, ...], dense: dict[int, int]) -> None:
+        """Index ``num_tasks + k`` runs ``composites[k]``: its deps are those of its parts outside it
+        (stored against its first part's micro-batch, as the hot loop reads them), its own slot is
+        a placeholder, and finishing it finishes every part's slot."""
+        num_mb = self.num_mb
+        for composite in composites:
+            first = dense[composite.units[0][0][1]]
+            external = composite.external_deps(self.deps, num_mb, dense)
+            self.deps.append(tuple((slot - first, lat) for slot, lat in external))
+            self.durations.append(composite.duration)
+            self.single.append(False)
+            self.rank_sets.append(())
+            self.part_slots.append(composite.slots(num_mb, dense))
+        self.finish.extend([None] * (len(composites) * num_mb))
+        self.waiters.extend([None] * (len(composites) * num_mb))
 
     @property
     def makespan(self) -> float:
@@ -321,6 +402,8 @@ class _Replay:
                 slot = t * num_mb + mb
                 if single[t]:
                     end = start + (durations[t] if scale is None else durations[t] * scale[i])
+                elif t >= self.num_tasks:
+                    end = self._composite(t, start, None if scale is None else scale[i])
                 else:
                     joined = self._join(r, t, slot, start)
                     if joined is None:
@@ -336,6 +419,17 @@ class _Replay:
             if i != self.pos[r]:
                 self.pos[r], self.free[r] = i, now
                 self._wake(r)
+
+    def _composite(self, t: int, start: float, factor: float | None) -> float:
+        """The end of composite action ``t`` started at ``start`` (its duration times ``factor`` when
+        given): every part's slot ends with it, and the ranks waiting on them may move."""
+        end = start + (self.durations[t] if factor is None else self.durations[t] * factor)
+        for slot in self.part_slots[t - self.num_tasks]:
+            self.finish[slot] = end
+            if self.waiters[slot] is not None:
+                self.todo.extend(self.waiters[slot])
+                self.waiters[slot] = None
+        return end
 
     def _join(self, r: int, t: int, slot: int, start: float) -> tuple[float, float] | None:
         """Run multi-rank action ``slot`` on all its ranks if each has it at its head, else None."""
@@ -381,19 +475,22 @@ def _deadlock_message(
     reasons = []
     for r in stuck:
         action = schedule.ranks[r][pos[r]]
-        task = problem.tasks[index[action.task]]
-        mb = dense[action.microbatch]
-        missing = [
-            f"{dep[0]}{dep[1]}{action.microbatch}"
-            for dep in task.deps
-            if finish[index[dep] * len(dense) + mb] is None
-        ]
+        parts = task_actions(problem, action)
+        missing, ranks = [], set()
+        for whole in compute_parts(action):
+            own = part_tasks(problem, whole)  # a B on a split stage: its W waits for its own I
+            for part in own:
+                task = problem.tasks[index[part.task]]
+                ranks.update(task.ranks)
+                missing += [f"{dep[0]}{dep[1]}{part.microbatch}" for dep in task.deps
+                            if Action(dep[0], dep[1], part.microbatch) not in own
+                            and finish[index[dep] * len(dense) + dense[part.microbatch]] is None]
         if missing:
-            why = "waits for " + ", ".join(missing) + ", which never runs first"
+            why = "waits for " + ", ".join(dict.fromkeys(missing)) + ", which never runs first"
+            if type(action) is Overlap and set(missing) & {str(p) for p in parts}:
+                why += " (the parts of an overlapped pair run at once: neither may depend on the other)"
         else:
-            why = "waits for ranks " + ", ".join(
-                str(q) for q in task.ranks if q != r
-            ) + " to reach it too"
+            why = "waits for ranks " + ", ".join(str(q) for q in sorted(ranks) if q != r) + " to reach it too"
         reasons.append(f"rank {r} step {pos[r]}: {action} {why}")
     first = stuck[0]
     return (

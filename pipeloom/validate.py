@@ -10,7 +10,7 @@ from __future__ import annotations
 from itertools import islice
 
 from pipeloom.errors import MemoryLimitError, OrderError, ScheduleError
-from pipeloom.ir import Action, Comm, Schedule, format_grid
+from pipeloom.ir import Action, Comm, Overlap, Schedule, format_grid, task_actions
 from pipeloom.lowering import check_comms
 from pipeloom.sim import Timeline, simulate
 
@@ -56,29 +56,27 @@ def _fail(schedule: Schedule, rank: int, step: int, message: str, error: type = 
 
 def check_structure(schedule: Schedule) -> None:
     """Every (task, micro-batch) exactly once on each of its ranks, and nothing else (communication
-    actions are left to :func:`pipeloom.lowering.check_comms`)."""
+    actions are left to :func:`pipeloom.lowering.check_comms`).
+
+    A composite action counts as the tasks it completes (:func:`pipeloom.ir.task_actions`): an
+    overlapped pair as its two parts, a ``B`` on a split stage as its I and W; each of them must be
+    the rank's and run on that rank alone.
+    """
     problem = schedule.problem
     num_mb = schedule.num_microbatches
     for r, actions in enumerate(schedule.ranks):
         own = {task.key for task in problem.tasks if r in task.ranks}
         seen: set[Action] = set()
         for step, action in enumerate(actions):
-            key = (action[0], action[1])
-            if key not in own:
-                if type(action) is Comm:
-                    continue
-                if problem.has_task(key):
-                    ranks = list(problem.task(key).ranks)
-                    _fail(schedule, r, step, f"{action} belongs to ranks {ranks}, not rank {r}")
-                _fail(schedule, r, step, f"{action} names task {key[0]}{key[1]}, which the problem does not have")
-            if not 0 <= action[2] < num_mb:
-                _fail(
-                    schedule, r, step,
-                    f"{action} uses micro-batch {action[2]}, outside 0..{num_mb - 1}",
-                )
-            if action in seen:
-                _fail(schedule, r, step, f"{action} runs twice on rank {r}")
-            seen.add(action)
+            if type(action) is Comm:
+                continue
+            composite = type(action) is Overlap or not problem.has_task(action.task)
+            for part in task_actions(problem, action):
+                _check_part(schedule, r, step, action, part, own, composite)
+                if part in seen:
+                    twice = f"{part} (in {action})" if composite else str(action)
+                    _fail(schedule, r, step, f"{twice} runs twice on rank {r}")
+                seen.add(part)
         expected = len(own) * num_mb
         if len(seen) != expected:
             # M may be huge (a file can claim 10**12 micro-batches): count the gap, list only the
@@ -95,6 +93,27 @@ def check_structure(schedule: Schedule) -> None:
                 schedule, r, len(actions),
                 f"rank {r} never runs {count} action(s) it owns: {shown}",
             )
+
+
+def _check_part(schedule: Schedule, r: int, step: int, action: Action | Overlap, part: Action,
+                own: set, composite: bool) -> None:
+    """``part`` (a task ``action`` completes) is a task of rank ``r`` in the micro-batch range; a
+    composite's parts run on rank ``r`` alone."""
+    problem = schedule.problem
+    where = f"{action}" if not composite or part == action else f"{action} (its part {part})"
+    key = part.task
+    if key not in own:
+        if problem.has_task(key):
+            ranks = list(problem.task(key).ranks)
+            _fail(schedule, r, step, f"{where} belongs to ranks {ranks}, not rank {r}")
+        _fail(schedule, r, step, f"{where} names task {key[0]}{key[1]}, which the problem does not have")
+    if composite and len(problem.task(key).ranks) != 1:
+        _fail(schedule, r, step, f"{where}: task {key[0]}{key[1]} runs on ranks {list(problem.task(key).ranks)}; "
+              "the parts of a composite action (an overlapped pair, a B on a split stage) must each run on "
+              "one rank: write them as separate actions")
+    if not 0 <= part.microbatch < schedule.num_microbatches:
+        _fail(schedule, r, step,
+              f"{where} uses micro-batch {part.microbatch}, outside 0..{schedule.num_microbatches - 1}")
 
 
 def check_memory(timeline: Timeline) -> None:
@@ -122,19 +141,24 @@ def check_memory(timeline: Timeline) -> None:
 
 
 def check_order(schedule: Schedule) -> None:
-    """B and W actions of each stage run in increasing micro-batch order on every rank."""
+    """B and W actions of each stage run in increasing micro-batch order on every rank (a pair's
+    backward part counts; a B on a split stage counts as its W)."""
+    problem = schedule.problem
     for r, actions in enumerate(schedule.ranks):
         last: dict[tuple[int, str], tuple[int, int]] = {}
         for step, action in enumerate(actions):
-            if action[1] not in ("B", "W"):
+            if type(action) is Comm:
                 continue
-            key = (action[0], action[1])
-            previous = last.get(key)
-            if previous is not None and action[2] < previous[0]:
-                _fail(
-                    schedule, r, step,
-                    f"{action} runs after {action[0]}{action[1]}{previous[0]} (step {previous[1]}); "
-                    "gradient-producing actions of a stage must run in micro-batch order for exact gradients",
-                    OrderError,
-                )
-            last[key] = (action[2], step)
+            for part in task_actions(problem, action) if type(action) is Overlap or action.kind == "B" else (action,):
+                if part.kind not in ("B", "W"):
+                    continue
+                key = part.task
+                previous = last.get(key)
+                if previous is not None and part.microbatch < previous[0]:
+                    _fail(
+                        schedule, r, step,
+                        f"{action} runs after {part.stage}{part.kind}{previous[0]} (step {previous[1]}); "
+                        "gradient-producing actions of a stage must run in micro-batch order for exact gradients",
+                        OrderError,
+                    )
+                last[key] = (part.microbatch, step)

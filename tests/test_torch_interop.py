@@ -114,8 +114,15 @@ def test_hand_written_torch_csv_with_idle_cells():
     assert validate(schedule, ordered=True).makespan == 3 * 3
 
 
-def test_torch_overlapped_actions_are_a_clear_format_error():
-    """torch writes DualPipeV's overlapped F+B pair as ``(1F6;6B2)OVERLAP_F_B``; we name the cell."""
+def test_torch_dualpipev_order_with_overlapped_pairs_loads_as_ours():
+    """torch writes DualPipeV's overlapped F+B pair as ``(1F6;6B2)OVERLAP_F_B``: it loads as an
+    Overlap, and torch's whole order is our dualpipev's, cell for cell."""
     text = _torch_order(torch_schedules.ScheduleDualPipeV, 4, 8, 2)
-    with pytest.raises(ScheduleFormatError, match=r"row \d+, column \d+: bad action '\(.*OVERLAP_F_B'"):
-        schedule_from_csv(text)
+    schedule = schedule_from_csv(text)
+    assert schedule.ranks == build_schedule("dualpipev", 4, 8).ranks
+    validate(schedule, ordered=True)
+
+
+def test_a_broken_overlapped_cell_is_a_clear_format_error():
+    with pytest.raises(ScheduleFormatError, match=r"row 1, column 2: bad overlapped action '\(0F1;\)OVERLAP_F_B'"):
+        schedule_from_csv("0F0,(0F1;)OVERLAP_F_B\n")

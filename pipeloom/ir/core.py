@@ -1,5 +1,5 @@
-"""Actions and schedules (DESIGN §2): ``Action`` prints ``2F0``, ``Comm`` (made by lowering) prints
-``1SEND_F0``; ``Schedule`` holds per-rank action lists with the problem they schedule;
+"""Actions and schedules (DESIGN §2): ``Action`` prints ``2F0``, ``Overlap`` (an overlapped forward and
+backward pair) prints ``(0F7;7B3)OVERLAP_F_B``, ``Comm`` (made by lowering) prints ``1SEND_F0``; ``Schedule`` holds per-rank action lists with the problem they schedule;
 ``format_grid`` draws the step x rank grid for errors.
 """
 
@@ -13,13 +13,17 @@ from typing import Any, NamedTuple
 from pipeloom.errors import PipeloomError, ScheduleFormatError
 from pipeloom.problem import Problem
 
-__all__ = ["COMM_KINDS", "Action", "Comm", "Schedule", "format_grid", "parse_action", "shown"]
+__all__ = [
+    "COMM_KINDS", "OVERLAP_F_B", "Action", "Comm", "Overlap", "Schedule", "compute_parts", "format_grid",
+    "parse_action", "shown",
+]
 
 COMM_KINDS: tuple[str, ...] = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 """Kinds of a communication action, torch's letters: send/receive forward values (F) or gradients (B)."""
 
 _ACTION = re.compile(r"^(\d+)([FBIW])(\d+)$", re.ASCII)
 _COMM = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B)(\d+)$", re.ASCII)
+_OVERLAP = re.compile(r"^\(([^;()]*);([^;()]*)\)OVERLAP_F_B$", re.ASCII)
 _MAX_DIGITS = 18  # indices beyond 10**18 are typos, and int() refuses more than 4300 digits
 
 
@@ -96,9 +100,71 @@ class Comm(NamedTuple):
         return cls(int(match.group(1)), match.group(2), int(match.group(3)))
 
 
-def parse_action(text: str) -> Action | Comm:
-    """A compute action (``2F0``) or a communication action (``1SEND_F0``) from its text; the
-    error is :meth:`Comm.parse`'s for text naming SEND or RECV, else :meth:`Action.parse`'s."""
+OVERLAP_F_B = "OVERLAP_F_B"
+"""torch's name of an overlapped forward + backward pair (its ``_ComputationType.OVERLAP_F_B``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Overlap:
+    """A forward and a backward run as one action on one rank (DualPipe's F&B pair): ``Overlap(Action(0,
+    "F", 7), Action(7, "B", 3))`` prints ``(0F7;7B3)OVERLAP_F_B``, torch's text of such a pair.
+
+    The pair starts when both parts' dependencies are met, takes a time of its own (by default the
+    longer part plus the problem's ``overlap_overhead``) and changes memory by the sum of its parts;
+    the runtime runs the forward, then the backward (see docs/semantics.md). Its own type: never a
+    sentinel stage (torch writes stage -1).
+    """
+
+    forward: Action
+    """The forward part (kind ``F``)."""
+    backward: Action
+    """The backward part (kind ``B``, or ``I``); a ``B`` on a split stage stands for its I and W."""
+
+    def __post_init__(self) -> None:
+        if type(self.forward) is not Action or self.forward.kind != "F":
+            raise ScheduleFormatError(f"an overlapped pair's first part must be a forward like '0F7', got "
+                                      f"{shown(self.forward)}")
+        if type(self.backward) is not Action or self.backward.kind not in ("B", "I"):
+            raise ScheduleFormatError(f"an overlapped pair's second part must be a backward like '7B3' (kind B "
+                                      f"or I), got {shown(self.backward)}")
+
+    def __str__(self) -> str:
+        return f"({self.forward};{self.backward}){OVERLAP_F_B}"
+
+    @property
+    def parts(self) -> tuple[Action, Action]:
+        """``(forward, backward)``, in the order the runtime runs them."""
+        return (self.forward, self.backward)
+
+    @classmethod
+    def parse(cls, text: str) -> Overlap:
+        """Inverse of ``str``: ``Overlap.parse("(0F7;7B3)OVERLAP_F_B")``."""
+        match = _OVERLAP.match(text.strip()) if isinstance(text, str) else None
+        if match is None:
+            raise ScheduleFormatError(
+                f"bad overlapped action {shown(text)}: expected (FORWARD;BACKWARD)OVERLAP_F_B, "
+                "e.g. '(0F7;7B3)OVERLAP_F_B'"
+            )
+        try:
+            return cls(Action.parse(match.group(1)), Action.parse(match.group(2)))
+        except ScheduleFormatError as error:
+            raise ScheduleFormatError(f"bad overlapped action {shown(text)}: {error}") from None
+
+
+def compute_parts(action: Action | Overlap | Comm) -> tuple[Action, ...]:
+    """The compute actions ``action`` runs, in order: itself, a pair's two parts, none for communication."""
+    if type(action) is Action:
+        return (action,)
+    if type(action) is Overlap:
+        return action.parts
+    return ()
+
+
+def parse_action(text: str) -> Action | Overlap | Comm:
+    """A compute action (``2F0``), an overlapped pair (``(0F7;7B3)OVERLAP_F_B``) or a communication
+    action (``1SEND_F0``) from its text; the error is the parser's of the form the text looks like."""
+    if isinstance(text, str) and text.lstrip().startswith("("):
+        return Overlap.parse(text)
     if isinstance(text, str) and ("SEND" in text or "RECV" in text):
         return Comm.parse(text)
     return Action.parse(text)
@@ -114,7 +180,7 @@ class Schedule:
     """The task graph and machine the schedule is for."""
     num_microbatches: int
     """Number of micro-batches M; every task runs once for each of 0..M-1."""
-    ranks: tuple[tuple[Action | Comm, ...], ...]
+    ranks: tuple[tuple[Action | Overlap | Comm, ...], ...]
     """``ranks[r]`` is rank r's action list in execution order (``Comm`` actions only after lowering)."""
 
     def __post_init__(self) -> None:

@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 from pipeloom.errors import PipeloomError, ScheduleFormatError
-from pipeloom.ir.core import Action, Comm, Schedule, shown
+from pipeloom.ir.core import Action, Comm, Overlap, Schedule, shown
 from pipeloom.ir.jsonfields import json_object
 from pipeloom.problem import Problem, Task, parse_task_name, task_name
 
@@ -16,7 +16,7 @@ FORMAT = "pipeloom.schedule/1"
 
 _TOP_KEYS = {
     "format", "name", "num_ranks", "num_microbatches", "tasks", "comm_latency", "memory_limit",
-    "static_memory", "ranks",
+    "static_memory", "overlap_overhead", "ranks",
 }
 _TASK_KEYS = {"stage", "kind", "ranks", "duration", "memory", "deps"}
 _NUMBER = (int, float)
@@ -55,6 +55,8 @@ def schedule_to_json(schedule: Schedule, *, indent: int | None = None) -> str:
         "static_memory": None if problem.static_memory is None else list(problem.static_memory),
         "ranks": [[str(action) for action in actions] for actions in schedule.ranks],
     }
+    if problem.overlap_overhead:  # written only when set: files without pairs read as before
+        document["overlap_overhead"] = problem.overlap_overhead
     return json.dumps(document, indent=indent)
 
 
@@ -120,13 +122,20 @@ def _task_from_json(entry: Any, i: int) -> Task:
         raise ScheduleFormatError(f"{where}: {error}") from None
 
 
-def _rank_lists_from_json(document: dict) -> tuple[tuple[Action, ...], ...]:
+def _compute_action(text: str) -> Action | Overlap:
+    """A compute action or an overlapped pair from its text (ScheduleFormatError otherwise)."""
+    if isinstance(text, str) and text.lstrip().startswith("("):
+        return Overlap.parse(text)
+    return Action.parse(text)
+
+
+def _rank_lists_from_json(document: dict) -> tuple[tuple[Action | Overlap, ...], ...]:
     actions = []
     for r, row in enumerate(_require(document, "ranks", list, "schedule")):
         if not isinstance(row, list):
             raise ScheduleFormatError(f"ranks[{r}]: expected a list of action strings")
         try:
-            actions.append(tuple(Action.parse(a) for a in row))
+            actions.append(tuple(_compute_action(a) for a in row))
         except ScheduleFormatError as error:
             comm = next((a for a in row if _is_comm(a)), None)
             if comm is not None:
@@ -159,6 +168,7 @@ def schedule_from_json(text: str) -> Schedule:
             comm_latency=_typed(document.get("comm_latency", 0.0), _NUMBER, f"{where}.comm_latency"),
             memory_limit=_typed(document.get("memory_limit"), _NUMBER, f"{where}.memory_limit", null=True),
             static_memory=_numbers(document.get("static_memory"), f"{where}.static_memory"),
+            overlap_overhead=_typed(document.get("overlap_overhead", 0.0), _NUMBER, f"{where}.overlap_overhead"),
         )
         return Schedule(
             name=_typed(document.get("name", "schedule"), str, f"{where}.name"),

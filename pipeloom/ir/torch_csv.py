@@ -10,7 +10,7 @@ import io
 from collections import Counter
 
 from pipeloom.errors import ScheduleFormatError
-from pipeloom.ir.core import Action, Comm, Schedule, parse_action
+from pipeloom.ir.core import Action, Comm, Overlap, Schedule, compute_parts, parse_action
 from pipeloom.problem import Costs, Problem, Stage, stage_graph, task_name
 
 __all__ = ["TORCH_ONLY_KINDS", "schedule_to_csv", "schedule_from_csv"]
@@ -108,7 +108,8 @@ def schedule_from_csv(
     schedule; cells of :data:`TORCH_ONLY_KINDS` (``0UNSHARD``, ...) are skipped. Row r is rank r. An empty row between rows is an idle rank; blank rows after the last row
     with an action are not ranks (files often end in blank lines). Stages form the chain
     0 -> 1 -> ... -> S-1, each on the one rank whose row runs it; the backward is split when
-    any I or W appears. ``costs`` are a rank's share of the model (the library's convention),
+    any I or W appears (a ``B`` then runs its stage's I and W as one action). Overlapped pairs
+    (``(0F7;7B3)OVERLAP_F_B``, torch's DualPipeV) load as :class:`~pipeloom.ir.Overlap`. ``costs`` are a rank's share of the model (the library's convention),
     so a stage on a rank that runs v stages gets 1/v of them.
     """
     rows = _csv_rows(text)
@@ -116,7 +117,7 @@ def schedule_from_csv(
         raise ScheduleFormatError("the CSV is empty; expected one row of actions per rank")
     while rows and not any(cell.strip() for cell in rows[-1]):
         rows.pop()
-    ranks: list[tuple[Action | Comm, ...]] = []
+    ranks: list[tuple[Action | Overlap | Comm, ...]] = []
     stage_rank: dict[int, int] = {}
     for r, row in enumerate(rows):
         actions = []
@@ -127,21 +128,23 @@ def schedule_from_csv(
                 action = parse_action(cell)
             except ScheduleFormatError as error:
                 raise ScheduleFormatError(f"row {r + 1}, column {c + 1}: {error}") from None
-            owner = stage_rank.setdefault(action.stage, r)
-            if owner != r:
-                raise ScheduleFormatError(
-                    f"row {r + 1}: stage {action.stage} also runs on rank {owner}; a CSV schedule "
-                    "keeps each stage on one rank (save multi-rank tasks as pipeloom JSON)"
-                )
+            for part in compute_parts(action) or (action,):
+                owner = stage_rank.setdefault(part.stage, r)
+                if owner != r:
+                    raise ScheduleFormatError(
+                        f"row {r + 1}: stage {part.stage} also runs on rank {owner}; a CSV schedule "
+                        "keeps each stage on one rank (save multi-rank tasks as pipeloom JSON)"
+                    )
             actions.append(action)
         ranks.append(tuple(actions))
     problem = _csv_problem(ranks, stage_rank, costs, memory_limit)
-    last_mb = max(action.microbatch for actions in ranks for action in actions)
+    last_mb = max(part.microbatch for actions in ranks for action in actions
+                  for part in compute_parts(action) or (action,))
     return Schedule(name=name, problem=problem, num_microbatches=last_mb + 1, ranks=tuple(ranks))
 
 
 def _csv_problem(
-    ranks: list[tuple[Action | Comm, ...]], stage_rank: dict[int, int], costs: Costs, memory_limit: float | None
+    ranks: list[tuple[Action | Overlap | Comm, ...]], stage_rank: dict[int, int], costs: Costs, memory_limit: float | None
 ) -> Problem:
     """The chain 0 -> ... -> S-1 with each stage on its rank and the backward style the actions use."""
     if not stage_rank:
@@ -152,9 +155,9 @@ def _csv_problem(
         raise ScheduleFormatError(
             f"stages {missing} never run; a CSV schedule must run every stage 0..{num_stages - 1}"
         )
-    kinds = {action.kind for actions in ranks for action in actions}
-    if "B" in kinds and kinds & {"I", "W"}:
-        raise ScheduleFormatError("the CSV mixes full backward B with split I/W; use one or the other")
+    kinds = {part.kind for actions in ranks for action in actions for part in compute_parts(action)}
+    # With I or W anywhere the backward is split; a B then stands for its stage's I and W run together
+    # (a full backward on a split stage, as torch's DualPipeV writes some).
     backward = "split" if kinds & {"I", "W"} else ("full" if "B" in kinds else "none")
     stages_on = Counter(stage_rank.values())
     return stage_graph(

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from pipeloom.errors import LoweringError
-from pipeloom.ir import Action, Comm, Schedule
+from pipeloom.ir import Action, Comm, Overlap, Schedule
 from pipeloom.lowering.graph import CommGraph, Message
 
 __all__ = ["lower"]
@@ -24,6 +24,8 @@ def lower(schedule: Schedule) -> Schedule:
       each (sender, receiver) pair takes its messages in the order they were sent (first-in first-out,
       as ``torch.distributed`` point-to-point messages match). Receiving an earlier message sooner adds
       no wait, because its sender issued it before the one needed.
+    - An overlapped pair takes the receives of both its parts before it and the sends of both after
+      it (forward's first); a B on a split stage sends and receives as its I.
     - The compute actions keep their order; only single-rank tasks, each stage on one rank, can be
       lowered (LoweringError naming the task otherwise).
 
@@ -56,14 +58,12 @@ def _refuse_lowered(schedule: Schedule) -> None:
                 )
 
 
-def _with_sends(actions: tuple, graph: CommGraph) -> list[Action | Comm]:
+def _with_sends(actions: tuple, graph: CommGraph) -> list[Action | Overlap | Comm]:
     """``actions`` with each send right after the compute action that makes its data."""
     out: list[Action | Comm] = []
     for action in actions:
         out.append(action)
-        send = graph.send_after(action)
-        if send is not None:
-            out.append(send)
+        out.extend(graph.sends_after(action))
     return out
 
 
@@ -83,8 +83,7 @@ class _Receiver:
     def run(self, actions: list[Action | Comm]) -> tuple[Action | Comm, ...]:
         for action in actions:
             if type(action) is not Comm:
-                receive = self.graph.receive_before(action)
-                if receive is not None:
+                for receive in self.graph.receives_before(action):
                     self._place(receive)
             self.out.append(action)
         return tuple(self.out)

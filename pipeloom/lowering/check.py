@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from pipeloom.errors import CommError
-from pipeloom.ir import Comm, Schedule, format_grid
+from pipeloom.ir import Comm, Schedule, compute_parts, format_grid
 from pipeloom.lowering.graph import CommGraph, Message
 
 __all__ = ["check_comms"]
@@ -54,7 +54,8 @@ def _check_rank(schedule: Schedule, graph: CommGraph, rank: int) -> None:
     done: set = set()
     for step, action in enumerate(schedule.ranks[rank]):
         if type(action) is not Comm:
-            done.add(action)
+            for part in compute_parts(action):  # a B on a split stage makes what its I would
+                done.update((part, part._replace(kind="I")) if part.kind == "B" else (part,))
             continue
         owner = graph.rank_of.get(action.stage)
         if owner != rank:
@@ -112,8 +113,8 @@ def _check_inputs(schedule: Schedule, graph: CommGraph, rank: int) -> None:
         if type(action) is Comm:
             done.add(action)
             continue
-        receive = graph.receive_before(action)
-        if receive is not None and receive not in done:
-            peers = sorted({graph.source(m) for m in graph.messages(receive)})
-            _fail(schedule, rank, step, f"{action} needs data from rank(s) {peers}, but {receive} does not "
-                  f"come before it on rank {rank}: put {receive} before {action}")
+        for receive in graph.receives_before(action):
+            if receive not in done:
+                peers = sorted({graph.source(m) for m in graph.messages(receive)})
+                _fail(schedule, rank, step, f"{action} needs data from rank(s) {peers}, but {receive} does not "
+                      f"come before it on rank {rank}: put {receive} before {action}")

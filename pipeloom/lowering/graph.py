@@ -10,7 +10,7 @@ from types import MappingProxyType
 from typing import NamedTuple
 
 from pipeloom.errors import LoweringError
-from pipeloom.ir import Action, Comm
+from pipeloom.ir import Action, Comm, Overlap, compute_parts
 from pipeloom.problem import Problem, task_name
 
 __all__ = ["CommGraph", "Message"]
@@ -138,12 +138,17 @@ class CommGraph:
         stage = message.consumer if message.direction == "F" else message.producer
         return Comm(stage, _RECV[message.direction], message.microbatch)
 
+    def _moves_gradients(self, action: Action) -> bool:
+        """Whether ``action`` is its stage's gradient task (its B or I; a B on a split stage runs its I)."""
+        kind = self.backward.get(action.stage)
+        return kind == action.kind or (kind == "I" and action.kind == "B")
+
     def send_after(self, action: Action) -> Comm | None:
         """The send that follows compute ``action`` (it makes the data), or None when none does."""
         stage = action.stage
         if action.kind == "F" and stage in self.consumers:
             return Comm(stage, "SEND_F", action.microbatch)
-        if stage in self.gradient_targets and self.backward[stage] == action.kind:
+        if stage in self.gradient_targets and self._moves_gradients(action):
             return Comm(stage, "SEND_B", action.microbatch)
         return None
 
@@ -152,9 +157,18 @@ class CommGraph:
         stage = action.stage
         if action.kind == "F" and stage in self.producers:
             return Comm(stage, "RECV_F", action.microbatch)
-        if stage in self.gradient_sources and self.backward[stage] == action.kind:
+        if stage in self.gradient_sources and self._moves_gradients(action):
             return Comm(stage, "RECV_B", action.microbatch)
         return None
+
+    def sends_after(self, action: Action | Overlap) -> tuple[Comm, ...]:
+        """The sends that follow a compute action or an overlapped pair (both parts' sends, in order)."""
+        return tuple(send for part in compute_parts(action) if (send := self.send_after(part)) is not None)
+
+    def receives_before(self, action: Action | Overlap) -> tuple[Comm, ...]:
+        """The receives a compute action or an overlapped pair needs first (both parts', in order)."""
+        return tuple(receive for part in compute_parts(action)
+                     if (receive := self.receive_before(part)) is not None)
 
     def compute_of(self, comm: Comm) -> Action:
         """The compute action a send's data comes from, or the one a receive's data is for."""

@@ -15,7 +15,17 @@ from itertools import accumulate
 from operator import add
 
 from pipeloom.errors import DeadlockError, ScheduleError
-from pipeloom.ir import Action, Comm, Schedule, format_grid
+from pipeloom.ir import (
+    Action,
+    Comm,
+    Overlap,
+    Schedule,
+    action_duration,
+    action_memory,
+    compute_parts,
+    format_grid,
+    part_tasks,
+)
 from pipeloom.lowering.graph import CommGraph, Message
 
 __all__ = ["LoweredReplay", "replay_lowered"]
@@ -40,10 +50,12 @@ class LoweredReplay:
     """Per rank: the most memory held (static memory included)."""
 
 
-def replay_lowered(schedule: Schedule) -> LoweredReplay:
+def replay_lowered(schedule: Schedule, *, overlap_overhead: float | None = None) -> LoweredReplay:
     """Replay ``schedule`` (see the module docstring); DeadlockError naming each stuck rank's head
-    action and what it waits for when the lists cannot run to the end."""
-    state = _State(schedule)
+    action and what it waits for when the lists cannot run to the end. An overlapped pair takes
+    ``max(forward, backward) + overlap_overhead`` (None: the problem's), a B on a split stage I + W."""
+    overhead = schedule.problem.overlap_overhead if overlap_overhead is None else overlap_overhead
+    state = _State(schedule, overhead)
     state.run()
     stuck = [r for r, actions in enumerate(schedule.ranks) if state.pos[r] < len(actions)]
     if stuck:
@@ -52,11 +64,13 @@ def replay_lowered(schedule: Schedule) -> LoweredReplay:
     static = problem.static_memory or (0.0,) * problem.num_ranks
     memory, peaks, busy = [], [], []
     for r, actions in enumerate(schedule.ranks):
-        tasks = [None if type(a) is Comm else problem.task(a.task) for a in actions]
-        held = list(accumulate((0.0 if t is None else t.memory for t in tasks), initial=static[r]))
+        computes = [a for a in actions if type(a) is not Comm]
+        held = list(accumulate((0.0 if type(a) is Comm else action_memory(problem, a) for a in actions),
+                               initial=static[r]))
         memory.append(tuple(held[1:]))
         peaks.append(max(held))
-        busy.append(reduce(add, (t.duration for t in tasks if t is not None), 0.0))  # as the compute-only sum
+        busy.append(reduce(add, (action_duration(problem, a, overlap_overhead=overhead) for a in computes),
+                           0.0))  # as the compute-only sum
     return LoweredReplay(
         starts=tuple(map(tuple, state.starts)), ends=tuple(map(tuple, state.ends)), memory=tuple(memory),
         makespan=max((e[-1] for e in state.ends if e), default=0.0), busy=tuple(busy),
@@ -67,8 +81,9 @@ def replay_lowered(schedule: Schedule) -> LoweredReplay:
 class _State:
     """Per rank: position, free time and times so far; finished compute and sent messages."""
 
-    def __init__(self, schedule: Schedule) -> None:
+    def __init__(self, schedule: Schedule, overhead: float) -> None:
         self.schedule = schedule
+        self.overhead = overhead
         self.problem = schedule.problem
         self.graph = CommGraph.of(schedule.problem)
         self.latency = schedule.problem.comm_latency
@@ -102,21 +117,28 @@ class _State:
     def _wake(self, key: object) -> None:
         self.todo.extend(self.waiters.pop(key, ()))
 
-    def _compute(self, action: Action, rank: int) -> tuple[float, float] | None:
-        if not self.problem.has_task(action.task):
+    def _compute(self, action: Action | Overlap, rank: int) -> tuple[float, float] | None:
+        units = [part_tasks(self.problem, part) for part in compute_parts(action)]
+        if not all(self.problem.has_task(task.task) for unit in units for task in unit):
             raise ScheduleError(f"rank {rank} step {self.pos[rank]}: {action} is not a task of this "
                                 "schedule's problem (run the validator for details)")
-        task = self.problem.task(action.task)
         start = self.free[rank]
-        for dep in task.deps:
-            done = self.finish.get(Action(dep[0], dep[1], action.microbatch))
-            if done is None:
-                self._park(Action(dep[0], dep[1], action.microbatch), rank)
-                return None
-            start = max(start, done)
-        end = start + task.duration
-        self.finish[action] = end
-        self._wake(action)
+        for unit in units:  # a W waits for the I of its own B; a pair's parts never wait for each other
+            for task in unit:
+                for dep in self.problem.task(task.task).deps:
+                    needed = Action(dep[0], dep[1], task.microbatch)
+                    if needed in unit:
+                        continue
+                    done = self.finish.get(needed)
+                    if done is None:
+                        self._park(needed, rank)
+                        return None
+                    start = max(start, done)
+        end = start + action_duration(self.problem, action, overlap_overhead=self.overhead)
+        for unit in units:
+            for task in unit:
+                self.finish[task] = end
+                self._wake(task)
         return start, end
 
     def _comm(self, action: Comm, rank: int) -> tuple[float, float] | None:
@@ -147,9 +169,10 @@ class _State:
                 why = (f"waits for {missing[0]} from rank {self.graph.source(missing[0])}, "
                        f"whose {send} never runs first")
             else:
-                deps = self.problem.task(action.task).deps
-                missing_deps = [f"{s}{k}{action.microbatch}" for s, k in deps
-                                if Action(s, k, action.microbatch) not in self.finish]
+                missing_deps = [f"{s}{k}{task.microbatch}" for part in compute_parts(action)
+                                for task in part_tasks(self.problem, part)
+                                for s, k in self.problem.task(task.task).deps
+                                if Action(s, k, task.microbatch) not in self.finish]
                 why = "waits for " + ", ".join(missing_deps) + ", which never runs first"
             reasons.append(f"rank {r} step {self.pos[r]}: {action} {why}")
         first = stuck[0]

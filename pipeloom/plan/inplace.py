@@ -295,7 +295,7 @@ def _time_spread(runs: list[tuple[RunTrace, dict]], steps: list[int]) -> float:
                 ((event.end_ns - event.start_ns) * _NS, medians[action.task])
                 for rank in range(run.world_size)
                 for action, event in zip(run.schedule.ranks[rank], run.ranks[rank][position[step]].of_kind("compute"))
-                if medians[action.task] > 0
+                if type(action) is Action and medians.get(action.task, 0) > 0  # composites time no one task
             ]
             if samples:
                 drift = statistics.median(t / m for t, m in samples)

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from pipeloom.ir import Schedule
+from pipeloom.ir import Schedule, compute_parts
 from pipeloom.plan.costs import CostTable
 from pipeloom.plan.partition import (
     MemoryRule,
@@ -128,7 +128,7 @@ def in_flight(schedule: Schedule) -> tuple[tuple[int, int], ...]:
     held, w_held = [0] * count, [0] * count
     top, w_top = [0] * count, [0] * count
     for actions in schedule.ranks:
-        for action in actions:
+        for action in (part for whole in actions for part in compute_parts(whole)):  # a pair: F, then B
             s, kind = action.stage, action.kind
             if kind == "F":
                 held[s] += 1
@@ -148,7 +148,8 @@ def in_flight(schedule: Schedule) -> tuple[tuple[int, int], ...]:
 def visits_per_rank(schedule: Schedule) -> int:
     """Forwards the busiest rank runs per step: M for one stage per rank, v·M for v stages per rank,
     M for two-replica schedules (M/2 pairs through two stages). The DP's weight is this minus one."""
-    return max(sum(1 for action in actions if action.kind == "F") for actions in schedule.ranks)
+    return max(sum(1 for action in actions for part in compute_parts(action) if part.kind == "F")
+               for actions in schedule.ranks)
 
 
 def stage_rules(shape: ScheduleShape, *, memory_limit: float | None,

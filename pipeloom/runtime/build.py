@@ -157,7 +157,7 @@ def _rank_pieces(lowering: Lowering, layout: Layout, device: torch.device, stage
             last_gradient[step.action.stage] = t
     return RankPieces(
         lowering=lowering, rank=rank, device=device, modules=modules, program=program,
-        eval_program=tuple(step for step in program if step.action.kind == "F"),
+        eval_program=tuple(dataclasses.replace(step, pair=None) for step in program if step.action.kind == "F"),
         num_outputs=tuple(spec.num_outputs for spec in staged.graph.stages), output=staged.graph.output,
         loss_fn=loss_fn, seed=seed, shared=shared, dp=layout.dp, sharded=sharded,
         gradients_done={t: s for s, t in last_gradient.items()},  # where "dp" buckets are posted

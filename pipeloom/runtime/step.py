@@ -103,14 +103,11 @@ class StepRun:
         profiling = torch._C._autograd._profiler_enabled()  # record_function costs ~15 us an action
         for t, step in enumerate(program):
             self.current = step
-            kind = step.action.kind
-            if kind == "F":  # receive first, so an action's time holds no waiting
-                for uid in step.recvs:
-                    if uid not in self.received:
-                        self.received[uid] = messages.receive(uid)
-            elif kind in ("B", "I"):
-                self._collect_remote(step)
-            start = clock.now() if self.events is not None else 0
+            if not step.closes_pair:  # receive first, so an action's time holds no waiting
+                self._receive_inputs(step)
+                if step.opens_pair:  # an overlapped pair receives both parts' messages first
+                    self._receive_inputs(program[t + 1])
+                start = clock.now() if self.events is not None else 0
             if profiling:  # the action shows by name in the user's torch.profiler trace
                 with record_function(f"pipeloom {step.action}"):
                     self._act(t, step)
@@ -118,13 +115,25 @@ class StepRun:
                 self._act(t, step)
             if self.buckets is not None and self.low.replicas == 1 and t in pieces.gradients_done:
                 self.buckets.stage_done(step.action.stage)
+            if step.opens_pair:  # its backward runs next; both parts' sends go after it
+                continue
             for unit, tensors, specs in self.outbox:
                 messages.send(unit, tensors, specs)
             self.outbox.clear()
             self._post_ahead(program, t + 1)
             if self.events is not None:  # compute plus this action's own sends and bookkeeping
-                clock.record(self.events, str(step.action), "compute", start)
+                clock.record(self.events, str(step.pair or step.action), "compute", start)
         self.current = None
+
+    def _receive_inputs(self, step: Step) -> None:
+        """Receive what compute ``step`` needs from other ranks: values for F, gradients for B or I."""
+        kind = step.action.kind
+        if kind == "F":
+            for uid in step.recvs:
+                if uid not in self.received:
+                    self.received[uid] = self.messages.receive(uid)
+        elif kind in ("B", "I"):
+            self._collect_remote(step)
 
     def _act(self, t: int, step: Step) -> None:
         """Run compute action ``t`` of the program."""

@@ -1,7 +1,9 @@
-"""DualPipe and DualPipeV (DeepSeek-V3): micro-batches fed from both ends, forward/backward pairs.
+"""DualPipe and DualPipeV (DeepSeek-V3): micro-batches fed from both ends, overlapped forward/backward pairs.
 
 Both run one eight-phase program per rank on a "half" pipeline of P ranks; DualPipeV folds one model
 into a V over P ranks, DualPipe runs two model replicas on 2P ranks, rank r and 2P-1-r mirroring.
+The F&B pairs are :class:`~pipeloom.ir.Overlap` actions and the reference's full backwards are ``B``
+actions on the split stages (docs/semantics.md), as torch's ``ScheduleDualPipeV`` writes them.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from collections import deque
 from collections.abc import Sequence
 from itertools import count, repeat
 
-from pipeloom.ir import Action, Schedule
+from pipeloom.ir import Action, Overlap, Schedule
 from pipeloom.problem import Costs
 from pipeloom.schedules.common import (
     check_counts,
@@ -27,8 +29,9 @@ __all__ = ["dualpipe", "dualpipev", "dualpipe_program"]
 Step = tuple[str, int]
 """One step of a rank's program: ``(op, phase)``.
 
-``op`` is ``F`` (forward), ``B`` (backward whose W runs at once), ``Z`` (zero-bubble backward: its
-W is deferred to a later ``W`` step) or ``W`` (run the oldest deferred W; phase -1). Phase 0 is the
+``op`` is ``F`` (forward), ``B`` (full backward: I and W at once), ``Z`` (zero-bubble backward: its
+W is deferred to a later ``W`` step), ``W`` (run the oldest deferred W; phase -1) or ``FB`` (an
+overlapped pair: the forward of ``phase`` with the full backward of the other phase). Phase 0 is the
 direction that enters the pipeline on this rank's side, phase 1 the other one.
 """
 
@@ -40,8 +43,9 @@ def dualpipe_program(num_half_ranks: int, *, half_rank: int, num_microbatches: i
     reference calls them chunks):
 
     1. ``2(P-h-1)`` x F0;  2. ``h+1`` x (F0 F1);  3. ``P-h-1`` x (Z1 W F1)  (zero bubble);
-    4. ``M-2P+h+1`` x (F0 B1 F1 B0), the overlapped F&B pairs written F then B;
-    5. ``P-h-1`` x (B1 F1 B0);  6. ``h+1`` x (B1 B0), the second half of them zero bubble;
+    4. ``M-2P+h+1`` x (F0&B1 F1&B0), overlapped pairs ``FB``; on the middle rank (h = P-1) the first
+       F0&B1 runs as F0 then B1, not overlapped (the reference's choice, which shortens the bubble);
+    5. ``P-h-1`` x (B1 F1&B0);  6. ``h+1`` x (B1 B0), the second half of them zero bubble;
     7. ``P-h-1`` x (W Z0);  8. ``h+1`` x W.
     """
     P, h, M = num_half_ranks, half_rank, num_microbatches
@@ -54,8 +58,11 @@ def dualpipe_program(num_half_ranks: int, *, half_rank: int, num_microbatches: i
     program: list[Step] = [("F", 0)] * (2 * tail)
     program += [("F", 0), ("F", 1)] * (h + 1)
     program += [("Z", 1), ("W", -1), ("F", 1)] * tail
-    program += [("F", 0), ("B", 1), ("F", 1), ("B", 0)] * (M - 2 * P + h + 1)
-    program += [("B", 1), ("F", 1), ("B", 0)] * tail
+    main = [("FB", 0), ("FB", 1)] * (M - 2 * P + h + 1)
+    if h == P - 1:
+        main[:1] = [("F", 0), ("B", 1)]
+    program += main
+    program += [("B", 1), ("FB", 1)] * tail
     cooldown = [("B", 1), ("B", 0)] * (h + 1)
     program += cooldown[: h + 1] + [("Z", phase) for _, phase in cooldown[h + 1 :]]
     program += [("W", -1), ("Z", 0)] * tail
@@ -68,27 +75,35 @@ def _next_actions(stages: tuple[int, int], kind: str) -> list:
     return [map(Action._make, zip(repeat(stage), repeat(kind), count())).__next__ for stage in stages]
 
 
-def _lower(program: Sequence[Step], stages: tuple[int, int]) -> list[Action]:
+def _lower(program: Sequence[Step], stages: tuple[int, int]) -> list[Action | Overlap]:
     """Turn a program into actions: phase k runs ``stages[k]``; micro-batches count up per phase.
 
-    B becomes I then W; Z becomes I and queues its W, which the next ``W`` step runs (FIFO, as the
-    reference's weight-gradient store), so every stage's W keep micro-batch order.
+    B becomes a full ``B`` (the split stage's I and W in one action); FB an :class:`Overlap` of the
+    next forward of its phase and the next full B of the other; Z becomes I and queues its W, which the
+    next ``W`` step runs (FIFO, as the reference's weight-gradient store), so every stage's W keep
+    micro-batch order.
     """
     next_f, next_i, next_w = (_next_actions(stages, kind) for kind in ("F", "I", "W"))
     deferred: deque[Action] = deque()
-    actions: list[Action] = []
+    actions: list[Action | Overlap] = []
     emit = actions.append
+
+    def full_backward(phase: int) -> Action:
+        next_w[phase]()
+        return next_i[phase]()._replace(kind="B")
+
     for op, phase in program:
         if op == "F":
             emit(next_f[phase]())
+        elif op == "FB":
+            emit(Overlap(next_f[phase](), full_backward(1 - phase)))
+        elif op == "B":
+            emit(full_backward(phase))
         elif op == "W":
             emit(deferred.popleft())
         else:
             emit(next_i[phase]())
-            if op == "B":
-                emit(next_w[phase]())
-            else:
-                deferred.append(next_w[phase]())
+            deferred.append(next_w[phase]())
     assert not deferred, "every deferred W must run"
     return actions
 
@@ -106,11 +121,11 @@ def dualpipev(
     down), phase 1 stage 2p-1-r (the way back). Requires m >= 2p.
 
     Bubble per rank, no communication latency: the reference counts (p-1)(F&B + B - 3W) with F,
-    B = I + W and W the costs of one stage (half a rank share) and F&B an overlapped pair. This IR
-    runs a pair as F then I, so F&B = F + B: the simulated bubble stays within (p-1)(F + 2B - 3W)
-    when F <= B and W <= I, and is exactly (p-1)F = (p-1)f/2 when f = b = w (1F1B: 3(p-1)f).
-    Activation memory: peak 2p+1 stage forwards = (p + 1/2) x ``costs.memory`` on every rank, for
-    any ``w_memory`` (no deferred W is pending at the peak); one model copy.
+    B = I + W and W the costs of one stage (half a rank share) and F&B an overlapped pair, here
+    max(F, B) + the problem's ``overlap_overhead`` (0 by default); the idlest rank's simulated bubble
+    stays within it when F <= I, and is (p-1)F = (p-1)f/2 when f = b = w (1F1B: 3(p-1)f).
+    Activation memory: peak 2p+1 stage forwards = (p + 1/2) x ``costs.memory`` on the last rank (its
+    first F&B runs F then B), p elsewhere (a pair frees as it takes), for any ``w_memory``; one model copy.
     """
     check_counts("dualpipev", num_ranks, num_microbatches, min_microbatches=2 * num_ranks)
     p, m = num_ranks, num_microbatches
@@ -138,10 +153,10 @@ def dualpipe(
     program with P = p/2, h = min(r, p-1-r), M = m/2; its phase 0 is the replica entering on its side.
 
     Bubble per rank, no communication latency: (p/2-1)(F&B + B - 3W) in the reference, F, B = b + w
-    and W being rank-share costs; with F&B = F + B, as this IR runs it, the simulated bubble stays
-    within (p/2-1)(F + 2B - 3W) when F <= B and W <= I, and is exactly (p/2-1)f when f = b = w.
-    Activation memory: peak p+1 forwards (x ``costs.memory``) on every rank, for any ``w_memory``;
-    2x weights (two replicas).
+    and W being rank-share costs, F&B = max(F, B) + ``overlap_overhead`` (an overlapped pair); the
+    idlest rank's simulated bubble stays within it when F <= I, and is (p/2-1)f when f = b = w.
+    Activation memory: peak p+1 forwards (x ``costs.memory``) on the two middle ranks, p on the others,
+    for any ``w_memory``; 2x weights (two replicas).
     """
     check_counts("dualpipe", num_ranks, num_microbatches)
     p, m = num_ranks, num_microbatches

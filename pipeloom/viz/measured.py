@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from pipeloom.errors import PipeloomError
-from pipeloom.ir import Action, Schedule
-from pipeloom.problem import TaskKey
+from pipeloom.ir import Action, Schedule, action_duration, action_memory, task_actions
+from pipeloom.problem import Problem, TaskKey
 from pipeloom.sim import Timeline, simulate
 from pipeloom.viz.run_trace import RunTrace, StepTrace, TraceFormatError, load_run_trace
 from pipeloom.viz.trace import trace_events
@@ -141,8 +141,25 @@ def _duration_samples(run: RunTrace, steps: Steps, *, messages: bool = True) -> 
             inside = _messages_inside(run.ranks[rank][i]) if not messages else None
             for k, (action, event) in enumerate(_compute_events(run, rank, i)):
                 own = sum(inside[k]) if inside is not None else 0
-                samples[action.task].append(event.end_ns - event.start_ns - own)
+                for key, ns in _shares(run.schedule.problem, action, event.end_ns - event.start_ns - own):
+                    samples[key].append(ns)
     return samples
+
+
+def _shares(problem: Problem, action: object, ns: int) -> list[tuple[TaskKey, int]]:
+    """The measured time of ``action`` per task it completes. A plain action is its task's sample. A
+    composite one (an overlapped pair, a B standing for a split stage's I and W) is shared in the
+    proportion of the model's own durations, scaled so that re-simulating the composite gives the
+    measured time back: each task's model duration times ``ns / model``, the model being I + W, or
+    a pair's ``max(F, B)`` (its measured time is all the parts' own: no overlap overhead is fitted)."""
+    tasks = task_actions(problem, action)
+    if len(tasks) == 1 and tasks[0] == action:
+        return [(action.task, ns)]
+    model = action_duration(problem, action, overlap_overhead=0.0)
+    if model <= 0:
+        return [(task.task, ns // len(tasks)) for task in tasks]
+    scale = ns / model
+    return [(task.task, round(problem.task(task.task).duration * scale)) for task in tasks]
 
 
 def task_durations(run: RunTrace, *, steps: Steps = "warm", messages: bool = True) -> dict[TaskKey, float]:
@@ -179,11 +196,12 @@ def comm_latency_estimate(run: RunTrace, *, steps: Steps = "warm", mean: bool = 
         ends: dict[Action, int] = {}
         for rank in range(run.world_size):
             for action, event in _compute_events(run, rank, i):
-                ends[action] = max(ends.get(action, event.end_ns), event.end_ns)
+                for part in task_actions(problem, action):
+                    ends[part] = max(ends.get(part, event.end_ns), event.end_ns)
         for rank in range(run.world_size):
             free = None
             for action, event in _compute_events(run, rank, i):
-                deps = cross.get(action.task)
+                deps = cross.get(action.task) if type(action) is Action else None  # composites: not sampled
                 if deps:
                     arrived = max(ends[Action(stage, kind, action.microbatch)] for stage, kind in deps)
                     if free is None or arrived > free:
@@ -248,7 +266,7 @@ def _measured_timeline(run: RunTrace, step: int, recosted: Schedule) -> Timeline
         starts.append(tuple((e.start_ns - origin) * _NS for e in events))
         ends.append(tuple((e.end_ns - origin) * _NS for e in events))
         static = problem.static_memory[rank] if problem.static_memory else 0.0
-        held = list(accumulate((problem.task(a.task).memory for a in schedule.ranks[rank]), initial=static))
+        held = list(accumulate((action_memory(problem, a) for a in schedule.ranks[rank]), initial=static))
         memory.append(tuple(held[1:]))
         peaks.append(max(held))
     return Timeline(

@@ -168,7 +168,8 @@ def schedules_table(infos: Iterable[ScheduleInfo]) -> Table:
     from rich.table import Table
 
     table = Table(title="Schedules (pipeloom show NAME --ranks P --microbatches M)")
-    for column in ("name", "placement", "backward", "options", "summary"):
+    table.add_column("name", no_wrap=True)  # names are what users type: never cut
+    for column in ("placement", "backward", "options", "summary"):
         table.add_column(column)
     for info in infos:
         flags = ", ".join(f"--{option.replace('_', '-')}" for option in info.options)

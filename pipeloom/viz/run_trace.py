@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeloom.errors import PipeloomError
-from pipeloom.ir import Schedule, schedule_from_json, schedule_to_json
+from pipeloom.ir import Schedule, schedule_from_json, schedule_to_json, task_actions
 from pipeloom.ir.core import shown
 from pipeloom.sim import Timeline
 
@@ -386,7 +386,7 @@ def _simulated_events(timeline: Timeline, rank: int, origin: int, unit_ns: int) 
         if start > free:
             events.append({"name": f"RECV for {action}", "kind": "wait", "start_ns": ns(free), "end_ns": ns(start)})
         events.append({"name": str(action), "kind": "compute", "start_ns": ns(start), "end_ns": ns(end)})
-        for q in sorted(users.get(action.task, ())):
+        for q in sorted(set().union(*(users.get(part.task, ()) for part in task_actions(problem, action)))):
             events.append({"name": f"SEND {action} to {q}", "kind": "send", "start_ns": ns(end), "end_ns": ns(end)})
         free = end
     return events

@@ -6,6 +6,7 @@ per action kind, used identically by the PNG/SVG pictures and the rich terminal 
 
 from __future__ import annotations
 
+from pipeloom.ir import Action, Overlap
 from pipeloom.sim import Timeline
 
 __all__ = [
@@ -15,6 +16,10 @@ __all__ = [
     "KIND_NAMES",
     "IDLE_COLOR",
     "STAGE_LIGHTEN",
+    "OVERLAP_KIND",
+    "action_kind",
+    "action_label",
+    "action_stage",
     "kinds_present",
     "lighten",
     "text_color",
@@ -27,16 +32,41 @@ KIND_COLORS: dict[str, str] = {
     "B": "#E69F00",  # orange
     "I": "#009E73",  # bluish green
     "W": "#CC79A7",  # reddish purple
+    "O": "#56B4E9",  # sky blue: an overlapped F&B pair
 }
-"""Fill colour of each action kind (Okabe-Ito)."""
+"""Fill colour of each action kind (Okabe-Ito); ``O`` is an overlapped pair's."""
 
 KIND_NAMES: dict[str, str] = {
     "F": "forward",
     "B": "backward",
     "I": "input-grad backward",
     "W": "weight-grad backward",
+    "O": "overlapped F&B pair",
 }
 """Legend words for each action kind."""
+
+OVERLAP_KIND = "O"
+"""The kind letter the views give an overlapped pair (one box of its own colour)."""
+
+
+def action_kind(action: Action | Overlap) -> str:
+    """The kind a view draws: the action's, or ``O`` for an overlapped pair."""
+    return OVERLAP_KIND if type(action) is Overlap else action.kind
+
+
+def action_stage(action: Action | Overlap) -> int:
+    """The stage a view files the action under: its own, or a pair's forward stage."""
+    return action.forward.stage if type(action) is Overlap else action.stage
+
+
+def action_label(action: Action | Overlap, *, stages: bool) -> str:
+    """A box's label: the micro-batch (``stage:mb`` when ``stages``); a pair ``F7|B3`` (``0:7|7:3``)."""
+    if type(action) is Overlap:
+        f, b = action.forward, action.backward
+        if stages:
+            return f"{f.stage}:{f.microbatch}|{b.stage}:{b.microbatch}"
+        return f"F{f.microbatch}|{b.kind}{b.microbatch}"
+    return f"{action.stage}:{action.microbatch}" if stages else str(action.microbatch)
 
 COMM_COLORS: dict[str, str] = {
     "send": "#000000",  # black
@@ -58,8 +88,10 @@ STAGE_LIGHTEN: tuple[float, ...] = (0.0, 0.45, 0.25, 0.6)
 
 
 def kinds_present(timeline: Timeline) -> list[str]:
-    """The action kinds that occur in the timeline's schedule, in F, B, I, W order."""
+    """The action kinds that occur in the timeline's schedule, in F, B, I, W, O order."""
     seen = {task.kind for task in timeline.schedule.problem.tasks}
+    if any(type(a) is Overlap for actions in timeline.schedule.ranks for a in actions):
+        seen.add(OVERLAP_KIND)
     return [kind for kind in KIND_COLORS if kind in seen]
 
 

@@ -6,7 +6,8 @@ its micro-batch number if it has room, then the kind letter again (``F12FFF``); 
 short for a column of its own takes the column it starts in if that one is free. Idle is ``.``:
 a column the simulator has the rank idle over throughout is always ``.``, and a column shows an
 action when that action covers more than half of it. A lowered schedule's communication actions
-are not drawn (their time shows as ``.``); the pictures show them.
+are not drawn (their time shows as ``.``); the pictures show them. An overlapped pair is one action
+of kind ``O`` with its forward's micro-batch (``O7OO``).
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ from __future__ import annotations
 from itertools import groupby
 from typing import TYPE_CHECKING
 
-from pipeloom.ir import Comm
+from pipeloom.ir import Comm, compute_parts
 from pipeloom.sim import Timeline
-from pipeloom.viz.style import KIND_COLORS, KIND_NAMES, kinds_present, summary, text_color
+from pipeloom.viz.style import KIND_COLORS, KIND_NAMES, action_kind, kinds_present, summary, text_color
 
 if TYPE_CHECKING:
     from rich.text import Text
@@ -63,7 +64,7 @@ def timeline_cells(timeline: Timeline, *, width: int = 100) -> list[list[Cell]]:
             first, last = round(start * per_time), min(round(end * per_time), width)
             if last <= first:
                 first = last = min(int(start * per_time), width - 1)
-            _fill(row, action.kind, action.microbatch, first, last)
+            _fill(row, action_kind(action), compute_parts(action)[0].microbatch, first, last)
     return grid
 
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeloom.ir import Comm
+from pipeloom.ir import Comm, compute_parts
 from pipeloom.sim import Timeline
 from pipeloom.viz.style import (
     COMM_COLORS,
@@ -24,6 +24,9 @@ from pipeloom.viz.style import (
     KIND_COLORS,
     KIND_NAMES,
     STAGE_LIGHTEN,
+    action_kind,
+    action_label,
+    action_stage,
     kinds_present,
     lighten,
     summary,
@@ -124,13 +127,13 @@ def _boxes(timeline: Timeline) -> dict[tuple[str, int], list[tuple[float, float,
     groups: dict[tuple[str, int], list[tuple[float, float, int, str]]] = {}
     for rank in range(timeline.num_ranks):
         actions = timeline.schedule.ranks[rank]
-        shade = {stage: k for k, stage in enumerate(sorted({a.stage for a in actions}))}
-        several = len(shade) > 1
+        shade = {stage: k for k, stage in enumerate(sorted({action_stage(a) for a in actions if type(a) is not Comm}))}
+        several = len(_stages(actions)) > 1
         for action, start, end in timeline.events(rank):
             if type(action) is Comm:
                 continue
-            label = f"{action.stage}:{action.microbatch}" if several else str(action.microbatch)
-            key = (action.kind, shade[action.stage] % len(STAGE_LIGHTEN))
+            label = action_label(action, stages=several)
+            key = (action_kind(action), shade[action_stage(action)] % len(STAGE_LIGHTEN))
             groups.setdefault(key, []).append((start, end, rank, label))
     return groups
 
@@ -270,7 +273,12 @@ def legend_rows_of(timelines: Sequence[Timeline]) -> int:
 
 
 def _holds_several_stages(timeline: Timeline) -> bool:
-    return any(len({a.stage for a in actions}) > 1 for actions in timeline.schedule.ranks)
+    return any(len(_stages(actions)) > 1 for actions in timeline.schedule.ranks)
+
+
+def _stages(actions) -> set[int]:
+    """The stages a rank's actions run (both parts of an overlapped pair; a communication's own)."""
+    return {part.stage for a in actions for part in (compute_parts(a) or (a,))}
 
 
 def save_figure(fig: Figure, *, path: Path, fmt: str) -> None:

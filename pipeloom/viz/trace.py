@@ -17,8 +17,9 @@ import math
 from pathlib import Path
 from typing import Any
 
+from pipeloom.ir import OVERLAP_F_B, Comm, Overlap
 from pipeloom.sim import Timeline
-from pipeloom.viz.style import KIND_NAMES, peak
+from pipeloom.viz.style import KIND_NAMES, action_kind, action_stage, peak
 
 __all__ = ["default_time_unit_us", "trace_events", "write_trace"]
 
@@ -60,7 +61,8 @@ def _thread_ids(timeline: Timeline) -> dict[tuple[int, int], int]:
     """``(rank, stage) -> tid``, positive and unique over the whole trace (tid 0 is special too)."""
     tids: dict[tuple[int, int], int] = {}
     for rank, actions in enumerate(timeline.schedule.ranks):
-        for stage in sorted({action.stage for action in actions}):
+        for stage in sorted({action_stage(action) if type(action) is not Comm else action.stage
+                             for action in actions}):
             tids[(rank, stage)] = len(tids) + 1
     return tids
 
@@ -71,11 +73,17 @@ def _rank_events(timeline: Timeline, rank: int, tids: dict[tuple[int, int], int]
     events: list[dict[str, Any]] = []
     for action, start, end in timeline.events(rank):
         ts = round(start * scale)
+        if type(action) is Overlap:  # one event on its forward stage's thread, naming both parts
+            stage, kind = action.forward.stage, OVERLAP_F_B
+            args = {"stage": stage, "kind": kind, "parts": [str(part) for part in action.parts]}
+        else:
+            stage, kind = action.stage, action.kind
+            args = {"stage": stage, "kind": kind, "microbatch": action.microbatch}
+        category = KIND_NAMES.get(action_kind(action) if type(action) is not Comm else "", "communication")
         events.append({
-            "name": str(action), "cat": KIND_NAMES.get(action.kind, "communication"), "ph": "X", "pid": pid,
-            "tid": tids[(rank, action.stage)], "ts": ts, "dur": max(0, round(end * scale) - ts),
-            "args": {"stage": action.stage, "kind": action.kind, "microbatch": action.microbatch,
-                     "start": start, "end": end},
+            "name": str(action), "cat": category, "ph": "X", "pid": pid,
+            "tid": tids[(rank, stage)], "ts": ts, "dur": max(0, round(end * scale) - ts),
+            "args": {**args, "start": start, "end": end},
         })
     counter_tid = min((tid for (r, _), tid in tids.items() if r == rank), default=None)
     last = None

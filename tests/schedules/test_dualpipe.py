@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
 
 from pipeloom.errors import MemoryLimitError
+from pipeloom.ir import Overlap
 from pipeloom.problem import Costs
 from pipeloom.schedules import build_schedule, schedule_info
 from pipeloom.schedules.dualpipe import dualpipe, dualpipe_program, dualpipev
@@ -26,10 +28,10 @@ DUAL_SIZES = [(p, m) for p in range(2, 17, 2) for m in sorted({2 * p, 2 * p + 2,
 
 
 def _bubble(schedule) -> float:
-    """Idle time per rank (every rank does the same work here, so the ranks' bubbles agree)."""
+    """Idle time of the idlest rank (the middle rank runs its first F&B pair not overlapped, so it is
+    busier than the others)."""
     timeline = simulate(schedule)
-    assert max(timeline.busy) - min(timeline.busy) < 1e-9
-    return timeline.makespan - timeline.busy[0]
+    return timeline.makespan - min(timeline.busy)
 
 
 # ------------------------------------------------------------------------ validity and inputs
@@ -108,13 +110,14 @@ def test_memory_limit_reaches_the_problem_and_the_validator():
 
 
 def test_dualpipev_golden_text_follows_the_reference_phases():
-    # Hand-traced from the reference's step() with 2 ranks and 4 micro-batches (its "chunks"),
-    # pairs written F then I W.
+    # Hand-traced from the reference's step() with 2 ranks and 4 micro-batches (its "chunks"):
+    # overlapped pairs as torch writes them, full backwards as B (the last rank's first F0&B1 is not
+    # overlapped, as in the reference).
     assert dualpipev(2, 4).to_text() == (
-        "rank 0: 0F0 0F1 0F2 3F0 3I0 3W0 3F1 0F3 3I1 3W1 3F2 0I0 0W0 3I2 3W2 3F3 0I1 0W1 3I3 3W3 "
-        "0I2 0W2 0I3 0W3\n"
-        "rank 1: 1F0 2F0 1F1 2F1 1F2 2I0 2W0 2F2 1I0 1W0 1F3 2I1 2W1 2F3 1I1 1W1 2I2 2W2 1I2 1W2 "
-        "2I3 1I3 2W3 1W3"
+        "rank 0: 0F0 0F1 0F2 3F0 3I0 3W0 3F1 (0F3;3B1)OVERLAP_F_B (3F2;0B0)OVERLAP_F_B 3B2 "
+        "(3F3;0B1)OVERLAP_F_B 3B3 0I2 0W2 0I3 0W3\n"
+        "rank 1: 1F0 2F0 1F1 2F1 1F2 2B0 (2F2;1B0)OVERLAP_F_B (1F3;2B1)OVERLAP_F_B (2F3;1B1)OVERLAP_F_B "
+        "2B2 1B2 2I3 1I3 2W3 1W3"
     )
 
 
@@ -122,14 +125,29 @@ def test_dualpipev_golden_text_follows_the_reference_phases():
 def test_program_counts_match_the_reference_loops(P, M):
     for h in range(P):
         program = dualpipe_program(P, half_rank=h, num_microbatches=M)
-        for phase in (0, 1):
-            assert program.count(("F", phase)) == M
-            backwards = program.count(("B", phase)) + program.count(("Z", phase))
+        for phase in (0, 1):  # a pair ("FB", k) is a forward of phase k and a full backward of 1 - k
+            assert program.count(("F", phase)) + program.count(("FB", phase)) == M
+            backwards = program.count(("B", phase)) + program.count(("Z", phase)) + program.count(("FB", 1 - phase))
             assert backwards == M
+        # Phase 4's pairs: all overlapped but the middle rank's first one.
+        assert program.count(("FB", 0)) == M - 2 * P + h + 1 - (h == P - 1)
         # Zero-bubble backwards: P-h-1 in phase 3, h+1 in phase 6, P-h-1 in phase 7.
         zero_bubble = sum(op == "Z" for op, _ in program)
         assert zero_bubble == 2 * (P - h - 1) + (h + 1)
         assert program.count(("W", -1)) == zero_bubble
+
+
+@pytest.mark.parametrize("p,m", [(1, 2), (2, 4), (2, 7), (3, 7), (4, 8), (4, 13), (5, 13), (8, 16)])
+def test_dualpipev_is_torch_dualpipev_cell_for_cell(p, m):
+    """torch 2.13's ScheduleDualPipeV order (its per-rank ``_calculate_single_rank_operations``, the
+    ``pipeline_order`` it builds) is ours, overlapped pairs and full backwards included."""
+    torch_schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    order = object.__new__(torch_schedules.ScheduleDualPipeV)
+    order.pp_group_size, order._n_microbatches = p, m
+    ours = dualpipev(p, m)
+    for rank in range(p):
+        theirs = [str(action) for action in order._calculate_single_rank_operations(rank)]
+        assert theirs == [str(action) for action in ours.ranks[rank]], f"rank {rank}"
 
 
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (5, 13), (8, 16)])
@@ -142,9 +160,13 @@ def test_dualpipev_ranks_end_with_their_deferred_weight_gradients(p, m):
 def test_dualpipe_halves_mirror_each_other():
     p = 8
     schedule = dualpipe(p, 24)
-    for r in range(p):  # down stage s <-> up stage s + p
-        mirrored = [((a.stage + p) % (2 * p), a.kind, a.microbatch) for a in schedule.ranks[r]]
-        assert mirrored == list(schedule.ranks[p - 1 - r])
+    def mirror(action):  # down stage s <-> up stage s + p
+        if type(action) is Overlap:
+            return Overlap(mirror(action.forward), mirror(action.backward))
+        return action._replace(stage=(action.stage + p) % (2 * p))
+
+    for r in range(p):
+        assert [mirror(a) for a in schedule.ranks[r]] == list(schedule.ranks[p - 1 - r])
 
 
 @pytest.mark.parametrize("costs", COSTS[:3], ids=str)
@@ -175,10 +197,27 @@ def test_dualpipe_bubble_with_equal_costs_is_half_p_minus_1_forwards(p):
     "f,b,w", [(1, 1, 1), (1, 2, 1), (2, 3, 1), (1, 3, 0.25), (2, 2, 2), (2, 1, 1), (1, 1, 0.5)]
 )
 @pytest.mark.parametrize("P", [2, 3, 4, 6])
-def test_bubble_within_the_reference_formula_with_sequential_pairs(P, f, b, w):
-    # DeepSeek-V3: (P-1)(F&B + B - 3W); here F&B = F + B (pairs not overlapped), F <= B, W <= I.
-    bound = (P - 1) * (f + 2 * (b + w) - 3 * w)
+def test_bubble_within_the_reference_formula_with_overlapped_pairs(P, f, b, w):
+    # DeepSeek-V3: (P-1)(F&B + B - 3W), F&B = max(F, B) (an overlapped pair, overhead 0) and B = I + W;
+    # it holds where F <= I (the pairs written F then B instead, as before, exceed it: 2 > 1 at P = 2).
+    if f > b:
+        pytest.skip("the reference's count assumes a forward no longer than the input-gradient backward")
+    fb = max(f, b + w)
+    bound = (P - 1) * (fb + (b + w) - 3 * w)
     assert _bubble(dualpipe(2 * P, 8 * P, costs=Costs(f=f, b=b, w=w))) <= bound + 1e-9
+
+
+@pytest.mark.parametrize("overhead", [0.0, 0.5, 2.0])
+def test_bubble_with_overlap_overhead_follows_the_pair_time(overhead):
+    # With equal costs every pair takes max(F, B) + overhead: each rank's busy time grows by the
+    # overhead once per pair, and the simulator takes the overhead from the problem or the call.
+    schedule = dualpipev(4, 16)
+    plain = simulate(schedule)
+    timeline = simulate(schedule, overlap_overhead=overhead)
+    pairs = [sum(type(a) is Overlap for a in actions) for actions in schedule.ranks]
+    assert timeline.busy == pytest.approx([b + overhead * n for b, n in zip(plain.busy, pairs)])
+    carried = dataclasses.replace(schedule, problem=dataclasses.replace(schedule.problem, overlap_overhead=overhead))
+    assert simulate(carried).makespan == timeline.makespan
 
 
 @pytest.mark.parametrize("p", [2, 3, 4, 8, 16])
@@ -189,13 +228,18 @@ def test_dualpipev_bubble_ratio_below_one_f_one_b_with_equal_costs(p):
 
 @pytest.mark.parametrize("w_memory", [0.0, 0.5, 1.0])
 @pytest.mark.parametrize("p", [1, 2, 3, 4, 8])
-def test_dualpipev_peak_memory_is_p_plus_half_on_every_rank(p, w_memory):
+def test_dualpipev_peak_memory_is_p_plus_half_on_the_middle_rank(p, w_memory):
+    # The reference's 2p+1 stage forwards (p + 1/2 rank shares) on the last rank, whose first F&B pair
+    # runs its forward before its backward; p elsewhere: a pair takes its forward's activations and
+    # frees its backward's at once (a pair's memory effect is the sum of its parts).
     timeline = simulate(dualpipev(p, 3 * p + 1, costs=Costs(memory=1.0, w_memory=w_memory)))
-    assert timeline.peak_memory == pytest.approx([p + 0.5] * p)
+    assert timeline.peak_memory == pytest.approx([p] * (p - 1) + [p + 0.5])
 
 
 @pytest.mark.parametrize("w_memory", [0.0, 0.5, 1.0])
 @pytest.mark.parametrize("p", [2, 4, 6, 8])
-def test_dualpipe_peak_memory_is_p_plus_1_on_every_rank(p, w_memory):
+def test_dualpipe_peak_memory_is_p_plus_1_on_the_middle_ranks(p, w_memory):
+    # As DualPipeV on each half: p + 1 forwards on the two middle ranks, p on the others.
     timeline = simulate(dualpipe(p, 3 * p + 2, costs=Costs(memory=2.0, w_memory=w_memory)))
-    assert timeline.peak_memory == pytest.approx([2.0 * (p + 1)] * p)
+    middle = {p // 2 - 1, p // 2}
+    assert timeline.peak_memory == pytest.approx([2.0 * (p + 1 if r in middle else p) for r in range(p)])

@@ -1,0 +1,56 @@
+"""What a compute action stands for in a problem's task graph: the tasks it completes, its duration
+and its memory change. A plain action is one task; an overlapped pair (:class:`Overlap`) is both of its
+parts; a full backward ``B`` on a stage whose backward is split (tasks I and W) is that stage's I and W
+run together (docs/semantics.md, "Composite actions").
+"""
+
+from __future__ import annotations
+
+from pipeloom.errors import ProblemError, ScheduleError
+from pipeloom.ir.core import Action, Overlap, compute_parts
+from pipeloom.problem import Problem
+
+__all__ = ["action_duration", "action_memory", "is_split_full_backward", "part_tasks", "task_actions"]
+
+
+def is_split_full_backward(problem: Problem, action: Action) -> bool:
+    """Whether ``action`` is a ``B`` of a stage that has I and W tasks and no B task."""
+    stage = action.stage
+    return (action.kind == "B" and not problem.has_task((stage, "B"))
+            and problem.has_task((stage, "I")) and problem.has_task((stage, "W")))
+
+
+def part_tasks(problem: Problem, part: Action) -> tuple[Action, ...]:
+    """The task actions one plain action completes: itself, or ``sIm sWm`` for a B on a split stage."""
+    if part.kind == "B" and is_split_full_backward(problem, part):
+        return (part._replace(kind="I"), part._replace(kind="W"))
+    return (part,)
+
+
+def task_actions(problem: Problem, action: Action | Overlap) -> tuple[Action, ...]:
+    """Every (task, micro-batch) ``action`` completes, in running order: ``(0F7;7B3)OVERLAP_F_B`` on
+    a split stage 7 gives ``0F7 7I3 7W3``. Each names a task of ``problem`` when the action is one the
+    validator accepts."""
+    return tuple(task for part in compute_parts(action) for task in part_tasks(problem, part))
+
+
+def _part_duration(problem: Problem, part: Action) -> float:
+    return sum(problem.task(task.task).duration for task in part_tasks(problem, part))
+
+
+def action_duration(problem: Problem, action: Action | Overlap, *, overlap_overhead: float | None = None) -> float:
+    """How long ``action`` occupies its rank: its task's duration; I + W for a B on a split stage;
+    ``max(forward, backward) + overhead`` for an overlapped pair (``overlap_overhead`` None: the
+    problem's). ScheduleError when it names no task of the problem."""
+    try:
+        if type(action) is Overlap:
+            overhead = problem.overlap_overhead if overlap_overhead is None else overlap_overhead
+            return max(_part_duration(problem, part) for part in action.parts) + overhead
+        return _part_duration(problem, action)
+    except ProblemError as error:  # no such task
+        raise ScheduleError(f"{action} is not an action of this schedule's problem: {error}") from None
+
+
+def action_memory(problem: Problem, action: Action | Overlap) -> float:
+    """The memory change of ``action`` when it starts: the sum over the tasks it completes."""
+    return sum(problem.task(task.task).memory for task in task_actions(problem, action))
