@@ -5,6 +5,16 @@ Run ``python benchmarks/schedule_quality.py`` (all sections) or ``--section zbv`
 - ``zbv``: pipeloom's ``zbv`` against the zero-bubble authors' ZB-V generator, whose makespans are
   recorded in ``benchmarks/data/zbv_reference.json`` by ``python benchmarks/zbv_reference_data.py``.
   Target: no cell slower than the reference.
+- ``zbv-search``: the search (``pipeloom.search``, 5 s, 1 worker) on the V placement with the same
+  costs, limit and W memory, on every cell where ``zbv`` is slower than the reference. Target: none
+  slower.
+- ``torch``: ``interleaved-zb`` and the search against torch's own ``ScheduleInterleavedZeroBubble``
+  orders (``benchmarks/interleaved_zb_quality.py``'s grid), and ``zbv`` and the search against
+  torch's ``ScheduleZBVZeroBubble`` orders (computed by torch's classes, loaded as torch CSV, timed
+  by pipeloom's simulator under the same costs). Target: none slower, at most torch's memory.
+- ``catalog``: the 8-device catalogue placements, 128 micro-batches, memory limits 6 and 8, 10 s:
+  makespan, lower bound, gap and the search's wall time. Targets: gap <= 2 % on every placement,
+  every search within its limit + 0.5 s.
 """
 
 from __future__ import annotations
@@ -19,7 +29,7 @@ from pipeloom.problem import Costs
 from pipeloom.schedules import build_schedule
 from pipeloom.sim import simulate
 
-__all__ = ["SECTIONS", "main", "zbv_section"]
+__all__ = ["SECTIONS", "catalog_section", "main", "torch_section", "zbv_search_section", "zbv_section"]
 
 DATA = Path(__file__).resolve().parent / "data"
 _TOLERANCE = 1e-9
@@ -57,7 +67,140 @@ def zbv_section() -> bool:
     return not slower
 
 
-SECTIONS: dict[str, Callable[[], bool]] = {"zbv": zbv_section}
+def _v_costs(cell: dict) -> Costs:
+    return Costs(f=cell["f"], b=cell["b"], w=cell["w"], comm=cell["comm"], w_memory=cell["w_memory"])
+
+
+def zbv_search_section() -> bool:
+    """The search on the cells where zbv is slower than the reference."""
+    import ortools  # noqa: F401  (before anything that loads SciPy's HiGHS)
+
+    from pipeloom.search import placement, search
+
+    data = json.loads((DATA / "zbv_reference.json").read_text())
+    print("== the search on the V placement, on the cells where zbv is slower than the generator ==")
+    print(f"{'costs':<7} {'p':>3} {'m':>4} {'limit':>6} {'w_mem':>5} {'reference':>12} {'zbv':>12} "
+          f"{'search':>12} {'ratio':>7} {'s':>5}  origin")
+    slower, cells = [], 0
+    for cell in data["cells"]:
+        if cell["makespan"] is None:
+            continue
+        costs = _v_costs(cell)
+        zbv_makespan = simulate(build_schedule("zbv", cell["p"], cell["m"], costs=costs,
+                                               memory_limit=cell["memory_limit"])).makespan
+        if zbv_makespan <= cell["makespan"] * (1 + _TOLERANCE):
+            continue
+        cells += 1
+        problem = placement("v", cell["p"], split_backward=True, memory_limit=cell["memory_limit"],
+                            comm_latency=cell["comm"], f=cell["f"], b=cell["b"], w=cell["w"],
+                            w_memory=cell["w_memory"])
+        found = search(problem, cell["m"], time_limit=5.0, workers=1)
+        ratio = found.makespan / cell["makespan"]
+        if ratio > 1 + _TOLERANCE:
+            slower.append(cell)
+        print(f"{cell['costs']:<7} {cell['p']:>3} {cell['m']:>4} {cell['memory_limit']:>6g} {cell['w_memory']:>5g} "
+              f"{cell['makespan']:>12.6g} {zbv_makespan:>12.6g} {found.makespan:>12.6g} {ratio:>7.4f} "
+              f"{found.seconds:>5.1f}  {found.origin}")
+    print(f"zbv-search verdict: the search is slower than the reference on {len(slower)} of the {cells} cells "
+          f"where zbv is; target: none -> {'MET' if not slower else 'NOT MET'}")
+    return not slower
+
+
+def _torch_zbv_csv(num_ranks: int, num_microbatches: int) -> str:
+    """torch's ScheduleZBVZeroBubble per-rank order as torch CSV (its classes compute it without
+    stages; the object is made without ``__init__``, as tests/test_torch_interop.py does)."""
+    import csv
+    import io
+
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    order = object.__new__(torch_schedules.ScheduleZBVZeroBubble)
+    order.pp_group_size, order._n_microbatches, order.n_local_stages = num_ranks, num_microbatches, 2
+    order.number_of_rounds = max(1, num_microbatches // num_ranks)
+    order.microbatches_per_round = num_microbatches // order.number_of_rounds
+    order.num_stages = order._num_stages = 2 * num_ranks
+    out = io.StringIO()
+    writer = csv.writer(out)
+    for rank in range(num_ranks):
+        writer.writerow(["" if a is None else str(a) for a in order._calculate_single_rank_operations(rank)])
+    return out.getvalue()
+
+
+def torch_section() -> bool:
+    """interleaved-zb / zbv and the search against torch's own zero-bubble orders."""
+    import ortools  # noqa: F401
+
+    from interleaved_zb_quality import COST_SETS, interleaved_zb_vs_torch, torch_interleaved_zb_csv
+    from pipeloom.ir import schedule_from_csv
+    from pipeloom.search import placement, search
+    from pipeloom.validate import validate
+
+    print("== interleaved-zb against torch's InterleavedZeroBubble ==")
+    rows = interleaved_zb_vs_torch()
+    bad = [r for r in rows if r.ratio > 1 + _TOLERANCE or not r.memory_ok]
+    print("== the search (3 s) and zbv against torch's orders, at torch's peak memory ==")
+    print(f"{'order':<12} {'costs':>14} {'p':>2} {'m':>3} {'torch':>12} {'built-in':>12} {'search':>12} "
+          f"{'ratio':>7} {'mem ok':>6}")
+    for kind, builtin in (("interleaved", "interleaved-zb"), ("v", "zbv")):
+        for name, costs in COST_SETS.items():
+            for p in (2, 4, 8):
+                for m in (8, 16, 24):
+                    text = (torch_interleaved_zb_csv(p, m, 2) if kind == "interleaved" else _torch_zbv_csv(p, m))
+                    if text is None:
+                        continue
+                    theirs = validate(schedule_from_csv(text, costs=costs), ordered=True)
+                    limit = max(theirs.peak_memory)
+                    options = {"stages_per_rank": 2} if kind == "interleaved" else {}
+                    ours = validate(build_schedule(builtin, p, m, costs=costs, memory_limit=limit, **options),
+                                    ordered=True)
+                    problem = placement(kind, p, split_backward=True, memory_limit=limit, comm_latency=costs.comm,
+                                        f=costs.f, b=costs.b, w=costs.w)
+                    found = search(problem, m, time_limit=3.0, workers=1)
+                    best = min(ours.makespan, found.makespan)
+                    ratio = best / theirs.makespan
+                    memory_ok = max(ours.peak_memory if ours.makespan <= found.makespan
+                                    else simulate(found.schedule).peak_memory) <= limit + 1e-9
+                    if ratio > 1 + _TOLERANCE or not memory_ok:
+                        bad.append((kind, name, p, m))
+                    print(f"{kind:<12} {name:>14} {p:>2} {m:>3} {theirs.makespan:>12.8g} {ours.makespan:>12.8g} "
+                          f"{found.makespan:>12.8g} {ratio:>7.4f} {'yes' if memory_ok else 'NO':>6}")
+    print(f"torch verdict: {len(bad)} cells slower than torch's order or above its memory; target: none -> "
+          f"{'MET' if not bad else 'NOT MET'}")
+    return not bad
+
+
+CATALOG = ("vshape", "xshape", "mshape", "nnshape", "mllm", "kshape", "finetune", "alphafold")
+
+
+def catalog_section() -> bool:
+    """The 8-device catalogue: the search's makespan, bound, gap and wall time."""
+    import ortools  # noqa: F401
+
+    from pipeloom.search import placement, search
+
+    print("== the 8-device catalogue, 128 micro-batches, 10 s per search (1 worker) ==")
+    print(f"{'placement':<10} {'limit':>5} {'makespan':>10} {'bound':>10} {'gap':>7} {'wall s':>7}  origin")
+    gaps, late = [], []
+    for name in CATALOG:
+        for limit in (6, 8):
+            started = time.perf_counter()
+            found = search(placement(name, 8, memory_limit=limit), 128, time_limit=10.0, workers=1)
+            wall = time.perf_counter() - started
+            gap = found.makespan / found.lower_bound - 1
+            gaps.append((gap, name, limit))
+            if wall > 10.5:
+                late.append((name, limit, wall))
+            print(f"{name:<10} {limit:>5} {found.makespan:>10.6g} {found.lower_bound:>10.6g} {gap:>7.2%} "
+                  f"{wall:>7.2f}  {found.origin}")
+    over = [g for g in gaps if g[0] > 0.02 + 1e-9]
+    print(f"catalog verdict: gap <= 2 % on {len(gaps) - len(over)} of {len(gaps)} "
+          f"(worst {max(gaps)[0]:.2%}: {max(gaps)[1]} at limit {max(gaps)[2]}); searches over limit + 0.5 s: "
+          f"{len(late)} -> {'MET' if not over and not late else 'NOT MET'}")
+    return not over and not late
+
+
+SECTIONS: dict[str, Callable[[], bool]] = {"zbv": zbv_section, "zbv-search": zbv_search_section,
+                                           "torch": torch_section, "catalog": catalog_section}
 """Section name -> function printing its table and returning whether its target is met."""
 
 
