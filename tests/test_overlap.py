@@ -25,6 +25,7 @@ from pipeloom.ir import (
 )
 from pipeloom.lowering import lower
 from pipeloom.problem import Costs, Stage, stage_graph
+from pipeloom.schedules import build_schedule
 from pipeloom.schedules.dualpipe import dualpipev
 from pipeloom.sim import simulate
 from pipeloom.validate import validate
@@ -252,3 +253,22 @@ def test_pictures_draw_a_pair_as_one_labelled_box_of_its_own_colour(tmp_path):
     draw_timeline(timeline, tmp_path / "pairs.svg")
     assert "overlapped F&amp;B pair" in (tmp_path / "pairs.svg").read_text()
     assert "O" in render_timeline(timeline, width=80)
+
+
+def test_sequential_pairs_runs_each_pair_forward_then_backward_and_the_planner_prices_that():
+    from pipeloom.ir import Overlap, sequential_pairs
+    from pipeloom.plan.costs import CostTable, Piece
+    from pipeloom.plan.placement import library_schedule
+
+    schedule = build_schedule("dualpipev", 4, 8)
+    flat = sequential_pairs(schedule)
+    assert any(type(a) is Overlap for row in schedule.ranks for a in row)
+    assert not any(type(a) is Overlap for row in flat.ranks for a in row)
+    for row, flat_row in zip(schedule.ranks, flat.ranks):  # each pair became its forward then backward
+        assert [p for a in row for p in (a.parts if type(a) is Overlap else (a,))] == list(flat_row)
+    assert validate(flat, ordered=True).makespan > simulate(schedule).makespan  # no overlap: longer
+    assert sequential_pairs(build_schedule("1f1b", 2, 4)) == build_schedule("1f1b", 2, 4)
+    pieces = tuple(Piece(name=f"b.{k}", f=1.0, i=1.0, w=1.0, activation_bytes=1.0, w_activation_bytes=0.0,
+                         param_bytes=1.0, output_bytes=1.0) for k in range(8))
+    planned = library_schedule(CostTable(pieces=pieces, microbatch_size=1), "dualpipev", 4, 8, memory_limit=None)
+    assert not any(type(a) is Overlap for row in planned.ranks for a in row)

@@ -3,7 +3,14 @@ overlapped forward + backward pair ``(0F7;7B3)OVERLAP_F_B`` and a communication 
 of actions it runs, with the problem it schedules; plus its text, JSON and torch-CSV forms.
 """
 
-from pipeloom.ir.composite import action_duration, action_memory, is_split_full_backward, part_tasks, task_actions
+from pipeloom.ir.composite import (
+    action_duration,
+    action_memory,
+    is_split_full_backward,
+    part_tasks,
+    sequential_pairs,
+    task_actions,
+)
 from pipeloom.ir.core import (
     COMM_KINDS,
     OVERLAP_F_B,
@@ -32,6 +39,7 @@ __all__ = [
     "part_tasks",
     "is_split_full_backward",
     "action_duration",
+    "sequential_pairs",
     "action_memory",
     "Schedule",
     "format_grid",

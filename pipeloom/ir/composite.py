@@ -7,10 +7,13 @@ run together (docs/semantics.md, "Composite actions").
 from __future__ import annotations
 
 from pipeloom.errors import ProblemError, ScheduleError
-from pipeloom.ir.core import Action, Overlap, compute_parts
+import dataclasses
+
+from pipeloom.ir.core import Action, Overlap, Schedule, compute_parts
 from pipeloom.problem import Problem
 
-__all__ = ["action_duration", "action_memory", "is_split_full_backward", "part_tasks", "task_actions"]
+__all__ = ["action_duration", "action_memory", "is_split_full_backward", "part_tasks", "sequential_pairs",
+           "task_actions"]
 
 
 def is_split_full_backward(problem: Problem, action: Action) -> bool:
@@ -54,3 +57,14 @@ def action_duration(problem: Problem, action: Action | Overlap, *, overlap_overh
 def action_memory(problem: Problem, action: Action | Overlap) -> float:
     """The memory change of ``action`` when it starts: the sum over the tasks it completes."""
     return sum(problem.task(task.task).memory for task in task_actions(problem, action))
+
+
+def sequential_pairs(schedule: Schedule) -> Schedule:
+    """``schedule`` with every overlapped pair replaced by its two parts, forward then backward: how
+    pipeloom's runtime runs a pair (one after the other on one device), so what the planner prices.
+    A schedule without pairs is returned as it is."""
+    if not any(type(action) is Overlap for row in schedule.ranks for action in row):
+        return schedule
+    ranks = [[part for action in row for part in (action.parts if type(action) is Overlap else (action,))]
+             for row in schedule.ranks]
+    return dataclasses.replace(schedule, ranks=ranks)

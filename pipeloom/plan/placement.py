@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from pipeloom.ir import Schedule, compute_parts
+from pipeloom.ir import Schedule, compute_parts, sequential_pairs
 from pipeloom.plan.costs import CostTable
 from pipeloom.plan.partition import (
     MemoryRule,
@@ -226,4 +226,5 @@ def library_schedule(table: CostTable, name: str, num_ranks: int, microbatches: 
     if REGISTRY[name].memory_aware and memory_limit is not None:
         static = sum(table.static_bytes(p) for p in table.pieces) / num_ranks
         limit = memory_limit - static if memory_limit - static >= costs.memory else None
-    return build_schedule(name, num_ranks, microbatches, costs=costs, memory_limit=limit, **options)
+    built = build_schedule(name, num_ranks, microbatches, costs=costs, memory_limit=limit, **options)
+    return sequential_pairs(built)  # the runtime runs an overlapped pair's parts one after the other
