@@ -469,3 +469,16 @@ def test_a_reader_closing_the_pipe_early_ends_the_command_quietly(monkeypatch, c
         closed.write("x" * 10)  # stdout now goes to the null device: the exit's flush cannot fail
         closed.flush()
     assert capsys.readouterr().err == ""
+
+
+def test_version_and_verbose_after_the_command(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.startswith("pipeloom ")
+    argv = ["show", "1f1b", "--ranks", "2", "--microbatches", "2", "--memory-limit", "0.5"]
+    assert main(argv) == 1
+    short = capsys.readouterr().err
+    assert "(add --verbose for details)" in short and len(short.strip().splitlines()) == 1
+    for verbose in (["--verbose", *argv], [*argv, "--verbose"], [*argv, "-v"]):
+        assert main(verbose) == 1
+        assert "<-- here" in capsys.readouterr().err  # the validator's grid

@@ -101,6 +101,12 @@ def _add_shape(parser: argparse.ArgumentParser) -> None:
                         help="number of micro-batches (real ones; two-replica schedules pair them)")
 
 
+def _version() -> str:
+    from pipeloom import __version__
+
+    return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``pipeloom`` parser; each command sets ``handler``, a function of the parsed arguments
     returning the exit status."""
@@ -111,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=COST_HELP,
     )
     parser.add_argument("--verbose", "-v", action="store_true", help="print full error details")
+    parser.add_argument("--version", action="version", version=f"pipeloom {_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     listing = commands.add_parser("list", help="list the built-in schedules and placements")
@@ -159,6 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_parser(commands)
     add_profile_parser(commands)
     _add_trace(commands)
+    for command in commands.choices.values():  # global flags are accepted after the command too
+        command.add_argument("--verbose", "-v", action="store_true", default=argparse.SUPPRESS,
+                             help="print full error details (also before the command)")
     return parser
 
 
