@@ -19,6 +19,7 @@ __all__ = [
     "forced_idle",
     "head_tail",
     "lower_bound",
+    "memory_bound",
     "memory_time_per_microbatch",
     "period_lower_bound",
     "schedule_from_starts",
@@ -167,8 +168,8 @@ def lower_bound(problem: Problem, num_microbatches: int, *, memory_limit: float 
     ``M * work_r + max(min head + min tail, idle_r)`` over the tasks on it (its first action cannot
     start before its head, its last must still be followed by its tail; ``idle_r`` is time rank r
     provably waits while other ranks work, see :func:`forced_idle`). Under a memory limit (the
-    problem's, or ``memory_limit``) also ``M * area / limit`` per rank, see
-    :func:`memory_time_per_microbatch`.
+    problem's, or ``memory_limit``) also ``M * area / limit`` per rank plus its fill and drain, see
+    :func:`memory_bound`.
     """
     head, tail = head_tail(problem)
     bound = max(head[i] + task.duration + tail[i] for i, task in enumerate(problem.tasks))
@@ -180,7 +181,37 @@ def lower_bound(problem: Problem, num_microbatches: int, *, memory_limit: float 
             idle = forced_idle(problem, num_microbatches, rank)
             bound = max(bound, num_microbatches * work[rank] + max(ends, idle))
     bound = max(bound, num_microbatches * period_lower_bound(problem, memory_limit=memory_limit))
+    bound = max(bound, memory_bound(problem, num_microbatches, memory_limit=memory_limit))
     return max(bound, all_rank_bound(problem, num_microbatches, memory_limit=memory_limit))
+
+
+def memory_bound(problem: Problem, num_microbatches: int, *, memory_limit: float | None = None) -> float:
+    """Per rank r under a memory limit: ``min head(take) + M * area_r / room_r + min (d + tail)(give)``
+    (0 without a limit).
+
+    With ``area_r > 0`` (:func:`memory_time_per_microbatch`) every unit of memory a task takes on r
+    is given back by a descendant in its micro-batch, so the memory held at time t is the sum over
+    matched pairs (p, n) with ``s_p <= t < s_n`` (changes apply at the start): it is 0 before the first
+    taking task starts (at or after the least head among r's tasks with memory > 0) and after the last
+    giving task starts (at the latest ``makespan - d_n - tail_n`` for one of r's tasks with memory < 0),
+    and at most ``room_r = limit - static_r`` in between. That window holds ``M * area_r`` of
+    memory x time, so it lasts at least ``M * area_r / room_r``.
+    """
+    limit = problem.memory_limit if memory_limit is None else memory_limit
+    if limit is None:
+        return 0.0
+    head, tail = head_tail(problem)
+    static = problem.static_memory or (0.0,) * problem.num_ranks
+    bound = 0.0
+    for rank, area in enumerate(memory_time_per_microbatch(problem)):
+        room = limit - static[rank]
+        if area <= 0 or room <= 0:
+            continue
+        on_rank = [(i, task) for i, task in enumerate(problem.tasks) if rank in task.ranks]
+        fill = min(head[i] for i, task in on_rank if task.memory > 0)
+        drain = min(task.duration + tail[i] for i, task in on_rank if task.memory < 0)
+        bound = max(bound, fill + num_microbatches * area / room + drain)
+    return bound
 
 
 def all_rank_bound(problem: Problem, num_microbatches: int, *, memory_limit: float | None = None) -> float:

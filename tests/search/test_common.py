@@ -9,6 +9,7 @@ from pipeloom.schedules import build_schedule
 from pipeloom.search.common import (
     forced_idle,
     lower_bound,
+    memory_bound,
     memory_time_per_microbatch,
     period_lower_bound,
     schedule_from_starts,
@@ -40,7 +41,9 @@ def test_memory_time_area_is_the_path_from_forward_to_backward():
     assert memory_time_per_microbatch(problem) == [10.0, 7.0, 4.0, 1.0]
     assert period_lower_bound(problem) == 3.0  # no limit: the work per micro-batch
     assert period_lower_bound(problem, memory_limit=2) == 5.0  # rank 0: 10 / 2
-    assert lower_bound(problem, 8, memory_limit=2) == 40.0
+    # 8 * 10 / 2 = 40 of memory-limited window on rank 0 (F0 of the first micro-batch starts it at 0),
+    # then the last B0 still runs its 2: memory_bound's drain
+    assert lower_bound(problem, 8, memory_limit=2) == 42.0
 
 
 @pytest.mark.parametrize(
@@ -58,6 +61,22 @@ def test_lower_bound_never_exceeds_the_exact_optimum(problem, m, limit):
     result = solve_exact(problem, m, memory_limit=limit, time_limit=20)
     assert result.status == "optimal"
     assert lower_bound(problem, m, memory_limit=limit) <= result.makespan + 1e-9
+
+
+@pytest.mark.parametrize(
+    ("name", "limit", "m"),
+    [("vshape", 2.0, 4), ("mshape", 2.0, 4), ("finetune", 2.0, 3), ("alphafold", 2.0, 4),
+     ("nnshape", 3.0, 3), ("xshape", 4.0, 3)],
+)
+def test_memory_bound_with_fill_and_drain_never_exceeds_the_exact_optimum(name, limit, m):
+    # Oracle: CP-SAT's proven optimum at 4 ranks. The fill/drain terms must add something over
+    # the bare area bound M * area / room on the binding rank (else this test checks nothing new).
+    problem = placement(name, 4, memory_limit=limit)
+    result = solve_exact(problem, m, time_limit=20, workers=1)
+    assert result.status == "optimal"
+    bound = memory_bound(problem, m)
+    assert m * max(memory_time_per_microbatch(problem)) / limit < bound <= result.makespan + 1e-9
+    assert lower_bound(problem, m) <= result.makespan + 1e-9
 
 
 def test_schedule_from_starts_orders_each_rank_by_start():
