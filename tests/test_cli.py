@@ -482,3 +482,9 @@ def test_version_and_verbose_after_the_command(capsys):
     for verbose in (["--verbose", *argv], [*argv, "--verbose"], [*argv, "-v"]):
         assert main(verbose) == 1
         assert "<-- here" in capsys.readouterr().err  # the validator's grid
+
+
+def test_compare_refuses_a_schedule_named_twice(capsys):
+    assert main(["compare", "1f1b", "zbv", "1f1b", "--ranks", "4", "--microbatches", "8"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "'1f1b' is named twice" in captured.err

@@ -155,6 +155,9 @@ def compare_schedules(names: Sequence[str], ranks: int, microbatches: int, costs
 
 def cmd_compare(args: argparse.Namespace) -> int:
     """``pipeloom compare``: build the named schedules and compare them side by side."""
+    twice = sorted({name for name in args.names if args.names.count(name) > 1})
+    if twice:
+        raise UsageError(f"{twice[0]!r} is named twice; name each schedule once")
     for name in args.names:
         _check_name(name)
         _check_size(name, args.ranks, args.microbatches)

@@ -281,6 +281,13 @@ def table_for_size(tables: CostTable | Sequence[CostTable], microbatch_size: int
                 f"the cost tables for micro-batch sizes {first.microbatch_size} and {other.microbatch_size} list "
                 f"different pieces; profile the same model with the same pieces at every size"
             )
+    sizes = [table.microbatch_size for table in tables]
+    twice = sorted({size for size in sizes if sizes.count(size) > 1})
+    if twice:
+        raise CostTableError(
+            f"two cost tables are for micro-batch size {twice[0]}; give one table per size (each "
+            f"`pipeloom profile --batch N` run measures one size)"
+        )
     by_size = {table.microbatch_size: table for table in tables}
     replica_link = next((table.replica_link for table in tables if table.replica_link is not None), None)
 

@@ -168,3 +168,8 @@ def test_an_error_in_the_users_file_is_one_line_naming_the_file_and_line(capsys,
     code, _, err = run(capsys, "--verbose", "profile", f"{path}:build", "--batch", "4", "--warmup", "0",
                        "--repeats", "1")
     assert code == 1 and "Traceback (most recent call last)" in err
+
+
+def test_two_cost_tables_of_one_microbatch_size_are_refused(capsys, costs):
+    one_line_error(run(capsys, "plan", "--costs", str(costs), str(costs), "--ranks", "2", "--global-batch", "8"),
+                   1, "two cost tables are for micro-batch size")
