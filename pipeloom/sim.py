@@ -15,7 +15,7 @@ from functools import reduce
 from itertools import accumulate
 from operator import add, itemgetter
 
-from pipeloom.errors import DeadlockError, ScheduleError
+from pipeloom.errors import DeadlockError, ProblemError, ScheduleError
 from pipeloom.ir import Action, Overlap, Schedule, compute_parts, format_grid, part_tasks, task_actions
 from pipeloom.lowering import replay_lowered
 from pipeloom.problem import Problem
@@ -92,6 +92,7 @@ def simulate(schedule: Schedule, *, overlap_overhead: float | None = None) -> Ti
     overhead = _overhead(schedule, overlap_overhead)
     if schedule.lowered:
         lowered = replay_lowered(schedule, overlap_overhead=overhead)
+        _check_finite(schedule, lowered.makespan, lowered.busy, lowered.peak_memory)
         return Timeline(schedule=schedule, starts=lowered.starts, ends=lowered.ends, memory=lowered.memory,
                         makespan=lowered.makespan, busy=lowered.busy, peak_memory=lowered.peak_memory)
     problem = schedule.problem
@@ -110,6 +111,7 @@ def simulate(schedule: Schedule, *, overlap_overhead: float | None = None) -> Ti
         peaks.append(max(held))
         busy.append(reduce(add, map(durations.__getitem__, seq), 0.0))
     makespan = replay.makespan
+    _check_finite(schedule, makespan, busy, peaks)
     return Timeline(
         schedule=schedule,
         starts=tuple(map(tuple, starts)),
@@ -119,6 +121,16 @@ def simulate(schedule: Schedule, *, overlap_overhead: float | None = None) -> Ti
         busy=tuple(busy),
         peak_memory=tuple(peaks),
     )
+
+
+def _check_finite(schedule: Schedule, makespan: float, busy: Sequence[float], peaks: Sequence[float]) -> None:
+    """ProblemError when the replay's sums left the float range (durations or memory near 1e308)."""
+    if math.isfinite(makespan) and all(map(math.isfinite, busy)) and all(map(math.isfinite, peaks)):
+        return
+    what = "times" if not (math.isfinite(makespan) and all(map(math.isfinite, busy))) else "memory"
+    raise ProblemError(f"schedule {schedule.name!r}: its {what} overflow the float range when added up over "
+                       f"{schedule.num_microbatches} micro-batches; scale the durations and memory down (e.g. "
+                       "seconds to milliseconds, bytes to MiB) so that a rank's total stays finite")
 
 
 def _overhead(schedule: Schedule, overlap_overhead: float | None) -> float:

@@ -3,6 +3,8 @@ are also TypeErrors, bad values also ValueErrors (oracle: isinstance on what the
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 import pipeloom
@@ -27,3 +29,21 @@ def test_bad_counts_are_pipeloom_errors(name):
         with pytest.raises(ArgumentError) as caught:
             pipeloom.build_schedule(name, ranks, microbatches)
         assert isinstance(caught.value, ValueError) and isinstance(caught.value, PipeloomError)
+
+
+def test_costs_whose_sums_overflow_are_refused_naming_the_fix():
+    from pipeloom import Costs
+
+    with pytest.raises(ArgumentError, match="overflow the float range"):
+        pipeloom.build_schedule("zbv", 2, 4, costs=Costs(b=1e308))
+
+
+def test_a_replay_whose_times_overflow_is_refused():
+    from pipeloom import Costs, simulate
+    from pipeloom.ir import Schedule
+
+    schedule = pipeloom.build_schedule("1f1b", 2, 4, costs=Costs(f=1e300))
+    problem = dataclasses.replace(schedule.problem, tasks=tuple(dataclasses.replace(t, duration=1.7e308)
+                                                                 for t in schedule.problem.tasks))
+    with pytest.raises(PipeloomError, match="overflow the float range"):
+        simulate(Schedule(name="big", problem=problem, num_microbatches=4, ranks=schedule.ranks))

@@ -7,12 +7,13 @@ Every generator is a pure function ``(num_ranks, num_microbatches, *, costs, mem
 from __future__ import annotations
 
 import importlib
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Literal, get_args
 
-from pipeloom.errors import ArgumentTypeError, PipeloomError
+from pipeloom.errors import ArgumentError, ArgumentTypeError, PipeloomError
 from pipeloom.ir import Schedule
 from pipeloom.problem import Costs
 
@@ -153,6 +154,10 @@ def build_schedule(
     if memory_limit is not None and (isinstance(memory_limit, bool) or not isinstance(memory_limit, (int, float))):
         raise ArgumentTypeError(f"memory_limit must be a number or None, got {type(memory_limit).__name__} "
                                 f"{memory_limit!r}")
+    total = (costs.f + costs.b + costs.w + costs.comm + abs(costs.memory)) * 4.0 * max(num_microbatches, 1)
+    if not math.isfinite(total):
+        raise ArgumentError(f"{costs} over {num_microbatches} micro-batches overflow the float range when added "
+                            "up; scale the costs down (e.g. seconds to milliseconds, bytes to MiB)")
     unknown = sorted(set(options) - set(info.options))
     if unknown:
         takes = ", ".join(info.options) if info.options else "no extra options"

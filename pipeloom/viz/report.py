@@ -67,7 +67,10 @@ def timeline_report(timeline: Timeline, *, microbatches: int | None = None,
 
 
 def format_number(value: float) -> str:
-    """``value`` with thousands separators and at most 3 decimals, trailing zeros dropped."""
+    """``value`` with thousands separators and at most 3 decimals, trailing zeros dropped; from 10^15
+    on, 6 significant digits with an exponent (``5e+299``), so a huge number stays one short cell."""
+    if abs(value) >= 1e15:
+        return f"{value:.6g}"
     return f"{value:,.3f}".rstrip("0").rstrip(".")
 
 
