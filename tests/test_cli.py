@@ -488,3 +488,26 @@ def test_compare_refuses_a_schedule_named_twice(capsys):
     assert main(["compare", "1f1b", "zbv", "1f1b", "--ranks", "4", "--microbatches", "8"]) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and "'1f1b' is named twice" in captured.err
+
+
+def test_outputs_are_all_written_or_none(capsys, tmp_path, monkeypatch):
+    saved, picture = tmp_path / "ok.json", tmp_path / "x.png"
+    # an unwritable place fails before any work, naming the path; nothing is written
+    argv = ["show", "1f1b", "--ranks", "2", "--microbatches", "4", "--save", str(saved)]
+    assert main([*argv, "-o", "/proc/x.png"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "cannot write '/proc/x.png'" in captured.err
+    assert list(tmp_path.iterdir()) == []
+    # a failure while writing the second file leaves neither
+    import pipeloom.viz
+
+    def broken(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(pipeloom.viz, "draw_timeline", broken)
+    assert main([*argv, "-o", str(picture)]) == 1
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    assert main([*argv, "-o", str(picture)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ok.json", "x.png"]
+    assert oct(saved.stat().st_mode & 0o777) != oct(0o600)  # a new file's usual permissions, not mkstemp's

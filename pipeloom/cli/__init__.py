@@ -12,6 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from pipeloom.cli.common import UsageError, first_line
+from pipeloom.cli.outputs import StagedOutputs
 from pipeloom.cli.demo import DEMO_COSTS, DEMO_MICROBATCHES, DEMO_RANKS, DEMO_SCHEDULES
 from pipeloom.cli.parser import build_parser
 from pipeloom.cli.schedules import MAX_ACTIONS
@@ -35,7 +36,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = None
     try:
         args = build_parser().parse_args(argv)
-        return args.handler(args)
+        with StagedOutputs.of(args) as outputs:  # each output proven writable now, renamed in at the end
+            args.outputs = outputs
+            status = args.handler(args)
+            if status:
+                outputs.discard()
+            return status
     except BrokenPipeError:  # the reader went away (`pipeloom list | head -1`): not an error of ours
         _silence_stdout()
         return 0

@@ -8,7 +8,8 @@ import json
 
 from rich.console import Console
 
-from pipeloom.errors import PipeloomError
+from pipeloom.cli.outputs import target
+from pipeloom.cli.usage import UsageError
 from pipeloom.ir import save_schedule
 from pipeloom.problem import Costs
 from pipeloom.sim import Timeline
@@ -18,10 +19,6 @@ __all__ = ["UsageError", "COST_FLAGS", "costs_from_args", "first_line", "emit"]
 
 COST_FLAGS = ("f", "b", "w", "comm")
 """The cost flags (``--f`` ...) that set the matching ``Costs`` fields."""
-
-
-class UsageError(PipeloomError):
-    """Bad command-line usage (exit status 2)."""
 
 
 def costs_from_args(args: argparse.Namespace) -> Costs:
@@ -38,20 +35,20 @@ def first_line(error: BaseException) -> str:
 
 def _write_files(args: argparse.Namespace, timeline: Timeline, report: dict) -> list[str]:
     """Write the requested files before anything is printed, so a refused or failed write leaves
-    stdout empty; returns one message per file written."""
+    stdout empty; returns one message per file written (into the staged outputs, see cli/outputs.py)."""
     written = []
     if getattr(args, "save", None):
-        save_schedule(timeline.schedule, args.save)
+        save_schedule(timeline.schedule, target(args, args.save))
         written.append(f"wrote schedule {args.save}")
     if args.out or args.trace:
         from pipeloom import viz
 
         if args.out:
             title = f"{report['name']}: p={report['num_ranks']}, m={report['num_microbatches']}"
-            viz.draw_timeline(timeline, args.out, title=title)
+            viz.draw_timeline(timeline, target(args, args.out), title=title)
             written.append(f"wrote timeline picture {args.out}")
         if args.trace:
-            viz.write_trace(timeline, args.trace)
+            viz.write_trace(timeline, target(args, args.trace))
             written.append(f"wrote trace {args.trace} (open it in https://ui.perfetto.dev)")
     return written
 

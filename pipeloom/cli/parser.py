@@ -9,6 +9,7 @@ from pathlib import Path
 
 from pipeloom.cli.common import UsageError
 from pipeloom.cli.demo import cmd_demo
+from pipeloom.cli.outputs import OutputPath
 from pipeloom.cli.plan import add_plan_parser
 from pipeloom.cli.profile import add_profile_parser
 from pipeloom.cli.schedules import cmd_compare, cmd_list, cmd_show, cmd_simulate
@@ -68,7 +69,7 @@ def _path_with(*suffixes: str):
             raise argparse.ArgumentTypeError(f"{text!r}: the folder {str(parent)!r} {what}; create it first")
         if path.is_dir():
             raise argparse.ArgumentTypeError(f"{text!r} is a folder; give a file name")
-        return path
+        return OutputPath(text)
 
     return check
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from rich.console import Console
 
 from pipeloom.cli.common import UsageError
+from pipeloom.cli.outputs import target
 from pipeloom.errors import PipeloomError
 
 __all__ = ["add_plan_parser", "bytes_argument", "cmd_plan"]
@@ -142,17 +143,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
         search_time=args.search,
     )
     written = []
-    if args.save:
-        result.save(args.save)
-        written.append(f"wrote plan {args.save}")
     if args.out:
         from pipeloom.viz import draw_timeline
 
         plan = result.plan
         title = (f"{plan.schedule}: p={plan.num_ranks}, m={plan.microbatches} x {plan.microbatch_size}, "
                  f"predicted {plan.predicted_step_time:.4g} s (time in seconds, memory in bytes)")
-        draw_timeline(result.timeline, args.out, title=title)
+        draw_timeline(result.timeline, target(args, args.out), title=title)
         written.append(f"wrote timeline picture {args.out}")
+    if args.save:  # last: it names a companion schedule file after itself, so it is written in place
+        outputs = getattr(args, "outputs", None)
+        result.save(outputs.direct(args.save) if outputs is not None else args.save)
+        written.insert(0, f"wrote plan {args.save}")
     console = Console(stderr=args.json, highlight=False)
     if args.json:
         from pipeloom.plan.plan import plan_to_json

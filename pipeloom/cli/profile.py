@@ -24,6 +24,7 @@ from pathlib import Path
 from rich.console import Console
 
 from pipeloom.cli.common import UsageError
+from pipeloom.cli.outputs import target
 from pipeloom.errors import PipeloomError
 
 __all__ = ["UserCodeError", "add_profile_parser", "cmd_profile", "load_function"]
@@ -281,7 +282,7 @@ def _show(table, args: argparse.Namespace) -> None:
     from pipeloom.plan.costs import costs_to_json, save_costs
 
     if args.save:
-        save_costs(table, args.save)
+        save_costs(table, target(args, args.save))
     console = Console(stderr=args.json, highlight=False)
     if args.json:
         print(costs_to_json(table, indent=None))

@@ -12,6 +12,7 @@ from typing import Any
 from rich.console import Console
 
 from pipeloom.cli.common import COST_FLAGS, UsageError, costs_from_args, emit, first_line
+from pipeloom.cli.outputs import target
 from pipeloom.errors import PipeloomError
 from pipeloom.ir import load_schedule
 from pipeloom.lowering import lower
@@ -167,7 +168,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if args.out:  # written first: a failed write leaves stdout empty
         from pipeloom import viz
 
-        viz.draw_comparison(timelines, args.out, title=title)
+        viz.draw_comparison(timelines, target(args, args.out), title=title)
     console = Console(stderr=args.json, highlight=False)
     if args.json:
         print(json.dumps({"num_ranks": args.ranks, "num_microbatches": args.microbatches,

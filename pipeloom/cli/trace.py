@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from pipeloom.cli.common import UsageError
+from pipeloom.cli.outputs import target
 from pipeloom.viz.measured import (
     StepSelectionError,
     compare_run,
@@ -98,10 +99,10 @@ def cmd_trace(args: argparse.Namespace) -> int:
         raise UsageError(f"--step: {error}") from None
     written = []
     if args.out:  # files first: a failed write leaves stdout empty
-        write_merged_trace(comparison, args.out)
+        write_merged_trace(comparison, target(args, args.out))
         written.append(f"wrote merged trace {args.out} (open it in https://ui.perfetto.dev)")
     if args.png:
-        draw_measured(comparison, args.png)
+        draw_measured(comparison, target(args, args.png))
         written.append(f"wrote picture {args.png}")
     summary = trace_summary(comparison)
     console = Console(stderr=args.json, highlight=False)

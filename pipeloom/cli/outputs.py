@@ -1,0 +1,90 @@
+"""The files a command writes, all or none.
+
+Every output path a command was given (``--save``, ``-o``, ``--trace``, ``--png``: the flags parsed by
+``_path_with``, whose values are :class:`OutputPath`) gets a temporary file in its own folder before
+the command does any work, which proves the folder writable and fails at once with one line naming
+the path. The command writes into the temporary files; when it ends well they are renamed over the
+real names (``os.replace``, atomic within a folder), and when anything fails they are removed, so a
+failure leaves no output half-written and none written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+from pathlib import Path
+from types import TracebackType
+
+from pipeloom.cli.usage import UsageError
+
+__all__ = ["OutputPath", "StagedOutputs", "target"]
+
+
+class OutputPath(type(Path())):  # the concrete Path class of this platform
+    """A path the command writes (set by the parser's output-path type)."""
+
+
+class StagedOutputs:
+    """Temporary files for a command's outputs, renamed over them at the end (see the module doc)."""
+
+    def __init__(self, finals: list[Path]) -> None:
+        self._temps: dict[Path, Path] = {}
+        try:
+            for final in finals:
+                folder = final.parent if str(final.parent) else Path(".")
+                handle, name = tempfile.mkstemp(prefix=f".{final.name}.", suffix=final.suffix, dir=folder)
+                os.close(handle)
+                self._temps[final] = Path(name)
+        except OSError as error:
+            self.discard()
+            raise UsageError(f"cannot write {str(final)!r}: {error.strerror or error}; choose a folder you can "
+                             "write in") from None
+
+    @classmethod
+    def of(cls, args: argparse.Namespace) -> StagedOutputs:
+        """The outputs among the parsed arguments."""
+        return cls([value for value in vars(args).values() if isinstance(value, OutputPath)])
+
+    def path(self, final: Path) -> Path:
+        """Where to write ``final`` now (its temporary file)."""
+        return self._temps[final]
+
+    def direct(self, final: Path) -> Path:
+        """Write ``final`` under its own name (for a writer that names companion files after it); its
+        temporary file, which proved the folder writable, goes. Write such a file last."""
+        temp = self._temps.pop(final, None)
+        if temp is not None:
+            temp.unlink(missing_ok=True)
+        return final
+
+    def commit(self) -> None:
+        """Rename every temporary file over its real name, with the usual permissions of a new file."""
+        mask = os.umask(0)
+        os.umask(mask)
+        for final, temp in self._temps.items():
+            os.chmod(temp, 0o666 & ~mask)
+            os.replace(temp, final)
+        self._temps.clear()
+
+    def discard(self) -> None:
+        """Remove every temporary file."""
+        for temp in self._temps.values():
+            temp.unlink(missing_ok=True)
+        self._temps.clear()
+
+    def __enter__(self) -> StagedOutputs:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 trace: TracebackType | None) -> None:
+        if kind is None:
+            self.commit()
+        else:
+            self.discard()
+
+
+def target(args: argparse.Namespace, final: Path) -> Path:
+    """Where a command writes output ``final``: its temporary file while ``main`` stages the outputs."""
+    outputs = getattr(args, "outputs", None)
+    return outputs.path(final) if outputs is not None else final
