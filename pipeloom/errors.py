@@ -6,6 +6,7 @@ __all__ = [
     "PipeloomError",
     "ArgumentError",
     "ArgumentTypeError",
+    "require_type",
     "ProblemError",
     "ScheduleFormatError",
     "ScheduleError",
@@ -64,3 +65,10 @@ class LoweringError(ScheduleError):
     """A schedule's problem cannot carry communication actions (a task on several ranks, a stage
     split over ranks, a cross-rank dependency that is neither forward values nor gradients), or its
     receives admit no order that keeps each pair of ranks first-in first-out."""
+
+
+def require_type(name: str, value: object, expected: type | tuple[type, ...], fix: str) -> None:
+    """:class:`ArgumentTypeError` naming ``name``, what it got and ``fix`` unless ``value`` is an
+    ``expected``; public entry points call it on their first argument before using it."""
+    if not isinstance(value, expected):
+        raise ArgumentTypeError(f"{name} must be {fix}, got {type(value).__name__} {value!r:.60}")

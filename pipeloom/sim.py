@@ -15,7 +15,7 @@ from functools import reduce
 from itertools import accumulate
 from operator import add, itemgetter
 
-from pipeloom.errors import DeadlockError, ProblemError, ScheduleError
+from pipeloom.errors import DeadlockError, ProblemError, ScheduleError, require_type
 from pipeloom.ir import Action, Overlap, Schedule, compute_parts, format_grid, part_tasks, task_actions
 from pipeloom.lowering import replay_lowered
 from pipeloom.problem import Problem
@@ -89,6 +89,8 @@ def simulate(schedule: Schedule, *, overlap_overhead: float | None = None) -> Ti
     problem's (docs/semantics.md). Raises DeadlockError when the lists cannot run to the end; use
     :func:`pipeloom.validate.validate` for full checks.
     """
+    require_type("schedule", schedule, Schedule, "a pipeloom Schedule (e.g. build_schedule('1f1b', 4, 8) or "
+                 "load_schedule(path))")
     overhead = _overhead(schedule, overlap_overhead)
     if schedule.lowered:
         lowered = replay_lowered(schedule, overlap_overhead=overhead)

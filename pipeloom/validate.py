@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from itertools import islice
 
-from pipeloom.errors import MemoryLimitError, OrderError, ScheduleError
+from pipeloom.errors import MemoryLimitError, OrderError, ScheduleError, require_type
 from pipeloom.ir import Action, Comm, Overlap, Schedule, format_grid, task_actions
 from pipeloom.lowering import check_comms
 from pipeloom.sim import Timeline, simulate
@@ -27,6 +27,8 @@ def validate(schedule: Schedule, *, ordered: bool = False, check_memory_limit: b
     A lowered schedule's communication is checked next (CommError: unmatched send or receive,
     pair order, a receive missing before use); its replay finds deadlocks through communication.
     """
+    require_type("schedule", schedule, Schedule, "a pipeloom Schedule (e.g. build_schedule('1f1b', 4, 8) or "
+                 "load_schedule(path))")
     check_structure(schedule)
     if schedule.lowered:
         check_comms(schedule)

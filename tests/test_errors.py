@@ -4,6 +4,7 @@ are also TypeErrors, bad values also ValueErrors (oracle: isinstance on what the
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
@@ -47,3 +48,15 @@ def test_a_replay_whose_times_overflow_is_refused():
                                                                  for t in schedule.problem.tasks))
     with pytest.raises(PipeloomError, match="overflow the float range"):
         simulate(Schedule(name="big", problem=problem, num_microbatches=4, ranks=schedule.ranks))
+
+
+def test_the_entry_points_refuse_wrong_types_with_a_type_error_naming_the_fix():
+    pytest.importorskip("ortools")
+    from pipeloom.search import search
+
+    for call, words in ((lambda: pipeloom.validate("x"), "schedule must be a pipeloom Schedule"),
+                        (lambda: pipeloom.simulate(None), "schedule must be a pipeloom Schedule"),
+                        (lambda: search("mshape", 8), "placement('mshape', 8)")):
+        with pytest.raises(ArgumentTypeError, match=re.escape(words)) as caught:
+            call()
+        assert isinstance(caught.value, TypeError) and isinstance(caught.value, PipeloomError)

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Literal
 
-from pipeloom.errors import PipeloomError, ScheduleFormatError
+from pipeloom.errors import PipeloomError, ScheduleFormatError, require_type
 from pipeloom.ir import FORMAT, Schedule, schedule_from_json
 from pipeloom.ir.files import read_text
 from pipeloom.problem import Costs, Problem
@@ -123,6 +123,8 @@ def search(
     limit or none could be built in the time, and PipeloomError, before any work, above
     :data:`MAX_INTERVALS` (task, micro-batch) intervals.
     """
+    require_type("problem", problem, Problem, "a Problem: placement(name, ranks) for a catalogue placement "
+                 "(e.g. search(placement('mshape', 8), 128)), load_problem(path) or stage_graph(...)")
     _check_arguments(num_microbatches, time_limit, workers)
     _check_size(problem, num_microbatches)
     started = time.perf_counter()
