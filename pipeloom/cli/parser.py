@@ -36,8 +36,8 @@ class _Parser(argparse.ArgumentParser):
 # ------------------------------------------------------------------------------ argument types
 
 
-def _number(kind: type, words: str, minimum: float):
-    """An argparse type parsing ``kind`` and requiring a finite value >= ``minimum``."""
+def _number(kind: type, words: str, minimum: float, maximum: float = math.inf):
+    """An argparse type parsing ``kind`` and requiring a finite value in ``[minimum, maximum]``."""
 
     def parse(text: str) -> float:
         try:
@@ -46,6 +46,8 @@ def _number(kind: type, words: str, minimum: float):
             value = math.nan
         if not math.isfinite(value) or value < minimum:
             raise argparse.ArgumentTypeError(f"must be {words}, got {text!r}")
+        if value > maximum:
+            raise argparse.ArgumentTypeError(f"must be at most {maximum:g}, got {text!r}")
         return value
 
     return parse
@@ -53,6 +55,9 @@ def _number(kind: type, words: str, minimum: float):
 
 _cost = _number(float, "a finite number >= 0", 0)
 _count = _number(int, "a positive integer", 1)
+MAX_TERMINAL_WIDTH = 10_000
+"""Columns of the ``--terminal`` view at most (a wider view cannot be read and costs memory per column)."""
+_width = _number(int, "a positive integer", 1, MAX_TERMINAL_WIDTH)
 
 
 def _path_with(*suffixes: str):
@@ -93,7 +98,7 @@ def _add_outputs(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--trace", type=_path_with(".json"), help="Chrome/Perfetto trace (.json)")
     group.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     group.add_argument("--terminal", action="store_true", help="draw the timeline in the terminal")
-    group.add_argument("--width", type=_count, help="width of the --terminal view (default: terminal width)")
+    group.add_argument("--width", type=_width, help="width of the --terminal view (default: terminal width)")
 
 
 def _add_shape(parser: argparse.ArgumentParser) -> None:

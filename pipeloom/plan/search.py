@@ -432,6 +432,9 @@ def _check_request(table: CostTable, num_ranks: int, global_batch: int, memory_l
     unknown = [name for name in schedules or () if name not in REGISTRY]
     if unknown:
         raise PlanError(f"unknown schedule(s) {unknown}; choose among: {', '.join(REGISTRY)}")
+    if not any(p.f > 0 or p.i > 0 or p.w > 0 for p in table.pieces):
+        raise PlanError("every piece of the cost table takes no time (f, i and w all 0): there is nothing to "
+                        "plan; profile the model (pipeloom profile) or fill in the pieces' times")
     if num_ranks > len(table.pieces):
         raise PlanError(
             f"{num_ranks} ranks need at least {num_ranks} pieces (one stage each), but the cost table has "

@@ -173,3 +173,17 @@ def test_an_error_in_the_users_file_is_one_line_naming_the_file_and_line(capsys,
 def test_two_cost_tables_of_one_microbatch_size_are_refused(capsys, costs):
     one_line_error(run(capsys, "plan", "--costs", str(costs), str(costs), "--ranks", "2", "--global-batch", "8"),
                    1, "two cost tables are for micro-batch size")
+
+
+def test_a_cost_table_of_zero_times_is_refused_before_any_report(capsys, tmp_path):
+    pieces = tuple(Piece(name=f"b.{k}", f=0.0, i=0.0, w=0.0, activation_bytes=0, w_activation_bytes=0,
+                         param_bytes=0, output_bytes=0) for k in range(4))
+    path = tmp_path / "zero.json"
+    save_costs(CostTable(pieces=pieces, microbatch_size=1), path)
+    one_line_error(run(capsys, "plan", "--costs", str(path), "--ranks", "2", "--global-batch", "8"), 1,
+                   "takes no time")
+
+
+def test_a_terminal_view_wider_than_the_cap_is_refused(capsys):
+    one_line_error(run(capsys, "show", "1f1b", "--ranks", "2", "--microbatches", "4", "--terminal", "--width",
+                       "1000000000"), 2, "--width", "at most 10000")
