@@ -66,8 +66,13 @@ def check_structure(schedule: Schedule) -> None:
     """
     problem = schedule.problem
     num_mb = schedule.num_microbatches
+    owned: list[set] = [set() for _ in schedule.ranks]  # one pass over the tasks, not one per rank
+    for task in problem.tasks:
+        for rank in task.ranks:
+            if rank < len(owned):
+                owned[rank].add(task.key)
     for r, actions in enumerate(schedule.ranks):
-        own = {task.key for task in problem.tasks if r in task.ranks}
+        own = owned[r]
         seen: set[Action] = set()
         for step, action in enumerate(actions):
             if type(action) is Comm:

@@ -511,3 +511,8 @@ def test_outputs_are_all_written_or_none(capsys, tmp_path, monkeypatch):
     assert main([*argv, "-o", str(picture)]) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ok.json", "x.png"]
     assert oct(saved.stat().st_mode & 0o777) != oct(0o600)  # a new file's usual permissions, not mkstemp's
+
+
+def test_too_many_ranks_are_refused_before_building(capsys):
+    assert main(["show", "1f1b", "--ranks", "1000000", "--microbatches", "1"]) == 2
+    assert "above the limit of 65,536 ranks" in capsys.readouterr().err

@@ -29,7 +29,7 @@ from pipeloom.viz.report import (
     timeline_report,
 )
 
-__all__ = ["MAX_ACTIONS", "MAX_LOWERED_ACTIONS", "compare_schedules", "cmd_list", "cmd_show", "cmd_simulate",
+__all__ = ["MAX_ACTIONS", "MAX_LOWERED_ACTIONS", "MAX_RANKS", "compare_schedules", "cmd_list", "cmd_show", "cmd_simulate",
            "cmd_compare"]
 
 MAX_ACTIONS = MAX_INTERVALS
@@ -38,6 +38,9 @@ and 4 GB, since building and validating took 2.5-4.5 s and 0.4 GB per million ac
 m=8192, zbv p=64 m=4096)."""
 
 
+MAX_RANKS = 65_536
+"""Most ranks a built-in schedule is built, checked and drawn for by the command line (validation and
+the per-rank tables grow with the ranks even at one micro-batch: 100,000 ranks took 8 s)."""
 MAX_LOWERED_ACTIONS = 1_000_000
 """Most compute actions (estimated as for ``MAX_ACTIONS``) ``show --with-comms`` lowers: lowering adds
 about 2 communication actions per compute action and checks and replays them in Python, about 6 s per
@@ -55,6 +58,8 @@ def _check_size(name: str, ranks: int, microbatches: int, stages_per_rank: int |
     ``with_comms``), estimated as ranks x micro-batches x stages per rank (``stages_per_rank``, else 2,
     the most a built-in uses by default) x kinds (3 with a split backward: F, I, W; else 2: F, B), a
     rough upper bound."""
+    if ranks > MAX_RANKS:
+        raise UsageError(f"{name} on {ranks:,} ranks is above the limit of {MAX_RANKS:,} ranks; use fewer ranks")
     estimate = ranks * microbatches * (stages_per_rank or 2) * (3 if REGISTRY[name].splits_backward else 2)
     limit = MAX_LOWERED_ACTIONS if with_comms else MAX_ACTIONS
     if estimate > limit:
