@@ -348,7 +348,7 @@ def test_demo_folder_that_cannot_be_created_is_refused_first(capsys, tmp_path, m
 @pytest.mark.parametrize("argv", [
     ["show", "1f1b", "-p", "4", "-m", "100000000000"],
     ["show", "interleaved-1f1b", "-p", "4", "-m", "8", "--stages-per-rank", "100000000"],
-    ["compare", "gpipe", "zbv", "-p", "100000", "-m", "100000"],
+    ["compare", "gpipe", "zbv", "-p", "60000", "-m", "100000"],
 ])
 def test_huge_inputs_are_refused_before_building(capsys, monkeypatch, argv):
     monkeypatch.setattr("pipeloom.cli.schedules.build_schedule", pytest.fail)
