@@ -7,8 +7,6 @@ more run either its units back to back or a time-aware list order, whichever fin
 
 from __future__ import annotations
 
-import heapq
-import math
 from typing import Literal
 
 from pipeloom.ir import Action, Schedule
@@ -21,6 +19,7 @@ from pipeloom.schedules.common import (
     two_replica_problem,
     v_rank_stages,
 )
+from pipeloom.schedules.kernel import ListProblem, ListTask, list_schedule_kernel
 from pipeloom.sim import simulate
 
 __all__ = ["chimera", "chimera_caps", "chimera_list_order", "chimera_slots"]
@@ -75,89 +74,56 @@ def chimera_caps(num_ranks: int, rank: int) -> tuple[int, int]:
     return (p - r - 1, r + 1) if r < p // 2 else (p - r, r)
 
 
-class _ListScheduler:
-    """Event-driven list scheduling of the two replicas' chains (the state of one run).
+def _chain_tasks(num_ranks: int, costs: Costs) -> tuple[ListTask, ...]:
+    """The kernel's tasks: index 2(p d + k) + kind is position k of direction d (0 down, 1 up),
+    kind 0 = F, 1 = B = b + w; F waits for F one position back, B for its own F and the B one
+    position on (each across ranks with ``costs.comm``, except a rank's own F)."""
+    p, comm = num_ranks, costs.comm
+    tasks = []
+    for d in (0, 1):
+        for k in range(p):
+            rank, stage = (k, k) if d == 0 else (p - 1 - k, p + k)
+            index = 2 * (p * d + k)
+            tasks += [
+                ListTask(stage=stage, kind="F", ranks=(rank,), duration=costs.f,
+                         deps=((index - 2, comm),) if k else ()),
+                ListTask(stage=stage, kind="B", ranks=(rank,), duration=costs.b + costs.w,
+                         deps=((index, 0.0),) + (((index + 2 + 1, comm),) if k < p - 1 else ())),
+            ]
+    return tuple(tasks)
 
-    Rank r runs four streams (d, kind): its stage of direction d (0 down, 1 up) at chain position
-    r (down) or p-1-r (up), forward or backward; each runs pairs 0, 1, ... in order (FIFO, so
-    every stage keeps micro-batch order). ``finish[d][kind][k * n + j]``: end of pair j's
-    ``kind`` at position k of direction d, None until placed.
-    """
 
-    def __init__(self, num_ranks: int, num_pairs: int, costs: Costs) -> None:
-        p, n = num_ranks, num_pairs
-        self.p, self.n, self.comm = p, n, costs.comm
-        self.dur = (costs.f, costs.b + costs.w)  # indexed by kind: 0 = F, 1 = B
-        self.finish = [[[None] * (p * n) for _ in range(2)] for _ in range(2)]
-        self.head = [[0] * 4 for _ in range(p)]  # per rank, stream 2d + kind
-        self.inflight = [[0, 0] for _ in range(p)]
-        self.caps = [chimera_caps(p, r) for r in range(p)]
-        self.free = [0.0] * p
-        self.order: list[list[Action]] = [[] for _ in range(p)]
+class _CapRules:
+    """Chimera's list rules: 1F1B-like release by priority, forwards admitted under :func:`chimera_caps`."""
+
+    def __init__(self, num_ranks: int, costs: Costs) -> None:
+        p = num_ranks
         F, B, c = costs.f, costs.b + costs.w, costs.comm
+        self.p, self.period = p, F + B
         # Priority offset: the action's start when its pair runs alone, F at k(F+c), B after all F.
         self.offset = [(k * (F + c), p * F + (p - 1) * c + (p - 1 - k) * (B + c)) for k in range(p)]
+        self.caps = [chimera_caps(p, r) for r in range(p)]
+        self.inflight = [[0, 0] for _ in range(p)]
 
-    def ready(self, d: int, kind: int, k: int, j: int) -> float | None:
-        """Earliest start of pair j's ``kind`` at position k of direction d; None if a dep is unplaced."""
-        fin, n, comm = self.finish[d], self.n, self.comm
-        if kind == 0:
-            if k == 0:
-                return 0.0
-            prev = fin[0][(k - 1) * n + j]
-            return None if prev is None else prev + comm
-        own = fin[0][k * n + j]
-        if own is None or k == self.p - 1:
-            return own
-        later = fin[1][(k + 1) * n + j]
-        return None if later is None else max(own, later + comm)
+    def _where(self, t: int) -> tuple[int, int, int, int]:
+        """(direction, position, kind, rank) of task index t."""
+        chain, kind = divmod(t, 2)
+        d, k = divmod(chain, self.p)
+        return d, k, kind, (k if d == 0 else self.p - 1 - k)
 
-    def step(self, r: int, now: float) -> list[tuple[float, int]]:
-        """Rank r, free at ``now``, starts its best ready action; returns the (time, rank) to wake.
+    def priority(self, t: int, j: int) -> tuple[float, int, int]:
+        """j(F+B) + the lone pair's start (pair j released once per F + B), then B before F, down first."""
+        d, k, kind, _ = self._where(t)
+        return (j * self.period + self.offset[k][kind], 1 - kind, d)
 
-        Best = smallest (j(F+B) + offset, F after B, down first): pair j is released once per
-        F + B, as in 1F1B. A forward is admitted only under its direction's cap.
-        """
-        best, soonest, head = None, math.inf, self.head[r]
-        for d, k in ((0, r), (1, self.p - 1 - r)):
-            for kind in (1, 0):
-                j = head[2 * d + kind]
-                if j >= self.n or (kind == 0 and self.inflight[r][d] >= self.caps[r][d]):
-                    continue
-                ready = self.ready(d, kind, k, j)
-                if ready is None:
-                    continue
-                if ready > now:
-                    soonest = min(soonest, ready)
-                    continue
-                key = (j * sum(self.dur) + self.offset[k][kind], 1 - kind, d)
-                if best is None or key < best[0]:
-                    best = (key, d, kind, k, j)
-        if best is None:
-            return [] if soonest == math.inf else [(soonest, r)]
-        _, d, kind, k, j = best
-        end = now + self.dur[kind]
-        self.finish[d][kind][k * self.n + j] = end
-        head[2 * d + kind] += 1
+    def admits(self, t: int, j: int) -> bool:
+        """A forward of direction d only while its rank holds fewer than its cap of d's forwards."""
+        d, _, kind, r = self._where(t)
+        return kind == 1 or self.inflight[r][d] < self.caps[r][d]
+
+    def started(self, t: int, j: int) -> None:
+        d, _, kind, r = self._where(t)
         self.inflight[r][d] += 1 - 2 * kind
-        self.free[r] = end
-        self.order[r].append(Action(k if d == 0 else self.p + k, "FB"[kind], j))
-        wake = [(end, r)]
-        unblocked = k + 1 - 2 * kind  # F feeds the next position, B the previous one
-        if 0 <= unblocked < self.p:
-            wake.append((end + self.comm, unblocked if d == 0 else self.p - 1 - unblocked))
-        return wake
-
-    def run(self) -> list[list[Action]]:
-        """Wake ranks in time order until every action is placed."""
-        events = [(0.0, r) for r in range(self.p)]
-        while events:
-            now, r = heapq.heappop(events)
-            if self.free[r] <= now:
-                for event in self.step(r, now):
-                    heapq.heappush(events, event)
-        assert all(len(actions) == 4 * self.n for actions in self.order), "list scheduling stalled"
-        return self.order
 
 
 def chimera_list_order(num_ranks: int, num_pairs: int, costs: Costs = Costs()) -> list[list[Action]]:
@@ -171,7 +137,11 @@ def chimera_list_order(num_ranks: int, num_pairs: int, costs: Costs = Costs()) -
     that direction, or already holds it), so no deadlock; the caps bound memory by p per rank.
     Linear time: O(log p) per action.
     """
-    return _ListScheduler(num_ranks, num_pairs, costs).run()
+    tasks = _chain_tasks(num_ranks, costs)
+    problem = ListProblem(num_ranks=num_ranks, num_microbatches=num_pairs, tasks=tasks)
+    result = list_schedule_kernel(problem, _CapRules(num_ranks, costs))
+    assert result.complete, "list scheduling stalled"
+    return [list(actions) for actions in result.ranks]
 
 
 def chimera(

@@ -14,6 +14,7 @@ from pipeloom.errors import PipeloomError, ScheduleError
 from pipeloom.ir import Action, Schedule
 from pipeloom.problem import Costs
 from pipeloom.schedules.common import check_counts, make_schedule, v_problem
+from pipeloom.schedules.kernel import ListProblem, ListTask, RankState, rank_schedule_kernel
 from pipeloom.schedules.zbv_plan import VPlan, v_plan
 from pipeloom.schedules.zbv_rounds import round_candidates
 from pipeloom.validate import validate
@@ -74,8 +75,13 @@ def _list_schedule(plan: VPlan, policy: _Policy) -> tuple[list[list[Action]], fl
     runs the first ready candidate in the policy's priority order (an F only if its memory fits
     while keeping room for ``reserve`` second-stage forwards), else a W to fill the gap. A rank
     with nothing to run sleeps until its next known ready time or until a neighbour places the
-    dependency it waits for. Per stage, F, I and W run in micro-batch order. The loop is one
-    frame on purpose: it places 393k actions for p=64, m=1024 well under a second.
+    dependency it waits for. Per stage, F, I and W run in micro-batch order.
+
+    This is the fast path of :func:`_kernel_list_schedule` (the same policy as :class:`_PolicyRules`
+    on :func:`~pipeloom.schedules.kernel.rank_schedule_kernel`), inlined in one frame: about 2x
+    faster (``build_schedule("zbv", 64, 1024)``, 393k actions: 1.0 s, 2.1 s on the kernel);
+    tests/schedules/test_list_golden.py checks both give the same orders and makespans for every
+    policy on its 450-cell grid.
     """
     p, m = plan.num_ranks, plan.num_microbatches
     last = 2 * p - 1
@@ -207,6 +213,96 @@ def _list_schedule(plan: VPlan, policy: _Policy) -> tuple[list[list[Action]], fl
                 push(heap, (end, r))
                 break
     return (orders, makespan) if left == 0 else None
+
+
+def _v_list_problem(plan: VPlan) -> ListProblem:
+    """The kernel's problem data for a VPlan: task s is F of stage s, 2p + s its I, 4p + s its W."""
+    p, last = plan.num_ranks, 2 * plan.num_ranks - 1
+    owner, (f_dur, i_dur, w_dur), (f_mem, i_mem, w_mem) = plan.owner, plan.duration, plan.memory
+    forwards = [ListTask(stage=s, kind="F", ranks=(owner[s],), duration=f_dur[s], memory=f_mem[s],
+                         deps=((s - 1, plan.latency_f[s]),) if s else ()) for s in range(2 * p)]
+    inputs = [ListTask(stage=s, kind="I", ranks=(owner[s],), duration=i_dur[s], memory=i_mem[s],
+                       deps=((s, 0.0),) + (((2 * p + s + 1, plan.latency_i[s]),) if s < last else ()))
+              for s in range(2 * p)]
+    weights = [ListTask(stage=s, kind="W", ranks=(owner[s],), duration=w_dur[s], memory=w_mem[s],
+                        deps=((2 * p + s, 0.0),)) for s in range(2 * p)]
+    return ListProblem(num_ranks=p, num_microbatches=plan.num_microbatches,
+                       tasks=tuple(forwards + inputs + weights))
+
+
+class _PolicyRules:
+    """A :class:`_Policy` as :class:`~pipeloom.schedules.kernel.RankRules` on the kernel's state: the
+    reference :func:`_list_schedule` (the same rule inlined in one frame) is tested equal to."""
+
+    def __init__(self, plan: VPlan, policy: _Policy) -> None:
+        p = plan.num_ranks
+        last = 2 * p - 1
+        self.plan, self.policy, self.p = plan, policy, p
+        f_mem = plan.memory[0]
+        self.need = [f_mem[s] + (policy.reserve * f_mem[last - s] if s < p else 0.0) for s in range(2 * p)]
+        # Per rank: (task, stage, phase 0 F / 1 I, patient new work) in priority order.
+        self.candidates = [
+            tuple((phase * 2 * p + stages[side], stages[side], phase,
+                   policy.patient and not phase and not side) for phase, side in policy.order)
+            for stages in plan.rank_stages
+        ]
+
+    def _older_w(self, state: RankState, a: int, c: int) -> int:
+        """The stage of the older pending W of the two (c on a tie), by its I's end."""
+        two_p, nmb, finish = 2 * self.p, state.next_mb, state.finish
+        wa, wc, ia, ic = nmb[2 * two_p + a], nmb[2 * two_p + c], nmb[two_p + a], nmb[two_p + c]
+        if wc < ic and (wa >= ia or finish[two_p + c][wc] <= finish[two_p + a][wa]):
+            return c
+        return a
+
+    def choose(self, state: RankState, r: int, t: float) -> float | None:
+        """The first ready F/I in policy order that memory (with reserve) and patience admit; else a
+        W that fits the gap before the next known ready time; backfill fills the past gap with W."""
+        plan, policy, m = self.plan, self.policy, self.plan.num_microbatches
+        two_p, nmb, limit, w_dur = 2 * self.p, state.next_mb, plan.limit, plan.duration[2]
+        h, a, c = state.held[r], *plan.rank_stages[r]
+        chosen, nxt, blocked = -1, _INF, False
+        for task, s, phase, patient in self.candidates[r]:
+            if not phase:
+                if nmb[task] >= m:
+                    continue
+                if h + self.need[s] > limit:
+                    blocked = True
+                    continue
+            ready = state.ready(task)
+            if ready is None:
+                continue
+            if patient and ready <= t and t + plan.duration[0][s] > nxt:
+                continue
+            if ready <= t:
+                chosen = task
+                break
+            nxt = min(nxt, ready)
+        if policy.backfill and chosen >= 0 and state.free[r] < t:
+            start = state.free[r]
+            while True:
+                s = self._older_w(state, a, c)
+                if (nmb[2 * two_p + s] >= nmb[two_p + s] or start >= t
+                        or (policy.w_only_if_fits and start + w_dur[s] > t)):
+                    break
+                start = state.place(2 * two_p + s, start)
+            t = max(t, start)
+        elif chosen < 0:
+            s = self._older_w(state, a, c)
+            all_placed = sum(nmb[x] for x in (a, c, two_p + a, two_p + c)) == 4 * m
+            if (nmb[2 * two_p + s] < nmb[two_p + s] and (not policy.w_only_if_fits or t + w_dur[s] <= nxt)
+                    and (not policy.backfill or nxt < _INF or blocked or all_placed)):
+                chosen = 2 * two_p + s
+            else:
+                return nxt
+        state.place(chosen, t)
+        return None
+
+
+def _kernel_list_schedule(plan: VPlan, policy: _Policy) -> tuple[list[list[Action]], float] | None:
+    """:func:`_list_schedule` on :func:`~pipeloom.schedules.kernel.rank_schedule_kernel` (same output)."""
+    result = rank_schedule_kernel(_v_list_problem(plan), _PolicyRules(plan, policy))
+    return ([list(actions) for actions in result.ranks], result.makespan) if result.complete else None
 
 
 def zbv(

@@ -5,14 +5,13 @@ It warm-starts the exact search and stands in where no built-in schedule fits th
 
 from __future__ import annotations
 
-import heapq
 import math
-import time
 from collections import defaultdict, deque
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
-from pipeloom.ir import Action, Schedule
+from pipeloom.ir import Schedule
 from pipeloom.problem import Problem
+from pipeloom.schedules.kernel import ListProblem, ListTask, list_schedule_kernel
 from pipeloom.search.common import SearchError, head_tail, topological_order
 
 __all__ = ["list_schedule", "microbatch_peak_memory"]
@@ -106,61 +105,51 @@ def list_schedule(
     limit = problem.memory_limit if memory_limit is None else float(memory_limit)
     if limit != problem.memory_limit:
         problem = replace(problem, memory_limit=limit)
-    builder = _ListScheduler(problem, num_microbatches, limit)
-    builder.run(deadline)
-    return Schedule(
-        name=name,
-        problem=problem,
+    rules = _AdmissionRules(problem, limit)
+    result = list_schedule_kernel(_list_problem(problem, num_microbatches), rules, deadline=deadline)
+    if result.timed_out:
+        raise SearchError(f"the list scheduler ran out of time after {result.placed:,} of {result.total:,} "
+                          "actions; raise the time limit")
+    if not result.complete:
+        raise SearchError(rules.stuck_message(result.placed, result.total))
+    return Schedule(name=name, problem=problem, num_microbatches=num_microbatches, ranks=result.ranks)
+
+
+def _list_problem(problem: Problem, num_microbatches: int) -> ListProblem:
+    """The kernel's problem data: a dep across a change of ranks pays ``problem.comm_latency``."""
+    tasks = problem.tasks
+    index = {task.key: i for i, task in enumerate(tasks)}
+    return ListProblem(
+        num_ranks=problem.num_ranks,
         num_microbatches=num_microbatches,
-        ranks=tuple(tuple(actions) for actions in builder.lists),
+        tasks=tuple(
+            ListTask(stage=task.stage, kind=task.kind, ranks=task.ranks, duration=task.duration,
+                     memory=task.memory,
+                     deps=tuple((index[d], 0.0 if set(tasks[index[d]].ranks) == set(task.ranks)
+                                 else problem.comm_latency) for d in task.deps))
+            for task in tasks
+        ),
     )
 
 
-@dataclass(frozen=True, slots=True)
-class _Candidate:
-    """A ready (task, micro-batch) and when it could start."""
+class _AdmissionRules:
+    """Priority (least start first, then longest tail, older micro-batch, topological position)
+    and the memory admission rule of :func:`list_schedule`, with the state that rule keeps."""
 
-    start: float
-    priority: tuple[float, int, int]
-    task: int
-    microbatch: int
-
-
-class _ListScheduler:
-    """The state of one list-scheduling pass (see :func:`list_schedule` for the rules)."""
-
-    def __init__(self, problem: Problem, num_microbatches: int, limit: float | None) -> None:
+    def __init__(self, problem: Problem, limit: float | None) -> None:
         tasks = problem.tasks
-        index = {task.key: i for i, task in enumerate(tasks)}
-        self.problem, self.num_mb, self.limit = problem, num_microbatches, limit
-        self.deps = [
-            [(index[d], 0.0 if set(tasks[index[d]].ranks) == set(task.ranks) else problem.comm_latency)
-             for d in task.deps]
-            for task in tasks
-        ]
+        self.problem, self.limit = problem, limit
         _, tail = head_tail(problem)
         position = {t: p for p, t in enumerate(topological_order(problem))}
-        self.priority = [(-tail[t], position[t]) for t in range(len(tasks))]
+        self.rank_priority = [(-tail[t], position[t]) for t in range(len(tasks))]
         num_ranks = problem.num_ranks
         self.hold = microbatch_peak_memory(problem)
         static = problem.static_memory or (0.0,) * num_ranks
         self.net = [sum(t.memory for t in tasks if r in t.ranks) for r in range(num_ranks)]
         self.count_on = [sum(1 for t in tasks if r in t.ranks) for r in range(num_ranks)]
-        self.next_mb = [0] * len(tasks)
-        self.users: list[list[int]] = [[] for _ in tasks]
-        for t, deps in enumerate(self.deps):
-            for d, _ in deps:
-                self.users[d].append(t)
-        self.ready = [0.0] * len(tasks)
-        """Per task: when its queued micro-batch's deps are done (latency included)."""
-        self.queued = [False] * len(tasks)
-        """Per task: whether its next micro-batch waits in :meth:`run`'s heap."""
-        self.finish: dict[tuple[int, int], float] = {}
-        self.free = [0.0] * num_ranks
         self.committed = list(static)
         self.admitted: list[set[int]] = [set() for _ in range(num_ranks)]
-        self.started = [defaultdict(int) for _ in range(num_ranks)]
-        self.lists: list[list[Action]] = [[] for _ in range(num_ranks)]
+        self.started_on = [defaultdict(int) for _ in range(num_ranks)]
         if limit is not None:
             need = [static[r] + self.hold[r] for r in range(num_ranks)]
             worst = max(range(num_ranks), key=need.__getitem__)
@@ -171,65 +160,13 @@ class _ListScheduler:
                     f"the list scheduler needs a limit of at least {max(need):g}"
                 )
 
-    def run(self, deadline: float | None = None) -> None:
-        """Start one action per step until every (task, micro-batch) has started (SearchError
-        once ``deadline`` has passed, checked every 64 steps).
+    def priority(self, t: int, mb: int) -> tuple[float, int, int]:
+        """Longest tail first (critical path), then the older micro-batch, then topological order."""
+        tail, position = self.rank_priority[t]
+        return (tail, mb, position)
 
-        Each step starts the ready candidate with the least ``(start, priority)`` that the
-        admission rule allows. Candidates wait in a heap under a key that can only be too early
-        (a rank's free time only grows): a popped key that is out of date goes back with its
-        current start, so the first up-to-date admitted one is the least: O(log) per action.
-        """
-        heap: list[tuple[float, tuple[float, int, int], int, int]] = []
-        for t in range(len(self.problem.tasks)):
-            self._push_if_ready(heap, t)
-        total = len(self.problem.tasks) * self.num_mb
-        for step in range(total):
-            if deadline is not None and step % 64 == 0 and time.perf_counter() > deadline:
-                raise SearchError(f"the list scheduler ran out of time after {step:,} of {total:,} "
-                                  "actions; raise the time limit")
-            waiting, chosen = [], None
-            while heap:
-                entry = heapq.heappop(heap)
-                start, priority, t, mb = entry
-                now = self._start_time(t)
-                if now > start:
-                    heapq.heappush(heap, (now, priority, t, mb))
-                elif self._admits(t, mb):
-                    chosen = _Candidate(start, priority, t, mb)
-                    break
-                else:
-                    waiting.append(entry)
-            for entry in waiting:
-                heapq.heappush(heap, entry)
-            if chosen is None:
-                raise SearchError(self._stuck_message())
-            self.queued[chosen.task] = False
-            self._start(chosen)
-            for t in (chosen.task, *self.users[chosen.task]):
-                self._push_if_ready(heap, t)
-
-    def _push_if_ready(self, heap: list, t: int) -> None:
-        """Queue task ``t``'s next micro-batch once every dep of it has started (finish known)."""
-        mb = self.next_mb[t]
-        if self.queued[t] or mb >= self.num_mb:
-            return
-        ready = 0.0
-        for dep, latency in self.deps[t]:
-            done = self.finish.get((dep, mb))
-            if done is None:
-                return
-            ready = max(ready, done + latency)
-        self.ready[t] = ready
-        self.queued[t] = True
-        heapq.heappush(heap, (self._start_time(t), (self.priority[t][0], mb, self.priority[t][1]), t, mb))
-
-    def _start_time(self, t: int) -> float:
-        """When task ``t``'s queued micro-batch could start: its deps done, its ranks free."""
-        return max([self.ready[t]] + [self.free[r] for r in self.problem.tasks[t].ranks])
-
-    def _admits(self, t: int, mb: int) -> bool:
-        """Whether starting (t, mb) keeps the admission rule on each of its ranks."""
+    def admits(self, t: int, mb: int) -> bool:
+        """Whether starting (t, mb) keeps ``committed_r + hold_r <= limit`` on each rank it newly admits."""
         task = self.problem.tasks[t]
         if self.limit is None or task.memory <= 0:
             return True
@@ -238,27 +175,22 @@ class _ListScheduler:
             mb in self.admitted[r] or self.committed[r] + self.hold[r] <= bound for r in task.ranks
         )
 
-    def _start(self, candidate: _Candidate) -> None:
-        t, mb = candidate.task, candidate.microbatch
+    def started(self, t: int, mb: int) -> None:
+        """Commit ``hold_r`` on admission; on the micro-batch's last task on r, trade it for ``net_r``."""
         task = self.problem.tasks[t]
-        end = candidate.start + task.duration
-        self.finish[(t, mb)] = end
-        self.next_mb[t] += 1
         for r in task.ranks:
-            self.free[r] = end
-            self.lists[r].append(Action(task.stage, task.kind, mb))
             if task.memory > 0 and mb not in self.admitted[r]:
                 self.admitted[r].add(mb)
                 self.committed[r] += self.hold[r]
-            self.started[r][mb] += 1
-            if self.started[r][mb] == self.count_on[r]:  # the micro-batch is done on r
-                del self.started[r][mb]
+            self.started_on[r][mb] += 1
+            if self.started_on[r][mb] == self.count_on[r]:  # the micro-batch is done on r
+                del self.started_on[r][mb]
                 if mb in self.admitted[r]:
                     self.admitted[r].discard(mb)
                     self.committed[r] -= self.hold[r]
                 self.committed[r] += self.net[r]
 
-    def _stuck_message(self) -> str:
+    def stuck_message(self, placed: int, total: int) -> str:
         growing = [r for r in range(self.problem.num_ranks) if self.net[r] > _EPS]
         detail = (
             f"; each micro-batch leaves {self.net[growing[0]]:g} more memory on rank {growing[0]}, "
@@ -267,6 +199,6 @@ class _ListScheduler:
         )
         return (
             f"the list scheduler cannot start any action within the memory limit {self.limit:g} "
-            f"after {sum(self.next_mb)} of {len(self.next_mb) * self.num_mb} actions{detail}; "
+            f"after {placed} of {total} actions{detail}; "
             "raise the limit or use fewer micro-batches"
         )

@@ -258,11 +258,12 @@ def test_hints_of_another_problem_are_skipped_and_progress_is_reported():
 def test_bound_includes_the_memory_time_term_of_the_limit_argument():
     """1F1B placement, p=4, m=8, thirds (scaling inexact: the bound is the analytic one). Rank 0
     holds each activation 10/3 time units, so limit 2 admits one micro-batch per 5/3: 8 * 5/3
-    beats the path bound (8 + 3) * 1."""
+    beats the path bound (8 + 3) * 1; its last B (2/3) gives the memory back when it starts (the
+    memory bound's drain term)."""
     costs = Costs(f=1 / 3, b=1 / 3, w=1 / 3)
     problem = build_schedule("1f1b", 4, 8, costs=costs).problem  # no limit of its own
     result = solve_exact(problem, 8, memory_limit=2.0, time_limit=3)
     check(result, 2.0)
-    assert lower_bound(problem, 8, memory_limit=2.0) == pytest.approx(8 * 5 / 3)
+    assert lower_bound(problem, 8, memory_limit=2.0) == pytest.approx(8 * 5 / 3 + 2 / 3)
     assert lower_bound(problem, 8) == pytest.approx(11.0)
     assert result.lower_bound >= 8 * 5 / 3 - 1e-9
