@@ -21,7 +21,7 @@ from pipeloom.problem import Costs
 from pipeloom.schedules.interleaved_zb import interleaved_zb
 from pipeloom.validate import validate
 
-__all__ = ["COST_SETS", "Row", "interleaved_zb_vs_torch", "torch_interleaved_zb_csv"]
+__all__ = ["COST_SETS", "Row", "interleaved_zb_vs_torch", "torch_interleaved_zb_csv", "torch_order_csv"]
 
 COST_SETS = {
     "unit": Costs(f=1, b=1, w=1),
@@ -57,13 +57,15 @@ class Row:
         return all(a <= b + 1e-9 for a, b in zip(self.our_peaks, self.torch_peaks))
 
 
-def torch_interleaved_zb_csv(num_ranks: int, num_microbatches: int, stages_per_rank: int) -> str | None:
-    """torch's per-rank order as torch CSV, or None where torch refuses m."""
+def torch_order_csv(class_name: str, num_ranks: int, num_microbatches: int, stages_per_rank: int) -> str | None:
+    """The per-rank order of torch's schedule class ``class_name`` as torch CSV, or None where torch
+    refuses m. The classes need real stages in ``__init__``; their order needs only these attributes,
+    so the object is made without ``__init__`` (as tests/test_torch_interop.py does)."""
     p, m = num_ranks, num_microbatches
     rounds = max(1, m // p)
     if m % rounds:
         return None
-    order = object.__new__(torch_schedules.ScheduleInterleavedZeroBubble)
+    order = object.__new__(getattr(torch_schedules, class_name))
     order.pp_group_size, order._n_microbatches, order.n_local_stages = p, m, stages_per_rank
     order.number_of_rounds, order.microbatches_per_round = rounds, m // rounds
     order.num_stages = order._num_stages = p * stages_per_rank
@@ -72,6 +74,11 @@ def torch_interleaved_zb_csv(num_ranks: int, num_microbatches: int, stages_per_r
     for rank in range(p):
         writer.writerow(["" if a is None else str(a) for a in order._calculate_single_rank_operations(rank)])
     return out.getvalue()
+
+
+def torch_interleaved_zb_csv(num_ranks: int, num_microbatches: int, stages_per_rank: int) -> str | None:
+    """torch's ScheduleInterleavedZeroBubble order as torch CSV, or None where torch refuses m."""
+    return torch_order_csv("ScheduleInterleavedZeroBubble", num_ranks, num_microbatches, stages_per_rank)
 
 
 def interleaved_zb_vs_torch() -> list[Row]:

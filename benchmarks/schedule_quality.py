@@ -106,31 +106,11 @@ def zbv_search_section() -> bool:
     return not slower
 
 
-def _torch_zbv_csv(num_ranks: int, num_microbatches: int) -> str:
-    """torch's ScheduleZBVZeroBubble per-rank order as torch CSV (its classes compute it without
-    stages; the object is made without ``__init__``, as tests/test_torch_interop.py does)."""
-    import csv
-    import io
-
-    from torch.distributed.pipelining import schedules as torch_schedules
-
-    order = object.__new__(torch_schedules.ScheduleZBVZeroBubble)
-    order.pp_group_size, order._n_microbatches, order.n_local_stages = num_ranks, num_microbatches, 2
-    order.number_of_rounds = max(1, num_microbatches // num_ranks)
-    order.microbatches_per_round = num_microbatches // order.number_of_rounds
-    order.num_stages = order._num_stages = 2 * num_ranks
-    out = io.StringIO()
-    writer = csv.writer(out)
-    for rank in range(num_ranks):
-        writer.writerow(["" if a is None else str(a) for a in order._calculate_single_rank_operations(rank)])
-    return out.getvalue()
-
-
 def torch_section() -> bool:
     """interleaved-zb / zbv and the search against torch's own zero-bubble orders."""
     import ortools  # noqa: F401
 
-    from interleaved_zb_quality import COST_SETS, interleaved_zb_vs_torch, torch_interleaved_zb_csv
+    from interleaved_zb_quality import COST_SETS, interleaved_zb_vs_torch, torch_interleaved_zb_csv, torch_order_csv
     from pipeloom.ir import schedule_from_csv
     from pipeloom.search import placement, search
     from pipeloom.validate import validate
@@ -145,7 +125,8 @@ def torch_section() -> bool:
         for name, costs in COST_SETS.items():
             for p in (2, 4, 8):
                 for m in (8, 16, 24):
-                    text = (torch_interleaved_zb_csv(p, m, 2) if kind == "interleaved" else _torch_zbv_csv(p, m))
+                    text = (torch_interleaved_zb_csv(p, m, 2) if kind == "interleaved"
+                            else torch_order_csv("ScheduleZBVZeroBubble", p, m, 2))
                     if text is None:
                         continue
                     theirs = validate(schedule_from_csv(text, costs=costs), ordered=True)
