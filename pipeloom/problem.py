@@ -221,10 +221,29 @@ class Problem:
                 if indegree[user] == 0:
                     ready.append(user)
         if seen != len(self.tasks):
-            cyclic = sorted(task_name(k) for k, n in indegree.items() if n > 0)
+            cycle = self._one_cycle({k for k, n in indegree.items() if n > 0})
             raise ProblemError(
-                f"the task dependencies form a cycle through {', '.join(cyclic)}; remove one of those edges"
+                f"the task dependencies form a cycle: {' -> '.join(map(task_name, cycle))}; remove one of "
+                "those edges"
             )
+
+    def _one_cycle(self, left: set[TaskKey]) -> list[TaskKey]:
+        """One cycle among ``left`` (the tasks Kahn's algorithm could not order, which include every
+        cycle and what depends on one): from any of them follow deps that stay in ``left`` until a task
+        repeats; the path from its first visit is a cycle, listed in dependency order from its smallest
+        task and closed."""
+        deps = {task.key: [d for d in task.deps if d in left] for task in self.tasks if task.key in left}
+        key = min(left)
+        position: dict[TaskKey, int] = {}
+        path: list[TaskKey] = []
+        while key not in position:  # every task in ``left`` keeps a dep in ``left``: the walk goes on
+            position[key] = len(path)
+            path.append(key)
+            key = min(deps[key])
+        cycle = path[position[key]:][::-1]  # the walk followed deps backwards in time
+        first = cycle.index(min(cycle))  # start at its smallest task: the same text however found
+        cycle = cycle[first:] + cycle[:first]
+        return [*cycle, cycle[0]]
 
     def task(self, key: TaskKey) -> Task:
         """The task named ``key``; ProblemError if there is none."""

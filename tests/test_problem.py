@@ -32,7 +32,10 @@ def _task(stage: int, kind: str = "F", ranks=(0,), deps=(), duration: float = 1.
          ["cycle", "0F", "1F", "remove one of those edges"]),
         (lambda: Problem(num_ranks=1, tasks=(_task(0), _task(1, deps=((0, "F"),)),
                                              _task(2, deps=((2, "F"),)))),
-         ["cycle", "2F"]),
+         ["cycle: 2F -> 2F;"]),
+        (lambda: Problem(num_ranks=1, tasks=(_task(0, deps=((2, "F"),)), _task(1, deps=((0, "F"),)),
+                                             _task(2, deps=((1, "F"),)), _task(3, deps=((2, "F"),)))),
+         ["cycle: 0F -> 1F -> 2F -> 0F;"]),  # the cycle only, not 3F downstream of it
         (lambda: _task(0, duration=-1.0), ["0F", "duration", ">= 0", "-1"]),
         (lambda: _task(0, duration=float("nan")), ["0F", "duration", "finite"]),
         (lambda: Problem(num_ranks=1, tasks=(_task(0, deps=((3, "B"),)),)),
