@@ -130,6 +130,7 @@ def search(
     started = time.perf_counter()
     budget = Budget(deadline=started + time_limit)
     limit = problem.memory_limit if memory_limit is None else memory_limit
+    _check_static(problem, limit)
     target = problem if limit == problem.memory_limit else dataclasses.replace(problem, memory_limit=limit)
     plan = search_plan(target, num_microbatches, mode)
     to_integers(target, num_microbatches=num_microbatches if "exact" in plan else 1)  # int64 range, up front
@@ -253,6 +254,18 @@ class _Search:
             )
         return _best(self.problem, self.num_mb, self.results, self.candidates, mode=self.plan[-1],
                      name=self.name, seconds=seconds, bound=self.bound)
+
+
+def _check_static(problem: Problem, limit: float | None) -> None:
+    """SearchError when some rank's static memory alone exceeds the memory limit: nothing can fit."""
+    static = problem.static_memory
+    if limit is None or not static:
+        return
+    rank = max(range(len(static)), key=static.__getitem__)
+    if static[rank] > limit:
+        raise SearchError(f"rank {rank} holds {static[rank]:g} of static memory (weights, state) before any "
+                          f"action, above the memory limit {limit:g}: no schedule fits; raise the limit above "
+                          f"{static[rank]:g} plus the activations the schedule holds, or lower the static memory")
 
 
 def _check_arguments(num_microbatches: int, time_limit: float, workers: int) -> None:

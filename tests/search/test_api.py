@@ -301,3 +301,9 @@ def test_a_limit_beyond_integer_range_is_no_limit_and_huge_durations_are_refused
     check_result(result)
     with pytest.raises(PipeloomError, match=r"2\*\*53"):
         search(linear(3, b=1e15), 100, mode="exact", **FAST)
+
+
+def test_static_memory_above_the_limit_is_named_as_such():
+    problem = dataclasses.replace(placement("linear", 2), static_memory=(5.0, 1.0), memory_limit=2.0)
+    with pytest.raises(SearchError, match=r"rank 0 holds 5 of static memory .* above the memory limit 2"):
+        search(problem, 4, time_limit=2, workers=1)
