@@ -435,3 +435,10 @@ def test_csv_with_b_and_i_of_one_stage_loads_and_the_validator_names_the_duplica
     assert schedule.problem.splits_backward
     with pytest.raises(ScheduleError, match=r"0I0 runs twice"):
         validate(schedule)
+
+
+def test_a_csv_with_a_huge_stage_gap_gives_one_short_error_line():
+    with pytest.raises(ScheduleFormatError) as caught:
+        schedule_from_csv("0F0,0B0\n1000000F0,1000000B0\n")
+    message = str(caught.value)
+    assert len(message) < 200 and "[1, 2, 3, 4, 5, 6, ... (999,993 more)]" in message

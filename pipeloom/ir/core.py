@@ -261,6 +261,14 @@ def format_grid(
     return "\n".join(lines)
 
 
+def shown_list(items: Sequence[Any], most: int = 6) -> str:
+    """``[a, b, c, ...]`` with at most ``most`` items and how many were left out: a list in an error
+    message stays one short line however long the list is."""
+    head = ", ".join(map(str, items[:most]))
+    more = len(items) - most
+    return f"[{head}, ... ({more:,} more)]" if more > 0 else f"[{head}]"
+
+
 def shown(value: Any) -> str:
     """``repr(value)`` cut to 60 characters, for error messages."""
     text = repr(value)

@@ -10,7 +10,7 @@ import io
 from collections import Counter
 
 from pipeloom.errors import ScheduleFormatError
-from pipeloom.ir.core import Action, Comm, Overlap, Schedule, compute_parts, parse_action
+from pipeloom.ir.core import Action, Comm, Overlap, Schedule, compute_parts, parse_action, shown_list
 from pipeloom.problem import Costs, Problem, Stage, stage_graph, task_name
 
 __all__ = ["TORCH_ONLY_KINDS", "schedule_to_csv", "schedule_from_csv"]
@@ -61,7 +61,7 @@ def _csv_obstacle(schedule: Schedule) -> str | None:
         kinds.setdefault(task.stage, []).append(task.kind)
     count = 1 + max(rank_of)
     if len(rank_of) != count:
-        return f"stages {sorted(set(range(count)) - set(rank_of))} have no tasks (stages 0..{count - 1})"
+        return f"stages {shown_list(sorted(set(range(count)) - set(rank_of)))} have no tasks (stages 0..{count - 1})"
     styles = [_STYLES.get(tuple(sorted(kinds[s]))) for s in range(count)]
     odd = next((s for s in range(count) if styles[s] is None or styles[s] != styles[0]), None)
     if odd is not None:
@@ -153,7 +153,7 @@ def _csv_problem(
     missing = [s for s in range(num_stages) if s not in stage_rank]
     if missing:
         raise ScheduleFormatError(
-            f"stages {missing} never run; a CSV schedule must run every stage 0..{num_stages - 1}"
+            f"stages {shown_list(missing)} never run; a CSV schedule must run every stage 0..{num_stages - 1}"
         )
     kinds = {part.kind for actions in ranks for action in actions for part in compute_parts(action)}
     # With I or W anywhere the backward is split; a B then stands for its stage's I and W run together
