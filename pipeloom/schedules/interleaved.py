@@ -23,9 +23,11 @@ def check_stages_per_rank(name: str, stages_per_rank: object) -> int:
 
 
 def looped_problem(
-    num_ranks: int, *, stages_per_rank: int, costs: Costs, memory_limit: float | None
+    num_ranks: int, *, stages_per_rank: int, costs: Costs, memory_limit: float | None,
+    split_backward: bool = False,
 ) -> Problem:
-    """The looped chain of p*v stages, stage s on rank s % p, each with share 1/v of ``costs``.
+    """The looped chain of p*v stages, stage s on rank s % p, each with share 1/v of ``costs``
+    (backward split into I and W with ``split_backward``).
 
     Rank r holds stages r, r + p, ..., r + (v-1)p; its local stage c is stage c*p + r.
     """
@@ -34,7 +36,7 @@ def looped_problem(
         [s % num_ranks for s in range(num_stages)],
         costs,
         num_ranks=num_ranks,
-        split_backward=False,
+        split_backward=split_backward,
         memory_limit=memory_limit,
         share=1.0 / stages_per_rank,
     )

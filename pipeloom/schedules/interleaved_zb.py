@@ -9,11 +9,11 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-from pipeloom.errors import DeadlockError, PipeloomError
+from pipeloom.errors import ArgumentError, DeadlockError, PipeloomError
 from pipeloom.ir import Action, Schedule
 from pipeloom.problem import Costs, Problem
-from pipeloom.schedules.common import chain_problem, check_counts, make_schedule
-from pipeloom.schedules.interleaved import check_stages_per_rank, group_sizes, grouped_order
+from pipeloom.schedules.common import check_counts, make_schedule
+from pipeloom.schedules.interleaved import check_stages_per_rank, group_sizes, grouped_order, looped_problem
 from pipeloom.sim import simulate
 
 __all__ = ["interleaved_zb"]
@@ -300,10 +300,9 @@ def interleaved_zb(
         memory_limit = max(caps)
     else:
         caps = [memory_limit] * p
-    problem = chain_problem([s % p for s in range(p * v)], costs, num_ranks=p, split_backward=True,
-                            memory_limit=memory_limit, share=1.0 / v)
+    problem = looped_problem(p, stages_per_rank=v, costs=costs, memory_limit=memory_limit, split_backward=True)
     if problem.memory_limit < costs.memory * (1 - 1e-12):
-        raise ValueError(
+        raise ArgumentError(
             f"interleaved-zb: memory_limit {problem.memory_limit:g} is below what one micro-batch needs "
             f"on a rank (the activations of its {v} stages there, costs.memory = {costs.memory:g}); "
             f"the smallest workable limit is {costs.memory:g}"
