@@ -14,7 +14,7 @@ import csv
 import io
 
 import pytest
-from torch_pipelining import import_torch_schedules
+from torch_pipelining import import_torch_schedules, torch_order_csv
 
 from pipeloom.errors import ScheduleFormatError
 from pipeloom.ir import schedule_from_csv, schedule_to_csv
@@ -71,33 +71,13 @@ def test_torch_rejects_a_csv_missing_a_backward(name, options, stages_per_rank):
         torch_schedules._validate_schedule(_torch_load_csv("\n".join(rows)), 2, 2, 2)
 
 
-def _torch_order(schedule_class, ranks: int, microbatches: int, stages_per_rank: int) -> str:
-    """torch's own per-rank order for a schedule class, dumped the way its ``_dump_csv`` does.
-
-    The classes need real PipelineStage objects in ``__init__``; their order computation only
-    needs these attributes, so the object is made without ``__init__``.
-    """
-    order = object.__new__(schedule_class)
-    order.pp_group_size = ranks
-    order._n_microbatches = microbatches
-    order.n_local_stages = stages_per_rank
-    order.number_of_rounds = max(1, microbatches // ranks)
-    order.microbatches_per_round = microbatches // order.number_of_rounds
-    order.num_stages = order._num_stages = ranks * stages_per_rank
-    out = io.StringIO()
-    writer = csv.writer(out)
-    for rank in range(ranks):
-        writer.writerow(order._calculate_single_rank_operations(rank))
-    return out.getvalue()
-
-
 @pytest.mark.parametrize(
     "schedule_class",
     ["ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble"],
 )
 @pytest.mark.parametrize(("ranks", "microbatches"), [(2, 4), (4, 8), (4, 12)])
 def test_torch_dumped_orders_load_and_validate(schedule_class, ranks, microbatches):
-    text = _torch_order(getattr(torch_schedules, schedule_class), ranks, microbatches, 2)
+    text = torch_order_csv(getattr(torch_schedules, schedule_class), ranks, microbatches, 2)
     rows = list(csv.reader(io.StringIO(text)))
     assert any("" in row for row in rows), "torch pads idle steps with empty cells; the loader skips them"
     schedule = schedule_from_csv(text)
@@ -117,7 +97,7 @@ def test_hand_written_torch_csv_with_idle_cells():
 def test_torch_dualpipev_order_with_overlapped_pairs_loads_as_ours():
     """torch writes DualPipeV's overlapped F+B pair as ``(1F6;6B2)OVERLAP_F_B``: it loads as an
     Overlap, and torch's whole order is our dualpipev's, cell for cell."""
-    text = _torch_order(torch_schedules.ScheduleDualPipeV, 4, 8, 2)
+    text = torch_order_csv(torch_schedules.ScheduleDualPipeV, 4, 8, 2)
     schedule = schedule_from_csv(text)
     assert schedule.ranks == build_schedule("dualpipev", 4, 8).ranks
     validate(schedule, ordered=True)

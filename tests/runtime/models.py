@@ -99,3 +99,28 @@ def mismatches(model: nn.Module, reference: nn.Module, owned: set[int]) -> list[
         if not torch.equal(p.detach(), q.detach()):
             bad.append(name)
     return bad
+
+
+def train_one_rank(model_name: str, schedule, pieces: int, steps: int = 3, **options) -> tuple[list[str], list[bool]]:
+    """``steps`` SGD steps of ``model_name`` cut into ``pieces`` under ``schedule`` on one rank, next to
+    the single-device reference: per step, the names of parameters whose gradient or value is not
+    bitwise the reference's, and whether the loss is."""
+    import copy
+
+    from pipeloom.runtime import pipeline
+
+    model = build(model_name)
+    reference = copy.deepcopy(model)
+    engine = pipeline(model, schedule=schedule, split_points=SPLITS[model_name][pieces], loss_fn=F.cross_entropy,
+                      microbatches=8, **options)
+    ours, theirs = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1)
+    problems, losses = [], []
+    for step in range(steps):
+        inputs, target = batch(model_name, seed=step)
+        loss = engine.step(inputs if len(inputs) > 1 else inputs[0], target=target)
+        losses.append(torch.equal(loss, reference_step(reference, inputs, target, 8)))
+        problems += [f"step {step}: {n}" for n in mismatches(model, reference, {id(p) for p in model.parameters()})]
+        for opt in (ours, theirs):
+            opt.step()
+            opt.zero_grad()
+    return problems, losses

@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import torch.nn.functional as F
-from models import SPLITS, batch, build, mismatches, reference_step
+from models import SPLITS, batch, build, mismatches, reference_step, train_one_rank
 from torch import nn
 
 import pipeloom
@@ -22,27 +22,9 @@ ONE_RANK = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("zb-h2", 1), ("interleaved
             ("zbv", 2), ("dualpipev", 2), ("interleaved-1f1b", 4)]
 
 
-def _train(model_name: str, schedule, pieces: int, steps: int = 3, **options) -> tuple[list[str], list[bool]]:
-    model = build(model_name)
-    reference = copy.deepcopy(model)
-    engine = pipeline(model, schedule=schedule, split_points=SPLITS[model_name][pieces], loss_fn=F.cross_entropy,
-                      microbatches=8, **options)
-    ours, theirs = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1)
-    problems, losses = [], []
-    for step in range(steps):
-        inputs, target = batch(model_name, seed=step)
-        loss = engine.step(inputs if len(inputs) > 1 else inputs[0], target=target)
-        losses.append(torch.equal(loss, reference_step(reference, inputs, target, 8)))
-        problems += [f"step {step}: {n}" for n in mismatches(model, reference, {id(p) for p in model.parameters()})]
-        for opt in (ours, theirs):
-            opt.step()
-            opt.zero_grad()
-    return problems, losses
-
-
 @pytest.mark.parametrize(("schedule", "pieces"), ONE_RANK, ids=[f"{s}-{p}" for s, p in ONE_RANK])
 def test_one_rank_is_bitwise_exact_over_several_steps(schedule, pieces):
-    problems, losses = _train("residual", schedule, pieces)
+    problems, losses = train_one_rank("residual", schedule, pieces)
     assert problems == []
     assert all(losses)
 
@@ -50,7 +32,7 @@ def test_one_rank_is_bitwise_exact_over_several_steps(schedule, pieces):
 @pytest.mark.parametrize("model_name", ["skip", "two_inputs"])
 @pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
 def test_skip_connections_and_two_inputs_are_exact(model_name, schedule):
-    problems, losses = _train(model_name, schedule, 2 if schedule == "zbv" else 1)
+    problems, losses = train_one_rank(model_name, schedule, 2 if schedule == "zbv" else 1)
     assert problems == [] and all(losses)
 
 
@@ -59,7 +41,7 @@ def test_a_searched_schedule_runs_exactly():
     from pipeloom.search.placements import placement
 
     found = search(placement("v", 1, split_backward=True), 8, time_limit=2.0, workers=1).schedule
-    problems, losses = _train("residual", found, 2)
+    problems, losses = train_one_rank("residual", found, 2)
     assert problems == [] and all(losses)
 
 
@@ -68,7 +50,7 @@ def test_saved_schedules_load_from_json_and_csv(tmp_path):
     for suffix in (".json", ".csv"):
         path = tmp_path / f"s{suffix}"
         pipeloom.save_schedule(schedule, path)
-        problems, losses = _train("residual", str(path), 1, steps=1)
+        problems, losses = train_one_rank("residual", str(path), 1, steps=1)
         assert problems == [] and all(losses)
 
 
@@ -122,7 +104,7 @@ def test_an_input_gradient_followed_by_its_weight_gradient_runs_as_one_backward(
 
         monkeypatch.setattr(step_module, name, counted)
     options = {"trace": str(tmp_path)} if traced else {}
-    problems, losses = _train("residual", schedule, pieces, steps=2, **options)
+    problems, losses = train_one_rank("residual", schedule, pieces, steps=2, **options)
     assert problems == [] and all(losses)
     actions = pipeloom.build_schedule(schedule, 1, 8).ranks[0]
     parts = [part for action in actions for part in compute_parts(action)]

@@ -4,55 +4,27 @@ gloo ranks, against the single-device reference."""
 
 from __future__ import annotations
 
-import copy
-import csv
 import dataclasses
-import io
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
-import torch.nn.functional as F
-from models import SPLITS, batch, build, mismatches, reference_step
+from models import train_one_rank
 from rank_jobs import exactness
 from ranks import run_ranks
+from torch_pipelining import import_torch_schedules, torch_order_csv
 
 from pipeloom.ir import Overlap, compute_parts, schedule_from_csv
 from pipeloom.lowering import lower
-from pipeloom.runtime import pipeline
 from pipeloom.runtime import step as step_module
 from pipeloom.validate import validate
 
 
 def _torch_dualpipev(ranks: int, microbatches: int):
     """torch's ScheduleDualPipeV order (its pipeline_order, per rank), written as its CSV and loaded."""
-    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
-    order = object.__new__(schedules.ScheduleDualPipeV)
-    order.pp_group_size, order._n_microbatches = ranks, microbatches
-    out = io.StringIO()
-    writer = csv.writer(out)
-    for rank in range(ranks):
-        writer.writerow(order._calculate_single_rank_operations(rank))
-    return schedule_from_csv(out.getvalue(), name="torch-dualpipev")
-
-
-def _train(schedule, pieces: int, steps: int = 2) -> tuple[list[str], list[bool]]:
-    model = build("residual")
-    reference = copy.deepcopy(model)
-    engine = pipeline(model, schedule=schedule, split_points=SPLITS["residual"][pieces], loss_fn=F.cross_entropy,
-                      microbatches=8)
-    ours, theirs = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1)
-    problems, losses = [], []
-    for step in range(steps):
-        inputs, target = batch("residual", seed=step)
-        loss = engine.step(inputs[0], target=target)
-        losses.append(torch.equal(loss, reference_step(reference, inputs, target, 8)))
-        problems += [f"step {step}: {n}" for n in mismatches(model, reference, {id(p) for p in model.parameters()})]
-        for opt in (ours, theirs):
-            opt.step()
-            opt.zero_grad()
-    return problems, losses
+    text = torch_order_csv(import_torch_schedules().ScheduleDualPipeV, ranks, microbatches)
+    return schedule_from_csv(text, name="torch-dualpipev")
 
 
 def test_torch_dualpipev_csv_runs_bitwise_in_one_process(monkeypatch):
@@ -68,7 +40,7 @@ def test_torch_dualpipev_csv_runs_bitwise_in_one_process(monkeypatch):
             return _original(self, step, *args, **kwargs)
 
         monkeypatch.setattr(step_module.StepRun, name, spy)
-    problems, losses = _train(schedule, 2)
+    problems, losses = train_one_rank("residual", schedule, 2, steps=2)
     assert problems == [] and all(losses)
     # each pair ran its forward part, then its backward part, where the pair stands
     parts = [str(p) for a in schedule.ranks[0] for p in compute_parts(a) if p.kind != "W"]
@@ -83,7 +55,7 @@ def test_full_backward_on_a_split_stage_runs_bitwise():
     schedule = schedule_from_csv(text + "\n")
     assert schedule.problem.splits_backward
     validate(schedule, ordered=True)
-    problems, losses = _train(schedule, 2)
+    problems, losses = train_one_rank("residual", schedule, 2, steps=2)
     assert problems == [] and all(losses)
 
 

@@ -15,6 +15,7 @@ import io
 from pathlib import Path
 
 import pytest
+from torch_pipelining import import_torch_schedules, torch_order_csv
 
 import pipeloom.schedules.interleaved_zb as interleaved_zb_module
 from pipeloom.errors import MemoryLimitError, PipeloomError
@@ -140,11 +141,8 @@ def test_our_csv_round_trips():
 
 
 def _torch_schedules():
-    """torch's pipelining schedules module, or skip (this file's other tests need no torch)."""
-    try:
-        return importlib.import_module("torch.distributed.pipelining.schedules")
-    except ImportError as error:
-        pytest.skip(f"torch's pipelining is not importable: {error}")
+    """torch's pipelining schedules module (skipped without torch; required under ``make test``)."""
+    return import_torch_schedules()
 
 
 def test_torch_parses_and_accepts_our_csv():
@@ -160,20 +158,10 @@ def test_torch_parses_and_accepts_our_csv():
 
 def _torch_interleaved_zb(p: int, m: int, v: int) -> str:
     """torch's ScheduleInterleavedZeroBubble order as CSV, computed without PipelineStage objects."""
-    torch_schedules = _torch_schedules()
-    schedule_class = getattr(torch_schedules, "ScheduleInterleavedZeroBubble", None)
+    schedule_class = getattr(_torch_schedules(), "ScheduleInterleavedZeroBubble", None)
     if schedule_class is None:
         pytest.skip("this torch has no ScheduleInterleavedZeroBubble")
-    order = object.__new__(schedule_class)  # __init__ needs real stages; the order needs only these
-    order.pp_group_size, order._n_microbatches, order.n_local_stages = p, m, v
-    order.number_of_rounds = max(1, m // p)
-    order.microbatches_per_round = m // order.number_of_rounds
-    order.num_stages = order._num_stages = p * v
-    out = io.StringIO()
-    writer = csv.writer(out)
-    for rank in range(p):
-        writer.writerow(["" if a is None else str(a) for a in order._calculate_single_rank_operations(rank)])
-    return out.getvalue()
+    return torch_order_csv(schedule_class, p, m, v)
 
 
 @pytest.mark.parametrize("cost_name", ["unit", "paper", "latency"])
@@ -196,10 +184,10 @@ def test_strictly_faster_than_torch_at_paper_costs():
 
 @pytest.mark.parametrize("v", [2, 4])
 def test_the_runtime_runs_it_bitwise_exactly_on_one_rank(v, monkeypatch):
-    """The engine's one-process exactness check (tests/runtime/test_engine.py's ``_train``): v pieces."""
+    """The engine's one-process exactness check (tests/runtime/models.py's ``train_one_rank``): v pieces."""
     pytest.importorskip("torch")
     monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "runtime"))
-    train = importlib.import_module("test_engine")._train
-    problems, losses = train("residual", interleaved_zb(1, 8, stages_per_rank=v), v)
+    train_one_rank = importlib.import_module("models").train_one_rank
+    problems, losses = train_one_rank("residual", interleaved_zb(1, 8, stages_per_rank=v), v)
     assert problems == []
     assert all(losses)
