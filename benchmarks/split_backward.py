@@ -24,19 +24,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
-from torch.nn import functional
+from runtime_vs_torch import Block  # the same residual MLP block as the runtime benchmark's stages
 
 from pipeloom.runtime.backward import backward_full, backward_input
-
-
-class Block(nn.Module):
-    def __init__(self, width: int, hidden: int) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(width, hidden)
-        self.fc2 = nn.Linear(hidden, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(functional.gelu(self.fc1(x)))
 
 
 def ways(model: nn.Module, xs: list[torch.Tensor], grads: list[torch.Tensor]) -> dict[str, Callable[[], None]]:
