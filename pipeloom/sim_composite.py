@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from pipeloom.ir import Action, Overlap, compute_parts, part_tasks
+from pipeloom.ir import Action, Overlap, action_duration, action_memory, compute_parts, part_tasks
 from pipeloom.problem import Problem
 
 __all__ = ["Composite", "composite_of"]
@@ -64,8 +64,6 @@ def composite_of(problem: Problem, index: Mapping[tuple[int, str], int], action:
             return None
         units.append(tuple((i, task.microbatch) for i, task in zip(ids, tasks)))
     overlapped = type(action) is Overlap
-    times = [sum(problem.tasks[t].duration for t, _ in unit) for unit in units]
-    duration = max(times) + overhead if overlapped else sum(times)
-    memory = sum(problem.tasks[t].memory for unit in units for t, _ in unit)
     return Composite(action=action, units=tuple(units), overlapped=overlapped, overhead=overhead if overlapped else 0.0,
-                     duration=duration, memory=memory)
+                     duration=action_duration(problem, action, overlap_overhead=overhead),
+                     memory=action_memory(problem, action))
