@@ -327,6 +327,8 @@ def _profile_in_engine(args: argparse.Namespace, module, function) -> int:
                                   pieces=_pieces(args), warmup_steps=args.warmup, steps=args.repeats,
                                   bandwidth=args.bandwidth)
         table = dataclasses.replace(table, optimizer_factor=args.optimizer_factor)
+        if dist.get_rank() != 0 and getattr(args, "outputs", None) is not None:
+            args.outputs.discard()  # rank 0 writes the files; an empty one from here must not replace them
         if dist.get_rank() == 0:
             _show(table, args)
             exchange = ("none (odd ranks or micro-batches)" if table.replica_link is None

@@ -191,7 +191,8 @@ def test_pipeloom_profile_in_engine_on_two_ranks(tmp_path):
     out = tmp_path / "costs.json"
     results = run_ranks(2, profile_cli_job, str(EXAMPLE), str(out), timeout=120)
     assert results == {0: ("ok", 0), 1: ("ok", 0)}, results
-    table = load_costs(out)  # written by rank 0
+    assert [p.name for p in tmp_path.iterdir()] == ["costs.json"]  # no rank leaves a temporary file
+    table = load_costs(out)  # written by rank 0 only: another rank's empty staged file must not replace it
     assert table.names == ("token_embedding", "blocks.0", "blocks.1", "ln_f", "head")
     assert table.microbatch_size == 2 and table.optimizer_factor == 6
     assert "in the engine, 2 ranks" in table.device and table.replica_link is not None
