@@ -40,7 +40,18 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
     plan.add_argument("--costs", type=Path, nargs="+", required=True, metavar="FILE",
                       help="pipeloom.costs/1 files (pipeloom profile --save, or written by hand); several "
                            "files of one model at different micro-batch sizes are interpolated")
-    plan.add_argument("--ranks", "-p", type=_count, required=True, metavar="P", help="number of ranks")
+    plan.add_argument("--ranks", "-p", type=_count, required=True, metavar="P",
+                      help="number of ranks: dp replicas x pp pipeline ranks")
+    plan.add_argument("--data-parallel", "--dp", type=_count, nargs="+", metavar="DP",
+                      help="replica counts to try (default: every divisor of --ranks that divides the global batch; "
+                           "1 for one pipeline over every rank)")
+    plan.add_argument("--sharding", choices=("replicate", "fsdp"), default="replicate",
+                      help="how replicas hold the weights: replicate (gradients all-reduced) or fsdp (optimizer state "
+                           "sharded over the replicas, gradients reduce-scattered); default replicate")
+    plan.add_argument("--dp-latency", type=_number(float, "a number of seconds >= 0", 0), metavar="S",
+                      help="link latency between replicas in seconds (default: the cost table's link)")
+    plan.add_argument("--dp-bandwidth", type=bytes_argument, metavar="BYTES_PER_S",
+                      help="link bytes per second between replicas, e.g. 25GB (default: the cost table's link)")
     plan.add_argument("--global-batch", type=_count, required=True, metavar="B", help="samples per step")
     plan.add_argument("--memory-limit", type=bytes_argument, metavar="SIZE",
                       help="bytes per rank, e.g. 80GiB or 512MiB (default: no limit)")
@@ -57,6 +68,10 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
     plan.add_argument("-o", "--out", type=_path_with(".png", ".svg"),
                       help="the best plan's simulated timeline (.png/.svg)")
     plan.add_argument("--save", type=_path_with(".json"), help="write the plan (pipeloom.plan/1 JSON)")
+    plan.add_argument("--export", choices=("torchtitan",),
+                      help="also write the plan as torchtitan settings next to --save: <stem>.torchtitan.toml "
+                           "([parallelism] split points, schedule CSV, micro-batch size, degrees) and "
+                           "<stem>.torchtitan.csv (the schedule)")
     plan.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     plan.set_defaults(handler=cmd_plan)
 
@@ -80,8 +95,31 @@ def _candidate_json(candidate) -> dict:
         "step_time": candidate.step_time, "peak_memory": candidate.peak_memory,
         "bubble_ratio": candidate.bubble_ratio,
         "split_points": None if candidate.split_points is None else list(candidate.split_points),
-        "fits": candidate.fits, "reason": candidate.reason,
+        "fits": candidate.fits, "reason": candidate.reason, "data_parallel": candidate.data_parallel,
     }
+
+
+def _export_torchtitan(result, save: Path) -> str:
+    """Write ``<stem>.torchtitan.toml`` and ``.csv`` next to the plan; the line that says so."""
+    from pipeloom.plan.export import torchtitan_overrides, write_torchtitan
+
+    toml, csv = save.with_name(f"{save.stem}.torchtitan.toml"), save.with_name(f"{save.stem}.torchtitan.csv")
+    settings = write_torchtitan(result.plan, result.schedule, toml, csv)
+    return (f"wrote torchtitan settings {toml} and schedule {csv}; or pass: "
+            + " ".join(torchtitan_overrides(settings)))
+
+
+def _progress(args: argparse.Namespace):
+    """A callback printing the search's progress on a terminal's stderr (None when stderr is not one)."""
+    import sys
+
+    if args.json or not sys.stderr.isatty():
+        return None
+
+    def show(message: str) -> None:
+        print(f"\r\033[K{message}", end="", file=sys.stderr, flush=True)
+
+    return show
 
 
 def _best_table(result):
@@ -95,9 +133,12 @@ def _best_table(result):
     table.add_column("value")
     options = ", ".join(f"{k}={v}" for k, v in plan.schedule_options.items())
     limit = "none" if plan.memory_limit is None else format_bytes(plan.memory_limit)
+    mesh = (f"{plan.data_parallel} replicas ({plan.sharding}) x {plan.num_ranks} pipeline ranks"
+            if plan.data_parallel > 1 else f"one pipeline of {plan.num_ranks} ranks")
     for label, value in (
         ("schedule", plan.schedule + (f" ({options})" if options else "")),
-        ("ranks / model stages", f"{plan.num_ranks} / {plan.num_stages}"),
+        ("mesh (dp x pp)", mesh),
+        ("ranks / model stages", f"{plan.world_size} / {plan.num_stages}"),
         ("micro-batches", f"{plan.microbatches} x {plan.microbatch_size} samples"),
         ("predicted step time", f"{plan.predicted_step_time:#.4g} s"),
         ("bubble ratio", f"{plan.bubble_ratio:.2%}"),
@@ -131,16 +172,31 @@ def _runners_up(result, top: int):
     return table
 
 
+def _dp_link(args: argparse.Namespace, tables):
+    """The link between replicas: the table's, with --dp-latency / --dp-bandwidth in place of its parts."""
+    import dataclasses
+
+    link = tables[0].link
+    if args.dp_latency is not None:
+        link = dataclasses.replace(link, latency=args.dp_latency)
+    if args.dp_bandwidth is not None:
+        link = dataclasses.replace(link, bandwidth=args.dp_bandwidth)
+    return link
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     """``pipeloom plan``: search, write the requested files, then print the plan and runners-up."""
     from pipeloom.plan.costs import load_costs
-    from pipeloom.plan.search import plan_pipeline
+    from pipeloom.plan.mesh import plan_mesh
 
+    if args.export and not args.save:
+        raise UsageError(f"--export {args.export} writes next to the plan file; give --save PLAN.json too")
     tables = [load_costs(path) for path in args.costs]
-    result = plan_pipeline(
+    result = plan_mesh(
         tables, num_ranks=args.ranks, global_batch=args.global_batch, memory_limit=args.memory_limit,
+        data_parallel=args.data_parallel, sharding=args.sharding, dp_link=_dp_link(args, tables),
         schedules=_schedules(args.schedules), stages_per_rank=args.stages_per_rank, microbatches=args.microbatches,
-        search_time=args.search,
+        search_time=args.search, progress=_progress(args),
     )
     written = []
     if args.out:
@@ -155,6 +211,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         outputs = getattr(args, "outputs", None)
         result.save(outputs.direct(args.save) if outputs is not None else args.save)
         written.insert(0, f"wrote plan {args.save}")
+        if args.export == "torchtitan":
+            written.append(_export_torchtitan(result, args.save))
     console = Console(stderr=args.json, highlight=False)
     if args.json:
         from pipeloom.plan.plan import plan_to_json

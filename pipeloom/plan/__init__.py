@@ -33,6 +33,7 @@ from pipeloom.plan.partition import (
 from pipeloom.plan.partitioner import SchedulePartitioner, partition
 from pipeloom.plan.plan import PLAN_FORMAT, Plan, PlanError, load_plan, save_plan
 from pipeloom.plan.search import Candidate, PlanResult, plan_pipeline, recost, replica_sync_time
+from pipeloom.plan.mesh import plan_mesh
 
 __all__ = [
     "COSTS_FORMAT",
@@ -58,6 +59,7 @@ __all__ = [
     "parse_bytes",
     "partition",
     "partition_pieces",
+    "plan_mesh",
     "plan_pipeline",
     "recost",
     "replica_sync_time",

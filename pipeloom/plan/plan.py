@@ -77,15 +77,23 @@ class Plan:
     """Seconds per micro-batch of each model stage (F + I + W and the send of its output)."""
     device: str = ""
     """Where the costs were measured (the cost table's device)."""
+    data_parallel: int = 1
+    """Replicas of the pipeline: the job runs on ``num_ranks * data_parallel`` ranks, a ``("dp", "pp")``
+    mesh, each replica taking ``global_batch / data_parallel`` samples in ``microbatches`` micro-batches."""
+    sharding: str = "replicate"
+    """How the replicas hold the weights: ``"replicate"`` or ``"fsdp"`` (``pipeline(..., data_parallel=)``)."""
 
     def __post_init__(self) -> None:
-        for name in ("num_ranks", "microbatches", "global_batch"):
+        for name in ("num_ranks", "microbatches", "global_batch", "data_parallel"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise PlanError(f"plan {name} must be a positive integer, got {shown(value)}")
-        if self.global_batch % self.microbatches:
+        if self.sharding not in ("replicate", "fsdp"):
+            raise PlanError(f"plan sharding must be 'replicate' or 'fsdp', got {shown(self.sharding)}")
+        if self.global_batch % (self.microbatches * self.data_parallel):
             raise PlanError(f"plan global_batch {self.global_batch} is not a multiple of microbatches "
-                            f"{self.microbatches}; every micro-batch must hold the same number of samples")
+                            f"{self.microbatches} x data_parallel {self.data_parallel}; every micro-batch must "
+                            "hold the same number of samples")
         split = tuple(self.split_points)
         if len(set(split)) != len(split) or not all(isinstance(s, str) and s for s in split):
             raise PlanError(f"plan split_points must be distinct module names, got {list(split)}")
@@ -110,7 +118,12 @@ class Plan:
     @property
     def microbatch_size(self) -> int:
         """Samples per micro-batch."""
-        return self.global_batch // self.microbatches
+        return self.global_batch // (self.microbatches * self.data_parallel)
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the plan runs on: the pipeline's times the replicas."""
+        return self.num_ranks * self.data_parallel
 
     @property
     def num_stages(self) -> int:
@@ -120,7 +133,7 @@ class Plan:
 
 _KEYS = {"format", "num_ranks", "split_points", "schedule", "schedule_options", "microbatches", "global_batch",
          "microbatch_size", "predicted_step_time", "peak_memory", "memory_limit", "bubble_ratio", "stage_times",
-         "device"}
+         "device", "data_parallel", "sharding"}
 
 
 def plan_to_json(plan: Plan, *, indent: int | None = 1) -> str:
@@ -140,6 +153,8 @@ def plan_to_json(plan: Plan, *, indent: int | None = 1) -> str:
         "bubble_ratio": plan.bubble_ratio,
         "stage_times": list(plan.stage_times),
         "device": plan.device,
+        "data_parallel": plan.data_parallel,
+        "sharding": plan.sharding,
     }
     return json.dumps(document, indent=indent)
 
@@ -155,13 +170,16 @@ def plan_from_json(text: str) -> Plan:
     """Parse ``pipeloom.plan/1`` JSON; unknown keys, another format or a wrong type are errors.
 
     Required: ``num_ranks``, ``split_points``, ``schedule``, ``microbatches``, ``global_batch``,
-    ``predicted_step_time``; ``microbatch_size``, when present, must equal global_batch / microbatches.
+    ``predicted_step_time``; ``microbatch_size``, when present, must equal global_batch / (microbatches ×
+    data_parallel). Optional: ``data_parallel`` (1), ``sharding`` (replicate).
     """
     document = json_object(text, fmt=PLAN_FORMAT, keys=_KEYS, error=PlanError, what="plan")
     where = "plan"
     options = document.get("schedule_options") or {}
     if not isinstance(options, dict):
         raise PlanError(f"plan.schedule_options: expected an object, got {shown(options)}")
+    for key in options:  # every option of a built-in is a count (stages_per_rank)
+        integer(options, key, where="plan.schedule_options", error=PlanError)
     plan = Plan(
         num_ranks=integer(document, "num_ranks", where=where, error=PlanError),
         split_points=strings(document, "split_points", where=where, error=PlanError),
@@ -175,11 +193,14 @@ def plan_from_json(text: str) -> Plan:
         bubble_ratio=number(document, "bubble_ratio", where=where, error=PlanError, default=None, null=True),
         stage_times=_numbers(document, "stage_times"),
         device=string(document, "device", where=where, error=PlanError, default=""),
+        data_parallel=integer(document, "data_parallel", where=where, error=PlanError, default=1),
+        sharding=string(document, "sharding", where=where, error=PlanError, default="replicate"),
     )
     size = document.get("microbatch_size", plan.microbatch_size)
     if size != plan.microbatch_size:
-        raise PlanError(f"plan.microbatch_size {shown(size)} is not global_batch / microbatches = "
-                        f"{plan.microbatch_size}; fix one of them")
+        per = "microbatches" if plan.data_parallel == 1 else "(microbatches x data_parallel)"
+        raise PlanError(f"plan.microbatch_size {shown(size)} is not global_batch / {per} = {plan.microbatch_size}; "
+                        "fix one of them")
     return plan
 
 

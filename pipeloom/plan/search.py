@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -74,6 +74,8 @@ class Candidate:
     """The simulated timeline (seconds, bytes)."""
     partition: Partition | None = field(default=None, repr=False, compare=False)
     """The split and its stage times."""
+    data_parallel: int = 1
+    """Replicas of the pipeline (:func:`pipeloom.plan.plan_mesh`); ``step_time`` includes their reduction."""
 
     @property
     def fits(self) -> bool:
@@ -83,9 +85,10 @@ class Candidate:
     @property
     def label(self) -> str:
         """``interleaved-1f1b (v=2)``-style name."""
+        name = self.schedule
         if "stages_per_rank" in self.schedule_options:
-            return f"{self.schedule} (v={self.schedule_options['stages_per_rank']})"
-        return self.schedule
+            name = f"{name} (v={self.schedule_options['stages_per_rank']})"
+        return name if self.data_parallel == 1 else f"{name}, dp {self.data_parallel}"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -336,6 +339,7 @@ def plan_pipeline(
     microbatches: Sequence[int] | None = None,
     search_time: float = 0.0,
     search_top: int = 2,
+    progress: Callable[[str], None] | None = None,
 ) -> PlanResult:
     """The fastest pipeline plan for ``table`` on ``num_ranks`` ranks of ``memory_limit`` bytes each.
 
@@ -350,7 +354,7 @@ def plan_pipeline(
     order of the ``search_top`` best candidates' re-costed task graphs, that many seconds in all; a
     better one joins as schedule ``search`` (:meth:`PlanResult.save` writes it next to the plan).
     :class:`NoPlanFits` when nothing fits: it names the smallest per-rank limit that would, or why
-    nothing could be built.
+    nothing could be built. ``progress``, when given, is called with a short line before each candidate.
     """
     started = time.perf_counter()
     tables = [table] if isinstance(table, CostTable) else list(table)
@@ -365,9 +369,13 @@ def plan_pipeline(
             raise PlanError(f"micro-batch count {m!r} does not divide the global batch {global_batch}; "
                             f"choose among {_divisors(global_batch)}")
     search = _Search(tables, num_ranks=num_ranks, memory_limit=memory_limit)
-    tried = [search.candidate(name, options, m, global_batch // m)
-             for m in counts for name in (schedules or default_schedules())
-             for options in _options(name, stages_per_rank)]
+    jobs = [(name, options, m) for m in counts for name in (schedules or default_schedules())
+            for options in _options(name, stages_per_rank)]
+    tried = []
+    for k, (name, options, m) in enumerate(jobs):
+        if progress is not None:
+            progress(f"{name} with {m} micro-batches ({k + 1} of {len(jobs)})")
+        tried.append(search.candidate(name, options, m, global_batch // m))
     ranked = sorted(tried, key=_rank)
     if search_time > 0:
         top = [c for c in ranked if c.fits][:search_top]

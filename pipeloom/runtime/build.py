@@ -50,7 +50,7 @@ def pipeline(
     mesh: object = None,
     state_dict: StateSource | None = None,
     init_weights: Callable[[nn.Module], object] | None = None,
-    data_parallel: str = "replicate",
+    data_parallel: str | None = None,
 ) -> PipelineEngine:
     """Build the engine that runs ``schedule`` over ``model`` cut into stages on this process group.
 
@@ -69,12 +69,16 @@ def pipeline(
     (a state dict, a ``torch.save`` file or a ``torch.distributed.checkpoint`` folder; a function called on
     every module this rank holds); other ranks' tensors are never allocated.
     ``data_parallel``: how the mesh's ``"dp"`` replicas hold the pieces: ``"replicate"`` (whole, gradients
-    all-reduced) or ``"fsdp"`` (sharded with torch's ``fully_shard``; :mod:`pipeloom.runtime.fsdp`).
+    all-reduced; the default) or ``"fsdp"`` (sharded with torch's ``fully_shard``; :mod:`pipeloom.runtime.fsdp`).
+    A plan with replicas (``pipeloom plan``'s ``data_parallel`` > 1) builds its ``("dp", "pp")`` mesh over
+    every rank when no ``mesh`` is given, and sets ``data_parallel`` to its ``sharding``.
     """
     if plan is not None:
-        schedule, planned, schedule_options, microbatches = _from_plan(
-            plan, schedule, split_points, schedule_options, microbatches)
+        schedule, planned, schedule_options, microbatches, mesh, data_parallel = _from_plan(
+            plan, schedule, split_points, schedule_options, microbatches, mesh=mesh, process_group=process_group,
+            data_parallel=data_parallel, device=device)
         split_points = planned if stages is None else split_points
+    data_parallel = data_parallel or "replicate"
     _check_arguments(schedule, loss_fn, timeout, microbatches)
     layout = layout_of(process_group, mesh)
     rank, world = layout.rank, layout.world
@@ -104,15 +108,51 @@ def pipeline(
 
 
 def _from_plan(plan: str | Path, schedule: object, split_points: Sequence[str] | None,
-               options: dict | None, microbatches: int | None) -> tuple:
-    """(schedule, split points, schedule options, micro-batches) from a plan file, explicit ones winning."""
+               options: dict | None, microbatches: int | None, *, mesh: object, process_group: object,
+               data_parallel: str | None, device: object) -> tuple:
+    """(schedule, split points, schedule options, micro-batches, mesh, data_parallel) from a plan file,
+    explicit ones winning; a plan with replicas gets a ``("dp", "pp")`` mesh over every rank unless one
+    is given (whose shape must be the plan's)."""
     from pipeloom.plan import load_plan
 
     chosen = load_plan(plan)
+    if chosen.data_parallel > 1:
+        mesh = _plan_mesh(chosen, mesh, process_group, device)
     return (chosen.schedule if schedule is None else schedule,
             chosen.split_points if split_points is None else split_points,
             dict(chosen.schedule_options) if options is None else options,
-            chosen.microbatches if microbatches is None else microbatches)
+            chosen.microbatches if microbatches is None else microbatches,
+            mesh, data_parallel or chosen.sharding)
+
+
+def _plan_mesh(chosen, mesh: object, process_group: object, device: object) -> object:
+    """The ``("dp", "pp")`` mesh a plan with ``data_parallel`` replicas runs on."""
+    import torch.distributed as dist
+
+    shape = {"dp": chosen.data_parallel, "pp": chosen.num_ranks}
+    if process_group is not None:
+        raise PipelineError(f"the plan runs {chosen.data_parallel} replicas of a {chosen.num_ranks}-rank pipeline; "
+                            "pass mesh= (dims 'dp', 'pp') or nothing, not process_group=")
+    if mesh is not None:
+        names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+        got = {n: mesh.size(k) for k, n in enumerate(names)}
+        if got.get("dp", 1) != shape["dp"] or got.get("pp") != shape["pp"]:
+            raise PipelineError(f"the plan's mesh is dp {shape['dp']} x pp {shape['pp']} but mesh= is "
+                                f"{' x '.join(f'{n} {v}' for n, v in got.items())}; pass a mesh of the plan's shape "
+                                "or none")
+        return mesh
+    if not dist.is_initialized():
+        raise PipelineError(f"the plan runs on {chosen.world_size} ranks ({chosen.data_parallel} replicas of "
+                            f"{chosen.num_ranks}); launch them (torchrun --nproc-per-node {chosen.world_size}) "
+                            "and init_process_group first")
+    if dist.get_world_size() != chosen.world_size:
+        raise PipelineError(f"the plan runs on {chosen.world_size} ranks ({chosen.data_parallel} replicas of "
+                            f"{chosen.num_ranks}) but this job has {dist.get_world_size()}; launch "
+                            f"{chosen.world_size} ranks or plan for {dist.get_world_size()}")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    kind = torch.device(device).type if device is not None else ("cuda" if dist.get_backend() == "nccl" else "cpu")
+    return init_device_mesh(kind, (shape["dp"], shape["pp"]), mesh_dim_names=("dp", "pp"))
 
 
 def _check_arguments(schedule: object, loss_fn: object, timeout: object, microbatches: object) -> None:

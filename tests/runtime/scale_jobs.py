@@ -133,3 +133,26 @@ def replica_fault(rank: int, world: int, linger: float) -> dict:
     seconds = time.monotonic() - start
     time.sleep(linger)
     return {"message": message, "seconds": seconds}
+
+
+def planned_mesh(rank: int, world: int, plan_path: str) -> dict:
+    """A plan with two replicas of a 2-rank pipeline, run by ``pipeline(model, plan=...)`` with no mesh
+    given, against the same settings on an explicit (dp 2, pp 2) mesh: each rank's gradients after one step."""
+    import torch.nn.functional as F
+    from models import SPLITS, batch, build
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from pipeloom.runtime import pipeline
+
+    inputs, target = batch("residual", rows=32)
+    planned = pipeline(build("residual"), plan=plan_path, loss_fn=F.cross_entropy, timeout=60)
+    planned.step(inputs[0], target=target)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    explicit = pipeline(build("residual"), schedule="zb-h1", split_points=SPLITS["residual"][2],
+                        loss_fn=F.cross_entropy, microbatches=4, mesh=mesh, timeout=60)
+    explicit.step(inputs[0], target=target)
+    result = {"dp": (planned.dp.rank, planned.dp.size), "pp": planned.rank, "planned": _grads(planned),
+              "explicit": _grads(explicit)}
+    planned.close()
+    explicit.close()
+    return result

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from hf_models import build_hf, lm_loss, tokens
 from models import SPLITS, batch, build, reference_step
 from ranks import run_ranks
-from scale_jobs import deferred, meshed, replica_fault
+from scale_jobs import deferred, meshed, planned_mesh, replica_fault
 
 from pipeloom.runtime import PipelineError, pipeline
 
@@ -300,3 +300,39 @@ def test_a_failure_in_one_replica_stops_the_other_replicas_promptly():
         assert report["message"] is not None, f"rank {rank} finished although rank 3 failed"
         assert report["seconds"] < 10.0, (rank, report)
         assert "injected fault" in report["message"], (rank, report)
+
+
+@pytest.mark.timeout(200)
+def test_a_plan_with_replicas_runs_on_its_own_mesh(tmp_path):
+    """``pipeloom plan`` chose dp 2 x pp 2: ``pipeline(model, plan=...)`` builds that mesh over the 4 ranks
+    itself and trains exactly as the same settings on an explicit mesh."""
+    from pipeloom.plan import Plan, save_plan
+
+    plan = Plan(num_ranks=2, split_points=tuple(SPLITS["residual"][2]), schedule="zb-h1", microbatches=4,
+                global_batch=32, predicted_step_time=1.0, data_parallel=2)
+    save_plan(plan, tmp_path / "plan.json")
+    results = _ok(run_ranks(4, planned_mesh, str(tmp_path / "plan.json"), timeout=150))
+    assert sorted(r["dp"] for r in results.values()) == [(0, 2), (0, 2), (1, 2), (1, 2)]
+    for result in results.values():
+        assert result["planned"].keys() == result["explicit"].keys() and result["planned"]
+        for name, grad in result["planned"].items():
+            assert torch.equal(grad, result["explicit"][name]), name
+
+
+def test_a_plan_with_replicas_refuses_a_mesh_of_another_shape(tmp_path):
+    from pipeloom.plan import Plan, save_plan
+
+    plan = Plan(num_ranks=2, split_points=("layers.4",), schedule="1f1b", microbatches=4, global_batch=32,
+                predicted_step_time=1.0, data_parallel=2)
+    save_plan(plan, tmp_path / "plan.json")
+    with pytest.raises(PipelineError, match="launch them"):
+        pipeline(build("residual"), plan=tmp_path / "plan.json", loss_fn=F.cross_entropy)
+
+    class Mesh:
+        mesh_dim_names = ("dp", "pp")
+
+        def size(self, dim=None):
+            return (4, 1)[dim]
+
+    with pytest.raises(PipelineError, match=r"mesh is dp 2 x pp 2 but mesh= is dp 4 x pp 1"):
+        pipeline(build("residual"), plan=tmp_path / "plan.json", loss_fn=F.cross_entropy, mesh=Mesh())

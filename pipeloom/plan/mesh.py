@@ -1,0 +1,242 @@
+"""Pipeline × data parallel: choose how N ranks split into ``dp`` replicas of a ``pp``-rank pipeline.
+
+For every ``dp`` dividing N (and the global batch), :func:`plan_mesh` plans a pipeline of ``pp = N / dp``
+ranks for the replica's share of the batch (:func:`pipeloom.plan.plan_pipeline`), then adds what the
+replicas cost on top, priced as the runtime runs them (:mod:`pipeloom.runtime.dp`,
+:mod:`pipeloom.runtime.fsdp`):
+
+- **replicate**: each model stage's gradients are all-reduced over ``dp`` in buckets of at most
+  ``BUCKET_BYTES``, posted as soon as the stage's last gradient action of the step has run on its
+  rank, one after the other on that rank, so they overlap the rest of the schedule. A ring all-reduce
+  of S bytes over d ranks takes ``2(d-1)`` messages of latency per bucket and ``2(d-1)/d · S`` bytes
+  on the link. Two-replica schedules and shared parameters settle their gradients at the end of the
+  step, so their reduction starts after the makespan.
+- **fsdp**: the optimizer state is sharded over ``dp`` (weights and gradients stay whole during the
+  step, as the runtime keeps them), each stage's parameters are all-gathered before the step (the
+  rank's gathers add to its start) and its gradients reduce-scattered where the all-reduce would be
+  (half the bytes). Two-replica schedules are not sharded (the runtime refuses them).
+
+The step time is the pipeline's predicted step plus however far the last reduction ends past the
+pipeline's makespan; the memory is the pipeline's (for fsdp, with the sharded optimizer state).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Sequence
+
+from pipeloom.ir.core import compute_parts
+from pipeloom.plan.costs import CostTable, Link
+from pipeloom.plan.plan import PlanError
+from pipeloom.plan.placement import schedule_shape
+from pipeloom.plan.search import Candidate, NoPlanFits, PlanResult, plan_pipeline
+from pipeloom.schedules import REGISTRY
+
+__all__ = ["BUCKET_BYTES", "SHARDINGS", "collective_time", "plan_mesh", "reduction_time"]
+
+BUCKET_BYTES = 25 * 2**20
+"""The most gradient bytes one all-reduce carries (the runtime's bucket size)."""
+
+SHARDINGS = ("replicate", "fsdp")
+
+
+def collective_time(nbytes: float, size: int, link: Link, *, kind: str) -> float:
+    """Seconds of a ring ``all_reduce``, ``reduce_scatter`` or ``all_gather`` of ``nbytes`` over
+    ``size`` ranks, in buckets of :data:`BUCKET_BYTES` (each bucket pays the link's latency per step)."""
+    if size <= 1 or nbytes <= 0:
+        return 0.0
+    steps = (size - 1) * (2 if kind == "all_reduce" else 1)
+    buckets = math.ceil(nbytes / BUCKET_BYTES)
+    moved = steps / size * nbytes
+    return buckets * steps * link.latency + (0.0 if link.bandwidth is None else moved / link.bandwidth)
+
+
+def reduction_time(candidate: Candidate, table: CostTable, *, data_parallel: int, link: Link,
+                   sharding: str = "replicate") -> float:
+    """Seconds the replicas' gradient reduction (and, for fsdp, the parameter gathers) adds to
+    ``candidate``'s step on ``data_parallel`` replicas (see the module doc)."""
+    if data_parallel <= 1 or candidate.timeline is None or candidate.partition is None:
+        return 0.0
+    timeline = candidate.timeline
+    schedule = timeline.schedule
+    shape = schedule_shape(schedule)
+    params = _model_stage_params(table, candidate.partition.stage_of, shape.num_model_stages)
+    kind = "reduce_scatter" if sharding == "fsdp" else "all_reduce"
+    at_end = shape.replicas > 1  # the replicas' merge settles every gradient at the end of the step
+    ready = _last_gradient_ends(timeline)
+    latest = timeline.makespan
+    for rank in range(shape.num_ranks):
+        stages = [s for s in range(shape.num_stages) if shape.rank[s] == rank]
+        gather = (sum(collective_time(params[shape.model_stage[s] % shape.num_model_stages], data_parallel, link,
+                                      kind="all_gather") for s in stages) if sharding == "fsdp" else 0.0)
+        clock = 0.0
+        for s in sorted(stages, key=lambda s: ready.get(s, timeline.makespan)):
+            start = timeline.makespan if at_end else ready.get(s, timeline.makespan)
+            start += gather
+            clock = max(clock, start) + collective_time(
+                params[shape.model_stage[s] % shape.num_model_stages], data_parallel, link, kind=kind)
+        latest = max(latest, clock)
+    return latest - timeline.makespan
+
+
+def _model_stage_params(table: CostTable, stage_of: Sequence[int], stages: int) -> list[float]:
+    params = [0.0] * stages
+    for piece, stage in zip(table.pieces, stage_of):
+        params[stage] += piece.param_bytes
+    return params
+
+
+def _last_gradient_ends(timeline) -> dict[int, float]:
+    """Per schedule stage: when its last gradient action (B, I or W) of the step ends."""
+    ends: dict[int, float] = {}
+    for rank in range(timeline.num_ranks):
+        for action, _, end in timeline.events(rank):
+            for part in compute_parts(action):
+                if part.kind in ("B", "I", "W"):
+                    ends[part.stage] = max(ends.get(part.stage, 0.0), end)
+    return ends
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def plan_mesh(
+    table: CostTable | Sequence[CostTable],
+    *,
+    num_ranks: int,
+    global_batch: int,
+    memory_limit: float | None = None,
+    data_parallel: Sequence[int] | None = None,
+    sharding: str = "replicate",
+    dp_link: Link | None = None,
+    schedules: Sequence[str] | None = None,
+    progress: Callable[[str], None] | None = None,
+    **options,
+) -> PlanResult:
+    """The fastest plan for ``num_ranks`` ranks as ``dp`` replicas of a ``num_ranks / dp``-rank pipeline.
+
+    ``data_parallel``: the replica counts to try (default: every divisor of ``num_ranks`` that divides
+    ``global_batch`` and leaves a pipeline no longer than the table); ``sharding``: ``"replicate"`` or
+    ``"fsdp"`` (see the module doc); ``dp_link``: the link between replicas (default: the table's
+    link); ``progress``: called with a short line as the search goes, and with "" at its end. Other keywords go to :func:`~pipeloom.plan.plan_pipeline` for each pipeline. The result's
+    plan carries ``data_parallel`` and ``sharding``; its ``num_ranks`` is the pipeline's ranks; its
+    candidates are every pipeline's, ranked by step time with the replicas' cost included.
+    """
+    started = time.perf_counter()
+    if sharding not in SHARDINGS:
+        raise PlanError(f"sharding must be one of {', '.join(SHARDINGS)}, got {sharding!r}")
+    if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 1:
+        raise PlanError(f"num_ranks must be a positive integer, got {num_ranks!r}")
+    tables = [table] if isinstance(table, CostTable) else list(table)
+    sizes = _replica_counts(tables[0], num_ranks, global_batch, data_parallel)
+    link = dp_link or tables[0].link
+    names = list(schedules) if schedules is not None else None
+    results, failures = [], []
+    for k, dp in enumerate(sizes):
+        report = None if progress is None else _prefixed(progress, f"mesh {k + 1} of {len(sizes)}: dp {dp} x pp "
+                                                                    f"{num_ranks // dp}: ")
+        shard_tables = _sharded(tables, dp) if sharding == "fsdp" and dp > 1 else tables
+        chosen = names
+        if sharding == "fsdp" and dp > 1:  # the runtime shards one-replica schedules only
+            chosen = [n for n in (names or REGISTRY) if REGISTRY[n].replicas == 1]
+        counts = options.get("microbatches")
+        if counts is not None and dp != sizes[0]:  # the counts that divide this replica's share
+            counts = [m for m in counts if isinstance(m, int) and (global_batch // dp) % m == 0]
+            if not counts:
+                continue
+        try:
+            result = plan_pipeline(shard_tables, num_ranks=num_ranks // dp, global_batch=global_batch // dp,
+                                   memory_limit=memory_limit, schedules=chosen, progress=report,
+                                   **{**options, "microbatches": counts})
+        except NoPlanFits as error:
+            failures.append((dp, error))
+            continue
+        finally:
+            if progress is not None and k == len(sizes) - 1:
+                progress("")
+        results.append((dp, result, shard_tables))
+    if not results:
+        raise _nothing_fits(failures)
+    ranked = sorted((_with_replicas(c, dp, tables_dp, link, sharding)
+                     for dp, result, tables_dp in results for c in result.candidates), key=_order)
+    best = ranked[0]
+    dp, result, _ = next(r for r in results if r[0] == best.data_parallel)
+    chosen_plan = result.plan
+    if best.schedule != chosen_plan.schedule or best.step_time is None:
+        chosen_plan, timeline = _plan_of(best, result)
+    else:
+        timeline = result.timeline
+    plan = dataclasses.replace(chosen_plan, global_batch=global_batch, data_parallel=dp,
+                               sharding=sharding if dp > 1 else "replicate", predicted_step_time=best.step_time)
+    return PlanResult(plan=plan, timeline=timeline, candidates=tuple(ranked), seconds=time.perf_counter() - started)
+
+
+def _prefixed(progress: Callable[[str], None], prefix: str) -> Callable[[str], None]:
+    return lambda message: progress(prefix + message)
+
+
+def _replica_counts(table: CostTable, num_ranks: int, global_batch: int, asked: Sequence[int] | None) -> list[int]:
+    if asked is None:
+        sizes = [d for d in _divisors(num_ranks)
+                 if global_batch % d == 0 and num_ranks // d <= len(table.pieces)]
+        return sizes or [1]  # one pipeline over every rank, whose check says what is wrong
+    sizes = sorted(set(asked))
+    for dp in sizes:
+        if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1 or num_ranks % dp:
+            raise PlanError(f"data parallel size {dp!r} does not divide {num_ranks} ranks; choose among "
+                            f"{_divisors(num_ranks)}")
+        if global_batch % dp:
+            raise PlanError(f"data parallel size {dp} does not divide the global batch {global_batch}; each "
+                            "replica runs an equal share")
+    return sizes
+
+
+def _sharded(tables: Sequence[CostTable], dp: int) -> list[CostTable]:
+    """The tables with the optimizer state sharded over ``dp`` replicas (weights and gradients whole)."""
+    return [dataclasses.replace(t, optimizer_factor=t.optimizer_factor / dp) for t in tables]
+
+
+def _with_replicas(candidate: Candidate, dp: int, tables: Sequence[CostTable], link: Link,
+                   sharding: str) -> Candidate:
+    if not candidate.fits:
+        return dataclasses.replace(candidate, data_parallel=dp)
+    table = _table_at(tables, candidate.microbatch_size)
+    extra = reduction_time(candidate, table, data_parallel=dp, link=link, sharding=sharding)
+    return dataclasses.replace(candidate, data_parallel=dp, step_time=candidate.step_time + extra)
+
+
+def _table_at(tables: Sequence[CostTable], size: int) -> CostTable:
+    from pipeloom.plan.costs import table_for_size
+
+    return table_for_size(list(tables), size)
+
+
+def _order(candidate: Candidate) -> tuple:
+    if candidate.fits:
+        return (0, candidate.step_time, candidate.peak_memory, candidate.data_parallel, candidate.microbatches)
+    need = candidate.peak_memory if candidate.peak_memory is not None else float("inf")
+    return (1, need, 0.0, candidate.data_parallel, candidate.microbatches)
+
+
+def _plan_of(best: Candidate, result: PlanResult):
+    """The plan of ``best``, a fitting candidate of ``result`` that was not its own best."""
+    plan = dataclasses.replace(
+        result.plan, split_points=best.split_points or (), schedule=best.schedule,
+        schedule_options=best.schedule_options, microbatches=best.microbatches,
+        peak_memory=best.timeline.peak_memory, bubble_ratio=best.bubble_ratio,
+        stage_times=best.partition.stage_times)
+    return plan, best.timeline
+
+
+def _nothing_fits(failures: Sequence[tuple[int, NoPlanFits]]) -> NoPlanFits:
+    """The error of the mesh that came closest (the least memory that would fit), naming the meshes tried."""
+    dp, closest = min(failures, key=lambda f: math.inf if f[1].smallest_limit is None else f[1].smallest_limit)
+    if len(failures) == 1:
+        return closest
+    tried = ", ".join(str(d) for d, _ in failures)
+    return NoPlanFits(f"{closest} (data-parallel sizes tried: {tried}; the closest was {dp})",
+                      smallest_limit=closest.smallest_limit)
