@@ -157,12 +157,12 @@ def _runners_up(result, top: int):
 
     best = result.plan.predicted_step_time
     table = Table(title=f"runners-up (best {top} of {len(result.candidates)})")
-    for column in ("#", "schedule", "M x size", "step time (s)", "vs best", "bubble", "peak memory", "note"):
+    for column in ("#", "schedule", "dp", "M x size", "step time (s)", "vs best", "bubble", "peak memory", "note"):
         table.add_column(column, justify="left" if column in ("schedule", "note") else "right")
     for k, c in enumerate(result.candidates[:top]):
         fits = c.fits
         table.add_row(
-            str(k + 1), c.label, f"{c.microbatches} x {c.microbatch_size}",
+            str(k + 1), c.label, str(c.data_parallel), f"{c.microbatches} x {c.microbatch_size}",
             f"{c.step_time:#.4g}" if c.step_time is not None else "-",
             f"{c.step_time / best:.3f}" if c.step_time is not None and fits else "-",
             f"{c.bubble_ratio:.1%}" if c.bubble_ratio is not None else "-",

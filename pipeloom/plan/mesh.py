@@ -140,9 +140,9 @@ def plan_mesh(
         report = None if progress is None else _prefixed(progress, f"mesh {k + 1} of {len(sizes)}: dp {dp} x pp "
                                                                     f"{num_ranks // dp}: ")
         shard_tables = _sharded(tables, dp) if sharding == "fsdp" and dp > 1 else tables
-        chosen = names
-        if sharding == "fsdp" and dp > 1:  # the runtime shards one-replica schedules only
-            chosen = [n for n in (names or REGISTRY) if REGISTRY[n].replicas == 1]
+        chosen = _schedules_for(names, num_ranks // dp, sharded=sharding == "fsdp" and dp > 1)
+        if chosen == []:
+            continue
         counts = options.get("microbatches")
         if counts is not None and dp != sizes[0]:  # the counts that divide this replica's share
             counts = [m for m in counts if isinstance(m, int) and (global_batch // dp) % m == 0]
@@ -173,6 +173,17 @@ def plan_mesh(
     plan = dataclasses.replace(chosen_plan, global_batch=global_batch, data_parallel=dp,
                                sharding=sharding if dp > 1 else "replicate", predicted_step_time=best.step_time)
     return PlanResult(plan=plan, timeline=timeline, candidates=tuple(ranked), seconds=time.perf_counter() - started)
+
+
+def _schedules_for(names: Sequence[str] | None, pp: int, *, sharded: bool) -> list[str] | None:
+    """The schedules worth trying for a pipeline of ``pp`` ranks: on one rank, those that keep the model
+    whole in one stage of one replica (the others only add stage boundaries to the same work); the
+    runtime shards (fsdp) one-replica schedules only. None: every built-in one."""
+    if pp > 1 and not sharded:
+        return None if names is None else list(names)
+    keep = [n for n in (names if names is not None else REGISTRY) if REGISTRY[n].replicas == 1
+            and (pp > 1 or REGISTRY[n].num_pieces(1) == 1)]
+    return keep
 
 
 def _prefixed(progress: Callable[[str], None], prefix: str) -> Callable[[str], None]:

@@ -17,7 +17,7 @@ from pipeloom.errors import PipeloomError
 from pipeloom.ir import Schedule, save_schedule
 from pipeloom.plan.costs import CostTable, Link, format_bytes, table_for_size
 from pipeloom.plan.partition import Partition, PartitionError
-from pipeloom.plan.partitioner import MemoryTooSmall, SchedulePartitioner
+from pipeloom.plan.partitioner import MemoryTooSmall, SchedulePartitioner, format_bytes_up
 from pipeloom.plan.placement import library_schedule, schedule_shape
 from pipeloom.plan.plan import Plan, PlanError, save_plan
 from pipeloom.problem import Problem, Stage, stage_graph
@@ -85,10 +85,9 @@ class Candidate:
     @property
     def label(self) -> str:
         """``interleaved-1f1b (v=2)``-style name."""
-        name = self.schedule
         if "stages_per_rank" in self.schedule_options:
-            name = f"{name} (v={self.schedule_options['stages_per_rank']})"
-        return name if self.data_parallel == 1 else f"{name}, dp {self.data_parallel}"
+            return f"{self.schedule} (v={self.schedule_options['stages_per_rank']})"
+        return self.schedule
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -292,7 +291,11 @@ class _Search:
         limit = self.memory_limit
         # a memory-aware schedule (ZB-V) orders its actions for a limit: try the plan's and its default
         limits = (limit, None) if REGISTRY[name].memory_aware and limit is not None else (None,)
-        return min((self._try(base, partitioner, library_limit=lim) for lim in limits), key=_rank)
+        tried = [self._try(base, partitioner, library_limit=lim) for lim in limits]
+        best = min(tried, key=_rank)
+        # nothing fits: say what the order built without the limit needs, as that order is the same
+        # at any limit (the one built for the limit changes with it), so its need fits when passed back
+        return best if best.fits else tried[-1]
 
     def _try(self, base: Candidate, partitioner: SchedulePartitioner, *, library_limit: float | None
              ) -> Candidate:
@@ -306,7 +309,7 @@ class _Search:
             splits = partitioner.candidates(library, memory_limit=limit)
         except MemoryTooSmall as error:
             return dataclasses.replace(base, peak_memory=error.smallest_limit,
-                                       reason=f"no split fits; needs about {format_bytes(error.smallest_limit)}")
+                                       reason=f"no split fits; needs about {format_bytes_up(error.smallest_limit)}")
         except PartitionError as error:
             return dataclasses.replace(base, reason=f"too many stages: {error}")
         return min((self._simulated(base, table, library, found) for found in splits), key=_rank)
@@ -457,8 +460,9 @@ def _nothing_fits(table: CostTable, num_ranks: int, memory_limit: float | None,
         least = min(sized, key=lambda c: c.peak_memory)
         return NoPlanFits(
             f"no plan fits {format_bytes(memory_limit)} per rank on {num_ranks} ranks; the smallest that fits "
-            f"is about {format_bytes(least.peak_memory)} ({least.label}, {least.microbatches} micro-batches of "
-            f"{least.microbatch_size}): raise the memory limit, or use more ranks", smallest_limit=least.peak_memory,
+            f"is about {format_bytes_up(least.peak_memory)} (rounded up; {least.label}, {least.microbatches} "
+            f"micro-batches of {least.microbatch_size}): raise the memory limit, or use more ranks",
+            smallest_limit=least.peak_memory,
         )
     reasons = "; ".join(dict.fromkeys(c.reason for c in ranked))
     return NoPlanFits(f"no plan could be built for {len(table.pieces)} pieces on {num_ranks} ranks: {reasons}",
