@@ -15,6 +15,11 @@ Run ``python benchmarks/schedule_quality.py`` (all sections) or ``--section zbv`
 - ``catalog``: the 8-device catalogue placements, 128 micro-batches, memory limits 6 and 8, 10 s:
   makespan, lower bound, gap and the search's wall time. Targets: gap <= 2 % on every placement,
   every search within its limit + 0.5 s.
+- ``v-memory``: ``v-half`` and ``v-min`` at p in {4, 8, 16}, m in {2p, 4p}, unit and paper costs:
+  bubble and peak of the paper's building block alone, of zbv's list order under the same memory,
+  and of the schedule (the shorter), against the paper's documented memory ((p+2)//2, (p+4)//3;
+  1F1B: p) and bubble (about p/(2m), 2p/(3m) at f = b = w). Targets: every peak within the
+  documented memory; at unit costs every bubble at most the documented one.
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ from pipeloom.problem import Costs
 from pipeloom.schedules import build_schedule
 from pipeloom.sim import simulate
 
-__all__ = ["SECTIONS", "catalog_section", "main", "torch_section", "zbv_search_section", "zbv_section"]
+__all__ = ["SECTIONS", "catalog_section", "main", "torch_section", "v_memory_section", "zbv_search_section",
+           "zbv_section"]
 
 DATA = Path(__file__).resolve().parent / "data"
 _TOLERANCE = 1e-9
@@ -180,8 +186,48 @@ def catalog_section() -> bool:
     return not over and not late
 
 
+def v_memory_section() -> bool:
+    """V-Half and V-Min: the building block, zbv's list order at the same memory, the schedule's choice."""
+    from pipeloom.schedules.common import make_schedule
+    from pipeloom.schedules.v_block import block_order
+    from pipeloom.schedules.v_memory import v_half_memory, v_min_memory
+
+    print("== v-half and v-min: bubble ratio (peak memory) of the building block, zbv's list order at the "
+          "documented memory, and the schedule; doc = the paper's ==")
+    print(f"{'schedule':<7} {'costs':<5} {'p':>3} {'m':>4} {'block':>13} {'list':>13} {'schedule':>13} "
+          f"{'doc bubble':>10} {'doc mem':>7} {'1F1B mem':>8}")
+    cost_sets = {"unit": Costs(), "paper": Costs(f=18522, b=18086, w=9337, comm=601)}
+    misses = []
+    for name, variant, memory, documented_bubble in (
+            ("v-half", "half", v_half_memory, lambda p, m: p / (2 * m)),
+            ("v-min", "min", v_min_memory, lambda p, m: 2 * p / (3 * m))):
+        for label, costs in cost_sets.items():
+            for p in (4, 8, 16):
+                for m in (2 * p, 4 * p):
+                    chosen = build_schedule(name, p, m, costs=costs)
+                    block = make_schedule(name, problem=chosen.problem, num_microbatches=m,
+                                          ranks=block_order(p, m, variant))
+                    listed = build_schedule("zbv", p, m, costs=costs, memory_limit=memory(p, costs=costs))
+                    shown = []
+                    for schedule in (block, listed, chosen):
+                        timeline = simulate(schedule)
+                        shown.append(f"{timeline.bubble_ratio:.3f} ({max(timeline.peak_memory):g})")
+                    final = simulate(chosen)
+                    limit, doc = memory(p, costs=costs), documented_bubble(p, m)
+                    miss = max(final.peak_memory) > limit + _TOLERANCE or (
+                        label == "unit" and final.bubble_ratio > doc + _TOLERANCE)
+                    if miss:
+                        misses.append((name, label, p, m))
+                    print(f"{name:<7} {label:<5} {p:>3} {m:>4} {shown[0]:>13} {shown[1]:>13} {shown[2]:>13} "
+                          f"{doc:>10.3f} {limit:>7g} {p:>8}{'  MISS' if miss else ''}")
+    print(f"v-memory verdict: {len(misses)} cells miss (memory above the documented one anywhere, or bubble "
+          f"above the documented one at unit costs) -> {'MET' if not misses else 'NOT MET'}")
+    return not misses
+
+
 SECTIONS: dict[str, Callable[[], bool]] = {"zbv": zbv_section, "zbv-search": zbv_search_section,
-                                           "torch": torch_section, "catalog": catalog_section}
+                                           "torch": torch_section, "catalog": catalog_section,
+                                           "v-memory": v_memory_section}
 """Section name -> function printing its table and returning whether its target is met."""
 
 
