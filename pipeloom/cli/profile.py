@@ -2,10 +2,12 @@
 on this machine and save it (imports torch, only when the command runs).
 
 FUNCTION convention: it is called with the ``--arg KEY=VALUE`` keywords and returns the model, or
-``(model, inputs)``, or ``(model, inputs, target)``. Without inputs, FILE may define
-``example_inputs(model, batch, seq)`` returning inputs or ``(inputs, target)``; else inputs are made
-from the first module the model calls: token ids below ``num_embeddings`` for an ``nn.Embedding``
-(``--seq`` needed), normal noise for an ``nn.Linear``.
+``(model, inputs)``, or ``(model, inputs, target)``. The model may be its pieces as modules (an
+``nn.ModuleList`` or a list: piece k takes piece k-1's output), for a model no tracer can cut. Without
+inputs, FILE may define ``example_inputs(model, batch, seq)`` returning inputs or ``(inputs, target)``;
+else inputs are made from the first module the model calls (without a torch.fx trace, its input
+embeddings or its first embedding or linear module): token ids below ``num_embeddings`` for an
+``nn.Embedding`` (``--seq`` needed), normal noise for an ``nn.Linear``.
 """
 
 from __future__ import annotations
@@ -81,6 +83,12 @@ def add_profile_parser(commands: argparse._SubParsersAction) -> None:
     profile.add_argument("--pieces", metavar="NAMES",
                          help="comma-separated module names in call order (default: the top-level children, "
                               "ModuleLists expanded)")
+    profile.add_argument("--tracer", choices=("auto", "fx", "export"), default="auto",
+                         help="how the model is traced to cut it, as pipeline(tracer=...): torch.fx, torch.export "
+                              "on the inputs, or auto (torch.fx, then torch.export; the default)")
+    profile.add_argument("--leaf-modules", metavar="NAMES",
+                         help="comma-separated module names kept whole (never cut inside), as "
+                              "pipeline(leaf_modules=...)")
     profile.add_argument("--device", help="cpu, cuda, cuda:1... (default: cuda when available, else cpu)")
     profile.add_argument("--warmup", type=_number(int, "an integer >= 0", 0), default=2, metavar="N",
                          help="untimed runs per piece (default 2)")
@@ -144,13 +152,36 @@ def _keywords(pairs: list[str]) -> dict:
     return keywords
 
 
+def _first_module(model, args: argparse.Namespace):
+    """``(name, module)`` of the first module the model calls: from a torch.fx trace as the runtime makes
+    it; where torch.fx cannot trace the model, its input embeddings (Hugging Face's
+    ``get_input_embeddings``) or else its first embedding or linear module."""
+    from torch import nn
+
+    from pipeloom.runtime import ModelTraceError
+    from pipeloom.runtime.tracing import trace_model
+
+    if isinstance(model, (list, tuple, nn.ModuleList)):  # pieces given as modules: the first one starts
+        return _first_module(model[0], args)
+    try:
+        traced = trace_model(model, tracer="fx", leaf_modules=_names(args.leaf_modules) or ())
+    except ModelTraceError:
+        embeddings = getattr(model, "get_input_embeddings", None)
+        found = embeddings() if callable(embeddings) else None
+        if isinstance(found, nn.Module):
+            return next((n for n, m in model.named_modules() if m is found), "input embeddings"), found
+        return next(((n, m) for n, m in model.named_modules() if isinstance(m, (nn.Embedding, nn.Linear))),
+                    ("", model))
+    first = next((str(node.target) for node in traced.graph.nodes if node.op == "call_module"), None)
+    return (first, model.get_submodule(first)) if first is not None else ("", model)
+
+
 def _made_up_inputs(model, args: argparse.Namespace):
     """Inputs for the first module the model calls: token ids (Embedding) or noise (Linear)."""
     import torch
-    from torch import fx, nn
+    from torch import nn
 
-    first = next((node.target for node in fx.symbolic_trace(model).graph.nodes if node.op == "call_module"), None)
-    module = model.get_submodule(first) if first is not None else None
+    first, module = _first_module(model, args)
     if isinstance(module, nn.Embedding):
         if args.seq is None:
             raise UsageError(f"the model starts with an embedding ({first}); give --seq S for its token inputs")
@@ -164,8 +195,6 @@ def _made_up_inputs(model, args: argparse.Namespace):
 
 def _model_and_inputs(module, function, args: argparse.Namespace):
     """``(model, inputs, target)`` by the convention of this module's docstring."""
-    from torch import nn
-
     keywords = _keywords(args.arg)
     signature = inspect.signature(function)
     try:
@@ -179,9 +208,9 @@ def _model_and_inputs(module, function, args: argparse.Namespace):
     with user_code(file, f"calling {args.target}"):
         built = function(**keywords)
     parts = built if isinstance(built, tuple) else (built,)
-    if not parts or not isinstance(parts[0], nn.Module) or len(parts) > 3:
-        raise UsageError(f"{args.target} must return a model, (model, inputs) or (model, inputs, target); "
-                         f"got {type(built).__name__}")
+    if not parts or not _is_model(parts[0]) or len(parts) > 3:
+        raise UsageError(f"{args.target} must return a model (or its pieces as a list of modules), (model, inputs) "
+                         f"or (model, inputs, target); got {type(built).__name__}")
     model, inputs, target = (list(parts) + [None, None])[:3]
     if inputs is None:
         maker = getattr(module, "example_inputs", None)
@@ -195,6 +224,15 @@ def _model_and_inputs(module, function, args: argparse.Namespace):
     return model, inputs, target
 
 
+def _is_model(value) -> bool:
+    """A module, or pieces given as a non-empty list of modules."""
+    from torch import nn
+
+    if isinstance(value, list):
+        return bool(value) and all(isinstance(m, nn.Module) for m in value)
+    return isinstance(value, nn.Module)
+
+
 def _loss(module, args: argparse.Namespace):
     if args.loss is None:
         return None
@@ -205,12 +243,24 @@ def _loss(module, args: argparse.Namespace):
 
 
 def _made_up_target(model, inputs):
-    """Class targets for the model's output: integers below its last dimension, one per other position."""
+    """Class targets for the model's output (its first tensor: a Hugging Face output's logits): integers
+    below its last dimension, one per other position."""
     import torch
+    import torch.utils._pytree as pytree
+    from torch import nn
 
     with torch.no_grad():
-        out = model(*(inputs if isinstance(inputs, tuple) else (inputs,)))
-    return torch.randint(out.size(-1), out.shape[:-1])
+        if isinstance(model, (list, nn.ModuleList)):  # pieces as modules: each takes the one before's output
+            out = model[0](*(inputs if isinstance(inputs, tuple) else (inputs,)))
+            for piece in model[1:]:
+                out = piece(out)
+        else:
+            out = model(*(inputs if isinstance(inputs, tuple) else (inputs,)))
+    first = next((t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)), None)
+    if first is None or first.dim() == 0:
+        raise UsageError("cannot make up a target: the model's output holds no tensor with a class dimension; "
+                         "return (model, inputs, target) from the function")
+    return torch.randint(first.size(-1), first.shape[:-1])
 
 
 def _pieces_table(table):
@@ -230,6 +280,15 @@ def _pieces_table(table):
                      format_bytes(piece.activation_bytes), format_bytes(piece.param_bytes),
                      format_bytes(piece.output_bytes), *reads)
     return view
+
+
+def _print_shared(table, console: Console) -> None:
+    """One line per parameter several pieces use (counted once, in its first user's params)."""
+    from pipeloom.plan.costs import format_bytes
+
+    for entry in table.shared:
+        console.print(f"shared: {entry.name or 'a parameter'} ({format_bytes(entry.bytes)}, counted once) used by "
+                      f"{', '.join(entry.pieces)}", markup=False, soft_wrap=True)
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
@@ -255,7 +314,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
             target = _made_up_target(model, inputs)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     with user_code(file, "profiling the model (its forward, backward and loss)"):
-        table = profile_model(model, inputs, pieces=_pieces(args), device=device, warmup=args.warmup,
+        table = profile_model(model, inputs, pieces=_pieces(args), tracer=args.tracer,
+                              leaf_modules=_names(args.leaf_modules), device=device, warmup=args.warmup,
                               repeats=args.repeats, loss_fn=loss, target=target,
                               optimizer_factor=args.optimizer_factor,
                               link=Link(latency=args.latency, bandwidth=args.bandwidth))
@@ -263,9 +323,14 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _names(text: str | None) -> list[str]:
+    """``a,b,c`` as names (none for None)."""
+    return [name.strip() for name in text.split(",") if name.strip()] if text else []
+
+
 def _pieces(args: argparse.Namespace) -> list[str] | None:
     """``--pieces a,b,c`` as names (None: the profiler's default pieces)."""
-    return [name.strip() for name in args.pieces.split(",") if name.strip()] if args.pieces else None
+    return _names(args.pieces) or None
 
 
 def _check_batch(inputs, samples: int, what: str) -> None:
@@ -288,6 +353,7 @@ def _show(table, args: argparse.Namespace) -> None:
         print(costs_to_json(table, indent=None))
     else:
         console.print(_pieces_table(table))
+        _print_shared(table, console)
     if args.save:
         console.print(f"wrote cost table {args.save}", markup=False, soft_wrap=True)
 
@@ -325,14 +391,15 @@ def _profile_in_engine(args: argparse.Namespace, module, function) -> int:
                 target = _made_up_target(model, inputs)
         table = profile_in_engine(model, inputs, loss_fn=loss, target=target, microbatches=args.microbatches,
                                   pieces=_pieces(args), warmup_steps=args.warmup, steps=args.repeats,
-                                  bandwidth=args.bandwidth)
+                                  bandwidth=args.bandwidth, tracer=args.tracer,
+                                  leaf_modules=_names(args.leaf_modules))
         table = dataclasses.replace(table, optimizer_factor=args.optimizer_factor)
         if dist.get_rank() != 0 and getattr(args, "outputs", None) is not None:
             args.outputs.discard()  # rank 0 writes the files; an empty one from here must not replace them
         if dist.get_rank() == 0:
             _show(table, args)
-            exchange = ("none (odd ranks or micro-batches)" if table.replica_link is None
-                        else f"{table.replica_link.latency * 1e3:.2f} ms per message")
+            exchange = ("none (odd ranks or micro-batches, or parameters shared across ranks)"
+                        if table.replica_link is None else f"{table.replica_link.latency * 1e3:.2f} ms per message")
             Console(stderr=args.json, highlight=False).print(
                 f"fitted: latency under load {table.link.latency * 1e3:.2f} ms, per step "
                 f"{table.step_overhead * 1e3:.2f} ms, per action {table.action_overhead * 1e6:.0f} us, per message "

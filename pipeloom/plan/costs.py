@@ -27,6 +27,7 @@ __all__ = [
     "CostTableError",
     "Link",
     "Piece",
+    "SharedParam",
     "costs_from_json",
     "costs_to_json",
     "format_bytes",
@@ -98,7 +99,8 @@ class Piece:
     w_activation_bytes: float = 0.0
     """Part of ``activation_bytes`` still needed by W after I (e.g. the inputs of linear layers)."""
     param_bytes: float = 0.0
-    """Bytes of the piece's parameters."""
+    """Bytes of the piece's parameters. A parameter several pieces use (a tied embedding and LM head) is
+    counted once, in the first of them; :attr:`CostTable.shared` lists it with all its users."""
     output_bytes: float = 0.0
     """Bytes of the values the piece passes on (sent when a stage boundary follows it)."""
     inputs: tuple[str, ...] | None = None
@@ -130,6 +132,30 @@ class Piece:
     def full_backward(self) -> float:
         """Seconds of a full backward B: ``b`` where measured, else ``i + w``."""
         return self.i + self.w if self.b is None else self.b
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SharedParam:
+    """A parameter several pieces use (a tied embedding and LM head): every rank holding one of those
+    pieces keeps it, and their gradients are combined after the step (:mod:`pipeloom.plan.shared`)."""
+
+    name: str
+    """The parameter's name in the model, for messages (e.g. ``transformer.wte.weight``)."""
+    bytes: float
+    """Its bytes (counted once in the ``param_bytes`` of its first user, ``pieces[0]``)."""
+    pieces: tuple[str, ...]
+    """The pieces using it, in call order (two or more)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str):
+            raise CostTableError(f"a shared parameter's name must be a string, got {shown(self.name)}")
+        object.__setattr__(self, "bytes", _check(f"shared parameter {self.name!r} bytes", self.bytes))
+        if isinstance(self.pieces, str) or not all(isinstance(n, str) for n in self.pieces):
+            raise CostTableError(f"shared parameter {self.name!r}: pieces must be a list of piece names")
+        object.__setattr__(self, "pieces", tuple(dict.fromkeys(self.pieces)))
+        if len(self.pieces) < 2:
+            raise CostTableError(f"shared parameter {self.name!r} names {len(self.pieces)} piece(s); a shared "
+                                 "parameter is used by two or more pieces (leave one-piece parameters out)")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -181,6 +207,10 @@ class CostTable:
     :func:`pipeloom.plan.replica_sync_time`): packing, adding and sending back, under the load of the
     step's last messages. Fitted by :func:`pipeloom.plan.profile_in_engine` from a two-replica
     profiling pipeline; None prices the exchange with :attr:`link`."""
+    shared: tuple[SharedParam, ...] = ()
+    """Parameters several pieces use, each listed with its users (each counted once in ``param_bytes``);
+    :mod:`pipeloom.plan.shared` counts them on every rank holding a user and prices their gradients'
+    combination after the step. Empty: no piece shares a parameter (or the table does not say)."""
 
     def __post_init__(self) -> None:
         pieces = tuple(self.pieces)
@@ -211,6 +241,7 @@ class CostTable:
             seen[piece.name] = k
             normal.append(piece if piece.inputs == inputs else dataclasses.replace(piece, inputs=inputs))
         object.__setattr__(self, "pieces", tuple(normal))
+        object.__setattr__(self, "shared", _checked_shared(self.shared, seen))
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -254,6 +285,23 @@ class CostTable:
             for piece in self.pieces
         )
         return dataclasses.replace(self, pieces=pieces, microbatch_size=microbatch_size)
+
+
+def _checked_shared(shared: Sequence[SharedParam], order: dict[str, int]) -> tuple[SharedParam, ...]:
+    """``shared`` as a tuple, each naming known pieces, listed in call order."""
+    if isinstance(shared, (str, SharedParam)):
+        raise CostTableError("shared must be a list of SharedParam")
+    checked = []
+    for k, entry in enumerate(shared):
+        if not isinstance(entry, SharedParam):
+            raise CostTableError(f"shared[{k}] is {type(entry).__name__}, expected a SharedParam")
+        unknown = [name for name in entry.pieces if name not in order]
+        if unknown:
+            raise CostTableError(f"shared parameter {entry.name!r} names piece(s) {unknown}, which the table does "
+                                 f"not have; name pieces of the table")
+        in_order = tuple(sorted(entry.pieces, key=order.__getitem__))
+        checked.append(entry if in_order == entry.pieces else dataclasses.replace(entry, pieces=in_order))
+    return tuple(checked)
 
 
 _SCALED = ("f", "i", "w", "activation_bytes", "w_activation_bytes", "output_bytes")
@@ -323,7 +371,9 @@ _RUNTIME_KEYS = ("action_overhead", "message_cost", "step_overhead", "time_sprea
 """The table's runtime fits: numbers >= 0, 0 when absent."""
 
 _TOP_KEYS = {"format", "device", "source", "microbatch_size", "optimizer_factor", "action_overhead",
-             "message_cost", "step_overhead", "time_spread", "start_skew", "link", "replica_link", "pieces"}
+             "message_cost", "step_overhead", "time_spread", "start_skew", "link", "replica_link", "pieces",
+             "shared"}
+_SHARED_KEYS = {"name", "bytes", "pieces"}
 _LINK_KEYS = {"latency", "bandwidth"}
 _PIECE_KEYS = {"name", "f", "i", "w", "b", "activation_bytes", "w_activation_bytes", "param_bytes", "output_bytes",
                "inputs"}
@@ -352,6 +402,8 @@ def costs_to_json(table: CostTable, *, indent: int | None = 1) -> str:
             for p in table.pieces
         ],
     }
+    if table.shared:  # optional: tables without shared parameters read as before
+        document["shared"] = [{"name": e.name, "bytes": e.bytes, "pieces": list(e.pieces)} for e in table.shared]
     return json.dumps(document, indent=indent)
 
 
@@ -368,6 +420,21 @@ def _piece_from_json(entry: object, k: int) -> Piece:
     return Piece(name=string(entry, "name", where=where, error=CostTableError), inputs=inputs, **values)
 
 
+def _shared_from_json(entries: object) -> tuple[SharedParam, ...]:
+    if not isinstance(entries, list):
+        raise CostTableError(f"costs.shared: expected a list of shared parameters, got {shown(entries)}")
+    found = []
+    for k, entry in enumerate(entries):
+        where = f"shared[{k}]"
+        if not isinstance(entry, dict):
+            raise CostTableError(f"{where}: expected an object with name, bytes and pieces, got {shown(entry)}")
+        check_keys(entry, _SHARED_KEYS, where=where, error=CostTableError)
+        found.append(SharedParam(name=string(entry, "name", where=where, error=CostTableError, default=""),
+                                 bytes=number(entry, "bytes", where=where, error=CostTableError),
+                                 pieces=tuple(strings(entry, "pieces", where=where, error=CostTableError))))
+    return tuple(found)
+
+
 def costs_from_json(text: str) -> CostTable:
     """Parse ``pipeloom.costs/1`` JSON; unknown keys, another format or a wrong type are errors.
 
@@ -375,7 +442,8 @@ def costs_from_json(text: str) -> CostTable:
     ``action_overhead``, ``message_cost``, ``step_overhead`` and ``start_skew`` (0 seconds), ``time_spread`` (0), ``link`` (no
     latency, unlimited bandwidth), ``replica_link`` (null: the exchange is priced with ``link``), and
     per piece ``b`` (null: the full backward is priced ``i + w``), the byte counts (0) and ``inputs``
-    (the piece before it).
+    (the piece before it); ``shared`` (none: no piece shares a parameter), a list of
+    ``{"name", "bytes", "pieces"}``.
     """
     document = json_object(text, fmt=COSTS_FORMAT, keys=_TOP_KEYS, error=CostTableError, what="cost table")
     where = "costs"
@@ -392,7 +460,7 @@ def costs_from_json(text: str) -> CostTable:
         device=string(document, "device", where=where, error=CostTableError, default=""),
         source=string(document, "source", where=where, error=CostTableError, default="manual"),
         optimizer_factor=number(document, "optimizer_factor", where=where, error=CostTableError, default=2.0),
-        link=link, replica_link=replica_link,
+        link=link, replica_link=replica_link, shared=_shared_from_json(document.get("shared", [])),
         **{key: number(document, key, where=where, error=CostTableError, default=0.0) for key in _RUNTIME_KEYS},
     )
 

@@ -25,10 +25,11 @@ from torch import nn
 from pipeloom.ir import Action, Schedule
 from pipeloom.plan.costs import CostTable, Link
 from pipeloom.plan.plan import PlanError
-from pipeloom.plan.profile import default_pieces, profile_model
+from pipeloom.plan.profile import _default_pieces, _traced, profile_model
 from pipeloom.plan.search import exchange_time
+from pipeloom.plan.shared import shared_across_stages, shared_sync_time
 from pipeloom.problem import Costs, stage_graph
-from pipeloom.runtime import pipeline
+from pipeloom.runtime import pipeline, split_model
 from pipeloom.schedules.common import chain_problem
 from pipeloom.sim import starting_ranks
 from pipeloom.viz.measured import comm_latency_estimate, message_cost, step_times, task_durations
@@ -109,26 +110,31 @@ class EngineProfiler:
     def __init__(self, model: nn.Module, inputs: torch.Tensor | tuple, *,
                  loss_fn: Callable[[object, object], torch.Tensor], target: object, microbatches: int,
                  pieces: Sequence[str] | None = None, process_group: object = None,
-                 base: CostTable | None = None, exchange: bool = True) -> None:
+                 base: CostTable | None = None, exchange: bool = True, tracer: str = "auto",
+                 leaf_modules: Sequence[str] = ()) -> None:
         if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
             raise PlanError(f"microbatches must be a positive integer, got {microbatches!r}")
         self.model, self.inputs, self.target = model, inputs, target
         self.group = process_group if process_group is not None else dist.group.WORLD
         self.world = dist.get_world_size(self.group)
-        self.names = list(pieces) if pieces is not None else default_pieces(model)
+        args = inputs if isinstance(inputs, tuple) else (inputs,)
+        first = tuple(t.chunk(microbatches)[0] if isinstance(t, torch.Tensor) else t for t in args)
+        self.leaf_modules = tuple(leaf_modules)
+        self.traced = _traced(model, first, tracer=tracer, leaf_modules=self.leaf_modules)  # as the runtime cuts
+        self.names = list(pieces) if pieces is not None else _default_pieces(model, self.traced, self.leaf_modules)
         if base is None:
-            args = inputs if isinstance(inputs, tuple) else (inputs,)
-            first = tuple(t.chunk(microbatches)[0] if isinstance(t, torch.Tensor) else t for t in args)
             first_target = target.chunk(microbatches)[0] if isinstance(target, torch.Tensor) else target
-            base = profile_model(model, first, pieces=self.names, loss_fn=loss_fn, target=first_target,
-                                 warmup=1, repeats=1)
+            base = profile_model(model, first, pieces=self.names, tracer=tracer, leaf_modules=self.leaf_modules,
+                                 loss_fn=loss_fn, target=first_target, warmup=1, repeats=1)
         if base.names != tuple(self.names):
             raise PlanError(f"base table pieces {list(base.names)} differ from the profiled pieces {self.names}")
         self.base = base
+        self.microbatches = microbatches
+        self.rank_of = [k * self.world // len(self.names) for k in range(len(self.names))]  # profiling_schedule's
         self.engines = [
             pipeline(model, schedule=profiling_schedule(len(self.names), self.world, microbatches,
                                                         split_backward=split),
-                     split_points=self.names[1:], loss_fn=loss_fn, process_group=process_group,
+                     stages=self._cut(self.names[1:]), loss_fn=loss_fn, process_group=process_group,
                      trace=True)
             for split in (False, True)
         ]
@@ -138,17 +144,22 @@ class EngineProfiler:
     def _exchange_pipeline(self, loss_fn: Callable, microbatches: int, process_group: object):
         """The two-replica pipeline whose replica-gradient exchange :meth:`table` prices, or None
         where there is none to run (an odd number of ranks, as two-replica schedules need an even one,
-        or of micro-batches): each rank's run
-        of pieces is one stage, and the replicas mirror each other (:func:`profiling_schedule`)."""
-        if self.world < 2 or self.world % 2 or microbatches % 2:
+        or of micro-batches; or a parameter shared by pieces on two ranks, which the runtime combines with
+        one-replica schedules only): each rank's run of pieces is one stage, and the replicas mirror each
+        other (:func:`profiling_schedule`)."""
+        rank_of = self.rank_of
+        if self.world < 2 or self.world % 2 or microbatches % 2 or shared_across_stages(self.base, rank_of):
             return None
-        rank_of = [k * self.world // len(self.names) for k in range(len(self.names))]
         cuts = [k for k in range(1, len(self.names)) if rank_of[k] != rank_of[k - 1]]
         bounds = [0, *cuts, len(self.names)]
         self.exchange_bounds = bounds
         schedule = profiling_schedule(self.world, self.world, microbatches // 2, split_backward=False, replicas=2)
-        return pipeline(self.model, schedule=schedule, split_points=[self.names[k] for k in cuts], loss_fn=loss_fn,
-                        process_group=process_group, trace=True)
+        return pipeline(self.model, schedule=schedule, stages=self._cut([self.names[k] for k in cuts]),
+                        loss_fn=loss_fn, process_group=process_group, trace=True)
+
+    def _cut(self, split_points: list[str]):
+        """The model cut at ``split_points`` from the one trace (``split_model``, as ``pipeline`` cuts it)."""
+        return split_model(self.traced, split_points, leaf_modules=self.leaf_modules)
 
     @property
     def _all_engines(self) -> list:
@@ -178,8 +189,9 @@ class EngineProfiler:
         measured, from the same steps: the link latency under load (mean wait of an action for a
         message it was waiting for), the time spread (:func:`_time_spread`) and the step's own cost
         outside the schedule
-        (``engine.step`` time minus the schedule's span: preamble, loss all-reduce, last sends); both
-        averaged over the two pipelines. Where the two-replica pipeline ran, its own cost outside the
+        (``engine.step`` time minus the schedule's span: preamble, loss all-reduce, last sends; less the
+        shared-parameter exchange as :func:`~pipeloom.plan.shared.shared_sync_time` prices it, which a
+        plan pays apart); both averaged over the two pipelines. Where the two-replica pipeline ran, its own cost outside the
         schedule beyond that is its replica-gradient exchange: the table's ``replica_link`` is the
         per-message latency that prices that exchange at the measured seconds
         (:func:`~pipeloom.plan.search.exchange_time`, with ``bandwidth``); and, as both its replicas
@@ -218,11 +230,13 @@ class EngineProfiler:
             params = [sum(p.param_bytes for p in self.base.pieces[a:b]) for a, b in pairwise(self.exchange_bounds)]
             latency = _exchange_latency(exchanged, params, self.exchange.schedule, bandwidth)
             replica_link = Link(latency=latency, bandwidth=bandwidth)
+        link = Link(latency=statistics.fmean(latencies), bandwidth=bandwidth)
+        # the shared-parameter exchange after the step is priced apart (pipeloom.plan.shared): take it off
+        shared = shared_sync_time(self.base, self.rank_of, self.microbatches, link=replica_link or link)
         return dataclasses.replace(
-            self.base, pieces=pieces, source="profile",
-            link=Link(latency=statistics.fmean(latencies), bandwidth=bandwidth), replica_link=replica_link,
+            self.base, pieces=pieces, source="profile", link=link, replica_link=replica_link,
             action_overhead=action_cost if action_overhead is None else action_overhead, message_cost=messages,
-            step_overhead=statistics.fmean(outside), time_spread=spread, start_skew=skew,
+            step_overhead=max(0.0, statistics.fmean(outside) - shared), time_spread=spread, start_skew=skew,
             device=f"{where} (in the engine, {self.world} ranks, {torch.get_num_threads()} thread(s) each)")
 
     def _run(self, engine: object) -> RunTrace:
@@ -348,6 +362,8 @@ def profile_in_engine(
     bandwidth: float | None = None,
     base: CostTable | None = None,
     exchange: bool = True,
+    tracer: str = "auto",
+    leaf_modules: Sequence[str] = (),
 ) -> CostTable:
     """The cost table of ``model`` with piece times measured inside the runtime (see the module text).
 
@@ -363,12 +379,15 @@ def profile_in_engine(
     (bytes/s) completes the link. Bytes come from ``base`` (default: ``profile_model`` on one
     micro-batch). ``exchange`` (with two ranks or more and an even number of micro-batches) also runs a
     two-replica profiling pipeline and fits the table's ``replica_link`` from its gradient exchange.
+    The model is traced once, as ``pipeline`` traces it (``tracer``, ``leaf_modules``; torch.export on
+    one micro-batch of ``inputs`` where torch.fx cannot), and every pipeline cuts that trace.
     Every rank calls this and gets the same table; the model's gradients are cleared.
     """
     if warmup_steps < 0 or steps < 1:
         raise PlanError(f"need warmup_steps >= 0 and steps >= 1, got {warmup_steps} and {steps}")
     profiler = EngineProfiler(model, inputs, loss_fn=loss_fn, target=target, microbatches=microbatches,
-                              pieces=pieces, process_group=process_group, base=base, exchange=exchange)
+                              pieces=pieces, process_group=process_group, base=base, exchange=exchange,
+                              tracer=tracer, leaf_modules=leaf_modules)
     for _ in range(warmup_steps + steps):
         profiler.step()
     return profiler.table(skip=warmup_steps, action_cost=action_cost, bandwidth=bandwidth)

@@ -23,7 +23,7 @@ from pipeloom.plan import (
     save_costs,
 )
 from pipeloom.plan.analytical import gpt_block_flops
-from pipeloom.plan.costs import costs_from_json, costs_to_json, table_for_size
+from pipeloom.plan.costs import SharedParam, costs_from_json, costs_to_json, table_for_size
 
 
 def _table(**overrides) -> CostTable:
@@ -287,3 +287,37 @@ def test_table_for_size_interpolates_the_fitted_action_overhead_and_time_spread(
     assert middle.start_skew == pytest.approx(2e-3) and middle.message_cost == pytest.approx(3e-4)
     assert middle.step_overhead == 1e-3  # the first table's, as before
     assert table_for_size([small, large], 6).action_overhead == 3e-4  # a measured size keeps its own
+
+
+def _shared_table(**overrides) -> CostTable:
+    return _table(shared=(SharedParam(name="embed.weight", bytes=60, pieces=("head", "embed")),), **overrides)
+
+
+def test_shared_parameters_round_trip_in_call_order():
+    table = _shared_table()
+    assert table.shared[0].pieces == ("embed", "head")  # sorted into call order
+    text = costs_to_json(table)
+    assert json.loads(text)["shared"] == [{"name": "embed.weight", "bytes": 60.0, "pieces": ["embed", "head"]}]
+    assert costs_from_json(text) == table
+    assert table.scaled(8).shared == table.shared  # bytes of parameters do not scale
+    assert table_for_size([table, table.scaled(8)], 6).shared == table.shared
+
+
+def test_old_files_without_shared_parameters_still_load():
+    document = json.loads(costs_to_json(_table()))
+    assert "shared" not in document  # written only when some piece shares a parameter
+    assert costs_from_json(json.dumps(document)).shared == ()
+
+
+@pytest.mark.parametrize(("shared", "words"), [
+    ([{"name": "w", "bytes": 1, "pieces": ["embed", "nowhere"]}], "nowhere"),
+    ([{"name": "w", "bytes": 1, "pieces": ["embed"]}], "two or more pieces"),
+    ([{"name": "w", "bytes": -1, "pieces": ["embed", "head"]}], "bytes"),
+    ([{"name": "w", "bytes": 1, "pieces": ["embed", "head"], "extra": 1}], "unknown key"),
+    ({"name": "w"}, "list of shared parameters"),
+])
+def test_bad_shared_entries_say_what_is_wrong(shared, words):
+    document = json.loads(costs_to_json(_table()))
+    document["shared"] = shared
+    with pytest.raises(CostTableError, match=words):
+        costs_from_json(json.dumps(document))
