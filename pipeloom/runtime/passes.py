@@ -63,7 +63,9 @@ def _mutates_first_argument(node: fx.Node, module: nn.Module) -> bool:
         if schema is not None and schema.arguments:
             alias = schema.arguments[0].alias_info
             return bool(alias is not None and alias.is_write)
-        return node.target in _IN_PLACE_OPERATORS or node.kwargs.get("inplace") is True
+        name = getattr(node.target, "__name__", "")  # torch.relu_ and the like carry no schema under fx
+        in_place_name = name.endswith("_") and not name.startswith("_")
+        return in_place_name or node.target in _IN_PLACE_OPERATORS or node.kwargs.get("inplace") is True
     if node.op == "call_method":
         name = str(node.target)
         return name.endswith("_") and not name.startswith("_")
