@@ -4,6 +4,10 @@ Run ``python benchmarks/partition_dag.py`` (``--help`` for nodes, stages, balanc
 For each stage count and balance slack it prints the partitioner's seconds, slowest stage, proven
 bound and gap, cut bytes, and the ratios to the greedy baseline (the best contiguous split of a few
 topological orders) measured in the same run. Target (issue 5): each partition in <= 10 s on 2 cores.
+
+``--chain-dp`` instead times the planner's chain DP (:class:`pipeloom.plan.partition.SplitFront`, split
+points in call order, link time in the objective) on chains of 300, 1,000 and 2,000 pieces whose every
+third piece sends a large output, and compares it with the whole-front DP where that one runs (issue 17).
 """
 
 from __future__ import annotations
@@ -12,9 +16,11 @@ import argparse
 import random
 from itertools import pairwise
 
+import time
+
 from pipeloom.plan.dag import greedy_partition_dag, partition_dag
 
-__all__ = ["layered_dag", "main"]
+__all__ = ["chain_dp", "layered_dag", "main"]
 
 COLUMNS = ("nodes", "edges", "stages", "balance", "seconds", "max stage", "bound", "gap", "cut bytes",
            "status", "greedy max", "greedy cut", "max/greedy", "cut/greedy")
@@ -57,6 +63,38 @@ def layered_dag(nodes: int, *, seed: int = 0, dead_ends: float = 0.0) -> Graph:
     return times, sorted(edges), out_bytes
 
 
+def chain_dp(sizes: list[int], stages: list[int], *, seed: int = 0, exact_up_to: int = 300) -> None:
+    """Print the chain DP's seconds per table (one front, four weights) and, up to ``exact_up_to``
+    pieces, the whole-front DP's seconds and the largest relative gap of their objectives."""
+    from pipeloom.plan import CostTable, Link, Piece, StageRule
+    from pipeloom.plan.partition import SplitFront
+
+    rng = random.Random(seed)
+    weights = (0.0, 1.0, 7.0, 31.0)
+    print(f"chain, every third output 1 MB on a 1 MB/s link, seed {seed}; weights {', '.join(map(str, weights))}")
+    print("pieces  stages  method  seconds  exact s  max gap  cuts after a big output")
+    for n in sizes:
+        pieces = tuple(Piece(name=f"p{k}", f=rng.uniform(0.5, 1.5), i=1.0, w=0.5,
+                             output_bytes=1e6 if k % 3 == 2 else 1e3) for k in range(n))
+        table = CostTable(pieces=pieces, microbatch_size=1, link=Link(latency=1e-3, bandwidth=1e6))
+        for count in stages:
+            rules = [StageRule()] * (count - 1) + [StageRule(sends=False)]
+            started = time.perf_counter()
+            front = SplitFront(table, rules)
+            found = {w: front.best(w) for w in weights}
+            seconds = time.perf_counter() - started
+            exact, gap = "-", "-"
+            if n <= exact_up_to:
+                started = time.perf_counter()
+                whole = SplitFront(table, rules, method="labels")
+                gaps = [found[w].objective / whole.best(w).objective - 1 for w in weights]
+                exact, gap = f"{time.perf_counter() - started:.2f}", f"{max(gaps):.1e}"
+            bad = sum(1 for w in weights for k in range(1, n) if found[w].stage_of[k] != found[w].stage_of[k - 1]
+                      and (k - 1) % 3 == 2)
+            method = "caps" if front._caps is not None else "labels"
+            print(f"{n:6d}  {count:6d}  {method:>6}  {seconds:7.2f}  {exact:>7}  {gap:>7}  {bad}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, default=10_000)
@@ -67,7 +105,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--time-limit", type=float, default=10.0)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--chain-dp", action="store_true",
+                        help="time the planner's chain DP at 300, 1000 and 2000 pieces instead")
     args = parser.parse_args(argv)
+    if args.chain_dp:
+        chain_dp([300, 1000, 2000], [4, 16], seed=args.seed)
+        return
     times, edges, out_bytes = layered_dag(args.nodes, seed=args.seed, dead_ends=args.dead_ends)
     rows = []
     for stages in args.stages:

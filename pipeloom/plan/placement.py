@@ -32,6 +32,7 @@ __all__ = [
     "library_schedule",
     "rank_memory",
     "rank_objective",
+    "rank_time_objective",
     "schedule_shape",
     "stage_rules",
     "visits_per_rank",
@@ -197,11 +198,16 @@ def rank_objective(shape: ScheduleShape, found: Partition) -> float:
     """``Σ_j T_j + (m - 1) · max_r L_r``: the pipeline-time objective with the busiest rank's load
     ``L_r`` (the times of all the stages it holds) in place of the slowest stage; m is the forwards
     per stage and step. Equals the DP's objective for one stage per rank."""
+    return rank_time_objective(shape, found.stage_times)
+
+
+def rank_time_objective(shape: ScheduleShape, stage_times: Sequence[float]) -> float:
+    """:func:`rank_objective` of a split with these model stage times."""
     load = [0.0] * shape.num_ranks
     for s, j in enumerate(shape.model_stage):
-        load[shape.rank[s]] += found.stage_times[j]
+        load[shape.rank[s]] += stage_times[j]
     per_stage = shape.visits // max(shape.stages_on(r) for r in range(shape.num_ranks))
-    return sum(found.stage_times) + (per_stage - 1) * max(load)
+    return sum(stage_times) + (per_stage - 1) * max(load)
 
 
 def library_costs(table: CostTable, num_ranks: int) -> Costs:

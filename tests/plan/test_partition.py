@@ -181,3 +181,86 @@ def test_the_dag_method_matches_the_dp_on_a_small_chain():
     assert found.method == "dag" and found.split_points is not None  # a chain partition is contiguous
     assert found.max_stage_time == pytest.approx(exact.max_stage_time)
     assert math.isclose(found.objective, exact.objective)
+
+
+@pytest.mark.parametrize(("seed", "n", "count"), _cases()[::3])
+def test_the_cap_dp_equals_brute_force(seed, n, count):
+    rng = random.Random(1000 * n + 10 * count + seed)
+    table = _random_table(rng, n, chain=seed % 2 == 0)
+    rules = _random_rules(rng, count)
+    front = SplitFront(table, rules, method="caps")
+    for weight in (0.0, 1.0, 7.5, 63.0):
+        expected = _brute_force(table, rules, weight)
+        assert front.feasible == (expected is not None)
+        if expected is not None:
+            assert front.best(weight).objective == pytest.approx(expected, rel=1e-9, abs=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_cap_dp_equals_the_whole_front_on_bigger_tables(seed):
+    rng = random.Random(seed)
+    table = _random_table(rng, rng.randint(30, 60), chain=seed % 2 == 0)
+    rules = _random_rules(rng, rng.randint(3, 8))
+    caps, labels = SplitFront(table, rules, method="caps"), SplitFront(table, rules, method="labels")
+    assert caps.feasible == labels.feasible
+    for weight in (0.0, 1.0, 3.0, 63.0) if labels.feasible else ():
+        assert caps.best(weight).objective == pytest.approx(labels.best(weight).objective, rel=1e-9)
+
+
+def _schedule_table(rng: random.Random, n: int) -> CostTable:
+    pieces = tuple(Piece(name=f"p{k}", f=rng.uniform(0.5, 2), i=rng.uniform(0.5, 2), w=rng.uniform(0, 1),
+                         activation_bytes=rng.uniform(10, 100), w_activation_bytes=rng.uniform(0, 10),
+                         param_bytes=rng.uniform(1, 30), output_bytes=rng.uniform(0, 4)) for k in range(n))
+    return CostTable(pieces=pieces, microbatch_size=1, link=Link(latency=0.1, bandwidth=2.0))
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_more_memory_never_fails_and_never_slows_the_best_split(seed):
+    """Limits in increasing order: once a split fits it keeps fitting, the least limit is where fitting
+    starts, and (one stage per rank, where the DP is exact) the best objective never rises."""
+    from pipeloom.plan.partitioner import MemoryTooSmall, SchedulePartitioner
+    from pipeloom.plan.placement import library_schedule, rank_objective, schedule_shape
+
+    rng = random.Random(seed)
+    table = _schedule_table(rng, rng.randint(8, 12))
+    name = ["1f1b", "gpipe", "zbv", "interleaved-1f1b", "dualpipe", "chimera"][seed % 6]
+    shape = schedule_shape(library_schedule(table, name, 2, 4, memory_limit=None))
+    least = SchedulePartitioner(table).smallest_limit(shape)
+    feasible, objectives = [], []
+    for limit in sorted(least * rng.uniform(0.8, 1.6) for _ in range(8)) + [least, least * (1 - 1e-6)]:
+        try:  # a fresh partitioner per limit, as each plan_pipeline call has
+            found = SchedulePartitioner(table).partition(shape, memory_limit=limit)
+        except MemoryTooSmall as error:
+            assert error.smallest_limit == pytest.approx(least)
+            feasible.append((limit, False))
+            continue
+        feasible.append((limit, True))
+        objectives.append((limit, rank_objective(shape, found)))
+    for limit, fits in feasible:
+        assert fits == (limit >= least), (limit, least)
+    if len(set(shape.rank)) == shape.num_stages:
+        ordered = [value for _, value in sorted(objectives)]
+        assert all(b <= a * (1 + 1e-9) for a, b in zip(ordered, ordered[1:]))
+
+
+@pytest.mark.parametrize(("name", "seed"), [(name, seed) for name in ("dualpipe", "chimera") for seed in range(4)])
+def test_two_replica_splits_are_the_brute_force_best_by_rank_load(name, seed):
+    from pipeloom.plan.partitioner import SchedulePartitioner
+    from pipeloom.plan.placement import library_schedule, rank_objective, schedule_shape, stage_rules
+
+    rng = random.Random(seed)
+    table = _schedule_table(rng, 10)
+    shape = schedule_shape(library_schedule(table, name, 4, 8, memory_limit=None))
+    rules = stage_rules(shape, memory_limit=None)
+    best = min(rank_objective(shape, _split(table, rules, bounds)) for bounds in _splits(10, shape.num_model_stages))
+    found = SchedulePartitioner(table).partition(shape, memory_limit=None)
+    assert rank_objective(shape, found) == pytest.approx(best)
+    # the DP alone balances stages, not the pair a rank holds: it can be worse
+    dp = SchedulePartitioner(table, exhaustive=0).partition(shape, memory_limit=None)
+    assert rank_objective(shape, dp) >= rank_objective(shape, found) - 1e-9
+
+
+def _split(table, rules, bounds):
+    from pipeloom.plan.partition import split_partition
+
+    return split_partition(table, rules, bounds[:-1], weight=0.0)

@@ -8,12 +8,13 @@ with the limit an error message suggests.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
 from pipeloom import validate
 from pipeloom.ir.composite import action_duration
-from pipeloom.plan import CostTable, Link, Piece, PlanError, load_plan, plan_pipeline
+from pipeloom.plan import CostTable, Link, Piece, PlanError, load_plan, parse_bytes, plan_pipeline
 from pipeloom.plan.partition import Partition
 from pipeloom.plan.partitioner import SchedulePartitioner
 from pipeloom.plan.placement import library_schedule
@@ -305,3 +306,24 @@ def test_a_huge_or_prime_global_batch_plans_at_once_and_too_many_microbatches_ar
     assert {c.microbatches for c in result.candidates} == {1}
     with pytest.raises(PlanError, match=f"choose at most {MAX_PLAN_MICROBATCHES}"):
         plan_pipeline(_table(), num_ranks=4, global_batch=4096, schedules=["1f1b"], microbatches=[4096])
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_smallest_limit_round_trip_is_exact_for_one_stage_per_rank(seed):
+    import random
+
+    rng = random.Random(seed)
+    pieces = tuple(Piece(name=f"blocks.{k}", f=rng.uniform(0.5, 2), i=1.0, w=1.0, activation_bytes=rng.uniform(50, 150),
+                         w_activation_bytes=10.0, param_bytes=rng.uniform(5, 20), output_bytes=8.0) for k in range(9))
+    table = CostTable(pieces=pieces, microbatch_size=1)
+    request = dict(num_ranks=3, global_batch=6, schedules=["1f1b", "gpipe", "zb-h1"])
+    with pytest.raises(NoPlanFits, match=r"the smallest that fits is about .* \(rounded up") as caught:
+        plan_pipeline(table, memory_limit=50.0, **request)
+    least = caught.value.smallest_limit
+    plan = plan_pipeline(table, memory_limit=least, **request).plan  # the value returned fits
+    assert max(plan.peak_memory) <= least * (1 + 1e-9)
+    printed = re.search(r"is about ([0-9.]+ [KMG]?i?B)", str(caught.value)).group(1)
+    assert parse_bytes(printed) >= least  # the value printed fits too: rounded up
+    plan_pipeline(table, memory_limit=parse_bytes(printed), **request)
+    with pytest.raises(NoPlanFits):  # a bit less does not
+        plan_pipeline(table, memory_limit=least * (1 - 1e-6), **request)
