@@ -31,9 +31,9 @@ from pipeloom.search.repetend import RepetendModel, coarsen
 
 __all__ = ["CASES", "main", "repetend_periods", "verdict"]
 
-CASES = (("vshape", 6), ("mshape", 6), ("nnshape", 6), ("mllm", 6), ("finetune", 6), ("alphafold", 6),
-         ("nnshape", 8), ("mllm", 8), ("alphafold", 8))
-"""The (placement, limit) pairs above a 2 % gap at 8 ranks, M = 128 (docs/search.md)."""
+CASES = (("nnshape", 6), ("mllm", 6), ("alphafold", 6), ("nnshape", 8), ("mllm", 8), ("alphafold", 8))
+"""The (placement, limit) pairs above a 2 % gap at 8 ranks, M = 128 (docs/search.md); vshape, mshape
+and finetune at limit 6 left the list with the release-chain bound (``--cases vshape:6`` still runs them)."""
 
 RANKS = 8
 M = 128

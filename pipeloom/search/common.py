@@ -9,6 +9,13 @@ from dataclasses import dataclass, replace
 from pipeloom.errors import PipeloomError
 from pipeloom.ir import Action, Schedule
 from pipeloom.problem import Problem
+from pipeloom.search.memory_bounds import (
+    memory_bound,
+    memory_period_bound,
+    memory_time_per_microbatch,
+    release_chain_bound,
+)
+from pipeloom.search.paths import head_tail, topological_order
 from pipeloom.search.transforms import without_all_rank_tasks
 
 __all__ = [
@@ -22,6 +29,7 @@ __all__ = [
     "memory_bound",
     "memory_time_per_microbatch",
     "period_lower_bound",
+    "release_chain_bound",
     "schedule_from_starts",
     "to_integers",
     "topological_order",
@@ -122,54 +130,14 @@ def to_integers(problem: Problem, *, memory_limit: float | None = None, resoluti
     )
 
 
-def topological_order(problem: Problem) -> list[int]:
-    """Task indices with every dependency before its user (stable: ties keep definition order)."""
-    index = {task.key: i for i, task in enumerate(problem.tasks)}
-    placed: list[int] = []
-    done: set[int] = set()
-    pending = list(range(len(problem.tasks)))
-    while pending:
-        remaining = []
-        for i in pending:
-            if all(index[dep] in done for dep in problem.tasks[i].deps):
-                placed.append(i)
-                done.add(i)
-            else:
-                remaining.append(i)
-        pending = remaining
-    return placed
-
-
-def head_tail(problem: Problem) -> tuple[list[float], list[float]]:
-    """Per task: longest path from the micro-batch's start to the task's start (head) and from the
-    task's end to the micro-batch's end (tail), latencies included."""
-    tasks = problem.tasks
-    index = {task.key: i for i, task in enumerate(tasks)}
-    order = topological_order(problem)
-
-    def latency(dep: int, user: int) -> float:
-        return 0.0 if set(tasks[dep].ranks) == set(tasks[user].ranks) else problem.comm_latency
-
-    head = [0.0] * len(tasks)
-    for i in order:
-        for dep in tasks[i].deps:
-            d = index[dep]
-            head[i] = max(head[i], head[d] + tasks[d].duration + latency(d, i))
-    tail = [0.0] * len(tasks)
-    for i in reversed(order):
-        for dep in tasks[i].deps:
-            d = index[dep]
-            tail[d] = max(tail[d], tasks[i].duration + tail[i] + latency(d, i))
-    return head, tail
-
-
 def lower_bound(problem: Problem, num_microbatches: int, *, memory_limit: float | None = None) -> float:
     """A makespan no schedule can beat: the longest micro-batch path, and per rank r
     ``M * work_r + max(min head + min tail, idle_r)`` over the tasks on it (its first action cannot
     start before its head, its last must still be followed by its tail; ``idle_r`` is time rank r
     provably waits while other ranks work, see :func:`forced_idle`). Under a memory limit (the
     problem's, or ``memory_limit``) also ``M * area / limit`` per rank plus its fill and drain, see
-    :func:`memory_bound`.
+    :func:`memory_bound`, and the release chain of a rank with one take/give pair,
+    :func:`release_chain_bound`.
     """
     head, tail = head_tail(problem)
     bound = max(head[i] + task.duration + tail[i] for i, task in enumerate(problem.tasks))
@@ -182,36 +150,8 @@ def lower_bound(problem: Problem, num_microbatches: int, *, memory_limit: float 
             bound = max(bound, num_microbatches * work[rank] + max(ends, idle))
     bound = max(bound, num_microbatches * period_lower_bound(problem, memory_limit=memory_limit))
     bound = max(bound, memory_bound(problem, num_microbatches, memory_limit=memory_limit))
+    bound = max(bound, release_chain_bound(problem, num_microbatches, memory_limit=memory_limit))
     return max(bound, all_rank_bound(problem, num_microbatches, memory_limit=memory_limit))
-
-
-def memory_bound(problem: Problem, num_microbatches: int, *, memory_limit: float | None = None) -> float:
-    """Per rank r under a memory limit: ``min head(take) + M * area_r / room_r + min (d + tail)(give)``
-    (0 without a limit).
-
-    With ``area_r > 0`` (:func:`memory_time_per_microbatch`) every unit of memory a task takes on r
-    is given back by a descendant in its micro-batch, so the memory held at time t is the sum over
-    matched pairs (p, n) with ``s_p <= t < s_n`` (changes apply at the start): it is 0 before the first
-    taking task starts (at or after the least head among r's tasks with memory > 0) and after the last
-    giving task starts (at the latest ``makespan - d_n - tail_n`` for one of r's tasks with memory < 0),
-    and at most ``room_r = limit - static_r`` in between. That window holds ``M * area_r`` of
-    memory x time, so it lasts at least ``M * area_r / room_r``.
-    """
-    limit = problem.memory_limit if memory_limit is None else memory_limit
-    if limit is None:
-        return 0.0
-    head, tail = head_tail(problem)
-    static = problem.static_memory or (0.0,) * problem.num_ranks
-    bound = 0.0
-    for rank, area in enumerate(memory_time_per_microbatch(problem)):
-        room = limit - static[rank]
-        if area <= 0 or room <= 0:
-            continue
-        on_rank = [(i, task) for i, task in enumerate(problem.tasks) if rank in task.ranks]
-        fill = min(head[i] for i, task in on_rank if task.memory > 0)
-        drain = min(task.duration + tail[i] for i, task in on_rank if task.memory < 0)
-        bound = max(bound, fill + num_microbatches * area / room + drain)
-    return bound
 
 
 def all_rank_bound(problem: Problem, num_microbatches: int, *, memory_limit: float | None = None) -> float:
@@ -329,74 +269,11 @@ def forced_idle(problem: Problem, num_microbatches: int, rank: int) -> float:
 
 def period_lower_bound(problem: Problem, *, memory_limit: float | None = None) -> float:
     """No steady state can start micro-batches faster than one per this much time: the busiest
-    rank's work per micro-batch and, under a memory limit L (above a rank's static memory), each
-    rank's memory-time area per micro-batch divided by L."""
-    bound = max(problem.work_per_microbatch())
-    limit = problem.memory_limit if memory_limit is None else memory_limit
-    if limit is None:
-        return bound
-    static = problem.static_memory or (0.0,) * problem.num_ranks
-    for rank, area in enumerate(memory_time_per_microbatch(problem)):
-        room = limit - static[rank]
-        if area > 0 and room > 0:
-            bound = max(bound, area / room)
-    return bound
-
-
-def memory_time_per_microbatch(problem: Problem) -> list[float]:
-    """Per rank, the least memory x time one micro-batch occupies there, whatever the schedule.
-
-    Memory a task takes (m_p > 0 at its start s_p) is given back by later tasks (m_n < 0). For any
-    flow f matching taken to given-back memory, the area is sum f(p, n) (s_n - s_p); choosing f only
-    between a task and its descendants makes every term >= f(p, n) * dist(p, n), the longest path
-    from p's start to n's start. A rank whose memory cannot be matched that way (or does not
-    return to zero) gets 0, which bounds nothing.
-    """
-    tasks = problem.tasks
-    index = {task.key: i for i, task in enumerate(tasks)}
-    order = topological_order(problem)
-    users: list[list[int]] = [[] for _ in tasks]
-    for i, task in enumerate(tasks):
-        for dep in task.deps:
-            users[index[dep]].append(i)
-
-    def latency(a: int, b: int) -> float:
-        return 0.0 if set(tasks[a].ranks) == set(tasks[b].ranks) else problem.comm_latency
-
-    def distances(source: int) -> dict[int, float]:
-        dist = {source: 0.0}
-        for i in order:
-            if i in dist:
-                for user in users[i]:
-                    reach = dist[i] + tasks[i].duration + latency(i, user)
-                    if reach > dist.get(user, -1.0):
-                        dist[user] = reach
-        return dist
-
-    areas = []
-    for rank in range(problem.num_ranks):
-        on_rank = [i for i in order if rank in tasks[i].ranks]
-        taken = {i: tasks[i].memory for i in on_rank if tasks[i].memory > 0}
-        area = 0.0
-        for n in (i for i in on_rank if tasks[i].memory < 0):
-            need = -tasks[n].memory
-            sources = sorted(
-                ((d[n], p) for p in taken if n in (d := distances(p))), reverse=True
-            )
-            for dist, p in sources:
-                moved = min(need, taken[p])
-                area += moved * dist
-                taken[p] -= moved
-                need -= moved
-                if need <= 1e-12:
-                    break
-            if need > 1e-9:
-                area = 0.0
-                break
-        if any(left > 1e-9 for left in taken.values()):
-            area = 0.0
-        areas.append(area)
-    return areas
+    rank's work per micro-batch and, under a memory limit L (above a rank's static memory),
+    :func:`~pipeloom.search.memory_bounds.memory_period_bound` (memory x time held per micro-batch
+    over the room, and a single take/give pair's release chain)."""
+    work = max(problem.work_per_microbatch())
+    return max(work, memory_period_bound(problem, memory_limit=memory_limit))
 
 
 def schedule_from_starts(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from pipeloom.problem import Costs, Problem, Task
@@ -12,6 +14,7 @@ from pipeloom.search.common import (
     memory_bound,
     memory_time_per_microbatch,
     period_lower_bound,
+    release_chain_bound,
     schedule_from_starts,
     to_integers,
 )
@@ -40,10 +43,13 @@ def test_memory_time_area_is_the_path_from_forward_to_backward():
     problem = build_schedule("1f1b", 4, 8).problem
     assert memory_time_per_microbatch(problem) == [10.0, 7.0, 4.0, 1.0]
     assert period_lower_bound(problem) == 3.0  # no limit: the work per micro-batch
-    assert period_lower_bound(problem, memory_limit=2) == 5.0  # rank 0: 10 / 2
-    # 8 * 10 / 2 = 40 of memory-limited window on rank 0 (F0 of the first micro-batch starts it at 0),
-    # then the last B0 still runs its 2: memory_bound's drain
-    assert lower_bound(problem, 8, memory_limit=2) == 42.0
+    # rank 0 holds each activation until B0 *ends* (it runs nothing else meanwhile): (10 + 2) / 2
+    assert period_lower_bound(problem, memory_limit=2) == 6.0
+    # the area window alone: 8 * 10 / 2 = 40 from the first F0's start, then the last B0 runs its 2
+    assert memory_bound(problem, 8, memory_limit=2) == 8 * 12 / 2
+    # the release chain: F0 of micro-batch k + 2 waits for a B0 that ended >= 12 after the k-th F0,
+    # so the 8th F0 starts >= 3 * 12 + 1 and its B0 ends 12 later
+    assert release_chain_bound(problem, 8, memory_limit=2) == lower_bound(problem, 8, memory_limit=2) == 49.0
 
 
 @pytest.mark.parametrize(
@@ -77,6 +83,35 @@ def test_memory_bound_with_fill_and_drain_never_exceeds_the_exact_optimum(name, 
     bound = memory_bound(problem, m)
     assert m * max(memory_time_per_microbatch(problem)) / limit < bound <= result.makespan + 1e-9
     assert lower_bound(problem, m) <= result.makespan + 1e-9
+
+
+def _static(problem: Problem, static: tuple[float, ...]) -> Problem:
+    return dataclasses.replace(problem, static_memory=static)
+
+
+@pytest.mark.parametrize(
+    ("problem", "m", "limit", "tight"),
+    [
+        (build_schedule("1f1b", 4, 4).problem, 4, 2.0, False),
+        (build_schedule("1f1b", 3, 4).problem, 5, 1.0, True),
+        (build_schedule("1f1b", 3, 4, costs=Costs(f=1.5, b=2.5, comm=0.5, memory=2)).problem, 5, 5.0, True),
+        (placement("vshape", 4), 5, 2.0, True),
+        (_static(placement("vshape", 3, comm_latency=0.5), (1.0, 0.0, 0.5)), 5, 3.0, True),
+        (placement("vshape", 3, f=2, b=1), 6, 2.0, False),
+        (placement("vshape", 4, split_backward=True), 4, 2.0, False),
+        (placement("finetune", 3, comm_latency=1.0), 5, 1.0, True),
+    ],
+)
+def test_release_chain_bound_never_exceeds_the_exact_optimum(problem, m, limit, tight):
+    # Oracle: CP-SAT's proven optimum (each under a second). Where marked, the chain *is* the
+    # optimum, above the memory-area bound: the test would fail if the chain were dropped or loosened.
+    result = solve_exact(problem, m, memory_limit=limit, time_limit=20, workers=1)
+    assert result.status == "optimal"
+    chain = release_chain_bound(problem, m, memory_limit=limit)
+    assert 0 < chain <= result.makespan + 1e-9
+    assert lower_bound(problem, m, memory_limit=limit) <= result.makespan + 1e-9
+    if tight:
+        assert chain == pytest.approx(result.makespan)
 
 
 def test_schedule_from_starts_orders_each_rank_by_start():

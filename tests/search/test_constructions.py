@@ -116,17 +116,17 @@ def test_every_block_placement_is_valid_on_the_middle_block_shapes(where):
 
 @pytest.mark.parametrize("ranks", [4, 8])
 def test_all_rank_bound_of_mshape_is_its_closed_form(ranks):
-    """mshape at memory limit L: M * 2 (the all-rank blocks) + the vshape bound, whose memory-time
-    term at L = 6 is M * area / L with area = sum over the V of F-to-B distance."""
+    """mshape at memory limit L: M * 2 (the all-rank blocks) + the vshape bound, whose memory term at
+    L = 6 is rank 0's release chain."""
     m = 128
     problem = placement("mshape", ranks, memory_limit=6)
     vshape = placement("vshape", ranks, memory_limit=6)
     assert all_rank_bound(problem, m) == pytest.approx(2 * m + lower_bound(vshape, m))
     if ranks == 8:
-        # rank 0 holds a micro-batch's activations from its F to the start of its B: its own F (1),
-        # the F on ranks 1..7 (7) and the B on ranks 7..1 (3 * 7): 29 per micro-batch, limit 6; the
-        # last B0 (3) runs after the window in which rank 0 holds memory (memory_bound's drain)
-        assert lower_bound(problem, m) == pytest.approx(2 * m + m * (4 * ranks - 3) / 6 + 3)
+        # rank 0 holds a micro-batch's activation from its F to the end of its B: its own F (1), the
+        # F on ranks 1..7 (7), the B on ranks 7..1 (3 * 7) and its B (3): H = 32. With 6 held at most,
+        # the (k+6)-th F0 starts >= H after the k-th: the 128th at >= 21 * 32 + 1, its B0 ends H later
+        assert lower_bound(problem, m) == pytest.approx(2 * m + 21 * 32 + 1 + 32)
         assert lower_bound(problem, m) > 796  # the bound without the all-rank term
 
 

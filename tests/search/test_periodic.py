@@ -177,14 +177,14 @@ def test_bad_microbatch_count_is_rejected() -> None:
 
 
 def test_reported_bounds_use_the_memory_limit_argument() -> None:
-    """8-rank vshape, limit 6: rank 0 holds F0's activation for 1 + 7 + 7*3 = 29 time units per
-    micro-batch, so 6 units of memory admit one micro-batch per 29/6 at best (work alone: 4); at
-    M = 64 that beats the path bound 7 + 64 * 4 + 21. Rank 0's last B gives its memory back when it
-    starts and runs 3 more (the memory bound's drain term)."""
+    """8-rank vshape, limit 6: rank 0 holds F0's activation from F0's start until B0 ends, at least
+    1 + 7 + 7*3 + 3 = 32 time units per micro-batch, so 6 units of memory admit one micro-batch per
+    32/6 at best (work alone: 4). The release chain: F0 of micro-batch k + 6 waits for a B0 that
+    ended >= 32 after the k-th F0, so the 64th F0 starts >= 10 * 32 + 3 and its B0 ends 32 later."""
     problem = placement("vshape", 8)  # no limit of its own: the argument must be used
     result = solve_periodic(problem, 64, memory_limit=6, time_limit=3.0)
-    assert result.period_lower_bound == pytest.approx(29 / 6)
-    assert result.lower_bound == lower_bound(problem, 64, memory_limit=6) == pytest.approx(64 * 29 / 6 + 3)
+    assert result.period_lower_bound == pytest.approx(32 / 6)
+    assert result.lower_bound == lower_bound(problem, 64, memory_limit=6) == pytest.approx(10 * 32 + 3 + 32)
     assert result.lower_bound > lower_bound(problem, 64)
     assert result.makespan >= result.lower_bound
     assert result.period >= result.period_lower_bound - 1e-9
@@ -192,12 +192,12 @@ def test_reported_bounds_use_the_memory_limit_argument() -> None:
 
 
 def test_the_period_lower_bound_is_the_models_least_period() -> None:
-    """In solver units (integer here: scale 1) T >= ceil(R * 29/6) for R copies."""
+    """In solver units (integer here: scale 1) T >= ceil(R * 32/6) for R copies."""
     ip = to_integers(placement("vshape", 8, memory_limit=6))
-    assert solver_period_bound(ip, ip.limits) == pytest.approx(29 / 6)
+    assert solver_period_bound(ip, ip.limits) == pytest.approx(32 / 6)
     assert solver_period_bound(ip, (None,) * 8) == 4  # unlimited: the work per micro-batch
     for copies in (1, 2, 3):
-        assert RepetendModel(ip, copies=copies, limits=ip.limits).period_low == math.ceil(copies * 29 / 6)
+        assert RepetendModel(ip, copies=copies, limits=ip.limits).period_low == math.ceil(copies * 32 / 6)
 
 
 @pytest.mark.parametrize("name", ["vshape", "xshape", "mshape", "kshape", "finetune", "alphafold"])
