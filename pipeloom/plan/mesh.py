@@ -9,12 +9,14 @@ replicas cost on top, priced as the runtime runs them (:mod:`pipeloom.runtime.dp
   ``BUCKET_BYTES``, posted as soon as the stage's last gradient action of the step has run on its
   rank, one after the other on that rank, so they overlap the rest of the schedule. A ring all-reduce
   of S bytes over d ranks takes ``2(d-1)`` messages of latency per bucket and ``2(d-1)/d · S`` bytes
-  on the link. Two-replica schedules and shared parameters settle their gradients at the end of the
-  step, so their reduction starts after the makespan.
+  on the link. Two-replica schedules settle their gradients at the end of the step, so their
+  reduction starts after the makespan; parameters shared by several stages are reduced by each rank
+  holding them once their after-step exchange is done.
 - **fsdp**: the optimizer state is sharded over ``dp`` (weights and gradients stay whole during the
   step, as the runtime keeps them), each stage's parameters are all-gathered before the step (the
   rank's gathers add to its start) and its gradients reduce-scattered where the all-reduce would be
-  (half the bytes). Two-replica schedules are not sharded (the runtime refuses them).
+  (half the bytes). Two-replica schedules and parameters shared by several stages are not sharded (the
+  runtime refuses them).
 
 The step time is the pipeline's predicted step plus however far the last reduction ends past the
 pipeline's makespan; the memory is the pipeline's (for fsdp, with the sharded optimizer state).
@@ -31,7 +33,8 @@ from pipeloom.ir.core import compute_parts
 from pipeloom.plan.costs import CostTable, Link
 from pipeloom.plan.plan import PlanError
 from pipeloom.plan.placement import schedule_shape
-from pipeloom.plan.search import Candidate, NoPlanFits, PlanResult, plan_pipeline
+from pipeloom.plan.search import Candidate, NoPlanFits, PlanResult, piece_ranks, plan_pipeline
+from pipeloom.plan.shared import shared_across_stages, shared_sync_time
 from pipeloom.schedules import REGISTRY
 
 __all__ = ["BUCKET_BYTES", "SHARDINGS", "collective_time", "plan_mesh", "reduction_time"]
@@ -62,29 +65,41 @@ def reduction_time(candidate: Candidate, table: CostTable, *, data_parallel: int
     timeline = candidate.timeline
     schedule = timeline.schedule
     shape = schedule_shape(schedule)
-    params = _model_stage_params(table, candidate.partition.stage_of, shape.num_model_stages)
+    stage_of = candidate.partition.stage_of
+    late = shared_across_stages(table, stage_of) if shape.replicas == 1 else ()
+    params = _model_stage_params(table, stage_of, shape.num_model_stages, late)
     kind = "reduce_scatter" if sharding == "fsdp" else "all_reduce"
     at_end = shape.replicas > 1  # the replicas' merge settles every gradient at the end of the step
     ready = _last_gradient_ends(timeline)
+    settled = timeline.makespan + (shared_sync_time(table, piece_ranks(shape, candidate.partition),
+                                                    schedule.num_microbatches) if late else 0.0)
     latest = timeline.makespan
     for rank in range(shape.num_ranks):
         stages = [s for s in range(shape.num_stages) if shape.rank[s] == rank]
-        gather = (sum(collective_time(params[shape.model_stage[s] % shape.num_model_stages], data_parallel, link,
-                                      kind="all_gather") for s in stages) if sharding == "fsdp" else 0.0)
+        sizes = {s: params[shape.model_stage[s] % shape.num_model_stages] for s in stages}
+        gather = (sum(collective_time(sizes[s], data_parallel, link, kind="all_gather") for s in stages)
+                  if sharding == "fsdp" else 0.0)
         clock = 0.0
         for s in sorted(stages, key=lambda s: ready.get(s, timeline.makespan)):
-            start = timeline.makespan if at_end else ready.get(s, timeline.makespan)
-            start += gather
-            clock = max(clock, start) + collective_time(
-                params[shape.model_stage[s] % shape.num_model_stages], data_parallel, link, kind=kind)
+            start = (timeline.makespan if at_end else ready.get(s, timeline.makespan)) + gather
+            clock = max(clock, start) + collective_time(sizes[s], data_parallel, link, kind=kind)
+        held = {shape.model_stage[s] for s in stages}  # shared parameters: reduced once settled, per holder
+        late_bytes = sum(entry.bytes for entry in late
+                         if any(stage_of[table.names.index(name)] in held for name in entry.pieces))
+        if late_bytes:
+            clock = max(clock, settled) + collective_time(late_bytes, data_parallel, link, kind=kind)
         latest = max(latest, clock)
     return latest - timeline.makespan
 
 
-def _model_stage_params(table: CostTable, stage_of: Sequence[int], stages: int) -> list[float]:
+def _model_stage_params(table: CostTable, stage_of: Sequence[int], stages: int, late: Sequence) -> list[float]:
+    """Per model stage: the parameter bytes reduced when its gradients are done (shared parameters in
+    ``late`` are reduced at the end of the step instead)."""
     params = [0.0] * stages
     for piece, stage in zip(table.pieces, stage_of):
         params[stage] += piece.param_bytes
+    for entry in late:  # counted in its first user's param_bytes
+        params[stage_of[table.names.index(entry.pieces[0])]] -= entry.bytes
     return params
 
 
@@ -164,6 +179,9 @@ def plan_mesh(
     ranked = sorted((_with_replicas(c, dp, tables_dp, link, sharding)
                      for dp, result, tables_dp in results for c in result.candidates), key=_order)
     best = ranked[0]
+    if not best.fits:  # every pipeline fitted, but not with its replicas
+        reasons = "; ".join(dict.fromkeys(c.reason for c in ranked if c.reason))
+        raise NoPlanFits(f"no plan runs on {num_ranks} ranks with {sharding} replicas: {reasons}", smallest_limit=None)
     dp, result, _ = next(r for r in results if r[0] == best.data_parallel)
     chosen_plan = result.plan
     if best.schedule != chosen_plan.schedule or best.step_time is None:
@@ -216,6 +234,9 @@ def _with_replicas(candidate: Candidate, dp: int, tables: Sequence[CostTable], l
     if not candidate.fits:
         return dataclasses.replace(candidate, data_parallel=dp)
     table = _table_at(tables, candidate.microbatch_size)
+    if sharding == "fsdp" and dp > 1 and shared_across_stages(table, candidate.partition.stage_of):
+        return dataclasses.replace(candidate, data_parallel=dp, reason="fsdp cannot shard parameters shared by "
+                                                                     "several stages (the runtime refuses it)")
     extra = reduction_time(candidate, table, data_parallel=dp, link=link, sharding=sharding)
     return dataclasses.replace(candidate, data_parallel=dp, step_time=candidate.step_time + extra)
 

@@ -20,6 +20,7 @@ from pipeloom.plan.partition import Partition, PartitionError
 from pipeloom.plan.partitioner import MemoryTooSmall, SchedulePartitioner, format_bytes_up
 from pipeloom.plan.placement import library_schedule, schedule_shape
 from pipeloom.plan.plan import Plan, PlanError, save_plan
+from pipeloom.plan.shared import shared_across_stages, shared_static_bytes, shared_sync_time
 from pipeloom.problem import Problem, Stage, stage_graph
 from pipeloom.schedules import REGISTRY, build_schedule
 from pipeloom.sim import Timeline, expected_makespan, simulate
@@ -177,6 +178,9 @@ def recost(schedule: Schedule, table: CostTable, found: Partition, *, memory_lim
                             memory=sum(p.activation_bytes for p in part),
                             w_memory=sum(p.w_activation_bytes for p in part)))
         static[shape.rank[s]] += sum(table.static_bytes(p) for p in part)
+    if table.shared and shape.replicas == 1:  # a shared parameter is held once by every rank that uses it
+        for rank, extra_bytes in shared_static_bytes(table, piece_ranks(shape, found)).items():
+            static[rank] += extra_bytes
     crossing = [pieces[starts[shape.model_stage[c]] - 1].output_bytes for s, c in edges
                 if shape.rank[s] != shape.rank[c]]
     problem = stage_graph(
@@ -187,6 +191,21 @@ def recost(schedule: Schedule, table: CostTable, found: Partition, *, memory_lim
     )
     _check_same_graph(schedule.problem, problem)
     return problem
+
+
+def piece_ranks(shape, found: Partition) -> tuple[int, ...]:
+    """Per piece of the table: the rank that holds it (one-replica schedules)."""
+    rank_of_model_stage = {j: shape.rank[s] for s, j in enumerate(shape.model_stage)}
+    return tuple(rank_of_model_stage[j] for j in found.stage_of)
+
+
+def shared_time(table: CostTable, schedule: Schedule, found: Partition) -> float:
+    """Seconds the after-step exchange of shared parameters' gradients takes (:func:`shared_sync_time`;
+    0 without shared parameters on several ranks)."""
+    shape = schedule_shape(schedule)
+    if not table.shared or shape.replicas > 1:
+        return 0.0
+    return shared_sync_time(table, piece_ranks(shape, found), schedule.num_microbatches)
 
 
 def _reads_model_inputs_only(part: Sequence) -> bool:
@@ -317,6 +336,10 @@ class _Search:
     def _simulated(self, base: Candidate, table: CostTable, library: Schedule, found: Partition) -> Candidate:
         """``base`` with ``library``'s order re-costed for the split ``found`` and simulated."""
         limit = self.memory_limit
+        if schedule_shape(library).replicas > 1 and shared_across_stages(table, found.stage_of):
+            names = ", ".join(p.name for p in shared_across_stages(table, found.stage_of))
+            return dataclasses.replace(base, reason=f"shared parameter(s) {names} on several stages need a "
+                                                    "one-replica schedule")
         costed = dataclasses.replace(library, problem=recost(library, table, found, memory_limit=limit))
         timeline = simulate(costed)
         makespan = (expected_makespan(costed, stage_spreads(table, library, found), start_skew=table.start_skew)
@@ -324,7 +347,8 @@ class _Search:
         peak = max(timeline.peak_memory)
         reason = "" if limit is None or peak <= limit * _FIT else f"peak {format_bytes(peak)} > {format_bytes(limit)}"
         return dataclasses.replace(
-            base, step_time=makespan + replica_sync_time(table, library, found) + table.step_overhead,
+            base, step_time=(makespan + replica_sync_time(table, library, found) + shared_time(table, library, found)
+                             + table.step_overhead),
             peak_memory=peak,
             bubble_ratio=timeline.bubble_ratio, split_points=found.split_points, timeline=timeline,
             partition=found, reason=reason,
@@ -415,7 +439,8 @@ def _searched(candidate: Candidate, seconds: float, memory_limit: float | None,
     makespan = (expected_makespan(result.schedule, spread, start_skew=table.start_skew)
                 if any(spread) or table.start_skew else timeline.makespan)
     # the same replica exchange and step overhead as the candidate's
-    step = makespan + replica_sync_time(table, schedule, candidate.partition) + table.step_overhead
+    step = (makespan + replica_sync_time(table, schedule, candidate.partition)
+            + shared_time(table, schedule, candidate.partition) + table.step_overhead)
     if step >= candidate.step_time * (1 - 1e-9):
         return None
     if memory_limit is not None and max(timeline.peak_memory) > memory_limit * _FIT:

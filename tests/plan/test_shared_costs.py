@@ -97,3 +97,44 @@ def test_bad_arguments_say_what_is_wrong():
         shared_sync_time(_tied(), [0, 1], 4)
     with pytest.raises(CostTableError, match="num_microbatches"):
         shared_messages(_tied(), [0, 0, 1, 1], 0)
+
+
+def _tied_chain(n: int = 8) -> CostTable:
+    pieces = tuple(Piece(name=f"blocks.{k}", f=1.0, i=1.0, w=1.0, activation_bytes=100.0, w_activation_bytes=20.0,
+                         param_bytes=1000.0 if k == 0 else 10.0, output_bytes=8.0) for k in range(n))
+    return CostTable(pieces=pieces, microbatch_size=1, link=Link(latency=0.5, bandwidth=1e4),
+                     shared=(SharedParam(name="wte.weight", bytes=800.0, pieces=("blocks.0", f"blocks.{n - 1}")),))
+
+
+def test_the_planner_prices_and_places_a_tie_across_stages():
+    from pipeloom.plan import plan_pipeline
+    from pipeloom.plan.search import piece_ranks, recost, shared_time
+    from pipeloom.plan.placement import schedule_shape
+
+    table = _tied_chain()
+    result = plan_pipeline(table, num_ranks=4, global_batch=8, microbatches=[8], schedules=["1f1b", "dualpipe"])
+    by_name = {c.schedule: c for c in result.candidates}
+    assert "one-replica schedule" in by_name["dualpipe"].reason and not by_name["dualpipe"].fits
+    best = by_name["1f1b"]
+    exchange = shared_time(table, best.timeline.schedule, best.partition)
+    assert exchange == shared_sync_time(table, piece_ranks(schedule_shape(best.timeline.schedule), best.partition),
+                                        8) > 0
+    assert best.step_time == pytest.approx(best.timeline.makespan + exchange)
+    # the last rank holds the tied matrix too: weights, gradients and optimizer state (2 + 2) x 800 bytes
+    untied = CostTable(pieces=table.pieces, microbatch_size=1, link=table.link)
+    schedule = best.timeline.schedule
+    with_tie = recost(schedule, table, best.partition, memory_limit=None).static_memory
+    without = recost(schedule, untied, best.partition, memory_limit=None).static_memory
+    assert [a - b for a, b in zip(with_tie, without)] == [0.0, 0.0, 0.0, 4 * 800.0]
+
+
+def test_data_parallel_reduces_a_shared_parameter_after_its_exchange():
+    from pipeloom.plan import plan_mesh
+    from pipeloom.plan.search import NoPlanFits
+
+    result = plan_mesh(_tied_chain(), num_ranks=8, global_batch=16, data_parallel=[2], schedules=["1f1b"],
+                       microbatches=[8])
+    assert result.plan.data_parallel == 2 and result.candidates[0].fits
+    with pytest.raises(NoPlanFits, match="fsdp cannot shard parameters shared by several stages"):
+        plan_mesh(_tied_chain(), num_ranks=8, global_batch=16, data_parallel=[2], schedules=["1f1b"],
+                  microbatches=[8], sharding="fsdp")
