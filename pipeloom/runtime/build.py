@@ -23,6 +23,7 @@ from pipeloom.runtime.setup import device_for, lower_for, resolve_schedule, shar
 from pipeloom.runtime.shared import SharedParameters, check_placement, shared_parameters
 from pipeloom.runtime.split import StagedModel
 from pipeloom.runtime.state import model_names
+from pipeloom.runtime.tp import apply_tp_plan, check_tp_plan, leaf_modules_for, set_group_timeout
 
 __all__ = ["TRACE_ENV", "pipeline"]
 
@@ -51,6 +52,7 @@ def pipeline(
     state_dict: StateSource | None = None,
     init_weights: Callable[[nn.Module], object] | None = None,
     data_parallel: str | None = None,
+    tp_plan: dict | str | None = None,
 ) -> PipelineEngine:
     """Build the engine that runs ``schedule`` over ``model`` cut into stages on this process group.
 
@@ -72,6 +74,9 @@ def pipeline(
     all-reduced; the default) or ``"fsdp"`` (sharded with torch's ``fully_shard``; :mod:`pipeloom.runtime.fsdp`).
     A plan with replicas (``pipeloom plan``'s ``data_parallel`` > 1) builds its ``("dp", "pp")`` mesh over
     every rank when no ``mesh`` is given, and sets ``data_parallel`` to its ``sharding``.
+    ``tp_plan``: with a ``"tp"`` mesh dimension, torch's ``parallelize_module`` plan ({module name or pattern:
+    ParallelStyle}, the model's names) applied to this rank's stages before the engine captures their
+    parameters; a named module a style needs whole is kept whole in the split (docs/parallelism.md).
     """
     if plan is not None:
         schedule, planned, schedule_options, microbatches, mesh, data_parallel = _from_plan(
@@ -82,6 +87,11 @@ def pipeline(
     _check_arguments(schedule, loss_fn, timeout, microbatches)
     layout = layout_of(process_group, mesh)
     rank, world = layout.rank, layout.world
+    tp_plan = check_tp_plan(tp_plan, layout.tp)
+    if tp_plan is not None and model is not None and stages is None:
+        leaf_modules = leaf_modules_for(model, tp_plan, leaf_modules)
+    if layout.tp.group is not None:  # a TP all-reduce inside a forward ends within the engine's timeout
+        set_group_timeout([layout.group, layout.dp.group, layout.tp.group], float(timeout))
     staged = staged_model(model, split_points, stages, tracer=tracer, leaf_modules=leaf_modules,
                           example_inputs=example_inputs)
     sched = resolve_schedule(schedule, num_ranks=world, num_pieces=staged.num_stages,
@@ -97,6 +107,11 @@ def pipeline(
     replaced = place_pieces({k: staged.stages[k] for k in held}, device, model=model, names=names,
                             state_dict=state_dict, init_weights=init_weights)
     shared = dataclasses.replace(shared, params=tuple(replaced.get(id(p), p) for p in shared.params))
+    if tp_plan is not None:
+        _check_tp(lowering, data_parallel)
+        before = _ids([staged.stages[k] for k in held])
+        apply_tp_plan({k: staged.stages[k] for k in held}, tp_plan, layout.tp)
+        _check_shared_kept(shared, before - _ids([staged.stages[k] for k in held]))
     sharded = _sharded(data_parallel, layout, lowering, shared)
     if sharded:
         shard_pieces({k: staged.stages[k] for k in held}, layout.dp.mesh)
@@ -167,6 +182,31 @@ def _check_arguments(schedule: object, loss_fn: object, timeout: object, microba
         raise PipelineError(f"microbatches must be a positive integer, got {microbatches!r}")
 
 
+def _check_tp(lowering: Lowering, data_parallel: str) -> None:
+    """Refuse what does not compose with a "tp" dimension yet (docs/parallelism.md)."""
+    if lowering.replicas > 1:
+        raise PipelineError(f"schedule {lowering.schedule.name!r} holds two replicas of each piece, whose gradient "
+                            "exchange packs plain tensors, not the DTensor gradients of a tp_plan; on a \"tp\" "
+                            "mesh choose a one-replica schedule (1f1b, zb-h1, zbv, interleaved-1f1b, ...)")
+    if data_parallel == "fsdp":
+        raise PipelineError("data_parallel='fsdp' with a tp_plan (2-D sharding) is not built yet; use "
+                            "data_parallel='replicate' on a mesh with \"dp\", \"pp\" and \"tp\"")
+
+
+def _ids(modules: Sequence[nn.Module]) -> set[int]:
+    return {id(p) for module in modules for p in module.parameters()}
+
+
+def _check_shared_kept(shared: SharedParameters, replaced: set[int]) -> None:
+    """A parameter used by several pieces (tied) must not be resharded by the plan (``replaced``: ids of
+    the parameters it swapped): its gradients are exchanged between ranks as plain tensors."""
+    for name, param in zip(shared.names, shared.params):
+        if id(param) in replaced:
+            raise PipelineError(f"parameter {name!r} is used by several pieces (tied) and tp_plan shards it; "
+                                "sharding a tied parameter is not built yet: leave its modules out of tp_plan "
+                                "or split so that all its uses fall in one piece")
+
+
 def _sharded(data_parallel: str, layout: Layout, lowering: Lowering, shared: SharedParameters) -> bool:
     """Whether the pieces are sharded with FSDP2 (checking that they can be)."""
     if data_parallel not in ("replicate", "fsdp"):
@@ -199,7 +239,7 @@ def _rank_pieces(lowering: Lowering, layout: Layout, device: torch.device, stage
         lowering=lowering, rank=rank, device=device, modules=modules, program=program,
         eval_program=tuple(dataclasses.replace(step, pair=None) for step in program if step.action.kind == "F"),
         num_outputs=tuple(spec.num_outputs for spec in staged.graph.stages), output=staged.graph.output,
-        loss_fn=loss_fn, seed=seed, shared=shared, dp=layout.dp, sharded=sharded,
+        loss_fn=loss_fn, seed=seed, shared=shared, dp=layout.dp, sharded=sharded, tp_mesh=layout.tp.mesh,
         gradients_done={t: s for s, t in last_gradient.items()},  # where "dp" buckets are posted
         joined=frozenset(t for t, (step, after) in enumerate(zip(program, program[1:]))
                          if step.action.kind == "I" and after.action == step.action._replace(kind="W")),

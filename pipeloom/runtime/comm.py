@@ -28,6 +28,7 @@ import torch.utils._pytree as pytree
 
 from pipeloom.runtime.lower import PipelineError, Unit, forward_unit
 from pipeloom.runtime.threads import HelperThreads
+from pipeloom.runtime.tp import is_dtensor, local_of
 from pipeloom.runtime.transport import Posted, Transport, transport_for
 from pipeloom.runtime.watch import FailureBoard, PeerWatch, close_connections, poll_work
 
@@ -36,19 +37,27 @@ __all__ = ["FailureScope", "LeafMeta", "Messenger", "StepMessages"]
 
 @dataclass(frozen=True, slots=True)
 class LeafMeta:
-    """Shape, dtype and whether one tensor of a message requires grad."""
+    """Shape, dtype and whether one tensor of a message requires grad; for a DTensor, the shape of its
+    local tensor (what travels) and what rebuilds it on the receiver's "tp" sub-mesh."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     requires_grad: bool
+    placements: tuple = ()  # a DTensor's placements (Shard(-1), Replicate(), ...); () for a plain tensor
+    global_shape: tuple[int, ...] = ()  # a DTensor's shape and stride over the whole mesh
+    global_stride: tuple[int, ...] = ()
 
     @staticmethod
     def of(tensor: torch.Tensor) -> LeafMeta:
+        if is_dtensor(tensor):
+            return LeafMeta(tuple(tensor.to_local().shape), tensor.dtype, tensor.requires_grad,
+                            tuple(tensor.placements), tuple(tensor.shape), tuple(tensor.stride()))
         return LeafMeta(tuple(tensor.shape), tensor.dtype, tensor.requires_grad)
 
     def describe(self) -> str:
         grad = " requiring grad" if self.requires_grad else ""
-        return f"{str(self.dtype).removeprefix('torch.')}{list(self.shape)}{grad}"
+        sharded = f" (local shard of {list(self.global_shape)}, {list(self.placements)})" if self.placements else ""
+        return f"{str(self.dtype).removeprefix('torch.')}{list(self.shape)}{sharded}{grad}"
 
 
 def _same(rank: int) -> int:
@@ -281,8 +290,8 @@ class StepMessages:
             size = torch.tensor([blob.numel()], dtype=torch.int64)
             self._send(size.to(device), unit)
             self._send(blob.to(device), unit)
-        for tensor in leaves:
-            self._send(tensor.detach().contiguous(), unit)
+        for tensor in leaves:  # a DTensor travels as its local tensor (LeafMeta has its placements)
+            self._send(local_of(tensor.detach()).contiguous(), unit)
         if self.events is not None:
             self._note(f"SEND {self.messenger.units_name(unit)} to {unit.dst}", "send", start)
 

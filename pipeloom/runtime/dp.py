@@ -22,11 +22,12 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeloom.runtime.lower import PipelineError
+from pipeloom.runtime.tp import TensorParallel, local_of, mesh_coordinates, with_local
 
 __all__ = ["BUCKET_BYTES", "DataParallel", "GradientBuckets", "Layout", "layout_of"]
 
 BUCKET_BYTES = 25 * 2**20  # the most gradient bytes one all-reduce carries
-_NAMES = ("pp", "dp")
+_NAMES = ("pp", "dp", "tp")
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +51,16 @@ class Layout:
     everyone: object  # a group of every rank of the mesh (agreement on each step, the shared seed)
     everyone_size: int
     device_type: str | None  # the mesh's device type, when a mesh was given
+    tp: TensorParallel = TensorParallel()  # the "tp" dimension (pipeloom.runtime.tp); size 1 without one
+    coordinates: dict[int, str] | None = None  # with "tp": every global rank -> its mesh coordinates
+
+    def where(self, number: int | None = None) -> str:
+        """``global rank G (pp 1, tp 0)`` for global rank ``number`` (this one by default) on a mesh with
+        "tp"; ``""`` elsewhere (messages there name pipeline ranks, as before)."""
+        if self.coordinates is None:
+            return ""
+        number = dist.get_rank() if number is None else number
+        return f"global rank {number} ({self.coordinates.get(number, 'outside the mesh')})"
 
 
 def layout_of(process_group: object, mesh: object) -> Layout:
@@ -67,22 +78,29 @@ def layout_of(process_group: object, mesh: object) -> Layout:
     unknown = [n for n in names if n not in _NAMES]
     if unknown or "pp" not in names:
         raise PipelineError(f"the mesh's dimensions are {list(names)}; pipeloom runs a \"pp\" dimension and, "
-                            "optionally, \"dp\": name them mesh_dim_names=('dp', 'pp')")
+                            "optionally, \"dp\" and \"tp\": name them mesh_dim_names=('dp', 'pp', 'tp')")
     group = mesh.get_group("pp")
     rank, world = dist.get_rank(group), dist.get_world_size(group)
+    dp = DataParallel(group=None, rank=0, size=1)
     if "dp" in names and mesh.size(names.index("dp")) > 1:
         dp_group = mesh.get_group("dp")
         dp = DataParallel(group=dp_group, rank=dist.get_rank(dp_group), size=dist.get_world_size(dp_group),
                           mesh=mesh["dp"])
+    tp, coordinates = TensorParallel(), None
+    if "tp" in names:
+        tp_group = mesh.get_group("tp")
+        tp = TensorParallel(group=tp_group, rank=dist.get_rank(tp_group), size=dist.get_world_size(tp_group),
+                            mesh=mesh["tp"])
+        coordinates = mesh_coordinates(mesh)
+    everyone, everyone_size = group, world
+    if dp.size > 1 or tp.size > 1:
         if mesh.size() != dist.get_world_size():
-            raise PipelineError(f"the mesh holds {mesh.size()} of the {dist.get_world_size()} ranks; with \"dp\" "
+            extra = "\"dp\"" if dp.size > 1 else "\"tp\""
+            raise PipelineError(f"the mesh holds {mesh.size()} of the {dist.get_world_size()} ranks; with {extra} "
                                 "pipeloom needs a mesh over every rank of the default process group")
         everyone, everyone_size = dist.group.WORLD, dist.get_world_size()
-    else:
-        dp = DataParallel(group=None, rank=0, size=1)
-        everyone, everyone_size = group, world
     return Layout(rank=rank, world=world, group=group, dp=dp, everyone=everyone, everyone_size=everyone_size,
-                  device_type=mesh.device_type)
+                  device_type=mesh.device_type, tp=tp, coordinates=coordinates)
 
 
 def _world_of(process_group: object) -> tuple[int, int, object]:
@@ -150,7 +168,7 @@ class GradientBuckets:
                     size += _nbytes(members[end])
                     end += 1
                 chunk = members[start:end]
-                flat = torch.cat([p.grad.reshape(-1) for p in chunk])
+                flat = torch.cat([local_of(p.grad).reshape(-1) for p in chunk])  # a DTensor's own shard
                 work = dist.all_reduce(flat, group=self.dp.group, async_op=True)
                 self.buckets.append(_Bucket(params=chunk, flat=flat, work=work))
                 start = end
@@ -163,8 +181,9 @@ class GradientBuckets:
         for bucket in self.buckets:
             offset = 0
             for p in bucket.params:
-                n = p.grad.numel()
-                p.grad = bucket.flat[offset:offset + n].view_as(p.grad)
+                local = local_of(p.grad)
+                n = local.numel()
+                p.grad = with_local(p.grad, bucket.flat[offset:offset + n].view_as(local))
                 offset += n
         for p in self._unique([p for ps in self.stage_params.values() for p in ps]):
             before = self.saved.get(id(p))
@@ -174,4 +193,5 @@ class GradientBuckets:
 
 
 def _nbytes(p: nn.Parameter) -> int:
-    return p.grad.numel() * p.grad.element_size()
+    local = local_of(p.grad)
+    return local.numel() * local.element_size()

@@ -38,6 +38,7 @@ from pipeloom.runtime.split import StagedModel
 from pipeloom.runtime.state import LoadResult, ModelNames
 from pipeloom.runtime.step import StepRun
 from pipeloom.runtime.timing import ActionClock
+from pipeloom.runtime.tp import captured_parameters, changed_parameter
 
 __all__ = ["PipelineEngine", "PipelineError"]
 
@@ -52,18 +53,23 @@ def _close_live_engines() -> None:
         with contextlib.suppress(Exception):
             engine.close()
 def _mesh_scope(layout: Layout) -> FailureScope | None:
-    """With data-parallel replicas, one failure board over every rank of the mesh (global numbers; a
-    rank of another replica is named so), whose failures also wake waits on the "dp" group."""
-    if layout.dp.size <= 1:
+    """With data-parallel replicas or a "tp" dimension, one failure board over every rank of the mesh
+    (global numbers; a rank of another pipeline is named so, with its mesh coordinates on a "tp" mesh),
+    whose failures also wake waits on the "dp" group."""
+    if layout.dp.size <= 1 and layout.tp.size <= 1:
         return None
     group, dp = layout.group, layout.dp.group
     mine = {dist.get_global_rank(group, r): r for r in range(layout.world)} if group is not None else {}
 
     def name(number: int) -> str:
+        if layout.coordinates is not None:
+            return f"{mine[number]} ({layout.where(number)})" if number in mine else layout.where(number)
         return str(mine[number]) if number in mine else f"{number} (global; another data-parallel replica)"
 
-    peer = dist.get_global_rank(dp, (layout.dp.rank + 1) % layout.dp.size)
-    return FailureScope(rank=dist.get_rank(), world=dist.get_world_size(), name=name, wake=((dp, peer),),
+    wake = ()
+    if dp is not None:
+        wake = ((dp, dist.get_global_rank(dp, (layout.dp.rank + 1) % layout.dp.size)),)
+    return FailureScope(rank=dist.get_rank(), world=dist.get_world_size(), name=name, wake=wake,
                         of_peer=(lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r))
 
 
@@ -91,6 +97,7 @@ class PipelineEngine:
         self.shared = pieces.shared
         self.seed = pieces.seed
         self.params = pieces.trainable()
+        self._captured = captured_parameters(self.modules)  # identities: a model rewrapped later is refused
         self.tracing = trace is not None and trace is not False
         self.trace_dir = Path(trace) if isinstance(trace, (str, Path)) else None
         self.trace_steps: list[dict] = []
@@ -211,6 +218,7 @@ class PipelineEngine:
                 tuple(tuple((tuple(t.shape), t.dtype) for t in per) for per in targets))
 
     def _run(self, inputs: object, target: object, *, training: bool) -> tuple[torch.Tensor | None, object]:
+        self._check_parameters()
         self._agree(inputs, target, training)
         self.params = self.pieces.trainable()  # requires_grad may have changed since the last step
         chunks, targets = self._inputs(inputs, target, training)
@@ -261,6 +269,20 @@ class PipelineEngine:
         except PipelineError as error:
             self._fail(str(error), error)
 
+    def _check_parameters(self) -> None:
+        """Refuse a step when a stage's parameters are no longer the objects the engine captured (the model
+        was parallelized or rewrapped after pipeline()): their gradients would silently stay empty."""
+        if self.sharded or self.broken:  # FSDP2 swaps its own parameters; a broken engine says so in _agree
+            return
+        changed = changed_parameter(self.modules, self._captured)
+        if changed is not None:
+            stage, name = changed
+            error = PipelineError(
+                f"rank {self.rank}: parameter {name!r} of stage {stage} is not the object pipeline() captured (the "
+                "model was changed after pipeline(), e.g. by parallelize_module), so its gradient would stay "
+                "empty; pass tp_plan= to pipeline() (or change the model first) and build the engine again")
+            self._fail(str(error), error)
+
     def _inputs(self, inputs: object, target: object, training: bool) -> tuple[list, list]:
         """This replica's micro-batches of the inputs and of the target."""
         chunks = self._chunks(inputs, "inputs")
@@ -307,6 +329,12 @@ class PipelineEngine:
     def _fail(self, message: str, cause: Exception) -> NoReturn:
         """The engine is broken: leave the message where the other ranks look, and raise it (``cause``
         itself when it is already a PipelineError)."""
+        where = self.layout.where()
+        if where and where not in message:  # on a "tp" mesh: the global rank and its mesh coordinates
+            message = f"{where}: {message}"
+            self.broken = message
+            self.messenger.report(message)
+            raise PipelineError(message) from cause
         self.broken = message
         self.messenger.report(message)
         if isinstance(cause, PipelineError):

@@ -35,6 +35,7 @@ class RankPieces:
     dp: DataParallel
     sharded: bool  # pieces sharded over "dp" with FSDP2
     gradients_done: Mapping[int, int]  # program index -> the stage whose last gradient action it is
+    tp_mesh: object = None  # the "tp" sub-mesh: DTensors arriving at a boundary are rebuilt on it
     joined: frozenset[int] = frozenset()  # program indices of I steps whose W is the next step
     """Such an I runs as one full backward (B) and its W does nothing: the same gradients bit for bit
     (each autograd node runs the same kernels), in one pass over the graph instead of one for I and

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
@@ -20,6 +21,7 @@ from pipeloom.runtime.rng import seeded
 from pipeloom.runtime.shared import SharedGradients
 from pipeloom.runtime.split import StageValueError, ValueRef, check_stage_value
 from pipeloom.runtime.timing import ActionClock
+from pipeloom.runtime.tp import is_dtensor
 
 if TYPE_CHECKING:
     from pipeloom.runtime.dp import GradientBuckets
@@ -57,6 +59,7 @@ class StepRun:
                          else None)
         self.shared = (SharedGradients(pieces.shared, self.low, pieces.rank, self.low.num_microbatches)
                        if training and pieces.shared.params else None)
+        self.dtensor_loss = False  # loss_fn returned a DTensor (torch's loss_parallel)
         self.current: Step | None = None
         self.outbox: list[tuple[Unit, list, list | None]] = []  # sends of the running action
         self.messages: StepMessages = messenger.begin(metas, specs, discover=discover, events=events,
@@ -161,12 +164,13 @@ class StepRun:
 
     # --------------------------------------------------------------------------- value routing
 
-    def _fetch(self, stage: int, producer: int, index: int, mb: int) -> tuple[list, object, list[bool]]:
-        """Leaves, structure and requires-grad flags of output ``index`` of ``producer`` for ``mb``."""
+    def _fetch(self, stage: int, producer: int, index: int, mb: int) -> tuple[list, object, list[LeafMeta]]:
+        """Leaves, structure and metas of output ``index`` of ``producer`` for ``mb`` (a local value's
+        DTensors stay DTensors; a received one's are rebuilt from its local tensor and its meta)."""
         low = self.low
         if low.rank_of[producer] == self.pieces.rank:
             leaves, spec = _leaves(self.values[(producer, mb)][index], index, producer, stage)
-            return leaves, spec, [t.requires_grad for t in leaves]
+            return leaves, spec, [LeafMeta(tuple(t.shape), t.dtype, t.requires_grad) for t in leaves]
         uid = low.unit_of[("F", producer, stage, mb)]
         if uid not in self.received:
             self.received[uid] = self.messages.receive(uid)
@@ -176,8 +180,7 @@ class StepRun:
         for i, spec in zip(unit.indices, specs):
             count = spec.num_leaves
             if i == index:
-                flags = [m.requires_grad for m in metas[offset:offset + count]]
-                return leaves[offset:offset + count], spec, flags
+                return leaves[offset:offset + count], spec, metas[offset:offset + count]
             offset += count
         raise AssertionError((uid, index))
 
@@ -204,7 +207,11 @@ class StepRun:
             output = self._model_output(s, mb, outs, leaves)
             if self.targets:
                 loss = pieces.loss_fn(output, _pick(self.targets, mb)) / pieces.total_microbatches
-                self.losses[mb] = loss.detach()
+                if is_dtensor(loss):  # loss_parallel: its backward runs under loss_parallel() too
+                    self.dtensor_loss = True
+                    self.losses[mb] = loss.detach().full_tensor()
+                else:
+                    self.losses[mb] = loss.detach()
                 if self.training:
                     self.values[(s, mb)] = outs + [loss]
             if not self.training:
@@ -215,15 +222,23 @@ class StepRun:
             self.received.pop(uid, None)
 
     def _leaf_value(self, s: int, producer: int, index: int, mb: int, leaves: list) -> object:
-        found, spec, flags = self._fetch(s, producer, index, mb)
+        found, spec, metas = self._fetch(s, producer, index, mb)
         detached = []
-        for position, (tensor, flag) in enumerate(zip(found, flags)):
+        for position, (tensor, meta) in enumerate(zip(found, metas)):
             leaf = tensor.detach()
-            if self.training and flag:
+            if self.training and meta.requires_grad:
                 leaf.requires_grad_()
                 leaves.append((leaf, producer, index, position))
-            detached.append(leaf)
+            detached.append(self._rebuilt(leaf, meta) if meta.placements else leaf)
         return pytree.tree_unflatten(detached, spec)
+
+    def _rebuilt(self, local: torch.Tensor, meta: LeafMeta) -> torch.Tensor:
+        """A DTensor that crossed a boundary as its local tensor, on this rank's "tp" sub-mesh; its
+        backward hands ``local`` the gradient in the forward's placements (what travels back)."""
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(local, self.pieces.tp_mesh, meta.placements, run_check=False,
+                                  shape=torch.Size(meta.global_shape), stride=meta.global_stride)
 
     def _model_output(self, s: int, mb: int, outs: list, leaves: list) -> object:
         piece = self.low.piece_of[s]
@@ -247,6 +262,12 @@ class StepRun:
             found, spec = _leaves(outs[i], i, unit.producer, unit.consumer)
             leaves.extend(found)
             specs.append(spec)
+        for t in leaves:
+            if is_dtensor(t) and (self.pieces.tp_mesh is None or t.device_mesh != self.pieces.tp_mesh):
+                raise PipelineError(
+                    f"stage {unit.producer} (rank {unit.src}) sends a DTensor on {t.device_mesh} to stage "
+                    f"{unit.consumer} (rank {unit.dst}); only DTensors on the mesh's \"tp\" sub-mesh cross a stage "
+                    "boundary (rebuilt there on the receiver's): return a plain tensor (use_local_output=True)")
         metas = [LeafMeta.of(t) for t in leaves]
         known = self.metas.get(unit.id)
         if known is not None and not self.messages.discover:
@@ -278,8 +299,12 @@ class StepRun:
         for index, per_leaf in sorted(contributions.items()):
             leaves = pytree.tree_leaves(outs[index])
             for position, parts in sorted(per_leaf.items()):
-                roots.append(leaves[position])
-                grads.append(add_in_order(parts))
+                grad = add_in_order(parts)
+                root = leaves[position]
+                if is_dtensor(root) and not is_dtensor(grad):  # its gradient came back as a local tensor
+                    root = root.to_local()
+                roots.append(root)
+                grads.append(grad)
         return roots, grads
 
     def _collect_remote(self, step: Step) -> None:
@@ -306,13 +331,14 @@ class StepRun:
         entries = self.leaves.pop((s, mb))
         inputs = [leaf for leaf, *_ in entries]
         saved = self._swap_out(s) if full else None
-        if full:
-            found = backward_full(roots, grads, inputs)
-            if step.action.kind == "I":
-                self.pending[(s, mb)] = None  # its W, next, has nothing left to do
-        else:
-            found, pending = backward_input(roots, grads, inputs, self.pieces.weight_parameters(s, self.params))
-            self.pending[(s, mb)] = pending
+        with self._loss_parallel(s):
+            if full:
+                found = backward_full(roots, grads, inputs)
+                if step.action.kind == "I":
+                    self.pending[(s, mb)] = None  # its W, next, has nothing left to do
+            else:
+                found, pending = backward_input(roots, grads, inputs, self.pieces.weight_parameters(s, self.params))
+                self.pending[(s, mb)] = pending
         if saved is not None:
             self._swap_in(s, mb, saved)
         self._route_input_grads(step, entries, found)
@@ -323,9 +349,19 @@ class StepRun:
         if pending is None:  # its I ran the whole backward
             return
         saved = self._swap_out(s)
-        pending.weight()
+        with self._loss_parallel(s):
+            pending.weight()
         if saved is not None:
             self._swap_in(s, mb, saved)
+
+    def _loss_parallel(self, s: int) -> contextlib.AbstractContextManager:
+        """torch's ``loss_parallel()`` around the backward of the stage that computed a DTensor loss (its
+        cross-entropy over class-sharded logits has a backward only inside that context)."""
+        if self.dtensor_loss and self.low.piece_of[s] == self.pieces.last_piece:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
+        return contextlib.nullcontext()
 
     def _kept(self, s: int) -> list:
         """Parameters of stage ``s`` whose gradient actions' results are kept per micro-batch instead of
