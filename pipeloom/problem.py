@@ -37,6 +37,8 @@ Backward = Literal["full", "split", "none"]
 """How the stage-graph builder derives backward tasks: one B, I+W, or none (inference)."""
 
 _TASK_NAME = re.compile(r"^(\d+)([FBIW])$")
+_MAX_DIGITS = 18
+"""Digits of a stage index at most, as in action text (a larger one is a typo)."""
 
 
 def task_name(key: TaskKey) -> str:
@@ -47,9 +49,10 @@ def task_name(key: TaskKey) -> str:
 def parse_task_name(text: str) -> TaskKey:
     """Inverse of :func:`task_name`; raises ProblemError on anything else."""
     match = _TASK_NAME.match(text.strip()) if isinstance(text, str) else None
-    if match is None:
+    if match is None or len(match.group(1)) > _MAX_DIGITS:  # int() refuses over 4300 digits
         raise ProblemError(
-            f"bad task name {text!r}: expected STAGE then a kind letter F, B, I or W, e.g. '2F'"
+            f"bad task name {text!r:.60}: expected STAGE (at most {_MAX_DIGITS} digits) then a kind letter "
+            "F, B, I or W, e.g. '2F'"
         )
     return int(match.group(1)), match.group(2)
 

@@ -129,10 +129,19 @@ def _check_finite(schedule: Schedule, makespan: float, busy: Sequence[float], pe
     """ProblemError when the replay's sums left the float range (durations or memory near 1e308)."""
     if math.isfinite(makespan) and all(map(math.isfinite, busy)) and all(map(math.isfinite, peaks)):
         return
-    what = "times" if not (math.isfinite(makespan) and all(map(math.isfinite, busy))) else "memory"
-    raise ProblemError(f"schedule {schedule.name!r}: its {what} overflow the float range when added up over "
-                       f"{schedule.num_microbatches} micro-batches; scale the durations and memory down (e.g. "
-                       "seconds to milliseconds, bytes to MiB) so that a rank's total stays finite")
+    times = not (math.isfinite(makespan) and all(map(math.isfinite, busy)))
+    problem = schedule.problem
+    if times:  # name the largest value that fed the sum, so the user knows what to scale
+        values = [(f"task {task.name} duration", task.duration) for task in problem.tasks]
+        values += [("comm_latency", problem.comm_latency), ("overlap_overhead", problem.overlap_overhead)]
+    else:
+        values = [(f"task {task.name} memory", abs(task.memory)) for task in problem.tasks]
+        values += [(f"static_memory[{r}]", abs(v)) for r, v in enumerate(problem.static_memory or ())]
+    field, value = max(values, key=lambda item: item[1])
+    raise ProblemError(f"schedule {schedule.name!r}: its {'times' if times else 'memory'} overflow the float range "
+                       f"when added up over {schedule.num_microbatches} micro-batches (largest: {field} {value:g}); "
+                       "scale the durations and memory down (e.g. seconds to milliseconds, bytes to MiB) so that "
+                       "a rank's total stays finite")
 
 
 def _overhead(schedule: Schedule, overlap_overhead: float | None) -> float:

@@ -4,18 +4,22 @@ and writing the requested files then printing a report (tables or JSON)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
+from collections.abc import Iterator, Mapping
 
 from rich.console import Console
 
 from pipeloom.cli.outputs import target
 from pipeloom.cli.usage import UsageError
+from pipeloom.errors import PipeloomError
 from pipeloom.ir import save_schedule
 from pipeloom.problem import Costs
 from pipeloom.sim import Timeline
 from pipeloom.viz.report import per_rank_table, summary_table, terminal_timeline
 
-__all__ = ["UsageError", "COST_FLAGS", "costs_from_args", "first_line", "emit"]
+__all__ = ["UsageError", "COST_FLAGS", "costs_from_args", "check_flag_sums", "limit_units", "first_line", "emit"]
 
 COST_FLAGS = ("f", "b", "w", "comm")
 """The cost flags (``--f`` ...) that set the matching ``Costs`` fields."""
@@ -24,6 +28,41 @@ COST_FLAGS = ("f", "b", "w", "comm")
 def costs_from_args(args: argparse.Namespace) -> Costs:
     """Costs from the --f/--b/--w/--comm flags; a flag left out keeps the Costs default."""
     return Costs(**{k: getattr(args, k) for k in COST_FLAGS if getattr(args, k) is not None})
+
+
+def check_flag_sums(flags: Mapping[str, float | None], microbatches: int) -> None:
+    """UsageError naming the largest flag when the flags' values (``{"--f": 1e308, ...}``; None: not
+    given) added up over ``microbatches`` micro-batches, four times over (a rank runs a forward, a
+    backward and the latency between them per micro-batch and stage: the bound ``build_schedule``
+    checks), leave the float range: ``--f 1e308`` names ``--f``, not an ``inf`` further down."""
+    given = {flag: value for flag, value in flags.items() if value is not None}
+    if not given or math.isfinite(sum(given.values()) * 4.0 * max(microbatches, 1)):
+        return
+    flag = max(given, key=given.__getitem__)
+    others = [other for other in given if other != flag and given[other] >= given[flag] / 10]
+    also = f" (with {', '.join(others)})" if others else ""
+    raise UsageError(f"{flag} {given[flag]:g}{also} overflows the float range when the times add up over "
+                     f"{microbatches:,} micro-batch{'' if microbatches == 1 else 'es'}; scale it down (e.g. seconds to milliseconds)")
+
+
+@contextlib.contextmanager
+def limit_units(args: argparse.Namespace, units: str) -> Iterator[None]:
+    """Name the unit of ``--memory-limit`` in an error about the limit that flag set (its values are
+    ``units``, e.g. micro-batches, where ``pipeloom plan``'s are bytes)."""
+    try:
+        yield
+    except PipeloomError as error:
+        line = first_line(error)
+        if isinstance(error, UsageError) or getattr(args, "memory_limit", None) is None \
+                or "limit" not in line or "memory" not in line:
+            raise
+        lines = str(error).strip().splitlines()
+        lines[0] = f"{lines[0]} [--memory-limit counts {units}, not bytes]"
+        try:
+            marked = type(error)("\n".join(lines))
+        except TypeError:  # a subclass with another signature keeps its own text
+            raise error from None
+        raise marked from None
 
 
 def first_line(error: BaseException) -> str:

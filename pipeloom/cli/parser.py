@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 from pathlib import Path
 
 from pipeloom.cli.common import UsageError
@@ -12,7 +13,7 @@ from pipeloom.cli.demo import cmd_demo
 from pipeloom.cli.outputs import OutputPath
 from pipeloom.cli.plan import add_plan_parser
 from pipeloom.cli.profile import add_profile_parser
-from pipeloom.cli.schedules import cmd_compare, cmd_list, cmd_show, cmd_simulate
+from pipeloom.cli.schedules import ACTIVATIONS, cmd_compare, cmd_list, cmd_show, cmd_simulate
 from pipeloom.cli.search import cmd_search
 from pipeloom.cli.trace import cmd_trace
 
@@ -54,6 +55,29 @@ def _number(kind: type, words: str, minimum: float, maximum: float = math.inf):
 
 
 _cost = _number(float, "a finite number >= 0", 0)
+
+
+def _microbatch_limit(command: str, units: str):
+    """The argparse type of ``--memory-limit`` in ``command``, which counts ``units`` (activations
+    of micro-batches, not bytes): a size like ``80GiB`` is refused with a pointer to ``pipeloom plan``,
+    whose ``--memory-limit`` is bytes."""
+    plain = _number(float, f"a finite number >= 0 of {units}", 0)
+
+    def parse(text: str) -> float:
+        try:
+            return plain(text)
+        except argparse.ArgumentTypeError:
+            if _SIZE.match(text):
+                raise argparse.ArgumentTypeError(
+                    f"{text!r} is a size in bytes, but `pipeloom {command}` counts its limit in {units} "
+                    "(e.g. 4); for a limit in bytes plan with `pipeloom plan --memory-limit 80GiB`") from None
+            raise
+
+    return parse
+
+
+_SIZE = re.compile(r"^\s*[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?\s*(?:[KMGT]i?B|B)\s*$", re.IGNORECASE)
+"""A byte size as ``pipeloom plan`` reads one (``80GiB``, ``512 MB``, ``1e9B``)."""
 _count = _number(int, "a positive integer", 1)
 MAX_TERMINAL_WIDTH = 10_000
 """Columns of the ``--terminal`` view at most (a wider view cannot be read and costs memory per column)."""
@@ -82,14 +106,15 @@ def _path_with(*suffixes: str):
 # ---------------------------------------------------------------------------------- the parser
 
 
-def _add_costs(parser: argparse.ArgumentParser) -> None:
+def _add_costs(parser: argparse.ArgumentParser, command: str) -> None:
     group = parser.add_argument_group("costs", COST_HELP)
     group.add_argument("--f", type=_cost, metavar="F", help="forward time (default 1)")
     group.add_argument("--b", type=_cost, metavar="B", help="input-gradient backward time (default 1)")
     group.add_argument("--w", type=_cost, metavar="W", help="weight-gradient backward time (default 1)")
     group.add_argument("--comm", type=_cost, metavar="C", help="latency between ranks (default 0)")
-    group.add_argument("--memory-limit", type=_cost, metavar="L",
-                       help="per-rank cap on held activations, in micro-batches of one rank's share")
+    group.add_argument("--memory-limit", type=_microbatch_limit(command, ACTIVATIONS), metavar="L",
+                       help="per-rank cap on held activations, counted in MICRO-BATCHES of one rank's share "
+                            "(a forward holds 1 until its backward; not bytes: `pipeloom plan` takes bytes)")
 
 
 def _add_outputs(parser: argparse.ArgumentParser) -> None:
@@ -140,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="lower the schedule first: add the send/receive actions (1SEND_F0, 2RECV_B3, "
                            "...), simulate their time (--comm per message) and draw them; --save then needs "
                            ".csv (torch compute_comms)")
-    _add_costs(show)
+    _add_costs(show, "show")
     _add_outputs(show)
     show.add_argument("--save", type=_path_with(".json", ".csv"),
                       help="save the schedule: pipeloom JSON (.json) or torch CSV (.csv; compute_comms "
@@ -152,14 +177,14 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("file", type=Path, metavar="FILE", help="a pipeloom .json or torch .csv schedule")
     sim.add_argument("--allow-unordered", action="store_true",
                      help="accept B/W of a stage out of micro-batch order (not exact in the runtime)")
-    _add_costs(sim)
+    _add_costs(sim, "simulate")
     _add_outputs(sim)
     sim.set_defaults(handler=cmd_simulate)
 
     compare = commands.add_parser("compare", help="compare schedules side by side", epilog=COST_HELP)
     compare.add_argument("names", nargs="+", metavar="NAME", help="schedule names (see `pipeloom list`)")
     _add_shape(compare)
-    _add_costs(compare)
+    _add_costs(compare, "compare")
     compare.add_argument("-o", "--out", type=_path_with(".png", ".svg"), help="comparison figure (.png/.svg)")
     compare.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     compare.set_defaults(handler=cmd_compare)
@@ -187,8 +212,11 @@ def _add_search(commands: argparse._SubParsersAction) -> None:
     search.add_argument("--ranks", "-p", type=_count, metavar="D", help="number of ranks (with --placement)")
     search.add_argument("--microbatches", "-m", type=_count, required=True, metavar="M",
                         help="number of micro-batches")
-    search.add_argument("--memory-limit", type=_cost, metavar="L",
-                        help="per-rank cap on held memory (overrides a problem file's)")
+    search.add_argument("--memory-limit", type=_microbatch_limit(
+                            "search", "the problem's memory units (micro-batches of activations for a placement)"),
+                        metavar="L", help="per-rank cap on held memory in the problem's own units: MICRO-BATCHES "
+                        "of activations for a placement (a forward holds 1), the tasks' memory units for a "
+                        "problem file (overrides its memory_limit); not bytes: `pipeloom plan` takes bytes")
     search.add_argument("--time-limit", type=_number(float, "a number of seconds >= 0.01", 0.01),
                         default=30.0, metavar="S", help="search time limit in seconds (default 30)")
     search.add_argument("--mode", choices=("auto", "exact", "periodic"), default="auto",
@@ -220,7 +248,8 @@ def _add_trace(commands: argparse._SubParsersAction) -> None:
     trace.add_argument("paths", nargs="+", type=Path, metavar="FOLDER_OR_FILE",
                        help="the run's trace folder, or its rank*.json files")
     trace.add_argument("-o", "--out", type=_path_with(".json"),
-                       help="merged Perfetto trace, measured and predicted side by side (.json)")
+                       help="merged Perfetto trace, measured and predicted side by side (.json; here -o is "
+                            "the trace, the picture is --png)")
     trace.add_argument("--png", type=_path_with(".png", ".svg"),
                        help="picture: measured step above predicted on one time axis (.png/.svg)")
     trace.add_argument("--steps", choices=("warm", "all"), default="warm",

@@ -11,7 +11,7 @@ from typing import Any
 
 from rich.console import Console
 
-from pipeloom.cli.common import COST_FLAGS, UsageError, costs_from_args, emit, first_line
+from pipeloom.cli.common import COST_FLAGS, UsageError, check_flag_sums, costs_from_args, emit, first_line, limit_units
 from pipeloom.cli.outputs import target
 from pipeloom.errors import PipeloomError
 from pipeloom.ir import load_schedule
@@ -45,6 +45,15 @@ MAX_LOWERED_ACTIONS = 1_000_000
 """Most compute actions (estimated as for ``MAX_ACTIONS``) ``show --with-comms`` lowers: lowering adds
 about 2 communication actions per compute action and checks and replays them in Python, about 6 s per
 100,000 compute actions (1f1b p=64 m=1024), so this is about a minute too."""
+
+
+ACTIVATIONS = "micro-batches of activations"
+"""The unit of ``--memory-limit`` in show/simulate/compare (``Costs.memory`` = 1 per micro-batch)."""
+
+
+def _cost_flags(args: argparse.Namespace) -> dict[str, float | None]:
+    """The cost flags given, by flag (``{"--f": 1e308, ...}``), for :func:`check_flag_sums`."""
+    return {f"--{key}": getattr(args, key) for key in COST_FLAGS}
 
 
 def _check_name(name: str) -> None:
@@ -119,9 +128,11 @@ def cmd_show(args: argparse.Namespace) -> int:
     if args.with_comms and args.save is not None and args.save.suffix.lower() != ".csv":
         raise UsageError(f"--save {args.save}: a lowered schedule (--with-comms) is saved as torch "
                          "compute_comms CSV; use a .csv file name")
+    check_flag_sums(_cost_flags(args), args.microbatches)
     costs = costs_from_args(args)
-    timeline = _build(args.name, args.ranks, args.microbatches, costs, args.memory_limit,
-                      with_comms=args.with_comms, **options)
+    with limit_units(args, ACTIVATIONS):
+        timeline = _build(args.name, args.ranks, args.microbatches, costs, args.memory_limit,
+                          with_comms=args.with_comms, **options)
     return emit(args, timeline, timeline_report(timeline, microbatches=args.microbatches, costs=costs))
 
 
@@ -132,13 +143,16 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if cost_flags and not is_csv:
         raise UsageError(f"{'/'.join(cost_flags)} set the costs of a torch CSV; a pipeloom JSON "
                          "schedule carries its own task durations")
+    check_flag_sums(_cost_flags(args), 1)  # before the CSV reader adds b + w
     costs = costs_from_args(args)
     schedule = load_schedule(args.file, costs=costs)
+    check_flag_sums(_cost_flags(args), schedule.num_microbatches)
     problem = schedule.problem
     if args.memory_limit is not None:  # overrides the limit a JSON file carries
         problem = dataclasses.replace(problem, memory_limit=args.memory_limit)
     schedule = dataclasses.replace(schedule, problem=problem)
-    timeline = validate(schedule, ordered=not args.allow_unordered)
+    with limit_units(args, ACTIVATIONS if is_csv else "the file's memory units"):
+        timeline = validate(schedule, ordered=not args.allow_unordered)
     return emit(args, timeline, timeline_report(timeline, costs=costs if is_csv else None))
 
 
@@ -167,6 +181,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     for name in args.names:
         _check_name(name)
         _check_size(name, args.ranks, args.microbatches)
+    check_flag_sums(_cost_flags(args), args.microbatches)
     costs = costs_from_args(args)
     rows, timelines = compare_schedules(args.names, args.ranks, args.microbatches, costs, args.memory_limit)
     title = f"p={args.ranks}, m={args.microbatches}"

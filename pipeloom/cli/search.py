@@ -9,7 +9,8 @@ import dataclasses
 
 from rich.console import Console
 
-from pipeloom.cli.common import UsageError, emit
+from pipeloom.cli.common import UsageError, check_flag_sums, emit, limit_units
+from pipeloom.cli.schedules import MAX_RANKS
 from pipeloom.validate import validate
 from pipeloom.viz.report import format_number, search_table, timeline_report
 
@@ -18,6 +19,7 @@ __all__ = ["cmd_search"]
 
 def _search_problem(args: argparse.Namespace):
     """The problem ``pipeloom search`` works on: a catalog placement, or a problem file."""
+    from pipeloom.ir import check_totals
     from pipeloom.search import PLACEMENTS, load_problem, placement
 
     costs = {"f": args.f, "b": args.b, "w": args.w, "w_memory": args.w_memory}
@@ -29,15 +31,25 @@ def _search_problem(args: argparse.Namespace):
         if flags:
             verb = "applies" if len(flags) == 1 else "apply"
             raise UsageError(f"{', '.join(flags)} {verb} to --placement; a problem file has its own tasks")
+        check_flag_sums({"--comm": args.comm}, args.microbatches)
         problem = load_problem(args.problem)
-        return problem if args.comm is None else dataclasses.replace(problem, comm_latency=args.comm)
+        problem = problem if args.comm is None else dataclasses.replace(problem, comm_latency=args.comm)
+        check_totals(problem, args.microbatches, where=f"{args.problem}: problem")  # names the file's field
+        return problem
     if args.placement not in PLACEMENTS:
         raise UsageError(f"unknown placement {args.placement!r}; choose one of: {', '.join(PLACEMENTS)}")
     if args.ranks is None:
         raise UsageError("--placement needs --ranks D")
+    if args.ranks > MAX_RANKS:  # building the placement alone grows with the ranks
+        raise UsageError(f"--ranks {args.ranks:,} is above the limit of {MAX_RANKS:,} ranks; use fewer ranks")
     _check_costs(args)
+    check_flag_sums({"--f": args.f, "--b": args.b, "--w": args.w, "--comm": args.comm}, args.microbatches)
     return placement(args.placement, args.ranks, split_backward=args.split_backward, inference=args.inference,
                      memory_limit=args.memory_limit, comm_latency=args.comm or 0.0, **costs)
+
+
+_UNITS = "the problem's memory units (micro-batches of activations for a placement)"
+"""The unit of ``search --memory-limit``."""
 
 
 def _check_costs(args: argparse.Namespace) -> None:
@@ -103,7 +115,7 @@ def cmd_search(args: argparse.Namespace) -> int:
 
     problem = _search_problem(args)
     _check_save(args, problem)
-    with _search_status(not args.json) as progress:
+    with _search_status(not args.json) as progress, limit_units(args, _UNITS):
         result = search(problem, args.microbatches, mode=args.mode, memory_limit=args.memory_limit,
                         time_limit=args.time_limit, workers=args.workers, progress=progress)
     timeline = validate(result.schedule, ordered=True)

@@ -23,7 +23,7 @@ from pipeloom.ir.core import (
     parse_action,
 )
 from pipeloom.ir.files import load_schedule, save_schedule
-from pipeloom.ir.json_io import FORMAT, schedule_from_json, schedule_to_json
+from pipeloom.ir.json_io import FORMAT, check_totals, schedule_from_json, schedule_to_json
 from pipeloom.ir.torch_csv import schedule_from_csv, schedule_to_csv
 
 __all__ = [
@@ -45,6 +45,7 @@ __all__ = [
     "format_grid",
     "schedule_to_json",
     "schedule_from_json",
+    "check_totals",
     "schedule_to_csv",
     "schedule_from_csv",
     "save_schedule",

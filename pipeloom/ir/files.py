@@ -44,13 +44,17 @@ def read_text(path: str | Path) -> str:
 def load_schedule(path: str | Path, *, costs: Costs = Costs()) -> Schedule:
     """Read a schedule saved as pipeloom JSON or torch CSV (chosen by suffix, any case).
 
-    The file must be UTF-8 text (a leading byte-order mark is allowed).
+    The file must be UTF-8 text (a leading byte-order mark is allowed); a ScheduleFormatError names
+    the file.
     """
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix not in (".csv", ".json"):
         raise ScheduleFormatError(f"cannot read {path}: use a .json (pipeloom) or .csv (torch) file")
     text = read_text(path)
-    if suffix == ".csv":
-        return schedule_from_csv(text, name=path.stem, costs=costs)
-    return schedule_from_json(text)
+    try:
+        if suffix == ".csv":
+            return schedule_from_csv(text, name=path.stem, costs=costs)
+        return schedule_from_json(text)
+    except ScheduleFormatError as error:
+        raise ScheduleFormatError(f"{path}: {error}") from None

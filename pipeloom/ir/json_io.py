@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from pipeloom.errors import PipeloomError, ScheduleFormatError
@@ -10,7 +11,7 @@ from pipeloom.ir.core import Action, Comm, Overlap, Schedule, shown
 from pipeloom.ir.jsonfields import json_object
 from pipeloom.problem import Problem, Task, parse_task_name, task_name
 
-__all__ = ["FORMAT", "schedule_from_json", "schedule_to_json"]
+__all__ = ["FORMAT", "check_totals", "schedule_from_json", "schedule_to_json"]
 
 FORMAT = "pipeloom.schedule/1"
 
@@ -155,6 +156,34 @@ def _is_comm(text: Any) -> bool:
     return True
 
 
+def check_totals(problem: Problem, num_microbatches: int, *, where: str = "schedule",
+                 error: type[PipeloomError] = ScheduleFormatError) -> None:
+    """``error`` naming the largest field when ``problem``'s numbers, each finite, overflow the float
+    range once added up over ``num_microbatches`` (the serial time: every task's duration, latency
+    and overlap overhead; the memory: every change and the largest static memory), before anything
+    sums them: ``tasks[0].duration 1e+308`` instead of an ``inf`` or ``nan`` further down."""
+    tasks = problem.tasks
+    extra = (problem.comm_latency + problem.overlap_overhead) * len(tasks)
+    times = sum(task.duration for task in tasks) + extra  # inf on overflow (fsum raises)
+    memory = sum(abs(task.memory) for task in tasks)
+    static = max(map(abs, problem.static_memory or (0.0,)))
+    count = max(num_microbatches, 1)
+    if math.isfinite(times * count) and math.isfinite(memory * count + static):
+        return
+    fields = [(f"tasks[{i}].duration", task.duration) for i, task in enumerate(tasks)]
+    fields += [("comm_latency", problem.comm_latency), ("overlap_overhead", problem.overlap_overhead)]
+    if not math.isfinite(times * count):
+        what = "durations"
+    else:
+        what = "memory changes"
+        fields = [(f"tasks[{i}].memory", abs(task.memory)) for i, task in enumerate(tasks)]
+        fields += [(f"static_memory[{r}]", abs(v)) for r, v in enumerate(problem.static_memory or ())]
+    field, value = max(fields, key=lambda item: item[1])
+    plural = "" if count == 1 else "es"
+    raise error(f"{where}.{field} {value:g}: the {what} overflow the float range when added up over {count:,} "
+                f"micro-batch{plural}; scale them down (e.g. seconds to milliseconds, bytes to MiB)")
+
+
 def schedule_from_json(text: str) -> Schedule:
     """Parse ``pipeloom.schedule/1`` JSON; unknown keys, another format or a wrong type are errors."""
     document = json_object(text, fmt=FORMAT, keys=_TOP_KEYS, error=ScheduleFormatError, what="schedule file")
@@ -170,10 +199,12 @@ def schedule_from_json(text: str) -> Schedule:
             static_memory=_numbers(document.get("static_memory"), f"{where}.static_memory"),
             overlap_overhead=_typed(document.get("overlap_overhead", 0.0), _NUMBER, f"{where}.overlap_overhead"),
         )
+        num_microbatches = _require(document, "num_microbatches", int, where)
+        check_totals(problem, num_microbatches, where=where)
         return Schedule(
             name=_typed(document.get("name", "schedule"), str, f"{where}.name"),
             problem=problem,
-            num_microbatches=_require(document, "num_microbatches", int, where),
+            num_microbatches=num_microbatches,
             ranks=actions,
         )
     except ScheduleFormatError:

@@ -67,12 +67,21 @@ def number(entry: dict, key: str, *, where: str, error: type[PipeloomError], def
     value = _get(entry, key, default, where, error)
     if value is None and null:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
         extra = " or null" if null else ""
         raise error(f"{where}.{key}: expected a finite number{extra}, got {shown(value)}")
     if minimum is not None and value < minimum:
         raise error(f"{where}.{key}: must be >= {minimum:g}, got {shown(value)}")
     return float(value)
+
+
+def _finite(value: float) -> bool:
+    """``math.isfinite`` that answers False for an integer too large for a float (``10**400`` in a
+    file) instead of raising OverflowError."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def integer(entry: dict, key: str, *, where: str, error: type[PipeloomError], default: Any = MISSING,
