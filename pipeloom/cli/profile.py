@@ -48,20 +48,42 @@ def user_code(path: str, doing: str) -> Iterator[None]:
     try:
         with contextlib.redirect_stderr(printed):
             yield
-    except (PipeloomError, KeyboardInterrupt):
+    except (PipeloomError, KeyboardInterrupt) as error:
+        cause = error.__cause__
+        if isinstance(cause, Exception) and not isinstance(cause, PipeloomError):  # the user's model failed
+            raise _user_error(path, cause, doing, printed, text=str(error)) from error
         sys.stderr.write(printed.getvalue())
         raise
     except Exception as error:  # noqa: BLE001 (any exception of the user's code is reported, not ours)
-        where = Path(path).resolve()
-        lines = [frame.lineno for frame in traceback.extract_tb(error.__traceback__)
-                 if Path(frame.filename).resolve() == where]
-        if isinstance(error, SyntaxError) and error.lineno is not None:
-            lines.append(error.lineno)
-        place = f"{path}:{lines[-1]}" if lines else path
+        raise _user_error(path, error, doing, printed) from error
+
+
+def _lines_in(path: str, error: BaseException | None) -> list[int]:
+    """The lines of ``path`` that ``error``'s traceback passes through."""
+    if not isinstance(error, Exception) or isinstance(error, PipeloomError):
+        return []
+    where = Path(path).resolve()
+    lines = [frame.lineno for frame in traceback.extract_tb(error.__traceback__)
+             if Path(frame.filename).resolve() == where]
+    if isinstance(error, SyntaxError) and error.lineno is not None:
+        lines.append(error.lineno)
+    return lines
+
+
+def _user_error(path: str, error: BaseException, doing: str, printed: io.StringIO, *,
+                text: str | None = None) -> UserCodeError:
+    """One :class:`UserCodeError` line naming ``path`` (and its line) for ``error`` (or ``text``, pipeloom's
+    own account of it, which names the fix), the traceback for ``--verbose``."""
+    lines = _lines_in(path, error)
+    place = f"{path}:{lines[-1]}" if lines else path
+    if text is None:
         detail = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        text = f"{type(error).__name__}: {detail}" if detail else type(error).__name__
-        trace = printed.getvalue() + "".join(traceback.format_exception(type(error), error, error.__traceback__))
-        raise UserCodeError(f"{place}: {text} (while {doing}; fix it in your file)\n{trace}") from error
+        what = f"{type(error).__name__}: {detail}" if detail else type(error).__name__
+        text = f"{what} (while {doing}; fix it in your file)"
+    else:
+        text = f"{text} (while {doing})"
+    trace = printed.getvalue() + "".join(traceback.format_exception(type(error), error, error.__traceback__))
+    return UserCodeError(f"{place}: {text}\n{trace}")
 
 
 def add_profile_parser(commands: argparse._SubParsersAction) -> None:
