@@ -153,7 +153,8 @@ class _Search:
         self.problem, self.num_mb, self.plan, self.budget = problem, num_microbatches, plan, budget
         self.workers, self.name, self.mode, self.progress = workers, name, mode, progress
         self.actions = len(problem.tasks) * num_microbatches
-        self.bound = lower_bound(problem, num_microbatches)
+        # the bound's per-rank refinement may take a quarter of the time; it stays a bound when cut short
+        self.bound = lower_bound(problem, num_microbatches, deadline=time.perf_counter() + budget.left() / 4)
         self.candidates: dict[str, Timeline] = {}
         """Built-ins (``builtin:NAME``) and constructions by origin."""
         self.results: list[SearchResult] = []
@@ -180,6 +181,20 @@ class _Search:
             if self.done():
                 break
         self.budget.seconds_per_action = share.seconds_per_action
+        if not self.done() and self.budget.fits(self.actions):  # the list schedule fits any placement
+            self.offer("list", self._timed(self._list_schedule))
+
+    def _list_schedule(self) -> Timeline | None:
+        """The time-aware list schedule (:func:`~pipeloom.search.greedy.list_schedule`) within the
+        time left, or None when it does not fit the memory limit or the time."""
+        from pipeloom.search.greedy import list_schedule
+
+        try:
+            schedule = list_schedule(self.problem, self.num_mb, name=self.name,
+                                     deadline=time.perf_counter() + self.budget.left())
+            return validate(schedule, ordered=True)
+        except (SearchError, PipeloomError):
+            return None
 
     def constructions(self) -> None:
         """Step 2: the all-rank-block and split-backward constructions that apply."""

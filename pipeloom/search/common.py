@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
@@ -130,31 +131,36 @@ def to_integers(problem: Problem, *, memory_limit: float | None = None, resoluti
     )
 
 
-def lower_bound(problem: Problem, num_microbatches: int, *, memory_limit: float | None = None) -> float:
+def lower_bound(problem: Problem, num_microbatches: int, *, memory_limit: float | None = None,
+                deadline: float | None = None) -> float:
     """A makespan no schedule can beat: the longest micro-batch path, and per rank r
     ``M * work_r + max(min head + min tail, idle_r)`` over the tasks on it (its first action cannot
     start before its head, its last must still be followed by its tail; ``idle_r`` is time rank r
     provably waits while other ranks work, see :func:`forced_idle`). Under a memory limit (the
     problem's, or ``memory_limit``) also ``M * area / limit`` per rank plus its fill and drain, see
     :func:`memory_bound`, and the release chain of a rank with one take/give pair,
-    :func:`release_chain_bound`.
+    :func:`release_chain_bound`. Past ``deadline`` (a ``time.perf_counter()`` value) the remaining
+    ranks' ``idle_r`` (O(tasks) each) is left out: the bound stays a bound, only weaker.
     """
     head, tail = head_tail(problem)
     bound = max(head[i] + task.duration + tail[i] for i, task in enumerate(problem.tasks))
     work = problem.work_per_microbatch()
+    ancestry = _ancestry(problem)
     for rank in range(problem.num_ranks):
         on_rank = [i for i, task in enumerate(problem.tasks) if rank in task.ranks]
         if on_rank:
             ends = min(head[i] for i in on_rank) + min(tail[i] for i in on_rank)
-            idle = forced_idle(problem, num_microbatches, rank)
+            late = deadline is not None and time.perf_counter() > deadline
+            idle = 0.0 if late else forced_idle(problem, num_microbatches, rank, ancestry=ancestry)
             bound = max(bound, num_microbatches * work[rank] + max(ends, idle))
     bound = max(bound, num_microbatches * period_lower_bound(problem, memory_limit=memory_limit))
     bound = max(bound, memory_bound(problem, num_microbatches, memory_limit=memory_limit))
     bound = max(bound, release_chain_bound(problem, num_microbatches, memory_limit=memory_limit))
-    return max(bound, all_rank_bound(problem, num_microbatches, memory_limit=memory_limit))
+    return max(bound, all_rank_bound(problem, num_microbatches, memory_limit=memory_limit, deadline=deadline))
 
 
-def all_rank_bound(problem: Problem, num_microbatches: int, *, memory_limit: float | None = None) -> float:
+def all_rank_bound(problem: Problem, num_microbatches: int, *, memory_limit: float | None = None,
+                   deadline: float | None = None) -> float:
     """``M * A + lower_bound(rest)``: a task on every rank stops every rank, so cutting the time of
     the all-rank tasks (A per micro-batch) out of any schedule leaves a schedule of the problem
     without them (:func:`~pipeloom.search.transforms.without_all_rank_tasks`: deps rewired through
@@ -171,7 +177,7 @@ def all_rank_bound(problem: Problem, num_microbatches: int, *, memory_limit: flo
     limit = problem.memory_limit if memory_limit is None else memory_limit
     keeps_limit = limit is not None and _holds_no_less_than_zero(problem, reduced.removed)
     rest = replace(reduced.problem, comm_latency=0.0, memory_limit=limit if keeps_limit else None)
-    return num_microbatches * reduced.work + lower_bound(rest, num_microbatches)
+    return num_microbatches * reduced.work + lower_bound(rest, num_microbatches, deadline=deadline)
 
 
 def _holds_no_less_than_zero(problem: Problem, removed: tuple[int, ...]) -> bool:
@@ -203,7 +209,20 @@ _EXACT_IDLE_MICROBATCHES = 64
 middle copies (a smaller, still valid, chain)."""
 
 
-def forced_idle(problem: Problem, num_microbatches: int, rank: int) -> float:
+def _ancestry(problem: Problem) -> tuple[list[int], list[list[int]], list[set[int]]]:
+    """(topological order, dependency indices, ancestor sets) of one micro-batch's tasks."""
+    index = {task.key: i for i, task in enumerate(problem.tasks)}
+    order = topological_order(problem)
+    deps = [[index[dep] for dep in task.deps] for task in problem.tasks]
+    ancestors: list[set[int]] = [set() for _ in problem.tasks]
+    for i in order:
+        for d in deps[i]:
+            ancestors[i] |= ancestors[d] | {d}
+    return order, deps, ancestors
+
+
+def forced_idle(problem: Problem, num_microbatches: int, rank: int, *,
+                ancestry: tuple[list[int], list[list[int]], list[set[int]]] | None = None) -> float:
     """Time rank ``rank`` must stand idle in every schedule (a lower bound; 0 if none is known).
 
     Write u_j for copy j of task u (interval ``[s_uj, s_uj + d_u)``), r for ``rank``, and
@@ -226,13 +245,7 @@ def forced_idle(problem: Problem, num_microbatches: int, rank: int) -> float:
     m = num_microbatches
     if m < 1 or not any(rank in task.ranks for task in tasks):
         return 0.0
-    index = {task.key: i for i, task in enumerate(tasks)}
-    order = topological_order(problem)
-    deps = [[index[dep] for dep in task.deps] for task in tasks]
-    ancestors: list[set[int]] = [set() for _ in tasks]
-    for i in order:
-        for d in deps[i]:
-            ancestors[i] |= ancestors[d] | {d}
+    order, deps, ancestors = ancestry if ancestry is not None else _ancestry(problem)
     on_rank = [i for i, task in enumerate(tasks) if rank in task.ranks]
     first = [0.0] * len(tasks)  # weight of copy 0, copy M-1, and every other copy
     last = [0.0] * len(tasks)

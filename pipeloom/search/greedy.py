@@ -27,12 +27,24 @@ def microbatch_peak_memory(problem: Problem) -> tuple[float, ...]:
     sum over closed sets (never below 0: the empty set), a max-weight closure found by a min cut.
     Static memory is not included.
     """
-    index = {task.key: i for i, task in enumerate(problem.tasks)}
-    deps = [[index[dep] for dep in task.deps] for task in problem.tasks]
-    return tuple(
-        _max_closure([task.memory if rank in task.ranks else 0.0 for task in problem.tasks], deps)
-        for rank in range(problem.num_ranks)
-    )
+    tasks = problem.tasks
+    index = {task.key: i for i, task in enumerate(tasks)}
+    ancestors = [0] * len(tasks)  # bit d of ancestors[t]: task d runs before t in every order
+    for t in topological_order(problem):
+        for dep in tasks[t].deps:
+            d = index[dep]
+            ancestors[t] |= ancestors[d] | (1 << d)
+    weighted: list[list[int]] = [[] for _ in range(problem.num_ranks)]
+    for t, task in enumerate(tasks):
+        if task.memory != 0:
+            for rank in task.ranks:
+                weighted[rank].append(t)
+    peaks = []
+    for nodes in weighted:
+        # zero-weight tasks only link the weighted ones: close over the ancestry among these alone
+        deps = [[j for j, a in enumerate(nodes) if ancestors[t] >> a & 1] for t in nodes]
+        peaks.append(_max_closure([tasks[t].memory for t in nodes], deps))
+    return tuple(peaks)
 
 
 def _max_closure(weights: list[float], deps: list[list[int]]) -> float:

@@ -3,26 +3,42 @@ start-to-start distances the lower bounds build on. Only :mod:`pipeloom.problem`
 
 from __future__ import annotations
 
+import heapq
+
 from pipeloom.problem import Problem
 
 __all__ = ["head_tail", "start_distances", "topological_order"]
 
 
 def topological_order(problem: Problem) -> list[int]:
-    """Task indices with every dependency before its user (stable: ties keep definition order)."""
-    index = {task.key: i for i, task in enumerate(problem.tasks)}
+    """Task indices with every dependency before its user (stable: ties keep definition order).
+
+    The order of passes over the tasks in definition order, each placing every task whose
+    dependencies are placed (those placed earlier in the same pass included), in O(tasks + deps):
+    a task that becomes ready during a pass joins it when it comes later in definition order than
+    the task that freed it, else the next pass."""
+    tasks = problem.tasks
+    index = {task.key: i for i, task in enumerate(tasks)}
+    waiting = [len({index[dep] for dep in task.deps}) for task in tasks]
+    users: list[list[int]] = [[] for _ in tasks]
+    for i, task in enumerate(tasks):
+        for dep in {index[dep] for dep in task.deps}:
+            users[dep].append(i)
     placed: list[int] = []
-    done: set[int] = set()
-    pending = list(range(len(problem.tasks)))
-    while pending:
-        remaining = []
-        for i in pending:
-            if all(index[dep] in done for dep in problem.tasks[i].deps):
-                placed.append(i)
-                done.add(i)
-            else:
-                remaining.append(i)
-        pending = remaining
+    current = [i for i, count in enumerate(waiting) if count == 0]
+    while current:
+        heapq.heapify(current)
+        later: list[int] = []
+        while current:
+            i = heapq.heappop(current)
+            placed.append(i)
+            for user in users[i]:
+                waiting[user] -= 1
+                if waiting[user] == 0 and user > i:
+                    heapq.heappush(current, user)
+                elif waiting[user] == 0:
+                    later.append(user)
+        current = later
     return placed
 
 

@@ -61,6 +61,7 @@ def test_the_split_construction_wins_over_a_deliberately_short_search(monkeypatc
 
     monkeypatch.setattr(periodic, "solve_periodic", no_time)
     monkeypatch.setattr(api, "builtin_candidates", lambda *args, **kwargs: iter(()))
+    monkeypatch.setattr(api._Search, "_list_schedule", lambda self: None)  # the construction alone
     problem = placement("linear", 8, split_backward=True, memory_limit=4)
     result = search(problem, 32, time_limit=5, workers=1)
     assert result.origin.startswith("split-backward(")
