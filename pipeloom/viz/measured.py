@@ -103,8 +103,10 @@ def step_times(run: RunTrace, *, steps: Steps = "warm") -> dict[int, float]:
 
 
 def measured_step_time(run: RunTrace, *, steps: Steps = "warm") -> float:
-    """Median over the selected steps of :func:`step_times`, in seconds."""
-    return statistics.median(step_times(run, steps=steps).values())
+    """The median over the selected steps of :func:`step_times`, in seconds: the lower of the two
+    middle ones for an even count, so it is the time of a real step (:func:`typical_step`'s) rather
+    than an average that a slow warm-up step can pull up."""
+    return statistics.median_low(step_times(run, steps=steps).values())
 
 
 def _compute_events(run: RunTrace, rank: int, i: int):
@@ -299,8 +301,8 @@ class Comparison:
 
     @property
     def measured_step_time(self) -> float:
-        """Median of :attr:`step_times`, seconds."""
-        return statistics.median(self.step_times.values())
+        """Median of :attr:`step_times` (the lower middle one: a real step's time), seconds."""
+        return statistics.median_low(self.step_times.values())
 
     @property
     def ratio(self) -> float | None:
@@ -328,6 +330,17 @@ def compare_run(run: RunTrace, *, steps: Steps = "warm", step: int | None = None
     )
 
 
+def _per_step_idle(run: RunTrace, steps: Sequence[int], rank: int) -> float:
+    """Mean over ``steps`` of the step time less ``rank``'s compute in that step (seconds): the same
+    statistic as the busy, wait and send columns, so a rank's receive wait never exceeds its idle."""
+    indices = _indices(run, steps)
+    total = 0
+    for i in indices:
+        start, end = _span_ns(run, i)
+        total += max(0, end - start - sum(e.end_ns - e.start_ns for e in run.ranks[rank][i].of_kind("compute")))
+    return total * _NS / len(indices)
+
+
 def _per_step_mean(run: RunTrace, steps: Sequence[int], rank: int, kind: str) -> float:
     """Mean over ``steps`` of the seconds ``rank`` spent in events of ``kind`` per step."""
     indices = _indices(run, steps)
@@ -338,9 +351,13 @@ def _per_step_mean(run: RunTrace, steps: Sequence[int], rank: int, kind: str) ->
 def trace_summary(comparison: Comparison) -> dict[str, Any]:
     """The comparison as a JSON-ready dict (seconds): step times, their ratio, the estimated comm
     latency, per-task medians and per rank the compute (busy), wait and send time per step (means
-    over the steps) and idle = measured step time - busy."""
+    over the steps) and idle = step time - busy (mean over the steps too); ``explanation``: what the
+    prediction knew and left out (:func:`explain_ratio`), also appended to ``notes``."""
+    from pipeloom.viz.explain import explain_ratio
+
     run, predicted, steps = comparison.run, comparison.predicted, comparison.steps
     samples = _duration_samples(run, steps)
+    explanation = explain_ratio(comparison)
     brackets = [max(r[i].end_ns for r in run.ranks) - min(r[i].start_ns for r in run.ranks)
                 for i in _indices(run, steps)]
     return {
@@ -361,27 +378,31 @@ def trace_summary(comparison: Comparison) -> dict[str, Any]:
                    "count": len(samples[task.key])} for task in predicted.schedule.problem.tasks],
         "ranks": [{"rank": rank,
                    "busy": _per_step_mean(run, steps, rank, "compute"),
-                   "idle": max(0.0, comparison.measured_step_time - _per_step_mean(run, steps, rank, "compute")),
+                   "idle": _per_step_idle(run, steps, rank),
                    "wait": _per_step_mean(run, steps, rank, "wait"),
                    "send": _per_step_mean(run, steps, rank, "send"),
                    "predicted_busy": predicted.busy[rank],
                    "predicted_idle": max(0.0, predicted.makespan - predicted.busy[rank])}
                   for rank in range(run.world_size)],
-        "notes": list(run.notes),
+        "explanation": explanation,
+        "notes": [*run.notes, *explanation],
     }
 
 
 # ----------------------------------------------------------------------------- trace, picture
 
 
-def _relabel(events: list[dict], label: str, *, pid_offset: int, tid_offset: int) -> list[dict]:
-    """trace.py's events moved to pids ``rank + pid_offset`` (named ``label rank N``) and tids
-    shifted by ``tid_offset``, so two timelines share one trace without colliding."""
+def _relabel(events: list[dict], label: str, *, pid_offset: int, tid_offset: int,
+             id_offset: int = 0) -> list[dict]:
+    """trace.py's events moved to pids ``rank + pid_offset`` (named ``label rank N``), tids shifted
+    by ``tid_offset`` and flow ids by ``id_offset``, so two timelines share one trace without colliding."""
     moved = []
     for event in events:
         event = {**event, "pid": event["pid"] + pid_offset}
         if "tid" in event:
             event["tid"] += tid_offset
+        if "id" in event:
+            event["id"] += id_offset
         if event["ph"] == "M" and event["name"] == "process_name":
             event["args"] = {"name": f"{label} {event['args']['name']}"}
         elif event["ph"] == "M" and event["name"] == "process_sort_index":
@@ -418,8 +439,9 @@ def merged_trace_events(comparison: Comparison) -> dict[str, Any]:
                         "measured", pid_offset=0, tid_offset=0)
     first_tid = 1 + max((e.get("tid", 0) for e in measured), default=0)
     comm = _comm_events(comparison, first_tid)
+    flows = max((e["id"] for e in measured if "id" in e), default=0)
     predicted = _relabel(trace_events(comparison.predicted, time_unit_us=_US_PER_S)["traceEvents"],
-                         "predicted", pid_offset=p, tid_offset=first_tid + 2 * p)
+                         "predicted", pid_offset=p, tid_offset=first_tid + 2 * p, id_offset=flows)
     return {
         "traceEvents": measured + comm + predicted,
         "displayTimeUnit": "ms",
@@ -443,15 +465,22 @@ def write_merged_trace(comparison: Comparison, path: str | Path) -> None:
 
 
 def draw_measured(comparison: Comparison, path: str | Path) -> None:
-    """Save the measured step above the predicted one on one time axis (seconds), PNG or SVG."""
+    """Save the measured step above the predicted one on one time axis (seconds), PNG or SVG, with
+    the ratio and what the prediction left out (:func:`~pipeloom.viz.explain.explain_ratio`) on top."""
     from pipeloom.viz.compare import comparison_figure
+    from pipeloom.viz.explain import explain_ratio
     from pipeloom.viz.timeline import check_figure_path, save_figure
+    from pipeloom.viz.units import MEASURED_UNITS
 
     path, fmt = check_figure_path(path)
     run = comparison.run
-    ratio = "-" if comparison.ratio is None else f"{comparison.ratio:.3f}"
-    title = (f"{run.schedule.name}, p={run.world_size}, m={run.schedule.num_microbatches}: measured step "
-             f"{comparison.step} vs predicted from median task times (measured/predicted {ratio}; seconds)")
-    fig = comparison_figure([comparison.measured, comparison.predicted], title=title)
-    fig.axes[-1].set_xlabel("time (s)", fontsize=9)
+    first, *left_out = explain_ratio(comparison)
+    head = first.split(":", 1)[0]
+    title = "\n".join([f"{run.schedule.name}, p={run.world_size}, m={run.schedule.num_microbatches}: measured step "
+                        f"{comparison.step} vs predicted from median task times ({head}); per step, the "
+                        "prediction leaves out:", *(line[2:] for line in left_out)])
+    fig = comparison_figure([comparison.measured, comparison.predicted], title=title, units=MEASURED_UNITS)
+    for text in fig.texts:  # the heading: its first line bold, the explanation plain and smaller
+        text.set_fontweight("normal")
+        text.set_fontsize(9)
     save_figure(fig, path=path, fmt=fmt)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from pipeloom.problem import Costs
 from pipeloom.sim import Timeline
+from pipeloom.viz.units import format_number
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -64,14 +65,6 @@ def timeline_report(timeline: Timeline, *, microbatches: int | None = None,
         "memory_limit": schedule.problem.memory_limit,
         "costs": None if costs is None else dataclasses.asdict(costs),
     }
-
-
-def format_number(value: float) -> str:
-    """``value`` with thousands separators and at most 3 decimals, trailing zeros dropped; from 10^15
-    on, 6 significant digits with an exponent (``5e+299``), so a huge number stays one short cell."""
-    if abs(value) >= 1e15:
-        return f"{value:.6g}"
-    return f"{value:,.3f}".rstrip("0").rstrip(".")
 
 
 def summary_table(report: dict) -> Table:

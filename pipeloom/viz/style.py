@@ -1,13 +1,18 @@
-"""Colours, names and summary text shared by every view of a timeline (pictures, terminal, trace).
+"""Colours, names, micro-batch numbers and summary text shared by every view of a timeline
+(pictures, terminal, trace).
 
-The palette is Okabe-Ito (distinguishable with the common colour-vision deficiencies); one colour
-per action kind, used identically by the PNG/SVG pictures and the rich terminal view.
+The kind colours are Okabe-Ito (distinguishable with the common colour-vision deficiencies), used
+identically by the PNG/SVG pictures and the rich terminal view; a rank's second stage gets a hue of
+its own next to its kind's (blue/indigo forwards, orange/brick backwards, ...), later ones lighter.
 """
 
 from __future__ import annotations
 
-from pipeloom.ir import Action, Overlap
+from collections.abc import Callable
+
+from pipeloom.ir import Action, Comm, Overlap, Schedule
 from pipeloom.sim import Timeline
+from pipeloom.viz.units import COST_UNITS, Units, format_memory, format_time
 
 __all__ = [
     "COMM_COLORS",
@@ -15,13 +20,15 @@ __all__ = [
     "KIND_COLORS",
     "KIND_NAMES",
     "IDLE_COLOR",
-    "STAGE_LIGHTEN",
+    "STAGE_HUES",
     "OVERLAP_KIND",
     "action_kind",
     "action_label",
     "action_stage",
     "kinds_present",
     "lighten",
+    "real_microbatch",
+    "stage_color",
     "text_color",
     "peak",
     "summary",
@@ -59,14 +66,51 @@ def action_stage(action: Action | Overlap) -> int:
     return action.forward.stage if type(action) is Overlap else action.stage
 
 
-def action_label(action: Action | Overlap, *, stages: bool) -> str:
-    """A box's label: the micro-batch (``stage:mb`` when ``stages``); a pair ``F7|B3`` (``0:7|7:3``)."""
+def action_label(action: Action | Overlap, *, stages: bool,
+                 number: Callable[[int, int], int] | None = None) -> str:
+    """A box's label: the micro-batch (``stage:mb`` when ``stages``); a pair ``F7|B3`` (``0:7|7:3``).
+
+    ``number(stage, mb)`` gives the micro-batch shown (:func:`real_microbatch`; default the IR's)."""
+    show = number or (lambda stage, microbatch: microbatch)
     if type(action) is Overlap:
         f, b = action.forward, action.backward
         if stages:
-            return f"{f.stage}:{f.microbatch}|{b.stage}:{b.microbatch}"
-        return f"F{f.microbatch}|{b.kind}{b.microbatch}"
-    return f"{action.stage}:{action.microbatch}" if stages else str(action.microbatch)
+            return f"{f.stage}:{show(f.stage, f.microbatch)}|{b.stage}:{show(b.stage, b.microbatch)}"
+        return f"F{show(f.stage, f.microbatch)}|{b.kind}{show(b.stage, b.microbatch)}"
+    mb = show(action.stage, action.microbatch)
+    return f"{action.stage}:{mb}" if stages else str(mb)
+
+
+def real_microbatch(schedule: Schedule) -> Callable[[int, int], int] | None:
+    """``number(stage, ir_mb) -> real micro-batch`` for a schedule of c > 1 model replicas (DualPipe,
+    Chimera), None for one replica.
+
+    The replicas are the connected components of the stage graph, ordered by their first stage, all of
+    one size; IR micro-batch m of component j is real micro-batch ``c * m + j``, as the runtime feeds
+    them (:mod:`pipeloom.runtime.lower`): ``7:0`` of DualPipe on 4 ranks (up replica) is real 1.
+    """
+    problem = schedule.problem
+    parent = list(range(problem.num_stages))
+
+    def find(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for task in problem.tasks:
+        for stage, _ in task.deps:
+            parent[find(stage)] = find(task.stage)
+    groups: dict[int, list[int]] = {}
+    for stage in range(problem.num_stages):
+        groups.setdefault(find(stage), []).append(stage)
+    components = sorted(groups.values(), key=lambda group: group[0])
+    if len(components) < 2 or len({len(group) for group in components}) != 1:
+        return None
+    replica = {stage: j for j, group in enumerate(components) for stage in group}
+    count = len(components)
+    return lambda stage, microbatch: count * microbatch + replica[stage]
+
 
 COMM_COLORS: dict[str, str] = {
     "send": "#000000",  # black
@@ -83,15 +127,28 @@ COMM_NAMES: dict[str, str] = {
 IDLE_COLOR = "#EEEEEE"
 """Background of the rank rows, so that bubbles read as empty grey space."""
 
-STAGE_LIGHTEN: tuple[float, ...] = (0.0, 0.45, 0.25, 0.6)
-"""How much the k-th stage held by a rank is mixed with white (cycled for k >= 4)."""
+STAGE_HUES: dict[str, tuple[str, str]] = {
+    "F": ("#0072B2", "#3B4CC0"),  # blue, indigo
+    "B": ("#E69F00", "#A6461A"),  # orange, brick
+    "I": ("#009E73", "#7A8F00"),  # bluish green, olive
+    "W": ("#CC79A7", "#A24BB5"),  # reddish purple, violet
+    "O": ("#56B4E9", "#8172B3"),  # sky blue, muted violet
+}
+"""The colours of the first and second stage a rank holds, per kind: two hues (the first is the kind's
+:data:`KIND_COLORS`); the third and fourth stage are these mixed half with white, and so on."""
+
+
+def stage_color(kind: str, k: int) -> str:
+    """Colour of a ``kind`` box of the k-th stage (0-based) its rank holds: see :data:`STAGE_HUES`."""
+    hues = STAGE_HUES[kind]
+    return lighten(hues[k % 2], min(0.7, 0.45 * (k // 2)))
 
 
 def kinds_present(timeline: Timeline) -> list[str]:
-    """The action kinds that occur in the timeline's schedule, in F, B, I, W, O order."""
-    seen = {task.kind for task in timeline.schedule.problem.tasks}
-    if any(type(a) is Overlap for actions in timeline.schedule.ranks for a in actions):
-        seen.add(OVERLAP_KIND)
+    """The action kinds that occur in the timeline's schedule, in F, B, I, W, O order (a ``B`` on a
+    split stage counts as B)."""
+    seen = {action_kind(action) for actions in timeline.schedule.ranks for action in actions
+            if type(action) is not Comm}
     return [kind for kind in KIND_COLORS if kind in seen]
 
 
@@ -118,9 +175,10 @@ def peak(timeline: Timeline) -> float:
     return max(timeline.peak_memory, default=0.0)
 
 
-def summary(timeline: Timeline) -> str:
-    """``"1f1b: makespan 33, bubble 27.3%, peak memory 4"`` — the line every view shows."""
+def summary(timeline: Timeline, units: Units = COST_UNITS) -> str:
+    """``"1f1b: makespan 33, bubble 27.3%, peak memory 4"`` — the line every view shows, numbers as the
+    tables write them (``1,456,749``; ``12.345 ms`` and ``85.5 MiB`` in seconds and bytes)."""
     return (
-        f"{timeline.schedule.name}: makespan {timeline.makespan:.4g}, "
-        f"bubble {timeline.bubble_ratio:.1%}, peak memory {peak(timeline):.4g}"
+        f"{timeline.schedule.name}: makespan {format_time(timeline.makespan, units)}, "
+        f"bubble {timeline.bubble_ratio:.1%}, peak memory {format_memory(peak(timeline), units)}"
     )

@@ -4,6 +4,9 @@ One process per rank (``pid = rank``, named ``rank N``; Perfetto's collapsed pre
 look odd, see google/perfetto#394, but its expanded tracks are right), one thread per stage the rank holds, one
 complete event (``"ph": "X"``) per action (a lowered schedule's sends and receives too, category
 ``communication``, on their stage's thread) and a ``memory held`` counter (``"ph": "C"``) per rank.
+Cross-rank dependencies are flow events (``"ph": "s"`` on the producer's slice, ``"ph": "f"`` with
+``"bp": "e"`` on the consumer's, one ``id`` per pair, category ``dependency``): Perfetto draws them as
+arrows from the action that made the data to the one on another rank that waits for it.
 Times are integer microseconds: ``ts = round(time * time_unit_us)``, with ``time_unit_us`` (the
 microseconds one schedule time unit becomes) stored in ``otherData`` and each event's ``args``
 keeping the original start and end. Rounding both ends keeps back-to-back actions exactly
@@ -17,11 +20,11 @@ import math
 from pathlib import Path
 from typing import Any
 
-from pipeloom.ir import OVERLAP_F_B, Comm, Overlap
+from pipeloom.ir import OVERLAP_F_B, Action, Comm, Overlap, task_actions
 from pipeloom.sim import Timeline
 from pipeloom.viz.style import KIND_NAMES, action_kind, action_stage, peak
 
-__all__ = ["default_time_unit_us", "trace_events", "write_trace"]
+__all__ = ["default_time_unit_us", "flow_events", "trace_events", "write_trace"]
 
 _MAX_US = 2.0**53 / 1000  # keeps ts in nanoseconds (how Perfetto stores it) exact in int64 and float
 
@@ -98,6 +101,45 @@ def _rank_events(timeline: Timeline, rank: int, tids: dict[tuple[int, int], int]
     return events
 
 
+def flow_events(timeline: Timeline, tids: dict[tuple[int, int], int], scale: float) -> list[dict[str, Any]]:
+    """One flow (an ``s`` and an ``f`` event) per cross-rank dependency between two actions: from the
+    action that completes a task (an overlapped pair or a split stage's B completes several) to each
+    action on another rank set that needs it in the same micro-batch. Each end sits at the start of
+    its slice, so it binds to that slice and no neighbour; ``f`` binds to its enclosing slice
+    (``"bp": "e"``)."""
+    problem = timeline.schedule.problem
+    where: dict[Action, tuple[Any, int, int]] = {}  # task action -> (drawn action, rank, ts)
+    for rank in range(timeline.num_ranks):
+        for action, start, _ in timeline.events(rank):
+            if type(action) is not Comm:
+                for part in task_actions(problem, action):
+                    where.setdefault(part, (action, rank, round(start * scale)))
+    events: list[dict[str, Any]] = []
+    seen: set[tuple[Any, Any]] = set()
+    for part, (action, rank, ts) in where.items():
+        task = problem.task(part.task)
+        for dep in task.deps:
+            producer = Action(dep[0], dep[1], part.microbatch)
+            if producer not in where or set(problem.task(dep).ranks) == set(task.ranks):
+                continue
+            source, source_rank, source_ts = where[producer]
+            if (source, action) in seen or source == action:
+                continue
+            seen.add((source, action))
+            flow = len(seen)
+            name = f"{source} -> {action}"
+            events.append({"name": name, "cat": "dependency", "ph": "s", "id": flow, "pid": source_rank,
+                           "tid": tids[(source_rank, _stage(source))], "ts": source_ts})
+            events.append({"name": name, "cat": "dependency", "ph": "f", "bp": "e", "id": flow, "pid": rank,
+                           "tid": tids[(rank, _stage(action))], "ts": ts})
+    return events
+
+
+def _stage(action: Action | Overlap) -> int:
+    """The stage whose thread shows ``action`` (a pair's forward stage)."""
+    return action.forward.stage if type(action) is Overlap else action.stage
+
+
 def trace_events(timeline: Timeline, *, time_unit_us: float | None = None) -> dict[str, Any]:
     """The trace as a JSON-ready dict ``{"traceEvents": [...], "displayTimeUnit": "ms", ...}``.
 
@@ -111,6 +153,7 @@ def trace_events(timeline: Timeline, *, time_unit_us: float | None = None) -> di
     events = _metadata(timeline, tids)
     for rank in range(timeline.num_ranks):
         events.extend(_rank_events(timeline, rank, tids, scale))
+    events.extend(flow_events(timeline, tids, scale))
     return {
         "traceEvents": events,
         "displayTimeUnit": "ms",

@@ -108,7 +108,8 @@ def test_medians_leave_out_the_warm_up_step_by_default(tmp_path):
     assert task_durations(run, steps=[0]) == pytest.approx({k: 10.0 * v for k, v in base.items()})
     assert step_times(run) == pytest.approx({1: makespan, 2: 2 * makespan, 3: 3 * makespan})
     assert measured_step_time(run) == pytest.approx(2 * makespan)
-    assert measured_step_time(run, steps="all") == pytest.approx(2.5 * makespan)  # median of 1, 2, 3, 10
+    # of 1, 2, 3, 10 the lower middle one: a real step's time, not pulled up by the 10x warm-up step
+    assert measured_step_time(run, steps="all") == pytest.approx(2 * makespan)
     # the latency scales with the step too: 0.5 units x (1, 2, 3) -> median 1 unit
     assert comm_latency_estimate(run) == pytest.approx(1.0 * MS)
     # over all steps the samples are 0.5 units x (10, 1, 2, 3): median 1.25 units, mean 2 units
@@ -421,3 +422,16 @@ def test_importing_the_trace_tools_does_not_import_torch():
     code = ("import sys, pipeloom.viz.measured, pipeloom.cli.trace, pipeloom.cli; "
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], check=False, timeout=120).returncode == 0
+
+
+def test_the_ratio_is_explained_and_idle_is_a_mean_like_the_waits(tmp_path):
+    """Steps 1-3 at 1x, 1x and 4x: the median step is a 1x one; the explanation names the steps and the
+    slow one; every rank's receive wait stays within its idle (both means over the steps)."""
+    run = load_run_trace(_write(tmp_path, ONE_F_ONE_B, factors=(5.0, 1.0, 1.0, 4.0)))
+    summary = trace_summary(compare_run(run))
+    lines = summary["explanation"]
+    assert lines[0].startswith("measured / predicted 1.00: ") and lines == summary["notes"][-len(lines):]
+    assert any(line.startswith("- task-time variation") for line in lines)
+    assert "left out: 0" in lines[-1] and "3 took over 1.5x the median" in lines[-1]
+    for row in summary["ranks"]:
+        assert row["wait"] <= row["idle"] + 1e-12

@@ -18,15 +18,16 @@ def test_one_axes_per_schedule_sharing_x_limits():
     timelines = _pair()
     assert [t.makespan for t in timelines] == [33.0, 21.0]
     fig = comparison_figure(timelines + [validate(build_schedule("gpipe", 2, 3))])
-    assert len(fig.axes) == 3
+    assert len(fig.axes) == 6  # a timeline and its memory panel per schedule
     assert {ax.get_xlim() for ax in fig.axes} == {(0.0, 33.0)}
+    assert [ax.get_xlabel() for ax in fig.axes] == [""] * 5 + ["time (cost units)"]
     tops = [ax.get_position().y1 for ax in fig.axes]
     assert tops == sorted(tops, reverse=True)  # stacked top to bottom in the given order
 
 
 def test_panels_are_titled_with_their_metrics():
     fig = comparison_figure(_pair(), title="four ranks")
-    titles = [ax.get_title(loc="left") for ax in fig.axes]
+    titles = [ax.get_title(loc="left") for ax in fig.axes[::2]]
     assert titles == [
         "1f1b: makespan 33, bubble 27.3%, peak memory 4",  # bubble (p-1)/(m+p-1) = 3/11
         "gpipe: makespan 21, bubble 42.9%, peak memory 4",  # 3/7; GPipe holds m = 4

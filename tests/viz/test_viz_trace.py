@@ -88,3 +88,24 @@ def test_bad_time_unit():
     # 1F1B p=4: rank 1's first forward runs from 1 to 2 -> ts round(2.5) = 2, dur round(5) - 2 = 3
     first = next(e for e in _of(trace, "X") if e["name"] == "1F0")
     assert (first["ts"], first["dur"]) == (2, 3)
+
+
+def test_cross_rank_dependencies_are_flow_events():
+    """1F1B on 4 ranks, 8 micro-batches: 3 rank boundaries x 8 micro-batches x (F, B) = 48 flows, each
+    an ``s`` at the producer's start on its thread and an ``f`` (bp e) at the consumer's start."""
+    from pipeloom import build_schedule, simulate
+    from pipeloom.viz import trace_events
+
+    timeline = simulate(build_schedule("1f1b", 4, 8))
+    events = trace_events(timeline, time_unit_us=1000)["traceEvents"]
+    starts = {e["id"]: e for e in events if e["ph"] == "s"}
+    ends = {e["id"]: e for e in events if e["ph"] == "f"}
+    assert len(starts) == len(ends) == 48 and starts.keys() == ends.keys()
+    slices = {(e["pid"], e["tid"], e["ts"]): e["name"] for e in events if e["ph"] == "X"}
+    for flow, end in ends.items():
+        start = starts[flow]
+        assert end["bp"] == "e" and start["cat"] == end["cat"] == "dependency"
+        producer, consumer = start["name"].split(" -> ")
+        assert slices[(start["pid"], start["tid"], start["ts"])] == producer
+        assert slices[(end["pid"], end["tid"], end["ts"])] == consumer
+        assert start["pid"] != end["pid"]
