@@ -238,17 +238,17 @@ def test_full_backward_on_a_split_stage_is_its_i_and_w():
 
 def test_pictures_draw_a_pair_as_one_labelled_box_of_its_own_colour(tmp_path):
     pytest.importorskip("matplotlib")
-    from pipeloom.viz import KIND_COLORS, draw_timeline, render_timeline, timeline_figure
-    from pipeloom.viz.style import lighten
+    from pipeloom.viz import draw_timeline, render_timeline, timeline_figure
+    from pipeloom.viz.style import stage_color
 
     timeline = simulate(dualpipev(2, 4))
-    (ax,) = timeline_figure(timeline).axes
+    ax = timeline_figure(timeline).axes[0]  # the timeline panel (the memory strip follows)
     labels = {t.get_text() for t in ax.texts}
-    assert "0:3|3:1" in labels  # rank 0's (0F3;3B1)OVERLAP_F_B
+    assert "0:3|3:1" in labels  # rank 0's (0F3;3B1)OVERLAP_F_B: one replica, IR micro-batches are real
     boxes = sum(len(c.get_paths()) for c in ax.collections if c.get_facecolor().size
                 and tuple(c.get_facecolor()[0][:3].round(3)) in {
-                    tuple(round(int(lighten(KIND_COLORS["O"], k)[i:i + 2], 16) / 255, 3) for i in (1, 3, 5))
-                    for k in (0.0, 0.45, 0.25, 0.6)})
+                    tuple(round(int(stage_color("O", k)[i:i + 2], 16) / 255, 3) for i in (1, 3, 5))
+                    for k in range(4)})
     assert boxes == sum(type(a) is Overlap for actions in timeline.schedule.ranks for a in actions)
     draw_timeline(timeline, tmp_path / "pairs.svg")
     assert "overlapped F&amp;B pair" in (tmp_path / "pairs.svg").read_text()

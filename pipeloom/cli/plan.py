@@ -45,6 +45,19 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
     plan.add_argument("--data-parallel", "--dp", type=_count, nargs="+", metavar="DP",
                       help="replica counts to try (default: every divisor of --ranks that divides the global batch; "
                            "1 for one pipeline over every rank)")
+    plan.add_argument("--tp", "--tensor-parallel", type=_count, nargs="+", metavar="TP", dest="tensor_parallel",
+                      help="tensor-parallel sizes to try (dp x pp x tp = --ranks; each must divide the heads); "
+                           "default 1 (no tensor parallelism)")
+    plan.add_argument("--heads", type=_count, metavar="H",
+                      help="attention heads per layer, for a cost table without a 'tensor' field (with --tp-layers)")
+    plan.add_argument("--tp-layers", metavar="PATTERN", default="blocks.*",
+                      help="fnmatch pattern of the pieces that are transformer layers (with --heads; default blocks.*)")
+    plan.add_argument("--tp-column", metavar="NAMES", default="attn.qkv,mlp.0",
+                      help="comma-separated modules inside a layer made column-parallel (with --heads; default "
+                           "attn.qkv,mlp.0)")
+    plan.add_argument("--tp-row", metavar="NAMES", default="attn.proj,mlp.2",
+                      help="comma-separated modules inside a layer made row-parallel (with --heads; default "
+                           "attn.proj,mlp.2)")
     plan.add_argument("--sharding", choices=("replicate", "fsdp"), default="replicate",
                       help="how replicas hold the weights: replicate (gradients all-reduced) or fsdp (optimizer state "
                            "sharded over the replicas, gradients reduce-scattered); default replicate")
@@ -96,6 +109,7 @@ def _candidate_json(candidate) -> dict:
         "bubble_ratio": candidate.bubble_ratio,
         "split_points": None if candidate.split_points is None else list(candidate.split_points),
         "fits": candidate.fits, "reason": candidate.reason, "data_parallel": candidate.data_parallel,
+        "tensor_parallel": getattr(candidate, "tensor_parallel", 1),
     }
 
 
@@ -135,9 +149,11 @@ def _best_table(result):
     limit = "none" if plan.memory_limit is None else format_bytes(plan.memory_limit)
     mesh = (f"{plan.data_parallel} replicas ({plan.sharding}) x {plan.num_ranks} pipeline ranks"
             if plan.data_parallel > 1 else f"one pipeline of {plan.num_ranks} ranks")
+    if plan.tensor_parallel > 1:
+        mesh += f" x {plan.tensor_parallel} tensor-parallel ranks ({plan.tp_plan['recipe']})"
     for label, value in (
         ("schedule", plan.schedule + (f" ({options})" if options else "")),
-        ("mesh (dp x pp)", mesh),
+        ("mesh (dp x pp x tp)" if plan.tensor_parallel > 1 else "mesh (dp x pp)", mesh),
         ("ranks / model stages", f"{plan.world_size} / {plan.num_stages}"),
         ("micro-batches", f"{plan.microbatches} x {plan.microbatch_size} samples"),
         ("predicted step time", f"{plan.predicted_step_time:#.4g} s"),
@@ -157,12 +173,12 @@ def _runners_up(result, top: int):
 
     best = result.plan.predicted_step_time
     table = Table(title=f"runners-up (best {top} of {len(result.candidates)})")
-    for column in ("#", "schedule", "dp", "M x size", "step time (s)", "vs best", "bubble", "peak memory", "note"):
+    for column in ("#", "schedule", "dp", "tp", "M x size", "step time (s)", "vs best", "bubble", "peak memory", "note"):
         table.add_column(column, justify="left" if column in ("schedule", "note") else "right")
     for k, c in enumerate(result.candidates[:top]):
         fits = c.fits
         table.add_row(
-            str(k + 1), c.label, str(c.data_parallel), f"{c.microbatches} x {c.microbatch_size}",
+            str(k + 1), c.label, str(c.data_parallel), str(getattr(c, "tensor_parallel", 1)), f"{c.microbatches} x {c.microbatch_size}",
             f"{c.step_time:#.4g}" if c.step_time is not None else "-",
             f"{c.step_time / best:.3f}" if c.step_time is not None and fits else "-",
             f"{c.bubble_ratio:.1%}" if c.bubble_ratio is not None else "-",
@@ -184,6 +200,27 @@ def _dp_link(args: argparse.Namespace, tables):
     return link
 
 
+def _with_heads(args: argparse.Namespace, tables: list) -> list:
+    """The tables, given a ``tensor`` field from --heads/--tp-layers/--tp-column/--tp-row where asked."""
+    if args.heads is None:
+        return tables
+    import dataclasses
+    from fnmatch import fnmatch
+
+    from pipeloom.plan.tensor import TensorInfo
+
+    layers = tuple(name for name in tables[0].names if fnmatch(name, args.tp_layers))
+    if not layers:
+        raise UsageError(f"--tp-layers {args.tp_layers!r} matches no piece of the cost table; its pieces are "
+                         f"{', '.join(tables[0].names[:6])}, ...")
+    info = TensorInfo(heads=args.heads, layers=layers, column=_names(args.tp_column), row=_names(args.tp_row))
+    return [dataclasses.replace(table, tensor=info) for table in tables]
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(name.strip() for name in text.split(",") if name.strip())
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     """``pipeloom plan``: search, write the requested files, then print the plan and runners-up."""
     from pipeloom.plan.costs import load_costs
@@ -191,21 +228,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     if args.export and not args.save:
         raise UsageError(f"--export {args.export} writes next to the plan file; give --save PLAN.json too")
-    tables = [load_costs(path) for path in args.costs]
+    tables = _with_heads(args, [load_costs(path) for path in args.costs])
     result = plan_mesh(
         tables, num_ranks=args.ranks, global_batch=args.global_batch, memory_limit=args.memory_limit,
-        data_parallel=args.data_parallel, sharding=args.sharding, dp_link=_dp_link(args, tables),
+        data_parallel=args.data_parallel, tensor_parallel=args.tensor_parallel or (1,), sharding=args.sharding, dp_link=_dp_link(args, tables),
         schedules=_schedules(args.schedules), stages_per_rank=args.stages_per_rank, microbatches=args.microbatches,
         search_time=args.search, progress=_progress(args),
     )
     written = []
     if args.out:
         from pipeloom.viz import draw_timeline
+        from pipeloom.viz.units import PLAN_UNITS
 
         plan = result.plan
         title = (f"{plan.schedule}: p={plan.num_ranks}, m={plan.microbatches} x {plan.microbatch_size}, "
-                 f"predicted {plan.predicted_step_time:.4g} s (time in seconds, memory in bytes)")
-        draw_timeline(result.timeline, target(args, args.out), title=title)
+                 f"predicted {plan.predicted_step_time:.4g} s")
+        draw_timeline(result.timeline, target(args, args.out), title=title, units=PLAN_UNITS)
         written.append(f"wrote timeline picture {args.out}")
     if args.save:  # last: it names a companion schedule file after itself, so it is written in place
         outputs = getattr(args, "outputs", None)

@@ -34,11 +34,15 @@ from pipeloom.plan.partitioner import SchedulePartitioner, partition
 from pipeloom.plan.plan import PLAN_FORMAT, Plan, PlanError, load_plan, save_plan
 from pipeloom.plan.search import Candidate, PlanResult, plan_pipeline, recost, replica_sync_time
 from pipeloom.plan.mesh import plan_mesh
+from pipeloom.plan.recipes import recipe_styles
+from pipeloom.plan.sharding import RegionModules, ShardingProblem, ShardingResult, search_sharding
+from pipeloom.plan.tensor import CollectiveFit, TensorInfo, fit_collectives, tensor_parallel_table
 
 __all__ = [
     "COSTS_FORMAT",
     "PLAN_FORMAT",
     "Candidate",
+    "CollectiveFit",
     "CostTable",
     "CostTableError",
     "Link",
@@ -49,10 +53,15 @@ __all__ = [
     "Plan",
     "PlanError",
     "PlanResult",
+    "RegionModules",
     "SchedulePartitioner",
+    "ShardingProblem",
+    "ShardingResult",
     "SplitFront",
     "StageRule",
+    "TensorInfo",
     "analytical_gpt_costs",
+    "fit_collectives",
     "format_bytes",
     "load_costs",
     "load_plan",
@@ -61,10 +70,13 @@ __all__ = [
     "partition_pieces",
     "plan_mesh",
     "plan_pipeline",
+    "recipe_styles",
     "recost",
     "replica_sync_time",
     "save_costs",
     "save_plan",
+    "search_sharding",
+    "tensor_parallel_table",
 ]
 
 # Loaded on first use and left out of __all__, so that ``from pipeloom.plan import *`` stays light.
@@ -74,6 +86,8 @@ _LAZY = {
     "profile_model": "pipeloom.plan.profile",  # imports torch
     "EngineProfiler": "pipeloom.plan.inplace",  # imports torch and the runtime
     "profile_in_engine": "pipeloom.plan.inplace",
+    "CollectiveCounter": "pipeloom.plan.collectives",  # imports torch
+    "time_collectives": "pipeloom.plan.collectives",
 }
 
 

@@ -16,10 +16,14 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pipeloom.errors import PipeloomError
 from pipeloom.ir.core import shown
 from pipeloom.ir.jsonfields import check_keys, integer, json_object, number, read_json_file, string, strings
+
+if TYPE_CHECKING:
+    from pipeloom.plan.tensor import TensorInfo
 
 __all__ = [
     "COSTS_FORMAT",
@@ -211,6 +215,9 @@ class CostTable:
     """Parameters several pieces use, each listed with its users (each counted once in ``param_bytes``);
     :mod:`pipeloom.plan.shared` counts them on every rank holding a user and prices their gradients'
     combination after the step. Empty: no piece shares a parameter (or the table does not say)."""
+    tensor: TensorInfo | None = None
+    """What tensor parallelism needs (:class:`pipeloom.plan.tensor.TensorInfo`: head count, the pieces that
+    are transformer layers, their column/row modules, collective prices); None: the planner tries tp 1 only."""
 
     def __post_init__(self) -> None:
         pieces = tuple(self.pieces)
@@ -242,6 +249,14 @@ class CostTable:
             normal.append(piece if piece.inputs == inputs else dataclasses.replace(piece, inputs=inputs))
         object.__setattr__(self, "pieces", tuple(normal))
         object.__setattr__(self, "shared", _checked_shared(self.shared, seen))
+        if self.tensor is not None:
+            from pipeloom.plan.tensor import TensorInfo
+
+            if not isinstance(self.tensor, TensorInfo):
+                raise CostTableError(f"tensor is {type(self.tensor).__name__}, expected a TensorInfo or None")
+            unknown = [name for name in self.tensor.layers if name not in seen]
+            if unknown:
+                raise CostTableError(f"tensor.layers names {unknown}, which the table has no piece for; name pieces")
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -372,7 +387,7 @@ _RUNTIME_KEYS = ("action_overhead", "message_cost", "step_overhead", "time_sprea
 
 _TOP_KEYS = {"format", "device", "source", "microbatch_size", "optimizer_factor", "action_overhead",
              "message_cost", "step_overhead", "time_spread", "start_skew", "link", "replica_link", "pieces",
-             "shared"}
+             "shared", "tensor"}
 _SHARED_KEYS = {"name", "bytes", "pieces"}
 _LINK_KEYS = {"latency", "bandwidth"}
 _PIECE_KEYS = {"name", "f", "i", "w", "b", "activation_bytes", "w_activation_bytes", "param_bytes", "output_bytes",
@@ -404,6 +419,10 @@ def costs_to_json(table: CostTable, *, indent: int | None = 1) -> str:
     }
     if table.shared:  # optional: tables without shared parameters read as before
         document["shared"] = [{"name": e.name, "bytes": e.bytes, "pieces": list(e.pieces)} for e in table.shared]
+    if table.tensor is not None:  # optional, as "shared"
+        from pipeloom.plan.tensor import tensor_to_json
+
+        document["tensor"] = tensor_to_json(table.tensor)
     return json.dumps(document, indent=indent)
 
 
@@ -443,7 +462,8 @@ def costs_from_json(text: str) -> CostTable:
     latency, unlimited bandwidth), ``replica_link`` (null: the exchange is priced with ``link``), and
     per piece ``b`` (null: the full backward is priced ``i + w``), the byte counts (0) and ``inputs``
     (the piece before it); ``shared`` (none: no piece shares a parameter), a list of
-    ``{"name", "bytes", "pieces"}``.
+    ``{"name", "bytes", "pieces"}``; ``tensor`` (null: no tensor parallelism), see
+    :func:`pipeloom.plan.tensor.tensor_from_json`.
     """
     document = json_object(text, fmt=COSTS_FORMAT, keys=_TOP_KEYS, error=CostTableError, what="cost table")
     where = "costs"
@@ -461,8 +481,20 @@ def costs_from_json(text: str) -> CostTable:
         source=string(document, "source", where=where, error=CostTableError, default="manual"),
         optimizer_factor=number(document, "optimizer_factor", where=where, error=CostTableError, default=2.0),
         link=link, replica_link=replica_link, shared=_shared_from_json(document.get("shared", [])),
+        tensor=_tensor_from_json(document.get("tensor")),
         **{key: number(document, key, where=where, error=CostTableError, default=0.0) for key in _RUNTIME_KEYS},
     )
+
+
+def _tensor_from_json(entry: object) -> TensorInfo | None:
+    if entry is None:
+        return None
+    from pipeloom.plan.tensor import TensorParallelError, tensor_from_json
+
+    try:
+        return tensor_from_json(entry)
+    except TensorParallelError as error:
+        raise CostTableError(f"costs.tensor: {error}") from None
 
 
 def _link_from_json(entry: object, where: str) -> Link:

@@ -1,4 +1,5 @@
-"""Pipeline × data parallel: choose how N ranks split into ``dp`` replicas of a ``pp``-rank pipeline.
+"""Pipeline × data parallel × tensor parallel: choose how N ranks split into ``dp`` replicas of a
+``pp``-rank pipeline whose stages run on ``tp`` ranks each (tp costed by :mod:`pipeloom.plan.tensor`).
 
 For every ``dp`` dividing N (and the global batch), :func:`plan_mesh` plans a pipeline of ``pp = N / dp``
 ranks for the replica's share of the batch (:func:`pipeloom.plan.plan_pipeline`), then adds what the
@@ -37,7 +38,7 @@ from pipeloom.plan.search import Candidate, NoPlanFits, PlanResult, piece_ranks,
 from pipeloom.plan.shared import shared_across_stages, shared_sync_time
 from pipeloom.schedules import REGISTRY
 
-__all__ = ["BUCKET_BYTES", "SHARDINGS", "collective_time", "plan_mesh", "reduction_time"]
+__all__ = ["BUCKET_BYTES", "SHARDINGS", "MeshCandidate", "collective_time", "plan_mesh", "reduction_time"]
 
 BUCKET_BYTES = 25 * 2**20
 """The most gradient bytes one all-reduce carries (the runtime's bucket size)."""
@@ -119,6 +120,14 @@ def _divisors(n: int) -> list[int]:
     return sorted(set(small + [n // d for d in small]))
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class MeshCandidate(Candidate):
+    """A candidate of :func:`plan_mesh`: a pipeline with its replicas and its tensor-parallel size."""
+
+    tensor_parallel: int = 1
+    """Tensor-parallel ranks per pipeline stage (the table it was costed with is one such rank's)."""
+
+
 def plan_mesh(
     table: CostTable | Sequence[CostTable],
     *,
@@ -126,27 +135,73 @@ def plan_mesh(
     global_batch: int,
     memory_limit: float | None = None,
     data_parallel: Sequence[int] | None = None,
+    tensor_parallel: Sequence[int] | None = (1,),
     sharding: str = "replicate",
     dp_link: Link | None = None,
     schedules: Sequence[str] | None = None,
     progress: Callable[[str], None] | None = None,
     **options,
 ) -> PlanResult:
-    """The fastest plan for ``num_ranks`` ranks as ``dp`` replicas of a ``num_ranks / dp``-rank pipeline.
+    """The fastest plan for ``num_ranks`` ranks as ``dp`` replicas of a ``pp``-rank pipeline whose stages
+    each run on ``tp`` tensor-parallel ranks, ``dp x pp x tp = num_ranks``.
 
-    ``data_parallel``: the replica counts to try (default: every divisor of ``num_ranks`` that divides
-    ``global_batch`` and leaves a pipeline no longer than the table); ``sharding``: ``"replicate"`` or
-    ``"fsdp"`` (see the module doc); ``dp_link``: the link between replicas (default: the table's
-    link); ``progress``: called with a short line as the search goes, and with "" at its end. Other keywords go to :func:`~pipeloom.plan.plan_pipeline` for each pipeline. The result's
-    plan carries ``data_parallel`` and ``sharding``; its ``num_ranks`` is the pipeline's ranks; its
-    candidates are every pipeline's, ranked by step time with the replicas' cost included.
+    ``data_parallel``: the replica counts to try (default: every divisor of ``num_ranks / tp`` that divides
+    ``global_batch`` and leaves a pipeline no longer than the table); ``tensor_parallel``: the tp sizes to
+    try (default ``(1,)``; None: every divisor of ``num_ranks`` dividing the table's head count), each
+    costed with :func:`~pipeloom.plan.tensor.tensor_parallel_table` (memory per rank as the plan shards
+    it); ``sharding``: ``"replicate"`` or ``"fsdp"`` (see the module doc); ``dp_link``: the link between
+    replicas (default: the table's link); ``progress``: called with a short line as the search goes, and
+    with "" at its end. Other keywords go to :func:`~pipeloom.plan.plan_pipeline` for each pipeline. The
+    result's plan carries ``data_parallel``, ``sharding``, ``tensor_parallel`` and the table's Megatron
+    ``tp_plan``; its ``num_ranks`` is the pipeline's ranks; its candidates (:class:`MeshCandidate`) are
+    every mesh's, ranked by step time with the replicas' cost included.
     """
+    from pipeloom.plan.tensor import TensorParallelError, tensor_parallel_table, tp_sizes
+
     started = time.perf_counter()
-    if sharding not in SHARDINGS:
-        raise PlanError(f"sharding must be one of {', '.join(SHARDINGS)}, got {sharding!r}")
     if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 1:
         raise PlanError(f"num_ranks must be a positive integer, got {num_ranks!r}")
     tables = [table] if isinstance(table, CostTable) else list(table)
+    try:
+        sizes = tp_sizes(tables[0], num_ranks, tensor_parallel)
+    except TensorParallelError as error:
+        raise PlanError(str(error)) from None
+    results, failures = [], []
+    for tp in sizes:
+        report = None if progress is None or len(sizes) == 1 else _prefixed(progress, f"tp {tp}: ")
+        replicas = data_parallel
+        if data_parallel is not None and tp > 1:  # the asked replica counts that fit beside this tp
+            replicas = [d for d in data_parallel if isinstance(d, int) and (num_ranks // tp) % d == 0]
+            if not replicas:
+                continue
+        try:
+            result = _plan_dp_pp([tensor_parallel_table(t, tp) for t in tables], num_ranks=num_ranks // tp,
+                                 global_batch=global_batch, memory_limit=memory_limit, data_parallel=replicas,
+                                 sharding=sharding, dp_link=dp_link, schedules=_one_replica(schedules, tp),
+                                 progress=report,
+                                 **options)
+        except NoPlanFits as error:
+            failures.append((tp, error))
+            continue
+        results.append((tp, result))
+    if not results:
+        raise _nothing_fits(failures, what="tensor-parallel")
+    ranked = sorted((dataclasses.replace(c, tensor_parallel=tp) for tp, result in results for c in result.candidates),
+                    key=_order)
+    tp, best = min(results, key=lambda r: _order(r[1].candidates[0]))
+    plan = best.plan if tp == 1 else dataclasses.replace(best.plan, tensor_parallel=tp,
+                                                         tp_plan=tables[0].tensor.recipe())
+    return PlanResult(plan=plan, timeline=best.timeline, candidates=tuple(ranked),
+                      seconds=time.perf_counter() - started)
+
+
+def _plan_dp_pp(tables: list[CostTable], *, num_ranks: int, global_batch: int, memory_limit: float | None,
+                data_parallel: Sequence[int] | None, sharding: str, dp_link: Link | None,
+                schedules: Sequence[str] | None, progress: Callable[[str], None] | None, **options) -> PlanResult:
+    """:func:`plan_mesh` for one tensor-parallel size: dp x pp = ``num_ranks``."""
+    started = time.perf_counter()
+    if sharding not in SHARDINGS:
+        raise PlanError(f"sharding must be one of {', '.join(SHARDINGS)}, got {sharding!r}")
     sizes = _replica_counts(tables[0], num_ranks, global_batch, data_parallel)
     link = dp_link or tables[0].link
     names = list(schedules) if schedules is not None else None
@@ -176,7 +231,7 @@ def plan_mesh(
         results.append((dp, result, shard_tables))
     if not results:
         raise _nothing_fits(failures)
-    ranked = sorted((_with_replicas(c, dp, tables_dp, link, sharding)
+    ranked = sorted((_with_replicas(MeshCandidate(**_fields(c)), dp, tables_dp, link, sharding)
                      for dp, result, tables_dp in results for c in result.candidates), key=_order)
     best = ranked[0]
     if not best.fits:  # every pipeline fitted, but not with its replicas
@@ -191,6 +246,18 @@ def plan_mesh(
     plan = dataclasses.replace(chosen_plan, global_batch=global_batch, data_parallel=dp,
                                sharding=sharding if dp > 1 else "replicate", predicted_step_time=best.step_time)
     return PlanResult(plan=plan, timeline=timeline, candidates=tuple(ranked), seconds=time.perf_counter() - started)
+
+
+def _one_replica(names: Sequence[str] | None, tp: int) -> Sequence[str] | None:
+    """The schedules a tensor-parallel pipeline runs: one replica per piece (the runtime refuses two-replica
+    schedules on a "tp" mesh)."""
+    if tp == 1:
+        return names
+    return [n for n in (names if names is not None else REGISTRY) if REGISTRY[n].replicas == 1]
+
+
+def _fields(candidate: Candidate) -> dict:
+    return {f.name: getattr(candidate, f.name) for f in dataclasses.fields(Candidate)}
 
 
 def _schedules_for(names: Sequence[str] | None, pp: int, *, sharded: bool) -> list[str] | None:
@@ -264,11 +331,11 @@ def _plan_of(best: Candidate, result: PlanResult):
     return plan, best.timeline
 
 
-def _nothing_fits(failures: Sequence[tuple[int, NoPlanFits]]) -> NoPlanFits:
+def _nothing_fits(failures: Sequence[tuple[int, NoPlanFits]], *, what: str = "data-parallel") -> NoPlanFits:
     """The error of the mesh that came closest (the least memory that would fit), naming the meshes tried."""
     dp, closest = min(failures, key=lambda f: math.inf if f[1].smallest_limit is None else f[1].smallest_limit)
     if len(failures) == 1:
         return closest
     tried = ", ".join(str(d) for d, _ in failures)
-    return NoPlanFits(f"{closest} (data-parallel sizes tried: {tried}; the closest was {dp})",
+    return NoPlanFits(f"{closest} ({what} sizes tried: {tried}; the closest was {dp})",
                       smallest_limit=closest.smallest_limit)

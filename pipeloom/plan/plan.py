@@ -82,9 +82,15 @@ class Plan:
     mesh, each replica taking ``global_batch / data_parallel`` samples in ``microbatches`` micro-batches."""
     sharding: str = "replicate"
     """How the replicas hold the weights: ``"replicate"`` or ``"fsdp"`` (``pipeline(..., data_parallel=)``)."""
+    tensor_parallel: int = 1
+    """Tensor-parallel ranks per pipeline stage: the job runs on ``world_size`` ranks, a ``("dp", "pp", "tp")``
+    mesh (``"dp"`` left out when 1)."""
+    tp_plan: dict | None = None
+    """With ``tensor_parallel`` > 1: the tensor-parallel plan as JSON, a built-in recipe and its module names
+    (:mod:`pipeloom.plan.recipes`), turned into torch's ``ParallelStyle`` dict by ``pipeline(plan=)``."""
 
     def __post_init__(self) -> None:
-        for name in ("num_ranks", "microbatches", "global_batch", "data_parallel"):
+        for name in ("num_ranks", "microbatches", "global_batch", "data_parallel", "tensor_parallel"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise PlanError(f"plan {name} must be a positive integer, got {shown(value)}")
@@ -94,6 +100,16 @@ class Plan:
             raise PlanError(f"plan global_batch {self.global_batch} is not a multiple of microbatches "
                             f"{self.microbatches} x data_parallel {self.data_parallel}; every micro-batch must "
                             "hold the same number of samples")
+        if (self.tensor_parallel > 1) != (self.tp_plan is not None):
+            raise PlanError(f"plan tensor_parallel {self.tensor_parallel} needs a tp_plan exactly when it is above 1 "
+                            f"(got tp_plan {shown(self.tp_plan)}); give both or neither")
+        if self.tp_plan is not None:
+            from pipeloom.plan.recipes import RecipeError, check_recipe
+
+            try:
+                object.__setattr__(self, "tp_plan", check_recipe(self.tp_plan))
+            except RecipeError as error:
+                raise PlanError(f"plan {error}") from None
         split = tuple(self.split_points)
         if len(set(split)) != len(split) or not all(isinstance(s, str) and s for s in split):
             raise PlanError(f"plan split_points must be distinct module names, got {list(split)}")
@@ -122,8 +138,8 @@ class Plan:
 
     @property
     def world_size(self) -> int:
-        """Ranks the plan runs on: the pipeline's times the replicas."""
-        return self.num_ranks * self.data_parallel
+        """Ranks the plan runs on: the pipeline's times the replicas times the tensor-parallel ranks."""
+        return self.num_ranks * self.data_parallel * self.tensor_parallel
 
     @property
     def num_stages(self) -> int:
@@ -133,7 +149,7 @@ class Plan:
 
 _KEYS = {"format", "num_ranks", "split_points", "schedule", "schedule_options", "microbatches", "global_batch",
          "microbatch_size", "predicted_step_time", "peak_memory", "memory_limit", "bubble_ratio", "stage_times",
-         "device", "data_parallel", "sharding"}
+         "device", "data_parallel", "sharding", "tensor_parallel", "tp_plan"}
 
 
 def plan_to_json(plan: Plan, *, indent: int | None = 1) -> str:
@@ -156,6 +172,9 @@ def plan_to_json(plan: Plan, *, indent: int | None = 1) -> str:
         "data_parallel": plan.data_parallel,
         "sharding": plan.sharding,
     }
+    if plan.tensor_parallel > 1:  # optional: plans without tensor parallelism read as before
+        document["tensor_parallel"] = plan.tensor_parallel
+        document["tp_plan"] = plan.tp_plan
     return json.dumps(document, indent=indent)
 
 
@@ -171,7 +190,8 @@ def plan_from_json(text: str) -> Plan:
 
     Required: ``num_ranks``, ``split_points``, ``schedule``, ``microbatches``, ``global_batch``,
     ``predicted_step_time``; ``microbatch_size``, when present, must equal global_batch / (microbatches ×
-    data_parallel). Optional: ``data_parallel`` (1), ``sharding`` (replicate).
+    data_parallel). Optional: ``data_parallel`` (1), ``sharding`` (replicate), ``tensor_parallel`` (1)
+    and ``tp_plan`` (a recipe, :mod:`pipeloom.plan.recipes`; required when ``tensor_parallel`` > 1).
     """
     document = json_object(text, fmt=PLAN_FORMAT, keys=_KEYS, error=PlanError, what="plan")
     where = "plan"
@@ -195,6 +215,8 @@ def plan_from_json(text: str) -> Plan:
         device=string(document, "device", where=where, error=PlanError, default=""),
         data_parallel=integer(document, "data_parallel", where=where, error=PlanError, default=1),
         sharding=string(document, "sharding", where=where, error=PlanError, default="replicate"),
+        tensor_parallel=integer(document, "tensor_parallel", where=where, error=PlanError, default=1),
+        tp_plan=document.get("tp_plan"),
     )
     size = document.get("microbatch_size", plan.microbatch_size)
     if size != plan.microbatch_size:

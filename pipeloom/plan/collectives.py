@@ -1,0 +1,72 @@
+"""Count and time the collectives tensor-parallel code runs (imports torch): a dispatch mode that records
+every functional collective DTensor issues (kind and whole-tensor bytes), and timed collectives on a real
+group for :func:`pipeloom.plan.tensor.fit_collectives`."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Sequence
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["CollectiveCounter", "time_collectives"]
+
+_KINDS = {"all_reduce": "all_reduce", "all_reduce_": "all_reduce", "all_gather_into_tensor": "all_gather",
+          "reduce_scatter_tensor": "reduce_scatter"}
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """``with CollectiveCounter() as counter: ...``; ``counter.records`` lists ``(kind, bytes)`` per collective
+    (bytes of the whole tensor: an all-reduce's input, an all-gather's output, a reduce-scatter's input),
+    ``counter.counts()`` sums them by kind. The same ops torch's ``CommDebugMode`` counts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        packet = func._overloadpacket
+        kind = _KINDS.get(packet.__name__) if "c10d_functional" in packet._qualified_op_name else None
+        out = func(*args, **kwargs)
+        if kind is not None:
+            tensor = args[0]
+            nbytes = tensor.numel() * tensor.element_size()
+            if kind == "all_gather":
+                nbytes = out.numel() * out.element_size()
+            self.records.append((kind, int(nbytes)))
+        return out
+
+    def counts(self) -> dict[tuple[str, int], int]:
+        """``{(kind, bytes): how many}``."""
+        return dict(Counter(self.records))
+
+
+def time_collectives(group: object, sizes: Sequence[int], *, repeats: int = 5,
+                     dtype: torch.dtype = torch.float32) -> list[tuple[str, int, float, float]]:
+    """``(kind, ranks, bytes, seconds)`` samples (the median of ``repeats``) of each collective kind at each
+    whole-tensor size in ``sizes`` bytes on ``group``, for :func:`pipeloom.plan.tensor.fit_collectives`."""
+    import torch.distributed as dist
+
+    n = dist.get_world_size(group)
+    element = torch.tensor([], dtype=dtype).element_size()
+    samples = []
+    for nbytes in sizes:
+        count = max(n, nbytes // element // n * n)
+        whole = torch.ones(count, dtype=dtype)
+        part = torch.ones(count // n, dtype=dtype)
+        runs = {"all_reduce": lambda: dist.all_reduce(whole, group=group),
+                "all_gather": lambda: dist.all_gather_into_tensor(whole, part, group=group),
+                "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, whole, group=group)}
+        for kind, run in runs.items():
+            run()  # warm up
+            seconds = []
+            for _ in range(repeats):
+                dist.barrier(group=group)
+                started = time.perf_counter()
+                run()
+                seconds.append(time.perf_counter() - started)
+            samples.append((kind, n, float(count * element), sorted(seconds)[len(seconds) // 2]))
+    return samples

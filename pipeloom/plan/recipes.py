@@ -1,0 +1,78 @@
+"""Tensor-parallel plans as JSON: a built-in recipe name and the module names it shards, as a saved plan
+carries them, turned into torch's ``{module name: ParallelStyle}`` dict only where torch runs
+(:func:`recipe_styles`; torch is imported there, not at import time).
+
+``{"recipe": "megatron", "column": [...], "row": [...], "sequence": [...], "vocab_embedding": [...],
+"vocab_head": [...]}``: ``column`` modules become ``ColwiseParallel()``, ``row`` ones ``RowwiseParallel()``,
+``vocab_embedding`` (an ``nn.Embedding``) ``RowwiseParallel(input_layouts=Replicate())`` (vocabulary-parallel:
+each rank looks up its rows, the output is all-reduced), ``vocab_head`` ``ColwiseParallel(output_layouts=
+Replicate())`` (vocabulary-parallel logits, all-gathered). Recipe ``"megatron-sp"`` adds sequence
+parallelism: ``sequence`` modules (norms, per-token modules) become ``SequenceParallel()``, column modules
+read a sequence-sharded input (``input_layouts=Shard(1)``: an all-gather) and row modules write one
+(``output_layouts=Shard(1)``: a reduce-scatter).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from pipeloom.errors import PipeloomError
+
+__all__ = ["RECIPES", "RecipeError", "check_recipe", "recipe_styles"]
+
+RECIPES = ("megatron", "megatron-sp")
+_LISTS = ("column", "row", "sequence", "vocab_embedding", "vocab_head")
+
+
+class RecipeError(PipeloomError):
+    """A saved tensor-parallel plan that is not a known recipe over lists of module names."""
+
+
+def check_recipe(recipe: object) -> dict:
+    """``recipe`` normalised (every list present, names as lists of strings); RecipeError naming the problem."""
+    if not isinstance(recipe, Mapping):
+        raise RecipeError(f"tp_plan must be an object {{'recipe': 'megatron', 'column': [...], 'row': [...]}}, "
+                          f"got {recipe!r}")
+    unknown = sorted(set(recipe) - {"recipe", *_LISTS})
+    if unknown:
+        raise RecipeError(f"tp_plan: unknown key(s) {unknown}; known: recipe, {', '.join(_LISTS)}")
+    if recipe.get("recipe") not in RECIPES:
+        raise RecipeError(f"tp_plan recipe must be one of {', '.join(RECIPES)}, got {recipe.get('recipe')!r}")
+    found = {"recipe": recipe["recipe"]}
+    seen: set[str] = set()
+    for key in _LISTS:
+        names = recipe.get(key, [])
+        if isinstance(names, str) or not isinstance(names, (list, tuple)) \
+                or not all(isinstance(n, str) and n for n in names):
+            raise RecipeError(f"tp_plan.{key} must be a list of module names, got {names!r}")
+        twice = seen & set(names)
+        if twice:
+            raise RecipeError(f"tp_plan names {sorted(twice)} twice; give each module one style")
+        seen |= set(names)
+        found[key] = list(names)
+    if recipe["recipe"] == "megatron" and found["sequence"]:
+        raise RecipeError("tp_plan.sequence needs recipe 'megatron-sp' (sequence parallelism)")
+    if not seen:
+        raise RecipeError("tp_plan shards no module; name at least one column, row or vocab module")
+    return found
+
+
+def recipe_styles(recipe: Mapping) -> dict:
+    """torch's ``parallelize_module`` plan for ``recipe`` (see the module doc)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    recipe = check_recipe(recipe)
+    sp = recipe["recipe"] == "megatron-sp"
+    styles: dict = {}
+    for name in recipe["sequence"]:
+        styles[name] = SequenceParallel(use_local_output=True)  # the residual stream stays a local shard
+    for name in recipe["column"]:
+        styles[name] = ColwiseParallel(input_layouts=Shard(1)) if sp else ColwiseParallel()
+    for name in recipe["row"]:
+        styles[name] = RowwiseParallel(output_layouts=Shard(1)) if sp else RowwiseParallel()
+    for name in recipe["vocab_embedding"]:
+        styles[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate())
+    for name in recipe["vocab_head"]:
+        styles[name] = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(), output_layouts=Replicate())
+    return styles
