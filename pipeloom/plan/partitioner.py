@@ -29,7 +29,6 @@ from pipeloom.plan.placement import (
     rank_objective,
     rank_time_objective,
     schedule_shape,
-    split_weight,
     stage_rules,
 )
 from pipeloom.schedules import REGISTRY
@@ -110,7 +109,7 @@ class SchedulePartitioner:
                 f"the schedule cuts the model into {shape.num_model_stages} stages, but the cost table has "
                 f"{len(self.table.pieces)} pieces; use fewer ranks or stages per rank, or profile finer pieces"
             )
-        weight = split_weight(shape)
+        weight = shape.visits - 1
         found = self._best(stage_rules(shape, memory_limit=memory_limit), weight)
         if memory_limit is None or len(set(shape.rank)) == shape.num_stages:
             if found is None:
@@ -199,7 +198,7 @@ class SchedulePartitioner:
         if shape not in self._seeded:
             least, lean = self._lean(shape)
             found = [(least, tuple(lean))]
-            free = self._best(stage_rules(shape, memory_limit=None), split_weight(shape))
+            free = self._best(stage_rules(shape, memory_limit=None), shape.visits - 1)
             assert free is not None
             for shares in (None, self._shares(shape, _starts(free)), self._shares(shape, lean)):
                 _, starts = smallest_memory_scale(self.table, stage_rules(shape, memory_limit=1.0, shares=shares))
@@ -245,7 +244,7 @@ class SchedulePartitioner:
         else:
             best = min((_descend(_starts(p), n, cost) for p in candidates.values()), key=cost)
         if cost(best) < float("inf"):
-            split = split_partition(self.table, rules, best, weight=split_weight(shape))
+            split = split_partition(self.table, rules, best, weight=shape.visits - 1)
             candidates.setdefault(split.stage_of, split)
         return list(candidates.values())
 

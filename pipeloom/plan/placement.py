@@ -33,9 +33,7 @@ __all__ = [
     "rank_memory",
     "rank_objective",
     "rank_time_objective",
-    "TIE_WEIGHT",
     "schedule_shape",
-    "split_weight",
     "stage_rules",
     "visits_per_rank",
 ]
@@ -153,17 +151,6 @@ def visits_per_rank(schedule: Schedule) -> int:
     M for two-replica schedules (M/2 pairs through two stages). The DP's weight is this minus one."""
     return max(sum(1 for action in actions for part in compute_parts(action) if part.kind == "F")
                for actions in schedule.ranks)
-
-
-TIE_WEIGHT = 1e-3
-"""The least weight of the slowest stage in the partition objective: with one visit per rank (one
-micro-batch) every split has the same pipeline time, and the tie goes to the balanced one."""
-
-
-def split_weight(shape: ScheduleShape) -> float:
-    """The partition objective's weight of the slowest stage: visits per rank minus one, at least
-    :data:`TIE_WEIGHT`."""
-    return max(shape.visits - 1, TIE_WEIGHT)
 
 
 def stage_rules(shape: ScheduleShape, *, memory_limit: float | None,
