@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from pipeloom import graph
 from pipeloom.errors import ProblemError
 
 __all__ = [
@@ -208,45 +209,18 @@ class Problem:
             object.__setattr__(self, "static_memory", static)
 
     def _check_acyclic(self) -> None:
-        """Kahn's algorithm over the dependency edges; a leftover task lies on a cycle."""
-        indegree = {task.key: len(task.deps) for task in self.tasks}
-        users: dict[TaskKey, list[TaskKey]] = {task.key: [] for task in self.tasks}
-        for task in self.tasks:
-            for dep in task.deps:
-                users[dep].append(task.key)
-        ready = [key for key, n in indegree.items() if n == 0]
-        seen = 0
-        while ready:
-            key = ready.pop()
-            seen += 1
-            for user in users[key]:
-                indegree[user] -= 1
-                if indegree[user] == 0:
-                    ready.append(user)
-        if seen != len(self.tasks):
-            cycle = self._one_cycle({k for k, n in indegree.items() if n > 0})
+        """Kahn's algorithm over the dependency edges (:func:`pipeloom.graph.topological_order`); a
+        task it leaves out lies on a cycle or after one, and the error names one cycle in dependency
+        order from its smallest task (the same text however found)."""
+        preds = [[self._index[dep] for dep in task.deps] for task in self.tasks]
+        placed = graph.topological_order(preds, order="depth")
+        if len(placed) != len(self.tasks):
+            found = graph.find_cycle(preds, placed, key=lambda i: self.tasks[i].key)
+            cycle = [self.tasks[i].key for i in found]
             raise ProblemError(
                 f"the task dependencies form a cycle: {' -> '.join(map(task_name, cycle))}; remove one of "
                 "those edges"
             )
-
-    def _one_cycle(self, left: set[TaskKey]) -> list[TaskKey]:
-        """One cycle among ``left`` (the tasks Kahn's algorithm could not order, which include every
-        cycle and what depends on one): from any of them follow deps that stay in ``left`` until a task
-        repeats; the path from its first visit is a cycle, listed in dependency order from its smallest
-        task and closed."""
-        deps = {task.key: [d for d in task.deps if d in left] for task in self.tasks if task.key in left}
-        key = min(left)
-        position: dict[TaskKey, int] = {}
-        path: list[TaskKey] = []
-        while key not in position:  # every task in ``left`` keeps a dep in ``left``: the walk goes on
-            position[key] = len(path)
-            path.append(key)
-            key = min(deps[key])
-        cycle = path[position[key]:][::-1]  # the walk followed deps backwards in time
-        first = cycle.index(min(cycle))  # start at its smallest task: the same text however found
-        cycle = cycle[first:] + cycle[:first]
-        return [*cycle, cycle[0]]
 
     def task(self, key: TaskKey) -> Task:
         """The task named ``key``; ProblemError if there is none."""

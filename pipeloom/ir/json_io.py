@@ -8,10 +8,11 @@ from typing import Any
 
 from pipeloom.errors import PipeloomError, ScheduleFormatError
 from pipeloom.ir.core import Action, Comm, Overlap, Schedule, shown
-from pipeloom.ir.jsonfields import json_object
+from pipeloom.ir.jsonfields import check_format, parse_object
 from pipeloom.problem import Problem, Task, parse_task_name, task_name
 
-__all__ = ["FORMAT", "check_totals", "schedule_from_json", "schedule_to_json"]
+__all__ = ["FORMAT", "check_totals", "problem_from_document", "schedule_from_document", "schedule_from_json",
+           "schedule_to_json"]
 
 FORMAT = "pipeloom.schedule/1"
 
@@ -186,19 +187,17 @@ def check_totals(problem: Problem, num_microbatches: int, *, where: str = "sched
 
 def schedule_from_json(text: str) -> Schedule:
     """Parse ``pipeloom.schedule/1`` JSON; unknown keys, another format or a wrong type are errors."""
-    document = json_object(text, fmt=FORMAT, keys=_TOP_KEYS, error=ScheduleFormatError, what="schedule file")
+    return schedule_from_document(parse_object(text, error=ScheduleFormatError, what="schedule file"))
+
+
+def schedule_from_document(document: dict) -> Schedule:
+    """:func:`schedule_from_json` of an already parsed JSON object."""
+    check_format(document, fmt=FORMAT, keys=_TOP_KEYS, error=ScheduleFormatError, what="schedule file")
     where = "schedule"
-    tasks = [_task_from_json(entry, i) for i, entry in enumerate(_require(document, "tasks", list, where))]
+    tasks = _tasks_from_json(document, where)
     actions = _rank_lists_from_json(document)
     try:
-        problem = Problem(
-            num_ranks=_require(document, "num_ranks", int, where),
-            tasks=tuple(tasks),
-            comm_latency=_typed(document.get("comm_latency", 0.0), _NUMBER, f"{where}.comm_latency"),
-            memory_limit=_typed(document.get("memory_limit"), _NUMBER, f"{where}.memory_limit", null=True),
-            static_memory=_numbers(document.get("static_memory"), f"{where}.static_memory"),
-            overlap_overhead=_typed(document.get("overlap_overhead", 0.0), _NUMBER, f"{where}.overlap_overhead"),
-        )
+        problem = _problem(document, tasks, where)
         num_microbatches = _require(document, "num_microbatches", int, where)
         check_totals(problem, num_microbatches, where=where)
         return Schedule(
@@ -211,4 +210,36 @@ def schedule_from_json(text: str) -> Schedule:
         raise
     except PipeloomError as error:
         raise ScheduleFormatError(str(error)) from None
+
+
+def problem_from_document(document: dict, *, where: str = "problem") -> Problem:
+    """The problem part of a schedule object (``num_ranks``, ``tasks``, the optional machine facts),
+    checked as :func:`schedule_from_json` checks it, errors naming fields under ``where``; its other
+    keys are the caller's to check."""
+    tasks = _tasks_from_json(document, where)
+    try:
+        problem = _problem(document, tasks, where)
+        check_totals(problem, 1, where=where)
+        return problem
+    except ScheduleFormatError:
+        raise
+    except PipeloomError as error:
+        raise ScheduleFormatError(str(error)) from None
+
+
+def _tasks_from_json(document: dict, where: str) -> tuple[Task, ...]:
+    entries = _require(document, "tasks", list, where)
+    return tuple(_task_from_json(entry, i) for i, entry in enumerate(entries))
+
+
+def _problem(document: dict, tasks: tuple[Task, ...], where: str) -> Problem:
+    """The Problem of ``document`` (ProblemError where its values do not make one)."""
+    return Problem(
+        num_ranks=_require(document, "num_ranks", int, where),
+        tasks=tasks,
+        comm_latency=_typed(document.get("comm_latency", 0.0), _NUMBER, f"{where}.comm_latency"),
+        memory_limit=_typed(document.get("memory_limit"), _NUMBER, f"{where}.memory_limit", null=True),
+        static_memory=_numbers(document.get("static_memory"), f"{where}.static_memory"),
+        overlap_overhead=_typed(document.get("overlap_overhead", 0.0), _NUMBER, f"{where}.overlap_overhead"),
+    )
 

@@ -14,7 +14,10 @@ from typing import Any
 from pipeloom.errors import PipeloomError, ScheduleFormatError
 from pipeloom.ir.core import shown
 
-__all__ = ["MISSING", "check_keys", "integer", "json_object", "number", "read_json_file", "string", "strings"]
+__all__ = [
+    "MISSING", "check_format", "check_keys", "integer", "json_object", "number", "parse_object",
+    "read_json_file", "string", "strings",
+]
 
 MISSING = object()
 """Default of the getters: the key is required."""
@@ -32,18 +35,29 @@ def read_json_file(path: str | Path, error: type[PipeloomError]) -> str:
 
 def json_object(text: str, *, fmt: str, keys: set[str], error: type[PipeloomError], what: str) -> dict:
     """The top-level object of ``text``: valid JSON, an object, ``"format": fmt``, only ``keys``."""
+    document = parse_object(text, error=error, what=what)
+    check_format(document, fmt=fmt, keys=keys, error=error, what=what)
+    return document
+
+
+def parse_object(text: str, *, error: type[PipeloomError], what: str, hint: str = "") -> dict:
+    """``text`` parsed: valid JSON holding an object (``hint`` says what it should hold)."""
     try:
         document = json.loads(text)
     except (ValueError, RecursionError) as failure:
         raise error(f"malformed JSON in the {what}: {failure}") from None
     if not isinstance(document, dict):
-        raise error(f"a {what} must hold a JSON object, got {shown(document)}")
+        raise error(f"a {what} must hold a JSON object{hint}, got {shown(document)}")
+    return document
+
+
+def check_format(document: dict, *, fmt: str, keys: set[str], error: type[PipeloomError], what: str) -> None:
+    """``error`` unless ``document`` holds ``"format": fmt`` and only ``keys``."""
     if "format" not in document:
         raise error(f"the {what} is missing key 'format'; expected \"format\": \"{fmt}\"")
     if document["format"] != fmt:
         raise error(f"format {shown(document['format'])} is not supported; expected {fmt!r}")
     check_keys(document, keys, where=what, error=error)
-    return document
 
 
 def check_keys(entry: dict, keys: set[str], *, where: str, error: type[PipeloomError]) -> None:

@@ -7,17 +7,17 @@ from __future__ import annotations
 import math
 import operator
 import time
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import pairwise
-from typing import Literal
 
 import numpy as np
 import ortools  # noqa: F401 - import OR-Tools before anything that may load SciPy
 from ortools.sat.python import cp_model
 
+from pipeloom.graph import find_cycle, topological_order
 from pipeloom.plan.plan import PartitionError
+from pipeloom.search.cpsat import Status, found_solution, integer_scale, status_word, to_units
 
 __all__ = ["CLOSURE_NODES", "DagPartition", "PartitionError", "greedy_partition_dag", "partition_dag"]
 
@@ -29,8 +29,6 @@ _RESOLUTION = 10**12
 """Fitted scales map the total (time, memory or bytes) to about this many integer units."""
 _GAP_LIMIT = 1e-7
 """CP-SAT stops when the relative gap of a phase falls below this (rounding noise is larger)."""
-
-Status = Literal["optimal", "feasible"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -122,47 +120,14 @@ def _whole(value) -> int | None:
 
 
 def _scale(values: Sequence[float], top: float) -> tuple[float, bool]:
-    """Smallest power of ten up to 10**6 making every value whole (exact), else ``_RESOLUTION / top``."""
-    for power in range(7):
-        scale = 10.0**power
-        if top * scale <= 2**40 and all(abs(v * scale - round(v * scale)) <= 1e-9 * max(1.0, v * scale)
-                                        for v in values):
-            return scale, True
-    return (_RESOLUTION / top if top > 0 else 1.0), False
+    """Smallest power of ten up to 10**6 making every value whole with ``top`` scaled to at most
+    2**40 (exact), else ``_RESOLUTION / top``."""
+    return integer_scale(values, top=top, fitted=_RESOLUTION, room=2**40)
 
 
-def _scaled(values: Sequence[float], scale: float, exact: bool, rounding) -> tuple[int, ...]:
-    return tuple(round(v * scale) if exact else int(rounding(v * scale)) for v in values)
-
-
-def _kahn(n: int, preds, succs, *, lifo: bool) -> list[int]:
-    """A topological order: FIFO gives a breadth-first one, LIFO a depth-first one (branches kept
-    together); nodes left out sit on a cycle or after one."""
-    indegree = [len(p) for p in preds]
-    sources = [v for v in range(n) if indegree[v] == 0]
-    ready = deque(reversed(sources) if lifo else sources)
-    order = []
-    while ready:
-        v = ready.pop() if lifo else ready.popleft()
-        order.append(v)
-        for w in succs[v]:
-            indegree[w] -= 1
-            if indegree[w] == 0:
-                ready.append(w)
-    return order
-
-
-def _cycle_error(n: int, preds, placed: list[int]) -> PartitionError:
+def _cycle_error(preds, placed: list[int]) -> PartitionError:
     """Name one cycle among the nodes a topological sort could not place."""
-    left = set(range(n)) - set(placed)
-    walk, seen, v = [], {}, min(left)
-    while v not in seen:  # every unplaced node has an unplaced predecessor
-        seen[v] = len(walk)
-        walk.append(v)
-        v = next(u for u in preds[v] if u in left)
-    cycle = list(reversed(walk[seen[v]:]))  # in edge direction
-    first = cycle.index(min(cycle))
-    cycle = cycle[first:] + cycle[:first + 1]
+    cycle = find_cycle(preds, placed)
     return PartitionError(f"the graph has a cycle: {' -> '.join(map(str, cycle))}; "
                           "edges (u, v) must form a DAG (v consumes u's output)")
 
@@ -194,20 +159,21 @@ def _graph(times, edges, num_stages, out_bytes, memory, memory_limit) -> _Graph:
         for u in preds_t[v]:
             succs[u].append(v)
     succs_t = tuple(tuple(s) for s in succs)
-    order = _kahn(n, preds_t, succs_t, lifo=False)
+    order = topological_order(preds_t, order="breadth")
     if len(order) < n:
-        raise _cycle_error(n, preds_t, order)
+        raise _cycle_error(preds_t, order)
     time_scale, time_exact = _scale(times, sum(times))
     byte_scale, byte_exact = _scale(out_bytes, sum(out_bytes))
     m = limit = None
     if memory is not None:
         scale, exact = _scale(memory + ((memory_limit,) if memory_limit is not None else ()),
                               max(sum(memory), memory_limit or 0.0))
-        m = _scaled(memory, scale, exact, math.ceil)
-        limit = None if memory_limit is None else _scaled((memory_limit,), scale, exact, math.floor)[0]
+        m = to_units(memory, scale, exact=exact, rounding=math.ceil)
+        limit = None if memory_limit is None else to_units((memory_limit,), scale, exact=exact,
+                                                           rounding=math.floor)[0]
     return _Graph(times, out_bytes, memory, memory_limit, num_stages, preds_t, succs_t, tuple(order),
-                  _scaled(times, time_scale, time_exact, math.floor), time_exact, time_scale,
-                  _scaled(out_bytes, byte_scale, byte_exact, round), m, limit)
+                  to_units(times, time_scale, exact=time_exact, rounding=math.floor), time_exact, time_scale,
+                  to_units(out_bytes, byte_scale, exact=byte_exact), m, limit)
 
 
 # ---------------------------------------------------------------- evaluation and greedy split
@@ -221,7 +187,7 @@ def _result(g: _Graph, stage_of: Sequence[int], *, bound: float, optimal: bool, 
     bound = min(max(bound, _analytic_bound(g)), slowest)  # min: float noise only
     return DagPartition(stage_of=tuple(stage_of), stage_times=stage_times, max_stage_time=slowest,
                         cut_bytes=_cut(g.out_bytes, g.succs, stage_of), bound=bound,
-                        status="optimal" if optimal else "feasible", seconds=time.perf_counter() - start,
+                        status=status_word(optimal), seconds=time.perf_counter() - start,
                         stage_memory=memory)
 
 
@@ -280,7 +246,7 @@ def _split(order: Sequence[int], g: _Graph) -> list[int] | None:
 def _greedy(g: _Graph) -> list[int] | None:
     """Best split (slowest stage, then cut bytes) of three topological orders: breadth-first,
     depth-first and the node numbering when it is one."""
-    orders = [list(g.order), _kahn(g.n, g.preds, g.succs, lifo=True)]
+    orders = [list(g.order), topological_order(g.preds, order="depth")]
     if all(u < v for v in range(g.n) for u in g.preds[v]):
         orders.append(list(range(g.n)))
     best, best_key = None, None
@@ -506,7 +472,7 @@ class _Model:
         solver.parameters.max_presolve_iterations = 1  # presolve gains little on this model and
         solver.parameters.cp_model_probing_level = 0  # takes seconds at 10,000 nodes
         status = solver.Solve(self.model)
-        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        if not found_solution(status):
             return None, status == cp_model.INFEASIBLE, 0.0
         stage_of = [lo + sum(solver.BooleanValue(var) for var in gs) for lo, gs in zip(self.lo, self.gv)]
         bound = solver.BestObjectiveBound()
@@ -638,7 +604,7 @@ def _fewest_stages(g: _Graph) -> int | None:
     if max(g.m) > g.limit:
         return None
     best = g.n
-    for order in (g.order, _kahn(g.n, g.preds, g.succs, lifo=True)):
+    for order in (g.order, topological_order(g.preds, order="depth")):
         count, used = 1, 0
         for v in order:
             if used + g.m[v] > g.limit:

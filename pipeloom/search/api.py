@@ -7,7 +7,6 @@ Also reads user problem files (the ``tasks`` part of the schedule JSON plus mach
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -15,12 +14,15 @@ from pathlib import Path
 from typing import Literal
 
 from pipeloom.errors import PipeloomError, ScheduleFormatError, require_type
-from pipeloom.ir import FORMAT, Schedule, schedule_from_json
+from pipeloom.ir import Schedule
+from pipeloom.ir.core import shown
 from pipeloom.ir.files import read_text
+from pipeloom.ir.json_io import problem_from_document, schedule_from_document
+from pipeloom.ir.jsonfields import check_keys, parse_object
 from pipeloom.problem import Costs, Problem
 from pipeloom.schedules import REGISTRY, build_schedule
 from pipeloom.search.budget import Budget
-from pipeloom.search.common import SearchError, lower_bound, to_integers, topological_order
+from pipeloom.search.common import SearchError, limit_of, lower_bound, to_integers, topological_order
 from pipeloom.search.constructions import BLOCK_PLACEMENTS, insert_all_rank_tasks, split_each_backward
 from pipeloom.search.result import SearchProgress, SearchResult
 from pipeloom.search.transforms import merge_backward, without_all_rank_tasks
@@ -129,7 +131,7 @@ def search(
     _check_size(problem, num_microbatches)
     started = time.perf_counter()
     budget = Budget(deadline=started + time_limit)
-    limit = problem.memory_limit if memory_limit is None else memory_limit
+    limit = limit_of(problem, memory_limit)
     _check_static(problem, limit)
     target = problem if limit == problem.memory_limit else dataclasses.replace(problem, memory_limit=limit)
     plan = search_plan(target, num_microbatches, mode)
@@ -475,31 +477,18 @@ def problem_from_json(text: str) -> Problem:
     """A problem from JSON: ``num_ranks`` and ``tasks`` (as in the schedule format), optional
     ``comm_latency``, ``memory_limit`` and ``static_memory``; a whole schedule file also works
     (its problem is taken, its rank lists ignored)."""
-    try:
-        document = json.loads(text)
-    except (ValueError, RecursionError) as error:
-        raise ScheduleFormatError(f"malformed JSON: {error}") from None
-    if not isinstance(document, dict):
-        raise ScheduleFormatError("a problem file must hold a JSON object with num_ranks and tasks")
+    document = parse_object(text, error=ScheduleFormatError, what="problem file",
+                            hint=" with num_ranks and tasks")
     if "format" in document:
-        return schedule_from_json(text).problem
-    unknown = set(document) - _PROBLEM_KEYS
-    if unknown:
-        raise ScheduleFormatError(f"unknown key(s) {sorted(unknown)}; allowed: {sorted(_PROBLEM_KEYS)}")
+        return schedule_from_document(document).problem
+    check_keys(document, _PROBLEM_KEYS, where="problem", error=ScheduleFormatError)
     for key in ("num_ranks", "tasks"):
         if key not in document:
             raise ScheduleFormatError(f"problem: missing key {key!r}")
     ranks = document["num_ranks"]
     if isinstance(ranks, bool) or not isinstance(ranks, int) or not 1 <= ranks <= 1_000_000:
-        raise ScheduleFormatError(f"problem.num_ranks: expected a positive integer, got {ranks!r}")
-    wrapped = {**document, "format": FORMAT, "name": "problem", "num_microbatches": 1,
-               "ranks": [[] for _ in range(ranks)]}
-    try:
-        return schedule_from_json(json.dumps(wrapped)).problem
-    except ScheduleFormatError as error:
-        message = str(error)
-        raise ScheduleFormatError("problem." + message[len("schedule."):] if message.startswith("schedule.")
-                                  else message) from None
+        raise ScheduleFormatError(f"problem.num_ranks: expected a positive integer, got {shown(ranks)}")
+    return problem_from_document(document, where="problem")
 
 
 def load_problem(path: str | Path) -> Problem:

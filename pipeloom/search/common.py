@@ -4,19 +4,23 @@ from __future__ import annotations
 
 import math
 import time
+from decimal import Decimal
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
+from pipeloom import graph
 from pipeloom.errors import PipeloomError
 from pipeloom.ir import Action, Schedule
 from pipeloom.problem import Problem
 from pipeloom.search.memory_bounds import (
+    limit_of,
     memory_bound,
     memory_period_bound,
     memory_time_per_microbatch,
     release_chain_bound,
 )
-from pipeloom.search.paths import head_tail, topological_order
+from pipeloom.search.cpsat import integer_scale, to_units
+from pipeloom.search.paths import dep_indices, head_tail, topological_order
 from pipeloom.search.transforms import without_all_rank_tasks
 
 __all__ = [
@@ -27,6 +31,7 @@ __all__ = [
     "forced_idle",
     "head_tail",
     "lower_bound",
+    "limit_of",
     "memory_bound",
     "memory_time_per_microbatch",
     "period_lower_bound",
@@ -65,13 +70,17 @@ class IntegerProblem:
 
 def _scale_for(values: list[float], resolution: int) -> tuple[float, bool]:
     """Smallest power of ten (up to ``resolution``) making every value whole, else a fitted scale."""
-    scale = 1
-    while scale <= resolution:
-        if all(abs(v * scale - round(v * scale)) <= 1e-9 * max(1.0, abs(v * scale)) for v in values):
-            return float(scale), True
-        scale *= 10
     top = max((abs(v) for v in values), default=1.0) or 1.0
-    return resolution / top, False
+    return integer_scale(values, top=top, fitted=resolution, most=resolution)
+
+
+def _approximately(count: int) -> str:
+    """``count`` to three significant digits (``{:.3g}``), also past the float range."""
+    try:
+        return f"{count:.3g}"
+    except OverflowError:  # an int above ~1.8e308 has no float; Decimal rounds it the same way
+        mantissa, _, exponent = format(Decimal(count), ".2e").partition("e")
+        return f"{float(mantissa):.3g}e{exponent}"
 
 
 MAX_SCALED = 2**53
@@ -104,18 +113,19 @@ def to_integers(problem: Problem, *, memory_limit: float | None = None, resoluti
         )
         for task in tasks
     )
-    limit = problem.memory_limit if memory_limit is None else memory_limit
+    limit = limit_of(problem, memory_limit)
     static = problem.static_memory or (0.0,) * problem.num_ranks
     rooms = [None if limit is None else (limit - static[r]) * memory_scale for r in range(problem.num_ranks)]
     limits = tuple(None if room is None or room > MAX_SCALED else math.floor(room + 1e-9) for room in rooms)
-    durations = tuple(round(t.duration * time_scale) for t in tasks)
-    memory = tuple(round(t.memory * memory_scale) for t in tasks)
+    durations = to_units([t.duration for t in tasks], time_scale)
+    memory = to_units([t.memory for t in tasks], memory_scale)
     serial = num_microbatches * (sum(durations) + sum(lat for row in deps for _, lat in row))
     traffic = num_microbatches * sum(abs(m) for m in memory)
     if serial > MAX_SCALED or traffic > MAX_SCALED:
         what = "durations and latencies" if serial > MAX_SCALED else "memory changes"
         raise SearchError(
-            f"the {what} of {num_microbatches:,} micro-batches scale to {max(serial, traffic):.3g} integer "
+            f"the {what} of {num_microbatches:,} micro-batches scale to "
+            f"{_approximately(max(serial, traffic))} integer "
             f"units, over the solvers' range of 2**53 (time scale {time_scale:g}, memory scale "
             f"{memory_scale:g}); use fewer micro-batches or values with fewer significant digits"
         )
@@ -174,7 +184,7 @@ def all_rank_bound(problem: Problem, num_microbatches: int, *, memory_limit: flo
     reduced = without_all_rank_tasks(problem)
     if reduced is None:
         return 0.0
-    limit = problem.memory_limit if memory_limit is None else memory_limit
+    limit = limit_of(problem, memory_limit)
     keeps_limit = limit is not None and _holds_no_less_than_zero(problem, reduced.removed)
     rest = replace(reduced.problem, comm_latency=0.0, memory_limit=limit if keeps_limit else None)
     return num_microbatches * reduced.work + lower_bound(rest, num_microbatches, deadline=deadline)
@@ -187,16 +197,11 @@ def _holds_no_less_than_zero(problem: Problem, removed: tuple[int, ...]) -> bool
     tasks = problem.tasks
     if all(tasks[i].memory == 0 for i in removed):
         return True
-    index = {task.key: i for i, task in enumerate(tasks)}
-    ancestors: list[set[int]] = [set() for _ in tasks]
-    order = topological_order(problem)
-    for i in order:
-        for dep in tasks[i].deps:
-            ancestors[i] |= ancestors[index[dep]] | {index[dep]}
+    order, _, ancestors = _ancestry(problem)
     chain = [i for i in order if i in set(removed)]
     held = 0.0
     for previous, current in zip([None, *chain], chain):
-        if previous is not None and previous not in ancestors[current]:
+        if previous is not None and not ancestors[current] >> previous & 1:
             return False
         held += tasks[current].memory
         if held < -1e-12:
@@ -209,20 +214,15 @@ _EXACT_IDLE_MICROBATCHES = 64
 middle copies (a smaller, still valid, chain)."""
 
 
-def _ancestry(problem: Problem) -> tuple[list[int], list[list[int]], list[set[int]]]:
-    """(topological order, dependency indices, ancestor sets) of one micro-batch's tasks."""
-    index = {task.key: i for i, task in enumerate(problem.tasks)}
-    order = topological_order(problem)
-    deps = [[index[dep] for dep in task.deps] for task in problem.tasks]
-    ancestors: list[set[int]] = [set() for _ in problem.tasks]
-    for i in order:
-        for d in deps[i]:
-            ancestors[i] |= ancestors[d] | {d}
-    return order, deps, ancestors
+def _ancestry(problem: Problem) -> tuple[list[int], list[list[int]], list[int]]:
+    """(topological order, dependency indices, ancestor bitsets) of one micro-batch's tasks."""
+    deps = dep_indices(problem)
+    order = graph.topological_order(deps)
+    return order, deps, graph.ancestors(deps, order)
 
 
 def forced_idle(problem: Problem, num_microbatches: int, rank: int, *,
-                ancestry: tuple[list[int], list[list[int]], list[set[int]]] | None = None) -> float:
+                ancestry: tuple[list[int], list[list[int]], list[int]] | None = None) -> float:
     """Time rank ``rank`` must stand idle in every schedule (a lower bound; 0 if none is known).
 
     Write u_j for copy j of task u (interval ``[s_uj, s_uj + d_u)``), r for ``rank``, and
@@ -256,9 +256,9 @@ def forced_idle(problem: Problem, num_microbatches: int, rank: int, *,
         free = [a for a in on_rank if not set(tasks[a].ranks) & set(task.ranks)]
         if not free:
             first[u] = last[u] = middle[u] = task.duration
-        elif all(u in ancestors[a] for a in free):
+        elif all(ancestors[a] >> u & 1 for a in free):
             first[u] = task.duration
-        elif all(a in ancestors[u] for a in free):
+        elif all(ancestors[u] >> a & 1 for a in free):
             last[u] = task.duration
 
     def layer(previous: list[float], weight: list[float]) -> list[float]:
@@ -275,7 +275,7 @@ def forced_idle(problem: Problem, num_microbatches: int, rank: int, *,
         for _ in range(m - 2):
             chain = layer(chain, middle)
     else:  # copies 1..M-2 of one task t, after the best chain into t's ancestors or t
-        best = [max([chain[t], *(chain[a] for a in ancestors[t])]) for t in range(len(tasks))]
+        best = [max([chain[t], *(chain[a] for a in graph.members(ancestors[t]))]) for t in range(len(tasks))]
         chain = [b + (m - 2) * w for b, w in zip(best, middle)]
     return max(layer(chain, last))
 

@@ -12,19 +12,24 @@ from dataclasses import replace
 import ortools  # noqa: F401 - import OR-Tools before anything that may load SciPy
 from ortools.sat.python import cp_model
 
+from pipeloom import graph
 from pipeloom.errors import ScheduleError
 from pipeloom.ir import Schedule
 from pipeloom.problem import Problem
 from pipeloom.search.common import (
     IntegerProblem,
     SearchError,
+    limit_of,
     lower_bound,
     schedule_from_starts,
     to_integers,
     topological_order,
 )
+from pipeloom.search.cpsat import found_solution, meets_bound, status_word
 from pipeloom.search.greedy import list_schedule, microbatch_peak_memory
+from pipeloom.search.repetend import coarsen
 from pipeloom.search.result import SearchProgress, SearchResult
+from pipeloom.search.steady import solve_repetend, unroll
 from pipeloom.sim import simulate
 from pipeloom.validate import validate
 
@@ -66,16 +71,7 @@ class _Model:
     def _heads_tails(self) -> tuple[list[int], list[int]]:
         """Longest dependency path before each task's start (head) and after its end (tail)."""
         ip = self.integer
-        order = topological_order(ip.problem)
-        head = [0] * len(ip.durations)
-        tail = [0] * len(ip.durations)
-        for t in order:
-            for u, lat in ip.deps[t]:
-                head[t] = max(head[t], head[u] + ip.durations[u] + lat)
-        for t in reversed(order):
-            for u, lat in ip.deps[t]:
-                tail[u] = max(tail[u], ip.durations[t] + tail[t] + lat)
-        return head, tail
+        return graph.head_tail(topological_order(ip.problem), ip.deps, ip.durations, 0)
 
     def _variables(self) -> None:
         """``head_t + j d_t <= s_tj <= H - tail_t - (M - j) d_t`` (earlier copies of t run first)."""
@@ -204,7 +200,7 @@ def solve_exact(
     began = time.perf_counter()
     if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
         raise SearchError(f"num_microbatches must be a positive integer, got {num_microbatches!r}")
-    limit = problem.memory_limit if memory_limit is None else float(memory_limit)
+    limit = limit_of(problem, memory_limit)
     if limit != problem.memory_limit:
         problem = replace(problem, memory_limit=limit)
     integer = to_integers(problem, memory_limit=limit, num_microbatches=num_microbatches)
@@ -281,7 +277,7 @@ def _solve(
     solver.parameters.max_time_in_seconds = left
     solver.parameters.num_workers = max(1, int(workers))
     status = solver.Solve(model.model, callback)
-    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+    if not found_solution(status):
         return status, None, None
     proven = None
     if integer.exact:
@@ -320,8 +316,6 @@ def _periodic_schedule(
     """The periodic mode's repetend unrolled to ``num_microbatches`` (a warm start that is often
     optimal already), with its makespan; None when none is found in ``time_limit`` or it fails
     validation (e.g. its warm-up exceeds the limit)."""
-    from pipeloom.search.periodic import coarsen, solve_repetend, unroll  # periodic imports this module
-
     try:
         repetend = solve_repetend(coarsen(to_integers(problem)), time_limit=time_limit, workers=workers)
         if repetend is None:
@@ -418,10 +412,10 @@ def feasible_limit_note(problem: Problem, num_microbatches: int, *, periodic_lim
 
 
 def _result(schedule: Schedule, makespan: float, bound: float, began: float, integer: IntegerProblem) -> SearchResult:
-    optimal = makespan <= bound + 1e-9 * max(1.0, abs(bound))
+    optimal = meets_bound(makespan, bound)
     return SearchResult(
         schedule=schedule,
-        status="optimal" if optimal else "feasible",
+        status=status_word(optimal),
         mode="exact",
         makespan=makespan,
         lower_bound=makespan if optimal else bound,

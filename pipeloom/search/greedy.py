@@ -5,14 +5,16 @@ It warm-starts the exact search and stands in where no built-in schedule fits th
 
 from __future__ import annotations
 
-import math
-from collections import defaultdict, deque
+from collections import defaultdict
 from dataclasses import replace
 
+from pipeloom import graph
 from pipeloom.ir import Schedule
 from pipeloom.problem import Problem
 from pipeloom.schedules.kernel import ListProblem, ListTask, list_schedule_kernel
-from pipeloom.search.common import SearchError, head_tail, topological_order
+from pipeloom.search.common import SearchError, head_tail, limit_of, topological_order
+from pipeloom.search.cpsat import integer_scale, to_units
+from pipeloom.search.paths import dep_indices
 
 __all__ = ["list_schedule", "microbatch_peak_memory"]
 
@@ -24,16 +26,12 @@ def microbatch_peak_memory(problem: Problem) -> tuple[float, ...]:
 
     Started tasks always form a dependency-closed set D (a task starts after its deps), so the
     micro-batch holds ``sum_{t in D, r in ranks(t)} memory_t`` on rank r; this is the maximum of that
-    sum over closed sets (never below 0: the empty set), a max-weight closure found by a min cut.
-    Static memory is not included.
+    sum over closed sets (never below 0: the empty set), a max-weight closure found by a min cut
+    (:func:`pipeloom.graph.max_weight_closure`). Static memory is not included.
     """
     tasks = problem.tasks
-    index = {task.key: i for i, task in enumerate(tasks)}
-    ancestors = [0] * len(tasks)  # bit d of ancestors[t]: task d runs before t in every order
-    for t in topological_order(problem):
-        for dep in tasks[t].deps:
-            d = index[dep]
-            ancestors[t] |= ancestors[d] | (1 << d)
+    preds = dep_indices(problem)
+    ancestors = graph.ancestors(preds, graph.topological_order(preds))  # bit d: d runs before t
     weighted: list[list[int]] = [[] for _ in range(problem.num_ranks)]
     for t, task in enumerate(tasks):
         if task.memory != 0:
@@ -48,42 +46,13 @@ def microbatch_peak_memory(problem: Problem) -> tuple[float, ...]:
 
 
 def _max_closure(weights: list[float], deps: list[list[int]]) -> float:
-    """``max over D closed under deps of sum(weights[D])`` = positive weight - max flow.
-
-    Network: source -> t (capacity w_t > 0), t -> sink (capacity -w_t > 0), t -> dep (infinite);
-    the source side of a minimum cut is the best closed set (Edmonds-Karp; the graphs are tiny).
-    """
-    source, sink = len(weights), len(weights) + 1
-    capacity: dict[int, dict[int, float]] = defaultdict(lambda: defaultdict(float))
-    for t, weight in enumerate(weights):
-        if weight > 0:
-            capacity[source][t] += weight
-        elif weight < 0:
-            capacity[t][sink] += -weight
-        for dep in deps[t]:
-            capacity[t][dep] = math.inf
+    """``max over D closed under deps of sum(weights[D])`` (at least 0): the closure of the weights
+    in integer units (exact where a power of ten up to 10**6 makes them whole, else the positive
+    ones total 2**40 units), summed in real units."""
     positive = sum(w for w in weights if w > 0)
-    flow = 0.0
-    while True:
-        parent: dict[int, int] = {source: source}
-        queue = deque([source])
-        while queue and sink not in parent:
-            u = queue.popleft()
-            for v, cap in list(capacity[u].items()):
-                if cap > _EPS and v not in parent:
-                    parent[v] = u
-                    queue.append(v)
-        if sink not in parent:
-            return max(0.0, positive - flow)
-        path, v = [], sink
-        while v != source:
-            path.append((parent[v], v))
-            v = parent[v]
-        push = min(capacity[u][v] for u, v in path)
-        for u, v in path:
-            capacity[u][v] -= push
-            capacity[v][u] += push
-        flow += push
+    scale, exact = integer_scale(weights, top=positive, fitted=2**40)
+    closed = graph.max_weight_closure(to_units(weights, scale, exact=exact), deps)
+    return max(0.0, sum(weights[t] for t in closed))
 
 
 def list_schedule(
@@ -114,7 +83,7 @@ def list_schedule(
     """
     if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
         raise SearchError(f"num_microbatches must be a positive integer, got {num_microbatches!r}")
-    limit = problem.memory_limit if memory_limit is None else float(memory_limit)
+    limit = limit_of(problem, memory_limit)
     if limit != problem.memory_limit:
         problem = replace(problem, memory_limit=limit)
     rules = _AdmissionRules(problem, limit)

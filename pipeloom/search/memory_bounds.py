@@ -14,6 +14,7 @@ from pipeloom.search.paths import head_tail, start_distances, topological_order
 
 __all__ = [
     "held_memory_time",
+    "limit_of",
     "memory_bound",
     "memory_period_bound",
     "memory_time_per_microbatch",
@@ -76,9 +77,21 @@ def held_memory_time(problem: Problem) -> list[float]:
     ]
 
 
+def limit_of(problem: Problem, memory_limit: float | None) -> float | None:
+    """The memory limit a search function works under: ``memory_limit`` when given, else (None)
+    the problem's own limit (itself None when the problem has none: no limit).
+
+    This is the one meaning of a ``memory_limit`` argument next to a Problem throughout
+    :mod:`pipeloom.search`; to search without the problem's limit, pass
+    ``dataclasses.replace(problem, memory_limit=None)``. Functions that build a problem
+    (:func:`~pipeloom.search.placements.placement`, ``PlacementBuilder.build``) take the new
+    problem's own limit instead, where None is no limit, as in ``Problem(memory_limit=None)``."""
+    return problem.memory_limit if memory_limit is None else float(memory_limit)
+
+
 def _rooms(problem: Problem, memory_limit: float | None) -> list[float] | None:
     """Per rank, ``limit - static``; None without a limit."""
-    limit = problem.memory_limit if memory_limit is None else memory_limit
+    limit = limit_of(problem, memory_limit)
     if limit is None:
         return None
     static = problem.static_memory or (0.0,) * problem.num_ranks

@@ -1,13 +1,18 @@
 """Longest paths inside one micro-batch's task graph: topological order, heads, tails and the
-start-to-start distances the lower bounds build on. Only :mod:`pipeloom.problem` is used."""
+start-to-start distances the lower bounds build on, over :mod:`pipeloom.graph`."""
 
 from __future__ import annotations
 
-import heapq
-
+from pipeloom import graph
 from pipeloom.problem import Problem
 
-__all__ = ["head_tail", "start_distances", "topological_order"]
+__all__ = ["dep_indices", "head_tail", "start_distances", "topological_order"]
+
+
+def dep_indices(problem: Problem) -> list[list[int]]:
+    """Per task (index into ``problem.tasks``): the indices of its deps, in the order given."""
+    index = {task.key: i for i, task in enumerate(problem.tasks)}
+    return [[index[dep] for dep in task.deps] for task in problem.tasks]
 
 
 def topological_order(problem: Problem) -> list[int]:
@@ -15,31 +20,8 @@ def topological_order(problem: Problem) -> list[int]:
 
     The order of passes over the tasks in definition order, each placing every task whose
     dependencies are placed (those placed earlier in the same pass included), in O(tasks + deps):
-    a task that becomes ready during a pass joins it when it comes later in definition order than
-    the task that freed it, else the next pass."""
-    tasks = problem.tasks
-    index = {task.key: i for i, task in enumerate(tasks)}
-    waiting = [len({index[dep] for dep in task.deps}) for task in tasks]
-    users: list[list[int]] = [[] for _ in tasks]
-    for i, task in enumerate(tasks):
-        for dep in {index[dep] for dep in task.deps}:
-            users[dep].append(i)
-    placed: list[int] = []
-    current = [i for i, count in enumerate(waiting) if count == 0]
-    while current:
-        heapq.heapify(current)
-        later: list[int] = []
-        while current:
-            i = heapq.heappop(current)
-            placed.append(i)
-            for user in users[i]:
-                waiting[user] -= 1
-                if waiting[user] == 0 and user > i:
-                    heapq.heappush(current, user)
-                elif waiting[user] == 0:
-                    later.append(user)
-        current = later
-    return placed
+    see :func:`pipeloom.graph.topological_order`."""
+    return graph.topological_order(dep_indices(problem))
 
 
 def _latency(problem: Problem, dep: int, user: int) -> float:
@@ -51,33 +33,23 @@ def _latency(problem: Problem, dep: int, user: int) -> float:
 def head_tail(problem: Problem) -> tuple[list[float], list[float]]:
     """Per task: longest path from the micro-batch's start to the task's start (head) and from the
     task's end to the micro-batch's end (tail), latencies included."""
-    tasks = problem.tasks
-    index = {task.key: i for i, task in enumerate(tasks)}
-    order = topological_order(problem)
-    head = [0.0] * len(tasks)
-    for i in order:
-        for dep in tasks[i].deps:
-            d = index[dep]
-            head[i] = max(head[i], head[d] + tasks[d].duration + _latency(problem, d, i))
-    tail = [0.0] * len(tasks)
-    for i in reversed(order):
-        for dep in tasks[i].deps:
-            d = index[dep]
-            tail[d] = max(tail[d], tasks[i].duration + tail[i] + _latency(problem, d, i))
-    return head, tail
+    preds = dep_indices(problem)
+    edges = [[(d, _latency(problem, d, i)) for d in deps] for i, deps in enumerate(preds)]
+    durations = [task.duration for task in problem.tasks]
+    return graph.head_tail(graph.topological_order(preds), edges, durations, 0.0)
 
 
 def start_distances(problem: Problem, source: int) -> dict[int, float]:
     """Longest path from the start of task ``source`` to the start of each of its descendants (and
     itself, 0) within one micro-batch, latencies included."""
     tasks = problem.tasks
-    index = {task.key: i for i, task in enumerate(tasks)}
+    preds = dep_indices(problem)
     users: list[list[int]] = [[] for _ in tasks]
-    for i, task in enumerate(tasks):
-        for dep in task.deps:
-            users[index[dep]].append(i)
+    for i, deps in enumerate(preds):
+        for dep in deps:
+            users[dep].append(i)
     dist = {source: 0.0}
-    for i in topological_order(problem):
+    for i in graph.topological_order(preds):
         if i in dist:
             for user in users[i]:
                 reach = dist[i] + tasks[i].duration + _latency(problem, i, user)

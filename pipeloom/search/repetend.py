@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 import ortools  # noqa: F401  (import OR-Tools before anything that may load SciPy)
 from ortools.sat.python import cp_model
 
+from pipeloom import graph
 from pipeloom.problem import Problem
 from pipeloom.search.common import IntegerProblem, period_lower_bound, topological_order
 
@@ -108,10 +109,7 @@ def solver_period_bound(ip: IntegerProblem, limits: Sequence[int | None]) -> flo
 
 def _heads(ip: IntegerProblem) -> list[int]:
     """Longest path (integer units) from a micro-batch's start to each task's start."""
-    head = [0] * len(ip.durations)
-    for t in topological_order(ip.problem):
-        head[t] = max((head[d] + ip.durations[d] + lat for d, lat in ip.deps[t]), default=0)
-    return head
+    return graph.head_tail(topological_order(ip.problem), ip.deps, ip.durations, 0)[0]
 
 
 class RepetendModel:

@@ -162,3 +162,16 @@ def test_a_limit_beyond_integer_range_is_unlimited_and_huge_values_are_refused()
     to_integers(slow)  # one micro-batch still fits
     with pytest.raises(SearchError, match="durations and latencies of 1,000 micro-batches .* 2\\*\\*53"):
         to_integers(slow, num_microbatches=1000)
+
+
+def test_the_range_error_names_a_scaled_total_past_the_float_range():
+    """Each duration is a finite float, but a billion micro-batches of two of them make an integer
+    over 1.8e308, which ``{:.3g}`` cannot format (an OverflowError before)."""
+    from pipeloom.search.common import SearchError
+
+    problem = Problem(num_ranks=1, tasks=(
+        Task(stage=0, kind="F", ranks=(0,), duration=1e300),
+        Task(stage=1, kind="F", ranks=(0,), duration=1e300, deps=((0, "F"),)),
+    ))
+    with pytest.raises(SearchError, match=r"scale to 2e\+309 integer units"):
+        to_integers(problem, num_microbatches=10**9)
