@@ -26,6 +26,7 @@ from pipeloom.runtime.split import (
     split_model,
     stages_from_modules,
 )
+from pipeloom.runtime.scatter import Traffic
 from pipeloom.runtime.state import LoadResult, ModelNames, model_names
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "StageValueError",
     "StepMismatchError",
     "StagedModel",
+    "Traffic",
     "UnknownSplitPointError",
     "ValueRef",
     "check_stage_value",

@@ -53,6 +53,7 @@ def pipeline(
     init_weights: Callable[[nn.Module], object] | None = None,
     data_parallel: str | None = None,
     tp_plan: dict | str | None = None,
+    scatter_boundaries: bool = True,
 ) -> PipelineEngine:
     """Build the engine that runs ``schedule`` over ``model`` cut into stages on this process group.
 
@@ -76,18 +77,21 @@ def pipeline(
     every rank when no ``mesh`` is given, and sets ``data_parallel`` to its ``sharding``.
     ``tp_plan``: with a ``"tp"`` mesh dimension, torch's ``parallelize_module`` plan ({module name or pattern:
     ParallelStyle}, the model's names) applied to this rank's stages before the engine captures their
-    parameters; a named module a style needs whole is kept whole in the split (docs/parallelism.md).
+    parameters; a named module a style needs whole is kept whole in the split (docs/parallelism.md);
+    ``"hf"``: a ``transformers`` model's own plan (its config's ``base_model_tp_plan`` and its head's).
+    ``scatter_boundaries``: with ``"tp"``, a stage-boundary tensor equal on every tp rank crosses once per tp
+    group (each sends 1/tp of it, the receivers all-gather); False sends it whole from every tp rank.
     """
     if plan is not None:
-        schedule, planned, schedule_options, microbatches, mesh, data_parallel = _from_plan(
+        schedule, planned, schedule_options, microbatches, mesh, data_parallel, tp_plan = _from_plan(
             plan, schedule, split_points, schedule_options, microbatches, mesh=mesh, process_group=process_group,
-            data_parallel=data_parallel, device=device)
+            data_parallel=data_parallel, device=device, tp_plan=tp_plan)
         split_points = planned if stages is None else split_points
     data_parallel = data_parallel or "replicate"
     _check_arguments(schedule, loss_fn, timeout, microbatches)
     layout = layout_of(process_group, mesh)
     rank, world = layout.rank, layout.world
-    tp_plan = check_tp_plan(tp_plan, layout.tp)
+    tp_plan = check_tp_plan(tp_plan, layout.tp, model=model)
     if tp_plan is not None and model is not None and stages is None:
         leaf_modules = leaf_modules_for(model, tp_plan, leaf_modules)
     if layout.tp.group is not None:  # a TP all-reduce inside a forward ends within the engine's timeout
@@ -119,55 +123,62 @@ def pipeline(
                           shared_seed(layout.everyone, layout.everyone_size, seed), shared, sharded)
     trace = trace if trace is not None else os.environ.get(TRACE_ENV) or None
     return PipelineEngine(staged=staged, pieces=pieces, layout=layout, trace=trace, timeout=float(timeout),
-                          names=names)
+                          names=names, scatter_boundaries=bool(scatter_boundaries))
 
 
 def _from_plan(plan: str | Path, schedule: object, split_points: Sequence[str] | None,
                options: dict | None, microbatches: int | None, *, mesh: object, process_group: object,
-               data_parallel: str | None, device: object) -> tuple:
-    """(schedule, split points, schedule options, micro-batches, mesh, data_parallel) from a plan file,
-    explicit ones winning; a plan with replicas gets a ``("dp", "pp")`` mesh over every rank unless one
-    is given (whose shape must be the plan's)."""
+               data_parallel: str | None, device: object, tp_plan: object = None) -> tuple:
+    """(schedule, split points, schedule options, micro-batches, mesh, data_parallel, tp_plan) from a plan
+    file, explicit ones winning; a plan with replicas or tensor parallelism gets a ``("dp", "pp", "tp")``
+    mesh over every rank (sizes of 1 left out) unless one is given (whose shape must be the plan's), and its
+    saved tensor-parallel recipe becomes torch's ``ParallelStyle`` dict (:func:`pipeloom.plan.recipes.recipe_styles`)."""
     from pipeloom.plan import load_plan
 
     chosen = load_plan(plan)
-    if chosen.data_parallel > 1:
+    if chosen.data_parallel > 1 or chosen.tensor_parallel > 1:
         mesh = _plan_mesh(chosen, mesh, process_group, device)
+    if tp_plan is None and chosen.tp_plan is not None:
+        from pipeloom.plan.recipes import recipe_styles
+
+        tp_plan = recipe_styles(chosen.tp_plan)
     return (chosen.schedule if schedule is None else schedule,
             chosen.split_points if split_points is None else split_points,
             dict(chosen.schedule_options) if options is None else options,
             chosen.microbatches if microbatches is None else microbatches,
-            mesh, data_parallel or chosen.sharding)
+            mesh, data_parallel or chosen.sharding, tp_plan)
 
 
 def _plan_mesh(chosen, mesh: object, process_group: object, device: object) -> object:
-    """The ``("dp", "pp")`` mesh a plan with ``data_parallel`` replicas runs on."""
+    """The ``("dp", "pp", "tp")`` mesh a plan with ``data_parallel`` replicas and ``tensor_parallel`` ranks per
+    stage runs on ("dp" and "tp" left out where 1)."""
     import torch.distributed as dist
 
-    shape = {"dp": chosen.data_parallel, "pp": chosen.num_ranks}
+    shape = {"dp": chosen.data_parallel, "pp": chosen.num_ranks, "tp": chosen.tensor_parallel}
+    shape = {name: size for name, size in shape.items() if size > 1 or name == "pp"}
+    described = " x ".join(f"{name} {size}" for name, size in shape.items())
     if process_group is not None:
-        raise PipelineError(f"the plan runs {chosen.data_parallel} replicas of a {chosen.num_ranks}-rank pipeline; "
-                            "pass mesh= (dims 'dp', 'pp') or nothing, not process_group=")
+        raise PipelineError(f"the plan runs on a {described} mesh; pass mesh= (dims {', '.join(map(repr, shape))}) "
+                            "or nothing, not process_group=")
     if mesh is not None:
         names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
         got = {n: mesh.size(k) for k, n in enumerate(names)}
-        if got.get("dp", 1) != shape["dp"] or got.get("pp") != shape["pp"]:
-            raise PipelineError(f"the plan's mesh is dp {shape['dp']} x pp {shape['pp']} but mesh= is "
+        if any(got.get(name, 1) != size for name, size in {"dp": 1, "tp": 1, **shape}.items()):
+            raise PipelineError(f"the plan's mesh is {described} but mesh= is "
                                 f"{' x '.join(f'{n} {v}' for n, v in got.items())}; pass a mesh of the plan's shape "
                                 "or none")
         return mesh
     if not dist.is_initialized():
-        raise PipelineError(f"the plan runs on {chosen.world_size} ranks ({chosen.data_parallel} replicas of "
-                            f"{chosen.num_ranks}); launch them (torchrun --nproc-per-node {chosen.world_size}) "
-                            "and init_process_group first")
+        raise PipelineError(f"the plan runs on {chosen.world_size} ranks ({described}); launch them (torchrun "
+                            f"--nproc-per-node {chosen.world_size}) and init_process_group first")
     if dist.get_world_size() != chosen.world_size:
-        raise PipelineError(f"the plan runs on {chosen.world_size} ranks ({chosen.data_parallel} replicas of "
-                            f"{chosen.num_ranks}) but this job has {dist.get_world_size()}; launch "
-                            f"{chosen.world_size} ranks or plan for {dist.get_world_size()}")
+        raise PipelineError(f"the plan runs on {chosen.world_size} ranks ({described}) but this job has "
+                            f"{dist.get_world_size()}; launch {chosen.world_size} ranks or plan for "
+                            f"{dist.get_world_size()}")
     from torch.distributed.device_mesh import init_device_mesh
 
     kind = torch.device(device).type if device is not None else ("cuda" if dist.get_backend() == "nccl" else "cpu")
-    return init_device_mesh(kind, (shape["dp"], shape["pp"]), mesh_dim_names=("dp", "pp"))
+    return init_device_mesh(kind, tuple(shape.values()), mesh_dim_names=tuple(shape))
 
 
 def _check_arguments(schedule: object, loss_fn: object, timeout: object, microbatches: object) -> None:

@@ -6,7 +6,8 @@ message each, tagged with their position in the (sender, receiver) stream, and e
 its receives in the sender's order — what gloo's tags and NCCL's in-order matching both need. On a
 step whose input shapes were not seen before, each forward unit is preceded by its description
 (structure, shapes, dtypes), so the receiver can allocate; later steps with the same input shapes
-post their receives before the data exists.
+post their receives before the data exists. With ``"tp"``, a tensor equal on every tp rank travels as
+1/tp of its bytes, all-gathered by the receivers (:mod:`pipeloom.runtime.scatter`).
 
 Every wait is bounded by the timeout and hears of another rank's failure within about a second
 (:mod:`pipeloom.runtime.watch`). Gloo sends are posted by a helper thread; :meth:`Messenger.close`
@@ -20,15 +21,16 @@ import pickle
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from pipeloom.runtime.lower import PipelineError, Unit, forward_unit
+from pipeloom.runtime.scatter import Traffic, gather_slices, identical_over_tp, slice_of, wire_bytes
 from pipeloom.runtime.threads import HelperThreads
-from pipeloom.runtime.tp import is_dtensor, local_of
+from pipeloom.runtime.tp import TensorParallel, is_dtensor, local_of
 from pipeloom.runtime.transport import Posted, Transport, transport_for
 from pipeloom.runtime.watch import FailureBoard, PeerWatch, close_connections, poll_work
 
@@ -46,6 +48,9 @@ class LeafMeta:
     placements: tuple = ()  # a DTensor's placements (Shard(-1), Replicate(), ...); () for a plain tensor
     global_shape: tuple[int, ...] = ()  # a DTensor's shape and stride over the whole mesh
     global_stride: tuple[int, ...] = ()
+    # > 1: equal on every "tp" rank, so each sends 1/split of its bytes and the receivers all-gather them
+    # (pipeloom.runtime.scatter); decided by the sender on a discovering step, not part of equality
+    split: int = field(default=1, compare=False)
 
     @staticmethod
     def of(tensor: torch.Tensor) -> LeafMeta:
@@ -58,6 +63,16 @@ class LeafMeta:
         grad = " requiring grad" if self.requires_grad else ""
         sharded = f" (local shard of {list(self.global_shape)}, {list(self.placements)})" if self.placements else ""
         return f"{str(self.dtype).removeprefix('torch.')}{list(self.shape)}{sharded}{grad}"
+
+    @property
+    def nbytes(self) -> int:
+        return torch.Size(self.shape).numel() * torch.empty((), dtype=self.dtype).element_size()
+
+    def buffer(self, device: torch.device) -> torch.Tensor:
+        """An empty tensor for what travels: the local tensor, or one uint8 slice of its bytes."""
+        if self.split > 1:
+            return torch.empty(wire_bytes(self.nbytes, self.split), dtype=torch.uint8, device=device)
+        return torch.empty(self.shape, dtype=self.dtype, device=device)
 
 
 def _same(rank: int) -> int:
@@ -85,8 +100,11 @@ class Messenger:
     def __init__(self, *, rank: int, group: object, to_global: Callable[[int], int], device: torch.device,
                  timeout: float, units: Sequence[Unit], pair_order: dict[tuple[int, int], tuple[int, ...]],
                  unit_of: dict[tuple[str, int, int, int], int], store: object, run_id: str,
-                 transport: Transport | None = None, scope: FailureScope | None = None) -> None:
+                 transport: Transport | None = None, scope: FailureScope | None = None,
+                 tp: TensorParallel | None = None, scatter: bool = True) -> None:
         self.rank = rank
+        self.tp = tp if tp is not None else TensorParallel()
+        self.scatter = scatter and self.tp.size > 1  # replicated boundary tensors cross once per "tp" group
         self.group = group
         self.to_global = to_global
         self.device = device
@@ -262,6 +280,7 @@ class StepMessages:
         self.posted: dict[int, list[Posted]] = {}  # unit id -> its receives
         self.next_index = {src: 0 for src in messenger.incoming}
         self.sent: list[Posted] = []
+        self.traffic = Traffic()
 
     @property
     def lookahead(self) -> int:
@@ -280,22 +299,51 @@ class StepMessages:
     # --------------------------------------------------------------------------------- sending
 
     def send(self, unit: Unit, leaves: list[torch.Tensor], spec: list | None) -> None:
-        """Send one unit's tensors (forward values, or gradients) to its receiver."""
+        """Send one unit's tensors (forward values, or gradients) to its receiver. On a discovering step a
+        forward unit is preceded by its description (structure and metas), and so is a gradient unit when
+        tensors may be split over "tp" (its metas say which)."""
         start = time.time_ns() if self.events is not None else 0
         device = self.messenger.device
-        if self.discover and unit.kind == "F":
-            structures = [pytree.treespec_dumps(one) for one in spec]  # text: a pickled TreeSpec warns on load
-            blob = torch.frombuffer(bytearray(pickle.dumps((structures, [LeafMeta.of(t) for t in leaves]))),
-                                    dtype=torch.uint8)
+        locals_ = [local_of(tensor.detach()).contiguous() for tensor in leaves]  # a DTensor: its local tensor
+        metas = self._sending_metas(unit, leaves, locals_)
+        if self.discover and (unit.kind == "F" or self.messenger.scatter):
+            # text: a pickled TreeSpec warns on load
+            structures = [pytree.treespec_dumps(one) for one in spec] if unit.kind == "F" else None
+            blob = torch.frombuffer(bytearray(pickle.dumps((structures, metas))), dtype=torch.uint8)
             size = torch.tensor([blob.numel()], dtype=torch.int64)
             self._send(size.to(device), unit)
             self._send(blob.to(device), unit)
-        for tensor in leaves:  # a DTensor travels as its local tensor (LeafMeta has its placements)
-            self._send(local_of(tensor.detach()).contiguous(), unit)
+        tp_rank = self.messenger.tp.rank
+        for local, meta in zip(locals_, metas):
+            whole = local.numel() * local.element_size()
+            self.traffic = replace(self.traffic, unsplit_bytes=self.traffic.unsplit_bytes + whole)
+            self._send(slice_of(local, meta.split, tp_rank) if meta.split > 1 else local, unit, counted=True)
         if self.events is not None:
             self._note(f"SEND {self.messenger.units_name(unit)} to {unit.dst}", "send", start)
 
-    def _send(self, tensor: torch.Tensor, unit: Unit) -> None:
+    def _sending_metas(self, unit: Unit, leaves: list[torch.Tensor], locals_: list[torch.Tensor]) -> list[LeafMeta]:
+        """The metas of a unit's tensors as they travel: on a discovering step with ``scatter``, those equal
+        on every "tp" rank are split (a collective over "tp": every tp rank sends the same units in the
+        same order); later steps reuse what was decided."""
+        known = self.metas.get(unit.id)
+        if known is not None and not self.discover:
+            return known
+        metas = known if unit.kind == "F" else [LeafMeta.of(t) for t in leaves]
+        if self.messenger.scatter and metas:
+            try:
+                same = identical_over_tp(locals_, self.messenger.tp, self.messenger.await_work,
+                                         self.messenger.device)
+            except RuntimeError as error:
+                raise PipelineError(self.messenger.failure_text(unit.dst, "sending", unit, str(error))) from error
+            metas = [replace(m, split=self.messenger.tp.size) if ok else m for m, ok in zip(metas, same)]
+        if unit.kind == "F" or self.messenger.scatter:
+            self.metas[unit.id] = metas
+        return metas
+
+    def _send(self, tensor: torch.Tensor, unit: Unit, *, counted: bool = False) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        self.traffic = replace(self.traffic, sent_bytes=self.traffic.sent_bytes + nbytes,
+                               unsplit_bytes=self.traffic.unsplit_bytes + (0 if counted else nbytes))
         posted = Posted(tensor, unit)
         self.sent.append(posted)
         self.transport.send(posted, self.messenger.to_global(unit.dst), self._tag(self.send_tag, unit.dst))
@@ -333,7 +381,7 @@ class StepMessages:
         src = self.messenger.to_global(unit.src)
         received = []
         for meta in self._expected(unit):
-            posted = Posted(torch.empty(meta.shape, dtype=meta.dtype, device=self.messenger.device), unit)
+            posted = Posted(meta.buffer(self.messenger.device), unit)
             self._call(self.transport.receive, posted, src, self._tag(self.recv_tag, unit.src), "receiving")
             received.append(posted)
         self.posted[unit.id] = received
@@ -341,7 +389,7 @@ class StepMessages:
             self._note(f"POST {self.messenger.units_name(unit)} from {unit.src}", "post", start)
 
     def _expected(self, unit: Unit) -> list[LeafMeta]:
-        if unit.kind == "F":
+        if unit.kind == "F" or unit.id in self.metas:  # a gradient unit's own metas: sent when it may split
             return self.metas[unit.id]
         forward = self.metas[forward_unit(self.messenger.unit_of, unit)]
         return [m for m in forward if m.requires_grad]
@@ -360,9 +408,28 @@ class StepMessages:
         for posted in received:
             if posted.work is not None:
                 self._wait(posted.work, unit, "receiving")
+        tensors = self._whole(unit, [posted.tensor for posted in received])
         if self.events is not None:
             self._note(f"RECV {self.messenger.units_name(unit)} from {unit.src}", "wait", start)
-        return [posted.tensor for posted in received]
+        return tensors
+
+    def _whole(self, unit: Unit, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Split tensors reassembled from this rank's slices and its "tp" peers' (one all-gather)."""
+        metas = self._expected(unit)
+        split = [i for i, meta in enumerate(metas) if meta.split > 1]
+        if not split:
+            return tensors
+        tp = self.messenger.tp
+        try:
+            wholes = gather_slices([tensors[i] for i in split], [(metas[i].shape, metas[i].dtype) for i in split],
+                                   tp, self.messenger.await_work)
+        except RuntimeError as error:
+            raise PipelineError(self.messenger.failure_text(unit.src, "receiving", unit, str(error))) from error
+        gathered = sum(tensors[i].numel() for i in split) * (tp.size - 1)
+        self.traffic = replace(self.traffic, gathered_bytes=self.traffic.gathered_bytes + gathered)
+        for i, whole in zip(split, wholes):
+            tensors[i] = whole
+        return tensors
 
     def _receive_in_order(self, unit: Unit) -> None:
         """Discovery: receive (blocking) every unit from the sender up to ``unit``, in its order."""
@@ -374,15 +441,15 @@ class StepMessages:
             self.next_index[unit.src] += 1
             if not self.filter(other):
                 continue
-            if other.kind == "F":
+            if other.kind == "F" or self.messenger.scatter:
                 size = self._receive_now(torch.empty(1, dtype=torch.int64, device=device), src, other)
                 blob = self._receive_now(torch.empty(int(size.item()), dtype=torch.uint8, device=device), src,
                                          other)
                 structures, metas = pickle.loads(blob.cpu().numpy().tobytes())
                 self.metas[other.id] = metas
-                self.specs[other.id] = [pytree.treespec_loads(one) for one in structures]
-            self.posted[other.id] = [Posted(self._receive_now(torch.empty(meta.shape, dtype=meta.dtype,
-                                                                          device=device), src, other), other)
+                if structures is not None:
+                    self.specs[other.id] = [pytree.treespec_loads(one) for one in structures]
+            self.posted[other.id] = [Posted(self._receive_now(meta.buffer(device), src, other), other)
                                      for meta in self._expected(other)]
 
     def _receive_now(self, buffer: torch.Tensor, src: int, unit: Unit) -> torch.Tensor:

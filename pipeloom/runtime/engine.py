@@ -33,6 +33,7 @@ from pipeloom.runtime.fsdp import ShardedGradients
 from pipeloom.runtime.loss import LossSum
 from pipeloom.runtime.lower import PipelineError
 from pipeloom.runtime.pieces import RankPieces
+from pipeloom.runtime.scatter import Traffic
 from pipeloom.runtime.setup import default_store, shared_run_id
 from pipeloom.runtime.split import StagedModel
 from pipeloom.runtime.state import LoadResult, ModelNames
@@ -77,7 +78,7 @@ class PipelineEngine:
     """Runs one lowered schedule on this rank; see :func:`pipeline`."""
 
     def __init__(self, *, staged: StagedModel, pieces: RankPieces, layout: Layout, trace: str | Path | bool | None,
-                 timeout: float, names: ModelNames) -> None:
+                 timeout: float, names: ModelNames, scatter_boundaries: bool = True) -> None:
         """Built by :func:`~pipeloom.runtime.pipeline`, which has put this rank's pieces on their device."""
         self.staged = staged
         self.pieces = pieces
@@ -112,8 +113,9 @@ class PipelineEngine:
             rank=rank, group=group, to_global=(lambda r: dist.get_global_rank(group, r)) if group is not None
             else (lambda r: r), device=self.device, timeout=timeout, units=lowering.units,
             pair_order=lowering.pair_order, unit_of=lowering.unit_of, store=store, run_id=run_id,
-            scope=_mesh_scope(layout),
+            scope=_mesh_scope(layout), tp=layout.tp, scatter=scatter_boundaries,
         )
+        self.traffic = Traffic()  # bytes the last step moved between stages (pipeloom.runtime.scatter)
         last = lowering.num_pieces - 1
         self.loss_sum = LossSum(layout=layout, messenger=self.messenger, num_microbatches=pieces.num_microbatches,
                                 device=self.device, loss_ranks=len(
@@ -246,6 +248,7 @@ class PipelineEngine:
             self._fail(run.describe_failure(error), error)
         if cached is None:
             self._meta_cache[signature] = (metas, specs)
+        self.traffic = run.messages.traffic
         if events is not None:
             self.clock.resolve(events)
             self._write_trace(step_start, time.time_ns(), events)
@@ -433,6 +436,6 @@ class PipelineEngine:
     def _dcp_group(self) -> object:
         if self.messenger.closed and self.world_size > 1:
             raise PipelineError("checkpoints: this engine was closed (close()); save or load before close()")
-        if self.dp.size > 1:  # every replica saves the same keys; DCP keeps one copy of each
-            return self.layout.everyone
+        if self.dp.size > 1 or self.layout.tp.size > 1:  # replicas save the same keys (DCP keeps one copy of
+            return self.layout.everyone  # each); "tp" ranks save their DTensor shards, as DCP writes them
         return self.group if dist.is_available() and dist.is_initialized() else None

@@ -3,14 +3,15 @@
 DTensors at stage boundaries (they travel as their local tensor; the placements ride in the message's
 description and the receiver rebuilds the DTensor on its own ``"tp"`` sub-mesh).
 
-No tensor-parallel layer lives here: a plan is torch's ``{module name or pattern: ParallelStyle}`` dict,
-resolved against the model's module names (the fx stages keep them) and applied unchanged.
+No tensor-parallel layer lives here: a plan is torch's ``{module name or pattern: ParallelStyle}`` dict
+(or ``"hf"``: a ``transformers`` model's own plan, its style names translated to torch's), resolved against
+the model's module names (the fx stages keep them) and applied unchanged.
 """
 
 from __future__ import annotations
 
 import datetime
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatch
 
@@ -19,9 +20,9 @@ from torch import fx, nn
 
 from pipeloom.runtime.lower import PipelineError
 
-__all__ = ["TensorParallel", "apply_tp_plan", "captured_parameters", "changed_parameter", "check_tp_plan",
-           "is_dtensor", "leaf_modules_for", "local_of", "mesh_coordinates", "resolve", "set_group_timeout",
-           "with_local"]
+__all__ = ["HF_STYLES", "TensorParallel", "apply_tp_plan", "captured_parameters", "changed_parameter",
+           "check_tp_plan", "hf_plan", "is_dtensor", "leaf_modules_for", "local_of", "mesh_coordinates", "resolve",
+           "set_group_timeout", "with_local"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,16 +69,22 @@ def set_group_timeout(groups: Sequence[object], timeout: float) -> None:
 # ------------------------------------------------------------------------------------- plans
 
 
-def check_tp_plan(tp_plan: object, tp: TensorParallel) -> dict | None:
-    """The plan as a dict (None for no plan), refusing what is not built yet or does not fit the mesh."""
+def check_tp_plan(tp_plan: object, tp: TensorParallel, *, model: nn.Module | None = None) -> dict | None:
+    """The plan as a dict (None for no plan; ``"hf"``: :func:`hf_plan` of ``model``), refusing what is not
+    built yet or does not fit the mesh."""
     if tp_plan is None:
         if tp.size > 1:
             raise PipelineError(f"the mesh has a \"tp\" dimension of size {tp.size} but no tp_plan= was given; pass "
                                 "tp_plan={'layers.*.q': ColwiseParallel(), ...} (torch's parallelize_module plan) "
                                 "or a mesh without \"tp\"")
         return None
+    if tp_plan == "hf":
+        if model is None:
+            raise PipelineError("tp_plan='hf' reads the model's own plan: pass the model too (pipeline(model, "
+                                "stages=[...]) with stages of your own), or torch's parallelize_module plan as a dict")
+        tp_plan = hf_plan(model)
     if isinstance(tp_plan, str):
-        what = {"hf": "a transformers model's own base_model_tp_plan", "auto": "the automatic sharding search"}
+        what = {"auto": "the automatic sharding search"}
         raise PipelineError(f"tp_plan={tp_plan!r} ({what.get(tp_plan, 'a named plan')}) is not built yet; pass "
                             "torch's parallelize_module plan as a dict {module name or pattern: ParallelStyle}")
     if not isinstance(tp_plan, Mapping) or not tp_plan:
@@ -177,3 +184,60 @@ def mesh_coordinates(mesh: object) -> dict[int, str]:
         found[int(grid[tuple(index)])] = ", ".join(f"{n} {c}" for n, c in zip(names, index))
     return found
 
+
+# ------------------------------------------------------------------------------ transformers' own plans
+
+# transformers' style names -> torch ParallelStyles doing what transformers' own layer of that name does
+# (transformers/distributed/tensor_parallel.py registers its own classes with these layouts)
+HF_STYLES: dict[str, Callable[[], object]] = {
+    "colwise": lambda: _styles().ColwiseParallel(),  # Replicate -> Shard(-1)
+    "rowwise": lambda: _styles().RowwiseParallel(),  # Shard(-1) -> Replicate (an all-reduce)
+    "colwise_rep": lambda: _styles().ColwiseParallel(output_layouts=_replicate()),  # output all-gathered
+    "colwise_gather_output": lambda: _styles().ColwiseParallel(output_layouts=_replicate()),
+    "rowwise_rep": lambda: _styles().RowwiseParallel(input_layouts=_replicate()),  # input split here
+    "rowwise_split_input": lambda: _styles().RowwiseParallel(input_layouts=_replicate()),
+    "embedding_rowwise": lambda: _styles().RowwiseParallel(input_layouts=_replicate()),  # vocabulary-parallel
+    "sequence_parallel": lambda: _styles().SequenceParallel(),
+}
+_HF_NO_OP = ("replicate",)  # every rank keeps the whole parameter: nothing to apply
+
+
+def _styles():
+    import torch.distributed.tensor.parallel as styles
+
+    return styles
+
+
+def _replicate():
+    from torch.distributed.tensor import Replicate
+
+    return Replicate()
+
+
+def hf_plan(model: nn.Module) -> dict[str, object]:
+    """A ``transformers`` model's own tensor-parallel plan as torch's: its config's ``base_model_tp_plan``
+    (keys under the base model, e.g. ``model.layers.*.self_attn.q_proj``) and its class's ``_tp_plan`` (the
+    head: ``lm_head``), each style name translated by :data:`HF_STYLES`."""
+    config = getattr(model, "config", None)
+    base = getattr(config, "base_model_tp_plan", None)
+    kind = type(model).__name__
+    if config is None or not base:
+        what = (f"{kind}'s config ({type(config).__name__}) has no" if config is not None
+                else f"{kind} has no config, so no")
+        raise PipelineError(f"tp_plan='hf': {what} base_model_tp_plan (transformers gives one to LLaMA, Qwen2, "
+                            "Mistral and other models, not to this one); pass torch's parallelize_module plan as a "
+                            "dict {module name or pattern: ParallelStyle}")
+    prefix = getattr(model, "base_model_prefix", "")
+    under = prefix if prefix and isinstance(getattr(model, prefix, None), nn.Module) else ""  # a head around it
+    named = {f"{under}.{key}" if under else key: style for key, style in base.items()}
+    named.update(getattr(type(model), "_tp_plan", None) or {})
+    plan = {}
+    for key, style in named.items():
+        if style in _HF_NO_OP:
+            continue
+        if style not in HF_STYLES:
+            raise PipelineError(f"tp_plan='hf': {kind}'s plan gives {key!r} the style {style!r}, which pipeloom does "
+                                f"not translate to torch (it translates {sorted(HF_STYLES)}); pass torch's "
+                                "parallelize_module plan as a dict")
+        plan[key] = HF_STYLES[style]()
+    return plan

@@ -1,12 +1,56 @@
 """What each spawned rank runs in the tensor-parallel tests: pipelines whose stages torch's own
 ``parallelize_module`` shards over the mesh's "tp" dimension, next to the same plan run by torch without
-pipelining (importable by the child processes)."""
+pipelining; the training-loop helpers with sharded parameters; a hung "tp" peer; 8 ranks (dp x pp x tp).
+One spawn of the ranks per mesh shape (importable by the child processes)."""
 
 from __future__ import annotations
+
+import multiprocessing as mp
+import queue as queues
+import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+# imported once by the fork server the ranks are forked from (instead of by every spawned rank: torch's
+# DTensor alone imports torch._dynamo, ~4 s of CPU per process on this machine)
+PRELOAD = ["torch", "torch.distributed.tensor.parallel", "torch.distributed.checkpoint",
+           "torch.distributed.device_mesh", "pipeloom.runtime", "ranks", "tp_jobs", "hf_models",
+           "transformers.models.llama.modeling_llama", "transformers.models.gpt2.modeling_gpt2"]
+
+
+def run_preloaded(world: int, fn, *args, timeout: float) -> dict[int, tuple[str, object]]:
+    """``ranks.run_ranks`` with the ranks forked from a fork server that has imported ``PRELOAD``."""
+    from ranks import _worker, free_port
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    results_queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, results_queue), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, tuple[str, object]] = {}
+    deadline = time.monotonic() + timeout
+    while len(results) < world and time.monotonic() < deadline:
+        try:
+            rank, status, value = results_queue.get(timeout=0.2)
+        except queues.Empty:
+            if not any(p.is_alive() for p in procs):
+                break
+            continue
+        results[rank] = (status, value)
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+    for r in range(world):
+        code = procs[r].exitcode
+        results.setdefault(r, ("timeout", None) if code is None else ("died", code))
+    return results
+
 
 CLASSES = 5
 STEPS = 3
@@ -130,9 +174,10 @@ def _local(tensor) -> object:
 
 
 def _train(engine_or_model, params, steps: int, step_fn) -> dict:
-    """``steps`` SGD steps; per step the loss and every parameter's gradient, local and whole."""
+    """``steps`` SGD steps; per step the loss and every parameter's gradient, local and whole (and, for an
+    engine, the bytes its step moved between stages)."""
     optimizer = torch.optim.SGD([p for _, p in params()], lr=0.1)
-    out = {"loss": [], "local": [], "full": [], "missing": []}
+    out = {"loss": [], "local": [], "full": [], "missing": [], "traffic": []}
     for step in range(steps):
         optimizer.zero_grad(set_to_none=True)
         loss = step_fn(*batch(step))
@@ -141,6 +186,9 @@ def _train(engine_or_model, params, steps: int, step_fn) -> dict:
         out["missing"].append([name for name, p in named if p.grad is None])
         out["local"].append({name: _local(p.grad) for name, p in named if p.grad is not None})
         out["full"].append({name: _full(p.grad) for name, p in named if p.grad is not None})
+        traffic = getattr(engine_or_model, "traffic", None)
+        if traffic is not None:
+            out["traffic"].append((traffic.sent_bytes, traffic.unsplit_bytes, traffic.gathered_bytes))
         optimizer.step()
     return out
 
@@ -168,45 +216,144 @@ def tp_alone(model_name: str, tp_mesh, plan: dict, steps: int, loss=loss_fn) -> 
     return _train(model, model.named_parameters, steps, step_fn)
 
 
-def tp_pipelines(rank: int, world: int, cases: list[tuple], shape: tuple, names: tuple,
-                 refusals: bool = False) -> dict:
+def tp_pipelines(rank: int, world: int, cases: list[tuple], shape: tuple, names: tuple, extras: str = "") -> dict:
     """For each (model, schedule, pieces, variant): ``STEPS`` steps of ``pipeline(..., mesh, tp_plan)``
-    and, for each new (model, variant), the same plan without pipelining on this rank's "tp" sub-mesh;
-    then, with ``refusals``, what :func:`tp_refusals` finds (one spawn of the ranks for both)."""
+    and, for each new (model, variant), the same plan without pipelining on this rank's "tp" sub-mesh
+    (variant ``whole``: the plain plan with ``scatter_boundaries=False``, against the plain reference).
+    With ``extras`` (a checkpoint folder): after the first case's steps its training-loop helpers
+    (:func:`tp_helpers`), then what :func:`tp_refusals` finds, and last a hung "tp" peer (:func:`tp_hang`),
+    which breaks the groups. ``seconds``: where the time went."""
+    import time
+
     from torch.distributed.device_mesh import init_device_mesh
 
     from pipeloom.runtime import pipeline
 
+    clock = time.monotonic()
+    seconds = {}
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-    results: dict = {"coordinates": mesh.get_coordinate()}
+    results: dict = {"coordinates": mesh.get_coordinate(), "seconds": seconds}
     for model_name, schedule, pieces, variant in cases:
         plan = megatron_plan(model_name, parallel_loss=variant == "loss_parallel",
                              boundary_dtensor=variant == "boundary")
         loss = parallel_loss_fn if variant == "loss_parallel" else loss_fn
-        if (model_name, variant) not in results:
-            results[(model_name, variant)] = tp_alone(model_name, mesh["tp"], plan, STEPS, loss)
+        if alone_key(model_name, variant) not in results:
+            results[alone_key(model_name, variant)] = tp_alone(model_name, mesh["tp"], plan, STEPS, loss)
+            seconds[("alone", variant)] = time.monotonic() - clock
         splits = SPLITS["boundary"] if variant == "boundary" else SPLITS[pieces] if pieces > 1 else []
         engine = pipeline(build(model_name), schedule=schedule, split_points=splits, microbatches=MICROBATCHES,
-                          loss_fn=loss, mesh=mesh, tp_plan=plan, timeout=30)
+                          loss_fn=loss, mesh=mesh, tp_plan=plan, timeout=30, scatter_boundaries=variant != "whole")
         results[(model_name, schedule, pieces, variant)] = _train(engine, engine.named_parameters, STEPS,
                                                                   lambda x, y: engine.step(x, target=y))
+        if extras and "helpers" not in results:
+            seconds["steps"] = time.monotonic() - clock
+            results["helpers"] = tp_helpers(engine, mesh, plan, splits, extras)
+            seconds["helpers"] = time.monotonic() - clock
         engine.close()
-    if refusals:
-        results["refusals"] = tp_refusals(rank, world)
+        seconds[(model_name, schedule, pieces, variant)] = time.monotonic() - clock
+        clock = time.monotonic()
+    if extras:
+        results["refusals"] = tp_refusals(rank, world, mesh)
+        seconds["refusals"] = time.monotonic() - clock
+        results["hang"] = tp_hang(rank, mesh)
     return results
 
 
-def tp_refusals(rank: int, world: int) -> dict:
+def alone_key(model_name: str, variant: str) -> tuple[str, str]:
+    """Where the results hold the plan run without pipelining that case (model, variant) compares with."""
+    return model_name, "" if variant == "whole" else variant
+
+
+def tp_helpers(engine, mesh, plan: dict, splits: list, folder: str) -> dict:
+    """After ``STEPS`` steps: ``eval_step``'s loss on the first batch, which state_dict values are DTensors,
+    the whole model's state dict (``full_state_dict``), a DCP checkpoint saved and loaded into a fresh engine
+    (its local shards), then one more step clipped with ``clip_grad_norm_`` (the total and the clipped
+    gradients, whole)."""
+    from pipeloom.runtime import pipeline
+
+    found: dict = {"eval_loss": float(engine.eval_step(*batch(0)[:1], target=batch(0)[1]))}
+    state = engine.state_dict()
+    found["dtensors"] = sorted(key for key, value in state.items() if hasattr(value, "to_local"))
+    found["full_state"] = {key: value.numpy().copy() for key, value in engine.full_state_dict().items()}
+    engine.save_checkpoint(folder)
+    fresh = pipeline(build("tiny"), schedule="1f1b", split_points=splits, microbatches=MICROBATCHES,
+                     loss_fn=loss_fn, mesh=mesh, tp_plan=plan, timeout=30)
+    fresh.load_checkpoint(folder)
+    found["loaded_equal"] = {key: bool(torch.equal(_local_tensor(value), _local_tensor(state[key])))
+                             for key, value in fresh.state_dict().items()}
+    fresh.close()
+    if rank0():  # the checkpoint loaded into one unsplit model (DCP reassembles the DTensor shards)
+        import torch.distributed.checkpoint as dcp
+
+        whole = build("tiny").state_dict()
+        dcp.load({"model": whole}, checkpoint_id=folder, no_dist=True)
+        found["one_device_load"] = {key: value.numpy().copy() for key, value in whole.items()}
+    for p in engine.parameters():
+        p.grad = None
+    engine.step(*batch(STEPS)[:1], target=batch(STEPS)[1])
+    found["clip_total"] = float(engine.clip_grad_norm_(CLIP))
+    found["clipped"] = {name: _full(p.grad) for name, p in engine.named_parameters()}
+    return found
+
+
+CLIP = 0.05  # below the gradient norm of step STEPS, so clipping scales
+
+
+def rank0() -> bool:
+    import torch.distributed as dist
+
+    return dist.get_rank() == 0
+
+
+def _local_tensor(value):
+    return value.to_local() if hasattr(value, "to_local") else value
+
+
+def tp_hang(rank: int, mesh, *, timeout: float = 3.0, hung: int = 3) -> dict:
+    """Global rank ``hung`` sleeps 1.5 x ``timeout`` inside a tensor-parallel region (before the row-parallel
+    ``layers.2.out``, whose all-reduce its "tp" peer is then waiting in), as a hung process that never
+    exits would; how long each rank took to raise, and what."""
+    import time
+
+    from pipeloom.runtime import pipeline
+
+    engine = pipeline(build("tiny"), schedule="1f1b", split_points=SPLITS[2], microbatches=MICROBATCHES,
+                      loss_fn=loss_fn, mesh=mesh, tp_plan=megatron_plan("tiny"), timeout=timeout)
+    woke = []
+    if rank == hung:
+        def sleep(module, args):
+            if not woke:
+                time.sleep(1.5 * timeout)
+                woke.append(time.monotonic())
+
+        for module in engine.modules.values():
+            if "layers.2.out" in dict(module.named_modules()):
+                module.get_submodule("layers.2.out").register_forward_pre_hook(sleep)
+    start = time.monotonic()
+    try:
+        engine.step(*batch(0)[:1], target=batch(0)[1])
+        found = {"error": "stepped"}
+    except Exception as error:  # noqa: BLE001 (the test reads the message)
+        found = {"error": f"{type(error).__name__}: {error}"}
+    end = time.monotonic()
+    found["seconds"] = end - start
+    found["after_waking"] = end - woke[0] if woke else None
+    found["timeout"] = timeout
+    if rank != hung:  # keep the store (rank 0's) up while the sleeper reports its failure
+        time.sleep(max(0.0, start + 2 * timeout - time.monotonic()))
+    engine.close()
+    return found
+
+
+def tp_refusals(rank: int, world: int, mesh) -> dict:
     """What a (pp 2, tp 2) mesh refuses, by message (each raised on every rank before any tensor moves),
     and a model parallelized after pipeline(), refused at its next step."""
     import time
 
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
     from pipeloom.runtime import pipeline
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
     found = {}
     attempts = {
         "dualpipe": dict(schedule="dualpipe", split_points=SPLITS[2], tp_plan=megatron_plan("tiny")),
@@ -239,3 +386,107 @@ def _colwise():
     from torch.distributed.tensor.parallel import ColwiseParallel
 
     return ColwiseParallel()
+
+
+def hf_tp(rank: int, world: int, steps: int) -> dict:
+    """pp 1 x tp 2: tiny random-init LLaMA (float64) with ``tp_plan="hf"`` (its own plan translated to torch
+    styles), ``steps`` steps, next to the same translated plan run by torch without pipelining."""
+    from hf_models import build_hf, lm_loss, tokens
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from pipeloom.runtime import pipeline
+    from pipeloom.runtime.tp import hf_plan
+
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("pp", "tp"))
+    whole = build_hf("llama").double()  # one stage, the model itself (torch.fx cannot trace it; torch.export
+    # flattens its modules, whose hooks the styles need)
+    engine = pipeline(whole, stages=[whole], schedule="1f1b", microbatches=2, loss_fn=lm_loss, mesh=mesh,
+                      tp_plan="hf", timeout=30)
+    model = build_hf("llama").double()
+    plan = hf_plan(model)
+    model = parallelize_module(model, mesh["tp"], plan)
+    x, y = tokens()
+    out = {"plan": sorted(plan)}
+    out["pipeline"] = _train(engine, engine.named_parameters, steps, lambda *_: engine.step(x, target=y))
+
+    def alone(*_):
+        total = 0.0
+        for xm, ym in zip(torch.chunk(x, 2), torch.chunk(y, 2)):
+            value = lm_loss(model(xm), ym) / 2
+            value.backward()
+            total += float(value.detach())
+        return total
+
+    out["alone"] = _train(model, model.named_parameters, steps, alone)
+    engine.close()
+    if rank0():  # the single-device reference, the same for-loop on the unsplit model
+        model = build_hf("llama").double()
+        out["one_device"] = _train(model, model.named_parameters, steps, alone)["full"]
+    return out
+
+
+def mesh3d(rank: int, world: int) -> dict:
+    """8 ranks, (dp 2, pp 2, tp 2): one 1f1b step of the Megatron plan; this rank's coordinates, loss and
+    gradients (local and whole)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from pipeloom.runtime import pipeline
+
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp", "pp", "tp"))
+    engine = pipeline(build("tiny"), schedule="1f1b", split_points=SPLITS[2], microbatches=MICROBATCHES // 2,
+                      loss_fn=loss_fn, mesh=mesh, tp_plan=megatron_plan("tiny"), timeout=60)
+    out = _train(engine, engine.named_parameters, 1, lambda x, y: engine.step(x, target=y))
+    engine.close()
+    return {"coordinates": dict(zip(mesh.mesh_dim_names, mesh.get_coordinate())), **out}
+
+
+def two_ranks(rank: int, world: int, cases: list[tuple], hf_steps: int) -> dict:
+    """pp 1 x tp 2 in one spawn: the engine as torch's TP alone (``cases``), then LLaMA with ``tp_plan="hf"``."""
+    found = tp_pipelines(rank, world, cases, (1, 2), ("pp", "tp"))
+    found["hf"] = hf_tp(rank, world, hf_steps)
+    found["refusals"] = plain_refusals()
+    return found
+
+
+def plain_refusals() -> dict:
+    """What pipeline() refuses before anything moves, without a mesh: by message."""
+    from hf_models import build_hf
+
+    from pipeloom.runtime import pipeline
+
+    found = {}
+    attempts = {"gpt2": (build_hf("gpt2"), "hf"), "no mesh": (build("tiny"), megatron_plan("tiny")),
+                "auto": (build("tiny"), "auto")}
+    for name, (model, plan) in attempts.items():
+        try:
+            pipeline(model, schedule="gpipe", split_points=[], microbatches=2, loss_fn=loss_fn, tp_plan=plan)
+            found[name] = "built"
+        except Exception as error:  # noqa: BLE001 (the test reads the message)
+            found[name] = f"{type(error).__name__}: {error}"
+    found.update(hf_translations())
+    return found
+
+
+def hf_translations() -> dict:
+    """transformers style names as :func:`~pipeloom.runtime.tp.hf_plan` translates them (each style's class
+    and layouts, as text) on a stand-in model whose config carries a ``base_model_tp_plan``, and a style it
+    does not translate, by message."""
+    from types import SimpleNamespace
+
+    from pipeloom.runtime.tp import hf_plan
+
+    names = {"a": "colwise", "b": "rowwise", "c": "colwise_rep", "d": "rowwise_rep", "e": "sequence_parallel",
+             "f": "embedding_rowwise", "g": "replicate"}
+    model = nn.Module()
+    model.config = SimpleNamespace(base_model_tp_plan=names)
+    found = {"translated": {key: (type(style).__name__, str(getattr(style, "input_layouts", None)),
+                                  str(getattr(style, "output_layouts", None)))
+                            for key, style in hf_plan(model).items()}}
+    model.config = SimpleNamespace(base_model_tp_plan={"layers.*.mlp.experts": "moe_tp_experts"})
+    try:
+        hf_plan(model)
+        found["untranslated"] = "translated"
+    except Exception as error:  # noqa: BLE001
+        found["untranslated"] = f"{type(error).__name__}: {error}"
+    return found
