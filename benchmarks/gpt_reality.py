@@ -1,4 +1,5 @@
-"""The measuring half of ``plan_gpt.py``'s prediction-vs-reality check, on two gloo ranks on this CPU.
+"""The measuring half of the prediction-vs-reality checks (``plan_gpt.py``, ``plan_models.py``) on two gloo
+ranks on this CPU, for any :class:`Workload` (a model, its batches, its loss, how the runtime cuts it).
 
 One spawned pair of processes (``torch.set_num_threads(1)`` in each: one core per rank) does, in order:
 
@@ -7,13 +8,14 @@ One spawned pair of processes (``torch.set_num_threads(1)`` in each: one core pe
    **Engine cost per action**: a pipeline of two 4x4 linear layers profiled inside the engine
    (``profile_in_engine``): its traced actions hold next to no compute, so their median time is the
    runtime's own work per action of a pipeline that sends at every action (printed for reference).
-2. **Profile** (``profiler="engine"``, the default): ``profile_in_engine`` on the example GPT at every
+2. **Profile** (``profiler="engine"``, the default): ``profile_in_engine`` on the workload's model at every
    micro-batch size the plan search may pick: piece times traced inside the runtime on both ranks, the
    latency under load and the per-step cost fitted from the same steps (their medians over the sizes
    go into every table); from its two-replica pipeline, the cost per action (runs of pieces timed
    whole against their pieces), the replica-exchange latency, and from all, the time spread. ``profiler="alone"``: both ranks run ``profile_model`` at once, and the
    per-action and per-step costs come from a 1F1B run of the 4x4 pipeline at two micro-batch counts.
-3. **Plan**: rank 0 runs ``plan_pipeline`` for 2 ranks and saves the best plan of each schedule.
+3. **Plan**: rank 0 runs ``plan_pipeline`` for 2 ranks and saves the best plan of each schedule; with
+   ``uniform``, also the chosen plan with the workload's layers cut evenly (same schedule and micro-batches).
 4. **Rounds**: for each plan in turn, warm-up steps, then ``cycles`` times one profiling step of the
    plan's micro-batch size (``EngineProfiler``) followed by a share of the plan's timed steps (a
    barrier, then rank 0's wall clock of ``engine.step``); the prediction (same split and order,
@@ -22,20 +24,24 @@ One spawned pair of processes (``torch.set_num_threads(1)`` in each: one core pe
    which other processes used more than ``max_foreign`` cores is taken again.
 5. **Traces**: every plan's engine traces in memory (``trace=True``); the timed steps' traces are
    written per plan for ``pipeloom.viz.measured`` (task times and span of the very steps timed).
+   The uniform split, where it differs from the chosen one, runs right after the chosen plan in each round.
 
 Rank 0 writes everything to ``results.json`` in the output folder; ``plan_gpt.py`` prints it.
+A workload's callables cross to the spawned ranks by pickling: module-level functions or
+``functools.partial`` of them (:func:`gpt_workload` is the example GPT's).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
@@ -44,14 +50,17 @@ from typing import Self, TypeVar
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch import nn
 
 import pipeloom
 from pipeloom import Schedule, build_schedule, load_schedule, save_schedule
+from pipeloom.errors import PipeloomError
 from pipeloom.plan import (
     CostTable,
     Link,
     Partition,
     Plan,
+    load_plan,
     plan_pipeline,
     profile_model,
     recost,
@@ -63,7 +72,8 @@ from pipeloom.plan.inplace import EngineProfiler, profile_in_engine
 from pipeloom.plan.search import replica_sync_time, stage_spreads
 from pipeloom.sim import expected_makespan, simulate
 
-__all__ = ["RealityConfig", "example", "run_reality", "wait_until_quiet"]
+__all__ = ["RealityConfig", "Workload", "example", "gpt_workload", "run_reality", "uniform_split",
+           "wait_until_quiet"]
 
 T = TypeVar("T")
 
@@ -72,13 +82,74 @@ SEQ_LEN = 32  # the example's sequence length (GPTConfig.seq_len)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class Workload:
+    """A model to profile, plan and run, and how. The callables reach the spawned ranks pickled:
+    module-level functions or ``functools.partial`` of them."""
+
+    name: str
+    """What the printed tables call it."""
+    build: Callable[[], nn.Module]
+    """A fresh model, the same weights on every rank and every call."""
+    batch: Callable[[int, int], tuple[object, object]]
+    """``batch(step, rows)``: ``(inputs, target)`` of ``rows`` samples, the same for a given step."""
+    loss: Callable[[object, object], torch.Tensor]
+    """``loss(output, target)`` of one micro-batch."""
+    layers: tuple[str, ...]
+    """Module names whose numbered children are the layers the uniform split cuts evenly
+    (``("blocks",)``: ``blocks.0``, ``blocks.1``...); a name without children there counts as one layer."""
+    sample_bytes: int
+    """Bytes of one sample's activations between layers: sizes the link measurement's messages."""
+    tracer: str = "auto"
+    """How the runtime traces the model (``pipeline(tracer=...)``); torch.export gets one micro-batch as
+    its example inputs."""
+    leaf_modules: tuple[str, ...] = ()
+    """Module names the tracer keeps whole (``pipeline(leaf_modules=...)``)."""
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise ValueError(f"workload {self.name!r}: name the modules holding its layers (layers=('blocks',))")
+        if self.sample_bytes < 1:
+            raise ValueError(f"workload {self.name!r}: sample_bytes must be >= 1, got {self.sample_bytes}")
+
+    @property
+    def tracing(self) -> dict:
+        """The tracer arguments of ``pipeline``, ``profile_model`` and ``profile_in_engine``."""
+        return {"tracer": self.tracer, "leaf_modules": self.leaf_modules}
+
+    def example_inputs(self, rows: int) -> tuple:
+        """One micro-batch of ``rows`` samples as the runtime's example inputs (a tuple)."""
+        inputs = self.batch(0, rows)[0]
+        return inputs if isinstance(inputs, tuple) else (inputs,)
+
+
+def _gpt_model(layers: int) -> nn.Module:
+    return example().build_model(layers=layers)
+
+
+def _gpt_batch(step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return example().synthetic_batch(step, batch=rows, seq_len=SEQ_LEN, vocab=64)
+
+
+def _gpt_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return example().lm_loss(output, target)
+
+
+def gpt_workload(layers: int = 8) -> Workload:
+    """examples/train_gpt.py's GPT: ``layers`` blocks, width 64, 4 heads, vocabulary 64, 32 tokens (torch.fx)."""
+    return Workload(name=f"examples/train_gpt.py ({layers} blocks)", build=functools.partial(_gpt_model, layers),
+                    batch=_gpt_batch, loss=_gpt_loss, layers=("blocks",), sample_bytes=4 * SEQ_LEN * 64)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class RealityConfig:
     """What to profile, plan and run."""
 
     out: str
     """Folder for the cost tables, plans, traces and ``results.json``."""
-    layers: int = 8
-    """Transformer blocks of the example GPT (width 64, 4 heads, vocabulary 64, 32 tokens)."""
+    workload: Workload = dataclasses.field(default_factory=gpt_workload)
+    """The model and how to feed and cut it (default: the example GPT, 8 blocks)."""
+    uniform: bool = False
+    """Also run the chosen plan with the workload's layers cut evenly (same schedule, micro-batches)."""
     global_batch: int = 16
     """Sequences per step."""
     memory_limit: float = float(1 << 30)
@@ -113,7 +184,7 @@ class RealityConfig:
     """Seconds to wait before measuring again."""
 
     def __post_init__(self) -> None:
-        for name in ("layers", "global_batch", "max_plans", "repeats", "rounds", "steps", "cycles"):
+        for name in ("global_batch", "max_plans", "repeats", "rounds", "steps", "cycles"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
@@ -302,29 +373,26 @@ def _profile_together(config: RealityConfig, link: Link, sizes: list[int], costs
     ``profile_model`` at once, each piece timed alone while the other core computes, the two ranks'
     times averaged. ``bases`` (per size) spares the engine profiler its byte count.
     """
-    gpt = example()
+    work = config.workload
     tables, notes = [], []
     for size in sizes:
-        model = gpt.build_model(layers=config.layers)
-        if config.profiler == "engine":
-            inputs, target = gpt.synthetic_batch(0, batch=config.global_batch, seq_len=SEQ_LEN,
-                                                 vocab=model.head.out_features)
-        else:
-            inputs, target = gpt.synthetic_batch(0, batch=size, seq_len=SEQ_LEN, vocab=model.head.out_features)
+        model = work.build()
+        inputs, target = work.batch(0, config.global_batch if config.profiler == "engine" else size)
 
         def measure(model=model, inputs=inputs, target=target, size=size) -> CostTable:
             dist.barrier()
             if config.profiler == "engine":
-                return profile_in_engine(model, inputs, loss_fn=gpt.lm_loss, target=target,
+                return profile_in_engine(model, inputs, loss_fn=work.loss, target=target,
                                          microbatches=config.global_batch // size, warmup_steps=config.profile_warmup,
-                                         steps=config.profile_steps,
-                                         bandwidth=link.bandwidth, base=(bases or {}).get(size))
-            table = profile_model(model, inputs, loss_fn=gpt.lm_loss, target=target,
-                                  warmup=config.profile_warmup, repeats=config.repeats, link=link)
+                                         steps=config.profile_steps, bandwidth=link.bandwidth,
+                                         base=(bases or {}).get(size), **work.tracing)
+            table = profile_model(model, inputs, loss_fn=work.loss, target=target, warmup=config.profile_warmup,
+                                  repeats=config.repeats, link=link, **work.tracing)
             both: list[str | None] = [None, None]
             dist.all_gather_object(both, costs_to_json(table))
-            return dataclasses.replace(_mean_table([costs_from_json(text) for text in both]),
-                                       action_overhead=costs.overhead, step_overhead=costs.step)
+            mean = _mean_table([costs_from_json(text) for text in both])
+            return dataclasses.replace(mean, runtime=dataclasses.replace(
+                mean.runtime, action_overhead=costs.overhead, step_overhead=costs.step))
 
         table, foreign, attempts = _quiet(measure, config)
         tables.append(table)
@@ -349,14 +417,14 @@ def _with_engine_costs(table: CostTable, costs: EngineCosts) -> CostTable:
     if costs.latency is None:
         return table
     return dataclasses.replace(table, link=dataclasses.replace(table.link, latency=costs.latency),
-                               step_overhead=costs.step)
+                               runtime=dataclasses.replace(table.runtime, step_overhead=costs.step))
 
 
 def _mean_table(tables: list[CostTable]) -> CostTable:
-    """One table with each piece's f, i, w and b the mean over ``tables`` (same model, same size)."""
+    """One table with each piece's f, i, w and full backward the mean over ``tables`` (one model and size)."""
     pieces = tuple(
         dataclasses.replace(group[0], **{key: statistics.fmean(getattr(p, key) for p in group) for key in "fiw"},
-                            b=statistics.fmean(p.full_backward for p in group))
+                            measured_full_backward=statistics.fmean(p.full_backward for p in group))
         for group in zip(*(table.pieces for table in tables))
     )
     return dataclasses.replace(tables[0], pieces=pieces, device="cpu (1 thread per rank, both ranks profiling)")
@@ -376,7 +444,7 @@ def choose_plans(tables: list[CostTable], config: RealityConfig) -> tuple[list[d
     result = plan_pipeline(tables, num_ranks=2, global_batch=config.global_batch,
                            memory_limit=config.memory_limit, schedules=config.schedules)
     records, seen = [], set()
-    for candidate in (c for c in result.candidates if c.fits):
+    for candidate in (c for c in result.candidates if c.fits and c.data_parallel == 1):
         if candidate.label in seen or len(records) == config.max_plans:
             continue
         seen.add(candidate.label)
@@ -431,10 +499,49 @@ def _same_order(a: Schedule, b: Schedule) -> bool:
 # ---------------------------------------------------------------------------------------- run
 
 
-def _engine(plan_file: str, config: RealityConfig, trace: str | bool | None = None):
-    gpt = example()
-    model = gpt.build_model(layers=config.layers)
-    return pipeloom.pipeline(model, plan=plan_file, loss_fn=gpt.lm_loss, trace=trace)
+def uniform_split(names: Sequence[str], layers: Sequence[str], stages: int) -> tuple[str, ...] | None:
+    """Split points cutting the layers among ``names`` (pieces in call order; a layer is a piece named
+    ``{prefix}.{k}`` or ``prefix`` for a prefix of ``layers``) evenly into ``stages`` stages: stage s starts
+    at layer ``s * L // stages``, the pieces before the first layer in stage 0. None: fewer layers than stages."""
+    found = [k for k, name in enumerate(names)
+             if any(name == prefix or (name.startswith(prefix + ".") and name[len(prefix) + 1:].isdigit())
+                    for prefix in layers)]
+    if stages > len(found):
+        return None
+    return tuple(names[found[(s * len(found)) // stages]] for s in range(1, stages))
+
+
+def _uniform_record(chosen: dict, tables: list[CostTable], config: RealityConfig) -> dict | None:
+    """The chosen plan with the workload's layers cut evenly (:func:`uniform_split`), same schedule (the
+    same order file where it has one) and micro-batches, saved as ``uniform.json``; None where the model has
+    fewer layers than the plan has stages. ``same``: the cut is the chosen one's (then it is not run)."""
+    stages = len(chosen["split_points"]) + 1
+    split = uniform_split(tables[0].names, config.workload.layers, stages)
+    if split is None:
+        return None
+    record = {**chosen, "file": str(Path(config.out) / "uniform.json"), "label": f"{chosen['label']} uniform",
+              "split_points": list(split), "same": list(split) == chosen["split_points"]}
+    record["predicted"] = predict(record, tables, config)
+    planned = load_plan(chosen["file"])
+    save_plan(dataclasses.replace(planned, split_points=split, predicted_step_time=record["predicted"],
+                                  peak_memory=(), bubble_ratio=None, stage_times=()), record["file"])
+    return record
+
+
+def _engine(plan_file: str, config: RealityConfig, microbatch_size: int, trace: str | bool | None = None):
+    work = config.workload
+    return pipeloom.pipeline(work.build(), plan=plan_file, loss_fn=work.loss, trace=trace,
+                             example_inputs=work.example_inputs(microbatch_size), **work.tracing)
+
+
+def _runnable(record: dict, config: RealityConfig):
+    """The plan's engine, or None where the runtime refuses the plan (the reason goes into
+    ``record["error"]``; the check is the same on every rank, so all of them skip it)."""
+    try:
+        return _engine(record["file"], config, record["microbatch_size"], trace=True)
+    except PipeloomError as error:
+        record["error"] = f"{type(error).__name__}: {error}"
+        return None
 
 
 def _steps(engine, batches: list, count: int, *, first: int = 0) -> list[float]:
@@ -456,13 +563,10 @@ def _log(rank: int, started: float, what: str) -> None:
         print(f"[{time.perf_counter() - started:6.1f} s] {what}", file=sys.stderr, flush=True)
 
 
-def _worker(rank: int, store_file: str, config: RealityConfig) -> None:
-    begun = time.perf_counter()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=2)
-    gpt = example()
-    out = Path(config.out)
-    unit = 4 * SEQ_LEN * 64  # bytes of one sample's activations between blocks (float32, width 64)
+def _profile_sizes(rank: int, begun: float, config: RealityConfig) -> tuple[Link, dict, dict, EngineCosts,
+                                                                             list[CostTable], dict]:
+    """Steps 1 and 2: ``(link, link document, overhead note, engine costs, tables per size, profile note)``."""
+    unit = config.workload.sample_bytes
     _log(rank, begun, "measuring the link")
     link, link_times = _measure_link(rank, small=unit, large=config.global_batch * unit * 8)
     _log(rank, begun, "measuring the engine's overhead per action")
@@ -485,36 +589,53 @@ def _worker(rank: int, store_file: str, config: RealityConfig) -> None:
                             for t in tables]
         tables = [_with_engine_costs(table, costs) for table in tables]
         profiled.update(latency=costs.latency, step_overhead=costs.step)
+    link_note = {"link": {"latency": link.latency, "bandwidth": link.bandwidth},
+                 "link_times": {str(k): v for k, v in link_times.items()}}
+    return link, link_note, overhead_note, costs, tables, profiled
+
+
+def _worker(rank: int, store_file: str, config: RealityConfig) -> None:
+    begun = time.perf_counter()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=2)
+    work, out = config.workload, Path(config.out)
+    link, link_note, overhead_note, costs, tables, profiled = _profile_sizes(rank, begun, config)
     bases = {table.microbatch_size: table for table in tables}
     shared: list = [None]
     if rank == 0:
         for table in tables:
             save_costs(table, out / f"costs-b{table.microbatch_size}.json")
-        shared = [choose_plans(tables, config)]
+        records, seconds = choose_plans(tables, config)
+        uniform = _uniform_record(records[0], tables, config) if config.uniform and records else None
+        shared = [(records, seconds, uniform)]
     dist.broadcast_object_list(shared, src=0)
-    records, profiled["plan_seconds"] = shared[0]
-    engines = [_engine(record["file"], config, trace=True) for record in records]
-    batches = [gpt.synthetic_batch(step, batch=config.global_batch, seq_len=SEQ_LEN, vocab=64) for step in range(8)]
+    records, profiled["plan_seconds"], uniform = shared[0]
+    runs = list(records)
+    if uniform is not None and not uniform["same"]:
+        runs.insert(1, uniform)  # right after the chosen plan: the two meet the machine's speed alike
+    engines = {id(record): engine for record in runs
+               if (engine := _runnable(record, config)) is not None}  # a refused plan is reported, not run
+    runs = [record for record in runs if id(record) in engines]
+    batches = [work.batch(step, config.global_batch) for step in range(8)]
     profilers = {}
     if config.profiler == "engine":
-        for size in sorted({record["microbatch_size"] for record in records}):
-            model = gpt.build_model(layers=config.layers)
+        for size in sorted({record["microbatch_size"] for record in runs}):
             inputs, target = batches[0]
-            profilers[size] = EngineProfiler(model, inputs, loss_fn=gpt.lm_loss, target=target,
-                                             microbatches=config.global_batch // size, base=bases[size])
+            profilers[size] = EngineProfiler(work.build(), inputs, loss_fn=work.loss, target=target,
+                                             microbatches=config.global_batch // size, base=bases[size],
+                                             **work.tracing)
     for round_ in range(config.rounds):
-        _log(rank, begun, f"round {round_ + 1} of {config.rounds}: profile, predict and run each of {len(records)} plans")
-        for record, engine in zip(records, engines):
-            _measure_plan(rank, record, engine, profilers.get(record["microbatch_size"]), batches, config, link,
+        _log(rank, begun, f"round {round_ + 1} of {config.rounds}: profile, predict and run each of {len(runs)} plans")
+        for record in runs:
+            _measure_plan(rank, record, engines[id(record)], profilers.get(record["microbatch_size"]), batches, config, link,
                           costs, bases)
-    for k, (record, engine) in enumerate(zip(records, engines)):
-        record["trace"] = str(out / f"trace{k}-{record['schedule']}")
-        engine.write_trace(Path(record["trace"]) / f"rank{rank}.json")
+    for record in runs:
+        record["trace"] = str(out / (f"trace-uniform-{record['schedule']}" if record is uniform
+                                     else f"trace{records.index(record)}-{record['schedule']}"))
+        engines[id(record)].write_trace(Path(record["trace"]) / f"rank{rank}.json")
     if rank == 0:
         (out / "results.json").write_text(json.dumps({
-            "link": {"latency": link.latency, "bandwidth": link.bandwidth},
-            "link_times": {str(k): v for k, v in link_times.items()}, "overhead": overhead_note,
-            "profile": profiled, "plans": records,
+            **link_note, "overhead": overhead_note, "profile": profiled, "plans": records, "uniform": uniform,
         }, indent=1))
     dist.barrier()
     dist.destroy_process_group()

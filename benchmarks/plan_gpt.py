@@ -35,7 +35,7 @@ from pipeloom.plan.search import recost
 from pipeloom.sim import simulate
 from pipeloom.viz.measured import task_durations
 
-__all__ = ["gpt_table", "main", "planning_benchmark", "prediction_vs_reality"]
+__all__ = ["gpt_table", "main", "planning_benchmark", "prediction_vs_reality", "print_reality", "short_split"]
 
 
 def gpt_table(layers: int):
@@ -74,21 +74,33 @@ TARGET = 1.15
 def prediction_vs_reality(args: argparse.Namespace) -> None:
     """Profile examples/train_gpt.py on this CPU, plan it for 2 gloo ranks, run the plans with the engine
     (``plan=plan.json``), and print the predicted and measured step times side by side."""
-    from gpt_reality import RealityConfig, run_reality, wait_until_quiet  # imports torch
+    from gpt_reality import RealityConfig, gpt_workload, run_reality, wait_until_quiet  # imports torch
 
     idle = wait_until_quiet()
     config = RealityConfig(out=args.reality_out or tempfile.mkdtemp(prefix="plan_gpt_reality_"),
-                           layers=args.gpt_layers, global_batch=args.gpt_batch, rounds=args.rounds,
+                           workload=gpt_workload(args.gpt_layers), global_batch=args.gpt_batch, rounds=args.rounds,
                            steps=args.steps, repeats=args.profile_repeats, max_plans=args.max_plans,
                            profiler=args.profiler,
                            schedules=tuple(args.schedules.split(",")) if args.schedules else None)
     results = run_reality(config)
+    print_reality(results, config, idle)
+    plans = [record for record in results["plans"] if "rounds" in record]  # not those the runtime refused
+    if plans and plans[0] is results["plans"][0]:
+        _print_tasks(plans[0], config)
+    split = next((r for r in plans[1:] if r["schedule"] == "zb-h1"), None)  # a split-backward plan too
+    if split is not None:
+        _print_tasks(split, config)
+
+
+def print_reality(results: dict, config, idle: float) -> None:
+    """The measuring setup (link, engine costs, profile, load) and the plans' predicted vs measured table
+    of one :func:`gpt_reality.run_reality` document."""
     link, times = results["link"], results["link_times"]
     small, large = sorted(times, key=int)
     bandwidth = f"{link['bandwidth'] / 1e9:.2f} GB/s" if link["bandwidth"] else "unlimited"
     profile, plans = results["profile"], results["plans"]
-    rounds = [entry for record in plans for entry in record["rounds"]]
-    print(f"\nprediction vs reality: examples/train_gpt.py ({config.layers} blocks), 2 gloo ranks on CPU "
+    rounds = [entry for record in plans for entry in record.get("rounds", [])]
+    print(f"\nprediction vs reality: {config.workload.name}, 2 gloo ranks on CPU "
           f"(1 thread each), global batch {config.global_batch}; files in {config.out}")
     print(f"link (gloo ping-pong, one way): {format_bytes(int(small))} {times[small] * 1e3:.3f} ms, "
           f"{format_bytes(int(large))} {times[large] * 1e3:.3f} ms -> latency {link['latency'] * 1e3:.3f} ms, "
@@ -117,21 +129,19 @@ def prediction_vs_reality(args: argparse.Namespace) -> None:
     print(f"profile for the plan search: sizes {', '.join(map(str, config.sizes))}, {how}, "
           f"{profile['seconds']:.1f} s; plan search {profile['plan_seconds']:.2f} s")
     foreign = [n["foreign"] for n in profile["sizes"]] + [e["profile_foreign"] for e in rounds]
+    ran = [e["foreign"] for e in rounds] or [0.0]
     again = sum(n["attempts"] - 1 for n in profile["sizes"]) + sum(e["profile_attempts"] - 1 for e in rounds)
     print(f"machine idle {idle:.0%} at the start; other processes used at most {max(foreign):.2f} cores while "
-          f"profiling ({again} profiles measured again) and {max(e['foreign'] for e in rounds):.2f} while a plan "
+          f"profiling ({again} profiles measured again) and {max(ran):.2f} while a plan "
           f"ran ({sum(e['attempts'] - 1 for e in rounds)} measured again; limit {config.max_foreign} cores)")
     _print_plans(results, config)
-    _print_tasks(plans[0], config)
-    split = next((r for r in plans[1:] if r["schedule"] == "zb-h1"), None)  # a split-backward plan too
-    if split is not None:
-        _print_tasks(split, config)
 
 
-def _short(split_points: list[str]) -> str:
-    """``blocks.2, blocks.4`` -> ``blocks 2,4``."""
-    if split_points and all(name.startswith("blocks.") for name in split_points):
-        return "blocks " + ",".join(name.removeprefix("blocks.") for name in split_points)
+def short_split(split_points: list[str]) -> str:
+    """``blocks.2, blocks.4`` -> ``blocks 2,4`` (any one prefix of numbered modules); else comma-separated."""
+    heads = {name.rpartition(".")[0] for name in split_points}
+    if len(heads) == 1 and all(name.rpartition(".")[2].isdigit() for name in split_points) and "" not in heads:
+        return f"{heads.pop()} " + ",".join(name.rpartition(".")[2] for name in split_points)
     return ",".join(split_points)
 
 
@@ -156,26 +166,36 @@ def _print_plans(results: dict, config) -> None:
         how = (f"profile its micro-batch size, re-predict, then {config.warmup_steps} + {config.steps} steps")
     print(f"\n{config.rounds} rounds; in each, for each plan: {how}. measured: median of the timed steps. "
           f"Target: measured / predicted within {TARGET - 1:.0%}. Times in ms.")
-    print(f"{'schedule':22} {'M x b':>6} {'split':12} {'planned':>7} {'predicted':>9} {'measured':>8} {'ratio':>5} "
+    uniform = results.get("uniform")
+    rows = results["plans"] + ([uniform] if uniform is not None and not uniform["same"] else [])
+    width = max(12, *(len(short_split(record["split_points"])) for record in rows))
+    wide = max(22, *(len(record["label"]) + 6 for record in rows))
+    print(f"{'schedule':{wide}} {'M x b':>6} {'split':{width}} {'planned':>7} {'predicted':>9} {'measured':>8} {'ratio':>5} "
           f"{'':3} {'ratio per round':16} {'tasks':>6} {'span':>6}")
-    for k, record in enumerate(results["plans"]):
+    for k, record in enumerate(rows):
+        label = record["label"] + (" own" if record["own_order"] and record is not uniform else "") + (
+            " *" if k == 0 else "")
+        shape = f"{record['microbatches']} x {record['microbatch_size']}"
+        if "error" in record:
+            print(f"{label:{wide}} {shape:>6} {short_split(record['split_points']):{width}} "
+                  f"{record['predicted'] * 1e3:7.1f} refused by the runtime: {record['error']}")
+            continue
         predicted = [entry["predicted"] for entry in record["rounds"]]
         measured = [statistics.median(entry["times"]) for entry in record["rounds"]]
         ratios = [m / p for m, p in zip(measured, predicted)]
         ratio = statistics.median(ratios)
         _, comparison = _traced(record)
         mark = "ok" if 1 / TARGET <= ratio <= TARGET else "--"
-        label = record["label"] + (" own" if record["own_order"] else "") + (" *" if k == 0 else "")
-        shape = f"{record['microbatches']} x {record['microbatch_size']}"
-        print(f"{label:22} {shape:>6} {_short(record['split_points']):12} {record['predicted'] * 1e3:7.1f} "
+        print(f"{label:{wide}} {shape:>6} {short_split(record['split_points']):{width}} {record['predicted'] * 1e3:7.1f} "
               f"{statistics.median(predicted) * 1e3:9.1f} {statistics.median(measured) * 1e3:8.1f} {ratio:5.2f} "
               f"{mark:3} {' '.join(f'{r:.2f}' for r in ratios):16} {comparison.predicted.makespan * 1e3:6.1f} "
               f"{comparison.measured_step_time * 1e3:6.1f}")
     print("* the plan the search chose. planned: the plan file's prediction (the search's profile). predicted, "
           "measured: medians over the rounds; ratio: median of the rounds' measured / predicted. own: the plan "
           "names the order the search simulated, saved as a schedule file, as the engine builds this name in "
-          "another order. tasks: the simulator on the timed steps' own median task times (traced); span: their "
-          "schedule span (pipeloom.viz.measured); measured - span is the step's time outside the schedule.")
+          "another order. uniform: the chosen plan with the layers cut evenly. tasks: the simulator on the "
+          "timed steps' own median task times (traced); span: their schedule span (pipeloom.viz.measured); "
+          "measured - span is the step's time outside the schedule.")
 
 
 def _print_tasks(record: dict, config) -> None:

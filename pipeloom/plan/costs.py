@@ -1,5 +1,6 @@
-"""Cost tables: per-piece times and bytes of a model, the link between ranks, and the
-``pipeloom.costs/1`` JSON form users can read and edit (no torch here).
+"""Cost tables: per-piece times and bytes of a model, the link between ranks, the runtime's fitted
+corrections, and the ``pipeloom.costs/2`` JSON form users can read and edit (``/1`` files still load;
+no torch here).
 
 A *piece* is a part of the model the runtime can cut at: its name is a module name that
 ``pipeloom.runtime.split_model`` accepts as a split point (e.g. ``blocks.3``). Pieces are listed in
@@ -10,10 +11,11 @@ a chain.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -27,10 +29,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "COSTS_FORMAT",
+    "COSTS_FORMAT_V1",
     "CostTable",
     "CostTableError",
     "Link",
     "Piece",
+    "RuntimeCorrections",
     "SharedParam",
     "costs_from_json",
     "costs_to_json",
@@ -41,7 +45,10 @@ __all__ = [
     "table_for_size",
 ]
 
-COSTS_FORMAT = "pipeloom.costs/1"
+COSTS_FORMAT = "pipeloom.costs/2"
+"""The format :func:`save_costs` writes: runtime corrections in their own ``runtime`` section."""
+COSTS_FORMAT_V1 = "pipeloom.costs/1"
+"""The first format, still read: runtime corrections as top-level keys, a piece's full backward as ``b``."""
 
 
 class CostTableError(PipeloomError):
@@ -54,6 +61,23 @@ def _check(what: str, value: object, *, minimum: float = 0.0) -> float:
     if value < minimum:
         raise CostTableError(f"{what} must be >= {minimum:g}, got {value!r}")
     return float(value)
+
+
+def _old_keywords(fold: Callable[[dict], dict]) -> Callable[[type], type]:
+    """Let a dataclass's constructor (and so ``dataclasses.replace``) also take the keyword names of
+    ``pipeloom.costs/1``'s Python API, rewritten to the current fields by ``fold``."""
+
+    def decorate(cls: type) -> type:
+        init = cls.__init__
+
+        @functools.wraps(init)
+        def __init__(self: object, **kwargs: object) -> None:
+            init(self, **fold(kwargs))
+
+        cls.__init__ = __init__  # type: ignore[misc]
+        return cls
+
+    return decorate
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -80,6 +104,16 @@ class Link:
         return self.latency + (0.0 if self.bandwidth is None else nbytes / self.bandwidth)
 
 
+def _piece_keywords(kwargs: dict) -> dict:
+    """``b`` (the first name of :attr:`Piece.measured_full_backward`) replaces it when given."""
+    if "b" in kwargs:
+        value = kwargs.pop("b")
+        where = f"piece {kwargs.get('name')!r} b"
+        kwargs["measured_full_backward"] = None if value is None else _check(where, value)
+    return kwargs
+
+
+@_old_keywords(_piece_keywords)
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Piece:
     """One cuttable part of the model; times are per micro-batch of the table's ``microbatch_size``."""
@@ -94,10 +128,12 @@ class Piece:
     """Weight-gradient backward seconds (zero-bubble W: the ``weight()`` that I leaves pending). Where a stage's inputs are only model inputs (which carry no gradient),
     the engine's I computes nothing and W does the whole backward: the planner then counts the stage's
     ``i`` as W (:func:`pipeloom.plan.recost`)."""
-    b: float | None = None
+    measured_full_backward: float | None = None
     """Full backward seconds (input and weight gradients in one ``autograd.backward``, as the engine runs a
     ``B``: ``pipeloom.runtime.backward.backward_full``); None means not measured, priced ``i + w``
-    (:attr:`full_backward`). One backward pass is usually cheaper than the split's two."""
+    (:attr:`full_backward`). One backward pass is usually cheaper than the split's two. (Called ``b``
+    in ``pipeloom.costs/1``; ``Piece(b=...)`` and :attr:`b` still work. In :class:`pipeloom.problem.Costs`
+    and ``Stage``, ``b`` is the input-gradient time, this table's ``i``.)"""
     activation_bytes: float = 0.0
     """Bytes the forward keeps for the backward (saved tensors), released by the backward."""
     w_activation_bytes: float = 0.0
@@ -115,8 +151,9 @@ class Piece:
             raise CostTableError(f"a piece name must be a non-empty string, got {shown(self.name)}")
         for key in ("f", "i", "w", "activation_bytes", "w_activation_bytes", "param_bytes", "output_bytes"):
             object.__setattr__(self, key, _check(f"piece {self.name!r} {key}", getattr(self, key)))
-        if self.b is not None:
-            object.__setattr__(self, "b", _check(f"piece {self.name!r} b", self.b))
+        if self.measured_full_backward is not None:
+            object.__setattr__(self, "measured_full_backward", _check(
+                f"piece {self.name!r} measured_full_backward", self.measured_full_backward))
         if self.w_activation_bytes > self.activation_bytes:
             raise CostTableError(
                 f"piece {self.name!r}: w_activation_bytes {self.w_activation_bytes:g} exceeds activation_bytes "
@@ -134,8 +171,13 @@ class Piece:
 
     @property
     def full_backward(self) -> float:
-        """Seconds of a full backward B: ``b`` where measured, else ``i + w``."""
-        return self.i + self.w if self.b is None else self.b
+        """Seconds of a full backward B: :attr:`measured_full_backward` where measured, else ``i + w``."""
+        return self.i + self.w if self.measured_full_backward is None else self.measured_full_backward
+
+    @property
+    def b(self) -> float | None:
+        """``pipeloom.costs/1``'s name of :attr:`measured_full_backward` (read it there)."""
+        return self.measured_full_backward
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -162,24 +204,20 @@ class SharedParam:
                                  "parameter is used by two or more pieces (leave one-piece parameters out)")
 
 
+_RUNTIME_FIELDS = ("action_overhead", "message_cost", "step_overhead", "time_spread", "start_skew",
+                   "replica_link")
+"""The fields of :class:`RuntimeCorrections`: top-level keys and keywords of a ``pipeloom.costs/1`` table."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
-class CostTable:
-    """The pieces of one model in call order, measured (or estimated) for one micro-batch size."""
+class RuntimeCorrections:
+    """What a runtime costs beyond the pieces' own times: per action, per message, per step, how much
+    times vary, and the replica-gradient exchange. All are fitted by running the engine
+    (:func:`pipeloom.plan.profile_in_engine`); every default means "none measured", so a cost source
+    that times the pieces alone (:func:`pipeloom.plan.profile_model`,
+    :func:`pipeloom.plan.analytical_gpt_costs`, a hand-written table) owes nothing here. None of them
+    scales with the micro-batch size."""
 
-    pieces: tuple[Piece, ...]
-    """In call order; ``inputs`` name only earlier pieces (normalised: never None here)."""
-    microbatch_size: int
-    """Samples per micro-batch the times and activation/output bytes are for."""
-    device: str = ""
-    """Where the costs come from, e.g. ``cuda:0 (NVIDIA H100)``, ``cpu``, ``analytical``."""
-    link: Link = Link()
-    """Communication between ranks."""
-    optimizer_factor: float = 2.0
-    """Optimizer-state bytes per parameter byte (2 for Adam's two moments in the parameters' dtype).
-
-    A rank holding a piece keeps ``param_bytes * (2 + optimizer_factor)``: weights, gradients, state."""
-    source: str = "manual"
-    """``profile``, ``analytical`` or ``manual``."""
     action_overhead: float = 0.0
     """Seconds the runtime spends per action beyond the piece times (dispatch, bookkeeping; its
     messages are :attr:`message_cost`); the simulator adds it to every task (F, B, I and W alike).
@@ -210,7 +248,49 @@ class CostTable:
     """The two-replica schedules' gradient exchange as the engine runs it, per packed message (see
     :func:`pipeloom.plan.replica_sync_time`): packing, adding and sending back, under the load of the
     step's last messages. Fitted by :func:`pipeloom.plan.profile_in_engine` from a two-replica
-    profiling pipeline; None prices the exchange with :attr:`link`."""
+    profiling pipeline; None prices the exchange with :attr:`CostTable.link`."""
+
+    def __post_init__(self) -> None:
+        for key in _RUNTIME_FIELDS[:-1]:
+            object.__setattr__(self, key, _check(key, getattr(self, key)))
+        if self.replica_link is not None and not isinstance(self.replica_link, Link):
+            raise CostTableError(
+                f"replica_link is {type(self.replica_link).__name__}, expected a Link or None")
+
+
+def _table_keywords(kwargs: dict) -> dict:
+    """``pipeloom.costs/1``'s flat keywords (``action_overhead=...``) go into ``runtime``, over its values."""
+    flat = {key: kwargs.pop(key) for key in _RUNTIME_FIELDS if key in kwargs}
+    if flat:
+        runtime = kwargs.get("runtime", RuntimeCorrections())
+        if not isinstance(runtime, RuntimeCorrections):
+            raise CostTableError(f"runtime is {type(runtime).__name__}, expected a RuntimeCorrections")
+        kwargs["runtime"] = dataclasses.replace(runtime, **flat)
+    return kwargs
+
+
+@_old_keywords(_table_keywords)
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CostTable:
+    """The pieces of one model in call order, measured (or estimated) for one micro-batch size."""
+
+    pieces: tuple[Piece, ...]
+    """In call order; ``inputs`` name only earlier pieces (normalised: never None here)."""
+    microbatch_size: int
+    """Samples per micro-batch the times and activation/output bytes are for."""
+    device: str = ""
+    """Where the costs come from, e.g. ``cuda:0 (NVIDIA H100)``, ``cpu``, ``analytical``."""
+    link: Link = Link()
+    """Communication between ranks."""
+    optimizer_factor: float = 2.0
+    """Optimizer-state bytes per parameter byte (2 for Adam's two moments in the parameters' dtype).
+
+    A rank holding a piece keeps ``param_bytes * (2 + optimizer_factor)``: weights, gradients, state."""
+    source: str = "manual"
+    """``profile``, ``analytical`` or ``manual``."""
+    runtime: RuntimeCorrections = RuntimeCorrections()
+    """What the runtime costs beyond the piece times, fitted by running it; the defaults mean none
+    measured (a source that times pieces alone leaves them, and the planner adds nothing)."""
     shared: tuple[SharedParam, ...] = ()
     """Parameters several pieces use, each listed with its users (each counted once in ``param_bytes``);
     :mod:`pipeloom.plan.shared` counts them on every rank holding a user and prices their gradients'
@@ -226,10 +306,9 @@ class CostTable:
         if isinstance(self.microbatch_size, bool) or not isinstance(self.microbatch_size, int) \
                 or self.microbatch_size < 1:
             raise CostTableError(f"microbatch_size must be a positive integer, got {shown(self.microbatch_size)}")
-        for key in ("optimizer_factor", *_RUNTIME_KEYS):
-            object.__setattr__(self, key, _check(key, getattr(self, key)))
-        if self.replica_link is not None and not isinstance(self.replica_link, Link):
-            raise CostTableError(f"replica_link is {type(self.replica_link).__name__}, expected a Link or None")
+        object.__setattr__(self, "optimizer_factor", _check("optimizer_factor", self.optimizer_factor))
+        if not isinstance(self.runtime, RuntimeCorrections):
+            raise CostTableError(f"runtime is {type(self.runtime).__name__}, expected a RuntimeCorrections")
         seen: dict[str, int] = {}
         normal = []
         for k, piece in enumerate(pieces):
@@ -257,6 +336,20 @@ class CostTable:
             unknown = [name for name in self.tensor.layers if name not in seen]
             if unknown:
                 raise CostTableError(f"tensor.layers names {unknown}, which the table has no piece for; name pieces")
+
+    # pipeloom.costs/1's flat names of the runtime corrections, kept for callers: read ``runtime``.
+    action_overhead = property(lambda self: self.runtime.action_overhead,
+                               doc=":attr:`RuntimeCorrections.action_overhead` of :attr:`runtime`.")
+    message_cost = property(lambda self: self.runtime.message_cost,
+                            doc=":attr:`RuntimeCorrections.message_cost` of :attr:`runtime`.")
+    step_overhead = property(lambda self: self.runtime.step_overhead,
+                             doc=":attr:`RuntimeCorrections.step_overhead` of :attr:`runtime`.")
+    time_spread = property(lambda self: self.runtime.time_spread,
+                           doc=":attr:`RuntimeCorrections.time_spread` of :attr:`runtime`.")
+    start_skew = property(lambda self: self.runtime.start_skew,
+                          doc=":attr:`RuntimeCorrections.start_skew` of :attr:`runtime`.")
+    replica_link = property(lambda self: self.runtime.replica_link,
+                            doc=":attr:`RuntimeCorrections.replica_link` of :attr:`runtime`.")
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -292,7 +385,8 @@ class CostTable:
         pieces = tuple(
             dataclasses.replace(
                 piece, f=piece.f * factor, i=piece.i * factor, w=piece.w * factor,
-                b=None if piece.b is None else piece.b * factor,
+                measured_full_backward=None if piece.measured_full_backward is None
+                else piece.measured_full_backward * factor,
                 activation_bytes=piece.activation_bytes * factor,
                 w_activation_bytes=piece.w_activation_bytes * factor,
                 output_bytes=piece.output_bytes * factor,
@@ -329,10 +423,10 @@ def table_for_size(tables: CostTable | Sequence[CostTable], microbatch_size: int
     interpolated linearly (an affine model, fixed costs included, between the two); below the
     smallest or above the largest the nearest table is scaled in proportion (:meth:`CostTable.scaled`).
     The tables must list the same pieces (same names and inputs); the first one's device, link,
-    optimizer factor and step overhead are kept, and the first ``replica_link`` any of them has. The
-    action overhead, message cost, time spread and start skew, fitted with each table's pieces, are
-    interpolated with them. A
-    full backward ``b`` missing from one of two tables is taken as its ``i + w``.
+    optimizer factor and runtime step overhead are kept, and the first runtime ``replica_link`` any of
+    them has. The runtime's action overhead, message cost, time spread and start skew, fitted with each
+    table's pieces, are interpolated with them. A measured full backward missing from one of two tables
+    is taken as its ``i + w``.
     """
     tables = [tables] if isinstance(tables, CostTable) else list(tables)
     if not tables:
@@ -352,13 +446,14 @@ def table_for_size(tables: CostTable | Sequence[CostTable], microbatch_size: int
             f"`pipeloom profile --batch N` run measures one size)"
         )
     by_size = {table.microbatch_size: table for table in tables}
-    replica_link = next((table.replica_link for table in tables if table.replica_link is not None), None)
+    replica_link = next((t.runtime.replica_link for t in tables if t.runtime.replica_link is not None), None)
 
     def linked(table: CostTable) -> CostTable:
         """``table``, given the replica link another table measured where it has none."""
-        if table.replica_link is not None or replica_link is None:
+        if table.runtime.replica_link is not None or replica_link is None:
             return table
-        return dataclasses.replace(table, replica_link=replica_link)
+        runtime = dataclasses.replace(table.runtime, replica_link=replica_link)
+        return dataclasses.replace(table, runtime=runtime)
 
     if microbatch_size in by_size:
         return linked(by_size[microbatch_size])
@@ -368,52 +463,51 @@ def table_for_size(tables: CostTable | Sequence[CostTable], microbatch_size: int
         return linked(by_size[max(below) if below else min(above)].scaled(microbatch_size))
     low, high = by_size[max(below)], by_size[min(above)]
     share = (microbatch_size - low.microbatch_size) / (high.microbatch_size - low.microbatch_size)
+
+    def between(a: object, b: object, key: str) -> float:
+        return getattr(a, key) + share * (getattr(b, key) - getattr(a, key))
+
     pieces = tuple(
-        dataclasses.replace(a, **{key: getattr(a, key) + share * (getattr(b, key) - getattr(a, key)) for key in _SCALED},
-                            b=None if a.b is None and b.b is None
-                            else a.full_backward + share * (b.full_backward - a.full_backward))
+        dataclasses.replace(a, **{key: between(a, b, key) for key in _SCALED},
+                            measured_full_backward=None if a.measured_full_backward is None
+                            and b.measured_full_backward is None else between(a, b, "full_backward"))
         for a, b in zip(low.pieces, high.pieces)
     )
-    return dataclasses.replace(
-        first, pieces=pieces, microbatch_size=microbatch_size, replica_link=replica_link,
-        **{key: getattr(low, key) + share * (getattr(high, key) - getattr(low, key))
+    runtime = dataclasses.replace(
+        first.runtime, replica_link=replica_link,
+        **{key: between(low.runtime, high.runtime, key)
            for key in ("action_overhead", "message_cost", "time_spread", "start_skew")})
+    return dataclasses.replace(first, pieces=pieces, microbatch_size=microbatch_size, runtime=runtime)
 
 
 # ------------------------------------------------------------------------------------------ JSON
 
-_RUNTIME_KEYS = ("action_overhead", "message_cost", "step_overhead", "time_spread", "start_skew")
-"""The table's runtime fits: numbers >= 0, 0 when absent."""
-
-_TOP_KEYS = {"format", "device", "source", "microbatch_size", "optimizer_factor", "action_overhead",
-             "message_cost", "step_overhead", "time_spread", "start_skew", "link", "replica_link", "pieces",
+_TOP_KEYS = {"format", "device", "source", "microbatch_size", "optimizer_factor", "link", "runtime", "pieces",
              "shared", "tensor"}
+_TOP_KEYS_V1 = _TOP_KEYS - {"runtime"} | set(_RUNTIME_FIELDS)
 _SHARED_KEYS = {"name", "bytes", "pieces"}
 _LINK_KEYS = {"latency", "bandwidth"}
-_PIECE_KEYS = {"name", "f", "i", "w", "b", "activation_bytes", "w_activation_bytes", "param_bytes", "output_bytes",
-               "inputs"}
+_PIECE_KEYS = {"name", "f", "i", "w", "measured_full_backward", "activation_bytes", "w_activation_bytes",
+               "param_bytes", "output_bytes", "inputs"}
+_PIECE_KEYS_V1 = _PIECE_KEYS - {"measured_full_backward"} | {"b"}
 
 
 def costs_to_json(table: CostTable, *, indent: int | None = 1) -> str:
-    """The ``pipeloom.costs/1`` JSON text of ``table`` (every key written, inputs explicit)."""
+    """The ``pipeloom.costs/2`` JSON text of ``table`` (every key written, inputs explicit)."""
+    runtime = table.runtime
     document = {
         "format": COSTS_FORMAT,
         "device": table.device,
         "source": table.source,
         "microbatch_size": table.microbatch_size,
         "optimizer_factor": table.optimizer_factor,
-        "action_overhead": table.action_overhead,
-        "message_cost": table.message_cost,
-        "step_overhead": table.step_overhead,
-        "time_spread": table.time_spread,
-        "start_skew": table.start_skew,
-        "link": {"latency": table.link.latency, "bandwidth": table.link.bandwidth},
-        "replica_link": None if table.replica_link is None
-        else {"latency": table.replica_link.latency, "bandwidth": table.replica_link.bandwidth},
+        "link": _link_to_json(table.link),
+        "runtime": {**{key: getattr(runtime, key) for key in _RUNTIME_FIELDS[:-1]}, "replica_link":
+                    None if runtime.replica_link is None else _link_to_json(runtime.replica_link)},
         "pieces": [
-            {"name": p.name, "f": p.f, "i": p.i, "w": p.w, "b": p.b, "activation_bytes": p.activation_bytes,
-             "w_activation_bytes": p.w_activation_bytes, "param_bytes": p.param_bytes,
-             "output_bytes": p.output_bytes, "inputs": list(p.inputs or ())}
+            {"name": p.name, "f": p.f, "i": p.i, "w": p.w, "measured_full_backward": p.measured_full_backward,
+             "activation_bytes": p.activation_bytes, "w_activation_bytes": p.w_activation_bytes,
+             "param_bytes": p.param_bytes, "output_bytes": p.output_bytes, "inputs": list(p.inputs or ())}
             for p in table.pieces
         ],
     }
@@ -426,15 +520,21 @@ def costs_to_json(table: CostTable, *, indent: int | None = 1) -> str:
     return json.dumps(document, indent=indent)
 
 
-def _piece_from_json(entry: object, k: int) -> Piece:
+def _link_to_json(link: Link) -> dict:
+    return {"latency": link.latency, "bandwidth": link.bandwidth}
+
+
+def _piece_from_json(entry: object, k: int, *, old: bool) -> Piece:
+    """A piece; ``old``: of a ``/1`` file, which names its measured full backward ``b``."""
     where = f"pieces[{k}]"
     if not isinstance(entry, dict):
         raise CostTableError(f"{where}: expected an object, got {shown(entry)}")
-    check_keys(entry, _PIECE_KEYS, where=where, error=CostTableError)
+    check_keys(entry, _PIECE_KEYS_V1 if old else _PIECE_KEYS, where=where, error=CostTableError)
     values = {key: number(entry, key, where=where, error=CostTableError) for key in ("f", "i", "w")}
     for key in ("activation_bytes", "w_activation_bytes", "param_bytes", "output_bytes"):
         values[key] = number(entry, key, where=where, error=CostTableError, default=0.0)
-    values["b"] = number(entry, "b", where=where, error=CostTableError, default=None, null=True)
+    values["measured_full_backward"] = number(entry, "b" if old else "measured_full_backward", where=where,
+                                              error=CostTableError, default=None, null=True)
     inputs = None if entry.get("inputs") is None else strings(entry, "inputs", where=where, error=CostTableError)
     return Piece(name=string(entry, "name", where=where, error=CostTableError), inputs=inputs, **values)
 
@@ -454,35 +554,66 @@ def _shared_from_json(entries: object) -> tuple[SharedParam, ...]:
     return tuple(found)
 
 
-def costs_from_json(text: str) -> CostTable:
-    """Parse ``pipeloom.costs/1`` JSON; unknown keys, another format or a wrong type are errors.
+def _runtime_from_json(entry: object, where: str) -> RuntimeCorrections:
+    """The runtime corrections in ``entry`` (the ``runtime`` section, or a ``/1`` file's top level)."""
+    if not isinstance(entry, dict):
+        raise CostTableError(f"{where}: expected an object of runtime corrections, got {shown(entry)}")
+    if where != "costs":  # the runtime section of a /2 file (a /1 file's top level is checked whole)
+        check_keys(entry, set(_RUNTIME_FIELDS), where=where, error=CostTableError)
+    replica_link = entry.get("replica_link")
+    return RuntimeCorrections(
+        replica_link=None if replica_link is None else _link_from_json(replica_link, f"{where}.replica_link"),
+        **{key: number(entry, key, where=where, error=CostTableError, default=0.0)
+           for key in _RUNTIME_FIELDS[:-1]})
 
-    Optional keys: ``device`` (""), ``source`` ("manual"), ``optimizer_factor`` (2),
-    ``action_overhead``, ``message_cost``, ``step_overhead`` and ``start_skew`` (0 seconds), ``time_spread`` (0), ``link`` (no
-    latency, unlimited bandwidth), ``replica_link`` (null: the exchange is priced with ``link``), and
-    per piece ``b`` (null: the full backward is priced ``i + w``), the byte counts (0) and ``inputs``
-    (the piece before it); ``shared`` (none: no piece shares a parameter), a list of
-    ``{"name", "bytes", "pieces"}``; ``tensor`` (null: no tensor parallelism), see
-    :func:`pipeloom.plan.tensor.tensor_from_json`.
+
+def _format_of(text: str) -> str:
+    """The format a cost table's text declares, checked to be one this reader knows (else ``/2``, so
+    that :func:`~pipeloom.ir.jsonfields.json_object` reports malformed text against the current one)."""
+    try:
+        document = json.loads(text)
+    except (ValueError, RecursionError):
+        return COSTS_FORMAT
+    if not isinstance(document, dict) or "format" not in document:
+        return COSTS_FORMAT
+    if document["format"] not in (COSTS_FORMAT_V1, COSTS_FORMAT):
+        raise CostTableError(f"format {shown(document['format'])} is not supported; expected "
+                             f"{COSTS_FORMAT_V1!r} or {COSTS_FORMAT!r}")
+    return document["format"]
+
+
+def costs_from_json(text: str) -> CostTable:
+    """Parse ``pipeloom.costs/2`` (or ``/1``) JSON; unknown keys, another format or a wrong type are errors.
+
+    Optional keys: ``device`` (""), ``source`` ("manual"), ``optimizer_factor`` (2), ``link`` (no
+    latency, unlimited bandwidth), ``runtime`` (none measured) and in it ``action_overhead``,
+    ``message_cost``, ``step_overhead`` and ``start_skew`` (0 seconds), ``time_spread`` (0),
+    ``replica_link`` (null: the exchange is priced with ``link``); per piece ``measured_full_backward``
+    (null: the full backward is priced ``i + w``), the byte counts (0) and ``inputs`` (the piece
+    before it); ``shared`` (none: no piece shares a parameter), a list of ``{"name", "bytes",
+    "pieces"}``; ``tensor`` (null: no tensor parallelism), see :func:`pipeloom.plan.tensor.tensor_from_json`.
+    A ``pipeloom.costs/1`` file has the runtime corrections as top-level keys and a piece's
+    measured full backward as ``b``.
     """
-    document = json_object(text, fmt=COSTS_FORMAT, keys=_TOP_KEYS, error=CostTableError, what="cost table")
+    fmt = _format_of(text)
+    old = fmt == COSTS_FORMAT_V1
+    document = json_object(text, fmt=fmt, keys=_TOP_KEYS_V1 if old else _TOP_KEYS, error=CostTableError,
+                           what="cost table")
     where = "costs"
     link = _link_from_json(document.get("link") or {}, f"{where}.link")
-    replica_link = document.get("replica_link")
-    if replica_link is not None:
-        replica_link = _link_from_json(replica_link, f"{where}.replica_link")
+    runtime = _runtime_from_json(document, where) if old else \
+        _runtime_from_json(document.get("runtime", {}), f"{where}.runtime")
     entries = document.get("pieces")
     if not isinstance(entries, list):
         raise CostTableError(f"{where}.pieces: expected a list of pieces, got {shown(entries)}")
     return CostTable(
-        pieces=tuple(_piece_from_json(entry, k) for k, entry in enumerate(entries)),
+        pieces=tuple(_piece_from_json(entry, k, old=old) for k, entry in enumerate(entries)),
         microbatch_size=integer(document, "microbatch_size", where=where, error=CostTableError),
         device=string(document, "device", where=where, error=CostTableError, default=""),
         source=string(document, "source", where=where, error=CostTableError, default="manual"),
         optimizer_factor=number(document, "optimizer_factor", where=where, error=CostTableError, default=2.0),
-        link=link, replica_link=replica_link, shared=_shared_from_json(document.get("shared", [])),
+        link=link, runtime=runtime, shared=_shared_from_json(document.get("shared", [])),
         tensor=_tensor_from_json(document.get("tensor")),
-        **{key: number(document, key, where=where, error=CostTableError, default=0.0) for key in _RUNTIME_KEYS},
     )
 
 
@@ -506,7 +637,7 @@ def _link_from_json(entry: object, where: str) -> Link:
 
 
 def load_costs(path: str | Path) -> CostTable:
-    """Read a ``pipeloom.costs/1`` file; CostTableError naming the file and the problem."""
+    """Read a ``pipeloom.costs/2`` (or ``/1``) file; CostTableError naming the file and the problem."""
     try:
         return costs_from_json(read_json_file(path, CostTableError))
     except CostTableError as error:
@@ -516,7 +647,7 @@ def load_costs(path: str | Path) -> CostTable:
 
 
 def save_costs(table: CostTable, path: str | Path) -> None:
-    """Write ``table`` as ``pipeloom.costs/1`` JSON."""
+    """Write ``table`` as ``pipeloom.costs/2`` JSON."""
     Path(path).write_text(costs_to_json(table) + "\n", encoding="utf-8")
 
 

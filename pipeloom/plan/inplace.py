@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeloom.ir import Action, Schedule
-from pipeloom.plan.costs import CostTable, Link
+from pipeloom.plan.costs import CostTable, Link, RuntimeCorrections
 from pipeloom.plan.plan import PlanError
 from pipeloom.plan.profile import _default_pieces, _traced, profile_model
 from pipeloom.plan.search import exchange_time
@@ -180,7 +180,7 @@ class EngineProfiler:
 
         Piece times: medians over steps and micro-batches (F: the mean of the two pipelines' medians)
         of each action less the sends and receive posts it made (their mean time becomes the table's
-        ``message_cost``, which a plan's stages pay per edge crossing ranks), and less
+        ``runtime.message_cost``, which a plan's stages pay per edge crossing ranks), and less
         ``action_cost``, the runtime's own seconds inside one action. None fits it where the
         two-replica pipeline ran (else 0): that pipeline runs each rank's run of pieces as one action,
         so a run of n pieces timed whole, ``T``, against its pieces timed apart, ``sum t``, gives
@@ -192,7 +192,7 @@ class EngineProfiler:
         (``engine.step`` time minus the schedule's span: preamble, loss all-reduce, last sends; less the
         shared-parameter exchange as :func:`~pipeloom.plan.shared.shared_sync_time` prices it, which a
         plan pays apart); both averaged over the two pipelines. Where the two-replica pipeline ran, its own cost outside the
-        schedule beyond that is its replica-gradient exchange: the table's ``replica_link`` is the
+        schedule beyond that is its replica-gradient exchange: the table's ``runtime.replica_link`` is the
         per-message latency that prices that exchange at the measured seconds
         (:func:`~pipeloom.plan.search.exchange_time`, with ``bandwidth``); and, as both its replicas
         start a step at once, its ``start_skew`` (:func:`_start_skew`).
@@ -218,11 +218,11 @@ class EngineProfiler:
             return max(0.0, raw(stage, kind) - action_cost)
 
         pieces = tuple(dataclasses.replace(piece, f=seconds(k, "F"), i=seconds(k, "I"), w=seconds(k, "W"),
-                                           b=seconds(k, "B"))
+                                           measured_full_backward=seconds(k, "B"))
                        for k, piece in enumerate(self.base.pieces))
         spread = _time_spread([(run, task_durations(run, steps=steps)) for run in runs], steps)
         where = self.base.device.split(" (")[0]
-        replica_link, skew = self.base.replica_link, self.base.start_skew
+        replica_link, skew = self.base.runtime.replica_link, self.base.runtime.start_skew
         if exchange is not None:
             skew = _start_skew(exchange, steps)
             _, exchange_outside = _fit_run(exchange, steps)
@@ -233,10 +233,12 @@ class EngineProfiler:
         link = Link(latency=statistics.fmean(latencies), bandwidth=bandwidth)
         # the shared-parameter exchange after the step is priced apart (pipeloom.plan.shared): take it off
         shared = shared_sync_time(self.base, self.rank_of, self.microbatches, link=replica_link or link)
-        return dataclasses.replace(
-            self.base, pieces=pieces, source="profile", link=link, replica_link=replica_link,
+        runtime = RuntimeCorrections(
             action_overhead=action_cost if action_overhead is None else action_overhead, message_cost=messages,
             step_overhead=max(0.0, statistics.fmean(outside) - shared), time_spread=spread, start_skew=skew,
+            replica_link=replica_link)
+        return dataclasses.replace(
+            self.base, pieces=pieces, source="profile", link=link, runtime=runtime,
             device=f"{where} (in the engine, {self.world} ranks, {torch.get_num_threads()} thread(s) each)")
 
     def _run(self, engine: object) -> RunTrace:
@@ -371,14 +373,14 @@ def profile_in_engine(
     micro-batch size. ``warmup_steps`` untimed steps, then ``steps`` traced ones, of each of the two
     :func:`profiling_schedule` pipelines (:class:`EngineProfiler`). A traced action also holds the
     runtime's own work: the sends and receive posts it makes are taken off its piece time (their mean
-    becomes the table's ``message_cost``), and ``action_cost``, the seconds of the rest per action, is
-    taken off every piece time and becomes the table's ``action_overhead``, so that a stage of
+    becomes the table's ``runtime.message_cost``), and ``action_cost``, the seconds of the rest per action, is
+    taken off every piece time and becomes the table's ``runtime.action_overhead``, so that a stage of
     several pieces pays it once; None fits it from the two-replica pipeline (where it runs; else 0).
     The link latency, the per-step overhead, the time spread and (two-replica pipeline) the start
     skew are fitted from the same steps (:meth:`EngineProfiler.table`); ``bandwidth``
     (bytes/s) completes the link. Bytes come from ``base`` (default: ``profile_model`` on one
     micro-batch). ``exchange`` (with two ranks or more and an even number of micro-batches) also runs a
-    two-replica profiling pipeline and fits the table's ``replica_link`` from its gradient exchange.
+    two-replica profiling pipeline and fits the table's ``runtime.replica_link`` from its gradient exchange.
     The model is traced once, as ``pipeline`` traces it (``tracer``, ``leaf_modules``; torch.export on
     one micro-batch of ``inputs`` where torch.fx cannot), and every pipeline cuts that trace.
     Every rank calls this and gets the same table; the model's gradients are cleared.

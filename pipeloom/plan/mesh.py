@@ -33,8 +33,8 @@ from collections.abc import Callable, Sequence
 from pipeloom.ir.core import compute_parts
 from pipeloom.plan.costs import CostTable, Link
 from pipeloom.plan.plan import PlanError
-from pipeloom.plan.placement import schedule_shape
 from pipeloom.plan.search import Candidate, NoPlanFits, PlanResult, piece_ranks, plan_pipeline
+from pipeloom.plan.shape import schedule_shape
 from pipeloom.plan.shared import shared_across_stages, shared_sync_time
 from pipeloom.schedules import REGISTRY
 

@@ -21,9 +21,9 @@ from pipeloom.plan.partition import (
     split_partition,
     split_times,
 )
-from pipeloom.plan.placement import (
+from pipeloom.plan.shape import (
     PARTITION_PROFILES,
-    Placement,
+    PartitionPlacement,
     ScheduleShape,
     library_schedule,
     rank_objective,
@@ -314,7 +314,7 @@ def partition(
     table: CostTable,
     *,
     num_ranks: int,
-    placement: Placement = "linear",
+    placement: PartitionPlacement = "linear",
     stages_per_rank: int = 2,
     microbatches: int = 1,
     memory_limit: float | None = None,

@@ -20,7 +20,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from pipeloom.errors import PipeloomError
-from pipeloom.plan.costs import CostTable, Link, Piece, SharedParam
+from pipeloom.plan.costs import CostTable, Link, Piece, RuntimeCorrections, SharedParam
 from pipeloom.plan.plan import PlanError
 from pipeloom.runtime import (
     MODEL_INPUT,
@@ -311,7 +311,7 @@ def profile_model(
     left in training mode; parameter gradients are cleared after. A piece that fails when run on its
     own raises :class:`PieceError` naming it and a fix. ``link``, ``action_overhead`` (seconds the
     runtime adds per action) and ``step_overhead`` (seconds it adds once per step) are copied into the
-    table.
+    table (its ``runtime`` corrections).
     """
     inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     modules = _modules(model)
@@ -337,14 +337,16 @@ def profile_model(
         own = [p for p in module.parameters() if id(p) not in counted]
         counted.update(id(p) for p in own)
         profiled.append(Piece(
-            name=name, f=forward, i=i, w=w, b=b, activation_bytes=saved, param_bytes=_nbytes(own),
+            name=name, f=forward, i=i, w=w, measured_full_backward=b, activation_bytes=saved,
+            param_bytes=_nbytes(own),
             output_bytes=_nbytes(_tensors(stage_outputs[k])),
             inputs=tuple(names[j] for j in sorted({ref.stage for ref in spec.inputs if ref.stage != MODEL_INPUT})),
         ))
     size = next((t.size(0) for t in _tensors(inputs) if t.dim() > 0), 1)
     return CostTable(pieces=tuple(profiled), microbatch_size=int(size), device=_device_name(device), link=link,
-                     optimizer_factor=optimizer_factor, source="profile", action_overhead=action_overhead,
-                     step_overhead=step_overhead, shared=_shared(model, staged, names))
+                     optimizer_factor=optimizer_factor, source="profile",
+                     shared=_shared(model, staged, names),
+                     runtime=RuntimeCorrections(action_overhead=action_overhead, step_overhead=step_overhead))
 
 
 def _modules(model: Model) -> list[nn.Module]:

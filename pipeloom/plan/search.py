@@ -18,8 +18,8 @@ from pipeloom.ir import Schedule, save_schedule
 from pipeloom.plan.costs import CostTable, Link, format_bytes, table_for_size
 from pipeloom.plan.partition import Partition, PartitionError
 from pipeloom.plan.partitioner import MemoryTooSmall, SchedulePartitioner, format_bytes_up
-from pipeloom.plan.placement import library_schedule, schedule_shape
 from pipeloom.plan.plan import Plan, PlanError, save_plan
+from pipeloom.plan.shape import library_schedule, schedule_shape
 from pipeloom.plan.shared import shared_across_stages, shared_static_bytes, shared_sync_time
 from pipeloom.problem import Problem, Stage, stage_graph
 from pipeloom.schedules import REGISTRY, build_schedule
@@ -58,11 +58,11 @@ class Candidate:
     microbatch_size: int
     """Samples per micro-batch."""
     step_time: float | None = None
-    """Predicted seconds per step: the simulated makespan (with the table's ``time_spread`` or
-    ``start_skew``, the mean over replays with varying action times and start delays:
+    """Predicted seconds per step: the simulated makespan (with the table's runtime ``time_spread``
+    or ``start_skew``, the mean over replays with varying action times and start delays:
     :func:`pipeloom.sim.expected_makespan`), plus the
     replicas' gradient exchange for two-replica schedules (:func:`replica_sync_time`), plus the
-    table's fixed ``step_overhead``; None when no split fits."""
+    table's fixed runtime ``step_overhead``; None when no split fits."""
     peak_memory: float | None = None
     """Simulated peak bytes of the fullest rank; for a candidate no split fits, the least limit that would."""
     bubble_ratio: float | None = None
@@ -141,22 +141,23 @@ def _builds_same_order(plan: Plan, simulated: Schedule) -> bool:
 def recost(schedule: Schedule, table: CostTable, found: Partition, *, memory_limit: float | None) -> Problem:
     """The problem of ``schedule``'s task graph with the real costs of ``found``'s stages.
 
-    Stage durations are F, I (b) and W of the stage's pieces in seconds (for a schedule with a full
-    backward, B is the pieces' measured full backward, :attr:`Piece.full_backward`), activations in bytes,
-    static memory per rank the weights, gradients and optimizer state of its stages, and the
-    communication latency the link time of the largest output crossing ranks. A stage that reads
-    only model inputs (no gradient flows into it) has its I counted as W, as the engine's I has no
-    input gradient to compute there. Every task also pays ``table.action_overhead`` (a full B once),
-    and a stage's F and its B or I pay ``table.message_cost`` once per edge of the stage to or from
-    another rank (the send or the receive that action posts). The task graph keeps the schedule's (same ranks, edges and backward split), so its action order
-    stays valid.
+    Stage durations are F, I (the :class:`~pipeloom.problem.Stage`'s ``b``) and W of the stage's pieces
+    in seconds (for a schedule with a full backward, B is the pieces' full backward,
+    :attr:`Piece.full_backward`), activations in bytes, static memory per rank the weights, gradients
+    and optimizer state of its stages, and the communication latency the link time of the largest
+    output crossing ranks. A stage that reads only model inputs (no gradient flows into it) has its I
+    counted as W, as the engine's I has no input gradient to compute there. Every task also pays
+    ``table.runtime.action_overhead`` (a full B once), and a stage's F and its B or I pay
+    ``table.runtime.message_cost`` once per edge of the stage to or from another rank (the send or the
+    receive that action posts). The task graph keeps the schedule's (same ranks, edges and backward
+    split), so its action order stays valid.
     """
     shape = schedule_shape(schedule)
     pieces = table.pieces
     starts = [found.stage_of.index(j) for j in range(found.num_stages)] + [len(pieces)]
     parts = [pieces[starts[j]:starts[j + 1]] for j in range(found.num_stages)]
     split = schedule.problem.splits_backward
-    extra = table.action_overhead
+    extra = table.runtime.action_overhead
     stages = []
     static = [0.0] * shape.num_ranks
     edges = [(s, c) for s in range(len(shape.rank)) for c in shape.consumers[s]]
@@ -172,7 +173,7 @@ def recost(schedule: Schedule, table: CostTable, found: Partition, *, memory_lim
             i, w = sum(p.full_backward for p in part), 0.0  # one autograd.backward, as the engine's B
         elif _reads_model_inputs_only(part):
             i, w = 0.0, i + w
-        messages = table.message_cost * crossings[s]
+        messages = table.runtime.message_cost * crossings[s]
         stages.append(Stage(ranks=(shape.rank[s],), f=sum(p.f for p in part) + extra + messages,
                             b=i + extra + messages, w=w + (extra if split else 0.0),
                             memory=sum(p.activation_bytes for p in part),
@@ -222,18 +223,18 @@ def replica_sync_time(table: CostTable, schedule: Schedule, found: Partition, *,
     replica's rank, which adds them up and sends the sums back (parameter bytes once). All sends are
     posted before waiting, so the stages' exchanges overlap; what arrives at one rank is serialised:
     the time is the busiest rank's incoming ``M/2`` messages, then the busiest rank's incoming sums,
-    each message paying the link's latency. The link is ``link``, else the table's ``replica_link``
+    each message paying the link's latency. The link is ``link``, else the table's ``runtime.replica_link``
     (measured as the engine exchanges), else its ``link``.
     """
     params = [0.0] * found.num_stages
     for piece, j in zip(table.pieces, found.stage_of):
         params[j] += piece.param_bytes
-    return exchange_time(params, schedule, link or table.replica_link or table.link)
+    return exchange_time(params, schedule, link or table.runtime.replica_link or table.link)
 
 
 def stage_spreads(table: CostTable, schedule: Schedule, found: Partition) -> list[float]:
     """Per stage of ``schedule``: how much its actions' times vary (coefficient of variation): the
-    table's ``time_spread``, measured on one piece's actions, for every stage with work to do.
+    table's ``runtime.time_spread``, measured on one piece's actions, for every stage with work to do.
 
     A stage of several pieces varies about as much as one piece does (measured on the example GPT's
     plans: their stages' spread was that of the profile's pieces, not the smaller one independent
@@ -243,7 +244,7 @@ def stage_spreads(table: CostTable, schedule: Schedule, found: Partition) -> lis
     work = [0.0] * found.num_stages
     for piece, j in zip(table.pieces, found.stage_of):
         work[j] += piece.f + piece.full_backward
-    return [table.time_spread if work[j] > 0 else 0.0 for j in shape.model_stage]
+    return [table.runtime.time_spread if work[j] > 0 else 0.0 for j in shape.model_stage]
 
 
 def exchange_time(stage_params: Sequence[float], schedule: Schedule, link: Link) -> float:
@@ -342,13 +343,16 @@ class _Search:
                                                     "one-replica schedule")
         costed = dataclasses.replace(library, problem=recost(library, table, found, memory_limit=limit))
         timeline = simulate(costed)
-        makespan = (expected_makespan(costed, stage_spreads(table, library, found), start_skew=table.start_skew)
-                    if table.time_spread or table.start_skew else timeline.makespan)
+        runtime = table.runtime
+        makespan = timeline.makespan
+        if runtime.time_spread or runtime.start_skew:
+            spreads = stage_spreads(table, library, found)
+            makespan = expected_makespan(costed, spreads, start_skew=runtime.start_skew)
         peak = max(timeline.peak_memory)
         reason = "" if limit is None or peak <= limit * _FIT else f"peak {format_bytes(peak)} > {format_bytes(limit)}"
         return dataclasses.replace(
             base, step_time=(makespan + replica_sync_time(table, library, found) + shared_time(table, library, found)
-                             + table.step_overhead),
+                             + runtime.step_overhead),
             peak_memory=peak,
             bubble_ratio=timeline.bubble_ratio, split_points=found.split_points, timeline=timeline,
             partition=found, reason=reason,
@@ -436,11 +440,11 @@ def _searched(candidate: Candidate, seconds: float, memory_limit: float | None,
     except PipeloomError:
         return None
     timeline = simulate(result.schedule)
-    makespan = (expected_makespan(result.schedule, spread, start_skew=table.start_skew)
-                if any(spread) or table.start_skew else timeline.makespan)
+    makespan = (expected_makespan(result.schedule, spread, start_skew=table.runtime.start_skew)
+                if any(spread) or table.runtime.start_skew else timeline.makespan)
     # the same replica exchange and step overhead as the candidate's
     step = (makespan + replica_sync_time(table, schedule, candidate.partition)
-            + shared_time(table, schedule, candidate.partition) + table.step_overhead)
+            + shared_time(table, schedule, candidate.partition) + table.runtime.step_overhead)
     if step >= candidate.step_time * (1 - 1e-9):
         return None
     if memory_limit is not None and max(timeline.peak_memory) > memory_limit * _FIT:

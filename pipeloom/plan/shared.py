@@ -124,11 +124,11 @@ def shared_sync_time(table: CostTable, piece_rank: Sequence[int], num_microbatch
     peers in rank order; with a higher peer it posts its send (it does not wait) and then waits for the
     peer's message, with a lower one it waits first and sends after. A message posted at time t arrives
     at ``t + link.time(bytes)``; a rank is done when it has received everything and its sends have
-    arrived; the time is the last rank's. The link is ``link``, else the table's ``replica_link``
+    arrived; the time is the last rank's. The link is ``link``, else the table's ``runtime.replica_link``
     (the engine's packed gradient messages, measured), else its ``link``. Adding the contributions
     up is not priced (one pass over them, small next to sending them).
     """
-    link = link or table.replica_link or table.link
+    link = link or table.runtime.replica_link or table.link
     sent = shared_messages(table, piece_rank, num_microbatches)
     if not sent:
         return 0.0

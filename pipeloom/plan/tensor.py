@@ -223,7 +223,8 @@ def tensor_parallel_table(table, tp: int):
         forward, backward = (collective_seconds(comms, fit, tp, phase) for phase in ("F", "I"))
         pieces.append(dataclasses.replace(
             piece, f=piece.f / tp + forward, i=piece.i / tp + backward, w=piece.w / tp,
-            b=None if piece.b is None else piece.b / tp + backward, param_bytes=piece.param_bytes / tp,
+            measured_full_backward=None if piece.measured_full_backward is None
+            else piece.measured_full_backward / tp + backward, param_bytes=piece.param_bytes / tp,
             activation_bytes=piece.activation_bytes * kept, w_activation_bytes=piece.w_activation_bytes * kept))
     return dataclasses.replace(table, pieces=tuple(pieces), device=f"{table.device} (tp {tp})".strip())
 

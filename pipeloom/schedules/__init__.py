@@ -21,6 +21,10 @@ __all__ = ["PLACEMENT_KINDS", "Placement", "ScheduleInfo", "REGISTRY", "build_sc
            "schedule_names"]
 
 Placement = Literal["linear", "interleaved", "v", "bidirectional"]
+"""A placement: the kind of stage layout, how a schedule's stages sit on the ranks (see
+:attr:`ScheduleInfo.placement`). Not the search catalog's placements
+(:func:`pipeloom.search.placement`: a named per-micro-batch task graph on ranks, of which the
+classic ones have these names); see docs/architecture.md's glossary."""
 PLACEMENT_KINDS: tuple[str, ...] = get_args(Placement)
 """How a built-in schedule's stages sit on the ranks (:attr:`ScheduleInfo.placement`)."""
 
@@ -42,9 +46,12 @@ class ScheduleInfo:
     splits_backward: bool = False
     """Whether the schedule runs I and W instead of one B."""
     placement: Placement = "linear"
-    """How its stages sit on the ranks: ``linear`` (stage r on rank r), ``interleaved`` (v looped
-    stages per rank: stage s on rank s % p), ``v`` (rank r holds stages r and 2p-1-r) or
-    ``bidirectional`` (two model replicas fed from both ends, each rank holding a piece of each)."""
+    """Its placement, the kind of stage layout: how its stages sit on the ranks: ``linear`` (stage r on
+    rank r), ``interleaved`` (v looped stages per rank: stage s on rank s % p), ``v`` (rank r holds
+    stages r and 2p-1-r) or ``bidirectional`` (two model replicas fed from both ends, each rank
+    holding a piece of each). The planner cuts the model for it
+    (:data:`pipeloom.plan.shape.PartitionPlacement`); the exact layout of one schedule, stage by
+    stage, is its shape (:func:`pipeloom.plan.shape.schedule_shape`)."""
     memory_aware: bool = False
     """Whether it orders its actions for ``memory_limit`` (the planner tries it with the plan's limit)."""
     in_demo: bool = False

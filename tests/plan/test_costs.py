@@ -6,6 +6,7 @@ the round trip through JSON, and the exact error messages' key words.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -23,7 +24,14 @@ from pipeloom.plan import (
     save_costs,
 )
 from pipeloom.plan.analytical import gpt_block_flops
-from pipeloom.plan.costs import SharedParam, costs_from_json, costs_to_json, table_for_size
+from pipeloom.plan.costs import (
+    COSTS_FORMAT_V1,
+    RuntimeCorrections,
+    SharedParam,
+    costs_from_json,
+    costs_to_json,
+    table_for_size,
+)
 
 
 def _table(**overrides) -> CostTable:
@@ -35,6 +43,16 @@ def _table(**overrides) -> CostTable:
     )
     return CostTable(**{"pieces": pieces, "microbatch_size": 4, "link": Link(latency=0.5, bandwidth=4.0),
                         **overrides})
+
+
+def _v1(text: str) -> str:
+    """``text`` (``pipeloom.costs/2``) as ``pipeloom.costs/1`` wrote it: the runtime corrections at the top
+    level, a piece's measured full backward as ``b``."""
+    document = json.loads(text)
+    document.update(format=COSTS_FORMAT_V1, **document.pop("runtime"))
+    for piece in document["pieces"]:
+        piece["b"] = piece.pop("measured_full_backward")
+    return json.dumps(document)
 
 
 def test_link_time_is_latency_plus_bytes_over_bandwidth():
@@ -93,11 +111,13 @@ def test_scaling_is_linear_except_parameters():
         assert new.output_bytes == 2 * old.output_bytes
         assert new.param_bytes == old.param_bytes
     assert table.scaled(4) is table
-    assert _table(action_overhead=0.5).scaled(8).action_overhead == 0.5  # per action, not per sample
+    per_action = _table(runtime=RuntimeCorrections(action_overhead=0.5))
+    assert per_action.scaled(8).action_overhead == 0.5  # per action, not per sample
 
 
 def test_json_round_trip(tmp_path):
-    table = _table(device="cpu", source="profile", optimizer_factor=3.0, action_overhead=1e-4)
+    table = _table(device="cpu", source="profile", optimizer_factor=3.0,
+                   runtime=RuntimeCorrections(action_overhead=1e-4))
     path = tmp_path / "costs.json"
     save_costs(table, path)
     document = json.loads(path.read_text())
@@ -132,10 +152,59 @@ def test_json_optional_keys_take_their_defaults():
     (lambda d: d.update(start_skew="late"), r"start_skew: expected a finite number"),
 ])
 def test_json_errors_name_the_key(change, words):
+    document = json.loads(_v1(costs_to_json(_table())))  # a pipeloom.costs/1 file: flat runtime keys
+    change(document)
+    with pytest.raises(CostTableError, match=words):
+        costs_from_json(json.dumps(document))
+
+
+@pytest.mark.parametrize(("change", "words"), [
+    (lambda d: d.update(format="pipeloom.costs/9"), "expected 'pipeloom.costs/1' or 'pipeloom.costs/2'"),
+    (lambda d: d.update(action_overhead=1), r"unknown key\(s\) \['action_overhead'\]"),  # /1's place
+    (lambda d: d["pieces"][0].update(b=1), r"pieces\[0\]: unknown key\(s\) \['b'\]"),
+    (lambda d: d["pieces"][0].update(measured_full_backward=-1),
+     r"pieces\[0\]\.measured_full_backward: must be >= 0"),
+    (lambda d: d.update(runtime=[1]), r"costs\.runtime: expected an object"),
+    (lambda d: d["runtime"].update(extra=1), r"costs\.runtime: unknown key\(s\) \['extra'\]"),
+    (lambda d: d["runtime"].update(action_overhead=-1), r"costs\.runtime\.action_overhead: must be >= 0"),
+    (lambda d: d["runtime"].update(replica_link={"latency": 1, "speed": 2}),
+     r"costs\.runtime\.replica_link: unknown key"),
+    (lambda d: d["runtime"].update(start_skew="late"),
+     r"costs\.runtime\.start_skew: expected a finite number"),
+])
+def test_json_errors_name_the_key_in_format_2(change, words):
     document = json.loads(costs_to_json(_table()))
     change(document)
     with pytest.raises(CostTableError, match=words):
         costs_from_json(json.dumps(document))
+
+
+def test_format_2_nests_the_runtime_corrections_and_format_1_still_loads():
+    runtime = RuntimeCorrections(action_overhead=1e-4, message_cost=3e-4, step_overhead=2e-3, time_spread=0.1,
+                                 start_skew=1e-3, replica_link=Link(latency=2e-3))
+    piece = Piece(name="a", f=1.0, i=1.0, w=1.0, measured_full_backward=1.5)
+    table = _table(runtime=runtime, pieces=(piece,))
+    document = json.loads(costs_to_json(table))
+    assert document["format"] == COSTS_FORMAT == "pipeloom.costs/2"
+    assert document["runtime"] == {"action_overhead": 1e-4, "message_cost": 3e-4, "step_overhead": 2e-3,
+                                   "time_spread": 0.1, "start_skew": 1e-3,
+                                   "replica_link": {"latency": 2e-3, "bandwidth": None}}
+    assert document["pieces"][0]["measured_full_backward"] == 1.5 and "b" not in document["pieces"][0]
+    assert costs_from_json(_v1(costs_to_json(table))) == table  # the same table from the old file
+    del document["runtime"]
+    assert costs_from_json(json.dumps(document)).runtime == RuntimeCorrections()  # none measured
+
+
+def test_old_keyword_names_still_build_the_same_table():
+    runtime = RuntimeCorrections(action_overhead=1e-4, step_overhead=2e-3, replica_link=Link(latency=1.0))
+    new = _table(runtime=runtime)
+    assert _table(action_overhead=1e-4, step_overhead=2e-3, replica_link=Link(latency=1.0)) == new
+    assert (new.action_overhead, new.step_overhead, new.replica_link) == (1e-4, 2e-3, Link(latency=1.0))
+    replaced = dataclasses.replace(new, message_cost=5e-4)  # an old keyword replaces that correction only
+    assert replaced.runtime == dataclasses.replace(runtime, message_cost=5e-4)
+    piece = Piece(name="x", f=1.0, i=1.0, w=1.0, b=2.5)
+    assert piece == Piece(name="x", f=1.0, i=1.0, w=1.0, measured_full_backward=2.5) and piece.b == 2.5
+    assert dataclasses.replace(piece, b=None).full_backward == 2.0
 
 
 def test_load_costs_names_the_file(tmp_path):
@@ -220,7 +289,7 @@ def test_table_for_size_interpolates_between_measured_sizes():
 def test_full_backward_is_b_where_measured_else_i_plus_w():
     table = _table()
     assert [p.full_backward for p in table.pieces] == [2.0, 4.0, 2.0]
-    measured = Piece(name="x", f=1.0, i=2.0, w=3.0, b=4.0)
+    measured = Piece(name="x", f=1.0, i=2.0, w=3.0, measured_full_backward=4.0)
     assert measured.full_backward == 4.0
     assert measured.time == 6.0  # f + i + w: the split's compute, whatever b is
     with pytest.raises(CostTableError, match="piece 'x' b must be >= 0"):
@@ -228,8 +297,9 @@ def test_full_backward_is_b_where_measured_else_i_plus_w():
 
 
 def test_b_and_step_overhead_round_trip_and_default_for_old_files():
-    pieces = (Piece(name="a", f=1.0, i=1.0, w=1.0, b=1.5), Piece(name="b", f=2.0, i=2.0, w=2.0))
-    table = CostTable(pieces=pieces, microbatch_size=2, step_overhead=3e-3)
+    pieces = (Piece(name="a", f=1.0, i=1.0, w=1.0, measured_full_backward=1.5),
+              Piece(name="b", f=2.0, i=2.0, w=2.0))
+    table = CostTable(pieces=pieces, microbatch_size=2, runtime=RuntimeCorrections(step_overhead=3e-3))
     again = costs_from_json(costs_to_json(table))
     assert again == table and again.pieces[0].b == 1.5 and again.pieces[1].b is None
     old = json.dumps({"format": COSTS_FORMAT, "microbatch_size": 2, "pieces": [{"name": "a", "f": 1, "i": 1, "w": 2}]})
@@ -238,10 +308,12 @@ def test_b_and_step_overhead_round_trip_and_default_for_old_files():
 
 
 def test_b_scales_and_interpolates_with_the_other_times():
-    pieces = (Piece(name="a", f=1.0, i=1.0, w=1.0, b=1.5), Piece(name="b", f=2.0, i=2.0, w=2.0))
+    pieces = (Piece(name="a", f=1.0, i=1.0, w=1.0, measured_full_backward=1.5),
+              Piece(name="b", f=2.0, i=2.0, w=2.0))
     small = CostTable(pieces=pieces, microbatch_size=2)
     assert [p.b for p in small.scaled(4).pieces] == [3.0, None]
-    big = CostTable(pieces=tuple(Piece(name=p.name, f=2 * p.f, i=2 * p.i, w=2 * p.w, b=5.5) for p in pieces),
+    big = CostTable(pieces=tuple(Piece(name=p.name, f=2 * p.f, i=2 * p.i, w=2 * p.w,
+                                       measured_full_backward=5.5) for p in pieces),
                     microbatch_size=6)
     middle = table_for_size([small, big], 4)
     # halfway: a from 1.5 to 5.5, b from i + w = 4 (not measured) to 5.5
@@ -249,12 +321,12 @@ def test_b_scales_and_interpolates_with_the_other_times():
 
 
 def test_time_spread_and_replica_link_round_trip_and_default_for_old_files():
-    table = _table(time_spread=0.15, start_skew=2e-3, message_cost=3e-4,
-                   replica_link=Link(latency=2e-3, bandwidth=3e9))
+    table = _table(runtime=RuntimeCorrections(time_spread=0.15, start_skew=2e-3, message_cost=3e-4,
+                                              replica_link=Link(latency=2e-3, bandwidth=3e9)))
     again = costs_from_json(costs_to_json(table))
     assert again == table and again.replica_link == Link(latency=2e-3, bandwidth=3e9)
     assert (again.start_skew, again.message_cost) == (2e-3, 3e-4)
-    document = json.loads(costs_to_json(_table()))
+    document = json.loads(_v1(costs_to_json(_table())))  # an old file, written by pipeloom.costs/1
     assert document["replica_link"] is None and document["time_spread"] == 0.0 and document["start_skew"] == 0.0
     for key in ("replica_link", "time_spread", "start_skew", "message_cost"):
         document.pop(key)
@@ -264,13 +336,13 @@ def test_time_spread_and_replica_link_round_trip_and_default_for_old_files():
 
 def test_replica_link_must_be_a_link():
     with pytest.raises(CostTableError, match="replica_link is dict, expected a Link"):
-        _table(replica_link={"latency": 1.0})
+        _table(runtime=RuntimeCorrections(replica_link={"latency": 1.0}))
 
 
 def test_table_for_size_keeps_a_replica_link_any_table_measured():
     exchange = Link(latency=2e-3)
     small = _table(microbatch_size=2)  # e.g. one micro-batch per step: no two-replica profile there
-    large = _table(microbatch_size=8, replica_link=exchange)
+    large = _table(microbatch_size=8, runtime=RuntimeCorrections(replica_link=exchange))
     assert table_for_size([small, large], 4).replica_link == exchange
     assert table_for_size([small, large], 2).replica_link == exchange
     assert table_for_size([small, large], 16).replica_link == exchange
@@ -278,10 +350,10 @@ def test_table_for_size_keeps_a_replica_link_any_table_measured():
 
 
 def test_table_for_size_interpolates_the_fitted_action_overhead_and_time_spread():
-    small = _table(microbatch_size=2, action_overhead=1e-4, time_spread=0.2, step_overhead=1e-3, start_skew=1e-3,
-                   message_cost=4e-4)
-    large = _table(microbatch_size=6, action_overhead=3e-4, time_spread=0.1, step_overhead=5e-3, start_skew=3e-3,
-                   message_cost=2e-4)
+    small = _table(microbatch_size=2, runtime=RuntimeCorrections(
+        action_overhead=1e-4, time_spread=0.2, step_overhead=1e-3, start_skew=1e-3, message_cost=4e-4))
+    large = _table(microbatch_size=6, runtime=RuntimeCorrections(
+        action_overhead=3e-4, time_spread=0.1, step_overhead=5e-3, start_skew=3e-3, message_cost=2e-4))
     middle = table_for_size([small, large], 4)
     assert middle.action_overhead == pytest.approx(2e-4) and middle.time_spread == pytest.approx(0.15)
     assert middle.start_skew == pytest.approx(2e-3) and middle.message_cost == pytest.approx(3e-4)

@@ -219,7 +219,7 @@ def test_more_memory_never_fails_and_never_slows_the_best_split(seed):
     """Limits in increasing order: once a split fits it keeps fitting, the least limit is where fitting
     starts, and (one stage per rank, where the DP is exact) the best objective never rises."""
     from pipeloom.plan.partitioner import MemoryTooSmall, SchedulePartitioner
-    from pipeloom.plan.placement import library_schedule, rank_objective, schedule_shape
+    from pipeloom.plan.shape import library_schedule, rank_objective, schedule_shape
 
     rng = random.Random(seed)
     table = _schedule_table(rng, rng.randint(8, 12))
@@ -246,7 +246,7 @@ def test_more_memory_never_fails_and_never_slows_the_best_split(seed):
 @pytest.mark.parametrize(("name", "seed"), [(name, seed) for name in ("dualpipe", "chimera") for seed in range(4)])
 def test_two_replica_splits_are_the_brute_force_best_by_rank_load(name, seed):
     from pipeloom.plan.partitioner import SchedulePartitioner
-    from pipeloom.plan.placement import library_schedule, rank_objective, schedule_shape, stage_rules
+    from pipeloom.plan.shape import library_schedule, rank_objective, schedule_shape, stage_rules
 
     rng = random.Random(seed)
     table = _schedule_table(rng, 10)

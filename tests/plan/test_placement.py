@@ -15,7 +15,8 @@ from pipeloom import build_schedule, simulate
 from pipeloom.plan import CostTable, Link, Piece, partition
 from pipeloom.plan.partition import PartitionError
 from pipeloom.plan.partitioner import MemoryTooSmall, SchedulePartitioner
-from pipeloom.plan.placement import (
+from pipeloom.plan.search import recost
+from pipeloom.plan.shape import (
     in_flight,
     library_schedule,
     rank_memory,
@@ -23,7 +24,6 @@ from pipeloom.plan.placement import (
     stage_rules,
     visits_per_rank,
 )
-from pipeloom.plan.search import recost
 
 
 def _table(n: int = 16, **overrides) -> CostTable:

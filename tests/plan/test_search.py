@@ -15,10 +15,11 @@ import pytest
 from pipeloom import validate
 from pipeloom.ir.composite import action_duration
 from pipeloom.plan import CostTable, Link, Piece, PlanError, load_plan, parse_bytes, plan_pipeline
+from pipeloom.plan.costs import RuntimeCorrections
 from pipeloom.plan.partition import Partition
 from pipeloom.plan.partitioner import SchedulePartitioner
-from pipeloom.plan.placement import library_schedule
 from pipeloom.plan.search import NoPlanFits, default_schedules, recost, replica_sync_time, stage_spreads
+from pipeloom.plan.shape import library_schedule
 from pipeloom.schedules import REGISTRY
 from pipeloom.sim import expected_makespan
 
@@ -179,7 +180,7 @@ def test_the_search_can_beat_a_built_in_and_its_schedule_is_saved(tmp_path):
 
 
 def test_recost_moves_the_first_stages_input_gradient_to_w_and_adds_the_action_overhead():
-    table = _table(4, action_overhead=0.25)
+    table = _table(4, runtime=RuntimeCorrections(action_overhead=0.25))
     zb = library_schedule(table, "zb-h1", 2, 4, memory_limit=None)
     found = SchedulePartitioner(table).candidates(zb, memory_limit=None)[0]
     assert found.split_points == ("blocks.2",)
@@ -192,7 +193,7 @@ def test_recost_moves_the_first_stages_input_gradient_to_w_and_adds_the_action_o
 
 
 def test_recost_charges_the_message_cost_per_edge_that_crosses_ranks():
-    table = _table(4, message_cost=0.5)
+    table = _table(4, runtime=RuntimeCorrections(message_cost=0.5))
     one = library_schedule(table, "1f1b", 2, 4, memory_limit=None)
     found = SchedulePartitioner(table).candidates(one, memory_limit=None)[0]
     full = recost(one, table, found, memory_limit=None)
@@ -201,7 +202,7 @@ def test_recost_charges_the_message_cost_per_edge_that_crosses_ranks():
     looped = library_schedule(table, "interleaved-1f1b", 2, 4, memory_limit=None, stages_per_rank=2)
     split = SchedulePartitioner(table).candidates(looped, memory_limit=None)[0]
     costed = recost(looped, table, split, memory_limit=None)
-    free = recost(looped, dataclasses.replace(table, message_cost=0.0), split, memory_limit=None)
+    free = recost(looped, dataclasses.replace(table, runtime=RuntimeCorrections()), split, memory_limit=None)
     # stages 0..3 alternate ranks: the inner ones have a neighbour on the other rank on both sides
     assert [costed.task((s, "F")).duration - free.task((s, "F")).duration for s in range(4)] == [0.5, 1.0, 1.0, 0.5]
     assert costed.task((1, "B")).duration - free.task((1, "B")).duration == 1.0
@@ -230,7 +231,8 @@ def test_save_writes_the_simulated_order_when_the_name_builds_another(tmp_path):
 
 
 def test_full_backward_schedules_price_b_and_split_ones_i_and_w():
-    pieces = tuple(Piece(name=f"blocks.{k}", f=1.0, i=1.0, w=1.0, b=1.5) for k in range(4))
+    pieces = tuple(Piece(name=f"blocks.{k}", f=1.0, i=1.0, w=1.0, measured_full_backward=1.5)
+                   for k in range(4))
     table = CostTable(pieces=pieces, microbatch_size=1)
     zb = library_schedule(table, "zb-h1", 2, 4, memory_limit=None)
     found = SchedulePartitioner(table).candidates(zb, memory_limit=None)[0]
@@ -243,7 +245,8 @@ def test_full_backward_schedules_price_b_and_split_ones_i_and_w():
 def test_step_overhead_is_added_once_to_every_prediction():
     table = _table()
     plain = plan_pipeline(table, num_ranks=4, global_batch=8, microbatches=[8])
-    extra = plan_pipeline(dataclasses.replace(table, step_overhead=2.5), num_ranks=4, global_batch=8,
+    overhead = dataclasses.replace(table, runtime=RuntimeCorrections(step_overhead=2.5))
+    extra = plan_pipeline(overhead, num_ranks=4, global_batch=8,
                           microbatches=[8])
     before = {(c.label, c.microbatches): c.step_time for c in plain.candidates if c.fits}
     after = {(c.label, c.microbatches): c.step_time for c in extra.candidates if c.fits}
@@ -253,7 +256,8 @@ def test_step_overhead_is_added_once_to_every_prediction():
 
 
 def test_the_replica_link_prices_the_exchange_where_the_table_has_one():
-    table = _table(8, link=Link(latency=0.5, bandwidth=10.0), replica_link=Link(latency=1.5, bandwidth=10.0))
+    table = _table(8, link=Link(latency=0.5, bandwidth=10.0),
+                   runtime=RuntimeCorrections(replica_link=Link(latency=1.5, bandwidth=10.0)))
     result = plan_pipeline(table, num_ranks=4, global_batch=8, schedules=["chimera"], microbatches=[8])
     best = result.candidates[0]
     # as above, with 1.5 + 20 / 10 = 3.5 s per message: 4 micro-batch gradients in, the sum back
@@ -268,7 +272,7 @@ def test_the_replica_link_prices_the_exchange_where_the_table_has_one():
 def test_stage_spreads_are_the_tables_for_every_stage_with_work():
     pieces = (Piece(name="a", f=3.0, i=1.0, w=1.0), Piece(name="b", f=4.0, i=1.0, w=1.0),
               Piece(name="c", f=1.0, i=1.0, w=1.0), Piece(name="d", f=0.0, i=0.0, w=0.0))
-    table = CostTable(pieces=pieces, microbatch_size=1, time_spread=0.35)
+    table = CostTable(pieces=pieces, microbatch_size=1, runtime=RuntimeCorrections(time_spread=0.35))
     schedule = library_schedule(table, "1f1b", 3, 3, memory_limit=None)
     found = Partition(stage_of=(0, 0, 1, 2), split_points=("c", "d"), stage_times=(0.0,) * 3,
                       stage_memory=(0.0,) * 3, objective=0.0, weight=0.0)
@@ -281,7 +285,7 @@ def test_stage_spreads_are_the_tables_for_every_stage_with_work():
 
 def test_a_time_spread_predicts_the_mean_step_and_keeps_the_plain_timeline():
     table = _table()
-    spread = dataclasses.replace(table, time_spread=0.3)
+    spread = dataclasses.replace(table, runtime=RuntimeCorrections(time_spread=0.3))
     plain = plan_pipeline(table, num_ranks=4, global_batch=8, microbatches=[8], schedules=["1f1b", "gpipe"])
     varied = plan_pipeline(spread, num_ranks=4, global_batch=8, microbatches=[8], schedules=["1f1b", "gpipe"])
     before = {c.label: c for c in plain.candidates if c.fits}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeloom.plan.costs import CostTable, CostTableError, Link, Piece, SharedParam
+from pipeloom.plan.costs import CostTable, CostTableError, Link, Piece, RuntimeCorrections, SharedParam
 from pipeloom.plan.shared import (
     held_param_bytes,
     shared_across_stages,
@@ -61,7 +61,7 @@ def test_sync_time_of_two_holders_is_one_message_each_way_in_turn():
     assert shared_sync_time(table, [0, 0, 1, 1], 4) == pytest.approx(2 * one_way)
     assert shared_sync_time(table, [0, 0, 1, 1], 4, link=Link(latency=0.5)) == pytest.approx(1.0)
     # the engine's packed messages, measured, price it where the table has them
-    measured = _tied(replica_link=Link(latency=0.25))
+    measured = _tied(runtime=RuntimeCorrections(replica_link=Link(latency=0.25)))
     assert shared_sync_time(measured, [0, 0, 1, 1], 4) == pytest.approx(0.5)
     # at the exchange each holder keeps its own 4 contributions, their packed copy and the peer's 4
     assert shared_buffer_bytes(table, [0, 0, 1, 1], 4) == {0: 1200.0, 1: 1200.0}
@@ -109,7 +109,7 @@ def _tied_chain(n: int = 8) -> CostTable:
 def test_the_planner_prices_and_places_a_tie_across_stages():
     from pipeloom.plan import plan_pipeline
     from pipeloom.plan.search import piece_ranks, recost, shared_time
-    from pipeloom.plan.placement import schedule_shape
+    from pipeloom.plan.shape import schedule_shape
 
     table = _tied_chain()
     result = plan_pipeline(table, num_ranks=4, global_batch=8, microbatches=[8], schedules=["1f1b", "dualpipe"])
