@@ -9,7 +9,7 @@ TORCH := $(VENV)/.installed-torch
 TESTING := $(VENV)/.installed-test
 DEMO_DIR ?= demo-output
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test bench clean browser
 
 $(BASE): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -34,7 +34,14 @@ demo: $(TORCH)
 		--schedule zbv --steps 6 --trace $(DEMO_DIR)/trace
 	$(VENV)/bin/pipeloom trace $(DEMO_DIR)/trace -o $(DEMO_DIR)/measured-trace.json --png $(DEMO_DIR)/measured.png
 
-test: $(TESTING)
+# The playground's browser tests drive Debian's chromium; install it when missing and apt-get is usable
+# (root). Without it those tests skip and say why.
+browser:
+	@if [ ! -x /usr/bin/chromium ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver) \
+		|| echo "could not install chromium: the browser tests will skip"; fi
+
+test: $(TESTING) browser
 	PIPELOOM_REQUIRE_TORCH=1 $(PY) -m pytest -q -n 2
 
 bench: $(BASE)

@@ -70,6 +70,12 @@ class Timeline:
                 times[action] = (start, end)
         return times
 
+    def _repr_html_(self) -> str:
+        """The interactive timeline a notebook shows (:func:`pipeloom.viz.html.notebook_html`)."""
+        from pipeloom.viz.html import notebook_html
+
+        return notebook_html(self)
+
     def memory_curve(self, rank: int) -> list[tuple[float, float]]:
         """Step curve ``[(time, held), ...]`` of rank's memory, starting at ``(0, static)``."""
         static = self.schedule.problem.static_memory

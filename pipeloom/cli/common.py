@@ -84,8 +84,14 @@ def _write_files(args: argparse.Namespace, timeline: Timeline, report: dict) -> 
 
         if args.out:
             title = f"{report['name']}: p={report['num_ranks']}, m={report['num_microbatches']}"
-            viz.draw_timeline(timeline, target(args, args.out), title=title)
-            written.append(f"wrote timeline picture {args.out}")
+            if args.out.suffix.lower() == ".html":
+                from pipeloom.viz.html import write_html
+
+                write_html(timeline, target(args, args.out), title=title)
+                written.append(f"wrote interactive timeline {args.out} (open it in a browser)")
+            else:
+                viz.draw_timeline(timeline, target(args, args.out), title=title)
+                written.append(f"wrote timeline picture {args.out}")
         if args.trace:
             viz.write_trace(timeline, target(args, args.trace))
             written.append(f"wrote trace {args.trace} (open it in https://ui.perfetto.dev)")

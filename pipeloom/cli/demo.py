@@ -42,11 +42,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
     files = [(out / "compare.png", "comparison figure"),
              (out / f"timeline-{name}.png", f"timeline of the best schedule, {name}"),
              (out / f"trace-{name}.json", "its trace; open it in https://ui.perfetto.dev"),
-             (out / "summary.md", "the table and the command that made it")]
+             (out / "summary.md", "the table and the command that made it"),
+             (out / "timelines.html", "every timeline, interactive (zoom, hover, memory); opens with no network")]
     viz.draw_comparison(timelines, files[0][0], title=title)
     viz.draw_timeline(timelines[best], files[1][0], title=f"{name}: {title}")
     viz.write_trace(timelines[best], files[2][0])
     files[3][0].write_text(_summary_markdown(rows, title, out))
+    from pipeloom.viz.html import write_html
+
+    write_html(timelines, files[4][0], title=title)
     console = Console(highlight=False)
     print_comparison(console, rows, title)
     console.print("Files:", markup=False, soft_wrap=True)

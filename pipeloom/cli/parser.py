@@ -15,6 +15,7 @@ from pipeloom.cli.plan import add_plan_parser
 from pipeloom.cli.profile import add_profile_parser
 from pipeloom.cli.schedules import ACTIVATIONS, cmd_compare, cmd_list, cmd_show, cmd_simulate
 from pipeloom.cli.search import cmd_search
+from pipeloom.cli.serve import add_serve_parser
 from pipeloom.cli.trace import cmd_trace
 
 __all__ = ["COST_HELP", "build_parser"]
@@ -119,7 +120,8 @@ def _add_costs(parser: argparse.ArgumentParser, command: str) -> None:
 
 def _add_outputs(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("outputs")
-    group.add_argument("-o", "--out", type=_path_with(".png", ".svg"), help="timeline picture (.png/.svg)")
+    group.add_argument("-o", "--out", type=_path_with(".png", ".svg", ".html"),
+                       help="timeline picture (.png/.svg), or an interactive view (.html: one self-contained file)")
     group.add_argument("--trace", type=_path_with(".json"), help="Chrome/Perfetto trace (.json)")
     group.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     group.add_argument("--terminal", action="store_true", help="draw the timeline in the terminal")
@@ -185,7 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("names", nargs="+", metavar="NAME", help="schedule names (see `pipeloom list`)")
     _add_shape(compare)
     _add_costs(compare, "compare")
-    compare.add_argument("-o", "--out", type=_path_with(".png", ".svg"), help="comparison figure (.png/.svg)")
+    compare.add_argument("-o", "--out", type=_path_with(".png", ".svg", ".html"),
+                         help="comparison figure (.png/.svg), or an interactive view of every timeline (.html)")
     compare.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     compare.set_defaults(handler=cmd_compare)
 
@@ -197,6 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_parser(commands)
     add_profile_parser(commands)
     _add_trace(commands)
+    add_serve_parser(commands)
     for command in commands.choices.values():  # global flags are accepted after the command too
         command.add_argument("--verbose", "-v", action="store_true", default=argparse.SUPPRESS,
                              help="print full error details (also before the command)")

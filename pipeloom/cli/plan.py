@@ -38,7 +38,7 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
         description="Search every schedule, stages per rank and micro-batch count for the fastest plan that "
                     "fits the memory (see docs/plan.md).")
     plan.add_argument("--costs", type=Path, nargs="+", required=True, metavar="FILE",
-                      help="pipeloom.costs/1 files (pipeloom profile --save, or written by hand); several "
+                      help="pipeloom.costs/2 (or /1) files (pipeloom profile --save, or written by hand); several "
                            "files of one model at different micro-batch sizes are interpolated")
     plan.add_argument("--ranks", "-p", type=_count, required=True, metavar="P",
                       help="number of ranks: dp replicas x pp pipeline ranks")
@@ -78,8 +78,11 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
                       metavar="SECONDS", help="also run the CP-SAT schedule search on the best candidates for "
                                               "this long (default 0: off); a better order is saved next to --save")
     plan.add_argument("--top", type=_count, default=10, metavar="N", help="runners-up to show (default 10)")
-    plan.add_argument("-o", "--out", type=_path_with(".png", ".svg"),
-                      help="the best plan's simulated timeline (.png/.svg)")
+    plan.add_argument("-o", "--out", type=_path_with(".png", ".svg", ".html"),
+                      help="the best plan's simulated timeline (.png/.svg, or .html: interactive)")
+    plan.add_argument("--server", metavar="URL",
+                      help="ask a running `pipeloom serve` (e.g. http://127.0.0.1:8765) for the plan instead of "
+                           "planning here; the answer names the plan's URL for pipeline(model, plan=URL)")
     plan.add_argument("--save", type=_path_with(".json"), help="write the plan (pipeloom.plan/1 JSON)")
     plan.add_argument("--export", choices=("torchtitan",),
                       help="also write the plan as torchtitan settings next to --save: <stem>.torchtitan.toml "
@@ -228,6 +231,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     if args.export and not args.save:
         raise UsageError(f"--export {args.export} writes next to the plan file; give --save PLAN.json too")
+    if args.server is not None:
+        return _plan_on_server(args)
     tables = _with_heads(args, [load_costs(path) for path in args.costs])
     result = plan_mesh(
         tables, num_ranks=args.ranks, global_batch=args.global_batch, memory_limit=args.memory_limit,
@@ -237,14 +242,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     )
     written = []
     if args.out:
-        from pipeloom.viz import draw_timeline
-        from pipeloom.viz.units import PLAN_UNITS
-
         plan = result.plan
         title = (f"{plan.schedule}: p={plan.num_ranks}, m={plan.microbatches} x {plan.microbatch_size}, "
                  f"predicted {plan.predicted_step_time:.4g} s")
-        draw_timeline(result.timeline, target(args, args.out), title=title, units=PLAN_UNITS)
-        written.append(f"wrote timeline picture {args.out}")
+        written.append(_draw(args, result.timeline, title))
     if args.save:  # last: it names a companion schedule file after itself, so it is written in place
         outputs = getattr(args, "outputs", None)
         result.save(outputs.direct(args.save) if outputs is not None else args.save)
@@ -261,6 +262,74 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         console.print(_best_table(result))
         console.print(_runners_up(result, args.top))
+    for message in written:
+        console.print(message, markup=False, soft_wrap=True)
+    return 0
+
+
+def _draw(args: argparse.Namespace, timeline, title: str) -> str:
+    """Draw the plan's timeline to ``-o`` (a picture, or the interactive .html view); the line saying so."""
+    from pipeloom.viz.units import PLAN_UNITS
+
+    if args.out.suffix.lower() == ".html":
+        from pipeloom.viz.html import write_html
+
+        write_html(timeline, target(args, args.out), title=title, units=PLAN_UNITS)
+        return f"wrote interactive timeline {args.out}"
+    from pipeloom.viz import draw_timeline
+
+    draw_timeline(timeline, target(args, args.out), title=title, units=PLAN_UNITS)
+    return f"wrote timeline picture {args.out}"
+
+
+def _plan_on_server(args: argparse.Namespace) -> int:
+    """``pipeloom plan --server URL``: the server plans (:mod:`pipeloom.serve`); print and save its answer."""
+    import dataclasses
+    import types
+    from urllib.parse import urljoin
+
+    from pipeloom.ir import schedule_from_json
+    from pipeloom.plan.costs import load_costs
+    from pipeloom.plan.plan import plan_from_json, save_plan
+    from pipeloom.serve.client import is_url, post_json, read_url
+    from pipeloom.sim import simulate
+
+    local = [flag for flag, given in (("--heads", args.heads), ("--dp-latency", args.dp_latency),
+                                      ("--dp-bandwidth", args.dp_bandwidth), ("--export", args.export)) if given is not None]
+    if local:
+        raise UsageError(f"{', '.join(local)} cannot be sent to a server; drop it or plan here (without --server)")
+    if not is_url(args.server):
+        raise UsageError(f"--server {args.server!r}: give the server's http:// URL, e.g. http://127.0.0.1:8765")
+    for path in args.costs:  # the same strict reader here first: a bad file is named before anything is sent
+        load_costs(path)
+    document = {"costs": [json.loads(Path(path).read_text(encoding="utf-8")) for path in args.costs],
+                "ranks": args.ranks, "global_batch": args.global_batch, "memory_limit": args.memory_limit,
+                "data_parallel": args.data_parallel, "tensor_parallel": args.tensor_parallel, "sharding": args.sharding,
+                "schedules": _schedules(args.schedules), "stages_per_rank": args.stages_per_rank,
+                "microbatches": args.microbatches, "search": args.search}
+    answer = post_json(args.server.rstrip("/") + "/api/plans", document)
+    plan = plan_from_json(json.dumps(answer["plan"]))
+    written = [f"plan on the server: {answer['url']} (pipeline(model, plan=URL) reads it)"]
+    if args.out:
+        timeline = simulate(schedule_from_json(json.dumps(answer["schedule"])))
+        title = (f"{plan.schedule}: p={plan.num_ranks}, m={plan.microbatches} x {plan.microbatch_size}, "
+                 f"predicted {plan.predicted_step_time:.4g} s")
+        written.append(_draw(args, timeline, title))
+    if args.save:
+        outputs = getattr(args, "outputs", None)
+        save = outputs.direct(args.save) if outputs is not None else args.save
+        if Path(plan.schedule).suffix.lower() == ".json" and Path(plan.schedule).name == plan.schedule:
+            companion = save.with_name(f"{save.stem}.schedule.json")
+            companion.write_text(read_url(urljoin(answer["url"], plan.schedule)), encoding="utf-8")
+            plan = dataclasses.replace(plan, schedule=companion.name)
+        save_plan(plan, save)
+        written.insert(0, f"wrote plan {args.save}")
+    console = Console(stderr=args.json, highlight=False)
+    if args.json:
+        print(json.dumps({key: value for key, value in answer.items() if key not in ("view", "schedule")}))
+    else:
+        console.print(_best_table(types.SimpleNamespace(plan=plan, candidates=range(answer["tried"]),
+                                                        seconds=answer["seconds"])))
     for message in written:
         console.print(message, markup=False, soft_wrap=True)
     return 0

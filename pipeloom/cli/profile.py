@@ -131,7 +131,7 @@ def add_profile_parser(commands: argparse._SubParsersAction) -> None:
     profile.add_argument("--microbatches", type=_count, default=4, metavar="M",
                          help="--in-engine: micro-batches per profiling step (default 4; the inputs hold "
                               "--batch x M samples)")
-    profile.add_argument("--save", type=_path_with(".json"), help="write the cost table (pipeloom.costs/1)")
+    profile.add_argument("--save", type=_path_with(".json"), help="write the cost table (pipeloom.costs/2)")
     profile.add_argument("--json", action="store_true", help="print the cost table's JSON instead of a table")
     profile.set_defaults(handler=cmd_profile)
 

@@ -186,9 +186,14 @@ def cmd_compare(args: argparse.Namespace) -> int:
     rows, timelines = compare_schedules(args.names, args.ranks, args.microbatches, costs, args.memory_limit)
     title = f"p={args.ranks}, m={args.microbatches}"
     if args.out:  # written first: a failed write leaves stdout empty
-        from pipeloom import viz
+        if args.out.suffix.lower() == ".html":
+            from pipeloom.viz.html import write_html
 
-        viz.draw_comparison(timelines, target(args, args.out), title=title)
+            write_html(timelines, target(args, args.out), title=title)
+        else:
+            from pipeloom import viz
+
+            viz.draw_comparison(timelines, target(args, args.out), title=title)
     console = Console(stderr=args.json, highlight=False)
     if args.json:
         print(json.dumps({"num_ranks": args.ranks, "num_microbatches": args.microbatches,

@@ -216,6 +216,12 @@ class Schedule:
             f"rank {r}: " + " ".join(map(str, actions)) for r, actions in enumerate(self.ranks)
         )
 
+    def _repr_html_(self) -> str:
+        """The interactive timeline a notebook shows (:func:`pipeloom.viz.html.notebook_html`)."""
+        from pipeloom.viz.html import notebook_html
+
+        return notebook_html(self)
+
 
 def format_grid(
     ranks: Sequence[Sequence[Any]],

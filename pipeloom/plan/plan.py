@@ -227,8 +227,14 @@ def plan_from_json(text: str) -> Plan:
 
 
 def load_plan(path: str | Path) -> Plan:
-    """Read a ``pipeloom.plan/1`` file. A schedule given as a relative ``.json``/``.csv`` file name is
-    taken relative to the plan file's folder (and returned as that path)."""
+    """Read a ``pipeloom.plan/1`` file, or fetch one from a running ``pipeloom serve``
+    (``http://HOST:PORT/plans/ID``). A schedule given as a relative ``.json``/``.csv`` file name is
+    taken relative to the plan file's folder (and returned as that path); for a URL it is fetched from
+    beside the plan into a new temporary folder, read as strictly as a file."""
+    from pipeloom.serve.client import is_url
+
+    if is_url(path):
+        return _fetch_plan(str(path))
     path = Path(path)
     try:
         plan = plan_from_json(read_json_file(path, PlanError))
@@ -238,6 +244,28 @@ def load_plan(path: str | Path) -> Plan:
     if schedule.suffix.lower() in _SCHEDULE_FILE_SUFFIXES and not schedule.is_absolute():
         return replace(plan, schedule=str(path.parent / schedule))
     return plan
+
+
+def _fetch_plan(url: str) -> Plan:
+    """The plan at ``url`` and, where it names a relative schedule file, that file saved locally."""
+    import tempfile
+    from urllib.parse import urljoin
+
+    from pipeloom.serve.client import read_url
+
+    try:
+        plan = plan_from_json(read_url(url))
+    except PipeloomError as error:
+        raise PlanError(str(error) if url in str(error) else f"{url}: {error}") from None
+    schedule = Path(plan.schedule)
+    if schedule.suffix.lower() not in _SCHEDULE_FILE_SUFFIXES:
+        return plan  # a built-in schedule's name
+    if schedule.is_absolute() or schedule.name != plan.schedule:  # a server names no file of this machine
+        raise PlanError(f"{url}: the plan's schedule {plan.schedule!r} must be a plain file name beside the plan")
+    text = read_url(urljoin(url, plan.schedule))
+    local = Path(tempfile.mkdtemp(prefix="pipeloom-plan-")) / schedule.name
+    local.write_text(text, encoding="utf-8")
+    return replace(plan, schedule=str(local))
 
 
 def save_plan(plan: Plan, path: str | Path) -> None:

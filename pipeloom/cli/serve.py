@@ -1,0 +1,50 @@
+"""``pipeloom serve``: the web playground and JSON API on this machine (needs ``pip install
+'pipeloom[serve]'``)."""
+
+from __future__ import annotations
+
+import argparse
+
+from pipeloom.cli.usage import UsageError
+
+__all__ = ["add_serve_parser", "cmd_serve"]
+
+
+def add_serve_parser(commands: argparse._SubParsersAction) -> None:
+    """Register ``pipeloom serve``."""
+    from pipeloom.cli.parser import _count, _number
+
+    serve = commands.add_parser(
+        "serve", help="run the web playground and JSON API (pip install 'pipeloom[serve]')",
+        description="Serve the playground (pick schedules, costs and limits; search; plan from a cost table) and "
+                    "its JSON API, on 127.0.0.1 unless --host says otherwise (see docs/playground.md).")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to bind (default 127.0.0.1, this machine only; 0.0.0.0 serves every network)")
+    serve.add_argument("--port", type=_number(int, "a port number 0..65535", 0, 65535), default=8765,
+                       help="TCP port (default 8765)")
+    serve.add_argument("--workers", type=_count, default=2, help="searches and plans run at once (default 2)")
+    serve.add_argument("--max-body", type=_count, default=4 * 2**20, metavar="BYTES",
+                       help="largest request body in bytes (default 4 MiB)")
+    serve.add_argument("--request-seconds", type=_number(float, "a number of seconds > 0", 0.01), default=30.0,
+                       metavar="S", help="time limit of a simulate, compare or plan request (default 30)")
+    serve.set_defaults(handler=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """``pipeloom serve``: run until interrupted."""
+    try:
+        import starlette  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        raise UsageError("pipeloom serve needs Starlette and uvicorn; install them with "
+                         "pip install 'pipeloom[serve]'") from None
+    from pipeloom.serve import ServeConfig, run_server
+
+    config = ServeConfig(host=args.host, port=int(args.port), workers=args.workers, max_body_bytes=args.max_body,
+                         request_seconds=args.request_seconds)
+    print(f"pipeloom playground on http://{args.host}:{config.port}/ (Ctrl-C stops it)", flush=True)
+    try:
+        run_server(config)
+    except KeyboardInterrupt:
+        pass
+    return 0

@@ -1,0 +1,266 @@
+"""The API's request readers and the quick answers (simulate, compare, schedule files), in plain
+Python: strict like the file readers (unknown keys, wrong types and oversized schedules are errors
+that say how to fix them), JSON only, never pickle. Searches and plans run in worker processes
+(:mod:`pipeloom.serve.jobs`); this module checks their requests."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pipeloom.errors import PipeloomError
+from pipeloom.ir.jsonfields import check_keys, integer, number, string
+from pipeloom.problem import Costs
+from pipeloom.serve.config import ServeConfig
+
+__all__ = [
+    "RequestError",
+    "compare",
+    "plan_request",
+    "query_document",
+    "read_object",
+    "schedule_file",
+    "search_request",
+    "simulate",
+]
+
+
+class RequestError(PipeloomError):
+    """A request the API refuses (answered 4xx with this message); ``status`` is the HTTP code."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+_COST_KEYS = {"f", "b", "w", "comm", "memory_limit"}
+_SHAPE_KEYS = {"ranks", "microbatches", "stages_per_rank"}
+_INTEGERS = {"ranks", "microbatches", "stages_per_rank", "global_batch"}
+
+
+def read_object(body: bytes, *, what: str = "request") -> dict:
+    """The JSON object of a request body (UTF-8)."""
+    try:
+        document = json.loads(body.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as error:
+        raise RequestError(f"malformed JSON in the {what}: {error}") from None
+    if not isinstance(document, dict):
+        raise RequestError(f"the {what} must be a JSON object, got {type(document).__name__}")
+    return document
+
+
+def query_document(params: dict[str, str]) -> dict:
+    """A download's query string (``?ranks=4&microbatches=8&f=1``) as the JSON request it stands for."""
+    document: dict[str, Any] = {}
+    for key, text in params.items():
+        try:
+            document[key] = int(text) if key in _INTEGERS else float(text)
+        except ValueError:
+            raise RequestError(f"query {key}={text!r}: expected a number") from None
+    return document
+
+
+def _costs(document: dict, where: str) -> Costs:
+    values = {key: number(document, key, where=where, error=RequestError) for key in ("f", "b", "w", "comm")
+              if document.get(key) is not None}
+    try:
+        return Costs(**values)
+    except PipeloomError as error:
+        raise RequestError(f"{where}: {error}") from None
+
+
+def _limit(document: dict, where: str) -> float | None:
+    return number(document, "memory_limit", where=where, error=RequestError, default=None, null=True)
+
+
+def _check_size(name: str, ranks: int, microbatches: int, stages_per_rank: int | None, config: ServeConfig) -> None:
+    """Refuse before building a schedule of more than ``config.max_actions`` actions, estimated as ranks
+    x micro-batches x stages per rank (default 2) x kinds (3 with a split backward, else 2)."""
+    from pipeloom.schedules import REGISTRY
+
+    estimate = ranks * microbatches * (stages_per_rank or 2) * (3 if REGISTRY[name].splits_backward else 2)
+    if estimate > config.max_actions:
+        raise RequestError(f"{name} with p={ranks}, m={microbatches} would have about {estimate:,} actions, above "
+                           f"this server's limit of {config.max_actions:,}; use fewer ranks or micro-batches", 413)
+
+
+def _named(document: dict, name: str, config: ServeConfig, where: str):
+    """Build and validate the registered schedule ``name`` the request describes; its timeline."""
+    from pipeloom.schedules import REGISTRY, build_schedule
+    from pipeloom.validate import validate
+
+    if name not in REGISTRY:
+        raise RequestError(f"{where}: unknown schedule {name!r}; choose one of: {', '.join(REGISTRY)}", 404)
+    ranks = integer(document, "ranks", where=where, error=RequestError)
+    microbatches = integer(document, "microbatches", where=where, error=RequestError)
+    options = {}
+    if document.get("stages_per_rank") is not None and "stages_per_rank" in REGISTRY[name].options:
+        options["stages_per_rank"] = integer(document, "stages_per_rank", where=where, error=RequestError)
+    _check_size(name, ranks, microbatches, options.get("stages_per_rank"), config)
+    schedule = build_schedule(name, ranks, microbatches, costs=_costs(document, where),
+                              memory_limit=_limit(document, where), **options)
+    return validate(schedule, ordered=True)
+
+
+def _given(value: Any, config: ServeConfig):
+    """Simulate an uploaded ``pipeloom.schedule/1`` object, read as strictly as a file."""
+    from pipeloom.ir import schedule_from_json
+    from pipeloom.validate import validate
+
+    schedule = schedule_from_json(json.dumps(value))
+    if schedule.num_actions > config.max_actions:
+        raise RequestError(f"the schedule has {schedule.num_actions:,} actions, above this server's limit of "
+                           f"{config.max_actions:,}", 413)
+    return validate(schedule, ordered=False)
+
+
+def simulate(document: dict, config: ServeConfig) -> dict:
+    """``POST /api/simulate``: ``{"schedule": NAME, "ranks", "microbatches", "stages_per_rank"?, "f"?, "b"?,
+    "w"?, "comm"?, "memory_limit"?}`` or ``{"schedule": <a pipeloom.schedule/1 object>}``; answers the
+    report (as ``pipeloom show --json``), the view's data and the schedule as ``pipeloom.schedule/1``."""
+    from pipeloom.ir import schedule_to_json
+    from pipeloom.viz.html import timeline_data
+    from pipeloom.viz.report import timeline_report
+
+    where = "simulate"
+    value = document.get("schedule")
+    if isinstance(value, dict):
+        check_keys(document, {"schedule"}, where=where, error=RequestError)
+        timeline = _given(value, config)
+    else:
+        check_keys(document, {"schedule"} | _SHAPE_KEYS | _COST_KEYS, where=where, error=RequestError)
+        timeline = _named(document, string(document, "schedule", where=where, error=RequestError), config, where)
+    return {"report": timeline_report(timeline), "view": timeline_data(timeline),
+            "schedule": json.loads(schedule_to_json(timeline.schedule))}
+
+
+def compare(document: dict, config: ServeConfig) -> dict:
+    """``POST /api/compare``: ``{"names": [...], "ranks", "microbatches", costs..., "memory_limit"?}``;
+    answers ``rows`` (as ``pipeloom compare --json``; a schedule that cannot be built is a row with an
+    ``error``) and one view per schedule built."""
+    from pipeloom.viz.html import timeline_data
+    from pipeloom.viz.report import comparison_rows
+
+    where = "compare"
+    check_keys(document, {"names"} | _SHAPE_KEYS | _COST_KEYS, where=where, error=RequestError)
+    names = document.get("names")
+    if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names) or len(set(names)) < len(names):
+        raise RequestError(f"{where}.names: expected a list of distinct schedule names, got {names!r:.80}")
+    outcomes = []
+    for name in names:
+        try:
+            outcomes.append((name, _named(document, name, config, where)))
+        except RequestError:
+            raise
+        except PipeloomError as error:
+            outcomes.append((name, (str(error).strip().splitlines() or ["failed"])[0]))
+    built = [outcome for _, outcome in outcomes if not isinstance(outcome, str)]
+    return {"rows": comparison_rows(outcomes), "views": [timeline_data(t, title=t.schedule.name) for t in built]}
+
+
+def schedule_file(name: str, fmt: str, document: dict, config: ServeConfig) -> str:
+    """``GET /api/schedules/NAME.json`` or ``.csv`` (torch's CSV) with the shape and costs in the query."""
+    from pipeloom.ir import schedule_to_csv, schedule_to_json
+
+    check_keys(document, _SHAPE_KEYS | _COST_KEYS, where="download", error=RequestError)
+    schedule = _named(document, name, config, "download").schedule
+    return schedule_to_json(schedule, indent=1) + "\n" if fmt == "json" else schedule_to_csv(schedule)
+
+
+_SEARCH_KEYS = {"placement", "ranks", "microbatches", "time_limit", "memory_limit", "split_backward", "f", "b", "w",
+                "comm", "mode"}
+
+
+def search_request(document: dict, config: ServeConfig) -> dict:
+    """Check ``POST /api/searches``: ``{"placement", "ranks", "microbatches", "time_limit"?, "memory_limit"?,
+    "split_backward"?, "f"?, "b"?, "w"?, "comm"?, "mode"?}``; the checked request, plain JSON values."""
+    from pipeloom.search import PLACEMENTS
+
+    where = "search"
+    check_keys(document, _SEARCH_KEYS, where=where, error=RequestError)
+    name = string(document, "placement", where=where, error=RequestError)
+    if name not in PLACEMENTS:
+        raise RequestError(f"{where}: unknown placement {name!r}; choose one of: {', '.join(PLACEMENTS)}", 404)
+    mode = document.get("mode", "auto")
+    if mode not in ("auto", "exact", "periodic"):
+        raise RequestError(f"{where}.mode: expected 'auto', 'exact' or 'periodic', got {mode!r:.40}")
+    split = document.get("split_backward", False)
+    if not isinstance(split, bool):
+        raise RequestError(f"{where}.split_backward: expected true or false, got {split!r:.40}")
+    limit = number(document, "time_limit", where=where, error=RequestError, default=10.0, minimum=0.01)
+    if limit > config.max_search_seconds:
+        raise RequestError(f"{where}.time_limit {limit:g} s is above this server's limit of "
+                           f"{config.max_search_seconds:g} s; ask for less")
+    ranks = integer(document, "ranks", where=where, error=RequestError)
+    microbatches = integer(document, "microbatches", where=where, error=RequestError)
+    if ranks * microbatches * 3 > config.max_actions:
+        raise RequestError(f"{where}: p={ranks}, m={microbatches} is above this server's limit of about "
+                           f"{config.max_actions:,} actions; use fewer ranks or micro-batches", 413)
+    costs = {key: number(document, key, where=where, error=RequestError) for key in ("f", "b", "w")
+             if document.get(key) is not None}
+    return {"placement": name, "ranks": ranks, "microbatches": microbatches, "time_limit": limit, "mode": mode,
+            "memory_limit": _limit(document, where), "split_backward": split,
+            "comm": number(document, "comm", where=where, error=RequestError, default=0.0), "costs": costs}
+
+
+_PLAN_KEYS = {"costs", "ranks", "global_batch", "memory_limit", "data_parallel", "tensor_parallel", "sharding",
+              "schedules", "stages_per_rank", "microbatches", "search"}
+
+
+def _counts(document: dict, key: str, where: str) -> list[int] | None:
+    value = document.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, list) or not value or not all(type(v) is int and v >= 1 for v in value):
+        raise RequestError(f"{where}.{key}: expected a list of positive integers, got {value!r:.80}")
+    return value
+
+
+def plan_request(document: dict, config: ServeConfig) -> dict:
+    """Check ``POST /api/plans``: ``{"costs": <pipeloom.costs/2 (or /1) object, or a list of them>, "ranks",
+    "global_batch", "memory_limit"? (bytes, or a size like "16GiB"), "data_parallel"?, "tensor_parallel"?,
+    "sharding"?, "schedules"?, "stages_per_rank"?, "microbatches"?, "search"? (seconds)}``. The cost tables
+    are read here with the file reader, so a bad one is refused before any worker starts."""
+    from pipeloom.plan.costs import costs_from_json, parse_bytes
+    from pipeloom.schedules import REGISTRY
+
+    where = "plan"
+    check_keys(document, _PLAN_KEYS, where=where, error=RequestError)
+    tables = document.get("costs")
+    tables = tables if isinstance(tables, list) else [tables]
+    texts = []
+    for k, table in enumerate(tables):
+        if not isinstance(table, dict):
+            raise RequestError(f"{where}.costs: expected a pipeloom.costs/2 (or /1) object (or a list of them), got "
+                               f"{type(table).__name__}")
+        text = json.dumps(table)
+        try:
+            costs_from_json(text)
+        except PipeloomError as error:
+            raise RequestError(f"{where}.costs[{k}]: {error}") from None
+        texts.append(text)
+    limit = document.get("memory_limit")
+    if isinstance(limit, str):
+        try:
+            limit = parse_bytes(limit)
+        except PipeloomError as error:
+            raise RequestError(f"{where}.memory_limit: {error}") from None
+    elif limit is not None:
+        limit = number(document, "memory_limit", where=where, error=RequestError)
+    schedules = document.get("schedules")
+    if schedules is not None and (not isinstance(schedules, list) or not schedules
+                                  or any(name not in REGISTRY for name in schedules)):
+        raise RequestError(f"{where}.schedules: expected a list of schedule names among {', '.join(REGISTRY)}; "
+                           f"got {schedules!r:.80}")
+    sharding = document.get("sharding", "replicate")
+    if sharding not in ("replicate", "fsdp"):
+        raise RequestError(f"{where}.sharding: expected 'replicate' or 'fsdp', got {sharding!r:.40}")
+    search = number(document, "search", where=where, error=RequestError, default=0.0)
+    if search > config.max_search_seconds:
+        raise RequestError(f"{where}.search {search:g} s is above this server's limit of {config.max_search_seconds:g} s")
+    return {"costs": texts, "ranks": integer(document, "ranks", where=where, error=RequestError),
+            "global_batch": integer(document, "global_batch", where=where, error=RequestError),
+            "memory_limit": limit, "data_parallel": _counts(document, "data_parallel", where),
+            "tensor_parallel": _counts(document, "tensor_parallel", where) or [1], "sharding": sharding,
+            "schedules": schedules, "stages_per_rank": _counts(document, "stages_per_rank", where) or [2],
+            "microbatches": _counts(document, "microbatches", where), "search": search}
