@@ -9,7 +9,7 @@ TORCH := $(VENV)/.installed-torch
 TESTING := $(VENV)/.installed-test
 DEMO_DIR ?= demo-output
 
-.PHONY: install demo test bench clean browser
+.PHONY: install demo test check bench clean browser
 
 $(BASE): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -41,7 +41,13 @@ browser:
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver) \
 		|| echo "could not install chromium: the browser tests will skip"; fi
 
-test: $(TESTING) browser
+# Lint and type-check (configuration in pyproject.toml, reasons in docs/development.md). mypy keeps its
+# cache in .mypy_cache: the first run takes about a minute (torch's stubs), later ones a few seconds.
+check: $(TESTING)
+	$(VENV)/bin/ruff check pipeloom tests benchmarks
+	$(VENV)/bin/mypy
+
+test: $(TESTING) browser check
 	PIPELOOM_REQUIRE_TORCH=1 $(PY) -m pytest -q -n 2
 
 bench: $(BASE)

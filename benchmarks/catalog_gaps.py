@@ -67,7 +67,7 @@ def verdict(bound_slope: float, answer_slope: float, best_period: float | None, 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cases", default=",".join(f"{n}:{l}" for n, l in CASES),
+    parser.add_argument("--cases", default=",".join(f"{n}:{limit}" for n, limit in CASES),
                         help="comma-separated NAME:LIMIT pairs")
     parser.add_argument("--time", type=float, default=10.0, help="search time limit at M=128 (s)")
     parser.add_argument("--exact", default="4,8", help="small M for exact mode, comma-separated")

@@ -9,11 +9,12 @@ One spawned pair of processes (``torch.set_num_threads(1)`` in each: one core pe
    (``profile_in_engine``): its traced actions hold next to no compute, so their median time is the
    runtime's own work per action of a pipeline that sends at every action (printed for reference).
 2. **Profile** (``profiler="engine"``, the default): ``profile_in_engine`` on the workload's model at every
-   micro-batch size the plan search may pick: piece times traced inside the runtime on both ranks, the
-   latency under load and the per-step cost fitted from the same steps (their medians over the sizes
-   go into every table); from its two-replica pipeline, the cost per action (runs of pieces timed
-   whole against their pieces), the replica-exchange latency, and from all, the time spread. ``profiler="alone"``: both ranks run ``profile_model`` at once, and the
-   per-action and per-step costs come from a 1F1B run of the 4x4 pipeline at two micro-batch counts.
+   micro-batch size the plan search may pick: piece times traced inside the runtime on both ranks, the latency
+   under load and the per-step cost fitted from the same steps (their medians over the sizes go into every
+   table); from its two-replica pipeline, the cost per action (runs of pieces timed whole against their
+   pieces), the replica-exchange latency, and from all, the time spread. ``profiler="alone"``: both ranks run
+   ``profile_model`` at once, and the per-action and per-step costs come from a 1F1B run of the 4x4 pipeline
+   at two micro-batch counts.
 3. **Plan**: rank 0 runs ``plan_pipeline`` for 2 ranks and saves the best plan of each schedule; with
    ``uniform``, also the chosen plan with the workload's layers cut evenly (same schedule and micro-batches).
 4. **Rounds**: for each plan in turn, warm-up steps, then ``cycles`` times one profiling step of the
@@ -255,7 +256,7 @@ def _quiet(work: Callable[[], T], config: RealityConfig) -> tuple[T, float, int]
     load, that load in cores, and the number of attempts."""
     best: tuple[T, float] | None = None
     attempt = 0
-    for attempt in range(1, config.retries + 2):
+    for attempt in range(1, config.retries + 2):  # noqa: B007 (the count is read after the loop)
         with _Foreign() as foreign:
             result = work()
         if best is None or foreign.cores < best[1]:
@@ -502,7 +503,8 @@ def _same_order(a: Schedule, b: Schedule) -> bool:
 def uniform_split(names: Sequence[str], layers: Sequence[str], stages: int) -> tuple[str, ...] | None:
     """Split points cutting the layers among ``names`` (pieces in call order; a layer is a piece named
     ``{prefix}.{k}`` or ``prefix`` for a prefix of ``layers``) evenly into ``stages`` stages: stage s starts
-    at layer ``s * L // stages``, the pieces before the first layer in stage 0. None: fewer layers than stages."""
+    at layer ``s * L // stages``, the pieces before the first layer in stage 0. None: fewer layers than
+    stages."""
     found = [k for k, name in enumerate(names)
              if any(name == prefix or (name.startswith(prefix + ".") and name[len(prefix) + 1:].isdigit())
                     for prefix in layers)]

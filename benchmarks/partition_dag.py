@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import argparse
 import random
-from itertools import pairwise
-
 import time
+from itertools import pairwise
 
 from pipeloom.plan.dag import greedy_partition_dag, partition_dag
 

@@ -116,7 +116,12 @@ def torch_section() -> bool:
     """interleaved-zb / zbv and the search against torch's own zero-bubble orders."""
     import ortools  # noqa: F401
 
-    from interleaved_zb_quality import COST_SETS, interleaved_zb_vs_torch, torch_interleaved_zb_csv, torch_order_csv
+    from interleaved_zb_quality import (
+        COST_SETS,
+        interleaved_zb_vs_torch,
+        torch_interleaved_zb_csv,
+        torch_order_csv,
+    )
     from pipeloom.ir import schedule_from_csv
     from pipeloom.search import placement, search
     from pipeloom.validate import validate

@@ -24,9 +24,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
-from runtime_vs_torch import Block  # the same residual MLP block as the runtime benchmark's stages
 
 from pipeloom.runtime.backward import backward_full, backward_input
+from runtime_vs_torch import Block  # the same residual MLP block as the runtime benchmark's stages
 
 
 def ways(model: nn.Module, xs: list[torch.Tensor], grads: list[torch.Tensor]) -> dict[str, Callable[[], None]]:

@@ -1,5 +1,7 @@
 """pipeloom: pipeline-parallel schedules for PyTorch, built, searched, simulated, drawn and run."""
 
+from importlib import metadata as _metadata
+
 from pipeloom.errors import (
     CommError,
     DeadlockError,
@@ -46,7 +48,10 @@ __all__ = [
     "validate",
 ]
 
-__version__ = "0.1.0"
+try:  # the one version source is pyproject.toml; an installed (or editable) package carries it
+    __version__ = _metadata.version("pipeloom")
+except _metadata.PackageNotFoundError:  # a source tree on sys.path that was never installed
+    __version__ = "0+unknown"
 
 
 def __getattr__(name: str) -> object:

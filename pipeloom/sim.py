@@ -8,10 +8,10 @@ A lowered schedule's communication takes its own time (:mod:`pipeloom.lowering.r
 from __future__ import annotations
 
 import math
-import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import reduce
+from importlib import import_module
 from itertools import accumulate
 from operator import add, itemgetter
 
@@ -21,7 +21,7 @@ from pipeloom.lowering import replay_lowered
 from pipeloom.problem import Problem
 from pipeloom.sim_composite import Composite, composite_of
 
-__all__ = ["Timeline", "expected_makespan", "simulate", "starting_ranks"]
+__all__ = ["CompiledSchedule", "Timeline", "compile_schedule", "simulate"]
 
 _TASK_KEY = itemgetter(0, 1)
 _MICROBATCH = itemgetter(2)
@@ -71,10 +71,9 @@ class Timeline:
         return times
 
     def _repr_html_(self) -> str:
-        """The interactive timeline a notebook shows (:func:`pipeloom.viz.html.notebook_html`)."""
-        from pipeloom.viz.html import notebook_html
-
-        return notebook_html(self)
+        """The interactive timeline a notebook shows (:func:`pipeloom.viz.html.notebook_html`), looked
+        up by name on first use: viz sits above sim (docs/architecture.md, "Looked up on use")."""
+        return import_module("pipeloom.viz.html").notebook_html(self)
 
     def memory_curve(self, rank: int) -> list[tuple[float, float]]:
         """Step curve ``[(time, held), ...]`` of rank's memory, starting at ``(0, static)``."""
@@ -104,7 +103,7 @@ def simulate(schedule: Schedule, *, overlap_overhead: float | None = None) -> Ti
         return Timeline(schedule=schedule, starts=lowered.starts, ends=lowered.ends, memory=lowered.memory,
                         makespan=lowered.makespan, busy=lowered.busy, peak_memory=lowered.peak_memory)
     problem = schedule.problem
-    compiled = _Compiled.of(schedule, overhead)
+    compiled = CompiledSchedule.of(schedule, overhead)
     seq_tasks = compiled.seq_tasks
     replay = compiled.replay()
     starts, ends = replay.starts, replay.ends
@@ -159,86 +158,23 @@ def _overhead(schedule: Schedule, overlap_overhead: float | None) -> float:
     return float(overlap_overhead)
 
 
-def starting_ranks(schedule: Schedule) -> list[int]:
-    """Ranks whose first action needs no other action: they all start a step at once (one rank in
-    a one-replica pipeline, the first stage of each replica in a two-replica one)."""
-    problem = schedule.problem
-    return [r for r, actions in enumerate(schedule.ranks)
-            if actions and not any(problem.task(task.task).deps for task in task_actions(problem, actions[0]))]
-
-
-def expected_makespan(schedule: Schedule, spread: float | Sequence[float], *, start_skew: float = 0.0,
-                      samples: int | None = None, seed: int = 0) -> float:
-    """The mean makespan of ``schedule`` when each action's time varies around its task's.
-
-    Real actions of one task differ from one micro-batch and step to the next; where a rank waits
-    for the later of two paths, that variation costs time on average, which a replay with every
-    action at its task's time misses. Each of ``samples`` replays (seeded: the result is
-    reproducible, and the same draws for every order of one task graph) draws an independent factor
-    for every single-rank action, lognormal with mean 1 and coefficient of variation ``spread`` (one
-    number, or one per stage); the mean of their
-    makespans is returned. ``start_skew`` (seconds): where several ranks start a step at once
-    (:func:`starting_ranks`), each also begins after its own delay, drawn exponential with that mean,
-    less the earliest one's (the step starts with the first rank that moves): two such ranks start
-    ``start_skew`` apart on average. A spread of 0 everywhere and no skew give :func:`simulate`'s
-    makespan. ``samples`` None: 32, fewer for long schedules (at least 4; about 50,000 actions in
-    all), whose many actions already average their variation out. DeadlockError as :func:`simulate`.
-    """
-    if schedule.lowered:
-        raise ScheduleError(f"expected_makespan replays compute-only schedules and {schedule.name!r} is "
-                            "lowered; pass the schedule before lower()")
-    problem = schedule.problem
-    spreads = [spread] * problem.num_stages if isinstance(spread, (int, float)) else list(spread)
-    if len(spreads) != problem.num_stages:
-        raise ValueError(f"give one spread, or one per stage ({problem.num_stages}), not {len(spreads)}")
-    for value in spreads:
-        if not _nonnegative(value):
-            raise ValueError(f"a spread must be a finite number >= 0, got {value!r}")
-    if samples is None:
-        samples = max(4, min(32, 50_000 // max(1, sum(map(len, schedule.ranks)))))
-    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
-        raise ValueError(f"samples must be a positive integer, got {samples!r}")
-    if not _nonnegative(start_skew):
-        raise ValueError(f"start_skew must be a finite number of seconds >= 0, got {start_skew!r}")
-    compiled = _Compiled.of(schedule, problem.overlap_overhead)
-    num_tasks = len(problem.tasks)
-    starting = starting_ranks(schedule) if start_skew else []
-    if not any(spreads) and len(starting) < 2:
-        return compiled.replay().makespan  # every replay checks that the lists run to the end
-    sigmas = [math.sqrt(math.log1p(value * value)) for value in spreads]
-    task_sigmas = [sigmas[task.stage] for task in problem.tasks]
-    num_mb = len(compiled.dense)
-    draws = random.Random(seed)
-    total = 0.0
-    for _ in range(samples):
-        scales = None
-        if any(spreads):
-            # one factor per (task, micro-batch), drawn in that order: two orders of one task graph see
-            # the same draws, so comparing them is not decided by which position drew what
-            factors = [draws.lognormvariate(-sigma * sigma / 2, sigma) if sigma else 1.0
-                       for sigma in task_sigmas for _ in range(num_mb)]
-            scales = [[factors[t * num_mb + mb] if t < num_tasks else compiled.scale(t, factors)
-                       for t, mb in zip(seq, mbs)]
-                      for seq, mbs in zip(compiled.seq_tasks, compiled.seq_mbs)]
-        release = None
-        if len(starting) > 1:
-            delays = [draws.expovariate(1 / start_skew) for _ in starting]
-            release = [0.0] * problem.num_ranks
-            for r, delay in zip(starting, delays):
-                release[r] = delay - min(delays)
-        total += compiled.replay(scales, release).makespan
-    return total / samples
-
-
 def _nonnegative(value: object) -> bool:
     """A finite int or float >= 0 (not a bool)."""
     return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value >= 0
 
 
+def compile_schedule(schedule: Schedule) -> CompiledSchedule:
+    """``schedule`` ready to replay many times with varying action times
+    (:meth:`CompiledSchedule.makespan`), e.g. by the planner's noise model (:mod:`pipeloom.plan.noise`)."""
+    require_type("schedule", schedule, Schedule, "a pipeloom Schedule")
+    return CompiledSchedule.of(schedule, schedule.problem.overlap_overhead)
+
+
 @dataclass(frozen=True, slots=True)
-class _Compiled:
+class CompiledSchedule:
     """A schedule's rank lists as task indices and dense micro-batches, ready to replay; a composite
-    action (an overlapped pair, a B on a split stage) is index ``len(tasks) + k`` for ``composites[k]``."""
+    action (an overlapped pair, a B on a split stage) is index ``len(tasks) + k`` for ``composites[k]``.
+    Build it with :func:`compile_schedule`."""
 
     schedule: Schedule
     index: dict[tuple[int, str], int]
@@ -248,7 +184,7 @@ class _Compiled:
     composites: tuple[Composite, ...]
 
     @classmethod
-    def of(cls, schedule: Schedule, overhead: float) -> _Compiled:
+    def of(cls, schedule: Schedule, overhead: float) -> CompiledSchedule:
         problem = schedule.problem
         index = {task.key: i for i, task in enumerate(problem.tasks)}
         found: dict = {}
@@ -266,6 +202,24 @@ class _Compiled:
         num_mb, durations = len(self.dense), [task.duration for task in self.schedule.problem.tasks]
         scaled = composite.scaled(durations, lambda task, mb: factors[task * num_mb + self.dense[mb]])
         return scaled / composite.duration
+
+    @property
+    def num_slots(self) -> int:
+        """Micro-batches the lists use (numbered 0..num_slots-1 in a replay): a per-(task, micro-batch)
+        factor list holds ``num_tasks * num_slots`` entries, task-major."""
+        return len(self.dense)
+
+    def action_scales(self, factors: list[float]) -> list[list[float]]:
+        """Per rank, per position: the factor on that action's duration when (task t, micro-batch slot
+        k) has ``factors[t * num_slots + k]`` (a composite action: the factor its parts give it)."""
+        num_tasks, num_mb = len(self.index), len(self.dense)
+        return [[factors[t * num_mb + mb] if t < num_tasks else self.scale(t, factors) for t, mb in zip(seq, mbs)]
+                for seq, mbs in zip(self.seq_tasks, self.seq_mbs)]
+
+    def makespan(self, scales: list | None = None, release: list | None = None) -> float:
+        """The makespan of one replay (``scales`` from :meth:`action_scales`; ``release``: the time each
+        rank may begin); DeadlockError as :func:`simulate`."""
+        return self.replay(scales, release).makespan
 
     def replay(self, scales: list | None = None, release: list | None = None) -> _Replay:
         """The replay run to the end (``scales``: a factor per single-rank action; ``release``: the
@@ -529,3 +483,12 @@ def _deadlock_message(
         + "\n"
         + format_grid(schedule.ranks, mark=(first, pos[first]))
     )
+
+
+def __getattr__(name: str) -> object:
+    """``pipeloom.sim.expected_makespan`` and ``starting_ranks``, which moved to
+    :mod:`pipeloom.plan.noise`, still import from here (looked up by name on first use: the planner
+    sits above the simulator)."""
+    if name in ("expected_makespan", "starting_ranks"):
+        return getattr(import_module("pipeloom.plan.noise"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,5 +1,7 @@
 """The package's import structure, read from the source with ``ast`` (nothing is imported): no
-import cycle among the checked modules. Compared against: the import graph itself."""
+import cycle anywhere in the package, imports that go the one way docs/architecture.md says, and the
+few names looked up on first use (``importlib.import_module``) exactly the documented ones. Compared
+against: the import graph itself and the layer table of docs/architecture.md."""
 
 from __future__ import annotations
 
@@ -10,9 +12,34 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent / "pipeloom"
 
-CHECKED = ("pipeloom.graph", "pipeloom.problem", "pipeloom.search", "pipeloom.plan.dag")
-"""Modules (and packages, with everything under them) that must lie on no import cycle; extend
-this to ``("pipeloom",)`` once the rest of the package is free of cycles."""
+CHECKED = ("pipeloom",)
+"""Modules (and packages, with everything under them) that must lie on no import cycle: all of them."""
+
+LOOKED_UP_ON_USE = {
+    ("pipeloom.ir.core", "pipeloom.viz.html"): "Schedule._repr_html_, the notebook view",
+    ("pipeloom.sim", "pipeloom.viz.html"): "Timeline._repr_html_, the notebook view",
+    ("pipeloom.sim", "pipeloom.plan.noise"): "pipeloom.sim.expected_makespan and starting_ranks, moved (issue 19)",
+}
+"""The only places a module names one above it, by ``importlib.import_module("...")`` when the name is
+first used, so that importing it never imports the layer above (docs/architecture.md, "Looked up on
+use"). They are no import edges: left out of the cycle and direction checks, and each must be listed."""
+
+CORE = ("errors", "formatting", "graph", "problem", "ir", "lowering", "sim", "sim_composite", "validate",
+        "schedules", "search")
+"""The model, the IR and what works on them alone (docs/architecture.md's table down to ``search``)."""
+NEVER = {
+    **{unit: {"trace", "viz", "plan", "runtime", "cli", "serve"} for unit in CORE},
+    "trace": {"viz", "plan", "runtime", "cli", "serve"},
+    "viz": {"plan", "runtime", "cli", "serve"},
+    "runtime": {"viz", "cli", "serve"},
+    "plan": {"cli"},
+    "serve": {"cli"},
+}
+"""Per top-level unit of ``pipeloom``: the units it never imports, at any depth (docs/architecture.md:
+imports go from the bottom of its table up; ``runtime -> plan`` and ``plan -> serve`` are the two
+function-level exceptions it names)."""
+NO_HEAVY = {unit: {"torch", "matplotlib"} for unit in (*CORE, "trace")}
+"""Units that import neither torch nor matplotlib, at any depth (DESIGN §4)."""
 
 
 def _modules() -> dict[str, Path]:
@@ -31,10 +58,14 @@ def _is_type_checking(node: ast.AST) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _imports(tree: ast.AST, name: str, is_package: bool, modules: dict[str, Path]) -> set[str]:
+def _imports(tree: ast.AST, name: str, is_package: bool, modules: dict[str, Path],
+             lookups: set[str] | None = None, external: set[str] | None = None) -> set[str]:
     """The package modules ``tree`` imports, at any depth (a function's lazy import counts: it
     still runs), leaving out ``if TYPE_CHECKING:`` blocks. ``from a import b`` names ``a.b`` when
-    that is a module, else ``a``."""
+    that is a module, else ``a``. ``lookups`` collects the modules named by
+    ``import_module("pipeloom...")``; ``external`` the top-level names of other packages imported."""
+    lookups = set() if lookups is None else lookups
+    external = set() if external is None else external
     found: set[str] = set()
     package = name if is_package else name.rpartition(".")[0]
     stack = [tree]
@@ -46,8 +77,13 @@ def _imports(tree: ast.AST, name: str, is_package: bool, modules: dict[str, Path
         stack.extend(ast.iter_child_nodes(node))
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names if alias.name in modules)
+            external.update(alias.name.partition(".")[0] for alias in node.names)
+        elif isinstance(node, ast.Call) and _is_import_module(node):
+            lookups.add(node.args[0].value)
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
+            if not node.level:
+                external.add(base.partition(".")[0])
             if node.level:
                 parts = package.split(".")
                 base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
@@ -58,16 +94,39 @@ def _imports(tree: ast.AST, name: str, is_package: bool, modules: dict[str, Path
                 elif base in modules:
                     found.add(base)
     found.discard(name)
+    external.discard("pipeloom")
     return found
+
+
+def _is_import_module(node: ast.Call) -> bool:
+    """``import_module("pipeloom...")`` or ``importlib.import_module("pipeloom...")``."""
+    func = node.func
+    named = (isinstance(func, ast.Name) and func.id == "import_module") or (
+        isinstance(func, ast.Attribute) and func.attr == "import_module")
+    return (named and len(node.args) == 1 and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str) and node.args[0].value.startswith("pipeloom"))
+
+
+def _scan() -> tuple[dict[str, set[str]], dict[str, set[str]], dict[str, set[str]]]:
+    """Per package module: the package modules it imports, those it looks up on use, and the other
+    packages it imports (top-level names)."""
+    modules = _modules()
+    graph, lookups, external = {}, {}, {}
+    for name, path in modules.items():
+        lookups[name], external[name] = set(), set()
+        graph[name] = _imports(ast.parse(path.read_text(encoding="utf-8")), name, path.name == "__init__.py",
+                               modules, lookups[name], external[name])
+    return graph, lookups, external
 
 
 def import_graph() -> dict[str, set[str]]:
     """Per package module: the package modules it imports."""
-    modules = _modules()
-    return {
-        name: _imports(ast.parse(path.read_text(encoding="utf-8")), name, path.name == "__init__.py", modules)
-        for name, path in modules.items()
-    }
+    return _scan()[0]
+
+
+def _unit(module: str) -> str:
+    """``pipeloom.plan.costs`` -> ``plan``; ``pipeloom`` itself -> ``""``."""
+    return module.split(".")[1] if "." in module else ""
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -127,3 +186,44 @@ def test_no_import_cycle_reaches_the_checked_modules(prefix):
                  if any(_checked(name) and (name == prefix or name.startswith(prefix + "."))
                         for name in component)]
     assert on_cycles == [], f"import cycles through {prefix}: {on_cycles}"
+
+
+def test_the_scan_sees_lookups_and_other_packages():
+    _, lookups, external = _scan()
+    assert lookups["pipeloom.ir.core"] == {"pipeloom.viz.html"}
+    assert "torch" in external["pipeloom.runtime.engine"] and "torch" not in external["pipeloom.sim"]
+
+
+def test_imports_go_the_documented_way():
+    wrong = sorted(f"{name} imports {target}" for name, targets in import_graph().items() for target in targets
+                   if _unit(target) in NEVER.get(_unit(name), ()))
+    assert wrong == [], "imports against docs/architecture.md's direction:\n" + "\n".join(wrong)
+
+
+def test_the_model_and_the_trace_load_neither_torch_nor_matplotlib():
+    _, _, external = _scan()
+    heavy = sorted(f"{name} imports {package}" for name, packages in external.items()
+                   for package in packages & NO_HEAVY.get(_unit(name), set()))
+    assert heavy == []
+
+
+def test_only_the_documented_names_are_looked_up_on_use():
+    _, lookups, _ = _scan()
+    found = {(name, target) for name, targets in lookups.items() for target in targets}
+    assert found == set(LOOKED_UP_ON_USE)
+    assert all(target in import_graph() for _, target in found)  # each names a module that exists
+
+
+def test_the_moved_names_still_import_from_their_old_homes():
+    import pipeloom.plan.noise
+    import pipeloom.sim
+    import pipeloom.trace
+    import pipeloom.viz.explain
+    import pipeloom.viz.measured
+    import pipeloom.viz.run_trace
+
+    assert pipeloom.sim.expected_makespan is pipeloom.plan.noise.expected_makespan
+    assert pipeloom.sim.starting_ranks is pipeloom.plan.noise.starting_ranks
+    for old in (pipeloom.viz.measured, pipeloom.viz.run_trace, pipeloom.viz.explain):
+        moved = [name for name in old.__all__ if hasattr(pipeloom.trace, name)]
+        assert moved and all(getattr(old, name) is getattr(pipeloom.trace, name) for name in moved)

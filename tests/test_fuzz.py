@@ -14,7 +14,6 @@ import json
 import os
 import signal
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings

@@ -321,7 +321,10 @@ def test_csv_export_round_trips_or_refuses_each_registry_schedule(name, tmp_path
     if REGISTRY[name].replicas == 1:
         back = schedule_from_csv(schedule_to_csv(schedule))
         assert back.ranks == schedule.ranks and back.num_microbatches == schedule.num_microbatches
-        shape = lambda problem: [(t.key, t.ranks, set(t.deps)) for t in problem.tasks]
+
+        def shape(problem):
+            return [(t.key, t.ranks, set(t.deps)) for t in problem.tasks]
+
         assert shape(back.problem) == shape(schedule.problem)
         return
     for write in (schedule_to_csv, lambda s: save_schedule(s, tmp_path / "x.csv")):

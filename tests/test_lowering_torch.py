@@ -14,12 +14,11 @@ import csv
 import io
 
 import pytest
-from torch_pipelining import import_torch_schedules
 
 from pipeloom import Comm, lower, simulate, validate
 from pipeloom.ir import parse_action, schedule_from_csv, schedule_to_csv
 from pipeloom.schedules import build_schedule
-
+from torch_pipelining import import_torch_schedules
 
 ts = import_torch_schedules()
 

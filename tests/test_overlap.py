@@ -13,7 +13,6 @@ import pytest
 from pipeloom.errors import DeadlockError, OrderError, ScheduleError, ScheduleFormatError
 from pipeloom.ir import (
     Action,
-    Comm,
     Overlap,
     Schedule,
     parse_action,
@@ -24,7 +23,7 @@ from pipeloom.ir import (
     task_actions,
 )
 from pipeloom.lowering import lower
-from pipeloom.problem import Costs, Stage, stage_graph
+from pipeloom.problem import Stage, stage_graph
 from pipeloom.schedules import build_schedule
 from pipeloom.schedules.dualpipe import dualpipev
 from pipeloom.sim import simulate

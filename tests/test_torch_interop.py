@@ -14,13 +14,12 @@ import csv
 import io
 
 import pytest
-from torch_pipelining import import_torch_schedules, torch_order_csv
 
 from pipeloom.errors import ScheduleFormatError
 from pipeloom.ir import schedule_from_csv, schedule_to_csv
 from pipeloom.schedules import build_schedule
 from pipeloom.validate import validate
-
+from torch_pipelining import import_torch_schedules, torch_order_csv
 
 torch_schedules = import_torch_schedules()
 _Action = torch_schedules._Action

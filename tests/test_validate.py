@@ -277,7 +277,10 @@ def _ancestors(problem: Problem) -> dict[tuple[int, str], set[tuple[int, str]]]:
 def test_swapping_two_actions_against_a_dependency_is_caught(schedule, data):
     """Swap a[i] and a[j] where a[j] needs a[i] (deadlock) or both are B/W of one stage (order)."""
     ancestors = _ancestors(schedule.problem)
-    plain = lambda action: isinstance(action, Action) and action.task in ancestors  # one task's action
+
+    def plain(action):  # one task's action
+        return isinstance(action, Action) and action.task in ancestors
+
     pairs = [
         (r, i, j)
         for r, row in enumerate(schedule.ranks)

@@ -4,13 +4,12 @@ file names) that run while parsing, so before anything is built or printed."""
 from __future__ import annotations
 
 import argparse
-import math
 import re
 from pathlib import Path
 
+from pipeloom.cli.argtypes import count, number, path_with
 from pipeloom.cli.common import UsageError
 from pipeloom.cli.demo import cmd_demo
-from pipeloom.cli.outputs import OutputPath
 from pipeloom.cli.plan import add_plan_parser
 from pipeloom.cli.profile import add_profile_parser
 from pipeloom.cli.schedules import ACTIVATIONS, cmd_compare, cmd_list, cmd_show, cmd_simulate
@@ -38,31 +37,14 @@ class _Parser(argparse.ArgumentParser):
 # ------------------------------------------------------------------------------ argument types
 
 
-def _number(kind: type, words: str, minimum: float, maximum: float = math.inf):
-    """An argparse type parsing ``kind`` and requiring a finite value in ``[minimum, maximum]``."""
-
-    def parse(text: str) -> float:
-        try:
-            value = kind(text)
-        except ValueError:
-            value = math.nan
-        if not math.isfinite(value) or value < minimum:
-            raise argparse.ArgumentTypeError(f"must be {words}, got {text!r}")
-        if value > maximum:
-            raise argparse.ArgumentTypeError(f"must be at most {maximum:g}, got {text!r}")
-        return value
-
-    return parse
-
-
-_cost = _number(float, "a finite number >= 0", 0)
+_cost = number(float, "a finite number >= 0", 0)
 
 
 def _microbatch_limit(command: str, units: str):
     """The argparse type of ``--memory-limit`` in ``command``, which counts ``units`` (activations
     of micro-batches, not bytes): a size like ``80GiB`` is refused with a pointer to ``pipeloom plan``,
     whose ``--memory-limit`` is bytes."""
-    plain = _number(float, f"a finite number >= 0 of {units}", 0)
+    plain = number(float, f"a finite number >= 0 of {units}", 0)
 
     def parse(text: str) -> float:
         try:
@@ -79,29 +61,9 @@ def _microbatch_limit(command: str, units: str):
 
 _SIZE = re.compile(r"^\s*[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?\s*(?:[KMGT]i?B|B)\s*$", re.IGNORECASE)
 """A byte size as ``pipeloom plan`` reads one (``80GiB``, ``512 MB``, ``1e9B``)."""
-_count = _number(int, "a positive integer", 1)
 MAX_TERMINAL_WIDTH = 10_000
 """Columns of the ``--terminal`` view at most (a wider view cannot be read and costs memory per column)."""
-_width = _number(int, "a positive integer", 1, MAX_TERMINAL_WIDTH)
-
-
-def _path_with(*suffixes: str):
-    """An argparse type for an output file: suffix one of ``suffixes`` (any case), in an existing
-    folder, not itself a folder; checked while parsing, so before anything is built or printed."""
-
-    def check(text: str) -> Path:
-        path = Path(text)
-        if path.suffix.lower() not in suffixes:
-            raise argparse.ArgumentTypeError(f"{text!r}: use a {' or '.join(suffixes)} file name")
-        parent = path.parent
-        if not parent.is_dir():
-            what = "is not a folder" if parent.exists() else "does not exist"
-            raise argparse.ArgumentTypeError(f"{text!r}: the folder {str(parent)!r} {what}; create it first")
-        if path.is_dir():
-            raise argparse.ArgumentTypeError(f"{text!r} is a folder; give a file name")
-        return OutputPath(text)
-
-    return check
+_width = number(int, "a positive integer", 1, MAX_TERMINAL_WIDTH)
 
 
 # ---------------------------------------------------------------------------------- the parser
@@ -120,17 +82,17 @@ def _add_costs(parser: argparse.ArgumentParser, command: str) -> None:
 
 def _add_outputs(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("outputs")
-    group.add_argument("-o", "--out", type=_path_with(".png", ".svg", ".html"),
+    group.add_argument("-o", "--out", type=path_with(".png", ".svg", ".html"),
                        help="timeline picture (.png/.svg), or an interactive view (.html: one self-contained file)")
-    group.add_argument("--trace", type=_path_with(".json"), help="Chrome/Perfetto trace (.json)")
+    group.add_argument("--trace", type=path_with(".json"), help="Chrome/Perfetto trace (.json)")
     group.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     group.add_argument("--terminal", action="store_true", help="draw the timeline in the terminal")
     group.add_argument("--width", type=_width, help="width of the --terminal view (default: terminal width)")
 
 
 def _add_shape(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--ranks", "-p", type=_count, required=True, metavar="P", help="number of ranks")
-    parser.add_argument("--microbatches", "-m", type=_count, required=True, metavar="M",
+    parser.add_argument("--ranks", "-p", type=count, required=True, metavar="P", help="number of ranks")
+    parser.add_argument("--microbatches", "-m", type=count, required=True, metavar="M",
                         help="number of micro-batches (real ones; two-replica schedules pair them)")
 
 
@@ -161,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
                                epilog=COST_HELP)
     show.add_argument("name", metavar="NAME", help="schedule name (see `pipeloom list`)")
     _add_shape(show)
-    show.add_argument("--stages-per-rank", type=_count, metavar="V",
+    show.add_argument("--stages-per-rank", type=count, metavar="V",
                       help="stages per rank, for schedules that take it (e.g. interleaved-1f1b)")
     show.add_argument("--with-comms", action="store_true",
                       help="lower the schedule first: add the send/receive actions (1SEND_F0, 2RECV_B3, "
@@ -169,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
                            ".csv (torch compute_comms)")
     _add_costs(show, "show")
     _add_outputs(show)
-    show.add_argument("--save", type=_path_with(".json", ".csv"),
+    show.add_argument("--save", type=path_with(".json", ".csv"),
                       help="save the schedule: pipeloom JSON (.json) or torch CSV (.csv; compute_comms "
                            "with --with-comms)")
     show.set_defaults(handler=cmd_show)
@@ -187,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("names", nargs="+", metavar="NAME", help="schedule names (see `pipeloom list`)")
     _add_shape(compare)
     _add_costs(compare, "compare")
-    compare.add_argument("-o", "--out", type=_path_with(".png", ".svg", ".html"),
+    compare.add_argument("-o", "--out", type=path_with(".png", ".svg", ".html"),
                          help="comparison figure (.png/.svg), or an interactive view of every timeline (.html)")
     compare.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     compare.set_defaults(handler=cmd_compare)
@@ -213,19 +175,19 @@ def _add_search(commands: argparse._SubParsersAction) -> None:
     source = search.add_mutually_exclusive_group(required=True)
     source.add_argument("--placement", metavar="NAME", help="a catalog placement (see `pipeloom list`)")
     source.add_argument("--problem", type=Path, metavar="FILE", help="a problem JSON file (docs/search.md)")
-    search.add_argument("--ranks", "-p", type=_count, metavar="D", help="number of ranks (with --placement)")
-    search.add_argument("--microbatches", "-m", type=_count, required=True, metavar="M",
+    search.add_argument("--ranks", "-p", type=count, metavar="D", help="number of ranks (with --placement)")
+    search.add_argument("--microbatches", "-m", type=count, required=True, metavar="M",
                         help="number of micro-batches")
     search.add_argument("--memory-limit", type=_microbatch_limit(
                             "search", "the problem's memory units (micro-batches of activations for a placement)"),
                         metavar="L", help="per-rank cap on held memory in the problem's own units: MICRO-BATCHES "
                         "of activations for a placement (a forward holds 1), the tasks' memory units for a "
                         "problem file (overrides its memory_limit); not bytes: `pipeloom plan` takes bytes")
-    search.add_argument("--time-limit", type=_number(float, "a number of seconds >= 0.01", 0.01),
+    search.add_argument("--time-limit", type=number(float, "a number of seconds >= 0.01", 0.01),
                         default=30.0, metavar="S", help="search time limit in seconds (default 30)")
     search.add_argument("--mode", choices=("auto", "exact", "periodic"), default="auto",
                         help="exact model, periodic (repetend) model, or auto by size (default)")
-    search.add_argument("--workers", type=_count, default=2, help="CP-SAT worker threads (default 2)")
+    search.add_argument("--workers", type=count, default=2, help="CP-SAT worker threads (default 2)")
     search.add_argument("--split-backward", action="store_true", help="split B into I and W (placements)")
     search.add_argument("--inference", action="store_true", help="forward only, memory 0 (placements)")
     search.add_argument("--comm", type=_cost, metavar="C", help="latency between rank sets (default 0)")
@@ -239,7 +201,7 @@ def _add_search(commands: argparse._SubParsersAction) -> None:
     shares.add_argument("--w-memory", type=_cost, metavar="S",
                         help="memory W releases, of the 1 unit a forward takes (needs --split-backward)")
     _add_outputs(search)
-    search.add_argument("--save", type=_path_with(".json", ".csv"),
+    search.add_argument("--save", type=path_with(".json", ".csv"),
                         help="save the schedule: pipeloom JSON (.json) or torch compute-only CSV (.csv)")
     search.set_defaults(handler=cmd_search)
 
@@ -251,10 +213,10 @@ def _add_trace(commands: argparse._SubParsersAction) -> None:
                                             "task times (see docs/trace.md).")
     trace.add_argument("paths", nargs="+", type=Path, metavar="FOLDER_OR_FILE",
                        help="the run's trace folder, or its rank*.json files")
-    trace.add_argument("-o", "--out", type=_path_with(".json"),
+    trace.add_argument("-o", "--out", type=path_with(".json"),
                        help="merged Perfetto trace, measured and predicted side by side (.json; here -o is "
                             "the trace, the picture is --png)")
-    trace.add_argument("--png", type=_path_with(".png", ".svg"),
+    trace.add_argument("--png", type=path_with(".png", ".svg"),
                        help="picture: measured step above predicted on one time axis (.png/.svg)")
     trace.add_argument("--steps", choices=("warm", "all"), default="warm",
                        help="steps to measure: all but the first (warm, default) or all")

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from pipeloom.cli.argtypes import count, number, path_with
 from pipeloom.cli.common import UsageError
 from pipeloom.cli.outputs import target
 from pipeloom.errors import PipeloomError
@@ -31,7 +32,6 @@ def bytes_argument(text: str) -> float:
 
 def add_plan_parser(commands: argparse._SubParsersAction) -> None:
     """Register ``pipeloom plan``."""
-    from pipeloom.cli.parser import _count, _number, _path_with
 
     plan = commands.add_parser(
         "plan", help="choose split points, schedule and micro-batches for a cost table",
@@ -40,15 +40,15 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
     plan.add_argument("--costs", type=Path, nargs="+", required=True, metavar="FILE",
                       help="pipeloom.costs/2 (or /1) files (pipeloom profile --save, or written by hand); several "
                            "files of one model at different micro-batch sizes are interpolated")
-    plan.add_argument("--ranks", "-p", type=_count, required=True, metavar="P",
+    plan.add_argument("--ranks", "-p", type=count, required=True, metavar="P",
                       help="number of ranks: dp replicas x pp pipeline ranks")
-    plan.add_argument("--data-parallel", "--dp", type=_count, nargs="+", metavar="DP",
+    plan.add_argument("--data-parallel", "--dp", type=count, nargs="+", metavar="DP",
                       help="replica counts to try (default: every divisor of --ranks that divides the global batch; "
                            "1 for one pipeline over every rank)")
-    plan.add_argument("--tp", "--tensor-parallel", type=_count, nargs="+", metavar="TP", dest="tensor_parallel",
+    plan.add_argument("--tp", "--tensor-parallel", type=count, nargs="+", metavar="TP", dest="tensor_parallel",
                       help="tensor-parallel sizes to try (dp x pp x tp = --ranks; each must divide the heads); "
                            "default 1 (no tensor parallelism)")
-    plan.add_argument("--heads", type=_count, metavar="H",
+    plan.add_argument("--heads", type=count, metavar="H",
                       help="attention heads per layer, for a cost table without a 'tensor' field (with --tp-layers)")
     plan.add_argument("--tp-layers", metavar="PATTERN", default="blocks.*",
                       help="fnmatch pattern of the pieces that are transformer layers (with --heads; default blocks.*)")
@@ -61,29 +61,29 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
     plan.add_argument("--sharding", choices=("replicate", "fsdp"), default="replicate",
                       help="how replicas hold the weights: replicate (gradients all-reduced) or fsdp (optimizer state "
                            "sharded over the replicas, gradients reduce-scattered); default replicate")
-    plan.add_argument("--dp-latency", type=_number(float, "a number of seconds >= 0", 0), metavar="S",
+    plan.add_argument("--dp-latency", type=number(float, "a number of seconds >= 0", 0), metavar="S",
                       help="link latency between replicas in seconds (default: the cost table's link)")
     plan.add_argument("--dp-bandwidth", type=bytes_argument, metavar="BYTES_PER_S",
                       help="link bytes per second between replicas, e.g. 25GB (default: the cost table's link)")
-    plan.add_argument("--global-batch", type=_count, required=True, metavar="B", help="samples per step")
+    plan.add_argument("--global-batch", type=count, required=True, metavar="B", help="samples per step")
     plan.add_argument("--memory-limit", type=bytes_argument, metavar="SIZE",
                       help="bytes per rank, e.g. 80GiB or 512MiB (default: no limit)")
     plan.add_argument("--schedules", metavar="NAMES",
                       help="comma-separated schedules to try (default: every built-in one)")
-    plan.add_argument("--stages-per-rank", type=_count, nargs="+", default=[2], metavar="V",
+    plan.add_argument("--stages-per-rank", type=count, nargs="+", default=[2], metavar="V",
                       help="stages per rank for the looped schedules (default 2)")
-    plan.add_argument("--microbatches", "-m", type=_count, nargs="+", metavar="M",
+    plan.add_argument("--microbatches", "-m", type=count, nargs="+", metavar="M",
                       help="micro-batch counts to try (default: every divisor of the global batch)")
-    plan.add_argument("--search", type=_number(float, "a number of seconds >= 0", 0), default=0.0,
+    plan.add_argument("--search", type=number(float, "a number of seconds >= 0", 0), default=0.0,
                       metavar="SECONDS", help="also run the CP-SAT schedule search on the best candidates for "
                                               "this long (default 0: off); a better order is saved next to --save")
-    plan.add_argument("--top", type=_count, default=10, metavar="N", help="runners-up to show (default 10)")
-    plan.add_argument("-o", "--out", type=_path_with(".png", ".svg", ".html"),
+    plan.add_argument("--top", type=count, default=10, metavar="N", help="runners-up to show (default 10)")
+    plan.add_argument("-o", "--out", type=path_with(".png", ".svg", ".html"),
                       help="the best plan's simulated timeline (.png/.svg, or .html: interactive)")
     plan.add_argument("--server", metavar="URL",
                       help="ask a running `pipeloom serve` (e.g. http://127.0.0.1:8765) for the plan instead of "
                            "planning here; the answer names the plan's URL for pipeline(model, plan=URL)")
-    plan.add_argument("--save", type=_path_with(".json"), help="write the plan (pipeloom.plan/1 JSON)")
+    plan.add_argument("--save", type=path_with(".json"), help="write the plan (pipeloom.plan/1 JSON)")
     plan.add_argument("--export", choices=("torchtitan",),
                       help="also write the plan as torchtitan settings next to --save: <stem>.torchtitan.toml "
                            "([parallelism] split points, schedule CSV, micro-batch size, degrees) and "

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from pipeloom.cli.argtypes import count, number, path_with
 from pipeloom.cli.common import UsageError
 from pipeloom.cli.outputs import target
 from pipeloom.errors import PipeloomError
@@ -88,7 +89,6 @@ def _user_error(path: str, error: BaseException, doing: str, printed: io.StringI
 
 def add_profile_parser(commands: argparse._SubParsersAction) -> None:
     """Register ``pipeloom profile``."""
-    from pipeloom.cli.parser import _count, _number, _path_with
     from pipeloom.cli.plan import bytes_argument
 
     profile = commands.add_parser(
@@ -96,8 +96,8 @@ def add_profile_parser(commands: argparse._SubParsersAction) -> None:
         description="Build a model with FILE.py:FUNCTION, time every piece's F, I and W and count its bytes "
                     "(see docs/plan.md for the FUNCTION convention).")
     profile.add_argument("target", metavar="FILE.py:FUNCTION", help="the function that builds the model")
-    profile.add_argument("--batch", type=_count, required=True, metavar="N", help="samples per micro-batch")
-    profile.add_argument("--seq", type=_count, metavar="S", help="tokens per sample, for made-up token inputs")
+    profile.add_argument("--batch", type=count, required=True, metavar="N", help="samples per micro-batch")
+    profile.add_argument("--seq", type=count, metavar="S", help="tokens per sample, for made-up token inputs")
     profile.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE",
                          help="keyword argument for FUNCTION (a Python literal, else a string); repeatable")
     profile.add_argument("--loss", metavar="NAME",
@@ -112,13 +112,13 @@ def add_profile_parser(commands: argparse._SubParsersAction) -> None:
                          help="comma-separated module names kept whole (never cut inside), as "
                               "pipeline(leaf_modules=...)")
     profile.add_argument("--device", help="cpu, cuda, cuda:1... (default: cuda when available, else cpu)")
-    profile.add_argument("--warmup", type=_number(int, "an integer >= 0", 0), default=2, metavar="N",
+    profile.add_argument("--warmup", type=number(int, "an integer >= 0", 0), default=2, metavar="N",
                          help="untimed runs per piece (default 2)")
-    profile.add_argument("--repeats", type=_count, default=5, metavar="N", help="timed runs per piece (default 5)")
-    profile.add_argument("--threads", type=_count, metavar="N", help="torch CPU threads (default: torch's)")
-    profile.add_argument("--optimizer-factor", type=_number(float, "a number >= 0", 0), default=2.0,
+    profile.add_argument("--repeats", type=count, default=5, metavar="N", help="timed runs per piece (default 5)")
+    profile.add_argument("--threads", type=count, metavar="N", help="torch CPU threads (default: torch's)")
+    profile.add_argument("--optimizer-factor", type=number(float, "a number >= 0", 0), default=2.0,
                          metavar="X", help="optimizer-state bytes per parameter byte (default 2: Adam)")
-    profile.add_argument("--latency", type=_number(float, "a number of seconds >= 0", 0), default=0.0,
+    profile.add_argument("--latency", type=number(float, "a number of seconds >= 0", 0), default=0.0,
                          metavar="S", help="link latency between ranks in seconds (default 0)")
     profile.add_argument("--bandwidth", type=bytes_argument, metavar="SIZE",
                          help="link bytes per second between ranks, e.g. 10GB (default: unlimited)")
@@ -128,10 +128,10 @@ def add_profile_parser(commands: argparse._SubParsersAction) -> None:
                               "--warmup and --repeats count profiling steps, and the latency (--latency is "
                               "not used), per-step, per-action and per-message costs, time spread, start skew and "
                               "replica link are fitted")
-    profile.add_argument("--microbatches", type=_count, default=4, metavar="M",
+    profile.add_argument("--microbatches", type=count, default=4, metavar="M",
                          help="--in-engine: micro-batches per profiling step (default 4; the inputs hold "
                               "--batch x M samples)")
-    profile.add_argument("--save", type=_path_with(".json"), help="write the cost table (pipeloom.costs/2)")
+    profile.add_argument("--save", type=path_with(".json"), help="write the cost table (pipeloom.costs/2)")
     profile.add_argument("--json", action="store_true", help="print the cost table's JSON instead of a table")
     profile.set_defaults(handler=cmd_profile)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from pipeloom.cli.argtypes import count, number
 from pipeloom.cli.usage import UsageError
 
 __all__ = ["add_serve_parser", "cmd_serve"]
@@ -12,7 +13,6 @@ __all__ = ["add_serve_parser", "cmd_serve"]
 
 def add_serve_parser(commands: argparse._SubParsersAction) -> None:
     """Register ``pipeloom serve``."""
-    from pipeloom.cli.parser import _count, _number
 
     serve = commands.add_parser(
         "serve", help="run the web playground and JSON API (pip install 'pipeloom[serve]')",
@@ -20,12 +20,12 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
                     "its JSON API, on 127.0.0.1 unless --host says otherwise (see docs/playground.md).")
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to bind (default 127.0.0.1, this machine only; 0.0.0.0 serves every network)")
-    serve.add_argument("--port", type=_number(int, "a port number 0..65535", 0, 65535), default=8765,
+    serve.add_argument("--port", type=number(int, "a port number 0..65535", 0, 65535), default=8765,
                        help="TCP port (default 8765)")
-    serve.add_argument("--workers", type=_count, default=2, help="searches and plans run at once (default 2)")
-    serve.add_argument("--max-body", type=_count, default=4 * 2**20, metavar="BYTES",
+    serve.add_argument("--workers", type=count, default=2, help="searches and plans run at once (default 2)")
+    serve.add_argument("--max-body", type=count, default=4 * 2**20, metavar="BYTES",
                        help="largest request body in bytes (default 4 MiB)")
-    serve.add_argument("--request-seconds", type=_number(float, "a number of seconds > 0", 0.01), default=30.0,
+    serve.add_argument("--request-seconds", type=number(float, "a number of seconds > 0", 0.01), default=30.0,
                        metavar="S", help="time limit of a simulate, compare or plan request (default 30)")
     serve.set_defaults(handler=cmd_serve)
 

@@ -11,14 +11,8 @@ from rich.table import Table
 
 from pipeloom.cli.common import UsageError
 from pipeloom.cli.outputs import target
-from pipeloom.viz.measured import (
-    StepSelectionError,
-    compare_run,
-    draw_measured,
-    load_run_trace,
-    trace_summary,
-    write_merged_trace,
-)
+from pipeloom.trace import StepSelectionError, compare_run, load_run_trace, trace_summary
+from pipeloom.viz.measured import draw_measured, write_merged_trace
 
 __all__ = ["cmd_trace", "trace_tables"]
 
@@ -83,7 +77,7 @@ def _task_table(summary: dict) -> Table:
 
 
 def trace_tables(summary: dict) -> list[Table]:
-    """The tables ``pipeloom trace`` prints for a :func:`~pipeloom.viz.measured.trace_summary`."""
+    """The tables ``pipeloom trace`` prints for a :func:`~pipeloom.trace.trace_summary`."""
     return [_summary_table(summary), _rank_table(summary), _task_table(summary)]
 
 

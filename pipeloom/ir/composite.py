@@ -6,9 +6,9 @@ run together (docs/semantics.md, "Composite actions").
 
 from __future__ import annotations
 
-from pipeloom.errors import ProblemError, ScheduleError
 import dataclasses
 
+from pipeloom.errors import ProblemError, ScheduleError
 from pipeloom.ir.core import Action, Overlap, Schedule, compute_parts
 from pipeloom.problem import Problem
 

@@ -1,6 +1,7 @@
 """Actions and schedules (DESIGN §2): ``Action`` prints ``2F0``, ``Overlap`` (an overlapped forward and
-backward pair) prints ``(0F7;7B3)OVERLAP_F_B``, ``Comm`` (made by lowering) prints ``1SEND_F0``; ``Schedule`` holds per-rank action lists with the problem they schedule;
-``format_grid`` draws the step x rank grid for errors.
+backward pair) prints ``(0F7;7B3)OVERLAP_F_B``, ``Comm`` (made by lowering) prints ``1SEND_F0``; ``Schedule``
+holds per-rank action lists with the problem they schedule; ``format_grid`` draws the step x rank grid for
+errors.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from importlib import import_module
 from typing import Any, NamedTuple
 
 from pipeloom.errors import PipeloomError, ScheduleFormatError
@@ -218,9 +220,7 @@ class Schedule:
 
     def _repr_html_(self) -> str:
         """The interactive timeline a notebook shows (:func:`pipeloom.viz.html.notebook_html`)."""
-        from pipeloom.viz.html import notebook_html
-
-        return notebook_html(self)
+        return import_module("pipeloom.viz.html").notebook_html(self)  # viz sits above ir: looked up on use
 
 
 def format_grid(

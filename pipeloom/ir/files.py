@@ -7,6 +7,7 @@ from pathlib import Path
 from pipeloom.errors import ScheduleFormatError
 from pipeloom.ir.core import Schedule
 from pipeloom.ir.json_io import schedule_from_json, schedule_to_json
+from pipeloom.ir.jsonfields import read_text
 from pipeloom.ir.torch_csv import schedule_from_csv, schedule_to_csv
 from pipeloom.problem import Costs
 
@@ -28,17 +29,6 @@ def save_schedule(schedule: Schedule, path: str | Path) -> None:
     else:
         raise ScheduleFormatError(f"cannot save {path}: use a .json or .csv suffix")
     path.write_text(text, encoding="utf-8")
-
-
-def read_text(path: str | Path) -> str:
-    """The UTF-8 text of ``path`` (a leading byte-order mark is allowed); ScheduleFormatError
-    naming the file when it cannot be read or is not UTF-8."""
-    try:
-        return Path(path).read_text(encoding="utf-8-sig")
-    except UnicodeDecodeError as error:
-        raise ScheduleFormatError(f"cannot read {path}: not UTF-8 text (byte {error.start})") from None
-    except OSError as error:
-        raise ScheduleFormatError(f"cannot read {path}: {error.strerror or error}") from None
 
 
 def load_schedule(path: str | Path, *, costs: Costs = Costs()) -> Schedule:

@@ -16,17 +16,26 @@ from pipeloom.ir.core import shown
 
 __all__ = [
     "MISSING", "check_format", "check_keys", "integer", "json_object", "number", "parse_object",
-    "read_json_file", "string", "strings",
+    "read_json_file", "read_text", "string", "strings",
 ]
 
 MISSING = object()
 """Default of the getters: the key is required."""
 
 
+def read_text(path: str | Path) -> str:
+    """The UTF-8 text of ``path`` (a leading byte-order mark is allowed); ScheduleFormatError
+    naming the file when it cannot be read or is not UTF-8."""
+    try:
+        return Path(path).read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as error:
+        raise ScheduleFormatError(f"cannot read {path}: not UTF-8 text (byte {error.start})") from None
+    except OSError as error:
+        raise ScheduleFormatError(f"cannot read {path}: {error.strerror or error}") from None
+
+
 def read_json_file(path: str | Path, error: type[PipeloomError]) -> str:
     """The UTF-8 text of ``path``; ``error`` naming the file when it cannot be read."""
-    from pipeloom.ir.files import read_text
-
     try:
         return read_text(path)
     except ScheduleFormatError as failure:

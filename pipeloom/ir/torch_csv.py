@@ -104,13 +104,14 @@ def schedule_from_csv(
 ) -> Schedule:
     """Read a torch CSV (empty cell = idle) and infer its problem.
 
-    A file with communication cells (``1SEND_F0``: torch's ``compute_comms`` format) gives a lowered
-    schedule; cells of :data:`TORCH_ONLY_KINDS` (``0UNSHARD``, ...) are skipped. Row r is rank r. An empty row between rows is an idle rank; blank rows after the last row
-    with an action are not ranks (files often end in blank lines). Stages form the chain
-    0 -> 1 -> ... -> S-1, each on the one rank whose row runs it; the backward is split when
-    any I or W appears (a ``B`` then runs its stage's I and W as one action). Overlapped pairs
-    (``(0F7;7B3)OVERLAP_F_B``, torch's DualPipeV) load as :class:`~pipeloom.ir.Overlap`. ``costs`` are a rank's share of the model (the library's convention),
-    so a stage on a rank that runs v stages gets 1/v of them.
+    A file with communication cells (``1SEND_F0``: torch's ``compute_comms`` format) gives a lowered schedule;
+    cells of :data:`TORCH_ONLY_KINDS` (``0UNSHARD``, ...) are skipped. Row r is rank r. An empty row between
+    rows is an idle rank; blank rows after the last row with an action are not ranks (files often end in blank
+    lines). Stages form the chain 0 -> 1 -> ... -> S-1, each on the one rank whose row runs it; the backward
+    is split when any I or W appears (a ``B`` then runs its stage's I and W as one action). Overlapped pairs
+    (``(0F7;7B3)OVERLAP_F_B``, torch's DualPipeV) load as :class:`~pipeloom.ir.Overlap`. ``costs`` are a
+    rank's share of the model (the library's convention), so a stage on a rank that runs v stages gets 1/v of
+    them.
     """
     rows = _csv_rows(text)
     if not rows:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipeloom.errors import PipeloomError
+from pipeloom.formatting import format_bytes
 from pipeloom.ir.core import shown
 from pipeloom.ir.jsonfields import check_keys, integer, json_object, number, read_json_file, string, strings
 
@@ -235,13 +236,13 @@ class RuntimeCorrections:
     time_spread: float = 0.0
     """How much one action's time varies around its piece's between micro-batches and steps: the
     coefficient of variation (0: not at all). The plan search predicts the mean step time over
-    replays whose action times vary this much (:func:`pipeloom.sim.expected_makespan`): where a
+    replays whose action times vary this much (:func:`pipeloom.plan.noise.expected_makespan`): where a
     rank waits for the later of two paths, variation costs time on average. Measured by
     :func:`pipeloom.plan.profile_in_engine`."""
     start_skew: float = 0.0
     """Seconds: how far apart ranks that start a step at once (the first stage of each replica in a
     two-replica schedule) begin their first actions, on average. Each draws an exponential delay of
-    this mean in :func:`pipeloom.sim.expected_makespan`; the later one holds up what depends on it.
+    this mean in :func:`pipeloom.plan.noise.expected_makespan`; the later one holds up what depends on it.
     Measured by :func:`pipeloom.plan.profile_in_engine` on its two-replica profiling pipeline (on
     gloo with every core busy, a rank posting its first messages can stall for a scheduler slice)."""
     replica_link: Link | None = None
@@ -670,13 +671,3 @@ def parse_bytes(text: str | float) -> float:
             f"bad size {shown(text)}: write a number and a unit such as 80GiB, 512MiB, 16GB or 1e9 (bytes)"
         )
     return _check("a byte count", float(match.group(1)) * _UNITS[unit])
-
-
-def format_bytes(nbytes: float) -> str:
-    """``85899345920 -> "80 GiB"`` (binary units, three significant digits)."""
-    value = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024:
-            return f"{value:.0f} B" if unit == "B" else f"{value:.3g} {unit}"
-        value /= 1024
-    return f"{value:.3g} TiB"

@@ -24,6 +24,7 @@ from torch import nn
 
 from pipeloom.ir import Action, Schedule
 from pipeloom.plan.costs import CostTable, Link, RuntimeCorrections
+from pipeloom.plan.noise import starting_ranks
 from pipeloom.plan.plan import PlanError
 from pipeloom.plan.profile import _default_pieces, _traced, profile_model
 from pipeloom.plan.search import exchange_time
@@ -31,9 +32,9 @@ from pipeloom.plan.shared import shared_across_stages, shared_sync_time
 from pipeloom.problem import Costs, stage_graph
 from pipeloom.runtime import pipeline, split_model
 from pipeloom.schedules.common import chain_problem
-from pipeloom.sim import starting_ranks
-from pipeloom.viz.measured import comm_latency_estimate, message_cost, step_times, task_durations
-from pipeloom.viz.run_trace import RunTrace, run_trace_from_documents
+from pipeloom.trace.analysis import comm_latency_estimate, message_cost, step_times, task_durations
+from pipeloom.trace.format import RunTrace
+from pipeloom.trace.reader import run_trace_from_documents
 
 __all__ = ["EngineProfiler", "profile_in_engine", "profiling_schedule"]
 
@@ -255,7 +256,7 @@ class EngineProfiler:
 def _fit_run(run: RunTrace, steps: list[int]) -> tuple[float, float]:
     """``(latency, step overhead)`` of a profiling run: the mean time from a message's producer
     ending to its consumer starting, where the consumer's rank was waiting for it (latency under
-    load: :func:`~pipeloom.viz.measured.comm_latency_estimate` with ``mean=True``), and the median of
+    load: :func:`~pipeloom.trace.comm_latency_estimate` with ``mean=True``), and the median of
     each step's ``engine.step`` time minus its span."""
     spans = step_times(run, steps=steps)
     outside = [max(0.0, _engine_step_seconds(run, i) - spans[run.steps[i]]) for i in range(len(run.steps))
@@ -276,8 +277,8 @@ def _fitted_action_cost(raw: Callable[[int, str], float], bounds: list[int], who
 
 
 def _start_skew(run: RunTrace, steps: list[int]) -> float:
-    """The mean start delay of ranks that start a step at once (:func:`pipeloom.sim.starting_ranks`),
-    as :func:`pipeloom.sim.expected_makespan` draws it: exponential delays of mean m give k such
+    """The mean start delay of ranks that start a step at once (:func:`pipeloom.plan.noise.starting_ranks`),
+    as :func:`pipeloom.plan.noise.expected_makespan` draws it: exponential delays of mean m give k such
     ranks a mean gap of ``m * (1 + 1/2 + ... + 1/(k-1))`` between the first and the last to begin, so
     m is the measured mean gap over that sum (0 where fewer than two ranks start at once)."""
     starting = starting_ranks(run.schedule)

@@ -16,6 +16,7 @@ from pathlib import Path
 from pipeloom.errors import PipeloomError
 from pipeloom.ir import Schedule, save_schedule
 from pipeloom.plan.costs import CostTable, Link, format_bytes, table_for_size
+from pipeloom.plan.noise import expected_makespan
 from pipeloom.plan.partition import Partition, PartitionError
 from pipeloom.plan.partitioner import MemoryTooSmall, SchedulePartitioner, format_bytes_up
 from pipeloom.plan.plan import Plan, PlanError, save_plan
@@ -23,7 +24,7 @@ from pipeloom.plan.shape import library_schedule, schedule_shape
 from pipeloom.plan.shared import shared_across_stages, shared_static_bytes, shared_sync_time
 from pipeloom.problem import Problem, Stage, stage_graph
 from pipeloom.schedules import REGISTRY, build_schedule
-from pipeloom.sim import Timeline, expected_makespan, simulate
+from pipeloom.sim import Timeline, simulate
 
 __all__ = ["MAX_PLAN_MICROBATCHES", "Candidate", "default_schedules", "NoPlanFits", "PlanResult", "exchange_time", "plan_pipeline", "recost",
            "replica_sync_time", "stage_spreads"]
@@ -60,7 +61,7 @@ class Candidate:
     step_time: float | None = None
     """Predicted seconds per step: the simulated makespan (with the table's runtime ``time_spread``
     or ``start_skew``, the mean over replays with varying action times and start delays:
-    :func:`pipeloom.sim.expected_makespan`), plus the
+    :func:`pipeloom.plan.noise.expected_makespan`), plus the
     replicas' gradient exchange for two-replica schedules (:func:`replica_sync_time`), plus the
     table's fixed runtime ``step_overhead``; None when no split fits."""
     peak_memory: float | None = None

@@ -11,6 +11,7 @@ from pipeloom.runtime.engine import PipelineEngine
 from pipeloom.runtime.launch import init_ranks
 from pipeloom.runtime.lower import PipelineError, model_pieces
 from pipeloom.runtime.rng import forward_seed, reference_step
+from pipeloom.runtime.scatter import Traffic
 from pipeloom.runtime.split import (
     MODEL_INPUT,
     ModelTraceError,
@@ -26,7 +27,6 @@ from pipeloom.runtime.split import (
     split_model,
     stages_from_modules,
 )
-from pipeloom.runtime.scatter import Traffic
 from pipeloom.runtime.state import LoadResult, ModelNames, model_names
 
 __all__ = [

@@ -6,6 +6,7 @@ runs them."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -28,6 +29,8 @@ from pipeloom.runtime.tp import apply_tp_plan, check_tp_plan, leaf_modules_for, 
 __all__ = ["TRACE_ENV", "pipeline"]
 
 TRACE_ENV = "PIPELOOM_TRACE"
+
+logger = logging.getLogger(__name__)
 
 
 def pipeline(
@@ -66,21 +69,23 @@ def pipeline(
     (:func:`~pipeloom.runtime.split_model`: torch.fx, or torch.export from example inputs).
     ``seed``: the random numbers of every piece's forward derive from it (default: rank 0's
     ``torch.initial_seed()``), so dropout draws the same on any number of ranks (docs/runtime.md).
-    ``mesh``: a ``DeviceMesh`` with a ``"pp"`` dimension (the pipeline) and optionally ``"dp"`` (replicas of
-    it, each running its share of the global batch; :mod:`pipeloom.runtime.dp`), instead of ``process_group``.
+    ``mesh``: a ``DeviceMesh`` with a ``"pp"`` dimension (the pipeline) and optionally ``"dp"`` (replicas
+    of it, each running its share of the global batch; :mod:`pipeloom.runtime.dp`), instead of
+    ``process_group``.
     ``state_dict``/``init_weights``: for a model built on the meta device, what fills this rank's pieces
-    (a state dict, a ``torch.save`` file or a ``torch.distributed.checkpoint`` folder; a function called on
-    every module this rank holds); other ranks' tensors are never allocated.
-    ``data_parallel``: how the mesh's ``"dp"`` replicas hold the pieces: ``"replicate"`` (whole, gradients
-    all-reduced; the default) or ``"fsdp"`` (sharded with torch's ``fully_shard``; :mod:`pipeloom.runtime.fsdp`).
+    (a state dict, a ``torch.save`` file or a ``torch.distributed.checkpoint`` folder; a function called
+    on every module this rank holds); other ranks' tensors are never allocated.
+    ``data_parallel``: how the mesh's ``"dp"`` replicas hold the pieces: ``"replicate"`` (whole,
+    gradients all-reduced; the default) or ``"fsdp"`` (sharded with torch's ``fully_shard``;
+    :mod:`pipeloom.runtime.fsdp`).
     A plan with replicas (``pipeloom plan``'s ``data_parallel`` > 1) builds its ``("dp", "pp")`` mesh over
     every rank when no ``mesh`` is given, and sets ``data_parallel`` to its ``sharding``.
-    ``tp_plan``: with a ``"tp"`` mesh dimension, torch's ``parallelize_module`` plan ({module name or pattern:
-    ParallelStyle}, the model's names) applied to this rank's stages before the engine captures their
+    ``tp_plan``: with a ``"tp"`` mesh dimension, torch's ``parallelize_module`` plan ({module name or
+    pattern: ParallelStyle}, the model's names) applied to this rank's stages before the engine captures their
     parameters; a named module a style needs whole is kept whole in the split (docs/parallelism.md);
     ``"hf"``: a ``transformers`` model's own plan (its config's ``base_model_tp_plan`` and its head's).
-    ``scatter_boundaries``: with ``"tp"``, a stage-boundary tensor equal on every tp rank crosses once per tp
-    group (each sends 1/tp of it, the receivers all-gather); False sends it whole from every tp rank.
+    ``scatter_boundaries``: with ``"tp"``, a stage-boundary tensor equal on every tp rank crosses once per
+    tp group (each sends 1/tp of it, the receivers all-gather); False sends it whole from every tp rank.
     """
     if plan is not None:
         schedule, planned, schedule_options, microbatches, mesh, data_parallel, tp_plan = _from_plan(
@@ -122,6 +127,7 @@ def pipeline(
     pieces = _rank_pieces(lowering, layout, device, staged, loss_fn,
                           shared_seed(layout.everyone, layout.everyone_size, seed), shared, sharded)
     trace = trace if trace is not None else os.environ.get(TRACE_ENV) or None
+    logger.info("rank %d runs pieces %s on %s (data parallel: %s)", rank, held, device, data_parallel)
     return PipelineEngine(staged=staged, pieces=pieces, layout=layout, trace=trace, timeout=float(timeout),
                           names=names, scatter_boundaries=bool(scatter_boundaries))
 
@@ -130,9 +136,10 @@ def _from_plan(plan: str | Path, schedule: object, split_points: Sequence[str] |
                options: dict | None, microbatches: int | None, *, mesh: object, process_group: object,
                data_parallel: str | None, device: object, tp_plan: object = None) -> tuple:
     """(schedule, split points, schedule options, micro-batches, mesh, data_parallel, tp_plan) from a plan
-    file, explicit ones winning; a plan with replicas or tensor parallelism gets a ``("dp", "pp", "tp")``
-    mesh over every rank (sizes of 1 left out) unless one is given (whose shape must be the plan's), and its
-    saved tensor-parallel recipe becomes torch's ``ParallelStyle`` dict (:func:`pipeloom.plan.recipes.recipe_styles`)."""
+    file, explicit ones winning; a plan with replicas or tensor parallelism gets a ``("dp", "pp", "tp")`` mesh
+    over every rank (sizes of 1 left out) unless one is given (whose shape must be the plan's), and its saved
+    tensor-parallel recipe becomes torch's ``ParallelStyle`` dict
+    (:func:`pipeloom.plan.recipes.recipe_styles`)."""
     from pipeloom.plan import load_plan
 
     chosen = load_plan(plan)
@@ -150,8 +157,8 @@ def _from_plan(plan: str | Path, schedule: object, split_points: Sequence[str] |
 
 
 def _plan_mesh(chosen, mesh: object, process_group: object, device: object) -> object:
-    """The ``("dp", "pp", "tp")`` mesh a plan with ``data_parallel`` replicas and ``tensor_parallel`` ranks per
-    stage runs on ("dp" and "tp" left out where 1)."""
+    """The ``("dp", "pp", "tp")`` mesh a plan with ``data_parallel`` replicas and ``tensor_parallel`` ranks
+    per stage runs on ("dp" and "tp" left out where 1)."""
     import torch.distributed as dist
 
     shape = {"dp": chosen.data_parallel, "pp": chosen.num_ranks, "tp": chosen.tensor_parallel}

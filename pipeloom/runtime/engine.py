@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import json
 import time
 import weakref
 from collections.abc import Iterator
@@ -22,7 +21,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeloom.ir.json_io import schedule_to_json
 from pipeloom.runtime import state
 from pipeloom.runtime.checkpoint import load_checkpoint, save_checkpoint
 from pipeloom.runtime.clip import clip_grad_norm_
@@ -40,6 +38,7 @@ from pipeloom.runtime.state import LoadResult, ModelNames
 from pipeloom.runtime.step import StepRun
 from pipeloom.runtime.timing import ActionClock
 from pipeloom.runtime.tp import captured_parameters, changed_parameter
+from pipeloom.trace.format import rank_file, step_record, trace_document, write_trace_file
 
 __all__ = ["PipelineEngine", "PipelineError"]
 
@@ -354,26 +353,18 @@ class PipelineEngine:
     # ------------------------------------------------------------------------------ trace
 
     def _write_trace(self, start: int, end: int, events: list) -> None:
-        self.trace_steps.append({
-            "step": self._step_count, "start_ns": start, "end_ns": end,
-            "events": [{"name": n, "kind": k, "start_ns": a, "end_ns": b} for n, k, a, b in events],
-        })
+        self.trace_steps.append(step_record(self._step_count, start, end, events))
         if self.trace_dir is not None:
-            self.write_trace(self.trace_dir / f"rank{self.rank}.json")
+            self.write_trace(rank_file(self.trace_dir, self.rank))
 
     def trace_document(self) -> dict:
         """This rank's recorded steps as a ``pipeloom.runtime-trace/1`` document (docs/trace.md)."""
-        return {
-            "format": "pipeloom.runtime-trace/1", "rank": self.rank, "world_size": self.world_size,
-            "clock": "unix_ns", "schedule": json.loads(schedule_to_json(self.schedule)),
-            "steps": self.trace_steps,
-        }
+        return trace_document(rank=self.rank, world_size=self.world_size, schedule=self.schedule,
+                              steps=self.trace_steps)
 
     def write_trace(self, path: str | Path) -> None:
         """Write this rank's recorded steps (format ``pipeloom.runtime-trace/1``, see docs/trace.md)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.trace_document()))
+        write_trace_file(self.trace_document(), path)
 
     # ------------------------------------------------------------------------------ training-loop helpers
     # (runtime/state.py, clip.py, checkpoint.py; every rank calls the collective ones: clip_grad_norm_, full_state_dict, checkpoints)

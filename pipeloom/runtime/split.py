@@ -12,8 +12,8 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 import torch
-from torch import fx, nn
 import torch.utils._pytree as pytree
+from torch import fx, nn
 
 from pipeloom.runtime.errors import (
     ModelTraceError,

@@ -79,7 +79,8 @@ class StepRun:
 
     def outputs(self) -> object:
         """The model outputs of every micro-batch, joined along dim 0 when they all have one structure
-        (a tensor, a tuple, a ModelOutput...) of tensors with a batch dimension; else a list per micro-batch."""
+        (a tensor, a tuple, a ModelOutput...) of tensors with a batch dimension; else a list per
+        micro-batch."""
         if not self.model_outputs:
             return None
         values = [self.model_outputs[mb] for mb in sorted(self.model_outputs)]
@@ -397,7 +398,7 @@ class StepRun:
     def _route_input_grads(self, step: Step, entries: list, found: list) -> None:
         low, rank, mb = self.low, self.pieces.rank, step.microbatch
         remote: dict[tuple[int, int, int], list] = defaultdict(list)
-        for (leaf, producer, index, position), grad in zip(entries, found):
+        for (_leaf, producer, index, position), grad in zip(entries, found):
             if grad is None:
                 continue
             if low.rank_of[producer] == rank:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -29,6 +30,8 @@ PEER_POLL_S = 0.5  # seconds between two looks at the store while a wait lasts
 BREAK_TAG = (1 << 30) + 1  # a tag no rank sends on: a receive on it that times out closes the connections
 _FIRST_PAUSE_S = 2e-6  # poll_work's first sleep; it doubles up to _LAST_PAUSE_S
 _LAST_PAUSE_S = 1e-3
+
+logger = logging.getLogger(__name__)
 
 
 class FailureBoard:
@@ -100,6 +103,7 @@ class PeerWatch:
                 continue
             found = self.board.first_failure()
             if found is not None and not self._stopped.is_set():
+                logger.warning("rank %d failed (%s); waking this rank's waits", found[0], found[1])
                 self.failure = found
                 self.wake()
                 return  # a failure ends the engine: nothing more to watch

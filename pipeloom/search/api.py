@@ -7,6 +7,7 @@ Also reads user problem files (the ``tasks`` part of the schedule JSON plus mach
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -75,6 +76,8 @@ _PROBLEM_KEYS = {"num_ranks", "tasks", "comm_latency", "memory_limit", "static_m
 
 
 # ---------------------------------------------------------------------------------- searching
+
+logger = logging.getLogger(__name__)
 
 
 def search_plan(problem: Problem, num_microbatches: int, mode: SearchMode = "auto") -> tuple[str, ...]:
@@ -255,7 +258,12 @@ class _Search:
                 else:
                     self.results.append(solve_periodic(self.problem, self.num_mb, **options))
             except SearchError as error:
+                logger.info("%s: the %s solver found no schedule: %s", self.name, solver, error)
                 self.failure = error
+            else:
+                found = self.results[-1]
+                logger.info("%s: the %s solver: makespan %g, bound %g (%s) in %.1f s of %.1f", self.name,
+                            solver, found.makespan, found.lower_bound, found.status, found.seconds, share)
             if self.results and self.results[-1].status == "optimal":
                 break
 

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import math
 import time
-from decimal import Decimal
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from decimal import Decimal
 
 from pipeloom import graph
 from pipeloom.errors import PipeloomError
 from pipeloom.ir import Action, Schedule
 from pipeloom.problem import Problem
+from pipeloom.search.cpsat import integer_scale, to_units
 from pipeloom.search.memory_bounds import (
     limit_of,
     memory_bound,
@@ -19,7 +20,6 @@ from pipeloom.search.memory_bounds import (
     memory_time_per_microbatch,
     release_chain_bound,
 )
-from pipeloom.search.cpsat import integer_scale, to_units
 from pipeloom.search.paths import dep_indices, head_tail, topological_order
 from pipeloom.search.transforms import without_all_rank_tasks
 

@@ -4,6 +4,7 @@ memory limit, warm-started from the list schedule and the caller's hints; return
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -44,6 +45,8 @@ PERIODIC_SHARE = 0.1
 """Share of the time limit the periodic warm start (a repetend unrolled) may take."""
 
 Starts = dict[tuple[int, int], int]
+
+logger = logging.getLogger(__name__)
 
 
 class _Model:
@@ -232,6 +235,8 @@ def solve_exact(
 
     status, starts, proven = _solve(integer, num_microbatches, best, analytic, deadline, workers,
                                     progress and _Progress(progress, began, integer, analytic))
+    logger.debug("%s: CP-SAT status %s after %.1f s, bound %s", name, status, time.perf_counter() - began,
+                 proven)
     if starts is not None:
         found = _checked(problem, num_microbatches, name, starts)
         if found is not None and (best is None or found[1] <= best[1]):

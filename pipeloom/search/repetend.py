@@ -184,7 +184,7 @@ class RepetendModel:
     def _window(self) -> None:
         """Phases lie in one period: ``0 <= r_s <= T - 1`` (so o_s splits uniquely into k_s, r_s);
         ``d_t <= T``; a task may wrap around the period's end (see :meth:`_no_overlap`)."""
-        for (c, t), r in self.phase.items():
+        for (_c, t), r in self.phase.items():
             self.model.add(r + 1 <= self.period)
             self.model.add(self.ip.durations[t] <= self.period)
 

@@ -55,8 +55,9 @@ def _better(a: Repetend | None, b: Repetend) -> bool:
 def solve_repetend(ip: IntegerProblem, *, copies: Sequence[int] = (1, 2, 3), time_limit: float = 10.0,
                    workers: int = 2, progress: Progress | None = None) -> Repetend | None:
     """The repetend with the least time per micro-batch ``T / R`` under ``ip.limits``, trying R in
-    ``copies`` in turn (each a share of ``time_limit``, each asked to beat the best so far); stops at
-    the period lower bound (work and memory-time area per micro-batch). None when a limit admits no repetend at all (decided with R = 1)."""
+    ``copies`` in turn (each a share of ``time_limit``, each asked to beat the best so far); stops at the
+    period lower bound (work and memory-time area per micro-batch). None when a limit admits no repetend at
+    all (decided with R = 1)."""
     begin, best = time.perf_counter(), None
     for i, r in enumerate(copies):
         left = time_limit - (time.perf_counter() - begin)

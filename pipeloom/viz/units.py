@@ -1,5 +1,6 @@
 """What a picture's numbers count, and how every view writes them: thousands separators as in the
-tables (``1,456,749``), seconds scaled to s/ms/us, bytes in binary units (``85.5 MiB``).
+tables (``1,456,749``), seconds scaled to s/ms/us, bytes in binary units (``85.5 MiB``); the
+number formats themselves live in :mod:`pipeloom.formatting` (re-exported here).
 
 A timeline does not know its units: a schedule built from ``--f/--b/--w`` counts time in the unit of
 those costs and memory in micro-batches of one rank's share of activations; a measured run or a plan
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
+
+from pipeloom.formatting import format_bytes, format_number, format_seconds, time_scale
 
 __all__ = [
     "COST_UNITS",
@@ -49,32 +52,6 @@ MEASURED_UNITS = Units(time="seconds")
 PLAN_UNITS = Units(time="seconds", memory="bytes")
 """A plan (``pipeloom plan``): seconds and bytes."""
 
-_SECOND_SCALES = ((1.0, "s"), (1e-3, "ms"), (1e-6, "us"))
-
-
-def format_number(value: float) -> str:
-    """``value`` with thousands separators and at most 3 decimals, trailing zeros dropped (the tables'
-    form, :func:`pipeloom.viz.report.format_number`); from 10^15 on, 6 significant digits."""
-    if abs(value) >= 1e15:
-        return f"{value:.6g}"
-    text = f"{value:,.3f}".rstrip("0").rstrip(".")
-    return "0" if text == "-0" else text
-
-
-def time_scale(span: float) -> tuple[float, str]:
-    """``(seconds per unit, unit)`` that writes times up to ``span`` seconds with 1 to 3 integer digits."""
-    for factor, name in _SECOND_SCALES:
-        if span >= factor:
-            return factor, name
-    return _SECOND_SCALES[-1]
-
-
-def format_seconds(value: float) -> str:
-    """``0.012345 -> "12.345 ms"``: seconds in s, ms or us, 3 decimals at most."""
-    factor, name = time_scale(abs(value))
-    return f"{format_number(value / factor)} {name}"
-
-
 def format_time(value: float, units: Units) -> str:
     """A time in ``units``: ``1,456,749`` (cost units) or ``12.345 ms``."""
     return format_seconds(value) if units.time == "seconds" else format_number(value)
@@ -83,8 +60,6 @@ def format_time(value: float, units: Units) -> str:
 def format_memory(value: float, units: Units) -> str:
     """A memory amount in ``units``: ``8`` or ``85.5 MiB`` (binary units, as the plan tables)."""
     if units.memory == "bytes":
-        from pipeloom.plan.costs import format_bytes
-
         return format_bytes(value)
     return format_number(value)
 

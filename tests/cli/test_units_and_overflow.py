@@ -9,7 +9,6 @@ to ``pipeloom plan``; ``trace`` stages its outputs like every other command.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 

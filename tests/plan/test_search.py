@@ -16,12 +16,12 @@ from pipeloom import validate
 from pipeloom.ir.composite import action_duration
 from pipeloom.plan import CostTable, Link, Piece, PlanError, load_plan, parse_bytes, plan_pipeline
 from pipeloom.plan.costs import RuntimeCorrections
+from pipeloom.plan.noise import expected_makespan
 from pipeloom.plan.partition import Partition
 from pipeloom.plan.partitioner import SchedulePartitioner
 from pipeloom.plan.search import NoPlanFits, default_schedules, recost, replica_sync_time, stage_spreads
 from pipeloom.plan.shape import library_schedule
 from pipeloom.schedules import REGISTRY
-from pipeloom.sim import expected_makespan
 
 
 def _table(n: int = 8, **overrides) -> CostTable:

@@ -79,7 +79,7 @@ def hf_dropout(rank: int, world: int, schedules: list[str], steps: int = 2) -> d
             expected = reference_step(staged, x, y, loss_fn=lm_loss, microbatches=4, seed=1234, step=step)
             grads = {name: p.grad.clone() for name, p in params.items()}
             with torch.no_grad():
-                for name, p in params.items():
+                for p in params.values():
                     p.grad = None
             loss = engine.step(x, target=y)
             losses.append((float(loss), float(expected)))

@@ -137,7 +137,8 @@ def replica_fault(rank: int, world: int, linger: float) -> dict:
 
 def planned_mesh(rank: int, world: int, plan_path: str) -> dict:
     """A plan with two replicas of a 2-rank pipeline, run by ``pipeline(model, plan=...)`` with no mesh
-    given, against the same settings on an explicit (dp 2, pp 2) mesh: each rank's gradients after one step."""
+    given, against the same settings on an explicit (dp 2, pp 2) mesh: each rank's gradients after one
+    step."""
     import torch.nn.functional as F
     from models import SPLITS, batch, build
     from torch.distributed.device_mesh import init_device_mesh

@@ -13,12 +13,12 @@ torch = pytest.importorskip("torch")
 from models import train_one_rank
 from rank_jobs import exactness
 from ranks import run_ranks
-from torch_pipelining import import_torch_schedules, torch_order_csv
 
 from pipeloom.ir import Overlap, compute_parts, schedule_from_csv
 from pipeloom.lowering import lower
 from pipeloom.runtime import step as step_module
 from pipeloom.validate import validate
+from torch_pipelining import import_torch_schedules, torch_order_csv
 
 
 def _torch_dualpipev(ranks: int, microbatches: int):

@@ -24,12 +24,11 @@ from pipeloom.plan.inplace import (
     _time_spread,
     profiling_schedule,
 )
+from pipeloom.plan.noise import starting_ranks
 from pipeloom.plan.placement import schedule_shape
 from pipeloom.plan.search import exchange_time
 from pipeloom.runtime.lower import model_pieces
-from pipeloom.sim import starting_ranks
-from pipeloom.viz.measured import task_durations
-from pipeloom.viz.run_trace import TRACE_FORMAT, run_trace_from_documents
+from pipeloom.trace import TRACE_FORMAT, run_trace_from_documents, task_durations
 
 
 @pytest.mark.parametrize("split", [False, True])

@@ -166,7 +166,7 @@ def _per_microbatch_abs(model, inputs, target, n) -> dict:
 def test_replicas_are_bitwise_identical(mesh_runs, schedule):
     runs, _ = mesh_runs
     by_pp: dict[int, list] = {}
-    for rank, found in runs.items():
+    for found in runs.values():
         by_pp.setdefault(found[schedule]["pp"], []).append(found[schedule])
     assert sorted(by_pp) == [0, 1] and all(len(v) == 2 for v in by_pp.values())
     for first, second in by_pp.values():

@@ -13,8 +13,19 @@ import functools
 import numpy as np
 import pytest
 import torch
-from tp_jobs import (CLIP, MICROBATCHES, STEPS, alone_key, batch, build, loss_fn, mesh3d, run_preloaded,
-                     tp_pipelines, two_ranks)
+from tp_jobs import (
+    CLIP,
+    MICROBATCHES,
+    STEPS,
+    alone_key,
+    batch,
+    build,
+    loss_fn,
+    mesh3d,
+    run_preloaded,
+    tp_pipelines,
+    two_ranks,
+)
 
 TOLERANCE = 1e-12  # float64 models: measured at most ~1e-16 against one device (docs/parallelism.md)
 # float64 LLaMA whose eager attention takes its softmax (and rotary tables) in float32: measured 3.7e-9
@@ -253,7 +264,7 @@ def test_a_hung_tp_peer_makes_every_rank_raise(pipelined_runs):
 @pytest.mark.timeout(300)
 def test_what_a_tp_mesh_refuses_says_so_by_name(pipelined_runs):
     found = {rank: runs["refusals"] for rank, runs in pipelined_runs.items()}
-    for rank, refused in found.items():
+    for refused in found.values():
         assert "schedule 'dualpipe' holds two replicas" in refused["dualpipe"], refused["dualpipe"]
         assert "no tp_plan= was given" in refused["no plan"], refused["no plan"]
         assert "tp_plan='hf': Tiny has no config" in refused["hf"], refused["hf"]

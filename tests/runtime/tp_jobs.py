@@ -244,7 +244,7 @@ def tp_pipelines(rank: int, world: int, cases: list[tuple], shape: tuple, names:
         engine = pipeline(build(model_name), schedule=schedule, split_points=splits, microbatches=MICROBATCHES,
                           loss_fn=loss, mesh=mesh, tp_plan=plan, timeout=30, scatter_boundaries=variant != "whole")
         results[(model_name, schedule, pieces, variant)] = _train(engine, engine.named_parameters, STEPS,
-                                                                  lambda x, y: engine.step(x, target=y))
+                                                                  lambda x, y, engine=engine: engine.step(x, target=y))
         if extras and "helpers" not in results:
             seconds["steps"] = time.monotonic() - clock
             results["helpers"] = tp_helpers(engine, mesh, plan, splits, extras)

@@ -15,7 +15,6 @@ import io
 from pathlib import Path
 
 import pytest
-from torch_pipelining import import_torch_schedules, torch_order_csv
 
 import pipeloom.schedules.interleaved_zb as interleaved_zb_module
 from pipeloom.errors import MemoryLimitError, PipeloomError
@@ -26,6 +25,7 @@ from pipeloom.schedules.interleaved_zb import interleaved_zb
 from pipeloom.schedules.zero_bubble import zb_h1
 from pipeloom.sim import simulate
 from pipeloom.validate import validate
+from torch_pipelining import import_torch_schedules, torch_order_csv
 
 COSTS = {
     "unit": Costs(f=1, b=1, w=1),

@@ -1,0 +1,53 @@
+"""The argparse types the commands share: numbers in a range, counts, output file names. They check
+while parsing, so before anything is built or printed; each command's module imports them from here."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+from pipeloom.cli.outputs import OutputPath
+
+__all__ = ["count", "number", "path_with"]
+
+
+def number(kind: type, words: str, minimum: float, maximum: float = math.inf) -> Callable[[str], float]:
+    """An argparse type parsing ``kind`` and requiring a finite value in ``[minimum, maximum]``."""
+
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value < minimum:
+            raise argparse.ArgumentTypeError(f"must be {words}, got {text!r}")
+        if value > maximum:
+            raise argparse.ArgumentTypeError(f"must be at most {maximum:g}, got {text!r}")
+        return value
+
+    return parse
+
+
+count = number(int, "a positive integer", 1)
+"""An argparse type for a positive integer (ranks, micro-batches, workers...)."""
+
+
+def path_with(*suffixes: str) -> Callable[[str], Path]:
+    """An argparse type for an output file: suffix one of ``suffixes`` (any case), in an existing
+    folder, not itself a folder; checked while parsing, so before anything is built or printed."""
+
+    def check(text: str) -> Path:
+        path = Path(text)
+        if path.suffix.lower() not in suffixes:
+            raise argparse.ArgumentTypeError(f"{text!r}: use a {' or '.join(suffixes)} file name")
+        parent = path.parent
+        if not parent.is_dir():
+            what = "is not a folder" if parent.exists() else "does not exist"
+            raise argparse.ArgumentTypeError(f"{text!r}: the folder {str(parent)!r} {what}; create it first")
+        if path.is_dir():
+            raise argparse.ArgumentTypeError(f"{text!r} is a folder; give a file name")
+        return OutputPath(text)
+
+    return check
