@@ -8,7 +8,10 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Literal, TypeVar
+from typing import TYPE_CHECKING, Literal, TypeVar
+
+if TYPE_CHECKING:
+    from _typeshed import SupportsRichComparison
 
 __all__ = [
     "ancestors",
@@ -79,7 +82,7 @@ def topological_order(preds: Sequence[Sequence[int]], *, order: Order = "passes"
 
 
 def find_cycle(preds: Sequence[Sequence[int]], placed: Sequence[int], *,
-               key: Callable[[int], object] | None = None) -> list[int]:
+               key: Callable[[int], SupportsRichComparison] | None = None) -> list[int]:
     """One cycle among the nodes a topological order left out (``placed`` is that order), in edge
     direction, starting and ending at its smallest node (by ``key``): the same cycle however found.
 

@@ -8,23 +8,25 @@ A lowered schedule's communication takes its own time (:mod:`pipeloom.lowering.r
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import reduce
 from importlib import import_module
 from itertools import accumulate
 from operator import add, itemgetter
+from typing import Any
 
 from pipeloom.errors import DeadlockError, ProblemError, ScheduleError, require_type
-from pipeloom.ir import Action, Overlap, Schedule, compute_parts, format_grid, part_tasks, task_actions
+from pipeloom.ir import Action, Comm, Overlap, Schedule, compute_parts, format_grid, part_tasks, task_actions
 from pipeloom.lowering import replay_lowered
 from pipeloom.problem import Problem
 from pipeloom.sim_composite import Composite, composite_of
 
 __all__ = ["CompiledSchedule", "Timeline", "compile_schedule", "simulate"]
 
-_TASK_KEY = itemgetter(0, 1)
-_MICROBATCH = itemgetter(2)
+# Applied to plain actions only (Action or Comm tuples: ``_compile`` rules out an Overlap first).
+_TASK_KEY: Callable[[Any], tuple[int, str]] = itemgetter(0, 1)
+_MICROBATCH: Callable[[Any], int] = itemgetter(2)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -58,13 +60,13 @@ class Timeline:
             return 0.0
         return 1.0 - sum(self.busy) / (self.num_ranks * self.makespan)
 
-    def events(self, rank: int) -> Iterator[tuple[Action, float, float]]:
+    def events(self, rank: int) -> Iterator[tuple[Action | Overlap | Comm, float, float]]:
         """``(action, start, end)`` of every action of ``rank``, in order."""
         return zip(self.schedule.ranks[rank], self.starts[rank], self.ends[rank])
 
-    def action_times(self) -> dict[Action, tuple[float, float]]:
+    def action_times(self) -> dict[Action | Overlap | Comm, tuple[float, float]]:
         """``{action: (start, end)}`` over all ranks (a multi-rank action appears once)."""
-        times: dict[Action, tuple[float, float]] = {}
+        times: dict[Action | Overlap | Comm, tuple[float, float]] = {}
         for rank in range(self.num_ranks):
             for action, start, end in self.events(rank):
                 times[action] = (start, end)
@@ -241,6 +243,8 @@ def _compile(schedule: Schedule, rank: int, index: dict[tuple[int, str], int], o
     """Task indices and micro-batches of ``rank``'s list (C-level maps: no per-action Python code,
     unless the list holds composite actions, which get indices after the tasks' in ``found``)."""
     actions = schedule.ranks[rank]
+    tasks: list[int | None]
+    mbs: list[int]
     if Overlap in set(map(type, actions)):
         tasks, mbs = [None] * len(actions), [0] * len(actions)
     else:
@@ -284,7 +288,7 @@ def _first_mb(composite: Composite) -> int:
 
 
 def _densify(seq_mbs: tuple[list[int], ...], num_mb: int,
-             extra: set[int] = frozenset()) -> tuple[tuple[list[int], ...], dict[int, int]]:
+             extra: Iterable[int] = frozenset()) -> tuple[tuple[list[int], ...], dict[int, int]]:
     """Renumber the micro-batches the lists use (and ``extra``: composite parts') as 0..K-1
     (K <= actions) and return that map.
 
@@ -377,10 +381,11 @@ class _Replay:
                     if done + lat > start:  # noqa: PLR1730 - a call to max() costs more here
                         start = done + lat
                 if blocked >= 0:
-                    if waiters[blocked] is None:
+                    waiting = waiters[blocked]
+                    if waiting is None:
                         waiters[blocked] = [r]
                     else:
-                        waiters[blocked].append(r)
+                        waiting.append(r)
                     break
                 slot = t * num_mb + mb
                 if single[t]:
@@ -407,11 +412,13 @@ class _Replay:
         """The end of composite action ``t`` started at ``start`` (its duration times ``factor`` when
         given): every part's slot ends with it, and the ranks waiting on them may move."""
         end = start + (self.durations[t] if factor is None else self.durations[t] * factor)
+        waiters = self.waiters
         for slot in self.part_slots[t - self.num_tasks]:
             self.finish[slot] = end
-            if self.waiters[slot] is not None:
-                self.todo.extend(self.waiters[slot])
-                self.waiters[slot] = None
+            waiting = waiters[slot]
+            if waiting is not None:
+                self.todo.extend(waiting)
+                waiters[slot] = None
         return end
 
     def _join(self, r: int, t: int, slot: int, start: float) -> tuple[float, float] | None:
@@ -459,7 +466,8 @@ def _deadlock_message(
     for r in stuck:
         action = schedule.ranks[r][pos[r]]
         parts = task_actions(problem, action)
-        missing, ranks = [], set()
+        missing: list[str] = []
+        ranks: set[int] = set()
         for whole in compute_parts(action):
             own = part_tasks(problem, whole)  # a B on a split stage: its W waits for its own I
             for part in own:

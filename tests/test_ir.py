@@ -445,3 +445,10 @@ def test_a_csv_with_a_huge_stage_gap_gives_one_short_error_line():
         schedule_from_csv("0F0,0B0\n1000000F0,1000000B0\n")
     message = str(caught.value)
     assert len(message) < 200 and "[1, 2, 3, 4, 5, 6, ... (999,993 more)]" in message
+
+
+def test_a_micro_batch_count_beyond_floats_is_a_format_error_not_an_overflow():
+    from pipeloom.ir import check_totals
+
+    with pytest.raises(ScheduleFormatError, match="overflow the float range when added up over about 1e400"):
+        check_totals(build_schedule("1f1b", 2, 2).problem, 10**400)

@@ -12,8 +12,8 @@ import sys
 from collections.abc import Sequence
 
 from pipeloom.cli.common import UsageError, first_line
-from pipeloom.cli.outputs import StagedOutputs
 from pipeloom.cli.demo import DEMO_COSTS, DEMO_MICROBATCHES, DEMO_RANKS, DEMO_SCHEDULES
+from pipeloom.cli.outputs import StagedOutputs
 from pipeloom.cli.parser import build_parser
 from pipeloom.cli.schedules import MAX_ACTIONS
 from pipeloom.errors import PipeloomError
@@ -50,8 +50,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (PipeloomError, ValueError, OSError) as error:
         return _fail(error, 1, getattr(args, "verbose", False))
     except MemoryError:
-        error = MemoryError("out of memory; use fewer ranks, micro-batches or stages per rank")
-        return _fail(error, 1, False)
+        short = MemoryError("out of memory; use fewer ranks, micro-batches or stages per rank")
+        return _fail(short, 1, False)
 
 
 def _silence_stdout() -> None:

@@ -15,13 +15,20 @@ import os
 import tempfile
 from pathlib import Path
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 from pipeloom.cli.usage import UsageError
 
 __all__ = ["OutputPath", "StagedOutputs", "target"]
 
 
-class OutputPath(type(Path())):  # the concrete Path class of this platform
+if TYPE_CHECKING:
+    _ConcretePath = Path
+else:
+    _ConcretePath = type(Path())  # PosixPath or WindowsPath: Python < 3.12 cannot subclass Path itself
+
+
+class OutputPath(_ConcretePath):  # the concrete Path class of this platform
     """A path the command writes (set by the parser's output-path type)."""
 
 

@@ -65,7 +65,7 @@ def _lines_in(path: str, error: BaseException | None) -> list[int]:
         return []
     where = Path(path).resolve()
     lines = [frame.lineno for frame in traceback.extract_tb(error.__traceback__)
-             if Path(frame.filename).resolve() == where]
+             if frame.lineno is not None and Path(frame.filename).resolve() == where]
     if isinstance(error, SyntaxError) and error.lineno is not None:
         lines.append(error.lineno)
     return lines

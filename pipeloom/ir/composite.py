@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from pipeloom.errors import ProblemError, ScheduleError
-from pipeloom.ir.core import Action, Overlap, Schedule, compute_parts
+from pipeloom.ir.core import Action, Comm, Overlap, Schedule, compute_parts
 from pipeloom.problem import Problem
 
 __all__ = ["action_duration", "action_memory", "is_split_full_backward", "part_tasks", "sequential_pairs",
@@ -30,10 +30,10 @@ def part_tasks(problem: Problem, part: Action) -> tuple[Action, ...]:
     return (part,)
 
 
-def task_actions(problem: Problem, action: Action | Overlap) -> tuple[Action, ...]:
+def task_actions(problem: Problem, action: Action | Overlap | Comm) -> tuple[Action, ...]:
     """Every (task, micro-batch) ``action`` completes, in running order: ``(0F7;7B3)OVERLAP_F_B`` on
-    a split stage 7 gives ``0F7 7I3 7W3``. Each names a task of ``problem`` when the action is one the
-    validator accepts."""
+    a split stage 7 gives ``0F7 7I3 7W3``; none for communication. Each names a task of ``problem``
+    when the action is one the validator accepts."""
     return tuple(task for part in compute_parts(action) for task in part_tasks(problem, part))
 
 
@@ -54,8 +54,9 @@ def action_duration(problem: Problem, action: Action | Overlap, *, overlap_overh
         raise ScheduleError(f"{action} is not an action of this schedule's problem: {error}") from None
 
 
-def action_memory(problem: Problem, action: Action | Overlap) -> float:
-    """The memory change of ``action`` when it starts: the sum over the tasks it completes."""
+def action_memory(problem: Problem, action: Action | Overlap | Comm) -> float:
+    """The memory change of ``action`` when it starts: the sum over the tasks it completes (0 for
+    communication)."""
     return sum(problem.task(task.task).memory for task in task_actions(problem, action))
 
 
@@ -65,6 +66,7 @@ def sequential_pairs(schedule: Schedule) -> Schedule:
     A schedule without pairs is returned as it is."""
     if not any(type(action) is Overlap for row in schedule.ranks for action in row):
         return schedule
-    ranks = [[part for action in row for part in (action.parts if type(action) is Overlap else (action,))]
-             for row in schedule.ranks]
+    ranks = tuple(tuple(part for action in row
+                        for part in (action.parts if type(action) is Overlap else (action,)))
+                  for row in schedule.ranks)
     return dataclasses.replace(schedule, ranks=ranks)

@@ -10,7 +10,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import import_module
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, final
 
 from pipeloom.errors import PipeloomError, ScheduleFormatError
 from pipeloom.problem import Problem
@@ -29,6 +29,7 @@ _OVERLAP = re.compile(r"^\(([^;()]*);([^;()]*)\)OVERLAP_F_B$", re.ASCII)
 _MAX_DIGITS = 18  # indices beyond 10**18 are typos, and int() refuses more than 4300 digits
 
 
+@final  # never subclassed: views and the simulator test `type(x) is Action`
 class Action(NamedTuple):
     """One task of one micro-batch, as a rank runs it: ``Action(2, "F", 0)`` prints ``2F0``."""
 
@@ -60,6 +61,7 @@ class Action(NamedTuple):
         return cls(int(match.group(1)), match.group(2), int(match.group(3)))
 
 
+@final  # never subclassed: views and the simulator test `type(x) is Action`
 class Comm(NamedTuple):
     """A communication action of a lowered schedule, torch's ``sSEND_Fm`` and kin: ``Comm(1, "SEND_F", 0)``
     prints ``1SEND_F0``. It runs on the rank of ``stage`` (its own type: never a sentinel stage).
@@ -106,6 +108,7 @@ OVERLAP_F_B = "OVERLAP_F_B"
 """torch's name of an overlapped forward + backward pair (its ``_ComputationType.OVERLAP_F_B``)."""
 
 
+@final
 @dataclass(frozen=True, slots=True)
 class Overlap:
     """A forward and a backward run as one action on one rank (DualPipe's F&B pair): ``Overlap(Action(0,

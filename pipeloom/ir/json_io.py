@@ -169,11 +169,16 @@ def check_totals(problem: Problem, num_microbatches: int, *, where: str = "sched
     memory = sum(abs(task.memory) for task in tasks)
     static = max(map(abs, problem.static_memory or (0.0,)))
     count = max(num_microbatches, 1)
-    if math.isfinite(times * count) and math.isfinite(memory * count + static):
+    scale = float(count) if count < 1e300 else math.inf  # an int beyond floats would raise, not overflow
+
+    def total(value: float) -> float:
+        return 0.0 if value == 0 else value * scale
+
+    if math.isfinite(total(times)) and math.isfinite(total(memory) + static):
         return
     fields = [(f"tasks[{i}].duration", task.duration) for i, task in enumerate(tasks)]
     fields += [("comm_latency", problem.comm_latency), ("overlap_overhead", problem.overlap_overhead)]
-    if not math.isfinite(times * count):
+    if not math.isfinite(total(times)):
         what = "durations"
     else:
         what = "memory changes"
@@ -181,7 +186,8 @@ def check_totals(problem: Problem, num_microbatches: int, *, where: str = "sched
         fields += [(f"static_memory[{r}]", abs(v)) for r, v in enumerate(problem.static_memory or ())]
     field, value = max(fields, key=lambda item: item[1])
     plural = "" if count == 1 else "es"
-    raise error(f"{where}.{field} {value:g}: the {what} overflow the float range when added up over {count:,} "
+    shown_count = f"{count:,}" if count < 10**15 else f"about 1e{len(str(count)) - 1}"
+    raise error(f"{where}.{field} {value:g}: the {what} overflow the float range when added up over {shown_count} "
                 f"micro-batch{plural}; scale them down (e.g. seconds to milliseconds, bytes to MiB)")
 
 

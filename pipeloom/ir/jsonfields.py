@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 from pipeloom.errors import PipeloomError, ScheduleFormatError
 from pipeloom.ir.core import shown
@@ -84,6 +84,12 @@ def _get(entry: dict, key: str, default: Any, where: str, error: type[PipeloomEr
     return default
 
 
+@overload
+def number(entry: dict, key: str, *, where: str, error: type[PipeloomError], default: Any = ...,
+           minimum: float | None = ..., null: Literal[False] = ...) -> float: ...
+@overload
+def number(entry: dict, key: str, *, where: str, error: type[PipeloomError], default: Any = ...,
+           minimum: float | None = ..., null: bool) -> float | None: ...
 def number(entry: dict, key: str, *, where: str, error: type[PipeloomError], default: Any = MISSING,
            minimum: float | None = 0.0, null: bool = False) -> float | None:
     """A finite number >= ``minimum`` (None allowed when ``null``)."""

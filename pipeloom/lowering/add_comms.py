@@ -60,7 +60,7 @@ def _refuse_lowered(schedule: Schedule) -> None:
 
 def _with_sends(actions: tuple, graph: CommGraph) -> list[Action | Overlap | Comm]:
     """``actions`` with each send right after the compute action that makes its data."""
-    out: list[Action | Comm] = []
+    out: list[Action | Overlap | Comm] = []
     for action in actions:
         out.append(action)
         out.extend(graph.sends_after(action))
@@ -78,9 +78,9 @@ class _Receiver:
         self.received: set[Message] = set()
         self.placed: set[Comm] = set()
         self.placing: list[Comm] = []
-        self.out: list[Action | Comm] = []
+        self.out: list[Action | Overlap | Comm] = []
 
-    def run(self, actions: list[Action | Comm]) -> tuple[Action | Comm, ...]:
+    def run(self, actions: list[Action | Overlap | Comm]) -> tuple[Action | Overlap | Comm, ...]:
         for action in actions:
             if type(action) is not Comm:
                 for receive in self.graph.receives_before(action):

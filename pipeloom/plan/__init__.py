@@ -23,6 +23,7 @@ from pipeloom.plan.costs import (
     parse_bytes,
     save_costs,
 )
+from pipeloom.plan.mesh import plan_mesh
 from pipeloom.plan.partition import (
     MemoryRule,
     Partition,
@@ -33,9 +34,8 @@ from pipeloom.plan.partition import (
 )
 from pipeloom.plan.partitioner import SchedulePartitioner, partition
 from pipeloom.plan.plan import PLAN_FORMAT, Plan, PlanError, load_plan, save_plan
-from pipeloom.plan.search import Candidate, PlanResult, plan_pipeline, recost, replica_sync_time
-from pipeloom.plan.mesh import plan_mesh
 from pipeloom.plan.recipes import recipe_styles
+from pipeloom.plan.search import Candidate, PlanResult, plan_pipeline, recost, replica_sync_time
 from pipeloom.plan.sharding import RegionModules, ShardingProblem, ShardingResult, search_sharding
 from pipeloom.plan.tensor import CollectiveFit, TensorInfo, fit_collectives, tensor_parallel_table
 

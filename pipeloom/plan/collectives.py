@@ -7,9 +7,14 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Sequence
+from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = ["CollectiveCounter", "time_collectives"]
 
@@ -44,7 +49,7 @@ class CollectiveCounter(TorchDispatchMode):
         return dict(Counter(self.records))
 
 
-def time_collectives(group: object, sizes: Sequence[int], *, repeats: int = 5,
+def time_collectives(group: ProcessGroup | None, sizes: Sequence[int], *, repeats: int = 5,
                      dtype: torch.dtype = torch.float32) -> list[tuple[str, int, float, float]]:
     """``(kind, ranks, bytes, seconds)`` samples (the median of ``repeats``) of each collective kind at each
     whole-tensor size in ``sizes`` bytes on ``group``, for :func:`pipeloom.plan.tensor.fit_collectives`."""
@@ -57,9 +62,10 @@ def time_collectives(group: object, sizes: Sequence[int], *, repeats: int = 5,
         count = max(n, nbytes // element // n * n)
         whole = torch.ones(count, dtype=dtype)
         part = torch.ones(count // n, dtype=dtype)
-        runs = {"all_reduce": lambda: dist.all_reduce(whole, group=group),
-                "all_gather": lambda: dist.all_gather_into_tensor(whole, part, group=group),
-                "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, whole, group=group)}
+        # partial binds this size's tensors now (a lambda would see the loop variables late).
+        runs = {"all_reduce": partial(dist.all_reduce, whole, group=group),
+                "all_gather": partial(dist.all_gather_into_tensor, whole, part, group=group),
+                "reduce_scatter": partial(dist.reduce_scatter_tensor, part, whole, group=group)}
         for kind, run in runs.items():
             run()  # warm up
             seconds = []

@@ -58,7 +58,8 @@ def torchtitan_settings(plan: Plan, schedule: Schedule, csv_path: str | Path) ->
         "data_parallel_replicate_degree": plan.data_parallel if plan.sharding == "replicate" else 1,
         "data_parallel_shard_degree": plan.data_parallel if plan.sharding == "fsdp" else 1,
     }
-    training = {"local_batch_size": plan.global_batch // plan.data_parallel, "global_batch_size": plan.global_batch}
+    training: dict[str, object] = {"local_batch_size": plan.global_batch // plan.data_parallel,
+                                   "global_batch_size": plan.global_batch}
     return {"parallelism": parallelism, "training": training}
 
 

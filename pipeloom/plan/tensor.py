@@ -252,7 +252,7 @@ def tensor_from_json(entry: object) -> TensorInfo:
         raise TensorParallelError(f"unknown key(s) {unknown}; known: {sorted(_TENSOR_KEYS)}")
     collectives = entry.get("collectives") or {}
     if not isinstance(collectives, dict):
-        raise TensorParallelError(f"collectives must be an object {{kind: {{latency, bandwidth, overhead}}}}")
+        raise TensorParallelError("collectives must be an object {kind: {latency, bandwidth, overhead}}")
     latency, bandwidth, overhead = {}, {}, {}
     for kind, values in collectives.items():
         if not isinstance(values, dict) or set(values) - _FIT_KEYS:

@@ -14,17 +14,17 @@ import contextlib
 import time
 import weakref
 from collections.abc import Iterator
-from typing import NoReturn
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from pipeloom.runtime import state
+from pipeloom.runtime.agree import StepMismatchError, agree_on_step
 from pipeloom.runtime.checkpoint import load_checkpoint, save_checkpoint
 from pipeloom.runtime.clip import clip_grad_norm_
-from pipeloom.runtime.agree import StepMismatchError, agree_on_step
 from pipeloom.runtime.comm import FailureScope, Messenger
 from pipeloom.runtime.dp import GradientBuckets, Layout
 from pipeloom.runtime.fsdp import ShardedGradients
@@ -66,7 +66,7 @@ def _mesh_scope(layout: Layout) -> FailureScope | None:
             return f"{mine[number]} ({layout.where(number)})" if number in mine else layout.where(number)
         return str(mine[number]) if number in mine else f"{number} (global; another data-parallel replica)"
 
-    wake = ()
+    wake: tuple[tuple[object, int], ...] = ()
     if dp is not None:
         wake = ((dp, dist.get_global_rank(dp, (layout.dp.rank + 1) % layout.dp.size)),)
     return FailureScope(rank=dist.get_rank(), world=dist.get_world_size(), name=name, wake=wake,
@@ -298,6 +298,7 @@ class PipelineEngine:
 
     def _gradient_reduction(self) -> GradientBuckets | ShardedGradients | None:
         """This training step's gradient handling over "dp" (begun), if the pieces have replicas."""
+        buckets: GradientBuckets | ShardedGradients
         if self.sharded:
             buckets = ShardedGradients(self.modules)
         elif self.dp.size > 1:

@@ -97,7 +97,7 @@ class ReplicaExchange:
         for _, stages, ranks in self._held():  # second replicas: make sure their sends are out
             for stage in stages[1:]:
                 if low.rank_of[stage] == rank and ranks[0] != rank:
-                    sends += self.early_sends.pop(stage, None) or self._contribute(stage)
+                    sends += self.early_sends.pop(stage, []) or self._contribute(stage)
         for piece, stages, ranks in self._held():  # first replicas: receive, add in order, answer
             if ranks[0] == rank:
                 sends += self._merge_first(piece, stages, ranks)

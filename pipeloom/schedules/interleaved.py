@@ -59,7 +59,7 @@ def grouped_order(sizes: list[int], stages_per_rank: int, *, reverse: bool = Fal
     micro-batches in order. ``reverse=True`` walks local stages v-1..0 (the backward order).
     """
     local_stages = range(stages_per_rank - 1, -1, -1) if reverse else range(stages_per_rank)
-    order = []
+    order: list[tuple[int, int]] = []
     first = 0
     for size in sizes:
         group = range(first, first + size)

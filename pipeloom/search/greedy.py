@@ -130,7 +130,7 @@ class _AdmissionRules:
         self.count_on = [sum(1 for t in tasks if r in t.ranks) for r in range(num_ranks)]
         self.committed = list(static)
         self.admitted: list[set[int]] = [set() for _ in range(num_ranks)]
-        self.started_on = [defaultdict(int) for _ in range(num_ranks)]
+        self.started_on: list[defaultdict[int, int]] = [defaultdict(int) for _ in range(num_ranks)]
         if limit is not None:
             need = [static[r] + self.hold[r] for r in range(num_ranks)]
             worst = max(range(num_ranks), key=need.__getitem__)

@@ -12,6 +12,7 @@ import contextlib
 import json
 from collections.abc import Awaitable, Callable
 from importlib import resources
+from typing import Any, TypeVar
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -23,7 +24,7 @@ from starlette.routing import Route
 from pipeloom.errors import PipeloomError
 from pipeloom.serve import requests as api
 from pipeloom.serve.config import ServeConfig
-from pipeloom.serve.jobs import Jobs
+from pipeloom.serve.jobs import Job, Jobs
 from pipeloom.serve.requests import RequestError
 
 __all__ = ["PAGE_POLICY", "create_app", "playground_html", "run_server"]
@@ -33,6 +34,7 @@ PAGE_POLICY = ("default-src 'self'; script-src 'unsafe-inline'; style-src 'unsaf
 """The playground's Content-Security-Policy: its own inline script and style, requests to this server only."""
 
 Handler = Callable[[Request], Awaitable[Response]]
+_T = TypeVar("_T")
 
 
 def _error(message: str, status: int) -> JSONResponse:
@@ -74,7 +76,7 @@ async def _body(request: Request, config: ServeConfig, what: str = "request") ->
     return api.read_object(b"".join(chunks), what=what)
 
 
-async def _timed(config: ServeConfig, work: Callable, *args) -> dict:
+async def _timed(config: ServeConfig, work: Callable[..., _T], *args: Any) -> _T:
     """``work(*args)`` in a thread, refused with 504 past ``request_seconds``."""
     try:
         return await asyncio.wait_for(run_in_threadpool(work, *args), config.request_seconds)
@@ -92,6 +94,12 @@ def playground_html() -> str:
     return (page.replace("/*TIMELINE_CSS*/", static_asset("timeline.css"))
             .replace("/*TIMELINE_JS*/", static_asset("timeline.js"))
             .replace("/*PLAYGROUND_JS*/", static.joinpath("playground.js").read_text(encoding="utf-8")))
+
+
+def _result(job: Job) -> dict:
+    """The result of a job whose status is ``done``."""
+    assert job.result is not None, job.id
+    return job.result
 
 
 def _file(text: str, name: str, media: str) -> Response:
@@ -148,7 +156,7 @@ def create_app(config: ServeConfig) -> Starlette:
         suffix = request.path_params["suffix"]
         if job.status != "done":
             raise RequestError(f"search {job.id} is {job.status}; its schedule exists once it is done", 409)
-        text = job.result["files"].get(suffix if suffix in ("json", "csv") else "none")
+        text = _result(job)["files"].get(suffix if suffix in ("json", "csv") else "none")
         if text is None:
             raise RequestError(f"no .{suffix} form of this schedule; ask for schedule.json or schedule.csv", 404)
         return _file(text, f"search-{job.id}.{suffix}", "application/json" if suffix == "json" else "text/csv")
@@ -167,7 +175,7 @@ def create_app(config: ServeConfig) -> Starlette:
                 jobs.cancel(job)
         if job.status != "done":
             raise RequestError(f"no plan: {job.error}", 422)
-        result = job.result
+        result = _result(job)
         url = str(request.url_for("plan_file", plan=job.id))
         return JSONResponse({"id": job.id, "url": url, "plan": json.loads(result["plan"]),
                              "seconds": result["seconds"], "tried": result["tried"], "candidates": result["candidates"],
@@ -180,12 +188,14 @@ def create_app(config: ServeConfig) -> Starlette:
         job = jobs.get(plan_id, "plan")
         if job.status != "done":
             raise RequestError(f"plan {plan_id} is {job.status}", 409)
-        text = job.result["schedule_file"] if companion else job.result["plan"]
+        result = _result(job)
+        text = result["schedule_file"] if companion else result["plan"]
         if text is None:
             raise RequestError(f"plan {plan_id} names no schedule file", 404)
         return Response(text, media_type="application/json")
 
-    async def not_found(request: Request, error: HTTPException) -> Response:
+    async def not_found(request: Request, error: Exception) -> Response:
+        assert isinstance(error, HTTPException), error  # registered for HTTPException only
         return _error(f"{request.method} {request.url.path}: {error.detail}", error.status_code)
 
     @contextlib.asynccontextmanager

@@ -80,7 +80,7 @@ class Jobs:
         self._jobs[job.id] = job
         self._forget_old()
         self._waiting += 1
-        task = asyncio.create_task(self._run(job))
+        task = asyncio.create_task(self._run(job, self._slots))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return job
@@ -129,10 +129,10 @@ class Jobs:
         job.status, job.error, job.result = status, error, result
         job.finished.set()
 
-    async def _run(self, job: Job) -> None:
+    async def _run(self, job: Job, slots: asyncio.Semaphore) -> None:
         started = False
         try:
-            async with self._slots:
+            async with slots:
                 started = True
                 self._waiting -= 1
                 if job.status in FINISHED:  # cancelled while waiting

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 from pipeloom.errors import PipeloomError
-from pipeloom.ir import Action, Schedule, action_duration, action_memory, task_actions
+from pipeloom.ir import Action, Comm, Overlap, Schedule, action_duration, action_memory, task_actions
 from pipeloom.problem import Problem, TaskKey
 from pipeloom.sim import Timeline, simulate
 from pipeloom.trace.format import RunTrace, StepTrace
@@ -59,7 +59,7 @@ def selected_steps(run: RunTrace, steps: Steps = "warm") -> tuple[int, ...]:
         return run.steps[1:] if len(run.steps) >= 2 else run.steps
     if steps == "all":
         return run.steps
-    if isinstance(steps, str) or not isinstance(steps, Sequence):
+    if not isinstance(steps, Sequence) or isinstance(steps, str):
         raise StepSelectionError(f"steps {steps!r}: use 'warm', 'all' or a list of step numbers")
     unknown = [step for step in steps if step not in run.steps]
     if not steps or unknown:
@@ -140,12 +140,13 @@ def _duration_samples(run: RunTrace, steps: Steps, *, messages: bool = True) -> 
     return samples
 
 
-def _shares(problem: Problem, action: object, ns: int) -> list[tuple[TaskKey, int]]:
+def _shares(problem: Problem, action: Action | Overlap | Comm, ns: int) -> list[tuple[TaskKey, int]]:
     """The measured time of ``action`` per task it completes. A plain action is its task's sample. A
     composite one (an overlapped pair, a B standing for a split stage's I and W) is shared in the
     proportion of the model's own durations, scaled so that re-simulating the composite gives the
     measured time back: each task's model duration times ``ns / model``, the model being I + W, or
     a pair's ``max(F, B)`` (its measured time is all the parts' own: no overlap overhead is fitted)."""
+    assert type(action) is not Comm, action  # the loader matched each compute event to a compute action
     tasks = task_actions(problem, action)
     if len(tasks) == 1 and tasks[0] == action:
         return [(action.task, ns)]

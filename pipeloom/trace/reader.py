@@ -30,6 +30,13 @@ _RANK_FILE = re.compile(r"rank(\d+)\.json")
 _FIX = "record the run again into an empty folder"
 
 
+def _rank_number(file: Path) -> int:
+    """N of a ``rank<N>.json`` file (only such names are listed)."""
+    match = _RANK_FILE.fullmatch(file.name)
+    assert match is not None, file
+    return int(match.group(1))
+
+
 def load_run_trace(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> RunTrace:
     """Read and check the ``rank*.json`` files of one run: a folder, a file, or a list of either.
 
@@ -74,7 +81,7 @@ def _trace_files(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list
             if not found:
                 raise TraceFormatError(f"{path}: no rank<N>.json files in this folder; record a run with "
                                        f"trace={str(path)!r} (or PIPELOOM_TRACE={path})")
-            files.extend(sorted(found, key=lambda f: int(_RANK_FILE.fullmatch(f.name).group(1))))
+            files.extend(sorted(found, key=_rank_number))
         elif path.is_file():
             files.append(path)
         else:

@@ -26,7 +26,7 @@ def simulated_run_trace(timelines: Sequence[Timeline], *, unit_ns: int = 1_000_0
     schedule = timelines[0].schedule
     if any(t.schedule.ranks != schedule.ranks for t in timelines):
         raise TraceFormatError("the timelines simulate different action lists; give one schedule's timelines")
-    ranks = [[] for _ in range(schedule.num_ranks)]
+    ranks: list[list[dict]] = [[] for _ in range(schedule.num_ranks)]
     origin = start_ns
     for step, timeline in enumerate(timelines):
         end = origin + round(timeline.makespan * unit_ns)

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from functools import cache
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 from pipeloom.ir import Comm, Schedule
 from pipeloom.sim import Timeline
@@ -42,7 +43,7 @@ summary line only (write it with :func:`write_html` instead)."""
 @cache
 def static_asset(name: str) -> str:
     """The text of ``pipeloom/viz/static/<name>`` (``timeline.js``, ``timeline.css``)."""
-    return resources.files("pipeloom.viz").joinpath("static", name).read_text(encoding="utf-8")
+    return (resources.files("pipeloom.viz") / "static" / name).read_text(encoding="utf-8")
 
 
 def _hex(color: tuple[float, ...]) -> str:
@@ -71,8 +72,9 @@ def timeline_data(timeline: Timeline, *, units: Units = COST_UNITS, title: str |
     for rank in range(timeline.num_ranks):
         actions = schedule.ranks[rank]
         order = {stage: k for k, stage in enumerate(sorted({action_stage(a) for a in actions if type(a) is not Comm}))}
-        row = {"start": list(timeline.starts[rank]), "end": list(timeline.ends[rank]),
-               "mem": list(timeline.memory[rank]), "color": [], "label": [], "text": [], "comm": []}
+        row: dict[str, list[Any]] = {
+            "start": list(timeline.starts[rank]), "end": list(timeline.ends[rank]),
+            "mem": list(timeline.memory[rank]), "color": [], "label": [], "text": [], "comm": []}
         for action in actions:
             if type(action) is Comm:
                 row["color"].append(index_of(COMM_COLORS["send" if action.is_send else "receive"]))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pipeloom.problem import Costs
 from pipeloom.sim import Timeline
@@ -109,7 +109,7 @@ def comparison_rows(outcomes: Sequence[tuple[str, Timeline | str]], *, microbatc
                     costs: Costs | None = None) -> list[dict]:
     """One row per ``(name, timeline or error message)``: a ``timeline_report`` under ``name`` plus
     ``relative_makespan`` (makespan / the best makespan), or ``{"name", "error"}``."""
-    rows = [{"name": name, "error": outcome} if isinstance(outcome, str) else
+    rows: list[dict[str, Any]] = [{"name": name, "error": outcome} if isinstance(outcome, str) else
             {**timeline_report(outcome, microbatches=microbatches, costs=costs), "name": name}
             for name, outcome in outcomes]
     built = [row for row in rows if "error" not in row]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from pipeloom.ir import Comm, compute_parts
 from pipeloom.sim import Timeline
@@ -146,6 +146,7 @@ def figure_for_panels(panel_ranks: Sequence[int], *, heading: bool | int, legend
 
 
 Box = tuple[float, float, int, str, str]
+LabelField = Literal[3, 4]  # the index of a box's full label or its micro-batch label
 """``(start, end, rank, full label, micro-batch label)`` of one compute action."""
 
 
@@ -174,7 +175,10 @@ def _boxes(timeline: Timeline) -> dict[tuple[str, int], list[Box]]:
 
 def _axes_size_pt(ax: Axes) -> tuple[float, float]:
     """Width and height of the axes in points (1/72 in), from its fixed position."""
+    from matplotlib.figure import Figure
+
     fig = ax.get_figure()
+    assert isinstance(fig, Figure), "axes of a top-level figure (a SubFigure has no size of its own)"
     width_in, height_in = fig.get_size_inches()
     box = ax.get_position()
     return box.width * width_in * 72.0, box.height * height_in * 72.0
@@ -191,7 +195,8 @@ def _label_mode(boxes: list[Box], pt_per_time: float, height_pt: float, several:
     else ``microbatch`` when half fit the micro-batch alone, else ``none``."""
     if not boxes:
         return "none"
-    forms = (("full", 3), ("microbatch", 4)) if several else (("microbatch", 4),)
+    forms: tuple[tuple[str, LabelField], ...] = ((("full", 3), ("microbatch", 4)) if several
+                                                  else (("microbatch", 4),))
     for mode, field in forms:
         fits = sum(1 for box in boxes if _font_size(box[field], (box[1] - box[0]) * pt_per_time, height_pt))
         if fits >= _LABELLED_SHARE * len(boxes) and fits <= _MAX_LABELS:
@@ -246,8 +251,8 @@ def plot_timeline(ax: Axes, timeline: Timeline, *, xmax: float | None = None, la
     return mode
 
 
-def _plot_labels(ax: Axes, items: list[Box], *, field: int, ink: str, pt_per_time: float, height_pt: float,
-                 y_shift: float) -> None:
+def _plot_labels(ax: Axes, items: list[Box], *, field: LabelField, ink: str, pt_per_time: float,
+                 height_pt: float, y_shift: float) -> None:
     """The ``field`` label of every box in ``items`` that has room for it."""
     for box in items:
         start, end, rank, label = box[0], box[1], box[2], box[field]
