@@ -20,7 +20,7 @@ from pipeloom.plan.noise import expected_makespan
 from pipeloom.plan.partition import Partition, PartitionError
 from pipeloom.plan.partitioner import MemoryTooSmall, SchedulePartitioner, format_bytes_up
 from pipeloom.plan.plan import Plan, PlanError, save_plan
-from pipeloom.plan.shape import library_schedule, schedule_shape
+from pipeloom.plan.shape import ScheduleShape, library_schedule, schedule_shape
 from pipeloom.plan.shared import shared_across_stages, shared_static_bytes, shared_sync_time
 from pipeloom.problem import Problem, Stage, stage_graph
 from pipeloom.schedules import REGISTRY, build_schedule
@@ -139,7 +139,8 @@ def _builds_same_order(plan: Plan, simulated: Schedule) -> bool:
 # ----------------------------------------------------------------------------------- re-costing
 
 
-def recost(schedule: Schedule, table: CostTable, found: Partition, *, memory_limit: float | None) -> Problem:
+def recost(schedule: Schedule, table: CostTable, found: Partition, *, memory_limit: float | None,
+           shape: ScheduleShape | None = None) -> Problem:
     """The problem of ``schedule``'s task graph with the real costs of ``found``'s stages.
 
     Stage durations are F, I (the :class:`~pipeloom.problem.Stage`'s ``b``) and W of the stage's pieces
@@ -151,9 +152,9 @@ def recost(schedule: Schedule, table: CostTable, found: Partition, *, memory_lim
     ``table.runtime.action_overhead`` (a full B once), and a stage's F and its B or I pay
     ``table.runtime.message_cost`` once per edge of the stage to or from another rank (the send or the
     receive that action posts). The task graph keeps the schedule's (same ranks, edges and backward
-    split), so its action order stays valid.
+    split), so its action order stays valid. ``shape``: ``schedule_shape(schedule)``, when the caller has it.
     """
-    shape = schedule_shape(schedule)
+    shape = shape or schedule_shape(schedule)
     pieces = table.pieces
     starts = [found.stage_of.index(j) for j in range(found.num_stages)] + [len(pieces)]
     parts = [pieces[starts[j]:starts[j + 1]] for j in range(found.num_stages)]
@@ -201,10 +202,11 @@ def piece_ranks(shape, found: Partition) -> tuple[int, ...]:
     return tuple(rank_of_model_stage[j] for j in found.stage_of)
 
 
-def shared_time(table: CostTable, schedule: Schedule, found: Partition) -> float:
+def shared_time(table: CostTable, schedule: Schedule, found: Partition, *,
+                shape: ScheduleShape | None = None) -> float:
     """Seconds the after-step exchange of shared parameters' gradients takes (:func:`shared_sync_time`;
     0 without shared parameters on several ranks)."""
-    shape = schedule_shape(schedule)
+    shape = shape or schedule_shape(schedule)
     if not table.shared or shape.replicas > 1:
         return 0.0
     return shared_sync_time(table, piece_ranks(shape, found), schedule.num_microbatches)
@@ -216,7 +218,8 @@ def _reads_model_inputs_only(part: Sequence) -> bool:
     return all(name in inside for p in part for name in p.inputs)
 
 
-def replica_sync_time(table: CostTable, schedule: Schedule, found: Partition, *, link: Link | None = None) -> float:
+def replica_sync_time(table: CostTable, schedule: Schedule, found: Partition, *, link: Link | None = None,
+                      shape: ScheduleShape | None = None) -> float:
     """Seconds to add up the replicas' weight gradients after the step (two-replica schedules, else 0).
 
     As the engine does it, per model stage: the second replica's rank sends its M/2 micro-batch
@@ -230,10 +233,11 @@ def replica_sync_time(table: CostTable, schedule: Schedule, found: Partition, *,
     params = [0.0] * found.num_stages
     for piece, j in zip(table.pieces, found.stage_of):
         params[j] += piece.param_bytes
-    return exchange_time(params, schedule, link or table.runtime.replica_link or table.link)
+    return exchange_time(params, schedule, link or table.runtime.replica_link or table.link, shape=shape)
 
 
-def stage_spreads(table: CostTable, schedule: Schedule, found: Partition) -> list[float]:
+def stage_spreads(table: CostTable, schedule: Schedule, found: Partition, *,
+                  shape: ScheduleShape | None = None) -> list[float]:
     """Per stage of ``schedule``: how much its actions' times vary (coefficient of variation): the
     table's ``runtime.time_spread``, measured on one piece's actions, for every stage with work to do.
 
@@ -241,16 +245,17 @@ def stage_spreads(table: CostTable, schedule: Schedule, found: Partition) -> lis
     plans: their stages' spread was that of the profile's pieces, not the smaller one independent
     pieces would add up to); what varies is the machine's speed during the action, not each kernel.
     """
-    shape = schedule_shape(schedule)
+    shape = shape or schedule_shape(schedule)
     work = [0.0] * found.num_stages
     for piece, j in zip(table.pieces, found.stage_of):
         work[j] += piece.f + piece.full_backward
     return [table.runtime.time_spread if work[j] > 0 else 0.0 for j in shape.model_stage]
 
 
-def exchange_time(stage_params: Sequence[float], schedule: Schedule, link: Link) -> float:
+def exchange_time(stage_params: Sequence[float], schedule: Schedule, link: Link, *,
+                  shape: ScheduleShape | None = None) -> float:
     """:func:`replica_sync_time` for model stages of ``stage_params`` bytes of parameters each."""
-    shape = schedule_shape(schedule)
+    shape = shape or schedule_shape(schedule)
     if shape.replicas == 1:
         return 0.0
     half = schedule.num_microbatches  # micro-batches per replica (M/2)
@@ -326,34 +331,36 @@ class _Search:
                                        memory_limit=library_limit, **base.schedule_options)
         except (ValueError, PipeloomError) as error:
             return dataclasses.replace(base, reason=f"not built: {error}")
+        shape = schedule_shape(library)  # once: every split below is judged on it
         try:
-            splits = partitioner.candidates(library, memory_limit=limit)
+            splits = partitioner.candidates(shape, memory_limit=limit)
         except MemoryTooSmall as error:
             return dataclasses.replace(base, peak_memory=error.smallest_limit,
                                        reason=f"no split fits; needs about {format_bytes_up(error.smallest_limit)}")
         except PartitionError as error:
             return dataclasses.replace(base, reason=f"too many stages: {error}")
-        return min((self._simulated(base, table, library, found) for found in splits), key=_rank)
+        return min((self._simulated(base, table, library, shape, found) for found in splits), key=_rank)
 
-    def _simulated(self, base: Candidate, table: CostTable, library: Schedule, found: Partition) -> Candidate:
-        """``base`` with ``library``'s order re-costed for the split ``found`` and simulated."""
+    def _simulated(self, base: Candidate, table: CostTable, library: Schedule, shape: ScheduleShape,
+                   found: Partition) -> Candidate:
+        """``base`` with ``library``'s order (of shape ``shape``) re-costed for the split ``found`` and simulated."""
         limit = self.memory_limit
-        if schedule_shape(library).replicas > 1 and shared_across_stages(table, found.stage_of):
+        if shape.replicas > 1 and shared_across_stages(table, found.stage_of):
             names = ", ".join(p.name for p in shared_across_stages(table, found.stage_of))
             return dataclasses.replace(base, reason=f"shared parameter(s) {names} on several stages need a "
                                                     "one-replica schedule")
-        costed = dataclasses.replace(library, problem=recost(library, table, found, memory_limit=limit))
+        costed = dataclasses.replace(library, problem=recost(library, table, found, memory_limit=limit, shape=shape))
         timeline = simulate(costed)
         runtime = table.runtime
         makespan = timeline.makespan
         if runtime.time_spread or runtime.start_skew:
-            spreads = stage_spreads(table, library, found)
+            spreads = stage_spreads(table, library, found, shape=shape)
             makespan = expected_makespan(costed, spreads, start_skew=runtime.start_skew)
         peak = max(timeline.peak_memory)
         reason = "" if limit is None or peak <= limit * _FIT else f"peak {format_bytes(peak)} > {format_bytes(limit)}"
         return dataclasses.replace(
-            base, step_time=(makespan + replica_sync_time(table, library, found) + shared_time(table, library, found)
-                             + runtime.step_overhead),
+            base, step_time=(makespan + replica_sync_time(table, library, found, shape=shape)
+                             + shared_time(table, library, found, shape=shape) + runtime.step_overhead),
             peak_memory=peak,
             bubble_ratio=timeline.bubble_ratio, split_points=found.split_points, timeline=timeline,
             partition=found, reason=reason,

@@ -82,29 +82,14 @@ class ScheduleShape:
         return len(self.model_stage) // self.replicas
 
 
-_SHAPES: dict[int, tuple[Schedule, ScheduleShape]] = {}
-_SHAPES_KEPT = 256  # the plan search asks about each library schedule many times
-
-
 def schedule_shape(schedule: Schedule) -> ScheduleShape:
     """The shape of a schedule: its task graph, one or more disjoint chains of single-rank stages,
     and the memory its action order holds.
 
     Each chain (a replica) starts at a stage whose forward waits for no other forward; a stage's
-    position along its chain is its model stage. PartitionError for other graphs. The shapes of the
-    last few schedules asked about are kept (with the schedules, so their ids stay theirs).
+    position along its chain is its model stage. PartitionError for other graphs. It walks every
+    action: a caller judging many splits of one schedule computes it once and passes it on.
     """
-    kept = _SHAPES.get(id(schedule))
-    if kept is not None and kept[0] is schedule:
-        return kept[1]
-    shape = _shape(schedule)
-    if len(_SHAPES) >= _SHAPES_KEPT:
-        del _SHAPES[next(iter(_SHAPES))]
-    _SHAPES[id(schedule)] = (schedule, shape)
-    return shape
-
-
-def _shape(schedule: Schedule) -> ScheduleShape:
     problem = schedule.problem
     count = problem.num_stages
     producers: list[list[int]] = [[] for _ in range(count)]
