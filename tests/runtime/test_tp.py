@@ -69,6 +69,16 @@ def _one_device(model_name: str, steps: int) -> tuple[list[dict], dict]:
     return grads, {key: value.numpy().copy() for key, value in model.state_dict().items()}
 
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _stop_the_forkserver():
+    """The preloaded forkserver of tp_jobs.run_preloaded ends with this module: left alive in the pytest
+    process, the spawned ranks of later tests (tests/runtime/test_faults.py) did not see a peer's failure."""
+    yield
+    from multiprocessing import forkserver
+
+    forkserver._forkserver._stop()
+
 @pytest.fixture(scope="module")
 def two_rank_runs():
     return _ok(run_preloaded(2, two_ranks, TP_ONLY, HF_STEPS, timeout=150))

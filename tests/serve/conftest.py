@@ -1,41 +1,64 @@
-"""A local ``pipeloom serve`` (uvicorn in a thread, a free port) and a headless Chromium for the
+"""A local ``pipeloom serve`` (uvicorn in a process of its own, a free port) and a headless Chromium for the
 playground tests; the browser tests skip, saying why, where no browser is installed."""
 
 from __future__ import annotations
 
 import shutil
+import socket
+import subprocess
+import sys
 import tempfile
-import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("starlette", reason="pipeloom serve needs the serve extra: pip install 'pipeloom[serve]'")
-uvicorn = pytest.importorskip("uvicorn", reason="pipeloom serve needs the serve extra: pip install 'pipeloom[serve]'")
+pytest.importorskip("uvicorn", reason="pipeloom serve needs the serve extra: pip install 'pipeloom[serve]'")
 
 from pipeloom.plan import CostTable, Link, Piece, save_costs  # noqa: E402
-from pipeloom.serve import ServeConfig, create_app  # noqa: E402
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 
 
-@pytest.fixture(scope="session")
+_SERVER = """
+import sys
+
+import uvicorn
+
+from pipeloom.serve import ServeConfig, create_app
+
+config = ServeConfig(port=0, max_body_bytes=2**20, workers=3, request_seconds=30.0, max_actions=50_000)
+uvicorn.Server(uvicorn.Config(create_app(config), host="127.0.0.1", port=int(sys.argv[1]), log_level="warning",
+                              limit_concurrency=256)).run()
+"""
+
+
+@pytest.fixture(scope="module")
 def server() -> str:
-    """The base URL of a server with small limits (1 MiB bodies, 3 workers)."""
-    config = ServeConfig(port=0, max_body_bytes=2**20, workers=3, request_seconds=30.0, max_actions=50_000)
-    instance = uvicorn.Server(uvicorn.Config(create_app(config), host="127.0.0.1", port=0, log_level="warning",
-                                             limit_concurrency=256))
-    thread = threading.Thread(target=instance.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not instance.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.02)
-    port = instance.servers[0].sockets[0].getsockname()[1]
-    yield f"http://127.0.0.1:{port}"
-    instance.should_exit = True
-    thread.join(10)
+    """The base URL of a server with small limits (1 MiB bodies, 3 workers), in a process of its own: its
+    job workers' forkserver must not live in the pytest process (the spawned ranks of
+    tests/runtime/test_faults.py then missed a peer's failure until its process exited)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    process = subprocess.Popen([sys.executable, "-c", _SERVER, str(port)])
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/api/schedules", timeout=2):
+                break
+        except OSError:
+            assert time.monotonic() < deadline and process.poll() is None, "the server did not start"
+            time.sleep(0.1)
+    yield url
+    process.terminate()
+    try:
+        process.wait(10)
+    except subprocess.TimeoutExpired:
+        process.kill()
 
 
 def _cost_table(path: Path, pieces: int = 4) -> Path:
