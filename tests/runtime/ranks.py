@@ -33,10 +33,11 @@ def _worker(rank: int, world: int, port: int, fn, args, queue) -> None:
                 dist.destroy_process_group()
 
 
-def run_ranks(world: int, fn, *args, timeout: float = 120.0) -> dict[int, tuple[str, object]]:
+def run_ranks(world: int, fn, *args, timeout: float = 120.0, context=None) -> dict[int, tuple[str, object]]:
     """``{rank: ("ok", result) | ("error", text) | ("died", exit code)}``; ranks that never answer
-    within ``timeout`` are killed and reported as ("timeout", None)."""
-    ctx = mp.get_context("spawn")
+    within ``timeout`` are killed and reported as ("timeout", None). ``context``: the multiprocessing
+    context that starts the ranks (default: spawn)."""
+    ctx = context or mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, queue), daemon=True) for r in range(world)]

@@ -6,8 +6,6 @@ One spawn of the ranks per mesh shape (importable by the child processes)."""
 from __future__ import annotations
 
 import multiprocessing as mp
-import queue as queues
-import time
 
 import torch
 import torch.nn.functional as F
@@ -22,34 +20,11 @@ PRELOAD = ["torch", "torch.distributed.tensor.parallel", "torch.distributed.chec
 
 def run_preloaded(world: int, fn, *args, timeout: float) -> dict[int, tuple[str, object]]:
     """``ranks.run_ranks`` with the ranks forked from a fork server that has imported ``PRELOAD``."""
-    from ranks import _worker, free_port
+    from ranks import run_ranks
 
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
-    results_queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, results_queue), daemon=True)
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    results: dict[int, tuple[str, object]] = {}
-    deadline = time.monotonic() + timeout
-    while len(results) < world and time.monotonic() < deadline:
-        try:
-            rank, status, value = results_queue.get(timeout=0.2)
-        except queues.Empty:
-            if not any(p.is_alive() for p in procs):
-                break
-            continue
-        results[rank] = (status, value)
-    for p in procs:
-        p.join(timeout=5)
-        if p.is_alive():
-            p.kill()
-    for r in range(world):
-        code = procs[r].exitcode
-        results.setdefault(r, ("timeout", None) if code is None else ("died", code))
-    return results
+    return run_ranks(world, fn, *args, timeout=timeout, context=ctx)
 
 
 CLASSES = 5
