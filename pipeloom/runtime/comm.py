@@ -89,7 +89,7 @@ class FailureScope:
     world: int  # numbers on the board: 0 .. world - 1
     of_peer: Callable[[int], int] = _same  # a peer's group rank -> its number on the board
     name: Callable[[int], str] = str  # a board number -> how messages name that rank
-    wake: tuple[tuple[object, int], ...] = ()  # (group, global peer) whose connections a failure also closes
+    wake: tuple[object, ...] = ()  # other groups whose connections a failure also closes
 
 
 class Messenger:
@@ -116,7 +116,6 @@ class Messenger:
         world = dist.get_world_size(group) if group is not None else 1
         self.scope = scope if scope is not None else FailureScope(rank=rank, world=world)
         self.board = FailureBoard(store, run_id=run_id, rank=self.scope.rank, world_size=self.scope.world)
-        self.peer = to_global((rank + 1) % world)  # whom close_connections' receive names
         self.polled = self.device.type != "cpu"  # NCCL works complete by themselves; gloo's need wait()
         self._wait_timeout = datetime.timedelta(seconds=timeout)
         self.position = {uid: i for order in pair_order.values() for i, uid in enumerate(order)}
@@ -183,11 +182,11 @@ class Messenger:
         """The thread looking for other ranks' failures while this one waits (none without a store)."""
         helpers = self._helpers
         if helpers.watch is None and self.store is not None and not helpers.stopped:
-            closes = ((self.group, self.peer), *self.scope.wake)
+            groups = (self.group, *self.scope.wake)
 
             def wake() -> None:
-                for group, peer in closes:
-                    close_connections(group, peer)
+                for group in groups:
+                    close_connections(group)
 
             helpers.watch = PeerWatch(self.board, wake)
         return helpers.watch

@@ -66,10 +66,8 @@ def _mesh_scope(layout: Layout) -> FailureScope | None:
             return f"{mine[number]} ({layout.where(number)})" if number in mine else layout.where(number)
         return str(mine[number]) if number in mine else f"{number} (global; another data-parallel replica)"
 
-    wake: tuple[tuple[object, int], ...] = ()
-    if dp is not None:
-        wake = ((dp, dist.get_global_rank(dp, (layout.dp.rank + 1) % layout.dp.size)),)
-    return FailureScope(rank=dist.get_rank(), world=dist.get_world_size(), name=name, wake=wake,
+    return FailureScope(rank=dist.get_rank(), world=dist.get_world_size(), name=name,
+                        wake=(dp,) if dp is not None else (),
                         of_peer=(lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r))
 
 

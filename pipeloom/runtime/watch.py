@@ -115,13 +115,23 @@ class PeerWatch:
             self._thread.join(timeout)
 
 
-def close_connections(group: object, peer: int) -> None:
+def close_connections(group: object) -> None:
     """Make every pending operation of this rank on ``group`` (gloo) fail now, as if the process had
-    exited: a receive from global rank ``peer`` that times out makes gloo close all of the group's
-    connections ("Application timeout caused pair closure"), which also tells the peers."""
+    exited: a receive that times out makes gloo close all of the group's connections ("Application
+    timeout caused pair closure"), which also tells the peers.
+
+    A receive from a peer that closed its side first fails at once without closing the others (a
+    pending collective may still wait on a live but failed peer), so this tries every other rank of the
+    group in turn; after the first timeout the remaining receives fail at once too."""
+    if group is None:
+        return
     buffer = torch.empty(1)
-    with contextlib.suppress(Exception):
-        dist.irecv(buffer, peer, group=group, tag=BREAK_TAG).wait(timeout=datetime.timedelta(milliseconds=1))
+    me = dist.get_rank()
+    for peer in dist.get_process_group_ranks(group):
+        if peer != me:
+            with contextlib.suppress(Exception):
+                work = dist.irecv(buffer, peer, group=group, tag=BREAK_TAG)
+                work.wait(timeout=datetime.timedelta(milliseconds=1))
 
 
 def poll_work(work: object, *, timeout: float, board: FailureBoard) -> tuple[str, Exception | None] | None:
