@@ -629,8 +629,8 @@ def _worker(rank: int, store_file: str, config: RealityConfig) -> None:
     for round_ in range(config.rounds):
         _log(rank, begun, f"round {round_ + 1} of {config.rounds}: profile, predict and run each of {len(runs)} plans")
         for record in runs:
-            _measure_plan(rank, record, engines[id(record)], profilers.get(record["microbatch_size"]), batches, config, link,
-                          costs, bases)
+            _measure_plan(rank, record, engines[id(record)], profilers.get(record["microbatch_size"]), batches,
+                          config, link, costs, bases)
     for record in runs:
         record["trace"] = str(out / (f"trace-uniform-{record['schedule']}" if record is uniform
                                      else f"trace{records.index(record)}-{record['schedule']}"))

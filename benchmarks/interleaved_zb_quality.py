@@ -100,7 +100,8 @@ def interleaved_zb_vs_torch() -> list[Row]:
                           our_peaks=ours.peak_memory, torch_peaks=theirs.peak_memory)
                 rows.append(row)
                 print(f"{name:>14} {p:>2} {m:>3} {row.ours:>12.10g} {row.torch:>12.10g} {row.ratio:>7.4f} "
-                      f"{max(row.our_peaks):>10.3g} {max(row.torch_peaks):>10.3g} {'yes' if row.memory_ok else 'NO':>6}")
+                      f"{max(row.our_peaks):>10.3g} {max(row.torch_peaks):>10.3g} "
+                      f"{'yes' if row.memory_ok else 'NO':>6}")
     slower = [row for row in rows if row.ratio > 1 + 1e-12]
     faster = [row for row in rows if row.ratio < 1 - 1e-12]
     over = [row for row in rows if not row.memory_ok]

@@ -118,7 +118,8 @@ def print_reality(results: dict, config, idle: float) -> None:
               f"latency under load / per-step cost / replica-exchange latency (ms), "
               f"time spread, start skew, cost per action and per message fitted at each size: {fits}; "
               f"medians used in every "
-              f"prediction: {profile['latency'] * 1e3:.2f} ms latency, {profile['step_overhead'] * 1e3:.2f} ms per step")
+              f"prediction: {profile['latency'] * 1e3:.2f} ms latency, "
+              f"{profile['step_overhead'] * 1e3:.2f} ms per step")
     else:
         runs = ", ".join(f"M={m} {r['measured'] * 1e3:.2f} ms measured vs {r['simulated'] * 1e3:.2f} simulated"
                          for m, r in note["runs"].items())
@@ -161,7 +162,8 @@ def _traced(record: dict):
 def _print_plans(results: dict, config) -> None:
     if config.profiler == "engine":
         how = (f"{config.cycles} times one profiling step of its micro-batch size then {config.steps // config.cycles} "
-               f"timed steps of the plan (after {config.warmup_steps} warm-up steps); predict from those profiling steps")
+               f"timed steps of the plan (after {config.warmup_steps} warm-up steps); "
+               "predict from those profiling steps")
     else:
         how = (f"profile its micro-batch size, re-predict, then {config.warmup_steps} + {config.steps} steps")
     print(f"\n{config.rounds} rounds; in each, for each plan: {how}. measured: median of the timed steps. "
@@ -170,8 +172,8 @@ def _print_plans(results: dict, config) -> None:
     rows = results["plans"] + ([uniform] if uniform is not None and not uniform["same"] else [])
     width = max(12, *(len(short_split(record["split_points"])) for record in rows))
     wide = max(22, *(len(record["label"]) + 6 for record in rows))
-    print(f"{'schedule':{wide}} {'M x b':>6} {'split':{width}} {'planned':>7} {'predicted':>9} {'measured':>8} {'ratio':>5} "
-          f"{'':3} {'ratio per round':16} {'tasks':>6} {'span':>6}")
+    print(f"{'schedule':{wide}} {'M x b':>6} {'split':{width}} {'planned':>7} {'predicted':>9} {'measured':>8} "
+          f"{'ratio':>5} {'':3} {'ratio per round':16} {'tasks':>6} {'span':>6}")
     for k, record in enumerate(rows):
         label = record["label"] + (" own" if record["own_order"] and record is not uniform else "") + (
             " *" if k == 0 else "")
@@ -186,8 +188,9 @@ def _print_plans(results: dict, config) -> None:
         ratio = statistics.median(ratios)
         _, comparison = _traced(record)
         mark = "ok" if 1 / TARGET <= ratio <= TARGET else "--"
-        print(f"{label:{wide}} {shape:>6} {short_split(record['split_points']):{width}} {record['predicted'] * 1e3:7.1f} "
-              f"{statistics.median(predicted) * 1e3:9.1f} {statistics.median(measured) * 1e3:8.1f} {ratio:5.2f} "
+        print(f"{label:{wide}} {shape:>6} {short_split(record['split_points']):{width}} "
+              f"{record['predicted'] * 1e3:7.1f} {statistics.median(predicted) * 1e3:9.1f} "
+              f"{statistics.median(measured) * 1e3:8.1f} {ratio:5.2f} "
               f"{mark:3} {' '.join(f'{r:.2f}' for r in ratios):16} {comparison.predicted.makespan * 1e3:6.1f} "
               f"{comparison.measured_step_time * 1e3:6.1f}")
     print("* the plan the search chose. planned: the plan file's prediction (the search's profile). predicted, "
@@ -206,7 +209,8 @@ def _print_tasks(record: dict, config) -> None:
     costs = record["rounds"][-1]["stage_costs"]
     shape = schedule_shape(run.schedule)
     measured = task_durations(run, steps=_timed_steps(record))
-    print(f"\n{record['label']}: per task, its last profile vs the traced run (median over micro-batches and steps), ms")
+    print(f"\n{record['label']}: per task, its last profile vs the traced run "
+          "(median over micro-batches and steps), ms")
     print(f"{'stage':>5} {'rank':>4} {'model stage':>11} {'kind':>4} {'profiled':>9} {'measured':>9} {'ratio':>6}")
     for (stage, kind), seconds in sorted(measured.items()):
         part = costs[shape.model_stage[stage]]

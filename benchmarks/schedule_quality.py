@@ -46,7 +46,8 @@ def zbv_section() -> bool:
     """Every recorded cell: zbv's makespan, the reference's, the ratio; True if no cell is slower."""
     data = json.loads((DATA / "zbv_reference.json").read_text())
     print(f"== zbv against the authors' ZB-V generator ({data['command']}) ==")
-    print(f"{'costs':<7} {'p':>3} {'m':>4} {'limit':>6} {'w_mem':>5} {'reference':>12} {'zbv':>12} {'ratio':>7} {'build s':>7}")
+    print(f"{'costs':<7} {'p':>3} {'m':>4} {'limit':>6} {'w_mem':>5} {'reference':>12} {'zbv':>12} {'ratio':>7} "
+          f"{'build s':>7}")
     slower, ratios, skipped = [], [], 0
     for cell in data["cells"]:
         if cell["makespan"] is None:

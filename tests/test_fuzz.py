@@ -69,8 +69,8 @@ NUMBERS = st.sampled_from([0, 1, 2, -1, 0.5, -0.0, 1e308, -1e308, 1.7e308, 10**4
                            float("nan"), float("inf"), True, False])
 LEAVES = st.one_of(st.none(), NUMBERS, st.integers(-5, 10**6), st.floats(allow_nan=True),
                    st.text(max_size=8), st.sampled_from(["0F", "1B", "2W", "0F0", "(0F1;1B0)OVERLAP_F_B", "F",
-                                                         "99999999999999999999F", "1" * 5000 + "F", "", "linear", "1f1b",
-                                                         "interleaved-1f1b", "x.json"]))
+                                                         "99999999999999999999F", "1" * 5000 + "F", "", "linear",
+                                                         "1f1b", "interleaved-1f1b", "x.json"]))
 VALUES = st.recursive(LEAVES, lambda inner: st.one_of(st.lists(inner, max_size=3),
                                                       st.dictionaries(st.text(max_size=5), inner, max_size=3)),
                       max_leaves=6)

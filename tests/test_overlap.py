@@ -99,7 +99,8 @@ def test_dualpipev_csv_round_trip_and_torch_reads_it(p, m):
     assert back.ranks == schedule.ranks
     assert validate(back, ordered=True).makespan == validate(schedule, ordered=True).makespan
     torch_schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
-    rows = {r: [torch_schedules._Action.from_str(c) for c in row] for r, row in enumerate(csv.reader(io.StringIO(text)))}
+    lines = csv.reader(io.StringIO(text))
+    rows = {r: [torch_schedules._Action.from_str(c) for c in row] for r, row in enumerate(lines)}
     for r, row in rows.items():
         assert [repr(a) for a in row] == [str(a) for a in schedule.ranks[r]]
     torch_schedules._validate_schedule(rows, p, 2 * p, m)  # torch's own checks of a compute-only order

@@ -42,7 +42,8 @@ def check_flag_sums(flags: Mapping[str, float | None], microbatches: int) -> Non
     others = [other for other in given if other != flag and given[other] >= given[flag] / 10]
     also = f" (with {', '.join(others)})" if others else ""
     raise UsageError(f"{flag} {given[flag]:g}{also} overflows the float range when the times add up over "
-                     f"{microbatches:,} micro-batch{'' if microbatches == 1 else 'es'}; scale it down (e.g. seconds to milliseconds)")
+                     f"{microbatches:,} micro-batch{'' if microbatches == 1 else 'es'}; "
+                     "scale it down (e.g. seconds to milliseconds)")
 
 
 @contextlib.contextmanager

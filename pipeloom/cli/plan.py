@@ -176,12 +176,14 @@ def _runners_up(result, top: int):
 
     best = result.plan.predicted_step_time
     table = Table(title=f"runners-up (best {top} of {len(result.candidates)})")
-    for column in ("#", "schedule", "dp", "tp", "M x size", "step time (s)", "vs best", "bubble", "peak memory", "note"):
+    columns = ("#", "schedule", "dp", "tp", "M x size", "step time (s)", "vs best", "bubble", "peak memory", "note")
+    for column in columns:
         table.add_column(column, justify="left" if column in ("schedule", "note") else "right")
     for k, c in enumerate(result.candidates[:top]):
         fits = c.fits
         table.add_row(
-            str(k + 1), c.label, str(c.data_parallel), str(getattr(c, "tensor_parallel", 1)), f"{c.microbatches} x {c.microbatch_size}",
+            str(k + 1), c.label, str(c.data_parallel), str(getattr(c, "tensor_parallel", 1)),
+            f"{c.microbatches} x {c.microbatch_size}",
             f"{c.step_time:#.4g}" if c.step_time is not None else "-",
             f"{c.step_time / best:.3f}" if c.step_time is not None and fits else "-",
             f"{c.bubble_ratio:.1%}" if c.bubble_ratio is not None else "-",
@@ -236,7 +238,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     tables = _with_heads(args, [load_costs(path) for path in args.costs])
     result = plan_mesh(
         tables, num_ranks=args.ranks, global_batch=args.global_batch, memory_limit=args.memory_limit,
-        data_parallel=args.data_parallel, tensor_parallel=args.tensor_parallel or (1,), sharding=args.sharding, dp_link=_dp_link(args, tables),
+        data_parallel=args.data_parallel, tensor_parallel=args.tensor_parallel or (1,), sharding=args.sharding,
+        dp_link=_dp_link(args, tables),
         schedules=_schedules(args.schedules), stages_per_rank=args.stages_per_rank, microbatches=args.microbatches,
         search_time=args.search, progress=_progress(args),
     )
@@ -294,8 +297,9 @@ def _plan_on_server(args: argparse.Namespace) -> int:
     from pipeloom.serve.client import is_url, post_json, read_url
     from pipeloom.sim import simulate
 
-    local = [flag for flag, given in (("--heads", args.heads), ("--dp-latency", args.dp_latency),
-                                      ("--dp-bandwidth", args.dp_bandwidth), ("--export", args.export)) if given is not None]
+    flags = (("--heads", args.heads), ("--dp-latency", args.dp_latency), ("--dp-bandwidth", args.dp_bandwidth),
+             ("--export", args.export))
+    local = [flag for flag, given in flags if given is not None]
     if local:
         raise UsageError(f"{', '.join(local)} cannot be sent to a server; drop it or plan here (without --server)")
     if not is_url(args.server):

@@ -37,8 +37,8 @@ from pipeloom.viz.report import (
     timeline_report,
 )
 
-__all__ = ["MAX_ACTIONS", "MAX_LOWERED_ACTIONS", "MAX_RANKS", "compare_schedules", "cmd_list", "cmd_show", "cmd_simulate",
-           "cmd_compare"]
+__all__ = ["MAX_ACTIONS", "MAX_LOWERED_ACTIONS", "MAX_RANKS", "compare_schedules", "cmd_list", "cmd_show",
+           "cmd_simulate", "cmd_compare"]
 
 MAX_ACTIONS = MAX_INTERVALS
 """Most actions (estimated) ``show``/``compare`` build, the same cap as the search's: about a minute

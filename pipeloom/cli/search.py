@@ -59,7 +59,8 @@ def _check_costs(args: argparse.Namespace) -> None:
         given = [flag for flag, value in (("--b", args.b), ("--w", args.w), ("--w-memory", args.w_memory))
                  if value is not None]
         if given:
-            raise UsageError(f"{', '.join(given)}: --inference has no backward; drop {'them' if len(given) > 1 else 'it'}")
+            pronoun = "them" if len(given) > 1 else "it"
+            raise UsageError(f"{', '.join(given)}: --inference has no backward; drop {pronoun}")
     if args.w_memory is not None:
         if not args.split_backward:
             raise UsageError("--w-memory is the memory W releases; add --split-backward (W exists only then)")
@@ -121,6 +122,6 @@ def cmd_search(args: argparse.Namespace) -> int:
     timeline = validate(result.schedule, ordered=True)
     report = {**timeline_report(timeline), "makespan": result.makespan, "lower_bound": result.lower_bound,
               "gap": result.gap, "status": result.status, "mode": result.mode, "period": result.period,
-              "period_lower_bound": result.period_lower_bound, "search_seconds": result.seconds, "origin": result.origin,
-              "peak_memory": list(result.peak_memory)}
+              "period_lower_bound": result.period_lower_bound, "search_seconds": result.seconds,
+              "origin": result.origin, "peak_memory": list(result.peak_memory)}
     return emit(args, timeline, report, table=search_table)

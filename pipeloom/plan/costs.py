@@ -126,9 +126,9 @@ class Piece:
     i: float
     """Input-gradient backward seconds (zero-bubble I: ``pipeloom.runtime.backward.backward_input``)."""
     w: float
-    """Weight-gradient backward seconds (zero-bubble W: the ``weight()`` that I leaves pending). Where a stage's inputs are only model inputs (which carry no gradient),
-    the engine's I computes nothing and W does the whole backward: the planner then counts the stage's
-    ``i`` as W (:func:`pipeloom.plan.recost`)."""
+    """Weight-gradient backward seconds (zero-bubble W: the ``weight()`` that I leaves pending). Where a
+    stage's inputs are only model inputs (which carry no gradient), the engine's I computes nothing and W
+    does the whole backward: the planner then counts the stage's ``i`` as W (:func:`pipeloom.plan.recost`)."""
     measured_full_backward: float | None = None
     """Full backward seconds (input and weight gradients in one ``autograd.backward``, as the engine runs a
     ``B``: ``pipeloom.runtime.backward.backward_full``); None means not measured, priced ``i + w``

@@ -192,9 +192,9 @@ class EngineProfiler:
         outside the schedule
         (``engine.step`` time minus the schedule's span: preamble, loss all-reduce, last sends; less the
         shared-parameter exchange as :func:`~pipeloom.plan.shared.shared_sync_time` prices it, which a
-        plan pays apart); both averaged over the two pipelines. Where the two-replica pipeline ran, its own cost outside the
-        schedule beyond that is its replica-gradient exchange: the table's ``runtime.replica_link`` is the
-        per-message latency that prices that exchange at the measured seconds
+        plan pays apart); both averaged over the two pipelines. Where the two-replica pipeline ran, its own
+        cost outside the schedule beyond that is its replica-gradient exchange: the table's
+        ``runtime.replica_link`` is the per-message latency that prices that exchange at the measured seconds
         (:func:`~pipeloom.plan.search.exchange_time`, with ``bandwidth``); and, as both its replicas
         start a step at once, its ``start_skew`` (:func:`_start_skew`).
         ``bandwidth`` (bytes/s; None: unlimited) goes into the table's link.

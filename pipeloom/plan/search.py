@@ -26,8 +26,8 @@ from pipeloom.problem import Problem, Stage, stage_graph
 from pipeloom.schedules import REGISTRY, build_schedule
 from pipeloom.sim import Timeline, simulate
 
-__all__ = ["MAX_PLAN_MICROBATCHES", "Candidate", "default_schedules", "NoPlanFits", "PlanResult", "exchange_time", "plan_pipeline", "recost",
-           "replica_sync_time", "stage_spreads"]
+__all__ = ["MAX_PLAN_MICROBATCHES", "Candidate", "default_schedules", "NoPlanFits", "PlanResult", "exchange_time",
+           "plan_pipeline", "recost", "replica_sync_time", "stage_spreads"]
 
 def default_schedules() -> tuple[str, ...]:
     """The schedules :func:`plan_pipeline` tries unless told otherwise: every registry entry, read at

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 from pipeloom.plan.tensor import Collective, CollectiveFit, TensorParallelError
 
-__all__ = ["OPTIONS", "RegionModules", "ShardingProblem", "ShardingResult", "recipe_for", "region_costs", "search_sharding"]
+__all__ = ["OPTIONS", "RegionModules", "ShardingProblem", "ShardingResult", "recipe_for", "region_costs",
+           "search_sharding"]
 
 OPTIONS = {"attention": ("replicate", "megatron", "megatron-sp"), "mlp": ("replicate", "megatron", "megatron-sp"),
            "embedding": ("replicate", "vocab"), "head": ("replicate", "vocab")}

@@ -237,7 +237,8 @@ def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
     mine = [n for n in free_params if uses[n] == 1]
     if mine:
         pending.groups.append(_WeightGroup(roots=[o for o, _ in free_roots], grads=[g for _, g in free_roots],
-                                           params=[param_of[n] for n in mine], edges=[GradientEdge(n, 0) for n in mine]))
+                                           params=[param_of[n] for n in mine],
+                                           edges=[GradientEdge(n, 0) for n in mine]))
     shared_params = [param_of[n] for n in shared]
     try:
         if wanted and input_nodes or shared_params:

@@ -366,7 +366,8 @@ class PipelineEngine:
         write_trace_file(self.trace_document(), path)
 
     # ------------------------------------------------------------------------------ training-loop helpers
-    # (runtime/state.py, clip.py, checkpoint.py; every rank calls the collective ones: clip_grad_norm_, full_state_dict, checkpoints)
+    # (runtime/state.py, clip.py, checkpoint.py; every rank calls the collective ones: clip_grad_norm_,
+    # full_state_dict, checkpoints)
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """This rank's parameters under the model's ``named_parameters()`` names (a tied one under the

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from pipeloom.errors import PipeloomError
 from pipeloom.ir import Action, Comm, Overlap, Schedule, compute_parts
 
-__all__ = ["MODEL_INPUT", "Lowering", "PipelineError", "Source", "Step", "Unit", "forward_unit", "lower", "model_pieces"]
+__all__ = ["MODEL_INPUT", "Lowering", "PipelineError", "Source", "Step", "Unit", "forward_unit", "lower",
+           "model_pieces"]
 
 class Source(enum.Enum):
     """Where a value comes from when it is not a piece's output."""
@@ -93,7 +94,8 @@ class Lowering:
     replica_of: tuple[int, ...]  # schedule stage -> component
     stage_for: tuple[tuple[int, ...], ...]  # [component][piece] -> schedule stage
     rank_of: tuple[int, ...]  # schedule stage -> rank
-    sources: tuple[tuple[tuple[int | Source, int], ...], ...]  # per stage: its piece's inputs (stage or MODEL_INPUT, index)
+    # per stage: its piece's inputs (stage or MODEL_INPUT, index)
+    sources: tuple[tuple[tuple[int | Source, int], ...], ...]
     units: tuple[Unit, ...]
     unit_of: dict[tuple[str, int, int, int], int]  # (kind, producer, consumer, real micro-batch) -> unit id
     programs: tuple[tuple[Step, ...], ...]  # per rank

@@ -56,7 +56,8 @@ def _measured_period(timeline: Timeline, copies: int) -> float | None:
     """Mean start-to-start distance of one task over the middle half of the micro-batches
     (whole repetends only); None when there are too few micro-batches."""
     schedule = timeline.schedule
-    first, last = schedule.num_microbatches // 4 // copies * copies, 3 * schedule.num_microbatches // 4 // copies * copies
+    m = schedule.num_microbatches
+    first, last = m // 4 // copies * copies, 3 * m // 4 // copies * copies
     if last <= first:
         return None
     task = schedule.problem.tasks[0]

@@ -184,7 +184,8 @@ def create_app(config: ServeConfig) -> Starlette:
 
     async def plan_file(request: Request) -> Response:
         name = request.path_params["plan"]
-        plan_id, companion = (name[: -len(".schedule.json")], True) if name.endswith(".schedule.json") else (name, False)
+        companion = name.endswith(".schedule.json")
+        plan_id = name[: -len(".schedule.json")] if companion else name
         job = jobs.get(plan_id, "plan")
         if job.status != "done":
             raise RequestError(f"plan {plan_id} is {job.status}", 409)

@@ -162,7 +162,8 @@ class Jobs:
                         self._message(job, receiver.recv())
                 except (EOFError, OSError):
                     if job.status not in FINISHED:
-                        self._finish(job, "failed", f"the worker ended without an answer (exit code {process.exitcode})")
+                        self._finish(job, "failed",
+                                     f"the worker ended without an answer (exit code {process.exitcode})")
                     break
                 if loop.time() > deadline:
                     self._finish(job, "timed_out", f"ran past its limit of {job.seconds:g} s and was stopped")

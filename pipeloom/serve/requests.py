@@ -144,7 +144,8 @@ def compare(document: dict, config: ServeConfig) -> dict:
     where = "compare"
     check_keys(document, {"names"} | _SHAPE_KEYS | _COST_KEYS, where=where, error=RequestError)
     names = document.get("names")
-    if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names) or len(set(names)) < len(names):
+    if (not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names)
+            or len(set(names)) < len(names)):
         raise RequestError(f"{where}.names: expected a list of distinct schedule names, got {names!r:.80}")
     outcomes = []
     for name in names:
@@ -257,7 +258,8 @@ def plan_request(document: dict, config: ServeConfig) -> dict:
         raise RequestError(f"{where}.sharding: expected 'replicate' or 'fsdp', got {sharding!r:.40}")
     search = number(document, "search", where=where, error=RequestError, default=0.0)
     if search > config.max_search_seconds:
-        raise RequestError(f"{where}.search {search:g} s is above this server's limit of {config.max_search_seconds:g} s")
+        raise RequestError(f"{where}.search {search:g} s is above this server's limit of "
+                           f"{config.max_search_seconds:g} s")
     return {"costs": texts, "ranks": integer(document, "ranks", where=where, error=RequestError),
             "global_batch": integer(document, "global_batch", where=where, error=RequestError),
             "memory_limit": limit, "data_parallel": _counts(document, "data_parallel", where),

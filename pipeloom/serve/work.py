@@ -80,7 +80,8 @@ def _plan(request: dict, job_id: str) -> dict:
     plan = result.plan
     title = (f"{plan.schedule}: p={plan.num_ranks}, m={plan.microbatches} x {plan.microbatch_size}, "
              f"predicted {plan.predicted_step_time:.4g} s")
-    return {"plan": plan_text, "schedule_file": schedule_text, "seconds": result.seconds, "tried": len(result.candidates),
+    return {"plan": plan_text, "schedule_file": schedule_text, "seconds": result.seconds,
+            "tried": len(result.candidates),
             "candidates": [_candidate(c) for c in result.candidates[:10]],
             "view": timeline_data(result.timeline, units=PLAN_UNITS, title=title), "files": _files(result.schedule)}
 

@@ -164,8 +164,8 @@ def test_the_search_can_beat_a_built_in_and_its_schedule_is_saved(tmp_path):
     from pipeloom import load_schedule
 
     costs = [1, 3, 1, 2, 1, 1, 4, 1]
-    table = CostTable(pieces=tuple(Piece(name=f"b{k}", f=c, i=c, w=0.5, activation_bytes=1) for k, c in enumerate(costs)),
-                      microbatch_size=1, link=Link(latency=0.5))
+    pieces = tuple(Piece(name=f"b{k}", f=c, i=c, w=0.5, activation_bytes=1) for k, c in enumerate(costs))
+    table = CostTable(pieces=pieces, microbatch_size=1, link=Link(latency=0.5))
     plain = plan_pipeline(table, num_ranks=4, global_batch=8, schedules=["zb-h1"], microbatches=[8])
     searched = plan_pipeline(table, num_ranks=4, global_batch=8, schedules=["zb-h1"], microbatches=[8],
                              search_time=3.0)

@@ -31,7 +31,8 @@ def brute_force(problem: Problem, num_mb: int, limit: float | None) -> float | N
         for r in range(problem.num_ranks)
     ]
     best = None
-    for lists in product(*(list(filter(_keeps_rank_deps(problem, r), permutations(a))) for r, a in enumerate(per_rank))):
+    orders = [list(filter(_keeps_rank_deps(problem, r), permutations(a))) for r, a in enumerate(per_rank)]
+    for lists in product(*orders):
         schedule = Schedule(name="brute", problem=problem, num_microbatches=num_mb, ranks=lists)
         try:
             timeline = simulate(schedule)

@@ -41,19 +41,23 @@ def test_playground(browser, server, costs_file, capsys, tmp_path):
     field.send_keys("12")
     wait(browser, "return window.pipeloomPlayground.updates >= 2")
     expected = simulate(build_schedule("1f1b", 4, 12)).makespan
-    wait(browser, f"return document.querySelector('#view .pl-summary').textContent.indexOf('makespan {expected:,g}') >= 0")
+    wait(browser, "return document.querySelector('#view .pl-summary').textContent"
+                  f".indexOf('makespan {expected:,g}') >= 0")
     assert len(browser.find_elements(By.CSS_SELECTOR, "#compare-table tr")) >= 4
     # hover: the tooltip names the action, its times and the memory after it
     view = browser.find_element(By.CSS_SELECTOR, "#view .pl-timeline")
     from selenium.webdriver.common.action_chains import ActionChains
 
-    ActionChains(browser).move_to_element_with_offset(view, -view.size["width"] // 2 + 62, -view.size["height"] // 2 + 10).perform()
-    tip = wait(browser, "var t = document.querySelector('#view .pl-tip'); return t.style.display == 'block' && t.textContent")
+    left, top = -view.size["width"] // 2 + 62, -view.size["height"] // 2 + 10
+    ActionChains(browser).move_to_element_with_offset(view, left, top).perform()
+    tip = wait(browser, "var t = document.querySelector('#view .pl-tip'); "
+                        "return t.style.display == 'block' && t.textContent")
     assert "0F0 on rank 0" in tip and "start 0" in tip and "memory after 1" in tip
     # zoom with the wheel: the range narrows
     browser.execute_script("arguments[0].dispatchEvent(new WheelEvent('wheel', {deltaY: -100, clientX: 300, "
                            "clientY: 20, bubbles: true, cancelable: true}))", view)
-    low, high = map(float, wait(browser, "return document.querySelector('#view .pl-view').getAttribute('data-range')").split(","))
+    shown = wait(browser, "return document.querySelector('#view .pl-view').getAttribute('data-range')")
+    low, high = map(float, shown.split(","))
     assert high - low < expected
     shot = README_SCREENSHOT if os.environ.get("PIPELOOM_SCREENSHOT") == "1" else tmp_path / "playground.png"
     assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 0

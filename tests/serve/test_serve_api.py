@@ -47,11 +47,14 @@ def finished_search(server: str, document: dict, seconds: float = 30) -> dict:
     ("/api/simulate", None, b"{not json", 400, "malformed JSON"),
     ("/api/simulate", None, b"[1, 2]", 400, "must be a JSON object"),
     ("/api/simulate", {"schedule": "nope", "ranks": 2, "microbatches": 2}, None, 404, "unknown schedule 'nope'"),
-    ("/api/simulate", {"schedule": "1f1b", "ranks": 2, "microbatches": 2, "gpus": 1}, None, 400, "unknown key(s) ['gpus']"),
-    ("/api/simulate", {"schedule": "1f1b", "ranks": 0, "microbatches": 2}, None, 400, "ranks: expected an integer >= 1"),
+    ("/api/simulate", {"schedule": "1f1b", "ranks": 2, "microbatches": 2, "gpus": 1}, None, 400,
+     "unknown key(s) ['gpus']"),
+    ("/api/simulate", {"schedule": "1f1b", "ranks": 0, "microbatches": 2}, None, 400,
+     "ranks: expected an integer >= 1"),
     ("/api/simulate", {"schedule": "1f1b", "ranks": 64, "microbatches": 4096}, None, 413, "above this server's limit"),
     ("/api/simulate", {"schedule": {"format": "other"}}, None, 422, "format"),
-    ("/api/searches", {"placement": "linear", "ranks": 2, "microbatches": 2, "time_limit": 1e6}, None, 400, "time_limit"),
+    ("/api/searches", {"placement": "linear", "ranks": 2, "microbatches": 2, "time_limit": 1e6}, None, 400,
+     "time_limit"),
     ("/api/plans", {"costs": {"format": "pipeloom.costs/1", "microbatch_size": 1, "pieces": [], "gpu": 1}, "ranks": 2,
                     "global_batch": 4}, None, 400, "unknown key(s) ['gpu']"),
     ("/api/nothing", None, None, 404, "Not Found"),
@@ -88,7 +91,8 @@ def test_an_oversized_body_gets_413_before_it_is_read(server, declared):
             pass
     answer = connection.getresponse()
     assert answer.status == 413
-    assert json.loads(answer.read()) == {"error": "the request body is larger than this server's limit of 1,048,576 bytes"}
+    limit = "the request body is larger than this server's limit of 1,048,576 bytes"
+    assert json.loads(answer.read()) == {"error": limit}
     connection.close()
 
 
@@ -103,7 +107,8 @@ def test_downloads_are_the_projects_formats(server):
 
 
 def test_a_cancelled_search_frees_its_worker(server):
-    document = {"placement": "nnshape", "ranks": 8, "microbatches": 48, "time_limit": 60}  # its bound is not met: runs its time
+    # its bound is not met: it runs its whole time
+    document = {"placement": "nnshape", "ranks": 8, "microbatches": 48, "time_limit": 60}
     started = [call(f"{server}/api/searches", document)[1] for _ in range(3)]  # the server's 3 workers
     time.sleep(1.0)
     for job in started:

@@ -57,7 +57,8 @@ def test_notebook_views_of_schedules_and_timelines():
     assert "cannot simulate" in notebook_html(stuck)
 
 
-@pytest.mark.parametrize("argv", [["show", "zbv", "-p", "4", "-m", "8"], ["compare", "1f1b", "zbv", "-p", "4", "-m", "8"]])
+@pytest.mark.parametrize("argv", [["show", "zbv", "-p", "4", "-m", "8"],
+                                  ["compare", "1f1b", "zbv", "-p", "4", "-m", "8"]])
 def test_cli_writes_html(tmp_path, capsys, argv):
     out = tmp_path / "view.html"
     assert main([*argv, "-o", str(out)]) == 0, capsys.readouterr().err
