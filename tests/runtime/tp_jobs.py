@@ -5,8 +5,6 @@ One spawn of the ranks per mesh shape (importable by the child processes)."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -20,11 +18,9 @@ PRELOAD = ["torch", "torch.distributed.tensor.parallel", "torch.distributed.chec
 
 def run_preloaded(world: int, fn, *args, timeout: float) -> dict[int, tuple[str, object]]:
     """``ranks.run_ranks`` with the ranks forked from a fork server that has imported ``PRELOAD``."""
-    from ranks import run_ranks
+    from ranks import preloaded_context, run_ranks
 
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
-    return run_ranks(world, fn, *args, timeout=timeout, context=ctx)
+    return run_ranks(world, fn, *args, timeout=timeout, context=preloaded_context(PRELOAD))
 
 
 CLASSES = 5
