@@ -131,6 +131,15 @@ def add_profile_parser(commands: argparse._SubParsersAction) -> None:
     profile.add_argument("--microbatches", type=count, default=4, metavar="M",
                          help="--in-engine: micro-batches per profiling step (default 4; the inputs hold "
                               "--batch x M samples)")
+    profile.add_argument("--tp", type=count, default=1, metavar="N",
+                         help="--in-engine: also profile the stages tensor-parallel on a (ranks/N, N) (\"pp\", \"tp\") "
+                              "mesh, their collectives counted and timed, into the table's tensor field (needs "
+                              "--tp-plan and --heads; default 1: no tensor parallelism)")
+    profile.add_argument("--tp-plan", metavar="NAME",
+                         help="--tp: a function NAME(model) in FILE returning torch's parallelize_module plan "
+                              "({module name or pattern: ParallelStyle})")
+    profile.add_argument("--heads", type=count, metavar="H",
+                         help="--tp: attention heads per layer (the tensor-parallel sizes the planner tries divide it)")
     profile.add_argument("--save", type=path_with(".json"), help="write the cost table (pipeloom.costs/2)")
     profile.add_argument("--json", action="store_true", help="print the cost table's JSON instead of a table")
     profile.set_defaults(handler=cmd_profile)
@@ -324,6 +333,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.tp > 1 and not args.in_engine:
+        raise UsageError("--tp profiles tensor-parallel stages inside the runtime; add --in-engine (under torchrun)")
     module, function = load_function(args.target)
     if args.in_engine:
         return _profile_in_engine(args, module, function)
@@ -414,7 +425,7 @@ def _profile_in_engine(args: argparse.Namespace, module, function) -> int:
         table = profile_in_engine(model, inputs, loss_fn=loss, target=target, microbatches=args.microbatches,
                                   pieces=_pieces(args), warmup_steps=args.warmup, steps=args.repeats,
                                   bandwidth=args.bandwidth, tracer=args.tracer,
-                                  leaf_modules=_names(args.leaf_modules))
+                                  leaf_modules=_names(args.leaf_modules), **_tensor_parallel(args, module, model))
         table = dataclasses.replace(table, optimizer_factor=args.optimizer_factor)
         if dist.get_rank() != 0 and getattr(args, "outputs", None) is not None:
             args.outputs.discard()  # rank 0 writes the files; an empty one from here must not replace them
@@ -428,8 +439,59 @@ def _profile_in_engine(args: argparse.Namespace, module, function) -> int:
                 f"{table.message_cost * 1e6:.0f} us, time spread "
                 f"{table.time_spread:.2f}, start skew {table.start_skew * 1e3:.2f} ms, replica exchange {exchange}",
                 markup=False, soft_wrap=True)
+            if table.tensor is not None:
+                _print_tensor(table, Console(stderr=args.json, highlight=False))
         dist.barrier()
     finally:
         if created:
             dist.destroy_process_group()
     return 0
+
+
+def _tensor_parallel(args: argparse.Namespace, module, model) -> dict:
+    """``profile_in_engine``'s mesh, tp_plan and heads for ``--tp N`` (none for 1): a ``("pp", "tp")`` mesh
+    of every rank and the plan FILE's ``--tp-plan`` function returns for ``model``."""
+    if args.tp == 1:
+        if args.tp_plan is not None or args.heads is not None:
+            raise UsageError("--tp-plan and --heads go with --tp N (N >= 2), the tensor-parallel size to profile")
+        return {}
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    if world % args.tp or world == args.tp:
+        raise UsageError(f"--tp {args.tp} must divide the {world} ranks and leave at least 2 pipeline ranks "
+                         f"(the tp-1 profile needs one piece per rank either way)")
+    if args.tp_plan is None or args.heads is None:
+        raise UsageError("--tp needs --tp-plan NAME (a function NAME(model) in FILE returning torch's "
+                         "parallelize_module plan) and --heads H")
+    make = getattr(module, args.tp_plan, None)
+    if not callable(make):
+        raise UsageError(f"--tp-plan {args.tp_plan!r}: {args.target.rpartition(':')[0]} defines no such function")
+    with user_code(args.target.rpartition(":")[0], f"calling {args.tp_plan}(model)"):
+        plan = make(model)
+    if not isinstance(plan, dict) or not plan:
+        raise UsageError(f"--tp-plan {args.tp_plan!r} returned {type(plan).__name__}; return torch's "
+                         "parallelize_module plan, a dict {module name or pattern: ParallelStyle}")
+    mesh = init_device_mesh("cpu", (world // args.tp, args.tp), mesh_dim_names=("pp", "tp"))
+    return {"mesh": mesh, "tp_plan": plan, "heads": args.heads}
+
+
+def _print_tensor(table, console: Console) -> None:
+    """What the tensor-parallel profile measured: per size, the layer pieces' times and collectives; the fit."""
+    info = table.tensor
+    for profile in info.profiles:
+        layers = [p for p in profile.pieces if p.name in info.layers]
+        counted = sorted({f"{c.kind} {c.phase}" for p in layers for c in p.collectives})
+        per_layer = {text: sum(f"{c.kind} {c.phase}" == text for c in layers[0].collectives) for text in counted} \
+            if layers else {}
+        console.print(f"tensor parallel (tp {profile.size}, measured): layers {', '.join(info.layers)}; per layer "
+                      f"and micro-batch {', '.join(f'{n} {t}' for t, n in per_layer.items()) or 'no collective'}; "
+                      f"F+B of the layers {sum(p.f + (p.full_backward or p.i + p.w) for p in layers) * 1e3:.2f} ms "
+                      f"(tp 1: {sum(p.f + p.full_backward for p in table.pieces if p.name in info.layers) * 1e3:.2f} "
+                      f"ms)", markup=False, soft_wrap=True)
+    for kind, overhead in info.fit.overhead.items():
+        bandwidth = info.fit.bandwidth.get(kind)
+        console.print(f"fitted {kind}: {overhead * 1e6:.0f} us per collective, "
+                      f"{'unlimited' if bandwidth is None else f'{bandwidth / 1e6:.1f} MB/s'}",
+                      markup=False, soft_wrap=True)

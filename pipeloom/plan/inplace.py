@@ -8,15 +8,23 @@ cuts the model at every piece, gives each rank a run of consecutive pieces, runs
 takes each piece's median traced F, B, I and W. Bytes still come from ``profile_model``. A third,
 two-replica pipeline (as Chimera and DualPipe run) measures what their gradient exchange costs.
 
+On a ``("pp", "tp")`` mesh with a tensor-parallel plan it does that over every rank (the table's tp-1 times),
+then runs the same two pipelines over ``"pp"`` with each stage sharded by the plan over ``"tp"`` (torch's
+``parallelize_module``, as ``pipeline(mesh=..., tp_plan=...)`` runs it), counts every piece's collectives
+in one step, times them on the ``"tp"`` group, and writes what it measured into the table's ``tensor`` field
+(:class:`~pipeloom.plan.tensor.TensorProfile` and the fitted :class:`~pipeloom.plan.tensor.CollectiveFit`).
+
 Every rank must call it (a collective on the process group); every rank gets the same table.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from itertools import pairwise
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -29,14 +37,26 @@ from pipeloom.plan.plan import PlanError
 from pipeloom.plan.profile import _default_pieces, _traced, profile_model
 from pipeloom.plan.search import exchange_time
 from pipeloom.plan.shared import shared_across_stages, shared_sync_time
+from pipeloom.plan.tensor import (
+    Collective,
+    MeasuredPiece,
+    TensorInfo,
+    TensorProfile,
+    fit_collectives,
+    fit_overhead,
+)
 from pipeloom.problem import Costs, stage_graph
-from pipeloom.runtime import pipeline, split_model
+from pipeloom.runtime import PipelineEngine, pipeline, split_model
 from pipeloom.schedules.common import chain_problem
 from pipeloom.trace.analysis import comm_latency_estimate, message_cost, step_times, task_durations
 from pipeloom.trace.format import RunTrace
 from pipeloom.trace.reader import run_trace_from_documents
 
-__all__ = ["EngineProfiler", "profile_in_engine", "profiling_schedule"]
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["EngineProfiler", "profile_in_engine", "profile_tensor_parallel", "profiling_schedule"]
 
 _NS = 1e-9
 
@@ -88,14 +108,14 @@ def profiling_schedule(num_pieces: int, num_ranks: int, num_microbatches: int, *
                                                          for k in range(num_pieces - 1)]
     problem = stage_graph([Costs().stage(r) for r in stage_rank], num_ranks=num_ranks, edges=edges,
                           backward="split" if split_backward else "full")
-    ranks = []
+    rows: list[tuple[Action, ...]] = []
     for r in range(num_ranks):
         first = [k for k in range(num_pieces) if stage_rank[k] == r]
         second = [num_pieces + k for k in range(num_pieces) if stage_rank[num_pieces + k] == r]
         if second[0] - num_pieces < first[0]:  # nearer the start of the second replica's chain
             first, second = second, first
-        ranks.append(tuple(forwards(first) + forwards(second) + backwards(second) + backwards(first)))
-    return Schedule(name=f"{name}-2", problem=problem, num_microbatches=num_microbatches, ranks=tuple(ranks))
+        rows.append(tuple(forwards(first) + forwards(second) + backwards(second) + backwards(first)))
+    return Schedule(name=f"{name}-2", problem=problem, num_microbatches=num_microbatches, ranks=tuple(rows))
 
 
 class EngineProfiler:
@@ -106,17 +126,31 @@ class EngineProfiler:
     turns the steps recorded so far into a cost table. Stepping it between the steps of a training
     run measures both under the same conditions (on a shared machine whose speed drifts, that is
     the fair comparison).
+
+    ``mesh`` (dimensions ``"pp"`` and ``"tp"``) with ``tp_plan`` (torch's ``parallelize_module`` plan): the
+    pipelines run over ``"pp"`` on a copy of the model each, their stages sharded by the plan over ``"tp"``
+    (no two-replica pipeline: the runtime refuses those with a plan); :meth:`count` counts each piece's
+    collectives. Its table holds one tp rank's times (that of the pipelines global rank 0 is in).
     """
 
     def __init__(self, model: nn.Module, inputs: torch.Tensor | tuple, *,
                  loss_fn: Callable[[object, object], torch.Tensor], target: object, microbatches: int,
-                 pieces: Sequence[str] | None = None, process_group: object = None,
+                 pieces: Sequence[str] | None = None, process_group: ProcessGroup | None = None,
                  base: CostTable | None = None, exchange: bool = True, tracer: str = "auto",
-                 leaf_modules: Sequence[str] = ()) -> None:
+                 leaf_modules: Sequence[str] = (), mesh: DeviceMesh | None = None,
+                 tp_plan: Mapping[str, object] | None = None) -> None:
         if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
             raise PlanError(f"microbatches must be a positive integer, got {microbatches!r}")
+        if (mesh is None) != (tp_plan is None):
+            raise PlanError("profiling tensor-parallel stages needs both mesh= (with \"pp\" and \"tp\") and "
+                            "tp_plan= (torch's parallelize_module plan); give both or neither")
         self.model, self.inputs, self.target = model, inputs, target
-        self.group = process_group if process_group is not None else dist.group.WORLD
+        self.tensor_parallel = mesh is not None
+        world_group = dist.group.WORLD
+        assert world_group is not None, "profiling in the engine needs an initialised process group"
+        self.group: ProcessGroup = (_mesh_group(mesh, "pp") if mesh is not None
+                                    else process_group if process_group is not None else world_group)
+        self.everyone: ProcessGroup = world_group if self.tensor_parallel else self.group  # who steps together
         self.world = dist.get_world_size(self.group)
         args = inputs if isinstance(inputs, tuple) else (inputs,)
         first = tuple(t.chunk(microbatches)[0] if isinstance(t, torch.Tensor) else t for t in args)
@@ -132,17 +166,27 @@ class EngineProfiler:
         self.base = base
         self.microbatches = microbatches
         self.rank_of = [k * self.world // len(self.names) for k in range(len(self.names))]  # profiling_schedule's
-        self.engines = [
-            pipeline(model, schedule=profiling_schedule(len(self.names), self.world, microbatches,
-                                                        split_backward=split),
-                     stages=self._cut(self.names[1:]), loss_fn=loss_fn, process_group=process_group,
-                     trace=True)
-            for split in (False, True)
-        ]
-        self.exchange = self._exchange_pipeline(loss_fn, microbatches, process_group) if exchange else None
+        self.engines = [self._pipeline(split, loss_fn, process_group, mesh, tp_plan, tracer, first)
+                        for split in (False, True)]
+        self.exchange = (self._exchange_pipeline(loss_fn, microbatches, process_group)
+                         if exchange and not self.tensor_parallel else None)
         self.steps = 0
+        self.counted_steps: list[int] = []
 
-    def _exchange_pipeline(self, loss_fn: Callable, microbatches: int, process_group: object):
+    def _pipeline(self, split: bool, loss_fn: Callable, process_group: ProcessGroup | None, mesh: DeviceMesh | None,
+                  tp_plan: Mapping[str, object] | None, tracer: str, first: tuple) -> PipelineEngine:
+        """One profiling pipeline: the one trace cut at every piece, or (tensor parallel) a copy of the model
+        cut by ``pipeline`` itself, whose stages the plan shards (the copy keeps the user's model whole)."""
+        schedule = profiling_schedule(len(self.names), self.world, self.microbatches, split_backward=split)
+        if tp_plan is None:
+            return pipeline(self.model, schedule=schedule, stages=self._cut(self.names[1:]), loss_fn=loss_fn,
+                            process_group=process_group, trace=True)
+        return pipeline(copy.deepcopy(self.model), schedule=schedule, split_points=self.names[1:], loss_fn=loss_fn,
+                        mesh=mesh, tp_plan=dict(tp_plan), trace=True, tracer=tracer,
+                        leaf_modules=self.leaf_modules, example_inputs=first)
+
+    def _exchange_pipeline(self, loss_fn: Callable, microbatches: int,
+                           process_group: ProcessGroup | None) -> PipelineEngine | None:
         """The two-replica pipeline whose replica-gradient exchange :meth:`table` prices, or None
         where there is none to run (an odd number of ranks, as two-replica schedules need an even one,
         or of micro-batches; or a parameter shared by pieces on two ranks, which the runtime combines with
@@ -170,10 +214,45 @@ class EngineProfiler:
         """One traced step of each profiling pipeline (every rank calls it)."""
         for engine in self._all_engines:
             self._clear()
-            dist.barrier(self.group)
+            dist.barrier(self.everyone)
             engine.step(self.inputs, target=self.target)
         self._clear()
         self.steps += 1
+
+    def count(self) -> dict[str, tuple[Collective, ...]]:
+        """One step of each pipeline with every collective counted (:class:`CollectiveCounter`; a step
+        :meth:`table` leaves out, as counting slows every operation) and put down to the traced action it began
+        in: per piece, the collectives of one micro-batch (F, I and W from the split pipeline; the full one's B
+        must hold the same as I and W together). The same on every rank of a pipeline."""
+        from pipeloom.plan.collectives import CollectiveCounter, by_interval
+
+        found: dict[object, list[tuple[str, int]]] = {}
+        me = dist.get_rank(self.group)
+        for engine in self.engines:
+            self._clear()
+            dist.barrier(self.everyone)
+            with CollectiveCounter() as counter:
+                engine.step(self.inputs, target=self.target)
+            events = engine.trace_document()["steps"][-1]["events"]
+            compute = [e for e in events if e["kind"] == "compute"]
+            actions = [a for a in engine.schedule.ranks[me] if isinstance(a, Action)]  # the profiling schedule's
+            if len(compute) != len(actions):
+                raise PlanError(f"rank {me}: the counting step traced {len(compute)} actions for the "
+                                f"{len(actions)} it ran; profile again")
+            grouped = by_interval(counter, [((a.stage, a.kind, a.microbatch), e["start_ns"], e["end_ns"])
+                                            for a, e in zip(actions, compute)])
+            outside = grouped.pop(None)
+            if outside:
+                raise PlanError(f"rank {me}: {len(outside)} collective(s) ran outside every action of the counting "
+                                f"step ({sorted(set(outside))[:3]}); a piece's collectives cannot be told apart")
+            found.update(grouped)
+        self._clear()
+        self.counted_steps.append(self.steps)
+        self.steps += 1
+        everyone: list[dict | None] = [None] * self.world
+        dist.all_gather_object(everyone, found, group=self.group)
+        merged = {key: records for part in everyone if part for key, records in part.items()}
+        return {name: _piece_collectives(name, k, merged, self.microbatches) for k, name in enumerate(self.names)}
 
     def table(self, *, skip: int = 0, action_cost: float | None = None, bandwidth: float | None = None,
               action_overhead: float | None = None) -> CostTable:
@@ -202,7 +281,9 @@ class EngineProfiler:
         if self.steps <= skip:
             raise PlanError(f"{self.steps} profiling step(s) recorded, {skip} to skip; run step() more often")
         runs = [self._run(engine) for engine in self.engines]
-        steps = list(range(skip, self.steps))
+        steps = [step for step in range(skip, self.steps) if step not in self.counted_steps]
+        if not steps:
+            raise PlanError(f"no timed profiling step after the {skip} skipped and the counting one; run step() more")
         durations = [task_durations(run, steps=steps, messages=False) for run in runs]
         latencies, outside = zip(*(_fit_run(run, steps) for run in runs))
 
@@ -229,7 +310,7 @@ class EngineProfiler:
             _, exchange_outside = _fit_run(exchange, steps)
             exchanged = max(0.0, exchange_outside - statistics.fmean(outside))  # beyond the one-replica step cost
             params = [sum(p.param_bytes for p in self.base.pieces[a:b]) for a, b in pairwise(self.exchange_bounds)]
-            latency = _exchange_latency(exchanged, params, self.exchange.schedule, bandwidth)
+            latency = _exchange_latency(exchanged, params, exchange.schedule, bandwidth)
             replica_link = Link(latency=latency, bandwidth=bandwidth)
         link = Link(latency=statistics.fmean(latencies), bandwidth=bandwidth)
         # the shared-parameter exchange after the step is priced apart (pipeloom.plan.shared): take it off
@@ -242,7 +323,7 @@ class EngineProfiler:
             self.base, pieces=pieces, source="profile", link=link, runtime=runtime,
             device=f"{where} (in the engine, {self.world} ranks, {torch.get_num_threads()} thread(s) each)")
 
-    def _run(self, engine: object) -> RunTrace:
+    def _run(self, engine: PipelineEngine) -> RunTrace:
         """The engine's recorded steps on every rank, as one checked :class:`RunTrace`."""
         documents: list[dict | None] = [None] * self.world
         dist.all_gather_object(documents, engine.trace_document(), group=self.group)
@@ -251,6 +332,39 @@ class EngineProfiler:
     def _clear(self) -> None:
         for param in self.model.parameters():
             param.grad = None
+        if self.tensor_parallel:  # the pipelines' own copies of the model
+            for engine in self.engines:
+                for param in engine.parameters():
+                    param.grad = None
+
+
+def _mesh_group(mesh: DeviceMesh, name: str) -> ProcessGroup:
+    """The process group of ``mesh``'s dimension ``name``; PlanError naming the mesh's dimensions otherwise."""
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    if name not in names:
+        raise PlanError(f"the mesh has dimensions {names}; profiling tensor-parallel stages needs \"pp\" and "
+                        "\"tp\", e.g. init_device_mesh('cpu', (2, 2), mesh_dim_names=('pp', 'tp'))")
+    return mesh.get_group(name)
+
+
+def _piece_collectives(name: str, stage: int, found: Mapping[object, list[tuple[str, int]]],
+                       microbatches: int) -> tuple[Collective, ...]:
+    """Piece ``stage``'s collectives of one micro-batch from the counted actions ``found`` ((stage, kind,
+    micro-batch) -> (kind, bytes) records): F, I and W of micro-batch 0, checked equal for every micro-batch,
+    and the full backward's B equal to I and W together."""
+    def records(kind: str, m: int) -> list[tuple[str, int]]:
+        return sorted(found.get((stage, kind, m), []))
+
+    for m in range(1, microbatches):
+        for kind in ("F", "B", "I", "W"):
+            if records(kind, m) != records(kind, 0):
+                raise PlanError(f"piece {name!r} ran other collectives in micro-batch {m}'s {kind} "
+                                f"({records(kind, m)}) than in micro-batch 0's ({records(kind, 0)})")
+    if records("B", 0) != sorted(records("I", 0) + records("W", 0)):
+        raise PlanError(f"piece {name!r}: its full backward ran {records('B', 0)}, its I and W together "
+                        f"{sorted(records('I', 0) + records('W', 0))}")
+    return tuple(Collective(kind=kind, phase=phase, bytes=float(nbytes))
+                 for phase in ("F", "I", "W") for kind, nbytes in records(phase, 0))
 
 
 def _fit_run(run: RunTrace, steps: list[int]) -> tuple[float, float]:
@@ -358,7 +472,7 @@ def profile_in_engine(
     target: object,
     microbatches: int,
     pieces: Sequence[str] | None = None,
-    process_group: object = None,
+    process_group: ProcessGroup | None = None,
     warmup_steps: int = 2,
     steps: int = 4,
     action_cost: float | None = None,
@@ -367,6 +481,9 @@ def profile_in_engine(
     exchange: bool = True,
     tracer: str = "auto",
     leaf_modules: Sequence[str] = (),
+    mesh: DeviceMesh | None = None,
+    tp_plan: Mapping[str, object] | None = None,
+    heads: int | None = None,
 ) -> CostTable:
     """The cost table of ``model`` with piece times measured inside the runtime (see the module text).
 
@@ -384,13 +501,120 @@ def profile_in_engine(
     two-replica profiling pipeline and fits the table's ``runtime.replica_link`` from its gradient exchange.
     The model is traced once, as ``pipeline`` traces it (``tracer``, ``leaf_modules``; torch.export on
     one micro-batch of ``inputs`` where torch.fx cannot), and every pipeline cuts that trace.
+
+    ``mesh`` (a ``DeviceMesh`` with dimensions ``"pp"`` and ``"tp"``, every rank of the default group) with
+    ``tp_plan`` (torch's ``parallelize_module`` plan, the model's module names) and ``heads`` (attention heads
+    per layer): the above over every rank gives the tp-1 table, then :func:`profile_tensor_parallel` measures
+    the stages sharded over ``"tp"`` and fills the table's ``tensor`` field.
     Every rank calls this and gets the same table; the model's gradients are cleared.
     """
     if warmup_steps < 0 or steps < 1:
         raise PlanError(f"need warmup_steps >= 0 and steps >= 1, got {warmup_steps} and {steps}")
+    if mesh is not None or tp_plan is not None:
+        _check_tp_request(mesh, tp_plan, heads, process_group)
+        from pipeloom.runtime.tp import leaf_modules_for
+
+        assert tp_plan is not None  # _check_tp_request
+        leaf_modules = leaf_modules_for(model, tp_plan, leaf_modules)  # the same pieces with and without tp
     profiler = EngineProfiler(model, inputs, loss_fn=loss_fn, target=target, microbatches=microbatches,
                               pieces=pieces, process_group=process_group, base=base, exchange=exchange,
                               tracer=tracer, leaf_modules=leaf_modules)
     for _ in range(warmup_steps + steps):
         profiler.step()
-    return profiler.table(skip=warmup_steps, action_cost=action_cost, bandwidth=bandwidth)
+    table = profiler.table(skip=warmup_steps, action_cost=action_cost, bandwidth=bandwidth)
+    if mesh is None:
+        return table
+    assert tp_plan is not None and heads is not None  # _check_tp_request
+    return profile_tensor_parallel(model, inputs, loss_fn=loss_fn, target=target, microbatches=microbatches,
+                                   base=table, mesh=mesh, tp_plan=tp_plan, heads=heads, warmup_steps=warmup_steps,
+                                   steps=steps, bandwidth=bandwidth, tracer=tracer, leaf_modules=leaf_modules)
+
+
+def _check_tp_request(mesh: DeviceMesh | None, tp_plan: object, heads: object,
+                      process_group: ProcessGroup | None) -> None:
+    """PlanError for a tensor-parallel profiling request that cannot run, naming what to give."""
+    if mesh is None or tp_plan is None:
+        raise PlanError("profiling tensor-parallel stages needs both mesh= (dimensions \"pp\" and \"tp\") and "
+                        "tp_plan= (torch's parallelize_module plan); give both or neither")
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    if sorted(names) != ["pp", "tp"]:
+        raise PlanError(f"the mesh has dimensions {names}; profile tensor-parallel stages on a mesh of exactly "
+                        "\"pp\" and \"tp\" (plan_mesh prices \"dp\" replicas from the same table)")
+    if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
+        raise PlanError(f"heads= (attention heads per layer, which the tensor-parallel size must divide) is needed "
+                        f"with a tp_plan, got {heads!r}")
+    size = mesh.size(names.index("tp"))
+    if size < 2 or heads % size:
+        raise PlanError(f"the mesh's \"tp\" size {size} must be at least 2 and divide the {heads} heads")
+    if process_group is not None:
+        raise PlanError("give mesh= or process_group=, not both: with a mesh the tp-1 pipelines run over every rank")
+
+
+def profile_tensor_parallel(model: nn.Module, inputs: torch.Tensor | tuple, *,
+                            loss_fn: Callable[[object, object], torch.Tensor], target: object, microbatches: int,
+                            base: CostTable, mesh: DeviceMesh, tp_plan: Mapping[str, object], heads: int,
+                            warmup_steps: int = 2,
+                            steps: int = 4, bandwidth: float | None = None, tracer: str = "auto",
+                            leaf_modules: Sequence[str] = ()) -> CostTable:
+    """``base`` (the tp-1 table of the same pieces) with its ``tensor`` field filled from the stages run under
+    ``tp_plan`` on ``mesh``'s ``"tp"`` dimension (:class:`EngineProfiler` with ``mesh``): ``warmup_steps``
+    untimed steps, one step with every collective counted (:meth:`EngineProfiler.count`) and ``steps`` timed
+    ones give each piece's times on a tp rank and its collectives (kind, phase, bytes), the pipelines' link
+    latency and runtime corrections (:class:`~pipeloom.plan.tensor.TensorProfile`; the per-action cost is
+    ``base``'s, so that both sizes take the same off each action). The counted sizes (and 16 times the
+    largest) are timed on the ``"tp"`` group (:func:`~pipeloom.plan.collectives.time_collectives`) and fitted
+    per kind (:func:`~pipeloom.plan.tensor.fit_collectives`), plus the engine's own cost per collective
+    (:func:`~pipeloom.plan.tensor.fit_overhead`), for the sizes not measured. The table's ``layers``, ``column``
+    and ``row`` are read from the plan: pieces holding modules that a ``ColwiseParallel`` or ``RowwiseParallel``
+    key names, and those modules' names inside them. Every rank gets global rank 0's table."""
+    from pipeloom.plan.collectives import time_collectives
+
+    size = mesh.size(tuple(mesh.mesh_dim_names or ()).index("tp"))
+    profiler = EngineProfiler(model, inputs, loss_fn=loss_fn, target=target, microbatches=microbatches,
+                              pieces=list(base.names), base=base, exchange=False, tracer=tracer,
+                              leaf_modules=leaf_modules, mesh=mesh, tp_plan=tp_plan)
+    for _ in range(warmup_steps):
+        profiler.step()
+    counted = profiler.count()
+    for _ in range(steps):
+        profiler.step()
+    timed = profiler.table(skip=warmup_steps, action_cost=base.runtime.action_overhead, bandwidth=bandwidth)
+    measured = tuple(MeasuredPiece(name=p.name, f=p.f, i=p.i, w=p.w, full_backward=p.measured_full_backward,
+                                   collectives=counted[p.name]) for p in timed.pieces)
+    runtime = timed.runtime
+    profile = TensorProfile(size=size, pieces=measured, latency=timed.link.latency,
+                            runtime={"action_overhead": runtime.action_overhead, "message_cost": runtime.message_cost,
+                                     "step_overhead": runtime.step_overhead, "time_spread": runtime.time_spread})
+    sizes = sorted({int(c.bytes) for piece in measured for c in piece.collectives})
+    samples = time_collectives(mesh.get_group("tp"), [*sizes, 16 * sizes[-1]] if sizes else [])
+    fit = fit_overhead(base, profile, fit_collectives(samples))
+    layers, column, row = _plan_layout(model, tp_plan, base.names)
+    info = TensorInfo(heads=heads, layers=layers, column=column, row=row, fit=fit, profiles=(profile,))
+    table = [dataclasses.replace(base, tensor=info)]
+    dist.broadcast_object_list(table, src=0)  # every tp coordinate measured its own pipelines: one answer
+    return table[0]
+
+
+def _plan_layout(model: nn.Module, tp_plan: Mapping[str, object], pieces: Sequence[str]
+                 ) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    """``(layers, column, row)`` of a cost table's ``tensor`` field from a plan: the pieces holding a module a
+    ``ColwiseParallel`` or ``RowwiseParallel`` key names (strictly inside the piece), and those modules'
+    names inside their piece, in the model's order."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from pipeloom.runtime.tp import resolve
+
+    layers: dict[str, None] = {}
+    column: dict[str, None] = {}
+    row: dict[str, None] = {}
+    for key, style in tp_plan.items():
+        into = column if isinstance(style, ColwiseParallel) else row if isinstance(style, RowwiseParallel) else None
+        if into is None:
+            continue
+        for name in resolve(model, key):
+            piece = max((p for p in pieces if name.startswith(p + ".")), key=len, default=None)
+            if piece is not None:
+                layers[piece] = None
+                into[name[len(piece) + 1:]] = None
+    ordered = tuple(p for p in pieces if p in layers)
+    return ordered, tuple(column), tuple(row)
