@@ -10,6 +10,7 @@ import logging
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -25,6 +26,11 @@ from pipeloom.runtime.shared import SharedParameters, check_placement, shared_pa
 from pipeloom.runtime.split import StagedModel
 from pipeloom.runtime.state import model_names
 from pipeloom.runtime.tp import apply_tp_plan, check_tp_plan, leaf_modules_for, set_group_timeout
+from pipeloom.runtime.tp_auto import AutoPlan, AutoSharding, auto_tp_plan, is_auto
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["TRACE_ENV", "pipeline"]
 
@@ -41,7 +47,7 @@ def pipeline(
     stages: StagedModel | Sequence[nn.Module] | None = None,
     loss_fn: Callable[..., torch.Tensor] | None = None,
     microbatches: int | None = None,
-    process_group: object = None,
+    process_group: ProcessGroup | None = None,
     schedule_options: dict | None = None,
     device: torch.device | str | None = None,
     trace: str | Path | bool | None = None,
@@ -51,11 +57,11 @@ def pipeline(
     leaf_modules: Sequence[str] = (),
     example_inputs: object = None,
     seed: int | None = None,
-    mesh: object = None,
+    mesh: DeviceMesh | None = None,
     state_dict: StateSource | None = None,
     init_weights: Callable[[nn.Module], object] | None = None,
     data_parallel: str | None = None,
-    tp_plan: dict | str | None = None,
+    tp_plan: dict | str | AutoPlan | None = None,
     scatter_boundaries: bool = True,
 ) -> PipelineEngine:
     """Build the engine that runs ``schedule`` over ``model`` cut into stages on this process group.
@@ -83,7 +89,9 @@ def pipeline(
     ``tp_plan``: with a ``"tp"`` mesh dimension, torch's ``parallelize_module`` plan ({module name or
     pattern: ParallelStyle}, the model's names) applied to this rank's stages before the engine captures their
     parameters; a named module a style needs whole is kept whole in the split (docs/parallelism.md);
-    ``"hf"``: a ``transformers`` model's own plan (its config's ``base_model_tp_plan`` and its head's).
+    ``"hf"``: a ``transformers`` model's own plan (its config's ``base_model_tp_plan`` and its head's);
+    ``"auto"`` or an :class:`~pipeloom.runtime.tp_auto.AutoPlan`: the plan the sharding search chooses for the
+    model's shapes (``engine.tp_sharding`` holds it with its prediction; sizes from ``example_inputs``).
     ``scatter_boundaries``: with ``"tp"``, a stage-boundary tensor equal on every tp rank crosses once per
     tp group (each sends 1/tp of it, the receivers all-gather); False sends it whole from every tp rank.
     """
@@ -96,7 +104,11 @@ def pipeline(
     _check_arguments(schedule, loss_fn, timeout, microbatches)
     layout = layout_of(process_group, mesh)
     rank, world = layout.rank, layout.world
-    tp_plan = check_tp_plan(tp_plan, layout.tp, model=model)
+    sharding = _auto_plan(model, tp_plan, mesh, layout, microbatches, example_inputs) if is_auto(tp_plan) else None
+    if sharding is not None:
+        tp_plan = sharding.plan or None  # every region replicated: nothing to apply
+    else:
+        tp_plan = check_tp_plan(tp_plan, layout.tp, model=model)
     if tp_plan is not None and model is not None and stages is None:
         leaf_modules = leaf_modules_for(model, tp_plan, leaf_modules)
     if layout.tp.group is not None:  # a TP all-reduce inside a forward ends within the engine's timeout
@@ -115,7 +127,8 @@ def pipeline(
     device = device_for(layout, device, [staged.stages[k] for k in held])
     replaced = place_pieces({k: staged.stages[k] for k in held}, device, model=model, names=names,
                             state_dict=state_dict, init_weights=init_weights)
-    shared = dataclasses.replace(shared, params=tuple(replaced.get(id(p), p) for p in shared.params))
+    shared = dataclasses.replace(shared, params=tuple(cast(nn.Parameter, replaced.get(id(p), p))
+                                                      for p in shared.params))
     if tp_plan is not None:
         _check_tp(lowering, data_parallel)
         before = _ids([staged.stages[k] for k in held])
@@ -124,17 +137,40 @@ def pipeline(
     sharded = _sharded(data_parallel, layout, lowering, shared)
     if sharded:
         shard_pieces({k: staged.stages[k] for k in held}, layout.dp.mesh)
+    assert loss_fn is not None  # _check_arguments refused None
     pieces = _rank_pieces(lowering, layout, device, staged, loss_fn,
                           shared_seed(layout.everyone, layout.everyone_size, seed), shared, sharded)
     trace = trace if trace is not None else os.environ.get(TRACE_ENV) or None
     logger.info("rank %d runs pieces %s on %s (data parallel: %s)", rank, held, device, data_parallel)
-    return PipelineEngine(staged=staged, pieces=pieces, layout=layout, trace=trace, timeout=float(timeout),
-                          names=names, scatter_boundaries=bool(scatter_boundaries))
+    engine = PipelineEngine(staged=staged, pieces=pieces, layout=layout, trace=trace, timeout=float(timeout),
+                            names=names, scatter_boundaries=bool(scatter_boundaries))
+    engine.tp_sharding = sharding
+    return engine
+
+
+def _auto_plan(model: nn.Module | None, tp_plan: object, mesh: DeviceMesh | None, layout: Layout,
+               microbatches: int | None, example_inputs: object) -> AutoSharding:
+    """``tp_plan="auto"``: the search's plan for the whole model on this mesh (the same on every rank: it reads
+    only the model's shapes and the options)."""
+    if layout.tp.mesh is None:
+        raise PipelineError("tp_plan='auto' shards over the mesh's \"tp\" dimension: pass mesh= with "
+                            "mesh_dim_names holding \"pp\" and \"tp\", e.g. init_device_mesh('cpu', (2, 2), "
+                            "mesh_dim_names=('pp', 'tp'))")
+    if model is None:
+        raise PipelineError("tp_plan='auto' reads the model's shapes: pass the model too (pipeline(model, "
+                            "stages=[...]) with stages of your own), or torch's parallelize_module plan as a dict")
+    options = tp_plan if isinstance(tp_plan, AutoPlan) else AutoPlan()
+    found = auto_tp_plan(model, mesh, microbatches=microbatches or 1, example_inputs=example_inputs,
+                         options=options)
+    logger.info("tp_plan='auto' chose %s (predicted %.3g s per step, %.3g bytes per rank)", found.result.choice,
+                found.predicted_step_time, found.predicted_memory)
+    return found
 
 
 def _from_plan(plan: str | Path, schedule: object, split_points: Sequence[str] | None,
-               options: dict | None, microbatches: int | None, *, mesh: object, process_group: object,
-               data_parallel: str | None, device: object, tp_plan: object = None) -> tuple:
+               options: dict | None, microbatches: int | None, *, mesh: DeviceMesh | None,
+               process_group: ProcessGroup | None, data_parallel: str | None, device: torch.device | str | None,
+               tp_plan: object = None) -> tuple:
     """(schedule, split points, schedule options, micro-batches, mesh, data_parallel, tp_plan) from a plan
     file, explicit ones winning; a plan with replicas or tensor parallelism gets a ``("dp", "pp", "tp")`` mesh
     over every rank (sizes of 1 left out) unless one is given (whose shape must be the plan's), and its saved
@@ -156,7 +192,8 @@ def _from_plan(plan: str | Path, schedule: object, split_points: Sequence[str] |
             mesh, data_parallel or chosen.sharding, tp_plan)
 
 
-def _plan_mesh(chosen, mesh: object, process_group: object, device: object) -> object:
+def _plan_mesh(chosen, mesh: DeviceMesh | None, process_group: ProcessGroup | None,
+               device: torch.device | str | None) -> DeviceMesh:
     """The ``("dp", "pp", "tp")`` mesh a plan with ``data_parallel`` replicas and ``tensor_parallel`` ranks
     per stage runs on ("dp" and "tp" left out where 1)."""
     import torch.distributed as dist

@@ -14,11 +14,16 @@ import datetime
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatch
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import fx, nn
 
 from pipeloom.runtime.lower import PipelineError
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["HF_STYLES", "TensorParallel", "apply_tp_plan", "captured_parameters", "changed_parameter",
            "check_tp_plan", "hf_plan", "is_dtensor", "leaf_modules_for", "local_of", "mesh_coordinates", "resolve",
@@ -43,15 +48,17 @@ def is_dtensor(value: object) -> bool:
 
 def local_of(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor this rank holds: a DTensor's local shard, else the tensor itself."""
-    return tensor.to_local() if is_dtensor(tensor) else tensor
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def with_local(like: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     """``local`` as a tensor of ``like``'s kind: a DTensor with ``like``'s mesh, placements and shape."""
-    if not is_dtensor(like):
-        return local
     from torch.distributed.tensor import DTensor
 
+    if not isinstance(like, DTensor):
+        return local
     return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False, shape=like.shape,
                               stride=like.stride())
 
@@ -63,7 +70,7 @@ def set_group_timeout(groups: Sequence[object], timeout: float) -> None:
 
     for group in groups:
         if group is not None:
-            _set_pg_timeout(datetime.timedelta(seconds=timeout), group)
+            _set_pg_timeout(datetime.timedelta(seconds=timeout), cast("ProcessGroup", group))
 
 
 # ------------------------------------------------------------------------------------- plans
@@ -71,7 +78,7 @@ def set_group_timeout(groups: Sequence[object], timeout: float) -> None:
 
 def check_tp_plan(tp_plan: object, tp: TensorParallel, *, model: nn.Module | None = None) -> dict | None:
     """The plan as a dict (None for no plan; ``"hf"``: :func:`hf_plan` of ``model``), refusing what is not
-    built yet or does not fit the mesh."""
+    built yet or does not fit the mesh. (``"auto"`` is resolved before: :mod:`pipeloom.runtime.tp_auto`.)"""
     if tp_plan is None:
         if tp.size > 1:
             raise PipelineError(f"the mesh has a \"tp\" dimension of size {tp.size} but no tp_plan= was given; pass "
@@ -84,9 +91,9 @@ def check_tp_plan(tp_plan: object, tp: TensorParallel, *, model: nn.Module | Non
                                 "stages=[...]) with stages of your own), or torch's parallelize_module plan as a dict")
         tp_plan = hf_plan(model)
     if isinstance(tp_plan, str):
-        what = {"auto": "the automatic sharding search"}
-        raise PipelineError(f"tp_plan={tp_plan!r} ({what.get(tp_plan, 'a named plan')}) is not built yet; pass "
-                            "torch's parallelize_module plan as a dict {module name or pattern: ParallelStyle}")
+        raise PipelineError(f"tp_plan={tp_plan!r} is not a plan pipeloom knows; pass 'hf' (a transformers model's "
+                            "own plan), 'auto' (the sharding search) or torch's parallelize_module plan as a dict "
+                            "{module name or pattern: ParallelStyle}")
     if not isinstance(tp_plan, Mapping) or not tp_plan:
         raise PipelineError(f"tp_plan must be a non-empty dict {{module name or pattern: ParallelStyle}} as "
                             f"torch's parallelize_module takes, got {type(tp_plan).__name__}")
@@ -137,7 +144,7 @@ def _called(stage: nn.Module) -> set[str] | None:
     return {str(node.target) for node in stage.graph.nodes if node.op == "call_module"}
 
 
-def apply_tp_plan(stages: Mapping[int, nn.Module], plan: Mapping[str, object], tp: TensorParallel) -> None:
+def apply_tp_plan(stages: Mapping[int, nn.Module], plan: Mapping[str, Any], tp: TensorParallel) -> None:
     """Apply ``plan`` with ``parallelize_module`` to each stage (``{piece: module}``) over the ``"tp"``
     sub-mesh: every key to the modules of that stage it names (the model's names, which fx stages keep).
     A key that names a module a stage holds but never calls (torch.fx inlined it, or torch.export
@@ -153,7 +160,7 @@ def apply_tp_plan(stages: Mapping[int, nn.Module], plan: Mapping[str, object], t
                         f"tp_plan key {key!r} names module {name!r}, which model piece {piece} does not call as a "
                         "module (the tracer inlined or flattened it), so its style would never run; keep it whole "
                         f"with leaf_modules=[{name!r}] and tracer='fx'")
-                parallelize_module(stage, tp.mesh, {name: style})
+                parallelize_module(stage, cast("DeviceMesh", tp.mesh), {name: style})
 
 
 def captured_parameters(modules: Mapping[int, nn.Module]) -> dict[int, tuple[tuple[str, int], ...]]:
@@ -175,9 +182,9 @@ def changed_parameter(modules: Mapping[int, nn.Module],
     return None
 
 
-def mesh_coordinates(mesh: object) -> dict[int, str]:
+def mesh_coordinates(mesh: DeviceMesh) -> dict[int, str]:
     """Every global rank of ``mesh`` -> its coordinates, e.g. ``"pp 1, tp 0"``."""
-    names = mesh.mesh_dim_names
+    names = mesh.mesh_dim_names or tuple(f"dim {k}" for k in range(mesh.ndim))
     grid = mesh.mesh
     found = {}
     for index in torch.cartesian_prod(*(torch.arange(n) for n in grid.shape)).reshape(-1, grid.dim()).tolist():

@@ -8,7 +8,15 @@ from __future__ import annotations
 import dataclasses
 
 from pipeloom.plan.recipes import recipe_styles
-from pipeloom.plan.sharding import RegionModules, ShardingProblem, search_sharding
+from pipeloom.plan.sharding import (
+    LOSS_PARALLEL_REDUCTIONS,
+    OPTIONS,
+    RegionModules,
+    ShardingProblem,
+    recipe_for,
+    region_costs,
+    search_sharding,
+)
 from pipeloom.plan.tensor import CollectiveFit
 
 MODULES = RegionModules(attention_column=("layers.*.qkv",), attention_row=("layers.*.proj",),
@@ -50,3 +58,56 @@ def test_fast_link_prefers_tensor_parallel_and_sp_keeps_one_stream_layout():
     styles = recipe_styles(result.recipe)
     assert type(styles["layers.*.qkv"]).__name__ == "ColwiseParallel"
     assert type(styles["layers.*.proj"]).__name__ == "RowwiseParallel"
+
+
+def _kinds(cost, phase: str) -> dict:
+    found: dict = {}
+    for c in cost.collectives:
+        if c.phase == phase:
+            found[c.kind] = found.get(c.kind, 0) + 1
+    return found
+
+
+def test_sequence_parallel_gathers_once_per_region_with_its_own_module():
+    """megatron-sp on attention with one fused column: once per column module without a region module; with
+    q, k, v and the attention module prepared (PrepareModuleInput), one all-gather (F) and one reduce-scatter
+    (I) for the region, not three; Megatron all-reduces each column's input gradient."""
+    three = dataclasses.replace(MODULES, attention_column=("layers.*.q", "layers.*.k", "layers.*.v"))
+    assert _kinds(region_costs(problem(layers=1, modules=three), "attention", "megatron-sp"), "F") == {
+        "all_gather": 3, "reduce_scatter": 1}
+    prepared = dataclasses.replace(three, attention_module="layers.*.attn")
+    cost = region_costs(problem(layers=1, modules=prepared), "attention", "megatron-sp")
+    assert _kinds(cost, "F") == {"all_gather": 1, "reduce_scatter": 1}
+    assert _kinds(cost, "I") == {"reduce_scatter": 1, "all_gather": 1}
+    assert _kinds(region_costs(problem(layers=1, modules=prepared), "attention", "megatron"), "I") == {"all_reduce": 3}
+    assert recipe_for({"attention": "megatron-sp", "mlp": "megatron-sp"}, prepared)["gather"] == ["layers.*.attn"]
+
+
+def test_stream_layout_of_the_embedding_and_head():
+    """With SP the vocabulary-parallel embedding reduce-scatters into the sharded stream (its gradient
+    all-gathered back) and the head all-gathers its input; the loss-parallel head keeps 1/tp of the logits and
+    runs loss_parallel's per-token all-reduces instead of gathering them."""
+    p = problem()
+    assert _kinds(region_costs(p, "embedding", "vocab", sequence_parallel=True), "F") == {"reduce_scatter": 1}
+    assert _kinds(region_costs(p, "embedding", "vocab"), "F") == {"all_reduce": 1}
+    vocab = region_costs(p, "head", "vocab", sequence_parallel=True)
+    assert _kinds(vocab, "F") == {"all_gather": 2} and _kinds(vocab, "I") == {"reduce_scatter": 1}
+    loss = region_costs(p, "head", "vocab-loss")
+    assert _kinds(loss, "F") == {"all_reduce": LOSS_PARALLEL_REDUCTIONS} and loss.memory < vocab.memory
+
+
+def test_options_the_problem_does_not_allow_are_never_chosen():
+    """Sequence parallelism needs the embedding and the head regions and the user's consent; the loss-parallel
+    head needs loss_parallel; ``candidates`` (DTensor's rules) narrow the rest."""
+    fast = problem(fit=CollectiveFit.from_link(0.0, 1e15))
+    tight = 0.3 * search_sharding(problem()).memory
+    assert search_sharding(dataclasses.replace(fast, memory_limit=tight)).choice["attention"] == "megatron-sp"
+    no_sp = search_sharding(dataclasses.replace(fast, memory_limit=tight, sequence_parallel=False))
+    assert no_sp.choice and "megatron-sp" not in no_sp.choice.values()
+    headless = dataclasses.replace(MODULES, head=None)
+    assert not problem(modules=headless).allows("attention", "megatron-sp")
+    assert not problem().allows("head", "vocab-loss") and problem(loss_parallel=True).allows("head", "vocab-loss")
+    narrowed = search_sharding(dataclasses.replace(fast, candidates={"attention": ("replicate",),
+                                                                     "mlp": OPTIONS["mlp"]}))
+    assert narrowed.choice["attention"] == "replicate" and narrowed.choice["mlp"] != "replicate"
+    assert narrowed.choice["embedding"] == narrowed.choice["head"] == "replicate"  # not offered: replicate only

@@ -154,12 +154,12 @@ def test_hf_plan_runs_llama_as_torch_and_one_device(two_rank_runs):
 
 def test_refusals_without_a_tp_mesh_or_a_plan(two_rank_runs):
     """Raised before anything moves (on a rank of a 2-rank world, without a mesh): GPT-2 has no
-    base_model_tp_plan; a tp_plan needs a mesh with "tp"; tp_plan="auto" is not built yet."""
+    base_model_tp_plan; a tp_plan needs a mesh with "tp", tp_plan="auto" too."""
     for refused in (runs["refusals"] for runs in two_rank_runs.values()):
         assert ("tp_plan='hf': GPT2LMHeadModel's config (GPT2Config) has no base_model_tp_plan"
                 in refused["gpt2"]), refused["gpt2"]
         assert "shards over the mesh's \"tp\" dimension" in refused["no mesh"], refused["no mesh"]
-        assert "tp_plan='auto' (the automatic sharding search) is not built yet" in refused["auto"], refused["auto"]
+        assert "tp_plan='auto' shards over the mesh's \"tp\" dimension" in refused["auto"], refused["auto"]
         assert ("the style 'moe_tp_experts', which pipeloom does not translate" in refused["untranslated"]
                 ), refused["untranslated"]
 
