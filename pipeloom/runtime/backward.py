@@ -13,12 +13,13 @@ order give the same bits as the single-device reference.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
+_engine_run_backward: Callable[..., tuple[torch.Tensor, ...]] | None
 try:  # torch's own entry into the C++ engine, under torch.autograd.grad/backward (torch >= 2.3)
     from torch.autograd.graph import _engine_run_backward
 except ImportError:  # pragma: no cover - older torch: the public functions do the same
@@ -32,8 +33,17 @@ def grad_node(tensor: torch.Tensor) -> Node | None:
     if tensor.grad_fn is not None:
         return tensor.grad_fn
     if tensor.requires_grad:
-        return tensor.view_as(tensor).grad_fn.next_functions[0][0]
+        view = tensor.view_as(tensor).grad_fn
+        assert view is not None  # autograd records the view (backward runs with grad mode on)
+        return view.next_functions[0][0]
     return None
+
+
+def _output_node(output: torch.Tensor) -> Node:
+    """The node receiving the gradient of an output that requires grad (as ``_differentiable`` keeps)."""
+    node = grad_node(output)
+    assert node is not None
+    return node
 
 
 def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
@@ -124,9 +134,9 @@ class PendingWeights:
             if not group.grads:  # the node never ran in I (no gradient reached it)
                 continue
             found = _run_engine(group.roots, group.grads, group.edges)
-            for param, grad in zip(group.params, found):
-                if grad is not None:
-                    accumulate_grad(param, grad)
+            for param, result in zip(group.params, found):
+                if result is not None:
+                    accumulate_grad(param, result)
         self.groups.clear()
         self.ready.clear()
 
@@ -195,7 +205,7 @@ def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
     wanted = [leaf for leaf in inputs if leaf.requires_grad]
     if not outs:
         return [None] * len(inputs), pending
-    roots = [grad_node(o) for o in outs]
+    roots = [_output_node(o) for o in outs]
     order, children = _graph(roots)
     # leaves' accumulators sit in the graph with their tensor as .variable: no lookups needed
     trainable = {id(p) for p in params if p.requires_grad}
@@ -218,7 +228,7 @@ def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
             if below:
                 hooked.append((node, below))
     free_roots = [(o, g) for o, g, n in zip(outs, gs, roots) if n not in input_path]
-    free_params = _params_below([grad_node(o) for o, _ in free_roots], children, input_path, param_of)
+    free_params = _params_below([_output_node(o) for o, _ in free_roots], children, input_path, param_of)
     uses: dict[Node, int] = {}
     for _, below in [*hooked, (None, free_params)]:
         for node in below:
@@ -240,6 +250,7 @@ def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
                                            params=[param_of[n] for n in mine],
                                            edges=[GradientEdge(n, 0) for n in mine]))
     shared_params = [param_of[n] for n in shared]
+    found: Sequence[torch.Tensor | None]
     try:
         if wanted and input_nodes or shared_params:
             found = _run_engine(outs, gs, wanted + shared_params, retain_graph=True)

@@ -9,6 +9,7 @@ import warnings
 from collections.abc import Iterable, Iterator, Mapping
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from pipeloom.runtime.lower import PipelineError
@@ -72,7 +73,7 @@ def _optimizer_state(tree: nn.Module, optimizer: torch.optim.Optimizer, *, savin
 
 
 @contextlib.contextmanager
-def _one_process(group: object) -> Iterator[None]:
+def _one_process(group: dist.ProcessGroup | None) -> Iterator[None]:
     """Without a process group DCP warns that it assumes one process, which is what is meant here."""
     with warnings.catch_warnings():
         if group is None:
@@ -81,7 +82,7 @@ def _one_process(group: object) -> Iterator[None]:
 
 
 def save_checkpoint(path: str | os.PathLike, names: ModelNames, pieces: Mapping[int, nn.Module], *,
-                    optimizer: torch.optim.Optimizer | None = None, group: object = None,
+                    optimizer: torch.optim.Optimizer | None = None, group: dist.ProcessGroup | None = None,
                     counters: dict[str, int] | None = None) -> None:
     """Save this rank's share with ``torch.distributed.checkpoint`` (every rank calls it with the same
     ``path``): ``model`` holds :func:`state_dict`, ``optim`` the optimizer's state by parameter name.
@@ -98,7 +99,7 @@ def save_checkpoint(path: str | os.PathLike, names: ModelNames, pieces: Mapping[
 
 
 def load_checkpoint(path: str | os.PathLike, names: ModelNames, pieces: Mapping[int, nn.Module], *,
-                    optimizer: torch.optim.Optimizer | None = None, group: object = None,
+                    optimizer: torch.optim.Optimizer | None = None, group: dist.ProcessGroup | None = None,
                     counters: dict[str, int] | None = None) -> dict[str, int]:
     """Load what :func:`save_checkpoint` saved into this rank's tensors and ``optimizer``; returns the
     saved ``counters`` (those named in ``counters``, whose values are the defaults when absent)."""
@@ -106,8 +107,9 @@ def load_checkpoint(path: str | os.PathLike, names: ModelNames, pieces: Mapping[
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     content: dict = {"model": state_dict(names, pieces)}
-    tree = _tree(named_parameters(names, pieces)) if optimizer is not None else None
+    tree = None
     if optimizer is not None:
+        tree = _tree(named_parameters(names, pieces))
         content["optim"] = _optimizer_state(tree, optimizer, saving=False)  # the state DCP loads into
     found = dict(counters or {})
     if counters:
@@ -118,7 +120,7 @@ def load_checkpoint(path: str | os.PathLike, names: ModelNames, pieces: Mapping[
         dcp.load(content, checkpoint_id=path, process_group=group, no_dist=group is None)
     found.update({key: int(value) for key, value in content.get("engine", {}).items()})
     load_state_dict(names, pieces, content["model"])  # DCP loads in place; this covers copies it made
-    if optimizer is not None:
+    if optimizer is not None and tree is not None:  # tree: built with the optimizer above
         set_optimizer_state_dict(tree, optimizer, content["optim"],
                                  options=StateDictOptions(flatten_optimizer_state_dict=True))
     return found

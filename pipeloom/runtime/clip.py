@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from functools import reduce
+from typing import TYPE_CHECKING, TypeGuard, cast
 
 import torch
 import torch.distributed as dist
@@ -12,6 +13,9 @@ from torch import nn
 
 from pipeloom.runtime.lower import PipelineError
 from pipeloom.runtime.state import Wait, plain_wait
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 __all__ = ["clip_grad_norm_", "is_sharded"]
 
@@ -32,7 +36,9 @@ def _norms(grads: list[torch.Tensor], norm_type: float, foreach: bool | None) ->
     if not plain:
         return norms
     groups = _group_tensors_by_device_and_dtype([[grads[i] for i in plain]], with_indices=True)
-    for (device, _), ([tensors], indices) in groups.items():
+    for (device, _), ([group], indices) in groups.items():
+        tensors = cast("list[torch.Tensor]", group)  # gradients (torch types the grouped entries optional)
+        found: Sequence[torch.Tensor]
         if (foreach is None and _has_foreach_support(tensors, device)
                 or foreach and _device_has_foreach_support(device)):
             found = torch._foreach_norm(tensors, norm_type)
@@ -46,7 +52,7 @@ def _norms(grads: list[torch.Tensor], norm_type: float, foreach: bool | None) ->
     return norms
 
 
-def is_sharded(tensor: torch.Tensor | None) -> bool:
+def is_sharded(tensor: torch.Tensor | None) -> TypeGuard[DTensor]:
     """Whether ``tensor`` is a ``DTensor`` (an FSDP-sharded parameter or gradient)."""
     from torch.distributed.tensor import DTensor
 
@@ -70,7 +76,7 @@ def _stack_order(dtypes: list[torch.dtype], device: torch.device) -> list[int]:
         return list(range(len(dtypes)))
     from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
-    placeholders = [torch.empty(0, dtype=dtype, device=device) for dtype in dtypes]
+    placeholders: list[torch.Tensor | None] = [torch.empty(0, dtype=dtype, device=device) for dtype in dtypes]
     groups = _group_tensors_by_device_and_dtype([placeholders], with_indices=True)
     return [i for _, indices in groups.values() for i in indices]
 
@@ -79,7 +85,8 @@ _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.co
 
 
 def _gathered_norms(named: list[tuple[str, nn.Parameter]], order: Sequence[str], norm_type: float,
-                    foreach: bool | None, group: object, device: torch.device, wait: Wait) -> torch.Tensor:
+                    foreach: bool | None, group: dist.ProcessGroup | None, device: torch.device,
+                    wait: Wait) -> torch.Tensor:
     """``[code; norm]`` (2 × parameters, float64) of every model parameter, each from the lowest rank
     holding it. Code 0: held by no rank, 1: no gradient, 2 + k: a gradient of dtype ``_DTYPES[k]``.
     float64 holds every norm exactly."""
@@ -111,7 +118,7 @@ def _gathered_norms(named: list[tuple[str, nn.Parameter]], order: Sequence[str],
 
 def clip_grad_norm_(named: Iterable[tuple[str, nn.Parameter]], order: Sequence[str], max_norm: float, *,
                     norm_type: float | str = 2.0, error_if_nonfinite: bool = False,
-                    foreach: bool | None = None, group: object, device: torch.device,
+                    foreach: bool | None = None, group: dist.ProcessGroup | None, device: torch.device,
                     wait: Wait = plain_wait) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` over the parameters of every rank, bitwise.
 

@@ -22,6 +22,7 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,9 @@ from pipeloom.runtime.threads import HelperThreads
 from pipeloom.runtime.tp import TensorParallel, is_dtensor, local_of
 from pipeloom.runtime.transport import Posted, Transport, transport_for
 from pipeloom.runtime.watch import FailureBoard, PeerWatch, close_connections, poll_work
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 __all__ = ["FailureScope", "LeafMeta", "Messenger", "StepMessages"]
 
@@ -55,8 +59,9 @@ class LeafMeta:
     @staticmethod
     def of(tensor: torch.Tensor) -> LeafMeta:
         if is_dtensor(tensor):
-            return LeafMeta(tuple(tensor.to_local().shape), tensor.dtype, tensor.requires_grad,
-                            tuple(tensor.placements), tuple(tensor.shape), tuple(tensor.stride()))
+            dtensor = cast("DTensor", tensor)
+            return LeafMeta(tuple(dtensor.to_local().shape), dtensor.dtype, dtensor.requires_grad,
+                            tuple(dtensor.placements), tuple(dtensor.shape), tuple(dtensor.stride()))
         return LeafMeta(tuple(tensor.shape), tensor.dtype, tensor.requires_grad)
 
     def describe(self) -> str:
@@ -89,7 +94,7 @@ class FailureScope:
     world: int  # numbers on the board: 0 .. world - 1
     of_peer: Callable[[int], int] = _same  # a peer's group rank -> its number on the board
     name: Callable[[int], str] = str  # a board number -> how messages name that rank
-    wake: tuple[object, ...] = ()  # other groups whose connections a failure also closes
+    wake: tuple[dist.ProcessGroup, ...] = ()  # other groups whose connections a failure also closes
 
 
 class Messenger:
@@ -97,9 +102,10 @@ class Messenger:
     backend's :class:`~pipeloom.runtime.transport.Transport`, waits bounded by the timeout, and the
     failures other ranks leave in the store. Each step's messages live in a :class:`StepMessages`."""
 
-    def __init__(self, *, rank: int, group: object, to_global: Callable[[int], int], device: torch.device,
-                 timeout: float, units: Sequence[Unit], pair_order: dict[tuple[int, int], tuple[int, ...]],
-                 unit_of: dict[tuple[str, int, int, int], int], store: object, run_id: str,
+    def __init__(self, *, rank: int, group: dist.ProcessGroup | None, to_global: Callable[[int], int],
+                 device: torch.device, timeout: float, units: Sequence[Unit],
+                 pair_order: dict[tuple[int, int], tuple[int, ...]],
+                 unit_of: dict[tuple[str, int, int, int], int], store: dist.Store | None, run_id: str,
                  transport: Transport | None = None, scope: FailureScope | None = None,
                  tp: TensorParallel | None = None, scatter: bool = True) -> None:
         self.rank = rank
@@ -306,8 +312,8 @@ class StepMessages:
         locals_ = [local_of(tensor.detach()).contiguous() for tensor in leaves]  # a DTensor: its local tensor
         metas = self._sending_metas(unit, leaves, locals_)
         if self.discover and (unit.kind == "F" or self.messenger.scatter):
-            # text: a pickled TreeSpec warns on load
-            structures = [pytree.treespec_dumps(one) for one in spec] if unit.kind == "F" else None
+            # text: a pickled TreeSpec warns on load; a gradient unit sends no structure (spec None)
+            structures = None if unit.kind != "F" or spec is None else [pytree.treespec_dumps(one) for one in spec]
             blob = torch.frombuffer(bytearray(pickle.dumps((structures, metas))), dtype=torch.uint8)
             size = torch.tensor([blob.numel()], dtype=torch.int64)
             self._send(size.to(device), unit)
@@ -327,7 +333,7 @@ class StepMessages:
         known = self.metas.get(unit.id)
         if known is not None and not self.discover:
             return known
-        metas = known if unit.kind == "F" else [LeafMeta.of(t) for t in leaves]
+        metas = known if unit.kind == "F" and known is not None else [LeafMeta.of(t) for t in leaves]
         if self.messenger.scatter and metas:
             try:
                 same = identical_over_tp(locals_, self.messenger.tp, self.messenger.await_work,
@@ -357,6 +363,7 @@ class StepMessages:
         self.messenger.sends_posted()
         for posted in self.sent:
             if posted.work is not None:
+                assert posted.unit is not None  # every message of the step belongs to a unit
                 self._wait(posted.work, posted.unit, "sending")
         self.sent = []
 
@@ -466,6 +473,7 @@ class StepMessages:
             post(posted, peer, tag)
         except Exception as error:  # gloo reports a dead peer from the post itself
             unit = posted.unit
+            assert unit is not None  # every message of the step belongs to a unit
             rank = unit.src if doing == "receiving" else unit.dst
             raise PipelineError(self.messenger.failure_text(rank, doing, unit,
                                                             f"{type(error).__name__}: {error}")) from error

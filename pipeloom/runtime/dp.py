@@ -14,15 +14,20 @@ device over the global batch the sum is only associated differently (docs/runtim
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from pipeloom.runtime.lower import PipelineError
+from pipeloom.runtime.state import Wait
 from pipeloom.runtime.tp import TensorParallel, local_of, mesh_coordinates, with_local
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["BUCKET_BYTES", "DataParallel", "GradientBuckets", "Layout", "layout_of"]
 
@@ -34,10 +39,10 @@ _NAMES = ("pp", "dp", "tp")
 class DataParallel:
     """This rank's place among the pipeline's replicas."""
 
-    group: object  # the "dp" process group (None when size is 1)
+    group: dist.ProcessGroup | None  # the "dp" process group (None when size is 1)
     rank: int  # this replica's index: it runs micro-batches rank·M … rank·M + M − 1
     size: int
-    mesh: object = None  # the "dp" sub-mesh (for FSDP), when the mesh has that dimension
+    mesh: DeviceMesh | None = None  # the "dp" sub-mesh (for FSDP), when the mesh has that dimension
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,9 +51,9 @@ class Layout:
 
     rank: int  # rank in the pipeline group
     world: int  # ranks of one pipeline
-    group: object  # the pipeline ("pp") group; None for a world of one
+    group: dist.ProcessGroup | None  # the pipeline ("pp") group; None for a world of one
     dp: DataParallel
-    everyone: object  # a group of every rank of the mesh (agreement on each step, the shared seed)
+    everyone: dist.ProcessGroup | None  # a group of every rank of the mesh (agreement on each step, the shared seed)
     everyone_size: int
     device_type: str | None  # the mesh's device type, when a mesh was given
     tp: TensorParallel = TensorParallel()  # the "tp" dimension (pipeloom.runtime.tp); size 1 without one
@@ -63,7 +68,7 @@ class Layout:
         return f"global rank {number} ({self.coordinates.get(number, 'outside the mesh')})"
 
 
-def layout_of(process_group: object, mesh: object) -> Layout:
+def layout_of(process_group: dist.ProcessGroup | None, mesh: DeviceMesh | None) -> Layout:
     """The groups from ``process_group`` (one pipeline) or ``mesh`` (pipelines × replicas)."""
     if mesh is None:
         rank, world, group = _world_of(process_group)
@@ -92,7 +97,8 @@ def layout_of(process_group: object, mesh: object) -> Layout:
         tp = TensorParallel(group=tp_group, rank=dist.get_rank(tp_group), size=dist.get_world_size(tp_group),
                             mesh=mesh["tp"])
         coordinates = mesh_coordinates(mesh)
-    everyone, everyone_size = group, world
+    everyone: dist.ProcessGroup | None = group
+    everyone_size = world
     if dp.size > 1 or tp.size > 1:
         if mesh.size() != dist.get_world_size():
             extra = "\"dp\"" if dp.size > 1 else "\"tp\""
@@ -103,7 +109,7 @@ def layout_of(process_group: object, mesh: object) -> Layout:
                   device_type=mesh.device_type, tp=tp, coordinates=coordinates)
 
 
-def _world_of(process_group: object) -> tuple[int, int, object]:
+def _world_of(process_group: dist.ProcessGroup | None) -> tuple[int, int, dist.ProcessGroup | None]:
     """(rank, world size, group) — a world of one when no process group exists."""
     if process_group is not None:
         return dist.get_rank(process_group), dist.get_world_size(process_group), process_group
@@ -112,14 +118,11 @@ def _world_of(process_group: object) -> tuple[int, int, object]:
     return 0, 1, None
 
 
-Wait = Callable[[object, str], None]
-
-
 @dataclass(slots=True)
 class _Bucket:
     params: list[nn.Parameter]
     flat: torch.Tensor
-    work: object
+    work: dist.Work
 
 
 @dataclass(slots=True)
@@ -159,7 +162,8 @@ class GradientBuckets:
         self.posted.update(id(p) for p in params)
         groups: dict[tuple, list[nn.Parameter]] = {}
         for p in todo:  # one bucket per dtype and device, cut at BUCKET_BYTES
-            groups.setdefault((p.grad.dtype, p.grad.device), []).append(p)
+            grad = _grad(p)
+            groups.setdefault((grad.dtype, grad.device), []).append(p)
         for members in groups.values():
             start = 0
             while start < len(members):
@@ -168,7 +172,7 @@ class GradientBuckets:
                     size += _nbytes(members[end])
                     end += 1
                 chunk = members[start:end]
-                flat = torch.cat([local_of(p.grad).reshape(-1) for p in chunk])  # a DTensor's own shard
+                flat = torch.cat([local_of(_grad(p)).reshape(-1) for p in chunk])  # a DTensor's own shard
                 work = dist.all_reduce(flat, group=self.dp.group, async_op=True)
                 self.buckets.append(_Bucket(params=chunk, flat=flat, work=work))
                 start = end
@@ -181,9 +185,10 @@ class GradientBuckets:
         for bucket in self.buckets:
             offset = 0
             for p in bucket.params:
-                local = local_of(p.grad)
+                grad = _grad(p)
+                local = local_of(grad)
                 n = local.numel()
-                p.grad = with_local(p.grad, bucket.flat[offset:offset + n].view_as(local))
+                p.grad = with_local(grad, bucket.flat[offset:offset + n].view_as(local))
                 offset += n
         for p in self._unique([p for ps in self.stage_params.values() for p in ps]):
             before = self.saved.get(id(p))
@@ -192,6 +197,12 @@ class GradientBuckets:
         self.buckets.clear()
 
 
+def _grad(p: nn.Parameter) -> torch.Tensor:
+    """The gradient of a parameter in a bucket (only parameters with one are bucketed)."""
+    assert p.grad is not None
+    return p.grad
+
+
 def _nbytes(p: nn.Parameter) -> int:
-    local = local_of(p.grad)
+    local = local_of(_grad(p))
     return local.numel() * local.element_size()

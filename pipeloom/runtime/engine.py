@@ -101,9 +101,11 @@ class PipelineEngine:
         self.trace_steps: list[dict] = []
         self.clock = ActionClock(self.device)  # action times of traced steps (CUDA events on a GPU)
         self.broken: str | None = None
+        self.tp_sharding: object = None  # tp_plan="auto": the chosen plan and prediction (tp_auto.AutoSharding)
         self._meta_cache: dict[tuple, tuple[dict, dict]] = {}
         store, run_id = None, "local"
         if layout.everyone_size > 1:
+            assert layout.everyone is not None  # several ranks have their group
             store = default_store()
             run_id = shared_run_id(layout.everyone, dist.get_rank(layout.everyone))
         self.messenger = Messenger(
@@ -150,7 +152,9 @@ class PipelineEngine:
         micro-batches along dim 0; ``target`` likewise for ``loss_fn``. Gradients accumulate into
         the local parameters' ``.grad`` as the single-device reference would.
         """
-        return self._run(inputs, target, training=True)[0]
+        loss = self._run(inputs, target, training=True)[0]
+        assert loss is not None  # a training step has a target (_inputs refuses one without)
+        return loss
 
     def eval_step(self, inputs: object, *, target: object = None) -> object:
         """Forward only, without autograd. With ``target``: the loss, on every rank. Without: the model
@@ -416,7 +420,7 @@ class PipelineEngine:
     def _pieces(self) -> dict[int, nn.Module]:
         return {self.lowering.piece_of[s]: module for s, module in self.modules.items()}
 
-    def _group_for(self, what: str) -> object:
+    def _group_for(self, what: str) -> dist.ProcessGroup | None:
         """The group for a collective helper (None with one rank); refused once the engine failed."""
         if self.broken:
             raise PipelineError(f"{what}: this engine failed earlier ({self.broken}); build a new one")
@@ -424,7 +428,7 @@ class PipelineEngine:
             raise PipelineError(f"{what}: this engine was closed (close()); call it before close()")
         return self.group if self.world_size > 1 else None
 
-    def _dcp_group(self) -> object:
+    def _dcp_group(self) -> dist.ProcessGroup | None:
         if self.messenger.closed and self.world_size > 1:
             raise PipelineError("checkpoints: this engine was closed (close()); save or load before close()")
         if self.dp.size > 1 or self.layout.tp.size > 1:  # replicas save the same keys (DCP keeps one copy of

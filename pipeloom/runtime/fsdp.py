@@ -17,18 +17,34 @@ internals (torch's own pipelining calls them the same way); a torch without them
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING, Protocol, cast
 
 from torch import nn
 
 from pipeloom.runtime.lower import PipelineError
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import FSDPModule
+
 __all__ = ["ShardedGradients", "shard_pieces", "whole_parameters"]
 
 
-def _state(module: nn.Module) -> object:
+class _FSDPState(Protocol):
+    """What is called here of FSDP2's state of a module (an internal, as torch's own pipelining calls it)."""
+
+    def _root_post_backward_final_callback(self) -> None: ...
+
+
+def _state(module: nn.Module) -> _FSDPState:
     from torch.distributed.fsdp import fully_shard
 
-    return fully_shard.state(module)
+    return fully_shard.state(module)  # type: ignore[attr-defined]  # contract() adds .state; the stubs lack it
+
+
+def _sharded(module: nn.Module) -> FSDPModule:
+    """``module`` as the FSDPModule that ``fully_shard`` made it (it swaps the module's class)."""
+    return cast("FSDPModule", module)
 
 
 def _groups(module: nn.Module) -> list:
@@ -40,14 +56,15 @@ def _groups(module: nn.Module) -> list:
     return list(groups)
 
 
-def shard_pieces(pieces: Mapping[int, nn.Module], mesh: object) -> None:
+def shard_pieces(pieces: Mapping[int, nn.Module], mesh: DeviceMesh | None) -> None:
     """``fully_shard`` every local piece over ``mesh`` (the "dp" sub-mesh), gradients summed."""
     from torch.distributed.fsdp import fully_shard
 
     for module in pieces.values():
         fully_shard(module, mesh=mesh, reshard_after_forward=False)
-        module.set_gradient_divide_factor(1.0)
-        module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+        sharded = _sharded(module)
+        sharded.set_gradient_divide_factor(1.0)
+        sharded.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
 
 
 def whole_parameters(module: nn.Module) -> list[nn.Parameter]:
@@ -64,9 +81,10 @@ class ShardedGradients:
 
     def begin(self) -> None:
         for module in self.modules.values():
-            module.set_requires_gradient_sync(False)
-            module.set_reshard_after_backward(False)
-            module.set_is_last_backward(False)
+            sharded = _sharded(module)
+            sharded.set_requires_gradient_sync(False)
+            sharded.set_reshard_after_backward(False)
+            sharded.set_is_last_backward(False)
 
     def stage_done(self, stage: int) -> None:
         """The stage's last gradient action ran: reduce-scatter its gradients into the shards."""
@@ -74,9 +92,10 @@ class ShardedGradients:
             return
         self.done.add(stage)
         module = self.modules[stage]
-        module.set_requires_gradient_sync(True)
-        module.set_reshard_after_backward(True)
-        module.set_is_last_backward(True)
+        sharded = _sharded(module)
+        sharded.set_requires_gradient_sync(True)
+        sharded.set_reshard_after_backward(True)
+        sharded.set_is_last_backward(True)
         for group in _groups(module):
             group.post_backward()
 

@@ -324,14 +324,14 @@ def _programs(schedule: Schedule, placed: _Placed, consumers: Routes,
     return units, unit_of, programs
 
 
-def _flatten(actions: Sequence[Action | Overlap]) -> list[tuple[Action, Overlap | None]]:
+def _flatten(actions: Sequence[Action | Overlap | Comm]) -> list[tuple[Action, Overlap | None]]:
     """Each compute action with None, and each overlapped pair as its forward then its backward, with
     the pair (a B on a split stage stays one step: the runtime runs it as one full backward)."""
     return [(part, action if type(action) is Overlap else None)
             for action in actions for part in compute_parts(action)]
 
 
-def _receive_points(actions: Sequence[Action | Comm], program: Sequence[Step]) -> tuple[Step, ...]:
+def _receive_points(actions: Sequence[Action | Overlap | Comm], program: Sequence[Step]) -> tuple[Step, ...]:
     """A lowered rank list's receives as post points: ``xRECV_Fm`` posts the receives of ``xFm``, and
     ``xRECV_Bm`` those of ``xBm``/``xIm``, before the compute action that follows it in the list."""
     needs = {(step.action.stage, "F" if step.action.kind == "F" else "B", step.action.microbatch): step.recvs

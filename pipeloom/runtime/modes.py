@@ -9,6 +9,7 @@ call, the same random numbers) and the operation's own eval value in eval mode.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +29,7 @@ class ModeArgument:
     needs: int | None = None  # position of an argument that must not be None for eval mode (running stats)
 
 
-_DROP = {**dict.fromkeys((F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
+_DROP: dict[object, ModeArgument] = {**dict.fromkeys((F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
                           F.feature_alpha_dropout), ModeArgument(2, "training", False)),
          **dict.fromkeys((torch.ops.aten.dropout.default, torch.ops.aten.native_dropout.default,
                           torch.ops.aten.feature_dropout.default, torch.ops.aten.alpha_dropout.default,
@@ -50,7 +51,7 @@ MODE_ARGUMENTS: dict[object, ModeArgument] = {
 class TrainOnly(nn.Module):
     """Calls ``function`` as traced in train mode, with its mode argument set to eval in eval mode."""
 
-    def __init__(self, function: object, argument: ModeArgument) -> None:
+    def __init__(self, function: Callable[..., object], argument: ModeArgument) -> None:
         super().__init__()
         self.function = function
         self.argument = argument

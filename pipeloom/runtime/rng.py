@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from pipeloom.runtime.split import StagedModel
 
 __all__ = ["forward_seed", "reference_step", "seeded"]
 
@@ -55,7 +59,7 @@ def seeded(seed: int, step: int, piece: int, microbatch: int, device: torch.devi
             generator.set_state(state)
 
 
-def reference_step(staged: object, inputs: object, target: object, *, loss_fn: Callable, microbatches: int,
+def reference_step(staged: StagedModel, inputs: object, target: object, *, loss_fn: Callable, microbatches: int,
                    seed: int, step: int = 0, device: torch.device | str = "cpu") -> torch.Tensor:
     """The single-process reference of a training step with the runtime's random numbers:
     ``for m: (loss_fn(run(x_m), y_m) / M).backward()`` where ``run`` is ``staged.run`` (a
@@ -71,7 +75,10 @@ def reference_step(staged: object, inputs: object, target: object, *, loss_fn: C
     target_chunks = [torch.chunk(t, microbatches) for t in targets]
     losses = []
     for m in range(microbatches):
-        out = staged.run(*(c[m] for c in chunks), around=lambda k, m=m: seeded(seed, step, k, m, device))
+        def around(k: int, m: int = m) -> contextlib.AbstractContextManager[None]:
+            return seeded(seed, step, k, m, device)
+
+        out = staged.run(*(c[m] for c in chunks), around=around)
         y = target_chunks[0][m] if len(targets) == 1 else tuple(t[m] for t in target_chunks)
         loss = loss_fn(out, y) / microbatches
         loss.backward()

@@ -39,8 +39,10 @@ def device_for(layout: Layout, device: torch.device | str | None, modules: Seque
 
 
 def staged_model(model: nn.Module | None, split_points: Sequence[str] | None,
-                 stages: StagedModel | Sequence[nn.Module] | None, **tracing: object) -> StagedModel:
-    """The stages: given, chained from given modules (manual mode), or cut from ``model``."""
+                 stages: StagedModel | Sequence[nn.Module] | None, *, tracer: str = "auto",
+                 leaf_modules: Sequence[str] = (), example_inputs: object = None) -> StagedModel:
+    """The stages: given, chained from given modules (manual mode), or cut from ``model`` (``tracer``,
+    ``leaf_modules`` and ``example_inputs`` as :func:`~pipeloom.runtime.split_model` takes them)."""
     if stages is not None and split_points is not None:
         raise PipelineError("give split_points= or stages=, not both")
     if isinstance(stages, StagedModel):
@@ -52,7 +54,8 @@ def staged_model(model: nn.Module | None, split_points: Sequence[str] | None,
                             "1.. start) or stages=[module0, module1, ...]; split_points=[] runs it as one stage")
     if model is None:
         raise PipelineError("split_points needs the model; pass it as the first argument")
-    return split_model(model, split_points, **tracing)
+    return split_model(model, split_points, tracer=tracer, leaf_modules=leaf_modules,
+                       example_inputs=example_inputs)
 
 
 def resolve_schedule(schedule: object, *, num_ranks: int, num_pieces: int, microbatches: int | None,
@@ -99,7 +102,7 @@ def lower_for(schedule: Schedule, staged: StagedModel, *, world: int, microbatch
     return lowering
 
 
-def default_store() -> object:
+def default_store() -> dist.Store | None:
     """The process group's key-value store, used only to pass failure messages (None if unreachable)."""
     try:
         from torch.distributed.distributed_c10d import _get_default_store
@@ -109,7 +112,7 @@ def default_store() -> object:
         return None
 
 
-def shared_seed(group: object, world: int, seed: int | None) -> int:
+def shared_seed(group: dist.ProcessGroup | None, world: int, seed: int | None) -> int:
     """``seed``, or rank 0's ``torch.initial_seed()`` on every rank (63 bits)."""
     if seed is not None:
         if isinstance(seed, bool) or not isinstance(seed, int):
@@ -117,13 +120,14 @@ def shared_seed(group: object, world: int, seed: int | None) -> int:
         return seed & ((1 << 63) - 1)
     value = torch.tensor([torch.initial_seed() & ((1 << 63) - 1)], dtype=torch.int64)
     if world > 1:
+        assert group is not None  # a world of several ranks has its group
         tensor = value.cuda() if dist.get_backend(group) == "nccl" else value
         dist.broadcast(tensor, src=dist.get_global_rank(group, 0), group=group)
         value = tensor.cpu()
     return int(value.item())
 
 
-def shared_run_id(group: object, rank: int) -> str:
+def shared_run_id(group: dist.ProcessGroup, rank: int) -> str:
     """One id for this engine on every rank (rank 0's, broadcast), so failure keys never collide."""
     mine = torch.tensor(list(uuid.uuid4().bytes), dtype=torch.uint8)
     backend = dist.get_backend(group)

@@ -104,7 +104,7 @@ class SharedGradients:
         pieces = self.shared.pieces[index]
         while mb < self.num_microbatches and len(self.parts.get((index, mb), ())) == len(pieces):
             parts = self.parts.pop((index, mb))
-            present = [parts[k] for k in sorted(pieces, reverse=True) if parts[k] is not None]
+            present = [part for k in sorted(pieces, reverse=True) if (part := parts[k]) is not None]
             if present:  # a lone part may be a view into a received buffer: keep a copy, not the buffer
                 total = add_in_order(present) if len(present) > 1 else present[0].clone()
                 accumulate_grad(self.shared.params[index], total)
@@ -138,7 +138,8 @@ class SharedGradients:
         """What ``src`` sends ``dst``: (parameter, micro-batch, piece) of every use on ``src`` of a
         parameter both hold, in parameter, micro-batch and piece order; and a template per entry."""
         low = self.lowering
-        entries, templates = [], []
+        entries: list[tuple[int, int, int]] = []
+        templates: list[torch.Tensor] = []
         for index, pieces in enumerate(self.shared.pieces):
             holders = self.holders(index)
             if src not in holders or dst not in holders:

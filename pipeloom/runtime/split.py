@@ -299,40 +299,39 @@ def _split(traced: TracedModel, split_points: Sequence[str], leaf_modules: Seque
     outputs: list[list[fx.Node]] = [[] for _ in range(num_stages)]
     output_nodes = [leaf for leaf in pytree.tree_leaves(traced_output) if isinstance(leaf, fx.Node)]
     for node in graph.nodes:
-        if node in stage_of and stage_of[node] != MODEL_INPUT:
-            nodes[stage_of[node]].append(node)
+        if (stage := stage_of.get(node, MODEL_INPUT)) != MODEL_INPUT:
+            nodes[stage].append(node)
     for s, stage_nodes in enumerate(nodes):
         if not stage_nodes:
             raise SplitOrderError(f"stage {s} would hold no computation; remove split point {split_points[s]!r}")
         for node in stage_nodes:
             for source in node.all_input_nodes:
-                if source in stage_of and stage_of[source] != s and source not in inputs[s]:
+                producer = stage_of.get(source)
+                if producer is not None and producer != s and source not in inputs[s]:
                     inputs[s].append(source)
-                    if stage_of[source] != MODEL_INPUT and source not in outputs[stage_of[source]]:
-                        outputs[stage_of[source]].append(source)
+                    if producer != MODEL_INPUT and source not in outputs[producer]:
+                        outputs[producer].append(source)
     for source in output_nodes:
         if source.op == "get_attr":
             raise SplitError(f"the model returns the attribute {source.target!r} directly; return it from a "
                              "computation or leave it out of the output")
-        if stage_of.get(source, MODEL_INPUT) != MODEL_INPUT and source not in outputs[stage_of[source]]:
-            outputs[stage_of[source]].append(source)
+        if (producer := stage_of.get(source, MODEL_INPUT)) != MODEL_INPUT and source not in outputs[producer]:
+            outputs[producer].append(source)
     for s in range(num_stages):
         if not outputs[s]:
             raise SplitOrderError(f"stage {s} computes nothing that a later stage or the model output uses; "
                                   f"move split point {split_points[s - 1] if s else split_points[0]!r}")
 
-    def ref(node: object) -> object:
-        if not isinstance(node, fx.Node):
-            return node
-        if stage_of.get(node, MODEL_INPUT) == MODEL_INPUT:
+    def ref(node: fx.Node) -> ValueRef:
+        if (stage := stage_of.get(node, MODEL_INPUT)) == MODEL_INPUT:
             return ValueRef(stage=MODEL_INPUT, index=placeholders.index(node), name=node.name)
-        return ValueRef(stage=stage_of[node], index=outputs[stage_of[node]].index(node), name=node.name)
+        return ValueRef(stage=stage, index=outputs[stage].index(node), name=node.name)
 
     modules = tuple(_build_stage(traced.root, nodes[s], inputs[s], outputs[s], s, traced.device)
                     for s in range(num_stages))
     specs = tuple(StageSpec(index=s, inputs=tuple(ref(n) for n in inputs[s]), num_outputs=len(outputs[s]))
                   for s in range(num_stages))
-    output = pytree.tree_map(ref, traced_output)
+    output = pytree.tree_map(lambda v: ref(v) if isinstance(v, fx.Node) else v, traced_output)
     return StagedModel(stages=modules, graph=StageGraph(stages=specs, input_names=traced.input_names,
                                                        output=output))
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 import torch.distributed as dist
@@ -30,10 +30,10 @@ __all__ = [
     "state_dict",
 ]
 
-Wait = Callable[[object, str], None]  # (work, what it does) -> None; raises when the work fails
+Wait = Callable[["dist.Work", str], None]  # (work, what it does) -> None; raises when the work fails
 
 
-def plain_wait(work: object, what: str) -> None:
+def plain_wait(work: dist.Work, what: str) -> None:
     """A :data:`Wait` without a deadline (one process, or tests)."""
     work.wait()
 
@@ -204,7 +204,8 @@ def _copy_into(tensor: torch.Tensor, value: torch.Tensor) -> None:
 
 
 def full_state_dict(names: ModelNames, pieces: Mapping[int, nn.Module], *, dst: int, rank: int,
-                    group: object, device: torch.device, wait: Wait = plain_wait) -> dict[str, torch.Tensor]:
+                    group: dist.ProcessGroup | None, device: torch.device,
+                    wait: Wait = plain_wait) -> dict[str, torch.Tensor]:
     """A copy of the whole model's state dict, on the CPU, on group rank ``dst`` (``{}`` on the others):
     every tensor comes from the lowest rank holding it. ``group`` None means a world of one rank.
 
@@ -223,7 +224,8 @@ def full_state_dict(names: ModelNames, pieces: Mapping[int, nn.Module], *, dst: 
     wait(dist.all_gather(masks, mask, group=group, async_op=True), "exchanging which rank holds which tensor")
     table = torch.stack(masks).cpu()  # [world, tensors]
     owners = [int(column.argmax()) if bool(column.any()) else -1 for column in table.T]  # lowest holder
-    works, buffers = [], {}
+    works: list[tuple[dist.Work | None, int | torch.Tensor]] = []  # with the sent tensor, kept alive
+    buffers: dict[int, torch.Tensor] = {}
     for i, owner in enumerate(owners):  # both sides post in tensor order: NCCL matches in posting order
         if rank == dst and owner not in (-1, dst):
             meta = names.tensors[i]
@@ -234,6 +236,7 @@ def full_state_dict(names: ModelNames, pieces: Mapping[int, nn.Module], *, dst: 
             works.append((dist.isend(tensor, group=group, tag=i, group_dst=dst), tensor))
     doing = f"sending the full state dict to rank {dst}" if rank != dst else "gathering the full state dict"
     for work, _ in works:
+        assert work is not None  # isend and irecv return None only on a group without this rank
         wait(work, doing)
     if rank != dst:
         return {}
@@ -245,7 +248,9 @@ def _whole(tensor: torch.Tensor) -> torch.Tensor:
     """The whole value of an FSDP-sharded tensor (a collective over its shards), else the tensor."""
     from torch.distributed.tensor import DTensor
 
-    return tensor.detach().full_tensor() if isinstance(tensor, DTensor) else tensor
+    if not isinstance(tensor, DTensor):
+        return tensor
+    return cast(DTensor, tensor.detach()).full_tensor()  # a DTensor's detach() is one (torch types it Tensor)
 
 
 def _snapshot(tensor: torch.Tensor) -> torch.Tensor:

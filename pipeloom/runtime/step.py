@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -154,6 +154,7 @@ class StepRun:
         messages = self.messages
         if messages.discover:
             return
+        wanted: Sequence[int]
         if self.low.explicit_posts and self.training:  # a lowered schedule says where
             wanted = program[first].posts if first < len(program) else ()
         else:  # NCCL: none ahead (they would block sends)
@@ -165,7 +166,7 @@ class StepRun:
 
     # --------------------------------------------------------------------------- value routing
 
-    def _fetch(self, stage: int, producer: int, index: int, mb: int) -> tuple[list, object, list[LeafMeta]]:
+    def _fetch(self, stage: int, producer: int, index: int, mb: int) -> tuple[list, pytree.TreeSpec, list[LeafMeta]]:
         """Leaves, structure and metas of output ``index`` of ``producer`` for ``mb`` (a local value's
         DTensors stay DTensors; a received one's are rebuilt from its local tensor and its meta)."""
         low = self.low
@@ -390,9 +391,11 @@ class StepRun:
             p.grad = g
         low = self.low
         if low.replicas == 1:
+            assert self.shared is not None  # _kept found shared parameters
             indices = self.shared.shared.of_piece(low.piece_of[s])
             self.shared.collect(low.piece_of[s], mb, dict(zip(indices, found)))
             return
+        assert self.replicas is not None  # a training step of a two-replica schedule
         self.replicas.collect(s, mb, found)
 
     def _route_input_grads(self, step: Step, entries: list, found: list) -> None:

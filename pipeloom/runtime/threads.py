@@ -7,10 +7,14 @@ from __future__ import annotations
 import queue
 import threading
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
 from pipeloom.runtime.watch import PeerWatch
+
+if TYPE_CHECKING:
+    from pipeloom.runtime.transport import Posted
 
 __all__ = ["STOP_JOIN_S", "HelperThreads", "SendThread"]
 
@@ -22,14 +26,14 @@ class SendThread:
     Queue items are ``(posted, global dst, tag)`` (a :class:`~pipeloom.runtime.transport.Posted`); the
     thread fills ``posted.work``. After the first failure, ``(error, posted, dst)``, it posts nothing more."""
 
-    def __init__(self, group: object) -> None:
-        self.queue: queue.Queue = queue.Queue()
-        self.failure: tuple[Exception, object, int] | None = None
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.queue: queue.Queue[tuple[Posted, int, int] | None] = queue.Queue()
+        self.failure: tuple[Exception, Posted, int] | None = None
         self.stopping = False
         self.thread = threading.Thread(target=self._run, args=(group,), name="pipeloom-sends", daemon=True)
         self.thread.start()
 
-    def _run(self, group: object) -> None:
+    def _run(self, group: dist.ProcessGroup | None) -> None:
         while (item := self.queue.get()) is not None:
             posted, dst, tag = item
             try:

@@ -14,7 +14,9 @@ import time
 
 import torch
 
-__all__ = ["ActionClock"]
+__all__ = ["ActionClock", "Mark"]
+
+Mark = int | torch.cuda.Event  # when an action started or ended: host nanoseconds, or a CUDA event
 
 
 class ActionClock:
@@ -25,7 +27,7 @@ class ActionClock:
         self.cuda = device.type == "cuda"
         self._anchor_ns = 0
         self._anchor: torch.cuda.Event | None = None
-        self._pending: list[tuple[int, str, str, object, object]] = []
+        self._pending: list[tuple[int, str, str, Mark, Mark]] = []
 
     def begin(self) -> None:
         """Start of a traced step (on CUDA: synchronise and record the reference event)."""
@@ -36,7 +38,7 @@ class ActionClock:
             self._anchor = torch.cuda.Event(enable_timing=True)
             self._anchor.record()
 
-    def now(self) -> object:
+    def now(self) -> Mark:
         """A start mark: host nanoseconds, or a recorded CUDA event."""
         if not self.cuda:
             return time.time_ns()
@@ -44,7 +46,7 @@ class ActionClock:
         event.record()
         return event
 
-    def record(self, events: list, name: str, kind: str, start: object) -> None:
+    def record(self, events: list, name: str, kind: str, start: Mark) -> None:
         """Append ``(name, kind, start, end)`` for an action that began at ``start`` and ends now; on CUDA
         a placeholder that :meth:`resolve` fills."""
         end = self.now()
@@ -63,5 +65,6 @@ class ActionClock:
             events[index] = (name, kind, self._ns(start), self._ns(end))
         self._pending = []
 
-    def _ns(self, event: object) -> int:
+    def _ns(self, event: Mark) -> int:
+        assert self._anchor is not None and isinstance(event, torch.cuda.Event)  # on CUDA, after begin()
         return self._anchor_ns + round(self._anchor.elapsed_time(event) * 1e6)

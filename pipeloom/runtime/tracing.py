@@ -9,12 +9,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
 
 from pipeloom.runtime.errors import ModelTraceError, SplitError
+
+if TYPE_CHECKING:
+    from torch.fx.node import Argument
 
 __all__ = ["TRACERS", "TracedModel", "module_scopes", "trace_model"]
 
@@ -132,6 +136,7 @@ def _export(model: nn.Module, example_inputs: object) -> TracedModel:
             output = node
         else:
             env[node] = graph.node_copy(node, env.__getitem__)
+    assert output is not None  # every graph ends in its output node
     user = _outputs(model, exported, output, graph, env, root)
     graph.output(tuple(user))
     tree = pytree.tree_unflatten(user, exported.call_spec.out_spec)
@@ -188,13 +193,15 @@ def _inputs(model: nn.Module, exported: torch.export.ExportedProgram, graph: fx.
 
 
 def _outputs(model: nn.Module, exported: torch.export.ExportedProgram, output: fx.Node, graph: fx.Graph,
-             env: dict[fx.Node, fx.Node], root: dict[str, object]) -> list[object]:
+             env: dict[fx.Node, fx.Node], root: dict[str, object]) -> list[Argument]:
     """The user outputs (graph nodes, in the output spec's order); buffer updates are written back."""
     from torch.export.graph_signature import OutputKind
 
-    user: list[object] = []
-    for value, spec in zip(output.args[0], exported.graph_signature.output_specs):
+    user: list[Argument] = []
+    values = cast("Sequence[Argument]", output.args[0])  # the output node's one argument: the outputs
+    for value, spec in zip(values, exported.graph_signature.output_specs):
         if spec.kind == OutputKind.BUFFER_MUTATION:  # write the new value back where the model keeps it
+            assert isinstance(value, fx.Node)  # a buffer's new value is computed in the graph
             new = env[value]
             with graph.inserting_after(new):
                 buffer = graph.get_attr(str(spec.target))

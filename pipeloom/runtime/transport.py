@@ -30,7 +30,7 @@ class Posted:
 
     tensor: torch.Tensor
     unit: Unit | None = None
-    work: object = None
+    work: dist.Work | None = None
 
 
 class Transport:
@@ -39,7 +39,7 @@ class Transport:
     lookahead = 0  # compute actions whose receives are posted ahead of time
     early_traffic = False  # whether messages outside the units may be posted during the step
 
-    def __init__(self, group: object) -> None:
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
         self.group = group
 
     def send(self, posted: Posted, dst: int, tag: int) -> None:
@@ -67,7 +67,7 @@ class TaggedTransport(Transport):
     lookahead = 2
     early_traffic = True
 
-    def __init__(self, group: object, helpers: HelperThreads) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, helpers: HelperThreads) -> None:
         super().__init__(group)
         self.helpers = helpers
 
@@ -94,7 +94,7 @@ class TaggedTransport(Transport):
 class OrderedTransport(Transport):
     """NCCL: an action's sends and the next action's receives posted as one batch, in order."""
 
-    def __init__(self, group: object) -> None:
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
         super().__init__(group)
         self.ops: list[tuple[dist.P2POp, Posted]] = []
 
@@ -115,7 +115,7 @@ class OrderedTransport(Transport):
             self.ops = []
 
 
-def transport_for(group: object, helpers: HelperThreads) -> Transport:
+def transport_for(group: dist.ProcessGroup | None, helpers: HelperThreads) -> Transport:
     """The transport of ``group``'s backend: NCCL matches in order, every other backend by tag."""
     backend = dist.get_backend(group) if group is not None else "gloo"
     return OrderedTransport(group) if backend == "nccl" else TaggedTransport(group, helpers)

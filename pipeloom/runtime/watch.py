@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 class FailureBoard:
     """The failure messages of one engine's ranks in the process group's store (none without a store)."""
 
-    def __init__(self, store: object, *, run_id: str, rank: int, world_size: int) -> None:
+    def __init__(self, store: dist.Store | None, *, run_id: str, rank: int, world_size: int) -> None:
         self.store = store
         self.run_id = run_id
         self.rank = rank
@@ -115,7 +115,7 @@ class PeerWatch:
             self._thread.join(timeout)
 
 
-def close_connections(group: object) -> None:
+def close_connections(group: dist.ProcessGroup | None) -> None:
     """Make every pending operation of this rank on ``group`` (gloo) fail now, as if the process had
     exited: a receive that times out makes gloo close all of the group's connections ("Application
     timeout caused pair closure"), which also tells the peers.
@@ -131,10 +131,11 @@ def close_connections(group: object) -> None:
         if peer != me:
             with contextlib.suppress(Exception):
                 work = dist.irecv(buffer, peer, group=group, tag=BREAK_TAG)
-                work.wait(timeout=datetime.timedelta(milliseconds=1))
+                if work is not None:  # None only for a group without this rank
+                    work.wait(timeout=datetime.timedelta(milliseconds=1))
 
 
-def poll_work(work: object, *, timeout: float, board: FailureBoard) -> tuple[str, Exception | None] | None:
+def poll_work(work: dist.Work, *, timeout: float, board: FailureBoard) -> tuple[str, Exception | None] | None:
     """Wait for ``work`` by polling ``is_completed`` (sleeping 2 us, doubling up to 1 ms) and the store
     (every ``PEER_POLL_S`` s): None when done, else (why not, the work's error). For backends whose works
     complete by themselves (NCCL), never gloo's point-to-point ones."""
