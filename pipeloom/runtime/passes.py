@@ -5,9 +5,13 @@ device written into a graph replaced by the device a stage runs on."""
 from __future__ import annotations
 
 import operator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import fx, nn
+
+if TYPE_CHECKING:
+    from pipeloom.runtime.lower import Source
 
 __all__ = ["TRACED_DEVICE", "copy_mutated_inputs", "localize_sizes", "retarget_devices"]
 
@@ -15,14 +19,14 @@ TRACED_DEVICE = "pipeloom_traced_device"
 """``GraphModule.meta`` key: the device torch.export traced on (it writes it into ``to``/``arange`` calls)."""
 
 
-def _size_source(node: fx.Node, user: fx.Node, stage_of: dict[fx.Node, int],
+def _size_source(node: fx.Node, user: fx.Node, stage_of: dict[fx.Node, int | Source],
                  position: dict[fx.Node, float]) -> tuple[fx.Node, int] | None:
     """A tensor that ``user``'s stage has before ``user`` runs (made there, or already an input of the
     stage), nearest first, and a dimension of it whose size is ``node``'s value."""
     expr = node.meta["val"].node.expr
     stage, when = stage_of[user], position[user]
-    candidates = [n for n, s in stage_of.items() if s != -1 or n.op == "placeholder"]
-    candidates = [n for n in candidates if position[n] < when and isinstance(n.meta.get("val"), torch.Tensor)
+    # every node with a stage: compute nodes, and placeholders (the model's inputs, MODEL_INPUT)
+    candidates = [n for n in stage_of if position[n] < when and isinstance(n.meta.get("val"), torch.Tensor)
                   and (stage_of[n] == stage or any(stage_of.get(u) == stage for u in n.users))]
     for tensor in sorted(candidates, key=position.__getitem__, reverse=True):
         for dim, size in enumerate(tensor.meta["val"].shape):
@@ -31,7 +35,7 @@ def _size_source(node: fx.Node, user: fx.Node, stage_of: dict[fx.Node, int],
     return None
 
 
-def localize_sizes(graph: fx.Graph, stage_of: dict[fx.Node, int]) -> None:
+def localize_sizes(graph: fx.Graph, stage_of: dict[fx.Node, int | Source]) -> None:
     """torch.export's symbolic sizes (``sym_size``) used in another stage are measured again there, on
     a tensor that stage has, so that only tensors cross stage boundaries."""
     position: dict[fx.Node, float] = {n: float(i) for i, n in enumerate(graph.nodes)}

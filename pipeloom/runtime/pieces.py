@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -13,6 +14,9 @@ from pipeloom.runtime.dp import DataParallel
 from pipeloom.runtime.fsdp import whole_parameters
 from pipeloom.runtime.lower import Lowering, Step
 from pipeloom.runtime.shared import SharedParameters
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["RankPieces"]
 
@@ -35,7 +39,7 @@ class RankPieces:
     dp: DataParallel
     sharded: bool  # pieces sharded over "dp" with FSDP2
     gradients_done: Mapping[int, int]  # program index -> the stage whose last gradient action it is
-    tp_mesh: object = None  # the "tp" sub-mesh: DTensors arriving at a boundary are rebuilt on it
+    tp_mesh: DeviceMesh | None = None  # the "tp" sub-mesh: DTensors arriving at a boundary are rebuilt on it
     joined: frozenset[int] = frozenset()  # program indices of I steps whose W is the next step
     """Such an I runs as one full backward (B) and its W does nothing: the same gradients bit for bit
     (each autograd node runs the same kernels), in one pass over the graph instead of one for I and

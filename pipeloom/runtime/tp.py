@@ -34,10 +34,10 @@ __all__ = ["HF_STYLES", "TensorParallel", "apply_tp_plan", "captured_parameters"
 class TensorParallel:
     """This rank's place in its tensor-parallel group (size 1 and no group without a ``"tp"`` dimension)."""
 
-    group: object = None  # the "tp" process group
+    group: ProcessGroup | None = None  # the "tp" process group
     rank: int = 0
     size: int = 1
-    mesh: object = None  # the 1-D "tp" sub-mesh parallelize_module shards over; None without "tp"
+    mesh: DeviceMesh | None = None  # the 1-D "tp" sub-mesh parallelize_module shards over; None without "tp"
 
 
 def is_dtensor(value: object) -> bool:
