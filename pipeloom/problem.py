@@ -61,8 +61,10 @@ def parse_task_name(text: str) -> TaskKey:
 def _check_number(what: str, value: object, *, minimum: float | None = 0.0, hint: str = "") -> float:
     """``value`` as a float; ProblemError unless it is a finite number >= ``minimum`` (if given)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
-        huge = isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**30
-        shown = f"an integer of {len(str(abs(value)))} digits" if huge else repr(value)
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**30:
+            shown = f"an integer of {len(str(abs(value)))} digits"
+        else:
+            shown = repr(value)
         raise ProblemError(f"{what} must be a finite number, got {shown}")
     if minimum is not None and value < minimum:
         raise ProblemError(f"{what} must be >= {minimum:g}{hint}, got {value!r}")
@@ -321,7 +323,7 @@ class Costs:
     def stage(self, ranks: int | Sequence[int], *, share: float = 1.0) -> Stage:
         """A stage on ``ranks`` carrying ``share`` of these costs (``1/v`` for v stages per rank)."""
         return Stage(
-            ranks=ranks,
+            ranks=(ranks,) if isinstance(ranks, int) else tuple(ranks),
             f=self.f * share,
             b=self.b * share,
             w=self.w * share,

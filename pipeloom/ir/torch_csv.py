@@ -11,7 +11,7 @@ from collections import Counter
 
 from pipeloom.errors import ScheduleFormatError
 from pipeloom.ir.core import Action, Comm, Overlap, Schedule, compute_parts, parse_action, shown_list
-from pipeloom.problem import Costs, Problem, Stage, stage_graph, task_name
+from pipeloom.problem import Backward, Costs, Problem, Stage, stage_graph, task_name
 
 __all__ = ["TORCH_ONLY_KINDS", "schedule_to_csv", "schedule_from_csv"]
 
@@ -41,7 +41,7 @@ def schedule_to_csv(schedule: Schedule) -> str:
     return out.getvalue()
 
 
-_STYLES = {("F",): "none", ("B", "F"): "full", ("F", "I", "W"): "split"}
+_STYLES: dict[tuple[str, ...], Backward] = {("F",): "none", ("B", "F"): "full", ("F", "I", "W"): "split"}
 
 
 def _csv_obstacle(schedule: Schedule) -> str | None:
@@ -68,7 +68,9 @@ def _csv_obstacle(schedule: Schedule) -> str | None:
         return (f"stage {odd} has tasks {', '.join(sorted(kinds[odd]))} and stage 0 has "
                 f"{', '.join(sorted(kinds[0]))}; a CSV gives every stage one backward style "
                 "(F+B, F+I+W or F alone)")
-    chain = stage_graph([Stage(ranks=rank_of[s]) for s in range(count)], backward=styles[0])
+    backward = styles[0]
+    assert backward is not None, "a stage of no known style is the odd one above"
+    chain = stage_graph([Stage(ranks=(rank_of[s],)) for s in range(count)], backward=backward)
     problem = schedule.problem
     for s in range(1, count):
         if (s - 1, "F") not in problem.task((s, "F")).deps:
@@ -129,7 +131,7 @@ def schedule_from_csv(
                 action = parse_action(cell)
             except ScheduleFormatError as error:
                 raise ScheduleFormatError(f"row {r + 1}, column {c + 1}: {error}") from None
-            for part in compute_parts(action) or (action,):
+            for part in _placed_parts(action):
                 owner = stage_rank.setdefault(part.stage, r)
                 if owner != r:
                     raise ScheduleFormatError(
@@ -139,13 +141,18 @@ def schedule_from_csv(
             actions.append(action)
         ranks.append(tuple(actions))
     problem = _csv_problem(ranks, stage_rank, costs, memory_limit)
-    last_mb = max(part.microbatch for actions in ranks for action in actions
-                  for part in compute_parts(action) or (action,))
+    last_mb = max(part.microbatch for actions in ranks for action in actions for part in _placed_parts(action))
     return Schedule(name=name, problem=problem, num_microbatches=last_mb + 1, ranks=tuple(ranks))
 
 
+def _placed_parts(action: Action | Overlap | Comm) -> tuple[Action | Comm, ...]:
+    """The compute actions ``action`` runs, or a communication action itself: each names a stage and a micro-batch."""
+    return (action,) if type(action) is Comm else compute_parts(action)
+
+
 def _csv_problem(
-    ranks: list[tuple[Action | Overlap | Comm, ...]], stage_rank: dict[int, int], costs: Costs, memory_limit: float | None
+    ranks: list[tuple[Action | Overlap | Comm, ...]], stage_rank: dict[int, int], costs: Costs,
+    memory_limit: float | None,
 ) -> Problem:
     """The chain 0 -> ... -> S-1 with each stage on its rank and the backward style the actions use."""
     if not stage_rank:
@@ -159,7 +166,7 @@ def _csv_problem(
     kinds = {part.kind for actions in ranks for action in actions for part in compute_parts(action)}
     # With I or W anywhere the backward is split; a B then stands for its stage's I and W run together
     # (a full backward on a split stage, as torch's DualPipeV writes some).
-    backward = "split" if kinds & {"I", "W"} else ("full" if "B" in kinds else "none")
+    backward: Backward = "split" if kinds & {"I", "W"} else ("full" if "B" in kinds else "none")
     stages_on = Counter(stage_rank.values())
     return stage_graph(
         [costs.stage(stage_rank[s], share=1.0 / stages_on[stage_rank[s]]) for s in range(num_stages)],

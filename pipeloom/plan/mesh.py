@@ -26,14 +26,16 @@ pipeline's makespan; the memory is the pipeline's (for fsdp, with the sharded op
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import time
 from collections.abc import Callable, Sequence
 
 from pipeloom.ir.core import compute_parts
 from pipeloom.plan.costs import CostTable, Link
-from pipeloom.plan.plan import PlanError
-from pipeloom.plan.search import Candidate, NoPlanFits, PlanResult, piece_ranks, plan_pipeline
+from pipeloom.plan.plan import Plan, PlanError
+from pipeloom.plan.recost import piece_ranks
+from pipeloom.plan.search import Candidate, NoPlanFits, PlanResult, plan_pipeline
 from pipeloom.plan.shape import schedule_shape
 from pipeloom.plan.shared import shared_across_stages, shared_sync_time
 from pipeloom.schedules import REGISTRY
@@ -44,6 +46,8 @@ BUCKET_BYTES = 25 * 2**20
 """The most gradient bytes one all-reduce carries (the runtime's bucket size)."""
 
 SHARDINGS = ("replicate", "fsdp")
+
+logger = logging.getLogger(__name__)
 
 
 def collective_time(nbytes: float, size: int, link: Link, *, kind: str) -> float:
@@ -181,16 +185,20 @@ def plan_mesh(
                                  progress=report,
                                  **options)
         except NoPlanFits as error:
+            logger.info("tensor parallel %d: no plan fits: %s", tp, error)
             failures.append((tp, error))
             continue
         results.append((tp, result))
     if not results:
         raise _nothing_fits(failures, what="tensor-parallel")
-    ranked = sorted((dataclasses.replace(c, tensor_parallel=tp) for tp, result in results for c in result.candidates),
-                    key=_order)
+    ranked = sorted((_with_tensor_parallel(c, tp) for tp, result in results for c in result.candidates), key=_order)
     tp, best = min(results, key=lambda r: _order(r[1].candidates[0]))
-    plan = best.plan if tp == 1 else dataclasses.replace(best.plan, tensor_parallel=tp,
-                                                         tp_plan=tables[0].tensor.recipe())
+    tensor = tables[0].tensor
+    if tp == 1:
+        plan = best.plan
+    else:
+        assert tensor is not None, "tp_sizes offers tp > 1 only for a table with a tensor field"
+        plan = dataclasses.replace(best.plan, tensor_parallel=tp, tp_plan=tensor.recipe())
     return PlanResult(plan=plan, timeline=best.timeline, candidates=tuple(ranked),
                       seconds=time.perf_counter() - started)
 
@@ -223,6 +231,7 @@ def _plan_dp_pp(tables: list[CostTable], *, num_ranks: int, global_batch: int, m
                                    memory_limit=memory_limit, schedules=chosen, progress=report,
                                    **{**options, "microbatches": counts})
         except NoPlanFits as error:
+            logger.info("dp %d x pp %d: no plan fits: %s", dp, num_ranks // dp, error)
             failures.append((dp, error))
             continue
         finally:
@@ -238,14 +247,23 @@ def _plan_dp_pp(tables: list[CostTable], *, num_ranks: int, global_batch: int, m
         reasons = "; ".join(dict.fromkeys(c.reason for c in ranked if c.reason))
         raise NoPlanFits(f"no plan runs on {num_ranks} ranks with {sharding} replicas: {reasons}", smallest_limit=None)
     dp, result, _ = next(r for r in results if r[0] == best.data_parallel)
+    logger.info("best mesh: dp %d x pp %d (%s), %s: step %.4g s with the replicas' reduction", dp, num_ranks // dp,
+                sharding, best.label, best.step_time)
     chosen_plan = result.plan
-    if best.schedule != chosen_plan.schedule or best.step_time is None:
-        chosen_plan, timeline = _plan_of(best, result)
+    step_time, timeline, _ = best.simulation()
+    if best.schedule != chosen_plan.schedule:
+        chosen_plan = _plan_of(best, result)
     else:
         timeline = result.timeline
     plan = dataclasses.replace(chosen_plan, global_batch=global_batch, data_parallel=dp,
-                               sharding=sharding if dp > 1 else "replicate", predicted_step_time=best.step_time)
+                               sharding=sharding if dp > 1 else "replicate", predicted_step_time=step_time)
     return PlanResult(plan=plan, timeline=timeline, candidates=tuple(ranked), seconds=time.perf_counter() - started)
+
+
+def _with_tensor_parallel(candidate: Candidate, tp: int) -> MeshCandidate:
+    """``candidate``, one of :func:`_plan_dp_pp`'s (a :class:`MeshCandidate`), costed with ``tp`` ranks per stage."""
+    assert isinstance(candidate, MeshCandidate), "_plan_dp_pp ranks MeshCandidates"
+    return dataclasses.replace(candidate, tensor_parallel=tp)
 
 
 def _one_replica(names: Sequence[str] | None, tp: int) -> Sequence[str] | None:
@@ -301,11 +319,12 @@ def _with_replicas(candidate: Candidate, dp: int, tables: Sequence[CostTable], l
     if not candidate.fits:
         return dataclasses.replace(candidate, data_parallel=dp)
     table = _table_at(tables, candidate.microbatch_size)
-    if sharding == "fsdp" and dp > 1 and shared_across_stages(table, candidate.partition.stage_of):
+    step_time, _, partition = candidate.simulation()
+    if sharding == "fsdp" and dp > 1 and shared_across_stages(table, partition.stage_of):
         return dataclasses.replace(candidate, data_parallel=dp, reason="fsdp cannot shard parameters shared by "
                                                                      "several stages (the runtime refuses it)")
     extra = reduction_time(candidate, table, data_parallel=dp, link=link, sharding=sharding)
-    return dataclasses.replace(candidate, data_parallel=dp, step_time=candidate.step_time + extra)
+    return dataclasses.replace(candidate, data_parallel=dp, step_time=step_time + extra)
 
 
 def _table_at(tables: Sequence[CostTable], size: int) -> CostTable:
@@ -321,14 +340,13 @@ def _order(candidate: Candidate) -> tuple:
     return (1, need, 0.0, candidate.data_parallel, candidate.microbatches)
 
 
-def _plan_of(best: Candidate, result: PlanResult):
+def _plan_of(best: Candidate, result: PlanResult) -> Plan:
     """The plan of ``best``, a fitting candidate of ``result`` that was not its own best."""
-    plan = dataclasses.replace(
+    _, timeline, partition = best.simulation()
+    return dataclasses.replace(
         result.plan, split_points=best.split_points or (), schedule=best.schedule,
         schedule_options=best.schedule_options, microbatches=best.microbatches,
-        peak_memory=best.timeline.peak_memory, bubble_ratio=best.bubble_ratio,
-        stage_times=best.partition.stage_times)
-    return plan, best.timeline
+        peak_memory=timeline.peak_memory, bubble_ratio=best.bubble_ratio, stage_times=partition.stage_times)
 
 
 def _nothing_fits(failures: Sequence[tuple[int, NoPlanFits]], *, what: str = "data-parallel") -> NoPlanFits:

@@ -4,8 +4,9 @@ a few good candidates when a rank holds several stages and shares its memory lim
 from __future__ import annotations
 
 import itertools
+import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Literal
 
 from pipeloom.ir import Schedule
@@ -36,6 +37,8 @@ from pipeloom.schedules import REGISTRY
 __all__ = ["MemoryTooSmall", "SchedulePartitioner", "format_bytes_up", "partition"]
 
 _FIT = 1 + 1e-9  # float slack on the memory limit
+
+logger = logging.getLogger(__name__)
 
 
 class MemoryTooSmall(PartitionError):
@@ -114,7 +117,7 @@ class SchedulePartitioner:
         if memory_limit is None or len(set(shape.rank)) == shape.num_stages:
             if found is None:
                 raise self._memory_error(shape, memory_limit)
-            return self._with_rank_load(shape, {found.stage_of: found}, memory_limit)
+            return self._logged(shape, self._with_rank_load(shape, {found.stage_of: found}, memory_limit))
         if memory_limit < self.smallest_limit(shape) / _FIT:
             raise self._memory_error(shape, memory_limit)
         candidates = {found.stage_of: found} if found is not None else {}
@@ -134,7 +137,14 @@ class SchedulePartitioner:
                     break
                 candidates.setdefault(better.stage_of, better)
                 guide = _starts(better)
-        return self._with_rank_load(shape, candidates, memory_limit)
+        return self._logged(shape, self._with_rank_load(shape, candidates, memory_limit))
+
+    @staticmethod
+    def _logged(shape: ScheduleShape, splits: list[Partition]) -> list[Partition]:
+        """``splits``, with one DEBUG line saying how many there are and the best objective among them."""
+        logger.debug("%d split(s) of %d model stages on %d ranks; best objective %.4g s", len(splits),
+                     shape.num_model_stages, shape.num_ranks, min((s.objective for s in splits), default=float("nan")))
+        return splits
 
     def _copy_bytes(self, shape: ScheduleShape, starts: Sequence[int]) -> list[float]:
         """Per schedule stage: bytes of its copy when model stage j starts at ``starts[j]``."""
@@ -170,13 +180,15 @@ class SchedulePartitioner:
         sorted from the fullest, fall lexicographically. Exact for one stage per rank (the first DP already is)."""
         if shape in self._leans:
             return self._leans[shape]
-        shares, best = None, None
+        shares = None
+        best: tuple[list[float], list[int]] | None = None
         for _ in range(self.rounds):
-            _, starts = smallest_memory_scale(self.table, stage_rules(shape, memory_limit=1.0, shares=shares))
-            key = sorted(self._rank_bytes(shape, starts), reverse=True)
+            _, split = smallest_memory_scale(self.table, stage_rules(shape, memory_limit=1.0, shares=shares))
+            key = sorted(self._rank_bytes(shape, split), reverse=True)
             if best is None or key < best[0]:
-                best = (key, list(starts))
-            shares = self._shares(shape, starts)
+                best = (key, list(split))
+            shares = self._shares(shape, split)
+        assert best is not None, "rounds >= 1"
         key, starts = best
         step = max(1, len(self.table.pieces) // (4 * len(starts))) if len(set(shape.rank)) < shape.num_stages else 0
         while step >= 1:  # runs of split points move by step pieces, then by half as many, down to 1
@@ -295,7 +307,7 @@ def _prefix(values: Sequence[float]) -> list[float]:
     return sums
 
 
-def _shifted(starts: Sequence[int], n: int, step: int = 1):
+def _shifted(starts: Sequence[int], n: int, step: int = 1) -> Iterator[list[int]]:
     """Every split made by moving split points j..k (1 <= j <= k) of ``starts`` ``step`` pieces up or down."""
     bounds = [*starts, n]
     for j in range(1, len(starts)):

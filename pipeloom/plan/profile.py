@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TypeVar
 
 import torch
 import torch.utils._pytree as pytree
@@ -38,6 +40,9 @@ from pipeloom.runtime.tracing import TracedModel, module_scopes, trace_model
 __all__ = ["PieceError", "default_pieces", "profile_model"]
 
 _FREE_LINK = Link()
+_R = TypeVar("_R")
+
+logger = logging.getLogger(__name__)
 
 Model = nn.Module | StagedModel | Sequence[nn.Module]
 """What :func:`profile_model` profiles: a model the runtime traces, or its pieces as modules (manual mode)."""
@@ -183,7 +188,8 @@ class _StageRun:
         split backward, then F with the full one; F is the median over both)."""
         runs = [self._one_run() for _ in range(warmup + repeats)][warmup:]
         forward = statistics.median(f for run in runs for f in (run[0], run[3]))
-        return (forward, *(statistics.median(run[k] for run in runs) for k in (1, 2, 4)))  # type: ignore[return-value]
+        inputs, weights, full = (statistics.median(run[k] for run in runs) for k in (1, 2, 4))
+        return forward, inputs, weights, full
 
     def _one_run(self) -> tuple[float, float, float, float, float]:
         """F, I and W, then F and B, as the engine runs them (``pipeloom.runtime.backward``); gradients
@@ -197,7 +203,7 @@ class _StageRun:
         self._clear()
         return forward, inputs, weights, forward_again, full
 
-    def _timed(self, work: Callable[..., object], *args: object) -> tuple[float, object]:
+    def _timed(self, work: Callable[..., _R], *args: object) -> tuple[float, _R]:
         """``(seconds, work(*args))``, synchronised on both ends."""
         self.sync()
         start = time.perf_counter()
@@ -237,7 +243,11 @@ def _model_output(staged: StagedModel, last: object, outputs: list[tuple], input
     """The model's output structure (a ModelOutput, a tuple...) around the last stage's values ``last``,
     the other leaves from ``outputs`` and ``inputs``: what the engine hands the loss."""
     index = len(staged.stages) - 1
-    values = (last,) if staged.graph.stages[index].num_outputs == 1 else tuple(last)
+    if staged.graph.stages[index].num_outputs == 1:
+        values: tuple[object, ...] = (last,)
+    else:
+        assert isinstance(last, Iterable), "a stage of several outputs returns them in a sequence"
+        values = tuple(last)
 
     def resolve(ref: object) -> object:
         if not isinstance(ref, ValueRef):
@@ -336,6 +346,8 @@ def profile_model(
             saved = run.saved_bytes()
         own = [p for p in module.parameters() if id(p) not in counted]
         counted.update(id(p) for p in own)
+        logger.debug("piece %s: F %.3g s, I %.3g s, W %.3g s, B %.3g s, %d activation bytes", name, forward, i, w, b,
+                     saved)
         profiled.append(Piece(
             name=name, f=forward, i=i, w=w, measured_full_backward=b, activation_bytes=saved,
             param_bytes=_nbytes(own),
@@ -343,6 +355,7 @@ def profile_model(
             inputs=tuple(names[j] for j in sorted({ref.stage for ref in spec.inputs if ref.stage != MODEL_INPUT})),
         ))
     size = next((t.size(0) for t in _tensors(inputs) if t.dim() > 0), 1)
+    logger.info("profiled %d pieces on %s, micro-batch size %d", len(profiled), _device_name(device), size)
     return CostTable(pieces=tuple(profiled), microbatch_size=int(size), device=_device_name(device), link=link,
                      optimizer_factor=optimizer_factor, source="profile",
                      shared=_shared(model, staged, names),

@@ -8,6 +8,7 @@ schedule's per-rank action order on a problem built from the cost table (seconds
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -15,19 +16,22 @@ from pathlib import Path
 
 from pipeloom.errors import PipeloomError
 from pipeloom.ir import Schedule, save_schedule
-from pipeloom.plan.costs import CostTable, Link, format_bytes, table_for_size
+from pipeloom.plan.costs import CostTable, format_bytes, table_for_size
 from pipeloom.plan.noise import expected_makespan
 from pipeloom.plan.partition import Partition, PartitionError
 from pipeloom.plan.partitioner import MemoryTooSmall, SchedulePartitioner, format_bytes_up
 from pipeloom.plan.plan import Plan, PlanError, save_plan
+from pipeloom.plan.recost import exchange_time, piece_ranks, recost, replica_sync_time, shared_time, stage_spreads
 from pipeloom.plan.shape import ScheduleShape, library_schedule, schedule_shape
-from pipeloom.plan.shared import shared_across_stages, shared_static_bytes, shared_sync_time
-from pipeloom.problem import Problem, Stage, stage_graph
+from pipeloom.plan.shared import shared_across_stages
 from pipeloom.schedules import REGISTRY, build_schedule
 from pipeloom.sim import Timeline, simulate
 
 __all__ = ["MAX_PLAN_MICROBATCHES", "Candidate", "default_schedules", "NoPlanFits", "PlanResult", "exchange_time",
-           "plan_pipeline", "recost", "replica_sync_time", "stage_spreads"]
+           "piece_ranks", "plan_pipeline", "recost", "replica_sync_time", "shared_time", "stage_spreads"]
+
+logger = logging.getLogger(__name__)
+
 
 def default_schedules() -> tuple[str, ...]:
     """The schedules :func:`plan_pipeline` tries unless told otherwise: every registry entry, read at
@@ -84,6 +88,12 @@ class Candidate:
         """Built, simulated and within the memory limit."""
         return self.step_time is not None and not self.reason
 
+    def simulation(self) -> tuple[float, Timeline, Partition]:
+        """``(step_time, timeline, partition)`` of a candidate that was cut and simulated (every fitting one)."""
+        if self.step_time is None or self.timeline is None or self.partition is None:
+            raise PlanError(f"candidate {self.label} was not simulated: {self.reason or 'no split'}")
+        return self.step_time, self.timeline, self.partition
+
     @property
     def label(self) -> str:
         """``interleaved-1f1b (v=2)``-style name."""
@@ -134,148 +144,6 @@ def _builds_same_order(plan: Plan, simulated: Schedule) -> bool:
         return False
     return [list(map(str, actions)) for actions in built.ranks] == \
         [list(map(str, actions)) for actions in simulated.ranks]
-
-
-# ----------------------------------------------------------------------------------- re-costing
-
-
-def recost(schedule: Schedule, table: CostTable, found: Partition, *, memory_limit: float | None,
-           shape: ScheduleShape | None = None) -> Problem:
-    """The problem of ``schedule``'s task graph with the real costs of ``found``'s stages.
-
-    Stage durations are F, I (the :class:`~pipeloom.problem.Stage`'s ``b``) and W of the stage's pieces
-    in seconds (for a schedule with a full backward, B is the pieces' full backward,
-    :attr:`Piece.full_backward`), activations in bytes, static memory per rank the weights, gradients
-    and optimizer state of its stages, and the communication latency the link time of the largest
-    output crossing ranks. A stage that reads only model inputs (no gradient flows into it) has its I
-    counted as W, as the engine's I has no input gradient to compute there. Every task also pays
-    ``table.runtime.action_overhead`` (a full B once), and a stage's F and its B or I pay
-    ``table.runtime.message_cost`` once per edge of the stage to or from another rank (the send or the
-    receive that action posts). The task graph keeps the schedule's (same ranks, edges and backward
-    split), so its action order stays valid. ``shape``: ``schedule_shape(schedule)``, when the caller has it.
-    """
-    shape = shape or schedule_shape(schedule)
-    pieces = table.pieces
-    starts = [found.stage_of.index(j) for j in range(found.num_stages)] + [len(pieces)]
-    parts = [pieces[starts[j]:starts[j + 1]] for j in range(found.num_stages)]
-    split = schedule.problem.splits_backward
-    extra = table.runtime.action_overhead
-    stages = []
-    static = [0.0] * shape.num_ranks
-    edges = [(s, c) for s in range(len(shape.rank)) for c in shape.consumers[s]]
-    crossings = [0] * len(shape.rank)  # edges to or from another rank, per stage
-    for s, c in edges:
-        if shape.rank[c] != shape.rank[s]:
-            crossings[s] += 1
-            crossings[c] += 1
-    for s, j in enumerate(shape.model_stage):
-        part = parts[j]
-        i, w = sum(p.i for p in part), sum(p.w for p in part)
-        if not split:
-            i, w = sum(p.full_backward for p in part), 0.0  # one autograd.backward, as the engine's B
-        elif _reads_model_inputs_only(part):
-            i, w = 0.0, i + w
-        messages = table.runtime.message_cost * crossings[s]
-        stages.append(Stage(ranks=(shape.rank[s],), f=sum(p.f for p in part) + extra + messages,
-                            b=i + extra + messages, w=w + (extra if split else 0.0),
-                            memory=sum(p.activation_bytes for p in part),
-                            w_memory=sum(p.w_activation_bytes for p in part)))
-        static[shape.rank[s]] += sum(table.static_bytes(p) for p in part)
-    if table.shared and shape.replicas == 1:  # a shared parameter is held once by every rank that uses it
-        for rank, extra_bytes in shared_static_bytes(table, piece_ranks(shape, found)).items():
-            static[rank] += extra_bytes
-    crossing = [pieces[starts[shape.model_stage[c]] - 1].output_bytes for s, c in edges
-                if shape.rank[s] != shape.rank[c]]
-    problem = stage_graph(
-        stages, num_ranks=shape.num_ranks, edges=edges,
-        backward="split" if split else "full",
-        comm_latency=max((table.link.time(b) for b in crossing), default=0.0),
-        memory_limit=memory_limit, static_memory=static,
-    )
-    _check_same_graph(schedule.problem, problem)
-    return problem
-
-
-def piece_ranks(shape, found: Partition) -> tuple[int, ...]:
-    """Per piece of the table: the rank that holds it (one-replica schedules)."""
-    rank_of_model_stage = {j: shape.rank[s] for s, j in enumerate(shape.model_stage)}
-    return tuple(rank_of_model_stage[j] for j in found.stage_of)
-
-
-def shared_time(table: CostTable, schedule: Schedule, found: Partition, *,
-                shape: ScheduleShape | None = None) -> float:
-    """Seconds the after-step exchange of shared parameters' gradients takes (:func:`shared_sync_time`;
-    0 without shared parameters on several ranks)."""
-    shape = shape or schedule_shape(schedule)
-    if not table.shared or shape.replicas > 1:
-        return 0.0
-    return shared_sync_time(table, piece_ranks(shape, found), schedule.num_microbatches)
-
-
-def _reads_model_inputs_only(part: Sequence) -> bool:
-    """True when the pieces of a stage read nothing from other stages (only model inputs and each other)."""
-    inside = {p.name for p in part}
-    return all(name in inside for p in part for name in p.inputs)
-
-
-def replica_sync_time(table: CostTable, schedule: Schedule, found: Partition, *, link: Link | None = None,
-                      shape: ScheduleShape | None = None) -> float:
-    """Seconds to add up the replicas' weight gradients after the step (two-replica schedules, else 0).
-
-    As the engine does it, per model stage: the second replica's rank sends its M/2 micro-batch
-    gradients of the stage (one buffer per micro-batch, ``M/2 x`` parameter bytes) to the first
-    replica's rank, which adds them up and sends the sums back (parameter bytes once). All sends are
-    posted before waiting, so the stages' exchanges overlap; what arrives at one rank is serialised:
-    the time is the busiest rank's incoming ``M/2`` messages, then the busiest rank's incoming sums,
-    each message paying the link's latency. The link is ``link``, else the table's ``runtime.replica_link``
-    (measured as the engine exchanges), else its ``link``.
-    """
-    params = [0.0] * found.num_stages
-    for piece, j in zip(table.pieces, found.stage_of):
-        params[j] += piece.param_bytes
-    return exchange_time(params, schedule, link or table.runtime.replica_link or table.link, shape=shape)
-
-
-def stage_spreads(table: CostTable, schedule: Schedule, found: Partition, *,
-                  shape: ScheduleShape | None = None) -> list[float]:
-    """Per stage of ``schedule``: how much its actions' times vary (coefficient of variation): the
-    table's ``runtime.time_spread``, measured on one piece's actions, for every stage with work to do.
-
-    A stage of several pieces varies about as much as one piece does (measured on the example GPT's
-    plans: their stages' spread was that of the profile's pieces, not the smaller one independent
-    pieces would add up to); what varies is the machine's speed during the action, not each kernel.
-    """
-    shape = shape or schedule_shape(schedule)
-    work = [0.0] * found.num_stages
-    for piece, j in zip(table.pieces, found.stage_of):
-        work[j] += piece.f + piece.full_backward
-    return [table.runtime.time_spread if work[j] > 0 else 0.0 for j in shape.model_stage]
-
-
-def exchange_time(stage_params: Sequence[float], schedule: Schedule, link: Link, *,
-                  shape: ScheduleShape | None = None) -> float:
-    """:func:`replica_sync_time` for model stages of ``stage_params`` bytes of parameters each."""
-    shape = shape or schedule_shape(schedule)
-    if shape.replicas == 1:
-        return 0.0
-    half = schedule.num_microbatches  # micro-batches per replica (M/2)
-    gather = [0.0] * shape.num_ranks
-    back = [0.0] * shape.num_ranks
-    for j, params in enumerate(stage_params):
-        holders = sorted(s for s in range(len(shape.model_stage)) if shape.model_stage[s] == j)
-        owner = shape.rank[holders[0]]
-        for s in holders[1:]:
-            if shape.rank[s] != owner and params > 0:
-                gather[owner] += half * link.time(params)
-                back[shape.rank[s]] += link.time(params)
-    return max(gather) + max(back)
-
-
-def _check_same_graph(original: Problem, costed: Problem) -> None:
-    def shape(problem: Problem) -> dict:
-        return {task.key: (task.ranks, frozenset(task.deps)) for task in problem.tasks}
-
-    assert shape(original) == shape(costed), "re-costing changed the schedule's task graph"
 
 
 # ---------------------------------------------------------------------------------- the search
@@ -380,7 +248,8 @@ def plan_pipeline(
     search_top: int = 2,
     progress: Callable[[str], None] | None = None,
 ) -> PlanResult:
-    """The fastest pipeline plan for ``table`` on ``num_ranks`` ranks of ``memory_limit`` bytes each.
+    """The fastest pipeline plan for ``table`` on ``num_ranks`` ranks of ``memory_limit`` bytes each (None: no
+    limit; the memory-aware schedules then order for their own default memory, see :func:`library_schedule`).
 
     Tries every schedule of ``schedules`` (default :func:`default_schedules`), with each of
     ``stages_per_rank`` for the looped ones, and every micro-batch count M of ``microbatches``
@@ -410,11 +279,14 @@ def plan_pipeline(
     search = _Search(tables, num_ranks=num_ranks, memory_limit=memory_limit)
     jobs = [(name, options, m) for m in counts for name in (schedules or default_schedules())
             for options in _options(name, stages_per_rank)]
+    logger.info("planning %d pieces on %d ranks: %d candidates (schedules x micro-batch counts)",
+                len(table.pieces), num_ranks, len(jobs))
     tried = []
     for k, (name, options, m) in enumerate(jobs):
         if progress is not None:
             progress(f"{name} with {m} micro-batches ({k + 1} of {len(jobs)})")
         tried.append(search.candidate(name, options, m, global_batch // m))
+        _log_candidate(tried[-1])
     ranked = sorted(tried, key=_rank)
     if search_time > 0:
         top = [c for c in ranked if c.fits][:search_top]
@@ -424,13 +296,17 @@ def plan_pipeline(
     best = ranked[0]
     if not best.fits:
         raise _nothing_fits(table, num_ranks, memory_limit, ranked)
+    step_time, timeline, partition = best.simulation()
+    logger.info("best plan: %s, %d micro-batches of %d: step %.4g s, peak %s (%d of %d candidates fit, %.1f s)",
+                best.label, best.microbatches, best.microbatch_size, step_time, format_bytes(max(timeline.peak_memory)),
+                sum(c.fits for c in ranked), len(ranked), time.perf_counter() - started)
     plan = Plan(
         num_ranks=num_ranks, split_points=best.split_points or (), schedule=best.schedule,
         schedule_options=best.schedule_options, microbatches=best.microbatches, global_batch=global_batch,
-        predicted_step_time=best.step_time, peak_memory=best.timeline.peak_memory, memory_limit=memory_limit,
-        bubble_ratio=best.bubble_ratio, stage_times=best.partition.stage_times, device=table.device,
+        predicted_step_time=step_time, peak_memory=timeline.peak_memory, memory_limit=memory_limit,
+        bubble_ratio=best.bubble_ratio, stage_times=partition.stage_times, device=table.device,
     )
-    return PlanResult(plan=plan, timeline=best.timeline, candidates=tuple(ranked),
+    return PlanResult(plan=plan, timeline=timeline, candidates=tuple(ranked),
                       seconds=time.perf_counter() - started)
 
 
@@ -440,26 +316,41 @@ def _searched(candidate: Candidate, seconds: float, memory_limit: float | None,
     (both predicted with ``table``'s time spread and start skew)."""
     from pipeloom.search import search
 
-    schedule = candidate.timeline.schedule
-    spread = stage_spreads(table, schedule, candidate.partition)
+    step_time, simulated, partition = candidate.simulation()
+    schedule = simulated.schedule
+    spread = stage_spreads(table, schedule, partition)
     try:
         result = search(schedule.problem, schedule.num_microbatches, time_limit=seconds, memory_limit=memory_limit,
                         name="search")
-    except PipeloomError:
+    except PipeloomError as error:
+        logger.info("search for %s found no schedule: %s", candidate.label, error)
         return None
     timeline = simulate(result.schedule)
     makespan = (expected_makespan(result.schedule, spread, start_skew=table.runtime.start_skew)
                 if any(spread) or table.runtime.start_skew else timeline.makespan)
     # the same replica exchange and step overhead as the candidate's
-    step = (makespan + replica_sync_time(table, schedule, candidate.partition)
-            + shared_time(table, schedule, candidate.partition) + table.runtime.step_overhead)
-    if step >= candidate.step_time * (1 - 1e-9):
+    step = (makespan + replica_sync_time(table, schedule, partition)
+            + shared_time(table, schedule, partition) + table.runtime.step_overhead)
+    if step >= step_time * (1 - 1e-9):
+        logger.info("search for %s: step %.4g s, not faster than %.4g s", candidate.label, step, step_time)
         return None
     if memory_limit is not None and max(timeline.peak_memory) > memory_limit * _FIT:
+        logger.info("search for %s: peak %s over the limit", candidate.label, format_bytes(max(timeline.peak_memory)))
         return None  # the simulator is the judge of memory too
+    logger.info("search for %s: step %.4g s, faster than %.4g s", candidate.label, step, step_time)
     return dataclasses.replace(candidate, schedule="search", schedule_options={}, step_time=step,
                                peak_memory=max(timeline.peak_memory), bubble_ratio=timeline.bubble_ratio,
                                timeline=timeline, reason="")
+
+
+def _log_candidate(candidate: Candidate) -> None:
+    """One DEBUG line per candidate: its step time and peak, or why it does not fit."""
+    if candidate.fits:
+        logger.debug("%s, %d micro-batches of %d: step %.4g s, peak %s", candidate.label, candidate.microbatches,
+                     candidate.microbatch_size, candidate.step_time, format_bytes(candidate.peak_memory or 0.0))
+    else:
+        logger.debug("%s, %d micro-batches of %d: %s", candidate.label, candidate.microbatches,
+                     candidate.microbatch_size, candidate.reason or "not simulated")
 
 
 def _rank(candidate: Candidate) -> tuple:
@@ -492,14 +383,14 @@ def _check_request(table: CostTable, num_ranks: int, global_batch: int, memory_l
 
 def _nothing_fits(table: CostTable, num_ranks: int, memory_limit: float | None,
                   ranked: Sequence[Candidate]) -> NoPlanFits:
-    sized = [c for c in ranked if c.peak_memory is not None]
+    sized = [(c.peak_memory, c) for c in ranked if c.peak_memory is not None]
     if memory_limit is not None and sized:
-        least = min(sized, key=lambda c: c.peak_memory)
+        need, least = min(sized, key=lambda pair: pair[0])
         return NoPlanFits(
             f"no plan fits {format_bytes(memory_limit)} per rank on {num_ranks} ranks; the smallest that fits "
-            f"is about {format_bytes_up(least.peak_memory)} (rounded up; {least.label}, {least.microbatches} "
+            f"is about {format_bytes_up(need)} (rounded up; {least.label}, {least.microbatches} "
             f"micro-batches of {least.microbatch_size}): raise the memory limit, or use more ranks",
-            smallest_limit=least.peak_memory,
+            smallest_limit=need,
         )
     reasons = "; ".join(dict.fromkeys(c.reason for c in ranked))
     return NoPlanFits(f"no plan could be built for {len(table.pieces)} pieces on {num_ranks} ranks: {reasons}",

@@ -231,7 +231,9 @@ def library_costs(table: CostTable, num_ranks: int) -> Costs:
 def library_schedule(table: CostTable, name: str, num_ranks: int, microbatches: int, *,
                      memory_limit: float | None, **options: object) -> Schedule:
     """The built-in schedule ``name`` ordered for ``table``'s per-rank costs; a memory-aware generator
-    (ZB-V) gets the per-rank limit less the average weights, gradients and optimizer state."""
+    (ZB-V) gets the per-rank limit less the average weights, gradients and optimizer state. With
+    ``memory_limit`` None (or a limit the static bytes leave too little of) the generator gets None: its own
+    default memory (:data:`pipeloom.schedules.MemoryLimit`)."""
     costs = library_costs(table, num_ranks)
     limit = None
     if REGISTRY[name].memory_aware and memory_limit is not None:

@@ -1,7 +1,8 @@
 """The schedule library: one module per family and a registry mapping names to generators.
 
 Every generator is a pure function ``(num_ranks, num_microbatches, *, costs, memory_limit, ...)
--> Schedule``. Modules are imported on first use, so listing names costs nothing.
+-> Schedule``; ``memory_limit=None`` is the schedule's own default memory (:data:`MemoryLimit`). Modules are
+imported on first use, so listing names costs nothing.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from typing import Literal, get_args
 from pipeloom.errors import ArgumentError, ArgumentTypeError, PipeloomError
 from pipeloom.ir import Schedule
 from pipeloom.problem import Costs
+from pipeloom.schedules.common import MemoryLimit
 
-__all__ = ["PLACEMENT_KINDS", "Placement", "ScheduleInfo", "REGISTRY", "build_schedule", "schedule_info",
+__all__ = ["PLACEMENT_KINDS", "MemoryLimit", "Placement", "ScheduleInfo", "REGISTRY", "build_schedule", "schedule_info",
            "schedule_names"]
 
 Placement = Literal["linear", "interleaved", "v", "bidirectional"]
@@ -66,7 +68,7 @@ class ScheduleInfo:
         """Model copies the schedule runs (2 for the bidirectional ones)."""
         return 2 if self.placement == "bidirectional" else 1
 
-    def num_pieces(self, num_ranks: int, options: Mapping[str, object] | None = None) -> int:
+    def num_pieces(self, num_ranks: int, options: Mapping[str, int] | None = None) -> int:
         """Pieces the model is cut into on ``num_ranks`` ranks: p (linear, and bidirectional: each
         rank holds a piece of each replica), p*v (interleaved, v = ``stages_per_rank``, default 2) or
         2p (v)."""
@@ -140,10 +142,13 @@ def build_schedule(
     num_microbatches: int,
     *,
     costs: Costs = Costs(),
-    memory_limit: float | None = None,
+    memory_limit: MemoryLimit = None,
     **options: object,
 ) -> Schedule:
     """Build the built-in schedule ``name``; options it does not take are an error.
+
+    ``memory_limit``: the per-rank memory the schedule's problem carries; None is the schedule's own default
+    (:data:`MemoryLimit`: no limit, or for a memory-aware schedule the memory its docstring states).
 
     Arguments of the wrong type raise :class:`~pipeloom.errors.ArgumentTypeError` (a TypeError and a
     PipeloomError), bad counts :class:`~pipeloom.errors.ArgumentError`, before anything is built.

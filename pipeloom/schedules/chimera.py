@@ -12,6 +12,7 @@ from typing import Literal
 from pipeloom.ir import Action, Schedule
 from pipeloom.problem import Costs
 from pipeloom.schedules.common import (
+    MemoryLimit,
     check_counts,
     check_even_ranks,
     even_microbatches_hint,
@@ -149,7 +150,7 @@ def chimera(
     num_microbatches: int,
     *,
     costs: Costs = Costs(),
-    memory_limit: float | None = None,
+    memory_limit: MemoryLimit = None,
     order: Order = "best",
 ) -> Schedule:
     """Chimera with two replicas and full backward; p even, m even (m/2 micro-batches per direction).

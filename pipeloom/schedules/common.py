@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TypeAlias
 
 from pipeloom.errors import ArgumentError
-from pipeloom.ir import Action, Schedule
+from pipeloom.ir import Action, Comm, Overlap, Schedule
 from pipeloom.problem import Costs, Problem, stage_graph
 
 __all__ = [
+    "MemoryLimit",
     "check_counts",
     "check_even_ranks",
     "even_microbatches_hint",
@@ -20,6 +22,15 @@ __all__ = [
     "merge_one_f_one_b",
     "make_schedule",
 ]
+
+MemoryLimit: TypeAlias = float | None
+"""A generator's ``memory_limit``: the per-rank memory its Schedule's problem carries, which the validator
+enforces and a memory-aware generator (:attr:`~pipeloom.schedules.ScheduleInfo.memory_aware`) orders its
+actions for. None means the schedule's own default memory, stated in its docstring: no limit for a schedule
+that is not memory-aware; zbv: 1F1B's peak ``min(p, m) * costs.memory``; interleaved-zb: what its first
+candidate order holds per rank; v-half and v-min: their documented ``(p+2)//2`` and ``(p+4)//3``
+micro-batches. A limit given is carried as it is. (The search differs: its problem exists already, and
+there None means that problem's own limit, :func:`pipeloom.search.common.limit_of`.)"""
 
 
 def check_counts(name: str, num_ranks: int, num_microbatches: int, *, min_microbatches: int = 1) -> None:
@@ -151,9 +162,9 @@ def merge_one_f_one_b(
 
 
 def make_schedule(
-    name: str, *, problem: Problem, num_microbatches: int, ranks: Sequence[Sequence[Action]]
+    name: str, *, problem: Problem, num_microbatches: int, ranks: Sequence[Sequence[Action | Overlap | Comm]]
 ) -> Schedule:
-    """Wrap per-rank lists into a Schedule."""
+    """Wrap per-rank lists (compute actions, overlapped pairs, communication) into a Schedule."""
     return Schedule(
         name=name,
         problem=problem,

@@ -15,6 +15,7 @@ from itertools import count, repeat
 from pipeloom.ir import Action, Overlap, Schedule
 from pipeloom.problem import Costs
 from pipeloom.schedules.common import (
+    MemoryLimit,
     check_counts,
     check_even_ranks,
     even_microbatches_hint,
@@ -113,7 +114,7 @@ def dualpipev(
     num_microbatches: int,
     *,
     costs: Costs = Costs(),
-    memory_limit: float | None = None,
+    memory_limit: MemoryLimit = None,
 ) -> Schedule:
     """DualPipeV: one model cut into 2p stages in a V; rank r holds stages r and 2p-1-r (share 1/2).
 
@@ -142,7 +143,7 @@ def dualpipe(
     num_microbatches: int,
     *,
     costs: Costs = Costs(),
-    memory_limit: float | None = None,
+    memory_limit: MemoryLimit = None,
 ) -> Schedule:
     """DualPipe: two model replicas on p ranks (p even), m/2 micro-batches fed from each end.
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pipeloom.ir import Action, Schedule
 from pipeloom.problem import Costs
-from pipeloom.schedules.common import chain_problem, check_counts, make_schedule
+from pipeloom.schedules.common import MemoryLimit, chain_problem, check_counts, make_schedule
 
 __all__ = ["gpipe"]
 
@@ -14,7 +14,7 @@ def gpipe(
     num_microbatches: int,
     *,
     costs: Costs = Costs(),
-    memory_limit: float | None = None,
+    memory_limit: MemoryLimit = None,
 ) -> Schedule:
     """GPipe on a linear chain, stage r on rank r: all F in micro-batch order, then all B.
 

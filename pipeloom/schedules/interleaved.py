@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pipeloom.ir import Action, Schedule
 from pipeloom.problem import Costs, Problem
-from pipeloom.schedules.common import chain_problem, check_counts, make_schedule, merge_one_f_one_b
+from pipeloom.schedules.common import MemoryLimit, chain_problem, check_counts, make_schedule, merge_one_f_one_b
 
 __all__ = ["interleaved_1f1b", "check_stages_per_rank", "looped_problem", "group_sizes", "grouped_order"]
 
@@ -73,7 +73,7 @@ def interleaved_1f1b(
     num_microbatches: int,
     *,
     costs: Costs = Costs(),
-    memory_limit: float | None = None,
+    memory_limit: MemoryLimit = None,
     stages_per_rank: int = 2,
 ) -> Schedule:
     """Megatron-LM's interleaved 1F1B on the looped layout: p*v stages, stage s on rank s % p.

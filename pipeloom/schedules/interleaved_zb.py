@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pipeloom.errors import ArgumentError, DeadlockError, PipeloomError
 from pipeloom.ir import Action, Schedule
 from pipeloom.problem import Costs, Problem
-from pipeloom.schedules.common import check_counts, make_schedule
+from pipeloom.schedules.common import MemoryLimit, check_counts, make_schedule
 from pipeloom.schedules.interleaved import check_stages_per_rank, group_sizes, grouped_order, looped_problem
 from pipeloom.sim import simulate
 
@@ -266,7 +266,7 @@ def interleaved_zb(
     num_microbatches: int,
     *,
     costs: Costs = Costs(),
-    memory_limit: float | None = None,
+    memory_limit: MemoryLimit = None,
     stages_per_rank: int = 2,
 ) -> Schedule:
     """Zero bubble on the looped layout: p*v stages, stage s on rank s % p, backward split into I and W.
@@ -301,9 +301,11 @@ def interleaved_zb(
     else:
         caps = [memory_limit] * p
     problem = looped_problem(p, stages_per_rank=v, costs=costs, memory_limit=memory_limit, split_backward=True)
-    if problem.memory_limit < costs.memory * (1 - 1e-12):
+    limit = problem.memory_limit
+    assert limit is not None, "looped_problem keeps the limit it is given"
+    if limit < costs.memory * (1 - 1e-12):
         raise ArgumentError(
-            f"interleaved-zb: memory_limit {problem.memory_limit:g} is below what one micro-batch needs "
+            f"interleaved-zb: memory_limit {limit:g} is below what one micro-batch needs "
             f"on a rank (the activations of its {v} stages there, costs.memory = {costs.memory:g}); "
             f"the smallest workable limit is {costs.memory:g}"
         )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pipeloom.ir import Action, Schedule
 from pipeloom.problem import Costs
-from pipeloom.schedules.common import check_counts, make_schedule
+from pipeloom.schedules.common import MemoryLimit, check_counts, make_schedule
 from pipeloom.schedules.interleaved import check_stages_per_rank, looped_problem
 
 __all__ = ["looped_bfs"]
@@ -15,7 +15,7 @@ def looped_bfs(
     num_microbatches: int,
     *,
     costs: Costs = Costs(),
-    memory_limit: float | None = None,
+    memory_limit: MemoryLimit = None,
     stages_per_rank: int = 2,
 ) -> Schedule:
     """Looped BFS on the looped layout: p*v stages, stage s on rank s % p (local stage c = s // p).

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pipeloom.ir import Action, Schedule
 from pipeloom.problem import Costs
-from pipeloom.schedules.common import chain_problem, check_counts, make_schedule, merge_one_f_one_b
+from pipeloom.schedules.common import MemoryLimit, chain_problem, check_counts, make_schedule, merge_one_f_one_b
 
 __all__ = ["one_f_one_b"]
 
@@ -14,7 +14,7 @@ def one_f_one_b(
     num_microbatches: int,
     *,
     costs: Costs = Costs(),
-    memory_limit: float | None = None,
+    memory_limit: MemoryLimit = None,
 ) -> Schedule:
     """1F1B on a linear chain, stage r on rank r; rank r warms up with p-r-1 forwards.
 

@@ -22,7 +22,7 @@ import dataclasses
 from pipeloom.errors import ArgumentError
 from pipeloom.ir import Schedule
 from pipeloom.problem import Costs
-from pipeloom.schedules.common import check_counts, make_schedule
+from pipeloom.schedules.common import MemoryLimit, check_counts, make_schedule
 from pipeloom.schedules.v_block import Variant, block_order
 from pipeloom.schedules.zbv import zbv
 from pipeloom.sim import simulate
@@ -69,7 +69,7 @@ def v_half(
     num_microbatches: int,
     *,
     costs: Costs = Costs(),
-    memory_limit: float | None = None,
+    memory_limit: MemoryLimit = None,
 ) -> Schedule:
     """V-Half on the V placement: rank r runs stages r and 2p-1-r, each with half of ``costs``.
 
@@ -92,7 +92,7 @@ def v_min(
     num_microbatches: int,
     *,
     costs: Costs = Costs(),
-    memory_limit: float | None = None,
+    memory_limit: MemoryLimit = None,
 ) -> Schedule:
     """V-Min on the V placement: rank r runs stages r and 2p-1-r, each with half of ``costs``.
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pipeloom.errors import PipeloomError, ScheduleError
 from pipeloom.ir import Action, Schedule
 from pipeloom.problem import Costs
-from pipeloom.schedules.common import check_counts, make_schedule, v_problem
+from pipeloom.schedules.common import MemoryLimit, check_counts, make_schedule, v_problem
 from pipeloom.schedules.kernel import ListProblem, ListTask, RankState, rank_schedule_kernel
 from pipeloom.schedules.zbv_plan import VPlan, v_plan
 from pipeloom.schedules.zbv_rounds import round_candidates
@@ -310,7 +310,7 @@ def zbv(
     num_microbatches: int,
     *,
     costs: Costs = Costs(),
-    memory_limit: float | None = None,
+    memory_limit: MemoryLimit = None,
 ) -> Schedule:
     """ZB-V on the V placement: rank r runs stages r and 2p-1-r, each with half of ``costs``.
 
@@ -343,6 +343,7 @@ def zbv(
         memory_limit = min(p, m) * costs.memory
     problem = v_problem(p, costs=costs, memory_limit=memory_limit)
     limit = problem.memory_limit
+    assert limit is not None, "v_problem keeps the limit it is given"
     if limit < costs.memory * (1 - 1e-12):
         raise ValueError(
             f"zbv: memory_limit {limit:g} is below what one micro-batch needs on a rank "

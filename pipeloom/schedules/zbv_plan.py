@@ -36,7 +36,7 @@ def v_plan(problem: Problem, num_microbatches: int, limit: float) -> VPlan:
     """The VPlan of a V-placement ``problem`` (stage s on rank min(s, 2p-1-s)) under ``limit``."""
     p = problem.num_ranks
     stages = range(2 * p)
-    tasks = [[problem.task((s, kind)) for s in stages] for kind in "FIW"]
+    f, i, w = ([problem.task((s, kind)) for s in stages] for kind in "FIW")
     comm = problem.comm_latency
     owner = v_stage_ranks(p)
     return VPlan(
@@ -44,8 +44,8 @@ def v_plan(problem: Problem, num_microbatches: int, limit: float) -> VPlan:
         num_microbatches=num_microbatches,
         rank_stages=tuple(v_rank_stages(p, rank=r) for r in range(p)),
         owner=tuple(owner),
-        duration=tuple(tuple(t.duration for t in row) for row in tasks),
-        memory=tuple(tuple(t.memory for t in row) for row in tasks),
+        duration=(tuple(t.duration for t in f), tuple(t.duration for t in i), tuple(t.duration for t in w)),
+        memory=(tuple(t.memory for t in f), tuple(t.memory for t in i), tuple(t.memory for t in w)),
         latency_f=tuple(0.0 if s == 0 or owner[s - 1] == owner[s] else comm for s in stages),
         latency_i=tuple(0.0 if s == 2 * p - 1 or owner[s + 1] == owner[s] else comm for s in stages),
         limit=limit + 1e-12 * max(1.0, abs(limit)),

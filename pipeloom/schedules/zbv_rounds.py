@@ -130,6 +130,7 @@ class _Builder:
             first, second = stages[r]
             if r < p - 1:
                 back = self.input_ready(0, second)
+                assert back is not None, "rank r+1 placed micro-batch 0 of its second stage above"
                 while (self.done[0][first] < m and self.clock[r] + f_dur[first] <= back
                        and self.held[r] + (2 * r + 2) * f_mem[first] <= self.plan.limit):
                     for above in range(r + 1):
@@ -182,13 +183,13 @@ class _Builder:
             for r in range(p):
                 if self.done[0][plan.rank_stages[r][1]] >= m:
                     continue
-                stage = self.next_f(r)
-                if stage is None:
+                forward = self.next_f(r)
+                if forward is None:
                     continue
-                while self.held[r] + plan.memory[0][stage] > plan.limit:
+                while self.held[r] + plan.memory[0][forward] > plan.limit:
                     self.place_w(r)
-                self.fill_wait(r, 0, stage, budget_w=self.w_before_f)
-                self.place(r, 0, stage)
+                self.fill_wait(r, 0, forward, budget_w=self.w_before_f)
+                self.place(r, 0, forward)
 
     def run(self) -> list[list[Action]]:
         self.warm_up()

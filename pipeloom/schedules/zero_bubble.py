@@ -11,7 +11,7 @@ from functools import partial
 
 from pipeloom.ir import Action, Schedule
 from pipeloom.problem import Costs
-from pipeloom.schedules.common import chain_problem, check_counts, make_schedule
+from pipeloom.schedules.common import MemoryLimit, chain_problem, check_counts, make_schedule
 
 __all__ = ["zb_h1", "zb_h2"]
 
@@ -58,12 +58,17 @@ def _h2_gap_weights(k: int, *, lead: int, num_microbatches: int, short_gaps: int
     return gap - (1 if lead + k < num_microbatches else 0)
 
 
+def _one_from(step: int) -> Callable[[int], int]:
+    """``weights_after`` of zb-h1's rank ``step``: one W after each I from step ``step`` on, none before."""
+    return lambda k: 1 if k >= step else 0
+
+
 def zb_h1(
     num_ranks: int,
     num_microbatches: int,
     *,
     costs: Costs = Costs(),
-    memory_limit: float | None = None,
+    memory_limit: MemoryLimit = None,
 ) -> Schedule:
     """ZB-H1 on a linear chain, stage r on rank r: 1F1B's F/I order with W's filling the bubbles.
 
@@ -89,7 +94,7 @@ def zb_h1(
             r,
             num_microbatches,
             lead=num_ranks - r,
-            weights_after=lambda k, r=r: 1 if k >= r else 0,
+            weights_after=_one_from(r),
             weights_before_forward=True,
         )
         for r in range(num_ranks)
@@ -102,7 +107,7 @@ def zb_h2(
     num_microbatches: int,
     *,
     costs: Costs = Costs(),
-    memory_limit: float | None = None,
+    memory_limit: MemoryLimit = None,
 ) -> Schedule:
     """ZB-H2 on a linear chain, stage r on rank r: extra warm-up forwards, a bubble-free parallelogram.
 

@@ -1,7 +1,7 @@
 """One call to search a schedule: pick exact or periodic mode, warm-start from the built-in
 schedules that fit the problem, and never answer worse than the best of them.
 
-Also reads user problem files (the ``tasks`` part of the schedule JSON plus machine facts).
+User problem files are read by :mod:`pipeloom.search.problem_file` (re-exported here).
 """
 
 from __future__ import annotations
@@ -11,21 +11,17 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Literal
 
-from pipeloom.errors import PipeloomError, ScheduleFormatError, require_type
+from pipeloom.errors import PipeloomError, require_type
 from pipeloom.ir import Schedule
-from pipeloom.ir.core import shown
-from pipeloom.ir.files import read_text
-from pipeloom.ir.json_io import problem_from_document, schedule_from_document
-from pipeloom.ir.jsonfields import check_keys, parse_object
 from pipeloom.problem import Costs, Problem
 from pipeloom.schedules import REGISTRY, build_schedule
 from pipeloom.search.budget import Budget
 from pipeloom.search.common import SearchError, limit_of, lower_bound, to_integers, topological_order
 from pipeloom.search.constructions import BLOCK_PLACEMENTS, insert_all_rank_tasks, split_each_backward
-from pipeloom.search.result import SearchProgress, SearchResult
+from pipeloom.search.problem_file import load_problem, problem_from_json
+from pipeloom.search.result import Mode, SearchProgress, SearchResult, Status
 from pipeloom.search.transforms import merge_backward, without_all_rank_tasks
 from pipeloom.sim import Timeline
 from pipeloom.validate import validate
@@ -72,15 +68,13 @@ validated again there)."""
 MIN_INNER_SECONDS = 0.05
 """A construction's search or a solver given less time than this is not started."""
 
-_PROBLEM_KEYS = {"num_ranks", "tasks", "comm_latency", "memory_limit", "static_memory"}
-
 
 # ---------------------------------------------------------------------------------- searching
 
 logger = logging.getLogger(__name__)
 
 
-def search_plan(problem: Problem, num_microbatches: int, mode: SearchMode = "auto") -> tuple[str, ...]:
+def search_plan(problem: Problem, num_microbatches: int, mode: SearchMode = "auto") -> tuple[Mode, ...]:
     """The solvers :func:`search` runs, in order. ``periodic``: the periodic model. ``auto``: the
     periodic model, then (at most ``AUTO_EXACT_INTERVALS`` (task, micro-batch) intervals) the
     exact model warm-started from it. ``exact``: the exact model, after the periodic model above
@@ -152,7 +146,7 @@ def search(
 class _Search:
     """The state of one :func:`search` call: the candidates found so far and the lower bound."""
 
-    def __init__(self, problem: Problem, num_microbatches: int, *, plan: tuple[str, ...], budget: Budget,
+    def __init__(self, problem: Problem, num_microbatches: int, *, plan: tuple[Mode, ...], budget: Budget,
                  workers: int, name: str, mode: SearchMode,
                  progress: Callable[[SearchProgress], None] | None) -> None:
         self.problem, self.num_mb, self.plan, self.budget = problem, num_microbatches, plan, budget
@@ -204,9 +198,9 @@ class _Search:
     def constructions(self) -> None:
         """Step 2: the all-rank-block and split-backward constructions that apply."""
         reduced = without_all_rank_tasks(self.problem)
-        if reduced is not None:
-            inner = self._inner(reduced.problem)
-            for where in BLOCK_PLACEMENTS if inner is not None else ():
+        inner = self._inner(reduced.problem) if reduced is not None else None
+        if reduced is not None and inner is not None:
+            for where in BLOCK_PLACEMENTS:
                 if self.done() or not self.budget.fits(self.actions):
                     break
                 self.offer(f"all-rank-blocks({inner.origin})", self._timed(
@@ -248,15 +242,17 @@ class _Search:
             share = left if step == len(self.plan) - 1 else left / 4  # periodic first: it is quick
             if share < MIN_INNER_SECONDS or self.done():
                 break
-            options = {"memory_limit": limit, "time_limit": share, "workers": self.workers,
-                       "progress": self.progress, "name": self.name}
             try:
                 if solver == "exact":
                     known = sorted(self.candidates.values(), key=lambda t: t.makespan)[:MAX_HINTS]
                     hints = tuple(t.schedule for t in known) + tuple(r.schedule for r in self.results)
-                    self.results.append(solve_exact(self.problem, self.num_mb, hints=hints, **options))
+                    self.results.append(solve_exact(self.problem, self.num_mb, hints=hints, memory_limit=limit,
+                                                    time_limit=share, workers=self.workers, progress=self.progress,
+                                                    name=self.name))
                 else:
-                    self.results.append(solve_periodic(self.problem, self.num_mb, **options))
+                    self.results.append(solve_periodic(self.problem, self.num_mb, memory_limit=limit,
+                                                       time_limit=share, workers=self.workers,
+                                                       progress=self.progress, name=self.name))
             except SearchError as error:
                 logger.info("%s: the %s solver found no schedule: %s", self.name, solver, error)
                 self.failure = error
@@ -314,7 +310,7 @@ def _check_size(problem: Problem, num_microbatches: int) -> None:
 
 
 def _best(problem: Problem, num_microbatches: int, results: list[SearchResult],
-          candidates: dict[str, Timeline], *, mode: str, name: str, seconds: float,
+          candidates: dict[str, Timeline], *, mode: Mode, name: str, seconds: float,
           bound: float | None = None) -> SearchResult:
     """The fastest of the solvers' results unless a candidate (built-in or construction, by origin)
     is strictly faster, with the best proven lower bound and its status. Ties go to a result that
@@ -333,7 +329,7 @@ def _best(problem: Problem, num_microbatches: int, results: list[SearchResult],
     return SearchResult(
         schedule=dataclasses.replace(timeline.schedule, name=f"{name} (={label})"),
         status=_status(timeline.makespan, bound),
-        mode=mode,  # type: ignore[arg-type]
+        mode=mode,
         makespan=timeline.makespan,
         lower_bound=bound,
         seconds=seconds,
@@ -345,7 +341,7 @@ def _best(problem: Problem, num_microbatches: int, results: list[SearchResult],
     )
 
 
-def _status(makespan: float, bound: float) -> str:
+def _status(makespan: float, bound: float) -> Status:
     """``optimal`` when the makespan meets the proven bound (up to float rounding)."""
     return "optimal" if makespan <= bound * (1 + 1e-9) + 1e-12 else "feasible"
 
@@ -476,34 +472,3 @@ def _retarget(built: Schedule, problem: Problem) -> Timeline | None:
         return validate(schedule, ordered=True)
     except ValueError:  # over the limit (or another order rule) on this problem's costs
         return None
-
-
-# ------------------------------------------------------------------------------- problem files
-
-
-def problem_from_json(text: str) -> Problem:
-    """A problem from JSON: ``num_ranks`` and ``tasks`` (as in the schedule format), optional
-    ``comm_latency``, ``memory_limit`` and ``static_memory``; a whole schedule file also works
-    (its problem is taken, its rank lists ignored)."""
-    document = parse_object(text, error=ScheduleFormatError, what="problem file",
-                            hint=" with num_ranks and tasks")
-    if "format" in document:
-        return schedule_from_document(document).problem
-    check_keys(document, _PROBLEM_KEYS, where="problem", error=ScheduleFormatError)
-    for key in ("num_ranks", "tasks"):
-        if key not in document:
-            raise ScheduleFormatError(f"problem: missing key {key!r}")
-    ranks = document["num_ranks"]
-    if isinstance(ranks, bool) or not isinstance(ranks, int) or not 1 <= ranks <= 1_000_000:
-        raise ScheduleFormatError(f"problem.num_ranks: expected a positive integer, got {shown(ranks)}")
-    return problem_from_document(document, where="problem")
-
-
-def load_problem(path: str | Path) -> Problem:
-    """:func:`problem_from_json` of a UTF-8 file; errors name the file."""
-    path = Path(path)
-    text = read_text(path)
-    try:
-        return problem_from_json(text)
-    except ScheduleFormatError as error:
-        raise ScheduleFormatError(f"{path}: {error}") from None

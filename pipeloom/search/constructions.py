@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 from pipeloom.errors import ScheduleError
-from pipeloom.ir import Action, Schedule
+from pipeloom.ir import Action, Comm, Overlap, Schedule
 from pipeloom.problem import Problem
 from pipeloom.search.common import topological_order
 from pipeloom.search.transforms import Reduced
@@ -29,15 +29,17 @@ def split_each_backward(schedule: Schedule, problem: Problem, *, name: str | Non
     Never slower than ``schedule``: I ends before B did and W where B did, so every action can start
     no later than before.
     """
-    ranks = tuple(
-        tuple(part for action in actions for part in (
-            (Action(action.stage, "I", action.microbatch), Action(action.stage, "W", action.microbatch))
-            if action.kind == "B" else (action,)))
-        for actions in schedule.ranks
-    )
+    ranks = tuple(tuple(part for action in actions for part in _split_backward(action)) for actions in schedule.ranks)
     split = Schedule(name=name or schedule.name, problem=problem, num_microbatches=schedule.num_microbatches,
                      ranks=ranks)
     return _checked(split)
+
+
+def _split_backward(action: Action | Overlap | Comm) -> tuple[Action | Overlap | Comm, ...]:
+    """``sI j`` then ``sW j`` for a full backward ``sB j``; any other action as it is."""
+    if type(action) is Action and action.kind == "B":
+        return Action(action.stage, "I", action.microbatch), Action(action.stage, "W", action.microbatch)
+    return (action,)
 
 
 def insert_all_rank_tasks(schedule: Schedule, problem: Problem, reduced: Reduced, *, where: str = "ends",
@@ -59,7 +61,7 @@ def insert_all_rank_tasks(schedule: Schedule, problem: Problem, reduced: Reduced
     timeline = simulate(schedule)
     stage_of = reduced.stages
     times = {(stage_of[action.stage], action.kind, action.microbatch): (start, end)
-             for action, (start, end) in timeline.action_times().items()}
+             for action, (start, end) in timeline.action_times().items() if type(action) is Action}
     tasks = problem.tasks
     order = topological_order(problem)
     position = {t: p for p, t in enumerate(order)}

@@ -40,7 +40,7 @@ def to_units(values: Sequence[float], scale: float, *, exact: bool = True,
     return tuple(round(v * scale) if exact else int(rounding(v * scale)) for v in values)
 
 
-def found_solution(status: int) -> bool:
+def found_solution(status: cp_model.CpSolverStatus) -> bool:
     """Whether a CP-SAT status carries a solution (OPTIMAL or FEASIBLE)."""
     return status in (cp_model.OPTIMAL, cp_model.FEASIBLE)
 

@@ -15,7 +15,7 @@ from ortools.sat.python import cp_model
 
 from pipeloom import graph
 from pipeloom.errors import ScheduleError
-from pipeloom.ir import Schedule
+from pipeloom.ir import Action, Schedule
 from pipeloom.problem import Problem
 from pipeloom.search.common import (
     IntegerProblem,
@@ -85,25 +85,25 @@ class _Model:
             for j in self.microbatches:
                 low = head[t] + j * d[t]
                 high = max(low, h - tail[t] - (m - j) * d[t])
-                s = self.model.NewIntVar(low, high, f"s_{t}_{j}")
+                s = self.model.new_int_var(low, high, f"s_{t}_{j}")
                 self.start[t, j] = s
                 self.end[t, j] = s + d[t]
-                self.interval[t, j] = self.model.NewFixedSizeIntervalVar(s, d[t], f"x_{t}_{j}")
-        self.makespan = self.model.NewIntVar(min(self.floor, h), h, "makespan")
+                self.interval[t, j] = self.model.new_fixed_size_interval_var(s, d[t], f"x_{t}_{j}")
+        self.makespan = self.model.new_int_var(min(self.floor, h), h, "makespan")
 
     def _no_overlap(self) -> None:
         """For each rank r: the intervals of {(t, j) : r in R_t} do not overlap."""
         for rank in range(self.integer.problem.num_ranks):
             on_rank = [t for t in self.tasks if rank in self.integer.problem.tasks[t].ranks]
             if on_rank:
-                self.model.AddNoOverlap([self.interval[t, j] for t in on_rank for j in self.microbatches])
+                self.model.add_no_overlap([self.interval[t, j] for t in on_rank for j in self.microbatches])
 
     def _precedences(self) -> None:
         """``s_tj >= s_uj + d_u + lat_ut`` for every dep u of t, every micro-batch j."""
         for t in self.tasks:
             for u, lat in self.integer.deps[t]:
                 for j in self.microbatches:
-                    self.model.Add(self.start[t, j] >= self.end[u, j] + lat)
+                    self.model.add(self.start[t, j] >= self.end[u, j] + lat)
 
     def _microbatch_order(self) -> None:
         """``s_t,j+1 >= s_tj + d_t``: each task's micro-batches in order.
@@ -114,7 +114,7 @@ class _Model:
         """
         for t in self.tasks:
             for j in self.microbatches[:-1]:
-                self.model.Add(self.start[t, j + 1] >= self.end[t, j])
+                self.model.add(self.start[t, j + 1] >= self.end[t, j])
 
     def _memory(self) -> None:
         """Per limited rank r, at every time τ: ``sum_{(t, j): r in R_t, s_tj <= τ} m_t <= L_r``
@@ -133,27 +133,27 @@ class _Model:
                 continue
             lowest = min(0, sum(change for _, change in events if change < 0))
             times, changes = zip(*events)
-            self.model.AddReservoirConstraint(list(times), list(changes), lowest, limit)
+            self.model.add_reservoir_constraint(list(times), list(changes), lowest, limit)
 
     def _objective(self) -> None:
         """``C >= s_t,M-1 + d_t`` for every t (the last copy of each task ends last), ``C >= F``
         (redundant: F bounds every schedule, so it only lets the solver stop as soon as it meets
         F); minimise C."""
         for t in self.tasks:
-            self.model.Add(self.makespan >= self.end[t, self.num_mb - 1])
-        self.model.Minimize(self.makespan)
+            self.model.add(self.makespan >= self.end[t, self.num_mb - 1])
+        self.model.minimize(self.makespan)
 
     def hint(self, starts: Starts) -> None:
         """Warm start from a known schedule's integer start times."""
         for key, value in starts.items():
-            self.model.AddHint(self.start[key], value)
-        self.model.AddHint(self.makespan, max(
+            self.model.add_hint(self.start[key], value)
+        self.model.add_hint(self.makespan, max(
             value + self.integer.durations[t] for (t, _), value in starts.items()
         ))
 
     def starts(self, solver: cp_model.CpSolver) -> Starts:
         """Start times of the solver's solution."""
-        return {key: solver.Value(var) for key, var in self.start.items()}
+        return {key: solver.value(var) for key, var in self.start.items()}
 
 
 class _Progress(cp_model.CpSolverSolutionCallback):
@@ -256,7 +256,7 @@ def _solve(
     deadline: float,
     workers: int,
     callback: cp_model.CpSolverSolutionCallback | None,
-) -> tuple[int, Starts | None, float | None]:
+) -> tuple[cp_model.CpSolverStatus, Starts | None, float | None]:
     """Build and solve the model within the best known makespan, warm-started from it, with the
     analytic lower bound as the makespan's floor where scaling was exact; the solver gets the time
     left until ``deadline`` (a :func:`time.perf_counter` value) once the model is built, and does
@@ -281,12 +281,12 @@ def _solve(
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = left
     solver.parameters.num_workers = max(1, int(workers))
-    status = solver.Solve(model.model, callback)
+    status = solver.solve(model.model, callback)
     if not found_solution(status):
         return status, None, None
     proven = None
     if integer.exact:
-        value = solver.ObjectiveValue() if status == cp_model.OPTIMAL else solver.BestObjectiveBound()
+        value = solver.objective_value if status == cp_model.OPTIMAL else solver.best_objective_bound
         proven = value / integer.time_scale
     return status, model.starts(solver), proven
 
@@ -365,7 +365,7 @@ def _integer_starts(schedule: Schedule, integer: IntegerProblem) -> Starts:
     timeline = simulate(replace(schedule, problem=scaled))
     return {
         (problem.index(action.task), action.microbatch): round(start)
-        for action, (start, _) in timeline.action_times().items()
+        for action, (start, _) in timeline.action_times().items() if type(action) is Action
     }
 
 
@@ -376,8 +376,8 @@ def _serial_horizon(integer: IntegerProblem, num_microbatches: int) -> int:
 
 
 def _no_schedule_message(
-    problem: Problem, num_microbatches: int, status: int, time_limit: float, greedy: SearchError | None,
-    *, deadline: float,
+    problem: Problem, num_microbatches: int, status: cp_model.CpSolverStatus, time_limit: float,
+    greedy: SearchError | None, *, deadline: float,
 ) -> str:
     """Why no schedule came back, with the smallest feasible limit as far as it is known."""
     limit = problem.memory_limit

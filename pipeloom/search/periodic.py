@@ -10,6 +10,7 @@ import time
 from dataclasses import replace
 
 from pipeloom.errors import ScheduleError
+from pipeloom.ir import Action
 from pipeloom.problem import Problem
 from pipeloom.search.budget import SECONDS_PER_ACTION
 from pipeloom.search.common import (
@@ -62,7 +63,7 @@ def _measured_period(timeline: Timeline, copies: int) -> float | None:
         return None
     task = schedule.problem.tasks[0]
     starts = {action.microbatch: start for action, start, _ in timeline.events(task.ranks[0])
-              if action.task == task.key}
+              if type(action) is Action and action.task == task.key}
     return (starts[last] - starts[first]) / (last - first)
 
 
@@ -93,6 +94,7 @@ def solve_periodic(
     limit = limit_of(problem, memory_limit)
     limited = replace(problem, memory_limit=limit)
     ip = coarsen(to_integers(limited))
+    failure: SearchError | None
     try:
         reserve = _RESERVE + _FALLBACK_PASSES * SECONDS_PER_ACTION * len(problem.tasks) * num_microbatches
         repetend = solve_repetend(ip, time_limit=max(0.05, time_limit - reserve), workers=workers,

@@ -99,9 +99,10 @@ def solver_period_bound(ip: IntegerProblem, limits: Sequence[int | None]) -> flo
     tasks = tuple(replace(task, duration=float(d), memory=float(m))
                   for task, d, m in zip(ip.problem.tasks, ip.durations, ip.memory))
     limit, static = None, None
-    if all(room is not None for room in limits):  # room_q = limit - static_q
-        limit = float(max(limits))
-        static = tuple(limit - room for room in limits)
+    rooms = [room for room in limits if room is not None]
+    if len(rooms) == len(limits):  # every rank limited: room_q = limit - static_q
+        limit = float(max(rooms))
+        static = tuple(limit - room for room in rooms)
     solver_units = replace(ip.problem, tasks=tasks, comm_latency=float(latency), memory_limit=limit,
                            static_memory=static)
     return period_lower_bound(solver_units)
@@ -149,7 +150,7 @@ class RepetendModel:
         self._no_overlap()
         self._phase_order()
         self.peak = self._memory(limits, minimise_memory)
-        self.model.minimize(self.peak if minimise_memory else self.period)
+        self.model.minimize(self.period if self.peak is None else self.peak)
         self._hint()
 
     def minimise_span(self, repetend: Repetend) -> None:
@@ -257,17 +258,18 @@ class RepetendModel:
         if minimise:
             peak = self.model.new_int_var(0, sum(abs(m) for m in memory) * self.copies * (self.k_max + 2), "peak")
         for q, slots in enumerate(self.on_rank):
-            if sum(memory[t] for _, t in slots) != 0 or (limits[q] is None and not minimise):
+            limit = limits[q]
+            if sum(memory[t] for _, t in slots) != 0 or (limit is None and peak is None):
                 continue  # unbalanced ranks grow with M: left to the final validation
             held = -sum(memory[s[1]] * self.flight[s] for s in slots)
             for u in slots:
                 if memory[u[1]] <= 0:
                     continue
                 level = held + memory[u[1]] + sum(memory[s[1]] * self.before[s, u] for s in slots if s != u)
-                if minimise:
+                if peak is not None:
                     self.model.add(level + round(static[q] * self.ip.memory_scale) <= peak)
-                else:
-                    self.model.add(level <= limits[q])
+                elif limit is not None:
+                    self.model.add(level <= limit)
         return peak
 
     def _hint(self) -> None:

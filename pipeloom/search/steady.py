@@ -38,7 +38,7 @@ class _Reporter(cp_model.CpSolverSolutionCallback):
 
 
 def _solve(model: RepetendModel, *, time_limit: float, workers: int, progress: Progress | None,
-           scale: float, phase: str) -> tuple[cp_model.CpSolver, int]:
+           scale: float, phase: str) -> tuple[cp_model.CpSolver, cp_model.CpSolverStatus]:
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = max(0.01, time_limit)
     solver.parameters.num_workers = max(1, workers)
@@ -107,7 +107,7 @@ def smallest_limit(ip: IntegerProblem, *, time_limit: float, workers: int) -> fl
     """The lowest per-rank peak (static included, real units) any one-copy repetend reaches, if found."""
     model = RepetendModel(ip, copies=1, limits=(None,) * ip.problem.num_ranks, minimise_memory=True)
     solver, status = _solve(model, time_limit=time_limit, workers=workers, progress=None, scale=1.0, phase="memory")
-    if not found_solution(status):
+    if not found_solution(status) or model.peak is None:  # minimise_memory makes the peak variable
         return None
     return solver.value(model.peak) / ip.memory_scale
 
