@@ -33,7 +33,14 @@ from pipeloom.runtime.scatter import Traffic, gather_slices, identical_over_tp, 
 from pipeloom.runtime.threads import HelperThreads
 from pipeloom.runtime.tp import TensorParallel, is_dtensor, local_of
 from pipeloom.runtime.transport import Posted, Transport, transport_for
-from pipeloom.runtime.watch import FailureBoard, PeerWatch, close_connections, poll_work
+from pipeloom.runtime.watch import (
+    FailureBoard,
+    PeerWatch,
+    close_connections,
+    completes_alone,
+    poll_work,
+    wait_in_slices,
+)
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
@@ -170,6 +177,11 @@ class Messenger:
         rank's failure in the store ends the wait within about ``PEER_POLL_S`` seconds (module watch)."""
         if self.polled:
             return poll_work(work, timeout=self.timeout, board=self.board)
+        if completes_alone(work):  # a gloo collective: waited in slices, looking at the store between
+            failed = wait_in_slices(work, timeout=self.timeout, board=self.board)
+            if failed is not None and failed[1] is None and self.store is not None:
+                self._close_connections()  # frees gloo's thread still waiting in the collective
+            return failed
         watch = self._watch()
         if watch is not None:
             watch.waiting += 1
@@ -188,14 +200,13 @@ class Messenger:
         """The thread looking for other ranks' failures while this one waits (none without a store)."""
         helpers = self._helpers
         if helpers.watch is None and self.store is not None and not helpers.stopped:
-            groups = (self.group, *self.scope.wake)
-
-            def wake() -> None:
-                for group in groups:
-                    close_connections(group)
-
-            helpers.watch = PeerWatch(self.board, wake)
+            helpers.watch = PeerWatch(self.board, self._close_connections)
         return helpers.watch
+
+    def _close_connections(self) -> None:
+        """Fail every pending operation of this rank on its groups (after another rank's failure)."""
+        for group in (self.group, *self.scope.wake):
+            close_connections(group)
 
     def sends_posted(self) -> None:
         """Wait until the transport has posted every queued send; a failed post raises here."""

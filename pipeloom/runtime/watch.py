@@ -5,7 +5,10 @@ other ranks raise that message whether or not the failed process exits.
 Gloo's point-to-point works cannot be polled (``is_completed`` stays False until ``wait`` is called, and
 a ``wait`` that times out closes the group's connections), so on the CPU the wait blocks as before and a
 helper thread (:class:`PeerWatch`) looks at the store while it lasts; on finding another rank's failure
-it closes this rank's connections of the group, which wakes the wait at once. Accelerator backends
+it closes this rank's connections of the group, which wakes the wait at once. Gloo's collectives
+complete by themselves and survive a ``wait`` that times out: :func:`wait_in_slices` waits for them in
+slices and looks at the store between two, so a failure is seen even where closing connections would not
+end the collective. Accelerator backends
 (NCCL) complete their works by themselves: there :func:`poll_work` polls ``is_completed`` and the store.
 """
 
@@ -21,7 +24,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["PEER_POLL_S", "FailureBoard", "PeerWatch", "close_connections", "poll_work"]
+__all__ = ["PEER_POLL_S", "FailureBoard", "PeerWatch", "close_connections", "completes_alone", "poll_work",
+           "wait_in_slices"]
 
 ERROR_KEY = "pipeloom/error/{run}/{rank}"  # a failed rank's message
 COUNT_KEY = "pipeloom/failed/{run}"  # ranks that reported so far: one store round trip per look
@@ -133,6 +137,36 @@ def close_connections(group: dist.ProcessGroup | None) -> None:
                 work = dist.irecv(buffer, peer, group=group, tag=BREAK_TAG)
                 if work is not None:  # None only for a group without this rank
                     work.wait(timeout=datetime.timedelta(milliseconds=1))
+
+
+def completes_alone(work: dist.Work) -> bool:
+    """Whether ``work`` completes without a ``wait`` (and so can be waited for in slices): gloo's
+    collectives run on its own threads and have a future; its point-to-point works have none."""
+    try:
+        work.get_future()
+    except RuntimeError:
+        return False
+    return True
+
+
+def wait_in_slices(work: dist.Work, *, timeout: float, board: FailureBoard) -> tuple[str, Exception | None] | None:
+    """Wait for a work that completes alone (:func:`completes_alone`) in slices of ``PEER_POLL_S`` s,
+    looking at the store between two: None when done, else (why not, the work's error). A slice that
+    ends first leaves the work running (gloo's "Operation timed out!" for a collective), so a failed
+    rank is seen within a slice whatever its process and connections do; no latency is added."""
+    start = time.monotonic()
+    while True:
+        left = timeout - (time.monotonic() - start)
+        if left <= 0:
+            return f"no answer within {timeout:g} s", None
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=min(PEER_POLL_S, left)))
+            return None
+        except Exception as error:  # noqa: BLE001 (a slice's end and the work's own failure raise alike)
+            if work.is_completed():  # the work failed: its own error
+                return f"{type(error).__name__}: {error}", error
+        if (found := board.first_failure()) is not None:
+            return f"rank {found[0]} failed: {found[1]}", None
 
 
 def poll_work(work: dist.Work, *, timeout: float, board: FailureBoard) -> tuple[str, Exception | None] | None:
