@@ -7,210 +7,48 @@ weight, FLOPs and gradient are divided by ``t``; each row-parallel output is all
 and each column-parallel input gradient in the backward, each over the ``(b, s, h)`` activation (the
 layer's output bytes); of the ``34·s·b·h`` bytes of activations a layer keeps, ``10·s·b·h`` (norm and
 column inputs, dropout masks) stay whole and ``24·s·b·h`` (and the attention scores) are divided.
+
+The collectives' records and prices are :mod:`pipeloom.plan.collective_fit`, the measured sizes
+:mod:`pipeloom.plan.tensor_profile`; their names import from here too.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-import statistics
-from collections import Counter
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pipeloom.errors import PipeloomError
+from pipeloom.plan.collective_fit import (
+    COLLECTIVES,
+    Collective,
+    CollectiveFit,
+    TensorParallelError,
+    collective_seconds,
+    fit_collectives,
+)
+from pipeloom.plan.tensor_profile import (
+    PROFILE_RUNTIME as PROFILE_RUNTIME,
+)
+from pipeloom.plan.tensor_profile import (
+    MeasuredPiece,
+    TensorProfile,
+    fit_overhead,
+    measured_table,
+    profile_from_json,
+    profile_to_json,
+)
 
 if TYPE_CHECKING:
+    from pipeloom.plan.cost_parts import Piece
     from pipeloom.plan.costs import CostTable
 
 __all__ = ["COLLECTIVES", "Collective", "CollectiveFit", "MeasuredPiece", "TensorInfo", "TensorParallelError",
            "TensorProfile", "collective_seconds", "fit_collectives", "fit_overhead", "layer_collectives",
            "tensor_from_json", "tensor_parallel_table", "tensor_to_json", "tp_sizes"]
 
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
-"""Collective kinds priced; ``bytes`` is always the whole (unsharded) tensor's."""
-
 KEPT_WHOLE = 10 / 34
 """Share of a layer's activation bytes that tensor parallelism does not divide (Korthikanti et al.)."""
-
-
-class TensorParallelError(PipeloomError):
-    """A tensor-parallel size or description that does not fit the model (heads, layers, fits)."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Collective:
-    """One collective a piece runs per micro-batch."""
-
-    kind: str
-    """One of :data:`COLLECTIVES`."""
-    phase: str
-    """``"F"`` (forward) or ``"I"`` (the input-gradient backward) or ``"W"``."""
-    bytes: float
-    """The whole tensor's bytes (an all-gather's output, a reduce-scatter's input)."""
-
-    def __post_init__(self) -> None:
-        if self.kind not in COLLECTIVES:
-            raise TensorParallelError(f"collective kind {self.kind!r} is not one of {', '.join(COLLECTIVES)}")
-        if self.phase not in ("F", "I", "W"):
-            raise TensorParallelError(f"collective phase must be F, I or W, got {self.phase!r}")
-
-
-def _steps_and_share(kind: str, size: int) -> tuple[int, float]:
-    """Ring messages per rank and the share of the tensor each rank moves: an all-reduce is a
-    reduce-scatter then an all-gather, ``2(n-1)`` messages and ``2(n-1)/n`` of the bytes."""
-    twice = 2 if kind == "all_reduce" else 1
-    return twice * (size - 1), twice * (size - 1) / size
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class CollectiveFit:
-    """Seconds of a collective of ``S`` bytes over ``n`` ranks of one mesh dimension:
-    ``overhead + steps(n)·latency + share(n)·S / bandwidth`` with the kind's latency and bandwidth."""
-
-    latency: Mapping[str, float] = field(default_factory=dict)
-    """Seconds per ring message, by kind (0 where absent)."""
-    bandwidth: Mapping[str, float | None] = field(default_factory=dict)
-    """Bytes per second on the link, by kind (None or absent: unlimited)."""
-    overhead: Mapping[str, float] = field(default_factory=dict)
-    """Seconds each collective of that kind costs whatever its size (launch, the DTensor redistribution)."""
-
-    def __post_init__(self) -> None:
-        for name in ("latency", "bandwidth", "overhead"):
-            values = dict(getattr(self, name))
-            for kind, value in values.items():
-                if kind not in COLLECTIVES:
-                    raise TensorParallelError(f"collective fit {name}: unknown kind {kind!r}; use "
-                                              f"{', '.join(COLLECTIVES)}")
-                if value is not None and (not isinstance(value, (int, float)) or not math.isfinite(value)
-                                          or value < 0 or (name == "bandwidth" and value == 0)):
-                    raise TensorParallelError(f"collective fit {name}[{kind!r}] must be a number >= 0 (> 0 for a "
-                                              f"bandwidth), got {value!r}")
-            object.__setattr__(self, name, values)
-
-    @classmethod
-    def from_link(cls, latency: float, bandwidth: float | None) -> CollectiveFit:
-        """Every kind on one point-to-point link (the table's), no overhead."""
-        return cls(latency=dict.fromkeys(COLLECTIVES, latency), bandwidth=dict.fromkeys(COLLECTIVES, bandwidth))
-
-    def seconds(self, kind: str, nbytes: float, size: int) -> float:
-        if size <= 1 or nbytes <= 0:
-            return 0.0
-        steps, share = _steps_and_share(kind, size)
-        bandwidth = self.bandwidth.get(kind)
-        return (self.overhead.get(kind, 0.0) + steps * self.latency.get(kind, 0.0)
-                + (0.0 if bandwidth is None else share * nbytes / bandwidth))
-
-
-def collective_seconds(collectives: Sequence[Collective], fit: CollectiveFit, size: int, phase: str) -> float:
-    """Seconds the ``phase`` collectives of one micro-batch take on ``size`` ranks (run one after the other)."""
-    return sum(fit.seconds(c.kind, c.bytes, size) for c in collectives if c.phase == phase)
-
-
-def fit_collectives(samples: Sequence[tuple[str, int, float, float]]) -> CollectiveFit:
-    """Least-squares fit of ``(kind, ranks, bytes, seconds)`` measurements, per kind, of
-    ``seconds = overhead + steps·latency + share·bytes / bandwidth`` (negative parts clamped to 0; the
-    latency is only separable from the overhead when several group sizes were measured)."""
-    latency, bandwidth, overhead = {}, {}, {}
-    for kind in COLLECTIVES:
-        rows = [(1.0, *_steps_and_share(kind, n)[:1], _steps_and_share(kind, n)[1] * b, t)
-                for k, n, b, t in samples if k == kind and n > 1]
-        if not rows:
-            continue
-        columns = [0, 2] if len({r[1] for r in rows}) == 1 else [0, 1, 2]
-        solution = _least_squares([[r[c] for c in columns] for r in rows], [r[3] for r in rows])
-        coef = dict(zip(columns, solution))
-        overhead[kind] = max(coef[0], 0.0)
-        latency[kind] = max(coef.get(1, 0.0), 0.0)
-        bandwidth[kind] = 1.0 / coef[2] if coef[2] > 0 else None
-    return CollectiveFit(latency=latency, bandwidth=bandwidth, overhead=overhead)
-
-
-def _least_squares(a: list[list[float]], y: list[float]) -> list[float]:
-    """The x minimising |a·x - y| (normal equations, Gaussian elimination; a tiny ridge keeps it solvable)."""
-    n = len(a[0])
-    m = [[sum(r[i] * r[j] for r in a) + (1e-30 if i == j else 0.0) for j in range(n)]
-         + [sum(r[i] * v for r, v in zip(a, y))] for i in range(n)]
-    for i in range(n):
-        pivot = max(range(i, n), key=lambda k: abs(m[k][i]))
-        m[i], m[pivot] = m[pivot], m[i]
-        for k in range(n):
-            if k != i and m[i][i]:
-                factor = m[k][i] / m[i][i]
-                m[k] = [u - factor * v for u, v in zip(m[k], m[i])]
-    return [m[i][n] / m[i][i] if m[i][i] else 0.0 for i in range(n)]
-
-
-def _seconds(what: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise TensorParallelError(f"{what} must be a number of seconds >= 0, got {value!r}")
-    return float(value)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class MeasuredPiece:
-    """One piece on one rank of a tensor-parallel group, measured inside the engine
-    (:func:`pipeloom.plan.profile_in_engine` on a ``"tp"`` mesh); per micro-batch of the table's size."""
-
-    name: str
-    """The table's piece."""
-    f: float
-    """Forward seconds, its collectives included."""
-    i: float
-    """Input-gradient backward seconds, its collectives included."""
-    w: float
-    """Weight-gradient backward seconds."""
-    full_backward: float | None = None
-    """Full backward (B) seconds; None: not measured (priced ``i + w``)."""
-    collectives: tuple[Collective, ...] = ()
-    """The collectives it ran per micro-batch, as counted (a full backward's under phase ``I``)."""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
-            raise TensorParallelError(f"a measured piece needs a name, got {self.name!r}")
-        for key in ("f", "i", "w"):
-            object.__setattr__(self, key, _seconds(f"piece {self.name!r} {key}", getattr(self, key)))
-        if self.full_backward is not None:
-            object.__setattr__(self, "full_backward", _seconds(f"piece {self.name!r} full_backward",
-                                                               self.full_backward))
-        if not all(isinstance(c, Collective) for c in self.collectives):
-            raise TensorParallelError(f"piece {self.name!r}: collectives must be Collective records")
-        object.__setattr__(self, "collectives", tuple(self.collectives))
-
-
-PROFILE_RUNTIME = ("action_overhead", "message_cost", "step_overhead", "time_spread")
-"""The runtime corrections (:class:`pipeloom.plan.costs.RuntimeCorrections`) a tensor-parallel profile holds."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class TensorProfile:
-    """What the engine measured with ``size`` tensor-parallel ranks per stage: every piece's times on one of
-    them, and the runtime's costs around the pieces in those pipelines. The planner uses them, not Megatron's
-    formulas, for this size (:func:`tensor_parallel_table`)."""
-
-    size: int
-    """Tensor-parallel ranks per stage it was measured on (>= 2)."""
-    pieces: tuple[MeasuredPiece, ...]
-    """Every piece of the table, in its order."""
-    latency: float = 0.0
-    """The link latency under load between pipeline ranks, measured in the same pipelines."""
-    runtime: Mapping[str, float] = field(default_factory=dict)
-    """The runtime corrections measured in the same pipelines, keyed by :data:`PROFILE_RUNTIME` (absent: the
-    table's own)."""
-
-    def __post_init__(self) -> None:
-        if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size < 2:
-            raise TensorParallelError(f"a tensor-parallel profile's size must be an integer >= 2, got {self.size!r}")
-        if isinstance(self.pieces, (str, MeasuredPiece)) or not all(isinstance(p, MeasuredPiece)
-                                                                     for p in self.pieces):
-            raise TensorParallelError("a tensor-parallel profile's pieces must be a list of MeasuredPiece")
-        object.__setattr__(self, "pieces", tuple(self.pieces))
-        object.__setattr__(self, "latency", _seconds("profile latency", self.latency))
-        unknown = sorted(set(self.runtime) - set(PROFILE_RUNTIME))
-        if unknown:
-            raise TensorParallelError(f"profile runtime: unknown key(s) {unknown}; known: {list(PROFILE_RUNTIME)}")
-        object.__setattr__(self, "runtime", {k: _seconds(f"profile runtime {k}", v) for k, v in self.runtime.items()})
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -322,11 +160,12 @@ def tensor_parallel_table(table: CostTable, tp: int) -> CostTable:
             raise TensorParallelError(f"the tp {profile.size} profile measures pieces {names}, not the table's "
                                       f"{list(table.names)}; profile the same pieces")
     measured = info.profile(tp)
-    if measured is not None:
-        return _measured_table(table, measured, layers)
+    if measured is not None:  # the measured times; the bytes by the split below
+        timed = measured_table(table, measured)
+        return dataclasses.replace(timed, pieces=tuple(_sharded(p, tp) if p.name in layers else p
+                                                       for p in timed.pieces))
     fit = info.fit if info.fit.latency or info.fit.bandwidth or info.fit.overhead else \
         CollectiveFit.from_link(table.link.latency, table.link.bandwidth)
-    kept = KEPT_WHOLE + (1 - KEPT_WHOLE) / tp
     pieces = []
     for piece in table.pieces:
         if piece.name not in layers:
@@ -335,67 +174,26 @@ def tensor_parallel_table(table: CostTable, tp: int) -> CostTable:
         counted = info.counted(piece.name)
         comms = counted if counted is not None else layer_collectives(info, piece.output_bytes)
         forward, backward, weight = (collective_seconds(comms, fit, tp, phase) for phase in ("F", "I", "W"))
-        pieces.append(dataclasses.replace(
+        pieces.append(_sharded(dataclasses.replace(
             piece, f=piece.f / tp + forward, i=piece.i / tp + backward, w=piece.w / tp + weight,
             measured_full_backward=None if piece.measured_full_backward is None
-            else piece.measured_full_backward / tp + backward + weight, param_bytes=piece.param_bytes / tp,
-            activation_bytes=piece.activation_bytes * kept, w_activation_bytes=piece.w_activation_bytes * kept))
+            else piece.measured_full_backward / tp + backward + weight), tp))
     return dataclasses.replace(table, pieces=tuple(pieces), device=f"{table.device} (tp {tp})".strip())
 
 
-def _measured_table(table: CostTable, profile: TensorProfile, layers: set[str]) -> CostTable:
-    """``table`` for one rank of ``profile.size``: the measured times, latency and runtime corrections; bytes
-    by Megatron's split (weights of layer pieces divided, activations by Korthikanti's share)."""
-    tp = profile.size
+def _sharded(piece: Piece, tp: int) -> Piece:
+    """A layer piece's bytes on one of ``tp`` ranks: its weights divided by ``tp``, its activations by
+    Korthikanti's split (:data:`KEPT_WHOLE` of them whole, the rest divided)."""
     kept = KEPT_WHOLE + (1 - KEPT_WHOLE) / tp
-    pieces = []
-    for piece, timed in zip(table.pieces, profile.pieces):
-        sharded = piece.name in layers
-        pieces.append(dataclasses.replace(
-            piece, f=timed.f, i=timed.i, w=timed.w, measured_full_backward=timed.full_backward,
-            param_bytes=piece.param_bytes / tp if sharded else piece.param_bytes,
-            activation_bytes=piece.activation_bytes * (kept if sharded else 1.0),
-            w_activation_bytes=piece.w_activation_bytes * (kept if sharded else 1.0)))
-    link = dataclasses.replace(table.link, latency=profile.latency)
-    measured: dict[str, Any] = dict(profile.runtime)
-    return dataclasses.replace(table, pieces=tuple(pieces), link=link,
-                               runtime=dataclasses.replace(table.runtime, **measured),
-                               device=f"{table.device} (tp {tp}, measured)".strip())
-
-
-def fit_overhead(table: CostTable, profile: TensorProfile, fit: CollectiveFit) -> CollectiveFit:
-    """``fit`` with the engine's own cost per collective added to each counted kind's overhead, for the sizes
-    no profile measured: over the pieces that ran collectives and their F and I, the measured time less the
-    one-rank time (``table``'s) divided by the size less the counted collectives priced by ``fit``, per
-    collective; the median, at least 0. It holds what a bare collective does not: DTensor's redistribution,
-    waiting for the slower peer, and the compute that does not divide by the size."""
-    by_name = {p.name: p for p in table.pieces}
-    samples = []
-    kinds: set[str] = set()
-    for timed in profile.pieces:
-        whole = by_name.get(timed.name)
-        if whole is None:
-            raise TensorParallelError(f"the profile measures piece {timed.name!r}, which the table does not have")
-        for phase, measured, alone in (("F", timed.f, whole.f), ("I", timed.i, whole.i)):
-            comms = [c for c in timed.collectives if c.phase == phase]
-            if comms:
-                kinds.update(c.kind for c in comms)
-                priced = collective_seconds(comms, fit, profile.size, phase)
-                samples.append((measured - alone / profile.size - priced) / len(comms))
-    if not samples:
-        return fit
-    extra = max(0.0, statistics.median(samples))
-    overhead = {**fit.overhead, **{k: fit.overhead.get(k, 0.0) + extra for k in kinds}}
-    return dataclasses.replace(fit, overhead=overhead)
+    return dataclasses.replace(piece, param_bytes=piece.param_bytes / tp,
+                               activation_bytes=piece.activation_bytes * kept,
+                               w_activation_bytes=piece.w_activation_bytes * kept)
 
 
 # ------------------------------------------------------------------------------------------------ JSON
 
 _TENSOR_KEYS = {"heads", "layers", "column", "row", "collectives", "profiled"}
 _FIT_KEYS = {"latency", "bandwidth", "overhead"}
-_PROFILE_KEYS = {"tp", "latency", "runtime", "pieces"}
-_MEASURED_KEYS = {"name", "f", "i", "w", "measured_full_backward", "collectives"}
-_COUNTED_KEYS = {"kind", "phase", "bytes", "count"}
 
 
 def tensor_to_json(info: TensorInfo) -> dict:
@@ -406,63 +204,8 @@ def tensor_to_json(info: TensorInfo) -> dict:
                 "collectives": {k: {"latency": fit.latency.get(k, 0.0), "bandwidth": fit.bandwidth.get(k),
                                     "overhead": fit.overhead.get(k, 0.0)} for k in kinds}}
     if info.profiles:
-        document["profiled"] = [_profile_to_json(p) for p in info.profiles]
+        document["profiled"] = [profile_to_json(p) for p in info.profiles]
     return document
-
-
-def _profile_to_json(profile: TensorProfile) -> dict:
-    def counted(piece: MeasuredPiece) -> list[dict]:
-        tally = Counter((c.kind, c.phase, c.bytes) for c in piece.collectives)
-        return [{"kind": k, "phase": ph, "bytes": b, "count": n} for (k, ph, b), n in tally.items()]
-
-    return {"tp": profile.size, "latency": profile.latency, "runtime": dict(profile.runtime),
-            "pieces": [{"name": p.name, "f": p.f, "i": p.i, "w": p.w, "measured_full_backward": p.full_backward,
-                        "collectives": counted(p)} for p in profile.pieces]}
-
-
-def _object(entry: object, keys: set[str], where: str) -> dict[str, Any]:
-    if not isinstance(entry, dict):
-        raise TensorParallelError(f"{where} must be an object with keys {sorted(keys)}, got {entry!r}")
-    unknown = sorted(set(entry) - keys)
-    if unknown:
-        raise TensorParallelError(f"{where}: unknown key(s) {unknown}; known: {sorted(keys)}")
-    return entry
-
-
-def _profile_from_json(entry: object, k: int) -> TensorProfile:
-    where = f"profiled[{k}]"
-    entry = _object(entry, _PROFILE_KEYS, where)
-    pieces = entry.get("pieces")
-    if not isinstance(pieces, list):
-        raise TensorParallelError(f"{where}.pieces must be a list of measured pieces, got {pieces!r}")
-    measured = []
-    for j, piece in enumerate(pieces):
-        piece = _object(piece, _MEASURED_KEYS, f"{where}.pieces[{j}]")
-        collectives: list[Collective] = []
-        counted = piece.get("collectives", [])
-        if not isinstance(counted, list):
-            raise TensorParallelError(f"{where}.pieces[{j}].collectives must be a list, got {counted!r}")
-        for c in counted:
-            c = _object(c, _COUNTED_KEYS, f"{where}.pieces[{j}].collectives")
-            count = c.get("count", 1)
-            if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-                raise TensorParallelError(f"{where}.pieces[{j}].collectives: count must be a positive integer, "
-                                          f"got {count!r}")
-            nbytes = _seconds(f"{where}.pieces[{j}].collectives bytes", c.get("bytes"))
-            kind: Any = c.get("kind")
-            phase: Any = c.get("phase")
-            collectives += [Collective(kind=kind, phase=phase, bytes=nbytes)] * count
-        values: dict[str, Any] = {key: piece.get(key) for key in ("name", "f", "i", "w")}
-        try:
-            measured.append(MeasuredPiece(**values, full_backward=piece.get("measured_full_backward"),
-                                          collectives=tuple(collectives)))
-        except TensorParallelError as error:
-            raise TensorParallelError(f"{where}.pieces[{j}]: {error}") from None
-    runtime = entry.get("runtime", {})
-    if not isinstance(runtime, dict):
-        raise TensorParallelError(f"{where}.runtime must be an object, got {runtime!r}")
-    size: Any = entry.get("tp")
-    return TensorProfile(size=size, pieces=tuple(measured), latency=entry.get("latency", 0.0), runtime=runtime)
 
 
 def tensor_from_json(entry: object) -> TensorInfo:
@@ -498,4 +241,4 @@ def tensor_from_json(entry: object) -> TensorInfo:
     heads: Any = entry.get("heads")
     return TensorInfo(heads=heads, fit=CollectiveFit(latency=latency, bandwidth=bandwidth,
                                                                    overhead=overhead),
-                      profiles=tuple(_profile_from_json(p, k) for k, p in enumerate(profiled)), **lists)
+                      profiles=tuple(profile_from_json(p, k) for k, p in enumerate(profiled)), **lists)
