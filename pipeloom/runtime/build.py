@@ -25,7 +25,7 @@ from pipeloom.runtime.setup import device_for, lower_for, resolve_schedule, shar
 from pipeloom.runtime.shared import SharedParameters, check_placement, shared_parameters
 from pipeloom.runtime.split import StagedModel
 from pipeloom.runtime.state import model_names
-from pipeloom.runtime.tp import apply_tp_plan, check_tp_plan, leaf_modules_for, set_group_timeout
+from pipeloom.runtime.tp import apply_tp_plan, check_tp_plan, leaf_modules_for, plan_blocks, set_group_timeout
 from pipeloom.runtime.tp_auto import AutoPlan, AutoSharding, auto_tp_plan, is_auto
 
 if TYPE_CHECKING:
@@ -109,12 +109,14 @@ def pipeline(
         tp_plan = sharding.plan or None  # every region replicated: nothing to apply
     else:
         tp_plan = check_tp_plan(tp_plan, layout.tp, model=model)
+    blocks: list[str] = []  # kept whole when torch.export traces (it would bake the trace's head counts in)
     if tp_plan is not None and model is not None and stages is None:
         leaf_modules = leaf_modules_for(model, tp_plan, leaf_modules)
+        blocks = plan_blocks(model, tp_plan)
     if layout.tp.group is not None:  # a TP all-reduce inside a forward ends within the engine's timeout
         set_group_timeout([layout.group, layout.dp.group, layout.tp.group], float(timeout))
     staged = staged_model(model, split_points, stages, tracer=tracer, leaf_modules=leaf_modules,
-                          example_inputs=example_inputs)
+                          example_inputs=example_inputs, export_leaves=blocks)
     sched = resolve_schedule(schedule, num_ranks=world, num_pieces=staged.num_stages,
                              microbatches=microbatches, options=schedule_options or {})
     lowering = lower_for(sched, staged, world=world, microbatches=microbatches)

@@ -40,9 +40,11 @@ def device_for(layout: Layout, device: torch.device | str | None, modules: Seque
 
 def staged_model(model: nn.Module | None, split_points: Sequence[str] | None,
                  stages: StagedModel | Sequence[nn.Module] | None, *, tracer: str = "auto",
-                 leaf_modules: Sequence[str] = (), example_inputs: object = None) -> StagedModel:
+                 leaf_modules: Sequence[str] = (), example_inputs: object = None,
+                 export_leaves: Sequence[str] = ()) -> StagedModel:
     """The stages: given, chained from given modules (manual mode), or cut from ``model`` (``tracer``,
-    ``leaf_modules`` and ``example_inputs`` as :func:`~pipeloom.runtime.split_model` takes them)."""
+    ``leaf_modules``, ``example_inputs`` and ``export_leaves`` as :func:`~pipeloom.runtime.split_model` takes
+    them)."""
     if stages is not None and split_points is not None:
         raise PipelineError("give split_points= or stages=, not both")
     if isinstance(stages, StagedModel):
@@ -55,7 +57,7 @@ def staged_model(model: nn.Module | None, split_points: Sequence[str] | None,
     if model is None:
         raise PipelineError("split_points needs the model; pass it as the first argument")
     return split_model(model, split_points, tracer=tracer, leaf_modules=leaf_modules,
-                       example_inputs=example_inputs)
+                       example_inputs=example_inputs, export_leaves=export_leaves)
 
 
 def resolve_schedule(schedule: object, *, num_ranks: int, num_pieces: int, microbatches: int | None,

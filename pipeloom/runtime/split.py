@@ -268,19 +268,22 @@ def _build_stage(root: nn.Module | dict, nodes: list[fx.Node], inputs: list[fx.N
 
 
 def split_model(model: nn.Module | TracedModel, split_points: Sequence[str], *, tracer: str = "auto",
-                leaf_modules: Sequence[str] = (), example_inputs: object = None) -> StagedModel:
+                leaf_modules: Sequence[str] = (), example_inputs: object = None,
+                export_leaves: Sequence[str] = ()) -> StagedModel:
     """Cut ``model`` into ``len(split_points) + 1`` stages; split point s-1 is where stage s starts.
 
     A split point is a module name (e.g. ``"layers.4"``): the stage starts at the first node inside
     that module in the traced graph. Stage s holds the nodes from split point s-1 up to split point s.
     ``tracer``: ``"fx"`` (torch.fx), ``"export"`` (torch.export, needs ``example_inputs``: a batch like
     the ones ``step()`` takes) or ``"auto"`` (torch.fx, then torch.export when it fails and example
-    inputs are given). ``leaf_modules``: module names never cut (and kept as calls by torch.fx).
+    inputs are given). ``leaf_modules``: module names never cut (kept as calls of the module by either tracer;
+    ``export_leaves``: more, kept as calls only by torch.export, see :func:`trace_model`).
     ``model`` may be a :class:`~pipeloom.runtime.tracing.TracedModel` (``trace_model``), to cut one
     trace several ways.
     """
     if not isinstance(model, TracedModel):
-        model = trace_model(model, tracer=tracer, leaf_modules=leaf_modules, example_inputs=example_inputs)
+        model = trace_model(model, tracer=tracer, leaf_modules=leaf_modules, example_inputs=example_inputs,
+                            export_leaves=export_leaves)
     return _split(model, split_points, leaf_modules)
 
 

@@ -26,7 +26,8 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["HF_STYLES", "TensorParallel", "apply_tp_plan", "captured_parameters", "changed_parameter",
-           "check_tp_plan", "hf_plan", "is_dtensor", "leaf_modules_for", "local_of", "mesh_coordinates", "resolve",
+           "check_tp_plan", "hf_plan", "is_dtensor", "leaf_modules_for", "local_of", "mesh_coordinates", "plan_blocks",
+           "resolve",
            "set_group_timeout", "with_local"]
 
 
@@ -137,6 +138,22 @@ def leaf_modules_for(model: nn.Module, plan: Mapping[str, object], given: Sequen
     return leaves
 
 
+def plan_blocks(model: nn.Module, plan: Mapping[str, object]) -> list[str]:
+    """The modules a plan's styles need whole when torch.export traces: for a key with a pattern part, the
+    module the key names up to its last pattern part (``model.layers.*.self_attn.q_proj`` -> each
+    ``model.layers.N``, the block the plan repeats: its forward reshapes the sharded outputs by head counts,
+    which torch.export would bake in from the whole model); for a key without one, the module it names."""
+    blocks: list[str] = []
+    for key in plan:
+        tokens = key.split(".")
+        patterned = [k for k, token in enumerate(tokens) if any(c in token for c in "*?[")]
+        prefix = ".".join(tokens[:patterned[-1] + 1]) if patterned else key
+        for name in resolve(model, prefix):
+            if name not in blocks and not any(name.startswith(outer + ".") for outer in blocks):
+                blocks = [b for b in blocks if not b.startswith(name + ".")] + [name]
+    return blocks
+
+
 def _called(stage: nn.Module) -> set[str] | None:
     """Names of the modules an fx stage calls (None for a stage that is not a GraphModule: all count)."""
     if not isinstance(stage, fx.GraphModule):
@@ -158,8 +175,8 @@ def apply_tp_plan(stages: Mapping[int, nn.Module], plan: Mapping[str, Any], tp: 
                 if called is not None and not any(name == c or name.startswith(c + ".") for c in called):
                     raise PipelineError(
                         f"tp_plan key {key!r} names module {name!r}, which model piece {piece} does not call as a "
-                        "module (the tracer inlined or flattened it), so its style would never run; keep it whole "
-                        f"with leaf_modules=[{name!r}] and tracer='fx'")
+                        "module (the tracer inlined or flattened it), so its style would never run; keep it (or the "
+                        f"block around it) whole with leaf_modules=[{name!r}]")
                 parallelize_module(stage, cast("DeviceMesh", tp.mesh), {name: style})
 
 

@@ -7,6 +7,7 @@ node's module scopes (``nn_module_stack``), from which split points are found.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
@@ -59,21 +60,25 @@ def module_scopes(node: fx.Node) -> list[str]:
 
 
 def trace_model(model: nn.Module, *, tracer: str = "auto", leaf_modules: Sequence[str] = (),
-                example_inputs: object = None) -> TracedModel:
+                example_inputs: object = None, export_leaves: Sequence[str] = ()) -> TracedModel:
     """Trace ``model`` with torch.fx (``"fx"``), torch.export (``"export"``, needs ``example_inputs``) or
-    torch.fx falling back to torch.export (``"auto"``). ``leaf_modules`` are module names kept whole."""
+    torch.fx falling back to torch.export (``"auto"``). ``leaf_modules`` are module names kept whole: calls
+    of the module object itself in the graph, under either tracer. ``export_leaves``: more such names, kept
+    whole only when torch.export traces (a tensor-parallel plan's blocks, which torch.fx keeps calling
+    shape-agnostically but torch.export would flatten with the trace's head counts baked in)."""
     if tracer not in TRACERS:
         raise SplitError(f"tracer must be one of {', '.join(map(repr, TRACERS))}, got {tracer!r}")
     if isinstance(leaf_modules, str):
         raise SplitError(f"leaf_modules must be a list of module names, got the string {leaf_modules!r}; "
                          f"write [{leaf_modules!r}]")
     modules = dict(model.named_modules())
-    unknown = [name for name in leaf_modules if name not in modules or not name]
+    unknown = [name for name in (*leaf_modules, *export_leaves) if name not in modules or not name]
     if unknown:
         raise SplitError(f"leaf module(s) {unknown} are not submodules of {type(model).__name__}; give names "
                          "from model.named_modules(), e.g. 'layers.3'")
+    kept = list(dict.fromkeys((*leaf_modules, *export_leaves)))
     if tracer == "export":
-        return _export(model, example_inputs)
+        return _export(model, example_inputs, kept)
     try:
         return _symbolic(model, leaf_modules)
     except ModelTraceError as error:
@@ -82,7 +87,7 @@ def trace_model(model: nn.Module, *, tracer: str = "auto", leaf_modules: Sequenc
         if example_inputs is None:
             raise ModelTraceError(f"{error}. Or give example_inputs=(a batch like the ones step() takes) so "
                                   "pipeloom traces it with torch.export instead") from error.__cause__
-        return _export(model, example_inputs)
+        return _export(model, example_inputs, kept)
 
 
 class _Tracer(fx.Tracer):
@@ -111,23 +116,33 @@ def _symbolic(model: nn.Module, leaf_modules: Sequence[str]) -> TracedModel:
     return TracedModel(root=root, graph=root.graph, input_names=names, output=output.args[0], tracer="fx")
 
 
-def _export(model: nn.Module, example_inputs: object) -> TracedModel:
+def _export(model: nn.Module, example_inputs: object, keep: Sequence[str] = ()) -> TracedModel:
     """torch.export with every input dimension left to export (``Dim.AUTO``), then one fx graph whose
     parameters, buffers and constants are get_attr nodes of the model's own tensors. A model built on
-    the meta device is traced with its example inputs there too (fake tensors refuse mixed devices)."""
+    the meta device is traced with its example inputs there too (fake tensors refuse mixed devices).
+    Each module of ``keep`` (outermost ones; export records their call signatures) becomes one call_module
+    node calling the model's own module object in place of the nodes its forward was flattened into."""
     if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
         example_inputs = pytree.tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t,
                                          example_inputs)
-    exported = _exported(model, example_inputs)
+    keep = [name for name in keep if not any(name.startswith(outer + ".") for outer in keep)]
+    exported = _exported(model, example_inputs, keep)
+    region = _regions(model, exported, keep)
+    by_name = {node.name: node for node in exported.graph.nodes}
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     root: dict[str, object] = {}
     names = _inputs(model, exported, graph, env, root)
     output = None
+    called: set[str] = set()
     for node in exported.graph.nodes:
         if node.op == "placeholder" or (node.op == "call_function" and node.target in _DROPPED):
             continue
-        if node.op == "get_attr":  # submodules of higher-order operators
+        if node in region:
+            if region[node] not in called:
+                called.add(region[node])
+                _call_kept(model, exported, region[node], graph, env, root, by_name)
+        elif node.op == "get_attr":  # submodules of higher-order operators
             target = f"_pipeloom_module_{node.target}"
             root[target] = getattr(exported.graph_module, str(node.target))
             env[node] = graph.get_attr(target)
@@ -139,12 +154,89 @@ def _export(model: nn.Module, example_inputs: object) -> TracedModel:
     assert output is not None  # every graph ends in its output node
     user = _outputs(model, exported, output, graph, env, root)
     graph.output(tuple(user))
+    for node in [n for n in graph.nodes if n.op == "get_attr" and not n.users]:  # a kept module's own tensors
+        graph.erase_node(node)
     tree = pytree.tree_unflatten(user, exported.call_spec.out_spec)
     device = next(t.device for t in pytree.tree_leaves(example_inputs) if isinstance(t, torch.Tensor))
     return TracedModel(root=root, graph=graph, input_names=names, output=tree, tracer="export", device=device)
 
 
-def _exported(model: nn.Module, example_inputs: object) -> torch.export.ExportedProgram:
+def _kept_refusal(model: nn.Module, name: str, why: str) -> ModelTraceError:
+    return ModelTraceError(
+        f"torch.export cannot keep module {name!r} of {type(model).__name__} whole (as a call of the module "
+        f"itself, which leaf_modules or a tensor-parallel plan asks for): {why}. Drop it from leaf_modules (or "
+        "from the tp_plan), use tracer='fx' where torch.fx traces the model, or split it by hand: "
+        "pipeloom.runtime.stages_from_modules([stage0, stage1, ...])")
+
+
+def _regions(model: nn.Module, exported: torch.export.ExportedProgram, keep: Sequence[str]) -> dict[fx.Node, str]:
+    """Every node that a kept module's forward was flattened into -> that module's name; checked that only
+    the module's recorded outputs are used outside it."""
+    region: dict[fx.Node, str] = {}
+    for node in exported.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        scopes = module_scopes(node)
+        inside = next((name for name in keep if name in scopes), None)
+        if inside is not None:
+            region[node] = inside
+    for name in keep:
+        signature = _signature(model, exported, name)  # first: a module called twice is refused by name
+        outputs = {getattr(spec, "name", None) for spec in signature.outputs}
+        for node, owner in region.items():
+            if owner != name or node.name in outputs:
+                continue
+            leaking = [user.name for user in node.users if region.get(user) != name]
+            if leaking:
+                raise _kept_refusal(model, name, f"its value {node.name!r} is used outside it ({leaking}) "
+                                                 "without being one of its outputs")
+    return region
+
+
+def _signature(model: nn.Module, exported: torch.export.ExportedProgram, name: str):
+    if any(e.fqn.startswith(name + "@") for e in exported.module_call_graph):
+        raise _kept_refusal(model, name, "forward calls it more than once, so no one call stands for it")
+    entry = next((e for e in exported.module_call_graph if e.fqn == name), None)
+    if entry is None or entry.signature is None:
+        raise _kept_refusal(model, name, "torch.export recorded no call of it (is it called in forward, once?)")
+    return entry.signature
+
+
+def _call_kept(model: nn.Module, exported: torch.export.ExportedProgram, name: str, graph: fx.Graph,
+               env: dict[fx.Node, fx.Node], root: dict[str, object], by_name: dict[str, fx.Node]) -> None:
+    """One call_module node for kept module ``name``, its arguments rebuilt from the recorded signature
+    (tensors and sizes from the graph, constants as traced); its outputs take the place of the flattened
+    nodes that computed them."""
+    from torch.export.graph_signature import ConstantArgument
+
+    signature = _signature(model, exported, name)
+    flat: list[object] = []
+    for spec in signature.inputs:
+        if isinstance(spec, ConstantArgument):
+            flat.append(spec.value)
+            continue
+        source = by_name.get(getattr(spec, "name", ""))
+        if source is None or source not in env:
+            raise _kept_refusal(model, name, f"its input {spec} is not a value of the graph before the call")
+        flat.append(env[source])
+    args, kwargs = pytree.tree_unflatten(flat, signature.in_spec)
+    root[name] = model.get_submodule(name)
+    call = graph.call_module(name, tuple(args), dict(kwargs))
+    produced = [by_name.get(getattr(spec, "name", "")) for spec in signature.outputs]
+    if any(node is None for node in produced):
+        raise _kept_refusal(model, name, f"it returns a non-tensor value ({signature.outputs})")
+    if signature.out_spec.is_leaf():
+        results = [call]
+    else:
+        leaves = graph.call_function(pytree.tree_leaves, (call,))
+        results = [graph.call_function(operator.getitem, (leaves, k)) for k in range(len(produced))]
+    for node, result in zip(produced, results):
+        assert node is not None  # checked above
+        result.meta = {key: node.meta[key] for key in ("val", "tensor_meta") if key in node.meta}
+        env[node] = result
+
+
+def _exported(model: nn.Module, example_inputs: object, keep: Sequence[str] = ()) -> torch.export.ExportedProgram:
     from torch.export import Dim
 
     if example_inputs is None:
@@ -155,10 +247,12 @@ def _exported(model: nn.Module, example_inputs: object) -> torch.export.Exported
                               f"inputs), got {type(example_inputs).__name__}")
     dynamic = tuple({d: Dim.AUTO for d in range(a.dim())} for a in args)
     try:
-        exported = torch.export.export(model, args, dynamic_shapes=dynamic, strict=False)
+        exported = torch.export.export(model, args, dynamic_shapes=dynamic, strict=False,
+                                       preserve_module_call_signature=tuple(keep))
     except Exception as error:  # export raises many kinds (Unsupported, UserError, RuntimeError...)
+        kept = f" keeping {list(keep)} whole" if keep else ""
         raise ModelTraceError(
-            f"torch.export cannot trace {type(model).__name__}: {type(error).__name__}: {str(error)[:600]}. "
+            f"torch.export cannot trace {type(model).__name__}{kept}: {type(error).__name__}: {str(error)[:600]}. "
             "Split it by hand instead: pipeloom.runtime.stages_from_modules([stage0, stage1, ...])"
         ) from error
     return exported
@@ -202,6 +296,8 @@ def _outputs(model: nn.Module, exported: torch.export.ExportedProgram, output: f
     for value, spec in zip(values, exported.graph_signature.output_specs):
         if spec.kind == OutputKind.BUFFER_MUTATION:  # write the new value back where the model keeps it
             assert isinstance(value, fx.Node)  # a buffer's new value is computed in the graph
+            if value not in env:  # computed inside a module kept whole, which updates its own buffer
+                continue
             new = env[value]
             with graph.inserting_after(new):
                 buffer = graph.get_attr(str(spec.target))
