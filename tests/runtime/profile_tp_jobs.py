@@ -121,6 +121,9 @@ def refused_job(rank: int, world: int) -> list[str]:
             profile_in_engine(model, x, loss_fn=loss_fn, target=y, microbatches=MICROBATCHES, **keywords)
         except PlanError as error:
             found.append(str(error))
+    # every rank ends its refusals before any leaves: rank 0's process hosts the store that the other rank's
+    # sub-groups of init_device_mesh still connect through (a fast rank 0 left it half-built once, under load)
+    torch.distributed.barrier()
     return found
 
 
