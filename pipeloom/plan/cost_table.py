@@ -26,6 +26,12 @@ if TYPE_CHECKING:
 __all__ = ["CostTable", "table_for_size"]
 
 
+def _runtime_field(name: str) -> property:
+    """A read-only alias of ``runtime.<name>`` (the flat name pipeloom.costs/1 used)."""
+    return property(lambda self: getattr(self.runtime, name),
+                    doc=f":attr:`RuntimeCorrections.{name}` of :attr:`runtime`.")
+
+
 def _table_keywords(kwargs: dict) -> dict:
     """``pipeloom.costs/1``'s flat keywords (``action_overhead=...``) go into ``runtime``, over its values."""
     flat = {key: kwargs.pop(key) for key in RUNTIME_FIELDS if key in kwargs}
@@ -106,18 +112,12 @@ class CostTable:
                 raise CostTableError(f"tensor.layers names {unknown}, which the table has no piece for; name pieces")
 
     # pipeloom.costs/1's flat names of the runtime corrections, kept for callers: read ``runtime``.
-    action_overhead = property(lambda self: self.runtime.action_overhead,
-                               doc=":attr:`RuntimeCorrections.action_overhead` of :attr:`runtime`.")
-    message_cost = property(lambda self: self.runtime.message_cost,
-                            doc=":attr:`RuntimeCorrections.message_cost` of :attr:`runtime`.")
-    step_overhead = property(lambda self: self.runtime.step_overhead,
-                             doc=":attr:`RuntimeCorrections.step_overhead` of :attr:`runtime`.")
-    time_spread = property(lambda self: self.runtime.time_spread,
-                           doc=":attr:`RuntimeCorrections.time_spread` of :attr:`runtime`.")
-    start_skew = property(lambda self: self.runtime.start_skew,
-                          doc=":attr:`RuntimeCorrections.start_skew` of :attr:`runtime`.")
-    replica_link = property(lambda self: self.runtime.replica_link,
-                            doc=":attr:`RuntimeCorrections.replica_link` of :attr:`runtime`.")
+    action_overhead = _runtime_field("action_overhead")
+    message_cost = _runtime_field("message_cost")
+    step_overhead = _runtime_field("step_overhead")
+    time_spread = _runtime_field("time_spread")
+    start_skew = _runtime_field("start_skew")
+    replica_link = _runtime_field("replica_link")
 
     @property
     def names(self) -> tuple[str, ...]:
