@@ -108,27 +108,38 @@ class Messenger:
         """Wait (bounded by the timeout) for sends made with :meth:`post_send`."""
         self.sends_posted()
         for posted in entries:
-            self.wait_work(posted.work, what)
+            self._raise_failed(self.await_work(posted.work), what, None)
 
     def wait_work(self, work, what: str, peer: int | None = None) -> None:
         """Wait for a work outside the step's units (loss, replica gradients, collectives), bounded by
-        the timeout; a failure names ``what`` and what the peer (or any rank) left in the store."""
-        failed = self.await_work(work)
+        the timeout; a failure names ``what`` and what the peer (or any rank) left in the store. ``peer``:
+        the group rank of a point-to-point work's peer; without one the work may also be a collective,
+        which is then waited for in slices (:func:`~pipeloom.runtime.watch.wait_in_slices`)."""
+        self._raise_failed(self.await_work(work) if peer is not None else self.await_any(work), what, peer)
+
+    def _raise_failed(self, failed: tuple[str, Exception | None] | None, what: str, peer: int | None) -> None:
         if failed is not None:
             reason = self.failure_reason(peer)
             raise PipelineError(f"rank {self.rank}: {what} failed: {failed[0]}; "
                                 f"{reason or 'another rank failed or hung'}") from failed[1]
+
+    def await_any(self, work) -> tuple[str, Exception | None] | None:
+        """:meth:`await_work` for a work that may be a gloo collective: those complete by themselves and are
+        waited for in slices with a look at the store between two, so another rank's failure ends the wait
+        whatever gloo's connections do. (Telling them apart costs tens of microseconds: the step's own
+        point-to-point waits call :meth:`await_work` directly.)"""
+        if self.polled or not completes_alone(work):
+            return self.await_work(work)
+        failed = wait_in_slices(work, timeout=self.timeout, board=self.board)
+        if failed is not None and failed[1] is None and self.store is not None:
+            self._close_connections()  # frees gloo's thread still waiting in the collective
+        return failed
 
     def await_work(self, work) -> tuple[str, Exception | None] | None:
         """Wait for ``work`` within the timeout: None when done, else (what went wrong, the error). Another
         rank's failure in the store ends the wait within about ``PEER_POLL_S`` seconds (module watch)."""
         if self.polled:
             return poll_work(work, timeout=self.timeout, board=self.board)
-        if completes_alone(work):  # a gloo collective: waited in slices, looking at the store between
-            failed = wait_in_slices(work, timeout=self.timeout, board=self.board)
-            if failed is not None and failed[1] is None and self.store is not None:
-                self._close_connections()  # frees gloo's thread still waiting in the collective
-            return failed
         watch = self._watch()
         if watch is not None:
             watch.waiting += 1
