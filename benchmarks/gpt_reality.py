@@ -56,22 +56,15 @@ from torch import nn
 import pipeloom
 from pipeloom import Schedule, build_schedule, load_schedule, save_schedule
 from pipeloom.errors import PipeloomError
-from pipeloom.plan import (
-    CostTable,
-    Link,
-    Partition,
-    Plan,
-    load_plan,
-    plan_pipeline,
-    profile_model,
-    recost,
-    save_costs,
-    save_plan,
-)
-from pipeloom.plan.costs import costs_from_json, costs_to_json, table_for_size
-from pipeloom.plan.inplace import EngineProfiler, profile_in_engine
-from pipeloom.plan.search import replica_sync_time, stage_spreads
-from pipeloom.sim import expected_makespan, simulate
+from pipeloom.plan import CostTable, Link, Partition, Plan, load_plan, plan_pipeline, recost, save_costs, save_plan
+from pipeloom.plan.costs.file import costs_from_json, costs_to_json
+from pipeloom.plan.costs.table import table_for_size
+from pipeloom.plan.noise import expected_makespan
+from pipeloom.plan.recost import replica_sync_time, stage_spreads
+from pipeloom.profile.engine import EngineProfiler
+from pipeloom.profile.in_engine import profile_in_engine
+from pipeloom.profile.model import profile_model
+from pipeloom.sim import simulate
 
 __all__ = ["RealityConfig", "Workload", "example", "gpt_workload", "run_reality", "uniform_split",
            "wait_until_quiet"]

@@ -5,7 +5,7 @@ For each stage count and balance slack it prints the partitioner's seconds, slow
 bound and gap, cut bytes, and the ratios to the greedy baseline (the best contiguous split of a few
 topological orders) measured in the same run. Target (issue 5): each partition in <= 10 s on 2 cores.
 
-``--chain-dp`` instead times the planner's chain DP (:class:`pipeloom.plan.partition.SplitFront`, split
+``--chain-dp`` instead times the planner's chain DP (:class:`pipeloom.plan.partitioning.chain.SplitFront`, split
 points in call order, link time in the objective) on chains of 300, 1,000 and 2,000 pieces whose every
 third piece sends a large output, and compares it with the whole-front DP where that one runs (issue 17).
 """
@@ -17,7 +17,8 @@ import random
 import time
 from itertools import pairwise
 
-from pipeloom.plan.dag import greedy_partition_dag, partition_dag
+from pipeloom.plan.partitioning.dag import partition_dag
+from pipeloom.plan.partitioning.dag_graph import greedy_partition_dag
 
 __all__ = ["chain_dp", "layered_dag", "main"]
 
@@ -66,7 +67,7 @@ def chain_dp(sizes: list[int], stages: list[int], *, seed: int = 0, exact_up_to:
     """Print the chain DP's seconds per table (one front, four weights) and, up to ``exact_up_to``
     pieces, the whole-front DP's seconds and the largest relative gap of their objectives."""
     from pipeloom.plan import CostTable, Link, Piece, StageRule
-    from pipeloom.plan.partition import SplitFront
+    from pipeloom.plan.partitioning.chain import SplitFront
 
     rng = random.Random(seed)
     weights = (0.0, 1.0, 7.0, 31.0)

@@ -28,12 +28,13 @@ import statistics
 import tempfile
 import time
 
-from pipeloom.plan import Link, analytical_gpt_costs, format_bytes, parse_bytes, plan_pipeline
-from pipeloom.plan.partition import Partition
-from pipeloom.plan.placement import library_schedule
-from pipeloom.plan.search import recost
+from pipeloom.formatting import format_bytes
+from pipeloom.plan import Link, analytical_gpt_costs, parse_bytes, plan_pipeline
+from pipeloom.plan.partitioning.rules import Partition
+from pipeloom.plan.partitioning.shape import library_schedule
+from pipeloom.plan.recost import recost
 from pipeloom.sim import simulate
-from pipeloom.viz.measured import task_durations
+from pipeloom.trace.analysis import task_durations
 
 __all__ = ["gpt_table", "main", "planning_benchmark", "prediction_vs_reality", "print_reality", "short_split"]
 
@@ -152,8 +153,9 @@ def _timed_steps(record: dict) -> list[int]:
 
 
 def _traced(record: dict):
-    """A plan's trace and its :class:`~pipeloom.viz.measured.Comparison` over the timed steps."""
-    from pipeloom.viz.measured import compare_run, load_run_trace
+    """A plan's trace and its :class:`~pipeloom.trace.analysis.Comparison` over the timed steps."""
+    from pipeloom.trace.analysis import compare_run
+    from pipeloom.trace.reader import load_run_trace
 
     run = load_run_trace(record["trace"])
     return run, compare_run(run, steps=_timed_steps(record))
@@ -203,7 +205,7 @@ def _print_plans(results: dict, config) -> None:
 
 def _print_tasks(record: dict, config) -> None:
     """Per task of a plan: its last round's profile against the traced run (run right after)."""
-    from pipeloom.plan.placement import schedule_shape
+    from pipeloom.plan.partitioning.shape import schedule_shape
 
     run, comparison = _traced(record)
     costs = record["rounds"][-1]["stage_costs"]

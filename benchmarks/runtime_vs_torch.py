@@ -316,7 +316,9 @@ def traced_prediction(case: Case, config: Config, x: torch.Tensor, y: torch.Tens
     dist.barrier()  # every rank's trace file is written
     if dist.get_rank() != 0:
         return {}
-    from pipeloom.viz.measured import compare_run, load_run_trace, trace_summary
+    from pipeloom.trace.analysis import compare_run
+    from pipeloom.trace.reader import load_run_trace
+    from pipeloom.trace.summary import trace_summary
 
     run = load_run_trace(folder)
     summary = trace_summary(compare_run(run, steps=list(run.steps[-config.traced_steps:])))

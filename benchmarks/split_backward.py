@@ -4,7 +4,7 @@ Run ``python benchmarks/split_backward.py`` (``--help`` for sizes). The model is
 blocks ``x + fc2(gelu(fc1(x)))`` (the stages of ``benchmarks/runtime_vs_torch.py``); one round runs
 ``--microbatches`` forwards, then each micro-batch's backward, in four ways:
 
-- ``full``: one full backward per micro-batch (``pipeloom.runtime.backward.backward_full``);
+- ``full``: one full backward per micro-batch (``pipeloom.runtime.step.backward.backward_full``);
 - ``pipeloom``: pipeloom's I (``backward_input``) then W (``PendingWeights.weight``);
 - ``torch``: torch.distributed.pipelining's ``stage_backward_input`` then ``stage_backward_weight``;
 
@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
-from pipeloom.runtime.backward import backward_full, backward_input
+from pipeloom.runtime.step.backward import backward_full, backward_input
 from runtime_vs_torch import Block  # the same residual MLP block as the runtime benchmark's stages
 
 

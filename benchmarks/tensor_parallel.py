@@ -220,9 +220,9 @@ def timed_step(runner: PipeloomRunner | TorchRunner, x: torch.Tensor, y: torch.T
 
 def profile_and_plan(config: Config, mesh: object, x: torch.Tensor, y: torch.Tensor) -> dict:
     """The table profiled in the engine (tp 1 and tp 2) and the planner's 1F1B plans for tp 2 and tp 1."""
-    from pipeloom.plan.costs import costs_to_json
-    from pipeloom.plan.inplace import profile_in_engine
+    from pipeloom.plan.costs.file import costs_to_json
     from pipeloom.plan.mesh import plan_mesh
+    from pipeloom.profile.in_engine import profile_in_engine
 
     started = time.perf_counter()
     table = profile_in_engine(build_model(config), x, loss_fn=loss_fn, target=y, microbatches=config.microbatches,
@@ -282,7 +282,7 @@ def paired(times: dict[str, list[float]], name: str, other: str) -> tuple[float,
 
 def report(result: dict, load_before: float, load_after: float) -> str:
     """The printed tables: step times and paired ratios; predicted against measured."""
-    from pipeloom.plan.costs import costs_from_json
+    from pipeloom.plan.costs.file import costs_from_json
 
     c, times, plans = result["config"], result["times"], result["plans"]
     table = costs_from_json(result["table"])

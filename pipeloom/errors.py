@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 __all__ = [
-    "PipeloomError",
     "ArgumentError",
     "ArgumentTypeError",
-    "require_type",
-    "ProblemError",
-    "ScheduleFormatError",
-    "ScheduleError",
+    "CommError",
     "DeadlockError",
+    "LoweringError",
     "MemoryLimitError",
     "OrderError",
-    "CommError",
-    "LoweringError",
+    "PipeloomError",
+    "ProblemError",
+    "ScheduleError",
+    "ScheduleFormatError",
+    "require_type",
+    "shown",
+    "shown_list",
 ]
 
 
@@ -72,3 +77,17 @@ def require_type(name: str, value: object, expected: type | tuple[type, ...], fi
     ``expected``; public entry points call it on their first argument before using it."""
     if not isinstance(value, expected):
         raise ArgumentTypeError(f"{name} must be {fix}, got {type(value).__name__} {value!r:.60}")
+
+
+def shown(value: Any) -> str:
+    """``repr(value)`` cut to 60 characters, for error messages."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def shown_list(items: Sequence[Any], most: int = 6) -> str:
+    """``[a, b, c, ...]`` with at most ``most`` items and how many were left out: a list in an error
+    message stays one short line however long the list is."""
+    head = ", ".join(map(str, items[:most]))
+    more = len(items) - most
+    return f"[{head}, ... ({more:,} more)]" if more > 0 else f"[{head}]"

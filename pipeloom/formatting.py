@@ -14,7 +14,7 @@ _SECOND_SCALES = ((1.0, "s"), (1e-3, "ms"), (1e-6, "us"))
 
 def format_number(value: float) -> str:
     """``value`` with thousands separators and at most 3 decimals, trailing zeros dropped (the tables'
-    form, :func:`pipeloom.viz.report.format_number`); from 10^15 on, 6 significant digits."""
+    form, :func:`pipeloom.formatting.format_number`); from 10^15 on, 6 significant digits."""
     if abs(value) >= 1e15:
         return f"{value:.6g}"
     text = f"{value:,.3f}".rstrip("0").rstrip(".")

@@ -18,9 +18,9 @@ from operator import add
 from pipeloom.errors import ProblemError, require_type
 from pipeloom.ir import Action, Comm, Overlap, Schedule
 from pipeloom.lowering import replay_lowered
-from pipeloom.sim_composite import CompiledSchedule
+from pipeloom.sim_replay import CompiledSchedule
 
-__all__ = ["CompiledSchedule", "Timeline", "compile_schedule", "simulate"]
+__all__ = ["Timeline", "compile_schedule", "simulate"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -167,7 +167,7 @@ def compile_schedule(schedule: Schedule) -> CompiledSchedule:
 
 
 def __getattr__(name: str) -> object:
-    """``pipeloom.sim.expected_makespan`` and ``starting_ranks``, which moved to
+    """``pipeloom.plan.noise.expected_makespan`` and ``starting_ranks``, which moved to
     :mod:`pipeloom.plan.noise`, still import from here (looked up by name on first use: the planner
     sits above the simulator)."""
     if name in ("expected_makespan", "starting_ranks"):

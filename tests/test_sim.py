@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 
 from pipeloom.errors import DeadlockError, ScheduleError
 from pipeloom.ir import Action, Schedule
+from pipeloom.plan.noise import expected_makespan, starting_ranks
 from pipeloom.problem import Problem, Stage, Task, stage_graph
-from pipeloom.sim import expected_makespan, simulate, starting_ranks
+from pipeloom.sim import simulate
 
 
 def _schedule(problem: Problem, rows: list[str], num_mb: int = 1) -> Schedule:

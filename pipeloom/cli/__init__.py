@@ -11,8 +11,9 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from pipeloom.cli.common import UsageError, first_line
+from pipeloom.cli.common import first_line
 from pipeloom.cli.demo import DEMO_COSTS, DEMO_MICROBATCHES, DEMO_RANKS, DEMO_SCHEDULES
+from pipeloom.cli.errors import UsageError
 from pipeloom.cli.outputs import StagedOutputs
 from pipeloom.cli.parser import build_parser
 from pipeloom.cli.schedules import MAX_ACTIONS

@@ -11,15 +11,15 @@ from collections.abc import Iterator, Mapping
 
 from rich.console import Console
 
+from pipeloom.cli.errors import UsageError
 from pipeloom.cli.outputs import target
-from pipeloom.cli.usage import UsageError
 from pipeloom.errors import PipeloomError
 from pipeloom.ir import save_schedule
 from pipeloom.problem import Costs
 from pipeloom.sim import Timeline
 from pipeloom.viz.report import per_rank_table, summary_table, terminal_timeline
 
-__all__ = ["UsageError", "COST_FLAGS", "costs_from_args", "check_flag_sums", "limit_units", "first_line", "emit"]
+__all__ = ["COST_FLAGS", "costs_from_args", "check_flag_sums", "limit_units", "first_line", "emit"]
 
 COST_FLAGS = ("f", "b", "w", "comm")
 """The cost flags (``--f`` ...) that set the matching ``Costs`` fields."""

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from pipeloom.cli.common import UsageError
+from pipeloom.cli.errors import UsageError
 from pipeloom.cli.schedules import compare_schedules
 from pipeloom.problem import Costs
 from pipeloom.schedules import REGISTRY

@@ -17,7 +17,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
 
-from pipeloom.cli.usage import UsageError
+from pipeloom.cli.errors import UsageError
 
 __all__ = ["OutputPath", "StagedOutputs", "target"]
 

@@ -8,8 +8,8 @@ import re
 from pathlib import Path
 
 from pipeloom.cli.argtypes import count, number, path_with
-from pipeloom.cli.common import UsageError
 from pipeloom.cli.demo import cmd_demo
+from pipeloom.cli.errors import UsageError
 from pipeloom.cli.plan import add_plan_parser
 from pipeloom.cli.profile import add_profile_parser
 from pipeloom.cli.schedules import ACTIVATIONS, cmd_compare, cmd_list, cmd_show, cmd_simulate

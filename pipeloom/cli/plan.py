@@ -10,7 +10,7 @@ from pathlib import Path
 from rich.console import Console
 
 from pipeloom.cli.argtypes import count, number, path_with
-from pipeloom.cli.common import UsageError
+from pipeloom.cli.errors import UsageError
 from pipeloom.cli.outputs import target
 from pipeloom.errors import PipeloomError
 
@@ -19,7 +19,7 @@ __all__ = ["add_plan_parser", "bytes_argument", "cmd_plan"]
 
 def bytes_argument(text: str) -> float:
     """An argparse type for sizes such as ``80GiB``, ``512MiB``, ``16GB`` or a number of bytes."""
-    from pipeloom.plan.costs import parse_bytes
+    from pipeloom.plan.costs.parts import parse_bytes
 
     try:
         value = parse_bytes(text)
@@ -142,7 +142,7 @@ def _progress(args: argparse.Namespace):
 def _best_table(result):
     from rich.table import Table
 
-    from pipeloom.plan.costs import format_bytes
+    from pipeloom.formatting import format_bytes
 
     plan = result.plan
     table = Table(title="best plan", show_header=False)
@@ -172,7 +172,7 @@ def _best_table(result):
 def _runners_up(result, top: int):
     from rich.table import Table
 
-    from pipeloom.plan.costs import format_bytes
+    from pipeloom.formatting import format_bytes
 
     best = result.plan.predicted_step_time
     table = Table(title=f"runners-up (best {top} of {len(result.candidates)})")
@@ -212,7 +212,7 @@ def _with_heads(args: argparse.Namespace, tables: list) -> list:
     import dataclasses
     from fnmatch import fnmatch
 
-    from pipeloom.plan.tensor import TensorInfo
+    from pipeloom.plan.tp.megatron import TensorInfo
 
     layers = tuple(name for name in tables[0].names if fnmatch(name, args.tp_layers))
     if not layers:
@@ -228,7 +228,7 @@ def _names(text: str) -> tuple[str, ...]:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """``pipeloom plan``: search, write the requested files, then print the plan and runners-up."""
-    from pipeloom.plan.costs import load_costs
+    from pipeloom.plan.costs.file import load_costs
     from pipeloom.plan.mesh import plan_mesh
 
     if args.export and not args.save:
@@ -292,9 +292,9 @@ def _plan_on_server(args: argparse.Namespace) -> int:
     from urllib.parse import urljoin
 
     from pipeloom.ir import schedule_from_json
-    from pipeloom.plan.costs import load_costs
+    from pipeloom.plan.costs.file import load_costs
     from pipeloom.plan.plan import plan_from_json, save_plan
-    from pipeloom.serve.client import is_url, post_json, read_url
+    from pipeloom.remote import is_url, post_json, read_url
     from pipeloom.sim import simulate
 
     flags = (("--heads", args.heads), ("--dp-latency", args.dp_latency), ("--dp-bandwidth", args.dp_bandwidth),

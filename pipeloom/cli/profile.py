@@ -15,11 +15,10 @@ from __future__ import annotations
 import argparse
 
 from pipeloom.cli.argtypes import count, number, path_with
-from pipeloom.cli.common import UsageError
+from pipeloom.cli.errors import UsageError
 from pipeloom.cli.profile_engine import run_in_engine
 from pipeloom.cli.profile_output import show
 from pipeloom.cli.profile_user import (
-    UserCodeError,
     check_batch,
     load_function,
     loss_function,
@@ -30,7 +29,7 @@ from pipeloom.cli.profile_user import (
     user_code,
 )
 
-__all__ = ["UserCodeError", "add_profile_parser", "cmd_profile", "load_function"]
+__all__ = ["add_profile_parser", "cmd_profile"]
 
 
 def add_profile_parser(commands: argparse._SubParsersAction) -> None:
@@ -97,8 +96,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
         import torch
     except ImportError:
         raise UsageError("pipeloom profile needs torch; install it (pip install torch)") from None
-    from pipeloom.plan.costs import Link
-    from pipeloom.plan.profile import profile_model
+    from pipeloom.plan.costs.parts import Link
+    from pipeloom.profile.model import profile_model
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -1,5 +1,5 @@
 """``pipeloom profile --in-engine`` (and ``--tp N``): every rank of a torchrun launch profiles inside the
-runtime (:func:`pipeloom.plan.profile_in_engine`), tensor-parallel stages on a ``("pp", "tp")`` mesh."""
+runtime (:func:`pipeloom.profile.in_engine.profile_in_engine`), tensor-parallel stages on a ``("pp", "tp")`` mesh."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import argparse
 
 from rich.console import Console
 
-from pipeloom.cli.common import UsageError
+from pipeloom.cli.errors import UsageError
 from pipeloom.cli.profile_output import print_tensor, show
 from pipeloom.cli.profile_user import (
     check_batch,
@@ -23,14 +23,14 @@ __all__ = ["run_in_engine"]
 
 
 def run_in_engine(args: argparse.Namespace, module, function) -> int:
-    """``--in-engine``: every rank profiles inside the runtime (pipeloom.plan.profile_in_engine)."""
+    """``--in-engine``: every rank profiles inside the runtime (pipeloom.profile.in_engine.profile_in_engine)."""
     import dataclasses
     import os
 
     import torch
     import torch.distributed as dist
 
-    from pipeloom.plan.inplace import profile_in_engine
+    from pipeloom.profile.in_engine import profile_in_engine
 
     if args.device not in (None, "cpu"):
         raise UsageError(f"--in-engine profiles CPU ranks with gloo, not --device {args.device}; on a GPU, "

@@ -14,7 +14,7 @@ __all__ = ["print_tensor", "show"]
 
 def show(table, args: argparse.Namespace) -> None:
     """Save the table (``--save``), then print it: its JSON (``--json``) or a table per piece."""
-    from pipeloom.plan.costs import costs_to_json, save_costs
+    from pipeloom.plan.costs.file import costs_to_json, save_costs
 
     if args.save:
         save_costs(table, target(args, args.save))
@@ -31,7 +31,7 @@ def show(table, args: argparse.Namespace) -> None:
 def _pieces_table(table):
     from rich.table import Table
 
-    from pipeloom.plan.costs import format_bytes
+    from pipeloom.formatting import format_bytes
 
     view = Table(title=f"cost table: {table.device}, micro-batch of {table.microbatch_size}")
     view.add_column("piece", min_width=max(len(name) for name in table.names))
@@ -49,7 +49,7 @@ def _pieces_table(table):
 
 def _print_shared(table, console: Console) -> None:
     """One line per parameter several pieces use (counted once, in its first user's params)."""
-    from pipeloom.plan.costs import format_bytes
+    from pipeloom.formatting import format_bytes
 
     for entry in table.shared:
         console.print(f"shared: {entry.name or 'a parameter'} ({format_bytes(entry.bytes)}, counted once) used by "

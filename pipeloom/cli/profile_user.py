@@ -14,17 +14,19 @@ import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
-from pipeloom.cli.common import UsageError
+from pipeloom.cli.errors import UsageError, UserCodeError
 from pipeloom.errors import PipeloomError
 
-__all__ = ["UserCodeError", "check_batch", "load_function", "loss_function", "made_up_target", "model_and_inputs",
-           "names", "pieces", "user_code"]
-
-
-class UserCodeError(PipeloomError):
-    """The user's file raised while pipeloom ran it (importing it, building the model, making inputs,
-    the forward or the loss). The first line names the file, the line and the error; the rest of
-    the message is the traceback (shown with --verbose)."""
+__all__ = [
+    "check_batch",
+    "load_function",
+    "loss_function",
+    "made_up_target",
+    "model_and_inputs",
+    "names",
+    "pieces",
+    "user_code",
+]
 
 
 @contextlib.contextmanager
@@ -120,7 +122,7 @@ def _first_module(model, args: argparse.Namespace):
     from torch import nn
 
     from pipeloom.runtime import ModelTraceError
-    from pipeloom.runtime.tracing import trace_model
+    from pipeloom.runtime.model.tracing import trace_model
 
     if isinstance(model, (list, tuple, nn.ModuleList)):  # pieces given as modules: the first one starts
         return _first_module(model[0], args)

@@ -11,15 +11,8 @@ from typing import Any
 
 from rich.console import Console
 
-from pipeloom.cli.common import (
-    COST_FLAGS,
-    UsageError,
-    check_flag_sums,
-    costs_from_args,
-    emit,
-    first_line,
-    limit_units,
-)
+from pipeloom.cli.common import COST_FLAGS, check_flag_sums, costs_from_args, emit, first_line, limit_units
+from pipeloom.cli.errors import UsageError
 from pipeloom.cli.outputs import target
 from pipeloom.errors import PipeloomError
 from pipeloom.ir import load_schedule

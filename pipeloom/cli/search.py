@@ -9,10 +9,12 @@ import dataclasses
 
 from rich.console import Console
 
-from pipeloom.cli.common import UsageError, check_flag_sums, emit, limit_units
+from pipeloom.cli.common import check_flag_sums, emit, limit_units
+from pipeloom.cli.errors import UsageError
 from pipeloom.cli.schedules import MAX_RANKS
+from pipeloom.formatting import format_number
 from pipeloom.validate import validate
-from pipeloom.viz.report import format_number, search_table, timeline_report
+from pipeloom.viz.report import search_table, timeline_report
 
 __all__ = ["cmd_search"]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from pipeloom.cli.argtypes import count, number
-from pipeloom.cli.usage import UsageError
+from pipeloom.cli.errors import UsageError
 
 __all__ = ["add_serve_parser", "cmd_serve"]
 

@@ -9,7 +9,7 @@ import json
 from rich.console import Console
 from rich.table import Table
 
-from pipeloom.cli.common import UsageError
+from pipeloom.cli.errors import UsageError
 from pipeloom.cli.outputs import target
 from pipeloom.trace import StepSelectionError, compare_run, load_run_trace, trace_summary
 from pipeloom.viz.measured import draw_measured, write_merged_trace

@@ -12,12 +12,19 @@ from dataclasses import dataclass
 from importlib import import_module
 from typing import Any, NamedTuple, final
 
-from pipeloom.errors import PipeloomError, ScheduleFormatError
+from pipeloom.errors import PipeloomError, ScheduleFormatError, shown
 from pipeloom.problem import Problem
 
 __all__ = [
-    "COMM_KINDS", "OVERLAP_F_B", "Action", "Comm", "Overlap", "Schedule", "compute_parts", "format_grid",
-    "parse_action", "shown",
+    "COMM_KINDS",
+    "OVERLAP_F_B",
+    "Action",
+    "Comm",
+    "Overlap",
+    "Schedule",
+    "compute_parts",
+    "format_grid",
+    "parse_action",
 ]
 
 COMM_KINDS: tuple[str, ...] = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
@@ -269,16 +276,3 @@ def format_grid(
         lines.append("(" + ", ".join(notes) + ")")
     return "\n".join(lines)
 
-
-def shown_list(items: Sequence[Any], most: int = 6) -> str:
-    """``[a, b, c, ...]`` with at most ``most`` items and how many were left out: a list in an error
-    message stays one short line however long the list is."""
-    head = ", ".join(map(str, items[:most]))
-    more = len(items) - most
-    return f"[{head}, ... ({more:,} more)]" if more > 0 else f"[{head}]"
-
-
-def shown(value: Any) -> str:
-    """``repr(value)`` cut to 60 characters, for error messages."""
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."

@@ -11,7 +11,7 @@ from pipeloom.ir.jsonfields import read_text
 from pipeloom.ir.torch_csv import schedule_from_csv, schedule_to_csv
 from pipeloom.problem import Costs
 
-__all__ = ["save_schedule", "load_schedule", "read_text"]
+__all__ = ["save_schedule", "load_schedule"]
 
 
 def save_schedule(schedule: Schedule, path: str | Path) -> None:

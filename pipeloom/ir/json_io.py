@@ -6,8 +6,8 @@ import json
 import math
 from typing import Any
 
-from pipeloom.errors import PipeloomError, ScheduleFormatError
-from pipeloom.ir.core import Action, Comm, Overlap, Schedule, shown
+from pipeloom.errors import PipeloomError, ScheduleFormatError, shown
+from pipeloom.ir.core import Action, Comm, Overlap, Schedule
 from pipeloom.ir.jsonfields import check_format, parse_object
 from pipeloom.problem import Problem, Task, parse_task_name, task_name
 

@@ -11,8 +11,7 @@ import math
 from pathlib import Path
 from typing import Any, Literal, overload
 
-from pipeloom.errors import PipeloomError, ScheduleFormatError
-from pipeloom.ir.core import shown
+from pipeloom.errors import PipeloomError, ScheduleFormatError, shown
 
 __all__ = [
     "MISSING", "check_format", "check_keys", "integer", "json_object", "number", "parse_object",

@@ -9,8 +9,8 @@ import csv
 import io
 from collections import Counter
 
-from pipeloom.errors import ScheduleFormatError
-from pipeloom.ir.core import Action, Comm, Overlap, Schedule, compute_parts, parse_action, shown_list
+from pipeloom.errors import ScheduleFormatError, shown_list
+from pipeloom.ir.core import Action, Comm, Overlap, Schedule, compute_parts, parse_action
 from pipeloom.problem import Backward, Costs, Problem, Stage, stage_graph, task_name
 
 __all__ = ["TORCH_ONLY_KINDS", "schedule_to_csv", "schedule_from_csv"]

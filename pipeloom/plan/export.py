@@ -16,8 +16,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeloom.ir import Schedule, schedule_to_csv
-from pipeloom.plan.plan import Plan, PlanError
-from pipeloom.plan.shape import schedule_shape
+from pipeloom.plan.errors import PlanError
+from pipeloom.plan.partitioning.shape import schedule_shape
+from pipeloom.plan.plan import Plan
 
 __all__ = ["EXPORT_FORMATS", "torchtitan_overrides", "torchtitan_settings", "torchtitan_toml", "write_torchtitan"]
 

@@ -1,10 +1,10 @@
 """Pipeline × data parallel × tensor parallel: choose how N ranks split into ``dp`` replicas of a
-``pp``-rank pipeline whose stages run on ``tp`` ranks each (tp costed by :mod:`pipeloom.plan.tensor`).
+``pp``-rank pipeline whose stages run on ``tp`` ranks each (tp costed by :mod:`pipeloom.plan.tp.megatron`).
 
 For every ``dp`` dividing N (and the global batch), :func:`plan_mesh` plans a pipeline of ``pp = N / dp``
 ranks for the replica's share of the batch (:func:`pipeloom.plan.plan_pipeline`), then adds what the
-replicas cost on top, priced as the runtime runs them (:mod:`pipeloom.runtime.dp`,
-:mod:`pipeloom.runtime.fsdp`):
+replicas cost on top, priced as the runtime runs them (:mod:`pipeloom.runtime.parallel.dp`,
+:mod:`pipeloom.runtime.parallel.fsdp`):
 
 - **replicate**: each model stage's gradients are all-reduced over ``dp`` in buckets of at most
   ``BUCKET_BYTES``, posted as soon as the stage's last gradient action of the step has run on its
@@ -32,12 +32,14 @@ import time
 from collections.abc import Callable, Sequence
 
 from pipeloom.ir.core import compute_parts
-from pipeloom.plan.costs import CostTable, Link
-from pipeloom.plan.plan import Plan, PlanError
+from pipeloom.plan.costs.parts import Link
+from pipeloom.plan.costs.shared import shared_across_stages, shared_sync_time
+from pipeloom.plan.costs.table import CostTable
+from pipeloom.plan.errors import NoPlanFits, PlanError
+from pipeloom.plan.partitioning.shape import schedule_shape
+from pipeloom.plan.plan import Plan
+from pipeloom.plan.planner import Candidate, PlanResult, plan_pipeline
 from pipeloom.plan.recost import piece_ranks
-from pipeloom.plan.search import Candidate, NoPlanFits, PlanResult, plan_pipeline
-from pipeloom.plan.shape import schedule_shape
-from pipeloom.plan.shared import shared_across_stages, shared_sync_time
 from pipeloom.schedules import REGISTRY
 
 __all__ = ["BUCKET_BYTES", "SHARDINGS", "MeshCandidate", "collective_time", "plan_mesh", "reduction_time"]
@@ -152,7 +154,7 @@ def plan_mesh(
     ``data_parallel``: the replica counts to try (default: every divisor of ``num_ranks / tp`` that divides
     ``global_batch`` and leaves a pipeline no longer than the table); ``tensor_parallel``: the tp sizes to
     try (default ``(1,)``; None: every divisor of ``num_ranks`` dividing the table's head count), each
-    costed with :func:`~pipeloom.plan.tensor.tensor_parallel_table` (memory per rank as the plan shards
+    costed with :func:`~pipeloom.plan.tp.megatron.tensor_parallel_table` (memory per rank as the plan shards
     it); ``sharding``: ``"replicate"`` or ``"fsdp"`` (see the module doc); ``dp_link``: the link between
     replicas (default: the table's link); ``progress``: called with a short line as the search goes, and
     with "" at its end. Other keywords go to :func:`~pipeloom.plan.plan_pipeline` for each pipeline. The
@@ -160,7 +162,8 @@ def plan_mesh(
     ``tp_plan``; its ``num_ranks`` is the pipeline's ranks; its candidates (:class:`MeshCandidate`) are
     every mesh's, ranked by step time with the replicas' cost included.
     """
-    from pipeloom.plan.tensor import TensorParallelError, tensor_parallel_table, tp_sizes
+    from pipeloom.plan.errors import TensorParallelError
+    from pipeloom.plan.tp.megatron import tensor_parallel_table, tp_sizes
 
     started = time.perf_counter()
     if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 1:
@@ -328,7 +331,7 @@ def _with_replicas(candidate: Candidate, dp: int, tables: Sequence[CostTable], l
 
 
 def _table_at(tables: Sequence[CostTable], size: int) -> CostTable:
-    from pipeloom.plan.costs import table_for_size
+    from pipeloom.plan.costs.table import table_for_size
 
     return table_for_size(list(tables), size)
 

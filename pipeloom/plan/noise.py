@@ -2,7 +2,7 @@
 vary around their tasks' (lognormal factors) and whose first ranks start a step a little apart
 (exponential delays). It replays with the simulator's semantics (DESIGN §3,
 :func:`pipeloom.sim.compile_schedule`); the fitted spreads and skew come from
-``CostTable.runtime`` (:func:`pipeloom.plan.inplace.profile_in_engine`).
+``CostTable.runtime`` (:func:`pipeloom.profile.in_engine.profile_in_engine`).
 """
 
 from __future__ import annotations

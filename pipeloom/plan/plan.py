@@ -7,33 +7,16 @@ import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from pipeloom.errors import PipeloomError
-from pipeloom.ir.core import shown
+from pipeloom.errors import PipeloomError, shown
 from pipeloom.ir.jsonfields import integer, json_object, number, read_json_file, string, strings
+from pipeloom.plan.errors import PlanError
 from pipeloom.schedules import REGISTRY
 
-__all__ = [
-    "PLAN_FORMAT",
-    "Plan",
-    "PlanError",
-    "load_plan",
-    "model_stage_count",
-    "plan_from_json",
-    "plan_to_json",
-    "save_plan",
-]
+__all__ = ["PLAN_FORMAT", "Plan", "load_plan", "model_stage_count", "plan_from_json", "plan_to_json", "save_plan"]
 
 PLAN_FORMAT = "pipeloom.plan/1"
 
 _SCHEDULE_FILE_SUFFIXES = (".json", ".csv")
-
-
-class PlanError(PipeloomError):
-    """A plan cannot be made or read (no plan fits the memory, too many stages, malformed file...)."""
-
-
-class PartitionError(PlanError):
-    """No partition meets the request (bad graph, more stages than pieces, memory too small...)."""
 
 
 def model_stage_count(schedule: str, num_ranks: int, options: dict | None = None) -> int | None:
@@ -87,7 +70,7 @@ class Plan:
     mesh (``"dp"`` left out when 1)."""
     tp_plan: dict | None = None
     """With ``tensor_parallel`` > 1: the tensor-parallel plan as JSON, a built-in recipe and its module names
-    (:mod:`pipeloom.plan.recipes`), turned into torch's ``ParallelStyle`` dict by ``pipeline(plan=)``."""
+    (:mod:`pipeloom.plan.tp.recipes`), turned into torch's ``ParallelStyle`` dict by ``pipeline(plan=)``."""
 
     def __post_init__(self) -> None:
         for name in ("num_ranks", "microbatches", "global_batch", "data_parallel", "tensor_parallel"):
@@ -104,7 +87,8 @@ class Plan:
             raise PlanError(f"plan tensor_parallel {self.tensor_parallel} needs a tp_plan exactly when it is above 1 "
                             f"(got tp_plan {shown(self.tp_plan)}); give both or neither")
         if self.tp_plan is not None:
-            from pipeloom.plan.recipes import RecipeError, check_recipe
+            from pipeloom.plan.errors import RecipeError
+            from pipeloom.plan.tp.recipes import check_recipe
 
             try:
                 object.__setattr__(self, "tp_plan", check_recipe(self.tp_plan))
@@ -191,7 +175,7 @@ def plan_from_json(text: str) -> Plan:
     Required: ``num_ranks``, ``split_points``, ``schedule``, ``microbatches``, ``global_batch``,
     ``predicted_step_time``; ``microbatch_size``, when present, must equal global_batch / (microbatches ×
     data_parallel). Optional: ``data_parallel`` (1), ``sharding`` (replicate), ``tensor_parallel`` (1)
-    and ``tp_plan`` (a recipe, :mod:`pipeloom.plan.recipes`; required when ``tensor_parallel`` > 1).
+    and ``tp_plan`` (a recipe, :mod:`pipeloom.plan.tp.recipes`; required when ``tensor_parallel`` > 1).
     """
     document = json_object(text, fmt=PLAN_FORMAT, keys=_KEYS, error=PlanError, what="plan")
     where = "plan"
@@ -231,7 +215,7 @@ def load_plan(path: str | Path) -> Plan:
     (``http://HOST:PORT/plans/ID``). A schedule given as a relative ``.json``/``.csv`` file name is
     taken relative to the plan file's folder (and returned as that path); for a URL it is fetched from
     beside the plan into a new temporary folder, read as strictly as a file."""
-    from pipeloom.serve.client import is_url
+    from pipeloom.remote import is_url
 
     if is_url(path):
         return _fetch_plan(str(path))
@@ -251,7 +235,7 @@ def _fetch_plan(url: str) -> Plan:
     import tempfile
     from urllib.parse import urljoin
 
-    from pipeloom.serve.client import read_url
+    from pipeloom.remote import read_url
 
     try:
         plan = plan_from_json(read_url(url))

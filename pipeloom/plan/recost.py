@@ -7,10 +7,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pipeloom.ir import Schedule
-from pipeloom.plan.costs import CostTable, Link, Piece
-from pipeloom.plan.partition import Partition
-from pipeloom.plan.shape import ScheduleShape, schedule_shape
-from pipeloom.plan.shared import shared_static_bytes, shared_sync_time
+from pipeloom.plan.costs.parts import Link, Piece
+from pipeloom.plan.costs.shared import shared_static_bytes, shared_sync_time
+from pipeloom.plan.costs.table import CostTable
+from pipeloom.plan.partitioning.rules import Partition
+from pipeloom.plan.partitioning.shape import ScheduleShape, schedule_shape
 from pipeloom.problem import Problem, Stage, stage_graph
 
 __all__ = ["exchange_time", "piece_ranks", "recost", "replica_sync_time", "shared_time", "stage_spreads"]

@@ -5,29 +5,31 @@ Importing this package imports torch; nothing else in pipeloom does (DESIGN §4)
 
 from __future__ import annotations
 
-from pipeloom.runtime.agree import StepMismatchError
 from pipeloom.runtime.build import pipeline
 from pipeloom.runtime.engine import PipelineEngine
-from pipeloom.runtime.launch import init_ranks
-from pipeloom.runtime.lower import PipelineError, model_pieces
-from pipeloom.runtime.rng import forward_seed, reference_step
-from pipeloom.runtime.scatter import Traffic
-from pipeloom.runtime.split import (
-    MODEL_INPUT,
+from pipeloom.runtime.errors import (
     ModelTraceError,
+    PipelineError,
     SplitError,
     SplitOrderError,
+    StageValueError,
+    StepMismatchError,
+    UnknownSplitPointError,
+)
+from pipeloom.runtime.launch import init_ranks
+from pipeloom.runtime.model.split import (
     StagedModel,
     StageGraph,
     StageSpec,
-    StageValueError,
-    UnknownSplitPointError,
     ValueRef,
     check_stage_value,
     split_model,
     stages_from_modules,
 )
-from pipeloom.runtime.state import LoadResult, ModelNames, model_names
+from pipeloom.runtime.parallel.scatter import Traffic
+from pipeloom.runtime.program import MODEL_INPUT, model_pieces
+from pipeloom.runtime.state.state_dict import LoadResult, ModelNames, model_names
+from pipeloom.runtime.step.rng import forward_seed, reference_step
 
 __all__ = [
     "MODEL_INPUT",

@@ -15,18 +15,19 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import nn
 
-from pipeloom.runtime.dp import Layout, layout_of
 from pipeloom.runtime.engine import PipelineEngine
-from pipeloom.runtime.fsdp import shard_pieces
-from pipeloom.runtime.lower import Lowering, PipelineError
-from pipeloom.runtime.materialize import StateSource, place_pieces
-from pipeloom.runtime.pieces import RankPieces
+from pipeloom.runtime.errors import PipelineError
+from pipeloom.runtime.model.materialize import StateSource, place_pieces
+from pipeloom.runtime.model.split import StagedModel
+from pipeloom.runtime.parallel.dp import Layout, layout_of
+from pipeloom.runtime.parallel.fsdp import shard_pieces
+from pipeloom.runtime.parallel.tp import apply_tp_plan, check_tp_plan, leaf_modules_for, plan_blocks, set_group_timeout
+from pipeloom.runtime.parallel.tp_auto import AutoPlan, AutoSharding, auto_tp_plan, is_auto
+from pipeloom.runtime.program import Lowering
 from pipeloom.runtime.setup import device_for, lower_for, resolve_schedule, shared_seed, staged_model
-from pipeloom.runtime.shared import SharedParameters, check_placement, shared_parameters
-from pipeloom.runtime.split import StagedModel
-from pipeloom.runtime.state import model_names
-from pipeloom.runtime.tp import apply_tp_plan, check_tp_plan, leaf_modules_for, plan_blocks, set_group_timeout
-from pipeloom.runtime.tp_auto import AutoPlan, AutoSharding, auto_tp_plan, is_auto
+from pipeloom.runtime.state.state_dict import model_names
+from pipeloom.runtime.step.pieces import RankPieces
+from pipeloom.runtime.step.shared import SharedParameters, check_placement, shared_parameters
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -76,21 +77,21 @@ def pipeline(
     ``seed``: the random numbers of every piece's forward derive from it (default: rank 0's
     ``torch.initial_seed()``), so dropout draws the same on any number of ranks (docs/runtime.md).
     ``mesh``: a ``DeviceMesh`` with a ``"pp"`` dimension (the pipeline) and optionally ``"dp"`` (replicas
-    of it, each running its share of the global batch; :mod:`pipeloom.runtime.dp`), instead of
+    of it, each running its share of the global batch; :mod:`pipeloom.runtime.parallel.dp`), instead of
     ``process_group``.
     ``state_dict``/``init_weights``: for a model built on the meta device, what fills this rank's pieces
     (a state dict, a ``torch.save`` file or a ``torch.distributed.checkpoint`` folder; a function called
     on every module this rank holds); other ranks' tensors are never allocated.
     ``data_parallel``: how the mesh's ``"dp"`` replicas hold the pieces: ``"replicate"`` (whole,
     gradients all-reduced; the default) or ``"fsdp"`` (sharded with torch's ``fully_shard``;
-    :mod:`pipeloom.runtime.fsdp`).
+    :mod:`pipeloom.runtime.parallel.fsdp`).
     A plan with replicas (``pipeloom plan``'s ``data_parallel`` > 1) builds its ``("dp", "pp")`` mesh over
     every rank when no ``mesh`` is given, and sets ``data_parallel`` to its ``sharding``.
     ``tp_plan``: with a ``"tp"`` mesh dimension, torch's ``parallelize_module`` plan ({module name or
     pattern: ParallelStyle}, the model's names) applied to this rank's stages before the engine captures their
     parameters; a named module a style needs whole is kept whole in the split (docs/parallelism.md);
     ``"hf"``: a ``transformers`` model's own plan (its config's ``base_model_tp_plan`` and its head's);
-    ``"auto"`` or an :class:`~pipeloom.runtime.tp_auto.AutoPlan`: the plan the sharding search chooses for the
+    ``"auto"`` or an :class:`~pipeloom.runtime.parallel.tp_auto.AutoPlan`: the plan the sharding search chooses for the
     model's shapes (``engine.tp_sharding`` holds it with its prediction; sizes from ``example_inputs``).
     ``scatter_boundaries``: with ``"tp"``, a stage-boundary tensor equal on every tp rank crosses once per
     tp group (each sends 1/tp of it, the receivers all-gather); False sends it whole from every tp rank.
@@ -177,14 +178,14 @@ def _from_plan(plan: str | Path, schedule: object, split_points: Sequence[str] |
     file, explicit ones winning; a plan with replicas or tensor parallelism gets a ``("dp", "pp", "tp")`` mesh
     over every rank (sizes of 1 left out) unless one is given (whose shape must be the plan's), and its saved
     tensor-parallel recipe becomes torch's ``ParallelStyle`` dict
-    (:func:`pipeloom.plan.recipes.recipe_styles`)."""
+    (:func:`pipeloom.plan.tp.recipes.recipe_styles`)."""
     from pipeloom.plan import load_plan
 
     chosen = load_plan(plan)
     if chosen.data_parallel > 1 or chosen.tensor_parallel > 1:
         mesh = _plan_mesh(chosen, mesh, process_group, device)
     if tp_plan is None and chosen.tp_plan is not None:
-        from pipeloom.plan.recipes import recipe_styles
+        from pipeloom.plan.tp.recipes import recipe_styles
 
         tp_plan = recipe_styles(chosen.tp_plan)
     return (chosen.schedule if schedule is None else schedule,
@@ -284,7 +285,7 @@ def _sharded(data_parallel: str, layout: Layout, lowering: Lowering, shared: Sha
 
 def _rank_pieces(lowering: Lowering, layout: Layout, device: torch.device, staged: StagedModel, loss_fn: Callable,
                  seed: int, shared: SharedParameters, sharded: bool) -> RankPieces:
-    """What every step of this rank reads (see :class:`~pipeloom.runtime.pieces.RankPieces`)."""
+    """What every step of this rank reads (see :class:`~pipeloom.runtime.step.pieces.RankPieces`)."""
     rank = layout.rank
     program = lowering.programs[rank]
     modules = {s: staged.stages[lowering.piece_of[s]] for s in lowering.stages_on(rank)}

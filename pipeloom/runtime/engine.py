@@ -21,26 +21,26 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeloom.runtime import state
-from pipeloom.runtime.agree import StepMismatchError, agree_on_step
-from pipeloom.runtime.checkpoint import load_checkpoint, save_checkpoint
-from pipeloom.runtime.clip import clip_grad_norm_
-from pipeloom.runtime.comm import FailureScope, Messenger
-from pipeloom.runtime.dp import GradientBuckets, Layout
-from pipeloom.runtime.fsdp import ShardedGradients
-from pipeloom.runtime.loss import LossSum
-from pipeloom.runtime.lower import PipelineError
-from pipeloom.runtime.pieces import RankPieces
-from pipeloom.runtime.scatter import Traffic
+from pipeloom.runtime.comm.messenger import FailureScope, Messenger
+from pipeloom.runtime.errors import PipelineError, StepMismatchError
+from pipeloom.runtime.model.split import StagedModel
+from pipeloom.runtime.parallel.dp import GradientBuckets, Layout
+from pipeloom.runtime.parallel.fsdp import ShardedGradients
+from pipeloom.runtime.parallel.scatter import Traffic
+from pipeloom.runtime.parallel.tp import captured_parameters, changed_parameter
 from pipeloom.runtime.setup import default_store, shared_run_id
-from pipeloom.runtime.split import StagedModel
-from pipeloom.runtime.state import LoadResult, ModelNames
-from pipeloom.runtime.step import StepRun
-from pipeloom.runtime.timing import ActionClock
-from pipeloom.runtime.tp import captured_parameters, changed_parameter
+from pipeloom.runtime.state import state_dict as state
+from pipeloom.runtime.state.checkpoint import load_checkpoint, save_checkpoint
+from pipeloom.runtime.state.clip import clip_grad_norm_
+from pipeloom.runtime.state.state_dict import LoadResult, ModelNames
+from pipeloom.runtime.step.agree import agree_on_step
+from pipeloom.runtime.step.loss import LossSum
+from pipeloom.runtime.step.pieces import RankPieces
+from pipeloom.runtime.step.run import StepRun
+from pipeloom.runtime.step.timing import ActionClock
 from pipeloom.trace.format import rank_file, step_record, trace_document, write_trace_file
 
-__all__ = ["PipelineEngine", "PipelineError"]
+__all__ = ["PipelineEngine"]
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # engines not yet collected
 
@@ -114,7 +114,7 @@ class PipelineEngine:
             pair_order=lowering.pair_order, unit_of=lowering.unit_of, store=store, run_id=run_id,
             scope=_mesh_scope(layout), tp=layout.tp, scatter=scatter_boundaries,
         )
-        self.traffic = Traffic()  # bytes the last step moved between stages (pipeloom.runtime.scatter)
+        self.traffic = Traffic()  # bytes the last step moved between stages (pipeloom.runtime.parallel.scatter)
         last = lowering.num_pieces - 1
         self.loss_sum = LossSum(layout=layout, messenger=self.messenger, num_microbatches=pieces.num_microbatches,
                                 device=self.device, loss_ranks=len(
@@ -370,7 +370,7 @@ class PipelineEngine:
         write_trace_file(self.trace_document(), path)
 
     # ------------------------------------------------------------------------------ training-loop helpers
-    # (runtime/state.py, clip.py, checkpoint.py; every rank calls the collective ones: clip_grad_norm_,
+    # (runtime/state/state_dict.py, clip.py, checkpoint.py; every rank calls the collective ones: clip_grad_norm_,
     # full_state_dict, checkpoints)
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:

@@ -6,9 +6,12 @@ from pipeloom.errors import PipeloomError
 
 __all__ = [
     "ModelTraceError",
+    "PipelineError",
+    "RegionsNotFoundError",
     "SplitError",
     "SplitOrderError",
     "StageValueError",
+    "StepMismatchError",
     "UnknownSplitPointError",
 ]
 
@@ -31,3 +34,16 @@ class ModelTraceError(SplitError):
 
 class StageValueError(SplitError):
     """A value passed between stages is not a tensor or a tuple/list/dict of tensors."""
+
+
+class PipelineError(PipeloomError, RuntimeError):
+    """A pipeline cannot be built from these pieces, or a step failed on some rank."""
+
+
+class StepMismatchError(PipelineError):
+    """Ranks were given different micro-batch counts or batches (shapes, dtypes) for one step. Raised
+    on every rank before anything moved: the engine stays usable."""
+
+
+class RegionsNotFoundError(PipelineError):
+    """``tp_plan="auto"`` could not find the transformer regions it shards in the model."""

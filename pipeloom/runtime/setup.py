@@ -12,9 +12,10 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeloom.ir import Schedule, load_schedule
-from pipeloom.runtime.dp import Layout
-from pipeloom.runtime.lower import Lowering, PipelineError, lower
-from pipeloom.runtime.split import StagedModel, split_model, stages_from_modules
+from pipeloom.runtime.errors import PipelineError
+from pipeloom.runtime.model.split import StagedModel, split_model, stages_from_modules
+from pipeloom.runtime.parallel.dp import Layout
+from pipeloom.runtime.program import Lowering, lower
 from pipeloom.schedules import build_schedule, schedule_info, schedule_names
 from pipeloom.validate import validate
 

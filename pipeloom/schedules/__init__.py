@@ -52,8 +52,8 @@ class ScheduleInfo:
     rank r), ``interleaved`` (v looped stages per rank: stage s on rank s % p), ``v`` (rank r holds
     stages r and 2p-1-r) or ``bidirectional`` (two model replicas fed from both ends, each rank
     holding a piece of each). The planner cuts the model for it
-    (:data:`pipeloom.plan.shape.PartitionPlacement`); the exact layout of one schedule, stage by
-    stage, is its shape (:func:`pipeloom.plan.shape.schedule_shape`)."""
+    (:data:`pipeloom.plan.partitioning.shape.PartitionPlacement`); the exact layout of one schedule, stage by
+    stage, is its shape (:func:`pipeloom.plan.partitioning.shape.schedule_shape`)."""
     memory_aware: bool = False
     """Whether it orders its actions for ``memory_limit`` (the planner tries it with the plan's limit)."""
     in_demo: bool = False

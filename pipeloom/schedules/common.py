@@ -30,7 +30,7 @@ actions for. None means the schedule's own default memory, stated in its docstri
 that is not memory-aware; zbv: 1F1B's peak ``min(p, m) * costs.memory``; interleaved-zb: what its first
 candidate order holds per rank; v-half and v-min: their documented ``(p+2)//2`` and ``(p+4)//3``
 micro-batches. A limit given is carried as it is. (The search differs: its problem exists already, and
-there None means that problem's own limit, :func:`pipeloom.search.common.limit_of`.)"""
+there None means that problem's own limit, :func:`pipeloom.search.memory_bounds.limit_of`.)"""
 
 
 def check_counts(name: str, num_ranks: int, num_microbatches: int, *, min_microbatches: int = 1) -> None:

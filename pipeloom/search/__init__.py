@@ -2,10 +2,11 @@
 block builder for Tessel-style task graphs, behind one call, :func:`search`.
 """
 
-from pipeloom.search.api import load_problem, problem_from_json, search
+from pipeloom.search.api import search
 from pipeloom.search.blocks import PlacementBuilder
-from pipeloom.search.common import SearchError
+from pipeloom.search.errors import SearchError
 from pipeloom.search.placements import PLACEMENTS, placement
+from pipeloom.search.problem_file import load_problem, problem_from_json
 from pipeloom.search.result import SearchProgress, SearchResult
 
 __all__ = [

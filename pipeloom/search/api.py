@@ -18,9 +18,11 @@ from pipeloom.ir import Schedule
 from pipeloom.problem import Costs, Problem
 from pipeloom.schedules import REGISTRY, build_schedule
 from pipeloom.search.budget import Budget
-from pipeloom.search.common import SearchError, limit_of, lower_bound, to_integers, topological_order
+from pipeloom.search.common import lower_bound, to_integers
 from pipeloom.search.constructions import BLOCK_PLACEMENTS, insert_all_rank_tasks, split_each_backward
-from pipeloom.search.problem_file import load_problem, problem_from_json
+from pipeloom.search.errors import SearchError
+from pipeloom.search.memory_bounds import limit_of
+from pipeloom.search.paths import topological_order
 from pipeloom.search.result import Mode, SearchProgress, SearchResult, Status
 from pipeloom.search.transforms import merge_backward, without_all_rank_tasks
 from pipeloom.sim import Timeline
@@ -33,8 +35,6 @@ __all__ = [
     "MAX_INTERVALS",
     "SearchMode",
     "builtin_candidates",
-    "load_problem",
-    "problem_from_json",
     "search",
     "search_plan",
 ]

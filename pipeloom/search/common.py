@@ -9,15 +9,14 @@ from dataclasses import dataclass, replace
 from decimal import Decimal
 
 from pipeloom import graph
-from pipeloom.errors import PipeloomError
 from pipeloom.ir import Action, Schedule
 from pipeloom.problem import Problem
 from pipeloom.search.cpsat import integer_scale, to_units
+from pipeloom.search.errors import SearchError
 from pipeloom.search.memory_bounds import (
     limit_of,
     memory_bound,
     memory_period_bound,
-    memory_time_per_microbatch,
     release_chain_bound,
 )
 from pipeloom.search.paths import dep_indices, head_tail, topological_order
@@ -27,23 +26,12 @@ __all__ = [
     "MAX_SCALED",
     "IntegerProblem",
     "all_rank_bound",
-    "SearchError",
     "forced_idle",
-    "head_tail",
     "lower_bound",
-    "limit_of",
-    "memory_bound",
-    "memory_time_per_microbatch",
     "period_lower_bound",
-    "release_chain_bound",
     "schedule_from_starts",
     "to_integers",
-    "topological_order",
 ]
-
-
-class SearchError(PipeloomError):
-    """The search cannot return a schedule (e.g. the memory limit admits none)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -10,7 +10,7 @@ import math
 from pipeloom.errors import ScheduleError
 from pipeloom.ir import Action, Comm, Overlap, Schedule
 from pipeloom.problem import Problem
-from pipeloom.search.common import topological_order
+from pipeloom.search.paths import topological_order
 from pipeloom.search.transforms import Reduced
 from pipeloom.sim import Timeline, simulate
 from pipeloom.validate import validate

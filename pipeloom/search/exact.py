@@ -17,17 +17,12 @@ from pipeloom import graph
 from pipeloom.errors import ScheduleError
 from pipeloom.ir import Action, Schedule
 from pipeloom.problem import Problem
-from pipeloom.search.common import (
-    IntegerProblem,
-    SearchError,
-    limit_of,
-    lower_bound,
-    schedule_from_starts,
-    to_integers,
-    topological_order,
-)
+from pipeloom.search.common import IntegerProblem, lower_bound, schedule_from_starts, to_integers
 from pipeloom.search.cpsat import found_solution, meets_bound, status_word
+from pipeloom.search.errors import SearchError
 from pipeloom.search.greedy import list_schedule, microbatch_peak_memory
+from pipeloom.search.memory_bounds import limit_of
+from pipeloom.search.paths import topological_order
 from pipeloom.search.repetend import coarsen
 from pipeloom.search.result import SearchProgress, SearchResult
 from pipeloom.search.steady import solve_repetend, unroll

@@ -12,9 +12,10 @@ from pipeloom import graph
 from pipeloom.ir import Schedule
 from pipeloom.problem import Problem
 from pipeloom.schedules.kernel import ListProblem, ListTask, list_schedule_kernel
-from pipeloom.search.common import SearchError, head_tail, limit_of, topological_order
 from pipeloom.search.cpsat import integer_scale, to_units
-from pipeloom.search.paths import dep_indices
+from pipeloom.search.errors import SearchError
+from pipeloom.search.memory_bounds import limit_of
+from pipeloom.search.paths import dep_indices, head_tail, topological_order
 
 __all__ = ["list_schedule", "microbatch_peak_memory"]
 

@@ -13,34 +13,19 @@ from pipeloom.errors import ScheduleError
 from pipeloom.ir import Action
 from pipeloom.problem import Problem
 from pipeloom.search.budget import SECONDS_PER_ACTION
-from pipeloom.search.common import (
-    IntegerProblem,
-    SearchError,
-    limit_of,
-    lower_bound,
-    period_lower_bound,
-    to_integers,
-)
+from pipeloom.search.common import IntegerProblem, lower_bound, period_lower_bound, to_integers
 from pipeloom.search.cpsat import meets_bound, status_word
+from pipeloom.search.errors import SearchError
 from pipeloom.search.exact import feasible_limit_note, solve_exact
 from pipeloom.search.greedy import list_schedule
-from pipeloom.search.repetend import GRID, Repetend, coarsen, steady_state_peak
+from pipeloom.search.memory_bounds import limit_of
+from pipeloom.search.repetend import coarsen
 from pipeloom.search.result import SearchResult
 from pipeloom.search.steady import Progress, smallest_limit, solve_repetend, unroll
 from pipeloom.sim import Timeline
 from pipeloom.validate import validate
 
-__all__ = [
-    "FALLBACK_EXACT_INTERVALS",
-    "GRID",
-    "Repetend",
-    "coarsen",
-    "smallest_limit",
-    "solve_periodic",
-    "solve_repetend",
-    "steady_state_peak",
-    "unroll",
-]
+__all__ = ["FALLBACK_EXACT_INTERVALS", "solve_periodic"]
 
 _RESERVE = 0.1
 """Seconds of the time limit kept for unrolling and re-simulating, plus :data:`_FALLBACK_PASSES`."""

@@ -5,11 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeloom.errors import ScheduleFormatError
-from pipeloom.ir.core import shown
-from pipeloom.ir.files import read_text
+from pipeloom.errors import ScheduleFormatError, shown
 from pipeloom.ir.json_io import problem_from_document, schedule_from_document
-from pipeloom.ir.jsonfields import check_keys, parse_object
+from pipeloom.ir.jsonfields import check_keys, parse_object, read_text
 from pipeloom.problem import Problem
 
 __all__ = ["load_problem", "problem_from_json"]

@@ -17,7 +17,8 @@ from ortools.sat.python import cp_model
 
 from pipeloom import graph
 from pipeloom.problem import Problem
-from pipeloom.search.common import IntegerProblem, period_lower_bound, topological_order
+from pipeloom.search.common import IntegerProblem, period_lower_bound
+from pipeloom.search.paths import topological_order
 
 __all__ = ["GRID", "Repetend", "RepetendModel", "coarsen", "solver_period_bound", "steady_state_peak", "tie_position"]
 

@@ -13,8 +13,9 @@ from ortools.sat.python import cp_model
 
 from pipeloom.ir import Schedule
 from pipeloom.problem import Problem
-from pipeloom.search.common import IntegerProblem, SearchError, schedule_from_starts
+from pipeloom.search.common import IntegerProblem, schedule_from_starts
 from pipeloom.search.cpsat import found_solution
+from pipeloom.search.errors import SearchError
 from pipeloom.search.repetend import Repetend, RepetendModel
 from pipeloom.search.result import SearchProgress
 

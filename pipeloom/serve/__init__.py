@@ -1,5 +1,5 @@
 """``pipeloom serve``: the web playground and its JSON API (optional extra ``pipeloom[serve]``:
-Starlette and uvicorn). Nothing here imports them until an app is made, and :mod:`pipeloom.serve.client`
+Starlette and uvicorn). Nothing here imports them until an app is made, and :mod:`pipeloom.remote`
 (what ``pipeloom plan --server`` and ``load_plan("http://...")`` use) needs only the standard library.
 """
 

@@ -24,8 +24,8 @@ from starlette.routing import Route
 from pipeloom.errors import PipeloomError
 from pipeloom.serve import requests as api
 from pipeloom.serve.config import ServeConfig
+from pipeloom.serve.errors import RequestError
 from pipeloom.serve.jobs import Job, Jobs
-from pipeloom.serve.requests import RequestError
 
 __all__ = ["PAGE_POLICY", "create_app", "playground_html", "run_server"]
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeloom.serve.config import ServeConfig
-from pipeloom.serve.requests import RequestError
+from pipeloom.serve.errors import RequestError
 
 __all__ = ["FINISHED", "Job", "Jobs"]
 

@@ -12,25 +12,9 @@ from pipeloom.errors import PipeloomError
 from pipeloom.ir.jsonfields import check_keys, integer, number, string
 from pipeloom.problem import Costs
 from pipeloom.serve.config import ServeConfig
+from pipeloom.serve.errors import RequestError
 
-__all__ = [
-    "RequestError",
-    "compare",
-    "plan_request",
-    "query_document",
-    "read_object",
-    "schedule_file",
-    "search_request",
-    "simulate",
-]
-
-
-class RequestError(PipeloomError):
-    """A request the API refuses (answered 4xx with this message); ``status`` is the HTTP code."""
-
-    def __init__(self, message: str, status: int = 400) -> None:
-        super().__init__(message)
-        self.status = status
+__all__ = ["compare", "plan_request", "query_document", "read_object", "schedule_file", "search_request", "simulate"]
 
 
 _COST_KEYS = {"f", "b", "w", "comm", "memory_limit"}
@@ -222,7 +206,8 @@ def plan_request(document: dict, config: ServeConfig) -> dict:
     "global_batch", "memory_limit"? (bytes, or a size like "16GiB"), "data_parallel"?, "tensor_parallel"?,
     "sharding"?, "schedules"?, "stages_per_rank"?, "microbatches"?, "search"? (seconds)}``. The cost tables
     are read here with the file reader, so a bad one is refused before any worker starts."""
-    from pipeloom.plan.costs import costs_from_json, parse_bytes
+    from pipeloom.plan.costs.file import costs_from_json
+    from pipeloom.plan.costs.parts import parse_bytes
     from pipeloom.schedules import REGISTRY
 
     where = "plan"

@@ -12,7 +12,7 @@ from typing import Any
 
 from pipeloom.errors import PipeloomError
 from pipeloom.ir import schedule_to_csv, schedule_to_json
-from pipeloom.plan.costs import costs_from_json
+from pipeloom.plan.costs.file import costs_from_json
 from pipeloom.plan.mesh import plan_mesh
 from pipeloom.search import placement, search
 from pipeloom.validate import validate

@@ -8,7 +8,6 @@ from pipeloom.trace.analysis import (
     MESSAGE_KINDS,
     Comparison,
     Steps,
-    StepSelectionError,
     comm_latency_estimate,
     compare_run,
     measured_step_time,
@@ -21,6 +20,7 @@ from pipeloom.trace.analysis import (
     task_durations,
     typical_step,
 )
+from pipeloom.trace.errors import StepSelectionError, TraceFormatError
 from pipeloom.trace.explain import explain_ratio, rank_gaps
 from pipeloom.trace.format import (
     EVENT_KINDS,
@@ -28,7 +28,6 @@ from pipeloom.trace.format import (
     RunTrace,
     StepTrace,
     TraceEvent,
-    TraceFormatError,
     step_record,
     trace_document,
     write_run_trace,

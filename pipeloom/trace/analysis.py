@@ -12,16 +12,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
-from pipeloom.errors import PipeloomError
 from pipeloom.ir import Action, Comm, Overlap, Schedule, action_duration, action_memory, task_actions
 from pipeloom.problem import Problem, TaskKey
 from pipeloom.sim import Timeline, simulate
+from pipeloom.trace.errors import StepSelectionError
 from pipeloom.trace.format import RunTrace, StepTrace
 
 __all__ = [
     "MESSAGE_KINDS",
     "Comparison",
-    "StepSelectionError",
     "Steps",
     "comm_latency_estimate",
     "compare_run",
@@ -44,10 +43,6 @@ first step warms up caches, allocators and kernels), ``"all"``, or a list of ste
 
 _NS = 1e-9  # seconds per nanosecond
 _COMM_KINDS = ("compute", "wait", "send")  # the events a step's measured span covers
-
-
-class StepSelectionError(PipeloomError):
-    """A step selection names a step the trace does not hold, or is not ``warm``/``all``/a list."""
 
 
 # ---------------------------------------------------------------------------------- measuring

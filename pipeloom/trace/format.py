@@ -10,7 +10,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeloom.errors import PipeloomError
 from pipeloom.ir import Schedule, schedule_to_json
 
 __all__ = [
@@ -20,7 +19,6 @@ __all__ = [
     "RunTrace",
     "StepTrace",
     "TraceEvent",
-    "TraceFormatError",
     "rank_file",
     "step_record",
     "trace_document",
@@ -34,10 +32,6 @@ CLOCK = "unix_ns"
 """The ``clock`` of every time in a trace file: ``time.time_ns()`` values."""
 EVENT_KINDS = ("compute", "wait", "send", "post")
 """Event kinds kept when reading; any other kind (``loss``, ``sync``, ...) is skipped."""
-
-
-class TraceFormatError(PipeloomError):
-    """A runtime trace file cannot be read, or the files given are not the complete trace of one run."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

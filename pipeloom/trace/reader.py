@@ -11,18 +11,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pipeloom.errors import PipeloomError
+from pipeloom.errors import PipeloomError, shown
 from pipeloom.ir import Schedule, schedule_from_json
-from pipeloom.ir.core import shown
-from pipeloom.trace.format import (
-    CLOCK,
-    EVENT_KINDS,
-    TRACE_FORMAT,
-    RunTrace,
-    StepTrace,
-    TraceEvent,
-    TraceFormatError,
-)
+from pipeloom.trace.errors import TraceFormatError
+from pipeloom.trace.format import CLOCK, EVENT_KINDS, TRACE_FORMAT, RunTrace, StepTrace, TraceEvent
 
 __all__ = ["load_run_trace", "run_trace_from_documents"]
 

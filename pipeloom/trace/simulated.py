@@ -7,7 +7,8 @@ from collections.abc import Sequence
 
 from pipeloom.ir import task_actions
 from pipeloom.sim import Timeline
-from pipeloom.trace.format import TraceFormatError, step_record, trace_document
+from pipeloom.trace.errors import TraceFormatError
+from pipeloom.trace.format import step_record, trace_document
 
 __all__ = ["simulated_run_trace"]
 

@@ -10,50 +10,12 @@ from pathlib import Path
 from typing import Any
 
 from pipeloom.trace.analysis import (
-    MESSAGE_KINDS,
     Comparison,
-    StepSelectionError,
-    comm_latency_estimate,
-    compare_run,
-    measured_step_time,
-    measured_timeline,
-    message_cost,
-    predicted_timeline,
-    recosted_schedule,
-    selected_steps,
-    step_times,
-    task_durations,
-    typical_step,
 )
 from pipeloom.trace.explain import explain_ratio
-from pipeloom.trace.format import RunTrace, TraceFormatError
-from pipeloom.trace.reader import load_run_trace
-from pipeloom.trace.summary import trace_summary
-from pipeloom.viz.trace import trace_events
+from pipeloom.viz.perfetto import trace_events
 
-__all__ = [
-    "MESSAGE_KINDS",
-    "Comparison",
-    "RunTrace",
-    "StepSelectionError",
-    "TraceFormatError",
-    "comm_latency_estimate",
-    "compare_run",
-    "draw_measured",
-    "load_run_trace",
-    "measured_step_time",
-    "measured_timeline",
-    "merged_trace_events",
-    "message_cost",
-    "predicted_timeline",
-    "recosted_schedule",
-    "selected_steps",
-    "step_times",
-    "task_durations",
-    "trace_summary",
-    "typical_step",
-    "write_merged_trace",
-]
+__all__ = ["draw_measured", "merged_trace_events", "write_merged_trace"]
 
 _US_PER_S = 1_000_000  # trace.py's time_unit_us for timelines in seconds: ts in real microseconds
 

@@ -10,9 +10,9 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from pipeloom.formatting import format_number
 from pipeloom.problem import Costs
 from pipeloom.sim import Timeline
-from pipeloom.viz.units import format_number
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -27,7 +27,6 @@ __all__ = [
     "compare_markdown",
     "compare_table",
     "comparison_rows",
-    "format_number",
     "per_rank_table",
     "placements_table",
     "print_comparison",

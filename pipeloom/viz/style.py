@@ -87,7 +87,7 @@ def real_microbatch(schedule: Schedule) -> Callable[[int, int], int] | None:
 
     The replicas are the connected components of the stage graph, ordered by their first stage, all of
     one size; IR micro-batch m of component j is real micro-batch ``c * m + j``, as the runtime feeds
-    them (:mod:`pipeloom.runtime.lower`): ``7:0`` of DualPipe on 4 ranks (up replica) is real 1.
+    them (:mod:`pipeloom.runtime.program`): ``7:0`` of DualPipe on 4 ranks (up replica) is real 1.
     """
     problem = schedule.problem
     parent = list(range(problem.num_stages))

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from pipeloom.formatting import format_number, time_scale
 from pipeloom.ir import Comm, compute_parts
 from pipeloom.sim import Timeline
 from pipeloom.viz.memory import LIMIT_COLOR, plot_memory, rank_colors
@@ -39,7 +40,7 @@ from pipeloom.viz.style import (
     summary,
     text_color,
 )
-from pipeloom.viz.units import COST_UNITS, Units, format_number, time_scale
+from pipeloom.viz.units import COST_UNITS, Units
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

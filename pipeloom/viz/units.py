@@ -12,20 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from pipeloom.formatting import format_bytes, format_number, format_seconds, time_scale
+from pipeloom.formatting import format_bytes, format_number, format_seconds
 
-__all__ = [
-    "COST_UNITS",
-    "MEASURED_UNITS",
-    "PLAN_UNITS",
-    "Units",
-    "format_memory",
-    "format_number",
-    "format_seconds",
-    "format_time",
-    "memory_ticks",
-    "time_scale",
-]
+__all__ = ["COST_UNITS", "MEASURED_UNITS", "PLAN_UNITS", "Units", "format_memory", "format_time", "memory_ticks"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -11,8 +11,11 @@ import pytest
 
 from pipeloom import Costs, build_schedule, simulate
 from pipeloom.cli import main
-from pipeloom.viz.measured import compare_run, load_run_trace, trace_summary
-from pipeloom.viz.run_trace import simulated_run_trace, write_run_trace
+from pipeloom.trace.analysis import compare_run
+from pipeloom.trace.format import write_run_trace
+from pipeloom.trace.reader import load_run_trace
+from pipeloom.trace.simulated import simulated_run_trace
+from pipeloom.trace.summary import trace_summary
 
 SCHEDULE = build_schedule("1f1b", 2, 4, costs=Costs(comm=0.5))
 MAKESPAN_MS = simulate(SCHEDULE).makespan  # 1 unit = 1 ms

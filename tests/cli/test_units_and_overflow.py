@@ -15,7 +15,8 @@ import pytest
 from pipeloom import build_schedule, simulate
 from pipeloom.cli import main
 from pipeloom.ir import save_schedule
-from pipeloom.viz.run_trace import simulated_run_trace, write_run_trace
+from pipeloom.trace.format import write_run_trace
+from pipeloom.trace.simulated import simulated_run_trace
 
 
 def one_error_line(capsys, argv, status: int) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 from pipeloom.plan import CostTable, Link, Piece, StageRule, plan_pipeline
-from pipeloom.plan.partition import LABEL_DP_MAX_PIECES, SplitFront
+from pipeloom.plan.partitioning.chain import LABEL_DP_MAX_PIECES, SplitFront
 
 
 def _chain(n: int) -> CostTable:

@@ -11,6 +11,7 @@ import json
 
 import pytest
 
+from pipeloom.formatting import format_bytes
 from pipeloom.plan import (
     COSTS_FORMAT,
     CostTable,
@@ -18,20 +19,14 @@ from pipeloom.plan import (
     Link,
     Piece,
     analytical_gpt_costs,
-    format_bytes,
     load_costs,
     parse_bytes,
     save_costs,
 )
-from pipeloom.plan.analytical import gpt_block_flops
-from pipeloom.plan.costs import (
-    COSTS_FORMAT_V1,
-    RuntimeCorrections,
-    SharedParam,
-    costs_from_json,
-    costs_to_json,
-    table_for_size,
-)
+from pipeloom.plan.costs.analytical import gpt_block_flops
+from pipeloom.plan.costs.file import COSTS_FORMAT_V1, costs_from_json, costs_to_json
+from pipeloom.plan.costs.parts import RuntimeCorrections, SharedParam
+from pipeloom.plan.costs.table import table_for_size
 
 
 def _table(**overrides) -> CostTable:
@@ -270,7 +265,7 @@ def test_analytical_gpt_costs_checks_its_arguments():
 
 
 def test_table_for_size_interpolates_between_measured_sizes():
-    from pipeloom.plan.costs import table_for_size
+    from pipeloom.plan.costs.table import table_for_size
 
     small = CostTable(pieces=(Piece(name="a", f=1.0, i=1.0, w=1.0, activation_bytes=10, param_bytes=7),),
                       microbatch_size=1)

@@ -10,8 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeloom.errors import PipeloomError
-from pipeloom.plan import dag
-from pipeloom.plan.dag import DagPartition, PartitionError, greedy_partition_dag, partition_dag
+from pipeloom.plan.errors import PartitionError
+from pipeloom.plan.partitioning import dag
+from pipeloom.plan.partitioning.dag import partition_dag
+from pipeloom.plan.partitioning.dag_graph import DagPartition, greedy_partition_dag
 
 
 def random_dag(rng: random.Random, n: int, *, skip: float = 0.3) -> list[tuple[int, int]]:

@@ -15,16 +15,9 @@ import random
 import pytest
 
 from pipeloom.plan import CostTable, Link, MemoryRule, Piece, StageRule
-from pipeloom.plan.partition import (
-    PartitionError,
-    SplitFront,
-    objective,
-    partition_pieces,
-    partition_pieces_dag,
-    segment_memory,
-    segment_time,
-    smallest_memory_scale,
-)
+from pipeloom.plan.errors import PartitionError
+from pipeloom.plan.partitioning.chain import SplitFront, partition_pieces, partition_pieces_dag, smallest_memory_scale
+from pipeloom.plan.partitioning.rules import objective, segment_memory, segment_time
 
 
 def _random_table(rng: random.Random, n: int, *, chain: bool) -> CostTable:
@@ -218,8 +211,9 @@ def _schedule_table(rng: random.Random, n: int) -> CostTable:
 def test_more_memory_never_fails_and_never_slows_the_best_split(seed):
     """Limits in increasing order: once a split fits it keeps fitting, the least limit is where fitting
     starts, and (one stage per rank, where the DP is exact) the best objective never rises."""
-    from pipeloom.plan.partitioner import MemoryTooSmall, SchedulePartitioner
-    from pipeloom.plan.shape import library_schedule, rank_objective, schedule_shape
+    from pipeloom.plan.errors import MemoryTooSmall
+    from pipeloom.plan.partitioning.partitioner import SchedulePartitioner
+    from pipeloom.plan.partitioning.shape import library_schedule, rank_objective, schedule_shape
 
     rng = random.Random(seed)
     table = _schedule_table(rng, rng.randint(8, 12))
@@ -245,8 +239,8 @@ def test_more_memory_never_fails_and_never_slows_the_best_split(seed):
 
 @pytest.mark.parametrize(("name", "seed"), [(name, seed) for name in ("dualpipe", "chimera") for seed in range(4)])
 def test_two_replica_splits_are_the_brute_force_best_by_rank_load(name, seed):
-    from pipeloom.plan.partitioner import SchedulePartitioner
-    from pipeloom.plan.shape import library_schedule, rank_objective, schedule_shape, stage_rules
+    from pipeloom.plan.partitioning.partitioner import SchedulePartitioner
+    from pipeloom.plan.partitioning.shape import library_schedule, rank_objective, schedule_shape, stage_rules
 
     rng = random.Random(seed)
     table = _schedule_table(rng, 10)
@@ -261,6 +255,6 @@ def test_two_replica_splits_are_the_brute_force_best_by_rank_load(name, seed):
 
 
 def _split(table, rules, bounds):
-    from pipeloom.plan.partition import split_partition
+    from pipeloom.plan.partitioning.rules import split_partition
 
     return split_partition(table, rules, bounds[:-1], weight=0.0)

@@ -13,10 +13,9 @@ import pytest
 
 from pipeloom import build_schedule, simulate
 from pipeloom.plan import CostTable, Link, Piece, partition
-from pipeloom.plan.partition import PartitionError
-from pipeloom.plan.partitioner import MemoryTooSmall, SchedulePartitioner
-from pipeloom.plan.search import recost
-from pipeloom.plan.shape import (
+from pipeloom.plan.errors import MemoryTooSmall, PartitionError
+from pipeloom.plan.partitioning.partitioner import SchedulePartitioner
+from pipeloom.plan.partitioning.shape import (
     in_flight,
     library_schedule,
     rank_memory,
@@ -24,6 +23,7 @@ from pipeloom.plan.shape import (
     stage_rules,
     visits_per_rank,
 )
+from pipeloom.plan.recost import recost
 
 
 def _table(n: int = 16, **overrides) -> CostTable:
@@ -129,7 +129,7 @@ def test_link_costs_move_the_cut():
 def test_smallest_limit_of_shared_ranks_is_near_the_brute_force_least(name):
     import itertools
 
-    from pipeloom.plan.partition import Partition
+    from pipeloom.plan.partitioning.rules import Partition
 
     table = _table(10)
     schedule = library_schedule(table, name, 3, 6, memory_limit=None)

@@ -11,8 +11,8 @@ import pytest
 
 from pipeloom import build_schedule
 from pipeloom.plan import PLAN_FORMAT, Plan, PlanError, load_plan, save_plan
+from pipeloom.plan.partitioning.shape import schedule_shape
 from pipeloom.plan.plan import model_stage_count, plan_from_json, plan_to_json
-from pipeloom.plan.shape import schedule_shape
 from pipeloom.schedules import REGISTRY
 
 

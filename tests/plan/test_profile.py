@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 from torch import nn
 
-from pipeloom.plan.profile import default_pieces, profile_model
+from pipeloom.profile.model import default_pieces, profile_model
 
 
 class MLP(nn.Module):

@@ -15,10 +15,11 @@ torch = pytest.importorskip("torch")
 from torch import nn
 
 from pipeloom.cli import main
-from pipeloom.cli.profile import load_function
+from pipeloom.cli.profile_user import load_function
 from pipeloom.plan import load_costs
-from pipeloom.plan.costs import SharedParam
-from pipeloom.plan.profile import PieceError, default_pieces, profile_model
+from pipeloom.plan.costs.parts import SharedParam
+from pipeloom.profile.errors import PieceError
+from pipeloom.profile.model import default_pieces, profile_model
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_hf.py"
 TINY = ["--arg", "layers=2", "--arg", "width=32", "--arg", "vocab=64", "--arg", "dropout=0.0"]
@@ -143,7 +144,7 @@ def test_torch_relu_in_place_on_a_piece_input_is_copied_and_profiled():
 
 def test_an_in_place_op_the_runtime_cannot_run_is_one_line_naming_the_piece_and_the_boundary(
         tmp_path, capsys, monkeypatch):
-    import pipeloom.runtime.split as split
+    import pipeloom.runtime.model.split as split
 
     monkeypatch.setattr(split, "copy_mutated_inputs", lambda module: None)  # a write the runtime does not see
     with pytest.raises(PieceError, match=r"piece 'act' changes its input in place .* leave 'act' out of the pieces "

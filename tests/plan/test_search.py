@@ -15,12 +15,14 @@ import pytest
 from pipeloom import validate
 from pipeloom.ir.composite import action_duration
 from pipeloom.plan import CostTable, Link, Piece, PlanError, load_plan, parse_bytes, plan_pipeline
-from pipeloom.plan.costs import RuntimeCorrections
+from pipeloom.plan.costs.parts import RuntimeCorrections
+from pipeloom.plan.errors import NoPlanFits
 from pipeloom.plan.noise import expected_makespan
-from pipeloom.plan.partition import Partition
-from pipeloom.plan.partitioner import SchedulePartitioner
-from pipeloom.plan.search import NoPlanFits, default_schedules, recost, replica_sync_time, stage_spreads
-from pipeloom.plan.shape import library_schedule
+from pipeloom.plan.partitioning.partitioner import SchedulePartitioner
+from pipeloom.plan.partitioning.rules import Partition
+from pipeloom.plan.partitioning.shape import library_schedule
+from pipeloom.plan.planner import default_schedules
+from pipeloom.plan.recost import recost, replica_sync_time, stage_spreads
 from pipeloom.schedules import REGISTRY
 
 
@@ -302,7 +304,7 @@ def test_a_time_spread_predicts_the_mean_step_and_keeps_the_plain_timeline():
 def test_a_huge_or_prime_global_batch_plans_at_once_and_too_many_microbatches_are_refused():
     import time
 
-    from pipeloom.plan.search import MAX_PLAN_MICROBATCHES
+    from pipeloom.plan.planner import MAX_PLAN_MICROBATCHES
 
     started = time.perf_counter()
     result = plan_pipeline(_table(), num_ranks=4, global_batch=1_000_000_007, schedules=["1f1b"])  # a prime

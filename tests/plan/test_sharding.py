@@ -1,4 +1,4 @@
-"""The automatic sharding search (pipeloom.plan.sharding): replication where memory does not bind and
+"""The automatic sharding search (pipeloom.plan.tp.sharding): replication where memory does not bind and
 collectives dominate, tensor parallelism where memory binds, the stream-layout constraint of sequence
 parallelism, and the recipe torch's styles come from. (Predicted collectives against counted ones:
 tests/runtime/test_tp_plan.py.)"""
@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from pipeloom.plan.recipes import recipe_styles
-from pipeloom.plan.sharding import (
+from pipeloom.plan.tp.collectives import CollectiveFit
+from pipeloom.plan.tp.recipes import recipe_styles
+from pipeloom.plan.tp.sharding import (
     LOSS_PARALLEL_REDUCTIONS,
     OPTIONS,
     RegionModules,
@@ -17,7 +18,6 @@ from pipeloom.plan.sharding import (
     region_costs,
     search_sharding,
 )
-from pipeloom.plan.tensor import CollectiveFit
 
 MODULES = RegionModules(attention_column=("layers.*.qkv",), attention_row=("layers.*.proj",),
                         mlp_column=("layers.*.up",), mlp_row=("layers.*.down",), norms=("layers.*.norm*",),

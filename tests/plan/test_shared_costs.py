@@ -1,4 +1,4 @@
-"""pipeloom.plan.shared: bytes and exchange time of parameters several pieces use (no torch).
+"""pipeloom.plan.costs.shared: bytes and exchange time of parameters several pieces use (no torch).
 
 Oracles: hand-computed byte counts and message times; the exchange order replayed by hand for three
 holders (the runtime's order: peers ascending, the lower rank of a pair sends first).
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipeloom.plan.costs import CostTable, CostTableError, Link, Piece, RuntimeCorrections, SharedParam
-from pipeloom.plan.shared import (
+from pipeloom.plan.costs.parts import Link, Piece, RuntimeCorrections, SharedParam
+from pipeloom.plan.costs.shared import (
     held_param_bytes,
     shared_across_stages,
     shared_buffer_bytes,
@@ -18,6 +18,8 @@ from pipeloom.plan.shared import (
     shared_static_bytes,
     shared_sync_time,
 )
+from pipeloom.plan.costs.table import CostTable
+from pipeloom.plan.errors import CostTableError
 
 TIED = 100.0  # bytes of the tied embedding / head matrix
 
@@ -108,8 +110,8 @@ def _tied_chain(n: int = 8) -> CostTable:
 
 def test_the_planner_prices_and_places_a_tie_across_stages():
     from pipeloom.plan import plan_pipeline
-    from pipeloom.plan.search import piece_ranks, recost, shared_time
-    from pipeloom.plan.shape import schedule_shape
+    from pipeloom.plan.partitioning.shape import schedule_shape
+    from pipeloom.plan.recost import piece_ranks, recost, shared_time
 
     table = _tied_chain()
     result = plan_pipeline(table, num_ranks=4, global_batch=8, microbatches=[8], schedules=["1f1b", "dualpipe"])
@@ -130,7 +132,7 @@ def test_the_planner_prices_and_places_a_tie_across_stages():
 
 def test_data_parallel_reduces_a_shared_parameter_after_its_exchange():
     from pipeloom.plan import plan_mesh
-    from pipeloom.plan.search import NoPlanFits
+    from pipeloom.plan.errors import NoPlanFits
 
     result = plan_mesh(_tied_chain(), num_ranks=8, global_batch=16, data_parallel=[2], schedules=["1f1b"],
                        microbatches=[8])

@@ -1,4 +1,4 @@
-"""Tensor parallelism in the cost model and the plan search (pipeloom.plan.tensor, plan_mesh's tp sizes):
+"""Tensor parallelism in the cost model and the plan search (pipeloom.plan.tp.megatron, plan_mesh's tp sizes):
 Megatron's formulas as closed-form oracles, a latency-bandwidth fit recovering known parameters, the
 optional JSON fields, and the search choosing tp where memory binds."""
 
@@ -9,10 +9,13 @@ import dataclasses
 import pytest
 
 from pipeloom.plan import analytical_gpt_costs
-from pipeloom.plan.costs import Link, costs_from_json, costs_to_json
+from pipeloom.plan.costs.file import costs_from_json, costs_to_json
+from pipeloom.plan.costs.parts import Link
+from pipeloom.plan.errors import PlanError
 from pipeloom.plan.mesh import plan_mesh
-from pipeloom.plan.plan import Plan, PlanError, plan_from_json, plan_to_json
-from pipeloom.plan.tensor import CollectiveFit, TensorInfo, fit_collectives, tensor_parallel_table
+from pipeloom.plan.plan import Plan, plan_from_json, plan_to_json
+from pipeloom.plan.tp.collectives import CollectiveFit, fit_collectives
+from pipeloom.plan.tp.megatron import TensorInfo, tensor_parallel_table
 
 LINK = Link(latency=1e-5, bandwidth=1e11)
 

@@ -1,4 +1,4 @@
-"""Measured tensor-parallel costs in a cost table (pipeloom.plan.tensor's TensorProfile, what
+"""Measured tensor-parallel costs in a cost table (pipeloom.plan.tp.megatron's TensorProfile, what
 profile_in_engine writes on a ("pp", "tp") mesh): the planner takes a measured size's times instead of
 Megatron's formulas, prices the sizes not measured with the counted collectives and the fitted per-collective
 overhead, and the ``profiled`` JSON round-trips (files without it load as before). Compared against: the
@@ -12,19 +12,13 @@ import json
 import pytest
 
 from pipeloom.plan import analytical_gpt_costs
-from pipeloom.plan.costs import CostTableError, Link, costs_from_json, costs_to_json
+from pipeloom.plan.costs.file import costs_from_json, costs_to_json
+from pipeloom.plan.costs.parts import Link
+from pipeloom.plan.errors import CostTableError, TensorParallelError
 from pipeloom.plan.mesh import plan_mesh
-from pipeloom.plan.tensor import (
-    Collective,
-    CollectiveFit,
-    MeasuredPiece,
-    TensorInfo,
-    TensorParallelError,
-    TensorProfile,
-    collective_seconds,
-    fit_overhead,
-    tensor_parallel_table,
-)
+from pipeloom.plan.tp.collectives import Collective, CollectiveFit, collective_seconds
+from pipeloom.plan.tp.measured import MeasuredPiece, TensorProfile, fit_overhead
+from pipeloom.plan.tp.megatron import TensorInfo, tensor_parallel_table
 
 LINK = Link(latency=1e-5, bandwidth=1e10)
 FIT = CollectiveFit(latency={"all_reduce": 0.0}, bandwidth={"all_reduce": 1e9}, overhead={"all_reduce": 2e-5})

@@ -42,7 +42,7 @@ def lingering_fault(rank: int, world: int, where: str, fail_rank: int, linger: f
     engine.step(x, target=y)  # shapes known: the second step posts its receives ahead
     if rank == fail_rank:
         if where == "end":
-            from pipeloom.runtime.comm import StepMessages
+            from pipeloom.runtime.comm.step_messages import StepMessages
 
             finish = StepMessages.finish
 

@@ -14,7 +14,7 @@ def hf_exactness(rank: int, world: int, cases: list[tuple[str, str, int]], steps
     from models import mismatches
 
     from pipeloom.runtime import pipeline, split_model
-    from pipeloom.runtime.tracing import trace_model
+    from pipeloom.runtime.model.tracing import trace_model
 
     results = {}
     traced: dict = {}  # one torch.export trace per model, cut several ways

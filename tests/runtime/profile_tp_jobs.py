@@ -88,8 +88,8 @@ def profile_tp_job(rank: int, world: int) -> dict:
     left as it was (no DTensor parameter, no gradient)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from pipeloom.plan.costs import costs_to_json
-    from pipeloom.plan.inplace import profile_in_engine
+    from pipeloom.plan.costs.file import costs_to_json
+    from pipeloom.profile.in_engine import profile_in_engine
 
     torch.manual_seed(0)
     model = GPT()
@@ -106,8 +106,8 @@ def refused_job(rank: int, world: int) -> list[str]:
     """The errors of tensor-parallel profiling requests that cannot run."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from pipeloom.plan.inplace import profile_in_engine
-    from pipeloom.plan.plan import PlanError
+    from pipeloom.plan.errors import PlanError
+    from pipeloom.profile.in_engine import profile_in_engine
 
     model = GPT()
     x, y = batch()

@@ -16,7 +16,7 @@ def exactness(rank: int, world: int, cases: list[tuple[str, str, int, object]], 
     from models import SPLITS, batch, build, mismatches, reference_step
 
     from pipeloom.runtime import pipeline
-    from pipeloom.runtime.transport import OrderedTransport
+    from pipeloom.runtime.comm.transport import OrderedTransport
 
     results = {}
     for model_name, schedule, pieces, options in cases:
@@ -151,8 +151,8 @@ def profile_in_engine_job(rank: int, world: int, folder: str) -> dict:
     import torch.nn.functional as F
     from models import batch, build
 
-    from pipeloom.plan.costs import costs_to_json
-    from pipeloom.plan.inplace import profile_in_engine
+    from pipeloom.plan.costs.file import costs_to_json
+    from pipeloom.profile.in_engine import profile_in_engine
     from pipeloom.runtime import pipeline
 
     model = build("residual")
@@ -175,8 +175,8 @@ def profile_in_engine_odd_job(rank: int, world: int) -> str:
     import torch.nn.functional as F
     from models import batch, build
 
-    from pipeloom.plan.costs import costs_to_json
-    from pipeloom.plan.inplace import profile_in_engine
+    from pipeloom.plan.costs.file import costs_to_json
+    from pipeloom.profile.in_engine import profile_in_engine
 
     model = build("residual")
     (x,), y = batch("residual")

@@ -1,4 +1,4 @@
-"""The step descriptions ranks compare before a step (pipeloom.runtime.agree), without processes:
+"""The step descriptions ranks compare before a step (pipeloom.runtime.step.agree), without processes:
 their texts, and that one rank compares nothing. The multi-rank mismatches are in test_faults.py."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from pipeloom.runtime.agree import FIELDS, StepMismatchError, agree_on_step, describe_step, describe_value
-from pipeloom.runtime.lower import PipelineError
+from pipeloom.runtime.errors import PipelineError, StepMismatchError
+from pipeloom.runtime.step.agree import FIELDS, agree_on_step, describe_step, describe_value
 
 
 def test_values_are_described_by_dtype_and_shape():

@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 
 from torch import nn
 
-from pipeloom.runtime.backward import backward_full, backward_input
+from pipeloom.runtime.step.backward import backward_full, backward_input
 
 
 class Block(nn.Module):

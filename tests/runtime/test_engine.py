@@ -92,7 +92,7 @@ def test_an_input_gradient_followed_by_its_weight_gradient_runs_as_one_backward(
     """An I directly followed by its W (one of zb-h2's) runs untraced as one full backward and the W does
     nothing; traced steps keep them apart to time each. A B on a split stage (dualpipev's full backwards,
     alone or in its overlapped pairs) always runs as one full backward. All bitwise exact."""
-    from pipeloom.runtime import step as step_module
+    from pipeloom.runtime.step import run as step_module
 
     calls = {"full": 0, "input": 0}
     for name, key in (("backward_full", "full"), ("backward_input", "input")):
@@ -218,9 +218,9 @@ def test_weights_shared_by_two_pieces_get_the_reference_gradients(schedule, poin
 
 def test_weights_shared_by_two_pieces_are_refused_with_two_replicas():
     from pipeloom import build_schedule
-    from pipeloom.runtime.lower import lower
-    from pipeloom.runtime.shared import check_placement, shared_parameters
-    from pipeloom.runtime.split import split_model
+    from pipeloom.runtime.model.split import split_model
+    from pipeloom.runtime.program import lower
+    from pipeloom.runtime.step.shared import check_placement, shared_parameters
 
     staged = split_model(Tied(), ["c"])
     inputs = [[(ref.stage, ref.index) for ref in spec.inputs] for spec in staged.graph.stages]

@@ -9,7 +9,8 @@ pytest.importorskip("torch")
 import pipeloom
 from pipeloom.ir import Action
 from pipeloom.problem import Costs, stage_graph
-from pipeloom.runtime.lower import MODEL_INPUT, PipelineError, lower, model_pieces
+from pipeloom.runtime.errors import PipelineError
+from pipeloom.runtime.program import MODEL_INPUT, lower, model_pieces
 
 CHAIN = {n: [[(MODEL_INPUT, 0)]] + [[(k - 1, 0)] for k in range(1, n)] for n in (2, 4, 8)}
 OUT = {n: [(n - 1, 0)] for n in (2, 4, 8)}

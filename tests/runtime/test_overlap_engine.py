@@ -16,7 +16,7 @@ from ranks import run_ranks
 
 from pipeloom.ir import Overlap, compute_parts, schedule_from_csv
 from pipeloom.lowering import lower
-from pipeloom.runtime import step as step_module
+from pipeloom.runtime.step import run as step_module
 from pipeloom.validate import validate
 from torch_pipelining import import_torch_schedules, torch_order_csv
 

@@ -1,4 +1,4 @@
-"""pipeloom.plan.inplace: the profiling schedule, and piece times traced inside the engine on 2 gloo ranks."""
+"""pipeloom.profile.in_engine: the profiling schedule, and piece times traced inside the engine on 2 gloo ranks."""
 
 from __future__ import annotations
 
@@ -16,18 +16,14 @@ from pipeloom import validate
 from pipeloom.cli import main
 from pipeloom.ir import schedule_to_json
 from pipeloom.plan import PlanError, load_costs
-from pipeloom.plan.costs import Link, costs_from_json
-from pipeloom.plan.inplace import (
-    _exchange_latency,
-    _fitted_action_cost,
-    _start_skew,
-    _time_spread,
-    profiling_schedule,
-)
+from pipeloom.plan.costs.file import costs_from_json
+from pipeloom.plan.costs.parts import Link
 from pipeloom.plan.noise import starting_ranks
-from pipeloom.plan.placement import schedule_shape
-from pipeloom.plan.search import exchange_time
-from pipeloom.runtime.lower import model_pieces
+from pipeloom.plan.partitioning.shape import schedule_shape
+from pipeloom.plan.recost import exchange_time
+from pipeloom.profile.engine import profiling_schedule
+from pipeloom.profile.in_engine import _exchange_latency, _fitted_action_cost, _start_skew, _time_spread
+from pipeloom.runtime.program import model_pieces
 from pipeloom.trace import TRACE_FORMAT, run_trace_from_documents, task_durations
 
 

@@ -1,4 +1,4 @@
-"""Profiling tensor-parallel stages inside the engine (pipeloom.plan.profile_in_engine with mesh= and tp_plan=):
+"""Profiling tensor-parallel stages inside the engine (pipeloom.profile.in_engine.profile_in_engine with mesh= and tp_plan=):
 on 4 gloo ranks, a (pp 2, tp 2) mesh running Megatron's column->row plan; the collectives counted per piece
 against Megatron's formula (2 all-reduces of the layer's output forward and 2 backward per layer), the table's
 tensor field against what the planner needs (it loads, plans with tp 2 from the measured times)."""
@@ -15,12 +15,12 @@ from profile_tp_jobs import BATCH, HEADS, HIDDEN, MICROBATCHES, SEQ, profile_cli
 from ranks import run_ranks
 
 from pipeloom.cli import main
-from pipeloom.plan.costs import costs_from_json, costs_to_json, load_costs
+from pipeloom.plan.costs.file import costs_from_json, costs_to_json, load_costs
 from pipeloom.plan.mesh import plan_mesh
-from pipeloom.plan.tensor import layer_collectives, tensor_parallel_table
+from pipeloom.plan.tp.megatron import layer_collectives, tensor_parallel_table
 
 PRELOAD = ["torch", "torch.distributed.tensor.parallel", "torch.distributed.device_mesh", "pipeloom.runtime",
-           "pipeloom.plan.inplace", "ranks", "profile_tp_jobs"]
+           "pipeloom.profile.in_engine", "ranks", "profile_tp_jobs"]
 
 
 def _run(world: int, fn, *args, timeout: float) -> dict:

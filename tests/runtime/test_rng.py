@@ -6,7 +6,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from pipeloom.runtime.rng import forward_seed, seeded
+from pipeloom.runtime.step.rng import forward_seed, seeded
 
 
 def test_seeded_draws_from_the_forward_seed_and_restores_the_callers_generator():

@@ -1,4 +1,4 @@
-"""Training-loop helpers (runtime/state.py) against their single-device meaning: named_parameters
+"""Training-loop helpers (runtime/state/state_dict.py) against their single-device meaning: named_parameters
 against ``model.named_parameters()``, clip_grad_norm_ against ``torch.nn.utils.clip_grad_norm_`` on the
 reference model (torch.equal), state dicts against ``model.state_dict()``, and a DCP checkpoint against
 training on without one. One rank in this process; two gloo ranks in spawned processes."""

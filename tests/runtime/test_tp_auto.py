@@ -1,4 +1,4 @@
-"""``tp_plan="auto"`` (pipeloom.runtime.tp_auto): the regions found in the test transformer and in tiny
+"""``tp_plan="auto"`` (pipeloom.runtime.parallel.tp_auto): the regions found in the test transformer and in tiny
 random-init LLaMA (against LLaMA's own tensor-parallel plan), the refusals by name (GPT-2's Conv1D, no blocks,
 no sizes, no OR-Tools), the search's choice from the model's shapes (replication when memory is free, tensor
 parallelism when it binds, a cost table's prices, the options DTensor's own rules offer), and on gloo ranks
@@ -16,11 +16,13 @@ import numpy as np
 import pytest
 import tp_auto_jobs as jobs
 
-from pipeloom.plan.costs import CostTable, Link, Piece
-from pipeloom.plan.sharding import OPTIONS, SolverMissingError
-from pipeloom.runtime.lower import PipelineError
-from pipeloom.runtime.tp_auto import AutoPlan, RegionsNotFoundError, auto_tp_plan, find_regions
-from pipeloom.runtime.tp_rules import dtensor_options
+from pipeloom.plan.costs.parts import Link, Piece
+from pipeloom.plan.costs.table import CostTable
+from pipeloom.plan.errors import SolverMissingError
+from pipeloom.plan.tp.sharding import OPTIONS
+from pipeloom.runtime.errors import PipelineError, RegionsNotFoundError
+from pipeloom.runtime.parallel.tp_auto import AutoPlan, auto_tp_plan, find_regions
+from pipeloom.runtime.parallel.tp_rules import dtensor_options
 
 
 class Mesh:
@@ -61,7 +63,7 @@ def test_regions_of_llama_are_the_modules_of_its_own_plan():
     config's base_model_tp_plan shards, with the same column/row roles."""
     from hf_models import build_hf
 
-    from pipeloom.runtime.tp import hf_plan
+    from pipeloom.runtime.parallel.tp import hf_plan
 
     model = build_hf("llama")
     m = find_regions(model).modules
@@ -160,7 +162,7 @@ def test_without_ortools_the_runtime_imports_and_auto_names_the_fix():
                "        if name == 'ortools' or name.startswith('ortools.'):\n"
                "            raise ImportError('ortools hidden by the test')\n"
                "sys.meta_path.insert(0, Block())\n"
-               "import pipeloom.runtime, pipeloom.runtime.tp_auto, pipeloom.plan.sharding\n"
+               "import pipeloom.runtime, pipeloom.runtime.parallel.tp_auto, pipeloom.plan.tp.sharding\n"
                "print('imported')\n")
     root = Path(__file__).resolve().parents[2]
     done = subprocess.run([sys.executable, "-c", blocker], capture_output=True, text=True, cwd=root, timeout=120)

@@ -24,7 +24,7 @@ def hf_pipelined(rank: int, world: int, steps: int) -> dict:
     from torch.distributed.tensor.parallel import parallelize_module
 
     from pipeloom.runtime import pipeline
-    from pipeloom.runtime.tp import hf_plan
+    from pipeloom.runtime.parallel.tp import hf_plan
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
     x, y = tokens()
@@ -91,7 +91,7 @@ def test_plan_blocks_come_from_the_plan_keys():
     """The blocks kept whole under torch.export: each key up to its last pattern part, or the named module."""
     from hf_models import build_hf
 
-    from pipeloom.runtime.tp import hf_plan, plan_blocks
+    from pipeloom.runtime.parallel.tp import hf_plan, plan_blocks
 
     model = build_hf("llama")
     assert plan_blocks(model, hf_plan(model)) == [f"model.layers.{k}" for k in range(4)] + ["lm_head"]
@@ -100,7 +100,8 @@ def test_plan_blocks_come_from_the_plan_keys():
 def test_a_module_export_cannot_keep_whole_is_refused_by_name():
     from torch import nn
 
-    from pipeloom.runtime.split import ModelTraceError, split_model
+    from pipeloom.runtime.errors import ModelTraceError
+    from pipeloom.runtime.model.split import split_model
 
     class Twice(nn.Module):
         def __init__(self) -> None:

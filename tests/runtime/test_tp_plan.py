@@ -9,7 +9,7 @@ from ranks import run_ranks
 from tp_plan_jobs import HIDDEN, SEQ, VOCAB, count_job, plan_job
 
 from pipeloom.plan.plan import Plan, save_plan
-from pipeloom.plan.sharding import RegionModules, ShardingProblem, recipe_for, region_costs
+from pipeloom.plan.tp.sharding import RegionModules, ShardingProblem, recipe_for, region_costs
 
 MODULES = RegionModules(attention_column=("layers.*.q", "layers.*.k", "layers.*.v"), attention_row=("layers.*.out",),
                         mlp_column=("layers.*.up",), mlp_row=("layers.*.down",), embedding="embed", head="head")

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import tp_auto_jobs as jobs
 
-from pipeloom.plan.sharding import LOSS_PARALLEL_REDUCTIONS, ShardingProblem, region_costs
-from pipeloom.runtime.tp_auto import find_regions
+from pipeloom.plan.tp.sharding import LOSS_PARALLEL_REDUCTIONS, ShardingProblem, region_costs
+from pipeloom.runtime.parallel.tp_auto import find_regions
 
 COUNT_ROWS = 2  # sequences in the counted forward and backward
 CASES = [("sp", "1f1b"), ("sp", "zb-h1"), ("loss", "1f1b"), ("megatron-loss", "1f1b")]

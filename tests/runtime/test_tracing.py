@@ -244,7 +244,7 @@ def test_the_trace_device_is_replaced_by_the_device_a_stage_runs_on():
     pytest.importorskip("transformers")
     from hf_models import build_hf, tokens
 
-    from pipeloom.runtime.passes import retarget_devices
+    from pipeloom.runtime.model.passes import retarget_devices
 
     x, _ = tokens()
     staged = split_model(build_hf("llama"), ["model.layers.2"], tracer="export", example_inputs=(x,))

@@ -162,7 +162,7 @@ def count(model: nn.Module, tp_mesh, plan: dict, rows: int, loss=loss_fn) -> dic
     from torch.distributed.tensor.debug import CommDebugMode
     from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
-    from pipeloom.plan.collectives import CollectiveCounter
+    from pipeloom.profile.collectives import CollectiveCounter
 
     model = parallelize_module(model, tp_mesh, plan)
     x, y = batch(0, rows)
@@ -183,7 +183,7 @@ def count(model: nn.Module, tp_mesh, plan: dict, rows: int, loss=loss_fn) -> dic
 
 # imported once by the fork server the ranks are forked from (tp_jobs.run_preloaded's reason)
 PRELOAD = ["torch", "torch.distributed.tensor.parallel", "torch.distributed.device_mesh", "pipeloom.runtime",
-           "pipeloom.runtime.tp_auto", "pipeloom.plan.sharding", "ranks", "tp_auto_jobs", "hf_models",
+           "pipeloom.runtime.parallel.tp_auto", "pipeloom.plan.tp.sharding", "ranks", "tp_auto_jobs", "hf_models",
            "transformers.models.llama.modeling_llama"]
 
 
@@ -200,9 +200,9 @@ def run_preloaded(world: int, fn, *args, timeout: float) -> dict[int, tuple[str,
 
 def choices_plan(choice: dict) -> dict:
     """torch's plan for ``choice`` (region -> option) over LM's regions, as the search's recipe gives it."""
-    from pipeloom.plan.recipes import recipe_styles
-    from pipeloom.plan.sharding import recipe_for
-    from pipeloom.runtime.tp_auto import find_regions
+    from pipeloom.plan.tp.recipes import recipe_styles
+    from pipeloom.plan.tp.sharding import recipe_for
+    from pipeloom.runtime.parallel.tp_auto import find_regions
 
     return recipe_styles(recipe_for(choice, find_regions(build()).modules))
 
@@ -212,7 +212,7 @@ def auto_job(rank: int, world: int, limit: float) -> dict:
     ``STEPS`` steps of 1f1b next to its chosen plan run by torch without pipelining; what each chose."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from pipeloom.runtime.tp_auto import AutoPlan, auto_tp_plan
+    from pipeloom.runtime.parallel.tp_auto import AutoPlan, auto_tp_plan
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
     example = (batch(0)[0],)
@@ -263,7 +263,7 @@ def llama_auto_job(rank: int, world: int, fraction: float) -> dict:
     from torch.distributed.tensor.parallel import parallelize_module
 
     from pipeloom.runtime import pipeline
-    from pipeloom.runtime.tp_auto import AutoPlan, auto_tp_plan
+    from pipeloom.runtime.parallel.tp_auto import AutoPlan, auto_tp_plan
 
     mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("pp", "tp"))
     x, y = tokens()

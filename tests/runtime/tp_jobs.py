@@ -367,7 +367,7 @@ def hf_tp(rank: int, world: int, steps: int) -> dict:
     from torch.distributed.tensor.parallel import parallelize_module
 
     from pipeloom.runtime import pipeline
-    from pipeloom.runtime.tp import hf_plan
+    from pipeloom.runtime.parallel.tp import hf_plan
 
     mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("pp", "tp"))
     whole = build_hf("llama").double()  # one stage, the model itself (torch.fx cannot trace it; torch.export
@@ -440,12 +440,12 @@ def plain_refusals() -> dict:
 
 
 def hf_translations() -> dict:
-    """transformers style names as :func:`~pipeloom.runtime.tp.hf_plan` translates them (each style's class
+    """transformers style names as :func:`~pipeloom.runtime.parallel.tp.hf_plan` translates them (each style's class
     and layouts, as text) on a stand-in model whose config carries a ``base_model_tp_plan``, and a style it
     does not translate, by message."""
     from types import SimpleNamespace
 
-    from pipeloom.runtime.tp import hf_plan
+    from pipeloom.runtime.parallel.tp import hf_plan
 
     names = {"a": "colwise", "b": "rowwise", "c": "colwise_rep", "d": "rowwise_rep", "e": "sequence_parallel",
              "f": "embedding_rowwise", "g": "replicate"}

@@ -8,17 +8,9 @@ import pytest
 
 from pipeloom.problem import Costs, Problem, Task
 from pipeloom.schedules import build_schedule
-from pipeloom.search.common import (
-    forced_idle,
-    lower_bound,
-    memory_bound,
-    memory_time_per_microbatch,
-    period_lower_bound,
-    release_chain_bound,
-    schedule_from_starts,
-    to_integers,
-)
+from pipeloom.search.common import forced_idle, lower_bound, period_lower_bound, schedule_from_starts, to_integers
 from pipeloom.search.exact import solve_exact
+from pipeloom.search.memory_bounds import memory_bound, memory_time_per_microbatch, release_chain_bound
 from pipeloom.search.placements import placement
 from pipeloom.validate import validate
 
@@ -149,7 +141,8 @@ def test_forced_idle_counts_every_copy_of_a_task_that_blocks_the_whole_rank():
 
 
 def test_a_limit_beyond_integer_range_is_unlimited_and_huge_values_are_refused():
-    from pipeloom.search.common import MAX_SCALED, SearchError
+    from pipeloom.search.common import MAX_SCALED
+    from pipeloom.search.errors import SearchError
     from pipeloom.search.periodic import solve_periodic
 
     problem = build_schedule("1f1b", 2, 2, costs=Costs(f=1, b=2)).problem
@@ -167,7 +160,7 @@ def test_a_limit_beyond_integer_range_is_unlimited_and_huge_values_are_refused()
 def test_the_range_error_names_a_scaled_total_past_the_float_range():
     """Each duration is a finite float, but a billion micro-batches of two of them make an integer
     over 1.8e308, which ``{:.3g}`` cannot format (an OverflowError before)."""
-    from pipeloom.search.common import SearchError
+    from pipeloom.search.errors import SearchError
 
     problem = Problem(num_ranks=1, tasks=(
         Task(stage=0, kind="F", ranks=(0,), duration=1e300),

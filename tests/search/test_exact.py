@@ -17,8 +17,10 @@ from pipeloom.errors import DeadlockError
 from pipeloom.ir import Action, Schedule
 from pipeloom.problem import Costs, Problem, Stage, Task, stage_graph
 from pipeloom.schedules import build_schedule
-from pipeloom.search.common import SearchError, lower_bound, memory_bound
+from pipeloom.search.common import lower_bound
+from pipeloom.search.errors import SearchError
 from pipeloom.search.exact import solve_exact
+from pipeloom.search.memory_bounds import memory_bound
 from pipeloom.search.placements import placement
 from pipeloom.sim import simulate
 from pipeloom.validate import validate

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from pipeloom.problem import Problem, Stage, Task, stage_graph
 from pipeloom.schedules import REGISTRY, build_schedule
-from pipeloom.search.common import SearchError
+from pipeloom.search.errors import SearchError
 from pipeloom.search.greedy import list_schedule, microbatch_peak_memory
 from pipeloom.sim import simulate
 from pipeloom.validate import validate

@@ -14,18 +14,13 @@ import pytest
 from pipeloom.errors import MemoryLimitError
 from pipeloom.problem import Costs, Problem, Stage, Task, stage_graph
 from pipeloom.schedules import build_schedule
-from pipeloom.search.common import SearchError, lower_bound, period_lower_bound, to_integers
-from pipeloom.search.periodic import (
-    Repetend,
-    coarsen,
-    solve_periodic,
-    solve_repetend,
-    steady_state_peak,
-    unroll,
-)
+from pipeloom.search.common import lower_bound, period_lower_bound, to_integers
+from pipeloom.search.errors import SearchError
+from pipeloom.search.periodic import solve_periodic
 from pipeloom.search.placements import placement
-from pipeloom.search.repetend import RepetendModel, solver_period_bound
+from pipeloom.search.repetend import Repetend, RepetendModel, coarsen, solver_period_bound, steady_state_peak
 from pipeloom.search.result import SearchProgress
+from pipeloom.search.steady import solve_repetend, unroll
 from pipeloom.sim import simulate
 from pipeloom.validate import validate
 

@@ -16,7 +16,8 @@ from pipeloom.errors import PipeloomError
 from pipeloom.ir import Schedule
 from pipeloom.problem import Costs, Problem
 from pipeloom.schedules import REGISTRY, build_schedule
-from pipeloom.search.common import head_tail, lower_bound, schedule_from_starts
+from pipeloom.search.common import lower_bound, schedule_from_starts
+from pipeloom.search.paths import head_tail
 from pipeloom.search.placements import PLACEMENTS, placement, placement_names
 from pipeloom.sim import simulate
 from pipeloom.validate import validate

@@ -20,24 +20,22 @@ from pipeloom.ir import schedule_to_json
 from pipeloom.search.greedy import list_schedule
 from pipeloom.search.placements import placement
 from pipeloom.sim import simulate
-from pipeloom.viz.measured import (
-    StepSelectionError,
-    TraceFormatError,
+from pipeloom.trace.analysis import (
     comm_latency_estimate,
     compare_run,
-    draw_measured,
-    load_run_trace,
     measured_step_time,
     measured_timeline,
-    merged_trace_events,
     predicted_timeline,
     selected_steps,
     step_times,
     task_durations,
-    trace_summary,
-    write_merged_trace,
 )
-from pipeloom.viz.run_trace import run_trace_from_documents, simulated_run_trace, write_run_trace
+from pipeloom.trace.errors import StepSelectionError, TraceFormatError
+from pipeloom.trace.format import write_run_trace
+from pipeloom.trace.reader import load_run_trace, run_trace_from_documents
+from pipeloom.trace.simulated import simulated_run_trace
+from pipeloom.trace.summary import trace_summary
+from pipeloom.viz.measured import draw_measured, merged_trace_events, write_merged_trace
 
 MS = 1e-3  # seconds per schedule time unit in the synthetic files (unit_ns = 1_000_000)
 
@@ -292,8 +290,9 @@ def test_a_list_of_files_in_any_order_and_extra_keys_and_kinds_are_accepted(tmp_
 def test_task_durations_without_messages_and_the_message_cost():
     from pipeloom import build_schedule
     from pipeloom.ir import schedule_to_json
-    from pipeloom.viz.measured import message_cost, task_durations
-    from pipeloom.viz.run_trace import TRACE_FORMAT, run_trace_from_documents
+    from pipeloom.trace.analysis import message_cost, task_durations
+    from pipeloom.trace.format import TRACE_FORMAT
+    from pipeloom.trace.reader import run_trace_from_documents
 
     schedule = build_schedule("1f1b", 2, 1)  # rank 0: 0F0 0B0, rank 1: 1F0 1B0; 1 ms each
     ms = 1_000_000

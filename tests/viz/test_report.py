@@ -8,6 +8,7 @@ import io
 import pytest
 from rich.console import Console
 
+from pipeloom.formatting import format_number
 from pipeloom.problem import Costs
 from pipeloom.schedules import REGISTRY, build_schedule
 from pipeloom.sim import simulate
@@ -16,7 +17,6 @@ from pipeloom.viz.report import (
     compare_markdown,
     compare_table,
     comparison_rows,
-    format_number,
     per_rank_table,
     print_comparison,
     schedules_table,

@@ -1,0 +1,57 @@
+"""Errors of the planner: cost tables, partitions, tensor parallelism, plans."""
+
+from __future__ import annotations
+
+from pipeloom.errors import PipeloomError
+
+__all__ = [
+    "CostTableError",
+    "MemoryTooSmall",
+    "NoPlanFits",
+    "PartitionError",
+    "PlanError",
+    "RecipeError",
+    "SolverMissingError",
+    "TensorParallelError",
+]
+
+
+class PlanError(PipeloomError):
+    """A plan cannot be made or read (no plan fits the memory, too many stages, malformed file...)."""
+
+
+class PartitionError(PlanError):
+    """No partition meets the request (bad graph, more stages than pieces, memory too small...)."""
+
+
+class TensorParallelError(PipeloomError):
+    """A tensor-parallel size or description that does not fit the model (heads, layers, fits)."""
+
+
+class SolverMissingError(TensorParallelError):
+    """The search needs OR-Tools' CP-SAT, which cannot be imported."""
+
+
+class CostTableError(PipeloomError):
+    """A cost table or its file is malformed (unknown key, bad number, unknown piece name...)."""
+
+
+class MemoryTooSmall(PartitionError):
+    """No split fits the memory limit; ``smallest_limit`` is a per-rank limit that would."""
+
+    def __init__(self, message: str, *, smallest_limit: float) -> None:
+        super().__init__(message)
+        self.smallest_limit = smallest_limit
+
+
+class NoPlanFits(PlanError):
+    """No candidate fits the request; ``smallest_limit`` is a per-rank limit under which one does
+    (None when nothing could be built at all)."""
+
+    def __init__(self, message: str, *, smallest_limit: float | None) -> None:
+        super().__init__(message)
+        self.smallest_limit = smallest_limit
+
+
+class RecipeError(PipeloomError):
+    """A saved tensor-parallel plan that is not a known recipe over lists of module names."""

@@ -1,0 +1,348 @@
+"""Cut an unchanged ``nn.Module`` into pipeline stages with ``torch.fx``, or chain given modules.
+
+Stages reuse the model's own Parameter objects; a frozen :class:`StageGraph` says which values each
+stage consumes from which earlier stage (or from the model inputs), so stages may form a DAG.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+
+import torch
+import torch.utils._pytree as pytree
+from torch import fx, nn
+
+from pipeloom.runtime.errors import (
+    SplitError,
+    SplitOrderError,
+    StageValueError,
+    UnknownSplitPointError,
+)
+from pipeloom.runtime.model.modes import switch_modes
+from pipeloom.runtime.model.passes import TRACED_DEVICE, copy_mutated_inputs, localize_sizes
+from pipeloom.runtime.model.tracing import TracedModel, module_scopes, trace_model
+from pipeloom.runtime.program import MODEL_INPUT, Source
+
+__all__ = [
+    "StageGraph",
+    "StageSpec",
+    "StagedModel",
+    "ValueRef",
+    "check_stage_value",
+    "split_model",
+    "stages_from_modules",
+]
+
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ValueRef:
+    """One value flowing into a stage: output ``index`` of ``stage`` (or model input ``index``)."""
+
+    stage: int | Source  # producing stage, or MODEL_INPUT
+    index: int  # position among the producer's outputs (or among the model inputs)
+    name: str = field(default="", compare=False)  # the fx node's name, for error messages
+
+    def __post_init__(self) -> None:
+        if (self.stage is not MODEL_INPUT and (isinstance(self.stage, bool) or not isinstance(self.stage, int)
+                                               or self.stage < 0)) or self.index < 0:
+            raise SplitError(f"bad value reference stage={self.stage}, index={self.index}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StageSpec:
+    """What one stage consumes and produces.
+
+    The stage module is called as ``module(*values of inputs)``; it returns the value itself when
+    ``num_outputs == 1``, else a tuple of ``num_outputs`` values.
+    """
+
+    index: int  # the stage's position in StagedModel.stages
+    inputs: tuple[ValueRef, ...]  # in the order of the module's forward arguments
+    num_outputs: int  # how many values the stage returns
+
+    def __post_init__(self) -> None:
+        for ref in self.inputs:
+            if ref.stage is not MODEL_INPUT and ref.stage >= self.index:
+                raise SplitError(f"stage {self.index} consumes {ref} from a stage that is not earlier")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StageGraph:
+    """The dataflow between stages: every stage's inputs, and where the model outputs come from."""
+
+    stages: tuple[StageSpec, ...]  # in execution order; stage s only reads from stages < s
+    input_names: tuple[str, ...]  # the model's positional inputs (one ValueRef index each)
+    output: object  # the model's output structure with ValueRef leaves (a ValueRef, tuple, dict...)
+
+    def edges(self) -> list[tuple[int, int]]:
+        """Forward edges ``(producer, consumer)`` between stages, sorted, each once.
+
+        The list fits ``pipeloom.problem.stage_graph(..., edges=...)``.
+        """
+        pairs = {(ref.stage, spec.index) for spec in self.stages for ref in spec.inputs if ref.stage is not MODEL_INPUT}
+        return sorted(pairs)
+
+    def output_refs(self) -> tuple[ValueRef, ...]:
+        """The ValueRef leaves of ``output`` in order (values the caller must keep)."""
+        return tuple(leaf for leaf in pytree.tree_leaves(self.output) if isinstance(leaf, ValueRef))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StagedModel:
+    """Stage modules sharing the original parameters, and the graph that connects them."""
+
+    stages: tuple[nn.Module, ...]  # stage s is stages[s]; its parameters are the model's own objects
+    graph: StageGraph  # which values flow between the stages
+
+    def __post_init__(self) -> None:
+        if len(self.stages) != len(self.graph.stages):
+            raise SplitError(f"{len(self.stages)} stage modules for {len(self.graph.stages)} stage specs")
+
+    @property
+    def num_stages(self) -> int:
+        """Number of stages."""
+        return len(self.stages)
+
+    def edges(self) -> list[tuple[int, int]]:
+        """Forward edges between stages (see :meth:`StageGraph.edges`)."""
+        return self.graph.edges()
+
+    def run(self, *inputs: object, around: Callable[[int], AbstractContextManager] | None = None) -> object:
+        """Run all stages in order on one device, checking each value passed between stages.
+
+        Equals the original model's ``forward(*inputs)`` bitwise; autograd flows through it.
+        ``around(k)``, when given, is a context manager entered around stage k's call (the runtime's
+        random-number seeding: :func:`pipeloom.runtime.step.rng.reference_step`).
+        """
+        if len(inputs) != len(self.graph.input_names):
+            names = ", ".join(self.graph.input_names)
+            raise SplitError(f"the model takes {len(self.graph.input_names)} inputs ({names}), got {len(inputs)}")
+        outputs: list[tuple[object, ...]] = []
+
+        def fetch(ref: ValueRef, consumer: str) -> object:
+            if ref.stage == MODEL_INPUT:
+                return inputs[ref.index]
+            value = outputs[ref.stage][ref.index]
+            check_stage_value(value, name=ref.name or f"output {ref.index}",
+                              where=f"from stage {ref.stage} to {consumer}")
+            return value
+
+        for spec, module in zip(self.graph.stages, self.stages):
+            args = [fetch(ref, f"stage {spec.index}") for ref in spec.inputs]
+            with around(spec.index) if around is not None else contextlib.nullcontext():
+                result = module(*args)
+            outputs.append((result,) if spec.num_outputs == 1 else tuple(result))
+        return pytree.tree_map(lambda v: fetch(v, "the model output") if isinstance(v, ValueRef) else v,
+                               self.graph.output)
+
+
+def check_stage_value(value: object, *, name: str, where: str = "between stages") -> None:
+    """Raise StageValueError unless ``value`` is a tensor or a (nested) tuple/list/dict of tensors."""
+    if isinstance(value, torch.Tensor):
+        return
+    if isinstance(value, (tuple, list)) and value:
+        for item in value:
+            check_stage_value(item, name=name, where=where)
+        return
+    if isinstance(value, dict) and value:
+        for item in value.values():
+            check_stage_value(item, name=name, where=where)
+        return
+    raise StageValueError(
+        f"value {name!r} passed {where} is of type {type(value).__name__} ({value!r:.80}); only tensors and "
+        "tuples/lists/dicts of tensors may cross a stage boundary: move the split point so that this "
+        "value is made and used inside one stage, or compute it from a tensor in the consuming stage"
+    )
+
+
+def _first_calls(graph: fx.Graph) -> dict[str, int]:
+    """Node position of the first node inside each module (its scopes: every enclosing module name)."""
+    first: dict[str, int] = {}
+    for position, node in enumerate(graph.nodes):
+        for name in module_scopes(node):
+            first.setdefault(name, position)
+    return first
+
+
+def _spans(graph: fx.Graph, names: Sequence[str]) -> dict[str, tuple[int, int]]:
+    """First and last node position inside each of ``names`` (modules kept whole)."""
+    spans: dict[str, tuple[int, int]] = {}
+    wanted = set(names)
+    for position, node in enumerate(graph.nodes):
+        for name in wanted.intersection(module_scopes(node)):
+            spans[name] = (spans.get(name, (position, position))[0], position)
+    return spans
+
+
+def _stage_starts(graph: fx.Graph, split_points: Sequence[str], leaf_modules: Sequence[str] = ()) -> list[int]:
+    """Node positions where stages 1.. start, checked against unknown names, order, emptiness and
+    modules kept whole."""
+    if isinstance(split_points, str):
+        raise SplitError(f"split_points must be a list of module names, got the string {split_points!r}; "
+                         f"write [{split_points!r}]")
+    first = _first_calls(graph)
+    inside = [name for name in first if any(name.startswith(leaf + ".") for leaf in leaf_modules)]
+    for name in inside:
+        del first[name]
+    targets = list(dict.fromkeys(str(n.target) for n in graph.nodes if n.op == "call_module")) or list(first)
+    unknown = [name for name in split_points if name not in first]
+    if unknown:
+        shown = targets if len(targets) <= 60 else [*targets[:60], f"... {len(targets) - 60} more"]
+        raise UnknownSplitPointError(
+            f"unknown split point(s) {unknown}; valid names are the called modules, in call order: "
+            f"{shown} (or any parent of them, e.g. 'layers.4' for 'layers.4.fc')"
+            + ("; modules inside leaf_modules are kept whole and cannot start a stage"
+               if any(name.startswith(leaf + ".") for name in unknown for leaf in leaf_modules) else "")
+        )
+    duplicated = sorted({name for name in split_points if list(split_points).count(name) > 1})
+    if duplicated:
+        raise SplitOrderError(f"split point(s) {duplicated} given more than once; give each once")
+    starts = [first[name] for name in split_points]
+    first_compute = next(i for i, n in enumerate(graph.nodes) if n.op not in ("placeholder", "get_attr"))
+    if starts and starts[0] <= first_compute:
+        raise SplitOrderError(f"split point {split_points[0]!r} leaves stage 0 empty: it is the model's "
+                              "first computation; drop it")
+    for s in range(1, len(starts)):
+        if starts[s] <= starts[s - 1]:
+            in_order = sorted(split_points, key=first.__getitem__)
+            raise SplitOrderError(
+                f"split point {split_points[s]!r} is first called before or together with "
+                f"{split_points[s - 1]!r}, which would leave a stage empty; list split points in call "
+                f"order, each calling later than the one before: {in_order}"
+            )
+    for leaf, (begin, end) in _spans(graph, leaf_modules).items():
+        for name, start in zip(split_points, starts):
+            if begin < start <= end:
+                raise SplitOrderError(f"split point {name!r} would cut {leaf!r}, which leaf_modules keeps whole; "
+                                      f"move the split point before or after {leaf!r}")
+    return starts
+
+
+def _assign(graph: fx.Graph, starts: list[int]) -> dict[fx.Node, int | Source]:
+    """Stage of every placeholder (MODEL_INPUT) and compute node; get_attr nodes are copied per use."""
+    stage_of: dict[fx.Node, int | Source] = {}
+    stage = 0
+    for position, node in enumerate(graph.nodes):
+        while stage < len(starts) and position >= starts[stage]:
+            stage += 1
+        if node.op == "placeholder":
+            stage_of[node] = MODEL_INPUT
+        elif node.op not in ("get_attr", "output"):
+            stage_of[node] = stage
+    return stage_of
+
+
+def _build_stage(root: nn.Module | dict, nodes: list[fx.Node], inputs: list[fx.Node],
+                 outputs: list[fx.Node], index: int, device: torch.device | None = None) -> fx.GraphModule:
+    """A GraphModule over ``nodes`` taking ``inputs`` and returning ``outputs`` (bare when one)."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {node: graph.placeholder(node.name) for node in inputs}
+
+    def lookup(node: fx.Node) -> fx.Node:
+        if node not in env:  # a get_attr (parameter, buffer, constant) used here: copy it in
+            assert node.op == "get_attr", node
+            env[node] = graph.node_copy(node)
+        return env[node]
+
+    for node in nodes:
+        env[node] = graph.node_copy(node, lookup)
+    graph.output(env[outputs[0]] if len(outputs) == 1 else tuple(env[n] for n in outputs))
+    graph.lint()
+    module = fx.GraphModule(root, graph, class_name=f"Stage{index}")
+    if device is not None:
+        module.meta[TRACED_DEVICE] = str(device)
+    copy_mutated_inputs(module)  # first: it reads in-place flags that switch_modes moves into submodules
+    switch_modes(module)
+    return module
+
+
+def split_model(model: nn.Module | TracedModel, split_points: Sequence[str], *, tracer: str = "auto",
+                leaf_modules: Sequence[str] = (), example_inputs: object = None,
+                export_leaves: Sequence[str] = ()) -> StagedModel:
+    """Cut ``model`` into ``len(split_points) + 1`` stages; split point s-1 is where stage s starts.
+
+    A split point is a module name (e.g. ``"layers.4"``): the stage starts at the first node inside
+    that module in the traced graph. Stage s holds the nodes from split point s-1 up to split point s.
+    ``tracer``: ``"fx"`` (torch.fx), ``"export"`` (torch.export, needs ``example_inputs``: a batch like
+    the ones ``step()`` takes) or ``"auto"`` (torch.fx, then torch.export when it fails and example
+    inputs are given). ``leaf_modules``: module names never cut (kept as calls of the module by either tracer;
+    ``export_leaves``: more, kept as calls only by torch.export, see :func:`trace_model`).
+    ``model`` may be a :class:`~pipeloom.runtime.model.tracing.TracedModel` (``trace_model``), to cut one
+    trace several ways.
+    """
+    if not isinstance(model, TracedModel):
+        model = trace_model(model, tracer=tracer, leaf_modules=leaf_modules, example_inputs=example_inputs,
+                            export_leaves=export_leaves)
+    return _split(model, split_points, leaf_modules)
+
+
+def _split(traced: TracedModel, split_points: Sequence[str], leaf_modules: Sequence[str]) -> StagedModel:
+    graph = fx.Graph()  # a copy: sizes localized for this split leave the traced graph as it was
+    copies: dict[fx.Node, fx.Node] = {}
+    graph.graph_copy(traced.graph, copies)
+    traced_output = pytree.tree_map(lambda v: copies[v] if isinstance(v, fx.Node) else v, traced.output)
+    starts = _stage_starts(graph, split_points, leaf_modules)
+    stage_of = _assign(graph, starts)
+    localize_sizes(graph, stage_of)
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    num_stages = len(starts) + 1
+    nodes: list[list[fx.Node]] = [[] for _ in range(num_stages)]
+    inputs: list[list[fx.Node]] = [[] for _ in range(num_stages)]
+    outputs: list[list[fx.Node]] = [[] for _ in range(num_stages)]
+    output_nodes = [leaf for leaf in pytree.tree_leaves(traced_output) if isinstance(leaf, fx.Node)]
+    for node in graph.nodes:
+        if (stage := stage_of.get(node, MODEL_INPUT)) != MODEL_INPUT:
+            nodes[stage].append(node)
+    for s, stage_nodes in enumerate(nodes):
+        if not stage_nodes:
+            raise SplitOrderError(f"stage {s} would hold no computation; remove split point {split_points[s]!r}")
+        for node in stage_nodes:
+            for source in node.all_input_nodes:
+                producer = stage_of.get(source)
+                if producer is not None and producer != s and source not in inputs[s]:
+                    inputs[s].append(source)
+                    if producer != MODEL_INPUT and source not in outputs[producer]:
+                        outputs[producer].append(source)
+    for source in output_nodes:
+        if source.op == "get_attr":
+            raise SplitError(f"the model returns the attribute {source.target!r} directly; return it from a "
+                             "computation or leave it out of the output")
+        if (producer := stage_of.get(source, MODEL_INPUT)) != MODEL_INPUT and source not in outputs[producer]:
+            outputs[producer].append(source)
+    for s in range(num_stages):
+        if not outputs[s]:
+            raise SplitOrderError(f"stage {s} computes nothing that a later stage or the model output uses; "
+                                  f"move split point {split_points[s - 1] if s else split_points[0]!r}")
+
+    def ref(node: fx.Node) -> ValueRef:
+        if (stage := stage_of.get(node, MODEL_INPUT)) == MODEL_INPUT:
+            return ValueRef(stage=MODEL_INPUT, index=placeholders.index(node), name=node.name)
+        return ValueRef(stage=stage, index=outputs[stage].index(node), name=node.name)
+
+    modules = tuple(_build_stage(traced.root, nodes[s], inputs[s], outputs[s], s, traced.device)
+                    for s in range(num_stages))
+    specs = tuple(StageSpec(index=s, inputs=tuple(ref(n) for n in inputs[s]), num_outputs=len(outputs[s]))
+                  for s in range(num_stages))
+    output = pytree.tree_map(lambda v: ref(v) if isinstance(v, fx.Node) else v, traced_output)
+    return StagedModel(stages=modules, graph=StageGraph(stages=specs, input_names=traced.input_names,
+                                                       output=output))
+
+
+def stages_from_modules(modules: Sequence[nn.Module], *, num_inputs: int = 1) -> StagedModel:
+    """Manual mode: a linear chain where stage 0 takes the ``num_inputs`` model inputs and stage s > 0
+    takes stage s-1's return value as its one argument; the model output is the last stage's value."""
+    modules = tuple(modules)
+    if not modules or not all(isinstance(m, nn.Module) for m in modules):
+        raise SplitError(f"stages_from_modules needs a non-empty list of nn.Module, got {modules!r:.120}")
+    if num_inputs < 1:
+        raise SplitError(f"num_inputs must be at least 1, got {num_inputs}")
+    first = tuple(ValueRef(stage=MODEL_INPUT, index=i) for i in range(num_inputs))
+    specs = tuple(StageSpec(index=s, inputs=first if s == 0 else (ValueRef(stage=s - 1, index=0),),
+                            num_outputs=1) for s in range(len(modules)))
+    names = tuple(f"input{i}" for i in range(num_inputs))
+    graph = StageGraph(stages=specs, input_names=names, output=ValueRef(stage=len(modules) - 1, index=0))
+    return StagedModel(stages=modules, graph=graph)

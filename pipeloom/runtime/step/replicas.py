@@ -1,0 +1,136 @@
+"""Two-replica schedules (DualPipe, Chimera): both copies of a model piece end a step with the same
+``.grad``, the sum of every micro-batch's gradient in micro-batch order, as on one device.
+
+Each gradient action of such a schedule leaves its micro-batch's gradients aside
+(:meth:`ReplicaExchange.collect`). The second replica sends all its micro-batch gradients of a piece at
+once, posted as soon as its last gradient action ended (where the transport may post during the step,
+gloo) into receives posted at the start of the step; the first adds everything in micro-batch order
+and sends the sums back (:meth:`ReplicaExchange.merge`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from torch import nn
+
+from pipeloom.runtime.comm.messenger import Messenger
+from pipeloom.runtime.comm.packed import Incoming, post_incoming, send_packed, take
+from pipeloom.runtime.comm.transport import Posted
+from pipeloom.runtime.step.backward import accumulate_grad
+from pipeloom.runtime.step.pieces import RankPieces
+
+__all__ = ["REPLICA_TAG", "ReplicaExchange"]
+
+REPLICA_TAG = 1 << 24  # tags of these messages, clear of the step's own
+
+
+class ReplicaExchange:
+    """One training step's replica gradients on one rank."""
+
+    def __init__(self, pieces: RankPieces, params: Mapping[int, list[nn.Parameter]], messenger: Messenger) -> None:
+        self.pieces = pieces
+        self.low = pieces.lowering
+        self.params = params
+        self.messenger = messenger
+        self.early = messenger.transport.early_traffic  # gloo matches by tag: post during the step
+        self.grads: dict[int, dict[int, list]] = {}  # stage -> micro-batch -> its gradients
+        self.early_sends: dict[int, list[Posted]] = {}  # second-replica stage -> its posted sends
+        self.incoming: dict = self._post_receives() if self.early else {}
+
+    def _held(self):
+        """(piece, stages of its replicas, their ranks) for every piece held by this rank."""
+        low, rank = self.low, self.pieces.rank
+        for piece in range(low.num_pieces):
+            stages = [low.stage_for[j][piece] for j in range(low.replicas)]
+            ranks = [low.rank_of[s] for s in stages]
+            if rank in ranks:
+                yield piece, stages, ranks
+
+    def _local_params(self, stages: list[int]) -> list:
+        return self.params[next(s for s in stages if self.low.rank_of[s] == self.pieces.rank)]
+
+    def _receive(self, peer: int, templates: list, tag: int) -> Incoming:
+        return post_incoming(self.messenger, peer, templates, tag, self.pieces.device)
+
+    def _post_receives(self) -> dict:
+        """Every replica-gradient receive of this rank, posted at the start of the step: the first
+        replica's rank waits for the others' micro-batch gradients, the others for the sums. Sizes are
+        fixed (absent gradients travel as zeros, flagged in the mask)."""
+        incoming: dict = {}
+        per_step = self.low.schedule.num_microbatches
+        for piece, stages, ranks in self._held():
+            params = self._local_params(stages)
+            tag = REPLICA_TAG + 4 * piece
+            if ranks[0] == self.pieces.rank:
+                for j, other in enumerate(ranks):
+                    if other != self.pieces.rank:
+                        incoming[(piece, j)] = self._receive(other, params * per_step, tag)
+            else:
+                incoming[(piece, "sums")] = self._receive(ranks[0], params, tag + 2)
+        return incoming
+
+    def collect(self, stage: int, mb: int, found: list) -> None:
+        """Keep ``stage``'s gradients of micro-batch ``mb``; a second replica's stage that has all of them
+        sends them at once where the transport allows (overlapping the rest of the step)."""
+        self.grads.setdefault(stage, {})[mb] = found
+        if (self.early and self.low.replica_of[stage] > 0
+                and len(self.grads[stage]) == self.low.schedule.num_microbatches):
+            self.early_sends[stage] = self._contribute(stage)
+
+    def _contribute(self, stage: int) -> list[Posted]:
+        """Second replica: send ``stage``'s micro-batch gradients to the first replica's rank."""
+        low = self.low
+        piece = low.piece_of[stage]
+        owner = low.rank_of[low.stage_for[0][piece]]
+        contributions = self.grads.get(stage, {})
+        params = self.params[stage]
+        flat = [g for mb in sorted(contributions) for g in contributions[mb]]
+        return send_packed(self.messenger, owner, flat, params * len(contributions), REPLICA_TAG + 4 * piece,
+                           self.pieces.device)
+
+    def merge(self) -> None:
+        """Add each piece's micro-batch gradients in micro-batch order on the first replica's rank, and
+        give every replica the same result."""
+        rank, low = self.pieces.rank, self.low
+        sends: list[Posted] = []
+        for _, stages, ranks in self._held():  # second replicas: make sure their sends are out
+            for stage in stages[1:]:
+                if low.rank_of[stage] == rank and ranks[0] != rank:
+                    sends += self.early_sends.pop(stage, []) or self._contribute(stage)
+        for piece, stages, ranks in self._held():  # first replicas: receive, add in order, answer
+            if ranks[0] == rank:
+                sends += self._merge_first(piece, stages, ranks)
+        for piece, stages, ranks in self._held():  # second replicas: take the sums
+            if ranks[0] == rank:
+                continue
+            params = self._local_params(stages)
+            incoming = self.incoming.get((piece, "sums")) or self._receive(ranks[0], params,
+                                                                           REPLICA_TAG + 4 * piece + 2)
+            for param, grad in zip(params, take(self.messenger, incoming)):
+                param.grad = None if grad is None else grad.clone()
+        self.messenger.wait_posted(sends, "sending replica gradients")
+
+    def _merge_first(self, piece: int, stages: list[int], ranks: list[int]) -> list[Posted]:
+        rank, low = self.pieces.rank, self.low
+        params = self.params[stages[0]]
+        per_step = low.schedule.num_microbatches
+        contributions: dict[int, list] = {}
+        for stage in stages:
+            if low.rank_of[stage] == rank:
+                contributions.update(self.grads.get(stage, {}))
+        for j, other in enumerate(ranks):
+            if other == rank:
+                continue
+            incoming = self.incoming.get((piece, j)) or self._receive(other, params * per_step,
+                                                                      REPLICA_TAG + 4 * piece)
+            grads = take(self.messenger, incoming)
+            for k in range(per_step):
+                contributions[low.replicas * k + j] = grads[k * len(params):(k + 1) * len(params)]
+        for mb in sorted(contributions):
+            for param, grad in zip(params, contributions[mb]):
+                if grad is not None:
+                    accumulate_grad(param, grad)
+        return [posted for other in sorted(set(ranks) - {rank})
+                for posted in send_packed(self.messenger, other, [p.grad for p in params], params,
+                                          REPLICA_TAG + 4 * piece + 2, self.pieces.device)]

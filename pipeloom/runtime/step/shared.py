@@ -1,0 +1,156 @@
+"""Parameters used by several model pieces (tied embedding and LM head, a module reused across stages).
+
+Every rank whose pieces use such a parameter holds it. On one device, autograd adds the uses' gradients
+of one micro-batch first (the parameter's accumulator gets their sum) and then adds that sum into
+``.grad``. The runtime does the same: each using piece's gradient action leaves its contribution per
+micro-batch aside; once a micro-batch has every contribution, their sum (pieces in descending order,
+the order in which a backward reaches them) is added into ``.grad``, micro-batches in order. Uses on
+other ranks are exchanged at the end of the step, so every holder ends the step with the same bits.
+For two uses the sum does not depend on their order, so ``.grad`` is bitwise the reference's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from pipeloom.runtime.comm.messenger import Messenger
+from pipeloom.runtime.comm.packed import receive_packed, send_packed
+from pipeloom.runtime.errors import PipelineError
+from pipeloom.runtime.program import Lowering
+from pipeloom.runtime.step.backward import accumulate_grad, add_in_order
+
+__all__ = ["SHARED_TAG", "SharedGradients", "SharedParameters", "shared_parameters"]
+
+SHARED_TAG = 1 << 25  # tags of the exchange, clear of the step's own messages and of the replicas'
+_WHAT = "shared-parameter gradients"
+
+
+@dataclass(frozen=True, slots=True)
+class SharedParameters:
+    """The parameters several pieces use, in one order every rank agrees on."""
+
+    params: tuple[nn.Parameter, ...]  # every shared parameter of the model (meta or real), model order
+    pieces: tuple[tuple[int, ...], ...]  # per parameter: the pieces using it, ascending
+    names: tuple[str, ...]  # per parameter: a name for messages
+
+    def of_piece(self, piece: int) -> list[int]:
+        """Indices of the shared parameters ``piece`` uses."""
+        return [i for i, pieces in enumerate(self.pieces) if piece in pieces]
+
+
+def shared_parameters(stages: Sequence[nn.Module]) -> SharedParameters:
+    """Parameters that more than one stage module uses (frozen ones too: a frozen parameter gets no
+    gradient, and one unfrozen later is combined like the others)."""
+    users: dict[int, list[int]] = {}
+    found: dict[int, tuple[nn.Parameter, str]] = {}
+    for k, module in enumerate(stages):
+        for name, param in module.named_parameters():
+            if k not in users.setdefault(id(param), []):
+                users[id(param)].append(k)
+                found.setdefault(id(param), (param, name))
+    keys = [key for key, pieces in users.items() if len(pieces) > 1]
+    return SharedParameters(params=tuple(found[k][0] for k in keys), pieces=tuple(tuple(users[k]) for k in keys),
+                            names=tuple(found[k][1] for k in keys))
+
+
+def check_placement(shared: SharedParameters, lowering: Lowering) -> None:
+    """Two-replica schedules would need a parameter's uses combined across both replicas: refused."""
+    if shared.params and lowering.replicas > 1:
+        raise PipelineError(
+            f"parameter {shared.names[0]!r} is used by model pieces {list(shared.pieces[0])}, and schedule "
+            f"{lowering.schedule.name!r} runs two model replicas; shared parameters run with one-replica schedules "
+            "(1f1b, zbv, interleaved-1f1b, ...): choose one, or move the split points so all uses fall in one piece"
+        )
+
+
+@dataclass(slots=True)
+class SharedGradients:
+    """One step's contributions of the shared parameters, combined in micro-batch order."""
+
+    shared: SharedParameters
+    lowering: Lowering
+    rank: int
+    num_microbatches: int
+    parts: dict[tuple[int, int], dict[int, torch.Tensor | None]] = field(default_factory=dict)
+    next_mb: dict[int, int] = field(default_factory=dict)  # parameter -> first micro-batch not yet added
+    ranks: tuple[list[int], ...] = field(init=False)  # per parameter: the ranks holding a piece using it
+
+    def __post_init__(self) -> None:
+        low = self.lowering
+        self.ranks = tuple(sorted({low.rank_of[low.stage_for[0][k]] for k in pieces})
+                           for pieces in self.shared.pieces)
+
+    def holders(self, index: int) -> list[int]:
+        """Ranks holding a piece that uses shared parameter ``index``."""
+        return self.ranks[index]
+
+    def local(self) -> list[int]:
+        """Shared parameters this rank holds."""
+        return [i for i in range(len(self.shared.params)) if self.rank in self.holders(i)]
+
+    def collect(self, piece: int, mb: int, grads: dict[int, torch.Tensor | None]) -> None:
+        """Keep ``piece``'s contribution to each shared parameter (index -> grad) for micro-batch ``mb``."""
+        for index, grad in grads.items():
+            self.parts.setdefault((index, mb), {})[piece] = grad
+            if self.holders(index) == [self.rank]:
+                self._add_ready(index)
+
+    def _add_ready(self, index: int) -> None:
+        """Add every micro-batch whose contributions are all here, in micro-batch order."""
+        mb = self.next_mb.get(index, 0)
+        pieces = self.shared.pieces[index]
+        while mb < self.num_microbatches and len(self.parts.get((index, mb), ())) == len(pieces):
+            parts = self.parts.pop((index, mb))
+            present = [part for k in sorted(pieces, reverse=True) if (part := parts[k]) is not None]
+            if present:  # a lone part may be a view into a received buffer: keep a copy, not the buffer
+                total = add_in_order(present) if len(present) > 1 else present[0].clone()
+                accumulate_grad(self.shared.params[index], total)
+            mb += 1
+        self.next_mb[index] = mb
+
+    def exchange(self, messenger: Messenger, device: torch.device) -> None:
+        """Send this rank's contributions to every other holder, receive theirs, and add everything."""
+        peers = sorted({r for i in self.local() for r in self.holders(i)} - {self.rank})
+        sends: list = []
+        for peer in peers:
+            ours, templates = self._entries(self.rank, peer)
+            theirs, their_templates = self._entries(peer, self.rank)
+            tag = SHARED_TAG + 2 * min(self.rank, peer)
+            if self.rank < peer:  # one order per pair, as NCCL matches in posting order
+                sends += send_packed(messenger, peer, [self._part(*e) for e in ours], templates, tag, device)
+                found = receive_packed(messenger, peer, their_templates, tag, device, what=_WHAT)
+            else:
+                found = receive_packed(messenger, peer, their_templates, tag, device, what=_WHAT)
+                sends += send_packed(messenger, peer, [self._part(*e) for e in ours], templates, tag, device)
+            for (index, mb, piece), grad in zip(theirs, found):
+                self.parts.setdefault((index, mb), {})[piece] = grad
+        messenger.wait_posted(sends, "sending shared-parameter gradients")
+        for index in self.local():
+            self._add_ready(index)
+            if self.next_mb.get(index, 0) != self.num_microbatches:
+                raise PipelineError(f"rank {self.rank}: shared parameter {self.shared.names[index]!r} is missing "
+                                    "gradients of some micro-batches (a pipeloom bug: please report it)")
+
+    def _entries(self, src: int, dst: int) -> tuple[list[tuple[int, int, int]], list[torch.Tensor]]:
+        """What ``src`` sends ``dst``: (parameter, micro-batch, piece) of every use on ``src`` of a
+        parameter both hold, in parameter, micro-batch and piece order; and a template per entry."""
+        low = self.lowering
+        entries: list[tuple[int, int, int]] = []
+        templates: list[torch.Tensor] = []
+        for index, pieces in enumerate(self.shared.pieces):
+            holders = self.holders(index)
+            if src not in holders or dst not in holders:
+                continue
+            mine = [k for k in pieces if low.rank_of[low.stage_for[0][k]] == src]
+            for mb in range(self.num_microbatches):
+                for piece in mine:
+                    entries.append((index, mb, piece))
+                    templates.append(self.shared.params[index])
+        return entries, templates
+
+    def _part(self, index: int, mb: int, piece: int) -> torch.Tensor | None:
+        return self.parts[(index, mb)][piece]
