@@ -330,8 +330,8 @@ def _measure_overhead(rank: int, config: RealityConfig, link: Link, *, counts: t
         table = profile_in_engine(model, inputs, loss_fn=loss_fn, target=targets, microbatches=count,
                                   pieces=["0", "1"], warmup_steps=3, steps=10)
         inside = statistics.median(getattr(p, key) for p in table.pieces for key in "fiwb")
-        return inside, inside, {"inside": inside, "overhead": inside, "fixed": table.step_overhead,
-                                "latency": table.link.latency, "message": table.message_cost}
+        return inside, inside, {"inside": inside, "overhead": inside, "fixed": table.runtime.step_overhead,
+                                "latency": table.link.latency, "message": table.runtime.message_cost}
     out = Path(config.out)
     residual = {}
     for count in counts:
@@ -482,8 +482,8 @@ def predict(record: dict, tables: list[CostTable], config: RealityConfig) -> flo
                       stage_memory=(0.0,) * count, objective=0.0, weight=0.0)
     problem = recost(schedule, table, split, memory_limit=config.memory_limit)
     return (expected_makespan(dataclasses.replace(schedule, problem=problem), stage_spreads(table, schedule, split),
-                              start_skew=table.start_skew)
-            + replica_sync_time(table, schedule, split) + table.step_overhead)
+                              start_skew=table.runtime.start_skew)
+            + replica_sync_time(table, schedule, split) + table.runtime.step_overhead)
 
 
 def _same_order(a: Schedule, b: Schedule) -> bool:
@@ -575,12 +575,13 @@ def _profile_sizes(rank: int, begun: float, config: RealityConfig) -> tuple[Link
     if config.profiler == "engine":
         # latency under load and per-step cost belong to the machine and runtime, not to one micro-batch
         # size: one value each, the median of the fits at every size (each fit alone is noisy)
-        costs = dataclasses.replace(costs, step=statistics.median(t.step_overhead for t in tables),
+        costs = dataclasses.replace(costs, step=statistics.median(t.runtime.step_overhead for t in tables),
                                     latency=statistics.median(t.link.latency for t in tables))
-        profiled["fits"] = [{"size": t.microbatch_size, "latency": t.link.latency, "step_overhead": t.step_overhead,
-                             "replica_latency": None if t.replica_link is None else t.replica_link.latency,
-                             "time_spread": t.time_spread, "start_skew": t.start_skew,
-                             "action_cost": t.action_overhead, "message_cost": t.message_cost}
+        profiled["fits"] = [{"size": t.microbatch_size, "latency": t.link.latency,
+                             "step_overhead": t.runtime.step_overhead,
+                             "replica_latency": getattr(t.runtime.replica_link, "latency", None),
+                             "time_spread": t.runtime.time_spread, "start_skew": t.runtime.start_skew,
+                             "action_cost": t.runtime.action_overhead, "message_cost": t.runtime.message_cost}
                             for t in tables]
         tables = [_with_engine_costs(table, costs) for table in tables]
         profiled.update(latency=costs.latency, step_overhead=costs.step)
@@ -653,7 +654,7 @@ def _measure_plan(rank: int, record: dict, engine, profiler: EngineProfiler | No
         times, foreign, attempts = _quiet(measure, config)
         traced = [record["step"] for record in engine.trace_steps[-len(times):]]
         profile_note = {"profile_foreign": note["foreign"], "profile_attempts": note["attempts"]}
-        fitted_link = (table.link.latency, table.step_overhead)
+        fitted_link = (table.link.latency, table.runtime.step_overhead)
     else:
         def interleaved() -> tuple[list[float], CostTable, list[int]]:
             for _ in range(config.profile_warmup):
@@ -668,13 +669,13 @@ def _measure_plan(rank: int, record: dict, engine, profiler: EngineProfiler | No
             return times, fitted, [record["step"] for record in engine.trace_steps[-len(times):]]
 
         (times, fitted, traced), foreign, attempts = _quiet(interleaved, config)
-        fitted_link = (fitted.link.latency, fitted.step_overhead)
+        fitted_link = (fitted.link.latency, fitted.runtime.step_overhead)
         table = _with_engine_costs(fitted, costs)
         profile_note = {"profile_foreign": foreign, "profile_attempts": attempts,
-                        "replica_latency": None if fitted.replica_link is None else fitted.replica_link.latency,
-                        "time_spread": fitted.time_spread, "start_skew": fitted.start_skew,
-                        "message_cost": fitted.message_cost,
-                        "action_cost": fitted.action_overhead}
+                        "replica_latency": getattr(fitted.runtime.replica_link, "latency", None),
+                        "time_spread": fitted.runtime.time_spread, "start_skew": fitted.runtime.start_skew,
+                        "message_cost": fitted.runtime.message_cost,
+                        "action_cost": fitted.runtime.action_overhead}
     if rank == 0:
         entry = {"predicted": predict(record, [table], config), "times": times, "traced_steps": traced,
                  "latency": fitted_link[0], "step_overhead": fitted_link[1],

@@ -165,11 +165,3 @@ def compile_schedule(schedule: Schedule) -> CompiledSchedule:
     require_type("schedule", schedule, Schedule, "a pipeloom Schedule")
     return CompiledSchedule.of(schedule, schedule.problem.overlap_overhead)
 
-
-def __getattr__(name: str) -> object:
-    """``pipeloom.plan.noise.expected_makespan`` and ``starting_ranks``, which moved to
-    :mod:`pipeloom.plan.noise`, still import from here (looked up by name on first use: the planner
-    sits above the simulator)."""
-    if name in ("expected_makespan", "starting_ranks"):
-        return getattr(import_module("pipeloom.plan.noise"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

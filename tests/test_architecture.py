@@ -18,28 +18,25 @@ CHECKED = ("pipeloom",)
 LOOKED_UP_ON_USE = {
     ("pipeloom.ir.core", "pipeloom.viz.html"): "Schedule._repr_html_, the notebook view",
     ("pipeloom.sim", "pipeloom.viz.html"): "Timeline._repr_html_, the notebook view",
-    ("pipeloom.sim", "pipeloom.plan.noise"): "pipeloom.plan.noise.expected_makespan and starting_ranks, moved (issue 19)",
 }
 """The only places a module names one above it, by ``importlib.import_module("...")`` when the name is
 first used, so that importing it never imports the layer above (docs/architecture.md, "Looked up on
 use"). They are no import edges: left out of the cycle and direction checks, and each must be listed."""
 
-CORE = ("errors", "formatting", "graph", "problem", "ir", "lowering", "sim", "sim_composite", "validate",
-        "schedules", "search")
-"""The model, the IR and what works on them alone (docs/architecture.md's table down to ``search``)."""
-NEVER = {
-    **{unit: {"trace", "viz", "plan", "runtime", "cli", "serve"} for unit in CORE},
-    "trace": {"viz", "plan", "runtime", "cli", "serve"},
-    "viz": {"plan", "runtime", "cli", "serve"},
-    "runtime": {"viz", "cli", "serve"},
-    "plan": {"cli"},
-    "serve": {"cli"},
-}
-"""Per top-level unit of ``pipeloom``: the units it never imports, at any depth (docs/architecture.md:
-imports go from the bottom of its table up; ``runtime -> plan`` and ``plan -> serve`` are the two
-function-level exceptions it names)."""
-NO_HEAVY = {unit: {"torch", "matplotlib"} for unit in (*CORE, "trace")}
-"""Units that import neither torch nor matplotlib, at any depth (DESIGN §4)."""
+LAYERS = ("errors", "formatting", "graph", "remote", "problem", "ir", "lowering", "sim_replay", "sim", "validate",
+          "schedules", "search", "trace", "viz", "plan", "runtime", "profile", "serve", "cli")
+"""The top-level units of ``pipeloom`` from the bottom up (docs/architecture.md's table): each imports only
+units listed before it, at any depth and inside functions too. The package's own ``__init__`` and
+``__main__`` stand above them all."""
+
+CORE = LAYERS[: LAYERS.index("search") + 1]
+"""The model, the IR and what works on them alone."""
+NO_HEAVY = {unit: {"torch", "matplotlib"} for unit in (*CORE, "trace", "plan")}
+"""Units that import neither torch nor matplotlib, at any depth (docs/design.md, "Layering")."""
+TORCH_FREE = {"plan": {"torch", "transformers"}}
+"""The planner never imports torch, not even inside a function: it plans clusters it does not run on."""
+MOST_MODULES = 20
+"""No package folder holds more plain modules than this (its ``__init__`` not counted)."""
 
 
 def _modules() -> dict[str, Path]:
@@ -192,12 +189,84 @@ def test_the_scan_sees_lookups_and_other_packages():
     _, lookups, external = _scan()
     assert lookups["pipeloom.ir.core"] == {"pipeloom.viz.html"}
     assert "torch" in external["pipeloom.runtime.engine"] and "torch" not in external["pipeloom.sim"]
+    assert "torch" in external["pipeloom.runtime.parallel.tp"]  # a function-level import counts
 
 
-def test_imports_go_the_documented_way():
+def test_units_import_only_the_units_below_them():
     wrong = sorted(f"{name} imports {target}" for name, targets in import_graph().items() for target in targets
-                   if _unit(target) in NEVER.get(_unit(name), ()))
-    assert wrong == [], "imports against docs/architecture.md's direction:\n" + "\n".join(wrong)
+                   if _unit(name) in LAYERS and _unit(target) in LAYERS
+                   and LAYERS.index(_unit(target)) > LAYERS.index(_unit(name)))
+    assert wrong == [], "imports against docs/architecture.md's layers:\n" + "\n".join(wrong)
+
+
+def test_every_unit_has_a_layer():
+    units = {_unit(name) for name in _modules()} - {"", "__main__"}
+    assert units == set(LAYERS)
+
+
+def rooms(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The import graph between rooms: a package without subpackages is one room; in a package with
+    subpackages each plain module is a room of its own (``runtime.engine``), and so is its ``__init__``."""
+    modules = _modules()
+    packages = {name for name, path in modules.items() if path.name == "__init__.py"}
+    parents = {name.rpartition(".")[0] for name in packages if name != "pipeloom"}
+
+    def room(name: str) -> str:
+        if name in packages:
+            return f"{name}.__init__" if name in parents else name
+        parent = name.rpartition(".")[0]
+        return name if parent in parents else parent
+
+    found: dict[str, set[str]] = {}
+    for name, targets in graph.items():
+        found.setdefault(room(name), set()).update(room(t) for t in targets if room(t) != room(name))
+    return found
+
+
+def test_no_cycle_between_rooms_counting_imports_inside_functions():
+    assert cycles(rooms(import_graph())) == []
+    assert "pipeloom.runtime.step" in rooms(import_graph())["pipeloom.runtime.engine"]
+
+
+def test_outside_init_files_a_module_exports_only_what_it_defines():
+    found = []
+    for name, path in _modules().items():
+        if path.name == "__init__.py":
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        defined = {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+        defined |= {name.id for node in ast.walk(tree) if isinstance(node, (ast.Assign, ast.AnnAssign))
+                    for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                    for name in ast.walk(target) if isinstance(name, ast.Name)}
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "__all__" for t in node.targets):
+                found += [f"{name}: {elt.value}" for elt in node.value.elts if elt.value not in defined]
+    assert found == [], "names exported but not defined here (import them from their home):\n" + "\n".join(found)
+
+
+def test_no_package_folder_has_more_than_twenty_plain_modules():
+    crowded = {}
+    for folder in {path.parent for path in ROOT.rglob("*.py")}:
+        plain = [p for p in folder.glob("*.py") if p.name not in ("__init__.py", "__main__.py")]
+        if len(plain) > MOST_MODULES:
+            crowded[str(folder.relative_to(ROOT.parent))] = len(plain)
+    assert crowded == {}
+
+
+def test_the_architecture_doc_names_every_module():
+    doc = (ROOT.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
+    missing = sorted(name for name, path in _modules().items()
+                     if path.name not in ("__init__.py", "__main__.py")
+                     and f"`{path.relative_to(ROOT.parent).as_posix()}`" not in doc)
+    assert missing == [], "docs/architecture.md does not name these modules (as `pipeloom/...py`):\n" + "\n".join(
+        missing)
+
+
+def test_the_planner_never_imports_torch_even_inside_functions():
+    _, _, external = _scan()
+    heavy = sorted(f"{name} imports {package}" for name, packages in external.items()
+                   for package in packages & TORCH_FREE.get(_unit(name), set()))
+    assert heavy == []
 
 
 def test_the_model_and_the_trace_load_neither_torch_nor_matplotlib():
@@ -212,18 +281,3 @@ def test_only_the_documented_names_are_looked_up_on_use():
     found = {(name, target) for name, targets in lookups.items() for target in targets}
     assert found == set(LOOKED_UP_ON_USE)
     assert all(target in import_graph() for _, target in found)  # each names a module that exists
-
-
-def test_the_moved_names_still_import_from_their_old_homes():
-    import pipeloom.plan.noise
-    import pipeloom.sim
-    import pipeloom.trace
-    import pipeloom.viz.explain
-    import pipeloom.viz.measured
-    import pipeloom.viz.run_trace
-
-    assert pipeloom.plan.noise.expected_makespan is pipeloom.plan.noise.expected_makespan
-    assert pipeloom.plan.noise.starting_ranks is pipeloom.plan.noise.starting_ranks
-    for old in (pipeloom.viz.measured, pipeloom.viz.run_trace, pipeloom.viz.explain):
-        moved = [name for name in old.__all__ if hasattr(pipeloom.trace, name)]
-        assert moved and all(getattr(old, name) is getattr(pipeloom.trace, name) for name in moved)

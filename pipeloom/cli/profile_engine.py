@@ -62,13 +62,14 @@ def run_in_engine(args: argparse.Namespace, module, function) -> int:
             args.outputs.discard()  # rank 0 writes the files; an empty one from here must not replace them
         if dist.get_rank() == 0:
             show(table, args)
+            fitted = table.runtime
             exchange = ("none (odd ranks or micro-batches, or parameters shared across ranks)"
-                        if table.replica_link is None else f"{table.replica_link.latency * 1e3:.2f} ms per message")
+                        if fitted.replica_link is None else f"{fitted.replica_link.latency * 1e3:.2f} ms per message")
             Console(stderr=args.json, highlight=False).print(
                 f"fitted: latency under load {table.link.latency * 1e3:.2f} ms, per step "
-                f"{table.step_overhead * 1e3:.2f} ms, per action {table.action_overhead * 1e6:.0f} us, per message "
-                f"{table.message_cost * 1e6:.0f} us, time spread "
-                f"{table.time_spread:.2f}, start skew {table.start_skew * 1e3:.2f} ms, replica exchange {exchange}",
+                f"{fitted.step_overhead * 1e3:.2f} ms, per action {fitted.action_overhead * 1e6:.0f} us, per message "
+                f"{fitted.message_cost * 1e6:.0f} us, time spread "
+                f"{fitted.time_spread:.2f}, start skew {fitted.start_skew * 1e3:.2f} ms, replica exchange {exchange}",
                 markup=False, soft_wrap=True)
             if table.tensor is not None:
                 print_tensor(table, Console(stderr=args.json, highlight=False))

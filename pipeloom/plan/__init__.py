@@ -25,7 +25,6 @@ from pipeloom.plan.planner import Candidate, PlanResult, plan_pipeline
 from pipeloom.plan.recost import recost, replica_sync_time
 from pipeloom.plan.tp.collectives import CollectiveFit, fit_collectives
 from pipeloom.plan.tp.megatron import TensorInfo, tensor_parallel_table
-from pipeloom.plan.tp.recipes import recipe_styles
 from pipeloom.plan.tp.sharding import RegionModules, ShardingProblem, ShardingResult, search_sharding
 
 __all__ = [
@@ -60,7 +59,6 @@ __all__ = [
     "partition_pieces",
     "plan_mesh",
     "plan_pipeline",
-    "recipe_styles",
     "recost",
     "replica_sync_time",
     "save_costs",

@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING
 
 from pipeloom.plan.costs.table import CostTable
 from pipeloom.plan.errors import PlanError
-from pipeloom.profile import fits as inplace_fits
 from pipeloom.profile.engine import EngineProfiler
 from pipeloom.profile.tp import check_tp_request, profile_tensor_parallel
 
@@ -39,10 +38,6 @@ if TYPE_CHECKING:
 __all__ = ["profile_in_engine"]
 
 # The fits' names from before they moved to pipeloom.profile.fits (tests import them from here).
-_exchange_latency = inplace_fits.exchange_latency
-_fitted_action_cost = inplace_fits.fitted_action_cost
-_start_skew = inplace_fits.start_skew
-_time_spread = inplace_fits.time_spread
 
 
 def profile_in_engine(

@@ -178,14 +178,14 @@ def _from_plan(plan: str | Path, schedule: object, split_points: Sequence[str] |
     file, explicit ones winning; a plan with replicas or tensor parallelism gets a ``("dp", "pp", "tp")`` mesh
     over every rank (sizes of 1 left out) unless one is given (whose shape must be the plan's), and its saved
     tensor-parallel recipe becomes torch's ``ParallelStyle`` dict
-    (:func:`pipeloom.plan.tp.recipes.recipe_styles`)."""
+    (:func:`pipeloom.runtime.parallel.tp.recipe_styles`)."""
     from pipeloom.plan import load_plan
 
     chosen = load_plan(plan)
     if chosen.data_parallel > 1 or chosen.tensor_parallel > 1:
         mesh = _plan_mesh(chosen, mesh, process_group, device)
     if tp_plan is None and chosen.tp_plan is not None:
-        from pipeloom.plan.tp.recipes import recipe_styles
+        from pipeloom.runtime.parallel.tp import recipe_styles
 
         tp_plan = recipe_styles(chosen.tp_plan)
     return (chosen.schedule if schedule is None else schedule,

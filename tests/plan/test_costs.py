@@ -6,7 +6,6 @@ the round trip through JSON, and the exact error messages' key words.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
@@ -107,7 +106,7 @@ def test_scaling_is_linear_except_parameters():
         assert new.param_bytes == old.param_bytes
     assert table.scaled(4) is table
     per_action = _table(runtime=RuntimeCorrections(action_overhead=0.5))
-    assert per_action.scaled(8).action_overhead == 0.5  # per action, not per sample
+    assert per_action.scaled(8).runtime.action_overhead == 0.5  # per action, not per sample
 
 
 def test_json_round_trip(tmp_path):
@@ -125,7 +124,7 @@ def test_json_optional_keys_take_their_defaults():
                        "pieces": [{"name": "a", "f": 1, "i": 1, "w": 1}, {"name": "b", "f": 2, "i": 2, "w": 2}]})
     table = costs_from_json(text)
     assert table.link == Link() and table.optimizer_factor == 2.0 and table.source == "manual"
-    assert table.action_overhead == 0.0
+    assert table.runtime.action_overhead == 0.0
     assert table.pieces[1].inputs == ("a",) and table.pieces[0].param_bytes == 0.0
 
 
@@ -190,16 +189,13 @@ def test_format_2_nests_the_runtime_corrections_and_format_1_still_loads():
     assert costs_from_json(json.dumps(document)).runtime == RuntimeCorrections()  # none measured
 
 
-def test_old_keyword_names_still_build_the_same_table():
-    runtime = RuntimeCorrections(action_overhead=1e-4, step_overhead=2e-3, replica_link=Link(latency=1.0))
-    new = _table(runtime=runtime)
-    assert _table(action_overhead=1e-4, step_overhead=2e-3, replica_link=Link(latency=1.0)) == new
-    assert (new.action_overhead, new.step_overhead, new.replica_link) == (1e-4, 2e-3, Link(latency=1.0))
-    replaced = dataclasses.replace(new, message_cost=5e-4)  # an old keyword replaces that correction only
-    assert replaced.runtime == dataclasses.replace(runtime, message_cost=5e-4)
-    piece = Piece(name="x", f=1.0, i=1.0, w=1.0, b=2.5)
-    assert piece == Piece(name="x", f=1.0, i=1.0, w=1.0, measured_full_backward=2.5) and piece.b == 2.5
-    assert dataclasses.replace(piece, b=None).full_backward == 2.0
+def test_costs_v1_names_are_file_names_only():
+    """costs/1's flat names and a piece's ``b`` load from files (above), but the Python API has one name each."""
+    with pytest.raises(TypeError):
+        _table(action_overhead=1e-4)
+    with pytest.raises(TypeError):
+        Piece(name="x", f=1.0, i=1.0, w=1.0, b=2.5)
+    assert not hasattr(_table(), "action_overhead") and not hasattr(Piece(name="x", f=1.0, i=1.0, w=1.0), "b")
 
 
 def test_load_costs_names_the_file(tmp_path):
@@ -296,10 +292,12 @@ def test_b_and_step_overhead_round_trip_and_default_for_old_files():
               Piece(name="b", f=2.0, i=2.0, w=2.0))
     table = CostTable(pieces=pieces, microbatch_size=2, runtime=RuntimeCorrections(step_overhead=3e-3))
     again = costs_from_json(costs_to_json(table))
-    assert again == table and again.pieces[0].b == 1.5 and again.pieces[1].b is None
+    assert again == table and again.pieces[0].measured_full_backward == 1.5
+    assert again.pieces[1].measured_full_backward is None
     old = json.dumps({"format": COSTS_FORMAT, "microbatch_size": 2, "pieces": [{"name": "a", "f": 1, "i": 1, "w": 2}]})
     table = costs_from_json(old)
-    assert table.step_overhead == 0.0 and table.pieces[0].b is None and table.pieces[0].full_backward == 3.0
+    assert table.runtime.step_overhead == 0.0 and table.pieces[0].measured_full_backward is None
+    assert table.pieces[0].full_backward == 3.0
 
 
 def test_b_scales_and_interpolates_with_the_other_times():
@@ -319,14 +317,16 @@ def test_time_spread_and_replica_link_round_trip_and_default_for_old_files():
     table = _table(runtime=RuntimeCorrections(time_spread=0.15, start_skew=2e-3, message_cost=3e-4,
                                               replica_link=Link(latency=2e-3, bandwidth=3e9)))
     again = costs_from_json(costs_to_json(table))
-    assert again == table and again.replica_link == Link(latency=2e-3, bandwidth=3e9)
-    assert (again.start_skew, again.message_cost) == (2e-3, 3e-4)
+    assert again == table and again.runtime.replica_link == Link(latency=2e-3, bandwidth=3e9)
+    assert (again.runtime.start_skew, again.runtime.message_cost) == (2e-3, 3e-4)
     document = json.loads(_v1(costs_to_json(_table())))  # an old file, written by pipeloom.costs/1
     assert document["replica_link"] is None and document["time_spread"] == 0.0 and document["start_skew"] == 0.0
     for key in ("replica_link", "time_spread", "start_skew", "message_cost"):
         document.pop(key)
     old = costs_from_json(json.dumps(document))
-    assert old.replica_link is None and old.time_spread == old.start_skew == old.message_cost == 0.0
+    corrections = old.runtime
+    assert corrections.replica_link is None
+    assert corrections.time_spread == corrections.start_skew == corrections.message_cost == 0.0
 
 
 def test_replica_link_must_be_a_link():
@@ -338,10 +338,10 @@ def test_table_for_size_keeps_a_replica_link_any_table_measured():
     exchange = Link(latency=2e-3)
     small = _table(microbatch_size=2)  # e.g. one micro-batch per step: no two-replica profile there
     large = _table(microbatch_size=8, runtime=RuntimeCorrections(replica_link=exchange))
-    assert table_for_size([small, large], 4).replica_link == exchange
-    assert table_for_size([small, large], 2).replica_link == exchange
-    assert table_for_size([small, large], 16).replica_link == exchange
-    assert table_for_size([small], 2).replica_link is None
+    assert table_for_size([small, large], 4).runtime.replica_link == exchange
+    assert table_for_size([small, large], 2).runtime.replica_link == exchange
+    assert table_for_size([small, large], 16).runtime.replica_link == exchange
+    assert table_for_size([small], 2).runtime.replica_link is None
 
 
 def test_table_for_size_interpolates_the_fitted_action_overhead_and_time_spread():
@@ -350,10 +350,10 @@ def test_table_for_size_interpolates_the_fitted_action_overhead_and_time_spread(
     large = _table(microbatch_size=6, runtime=RuntimeCorrections(
         action_overhead=3e-4, time_spread=0.1, step_overhead=5e-3, start_skew=3e-3, message_cost=2e-4))
     middle = table_for_size([small, large], 4)
-    assert middle.action_overhead == pytest.approx(2e-4) and middle.time_spread == pytest.approx(0.15)
-    assert middle.start_skew == pytest.approx(2e-3) and middle.message_cost == pytest.approx(3e-4)
-    assert middle.step_overhead == 1e-3  # the first table's, as before
-    assert table_for_size([small, large], 6).action_overhead == 3e-4  # a measured size keeps its own
+    assert middle.runtime.action_overhead == pytest.approx(2e-4) and middle.runtime.time_spread == pytest.approx(0.15)
+    assert middle.runtime.start_skew == pytest.approx(2e-3) and middle.runtime.message_cost == pytest.approx(3e-4)
+    assert middle.runtime.step_overhead == 1e-3  # the first table's, as before
+    assert table_for_size([small, large], 6).runtime.action_overhead == 3e-4  # a measured size keeps its own
 
 
 def _shared_table(**overrides) -> CostTable:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 
 from pipeloom.plan.tp.collectives import CollectiveFit
-from pipeloom.plan.tp.recipes import recipe_styles
 from pipeloom.plan.tp.sharding import (
     LOSS_PARALLEL_REDUCTIONS,
     OPTIONS,
@@ -18,6 +17,7 @@ from pipeloom.plan.tp.sharding import (
     region_costs,
     search_sharding,
 )
+from pipeloom.runtime.parallel.tp import recipe_styles
 
 MODULES = RegionModules(attention_column=("layers.*.qkv",), attention_row=("layers.*.proj",),
                         mlp_column=("layers.*.up",), mlp_row=("layers.*.down",), norms=("layers.*.norm*",),

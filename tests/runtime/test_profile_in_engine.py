@@ -22,7 +22,7 @@ from pipeloom.plan.noise import starting_ranks
 from pipeloom.plan.partitioning.shape import schedule_shape
 from pipeloom.plan.recost import exchange_time
 from pipeloom.profile.engine import profiling_schedule
-from pipeloom.profile.in_engine import _exchange_latency, _fitted_action_cost, _start_skew, _time_spread
+from pipeloom.profile.fits import exchange_latency, fitted_action_cost, start_skew, time_spread
 from pipeloom.runtime.program import model_pieces
 from pipeloom.trace import TRACE_FORMAT, run_trace_from_documents, task_durations
 
@@ -59,13 +59,14 @@ def test_profile_in_engine_gives_every_rank_the_same_table(tmp_path):
     assert table.names == tuple([f"layers.{k}" for k in range(8)] + ["head"])
     assert table.microbatch_size == 4
     # each piece is its time less the runtime's cost per action (fitted; a tiny piece may keep 0 of it)
-    assert all(min(p.f, p.full_backward, p.w) + table.action_overhead > 0 for p in table.pieces)
+    assert all(min(p.f, p.full_backward, p.w) + table.runtime.action_overhead > 0 for p in table.pieces)
     assert sum(p.f + p.full_backward for p in table.pieces) > 0
-    assert table.link.latency >= 0 and table.step_overhead >= 0
-    assert 0 < table.time_spread < 1  # real actions vary, by far less than their own time
-    assert table.message_cost > 0  # the pieces at the ends of a rank's run send and post receives
+    assert table.link.latency >= 0 and table.runtime.step_overhead >= 0
+    assert 0 < table.runtime.time_spread < 1  # real actions vary, by far less than their own time
+    assert table.runtime.message_cost > 0  # the pieces at the ends of a rank's run send and post receives
     # 4 micro-batches: the two-replica pipeline ran too, and its exchange priced the replica link
-    assert table.replica_link is not None and table.replica_link.latency >= 0 and table.replica_link.bandwidth is None
+    exchange = table.runtime.replica_link
+    assert exchange is not None and exchange.latency >= 0 and exchange.bandwidth is None
     assert "in the engine, 2 ranks" in table.device
     assert all(p.param_bytes > 0 and p.activation_bytes > 0 for p in table.pieces)  # from profile_model
     assert first["trace_steps"] == 2 and first["files"] == []  # trace=True keeps the steps in memory only
@@ -102,7 +103,8 @@ def test_profile_in_engine_on_three_ranks_runs_no_two_replica_pipeline():
     assert all(status == "ok" for status, _ in results.values()), results
     tables = [costs_from_json(value) for _, value in results.values()]
     assert tables[0] == tables[1] == tables[2]
-    assert tables[0].replica_link is None and tables[0].action_overhead == 0.0  # nothing to fit them from
+    assert tables[0].runtime.replica_link is None  # nothing to fit it from
+    assert tables[0].runtime.action_overhead == 0.0
 
 
 def _documents(schedule, factor, start=lambda step, rank: 0.0) -> list[dict]:
@@ -132,10 +134,10 @@ def test_time_spread_is_the_variation_left_after_each_steps_drift(drift):
     run = run_trace_from_documents(_documents(
         schedule, lambda step, a: base[a.kind] * (1 + a.stage) * (0.8 if a.microbatch == 0 else 1.2)
         * (drift if step else 1.0)))
-    spread = _time_spread([(run, task_durations(run, steps=[0, 1]))], [0, 1])
+    spread = time_spread([(run, task_durations(run, steps=[0, 1]))], [0, 1])
     assert spread == pytest.approx(1.4826 * 0.2, rel=1e-3)
     steady = run_trace_from_documents(_documents(schedule, lambda step, a: base[a.kind] * (drift if step else 1.0)))
-    assert _time_spread([(steady, task_durations(steady, steps=[0, 1]))], [0, 1]) == pytest.approx(0.0, abs=1e-6)
+    assert time_spread([(steady, task_durations(steady, steps=[0, 1]))], [0, 1]) == pytest.approx(0.0, abs=1e-6)
 
 
 def test_start_skew_is_the_mean_gap_between_ranks_that_start_at_once():
@@ -145,10 +147,10 @@ def test_start_skew_is_the_mean_gap_between_ranks_that_start_at_once():
     offsets = {(0, 3): 3e-3, (1, 0): 1e-3, (0, 1): 7e-3, (1, 2): 9e-3}
     run = run_trace_from_documents(_documents(schedule, lambda step, a: 0.01,
                                               lambda step, rank: offsets.get((step, rank), 0.0)))
-    assert _start_skew(run, [0, 1]) == pytest.approx(2e-3)
-    assert _start_skew(run, [1]) == pytest.approx(1e-3)
+    assert start_skew(run, [0, 1]) == pytest.approx(2e-3)
+    assert start_skew(run, [1]) == pytest.approx(1e-3)
     one = profiling_schedule(2, 2, 2, split_backward=False)  # one replica: one rank starts
-    assert _start_skew(run_trace_from_documents(_documents(one, lambda step, a: 0.01)), [0, 1]) == 0.0
+    assert start_skew(run_trace_from_documents(_documents(one, lambda step, a: 0.01)), [0, 1]) == 0.0
 
 
 @pytest.mark.parametrize("bandwidth", [None, 1e3])
@@ -157,10 +159,10 @@ def test_the_exchange_latency_fit_inverts_the_priced_exchange(latency, bandwidth
     schedule = profiling_schedule(2, 2, 3, split_backward=False, replicas=2)
     params = [400.0, 100.0]
     seconds = exchange_time(params, schedule, Link(latency=latency, bandwidth=bandwidth))
-    assert _exchange_latency(seconds, params, schedule, bandwidth) == pytest.approx(latency, abs=1e-9)
+    assert exchange_latency(seconds, params, schedule, bandwidth) == pytest.approx(latency, abs=1e-9)
     if bandwidth is not None:  # faster than the bytes alone allow: no latency
-        assert _exchange_latency(0.1, params, schedule, bandwidth) == 0.0
-    assert _exchange_latency(1.0, [0.0, 0.0], schedule, bandwidth) == 0.0  # nothing to exchange
+        assert exchange_latency(0.1, params, schedule, bandwidth) == 0.0
+    assert exchange_latency(1.0, [0.0, 0.0], schedule, bandwidth) == 0.0  # nothing to exchange
 
 
 def test_the_action_cost_fit_compares_runs_timed_whole_with_their_pieces():
@@ -172,10 +174,10 @@ def test_the_action_cost_fit_compares_runs_timed_whole_with_their_pieces():
 
     whole = {(stage, kind): n * (1.0 if kind == "F" else 2.0) + 0.25
              for stage, n in ((0, 3), (1, 4), (2, 3), (3, 4)) for kind in ("F", "B")}
-    assert _fitted_action_cost(raw, bounds, whole) == pytest.approx(0.25)
+    assert fitted_action_cost(raw, bounds, whole) == pytest.approx(0.25)
     slower = {key: value + 1.0 for key, value in whole.items()}  # whole runs slower than their pieces: no cost
-    assert _fitted_action_cost(raw, bounds, slower) == 0.0
-    assert _fitted_action_cost(raw, [0, 1, 2], {}) == 0.0  # one piece per run: nothing to compare
+    assert fitted_action_cost(raw, bounds, slower) == 0.0
+    assert fitted_action_cost(raw, [0, 1, 2], {}) == 0.0  # one piece per run: nothing to compare
 
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_gpt.py"
@@ -190,7 +192,7 @@ def test_pipeloom_profile_in_engine_on_two_ranks(tmp_path):
     table = load_costs(out)  # written by rank 0 only: another rank's empty staged file must not replace it
     assert table.names == ("token_embedding", "blocks.0", "blocks.1", "ln_f", "head")
     assert table.microbatch_size == 2 and table.optimizer_factor == 6
-    assert "in the engine, 2 ranks" in table.device and table.replica_link is not None
+    assert "in the engine, 2 ranks" in table.device and table.runtime.replica_link is not None
 
 
 @pytest.mark.parametrize(("extra", "words"), [

@@ -1,4 +1,4 @@
-"""Profiling tensor-parallel stages inside the engine (pipeloom.profile.in_engine.profile_in_engine with mesh= and tp_plan=):
+"""Profiling tensor-parallel stages inside the engine (pipeloom.profile.profile_in_engine with mesh= and tp_plan=):
 on 4 gloo ranks, a (pp 2, tp 2) mesh running Megatron's column->row plan; the collectives counted per piece
 against Megatron's formula (2 all-reduces of the layer's output forward and 2 backward per layer), the table's
 tensor field against what the planner needs (it loads, plans with tp 2 from the measured times)."""

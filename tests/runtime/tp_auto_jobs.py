@@ -200,8 +200,8 @@ def run_preloaded(world: int, fn, *args, timeout: float) -> dict[int, tuple[str,
 
 def choices_plan(choice: dict) -> dict:
     """torch's plan for ``choice`` (region -> option) over LM's regions, as the search's recipe gives it."""
-    from pipeloom.plan.tp.recipes import recipe_styles
     from pipeloom.plan.tp.sharding import recipe_for
+    from pipeloom.runtime.parallel.tp import recipe_styles
     from pipeloom.runtime.parallel.tp_auto import find_regions
 
     return recipe_styles(recipe_for(choice, find_regions(build()).modules))

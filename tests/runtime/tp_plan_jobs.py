@@ -51,8 +51,8 @@ def _count(world: int, recipe: dict, batch: int) -> dict:
     from torch.distributed.tensor.debug import CommDebugMode
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from pipeloom.plan.tp.recipes import recipe_styles
     from pipeloom.profile.collectives import CollectiveCounter
+    from pipeloom.runtime.parallel.tp import recipe_styles
 
     torch.manual_seed(0)
     model = Vocab().double()

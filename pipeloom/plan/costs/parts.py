@@ -3,12 +3,9 @@ between ranks, and the runtime corrections fitted by running the engine (no torc
 
 from __future__ import annotations
 
-import functools
 import math
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
 
 from pipeloom.errors import shown
 from pipeloom.plan.errors import CostTableError
@@ -20,12 +17,8 @@ __all__ = [
     "RuntimeCorrections",
     "SharedParam",
     "check_number",
-    "old_keywords",
     "parse_bytes",
 ]
-
-_T = TypeVar("_T")
-
 
 def check_number(what: str, value: object, *, minimum: float = 0.0) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -33,23 +26,6 @@ def check_number(what: str, value: object, *, minimum: float = 0.0) -> float:
     if value < minimum:
         raise CostTableError(f"{what} must be >= {minimum:g}, got {value!r}")
     return float(value)
-
-
-def old_keywords(fold: Callable[[dict], dict]) -> Callable[[type[_T]], type[_T]]:
-    """Let a dataclass's constructor (and so ``dataclasses.replace``) also take the keyword names of
-    ``pipeloom.costs/1``'s Python API, rewritten to the current fields by ``fold``."""
-
-    def decorate(cls: type[_T]) -> type[_T]:
-        init = cls.__dict__["__init__"]  # the dataclass's own, not an inherited one
-
-        @functools.wraps(init)
-        def __init__(self: object, **kwargs: object) -> None:
-            init(self, **fold(kwargs))
-
-        cls.__init__ = __init__  # type: ignore[method-assign]  # replaces the generated __init__ on purpose
-        return cls
-
-    return decorate
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -76,16 +52,6 @@ class Link:
         return self.latency + (0.0 if self.bandwidth is None else nbytes / self.bandwidth)
 
 
-def _piece_keywords(kwargs: dict) -> dict:
-    """``b`` (the first name of :attr:`Piece.measured_full_backward`) replaces it when given."""
-    if "b" in kwargs:
-        value = kwargs.pop("b")
-        where = f"piece {kwargs.get('name')!r} b"
-        kwargs["measured_full_backward"] = None if value is None else check_number(where, value)
-    return kwargs
-
-
-@old_keywords(_piece_keywords)
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Piece:
     """One cuttable part of the model; times are per micro-batch of the table's ``microbatch_size``."""
@@ -104,8 +70,8 @@ class Piece:
     """Full backward seconds (input and weight gradients in one ``autograd.backward``, as the engine runs a
     ``B``: ``pipeloom.runtime.step.backward.backward_full``); None means not measured, priced ``i + w``
     (:attr:`full_backward`). One backward pass is usually cheaper than the split's two. (Called ``b``
-    in ``pipeloom.costs/1``; ``Piece(b=...)`` and :attr:`b` still work. In :class:`pipeloom.problem.Costs`
-    and ``Stage``, ``b`` is the input-gradient time, this table's ``i``.)"""
+    in ``pipeloom.costs/1`` files, which still load; in :class:`pipeloom.problem.Costs` and ``Stage``, ``b``
+    is the input-gradient time, this table's ``i``.)"""
     activation_bytes: float = 0.0
     """Bytes the forward keeps for the backward (saved tensors), released by the backward."""
     w_activation_bytes: float = 0.0
@@ -145,11 +111,6 @@ class Piece:
     def full_backward(self) -> float:
         """Seconds of a full backward B: :attr:`measured_full_backward` where measured, else ``i + w``."""
         return self.i + self.w if self.measured_full_backward is None else self.measured_full_backward
-
-    @property
-    def b(self) -> float | None:
-        """``pipeloom.costs/1``'s name of :attr:`measured_full_backward` (read it there)."""
-        return self.measured_full_backward
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

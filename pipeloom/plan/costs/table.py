@@ -10,13 +10,11 @@ from typing import TYPE_CHECKING
 
 from pipeloom.errors import shown
 from pipeloom.plan.costs.parts import (
-    RUNTIME_FIELDS,
     Link,
     Piece,
     RuntimeCorrections,
     SharedParam,
     check_number,
-    old_keywords,
 )
 from pipeloom.plan.errors import CostTableError
 
@@ -26,24 +24,6 @@ if TYPE_CHECKING:
 __all__ = ["CostTable", "table_for_size"]
 
 
-def _runtime_field(name: str) -> property:
-    """A read-only alias of ``runtime.<name>`` (the flat name pipeloom.costs/1 used)."""
-    return property(lambda self: getattr(self.runtime, name),
-                    doc=f":attr:`RuntimeCorrections.{name}` of :attr:`runtime`.")
-
-
-def _table_keywords(kwargs: dict) -> dict:
-    """``pipeloom.costs/1``'s flat keywords (``action_overhead=...``) go into ``runtime``, over its values."""
-    flat = {key: kwargs.pop(key) for key in RUNTIME_FIELDS if key in kwargs}
-    if flat:
-        runtime = kwargs.get("runtime", RuntimeCorrections())
-        if not isinstance(runtime, RuntimeCorrections):
-            raise CostTableError(f"runtime is {type(runtime).__name__}, expected a RuntimeCorrections")
-        kwargs["runtime"] = dataclasses.replace(runtime, **flat)
-    return kwargs
-
-
-@old_keywords(_table_keywords)
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CostTable:
     """The pieces of one model in call order, measured (or estimated) for one micro-batch size."""
@@ -110,14 +90,6 @@ class CostTable:
             unknown = [name for name in self.tensor.layers if name not in seen]
             if unknown:
                 raise CostTableError(f"tensor.layers names {unknown}, which the table has no piece for; name pieces")
-
-    # pipeloom.costs/1's flat names of the runtime corrections, kept for callers: read ``runtime``.
-    action_overhead = _runtime_field("action_overhead")
-    message_cost = _runtime_field("message_cost")
-    step_overhead = _runtime_field("step_overhead")
-    time_spread = _runtime_field("time_spread")
-    start_skew = _runtime_field("start_skew")
-    replica_link = _runtime_field("replica_link")
 
     @property
     def names(self) -> tuple[str, ...]:

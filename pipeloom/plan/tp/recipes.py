@@ -1,6 +1,6 @@
 """Tensor-parallel plans as JSON: a built-in recipe name and the module names it shards, as a saved plan
 carries them, turned into torch's ``{module name: ParallelStyle}`` dict only where torch runs
-(:func:`recipe_styles`; torch is imported there, not at import time).
+(:func:`pipeloom.runtime.parallel.tp.recipe_styles`, where torch runs).
 
 ``{"recipe": "megatron", "column": [...], "row": [...], "sequence": [...], "vocab_embedding": [...],
 "vocab_head": [...]}``: ``column`` modules become ``ColwiseParallel()``, ``row`` ones ``RowwiseParallel()``,
@@ -22,7 +22,7 @@ from collections.abc import Mapping
 
 from pipeloom.plan.errors import RecipeError
 
-__all__ = ["RECIPES", "check_recipe", "recipe_styles"]
+__all__ = ["RECIPES", "check_recipe"]
 
 RECIPES = ("megatron", "megatron-sp")
 _LISTS = ("column", "row", "sequence", "gather", "vocab_embedding", "vocab_head", "loss_head")
@@ -57,34 +57,3 @@ def check_recipe(recipe: object) -> dict:
         raise RecipeError("tp_plan shards no module; name at least one column, row or vocab module")
     return found
 
-
-def recipe_styles(recipe: Mapping) -> dict:
-    """torch's ``parallelize_module`` plan for ``recipe`` (see the module doc)."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-    )
-
-    recipe = check_recipe(recipe)
-    sp = recipe["recipe"] == "megatron-sp"
-    styles: dict = {}
-    for name in recipe["sequence"]:
-        styles[name] = SequenceParallel(use_local_output=True)  # the residual stream stays a local shard
-    for name in recipe["gather"]:  # (B, T/tp, h) shard -> (B, T, h): one all-gather for the whole region
-        styles[name] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-    for name in recipe["column"]:
-        inside = any(name.startswith(region + ".") for region in recipe["gather"])
-        styles[name] = ColwiseParallel(input_layouts=Shard(1)) if sp and not inside else ColwiseParallel()
-    for name in recipe["row"]:
-        styles[name] = RowwiseParallel(output_layouts=Shard(1)) if sp else RowwiseParallel()
-    for name in recipe["vocab_embedding"]:
-        styles[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate())
-    for name in recipe["vocab_head"]:
-        styles[name] = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(), output_layouts=Replicate())
-    for name in recipe["loss_head"]:
-        styles[name] = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(), output_layouts=Shard(-1),
-                                       use_local_output=False)
-    return styles

@@ -248,7 +248,7 @@ class ShardingResult:
     collectives: tuple[Collective, ...]
     """Per micro-batch, in no particular order."""
     recipe: dict | None
-    """The tensor-parallel plan (:func:`pipeloom.plan.tp.recipes.recipe_styles` turns it into torch's styles);
+    """The tensor-parallel plan (:func:`pipeloom.runtime.parallel.tp.recipe_styles` turns it into torch's styles);
     None when every region is replicated."""
 
 

@@ -19,16 +19,31 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import fx, nn
 
+from pipeloom.plan.tp.recipes import check_recipe
 from pipeloom.runtime.errors import PipelineError
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["HF_STYLES", "TensorParallel", "apply_tp_plan", "captured_parameters", "changed_parameter",
-           "check_tp_plan", "hf_plan", "is_dtensor", "leaf_modules_for", "local_of", "mesh_coordinates", "plan_blocks",
-           "resolve",
-           "set_group_timeout", "with_local"]
+__all__ = [
+    "HF_STYLES",
+    "TensorParallel",
+    "apply_tp_plan",
+    "captured_parameters",
+    "changed_parameter",
+    "check_tp_plan",
+    "hf_plan",
+    "is_dtensor",
+    "leaf_modules_for",
+    "local_of",
+    "mesh_coordinates",
+    "plan_blocks",
+    "recipe_styles",
+    "resolve",
+    "set_group_timeout",
+    "with_local",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,3 +280,35 @@ def hf_plan(model: nn.Module) -> dict[str, object]:
                                 "parallelize_module plan as a dict")
         plan[key] = HF_STYLES[style]()
     return plan
+
+
+def recipe_styles(recipe: Mapping) -> dict:
+    """torch's ``parallelize_module`` plan for ``recipe`` (see the module doc)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    recipe = check_recipe(recipe)
+    sp = recipe["recipe"] == "megatron-sp"
+    styles: dict = {}
+    for name in recipe["sequence"]:
+        styles[name] = SequenceParallel(use_local_output=True)  # the residual stream stays a local shard
+    for name in recipe["gather"]:  # (B, T/tp, h) shard -> (B, T, h): one all-gather for the whole region
+        styles[name] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    for name in recipe["column"]:
+        inside = any(name.startswith(region + ".") for region in recipe["gather"])
+        styles[name] = ColwiseParallel(input_layouts=Shard(1)) if sp and not inside else ColwiseParallel()
+    for name in recipe["row"]:
+        styles[name] = RowwiseParallel(output_layouts=Shard(1)) if sp else RowwiseParallel()
+    for name in recipe["vocab_embedding"]:
+        styles[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate())
+    for name in recipe["vocab_head"]:
+        styles[name] = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(), output_layouts=Replicate())
+    for name in recipe["loss_head"]:
+        styles[name] = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(), output_layouts=Shard(-1),
+                                       use_local_output=False)
+    return styles

@@ -1,6 +1,6 @@
 """``tp_plan="auto"``: find a transformer's regions (attention, MLP, embedding, head) in a torch model, build
 the sharding search's problem from the model's own shapes (:mod:`pipeloom.plan.tp.sharding`, CP-SAT), and turn
-the chosen recipe into torch's ``parallelize_module`` plan (:func:`pipeloom.plan.tp.recipes.recipe_styles`),
+the chosen recipe into torch's ``parallelize_module`` plan (:func:`pipeloom.runtime.parallel.tp.recipe_styles`),
 which ``pipeline()`` then applies exactly as a plan the user gives.
 
 The regions are found from the module tree and the ``nn.Linear`` shapes, not from names (docs/parallelism.md):
@@ -344,8 +344,8 @@ def auto_tp_plan(model: nn.Module, mesh: object, *, microbatches: int = 1, examp
     stage). RegionsNotFoundError when the model's regions cannot be found; PipelineError when nothing fits
     ``memory_limit``; SolverMissingError (pipeloom.plan.tp.sharding) without OR-Tools."""
     from pipeloom.plan.errors import TensorParallelError
-    from pipeloom.plan.tp.recipes import recipe_styles
     from pipeloom.plan.tp.sharding import ShardingProblem, search_sharding
+    from pipeloom.runtime.parallel.tp import recipe_styles
 
     options = AutoPlan() if isinstance(options, str) else options
     names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
