@@ -40,6 +40,7 @@ from pipeloom.plan.partitioning.shape import schedule_shape
 from pipeloom.plan.plan import Plan
 from pipeloom.plan.planner import Candidate, PlanResult, plan_pipeline
 from pipeloom.plan.recost import piece_ranks
+from pipeloom.plan.tp.collectives import ring_steps_and_share
 from pipeloom.schedules import REGISTRY
 
 __all__ = ["BUCKET_BYTES", "SHARDINGS", "MeshCandidate", "collective_time", "plan_mesh", "reduction_time"]
@@ -57,10 +58,9 @@ def collective_time(nbytes: float, size: int, link: Link, *, kind: str) -> float
     ``size`` ranks, in buckets of :data:`BUCKET_BYTES` (each bucket pays the link's latency per step)."""
     if size <= 1 or nbytes <= 0:
         return 0.0
-    steps = (size - 1) * (2 if kind == "all_reduce" else 1)
+    steps, share = ring_steps_and_share(kind, size)
     buckets = math.ceil(nbytes / BUCKET_BYTES)
-    moved = steps / size * nbytes
-    return buckets * steps * link.latency + (0.0 if link.bandwidth is None else moved / link.bandwidth)
+    return buckets * steps * link.latency + (0.0 if link.bandwidth is None else share * nbytes / link.bandwidth)
 
 
 def reduction_time(candidate: Candidate, table: CostTable, *, data_parallel: int, link: Link,

@@ -22,24 +22,18 @@ from pipeloom.plan.costs.table import CostTable, table_for_size
 from pipeloom.plan.errors import MemoryTooSmall, NoPlanFits, PartitionError, PlanError
 from pipeloom.plan.noise import expected_makespan
 from pipeloom.plan.partitioning.partitioner import SchedulePartitioner, format_bytes_up
-from pipeloom.plan.partitioning.rules import Partition
+from pipeloom.plan.partitioning.rules import MEMORY_SLACK, Partition
 from pipeloom.plan.partitioning.shape import ScheduleShape, library_schedule, schedule_shape
 from pipeloom.plan.plan import Plan, save_plan
 from pipeloom.plan.recost import recost, replica_sync_time, shared_time, stage_spreads
-from pipeloom.schedules import REGISTRY, build_schedule
+from pipeloom.schedules import REGISTRY, build_schedule, schedule_names
 from pipeloom.sim import Timeline, simulate
 
-__all__ = ["MAX_PLAN_MICROBATCHES", "Candidate", "default_schedules", "PlanResult", "plan_pipeline"]
+__all__ = ["MAX_PLAN_MICROBATCHES", "Candidate", "PlanResult", "plan_pipeline"]
 
 logger = logging.getLogger(__name__)
 
 
-def default_schedules() -> tuple[str, ...]:
-    """The schedules :func:`plan_pipeline` tries unless told otherwise: every registry entry, read at
-    call time (a new entry is tried with no other edit)."""
-    return tuple(REGISTRY)
-
-_FIT = 1 + 1e-9  # float slack on the memory limit
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -217,7 +211,8 @@ class _Search:
             spreads = stage_spreads(table, library, found, shape=shape)
             makespan = expected_makespan(costed, spreads, start_skew=runtime.start_skew)
         peak = max(timeline.peak_memory)
-        reason = "" if limit is None or peak <= limit * _FIT else f"peak {format_bytes(peak)} > {format_bytes(limit)}"
+        fits = limit is None or peak <= limit * MEMORY_SLACK
+        reason = "" if fits else f"peak {format_bytes(peak)} > {format_bytes(limit)}"
         return dataclasses.replace(
             base, step_time=(makespan + replica_sync_time(table, library, found, shape=shape)
                              + shared_time(table, library, found, shape=shape) + runtime.step_overhead),
@@ -243,10 +238,10 @@ def plan_pipeline(
     """The fastest pipeline plan for ``table`` on ``num_ranks`` ranks of ``memory_limit`` bytes each (None: no
     limit; the memory-aware schedules then order for their own default memory, see :func:`library_schedule`).
 
-    Tries every schedule of ``schedules`` (default :func:`default_schedules`), with each of
-    ``stages_per_rank`` for the looped ones, and every micro-batch count M of ``microbatches``
-    (default: the divisors of ``global_batch`` up to :data:`MAX_PLAN_MICROBATCHES`; micro-batch size =
-    global_batch / M). ``table`` may
+    Tries every schedule of ``schedules`` (default: every built-in one,
+    :func:`pipeloom.schedules.schedule_names`), with each of ``stages_per_rank`` for the looped ones, and every
+    micro-batch count M of ``microbatches`` (default: the divisors of ``global_batch`` up to
+    :data:`MAX_PLAN_MICROBATCHES`; micro-batch size = global_batch / M). ``table`` may
     be several tables of one model measured at different micro-batch sizes (:func:`table_for_size`
     interpolates between them; one table is scaled linearly). Each candidate is cut by the
     partitioner for the schedule's placement and memory profile, re-costed (:func:`recost`) and
@@ -269,7 +264,7 @@ def plan_pipeline(
             raise PlanError(f"micro-batch count {m!r} does not divide the global batch {global_batch}; "
                             f"choose among {_divisors(global_batch)}")
     search = _Search(tables, num_ranks=num_ranks, memory_limit=memory_limit)
-    jobs = [(name, options, m) for m in counts for name in (schedules or default_schedules())
+    jobs = [(name, options, m) for m in counts for name in (schedules or schedule_names())
             for options in _options(name, stages_per_rank)]
     logger.info("planning %d pieces on %d ranks: %d candidates (schedules x micro-batch counts)",
                 len(table.pieces), num_ranks, len(jobs))
@@ -326,7 +321,7 @@ def _searched(candidate: Candidate, seconds: float, memory_limit: float | None,
     if step >= step_time * (1 - 1e-9):
         logger.info("search for %s: step %.4g s, not faster than %.4g s", candidate.label, step, step_time)
         return None
-    if memory_limit is not None and max(timeline.peak_memory) > memory_limit * _FIT:
+    if memory_limit is not None and max(timeline.peak_memory) > memory_limit * MEMORY_SLACK:
         logger.info("search for %s: peak %s over the limit", candidate.label, format_bytes(max(timeline.peak_memory)))
         return None  # the simulator is the judge of memory too
     logger.info("search for %s: step %.4g s, faster than %.4g s", candidate.label, step, step_time)

@@ -15,7 +15,15 @@ from pipeloom.plan.costs.parts import parse_bytes
 from pipeloom.plan.costs.table import CostTable
 from pipeloom.plan.errors import MemoryTooSmall, PartitionError
 from pipeloom.plan.partitioning.chain import SplitFront, partition_pieces_dag, smallest_memory_scale
-from pipeloom.plan.partitioning.rules import MemoryRule, Partition, StageRule, split_partition, split_times
+from pipeloom.plan.partitioning.rules import (
+    MEMORY_SLACK,
+    MemoryRule,
+    Partition,
+    StageRule,
+    prefix_sums,
+    split_partition,
+    split_times,
+)
 from pipeloom.plan.partitioning.shape import (
     PARTITION_PROFILES,
     PartitionPlacement,
@@ -30,7 +38,6 @@ from pipeloom.schedules import REGISTRY
 
 __all__ = ["SchedulePartitioner", "format_bytes_up", "partition"]
 
-_FIT = 1 + 1e-9  # float slack on the memory limit
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +66,7 @@ class SchedulePartitioner:
         self._leans: dict[ScheduleShape, tuple[float, list[int]]] = {}
         self._seeded: dict[ScheduleShape, list[tuple[float, tuple[int, ...]]]] = {}
         pieces = table.pieces
-        self._sums = tuple(_prefix(values) for values in (
+        self._sums = tuple(prefix_sums(values) for values in (
             [table.static_bytes(p) for p in pieces], [p.activation_bytes for p in pieces],
             [p.w_activation_bytes for p in pieces]))
 
@@ -104,18 +111,18 @@ class SchedulePartitioner:
             if found is None:
                 raise self._memory_error(shape, memory_limit)
             return self._logged(shape, self._with_rank_load(shape, {found.stage_of: found}, memory_limit))
-        if memory_limit < self.smallest_limit(shape) / _FIT:
+        if memory_limit < self.smallest_limit(shape) / MEMORY_SLACK:
             raise self._memory_error(shape, memory_limit)
         candidates = {found.stage_of: found} if found is not None else {}
         free = self._best(stage_rules(shape, memory_limit=None), weight)
         assert free is not None
         rules = stage_rules(shape, memory_limit=memory_limit)
         for nbytes, starts in [(max(self._rank_bytes(shape, _starts(free))), _starts(free)), *self._seeds(shape)]:
-            if nbytes <= memory_limit * _FIT:
+            if nbytes <= memory_limit * MEMORY_SLACK:
                 split = split_partition(self.table, rules, starts, weight=weight)
                 candidates.setdefault(split.stage_of, split)
         least, lean = self._lean(shape)
-        for guide in [_starts(free)] + ([lean] if least <= memory_limit * _FIT else []):
+        for guide in [_starts(free)] + ([lean] if least <= memory_limit * MEMORY_SLACK else []):
             for _ in range(self.rounds):
                 shares = self._shares(shape, guide)
                 better = self._best(stage_rules(shape, memory_limit=memory_limit, shares=shares), weight)
@@ -232,7 +239,7 @@ class SchedulePartitioner:
         times = split_times(self.table, rules)
 
         def cost(starts: Sequence[int]) -> float:
-            if memory_limit is not None and max(self._rank_bytes(shape, starts)) > memory_limit * _FIT:
+            if memory_limit is not None and max(self._rank_bytes(shape, starts)) > memory_limit * MEMORY_SLACK:
                 return float("inf")
             return rank_time_objective(shape, times(starts))
 
@@ -284,13 +291,6 @@ def _descend(starts: Sequence[int], n: int, cost: Callable[[Sequence[int]], floa
                         best, value, moved = trial, c, True
         step //= 2
     return tuple(best)
-
-
-def _prefix(values: Sequence[float]) -> list[float]:
-    sums = [0.0]
-    for value in values:
-        sums.append(sums[-1] + value)
-    return sums
 
 
 def _shifted(starts: Sequence[int], n: int, step: int = 1) -> Iterator[list[int]]:

@@ -11,8 +11,9 @@ from typing import Literal
 from pipeloom.plan.costs.table import CostTable
 from pipeloom.plan.errors import PartitionError
 
-__all__ = ["TOLERANCE", "MemoryRule", "Partition", "PieceSums", "StageRule", "check_request", "objective",
-           "partition_of", "segment_memory", "segment_time", "split_partition", "split_times", "with_weight"]
+__all__ = ["MEMORY_SLACK", "TOLERANCE", "MemoryRule", "Partition", "PieceSums", "StageRule", "check_request",
+           "objective", "partition_of", "prefix_sums", "segment_memory", "segment_time", "split_partition",
+           "split_times", "with_weight"]
 
 TOLERANCE = 1e-9
 """Relative slack on memory limits and on equal sums of stage times."""
@@ -96,10 +97,10 @@ class PieceSums:
         pieces = table.pieces
         self.n = len(pieces)
         self.link = table.link
-        self.time = _prefix(p.time for p in pieces)
-        self.static = _prefix(table.static_bytes(p) for p in pieces)
-        self.activation = _prefix(p.activation_bytes for p in pieces)
-        self.w_activation = _prefix(p.w_activation_bytes for p in pieces)
+        self.time = prefix_sums(p.time for p in pieces)
+        self.static = prefix_sums(table.static_bytes(p) for p in pieces)
+        self.activation = prefix_sums(p.activation_bytes for p in pieces)
+        self.w_activation = prefix_sums(p.w_activation_bytes for p in pieces)
         self.out = [p.output_bytes for p in pieces]
         self.last_use = [-1] * self.n
         for producer, consumer in table.edges:
@@ -132,7 +133,12 @@ class PieceSums:
         return all(c.limit is None or self.nbytes(a, b, c) <= c.limit * (1 + TOLERANCE) for c in rule.copies)
 
 
-def _prefix(values: Iterable[float]) -> list[float]:
+MEMORY_SLACK = 1 + 1e-9
+"""A memory use fits a limit when it is at most ``limit * MEMORY_SLACK`` (float rounding of sums)."""
+
+
+def prefix_sums(values: Iterable[float]) -> list[float]:
+    """``[0, v0, v0 + v1, ...]``: any run's sum in O(1)."""
     sums = [0.0]
     for value in values:
         sums.append(sums[-1] + value)

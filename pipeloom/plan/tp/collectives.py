@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 
 from pipeloom.plan.errors import TensorParallelError
 
-__all__ = ["COLLECTIVES", "Collective", "CollectiveFit", "collective_seconds", "fit_collectives"]
+__all__ = [
+    "COLLECTIVES", "Collective", "CollectiveFit", "collective_seconds", "fit_collectives", "ring_steps_and_share"]
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 """Collective kinds priced; ``bytes`` is always the whole (unsharded) tensor's."""
@@ -34,9 +35,10 @@ class Collective:
             raise TensorParallelError(f"collective phase must be F, I or W, got {self.phase!r}")
 
 
-def _steps_and_share(kind: str, size: int) -> tuple[int, float]:
+def ring_steps_and_share(kind: str, size: int) -> tuple[int, float]:
     """Ring messages per rank and the share of the tensor each rank moves: an all-reduce is a
-    reduce-scatter then an all-gather, ``2(n-1)`` messages and ``2(n-1)/n`` of the bytes."""
+    reduce-scatter then an all-gather, ``2(n-1)`` messages and ``2(n-1)/n`` of the bytes; an all-gather
+    or a reduce-scatter is one of them. The one ring formula of the cost model (tp and dp price with it)."""
     twice = 2 if kind == "all_reduce" else 1
     return twice * (size - 1), twice * (size - 1) / size
 
@@ -74,7 +76,7 @@ class CollectiveFit:
     def seconds(self, kind: str, nbytes: float, size: int) -> float:
         if size <= 1 or nbytes <= 0:
             return 0.0
-        steps, share = _steps_and_share(kind, size)
+        steps, share = ring_steps_and_share(kind, size)
         bandwidth = self.bandwidth.get(kind)
         return (self.overhead.get(kind, 0.0) + steps * self.latency.get(kind, 0.0)
                 + (0.0 if bandwidth is None else share * nbytes / bandwidth))
@@ -91,7 +93,7 @@ def fit_collectives(samples: Sequence[tuple[str, int, float, float]]) -> Collect
     latency is only separable from the overhead when several group sizes were measured)."""
     latency, bandwidth, overhead = {}, {}, {}
     for kind in COLLECTIVES:
-        rows = [(1.0, *_steps_and_share(kind, n)[:1], _steps_and_share(kind, n)[1] * b, t)
+        rows = [(1.0, *ring_steps_and_share(kind, n)[:1], ring_steps_and_share(kind, n)[1] * b, t)
                 for k, n, b, t in samples if k == kind and n > 1]
         if not rows:
             continue
