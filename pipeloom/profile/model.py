@@ -18,7 +18,6 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TypeVar
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 
 from pipeloom.errors import PipeloomError
@@ -30,8 +29,6 @@ from pipeloom.runtime import (
     MODEL_INPUT,
     ModelTraceError,
     StagedModel,
-    ValueRef,
-    check_stage_value,
     split_model,
     stages_from_modules,
 )
@@ -215,46 +212,30 @@ class _StageRun:
 
 
 def _stage_values(staged: StagedModel, inputs: tuple, names: Sequence[str]) -> tuple[list[list[object]], list[tuple]]:
-    """Per stage: the values it reads and the values it returns, from one no-grad run of all stages;
-    values crossing stages are checked as the runtime checks them (tensors only)."""
+    """Per stage: the values it reads and the values it returns, from one no-grad run of all stages
+    (:meth:`StagedModel.run`, which checks the values crossing stages as the runtime does)."""
+    per_stage: list[list[object]] = []
     outputs: list[tuple] = []
-    per_stage = []
+
+    def record(k: int, args: list[object], result: tuple[object, ...]) -> None:
+        per_stage.append(args)
+        outputs.append(result)
+
     with torch.no_grad():
-        for k, (spec, module) in enumerate(zip(staged.graph.stages, staged.stages)):
-            values = []
-            for ref in spec.inputs:
-                if ref.stage == MODEL_INPUT:
-                    values.append(inputs[ref.index])
-                else:
-                    value = outputs[ref.stage][ref.index]
-                    check_stage_value(value, name=ref.name or f"output {ref.index}",
-                                      where=f"from stage {ref.stage} to stage {spec.index}")
-                    values.append(value)
-            per_stage.append(values)
-            with _piece_errors(names, k):
-                result = module(*values)
-            outputs.append((result,) if spec.num_outputs == 1 else tuple(result))
+        staged.run(*inputs, around=lambda k: _piece_errors(names, k), record=record)
     return per_stage, outputs
 
 
 def _model_output(staged: StagedModel, last: object, outputs: list[tuple], inputs: tuple) -> object:
-    """The model's output structure (a ModelOutput, a tuple...) around the last stage's values ``last``,
-    the other leaves from ``outputs`` and ``inputs``: what the engine hands the loss."""
+    """The model's output structure around the last stage's values ``last`` and the other stages'
+    ``outputs``: what the engine hands the loss."""
     index = len(staged.stages) - 1
     if staged.graph.stages[index].num_outputs == 1:
         values: tuple[object, ...] = (last,)
     else:
         assert isinstance(last, Iterable), "a stage of several outputs returns them in a sequence"
         values = tuple(last)
-
-    def resolve(ref: object) -> object:
-        if not isinstance(ref, ValueRef):
-            return ref
-        if ref.stage == MODEL_INPUT:
-            return inputs[ref.index]
-        return values[ref.index] if ref.stage == index else outputs[ref.stage][ref.index]
-
-    return pytree.tree_map(resolve, staged.graph.output)
+    return staged.model_output([*outputs[:index], values], inputs)
 
 
 def _loss(loss_fn: Callable[[object, object], torch.Tensor] | None, target: object, staged: StagedModel,

@@ -111,33 +111,43 @@ class StagedModel:
         """Forward edges between stages (see :meth:`StageGraph.edges`)."""
         return self.graph.edges()
 
-    def run(self, *inputs: object, around: Callable[[int], AbstractContextManager] | None = None) -> object:
+    def run(self, *inputs: object, around: Callable[[int], AbstractContextManager] | None = None,
+            record: Callable[[int, list[object], tuple[object, ...]], None] | None = None) -> object:
         """Run all stages in order on one device, checking each value passed between stages.
 
         Equals the original model's ``forward(*inputs)`` bitwise; autograd flows through it.
         ``around(k)``, when given, is a context manager entered around stage k's call (the runtime's
-        random-number seeding: :func:`pipeloom.runtime.step.rng.reference_step`).
+        random-number seeding: :func:`pipeloom.runtime.step.rng.reference_step`; the profiler's error
+        messages). ``record(k, args, outputs)``, when given, sees what stage k read and returned.
         """
         if len(inputs) != len(self.graph.input_names):
             names = ", ".join(self.graph.input_names)
             raise SplitError(f"the model takes {len(self.graph.input_names)} inputs ({names}), got {len(inputs)}")
         outputs: list[tuple[object, ...]] = []
-
-        def fetch(ref: ValueRef, consumer: str) -> object:
-            if ref.stage == MODEL_INPUT:
-                return inputs[ref.index]
-            value = outputs[ref.stage][ref.index]
-            check_stage_value(value, name=ref.name or f"output {ref.index}",
-                              where=f"from stage {ref.stage} to {consumer}")
-            return value
-
         for spec, module in zip(self.graph.stages, self.stages):
-            args = [fetch(ref, f"stage {spec.index}") for ref in spec.inputs]
+            args = [self.value(ref, outputs, inputs, consumer=f"stage {spec.index}") for ref in spec.inputs]
             with around(spec.index) if around is not None else contextlib.nullcontext():
                 result = module(*args)
             outputs.append((result,) if spec.num_outputs == 1 else tuple(result))
-        return pytree.tree_map(lambda v: fetch(v, "the model output") if isinstance(v, ValueRef) else v,
-                               self.graph.output)
+            if record is not None:
+                record(spec.index, args, outputs[-1])
+        return self.model_output(outputs, inputs)
+
+    def value(self, ref: ValueRef, outputs: Sequence[Sequence[object]], inputs: Sequence[object], *,
+              consumer: str) -> object:
+        """The value ``ref`` names: a model input, or a stage's output (checked as a stage-boundary value)."""
+        if ref.stage == MODEL_INPUT:
+            return inputs[ref.index]
+        value = outputs[ref.stage][ref.index]
+        check_stage_value(value, name=ref.name or f"output {ref.index}", where=f"from stage {ref.stage} to {consumer}")
+        return value
+
+    def model_output(self, outputs: Sequence[Sequence[object]], inputs: Sequence[object]) -> object:
+        """The model's output structure (a ModelOutput, a tuple...) around the stages' ``outputs`` (per stage,
+        the values it returned) and the model's ``inputs``."""
+        return pytree.tree_map(
+            lambda v: self.value(v, outputs, inputs, consumer="the model output") if isinstance(v, ValueRef) else v,
+            self.graph.output)
 
 
 def check_stage_value(value: object, *, name: str, where: str = "between stages") -> None:
