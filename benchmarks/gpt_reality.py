@@ -64,6 +64,7 @@ from pipeloom.plan.recost import replica_sync_time, stage_spreads
 from pipeloom.profile.engine import EngineProfiler
 from pipeloom.profile.in_engine import profile_in_engine
 from pipeloom.profile.model import profile_model
+from pipeloom.runtime import Tracing
 from pipeloom.sim import simulate
 
 __all__ = ["RealityConfig", "Workload", "example", "gpt_workload", "run_reality", "uniform_split",
@@ -525,8 +526,14 @@ def _uniform_record(chosen: dict, tables: list[CostTable], config: RealityConfig
 
 def _engine(plan_file: str, config: RealityConfig, microbatch_size: int, trace: str | bool | None = None):
     work = config.workload
-    return pipeloom.pipeline(work.build(), plan=plan_file, loss_fn=work.loss, trace=trace,
-                             example_inputs=work.example_inputs(microbatch_size), **work.tracing)
+    return pipeloom.pipeline(
+        work.build(),
+        plan=plan_file,
+        loss_fn=work.loss,
+        record=trace,
+        **work.tracing,
+        tracing=Tracing(example_inputs=work.example_inputs(microbatch_size)),
+    )
 
 
 def _runnable(record: dict, config: RealityConfig):

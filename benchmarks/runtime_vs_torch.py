@@ -224,9 +224,15 @@ class PipeloomRunner:
         num_stages = config.ranks * case.stages_per_rank
         split_points = [f"blocks.{start}" for start, _ in stage_bounds(config.blocks, num_stages)[1:]]
         options = {"stages_per_rank": case.stages_per_rank} if schedule == "interleaved-1f1b" else None
-        self.engine = rt.pipeline(model, schedule=schedule, split_points=split_points,
-                                  loss_fn=functional.mse_loss, microbatches=config.microbatches,
-                                  schedule_options=options, trace=trace)
+        self.engine = rt.pipeline(
+            model,
+            schedule=schedule,
+            split_points=split_points,
+            loss_fn=functional.mse_loss,
+            microbatches=config.microbatches,
+            schedule_options=options,
+            record=trace,
+        )
         self.parameters = list(self.engine.parameters())
 
     def order(self) -> list[list[str]]:

@@ -33,6 +33,7 @@ from torch.nn import functional
 
 import pipeloom.runtime as rt
 from pipeloom import Schedule, build_schedule, load_schedule
+from pipeloom.runtime import Parallelism, Weights
 from pipeloom.schedules import REGISTRY
 
 __all__ = ["GPT", "GPTConfig", "build_model", "init_module", "lm_loss", "main", "synthetic_batch"]
@@ -215,9 +216,14 @@ def main(argv: list[str] | None = None) -> int:
     stages = rt.model_pieces(schedule)  # stages over replicas (dualpipe and chimera hold two)
     model = build_model(layers=args.layers, seed=args.seed, meta=args.meta)
     engine = rt.pipeline(  # the schedule built or loaded above, so it is not built twice
-        model, schedule=schedule, loss_fn=lm_loss, split_points=even_split_points(args.layers, stages),
-        mesh=mesh, device=device, trace=args.trace,
-        init_weights=init_module(model, args.seed) if args.meta else None,
+        model,
+        schedule=schedule,
+        loss_fn=lm_loss,
+        split_points=even_split_points(args.layers, stages),
+        device=device,
+        record=args.trace,
+        parallel=Parallelism(mesh=mesh),
+        weights=Weights(init_weights=init_module(model, args.seed) if args.meta else None),
     )
     optimizer = torch.optim.AdamW(engine.parameters(), lr=args.lr)
     for step in range(args.steps):

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 import pipeloom.runtime as rt
 from pipeloom import load_schedule
 from pipeloom.errors import PipeloomError
+from pipeloom.runtime import Parallelism, Tracing, Weights
 
 __all__ = ["BLOCKS", "build_model", "init_module", "lm_loss", "main", "synthetic_batch"]
 
@@ -165,10 +166,18 @@ def main(argv: list[str] | None = None) -> int:
     if schedule.lower().endswith((".json", ".csv")):
         schedule = load_schedule(schedule)
     try:
-        engine = rt.pipeline(model, schedule=schedule, split_points=split_points, loss_fn=lm_loss,
-                             microbatches=args.microbatches, example_inputs=(batches[0][0],), mesh=mesh,
-                             device=device, seed=args.seed,
-                             init_weights=init_module(model, args.seed) if args.meta else None)
+        engine = rt.pipeline(
+            model,
+            schedule=schedule,
+            split_points=split_points,
+            loss_fn=lm_loss,
+            microbatches=args.microbatches,
+            device=device,
+            seed=args.seed,
+            tracing=Tracing(example_inputs=(batches[0][0],)),
+            parallel=Parallelism(mesh=mesh),
+            weights=Weights(init_weights=init_module(model, args.seed) if args.meta else None),
+        )
     except PipeloomError as error:
         raise SystemExit(f"train_hf: {error}") from None
     optimizer = torch.optim.AdamW(engine.parameters(), lr=args.lr)

@@ -24,7 +24,7 @@ from pipeloom.plan.tp.collectives import Collective
 from pipeloom.problem import Costs, stage_graph
 from pipeloom.profile.fits import exchange_latency, fit_run, fitted_action_cost, start_skew, time_spread
 from pipeloom.profile.model import _default_pieces, _traced, profile_model
-from pipeloom.runtime import PipelineEngine, pipeline, split_model
+from pipeloom.runtime import Parallelism, PipelineEngine, Tracing, pipeline, split_model
 from pipeloom.schedules.common import chain_problem
 from pipeloom.trace.analysis import message_cost, task_durations
 from pipeloom.trace.format import RunTrace
@@ -155,11 +155,23 @@ class EngineProfiler:
         cut by ``pipeline`` itself, whose stages the plan shards (the copy keeps the user's model whole)."""
         schedule = profiling_schedule(len(self.names), self.world, self.microbatches, split_backward=split)
         if tp_plan is None:
-            return pipeline(self.model, schedule=schedule, stages=self._cut(self.names[1:]), loss_fn=loss_fn,
-                            process_group=process_group, trace=True)
-        return pipeline(copy.deepcopy(self.model), schedule=schedule, split_points=self.names[1:], loss_fn=loss_fn,
-                        mesh=mesh, tp_plan=dict(tp_plan), trace=True, tracer=tracer,
-                        leaf_modules=self.leaf_modules, example_inputs=first)
+            return pipeline(
+                self.model,
+                schedule=schedule,
+                stages=self._cut(self.names[1:]),
+                loss_fn=loss_fn,
+                record=True,
+                parallel=Parallelism(process_group=process_group),
+            )
+        return pipeline(
+            copy.deepcopy(self.model),
+            schedule=schedule,
+            split_points=self.names[1:],
+            loss_fn=loss_fn,
+            record=True,
+            tracing=Tracing(tracer=tracer, leaf_modules=self.leaf_modules, example_inputs=first),
+            parallel=Parallelism(mesh=mesh, tp_plan=dict(tp_plan)),
+        )
 
     def _exchange_pipeline(self, loss_fn: Callable, microbatches: int,
                            process_group: ProcessGroup | None) -> PipelineEngine | None:
@@ -175,8 +187,14 @@ class EngineProfiler:
         bounds = [0, *cuts, len(self.names)]
         self.exchange_bounds = bounds
         schedule = profiling_schedule(self.world, self.world, microbatches // 2, split_backward=False, replicas=2)
-        return pipeline(self.model, schedule=schedule, stages=self._cut([self.names[k] for k in cuts]),
-                        loss_fn=loss_fn, process_group=process_group, trace=True)
+        return pipeline(
+            self.model,
+            schedule=schedule,
+            stages=self._cut([self.names[k] for k in cuts]),
+            loss_fn=loss_fn,
+            record=True,
+            parallel=Parallelism(process_group=process_group),
+        )
 
     def _cut(self, split_points: list[str]):
         """The model cut at ``split_points`` from the one trace (``split_model``, as ``pipeline`` cuts it)."""

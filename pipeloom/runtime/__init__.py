@@ -26,12 +26,17 @@ from pipeloom.runtime.model.split import (
     split_model,
     stages_from_modules,
 )
+from pipeloom.runtime.options import Failures, Parallelism, Tracing, Weights
 from pipeloom.runtime.parallel.scatter import Traffic
 from pipeloom.runtime.program import MODEL_INPUT, model_pieces
 from pipeloom.runtime.state.state_dict import LoadResult, ModelNames, model_names
 from pipeloom.runtime.step.rng import forward_seed, reference_step
 
 __all__ = [
+    "Failures",
+    "Parallelism",
+    "Tracing",
+    "Weights",
     "MODEL_INPUT",
     "LoadResult",
     "ModelNames",

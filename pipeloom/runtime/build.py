@@ -15,13 +15,22 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import nn
 
+from pipeloom.plan.plan import load_plan
 from pipeloom.runtime.engine import PipelineEngine
 from pipeloom.runtime.errors import PipelineError
-from pipeloom.runtime.model.materialize import StateSource, place_pieces
+from pipeloom.runtime.model.materialize import place_pieces
 from pipeloom.runtime.model.split import StagedModel
+from pipeloom.runtime.options import Failures, Parallelism, Tracing, Weights
 from pipeloom.runtime.parallel.dp import Layout, layout_of
 from pipeloom.runtime.parallel.fsdp import shard_pieces
-from pipeloom.runtime.parallel.tp import apply_tp_plan, check_tp_plan, leaf_modules_for, plan_blocks, set_group_timeout
+from pipeloom.runtime.parallel.tp import (
+    apply_tp_plan,
+    check_tp_plan,
+    leaf_modules_for,
+    plan_blocks,
+    recipe_styles,
+    set_group_timeout,
+)
 from pipeloom.runtime.parallel.tp_auto import AutoPlan, AutoSharding, auto_tp_plan, is_auto
 from pipeloom.runtime.program import Lowering
 from pipeloom.runtime.setup import device_for, lower_for, resolve_schedule, shared_seed, staged_model
@@ -45,110 +54,113 @@ def pipeline(
     *,
     schedule: object = None,
     split_points: Sequence[str] | None = None,
-    stages: StagedModel | Sequence[nn.Module] | None = None,
     loss_fn: Callable[..., torch.Tensor] | None = None,
     microbatches: int | None = None,
-    process_group: ProcessGroup | None = None,
+    stages: StagedModel | Sequence[nn.Module] | None = None,
     schedule_options: dict | None = None,
-    device: torch.device | str | None = None,
-    trace: str | Path | bool | None = None,
-    timeout: float = 60.0,
     plan: str | Path | None = None,
-    tracer: str = "auto",
-    leaf_modules: Sequence[str] = (),
-    example_inputs: object = None,
+    device: torch.device | str | None = None,
     seed: int | None = None,
-    mesh: DeviceMesh | None = None,
-    state_dict: StateSource | None = None,
-    init_weights: Callable[[nn.Module], object] | None = None,
-    data_parallel: str | None = None,
-    tp_plan: dict | str | AutoPlan | None = None,
-    scatter_boundaries: bool = True,
+    record: str | Path | bool | None = None,
+    tracing: Tracing | None = None,
+    parallel: Parallelism | None = None,
+    weights: Weights | None = None,
+    failures: Failures | None = None,
 ) -> PipelineEngine:
-    """Build the engine that runs ``schedule`` over ``model`` cut into stages on this process group.
+    """Build the engine that runs ``schedule`` over ``model`` cut into stages at ``split_points``.
 
-    ``schedule``: a built-in name (built for this world size, ``microbatches`` and the model's
-    pieces), a :class:`~pipeloom.Schedule`, or a saved ``.json``/``.csv`` file. ``plan``: a plan file
-    of ``pipeloom plan`` (split points, schedule and micro-batches; explicit arguments win).
-    ``trace``: a folder to write ``rank<R>.json`` to after every step, or True to record the steps
-    in memory only (``engine.trace_steps``; ``engine.write_trace(path)`` writes them).
-    ``tracer``/``leaf_modules``/``example_inputs``: how ``split_points`` cut the model
-    (:func:`~pipeloom.runtime.split_model`: torch.fx, or torch.export from example inputs).
-    ``seed``: the random numbers of every piece's forward derive from it (default: rank 0's
-    ``torch.initial_seed()``), so dropout draws the same on any number of ranks (docs/runtime.md).
-    ``mesh``: a ``DeviceMesh`` with a ``"pp"`` dimension (the pipeline) and optionally ``"dp"`` (replicas
-    of it, each running its share of the global batch; :mod:`pipeloom.runtime.parallel.dp`), instead of
-    ``process_group``.
-    ``state_dict``/``init_weights``: for a model built on the meta device, what fills this rank's pieces
-    (a state dict, a ``torch.save`` file or a ``torch.distributed.checkpoint`` folder; a function called
-    on every module this rank holds); other ranks' tensors are never allocated.
-    ``data_parallel``: how the mesh's ``"dp"`` replicas hold the pieces: ``"replicate"`` (whole,
-    gradients all-reduced; the default) or ``"fsdp"`` (sharded with torch's ``fully_shard``;
-    :mod:`pipeloom.runtime.parallel.fsdp`).
-    A plan with replicas (``pipeloom plan``'s ``data_parallel`` > 1) builds its ``("dp", "pp")`` mesh over
-    every rank when no ``mesh`` is given, and sets ``data_parallel`` to its ``sharding``.
-    ``tp_plan``: with a ``"tp"`` mesh dimension, torch's ``parallelize_module`` plan ({module name or
-    pattern: ParallelStyle}, the model's names) applied to this rank's stages before the engine captures their
-    parameters; a named module a style needs whole is kept whole in the split (docs/parallelism.md);
-    ``"hf"``: a ``transformers`` model's own plan (its config's ``base_model_tp_plan`` and its head's);
-    ``"auto"`` or an :class:`~pipeloom.runtime.parallel.tp_auto.AutoPlan`: the plan the sharding search chooses for the
-    model's shapes (``engine.tp_sharding`` holds it with its prediction; sizes from ``example_inputs``).
-    ``scatter_boundaries``: with ``"tp"``, a stage-boundary tensor equal on every tp rank crosses once per
-    tp group (each sends 1/tp of it, the receivers all-gather); False sends it whole from every tp rank.
+    The simple call is ``pipeline(model, schedule="1f1b", split_points=["layers.4"], loss_fn=loss,
+    microbatches=8)`` on the ranks ``torchrun`` started; the rest is optional:
+
+    - ``schedule``: a built-in name (built for this world size, ``microbatches`` and the model's pieces;
+      ``schedule_options`` passed to its generator), a :class:`~pipeloom.Schedule`, or a saved ``.json``/``.csv``.
+    - ``stages``: the stages given instead of ``split_points`` (a :class:`StagedModel`, or one module per stage).
+    - ``plan``: a plan file of ``pipeloom plan`` (split points, schedule, micro-batches, mesh; explicit
+      arguments win).
+    - ``device``: where this rank's pieces run (default: the rank's GPU, or the CPU).
+    - ``seed``: every piece's forward draws its random numbers from it (default: rank 0's
+      ``torch.initial_seed()``), so dropout draws the same on any number of ranks (docs/runtime.md).
+    - ``record``: a folder to write the run trace ``rank<R>.json`` to after every step, or True to keep the
+      steps in memory (``engine.trace_steps``); default: the ``PIPELOOM_TRACE`` environment variable.
+    - ``tracing``, ``parallel``, ``weights``, ``failures``: :class:`~pipeloom.runtime.options.Tracing`,
+      :class:`~pipeloom.runtime.options.Parallelism`, :class:`~pipeloom.runtime.options.Weights`,
+      :class:`~pipeloom.runtime.options.Failures` (each field documented there).
     """
+    tracing, parallel = tracing or Tracing(), parallel or Parallelism()
+    weights, failures = weights or Weights(), failures or Failures()
     if plan is not None:
-        schedule, planned, schedule_options, microbatches, mesh, data_parallel, tp_plan = _from_plan(
-            plan, schedule, split_points, schedule_options, microbatches, mesh=mesh, process_group=process_group,
-            data_parallel=data_parallel, device=device, tp_plan=tp_plan)
+        schedule, planned, schedule_options, microbatches, parallel = _from_plan(
+            plan, schedule, split_points, schedule_options, microbatches, parallel=parallel, device=device)
         split_points = planned if stages is None else split_points
-    data_parallel = data_parallel or "replicate"
-    _check_arguments(schedule, loss_fn, timeout, microbatches)
-    layout = layout_of(process_group, mesh)
-    rank, world = layout.rank, layout.world
-    sharding = _auto_plan(model, tp_plan, mesh, layout, microbatches, example_inputs) if is_auto(tp_plan) else None
-    if sharding is not None:
-        tp_plan = sharding.plan or None  # every region replicated: nothing to apply
-    else:
-        tp_plan = check_tp_plan(tp_plan, layout.tp, model=model)
-    blocks: list[str] = []  # kept whole when torch.export traces (it would bake the trace's head counts in)
-    if tp_plan is not None and model is not None and stages is None:
-        leaf_modules = leaf_modules_for(model, tp_plan, leaf_modules)
-        blocks = plan_blocks(model, tp_plan)
+    _check_arguments(schedule, loss_fn, microbatches)
+    assert loss_fn is not None  # _check_arguments refused None
+    layout = layout_of(parallel.process_group, parallel.mesh)
+    sharding, tp_plan = _tensor_parallel(model, parallel, layout, microbatches, tracing)
     if layout.tp.group is not None:  # a TP all-reduce inside a forward ends within the engine's timeout
-        set_group_timeout([layout.group, layout.dp.group, layout.tp.group], float(timeout))
-    staged = staged_model(model, split_points, stages, tracer=tracer, leaf_modules=leaf_modules,
-                          example_inputs=example_inputs, export_leaves=blocks)
-    sched = resolve_schedule(schedule, num_ranks=world, num_pieces=staged.num_stages,
+        set_group_timeout([layout.group, layout.dp.group, layout.tp.group], failures.timeout)
+    staged = _staged(model, split_points, stages, tracing, tp_plan)
+    sched = resolve_schedule(schedule, num_ranks=layout.world, num_pieces=staged.num_stages,
                              microbatches=microbatches, options=schedule_options or {})
-    lowering = lower_for(sched, staged, world=world, microbatches=microbatches)
+    lowering = lower_for(sched, staged, world=layout.world, microbatches=microbatches)
     shared = shared_parameters(staged.stages)
     check_placement(shared, lowering)
     names = model_names(model, staged.stages)  # by identity: before any tensor is moved or allocated
-    held = [lowering.piece_of[s] for s in lowering.stages_on(rank)]
-    if len(set(held)) != len(held):
-        raise PipelineError(f"rank {rank} holds two replicas of one model piece; put replicas on different ranks")
+    held = _held(lowering, layout.rank)
     device = device_for(layout, device, [staged.stages[k] for k in held])
     replaced = place_pieces({k: staged.stages[k] for k in held}, device, model=model, names=names,
-                            state_dict=state_dict, init_weights=init_weights)
+                            state_dict=weights.state_dict, init_weights=weights.init_weights)
     shared = dataclasses.replace(shared, params=tuple(cast(nn.Parameter, replaced.get(id(p), p))
                                                       for p in shared.params))
+    data_parallel = parallel.data_parallel or "replicate"
     if tp_plan is not None:
-        _check_tp(lowering, data_parallel)
-        before = _ids([staged.stages[k] for k in held])
-        apply_tp_plan({k: staged.stages[k] for k in held}, tp_plan, layout.tp)
-        _check_shared_kept(shared, before - _ids([staged.stages[k] for k in held]))
+        _apply_tp(staged, held, tp_plan, layout, lowering, data_parallel, shared)
     sharded = _sharded(data_parallel, layout, lowering, shared)
     if sharded:
         shard_pieces({k: staged.stages[k] for k in held}, layout.dp.mesh)
-    assert loss_fn is not None  # _check_arguments refused None
     pieces = _rank_pieces(lowering, layout, device, staged, loss_fn,
                           shared_seed(layout.everyone, layout.everyone_size, seed), shared, sharded)
-    trace = trace if trace is not None else os.environ.get(TRACE_ENV) or None
-    logger.info("rank %d runs pieces %s on %s (data parallel: %s)", rank, held, device, data_parallel)
-    engine = PipelineEngine(staged=staged, pieces=pieces, layout=layout, trace=trace, timeout=float(timeout),
-                            names=names, scatter_boundaries=bool(scatter_boundaries))
-    engine.tp_sharding = sharding
-    return engine
+    record = record if record is not None else os.environ.get(TRACE_ENV) or None
+    logger.info("rank %d runs pieces %s on %s (data parallel: %s)", layout.rank, held, device, data_parallel)
+    return PipelineEngine(staged=staged, pieces=pieces, layout=layout, trace=record, timeout=failures.timeout,
+                          names=names, scatter_boundaries=parallel.scatter_boundaries, tp_sharding=sharding)
+
+
+def _tensor_parallel(model: nn.Module | None, parallel: Parallelism, layout: Layout, microbatches: int | None,
+                     tracing: Tracing) -> tuple[AutoSharding | None, dict | None]:
+    """The search's choice for ``tp_plan="auto"`` (else None) and the plan to apply (None: no tensor parallelism)."""
+    if is_auto(parallel.tp_plan):
+        sharding = _auto_plan(model, parallel.tp_plan, parallel.mesh, layout, microbatches, tracing.example_inputs)
+        return sharding, sharding.plan or None  # every region replicated: nothing to apply
+    return None, check_tp_plan(parallel.tp_plan, layout.tp, model=model)
+
+
+def _staged(model: nn.Module | None, split_points: Sequence[str] | None,
+            stages: StagedModel | Sequence[nn.Module] | None, tracing: Tracing, tp_plan: dict | None) -> StagedModel:
+    """The stages, with the modules a tensor-parallel plan needs whole kept whole (torch.export would bake
+    the trace's head counts in)."""
+    leaf_modules, blocks = list(tracing.leaf_modules), []
+    if tp_plan is not None and model is not None and stages is None:
+        leaf_modules = leaf_modules_for(model, tp_plan, leaf_modules)
+        blocks = plan_blocks(model, tp_plan)
+    return staged_model(model, split_points, stages, tracer=tracing.tracer, leaf_modules=leaf_modules,
+                        example_inputs=tracing.example_inputs, export_leaves=blocks)
+
+
+def _held(lowering: Lowering, rank: int) -> list[int]:
+    """The model pieces this rank holds (one copy of each)."""
+    held = [lowering.piece_of[s] for s in lowering.stages_on(rank)]
+    if len(set(held)) != len(held):
+        raise PipelineError(f"rank {rank} holds two replicas of one model piece; put replicas on different ranks")
+    return held
+
+
+def _apply_tp(staged: StagedModel, held: Sequence[int], tp_plan: dict, layout: Layout, lowering: Lowering,
+              data_parallel: str, shared: SharedParameters) -> None:
+    """Shard this rank's pieces with torch's ``parallelize_module`` over the ``"tp"`` dimension."""
+    _check_tp(lowering, data_parallel)
+    before = _ids([staged.stages[k] for k in held])
+    apply_tp_plan({k: staged.stages[k] for k in held}, tp_plan, layout.tp)
+    _check_shared_kept(shared, before - _ids([staged.stages[k] for k in held]))
 
 
 def _auto_plan(model: nn.Module | None, tp_plan: object, mesh: DeviceMesh | None, layout: Layout,
@@ -170,29 +182,25 @@ def _auto_plan(model: nn.Module | None, tp_plan: object, mesh: DeviceMesh | None
     return found
 
 
-def _from_plan(plan: str | Path, schedule: object, split_points: Sequence[str] | None,
-               options: dict | None, microbatches: int | None, *, mesh: DeviceMesh | None,
-               process_group: ProcessGroup | None, data_parallel: str | None, device: torch.device | str | None,
-               tp_plan: object = None) -> tuple:
-    """(schedule, split points, schedule options, micro-batches, mesh, data_parallel, tp_plan) from a plan
-    file, explicit ones winning; a plan with replicas or tensor parallelism gets a ``("dp", "pp", "tp")`` mesh
-    over every rank (sizes of 1 left out) unless one is given (whose shape must be the plan's), and its saved
-    tensor-parallel recipe becomes torch's ``ParallelStyle`` dict
+def _from_plan(plan: str | Path, schedule: object, split_points: Sequence[str] | None, options: dict | None,
+               microbatches: int | None, *, parallel: Parallelism, device: torch.device | str | None) -> tuple:
+    """(schedule, split points, schedule options, micro-batches, parallelism) from a plan file, explicit ones
+    winning; a plan with replicas or tensor parallelism gets a ``("dp", "pp", "tp")`` mesh over every rank
+    (sizes of 1 left out) unless one is given (whose shape must be the plan's), its sharding as
+    ``data_parallel`` unless given, and its saved tensor-parallel recipe becomes torch's ``ParallelStyle`` dict
     (:func:`pipeloom.runtime.parallel.tp.recipe_styles`)."""
-    from pipeloom.plan import load_plan
-
     chosen = load_plan(plan)
+    mesh, tp_plan = parallel.mesh, parallel.tp_plan
     if chosen.data_parallel > 1 or chosen.tensor_parallel > 1:
-        mesh = _plan_mesh(chosen, mesh, process_group, device)
+        mesh = _plan_mesh(chosen, mesh, parallel.process_group, device)
     if tp_plan is None and chosen.tp_plan is not None:
-        from pipeloom.runtime.parallel.tp import recipe_styles
-
         tp_plan = recipe_styles(chosen.tp_plan)
+    parallel = dataclasses.replace(parallel, mesh=mesh, tp_plan=tp_plan,
+                                   data_parallel=parallel.data_parallel or chosen.sharding)
     return (chosen.schedule if schedule is None else schedule,
             chosen.split_points if split_points is None else split_points,
             dict(chosen.schedule_options) if options is None else options,
-            chosen.microbatches if microbatches is None else microbatches,
-            mesh, data_parallel or chosen.sharding, tp_plan)
+            chosen.microbatches if microbatches is None else microbatches, parallel)
 
 
 def _plan_mesh(chosen, mesh: DeviceMesh | None, process_group: ProcessGroup | None,
@@ -228,13 +236,11 @@ def _plan_mesh(chosen, mesh: DeviceMesh | None, process_group: ProcessGroup | No
     return init_device_mesh(kind, tuple(shape.values()), mesh_dim_names=tuple(shape))
 
 
-def _check_arguments(schedule: object, loss_fn: object, timeout: object, microbatches: object) -> None:
+def _check_arguments(schedule: object, loss_fn: object, microbatches: object) -> None:
     if schedule is None:
         raise PipelineError("say which schedule to run: schedule='1f1b' (see `pipeloom list`), a Schedule or a file")
     if loss_fn is None:
         raise PipelineError("give loss_fn=, called as loss_fn(output, target) for every micro-batch")
-    if not (isinstance(timeout, (int, float)) and timeout > 0):
-        raise PipelineError(f"timeout must be a positive number of seconds, got {timeout!r}")
     if microbatches is not None and (isinstance(microbatches, bool) or not isinstance(microbatches, int)
                                      or microbatches < 1):
         raise PipelineError(f"microbatches must be a positive integer, got {microbatches!r}")
@@ -267,8 +273,6 @@ def _check_shared_kept(shared: SharedParameters, replaced: set[int]) -> None:
 
 def _sharded(data_parallel: str, layout: Layout, lowering: Lowering, shared: SharedParameters) -> bool:
     """Whether the pieces are sharded with FSDP2 (checking that they can be)."""
-    if data_parallel not in ("replicate", "fsdp"):
-        raise PipelineError(f"data_parallel must be 'replicate' or 'fsdp', got {data_parallel!r}")
     if data_parallel == "replicate":
         return False
     if layout.dp.mesh is None:

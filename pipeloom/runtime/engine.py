@@ -15,7 +15,7 @@ import time
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,10 @@ from pipeloom.runtime.step.loss import LossSum
 from pipeloom.runtime.step.pieces import RankPieces
 from pipeloom.runtime.step.run import StepRun
 from pipeloom.runtime.step.timing import ActionClock
+
+if TYPE_CHECKING:
+    from pipeloom.runtime.parallel.tp_auto import AutoSharding
+
 from pipeloom.trace.format import rank_file, step_record, trace_document, write_trace_file
 
 __all__ = ["PipelineEngine"]
@@ -75,7 +79,8 @@ class PipelineEngine:
     """Runs one lowered schedule on this rank; see :func:`pipeline`."""
 
     def __init__(self, *, staged: StagedModel, pieces: RankPieces, layout: Layout, trace: str | Path | bool | None,
-                 timeout: float, names: ModelNames, scatter_boundaries: bool = True) -> None:
+                 timeout: float, names: ModelNames, scatter_boundaries: bool = True,
+                 tp_sharding: AutoSharding | None = None) -> None:
         """Built by :func:`~pipeloom.runtime.pipeline`, which has put this rank's pieces on their device."""
         self.staged = staged
         self.pieces = pieces
@@ -101,7 +106,7 @@ class PipelineEngine:
         self.trace_steps: list[dict] = []
         self.clock = ActionClock(self.device)  # action times of traced steps (CUDA events on a GPU)
         self.broken: str | None = None
-        self.tp_sharding: object = None  # tp_plan="auto": the chosen plan and prediction (tp_auto.AutoSharding)
+        self.tp_sharding = tp_sharding  # tp_plan="auto": the chosen plan and its prediction
         self._meta_cache: dict[tuple, tuple[dict, dict]] = {}
         store, run_id = None, "local"
         if layout.everyone_size > 1:

@@ -7,6 +7,8 @@ import os
 import threading
 import time
 
+from pipeloom.runtime import Failures
+
 HELPER_THREADS = ("pipeloom-sends", "pipeloom-watch")
 
 
@@ -16,8 +18,14 @@ def _engine(world: int, *, microbatches: int = 8, timeout: float = 60.0):
 
     from pipeloom.runtime import pipeline
 
-    return pipeline(build("residual"), schedule="1f1b", split_points=SPLITS["residual"][world],
-                    loss_fn=F.cross_entropy, microbatches=microbatches, timeout=timeout)
+    return pipeline(
+        build("residual"),
+        schedule="1f1b",
+        split_points=SPLITS["residual"][world],
+        loss_fn=F.cross_entropy,
+        microbatches=microbatches,
+        failures=Failures(timeout=timeout),
+    )
 
 
 def _batch(rows: int = 16):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 
+from pipeloom.runtime import Failures
+
 
 def hf_exactness(rank: int, world: int, cases: list[tuple[str, str, int]], steps: int = 2) -> dict:
     """For every (model, schedule, pieces): ``steps`` SGD steps with the engine and with the unsplit model's
@@ -27,8 +29,14 @@ def hf_exactness(rank: int, world: int, cases: list[tuple[str, str, int]], steps
         model.load_state_dict(initial)
         model.zero_grad(set_to_none=True)
         reference = copy.deepcopy(model)
-        engine = pipeline(model, schedule=schedule, stages=split_model(trace, hf_splits(name, pieces)),
-                          loss_fn=lm_loss, microbatches=4, timeout=60)
+        engine = pipeline(
+            model,
+            schedule=schedule,
+            stages=split_model(trace, hf_splits(name, pieces)),
+            loss_fn=lm_loss,
+            microbatches=4,
+            failures=Failures(timeout=60),
+        )
         owned = {id(p) for p in engine.parameters()}
         ours = torch.optim.SGD(engine.parameters(), lr=0.1)
         theirs = torch.optim.SGD(reference.parameters(), lr=0.1)
@@ -70,8 +78,15 @@ def hf_dropout(rank: int, world: int, schedules: list[str], steps: int = 2) -> d
     results = {}
     for schedule in schedules:
         model.load_state_dict(initial)
-        engine = pipeline(model, schedule=schedule, stages=staged, loss_fn=lm_loss, microbatches=4, seed=1234,
-                          timeout=60)
+        engine = pipeline(
+            model,
+            schedule=schedule,
+            stages=staged,
+            loss_fn=lm_loss,
+            microbatches=4,
+            seed=1234,
+            failures=Failures(timeout=60),
+        )
         owned = {id(p) for p in engine.parameters()}
         problems, losses = [], []
         for step in range(steps):

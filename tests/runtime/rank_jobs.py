@@ -6,6 +6,8 @@ import copy
 import os
 import time
 
+from pipeloom.runtime import Failures
+
 
 def exactness(rank: int, world: int, cases: list[tuple[str, str, int, object]], steps: int = 2,
               batched: bool = False) -> dict:
@@ -23,8 +25,15 @@ def exactness(rank: int, world: int, cases: list[tuple[str, str, int, object]], 
         key = f"{model_name}/{schedule if isinstance(schedule, str) else schedule.name}/{pieces}"
         model = build(model_name)
         reference = copy.deepcopy(model)
-        engine = pipeline(model, schedule=schedule, split_points=SPLITS[model_name][pieces], loss_fn=F.cross_entropy,
-                          microbatches=8, schedule_options=options, timeout=30)
+        engine = pipeline(
+            model,
+            schedule=schedule,
+            split_points=SPLITS[model_name][pieces],
+            loss_fn=F.cross_entropy,
+            microbatches=8,
+            schedule_options=options,
+            failures=Failures(timeout=30),
+        )
         if batched:  # the NCCL transport (batch_isend_irecv, in posting order, no lookahead) on gloo
             engine.messenger.transport = OrderedTransport(engine.messenger.group)
         owned = {id(p) for p in engine.parameters()}
@@ -63,8 +72,14 @@ def fault(rank: int, world: int, mode: str, fail_rank: int) -> object:
     from pipeloom.runtime import PipelineError, pipeline
 
     model = build("residual")
-    engine = pipeline(model, schedule="1f1b", split_points=SPLITS["residual"][world], loss_fn=F.cross_entropy,
-                      microbatches=8, timeout=5)
+    engine = pipeline(
+        model,
+        schedule="1f1b",
+        split_points=SPLITS["residual"][world],
+        loss_fn=F.cross_entropy,
+        microbatches=8,
+        failures=Failures(timeout=5),
+    )
     calls = [0]
 
     def hook(module, args):
@@ -114,7 +129,13 @@ def shape_change(rank: int, world: int) -> object:
 
     torch.manual_seed(0)
     first, second = Grow(), nn.Linear(4, 3)
-    engine = pipeline(schedule="1f1b", stages=[first, second], loss_fn=F.cross_entropy, microbatches=8, timeout=10)
+    engine = pipeline(
+        schedule="1f1b",
+        stages=[first, second],
+        loss_fn=F.cross_entropy,
+        microbatches=8,
+        failures=Failures(timeout=10),
+    )
     x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
     messages = []
     for _ in range(2):
@@ -138,8 +159,14 @@ def float64_loss(rank: int, world: int) -> dict:
     for name, per_rank in (("1f1b", 1), ("zbv", 2), ("dualpipe", 1)):
         model = build("residual").double()
         reference = copy.deepcopy(model)
-        engine = pipeline(model, schedule=name, split_points=SPLITS["residual"][world * per_rank],
-                          loss_fn=F.cross_entropy, microbatches=8, timeout=30)
+        engine = pipeline(
+            model,
+            schedule=name,
+            split_points=SPLITS["residual"][world * per_rank],
+            loss_fn=F.cross_entropy,
+            microbatches=8,
+            failures=Failures(timeout=30),
+        )
         (x,), y = batch("residual")
         loss = engine.step(x.double(), target=y)
         found[name] = loss.dtype == torch.float64 and torch.equal(loss, reference_step(reference, (x.double(),), y, 8))
@@ -161,8 +188,14 @@ def profile_in_engine_job(rank: int, world: int, folder: str) -> dict:
     os.chdir(folder)  # an in-memory trace must write nothing here
     table = profile_in_engine(model, x, loss_fn=F.cross_entropy, target=y, microbatches=4, warmup_steps=1, steps=2)
     grads = [p.grad is None for p in model.parameters()]
-    engine = pipeline(model, schedule="1f1b", split_points=["layers.4"], loss_fn=F.cross_entropy, microbatches=4,
-                      trace=True)
+    engine = pipeline(
+        model,
+        schedule="1f1b",
+        split_points=["layers.4"],
+        loss_fn=F.cross_entropy,
+        microbatches=4,
+        record=True,
+    )
     engine.step(x, target=y)
     engine.step(x, target=y)  # the first step discovers the shapes; the second posts receives ahead
     kinds = sorted({event["kind"] for event in engine.trace_steps[-1]["events"]})

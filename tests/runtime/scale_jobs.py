@@ -3,6 +3,8 @@ engine, and pipelines × data-parallel replicas on a DeviceMesh (importable by t
 
 from __future__ import annotations
 
+from pipeloom.runtime import Failures, Parallelism, Weights
+
 
 def _plain(tensor):
     """A tensor as a numpy array (the whole value of an FSDP-sharded one): the bits cross the process
@@ -41,9 +43,16 @@ def deferred(rank: int, world: int, cases: list[tuple[str, str, str]], folder: s
             extra["example_inputs"] = (inputs,)
         pieces = 2 * world if schedule in ("zbv", "interleaved-1f1b") else world
         splits = hf_splits(model_name, pieces) if hf else SPLITS[model_name][pieces]
-        engine = pipeline(model, schedule=schedule, split_points=splits, microbatches=4,
-                          loss_fn=lm_loss if hf else F.cross_entropy, state_dict=sources[source], timeout=60,
-                          **extra)
+        engine = pipeline(
+            model,
+            schedule=schedule,
+            split_points=splits,
+            microbatches=4,
+            loss_fn=lm_loss if hf else F.cross_entropy,
+            **extra,
+            weights=Weights(state_dict=sources[source]),
+            failures=Failures(timeout=60),
+        )
         loss = engine.step(inputs if hf else inputs[0], target=target)
         local = {engine.lowering.piece_of[s] for s in engine.local_stages}
         allocated = {k: [not t.is_meta for t in (*stage.parameters(), *stage.buffers())]
@@ -73,8 +82,15 @@ def meshed(rank: int, world: int, cases: list[tuple[str, int]], steps: int, fold
     results = {}
     for schedule, pieces in cases:
         model = build("residual")
-        engine = pipeline(model, schedule=schedule, split_points=SPLITS["residual"][pieces], loss_fn=F.cross_entropy,
-                          microbatches=4, mesh=mesh, timeout=60, data_parallel=data_parallel)
+        engine = pipeline(
+            model,
+            schedule=schedule,
+            split_points=SPLITS["residual"][pieces],
+            loss_fn=F.cross_entropy,
+            microbatches=4,
+            parallel=Parallelism(mesh=mesh, data_parallel=data_parallel),
+            failures=Failures(timeout=60),
+        )
         optimizer = torch.optim.SGD(engine.parameters(), lr=0.1)
         losses, grads = [], []
         for step in range(steps):
@@ -110,8 +126,15 @@ def replica_fault(rank: int, world: int, linger: float) -> dict:
     from pipeloom.runtime import PipelineError, pipeline
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
-    engine = pipeline(build("residual"), schedule="1f1b", split_points=SPLITS["residual"][2],
-                      loss_fn=F.cross_entropy, microbatches=4, mesh=mesh, timeout=60)
+    engine = pipeline(
+        build("residual"),
+        schedule="1f1b",
+        split_points=SPLITS["residual"][2],
+        loss_fn=F.cross_entropy,
+        microbatches=4,
+        parallel=Parallelism(mesh=mesh),
+        failures=Failures(timeout=60),
+    )
     inputs, target = batch("residual", rows=32)
     engine.step(inputs[0], target=target)
     if rank == 3:
@@ -146,11 +169,18 @@ def planned_mesh(rank: int, world: int, plan_path: str) -> dict:
     from pipeloom.runtime import pipeline
 
     inputs, target = batch("residual", rows=32)
-    planned = pipeline(build("residual"), plan=plan_path, loss_fn=F.cross_entropy, timeout=60)
+    planned = pipeline(build("residual"), plan=plan_path, loss_fn=F.cross_entropy, failures=Failures(timeout=60))
     planned.step(inputs[0], target=target)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
-    explicit = pipeline(build("residual"), schedule="zb-h1", split_points=SPLITS["residual"][2],
-                        loss_fn=F.cross_entropy, microbatches=4, mesh=mesh, timeout=60)
+    explicit = pipeline(
+        build("residual"),
+        schedule="zb-h1",
+        split_points=SPLITS["residual"][2],
+        loss_fn=F.cross_entropy,
+        microbatches=4,
+        parallel=Parallelism(mesh=mesh),
+        failures=Failures(timeout=60),
+    )
     explicit.step(inputs[0], target=target)
     result = {"dp": (planned.dp.rank, planned.dp.size), "pp": planned.rank, "planned": _grads(planned),
               "explicit": _grads(explicit)}

@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeloom.runtime import Failures
+
 MICROBATCHES = 4
 
 
@@ -62,8 +64,14 @@ def engine_for(model: nn.Module, schedule: str, world: int):
 
     pieces = PIECES_PER_RANK[schedule] * world
     splits = TIED_SPLITS[pieces] if isinstance(model, Tied) else SPLITS["residual"][pieces]
-    return pipeline(model, schedule=schedule, split_points=splits, loss_fn=F.cross_entropy,
-                    microbatches=MICROBATCHES, timeout=30)
+    return pipeline(
+        model,
+        schedule=schedule,
+        split_points=splits,
+        loss_fn=F.cross_entropy,
+        microbatches=MICROBATCHES,
+        failures=Failures(timeout=30),
+    )
 
 
 def clip_cases(rank: int, world: int, cases: list[tuple[str, str, object]]) -> dict:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from hf_models import build_hf, hf_splits, lm_loss, tokens
 from models import SPLITS, Residual, batch, build, reference_step
 
-from pipeloom.runtime import pipeline
+from pipeloom.runtime import Parallelism, Tracing, Weights, pipeline
 
 CUDA = torch.cuda.is_available()
 
@@ -75,8 +75,15 @@ def test_an_exported_transformers_model_runs_on_the_gpu_exactly():
     model = build_hf("gpt2")  # tied head and embedding, two pieces on one rank
     x, y = tokens()
     reference = copy.deepcopy(model).cuda()
-    engine = pipeline(model, schedule="zbv", split_points=hf_splits("gpt2", 2), microbatches=4, loss_fn=lm_loss,
-                      example_inputs=(x,), device="cuda")
+    engine = pipeline(
+        model,
+        schedule="zbv",
+        split_points=hf_splits("gpt2", 2),
+        microbatches=4,
+        loss_fn=lm_loss,
+        device="cuda",
+        tracing=Tracing(example_inputs=(x,)),
+    )
     loss = engine.step(x, target=y)
     assert torch.equal(loss, _loop(reference, x.cuda(), y.cuda(), lm_loss, 4))
     assert _same_grads(model, reference) == []
@@ -92,10 +99,17 @@ def test_a_meta_model_is_allocated_on_the_gpu(name):
         model = build_hf(name) if hf else build(name)
     x, y = tokens() if hf else (batch(name)[0][0], batch(name)[1])
     extra = {"init_weights": model._init_weights, "example_inputs": (x,)} if hf else {}
-    engine = pipeline(model, schedule="interleaved-1f1b", split_points=(hf_splits if hf else
+    engine = pipeline(
+        model,
+        schedule="interleaved-1f1b",
+        split_points=(hf_splits if hf else
                                                                         lambda n, k: SPLITS[n][k])(name, 4),
-                      microbatches=4, loss_fn=lm_loss if hf else F.cross_entropy,
-                      state_dict=copy.deepcopy(reference.state_dict()), device="cuda", **extra)
+        microbatches=4,
+        loss_fn=lm_loss if hf else F.cross_entropy,
+        device="cuda",
+        **extra,
+        weights=Weights(state_dict=copy.deepcopy(reference.state_dict())),
+    )
     assert all(p.is_cuda for p in model.parameters())
     loss = engine.step(x, target=y)
     assert torch.equal(loss, _loop(reference, x.cuda(), y.cuda(), lm_loss if hf else F.cross_entropy, 4))
@@ -110,8 +124,14 @@ def test_action_times_come_from_cuda_events():
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(2048, 2048), torch.nn.ReLU())
                                   for _ in range(8)]).cuda()
-    engine = pipeline(model, schedule="interleaved-1f1b", split_points=["2", "4", "6"], microbatches=8,
-                      loss_fn=lambda out, y: F.mse_loss(out, y), trace=True)
+    engine = pipeline(
+        model,
+        schedule="interleaved-1f1b",
+        split_points=["2", "4", "6"],
+        microbatches=8,
+        loss_fn=lambda out, y: F.mse_loss(out, y),
+        record=True,
+    )
     x = torch.randn(8192, 2048, device="cuda")
     y = torch.randn(8192, 2048, device="cuda")
     for _ in range(3):  # warm-up: kernels chosen, allocator filled
@@ -161,7 +181,14 @@ def _nccl_rank(store_path: str, queue) -> None:
         mesh = init_device_mesh("cuda", (1, 1), mesh_dim_names=("dp", "pp"))
         model = build("residual").cuda()
         reference = copy.deepcopy(model)
-        engine = pipeline(model, schedule="gpipe", split_points=[], microbatches=4, loss_fn=F.cross_entropy, mesh=mesh)
+        engine = pipeline(
+            model,
+            schedule="gpipe",
+            split_points=[],
+            microbatches=4,
+            loss_fn=F.cross_entropy,
+            parallel=Parallelism(mesh=mesh),
+        )
         inputs, target = batch("residual")
         loss = engine.step(inputs[0], target=target)
         expected = reference_step(reference, (inputs[0].cuda(),), target.cuda(), 4)

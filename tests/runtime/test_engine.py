@@ -16,7 +16,7 @@ from torch import nn
 
 import pipeloom
 from pipeloom.ir import compute_parts
-from pipeloom.runtime import PipelineError, StageValueError, pipeline
+from pipeloom.runtime import Failures, Parallelism, PipelineError, StageValueError, Tracing, pipeline
 
 ONE_RANK = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("zb-h2", 1), ("interleaved-1f1b", 2), ("looped-bfs", 2),
             ("zbv", 2), ("dualpipev", 2), ("interleaved-1f1b", 4)]
@@ -141,11 +141,21 @@ def _engine(**overrides):
     ({"split_points": ["layers.4"]}, "cut the model into 1 pieces"),
     ({"loss_fn": None}, "loss_fn="),
     ({"microbatches": 0}, "positive integer"),
-    ({"timeout": -1}, "timeout"),
 ])
 def test_bad_arguments_say_what_to_do(overrides, words):
     with pytest.raises(PipelineError, match=words):
         _engine(**overrides)
+
+
+@pytest.mark.parametrize(("make", "words"), [
+    (lambda: Failures(timeout=-1), "positive number of seconds"),
+    (lambda: Tracing(tracer="jit"), "auto, fx, export"),
+    (lambda: Tracing(leaf_modules="layers.0"), "list of module names"),
+    (lambda: Parallelism(data_parallel="zero"), "'replicate' or 'fsdp'"),
+])
+def test_bad_options_say_what_to_do(make, words):
+    with pytest.raises(PipelineError, match=words):
+        make()
 
 
 def test_a_schedule_for_more_ranks_names_the_launch_command():

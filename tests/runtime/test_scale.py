@@ -17,7 +17,7 @@ from models import SPLITS, batch, build, reference_step
 from ranks import run_ranks
 from scale_jobs import deferred, meshed, planned_mesh, replica_fault
 
-from pipeloom.runtime import PipelineError, pipeline
+from pipeloom.runtime import Parallelism, PipelineError, Tracing, Weights, pipeline
 
 U = 2.0**-24  # float32's unit roundoff
 
@@ -111,11 +111,23 @@ def test_meta_models_need_values_and_real_models_refuse_them():
     with pytest.raises(PipelineError, match="meta device .*state_dict=.*init_weights="):
         pipeline(model, schedule="gpipe", split_points=[], microbatches=2, loss_fn=F.cross_entropy)
     with pytest.raises(PipelineError, match="not a torch.distributed.checkpoint|does not exist"):
-        pipeline(model, schedule="gpipe", split_points=[], microbatches=2, loss_fn=F.cross_entropy,
-                 state_dict="/nonexistent/model.pt")
+        pipeline(
+            model,
+            schedule="gpipe",
+            split_points=[],
+            microbatches=2,
+            loss_fn=F.cross_entropy,
+            weights=Weights(state_dict="/nonexistent/model.pt"),
+        )
     with pytest.raises(PipelineError, match="fill a model built on the meta device"):
-        pipeline(build("residual"), schedule="gpipe", split_points=[], microbatches=2, loss_fn=F.cross_entropy,
-                 state_dict=build("residual").state_dict())
+        pipeline(
+            build("residual"),
+            schedule="gpipe",
+            split_points=[],
+            microbatches=2,
+            loss_fn=F.cross_entropy,
+            weights=Weights(state_dict=build("residual").state_dict()),
+        )
 
 
 def test_missing_non_persistent_buffers_are_named():
@@ -123,16 +135,29 @@ def test_missing_non_persistent_buffers_are_named():
         model = build_hf("llama")
     state = build_hf("llama").state_dict()
     with pytest.raises(PipelineError, match="inv_freq.*init_weights="):
-        pipeline(model, schedule="gpipe", split_points=[], microbatches=2, loss_fn=lm_loss, state_dict=state,
-                 example_inputs=(tokens()[0],))
+        pipeline(
+            model,
+            schedule="gpipe",
+            split_points=[],
+            microbatches=2,
+            loss_fn=lm_loss,
+            tracing=Tracing(example_inputs=(tokens()[0],)),
+            weights=Weights(state_dict=state),
+        )
 
 
 def test_one_rank_meta_model_equals_the_model_it_was_saved_from():
     reference = build("skip")
     with torch.device("meta"):
         model = build("skip")
-    engine = pipeline(model, schedule="gpipe", split_points=SPLITS["skip"][1], microbatches=4,
-                      loss_fn=F.cross_entropy, state_dict=reference.state_dict())
+    engine = pipeline(
+        model,
+        schedule="gpipe",
+        split_points=SPLITS["skip"][1],
+        microbatches=4,
+        loss_fn=F.cross_entropy,
+        weights=Weights(state_dict=reference.state_dict()),
+    )
     inputs, target = batch("skip")
     loss = engine.step(inputs[0], target=target)
     assert torch.equal(loss, reference_step(reference, inputs, target, 4))
@@ -267,11 +292,23 @@ def test_an_fsdp_checkpoint_loads_into_one_device(fsdp_runs):
 
 def test_fsdp_is_refused_where_it_cannot_shard():
     with pytest.raises(PipelineError, match="data_parallel must be"):
-        pipeline(build("residual"), schedule="gpipe", split_points=[], microbatches=2, loss_fn=F.cross_entropy,
-                 data_parallel="zero")
+        pipeline(
+            build("residual"),
+            schedule="gpipe",
+            split_points=[],
+            microbatches=2,
+            loss_fn=F.cross_entropy,
+            parallel=Parallelism(data_parallel="zero"),
+        )
     with pytest.raises(PipelineError, match="shards over the mesh's \"dp\" dimension"):
-        pipeline(build("residual"), schedule="gpipe", split_points=[], microbatches=2, loss_fn=F.cross_entropy,
-                 data_parallel="fsdp")
+        pipeline(
+            build("residual"),
+            schedule="gpipe",
+            split_points=[],
+            microbatches=2,
+            loss_fn=F.cross_entropy,
+            parallel=Parallelism(data_parallel="fsdp"),
+        )
 
 
 def test_a_mesh_needs_named_pp_and_dp_dimensions():
@@ -282,11 +319,23 @@ def test_a_mesh_needs_named_pp_and_dp_dimensions():
             raise AssertionError
 
     with pytest.raises(PipelineError, match=r"\"pp\" dimension"):
-        pipeline(build("residual"), schedule="gpipe", split_points=[], microbatches=2, loss_fn=F.cross_entropy,
-                 mesh=FakeMesh())
+        pipeline(
+            build("residual"),
+            schedule="gpipe",
+            split_points=[],
+            microbatches=2,
+            loss_fn=F.cross_entropy,
+            parallel=Parallelism(mesh=FakeMesh()),
+        )
     with pytest.raises(PipelineError, match="DeviceMesh"):
-        pipeline(build("residual"), schedule="gpipe", split_points=[], microbatches=2, loss_fn=F.cross_entropy,
-                 mesh=object())
+        pipeline(
+            build("residual"),
+            schedule="gpipe",
+            split_points=[],
+            microbatches=2,
+            loss_fn=F.cross_entropy,
+            parallel=Parallelism(mesh=object()),
+        )
 
 
 @pytest.mark.timeout(180)
@@ -335,4 +384,9 @@ def test_a_plan_with_replicas_refuses_a_mesh_of_another_shape(tmp_path):
             return (4, 1)[dim]
 
     with pytest.raises(PipelineError, match=r"mesh is dp 2 x pp 2 but mesh= is dp 4 x pp 1"):
-        pipeline(build("residual"), plan=tmp_path / "plan.json", loss_fn=F.cross_entropy, mesh=Mesh())
+        pipeline(
+            build("residual"),
+            plan=tmp_path / "plan.json",
+            loss_fn=F.cross_entropy,
+            parallel=Parallelism(mesh=Mesh()),
+        )

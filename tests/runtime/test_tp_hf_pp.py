@@ -12,6 +12,8 @@ import pytest
 import torch
 from tp_jobs import _train, rank0, run_preloaded
 
+from pipeloom.runtime import Failures, Parallelism, Tracing
+
 HF_TOLERANCE = 1e-7  # as test_tp.py's LLaMA on pp 1 x tp 2 (float32 softmax and rotary tables)
 STEPS = 3
 MICROBATCHES = 2
@@ -29,8 +31,16 @@ def hf_pipelined(rank: int, world: int, steps: int) -> dict:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
     x, y = tokens()
     whole = build_hf("llama").double()
-    engine = pipeline(whole, mesh=mesh, tp_plan="hf", schedule="1f1b", split_points=hf_splits("llama", 2),
-                      microbatches=MICROBATCHES, loss_fn=lm_loss, example_inputs=(x[:4],), timeout=60)
+    engine = pipeline(
+        whole,
+        schedule="1f1b",
+        split_points=hf_splits("llama", 2),
+        microbatches=MICROBATCHES,
+        loss_fn=lm_loss,
+        tracing=Tracing(example_inputs=(x[:4],)),
+        parallel=Parallelism(mesh=mesh, tp_plan="hf"),
+        failures=Failures(timeout=60),
+    )
     out: dict = {"called": sorted({str(n.target) for stage in engine.modules.values() if hasattr(stage, "graph")
                                    for n in stage.graph.nodes if n.op == "call_module"})}
     out["pipeline"] = _train(engine, engine.named_parameters, steps, lambda *_: engine.step(x, target=y))

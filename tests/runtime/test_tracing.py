@@ -15,6 +15,7 @@ from torch import nn
 from pipeloom.runtime import (
     ModelTraceError,
     SplitOrderError,
+    Tracing,
     UnknownSplitPointError,
     forward_seed,
     pipeline,
@@ -165,8 +166,14 @@ def test_a_transformers_model_runs_on_one_rank_and_eval_step_returns_its_output(
     model = build_hf("gpt2", dropout=0.1)
     reference = copy.deepcopy(model).eval()
     x, y = tokens()
-    engine = pipeline(model, schedule="zbv", split_points=["transformer.h.2"], loss_fn=lm_loss, microbatches=4,
-                      example_inputs=(x,))
+    engine = pipeline(
+        model,
+        schedule="zbv",
+        split_points=["transformer.h.2"],
+        loss_fn=lm_loss,
+        microbatches=4,
+        tracing=Tracing(example_inputs=(x,)),
+    )
     assert engine.staged.num_stages == 2 and len(engine.shared.params) == 1
     out = engine.eval_step(x)
     assert type(out).__name__ == "CausalLMOutputWithCrossAttentions"
@@ -199,8 +206,15 @@ def test_batch_norm_trains_and_evaluates_like_the_model(tracer):
     model = Convs()
     reference = copy.deepcopy(model)
     x, y = torch.randn(4, 3, 6, 6), torch.randint(0, 3, (4,))
-    engine = pipeline(model, schedule="interleaved-1f1b", split_points=["relu", "conv2"], loss_fn=F.cross_entropy,
-                      microbatches=2, tracer=tracer, example_inputs=(x,), schedule_options={"stages_per_rank": 3})
+    engine = pipeline(
+        model,
+        schedule="interleaved-1f1b",
+        split_points=["relu", "conv2"],
+        loss_fn=F.cross_entropy,
+        microbatches=2,
+        schedule_options={"stages_per_rank": 3},
+        tracing=Tracing(tracer=tracer, example_inputs=(x,)),
+    )
     loss = engine.step(x, target=y)
     expected = sum(F.cross_entropy(reference(xm), ym) / 2 for xm, ym in zip(x.chunk(2), y.chunk(2)))
     assert torch.equal(loss, expected)

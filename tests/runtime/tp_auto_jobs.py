@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeloom.runtime import Failures, Parallelism, Tracing
+
 VOCAB = 32
 HIDDEN = 16
 SEQ = 8
@@ -149,8 +151,16 @@ def piped(model: nn.Module, mesh, tp_plan, schedule: str, steps: int, loss=loss_
     """``steps`` steps of ``pipeline(model, mesh=, tp_plan=)`` cut before ``layers.2``; (results, engine)."""
     from pipeloom.runtime import pipeline
 
-    engine = pipeline(model, schedule=schedule, split_points=SPLITS, microbatches=MICROBATCHES, loss_fn=loss,
-                      mesh=mesh, tp_plan=tp_plan, timeout=30, example_inputs=example_inputs)
+    engine = pipeline(
+        model,
+        schedule=schedule,
+        split_points=SPLITS,
+        microbatches=MICROBATCHES,
+        loss_fn=loss,
+        tracing=Tracing(example_inputs=example_inputs),
+        parallel=Parallelism(mesh=mesh, tp_plan=tp_plan),
+        failures=Failures(timeout=30),
+    )
     found = train(engine.named_parameters, steps, lambda x, y: engine.step(x, target=y))
     engine.close()
     return found, engine
@@ -269,9 +279,16 @@ def llama_auto_job(rank: int, world: int, fraction: float) -> dict:
     x, y = tokens()
     free = auto_tp_plan(build_hf("llama").double(), mesh, microbatches=2, example_inputs=(x,))
     whole = build_hf("llama").double()
-    engine = pipeline(whole, stages=[whole], schedule="1f1b", microbatches=2, loss_fn=lm_loss, mesh=mesh,
-                      tp_plan=AutoPlan(memory_limit=fraction * free.predicted_memory), example_inputs=(x,),
-                      timeout=30)
+    engine = pipeline(
+        whole,
+        stages=[whole],
+        schedule="1f1b",
+        microbatches=2,
+        loss_fn=lm_loss,
+        tracing=Tracing(example_inputs=(x,)),
+        parallel=Parallelism(mesh=mesh, tp_plan=AutoPlan(memory_limit=fraction * free.predicted_memory)),
+        failures=Failures(timeout=30),
+    )
     sharding = engine.tp_sharding
     out = {"choice": sharding.result.choice, "free": free.result.choice, "plan": sorted(sharding.plan),
            "sharded": sorted(n for n, p in engine.named_parameters() if hasattr(p, "to_local"))}

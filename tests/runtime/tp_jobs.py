@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeloom.runtime import Failures, Parallelism
+
 # imported once by the fork server the ranks are forked from (instead of by every spawned rank: torch's
 # DTensor alone imports torch._dynamo, ~4 s of CPU per process on this machine)
 PRELOAD = ["torch", "torch.distributed.tensor.parallel", "torch.distributed.checkpoint",
@@ -212,8 +214,15 @@ def tp_pipelines(rank: int, world: int, cases: list[tuple], shape: tuple, names:
             results[alone_key(model_name, variant)] = tp_alone(model_name, mesh["tp"], plan, STEPS, loss)
             seconds[("alone", variant)] = time.monotonic() - clock
         splits = SPLITS["boundary"] if variant == "boundary" else SPLITS[pieces] if pieces > 1 else []
-        engine = pipeline(build(model_name), schedule=schedule, split_points=splits, microbatches=MICROBATCHES,
-                          loss_fn=loss, mesh=mesh, tp_plan=plan, timeout=30, scatter_boundaries=variant != "whole")
+        engine = pipeline(
+            build(model_name),
+            schedule=schedule,
+            split_points=splits,
+            microbatches=MICROBATCHES,
+            loss_fn=loss,
+            parallel=Parallelism(mesh=mesh, tp_plan=plan, scatter_boundaries=variant != "whole"),
+            failures=Failures(timeout=30),
+        )
         results[(model_name, schedule, pieces, variant)] = _train(engine, engine.named_parameters, STEPS,
                                                                   lambda x, y, engine=engine: engine.step(x, target=y))
         if extras and "helpers" not in results:
@@ -247,8 +256,15 @@ def tp_helpers(engine, mesh, plan: dict, splits: list, folder: str) -> dict:
     found["dtensors"] = sorted(key for key, value in state.items() if hasattr(value, "to_local"))
     found["full_state"] = {key: value.numpy().copy() for key, value in engine.full_state_dict().items()}
     engine.save_checkpoint(folder)
-    fresh = pipeline(build("tiny"), schedule="1f1b", split_points=splits, microbatches=MICROBATCHES,
-                     loss_fn=loss_fn, mesh=mesh, tp_plan=plan, timeout=30)
+    fresh = pipeline(
+        build("tiny"),
+        schedule="1f1b",
+        split_points=splits,
+        microbatches=MICROBATCHES,
+        loss_fn=loss_fn,
+        parallel=Parallelism(mesh=mesh, tp_plan=plan),
+        failures=Failures(timeout=30),
+    )
     fresh.load_checkpoint(folder)
     found["loaded_equal"] = {key: bool(torch.equal(_local_tensor(value), _local_tensor(state[key])))
                              for key, value in fresh.state_dict().items()}
@@ -288,8 +304,15 @@ def tp_hang(rank: int, mesh, *, timeout: float = 3.0, hung: int = 3) -> dict:
 
     from pipeloom.runtime import pipeline
 
-    engine = pipeline(build("tiny"), schedule="1f1b", split_points=SPLITS[2], microbatches=MICROBATCHES,
-                      loss_fn=loss_fn, mesh=mesh, tp_plan=megatron_plan("tiny"), timeout=timeout)
+    engine = pipeline(
+        build("tiny"),
+        schedule="1f1b",
+        split_points=SPLITS[2],
+        microbatches=MICROBATCHES,
+        loss_fn=loss_fn,
+        parallel=Parallelism(mesh=mesh, tp_plan=megatron_plan("tiny")),
+        failures=Failures(timeout=timeout),
+    )
     woke = []
     if rank == hung:
         def sleep(module, args):
@@ -327,20 +350,35 @@ def tp_refusals(rank: int, world: int, mesh) -> dict:
 
     found = {}
     attempts = {
-        "dualpipe": dict(schedule="dualpipe", split_points=SPLITS[2], tp_plan=megatron_plan("tiny")),
-        "no plan": dict(schedule="1f1b", split_points=SPLITS[2]),
-        "hf": dict(schedule="1f1b", split_points=SPLITS[2], tp_plan="hf"),
-        "unknown key": dict(schedule="1f1b", split_points=SPLITS[2], tp_plan={"layers.*.nope": _colwise()}),
+        "dualpipe": ("dualpipe", megatron_plan("tiny")),
+        "no plan": ("1f1b", None),
+        "hf": ("1f1b", "hf"),
+        "unknown key": ("1f1b", {"layers.*.nope": _colwise()}),
     }
-    for name, kwargs in attempts.items():
+    for name, (schedule, tp_plan) in attempts.items():
         try:
-            pipeline(build("tiny"), microbatches=MICROBATCHES, loss_fn=loss_fn, mesh=mesh, timeout=30, **kwargs)
+            pipeline(
+                build("tiny"),
+                schedule=schedule,
+                split_points=SPLITS[2],
+                microbatches=MICROBATCHES,
+                loss_fn=loss_fn,
+                parallel=Parallelism(mesh=mesh, tp_plan=tp_plan),
+                failures=Failures(timeout=30),
+            )
             found[name] = "built"
         except Exception as error:  # noqa: BLE001 (the test reads the message)
             found[name] = f"{type(error).__name__}: {error}"
     model = build("tiny")
-    engine = pipeline(model, schedule="1f1b", split_points=SPLITS[2], microbatches=MICROBATCHES, loss_fn=loss_fn,
-                      mesh=mesh, timeout=30, tp_plan={"layers.*.q": _colwise()})
+    engine = pipeline(
+        model,
+        schedule="1f1b",
+        split_points=SPLITS[2],
+        microbatches=MICROBATCHES,
+        loss_fn=loss_fn,
+        parallel=Parallelism(mesh=mesh, tp_plan={"layers.*.q": _colwise()}),
+        failures=Failures(timeout=30),
+    )
     parallelize_module(model, mesh["tp"], {"layers.*.k": _colwise()})  # too late
     start = time.monotonic()
     try:
@@ -372,8 +410,15 @@ def hf_tp(rank: int, world: int, steps: int) -> dict:
     mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("pp", "tp"))
     whole = build_hf("llama").double()  # one stage, the model itself (torch.fx cannot trace it; torch.export
     # flattens its modules, whose hooks the styles need)
-    engine = pipeline(whole, stages=[whole], schedule="1f1b", microbatches=2, loss_fn=lm_loss, mesh=mesh,
-                      tp_plan="hf", timeout=30)
+    engine = pipeline(
+        whole,
+        stages=[whole],
+        schedule="1f1b",
+        microbatches=2,
+        loss_fn=lm_loss,
+        parallel=Parallelism(mesh=mesh, tp_plan="hf"),
+        failures=Failures(timeout=30),
+    )
     model = build_hf("llama").double()
     plan = hf_plan(model)
     model = parallelize_module(model, mesh["tp"], plan)
@@ -405,8 +450,15 @@ def mesh3d(rank: int, world: int) -> dict:
     from pipeloom.runtime import pipeline
 
     mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp", "pp", "tp"))
-    engine = pipeline(build("tiny"), schedule="1f1b", split_points=SPLITS[2], microbatches=MICROBATCHES // 2,
-                      loss_fn=loss_fn, mesh=mesh, tp_plan=megatron_plan("tiny"), timeout=60)
+    engine = pipeline(
+        build("tiny"),
+        schedule="1f1b",
+        split_points=SPLITS[2],
+        microbatches=MICROBATCHES // 2,
+        loss_fn=loss_fn,
+        parallel=Parallelism(mesh=mesh, tp_plan=megatron_plan("tiny")),
+        failures=Failures(timeout=60),
+    )
     out = _train(engine, engine.named_parameters, 1, lambda x, y: engine.step(x, target=y))
     engine.close()
     return {"coordinates": dict(zip(mesh.mesh_dim_names, mesh.get_coordinate())), **out}
@@ -431,7 +483,14 @@ def plain_refusals() -> dict:
                 "auto": (build("tiny"), "auto")}
     for name, (model, plan) in attempts.items():
         try:
-            pipeline(model, schedule="gpipe", split_points=[], microbatches=2, loss_fn=loss_fn, tp_plan=plan)
+            pipeline(
+                model,
+                schedule="gpipe",
+                split_points=[],
+                microbatches=2,
+                loss_fn=loss_fn,
+                parallel=Parallelism(tp_plan=plan),
+            )
             found[name] = "built"
         except Exception as error:  # noqa: BLE001 (the test reads the message)
             found[name] = f"{type(error).__name__}: {error}"

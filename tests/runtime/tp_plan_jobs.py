@@ -9,6 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 from tp_jobs import Block
 
+from pipeloom.runtime import Failures
+
 VOCAB = 16
 HIDDEN = 16
 SEQ = 6
@@ -76,7 +78,7 @@ def plan_job(rank: int, world: int, plan_path: str, steps: int) -> dict:
 
     torch.manual_seed(0)
     model = Vocab(layers=4).double()
-    engine = pipeline(model, plan=plan_path, loss_fn=loss_fn, timeout=60)
+    engine = pipeline(model, plan=plan_path, loss_fn=loss_fn, failures=Failures(timeout=60))
     optimizer = torch.optim.SGD(engine.parameters(), lr=0.1)
     losses = []
     for step in range(steps):
