@@ -1,9 +1,8 @@
 """Measure a model's cost table on this machine: cut it at every piece as the runtime does (its tracer,
 ``torch.fx`` or ``torch.export``, and ``split_model``; or pieces given as modules), then time each piece's
 forward, its full backward and its input/weight-gradient split as the engine runs them, and count its
-bytes, each parameter once.
-
-The one planner module that imports torch (DESIGN §4).
+bytes, each parameter once. Torch runs here (the profilers live above the runtime, docs/design.md §4); the
+torch-free planner reads the table it writes.
 """
 
 from __future__ import annotations

@@ -1,6 +1,9 @@
-"""The distributed runtime: model splitting, the lowering of schedules, p2p and the engine.
+"""The distributed runtime on torch: ``pipeline()`` and its options, the engine, and its rooms: cutting the model
+(``model``), per-rank programs (``program``), mesh dimensions (``parallel``), communication and failures (``comm``),
+one step (``step``) and training-loop state (``state``).
 
-Importing this package imports torch; nothing else in pipeloom does (DESIGN §4).
+Importing it imports torch; so do :mod:`pipeloom.profile` and the CLI commands that run models. The layers
+below it (the IR, schedules, simulator, search, planner) never do (docs/design.md §4).
 """
 
 from __future__ import annotations
