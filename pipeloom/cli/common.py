@@ -80,7 +80,7 @@ def _write_files(args: argparse.Namespace, timeline: Timeline, report: dict) -> 
     if getattr(args, "save", None):
         save_schedule(timeline.schedule, target(args, args.save))
         written.append(f"wrote schedule {args.save}")
-    if args.out or args.trace:
+    if args.out or args.perfetto:
         from pipeloom import viz
 
         if args.out:
@@ -93,9 +93,9 @@ def _write_files(args: argparse.Namespace, timeline: Timeline, report: dict) -> 
             else:
                 viz.draw_timeline(timeline, target(args, args.out), title=title)
                 written.append(f"wrote timeline picture {args.out}")
-        if args.trace:
-            viz.write_trace(timeline, target(args, args.trace))
-            written.append(f"wrote trace {args.trace} (open it in https://ui.perfetto.dev)")
+        if args.perfetto:
+            viz.write_perfetto(timeline, target(args, args.perfetto))
+            written.append(f"wrote Perfetto timeline {args.perfetto} (open it in https://ui.perfetto.dev)")
     return written
 
 

@@ -46,7 +46,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
              (out / "timelines.html", "every timeline, interactive (zoom, hover, memory); opens with no network")]
     viz.draw_comparison(timelines, files[0][0], title=title)
     viz.draw_timeline(timelines[best], files[1][0], title=f"{name}: {title}")
-    viz.write_trace(timelines[best], files[2][0])
+    viz.write_perfetto(timelines[best], files[2][0])
     files[3][0].write_text(_summary_markdown(rows, title, out))
     from pipeloom.viz.html import write_html
 

@@ -1,6 +1,6 @@
 """The files a command writes, all or none.
 
-Every output path a command was given (``--save``, ``-o``, ``--trace``, ``--png``: the flags parsed by
+Every output path a command was given (``--save``, ``-o``, ``--perfetto``, ``--png``: the flags parsed by
 ``_path_with``, whose values are :class:`OutputPath`) gets a temporary file in its own folder before
 the command does any work, which proves the folder writable and fails at once with one line naming
 the path. The command writes into the temporary files; when it ends well they are renamed over the

@@ -84,7 +84,8 @@ def _add_outputs(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("outputs")
     group.add_argument("-o", "--out", type=path_with(".png", ".svg", ".html"),
                        help="timeline picture (.png/.svg), or an interactive view (.html: one self-contained file)")
-    group.add_argument("--trace", type=path_with(".json"), help="Chrome/Perfetto trace (.json)")
+    group.add_argument("--perfetto", "--trace", dest="perfetto", type=path_with(".json"),
+                       help="the timeline as a Perfetto/Chrome file (.json; --trace is its first name)")
     group.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     group.add_argument("--terminal", action="store_true", help="draw the timeline in the terminal")
     group.add_argument("--width", type=_width, help="width of the --terminal view (default: terminal width)")

@@ -4,7 +4,7 @@ Nothing heavy is imported here: matplotlib and rich load inside the functions th
 """
 
 from pipeloom.viz.compare import comparison_figure, draw_comparison
-from pipeloom.viz.perfetto import trace_events, write_trace
+from pipeloom.viz.perfetto import perfetto_events, write_perfetto
 from pipeloom.viz.style import KIND_COLORS, KIND_NAMES
 from pipeloom.viz.terminal import render_timeline, render_timeline_rich
 from pipeloom.viz.timeline import FIGURE_SUFFIXES, draw_timeline, timeline_figure
@@ -19,6 +19,6 @@ __all__ = [
     "render_timeline",
     "render_timeline_rich",
     "timeline_figure",
-    "trace_events",
-    "write_trace",
+    "perfetto_events",
+    "write_perfetto",
 ]

@@ -13,7 +13,7 @@ from pipeloom.trace.analysis import (
     Comparison,
 )
 from pipeloom.trace.explain import explain_ratio
-from pipeloom.viz.perfetto import trace_events
+from pipeloom.viz.perfetto import perfetto_events
 
 __all__ = ["draw_measured", "merged_trace_events", "write_merged_trace"]
 
@@ -60,15 +60,15 @@ def _comm_events(comparison: Comparison, first_tid: int) -> list[dict]:
 
 def merged_trace_events(comparison: Comparison) -> dict[str, Any]:
     """One Chrome/Perfetto trace: ``measured rank N`` processes (compute per stage as in
-    :func:`~pipeloom.viz.trace_events`, plus recv-wait and send threads) above ``predicted rank N``
+    :func:`~pipeloom.viz.perfetto_events`, plus recv-wait and send threads) above ``predicted rank N``
     ones; ts in microseconds, 0 = the start of the measured step and of the simulation."""
     p = comparison.run.world_size
-    measured = _relabel(trace_events(comparison.measured, time_unit_us=_US_PER_S)["traceEvents"],
+    measured = _relabel(perfetto_events(comparison.measured, time_unit_us=_US_PER_S)["traceEvents"],
                         "measured", pid_offset=0, tid_offset=0)
     first_tid = 1 + max((e.get("tid", 0) for e in measured), default=0)
     comm = _comm_events(comparison, first_tid)
     flows = max((e["id"] for e in measured if "id" in e), default=0)
-    predicted = _relabel(trace_events(comparison.predicted, time_unit_us=_US_PER_S)["traceEvents"],
+    predicted = _relabel(perfetto_events(comparison.predicted, time_unit_us=_US_PER_S)["traceEvents"],
                          "predicted", pid_offset=p, tid_offset=first_tid + 2 * p, id_offset=flows)
     return {
         "traceEvents": measured + comm + predicted,

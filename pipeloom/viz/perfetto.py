@@ -24,7 +24,7 @@ from pipeloom.ir import OVERLAP_F_B, Action, Comm, Overlap, task_actions
 from pipeloom.sim import Timeline
 from pipeloom.viz.style import KIND_NAMES, action_kind, action_stage, peak
 
-__all__ = ["default_time_unit_us", "flow_events", "trace_events", "write_trace"]
+__all__ = ["default_time_unit_us", "flow_events", "perfetto_events", "write_perfetto"]
 
 _MAX_US = 2.0**53 / 1000  # keeps ts in nanoseconds (how Perfetto stores it) exact in int64 and float
 
@@ -140,7 +140,7 @@ def _stage(action: Action | Overlap) -> int:
     return action.forward.stage if type(action) is Overlap else action.stage
 
 
-def trace_events(timeline: Timeline, *, time_unit_us: float | None = None) -> dict[str, Any]:
+def perfetto_events(timeline: Timeline, *, time_unit_us: float | None = None) -> dict[str, Any]:
     """The trace as a JSON-ready dict ``{"traceEvents": [...], "displayTimeUnit": "ms", ...}``.
 
     ``time_unit_us`` is how many microseconds one schedule time unit becomes (default:
@@ -169,7 +169,7 @@ def trace_events(timeline: Timeline, *, time_unit_us: float | None = None) -> di
     }
 
 
-def write_trace(timeline: Timeline, path: str | Path, *, time_unit_us: float | None = None) -> None:
-    """Write :func:`trace_events` as JSON to ``path``; open it in ui.perfetto.dev or chrome://tracing."""
-    trace = trace_events(timeline, time_unit_us=time_unit_us)
+def write_perfetto(timeline: Timeline, path: str | Path, *, time_unit_us: float | None = None) -> None:
+    """Write :func:`perfetto_events` as JSON to ``path``; open it in ui.perfetto.dev or chrome://tracing."""
+    trace = perfetto_events(timeline, time_unit_us=time_unit_us)
     Path(path).write_text(json.dumps(trace, separators=(",", ":"), allow_nan=False) + "\n")

@@ -13,7 +13,7 @@ from pipeloom import Comm, lower
 from pipeloom.problem import Costs
 from pipeloom.schedules import build_schedule
 from pipeloom.validate import validate
-from pipeloom.viz import render_timeline, timeline_figure, trace_events
+from pipeloom.viz import perfetto_events, render_timeline, timeline_figure
 from pipeloom.viz.style import COMM_COLORS, COMM_NAMES
 from pipeloom.viz.timeline import legend_rows_of
 
@@ -81,7 +81,7 @@ def test_compute_boxes_keep_their_times_in_the_lowered_picture():
 
 def test_trace_holds_communication_events():
     _, lowered = _timelines(comm=0.25)
-    events = [e for e in trace_events(lowered)["traceEvents"] if e.get("ph") == "X"]
+    events = [e for e in perfetto_events(lowered)["traceEvents"] if e.get("ph") == "X"]
     comm = [e for e in events if e["cat"] == "communication"]
     assert {e["name"] for e in comm} >= {"0SEND_F0", "1RECV_F0", "3SEND_B7", "0RECV_B7"}
     assert len(comm) == 4 * 3 * 8 and len(events) == lowered.schedule.num_actions

@@ -9,7 +9,7 @@ import pytest
 from pipeloom.problem import Costs
 from pipeloom.schedules import build_schedule
 from pipeloom.validate import validate
-from pipeloom.viz import trace_events, write_trace
+from pipeloom.viz import perfetto_events, write_perfetto
 
 
 def _timeline(name: str = "1f1b", ranks: int = 4, microbatches: int = 8, costs: Costs = Costs()):
@@ -23,15 +23,15 @@ def _of(trace, ph):
 def test_round_trips_through_json(tmp_path):
     timeline = _timeline()
     path = tmp_path / "trace.json"
-    write_trace(timeline, path)
+    write_perfetto(timeline, path)
     loaded = json.loads(path.read_text())
-    assert loaded == trace_events(timeline)
+    assert loaded == perfetto_events(timeline)
     assert loaded["displayTimeUnit"] == "ms"
     assert loaded["otherData"]["time_unit_us"] == 1000  # integer costs: 1 unit = 1 ms
 
 
 def test_one_process_per_rank():
-    trace = trace_events(_timeline())
+    trace = perfetto_events(_timeline())
     names = {e["pid"]: e["args"]["name"] for e in _of(trace, "M") if e["name"] == "process_name"}
     assert sorted(names.values()) == [f"rank {r}" for r in range(4)]
     assert {e["pid"] for e in _of(trace, "X")} == set(names)
@@ -42,7 +42,7 @@ def test_one_process_per_rank():
 
 def test_complete_events_match_simulated_times():
     timeline = _timeline("gpipe", 3, 5, costs=Costs(f=1.0, b=1 / 3, w=0.25))
-    trace = trace_events(timeline)
+    trace = perfetto_events(timeline)
     scale = trace["otherData"]["time_unit_us"]
     assert scale == 10000  # shortest action B = b + w = 7/12: 583 us at 1 ms/unit, so one power of ten more
     events = _of(trace, "X")
@@ -60,7 +60,7 @@ def test_complete_events_match_simulated_times():
 
 
 def test_numbers_finite_and_slices_never_overlap_on_a_thread():
-    trace = trace_events(_timeline("1f1b", 5, 9, costs=Costs(f=0.7, b=1.3, w=0.1, comm=0.05)))
+    trace = perfetto_events(_timeline("1f1b", 5, 9, costs=Costs(f=0.7, b=1.3, w=0.1, comm=0.05)))
     json.dumps(trace, allow_nan=False)  # raises on NaN/inf
     tracks = {}
     for e in _of(trace, "X"):
@@ -73,7 +73,7 @@ def test_numbers_finite_and_slices_never_overlap_on_a_thread():
 
 def test_memory_counter_follows_the_simulator():
     timeline = _timeline("gpipe", 3, 4)
-    trace = trace_events(timeline)
+    trace = perfetto_events(timeline)
     for rank in range(3):
         values = [e["args"]["held"] for e in _of(trace, "C") if e["pid"] == rank]
         # GPipe: 0, then +1 per forward up to m, then -1 per backward (DESIGN §6 memory m)
@@ -83,8 +83,8 @@ def test_memory_counter_follows_the_simulator():
 
 def test_bad_time_unit():
     with pytest.raises(ValueError, match="time_unit_us"):
-        trace_events(_timeline(), time_unit_us=0)
-    trace = trace_events(_timeline(), time_unit_us=2.5)
+        perfetto_events(_timeline(), time_unit_us=0)
+    trace = perfetto_events(_timeline(), time_unit_us=2.5)
     # 1F1B p=4: rank 1's first forward runs from 1 to 2 -> ts round(2.5) = 2, dur round(5) - 2 = 3
     first = next(e for e in _of(trace, "X") if e["name"] == "1F0")
     assert (first["ts"], first["dur"]) == (2, 3)
@@ -94,10 +94,10 @@ def test_cross_rank_dependencies_are_flow_events():
     """1F1B on 4 ranks, 8 micro-batches: 3 rank boundaries x 8 micro-batches x (F, B) = 48 flows, each
     an ``s`` at the producer's start on its thread and an ``f`` (bp e) at the consumer's start."""
     from pipeloom import build_schedule, simulate
-    from pipeloom.viz import trace_events
+    from pipeloom.viz import perfetto_events
 
     timeline = simulate(build_schedule("1f1b", 4, 8))
-    events = trace_events(timeline, time_unit_us=1000)["traceEvents"]
+    events = perfetto_events(timeline, time_unit_us=1000)["traceEvents"]
     starts = {e["id"]: e for e in events if e["ph"] == "s"}
     ends = {e["id"]: e for e in events if e["ph"] == "f"}
     assert len(starts) == len(ends) == 48 and starts.keys() == ends.keys()
