@@ -129,11 +129,20 @@ def test_collectives_across_domains_closed_forms():
     # one rank per domain, 64 domains: the ring's bytes, a tree's 2*log2(64) = 12 steps
     assert collective_seconds(ROUND, "all_reduce", s, 64, ranks_per_domain=1) == pytest.approx(
         2 * 63 / 64 * s / OUT + 12 * 1e-5)
-    # 16 ranks, 8 per domain: rs + ag inside, all-reduce of the 1/8 shard across 2 domains
+    # 16 ranks, 8 per domain: rs + ag inside, all-reduce of the 1/8 shard across 2 domains, pipelined:
+    # the slower level's transfer counts, every level's latency adds
+    inside, across = 2 * 7 / 8 * s / UP, 2 * 1 / 2 * (s / 8) / OUT
+    assert inside > across  # 0.035 s in the domain against 0.025 s through the NICs: the domain's level counts
     assert collective_seconds(ROUND, "all_reduce", s, 16, ranks_per_domain=8) == pytest.approx(
-        2 * (7 / 8 * s / UP + 7e-6) + 2 * 1 / 2 * (s / 8) / OUT + 2 * 1e-5)
+        inside + 14e-6 + 2e-5)
     assert collective_seconds(ROUND, "all_gather", s, 16, ranks_per_domain=8) == pytest.approx(
-        7 / 8 * s / UP + 7e-6 + 1 / 2 * (s / 8) / OUT + 1e-5)
+        7 / 8 * s / UP + 7e-6 + 1e-5)
+    # with NICs 2.5x slower the cross-domain level is the slower one
+    slow_nic = dataclasses.replace(ROUND, scale_out_bandwidth=4e9)
+    assert collective_seconds(slow_nic, "all_reduce", s, 16, ranks_per_domain=8) == pytest.approx(
+        2 * 1 / 2 * (s / 8) / 2e9 + 14e-6 + 2e-5)
+    assert collective_seconds(slow_nic, "all_gather", s, 16, ranks_per_domain=8) == pytest.approx(
+        1 / 2 * (s / 8) / 2e9 + 7e-6 + 1e-5)
     assert collective_seconds(ROUND, "reduce_scatter", s, 16, ranks_per_domain=8) == pytest.approx(
         collective_seconds(ROUND, "all_gather", s, 16, ranks_per_domain=8))
     # all-to-all: 8/16 of the buffer leaves the domain through the NIC
