@@ -236,10 +236,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     hw = calibrate(base, measured, grid, device_name=device_name, name=args.name or f"{base.name}-measured",
                    log=print)
     save_hardware(hw, args.out)
-    print(f"gemm_efficiency {hw.gemm_efficiency:.3f}, gemm_half_dim {hw.gemm_half_dim:.0f}, kernel_overhead "
-          f"{hw.kernel_overhead * 1e6:.1f} us, attention {hw.attention_efficiency:.3f} / "
-          f"{hw.attention_backward_efficiency:.3f} (half at s={hw.attention_half_seq:.0f}), memory "
-          f"{hw.memory_efficiency:.3f}; wrote {args.out} in {time.monotonic() - start:.0f} s")
+    print(f"gemm_efficiency {hw.gemm_efficiency:.3g}, gemm_half_dim {hw.gemm_half_dim:.0f}, kernel_overhead "
+          f"{hw.kernel_overhead * 1e6:.1f} us, attention {hw.attention_efficiency:.3g} / "
+          f"{hw.attention_backward_efficiency:.3g} (half at s={hw.attention_half_seq:.0f}), memory "
+          f"{hw.memory_efficiency:.3g}; wrote {args.out} in {time.monotonic() - start:.0f} s")
     return 0
 
 
