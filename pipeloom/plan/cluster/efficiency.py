@@ -88,33 +88,44 @@ def _dims(**dims: int) -> None:
             raise HardwareError(f"{name} must be a whole number >= 0, got {value!r}")
 
 
-def gemm_efficiency(hw: Hardware, m: int, n: int, k: int) -> float:
+def _sizes(**sizes: float) -> None:
+    """Shape sizes may be averages (tokens per expert of a mixture of experts): any finite number >= 0."""
+    for name, value in sizes.items():
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
+            raise HardwareError(f"{name} must be a number >= 0, got {value!r}")
+
+
+def gemm_efficiency(hw: Hardware, m: float, n: float, k: float) -> float:
     """Fraction of peak the GEMM's compute runs at: ``E · Π d / (d + d½)`` over ``m, n, k``."""
     half = hw.gemm_half_dim
     return hw.gemm_efficiency * (m / (m + half)) * (n / (n + half)) * (k / (k + half))
 
 
-def gemm_seconds(hw: Hardware, m: int, n: int, k: int, *, dtype: str = "bf16") -> float:
+def gemm_seconds(hw: Hardware, m: float, n: float, k: float, *, dtype: str = "bf16", count: int = 1) -> float:
     """Seconds of one ``(m x k) @ (k x n)`` GEMM (module docstring: roofline with a size-dependent
-    efficiency, plus the kernel overhead); 0 when any dimension is 0."""
-    _dims(m=m, n=n, k=k)
+    efficiency, plus the kernel overhead); 0 when any dimension is 0. ``count`` same-shape GEMMs run as one
+    grouped kernel (the experts of a mixture of experts): one overhead, ``count`` times the work, each at
+    its own shape's efficiency. ``m`` may be an average (tokens per expert)."""
+    _sizes(m=m, n=n, k=k)
+    _dims(count=count)
     peak, width = hw.peak(dtype), dtype_bytes(dtype)
-    if m == 0 or n == 0 or k == 0:
+    if m == 0 or n == 0 or k == 0 or count == 0:
         return 0.0
     compute = 2.0 * m * n * k / (peak * gemm_efficiency(hw, m, n, k))
     traffic = (m * k + k * n) * width + m * n * 2
-    return hw.kernel_overhead + max(compute, traffic / (hw.memory_bandwidth * hw.memory_efficiency))
+    return hw.kernel_overhead + count * max(compute, traffic / (hw.memory_bandwidth * hw.memory_efficiency))
 
 
-def attention_flops(*, batch: int, heads: int, seq: int, head_dim: int, causal: bool = True,
+def attention_flops(*, batch: float, heads: int, seq: int, head_dim: int, causal: bool = True,
                     backward: bool = False) -> float:
     """FLOPs of the flash-attention core: ``4·b·h·s²·d`` forward (half when causal), 2.5x that backward."""
-    _dims(batch=batch, heads=heads, seq=seq, head_dim=head_dim)
+    _sizes(batch=batch)
+    _dims(heads=heads, seq=seq, head_dim=head_dim)
     forward = 4.0 * batch * heads * seq * seq * head_dim * (0.5 if causal else 1.0)
     return forward * (_BACKWARD if backward else 1.0)
 
 
-def attention_seconds(hw: Hardware, *, batch: int, heads: int, seq: int, head_dim: int, causal: bool = True,
+def attention_seconds(hw: Hardware, *, batch: float, heads: int, seq: int, head_dim: int, causal: bool = True,
                       dtype: str = "bf16", backward: bool = False) -> float:
     """Seconds of the flash-attention core, forward or backward (module docstring). Megatron's and
     Transformer Engine's FP8 recipes keep attention in BF16: pass ``dtype="bf16"`` for them."""

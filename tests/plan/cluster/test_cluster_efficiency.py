@@ -68,8 +68,21 @@ def test_fp8_needs_a_gpu_that_has_it():
         gemm_seconds(hardware("a100-80gb"), 8, 8, 8, dtype="fp8")
     with pytest.raises(HardwareError, match="no 'fp16'"):
         gemm_seconds(hardware("h100"), 8, 8, 8, dtype="fp16")
-    with pytest.raises(HardwareError, match="m must be a whole number"):
+    with pytest.raises(HardwareError, match="m must be a number >= 0"):
         gemm_seconds(ROUND, -1, 8, 8)
+    with pytest.raises(HardwareError, match="count must be a whole number"):
+        gemm_seconds(ROUND, 8, 8, 8, count=1.5)  # type: ignore[arg-type]
+
+
+def test_grouped_gemm_pays_one_overhead_and_takes_average_shapes():
+    # 8 experts of 512.5 tokens on average: one kernel overhead, 8x the work at the shape's efficiency
+    one = gemm_seconds(ROUND, 512.5, 4096, 1024) - ROUND.kernel_overhead
+    assert gemm_seconds(ROUND, 512.5, 4096, 1024, count=8) == pytest.approx(ROUND.kernel_overhead + 8 * one)
+    assert gemm_seconds(ROUND, 512.5, 4096, 1024, count=8) < 8 * gemm_seconds(ROUND, 512.5, 4096, 1024)
+    assert gemm_seconds(ROUND, 512.5, 4096, 1024, count=0) == 0.0
+    # fewer tokens per expert (more experts sharing the same tokens) is slower per FLOP
+    few, many = gemm_seconds(ROUND, 64, 4096, 1024, count=64), gemm_seconds(ROUND, 4096, 4096, 1024, count=1)
+    assert few > many
 
 
 def test_attention_flops_and_seconds():
