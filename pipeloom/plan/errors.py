@@ -6,6 +6,7 @@ from pipeloom.errors import PipeloomError
 
 __all__ = [
     "CostTableError",
+    "HardwareError",
     "MemoryTooSmall",
     "NoPlanFits",
     "PartitionError",
@@ -55,3 +56,7 @@ class NoPlanFits(PlanError):
 
 class RecipeError(PipeloomError):
     """A saved tensor-parallel plan that is not a known recipe over lists of module names."""
+
+
+class HardwareError(PipeloomError):
+    """An unknown GPU name, or a hardware file or description that cannot be used (names the fix)."""

@@ -28,7 +28,7 @@ all-reduce's buffer; for an all-to-all each rank's buffer). ``ranks = r · D`` w
   NIC, the two at once (the slower one counts).
 
 Each ring level moves ``share · S`` at ``B · e`` (the ring algebra of
-:meth:`pipeloom.plan.collective_fit.CollectiveFit.seconds`: ``2(n-1)/n`` of the bytes for an all-reduce,
+:meth:`pipeloom.plan.tp.collectives.CollectiveFit.seconds`: ``2(n-1)/n`` of the bytes for an all-reduce,
 ``(n-1)/n`` otherwise). NCCL pipelines chunks through every hop, so the levels overlap: the collective
 takes the slower level's transfer time plus every level's latency (ring steps inside a domain; across
 domains NCCL's trees and PAT bound the steps by ``2·⌈log₂ D⌉`` for an all-reduce, ``⌈log₂ D⌉``
@@ -61,8 +61,9 @@ from __future__ import annotations
 
 import math
 
-from pipeloom.plan.cluster.hardware import Hardware, HardwareError
-from pipeloom.plan.collective_fit import CollectiveFit
+from pipeloom.plan.cluster.hardware import Hardware
+from pipeloom.plan.errors import HardwareError
+from pipeloom.plan.tp.collectives import CollectiveFit
 
 __all__ = ["COLLECTIVE_KINDS", "attention_flops", "attention_seconds", "collective_seconds", "dtype_bytes",
            "gemm_efficiency", "gemm_seconds", "memory_seconds", "p2p_seconds"]

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
-from pipeloom.errors import PipeloomError
+from pipeloom.plan.errors import HardwareError
 
 __all__ = ["DTYPES", "FORMAT", "Hardware", "HardwareError", "hardware", "hardware_from_dict", "hardware_names",
            "load_hardware", "save_hardware"]
@@ -20,10 +20,6 @@ FORMAT = "pipeloom.hardware/1"
 
 DTYPES = ("bf16", "fp8")
 """Matrix-multiply data types a peak rate may be given for (dense, no 2:4 sparsity)."""
-
-
-class HardwareError(PipeloomError):
-    """An unknown GPU name, or a hardware file or description that cannot be used (names the fix)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

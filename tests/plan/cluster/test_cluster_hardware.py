@@ -12,12 +12,12 @@ from pipeloom.errors import PipeloomError
 from pipeloom.plan.cluster.hardware import (
     FORMAT,
     Hardware,
-    HardwareError,
     hardware,
     hardware_names,
     load_hardware,
     save_hardware,
 )
+from pipeloom.plan.errors import HardwareError
 
 NAMES = ["a100-40gb", "a100-80gb", "h100", "h200", "b200", "gb200", "gb300", "mi300x"]
 
