@@ -211,8 +211,8 @@ class _Search:
             spreads = stage_spreads(table, library, found, shape=shape)
             makespan = expected_makespan(costed, spreads, start_skew=runtime.start_skew)
         peak = max(timeline.peak_memory)
-        fits = limit is None or peak <= limit * MEMORY_SLACK
-        reason = "" if fits else f"peak {format_bytes(peak)} > {format_bytes(limit)}"
+        reason = ("" if limit is None or peak <= limit * MEMORY_SLACK
+                  else f"peak {format_bytes(peak)} > {format_bytes(limit)}")
         return dataclasses.replace(
             base, step_time=(makespan + replica_sync_time(table, library, found, shape=shape)
                              + shared_time(table, library, found, shape=shape) + runtime.step_overhead),

@@ -301,15 +301,7 @@ def profile_model(
     runtime adds per action) and ``step_overhead`` (seconds it adds once per step) are copied into the
     table (its ``runtime`` corrections).
     """
-    inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-    modules = _modules(model)
-    first = next((p for module in modules for p in module.parameters()), None)
-    device = _device(device) if device is not None else (first.device if first is not None else
-                                                          torch.device("cpu"))
-    for module in modules:
-        module.to(device).train()
-    inputs = tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in inputs)
-    target = target.to(device) if isinstance(target, torch.Tensor) else target
+    device, inputs, target = _on_device(model, example_inputs, target, device)
     staged, names = _cut(model, inputs, pieces, tracer=tracer, leaf_modules=leaf_modules)
     sync = _sync_for(device)
     stage_inputs, stage_outputs = _stage_values(staged, inputs, names)
@@ -338,6 +330,23 @@ def profile_model(
                      optimizer_factor=optimizer_factor, source="profile",
                      shared=_shared(model, staged, names),
                      runtime=RuntimeCorrections(action_overhead=action_overhead, step_overhead=step_overhead))
+
+
+def _on_device(model: Model, example_inputs: torch.Tensor | tuple, target: object,
+               device: str | torch.device | None) -> tuple[torch.device, tuple, object]:
+    """The device (given, or where the model's parameters are), with the model moved there in training mode,
+    and the inputs and target on it."""
+    inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    modules = _modules(model)
+    first = next((p for module in modules for p in module.parameters()), None)
+    if device is not None:
+        found = _device(device)
+    else:
+        found = first.device if first is not None else torch.device("cpu")
+    for module in modules:
+        module.to(found).train()
+    inputs = tuple(t.to(found) if isinstance(t, torch.Tensor) else t for t in inputs)
+    return found, inputs, target.to(found) if isinstance(target, torch.Tensor) else target
 
 
 def _modules(model: Model) -> list[nn.Module]:
