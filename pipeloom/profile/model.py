@@ -3,7 +3,7 @@
 forward, its full backward and its input/weight-gradient split as the engine runs them, and count its
 bytes, each parameter once.
 
-The one planner module that imports torch (docs/design.md §4).
+It imports torch and the runtime; the planner it writes for never imports torch (docs/design.md §4, §7).
 """
 
 from __future__ import annotations

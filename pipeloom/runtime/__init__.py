@@ -1,6 +1,6 @@
 """The distributed runtime: model splitting, the lowering of schedules, p2p and the engine.
 
-Importing this package imports torch; nothing else in pipeloom does (docs/design.md §4).
+Importing this package imports torch, as `pipeloom.profile` does; the rest of pipeloom does not (docs/design.md §4, §7).
 """
 
 from __future__ import annotations
