@@ -1,6 +1,7 @@
 """The distributed runtime: model splitting, the lowering of schedules, p2p and the engine.
 
-Importing this package imports torch, as `pipeloom.profile` does; the rest of pipeloom does not (docs/design.md §4, §7).
+Importing this package imports torch, as importing :mod:`pipeloom.profile` does; the rest of pipeloom does
+not (the command line only inside the commands that need it; docs/design.md §4, §7).
 """
 
 from __future__ import annotations
