@@ -1,4 +1,4 @@
-"""Search benchmark on the Tessel placements (DESIGN §6) and the zero-bubble paper's setting.
+"""Search benchmark on the Tessel placements (docs/design.md §6) and the zero-bubble paper's setting.
 
 Run ``python benchmarks/search_tessel_placements.py`` (``--help`` for the sections, the time
 limit and the worker count). Each row is one ``pipeloom.search.search`` call, re-validated here:

@@ -5,7 +5,7 @@
     torchrun --nproc-per-node 4 examples/train_gpt.py --steps 20 --dp 2 --meta
 
 Both print ``step k loss X`` with X in full precision (``repr``), bit for bit the same: the engine's
-gradients equal the single-device ones exactly (DESIGN §5). Ranks use gloo on CPU, or NCCL with one
+gradients equal the single-device ones exactly (docs/design.md §5). Ranks use gloo on CPU, or NCCL with one
 GPU per rank when CUDA is available. The tokens are synthetic and deterministic: each sequence
 counts up from a random token in a random stride (``x[t+1] = x[t] + k mod vocab``), a pattern the
 model learns within a few dozen steps, so the loss visibly falls from about ln(vocab).

@@ -1,4 +1,4 @@
-"""The problem model: per-micro-batch tasks on ranks, and the stage-graph builder (DESIGN §1).
+"""The problem model: per-micro-batch tasks on ranks, and the stage-graph builder (docs/design.md §1).
 
 Every micro-batch runs the same small DAG of tasks. A ``Problem`` holds that DAG plus the
 machine facts a schedule is judged against (ranks, communication latency, memory limit).
@@ -362,7 +362,7 @@ def _edge_lists(
 def _stage_tasks(
     s: int, stage: Stage, producers: list[int], consumers: list[int], backward: Backward
 ) -> list[Task]:
-    """The tasks of stage ``s`` with the deps of DESIGN §1 (see :func:`stage_graph`)."""
+    """The tasks of stage ``s`` with the deps of docs/design.md §1 (see :func:`stage_graph`)."""
     forward = Task(
         stage=s, kind="F", ranks=stage.ranks, duration=stage.f,
         memory=0.0 if backward == "none" else stage.memory,
@@ -394,7 +394,7 @@ def stage_graph(
     memory_limit: float | None = None,
     static_memory: Sequence[float] | None = None,
 ) -> Problem:
-    """Derive the task graph of DESIGN §1 from stages and forward edges.
+    """Derive the task graph of docs/design.md §1 from stages and forward edges.
 
     F(s) waits for F(u) of every producer u; B or I of s waits for F(s) and for B/I of every
     consumer of s; W(s) waits for I(s). ``edges`` default to the chain 0 -> 1 -> ... -> S-1.

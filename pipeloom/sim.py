@@ -1,4 +1,4 @@
-"""Event simulation of a schedule with the time and memory semantics of DESIGN §3.
+"""Event simulation of a schedule with the time and memory semantics of docs/design.md §3.
 
 ``simulate(schedule)`` replays every rank's list in order and returns a :class:`Timeline`:
 start/end of each action, per-rank memory held, makespan, bubble ratio, busy time and peaks.

@@ -1,4 +1,4 @@
-"""Checks that a schedule is valid for its problem (DESIGN §3), with errors that point at the step.
+"""Checks that a schedule is valid for its problem (docs/design.md §3), with errors that point at the step.
 
 ``validate`` checks completeness, duplicates, foreign actions, deadlock, the memory limit and,
 on request, the "ordered" rule (B/W of a stage in micro-batch order) the exact runtime needs; in a

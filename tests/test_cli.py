@@ -1,5 +1,5 @@
 """Tests of the command line: run ``main([...])`` in-process and compare its numbers with the
-closed forms of GPipe/1F1B (DESIGN §6) and with the library called directly; every bad input
+closed forms of GPipe/1F1B (docs/design.md §6) and with the library called directly; every bad input
 must give one ``pipeloom: error:`` line and a non-zero status."""
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def test_list_names_every_registered_schedule_and_a_placements_section(capsys):
 
 
 def test_show_json_matches_the_1f1b_closed_form(capsys):
-    # DESIGN §6: 1F1B makespan (m+p-1)(F+B) with B = b+w; rank r holds min(p-r, m) activations.
+    # docs/design.md §6: 1F1B makespan (m+p-1)(F+B) with B = b+w; rank r holds min(p-r, m) activations.
     p, m, f, b, w = 4, 8, 2.0, 1.0, 3.0
     report = run_json(capsys, "show", "1f1b", "--ranks", str(p), "--microbatches", str(m),
                       "--f", str(f), "--b", str(b), "--w", str(w))
@@ -108,7 +108,7 @@ def test_show_save_json_and_csv_round_trip_through_simulate(capsys, tmp_path):
 
 
 def test_stages_per_rank_reaches_interleaved_1f1b(capsys):
-    # DESIGN §6: interleaved 1F1B bubble (p-1)(F+B)/v; p | m, so makespan m(F+B) + (p-1)(F+B)/v.
+    # docs/design.md §6: interleaved 1F1B bubble (p-1)(F+B)/v; p | m, so makespan m(F+B) + (p-1)(F+B)/v.
     p, m, v = 4, 8, 3
     report = run_json(capsys, "show", "interleaved-1f1b", "-p", str(p), "-m", str(m),
                       "--stages-per-rank", str(v))

@@ -1,7 +1,7 @@
 """Tests of pipeloom.ir: action text, JSON and torch-CSV forms, and the step x rank grid.
 
 Oracles: parsing undoes printing (hypothesis round trips over generated schedules), the JSON
-example of DESIGN §2, and hand-written golden text.
+example of docs/design.md §2, and hand-written golden text.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Lowering (DESIGN §2): the ``Comm`` action type, ``lower(schedule)``, and the simulation of lowered
+"""Lowering (docs/design.md §2): the ``Comm`` action type, ``lower(schedule)``, and the simulation of lowered
 schedules.
 
 Oracles: the text forms torch prints (``1SEND_F0``); closed-form counts of communication actions

@@ -1,6 +1,6 @@
-"""Tests of pipeloom.problem: input validation errors and the stage-graph builder (DESIGN §1).
+"""Tests of pipeloom.problem: input validation errors and the stage-graph builder (docs/design.md §1).
 
-Oracles: the dependency rules of DESIGN §1 written out by hand for a small DAG with a branch and
+Oracles: the dependency rules of docs/design.md §1 written out by hand for a small DAG with a branch and
 a join, and the error messages' promise to name the bad value and the fix.
 """
 

@@ -1,6 +1,6 @@
 """Tests of pipeloom.sim against hand-computed timelines and a naive reference simulator.
 
-Oracles: start/end/memory values worked out on paper from DESIGN §3, and (hypothesis) a slow
+Oracles: start/end/memory values worked out on paper from docs/design.md §3, and (hypothesis) a slow
 "run any rank whose head can start" replay written here from the same rules.
 """
 

@@ -1,4 +1,4 @@
-"""The schedule IR (DESIGN §2): an action ``(stage, kind, microbatch)`` is written ``2F0``, an
+"""The schedule IR (docs/design.md §2): an action ``(stage, kind, microbatch)`` is written ``2F0``, an
 overlapped forward + backward pair ``(0F7;7B3)OVERLAP_F_B`` and a communication action of a lowered schedule
 ``1SEND_F0``; a schedule is, per rank, the ordered list of actions it runs, with the problem it schedules;
 plus its text, JSON and torch-CSV forms.

@@ -1,4 +1,4 @@
-"""Actions and schedules (DESIGN §2): ``Action`` prints ``2F0``, ``Overlap`` (an overlapped forward and
+"""Actions and schedules (docs/design.md §2): ``Action`` prints ``2F0``, ``Overlap`` (an overlapped forward and
 backward pair) prints ``(0F7;7B3)OVERLAP_F_B``, ``Comm`` (made by lowering) prints ``1SEND_F0``; ``Schedule``
 holds per-rank action lists with the problem they schedule; ``format_grid`` draws the step x rank grid for
 errors.

@@ -1,4 +1,4 @@
-"""Lowering for the runtime (DESIGN §2): ``lower(schedule)`` adds torch's send/receive actions
+"""Lowering for the runtime (docs/design.md §2): ``lower(schedule)`` adds torch's send/receive actions
 (``1SEND_F0``, ``2RECV_B3``, ...) to a compute-only schedule; the checks and the replay with which
 the validator and the simulator treat a lowered schedule like any other.
 """

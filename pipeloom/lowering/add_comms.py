@@ -1,5 +1,5 @@
 """The lowering pass ``lower(schedule) -> Schedule``: a compute-only schedule plus the send and
-receive actions every cross-rank edge of its stage graph needs (DESIGN §2)."""
+receive actions every cross-rank edge of its stage graph needs (docs/design.md §2)."""
 
 from __future__ import annotations
 

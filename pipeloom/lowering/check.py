@@ -1,4 +1,4 @@
-"""Checks of a lowered schedule's communication actions (DESIGN §2): each on its stage's rank, each
+"""Checks of a lowered schedule's communication actions (docs/design.md §2): each on its stage's rank, each
 send after the compute that makes its data, every message sent once and received once, messages
 between two ranks received in the order they are sent, every remote input received before use.
 Deadlock through communication is found by the simulator's replay (:mod:`pipeloom.lowering.replay`).

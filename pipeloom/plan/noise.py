@@ -1,6 +1,6 @@
 """The planner's noise and start-skew model: the mean makespan of a schedule whose action times
 vary around their tasks' (lognormal factors) and whose first ranks start a step a little apart
-(exponential delays). It replays with the simulator's semantics (DESIGN §3,
+(exponential delays). It replays with the simulator's semantics (docs/design.md §3,
 :func:`pipeloom.sim.compile_schedule`); the fitted spreads and skew come from
 ``CostTable.runtime`` (:func:`pipeloom.profile.in_engine.profile_in_engine`).
 """

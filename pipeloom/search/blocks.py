@@ -1,6 +1,6 @@
 """A Tessel-style placement builder: blocks with ranks, spans and memory, chained into a Problem.
 
-Each block is one task of the per-micro-batch DAG (DESIGN §1): a forward block opens a new stage,
+Each block is one task of the per-micro-batch DAG (docs/design.md §1): a forward block opens a new stage,
 a backward block (B, or I/W) names the forward it belongs to with ``of=`` and shares its stage.
 """
 
@@ -66,7 +66,7 @@ class PlacementBuilder:
     ``b = PlacementBuilder(num_ranks=4)``; ``x = b.block("embed", ranks=[0, 1, 2, 3])``;
     ``y = b.block("layer", ranks=[0], memory=1)``; ``gy = b.block("layer.B", kind="B", of=y,
     span=3, memory=-1)``; ``b.chain(x, y, gy)``; ``problem = b.build(memory_limit=4)``.
-    A backward block always waits for its forward (DESIGN §1); :meth:`build` adds that edge
+    A backward block always waits for its forward (docs/design.md §1); :meth:`build` adds that edge
     unless a declared path already implies it. The builder is a plain local object, no global state.
     """
 
@@ -159,7 +159,7 @@ class PlacementBuilder:
             self.depends(after, on=before)
 
     def chain_layers(self, *layers: Layer) -> None:
-        """Forwards in the given order, backwards in reverse: the stage_graph chain of DESIGN §1."""
+        """Forwards in the given order, backwards in reverse: the stage_graph chain of docs/design.md §1."""
         self.chain(*(layer.forward for layer in layers))
         self.chain(*(layer.backward for layer in reversed(layers)))
 

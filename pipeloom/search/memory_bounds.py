@@ -1,7 +1,7 @@
 """Lower bounds from a memory limit: memory x time held per micro-batch, the window a rank holds
 memory in, and the chain a single take/give pair forms on a rank.
 
-Memory follows the simulator (DESIGN §3): a task's change applies on each of its ranks at its
+Memory follows the simulator (docs/design.md §3): a task's change applies on each of its ranks at its
 start, held memory is the running sum along the rank's list, and a rank runs one action at a time.
 """
 

@@ -1,4 +1,4 @@
-"""The placement catalog: DESIGN §6's Tessel placements and the classic linear, V and interleaved ones.
+"""The placement catalog: docs/design.md §6's Tessel placements and the classic linear, V and interleaved ones.
 
 ``placement(name, num_ranks)`` returns the per-micro-batch Problem. The classic placements are the
 very problems the built-in schedules build with ``Costs()``, so a search can warm-start from them.
@@ -20,9 +20,9 @@ from pipeloom.search.blocks import Block, PlacementBuilder, split_span
 __all__ = ["PLACEMENTS", "PlacementInfo", "placement", "placement_names"]
 
 _F_MEMORY = 1.0
-"""A Tessel forward block's activations (DESIGN §6: F span 1 memory +1)."""
+"""A Tessel forward block's activations (docs/design.md §6: F span 1 memory +1)."""
 _B_SPAN = 3.0
-"""A Tessel backward block's span (DESIGN §6: B span 3 memory -1)."""
+"""A Tessel backward block's span (docs/design.md §6: B span 3 memory -1)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -77,7 +77,7 @@ class PlacementInfo:
         return f"{num_ranks - 1} or {num_ranks + 1}"
 
 
-# -- Tessel placements (DESIGN §6), each a function of the rank count filling a builder ----------
+# -- Tessel placements (docs/design.md §6), each a function of the rank count filling a builder ----------
 
 
 def _forwards(
@@ -244,7 +244,7 @@ PLACEMENTS: Mapping[str, PlacementInfo] = _entries(
     PlacementInfo(name="interleaved", classic=True,
                   summary="2 looped stages per rank (stage s on rank s % n), half a share each"),
 )
-"""Every placement by name: the Tessel shapes of DESIGN §6, then the classic ones."""
+"""Every placement by name: the Tessel shapes of docs/design.md §6, then the classic ones."""
 
 
 def placement_names() -> tuple[str, ...]:
@@ -268,7 +268,7 @@ def placement(
     """The per-micro-batch problem of placement ``name`` on ``num_ranks`` ranks.
 
     Tessel shapes: F span 1 memory +1, B span 3 memory -1, "all" blocks span 1 memory 0, unless
-    the shape says otherwise (DESIGN §6). Classic shapes use ``Costs(comm=comm_latency)``:
+    the shape says otherwise (docs/design.md §6). Classic shapes use ``Costs(comm=comm_latency)``:
     ``linear`` equals the problem of 1F1B/GPipe (ZB-H1/ZB-H2 when split), ``v`` that of ZB-V and
     DualPipeV, ``interleaved`` that of interleaved 1F1B with 2 stages per rank.
     ``split_backward`` splits each B into I + W (Tessel spans by

@@ -2,7 +2,7 @@
 
 Oracle: the one-rank run's printed losses. Every multi-rank launch (any schedule, any split) must
 print the same ``step k loss X`` lines character for character, since the engine's gradients equal
-the single-device ones bitwise (DESIGN §5) and the optimizer then does the same arithmetic.
+the single-device ones bitwise (docs/design.md §5) and the optimizer then does the same arithmetic.
 
 Without torch the module is skipped, unless PIPELOOM_REQUIRE_TORCH=1 (set by ``make test``), which
 turns a missing torch into a failure.

@@ -1,6 +1,6 @@
 """Stage rules read off schedules, and partitions per placement style.
 
-Oracles: the closed forms of DESIGN §6 (1F1B holds p - r micro-batches on rank r, GPipe holds M),
+Oracles: the closed forms of docs/design.md §6 (1F1B holds p - r micro-batches on rank r, GPipe holds M),
 the V placement (rank r holds stages r and 2p-1-r), and the simulator's per-rank peak, which the
 rules' byte count must bound.
 """

@@ -1,4 +1,4 @@
-"""Small models for the runtime tests, and the single-device reference of DESIGN §5."""
+"""Small models for the runtime tests, and the single-device reference of docs/design.md §5."""
 
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ def batch(name: str, rows: int = 16, seed: int = 1) -> tuple[tuple[torch.Tensor,
 
 
 def reference_step(model: nn.Module, inputs: tuple, target: torch.Tensor, microbatches: int) -> torch.Tensor:
-    """DESIGN §5: ``for m: (loss_fn(model(x_m), y_m) / M).backward()``; returns the sum of the losses."""
+    """docs/design.md §5: ``for m: (loss_fn(model(x_m), y_m) / M).backward()``; returns the sum of the losses."""
     chunks = [torch.chunk(t, microbatches) for t in inputs]
     total = None
     for m, y in enumerate(torch.chunk(target, microbatches)):

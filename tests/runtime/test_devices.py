@@ -38,7 +38,7 @@ def _same_grads(model, reference) -> list[str]:
 
 
 def _loop(model, x, y, loss_fn, n: int) -> torch.Tensor:
-    """DESIGN §5's reference: ``for m: (loss_fn(model(x_m), y_m) / n).backward()``; the summed loss."""
+    """docs/design.md §5's reference: ``for m: (loss_fn(model(x_m), y_m) / n).backward()``; the summed loss."""
     total = None
     for xm, ym in zip(torch.chunk(x, n), torch.chunk(y, n)):
         part = loss_fn(model(xm), ym) / n

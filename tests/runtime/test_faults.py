@@ -12,7 +12,7 @@ pytest.importorskip("torch")
 from fault_jobs import HELPER_THREADS, close_threads, lingering_fault, mismatch
 from ranks import run_ranks
 
-BOUND_S = 10.0  # DESIGN §5: a failure reaches every rank within seconds (about 1 s alone; 8.3 s was seen
+BOUND_S = 10.0  # docs/design.md §5: a failure reaches every rank within seconds (about 1 s alone; 8.3 s was seen
 # once on the 2-core CI with the whole suite running beside it)
 LINGER_S = 12.0  # longer than the bound: the others must not learn of the failure from its exit
 

@@ -1,6 +1,6 @@
 """Unchanged ``transformers`` models (tiny random-init configs, no downloads) cut at module names with
 torch.export and trained on 2 and 4 gloo ranks. Oracles: the unsplit model's for-loop reference of
-DESIGN §5 (torch.equal losses and gradients, tied weights included), and for dropout the single-process
+docs/design.md §5 (torch.equal losses and gradients, tied weights included), and for dropout the single-process
 reference with the runtime's random numbers, ``pipeloom.runtime.reference_step``."""
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ def _ok(results: dict) -> dict:
 
 @functools.cache
 def one_device(model_name: str, steps: int = STEPS) -> tuple[list[dict], dict]:
-    """The single-device reference of DESIGN §5, ``steps`` SGD steps: each step's gradients by name, and
+    """The single-device reference of docs/design.md §5, ``steps`` SGD steps: each step's gradients by name, and
     the state dict after them. One thread: tiny float64 kernels run ~10x slower on two busy ones."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -2,7 +2,7 @@
 its documented requirement says so.
 
 Oracles: each family's stated acceptance rule (``ACCEPTS``), the validator (ordered mode), the
-per-rank work lower bound M * max_r work_r, the JSON round trip, and closed forms of DESIGN §6:
+per-rank work lower bound M * max_r work_r, the JSON round trip, and closed forms of docs/design.md §6:
 GPipe and 1F1B take (m+p-1)(f+b+w) without communication; interleaved 1F1B (m + (p-1)/v)(f+b+w)
 when p divides m; ZB-H1 takes 3m+p-1 when f=b=w=1 and m >= p.
 """
@@ -124,7 +124,7 @@ def test_gpipe_and_1f1b_makespan_closed_form(name, cost_name):
 
 
 def test_gpipe_and_1f1b_activation_memory():
-    """DESIGN §6: GPipe holds m micro-batches, 1F1B min(p, m) (rank 0 holds the most)."""
+    """docs/design.md §6: GPipe holds m micro-batches, 1F1B min(p, m) (rank 0 holds the most)."""
     for ranks in RANKS:
         for microbatches in MICROBATCHES:
             gpipe = validate(build_schedule("gpipe", ranks, microbatches))
@@ -136,7 +136,7 @@ def test_gpipe_and_1f1b_activation_memory():
 @pytest.mark.parametrize("stages_per_rank", [2, 3])
 @pytest.mark.parametrize("cost_name", ["equal", "skewed", "w0"])
 def test_interleaved_1f1b_bubble_is_divided_by_v(stages_per_rank, cost_name):
-    """DESIGN §6: bubble (p-1)(F+B)/v with per-rank totals, so makespan (m + (p-1)/v)(f+b+w) (m % p == 0)."""
+    """docs/design.md §6: bubble (p-1)(F+B)/v with per-rank totals, so makespan (m + (p-1)/v)(f+b+w) (m % p == 0)."""
     costs = COSTS[cost_name]
     for ranks in (2, 3, 4, 8):
         for microbatches in (ranks, 2 * ranks, 4 * ranks):

@@ -3,7 +3,7 @@
 Oracles: the validator (ordered mode, memory limit); the V placement of the zero-bubble paper
 (rank r holds stages r and 2p-1-r, each with half of a rank's costs); the lower bound
 (p-1)(f/2 + comm) + m(f+b+w) (rank p-1 cannot start earlier and then has m(f+b+w) of work);
-ZB-H1's closed form m(f+b+w) + (p-1)(f+b-w) (DESIGN §6) and ZB-H1 itself (zero_bubble.zb_h1);
+ZB-H1's closed form m(f+b+w) + (p-1)(f+b-w) (docs/design.md §6) and ZB-H1 itself (zero_bubble.zb_h1);
 the zero-bubble authors' ZB-V generator's makespans recorded in benchmarks/data/zbv_reference.json.
 """
 

@@ -1,6 +1,6 @@
-"""The placement catalog against DESIGN §6 and against the built-in schedules' own problems.
+"""The placement catalog against docs/design.md §6 and against the built-in schedules' own problems.
 
-Oracles: the shapes written out by hand from DESIGN §6 (task lists with deps), per-rank memory of
+Oracles: the shapes written out by hand from docs/design.md §6 (task lists with deps), per-rank memory of
 one micro-batch summing to 0, ``build_schedule(...).problem`` equality for the classic placements
 (what lets the search warm-start from the library), hand-computed critical paths of one
 micro-batch, and the validator on a serial schedule made with ``schedule_from_starts``.
@@ -273,7 +273,7 @@ def test_unknown_names_and_conflicting_options_are_refused():
         placement("linear", 4, comm_latency=-1)
 
 
-# One micro-batch's critical path with F = 1, B = 3 (n = 4), worked out from DESIGN §6 by hand.
+# One micro-batch's critical path with F = 1, B = 3 (n = 4), worked out from docs/design.md §6 by hand.
 CRITICAL_PATH = {
     "vshape": 4 + 12, "xshape": 4 + 12, "mshape": 1 + 4 + 12 + 1, "nnshape": 1 + 2 + 1 + 2 + 6 + 1 + 6 + 1,
     "mllm": 1 + 4 + 1 + 1 + 12 + 1, "kshape": 2 + 1 + 1 + 6, "finetune": 1 + 4 + 8, "alphafold": 12 + 4,

@@ -1,5 +1,5 @@
 """Tests of the report dict and terminal tables: numbers against the 1F1B/GPipe closed forms
-(DESIGN §6) and the simulator called directly, tables rendered to plain text."""
+(docs/design.md §6) and the simulator called directly, tables rendered to plain text."""
 
 from __future__ import annotations
 

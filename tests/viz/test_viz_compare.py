@@ -10,7 +10,7 @@ from pipeloom.viz import comparison_figure, draw_comparison
 
 
 def _pair():
-    # 1F1B p=4 m=8: makespan (8+3)*3 = 33; GPipe p=4 m=4: (4+3)*3 = 21 (DESIGN §6 with F=1, B=2)
+    # 1F1B p=4 m=8: makespan (8+3)*3 = 33; GPipe p=4 m=4: (4+3)*3 = 21 (docs/design.md §6 with F=1, B=2)
     return [validate(build_schedule("1f1b", 4, 8)), validate(build_schedule("gpipe", 4, 4))]
 
 

@@ -76,7 +76,7 @@ def test_memory_counter_follows_the_simulator():
     trace = perfetto_events(timeline)
     for rank in range(3):
         values = [e["args"]["held"] for e in _of(trace, "C") if e["pid"] == rank]
-        # GPipe: 0, then +1 per forward up to m, then -1 per backward (DESIGN §6 memory m)
+        # GPipe: 0, then +1 per forward up to m, then -1 per backward (docs/design.md §6 memory m)
         assert values == [0, 1, 2, 3, 4, 3, 2, 1, 0]
         assert max(values) == timeline.peak_memory[rank]
 

@@ -3,7 +3,7 @@ and, optionally, ``"dp"``.
 
 Every rank gets the global batch; the batch is cut into ``M × dp`` micro-batches (``torch.chunk``, as
 one device would cut it) and replica ``r`` runs micro-batches ``r·M … r·M + M − 1``, a contiguous share.
-Each micro-batch's loss is divided by ``M × dp`` (DESIGN §5 over the global batch), so the replicas'
+Each micro-batch's loss is divided by ``M × dp`` (docs/design.md §5 over the global batch), so the replicas'
 gradients sum to the global batch's. They are summed over ``"dp"`` in buckets: a stage's bucket is
 posted (an asynchronous all-reduce) as soon as the stage's last gradient action of the step has run, so
 the reduction overlaps the rest of the schedule. Parameters whose gradient is settled only at the end of

@@ -1,4 +1,4 @@
-"""Random numbers that do not depend on the number of ranks or the schedule (DESIGN §5).
+"""Random numbers that do not depend on the number of ranks or the schedule (docs/design.md §5).
 
 Each forward of model piece k on micro-batch m in training step t runs with the random generators of
 its device seeded from ``forward_seed(seed, t, k, m)``, and the caller's generator states are restored
@@ -65,7 +65,7 @@ def reference_step(staged: StagedModel, inputs: object, target: object, *, loss_
     ``for m: (loss_fn(run(x_m), y_m) / M).backward()`` where ``run`` is ``staged.run`` (a
     :class:`~pipeloom.runtime.StagedModel`) with piece k's forward seeded by ``forward_seed(seed, step, k,
     m)``. Returns the summed loss; gradients accumulate in the model's ``.grad``. Without random
-    operations in the model it is the plain loop of DESIGN §5."""
+    operations in the model it is the plain loop of docs/design.md §5."""
     from pipeloom.runtime.step.backward import add_in_order
 
     device = torch.device(device)
