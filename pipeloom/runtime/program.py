@@ -1,5 +1,5 @@
-"""Lower a compute-only schedule onto a staged model: which piece each schedule stage runs, which
-real micro-batch each action works on, and the messages between ranks in the order they are sent.
+"""Per-rank programs of a compute-only schedule on a staged model (:func:`build_programs`): which piece each
+schedule stage runs, which real micro-batch each action works on, and the messages between ranks in send order.
 
 A schedule whose forward graph has c disjoint components, each shaped like the model, runs c model
 replicas (DualPipe, Chimera): component j's stages run the model's pieces in index order, and IR
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pipeloom.ir import Action, Comm, Overlap, Schedule, compute_parts
 from pipeloom.runtime.errors import PipelineError
 
-__all__ = ["MODEL_INPUT", "Lowering", "Source", "Step", "Unit", "forward_unit", "lower", "model_pieces"]
+__all__ = ["MODEL_INPUT", "Lowering", "Source", "Step", "Unit", "build_programs", "forward_unit", "model_pieces"]
 
 class Source(enum.Enum):
     """Where a value comes from when it is not a piece's output."""
@@ -159,7 +159,7 @@ def forward_unit(unit_of: dict[tuple[str, int, int, int], int], unit: Unit) -> i
     return unit_of[("F", unit.producer, unit.consumer, unit.microbatch)]
 
 
-def lower(schedule: Schedule, piece_inputs: Sequence[Sequence[tuple[int | Source, int]]],
+def build_programs(schedule: Schedule, piece_inputs: Sequence[Sequence[tuple[int | Source, int]]],
           output_refs: Sequence[tuple[int | Source, int]]) -> Lowering:
     """Map ``schedule`` onto a model of ``len(piece_inputs)`` pieces and list every rank's steps.
 

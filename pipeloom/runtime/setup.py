@@ -15,7 +15,7 @@ from pipeloom.ir import Schedule, load_schedule
 from pipeloom.runtime.errors import PipelineError
 from pipeloom.runtime.model.split import StagedModel, split_model, stages_from_modules
 from pipeloom.runtime.parallel.dp import Layout
-from pipeloom.runtime.program import Lowering, lower
+from pipeloom.runtime.program import Lowering, build_programs
 from pipeloom.schedules import build_schedule, schedule_info, schedule_names
 from pipeloom.validate import validate
 
@@ -98,7 +98,7 @@ def lower_for(schedule: Schedule, staged: StagedModel, *, world: int, microbatch
     validate(schedule, ordered=True, check_memory_limit=False)
     piece_inputs = [[(ref.stage, ref.index) for ref in spec.inputs] for spec in staged.graph.stages]
     outputs = [(ref.stage, ref.index) for ref in staged.graph.output_refs()]
-    lowering = lower(schedule, piece_inputs, outputs)
+    lowering = build_programs(schedule, piece_inputs, outputs)
     if microbatches is not None and lowering.num_microbatches != microbatches:
         raise PipelineError(f"the schedule runs {lowering.num_microbatches} micro-batches per step, but "
                             f"microbatches={microbatches}; pass microbatches={lowering.num_microbatches} or rebuild it")

@@ -229,13 +229,13 @@ def test_weights_shared_by_two_pieces_get_the_reference_gradients(schedule, poin
 def test_weights_shared_by_two_pieces_are_refused_with_two_replicas():
     from pipeloom import build_schedule
     from pipeloom.runtime.model.split import split_model
-    from pipeloom.runtime.program import lower
+    from pipeloom.runtime.program import build_programs
     from pipeloom.runtime.step.shared import check_placement, shared_parameters
 
     staged = split_model(Tied(), ["c"])
     inputs = [[(ref.stage, ref.index) for ref in spec.inputs] for spec in staged.graph.stages]
     outputs = [(ref.stage, ref.index) for ref in staged.graph.output_refs()]
-    lowering = lower(build_schedule("dualpipe", 2, 4), inputs, outputs)
+    lowering = build_programs(build_schedule("dualpipe", 2, 4), inputs, outputs)
     with pytest.raises(PipelineError, match=r"used by model pieces \[0, 1\].*two model replicas"):
         check_placement(shared_parameters(staged.stages), lowering)
 

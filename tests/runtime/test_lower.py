@@ -10,7 +10,7 @@ import pipeloom
 from pipeloom.ir import Action
 from pipeloom.problem import Costs, stage_graph
 from pipeloom.runtime.errors import PipelineError
-from pipeloom.runtime.program import MODEL_INPUT, lower, model_pieces
+from pipeloom.runtime.program import MODEL_INPUT, build_programs, model_pieces
 
 CHAIN = {n: [[(MODEL_INPUT, 0)]] + [[(k - 1, 0)] for k in range(1, n)] for n in (2, 4, 8)}
 OUT = {n: [(n - 1, 0)] for n in (2, 4, 8)}
@@ -21,7 +21,7 @@ OUT = {n: [(n - 1, 0)] for n in (2, 4, 8)}
 ])
 def test_every_received_unit_is_sent_once_and_each_pair_keeps_its_order(name, ranks, pieces):
     schedule = pipeloom.build_schedule(name, ranks, 8)
-    low = lower(schedule, CHAIN[pieces], OUT[pieces])
+    low = build_programs(schedule, CHAIN[pieces], OUT[pieces])
     sent = [uid for program in low.programs for step in program for uid in step.sends]
     received = [uid for program in low.programs for step in program for uid in step.recvs]
     assert sorted(sent) == sorted(set(sent)) == list(range(len(low.units)))
@@ -37,7 +37,7 @@ def test_every_received_unit_is_sent_once_and_each_pair_keeps_its_order(name, ra
 
 
 def test_two_replicas_take_alternate_microbatches():
-    low = lower(pipeloom.build_schedule("dualpipe", 2, 8), CHAIN[2], OUT[2])
+    low = build_programs(pipeloom.build_schedule("dualpipe", 2, 8), CHAIN[2], OUT[2])
     first = {step.microbatch for p in low.programs for step in p if low.replica_of[step.action.stage] == 0}
     second = {step.microbatch for p in low.programs for step in p if low.replica_of[step.action.stage] == 1}
     assert first == {0, 2, 4, 6} and second == {1, 3, 5, 7}
@@ -45,14 +45,14 @@ def test_two_replicas_take_alternate_microbatches():
 
 def test_a_skip_connection_becomes_its_own_unit():
     skip = [[(MODEL_INPUT, 0)], [(0, 0)], [(1, 0), (0, 0)]]
-    low = lower(pipeloom.build_schedule("1f1b", 3, 4), skip, [(2, 0)])
+    low = build_programs(pipeloom.build_schedule("1f1b", 3, 4), skip, [(2, 0)])
     pairs = {(u.producer, u.consumer) for u in low.units if u.kind == "F"}
     assert pairs == {(0, 1), (1, 2), (0, 2)}
 
 
 def test_pieces_must_match_the_schedule():
     with pytest.raises(PipelineError, match="cut the model into 4 pieces"):
-        lower(pipeloom.build_schedule("zbv", 2, 4), CHAIN[2], OUT[2])
+        build_programs(pipeloom.build_schedule("zbv", 2, 4), CHAIN[2], OUT[2])
 
 
 def _schedule(problem, lists):
@@ -64,14 +64,14 @@ def test_dataflow_against_the_schedule_order_is_refused():
     problem = stage_graph([Costs().stage(0)] * 3, num_ranks=1, edges=[(0, 2), (2, 1)])
     schedule = _schedule(problem, [["0F0", "2F0", "1F0", "1B0", "2B0", "0B0"]])
     with pytest.raises(PipelineError, match="model piece 2 reads piece 1.*stage 2 does not come after stage 1"):
-        lower(schedule, CHAIN[2] + [[(1, 0)]], [(2, 0)])
+        build_programs(schedule, CHAIN[2] + [[(1, 0)]], [(2, 0)])
 
 
 def test_multi_rank_tasks_are_refused():
     problem = stage_graph([Costs().stage([0, 1])], num_ranks=2)
     schedule = _schedule(problem, [["0F0", "0B0"], ["0F0", "0B0"]])
     with pytest.raises(PipelineError, match="one rank"):
-        lower(schedule, [[(MODEL_INPUT, 0)]], [(0, 0)])
+        build_programs(schedule, [[(MODEL_INPUT, 0)]], [(0, 0)])
 
 
 @pytest.mark.parametrize(("name", "ranks", "pieces"), [
@@ -80,13 +80,13 @@ def test_multi_rank_tasks_are_refused():
 def test_model_pieces_is_stages_over_replicas(name, ranks, pieces):
     schedule = pipeloom.build_schedule(name, ranks, 8)
     assert model_pieces(schedule) == pieces
-    assert lower(schedule, CHAIN[pieces], OUT[pieces]).num_pieces == pieces
+    assert build_programs(schedule, CHAIN[pieces], OUT[pieces]).num_pieces == pieces
 
 
 def test_a_lowered_schedule_posts_its_receives_where_they_stand():
     compute = pipeloom.build_schedule("zbv", 2, 4)
-    plain = lower(compute, CHAIN[4], OUT[4])
-    given = lower(pipeloom.lower(compute), CHAIN[4], OUT[4])
+    plain = build_programs(compute, CHAIN[4], OUT[4])
+    given = build_programs(pipeloom.lower(compute), CHAIN[4], OUT[4])
     assert given.explicit_posts and not plain.explicit_posts
     for rank in range(2):  # the same compute program and messages, with post points
         assert [(s.action, s.recvs, s.sends) for s in given.programs[rank]] == \
