@@ -195,7 +195,7 @@ def warmup_cosine(optimizer: torch.optim.Optimizer, warmup: int = 2, total: int 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def _train_scheduled(engine, optimizer, scheduler, steps: range) -> tuple[list[torch.Tensor], list[float]]:
+def train_scheduled(engine, optimizer, scheduler, steps: range) -> tuple[list[torch.Tensor], list[float]]:
     losses, rates = [], []
     for step in steps:
         x, y = batch_for("dropped", step)
@@ -216,9 +216,9 @@ def scheduler_job(rank: int, world: int, folder: str, schedule: str) -> dict:
     engine = engine_for(model_for("dropped"), schedule, world, seed=7)
     optimizer = torch.optim.AdamW(engine.parameters(), lr=0.05)
     scheduler = warmup_cosine(optimizer)
-    _train_scheduled(engine, optimizer, scheduler, range(2))
+    train_scheduled(engine, optimizer, scheduler, range(2))
     engine.save_checkpoint(path, optimizer=optimizer, extra={"scheduler": scheduler})
-    losses, rates = _train_scheduled(engine, optimizer, scheduler, range(2, 5))
+    losses, rates = train_scheduled(engine, optimizer, scheduler, range(2, 5))
 
     resumed = {}
     for name, extra in (("with", True), ("without", False)):
@@ -227,12 +227,12 @@ def scheduler_job(rank: int, world: int, folder: str, schedule: str) -> dict:
         fresh_scheduler = warmup_cosine(fresh_optimizer)
         seed_before = fresh.seed
         fresh.load_checkpoint(path, optimizer=fresh_optimizer, extra={"scheduler": fresh_scheduler} if extra else None)
-        fresh_losses, fresh_rates = _train_scheduled(fresh, fresh_optimizer, fresh_scheduler, range(2, 5))
+        fresh_losses, fresh_rates = train_scheduled(fresh, fresh_optimizer, fresh_scheduler, range(2, 5))
         resumed[name] = {
             "seed": (seed_before, fresh.seed), "rates_equal": fresh_rates == rates,
             "losses_equal": [torch.equal(a, b) for a, b in zip(losses, fresh_losses)],
         }
-    return {"seed": engine.seed, **resumed}
+    return {"seed": engine.seed, "losses": [float(loss) for loss in losses], "rates": rates, **resumed}
 
 
 def checkpoint_cases(rank: int, world: int, folder: str, cases: list[tuple[str, str]]) -> dict:

@@ -27,6 +27,7 @@ from state_jobs import (
     model_for,
     names_job,
     scheduler_job,
+    train_scheduled,
     warmup_cosine,
 )
 from torch import nn
@@ -249,6 +250,14 @@ def test_a_scheduler_and_the_seed_resume_bitwise_on_two_ranks(tmp_path, schedule
         assert report["with"]["rates_equal"] and report["with"]["losses_equal"] == [True] * 3, (rank, report)
         # forgetting the scheduler restarts its warm-up: other learning rates, other losses from the 2nd step
         assert not report["without"]["rates_equal"] and not all(report["without"]["losses_equal"]), (rank, report)
+    if schedule == "1f1b":  # the same 2 pieces on one rank (zbv): another layout resumes bitwise too
+        engine = engine_for(model_for("dropped", seed=123), "zbv", 1, seed=99)
+        optimizer = torch.optim.AdamW(engine.parameters(), lr=0.5)
+        scheduler = warmup_cosine(optimizer)
+        engine.load_checkpoint(tmp_path / "dcp", optimizer=optimizer, extra={"scheduler": scheduler})
+        losses, rates = train_scheduled(engine, optimizer, scheduler, range(2, 5))
+        assert engine.seed == 7 and rates == reports[0]["rates"]
+        assert [float(loss) for loss in losses] == reports[0]["losses"]
 
 
 def test_resuming_with_the_engines_own_seed_draws_other_dropout_masks(tmp_path):
