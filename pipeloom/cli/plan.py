@@ -85,9 +85,12 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
                            "planning here; the answer names the plan's URL for pipeline(model, plan=URL)")
     plan.add_argument("--save", type=path_with(".json"), help="write the plan (pipeloom.plan/1 JSON)")
     plan.add_argument("--export", choices=("torchtitan",),
-                      help="also write the plan as torchtitan settings next to --save: <stem>.torchtitan.toml "
-                           "([parallelism] split points, schedule CSV, micro-batch size, degrees) and "
-                           "<stem>.torchtitan.csv (the schedule)")
+                      help="also write the plan as torchtitan settings next to --save (checked with torchtitan "
+                           "0.2.2 and 0.3.0): <stem>.torchtitan.args (command-line overrides: each stage's module "
+                           "names, the schedule CSV by absolute path, micro-batch size, degrees; 0.3.x also "
+                           "--training.disable_cuda_graphs), <stem>.torchtitan.toml (the same for a 0.2.x TOML "
+                           "config) and <stem>.torchtitan.csv (the schedule); the cost table's pieces must be "
+                           "torchtitan's modules (tok_embeddings, layers.N, norm, output)")
     plan.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     plan.set_defaults(handler=cmd_plan)
 
@@ -116,14 +119,18 @@ def _candidate_json(candidate) -> dict:
     }
 
 
-def _export_torchtitan(result, save: Path) -> str:
-    """Write ``<stem>.torchtitan.toml`` and ``.csv`` next to the plan; the line that says so."""
-    from pipeloom.plan.export import torchtitan_overrides, write_torchtitan
+def _export_torchtitan(result, save: Path, modules: list[str]) -> str:
+    """Write ``<stem>.torchtitan.args``, ``.toml`` and ``.csv`` next to the plan; the lines that say so."""
+    import shlex
 
-    toml, csv = save.with_name(f"{save.stem}.torchtitan.toml"), save.with_name(f"{save.stem}.torchtitan.csv")
-    settings = write_torchtitan(result.plan, result.schedule, toml, csv)
-    return (f"wrote torchtitan settings {toml} and schedule {csv}; or pass: "
-            + " ".join(torchtitan_overrides(settings)))
+    from pipeloom.plan.export import TORCHTITAN_03_SETTINGS, torchtitan_overrides, write_torchtitan
+
+    args, toml, csv = (save.with_name(f"{save.stem}.torchtitan.{ext}") for ext in ("args", "toml", "csv"))
+    settings = write_torchtitan(result.plan, result.schedule, toml, csv, modules=modules, args_path=args)
+    words = shlex.join(torchtitan_overrides(settings))
+    return (f"wrote torchtitan overrides {args}, 0.2.x TOML {toml} and schedule {csv}\n"
+            f"torchtitan 0.2.x and 0.3.x: {words}\n"
+            f"torchtitan 0.3.x also: {shlex.join(torchtitan_overrides(TORCHTITAN_03_SETTINGS))}")
 
 
 def _progress(args: argparse.Namespace):
@@ -250,11 +257,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
                  f"predicted {plan.predicted_step_time:.4g} s")
         written.append(_draw(args, result.timeline, title))
     if args.save:  # last: it names a companion schedule file after itself, so it is written in place
+        if args.export == "torchtitan":  # first: a plan torchtitan cannot take is refused before anything is saved
+            written.append(_export_torchtitan(result, args.save, [piece.name for piece in tables[0].pieces]))
         outputs = getattr(args, "outputs", None)
         result.save(outputs.direct(args.save) if outputs is not None else args.save)
         written.insert(0, f"wrote plan {args.save}")
-        if args.export == "torchtitan":
-            written.append(_export_torchtitan(result, args.save))
     console = Console(stderr=args.json, highlight=False)
     if args.json:
         from pipeloom.plan.plan import plan_to_json

@@ -1,18 +1,29 @@
 """A plan as another tool's configuration: ``pipeloom plan --export torchtitan``.
 
-torchtitan runs a pipeline from its ``[parallelism]`` settings: where to cut the model
-(``pipeline_parallel_split_points``, module names), a schedule CSV
-(``pipeline_parallel_schedule_csv``, run by torch's ``_PipelineScheduleRuntime``), the micro-batch size
-(``pipeline_parallel_microbatch_size``; the count is the local batch over it), the pipeline and
-data-parallel degrees, and ``pipeline_parallel_schedule``, whose class decides how torchtitan places
-the stages on ranks: looped (stage s on rank s mod p) for every name but ``ZBVZeroBubble`` and
-``DualPipeV``, which place them in a V. pipeloom writes the plan's action order as the CSV and names a
-schedule of the same placement; two-replica plans (dualpipe, chimera) have no torchtitan placement and
-are refused.
+torchtitan runs a pipeline from its ``parallelism`` settings: the module names of each stage
+(``module_fqns_per_model_part``: its model's top-level modules and the children of a top-level
+``ModuleList``/``ModuleDict``, ``tok_embeddings``, ``layers.3``, ``norm``, ``output``), a schedule CSV
+(``pipeline_parallel_schedule_csv``, run by torch's ``_PipelineScheduleRuntime``; checked with
+``os.path.isfile`` from the working directory, so written as an absolute path), the micro-batch size
+(``pipeline_parallel_microbatch_size``; the count is the local batch over it), the degrees, and
+``pipeline_parallel_schedule``, whose class decides how torchtitan places the stages on ranks: looped
+(stage s on rank s mod p) for every name but ``ZBVZeroBubble`` and ``DualPipeV``, which place them in a V.
+pipeloom writes the plan's action order as the CSV and names a schedule of the same placement; two-replica
+plans (dualpipe, chimera) have no torchtitan placement and are refused.
+
+Checked against the configuration classes of torchtitan 0.2.2 and 0.3.0 (:data:`TORCHTITAN_VERSIONS`;
+``tests/plan/test_torchtitan_export.py`` when torchtitan is installed). 0.2.x reads a TOML train config
+(``--job.config_file``) plus command-line overrides; 0.3.x reads no TOML (a Python config registry,
+``--module``/``--config``, plus command-line overrides) and refuses pipeline parallelism while CUDA graphs
+are on, its default (``--training.disable_cuda_graphs``, an option 0.2.x does not have). So pipeloom writes
+the settings both read as command-line overrides, the 0.3.x extra on its own line, and a TOML fragment for
+0.2.x. torchtitan dropped ``pipeline_parallel_split_points`` after 0.1.0.
 """
 
 from __future__ import annotations
 
+import shlex
+from collections.abc import Sequence
 from pathlib import Path
 
 from pipeloom.ir import Schedule, schedule_to_csv
@@ -20,9 +31,17 @@ from pipeloom.plan.errors import PlanError
 from pipeloom.plan.partitioning.shape import schedule_shape
 from pipeloom.plan.plan import Plan
 
-__all__ = ["EXPORT_FORMATS", "torchtitan_overrides", "torchtitan_settings", "torchtitan_toml", "write_torchtitan"]
+__all__ = ["EXPORT_FORMATS", "TORCHTITAN_03_SETTINGS", "TORCHTITAN_VERSIONS", "stage_modules", "torchtitan_args",
+           "torchtitan_overrides", "torchtitan_settings", "torchtitan_toml", "write_torchtitan"]
 
 EXPORT_FORMATS = ("torchtitan",)
+
+TORCHTITAN_VERSIONS = ("0.2.2", "0.3.0")
+"""The torchtitan releases whose configuration classes accept the exported settings."""
+
+TORCHTITAN_03_SETTINGS: dict[str, dict[str, object]] = {"training": {"disable_cuda_graphs": True}}
+"""What torchtitan 0.3.x needs besides :func:`torchtitan_settings` for pipeline parallelism (its
+``Trainer.Config`` refuses ``pipeline_parallel_degree > 1`` while CUDA graphs are on); 0.2.x lacks the option."""
 
 
 def _placement(schedule: Schedule) -> str:
@@ -42,9 +61,32 @@ def _placement(schedule: Schedule) -> str:
                     "V-shaped as torchtitan places them; plan with another schedule to export it")
 
 
-def torchtitan_settings(plan: Plan, schedule: Schedule, csv_path: str | Path) -> dict[str, dict[str, object]]:
-    """``{section: {key: value}}`` of torchtitan's job config for ``plan`` run as ``schedule`` (the plan's
-    simulated order), whose CSV is written at ``csv_path``."""
+def stage_modules(split_points: Sequence[str], modules: Sequence[str]) -> list[list[str]]:
+    """``module_fqns_per_model_part``: ``modules`` (the model's pieces in call order, the cost table's piece
+    names) cut before each split point. torchtitan keeps a stage's top-level modules and the named children
+    of its top-level ``ModuleList``/``ModuleDict``, so a finer piece (``layers.0.attention``) is refused."""
+    names = list(modules)
+    finer = [name for name in names if name.count(".") > 1]
+    if finer:
+        raise PlanError(f"torchtitan cuts a model at its top-level modules and the children of a top-level "
+                        f"ModuleList (tok_embeddings, layers.3, norm, output); piece {finer[0]!r} of the cost table is "
+                        "finer: profile the model with pieces at those modules to export to torchtitan")
+    missing = [point for point in split_points if point not in names]
+    if missing or len(set(names)) != len(names):
+        raise PlanError(f"split point(s) {missing} are not pieces of the cost table (or its pieces repeat a name); "
+                        "export with the cost table the plan was made from")
+    cuts = [0, *(names.index(point) for point in split_points), len(names)]
+    if cuts != sorted(set(cuts)):
+        raise PlanError(f"split points {list(split_points)} are not in the cost table's piece order; export with "
+                        "the cost table the plan was made from")
+    return [names[a:b] for a, b in zip(cuts, cuts[1:])]
+
+
+def torchtitan_settings(plan: Plan, schedule: Schedule, csv_path: str | Path, *,
+                        modules: Sequence[str]) -> dict[str, dict[str, object]]:
+    """``{section: {key: value}}`` of torchtitan's configuration (0.2.x and 0.3.x alike) for ``plan`` run as
+    ``schedule`` (the plan's simulated order), whose CSV is written at ``csv_path`` (made absolute); ``modules``:
+    the model's pieces in call order (see :func:`stage_modules`)."""
     placement = _placement(schedule)
     if placement == "v":
         name = "ZBVZeroBubble"
@@ -52,12 +94,13 @@ def torchtitan_settings(plan: Plan, schedule: Schedule, csv_path: str | Path) ->
         name = "Interleaved1F1B" if schedule_shape(schedule).num_stages > plan.num_ranks else "1F1B"
     parallelism: dict[str, object] = {
         "pipeline_parallel_degree": plan.num_ranks,
-        "pipeline_parallel_split_points": list(plan.split_points),
+        "module_fqns_per_model_part": stage_modules(plan.split_points, modules),
         "pipeline_parallel_schedule": name,
-        "pipeline_parallel_schedule_csv": str(csv_path),
+        "pipeline_parallel_schedule_csv": str(Path(csv_path).resolve()),
         "pipeline_parallel_microbatch_size": plan.microbatch_size,
         "data_parallel_replicate_degree": plan.data_parallel if plan.sharding == "replicate" else 1,
         "data_parallel_shard_degree": plan.data_parallel if plan.sharding == "fsdp" else 1,
+        "tensor_parallel_degree": plan.tensor_parallel,
     }
     training: dict[str, object] = {"local_batch_size": plan.global_batch // plan.data_parallel,
                                    "global_batch_size": plan.global_batch}
@@ -76,8 +119,9 @@ def _toml_value(value: object) -> str:
 
 
 def torchtitan_toml(settings: dict[str, dict[str, object]]) -> str:
-    """The settings as a TOML fragment to merge into a torchtitan train config."""
-    lines = ["# pipeloom plan: merge into your torchtitan train config (or pass as --section.key overrides)"]
+    """The settings as a TOML fragment to merge into a torchtitan 0.2.x train config (0.3.x reads no TOML)."""
+    lines = [f"# pipeloom plan for torchtitan 0.2.x (checked with {TORCHTITAN_VERSIONS[0]}): merge into the train",
+             "# config --job.config_file reads. torchtitan 0.3.x reads no TOML: pass the .torchtitan.args overrides."]
     for section, values in settings.items():
         lines.append(f"\n[{section}]")
         lines.extend(f"{key} = {_toml_value(value)}" for key, value in values.items())
@@ -85,21 +129,43 @@ def torchtitan_toml(settings: dict[str, dict[str, object]]) -> str:
 
 
 def torchtitan_overrides(settings: dict[str, dict[str, object]]) -> list[str]:
-    """The settings as torchtitan command-line overrides (``--parallelism.key value``)."""
+    """The settings as torchtitan command-line overrides (``--section.key value``, as its tyro parser takes
+    them): a list of strings joined by commas, a list of lists as one comma-joined word per inner list, a
+    true flag alone."""
     words = []
     for section, values in settings.items():
         for key, value in values.items():
-            shown = ",".join(map(str, value)) if isinstance(value, list) else str(value)
-            words += [f"--{section}.{key}", shown]
+            flag = f"--{section}.{key}"
+            if isinstance(value, bool):
+                if not value:
+                    raise PlanError(f"{flag}: only options set to true are exported (false is torchtitan's default)")
+                words.append(flag)
+            elif isinstance(value, list) and value and all(isinstance(v, list) for v in value):
+                words += [flag, *(",".join(map(str, inner)) for inner in value)]
+            elif isinstance(value, list):
+                words += [flag, ",".join(map(str, value))]
+            else:
+                words += [flag, str(value)]
     return words
 
 
-def write_torchtitan(plan: Plan, schedule: Schedule, toml_path: str | Path, csv_path: str | Path,
-                     *, csv_name: str | Path | None = None) -> dict[str, dict[str, object]]:
-    """Write the schedule CSV and the TOML fragment; ``csv_name`` is how the TOML names the CSV
-    (default ``csv_path``). Returns the settings."""
-    settings = torchtitan_settings(plan, schedule, csv_name if csv_name is not None else csv_path)
-    text = schedule_to_csv(schedule)
-    Path(csv_path).write_text(text, encoding="utf-8")
+def torchtitan_args(settings: dict[str, dict[str, object]]) -> str:
+    """The ``.torchtitan.args`` text: the overrides both versions take on one line, 0.3.x's extra on another."""
+    return (f"# pipeloom plan: torchtitan command-line overrides (checked with torchtitan "
+            f"{' and '.join(TORCHTITAN_VERSIONS)}); append to the training command\n"
+            f"{shlex.join(torchtitan_overrides(settings))}\n"
+            "# torchtitan 0.3.x also needs this (CUDA graphs, on by default, refuse pipeline parallelism; "
+            "0.2.x has no such option)\n"
+            f"{shlex.join(torchtitan_overrides(TORCHTITAN_03_SETTINGS))}\n")
+
+
+def write_torchtitan(plan: Plan, schedule: Schedule, toml_path: str | Path, csv_path: str | Path, *,
+                     modules: Sequence[str], args_path: str | Path | None = None) -> dict[str, dict[str, object]]:
+    """Write the schedule CSV, the 0.2.x TOML fragment and (``args_path``) the command-line overrides; the
+    settings name the CSV by its absolute path. Returns the settings."""
+    settings = torchtitan_settings(plan, schedule, csv_path, modules=modules)
+    Path(csv_path).write_text(schedule_to_csv(schedule), encoding="utf-8")
     Path(toml_path).write_text(torchtitan_toml(settings), encoding="utf-8")
+    if args_path is not None:
+        Path(args_path).write_text(torchtitan_args(settings), encoding="utf-8")
     return settings

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
@@ -410,17 +411,26 @@ class PipelineEngine:
                                      group=self._group_for("full_state_dict"), device=self.device,
                                      wait=self.messenger.wait_work)
 
-    def save_checkpoint(self, path: str | Path, *, optimizer: torch.optim.Optimizer | None = None) -> None:
+    def save_checkpoint(self, path: str | Path, *, optimizer: torch.optim.Optimizer | None = None,
+                        extra: Mapping[str, object] | None = None) -> None:
         """Save the model (and ``optimizer``'s state, by parameter name) with ``torch.distributed.checkpoint``
-        into the folder ``path``; every rank calls it. Any pipeline of the model, or one device, loads it."""
+        into the folder ``path``; every rank calls it. Any pipeline of the model, or one device, loads it.
+        ``extra``: other objects of the training loop with ``state_dict()``/``load_state_dict()``, by name
+        (``extra={"scheduler": scheduler}``), whose state is the same on every rank. The engine's training-step
+        count and random seed are saved too: a resumed run draws the dropout masks the uninterrupted run would."""
         save_checkpoint(path, self.names, self._pieces(), optimizer=optimizer, group=self._dcp_group(),
-                              counters={"training_steps": self.training_steps})
+                        counters={"training_steps": self.training_steps, "seed": self.seed}, extra=extra)
 
-    def load_checkpoint(self, path: str | Path, *, optimizer: torch.optim.Optimizer | None = None) -> None:
-        """Load what :meth:`save_checkpoint` saved into this rank's tensors and ``optimizer``."""
-        found = load_checkpoint(path, self.names, self._pieces(), optimizer=optimizer,
-                                      group=self._dcp_group(), counters={"training_steps": self.training_steps})
+    def load_checkpoint(self, path: str | Path, *, optimizer: torch.optim.Optimizer | None = None,
+                        extra: Mapping[str, object] | None = None) -> None:
+        """Load what :meth:`save_checkpoint` saved into this rank's tensors, ``optimizer`` and ``extra``'s
+        objects (the names given when saving), and restore the training-step count and the random seed
+        (the checkpoint's seed replaces the one this engine was built with)."""
+        found = load_checkpoint(path, self.names, self._pieces(), optimizer=optimizer, group=self._dcp_group(),
+                                counters={"training_steps": self.training_steps, "seed": self.seed}, extra=extra)
         self.training_steps = found["training_steps"]  # the next step draws the random numbers it would have
+        self.seed = found["seed"]
+        self.pieces = dataclasses.replace(self.pieces, seed=self.seed)  # what every forward is seeded from
 
     def _pieces(self) -> dict[int, nn.Module]:
         return {self.lowering.piece_of[s]: module for s, module in self.modules.items()}

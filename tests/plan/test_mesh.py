@@ -9,6 +9,7 @@ state; the plan file's round trip; torch's CSV reader on the exported schedule.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 
 import pytest
@@ -113,11 +114,15 @@ def test_torchtitan_export_writes_settings_and_a_csv_torch_reads(tmp_path, sched
     result = plan_mesh(_table(16), num_ranks=8, global_batch=32, schedules=[schedule], data_parallel=[2],
                        microbatches=[8])
     plan = result.plan
-    settings = write_torchtitan(plan, result.schedule, tmp_path / "p.toml", tmp_path / "p.csv")
+    modules = [f"blocks.{k}" for k in range(16)]
+    settings = write_torchtitan(plan, result.schedule, tmp_path / "p.toml", tmp_path / "p.csv", modules=modules,
+                                args_path=tmp_path / "p.args")
     parallelism = settings["parallelism"]
     assert parallelism["pipeline_parallel_schedule"] == name
     assert parallelism["pipeline_parallel_degree"] == 4 and parallelism["data_parallel_replicate_degree"] == 2
-    assert parallelism["pipeline_parallel_split_points"] == list(plan.split_points)
+    parts = parallelism["module_fqns_per_model_part"]  # each stage's modules, in order, cut at the split points
+    assert len(parts) == len(placement) and sum(parts, []) == modules
+    assert [part[0] for part in parts[1:]] == list(plan.split_points)
     assert parallelism["pipeline_parallel_microbatch_size"] == plan.microbatch_size == 2
     assert settings["training"] == {"local_batch_size": 16, "global_batch_size": 32}
     rows = list(csv.reader(io.StringIO((tmp_path / "p.csv").read_text())))
@@ -130,14 +135,33 @@ def test_torchtitan_export_writes_settings_and_a_csv_torch_reads(tmp_path, sched
     assert "[parallelism]" in text and f'pipeline_parallel_schedule = "{name}"' in text
     import tomllib
 
-    assert tomllib.loads(text)["parallelism"]["pipeline_parallel_schedule_csv"] == str(tmp_path / "p.csv")
+    loaded = tomllib.loads(text)["parallelism"]
+    assert loaded["pipeline_parallel_schedule_csv"] == str((tmp_path / "p.csv").resolve())
+    assert loaded["module_fqns_per_model_part"] == parts
+    args = (tmp_path / "p.args").read_text().splitlines()
+    assert args[1].startswith("--parallelism.pipeline_parallel_degree 4 --parallelism.module_fqns_per_model_part ")
+    assert args[3] == "--training.disable_cuda_graphs"
 
 
 def test_torchtitan_export_refuses_two_replica_schedules():
     result = plan_pipeline(_table(), num_ranks=4, global_batch=8, schedules=["dualpipe"], microbatches=[8])
     with pytest.raises(PlanError, match="two model replicas per rank.*without dualpipe, chimera"):
-        torchtitan_settings(result.plan, result.schedule, "x.csv")
+        torchtitan_settings(result.plan, result.schedule, "x.csv", modules=[f"blocks.{k}" for k in range(8)])
     assert "[training]" in torchtitan_toml({"training": {"local_batch_size": 4}})
+
+
+def test_stage_modules_cut_the_pieces_and_refuse_what_torchtitan_cannot_split():
+    from pipeloom.plan.export import stage_modules
+
+    modules = ["tok_embeddings", "layers.0", "layers.1", "layers.2", "norm", "output"]
+    assert stage_modules(["layers.1", "norm"], modules) == [["tok_embeddings", "layers.0"], ["layers.1", "layers.2"],
+                                                            ["norm", "output"]]
+    with pytest.raises(PlanError, match="piece 'layers.0.attention' of the cost table is finer"):
+        stage_modules(["layers.1"], ["layers.0.attention", "layers.1"])
+    with pytest.raises(PlanError, match=r"split point\(s\) \['blocks.3'\] are not pieces of the cost table"):
+        stage_modules(["blocks.3"], modules)
+    with pytest.raises(PlanError, match="not in the cost table's piece order"):
+        stage_modules(["norm", "layers.1"], modules)
 
 
 def test_cli_plans_the_mesh_and_exports(tmp_path, capsys):
@@ -151,7 +175,16 @@ def test_cli_plans_the_mesh_and_exports(tmp_path, capsys):
     assert code == 0 and "mesh (dp x pp)" in out and "--parallelism.pipeline_parallel_degree" in out
     plan = load_plan(tmp_path / "plan.json")
     assert plan.data_parallel * plan.num_ranks == 8
-    assert (tmp_path / "plan.torchtitan.toml").exists() and (tmp_path / "plan.torchtitan.csv").exists()
+    assert all((tmp_path / f"plan.torchtitan.{ext}").exists() for ext in ("toml", "csv", "args"))
+    assert "torchtitan 0.3.x also: --training.disable_cuda_graphs" in out
+    fine = CostTable(pieces=tuple(dataclasses.replace(p, name=f"layers.{k}.mlp", inputs=None)
+                                  for k, p in enumerate(_table().pieces)), microbatch_size=1)
+    save_costs(fine, tmp_path / "fine.json")
+    code = main(["plan", "--costs", str(tmp_path / "fine.json"), "--ranks", "8", "--global-batch", "16",
+                 "--schedules", "1f1b", "--save", str(tmp_path / "fine.plan.json"), "--export", "torchtitan"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code != 0 and len(err) == 1 and "piece 'layers.0.mlp' of the cost table is finer" in err[0], err
+    assert not (tmp_path / "fine.plan.json").exists()  # refused before anything was written
     code = main(["plan", "--costs", str(tmp_path / "costs.json"), "--ranks", "8", "--global-batch", "16",
                  "--export", "torchtitan"])
     err = capsys.readouterr().err.strip().splitlines()

@@ -32,14 +32,28 @@ class Tied(nn.Module):
         return self.head(h)
 
 
-TIED_SPLITS = {2: ["layers.2"], 4: ["layers.1", "layers.2", "layers.3"]}
+class Dropped(Tied):
+    """:class:`Tied` with dropout after every block: its losses depend on the engine's random seed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drop = nn.ModuleList(nn.Dropout(0.3) for _ in self.layers)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        for layer, drop in zip(self.layers, self.drop):
+            h = h + drop(torch.tanh(layer(h)))
+        return self.head(h)
+
+
+TIED_SPLITS = {1: [], 2: ["layers.2"], 4: ["layers.1", "layers.2", "layers.3"]}
 PIECES_PER_RANK = {"1f1b": 1, "zbv": 2, "dualpipe": 1}
 
 
 def model_for(name: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    if name == "tied":
-        return Tied()
+    if name in ("tied", "dropped"):
+        return Tied() if name == "tied" else Dropped()
     from models import build
 
     return build(name, seed=seed)
@@ -47,7 +61,7 @@ def model_for(name: str, seed: int = 0) -> nn.Module:
 
 def batch_for(name: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(inputs, target) of 16 rows."""
-    if name == "tied":
+    if name in ("tied", "dropped"):
         generator = torch.Generator().manual_seed(seed)
         ids = torch.randint(0, 11, (32,), generator=generator)
         return ids[:16], ids[16:]
@@ -57,7 +71,7 @@ def batch_for(name: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, y
 
 
-def engine_for(model: nn.Module, schedule: str, world: int):
+def engine_for(model: nn.Module, schedule: str, world: int, **options):
     from models import SPLITS
 
     from pipeloom.runtime import pipeline
@@ -70,6 +84,7 @@ def engine_for(model: nn.Module, schedule: str, world: int):
         split_points=splits,
         loss_fn=F.cross_entropy,
         microbatches=MICROBATCHES,
+        **options,
         failures=Failures(timeout=30),
     )
 
@@ -175,6 +190,58 @@ def checkpoint_job(rank: int, world: int, folder: str, model_name: str, schedule
                                                                        fresh_optimizer.param_groups)],
         "full_keys": list(full), "full_on_last_keys": list(full_on_last),
     }
+
+
+def warmup_cosine(optimizer: torch.optim.Optimizer, warmup: int = 2, total: int = 6):
+    """A LambdaLR rising linearly for ``warmup`` steps, then a cosine down to 0 at ``total``."""
+    import math
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / (total - warmup))))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def train_scheduled(engine, optimizer, scheduler, steps: range) -> tuple[list[torch.Tensor], list[float]]:
+    losses, rates = [], []
+    for step in steps:
+        x, y = batch_for("dropped", step)
+        losses.append(engine.step(x, target=y))
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+        rates.append(scheduler.get_last_lr()[0])
+    return losses, rates
+
+
+def scheduler_job(rank: int, world: int, folder: str, schedule: str) -> dict:
+    """A model with dropout, AdamW and a warm-up/cosine LR scheduler: 2 steps, a checkpoint with
+    ``extra={"scheduler": ...}``, 3 more steps. A fresh engine built with another seed (other weights,
+    optimizer settings and a fresh scheduler) loads it and runs the same 3 steps; so does one that loads
+    without the scheduler (what forgetting it does)."""
+    path = os.path.join(folder, "dcp")
+    engine = engine_for(model_for("dropped"), schedule, world, seed=7)
+    optimizer = torch.optim.AdamW(engine.parameters(), lr=0.05)
+    scheduler = warmup_cosine(optimizer)
+    train_scheduled(engine, optimizer, scheduler, range(2))
+    engine.save_checkpoint(path, optimizer=optimizer, extra={"scheduler": scheduler})
+    losses, rates = train_scheduled(engine, optimizer, scheduler, range(2, 5))
+
+    resumed = {}
+    for name, extra in (("with", True), ("without", False)):
+        fresh = engine_for(model_for("dropped", seed=123), schedule, world, seed=99)
+        fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=0.5)
+        fresh_scheduler = warmup_cosine(fresh_optimizer)
+        seed_before = fresh.seed
+        fresh.load_checkpoint(path, optimizer=fresh_optimizer, extra={"scheduler": fresh_scheduler} if extra else None)
+        fresh_losses, fresh_rates = train_scheduled(fresh, fresh_optimizer, fresh_scheduler, range(2, 5))
+        resumed[name] = {
+            "seed": (seed_before, fresh.seed), "rates_equal": fresh_rates == rates,
+            "losses_equal": [torch.equal(a, b) for a, b in zip(losses, fresh_losses)],
+        }
+    return {"seed": engine.seed, "losses": [float(loss) for loss in losses], "rates": rates, **resumed}
 
 
 def checkpoint_cases(rank: int, world: int, folder: str, cases: list[tuple[str, str]]) -> dict:

@@ -6,6 +6,7 @@ training on without one. One rank in this process; two gloo ranks in spawned pro
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 
@@ -25,6 +26,9 @@ from state_jobs import (
     full_state_job,
     model_for,
     names_job,
+    scheduler_job,
+    train_scheduled,
+    warmup_cosine,
 )
 from torch import nn
 
@@ -234,3 +238,53 @@ def test_a_two_rank_checkpoint_resumes_bitwise_on_one_rank(two_rank_checkpoints)
         engine.clip_grad_norm_(0.5)
         optimizer.step()
         optimizer.zero_grad()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_a_scheduler_and_the_seed_resume_bitwise_on_two_ranks(tmp_path, schedule):
+    reports = _ok(run_ranks(2, scheduler_job, str(tmp_path), schedule, timeout=240))
+    for rank, report in reports.items():
+        assert report["seed"] == 7, (rank, report)
+        assert report["with"]["seed"] == (99, 7), (rank, report)  # the checkpoint's seed replaced the engine's
+        assert report["with"]["rates_equal"] and report["with"]["losses_equal"] == [True] * 3, (rank, report)
+        # forgetting the scheduler restarts its warm-up: other learning rates, other losses from the 2nd step
+        assert not report["without"]["rates_equal"] and not all(report["without"]["losses_equal"]), (rank, report)
+    if schedule == "1f1b":  # the same 2 pieces on one rank (zbv): another layout resumes bitwise too
+        engine = engine_for(model_for("dropped", seed=123), "zbv", 1, seed=99)
+        optimizer = torch.optim.AdamW(engine.parameters(), lr=0.5)
+        scheduler = warmup_cosine(optimizer)
+        engine.load_checkpoint(tmp_path / "dcp", optimizer=optimizer, extra={"scheduler": scheduler})
+        losses, rates = train_scheduled(engine, optimizer, scheduler, range(2, 5))
+        assert engine.seed == 7 and rates == reports[0]["rates"]
+        assert [float(loss) for loss in losses] == reports[0]["losses"]
+
+
+def test_resuming_with_the_engines_own_seed_draws_other_dropout_masks(tmp_path):
+    """Why the seed is saved: the same checkpoint resumed with the step count but the fresh engine's seed
+    (set back by hand) gives other losses; with the restored seed, the uninterrupted run's."""
+    report = scheduler_job(0, 1, str(tmp_path / "run"), "1f1b")
+    assert report["with"]["losses_equal"] == [True] * 3
+    fresh = engine_for(model_for("dropped", seed=123), "1f1b", 1, seed=99)
+    optimizer = torch.optim.AdamW(fresh.parameters())
+    scheduler = warmup_cosine(optimizer)
+    fresh.load_checkpoint(tmp_path / "run" / "dcp", optimizer=optimizer, extra={"scheduler": scheduler})
+    x, y = batch_for("dropped", 2)
+    restored = fresh.step(x, target=y)
+    other = engine_for(model_for("dropped", seed=123), "1f1b", 1, seed=99)
+    other.load_checkpoint(tmp_path / "run" / "dcp")
+    other.seed = 99
+    other.pieces = dataclasses.replace(other.pieces, seed=99)
+    assert not torch.equal(other.step(x, target=y), restored)
+
+
+def test_extra_objects_are_checked_and_names_the_checkpoint_lacks_are_refused(tmp_path):
+    engine = engine_for(model_for("dropped"), "1f1b", 1)
+    sgd = torch.optim.SGD(engine.parameters(), lr=0.1)
+    with pytest.raises(PipelineError, match="has no state_dict"):
+        engine.save_checkpoint(tmp_path / "a", extra={"steps": 3})
+    with pytest.raises(PipelineError, match="without dots"):
+        engine.save_checkpoint(tmp_path / "a", extra={"lr.scheduler": warmup_cosine(sgd)})
+    engine.save_checkpoint(tmp_path / "a")
+    with pytest.raises(PipelineError, match=r"holds no state for extra \['scheduler'\]"):
+        engine.load_checkpoint(tmp_path / "a", extra={"scheduler": warmup_cosine(sgd)})

@@ -8,6 +8,7 @@ plan without pipelining: the test transformer on pp 2 x tp 2 (tp_auto_jobs.auto_
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -88,6 +89,22 @@ def test_models_without_regions_are_refused_by_name():
         AutoPlan(memory_limit=-1)
 
 
+def test_a_regions_refusal_gives_its_advice_once():
+    from hf_models import build_hf
+
+    headless = jobs.build()
+    for module in headless.modules():
+        if hasattr(module, "head_dim"):
+            module.head_dim = None  # no head count anywhere
+    for model in (headless, build_hf("gpt2")):
+        with pytest.raises(RegionsNotFoundError) as refused:
+            find_regions(model)
+        assert str(refused.value).count("parallelize_module plan") == 1, refused.value
+    assert "no head count" in str(refused.value) or "Conv1D" in str(refused.value)
+    with pytest.raises(RegionsNotFoundError, match=r"no head count .*\); pass tp_plan=AutoPlan\(heads=\.\.\.\) or"):
+        find_regions(headless)
+
+
 def test_replication_when_memory_is_free_and_tensor_parallel_when_it_binds():
     """Tiny layers on the CPU default prices: collectives cost more than they save, so everything is replicated
     (an empty plan); under 0.6 of that memory attention and MLP go Megatron, within the limit; sequence
@@ -103,8 +120,17 @@ def test_replication_when_memory_is_free_and_tensor_parallel_when_it_binds():
     assert type(bound.plan["layers.*.attn.q"]).__name__ == "ColwiseParallel"
     assert type(bound.plan["layers.*.mlp.down"]).__name__ == "RowwiseParallel"
     sp_limit = 0.99 * bound.predicted_memory
-    with pytest.raises(PipelineError, match="no sharding of LM fits memory_limit"):
+    with pytest.raises(PipelineError, match="no sharding of LM fits memory_limit") as refused:
         _auto(AutoPlan(memory_limit=sp_limit))
+    # the refusal names the least memory the search reaches: that limit is accepted, one KiB less is not
+    reach = re.search(r"the least its candidates reach is ([\d,]+) bytes per rank \((?:embedding|attention) ",
+                      str(refused.value))
+    assert reach, refused.value
+    least = float(reach.group(1).replace(",", ""))
+    assert sp_limit < least <= bound.predicted_memory + 4 * 1024
+    assert _auto(AutoPlan(memory_limit=least)).predicted_memory <= least
+    with pytest.raises(PipelineError, match="no sharding of LM fits memory_limit"):
+        _auto(AutoPlan(memory_limit=least - 1024))
     sp = _auto(AutoPlan(memory_limit=sp_limit, sequence_parallel=True))
     assert sp.result.choice == jobs.SP_CHOICE and sp.result.recipe["recipe"] == "megatron-sp"
     assert type(sp.plan["layers.*.attn"]).__name__ == "PrepareModuleInput"

@@ -16,7 +16,7 @@ input once instead of once per column module.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pipeloom.plan.errors import SolverMissingError, TensorParallelError
 from pipeloom.plan.tp.collectives import Collective, CollectiveFit
@@ -250,11 +250,28 @@ class ShardingResult:
     recipe: dict | None
     """The tensor-parallel plan (:func:`pipeloom.runtime.parallel.tp.recipe_styles` turns it into torch's styles);
     None when every region is replicated."""
+    smallest_memory: float | None = None
+    """INFEASIBLE under a memory limit: the fewest bytes per rank any choice of the search reaches (a second
+    search minimising memory), as the memory constraint counts them (each region rounded up to KiB): the
+    least ``memory_limit`` that is feasible. None otherwise."""
+    smallest_choice: dict[str, str] = field(default_factory=dict)
+    """The choice reaching :attr:`smallest_memory` (empty otherwise)."""
 
 
 def search_sharding(problem: ShardingProblem, *, time_limit: float = 10.0) -> ShardingResult:
-    """Choose an option per region (CP-SAT; see :class:`_Model`). SolverMissingError without OR-Tools."""
-    return _Model(problem).solve(time_limit)
+    """Choose an option per region (CP-SAT; see :class:`_Model`). SolverMissingError without OR-Tools. When
+    nothing fits the memory limit, the result also holds the least memory the candidates reach
+    (:attr:`ShardingResult.smallest_memory`), from the same model minimising memory without the limit."""
+    result = _Model(problem).solve(time_limit)
+    if result.choice or problem.memory_limit is None:
+        return result
+    searcher = _Model(replace(problem, memory_limit=None), objective="memory")
+    least = searcher.solve(time_limit)
+    if not least.choice:  # no choice at all (cannot happen: replicating every region is always a candidate)
+        return result
+    # in the memory constraint's own units (each region's bytes rounded up to KiB): the least limit it accepts
+    kib = sum(-(-int(searcher.costs[key].memory) // 1024) for key in searcher.picked)
+    return replace(result, smallest_memory=float(kib * 1024), smallest_choice=least.choice)
 
 
 def _cp_model():  # noqa: ANN202 (the OR-Tools module; imported on first use)
@@ -279,16 +296,19 @@ class _Model:
       memory:                              Σ x[r,o,sp]·memory(r,o,sp) ≤ limit
       one residual stream layout:          x[attention, megatron-sp] = x[mlp, megatron-sp] = Σ_o x[r,o,1] for the
                                            embedding and head (whose replicate option has no sp variant)
+
+    With ``objective="memory"``: minimise Σ x[r,o,sp]·memory(r,o,sp) instead (the least memory reachable).
     """
 
     SCALE_TIME = 1e7  # integer units: 0.1 µs
     SCALE_BYTES = 1 / 1024  # KiB
 
-    def __init__(self, problem: ShardingProblem) -> None:
+    def __init__(self, problem: ShardingProblem, *, objective: str = "time") -> None:
         self.cp = _cp_model()
         self.p = problem
         self.model = self.cp.CpModel()
         self.costs: dict[_Key, RegionCost] = {}
+        self.picked: list[_Key] = []  # the keys set in the last solution
         for r in problem.regions:
             for o in OPTIONS[r]:
                 if not problem.allows(r, o):
@@ -302,7 +322,10 @@ class _Model:
         self._one_option()
         self._memory()
         self._stream_layout()
-        self.model.Minimize(sum(round(c.seconds * self.SCALE_TIME) * self.x[k] for k, c in self.costs.items()))
+        if objective == "memory":
+            self.model.Minimize(sum(-(-int(c.memory) // 1024) * self.x[k] for k, c in self.costs.items()))
+        else:
+            self.model.Minimize(sum(round(c.seconds * self.SCALE_TIME) * self.x[k] for k, c in self.costs.items()))
 
     def _one_option(self) -> None:
         """Σ_{o,sp} x[r,o,sp] = 1 for every region r."""
@@ -333,6 +356,7 @@ class _Model:
             return ShardingResult(status=name, choice={}, step_time=float("inf"), memory=float("inf"),
                                   collectives=(), recipe=None)
         picked = [key for key, var in self.x.items() if solver.Value(var)]
+        self.picked = picked
         chosen = {r: o for r, o, _ in picked}
         costs = [self.costs[key] for key in picked]
         return ShardingResult(status=name, choice=chosen, step_time=sum(c.seconds for c in costs),

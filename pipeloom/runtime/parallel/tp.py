@@ -153,16 +153,38 @@ def leaf_modules_for(model: nn.Module, plan: Mapping[str, object], given: Sequen
     return leaves
 
 
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)  # children of these are the repeated blocks
+
+
+def _repeated_parts(model: nn.Module, tokens: list[str]) -> list[int]:
+    """Indices of the key parts that stand for a repeated block: a pattern (``*``, ``?``, ``[``), or a child of
+    a container of blocks (``layers.0`` of a ``ModuleList``: the explicit name of one repeat)."""
+    found: list[int] = []
+    parent: nn.Module | None = model
+    for k, token in enumerate(tokens):
+        if any(c in token for c in "*?["):
+            found.append(k)
+            parent = None  # a pattern's children are several modules: no single parent to look into
+            continue
+        if parent is not None and isinstance(parent, _CONTAINERS):
+            found.append(k)
+        child = getattr(parent, token, None) if parent is not None else None
+        parent = child if isinstance(child, nn.Module) else None
+    return found
+
+
 def plan_blocks(model: nn.Module, plan: Mapping[str, object]) -> list[str]:
-    """The modules a plan's styles need whole when torch.export traces: for a key with a pattern part, the
-    module the key names up to its last pattern part (``model.layers.*.self_attn.q_proj`` -> each
-    ``model.layers.N``, the block the plan repeats: its forward reshapes the sharded outputs by head counts,
-    which torch.export would bake in from the whole model); for a key without one, the module it names."""
+    """The modules a plan's styles need whole when torch.export traces: for a key with a repeated part before
+    its last part, the module the key names up to the last such part, whether written as a pattern or as an
+    explicit name (``model.layers.*.self_attn.q_proj``, ``model.layers.0.self_attn.q_proj`` and
+    ``model.layers.0.self_attn.*`` -> ``model.layers.N``, the block the plan repeats: its forward reshapes the
+    sharded outputs by head counts, which torch.export would bake in from the whole model); for a key without
+    one (``lm_head``, ``layers.*``), the modules it names."""
     blocks: list[str] = []
     for key in plan:
         tokens = key.split(".")
-        patterned = [k for k, token in enumerate(tokens) if any(c in token for c in "*?[")]
-        prefix = ".".join(tokens[:patterned[-1] + 1]) if patterned else key
+        repeated = [k for k in _repeated_parts(model, tokens) if k < len(tokens) - 1]
+        prefix = ".".join(tokens[:repeated[-1] + 1]) if repeated else key
         for name in resolve(model, prefix):
             if name not in blocks and not any(name.startswith(outer + ".") for outer in blocks):
                 blocks = [b for b in blocks if not b.startswith(name + ".")] + [name]

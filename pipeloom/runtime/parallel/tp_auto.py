@@ -190,7 +190,7 @@ def _heads(model: nn.Module, block: nn.Module, hidden: int, given: int | None) -
         value = getattr(module, "head_dim", None)
         if isinstance(value, int) and value > 0 and hidden % value == 0:
             return hidden // value
-    raise _refuse(model, "no head count (no config.num_attention_heads, num_heads, n_heads or head_dim attribute); "
+    raise _refuse(model, "no head count (no config.num_attention_heads, num_heads, n_heads or head_dim attribute)",
                   f"pass tp_plan=AutoPlan(heads=...) or {_PLAN_FIX}")
 
 
@@ -334,6 +334,11 @@ def _candidates(notes: list[str]) -> dict[str, tuple[str, ...]] | None:
     return found
 
 
+def _choice_text(choice: dict[str, str]) -> str:
+    """``attention megatron, mlp megatron, ...``: a search's choice per region, for messages."""
+    return ", ".join(f"{region} {option}" for region, option in choice.items())
+
+
 def auto_tp_plan(model: nn.Module, mesh: object, *, microbatches: int = 1, example_inputs: object = None,
                  options: AutoPlan | str = "auto") -> AutoSharding:
     """The plan ``tp_plan="auto"`` would apply to ``model`` on ``mesh`` (a ``DeviceMesh`` with ``"tp"`` and
@@ -378,9 +383,12 @@ def auto_tp_plan(model: nn.Module, mesh: object, *, microbatches: int = 1, examp
                             "parallelize_module plan as a dict") from error
     result = search_sharding(problem, time_limit=options.time_limit)
     if not result.choice:
+        least = (f"the least its candidates reach is {result.smallest_memory:,.0f} bytes per rank "
+                 f"({_choice_text(result.smallest_choice)})" if result.smallest_memory is not None
+                 else "no candidate was found")
         raise PipelineError(f"tp_plan='auto': no sharding of {type(model).__name__} fits memory_limit "
                             f"{options.memory_limit:,.0f} bytes per rank on tp {tp} x pp {pp} (CP-SAT: "
-                            f"{result.status}); raise AutoPlan(memory_limit=...), use more tp or pp ranks, or fewer "
-                            "micro-batches")
+                            f"{result.status}; {least}); raise AutoPlan(memory_limit=...) to at least that, use more "
+                            "tp or pp ranks, or fewer micro-batches")
     plan = recipe_styles(result.recipe) if result.recipe is not None else {}
     return AutoSharding(plan=plan, result=result, problem=problem, regions=regions, notes=tuple(notes))

@@ -1,12 +1,16 @@
-"""``torch.distributed.checkpoint`` save and load of a pipelined model and its optimizer, keyed by the
-model's parameter names, so a checkpoint of any pipeline (or of one device) loads into any other."""
+"""``torch.distributed.checkpoint`` save and load of a pipelined model, its optimizer and the training loop's
+other stateful objects (an LR scheduler, ...), keyed by the model's parameter names, so a checkpoint of any
+pipeline (or of one device) loads into any other."""
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import io
 import os
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -15,7 +19,17 @@ from torch import nn
 from pipeloom.runtime.errors import PipelineError
 from pipeloom.runtime.state.state_dict import ModelNames, load_state_dict, named_parameters, state_dict
 
-__all__ = ["load_checkpoint", "save_checkpoint"]
+__all__ = ["Stateful", "load_checkpoint", "save_checkpoint"]
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """What ``extra=`` takes: an object with torch's ``state_dict()`` / ``load_state_dict(state)`` pair,
+    such as an LR scheduler (``torch.optim.lr_scheduler``), a gradient scaler or a data loader position."""
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state_dict: dict) -> None: ...
 
 
 def _tree(named: Iterable[tuple[str, nn.Parameter]]) -> nn.Module:
@@ -81,41 +95,103 @@ def _one_process(group: dist.ProcessGroup | None) -> Iterator[None]:
         yield
 
 
+def _checked_extra(extra: Mapping[str, object] | None) -> dict[str, Stateful]:
+    """``extra`` with its names and objects checked: names are non-empty strings without dots (they become
+    checkpoint keys ``extra.{name}``), objects have ``state_dict`` and ``load_state_dict``."""
+    if extra is None:
+        return {}
+    if not isinstance(extra, Mapping):
+        raise PipelineError(f"extra must map names to stateful objects, e.g. extra={{'scheduler': scheduler}}; "
+                            f"got {type(extra).__name__}")
+    checked: dict[str, Stateful] = {}
+    for name, value in extra.items():
+        if not isinstance(name, str) or not name or "." in name:
+            raise PipelineError(f"extra: names are non-empty strings without dots (checkpoint keys), got {name!r}")
+        if not isinstance(value, Stateful):
+            raise PipelineError(f"extra[{name!r}]: a {type(value).__name__} has no state_dict()/load_state_dict(); "
+                                "pass objects such as an LR scheduler, or wrap yours in a class with both methods")
+        checked[name] = value
+    return checked
+
+
+def _extra_states(extra: dict[str, Stateful], group: dist.ProcessGroup | None) -> dict[str, bytes]:
+    """Each object's ``state_dict()`` serialised with ``torch.save`` (one opaque value per name, so a state
+    of any shape loads into a fresh object). DCP keeps one copy of a value that several ranks save under one
+    key, so the states must agree across ranks: compared by hash here, before anything is written."""
+    states = {}
+    for name, value in extra.items():
+        buffer = io.BytesIO()
+        torch.save(value.state_dict(), buffer)
+        states[name] = buffer.getvalue()
+    if group is not None and states and dist.get_world_size(group) > 1:
+        digests = {name: hashlib.sha256(data).hexdigest() for name, data in states.items()}
+        gathered: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, digests, group=group)
+        differ = sorted(name for name in digests if len({str(d.get(name)) for d in gathered}) > 1)
+        if differ:
+            raise PipelineError(f"save_checkpoint: the state of extra {differ} differs between ranks, and a "
+                                "checkpoint keeps one copy; step it the same way on every rank, or save per-rank "
+                                "state yourself (torch.save to a file per rank)")
+    return states
+
+
 def save_checkpoint(path: str | os.PathLike, names: ModelNames, pieces: Mapping[int, nn.Module], *,
                     optimizer: torch.optim.Optimizer | None = None, group: dist.ProcessGroup | None = None,
-                    counters: dict[str, int] | None = None) -> None:
+                    counters: dict[str, int] | None = None, extra: Mapping[str, object] | None = None) -> None:
     """Save this rank's share with ``torch.distributed.checkpoint`` (every rank calls it with the same
-    ``path``): ``model`` holds :func:`state_dict`, ``optim`` the optimizer's state by parameter name.
-    Keys are the model's names, so any pipeline of the same model (or one device) can load it."""
+    ``path``): ``model`` holds :func:`state_dict`, ``optim`` the optimizer's state by parameter name,
+    ``extra.{name}`` the ``state_dict()`` of each of ``extra``'s objects (the same on every rank: an LR
+    scheduler, ...). Keys are the model's names, so any pipeline of the same model (or one device) can load it."""
     import torch.distributed.checkpoint as dcp
 
+    states = _extra_states(_checked_extra(extra), group)
     content: dict = {"model": state_dict(names, pieces)}
     if optimizer is not None:
         content["optim"] = _optimizer_state(_tree(named_parameters(names, pieces)), optimizer, saving=True)
-    if counters:  # the engine's own state (its training-step count seeds the random numbers)
+    if counters:  # the engine's own state (its training-step count and seed make the random numbers)
         content["engine"] = {key: torch.tensor(value, dtype=torch.int64) for key, value in counters.items()}
+    if states:
+        content["extra"] = states
     with _one_process(group):
         dcp.save(content, checkpoint_id=path, process_group=group, no_dist=group is None)
 
 
+def _saved_keys(path: str | os.PathLike, prefix: str) -> set[str]:
+    """The names saved under ``prefix.`` in the checkpoint at ``path`` (its metadata only)."""
+    import torch.distributed.checkpoint as dcp
+
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    return {key[len(prefix) + 1:] for key in metadata.state_dict_metadata if key.startswith(prefix + ".")}
+
+
 def load_checkpoint(path: str | os.PathLike, names: ModelNames, pieces: Mapping[int, nn.Module], *,
                     optimizer: torch.optim.Optimizer | None = None, group: dist.ProcessGroup | None = None,
-                    counters: dict[str, int] | None = None) -> dict[str, int]:
-    """Load what :func:`save_checkpoint` saved into this rank's tensors and ``optimizer``; returns the
-    saved ``counters`` (those named in ``counters``, whose values are the defaults when absent)."""
+                    counters: dict[str, int] | None = None,
+                    extra: Mapping[str, object] | None = None) -> dict[str, int]:
+    """Load what :func:`save_checkpoint` saved into this rank's tensors, ``optimizer`` and each of ``extra``'s
+    objects (``load_state_dict``; a name the checkpoint lacks is refused before anything is loaded); returns
+    the saved ``counters`` (those named in ``counters``, whose values are the defaults when absent)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
+    objects = _checked_extra(extra)
     content: dict = {"model": state_dict(names, pieces)}
     tree = None
     if optimizer is not None:
         tree = _tree(named_parameters(names, pieces))
         content["optim"] = _optimizer_state(tree, optimizer, saving=False)  # the state DCP loads into
     found = dict(counters or {})
-    if counters:
-        metadata = dcp.FileSystemReader(path).read_metadata()
-        if any(key.startswith("engine.") for key in metadata.state_dict_metadata):
-            content["engine"] = {key: torch.tensor(0, dtype=torch.int64) for key in counters}
+    saved_counters = _saved_keys(path, "engine") if counters else set()
+    if saved_counters & found.keys():  # older checkpoints lack some counters: their defaults stay
+        content["engine"] = {key: torch.tensor(0, dtype=torch.int64) for key in found if key in saved_counters}
+    if objects:
+        saved = _saved_keys(path, "extra")
+        missing = sorted(objects.keys() - saved)
+        if missing:
+            raise PipelineError(f"load_checkpoint: {path} holds no state for extra {missing} (it holds "
+                                f"{sorted(saved) or 'none'}); save it with save_checkpoint(..., extra=...) "
+                                "or leave it out of extra= here")
+        content["extra"] = {name: b"" for name in objects}  # DCP replaces each with the saved bytes
     with _one_process(group):
         dcp.load(content, checkpoint_id=path, process_group=group, no_dist=group is None)
     found.update({key: int(value) for key, value in content.get("engine", {}).items()})
@@ -123,4 +199,6 @@ def load_checkpoint(path: str | os.PathLike, names: ModelNames, pieces: Mapping[
     if optimizer is not None and tree is not None:  # tree: built with the optimizer above
         set_optimizer_state_dict(tree, optimizer, content["optim"],
                                  options=StateDictOptions(flatten_optimizer_state_dict=True))
+    for name, value in objects.items():  # the user's own pickled state: loaded as torch.save wrote it
+        value.load_state_dict(torch.load(io.BytesIO(content["extra"][name]), weights_only=False))
     return found

@@ -65,7 +65,8 @@ def reference_step(staged: StagedModel, inputs: object, target: object, *, loss_
     ``for m: (loss_fn(run(x_m), y_m) / M).backward()`` where ``run`` is ``staged.run`` (a
     :class:`~pipeloom.runtime.StagedModel`) with piece k's forward seeded by ``forward_seed(seed, step, k,
     m)``. Returns the summed loss; gradients accumulate in the model's ``.grad``. Without random
-    operations in the model it is the plain loop of docs/design.md §5."""
+    operations in the model it is the plain loop of docs/design.md §5. Run it with the ranks' CPU thread count
+    (``torch.set_num_threads``): CPU kernels split their sums by thread, so another count rounds otherwise."""
     from pipeloom.runtime.step.backward import add_in_order
 
     device = torch.device(device)
