@@ -31,7 +31,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from pipeloom.plan.cluster.efficiency import attention_flops  # noqa: E402
-from pipeloom.plan.cluster.hardware import Hardware, hardware, save_hardware  # noqa: E402
+from pipeloom.plan.cluster.gpus import hardware  # noqa: E402
+from pipeloom.plan.cluster.hardware import Hardware, save_hardware  # noqa: E402
 
 __all__ = ["GRIDS", "Fit", "fit_attention", "fit_gemm", "main", "model_attention", "model_gemm"]
 

@@ -10,7 +10,7 @@ docs/cluster-plan.md ('Hardware').
 from __future__ import annotations
 
 from pipeloom.plan.cluster.efficiency import attention_flops, attention_seconds, collective_seconds, gemm_seconds
-from pipeloom.plan.cluster.hardware import hardware, hardware_names
+from pipeloom.plan.cluster.gpus import hardware, hardware_names
 
 __all__ = ["REFERENCES", "main"]
 

@@ -16,7 +16,8 @@ import json
 import math
 from pathlib import Path
 
-from pipeloom.plan.cluster.hardware import Hardware, hardware
+from pipeloom.plan.cluster.gpus import hardware
+from pipeloom.plan.cluster.hardware import Hardware
 
 __all__ = ["DATA", "LAYOUT_KEYS", "RUNS", "derived", "load_runs", "main", "megatron_iteration_flops",
            "run_config", "run_hardware"]

@@ -9,9 +9,12 @@ with a measured fit on the GPU at hand). Nothing here was fitted to a training r
 
 from __future__ import annotations
 
-from pipeloom.plan.cluster.hardware import Hardware
+from pathlib import Path
 
-__all__ = ["BUILTIN"]
+from pipeloom.plan.cluster.hardware import FORMAT, Hardware, load_hardware
+from pipeloom.plan.errors import HardwareError
+
+__all__ = ["BUILTIN", "hardware", "hardware_names"]
 
 GiB = 2**30
 
@@ -166,3 +169,26 @@ BUILTIN: dict[str, Hardware] = {
     "mi300x": _mi300x(),
 }
 """Built-in GPU descriptions by name."""
+
+
+def hardware_names() -> list[str]:
+    """The built-in GPU names, as :func:`hardware` accepts them."""
+    return list(BUILTIN)
+
+
+def hardware(name_or_path: str | Path | Hardware) -> Hardware:
+    """A built-in GPU by name (``"h100"``, case-insensitive; see :func:`hardware_names`) or a
+    ``pipeloom.hardware/1`` JSON file by path; a :class:`Hardware` is returned as it is."""
+    if isinstance(name_or_path, Hardware):
+        return name_or_path
+    if not isinstance(name_or_path, (str, Path)):
+        raise HardwareError(f"hardware must be a GPU name, a JSON file path or a Hardware, got "
+                            f"{type(name_or_path).__name__}")
+    text = str(name_or_path)
+    if text.lower() in BUILTIN:
+        return BUILTIN[text.lower()]
+    if Path(text).is_file():
+        return load_hardware(text)
+    hint = " (no such file)" if text.endswith(".json") or "/" in text else ""
+    raise HardwareError(f"unknown hardware {text!r}{hint}: use a built-in name ({', '.join(BUILTIN)}) or a "
+                        f"{FORMAT} JSON file (pipeloom.plan.cluster.hardware.save_hardware writes one)")

@@ -12,8 +12,7 @@ from pathlib import Path
 
 from pipeloom.plan.errors import HardwareError
 
-__all__ = ["DTYPES", "FORMAT", "Hardware", "HardwareError", "hardware", "hardware_from_dict", "hardware_names",
-           "load_hardware", "save_hardware"]
+__all__ = ["DTYPES", "FORMAT", "Hardware", "hardware_from_dict", "load_hardware", "save_hardware"]
 
 FORMAT = "pipeloom.hardware/1"
 """The ``format`` tag of a hardware JSON file."""
@@ -133,33 +132,6 @@ def _number(value) -> bool:
 def _positive(name: str, what: str, value) -> None:
     if not _number(value) or value <= 0:
         raise HardwareError(f"hardware {name!r}: {what} must be a number > 0, got {value!r}")
-
-
-def hardware_names() -> list[str]:
-    """The built-in GPU names, as :func:`hardware` accepts them."""
-    from pipeloom.plan.cluster.gpus import BUILTIN
-
-    return list(BUILTIN)
-
-
-def hardware(name_or_path: str | Path | Hardware) -> Hardware:
-    """A built-in GPU by name (``"h100"``, case-insensitive; see :func:`hardware_names`) or a
-    ``pipeloom.hardware/1`` JSON file by path; a :class:`Hardware` is returned as it is."""
-    from pipeloom.plan.cluster.gpus import BUILTIN
-
-    if isinstance(name_or_path, Hardware):
-        return name_or_path
-    if not isinstance(name_or_path, (str, Path)):
-        raise HardwareError(f"hardware must be a GPU name, a JSON file path or a Hardware, got "
-                            f"{type(name_or_path).__name__}")
-    text = str(name_or_path)
-    if text.lower() in BUILTIN:
-        return BUILTIN[text.lower()]
-    if Path(text).is_file():
-        return load_hardware(text)
-    hint = " (no such file)" if text.endswith(".json") or "/" in text else ""
-    raise HardwareError(f"unknown hardware {text!r}{hint}: use a built-in name ({', '.join(BUILTIN)}) or a "
-                        f"{FORMAT} JSON file (pipeloom.plan.cluster.hardware.save_hardware writes one)")
 
 
 def load_hardware(path: str | Path) -> Hardware:

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from pipeloom.plan.cluster.efficiency import attention_flops, attention_seconds, gemm_seconds
-from pipeloom.plan.cluster.hardware import hardware, load_hardware
+from pipeloom.plan.cluster.gpus import hardware
+from pipeloom.plan.cluster.hardware import load_hardware
 
 ROOT = Path(__file__).resolve().parents[3]
 

@@ -18,7 +18,8 @@ from pipeloom.plan.cluster.efficiency import (
     memory_seconds,
     p2p_seconds,
 )
-from pipeloom.plan.cluster.hardware import Hardware, hardware, hardware_names
+from pipeloom.plan.cluster.gpus import hardware, hardware_names
+from pipeloom.plan.cluster.hardware import Hardware
 from pipeloom.plan.errors import HardwareError
 
 ROUND = Hardware(name="round", peak_flops={"bf16": 1e15, "fp8": 2e15}, memory_bytes=2**36, memory_bandwidth=1e12,

@@ -9,14 +9,8 @@ import json
 import pytest
 
 from pipeloom.errors import PipeloomError
-from pipeloom.plan.cluster.hardware import (
-    FORMAT,
-    Hardware,
-    hardware,
-    hardware_names,
-    load_hardware,
-    save_hardware,
-)
+from pipeloom.plan.cluster.gpus import hardware, hardware_names
+from pipeloom.plan.cluster.hardware import FORMAT, Hardware, load_hardware, save_hardware
 from pipeloom.plan.errors import HardwareError
 
 NAMES = ["a100-40gb", "a100-80gb", "h100", "h200", "b200", "gb200", "gb300", "mi300x"]
