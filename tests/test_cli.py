@@ -341,7 +341,7 @@ def test_output_under_a_file_or_onto_a_folder_is_refused(capsys, tmp_path):
 @pytest.mark.parametrize("folder", ["file/sub", "file"])
 def test_demo_folder_that_cannot_be_created_is_refused_first(capsys, tmp_path, monkeypatch, folder):
     (tmp_path / "file").write_text("")
-    monkeypatch.setattr("pipeloom.cli.schedules.compare_schedules", pytest.fail)  # nothing may be built
+    monkeypatch.setattr("pipeloom.cli.demo.compare_schedules", pytest.fail)  # nothing may be built
     assert_one_line_error(run(capsys, "demo", "--out", str(tmp_path / folder)), 2, "--out", "cannot create")
 
 
@@ -351,7 +351,7 @@ def test_demo_folder_that_cannot_be_created_is_refused_first(capsys, tmp_path, m
     ["compare", "gpipe", "zbv", "-p", "60000", "-m", "100000"],
 ])
 def test_huge_inputs_are_refused_before_building(capsys, monkeypatch, argv):
-    monkeypatch.setattr("pipeloom.schedules.build_schedule", pytest.fail)
+    monkeypatch.setattr("pipeloom.cli.schedules.build_schedule", pytest.fail)
     assert_one_line_error(run(capsys, *argv), 2, "actions, above the limit of 10,000,000", "use fewer")
 
 
@@ -370,7 +370,7 @@ def test_out_of_memory_is_one_line(capsys, monkeypatch):
     def exhausted(*args, **kwargs):
         raise MemoryError
 
-    monkeypatch.setattr("pipeloom.schedules.build_schedule", exhausted)
+    monkeypatch.setattr("pipeloom.cli.schedules.build_schedule", exhausted)
     assert_one_line_error(run(capsys, "show", "1f1b", "-p", "2", "-m", "2"), 1, "out of memory", "fewer")
 
 

@@ -23,7 +23,7 @@ from pipeloom import Costs, build_schedule
 from pipeloom.cli import main
 from pipeloom.errors import PipeloomError
 from pipeloom.ir import schedule_from_csv, schedule_from_json, schedule_to_csv, schedule_to_json
-from pipeloom.plan import CostTable, Link, Piece
+from pipeloom.plan import CostTable, Link, Piece, RuntimeCorrections
 from pipeloom.plan.costs.file import costs_from_json, costs_to_json
 from pipeloom.plan.plan import Plan, plan_from_json, plan_to_json
 from pipeloom.search.problem_file import problem_from_json
@@ -137,8 +137,10 @@ COSTS = json.loads(costs_to_json(CostTable(
     pieces=(Piece(name="embed", f=1.0, i=0.0, w=2.0, activation_bytes=10, param_bytes=100, output_bytes=8),
             Piece(name="layers.0", f=2.0, i=2.0, w=2.0, activation_bytes=40, w_activation_bytes=10,
                   param_bytes=50, output_bytes=8, inputs=("embed",)),
-            Piece(name="head", f=1.0, i=1.0, w=1.0, b=1.5, activation_bytes=20, param_bytes=30)),
-    microbatch_size=4, link=Link(latency=0.5, bandwidth=4.0), replica_link=Link(latency=1.0))))
+            Piece(name="head", f=1.0, i=1.0, w=1.0, measured_full_backward=1.5, activation_bytes=20,
+                  param_bytes=30)),
+    microbatch_size=4, link=Link(latency=0.5, bandwidth=4.0),
+    runtime=RuntimeCorrections(replica_link=Link(latency=1.0)))))
 PLAN = json.loads(plan_to_json(Plan(num_ranks=2, split_points=("layers.2", "layers.4", "layers.6"),
                                     schedule="zbv", microbatches=4, global_batch=16, predicted_step_time=1.5,
                                     peak_memory=(1e9, 2e9), memory_limit=8e9, bubble_ratio=0.1,

@@ -283,8 +283,8 @@ def test_full_backward_is_b_where_measured_else_i_plus_w():
     measured = Piece(name="x", f=1.0, i=2.0, w=3.0, measured_full_backward=4.0)
     assert measured.full_backward == 4.0
     assert measured.time == 6.0  # f + i + w: the split's compute, whatever b is
-    with pytest.raises(CostTableError, match="piece 'x' b must be >= 0"):
-        Piece(name="x", f=1.0, i=1.0, w=1.0, b=-1.0)
+    with pytest.raises(CostTableError, match="piece 'x' measured_full_backward must be >= 0"):
+        Piece(name="x", f=1.0, i=1.0, w=1.0, measured_full_backward=-1.0)
 
 
 def test_b_and_step_overhead_round_trip_and_default_for_old_files():
@@ -304,13 +304,13 @@ def test_b_scales_and_interpolates_with_the_other_times():
     pieces = (Piece(name="a", f=1.0, i=1.0, w=1.0, measured_full_backward=1.5),
               Piece(name="b", f=2.0, i=2.0, w=2.0))
     small = CostTable(pieces=pieces, microbatch_size=2)
-    assert [p.b for p in small.scaled(4).pieces] == [3.0, None]
+    assert [p.measured_full_backward for p in small.scaled(4).pieces] == [3.0, None]
     big = CostTable(pieces=tuple(Piece(name=p.name, f=2 * p.f, i=2 * p.i, w=2 * p.w,
                                        measured_full_backward=5.5) for p in pieces),
                     microbatch_size=6)
     middle = table_for_size([small, big], 4)
     # halfway: a from 1.5 to 5.5, b from i + w = 4 (not measured) to 5.5
-    assert [p.b for p in middle.pieces] == [pytest.approx(3.5), pytest.approx(4.75)]
+    assert [p.measured_full_backward for p in middle.pieces] == [pytest.approx(3.5), pytest.approx(4.75)]
 
 
 def test_time_spread_and_replica_link_round_trip_and_default_for_old_files():
