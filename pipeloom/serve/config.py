@@ -37,7 +37,7 @@ class ServeConfig:
     """Most bytes of JSON text the kept results may hold together; past it the oldest go first."""
     kept_seconds: float = 3600.0
     """Time a finished search or plan is kept for download."""
-    quick_workers: int = 4
+    quick_workers: int = 2
     """Simulate, compare and download requests computed at once (each in a worker process); others wait."""
     max_quick_waiting: int = 64
     """Quick requests waiting for a worker at most; more get 429."""

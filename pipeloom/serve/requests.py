@@ -12,8 +12,17 @@ from pipeloom.errors import PipeloomError
 from pipeloom.ir.jsonfields import check_keys, integer, number, string
 from pipeloom.problem import Costs
 from pipeloom.serve.config import ServeConfig
-from pipeloom.serve.limits import (MAX_LIST, MAX_PIECES, MAX_TABLES, WorkError, check_count, check_work, plan_work,
-                                   schedule_work, uploaded_work)
+from pipeloom.serve.limits import (
+    MAX_LIST,
+    MAX_PIECES,
+    MAX_TABLES,
+    WorkError,
+    check_count,
+    check_work,
+    plan_work,
+    schedule_work,
+    uploaded_work,
+)
 
 __all__ = [
     "RequestError",

@@ -25,13 +25,10 @@ CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 _SERVER = """
 import sys
 
-import uvicorn
+from pipeloom.serve import ServeConfig, run_server
 
-from pipeloom.serve import ServeConfig, create_app
-
-config = ServeConfig(port=0, max_body_bytes=2**20, workers=3, request_seconds=30.0, max_actions=50_000)
-uvicorn.Server(uvicorn.Config(create_app(config), host="127.0.0.1", port=int(sys.argv[1]), log_level="warning",
-                              limit_concurrency=256)).run()
+run_server(ServeConfig(port=int(sys.argv[1]), max_body_bytes=2**20, workers=3, request_seconds=30.0,
+                       max_actions=50_000))
 """
 
 
