@@ -43,9 +43,7 @@ _T = TypeVar("_T")
 
 
 def _error(message: str, status: int) -> JSONResponse:
-    # 413/415 are answered before the body is read: close the connection rather than read (and drop) the rest
-    headers = {"Connection": "close"} if status in (413, 415) else None
-    return JSONResponse({"error": message}, status_code=status, headers=headers)
+    return JSONResponse({"error": message}, status_code=status)  # the guard closes a connection left unread
 
 
 def _json(text: str, status: int = 200, headers: dict | None = None) -> Response:

@@ -1,7 +1,9 @@
 """The ASGI guard in front of ``pipeloom serve``'s routes: only this server's own names as Host (a DNS-rebinding
 page names another), no request from another site (Origin, Sec-Fetch-Site), a bounded number of requests in
 progress, and headers that keep answers from being sniffed, framed or read by other sites. A refusal is a
-one-line JSON answer that closes the connection (its body, if any, is never read)."""
+one-line JSON answer that closes the connection (its body, if any, is never read), and so is any answer
+sent before the request's body was read to its end (a 413, a 415, a 404 with a body): uvicorn would
+otherwise read the rest of the body, however long, and drop it."""
 
 from __future__ import annotations
 
@@ -86,8 +88,17 @@ class Guard:
                                      "later")
             return
         self.in_progress += 1
+        headers = dict(scope["headers"])
+        unread = [headers.get(b"content-length", b"0") not in (b"", b"0") or b"transfer-encoding" in headers]
+
+        async def receiving() -> MutableMapping[str, Any]:
+            message = await receive()
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                unread[0] = False
+            return message
+
         try:
-            await self.app(scope, receive, _with_headers(send))
+            await self.app(scope, receiving, _with_headers(send, unread))
         finally:
             self.in_progress -= 1
 
@@ -109,14 +120,18 @@ class Guard:
         return None
 
 
-def _with_headers(send: Send) -> Send:
-    """``send`` adding :data:`SECURITY_HEADERS` (and a restrictive policy where the answer has none)."""
+def _with_headers(send: Send, unread: list[bool]) -> Send:
+    """``send`` adding :data:`SECURITY_HEADERS` (and a restrictive policy where the answer has none), and
+    ``Connection: close`` when the request's body is not read to its end (``unread[0]``)."""
 
     async def sending(message: MutableMapping[str, Any]) -> None:
         if message["type"] == "http.response.start":
-            headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"server"]
+            headers = [(k, v) for k, v in message.get("headers", []) if k.lower() not in (b"server", b"connection")
+                       or (k.lower() == b"connection" and not unread[0])]
             if not any(k.lower() == b"content-security-policy" for k, _ in headers):
                 headers.append((b"content-security-policy", _API_POLICY))
+            if unread[0]:
+                headers.append((b"connection", b"close"))
             message = {**message, "headers": headers + list(SECURITY_HEADERS)}
         await send(message)
 

@@ -123,10 +123,12 @@ class Jobs:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + config.request_seconds
         self._quick_waiting += 1
-        try:
-            await asyncio.wait_for(self._quick.acquire(), config.request_seconds)
-        except asyncio.TimeoutError:
-            raise _timed_out(config) from None
+        try:  # wait for a slot, never past the deadline (a slot granted as the wait ends is kept, not leaked)
+            acquire = asyncio.ensure_future(self._quick.acquire())
+            await asyncio.wait({acquire}, timeout=config.request_seconds)
+            if not acquire.done():
+                acquire.cancel()
+                raise _timed_out(config)
         finally:
             self._quick_waiting -= 1
         try:
