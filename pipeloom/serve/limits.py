@@ -12,8 +12,8 @@ every request kind: actions (a schedule's actions plus its ranks, whose per-rank
   partitioner's pieces x stages, and twice the largest again when it searches.
 
 Past ``ServeConfig.max_actions``: 413 naming the limit. Every count a request carries is also capped
-(:data:`MAX_COUNT`, :data:`MAX_LIST`, :data:`MAX_PIECES`, :data:`MAX_TABLES`), so that no estimate
-itself takes long.
+(:data:`MAX_COUNT`, :data:`MAX_LIST`, :data:`MAX_PIECES`, :data:`MAX_TABLES`, :data:`MAX_SEARCH_RANKS`), so
+that no estimate itself takes long.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from collections.abc import Sequence
 
 from pipeloom.errors import PipeloomError
 
-__all__ = ["MAX_COUNT", "MAX_LIST", "MAX_PIECES", "MAX_TABLES", "WorkError", "check_count", "check_work",
-           "plan_work", "schedule_work", "uploaded_work"]
+__all__ = ["MAX_COUNT", "MAX_LIST", "MAX_PIECES", "MAX_SEARCH_RANKS", "MAX_TABLES", "WorkError", "check_count",
+           "check_work", "plan_work", "schedule_work", "uploaded_work"]
 
 MAX_COUNT = 2**20
 """Largest rank, micro-batch, stage or batch count a request may give (the work limit is usually lower)."""
@@ -33,6 +33,9 @@ MAX_PIECES = 10_000
 """Most pieces in an uploaded cost table."""
 MAX_TABLES = 16
 """Most cost tables in one plan request."""
+MAX_SEARCH_RANKS = 256
+"""Most ranks a search may ask for: its placement's tasks are built (to count them) before it is queued, in time
+that grows as ranks squared (half a second for 256 ranks), and CP-SAT does not get far on more."""
 
 
 class WorkError(PipeloomError):

@@ -15,6 +15,7 @@ from pipeloom.serve.config import ServeConfig
 from pipeloom.serve.limits import (
     MAX_LIST,
     MAX_PIECES,
+    MAX_SEARCH_RANKS,
     MAX_TABLES,
     WorkError,
     check_count,
@@ -215,8 +216,10 @@ def search_request(document: dict, config: ServeConfig) -> dict:
     if limit > config.max_search_seconds:
         raise RequestError(f"{where}.time_limit {limit:g} s is above this server's limit of "
                            f"{config.max_search_seconds:g} s; ask for less")
-    ranks, microbatches = _count(document, "ranks", where), _count(document, "microbatches", where)
-    check_work(ranks, f"{where} on {ranks:,} ranks", config.max_actions)  # before building its tasks
+    # building a placement (to count its tasks) takes time that grows as ranks squared: capped lower
+    ranks = check_count(integer(document, "ranks", where=where, error=RequestError), f"{where}.ranks",
+                        cap=MAX_SEARCH_RANKS)
+    microbatches = _count(document, "microbatches", where)
     try:
         tasks = len(placement(name, ranks, split_backward=split).tasks)
     except (PipeloomError, ValueError) as error:

@@ -78,7 +78,7 @@ def test_plans_past_the_work_limit_are_refused_at_once(guarded, document):
     assert seconds < 2.0, seconds  # refused from its estimate: the worker never starts (it took 30 s before)
 
 
-def test_one_work_limit_for_compare_and_uploaded_schedules(guarded):
+def test_one_work_limit_for_compare_searches_and_uploaded_schedules(guarded):
     # compare: the sum over its schedules, not each alone (each is under 200,000 here, the sum above)
     names = ["interleaved-zb", "zbv", "v-half", "v-min", "dualpipev"]
     code, answer = call(f"{guarded}/api/compare", {"names": names, "ranks": 8, "microbatches": 1000})
@@ -88,6 +88,11 @@ def test_one_work_limit_for_compare_and_uploaded_schedules(guarded):
     for padded in ({**small, "num_ranks": 10**6}, {**small, "ranks": small["ranks"] + [[]] * 200_001}):
         code, answer = call(f"{guarded}/api/simulate", {"schedule": padded})
         assert code == 413 and "uploaded schedule" in answer["error"], answer
+    # a search: its placement's tasks x micro-batches, and at most 256 ranks (building a placement grows as p^2)
+    code, answer = call(f"{guarded}/api/searches", {"placement": "xshape", "ranks": 100_000, "microbatches": 2})
+    assert code == 413 and "limit of 256" in answer["error"], answer
+    code, answer = call(f"{guarded}/api/searches", {"placement": "xshape", "ranks": 256, "microbatches": 200})
+    assert code == 413 and "max_actions" in answer["error"], answer
     code, answer = call(f"{guarded}/api/simulate", {"schedule": small})
     assert code == 200 and answer["report"]["makespan"] == simulate(build_schedule("1f1b", 2, 2)).makespan, answer
 
