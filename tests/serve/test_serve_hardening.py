@@ -306,3 +306,39 @@ def test_every_generator_refusal_is_a_4xx_json_answer(guarded):
                                                    "memory_limit": 0.5})
     assert code == 200 and [row["name"] for row in answer["rows"]] == ["1f1b", "zb-h1", "zbv"], answer
     assert all(row.get("error") for row in answer["rows"]) and "memory_limit 0.5" in answer["rows"][2]["error"]
+
+
+def test_cost_tables_are_checked_off_the_event_loop(guarded):
+    """Three uploads of a 7,000-piece cost table (bad in its last piece, so each is read whole, then refused):
+    the server answers other requests meanwhile, each in less than half the time one table takes to check
+    here (every request waited behind the uploads before: 6.5 s behind six)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pipeloom.errors import PipeloomError
+    from pipeloom.plan.costs_json import costs_from_json
+
+    table = _table(7000)
+    for piece in table["pieces"]:  # short entries: the body stays under the server's 1 MiB
+        piece.update(name=piece["name"][7:], activation_bytes=1, w_activation_bytes=1, param_bytes=1, output_bytes=1)
+    table["pieces"][-1]["f"] = -1.0
+    body = json.dumps({"costs": table, "ranks": 2, "global_batch": 4}).encode()
+    assert len(body) < 2**20
+    started = time.perf_counter()
+    with pytest.raises(PipeloomError):
+        costs_from_json(json.dumps(table))
+    one = time.perf_counter() - started
+    with ThreadPoolExecutor(3) as pool:
+        uploads = [pool.submit(fetch, f"{guarded}/api/plans", method="POST", body=body,
+                               headers={"Content-Type": "application/json"}) for _ in range(3)]
+        latencies: list[float] = []
+        while len(latencies) < 1000:
+            began = time.perf_counter()
+            with urllib.request.urlopen(f"{guarded}/api/health", timeout=30) as health:
+                assert health.status == 200
+            latencies.append(time.perf_counter() - began)
+            if all(upload.done() for upload in uploads):
+                break
+        answers = [upload.result() for upload in uploads]
+    for code, _, answer in answers:
+        assert code == 400 and "costs[0]" in json.loads(answer)["error"], answer
+    assert max(latencies) < one / 2, (max(latencies), one, len(latencies))
