@@ -3,8 +3,9 @@
 Every answer is JSON in the project's own formats (``pipeloom.schedule/1``, ``pipeloom.plan/1``, the
 CLI's ``--json`` reports); every refusal is a 4xx (or 5xx) with ``{"error": "<one line>"}``. All work runs in
 killable worker processes with a memory limit and a deadline (:mod:`pipeloom.serve.jobs`), request bodies are
-parsed and checked off the event loop, so no request blocks another; :mod:`pipeloom.serve.guard` checks
-Host, Origin and Sec-Fetch-Site first, :mod:`pipeloom.serve.connections` bounds connections.
+parsed in threads and checked (cost tables read) in those workers, so no request blocks another;
+:mod:`pipeloom.serve.guard` checks Host, Origin and Sec-Fetch-Site first, :mod:`pipeloom.serve.connections`
+bounds connections.
 """
 
 from __future__ import annotations
@@ -91,8 +92,8 @@ async def _body(request: Request, config: ServeConfig, what: str = "request") ->
 
 
 async def _checked(config: ServeConfig, check: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
-    """``check(*args, **kwargs)`` (parsing, validation) in a thread, so that a large cost table never stalls the
-    event loop; 504 past ``request_seconds``."""
+    """``check(*args, **kwargs)`` (parsing a body) in a thread, so that a large body never stalls the event loop;
+    504 past ``request_seconds``."""
     try:
         return await asyncio.wait_for(run_in_threadpool(check, *args, **kwargs), config.request_seconds)
     except asyncio.TimeoutError:
@@ -159,7 +160,8 @@ def create_app(config: ServeConfig) -> Guard:
         return _file(text, f"{name}.{suffix}", "application/json" if suffix == "json" else "text/csv")
 
     async def start_search(request: Request) -> Response:
-        checked = await _checked(config, api.search_request, await _body(request, config), config)
+        document = await _body(request, config)
+        checked = json.loads(await jobs.quick("check_search", {"document": document, "config": config}))
         job = jobs.submit("search", checked, checked["time_limit"])
         return _json(job.public(), 202, {"Location": f"/api/searches/{job.id}"})
 
@@ -180,7 +182,8 @@ def create_app(config: ServeConfig) -> Guard:
         return _file(text, f"search-{job.id}.{suffix}", "application/json" if suffix == "json" else "text/csv")
 
     async def make_plan(request: Request) -> Response:
-        checked = await _checked(config, api.plan_request, await _body(request, config, "cost table"), config)
+        document = await _body(request, config, "cost table")  # read in a worker: see pipeloom.serve.work
+        checked = json.loads(await jobs.quick("check_plan", {"document": document, "config": config}))
         job = jobs.submit("plan", checked, config.request_seconds + checked["search"])
         try:
             await asyncio.wait_for(job.finished.wait(), config.request_seconds + checked["search"])

@@ -92,9 +92,17 @@ def _plan(request: dict, job_id: str) -> dict:
     return {"public": json.dumps(public), "files": {**files, "plan": plan_text, "schedule_file": schedule_text}}
 
 
+_CHECKS = {"check_search": api.search_request, "check_plan": api.plan_request}
+"""The request checks that run in a worker (a cost table of 10,000 pieces takes a second or two to read: in a
+thread of the server it would slow every other request through the GIL)."""
+
+
 def _quick(kind: str, request: dict) -> dict:
-    """A quick request's answer: ``public`` is its JSON text (a schedule file's text for ``schedule_file``)."""
+    """A quick request's answer: ``public`` is its JSON text (a schedule file's text for ``schedule_file``; the
+    checked request for ``check_search`` and ``check_plan``)."""
     config = request["config"]
+    if kind in _CHECKS:
+        return {"public": json.dumps(_CHECKS[kind](request["document"], config)), "files": {}}
     if kind == "simulate":
         return {"public": json.dumps(api.simulate(request["document"], config)), "files": {}}
     if kind == "compare":
