@@ -182,7 +182,8 @@ def create_app(config: ServeConfig) -> Guard:
         return _file(text, f"search-{job.id}.{suffix}", "application/json" if suffix == "json" else "text/csv")
 
     async def make_plan(request: Request) -> Response:
-        document = await _body(request, config, "cost table")  # read in a worker: see pipeloom.serve.work
+        document = await _body(request, config, "cost table")
+        await _checked(config, api.plan_request, document, config, read_tables=False)  # counts: 413 at once
         checked = json.loads(await jobs.quick("check_plan", {"document": document, "config": config}))
         job = jobs.submit("plan", checked, config.request_seconds + checked["search"])
         try:

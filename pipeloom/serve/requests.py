@@ -250,11 +250,13 @@ def _counts(document: dict, key: str, where: str) -> list[int] | None:
     return value
 
 
-def plan_request(document: dict, config: ServeConfig) -> dict:
+def plan_request(document: dict, config: ServeConfig, *, read_tables: bool = True) -> dict:
     """Check ``POST /api/plans``: ``{"costs": <pipeloom.costs/2 (or /1) object, or a list of them>, "ranks",
     "global_batch", "memory_limit"? (bytes, or a size like "16GiB"), "data_parallel"?, "tensor_parallel"?,
     "sharding"?, "schedules"?, "stages_per_rank"?, "microbatches"?, "search"? (seconds)}``. The cost tables
-    are read here with the file reader, so a bad one is refused before any worker starts."""
+    are read here with the file reader, so a bad one is refused before the plan is queued; with
+    ``read_tables=False`` they are only counted (the quick check of every other field and of the work, which
+    the server runs before it hands the full check to a worker)."""
     from pipeloom.plan.costs import costs_from_json, parse_bytes
     from pipeloom.schedules import REGISTRY
 
@@ -272,6 +274,9 @@ def plan_request(document: dict, config: ServeConfig) -> dict:
         if isinstance(table.get("pieces"), list) and len(table["pieces"]) > MAX_PIECES:
             raise RequestError(f"{where}.costs[{k}]: {len(table['pieces']):,} pieces, above this server's limit of "
                                f"{MAX_PIECES:,}", 413)
+        if not read_tables:
+            pieces = max(pieces, len(table["pieces"]) if isinstance(table.get("pieces"), list) else 1)
+            continue
         text = json.dumps(table)
         try:
             pieces = max(pieces, len(costs_from_json(text).pieces))
