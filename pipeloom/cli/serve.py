@@ -27,6 +27,13 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
                        help="largest request body in bytes (default 4 MiB)")
     serve.add_argument("--request-seconds", type=number(float, "a number of seconds > 0", 0.01), default=30.0,
                        metavar="S", help="time limit of a simulate, compare or plan request (default 30)")
+    serve.add_argument("--max-actions", type=count, default=100_000, metavar="N",
+                       help="most work one request may ask for, in actions (default 100,000; docs/playground.md)")
+    serve.add_argument("--worker-memory", default="1GiB", metavar="SIZE",
+                       help="memory a worker process may add to what it starts with (default 1GiB)")
+    serve.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                       help="a host name the server answers to besides the address it binds (repeatable; '*': any, "
+                            "which lets a DNS-rebinding page read the API)")
     serve.set_defaults(handler=cmd_serve)
 
 
@@ -38,10 +45,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ImportError:
         raise UsageError("pipeloom serve needs Starlette and uvicorn; install them with "
                          "pip install 'pipeloom[serve]'") from None
+    from pipeloom.errors import PipeloomError
+    from pipeloom.plan.costs.parts import parse_bytes
     from pipeloom.serve import ServeConfig, run_server
 
-    config = ServeConfig(host=args.host, port=int(args.port), workers=args.workers, max_body_bytes=args.max_body,
-                         request_seconds=args.request_seconds)
+    try:
+        memory = int(parse_bytes(args.worker_memory))
+    except PipeloomError as error:
+        raise UsageError(f"--worker-memory: {error}") from None
+    try:
+        config = ServeConfig(host=args.host, port=int(args.port), workers=args.workers, max_body_bytes=args.max_body,
+                             request_seconds=args.request_seconds, max_actions=args.max_actions,
+                             worker_memory_bytes=memory, allowed_hosts=tuple(args.allow_host))
+    except ValueError as error:
+        raise UsageError(str(error)) from None
     print(f"pipeloom playground on http://{args.host}:{config.port}/ (Ctrl-C stops it)", flush=True)
     try:
         run_server(config)

@@ -1,8 +1,11 @@
 """The Starlette application of ``pipeloom serve``: the playground page and the JSON API.
 
 Every answer is JSON in the project's own formats (``pipeloom.schedule/1``, ``pipeloom.plan/1``, the
-CLI's ``--json`` reports); every refusal is a 4xx with ``{"error": "<one line>"}``. Quick work runs in
-threads, searches and plans in worker processes (:mod:`pipeloom.serve.jobs`), so no request blocks another.
+CLI's ``--json`` reports); every refusal is a 4xx (or 5xx) with ``{"error": "<one line>"}``. All work runs in
+killable worker processes with a memory limit and a deadline (:mod:`pipeloom.serve.jobs`), request bodies are
+parsed in threads and checked (cost tables read) in those workers, so no request blocks another;
+:mod:`pipeloom.serve.guard` checks Host, Origin and Sec-Fetch-Site first, :mod:`pipeloom.serve.connections`
+bounds connections.
 """
 
 from __future__ import annotations
@@ -24,21 +27,28 @@ from starlette.routing import Route
 from pipeloom.errors import PipeloomError
 from pipeloom.serve import requests as api
 from pipeloom.serve.config import ServeConfig
-from pipeloom.serve.errors import RequestError
+from pipeloom.serve.errors import RequestError, WorkError
+from pipeloom.serve.guard import Guard, own_url
 from pipeloom.serve.jobs import Job, Jobs
 
-__all__ = ["PAGE_POLICY", "create_app", "playground_html", "run_server"]
+__all__ = ["PAGE_POLICY", "create_app", "playground_html", "run_server", "uvicorn_options"]
 
 PAGE_POLICY = ("default-src 'self'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; img-src 'self' data:; "
-               "connect-src 'self'")
-"""The playground's Content-Security-Policy: its own inline script and style, requests to this server only."""
+               "connect-src 'self'; frame-ancestors 'none'")
+"""The playground's Content-Security-Policy: its own inline script and style, requests to this server only,
+never shown in another page's frame."""
 
 Handler = Callable[[Request], Awaitable[Response]]
 _T = TypeVar("_T")
 
 
 def _error(message: str, status: int) -> JSONResponse:
-    return JSONResponse({"error": message}, status_code=status)
+    return JSONResponse({"error": message}, status_code=status)  # the guard closes a connection left unread
+
+
+def _json(text: str, status: int = 200, headers: dict | None = None) -> Response:
+    """An answer whose JSON text is already made (in a worker, or kept)."""
+    return Response(text, status_code=status, media_type="application/json", headers=headers)
 
 
 def _first_line(error: BaseException) -> str:
@@ -52,7 +62,7 @@ def _answers(handler: Handler) -> Handler:
     async def answer(request: Request) -> Response:
         try:
             return await handler(request)
-        except RequestError as error:
+        except WorkError as error:  # RequestError among them
             return _error(_first_line(error), error.status)
         except PipeloomError as error:
             return _error(_first_line(error), 422)
@@ -62,7 +72,11 @@ def _answers(handler: Handler) -> Handler:
 
 
 async def _body(request: Request, config: ServeConfig, what: str = "request") -> dict:
-    """The request's JSON object, refused with 413 past ``max_body_bytes`` (declared or streamed)."""
+    """The request's JSON object, refused with 415 unless sent as ``application/json`` and with 413 past
+    ``max_body_bytes`` (declared or streamed); parsed in a thread, off the event loop."""
+    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media != "application/json":
+        raise RequestError(f"send the {what} as JSON with Content-Type: application/json, not {media[:60]!r}", 415)
     declared = request.headers.get("content-length")
     limit = config.max_body_bytes
     if declared is not None and (not declared.isdigit() or int(declared) > limit):
@@ -73,16 +87,17 @@ async def _body(request: Request, config: ServeConfig, what: str = "request") ->
         if size > limit:
             raise RequestError(f"the {what} body is larger than this server's limit of {limit:,} bytes", 413)
         chunks.append(chunk)
-    return api.read_object(b"".join(chunks), what=what)
+    return await _checked(config, api.read_object, b"".join(chunks), what=what)
 
 
-async def _timed(config: ServeConfig, work: Callable[..., _T], *args: Any) -> _T:
-    """``work(*args)`` in a thread, refused with 504 past ``request_seconds``."""
+async def _checked(config: ServeConfig, check: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+    """``check(*args, **kwargs)`` (parsing a body) in a thread, so that a large body never stalls the event loop;
+    504 past ``request_seconds``."""
     try:
-        return await asyncio.wait_for(run_in_threadpool(work, *args), config.request_seconds)
+        return await asyncio.wait_for(run_in_threadpool(check, *args, **kwargs), config.request_seconds)
     except asyncio.TimeoutError:
-        raise RequestError(f"the request took more than this server's limit of {config.request_seconds:g} s; "
-                           "ask for fewer ranks or micro-batches", 504) from None
+        raise RequestError(f"checking the request took more than this server's limit of "
+                           f"{config.request_seconds:g} s", 504) from None
 
 
 def playground_html() -> str:
@@ -96,8 +111,8 @@ def playground_html() -> str:
             .replace("/*PLAYGROUND_JS*/", static.joinpath("playground.js").read_text(encoding="utf-8")))
 
 
-def _result(job: Job) -> dict:
-    """The result of a job whose status is ``done``."""
+def _result(job: Job) -> str:
+    """The answer's JSON text of a job whose status is ``done``."""
     assert job.result is not None, job.id
     return job.result
 
@@ -106,18 +121,21 @@ def _file(text: str, name: str, media: str) -> Response:
     return Response(text, media_type=media, headers={"Content-Disposition": f'attachment; filename="{name}"'})
 
 
-def create_app(config: ServeConfig) -> Starlette:
-    """The application serving the playground and the API with ``config``'s limits."""
-    jobs = Jobs(config)
-    page = playground_html()
+class _Handlers:
+    """The routes' handlers over one server's jobs, page and limits."""
 
-    async def home(request: Request) -> Response:
-        return HTMLResponse(page, headers={"Content-Security-Policy": PAGE_POLICY})
+    def __init__(self, config: ServeConfig) -> None:
+        self.config = config
+        self.jobs = Jobs(config)
+        self.page = playground_html()
 
-    async def health(request: Request) -> Response:
+    async def home(self, request: Request) -> Response:
+        return HTMLResponse(self.page, headers={"Content-Security-Policy": PAGE_POLICY})
+
+    async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
-    async def schedules(request: Request) -> Response:
+    async def schedules(self, request: Request) -> Response:
         from pipeloom.schedules import REGISTRY
         from pipeloom.search import PLACEMENTS
 
@@ -126,103 +144,126 @@ def create_app(config: ServeConfig) -> Starlette:
                            "splits_backward": info.splits_backward} for info in REGISTRY.values()],
             "placements": [{"name": info.name, "summary": info.summary} for info in PLACEMENTS.values()]})
 
-    async def simulate(request: Request) -> Response:
-        return JSONResponse(await _timed(config, api.simulate, await _body(request, config), config))
+    async def simulate(self, request: Request) -> Response:
+        document = await _body(request, self.config)
+        return _json(await self.jobs.quick("simulate", {"document": document, "config": self.config}))
 
-    async def compare(request: Request) -> Response:
-        return JSONResponse(await _timed(config, api.compare, await _body(request, config), config))
+    async def compare(self, request: Request) -> Response:
+        document = await _body(request, self.config)
+        return _json(await self.jobs.quick("compare", {"document": document, "config": self.config}))
 
-    async def schedule_file(request: Request) -> Response:
+    async def schedule_file(self, request: Request) -> Response:
         name, _, suffix = request.path_params["file"].rpartition(".")
         if suffix not in ("json", "csv") or not name:
             raise RequestError("ask for NAME.json (pipeloom.schedule/1) or NAME.csv (torch's CSV)", 404)
         document = api.query_document(dict(request.query_params))
-        text = await _timed(config, api.schedule_file, name, suffix, document, config)
+        text = await self.jobs.quick("schedule_file", {"name": name, "format": suffix, "document": document,
+                                                  "config": self.config})
         return _file(text, f"{name}.{suffix}", "application/json" if suffix == "json" else "text/csv")
 
-    async def start_search(request: Request) -> Response:
-        checked = api.search_request(await _body(request, config), config)
-        job = jobs.submit("search", checked, checked["time_limit"])
-        return JSONResponse(job.public(), status_code=202, headers={"Location": f"/api/searches/{job.id}"})
+    async def start_search(self, request: Request) -> Response:
+        document = await _body(request, self.config)
+        checked = json.loads(await self.jobs.quick("check_search", {"document": document, "config": self.config}))
+        job = self.jobs.submit("search", checked, checked["time_limit"])
+        return _json(job.public(), 202, {"Location": f"/api/searches/{job.id}"})
 
-    async def search_state(request: Request) -> Response:
-        job = jobs.get(request.path_params["id"], "search")
+    async def search_state(self, request: Request) -> Response:
+        job = self.jobs.get(request.path_params["id"], "search")
         if request.method == "DELETE":
-            jobs.cancel(job)
-        return JSONResponse(job.public())
+            self.jobs.cancel(job)
+        return _json(job.public())
 
-    async def search_file(request: Request) -> Response:
-        job = jobs.get(request.path_params["id"], "search")
+    async def search_file(self, request: Request) -> Response:
+        job = self.jobs.get(request.path_params["id"], "search")
         suffix = request.path_params["suffix"]
         if job.status != "done":
             raise RequestError(f"search {job.id} is {job.status}; its schedule exists once it is done", 409)
-        text = _result(job)["files"].get(suffix if suffix in ("json", "csv") else "none")
+        text = job.files.get(suffix if suffix in ("json", "csv") else "none")
         if text is None:
             raise RequestError(f"no .{suffix} form of this schedule; ask for schedule.json or schedule.csv", 404)
         return _file(text, f"search-{job.id}.{suffix}", "application/json" if suffix == "json" else "text/csv")
 
-    async def make_plan(request: Request) -> Response:
-        checked = api.plan_request(await _body(request, config, "cost table"), config)
-        job = jobs.submit("plan", checked, config.request_seconds + checked["search"])
+    async def make_plan(self, request: Request) -> Response:
+        document = await _body(request, self.config, "cost table")
+        # the counts first: 413 at once
+        await _checked(self.config, api.plan_request, document, self.config, read_tables=False)
+        checked = json.loads(await self.jobs.quick("check_plan", {"document": document, "config": self.config}))
+        job = self.jobs.submit("plan", checked, self.config.request_seconds + checked["search"])
         try:
-            await asyncio.wait_for(job.finished.wait(), config.request_seconds + checked["search"])
+            await asyncio.wait_for(job.finished.wait(), self.config.request_seconds + checked["search"])
         except asyncio.TimeoutError:
-            jobs.cancel(job)
-            raise RequestError(f"planning took more than this server's limit of {config.request_seconds:g} s; "
-                               "give fewer schedules or micro-batch counts", 504) from None
+            self.jobs.cancel(job)
+            raise RequestError(f"planning took more than this server's limit of {self.config.request_seconds:g} s and "
+                               "was stopped; give fewer schedules or micro-batch counts", 504) from None
         finally:
             if not job.finished.is_set():
-                jobs.cancel(job)
+                self.jobs.cancel(job)
         if job.status != "done":
-            raise RequestError(f"no plan: {job.error}", 422)
-        result = _result(job)
-        url = str(request.url_for("plan_file", plan=job.id))
-        return JSONResponse({"id": job.id, "url": url, "plan": json.loads(result["plan"]),
-                             "seconds": result["seconds"], "tried": result["tried"], "candidates": result["candidates"],
-                             "view": result["view"], "schedule": json.loads(result["files"]["json"])},
-                            status_code=201, headers={"Location": url})
+            raise RequestError(f"no plan: {job.error}", job.error_status)
+        url = f"{own_url(request.scope)}/plans/{job.id}"
+        head = json.dumps({"id": job.id, "url": url})
+        return _json(f"{head[:-1]}, {_result(job)[1:]}", 201, {"Location": url})
 
-    async def plan_file(request: Request) -> Response:
+    async def plan_file(self, request: Request) -> Response:
         name = request.path_params["plan"]
         companion = name.endswith(".schedule.json")
         plan_id = name[: -len(".schedule.json")] if companion else name
-        job = jobs.get(plan_id, "plan")
+        job = self.jobs.get(plan_id, "plan")
         if job.status != "done":
             raise RequestError(f"plan {plan_id} is {job.status}", 409)
-        result = _result(job)
-        text = result["schedule_file"] if companion else result["plan"]
+        _result(job)
+        text = job.files.get("schedule_file" if companion else "plan")
         if text is None:
             raise RequestError(f"plan {plan_id} names no schedule file", 404)
         return Response(text, media_type="application/json")
 
-    async def not_found(request: Request, error: Exception) -> Response:
+    async def not_found(self, request: Request, error: Exception) -> Response:
         assert isinstance(error, HTTPException), error  # registered for HTTPException only
         return _error(f"{request.method} {request.url.path}: {error.detail}", error.status_code)
 
+    async def defect(self, request: Request, error: Exception) -> Response:
+        return _error(f"internal error: {type(error).__name__}: {_first_line(error)}", 500)
+
     @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette):
-        warming = asyncio.create_task(jobs.warm())  # in the background: the server answers at once
+    async def lifespan(self, app: Starlette):
+        warming = asyncio.create_task(self.jobs.warm())  # in the background: the server answers at once
         yield
         warming.cancel()
-        await jobs.close()
+        await self.jobs.close()
 
+
+def create_app(config: ServeConfig) -> Guard:
+    """The application serving the playground and the API with ``config``'s limits."""
+    h = _Handlers(config)
     routes = [
-        Route("/", home), Route("/api/health", health), Route("/api/schedules", schedules),
-        Route("/api/simulate", _answers(simulate), methods=["POST"]),
-        Route("/api/compare", _answers(compare), methods=["POST"]),
-        Route("/api/schedules/{file}", _answers(schedule_file)),
-        Route("/api/searches", _answers(start_search), methods=["POST"]),
-        Route("/api/searches/{id}", _answers(search_state), methods=["GET", "DELETE"]),
-        Route("/api/searches/{id}/schedule.{suffix}", _answers(search_file)),
-        Route("/api/plans", _answers(make_plan), methods=["POST"]),
-        Route("/plans/{plan}", _answers(plan_file), name="plan_file"),
+        Route("/", h.home), Route("/api/health", h.health), Route("/api/schedules", h.schedules),
+        Route("/api/simulate", _answers(h.simulate), methods=["POST"]),
+        Route("/api/compare", _answers(h.compare), methods=["POST"]),
+        Route("/api/schedules/{file}", _answers(h.schedule_file)),
+        Route("/api/searches", _answers(h.start_search), methods=["POST"]),
+        Route("/api/searches/{id}", _answers(h.search_state), methods=["GET", "DELETE"]),
+        Route("/api/searches/{id}/schedule.{suffix}", _answers(h.search_file)),
+        Route("/api/plans", _answers(h.make_plan), methods=["POST"]),
+        Route("/plans/{plan}", _answers(h.plan_file), name="plan_file"),
     ]
-    return Starlette(routes=routes, exception_handlers={HTTPException: not_found}, lifespan=lifespan)
+    app = Starlette(routes=routes, exception_handlers={HTTPException: h.not_found, Exception: h.defect},
+                    lifespan=h.lifespan)
+    app.state.jobs = h.jobs
+    return Guard(app, config)
+
+
+def uvicorn_options(config: ServeConfig) -> dict[str, Any]:
+    """The keywords of ``uvicorn.Config`` that serve ``create_app(config)``: its connection protocol
+    (:mod:`pipeloom.serve.connections`; no ``limit_concurrency``, which silent sockets exhaust), no ``server``
+    banner, a short keep-alive and a 64 KiB cap on a request head."""
+    from pipeloom.serve.connections import guarded_protocol
+
+    return {"host": config.host, "port": config.port, "log_level": "warning", "http": guarded_protocol(config),
+            "server_header": False, "timeout_keep_alive": 5, "h11_max_incomplete_event_size": 64 * 1024}
 
 
 def run_server(config: ServeConfig) -> None:
     """Serve ``config``'s app with uvicorn until interrupted."""
     import uvicorn
 
-    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level="warning",
-                limit_concurrency=256, timeout_keep_alive=5, h11_max_incomplete_event_size=64 * 1024)
+    uvicorn.run(create_app(config), **uvicorn_options(config))

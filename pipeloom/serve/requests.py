@@ -13,8 +13,34 @@ from pipeloom.ir.jsonfields import check_keys, integer, number, string
 from pipeloom.problem import Costs
 from pipeloom.serve.config import ServeConfig
 from pipeloom.serve.errors import RequestError
+from pipeloom.serve.limits import (
+    MAX_LIST,
+    MAX_PIECES,
+    MAX_SEARCH_RANKS,
+    MAX_TABLES,
+    check_count,
+    check_work,
+    plan_work,
+    schedule_work,
+    uploaded_work,
+)
 
-__all__ = ["compare", "plan_request", "query_document", "read_object", "schedule_file", "search_request", "simulate"]
+__all__ = [
+    "compare",
+    "plan_request",
+    "query_document",
+    "read_object",
+    "schedule_file",
+    "search_request",
+    "simulate",
+]
+
+
+def _count(document: dict, key: str, where: str, default: object = ...) -> int:
+    """The positive integer ``document[key]``, capped (:data:`~pipeloom.serve.limits.MAX_COUNT`: 413)."""
+    if default is not ... and document.get(key) is None:
+        return default  # type: ignore[return-value]
+    return check_count(integer(document, key, where=where, error=RequestError), f"{where}.{key}")
 
 
 _COST_KEYS = {"f", "b", "w", "comm", "memory_limit"}
@@ -57,32 +83,35 @@ def _limit(document: dict, where: str) -> float | None:
     return number(document, "memory_limit", where=where, error=RequestError, default=None, null=True)
 
 
-def _check_size(name: str, ranks: int, microbatches: int, stages_per_rank: int | None, config: ServeConfig) -> None:
-    """Refuse before building a schedule of more than ``config.max_actions`` actions, estimated as ranks
-    x micro-batches x stages per rank (default 2) x kinds (3 with a split backward, else 2)."""
+def _shape(document: dict, names: list[str], config: ServeConfig, where: str) -> tuple[int, int, int | None]:
+    """The request's ranks, micro-batches and stages per rank, its ``names`` known and their summed work within
+    ``config.max_actions`` (413 otherwise, before anything is built)."""
     from pipeloom.schedules import REGISTRY
 
-    estimate = ranks * microbatches * (stages_per_rank or 2) * (3 if REGISTRY[name].splits_backward else 2)
-    if estimate > config.max_actions:
-        raise RequestError(f"{name} with p={ranks}, m={microbatches} would have about {estimate:,} actions, above "
-                           f"this server's limit of {config.max_actions:,}; use fewer ranks or micro-batches", 413)
+    for name in names:
+        if name not in REGISTRY:
+            raise RequestError(f"{where}: unknown schedule {name!r}; choose one of: {', '.join(REGISTRY)}", 404)
+    ranks, microbatches = _count(document, "ranks", where), _count(document, "microbatches", where)
+    stages = _count(document, "stages_per_rank", where, None)
+    work = sum(schedule_work(name, ranks, microbatches, stages) for name in names)
+    check_work(work, f"{where} of {', '.join(names)} with p={ranks}, m={microbatches}", config.max_actions)
+    return ranks, microbatches, stages
 
 
-def _named(document: dict, name: str, config: ServeConfig, where: str):
-    """Build and validate the registered schedule ``name`` the request describes; its timeline."""
+def _named(document: dict, name: str, where: str, shape: tuple[int, int, int | None]):
+    """Build and validate the registered schedule ``name`` of ``shape`` (checked by :func:`_shape`); its timeline.
+    A generator's refusal (ValueError: odd micro-batches for dualpipe, a memory limit below one micro-batch) is a
+    RequestError 422 with its message."""
     from pipeloom.schedules import REGISTRY, build_schedule
     from pipeloom.validate import validate
 
-    if name not in REGISTRY:
-        raise RequestError(f"{where}: unknown schedule {name!r}; choose one of: {', '.join(REGISTRY)}", 404)
-    ranks = integer(document, "ranks", where=where, error=RequestError)
-    microbatches = integer(document, "microbatches", where=where, error=RequestError)
-    options = {}
-    if document.get("stages_per_rank") is not None and "stages_per_rank" in REGISTRY[name].options:
-        options["stages_per_rank"] = integer(document, "stages_per_rank", where=where, error=RequestError)
-    _check_size(name, ranks, microbatches, options.get("stages_per_rank"), config)
-    schedule = build_schedule(name, ranks, microbatches, costs=_costs(document, where),
-                              memory_limit=_limit(document, where), **options)
+    ranks, microbatches, stages = shape
+    options = {"stages_per_rank": stages} if stages is not None and "stages_per_rank" in REGISTRY[name].options else {}
+    try:
+        schedule = build_schedule(name, ranks, microbatches, costs=_costs(document, where),
+                                  memory_limit=_limit(document, where), **options)
+    except ValueError as error:
+        raise RequestError(f"{where}: {(str(error).strip().splitlines() or ['refused'])[0]}", 422) from None
     return validate(schedule, ordered=True)
 
 
@@ -91,10 +120,9 @@ def _given(value: Any, config: ServeConfig):
     from pipeloom.ir import schedule_from_json
     from pipeloom.validate import validate
 
+    check_work(uploaded_work(value), "the uploaded schedule", config.max_actions)
     schedule = schedule_from_json(json.dumps(value))
-    if schedule.num_actions > config.max_actions:
-        raise RequestError(f"the schedule has {schedule.num_actions:,} actions, above this server's limit of "
-                           f"{config.max_actions:,}", 413)
+    check_work(schedule.num_actions + schedule.num_ranks, "the uploaded schedule", config.max_actions)
     return validate(schedule, ordered=False)
 
 
@@ -113,7 +141,8 @@ def simulate(document: dict, config: ServeConfig) -> dict:
         timeline = _given(value, config)
     else:
         check_keys(document, {"schedule"} | _SHAPE_KEYS | _COST_KEYS, where=where, error=RequestError)
-        timeline = _named(document, string(document, "schedule", where=where, error=RequestError), config, where)
+        name = string(document, "schedule", where=where, error=RequestError)
+        timeline = _named(document, name, where, _shape(document, [name], config, where))
     return {"report": timeline_report(timeline), "view": timeline_data(timeline),
             "schedule": json.loads(schedule_to_json(timeline.schedule))}
 
@@ -129,14 +158,17 @@ def compare(document: dict, config: ServeConfig) -> dict:
     check_keys(document, {"names"} | _SHAPE_KEYS | _COST_KEYS, where=where, error=RequestError)
     names = document.get("names")
     if (not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names)
-            or len(set(names)) < len(names)):
+            or len(set(names)) < len(names) or len(names) > MAX_LIST):
         raise RequestError(f"{where}.names: expected a list of distinct schedule names, got {names!r:.80}")
+    shape = _shape(document, names, config, where)
     outcomes = []
     for name in names:
         try:
-            outcomes.append((name, _named(document, name, config, where)))
-        except RequestError:
-            raise
+            outcomes.append((name, _named(document, name, where, shape)))
+        except RequestError as error:
+            if error.status != 422:
+                raise
+            outcomes.append((name, str(error).removeprefix(f"{where}: ")))
         except PipeloomError as error:
             outcomes.append((name, (str(error).strip().splitlines() or ["failed"])[0]))
     built = [outcome for _, outcome in outcomes if not isinstance(outcome, str)]
@@ -148,7 +180,7 @@ def schedule_file(name: str, fmt: str, document: dict, config: ServeConfig) -> s
     from pipeloom.ir import schedule_to_csv, schedule_to_json
 
     check_keys(document, _SHAPE_KEYS | _COST_KEYS, where="download", error=RequestError)
-    schedule = _named(document, name, config, "download").schedule
+    schedule = _named(document, name, "download", _shape(document, [name], config, "download")).schedule
     return schedule_to_json(schedule, indent=1) + "\n" if fmt == "json" else schedule_to_csv(schedule)
 
 
@@ -159,7 +191,7 @@ _SEARCH_KEYS = {"placement", "ranks", "microbatches", "time_limit", "memory_limi
 def search_request(document: dict, config: ServeConfig) -> dict:
     """Check ``POST /api/searches``: ``{"placement", "ranks", "microbatches", "time_limit"?, "memory_limit"?,
     "split_backward"?, "f"?, "b"?, "w"?, "comm"?, "mode"?}``; the checked request, plain JSON values."""
-    from pipeloom.search import PLACEMENTS
+    from pipeloom.search import PLACEMENTS, placement
 
     where = "search"
     check_keys(document, _SEARCH_KEYS, where=where, error=RequestError)
@@ -176,11 +208,16 @@ def search_request(document: dict, config: ServeConfig) -> dict:
     if limit > config.max_search_seconds:
         raise RequestError(f"{where}.time_limit {limit:g} s is above this server's limit of "
                            f"{config.max_search_seconds:g} s; ask for less")
-    ranks = integer(document, "ranks", where=where, error=RequestError)
-    microbatches = integer(document, "microbatches", where=where, error=RequestError)
-    if ranks * microbatches * 3 > config.max_actions:
-        raise RequestError(f"{where}: p={ranks}, m={microbatches} is above this server's limit of about "
-                           f"{config.max_actions:,} actions; use fewer ranks or micro-batches", 413)
+    # building a placement (to count its tasks) takes time that grows as ranks squared: capped lower
+    ranks = check_count(integer(document, "ranks", where=where, error=RequestError), f"{where}.ranks",
+                        cap=MAX_SEARCH_RANKS)
+    microbatches = _count(document, "microbatches", where)
+    try:
+        tasks = len(placement(name, ranks, split_backward=split).tasks)
+    except (PipeloomError, ValueError) as error:
+        raise RequestError(f"{where}: {(str(error).strip().splitlines() or ['refused'])[0]}", 422) from None
+    check_work(tasks * microbatches + ranks, f"{where} of {name} with p={ranks}, m={microbatches}",
+               config.max_actions)
     costs = {key: number(document, key, where=where, error=RequestError) for key in ("f", "b", "w")
              if document.get(key) is not None}
     return {"placement": name, "ranks": ranks, "microbatches": microbatches, "time_limit": limit, "mode": mode,
@@ -198,14 +235,20 @@ def _counts(document: dict, key: str, where: str) -> list[int] | None:
         return None
     if not isinstance(value, list) or not value or not all(type(v) is int and v >= 1 for v in value):
         raise RequestError(f"{where}.{key}: expected a list of positive integers, got {value!r:.80}")
+    if len(value) > MAX_LIST:
+        raise RequestError(f"{where}.{key}: {len(value)} entries, above this server's limit of {MAX_LIST}", 413)
+    for v in value:
+        check_count(v, f"{where}.{key} entry")
     return value
 
 
-def plan_request(document: dict, config: ServeConfig) -> dict:
+def plan_request(document: dict, config: ServeConfig, *, read_tables: bool = True) -> dict:
     """Check ``POST /api/plans``: ``{"costs": <pipeloom.costs/2 (or /1) object, or a list of them>, "ranks",
     "global_batch", "memory_limit"? (bytes, or a size like "16GiB"), "data_parallel"?, "tensor_parallel"?,
     "sharding"?, "schedules"?, "stages_per_rank"?, "microbatches"?, "search"? (seconds)}``. The cost tables
-    are read here with the file reader, so a bad one is refused before any worker starts."""
+    are read here with the file reader, so a bad one is refused before the plan is queued; with
+    ``read_tables=False`` they are only counted (the quick check of every other field and of the work, which
+    the server runs before it hands the full check to a worker)."""
     from pipeloom.plan.costs.file import costs_from_json
     from pipeloom.plan.costs.parts import parse_bytes
     from pipeloom.schedules import REGISTRY
@@ -214,14 +257,22 @@ def plan_request(document: dict, config: ServeConfig) -> dict:
     check_keys(document, _PLAN_KEYS, where=where, error=RequestError)
     tables = document.get("costs")
     tables = tables if isinstance(tables, list) else [tables]
-    texts = []
+    if len(tables) > MAX_TABLES:
+        raise RequestError(f"{where}.costs: {len(tables)} tables, above this server's limit of {MAX_TABLES}", 413)
+    texts, pieces = [], 1
     for k, table in enumerate(tables):
         if not isinstance(table, dict):
             raise RequestError(f"{where}.costs: expected a pipeloom.costs/2 (or /1) object (or a list of them), got "
                                f"{type(table).__name__}")
+        if isinstance(table.get("pieces"), list) and len(table["pieces"]) > MAX_PIECES:
+            raise RequestError(f"{where}.costs[{k}]: {len(table['pieces']):,} pieces, above this server's limit of "
+                               f"{MAX_PIECES:,}", 413)
+        if not read_tables:
+            pieces = max(pieces, len(table["pieces"]) if isinstance(table.get("pieces"), list) else 1)
+            continue
         text = json.dumps(table)
         try:
-            costs_from_json(text)
+            pieces = max(pieces, len(costs_from_json(text).pieces))
         except PipeloomError as error:
             raise RequestError(f"{where}.costs[{k}]: {error}") from None
         texts.append(text)
@@ -234,8 +285,8 @@ def plan_request(document: dict, config: ServeConfig) -> dict:
     elif limit is not None:
         limit = number(document, "memory_limit", where=where, error=RequestError)
     schedules = document.get("schedules")
-    if schedules is not None and (not isinstance(schedules, list) or not schedules
-                                  or any(name not in REGISTRY for name in schedules)):
+    if schedules is not None and (not isinstance(schedules, list) or not schedules or len(schedules) > MAX_LIST
+                                  or any(not isinstance(name, str) or name not in REGISTRY for name in schedules)):
         raise RequestError(f"{where}.schedules: expected a list of schedule names among {', '.join(REGISTRY)}; "
                            f"got {schedules!r:.80}")
     sharding = document.get("sharding", "replicate")
@@ -245,9 +296,14 @@ def plan_request(document: dict, config: ServeConfig) -> dict:
     if search > config.max_search_seconds:
         raise RequestError(f"{where}.search {search:g} s is above this server's limit of "
                            f"{config.max_search_seconds:g} s")
-    return {"costs": texts, "ranks": integer(document, "ranks", where=where, error=RequestError),
-            "global_batch": integer(document, "global_batch", where=where, error=RequestError),
-            "memory_limit": limit, "data_parallel": _counts(document, "data_parallel", where),
-            "tensor_parallel": _counts(document, "tensor_parallel", where) or [1], "sharding": sharding,
-            "schedules": schedules, "stages_per_rank": _counts(document, "stages_per_rank", where) or [2],
-            "microbatches": _counts(document, "microbatches", where), "search": search}
+    checked = {"costs": texts, "ranks": _count(document, "ranks", where),
+               "global_batch": _count(document, "global_batch", where),
+               "memory_limit": limit, "data_parallel": _counts(document, "data_parallel", where),
+               "tensor_parallel": _counts(document, "tensor_parallel", where) or [1], "sharding": sharding,
+               "schedules": schedules, "stages_per_rank": _counts(document, "stages_per_rank", where) or [2],
+               "microbatches": _counts(document, "microbatches", where), "search": search}
+    work = plan_work(pieces=pieces, limit=config.max_actions,
+                     **{key: checked[key] for key in ("ranks", "global_batch", "schedules", "stages_per_rank",
+                                                      "microbatches", "data_parallel", "tensor_parallel", "search")})
+    check_work(work, f"{where}: the candidates of this plan", config.max_actions)
+    return checked

@@ -4,12 +4,7 @@ playground tests; the browser tests skip, saying why, where no browser is instal
 from __future__ import annotations
 
 import shutil
-import socket
-import subprocess
-import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -17,48 +12,18 @@ import pytest
 pytest.importorskip("starlette", reason="pipeloom serve needs the serve extra: pip install 'pipeloom[serve]'")
 pytest.importorskip("uvicorn", reason="pipeloom serve needs the serve extra: pip install 'pipeloom[serve]'")
 
+from servers import SETTINGS, serving  # noqa: E402
+
 from pipeloom.plan import CostTable, Link, Piece, save_costs  # noqa: E402
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 
 
-_SERVER = """
-import sys
-
-import uvicorn
-
-from pipeloom.serve import ServeConfig, create_app
-
-config = ServeConfig(port=0, max_body_bytes=2**20, workers=3, request_seconds=30.0, max_actions=50_000)
-uvicorn.Server(uvicorn.Config(create_app(config), host="127.0.0.1", port=int(sys.argv[1]), log_level="warning",
-                              limit_concurrency=256)).run()
-"""
-
-
 @pytest.fixture(scope="module")
 def server() -> str:
-    """The base URL of a server with small limits (1 MiB bodies, 3 workers), in a process of its own: its
-    job workers' forkserver must not live in the pytest process (the spawned ranks of
-    tests/runtime/test_faults.py then missed a peer's failure until its process exited)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    process = subprocess.Popen([sys.executable, "-c", _SERVER, str(port)])
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            with urllib.request.urlopen(f"{url}/api/schedules", timeout=2):
-                break
-        except OSError:
-            assert time.monotonic() < deadline and process.poll() is None, "the server did not start"
-            time.sleep(0.1)
-    yield url
-    process.terminate()
-    try:
-        process.wait(10)
-    except subprocess.TimeoutExpired:
-        process.kill()
+    """The base URL of a server with small limits (:data:`SETTINGS`)."""
+    with serving(SETTINGS) as (url, _):
+        yield url
 
 
 def _cost_table(path: Path, pieces: int = 4) -> Path:

@@ -69,6 +69,18 @@ def test_playground(browser, server, costs_file, capsys, tmp_path):
         time.sleep(0.05)
     assert main(["simulate", str(path), "--json"]) == 0
     assert f'"makespan": {expected}' in capsys.readouterr().out
+    # a refusal shows the server's one line (a JSON parse error before): a memory limit below one micro-batch
+    from selenium.webdriver.common.keys import Keys
+
+    limit = browser.find_element(By.ID, "memory-limit")
+    limit.send_keys("0.5")
+    shown = wait(browser, "var e = document.getElementById('error').textContent; "
+                          "return e.indexOf('above the limit 0.5') >= 0 && e")
+    assert "JSON" not in shown and "HTTP" not in shown
+    wait(browser, "return document.getElementById('compare-table').textContent.indexOf('memory_limit 0.5') >= 0")
+    limit.send_keys(Keys.BACKSPACE * 3)
+    wait(browser, "return document.getElementById('error').textContent == '' && "
+                  "document.querySelector('#view .pl-summary') !== null")
     # a search: run one that takes long, see progress, cancel it; run a short one to the end
     browser.find_element(By.ID, "placement").send_keys("nnshape")  # its bound is not met: it runs its time
     for name, value in (("search-ranks", "8"), ("search-microbatches", "48"), ("search-time", "60")):

@@ -8,9 +8,13 @@
   function call(method, url, body) {
     var init = {method: method, headers: {}};
     if (body !== undefined) { init.body = JSON.stringify(body); init.headers["Content-Type"] = "application/json"; }
+    // every refusal is {"error": "<one line>"}; anything else (a proxy's page) is shown as it came
     return fetch(url, init).then(function (r) {
-      return r.json().then(function (data) {
-        if (!r.ok) throw new Error(data.error || ("HTTP " + r.status));
+      return r.text().then(function (text) {
+        var data = null;
+        try { data = JSON.parse(text); } catch (e) { data = null; }
+        if (!r.ok) throw new Error((data && data.error) || ("HTTP " + r.status + ": " + text.slice(0, 200)));
+        if (data === null) throw new Error("the server's answer is not JSON: " + text.slice(0, 200));
         return data;
       });
     });
@@ -37,24 +41,29 @@
     var names = Array.prototype.filter.call(document.querySelectorAll("#compare-names input"), function (c) { return c.checked; })
       .map(function (c) { return c.value; });
     if (names.indexOf(name) < 0) names.unshift(name);
-    Promise.all([call("POST", "/api/simulate", body), call("POST", "/api/compare", Object.assign({names: names}, s))])
-      .then(function (answers) {
-        showError(null);
-        $("view").innerHTML = ""; render("view", answers[0].view);
-        var rows = answers[1].rows, table = $("compare-table");
-        table.innerHTML = "<tr><th>schedule</th><th>makespan</th><th>vs best</th><th>bubble</th><th>peak memory</th></tr>";
-        rows.forEach(function (row) {
-          var tr = document.createElement("tr");
-          var cells = row.error ? [row.name, row.error, "", "", ""] :
-            [row.name, fmt(row.makespan), row.relative_makespan.toFixed(3), (100 * row.bubble_ratio).toFixed(1) + "%",
-             fmt(Math.max.apply(null, row.peak_memory))];
-          cells.forEach(function (c) { var td = document.createElement("td"); td.textContent = c; tr.appendChild(td); });
-          table.appendChild(tr);
-        });
-        $("compare-views").innerHTML = ""; answers[1].views.slice(1).forEach(function (v) { render("compare-views", v); });
-        window.pipeloomPlayground.updates += 1;
-      })
-      .catch(showError);
+    // the view and the comparison each show what they can; a refusal of either is shown above them
+    var shown = call("POST", "/api/simulate", body).then(function (answer) {
+      $("view").innerHTML = ""; render("view", answer.view); return null;
+    }, function (error) { $("view").innerHTML = ""; return error; });
+    var compared = call("POST", "/api/compare", Object.assign({names: names}, s)).then(function (answer) {
+      var table = $("compare-table");
+      table.innerHTML = "<tr><th>schedule</th><th>makespan</th><th>vs best</th><th>bubble</th><th>peak memory</th></tr>";
+      answer.rows.forEach(function (row) {
+        var tr = document.createElement("tr");
+        var cells = row.error ? [row.name, row.error, "", "", ""] :
+          [row.name, fmt(row.makespan), row.relative_makespan.toFixed(3), (100 * row.bubble_ratio).toFixed(1) + "%",
+           fmt(Math.max.apply(null, row.peak_memory))];
+        cells.forEach(function (c) { var td = document.createElement("td"); td.textContent = c; tr.appendChild(td); });
+        table.appendChild(tr);
+      });
+      $("compare-views").innerHTML = ""; answer.views.slice(1).forEach(function (v) { render("compare-views", v); });
+      return null;
+    }, function (error) { $("compare-table").innerHTML = ""; $("compare-views").innerHTML = ""; return error; });
+    Promise.all([shown, compared]).then(function (errors) {
+      var lines = errors.filter(Boolean).map(function (e) { return String(e.message || e); });
+      showError(lines.length ? lines.filter(function (l, k) { return lines.indexOf(l) === k; }).join("\n") : null);
+      window.pipeloomPlayground.updates += 1;
+    });
   }
   function later() { clearTimeout(timer); timer = setTimeout(update, 250); }
 
