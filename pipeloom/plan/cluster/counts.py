@@ -103,26 +103,32 @@ def attention_flops(spec: ModelSpec, seq: int, *, causal: bool = False) -> float
     return full / 2 if causal else full
 
 
-def _attention_activations(spec: ModelSpec) -> tuple[float, float]:
-    """``(sequence, tensor)`` bytes per token of the attention half of a layer (bf16, flash attention):
-    the norm's input and output (+ 1/rms) and q, k, v, the output and the log-sum-exp per head."""
+def _attention_activations(spec: ModelSpec, width: int) -> tuple[float, float]:
+    """``(sequence, tensor)`` bytes per token of the attention half of a layer (flash attention, ``width``
+    bytes per element): the norm's input and output (+ 1/rms) and q, k, v, the output (also the output
+    projection's input) and the log-sum-exp per head; Qwen3's q/k norms keep their inputs (+ 1/rms per head)."""
     a, h = spec.attention, spec.hidden
-    sequence = 2 * (2 * h) + _STAT
+    sequence = width * (2 * h) + _STAT
     qkv = a.heads * a.qk_dim + a.kv_heads * (a.qk_dim + a.v_dim)
+    stats = a.heads
+    if a.qk_norm:
+        qkv += (a.heads + a.kv_heads) * a.qk_dim
+        stats += a.heads + a.kv_heads
     if a.latent:  # MLA also keeps its low-rank inputs (the q and kv up-projections' inputs)
         qkv += a.q_rank + a.kv_rank
-    tensor = 2 * (qkv + a.heads * a.v_dim) + _STAT * a.heads
+    tensor = width * (qkv + a.heads * a.v_dim) + _STAT * stats
     return sequence, tensor
 
 
-def _mlp_activations(spec: ModelSpec, intermediate: int, *, gated: bool, tokens: float = 1.0) -> float:
-    """Bytes per token kept by one MLP of ``intermediate`` width run on ``tokens`` copies of the token:
-    the up-projection's output (gate and up: 2I, or I before GELU) and the activation's output (I)."""
-    return 2.0 * tokens * (3 * intermediate if gated else 2 * intermediate)
+def _mlp_activations(intermediate: int, *, gated: bool, width: int) -> float:
+    """Bytes per token kept by one MLP of ``intermediate`` width: the up-projection's output (gate and up:
+    2I, or I before GELU) and the activation's output, the down projection's input (I)."""
+    return float(width * (3 * intermediate if gated else 2 * intermediate))
 
 
-def layer_counts(spec: ModelSpec, kind: str, seq: int) -> LayerCounts:
-    """The counts of one layer of ``kind`` (embedding, dense, moe, head) for one sequence of ``seq`` tokens."""
+def layer_counts(spec: ModelSpec, kind: str, seq: int, *, width: int = 2) -> LayerCounts:
+    """The counts of one layer of ``kind`` (embedding, dense, moe, head) for one sequence of ``seq`` tokens;
+    ``width``: bytes of one activation element (2: bf16; statistics are fp32 whatever it is)."""
     h = spec.hidden
     if kind == "embedding":
         params = spec.vocab * h + spec.positions * h
@@ -132,14 +138,14 @@ def layer_counts(spec: ModelSpec, kind: str, seq: int) -> LayerCounts:
         params = _norm(spec) + (0 if spec.tied else spec.vocab * h)
         mm = 2.0 * seq * h * spec.vocab
         # the final norm's input and output (+ 1/rms); the fp32 logits the loss keeps (vocab split by tp)
-        keep = Activations(sequence=2 * 2 * h + _STAT, tensor=4.0 * spec.vocab)
+        keep = Activations(sequence=width * 2 * h + _STAT, tensor=4.0 * spec.vocab)
         return LayerCounts(kind=kind, params=params, expert_params=0, f=mm, i=mm, w=mm, attention_f=0.0,
                            activations={m: keep for m in ("none", "selective", "full")})
     attn_mm, attn_other = _attention_weights(spec)
     if kind == "dense":
         mlp_mm, mlp_other = _mlp_weights(spec, spec.intermediate, gated=spec.gated, bias=spec.mlp_bias)
         expert_params, routed_mm = 0, 0
-        mlp_keep = _mlp_activations(spec, spec.intermediate, gated=spec.gated)
+        mlp_keep = _mlp_activations(spec.intermediate, gated=spec.gated, width=width)
     elif kind == "moe":
         ex = spec.experts
         assert ex is not None, "moe layer of a dense model"
@@ -150,22 +156,21 @@ def layer_counts(spec: ModelSpec, kind: str, seq: int) -> LayerCounts:
         mlp_other = expert_params
         # routed: each token's k copies (the experts' input h, gate+up 2I, activation I) and its fp32 router
         # probabilities; the shared expert(s) like a dense MLP
-        mlp_keep = (2.0 * ex.top_k * (h + 3 * ex.intermediate) + _STAT * ex.count
-                    + _mlp_activations(spec, ex.shared_intermediate, gated=True))
+        mlp_keep = (width * ex.top_k * (h + 3 * ex.intermediate) + _STAT * ex.count
+                    + _mlp_activations(ex.shared_intermediate, gated=True, width=width))
     else:
         raise ValueError(f"unknown layer kind {kind!r}; one of embedding, dense, moe, head")
     params = attn_mm + attn_other + mlp_mm + mlp_other + 2 * _norm(spec)
     core = attention_flops(spec, seq)
     linear = 2.0 * seq * (attn_mm + mlp_mm + routed_mm)
-    seq_a, tensor_a = _attention_activations(spec)
-    sequence = seq_a + 2 * (2 * h) + _STAT  # + the MLP norm's input and output (+ 1/rms)
-    a = spec.attention
-    core_keep = 2 * a.heads * a.v_dim + _STAT * a.heads  # the attention output and its log-sum-exp
+    seq_a, tensor_a = _attention_activations(spec, width)
+    sequence = seq_a + width * (2 * h) + _STAT  # + the MLP norm's input and output (+ 1/rms)
     none = Activations(sequence=sequence, tensor=tensor_a + mlp_keep)
-    # selective: the attention core is recomputed, so its output and statistics are not kept; the output
-    # projection's input (the same tensor) is then recomputed too
-    selective = Activations(sequence=sequence, tensor=tensor_a + mlp_keep - core_keep)
-    full = Activations(sequence=2.0 * h, tensor=0.0)  # only the layer's input
+    # selective: the attention core runs again in the backward, so only its softmax statistics are not kept:
+    # its inputs q, k, v are the recomputation's inputs, its output the output projection's input
+    # (with flash attention there are no s x s scores to save: Megatron's selective recompute saves little)
+    selective = Activations(sequence=sequence, tensor=tensor_a + mlp_keep - _STAT * spec.attention.heads)
+    full = Activations(sequence=float(width * h), tensor=0.0)  # only the layer's input
     return LayerCounts(kind=kind, params=params, expert_params=expert_params, f=linear + core, i=linear + 2 * core,
                        w=linear, attention_f=core,
                        activations={"none": none, "selective": selective, "full": full})
