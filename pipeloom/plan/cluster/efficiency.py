@@ -1,0 +1,192 @@
+"""Seconds of the operations of a training step on one GPU type (:class:`~pipeloom.plan.cluster.hardware.Hardware`):
+GEMMs and flash attention at a shape-dependent fraction of peak, bandwidth-bound elementwise work,
+collectives over the scale-up / scale-out topology, and point-to-point sends between pipeline stages.
+
+**GEMM** (``m x k`` times ``k x n``, ``2mnk`` FLOPs)::
+
+    t = overhead + max(2mnk / (peak · E · f(m)·f(n)·f(k)),  bytes / (HBM · e_mem)),   f(d) = d / (d + d½)
+
+``E`` is the large-shape efficiency (maximum achievable matmul FLOPS / peak), ``d½`` the half-rate
+dimension; ``bytes`` reads both inputs at the dtype's width and writes the output in BF16. The rate
+``2mnk / t`` rises with every dimension and never exceeds ``E · peak``. Not modelled: wave quantization
+(the saw-tooth when the tile count just passes a multiple of the SM count), layouts, and clock throttling.
+
+**Attention** (flash attention: no ``s x s`` matrix in HBM): the forward is ``4·b·h·s²·d`` FLOPs (``QKᵀ``
+and ``PV``), half of it when causal; the backward ``2.5x`` that (five matmuls, one of them the recomputed
+``QKᵀ``). Rate ``peak · A · s / (s + s½)`` with ``A`` the forward's or the backward's efficiency, in a
+roofline with reading and writing ``q, k, v, o`` (and their gradients). Grouped-query attention is priced
+like multi-head attention with ``heads`` query heads (its smaller K/V traffic is not modelled).
+
+**Collectives** (``nbytes`` = the whole tensor: an all-gather's output, a reduce-scatter's input, an
+all-reduce's buffer; for an all-to-all each rank's buffer). ``ranks = r · D`` with ``r`` ranks in each of
+``D`` scale-up domains, hierarchical as NCCL's topology-aware paths behave at scale:
+
+- all-reduce: reduce-scatter inside the domain, all-reduce of the ``1/r`` shard across domains
+  (``r`` parallel rings, one NIC each), all-gather inside the domain;
+- all-gather: all-gather of the ``1/r`` shard across domains, then inside; reduce-scatter the reverse;
+- all-to-all: each rank sends ``(r-1)/n`` of its buffer over the scale-up link and ``(n-r)/n`` over its
+  NIC, the two at once (the slower one counts).
+
+Each ring level costs ``share · S / (B · e)`` (the ring algebra of
+:meth:`pipeloom.plan.collective_fit.CollectiveFit.seconds`: ``2(n-1)/n`` of the bytes for an all-reduce,
+``(n-1)/n`` otherwise) plus latency: ring steps inside a domain; across domains NCCL's trees and PAT
+bound the steps by ``2·⌈log₂ D⌉`` (all-reduce) or ``⌈log₂ D⌉``. NVLink SHARP (in-switch reduction) and
+SHARP on InfiniBand are not modelled (they make all-reduces faster than this).
+
+**What overlaps what** (guidance for the step estimator; these functions price each operation alone):
+
+- Data-parallel gradient reduce-scatter / all-reduce overlaps the backward of earlier layers, bucket by
+  bucket; only the last bucket's and whatever exceeds the backward's length is exposed. The
+  distributed optimizer's parameter all-gather overlaps the next step's forward the same way.
+- FSDP: the all-gather of layer ``i+1``'s weights is prefetched during layer ``i``'s forward (and
+  backward); the gradient reduce-scatter overlaps the backward. Exposed: the first gather, the last
+  reduce-scatter, and any collective longer than the layer computing beside it.
+- Tensor-parallel all-gather / reduce-scatter (sequence parallel) or all-reduce sit on the critical path
+  between GEMMs unless a framework overlaps them (Megatron's TP comm overlap, async TP): count them.
+- Context-parallel ring attention sends K/V blocks to the next rank while computing the current block:
+  exposed only where a block's send outlasts its attention.
+- Expert-parallel all-to-all (dispatch and combine) is on the critical path, except where a schedule
+  pairs one micro-batch's all-to-all with another's compute (DualPipe's overlapped F&B pairs).
+- Pipeline sends between stages overlap the receiving stage's other work in the schedule; the
+  simulator places them.
+- Compute kernels do not overlap each other; a collective running beside compute slows that compute a
+  little (SM and memory contention), not modelled here.
+"""
+
+from __future__ import annotations
+
+import math
+
+from pipeloom.plan.cluster.hardware import Hardware, HardwareError
+from pipeloom.plan.collective_fit import CollectiveFit
+
+__all__ = ["COLLECTIVE_KINDS", "attention_flops", "attention_seconds", "collective_seconds", "dtype_bytes",
+           "gemm_efficiency", "gemm_seconds", "memory_seconds", "p2p_seconds"]
+
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+"""Collective kinds :func:`collective_seconds` prices."""
+
+_BYTES = {"bf16": 2, "fp8": 1}
+_BACKWARD = 2.5
+"""Flash attention's backward FLOPs per forward FLOP (FlashAttention-2 paper, sec. 4: five matmuls to two)."""
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes of one element of a GEMM input in ``dtype``."""
+    if dtype not in _BYTES:
+        raise HardwareError(f"unknown dtype {dtype!r}; use {' or '.join(map(repr, _BYTES))}")
+    return _BYTES[dtype]
+
+
+def _dims(**dims: int) -> None:
+    for name, value in dims.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise HardwareError(f"{name} must be a whole number >= 0, got {value!r}")
+
+
+def gemm_efficiency(hw: Hardware, m: int, n: int, k: int) -> float:
+    """Fraction of peak the GEMM's compute runs at: ``E · Π d / (d + d½)`` over ``m, n, k``."""
+    half = hw.gemm_half_dim
+    return hw.gemm_efficiency * (m / (m + half)) * (n / (n + half)) * (k / (k + half))
+
+
+def gemm_seconds(hw: Hardware, m: int, n: int, k: int, *, dtype: str = "bf16") -> float:
+    """Seconds of one ``(m x k) @ (k x n)`` GEMM (module docstring: roofline with a size-dependent
+    efficiency, plus the kernel overhead); 0 when any dimension is 0."""
+    _dims(m=m, n=n, k=k)
+    peak, width = hw.peak(dtype), dtype_bytes(dtype)
+    if m == 0 or n == 0 or k == 0:
+        return 0.0
+    compute = 2.0 * m * n * k / (peak * gemm_efficiency(hw, m, n, k))
+    traffic = (m * k + k * n) * width + m * n * 2
+    return hw.kernel_overhead + max(compute, traffic / (hw.memory_bandwidth * hw.memory_efficiency))
+
+
+def attention_flops(*, batch: int, heads: int, seq: int, head_dim: int, causal: bool = True,
+                    backward: bool = False) -> float:
+    """FLOPs of the flash-attention core: ``4·b·h·s²·d`` forward (half when causal), 2.5x that backward."""
+    _dims(batch=batch, heads=heads, seq=seq, head_dim=head_dim)
+    forward = 4.0 * batch * heads * seq * seq * head_dim * (0.5 if causal else 1.0)
+    return forward * (_BACKWARD if backward else 1.0)
+
+
+def attention_seconds(hw: Hardware, *, batch: int, heads: int, seq: int, head_dim: int, causal: bool = True,
+                      dtype: str = "bf16", backward: bool = False) -> float:
+    """Seconds of the flash-attention core, forward or backward (module docstring). Megatron's and
+    Transformer Engine's FP8 recipes keep attention in BF16: pass ``dtype="bf16"`` for them."""
+    flops = attention_flops(batch=batch, heads=heads, seq=seq, head_dim=head_dim, causal=causal,
+                            backward=backward)
+    peak, width = hw.peak(dtype), dtype_bytes(dtype)
+    if flops == 0:
+        return 0.0
+    share = hw.attention_backward_efficiency if backward else hw.attention_efficiency
+    compute = flops / (peak * share * seq / (seq + hw.attention_half_seq))
+    # Forward reads q, k, v and writes o; backward reads those and do, writes dq, dk, dv.
+    traffic = (8 if backward else 4) * batch * heads * seq * head_dim * width
+    return hw.kernel_overhead + max(compute, traffic / (hw.memory_bandwidth * hw.memory_efficiency))
+
+
+def memory_seconds(hw: Hardware, nbytes: float) -> float:
+    """Seconds of bandwidth-bound elementwise work moving ``nbytes`` (reads plus writes) through HBM."""
+    if not isinstance(nbytes, (int, float)) or not math.isfinite(nbytes) or nbytes < 0:
+        raise HardwareError(f"nbytes must be a number of bytes >= 0, got {nbytes!r}")
+    if nbytes == 0:
+        return 0.0
+    return hw.kernel_overhead + nbytes / (hw.memory_bandwidth * hw.memory_efficiency)
+
+
+def _bandwidth(hw: Hardware, *, same_domain: bool) -> float:
+    if same_domain:
+        return hw.scale_up_bandwidth * hw.scale_up_efficiency
+    return hw.scale_out_bandwidth * hw.scale_out_efficiency
+
+
+def _ring(kind: str, nbytes: float, size: int, bandwidth: float) -> float:
+    """Bandwidth term of one ring level (the shared ring algebra, no latency)."""
+    return CollectiveFit.from_link(0.0, bandwidth).seconds(kind, nbytes, size)
+
+
+def _steps(kind: str, size: int, *, tree: bool) -> int:
+    if size <= 1:
+        return 0
+    twice = 2 if kind == "all_reduce" else 1
+    ring = twice * (size - 1)
+    return min(ring, twice * math.ceil(math.log2(size))) if tree else ring
+
+
+def collective_seconds(hw: Hardware, kind: str, nbytes: float, ranks: int, *, ranks_per_domain: int) -> float:
+    """Seconds of one collective of ``nbytes`` (the whole tensor) over ``ranks`` ranks of which
+    ``ranks_per_domain`` share each scale-up domain (hierarchical algorithm, module docstring)."""
+    if kind not in COLLECTIVE_KINDS:
+        raise HardwareError(f"collective kind {kind!r} is not one of {', '.join(COLLECTIVE_KINDS)}")
+    _dims(ranks=ranks, ranks_per_domain=ranks_per_domain)
+    if ranks < 1 or ranks_per_domain < 1 or ranks % ranks_per_domain:
+        raise HardwareError(f"ranks_per_domain ({ranks_per_domain}) must be >= 1 and divide ranks ({ranks})")
+    if ranks_per_domain > hw.scale_up_size:
+        raise HardwareError(f"ranks_per_domain {ranks_per_domain} exceeds {hw.name}'s scale-up domain of "
+                            f"{hw.scale_up_size} GPUs; place at most {hw.scale_up_size} of the group's ranks in "
+                            f"one domain")
+    memory_seconds(hw, nbytes)  # validates nbytes
+    if ranks == 1 or nbytes == 0:
+        return 0.0
+    r, domains = ranks_per_domain, ranks // ranks_per_domain
+    up, out = _bandwidth(hw, same_domain=True), _bandwidth(hw, same_domain=False)
+    if kind == "all_to_all":
+        inside = (r - 1) / ranks * nbytes / up + (hw.scale_up_latency if r > 1 else 0.0)
+        across = (ranks - r) / ranks * nbytes / out + (hw.scale_out_latency if domains > 1 else 0.0)
+        return max(inside, across)
+    inner = "reduce_scatter" if kind == "all_reduce" else kind
+    seconds = _ring(inner, nbytes, r, up) + _steps(inner, r, tree=False) * hw.scale_up_latency
+    if kind == "all_reduce":  # reduce-scatter in, all-reduce across, all-gather in
+        seconds *= 2
+    seconds += _ring(kind, nbytes / r, domains, out) + _steps(kind, domains, tree=True) * hw.scale_out_latency
+    return seconds
+
+
+def p2p_seconds(hw: Hardware, nbytes: float, *, same_domain: bool) -> float:
+    """Seconds of one send of ``nbytes`` between two GPUs, inside one scale-up domain or across."""
+    memory_seconds(hw, nbytes)  # validates nbytes
+    if nbytes == 0:
+        return 0.0
+    latency = hw.scale_up_latency if same_domain else hw.scale_out_latency
+    return latency + nbytes / _bandwidth(hw, same_domain=same_domain)

@@ -1,0 +1,164 @@
+"""The built-in GPU descriptions (:data:`BUILTIN`), one per GPU type, each number with its source.
+
+Peak rates are the datasheets' dense figures (NVIDIA quotes tensor-core rates "with sparsity": the dense
+rate is half). Bandwidths are one direction per GPU: NVIDIA's NVLink figure (600/900/1,800 GB/s) is both
+directions, so half of it; a node's NIC line rate divided by its GPUs for scale-out. Memory capacities are
+binary (an "80 GB" H100 shows 81,559 MiB in nvidia-smi). Efficiencies are public microbenchmarks where one
+was found, otherwise the prior named in the source text (``benchmarks/calibrate_gpu.py`` replaces them
+with a measured fit on the GPU at hand). Nothing here was fitted to a training run."""
+
+from __future__ import annotations
+
+from pipeloom.plan.cluster.hardware import Hardware
+
+__all__ = ["BUILTIN"]
+
+GiB = 2**30
+
+_MAMF = ("maximum achievable matmul FLOPS (bf16, best shape) / peak, Bekman, ml-engineering, "
+         "compute/accelerator/README.md 'Maximum Achievable Matmul FLOPS comparison table' "
+         "(https://github.com/stas00/ml-engineering/tree/master/compute/accelerator)")
+_FA2 = ("FlashAttention-2 (Dao 2023, arXiv:2307.08691, sec. 4.1): 50-73 % of A100 peak, forward up to 73 %, "
+        "backward lower; the long-sequence, head-dim-128 end of that range")
+_FA3 = ("FlashAttention-3 (Shah et al. 2024, arXiv:2407.08608, sec. 4.1, figs. 5-6): BF16 forward up to 740 "
+        "TFLOP/s (75 %) at head dim 256, about 65 % at head dim 128; backward about 1.5x FA2's, near 52 %")
+_HOPPER_PRIOR = "no public measurement found for this GPU: Hopper's (H100) value as the prior"
+_PRIOR = {
+    "gemm_half_dim": ("prior, not a measurement: a 1024-cube GEMM at ~70 % of the large-shape rate, the "
+                      "shape of cuBLAS rate-vs-size curves; calibrate_gpu.py fits it"),
+    "attention_half_seq": "prior: attention at half its long-sequence rate at s = 256; calibrate_gpu.py fits it",
+    "memory_efficiency": ("prior: copy kernels reach 85-92 % of HBM peak in public STREAM-style tests; "
+                          "calibrate_gpu.py measures it"),
+    "scale_up_latency": ("order of magnitude: nccl-tests small-message all_reduce on 8 GPUs takes ~10-20 us "
+                         "over 14 ring steps; it matters only for small messages"),
+    "scale_out_latency": "order of magnitude: InfiniBand/RoCE one-way latency 2-3 us plus NCCL's proxy",
+    "kernel_overhead": "prior: the GPU-side gap and tail between back-to-back kernels, 1-3 us in profiler traces",
+}
+_NVLINK_EFF = ("nccl-tests all_reduce bus bandwidth at large sizes (ring, no NVLS): 8x A100 230-250 GB/s of "
+               "300 (https://docs.alayanew.com/en/docs/tech-blog/2026-05-06-nccl-tests)")
+_NIC_EFF = ("prior: NCCL reaches ~80 % of a 400 Gb/s NIC's line rate in large cross-node transfers (framing, "
+            "PCIe); calibrate with nccl-tests on the cluster")
+
+
+def _describe(name: str, sources: dict[str, str], **values) -> Hardware:
+    return Hardware(name=name, sources={**_PRIOR, **sources}, **values)
+
+
+def _a100(name: str, memory_gib: int, bandwidth: float, bandwidth_source: str) -> Hardware:
+    sheet = "NVIDIA A100 datasheet (https://www.nvidia.com/en-us/data-center/a100/): "
+    return _describe(
+        name, {
+            "peak_flops": sheet + "BF16 tensor core 312 TFLOPS dense; no FP8",
+            "memory_bytes": sheet + f"{memory_gib} GB",
+            "memory_bandwidth": sheet + bandwidth_source,
+            "scale_up_size": "HGX/DGX A100: 8 GPUs on NVSwitch",
+            "scale_up_bandwidth": sheet + "NVLink 600 GB/s (both directions) -> 300 GB/s",
+            "scale_out_bandwidth": "DGX A100 datasheet: 8x 200 Gb/s HDR InfiniBand (ConnectX-6) -> 25 GB/s per GPU",
+            "gemm_efficiency": _MAMF + ": A100 SXM 267.9 of 312 TFLOPS",
+            "attention_efficiency": _FA2, "attention_backward_efficiency": _FA2,
+            "scale_up_efficiency": _NVLINK_EFF, "scale_out_efficiency": _NIC_EFF,
+        },
+        peak_flops={"bf16": 312e12}, memory_bytes=memory_gib * GiB, memory_bandwidth=bandwidth,
+        scale_up_size=8, scale_up_bandwidth=300e9, scale_out_bandwidth=25e9,
+        scale_up_latency=1e-6, scale_out_latency=5e-6, gemm_efficiency=0.859,
+        attention_efficiency=0.70, attention_backward_efficiency=0.60,
+    )
+
+
+def _hopper(name: str, memory_gib: int, bandwidth: float, sheet: str, gemm: float, gemm_source: str) -> Hardware:
+    return _describe(
+        name, {
+            "peak_flops": sheet + ("BF16 1,979 / FP8 3,958 TFLOPS with sparsity -> 989.4 / 1,978.9 dense "
+                                   "(132 SMs at 1.83 GHz)"),
+            "memory_bytes": sheet + f"{memory_gib} GB", "memory_bandwidth": sheet + f"{bandwidth / 1e12:g} TB/s",
+            "scale_up_size": "HGX/DGX H100 and H200: 8 GPUs on NVSwitch",
+            "scale_up_bandwidth": sheet + "NVLink 900 GB/s (both directions) -> 450 GB/s",
+            "scale_out_bandwidth": "DGX H100/H200 datasheet: 8x 400 Gb/s ConnectX-7 -> 50 GB/s per GPU",
+            "gemm_efficiency": _MAMF + gemm_source,
+            "attention_efficiency": _FA3, "attention_backward_efficiency": _FA3,
+            "scale_up_efficiency": _NVLINK_EFF + "; H100 ring similar (NVLS reaches more, not modelled)",
+            "scale_out_efficiency": _NIC_EFF,
+        },
+        peak_flops={"bf16": 989.4e12, "fp8": 1978.9e12}, memory_bytes=memory_gib * GiB, memory_bandwidth=bandwidth,
+        scale_up_size=8, scale_up_bandwidth=450e9, scale_out_bandwidth=50e9,
+        scale_up_latency=1e-6, scale_out_latency=5e-6, gemm_efficiency=gemm,
+        attention_efficiency=0.65, attention_backward_efficiency=0.52,
+    )
+
+
+def _blackwell(name: str, *, bf16: float, memory_gib: int, domain: int, nic: float, sheet: str,
+               peak_source: str, memory_source: str, domain_source: str, nic_source: str) -> Hardware:
+    return _describe(
+        name, {
+            "peak_flops": sheet + peak_source, "memory_bytes": sheet + memory_source,
+            "memory_bandwidth": sheet + "HBM3e 8 TB/s per GPU",
+            "scale_up_size": sheet + domain_source,
+            "scale_up_bandwidth": sheet + "fifth-generation NVLink 1.8 TB/s per GPU (both directions) -> 900 GB/s",
+            "scale_out_bandwidth": sheet + nic_source,
+            "gemm_efficiency": _HOPPER_PRIOR, "attention_efficiency": _HOPPER_PRIOR,
+            "attention_backward_efficiency": _HOPPER_PRIOR,
+            "scale_up_efficiency": _NVLINK_EFF, "scale_out_efficiency": _NIC_EFF,
+        },
+        peak_flops={"bf16": bf16, "fp8": 2 * bf16}, memory_bytes=memory_gib * GiB, memory_bandwidth=8e12,
+        scale_up_size=domain, scale_up_bandwidth=900e9, scale_out_bandwidth=nic,
+        scale_up_latency=1e-6, scale_out_latency=5e-6, gemm_efficiency=0.80,
+        attention_efficiency=0.65, attention_backward_efficiency=0.52,
+    )
+
+
+def _mi300x() -> Hardware:
+    sheet = "AMD Instinct MI300X datasheet (https://www.amd.com/en/products/accelerators/instinct/mi300/mi300x.html): "
+    scaled = ("no public flash-attention figure used: H100's fraction x (MI300X / H100 maximum achievable matmul "
+              "efficiency, 0.601 / 0.801)")
+    return _describe(
+        "mi300x", {
+            "peak_flops": sheet + "BF16 1,307.4 / FP8 2,614.9 TFLOPS dense",
+            "memory_bytes": sheet + "192 GB HBM3", "memory_bandwidth": sheet + "5.3 TB/s",
+            "scale_up_size": "MI300X platform: 8 GPUs fully connected by Infinity Fabric",
+            "scale_up_bandwidth": sheet + "Infinity Fabric 896 GB/s aggregate (7 links, both directions) -> 448 GB/s",
+            "scale_out_bandwidth": "MI300X platforms (e.g. Azure ND MI300X v5): 8x 400 Gb/s NICs -> 50 GB/s per GPU",
+            "gemm_efficiency": _MAMF + ": MI300X 781.9 of 1,300 TFLOPS (ROCm 6.2)",
+            "attention_efficiency": scaled, "attention_backward_efficiency": scaled,
+            "scale_up_efficiency": ("prior: a ring over the fully connected fabric reaches less of the aggregate "
+                                    "than NVSwitch does; 0.70 assumed, not measured"),
+            "scale_out_efficiency": _NIC_EFF,
+        },
+        peak_flops={"bf16": 1307.4e12, "fp8": 2614.9e12}, memory_bytes=192 * GiB, memory_bandwidth=5.3e12,
+        scale_up_size=8, scale_up_bandwidth=448e9, scale_out_bandwidth=50e9,
+        scale_up_latency=1e-6, scale_out_latency=5e-6, gemm_efficiency=0.601,
+        attention_efficiency=round(0.65 * 0.601 / 0.801, 3),
+        attention_backward_efficiency=round(0.52 * 0.601 / 0.801, 3),
+        scale_up_efficiency=0.70,
+    )
+
+
+_H100_SHEET = "NVIDIA H100 datasheet (https://www.nvidia.com/en-us/data-center/h100/), SXM: "
+_H200_SHEET = "NVIDIA H200 datasheet (https://www.nvidia.com/en-us/data-center/h200/), SXM: "
+_B200_SHEET = "NVIDIA DGX B200 datasheet (https://www.nvidia.com/en-us/data-center/dgx-b200/), per GPU: "
+_GB200_SHEET = "NVIDIA GB200 NVL72 specifications (https://www.nvidia.com/en-us/data-center/gb200-nvl72/), per GPU: "
+_GB300_SHEET = "NVIDIA GB300 NVL72 specifications (https://www.nvidia.com/en-us/data-center/gb300-nvl72/), per GPU: "
+
+BUILTIN: dict[str, Hardware] = {
+    "a100-40gb": _a100("a100-40gb", 40, 1555e9, "HBM2 1,555 GB/s"),
+    "a100-80gb": _a100("a100-80gb", 80, 2039e9, "HBM2e 2,039 GB/s"),
+    "h100": _hopper("h100", 80, 3.35e12, _H100_SHEET, 0.801, ": H100 SXM 792.1 of 989 TFLOPS"),
+    "h200": _hopper("h200", 141, 4.8e12, _H200_SHEET, 0.830,
+                    ": GH200 (the same GH100 die with HBM3e, the nearest part measured) 821.0 of 989 TFLOPS"),
+    "b200": _blackwell("b200", bf16=2.25e15, memory_gib=180, domain=8, nic=50e9, sheet=_B200_SHEET,
+                       peak_source="FP8 72 PFLOPS per 8 GPUs with sparsity -> 4.5 dense; BF16 half that, 2.25",
+                       memory_source="1,440 GB per 8 GPUs -> 180 GB",
+                       domain_source="8 GPUs on NVLink switches",
+                       nic_source="8x 400 Gb/s ConnectX-7 -> 50 GB/s"),
+    "gb200": _blackwell("gb200", bf16=2.5e15, memory_gib=186, domain=72, nic=50e9, sheet=_GB200_SHEET,
+                        peak_source="FP16/BF16 360 / FP8 720 PFLOPS per 72 GPUs with sparsity -> 2.5 / 5 dense",
+                        memory_source="13.4 TB HBM3e per 72 GPUs -> 186 GB",
+                        domain_source="72 GPUs in one NVLink domain (NVL72)",
+                        nic_source="one 400 Gb/s ConnectX-7 per GPU -> 50 GB/s"),
+    "gb300": _blackwell("gb300", bf16=2.5e15, memory_gib=288, domain=72, nic=100e9, sheet=_GB300_SHEET,
+                        peak_source="FP16/BF16 360 / FP8 720 PFLOPS per 72 GPUs with sparsity -> 2.5 / 5 dense",
+                        memory_source="288 GB HBM3e per GPU",
+                        domain_source="72 GPUs in one NVLink domain (NVL72)",
+                        nic_source="one 800 Gb/s ConnectX-8 SuperNIC per GPU -> 100 GB/s"),
+    "mi300x": _mi300x(),
+}
+"""Built-in GPU descriptions by name."""

@@ -1,0 +1,209 @@
+"""One GPU type as the cluster planner sees it (:class:`Hardware`: peak rates, memory, the scale-up and
+scale-out links, the efficiency model's parameters, and where every number comes from), the built-in
+descriptions by name, and the ``pipeloom.hardware/1`` JSON file format for any other GPU."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
+
+from pipeloom.errors import PipeloomError
+
+__all__ = ["DTYPES", "FORMAT", "Hardware", "HardwareError", "hardware", "hardware_from_dict", "hardware_names",
+           "load_hardware", "save_hardware"]
+
+FORMAT = "pipeloom.hardware/1"
+"""The ``format`` tag of a hardware JSON file."""
+
+DTYPES = ("bf16", "fp8")
+"""Matrix-multiply data types a peak rate may be given for (dense, no 2:4 sparsity)."""
+
+
+class HardwareError(PipeloomError):
+    """An unknown GPU name, or a hardware file or description that cannot be used (names the fix)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Hardware:
+    """One GPU type and the links around it; rates are per GPU, bandwidths one direction, in bytes/s.
+
+    The efficiency fields are the parameters of :mod:`pipeloom.plan.cluster.efficiency`; the defaults are
+    Hopper's (H100) values, the prior for a GPU described only by its datasheet. One description per GPU
+    type: nothing here is tuned to a model or a run."""
+
+    name: str
+    """Short name (``"h100"``)."""
+    peak_flops: Mapping[str, float]
+    """Dense tensor-core FLOP/s by dtype (``"bf16"``, ``"fp8"``); a dtype the GPU lacks is absent."""
+    memory_bytes: int
+    """HBM capacity in bytes (GPU memory is sold in binary gigabytes: an "80 GB" H100 holds 80 GiB)."""
+    memory_bandwidth: float
+    """HBM bandwidth, bytes/s (datasheet peak)."""
+    scale_up_size: int
+    """GPUs in one scale-up (NVLink / Infinity Fabric) domain: 8 in an HGX node, 72 in an NVL72 rack."""
+    scale_up_bandwidth: float
+    """Scale-up bandwidth per GPU, one direction, bytes/s (half the datasheet's bidirectional figure)."""
+    scale_out_bandwidth: float
+    """Scale-out (NIC) bandwidth per GPU, one direction, bytes/s (the node's NIC line rate / its GPUs)."""
+    scale_up_latency: float
+    """Seconds one step of a collective takes inside the scale-up domain, whatever its size."""
+    scale_out_latency: float
+    """Seconds one step of a collective takes across domains (through the NICs and switches)."""
+    gemm_efficiency: float = 0.80
+    """Fraction of peak a large, well-shaped GEMM reaches (the maximum achievable matmul FLOPS / peak)."""
+    gemm_half_dim: float = 128.0
+    """A GEMM dimension at which that dimension alone halves the rate: each of m, n, k scales the rate
+    by ``d / (d + gemm_half_dim)`` (tile and wave quantization, fixed per-tile costs)."""
+    attention_efficiency: float = 0.70
+    """Fraction of peak a long-sequence flash-attention forward reaches."""
+    attention_backward_efficiency: float = 0.55
+    """Fraction of peak a long-sequence flash-attention backward reaches."""
+    attention_half_seq: float = 256.0
+    """A sequence length at which attention runs at half its long-sequence rate: ``s / (s + half)``."""
+    memory_efficiency: float = 0.85
+    """Fraction of HBM bandwidth an elementwise (bandwidth-bound) kernel reaches."""
+    scale_up_efficiency: float = 0.80
+    """Fraction of the scale-up bandwidth a large collective or send reaches (NCCL bus bandwidth / link)."""
+    scale_out_efficiency: float = 0.80
+    """Fraction of the NIC bandwidth a large collective or send reaches."""
+    kernel_overhead: float = 2e-6
+    """Seconds every kernel costs whatever its size (launch and tail), the floor of a tiny GEMM."""
+    sources: Mapping[str, str] = field(default_factory=dict)
+    """Where each field's number comes from (field name -> datasheet, paper or benchmark)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise HardwareError(f"hardware name must be a non-empty string, got {self.name!r}")
+        peaks = dict(self.peak_flops)
+        for dtype, rate in peaks.items():
+            if dtype not in DTYPES:
+                raise HardwareError(f"hardware {self.name!r}: peak_flops has unknown dtype {dtype!r}; use "
+                                    f"{', '.join(DTYPES)}")
+            _positive(self.name, f"peak_flops[{dtype!r}]", rate)
+        if "bf16" not in peaks:
+            raise HardwareError(f"hardware {self.name!r}: peak_flops needs a 'bf16' rate (dense FLOP/s)")
+        object.__setattr__(self, "peak_flops", peaks)
+        for name in ("memory_bytes", "memory_bandwidth", "scale_up_bandwidth", "scale_out_bandwidth",
+                     "gemm_half_dim", "attention_half_seq"):
+            _positive(self.name, name, getattr(self, name))
+        for name in ("scale_up_latency", "scale_out_latency", "kernel_overhead"):
+            value = getattr(self, name)
+            if not _number(value) or value < 0:
+                raise HardwareError(f"hardware {self.name!r}: {name} must be seconds >= 0, got {value!r}")
+        for name in ("gemm_efficiency", "attention_efficiency", "attention_backward_efficiency",
+                     "memory_efficiency", "scale_up_efficiency", "scale_out_efficiency"):
+            value = getattr(self, name)
+            if not _number(value) or not 0 < value <= 1:
+                raise HardwareError(f"hardware {self.name!r}: {name} is a fraction of peak in (0, 1], "
+                                    f"got {value!r}")
+        if not isinstance(self.scale_up_size, int) or isinstance(self.scale_up_size, bool) or self.scale_up_size < 1:
+            raise HardwareError(f"hardware {self.name!r}: scale_up_size must be a whole number of GPUs >= 1, "
+                                f"got {self.scale_up_size!r}")
+        if not isinstance(self.memory_bytes, int) or isinstance(self.memory_bytes, bool):
+            raise HardwareError(f"hardware {self.name!r}: memory_bytes must be a whole number of bytes, "
+                                f"got {self.memory_bytes!r}")
+        sources = dict(self.sources)
+        known = {f.name for f in fields(self)}
+        for key, text in sources.items():
+            if key not in known or not isinstance(text, str):
+                raise HardwareError(f"hardware {self.name!r}: sources maps a field name to a string; "
+                                    f"{key!r}: {text!r} is not one (fields: {', '.join(sorted(known))})")
+        object.__setattr__(self, "sources", sources)
+
+    def peak(self, dtype: str) -> float:
+        """Dense peak FLOP/s for ``dtype``; names the dtypes this GPU has when it lacks that one."""
+        rate = self.peak_flops.get(dtype)
+        if rate is None:
+            raise HardwareError(f"{self.name} has no {dtype!r} tensor-core rate; use dtype "
+                                f"{' or '.join(repr(d) for d in self.peak_flops)}")
+        return rate
+
+    def to_dict(self) -> dict:
+        """The JSON form (``format`` tag first); :func:`load_hardware` reads it back."""
+        out: dict = {"format": FORMAT}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = dict(value) if isinstance(value, Mapping) else value
+        return out
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _positive(name: str, what: str, value) -> None:
+    if not _number(value) or value <= 0:
+        raise HardwareError(f"hardware {name!r}: {what} must be a number > 0, got {value!r}")
+
+
+def hardware_names() -> list[str]:
+    """The built-in GPU names, as :func:`hardware` accepts them."""
+    from pipeloom.plan.cluster.gpus import BUILTIN
+
+    return list(BUILTIN)
+
+
+def hardware(name_or_path: str | Path | Hardware) -> Hardware:
+    """A built-in GPU by name (``"h100"``, case-insensitive; see :func:`hardware_names`) or a
+    ``pipeloom.hardware/1`` JSON file by path; a :class:`Hardware` is returned as it is."""
+    from pipeloom.plan.cluster.gpus import BUILTIN
+
+    if isinstance(name_or_path, Hardware):
+        return name_or_path
+    if not isinstance(name_or_path, (str, Path)):
+        raise HardwareError(f"hardware must be a GPU name, a JSON file path or a Hardware, got "
+                            f"{type(name_or_path).__name__}")
+    text = str(name_or_path)
+    if text.lower() in BUILTIN:
+        return BUILTIN[text.lower()]
+    if Path(text).is_file():
+        return load_hardware(text)
+    hint = " (no such file)" if text.endswith(".json") or "/" in text else ""
+    raise HardwareError(f"unknown hardware {text!r}{hint}: use a built-in name ({', '.join(BUILTIN)}) or a "
+                        f"{FORMAT} JSON file (pipeloom.plan.cluster.hardware.save_hardware writes one)")
+
+
+def load_hardware(path: str | Path) -> Hardware:
+    """Read a ``pipeloom.hardware/1`` JSON file; every problem is a :class:`HardwareError` naming it."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as err:
+        raise HardwareError(f"cannot read hardware file {str(path)!r}: {err.strerror or err}") from None
+    except json.JSONDecodeError as err:
+        raise HardwareError(f"hardware file {str(path)!r} is not JSON: {err.msg} at line {err.lineno}") from None
+    return hardware_from_dict(data, where=str(path))
+
+
+def hardware_from_dict(data, *, where: str = "hardware description") -> Hardware:
+    """A :class:`Hardware` from the JSON form (``format`` tag, required spec fields, optional efficiency
+    fields and sources); unknown or missing keys name the fix."""
+    if not isinstance(data, dict):
+        raise HardwareError(f"{where}: expected a JSON object, got {type(data).__name__}")
+    if data.get("format") != FORMAT:
+        raise HardwareError(f"{where}: 'format' must be {FORMAT!r}, got {data.get('format')!r}")
+    allowed = {f.name: f for f in fields(Hardware)}
+    unknown = sorted(set(data) - set(allowed) - {"format"})
+    if unknown:
+        raise HardwareError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; the keys are "
+                            f"{', '.join(allowed)}")
+    required = [name for name, f in allowed.items() if f.default is MISSING and f.default_factory is MISSING]
+    missing = [name for name in required if name not in data]
+    if missing:
+        raise HardwareError(f"{where}: missing key(s) {', '.join(map(repr, missing))} (bandwidths in bytes/s one "
+                            f"direction, latencies in seconds, memory_bytes in bytes)")
+    values = {k: v for k, v in data.items() if k != "format"}
+    for key in ("peak_flops", "sources"):
+        if key in values and not isinstance(values[key], dict):
+            raise HardwareError(f"{where}: {key!r} must be a JSON object, got {values[key]!r}")
+    try:
+        return Hardware(**values)
+    except HardwareError as err:
+        raise HardwareError(f"{where}: {err}") from None
+
+
+def save_hardware(hw: Hardware, path: str | Path) -> None:
+    """Write ``hw`` as a ``pipeloom.hardware/1`` JSON file (:func:`load_hardware` reads it back equal)."""
+    Path(path).write_text(json.dumps(hw.to_dict(), indent=2) + "\n")

@@ -1,0 +1,182 @@
+"""The efficiency model against its closed forms (computed by hand here, on a GPU with round numbers) and
+its properties on every built-in GPU: rates rise with size and stay under peak, collectives that cross
+scale-up domains are slower than inside one."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+
+import pytest
+
+from pipeloom.plan.cluster.efficiency import (
+    attention_flops,
+    attention_seconds,
+    collective_seconds,
+    gemm_seconds,
+    memory_seconds,
+    p2p_seconds,
+)
+from pipeloom.plan.cluster.hardware import Hardware, HardwareError, hardware, hardware_names
+
+ROUND = Hardware(name="round", peak_flops={"bf16": 1e15, "fp8": 2e15}, memory_bytes=2**36, memory_bandwidth=1e12,
+                 scale_up_size=8, scale_up_bandwidth=100e9, scale_out_bandwidth=10e9, scale_up_latency=1e-6,
+                 scale_out_latency=1e-5, gemm_efficiency=0.5, gemm_half_dim=100.0, attention_efficiency=0.5,
+                 attention_backward_efficiency=0.25, attention_half_seq=1000.0, memory_efficiency=0.5,
+                 scale_up_efficiency=0.5, scale_out_efficiency=0.5, kernel_overhead=1e-6)
+UP, OUT = 50e9, 5e9  # achieved bytes/s of ROUND's links
+
+
+def test_gemm_compute_bound_closed_form():
+    # f(100) = 1/2 each: 0.5 * 1/8 of 1e15; 2e6 FLOPs -> 3.2e-8 s (traffic 6e4 bytes: 1.2e-7 s wins)
+    assert gemm_seconds(ROUND, 100, 100, 100) == pytest.approx(1e-6 + 3 * 100 * 100 * 2 / 0.5e12)
+    m = n = k = 4900  # f = 0.98 each
+    compute = 2 * m * n * k / (1e15 * 0.5 * 0.98**3)
+    assert compute > 3 * m * n * 2 / 0.5e12
+    assert gemm_seconds(ROUND, m, n, k) == pytest.approx(1e-6 + compute)
+    # fp8: twice the peak, inputs half as wide
+    assert gemm_seconds(ROUND, m, n, k, dtype="fp8") == pytest.approx(1e-6 + compute / 2)
+
+
+def test_gemm_memory_bound_closed_form():
+    # a matrix-vector product: 1 x 8192 @ 8192 x 8192 reads the whole weight
+    traffic = (8192 + 8192 * 8192) * 2 + 8192 * 2
+    assert gemm_seconds(ROUND, 1, 8192, 8192) == pytest.approx(1e-6 + traffic / 0.5e12)
+    assert gemm_seconds(ROUND, 0, 8192, 8192) == 0.0
+
+
+@pytest.mark.parametrize("name", hardware_names())
+def test_gemm_rate_rises_with_every_dimension_and_stays_under_peak(name):
+    hw = hardware(name)
+    sizes = [16, 64, 256, 1024, 4096, 16384, 65536]
+    for dtype in hw.peak_flops:
+        for m, n, k in itertools.product(sizes, repeat=3):
+            rate = 2 * m * n * k / gemm_seconds(hw, m, n, k, dtype=dtype)
+            assert rate < hw.gemm_efficiency * hw.peak_flops[dtype]
+            for grown in ((2 * m, n, k), (m, 2 * n, k), (m, n, 2 * k)):
+                assert 2 * math.prod(grown) / gemm_seconds(hw, *grown, dtype=dtype) > rate
+    # small GEMMs run far from peak, large ones near the measured ceiling
+    assert 2 * 256**3 / gemm_seconds(hw, 256, 256, 256) < 0.3 * hw.peak_flops["bf16"]
+    assert 2 * 16384**3 / gemm_seconds(hw, 16384, 16384, 16384) > 0.95 * hw.gemm_efficiency * hw.peak_flops["bf16"]
+
+
+def test_fp8_needs_a_gpu_that_has_it():
+    assert gemm_seconds(hardware("h100"), 8192, 8192, 8192, dtype="fp8") < gemm_seconds(
+        hardware("h100"), 8192, 8192, 8192)
+    with pytest.raises(HardwareError, match="a100-80gb has no 'fp8'"):
+        gemm_seconds(hardware("a100-80gb"), 8, 8, 8, dtype="fp8")
+    with pytest.raises(HardwareError, match="no 'fp16'"):
+        gemm_seconds(hardware("h100"), 8, 8, 8, dtype="fp16")
+    with pytest.raises(HardwareError, match="m must be a whole number"):
+        gemm_seconds(ROUND, -1, 8, 8)
+
+
+def test_attention_flops_and_seconds():
+    assert attention_flops(batch=2, heads=4, seq=1000, head_dim=64, causal=False) == 4 * 2 * 4 * 1000**2 * 64
+    assert attention_flops(batch=2, heads=4, seq=1000, head_dim=64) == 2 * 2 * 4 * 1000**2 * 64
+    assert attention_flops(batch=2, heads=4, seq=1000, head_dim=64, backward=True) == 2.5 * 2 * 2 * 4 * 1000**2 * 64
+    # s = s½: half of the 0.5 efficiency (on a GPU with HBM fast enough to be compute-bound)
+    fast = dataclasses.replace(ROUND, memory_bandwidth=1e14)
+    flops = 2 * 4 * 16 * 1000**2 * 128
+    assert attention_seconds(fast, batch=4, heads=16, seq=1000, head_dim=128) == pytest.approx(
+        1e-6 + flops / (1e15 * 0.5 * 0.5))
+    assert attention_seconds(fast, batch=4, heads=16, seq=1000, head_dim=128, backward=True) == pytest.approx(
+        1e-6 + 2.5 * flops / (1e15 * 0.25 * 0.5))
+    # on ROUND's 1 TB/s the same shape is bound by reading q, k, v and writing o (x2 backward)
+    traffic = 4 * 4 * 16 * 1000 * 128 * 2
+    assert attention_seconds(ROUND, batch=4, heads=16, seq=1000, head_dim=128) == pytest.approx(
+        1e-6 + traffic / 0.5e12)
+    assert attention_seconds(ROUND, batch=4, heads=16, seq=1000, head_dim=128, backward=True) == pytest.approx(
+        1e-6 + 2.5 * flops / (1e15 * 0.25 * 0.5))
+    assert attention_seconds(ROUND, batch=0, heads=16, seq=1000, head_dim=128) == 0.0
+
+
+@pytest.mark.parametrize("name", hardware_names())
+def test_attention_rate_rises_with_sequence_and_backward_is_slower(name):
+    hw = hardware(name)
+    previous = 0.0
+    for seq in (128, 512, 2048, 8192, 32768):
+        shape = {"batch": 1, "heads": 32, "seq": seq, "head_dim": 128}
+        forward = attention_seconds(hw, **shape)
+        rate = attention_flops(**shape) / forward
+        assert previous < rate < hw.attention_efficiency * hw.peak_flops["bf16"]
+        previous = rate
+        backward = attention_seconds(hw, **shape, backward=True)
+        assert backward > forward
+        if seq >= 2048:  # compute-bound: 2.5x the FLOPs at a lower efficiency
+            assert backward > 2.5 * forward
+
+
+def test_memory_seconds():
+    assert memory_seconds(ROUND, 1e9) == pytest.approx(1e-6 + 1e9 / 0.5e12)
+    assert memory_seconds(ROUND, 0) == 0.0
+    with pytest.raises(HardwareError, match="nbytes must be a number of bytes >= 0"):
+        memory_seconds(ROUND, -1)
+
+
+def test_collectives_inside_one_domain_are_the_ring():
+    s = 1e9
+    assert collective_seconds(ROUND, "all_reduce", s, 8, ranks_per_domain=8) == pytest.approx(
+        2 * 7 / 8 * s / UP + 14 * 1e-6)
+    for kind in ("all_gather", "reduce_scatter"):
+        assert collective_seconds(ROUND, kind, s, 8, ranks_per_domain=8) == pytest.approx(7 / 8 * s / UP + 7e-6)
+    assert collective_seconds(ROUND, "all_to_all", s, 8, ranks_per_domain=8) == pytest.approx(7 / 8 * s / UP + 1e-6)
+
+
+def test_collectives_across_domains_closed_forms():
+    s = 1e9
+    # one rank per domain, 64 domains: the ring's bytes, a tree's 2*log2(64) = 12 steps
+    assert collective_seconds(ROUND, "all_reduce", s, 64, ranks_per_domain=1) == pytest.approx(
+        2 * 63 / 64 * s / OUT + 12 * 1e-5)
+    # 16 ranks, 8 per domain: rs + ag inside, all-reduce of the 1/8 shard across 2 domains
+    assert collective_seconds(ROUND, "all_reduce", s, 16, ranks_per_domain=8) == pytest.approx(
+        2 * (7 / 8 * s / UP + 7e-6) + 2 * 1 / 2 * (s / 8) / OUT + 2 * 1e-5)
+    assert collective_seconds(ROUND, "all_gather", s, 16, ranks_per_domain=8) == pytest.approx(
+        7 / 8 * s / UP + 7e-6 + 1 / 2 * (s / 8) / OUT + 1e-5)
+    assert collective_seconds(ROUND, "reduce_scatter", s, 16, ranks_per_domain=8) == pytest.approx(
+        collective_seconds(ROUND, "all_gather", s, 16, ranks_per_domain=8))
+    # all-to-all: 8/16 of the buffer leaves the domain through the NIC
+    assert collective_seconds(ROUND, "all_to_all", s, 16, ranks_per_domain=8) == pytest.approx(
+        8 / 16 * s / OUT + 1e-5)
+
+
+@pytest.mark.parametrize("name", hardware_names())
+@pytest.mark.parametrize("kind", ["all_reduce", "all_gather", "reduce_scatter", "all_to_all"])
+def test_crossing_domains_is_slower(name, kind):
+    hw = hardware(name)
+    size = min(8, hw.scale_up_size)
+    for nbytes in (1e3, 1e6, 1e9):
+        inside = collective_seconds(hw, kind, nbytes, size, ranks_per_domain=size)
+        spread = collective_seconds(hw, kind, nbytes, size, ranks_per_domain=size // 2)
+        one_each = collective_seconds(hw, kind, nbytes, size, ranks_per_domain=1)
+        assert inside < spread < one_each
+        # more ranks across domains never make it faster per byte moved
+        assert collective_seconds(hw, kind, nbytes, 8 * size, ranks_per_domain=size) > inside
+        assert collective_seconds(hw, kind, 2 * nbytes, size, ranks_per_domain=size) > inside
+
+
+def test_collective_trivial_and_bad_arguments():
+    assert collective_seconds(ROUND, "all_reduce", 1e9, 1, ranks_per_domain=1) == 0.0
+    assert collective_seconds(ROUND, "all_reduce", 0, 8, ranks_per_domain=8) == 0.0
+    with pytest.raises(HardwareError, match="collective kind 'broadcast' is not one of"):
+        collective_seconds(ROUND, "broadcast", 1e9, 8, ranks_per_domain=8)
+    with pytest.raises(HardwareError, match=r"ranks_per_domain \(3\) must be >= 1 and divide ranks \(8\)"):
+        collective_seconds(ROUND, "all_reduce", 1e9, 8, ranks_per_domain=3)
+    with pytest.raises(HardwareError, match="exceeds round's scale-up domain of 8 GPUs"):
+        collective_seconds(ROUND, "all_reduce", 1e9, 16, ranks_per_domain=16)
+
+
+def test_p2p():
+    assert p2p_seconds(ROUND, 1e8, same_domain=True) == pytest.approx(1e-6 + 1e8 / UP)
+    assert p2p_seconds(ROUND, 1e8, same_domain=False) == pytest.approx(1e-5 + 1e8 / OUT)
+    assert p2p_seconds(ROUND, 0, same_domain=False) == 0.0
+    for name in hardware_names():
+        hw = hardware(name)
+        assert p2p_seconds(hw, 1e6, same_domain=True) < p2p_seconds(hw, 1e6, same_domain=False)
+
+
+def test_a_faster_link_makes_collectives_faster():
+    faster = dataclasses.replace(ROUND, scale_out_bandwidth=20e9)
+    assert collective_seconds(faster, "all_reduce", 1e9, 64, ranks_per_domain=8) < collective_seconds(
+        ROUND, "all_reduce", 1e9, 64, ranks_per_domain=8)

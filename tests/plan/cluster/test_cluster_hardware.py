@@ -1,0 +1,129 @@
+"""The GPU descriptions: every built-in loads and is documented, the JSON file format round-trips, and bad
+names and files raise HardwareError naming the fix."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from pipeloom.errors import PipeloomError
+from pipeloom.plan.cluster.hardware import (
+    FORMAT,
+    Hardware,
+    HardwareError,
+    hardware,
+    hardware_names,
+    load_hardware,
+    save_hardware,
+)
+
+NAMES = ["a100-40gb", "a100-80gb", "h100", "h200", "b200", "gb200", "gb300", "mi300x"]
+
+
+def test_the_builtin_names_are_the_agreed_ones():
+    assert hardware_names() == NAMES
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_builtin_loads_and_every_spec_field_has_a_source(name):
+    hw = hardware(name)
+    assert hw.name == name
+    assert hardware(name.upper()) is hw
+    spec = ("peak_flops", "memory_bytes", "memory_bandwidth", "scale_up_size", "scale_up_bandwidth",
+            "scale_out_bandwidth", "gemm_efficiency", "attention_efficiency", "attention_backward_efficiency",
+            "scale_up_efficiency", "scale_out_efficiency", "gemm_half_dim", "memory_efficiency",
+            "scale_up_latency", "scale_out_latency", "kernel_overhead")
+    missing = [f for f in spec if not hw.sources.get(f)]
+    assert not missing, f"{name}: no source for {missing}"
+    # Scale-up is faster than scale-out, fp8 (where present) twice bf16, as every datasheet says.
+    assert hw.scale_up_bandwidth > hw.scale_out_bandwidth
+    if "fp8" in hw.peak_flops:
+        assert hw.peak_flops["fp8"] == pytest.approx(2 * hw.peak_flops["bf16"], rel=1e-3)
+
+
+def test_datasheet_figures_of_two_gpus():
+    h100, a100 = hardware("h100"), hardware("a100-80gb")
+    assert h100.peak_flops == {"bf16": 989.4e12, "fp8": 1978.9e12}
+    assert h100.memory_bytes == 80 * 2**30 and h100.memory_bandwidth == 3.35e12
+    assert h100.scale_up_bandwidth == 450e9 and h100.scale_up_size == 8
+    assert "fp8" not in a100.peak_flops and a100.memory_bandwidth == 2039e9
+    assert hardware("gb200").scale_up_size == 72
+
+
+def test_a_gpu_without_fp8_names_the_dtypes_it_has():
+    with pytest.raises(HardwareError, match="a100-40gb has no 'fp8'.*'bf16'"):
+        hardware("a100-40gb").peak("fp8")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_json_round_trip(tmp_path, name):
+    path = tmp_path / f"{name}.json"
+    save_hardware(hardware(name), path)
+    assert json.loads(path.read_text())["format"] == FORMAT
+    assert load_hardware(path) == hardware(name)
+    assert hardware(str(path)) == hardware(name)
+
+
+def test_a_minimal_file_takes_the_documented_priors(tmp_path):
+    data = {"format": FORMAT, "name": "my-gpu", "peak_flops": {"bf16": 500e12}, "memory_bytes": 64 * 2**30,
+            "memory_bandwidth": 2e12, "scale_up_size": 4, "scale_up_bandwidth": 200e9,
+            "scale_out_bandwidth": 25e9, "scale_up_latency": 1e-6, "scale_out_latency": 5e-6}
+    path = tmp_path / "gpu.json"
+    path.write_text(json.dumps(data))
+    hw = hardware(path)
+    assert hw.name == "my-gpu" and hw.gemm_efficiency == Hardware.__dataclass_fields__["gemm_efficiency"].default
+
+
+def _write(tmp_path, data) -> str:
+    path = tmp_path / "bad.json"
+    path.write_text(data if isinstance(data, str) else json.dumps(data))
+    return str(path)
+
+
+def _good() -> dict:
+    return hardware("h100").to_dict()
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda d: d.update(nvlink=1), r"unknown key\(s\) 'nvlink'; the keys are name, peak_flops"),
+    (lambda d: d.pop("memory_bandwidth"), r"missing key\(s\) 'memory_bandwidth'"),
+    (lambda d: d.update(format="pipeloom.hardware/9"), "'format' must be 'pipeloom.hardware/1'"),
+    (lambda d: d.update(peak_flops={"fp16": 1e15}), "unknown dtype 'fp16'; use bf16, fp8"),
+    (lambda d: d.update(peak_flops={"fp8": 1e15}), "needs a 'bf16' rate"),
+    (lambda d: d.update(gemm_efficiency=1.5), r"gemm_efficiency is a fraction of peak in \(0, 1\]"),
+    (lambda d: d.update(scale_up_size=0), "scale_up_size must be a whole number of GPUs >= 1"),
+    (lambda d: d.update(memory_bytes=8.5e10), "memory_bytes must be a whole number of bytes"),
+    (lambda d: d.update(scale_out_latency=-1), "scale_out_latency must be seconds >= 0"),
+    (lambda d: d.update(sources={"nvlink": "x"}), "sources maps a field name to a string"),
+    (lambda d: d.update(peak_flops=[1]), "'peak_flops' must be a JSON object"),
+])
+def test_bad_files_name_the_problem(tmp_path, change, message):
+    data = _good()
+    change(data)
+    path = _write(tmp_path, data)
+    with pytest.raises(HardwareError, match=message) as info:
+        hardware(path)
+    assert path in str(info.value)
+
+
+def test_unreadable_and_unknown(tmp_path):
+    with pytest.raises(HardwareError, match="is not JSON"):
+        load_hardware(_write(tmp_path, "{nope"))
+    with pytest.raises(HardwareError, match="expected a JSON object"):
+        load_hardware(_write(tmp_path, "[1]"))
+    with pytest.raises(HardwareError, match="cannot read hardware file"):
+        load_hardware(tmp_path / "absent.json")
+    with pytest.raises(HardwareError, match=r"unknown hardware 'h1000': use a built-in name \(a100-40gb, "):
+        hardware("h1000")
+    with pytest.raises(HardwareError, match=r"'x/gpu.json' \(no such file\)"):
+        hardware("x/gpu.json")
+    with pytest.raises(HardwareError, match="got int"):
+        hardware(3)  # type: ignore[arg-type]
+    assert issubclass(HardwareError, PipeloomError)
+
+
+def test_hardware_is_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        hardware("h100").name = "x"  # type: ignore[misc]
