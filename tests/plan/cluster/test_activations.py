@@ -17,9 +17,9 @@ down projection's input, apart from act(gate) (I elements; a fused SwiGLU recomp
 from __future__ import annotations
 
 import pytest
+from tests.plan.cluster.tiny import tiny_config
 
 from pipeloom.plan.cluster import layer_counts, model_spec
-from tests.plan.cluster.tiny import tiny_config
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -13,9 +13,9 @@ loop of linear layers; the grouped-matmul kernel is not seen by the counter).
 from __future__ import annotations
 
 import pytest
+from tests.plan.cluster.tiny import TINY, tiny_config
 
 from pipeloom.plan.cluster import layer_counts, model_spec
-from tests.plan.cluster.tiny import TINY, tiny_config
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from tests.plan.cluster.tiny import TINY, tiny_config
 
 from pipeloom.plan.cluster import ModelConfigError, model_params, model_spec
 from pipeloom.plan.cluster.counts import optimizer_bytes
-from tests.plan.cluster.tiny import TINY, tiny_config
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
