@@ -159,7 +159,7 @@ def model_spec(config: object) -> ModelSpec:
     heads = int(_get(data, "num_attention_heads"))
     layers = int(_get(data, "num_hidden_layers"))
     head_dim = int(data.get("head_dim") or hidden // heads)
-    common = dict(family=family, hidden=hidden, layers=layers, vocab=int(_get(data, "vocab_size")),
+    common: dict[str, Any] = dict(family=family, hidden=hidden, layers=layers, vocab=int(_get(data, "vocab_size")),
                   tied=bool(data.get("tie_word_embeddings", family == "gemma")))
     if family == "gpt_neox":
         bias = bool(data.get("attention_bias", True))
@@ -174,14 +174,15 @@ def model_spec(config: object) -> ModelSpec:
     attention = Attention(heads=heads, kv_heads=kv_heads, qk_dim=head_dim, v_dim=head_dim, qkv_bias=qkv_bias,
                           o_bias=bias and family not in ("qwen2", "qwen2_moe"),
                           qk_norm=family in ("qwen3", "qwen3_moe"))
-    dense = dict(**common, attention=attention, mlp_bias=bool(data.get("mlp_bias", False)))
+    dense: dict[str, Any] = dict(**common, attention=attention, mlp_bias=bool(data.get("mlp_bias", False)))
     if family in _DENSE:
         return ModelSpec(**dense, intermediate=int(_get(data, "intermediate_size")))
     if family == "mixtral":
         experts = Experts(count=int(_get(data, "num_local_experts")), top_k=int(_get(data, "num_experts_per_tok")),
                           intermediate=int(_get(data, "intermediate_size")))
         return ModelSpec(**dense, intermediate=experts.intermediate, experts=experts, moe_layers=tuple(range(layers)))
-    experts = Experts(count=int(_get(data, "num_experts", "num_local_experts")), top_k=int(_get(data, "num_experts_per_tok")),
+    experts = Experts(count=int(_get(data, "num_experts", "num_local_experts")),
+                      top_k=int(_get(data, "num_experts_per_tok")),
                       intermediate=int(_get(data, "moe_intermediate_size")),
                       shared_intermediate=int(data.get("shared_expert_intermediate_size") or 0),
                       shared_gate=family == "qwen2_moe" and bool(data.get("shared_expert_intermediate_size")))

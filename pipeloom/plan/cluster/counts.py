@@ -133,7 +133,7 @@ def layer_counts(spec: ModelSpec, kind: str, seq: int, *, width: int = 2) -> Lay
     if kind == "embedding":
         params = spec.vocab * h + spec.positions * h
         return LayerCounts(kind=kind, params=params, expert_params=0, f=0.0, i=0.0, w=0.0, attention_f=0.0,
-                           activations={m: Activations(sequence=0.0, tensor=0.0) for m in ("none", "selective", "full")})
+                           activations={m: Activations(sequence=0.0, tensor=0.0) for m in RECOMPUTE_MODES})
     if kind == "head":
         params = _norm(spec) + (0 if spec.tied else spec.vocab * h)
         mm = 2.0 * seq * h * spec.vocab

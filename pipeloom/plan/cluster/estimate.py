@@ -18,7 +18,8 @@ from pipeloom.problem import Costs, Problem
 from pipeloom.schedules import build_schedule
 from pipeloom.sim import simulate
 
-__all__ = ["Memory", "Estimate", "Estimator", "stage_layers", "rank_of", "rank_stages", "work_bound", "WORKSPACE_BYTES", "BUCKET_BYTES"]
+__all__ = ["Memory", "Estimate", "Estimator", "stage_layers", "rank_of", "rank_stages", "work_bound", "WORKSPACE_BYTES",
+           "BUCKET_BYTES"]
 
 WORKSPACE_BYTES = 2 * 1024**3
 """Memory every GPU holds besides the model: CUDA context, cuBLAS workspaces and NCCL buffers (about 1 GiB for
