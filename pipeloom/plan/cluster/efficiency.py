@@ -27,11 +27,15 @@ all-reduce's buffer; for an all-to-all each rank's buffer). ``ranks = r · D`` w
 - all-to-all: each rank sends ``(r-1)/n`` of its buffer over the scale-up link and ``(n-r)/n`` over its
   NIC, the two at once (the slower one counts).
 
-Each ring level costs ``share · S / (B · e)`` (the ring algebra of
+Each ring level moves ``share · S`` at ``B · e`` (the ring algebra of
 :meth:`pipeloom.plan.collective_fit.CollectiveFit.seconds`: ``2(n-1)/n`` of the bytes for an all-reduce,
-``(n-1)/n`` otherwise) plus latency: ring steps inside a domain; across domains NCCL's trees and PAT
-bound the steps by ``2·⌈log₂ D⌉`` (all-reduce) or ``⌈log₂ D⌉``. NVLink SHARP (in-switch reduction) and
-SHARP on InfiniBand are not modelled (they make all-reduces faster than this).
+``(n-1)/n`` otherwise). NCCL pipelines chunks through every hop, so the levels overlap: the collective
+takes the slower level's transfer time plus every level's latency (ring steps inside a domain; across
+domains NCCL's trees and PAT bound the steps by ``2·⌈log₂ D⌉`` for an all-reduce, ``⌈log₂ D⌉``
+otherwise). Checked against public nccl-tests bus bandwidths: 8 A100s in one node 240 GB/s predicted
+(230-250 measured; the link efficiency comes from that figure), 16 H100s over two nodes 384 GB/s
+predicted (400-450 reported for NVLink + NDR InfiniBand). NVLink SHARP (in-switch reduction) and SHARP
+on InfiniBand are not modelled (they make all-reduces faster than this).
 
 **What overlaps what** (guidance for the step estimator; these functions price each operation alone):
 
@@ -84,33 +88,44 @@ def _dims(**dims: int) -> None:
             raise HardwareError(f"{name} must be a whole number >= 0, got {value!r}")
 
 
-def gemm_efficiency(hw: Hardware, m: int, n: int, k: int) -> float:
+def _sizes(**sizes: float) -> None:
+    """Shape sizes may be averages (tokens per expert of a mixture of experts): any finite number >= 0."""
+    for name, value in sizes.items():
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
+            raise HardwareError(f"{name} must be a number >= 0, got {value!r}")
+
+
+def gemm_efficiency(hw: Hardware, m: float, n: float, k: float) -> float:
     """Fraction of peak the GEMM's compute runs at: ``E · Π d / (d + d½)`` over ``m, n, k``."""
     half = hw.gemm_half_dim
     return hw.gemm_efficiency * (m / (m + half)) * (n / (n + half)) * (k / (k + half))
 
 
-def gemm_seconds(hw: Hardware, m: int, n: int, k: int, *, dtype: str = "bf16") -> float:
+def gemm_seconds(hw: Hardware, m: float, n: float, k: float, *, dtype: str = "bf16", count: int = 1) -> float:
     """Seconds of one ``(m x k) @ (k x n)`` GEMM (module docstring: roofline with a size-dependent
-    efficiency, plus the kernel overhead); 0 when any dimension is 0."""
-    _dims(m=m, n=n, k=k)
+    efficiency, plus the kernel overhead); 0 when any dimension is 0. ``count`` same-shape GEMMs run as one
+    grouped kernel (the experts of a mixture of experts): one overhead, ``count`` times the work, each at
+    its own shape's efficiency. ``m`` may be an average (tokens per expert)."""
+    _sizes(m=m, n=n, k=k)
+    _dims(count=count)
     peak, width = hw.peak(dtype), dtype_bytes(dtype)
-    if m == 0 or n == 0 or k == 0:
+    if m == 0 or n == 0 or k == 0 or count == 0:
         return 0.0
     compute = 2.0 * m * n * k / (peak * gemm_efficiency(hw, m, n, k))
     traffic = (m * k + k * n) * width + m * n * 2
-    return hw.kernel_overhead + max(compute, traffic / (hw.memory_bandwidth * hw.memory_efficiency))
+    return hw.kernel_overhead + count * max(compute, traffic / (hw.memory_bandwidth * hw.memory_efficiency))
 
 
-def attention_flops(*, batch: int, heads: int, seq: int, head_dim: int, causal: bool = True,
+def attention_flops(*, batch: float, heads: int, seq: int, head_dim: int, causal: bool = True,
                     backward: bool = False) -> float:
     """FLOPs of the flash-attention core: ``4·b·h·s²·d`` forward (half when causal), 2.5x that backward."""
-    _dims(batch=batch, heads=heads, seq=seq, head_dim=head_dim)
+    _sizes(batch=batch)
+    _dims(heads=heads, seq=seq, head_dim=head_dim)
     forward = 4.0 * batch * heads * seq * seq * head_dim * (0.5 if causal else 1.0)
     return forward * (_BACKWARD if backward else 1.0)
 
 
-def attention_seconds(hw: Hardware, *, batch: int, heads: int, seq: int, head_dim: int, causal: bool = True,
+def attention_seconds(hw: Hardware, *, batch: float, heads: int, seq: int, head_dim: int, causal: bool = True,
                       dtype: str = "bf16", backward: bool = False) -> float:
     """Seconds of the flash-attention core, forward or backward (module docstring). Megatron's and
     Transformer Engine's FP8 recipes keep attention in BF16: pass ``dtype="bf16"`` for them."""
@@ -176,11 +191,13 @@ def collective_seconds(hw: Hardware, kind: str, nbytes: float, ranks: int, *, ra
         across = (ranks - r) / ranks * nbytes / out + (hw.scale_out_latency if domains > 1 else 0.0)
         return max(inside, across)
     inner = "reduce_scatter" if kind == "all_reduce" else kind
-    seconds = _ring(inner, nbytes, r, up) + _steps(inner, r, tree=False) * hw.scale_up_latency
-    if kind == "all_reduce":  # reduce-scatter in, all-reduce across, all-gather in
-        seconds *= 2
-    seconds += _ring(kind, nbytes / r, domains, out) + _steps(kind, domains, tree=True) * hw.scale_out_latency
-    return seconds
+    twice = 2 if kind == "all_reduce" else 1  # an all-reduce passes the domain twice: reduce-scatter, all-gather
+    inside = twice * _ring(inner, nbytes, r, up)
+    across = _ring(kind, nbytes / r, domains, out)
+    # NCCL pipelines chunks through every hop, so the levels' transfers overlap: the slower one counts.
+    latency = (twice * _steps(inner, r, tree=False) * hw.scale_up_latency
+               + _steps(kind, domains, tree=True) * hw.scale_out_latency)
+    return max(inside, across) + latency
 
 
 def p2p_seconds(hw: Hardware, nbytes: float, *, same_domain: bool) -> float:

@@ -145,20 +145,24 @@ BUILTIN: dict[str, Hardware] = {
     "h200": _hopper("h200", 141, 4.8e12, _H200_SHEET, 0.830,
                     ": GH200 (the same GH100 die with HBM3e, the nearest part measured) 821.0 of 989 TFLOPS"),
     "b200": _blackwell("b200", bf16=2.25e15, memory_gib=180, domain=8, nic=50e9, sheet=_B200_SHEET,
-                       peak_source="FP8 72 PFLOPS per 8 GPUs with sparsity -> 4.5 dense; BF16 half that, 2.25",
+                       peak_source=("FP8 72 PFLOPS per 8 GPUs with sparsity -> 4.5 dense; BF16 half that, 2.25 (the "
+                                    "HGX B200 table at glennklockwood.com/garden/processors/B200 agrees)"),
                        memory_source="1,440 GB per 8 GPUs -> 180 GB",
                        domain_source="8 GPUs on NVLink switches",
                        nic_source="8x 400 Gb/s ConnectX-7 -> 50 GB/s"),
     "gb200": _blackwell("gb200", bf16=2.5e15, memory_gib=186, domain=72, nic=50e9, sheet=_GB200_SHEET,
-                        peak_source="FP16/BF16 360 / FP8 720 PFLOPS per 72 GPUs with sparsity -> 2.5 / 5 dense",
+                        peak_source=("FP16/BF16 360 / FP8 720 PFLOPS per 72 GPUs with sparsity -> 2.5 / 5 dense "
+                                     "(glennklockwood.com/garden/processors/B200, GB200 at 1,200 W, agrees)"),
                         memory_source="13.4 TB HBM3e per 72 GPUs -> 186 GB",
                         domain_source="72 GPUs in one NVLink domain (NVL72)",
                         nic_source="one 400 Gb/s ConnectX-7 per GPU -> 50 GB/s"),
     "gb300": _blackwell("gb300", bf16=2.5e15, memory_gib=288, domain=72, nic=100e9, sheet=_GB300_SHEET,
-                        peak_source="FP16/BF16 360 / FP8 720 PFLOPS per 72 GPUs with sparsity -> 2.5 / 5 dense",
-                        memory_source="288 GB HBM3e per GPU",
+                        peak_source=("FP16/BF16 360 / FP8 720 PFLOPS per 72 GPUs with sparsity -> 2.5 / 5 dense "
+                                     "(verda.com/blog/gb300-nvl72-architecture per-GPU table agrees)"),
+                        memory_source="288 GB HBM3e per GPU (8 stacks of 12-high HBM3e)",
                         domain_source="72 GPUs in one NVLink domain (NVL72)",
-                        nic_source="one 800 Gb/s ConnectX-8 SuperNIC per GPU -> 100 GB/s"),
+                        nic_source=("one 800 Gb/s ConnectX-8 per GPU (NVIDIA NVL72 enterprise reference "
+                                    "architecture: 4 ConnectX-8 per 4-GPU compute tray) -> 100 GB/s")),
     "mi300x": _mi300x(),
 }
 """Built-in GPU descriptions by name."""

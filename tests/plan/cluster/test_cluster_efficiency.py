@@ -68,8 +68,21 @@ def test_fp8_needs_a_gpu_that_has_it():
         gemm_seconds(hardware("a100-80gb"), 8, 8, 8, dtype="fp8")
     with pytest.raises(HardwareError, match="no 'fp16'"):
         gemm_seconds(hardware("h100"), 8, 8, 8, dtype="fp16")
-    with pytest.raises(HardwareError, match="m must be a whole number"):
+    with pytest.raises(HardwareError, match="m must be a number >= 0"):
         gemm_seconds(ROUND, -1, 8, 8)
+    with pytest.raises(HardwareError, match="count must be a whole number"):
+        gemm_seconds(ROUND, 8, 8, 8, count=1.5)  # type: ignore[arg-type]
+
+
+def test_grouped_gemm_pays_one_overhead_and_takes_average_shapes():
+    # 8 experts of 512.5 tokens on average: one kernel overhead, 8x the work at the shape's efficiency
+    one = gemm_seconds(ROUND, 512.5, 4096, 1024) - ROUND.kernel_overhead
+    assert gemm_seconds(ROUND, 512.5, 4096, 1024, count=8) == pytest.approx(ROUND.kernel_overhead + 8 * one)
+    assert gemm_seconds(ROUND, 512.5, 4096, 1024, count=8) < 8 * gemm_seconds(ROUND, 512.5, 4096, 1024)
+    assert gemm_seconds(ROUND, 512.5, 4096, 1024, count=0) == 0.0
+    # fewer tokens per expert (more experts sharing the same tokens) is slower per FLOP
+    few, many = gemm_seconds(ROUND, 64, 4096, 1024, count=64), gemm_seconds(ROUND, 4096, 4096, 1024, count=1)
+    assert few > many
 
 
 def test_attention_flops_and_seconds():
@@ -129,11 +142,20 @@ def test_collectives_across_domains_closed_forms():
     # one rank per domain, 64 domains: the ring's bytes, a tree's 2*log2(64) = 12 steps
     assert collective_seconds(ROUND, "all_reduce", s, 64, ranks_per_domain=1) == pytest.approx(
         2 * 63 / 64 * s / OUT + 12 * 1e-5)
-    # 16 ranks, 8 per domain: rs + ag inside, all-reduce of the 1/8 shard across 2 domains
+    # 16 ranks, 8 per domain: rs + ag inside, all-reduce of the 1/8 shard across 2 domains, pipelined:
+    # the slower level's transfer counts, every level's latency adds
+    inside, across = 2 * 7 / 8 * s / UP, 2 * 1 / 2 * (s / 8) / OUT
+    assert inside > across  # 0.035 s in the domain against 0.025 s through the NICs: the domain's level counts
     assert collective_seconds(ROUND, "all_reduce", s, 16, ranks_per_domain=8) == pytest.approx(
-        2 * (7 / 8 * s / UP + 7e-6) + 2 * 1 / 2 * (s / 8) / OUT + 2 * 1e-5)
+        inside + 14e-6 + 2e-5)
     assert collective_seconds(ROUND, "all_gather", s, 16, ranks_per_domain=8) == pytest.approx(
-        7 / 8 * s / UP + 7e-6 + 1 / 2 * (s / 8) / OUT + 1e-5)
+        7 / 8 * s / UP + 7e-6 + 1e-5)
+    # with NICs 2.5x slower the cross-domain level is the slower one
+    slow_nic = dataclasses.replace(ROUND, scale_out_bandwidth=4e9)
+    assert collective_seconds(slow_nic, "all_reduce", s, 16, ranks_per_domain=8) == pytest.approx(
+        2 * 1 / 2 * (s / 8) / 2e9 + 14e-6 + 2e-5)
+    assert collective_seconds(slow_nic, "all_gather", s, 16, ranks_per_domain=8) == pytest.approx(
+        1 / 2 * (s / 8) / 2e9 + 7e-6 + 1e-5)
     assert collective_seconds(ROUND, "reduce_scatter", s, 16, ranks_per_domain=8) == pytest.approx(
         collective_seconds(ROUND, "all_gather", s, 16, ranks_per_domain=8))
     # all-to-all: 8/16 of the buffer leaves the domain through the NIC

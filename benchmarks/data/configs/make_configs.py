@@ -1,0 +1,73 @@
+"""Writes the model configs (transformers ``config.json`` files, only the keys that size the model; the
+rest take transformers' defaults) of the published runs in ``benchmarks/data/published_runs.json``, every
+size taken from the paper or model card named beside it.
+
+Run: ``python benchmarks/data/configs/make_configs.py`` (no dependencies; rewrites the JSON files here).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+__all__ = ["CONFIGS", "main"]
+
+HERE = Path(__file__).parent
+
+# Narayanan et al. 2021 (arXiv:2104.04473), Table 1 and sec. 5.2: GPT models, vocabulary 51,200, sequence 2,048,
+# (heads, hidden, layers) per published size; Megatron's GPT ties the input and output embeddings (Eq. 2 counts
+# V·h once) and uses a 4h MLP with GeLU.
+_MEGATRON_2021 = {
+    "1.7b": (24, 2304, 24), "3.6b": (32, 3072, 30), "7.5b": (32, 4096, 36), "18.4b": (48, 6144, 40),
+    "39.1b": (64, 8192, 48), "76.1b": (80, 10240, 60), "145.6b": (96, 12288, 80), "310.1b": (128, 16384, 96),
+    "529.6b": (128, 20480, 105), "1008b": (160, 25600, 128),
+    # sec. 5.2 / Table 2: the GPT-3 175B configuration (174.6B with this vocabulary)
+    "174.6b": (96, 12288, 96),
+}
+
+# Llama 3 family (Llama 3 paper, arXiv:2407.21783, Table 3; the Llama 3.1 model cards' config.json):
+# layers, hidden, FFN, heads, KV heads; vocabulary 128,256, untied embeddings, 128k positions.
+_LLAMA3 = {"8b": (32, 4096, 14336, 32, 8), "70b": (80, 8192, 28672, 64, 8), "405b": (126, 16384, 53248, 128, 8)}
+
+
+def _gpt(heads: int, hidden: int, layers: int) -> dict:
+    return {"model_type": "gpt2", "n_embd": hidden, "n_layer": layers, "n_head": heads, "n_inner": 4 * hidden,
+            "n_positions": 2048, "vocab_size": 51200, "activation_function": "gelu", "tie_word_embeddings": True}
+
+
+def _llama(layers: int, hidden: int, ffn: int, heads: int, kv_heads: int) -> dict:
+    return {"model_type": "llama", "hidden_size": hidden, "intermediate_size": ffn, "num_hidden_layers": layers,
+            "num_attention_heads": heads, "num_key_value_heads": kv_heads, "vocab_size": 128256,
+            "tie_word_embeddings": False, "max_position_embeddings": 131072}
+
+
+def _deepseek_v3() -> dict:
+    # DeepSeek-V3 technical report (arXiv:2412.19437) sec. 4.2 and the model card's config.json: 61 layers,
+    # hidden 7168, 128 heads (MLA: query compression 1536, KV compression 512, 128 + 64 rotary per head, values
+    # 128); first 3 layers dense (FFN 18432); MoE layers: 1 shared + 256 routed experts of 2048, 8 routed per
+    # token, at most 4 nodes per token (8 groups, top 4); vocabulary 129,280. The multi-token-prediction module
+    # is not among the 61 layers.
+    return {"model_type": "deepseek_v3", "hidden_size": 7168, "intermediate_size": 18432,
+            "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128,
+            "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256, "num_experts_per_tok": 8,
+            "first_k_dense_replace": 3, "moe_layer_freq": 1, "q_lora_rank": 1536, "kv_lora_rank": 512,
+            "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "vocab_size": 129280,
+            "tie_word_embeddings": False, "n_group": 8, "topk_group": 4, "max_position_embeddings": 163840}
+
+
+CONFIGS = {
+    **{f"megatron-gpt-{size}": _gpt(*spec) for size, spec in _MEGATRON_2021.items()},
+    **{f"llama3-{size}": _llama(*spec) for size, spec in _LLAMA3.items()},
+    "deepseek-v3": _deepseek_v3(),
+}
+"""File stem -> config dict."""
+
+
+def main() -> None:
+    for stem, data in CONFIGS.items():
+        (HERE / f"{stem}.json").write_text(json.dumps(data) + "\n")
+        print(f"wrote {stem}.json")
+
+
+if __name__ == "__main__":
+    main()

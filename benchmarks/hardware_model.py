@@ -1,0 +1,80 @@
+"""The efficiency model's predictions beside public measurements, with the ratio, and its figures per GPU.
+
+    python benchmarks/hardware_model.py
+
+Torch-free and instant. Each reference row names its source; a row whose reference also supplied the
+parameter it checks says so (it is then a consistency check, not an independent one). Recorded in
+docs/cluster-plan.md ('Hardware').
+"""
+
+from __future__ import annotations
+
+from pipeloom.plan.cluster.efficiency import attention_flops, attention_seconds, collective_seconds, gemm_seconds
+from pipeloom.plan.cluster.hardware import hardware, hardware_names
+
+__all__ = ["REFERENCES", "main"]
+
+_MAMF = "Bekman, ml-engineering, maximum achievable matmul FLOPS table (best shape)"
+_FA3 = "FlashAttention-3 paper (arXiv:2407.08608): BF16 forward up to 740 TFLOP/s at head dim 256, seq 16k"
+_NCCL8 = "nccl-tests busbw at large sizes (docs.alayanew.com nccl-tests guide)"
+_NCCL16 = "nccl-tests busbw, 2+ nodes NVLink + NDR IB (saturncloud.io NCCL validation guide)"
+
+
+def _gemm(name: str, m: int, n: int, k: int) -> float:
+    return 2 * m * n * k / gemm_seconds(hardware(name), m, n, k) / 1e12
+
+
+def _attention(name: str, head_dim: int) -> float:
+    shape = {"batch": 1, "heads": 16384 // head_dim // 8, "seq": 16384, "head_dim": head_dim, "causal": False}
+    return attention_flops(**shape) / attention_seconds(hardware(name), **shape) / 1e12
+
+
+def _busbw(name: str, ranks: int, per_domain: int) -> float:
+    nbytes = 2**33  # 8 GiB, the large end of nccl-tests sweeps
+    return 2 * (ranks - 1) / ranks * nbytes / collective_seconds(hardware(name), "all_reduce", nbytes, ranks,
+                                                                    ranks_per_domain=per_domain) / 1e9
+
+
+REFERENCES = [
+    # (what, unit, predicted, (low, high) measured, source, independent?)
+    ("A100 SXM GEMM 6912x16384x2048", "TFLOP/s", lambda: _gemm("a100-80gb", 6912, 16384, 2048), (267.9, 267.9),
+     _MAMF, "no: sets the ceiling E"),
+    ("H100 SXM GEMM 6144x17920x2816", "TFLOP/s", lambda: _gemm("h100", 6144, 17920, 2816), (792.1, 792.1), _MAMF,
+     "no: sets the ceiling E"),
+    ("MI300X GEMM 4096x10240x4864", "TFLOP/s", lambda: _gemm("mi300x", 4096, 10240, 4864), (781.9, 781.9), _MAMF,
+     "no: sets the ceiling E"),
+    ("H100 attention forward, head dim 256, s=16k", "TFLOP/s", lambda: _attention("h100", 256), (740.0, 740.0), _FA3,
+     "partly: the 0.65 prior is read from the same paper's head-dim-128 curve"),
+    ("8x A100 all-reduce in one node", "GB/s busbw", lambda: _busbw("a100-80gb", 8, 8), (230.0, 250.0), _NCCL8,
+     "no: sets scale_up_efficiency"),
+    ("8x H100 all-reduce in one node", "GB/s busbw", lambda: _busbw("h100", 8, 8), (460.0, 480.0), _NCCL8,
+     "yes (NCCL uses NVLink SHARP there, not modelled)"),
+    ("16x H100 all-reduce over 2 nodes", "GB/s busbw", lambda: _busbw("h100", 16, 8), (400.0, 450.0), _NCCL16,
+     "yes"),
+]
+"""Public measurements the model is compared with."""
+
+
+def main() -> None:
+    print(f"{'check':<46} {'unit':<11} {'predicted':>10} {'measured':>13} {'ratio':>6}  independent  source")
+    for what, unit, predict, (low, high), source, independent in REFERENCES:
+        value = predict()
+        measured = f"{low:g}" if low == high else f"{low:g}-{high:g}"
+        ratio = value / ((low + high) / 2)
+        print(f"{what:<46} {unit:<11} {value:>10.1f} {measured:>13} {ratio:>6.2f}  {independent}  [{source}]")
+    print()
+    print("Per GPU (priors unless calibrated): cube GEMM TFLOP/s at 1k / 4k / 8k; causal attention forward "
+          "TFLOP/s at s = 4k (32 heads of 128); all-reduce busbw GB/s of 8 GiB on 8 GPUs of one domain and "
+          "on 1,024 GPUs, 8 per domain")
+    for name in hardware_names():
+        hw = hardware(name)
+        cubes = " / ".join(f"{_gemm(name, d, d, d):,.0f}" for d in (1024, 4096, 8192))
+        shape = {"batch": 1, "heads": 32, "seq": 4096, "head_dim": 128}
+        attention = attention_flops(**shape) / attention_seconds(hw, **shape) / 1e12
+        per_domain = min(8, hw.scale_up_size)
+        print(f"  {name:<10} GEMM {cubes:>22}   attention {attention:>7,.0f}   all-reduce "
+              f"{_busbw(name, per_domain, per_domain):>5.0f} / {_busbw(name, 1024, per_domain):>5.0f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""benchmarks/data/published_runs.json: every row consistent (GPU count = tp·pp·cp·dp, its config and
+hardware load, a source with a URL), the derived figures against hand arithmetic, bad rows refused."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("published_runs", ROOT / "benchmarks" / "published_runs.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+PUBLISHED = _module()
+
+
+def test_every_row_loads_and_is_consistent():
+    runs = PUBLISHED.load_runs()
+    assert len(runs) >= 40
+    families = {run["id"].split("-")[0] for run in runs}
+    assert {"megatron2021", "llama3", "torchtitan", "deepseek"} <= families
+    for run in runs:
+        assert PUBLISHED.run_hardware(run).memory_bytes > 0
+        assert PUBLISHED.run_config(run)["model_type"] in ("gpt2", "llama", "deepseek_v3")
+
+
+def test_megatron_derived_figures_by_hand():
+    run = next(r for r in PUBLISHED.load_runs() if r["id"] == "megatron2021-table1-1.7b")
+    # Eq. 3 for l=24, h=2304, V=51200, s=2048, B=512, at 137 TFLOP/s on each of 32 GPUs
+    flops = 96 * 512 * 2048 * 24 * 2304**2 * (1 + 2048 / (6 * 2304) + 51200 / (16 * 24 * 2304))
+    step = flops / (137e12 * 32)
+    assert PUBLISHED.derived(run)["step_time"] == pytest.approx(step)
+    assert PUBLISHED.derived(run)["tokens_per_gpu_per_second"] == pytest.approx(512 * 2048 / step / 32)
+    # the 1T row: 502 PFLOP/s aggregate = 163 TFLOP/s x 3072 GPUs (the abstract's figure)
+    big = next(r for r in PUBLISHED.load_runs() if r["id"] == "megatron2021-table1-1008b")
+    assert big["measured"]["tflops_per_gpu"] * big["gpus"] / 1000 == pytest.approx(502, rel=0.01)
+
+
+def test_deepseek_and_torchtitan_rates():
+    runs = {r["id"]: r for r in PUBLISHED.load_runs()}
+    assert runs["deepseek-v3-2048gpus"]["measured"]["tokens_per_gpu_per_second"] == pytest.approx(
+        1e12 / (180e3 * 3600), abs=0.1)
+    row = runs["torchtitan-llama3-8b-8gpus-fsdp"]
+    assert PUBLISHED.derived(row)["step_time"] == pytest.approx(16 * 8192 / (5762 * 8))
+    assert PUBLISHED.derived(runs["llama3-405b-8192gpus-seq8192"]) == {}
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda r: r.update(gpus=r["gpus"] + 8), "tp·pp·cp·dp"),
+    (lambda r: r["source"].update(url="arxiv"), "https URL"),
+    (lambda r: r.update(model="no-such-model"), "no model config"),
+    (lambda r: r["layout"].update(fsdp=1), "fsdp must be 1 exactly when sharding is zero3"),
+    (lambda r: r.update(measured={"speed": 1}), "measured must hold"),
+    (lambda r: r.update(hardware="a100-40gb", dtype="fp8"), "has no fp8 rate"),
+])
+def test_bad_rows_are_refused(tmp_path, change, message):
+    doc = json.loads(PUBLISHED.RUNS.read_text())
+    row = copy.deepcopy(doc["runs"][0])
+    change(row)
+    doc["runs"] = [row]
+    path = tmp_path / "runs.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match=message):
+        PUBLISHED.load_runs(path)
