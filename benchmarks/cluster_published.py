@@ -2,7 +2,7 @@
 published layout predicted (keys the source does not publish are searched, the published ones held), its
 throughput error, and the planner's own choice on the same job.
 
-    python benchmarks/cluster_published.py [--no-search] [--only SUBSTRING] [--markdown]
+    python benchmarks/cluster_published.py [--no-search | --search-up-to GPUS] [--only SUBSTRING] [--markdown]
 
 Keys a source leaves open are searched with the published ones held, except that the 2021 Megatron rows get
 the schedules of their time (1F1B or interleaved 1F1B, the faster) and the recomputation their Eq. 3 assumes.
@@ -110,6 +110,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-search", action="store_true", help="only predict the published layouts")
     parser.add_argument("--only", help="runs whose id contains this")
+    parser.add_argument("--search-up-to", type=int, default=None, metavar="GPUS",
+                        help="run the planner's own search only on runs of at most this many GPUs")
     parser.add_argument("--markdown", action="store_true")
     args = parser.parse_args(argv)
     runs = [run for run in load_runs() if not args.only or args.only in run["id"]]
@@ -119,7 +121,8 @@ def main(argv: list[str] | None = None) -> None:
         print("|---|---|---|---|---|---|---|---|---|")
     rows = []
     for run in runs:
-        row = check(run, search=not args.no_search)
+        search = not args.no_search and (args.search_up_to is None or run["gpus"] <= args.search_up_to)
+        row = check(run, search=search)
         rows.append(row)
         print(_line(row, args.markdown), flush=True)
     errors = [abs(r["error"]) for r in rows if "error" in r]
