@@ -8,7 +8,7 @@ import json
 import pytest
 
 from pipeloom.cli import main
-from pipeloom.plan.cluster.api import plan_cluster
+from pipeloom.plan.cluster import plan_cluster
 from pipeloom.plan.cluster.config import model_spec
 from pipeloom.plan.cluster.estimate import Estimator, work_bound
 from pipeloom.plan.cluster.hardware import hardware
