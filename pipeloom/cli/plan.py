@@ -12,6 +12,7 @@ from rich.console import Console
 from pipeloom.cli.argtypes import count, number, path_with
 from pipeloom.cli.errors import UsageError
 from pipeloom.cli.outputs import target
+from pipeloom.cli.plan_cluster import add_cluster_arguments, check_plan_mode, cmd_plan_cluster
 from pipeloom.errors import PipeloomError
 
 __all__ = ["add_plan_parser", "bytes_argument", "cmd_plan"]
@@ -37,10 +38,10 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
         "plan", help="choose split points, schedule and micro-batches for a cost table",
         description="Search every schedule, stages per rank and micro-batch count for the fastest plan that "
                     "fits the memory (see docs/plan.md).")
-    plan.add_argument("--costs", type=Path, nargs="+", required=True, metavar="FILE",
+    plan.add_argument("--costs", type=Path, nargs="+", metavar="FILE",
                       help="pipeloom.costs/2 (or /1) files (pipeloom profile --save, or written by hand); several "
                            "files of one model at different micro-batch sizes are interpolated")
-    plan.add_argument("--ranks", "-p", type=count, required=True, metavar="P",
+    plan.add_argument("--ranks", "-p", type=count, metavar="P",
                       help="number of ranks: dp replicas x pp pipeline ranks")
     plan.add_argument("--data-parallel", "--dp", type=count, nargs="+", metavar="DP",
                       help="replica counts to try (default: every divisor of --ranks that divides the global batch; "
@@ -65,7 +66,8 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
                       help="link latency between replicas in seconds (default: the cost table's link)")
     plan.add_argument("--dp-bandwidth", type=bytes_argument, metavar="BYTES_PER_S",
                       help="link bytes per second between replicas, e.g. 25GB (default: the cost table's link)")
-    plan.add_argument("--global-batch", type=count, required=True, metavar="B", help="samples per step")
+    plan.add_argument("--global-batch", type=count, required=True, metavar="B",
+                      help="samples per step (with --model: sequences)")
     plan.add_argument("--memory-limit", type=bytes_argument, metavar="SIZE",
                       help="bytes per rank, e.g. 80GiB or 512MiB (default: no limit)")
     plan.add_argument("--schedules", metavar="NAMES",
@@ -92,6 +94,7 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
                            "config) and <stem>.torchtitan.csv (the schedule); the cost table's pieces must be "
                            "torchtitan's modules (tok_embeddings, layers.N, norm, output)")
     plan.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    add_cluster_arguments(plan)
     plan.set_defaults(handler=cmd_plan)
 
 
@@ -238,6 +241,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from pipeloom.plan.costs.file import load_costs
     from pipeloom.plan.mesh import plan_mesh
 
+    if check_plan_mode(args):
+        return cmd_plan_cluster(args)
     if args.export and not args.save:
         raise UsageError(f"--export {args.export} writes next to the plan file; give --save PLAN.json too")
     if args.server is not None:

@@ -1,0 +1,104 @@
+"""``pipeloom plan --model CONFIG.json --hardware NAME``: the cluster planner's mode of ``pipeloom plan`` (the
+fastest dp x tp x pp x cp x ep layout, schedule and recomputation for a model config on N GPUs of one type)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from pipeloom.cli.common import UsageError
+from pipeloom.errors import PipeloomError
+
+__all__ = ["add_cluster_arguments", "cmd_plan_cluster", "check_plan_mode"]
+
+
+def add_cluster_arguments(plan: argparse.ArgumentParser) -> None:
+    """The arguments of the cluster mode (``--global-batch``, ``--memory-limit`` and ``--json`` are shared)."""
+    group = plan.add_argument_group("planning from a model config (instead of --costs)")
+    group.add_argument("--model", type=Path, metavar="CONFIG.json",
+                       help="a transformers config.json (LLaMA, Mistral, Qwen2/3, Gemma, GPT-2, GPT-NeoX, Mixtral, "
+                            "Qwen2/3-MoE, DeepSeek-V2/V3); see docs/cluster-plan.md")
+    group.add_argument("--hardware", metavar="NAME|FILE.json",
+                       help="GPU type: a100-40gb, a100-80gb, h100, h200, b200, gb200, gb300, mi300x, or a "
+                            "pipeloom.hardware/1 JSON file")
+    group.add_argument("--gpus", type=int, metavar="N", help="GPUs of the job")
+    group.add_argument("--seq", type=int, metavar="S", help="tokens per sequence")
+    group.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16", help="GEMM precision (default bf16)")
+    group.add_argument("--layout", metavar="KEY=VALUE,...",
+                       help="layout keys to hold fixed, e.g. tp=4,pp=8,vp=5,cp=1,ep=1,dp=2,mbs=1,fsdp=0,"
+                            "recompute=selective,schedule=interleaved-1f1b; all of them: predict that layout")
+
+
+def check_plan_mode(args: argparse.Namespace) -> bool:
+    """True for the cluster mode (--model), False for the cost-table mode (--costs); UsageError if both or
+    neither, or a mode's required flags are missing."""
+    if args.model is not None and args.costs:
+        raise UsageError("give either --costs FILE (plan from a cost table) or --model CONFIG.json (plan from a "
+                         "model config and --hardware), not both")
+    if args.model is None and not args.costs:
+        raise UsageError("give --costs FILE (plan from a cost table) or --model CONFIG.json --hardware NAME --gpus N "
+                         "--global-batch B --seq S (plan for a cluster)")
+    if args.model is None:
+        if args.ranks is None:
+            raise UsageError("--costs needs --ranks P")
+        return False
+    missing = [flag for flag, value in (("--hardware", args.hardware), ("--gpus", args.gpus), ("--seq", args.seq))
+               if value is None]
+    if missing:
+        raise UsageError(f"--model needs {', '.join(missing)}")
+    return True
+
+
+def cmd_plan_cluster(args: argparse.Namespace) -> int:
+    """Plan, then print the text report or the JSON object."""
+    from pipeloom.plan.cluster.api import plan_cluster
+
+    progress = None
+    if not args.json and sys.stderr.isatty():
+        def progress(message: str) -> None:
+            print(f"\r\033[K{message}", end="", file=sys.stderr, flush=True)
+    try:
+        result = plan_cluster(args.model, args.hardware, gpus=args.gpus, global_batch=args.global_batch,
+                              seq=args.seq, dtype=args.dtype, layout=args.layout, memory_limit=args.memory_limit,
+                              progress=progress)
+    except PipeloomError as error:
+        raise UsageError(str(error).splitlines()[0]) from None
+    finally:
+        if progress is not None:
+            print("\r\033[K", end="", file=sys.stderr, flush=True)
+    if args.json:
+        print(json.dumps(result.as_dict(), indent=2))
+    else:
+        print(report(result))
+    return 0
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.1f} GiB"
+
+
+def report(result) -> str:
+    """The text report: the layout, its step, throughput, MFU, memory, bubble and the runners-up."""
+    best, job = result.best, result.job
+    mem = best.memory
+    fits = "fits" if mem.total <= result.memory_limit else "DOES NOT FIT"
+    lines = [
+        f"{job.spec.family} on {job.gpus} x {job.hw.name}, global batch {job.global_batch} x {job.seq} tokens, "
+        f"{job.dtype}",
+        f"layout: {best.layout}",
+        f"step time: {best.step_time:.3f} s (pipeline {best.pipeline_time:.3f} s, exposed dp "
+        f"{best.exposed_dp:.3f} s, optimizer {best.optimizer_time:.3f} s)",
+        f"tokens/s per GPU: {best.tokens_per_gpu_per_second:,.0f}   MFU: {best.mfu * 100:.1f} %   "
+        f"bubble: {best.bubble * 100:.1f} %",
+        f"memory per GPU: {_gib(mem.total)} of {_gib(result.memory_limit)} ({fits}): weights {_gib(mem.weights)}, "
+        f"gradients {_gib(mem.gradients)}, optimizer {_gib(mem.optimizer)}, activations {_gib(mem.activations)}, "
+        f"buffers {_gib(mem.buffers)}",
+    ]
+    if result.runners_up:
+        lines.append("runners-up:")
+        for est, why in result.runners_up:
+            lines.append(f"  {est.layout}: {est.step_time:.3f} s, {_gib(est.memory.total)}: {why}")
+    lines.append(f"searched {result.candidates} layouts ({result.simulated} simulated) in {result.seconds:.1f} s")
+    return "\n".join(lines)

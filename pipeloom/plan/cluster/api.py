@@ -1,0 +1,83 @@
+"""The cluster planner's Python API: :func:`plan_cluster` mirrors ``pipeloom plan --model ... --hardware ...``
+(a model config and a GPU type in, the fastest layout that fits, its prediction and the runners-up out)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeloom.plan.cluster.config import ModelSpec, model_spec
+from pipeloom.plan.cluster.efficiency import dtype_bytes
+from pipeloom.plan.cluster.estimate import Estimate, Estimator
+from pipeloom.plan.cluster.hardware import Hardware, hardware
+from pipeloom.plan.cluster.layer_time import Job
+from pipeloom.plan.cluster.layout import LAYOUT_KEYS, Layout, LayoutError, parse_layout
+from pipeloom.plan.cluster.search import search_layouts
+
+__all__ = ["ClusterPlan", "plan_cluster"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ClusterPlan:
+    """The planner's answer."""
+
+    job: Job
+    """What was planned."""
+    best: Estimate
+    """The chosen layout's prediction."""
+    runners_up: tuple[tuple[Estimate, str], ...]
+    """Other layouts and why each lost."""
+    memory_limit: float
+    """Bytes per GPU the plan had to fit."""
+    seconds: float
+    """Seconds the planning took."""
+    candidates: int
+    """Layouts that could run."""
+    simulated: int
+    """Layouts priced by replaying their schedule."""
+
+    def as_dict(self) -> dict[str, Any]:
+        """The ``--json`` object (seconds and bytes)."""
+        hw = self.job.hw
+        return {
+            "best": dict(self.best.as_dict(), fits=self.best.memory.total <= self.memory_limit),
+            "runners_up": [dict(est.as_dict(), why=why) for est, why in self.runners_up],
+            "hardware": {"name": hw.name, "memory_bytes": hw.memory_bytes, "peak_flops": dict(hw.peak_flops),
+                         "memory_bandwidth": hw.memory_bandwidth, "scale_up_size": hw.scale_up_size,
+                         "scale_up_bandwidth": hw.scale_up_bandwidth, "scale_out_bandwidth": hw.scale_out_bandwidth},
+            "model": {"family": self.job.spec.family, "layers": self.job.spec.layers,
+                      "hidden": self.job.spec.hidden},
+            "gpus": self.job.gpus, "global_batch": self.job.global_batch, "seq": self.job.seq,
+            "dtype": self.job.dtype, "memory_limit": self.memory_limit, "candidates": self.candidates,
+            "simulated": self.simulated, "seconds": self.seconds,
+        }
+
+
+def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: str | Path | Hardware, *, gpus: int,
+                 global_batch: int, seq: int, dtype: str = "bf16", layout: str | Mapping[str, Any] | None = None,
+                 memory_limit: float | None = None, runners_up: int = 5,
+                 progress: Callable[[str], None] | None = None) -> ClusterPlan:
+    """The fastest layout of ``model`` (config.json path, dict, PretrainedConfig or ModelSpec) on ``gpus`` GPUs of
+    type ``hw`` (a built-in name, a hardware JSON file or a Hardware) for ``global_batch`` sequences of ``seq``
+    tokens, within ``memory_limit`` bytes per GPU (default the GPU's). ``layout``: keys held fixed
+    (``"tp=4,pp=8"`` or a dict); with all of :data:`LAYOUT_KEYS` it predicts that layout alone."""
+    start = time.perf_counter()
+    for name, value in (("gpus", gpus), ("global_batch", global_batch), ("seq", seq)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise LayoutError(f"{name} must be a positive integer, got {value!r}")
+    device = hardware(hw)
+    dtype_bytes(dtype)
+    device.peak(dtype)
+    job = Job(spec=model_spec(model), hw=device, gpus=gpus, global_batch=global_batch, seq=seq, dtype=dtype)
+    fixed = parse_layout(layout) if isinstance(layout, str) else dict(layout or {})
+    limit = float(memory_limit if memory_limit is not None else device.memory_bytes)
+    if set(fixed) >= set(LAYOUT_KEYS):
+        best = Estimator(job).estimate(Layout(**fixed))
+        return ClusterPlan(job=job, best=best, runners_up=(), memory_limit=limit,
+                           seconds=time.perf_counter() - start, candidates=1, simulated=1)
+    result = search_layouts(job, fixed=fixed, memory_limit=limit, runners_up=runners_up, progress=progress)
+    return ClusterPlan(job=job, best=result.best, runners_up=result.runners_up, memory_limit=limit,
+                       seconds=time.perf_counter() - start, candidates=result.candidates, simulated=result.simulated)

@@ -1,0 +1,224 @@
+"""A decoder's shape read from a transformers config (a config.json path, a dict or a ``PretrainedConfig``),
+without importing transformers: dense decoders (LLaMA, Mistral, Qwen2/3, Gemma, GPT-2, GPT-NeoX) and
+mixture-of-experts decoders (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3 with multi-head latent attention)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeloom.errors import PipeloomError
+
+__all__ = ["ModelConfigError", "ModelSpec", "Attention", "Experts", "model_spec", "SUPPORTED_FAMILIES"]
+
+_DENSE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gpt2", "gpt_neox")
+_MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3")
+SUPPORTED_FAMILIES: tuple[str, ...] = _DENSE + _MOE
+"""The ``model_type`` values :func:`model_spec` reads."""
+
+
+class ModelConfigError(PipeloomError):
+    """A model config that cannot be read or describes a model the cluster planner does not model."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Attention:
+    """One layer's attention: grouped-query (``latent`` False) or DeepSeek's multi-head latent attention."""
+
+    heads: int
+    """Query heads."""
+    kv_heads: int
+    """Key/value heads (grouped-query attention; = heads for MHA; = heads for MLA after its up-projection)."""
+    qk_dim: int
+    """Per-head dimension of queries and keys (MLA: nope + rope dims)."""
+    v_dim: int
+    """Per-head dimension of values."""
+    qkv_bias: bool = False
+    """Biases on the q, k and v projections."""
+    o_bias: bool = False
+    """Bias on the output projection."""
+    qk_norm: bool = False
+    """RMSNorm over each head's q and k (Qwen3): 2 x qk_dim parameters."""
+    latent: bool = False
+    """Multi-head latent attention (DeepSeek-V2/V3)."""
+    q_rank: int = 0
+    """MLA: rank of the query's low-rank projection (0: a full q projection)."""
+    kv_rank: int = 0
+    """MLA: rank of the compressed key/value."""
+    rope_dim: int = 0
+    """MLA: the decoupled rotary key dimension (shared by all heads)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Experts:
+    """The mixture-of-experts MLP of the MoE layers."""
+
+    count: int
+    """Routed experts."""
+    top_k: int
+    """Experts each token is routed to."""
+    intermediate: int
+    """Intermediate size of one routed expert (gated MLP)."""
+    shared_intermediate: int = 0
+    """Intermediate size of the shared expert(s) together, run on every token (0: none)."""
+    shared_gate: bool = False
+    """A sigmoid gate (hidden -> 1) on the shared expert's output (Qwen2-MoE)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelSpec:
+    """The shape of a decoder-only language model, enough to count its parameters, FLOPs and memory."""
+
+    family: str
+    """The config's ``model_type``."""
+    hidden: int
+    """Hidden size h."""
+    layers: int
+    """Decoder layers L."""
+    vocab: int
+    """Vocabulary size V."""
+    attention: Attention
+    """Every layer's attention."""
+    intermediate: int
+    """Intermediate size of a dense layer's MLP."""
+    gated: bool = True
+    """A gated MLP (SwiGLU/GeGLU: gate, up, down) rather than two projections."""
+    mlp_bias: bool = False
+    """Biases on the MLP projections."""
+    layer_norm: bool = False
+    """LayerNorm with a bias (GPT-2, GPT-NeoX) rather than RMSNorm."""
+    tied: bool = False
+    """The output head shares the embedding's weight."""
+    positions: int = 0
+    """Rows of a learned position embedding (GPT-2), 0 for rotary models."""
+    experts: Experts | None = None
+    """The MoE MLP, None for a dense model."""
+    moe_layers: tuple[int, ...] = ()
+    """Indices of the layers whose MLP is the MoE one (the others are dense)."""
+
+    def __post_init__(self) -> None:
+        for name in ("hidden", "layers", "vocab", "intermediate"):
+            if getattr(self, name) <= 0:
+                raise ModelConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.attention.heads % self.attention.kv_heads:
+            raise ModelConfigError(f"{self.attention.heads} query heads are not a multiple of "
+                                   f"{self.attention.kv_heads} key/value heads")
+
+    @property
+    def dense_layers(self) -> int:
+        """Layers with a dense MLP."""
+        return self.layers - len(self.moe_layers)
+
+
+def _read(config: object) -> dict[str, Any]:
+    """The config as a dict: from a path to config.json, a mapping, or anything with ``to_dict()``."""
+    if isinstance(config, (str, Path)):
+        try:
+            data = json.loads(Path(config).read_text())
+        except OSError as error:
+            raise ModelConfigError(f"cannot read model config {str(config)!r}: {error.strerror}; pass the path "
+                                   "of a transformers config.json") from None
+        except json.JSONDecodeError as error:
+            raise ModelConfigError(f"model config {str(config)!r} is not JSON ({error})") from None
+    elif isinstance(config, Mapping):
+        data = dict(config)
+    elif callable(getattr(config, "to_dict", None)):
+        data = config.to_dict()  # type: ignore[attr-defined]
+    else:
+        raise ModelConfigError(f"a model config must be a config.json path, a dict or a PretrainedConfig, got "
+                               f"{type(config).__name__}")
+    if not isinstance(data, dict):
+        raise ModelConfigError("a model config must be a JSON object")
+    return data
+
+
+def _get(data: Mapping[str, Any], *names: str, default: Any = None) -> Any:
+    """The first of ``names`` present (and not None) in ``data``; ModelConfigError if none is and no default."""
+    for name in names:
+        if data.get(name) is not None:
+            return data[name]
+    if default is None:
+        raise ModelConfigError(f"model config ({data.get('model_type')}) has no {' / '.join(names)}")
+    return default
+
+
+def model_spec(config: object) -> ModelSpec:
+    """The :class:`ModelSpec` of a transformers config (path, dict or ``PretrainedConfig``)."""
+    if isinstance(config, ModelSpec):
+        return config
+    data = _read(config)
+    family = str(data.get("model_type", ""))
+    if family not in SUPPORTED_FAMILIES:
+        raise ModelConfigError(f"model_type {family!r} is not modelled; supported: {', '.join(SUPPORTED_FAMILIES)}")
+    if family == "gpt2":
+        return _gpt2(data)
+    hidden = int(_get(data, "hidden_size"))
+    heads = int(_get(data, "num_attention_heads"))
+    layers = int(_get(data, "num_hidden_layers"))
+    head_dim = int(data.get("head_dim") or hidden // heads)
+    common: dict[str, Any] = dict(family=family, hidden=hidden, layers=layers, vocab=int(_get(data, "vocab_size")),
+                  tied=bool(data.get("tie_word_embeddings", family == "gemma")))
+    if family == "gpt_neox":
+        bias = bool(data.get("attention_bias", True))
+        attention = Attention(heads=heads, kv_heads=heads, qk_dim=head_dim, v_dim=head_dim, qkv_bias=bias, o_bias=bias)
+        return ModelSpec(**common, attention=attention, intermediate=int(_get(data, "intermediate_size")),
+                         gated=False, mlp_bias=True, layer_norm=True)
+    if family.startswith("deepseek"):
+        return _deepseek(data, common, heads)
+    kv_heads = int(data.get("num_key_value_heads") or heads)
+    bias = bool(data.get("attention_bias", False))
+    qkv_bias = family == "qwen2" or (family == "qwen2_moe" and bool(data.get("qkv_bias", True))) or bias
+    attention = Attention(heads=heads, kv_heads=kv_heads, qk_dim=head_dim, v_dim=head_dim, qkv_bias=qkv_bias,
+                          o_bias=bias and family not in ("qwen2", "qwen2_moe"),
+                          qk_norm=family in ("qwen3", "qwen3_moe"))
+    dense: dict[str, Any] = dict(**common, attention=attention, mlp_bias=bool(data.get("mlp_bias", False)))
+    if family in _DENSE:
+        return ModelSpec(**dense, intermediate=int(_get(data, "intermediate_size")))
+    if family == "mixtral":
+        experts = Experts(count=int(_get(data, "num_local_experts")), top_k=int(_get(data, "num_experts_per_tok")),
+                          intermediate=int(_get(data, "intermediate_size")))
+        return ModelSpec(**dense, intermediate=experts.intermediate, experts=experts, moe_layers=tuple(range(layers)))
+    experts = Experts(count=int(_get(data, "num_experts", "num_local_experts")),
+                      top_k=int(_get(data, "num_experts_per_tok")),
+                      intermediate=int(_get(data, "moe_intermediate_size")),
+                      shared_intermediate=int(data.get("shared_expert_intermediate_size") or 0),
+                      shared_gate=family == "qwen2_moe" and bool(data.get("shared_expert_intermediate_size")))
+    step = int(data.get("decoder_sparse_step") or 1)
+    dense_only = set(data.get("mlp_only_layers") or ())
+    moe = tuple(i for i in range(layers) if i not in dense_only and experts.count > 0 and (i + 1) % step == 0)
+    return ModelSpec(**dense, intermediate=int(_get(data, "intermediate_size")), experts=experts, moe_layers=moe)
+
+
+def _gpt2(data: Mapping[str, Any]) -> ModelSpec:
+    """GPT-2: learned positions, LayerNorm, biased Conv1D projections, a 4h (or n_inner) GELU MLP, tied head."""
+    hidden = int(_get(data, "n_embd", "hidden_size"))
+    heads = int(_get(data, "n_head", "num_attention_heads"))
+    attention = Attention(heads=heads, kv_heads=heads, qk_dim=hidden // heads, v_dim=hidden // heads,
+                          qkv_bias=True, o_bias=True)
+    return ModelSpec(family="gpt2", hidden=hidden, layers=int(_get(data, "n_layer", "num_hidden_layers")),
+                     vocab=int(_get(data, "vocab_size")), attention=attention,
+                     intermediate=int(data.get("n_inner") or 4 * hidden), gated=False, mlp_bias=True,
+                     layer_norm=True, tied=bool(data.get("tie_word_embeddings", True)),
+                     positions=int(_get(data, "n_positions", "max_position_embeddings")))
+
+
+def _deepseek(data: Mapping[str, Any], common: dict[str, Any], heads: int) -> ModelSpec:
+    """DeepSeek-V2/V3: MLA attention, shared experts, the first ``first_k_dense_replace`` layers dense."""
+    nope, rope = int(_get(data, "qk_nope_head_dim")), int(_get(data, "qk_rope_head_dim"))
+    attention = Attention(heads=heads, kv_heads=heads, qk_dim=nope + rope, v_dim=int(_get(data, "v_head_dim")),
+                          qkv_bias=bool(data.get("attention_bias", False)), latent=True,
+                          q_rank=int(data.get("q_lora_rank") or 0), kv_rank=int(_get(data, "kv_lora_rank")),
+                          rope_dim=rope)
+    routed = int(_get(data, "n_routed_experts", default=0))
+    moe_intermediate = int(_get(data, "moe_intermediate_size"))
+    experts = Experts(count=routed, top_k=int(_get(data, "num_experts_per_tok")), intermediate=moe_intermediate,
+                      shared_intermediate=moe_intermediate * int(data.get("n_shared_experts") or 0))
+    first_dense = int(data.get("first_k_dense_replace") or 0)
+    freq = int(data.get("moe_layer_freq") or 1)
+    layers = common["layers"]
+    moe = tuple(i for i in range(layers) if routed and i >= first_dense and i % freq == 0)
+    return ModelSpec(**common, attention=attention, intermediate=int(_get(data, "intermediate_size")),
+                     experts=experts if routed else None, moe_layers=moe if routed else ())

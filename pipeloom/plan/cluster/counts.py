@@ -1,0 +1,196 @@
+"""Exact counts per layer kind (embedding, dense layer, MoE layer, head with loss) of a :class:`ModelSpec`:
+parameters, matmul FLOPs of the forward (F), the input-gradient backward (I) and the weight-gradient backward
+(W), and the activation bytes kept for the backward under each recomputation mode.
+
+FLOPs count matrix multiplications only (2 per multiply-add), as ``torch.utils.flop_counter`` does: every
+linear layer, the router, the lm head, and the attention core's two products (QK^T and PV) over the full
+s x s square (a causal kernel skips about half of it: :func:`attention_flops` says both). Norms, activations,
+softmax, rotary embeddings and the loss are not counted (they are memory-bound: the estimator prices them by
+bytes). I is every linear's dX plus the attention core's backward (dQ, dK, dP, dV); W is every weight's dW.
+
+Activations follow Megatron-LM with fused kernels and flash attention (Korthikanti et al. 2022, section 4,
+with flash attention keeping q, k, v, the output and the softmax statistics instead of the s x s scores):
+what each layer keeps per token, split into the part sequence parallelism divides by tp (norm inputs and
+outputs, the residual stream) and the part tensor parallelism always divides (q, k, v, attention output,
+MLP intermediates). Context parallelism divides everything by cp.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from pipeloom.plan.cluster.config import ModelSpec
+
+__all__ = ["Recompute", "RECOMPUTE_MODES", "LayerCounts", "Activations", "layer_counts", "attention_flops",
+           "model_params", "optimizer_bytes"]
+
+Recompute = Literal["none", "selective", "full"]
+RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
+_STAT = 4  # bytes of one fp32 statistic (a norm's 1/rms, the softmax's log-sum-exp)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Activations:
+    """Bytes one token keeps for the backward in one layer, by how tensor parallelism divides them."""
+
+    sequence: float
+    """Divided by tp only under sequence parallelism (norm inputs/outputs, residual stream)."""
+    tensor: float
+    """Divided by tp always (q, k, v, attention output, MLP intermediates, per-head statistics)."""
+
+    def per_gpu(self, *, tp: int, cp: int, sp: bool) -> float:
+        """Bytes per token of the micro-batch on one GPU of a tp x cp group."""
+        return (self.sequence / (tp if sp else 1) + self.tensor / tp) / cp
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LayerCounts:
+    """One layer kind's counts for one sequence of ``seq`` tokens."""
+
+    kind: str
+    """``embedding``, ``dense``, ``moe`` or ``head``."""
+    params: int
+    """Parameters (for ``moe``: all experts)."""
+    expert_params: int
+    """Of ``params``, those of the routed experts (sharded over ep)."""
+    f: float
+    """Forward matmul FLOPs for one sequence."""
+    i: float
+    """Input-gradient matmul FLOPs for one sequence."""
+    w: float
+    """Weight-gradient matmul FLOPs for one sequence."""
+    attention_f: float
+    """Of ``f``, the attention core's (full s x s square)."""
+    activations: dict[str, Activations]
+    """Per recomputation mode, what one token keeps (the head: its logits' gradient input)."""
+
+
+def _norm(spec: ModelSpec) -> int:
+    """Parameters of one norm over h."""
+    return 2 * spec.hidden if spec.layer_norm else spec.hidden
+
+
+def _attention_weights(spec: ModelSpec) -> tuple[int, int]:
+    """``(matmul weight elements, other parameters)`` of one layer's attention."""
+    a, h = spec.attention, spec.hidden
+    if a.latent:
+        q = h * a.q_rank + a.q_rank * a.heads * a.qk_dim if a.q_rank else h * a.heads * a.qk_dim
+        kv = h * (a.kv_rank + a.rope_dim) + a.kv_rank * a.heads * (a.qk_dim - a.rope_dim + a.v_dim)
+        out = a.heads * a.v_dim * h
+        norms = (a.q_rank if a.q_rank else 0) + a.kv_rank
+        bias = (a.q_rank + a.kv_rank + a.rope_dim + h) if a.qkv_bias else 0  # q_a, kv_a and o biases
+        return q + kv + out, norms + bias
+    q, k, v = a.heads * a.qk_dim, a.kv_heads * a.qk_dim, a.kv_heads * a.v_dim
+    o = a.heads * a.v_dim
+    other = (q + k + v if a.qkv_bias else 0) + (h if a.o_bias else 0) + (2 * a.qk_dim if a.qk_norm else 0)
+    return h * (q + k + v) + o * h, other
+
+
+def _mlp_weights(spec: ModelSpec, intermediate: int, *, gated: bool, bias: bool) -> tuple[int, int]:
+    """``(matmul weight elements, bias parameters)`` of one MLP of ``intermediate`` width."""
+    h = spec.hidden
+    if gated:
+        return 3 * h * intermediate, (2 * intermediate + h) if bias else 0
+    return 2 * h * intermediate, (intermediate + h) if bias else 0
+
+
+def attention_flops(spec: ModelSpec, seq: int, *, causal: bool = False) -> float:
+    """Forward FLOPs of one layer's attention core on one sequence: QK^T and PV, ``2 s^2 heads (qk + v)``;
+    ``causal`` counts only the lower triangle (half the square), what a causal flash kernel computes."""
+    a = spec.attention
+    full = 2.0 * seq * seq * a.heads * (a.qk_dim + a.v_dim)
+    return full / 2 if causal else full
+
+
+def _attention_activations(spec: ModelSpec, width: int) -> tuple[float, float]:
+    """``(sequence, tensor)`` bytes per token of the attention half of a layer (flash attention, ``width``
+    bytes per element): the norm's input and output (+ 1/rms) and q, k, v, the output (also the output
+    projection's input) and the log-sum-exp per head; Qwen3's q/k norms keep their inputs (+ 1/rms per head)."""
+    a, h = spec.attention, spec.hidden
+    sequence = width * (2 * h) + _STAT
+    qkv = a.heads * a.qk_dim + a.kv_heads * (a.qk_dim + a.v_dim)
+    stats = a.heads
+    if a.qk_norm:
+        qkv += (a.heads + a.kv_heads) * a.qk_dim
+        stats += a.heads + a.kv_heads
+    if a.latent:  # MLA also keeps its low-rank inputs (the q and kv up-projections' inputs)
+        qkv += a.q_rank + a.kv_rank
+    tensor = width * (qkv + a.heads * a.v_dim) + _STAT * stats
+    return sequence, tensor
+
+
+def _mlp_activations(intermediate: int, *, gated: bool, width: int) -> float:
+    """Bytes per token kept by one MLP of ``intermediate`` width: the up-projection's output (gate and up:
+    2I, or I before GELU) and the activation's output, the down projection's input (I)."""
+    return float(width * (3 * intermediate if gated else 2 * intermediate))
+
+
+def layer_counts(spec: ModelSpec, kind: str, seq: int, *, width: int = 2) -> LayerCounts:
+    """The counts of one layer of ``kind`` (embedding, dense, moe, head) for one sequence of ``seq`` tokens;
+    ``width``: bytes of one activation element (2: bf16; statistics are fp32 whatever it is)."""
+    h = spec.hidden
+    if kind == "embedding":
+        params = spec.vocab * h + spec.positions * h
+        return LayerCounts(kind=kind, params=params, expert_params=0, f=0.0, i=0.0, w=0.0, attention_f=0.0,
+                           activations={m: Activations(sequence=0.0, tensor=0.0) for m in RECOMPUTE_MODES})
+    if kind == "head":
+        params = _norm(spec) + (0 if spec.tied else spec.vocab * h)
+        mm = 2.0 * seq * h * spec.vocab
+        # the final norm's input and output (+ 1/rms); the fp32 logits the loss keeps (vocab split by tp)
+        keep = Activations(sequence=width * 2 * h + _STAT, tensor=4.0 * spec.vocab)
+        return LayerCounts(kind=kind, params=params, expert_params=0, f=mm, i=mm, w=mm, attention_f=0.0,
+                           activations={m: keep for m in ("none", "selective", "full")})
+    attn_mm, attn_other = _attention_weights(spec)
+    if kind == "dense":
+        mlp_mm, mlp_other = _mlp_weights(spec, spec.intermediate, gated=spec.gated, bias=spec.mlp_bias)
+        expert_params, routed_mm = 0, 0
+        mlp_keep = _mlp_activations(spec.intermediate, gated=spec.gated, width=width)
+    elif kind == "moe":
+        ex = spec.experts
+        assert ex is not None, "moe layer of a dense model"
+        shared_mm, _ = _mlp_weights(spec, ex.shared_intermediate, gated=True, bias=False)
+        expert_params = ex.count * 3 * h * ex.intermediate
+        routed_mm = ex.top_k * 3 * h * ex.intermediate  # per token: its top-k experts
+        mlp_mm = h * ex.count + shared_mm + (h if ex.shared_gate else 0)  # router, shared expert(s), their gate
+        mlp_other = expert_params
+        # routed: each token's k copies (the experts' input h, gate+up 2I, activation I) and its fp32 router
+        # probabilities; the shared expert(s) like a dense MLP
+        mlp_keep = (width * ex.top_k * (h + 3 * ex.intermediate) + _STAT * ex.count
+                    + _mlp_activations(ex.shared_intermediate, gated=True, width=width))
+    else:
+        raise ValueError(f"unknown layer kind {kind!r}; one of embedding, dense, moe, head")
+    params = attn_mm + attn_other + mlp_mm + mlp_other + 2 * _norm(spec)
+    core = attention_flops(spec, seq)
+    linear = 2.0 * seq * (attn_mm + mlp_mm + routed_mm)
+    seq_a, tensor_a = _attention_activations(spec, width)
+    sequence = seq_a + width * (2 * h) + _STAT  # + the MLP norm's input and output (+ 1/rms)
+    none = Activations(sequence=sequence, tensor=tensor_a + mlp_keep)
+    # selective: the attention core runs again in the backward, so only its softmax statistics are not kept:
+    # its inputs q, k, v are the recomputation's inputs, its output the output projection's input
+    # (with flash attention there are no s x s scores to save: Megatron's selective recompute saves little)
+    selective = Activations(sequence=sequence, tensor=tensor_a + mlp_keep - _STAT * spec.attention.heads)
+    full = Activations(sequence=float(width * h), tensor=0.0)  # only the layer's input
+    return LayerCounts(kind=kind, params=params, expert_params=expert_params, f=linear + core, i=linear + 2 * core,
+                       w=linear, attention_f=core,
+                       activations={"none": none, "selective": selective, "full": full})
+
+
+def model_params(spec: ModelSpec) -> int:
+    """Parameters of the whole model (an untied head counted once)."""
+    dense = layer_counts(spec, "dense", 1).params if spec.dense_layers else 0
+    moe = layer_counts(spec, "moe", 1).params if spec.moe_layers else 0
+    return (layer_counts(spec, "embedding", 1).params + layer_counts(spec, "head", 1).params
+            + spec.dense_layers * dense + len(spec.moe_layers) * moe)
+
+
+def optimizer_bytes(params: float, *, shards: int = 1, fsdp: bool = False) -> tuple[float, float, float]:
+    """``(weights, gradients, optimizer)`` bytes per GPU of mixed-precision Adam for ``params`` parameters
+    held by this GPU: bf16 weights (2) and gradients (2), fp32 master weights and two moments (12). The
+    distributed optimizer shards the 12 over ``shards`` data-parallel ranks; FSDP also shards the
+    weights and gradients (one layer's weights are gathered at a time: counted by the estimator as buffers).
+    """
+    weights, grads, states = 2.0 * params, 2.0 * params, 12.0 * params
+    if fsdp:
+        return weights / shards, grads / shards, states / shards
+    return weights, grads, states / shards

@@ -1,0 +1,371 @@
+"""Step time and memory per GPU of one layout: per-stage F/I/W costs from :mod:`layer_time`, the pipeline
+schedule replayed by pipeloom's simulator with those costs (its makespan and each rank's peak of held
+activations), the data-parallel gradient and parameter exchange that the backward and forward do not hide,
+and the optimizer step. :class:`Estimator` caches the simulations by stage shape."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from pipeloom.errors import PipeloomError
+from pipeloom.plan.cluster.counts import layer_counts, optimizer_bytes
+from pipeloom.plan.cluster.efficiency import collective_seconds, memory_seconds, p2p_seconds
+from pipeloom.plan.cluster.layer_time import Job, PhaseTimes, domain_ranks, layer_times
+from pipeloom.plan.cluster.layout import SCHEDULES, Layout, LayoutError
+from pipeloom.problem import Costs, Problem
+from pipeloom.schedules import build_schedule
+from pipeloom.sim import simulate
+
+__all__ = ["Memory", "Estimate", "Estimator", "stage_layers", "rank_of", "rank_stages", "work_bound", "WORKSPACE_BYTES",
+           "BUCKET_BYTES"]
+
+WORKSPACE_BYTES = 2 * 1024**3
+"""Memory every GPU holds besides the model: CUDA context, cuBLAS workspaces and NCCL buffers (about 1 GiB for
+the context and library kernels and 0.5-1 GiB for NCCL's channels at scale, per NVIDIA's NCCL docs on
+NCCL_BUFFSIZE x channels); a stated allowance, not fitted to any run."""
+BUCKET_BYTES = 40e6 * 2
+"""Gradient bucket of the data-parallel reduce-scatter: Megatron's default 40M parameters in bf16; the last
+bucket of a backward cannot overlap anything."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Memory:
+    """Bytes per GPU (the busiest pipeline rank)."""
+
+    weights: float
+    """Model weights held (bf16)."""
+    gradients: float
+    """Gradients held (bf16)."""
+    optimizer: float
+    """fp32 master weights and Adam's two moments held."""
+    activations: float
+    """Peak of activations held for the backward (from the schedule's replay)."""
+    buffers: float
+    """Workspaces: :data:`WORKSPACE_BYTES`, FSDP's gathered layers, a fully recomputed layer's activations."""
+
+    @property
+    def total(self) -> float:
+        """All of it."""
+        return self.weights + self.gradients + self.optimizer + self.activations + self.buffers
+
+    def as_dict(self) -> dict[str, float]:
+        """The breakdown and the total, in bytes."""
+        return {**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, "total": self.total}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Estimate:
+    """The predicted step of one layout."""
+
+    layout: Layout
+    """The layout."""
+    step_time: float
+    """Seconds per step."""
+    pipeline_time: float
+    """Of it, the schedule's makespan (compute, tp/ep/cp communication, pipeline sends, bubbles)."""
+    exposed_dp: float
+    """Of it, the data-parallel / FSDP communication the computation does not hide."""
+    optimizer_time: float
+    """Of it, the optimizer step (bandwidth-bound)."""
+    bubble: float
+    """Idle fraction of the pipeline ranks during the makespan."""
+    memory: Memory
+    """Bytes per GPU."""
+    tokens_per_gpu_per_second: float
+    """Throughput per GPU."""
+    mfu: float
+    """Model FLOPs (matmuls, causal attention) per second over the GPUs' dense peak in the job's dtype."""
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready (seconds and bytes)."""
+        return {"layout": self.layout.as_dict(), "step_time": self.step_time, "pipeline_time": self.pipeline_time,
+                "exposed_dp_time": self.exposed_dp, "optimizer_time": self.optimizer_time, "bubble": self.bubble,
+                "tokens_per_gpu_per_second": self.tokens_per_gpu_per_second, "mfu": self.mfu,
+                "memory_per_gpu": self.memory.as_dict()}
+
+
+def stage_layers(spec_layers: tuple[str, ...], stages: int) -> list[tuple[str, ...]]:
+    """The layer kinds of each of ``stages`` stages in model order: an even split, the remainder going to
+    the middle stages first (the first holds the embedding, the last the head)."""
+    base, extra = divmod(len(spec_layers), stages)
+    order = list(range(1, stages - 1)) + [0, stages - 1] if stages > 2 else list(range(stages))
+    counts = [base] * stages
+    for j in order[:extra]:
+        counts[j] += 1
+    out, start = [], 0
+    for count in counts:
+        out.append(spec_layers[start:start + count])
+        start += count
+    return out
+
+
+class Estimator:
+    """Prices layouts of one :class:`Job`; caches layer times and schedule replays (no state but caches)."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        spec = job.spec
+        self.kinds = tuple("moe" if n in set(spec.moe_layers) else "dense" for n in range(spec.layers))
+        self.counts = {k: layer_counts(spec, k, job.seq) for k in ("embedding", "head", *set(self.kinds))}
+        self._layer: dict[tuple[Any, ...], PhaseTimes] = {}
+        self._replays: dict[tuple[Any, ...], tuple[float, float, float]] = {}
+        self._schedules: dict[tuple[Any, ...], Any] = {}
+        self._stages: dict[tuple[Any, ...], tuple[list[PhaseTimes], list[float], list[tuple[str, ...]]]] = {}
+        self._static: dict[tuple[Any, ...], tuple[Memory, float, float]] = {}
+        self._dp: dict[tuple[Any, ...], float] = {}
+        # model FLOPs of a step: every matmul once (no recomputation), the attention core over the causal
+        # triangle only (half the square: what a causal kernel computes, as the Llama 3 and DeepSeek reports count)
+        per_sequence = sum(self.counts[k].f + self.counts[k].i + self.counts[k].w - 2 * self.counts[k].attention_f
+                           for k in self.kinds)
+        head = self.counts["head"]
+        self.model_flops = job.global_batch * (per_sequence + head.f + head.i + head.w)
+        a, h = spec.attention, spec.hidden
+        mlp = spec.experts.top_k * spec.experts.intermediate if spec.moe_layers and spec.experts else spec.intermediate
+        keep = self.counts[self.kinds[-1]].activations["none"]
+        # what a split backward's W still needs after I: the inputs of the four projections (two norm
+        # outputs, the attention output, the MLP activation's output), a share of what F kept
+        self.w_fraction = min(1.0, 2 * (2 * h + a.heads * a.v_dim + mlp) / (keep.sequence + keep.tensor))
+
+    def check(self, layout: Layout) -> int:
+        """LayoutError when ``layout`` cannot run this job; else its micro-batches per pipeline."""
+        job, spec = self.job, self.job.spec
+        if layout.gpus != job.gpus:
+            raise LayoutError(f"dp x tp x pp x cp = {layout.gpus} is not the job's {job.gpus} GPUs")
+        m = layout.microbatches(job.global_batch)
+        a = spec.attention
+        if a.heads % layout.tp or (a.kv_heads % layout.tp and layout.tp % a.kv_heads):
+            raise LayoutError(f"tp={layout.tp} does not split {a.heads} query / {a.kv_heads} key-value heads")
+        if job.seq % (2 * layout.cp) and layout.cp > 1:
+            raise LayoutError(f"sequence {job.seq} does not split into 2 x cp={layout.cp} load-balanced chunks")
+        if layout.stages > spec.layers:
+            raise LayoutError(f"{layout.stages} stages for {spec.layers} layers: at most one stage per layer")
+        if spec.experts is None and layout.ep > 1:
+            raise LayoutError(f"ep={layout.ep} on a dense model: use ep=1")
+        if spec.experts is not None and spec.experts.count % layout.ep:
+            raise LayoutError(f"ep={layout.ep} does not divide {spec.experts.count} experts")
+        if layout.pp > 1 and m < layout.pp:
+            raise LayoutError(f"{m} micro-batches for pp={layout.pp}: need at least pp (lower dp or mbs)")
+        if layout.schedule == "dualpipev" and m < 2 * layout.pp:
+            raise LayoutError(f"dualpipev needs at least 2 x pp = {2 * layout.pp} micro-batches, got {m}")
+        if layout.schedule == "interleaved-1f1b" and m % layout.pp:
+            raise LayoutError(f"interleaved-1f1b needs micro-batches ({m}) divisible by pp={layout.pp}")
+        if layout.pp == 1 and layout.schedule != "1f1b":
+            raise LayoutError("pp=1 has no pipeline: use schedule=1f1b")
+        return m
+
+    def times(self, layout: Layout, kind: str) -> PhaseTimes:
+        """:func:`layer_times`, cached by what it depends on."""
+        key = (kind, layout.tp, layout.cp, layout.ep, layout.mbs, layout.recompute)
+        if key not in self._layer:
+            self._layer[key] = layer_times(self.job, layout, kind)
+        return self._layer[key]
+
+    def stages(self, layout: Layout) -> tuple[list[PhaseTimes], list[float], list[tuple[str, ...]]]:
+        """Per model stage: F/I/W seconds per micro-batch, activation bytes per micro-batch, its layers."""
+        key = (layout.tp, layout.cp, layout.ep, layout.mbs, layout.recompute, layout.stages)
+        if key not in self._stages:
+            self._stages[key] = self._cut(layout)
+        return self._stages[key]
+
+    def _cut(self, layout: Layout) -> tuple[list[PhaseTimes], list[float], list[tuple[str, ...]]]:
+        cut = stage_layers(self.kinds, layout.stages)
+        times, acts = [], []
+        for j, kinds in enumerate(cut):
+            parts = [self.times(layout, k) for k in kinds]
+            extra = [k for k, here in (("embedding", j == 0), ("head", j == len(cut) - 1)) if here]
+            parts += [self.times(layout, k) for k in extra]
+            times.append(PhaseTimes(f=sum(p.f for p in parts), i=sum(p.i for p in parts), w=sum(p.w for p in parts)))
+            acts.append(sum(self._activation(layout, k) for k in (*kinds, *extra)))
+        return times, acts, cut
+
+    def _activation(self, layout: Layout, kind: str) -> float:
+        keep = self.counts[kind].activations[layout.recompute].per_gpu(tp=layout.tp, cp=layout.cp, sp=layout.tp > 1)
+        return keep * layout.mbs * self.job.seq
+
+    def replay(self, layout: Layout, m: int, times: list[PhaseTimes], acts: list[float]) -> tuple[float, float, float]:
+        """``(makespan, bubble, peak activation bytes)`` of the layout's schedule with these stage costs."""
+        job = self.job
+        if layout.pp == 1:
+            busy = m * (times[0].f + times[0].i + times[0].w)
+            return busy, 0.0, acts[0]
+        hidden = layout.mbs * job.seq // layout.cp * job.spec.hidden * 2 / layout.tp
+        same = layout.tp * layout.cp * layout.dp < job.hw.scale_up_size
+        latency = p2p_seconds(job.hw, hidden, same_domain=same)
+        key = (layout.schedule, layout.pp, layout.vp, m, latency,
+               tuple((round(t.f, 9), round(t.i, 9), round(t.w, 9)) for t in times), tuple(round(a) for a in acts))
+        if key not in self._replays:
+            self._replays[key] = self._extrapolated(layout, m, times, acts, latency)
+        return self._replays[key]
+
+    def _extrapolated(self, layout: Layout, m: int, times: list[PhaseTimes], acts: list[float],
+                      latency: float) -> tuple[float, float, float]:
+        """The replay of ``m`` micro-batches; past 3 pp of them, from replays of 2 pp and 3 pp: after the
+        warm-up every schedule here repeats one period per micro-batch (the busiest rank's work), so the
+        makespan grows linearly, ``T(m) = T(2p) + (m - 2p) (T(3p) - T(2p)) / p``, and the memory peak is
+        the warm-up's. Never below the bound every replay meets (:func:`work_bound`)."""
+        p = layout.pp
+        if m <= 3 * p:
+            return self._simulate(layout, m, times, acts, latency)
+        t0, _, _ = self._simulate(layout, 2 * p, times, acts, latency)
+        t1, _, peak = self._simulate(layout, 3 * p, times, acts, latency)
+        makespan = max(t0 + (m - 2 * p) * (t1 - t0) / p, work_bound(layout, m, times))
+        busy = m * sum(t.f + t.i + t.w for t in times)
+        return makespan, max(0.0, 1.0 - busy / (p * makespan)), peak
+
+    def _simulate(self, layout: Layout, m: int, times: list[PhaseTimes], acts: list[float],
+                  latency: float) -> tuple[float, float, float]:
+        """Build the schedule (interleaved with the middle stage's cost ratios), price each task with its
+        stage's costs and replay it. DualPipeV's overlapped F+B pairs take F + B (no overlap credited)."""
+        name, pp, vp = layout.schedule, layout.pp, layout.vp
+        mid = times[len(times) // 2]
+        split = name in ("zb-h1", "zbv", "dualpipev")
+        unit = mid.f + mid.i + mid.w or 1.0
+        ratio = tuple(round(x / unit * vp, 2) for x in (mid.f, mid.i, mid.w))
+        if name == "zbv":  # its cost-aware order built once per (pp, m) for F = I = W (its paper's setting)
+            ratio = (1.0, 1.0, 1.0)
+        costs = Costs(f=ratio[0], b=ratio[1] if split else ratio[1] + ratio[2], w=ratio[2], memory=1.0,
+                      w_memory=self.w_fraction if split else 0.0)
+        options = {"stages_per_rank": vp} if SCHEDULES[name] == "interleaved" else {}
+        bkey = (name, pp, vp, m, ratio)
+        if bkey not in self._schedules:
+            try:
+                self._schedules[bkey] = build_schedule(name, pp, m, costs=costs, **options)
+            except PipeloomError as error:
+                raise LayoutError(f"{name} cannot run pp={pp}, vp={vp} with {m} micro-batches: {error}") from None
+        schedule = self._schedules[bkey]
+        taken = {t.stage: t.memory for t in schedule.problem.tasks if t.kind == "F"}
+        tasks = []
+        for task in schedule.problem.tasks:
+            t = times[task.stage]
+            duration = {"F": t.f, "B": t.i + t.w, "I": t.i, "W": t.w}[task.kind]
+            scale = acts[task.stage] / taken[task.stage] if taken[task.stage] else 0.0
+            tasks.append(dataclasses.replace(task, duration=duration, memory=task.memory * scale))
+        overlap = min(mid.f, mid.i + mid.w) if name == "dualpipev" else 0.0
+        problem = Problem(num_ranks=pp, tasks=tuple(tasks), comm_latency=latency, overlap_overhead=overlap)
+        timeline = simulate(dataclasses.replace(schedule, problem=problem))
+        return timeline.makespan, timeline.bubble_ratio, max(timeline.peak_memory)
+
+    def estimate(self, layout: Layout) -> Estimate:
+        """The predicted step of ``layout`` (LayoutError when it cannot run)."""
+        m = self.check(layout)
+        times, acts, cut = self.stages(layout)
+        makespan, bubble, peak = self.replay(layout, m, times, acts)
+        memory, exposed, optimizer = self.static_state(layout, times, cut, m)
+        memory = dataclasses.replace(memory, activations=peak)
+        step = makespan + exposed + optimizer
+        job = self.job
+        return Estimate(layout=layout, step_time=step, pipeline_time=makespan, exposed_dp=exposed,
+                        optimizer_time=optimizer, bubble=bubble, memory=memory,
+                        tokens_per_gpu_per_second=job.global_batch * job.seq / (step * job.gpus),
+                        mfu=self.model_flops / (step * job.gpus * job.hw.peak(job.dtype)))
+
+    def static_state(self, layout: Layout, times: list[PhaseTimes], cut: list[tuple[str, ...]],
+               m: int) -> tuple[Memory, float, float]:
+        """Memory of weights, gradients, optimizer and buffers on the busiest rank; the exposed data-parallel
+        seconds; the optimizer step's seconds (cached: they do not depend on the schedule's order)."""
+        key = (layout.tp, layout.cp, layout.ep, layout.mbs, layout.recompute, layout.pp, layout.vp,
+               SCHEDULES[layout.schedule] == "v", layout.dp, layout.fsdp, m)
+        if key not in self._static:
+            self._static[key] = self._static_state(layout, times, cut, m)
+        return self._static[key]
+
+    def _static_state(self, layout: Layout, times: list[PhaseTimes], cut: list[tuple[str, ...]],
+                      m: int) -> tuple[Memory, float, float]:
+        states, tails = [], []
+        seen: dict[tuple[Any, ...], tuple[Memory, tuple[float, float, float]]] = {}
+        last = len(cut) - 1
+        for stages in rank_stages(layout):
+            # ranks holding the same layers (the middle ones) are priced once
+            key = tuple((cut[j], j == 0, j == last) for j in stages)
+            if key not in seen:
+                seen[key] = self._rank_state(layout, times, cut, stages, m)
+            state, tail = seen[key]
+            states.append(state)
+            tails.append(tail)
+        # the rank with the most static memory (the activations' peak is the replay's maximum over ranks)
+        memory = max(states, key=lambda state: state.total)
+        _, exposed, optimizer = max(tails)
+        return memory, exposed, optimizer
+
+    def _rank_state(self, layout: Layout, times: list[PhaseTimes], cut: list[tuple[str, ...]], stages: list[int],
+                    m: int) -> tuple[Memory, tuple[float, float, float]]:
+        """One rank's static memory and ``(exposed + optimizer, exposed, optimizer)`` seconds."""
+        hw, dpcp = self.job.hw, layout.dp * layout.cp
+        dense = expert = 0.0
+        for j in stages:  # parameters held: tp-sharded, experts over ep
+            for kind in (*cut[j], *(("embedding",) if j == 0 else ()), *(("head",) if j == len(cut) - 1 else ())):
+                c = self.counts[kind]
+                dense += (c.params - c.expert_params) / layout.tp
+                expert += c.expert_params / layout.ep
+        parts = [a + b for a, b in zip(optimizer_bytes(dense, shards=dpcp, fsdp=layout.fsdp),
+                                       optimizer_bytes(expert, shards=dpcp // layout.ep, fsdp=layout.fsdp))]
+        f1 = sum(times[j].f for j in stages)
+        b1 = sum(times[j].i + times[j].w for j in stages)
+        exposed = sum(self._dp_exposed(layout, params, group, f1, b1, m)
+                      for params, group in ((dense, dpcp), (expert, dpcp // layout.ep)))
+        layers = max(1, sum(len(cut[j]) for j in stages))
+        buffers = WORKSPACE_BYTES + (2 * 2.0 * (dense + expert) / layers if layout.fsdp else 0.0)
+        if layout.recompute == "full":  # one layer's activations rebuilt at a time during its backward
+            buffers += max(self._activation(dataclasses.replace(layout, recompute="none"), k) for k in set(self.kinds))
+        shard = dense / dpcp + expert / max(1, dpcp // layout.ep)
+        optimizer = memory_seconds(hw, 32.0 * shard)  # read/write master, moments, grads and weights
+        memory = Memory(weights=parts[0], gradients=parts[1], optimizer=parts[2], activations=0.0, buffers=buffers)
+        return memory, (exposed + optimizer, exposed, optimizer)
+
+    def _dp_exposed(self, layout: Layout, params: float, group: int, f1: float, b1: float, m: int) -> float:
+        """Seconds of gradient reduce-scatter and parameter all-gather (FSDP: per micro-batch gathers) over
+        ``group`` ranks that the rank's last backward / first forward does not hide (module doc of
+        :mod:`pipeloom.plan.cluster.efficiency`); the last bucket is always exposed."""
+        if group <= 1 or params == 0:
+            return 0.0
+        hw, nbytes = self.job.hw, 2.0 * params
+        key = (nbytes, group, layout.tp)
+        if key not in self._dp:
+            per_domain = domain_ranks(group, layout.tp, hw)
+            self._dp[key] = (collective_seconds(hw, "reduce_scatter", nbytes, group, ranks_per_domain=per_domain)
+                             + collective_seconds(hw, "all_gather", nbytes, group, ranks_per_domain=per_domain)) / 2
+        rs = ag = self._dp[key]  # a ring reduce-scatter and all-gather move the same bytes
+        last = min(1.0, BUCKET_BYTES / nbytes)
+        exposed = max(rs - b1, rs * last) + max(ag - f1, ag * last)
+        if layout.fsdp:  # weights gathered again for every micro-batch's forward and backward
+            exposed += m * (max(0.0, ag - f1) + max(0.0, ag - b1))
+        return exposed
+
+
+def rank_of(stage: int, layout: Layout) -> int:
+    """The pipeline rank of model stage ``stage``: looped (interleaved, linear) or a V."""
+    if SCHEDULES[layout.schedule] == "v":
+        return stage if stage < layout.pp else 2 * layout.pp - 1 - stage
+    return stage % layout.pp
+
+
+def work_bound(layout: Layout, m: int, times: list[PhaseTimes]) -> float:
+    """A lower bound on any schedule's makespan: a rank starts after micro-batch 0's forwards through the
+    model stages before its first one, then does all its own work (DualPipeV: an overlapped pair of a
+    forward and a backward takes max(F, B) + overhead, so it saves at most F - overhead)."""
+    bound = 0.0
+    mid = times[len(times) // 2]
+    overlap = min(mid.f, mid.i + mid.w)
+    for stages in rank_stages(layout):
+        before = sum(times[j].f for j in range(min(stages)))
+        busy = m * sum(times[j].f + times[j].i + times[j].w for j in stages)
+        if layout.schedule == "dualpipev":
+            busy -= m * sum(max(0.0, times[j].f - overlap) for j in stages)  # each F sits in at most one pair
+        bound = max(bound, before + busy)
+    if layout.schedule in ("1f1b", "interleaved-1f1b"):
+        # a full backward in micro-batch order: rank p-1's last action is stage p-1's B of the last micro-batch,
+        # after which that micro-batch's B still runs through stages p-2 .. 0 on the other ranks
+        stages = rank_stages(layout)[layout.pp - 1]
+        before = sum(times[j].f for j in range(layout.pp - 1))
+        busy = m * sum(times[j].f + times[j].i + times[j].w for j in stages)
+        bound = max(bound, before + busy + sum(times[j].i + times[j].w for j in range(layout.pp - 1)))
+    return bound
+
+
+def rank_stages(layout: Layout) -> list[list[int]]:
+    """Per pipeline rank, its model stages in order (:func:`rank_of` inverted)."""
+    if SCHEDULES[layout.schedule] == "v":
+        return [[r, 2 * layout.pp - 1 - r] for r in range(layout.pp)]
+    return [list(range(r, layout.stages, layout.pp)) for r in range(layout.pp)]

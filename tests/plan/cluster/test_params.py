@@ -1,0 +1,52 @@
+"""Parameter counts of the cluster planner's model spec against transformers' own tiny instances."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from tests.plan.cluster.tiny import TINY, tiny_config
+
+from pipeloom.plan.cluster import ModelConfigError, model_params, model_spec
+from pipeloom.plan.cluster.counts import optimizer_bytes
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.mark.parametrize("family", sorted(TINY))
+def test_params_equal_transformers(family):
+    config = tiny_config(family)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    expected = sum(p.numel() for p in model.parameters())  # tied weights are one Parameter: counted once
+    assert model_params(model_spec(config)) == expected
+    assert model_params(model_spec(config.to_dict())) == expected
+
+
+def test_reads_config_json(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(dict(TINY["llama"], model_type="llama")))
+    assert model_spec(path).attention.kv_heads == 2
+    assert model_spec(str(path)).hidden == 64
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"model_type": "t5"}, "not modelled"),
+    ({"model_type": "llama", "hidden_size": 64}, "num_attention_heads"),
+    (42, "config.json path"),
+])
+def test_bad_configs(bad, match):
+    with pytest.raises(ModelConfigError, match=match):
+        model_spec(bad)
+
+
+def test_missing_file():
+    with pytest.raises(ModelConfigError, match="cannot read"):
+        model_spec("/nonexistent/config.json")
+
+
+def test_optimizer_state():
+    assert optimizer_bytes(10) == (20, 20, 120)
+    assert optimizer_bytes(10, shards=4) == (20, 20, 30)
+    assert optimizer_bytes(10, shards=4, fsdp=True) == (5, 5, 30)

@@ -1,0 +1,138 @@
+"""The cluster planner's API and command: JSON schema, memory-fit decision, fixed-layout prediction, monotone
+in memory, CLI errors as one line with exit 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipeloom.cli import main
+from pipeloom.plan.cluster import plan_cluster
+from pipeloom.plan.cluster.config import model_spec
+from pipeloom.plan.cluster.estimate import Estimator, work_bound
+from pipeloom.plan.cluster.hardware import hardware
+from pipeloom.plan.cluster.layer_time import Job
+from pipeloom.plan.cluster.layout import LAYOUT_KEYS, Layout, LayoutError, parse_layout
+from pipeloom.plan.cluster.search import NoLayoutFits
+
+SMALL = {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 16,
+         "num_attention_heads": 16, "num_key_value_heads": 4, "vocab_size": 32000}
+GIB = 2**30
+
+
+@pytest.fixture
+def config(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(SMALL))
+    return path
+
+
+def _plan(**kw):
+    args = dict(gpus=8, global_batch=32, seq=4096)
+    args.update(kw)
+    return plan_cluster(SMALL, "h100", **args)
+
+
+def test_json_schema(config, capsys):
+    assert main(["plan", "--model", str(config), "--hardware", "h100", "--gpus", "8", "--global-batch", "32",
+                 "--seq", "4096", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert set(data["best"]["layout"]) == set(LAYOUT_KEYS)
+    for key in ("step_time", "tokens_per_gpu_per_second", "mfu", "memory_per_gpu", "bubble"):
+        assert key in data["best"]
+    assert set(data["best"]["memory_per_gpu"]) == {"weights", "gradients", "optimizer", "activations", "buffers",
+                                                    "total"}
+    assert data["hardware"]["name"] == "h100" and data["hardware"]["memory_bytes"] > 0
+    assert isinstance(data["runners_up"], list) and isinstance(data["seconds"], float)
+    layout = data["best"]["layout"]
+    assert layout["dp"] * layout["tp"] * layout["pp"] * layout["cp"] == 8
+    assert data["best"]["memory_per_gpu"]["total"] <= data["hardware"]["memory_bytes"]
+    tokens = 32 * 4096 / (data["best"]["step_time"] * 8)
+    assert data["best"]["tokens_per_gpu_per_second"] == pytest.approx(tokens)
+
+
+def test_text_report(config, capsys):
+    assert main(["plan", "--model", str(config), "--hardware", "h100", "--gpus", "8", "--global-batch", "32",
+                 "--seq", "4096", "--layout", "tp=2,pp=2,cp=1"]) == 0
+    out = capsys.readouterr().out
+    for word in ("layout: dp=2,tp=2,pp=2", "step time", "tokens/s per GPU", "MFU", "bubble", "weights",
+                 "gradients", "optimizer", "activations", "buffers", "runners-up"):
+        assert word in out
+
+
+def test_fixed_layout_is_predicted_as_given():
+    text = "tp=2,pp=2,vp=2,cp=1,ep=1,dp=2,mbs=1,fsdp=0,recompute=selective,schedule=interleaved-1f1b"
+    plan = _plan(layout=text)
+    assert str(plan.best.layout) == "dp=2,tp=2,pp=2,vp=2,cp=1,ep=1,mbs=1,fsdp=0,recompute=selective," \
+                                    "schedule=interleaved-1f1b"
+    assert plan.candidates == 1 and plan.runners_up == ()
+    direct = Estimator(plan.job).estimate(Layout(**parse_layout(text)))
+    assert plan.best.step_time == direct.step_time
+
+
+def test_memory_fit_decision():
+    free = _plan()
+    assert free.best.memory.total <= hardware("h100").memory_bytes
+    tight = _plan(memory_limit=free.best.memory.total - 1)
+    assert tight.best.memory.total <= free.best.memory.total - 1
+    assert tight.best.step_time >= free.best.step_time
+    with pytest.raises(NoLayoutFits, match="no layout fits"):
+        _plan(memory_limit=1 * GIB)
+    over = _plan(layout=str(free.best.layout), memory_limit=free.best.memory.total - 1)
+    assert over.as_dict()["best"]["fits"] is False
+
+
+def test_more_memory_never_slower():
+    times = [_plan(memory_limit=limit * GIB).best.step_time for limit in (12, 16, 24, 40, 80)]
+    assert all(later <= earlier for earlier, later in zip(times, times[1:]))
+
+
+def test_replay_meets_its_bound_and_extrapolates():
+    job = Job(spec=model_spec(SMALL), hw=hardware("h100"), gpus=8, global_batch=64, seq=4096)
+    est = Estimator(job)
+    for schedule, vp in (("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zbv", 2), ("dualpipev", 2)):
+        layout = Layout(dp=1, tp=2, pp=4, vp=vp, schedule=schedule, mbs=1)
+        m = est.check(layout)
+        times, acts, _ = est.stages(layout)
+        full = est._simulate(layout, m, times, acts, 0.0)[0]
+        extrapolated = est._extrapolated(layout, m, times, acts, 0.0)[0]
+        assert full >= work_bound(layout, m, times) * (1 - 1e-12)
+        assert extrapolated == pytest.approx(full, rel=0.02), schedule
+
+
+def test_1f1b_bound_is_exact_for_even_stages():
+    job = Job(spec=model_spec(dict(SMALL, vocab_size=1)), hw=hardware("h100"), gpus=4, global_batch=16, seq=4096)
+    est = Estimator(job)
+    layout = Layout(dp=1, pp=4, schedule="1f1b")
+    m = est.check(layout)
+    times, acts, _ = est.stages(layout)
+    full = est._simulate(layout, m, times, acts, 0.0)[0]
+    assert full == pytest.approx(work_bound(layout, m, times), rel=0.05)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--costs", "x.json", "--model", "m.json"], "not both"),
+    ([], "give --costs FILE"),
+    (["--model", "CONFIG", "--gpus", "8", "--seq", "4096"], "--model needs --hardware"),
+    (["--model", "CONFIG", "--hardware", "h100", "--gpus", "8", "--seq", "4096", "--layout", "tp=3"], "tp=3"),
+    (["--model", "CONFIG", "--hardware", "h100", "--gpus", "8", "--seq", "4096", "--layout", "foo=1"], "foo=1"),
+    (["--model", "CONFIG", "--hardware", "nope", "--gpus", "8", "--seq", "4096"], "nope"),
+    (["--model", "CONFIG", "--hardware", "h100", "--gpus", "8", "--seq", "4096", "--memory-limit", "1GiB"],
+     "no layout fits"),
+    (["--model", "/nonexistent.json", "--hardware", "h100", "--gpus", "8", "--seq", "4096"], "cannot read"),
+])
+def test_cli_errors_one_line_exit_2(config, capsys, argv, message):
+    argv = [str(config) if a == "CONFIG" else a for a in argv]
+    assert main(["plan", "--global-batch", "32", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err
+
+
+def test_layout_checks():
+    with pytest.raises(LayoutError, match="vp=2"):
+        Layout(pp=2, vp=3, schedule="zbv")
+    with pytest.raises(LayoutError, match="ep=3"):
+        Layout(dp=4, ep=3)
+    with pytest.raises(LayoutError, match="out of range"):
+        parse_layout("fsdp=2")

@@ -1,0 +1,42 @@
+"""Tiny random-init configs of every family the cluster planner reads (shared by its tests)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["TINY", "tiny_config"]
+
+_COMMON: dict[str, Any] = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                               vocab_size=128, max_position_embeddings=64)
+TINY: dict[str, dict[str, Any]] = {
+    "llama": dict(_COMMON, num_key_value_heads=2),
+    "mistral": dict(_COMMON, num_key_value_heads=2, head_dim=24),
+    "qwen2": dict(_COMMON, num_key_value_heads=2),
+    "qwen3": dict(_COMMON, num_key_value_heads=2, head_dim=32),
+    "gemma": dict(_COMMON, num_key_value_heads=1, head_dim=16),
+    "gpt2": dict(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=64),
+    "gpt_neox": dict(_COMMON, tie_word_embeddings=False),
+    "mixtral": dict(_COMMON, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(_COMMON, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=48, decoder_sparse_step=1, mlp_only_layers=[0]),
+    "qwen3_moe": dict(_COMMON, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      head_dim=16),
+    "deepseek_v2": dict(_COMMON, num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=None,
+                        kv_lora_rank=16, qk_rope_head_dim=8,
+                        qk_nope_head_dim=16, v_head_dim=12, n_routed_experts=4, n_shared_experts=2,
+                        moe_intermediate_size=24, first_k_dense_replace=1, num_experts_per_tok=2,
+                        topk_method="greedy", n_group=1, topk_group=1),
+    "deepseek_v3": dict(_COMMON, num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=24,
+                        kv_lora_rank=16, qk_rope_head_dim=8,
+                        qk_nope_head_dim=16, v_head_dim=12, n_routed_experts=4, n_shared_experts=1,
+                        moe_intermediate_size=24, first_k_dense_replace=1, num_experts_per_tok=2, n_group=1,
+                        topk_group=1),
+}
+"""Config keywords per ``model_type``: 2-3 layers, hidden 64, GQA where the family has it."""
+
+
+def tiny_config(family: str) -> Any:
+    """A transformers config of ``family`` with :data:`TINY`'s sizes (imports transformers)."""
+    import transformers
+
+    return transformers.AutoConfig.for_model(family, **TINY[family])
