@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from pipeloom.plan.cluster.api import plan_cluster
-from pipeloom.plan.cluster.search import NoLayoutFits
+from pipeloom.plan.errors import NoLayoutFits
 
 CONFIGS = Path(__file__).resolve().parent / "data" / "configs"
 MODELS = ("llama3-8b", "llama3-70b", "llama3-405b", "deepseek-v3")

@@ -7,7 +7,10 @@ from pipeloom.errors import PipeloomError
 __all__ = [
     "CostTableError",
     "HardwareError",
+    "LayoutError",
     "MemoryTooSmall",
+    "ModelConfigError",
+    "NoLayoutFits",
     "NoPlanFits",
     "PartitionError",
     "PlanError",
@@ -60,3 +63,15 @@ class RecipeError(PipeloomError):
 
 class HardwareError(PipeloomError):
     """An unknown GPU name, or a hardware file or description that cannot be used (names the fix)."""
+
+
+class ModelConfigError(PipeloomError):
+    """A model config that cannot be read or describes a model the cluster planner does not model."""
+
+
+class NoLayoutFits(PipeloomError):
+    """No layout of the job runs, or none fits the memory limit."""
+
+
+class LayoutError(PipeloomError):
+    """A layout that cannot run: sizes that do not multiply out, a schedule without its placement, ..."""

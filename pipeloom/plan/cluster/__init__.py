@@ -4,10 +4,10 @@ estimate for one layout (dp x tp x pp x cp x ep, schedule, recomputation) and a 
 without importing transformers."""
 
 from pipeloom.plan.cluster.api import ClusterPlan, plan_cluster
-from pipeloom.plan.cluster.config import ModelConfigError, ModelSpec, model_spec
+from pipeloom.plan.cluster.config import ModelSpec, model_spec
 from pipeloom.plan.cluster.counts import layer_counts, model_params
-from pipeloom.plan.cluster.layout import Layout, LayoutError
-from pipeloom.plan.cluster.search import NoLayoutFits
+from pipeloom.plan.cluster.layout import Layout
+from pipeloom.plan.errors import LayoutError, ModelConfigError, NoLayoutFits
 
 __all__ = ["ClusterPlan", "Layout", "LayoutError", "ModelConfigError", "ModelSpec", "NoLayoutFits", "layer_counts",
            "model_params", "model_spec", "plan_cluster"]

@@ -12,10 +12,12 @@ from typing import Any
 from pipeloom.plan.cluster.config import ModelSpec, model_spec
 from pipeloom.plan.cluster.efficiency import dtype_bytes
 from pipeloom.plan.cluster.estimate import Estimate, Estimator
-from pipeloom.plan.cluster.hardware import Hardware, hardware
+from pipeloom.plan.cluster.gpus import hardware
+from pipeloom.plan.cluster.hardware import Hardware
 from pipeloom.plan.cluster.layer_time import Job
-from pipeloom.plan.cluster.layout import LAYOUT_KEYS, Layout, LayoutError, parse_layout
+from pipeloom.plan.cluster.layout import LAYOUT_KEYS, Layout, parse_layout
 from pipeloom.plan.cluster.search import search_layouts
+from pipeloom.plan.errors import LayoutError
 
 __all__ = ["ClusterPlan", "plan_cluster"]
 

@@ -10,18 +10,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeloom.errors import PipeloomError
+from pipeloom.plan.errors import ModelConfigError
 
-__all__ = ["ModelConfigError", "ModelSpec", "Attention", "Experts", "model_spec", "SUPPORTED_FAMILIES"]
+__all__ = ["ModelSpec", "Attention", "Experts", "model_spec", "SUPPORTED_FAMILIES"]
 
 _DENSE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gpt2", "gpt_neox")
 _MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3")
 SUPPORTED_FAMILIES: tuple[str, ...] = _DENSE + _MOE
 """The ``model_type`` values :func:`model_spec` reads."""
-
-
-class ModelConfigError(PipeloomError):
-    """A model config that cannot be read or describes a model the cluster planner does not model."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -13,7 +13,8 @@ from pipeloom.errors import PipeloomError
 from pipeloom.plan.cluster.counts import layer_counts, optimizer_bytes
 from pipeloom.plan.cluster.efficiency import collective_seconds, memory_seconds, p2p_seconds
 from pipeloom.plan.cluster.layer_time import Job, PhaseTimes, domain_ranks, layer_times
-from pipeloom.plan.cluster.layout import SCHEDULES, Layout, LayoutError
+from pipeloom.plan.cluster.layout import SCHEDULES, Layout
+from pipeloom.plan.errors import LayoutError
 from pipeloom.problem import Costs, Problem
 from pipeloom.schedules import build_schedule
 from pipeloom.sim import simulate

@@ -6,10 +6,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from pipeloom.errors import PipeloomError
 from pipeloom.plan.cluster.counts import RECOMPUTE_MODES
+from pipeloom.plan.errors import LayoutError
 
-__all__ = ["LayoutError", "Layout", "SCHEDULES", "LAYOUT_KEYS", "parse_layout"]
+__all__ = ["Layout", "SCHEDULES", "LAYOUT_KEYS", "parse_layout"]
 
 SCHEDULES: dict[str, str] = {
     "1f1b": "1f1b",
@@ -22,10 +22,6 @@ SCHEDULES: dict[str, str] = {
 looped stages per rank, v: 2 stages per rank in a V)."""
 LAYOUT_KEYS = ("dp", "tp", "pp", "vp", "cp", "ep", "mbs", "fsdp", "recompute", "schedule")
 """The keys of a layout, in the order ``--layout`` and the JSON print them."""
-
-
-class LayoutError(PipeloomError):
-    """A layout that cannot run: sizes that do not multiply out, a schedule without its placement, ..."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

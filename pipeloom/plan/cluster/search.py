@@ -19,16 +19,16 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeloom.errors import PipeloomError
 from pipeloom.plan.cluster.counts import RECOMPUTE_MODES
 from pipeloom.plan.cluster.estimate import Estimate, Estimator, rank_stages, work_bound
 from pipeloom.plan.cluster.layer_time import Job
-from pipeloom.plan.cluster.layout import LAYOUT_KEYS, SCHEDULES, Layout, LayoutError
+from pipeloom.plan.cluster.layout import LAYOUT_KEYS, SCHEDULES, Layout
+from pipeloom.plan.errors import LayoutError, NoLayoutFits
 from pipeloom.problem import Costs
 from pipeloom.schedules import build_schedule
 from pipeloom.sim import simulate
 
-__all__ = ["Candidate", "NoLayoutFits", "SearchResult", "enumerate_layouts", "search_layouts", "MBS_CHOICES",
+__all__ = ["Candidate", "SearchResult", "enumerate_layouts", "search_layouts", "MBS_CHOICES",
            "VP_CHOICES"]
 
 MBS_CHOICES = (1, 2, 4)
@@ -36,10 +36,6 @@ MBS_CHOICES = (1, 2, 4)
 VP_CHOICES = (2, 3, 4, 5, 6, 7, 8)
 """Stages per rank tried for interleaved-1f1b."""
 _COST_AWARE = ("zbv",)
-
-
-class NoLayoutFits(PipeloomError):
-    """No layout of the job runs, or none fits the memory limit."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
