@@ -6,6 +6,7 @@ runs them."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -17,6 +18,8 @@ from torch import nn
 
 from pipeloom.runtime.dp import Layout, layout_of
 from pipeloom.runtime.engine import PipelineEngine
+from pipeloom.runtime.errors import NeedsExampleError
+from pipeloom.runtime.first_step import FirstStepEngine
 from pipeloom.runtime.fsdp import shard_pieces
 from pipeloom.runtime.lower import Lowering, PipelineError
 from pipeloom.runtime.materialize import StateSource, place_pieces
@@ -72,7 +75,9 @@ def pipeline(
     ``trace``: a folder to write ``rank<R>.json`` to after every step, or True to record the steps
     in memory only (``engine.trace_steps``; ``engine.write_trace(path)`` writes them).
     ``tracer``/``leaf_modules``/``example_inputs``: how ``split_points`` cut the model
-    (:func:`~pipeloom.runtime.split_model`: torch.fx, or torch.export from example inputs).
+    (:func:`~pipeloom.runtime.split_model`: torch.fx, or torch.export from example inputs); without
+    ``example_inputs`` a model only torch.export traces is split at the first step, traced on its batch
+    (:class:`~pipeloom.runtime.first_step.FirstStepEngine`), and the checks that need the graph happen then.
     ``seed``: the random numbers of every piece's forward derive from it (default: rank 0's
     ``torch.initial_seed()``), so dropout draws the same on any number of ranks (docs/runtime.md).
     ``mesh``: a ``DeviceMesh`` with a ``"pp"`` dimension (the pipeline) and optionally ``"dp"`` (replicas
@@ -115,10 +120,41 @@ def pipeline(
         blocks = plan_blocks(model, tp_plan)
     if layout.tp.group is not None:  # a TP all-reduce inside a forward ends within the engine's timeout
         set_group_timeout([layout.group, layout.dp.group, layout.tp.group], float(timeout))
-    staged = staged_model(model, split_points, stages, tracer=tracer, leaf_modules=leaf_modules,
-                          example_inputs=example_inputs, export_leaves=blocks)
+    assert loss_fn is not None  # _check_arguments refused None
+    seed = shared_seed(layout.everyone, layout.everyone_size, seed)  # here, whenever the model is split
+    trace = trace if trace is not None else os.environ.get(TRACE_ENV) or None
+    settle = functools.partial(
+        _engine_parts, model=model, layout=layout, schedule=schedule, microbatches=microbatches,
+        schedule_options=schedule_options or {}, device=device, state_dict=state_dict, init_weights=init_weights,
+        tp_plan=tp_plan, data_parallel=data_parallel, loss_fn=loss_fn, seed=seed, trace=trace, timeout=float(timeout),
+        scatter_boundaries=bool(scatter_boundaries))
+    cut = functools.partial(staged_model, model, split_points, stages, tracer=tracer, leaf_modules=leaf_modules,
+                            export_leaves=blocks)
+    try:
+        staged = cut(example_inputs=example_inputs)
+    except NeedsExampleError:  # only torch.export traces it, and no example was given: the first batch is one
+        assert model is not None and split_points is not None  # a model to trace, cut at these points
+        schedule = resolve_schedule(schedule, num_ranks=world, num_pieces=len(split_points) + 1,
+                                    microbatches=microbatches, options=schedule_options or {})
+        logger.info("rank %d: torch.fx cannot trace %s; it is split at the first step, traced with torch.export "
+                    "on that step's batch", rank, type(model).__name__)
+        return FirstStepEngine(model=model, sharding=sharding, build=lambda batch: settle(
+            cut(example_inputs=batch, tracer="export"), schedule=schedule))
+    engine = PipelineEngine(**settle(staged))
+    engine.tp_sharding = sharding
+    return engine
+
+
+def _engine_parts(staged: StagedModel, *, model: nn.Module | None, layout: Layout, schedule: object,
+                  microbatches: int | None, schedule_options: dict, device: torch.device | str | None,
+                  state_dict: StateSource | None, init_weights: Callable[[nn.Module], object] | None,
+                  tp_plan: dict | None, data_parallel: str, loss_fn: Callable, seed: int,
+                  trace: str | Path | bool | None, timeout: float, scatter_boundaries: bool) -> dict:
+    """What :class:`PipelineEngine` is built from, once the model is cut into ``staged``: the schedule lowered
+    onto it, this rank's pieces placed on their device (tensor-parallel and FSDP-sharded where asked)."""
+    rank, world = layout.rank, layout.world
     sched = resolve_schedule(schedule, num_ranks=world, num_pieces=staged.num_stages,
-                             microbatches=microbatches, options=schedule_options or {})
+                             microbatches=microbatches, options=schedule_options)
     lowering = lower_for(sched, staged, world=world, microbatches=microbatches)
     shared = shared_parameters(staged.stages)
     check_placement(shared, lowering)
@@ -139,15 +175,10 @@ def pipeline(
     sharded = _sharded(data_parallel, layout, lowering, shared)
     if sharded:
         shard_pieces({k: staged.stages[k] for k in held}, layout.dp.mesh)
-    assert loss_fn is not None  # _check_arguments refused None
-    pieces = _rank_pieces(lowering, layout, device, staged, loss_fn,
-                          shared_seed(layout.everyone, layout.everyone_size, seed), shared, sharded)
-    trace = trace if trace is not None else os.environ.get(TRACE_ENV) or None
+    pieces = _rank_pieces(lowering, layout, device, staged, loss_fn, seed, shared, sharded)
     logger.info("rank %d runs pieces %s on %s (data parallel: %s)", rank, held, device, data_parallel)
-    engine = PipelineEngine(staged=staged, pieces=pieces, layout=layout, trace=trace, timeout=float(timeout),
-                            names=names, scatter_boundaries=bool(scatter_boundaries))
-    engine.tp_sharding = sharding
-    return engine
+    return dict(staged=staged, pieces=pieces, layout=layout, trace=trace, timeout=timeout, names=names,
+                scatter_boundaries=scatter_boundaries)
 
 
 def _auto_plan(model: nn.Module | None, tp_plan: object, mesh: DeviceMesh | None, layout: Layout,

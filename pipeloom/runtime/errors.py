@@ -6,6 +6,7 @@ from pipeloom.errors import PipeloomError
 
 __all__ = [
     "ModelTraceError",
+    "NeedsExampleError",
     "SplitError",
     "SplitOrderError",
     "StageValueError",
@@ -31,3 +32,8 @@ class ModelTraceError(SplitError):
 
 class StageValueError(SplitError):
     """A value passed between stages is not a tensor or a tuple/list/dict of tensors."""
+
+
+class NeedsExampleError(ModelTraceError):
+    """Only torch.export can trace the model, and it needs an example batch: ``pipeline()`` without
+    ``example_inputs`` then splits the model at its first step, tracing that step's batch."""

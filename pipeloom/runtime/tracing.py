@@ -16,7 +16,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
 
-from pipeloom.runtime.errors import ModelTraceError, SplitError
+from pipeloom.runtime.errors import ModelTraceError, NeedsExampleError, SplitError
 
 if TYPE_CHECKING:
     from torch.fx.node import Argument
@@ -85,7 +85,7 @@ def trace_model(model: nn.Module, *, tracer: str = "auto", leaf_modules: Sequenc
         if tracer == "fx":
             raise
         if example_inputs is None:
-            raise ModelTraceError(f"{error}. Or give example_inputs=(a batch like the ones step() takes) so "
+            raise NeedsExampleError(f"{error}. Or give example_inputs=(a batch like the ones step() takes) so "
                                   "pipeloom traces it with torch.export instead") from error.__cause__
         return _export(model, example_inputs, kept)
 
@@ -240,7 +240,7 @@ def _exported(model: nn.Module, example_inputs: object, keep: Sequence[str] = ()
     from torch.export import Dim
 
     if example_inputs is None:
-        raise ModelTraceError("tracer='export' needs example_inputs=(a batch like the ones step() takes)")
+        raise NeedsExampleError("tracer='export' needs example_inputs=(a batch like the ones step() takes)")
     args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     if not args or not all(isinstance(a, torch.Tensor) for a in args):
         raise ModelTraceError(f"example_inputs must be a tensor or a tuple of tensors (the model's positional "
