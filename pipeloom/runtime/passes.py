@@ -11,6 +11,7 @@ import torch
 from torch import fx, nn
 
 from pipeloom.runtime.errors import SplitError
+from pipeloom.runtime.tracing import module_scopes
 
 if TYPE_CHECKING:
     from pipeloom.runtime.lower import Source
@@ -52,11 +53,18 @@ def localize_sizes(graph: fx.Graph, stage_of: dict[fx.Node, int | Source]) -> No
             size = _size_in_stage(graph, node, user, stage_of, position, {})
             if size is None:
                 raise SplitError(
-                    f"the size {node.meta['val'].node.expr} ({node.name}) made in stage {stage_of[node]} is used in "
-                    f"stage {stage_of[user]} ({user.name}), which has no tensor to measure it from again, and only "
-                    "tensors cross stages; move that split point so that the size is made and used in one stage, "
-                    "or keep the module using it whole (leaf_modules)")
+                    f"the size {node.meta['val'].node.expr} ({node.name}) made in stage {stage_of[node]}"
+                    f"{_where(node)} is used in stage {stage_of[user]}{_where(user)} ({user.name}), which has no "
+                    "tensor to measure it from again, and only tensors cross stages; choose split points that "
+                    "leave both in one stage, or cut the model by hand: "
+                    "pipeloom.runtime.stages_from_modules([stage0, stage1, ...])")
             user.replace_input_with(node, size)
+
+
+def _where(node: fx.Node) -> str:
+    """`` (in module 'layers.3.mixer')``: the innermost module whose forward made ``node``, if any."""
+    paths = module_scopes(node)
+    return f" (in module {paths[-1]!r})" if paths else ""
 
 
 _INT_OPERATIONS = tuple(getattr(operator, name) for name in (
