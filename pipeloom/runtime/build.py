@@ -6,6 +6,7 @@ runs them."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -17,7 +18,8 @@ from torch import nn
 
 from pipeloom.plan.plan import load_plan
 from pipeloom.runtime.engine import PipelineEngine
-from pipeloom.runtime.errors import PipelineError
+from pipeloom.runtime.errors import NeedsExampleError, PipelineError
+from pipeloom.runtime.first_step import FirstStepEngine
 from pipeloom.runtime.model.materialize import place_pieces
 from pipeloom.runtime.model.split import StagedModel
 from pipeloom.runtime.options import Failures, Parallelism, Tracing, Weights
@@ -82,6 +84,9 @@ def pipeline(
       ``torch.initial_seed()``), so dropout draws the same on any number of ranks (docs/runtime.md).
     - ``record``: a folder to write the run trace ``rank<R>.json`` to after every step, or True to keep the
       steps in memory (``engine.trace_steps``); default: the ``PIPELOOM_TRACE`` environment variable.
+    - Without ``Tracing(example_inputs=...)``, a model only torch.export traces (every ``transformers`` model)
+      is split at the first step, traced on its batch (:class:`~pipeloom.runtime.first_step.FirstStepEngine`);
+      the checks that need the graph happen then, with the same errors.
     - ``tracing``, ``parallel``, ``weights``, ``failures``: :class:`~pipeloom.runtime.options.Tracing`,
       :class:`~pipeloom.runtime.options.Parallelism`, :class:`~pipeloom.runtime.options.Weights`,
       :class:`~pipeloom.runtime.options.Failures` (each field documented there).
@@ -98,9 +103,38 @@ def pipeline(
     sharding, tp_plan = _tensor_parallel(model, parallel, layout, microbatches, tracing)
     if layout.tp.group is not None:  # a TP all-reduce inside a forward ends within the engine's timeout
         set_group_timeout([layout.group, layout.dp.group, layout.tp.group], failures.timeout)
-    staged = _staged(model, split_points, stages, tracing, tp_plan)
+    seed = shared_seed(layout.everyone, layout.everyone_size, seed)  # here, whenever the model is split
+    settle = functools.partial(
+        _engine_parts, model=model, layout=layout, schedule=schedule, microbatches=microbatches,
+        schedule_options=schedule_options or {}, device=device, weights=weights, tp_plan=tp_plan, parallel=parallel,
+        loss_fn=loss_fn, seed=seed, record=record if record is not None else os.environ.get(TRACE_ENV) or None,
+        timeout=failures.timeout, sharding=sharding)
+
+    def cut(example: object = None) -> StagedModel:
+        given = tracing if example is None else dataclasses.replace(tracing, example_inputs=example, tracer="export")
+        return _staged(model, split_points, stages, given, tp_plan)
+
+    try:
+        staged = cut()
+    except NeedsExampleError:  # only torch.export traces it, and no example was given: the first batch is one
+        assert model is not None and split_points is not None  # a model to trace, cut at these points
+        schedule = resolve_schedule(schedule, num_ranks=layout.world, num_pieces=len(split_points) + 1,
+                                    microbatches=microbatches, options=schedule_options or {})
+        logger.info("rank %d: torch.fx cannot trace %s; it is split at the first step, traced with torch.export "
+                    "on that step's batch", layout.rank, type(model).__name__)
+        return FirstStepEngine(model=model, sharding=sharding, build=lambda batch: settle(
+            cut(batch), schedule=schedule))
+    return PipelineEngine(**settle(staged))
+
+
+def _engine_parts(staged: StagedModel, *, model: nn.Module | None, layout: Layout, schedule: object,
+                  microbatches: int | None, schedule_options: dict, device: torch.device | str | None,
+                  weights: Weights, tp_plan: dict | None, parallel: Parallelism, loss_fn: Callable, seed: int,
+                  record: str | Path | bool | None, timeout: float, sharding: AutoSharding | None) -> dict:
+    """What :class:`PipelineEngine` is built from, once the model is cut into ``staged``: the schedule lowered
+    onto it, this rank's pieces placed on their device (tensor-parallel and FSDP-sharded where asked)."""
     sched = resolve_schedule(schedule, num_ranks=layout.world, num_pieces=staged.num_stages,
-                             microbatches=microbatches, options=schedule_options or {})
+                             microbatches=microbatches, options=schedule_options)
     lowering = lower_for(sched, staged, world=layout.world, microbatches=microbatches)
     shared = shared_parameters(staged.stages)
     check_placement(shared, lowering)
@@ -117,12 +151,10 @@ def pipeline(
     sharded = _sharded(data_parallel, layout, lowering, shared)
     if sharded:
         shard_pieces({k: staged.stages[k] for k in held}, layout.dp.mesh)
-    pieces = _rank_pieces(lowering, layout, device, staged, loss_fn,
-                          shared_seed(layout.everyone, layout.everyone_size, seed), shared, sharded)
-    record = record if record is not None else os.environ.get(TRACE_ENV) or None
+    pieces = _rank_pieces(lowering, layout, device, staged, loss_fn, seed, shared, sharded)
     logger.info("rank %d runs pieces %s on %s (data parallel: %s)", layout.rank, held, device, data_parallel)
-    return PipelineEngine(staged=staged, pieces=pieces, layout=layout, trace=record, timeout=failures.timeout,
-                          names=names, scatter_boundaries=parallel.scatter_boundaries, tp_sharding=sharding)
+    return dict(staged=staged, pieces=pieces, layout=layout, trace=record, timeout=timeout, names=names,
+                scatter_boundaries=parallel.scatter_boundaries, tp_sharding=sharding)
 
 
 def _tensor_parallel(model: nn.Module | None, parallel: Parallelism, layout: Layout, microbatches: int | None,

@@ -134,6 +134,12 @@ class PipelineEngine:
     # ------------------------------------------------------------------------------ public API
 
     @property
+    def split(self) -> bool:
+        """Whether the model is cut into its stages: always, except for an engine split at its first step
+        (:class:`~pipeloom.runtime.first_step.FirstStepEngine`) before that step."""
+        return True
+
+    @property
     def num_microbatches(self) -> int:
         """Real micro-batches per step of this pipeline (of one data-parallel replica)."""
         return self.pieces.num_microbatches

@@ -1,4 +1,5 @@
-"""Errors of cutting a model into stages (tracing, split points, values between stages)."""
+"""The runtime's errors: cutting a model into stages (tracing, split points, values between stages), and building
+and running a pipeline."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ __all__ = [
     "ModelTraceError",
     "PipelineError",
     "RegionsNotFoundError",
+    "NeedsExampleError",
     "SplitError",
     "SplitOrderError",
     "StageValueError",
@@ -47,3 +49,8 @@ class StepMismatchError(PipelineError):
 
 class RegionsNotFoundError(PipelineError):
     """``tp_plan="auto"`` could not find the transformer regions it shards in the model."""
+
+
+class NeedsExampleError(ModelTraceError):
+    """Only torch.export can trace the model, and it needs an example batch: ``pipeline()`` without
+    ``example_inputs`` then splits the model at its first step, tracing that step's batch."""

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
     from pipeloom.runtime.comm.messenger import Messenger
 
-__all__ = ["LeafMeta", "StepMessages"]
+__all__ = ["LeafMeta", "StepMessages", "kept_stride"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +37,11 @@ class LeafMeta:
     placements: tuple = ()  # a DTensor's placements (Shard(-1), Replicate(), ...); () for a plain tensor
     global_shape: tuple[int, ...] = ()  # a DTensor's shape and stride over the whole mesh
     global_stride: tuple[int, ...] = ()
+    # a dense tensor's strides when it is not contiguous (channels-last, a permuted view): it travels in its
+    # memory order and is received into the same strides, so the next kernels see the layout one device would
+    # give them; () for contiguous ones and those with gaps or overlaps (sent .contiguous()). Not part of
+    # equality: a step whose layout differs from the first's sends in the layout the receiver expects
+    stride: tuple[int, ...] = field(default=(), compare=False)
     # > 1: equal on every "tp" rank, so each sends 1/split of its bytes and the receivers all-gather them
     # (pipeloom.runtime.parallel.scatter); decided by the sender on a discovering step, not part of equality
     split: int = field(default=1, compare=False)
@@ -47,7 +52,7 @@ class LeafMeta:
             dtensor = cast("DTensor", tensor)
             return LeafMeta(tuple(dtensor.to_local().shape), dtensor.dtype, dtensor.requires_grad,
                             tuple(dtensor.placements), tuple(dtensor.shape), tuple(dtensor.stride()))
-        return LeafMeta(tuple(tensor.shape), tensor.dtype, tensor.requires_grad)
+        return LeafMeta(tuple(tensor.shape), tensor.dtype, tensor.requires_grad, stride=kept_stride(tensor))
 
     def describe(self) -> str:
         grad = " requiring grad" if self.requires_grad else ""
@@ -62,7 +67,40 @@ class LeafMeta:
         """An empty tensor for what travels: the local tensor, or one uint8 slice of its bytes."""
         if self.split > 1:
             return torch.empty(wire_bytes(self.nbytes, self.split), dtype=torch.uint8, device=device)
+        if self.stride:  # its memory, in order: ``shaped`` views it with the sender's strides
+            return torch.empty(torch.Size(self.shape).numel(), dtype=self.dtype, device=device)
         return torch.empty(self.shape, dtype=self.dtype, device=device)
+
+    def wire(self, local: torch.Tensor) -> torch.Tensor:
+        """What travels for ``local`` (unsplit): its memory in order when its strides are kept (copied into
+        those strides first if this step's tensor has others), else its contiguous copy."""
+        if not self.stride:
+            return local.contiguous()
+        if tuple(local.stride()) != self.stride:
+            local = torch.empty_strided(self.shape, self.stride, dtype=local.dtype, device=local.device).copy_(local)
+        return local.as_strided((local.numel(),), (1,), local.storage_offset())
+
+    def shaped(self, received: torch.Tensor) -> torch.Tensor:
+        """The received tensor with the sender's strides (a reassembled split one is copied into them)."""
+        if not self.stride:
+            return received
+        if self.split > 1:
+            out = torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=received.device)
+            return out.copy_(received)
+        return received.as_strided(self.shape, self.stride)
+
+
+def kept_stride(tensor: torch.Tensor) -> tuple[int, ...]:
+    """``tensor``'s strides if it is dense without being contiguous (its elements fill one block of memory,
+    in another order: channels-last, a transpose), else ``()``."""
+    if tensor.is_contiguous() or tensor.layout != torch.strided:
+        return ()
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(tensor.shape, tensor.stride()) if sz > 1):
+        if stride != expected:  # a gap or an overlap: not one block
+            return ()
+        expected *= size
+    return tuple(tensor.stride())
 
 
 class StepMessages:
@@ -117,9 +155,9 @@ class StepMessages:
         tensors may be split over "tp" (its metas say which)."""
         start = time.time_ns() if self.events is not None else 0
         device = self.messenger.device
-        locals_ = [local_of(tensor.detach()).contiguous() for tensor in leaves]  # a DTensor: its local tensor
+        locals_ = [local_of(tensor.detach()) for tensor in leaves]  # a DTensor: its local tensor
         metas = self._sending_metas(unit, leaves, locals_)
-        if self.discover and (unit.kind == "F" or self.messenger.scatter):
+        if self.discover:  # a gradient unit too: its strides may differ from its forward value's
             # text: a pickled TreeSpec warns on load; a gradient unit sends no structure (spec None)
             structures = None if unit.kind != "F" or spec is None else [pytree.treespec_dumps(one) for one in spec]
             blob = torch.frombuffer(bytearray(pickle.dumps((structures, metas))), dtype=torch.uint8)
@@ -130,7 +168,8 @@ class StepMessages:
         for local, meta in zip(locals_, metas):
             whole = local.numel() * local.element_size()
             self.traffic = replace(self.traffic, unsplit_bytes=self.traffic.unsplit_bytes + whole)
-            self._send(slice_of(local, meta.split, tp_rank) if meta.split > 1 else local, unit, counted=True)
+            self._send(slice_of(local.contiguous(), meta.split, tp_rank) if meta.split > 1 else meta.wire(local),
+                       unit, counted=True)
         if self.events is not None:
             self._note(f"SEND {self.messenger.units_name(unit)} to {unit.dst}", "send", start)
 
@@ -149,8 +188,7 @@ class StepMessages:
             except RuntimeError as error:
                 raise PipelineError(self.messenger.failure_text(unit.dst, "sending", unit, str(error))) from error
             metas = [replace(m, split=self.messenger.tp.size) if ok else m for m, ok in zip(metas, same)]
-        if unit.kind == "F" or self.messenger.scatter:
-            self.metas[unit.id] = metas
+        self.metas[unit.id] = metas
         return metas
 
     def _send(self, tensor: torch.Tensor, unit: Unit, *, counted: bool = False) -> None:
@@ -222,7 +260,8 @@ class StepMessages:
         for posted in received:
             if posted.work is not None:
                 self._wait(posted.work, unit, "receiving")
-        tensors = self._whole(unit, [posted.tensor for posted in received])
+        tensors = [meta.shaped(t) for meta, t in zip(self._expected(unit),
+                                                     self._whole(unit, [posted.tensor for posted in received]))]
         if self.events is not None:
             self._note(f"RECV {self.messenger.units_name(unit)} from {unit.src}", "wait", start)
         return tensors
@@ -255,14 +294,14 @@ class StepMessages:
             self.next_index[unit.src] += 1
             if not self.filter(other):
                 continue
-            if other.kind == "F" or self.messenger.scatter:
-                size = self._receive_now(torch.empty(1, dtype=torch.int64, device=device), src, other)
-                blob = self._receive_now(torch.empty(int(size.item()), dtype=torch.uint8, device=device), src,
-                                         other)
-                structures, metas = pickle.loads(blob.cpu().numpy().tobytes())
-                self.metas[other.id] = metas
-                if structures is not None:
-                    self.specs[other.id] = [pytree.treespec_loads(one) for one in structures]
+            # every unit of a discovering step is preceded by its metas (a gradient's strides are its own)
+            size = self._receive_now(torch.empty(1, dtype=torch.int64, device=device), src, other)
+            blob = self._receive_now(torch.empty(int(size.item()), dtype=torch.uint8, device=device), src,
+                                     other)
+            structures, metas = pickle.loads(blob.cpu().numpy().tobytes())
+            self.metas[other.id] = metas
+            if structures is not None:
+                self.specs[other.id] = [pytree.treespec_loads(one) for one in structures]
             self.posted[other.id] = [Posted(self._receive_now(meta.buffer(device), src, other), other)
                                      for meta in self._expected(other)]
 

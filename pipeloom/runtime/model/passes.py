@@ -10,6 +10,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import fx, nn
 
+from pipeloom.runtime.errors import SplitError
+from pipeloom.runtime.model.tracing import module_scopes
+
 if TYPE_CHECKING:
     from pipeloom.runtime.program import Source
 
@@ -37,7 +40,9 @@ def _size_source(node: fx.Node, user: fx.Node, stage_of: dict[fx.Node, int | Sou
 
 def localize_sizes(graph: fx.Graph, stage_of: dict[fx.Node, int | Source]) -> None:
     """torch.export's symbolic sizes (``sym_size``) used in another stage are measured again there, on
-    a tensor that stage has, so that only tensors cross stage boundaries."""
+    a tensor that stage has, so that only tensors cross stage boundaries; a size computed from sizes
+    (``Mod(8 - Mod(s70, 8), 8)``: a scan's padding) is computed again there from sizes measured there.
+    One that cannot be is refused now, naming where it is made and used (SplitError)."""
     position: dict[fx.Node, float] = {n: float(i) for i, n in enumerate(graph.nodes)}
     for node in list(graph.nodes):
         if not isinstance(node.meta.get("val"), torch.SymInt) or node not in stage_of:
@@ -45,15 +50,61 @@ def localize_sizes(graph: fx.Graph, stage_of: dict[fx.Node, int | Source]) -> No
         for user in list(node.users):
             if stage_of.get(user, stage_of[node]) == stage_of[node]:
                 continue
-            found = _size_source(node, user, stage_of, position)
-            if found is None:
-                continue  # it crosses as an int and check_stage_value names it
-            with graph.inserting_before(user):
-                size = graph.call_function(torch.ops.aten.sym_size.int, found)
-            size.meta["val"] = node.meta["val"]
-            stage_of[size] = stage_of[user]
-            position[size] = position[user] - 0.5
+            size = _size_in_stage(graph, node, user, stage_of, position, {})
+            if size is None:
+                raise SplitError(
+                    f"the size {node.meta['val'].node.expr} ({node.name}) made in stage {stage_of[node]}"
+                    f"{_where(node)} is used in stage {stage_of[user]}{_where(user)} ({user.name}), which has no "
+                    "tensor to measure it from again, and only tensors cross stages; choose split points that "
+                    "leave both in one stage, or cut the model by hand: "
+                    "pipeloom.runtime.stages_from_modules([stage0, stage1, ...])")
             user.replace_input_with(node, size)
+
+
+def _where(node: fx.Node) -> str:
+    """`` (in module 'layers.3.mixer')``: the innermost module whose forward made ``node``, if any."""
+    paths = module_scopes(node)
+    return f" (in module {paths[-1]!r})" if paths else ""
+
+
+_INT_OPERATIONS = tuple(getattr(operator, name) for name in (
+    "add", "sub", "mul", "floordiv", "mod", "neg", "pow", "truediv")) + (
+    torch.sym_max, torch.sym_min, torch.sym_not, torch.sym_float, torch.sym_int, torch.sym_ite)
+
+
+def _size_in_stage(graph: fx.Graph, node: fx.Node, user: fx.Node, stage_of: dict[fx.Node, int | Source],
+                   position: dict[fx.Node, float], made: dict[fx.Node, fx.Node]) -> fx.Node | None:
+    """A node in ``user``'s stage, before it, whose value is the symbolic size ``node``: a dimension of a
+    tensor that stage has, or ``node``'s own integer operation on such sizes (and constants); None if
+    neither exists."""
+    if node in made:
+        return made[node]
+    found = _size_source(node, user, stage_of, position)
+    if found is not None:
+        target: object = torch.ops.aten.sym_size.int
+        args: tuple = found
+    elif node.op == "call_function" and node.target in _INT_OPERATIONS and not node.kwargs:
+        rebuilt = []
+        for arg in node.args:
+            if isinstance(arg, fx.Node):
+                if not isinstance(arg.meta.get("val"), (torch.SymInt, int)):
+                    return None
+                arg = _size_in_stage(graph, arg, user, stage_of, position, made)
+                if arg is None:
+                    return None
+            elif not isinstance(arg, (int, float, bool)):
+                return None
+            rebuilt.append(arg)
+        target, args = node.target, tuple(rebuilt)
+    else:
+        return None
+    with graph.inserting_before(user):
+        size = graph.call_function(target, args)  # type: ignore[arg-type]
+    size.meta["val"] = node.meta["val"]
+    stage_of[size] = stage_of[user]
+    position[size] = position[user] - 0.5
+    made[node] = size
+    return size
 
 
 _IN_PLACE_OPERATORS = (operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ipow,

@@ -16,7 +16,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
 
-from pipeloom.runtime.errors import ModelTraceError, SplitError
+from pipeloom.runtime.errors import ModelTraceError, NeedsExampleError, SplitError
 
 if TYPE_CHECKING:
     from torch.fx.node import Argument
@@ -25,6 +25,10 @@ __all__ = ["TRACERS", "TracedModel", "module_scopes", "trace_model"]
 
 TRACERS = ("auto", "fx", "export")
 """``tracer=`` values: ``"auto"`` tries torch.fx, then torch.export when example inputs are given."""
+
+# torch.export's stand-in scope for nodes its passes add without one (torch/_export/passes/_node_metadata_hook.py):
+# no module of the model
+_NO_SCOPE = "_empty_nn_module_stack_from_metadata_hook"
 
 _DROPPED = {  # export's runtime assertions: they check the trace device and sizes, not the model's math
     torch.ops.aten._assert_tensor_metadata.default,
@@ -51,7 +55,7 @@ def module_scopes(node: fx.Node) -> list[str]:
     stack = node.meta.get("nn_module_stack") or {}
     for value in stack.values():
         path = value[0] if isinstance(value, tuple) else str(value)
-        if path:
+        if path and path != _NO_SCOPE:
             names.append(path)
     if node.op == "call_module":
         parts = str(node.target).split(".")
@@ -85,7 +89,7 @@ def trace_model(model: nn.Module, *, tracer: str = "auto", leaf_modules: Sequenc
         if tracer == "fx":
             raise
         if example_inputs is None:
-            raise ModelTraceError(f"{error}. Or give example_inputs=(a batch like the ones step() takes) so "
+            raise NeedsExampleError(f"{error}. Or give example_inputs=(a batch like the ones step() takes) so "
                                   "pipeloom traces it with torch.export instead") from error.__cause__
         return _export(model, example_inputs, kept)
 
@@ -240,7 +244,7 @@ def _exported(model: nn.Module, example_inputs: object, keep: Sequence[str] = ()
     from torch.export import Dim
 
     if example_inputs is None:
-        raise ModelTraceError("tracer='export' needs example_inputs=(a batch like the ones step() takes)")
+        raise NeedsExampleError("tracer='export' needs example_inputs=(a batch like the ones step() takes)")
     args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     if not args or not all(isinstance(a, torch.Tensor) for a in args):
         raise ModelTraceError(f"example_inputs must be a tensor or a tuple of tensors (the model's positional "
@@ -253,9 +257,25 @@ def _exported(model: nn.Module, example_inputs: object, keep: Sequence[str] = ()
         kept = f" keeping {list(keep)} whole" if keep else ""
         raise ModelTraceError(
             f"torch.export cannot trace {type(model).__name__}{kept}: {type(error).__name__}: {str(error)[:600]}. "
-            "Split it by hand instead: pipeloom.runtime.stages_from_modules([stage0, stage1, ...])"
+            f"{_data_dependent_advice(model, error)}Split it by hand instead: "
+            "pipeloom.runtime.stages_from_modules([stage0, stage1, ...])"
         ) from error
     return exported
+
+
+def _data_dependent_advice(model: nn.Module, error: Exception) -> str:
+    """What works when export stopped at Python control flow on tensor values (a loop over the experts a
+    batch routes to, as transformers' ``experts_implementation="eager"`` MoE blocks run)."""
+    text = f"{type(error).__name__}: {error}"
+    if "GuardOnDataDependentSymNode" not in text and "data-dependent" not in text:
+        return ""
+    advice = "The model branches or loops in Python on tensor values, which torch.export cannot follow. "
+    experts = getattr(getattr(model, "config", None), "_experts_implementation", None)
+    if experts == "eager":
+        advice += ("Its config has experts_implementation='eager' (a Python loop over the routed experts): leave "
+                   "experts_implementation unset for transformers' default experts kernel ('grouped_mm'), which "
+                   "torch.export traces and pipeloom splits bitwise. ")
+    return advice
 
 
 def _inputs(model: nn.Module, exported: torch.export.ExportedProgram, graph: fx.Graph,

@@ -91,16 +91,33 @@ def backward_full(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor 
                   inputs: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
     """B: gradients of ``inputs`` (returned), weight gradients accumulated into the parameters' ``.grad``.
 
-    ``inputs`` are the stage's detached input leaves; those that do not require grad get ``None``.
+    ``inputs`` are the stage's detached input leaves; those that do not require grad get ``None``. Each
+    input's gradient is taken as it arrives (a hook), before ``.grad`` would copy it into the leaf's strides:
+    the earlier stage's backward gets it in the layout one device would hand it.
     """
     outs, gs = _differentiable(outputs, grads)
-    if outs:
-        _run_engine(outs, gs)
+    arrived: dict[int, torch.Tensor] = {}
+    handles = [leaf.register_hook(_arrival(arrived, k)) for k, leaf in enumerate(inputs) if leaf.requires_grad]
+    try:
+        if outs:
+            _run_engine(outs, gs)
+    finally:
+        for handle in handles:
+            handle.remove()
     result = []
-    for leaf in inputs:
-        result.append(leaf.grad if leaf.requires_grad else None)
+    for k, leaf in enumerate(inputs):
+        result.append(arrived.get(k, leaf.grad) if leaf.requires_grad else None)
         leaf.grad = None
     return result
+
+
+def _arrival(arrived: dict[int, torch.Tensor], k: int):
+    """A leaf's hook recording the gradient that reaches it, unchanged."""
+
+    def record(grad: torch.Tensor) -> None:
+        arrived[k] = grad
+
+    return record
 
 
 @dataclass(slots=True)

@@ -1,0 +1,113 @@
+"""An engine whose model is split at its first step: :func:`~pipeloom.runtime.pipeline` got no
+``example_inputs`` and only torch.export can trace the model (``transformers`` models, which torch.fx
+cannot), so the first batch given to ``step()`` (or ``eval_step()``) is the example it is traced on.
+
+Everything :func:`~pipeloom.runtime.pipeline` checks without the graph (the arguments, the mesh, the
+schedule's name and options, the random seed) it checks at once; what needs the graph (the split points,
+the lowering, the placement of tied parameters, tensor parallelism) is checked at the first step, with the
+same errors. Before then ``parameters()`` gives every parameter of the model (those another rank will
+hold never get a gradient, so torch's optimizers skip them), ``train()``/``eval()``/``close()`` work, and
+anything else that needs the split says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from pipeloom.runtime.engine import PipelineEngine
+from pipeloom.runtime.errors import PipelineError
+
+if TYPE_CHECKING:
+    from pipeloom.runtime.parallel.tp_auto import AutoSharding
+
+__all__ = ["FirstStepEngine"]
+
+_BEFORE_SPLIT = ("the model is split at the first step() (pipeline() got no example_inputs and only torch.export "
+                 "traces it, on that step's batch)")
+
+
+class FirstStepEngine(PipelineEngine):
+    """A :class:`PipelineEngine` built at its first ``step()``/``eval_step()`` from that batch; from then on
+    it is the engine ``pipeline(..., example_inputs=batch)`` would have built."""
+
+    def __init__(self, *, model: nn.Module, build: Callable[[object], dict],
+                 sharding: AutoSharding | None = None) -> None:
+        """``build(batch)``: the keyword arguments of :class:`PipelineEngine` for the model traced on ``batch``
+        (``pipeline()``'s own steps from the split on)."""
+        # PipelineEngine.__init__ runs at the first step, when the pieces exist
+        self._pending: Callable[[object], dict] | None = build
+        self._model = model
+        self.tp_sharding = sharding  # tp_plan="auto": chosen at pipeline(), as for a split engine
+        self._mode: bool | None = None  # train()/eval() before the split, applied to the engine after it
+        self._closed_early = False
+
+    def __getattr__(self, name: str) -> object:
+        """Only reached for what the split sets (the pieces, the lowering, the names...): before it, say why."""
+        if self.__dict__.get("_pending") is not None and not name.startswith("__"):
+            raise PipelineError(f"engine.{name} is not known yet: {_BEFORE_SPLIT}; use it after the first step, "
+                                "or pass example_inputs=(a batch like the ones step() takes) to pipeline() to "
+                                "split the model there")
+        raise AttributeError(name)
+
+    @property
+    def split(self) -> bool:
+        """Whether the model has been split (the first step has begun)."""
+        return self._pending is None
+
+    def step(self, inputs: object, *, target: object = None) -> torch.Tensor:
+        self._split(inputs)
+        return super().step(inputs, target=target)
+
+    def eval_step(self, inputs: object, *, target: object = None) -> object:
+        self._split(inputs)
+        return super().eval_step(inputs, target=target)
+
+    def parameters(self) -> list[nn.Parameter]:
+        """After the split, this rank's parameters; before it, every parameter of the model (the objects the
+        pieces will hold, so an optimizer built on them now trains this rank's share)."""
+        if self._pending is None:
+            return super().parameters()
+        params = list(self._model.parameters())
+        if any(p.is_meta for p in params):
+            raise PipelineError(f"the model is on the meta device and {_BEFORE_SPLIT}, where this rank's parameters "
+                                "are allocated: build the optimizer after the first step, or pass example_inputs= "
+                                "to pipeline()")
+        return params
+
+    def train(self, mode: bool = True) -> PipelineEngine:
+        if self._pending is None:
+            return super().train(mode)
+        self._mode = bool(mode)
+        self._model.train(self._mode)
+        return self
+
+    def close(self) -> None:
+        if self._pending is None:
+            super().close()
+        else:
+            self._closed_early = True
+
+    def _split(self, inputs: object) -> None:
+        """Trace the model on ``inputs`` (on the model's device), cut it and build the engine, once."""
+        build = self._pending
+        if build is None:
+            return
+        if self._closed_early:
+            raise PipelineError("this engine was closed (close()); build a new one to take more steps")
+        example = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+        if not example or not all(isinstance(t, torch.Tensor) for t in example):
+            raise PipelineError(f"step() takes a tensor or a tuple of tensors (the model's positional inputs), got "
+                                f"{type(inputs).__name__}")
+        where = next((t.device for t in self._model.parameters() if not t.is_meta), None)
+        if where is not None:  # a batch on the host traced with a model on a GPU: export refuses mixed devices
+            example = pytree.tree_map(lambda t: t.to(where) if isinstance(t, torch.Tensor) else t, example)
+        parts = build(example)  # raises what pipeline(example_inputs=...) would have; the engine stays unsplit
+        PipelineEngine.__init__(self, **parts)
+        self._pending = None
+        if self._mode is not None:
+            super().train(self._mode)

@@ -1,0 +1,99 @@
+"""``pipeline()`` without ``example_inputs`` on models only torch.export traces: the model is split at the
+first step, traced on its batch. Oracles: the unsplit model's for-loop reference of DESIGN §5 (torch.equal
+losses and gradients), and the errors ``pipeline(example_inputs=...)`` raises for the same mistakes."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from first_step_jobs import hf_first_step
+from hf_models import build_hf, lm_loss, tokens
+from models import mismatches
+from ranks import run_ranks
+
+from pipeloom.runtime import PipelineEngine, PipelineError, Tracing, UnknownSplitPointError, pipeline
+
+
+def test_a_model_torch_fx_cannot_trace_is_split_at_its_first_step_bitwise():
+    model = build_hf("gpt2")
+    reference = copy.deepcopy(model)
+    engine = pipeline(model, schedule="zbv", split_points=["transformer.h.2"], loss_fn=lm_loss, microbatches=4)
+    assert isinstance(engine, PipelineEngine) and not engine.split
+    assert len(engine.parameters()) == len(list(model.parameters()))  # before the split: the whole model's
+    with pytest.raises(PipelineError, match="split at the first step"):
+        engine.state_dict()
+    x, y = tokens()
+    loss = engine.step(x, target=y)
+    assert engine.split and engine.staged.num_stages == 2 and len(engine.shared.params) == 1
+    expected = torch.zeros(())
+    for xm, ym in zip(x.chunk(4), y.chunk(4)):  # DESIGN §5's for-loop reference
+        part = lm_loss(reference(xm), ym) / 4
+        part.backward()
+        expected = expected + part.detach()
+    assert torch.equal(loss, expected)
+    assert mismatches(model, reference, {id(p) for p in engine.parameters()}) == []
+    assert engine.state_dict().keys() == model.state_dict().keys()
+
+
+def test_the_graphs_errors_come_at_the_first_step_and_the_others_at_pipeline():
+    model = build_hf("gpt2")
+    with pytest.raises(PipelineError, match="neither a built-in"):  # no graph needed: refused at once
+        pipeline(model, schedule="nope", split_points=["transformer.h.2"], loss_fn=lm_loss, microbatches=4)
+    with pytest.raises(PipelineError, match="say how many micro-batches"):
+        pipeline(model, schedule="zbv", split_points=["transformer.h.2"], loss_fn=lm_loss)
+    engine = pipeline(
+        model,
+        schedule="1f1b",
+        split_points=["transformer.h.9"],
+        loss_fn=lm_loss,
+        microbatches=4,
+        tracing=Tracing(tracer="export"),
+    )
+    x, y = tokens()
+    with pytest.raises(UnknownSplitPointError, match="transformer.h.9") as first:
+        engine.step(x, target=y)
+    with pytest.raises(UnknownSplitPointError) as given:
+        pipeline(
+            model,
+            schedule="1f1b",
+            split_points=["transformer.h.9"],
+            loss_fn=lm_loss,
+            microbatches=4,
+            tracing=Tracing(example_inputs=(x,)),
+        )
+    assert str(first.value) == str(given.value)
+    assert not engine.split  # nothing half-built: a later step fails the same way
+
+
+def test_eval_and_close_before_the_first_step():
+    model = build_hf("gpt2", dropout=0.1)
+    reference = copy.deepcopy(model).eval()
+    engine = pipeline(model, schedule="1f1b", split_points=[], loss_fn=lm_loss, microbatches=2).eval()
+    x, _ = tokens(rows=4)
+    out = engine.eval_step(x)
+    assert torch.equal(out.logits, torch.cat([reference(xm).logits for xm in x.chunk(2)]))
+    assert engine.training is False
+    closed = pipeline(model, schedule="1f1b", split_points=[], loss_fn=lm_loss, microbatches=2)
+    closed.close()
+    with pytest.raises(PipelineError, match="closed"):
+        closed.step(x, target=x)
+
+
+@pytest.mark.timeout(400)
+def test_gpt2_and_llama_without_example_inputs_are_bitwise_exact_on_two_ranks():
+    cases = [("gpt2", "1f1b", 2), ("llama", "zbv", 4)]
+    results = run_ranks(2, hf_first_step, cases, timeout=360)
+    failures = {rank: value for rank, (status, value) in results.items() if status != "ok"}
+    assert not failures, failures
+    for rank, (_, report) in results.items():
+        assert len(report) == len(cases)
+        for key, outcome in report.items():
+            assert outcome["unsplit_before"], (rank, key)
+            assert outcome["mismatches"] == [], (rank, key, outcome["mismatches"])
+            assert outcome["losses_equal"], (rank, key)
+            assert 0 < outcome["owned"] < outcome["total"], (rank, key)

@@ -1,0 +1,80 @@
+"""torch.export's symbolic sizes used across a split: computed again in the stage that uses them from sizes
+it measures itself (Mamba2's scan padding), or refused when the split is made. Oracle: the unsplit model's
+for-loop reference of DESIGN §5 (torch.equal losses and gradients)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from torch import nn
+
+from pipeloom.runtime import SplitError, split_model
+
+
+class Pooled(nn.Module):
+    """Stage 1 scales by the input's length, but holds no tensor with that dimension (summed away)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x):
+        n = x.shape[1]
+        return self.b(self.a(x).sum(1)) * (n % 3 + 1)
+
+
+class PaddedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, h, pad):
+        return torch.tanh(self.linear(nn.functional.pad(h, (0, 0, 0, pad))))[:, :h.shape[1]]
+
+
+class Padded(nn.Module):
+    """Every block pads to a multiple of 4 with one size computed once from the input's length, as Mamba2's
+    scan does: the blocks after the split need it too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(PaddedBlock() for _ in range(2))
+
+    def forward(self, x):
+        pad = (4 - x.shape[1] % 4) % 4
+        for block in self.blocks:
+            x = block(x, pad)
+        return x.sum(1)
+
+
+def test_a_size_no_tensor_of_the_stage_carries_is_refused_when_the_split_is_made():
+    with pytest.raises(SplitError, match=r"made in stage 0 is used in stage 1 .*stages_from_modules"):
+        split_model(Pooled(), ["b"], tracer="export", example_inputs=(torch.randn(2, 5, 4),))
+
+
+def test_a_size_computed_from_sizes_is_computed_again_in_the_stage_using_it():
+    torch.manual_seed(0)
+    model = Padded()
+    staged = split_model(model, ["blocks.1"], tracer="export", example_inputs=(torch.randn(2, 5, 4),))
+    for length in (5, 6, 8):
+        x = torch.randn(3, length, 4)
+        assert torch.equal(staged.run(x), model(x))
+
+
+@pytest.mark.timeout(400)
+def test_mamba2_splits_after_its_first_layer_bitwise_on_two_ranks():
+    pytest.importorskip("transformers")
+    from mamba_jobs import mamba2_exactness
+    from ranks import run_ranks
+
+    results = run_ranks(2, mamba2_exactness, [("1f1b", 2), ("zbv", 4)], timeout=360)
+    failures = {rank: value for rank, (status, value) in results.items() if status != "ok"}
+    assert not failures, failures
+    for rank, (_, report) in results.items():
+        for key, outcome in report.items():
+            assert outcome["mismatches"] == [], (rank, key, outcome["mismatches"])
+            assert outcome["losses_equal"], (rank, key)
+            assert outcome["owned"] > 0, (rank, key)

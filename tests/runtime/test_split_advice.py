@@ -1,0 +1,39 @@
+"""What the split's errors say: the names they offer are the model's modules (no torch.export internals), and
+a model torch.export cannot follow (a data-dependent Python loop) is told what works."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from torch import fx
+
+from pipeloom.runtime import ModelTraceError, split_model
+from pipeloom.runtime.model.tracing import module_scopes
+
+
+def test_exports_stand_in_scope_is_no_module_name():
+    graph = fx.Graph()
+    node = graph.placeholder("x")
+    key = "_empty_nn_module_stack_from_metadata_hook"  # what torch.export's passes put on nodes they add
+    node.meta["nn_module_stack"] = {key: (key, key), "L__self___layers_0": ("layers.0", "Linear")}
+    assert module_scopes(node) == ["layers.0"]
+
+
+def test_a_mixture_of_experts_looping_in_python_is_told_what_works():
+    transformers = pytest.importorskip("transformers")
+
+    def mixtral(**options):
+        torch.manual_seed(0)
+        return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, use_cache=False,
+            attn_implementation="eager", **options))
+
+    x = torch.randint(1, 96, (8, 12))
+    with pytest.raises(ModelTraceError, match="experts_implementation unset") as refused:
+        split_model(mixtral(experts_implementation="eager"), ["model.layers.1"], example_inputs=(x,))
+    assert "stages_from_modules" in str(refused.value) and "grouped_mm" in str(refused.value)
+    staged = split_model(mixtral(), ["model.layers.1"], example_inputs=(x,))  # what the advice says works
+    assert staged.num_stages == 2
