@@ -531,8 +531,7 @@ def _engine(plan_file: str, config: RealityConfig, microbatch_size: int, trace: 
         plan=plan_file,
         loss_fn=work.loss,
         record=trace,
-        **work.tracing,
-        tracing=Tracing(example_inputs=work.example_inputs(microbatch_size)),
+        tracing=Tracing(**work.tracing, example_inputs=work.example_inputs(microbatch_size)),
     )
 
 
@@ -635,7 +634,7 @@ def _worker(rank: int, store_file: str, config: RealityConfig) -> None:
     for record in runs:
         record["trace"] = str(out / (f"trace-uniform-{record['schedule']}" if record is uniform
                                      else f"trace{records.index(record)}-{record['schedule']}"))
-        engines[id(record)].write_perfetto(Path(record["trace"]) / f"rank{rank}.json")
+        engines[id(record)].write_trace(Path(record["trace"]) / f"rank{rank}.json")
     if rank == 0:
         (out / "results.json").write_text(json.dumps({
             **link_note, "overhead": overhead_note, "profile": profiled, "plans": records, "uniform": uniform,

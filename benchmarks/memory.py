@@ -124,12 +124,12 @@ def run_single(config: Config) -> dict:
 
 def run_pipeloom(config: Config, meta: bool) -> dict:
     """pipeloom's 1F1B on this rank, the model built on CPU (whole) or on the meta device."""
-    from pipeloom.runtime import pipeline
+    from pipeloom.runtime import Weights, pipeline
 
     model = build_model(config, "meta" if meta else "cpu")
-    fill = {"init_weights": seeded_init(model)} if meta else {}
     engine = pipeline(model, schedule="1f1b", split_points=[config.split_point], loss_fn=functional.mse_loss,
-                      microbatches=config.microbatches, **fill)
+                      microbatches=config.microbatches,
+                      weights=Weights(init_weights=seeded_init(model) if meta else None))
     setup = peak_mb()
     x, y = batch(config)
     loss = engine.step(x, target=y)

@@ -173,11 +173,11 @@ class PipeloomRunner:
     """pipeloom's engine: 1F1B over the split, on a (pp, tp) mesh with the plan or over every rank."""
 
     def __init__(self, config: Config, split: list[str], *, mesh: object = None) -> None:
-        from pipeloom.runtime import pipeline
+        from pipeloom.runtime import Parallelism, pipeline
 
-        tp = {"mesh": mesh, "tp_plan": megatron_plan()} if mesh is not None else {}
+        tp = Parallelism(mesh=mesh, tp_plan=megatron_plan()) if mesh is not None else None
         self.engine = pipeline(build_model(config), schedule="1f1b", split_points=split, loss_fn=loss_fn,
-                               microbatches=config.microbatches, **tp)
+                               microbatches=config.microbatches, parallel=tp)
         self.parameters = list(self.engine.parameters())
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> None:

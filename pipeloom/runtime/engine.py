@@ -370,14 +370,14 @@ class PipelineEngine:
     def _write_trace(self, start: int, end: int, events: list) -> None:
         self.trace_steps.append(step_record(self._step_count, start, end, events))
         if self.trace_dir is not None:
-            self.write_perfetto(rank_file(self.trace_dir, self.rank))
+            self.write_trace(rank_file(self.trace_dir, self.rank))
 
     def trace_document(self) -> dict:
         """This rank's recorded steps as a ``pipeloom.runtime-trace/1`` document (docs/trace.md)."""
         return trace_document(rank=self.rank, world_size=self.world_size, schedule=self.schedule,
                               steps=self.trace_steps)
 
-    def write_perfetto(self, path: str | Path) -> None:
+    def write_trace(self, path: str | Path) -> None:
         """Write this rank's recorded steps (format ``pipeloom.runtime-trace/1``, see docs/trace.md)."""
         write_trace_file(self.trace_document(), path)
 

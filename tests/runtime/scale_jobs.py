@@ -3,7 +3,7 @@ engine, and pipelines × data-parallel replicas on a DeviceMesh (importable by t
 
 from __future__ import annotations
 
-from pipeloom.runtime import Failures, Parallelism, Weights
+from pipeloom.runtime import Failures, Parallelism, Tracing, Weights
 
 
 def _plain(tensor):
@@ -38,9 +38,8 @@ def deferred(rank: int, world: int, cases: list[tuple[str, str, str]], folder: s
         sources = {"dict": reference.state_dict(), "file": f"{folder}/{model_name}.pt",
                    "dcp": f"{folder}/{model_name}-dcp", "init+dict": reference.state_dict()}
         inputs, target = tokens() if hf else batch(model_name)
-        extra = {"init_weights": model._init_weights} if source.startswith("init") else {}
-        if hf:
-            extra["example_inputs"] = (inputs,)
+        init = model._init_weights if source.startswith("init") else None
+        tracing = Tracing(example_inputs=(inputs,)) if hf else None
         pieces = 2 * world if schedule in ("zbv", "interleaved-1f1b") else world
         splits = hf_splits(model_name, pieces) if hf else SPLITS[model_name][pieces]
         engine = pipeline(
@@ -49,8 +48,8 @@ def deferred(rank: int, world: int, cases: list[tuple[str, str, str]], folder: s
             split_points=splits,
             microbatches=4,
             loss_fn=lm_loss if hf else F.cross_entropy,
-            **extra,
-            weights=Weights(state_dict=sources[source]),
+            tracing=tracing,
+            weights=Weights(state_dict=sources[source], init_weights=init),
             failures=Failures(timeout=60),
         )
         loss = engine.step(inputs if hf else inputs[0], target=target)

@@ -98,17 +98,16 @@ def test_a_meta_model_is_allocated_on_the_gpu(name):
     with torch.device("meta"):
         model = build_hf(name) if hf else build(name)
     x, y = tokens() if hf else (batch(name)[0][0], batch(name)[1])
-    extra = {"init_weights": model._init_weights, "example_inputs": (x,)} if hf else {}
     engine = pipeline(
         model,
         schedule="interleaved-1f1b",
-        split_points=(hf_splits if hf else
-                                                                        lambda n, k: SPLITS[n][k])(name, 4),
+        split_points=(hf_splits if hf else lambda n, k: SPLITS[n][k])(name, 4),
         microbatches=4,
         loss_fn=lm_loss if hf else F.cross_entropy,
         device="cuda",
-        **extra,
-        weights=Weights(state_dict=copy.deepcopy(reference.state_dict())),
+        tracing=Tracing(example_inputs=(x,)) if hf else None,
+        weights=Weights(state_dict=copy.deepcopy(reference.state_dict()),
+                        init_weights=model._init_weights if hf else None),
     )
     assert all(p.is_cuda for p in model.parameters())
     loss = engine.step(x, target=y)

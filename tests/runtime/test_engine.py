@@ -103,7 +103,7 @@ def test_an_input_gradient_followed_by_its_weight_gradient_runs_as_one_backward(
             return _original(*args, **kwargs)
 
         monkeypatch.setattr(step_module, name, counted)
-    options = {"trace": str(tmp_path)} if traced else {}
+    options = {"record": str(tmp_path)} if traced else {}
     problems, losses = train_one_rank("residual", schedule, pieces, steps=2, **options)
     assert problems == [] and all(losses)
     actions = pipeloom.build_schedule(schedule, 1, 8).ranks[0]
