@@ -12,7 +12,7 @@ from rich.console import Console
 from pipeloom.cli.argtypes import count, number, path_with
 from pipeloom.cli.errors import UsageError
 from pipeloom.cli.outputs import target
-from pipeloom.cli.plan_cluster import add_cluster_arguments, check_plan_mode, cmd_plan_cluster
+from pipeloom.cli.plan_cluster import add_cluster_arguments, check_plan_mode, cmd_plan_cluster, export_torchtitan
 from pipeloom.errors import PipeloomError
 
 __all__ = ["add_plan_parser", "bytes_argument", "cmd_plan"]
@@ -122,20 +122,6 @@ def _candidate_json(candidate) -> dict:
     }
 
 
-def _export_torchtitan(result, save: Path, modules: list[str]) -> str:
-    """Write ``<stem>.torchtitan.args``, ``.toml`` and ``.csv`` next to the plan; the lines that say so."""
-    import shlex
-
-    from pipeloom.plan.export import TORCHTITAN_03_SETTINGS, torchtitan_overrides, write_torchtitan
-
-    args, toml, csv = (save.with_name(f"{save.stem}.torchtitan.{ext}") for ext in ("args", "toml", "csv"))
-    settings = write_torchtitan(result.plan, result.schedule, toml, csv, modules=modules, args_path=args)
-    words = shlex.join(torchtitan_overrides(settings))
-    return (f"wrote torchtitan overrides {args}, 0.2.x TOML {toml} and schedule {csv}\n"
-            f"torchtitan 0.2.x and 0.3.x: {words}\n"
-            f"torchtitan 0.3.x also: {shlex.join(torchtitan_overrides(TORCHTITAN_03_SETTINGS))}")
-
-
 def _progress(args: argparse.Namespace):
     """A callback printing the search's progress on a terminal's stderr (None when stderr is not one)."""
     import sys
@@ -241,10 +227,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from pipeloom.plan.costs.file import load_costs
     from pipeloom.plan.mesh import plan_mesh
 
-    if check_plan_mode(args):
-        return cmd_plan_cluster(args)
     if args.export and not args.save:
         raise UsageError(f"--export {args.export} writes next to the plan file; give --save PLAN.json too")
+    if check_plan_mode(args):
+        return cmd_plan_cluster(args)
     if args.server is not None:
         return _plan_on_server(args)
     tables = _with_heads(args, [load_costs(path) for path in args.costs])
@@ -263,7 +249,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         written.append(_draw(args, result.timeline, title))
     if args.save:  # last: it names a companion schedule file after itself, so it is written in place
         if args.export == "torchtitan":  # first: a plan torchtitan cannot take is refused before anything is saved
-            written.append(_export_torchtitan(result, args.save, [piece.name for piece in tables[0].pieces]))
+            written.append(export_torchtitan(result.plan, result.schedule, args.save,
+                                             [piece.name for piece in tables[0].pieces]))
         outputs = getattr(args, "outputs", None)
         result.save(outputs.direct(args.save) if outputs is not None else args.save)
         written.insert(0, f"wrote plan {args.save}")

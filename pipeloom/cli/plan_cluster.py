@@ -8,10 +8,10 @@ import json
 import sys
 from pathlib import Path
 
-from pipeloom.cli.common import UsageError
+from pipeloom.cli.errors import UsageError
 from pipeloom.errors import PipeloomError
 
-__all__ = ["add_cluster_arguments", "cmd_plan_cluster", "check_plan_mode"]
+__all__ = ["add_cluster_arguments", "check_plan_mode", "cmd_plan_cluster", "export_torchtitan"]
 
 
 def add_cluster_arguments(plan: argparse.ArgumentParser) -> None:
@@ -68,11 +68,51 @@ def cmd_plan_cluster(args: argparse.Namespace) -> int:
     finally:
         if progress is not None:
             print("\r\033[K", end="", file=sys.stderr, flush=True)
+    written = _save(args, result) if args.save else []
     if args.json:
         print(json.dumps(result.as_dict(), indent=2))
     else:
         print(report(result))
+    for line in written:
+        print(line, file=sys.stderr if args.json else sys.stdout)
     return 0
+
+
+def _save(args: argparse.Namespace, result) -> list[str]:
+    """``--save`` (and ``--export torchtitan``): the chosen layout as the runtime's plan file, the lines that say
+    so and what the runtime runs differently; a layout the runtime cannot run is refused before anything is written."""
+    from pipeloom.plan.cluster.runtime_plan import runtime_notes, runtime_plan, torchtitan_plan
+    from pipeloom.plan.plan import save_plan
+
+    try:
+        plan = runtime_plan(result)
+    except PipeloomError as error:
+        raise UsageError(str(error)) from None
+    written = []
+    if args.export == "torchtitan":
+        from pipeloom.schedules import build_schedule
+
+        renamed, modules = torchtitan_plan(plan, result.job.spec.layers)
+        schedule = build_schedule(plan.schedule, plan.num_ranks, plan.microbatches, **plan.schedule_options)
+        written.append(export_torchtitan(renamed, schedule, args.save, modules))
+    outputs = getattr(args, "outputs", None)
+    save_plan(plan, outputs.path(args.save) if outputs is not None else args.save)
+    notes = [f"note: {note}" for note in runtime_notes(result)]
+    return [f"wrote plan {args.save} (pipeline(model, plan=...) runs it)", *written, *notes]
+
+
+def export_torchtitan(plan, schedule, save: Path, modules: list[str]) -> str:
+    """Write ``<stem>.torchtitan.args``, ``.toml`` and ``.csv`` next to the plan; the lines that say so."""
+    import shlex
+
+    from pipeloom.plan.export import TORCHTITAN_03_SETTINGS, torchtitan_overrides, write_torchtitan
+
+    args, toml, csv = (save.with_name(f"{save.stem}.torchtitan.{ext}") for ext in ("args", "toml", "csv"))
+    settings = write_torchtitan(plan, schedule, toml, csv, modules=modules, args_path=args)
+    words = shlex.join(torchtitan_overrides(settings))
+    return (f"wrote torchtitan overrides {args}, 0.2.x TOML {toml} and schedule {csv}\n"
+            f"torchtitan 0.2.x and 0.3.x: {words}\n"
+            f"torchtitan 0.3.x also: {shlex.join(torchtitan_overrides(TORCHTITAN_03_SETTINGS))}")
 
 
 def _gib(nbytes: float) -> str:

@@ -1,0 +1,85 @@
+"""A cluster plan as the runtime's plan file (``pipeloom plan --model ... --save``): the chosen layout's pipeline,
+data-parallel, FSDP and tensor-parallel sizes, the split points at the model's decoder layers, the schedule and
+its micro-batches, so that ``pipeline(model, plan=FILE)`` runs it. The dimensions the runtime does not run
+(context and expert parallelism) are refused by name, and what it runs differently is said."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from pipeloom.plan.errors import PlanError
+from pipeloom.plan.plan import Plan
+
+if TYPE_CHECKING:
+    from pipeloom.plan.cluster.api import ClusterPlan
+
+__all__ = ["LAYER_PREFIX", "runtime_plan", "runtime_notes", "torchtitan_plan"]
+
+LAYER_PREFIX = {"gpt2": "transformer.h", "gpt_neox": "gpt_neox.layers"}
+"""Where a ``transformers`` model of a family keeps its decoder layers (every other family: ``model.layers``)."""
+_TP_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
+"""Families whose attention and MLP projections are plain ``nn.Linear`` modules under the names below."""
+_COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+_ROW = ("self_attn.o_proj", "mlp.down_proj")
+
+
+def _starts(layers: int, pieces: int) -> list[int]:
+    """The first layer of pieces 1..pieces-1 when ``layers`` are cut into ``pieces`` near-equal runs (the
+    embedding rides with the first piece, the head with the last, as the planner prices them)."""
+    if pieces > layers:
+        raise PlanError(f"the layout cuts {layers} decoder layers into {pieces} stages; plan with fewer stages")
+    return [round(k * layers / pieces) for k in range(1, pieces)]
+
+
+def runtime_plan(result: ClusterPlan) -> Plan:
+    """``result``'s chosen layout as a ``pipeloom.plan/1`` plan; PlanError naming what the runtime cannot run."""
+    job, best = result.job, result.best
+    layout = best.layout
+    missing = [f"{name}={size}" for name, size in (("cp", layout.cp), ("ep", layout.ep)) if size > 1]
+    if missing:
+        raise PlanError(f"the chosen layout uses {', '.join(missing)}, which pipeloom's runtime does not run yet (it "
+                        "runs pp, dp, fsdp and tp); fix them with --layout cp=1,ep=1 to save a plan it runs")
+    family = job.spec.family
+    prefix = LAYER_PREFIX.get(family, "model.layers")
+    split_points = tuple(f"{prefix}.{layer}" for layer in _starts(job.spec.layers, layout.pp * layout.vp))
+    tp_plan = None
+    if layout.tp > 1:
+        if family not in _TP_FAMILIES:
+            raise PlanError(f"tp={layout.tp}: a {family} model's projections are not plain Linear modules pipeloom "
+                            "can shard by name; save with --layout tp=1, or pass pipeline(..., "
+                            "parallel=Parallelism(tp_plan=...)) with a plan of your own")
+        tp_plan = {"recipe": "megatron", "column": [f"{prefix}.*.{name}" for name in _COLUMN],
+                   "row": [f"{prefix}.*.{name}" for name in _ROW]}
+    samples = layout.dp * layout.mbs
+    if job.global_batch % samples:
+        raise PlanError(f"global batch {job.global_batch} is not a multiple of dp {layout.dp} x mbs {layout.mbs}")
+    options = {"stages_per_rank": layout.vp} if layout.schedule == "interleaved-1f1b" else {}
+    return Plan(num_ranks=layout.pp, split_points=split_points, schedule=layout.schedule, schedule_options=options,
+                microbatches=job.global_batch // samples, global_batch=job.global_batch,
+                predicted_step_time=best.step_time, peak_memory=(best.memory.total,) * layout.pp,
+                memory_limit=result.memory_limit, bubble_ratio=best.bubble, device=job.hw.name,
+                data_parallel=layout.dp, sharding="fsdp" if layout.fsdp else "replicate",
+                tensor_parallel=layout.tp, tp_plan=tp_plan)
+
+
+def runtime_notes(result: ClusterPlan) -> list[str]:
+    """What the runtime runs differently from the plan's prediction (said next to a saved plan)."""
+    layout = result.best.layout
+    notes = []
+    if layout.recompute != "none":
+        notes.append(f"the plan assumes recompute={layout.recompute}; pipeloom's runtime keeps every activation, so "
+                     "running it there needs more memory than predicted")
+    if result.job.dtype != "bf16":
+        notes.append(f"the plan assumes {result.job.dtype} GEMMs; the runtime runs the model's own dtype")
+    return notes
+
+
+def torchtitan_plan(plan: Plan, layers: int) -> tuple[Plan, Sequence[str]]:
+    """The plan in torchtitan's module names (``tok_embeddings``, ``layers.N``, ``norm``, ``output``) and the
+    model's modules in call order, for ``--export torchtitan``."""
+    starts = [int(point.rsplit(".", 1)[1]) for point in plan.split_points]
+    modules = ["tok_embeddings", *(f"layers.{k}" for k in range(layers)), "norm", "output"]
+    renamed = dataclasses.replace(plan, split_points=tuple(f"layers.{k}" for k in starts))
+    return renamed, modules

@@ -1,0 +1,86 @@
+"""A cluster plan saved for the runtime (``pipeloom plan --model ... --save``): the plan file's sizes, split points
+and tensor-parallel recipe follow the chosen layout; the dimensions the runtime does not run are refused by
+name; and a saved plan runs through ``pipeline(model, plan=...)`` on a tiny LLaMA, bitwise equal to one device."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipeloom.cli import main
+from pipeloom.plan.cluster import plan_cluster
+from pipeloom.plan.cluster.runtime_plan import runtime_plan, torchtitan_plan
+from pipeloom.plan.errors import PlanError
+from pipeloom.plan.plan import load_plan, save_plan
+
+LLAMA = {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 16,
+         "num_attention_heads": 16, "num_key_value_heads": 4, "vocab_size": 32000}
+FIXED = "dp=2,tp=2,pp=2,vp=2,cp=1,ep=1,mbs=1,fsdp=1,recompute=selective,schedule=interleaved-1f1b"
+
+
+def test_the_plan_file_follows_the_layout():
+    result = plan_cluster(LLAMA, "h100", gpus=8, global_batch=32, seq=2048, layout=FIXED)
+    plan = runtime_plan(result)
+    assert (plan.num_ranks, plan.data_parallel, plan.tensor_parallel, plan.sharding) == (2, 2, 2, "fsdp")
+    assert plan.split_points == ("model.layers.4", "model.layers.8", "model.layers.12")  # 16 layers, 4 stages
+    assert plan.schedule == "interleaved-1f1b" and plan.schedule_options == {"stages_per_rank": 2}
+    assert plan.microbatches == 16 and plan.global_batch == 32  # 32 samples over 2 replicas of micro-batch 1
+    assert plan.tp_plan["column"][0] == "model.layers.*.self_attn.q_proj"
+    assert plan.predicted_step_time == result.best.step_time
+    renamed, modules = torchtitan_plan(plan, 16)
+    assert renamed.split_points == ("layers.4", "layers.8", "layers.12") and modules[-2:] == ["norm", "output"]
+
+
+def test_what_the_runtime_cannot_run_is_refused_by_name():
+    cp = plan_cluster(LLAMA, "h100", gpus=8, global_batch=32, seq=2048, layout=FIXED.replace("dp=2", "dp=1")
+                      .replace("cp=1", "cp=2"))
+    with pytest.raises(PlanError, match="cp=2, which pipeloom's runtime does not run"):
+        runtime_plan(cp)
+    gpt2 = {"model_type": "gpt2", "n_embd": 1024, "n_layer": 8, "n_head": 16, "vocab_size": 50257,
+            "n_positions": 1024}
+    tp = plan_cluster(gpt2, "h100", gpus=4, global_batch=8, seq=1024,
+                      layout="dp=1,tp=2,pp=2,vp=1,cp=1,ep=1,mbs=1,fsdp=0,recompute=none,schedule=1f1b")
+    with pytest.raises(PlanError, match="not plain Linear modules"):
+        runtime_plan(tp)
+
+
+def test_save_writes_a_plan_and_names_what_runs_differently(tmp_path, capsys):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(LLAMA))
+    save = tmp_path / "plan.json"
+    assert main(["plan", "--model", str(config), "--hardware", "h100", "--gpus", "8", "--global-batch", "32",
+                 "--seq", "2048", "--layout", FIXED, "--save", str(save)]) == 0
+    out = capsys.readouterr().out
+    assert f"wrote plan {save}" in out and "recompute=selective" in out
+    assert load_plan(save).split_points == ("model.layers.4", "model.layers.8", "model.layers.12")
+
+
+def test_a_saved_plan_runs_in_the_engine(tmp_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    import torch.nn.functional as F
+
+    from pipeloom.runtime import pipeline
+
+    tiny = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128}
+    result = plan_cluster(tiny, "h100", gpus=1, global_batch=4, seq=16,
+                          layout="dp=1,tp=1,pp=1,vp=1,cp=1,ep=1,mbs=1,fsdp=0,recompute=none,schedule=1f1b")
+    save = tmp_path / "plan.json"
+    save_plan(runtime_plan(result), save)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**{k: v for k, v in tiny.items() if k != "model_type"}, use_cache=False)
+    model = transformers.LlamaForCausalLM(config)
+    reference = transformers.LlamaForCausalLM(config)
+    reference.load_state_dict(model.state_dict())
+
+    def loss_fn(out, y):
+        return F.cross_entropy(out.logits.flatten(0, 1), y.flatten())
+
+    x = torch.randint(0, 128, (4, 16))
+    engine = pipeline(model, plan=save, loss_fn=loss_fn)
+    loss = engine.step(x, target=x)
+    expected = sum(loss_fn(reference(x[k:k + 1]), x[k:k + 1]) / 4 for k in range(4))
+    assert engine.lowering.schedule.num_microbatches == 4 and torch.equal(loss.detach(), expected.detach())
+
