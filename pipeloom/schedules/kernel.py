@@ -3,7 +3,8 @@
 Problem data (:class:`ListProblem`) plus rules give per-rank action lists. :func:`list_schedule_kernel`
 starts the globally earliest candidate (priority, admission: Chimera's list order, the search's
 greedy); :func:`rank_schedule_kernel` wakes free ranks in time order and lets a rule scan their
-candidates (ZB-V's policies, whose patience and W-fill look at the next known ready time).
+candidates (ZB-V's and interleaved zero bubble's policies, whose patience and W-fill look at the
+next known ready time). The library has no other list scheduler.
 """
 
 from __future__ import annotations
@@ -16,15 +17,15 @@ from typing import Protocol
 
 from pipeloom.ir import Action
 
-_new_action = tuple.__new__
-"""``_new_action(Action, (stage, kind, microbatch))`` is ``Action(stage, kind, microbatch)`` without the
-Python-level NamedTuple constructor: the kernel builds every action of a schedule (393k for zbv at
-p=64, m=1024), and the fields are ints and a kind string taken from checked ListTasks."""
-
 __all__ = [
     "ListProblem", "ListResult", "ListRules", "ListTask", "RankRules", "RankState", "list_schedule_kernel",
     "rank_schedule_kernel",
 ]
+
+_new_action = tuple.__new__
+"""``_new_action(Action, (stage, kind, microbatch))`` is ``Action(stage, kind, microbatch)`` without the
+Python-level NamedTuple constructor: the kernel builds every action of a schedule (393k for zbv at
+p=64, m=1024), and the fields are ints and a kind string taken from checked ListTasks."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
