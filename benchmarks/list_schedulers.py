@@ -45,8 +45,9 @@ def best_of(repeats: int, run: Callable[[], object]) -> tuple[float, float]:
 
 
 def cases() -> list[tuple[str, Callable[[], object]]]:
-    """(label, run) of each timed case; the zbv list scheduler alone also on the pre-c7cf0fc kernel
-    path where the measured tree still has it."""
+    """(label, run) of each timed case; the zbv list scheduler alone also on its old kernel path where
+    the measured tree still has one (up to c7cf0fc zbv ran an inlined copy and kept the kernel path
+    as the tested reference)."""
     plan = v_plan(v_problem(64, costs=Costs(), memory_limit=64), 1024, 64)
     table = gpt_table(48)
     found: list[tuple[str, Callable[[], object]]] = [
@@ -55,7 +56,8 @@ def cases() -> list[tuple[str, Callable[[], object]]]:
     ]
     old_kernel_path = getattr(zbv_module, "_kernel_list_schedule", None)
     if old_kernel_path is not None:
-        found.append(("  the same on the kernel before c7cf0fc", lambda: old_kernel_path(plan, zbv_module._DEFAULT)))
+        found.append(("  the same on the old kernel path (_kernel_list_schedule)",
+                      lambda: old_kernel_path(plan, zbv_module._DEFAULT)))
     return found + [
         ("build zbv p=64 m=1024 (one policy)", lambda: build_schedule("zbv", 64, 1024)),
         ("build interleaved-zb p=32 m=256 v=2 (one policy)",

@@ -154,6 +154,7 @@ class _PolicyRules:
         return ia + shift if wa < nmb[ia] else -1
 
     def _all_f_i_placed(self, state: RankState, r: int) -> bool:
+        """Whether rank r has placed every F and I of both its stages (only W's are left)."""
         ia, ic = self.inputs[r]
         shift = self.shift
         return sum(state.next_mb[task] for task in (ia - shift, ic - shift, ia, ic)) == 4 * self.m
