@@ -206,7 +206,7 @@ def zbv(
     scheduler's only if the validator accepts it (ordered, memory limit) and the simulator finds
     it shorter. With it zbv is nowhere slower than the authors' ZB-V generator on the 324 cells of
     benchmarks/data/zbv_reference.json. Larger schedules run the default policy once
-    (p=64, m=1024: 393k actions in about 2 s).
+    (p=64, m=1024: 393k actions in about 1.3 s of CPU, docs/schedules.md).
 
     Memory: at most ``memory_limit`` per rank, by default 1F1B's peak ``min(p, m) * costs.memory``;
     the Schedule's problem carries the limit so the validator enforces it. A limit below
