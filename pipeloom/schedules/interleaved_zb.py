@@ -6,7 +6,6 @@ looped layout), and a family of cost- and memory-aware list schedules; the faste
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
 
 from pipeloom.errors import ArgumentError, DeadlockError, PipeloomError
@@ -14,6 +13,7 @@ from pipeloom.ir import Action, Schedule
 from pipeloom.problem import Costs, Problem
 from pipeloom.schedules.common import MemoryLimit, check_counts, make_schedule
 from pipeloom.schedules.interleaved import check_stages_per_rank, group_sizes, grouped_order, looped_problem
+from pipeloom.schedules.kernel import ListProblem, ListTask, RankState, rank_schedule_kernel
 from pipeloom.sim import simulate
 
 __all__ = ["interleaved_zb"]
@@ -113,129 +113,93 @@ def _one_f_one_b_order(num_ranks: int, num_microbatches: int, stages_per_rank: i
     return order + weights[done:]
 
 
-class _ListScheduler:
-    """Builds every rank's order while simulating it (see :meth:`run`)."""
+def _looped_list_problem(plan: _Plan) -> ListProblem:
+    """The kernel's problem data for a _Plan: with S = p*v stages, task s is F of stage s, S + s its
+    I, 2S + s its W; stage s runs on rank s % p."""
+    p, stages = plan.num_ranks, plan.num_ranks * plan.stages_per_rank
+    (f_dur, i_dur, w_dur), (f_mem, i_mem, w_mem), comm = plan.duration, plan.memory, plan.comm
+    forwards = [ListTask(stage=s, kind="F", ranks=(s % p,), duration=f_dur[s], memory=f_mem[s],
+                         deps=((s - 1, comm),) if s else ()) for s in range(stages)]
+    inputs = [ListTask(stage=s, kind="I", ranks=(s % p,), duration=i_dur[s], memory=i_mem[s],
+                       deps=((s, 0.0),) + (((stages + s + 1, comm),) if s < stages - 1 else ()))
+              for s in range(stages)]
+    weights = [ListTask(stage=s, kind="W", ranks=(s % p,), duration=w_dur[s], memory=w_mem[s],
+                        deps=((stages + s, 0.0),)) for s in range(stages)]
+    return ListProblem(num_ranks=p, num_microbatches=plan.num_microbatches, tasks=tuple(forwards + inputs + weights))
+
+
+class _PolicyRules:
+    """A :class:`_Policy` as :class:`~pipeloom.schedules.kernel.RankRules` (tasks numbered as in
+    :func:`_looped_list_problem`): a free rank runs the first ready F or I in its policy's order (a
+    forward only within its memory cap), else its oldest pending W, else sleeps."""
 
     def __init__(self, plan: _Plan, policy: _Policy) -> None:
         self.plan, self.policy = plan, policy
-        p, m, v = plan.num_ranks, plan.num_microbatches, plan.stages_per_rank
-        stages = p * v
-        self.last = stages - 1
-        self.nf, self.ni, self.nw = [0] * stages, [0] * stages, [0] * stages
-        self.f_end = [[0.0] * m for _ in range(stages)]
-        self.i_end = [[0.0] * m for _ in range(stages)]
-        self.held = [0.0] * p
+        p, v = plan.num_ranks, plan.stages_per_rank
+        self.stages = stages = p * v
         f_mem = plan.memory[0]
         self.need = [f_mem[s] * (1 + (policy.reserve if s // p < v - 1 else 0)) for s in range(stages)]
         self.local = [range(rank, stages, p) for rank in range(p)]
         self.candidates = [self._candidates(r) for r in range(p)]
 
     def _candidates(self, rank: int) -> tuple[tuple[int, int, bool], ...]:
-        """(kind 0 F / 1 I, stage, patient) in priority order; later local stages first."""
-        p, v, policy = self.plan.num_ranks, self.plan.stages_per_rank, self.policy
+        """(task, stage, patient) in priority order; later local stages first."""
+        p, v, policy, stages = self.plan.num_ranks, self.plan.stages_per_rank, self.policy, self.stages
         local = [c * p + rank for c in range(v - 1, -1, -1)]
-        new = [(0, local[-1], policy.patient)]
-        returning = [(0, s, False) for s in local[:-1]]
-        inputs = [(1, s, False) for s in local]
+        new = [(local[-1], local[-1], policy.patient)]
+        returning = [(s, s, False) for s in local[:-1]]
+        inputs = [(stages + s, s, False) for s in local]
         if policy.order == "I":
             return tuple(inputs + returning + new)
         if policy.order == "R":
             return tuple(returning + inputs + new)
         return tuple(returning + new + inputs)
 
-    def _ready(self, kind: int, s: int) -> float | None:
-        """When the next F (kind 0) or I (kind 1) of stage s may start; None if not yet known."""
-        if kind == 0:
-            k = self.nf[s]
-            if k >= self.plan.num_microbatches:
-                return None
-            if s == 0:
-                return 0.0
-            return self.f_end[s - 1][k] + self.plan.comm if self.nf[s - 1] > k else None
-        k = self.ni[s]
-        if k >= self.nf[s]:
-            return None
-        if s == self.last:
-            return self.f_end[s][k]
-        if self.ni[s + 1] <= k:
-            return None
-        return max(self.f_end[s][k], self.i_end[s + 1][k] + self.plan.comm)
-
-    def _blocked(self, rank: int, s: int) -> bool:
+    def _blocked(self, state: RankState, rank: int, s: int) -> bool:
         """Whether the next forward of stage s would break rank's memory cap (see _Policy.reserve)."""
         if self.policy.reserve >= 0:
-            return self.held[rank] + self.need[s] > self.plan.caps[rank]
-        local, f_mem = self.local[rank], self.plan.memory[0]
+            return state.held[rank] + self.need[s] > self.plan.caps[rank]
+        local, f_mem, nf = self.local[rank], self.plan.memory[0], state.next_mb
         if s != local[0]:
             return False  # room reserved when the micro-batch entered the rank
-        owed = sum((self.nf[s] - self.nf[t]) * f_mem[t] for t in local[1:])
-        return self.held[rank] + owed + sum(f_mem[t] for t in local) > self.plan.caps[rank]
+        owed = sum((nf[s] - nf[t]) * f_mem[t] for t in local[1:])
+        return state.held[rank] + owed + sum(f_mem[t] for t in local) > self.plan.caps[rank]
 
-    def _choose(self, rank: int, t: float) -> tuple[int, int] | float:
-        """The (kind, stage) rank runs at time t, or the next time it knows something is ready."""
-        nxt = _INF
-        f_dur = self.plan.duration[0]
-        for kind, s, patient in self.candidates[rank]:
-            if kind == 0 and self._blocked(rank, s):
+    def choose(self, state: RankState, rank: int, t: float) -> float | None:
+        """Place the first ready candidate (patience: a new micro-batch's forward only if it ends before
+        a higher-priority candidate is ready), else the W whose I ended first if it fits the gap; else
+        return the next known ready time."""
+        nxt, f_dur, ready_at = _INF, self.plan.duration[0], state.ready_at
+        for task, s, patient in self.candidates[rank]:
+            if task == s and self._blocked(state, rank, s):
                 continue
-            ready = self._ready(kind, s)
+            ready = ready_at[task]
             if ready is None or (patient and ready <= t and t + f_dur[s] > nxt):
                 continue
             if ready <= t:
-                return kind, s
+                state.place(task, t)
+                return None
             nxt = min(nxt, ready)
-        pending = [s for s in self.local[rank] if self.nw[s] < self.ni[s]]
+        stages, nmb, finish = self.stages, state.next_mb, state.finish
+        pending = [s for s in self.local[rank] if nmb[2 * stages + s] < nmb[stages + s]]
         if pending:
-            s = min(pending, key=lambda s: self.i_end[s][self.nw[s]])
+            s = min(pending, key=lambda s: finish[stages + s][nmb[2 * stages + s]])
             if not self.policy.w_only_if_fits or t + self.plan.duration[2][s] <= nxt:
-                return 2, s
+                state.place(2 * stages + s, t)
+                return None
         return nxt
 
-    def _place(self, rank: int, kind: int, s: int, t: float) -> tuple[Action, float]:
-        counters = (self.nf, self.ni, self.nw)[kind]
-        k = counters[s]
-        counters[s] = k + 1
-        end = t + self.plan.duration[kind][s]
-        if kind < 2:
-            (self.f_end, self.i_end)[kind][s][k] = end
-        self.held[rank] += self.plan.memory[kind][s]
-        return Action(s, "FIW"[kind], k), end
 
-    def run(self) -> list[list[Action]] | None:
-        """Every rank's order, or None when this policy deadlocks.
+def _list_schedule(plan: _Plan, policy: _Policy) -> list[list[Action]] | None:
+    """Every rank's order, built while simulating it on
+    :func:`~pipeloom.schedules.kernel.rank_schedule_kernel`; None when this policy deadlocks.
 
-        Ranks decide in order of the time they become free (a heap), so every action that starts
-        before a rank's decision time t is placed and "ready at t" is exact. A rank runs the first
-        ready candidate in its policy's order (a forward only within its memory cap), else a W if
-        one is pending, else sleeps until its next known ready time or until another rank places
-        an action. Each stage runs its F, I and W in micro-batch order.
-        """
-        p = self.plan.num_ranks
-        total = 3 * p * self.plan.stages_per_rank * self.plan.num_microbatches
-        orders: list[list[Action]] = [[] for _ in range(p)]
-        key, free = [0.0] * p, [0.0] * p
-        heap = [(0.0, r) for r in range(p)]
-        while heap:
-            t, r = heapq.heappop(heap)
-            if t != key[r]:
-                continue  # superseded by an earlier wake-up
-            choice = self._choose(r, t)
-            if not isinstance(choice, tuple):
-                key[r] = choice
-                if choice < _INF:
-                    heapq.heappush(heap, (choice, r))
-                continue
-            action, end = self._place(r, *choice, t)
-            orders[r].append(action)
-            total -= 1
-            for q in range(p):  # a sleeping rank may be waiting for this action
-                wake = max(end, free[q])
-                if q != r and key[q] > wake:
-                    key[q] = wake
-                    heapq.heappush(heap, (wake, q))
-            key[r] = free[r] = end
-            heapq.heappush(heap, (end, r))
-        return orders if total == 0 else None
+    Ranks decide in order of the time they become free, ranks due at the same time in rank order,
+    so every action that starts before a rank's decision time t is placed and "ready at t" is
+    exact. Each stage runs its F, I and W in micro-batch order.
+    """
+    result = rank_schedule_kernel(_looped_list_problem(plan), _PolicyRules(plan, policy), rank_order_ties=True)
+    return [list(actions) for actions in result.ranks] if result.complete else None
 
 
 def _evaluate(schedule: Schedule, caps: list[float]) -> float | None:
@@ -312,7 +276,7 @@ def interleaved_zb(
     plan = _plan(problem, m, v, caps)
     candidates = [[_one_f_one_b_order(p, m, v, rank=r) for r in range(p)]]
     for policy in _POLICIES if 3 * p * v * m <= _VARIANT_ACTIONS else (_DEFAULT,):
-        orders = _ListScheduler(plan, policy).run()
+        orders = _list_schedule(plan, policy)
         if orders is not None:
             candidates.append(orders)
     best, best_makespan = None, _INF

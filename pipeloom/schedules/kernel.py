@@ -3,7 +3,8 @@
 Problem data (:class:`ListProblem`) plus rules give per-rank action lists. :func:`list_schedule_kernel`
 starts the globally earliest candidate (priority, admission: Chimera's list order, the search's
 greedy); :func:`rank_schedule_kernel` wakes free ranks in time order and lets a rule scan their
-candidates (ZB-V's policies, whose patience and W-fill look at the next known ready time).
+candidates (ZB-V's and interleaved zero bubble's policies, whose patience and W-fill look at the
+next known ready time). The library has no other list scheduler.
 """
 
 from __future__ import annotations
@@ -20,6 +21,11 @@ __all__ = [
     "ListProblem", "ListResult", "ListRules", "ListTask", "RankRules", "RankState", "list_schedule_kernel",
     "rank_schedule_kernel",
 ]
+
+_new_action = tuple.__new__
+"""``_new_action(Action, (stage, kind, microbatch))`` is ``Action(stage, kind, microbatch)`` without the
+Python-level NamedTuple constructor: the kernel builds every action of a schedule (393k for zbv at
+p=64, m=1024), and the fields are ints and a kind string taken from checked ListTasks."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -192,10 +198,10 @@ class RankRules(Protocol):
 
 class RankState:
     """What :func:`rank_schedule_kernel`'s rules read and how they place: per task its next
-    micro-batch and end times, per rank its free time and held memory."""
+    micro-batch, end times and ready time, per rank its free time and held memory."""
 
-    __slots__ = ("problem", "next_mb", "finish", "free", "held", "lists", "makespan", "last_end", "_pending",
-                 "_heap", "_users", "_rank", "_deps")
+    __slots__ = ("problem", "next_mb", "finish", "ready_at", "free", "held", "lists", "makespan", "last_end",
+                 "_pending", "_heap", "_deps", "_spec", "_users", "_last_mb")
 
     def __init__(self, problem: ListProblem) -> None:
         for task in problem.tasks:
@@ -209,17 +215,27 @@ class RankState:
         self.free, self.held, self.last_end, self._pending = [0.0] * p, [0.0] * p, [0.0] * p, [0.0] * p
         self.lists: list[list[Action]] = [[] for _ in range(p)]
         self.makespan = 0.0
-        self._rank = [task.ranks[0] for task in problem.tasks]
+        rank = [task.ranks[0] for task in problem.tasks]
         self._deps = [task.deps for task in problem.tasks]
-        self._users: list[list[int]] = [[] for _ in problem.tasks]
-        for t, task in enumerate(problem.tasks):
+        self._spec = [(t.stage, t.kind, t.duration, t.memory, r) for t, r in zip(problem.tasks, rank, strict=True)]
+        # Per task, its users with the rank to wake (-1 on the same rank: that rank decides next anyway).
+        users: list[list[tuple[int, int]]] = [[] for _ in problem.tasks]
+        for user, task in enumerate(problem.tasks):
             for d, _ in task.deps:
-                self._users[d].append(t)
+                users[d].append((user, rank[user] if rank[d] != rank[user] else -1))
+        self._users = [tuple(found) for found in users]
+        self.ready_at = [self._deps_done(t) for t in range(num_tasks)]
+        """``ready_at[task]``: :meth:`ready`, kept up to date by :meth:`place` (rules read it in their scan)."""
         self._heap: list[tuple[float, int]] = []
+        self._last_mb = problem.num_microbatches - 1
 
     def ready(self, task: int) -> float | None:
         """When ``task``'s next micro-batch's deps are done (latency included); None if one has not
-        started."""
+        started or every micro-batch of ``task`` is placed."""
+        return self.ready_at[task]
+
+    def _deps_done(self, task: int) -> float | None:
+        """:meth:`ready` computed from the deps' end times."""
         next_mb, finish = self.next_mb, self.finish
         mb, at = next_mb[task], 0.0
         for dep, latency in self._deps[task]:
@@ -231,39 +247,45 @@ class RankState:
         return at
 
     def place(self, task: int, start: float) -> float:
-        """Start ``task``'s next micro-batch at ``start`` on its rank; returns its end. A neighbour
-        whose next action this completes the deps of wakes at its ready time if that is earlier."""
-        spec = self.problem.tasks[task]
-        mb = self.next_mb[task]
-        self.next_mb[task] = mb + 1
-        self.finish[task][mb] = end = start + spec.duration
-        r = self._rank[task]
+        """Start ``task``'s next micro-batch at ``start`` on its rank; returns its end. The ready
+        times this changes are updated: the task's own next one and those of the users whose next
+        micro-batch is this one; such a user on another rank wakes it at that time if earlier."""
+        stage, kind, duration, memory, r = self._spec[task]
+        next_mb, ready_at, pending = self.next_mb, self.ready_at, self._pending
+        mb = next_mb[task]
+        next_mb[task] = mb + 1
+        self.finish[task][mb] = end = start + duration
         self.last_end[r] = end
-        self.held[r] += spec.memory
-        self.lists[r].append(Action(spec.stage, spec.kind, mb))
+        self.held[r] += memory
+        self.lists[r].append(_new_action(Action, (stage, kind, mb)))
         if end > self.makespan:
             self.makespan = end
-        for user in self._users[task]:
-            n = self._rank[user]
-            if n == r or self.next_mb[user] != mb:
-                continue
-            ready = self.ready(user)
-            if ready is not None:
-                ready = max(ready, self.free[n])
-                if ready < self._pending[n]:
-                    self._pending[n] = ready
-                    heapq.heappush(self._heap, (ready, n))
+        deps_done = self._deps_done
+        ready_at[task] = deps_done(task) if mb < self._last_mb else None
+        for user, n in self._users[task]:
+            if next_mb[user] == mb:
+                ready_at[user] = ready = deps_done(user)
+                if n >= 0 and ready is not None and ready < pending[n]:
+                    free = self.free[n]
+                    ready = free if free > ready else ready
+                    if ready < pending[n]:
+                        pending[n] = ready
+                        heapq.heappush(self._heap, (ready, n))
         return end
 
 
-def rank_schedule_kernel(problem: ListProblem, rules: RankRules) -> ListResult:
+def rank_schedule_kernel(problem: ListProblem, rules: RankRules, *, rank_order_ties: bool = False) -> ListResult:
     """Wake ranks in time order; a free rank lets ``rules.choose`` place its next action(s).
 
     Rank r decides at time t only after every rank's decision before t (a heap of (t, r)), so
     every action starting before t is placed and "ready at t" is exact. A rank that placed goes on
-    deciding at its new free time unless another rank wakes strictly earlier; one that placed
-    nothing sleeps until the time ``choose`` returns or until a neighbour completes the deps of its
-    next action (a wake-up superseded by an earlier one is dropped). One-rank tasks only.
+    deciding at its new free time unless another rank wakes earlier; one that placed nothing
+    sleeps until the time ``choose`` returns or until a neighbour completes the deps of its next
+    action (a wake-up superseded by an earlier one is dropped). One-rank tasks only.
+
+    Ranks deciding at the same time see each other's placements, so their order matters:
+    by default the rank that just placed decides again first; ``rank_order_ties`` makes them
+    decide in rank order (the placing rank waits behind a lower rank due at its new free time).
     """
     state = RankState(problem)
     heap, pending, free = state._heap, state._pending, state.free
@@ -281,7 +303,7 @@ def rank_schedule_kernel(problem: ListProblem, rules: RankRules) -> ListResult:
                     push(heap, (wake, r))
                 break
             free[r] = pending[r] = t = state.last_end[r]
-            if heap and heap[0][0] < t:
+            if heap and (heap[0] < (t, r) if rank_order_ties else heap[0][0] < t):
                 push(heap, (t, r))
                 break
     return ListResult(ranks=tuple(map(tuple, state.lists)), makespan=state.makespan,

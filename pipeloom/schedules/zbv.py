@@ -7,7 +7,6 @@ the ranks and comes back up; each stage carries half of a rank's share of the mo
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
 
 from pipeloom.errors import PipeloomError, ScheduleError
@@ -67,154 +66,6 @@ equals the best of all 48 in cells slower than the generator (73 of 324, down fr
 zbv_rounds' construction closes those 73 (zbv() keeps it only where it is shorter)."""
 
 
-def _list_schedule(plan: VPlan, policy: _Policy) -> tuple[list[list[Action]], float] | None:
-    """Build every rank's order while simulating it; None if the policy ends in a deadlock.
-
-    Ranks are taken in order of the time they become free (a heap), so when rank r decides at
-    time t every action starting before t is already placed and "ready at t" is exact. A rank
-    runs the first ready candidate in the policy's priority order (an F only if its memory fits
-    while keeping room for ``reserve`` second-stage forwards), else a W to fill the gap. A rank
-    with nothing to run sleeps until its next known ready time or until a neighbour places the
-    dependency it waits for. Per stage, F, I and W run in micro-batch order.
-
-    This is the fast path of :func:`_kernel_list_schedule` (the same policy as :class:`_PolicyRules`
-    on :func:`~pipeloom.schedules.kernel.rank_schedule_kernel`), inlined in one frame: about 2x
-    faster (``build_schedule("zbv", 64, 1024)``, 393k actions: 1.0 s, 2.1 s on the kernel);
-    tests/schedules/test_list_golden.py checks both give the same orders and makespans for every
-    policy on its 450-cell grid.
-    """
-    p, m = plan.num_ranks, plan.num_microbatches
-    last = 2 * p - 1
-    (f_dur, i_dur, w_dur), (f_mem, i_mem, w_mem) = plan.duration, plan.memory
-    lat_f, lat_i, limit, w_fits = plan.latency_f, plan.latency_i, plan.limit, policy.w_only_if_fits
-    backfill = policy.backfill
-    rank_stages, owner = plan.rank_stages, plan.owner
-    # Room an F of stage s needs: its activations, plus, for a first stage, room for micro-batches
-    # still to come back through the rank's second stage (without it memory can deadlock).
-    need = [f_mem[s] + (policy.reserve * f_mem[last - s] if s < p else 0.0) for s in range(2 * p)]
-    # Per rank: (phase 0 F / 1 I, stage, patient new work) in priority order.
-    candidates = [
-        tuple((phase, stages[side], policy.patient and not phase and not side)
-              for phase, side in policy.order)
-        for stages in rank_stages
-    ]
-    nf, ni, nw = [0] * (2 * p), [0] * (2 * p), [0] * (2 * p)
-    f_end = [[0.0] * m for _ in range(2 * p)]
-    i_end = [[0.0] * m for _ in range(2 * p)]
-    held, free, pending = [0.0] * p, [0.0] * p, [0.0] * p
-    orders: list[list[Action]] = [[] for _ in range(p)]
-    heap = [(0.0, r) for r in range(p)]
-    new = tuple.__new__  # Action(...) without the Python-level NamedTuple constructor
-    pop, push = heapq.heappop, heapq.heappush
-    left, makespan = 6 * p * m, 0.0
-    while heap:
-        t, r = pop(heap)
-        if t != pending[r]:
-            continue  # superseded by an earlier wake-up
-        order, cand, h = orders[r], candidates[r], held[r]
-        a, c = rank_stages[r]
-        while True:
-            kind, nxt, blocked = -1, _INF, False
-            for phase, s, patient in cand:
-                if phase:
-                    k = ni[s]
-                    if k >= nf[s]:
-                        continue
-                    if s == last:
-                        kind = 1
-                        break
-                    if ni[s + 1] <= k:
-                        continue
-                    ready = i_end[s + 1][k] + lat_i[s]
-                else:
-                    k = nf[s]
-                    if k >= m:
-                        continue
-                    if h + need[s] > limit:
-                        blocked = True
-                        continue
-                    if s == 0:
-                        ready = 0.0
-                    elif nf[s - 1] <= k:
-                        continue
-                    else:
-                        ready = f_end[s - 1][k] + lat_f[s]
-                    if patient and ready <= t and t + f_dur[s] > nxt:
-                        continue
-                if ready <= t:
-                    kind = phase
-                    break
-                if ready < nxt:  # noqa: PLR1730 (hot loop: a compare is cheaper than min())
-                    nxt = ready
-            if backfill and kind >= 0 and free[r] < t:
-                # The rank idled since free[r] waiting for this F/I: W placed in that gap now
-                # changes nothing another rank saw (W has no consumer elsewhere).
-                start = free[r]
-                while True:
-                    s2 = c if nw[c] < ni[c] and (nw[a] >= ni[a] or i_end[c][nw[c]] <= i_end[a][nw[a]]) else a
-                    if nw[s2] >= ni[s2] or start >= t or (w_fits and start + w_dur[s2] > t):
-                        break
-                    k = nw[s2]
-                    nw[s2] = k + 1
-                    start += w_dur[s2]
-                    h += w_mem[s2]
-                    order.append(new(Action, (s2, "W", k)))
-                    left -= 1
-                if start > t:
-                    t = start
-                if start > makespan:  # noqa: PLR1730
-                    makespan = start
-            elif kind < 0:
-                # Nothing ready: a W fills the gap (the oldest of the two stages' pending W).
-                s = c if nw[c] < ni[c] and (nw[a] >= ni[a] or i_end[c][nw[c]] <= i_end[a][nw[a]]) else a
-                if nw[s] < ni[s] and (not w_fits or t + w_dur[s] <= nxt) and (
-                        not backfill or nxt < _INF or blocked or nf[a] + nf[c] + ni[a] + ni[c] == 4 * m):
-                    kind = 2
-                else:
-                    held[r], pending[r] = h, nxt
-                    if nxt < _INF:
-                        push(heap, (nxt, r))
-                    break
-            n = -1  # the neighbour rank whose next action this one may unblock
-            if kind == 0:
-                k = nf[s]
-                nf[s] = k + 1
-                f_end[s][k] = end = t + f_dur[s]
-                h += f_mem[s]
-                order.append(new(Action, (s, "F", k)))
-                if s < last and s != p - 1 and nf[s + 1] == k:
-                    n, ready = owner[s + 1], end + lat_f[s + 1]
-            elif kind == 1:
-                k = ni[s]
-                ni[s] = k + 1
-                i_end[s][k] = end = t + i_dur[s]
-                h += i_mem[s]
-                order.append(new(Action, (s, "I", k)))
-                if s and s != p and ni[s - 1] == k and nf[s - 1] > k:
-                    n, ready = owner[s - 1], end + lat_i[s - 1]
-            else:
-                k = nw[s]
-                nw[s] = k + 1
-                end = t + w_dur[s]
-                h += w_mem[s]
-                order.append(new(Action, (s, "W", k)))
-            left -= 1
-            if end > makespan:  # noqa: PLR1730
-                makespan = end
-            if n >= 0:
-                if ready < free[n]:  # noqa: PLR1730
-                    ready = free[n]
-                if ready < pending[n]:
-                    pending[n] = ready
-                    push(heap, (ready, n))
-            free[r] = pending[r] = t = end
-            if heap and heap[0][0] < end:
-                held[r] = h
-                push(heap, (end, r))
-                break
-    return (orders, makespan) if left == 0 else None
-
-
 def _v_list_problem(plan: VPlan) -> ListProblem:
     """The kernel's problem data for a VPlan: task s is F of stage s, 2p + s its I, 4p + s its W."""
     p, last = plan.num_ranks, 2 * plan.num_ranks - 1
@@ -231,76 +82,107 @@ def _v_list_problem(plan: VPlan) -> ListProblem:
 
 
 class _PolicyRules:
-    """A :class:`_Policy` as :class:`~pipeloom.schedules.kernel.RankRules` on the kernel's state: the
-    reference :func:`_list_schedule` (the same rule inlined in one frame) is tested equal to."""
+    """A :class:`_Policy` as :class:`~pipeloom.schedules.kernel.RankRules`: how a free rank of the V
+    picks among its two stages' F, I and W (tasks numbered as in :func:`_v_list_problem`)."""
 
     def __init__(self, plan: VPlan, policy: _Policy) -> None:
         p = plan.num_ranks
         last = 2 * p - 1
-        self.plan, self.policy, self.p = plan, policy, p
-        f_mem = plan.memory[0]
-        self.need = [f_mem[s] + (policy.reserve * f_mem[last - s] if s < p else 0.0) for s in range(2 * p)]
-        # Per rank: (task, stage, phase 0 F / 1 I, patient new work) in priority order.
+        self.policy, self.m, self.limit = policy, plan.num_microbatches, plan.limit
+        f_dur, f_mem = plan.duration[0], plan.memory[0]
+        self.duration = [d for durations in plan.duration for d in durations]  # by task
+        # Room an F of stage s needs: its activations, plus, for a first stage, room for micro-batches
+        # still to come back through the rank's second stage (without it memory can deadlock).
+        need = [f_mem[s] + (policy.reserve * f_mem[last - s] if s < p else 0.0) for s in range(2 * p)]
+        # Per rank, in priority order: (task, room an F needs or None for an I, patience). Patience is
+        # the F's duration for a patient first-stage F (it starts only if it ends before the next
+        # known ready time of a higher-priority candidate), else -inf (never waits).
         self.candidates = [
-            tuple((phase * 2 * p + stages[side], stages[side], phase,
-                   policy.patient and not phase and not side) for phase, side in policy.order)
+            tuple((phase * 2 * p + stages[side], None if phase else need[stages[side]],
+                   f_dur[stages[side]] if policy.patient and not phase and not side else -_INF)
+                  for phase, side in policy.order)
             for stages in plan.rank_stages
         ]
-
-    def _older_w(self, state: RankState, a: int, c: int) -> int:
-        """The stage of the older pending W of the two (c on a tie), by its I's end."""
-        two_p, nmb, finish = 2 * self.p, state.next_mb, state.finish
-        wa, wc, ia, ic = nmb[2 * two_p + a], nmb[2 * two_p + c], nmb[two_p + a], nmb[two_p + c]
-        if wc < ic and (wa >= ia or finish[two_p + c][wc] <= finish[two_p + a][wa]):
-            return c
-        return a
+        # Per rank: (first stage's I task, second stage's I task); W task = I task + 2p.
+        self.inputs = [(2 * p + a, 2 * p + c) for a, c in plan.rank_stages]
+        self.shift = 2 * p
 
     def choose(self, state: RankState, r: int, t: float) -> float | None:
         """The first ready F/I in policy order that memory (with reserve) and patience admit; else a
         W that fits the gap before the next known ready time; backfill fills the past gap with W."""
-        plan, policy, m = self.plan, self.policy, self.plan.num_microbatches
-        two_p, nmb, limit, w_dur = 2 * self.p, state.next_mb, plan.limit, plan.duration[2]
-        h, a, c = state.held[r], *plan.rank_stages[r]
-        chosen, nxt, blocked = -1, _INF, False
-        for task, s, phase, patient in self.candidates[r]:
-            if not phase:
+        nmb, ready_at, m, limit = state.next_mb, state.ready_at, self.m, self.limit
+        h, chosen, nxt, blocked = state.held[r], -1, _INF, False
+        for task, need, patience in self.candidates[r]:
+            if need is not None:  # an F: micro-batches left, and room for it
                 if nmb[task] >= m:
                     continue
-                if h + self.need[s] > limit:
+                if h + need > limit:
                     blocked = True
                     continue
-            ready = state.ready(task)
+            ready = ready_at[task]
             if ready is None:
                 continue
-            if patient and ready <= t and t + plan.duration[0][s] > nxt:
-                continue
             if ready <= t:
+                if t + patience > nxt:
+                    continue
                 chosen = task
                 break
-            nxt = min(nxt, ready)
-        if policy.backfill and chosen >= 0 and state.free[r] < t:
-            start = state.free[r]
-            while True:
-                s = self._older_w(state, a, c)
-                if (nmb[2 * two_p + s] >= nmb[two_p + s] or start >= t
-                        or (policy.w_only_if_fits and start + w_dur[s] > t)):
-                    break
-                start = state.place(2 * two_p + s, start)
-            t = max(t, start)
-        elif chosen < 0:
-            s = self._older_w(state, a, c)
-            all_placed = sum(nmb[x] for x in (a, c, two_p + a, two_p + c)) == 4 * m
-            if (nmb[2 * two_p + s] < nmb[two_p + s] and (not policy.w_only_if_fits or t + w_dur[s] <= nxt)
-                    and (not policy.backfill or nxt < _INF or blocked or all_placed)):
-                chosen = 2 * two_p + s
-            else:
-                return nxt
-        state.place(chosen, t)
+            if ready < nxt:  # noqa: PLR1730 (hot loop: a compare is cheaper than min())
+                nxt = ready
+        if chosen >= 0:
+            if self.policy.backfill and state.free[r] < t:
+                t = self._backfill(state, r, t)
+            state.place(chosen, t)
+            return None
+        w = self._older_w(state, r)
+        if w < 0 or (self.policy.w_only_if_fits and t + self.duration[w] > nxt):
+            return nxt
+        if self.policy.backfill and nxt == _INF and not blocked and not self._all_f_i_placed(state, r):
+            return nxt  # the next F/I's ready time is unknown: keep the gap for backfill
+        state.place(w, t)
         return None
 
+    def _older_w(self, state: RankState, r: int) -> int:
+        """The W task of the older pending W of rank r's two stages (by its I's end; the second
+        stage's on a tie), or -1 if none is pending."""
+        nmb, finish = state.next_mb, state.finish
+        ia, ic = self.inputs[r]
+        shift = self.shift
+        wa, wc = nmb[ia + shift], nmb[ic + shift]
+        if wc < nmb[ic] and (wa >= nmb[ia] or finish[ic][wc] <= finish[ia][wa]):
+            return ic + shift
+        return ia + shift if wa < nmb[ia] else -1
 
-def _kernel_list_schedule(plan: VPlan, policy: _Policy) -> tuple[list[list[Action]], float] | None:
-    """:func:`_list_schedule` on :func:`~pipeloom.schedules.kernel.rank_schedule_kernel` (same output)."""
+    def _all_f_i_placed(self, state: RankState, r: int) -> bool:
+        """Whether rank r has placed every F and I of both its stages (only W's are left)."""
+        ia, ic = self.inputs[r]
+        shift = self.shift
+        return sum(state.next_mb[task] for task in (ia - shift, ic - shift, ia, ic)) == 4 * self.m
+
+    def _backfill(self, state: RankState, r: int, t: float) -> float:
+        """W's placed from the rank's free time into the idle gap before ``t`` (it idled waiting
+        for the chosen F/I; W has no consumer elsewhere, so no other rank's view changes); returns
+        when the chosen F/I starts (later than ``t`` if the last W overran it)."""
+        start, fits = state.free[r], self.policy.w_only_if_fits
+        while start < t:
+            w = self._older_w(state, r)
+            if w < 0 or (fits and start + self.duration[w] > t):
+                break
+            start = state.place(w, start)
+        return max(t, start)
+
+
+def _list_schedule(plan: VPlan, policy: _Policy) -> tuple[list[list[Action]], float] | None:
+    """Build every rank's order while simulating it; None if the policy ends in a deadlock.
+
+    :func:`~pipeloom.schedules.kernel.rank_schedule_kernel` takes ranks in order of the time they
+    become free, so when rank r decides at time t every action starting before t is already placed
+    and "ready at t" is exact. A rank runs the first ready candidate in the policy's priority
+    order (an F only if its memory fits while keeping room for ``reserve`` second-stage forwards),
+    else a W to fill the gap; a rank with nothing to run sleeps until its next known ready time or
+    until a neighbour places the dependency it waits for. Per stage, F, I and W run in micro-batch
+    order.
+    """
     result = rank_schedule_kernel(_v_list_problem(plan), _PolicyRules(plan, policy))
     return ([list(actions) for actions in result.ranks], result.makespan) if result.complete else None
 
@@ -324,7 +206,7 @@ def zbv(
     scheduler's only if the validator accepts it (ordered, memory limit) and the simulator finds
     it shorter. With it zbv is nowhere slower than the authors' ZB-V generator on the 324 cells of
     benchmarks/data/zbv_reference.json. Larger schedules run the default policy once
-    (p=64, m=1024: 393k actions in about 2 s).
+    (p=64, m=1024: 393k actions in about 1.3 s of CPU, docs/schedules.md).
 
     Memory: at most ``memory_limit`` per rank, by default 1F1B's peak ``min(p, m) * costs.memory``;
     the Schedule's problem carries the limit so the validator enforces it. A limit below

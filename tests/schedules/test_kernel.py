@@ -2,8 +2,8 @@
 
 Oracles: closed forms (a chain of F then B on p ranks, one micro-batch at a time and pipelined),
 hand-worked orders for the tie-breaks, and the rules' own counters. The schedulers built on the
-kernel (Chimera's list order, the search's greedy) are compared with their pre-kernel outputs in
-test_list_golden.py.
+kernel (ZB-V, interleaved zero bubble, Chimera's list order, the search's greedy) are compared
+with their pre-kernel outputs in test_list_golden.py.
 """
 
 from __future__ import annotations
@@ -172,3 +172,45 @@ def test_rank_kernel_rejects_tasks_on_several_ranks():
                           tasks=(ListTask(stage=0, kind="F", ranks=(0, 1), duration=1.0),))
     with pytest.raises(ValueError, match="one-rank tasks"):
         rank_schedule_kernel(problem, _FirstReady(problem))
+
+
+class _Recording:
+    """Rank rules: place the rank's first unplaced task now; record every (rank, time) decision."""
+
+    def __init__(self, problem: ListProblem) -> None:
+        self.problem, self.decisions = problem, []
+
+    def choose(self, state: RankState, rank: int, now: float) -> float | None:
+        self.decisions.append((rank, now))
+        for t, task in enumerate(self.problem.tasks):
+            if task.ranks == (rank,) and state.next_mb[t] < self.problem.num_microbatches:
+                state.place(t, now)
+                return None
+        return math.inf
+
+
+@pytest.mark.parametrize(("rank_order_ties", "at_one"), [(False, [1, 0]), (True, [0, 1])])
+def test_ranks_due_at_the_same_time_decide_by_the_tie_rule(rank_order_ties, at_one):
+    # Both ranks run a 1-long task from 0, so both are due at 1. Rank 1 places last at 0: by default
+    # it decides again first at 1; with rank_order_ties rank 0 goes first.
+    tasks = tuple(ListTask(stage=r, kind=kind, ranks=(r,), duration=1.0) for r in (0, 1) for kind in "FB")
+    problem = ListProblem(num_ranks=2, num_microbatches=1, tasks=tasks)
+    rules = _Recording(problem)
+    result = rank_schedule_kernel(problem, rules, rank_order_ties=rank_order_ties)
+    assert result.complete and result.makespan == 2.0
+    assert [rank for rank, now in rules.decisions if now == 1.0] == at_one
+    assert [rank for rank, now in rules.decisions if now == 0.0] == [0, 1]
+
+
+def test_ready_at_follows_every_placement():
+    # chain(2, 2): task 0 = 0F, 1 = 1F (after 0F + 0.5), 2 = 1B (after 1F), 3 = 0B (after 0F and 1B + 0.5).
+    state = RankState(chain(2, 2, comm=0.5))
+    assert state.ready_at == [0.0, None, None, None]
+    state.place(0, 0.0)  # 0F0 ends at 1: 0F1 ready now, 1F0 at 1.5
+    assert state.ready_at == [0.0, 1.5, None, None] and state.ready(1) == 1.5
+    state.place(0, 1.0)  # 0F1: every micro-batch of task 0 placed
+    assert state.ready_at[0] is None
+    state.place(1, 1.5)  # 1F0 ends at 2.5: 1B0 ready then; 1F1 at 0F1's end 2 + 0.5
+    assert state.ready_at == [None, 2.5, 2.5, None]
+    state.place(2, 2.5)  # 1B0 ends at 4.5: 0B0 ready at 5
+    assert state.ready_at[3] == 5.0 and state.ready_at[2] is None

@@ -1,10 +1,11 @@
-"""Golden outputs of the three list schedulers (ZB-V, Chimera's list order, the search's greedy).
+"""Golden outputs of the list schedulers (ZB-V, interleaved zero bubble, Chimera's list order, the search's greedy).
 
 Oracle: tests/schedules/data/list_schedules_golden.json, the sha256 of every per-rank action list
 (and, per ZB-V policy, the makespan) these schedulers produced on the grids below *before* they
-moved onto :mod:`pipeloom.schedules.kernel` (commit 7cff6dd). ZB-V keeps an inlined fast path of
-its kernel rule; it is compared here with the kernel, action by action. Regenerate the fixture
-only on purpose: ``.venv/bin/python tests/schedules/test_list_golden.py`` (then review the diff).
+moved onto :mod:`pipeloom.schedules.kernel` (commit 7cff6dd; ZB-V's inlined copy of its policy and
+interleaved-zb's own scheduler until commit c7cf0fc, from which ``interleaved_zb_policies`` was
+made). Regenerate the fixture only on purpose: ``.venv/bin/python tests/schedules/test_list_golden.py``
+(then review the diff).
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ import pytest
 from pipeloom.errors import PipeloomError
 from pipeloom.problem import Costs
 from pipeloom.schedules import build_schedule
+from pipeloom.schedules import interleaved_zb as interleaved_zb_module
 from pipeloom.schedules import zbv as zbv_module
 from pipeloom.schedules.chimera import chimera_list_order
 from pipeloom.schedules.common import v_problem
+from pipeloom.schedules.interleaved import looped_problem
 from pipeloom.schedules.zbv_plan import VPlan, v_plan
 from pipeloom.search.greedy import list_schedule, microbatch_peak_memory
 from pipeloom.search.placements import placement
@@ -39,6 +42,17 @@ ZBV_GRID = [
     for cost in _COSTS
     for limit in (None, "p", "1.5p")
     for w_memory in (0.0, 0.43)
+]
+_IZB_COSTS = {**_COSTS, "heavy": dict(f=2.0, b=1.0, w=3.0)}
+"""interleaved-zb's costs; "heavy" (F and W longer than I) is where ranks due at the same time see
+each other's placements (the kernel's ``rank_order_ties``)."""
+IZB_GRID = [
+    (p, m, v, cost, limit)
+    for p in (1, 2, 3, 4, 8)
+    for m in (1, 3, 8, 16)
+    for v in (2, 3)
+    for cost in _IZB_COSTS
+    for limit in (None, "p")
 ]
 CHIMERA_GRID = [(p, m, cost) for p in (2, 4, 6, 8) for m in (2, 4, 6, 8, 12, 16, 32) for cost in _COSTS]
 GREEDY_GRID = [
@@ -79,6 +93,22 @@ def zbv_policies_digest(p: int, m: int, cost: str, limit: str | None, w_memory: 
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
+def interleaved_zb_policies_digest(p: int, m: int, v: int, cost: str, limit: str | None) -> str:
+    """Every list policy's order (before interleaved_zb keeps the fastest candidate)."""
+    costs = Costs(**_IZB_COSTS[cost])
+    if limit is None:
+        caps = interleaved_zb_module._default_caps(p, m, v, costs=costs)
+        memory_limit = max(caps)
+    else:
+        memory_limit = p * costs.memory
+        caps = [memory_limit] * p
+    problem = looped_problem(p, stages_per_rank=v, costs=costs, memory_limit=memory_limit, split_backward=True)
+    plan = interleaved_zb_module._plan(problem, m, v, caps)
+    results = [interleaved_zb_module._list_schedule(plan, policy) for policy in interleaved_zb_module._POLICIES]
+    text = ";".join("None" if r is None else _digest(r) for r in results)
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
 def chimera_digest(p: int, m: int, cost: str) -> str:
     return _digest(chimera_list_order(p, m // 2, Costs(**_COSTS[cost])))
 
@@ -103,6 +133,7 @@ def generate() -> dict[str, dict[str, str]]:
     return {
         "zbv": {_key(*cell): zbv_digest(*cell) for cell in ZBV_GRID},
         "zbv_policies": {_key(*cell): zbv_policies_digest(*cell) for cell in ZBV_GRID},
+        "interleaved_zb_policies": {_key(*cell): interleaved_zb_policies_digest(*cell) for cell in IZB_GRID},
         "chimera": {_key(*cell): chimera_digest(*cell) for cell in CHIMERA_GRID},
         "greedy": {_key(*cell): greedy_digest(*cell) for cell in GREEDY_GRID},
     }
@@ -118,6 +149,7 @@ def test_fixture_covers_the_grids(golden):
     assert len(golden["chimera"]) == len(CHIMERA_GRID)
     assert len(golden["greedy"]) == len(GREEDY_GRID)
     assert sum(not d.startswith("error") for d in golden["zbv"].values()) > 400
+    assert len(golden["interleaved_zb_policies"]) == len(IZB_GRID) == 320
 
 
 @pytest.mark.parametrize("p", [1, 2, 3, 4, 8])
@@ -134,24 +166,10 @@ def test_zbv_list_policies_match_golden(golden, p):
 
 
 @pytest.mark.parametrize("p", [1, 2, 3, 4, 8])
-def test_zbv_fast_path_equals_the_kernel(p):
-    """zbv runs each policy inlined (_list_schedule, about 2x faster); the kernel's rule is the reference."""
-    deadlocks = 0
-    for cell in (cell for cell in ZBV_GRID if cell[0] == p):
-        plan = zbv_plan(*cell)
-        for policy in zbv_module._VARIANTS:
-            fast = zbv_module._list_schedule(plan, policy)
-            assert fast == zbv_module._kernel_list_schedule(plan, policy), (cell, policy)
-            deadlocks += fast is None
-    assert deadlocks < 250  # of 990: most comparisons are of real orders (p=1 has 180 deadlocks)
-
-
-def test_zbv_fast_path_equals_the_kernel_on_larger_cells():
-    for p, m, cost in ((12, 48, "paper"), (16, 64, "skew")):
-        plan = zbv_plan(p, m, cost, None, 0.43)
-        for policy in zbv_module._VARIANTS:
-            fast = zbv_module._list_schedule(plan, policy)
-            assert fast is not None and fast == zbv_module._kernel_list_schedule(plan, policy), (p, m, policy)
+def test_interleaved_zb_list_policies_match_golden(golden, p):
+    cells = [cell for cell in IZB_GRID if cell[0] == p]
+    assert ({_key(*c): interleaved_zb_policies_digest(*c) for c in cells}
+            == {_key(*c): golden["interleaved_zb_policies"][_key(*c)] for c in cells})
 
 
 def test_chimera_list_order_matches_golden(golden):
