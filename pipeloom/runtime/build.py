@@ -20,6 +20,7 @@ from pipeloom.runtime.engine import PipelineEngine
 from pipeloom.runtime.fsdp import shard_pieces
 from pipeloom.runtime.lower import Lowering, PipelineError
 from pipeloom.runtime.materialize import StateSource, place_pieces
+from pipeloom.runtime.parallel.ep import check_experts_agree, experts_for, moe_layers, shard_experts
 from pipeloom.runtime.pieces import RankPieces
 from pipeloom.runtime.setup import device_for, lower_for, resolve_schedule, shared_seed, staged_model
 from pipeloom.runtime.shared import SharedParameters, check_placement, shared_parameters
@@ -63,6 +64,7 @@ def pipeline(
     data_parallel: str | None = None,
     tp_plan: dict | str | AutoPlan | None = None,
     scatter_boundaries: bool = True,
+    experts: Sequence[str] | None = None,
 ) -> PipelineEngine:
     """Build the engine that runs ``schedule`` over ``model`` cut into stages on this process group.
 
@@ -94,6 +96,9 @@ def pipeline(
     model's shapes (``engine.tp_sharding`` holds it with its prediction; sizes from ``example_inputs``).
     ``scatter_boundaries``: with ``"tp"``, a stage-boundary tensor equal on every tp rank crosses once per
     tp group (each sends 1/tp of it, the receivers all-gather); False sends it whole from every tp rank.
+    ``experts``: with an ``"ep"`` mesh dimension, the names (or fnmatch patterns) of the experts modules whose
+    experts are shared out over ``"ep"`` (:mod:`pipeloom.runtime.parallel.ep`: the interface they follow);
+    None finds every module of the model with that interface (``transformers``' MoE experts have it).
     """
     if plan is not None:
         schedule, planned, schedule_options, microbatches, mesh, data_parallel, tp_plan = _from_plan(
@@ -115,6 +120,13 @@ def pipeline(
         blocks = plan_blocks(model, tp_plan)
     if layout.tp.group is not None:  # a TP all-reduce inside a forward ends within the engine's timeout
         set_group_timeout([layout.group, layout.dp.group, layout.tp.group], float(timeout))
+    expert_names = experts_for(model, stages, experts, layout.ep, data_parallel)
+    if expert_names and model is not None and stages is None:  # the experts run as calls of the modules
+        leaf_modules = [*leaf_modules, *(n for n in expert_names if n not in leaf_modules)]
+        blocks += [layer for layer in moe_layers(expert_names)
+                   if not any(layer == b or layer.startswith(b + ".") for b in blocks)]
+    if layout.ep.size > 1:  # an all-to-all inside a forward ends within the engine's timeout
+        set_group_timeout([layout.group, layout.dp.group, layout.ep.group, layout.ep.dp_group], float(timeout))
     staged = staged_model(model, split_points, stages, tracer=tracer, leaf_modules=leaf_modules,
                           example_inputs=example_inputs, export_leaves=blocks)
     sched = resolve_schedule(schedule, num_ranks=world, num_pieces=staged.num_stages,
@@ -126,6 +138,9 @@ def pipeline(
     held = [lowering.piece_of[s] for s in lowering.stages_on(rank)]
     if len(set(held)) != len(held):
         raise PipelineError(f"rank {rank} holds two replicas of one model piece; put replicas on different ranks")
+    if layout.ep.size > 1:
+        _check_ep(lowering)
+        check_experts_agree({k: staged.stages[k] for k in held}, expert_names, layout.ep)
     device = device_for(layout, device, [staged.stages[k] for k in held])
     replaced = place_pieces({k: staged.stages[k] for k in held}, device, model=model, names=names,
                             state_dict=state_dict, init_weights=init_weights)
@@ -136,6 +151,8 @@ def pipeline(
         before = _ids([staged.stages[k] for k in held])
         apply_tp_plan({k: staged.stages[k] for k in held}, tp_plan, layout.tp)
         _check_shared_kept(shared, before - _ids([staged.stages[k] for k in held]))
+    if layout.ep.size > 1:
+        shard_experts({k: staged.stages[k] for k in held}, expert_names, layout.ep)
     sharded = _sharded(data_parallel, layout, lowering, shared)
     if sharded:
         shard_pieces({k: staged.stages[k] for k in held}, layout.dp.mesh)
@@ -248,6 +265,14 @@ def _check_tp(lowering: Lowering, data_parallel: str) -> None:
     if data_parallel == "fsdp":
         raise PipelineError("data_parallel='fsdp' with a tp_plan (2-D sharding) is not built yet; use "
                             "data_parallel='replicate' on a mesh with \"dp\", \"pp\" and \"tp\"")
+
+
+def _check_ep(lowering: Lowering) -> None:
+    """Refuse what does not compose with an "ep" dimension yet (docs/parallelism.md)."""
+    if lowering.replicas > 1:
+        raise PipelineError(f"schedule {lowering.schedule.name!r} holds two replicas of each piece, whose gradient "
+                            "exchange packs plain tensors, not the sharded experts of an \"ep\" mesh; choose a "
+                            "one-replica schedule (1f1b, zbv, dualpipev, interleaved-1f1b, ...)")
 
 
 def _ids(modules: Sequence[nn.Module]) -> set[int]:

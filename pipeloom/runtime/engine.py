@@ -30,6 +30,7 @@ from pipeloom.runtime.dp import GradientBuckets, Layout
 from pipeloom.runtime.fsdp import ShardedGradients
 from pipeloom.runtime.loss import LossSum
 from pipeloom.runtime.lower import PipelineError
+from pipeloom.runtime.parallel.ep import expert_groups
 from pipeloom.runtime.pieces import RankPieces
 from pipeloom.runtime.scatter import Traffic
 from pipeloom.runtime.setup import default_store, shared_run_id
@@ -305,7 +306,7 @@ class PipelineEngine:
             buckets = ShardedGradients(self.modules)
         elif self.dp.size > 1:
             buckets = GradientBuckets(dp=self.dp, stage_params=self.params, late=self._late_params(),
-                                      wait=self.messenger.wait_work)
+                                      wait=self.messenger.wait_work, over=expert_groups(self.params, self.layout.ep))
         else:
             return None
         buckets.begin()
