@@ -140,7 +140,8 @@ def pipeline(
         raise PipelineError(f"rank {rank} holds two replicas of one model piece; put replicas on different ranks")
     if layout.ep.size > 1:
         _check_ep(lowering)
-        check_experts_agree({k: staged.stages[k] for k in held}, expert_names, layout.ep)
+        check_experts_agree({k: staged.stages[k] for k in held}, expert_names, layout.ep, stage_rank=rank,
+                            everyone=layout.everyone)
     device = device_for(layout, device, [staged.stages[k] for k in held])
     replaced = place_pieces({k: staged.stages[k] for k in held}, device, model=model, names=names,
                             state_dict=state_dict, init_weights=init_weights)

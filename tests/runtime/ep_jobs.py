@@ -26,7 +26,7 @@ def build_moe(name: str, *, seed: int = 0, implementation: str | None = None) ->
         config = T.DeepseekV3Config(moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
                                     n_group=2, topk_group=1, first_k_dense_replace=1, n_shared_experts=1,
                                     q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4,
-                                    v_head_dim=8, **common)
+                                    v_head_dim=8, **{**common, "num_key_value_heads": 4})  # MLA: kv heads = heads
         model = T.DeepseekV3ForCausalLM(config)
     else:
         raise ValueError(name)
@@ -85,19 +85,23 @@ def build_own(seed: int = 0) -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), Block(16, 4), Block(16, 4), nn.Linear(16, 8))
 
 
-def _engine(model: nn.Module, schedule: str, dim: str, name: str):
+V_SHAPED = ("zbv", "dualpipev")  # two pieces per rank
+
+
+def _engine(model: nn.Module, schedule: str, dim: str, name: str, timeout: float = 60):
     from torch.distributed.device_mesh import init_device_mesh
 
     from pipeloom.runtime import pipeline
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", dim))
+    cuts = ["1", "2", "3"] if schedule in V_SHAPED else ["2"]
     if name == "own":
-        return pipeline(model, schedule=schedule, split_points=["2"], loss_fn=F.mse_loss, microbatches=2,
-                        mesh=mesh, timeout=60, experts=["*.experts"] if dim == "ep" else None,
+        return pipeline(model, schedule=schedule, split_points=cuts, loss_fn=F.mse_loss, microbatches=4,
+                        mesh=mesh, timeout=timeout, experts=["*.experts"] if dim == "ep" else None,
                         leaf_modules=["1.experts", "2.experts"])  # the reference's tracer keeps them whole too
     x, _ = tokens()
-    return pipeline(model, schedule=schedule, split_points=["model.layers.2"], loss_fn=lm_loss, microbatches=2,
-                    mesh=mesh, timeout=60, tracer="export", example_inputs=(x[:2],))
+    return pipeline(model, schedule=schedule, split_points=[f"model.layers.{c}" for c in cuts], loss_fn=lm_loss,
+                    microbatches=4, mesh=mesh, timeout=timeout, tracer="export", example_inputs=(x[:2],))
 
 
 def _batch(name: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,3 +161,93 @@ def ep_exactness(rank: int, world: int, cases: list[tuple[str, str]], steps: int
         ep.close()
         dp.close()
     return results
+
+
+def ep_state(rank: int, world: int, folder: str) -> dict:
+    """The user's MoE model on (pp 2, ep 2) next to (pp 2, dp 2), after one step from the same state: the
+    global gradient norm clip_grad_norm_ returns on each; the full state dict of the ep run against the dp
+    run's (whole experts, the model's names and shapes); a checkpoint saved at ep 2 loaded by the dp run
+    (ep 1) after the dp run has moved on (its parameters back to the ep run's, bitwise)."""
+    from pipeloom.runtime.parallel.ep import is_expert
+
+    ep, dp = _engine(build_own(), "1f1b", "ep", "own"), _engine(build_own(), "1f1b", "dp", "own")
+    x, y = _batch("own", 0)
+    ep.step(x, target=y)
+    dp.step(x, target=y)
+    norms = (float(ep.clip_grad_norm_(1e-3)), float(dp.clip_grad_norm_(1e-3)))
+    full, expected = ep.full_state_dict(), dp.full_state_dict()
+    full_equal = full.keys() == expected.keys() and all(torch.equal(full[k], expected[k]) for k in full)
+    shapes = {k: list(v.shape) for k, v in full.items()}
+    for engine in (ep, dp):
+        with torch.no_grad():
+            for p in engine.parameters():
+                p -= p.grad
+    saved = {k: v.clone() for k, v in ep.full_state_dict().items()}
+    ep.save_checkpoint(folder)
+    dp.step(x, target=y)  # the dp run moves away from the saved state
+    with torch.no_grad():
+        for p in dp.parameters():
+            p -= p.grad
+    dp.load_checkpoint(folder)
+    loaded = dp.full_state_dict()
+    restored = saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k]) for k in saved)
+    local = [list(p.to_local().shape) for p in ep.parameters() if is_expert(p)]
+    ep.close()
+    dp.close()
+    return {"norms": norms, "full_equal": full_equal, "restored": restored, "shapes": shapes if rank == 0 else {},
+            "local_expert_shapes": local}
+
+
+def ep_disagree(rank: int, world: int) -> str:
+    """Ranks 1 and 3 build their MoE layers with 2 experts, ranks 0 and 2 with 4: what pipeline() raises."""
+    from pipeloom.runtime import PipelineError
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), Block(16, 2 if rank % 2 else 4), Block(16, 4), nn.Linear(16, 8))
+    try:
+        _engine(model, "1f1b", "ep", "own")
+    except PipelineError as error:
+        return str(error)
+    return "no error"
+
+
+class Failing(TopTwo):
+    """Raises in its forward on the rank and step it is told (an expert's compute failing mid all-to-all)."""
+
+    def __init__(self, width: int, experts: int) -> None:
+        super().__init__(width, experts)
+        self.switch = {"fail": False}  # shared with the copy that computes this rank's experts
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        if self.switch["fail"]:
+            raise RuntimeError("an expert failed on purpose")
+        return super().forward(hidden_states, top_k_index, top_k_weights)
+
+
+def ep_fault(rank: int, world: int, timeout: float) -> dict:
+    """Global rank 1 (pp 0, ep 1) raises inside its experts' compute on the second step, between the dispatch
+    and the combine all-to-all, and stays alive for timeout + 10 s: what every rank raises, and after how long."""
+    import time
+
+    from pipeloom.runtime import PipelineError
+
+    model = build_own()
+    for block in (model[1], model[2]):
+        failing = Failing(16, 4)
+        failing.load_state_dict(block.experts.state_dict())
+        block.experts = failing
+    engine = _engine(model, "1f1b", "ep", "own", timeout=timeout)
+    x, y = _batch("own", 0)
+    engine.step(x, target=y)
+    if rank == 1:
+        model[1].experts.switch["fail"] = True
+    start = time.monotonic()
+    try:
+        engine.step(x, target=y)
+        outcome = "no error"
+    except PipelineError as error:
+        outcome = str(error)
+    elapsed = time.monotonic() - start
+    if rank == 1:
+        time.sleep(timeout + 10)  # alive: the others must not wait for its process to go
+    return {"error": outcome[:400], "seconds": elapsed}

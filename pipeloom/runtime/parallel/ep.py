@@ -144,22 +144,27 @@ def _held(stages: Mapping[int, nn.Module], names: Sequence[str]) -> list[tuple[i
     return found
 
 
-def check_experts_agree(stages: Mapping[int, nn.Module], names: Sequence[str], ep: ExpertParallel) -> None:
-    """Before any tensor moves: every rank of the ``"ep"`` group holds the same experts modules with the same
-    expert counts and shapes, and the counts divide by the group's size; else every rank raises, naming both."""
+def check_experts_agree(stages: Mapping[int, nn.Module], names: Sequence[str], ep: ExpertParallel, *,
+                        stage_rank: int, everyone: dist.ProcessGroup | None) -> None:
+    """Before any tensor moves: the ranks of every ``"ep"`` group hold the same experts modules with the same
+    expert counts and shapes, and the counts divide by the group's size; else every rank of the mesh raises
+    the same error (gathered over ``everyone``), naming the ranks and their counts."""
     mine = [(name, _count(module), [tuple(p.shape) for p in module.parameters(recurse=False)])
             for _, name, module in _held(stages, names)]
-    everyone: list = [None] * ep.size
-    dist.all_gather_object(everyone, mine, group=ep.group)
-    for other, theirs in enumerate(everyone):
-        if theirs != mine:
-            raise PipelineError(f"the ranks of one \"ep\" group disagree on their experts: ep rank {ep.rank} holds "
-                                f"{_describe(mine)}, ep rank {other} holds {_describe(theirs)}; build the same model "
-                                "(the same num_experts) on every rank")
-    for name, count, _ in mine:
-        if count % ep.size:
-            raise PipelineError(f"{name!r} has {count} experts, which do not divide over \"ep\" of size {ep.size}; "
-                                "choose an ep size that divides the expert count")
+    everything: list = [None] * dist.get_world_size(everyone)
+    dist.all_gather_object(everything, (stage_rank, ep.rank, mine), group=everyone)
+    first: dict[int, tuple[int, list]] = {}
+    for where, ep_rank, held in everything:
+        if where in first and first[where][1] != held:
+            raise PipelineError(
+                f"the ranks of one \"ep\" group (pipeline rank {where}) disagree on their experts: ep rank "
+                f"{first[where][0]} holds {_describe(first[where][1])}, ep rank {ep_rank} holds {_describe(held)}; "
+                "build the same model (the same num_experts) on every rank")
+        first.setdefault(where, (ep_rank, held))
+        for name, count, _ in held:
+            if count % ep.size:
+                raise PipelineError(f"{name!r} has {count} experts, which do not divide over \"ep\" of size "
+                                    f"{ep.size}; choose an ep size that divides the expert count")
 
 
 def _count(module: nn.Module) -> int:
