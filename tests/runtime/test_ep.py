@@ -63,3 +63,38 @@ def test_ep_state_clip_checkpoint_and_failures(tmp_path):
         assert found["error"] != "no error", rank
         assert found["seconds"] < 3 * timeout, (rank, found)
     assert "an expert failed on purpose" in failed[1]["error"]
+    assert "all-to-all over \"ep\"" in failed[0]["error"], failed[0]  # blocked in the combine: named so
+
+
+def test_experts_are_found_by_their_interface():
+    """transformers' grouped experts modules and the user's layer have the interface; a plain MLP, a router and
+    a module whose parameters are not stacked over the experts do not; experts= names are checked."""
+    from ep_jobs import Block, build_moe, build_own
+
+    from pipeloom.runtime import PipelineError
+    from pipeloom.runtime.parallel.ep import find_experts, is_experts_module
+
+    assert find_experts(build_moe("qwen3_moe"), None) == [f"model.layers.{k}.mlp.experts" for k in range(4)]
+    assert find_experts(build_moe("deepseek_v3"), None) == [f"model.layers.{k}.mlp.experts" for k in (1, 2, 3)]
+    own = build_own()
+    assert find_experts(own, None) == ["1.experts", "2.experts"] == find_experts(own, ["*.experts"])
+    block = Block(16, 4)
+    assert not is_experts_module(block.router) and not is_experts_module(block)
+    block.experts.num_experts = 3  # its parameters hold 4
+    assert not is_experts_module(block.experts)
+    with pytest.raises(PipelineError, match="lacks the experts interface"):
+        find_experts(own, ["1.router"])
+    with pytest.raises(PipelineError, match="names no module"):
+        find_experts(own, ["*.moe"])
+    with pytest.raises(PipelineError, match="has no experts module"):
+        find_experts(torch.nn.Sequential(torch.nn.Linear(2, 2)), None)
+
+
+def test_experts_without_an_ep_dimension_are_refused():
+    from ep_jobs import build_own
+
+    from pipeloom.runtime import PipelineError, pipeline
+
+    with pytest.raises(PipelineError, match="experts= names the modules sharded over the mesh's \"ep\""):
+        pipeline(build_own(), schedule="1f1b", split_points=["2"], loss_fn=torch.nn.functional.mse_loss,
+                 microbatches=2, experts=["*.experts"])

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipeloom.runtime.lower import PipelineError
 from pipeloom.runtime.tp import local_of
 
 if TYPE_CHECKING:
@@ -46,7 +47,12 @@ class _AllToAll(torch.autograd.Function):
 
 def _exchange(rows: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> torch.Tensor:
     out = rows.new_empty((sum(recv), *rows.shape[1:]))
-    dist.all_to_all_single(out, rows.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
+    try:
+        dist.all_to_all_single(out, rows.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
+    except RuntimeError as error:  # gloo's timeout or a closed connection: say which exchange and with whom
+        raise PipelineError(f"the experts' all-to-all over \"ep\" (global ranks "
+                            f"{dist.get_process_group_ranks(group)}) failed: an ep peer failed or stopped before "
+                            f"joining it (its own error names the cause): {error}") from error
     return out
 
 
@@ -77,11 +83,11 @@ class ExpertDispatch:
         destination = torch.div(ids[kept], per, rounding_mode="floor")
         order = kept[torch.argsort(destination, stable=True)]  # pairs grouped by the rank holding their expert
         send = torch.bincount(destination, minlength=self.ep.size)
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=self.ep.group)  # how many rows each rank sends here
-        send_list, recv_list = send.tolist(), recv.tolist()
         group = self.ep.group
         assert group is not None  # sharded only with an "ep" group
+        ones = [1] * self.ep.size
+        recv = _exchange(send, ones, ones, group)  # how many rows each rank sends here
+        send_list, recv_list = send.tolist(), recv.tolist()
         rows = all_to_all(hidden_states.reshape(tokens, width)[torch.div(order, k, rounding_mode="floor")],
                           send_list, recv_list, group)
         weights = all_to_all(top_k_weights.reshape(-1)[order], send_list, recv_list, group)
