@@ -1,6 +1,7 @@
 """Expert parallelism on 4 gloo CPU ranks: a ``transformers`` Qwen3-MoE on (pp 2, ep 2) against the same model on
 (pp 2, dp 2) — the same replicas and global batch, every expert on every replica (ep 1) — side by side: memory per
-rank and step time.
+rank and step time; and DualPipeV on (pp 2, ep 2) with its overlapped pairs run part after part and interleaved at
+their all-to-alls (``overlap_pairs``).
 
 Run ``cd benchmarks && python expert_parallel.py`` (``--quick`` for a smaller, shorter run; ``--help``). It spawns 4
 processes (gloo, one thread each) that build the same random-init Qwen3-MoE (``--experts`` experts of width
@@ -12,8 +13,10 @@ processes (gloo, one thread each) that build the same random-init Qwen3-MoE (``-
 - **Step time**: ``--warmup`` then ``--steps`` rounds of one step of each engine (1f1b, ``--microbatches``), who
   goes first alternating; a step's time is the slowest rank's wall time (ranks start together after a barrier).
   The ratio is the median over rounds of ep's time / dp's time in the same round (paired: the machine's drifting
-  load cancels), its spread the 10th-90th percentile. On gloo CPU ranks the all-to-alls are memory copies through
-  loopback TCP; a GPU cluster's cost differs — the ratio says what ep costs here, not there.
+  load cancels), its spread the 10th-90th percentile. Engines: **ep** and **dp** (1f1b, cut in 2), **off** and **on**
+  (dualpipev on (pp 2, ep 2), cut in 4, ``overlap_pairs`` False / True); ratios ep/dp and on/off. On gloo CPU
+  ranks the all-to-alls are memory copies through loopback TCP; a GPU cluster's cost differs — the ratios say
+  what ep and the overlap do here, not there.
 """
 
 from __future__ import annotations
@@ -39,8 +42,8 @@ WORLD = 4
 PRESETS = {
     "full": {"experts": 16, "moe_width": 128, "hidden": 128, "layers": 4, "batch": 16, "seq": 32,
              "microbatches": 4, "warmup": 2, "steps": 10},
-    "quick": {"experts": 8, "moe_width": 64, "hidden": 64, "layers": 2, "batch": 8, "seq": 16,
-              "microbatches": 2, "warmup": 1, "steps": 4},
+    "quick": {"experts": 8, "moe_width": 64, "hidden": 64, "layers": 4, "batch": 8, "seq": 16,
+              "microbatches": 4, "warmup": 1, "steps": 4},
 }
 
 
@@ -84,14 +87,17 @@ def worker(rank: int, options: dict, port: int, folder: str) -> None:
     x = torch.randint(1, 256, (options["batch"], options["seq"]), generator=generator)
     y = torch.randint(0, 256, (options["batch"], options["seq"]), generator=generator)
     engines = {}
-    for dim in ("ep", "dp"):
+    layers = options["layers"]
+    for name, dim, schedule, cuts in (("ep", "ep", "1f1b", [layers // 2]), ("dp", "dp", "1f1b", [layers // 2]),
+                                      ("off", "ep", "dualpipev", [layers // 4, layers // 2, 3 * layers // 4]),
+                                      ("on", "ep", "dualpipev", [layers // 4, layers // 2, 3 * layers // 4])):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", dim))
-        engines[dim] = pipeline(build(options), mesh=mesh, schedule="1f1b", microbatches=options["microbatches"],
-                                split_points=[f"model.layers.{options['layers'] // 2}"], loss_fn=loss_fn,
-                                tracer="export", example_inputs=(x[:2],), timeout=300)
-    times: dict[str, list[float]] = {"ep": [], "dp": []}
+        engines[name] = pipeline(build(options), mesh=mesh, schedule=schedule, microbatches=options["microbatches"],
+                                 split_points=[f"model.layers.{c}" for c in cuts], loss_fn=loss_fn, tracer="export",
+                                 example_inputs=(x[:2],), timeout=300, overlap_pairs=name == "on")
+    times: dict[str, list[float]] = {name: [] for name in engines}
     for round_ in range(options["warmup"] + options["steps"]):
-        order = ("ep", "dp") if round_ % 2 == 0 else ("dp", "ep")
+        order = list(engines) if round_ % 2 == 0 else list(reversed(engines))
         for dim in order:
             engine = engines[dim]
             for p in engine.parameters():
@@ -103,7 +109,7 @@ def worker(rank: int, options: dict, port: int, folder: str) -> None:
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             if round_ >= options["warmup"]:
                 times[dim].append(float(elapsed))
-    memory = {dim: _bytes(engine) for dim, engine in engines.items()}
+    memory = {dim: _bytes(engines[dim]) for dim in ("ep", "dp")}
     everyone: list = [None] * WORLD
     dist.all_gather_object(everyone, memory)
     if rank == 0:
@@ -125,11 +131,16 @@ def report(result: dict, options: dict, load: tuple[float, float]) -> str:
         lines.append(f"| {rank} | {dp['params']} | {ep['params']} | {ep['params'] / dp['params']:.3f} | "
                      f"{dp['grads']} | {ep['grads']} | {dp['params'] + dp['grads'] + dp['adam']} | "
                      f"{ep['params'] + ep['grads'] + ep['adam']} |")
-    ratios = sorted(e / d for e, d in zip(result["times"]["ep"], result["times"]["dp"]))
-    decile = (ratios[int(0.1 * (len(ratios) - 1))], ratios[int(0.9 * (len(ratios) - 1))])
-    lines += ["", f"step time: ep 2 median {statistics.median(result['times']['ep']) * 1e3:.1f} ms, ep 1 (dp 2) median "
-              f"{statistics.median(result['times']['dp']) * 1e3:.1f} ms; paired ratio ep/dp median "
-              f"{statistics.median(ratios):.3f} (10-90 %: {decile[0]:.3f}-{decile[1]:.3f}, {len(ratios)} rounds)"]
+    lines += ["", "| engine | median step (ms) |", "|---|---|"]
+    names = {"ep": "1f1b, pp 2 x ep 2", "dp": "1f1b, pp 2 x dp 2 (ep 1)", "off": "dualpipev, pp 2 x ep 2, overlap off",
+             "on": "dualpipev, pp 2 x ep 2, overlap on"}
+    lines += [f"| {names[k]} | {statistics.median(v) * 1e3:.1f} |" for k, v in result["times"].items()]
+    lines += ["", "| paired ratio | median | 10-90 % | rounds |", "|---|---|---|---|"]
+    for top, bottom in (("ep", "dp"), ("on", "off")):
+        ratios = sorted(a / b for a, b in zip(result["times"][top], result["times"][bottom]))
+        decile = (ratios[int(0.1 * (len(ratios) - 1))], ratios[int(0.9 * (len(ratios) - 1))])
+        lines.append(f"| {top} / {bottom} | {statistics.median(ratios):.3f} | {decile[0]:.3f}-{decile[1]:.3f} | "
+                     f"{len(ratios)} |")
     return "\n".join(lines)
 
 

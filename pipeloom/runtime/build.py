@@ -65,6 +65,7 @@ def pipeline(
     tp_plan: dict | str | AutoPlan | None = None,
     scatter_boundaries: bool = True,
     experts: Sequence[str] | None = None,
+    overlap_pairs: bool = False,
 ) -> PipelineEngine:
     """Build the engine that runs ``schedule`` over ``model`` cut into stages on this process group.
 
@@ -99,6 +100,9 @@ def pipeline(
     ``experts``: with an ``"ep"`` mesh dimension, the names (or fnmatch patterns) of the experts modules whose
     experts are shared out over ``"ep"`` (:mod:`pipeloom.runtime.parallel.ep`: the interface they follow);
     None finds every module of the model with that interface (``transformers``' MoE experts have it).
+    ``overlap_pairs``: an overlapped pair ``(iF;jB)OVERLAP_F_B`` (DualPipe's) runs its two parts interleaved at
+    their expert all-to-alls, one computing while the other's is in flight
+    (:mod:`pipeloom.runtime.parallel.overlap`); every rank passes the same value.
     """
     if plan is not None:
         schedule, planned, schedule_options, microbatches, mesh, data_parallel, tp_plan = _from_plan(
@@ -165,6 +169,7 @@ def pipeline(
     engine = PipelineEngine(staged=staged, pieces=pieces, layout=layout, trace=trace, timeout=float(timeout),
                             names=names, scatter_boundaries=bool(scatter_boundaries))
     engine.tp_sharding = sharding
+    engine.overlap_pairs = bool(overlap_pairs)
     return engine
 
 

@@ -102,6 +102,7 @@ class PipelineEngine:
         self.trace_steps: list[dict] = []
         self.clock = ActionClock(self.device)  # action times of traced steps (CUDA events on a GPU)
         self.broken: str | None = None
+        self.overlap_pairs = False  # overlapped pairs run interleaved at their collectives (pipeline(overlap_pairs=))
         self.tp_sharding: object = None  # tp_plan="auto": the chosen plan and prediction (tp_auto.AutoSharding)
         self._meta_cache: dict[tuple, tuple[dict, dict]] = {}
         store, run_id = None, "local"
@@ -237,7 +238,7 @@ class PipelineEngine:
         try:  # posts the replica-gradient receives: a failure there breaks the engine like any other
             run = StepRun(self.pieces, self.messenger, chunks, targets, training=training, params=self.params,
                           step_index=self.training_steps, metas=metas, specs=specs, discover=cached is None,
-                          events=events, clock=self.clock, buckets=buckets)
+                          events=events, clock=self.clock, buckets=buckets, overlap=self.overlap_pairs)
         except Exception as error:
             self._fail(f"rank {self.rank}: starting the step failed: {type(error).__name__}: {error}", error)
         try:

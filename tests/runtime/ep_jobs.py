@@ -167,7 +167,8 @@ def ep_state(rank: int, world: int, folder: str) -> dict:
     """The user's MoE model on (pp 2, ep 2) next to (pp 2, dp 2), after one step from the same state: the
     global gradient norm clip_grad_norm_ returns on each; the full state dict of the ep run against the dp
     run's (whole experts, the model's names and shapes); a checkpoint saved at ep 2 loaded by the dp run
-    (ep 1) after the dp run has moved on (its parameters back to the ep run's, bitwise)."""
+    (ep 1) after the dp run has moved on (its parameters back to the ep run's, bitwise); then eval_step's
+    losses of the two (the same weights)."""
     from pipeloom.runtime.parallel.ep import is_expert
 
     ep, dp = _engine(build_own(), "1f1b", "ep", "own"), _engine(build_own(), "1f1b", "dp", "own")
@@ -191,10 +192,12 @@ def ep_state(rank: int, world: int, folder: str) -> dict:
     dp.load_checkpoint(folder)
     loaded = dp.full_state_dict()
     restored = saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k]) for k in saved)
+    evaluated = bool(torch.equal(ep.eval_step(x, target=y), dp.eval_step(x, target=y)))  # now the same weights
     local = [list(p.to_local().shape) for p in ep.parameters() if is_expert(p)]
     ep.close()
     dp.close()
-    return {"norms": norms, "full_equal": full_equal, "restored": restored, "shapes": shapes if rank == 0 else {},
+    return {"norms": norms, "full_equal": full_equal, "restored": restored, "evaluated": evaluated,
+            "shapes": shapes if rank == 0 else {},
             "local_expert_shapes": local}
 
 
@@ -251,3 +254,34 @@ def ep_fault(rank: int, world: int, timeout: float) -> dict:
     if rank == 1:
         time.sleep(timeout + 10)  # alive: the others must not wait for its process to go
     return {"error": outcome[:400], "seconds": elapsed}
+
+
+def ep_overlap(rank: int, world: int, name: str, steps: int = 2) -> dict:
+    """``name`` under dualpipev on (pp 2, ep 2), overlapped pairs run one part after the other and interleaved at
+    their all-to-alls (``overlap_pairs=True``), from the same parameters: whether losses and gradients are
+    bitwise equal, and how many times the interleaved run handed the baton over."""
+    from pipeloom.runtime.parallel import overlap
+    from pipeloom.runtime.parallel.ep import is_expert
+
+    handed = [0]
+    original = overlap.Baton.pass_on
+
+    def counting(self, part: int) -> None:
+        handed[0] += 1
+        original(self, part)
+
+    overlap.Baton.pass_on = counting  # type: ignore[method-assign]
+    plain, interleaved = _engine(_build(name), "dualpipev", "ep", name), _engine(_build(name), "dualpipev", "ep", name)
+    interleaved.overlap_pairs = True
+    equal = True
+    for step in range(steps):
+        x, y = _batch(name, step)
+        equal &= bool(torch.equal(plain.step(x, target=y), interleaved.step(x, target=y)))
+        for (_, p), (_, q) in zip(plain.named_parameters(), interleaved.named_parameters()):
+            a, b = (p.grad.to_local(), q.grad.to_local()) if is_expert(p) else (p.grad, q.grad)
+            equal &= bool(torch.equal(a, b))
+            p.grad, q.grad = None, None
+    overlap.Baton.pass_on = original  # type: ignore[method-assign]
+    plain.close()
+    interleaved.close()
+    return {"equal": equal, "handed": handed[0]}

@@ -49,7 +49,7 @@ def test_ep_state_clip_checkpoint_and_failures(tmp_path):
     for rank, found in results.items():
         ours, theirs = found["norms"]
         assert abs(ours - theirs) <= TOLERANCE * theirs, (rank, ours, theirs)
-        assert found["full_equal"] and found["restored"], rank
+        assert found["full_equal"] and found["restored"] and found["evaluated"], rank
     assert results[0]["shapes"]["1.experts.up"] == [4, 16, 32]  # whole, under the model's own names
     assert all(found["local_expert_shapes"] == [[2, 16, 32], [2, 32, 16]] for found in results.values())
 
@@ -98,3 +98,15 @@ def test_experts_without_an_ep_dimension_are_refused():
     with pytest.raises(PipelineError, match="experts= names the modules sharded over the mesh's \"ep\""):
         pipeline(build_own(), schedule="1f1b", split_points=["2"], loss_fn=torch.nn.functional.mse_loss,
                  microbatches=2, experts=["*.experts"])
+
+
+@pytest.mark.parametrize("name", ["own", "deepseek_v3"])
+def test_overlapped_pairs_interleave_at_the_all_to_alls(name):
+    """dualpipev on (pp 2, ep 2): with overlap_pairs=True each overlapped pair's parts hand over at their
+    all-to-alls (counted on the ranks holding MoE layers) and the losses and gradients stay bitwise those of the
+    parts run one after the other."""
+    from ep_jobs import ep_overlap
+
+    results = _ok(run_ranks(4, ep_overlap, name, timeout=900))
+    assert all(found["equal"] for found in results.values()), results
+    assert results[2]["handed"] > 0 and results[3]["handed"] > 0, results

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeloom.runtime.lower import PipelineError
+from pipeloom.runtime.parallel.overlap import current_baton
 from pipeloom.runtime.tp import local_of
 
 if TYPE_CHECKING:
@@ -47,8 +48,14 @@ class _AllToAll(torch.autograd.Function):
 
 def _exchange(rows: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> torch.Tensor:
     out = rows.new_empty((sum(recv), *rows.shape[1:]))
+    pair = current_baton()  # inside an overlapped pair: the other part computes while this one is in flight
     try:
-        dist.all_to_all_single(out, rows.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
+        work = dist.all_to_all_single(out, rows.contiguous(), output_split_sizes=recv, input_split_sizes=send,
+                                      group=group, async_op=pair is not None)
+        if pair is not None:
+            pair[0].pass_on(pair[1])
+            assert work is not None  # async_op=True returns its work
+            work.wait()
     except RuntimeError as error:  # gloo's timeout or a closed connection: say which exchange and with whom
         raise PipelineError(f"the experts' all-to-all over \"ep\" (global ranks "
                             f"{dist.get_process_group_ranks(group)}) failed: an ep peer failed or stopped before "
