@@ -102,7 +102,7 @@ def layout_of(process_group: dist.ProcessGroup | None, mesh: DeviceMesh | None) 
     ep = ExpertParallel()
     if "ep" in names:  # the dp × ep ranks of this "pp" coordinate are the replicas; experts shard over "ep"
         ep, replicas, index, size = expert_layout(mesh, names)
-        dp = DataParallel(group=replicas, rank=index, size=size) if size > 1 else dp
+        dp = DataParallel(group=replicas, rank=index, size=size) if ep.size > 1 else dp
         coordinates = mesh_coordinates(mesh)
     everyone: dist.ProcessGroup | None = group
     everyone_size = world

@@ -114,6 +114,9 @@ class ExpertDispatch:
     def _compute(self, rows: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The module's own forward over this rank's experts, on the rows that arrived (one choice each)."""
         names = [name for name, _ in self.module.named_parameters(recurse=False)]
+        if rows.shape[0] == 0:  # no token chose these experts: their gradients are zeros, as on one device
+            anchor = sum(local_of(p).sum() for _, p in self.module.named_parameters(recurse=False))
+            return rows.new_zeros(rows.shape) + 0 * anchor
         for name, param in self.module.named_parameters(recurse=False):  # the local shards, differentiable
             object.__setattr__(self.local, name, local_of(param))
         try:
