@@ -33,17 +33,26 @@ __all__ = ["ExpertDispatch", "all_to_all"]
 
 
 class _AllToAll(torch.autograd.Function):
-    """Rows ``[sum(send), ...]`` -> ``[sum(recv), ...]`` over the group; its backward is the reverse all-to-all."""
+    """Tensors of rows ``[sum(send), ...]`` -> ``[sum(recv), ...]`` over the group, one exchange each in order; its
+    backward is the reverse exchanges in the same order. One autograd node for all of them: every rank's backward
+    then runs them in one order, whatever else its graph holds (two nodes could run in either order)."""
 
     @staticmethod
-    def forward(ctx: Any, rows: torch.Tensor, send: list[int], recv: list[int],
-                group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.send, ctx.recv, ctx.group = send, recv, group
-        return _exchange(rows, send, recv, group)
+    def forward(send: list[int], recv: list[int], group: dist.ProcessGroup,
+                *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(_exchange(t, send, recv, group) for t in tensors)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        return _exchange(grad, ctx.recv, ctx.send, ctx.group), None, None, None
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple:
+        outputs = ctx.saved_shapes
+        filled = [g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
+                  for g, (shape, dtype, device) in zip(grads, outputs)]
+        return None, None, None, *(_exchange(g, ctx.recv, ctx.send, ctx.group) for g in filled)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+        ctx.send, ctx.recv, ctx.group = inputs[0], inputs[1], inputs[2]
+        ctx.saved_shapes = [(t.shape, t.dtype, t.device) for t in output]
 
 
 def _exchange(rows: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> torch.Tensor:
@@ -63,9 +72,11 @@ def _exchange(rows: torch.Tensor, send: list[int], recv: list[int], group: dist.
     return out
 
 
-def all_to_all(rows: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> torch.Tensor:
-    """Differentiable ``all_to_all_single`` of ``rows`` (``send[r]`` rows to rank r, ``recv[r]`` from it)."""
-    return _AllToAll.apply(rows, send, recv, group)
+def all_to_all(tensors: tuple[torch.Tensor, ...], send: list[int], recv: list[int],
+               group: dist.ProcessGroup) -> tuple[torch.Tensor, ...]:
+    """Differentiable ``all_to_all_single`` of each of ``tensors`` (``send[r]`` rows to rank r, ``recv[r]`` from
+    it), as one autograd node."""
+    return _AllToAll.apply(send, recv, group, *tensors)
 
 
 class ExpertDispatch:
@@ -95,12 +106,11 @@ class ExpertDispatch:
         ones = [1] * self.ep.size
         recv = _exchange(send, ones, ones, group)  # how many rows each rank sends here
         send_list, recv_list = send.tolist(), recv.tolist()
-        rows = all_to_all(hidden_states.reshape(tokens, width)[torch.div(order, k, rounding_mode="floor")],
-                          send_list, recv_list, group)
-        weights = all_to_all(top_k_weights.reshape(-1)[order], send_list, recv_list, group)
+        rows, weights = all_to_all((hidden_states.reshape(tokens, width)[torch.div(order, k, rounding_mode="floor")],
+                                    top_k_weights.reshape(-1)[order]), send_list, recv_list, group)
         local_ids = _exchange(ids[order] % per, send_list, recv_list, group)  # index among its rank's experts
         done = self._compute(rows, local_ids[:, None], weights[:, None])
-        back = all_to_all(done, recv_list, send_list, group)
+        (back,) = all_to_all((done,), recv_list, send_list, group)
         pairs = torch.index_copy(back.new_zeros(tokens * k, width), 0, order, back).view(tokens, k, width)
         if not self.expert_order:
             return pairs.sum(dim=1).to(hidden_states.dtype)
@@ -114,9 +124,11 @@ class ExpertDispatch:
     def _compute(self, rows: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The module's own forward over this rank's experts, on the rows that arrived (one choice each)."""
         names = [name for name, _ in self.module.named_parameters(recurse=False)]
-        if rows.shape[0] == 0:  # no token chose these experts: their gradients are zeros, as on one device
-            anchor = sum(local_of(p).sum() for _, p in self.module.named_parameters(recurse=False))
-            return rows.new_zeros(rows.shape) + 0 * anchor
+        if rows.shape[0] == 0:  # no token chose these experts: zero gradients, as on one device; and the received
+            # (empty) rows stay in the graph, so that this rank's backward joins the dispatch's reverse all-to-all
+            anchor = sum((local_of(p) * 0).sum() for _, p in self.module.named_parameters(recurse=False))  # a
+            # gradient of its own (a sum's is a stride-0 view, which accumulating into later refuses)
+            return rows.new_zeros(rows.shape) + 0 * (anchor + rows.sum() + weights.sum())
         for name, param in self.module.named_parameters(recurse=False):  # the local shards, differentiable
             object.__setattr__(self.local, name, local_of(param))
         try:
