@@ -65,6 +65,9 @@ def expert_layout(mesh: DeviceMesh, names: Sequence[str]) -> tuple[ExpertParalle
     if "tp" in names:
         raise PipelineError("a mesh with both \"ep\" and \"tp\" is not built yet; use (\"dp\", \"pp\", \"ep\") or "
                             "(\"dp\", \"pp\", \"tp\")")
+    if mesh.size() != dist.get_world_size():  # before new_group, which every rank of the job must call
+        raise PipelineError(f"the mesh holds {mesh.size()} of the {dist.get_world_size()} ranks; with \"ep\" "
+                            "pipeloom needs a mesh over every rank of the default process group")
     ep_group = mesh.get_group("ep")
     dp_group, dp_size = None, 1
     if "dp" in names and mesh.size(list(names).index("dp")) > 1:
