@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from pipeloom.cli.errors import UsageError
@@ -101,7 +102,7 @@ def _save(args: argparse.Namespace, result) -> list[str]:
     return [f"wrote plan {args.save} (pipeline(model, plan=...) runs it)", *written, *notes]
 
 
-def export_torchtitan(plan, schedule, save: Path, modules: list[str]) -> str:
+def export_torchtitan(plan, schedule, save: Path, modules: Sequence[str]) -> str:
     """Write ``<stem>.torchtitan.args``, ``.toml`` and ``.csv`` next to the plan; the lines that say so."""
     import shlex
 

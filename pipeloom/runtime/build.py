@@ -24,6 +24,7 @@ from pipeloom.runtime.model.materialize import place_pieces
 from pipeloom.runtime.model.split import StagedModel
 from pipeloom.runtime.options import Failures, Parallelism, Tracing, Weights
 from pipeloom.runtime.parallel.dp import Layout, layout_of
+from pipeloom.runtime.parallel.ep import check_experts_agree, experts_for, moe_layers, shard_experts
 from pipeloom.runtime.parallel.fsdp import shard_pieces
 from pipeloom.runtime.parallel.tp import (
     apply_tp_plan,
@@ -103,16 +104,19 @@ def pipeline(
     sharding, tp_plan = _tensor_parallel(model, parallel, layout, microbatches, tracing)
     if layout.tp.group is not None:  # a TP all-reduce inside a forward ends within the engine's timeout
         set_group_timeout([layout.group, layout.dp.group, layout.tp.group], failures.timeout)
+    expert_names = experts_for(model, stages, parallel.experts, layout.ep, parallel.data_parallel or "replicate")
+    if layout.ep.size > 1:  # an all-to-all inside a forward ends within the engine's timeout
+        set_group_timeout([layout.group, layout.dp.group, layout.ep.group, layout.ep.dp_group], failures.timeout)
     seed = shared_seed(layout.everyone, layout.everyone_size, seed)  # here, whenever the model is split
     settle = functools.partial(
         _engine_parts, model=model, layout=layout, schedule=schedule, microbatches=microbatches,
         schedule_options=schedule_options or {}, device=device, weights=weights, tp_plan=tp_plan, parallel=parallel,
         loss_fn=loss_fn, seed=seed, record=record if record is not None else os.environ.get(TRACE_ENV) or None,
-        timeout=failures.timeout, sharding=sharding)
+        timeout=failures.timeout, sharding=sharding, expert_names=expert_names)
 
     def cut(example: object = None) -> StagedModel:
         given = tracing if example is None else dataclasses.replace(tracing, example_inputs=example, tracer="export")
-        return _staged(model, split_points, stages, given, tp_plan)
+        return _staged(model, split_points, stages, given, tp_plan, expert_names)
 
     try:
         staged = cut()
@@ -130,7 +134,8 @@ def pipeline(
 def _engine_parts(staged: StagedModel, *, model: nn.Module | None, layout: Layout, schedule: object,
                   microbatches: int | None, schedule_options: dict, device: torch.device | str | None,
                   weights: Weights, tp_plan: dict | None, parallel: Parallelism, loss_fn: Callable, seed: int,
-                  record: str | Path | bool | None, timeout: float, sharding: AutoSharding | None) -> dict:
+                  record: str | Path | bool | None, timeout: float, sharding: AutoSharding | None,
+                  expert_names: Sequence[str]) -> dict:
     """What :class:`PipelineEngine` is built from, once the model is cut into ``staged``: the schedule lowered
     onto it, this rank's pieces placed on their device (tensor-parallel and FSDP-sharded where asked)."""
     sched = resolve_schedule(schedule, num_ranks=layout.world, num_pieces=staged.num_stages,
@@ -140,6 +145,10 @@ def _engine_parts(staged: StagedModel, *, model: nn.Module | None, layout: Layou
     check_placement(shared, lowering)
     names = model_names(model, staged.stages)  # by identity: before any tensor is moved or allocated
     held = _held(lowering, layout.rank)
+    if layout.ep.size > 1:
+        _check_ep(lowering)
+        check_experts_agree({k: staged.stages[k] for k in held}, expert_names, layout.ep, stage_rank=layout.rank,
+                            everyone=layout.everyone)
     device = device_for(layout, device, [staged.stages[k] for k in held])
     replaced = place_pieces({k: staged.stages[k] for k in held}, device, model=model, names=names,
                             state_dict=weights.state_dict, init_weights=weights.init_weights)
@@ -148,13 +157,16 @@ def _engine_parts(staged: StagedModel, *, model: nn.Module | None, layout: Layou
     data_parallel = parallel.data_parallel or "replicate"
     if tp_plan is not None:
         _apply_tp(staged, held, tp_plan, layout, lowering, data_parallel, shared)
+    if layout.ep.size > 1:
+        shard_experts({k: staged.stages[k] for k in held}, expert_names, layout.ep)
     sharded = _sharded(data_parallel, layout, lowering, shared)
     if sharded:
         shard_pieces({k: staged.stages[k] for k in held}, layout.dp.mesh)
     pieces = _rank_pieces(lowering, layout, device, staged, loss_fn, seed, shared, sharded)
     logger.info("rank %d runs pieces %s on %s (data parallel: %s)", layout.rank, held, device, data_parallel)
     return dict(staged=staged, pieces=pieces, layout=layout, trace=record, timeout=timeout, names=names,
-                scatter_boundaries=parallel.scatter_boundaries, tp_sharding=sharding)
+                scatter_boundaries=parallel.scatter_boundaries, tp_sharding=sharding,
+                overlap_pairs=parallel.overlap_pairs)
 
 
 def _tensor_parallel(model: nn.Module | None, parallel: Parallelism, layout: Layout, microbatches: int | None,
@@ -167,13 +179,18 @@ def _tensor_parallel(model: nn.Module | None, parallel: Parallelism, layout: Lay
 
 
 def _staged(model: nn.Module | None, split_points: Sequence[str] | None,
-            stages: StagedModel | Sequence[nn.Module] | None, tracing: Tracing, tp_plan: dict | None) -> StagedModel:
+            stages: StagedModel | Sequence[nn.Module] | None, tracing: Tracing, tp_plan: dict | None,
+            expert_names: Sequence[str] = ()) -> StagedModel:
     """The stages, with the modules a tensor-parallel plan needs whole kept whole (torch.export would bake
-    the trace's head counts in)."""
+    the trace's head counts in), and the experts modules of an "ep" mesh run as calls of the modules."""
     leaf_modules, blocks = list(tracing.leaf_modules), []
     if tp_plan is not None and model is not None and stages is None:
         leaf_modules = leaf_modules_for(model, tp_plan, leaf_modules)
         blocks = plan_blocks(model, tp_plan)
+    if expert_names and model is not None and stages is None:
+        leaf_modules = [*leaf_modules, *(n for n in expert_names if n not in leaf_modules)]
+        blocks += [layer for layer in moe_layers(expert_names)
+                   if not any(layer == b or layer.startswith(b + ".") for b in blocks)]
     return staged_model(model, split_points, stages, tracer=tracing.tracer, leaf_modules=leaf_modules,
                         example_inputs=tracing.example_inputs, export_leaves=blocks)
 
@@ -287,6 +304,14 @@ def _check_tp(lowering: Lowering, data_parallel: str) -> None:
     if data_parallel == "fsdp":
         raise PipelineError("data_parallel='fsdp' with a tp_plan (2-D sharding) is not built yet; use "
                             "data_parallel='replicate' on a mesh with \"dp\", \"pp\" and \"tp\"")
+
+
+def _check_ep(lowering: Lowering) -> None:
+    """Refuse what does not compose with an "ep" dimension yet (docs/parallelism.md)."""
+    if lowering.replicas > 1:
+        raise PipelineError(f"schedule {lowering.schedule.name!r} holds two replicas of each piece, whose gradient "
+                            "exchange packs plain tensors, not the sharded experts of an \"ep\" mesh; choose a "
+                            "one-replica schedule (1f1b, zbv, dualpipev, interleaved-1f1b, ...)")
 
 
 def _ids(modules: Sequence[nn.Module]) -> set[int]:

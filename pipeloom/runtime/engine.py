@@ -26,6 +26,7 @@ from pipeloom.runtime.comm.messenger import FailureScope, Messenger
 from pipeloom.runtime.errors import PipelineError, StepMismatchError
 from pipeloom.runtime.model.split import StagedModel
 from pipeloom.runtime.parallel.dp import GradientBuckets, Layout
+from pipeloom.runtime.parallel.ep import expert_groups
 from pipeloom.runtime.parallel.fsdp import ShardedGradients
 from pipeloom.runtime.parallel.scatter import Traffic
 from pipeloom.runtime.parallel.tp import captured_parameters, changed_parameter
@@ -81,7 +82,7 @@ class PipelineEngine:
 
     def __init__(self, *, staged: StagedModel, pieces: RankPieces, layout: Layout, trace: str | Path | bool | None,
                  timeout: float, names: ModelNames, scatter_boundaries: bool = True,
-                 tp_sharding: AutoSharding | None = None) -> None:
+                 tp_sharding: AutoSharding | None = None, overlap_pairs: bool = False) -> None:
         """Built by :func:`~pipeloom.runtime.pipeline`, which has put this rank's pieces on their device."""
         self.staged = staged
         self.pieces = pieces
@@ -107,6 +108,7 @@ class PipelineEngine:
         self.trace_steps: list[dict] = []
         self.clock = ActionClock(self.device)  # action times of traced steps (CUDA events on a GPU)
         self.broken: str | None = None
+        self.overlap_pairs = overlap_pairs  # overlapped pairs run interleaved at their collectives
         self.tp_sharding = tp_sharding  # tp_plan="auto": the chosen plan and its prediction
         self._meta_cache: dict[tuple, tuple[dict, dict]] = {}
         store, run_id = None, "local"
@@ -248,7 +250,7 @@ class PipelineEngine:
         try:  # posts the replica-gradient receives: a failure there breaks the engine like any other
             run = StepRun(self.pieces, self.messenger, chunks, targets, training=training, params=self.params,
                           step_index=self.training_steps, metas=metas, specs=specs, discover=cached is None,
-                          events=events, clock=self.clock, buckets=buckets)
+                          events=events, clock=self.clock, buckets=buckets, overlap=self.overlap_pairs)
         except Exception as error:
             self._fail(f"rank {self.rank}: starting the step failed: {type(error).__name__}: {error}", error)
         try:
@@ -317,7 +319,7 @@ class PipelineEngine:
             buckets = ShardedGradients(self.modules)
         elif self.dp.size > 1:
             buckets = GradientBuckets(dp=self.dp, stage_params=self.params, late=self._late_params(),
-                                      wait=self.messenger.wait_work)
+                                      wait=self.messenger.wait_work, over=expert_groups(self.params, self.layout.ep))
         else:
             return None
         buckets.begin()

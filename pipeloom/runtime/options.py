@@ -67,14 +67,25 @@ class Parallelism:
     scatter_boundaries: bool = True
     """With ``"tp"``: a stage-boundary tensor equal on every tp rank crosses once per tp group (each sends
     1/tp of it, the receivers all-gather); False sends it whole from every tp rank."""
+    experts: Sequence[str] | None = None
+    """With ``"ep"``: the names (or fnmatch patterns) of the experts modules whose experts are shared out over
+    ``"ep"`` (:mod:`pipeloom.runtime.parallel.ep`: the interface they follow); None finds every module of the
+    model with that interface (``transformers``' MoE experts have it)."""
+    overlap_pairs: bool = False
+    """An overlapped pair ``(iF;jB)OVERLAP_F_B`` (DualPipe's) runs its two parts interleaved at their expert
+    all-to-alls, one computing while the other's is in flight (:mod:`pipeloom.runtime.parallel.overlap`); every
+    rank passes the same value."""
 
     def __post_init__(self) -> None:
         if self.mesh is not None and self.process_group is not None:
             raise PipelineError("Parallelism takes mesh= or process_group=, not both")
         if self.data_parallel is not None and self.data_parallel not in DATA_PARALLEL:
             raise PipelineError(f"Parallelism(data_parallel={self.data_parallel!r}): choose 'replicate' or 'fsdp'")
-        if not isinstance(self.scatter_boundaries, bool):
-            raise PipelineError(f"Parallelism(scatter_boundaries={self.scatter_boundaries!r}) is True or False")
+        if isinstance(self.experts, str):
+            raise PipelineError(f"Parallelism(experts={self.experts!r}) takes a list of module names, e.g. "
+                                f"[{self.experts!r}]")
+        if not isinstance(self.scatter_boundaries, bool) or not isinstance(self.overlap_pairs, bool):
+            raise PipelineError("Parallelism(scatter_boundaries=, overlap_pairs=) are True or False")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -187,7 +187,8 @@ def _regions(model: nn.Module, exported: torch.export.ExportedProgram, keep: Seq
     for name in keep:
         signature = _signature(model, exported, name)  # first: a module called twice is refused by name
         outputs = {getattr(spec, "name", None) for spec in signature.outputs}
-        for node, owner in region.items():
+        _release_sizes(region, name)
+        for node, owner in list(region.items()):
             if owner != name or node.name in outputs:
                 continue
             leaking = [user.name for user in node.users if region.get(user) != name]
@@ -195,6 +196,26 @@ def _regions(model: nn.Module, exported: torch.export.ExportedProgram, keep: Seq
                 raise _kept_refusal(model, name, f"its value {node.name!r} is used outside it ({leaking}) "
                                                  "without being one of its outputs")
     return region
+
+
+def _release_sizes(region: dict[fx.Node, str], name: str) -> None:
+    """Size arithmetic of a kept module used outside it (export shares ``T·k`` between the experts and the
+    next layer's ``arange``) is computed outside instead: a leaking node whose value is an int, and the
+    int-valued nodes inside it that it derives from, leave the region when their tensor inputs lie outside
+    it (the kept module recomputes them itself when called)."""
+    def sizes_only(node: fx.Node, found: set[fx.Node]) -> bool:
+        value = node.meta.get("val")
+        if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
+            return False
+        found.add(node)
+        return all(region.get(arg) != name or arg in found or sizes_only(arg, found) for arg in node.all_input_nodes)
+
+    for node in [n for n, owner in region.items() if owner == name]:
+        if any(region.get(user) != name for user in node.users):
+            found: set[fx.Node] = set()
+            if sizes_only(node, found):
+                for size in found:
+                    del region[size]
 
 
 def _signature(model: nn.Module, exported: torch.export.ExportedProgram, name: str):

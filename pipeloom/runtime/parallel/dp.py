@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeloom.runtime.errors import PipelineError
+from pipeloom.runtime.parallel.ep import ExpertParallel, expert_layout
 from pipeloom.runtime.parallel.tp import TensorParallel, local_of, mesh_coordinates, with_local
 from pipeloom.runtime.state.state_dict import Wait
 
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
 __all__ = ["BUCKET_BYTES", "DataParallel", "GradientBuckets", "Layout", "layout_of"]
 
 BUCKET_BYTES = 25 * 2**20  # the most gradient bytes one all-reduce carries
-_NAMES = ("pp", "dp", "tp")
+_NAMES = ("pp", "dp", "tp", "ep")
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +59,7 @@ class Layout:
     device_type: str | None  # the mesh's device type, when a mesh was given
     tp: TensorParallel = TensorParallel()  # the "tp" dimension (pipeloom.runtime.parallel.tp); size 1 without one
     coordinates: dict[int, str] | None = None  # with "tp": every global rank -> its mesh coordinates
+    ep: ExpertParallel = ExpertParallel()  # the "ep" dimension (pipeloom.runtime.parallel.ep); size 1 without one
 
     def where(self, number: int | None = None) -> str:
         """``global rank G (pp 1, tp 0)`` for global rank ``number`` (this one by default) on a mesh with
@@ -83,7 +85,7 @@ def layout_of(process_group: dist.ProcessGroup | None, mesh: DeviceMesh | None) 
     unknown = [n for n in names if n not in _NAMES]
     if unknown or "pp" not in names:
         raise PipelineError(f"the mesh's dimensions are {list(names)}; pipeloom runs a \"pp\" dimension and, "
-                            "optionally, \"dp\" and \"tp\": name them mesh_dim_names=('dp', 'pp', 'tp')")
+                            "optionally, \"dp\" and \"tp\" or \"ep\": name them mesh_dim_names=('dp', 'pp', 'tp')")
     group = mesh.get_group("pp")
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     dp = DataParallel(group=None, rank=0, size=1)
@@ -97,6 +99,11 @@ def layout_of(process_group: dist.ProcessGroup | None, mesh: DeviceMesh | None) 
         tp = TensorParallel(group=tp_group, rank=dist.get_rank(tp_group), size=dist.get_world_size(tp_group),
                             mesh=mesh["tp"])
         coordinates = mesh_coordinates(mesh)
+    ep = ExpertParallel()
+    if "ep" in names:  # the dp × ep ranks of this "pp" coordinate are the replicas; experts shard over "ep"
+        ep, replicas, index, size = expert_layout(mesh, names)
+        dp = DataParallel(group=replicas, rank=index, size=size) if ep.size > 1 else dp
+        coordinates = mesh_coordinates(mesh)
     everyone: dist.ProcessGroup | None = group
     everyone_size = world
     if dp.size > 1 or tp.size > 1:
@@ -106,7 +113,7 @@ def layout_of(process_group: dist.ProcessGroup | None, mesh: DeviceMesh | None) 
                                 "pipeloom needs a mesh over every rank of the default process group")
         everyone, everyone_size = dist.group.WORLD, dist.get_world_size()
     return Layout(rank=rank, world=world, group=group, dp=dp, everyone=everyone, everyone_size=everyone_size,
-                  device_type=mesh.device_type, tp=tp, coordinates=coordinates)
+                  device_type=mesh.device_type, tp=tp, coordinates=coordinates, ep=ep)
 
 
 def _world_of(process_group: dist.ProcessGroup | None) -> tuple[int, int, dist.ProcessGroup | None]:
@@ -138,6 +145,7 @@ class GradientBuckets:
     stage_params: dict[int, list[nn.Parameter]]  # local stage -> its trainable parameters
     late: set[int]  # ids of parameters reduced only in finish()
     wait: Wait
+    over: dict[int, tuple] = field(default_factory=dict)  # parameter id -> (group, size) summed over instead of dp
     saved: dict[int, torch.Tensor | None] = field(default_factory=dict)
     posted: set[int] = field(default_factory=set)
     buckets: list[_Bucket] = field(default_factory=list)
@@ -161,10 +169,12 @@ class GradientBuckets:
         todo = [p for p in self._unique(params) if id(p) not in self.posted and p.grad is not None]
         self.posted.update(id(p) for p in params)
         groups: dict[tuple, list[nn.Parameter]] = {}
-        for p in todo:  # one bucket per dtype and device, cut at BUCKET_BYTES
+        for p in todo:  # one bucket per dtype, device and group, cut at BUCKET_BYTES
             grad = _grad(p)
-            groups.setdefault((grad.dtype, grad.device), []).append(p)
-        for members in groups.values():
+            group, size = self.over.get(id(p), (self.dp.group, self.dp.size))
+            if size > 1:  # an expert's gradient without "dp" is whole already (pipeloom.runtime.parallel.ep)
+                groups.setdefault((grad.dtype, grad.device, group), []).append(p)
+        for (_, _, group), members in groups.items():
             start = 0
             while start < len(members):
                 size, end = 0, start
@@ -173,7 +183,7 @@ class GradientBuckets:
                     end += 1
                 chunk = members[start:end]
                 flat = torch.cat([local_of(_grad(p)).reshape(-1) for p in chunk])  # a DTensor's own shard
-                work = dist.all_reduce(flat, group=self.dp.group, async_op=True)
+                work = dist.all_reduce(flat, group=group, async_op=True)
                 self.buckets.append(_Bucket(params=chunk, flat=flat, work=work))
                 start = end
 

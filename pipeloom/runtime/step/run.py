@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,8 +38,9 @@ class StepRun:
     def __init__(self, pieces: RankPieces, messenger: Messenger, chunks: list, targets: list, *, training: bool,
                  params: Mapping[int, list], step_index: int, metas: dict, specs: dict, discover: bool,
                  events: list | None, clock: ActionClock,
-                 buckets: GradientBuckets | ShardedGradients | None = None) -> None:
+                 buckets: GradientBuckets | ShardedGradients | None = None, overlap: bool = False) -> None:
         self.pieces = pieces
+        self.overlap = overlap  # run an overlapped pair's parts interleaved (pipeloom.runtime.parallel.overlap)
         self.low = pieces.lowering
         self.params = params  # local stage -> its trainable parameters this step
         self.step_index = step_index  # training steps taken before: part of every forward's seed
@@ -114,7 +116,14 @@ class StepRun:
                 if step.opens_pair:  # an overlapped pair receives both parts' messages first
                     self._receive_inputs(program[t + 1])
                 start = clock.now() if self.events is not None else 0
-            if profiling:  # the action shows by name in the user's torch.profiler trace
+            if step.closes_pair and self.overlap:
+                pass  # ran with its forward part, interleaved
+            elif step.opens_pair and self.overlap and self.training:
+                from pipeloom.runtime.parallel.overlap import run_interleaved
+
+                run_interleaved(partial(self._act, t, step), partial(self._act, t + 1, program[t + 1]))
+                self.outbox.sort(key=lambda item: item[0].kind != "F")  # the forward's sends first, as in turn
+            elif profiling:  # the action shows by name in the user's torch.profiler trace
                 with record_function(f"pipeloom {step.action}"):
                     self._act(t, step)
             else:

@@ -1,0 +1,258 @@
+"""Expert parallelism: the mesh's ``"ep"`` dimension shares each mixture-of-experts layer's experts out over
+the ranks of one pipeline stage, which otherwise act as data-parallel replicas (Megatron's and torchtitan's
+placement: ep inside the data-parallel ranks).
+
+With a mesh ``("dp", "pp", "ep")`` (``"dp"`` optional) the ``dp × ep`` ranks of one ``"pp"`` coordinate are
+the pipeline's replicas: each runs its contiguous share of the global batch, and every parameter but the
+experts' (attention, router, shared experts, dense layers) is replicated and has its gradient summed over
+all of them, as :mod:`pipeloom.runtime.parallel.dp` does over ``"dp"``. An experts module keeps ``experts / ep`` of
+its experts: its parameters become ``DTensor``\\ s sharded ``Shard(0)`` over the ``"ep"`` sub-mesh (so
+clipping, state dicts and checkpoints see the whole tensor), and its gradient is summed over ``"dp"`` only.
+Tokens reach their experts' ranks and come back with all-to-all (:mod:`pipeloom.runtime.parallel.ep_dispatch`).
+
+**The experts interface** (what ``transformers``' grouped experts modules — Qwen2/3-MoE, Mixtral, OLMoE,
+DeepSeek-V3, ... — already are, and what a user's own MoE layer provides to be sharded): a module with
+
+- ``num_experts: int``, and every parameter it holds directly stacked over the experts on dim 0
+  (``[num_experts, ...]``);
+- ``forward(hidden_states [T, H], top_k_index [T, k] int, top_k_weights [T, k]) -> [T, H]`` returning, for
+  each token t, ``Σ_j f(x_t, e_tj, w_tj)`` where ``f`` uses only expert ``e_tj``'s slice of the parameters
+  (an index equal to ``num_experts`` means "no expert" and contributes nothing).
+
+``pipeline(..., experts=None)`` finds every such module of the model; ``experts=[names]`` names them (fnmatch
+patterns per dot-separated part, as ``tp_plan`` keys).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipeloom.runtime.errors import PipelineError
+from pipeloom.runtime.parallel.tp import resolve
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["ExpertParallel", "check_experts_agree", "expert_groups", "expert_layout", "experts_for", "find_experts",
+           "is_expert", "is_experts_module", "moe_layers", "shard_experts"]
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertParallel:
+    """This rank's place in its expert-parallel group (size 1 and no group without an ``"ep"`` dimension)."""
+
+    group: dist.ProcessGroup | None = None  # the "ep" group: the ranks one stage's experts are shared out over
+    rank: int = 0  # this rank's index in it: it holds experts rank·E/ep … (rank+1)·E/ep − 1 of each layer
+    size: int = 1
+    mesh: DeviceMesh | None = None  # the 1-D "ep" sub-mesh the experts' DTensors are sharded over
+    dp_group: dist.ProcessGroup | None = None  # the "dp" group the experts' gradients are summed over
+    dp_size: int = 1
+
+
+def expert_layout(mesh: DeviceMesh, names: Sequence[str]) -> tuple[ExpertParallel, dist.ProcessGroup, int, int]:
+    """(the ``"ep"`` place, the replicas' group, this rank's replica index, replicas) on a mesh with ``"ep"``:
+    the replicas are every rank of this rank's ``"pp"`` coordinate, numbered in the order of the mesh's other
+    dimensions (``("dp", "pp", "ep")``: replica = dp index × ep + ep index). Every rank calls it (it makes
+    one group per pipeline rank)."""
+    if "tp" in names:
+        raise PipelineError("a mesh with both \"ep\" and \"tp\" is not built yet; use (\"dp\", \"pp\", \"ep\") or "
+                            "(\"dp\", \"pp\", \"tp\")")
+    if mesh.size() != dist.get_world_size():  # before new_group, which every rank of the job must call
+        raise PipelineError(f"the mesh holds {mesh.size()} of the {dist.get_world_size()} ranks; with \"ep\" "
+                            "pipeloom needs a mesh over every rank of the default process group")
+    ep_group = mesh.get_group("ep")
+    dp_group, dp_size = None, 1
+    if "dp" in names and mesh.size(list(names).index("dp")) > 1:
+        dp_group = mesh.get_group("dp")
+        dp_size = dist.get_world_size(dp_group)
+    ep = ExpertParallel(group=ep_group, rank=dist.get_rank(ep_group), size=dist.get_world_size(ep_group),
+                        mesh=mesh["ep"], dp_group=dp_group, dp_size=dp_size)
+    grid = mesh.mesh.movedim(list(names).index("pp"), 0)
+    rows = grid.reshape(grid.shape[0], -1).tolist()
+    me = dist.get_rank()
+    replicas, index = None, -1
+    for ranks in rows:  # every rank creates every group, in the same order (torch's rule for new_group)
+        group = dist.new_group(ranks)
+        if me in ranks:
+            replicas, index = group, ranks.index(me)
+    assert replicas is not None  # the mesh holds every rank (layout_of checks)
+    return ep, replicas, index, len(rows[0])
+
+
+# ------------------------------------------------------------------------------------- finding experts
+
+
+def is_experts_module(module: nn.Module) -> bool:
+    """Whether ``module`` has the experts interface's shape (see the module doc): ``num_experts``, parameters
+    stacked over the experts on dim 0, and a forward of (hidden_states, top_k_index, top_k_weights)."""
+    count = getattr(module, "num_experts", None)
+    params = list(module.named_parameters(recurse=False))
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1 or not params:
+        return False
+    if any(p.dim() < 1 or p.shape[0] != count for _, p in params):
+        return False
+    try:
+        taken = [p for p in inspect.signature(module.forward).parameters.values()
+                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        return False
+    return len(taken) == 3
+
+
+def find_experts(model: nn.Module, given: Sequence[str] | None) -> list[str]:
+    """Names of ``model``'s experts modules: those ``given`` names (checked against the interface), or every
+    module with the interface's shape."""
+    if given is None:
+        found = [name for name, module in model.named_modules() if name and is_experts_module(module)]
+        if not found:
+            raise PipelineError(f"the mesh has an \"ep\" dimension but {type(model).__name__} has no experts module "
+                                "(num_experts, parameters stacked over the experts on dim 0, forward(hidden_states, "
+                                "top_k_index, top_k_weights)); name yours with experts=[...] or drop \"ep\"")
+        return found
+    names: list[str] = []
+    for key in given:
+        matched = resolve(model, key)
+        if not matched:
+            raise PipelineError(f"experts= entry {key!r} names no module of {type(model).__name__}; use names of "
+                                "model.named_modules() (fnmatch patterns per dot-separated part)")
+        for name in matched:
+            if not is_experts_module(model.get_submodule(name)):
+                raise PipelineError(f"experts= names {name!r} ({type(model.get_submodule(name)).__name__}), which "
+                                    "lacks the experts interface: num_experts, every parameter stacked over the "
+                                    "experts on dim 0, forward(hidden_states, top_k_index, top_k_weights) "
+                                    "(docs/parallelism.md)")
+            names.append(name)
+    return names
+
+
+def _held(stages: Mapping[int, nn.Module], names: Sequence[str]) -> list[tuple[int, str, nn.Module]]:
+    """(piece, name, module) of every experts module the stages hold (an fx/export stage keeps the model's
+    module paths)."""
+    found = []
+    for piece, stage in sorted(stages.items()):
+        for name in names:
+            try:
+                module = stage.get_submodule(name)
+            except AttributeError:
+                continue
+            found.append((piece, name, module))
+    return found
+
+
+def check_experts_agree(stages: Mapping[int, nn.Module], names: Sequence[str], ep: ExpertParallel, *,
+                        stage_rank: int, everyone: dist.ProcessGroup | None) -> None:
+    """Before any tensor moves: the ranks of every ``"ep"`` group hold the same experts modules with the same
+    expert counts and shapes, and the counts divide by the group's size; else every rank of the mesh raises
+    the same error (gathered over ``everyone``), naming the ranks and their counts."""
+    mine = [(name, _count(module), [tuple(p.shape) for p in module.parameters(recurse=False)])
+            for _, name, module in _held(stages, names)]
+    everything: list = [None] * dist.get_world_size(everyone)
+    dist.all_gather_object(everything, (stage_rank, ep.rank, mine), group=everyone)
+    first: dict[int, tuple[int, list]] = {}
+    for where, ep_rank, held in everything:
+        if where in first and first[where][1] != held:
+            raise PipelineError(
+                f"the ranks of one \"ep\" group (pipeline rank {where}) disagree on their experts: ep rank "
+                f"{first[where][0]} holds {_describe(first[where][1])}, ep rank {ep_rank} holds {_describe(held)}; "
+                "build the same model (the same num_experts) on every rank")
+        first.setdefault(where, (ep_rank, held))
+        for name, count, _ in held:
+            if count % ep.size:
+                raise PipelineError(f"{name!r} has {count} experts, which do not divide over \"ep\" of size "
+                                    f"{ep.size}; choose an ep size that divides the expert count")
+
+
+def _count(module: nn.Module) -> int:
+    return int(getattr(module, "num_experts"))  # noqa: B009 (checked by is_experts_module)
+
+
+def _describe(held: list) -> str:
+    return ", ".join(f"{name} ({count} experts)" for name, count, _ in held) or "no experts module"
+
+
+# ------------------------------------------------------------------------------------- sharding
+
+
+def shard_experts(stages: Mapping[int, nn.Module], names: Sequence[str], ep: ExpertParallel) -> int:
+    """Keep this rank's ``E / ep`` experts of every experts module the stages hold, as ``DTensor`` parameters
+    sharded ``Shard(0)`` over the ``"ep"`` sub-mesh, and route the module's forward through the all-to-all
+    dispatch. Returns how many modules were sharded. Call after the pieces are on their device."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    from pipeloom.runtime.parallel.ep_dispatch import ExpertDispatch
+
+    held = _held(stages, names)
+    for _, _, module in held:
+        count = _count(module)
+        per = count // ep.size
+        local = copy.copy(module)  # the same module over this rank's experts only; computes what arrives
+        local._parameters = {}
+        setattr(local, "num_experts", per)  # noqa: B010 (an nn.Module attribute mypy types as Tensor | Module)
+        for pname, param in list(module.named_parameters(recurse=False)):
+            piece = param.detach()[ep.rank * per:(ep.rank + 1) * per].clone()
+            sharded = DTensor.from_local(piece, ep.mesh, [Shard(0)], run_check=False, shape=param.shape,
+                                         stride=param.stride())
+            module._parameters[pname] = nn.Parameter(sharded, requires_grad=param.requires_grad)
+        module.forward = ExpertDispatch(module=module, local=local, ep=ep, num_experts=count)
+    return len(held)
+
+
+def is_expert(param: torch.Tensor) -> bool:
+    """Whether ``param`` is a sharded expert parameter (a DTensor over an ``"ep"`` sub-mesh)."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(param, DTensor) and tuple(param.device_mesh.mesh_dim_names or ()) == ("ep",)
+
+
+def expert_groups(stage_params: Mapping[int, Sequence[nn.Parameter]], ep: ExpertParallel) -> dict[int, tuple]:
+    """Parameter id -> (group, size) its gradient is summed over instead of the replicas: an expert's over
+    ``"dp"`` alone (size 1: not summed; every ep rank's own experts already saw every replica's tokens)."""
+    return {id(p): (ep.dp_group, ep.dp_size) for ps in stage_params.values() for p in ps if is_expert(p)}
+
+
+def experts_for(model: nn.Module | None, stages: object, given: Sequence[str] | None, ep: ExpertParallel,
+                data_parallel: str) -> list[str]:
+    """The experts modules ``pipeline()`` shards over ``"ep"`` (none without it): found in ``model``, or in
+    the user's own ``stages`` when no model is given; refuses ``experts=`` without ``"ep"`` and FSDP with it."""
+    if ep.size <= 1:
+        if given is not None:
+            raise PipelineError("experts= names the modules sharded over the mesh's \"ep\" dimension; pass mesh= "
+                                "with mesh_dim_names holding \"pp\" and \"ep\", or leave experts= out")
+        return []
+    if data_parallel == "fsdp":
+        raise PipelineError("data_parallel='fsdp' with an \"ep\" dimension is not built yet; use "
+                            "data_parallel='replicate'")
+    if model is not None:
+        return find_experts(model, given)
+    held = stages.stages if hasattr(stages, "stages") else stages
+    if not isinstance(held, Sequence):
+        raise PipelineError("an \"ep\" mesh needs the model (pipeline(model, ...)) or stages=[modules]")
+    names: list[str] = []
+    for stage in held:
+        found = find_experts(stage, given) if given is not None else [
+            n for n, m in stage.named_modules() if n and is_experts_module(m)]
+        names += [n for n in found if n not in names]
+    if not names:
+        raise PipelineError("the mesh has an \"ep\" dimension but the stages hold no experts module; name yours "
+                            "with experts=[...] (docs/parallelism.md: the experts interface)")
+    return names
+
+
+def moe_layers(names: Sequence[str]) -> list[str]:
+    """The modules torch.export keeps whole so that each experts module runs as a call of itself: the layer
+    around it (``model.layers.1.mlp`` for ``model.layers.1.mlp.experts``; export shares index arithmetic
+    between the experts and the routing around them, so the experts alone cannot be cut out)."""
+    layers: list[str] = []
+    for name in names:
+        layer = name.rpartition(".")[0] or name
+        if layer not in layers:
+            layers.append(layer)
+    return layers

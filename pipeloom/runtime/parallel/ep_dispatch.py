@@ -1,0 +1,138 @@
+"""The forward of a sharded experts module: each (token, choice) pair goes to the rank holding its expert
+with an all-to-all, that rank's experts compute it with the module's own forward, an all-to-all brings the
+results back, and each token's contributions are summed in the order the unsharded module sums them.
+
+Per (token, choice) pair the values are those of one device: the module's own code computes ``f(x, e, w)``
+for one row (a matmul row does not depend on the other rows of its batch on the CPU kernels the tests run;
+docs/parallelism.md), and the per-token sum keeps the unsharded order — expert index order for
+``transformers``' ``eager`` experts (an ``index_add_`` per expert), choice order otherwise (the
+``grouped_mm`` kernel's ``view(T, k, H).sum(1)``, and the interface's rule for a user's module).
+Gradients: each expert's weight gradient sums its rows from every replica of the ep group, in another
+order and grouping than one device (docs/parallelism.md states which sums change).
+
+gloo runs ``all_to_all_single`` (``ProcessGroupGloo::alltoall_base``), as NCCL does; a peer that never joins
+makes it raise after the group's timeout, which ``pipeline()`` sets to the engine's.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipeloom.runtime.errors import PipelineError
+from pipeloom.runtime.parallel.overlap import current_baton
+from pipeloom.runtime.parallel.tp import local_of
+
+if TYPE_CHECKING:
+    from pipeloom.runtime.parallel.ep import ExpertParallel
+
+__all__ = ["ExpertDispatch", "all_to_all"]
+
+
+class _AllToAll(torch.autograd.Function):
+    """Tensors of rows ``[sum(send), ...]`` -> ``[sum(recv), ...]`` over the group, one exchange each in order; its
+    backward is the reverse exchanges in the same order. One autograd node for all of them: every rank's backward
+    then runs them in one order, whatever else its graph holds (two nodes could run in either order)."""
+
+    @staticmethod
+    def forward(send: list[int], recv: list[int], group: dist.ProcessGroup,
+                *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(_exchange(t, send, recv, group) for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple:
+        outputs = ctx.saved_shapes
+        filled = [g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
+                  for g, (shape, dtype, device) in zip(grads, outputs)]
+        return None, None, None, *(_exchange(g, ctx.recv, ctx.send, ctx.group) for g in filled)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+        ctx.send, ctx.recv, ctx.group = inputs[0], inputs[1], inputs[2]
+        ctx.saved_shapes = [(t.shape, t.dtype, t.device) for t in output]
+
+
+def _exchange(rows: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    out = rows.new_empty((sum(recv), *rows.shape[1:]))
+    pair = current_baton()  # inside an overlapped pair: the other part computes while this one is in flight
+    try:
+        work = dist.all_to_all_single(out, rows.contiguous(), output_split_sizes=recv, input_split_sizes=send,
+                                      group=group, async_op=pair is not None)
+        if pair is not None:
+            pair[0].pass_on(pair[1])
+            assert work is not None  # async_op=True returns its work
+            work.wait()
+    except RuntimeError as error:  # gloo's timeout or a closed connection: say which exchange and with whom
+        raise PipelineError(f"the experts' all-to-all over \"ep\" (global ranks "
+                            f"{dist.get_process_group_ranks(group)}) failed: an ep peer failed or stopped before "
+                            f"joining it (its own error names the cause): {error}") from error
+    return out
+
+
+def all_to_all(tensors: tuple[torch.Tensor, ...], send: list[int], recv: list[int],
+               group: dist.ProcessGroup) -> tuple[torch.Tensor, ...]:
+    """Differentiable ``all_to_all_single`` of each of ``tensors`` (``send[r]`` rows to rank r, ``recv[r]`` from
+    it), as one autograd node."""
+    return _AllToAll.apply(send, recv, group, *tensors)
+
+
+class ExpertDispatch:
+    """The forward of one sharded experts module (installed as its ``forward``; see the module doc)."""
+
+    def __init__(self, *, module: nn.Module, local: nn.Module, ep: ExpertParallel, num_experts: int) -> None:
+        self.module = module  # the model's module, holding the DTensor parameters
+        self.local = local  # a shallow copy over this rank's experts: its own forward computes what arrives
+        self.ep = ep
+        self.num_experts = num_experts
+        config = getattr(module, "config", None)
+        # transformers' eager experts add one expert at a time (index_add_): contributions in expert order
+        self.expert_order = getattr(config, "_experts_implementation", None) == "eager"
+
+    def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        tokens, width = hidden_states.shape[0], hidden_states.shape[-1]
+        k = top_k_index.shape[-1]
+        per = self.num_experts // self.ep.size
+        ids = top_k_index.reshape(-1)
+        kept = (ids < self.num_experts).nonzero().squeeze(1)  # index num_experts: "no expert" (transformers')
+        destination = torch.div(ids[kept], per, rounding_mode="floor")
+        order = kept[torch.argsort(destination, stable=True)]  # pairs grouped by the rank holding their expert
+        send = torch.bincount(destination, minlength=self.ep.size)
+        group = self.ep.group
+        assert group is not None  # sharded only with an "ep" group
+        ones = [1] * self.ep.size
+        recv = _exchange(send, ones, ones, group)  # how many rows each rank sends here
+        send_list, recv_list = send.tolist(), recv.tolist()
+        rows, weights = all_to_all((hidden_states.reshape(tokens, width)[torch.div(order, k, rounding_mode="floor")],
+                                    top_k_weights.reshape(-1)[order]), send_list, recv_list, group)
+        local_ids = _exchange(ids[order] % per, send_list, recv_list, group)  # index among its rank's experts
+        done = self._compute(rows, local_ids[:, None], weights[:, None])
+        (back,) = all_to_all((done,), recv_list, send_list, group)
+        pairs = torch.index_copy(back.new_zeros(tokens * k, width), 0, order, back).view(tokens, k, width)
+        if not self.expert_order:
+            return pairs.sum(dim=1).to(hidden_states.dtype)
+        ranked = torch.argsort(top_k_index.reshape(tokens, k), dim=1, stable=True)
+        pairs = pairs.gather(1, ranked[..., None].expand(tokens, k, width))
+        total = hidden_states.new_zeros(tokens, width)
+        for j in range(k):  # zeros + first + second ...: the unsharded module's index_add_ order per token
+            total = total + pairs[:, j].to(total.dtype)
+        return total
+
+    def _compute(self, rows: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The module's own forward over this rank's experts, on the rows that arrived (one choice each)."""
+        names = [name for name, _ in self.module.named_parameters(recurse=False)]
+        if rows.shape[0] == 0:  # no token chose these experts: zero gradients, as on one device; and the received
+            # (empty) rows stay in the graph, so that this rank's backward joins the dispatch's reverse all-to-all
+            anchor = sum((local_of(p) * 0).sum() for _, p in self.module.named_parameters(recurse=False))  # a
+            # gradient of its own (a sum's is a stride-0 view, which accumulating into later refuses)
+            return rows.new_zeros(rows.shape) + 0 * (anchor + rows.sum() + weights.sum())
+        for name, param in self.module.named_parameters(recurse=False):  # the local shards, differentiable
+            object.__setattr__(self.local, name, local_of(param))
+        try:
+            return self.local.forward(rows, ids, weights)  # forward, not __call__: the hooks ran on the module
+        finally:
+            for name in names:
+                del self.local.__dict__[name]

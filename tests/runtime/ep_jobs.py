@@ -1,0 +1,304 @@
+"""What each spawned rank runs in the expert-parallel tests (importable by the child processes): tiny MoE models
+of ``transformers`` and a user's own MoE layer on a (pp 2, ep 2) mesh next to the same model on (pp 2, dp 2)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeloom.runtime import Failures, Parallelism, Tracing
+
+VOCAB = 96
+
+
+def build_moe(name: str, *, seed: int = 0, implementation: str | None = None) -> nn.Module:
+    """Tiny random-init Qwen3-MoE (4 sparse layers) or DeepSeek-V3 (1 dense + 3 MoE layers with a shared
+    expert and group-limited routing): 4 experts, 2 per token, eager attention."""
+    import transformers as T
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=VOCAB, use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+                  num_hidden_layers=4, hidden_size=32, intermediate_size=48, num_attention_heads=4,
+                  num_key_value_heads=2, attn_implementation="eager")
+    if name == "qwen3_moe":
+        config = T.Qwen3MoeConfig(moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, **common)
+        model = T.Qwen3MoeForCausalLM(config)
+    elif name == "deepseek_v3":
+        config = T.DeepseekV3Config(moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
+                                    n_group=2, topk_group=1, first_k_dense_replace=1, n_shared_experts=1,
+                                    q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4,
+                                    v_head_dim=8, **{**common, "num_key_value_heads": 4})  # MLA: kv heads = heads
+        model = T.DeepseekV3ForCausalLM(config)
+    else:
+        raise ValueError(name)
+    with torch.no_grad():  # transformers leaves the experts' stacked weights and some routers at zero/empty
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.2)
+    if implementation is not None:
+        model.set_experts_implementation(implementation)
+    return model
+
+
+def lm_loss(output: object, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(output.logits.flatten(0, 1), target.flatten())
+
+
+def tokens(rows: int = 8, seq: int = 6, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randint(1, VOCAB, (rows, seq), generator=generator),
+            torch.randint(0, VOCAB, (rows, seq), generator=generator))
+
+
+class TopTwo(nn.Module):
+    """A user's own MoE layer with the experts interface: ``num_experts`` and [E, ...] stacked weights."""
+
+    def __init__(self, width: int, experts: int) -> None:
+        super().__init__()
+        self.num_experts = experts
+        self.up = nn.Parameter(torch.randn(experts, width, 2 * width) * 0.3)
+        self.down = nn.Parameter(torch.randn(experts, 2 * width, width) * 0.3)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        out = hidden_states.new_zeros(hidden_states.shape[0], top_k_index.shape[1], hidden_states.shape[1])
+        for j in range(top_k_index.shape[1]):  # per choice: each row's expert
+            up, down = self.up[top_k_index[:, j]], self.down[top_k_index[:, j]]
+            y = torch.bmm(torch.relu(torch.bmm(hidden_states[:, None], up)), down)[:, 0]
+            out[:, j] = y * top_k_weights[:, j, None]
+        return out.sum(dim=1)
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, experts: int) -> None:
+        super().__init__()
+        self.router = nn.Linear(width, experts, bias=False)
+        self.experts = TopTwo(width, experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        weights, index = torch.topk(self.router(flat).softmax(-1), 2, dim=-1)
+        return x + self.experts(flat, index, weights).view_as(x)
+
+
+def build_own(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), Block(16, 4), Block(16, 4), nn.Linear(16, 8))
+
+
+V_SHAPED = ("zbv", "dualpipev")  # two pieces per rank
+
+
+def _engine(model: nn.Module, schedule: str, dim: str, name: str, timeout: float = 60):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from pipeloom.runtime import pipeline
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", dim))
+    cuts = ["1", "2", "3"] if schedule in V_SHAPED else ["2"]
+    if name == "own":
+        return pipeline(
+            model,
+            schedule=schedule,
+            split_points=cuts,
+            loss_fn=F.mse_loss,
+            microbatches=4,
+            tracing=Tracing(leaf_modules=["1.experts", "2.experts"]),
+            parallel=Parallelism(mesh=mesh, experts=["*.experts"] if dim == "ep" else None),
+            failures=Failures(timeout=timeout),
+        )  # the reference's tracer keeps them whole too
+    x, _ = tokens()
+    return pipeline(
+        model,
+        schedule=schedule,
+        split_points=[f"model.layers.{c}" for c in cuts],
+        loss_fn=lm_loss,
+        microbatches=4,
+        tracing=Tracing(tracer="export", example_inputs=(x[:2],)),
+        parallel=Parallelism(mesh=mesh),
+        failures=Failures(timeout=timeout),
+    )
+
+
+def _batch(name: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if name == "own":
+        g = torch.Generator().manual_seed(step)
+        return torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
+    return tokens(seed=step)
+
+
+def _build(name: str) -> nn.Module:
+    return build_own() if name == "own" else build_moe(name)
+
+
+def ep_exactness(rank: int, world: int, cases: list[tuple[str, str]], steps: int = 3) -> dict:
+    """For each (model, schedule): ``steps`` SGD steps on (pp 2, ep 2) and on (pp 2, dp 2) from the same state
+    (each step starts both from the (pp, dp) run's parameters): whether the losses are bitwise equal, the
+    largest gradient difference relative to the largest gradient of its tensor, the parameters without a
+    gradient, and how many experts modules this rank sharded."""
+    from pipeloom.runtime.parallel.ep import is_expert
+
+    results = {}
+    for name, schedule in cases:
+        ours, theirs = _build(name), _build(name)
+        ep = _engine(ours, schedule, "ep", name)
+        dp = _engine(theirs, schedule, "dp", name)
+        mine, reference = dict(ep.named_parameters()), dict(dp.named_parameters())
+        equal, worst, missing = True, 0.0, set()
+        for step in range(steps):
+            x, y = _batch(name, step)
+            equal &= bool(torch.equal(ep.step(x, target=y), dp.step(x, target=y)))
+            for key, p in mine.items():
+                q = reference[key]
+                if p.grad is None:
+                    missing.add(key)
+                    continue
+                grad, expected = p.grad, q.grad
+                if is_expert(p):
+                    per = expected.shape[0] // ep.layout.ep.size
+                    grad = p.grad.to_local()
+                    expected = expected[ep.layout.ep.rank * per:(ep.layout.ep.rank + 1) * per]
+                scale = float(expected.abs().max()) or 1.0
+                worst = max(worst, float((grad - expected).abs().max()) / scale)
+            with torch.no_grad():  # the same SGD update on both, from the reference's gradients
+                for key, q in reference.items():
+                    p = mine[key]
+                    q -= 0.1 * q.grad
+                    source = q.detach()
+                    if is_expert(p):
+                        per = source.shape[0] // ep.layout.ep.size
+                        p.to_local().copy_(source[ep.layout.ep.rank * per:(ep.layout.ep.rank + 1) * per])
+                    else:
+                        p.copy_(source)
+                    p.grad, q.grad = None, None
+        sharded = sum(1 for p in mine.values() if is_expert(p))
+        results[f"{name}/{schedule}"] = {"losses_equal": equal, "worst": worst, "missing": sorted(missing),
+                                         "expert_params": sharded, "params": len(mine)}
+        ep.close()
+        dp.close()
+    return results
+
+
+def ep_state(rank: int, world: int, folder: str) -> dict:
+    """The user's MoE model on (pp 2, ep 2) next to (pp 2, dp 2), after one step from the same state: the
+    global gradient norm clip_grad_norm_ returns on each; the full state dict of the ep run against the dp
+    run's (whole experts, the model's names and shapes); a checkpoint saved at ep 2 loaded by the dp run
+    (ep 1) after the dp run has moved on (its parameters back to the ep run's, bitwise); then eval_step's
+    losses of the two (the same weights)."""
+    from pipeloom.runtime.parallel.ep import is_expert
+
+    ep, dp = _engine(build_own(), "1f1b", "ep", "own"), _engine(build_own(), "1f1b", "dp", "own")
+    x, y = _batch("own", 0)
+    ep.step(x, target=y)
+    dp.step(x, target=y)
+    norms = (float(ep.clip_grad_norm_(1e-3)), float(dp.clip_grad_norm_(1e-3)))
+    full, expected = ep.full_state_dict(), dp.full_state_dict()
+    full_equal = full.keys() == expected.keys() and all(torch.equal(full[k], expected[k]) for k in full)
+    shapes = {k: list(v.shape) for k, v in full.items()}
+    for engine in (ep, dp):
+        with torch.no_grad():
+            for p in engine.parameters():
+                p -= p.grad
+    saved = {k: v.clone() for k, v in ep.full_state_dict().items()}
+    ep.save_checkpoint(folder)
+    dp.step(x, target=y)  # the dp run moves away from the saved state
+    with torch.no_grad():
+        for p in dp.parameters():
+            p -= p.grad
+    dp.load_checkpoint(folder)
+    loaded = dp.full_state_dict()
+    restored = saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k]) for k in saved)
+    evaluated = bool(torch.equal(ep.eval_step(x, target=y), dp.eval_step(x, target=y)))  # now the same weights
+    local = [list(p.to_local().shape) for p in ep.parameters() if is_expert(p)]
+    ep.close()
+    dp.close()
+    return {"norms": norms, "full_equal": full_equal, "restored": restored, "evaluated": evaluated,
+            "shapes": shapes if rank == 0 else {},
+            "local_expert_shapes": local}
+
+
+def ep_disagree(rank: int, world: int) -> str:
+    """Ranks 1 and 3 build their MoE layers with 2 experts, ranks 0 and 2 with 4: what pipeline() raises."""
+    from pipeloom.runtime import PipelineError
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), Block(16, 2 if rank % 2 else 4), Block(16, 4), nn.Linear(16, 8))
+    try:
+        _engine(model, "1f1b", "ep", "own")
+    except PipelineError as error:
+        return str(error)
+    return "no error"
+
+
+class Failing(TopTwo):
+    """Raises in its forward on the rank and step it is told (an expert's compute failing mid all-to-all)."""
+
+    def __init__(self, width: int, experts: int) -> None:
+        super().__init__(width, experts)
+        self.switch = {"fail": False}  # shared with the copy that computes this rank's experts
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        if self.switch["fail"]:
+            raise RuntimeError("an expert failed on purpose")
+        return super().forward(hidden_states, top_k_index, top_k_weights)
+
+
+def ep_fault(rank: int, world: int, timeout: float) -> dict:
+    """Global rank 1 (pp 0, ep 1) raises inside its experts' compute on the second step, between the dispatch
+    and the combine all-to-all, and stays alive for timeout + 10 s: what every rank raises, and after how long."""
+    import time
+
+    from pipeloom.runtime import PipelineError
+
+    model = build_own()
+    for block in (model[1], model[2]):
+        failing = Failing(16, 4)
+        failing.load_state_dict(block.experts.state_dict())
+        block.experts = failing
+    engine = _engine(model, "1f1b", "ep", "own", timeout=timeout)
+    x, y = _batch("own", 0)
+    engine.step(x, target=y)
+    if rank == 1:
+        model[1].experts.switch["fail"] = True
+    start = time.monotonic()
+    try:
+        engine.step(x, target=y)
+        outcome = "no error"
+    except PipelineError as error:
+        outcome = str(error)
+    elapsed = time.monotonic() - start
+    if rank == 1:
+        time.sleep(timeout + 10)  # alive: the others must not wait for its process to go
+    return {"error": outcome[:400], "seconds": elapsed}
+
+
+def ep_overlap(rank: int, world: int, name: str, steps: int = 2) -> dict:
+    """``name`` under dualpipev on (pp 2, ep 2), overlapped pairs run one part after the other and interleaved at
+    their all-to-alls (``overlap_pairs=True``), from the same parameters: whether losses and gradients are
+    bitwise equal, and how many times the interleaved run handed the baton over."""
+    from pipeloom.runtime.parallel import overlap
+    from pipeloom.runtime.parallel.ep import is_expert
+
+    handed = [0]
+    original = overlap.Baton.pass_on
+
+    def counting(self, part: int) -> None:
+        handed[0] += 1
+        original(self, part)
+
+    overlap.Baton.pass_on = counting  # type: ignore[method-assign]
+    plain, interleaved = _engine(_build(name), "dualpipev", "ep", name), _engine(_build(name), "dualpipev", "ep", name)
+    interleaved.overlap_pairs = True
+    equal = True
+    for step in range(steps):
+        x, y = _batch(name, step)
+        equal &= bool(torch.equal(plain.step(x, target=y), interleaved.step(x, target=y)))
+        for (_, p), (_, q) in zip(plain.named_parameters(), interleaved.named_parameters()):
+            a, b = (p.grad.to_local(), q.grad.to_local()) if is_expert(p) else (p.grad, q.grad)
+            equal &= bool(torch.equal(a, b))
+            p.grad, q.grad = None, None
+    overlap.Baton.pass_on = original  # type: ignore[method-assign]
+    plain.close()
+    interleaved.close()
+    return {"equal": equal, "handed": handed[0]}
