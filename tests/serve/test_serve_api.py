@@ -119,7 +119,7 @@ def test_a_cancelled_search_frees_its_worker(server):
 
 
 def test_fifty_concurrent_mixed_requests(server, costs_file):
-    """Simulate, search (0.3 s) and plan at once: every answer right, none refused, all within 40 s."""
+    """Simulate, search (up to 2 s; optimal sooner) and plan at once: every answer right, none refused, all within 40 s."""
     costs = costs_file
     table = json.loads(costs.read_text())
     request = {"ranks": 2, "global_batch": 4, "schedules": ["1f1b", "zb-h1"], "microbatches": [4]}
@@ -135,7 +135,7 @@ def test_fifty_concurrent_mixed_requests(server, costs_file):
             assert answer["report"]["makespan"] == simulate(build_schedule(name, 4, 8)).makespan
             return "simulate"
         if k % 3 == 1:
-            job = finished_search(server, {"placement": "linear", "ranks": 4, "microbatches": 8, "time_limit": 0.3})
+            job = finished_search(server, {"placement": "linear", "ranks": 4, "microbatches": 8, "time_limit": 2.0})
             assert job["status"] == "done", job
             assert job["result"]["report"]["makespan"] == 33.0  # gpipe/1f1b's (p + m - 1)(f + b) on unit costs
             return "search"
