@@ -31,6 +31,7 @@ from pipeloom.sim import Timeline
 from pipeloom.validate import validate
 from pipeloom.viz.report import (
     comparison_rows,
+    costs_report,
     placements_table,
     print_comparison,
     schedules_table,
@@ -158,6 +159,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     problem = schedule.problem
     if args.memory_limit is not None:  # overrides the limit a JSON file carries
         problem = dataclasses.replace(problem, memory_limit=args.memory_limit)
+    if args.overlap is not None:  # overrides the pricing of pairs a JSON file carries
+        problem = dataclasses.replace(problem, overlap_fraction=args.overlap)
+    if args.pair_time is not None:
+        problem = dataclasses.replace(problem, pair_time=args.pair_time)
     schedule = dataclasses.replace(schedule, problem=problem)
     with limit_units(args, ACTIVATIONS if is_csv else "the file's memory units"):
         timeline = validate(schedule, ordered=not args.allow_unordered)
@@ -205,7 +210,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     console = Console(stderr=args.json, highlight=False)
     if args.json:
         print(json.dumps({"num_ranks": args.ranks, "num_microbatches": args.microbatches,
-                          "costs": dataclasses.asdict(costs), "memory_limit": args.memory_limit,
+                          "costs": costs_report(costs), "memory_limit": args.memory_limit,
                           "schedules": rows}))
     else:
         print_comparison(console, rows, title)

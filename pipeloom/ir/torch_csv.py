@@ -174,5 +174,7 @@ def _csv_problem(
         backward=backward,
         comm_latency=costs.comm,
         memory_limit=memory_limit,
+        overlap_fraction=costs.overlap,
+        pair_time=costs.pair_time,
     )
 
