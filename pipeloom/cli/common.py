@@ -20,7 +20,7 @@ from pipeloom.sim import Timeline
 from pipeloom.viz.report import per_rank_table, summary_table, terminal_timeline
 
 __all__ = ["UsageError", "COST_FLAGS", "OVERLAP_FLAGS", "costs_from_args", "check_flag_sums", "limit_units",
-           "first_line", "emit"]
+           "first_line", "emit", "check_picture"]
 
 COST_FLAGS = ("f", "b", "w", "comm", "f_comm", "b_comm")
 """The cost flags (``--f`` ...) that set the matching ``Costs`` fields."""
@@ -72,6 +72,17 @@ def limit_units(args: argparse.Namespace, units: str) -> Iterator[None]:
         except TypeError:  # a subclass with another signature keeps its own text
             raise error from None
         raise marked from None
+
+
+def check_picture(args: argparse.Namespace, ranks: int) -> None:
+    """UsageError, before anything is built, when ``-o`` asks for a .png/.svg picture of more rank rows
+    than :data:`pipeloom.viz.timeline.MAX_PICTURE_RANKS`."""
+    from pipeloom.viz.timeline import MAX_PICTURE_RANKS
+
+    out = getattr(args, "out", None)
+    if out is not None and out.suffix.lower() in (".png", ".svg") and ranks > MAX_PICTURE_RANKS:
+        raise UsageError(f"-o {out}: a picture of {ranks:,} rank rows is above the limit of {MAX_PICTURE_RANKS:,} "
+                         "(it could not be read); use fewer ranks, or -o a .html view")
 
 
 def first_line(error: BaseException) -> str:

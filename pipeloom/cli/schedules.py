@@ -15,6 +15,7 @@ from pipeloom.cli.common import (
     COST_FLAGS,
     UsageError,
     check_flag_sums,
+    check_picture,
     costs_from_args,
     emit,
     first_line,
@@ -138,6 +139,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         raise UsageError(f"--save {args.save}: a lowered schedule (--with-comms) is saved as torch "
                          "compute_comms CSV; use a .csv file name")
     check_flag_sums(_cost_flags(args), args.microbatches)
+    check_picture(args, args.ranks)
     costs = costs_from_args(args)
     with limit_units(args, ACTIVATIONS):
         timeline = _build(args.name, args.ranks, args.microbatches, costs, args.memory_limit,
@@ -155,6 +157,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     check_flag_sums(_cost_flags(args), 1)  # before the CSV reader adds b + w
     costs = costs_from_args(args)
     schedule = load_schedule(args.file, costs=costs)
+    if schedule.problem.num_ranks > MAX_RANKS:  # validating and the per-rank tables grow with the ranks
+        raise UsageError(f"{args.file}: {schedule.problem.num_ranks:,} ranks is above the limit of {MAX_RANKS:,} "
+                         "ranks; use fewer ranks")
+    check_picture(args, schedule.problem.num_ranks)
     check_flag_sums(_cost_flags(args), schedule.num_microbatches)
     problem = schedule.problem
     if args.memory_limit is not None:  # overrides the limit a JSON file carries
@@ -195,6 +201,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         _check_name(name)
         _check_size(name, args.ranks, args.microbatches)
     check_flag_sums(_cost_flags(args), args.microbatches)
+    check_picture(args, args.ranks * len(args.names))
     costs = costs_from_args(args)
     rows, timelines = compare_schedules(args.names, args.ranks, args.microbatches, costs, args.memory_limit)
     title = f"p={args.ranks}, m={args.microbatches}"

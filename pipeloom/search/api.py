@@ -20,7 +20,7 @@ from pipeloom.schedules import REGISTRY, build_schedule
 from pipeloom.search.budget import Budget
 from pipeloom.search.common import SearchError, limit_of, lower_bound, to_integers, topological_order
 from pipeloom.search.constructions import BLOCK_PLACEMENTS, insert_all_rank_tasks, split_each_backward
-from pipeloom.search.problem_file import load_problem, problem_from_json
+from pipeloom.search.problem_file import check_task_count, load_problem, problem_from_json
 from pipeloom.search.result import Mode, SearchProgress, SearchResult, Status
 from pipeloom.search.transforms import merge_backward, without_all_rank_tasks
 from pipeloom.sim import Timeline
@@ -299,7 +299,9 @@ def _check_arguments(num_microbatches: int, time_limit: float, workers: int) -> 
 
 
 def _check_size(problem: Problem, num_microbatches: int) -> None:
-    """Refuse more than :data:`MAX_INTERVALS` intervals before building anything."""
+    """Refuse more than :data:`MAX_INTERVALS` intervals, or a problem of more than
+    :data:`~pipeloom.search.problem_file.MAX_SEARCH_TASKS` tasks, before building anything."""
+    check_task_count(len(problem.tasks))
     intervals = len(problem.tasks) * num_microbatches
     if intervals > MAX_INTERVALS:
         raise PipeloomError(
