@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from rich.console import Console
 from pipeloom.cli.argtypes import count, number, path_with
 from pipeloom.cli.common import UsageError
 from pipeloom.cli.outputs import target
+from pipeloom.cli.plan_try import add_try_arguments, check_try, trial_lines, try_in_engine
 from pipeloom.errors import PipeloomError
 
 __all__ = ["PLAN_TIME_LIMIT", "add_plan_parser", "bytes_argument", "cmd_plan"]
@@ -97,6 +99,7 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
                            "([parallelism] split points, schedule CSV, micro-batch size, degrees) and "
                            "<stem>.torchtitan.csv (the schedule)")
     plan.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    add_try_arguments(plan)
     plan.set_defaults(handler=cmd_plan)
 
 
@@ -241,6 +244,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     if args.export and not args.save:
         raise UsageError(f"--export {args.export} writes next to the plan file; give --save PLAN.json too")
+    check_try(args)
     if args.server is not None:
         return _plan_on_server(args)
     tables = _with_heads(args, [load_costs(path) for path in args.costs])
@@ -252,6 +256,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         schedules=_schedules(args.schedules), stages_per_rank=args.stages_per_rank, microbatches=args.microbatches,
         search_time=args.search, progress=_progress(args), deadline=time.perf_counter() + args.time_limit,
     )
+    if args.try_k is not None:  # every rank of the launch runs the trials; rank 0 alone writes and prints
+        result = try_in_engine(args, result)
+        if os.environ.get("RANK", "0") != "0":
+            return 0
+        written.extend(trial_lines(result.plan))
     if result.untried:
         written.append(f"note: --time-limit {args.time_limit:g} s reached: {result.untried} candidate(s) left untried "
                        "(larger micro-batch counts); raise --time-limit, or narrow --microbatches/--schedules")
