@@ -82,8 +82,9 @@ def try_in_engine(args: argparse.Namespace, result):
             torch.manual_seed(0)
             return model_and_inputs(module, function, request)[0]
 
+        # example_inputs: torch.fx first, torch.export on this batch where fx cannot trace (transformers models)
         tried = try_plans(result, build=build, inputs=inputs, target=target, loss_fn=loss, k=args.try_k,
-                          steps=args.try_steps)
+                          steps=args.try_steps, example_inputs=inputs)
         if dist.get_rank() != 0 and getattr(args, "outputs", None) is not None:
             args.outputs.discard()  # rank 0 writes the files; an empty one from here must not replace them
         return tried

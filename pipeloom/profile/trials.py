@@ -122,12 +122,14 @@ def _record(trial: TrialPlan, times: Sequence[float] | None, error: str = "") ->
 
 def try_plans(result: PlanResult, *, build: Callable[[], nn.Module], inputs: Any, target: Any,
               loss_fn: Callable[[Any, Any], torch.Tensor], k: int = 3, steps: int = 3, warmup: int = 1,
-              process_group: ProcessGroup | None = None, **pipeline_options: Any) -> PlanResult:
+              process_group: ProcessGroup | None = None, options_for: Callable[[Plan], dict] | None = None,
+              **pipeline_options: Any) -> PlanResult:
     """``result`` with the fastest measured of its ``k`` best plans (:func:`trial_plans`) as its plan, which
     carries every trial (``Plan.trials``), and that plan's simulated timeline; every rank of ``process_group``
     (default: the default group, of the plans' world size) calls it with the same ``inputs`` and ``target``
     (one step's batch) and the same ``build`` (a fresh model, the same weights on every rank, each call).
-    ``pipeline_options`` go to ``pipeloom.pipeline`` (e.g. ``example_inputs``, ``tracer``).
+    ``pipeline_options`` go to ``pipeloom.pipeline`` (e.g. ``example_inputs``, ``tracer``), with
+    ``options_for(plan)``'s for each plan where given (e.g. example inputs of its micro-batch size).
     PlanError when no trial could run."""
     import torch.distributed as dist
 
@@ -148,8 +150,9 @@ def try_plans(result: PlanResult, *, build: Callable[[], nn.Module], inputs: Any
             folder = Path(scratch) / str(n)
             folder.mkdir()
             try:
+                options = {**pipeline_options, **(options_for(trial.plan) if options_for is not None else {})}
                 times = measure_plan(trial, folder, build=build, inputs=inputs, target=target, loss_fn=loss_fn,
-                                     steps=steps, warmup=warmup, process_group=process_group, **pipeline_options)
+                                     steps=steps, warmup=warmup, process_group=process_group, **options)
                 records.append((trial, _record(trial, times)))
             except PipeloomError as error:  # refused by the engine, the same way on every rank
                 records.append((trial, _record(trial, None, f"{type(error).__name__}: {error}")))
