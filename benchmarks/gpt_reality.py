@@ -177,6 +177,9 @@ class RealityConfig:
     """Extra attempts of a measurement while others use more than ``max_foreign``; then the quietest is kept."""
     pause: float = 2.0
     """Seconds to wait before measuring again."""
+    try_plans: int = 0
+    """K > 0: choose the plan by measurement (``pipeloom.profile.trials.try_plans`` over the K best predicted
+    plans, ``steps`` timed steps each) and run it with the others, marked ``tried_choice``."""
 
     def __post_init__(self) -> None:
         for name in ("global_batch", "max_plans", "repeats", "rounds", "steps", "cycles"):
@@ -610,6 +613,10 @@ def _worker(rank: int, store_file: str, config: RealityConfig) -> None:
         records, seconds = choose_plans(tables, config)
         uniform = _uniform_record(records[0], tables, config) if config.uniform and records else None
         shared = [(records, seconds, uniform)]
+    if config.try_plans:  # every rank: the trials run on both
+        tried = _try_choice(tables, config)
+        if rank == 0:
+            _mark_tried(shared[0][0], tried, config)
     dist.broadcast_object_list(shared, src=0)
     records, profiled["plan_seconds"], uniform = shared[0]
     runs = list(records)
@@ -641,6 +648,41 @@ def _worker(rank: int, store_file: str, config: RealityConfig) -> None:
         }, indent=1))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _try_choice(tables: list[CostTable], config: RealityConfig):
+    """The plan ``try_plans`` chooses among the ``config.try_plans`` best of the same plan search as
+    :func:`choose_plans` (deterministic: the same on both ranks), each run ``config.steps`` steps."""
+    from pipeloom.profile.trials import try_plans
+
+    work = config.workload
+    result = plan_pipeline(tables, num_ranks=2, global_batch=config.global_batch, memory_limit=config.memory_limit,
+                          schedules=config.schedules)
+    inputs, target = work.batch(0, config.global_batch)
+    return try_plans(result, build=work.build, inputs=inputs, target=target, loss_fn=work.loss, k=config.try_plans,
+                     steps=config.steps, warmup=config.warmup_steps,
+                     options_for=lambda plan: {"example_inputs": work.example_inputs(plan.microbatch_size)},
+                     **work.tracing)
+
+
+def _mark_tried(records: list[dict], tried, config: RealityConfig) -> None:
+    """Mark the record of the plan ``try_plans`` chose (``tried_choice``, with its trials), adding it
+    (saved as ``plan-tried.json``) where it is not the best of its schedule."""
+    plan = tried.plan
+    for record in records:
+        if (record["schedule"], record["microbatches"], record["split_points"]) == \
+                (plan.schedule, plan.microbatches, list(plan.split_points)):
+            record.update(tried_choice=True, trials=list(plan.trials))
+            return
+    path = Path(config.out) / "plan-tried.json"
+    tried.save(path)
+    saved = load_plan(path)
+    run_schedule = None if saved.schedule == plan.schedule else str(path.with_name(saved.schedule))
+    records.append({"file": str(path), "label": f"{plan.trials[0]['label']} (tried)", "schedule": plan.schedule,
+                    "schedule_options": dict(plan.schedule_options), "run_schedule": run_schedule,
+                    "microbatches": plan.microbatches, "microbatch_size": plan.microbatch_size,
+                    "split_points": list(plan.split_points), "predicted": plan.predicted_step_time,
+                    "own_order": run_schedule is not None, "tried_choice": True, "trials": list(plan.trials)})
 
 
 def _measure_plan(rank: int, record: dict, engine, profiler: EngineProfiler | None, batches: list,

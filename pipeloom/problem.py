@@ -101,6 +101,9 @@ class Task:
     """Signed change of the memory held on each of its ranks when the task starts."""
     deps: tuple[TaskKey, ...] = ()
     """Tasks of the same micro-batch that must finish first."""
+    comm: float = 0.0
+    """Part of ``duration`` its rank spends waiting on communication inside the task (e.g. an MoE all-to-all),
+    which an overlapped pair can hide under the other part's compute (0 <= comm <= duration)."""
 
     def __post_init__(self) -> None:
         _check_index("task stage", self.stage)
@@ -119,6 +122,10 @@ class Task:
         object.__setattr__(
             self, "memory", _check_number(f"task {name} memory", self.memory, minimum=None)
         )
+        object.__setattr__(self, "comm", _check_number(f"task {name} comm", self.comm))
+        if self.comm > self.duration:
+            raise ProblemError(f"task {name} comm {self.comm:g} exceeds its duration {self.duration:g}; "
+                               "comm is the part of the duration spent communicating")
         deps = tuple(self.deps)
         for dep in deps:
             if (
@@ -159,7 +166,14 @@ class Problem:
     static_memory: tuple[float, ...] | None = None
     """Memory each rank holds before any action (e.g. weights); None means 0 everywhere."""
     overlap_overhead: float = 0.0
-    """Time an overlapped forward + backward pair takes beyond its longer part (>= 0; see docs/semantics.md)."""
+    """Time added to every overlapped forward + backward pair (>= 0; see docs/semantics.md)."""
+    overlap_fraction: float = 0.0
+    """Share of a pair's shorter part whose compute runs under the longer one (0..1): 0, the default, runs
+    the two parts' compute one after the other (F + B less the communication each hides under the other's
+    compute); 1 prices the pair as ``max(F, B)``, which one device reaches only if it really runs two
+    micro-batches' compute at once (docs/semantics.md, "Composite actions")."""
+    pair_time: float | None = None
+    """A measured time of one overlapped pair, used for every pair instead of the formula; None: not measured."""
     _index: Mapping[TaskKey, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -196,6 +210,13 @@ class Problem:
         object.__setattr__(
             self, "overlap_overhead", _check_number("overlap_overhead", self.overlap_overhead)
         )
+        fraction = _check_number("overlap_fraction", self.overlap_fraction)
+        if fraction > 1:
+            raise ProblemError(f"overlap_fraction must be between 0 and 1, got {fraction!r}")
+        object.__setattr__(self, "overlap_fraction", fraction)
+        if self.pair_time is not None:
+            object.__setattr__(self, "pair_time", _check_number("pair_time", self.pair_time,
+                                                                hint=" (or None: priced from its parts)"))
         if self.memory_limit is not None:
             limit = _check_number("memory_limit", self.memory_limit, hint=" (or None for no limit)")
             object.__setattr__(self, "memory_limit", limit)
@@ -278,12 +299,17 @@ class Stage:
     """Activation memory the forward takes and the backward releases."""
     w_memory: float = 0.0
     """Part of ``memory`` still held after I and released by W (split backward only)."""
+    f_comm: float = 0.0
+    """Part of ``f`` spent waiting on communication inside the forward (e.g. an MoE all-to-all)."""
+    b_comm: float = 0.0
+    """Part of ``b`` spent waiting on communication inside the input-gradient backward."""
 
     def __post_init__(self) -> None:
         ranks = (self.ranks,) if isinstance(self.ranks, int) else tuple(self.ranks)
         object.__setattr__(self, "ranks", ranks)
-        for name in ("f", "b", "w", "memory", "w_memory"):
+        for name in ("f", "b", "w", "memory", "w_memory", "f_comm", "b_comm"):
             object.__setattr__(self, name, _check_number(f"stage {name}", getattr(self, name)))
+        _check_comm_parts("stage", self.f, self.b, self.f_comm, self.b_comm)
         if self.w_memory > self.memory:
             raise ProblemError(
                 f"stage w_memory {self.w_memory:g} exceeds its memory {self.memory:g}; "
@@ -311,10 +337,24 @@ class Costs:
     """Activation memory one forward takes (1 = "one micro-batch of activations")."""
     w_memory: float = 0.0
     """Part of ``memory`` held until W when the backward is split."""
+    f_comm: float = 0.0
+    """Part of ``f`` spent waiting on communication inside the forward (an overlapped pair can hide it)."""
+    b_comm: float = 0.0
+    """Part of ``b`` spent waiting on communication inside the backward (an overlapped pair can hide it)."""
+    overlap: float = 0.0
+    """``Problem.overlap_fraction`` of the schedules built: 0 (default) runs a pair's compute one part after
+    the other, 1 prices it as ``max(F, B)``."""
+    pair_time: float | None = None
+    """``Problem.pair_time`` of the schedules built: a measured time of one overlapped pair (None: priced)."""
 
     def __post_init__(self) -> None:
-        for name in ("f", "b", "w", "comm", "memory", "w_memory"):
+        for name in ("f", "b", "w", "comm", "memory", "w_memory", "f_comm", "b_comm", "overlap"):
             object.__setattr__(self, name, _check_number(f"cost {name}", getattr(self, name)))
+        _check_comm_parts("cost", self.f, self.b, self.f_comm, self.b_comm)
+        if self.overlap > 1:
+            raise ProblemError(f"cost overlap must be between 0 and 1, got {self.overlap!r}")
+        if self.pair_time is not None:
+            object.__setattr__(self, "pair_time", _check_number("cost pair_time", self.pair_time))
         if self.w_memory > self.memory:
             raise ProblemError(
                 f"w_memory {self.w_memory:g} exceeds memory {self.memory:g}; W can release at most what F took"
@@ -329,7 +369,17 @@ class Costs:
             w=self.w * share,
             memory=self.memory * share,
             w_memory=self.w_memory * share,
+            f_comm=self.f_comm * share,
+            b_comm=self.b_comm * share,
         )
+
+
+def _check_comm_parts(what: str, f: float, b: float, f_comm: float, b_comm: float) -> None:
+    """ProblemError when a communication part exceeds the time it is part of."""
+    for name, part, whole in (("f_comm", f_comm, f), ("b_comm", b_comm, b)):
+        if part > whole:
+            raise ProblemError(f"{what} {name} {part:g} exceeds {name[0]} {whole:g}; it is the part of "
+                               f"{name[0]} spent communicating")
 
 
 def _edge_lists(
@@ -366,7 +416,7 @@ def _stage_tasks(
     forward = Task(
         stage=s, kind="F", ranks=stage.ranks, duration=stage.f,
         memory=0.0 if backward == "none" else stage.memory,
-        deps=tuple((u, "F") for u in producers),
+        deps=tuple((u, "F") for u in producers), comm=stage.f_comm,
     )
     if backward == "none":
         return [forward]
@@ -374,11 +424,11 @@ def _stage_tasks(
     deps = ((s, "F"),) + tuple((v, back) for v in consumers)
     if backward == "full":
         return [forward, Task(stage=s, kind="B", ranks=stage.ranks, duration=stage.b + stage.w,
-                              memory=-stage.memory, deps=deps)]
+                              memory=-stage.memory, deps=deps, comm=stage.b_comm)]
     return [
         forward,
         Task(stage=s, kind="I", ranks=stage.ranks, duration=stage.b,
-             memory=-(stage.memory - stage.w_memory), deps=deps),
+             memory=-(stage.memory - stage.w_memory), deps=deps, comm=stage.b_comm),
         Task(stage=s, kind="W", ranks=stage.ranks, duration=stage.w,
              memory=-stage.w_memory, deps=((s, "I"),)),
     ]
@@ -393,13 +443,16 @@ def stage_graph(
     comm_latency: float = 0.0,
     memory_limit: float | None = None,
     static_memory: Sequence[float] | None = None,
+    overlap_fraction: float = 0.0,
+    pair_time: float | None = None,
 ) -> Problem:
     """Derive the task graph of docs/design.md §1 from stages and forward edges.
 
     F(s) waits for F(u) of every producer u; B or I of s waits for F(s) and for B/I of every
     consumer of s; W(s) waits for I(s). ``edges`` default to the chain 0 -> 1 -> ... -> S-1.
     ``backward="full"`` gives one B per stage (``b + w``), ``"split"`` gives I (``b``) and
-    W (``w``), ``"none"`` gives forward-only tasks with no memory (inference).
+    W (``w``), ``"none"`` gives forward-only tasks with no memory (inference). ``overlap_fraction`` and
+    ``pair_time`` price overlapped pairs (see :class:`Problem`).
     """
     if backward not in ("full", "split", "none"):
         raise ProblemError(f"backward must be 'full', 'split' or 'none', got {backward!r}")
@@ -420,4 +473,6 @@ def stage_graph(
         comm_latency=comm_latency,
         memory_limit=memory_limit,
         static_memory=None if static_memory is None else tuple(static_memory),
+        overlap_fraction=overlap_fraction,
+        pair_time=pair_time,
     )

@@ -18,6 +18,7 @@ from pipeloom.ir import (
     action_memory,
     compute_parts,
     format_grid,
+    pair_duration,
     part_tasks,
     task_actions,
 )
@@ -41,16 +42,30 @@ class Composite:
     overlapped: bool
     """Whether the parts run overlapped (a pair: the longer one counts) or one after the other."""
     overhead: float
-    """Time added to an overlapped pair's longer part."""
+    """Time added to an overlapped pair (see :func:`~pipeloom.ir.pair_duration`)."""
     duration: float
     """The time it occupies its rank."""
     memory: float
     """The sum of its tasks' memory changes (applied when it starts)."""
+    comms: tuple[float, ...] = ()
+    """Per part, the communication inside its tasks' durations (a pair may hide it)."""
+    fraction: float = 0.0
+    """The problem's ``overlap_fraction`` (a pair only)."""
+    measured: bool = False
+    """Whether it is a pair of the problem's measured ``pair_time`` (``duration``)."""
 
     def scaled(self, durations: list[float], factor: Callable[[int, int], float]) -> float:
-        """Its duration with each task's time multiplied by ``factor(task index, micro-batch)``."""
+        """Its duration with each task's time multiplied by ``factor(task index, micro-batch)``; a pair
+        of measured time scales that time as its parts' sum, its communication as its part."""
+        base = [sum(durations[t] for t, _ in unit) for unit in self.units]
         times = [sum(durations[t] * factor(t, mb) for t, mb in unit) for unit in self.units]
-        return max(times) + self.overhead if self.overlapped else sum(times)
+        if not self.overlapped:
+            return sum(times)
+        ratios = [time / b if b > 0 else 1.0 for time, b in zip(times, base, strict=True)]
+        if self.measured:
+            return self.duration * (sum(times) / sum(base) if sum(base) > 0 else 1.0)
+        comms = (self.comms[0] * ratios[0], self.comms[1] * ratios[1])
+        return pair_duration((times[0], times[1]), comms, fraction=self.fraction, overhead=self.overhead)
 
     def slots(self, num_mb: int, dense: Mapping[int, int]) -> tuple[int, ...]:
         """The replay slots (task x micro-batch) it completes."""
@@ -75,7 +90,10 @@ def composite_of(problem: Problem, index: Mapping[tuple[int, str], int], action:
                  overhead: float) -> Composite | None:
     """``action`` as a composite of ``problem``, or None when one of its parts names no task."""
     units: list[tuple[tuple[int, int], ...]] = []
+    comms: list[float] = []
     for part in compute_parts(action):
+        comms.append(sum(problem.task(task.task).comm for task in part_tasks(problem, part)
+                         if task.task in index))
         unit: list[tuple[int, int]] = []
         for task in part_tasks(problem, part):
             i = index.get(task.task)
@@ -86,7 +104,9 @@ def composite_of(problem: Problem, index: Mapping[tuple[int, str], int], action:
     overlapped = type(action) is Overlap
     return Composite(action=action, units=tuple(units), overlapped=overlapped, overhead=overhead if overlapped else 0.0,
                      duration=action_duration(problem, action, overlap_overhead=overhead),
-                     memory=action_memory(problem, action))
+                     memory=action_memory(problem, action), comms=tuple(comms),
+                     fraction=problem.overlap_fraction if overlapped else 0.0,
+                     measured=overlapped and problem.pair_time is not None)
 
 
 @dataclass(frozen=True, slots=True)

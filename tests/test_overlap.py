@@ -1,6 +1,7 @@
 """Overlapped forward+backward pairs (torch's ``OVERLAP_F_B``) and full backwards on split stages:
 text, JSON and torch-CSV round trips (torch's own parser as the oracle), simulation (the pair's time
-max(F, B) + overhead, its memory the sum of its parts), validation, lowering and pictures."""
+F + B by default, less what it hides, plus overhead; its memory the sum of its parts), validation, lowering
+and pictures."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from pipeloom.ir import (
     task_actions,
 )
 from pipeloom.lowering import lower
-from pipeloom.problem import Stage, stage_graph
+from pipeloom.problem import Costs, Stage, stage_graph
 from pipeloom.schedules import build_schedule
 from pipeloom.schedules.dualpipe import dualpipev
 from pipeloom.sim import simulate
@@ -132,20 +133,20 @@ def test_torch_dualpipev_order_loads_and_validates():
 # ------------------------------------------------------------------------------------ simulator
 
 
-def test_pair_takes_max_of_its_parts_plus_overhead_and_sums_memory():
+def test_pair_takes_the_sum_of_its_parts_plus_overhead_and_sums_memory():
     problem = _v_problem(f=1.0, b=2.0, w=1.0, memory=1.0, w_memory=0.25)
     schedule = _one_rank(PAIRED, problem)
     timeline = simulate(schedule)
     durations = [end - start for _, start, end in timeline.events(0)]
-    # F = 1, a full B on a split stage = I + W = 3: a pair takes max(1, 3) = 3
-    assert durations == [1, 1, 3, 3, 3, 3]
-    assert timeline.busy[0] == timeline.makespan == 14
+    # F = 1, a full B on a split stage = I + W = 3: one device runs both, a pair takes 1 + 3 = 4
+    assert durations == [1, 1, 4, 4, 3, 3]
+    assert timeline.busy[0] == timeline.makespan == 16
     # memory: F +1; pair F +1 with B -(0.75 + 0.25) = 0 (applied at its start); B -1
     assert timeline.memory[0] == (1, 2, 2, 2, 1, 0)
     slow = simulate(schedule, overlap_overhead=0.5)
-    assert [e - s for _, s, e in slow.events(0)] == [1, 1, 3.5, 3.5, 3, 3]
+    assert [e - s for _, s, e in slow.events(0)] == [1, 1, 4.5, 4.5, 3, 3]
     carried = dataclasses.replace(schedule, problem=dataclasses.replace(problem, overlap_overhead=0.5))
-    assert simulate(carried).makespan == slow.makespan == 15
+    assert simulate(carried).makespan == slow.makespan == 17
     with pytest.raises(ValueError, match="overlap_overhead"):
         simulate(schedule, overlap_overhead=-1)
 
@@ -159,7 +160,7 @@ def test_pair_starts_when_both_parts_deps_are_met():
     ))
     timeline = validate(schedule, ordered=True)
     # 1B0 (I 5 + W 1) runs 2..8 after 1F0 (1..2), so the pair starts at 8 although its forward was ready at 1
-    assert timeline.starts[0][1] == 8 and timeline.ends[0][1] == 8 + max(1, 2)
+    assert timeline.starts[0][1] == 8 and timeline.ends[0][1] == 8 + 1 + 2
 
 
 def test_a_lowered_pair_receives_both_parts_first_and_sends_both_after():
@@ -267,7 +268,8 @@ def test_sequential_pairs_runs_each_pair_forward_then_backward_and_the_planner_p
     assert not any(type(a) is Overlap for row in flat.ranks for a in row)
     for row, flat_row in zip(schedule.ranks, flat.ranks):  # each pair became its forward then backward
         assert [p for a in row for p in (a.parts if type(a) is Overlap else (a,))] == list(flat_row)
-    assert validate(flat, ordered=True).makespan > simulate(schedule).makespan  # no overlap: longer
+    overlapped = build_schedule("dualpipev", 4, 8, costs=Costs(overlap=1))  # pairs as max(F, B)
+    assert validate(flat, ordered=True).makespan > simulate(overlapped).makespan  # no overlap: longer
     assert sequential_pairs(build_schedule("1f1b", 2, 4)) == build_schedule("1f1b", 2, 4)
     pieces = tuple(Piece(name=f"b.{k}", f=1.0, i=1.0, w=1.0, activation_bytes=1.0, w_activation_bytes=0.0,
                          param_bytes=1.0, output_bytes=1.0) for k in range(8))

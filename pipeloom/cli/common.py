@@ -19,15 +19,23 @@ from pipeloom.problem import Costs
 from pipeloom.sim import Timeline
 from pipeloom.viz.report import per_rank_table, summary_table, terminal_timeline
 
-__all__ = ["COST_FLAGS", "costs_from_args", "check_flag_sums", "limit_units", "first_line", "emit"]
+__all__ = ["COST_FLAGS", "OVERLAP_FLAGS", "check_flag_sums", "check_picture", "costs_from_args", "emit", "first_line",
+           "limit_units"]
 
-COST_FLAGS = ("f", "b", "w", "comm")
+COST_FLAGS = ("f", "b", "w", "comm", "f_comm", "b_comm")
 """The cost flags (``--f`` ...) that set the matching ``Costs`` fields."""
+OVERLAP_FLAGS = ("overlap", "pair_time")
+"""The flags that price overlapped pairs (``Costs.overlap``, ``Costs.pair_time``)."""
 
 
 def costs_from_args(args: argparse.Namespace) -> Costs:
-    """Costs from the --f/--b/--w/--comm flags; a flag left out keeps the Costs default."""
-    return Costs(**{k: getattr(args, k) for k in COST_FLAGS if getattr(args, k) is not None})
+    """Costs from the --f/--b/--w/--comm/--f-comm/--b-comm/--overlap/--pair-time flags; a flag left out
+    keeps the Costs default."""
+    given = {k: getattr(args, k, None) for k in COST_FLAGS + OVERLAP_FLAGS}
+    try:
+        return Costs(**{k: v for k, v in given.items() if v is not None})
+    except PipeloomError as error:  # e.g. --f-comm larger than --f
+        raise UsageError(f"{first_line(error)} (set by --{'/--'.join(k.replace('_', '-') for k in given)})") from None
 
 
 def check_flag_sums(flags: Mapping[str, float | None], microbatches: int) -> None:
@@ -64,6 +72,17 @@ def limit_units(args: argparse.Namespace, units: str) -> Iterator[None]:
         except TypeError:  # a subclass with another signature keeps its own text
             raise error from None
         raise marked from None
+
+
+def check_picture(args: argparse.Namespace, ranks: int) -> None:
+    """UsageError, before anything is built, when ``-o`` asks for a .png/.svg picture of more rank rows
+    than :data:`pipeloom.viz.timeline.MAX_PICTURE_RANKS`."""
+    from pipeloom.viz.timeline import MAX_PICTURE_RANKS
+
+    out = getattr(args, "out", None)
+    if out is not None and out.suffix.lower() in (".png", ".svg") and ranks > MAX_PICTURE_RANKS:
+        raise UsageError(f"-o {out}: a picture of {ranks:,} rank rows is above the limit of {MAX_PICTURE_RANKS:,} "
+                         "(it could not be read); use fewer ranks, or -o a .html view")
 
 
 def first_line(error: BaseException) -> str:

@@ -23,7 +23,9 @@ COST_HELP = (
     "Costs are per micro-batch for ONE RANK'S SHARE of the model (a stage of the 1F1B layout): "
     "--f forward, --b input-gradient backward (I), --w weight-gradient backward (W). Schedules "
     "that do not split the backward run one B costing b+w; schedules with v stages per rank give "
-    "each stage 1/v of the costs, so every schedule runs the same model. Defaults: f=b=w=1, comm=0."
+    "each stage 1/v of the costs, so every schedule runs the same model. Defaults: f=b=w=1, comm=0. "
+    "An overlapped pair (DualPipe's F&B) costs F + B less the communication each part hides "
+    "(--f-comm/--b-comm), unless --overlap or --pair-time says otherwise."
 )
 
 
@@ -38,6 +40,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 _cost = number(float, "a finite number >= 0", 0)
+_fraction = number(float, "a number between 0 and 1", 0, 1)
 
 
 def _microbatch_limit(command: str, units: str):
@@ -75,6 +78,15 @@ def _add_costs(parser: argparse.ArgumentParser, command: str) -> None:
     group.add_argument("--b", type=_cost, metavar="B", help="input-gradient backward time (default 1)")
     group.add_argument("--w", type=_cost, metavar="W", help="weight-gradient backward time (default 1)")
     group.add_argument("--comm", type=_cost, metavar="C", help="latency between ranks (default 0)")
+    group.add_argument("--f-comm", type=_cost, metavar="C",
+                       help="part of --f spent on communication inside the forward (e.g. an MoE all-to-all), "
+                            "which an overlapped pair (DualPipe's F&B) hides under the other part's compute")
+    group.add_argument("--b-comm", type=_cost, metavar="C", help="part of --b spent on communication, as --f-comm")
+    group.add_argument("--overlap", type=_fraction, metavar="X",
+                       help="share of an overlapped pair's shorter part run at once with the longer (0..1; default "
+                            "0: one device runs F then B, so F + B less the communication it hides; 1: max(F, B))")
+    group.add_argument("--pair-time", type=_cost, metavar="T",
+                       help="a measured time of one overlapped pair (stage costs), used instead of the formula")
     group.add_argument("--memory-limit", type=_microbatch_limit(command, ACTIVATIONS), metavar="L",
                        help="per-rank cap on held activations, counted in MICRO-BATCHES of one rank's share "
                             "(a forward holds 1 until its backward; not bytes: `pipeloom plan` takes bytes)")

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import time
 from pathlib import Path
 
 from rich.console import Console
@@ -13,9 +15,14 @@ from pipeloom.cli.argtypes import count, number, path_with
 from pipeloom.cli.errors import UsageError
 from pipeloom.cli.outputs import target
 from pipeloom.cli.plan_cluster import add_cluster_arguments, check_plan_mode, cmd_plan_cluster, export_torchtitan
+from pipeloom.cli.plan_try import add_try_arguments, check_try, trial_lines, try_in_engine
 from pipeloom.errors import PipeloomError
 
-__all__ = ["add_plan_parser", "bytes_argument", "cmd_plan"]
+__all__ = ["PLAN_TIME_LIMIT", "add_plan_parser", "bytes_argument", "cmd_plan"]
+
+PLAN_TIME_LIMIT = 15.0
+"""Seconds ``pipeloom plan`` tries candidates by default (``--time-limit``): with reading the table and
+printing, a plan ends within about 20 s whatever the global batch or the table's size."""
 
 
 def bytes_argument(text: str) -> float:
@@ -79,6 +86,9 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
     plan.add_argument("--search", type=number(float, "a number of seconds >= 0", 0), default=0.0,
                       metavar="SECONDS", help="also run the CP-SAT schedule search on the best candidates for "
                                               "this long (default 0: off); a better order is saved next to --save")
+    plan.add_argument("--time-limit", type=number(float, "a number of seconds > 0", 0.01), default=PLAN_TIME_LIMIT,
+                      metavar="SECONDS", help=f"stop trying candidates after this long (default {PLAN_TIME_LIMIT:g}); "
+                                              "those left untried (the largest micro-batch counts) are counted")
     plan.add_argument("--top", type=count, default=10, metavar="N", help="runners-up to show (default 10)")
     plan.add_argument("-o", "--out", type=path_with(".png", ".svg", ".html"),
                       help="the best plan's simulated timeline (.png/.svg, or .html: interactive)")
@@ -95,6 +105,7 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
                            "torchtitan's modules (tok_embeddings, layers.N, norm, output)")
     plan.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     add_cluster_arguments(plan)
+    add_try_arguments(plan)
     plan.set_defaults(handler=cmd_plan)
 
 
@@ -231,17 +242,26 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise UsageError(f"--export {args.export} writes next to the plan file; give --save PLAN.json too")
     if check_plan_mode(args):
         return cmd_plan_cluster(args)
+    check_try(args)
     if args.server is not None:
         return _plan_on_server(args)
     tables = _with_heads(args, [load_costs(path) for path in args.costs])
+    written: list[str] = []
     result = plan_mesh(
         tables, num_ranks=args.ranks, global_batch=args.global_batch, memory_limit=args.memory_limit,
         data_parallel=args.data_parallel, tensor_parallel=args.tensor_parallel or (1,), sharding=args.sharding,
         dp_link=_dp_link(args, tables),
         schedules=_schedules(args.schedules), stages_per_rank=args.stages_per_rank, microbatches=args.microbatches,
-        search_time=args.search, progress=_progress(args),
+        search_time=args.search, progress=_progress(args), deadline=time.perf_counter() + args.time_limit,
     )
-    written = []
+    if args.try_k is not None:  # every rank of the launch runs the trials; rank 0 alone writes and prints
+        result = try_in_engine(args, result)
+        if os.environ.get("RANK", "0") != "0":
+            return 0
+        written.extend(trial_lines(result.plan))
+    if result.untried:
+        written.append(f"note: --time-limit {args.time_limit:g} s reached: {result.untried} candidate(s) left untried "
+                       "(larger micro-batch counts); raise --time-limit, or narrow --microbatches/--schedules")
     if args.out:
         plan = result.plan
         title = (f"{plan.schedule}: p={plan.num_ranks}, m={plan.microbatches} x {plan.microbatch_size}, "
@@ -260,7 +280,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
         print(json.dumps({"plan": json.loads(plan_to_json(result.plan, indent=None)),
                           "candidates": [_candidate_json(c) for c in result.candidates],
-                          "seconds": result.seconds}))
+                          "seconds": result.seconds, "untried": result.untried}))
     else:
         console.print(_best_table(result))
         console.print(_runners_up(result, args.top))

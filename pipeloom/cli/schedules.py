@@ -11,7 +11,15 @@ from typing import Any
 
 from rich.console import Console
 
-from pipeloom.cli.common import COST_FLAGS, check_flag_sums, costs_from_args, emit, first_line, limit_units
+from pipeloom.cli.common import (
+    COST_FLAGS,
+    check_flag_sums,
+    check_picture,
+    costs_from_args,
+    emit,
+    first_line,
+    limit_units,
+)
 from pipeloom.cli.errors import UsageError
 from pipeloom.cli.outputs import target
 from pipeloom.errors import PipeloomError
@@ -24,6 +32,7 @@ from pipeloom.sim import Timeline
 from pipeloom.validate import validate
 from pipeloom.viz.report import (
     comparison_rows,
+    costs_report,
     placements_table,
     print_comparison,
     schedules_table,
@@ -130,6 +139,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         raise UsageError(f"--save {args.save}: a lowered schedule (--with-comms) is saved as torch "
                          "compute_comms CSV; use a .csv file name")
     check_flag_sums(_cost_flags(args), args.microbatches)
+    check_picture(args, args.ranks)
     costs = costs_from_args(args)
     with limit_units(args, ACTIVATIONS):
         timeline = _build(args.name, args.ranks, args.microbatches, costs, args.memory_limit,
@@ -147,10 +157,18 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     check_flag_sums(_cost_flags(args), 1)  # before the CSV reader adds b + w
     costs = costs_from_args(args)
     schedule = load_schedule(args.file, costs=costs)
+    if schedule.problem.num_ranks > MAX_RANKS:  # validating and the per-rank tables grow with the ranks
+        raise UsageError(f"{args.file}: {schedule.problem.num_ranks:,} ranks is above the limit of {MAX_RANKS:,} "
+                         "ranks; use fewer ranks")
+    check_picture(args, schedule.problem.num_ranks)
     check_flag_sums(_cost_flags(args), schedule.num_microbatches)
     problem = schedule.problem
     if args.memory_limit is not None:  # overrides the limit a JSON file carries
         problem = dataclasses.replace(problem, memory_limit=args.memory_limit)
+    if args.overlap is not None:  # overrides the pricing of pairs a JSON file carries
+        problem = dataclasses.replace(problem, overlap_fraction=args.overlap)
+    if args.pair_time is not None:
+        problem = dataclasses.replace(problem, pair_time=args.pair_time)
     schedule = dataclasses.replace(schedule, problem=problem)
     with limit_units(args, ACTIVATIONS if is_csv else "the file's memory units"):
         timeline = validate(schedule, ordered=not args.allow_unordered)
@@ -183,6 +201,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         _check_name(name)
         _check_size(name, args.ranks, args.microbatches)
     check_flag_sums(_cost_flags(args), args.microbatches)
+    check_picture(args, args.ranks * len(args.names))
     costs = costs_from_args(args)
     rows, timelines = compare_schedules(args.names, args.ranks, args.microbatches, costs, args.memory_limit)
     title = f"p={args.ranks}, m={args.microbatches}"
@@ -198,7 +217,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     console = Console(stderr=args.json, highlight=False)
     if args.json:
         print(json.dumps({"num_ranks": args.ranks, "num_microbatches": args.microbatches,
-                          "costs": dataclasses.asdict(costs), "memory_limit": args.memory_limit,
+                          "costs": costs_report(costs), "memory_limit": args.memory_limit,
                           "schedules": rows}))
     else:
         print_comparison(console, rows, title)

@@ -7,10 +7,14 @@ plus its text, JSON and torch-CSV forms.
 from pipeloom.ir.composite import (
     action_duration,
     action_memory,
+    has_pairs,
     is_split_full_backward,
+    pair_duration,
     part_tasks,
+    priced_overlap,
     sequential_pairs,
     task_actions,
+    without_overlap,
 )
 from pipeloom.ir.core import (
     COMM_KINDS,
@@ -40,6 +44,10 @@ __all__ = [
     "part_tasks",
     "is_split_full_backward",
     "action_duration",
+    "pair_duration",
+    "priced_overlap",
+    "has_pairs",
+    "without_overlap",
     "sequential_pairs",
     "action_memory",
     "Schedule",

@@ -12,8 +12,8 @@ from pipeloom.errors import ProblemError, ScheduleError
 from pipeloom.ir.core import Action, Comm, Overlap, Schedule, compute_parts
 from pipeloom.problem import Problem
 
-__all__ = ["action_duration", "action_memory", "is_split_full_backward", "part_tasks", "sequential_pairs",
-           "task_actions"]
+__all__ = ["action_duration", "action_memory", "has_pairs", "is_split_full_backward", "pair_duration", "part_tasks",
+           "priced_overlap", "sequential_pairs", "task_actions", "without_overlap"]
 
 
 def is_split_full_backward(problem: Problem, action: Action) -> bool:
@@ -41,14 +41,57 @@ def _part_duration(problem: Problem, part: Action) -> float:
     return sum(problem.task(task.task).duration for task in part_tasks(problem, part))
 
 
+def _part_comm(problem: Problem, part: Action) -> float:
+    return sum(problem.task(task.task).comm for task in part_tasks(problem, part))
+
+
+def pair_duration(times: tuple[float, float], comms: tuple[float, float], *, fraction: float = 0.0,
+                  overhead: float = 0.0) -> float:
+    """How long an overlapped pair occupies its rank, from its parts' ``times`` (forward, backward) and
+    the communication inside them (``comms``): one device runs one compute at a time, so the pair takes
+    F + B less what each part's communication hides under the other part's compute
+    (``min(comm_F, B - comm_B) + min(comm_B, F - comm_F)``), less ``fraction`` of the shorter part (compute
+    run at once, as two devices would), never under ``max(F, B)``; plus ``overhead``. ``fraction`` 1 with
+    no communication is the longer part alone."""
+    (f, b), (f_comm, b_comm) = times, comms
+    hidden = min(f_comm, b - b_comm) + min(b_comm, f - f_comm)
+    return max(f + b - hidden - fraction * min(f, b), f, b) + overhead
+
+
+def priced_overlap(problem: Problem) -> bool:
+    """Whether ``problem`` prices an overlapped pair below F + B: a measured ``pair_time``, an
+    ``overlap_fraction`` or communication inside tasks that a pair may hide."""
+    return (problem.pair_time is not None or problem.overlap_fraction > 0
+            or any(task.comm > 0 for task in problem.tasks))
+
+
+def without_overlap(problem: Problem) -> Problem:
+    """``problem`` with its overlapped pairs priced F + B (+ overhead): no overlap fraction, no measured
+    pair time, no communication inside tasks to hide; ``problem`` itself when it prices none."""
+    if not priced_overlap(problem):
+        return problem
+    tasks = tuple(dataclasses.replace(task, comm=0.0) for task in problem.tasks)
+    return dataclasses.replace(problem, tasks=tasks, overlap_fraction=0.0, pair_time=None)
+
+
+def has_pairs(schedule: Schedule) -> bool:
+    """Whether ``schedule`` holds an overlapped pair."""
+    return any(type(action) is Overlap for row in schedule.ranks for action in row)
+
+
 def action_duration(problem: Problem, action: Action | Overlap, *, overlap_overhead: float | None = None) -> float:
     """How long ``action`` occupies its rank: its task's duration; I + W for a B on a split stage;
-    ``max(forward, backward) + overhead`` for an overlapped pair (``overlap_overhead`` None: the
-    problem's). ScheduleError when it names no task of the problem."""
+    for an overlapped pair the problem's measured ``pair_time`` if given, else :func:`pair_duration`
+    with the problem's ``overlap_fraction`` and ``overlap_overhead`` (``overlap_overhead`` given: that
+    one). ScheduleError when it names no task of the problem."""
     try:
         if type(action) is Overlap:
+            if problem.pair_time is not None:
+                return problem.pair_time
             overhead = problem.overlap_overhead if overlap_overhead is None else overlap_overhead
-            return max(_part_duration(problem, part) for part in action.parts) + overhead
+            times = (_part_duration(problem, action.forward), _part_duration(problem, action.backward))
+            comms = (_part_comm(problem, action.forward), _part_comm(problem, action.backward))
+            return pair_duration(times, comms, fraction=problem.overlap_fraction, overhead=overhead)
         return _part_duration(problem, action)
     except ProblemError as error:  # no such task
         raise ScheduleError(f"{action} is not an action of this schedule's problem: {error}") from None
@@ -64,7 +107,7 @@ def sequential_pairs(schedule: Schedule) -> Schedule:
     """``schedule`` with every overlapped pair replaced by its two parts, forward then backward: how
     pipeloom's runtime runs a pair (one after the other on one device), so what the planner prices.
     A schedule without pairs is returned as it is."""
-    if not any(type(action) is Overlap for row in schedule.ranks for action in row):
+    if not has_pairs(schedule):
         return schedule
     ranks = tuple(tuple(part for action in row
                         for part in (action.parts if type(action) is Overlap else (action,)))

@@ -7,7 +7,7 @@ from pathlib import Path
 from pipeloom.errors import ScheduleFormatError
 from pipeloom.ir.core import Schedule
 from pipeloom.ir.json_io import schedule_from_json, schedule_to_json
-from pipeloom.ir.jsonfields import read_text
+from pipeloom.ir.jsonfields import check_path, read_text
 from pipeloom.ir.torch_csv import schedule_from_csv, schedule_to_csv
 from pipeloom.problem import Costs
 
@@ -20,7 +20,7 @@ def save_schedule(schedule: Schedule, path: str | Path) -> None:
 
     The suffix is matched case-insensitively; nothing is written when the format cannot carry it.
     """
-    path = Path(path)
+    path = check_path(path)
     suffix = path.suffix.lower()
     if suffix == ".csv":
         text = schedule_to_csv(schedule)
@@ -35,9 +35,9 @@ def load_schedule(path: str | Path, *, costs: Costs = Costs()) -> Schedule:
     """Read a schedule saved as pipeloom JSON or torch CSV (chosen by suffix, any case).
 
     The file must be UTF-8 text (a leading byte-order mark is allowed); a ScheduleFormatError names
-    the file.
+    the file (or says ``path`` is no path).
     """
-    path = Path(path)
+    path = check_path(path)
     suffix = path.suffix.lower()
     if suffix not in (".csv", ".json"):
         raise ScheduleFormatError(f"cannot read {path}: use a .json (pipeloom) or .csv (torch) file")

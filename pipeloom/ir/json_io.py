@@ -18,9 +18,9 @@ FORMAT = "pipeloom.schedule/1"
 
 _TOP_KEYS = {
     "format", "name", "num_ranks", "num_microbatches", "tasks", "comm_latency", "memory_limit",
-    "static_memory", "overlap_overhead", "ranks",
+    "static_memory", "overlap_overhead", "overlap_fraction", "pair_time", "ranks",
 }
-_TASK_KEYS = {"stage", "kind", "ranks", "duration", "memory", "deps"}
+_TASK_KEYS = {"stage", "kind", "ranks", "duration", "memory", "deps", "comm"}
 _NUMBER = (int, float)
 
 
@@ -49,6 +49,7 @@ def schedule_to_json(schedule: Schedule, *, indent: int | None = None) -> str:
                 "duration": task.duration,
                 "memory": task.memory,
                 "deps": [task_name(dep) for dep in task.deps],
+                **({"comm": task.comm} if task.comm else {}),  # written only when set, as below
             }
             for task in problem.tasks
         ],
@@ -59,6 +60,10 @@ def schedule_to_json(schedule: Schedule, *, indent: int | None = None) -> str:
     }
     if problem.overlap_overhead:  # written only when set: files without pairs read as before
         document["overlap_overhead"] = problem.overlap_overhead
+    if problem.overlap_fraction:
+        document["overlap_fraction"] = problem.overlap_fraction
+    if problem.pair_time is not None:
+        document["pair_time"] = problem.pair_time
     return json.dumps(document, indent=indent)
 
 
@@ -117,6 +122,7 @@ def _task_from_json(entry: Any, i: int) -> Task:
             duration=_require(entry, "duration", (int, float), where),
             memory=_typed(entry.get("memory", 0.0), _NUMBER, f"{where}.memory"),
             deps=tuple(parse_task_name(d) for d in deps),
+            comm=_typed(entry.get("comm", 0.0), _NUMBER, f"{where}.comm"),
         )
     except ScheduleFormatError:
         raise
@@ -164,7 +170,7 @@ def check_totals(problem: Problem, num_microbatches: int, *, where: str = "sched
     and overlap overhead; the memory: every change and the largest static memory), before anything
     sums them: ``tasks[0].duration 1e+308`` instead of an ``inf`` or ``nan`` further down."""
     tasks = problem.tasks
-    extra = (problem.comm_latency + problem.overlap_overhead) * len(tasks)
+    extra = (problem.comm_latency + problem.overlap_overhead + (problem.pair_time or 0.0)) * len(tasks)
     times = sum(task.duration for task in tasks) + extra  # inf on overflow (fsum raises)
     memory = sum(abs(task.memory) for task in tasks)
     static = max(map(abs, problem.static_memory or (0.0,)))
@@ -247,5 +253,7 @@ def _problem(document: dict, tasks: tuple[Task, ...], where: str) -> Problem:
         memory_limit=_typed(document.get("memory_limit"), _NUMBER, f"{where}.memory_limit", null=True),
         static_memory=_numbers(document.get("static_memory"), f"{where}.static_memory"),
         overlap_overhead=_typed(document.get("overlap_overhead", 0.0), _NUMBER, f"{where}.overlap_overhead"),
+        overlap_fraction=_typed(document.get("overlap_fraction", 0.0), _NUMBER, f"{where}.overlap_fraction"),
+        pair_time=_typed(document.get("pair_time"), _NUMBER, f"{where}.pair_time", null=True),
     )
 

@@ -14,17 +14,35 @@ from typing import Any, Literal, overload
 from pipeloom.errors import PipeloomError, ScheduleFormatError, shown
 
 __all__ = [
-    "MISSING", "check_format", "check_keys", "integer", "json_object", "number", "parse_object",
-    "read_json_file", "read_text", "string", "strings",
+    "MISSING", "check_format", "check_keys", "check_path", "check_text", "integer", "json_object", "number",
+    "parse_object", "read_json_file", "read_text", "string", "strings",
 ]
 
 MISSING = object()
 """Default of the getters: the key is required."""
 
 
+def check_text(text: object, *, what: str, error: type[PipeloomError] = ScheduleFormatError) -> str:
+    """``text`` when it is a str; else ``error`` saying what was given (bytes: decode them first)."""
+    if isinstance(text, str):
+        return text
+    if isinstance(text, (bytes, bytearray)):
+        raise error(f"the {what} must be text (str), got {type(text).__name__}; decode it first "
+                    "(data.decode('utf-8')), or give the file's path to the loader")
+    raise error(f"the {what} must be text (str), got {shown(text)} ({type(text).__name__})")
+
+
+def check_path(path: object, *, error: type[PipeloomError] = ScheduleFormatError) -> Path:
+    """``path`` as a Path when it is a str or an os.PathLike; else ``error`` saying what was given."""
+    if isinstance(path, str) or hasattr(path, "__fspath__"):
+        return Path(path)
+    raise error(f"expected a file path (a str or pathlib.Path), got {shown(path)} ({type(path).__name__})")
+
+
 def read_text(path: str | Path) -> str:
     """The UTF-8 text of ``path`` (a leading byte-order mark is allowed); ScheduleFormatError
-    naming the file when it cannot be read or is not UTF-8."""
+    naming the file when it cannot be read or is not UTF-8 (or when ``path`` is no path)."""
+    path = check_path(path)
     try:
         return Path(path).read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as error:
@@ -49,7 +67,10 @@ def json_object(text: str, *, fmt: str, keys: set[str], error: type[PipeloomErro
 
 
 def parse_object(text: str, *, error: type[PipeloomError], what: str, hint: str = "") -> dict:
-    """``text`` parsed: valid JSON holding an object (``hint`` says what it should hold)."""
+    """``text`` parsed: valid JSON holding an object (``hint`` says what it should hold); UTF-8 bytes are
+    read as json.loads reads them, anything else but a str is ``error``."""
+    if not isinstance(text, (bytes, bytearray)):
+        check_text(text, what=what, error=error)
     try:
         document = json.loads(text)
     except (ValueError, RecursionError) as failure:

@@ -11,6 +11,7 @@ from collections import Counter
 
 from pipeloom.errors import ScheduleFormatError, shown_list
 from pipeloom.ir.core import Action, Comm, Overlap, Schedule, compute_parts, parse_action
+from pipeloom.ir.jsonfields import check_text
 from pipeloom.problem import Backward, Costs, Problem, Stage, stage_graph, task_name
 
 __all__ = ["TORCH_ONLY_KINDS", "schedule_to_csv", "schedule_from_csv"]
@@ -115,7 +116,7 @@ def schedule_from_csv(
     rank's share of the model (the library's convention), so a stage on a rank that runs v stages gets 1/v of
     them.
     """
-    rows = _csv_rows(text)
+    rows = _csv_rows(check_text(text, what="CSV"))
     if not rows:
         raise ScheduleFormatError("the CSV is empty; expected one row of actions per rank")
     while rows and not any(cell.strip() for cell in rows[-1]):
@@ -174,5 +175,7 @@ def _csv_problem(
         backward=backward,
         comm_latency=costs.comm,
         memory_limit=memory_limit,
+        overlap_fraction=costs.overlap,
+        pair_time=costs.pair_time,
     )
 

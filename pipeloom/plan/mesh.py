@@ -203,7 +203,7 @@ def plan_mesh(
         assert tensor is not None, "tp_sizes offers tp > 1 only for a table with a tensor field"
         plan = dataclasses.replace(best.plan, tensor_parallel=tp, tp_plan=tensor.recipe())
     return PlanResult(plan=plan, timeline=best.timeline, candidates=tuple(ranked),
-                      seconds=time.perf_counter() - started)
+                      seconds=time.perf_counter() - started, untried=sum(result.untried for _, result in results))
 
 
 def _plan_dp_pp(tables: list[CostTable], *, num_ranks: int, global_batch: int, memory_limit: float | None,
@@ -260,7 +260,8 @@ def _plan_dp_pp(tables: list[CostTable], *, num_ranks: int, global_batch: int, m
         timeline = result.timeline
     plan = dataclasses.replace(chosen_plan, global_batch=global_batch, data_parallel=dp,
                                sharding=sharding if dp > 1 else "replicate", predicted_step_time=step_time)
-    return PlanResult(plan=plan, timeline=timeline, candidates=tuple(ranked), seconds=time.perf_counter() - started)
+    return PlanResult(plan=plan, timeline=timeline, candidates=tuple(ranked), seconds=time.perf_counter() - started,
+                      untried=sum(result.untried for _, result, _ in results))
 
 
 def _with_tensor_parallel(candidate: Candidate, tp: int) -> MeshCandidate:
@@ -321,7 +322,7 @@ def _with_replicas(candidate: Candidate, dp: int, tables: Sequence[CostTable], l
                    sharding: str) -> Candidate:
     if not candidate.fits:
         return dataclasses.replace(candidate, data_parallel=dp)
-    table = _table_at(tables, candidate.microbatch_size)
+    table = _table_at(tables, candidate.microbatch_size)  # cached: every candidate of a size shares it
     step_time, _, partition = candidate.simulation()
     if sharding == "fsdp" and dp > 1 and shared_across_stages(table, partition.stage_of):
         return dataclasses.replace(candidate, data_parallel=dp, reason="fsdp cannot shard parameters shared by "
@@ -330,10 +331,25 @@ def _with_replicas(candidate: Candidate, dp: int, tables: Sequence[CostTable], l
     return dataclasses.replace(candidate, data_parallel=dp, step_time=step_time + extra)
 
 
+_TABLES_AT: dict[tuple[int, ...], tuple[Sequence[CostTable], dict[int, CostTable]]] = {}
+"""The last tables :func:`_table_at` scaled (by identity; held, so an id is not reused) and their tables per
+micro-batch size: scaling a table rebuilds its pieces, which for thousands of pieces took longer than the
+plan search itself when done per candidate."""
+
+
 def _table_at(tables: Sequence[CostTable], size: int) -> CostTable:
     from pipeloom.plan.costs.table import table_for_size
 
-    return table_for_size(list(tables), size)
+    key = tuple(map(id, tables))
+    entry = _TABLES_AT.get(key)
+    if entry is None:  # one plan's tables at a time (plans in other threads keep their own entry object)
+        entry = (tables, {})
+        _TABLES_AT.clear()
+        _TABLES_AT[key] = entry
+    sizes = entry[1]
+    if size not in sizes:
+        sizes[size] = table_for_size(list(tables), size)
+    return sizes[size]
 
 
 def _order(candidate: Candidate) -> tuple:

@@ -71,6 +71,11 @@ class Plan:
     tp_plan: dict | None = None
     """With ``tensor_parallel`` > 1: the tensor-parallel plan as JSON, a built-in recipe and its module names
     (:mod:`pipeloom.plan.tp.recipes`), turned into torch's ``ParallelStyle`` dict by ``pipeline(plan=)``."""
+    trials: tuple[dict, ...] = ()
+    """The plans measured in the engine before this one was chosen (``pipeloom plan --try K``), fastest first:
+    each ``{"label", "schedule", "schedule_options", "microbatches", "data_parallel", "split_points",
+    "predicted", "measured", "step_times"}`` (seconds; ``measured`` the median step, null with an ``"error"``
+    where the plan could not run); empty when the plan was chosen by prediction alone."""
 
     def __post_init__(self) -> None:
         for name in ("num_ranks", "microbatches", "global_batch", "data_parallel", "tensor_parallel"):
@@ -133,7 +138,7 @@ class Plan:
 
 _KEYS = {"format", "num_ranks", "split_points", "schedule", "schedule_options", "microbatches", "global_batch",
          "microbatch_size", "predicted_step_time", "peak_memory", "memory_limit", "bubble_ratio", "stage_times",
-         "device", "data_parallel", "sharding", "tensor_parallel", "tp_plan"}
+         "device", "data_parallel", "sharding", "tensor_parallel", "tp_plan", "trials"}
 
 
 def plan_to_json(plan: Plan, *, indent: int | None = 1) -> str:
@@ -159,6 +164,8 @@ def plan_to_json(plan: Plan, *, indent: int | None = 1) -> str:
     if plan.tensor_parallel > 1:  # optional: plans without tensor parallelism read as before
         document["tensor_parallel"] = plan.tensor_parallel
         document["tp_plan"] = plan.tp_plan
+    if plan.trials:  # optional as well: written only for a plan chosen by measurement
+        document["trials"] = [dict(trial) for trial in plan.trials]
     return json.dumps(document, indent=indent)
 
 
@@ -167,6 +174,16 @@ def _numbers(document: dict, key: str) -> tuple[float, ...]:
     if not isinstance(values, list):
         raise PlanError(f"plan.{key}: expected a list of numbers, got {shown(values)}")
     return tuple(number({key: v}, key, where="plan", error=PlanError) for v in values)
+
+
+def _trials(entries: object) -> tuple[dict, ...]:
+    """``plan.trials``: a list of objects, each with a ``label`` and a ``measured`` number (or null)."""
+    if not isinstance(entries, list) or not all(isinstance(entry, dict) for entry in entries):
+        raise PlanError(f"plan.trials: expected a list of objects, got {shown(entries)}")
+    for k, entry in enumerate(entries):
+        string(entry, "label", where=f"plan.trials[{k}]", error=PlanError)
+        number(entry, "measured", where=f"plan.trials[{k}]", error=PlanError, default=None, null=True)
+    return tuple(entries)
 
 
 def plan_from_json(text: str) -> Plan:
@@ -201,6 +218,7 @@ def plan_from_json(text: str) -> Plan:
         sharding=string(document, "sharding", where=where, error=PlanError, default="replicate"),
         tensor_parallel=integer(document, "tensor_parallel", where=where, error=PlanError, default=1),
         tp_plan=document.get("tp_plan"),
+        trials=_trials(document.get("trials", [])),
     )
     size = document.get("microbatch_size", plan.microbatch_size)
     if size != plan.microbatch_size:

@@ -17,6 +17,7 @@ from pathlib import Path
 from pipeloom.errors import PipeloomError
 from pipeloom.formatting import format_bytes
 from pipeloom.ir import Schedule, save_schedule
+from pipeloom.plan.costs.file import MAX_PIECES
 from pipeloom.plan.costs.shared import shared_across_stages
 from pipeloom.plan.costs.table import CostTable, table_for_size
 from pipeloom.plan.errors import MemoryTooSmall, NoPlanFits, PartitionError, PlanError
@@ -100,6 +101,8 @@ class PlanResult:
     """Fitting candidates by step time, then the others."""
     seconds: float
     """Wall time of the search."""
+    untried: int = 0
+    """Candidates left untried because the search's ``deadline`` passed (0: every one was tried)."""
 
     @property
     def schedule(self) -> Schedule:
@@ -180,6 +183,11 @@ class _Search:
     def _try(self, base: Candidate, partitioner: SchedulePartitioner, *, library_limit: float | None
              ) -> Candidate:
         table, limit = partitioner.table, self.memory_limit
+        stages = self.num_ranks * base.schedule_options.get("stages_per_rank", 1)
+        if stages > len(table.pieces):  # refused before building a schedule of that many stages
+            return dataclasses.replace(base, reason=f"too many stages: {stages} stages ({self.num_ranks} ranks x "
+                                                    f"{stages // self.num_ranks} per rank) for {len(table.pieces)} "
+                                                    "pieces")
         try:
             library = library_schedule(table, base.schedule, self.num_ranks, base.microbatches,
                                        memory_limit=library_limit, **base.schedule_options)
@@ -234,6 +242,7 @@ def plan_pipeline(
     search_time: float = 0.0,
     search_top: int = 2,
     progress: Callable[[str], None] | None = None,
+    deadline: float | None = None,
 ) -> PlanResult:
     """The fastest pipeline plan for ``table`` on ``num_ranks`` ranks of ``memory_limit`` bytes each (None: no
     limit; the memory-aware schedules then order for their own default memory, see :func:`library_schedule`).
@@ -250,6 +259,9 @@ def plan_pipeline(
     better one joins as schedule ``search`` (:meth:`PlanResult.save` writes it next to the plan).
     :class:`NoPlanFits` when nothing fits: it names the smallest per-rank limit that would, or why
     nothing could be built. ``progress``, when given, is called with a short line before each candidate.
+    ``deadline`` (a ``time.perf_counter()`` value; None: none): once it has passed, the candidates not yet
+    tried are left out (after the first, so there is an answer) and counted in :attr:`PlanResult.untried`;
+    they come in micro-batch counts from the smallest up.
     """
     started = time.perf_counter()
     tables = [table] if isinstance(table, CostTable) else list(table)
@@ -268,8 +280,13 @@ def plan_pipeline(
             for options in _options(name, stages_per_rank)]
     logger.info("planning %d pieces on %d ranks: %d candidates (schedules x micro-batch counts)",
                 len(table.pieces), num_ranks, len(jobs))
-    tried = []
+    tried: list[Candidate] = []
+    untried = 0
     for k, (name, options, m) in enumerate(jobs):
+        if deadline is not None and tried and time.perf_counter() > deadline:
+            untried = len(jobs) - k
+            logger.info("time limit reached: %d of %d candidates left untried", untried, len(jobs))
+            break
         if progress is not None:
             progress(f"{name} with {m} micro-batches ({k + 1} of {len(jobs)})")
         tried.append(search.candidate(name, options, m, global_batch // m))
@@ -294,7 +311,7 @@ def plan_pipeline(
         bubble_ratio=best.bubble_ratio, stage_times=partition.stage_times, device=table.device,
     )
     return PlanResult(plan=plan, timeline=timeline, candidates=tuple(ranked),
-                      seconds=time.perf_counter() - started)
+                      seconds=time.perf_counter() - started, untried=untried)
 
 
 def _searched(candidate: Candidate, seconds: float, memory_limit: float | None,
@@ -353,6 +370,9 @@ def _check_request(table: CostTable, num_ranks: int, global_batch: int, memory_l
     for name, value in (("num_ranks", num_ranks), ("global_batch", global_batch)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise PlanError(f"{name} must be a positive integer, got {value!r}")
+    if len(table.pieces) > MAX_PIECES:
+        raise PlanError(f"the cost table has {len(table.pieces):,} pieces, above the planner's limit of "
+                        f"{MAX_PIECES:,}; profile coarser pieces (whole blocks) or merge them")
     if memory_limit is not None and not memory_limit > 0:
         raise PlanError(f"memory_limit must be a positive number of bytes, got {memory_limit!r}")
     unknown = [name for name in schedules or () if name not in REGISTRY]

@@ -87,6 +87,8 @@ def chain_problem(
         backward="split" if split_backward else "full",
         comm_latency=costs.comm,
         memory_limit=memory_limit,
+        overlap_fraction=costs.overlap,
+        pair_time=costs.pair_time,
     )
 
 
@@ -141,6 +143,8 @@ def two_replica_problem(
         backward="split" if split_backward else "full",
         comm_latency=costs.comm,
         memory_limit=memory_limit,
+        overlap_fraction=costs.overlap,
+        pair_time=costs.pair_time,
     )
 
 

@@ -23,6 +23,7 @@ from pipeloom.search.constructions import BLOCK_PLACEMENTS, insert_all_rank_task
 from pipeloom.search.errors import SearchError
 from pipeloom.search.memory_bounds import limit_of
 from pipeloom.search.paths import topological_order
+from pipeloom.search.problem_file import check_task_count
 from pipeloom.search.result import Mode, SearchProgress, SearchResult, Status
 from pipeloom.search.transforms import merge_backward, without_all_rank_tasks
 from pipeloom.sim import Timeline
@@ -299,7 +300,9 @@ def _check_arguments(num_microbatches: int, time_limit: float, workers: int) -> 
 
 
 def _check_size(problem: Problem, num_microbatches: int) -> None:
-    """Refuse more than :data:`MAX_INTERVALS` intervals before building anything."""
+    """Refuse more than :data:`MAX_INTERVALS` intervals, or a problem of more than
+    :data:`~pipeloom.search.problem_file.MAX_SEARCH_TASKS` tasks, before building anything."""
+    check_task_count(len(problem.tasks))
     intervals = len(problem.tasks) * num_microbatches
     if intervals > MAX_INTERVALS:
         raise PipeloomError(

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeloom.errors import ScheduleFormatError, shown
+from pipeloom.errors import PipeloomError, ScheduleFormatError, shown
 from pipeloom.ir.json_io import problem_from_document, schedule_from_document
 from pipeloom.ir.jsonfields import check_keys, parse_object, read_text
 from pipeloom.problem import Problem
 
-__all__ = ["load_problem", "problem_from_json"]
+__all__ = ["MAX_SEARCH_TASKS", "check_task_count", "load_problem", "problem_from_json"]
+
+MAX_SEARCH_TASKS = 20_000
+"""Tasks per micro-batch a search takes at most: its lower bounds hold an ancestor set per task (memory
+and time grow with the square of the tasks: a 200,000-task chain would need about 5 GB and minutes)."""
 
 _PROBLEM_KEYS = {"num_ranks", "tasks", "comm_latency", "memory_limit", "static_memory"}
 
@@ -21,6 +25,8 @@ def problem_from_json(text: str) -> Problem:
     (its problem is taken, its rank lists ignored)."""
     document = parse_object(text, error=ScheduleFormatError, what="problem file",
                             hint=" with num_ranks and tasks")
+    if isinstance(document.get("tasks"), list):  # before building a task of it
+        check_task_count(len(document["tasks"]), error=ScheduleFormatError)
     if "format" in document:
         return schedule_from_document(document).problem
     check_keys(document, _PROBLEM_KEYS, where="problem", error=ScheduleFormatError)
@@ -31,6 +37,14 @@ def problem_from_json(text: str) -> Problem:
     if isinstance(ranks, bool) or not isinstance(ranks, int) or not 1 <= ranks <= 1_000_000:
         raise ScheduleFormatError(f"problem.num_ranks: expected a positive integer, got {shown(ranks)}")
     return problem_from_document(document, where="problem")
+
+
+def check_task_count(count: int, *, error: type[PipeloomError] = PipeloomError) -> None:
+    """``error`` when a problem of ``count`` tasks is above :data:`MAX_SEARCH_TASKS`."""
+    if count > MAX_SEARCH_TASKS:
+        raise error(f"the problem has {count:,} tasks per micro-batch, above the search's limit of "
+                    f"{MAX_SEARCH_TASKS:,} (its bounds grow with the square of the tasks); use fewer ranks, "
+                    "or merge tasks into fewer, larger stages")
 
 
 def load_problem(path: str | Path) -> Problem:

@@ -12,7 +12,7 @@ every request kind: actions (a schedule's actions plus its ranks, whose per-rank
   partitioner's pieces x stages, and twice the largest again when it searches.
 
 Past ``ServeConfig.max_actions``: 413 naming the limit. Every count a request carries is also capped
-(:data:`MAX_COUNT`, :data:`MAX_LIST`, :data:`MAX_PIECES`, :data:`MAX_TABLES`, :data:`MAX_SEARCH_RANKS`), so
+(:data:`MAX_COUNT`, :data:`MAX_LIST`, the cost tables' ``MAX_PIECES``, :data:`MAX_TABLES`, :data:`MAX_SEARCH_RANKS`), so
 that no estimate itself takes long.
 """
 
@@ -22,15 +22,13 @@ from collections.abc import Sequence
 
 from pipeloom.serve.errors import WorkError
 
-__all__ = ["MAX_COUNT", "MAX_LIST", "MAX_PIECES", "MAX_SEARCH_RANKS", "MAX_TABLES", "check_count",
+__all__ = ["MAX_COUNT", "MAX_LIST", "MAX_SEARCH_RANKS", "MAX_TABLES", "check_count",
            "check_work", "plan_work", "schedule_work", "uploaded_work"]
 
 MAX_COUNT = 2**20
 """Largest rank, micro-batch, stage or batch count a request may give (the work limit is usually lower)."""
 MAX_LIST = 64
 """Longest list of counts or names in a request."""
-MAX_PIECES = 10_000
-"""Most pieces in an uploaded cost table."""
 MAX_TABLES = 16
 """Most cost tables in one plan request."""
 MAX_SEARCH_RANKS = 256

@@ -10,12 +10,12 @@ from typing import Any
 
 from pipeloom.errors import PipeloomError
 from pipeloom.ir.jsonfields import check_keys, integer, number, string
+from pipeloom.plan.costs.file import MAX_PIECES
 from pipeloom.problem import Costs
 from pipeloom.serve.config import ServeConfig
 from pipeloom.serve.errors import RequestError
 from pipeloom.serve.limits import (
     MAX_LIST,
-    MAX_PIECES,
     MAX_SEARCH_RANKS,
     MAX_TABLES,
     check_count,

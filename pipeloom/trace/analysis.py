@@ -140,7 +140,8 @@ def _shares(problem: Problem, action: Action | Overlap | Comm, ns: int) -> list[
     composite one (an overlapped pair, a B standing for a split stage's I and W) is shared in the
     proportion of the model's own durations, scaled so that re-simulating the composite gives the
     measured time back: each task's model duration times ``ns / model``, the model being I + W, or
-    a pair's ``max(F, B)`` (its measured time is all the parts' own: no overlap overhead is fitted)."""
+    a pair's priced time (F + B by default; its measured time is all the parts' own: no overlap overhead is
+    fitted)."""
     assert type(action) is not Comm, action  # the loader matched each compute event to a compute action
     tasks = task_actions(problem, action)
     if len(tasks) == 1 and tasks[0] == action:

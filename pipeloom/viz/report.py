@@ -11,8 +11,9 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pipeloom.formatting import format_number
+from pipeloom.ir import has_pairs, priced_overlap, without_overlap
 from pipeloom.problem import Costs
-from pipeloom.sim import Timeline
+from pipeloom.sim import Timeline, simulate
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -27,6 +28,7 @@ __all__ = [
     "compare_markdown",
     "compare_table",
     "comparison_rows",
+    "costs_report",
     "per_rank_table",
     "placements_table",
     "print_comparison",
@@ -62,7 +64,7 @@ def timeline_report(timeline: Timeline, *, microbatches: int | None = None,
         "lower_bound": max(timeline.busy, default=0.0),
         "num_actions": schedule.num_actions,
         "memory_limit": schedule.problem.memory_limit,
-        "costs": None if costs is None else dataclasses.asdict(costs),
+        "costs": None if costs is None else costs_report(costs),
     }
 
 
@@ -104,6 +106,17 @@ def per_rank_table(report: dict) -> Table:
     return table
 
 
+_PAIR_PRICING = {"f_comm": 0.0, "b_comm": 0.0, "overlap": 0.0, "pair_time": None}
+"""The Costs fields that price overlapped pairs, with their defaults."""
+
+
+def costs_report(costs: Costs) -> dict[str, Any]:
+    """``costs`` as a JSON-ready dict; the fields pricing overlapped pairs only where they differ from
+    their defaults (so reports of schedules without them read as before)."""
+    return {key: value for key, value in dataclasses.asdict(costs).items()
+            if key not in _PAIR_PRICING or value != _PAIR_PRICING[key]}
+
+
 def comparison_rows(outcomes: Sequence[tuple[str, Timeline | str]], *, microbatches: int | None = None,
                     costs: Costs | None = None) -> list[dict]:
     """One row per ``(name, timeline or error message)``: a ``timeline_report`` under ``name`` plus
@@ -115,7 +128,24 @@ def comparison_rows(outcomes: Sequence[tuple[str, Timeline | str]], *, microbatc
     best = min((row["makespan"] for row in built), default=0.0)
     for row in built:
         row["relative_makespan"] = row["makespan"] / best if best > 0 else 1.0
+    timelines = [outcome for _, outcome in outcomes if not isinstance(outcome, str)]
+    for row, timeline in zip(built, timelines, strict=True):
+        _mark_overlap(row, timeline, built)
     return rows
+
+
+def _mark_overlap(row: dict, timeline: Timeline, rows: Sequence[dict]) -> None:
+    """Add ``makespan_without_overlap`` (its pairs priced F + B) and a ``note`` to the row of a schedule
+    whose overlapped pairs are priced below F + B (an overlap fraction, a measured pair time or the
+    communication they hide), naming the schedules it leads only through that overlap."""
+    schedule = timeline.schedule
+    if not (has_pairs(schedule) and priced_overlap(schedule.problem)):
+        return
+    plain = simulate(dataclasses.replace(schedule, problem=without_overlap(schedule.problem))).makespan
+    row["makespan_without_overlap"] = plain
+    behind = [other["name"] for other in rows if row["makespan"] < other["makespan"] <= plain]
+    lead = f"; ahead of {', '.join(behind)} only through it" if behind else ""
+    row["note"] = f"priced with overlap: {format_number(plain)} with pairs priced F + B{lead}"
 
 
 def compare_cells(row: dict, *, reason: bool = True) -> list[str]:
@@ -124,7 +154,7 @@ def compare_cells(row: dict, *, reason: bool = True) -> list[str]:
     if "error" in row:
         return [row["name"], "-", "-", "-", "-", f"not built: {row['error']}" if reason else "not built"]
     return [row["name"], format_number(row["makespan"]), f"{row['relative_makespan']:.3f}",
-            f"{row['bubble_ratio']:.2%}", format_number(max(row["peak_memory"])), ""]
+            f"{row['bubble_ratio']:.2%}", format_number(max(row["peak_memory"])), row.get("note", "")]
 
 
 def compare_table(rows: Sequence[dict], title: str) -> Table:
@@ -143,11 +173,14 @@ def compare_table(rows: Sequence[dict], title: str) -> Table:
 
 
 def print_comparison(console: Console, rows: Sequence[dict], title: str) -> None:
-    """Print ``compare_table`` and, under it, why each schedule that was not built failed."""
+    """Print ``compare_table`` and, under it, why each schedule that was not built failed and the
+    note of each whose makespan depends on overlapped pairs."""
     console.print(compare_table(rows, title))
     for row in rows:
         if "error" in row:
             console.print(f"{row['name']} not built: {row['error']}", markup=False, soft_wrap=True)
+        elif row.get("note"):
+            console.print(f"{row['name']}: {row['note']}", markup=False, soft_wrap=True)
 
 
 def compare_markdown(rows: Sequence[dict], *, heading: str, title: str, footer: Sequence[str] = ()) -> str:

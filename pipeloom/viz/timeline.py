@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from pipeloom.errors import PipeloomError
 from pipeloom.formatting import format_number, time_scale
 from pipeloom.ir import Comm, compute_parts
 from pipeloom.sim import Timeline
@@ -48,6 +49,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FIGURE_SUFFIXES",
+    "MAX_PICTURE_RANKS",
+    "check_picture_ranks",
     "LABEL_MODES",
     "check_figure_path",
     "figure_for_panels",
@@ -100,6 +103,18 @@ def check_figure_path(path: str | Path) -> tuple[Path, str]:
             f"use one of {', '.join(FIGURE_SUFFIXES)}"
         )
     return path, suffix[1:]
+
+
+MAX_PICTURE_RANKS = 2048
+"""Rank rows a timeline picture holds at most: rows stay 0.08 in tall from 100 ranks on, so 2,048 ranks are
+already a 170-inch, 17,000-pixel figure (and 65,536 ranks run out of memory after half a minute)."""
+
+
+def check_picture_ranks(ranks: int) -> None:
+    """PipeloomError when a picture of ``ranks`` rank rows (all panels together) is above :data:`MAX_PICTURE_RANKS`."""
+    if ranks > MAX_PICTURE_RANKS:
+        raise PipeloomError(f"a timeline picture of {ranks:,} ranks is above the limit of {MAX_PICTURE_RANKS:,} "
+                            "rank rows (it could not be read); draw fewer ranks, or leave the picture out")
 
 
 def _row_height(total_ranks: int) -> float:
@@ -436,6 +451,7 @@ def save_figure(fig: Figure, *, path: Path, fmt: str) -> None:
 def panels_figure(timelines: Sequence[Timeline], *, title: str | None, units: Units,
                   xmax: float | None = None) -> Figure:
     """Timelines stacked on one time axis, each with its memory panel, a heading and one legend."""
+    check_picture_ranks(sum(t.num_ranks for t in timelines))
     heading = 0 if title is None else title.count("\n") + 1
     fig, axes, memory_axes = figure_for_panels([t.num_ranks for t in timelines], heading=heading,
                                                legend_rows=legend_rows_of(timelines, units=units))

@@ -65,7 +65,7 @@ def test_recosted_schedules_validate_and_keep_the_task_graph(name):
         {t.key: (t.ranks, set(t.deps)) for t in schedule.problem.tasks}
     assert problem.comm_latency == 0.25  # link latency + 8 bytes at unlimited bandwidth
     timeline = validate(dataclasses.replace(schedule, problem=problem), ordered=True)
-    # every action busy for its duration: a task's, or an overlapped pair's max(F, B) + overhead
+    # every action busy for its duration: a task's, or an overlapped pair's F + B + overhead
     work = sum(action_duration(problem, action) for row in schedule.ranks for action in row)
     assert sum(timeline.busy) == pytest.approx(work)
     assert work <= sum(t.duration for t in problem.tasks) * schedule.num_microbatches + 1e-9

@@ -185,12 +185,14 @@ def test_dualpipe_bubble_equals_dualpipev_on_half_the_ranks(P, costs):
 
 @pytest.mark.parametrize("p", [1, 2, 3, 4, 8, 16])
 def test_dualpipev_bubble_with_equal_costs_is_p_minus_1_stage_forwards(p):
-    assert _bubble(dualpipev(p, 4 * p, costs=Costs(f=2, b=2, w=2))) == pytest.approx((p - 1) * 1.0)
+    # the reference's count, whose pairs take max(F, B): overlap 1
+    assert _bubble(dualpipev(p, 4 * p, costs=Costs(f=2, b=2, w=2, overlap=1))) == pytest.approx((p - 1) * 1.0)
 
 
 @pytest.mark.parametrize("p", [2, 4, 8, 16])
 def test_dualpipe_bubble_with_equal_costs_is_half_p_minus_1_forwards(p):
-    assert _bubble(dualpipe(p, 4 * p, costs=Costs(f=1.5, b=1.5, w=1.5))) == pytest.approx((p // 2 - 1) * 1.5)
+    costs = Costs(f=1.5, b=1.5, w=1.5, overlap=1)
+    assert _bubble(dualpipe(p, 4 * p, costs=costs)) == pytest.approx((p // 2 - 1) * 1.5)
 
 
 @pytest.mark.parametrize(
@@ -200,16 +202,17 @@ def test_dualpipe_bubble_with_equal_costs_is_half_p_minus_1_forwards(p):
 def test_bubble_within_the_reference_formula_with_overlapped_pairs(P, f, b, w):
     # DeepSeek-V3: (P-1)(F&B + B - 3W), F&B = max(F, B) (an overlapped pair, overhead 0) and B = I + W;
     # it holds where F <= I (the pairs written F then B instead, as before, exceed it: 2 > 1 at P = 2).
+    # The reference's F&B is the pair fully overlapped: overlap 1 (the default prices F + B).
     if f > b:
         pytest.skip("the reference's count assumes a forward no longer than the input-gradient backward")
     fb = max(f, b + w)
     bound = (P - 1) * (fb + (b + w) - 3 * w)
-    assert _bubble(dualpipe(2 * P, 8 * P, costs=Costs(f=f, b=b, w=w))) <= bound + 1e-9
+    assert _bubble(dualpipe(2 * P, 8 * P, costs=Costs(f=f, b=b, w=w, overlap=1))) <= bound + 1e-9
 
 
 @pytest.mark.parametrize("overhead", [0.0, 0.5, 2.0])
 def test_bubble_with_overlap_overhead_follows_the_pair_time(overhead):
-    # With equal costs every pair takes max(F, B) + overhead: each rank's busy time grows by the
+    # Every pair takes F + B + overhead (by default): each rank's busy time grows by the
     # overhead once per pair, and the simulator takes the overhead from the problem or the call.
     schedule = dualpipev(4, 16)
     plain = simulate(schedule)

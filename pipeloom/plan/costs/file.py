@@ -16,7 +16,20 @@ from pipeloom.plan.errors import CostTableError
 if TYPE_CHECKING:
     from pipeloom.plan.tp.megatron import TensorInfo
 
-__all__ = ["COSTS_FORMAT", "COSTS_FORMAT_V1", "costs_from_json", "costs_to_json", "load_costs", "save_costs"]
+__all__ = ["COSTS_FORMAT", "COSTS_FORMAT_V1", "MAX_PIECES", "check_piece_count", "costs_from_json", "costs_to_json",
+           "load_costs", "save_costs"]
+
+MAX_PIECES = 10_000
+"""Pieces of a cost table at most: the planner cuts the model for every candidate in time linear in the
+pieces (5,000 pieces: about 0.3 s a candidate, some fifty candidates a plan), and a table is read at about
+0.1 ms a piece; a model profiled finer than this is better profiled by blocks."""
+
+
+def check_piece_count(count: int) -> None:
+    """CostTableError when a table of ``count`` pieces is above :data:`MAX_PIECES`."""
+    if count > MAX_PIECES:
+        raise CostTableError(f"the cost table has {count:,} pieces, above the limit of {MAX_PIECES:,}; profile "
+                             "coarser pieces (whole blocks: pipeloom profile --pieces ...) or merge them")
 
 COSTS_FORMAT = "pipeloom.costs/2"
 """The format :func:`save_costs` writes: runtime corrections in their own ``runtime`` section."""
@@ -148,6 +161,7 @@ def costs_from_json(text: str) -> CostTable:
     entries = document.get("pieces")
     if not isinstance(entries, list):
         raise CostTableError(f"{where}.pieces: expected a list of pieces, got {shown(entries)}")
+    check_piece_count(len(entries))  # before building one
     return CostTable(
         pieces=tuple(_piece_from_json(entry, k, old=old) for k, entry in enumerate(entries)),
         microbatch_size=integer(document, "microbatch_size", where=where, error=CostTableError),

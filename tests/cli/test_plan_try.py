@@ -1,0 +1,73 @@
+"""``pipeloom plan --try K`` launched as users launch it (torchrun, 2 gloo ranks), and its usage errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeloom.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+MODEL = '''
+import torch
+from torch import nn
+
+
+def build(width: int = 16):
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(4)))
+    return model, torch.randn(8, width), torch.randn(8, width)
+
+
+def mse(output, target):
+    return ((output - target) ** 2).mean()
+'''
+
+
+def _costs(folder: Path) -> Path:
+    pieces = [{"name": f"{k}", "f": 1e-4, "i": 1e-4, "w": 1e-4, "activation_bytes": 64.0, "param_bytes": 1024.0,
+               "output_bytes": 64.0} for k in range(4)]
+    path = folder / "costs.json"
+    path.write_text(json.dumps({"format": "pipeloom.costs/2", "microbatch_size": 1, "pieces": pieces}))
+    return path
+
+
+def _port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_try_runs_the_best_plans_on_two_ranks_and_saves_what_it_measured(tmp_path):
+    (tmp_path / "model.py").write_text(MODEL)
+    _costs(tmp_path)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
+               f"--master-port={_port()}", "-m", "pipeloom", "plan", "--costs", "costs.json", "--ranks", "2",
+               "--global-batch", "8", "--schedules", "1f1b,gpipe", "--microbatches", "2", "4", "--try", "3",
+               "--build", "model.py:build", "--loss", "mse", "--try-steps", "2", "--save", "plan.json"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "COLUMNS": "120"}
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
+    tried = [line for line in done.stdout.splitlines() if line.startswith("tried ")]
+    assert len(tried) == 3 and tried[0].endswith("<- chosen"), done.stdout  # printed once: rank 0
+    saved = json.loads((tmp_path / "plan.json").read_text())
+    trials = saved["trials"]
+    assert len(trials) == 3 and [t["measured"] for t in trials] == sorted(t["measured"] for t in trials)
+    assert (saved["schedule"], saved["microbatches"]) == (trials[0]["schedule"], trials[0]["microbatches"])
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--try", "2"], "--try runs the plans in the engine: give --build FILE.py:FUNCTION and --loss NAME"),
+    (["--build", "m.py:f"], "--build go with --try K"),
+    (["--try", "2", "--build", "m.py:f", "--loss", "l"], "--try runs on every rank of a launch: torchrun"),
+])
+def test_try_usage_errors(tmp_path, capsys, monkeypatch, flags, message):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    code = main(["plan", "--costs", str(_costs(tmp_path)), "--ranks", "2", "--global-batch", "8", *flags])
+    assert code == 2 and message in capsys.readouterr().err
