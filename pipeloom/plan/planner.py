@@ -267,14 +267,7 @@ def plan_pipeline(
     tables = [table] if isinstance(table, CostTable) else list(table)
     table = table_for_size(tables, tables[0].microbatch_size if tables else 1)  # checks they match
     _check_request(table, num_ranks, global_batch, memory_limit, schedules)
-    counts = sorted(set(microbatches)) if microbatches is not None else _divisors(global_batch)
-    for m in counts:
-        if isinstance(m, int) and not isinstance(m, bool) and m > MAX_PLAN_MICROBATCHES:
-            raise PlanError(f"{m} micro-batches per step is more than the planner considers "
-                            f"({MAX_PLAN_MICROBATCHES}); choose at most {MAX_PLAN_MICROBATCHES}")
-        if isinstance(m, bool) or not isinstance(m, int) or m < 1 or global_batch % m:
-            raise PlanError(f"micro-batch count {m!r} does not divide the global batch {global_batch}; "
-                            f"choose among {_divisors(global_batch)}")
+    counts = _microbatch_counts(microbatches, global_batch)
     search = _Search(tables, num_ranks=num_ranks, memory_limit=memory_limit)
     jobs = [(name, options, m) for m in counts for name in (schedules or schedule_names())
             for options in _options(name, stages_per_rank)]
@@ -312,6 +305,19 @@ def plan_pipeline(
     )
     return PlanResult(plan=plan, timeline=timeline, candidates=tuple(ranked),
                       seconds=time.perf_counter() - started, untried=untried)
+
+
+def _microbatch_counts(microbatches: Sequence[int] | None, global_batch: int) -> list[int]:
+    """The micro-batch counts to try (given, or every divisor of the global batch), checked."""
+    counts = sorted(set(microbatches)) if microbatches is not None else _divisors(global_batch)
+    for m in counts:
+        if isinstance(m, int) and not isinstance(m, bool) and m > MAX_PLAN_MICROBATCHES:
+            raise PlanError(f"{m} micro-batches per step is more than the planner considers "
+                            f"({MAX_PLAN_MICROBATCHES}); choose at most {MAX_PLAN_MICROBATCHES}")
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1 or global_batch % m:
+            raise PlanError(f"micro-batch count {m!r} does not divide the global batch {global_batch}; "
+                            f"choose among {_divisors(global_batch)}")
+    return counts
 
 
 def _searched(candidate: Candidate, seconds: float, memory_limit: float | None,
