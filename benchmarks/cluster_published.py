@@ -15,6 +15,7 @@ No constant of the model is fitted to these rows. Timings on a shared 2-core mac
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -56,9 +57,19 @@ def _published(run: dict, limit: float | None):
     return min(plans, key=lambda plan: plan.best.step_time)
 
 
+def kernels(run: dict) -> str:
+    """torchtitan compiles only when its config says so (``compile = false`` by default): its rows without
+    torch.compile in their source ran PyTorch's eager elementwise kernels; Megatron, Meta's and DeepSeek's
+    stacks fuse them."""
+    if not run["id"].startswith("torchtitan"):
+        return "fused"
+    return "fused" if "compile" in json.dumps(run) else "eager"
+
+
 def _plan(run: dict, fixed: dict | None, limit: float | None):
     return plan_cluster(run_config(run), run_hardware(run), gpus=run["gpus"], global_batch=run["global_batch"],
-                        seq=run["seq"], dtype=run["dtype"], layout=fixed, memory_limit=limit, runners_up=0)
+                        seq=run["seq"], dtype=run["dtype"], layout=fixed, kernels=kernels(run), memory_limit=limit,
+                        runners_up=0)
 
 
 def check(run: dict, *, search: bool) -> dict:

@@ -26,6 +26,9 @@ def add_cluster_arguments(plan: argparse.ArgumentParser) -> None:
     group.add_argument("--gpus", type=int, metavar="N", help="GPUs of the job")
     group.add_argument("--seq", type=int, metavar="S", help="tokens per sequence")
     group.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16", help="GEMM precision (default bf16)")
+    group.add_argument("--kernels", choices=("fused", "eager"), default="fused",
+                       help="elementwise kernels: fused (Megatron, Transformer Engine, torch.compile; default) or "
+                            "eager (PyTorch op by op)")
     group.add_argument("--layout", metavar="KEY=VALUE,...",
                        help="layout keys to hold fixed, e.g. tp=4,pp=8,vp=5,cp=1,ep=1,dp=2,mbs=1,fsdp=0,"
                             "recompute=selective,schedule=interleaved-1f1b; all of them: predict that layout")
@@ -61,7 +64,8 @@ def cmd_plan_cluster(args: argparse.Namespace) -> int:
             print(f"\r\033[K{message}", end="", file=sys.stderr, flush=True)
     try:
         result = plan_cluster(args.model, args.hardware, gpus=args.gpus, global_batch=args.global_batch,
-                              seq=args.seq, dtype=args.dtype, layout=args.layout, memory_limit=args.memory_limit,
+                              seq=args.seq, dtype=args.dtype, layout=args.layout, kernels=args.kernels,
+                              memory_limit=args.memory_limit,
                               progress=progress)
     except PipeloomError as error:
         raise UsageError(str(error).splitlines()[0]) from None

@@ -11,6 +11,7 @@ from typing import Any
 
 from pipeloom.plan.cluster.config import ModelSpec, model_spec
 from pipeloom.plan.cluster.efficiency import dtype_bytes
+from pipeloom.plan.cluster.elementwise import KERNELS
 from pipeloom.plan.cluster.estimate import Estimate, Estimator
 from pipeloom.plan.cluster.gpus import hardware
 from pipeloom.plan.cluster.hardware import Hardware
@@ -60,11 +61,12 @@ class ClusterPlan:
 
 def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: str | Path | Hardware, *, gpus: int,
                  global_batch: int, seq: int, dtype: str = "bf16", layout: str | Mapping[str, Any] | None = None,
-                 memory_limit: float | None = None, runners_up: int = 5,
+                 kernels: str = "fused", memory_limit: float | None = None, runners_up: int = 5,
                  progress: Callable[[str], None] | None = None) -> ClusterPlan:
     """The fastest layout of ``model`` (config.json path, dict, PretrainedConfig or ModelSpec) on ``gpus`` GPUs of
     type ``hw`` (a built-in name, a hardware JSON file or a Hardware) for ``global_batch`` sequences of ``seq``
-    tokens, within ``memory_limit`` bytes per GPU (default the GPU's). ``layout``: keys held fixed
+    tokens, within ``memory_limit`` bytes per GPU (default the GPU's); ``kernels``: ``fused`` (Megatron, Transformer
+    Engine, torch.compile) or ``eager`` elementwise kernels. ``layout``: keys held fixed
     (``"tp=4,pp=8"`` or a dict); with all of :data:`LAYOUT_KEYS` it predicts that layout alone."""
     start = time.perf_counter()
     for name, value in (("gpus", gpus), ("global_batch", global_batch), ("seq", seq)):
@@ -73,7 +75,10 @@ def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: st
     device = hardware(hw)
     dtype_bytes(dtype)
     device.peak(dtype)
-    job = Job(spec=model_spec(model), hw=device, gpus=gpus, global_batch=global_batch, seq=seq, dtype=dtype)
+    if kernels not in KERNELS:
+        raise LayoutError(f"kernels={kernels!r}: use {' or '.join(map(repr, KERNELS))}")
+    job = Job(spec=model_spec(model), hw=device, gpus=gpus, global_batch=global_batch, seq=seq, dtype=dtype,
+              kernels=kernels)
     fixed = parse_layout(layout) if isinstance(layout, str) else dict(layout or {})
     limit = float(memory_limit if memory_limit is not None else device.memory_bytes)
     if set(fixed) >= set(LAYOUT_KEYS):

@@ -17,6 +17,7 @@ from pipeloom.plan.cluster.efficiency import (
     memory_seconds,
     p2p_seconds,
 )
+from pipeloom.plan.cluster.elementwise import layer_elementwise
 from pipeloom.plan.cluster.hardware import Hardware
 from pipeloom.plan.cluster.layout import Layout
 
@@ -39,6 +40,9 @@ class Job:
     """Tokens per sequence."""
     dtype: str = "bf16"
     """GEMM precision (bf16 or fp8; attention runs in bf16 either way)."""
+    kernels: str = "fused"
+    """Elementwise kernels: ``fused`` (Megatron, Transformer Engine, torch.compile) or ``eager`` (PyTorch op by
+    op): :mod:`pipeloom.plan.cluster.elementwise`."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -109,6 +113,10 @@ def layer_times(job: Job, layout: Layout, kind: str) -> PhaseTimes:
         loss = memory_seconds(hw, 3.0 * 4 * tokens * spec.vocab / tp)  # fp32 logits: softmax, its gradient
         return PhaseTimes(f=gemm.f + comm + loss, i=gemm.i + comm + elementwise, w=gemm.w)
     a = spec.attention
+    # memory-bound kernels counted one by one (norms, residual adds, rotary, activation, MoE permutes)
+    ew = layer_elementwise(spec, kind, tp=tp, sp=sp, kernels=job.kernels)
+    ew_f = memory_seconds(hw, ew.f_bytes * tokens) + (ew.f_kernels - 1) * hw.kernel_overhead
+    ew_b = memory_seconds(hw, ew.b_bytes * tokens) + (ew.b_kernels - 1) * hw.kernel_overhead
     parts = [_price(hw, _gemms(spec, tp), tokens, job.dtype)]
     head_dim = (a.qk_dim + a.v_dim) // 2
     # the cp shard's queries attend to the whole sequence: 1/cp of the causal square (load-balanced halves)
@@ -128,8 +136,8 @@ def layer_times(job: Job, layout: Layout, kind: str) -> PhaseTimes:
     else:
         parts.append(_moe_times(job, layout, tokens))
     gemm = _add(*parts)
-    f = gemm.f + core_f + elementwise + tp_comm
-    i = gemm.i + core_b + 2 * elementwise + tp_comm
+    f = gemm.f + core_f + ew_f + tp_comm
+    i = gemm.i + core_b + ew_b + tp_comm
     if layout.recompute == "selective":
         i += core_f
     elif layout.recompute == "full":
