@@ -64,6 +64,8 @@ class Hardware:
     """Fraction of the scale-up bandwidth a large collective or send reaches (NCCL bus bandwidth / link)."""
     scale_out_efficiency: float = 0.80
     """Fraction of the NIC bandwidth a large collective or send reaches."""
+    sm_count: int = 132
+    """Streaming multiprocessors (compute units) that run GEMM tiles at once: wave quantization (H100 SXM: 132)."""
     kernel_overhead: float = 2e-6
     """Seconds every kernel costs whatever its size (launch and tail), the floor of a tiny GEMM."""
     sources: Mapping[str, str] = field(default_factory=dict)
@@ -94,6 +96,9 @@ class Hardware:
             if not _number(value) or not 0 < value <= 1:
                 raise HardwareError(f"hardware {self.name!r}: {name} is a fraction of peak in (0, 1], "
                                     f"got {value!r}")
+        if not isinstance(self.sm_count, int) or isinstance(self.sm_count, bool) or self.sm_count < 1:
+            raise HardwareError(f"hardware {self.name!r}: sm_count must be a whole number of SMs >= 1, "
+                                f"got {self.sm_count!r}")
         if not isinstance(self.scale_up_size, int) or isinstance(self.scale_up_size, bool) or self.scale_up_size < 1:
             raise HardwareError(f"hardware {self.name!r}: scale_up_size must be a whole number of GPUs >= 1, "
                                 f"got {self.scale_up_size!r}")
