@@ -29,6 +29,9 @@ def add_cluster_arguments(plan: argparse.ArgumentParser) -> None:
     group.add_argument("--kernels", choices=("fused", "eager"), default="fused",
                        help="elementwise kernels: fused (Megatron, Transformer Engine, torch.compile; default) or "
                             "eager (PyTorch op by op)")
+    group.add_argument("--attention", choices=("flash", "materialized"), default="flash",
+                       help="attention core: flash (default) or materialized s x s scores (Megatron-LM before "
+                            "flash attention)")
     group.add_argument("--layout", metavar="KEY=VALUE,...",
                        help="layout keys to hold fixed, e.g. tp=4,pp=8,vp=5,cp=1,ep=1,dp=2,mbs=1,fsdp=0,"
                             "recompute=selective,schedule=interleaved-1f1b; all of them: predict that layout")
@@ -65,7 +68,7 @@ def cmd_plan_cluster(args: argparse.Namespace) -> int:
     try:
         result = plan_cluster(args.model, args.hardware, gpus=args.gpus, global_batch=args.global_batch,
                               seq=args.seq, dtype=args.dtype, layout=args.layout, kernels=args.kernels,
-                              memory_limit=args.memory_limit,
+                              attention=args.attention, memory_limit=args.memory_limit,
                               progress=progress)
     except PipeloomError as error:
         raise UsageError(str(error).splitlines()[0]) from None

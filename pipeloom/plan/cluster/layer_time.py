@@ -20,6 +20,7 @@ from pipeloom.plan.cluster.efficiency import (
 from pipeloom.plan.cluster.elementwise import layer_elementwise
 from pipeloom.plan.cluster.hardware import Hardware
 from pipeloom.plan.cluster.layout import Layout
+from pipeloom.plan.cluster.materialized import materialized_attention_seconds
 
 __all__ = ["Job", "PhaseTimes", "layer_times", "domain_ranks"]
 
@@ -43,6 +44,8 @@ class Job:
     kernels: str = "fused"
     """Elementwise kernels: ``fused`` (Megatron, Transformer Engine, torch.compile) or ``eager`` (PyTorch op by
     op): :mod:`pipeloom.plan.cluster.elementwise`."""
+    attention: str = "flash"
+    """Attention core: ``flash`` or ``materialized`` scores (Megatron-LM 2021): :mod:`.materialized`."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -120,10 +123,10 @@ def layer_times(job: Job, layout: Layout, kind: str) -> PhaseTimes:
     parts = [_price(hw, _gemms(spec, tp), tokens, job.dtype)]
     head_dim = (a.qk_dim + a.v_dim) // 2
     # the cp shard's queries attend to the whole sequence: 1/cp of the causal square (load-balanced halves)
-    core_f = attention_seconds(hw, batch=layout.mbs, heads=max(1, a.heads // tp), seq=job.seq, head_dim=head_dim,
-                               causal=True) / cp
-    core_b = attention_seconds(hw, batch=layout.mbs, heads=max(1, a.heads // tp), seq=job.seq, head_dim=head_dim,
-                               causal=True, backward=True) / cp
+    core = attention_seconds if job.attention == "flash" else _materialized
+    core_f = core(hw, batch=layout.mbs, heads=max(1, a.heads // tp), seq=job.seq, head_dim=head_dim) / cp
+    core_b = core(hw, batch=layout.mbs, heads=max(1, a.heads // tp), seq=job.seq, head_dim=head_dim,
+                  backward=True) / cp
     if cp > 1:  # ring attention: K/V blocks pass around the cp ring beside the block computations
         kv = tokens * a.kv_heads * (a.qk_dim + a.v_dim) * width / tp
         ring = (cp - 1) * p2p_seconds(hw, kv, same_domain=domain_ranks(cp, tp, hw) == cp)
@@ -143,6 +146,12 @@ def layer_times(job: Job, layout: Layout, kind: str) -> PhaseTimes:
     elif layout.recompute == "full":
         i += f
     return PhaseTimes(f=f, i=i, w=gemm.w)
+
+
+def _materialized(hw: Hardware, *, batch: int, heads: int, seq: int, head_dim: int, backward: bool = False) -> float:
+    """The scores-in-HBM attention core in 16-bit (its GEMMs at the BF16 rate; FP8 recipes keep attention 16-bit)."""
+    return materialized_attention_seconds(hw, batch=batch, heads=heads, seq=seq, head_dim=head_dim,
+                                          backward=backward)
 
 
 def _moe_times(job: Job, layout: Layout, tokens: int) -> PhaseTimes:

@@ -1,0 +1,53 @@
+"""Attention with its scores in HBM (:mod:`pipeloom.plan.cluster.materialized`) against its closed form, and its
+place in the layer times."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from pipeloom.plan.cluster.api import plan_cluster
+from pipeloom.plan.cluster.config import model_spec
+from pipeloom.plan.cluster.efficiency import attention_seconds, gemm_seconds, memory_seconds
+from pipeloom.plan.cluster.gpus import hardware
+from pipeloom.plan.cluster.layer_time import Job, layer_times
+from pipeloom.plan.cluster.layout import Layout
+from pipeloom.plan.cluster.materialized import materialized_attention_seconds
+from pipeloom.plan.errors import LayoutError
+
+GPT = {"model_type": "gpt2", "n_embd": 256, "n_layer": 2, "n_head": 4, "vocab_size": 100, "n_positions": 2048}
+
+
+def test_closed_form_forward_and_backward():
+    hw = hardware("a100-80gb")
+    b, heads, s, d = 2, 4, 2048, 64
+    e = b * heads * s * s
+    qk = gemm_seconds(hw, s, s, d, count=b * heads)
+    pv = gemm_seconds(hw, s, d, s, count=b * heads)
+    forward = qk + pv + memory_seconds(hw, 4 * e) + memory_seconds(hw, 5 * e)
+    backward = qk + 3 * pv + memory_seconds(hw, 5 * e) + memory_seconds(hw, 6 * e)
+    assert materialized_attention_seconds(hw, batch=b, heads=heads, seq=s, head_dim=d) == pytest.approx(forward)
+    assert materialized_attention_seconds(hw, batch=b, heads=heads, seq=s, head_dim=d,
+                                          backward=True) == pytest.approx(backward)
+    assert materialized_attention_seconds(hw, batch=0, heads=heads, seq=s, head_dim=d) == 0.0
+
+
+def test_slower_than_flash_attention_at_long_sequences():
+    hw = hardware("h100")
+    for backward in (False, True):
+        flash = attention_seconds(hw, batch=1, heads=32, seq=8192, head_dim=128, backward=backward)
+        assert materialized_attention_seconds(hw, batch=1, heads=32, seq=8192, head_dim=128,
+                                              backward=backward) > 2 * flash
+
+
+def test_layer_times_use_it_and_the_api_names_bad_values():
+    job = Job(spec=model_spec(GPT), hw=hardware("a100-80gb"), gpus=8, global_batch=8, seq=2048)
+    layout = Layout(dp=8, mbs=1, recompute="none", schedule="1f1b")
+    flash = layer_times(job, layout, "dense")
+    scores = layer_times(dataclasses.replace(job, attention="materialized"), layout, "dense")
+    assert scores.f > flash.f and scores.i > flash.i and scores.w == flash.w
+    with pytest.raises(LayoutError, match="flash"):
+        plan_cluster(GPT, "a100-80gb", gpus=8, global_batch=8, seq=2048, attention="unfused")
+    with pytest.raises(LayoutError, match="eager"):
+        plan_cluster(GPT, "a100-80gb", gpus=8, global_batch=8, seq=2048, kernels="compiled")
