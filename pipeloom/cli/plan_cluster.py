@@ -29,8 +29,9 @@ def add_cluster_arguments(plan: argparse.ArgumentParser) -> None:
     group.add_argument("--kernels", choices=("fused", "eager"), default="fused",
                        help="elementwise kernels: fused (Megatron, Transformer Engine, torch.compile; default) or "
                             "eager (PyTorch op by op)")
-    group.add_argument("--attention", choices=("flash", "materialized"), default="flash",
-                       help="attention core: flash (default) or materialized s x s scores (Megatron-LM before "
+    group.add_argument("--attention", choices=("flash", "flash2", "materialized"), default="flash",
+                       help="attention core: flash (the GPU's best kernel; default), flash2 (FlashAttention-2, "
+                            "PyTorch SDPA's default backend) or materialized s x s scores (Megatron-LM before "
                             "flash attention)")
     group.add_argument("--layout", metavar="KEY=VALUE,...",
                        help="layout keys to hold fixed, e.g. tp=4,pp=8,vp=5,cp=1,ep=1,dp=2,mbs=1,fsdp=0,"

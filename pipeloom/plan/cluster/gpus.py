@@ -25,6 +25,9 @@ _FA2 = ("FlashAttention-2 (Dao 2023, arXiv:2307.08691, sec. 4.1): 50-73 % of A10
         "backward lower; the long-sequence, head-dim-128 end of that range")
 _FA3 = ("FlashAttention-3 (Shah et al. 2024, arXiv:2407.08608, sec. 4.1, figs. 5-6): BF16 forward up to 740 "
         "TFLOP/s (75 %) at head dim 256, about 65 % at head dim 128; backward about 1.5x FA2's, near 52 %")
+_FA2_HOPPER = ("FA3 paper (arXiv:2407.08608): FA3 forward 1.5-2.0x FA2 on H100; huggingface/transformers PR "
+               "#48163: cuDNN attention 1.7-2.3x FA2 for training shapes on H100 -> 1.7, where both ranges meet")
+_FA2_BEST = "FlashAttention-2 is this GPU's best attention kernel (cuDNN slower on A100: transformers PR #48163)"
 _HOPPER_PRIOR = "no public measurement found for this GPU: Hopper's (H100) value as the prior"
 _PRIOR = {
     "gemm_half_dim": ("prior, not a measurement: a 1024-cube GEMM at ~70 % of the large-shape rate, the "
@@ -61,8 +64,9 @@ def _a100(name: str, memory_gib: int, bandwidth: float, bandwidth_source: str) -
             "attention_efficiency": _FA2, "attention_backward_efficiency": _FA2,
             "scale_up_efficiency": _NVLINK_EFF, "scale_out_efficiency": _NIC_EFF,
             "sm_count": "NVIDIA A100 Tensor Core GPU Architecture whitepaper: 108 SMs in the A100",
+            "flash2_slowdown": _FA2_BEST,
         },
-        sm_count=108,
+        sm_count=108, flash2_slowdown=1.0,
         peak_flops={"bf16": 312e12}, memory_bytes=memory_gib * GiB, memory_bandwidth=bandwidth,
         scale_up_size=8, scale_up_bandwidth=300e9, scale_out_bandwidth=25e9,
         scale_up_latency=1e-6, scale_out_latency=5e-6, gemm_efficiency=0.859,
@@ -84,6 +88,7 @@ def _hopper(name: str, memory_gib: int, bandwidth: float, sheet: str, gemm: floa
             "scale_up_efficiency": _NVLINK_EFF + "; H100 ring similar (NVLS reaches more, not modelled)",
             "scale_out_efficiency": _NIC_EFF,
             "sm_count": "NVIDIA H100 Tensor Core GPU Architecture whitepaper: 132 SMs (SXM5; H200 the same)",
+            "flash2_slowdown": _FA2_HOPPER,
         },
         sm_count=132,
         peak_flops={"bf16": 989.4e12, "fp8": 1978.9e12}, memory_bytes=memory_gib * GiB, memory_bandwidth=bandwidth,
@@ -106,6 +111,7 @@ def _blackwell(name: str, *, bf16: float, memory_gib: int, domain: int, nic: flo
             "gemm_efficiency": _HOPPER_PRIOR, "attention_efficiency": _HOPPER_PRIOR,
             "attention_backward_efficiency": _HOPPER_PRIOR,
             "scale_up_efficiency": _NVLINK_EFF, "scale_out_efficiency": _NIC_EFF, "sm_count": sms_source,
+            "flash2_slowdown": _HOPPER_PRIOR,
         },
         sm_count=sms,
         peak_flops={"bf16": bf16, "fp8": 2 * bf16}, memory_bytes=memory_gib * GiB, memory_bandwidth=8e12,
@@ -132,8 +138,9 @@ def _mi300x() -> Hardware:
                                     "than NVSwitch does; 0.70 assumed, not measured"),
             "scale_out_efficiency": _NIC_EFF,
             "sm_count": sheet + "304 compute units",
+            "flash2_slowdown": "no separate measurement: its attention figures are already scaled, taken as FA2's",
         },
-        sm_count=304,
+        sm_count=304, flash2_slowdown=1.0,
         peak_flops={"bf16": 1307.4e12, "fp8": 2614.9e12}, memory_bytes=192 * GiB, memory_bandwidth=5.3e12,
         scale_up_size=8, scale_up_bandwidth=448e9, scale_out_bandwidth=50e9,
         scale_up_latency=1e-6, scale_out_latency=5e-6, gemm_efficiency=0.601,

@@ -56,6 +56,9 @@ class Hardware:
     """Fraction of peak a long-sequence flash-attention forward reaches."""
     attention_backward_efficiency: float = 0.55
     """Fraction of peak a long-sequence flash-attention backward reaches."""
+    flash2_slowdown: float = 1.7
+    """How much slower FlashAttention-2's kernels (PyTorch SDPA's first-priority backend) run than the GPU's best
+    attention kernel that ``attention_efficiency`` describes (FA3 / cuDNN on Hopper); 1 where FA2 is the best."""
     attention_half_seq: float = 256.0
     """A sequence length at which attention runs at half its long-sequence rate: ``s / (s + half)``."""
     memory_efficiency: float = 0.85
@@ -86,6 +89,9 @@ class Hardware:
         for name in ("memory_bytes", "memory_bandwidth", "scale_up_bandwidth", "scale_out_bandwidth",
                      "gemm_half_dim", "attention_half_seq"):
             _positive(self.name, name, getattr(self, name))
+        if not _number(self.flash2_slowdown) or self.flash2_slowdown < 1:
+            raise HardwareError(f"hardware {self.name!r}: flash2_slowdown is a ratio >= 1, "
+                                f"got {self.flash2_slowdown!r}")
         for name in ("scale_up_latency", "scale_out_latency", "kernel_overhead"):
             value = getattr(self, name)
             if not _number(value) or value < 0:

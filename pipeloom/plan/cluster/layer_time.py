@@ -5,6 +5,7 @@ recomputation adds) and W (weight gradient)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -45,7 +46,8 @@ class Job:
     """Elementwise kernels: ``fused`` (Megatron, Transformer Engine, torch.compile) or ``eager`` (PyTorch op by
     op): :mod:`pipeloom.plan.cluster.elementwise`."""
     attention: str = "flash"
-    """Attention core: ``flash`` or ``materialized`` scores (Megatron-LM 2021): :mod:`.materialized`."""
+    """Attention core: ``flash`` (the GPU's best kernel), ``flash2`` (FlashAttention-2) or ``materialized`` scores
+    (Megatron-LM 2021): :mod:`.materialized`."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -123,7 +125,11 @@ def layer_times(job: Job, layout: Layout, kind: str) -> PhaseTimes:
     parts = [_price(hw, _gemms(spec, tp), tokens, job.dtype)]
     head_dim = (a.qk_dim + a.v_dim) // 2
     # the cp shard's queries attend to the whole sequence: 1/cp of the causal square (load-balanced halves)
-    core = attention_seconds if job.attention == "flash" else _materialized
+    core = _materialized if job.attention == "materialized" else attention_seconds
+    if job.attention == "flash2":  # FA2's kernels: the best kernel's rates over the measured ratio
+        slow = hw.flash2_slowdown
+        hw = dataclasses.replace(hw, attention_efficiency=hw.attention_efficiency / slow,
+                                 attention_backward_efficiency=hw.attention_backward_efficiency / slow)
     core_f = core(hw, batch=layout.mbs, heads=max(1, a.heads // tp), seq=job.seq, head_dim=head_dim) / cp
     core_b = core(hw, batch=layout.mbs, heads=max(1, a.heads // tp), seq=job.seq, head_dim=head_dim,
                   backward=True) / cp

@@ -22,8 +22,10 @@ from pipeloom.plan.cluster.hardware import Hardware
 
 __all__ = ["ATTENTION_KINDS", "materialized_attention_seconds"]
 
-ATTENTION_KINDS = ("flash", "materialized")
-"""Attention implementations: flash attention (no scores in HBM), or scores materialized (Megatron-LM 2021)."""
+ATTENTION_KINDS = ("flash", "flash2", "materialized")
+"""Attention implementations: the GPU's best flash-attention kernel (FA3 / cuDNN on Hopper), FlashAttention-2
+(PyTorch SDPA's first-priority backend, ``Hardware.flash2_slowdown`` slower), or scores materialized
+(Megatron-LM 2021)."""
 
 _SOFTMAX_F, _DROPOUT_F = 4, 5  # bytes per score element (module docstring)
 _DROPOUT_B, _SOFTMAX_B = 5, 6

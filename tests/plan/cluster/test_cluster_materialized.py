@@ -51,3 +51,21 @@ def test_layer_times_use_it_and_the_api_names_bad_values():
         plan_cluster(GPT, "a100-80gb", gpus=8, global_batch=8, seq=2048, attention="unfused")
     with pytest.raises(LayoutError, match="eager"):
         plan_cluster(GPT, "a100-80gb", gpus=8, global_batch=8, seq=2048, kernels="compiled")
+
+
+def test_flash2_runs_the_attention_core_slower_by_the_gpus_ratio():
+    spec = model_spec({"model_type": "llama", "hidden_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
+                       "num_key_value_heads": 4, "intermediate_size": 1024, "vocab_size": 100})
+    layout = Layout(dp=8, mbs=1, recompute="none", schedule="1f1b")
+    for name, ratio in (("h100", 1.7), ("a100-80gb", 1.0)):
+        hw = hardware(name)
+        assert hw.flash2_slowdown == ratio and "flash2_slowdown" in hw.sources
+        job = Job(spec=spec, hw=hw, gpus=8, global_batch=8, seq=8192)
+        best, fa2 = layer_times(job, layout, "dense"), layer_times(dataclasses.replace(job, attention="flash2"),
+                                                                    layout, "dense")
+        kw = {"batch": 1, "heads": 4, "seq": 8192, "head_dim": 128}
+        slow = dataclasses.replace(hw, attention_efficiency=hw.attention_efficiency / ratio,
+                                   attention_backward_efficiency=hw.attention_backward_efficiency / ratio)
+        assert fa2.f - best.f == pytest.approx(attention_seconds(slow, **kw) - attention_seconds(hw, **kw))
+        assert fa2.i - best.i == pytest.approx(attention_seconds(slow, backward=True, **kw)
+                                               - attention_seconds(hw, backward=True, **kw))
