@@ -48,6 +48,9 @@ class Job:
     attention: str = "flash"
     """Attention core: ``flash`` (the GPU's best kernel), ``flash2`` (FlashAttention-2) or ``materialized`` scores
     (Megatron-LM 2021): :mod:`.materialized`."""
+    overlap_grad_reduce: bool = True
+    """The data-parallel gradient exchange overlaps the backward bucket by bucket (Megatron-Core's
+    ``--overlap-grad-reduce``, FSDP, DDP); False: one all-reduce after the last backward (Megatron-LM 2021)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

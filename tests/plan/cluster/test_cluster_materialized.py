@@ -1,5 +1,6 @@
-"""Attention with its scores in HBM (:mod:`pipeloom.plan.cluster.materialized`) against its closed form, and its
-place in the layer times."""
+"""The job options of what a framework does (attention kernel, gradient overlap): attention with its scores in
+HBM (:mod:`pipeloom.plan.cluster.materialized`) against its closed form, FlashAttention-2, an exposed gradient
+all-reduce."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import pytest
 
 from pipeloom.plan.cluster.api import plan_cluster
 from pipeloom.plan.cluster.config import model_spec
-from pipeloom.plan.cluster.efficiency import attention_seconds, gemm_seconds, memory_seconds
+from pipeloom.plan.cluster.counts import model_params
+from pipeloom.plan.cluster.efficiency import attention_seconds, collective_seconds, gemm_seconds, memory_seconds
+from pipeloom.plan.cluster.estimate import Estimator
 from pipeloom.plan.cluster.gpus import hardware
 from pipeloom.plan.cluster.layer_time import Job, layer_times
 from pipeloom.plan.cluster.layout import Layout
@@ -69,3 +72,19 @@ def test_flash2_runs_the_attention_core_slower_by_the_gpus_ratio():
         assert fa2.f - best.f == pytest.approx(attention_seconds(slow, **kw) - attention_seconds(hw, **kw))
         assert fa2.i - best.i == pytest.approx(attention_seconds(slow, backward=True, **kw)
                                                - attention_seconds(hw, backward=True, **kw))
+
+
+def test_gradient_all_reduce_after_the_backward_is_exposed_whole():
+    spec = model_spec({"model_type": "llama", "hidden_size": 1024, "num_hidden_layers": 4, "num_attention_heads": 8,
+                       "num_key_value_heads": 8, "intermediate_size": 4096, "vocab_size": 1000})
+    job = Job(spec=spec, hw=hardware("a100-80gb"), gpus=64, global_batch=64, seq=2048)
+    layout = Layout(dp=64, mbs=1, recompute="none", schedule="1f1b")
+    overlapped = Estimator(job).estimate(layout)
+    after = Estimator(dataclasses.replace(job, overlap_grad_reduce=False)).estimate(layout)
+    # the whole reduce-scatter + all-gather (a ring all-reduce) of the bf16 gradients over the 64 ranks
+    params = model_params(spec)
+    rs = collective_seconds(job.hw, "reduce_scatter", 2.0 * params, 64, ranks_per_domain=8)
+    ag = collective_seconds(job.hw, "all_gather", 2.0 * params, 64, ranks_per_domain=8)
+    assert after.exposed_dp == pytest.approx(rs + ag)
+    assert after.exposed_dp > overlapped.exposed_dp
+    assert after.pipeline_time == overlapped.pipeline_time
