@@ -36,6 +36,9 @@ def add_cluster_arguments(plan: argparse.ArgumentParser) -> None:
     group.add_argument("--no-overlap-grad-reduce", dest="overlap_grad_reduce", action="store_false",
                        help="the data-parallel gradient all-reduce runs after the backward, exposed (Megatron-LM "
                             "before --overlap-grad-reduce)")
+    group.add_argument("--selective", choices=("attention", "op"), default="attention",
+                       help="what recompute=selective recomputes: attention (Megatron's: the attention core; "
+                            "default) or op (torchtitan's op-level policy)")
     group.add_argument("--layout", metavar="KEY=VALUE,...",
                        help="layout keys to hold fixed, e.g. tp=4,pp=8,vp=5,cp=1,ep=1,dp=2,mbs=1,fsdp=0,"
                             "recompute=selective,schedule=interleaved-1f1b; all of them: predict that layout")
@@ -73,7 +76,7 @@ def cmd_plan_cluster(args: argparse.Namespace) -> int:
         result = plan_cluster(args.model, args.hardware, gpus=args.gpus, global_batch=args.global_batch,
                               seq=args.seq, dtype=args.dtype, layout=args.layout, kernels=args.kernels,
                               attention=args.attention, overlap_grad_reduce=args.overlap_grad_reduce,
-                              memory_limit=args.memory_limit,
+                              selective=args.selective, memory_limit=args.memory_limit,
                               progress=progress)
     except PipeloomError as error:
         raise UsageError(str(error).splitlines()[0]) from None

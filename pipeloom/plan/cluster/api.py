@@ -63,14 +63,15 @@ class ClusterPlan:
 def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: str | Path | Hardware, *, gpus: int,
                  global_batch: int, seq: int, dtype: str = "bf16", layout: str | Mapping[str, Any] | None = None,
                  kernels: str = "fused", attention: str = "flash", overlap_grad_reduce: bool = True,
-                 memory_limit: float | None = None, runners_up: int = 5,
+                 selective: str = "attention", memory_limit: float | None = None, runners_up: int = 5,
                  progress: Callable[[str], None] | None = None) -> ClusterPlan:
     """The fastest layout of ``model`` (config.json path, dict, PretrainedConfig or ModelSpec) on ``gpus`` GPUs of
     type ``hw`` (a built-in name, a hardware JSON file or a Hardware) for ``global_batch`` sequences of ``seq``
     tokens, within ``memory_limit`` bytes per GPU (default the GPU's); ``kernels``: ``fused`` (Megatron, Transformer
     Engine, torch.compile) or ``eager`` elementwise kernels; ``attention``: ``flash`` or ``materialized`` scores
     (Megatron-LM before flash attention); ``overlap_grad_reduce`` False: the gradient all-reduce runs after the
-    backward, exposed (Megatron-LM 2021). ``layout``: keys held fixed
+    backward, exposed (Megatron-LM 2021); ``selective``: what ``recompute=selective`` recomputes, ``attention``
+    (Megatron's) or ``op`` (torchtitan's op-level policy). ``layout``: keys held fixed
     (``"tp=4,pp=8"`` or a dict); with all of :data:`LAYOUT_KEYS` it predicts that layout alone."""
     start = time.perf_counter()
     for name, value in (("gpus", gpus), ("global_batch", global_batch), ("seq", seq)):
@@ -81,10 +82,13 @@ def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: st
     device.peak(dtype)
     if kernels not in KERNELS:
         raise LayoutError(f"kernels={kernels!r}: use {' or '.join(map(repr, KERNELS))}")
+    if selective not in ("attention", "op"):
+        raise LayoutError(f"selective={selective!r}: use 'attention' (Megatron's) or 'op' (torchtitan's policy)")
     if attention not in ATTENTION_KINDS:
         raise LayoutError(f"attention={attention!r}: use {' or '.join(map(repr, ATTENTION_KINDS))}")
     job = Job(spec=model_spec(model), hw=device, gpus=gpus, global_batch=global_batch, seq=seq, dtype=dtype,
-              kernels=kernels, attention=attention, overlap_grad_reduce=bool(overlap_grad_reduce))
+              kernels=kernels, attention=attention, overlap_grad_reduce=bool(overlap_grad_reduce),
+              selective=selective)
     fixed = parse_layout(layout) if isinstance(layout, str) else dict(layout or {})
     limit = float(memory_limit if memory_limit is not None else device.memory_bytes)
     if set(fixed) >= set(LAYOUT_KEYS):

@@ -48,6 +48,10 @@ class Job:
     attention: str = "flash"
     """Attention core: ``flash`` (the GPU's best kernel), ``flash2`` (FlashAttention-2) or ``materialized`` scores
     (Megatron-LM 2021): :mod:`.materialized`."""
+    selective: str = "attention"
+    """What ``recompute=selective`` recomputes: ``attention`` (Megatron's: the attention core) or ``op``
+    (torchtitan's op-level policy: every op but the matmuls and the attention kernel, and every second matmul of
+    a layer: :func:`_op_recompute`)."""
     overlap_grad_reduce: bool = True
     """The data-parallel gradient exchange overlaps the backward bucket by bucket (Megatron-Core's
     ``--overlap-grad-reduce``, FSDP, DDP); False: one all-reduce after the last backward (Megatron-LM 2021)."""
@@ -151,10 +155,22 @@ def layer_times(job: Job, layout: Layout, kind: str) -> PhaseTimes:
     f = gemm.f + core_f + ew_f + tp_comm
     i = gemm.i + core_b + ew_b + tp_comm
     if layout.recompute == "selective":
-        i += core_f
+        i += _op_recompute(job, tokens, tp) + ew_f if job.selective == "op" and kind == "dense" else core_f
     elif layout.recompute == "full":
         i += f
     return PhaseTimes(f=f, i=i, w=gemm.w)
+
+
+def _op_recompute(job: Job, tokens: int, tp: int) -> float:
+    """Seconds of the matmuls torchtitan's op-level selective checkpointing recomputes in a dense layer: its policy
+    saves every matmul's output "except every second mm" counted per layer (torchtitan
+    ``_apply_ac_to_transformer_block``), and a Llama layer calls wq, wk, wv, wo, w1, w3, w2: wk, wo and w3 run
+    again (un-fused projections, as torchtitan's Llama is written). Other families are priced the same way."""
+    spec, a = job.spec, job.spec.attention
+    k_proj = (a.kv_heads * a.qk_dim // tp, spec.hidden)
+    o_proj = (spec.hidden, a.heads * a.v_dim // tp)
+    up = (spec.intermediate // tp, spec.hidden) if spec.gated else (0, spec.hidden)
+    return _price(job.hw, [k_proj, o_proj, up], tokens, job.dtype).f
 
 
 def _materialized(hw: Hardware, *, batch: int, heads: int, seq: int, head_dim: int, backward: bool = False) -> float:

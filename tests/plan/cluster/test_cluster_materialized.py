@@ -12,6 +12,7 @@ from pipeloom.plan.cluster.api import plan_cluster
 from pipeloom.plan.cluster.config import model_spec
 from pipeloom.plan.cluster.counts import model_params
 from pipeloom.plan.cluster.efficiency import attention_seconds, collective_seconds, gemm_seconds, memory_seconds
+from pipeloom.plan.cluster.elementwise import layer_elementwise
 from pipeloom.plan.cluster.estimate import Estimator
 from pipeloom.plan.cluster.gpus import hardware
 from pipeloom.plan.cluster.layer_time import Job, layer_times
@@ -88,3 +89,21 @@ def test_gradient_all_reduce_after_the_backward_is_exposed_whole():
     assert after.exposed_dp == pytest.approx(rs + ag)
     assert after.exposed_dp > overlapped.exposed_dp
     assert after.pipeline_time == overlapped.pipeline_time
+
+
+def test_torchtitan_op_policy_recomputes_every_second_matmul_and_the_elementwise_ops():
+    spec = model_spec({"model_type": "llama", "hidden_size": 1024, "num_hidden_layers": 2, "num_attention_heads": 8,
+                       "num_key_value_heads": 2, "intermediate_size": 4096, "vocab_size": 100})
+    hw = hardware("h100")
+    job = Job(spec=spec, hw=hw, gpus=8, global_batch=8, seq=4096, selective="op")
+    none = layer_times(job, Layout(dp=8, mbs=1, recompute="none", schedule="1f1b"), "dense")
+    op = layer_times(job, Layout(dp=8, mbs=1, recompute="selective", schedule="1f1b"), "dense")
+    # wk (1024 -> 2 x 128), wo (1024 -> 1024), w3 (1024 -> 4096) again on the 4096 tokens, plus the forward's
+    # elementwise kernels; the attention core is saved (not recomputed)
+    again = sum(gemm_seconds(hw, 4096, n, k) for n, k in ((256, 1024), (1024, 1024), (4096, 1024)))
+    ew = layer_elementwise(spec, "dense")
+    ew_f = memory_seconds(hw, ew.f_bytes * 4096) + (ew.f_kernels - 1) * hw.kernel_overhead
+    assert op.i - none.i == pytest.approx(again + ew_f)
+    assert op.f == none.f and op.w == none.w
+    with pytest.raises(LayoutError, match="torchtitan"):
+        plan_cluster(GPT, "a100-80gb", gpus=8, global_batch=8, seq=2048, selective="layers")
