@@ -109,7 +109,7 @@ def _save(args: argparse.Namespace, result) -> list[str]:
 
         renamed, modules = torchtitan_plan(plan, result.job.spec.layers)
         schedule = build_schedule(plan.schedule, plan.num_ranks, plan.microbatches, **plan.schedule_options)
-        written.append(export_torchtitan(renamed, schedule, args.save, modules))
+        written.append(export_torchtitan(renamed, schedule, args.save, list(modules)))
     outputs = getattr(args, "outputs", None)
     save_plan(plan, outputs.path(args.save) if outputs is not None else args.save)
     notes = [f"note: {note}" for note in runtime_notes(result)]
