@@ -9,7 +9,8 @@ The 2021 Megatron rows predate flash attention: their attention core is priced w
 and those without torch.compile with eager elementwise kernels. Megatron-LM 2021 all-reduced the gradients
 after the pipeline flush (its training step calls the all-reduce after forward_backward returns; the overlap
 came with Megatron-Core's --overlap-grad-reduce in 2023): ``overlap_grad_reduce=False`` there. torchtitan's
-selective recomputation is its op-level policy (``selective="op"``).
+selective recomputation is its op-level policy (``selective="op"``), or every second layer whole where its
+table says "selective layer" (``selective="layer"``).
 Keys a source leaves open are searched with the published ones held, except that the 2021 Megatron rows get
 the schedules of their time (1F1B or interleaved 1F1B, the faster) and the recomputation their Eq. 3 assumes.
 Throughput is compared in tokens/s per GPU where the source determines it (as published, or Megatron's Eq. 3
@@ -81,11 +82,19 @@ def attention(run: dict) -> str:
     return "flash2" if run["id"].startswith("torchtitan") else "flash"
 
 
+def selective(run: dict) -> str:
+    """torchtitan's selective recomputation: its op-level policy, or every second layer whole where its table
+    says "selective layer"; Megatron's (the attention core) elsewhere."""
+    if not run["id"].startswith("torchtitan"):
+        return "attention"
+    return "layer" if "selective-layer" in run["id"] else "op"
+
+
 def _plan(run: dict, fixed: dict | None, limit: float | None):
     return plan_cluster(run_config(run), run_hardware(run), gpus=run["gpus"], global_batch=run["global_batch"],
                         seq=run["seq"], dtype=run["dtype"], layout=fixed, kernels=kernels(run),
                         attention=attention(run), overlap_grad_reduce=not run["id"].startswith("megatron2021"),
-                        selective="op" if run["id"].startswith("torchtitan") else "attention",
+                        selective=selective(run),
                         memory_limit=limit, runners_up=0)
 
 

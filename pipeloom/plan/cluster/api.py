@@ -71,8 +71,8 @@ def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: st
     Engine, torch.compile) or ``eager`` elementwise kernels; ``attention``: ``flash`` or ``materialized`` scores
     (Megatron-LM before flash attention); ``overlap_grad_reduce`` False: the gradient all-reduce runs after the
     backward, exposed (Megatron-LM 2021); ``selective``: what ``recompute=selective`` recomputes, ``attention``
-    (Megatron's) or ``op`` (torchtitan's op-level policy). ``layout``: keys held fixed
-    (``"tp=4,pp=8"`` or a dict); with all of :data:`LAYOUT_KEYS` it predicts that layout alone."""
+    (Megatron's), ``op`` (torchtitan's op-level policy) or ``layer`` (every second layer whole). ``layout``: keys
+    held fixed (``"tp=4,pp=8"`` or a dict); with all of :data:`LAYOUT_KEYS` it predicts that layout alone."""
     start = time.perf_counter()
     for name, value in (("gpus", gpus), ("global_batch", global_batch), ("seq", seq)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -82,8 +82,9 @@ def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: st
     device.peak(dtype)
     if kernels not in KERNELS:
         raise LayoutError(f"kernels={kernels!r}: use {' or '.join(map(repr, KERNELS))}")
-    if selective not in ("attention", "op"):
-        raise LayoutError(f"selective={selective!r}: use 'attention' (Megatron's) or 'op' (torchtitan's policy)")
+    if selective not in ("attention", "op", "layer"):
+        raise LayoutError(f"selective={selective!r}: use 'attention' (Megatron's), 'op' (torchtitan's op policy) "
+                          f"or 'layer' (every second layer whole)")
     if attention not in ATTENTION_KINDS:
         raise LayoutError(f"attention={attention!r}: use {' or '.join(map(repr, ATTENTION_KINDS))}")
     job = Job(spec=model_spec(model), hw=device, gpus=gpus, global_batch=global_batch, seq=seq, dtype=dtype,

@@ -51,7 +51,8 @@ class Job:
     selective: str = "attention"
     """What ``recompute=selective`` recomputes: ``attention`` (Megatron's: the attention core) or ``op``
     (torchtitan's op-level policy: every op but the matmuls and the attention kernel, and every second matmul of
-    a layer: :func:`_op_recompute`)."""
+    a layer: :func:`_op_recompute`) or ``layer`` (torchtitan's ``selective_ac_option = "2"``: every second
+    layer recomputed whole)."""
     overlap_grad_reduce: bool = True
     """The data-parallel gradient exchange overlaps the backward bucket by bucket (Megatron-Core's
     ``--overlap-grad-reduce``, FSDP, DDP); False: one all-reduce after the last backward (Megatron-LM 2021)."""
@@ -155,7 +156,10 @@ def layer_times(job: Job, layout: Layout, kind: str) -> PhaseTimes:
     f = gemm.f + core_f + ew_f + tp_comm
     i = gemm.i + core_b + ew_b + tp_comm
     if layout.recompute == "selective":
-        i += _op_recompute(job, tokens, tp) + ew_f if job.selective == "op" and kind == "dense" else core_f
+        if job.selective == "layer":  # every second layer checkpointed whole: half a forward per layer on average
+            i += f / 2
+        else:
+            i += _op_recompute(job, tokens, tp) + ew_f if job.selective == "op" and kind == "dense" else core_f
     elif layout.recompute == "full":
         i += f
     return PhaseTimes(f=f, i=i, w=gemm.w)

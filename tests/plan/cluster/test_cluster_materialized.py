@@ -105,5 +105,8 @@ def test_torchtitan_op_policy_recomputes_every_second_matmul_and_the_elementwise
     ew_f = memory_seconds(hw, ew.f_bytes * 4096) + (ew.f_kernels - 1) * hw.kernel_overhead
     assert op.i - none.i == pytest.approx(again + ew_f)
     assert op.f == none.f and op.w == none.w
+    layer = layer_times(dataclasses.replace(job, selective="layer"),
+                        Layout(dp=8, mbs=1, recompute="selective", schedule="1f1b"), "dense")
+    assert layer.i - none.i == pytest.approx(none.f / 2)  # every second layer's forward again, on average
     with pytest.raises(LayoutError, match="torchtitan"):
         plan_cluster(GPT, "a100-80gb", gpus=8, global_batch=8, seq=2048, selective="layers")
