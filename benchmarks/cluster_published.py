@@ -4,6 +4,13 @@ throughput error, and the planner's own choice on the same job.
 
     python benchmarks/cluster_published.py [--no-search | --search-up-to GPUS] [--only SUBSTRING] [--markdown]
 
+The 2021 Megatron rows predate flash attention: their attention core is priced with its scores in HBM
+(``attention="materialized"``); torchtitan's rows with FlashAttention-2 (PyTorch SDPA's default backend),
+and those without torch.compile with eager elementwise kernels. Megatron-LM 2021 all-reduced the gradients
+after the pipeline flush (its training step calls the all-reduce after forward_backward returns; the overlap
+came with Megatron-Core's --overlap-grad-reduce in 2023): ``overlap_grad_reduce=False`` there. torchtitan's
+selective recomputation is its op-level policy (``selective="op"``), or every second layer whole where its
+table says "selective layer" (``selective="layer"``).
 Keys a source leaves open are searched with the published ones held, except that the 2021 Megatron rows get
 the schedules of their time (1F1B or interleaved 1F1B, the faster) and the recomputation their Eq. 3 assumes.
 Throughput is compared in tokens/s per GPU where the source determines it (as published, or Megatron's Eq. 3
@@ -15,6 +22,7 @@ No constant of the model is fitted to these rows. Timings on a shared 2-core mac
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -56,9 +64,38 @@ def _published(run: dict, limit: float | None):
     return min(plans, key=lambda plan: plan.best.step_time)
 
 
+def kernels(run: dict) -> str:
+    """torchtitan compiles only when its config says so (``compile = false`` by default): its rows without
+    torch.compile in their source ran PyTorch's eager elementwise kernels; Megatron, Meta's and DeepSeek's
+    stacks fuse them."""
+    if not run["id"].startswith("torchtitan"):
+        return "fused"
+    return "fused" if "compile" in json.dumps(run) else "eager"
+
+
+def attention(run: dict) -> str:
+    """Megatron-LM 2021 predates flash attention (scores in HBM); torchtitan (Dec 2024) calls PyTorch's SDPA,
+    whose fixed backend priority picks FlashAttention-2 (FA3 was not in PyTorch then: pytorch/pytorch#131309;
+    huggingface/transformers PR #48163 on the priority); the others are taken to run the GPU's best kernel."""
+    if run["id"].startswith("megatron2021"):
+        return "materialized"
+    return "flash2" if run["id"].startswith("torchtitan") else "flash"
+
+
+def selective(run: dict) -> str:
+    """torchtitan's selective recomputation: its op-level policy, or every second layer whole where its table
+    says "selective layer"; Megatron's (the attention core) elsewhere."""
+    if not run["id"].startswith("torchtitan"):
+        return "attention"
+    return "layer" if "selective-layer" in run["id"] else "op"
+
+
 def _plan(run: dict, fixed: dict | None, limit: float | None):
     return plan_cluster(run_config(run), run_hardware(run), gpus=run["gpus"], global_batch=run["global_batch"],
-                        seq=run["seq"], dtype=run["dtype"], layout=fixed, memory_limit=limit, runners_up=0)
+                        seq=run["seq"], dtype=run["dtype"], layout=fixed, kernels=kernels(run),
+                        attention=attention(run), overlap_grad_reduce=not run["id"].startswith("megatron2021"),
+                        selective=selective(run),
+                        memory_limit=limit, runners_up=0)
 
 
 def check(run: dict, *, search: bool) -> dict:

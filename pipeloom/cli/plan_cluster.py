@@ -27,6 +27,19 @@ def add_cluster_arguments(plan: argparse.ArgumentParser) -> None:
     group.add_argument("--gpus", type=int, metavar="N", help="GPUs of the job")
     group.add_argument("--seq", type=int, metavar="S", help="tokens per sequence")
     group.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16", help="GEMM precision (default bf16)")
+    group.add_argument("--kernels", choices=("fused", "eager"), default="fused",
+                       help="elementwise kernels: fused (Megatron, Transformer Engine, torch.compile; default) or "
+                            "eager (PyTorch op by op)")
+    group.add_argument("--attention", choices=("flash", "flash2", "materialized"), default="flash",
+                       help="attention core: flash (the GPU's best kernel; default), flash2 (FlashAttention-2, "
+                            "PyTorch SDPA's default backend) or materialized s x s scores (Megatron-LM before "
+                            "flash attention)")
+    group.add_argument("--no-overlap-grad-reduce", dest="overlap_grad_reduce", action="store_false",
+                       help="the data-parallel gradient all-reduce runs after the backward, exposed (Megatron-LM "
+                            "before --overlap-grad-reduce)")
+    group.add_argument("--selective", choices=("attention", "op", "layer"), default="attention",
+                       help="what recompute=selective recomputes: attention (Megatron's: the attention core; "
+                            "default), op (torchtitan's op-level policy) or layer (every second layer whole)")
     group.add_argument("--layout", metavar="KEY=VALUE,...",
                        help="layout keys to hold fixed, e.g. tp=4,pp=8,vp=5,cp=1,ep=1,dp=2,mbs=1,fsdp=0,"
                             "recompute=selective,schedule=interleaved-1f1b; all of them: predict that layout")
@@ -62,7 +75,9 @@ def cmd_plan_cluster(args: argparse.Namespace) -> int:
             print(f"\r\033[K{message}", end="", file=sys.stderr, flush=True)
     try:
         result = plan_cluster(args.model, args.hardware, gpus=args.gpus, global_batch=args.global_batch,
-                              seq=args.seq, dtype=args.dtype, layout=args.layout, memory_limit=args.memory_limit,
+                              seq=args.seq, dtype=args.dtype, layout=args.layout, kernels=args.kernels,
+                              attention=args.attention, overlap_grad_reduce=args.overlap_grad_reduce,
+                              selective=args.selective, memory_limit=args.memory_limit,
                               progress=progress)
     except PipeloomError as error:
         raise UsageError(str(error).splitlines()[0]) from None
@@ -95,7 +110,7 @@ def _save(args: argparse.Namespace, result) -> list[str]:
 
         renamed, modules = torchtitan_plan(plan, result.job.spec.layers)
         schedule = build_schedule(plan.schedule, plan.num_ranks, plan.microbatches, **plan.schedule_options)
-        written.append(export_torchtitan(renamed, schedule, args.save, modules))
+        written.append(export_torchtitan(renamed, schedule, args.save, list(modules)))
     outputs = getattr(args, "outputs", None)
     save_plan(plan, outputs.path(args.save) if outputs is not None else args.save)
     notes = [f"note: {note}" for note in runtime_notes(result)]

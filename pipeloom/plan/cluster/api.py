@@ -11,11 +11,13 @@ from typing import Any
 
 from pipeloom.plan.cluster.config import ModelSpec, model_spec
 from pipeloom.plan.cluster.efficiency import dtype_bytes
+from pipeloom.plan.cluster.elementwise import KERNELS
 from pipeloom.plan.cluster.estimate import Estimate, Estimator
 from pipeloom.plan.cluster.gpus import hardware
 from pipeloom.plan.cluster.hardware import Hardware
 from pipeloom.plan.cluster.layer_time import Job
 from pipeloom.plan.cluster.layout import LAYOUT_KEYS, Layout, parse_layout
+from pipeloom.plan.cluster.materialized import ATTENTION_KINDS
 from pipeloom.plan.cluster.search import search_layouts
 from pipeloom.plan.errors import LayoutError
 
@@ -60,12 +62,17 @@ class ClusterPlan:
 
 def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: str | Path | Hardware, *, gpus: int,
                  global_batch: int, seq: int, dtype: str = "bf16", layout: str | Mapping[str, Any] | None = None,
-                 memory_limit: float | None = None, runners_up: int = 5,
+                 kernels: str = "fused", attention: str = "flash", overlap_grad_reduce: bool = True,
+                 selective: str = "attention", memory_limit: float | None = None, runners_up: int = 5,
                  progress: Callable[[str], None] | None = None) -> ClusterPlan:
     """The fastest layout of ``model`` (config.json path, dict, PretrainedConfig or ModelSpec) on ``gpus`` GPUs of
     type ``hw`` (a built-in name, a hardware JSON file or a Hardware) for ``global_batch`` sequences of ``seq``
-    tokens, within ``memory_limit`` bytes per GPU (default the GPU's). ``layout``: keys held fixed
-    (``"tp=4,pp=8"`` or a dict); with all of :data:`LAYOUT_KEYS` it predicts that layout alone."""
+    tokens, within ``memory_limit`` bytes per GPU (default the GPU's); ``kernels``: ``fused`` (Megatron, Transformer
+    Engine, torch.compile) or ``eager`` elementwise kernels; ``attention``: ``flash`` or ``materialized`` scores
+    (Megatron-LM before flash attention); ``overlap_grad_reduce`` False: the gradient all-reduce runs after the
+    backward, exposed (Megatron-LM 2021); ``selective``: what ``recompute=selective`` recomputes, ``attention``
+    (Megatron's), ``op`` (torchtitan's op-level policy) or ``layer`` (every second layer whole). ``layout``: keys
+    held fixed (``"tp=4,pp=8"`` or a dict); with all of :data:`LAYOUT_KEYS` it predicts that layout alone."""
     start = time.perf_counter()
     for name, value in (("gpus", gpus), ("global_batch", global_batch), ("seq", seq)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -73,7 +80,16 @@ def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: st
     device = hardware(hw)
     dtype_bytes(dtype)
     device.peak(dtype)
-    job = Job(spec=model_spec(model), hw=device, gpus=gpus, global_batch=global_batch, seq=seq, dtype=dtype)
+    if kernels not in KERNELS:
+        raise LayoutError(f"kernels={kernels!r}: use {' or '.join(map(repr, KERNELS))}")
+    if selective not in ("attention", "op", "layer"):
+        raise LayoutError(f"selective={selective!r}: use 'attention' (Megatron's), 'op' (torchtitan's op policy) "
+                          f"or 'layer' (every second layer whole)")
+    if attention not in ATTENTION_KINDS:
+        raise LayoutError(f"attention={attention!r}: use {' or '.join(map(repr, ATTENTION_KINDS))}")
+    job = Job(spec=model_spec(model), hw=device, gpus=gpus, global_batch=global_batch, seq=seq, dtype=dtype,
+              kernels=kernels, attention=attention, overlap_grad_reduce=bool(overlap_grad_reduce),
+              selective=selective)
     fixed = parse_layout(layout) if isinstance(layout, str) else dict(layout or {})
     limit = float(memory_limit if memory_limit is not None else device.memory_bytes)
     if set(fixed) >= set(LAYOUT_KEYS):

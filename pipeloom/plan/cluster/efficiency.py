@@ -8,8 +8,16 @@ collectives over the scale-up / scale-out topology, and point-to-point sends bet
 
 ``E`` is the large-shape efficiency (maximum achievable matmul FLOPS / peak), ``d½`` the half-rate
 dimension; ``bytes`` reads both inputs at the dtype's width and writes the output in BF16. The rate
-``2mnk / t`` rises with every dimension and never exceeds ``E · peak``. Not modelled: wave quantization
-(the saw-tooth when the tile count just passes a multiple of the SM count), layouts, and clock throttling.
+``2mnk / t`` never exceeds ``E · peak``. On top of the smooth ``f`` (fixed per-tile prologue and epilogue
+costs), **wave quantization** (NVIDIA, "Matrix Multiplication Background User's Guide", sections on tile and
+wave quantization): the output is cut into ``tm x tn`` tiles, one per SM at a time, so the GEMM takes
+``⌈tiles / SMs⌉`` waves where ``tiles / SMs`` would do; the factor is their ratio, for the better of the two
+tile shapes cuBLAS/CUTLASS use for large BF16/FP8 GEMMs, 128x128 and 256x128 (``count`` same-shape GEMMs
+of a grouped kernel share the waves; below one wave split-K fills the GPU). **FP8** GEMMs with per-tensor
+dynamic scaling (torchao's and Transformer Engine's default recipe) first read each input for its absolute
+maximum and then read it again and write its FP8 copy: 2 + 2 + 1 = 5 bytes per input element of
+memory-bound work beside the GEMM (one kernel overhead for the pair). Not modelled: layouts, and clock
+throttling under a power cap.
 
 **Attention** (flash attention: no ``s x s`` matrix in HBM): the forward is ``4·b·h·s²·d`` FLOPs (``QKᵀ``
 and ``PV``), half of it when causal; the backward ``2.5x`` that (five matmuls, one of them the recomputed
@@ -66,7 +74,7 @@ from pipeloom.plan.errors import HardwareError
 from pipeloom.plan.tp.collectives import CollectiveFit
 
 __all__ = ["COLLECTIVE_KINDS", "attention_flops", "attention_seconds", "collective_seconds", "dtype_bytes",
-           "gemm_efficiency", "gemm_seconds", "memory_seconds", "p2p_seconds"]
+           "gemm_efficiency", "gemm_seconds", "memory_seconds", "p2p_seconds", "wave_efficiency"]
 
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 """Collective kinds :func:`collective_seconds` prices."""
@@ -96,10 +104,33 @@ def _sizes(**sizes: float) -> None:
             raise HardwareError(f"{name} must be a number >= 0, got {value!r}")
 
 
-def gemm_efficiency(hw: Hardware, m: float, n: float, k: float) -> float:
-    """Fraction of peak the GEMM's compute runs at: ``E · Π d / (d + d½)`` over ``m, n, k``."""
+_TILES = ((128, 128), (256, 128))
+"""Output tiles (rows x columns) of the large-GEMM kernels (CUTLASS/cuBLAS on Ampere and Hopper)."""
+_CAST_BYTES = 5
+"""Bytes per input element of FP8 per-tensor scaling: read for the absolute maximum (2), read and write the
+FP8 copy (2 + 1)."""
+
+
+def wave_efficiency(hw: Hardware, m: float, n: float, count: int = 1) -> float:
+    """Used fraction of the waves of ``count`` GEMMs with an ``m x n`` output on ``hw.sm_count`` SMs: ``tiles``
+    output tiles over ``⌈tiles / SMs⌉`` full waves, the better of :data:`_TILES`. Below one wave the libraries
+    split the k dimension to fill the SMs (cuBLAS split-K), so the factor is 1 there; the cost of partial
+    tiles is ``f(m)·f(n)``'s (module docstring), not counted again here."""
+    best = 0.0
+    for tm, tn in _TILES:
+        tiles = count * math.ceil(m / tm) * math.ceil(n / tn)
+        if tiles <= hw.sm_count:
+            return 1.0
+        best = max(best, tiles / (hw.sm_count * math.ceil(tiles / hw.sm_count)))
+    return best
+
+
+def gemm_efficiency(hw: Hardware, m: float, n: float, k: float, count: int = 1) -> float:
+    """Fraction of peak the GEMM's compute runs at: ``E · Π d / (d + d½)`` over ``m, n, k``, times
+    :func:`wave_efficiency`."""
     half = hw.gemm_half_dim
-    return hw.gemm_efficiency * (m / (m + half)) * (n / (n + half)) * (k / (k + half))
+    smooth = hw.gemm_efficiency * (m / (m + half)) * (n / (n + half)) * (k / (k + half))
+    return smooth * wave_efficiency(hw, m, n, count)
 
 
 def gemm_seconds(hw: Hardware, m: float, n: float, k: float, *, dtype: str = "bf16", count: int = 1) -> float:
@@ -112,9 +143,13 @@ def gemm_seconds(hw: Hardware, m: float, n: float, k: float, *, dtype: str = "bf
     peak, width = hw.peak(dtype), dtype_bytes(dtype)
     if m == 0 or n == 0 or k == 0 or count == 0:
         return 0.0
-    compute = 2.0 * m * n * k / (peak * gemm_efficiency(hw, m, n, k))
+    compute = 2.0 * m * n * k / (peak * gemm_efficiency(hw, m, n, k, count))
     traffic = (m * k + k * n) * width + m * n * 2
-    return hw.kernel_overhead + count * max(compute, traffic / (hw.memory_bandwidth * hw.memory_efficiency))
+    bandwidth = hw.memory_bandwidth * hw.memory_efficiency
+    seconds = hw.kernel_overhead + count * max(compute, traffic / bandwidth)
+    if dtype == "fp8":  # per-tensor scaling: amax and cast of both inputs, memory-bound
+        seconds += hw.kernel_overhead + count * _CAST_BYTES * (m * k + k * n) / bandwidth
+    return seconds
 
 
 def attention_flops(*, batch: float, heads: int, seq: int, head_dim: int, causal: bool = True,

@@ -329,6 +329,8 @@ class Estimator:
                              + collective_seconds(hw, "all_gather", nbytes, group, ranks_per_domain=per_domain)) / 2
         rs = ag = self._dp[key]  # a ring reduce-scatter and all-gather move the same bytes
         last = min(1.0, BUCKET_BYTES / nbytes)
+        if not self.job.overlap_grad_reduce:  # an all-reduce after the last backward: nothing hides it
+            return rs + ag
         exposed = max(rs - b1, rs * last) + max(ag - f1, ag * last)
         if layout.fsdp:  # weights gathered again for every micro-batch's forward and backward
             exposed += m * (max(0.0, ag - f1) + max(0.0, ag - b1))

@@ -25,6 +25,9 @@ _FA2 = ("FlashAttention-2 (Dao 2023, arXiv:2307.08691, sec. 4.1): 50-73 % of A10
         "backward lower; the long-sequence, head-dim-128 end of that range")
 _FA3 = ("FlashAttention-3 (Shah et al. 2024, arXiv:2407.08608, sec. 4.1, figs. 5-6): BF16 forward up to 740 "
         "TFLOP/s (75 %) at head dim 256, about 65 % at head dim 128; backward about 1.5x FA2's, near 52 %")
+_FA2_HOPPER = ("FA3 paper (arXiv:2407.08608): FA3 forward 1.5-2.0x FA2 on H100; huggingface/transformers PR "
+               "#48163: cuDNN attention 1.7-2.3x FA2 for training shapes on H100 -> 1.7, where both ranges meet")
+_FA2_BEST = "FlashAttention-2 is this GPU's best attention kernel (cuDNN slower on A100: transformers PR #48163)"
 _HOPPER_PRIOR = "no public measurement found for this GPU: Hopper's (H100) value as the prior"
 _PRIOR = {
     "gemm_half_dim": ("prior, not a measurement: a 1024-cube GEMM at ~70 % of the large-shape rate, the "
@@ -60,7 +63,10 @@ def _a100(name: str, memory_gib: int, bandwidth: float, bandwidth_source: str) -
             "gemm_efficiency": _MAMF + ": A100 SXM 267.9 of 312 TFLOPS",
             "attention_efficiency": _FA2, "attention_backward_efficiency": _FA2,
             "scale_up_efficiency": _NVLINK_EFF, "scale_out_efficiency": _NIC_EFF,
+            "sm_count": "NVIDIA A100 Tensor Core GPU Architecture whitepaper: 108 SMs in the A100",
+            "flash2_slowdown": _FA2_BEST,
         },
+        sm_count=108, flash2_slowdown=1.0,
         peak_flops={"bf16": 312e12}, memory_bytes=memory_gib * GiB, memory_bandwidth=bandwidth,
         scale_up_size=8, scale_up_bandwidth=300e9, scale_out_bandwidth=25e9,
         scale_up_latency=1e-6, scale_out_latency=5e-6, gemm_efficiency=0.859,
@@ -81,7 +87,10 @@ def _hopper(name: str, memory_gib: int, bandwidth: float, sheet: str, gemm: floa
             "attention_efficiency": _FA3, "attention_backward_efficiency": _FA3,
             "scale_up_efficiency": _NVLINK_EFF + "; H100 ring similar (NVLS reaches more, not modelled)",
             "scale_out_efficiency": _NIC_EFF,
+            "sm_count": "NVIDIA H100 Tensor Core GPU Architecture whitepaper: 132 SMs (SXM5; H200 the same)",
+            "flash2_slowdown": _FA2_HOPPER,
         },
+        sm_count=132,
         peak_flops={"bf16": 989.4e12, "fp8": 1978.9e12}, memory_bytes=memory_gib * GiB, memory_bandwidth=bandwidth,
         scale_up_size=8, scale_up_bandwidth=450e9, scale_out_bandwidth=50e9,
         scale_up_latency=1e-6, scale_out_latency=5e-6, gemm_efficiency=gemm,
@@ -90,7 +99,8 @@ def _hopper(name: str, memory_gib: int, bandwidth: float, sheet: str, gemm: floa
 
 
 def _blackwell(name: str, *, bf16: float, memory_gib: int, domain: int, nic: float, sheet: str,
-               peak_source: str, memory_source: str, domain_source: str, nic_source: str) -> Hardware:
+               peak_source: str, memory_source: str, domain_source: str, nic_source: str, sms: int,
+               sms_source: str) -> Hardware:
     return _describe(
         name, {
             "peak_flops": sheet + peak_source, "memory_bytes": sheet + memory_source,
@@ -100,8 +110,10 @@ def _blackwell(name: str, *, bf16: float, memory_gib: int, domain: int, nic: flo
             "scale_out_bandwidth": sheet + nic_source,
             "gemm_efficiency": _HOPPER_PRIOR, "attention_efficiency": _HOPPER_PRIOR,
             "attention_backward_efficiency": _HOPPER_PRIOR,
-            "scale_up_efficiency": _NVLINK_EFF, "scale_out_efficiency": _NIC_EFF,
+            "scale_up_efficiency": _NVLINK_EFF, "scale_out_efficiency": _NIC_EFF, "sm_count": sms_source,
+            "flash2_slowdown": _HOPPER_PRIOR,
         },
+        sm_count=sms,
         peak_flops={"bf16": bf16, "fp8": 2 * bf16}, memory_bytes=memory_gib * GiB, memory_bandwidth=8e12,
         scale_up_size=domain, scale_up_bandwidth=900e9, scale_out_bandwidth=nic,
         scale_up_latency=1e-6, scale_out_latency=5e-6, gemm_efficiency=0.80,
@@ -125,7 +137,10 @@ def _mi300x() -> Hardware:
             "scale_up_efficiency": ("prior: a ring over the fully connected fabric reaches less of the aggregate "
                                     "than NVSwitch does; 0.70 assumed, not measured"),
             "scale_out_efficiency": _NIC_EFF,
+            "sm_count": sheet + "304 compute units",
+            "flash2_slowdown": "no separate measurement: its attention figures are already scaled, taken as FA2's",
         },
+        sm_count=304, flash2_slowdown=1.0,
         peak_flops={"bf16": 1307.4e12, "fp8": 2614.9e12}, memory_bytes=192 * GiB, memory_bandwidth=5.3e12,
         scale_up_size=8, scale_up_bandwidth=448e9, scale_out_bandwidth=50e9,
         scale_up_latency=1e-6, scale_out_latency=5e-6, gemm_efficiency=0.601,
@@ -152,20 +167,23 @@ BUILTIN: dict[str, Hardware] = {
                                     "HGX B200 table at glennklockwood.com/garden/processors/B200 agrees)"),
                        memory_source="1,440 GB per 8 GPUs -> 180 GB",
                        domain_source="8 GPUs on NVLink switches",
-                       nic_source="8x 400 Gb/s ConnectX-7 -> 50 GB/s"),
+                       nic_source="8x 400 Gb/s ConnectX-7 -> 50 GB/s", sms=148,
+                       sms_source="148 SMs per B200 GPU (CUDA device query in public B200 benchmarks)"),
     "gb200": _blackwell("gb200", bf16=2.5e15, memory_gib=186, domain=72, nic=50e9, sheet=_GB200_SHEET,
                         peak_source=("FP16/BF16 360 / FP8 720 PFLOPS per 72 GPUs with sparsity -> 2.5 / 5 dense "
                                      "(glennklockwood.com/garden/processors/B200, GB200 at 1,200 W, agrees)"),
                         memory_source="13.4 TB HBM3e per 72 GPUs -> 186 GB",
                         domain_source="72 GPUs in one NVLink domain (NVL72)",
-                        nic_source="one 400 Gb/s ConnectX-7 per GPU -> 50 GB/s"),
+                        nic_source="one 400 Gb/s ConnectX-7 per GPU -> 50 GB/s", sms=148,
+                        sms_source="the B200 GPU (148 SMs, as b200) in a Grace-Blackwell superchip"),
     "gb300": _blackwell("gb300", bf16=2.5e15, memory_gib=288, domain=72, nic=100e9, sheet=_GB300_SHEET,
                         peak_source=("FP16/BF16 360 / FP8 720 PFLOPS per 72 GPUs with sparsity -> 2.5 / 5 dense "
                                      "(verda.com/blog/gb300-nvl72-architecture per-GPU table agrees)"),
                         memory_source="288 GB HBM3e per GPU (8 stacks of 12-high HBM3e)",
                         domain_source="72 GPUs in one NVLink domain (NVL72)",
                         nic_source=("one 800 Gb/s ConnectX-8 per GPU (NVIDIA NVL72 enterprise reference "
-                                    "architecture: 4 ConnectX-8 per 4-GPU compute tray) -> 100 GB/s")),
+                                    "architecture: 4 ConnectX-8 per 4-GPU compute tray) -> 100 GB/s"),
+                        sms=160, sms_source="NVIDIA technical blog 'Inside NVIDIA Blackwell Ultra': 160 SMs"),
     "mi300x": _mi300x(),
 }
 """Built-in GPU descriptions by name."""

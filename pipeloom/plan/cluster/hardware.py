@@ -56,6 +56,9 @@ class Hardware:
     """Fraction of peak a long-sequence flash-attention forward reaches."""
     attention_backward_efficiency: float = 0.55
     """Fraction of peak a long-sequence flash-attention backward reaches."""
+    flash2_slowdown: float = 1.7
+    """How much slower FlashAttention-2's kernels (PyTorch SDPA's first-priority backend) run than the GPU's best
+    attention kernel that ``attention_efficiency`` describes (FA3 / cuDNN on Hopper); 1 where FA2 is the best."""
     attention_half_seq: float = 256.0
     """A sequence length at which attention runs at half its long-sequence rate: ``s / (s + half)``."""
     memory_efficiency: float = 0.85
@@ -64,6 +67,8 @@ class Hardware:
     """Fraction of the scale-up bandwidth a large collective or send reaches (NCCL bus bandwidth / link)."""
     scale_out_efficiency: float = 0.80
     """Fraction of the NIC bandwidth a large collective or send reaches."""
+    sm_count: int = 132
+    """Streaming multiprocessors (compute units) that run GEMM tiles at once: wave quantization (H100 SXM: 132)."""
     kernel_overhead: float = 2e-6
     """Seconds every kernel costs whatever its size (launch and tail), the floor of a tiny GEMM."""
     sources: Mapping[str, str] = field(default_factory=dict)
@@ -84,6 +89,9 @@ class Hardware:
         for name in ("memory_bytes", "memory_bandwidth", "scale_up_bandwidth", "scale_out_bandwidth",
                      "gemm_half_dim", "attention_half_seq"):
             _positive(self.name, name, getattr(self, name))
+        if not _number(self.flash2_slowdown) or self.flash2_slowdown < 1:
+            raise HardwareError(f"hardware {self.name!r}: flash2_slowdown is a ratio >= 1, "
+                                f"got {self.flash2_slowdown!r}")
         for name in ("scale_up_latency", "scale_out_latency", "kernel_overhead"):
             value = getattr(self, name)
             if not _number(value) or value < 0:
@@ -94,6 +102,9 @@ class Hardware:
             if not _number(value) or not 0 < value <= 1:
                 raise HardwareError(f"hardware {self.name!r}: {name} is a fraction of peak in (0, 1], "
                                     f"got {value!r}")
+        if not isinstance(self.sm_count, int) or isinstance(self.sm_count, bool) or self.sm_count < 1:
+            raise HardwareError(f"hardware {self.name!r}: sm_count must be a whole number of SMs >= 1, "
+                                f"got {self.sm_count!r}")
         if not isinstance(self.scale_up_size, int) or isinstance(self.scale_up_size, bool) or self.scale_up_size < 1:
             raise HardwareError(f"hardware {self.name!r}: scale_up_size must be a whole number of GPUs >= 1, "
                                 f"got {self.scale_up_size!r}")

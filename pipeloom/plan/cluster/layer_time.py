@@ -5,6 +5,7 @@ recomputation adds) and W (weight gradient)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -17,8 +18,10 @@ from pipeloom.plan.cluster.efficiency import (
     memory_seconds,
     p2p_seconds,
 )
+from pipeloom.plan.cluster.elementwise import layer_elementwise
 from pipeloom.plan.cluster.hardware import Hardware
 from pipeloom.plan.cluster.layout import Layout
+from pipeloom.plan.cluster.materialized import materialized_attention_seconds
 
 __all__ = ["Job", "PhaseTimes", "layer_times", "domain_ranks"]
 
@@ -39,6 +42,20 @@ class Job:
     """Tokens per sequence."""
     dtype: str = "bf16"
     """GEMM precision (bf16 or fp8; attention runs in bf16 either way)."""
+    kernels: str = "fused"
+    """Elementwise kernels: ``fused`` (Megatron, Transformer Engine, torch.compile) or ``eager`` (PyTorch op by
+    op): :mod:`pipeloom.plan.cluster.elementwise`."""
+    attention: str = "flash"
+    """Attention core: ``flash`` (the GPU's best kernel), ``flash2`` (FlashAttention-2) or ``materialized`` scores
+    (Megatron-LM 2021): :mod:`.materialized`."""
+    selective: str = "attention"
+    """What ``recompute=selective`` recomputes: ``attention`` (Megatron's: the attention core) or ``op``
+    (torchtitan's op-level policy: every op but the matmuls and the attention kernel, and every second matmul of
+    a layer: :func:`_op_recompute`) or ``layer`` (torchtitan's ``selective_ac_option = "2"``: every second
+    layer recomputed whole)."""
+    overlap_grad_reduce: bool = True
+    """The data-parallel gradient exchange overlaps the backward bucket by bucket (Megatron-Core's
+    ``--overlap-grad-reduce``, FSDP, DDP); False: one all-reduce after the last backward (Megatron-LM 2021)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -109,13 +126,21 @@ def layer_times(job: Job, layout: Layout, kind: str) -> PhaseTimes:
         loss = memory_seconds(hw, 3.0 * 4 * tokens * spec.vocab / tp)  # fp32 logits: softmax, its gradient
         return PhaseTimes(f=gemm.f + comm + loss, i=gemm.i + comm + elementwise, w=gemm.w)
     a = spec.attention
+    # memory-bound kernels counted one by one (norms, residual adds, rotary, activation, MoE permutes)
+    ew = layer_elementwise(spec, kind, tp=tp, sp=sp, kernels=job.kernels)
+    ew_f = memory_seconds(hw, ew.f_bytes * tokens) + (ew.f_kernels - 1) * hw.kernel_overhead
+    ew_b = memory_seconds(hw, ew.b_bytes * tokens) + (ew.b_kernels - 1) * hw.kernel_overhead
     parts = [_price(hw, _gemms(spec, tp), tokens, job.dtype)]
     head_dim = (a.qk_dim + a.v_dim) // 2
     # the cp shard's queries attend to the whole sequence: 1/cp of the causal square (load-balanced halves)
-    core_f = attention_seconds(hw, batch=layout.mbs, heads=max(1, a.heads // tp), seq=job.seq, head_dim=head_dim,
-                               causal=True) / cp
-    core_b = attention_seconds(hw, batch=layout.mbs, heads=max(1, a.heads // tp), seq=job.seq, head_dim=head_dim,
-                               causal=True, backward=True) / cp
+    core = _materialized if job.attention == "materialized" else attention_seconds
+    if job.attention == "flash2":  # FA2's kernels: the best kernel's rates over the measured ratio
+        slow = hw.flash2_slowdown
+        hw = dataclasses.replace(hw, attention_efficiency=hw.attention_efficiency / slow,
+                                 attention_backward_efficiency=hw.attention_backward_efficiency / slow)
+    core_f = core(hw, batch=layout.mbs, heads=max(1, a.heads // tp), seq=job.seq, head_dim=head_dim) / cp
+    core_b = core(hw, batch=layout.mbs, heads=max(1, a.heads // tp), seq=job.seq, head_dim=head_dim,
+                  backward=True) / cp
     if cp > 1:  # ring attention: K/V blocks pass around the cp ring beside the block computations
         kv = tokens * a.kv_heads * (a.qk_dim + a.v_dim) * width / tp
         ring = (cp - 1) * p2p_seconds(hw, kv, same_domain=domain_ranks(cp, tp, hw) == cp)
@@ -128,13 +153,34 @@ def layer_times(job: Job, layout: Layout, kind: str) -> PhaseTimes:
     else:
         parts.append(_moe_times(job, layout, tokens))
     gemm = _add(*parts)
-    f = gemm.f + core_f + elementwise + tp_comm
-    i = gemm.i + core_b + 2 * elementwise + tp_comm
+    f = gemm.f + core_f + ew_f + tp_comm
+    i = gemm.i + core_b + ew_b + tp_comm
     if layout.recompute == "selective":
-        i += core_f
+        if job.selective == "layer":  # every second layer checkpointed whole: half a forward per layer on average
+            i += f / 2
+        else:
+            i += _op_recompute(job, tokens, tp) + ew_f if job.selective == "op" and kind == "dense" else core_f
     elif layout.recompute == "full":
         i += f
     return PhaseTimes(f=f, i=i, w=gemm.w)
+
+
+def _op_recompute(job: Job, tokens: int, tp: int) -> float:
+    """Seconds of the matmuls torchtitan's op-level selective checkpointing recomputes in a dense layer: its policy
+    saves every matmul's output "except every second mm" counted per layer (torchtitan
+    ``_apply_ac_to_transformer_block``), and a Llama layer calls wq, wk, wv, wo, w1, w3, w2: wk, wo and w3 run
+    again (un-fused projections, as torchtitan's Llama is written). Other families are priced the same way."""
+    spec, a = job.spec, job.spec.attention
+    k_proj = (a.kv_heads * a.qk_dim // tp, spec.hidden)
+    o_proj = (spec.hidden, a.heads * a.v_dim // tp)
+    up = (spec.intermediate // tp, spec.hidden) if spec.gated else (0, spec.hidden)
+    return _price(job.hw, [k_proj, o_proj, up], tokens, job.dtype).f
+
+
+def _materialized(hw: Hardware, *, batch: int, heads: int, seq: int, head_dim: int, backward: bool = False) -> float:
+    """The scores-in-HBM attention core in 16-bit (its GEMMs at the BF16 rate; FP8 recipes keep attention 16-bit)."""
+    return materialized_attention_seconds(hw, batch=batch, heads=heads, seq=seq, head_dim=head_dim,
+                                          backward=backward)
 
 
 def _moe_times(job: Job, layout: Layout, tokens: int) -> PhaseTimes:

@@ -1,0 +1,107 @@
+"""The memory-bound (elementwise) work of one decoder layer, counted kernel by kernel: the bytes each kernel
+reads plus writes per token, and how many kernels run, in the forward and in the backward. The estimator
+prices them at the GPU's HBM bandwidth (:func:`pipeloom.plan.cluster.efficiency.memory_seconds`) plus one
+kernel overhead per kernel.
+
+Two implementations are counted, because frameworks differ by a factor of three here:
+
+- ``fused`` (Megatron-LM / Transformer Engine, or ``torch.compile``): one kernel per operation, reading its
+  inputs and writing its output once. Forward per token: two RMSNorm/LayerNorms (read h, write h each), two
+  residual adds (read 2h, write h), rotary embedding of q and k (read and write them; absent with learned
+  positions), the MLP activation (SwiGLU: read gate and up, 2I, write I; GELU: read I, write I). Bias adds
+  ride in the GEMM epilogues and softmax inside flash attention: no traffic of their own. Backward: a norm
+  reads its input and the output gradient and writes the input gradient (3h); each residual add sums the
+  branch and skip gradients (read 2h, write h); rotary is its own transpose (same bytes as the forward); the
+  activation reads its inputs and the output gradient and writes the inputs' gradients (SwiGLU 5I, GELU 3I).
+- ``eager`` (PyTorch without compilation, as torchtitan's Llama is written: ``torchtitan/models/norms.py`` and
+  ``torchtitan/models/llama/model.py``, Dec 2024): RMSNorm as ``x.float()``, ``pow(2)``, ``mean``, ``mul`` by
+  the ``rsqrt``, ``type_as``, ``mul`` by the weight (6 + 8 + 4 + 8 + 6 + 4 = 36 bytes per element of h, 6
+  kernels); rotary through complex numbers (``float()`` 6, complex ``mul`` 8, ``type_as`` 6: 20 bytes per element
+  of q and k, 3 kernels each); ``repeat_kv`` copying K and V out to every query head (grouped-query attention:
+  read the kv heads, write the query heads' worth); the attention output's ``transpose().contiguous()``
+  (read and write it); ``silu(gate) * up`` as two kernels (4 + 6 = 10 bytes per element of I); the two
+  residual adds (6 bytes per element of h). LayerNorm is one fused kernel even in eager PyTorch. The backward
+  of an unfused op reads its saved inputs and the output gradient and writes the input gradient(s): twice
+  the forward's bytes and kernels (autograd runs one backward kernel per forward kernel, most reading two
+  tensors where the forward read one).
+
+A MoE layer also permutes each token's top-k copies to their experts and back (read h, write k·h; then read
+k·h, write h), in both passes, in either implementation.
+
+Not counted: dropout (the published configs train without it, or Megatron fuses it into the bias-dropout-add
+counted above as a residual add), casts around FP8 GEMMs (Float8 scaling reads and writes each GEMM input
+once more: counted by the estimator with the GEMM, not here), and the loss (priced with the head).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeloom.plan.cluster.config import ModelSpec
+from pipeloom.plan.errors import LayoutError
+
+__all__ = ["KERNELS", "Elementwise", "layer_elementwise"]
+
+KERNELS = ("fused", "eager")
+"""How the elementwise operations run: one fused kernel each, or PyTorch's eager ops one by one."""
+
+_W = 2  # bf16 activations
+_EAGER_RMSNORM = 36  # bytes per element of h (module docstring)
+_EAGER_RMSNORM_KERNELS = 6
+_EAGER_ROTARY = 20  # bytes per element of q and of k
+_EAGER_ROTARY_KERNELS = 3
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Elementwise:
+    """One layer's memory-bound traffic per token on one GPU, and its kernel count per micro-batch."""
+
+    f_bytes: float
+    """Forward bytes read plus written per token."""
+    b_bytes: float
+    """Backward bytes read plus written per token."""
+    f_kernels: int
+    """Forward kernels."""
+    b_kernels: int
+    """Backward kernels."""
+
+
+def layer_elementwise(spec: ModelSpec, kind: str, *, tp: int = 1, sp: bool = False,
+                      kernels: str = "fused") -> Elementwise:
+    """The elementwise traffic of one ``dense`` or ``moe`` layer per token of the micro-batch on one GPU of a
+    tp group: the residual stream's ops (norms, adds) divided by tp under sequence parallelism, the head and
+    MLP-width ops (rotary, activation) by tp always. A MoE layer's activation runs on each token's top-k
+    experts plus the shared expert(s)."""
+    if kernels not in KERNELS:
+        raise LayoutError(f"kernels={kernels!r}: use {' or '.join(map(repr, KERNELS))}")
+    if kind not in ("dense", "moe"):
+        raise LayoutError(f"layer kind {kind!r} has no elementwise count; use dense or moe")
+    a, h = spec.attention, spec.hidden
+    if kind == "dense":
+        width, gated = spec.intermediate, spec.gated
+    else:
+        assert spec.experts is not None, "moe layer of a dense model"
+        width, gated = spec.experts.top_k * spec.experts.intermediate + spec.experts.shared_intermediate, True
+    # a MoE layer permutes each token's k copies to its experts and back (read h, write k·h; read k·h, write h)
+    route = 2 * (1 + spec.experts.top_k) * h if kind == "moe" and spec.experts is not None else 0
+    qk = (a.heads + a.kv_heads) * a.qk_dim  # the rotated q and k elements
+    rotary = spec.positions == 0
+    if kernels == "fused":
+        seq_f, seq_b = 2 * 2 * h + 2 * 3 * h, 2 * 3 * h + 2 * 3 * h  # norms, residual adds
+        act_f, act_b = (3 * width, 5 * width) if gated else (2 * width, 3 * width)
+        rot = 2 * qk if rotary else 0
+        ten_f, ten_b = act_f + rot + route, act_b + rot + route
+        f = _W * (seq_f / (tp if sp else 1) + ten_f / tp)
+        b = _W * (seq_b / (tp if sp else 1) + ten_b / tp)
+        count = 2 + 2 + (1 if rotary else 0) + 1 + (2 if route else 0)
+        return Elementwise(f_bytes=f, b_bytes=b, f_kernels=count, b_kernels=count)
+    norm = _EAGER_RMSNORM * h if not spec.layer_norm else 2 * _W * h
+    norm_kernels = _EAGER_RMSNORM_KERNELS if not spec.layer_norm else 1
+    seq_f = 2 * norm + 2 * 3 * _W * h  # two norms, two residual adds
+    repeat = _W * (a.kv_heads + a.heads) * (a.qk_dim + a.v_dim) if a.kv_heads < a.heads else 0
+    ten_f = ((_EAGER_ROTARY * qk if rotary else 0) + repeat + 2 * _W * a.heads * a.v_dim
+             + (10 if gated else 4) * width + _W * route)
+    f = seq_f / (tp if sp else 1) + ten_f / tp
+    count_f = (2 * norm_kernels + 2 + (2 * _EAGER_ROTARY_KERNELS if rotary else 0) + (2 if repeat else 0) + 1
+               + (2 if gated else 1) + (2 if route else 0))
+    return Elementwise(f_bytes=f, b_bytes=2 * f, f_kernels=count_f, b_kernels=2 * count_f)
