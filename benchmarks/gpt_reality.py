@@ -661,8 +661,8 @@ def _try_choice(tables: list[CostTable], config: RealityConfig):
     inputs, target = work.batch(0, config.global_batch)
     return try_plans(result, build=work.build, inputs=inputs, target=target, loss_fn=work.loss, k=config.try_plans,
                      steps=config.steps, warmup=config.warmup_steps,
-                     options_for=lambda plan: {"example_inputs": work.example_inputs(plan.microbatch_size)},
-                     **work.tracing)
+                     options_for=lambda plan: {"tracing": Tracing(**work.tracing,
+                                                                  example_inputs=work.example_inputs(plan.microbatch_size))})
 
 
 def _mark_tried(records: list[dict], tried, config: RealityConfig) -> None:

@@ -27,6 +27,8 @@ SKIPPED = {
     "pipeloom plan --costs costs.json": "needs the costs.json a profile writes",
     "pipeloom plan --costs gpt_cpu_b1.json": "needs two measured cost tables",
     "pipeloom trace ": "needs a trace folder written by a torchrun training run",
+    "pipeloom plan --model benchmarks/": "reads a config from the repository's benchmarks/data/configs (the command "
+                                        "runs in tests/plan/cluster/test_runtime_plan.py)",
     "pipeloom search --placement NAME": "a synopsis (NAME, D, M are placeholders)",
     "pipeloom search --problem problem.json --microbatches M": "a synopsis (M, L, C are placeholders)",
     "pipeloom search --placement mshape --ranks 8 --microbatches 128": "a benchmark run (--time-limit 10)",

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 from pipeloom.cli.argtypes import count
-from pipeloom.cli.common import UsageError
+from pipeloom.cli.errors import UsageError
 
 __all__ = ["add_try_arguments", "check_try", "trial_lines", "try_in_engine"]
 
@@ -62,6 +62,7 @@ def try_in_engine(args: argparse.Namespace, result):
         user_code,
     )
     from pipeloom.profile.trials import try_plans
+    from pipeloom.runtime.options import Tracing
 
     module, function = load_function(args.build)
     request = argparse.Namespace(target=args.build, arg=args.arg, batch=args.global_batch, seq=args.seq, loss=args.loss)
@@ -81,9 +82,9 @@ def try_in_engine(args: argparse.Namespace, result):
             torch.manual_seed(0)
             return model_and_inputs(module, function, request)[0]
 
-        # example_inputs: torch.fx first, torch.export on this batch where fx cannot trace (transformers models)
+        # the split settled at pipeline(): torch.fx first, torch.export on this batch where fx cannot trace
         tried = try_plans(result, build=build, inputs=inputs, target=target, loss_fn=loss, k=args.try_k,
-                          steps=args.try_steps, example_inputs=inputs)
+                          steps=args.try_steps, tracing=Tracing(example_inputs=inputs))
         if dist.get_rank() != 0 and getattr(args, "outputs", None) is not None:
             args.outputs.discard()  # rank 0 writes the files; an empty one from here must not replace them
         return tried

@@ -129,7 +129,7 @@ def try_plans(result: PlanResult, *, build: Callable[[], nn.Module], inputs: Any
     carries every trial (``Plan.trials``), and that plan's simulated timeline; every rank of ``process_group``
     (default: the default group, of the plans' world size) calls it with the same ``inputs`` and ``target``
     (one step's batch) and the same ``build`` (a fresh model, the same weights on every rank, each call).
-    ``pipeline_options`` go to ``pipeloom.pipeline`` (e.g. ``example_inputs``, ``tracer``), with
+    ``pipeline_options`` go to ``pipeloom.pipeline`` (e.g. ``tracing=Tracing(...)``), with
     ``options_for(plan)``'s for each plan where given (e.g. example inputs of its micro-batch size).
     PlanError when no trial could run."""
     import torch.distributed as dist

@@ -291,7 +291,7 @@ def test_an_fsdp_checkpoint_loads_into_one_device(fsdp_runs):
 
 
 def test_fsdp_is_refused_where_it_cannot_shard():
-    with pytest.raises(PipelineError, match="data_parallel=.zero.. choose .replicate. or .fsdp."):
+    with pytest.raises(PipelineError, match=r"data_parallel='zero'\): choose 'replicate' or 'fsdp'"):
         pipeline(
             build("residual"),
             schedule="gpipe",

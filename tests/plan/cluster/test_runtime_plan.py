@@ -84,3 +84,16 @@ def test_a_saved_plan_runs_in_the_engine(tmp_path):
     expected = sum(loss_fn(reference(x[k:k + 1]), x[k:k + 1]) / 4 for k in range(4))
     assert engine.lowering.schedule.num_microbatches == 4 and torch.equal(loss.detach(), expected.detach())
 
+
+
+def test_the_readme_command_plans_llama3_70b_on_64_h100s(capsys):
+    """README.md's example, run on the repository's config (the doc-block test skips it: its cwd lacks the file)."""
+    from pathlib import Path
+
+    config = Path(__file__).resolve().parents[3] / "benchmarks" / "data" / "configs" / "llama3-70b.json"
+    assert main(["plan", "--model", str(config), "--hardware", "h100", "--gpus", "64", "--global-batch", "128",
+                 "--seq", "8192", "--json"]) == 0
+    best = json.loads(capsys.readouterr().out)["best"]
+    assert best["fits"] and best["memory_per_gpu"]["total"] <= 80 * 2**30
+    layout = best["layout"]
+    assert layout["dp"] * layout["tp"] * layout["pp"] * layout["cp"] == 64
