@@ -12,9 +12,8 @@ def hf_first_step(rank: int, world: int, cases: list[tuple[str, str, int]], step
     is traced on the first batch), the optimizer built on ``engine.parameters()`` before that step; ``steps``
     SGD steps (the second with a shorter sequence) next to the unsplit model's for-loop reference: whether
     the engine was unsplit until its first step, mismatching parameters and whether the losses agree."""
-    import torch
     from hf_models import build_hf, hf_splits, lm_loss, tokens
-    from models import mismatches
+    from models import train_beside_reference
 
     from pipeloom.runtime import pipeline
 
@@ -31,23 +30,9 @@ def hf_first_step(rank: int, world: int, cases: list[tuple[str, str, int]], step
             failures=Failures(timeout=60),
         )
         unsplit = not engine.split
-        ours = torch.optim.SGD(engine.parameters(), lr=0.1)  # every parameter of the model, before the split
-        theirs = torch.optim.SGD(reference.parameters(), lr=0.1)
-        problems, losses_equal, owned = [], True, set()
-        for step in range(steps):
-            x, y = tokens(seq=12 if step == 0 else 7, seed=step)
-            loss = engine.step(x, target=y)
-            owned = {id(p) for p in engine.parameters()}  # this rank's, once split
-            expected = None
-            for xm, ym in zip(torch.chunk(x, 4), torch.chunk(y, 4)):
-                part = lm_loss(reference(xm), ym) / 4
-                part.backward()
-                expected = part.detach() if expected is None else expected + part.detach()
-            losses_equal &= torch.equal(loss, expected)
-            problems += [f"step {step}: {n}" for n in mismatches(model, reference, owned)]
-            for optimizer in (ours, theirs):
-                optimizer.step()
-                optimizer.zero_grad()
+        # the optimizer holds every parameter of the model, before the split; this rank's are known after a step
+        problems, losses_equal, owned = train_beside_reference(
+            engine, model, reference, lm_loss, lambda step: tokens(seq=12 if step == 0 else 7, seed=step), steps)
         problems += [f"{n} has a gradient on another rank" for n, p in model.named_parameters()
                      if id(p) not in owned and p.grad is not None and p.grad.count_nonzero()]
         results[f"{name}/{schedule}"] = {"mismatches": problems, "losses_equal": bool(losses_equal),

@@ -11,9 +11,8 @@ def hf_exactness(rank: int, world: int, cases: list[tuple[str, str, int]], steps
     """For every (model, schedule, pieces): ``steps`` SGD steps with the engine and with the unsplit model's
     for-loop reference (the second step with a shorter sequence); mismatching parameters, whether the
     losses agree, and the shared (tied) parameters' values after training."""
-    import torch
     from hf_models import build_hf, hf_splits, lm_loss, tokens
-    from models import mismatches
+    from models import train_beside_reference
 
     from pipeloom.runtime import pipeline, split_model
     from pipeloom.runtime.model.tracing import trace_model
@@ -37,23 +36,8 @@ def hf_exactness(rank: int, world: int, cases: list[tuple[str, str, int]], steps
             microbatches=4,
             failures=Failures(timeout=60),
         )
-        owned = {id(p) for p in engine.parameters()}
-        ours = torch.optim.SGD(engine.parameters(), lr=0.1)
-        theirs = torch.optim.SGD(reference.parameters(), lr=0.1)
-        problems, losses_equal = [], True
-        for step in range(steps):
-            x, y = tokens(seq=12 if step == 0 else 7, seed=step)
-            loss = engine.step(x, target=y)
-            expected = None
-            for xm, ym in zip(torch.chunk(x, 4), torch.chunk(y, 4)):
-                part = lm_loss(reference(xm), ym) / 4
-                part.backward()
-                expected = part.detach() if expected is None else expected + part.detach()
-            losses_equal &= torch.equal(loss, expected)
-            problems += [f"step {step}: {n}" for n in mismatches(model, reference, owned)]
-            for optimizer in (ours, theirs):
-                optimizer.step()
-                optimizer.zero_grad()
+        problems, losses_equal, owned = train_beside_reference(
+            engine, model, reference, lm_loss, lambda step: tokens(seq=12 if step == 0 else 7, seed=step), steps)
         shared = {name: p.detach().flatten().tolist() for name, p in zip(engine.shared.names, engine.shared.params)
                   if id(p) in owned}
         results[f"{name}/{schedule}"] = {"mismatches": problems, "losses_equal": bool(losses_equal),

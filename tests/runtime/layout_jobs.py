@@ -42,8 +42,7 @@ def convnext_exactness(rank: int, world: int, cases: list[tuple[str, int]], step
     """For every (schedule, pieces): ``steps`` SGD steps of ConvNeXt split without example_inputs, next to the
     unsplit model's for-loop reference (the second step with smaller images); mismatching parameters, whether
     the losses agree, and the boundary activations' strides as the receiving stages saw them."""
-    import torch
-    from models import mismatches
+    from models import train_beside_reference
 
     from pipeloom.runtime import pipeline
 
@@ -59,23 +58,8 @@ def convnext_exactness(rank: int, world: int, cases: list[tuple[str, int]], step
             microbatches=4,
             failures=Failures(timeout=60),
         )
-        ours = torch.optim.SGD(engine.parameters(), lr=0.1)
-        theirs = torch.optim.SGD(reference.parameters(), lr=0.1)
-        problems, losses_equal, owned = [], True, set()
-        for step in range(steps):
-            x, y = images(side=32 if step == 0 else 16, seed=step)
-            loss = engine.step(x, target=y)
-            owned = {id(p) for p in engine.parameters()}
-            expected = None
-            for xm, ym in zip(torch.chunk(x, 4), torch.chunk(y, 4)):
-                part = logits_loss(reference(xm), ym) / 4
-                part.backward()
-                expected = part.detach() if expected is None else expected + part.detach()
-            losses_equal &= torch.equal(loss, expected)
-            problems += [f"step {step}: {n}" for n in mismatches(model, reference, owned)]
-            for optimizer in (ours, theirs):
-                optimizer.step()
-                optimizer.zero_grad()
+        problems, losses_equal, owned = train_beside_reference(
+            engine, model, reference, logits_loss, lambda step: images(side=32 if step == 0 else 16, seed=step), steps)
         strides = sorted({m.stride for metas in engine._meta_cache.values() for ms in metas[0].values()
                           for m in ms if getattr(m, "stride", ())})
         results[f"convnext/{schedule}"] = {"mismatches": problems, "losses_equal": bool(losses_equal),

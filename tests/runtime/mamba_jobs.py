@@ -29,9 +29,8 @@ def mamba_splits(pieces: int) -> list[str]:
 def mamba2_exactness(rank: int, world: int, cases: list[tuple[str, int]], steps: int = 2) -> dict:
     """For every (schedule, pieces): ``steps`` SGD steps of Mamba2 split without example_inputs, next to the
     unsplit model's for-loop reference (the second step with a sequence length that pads differently)."""
-    import torch
     from hf_models import lm_loss, tokens
-    from models import mismatches
+    from models import train_beside_reference
 
     from pipeloom.runtime import pipeline
 
@@ -47,23 +46,8 @@ def mamba2_exactness(rank: int, world: int, cases: list[tuple[str, int]], steps:
             microbatches=4,
             failures=Failures(timeout=60),
         )
-        ours = torch.optim.SGD(engine.parameters(), lr=0.1)
-        theirs = torch.optim.SGD(reference.parameters(), lr=0.1)
-        problems, losses_equal, owned = [], True, set()
-        for step in range(steps):
-            x, y = tokens(seq=12 if step == 0 else 7, seed=step)
-            loss = engine.step(x, target=y)
-            owned = {id(p) for p in engine.parameters()}
-            expected = None
-            for xm, ym in zip(torch.chunk(x, 4), torch.chunk(y, 4)):
-                part = lm_loss(reference(xm), ym) / 4
-                part.backward()
-                expected = part.detach() if expected is None else expected + part.detach()
-            losses_equal &= torch.equal(loss, expected)
-            problems += [f"step {step}: {n}" for n in mismatches(model, reference, owned)]
-            for optimizer in (ours, theirs):
-                optimizer.step()
-                optimizer.zero_grad()
+        problems, losses_equal, owned = train_beside_reference(
+            engine, model, reference, lm_loss, lambda step: tokens(seq=12 if step == 0 else 7, seed=step), steps)
         results[f"mamba2/{schedule}"] = {"mismatches": problems, "losses_equal": bool(losses_equal),
                                          "owned": len(owned)}
     return results

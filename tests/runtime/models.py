@@ -124,3 +124,30 @@ def train_one_rank(model_name: str, schedule, pieces: int, steps: int = 3, **opt
             opt.step()
             opt.zero_grad()
     return problems, losses
+
+
+def train_beside_reference(engine, model, reference, loss_fn, batch_for, steps: int, microbatches: int = 4):
+    """``steps`` SGD steps of ``engine`` (over ``model``) next to the single-device ``reference``, the batch of
+    step k from ``batch_for(k)``: the names of parameters not bitwise the reference's after each step, whether
+    every loss was bitwise the reference's, and the ids of this rank's parameters (read after each step: an
+    engine split at its first step owns its pieces only then)."""
+    import torch
+
+    ours = torch.optim.SGD(engine.parameters(), lr=0.1)
+    theirs = torch.optim.SGD(reference.parameters(), lr=0.1)
+    problems, losses_equal, owned = [], True, set()
+    for step in range(steps):
+        x, y = batch_for(step)
+        loss = engine.step(x, target=y)
+        owned = {id(p) for p in engine.parameters()}
+        expected = None
+        for xm, ym in zip(torch.chunk(x, microbatches), torch.chunk(y, microbatches)):
+            part = loss_fn(reference(xm), ym) / microbatches
+            part.backward()
+            expected = part.detach() if expected is None else expected + part.detach()
+        losses_equal &= torch.equal(loss, expected)
+        problems += [f"step {step}: {n}" for n in mismatches(model, reference, owned)]
+        for optimizer in (ours, theirs):
+            optimizer.step()
+            optimizer.zero_grad()
+    return problems, bool(losses_equal), owned
