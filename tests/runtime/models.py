@@ -151,3 +151,19 @@ def train_beside_reference(engine, model, reference, loss_fn, batch_for, steps: 
             optimizer.step()
             optimizer.zero_grad()
     return problems, bool(losses_equal), owned
+
+
+def assert_bitwise_reports(results: dict, cases: int | None = None) -> list[tuple[int, str, dict]]:
+    """Every rank of ``run_ranks`` finished, and each of its reports (``train_beside_reference``'s outcome per
+    case) has no mismatching parameter and bitwise losses; ``cases``: how many reports each rank holds. The
+    (rank, case, outcome) triples, for the caller's further checks."""
+    failures = {rank: value for rank, (status, value) in results.items() if status != "ok"}
+    assert not failures, failures
+    found = []
+    for rank, (_, report) in results.items():
+        assert cases is None or len(report) == cases
+        for key, outcome in report.items():
+            assert outcome["mismatches"] == [], (rank, key, outcome["mismatches"])
+            assert outcome["losses_equal"], (rank, key)
+            found.append((rank, key, outcome))
+    return found

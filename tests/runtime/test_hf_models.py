@@ -11,6 +11,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from hf_jobs import hf_dropout, hf_exactness
+from models import assert_bitwise_reports
 from ranks import run_ranks
 
 CASES = [(name, schedule, 2 if schedule == "1f1b" else 4) for name in ("gpt2", "llama", "bert", "qwen2")
@@ -20,14 +21,8 @@ CASES = [(name, schedule, 2 if schedule == "1f1b" else 4) for name in ("gpt2", "
 @pytest.mark.timeout(400)
 def test_transformers_models_are_bitwise_exact_on_two_ranks():
     results = run_ranks(2, hf_exactness, CASES, timeout=360)
-    failures = {rank: value for rank, (status, value) in results.items() if status != "ok"}
-    assert not failures, failures
-    for rank, (_, report) in results.items():
-        assert len(report) == len(CASES)
-        for key, outcome in report.items():
-            assert outcome["mismatches"] == [], (rank, key, outcome["mismatches"])
-            assert outcome["losses_equal"], (rank, key)
-            assert outcome["owned"] > 0, (rank, key)
+    for rank, key, outcome in assert_bitwise_reports(results, len(CASES)):
+        assert outcome["owned"] > 0, (rank, key)
     # the tied head and embedding: held by both ranks under 1f1b, identical after the optimizer steps
 
     for key in ("gpt2/1f1b", "bert/1f1b", "qwen2/1f1b"):

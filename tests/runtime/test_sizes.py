@@ -68,13 +68,9 @@ def test_a_size_computed_from_sizes_is_computed_again_in_the_stage_using_it():
 def test_mamba2_splits_after_its_first_layer_bitwise_on_two_ranks():
     pytest.importorskip("transformers")
     from mamba_jobs import mamba2_exactness
+    from models import assert_bitwise_reports
     from ranks import run_ranks
 
     results = run_ranks(2, mamba2_exactness, [("1f1b", 2), ("zbv", 4)], timeout=360)
-    failures = {rank: value for rank, (status, value) in results.items() if status != "ok"}
-    assert not failures, failures
-    for rank, (_, report) in results.items():
-        for key, outcome in report.items():
-            assert outcome["mismatches"] == [], (rank, key, outcome["mismatches"])
-            assert outcome["losses_equal"], (rank, key)
-            assert outcome["owned"] > 0, (rank, key)
+    for rank, key, outcome in assert_bitwise_reports(results):
+        assert outcome["owned"] > 0, (rank, key)
