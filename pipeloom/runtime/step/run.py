@@ -19,11 +19,11 @@ from pipeloom.runtime.errors import PipelineError, StageValueError
 from pipeloom.runtime.model.split import ValueRef, check_stage_value
 from pipeloom.runtime.parallel.tp import is_dtensor
 from pipeloom.runtime.program import MODEL_INPUT, Step, Unit, forward_unit
-from pipeloom.runtime.step.backward import PendingWeights, add_in_order, backward_full, backward_input
+from pipeloom.runtime.step.backward import PendingWeights, add_in_order, backward_full, backward_input, grad_node
 from pipeloom.runtime.step.pieces import RankPieces
 from pipeloom.runtime.step.replicas import ReplicaExchange
 from pipeloom.runtime.step.rng import seeded
-from pipeloom.runtime.step.shared import SharedGradients
+from pipeloom.runtime.step.shared import SharedGradients, UseGradients
 from pipeloom.runtime.step.timing import ActionClock
 
 if TYPE_CHECKING:
@@ -56,6 +56,7 @@ class StepRun:
         self.leaves: dict[tuple[int, int], list] = {}  # (stage, mb) -> [(leaf, producer, index, position)]
         self.grads: dict[tuple[int, int], dict] = {}  # (stage, mb) -> {index: {position: [gradients]}}
         self.pending: dict[tuple[int, int], PendingWeights | None] = {}
+        self.uses: dict[tuple[int, int], UseGradients] = {}  # (stage, mb) -> shared parameters' uses, apart
         self.losses: dict[int, torch.Tensor] = {}
         self.model_outputs: dict[int, object] = {}
         self.received: dict[int, list] = {}
@@ -343,6 +344,7 @@ class StepRun:
         roots, grads = self._roots(s, mb)
         entries = self.leaves.pop((s, mb))
         inputs = [leaf for leaf, *_ in entries]
+        self._watch_uses(s, mb, roots)
         saved = self._swap_out(s) if full else None
         with self._loss_parallel(s):
             if full:
@@ -376,6 +378,17 @@ class StepRun:
             return loss_parallel()
         return contextlib.nullcontext()
 
+    def _watch_uses(self, s: int, mb: int, roots: list) -> None:
+        """Keep the uses of the shared parameters this piece gives apart (SharedParameters.slots) from the
+        backward that starts now (and its W)."""
+        if self.shared is None or self.low.replicas > 1:
+            return
+        shared, piece = self.shared.shared, self.low.piece_of[s]
+        wanted = {id(shared.params[i]): i for i in shared.of_piece(piece) if shared.slots(i, piece) > 1}
+        if wanted:
+            uses = self.uses[(s, mb)] = UseGradients(wanted)
+            uses.watch([node for root in roots if (node := grad_node(root)) is not None])
+
     def _kept(self, s: int) -> list:
         """Parameters of stage ``s`` whose gradient actions' results are kept per micro-batch instead of
         added into ``.grad``: all of them on two-replica schedules, else the shared ones."""
@@ -403,8 +416,13 @@ class StepRun:
         low = self.low
         if low.replicas == 1:
             assert self.shared is not None  # _kept found shared parameters
-            indices = self.shared.shared.of_piece(low.piece_of[s])
-            self.shared.collect(low.piece_of[s], mb, dict(zip(indices, found)))
+            shared, piece = self.shared.shared, low.piece_of[s]
+            uses = self.uses.pop((s, mb), None)
+            contributions = {}
+            for i, total in zip(shared.of_piece(piece), found):
+                slots = shared.slots(i, piece)
+                contributions[i] = uses.finish(i, total, slots) if uses is not None and slots > 1 else [total]
+            self.shared.collect(piece, mb, contributions)
             return
         assert self.replicas is not None  # a training step of a two-replica schedule
         self.replicas.collect(s, mb, found)
