@@ -19,7 +19,7 @@ from pipeloom.runtime.errors import PipelineError, StageValueError
 from pipeloom.runtime.model.split import ValueRef, check_stage_value
 from pipeloom.runtime.parallel.tp import is_dtensor
 from pipeloom.runtime.program import MODEL_INPUT, Step, Unit, forward_unit
-from pipeloom.runtime.step.backward import PendingWeights, add_in_order, backward_full, backward_input, grad_node
+from pipeloom.runtime.step.backward import PendingWeights, add_in_order, backward_full, backward_input
 from pipeloom.runtime.step.pieces import RankPieces
 from pipeloom.runtime.step.replicas import ReplicaExchange
 from pipeloom.runtime.step.rng import seeded
@@ -344,7 +344,9 @@ class StepRun:
         roots, grads = self._roots(s, mb)
         entries = self.leaves.pop((s, mb))
         inputs = [leaf for leaf, *_ in entries]
-        self._watch_uses(s, mb, roots)
+        if self.shared is not None and self.low.replicas == 1:  # uses a shared parameter's sum would group
+            if (uses := self.shared.watch(self.low.piece_of[s], roots)) is not None:
+                self.uses[(s, mb)] = uses
         saved = self._swap_out(s) if full else None
         with self._loss_parallel(s):
             if full:
@@ -378,17 +380,6 @@ class StepRun:
             return loss_parallel()
         return contextlib.nullcontext()
 
-    def _watch_uses(self, s: int, mb: int, roots: list) -> None:
-        """Keep the uses of the shared parameters this piece gives apart (SharedParameters.slots) from the
-        backward that starts now (and its W)."""
-        if self.shared is None or self.low.replicas > 1:
-            return
-        shared, piece = self.shared.shared, self.low.piece_of[s]
-        wanted = {id(shared.params[i]): i for i in shared.of_piece(piece) if shared.slots(i, piece) > 1}
-        if wanted:
-            uses = self.uses[(s, mb)] = UseGradients(wanted)
-            uses.watch([node for root in roots if (node := grad_node(root)) is not None])
-
     def _kept(self, s: int) -> list:
         """Parameters of stage ``s`` whose gradient actions' results are kept per micro-batch instead of
         added into ``.grad``: all of them on two-replica schedules, else the shared ones."""
@@ -416,13 +407,7 @@ class StepRun:
         low = self.low
         if low.replicas == 1:
             assert self.shared is not None  # _kept found shared parameters
-            shared, piece = self.shared.shared, low.piece_of[s]
-            uses = self.uses.pop((s, mb), None)
-            contributions = {}
-            for i, total in zip(shared.of_piece(piece), found):
-                slots = shared.slots(i, piece)
-                contributions[i] = uses.finish(i, total, slots) if uses is not None and slots > 1 else [total]
-            self.shared.collect(piece, mb, contributions)
+            self.shared.collect_piece(low.piece_of[s], mb, found, self.uses.pop((s, mb), None))
             return
         assert self.replicas is not None  # a training step of a two-replica schedule
         self.replicas.collect(s, mb, found)

@@ -25,7 +25,7 @@ from pipeloom.runtime.comm.messenger import Messenger
 from pipeloom.runtime.comm.packed import receive_packed, send_packed
 from pipeloom.runtime.errors import PipelineError
 from pipeloom.runtime.program import Lowering
-from pipeloom.runtime.step.backward import accumulate_grad, add_in_order
+from pipeloom.runtime.step.backward import accumulate_grad, add_in_order, grad_node
 
 __all__ = ["SHARED_TAG", "SharedGradients", "SharedParameters", "UseGradients", "shared_parameters"]
 
@@ -149,6 +149,27 @@ class SharedGradients:
             self.parts.setdefault((index, mb), {})[piece] = grad
             if self.holders(index) == [self.rank]:
                 self._add_ready(index)
+
+    def watch(self, piece: int, roots: Sequence[torch.Tensor]) -> UseGradients | None:
+        """Before a backward of ``piece`` from ``roots``: catch the uses of the shared parameters it gives
+        apart (SharedParameters.slots > 1); None when it gives none apart (nothing is hooked)."""
+        shared = self.shared
+        wanted = {id(shared.params[i]): i for i in shared.of_piece(piece) if shared.slots(i, piece) > 1}
+        if not wanted:
+            return None
+        uses = UseGradients(wanted)
+        uses.watch([node for root in roots if (node := grad_node(root)) is not None])
+        return uses
+
+    def collect_piece(self, piece: int, mb: int, totals: Sequence[torch.Tensor | None],
+                      uses: UseGradients | None) -> None:
+        """Keep ``piece``'s contributions for ``mb`` after its gradient actions: ``totals`` (autograd's sum per
+        shared parameter it uses, SharedParameters.of_piece order), or the uses ``watch`` caught apart."""
+        contributions = {}
+        for index, total in zip(self.shared.of_piece(piece), totals):
+            slots = self.shared.slots(index, piece)
+            contributions[index] = uses.finish(index, total, slots) if uses is not None and slots > 1 else [total]
+        self.collect(piece, mb, contributions)
 
     def _add_ready(self, index: int) -> None:
         """Add every micro-batch whose contributions are all here, in micro-batch order."""
