@@ -5,6 +5,7 @@ group with a pair's forward and backward run in turn and interleaved."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -74,6 +75,7 @@ def pair_on_one_rank(rank: int, world: int, device: str) -> dict:
     from pipeloom.runtime.parallel.ep import ExpertParallel, shard_experts
 
     if device == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS deterministic, before its first use
         torch.cuda.set_device(0)
         torch.use_deterministic_algorithms(True, warn_only=True)
     group = dist.new_group([0], backend="nccl" if device == "cuda" else "gloo")
