@@ -297,6 +297,11 @@ def link_report(result: dict, options: dict, load: tuple[float, float]) -> str:
               f"{statistics.median(ratios):.3f} |",
               f"| simulated makespan (pairs F + B; F + B less the hidden communication) | {plain * 1e3:.1f} | "
               f"{hidden * 1e3:.1f} | {hidden / plain:.3f} |"]
+    share = {key: sum(st[key] for st in predicted["stages"]) / 2 * 1e3 for key in ("f", "b", "w", "f_comm", "b_comm")}
+    lines += ["", "The same with every rank's share priced alike (the mean of the two ranks' stages, ms):",
+              f"pipeloom compare dualpipev -p 2 -m {options['microbatches']} --f {share['f']:.1f} --b {share['b']:.1f} "
+              f"--w {share['w']:.1f} --comm {predicted['latency'] * 1e3:.2f} --f-comm {share['f_comm']:.1f} "
+              f"--b-comm {share['b_comm']:.1f}"]
     return "\n".join(lines)
 
 
