@@ -8,7 +8,8 @@ passed since it was issued: the waiting part sleeps (``time.sleep`` releases the
 part of an overlapped pair computes meanwhile — a link of that latency and bandwidth whose transfer runs on no core.
 ``bytes`` is what this rank moves over its link, the larger of what it sends to and receives from other ranks (a
 full-duplex link per rank; rows a rank keeps are not on the link). Stage-to-stage messages are not slowed (their
-delay would count from the sender's post, which the receiver does not see).
+delay would count from the sender's post, which the receiver does not see). It is meant for CPU ranks: on CUDA it
+holds the host thread, not the streams.
 """
 
 from __future__ import annotations
