@@ -158,7 +158,8 @@ def _engine_parts(staged: StagedModel, *, model: nn.Module | None, layout: Layou
     if tp_plan is not None:
         _apply_tp(staged, held, tp_plan, layout, lowering, data_parallel, shared)
     if layout.ep.size > 1:
-        shard_experts({k: staged.stages[k] for k in held}, expert_names, layout.ep)
+        shard_experts({k: staged.stages[k] for k in held}, expert_names, layout.ep,
+                      link=parallel.simulated_link)
     sharded = _sharded(data_parallel, layout, lowering, shared)
     if sharded:
         shard_pieces({k: staged.stages[k] for k in held}, layout.dp.mesh)

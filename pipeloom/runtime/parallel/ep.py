@@ -41,6 +41,8 @@ from pipeloom.runtime.parallel.tp import resolve
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
+    from pipeloom.runtime.parallel.link import SimulatedLink
+
 __all__ = ["ExpertParallel", "check_experts_agree", "expert_groups", "expert_layout", "experts_for", "find_experts",
            "is_expert", "is_experts_module", "moe_layers", "shard_experts"]
 
@@ -181,10 +183,12 @@ def _describe(held: list) -> str:
 # ------------------------------------------------------------------------------------- sharding
 
 
-def shard_experts(stages: Mapping[int, nn.Module], names: Sequence[str], ep: ExpertParallel) -> int:
+def shard_experts(stages: Mapping[int, nn.Module], names: Sequence[str], ep: ExpertParallel, *,
+                  link: SimulatedLink | None = None) -> int:
     """Keep this rank's ``E / ep`` experts of every experts module the stages hold, as ``DTensor`` parameters
     sharded ``Shard(0)`` over the ``"ep"`` sub-mesh, and route the module's forward through the all-to-all
-    dispatch. Returns how many modules were sharded. Call after the pieces are on their device."""
+    dispatch (its all-to-alls held to ``link``, a simulated slower link, when given). Returns how many modules
+    were sharded. Call after the pieces are on their device."""
     from torch.distributed.tensor import DTensor, Shard
 
     from pipeloom.runtime.parallel.ep_dispatch import ExpertDispatch
@@ -201,7 +205,7 @@ def shard_experts(stages: Mapping[int, nn.Module], names: Sequence[str], ep: Exp
             sharded = DTensor.from_local(piece, ep.mesh, [Shard(0)], run_check=False, shape=param.shape,
                                          stride=param.stride())
             module._parameters[pname] = nn.Parameter(sharded, requires_grad=param.requires_grad)
-        module.forward = ExpertDispatch(module=module, local=local, ep=ep, num_experts=count)
+        module.forward = ExpertDispatch(module=module, local=local, ep=ep, num_experts=count, link=link)
     return len(held)
 
 
