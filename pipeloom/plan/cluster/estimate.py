@@ -12,7 +12,7 @@ from typing import Any
 from pipeloom.errors import PipeloomError
 from pipeloom.plan.cluster.counts import layer_counts, optimizer_bytes
 from pipeloom.plan.cluster.efficiency import collective_seconds, memory_seconds, p2p_seconds
-from pipeloom.plan.cluster.layer_time import Job, PhaseTimes, domain_ranks, layer_times
+from pipeloom.plan.cluster.layer_time import Job, PhaseTimes, add_times, domain_ranks, layer_times
 from pipeloom.plan.cluster.layout import SCHEDULES, Layout
 from pipeloom.plan.errors import LayoutError
 from pipeloom.problem import Costs, Problem
@@ -177,7 +177,7 @@ class Estimator:
             parts = [self.times(layout, k) for k in kinds]
             extra = [k for k, here in (("embedding", j == 0), ("head", j == len(cut) - 1)) if here]
             parts += [self.times(layout, k) for k in extra]
-            times.append(PhaseTimes(f=sum(p.f for p in parts), i=sum(p.i for p in parts), w=sum(p.w for p in parts)))
+            times.append(add_times(*parts))
             acts.append(sum(self._activation(layout, k) for k in (*kinds, *extra)))
         return times, acts, cut
 
@@ -195,7 +195,8 @@ class Estimator:
         same = layout.tp * layout.cp * layout.dp < job.hw.scale_up_size
         latency = p2p_seconds(job.hw, hidden, same_domain=same)
         key = (layout.schedule, layout.pp, layout.vp, m, latency,
-               tuple((round(t.f, 9), round(t.i, 9), round(t.w, 9)) for t in times), tuple(round(a) for a in acts))
+               tuple(tuple(round(x, 9) for x in (t.f, t.i, t.w, t.f_comm, t.i_comm)) for t in times),
+               tuple(round(a) for a in acts))
         if key not in self._replays:
             self._replays[key] = self._extrapolated(layout, m, times, acts, latency)
         return self._replays[key]
@@ -218,7 +219,8 @@ class Estimator:
     def _simulate(self, layout: Layout, m: int, times: list[PhaseTimes], acts: list[float],
                   latency: float) -> tuple[float, float, float]:
         """Build the schedule (interleaved with the middle stage's cost ratios), price each task with its
-        stage's costs and replay it. DualPipeV's overlapped F+B pairs take F + B (no overlap credited)."""
+        stage's costs and replay it. DualPipeV's overlapped F+B pairs take F + B less the expert all-to-all
+        each part hides under the other's compute (the tasks' ``comm``: :func:`pipeloom.ir.pair_duration`)."""
         name, pp, vp = layout.schedule, layout.pp, layout.vp
         mid = times[len(times) // 2]
         split = name in ("zb-h1", "zbv", "dualpipev")
@@ -241,10 +243,10 @@ class Estimator:
         for task in schedule.problem.tasks:
             t = times[task.stage]
             duration = {"F": t.f, "B": t.i + t.w, "I": t.i, "W": t.w}[task.kind]
+            comm = {"F": t.f_comm, "B": t.i_comm, "I": t.i_comm, "W": 0.0}[task.kind]
             scale = acts[task.stage] / taken[task.stage] if taken[task.stage] else 0.0
-            tasks.append(dataclasses.replace(task, duration=duration, memory=task.memory * scale))
-        overlap = min(mid.f, mid.i + mid.w) if name == "dualpipev" else 0.0
-        problem = Problem(num_ranks=pp, tasks=tuple(tasks), comm_latency=latency, overlap_overhead=overlap)
+            tasks.append(dataclasses.replace(task, duration=duration, comm=comm, memory=task.memory * scale))
+        problem = Problem(num_ranks=pp, tasks=tuple(tasks), comm_latency=latency)
         timeline = simulate(dataclasses.replace(schedule, problem=problem))
         return timeline.makespan, timeline.bubble_ratio, max(timeline.peak_memory)
 
@@ -347,15 +349,14 @@ def rank_of(stage: int, layout: Layout) -> int:
 def work_bound(layout: Layout, m: int, times: list[PhaseTimes]) -> float:
     """A lower bound on any schedule's makespan: a rank starts after micro-batch 0's forwards through the
     model stages before its first one, then does all its own work (DualPipeV: an overlapped pair of a
-    forward and a backward takes max(F, B) + overhead, so it saves at most F - overhead)."""
+    forward and a backward takes F + B less the communication each part hides, so the pairs save at most
+    every F's and I's ``comm``)."""
     bound = 0.0
-    mid = times[len(times) // 2]
-    overlap = min(mid.f, mid.i + mid.w)
     for stages in rank_stages(layout):
         before = sum(times[j].f for j in range(min(stages)))
         busy = m * sum(times[j].f + times[j].i + times[j].w for j in stages)
         if layout.schedule == "dualpipev":
-            busy -= m * sum(max(0.0, times[j].f - overlap) for j in stages)  # each F sits in at most one pair
+            busy -= m * sum(times[j].f_comm + times[j].i_comm for j in stages)  # each part in at most one pair
         bound = max(bound, before + busy)
     if layout.schedule in ("1f1b", "interleaved-1f1b"):
         # a full backward in micro-batch order: rank p-1's last action is stage p-1's B of the last micro-batch,

@@ -23,7 +23,7 @@ from pipeloom.plan.cluster.hardware import Hardware
 from pipeloom.plan.cluster.layout import Layout
 from pipeloom.plan.cluster.materialized import materialized_attention_seconds
 
-__all__ = ["Job", "PhaseTimes", "layer_times", "domain_ranks"]
+__all__ = ["Job", "PhaseTimes", "add_times", "layer_times", "domain_ranks"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -68,6 +68,11 @@ class PhaseTimes:
     """Input-gradient backward (with recomputation)."""
     w: float
     """Weight-gradient backward."""
+    f_comm: float = 0.0
+    """Of ``f``, the seconds spent in communication another micro-batch's compute can hide: the expert
+    all-to-alls (DualPipe's overlapped pairs hide them; :class:`pipeloom.problem.Task` ``comm``)."""
+    i_comm: float = 0.0
+    """Of ``i``, the same for the input-gradient backward."""
 
 
 def domain_ranks(group: int, stride: int, hw: Hardware) -> int:
@@ -103,8 +108,10 @@ def _price(hw: Hardware, gemms: list[tuple[int, int]], m: int, dtype: str, count
                       w=count * sum(gemm_seconds(hw, n, k, m, dtype=dtype) for n, k in gemms))
 
 
-def _add(*parts: PhaseTimes) -> PhaseTimes:
-    return PhaseTimes(f=sum(p.f for p in parts), i=sum(p.i for p in parts), w=sum(p.w for p in parts))
+def add_times(*parts: PhaseTimes) -> PhaseTimes:
+    """The phase times of ``parts`` run one after the other (their communication parts summed too)."""
+    return PhaseTimes(f=sum(p.f for p in parts), i=sum(p.i for p in parts), w=sum(p.w for p in parts),
+                      f_comm=sum(p.f_comm for p in parts), i_comm=sum(p.i_comm for p in parts))
 
 
 def layer_times(job: Job, layout: Layout, kind: str) -> PhaseTimes:
@@ -152,17 +159,18 @@ def layer_times(job: Job, layout: Layout, kind: str) -> PhaseTimes:
         parts.append(_price(hw, _mlp(spec, spec.intermediate, tp, gated=spec.gated), tokens, job.dtype))
     else:
         parts.append(_moe_times(job, layout, tokens))
-    gemm = _add(*parts)
+    gemm = add_times(*parts)
     f = gemm.f + core_f + ew_f + tp_comm
     i = gemm.i + core_b + ew_b + tp_comm
+    i_comm = gemm.i_comm
     if layout.recompute == "selective":
         if job.selective == "layer":  # every second layer checkpointed whole: half a forward per layer on average
-            i += f / 2
+            i, i_comm = i + f / 2, i_comm + gemm.f_comm / 2
         else:
             i += _op_recompute(job, tokens, tp) + ew_f if job.selective == "op" and kind == "dense" else core_f
-    elif layout.recompute == "full":
-        i += f
-    return PhaseTimes(f=f, i=i, w=gemm.w)
+    elif layout.recompute == "full":  # the forward again, its all-to-alls included
+        i, i_comm = i + f, i_comm + gemm.f_comm
+    return PhaseTimes(f=f, i=i, w=gemm.w, f_comm=gemm.f_comm, i_comm=i_comm)
 
 
 def _op_recompute(job: Job, tokens: int, tp: int) -> float:
@@ -186,7 +194,8 @@ def _materialized(hw: Hardware, *, batch: int, heads: int, seq: int, head_dim: i
 def _moe_times(job: Job, layout: Layout, tokens: int) -> PhaseTimes:
     """The MoE MLP: router and shared experts on this GPU's tokens, routed experts (not tensor-parallel:
     each tp rank routes its sequence-parallel share of the tokens) on the tokens the all-to-all brings,
-    and the dispatch and combine all-to-alls over the ep ranks in both passes."""
+    and the dispatch and combine all-to-alls over the ep ranks in both passes (their seconds also as
+    ``f_comm`` / ``i_comm``: what an overlapped pair may hide)."""
     spec, hw, tp, ep = job.spec, job.hw, layout.tp, layout.ep
     ex = spec.experts
     assert ex is not None
@@ -202,5 +211,5 @@ def _moe_times(job: Job, layout: Layout, tokens: int) -> PhaseTimes:
         nbytes = local * ex.top_k * spec.hidden * 2
         a2a = 2 * collective_seconds(hw, "all_to_all", nbytes, ep,
                                      ranks_per_domain=domain_ranks(ep, tp, hw))
-    times = _add(*parts)
-    return PhaseTimes(f=times.f + a2a, i=times.i + a2a, w=times.w)
+    times = add_times(*parts)
+    return PhaseTimes(f=times.f + a2a, i=times.i + a2a, w=times.w, f_comm=a2a, i_comm=a2a)
