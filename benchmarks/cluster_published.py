@@ -10,7 +10,7 @@ and those without torch.compile with eager elementwise kernels. Megatron-LM 2021
 after the pipeline flush (its training step calls the all-reduce after forward_backward returns; the overlap
 came with Megatron-Core's --overlap-grad-reduce in 2023): ``overlap_grad_reduce=False`` there. torchtitan's
 selective recomputation is its op-level policy (``selective="op"``), or every second layer whole where its
-table says "selective layer" (``selective="layer"``).
+table says "selective layer" (``selective="layer"``); DeepSeek-V3's is its own (``selective="deepseek"``).
 Keys a source leaves open are searched with the published ones held, except that the 2021 Megatron rows get
 the schedules of their time (1F1B or interleaved 1F1B, the faster) and the recomputation their Eq. 3 assumes.
 Throughput is compared in tokens/s per GPU where the source determines it (as published, or Megatron's Eq. 3
@@ -84,7 +84,10 @@ def attention(run: dict) -> str:
 
 def selective(run: dict) -> str:
     """torchtitan's selective recomputation: its op-level policy, or every second layer whole where its table
-    says "selective layer"; Megatron's (the attention core) elsewhere."""
+    says "selective layer"; DeepSeek-V3's (its norms, MLA up-projections and MoE SwiGLU recomputed, linear inputs
+    cached in FP8: report sec. 3.2.3, 3.3.4); Megatron's (the attention core) elsewhere."""
+    if run["id"].startswith("deepseek-v3"):
+        return "deepseek"
     if not run["id"].startswith("torchtitan"):
         return "attention"
     return "layer" if "selective-layer" in run["id"] else "op"

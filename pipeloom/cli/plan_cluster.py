@@ -37,9 +37,10 @@ def add_cluster_arguments(plan: argparse.ArgumentParser) -> None:
     group.add_argument("--no-overlap-grad-reduce", dest="overlap_grad_reduce", action="store_false",
                        help="the data-parallel gradient all-reduce runs after the backward, exposed (Megatron-LM "
                             "before --overlap-grad-reduce)")
-    group.add_argument("--selective", choices=("attention", "op", "layer"), default="attention",
+    group.add_argument("--selective", choices=("attention", "op", "layer", "deepseek"), default="attention",
                        help="what recompute=selective recomputes: attention (Megatron's: the attention core; "
-                            "default), op (torchtitan's op-level policy) or layer (every second layer whole)")
+                            "default), op (torchtitan's op-level policy), layer (every second layer whole) or "
+                            "deepseek (DeepSeek-V3's norms, MLA up-projections and SwiGLU; FP8-cached inputs)")
     group.add_argument("--layout", metavar="KEY=VALUE,...",
                        help="layout keys to hold fixed, e.g. tp=4,pp=8,vp=5,cp=1,ep=1,dp=2,mbs=1,fsdp=0,"
                             "recompute=selective,schedule=interleaved-1f1b; all of them: predict that layout")

@@ -15,7 +15,7 @@ from pipeloom.plan.cluster.elementwise import KERNELS
 from pipeloom.plan.cluster.estimate import Estimate, Estimator
 from pipeloom.plan.cluster.gpus import hardware
 from pipeloom.plan.cluster.hardware import Hardware
-from pipeloom.plan.cluster.layer_time import Job
+from pipeloom.plan.cluster.layer_time import SELECTIVE, Job
 from pipeloom.plan.cluster.layout import LAYOUT_KEYS, Layout, parse_layout
 from pipeloom.plan.cluster.materialized import ATTENTION_KINDS
 from pipeloom.plan.cluster.search import search_layouts
@@ -71,7 +71,8 @@ def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: st
     Engine, torch.compile) or ``eager`` elementwise kernels; ``attention``: ``flash`` or ``materialized`` scores
     (Megatron-LM before flash attention); ``overlap_grad_reduce`` False: the gradient all-reduce runs after the
     backward, exposed (Megatron-LM 2021); ``selective``: what ``recompute=selective`` recomputes, ``attention``
-    (Megatron's), ``op`` (torchtitan's op-level policy) or ``layer`` (every second layer whole). ``layout``: keys
+    (Megatron's), ``op`` (torchtitan's op-level policy), ``layer`` (every second layer whole) or ``deepseek``
+    (DeepSeek-V3's recomputation and FP8 activation caching). ``layout``: keys
     held fixed (``"tp=4,pp=8"`` or a dict); with all of :data:`LAYOUT_KEYS` it predicts that layout alone."""
     start = time.perf_counter()
     for name, value in (("gpus", gpus), ("global_batch", global_batch), ("seq", seq)):
@@ -82,9 +83,10 @@ def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: st
     device.peak(dtype)
     if kernels not in KERNELS:
         raise LayoutError(f"kernels={kernels!r}: use {' or '.join(map(repr, KERNELS))}")
-    if selective not in ("attention", "op", "layer"):
-        raise LayoutError(f"selective={selective!r}: use 'attention' (Megatron's), 'op' (torchtitan's op policy) "
-                          f"or 'layer' (every second layer whole)")
+    if selective not in SELECTIVE:
+        raise LayoutError(f"selective={selective!r}: use 'attention' (Megatron's), 'op' (torchtitan's op policy), "
+                          f"'layer' (every second layer whole) or 'deepseek' (DeepSeek-V3's norms, MLA "
+                          f"up-projections and SwiGLU, FP8-cached inputs)")
     if attention not in ATTENTION_KINDS:
         raise LayoutError(f"attention={attention!r}: use {' or '.join(map(repr, ATTENTION_KINDS))}")
     job = Job(spec=model_spec(model), hw=device, gpus=gpus, global_batch=global_batch, seq=seq, dtype=dtype,

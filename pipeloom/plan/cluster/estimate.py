@@ -12,7 +12,7 @@ from typing import Any
 from pipeloom.errors import PipeloomError
 from pipeloom.plan.cluster.counts import layer_counts, optimizer_bytes
 from pipeloom.plan.cluster.efficiency import collective_seconds, memory_seconds, p2p_seconds
-from pipeloom.plan.cluster.layer_time import Job, PhaseTimes, add_times, domain_ranks, layer_times
+from pipeloom.plan.cluster.layer_time import Job, PhaseTimes, add_times, deepseek_activations, domain_ranks, layer_times
 from pipeloom.plan.cluster.layout import SCHEDULES, Layout
 from pipeloom.plan.errors import LayoutError
 from pipeloom.problem import Costs, Problem
@@ -182,7 +182,10 @@ class Estimator:
         return times, acts, cut
 
     def _activation(self, layout: Layout, kind: str) -> float:
-        keep = self.counts[kind].activations[layout.recompute].per_gpu(tp=layout.tp, cp=layout.cp, sp=layout.tp > 1)
+        kept = self.counts[kind].activations[layout.recompute]
+        if layout.recompute == "selective" and self.job.selective == "deepseek" and kind in ("dense", "moe"):
+            kept = deepseek_activations(self.job.spec, kind)
+        keep = kept.per_gpu(tp=layout.tp, cp=layout.cp, sp=layout.tp > 1)
         return keep * layout.mbs * self.job.seq
 
     def replay(self, layout: Layout, m: int, times: list[PhaseTimes], acts: list[float]) -> tuple[float, float, float]:

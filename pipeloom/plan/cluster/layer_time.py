@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 
 from pipeloom.plan.cluster.config import ModelSpec
-from pipeloom.plan.cluster.counts import layer_counts
+from pipeloom.plan.cluster.counts import Activations, layer_counts
 from pipeloom.plan.cluster.efficiency import (
     attention_seconds,
     collective_seconds,
@@ -23,7 +23,10 @@ from pipeloom.plan.cluster.hardware import Hardware
 from pipeloom.plan.cluster.layout import Layout
 from pipeloom.plan.cluster.materialized import materialized_attention_seconds
 
-__all__ = ["Job", "PhaseTimes", "add_times", "layer_times", "domain_ranks"]
+__all__ = ["Job", "PhaseTimes", "add_times", "layer_times", "domain_ranks", "deepseek_activations", "SELECTIVE"]
+
+SELECTIVE = ("attention", "op", "layer", "deepseek")
+"""What ``recompute=selective`` may recompute (:attr:`Job.selective`)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -52,7 +55,8 @@ class Job:
     """What ``recompute=selective`` recomputes: ``attention`` (Megatron's: the attention core) or ``op``
     (torchtitan's op-level policy: every op but the matmuls and the attention kernel, and every second matmul of
     a layer: :func:`_op_recompute`) or ``layer`` (torchtitan's ``selective_ac_option = "2"``: every second
-    layer recomputed whole)."""
+    layer recomputed whole) or ``deepseek`` (DeepSeek-V3's: every RMSNorm, MLA's up-projections and the MoE
+    SwiGLU run again; linear inputs cached in FP8: :func:`deepseek_activations`)."""
     overlap_grad_reduce: bool = True
     """The data-parallel gradient exchange overlaps the backward bucket by bucket (Megatron-Core's
     ``--overlap-grad-reduce``, FSDP, DDP); False: one all-reduce after the last backward (Megatron-LM 2021)."""
@@ -166,6 +170,8 @@ def layer_times(job: Job, layout: Layout, kind: str) -> PhaseTimes:
     if layout.recompute == "selective":
         if job.selective == "layer":  # every second layer checkpointed whole: half a forward per layer on average
             i, i_comm = i + f / 2, i_comm + gemm.f_comm / 2
+        elif job.selective == "deepseek":
+            i += _deepseek_recompute(job, tokens, tp, kind)
         else:
             i += _op_recompute(job, tokens, tp) + ew_f if job.selective == "op" and kind == "dense" else core_f
     elif layout.recompute == "full":  # the forward again, its all-to-alls included
@@ -213,3 +219,53 @@ def _moe_times(job: Job, layout: Layout, tokens: int) -> PhaseTimes:
                                      ranks_per_domain=domain_ranks(ep, tp, hw))
     times = add_times(*parts)
     return PhaseTimes(f=times.f + a2a, i=times.i + a2a, w=times.w, f_comm=a2a, i_comm=a2a)
+
+
+_FP8 = 1 + 4 / 128
+"""Bytes per element of an FP8 activation with DeepSeek-V3's fine-grained scaling (one fp32 scale per 1 x 128
+tile: report sec. 3.3.2)."""
+_E5M6 = 1.5
+"""Bytes per element of DeepSeek-V3's 12-bit E5M6 format (report sec. 3.3.4)."""
+
+
+def deepseek_activations(spec: ModelSpec, kind: str) -> Activations:
+    """Bytes per token a decoder layer keeps for the backward under DeepSeek-V3's memory savings (technical
+    report, arXiv:2412.19437, sec. 3.2.3 and 3.3.4): every RMSNorm and MLA's up-projections are recomputed
+    in the backward (their outputs, q, k, v included, are not kept: each norm's input, the residual stream,
+    and MLA's latents, ``c_q``, ``c_kv`` and the rotary key, are); the attention output (the output projection's
+    input, also read by the attention backward) is kept in E5M6; the MoE SwiGLU's input is cached in FP8
+    and its output recomputed; the inputs of the other linear layers (the experts' dispatched tokens, a dense
+    MLP's down-projection input) are cached in FP8. Statistics: the attention's log-sum-exp per head and the
+    router's fp32 scores. Only the low-rank paths of MLA and a gated MLP are described; another model is
+    priced by its :mod:`counts` activations."""
+    a, h = spec.attention, spec.hidden
+    sequence = 2 * (2.0 * h)  # the two norms' inputs (bf16), their outputs and 1/rms recomputed
+    latents = 2.0 * (a.q_rank + a.kv_rank + a.rope_dim) if a.latent else 0.0
+    tensor = latents + _E5M6 * a.heads * a.v_dim + 4.0 * a.heads
+    if kind == "moe":
+        ex = spec.experts
+        assert ex is not None, "moe layer of a dense model"
+        # each token's top-k copies: the dispatched input and the SwiGLU input (gate, up) in FP8; the shared
+        # expert's SwiGLU input likewise (its input is the recomputed norm output); the router's scores
+        tensor += (_FP8 * ex.top_k * (h + 2 * ex.intermediate) + _FP8 * 2 * ex.shared_intermediate
+                   + 4.0 * ex.count)
+    else:  # a dense gated MLP: the SwiGLU input in bf16, its output (the down projection's input) in FP8
+        tensor += 2.0 * 2 * spec.intermediate + _FP8 * spec.intermediate
+    return Activations(sequence=sequence, tensor=tensor)
+
+
+def _deepseek_recompute(job: Job, tokens: int, tp: int, kind: str) -> float:
+    """Seconds DeepSeek-V3's recomputation adds to a layer's backward (:func:`deepseek_activations`): the two
+    RMSNorms (read h, write h, bf16), MLA's q and kv up-projection GEMMs and, in an MoE layer, the routed and
+    shared experts' SwiGLU (read gate and up, write the product: 6 bytes per intermediate element)."""
+    spec, hw, a = job.spec, job.hw, job.spec.attention
+    norms = memory_seconds(hw, 2 * 4.0 * spec.hidden * tokens) + hw.kernel_overhead
+    up = [(a.heads * a.qk_dim // tp, a.q_rank)] if a.q_rank else []
+    if a.latent:
+        up.append((a.heads * (a.qk_dim - a.rope_dim + a.v_dim) // tp, a.kv_rank))
+    seconds = norms + _price(hw, up, tokens, job.dtype).f
+    if kind == "moe" and spec.experts is not None:
+        ex = spec.experts
+        # routed: this rank's tokens / tp, top-k copies each; shared: all tokens, sharded by tp
+        seconds += memory_seconds(hw, 6.0 * (ex.top_k * ex.intermediate + ex.shared_intermediate) * tokens / tp)
+    return seconds
