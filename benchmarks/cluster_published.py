@@ -11,6 +11,7 @@ after the pipeline flush (its training step calls the all-reduce after forward_b
 came with Megatron-Core's --overlap-grad-reduce in 2023): ``overlap_grad_reduce=False`` there. torchtitan's
 selective recomputation is its op-level policy (``selective="op"``), or every second layer whole where its
 table says "selective layer" (``selective="layer"``); DeepSeek-V3's is its own (``selective="deepseek"``).
+torchtitan's context parallelism all-gathers K/V (``cp_rotate="allgather"``, its default rotate method).
 Keys a source leaves open are searched with the published ones held, except that the 2021 Megatron rows get
 the schedules of their time (1F1B or interleaved 1F1B, the faster) and the recomputation their Eq. 3 assumes.
 Throughput is compared in tokens/s per GPU where the source determines it (as published, or Megatron's Eq. 3
@@ -93,11 +94,18 @@ def selective(run: dict) -> str:
     return "layer" if "selective-layer" in run["id"] else "op"
 
 
+def cp_rotate(run: dict) -> str:
+    """torchtitan's context parallelism is PyTorch's ``context_parallel`` with torchtitan's default
+    ``context_parallel_rotate_method = "allgather"``; Megatron-Core's (Llama 3's stack is taken to match) passes
+    K/V around the ring."""
+    return "allgather" if run["id"].startswith("torchtitan") else "ring"
+
+
 def _plan(run: dict, fixed: dict | None, limit: float | None):
     return plan_cluster(run_config(run), run_hardware(run), gpus=run["gpus"], global_batch=run["global_batch"],
                         seq=run["seq"], dtype=run["dtype"], layout=fixed, kernels=kernels(run),
                         attention=attention(run), overlap_grad_reduce=not run["id"].startswith("megatron2021"),
-                        selective=selective(run),
+                        selective=selective(run), cp_rotate=cp_rotate(run),
                         memory_limit=limit, runners_up=0)
 
 

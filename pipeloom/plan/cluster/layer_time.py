@@ -23,7 +23,11 @@ from pipeloom.plan.cluster.hardware import Hardware
 from pipeloom.plan.cluster.layout import Layout
 from pipeloom.plan.cluster.materialized import materialized_attention_seconds
 
-__all__ = ["Job", "PhaseTimes", "add_times", "layer_times", "domain_ranks", "deepseek_activations", "SELECTIVE"]
+__all__ = ["Job", "PhaseTimes", "add_times", "layer_times", "domain_ranks", "deepseek_activations", "SELECTIVE",
+           "CP_ROTATE"]
+
+CP_ROTATE = ("ring", "allgather")
+"""How context parallelism exchanges K/V (:attr:`Job.cp_rotate`)."""
 
 SELECTIVE = ("attention", "op", "layer", "deepseek")
 """What ``recompute=selective`` may recompute (:attr:`Job.selective`)."""
@@ -57,6 +61,10 @@ class Job:
     a layer: :func:`_op_recompute`) or ``layer`` (torchtitan's ``selective_ac_option = "2"``: every second
     layer recomputed whole) or ``deepseek`` (DeepSeek-V3's: every RMSNorm, MLA's up-projections and the MoE
     SwiGLU run again; linear inputs cached in FP8: :func:`deepseek_activations`)."""
+    cp_rotate: str = "ring"
+    """How context parallelism exchanges K/V: ``ring`` (each block's K/V sent to the next rank beside the current
+    block's compute: Megatron-Core / Transformer Engine) or ``allgather`` (PyTorch's ``context_parallel`` as
+    torchtitan ran it: :func:`_cp_allgather`)."""
     overlap_grad_reduce: bool = True
     """The data-parallel gradient exchange overlaps the backward bucket by bucket (Megatron-Core's
     ``--overlap-grad-reduce``, FSDP, DDP); False: one all-reduce after the last backward (Megatron-LM 2021)."""
@@ -152,7 +160,9 @@ def layer_times(job: Job, layout: Layout, kind: str) -> PhaseTimes:
     core_f = core(hw, batch=layout.mbs, heads=max(1, a.heads // tp), seq=job.seq, head_dim=head_dim) / cp
     core_b = core(hw, batch=layout.mbs, heads=max(1, a.heads // tp), seq=job.seq, head_dim=head_dim,
                   backward=True) / cp
-    if cp > 1:  # ring attention: K/V blocks pass around the cp ring beside the block computations
+    if cp > 1 and job.cp_rotate == "allgather":
+        core_f, core_b = _cp_allgather(job, layout, tokens, core_f, core_b)
+    elif cp > 1:  # ring attention: K/V blocks pass around the cp ring beside the block computations
         kv = tokens * a.kv_heads * (a.qk_dim + a.v_dim) * width / tp
         ring = (cp - 1) * p2p_seconds(hw, kv, same_domain=domain_ranks(cp, tp, hw) == cp)
         core_f, core_b = max(core_f, ring), max(core_b, 2 * ring)
@@ -269,3 +279,36 @@ def _deepseek_recompute(job: Job, tokens: int, tp: int, kind: str) -> float:
         # routed: this rank's tokens / tp, top-k copies each; shared: all tokens, sharded by tp
         seconds += memory_seconds(hw, 6.0 * (ex.top_k * ex.intermediate + ex.shared_intermediate) * tokens / tp)
     return seconds
+
+
+def _cp_allgather(job: Job, layout: Layout, tokens: int, core_f: float, core_b: float) -> tuple[float, float]:
+    """Forward and backward seconds of the attention core under PyTorch's ``context_parallel`` with its default
+    ``allgather`` rotation, as torchtitan ran it (``torch.distributed.tensor.experimental._attention``:
+    ``_templated_ring_attention`` and its backward; torchtitan's ``context_parallel_rotate_method`` default;
+    its Llama repeats K/V to the query heads before SDPA, so the K/V exchanged have ``heads`` heads).
+
+    The cp blocks of the load-balanced causal split do equal work (``core / cp`` each). Forward: the K/V are
+    all-gathered once, started after the first block is issued and waited for before the second, so the
+    gather hides only under the first block; every later block's output is merged into an fp32 accumulator
+    with the log-sum-exp rule (cast 6 bytes per output element, merge 38: ``out - sigmoid(lse_b - lse) * (out
+    - block_out)`` in three eager kernels) and cast back (6); K and V are concatenated for the exchange every
+    step (4 bytes per K/V element). Backward: the K/V all-gather again under the first block; dK and dV
+    accumulate in fp32 and travel to the next rank every step by an all-to-all permutation (fp32: twice the
+    bf16 bytes), each send hidden under the next block's compute, the last exposed; per step the gradients'
+    fp32 accumulation (10 bytes per q, k and v element: read fp32 and the bf16 block, write fp32) and the
+    concatenations for the sends (8 + 4 bytes per K/V element)."""
+    spec, hw, cp, tp = job.spec, job.hw, layout.cp, layout.tp
+    a = spec.attention
+    heads = max(1, a.heads // tp)
+    q_elems = tokens * heads * a.qk_dim
+    kv_elems = tokens * heads * (a.qk_dim + a.v_dim)
+    out_elems = tokens * heads * a.v_dim
+    same = domain_ranks(cp, tp, hw)
+    gather = collective_seconds(hw, "all_gather", 2.0 * kv_elems * cp, cp, ranks_per_domain=same)
+    send = p2p_seconds(hw, 4.0 * kv_elems, same_domain=same == cp)
+    block_f, block_b = core_f / cp, core_b / cp
+    merge = memory_seconds(hw, (12 + 38 * (cp - 1)) * out_elems + 4 * (cp - 1) * kv_elems)
+    forward = max(block_f, gather) + (cp - 1) * block_f + merge + (cp - 1) * 3 * hw.kernel_overhead
+    accumulate = memory_seconds(hw, cp * (10 * (q_elems + kv_elems) + 12 * kv_elems))
+    backward = max(block_b, gather) + (cp - 1) * max(block_b, send) + send + accumulate
+    return forward, backward
