@@ -12,6 +12,7 @@ came with Megatron-Core's --overlap-grad-reduce in 2023): ``overlap_grad_reduce=
 selective recomputation is its op-level policy (``selective="op"``), or every second layer whole where its
 table says "selective layer" (``selective="layer"``); DeepSeek-V3's is its own (``selective="deepseek"``).
 torchtitan's context parallelism all-gathers K/V (``cp_rotate="allgather"``, its default rotate method).
+DeepSeek-V3's all-to-all is its own (``moe_comm="deepseek"``: node-limited FP8 dispatch, 20 SMs for it).
 Keys a source leaves open are searched with the published ones held, except that the 2021 Megatron rows get
 the schedules of their time (1F1B or interleaved 1F1B, the faster) and the recomputation their Eq. 3 assumes.
 Throughput is compared in tokens/s per GPU where the source determines it (as published, or Megatron's Eq. 3
@@ -106,6 +107,7 @@ def _plan(run: dict, fixed: dict | None, limit: float | None):
                         seq=run["seq"], dtype=run["dtype"], layout=fixed, kernels=kernels(run),
                         attention=attention(run), overlap_grad_reduce=not run["id"].startswith("megatron2021"),
                         selective=selective(run), cp_rotate=cp_rotate(run),
+                        moe_comm="deepseek" if run["id"].startswith("deepseek-v3") else "plain",
                         memory_limit=limit, runners_up=0)
 
 

@@ -24,9 +24,11 @@ from pipeloom.plan.cluster.layout import Layout
 from pipeloom.plan.cluster.materialized import materialized_attention_seconds
 
 __all__ = ["Job", "PhaseTimes", "add_times", "layer_times", "domain_ranks", "deepseek_activations", "SELECTIVE",
-           "CP_ROTATE"]
+           "CP_ROTATE", "MOE_COMM"]
 
 CP_ROTATE = ("ring", "allgather")
+MOE_COMM = ("plain", "deepseek")
+"""How the expert all-to-all is run (:attr:`Job.moe_comm`)."""
 """How context parallelism exchanges K/V (:attr:`Job.cp_rotate`)."""
 
 SELECTIVE = ("attention", "op", "layer", "deepseek")
@@ -65,6 +67,9 @@ class Job:
     """How context parallelism exchanges K/V: ``ring`` (each block's K/V sent to the next rank beside the current
     block's compute: Megatron-Core / Transformer Engine) or ``allgather`` (PyTorch's ``context_parallel`` as
     torchtitan ran it: :func:`_cp_allgather`)."""
+    moe_comm: str = "plain"
+    """The expert all-to-all: ``plain`` (every routed copy of a token sent in bf16 to its expert's GPU) or
+    ``deepseek`` (DeepSeek-V3's kernels: :func:`_deepseek_all_to_all`, with :data:`_COMM_SMS` SMs reserved)."""
     overlap_grad_reduce: bool = True
     """The data-parallel gradient exchange overlaps the backward bucket by bucket (Megatron-Core's
     ``--overlap-grad-reduce``, FSDP, DDP); False: one all-reduce after the last backward (Megatron-LM 2021)."""
@@ -128,6 +133,8 @@ def add_times(*parts: PhaseTimes) -> PhaseTimes:
 
 def layer_times(job: Job, layout: Layout, kind: str) -> PhaseTimes:
     """F, I and W seconds of one micro-batch through one layer of ``kind`` on one GPU of ``layout``."""
+    if job.moe_comm == "deepseek" and layout.ep > 1:  # the all-to-all kernels hold some SMs all along
+        job = dataclasses.replace(job, hw=_compute_share(job.hw))
     spec, hw, tp, cp = job.spec, job.hw, layout.tp, layout.cp
     tokens = layout.mbs * job.seq // cp  # tokens of the micro-batch on this GPU's cp shard
     width = 2  # bf16 activations
@@ -223,7 +230,9 @@ def _moe_times(job: Job, layout: Layout, tokens: int) -> PhaseTimes:
     per_expert = local * ex.top_k // experts_here  # balanced routing: each local expert's tokens
     parts.append(_price(hw, _mlp(spec, ex.intermediate, 1, gated=True), per_expert, job.dtype, count=experts_here))
     a2a = 0.0
-    if ep > 1:
+    if ep > 1 and job.moe_comm == "deepseek":
+        a2a = _deepseek_all_to_all(job, layout, local)
+    elif ep > 1:
         nbytes = local * ex.top_k * spec.hidden * 2
         a2a = 2 * collective_seconds(hw, "all_to_all", nbytes, ep,
                                      ranks_per_domain=domain_ranks(ep, tp, hw))
@@ -312,3 +321,45 @@ def _cp_allgather(job: Job, layout: Layout, tokens: int, core_f: float, core_b: 
     accumulate = memory_seconds(hw, cp * (10 * (q_elems + kv_elems) + 12 * kv_elems))
     backward = max(block_b, gather) + (cp - 1) * max(block_b, send) + send + accumulate
     return forward, backward
+
+
+_COMM_SMS = 20
+"""SMs DeepSeek-V3's all-to-all kernels occupy on an H800 (report sec. 3.2.2: "only 20 SMs are sufficient to
+fully utilize the bandwidths of IB and NVLink"), leaving the rest to compute."""
+
+
+def _compute_share(hw: Hardware) -> Hardware:
+    """``hw`` with :data:`_COMM_SMS` SMs taken by communication: the peak rates and the SMs for wave
+    quantization scale by the SMs left."""
+    left = hw.sm_count - _COMM_SMS
+    if left < 1:
+        return hw
+    share = left / hw.sm_count
+    return dataclasses.replace(hw, sm_count=left, peak_flops={k: v * share for k, v in hw.peak_flops.items()})
+
+
+def _deepseek_all_to_all(job: Job, layout: Layout, local: int) -> float:
+    """Seconds of one pass's dispatch and combine with DeepSeek-V3's kernels (report sec. 3.2.2, 3.3.4): the
+    dispatch in FP8 (1 byte and a 4-byte scale per 128 elements), the combine in bf16; each token crosses
+    InfiniBand once per node it is routed to (to the GPU of the same in-node index, which forwards it over
+    NVLink), and group-limited routing caps those nodes at ``group_top_k`` groups' nodes (4 for DeepSeek-V3,
+    whose 8 groups are its 8 nodes under ep = 64). Per token, the NIC carries ``reach · (D-1)/D`` copies (D
+    nodes in the ep group, uniform routing) and NVLink ``top_k · (r-1)/r``; the two run at once, as in
+    :func:`~pipeloom.plan.cluster.efficiency.collective_seconds`'s all-to-all."""
+    spec, hw, ep = job.spec, job.hw, layout.ep
+    ex = spec.experts
+    assert ex is not None
+    r = domain_ranks(ep, layout.tp, hw)
+    nodes = ep // r
+    reach = min(ex.top_k, nodes)
+    if ex.group_top_k:
+        reach = min(reach, ex.group_top_k * math.ceil(nodes / ex.groups))
+    up = hw.scale_up_bandwidth * hw.scale_up_efficiency
+    out = hw.scale_out_bandwidth * hw.scale_out_efficiency
+    seconds = 0.0
+    for width in (_FP8, 2.0):  # dispatch, combine
+        token = spec.hidden * width
+        across = local * reach * (nodes - 1) / nodes * token / out + (hw.scale_out_latency if nodes > 1 else 0.0)
+        inside = local * ex.top_k * (r - 1) / r * token / up + (hw.scale_up_latency if r > 1 else 0.0)
+        seconds += max(across, inside)
+    return seconds
