@@ -106,6 +106,7 @@ def _plan(run: dict, fixed: dict | None, limit: float | None):
     return plan_cluster(run_config(run), run_hardware(run), gpus=run["gpus"], global_batch=run["global_batch"],
                         seq=run["seq"], dtype=run["dtype"], layout=fixed, kernels=kernels(run),
                         attention=attention(run), overlap_grad_reduce=not run["id"].startswith("megatron2021"),
+                        p2p_overlap=not run["id"].startswith("megatron2021"),
                         selective=selective(run), cp_rotate=cp_rotate(run),
                         moe_comm="deepseek" if run["id"].startswith("deepseek-v3") else "plain",
                         memory_limit=limit, runners_up=0)

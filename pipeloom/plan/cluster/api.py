@@ -63,6 +63,7 @@ class ClusterPlan:
 def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: str | Path | Hardware, *, gpus: int,
                  global_batch: int, seq: int, dtype: str = "bf16", layout: str | Mapping[str, Any] | None = None,
                  kernels: str = "fused", attention: str = "flash", overlap_grad_reduce: bool = True,
+                 p2p_overlap: bool = True,
                  selective: str = "attention", cp_rotate: str = "ring", moe_comm: str = "plain",
                  memory_limit: float | None = None, runners_up: int = 5,
                  progress: Callable[[str], None] | None = None) -> ClusterPlan:
@@ -71,7 +72,8 @@ def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: st
     tokens, within ``memory_limit`` bytes per GPU (default the GPU's); ``kernels``: ``fused`` (Megatron, Transformer
     Engine, torch.compile) or ``eager`` elementwise kernels; ``attention``: ``flash`` or ``materialized`` scores
     (Megatron-LM before flash attention); ``overlap_grad_reduce`` False: the gradient all-reduce runs after the
-    backward, exposed (Megatron-LM 2021); ``selective``: what ``recompute=selective`` recomputes, ``attention``
+    backward, exposed (Megatron-LM 2021); ``p2p_overlap`` False: pipeline sends block the ranks (Megatron-LM
+    2021); ``selective``: what ``recompute=selective`` recomputes, ``attention``
     (Megatron's), ``op`` (torchtitan's op-level policy), ``layer`` (every second layer whole) or ``deepseek``
     (DeepSeek-V3's recomputation and FP8 activation caching); ``cp_rotate``: ``ring`` (K/V passed block by block
     beside the compute: Megatron-Core) or ``allgather`` (PyTorch's ``context_parallel``, torchtitan); ``moe_comm``:
@@ -99,6 +101,7 @@ def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: st
         raise LayoutError(f"attention={attention!r}: use {' or '.join(map(repr, ATTENTION_KINDS))}")
     job = Job(spec=model_spec(model), hw=device, gpus=gpus, global_batch=global_batch, seq=seq, dtype=dtype,
               kernels=kernels, attention=attention, overlap_grad_reduce=bool(overlap_grad_reduce),
+              p2p_overlap=bool(p2p_overlap),
               selective=selective, cp_rotate=cp_rotate, moe_comm=moe_comm)
     fixed = parse_layout(layout) if isinstance(layout, str) else dict(layout or {})
     limit = float(memory_limit if memory_limit is not None else device.memory_bytes)

@@ -179,7 +179,22 @@ class Estimator:
             parts += [self.times(layout, k) for k in extra]
             times.append(add_times(*parts))
             acts.append(sum(self._activation(layout, k) for k in (*kinds, *extra)))
+        if not self.job.p2p_overlap and len(cut) > 1:  # blocking exchanges: the rank waits for each transfer
+            hidden = layout.mbs * self.job.seq // layout.cp * self.job.spec.hidden * 2.0
+            tp = layout.tp  # the 1/tp pieces are all-gathered over tp after they arrive (scatter-gather)
+            send = self._p2p(layout) + collective_seconds(self.job.hw, "all_gather", hidden, tp,
+                                                          ranks_per_domain=domain_ranks(tp, 1, self.job.hw))
+            times = [dataclasses.replace(t, f=t.f + (send if j < len(cut) - 1 else 0.0),
+                                         i=t.i + (send if j > 0 else 0.0)) for j, t in enumerate(times)]
         return times, acts, cut
+
+    def _p2p(self, layout: Layout) -> float:
+        """Seconds of one stage-to-stage send of a micro-batch's hidden states (split over tp: Megatron's
+        scatter-gather)."""
+        job = self.job
+        hidden = layout.mbs * job.seq // layout.cp * job.spec.hidden * 2 / layout.tp
+        same = layout.tp * layout.cp * layout.dp < job.hw.scale_up_size
+        return p2p_seconds(job.hw, hidden, same_domain=same)
 
     def _activation(self, layout: Layout, kind: str) -> float:
         kept = self.counts[kind].activations[layout.recompute]
@@ -194,9 +209,7 @@ class Estimator:
         if layout.pp == 1:
             busy = m * (times[0].f + times[0].i + times[0].w)
             return busy, 0.0, acts[0]
-        hidden = layout.mbs * job.seq // layout.cp * job.spec.hidden * 2 / layout.tp
-        same = layout.tp * layout.cp * layout.dp < job.hw.scale_up_size
-        latency = p2p_seconds(job.hw, hidden, same_domain=same)
+        latency = self._p2p(layout) if job.p2p_overlap else 0.0  # blocking: inside the stages' F and I
         key = (layout.schedule, layout.pp, layout.vp, m, latency,
                tuple(tuple(round(x, 9) for x in (t.f, t.i, t.w, t.f_comm, t.i_comm)) for t in times),
                tuple(round(a) for a in acts))

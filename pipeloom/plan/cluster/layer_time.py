@@ -70,6 +70,11 @@ class Job:
     moe_comm: str = "plain"
     """The expert all-to-all: ``plain`` (every routed copy of a token sent in bf16 to its expert's GPU) or
     ``deepseek`` (DeepSeek-V3's kernels: :func:`_deepseek_all_to_all`, with :data:`_COMM_SMS` SMs reserved)."""
+    p2p_overlap: bool = True
+    """Pipeline sends run beside the ranks' compute (Megatron-Core, torch.distributed.pipelining: the replay's
+    latency between stages); False: each stage's output and input-gradient exchange blocks the rank for the
+    transfer (Megatron-LM 2021's ``_communicate``: ``batch_isend_irecv``, wait, ``cuda.synchronize``), added
+    to the stage's F and I by the estimator."""
     overlap_grad_reduce: bool = True
     """The data-parallel gradient exchange overlaps the backward bucket by bucket (Megatron-Core's
     ``--overlap-grad-reduce``, FSDP, DDP); False: one all-reduce after the last backward (Megatron-LM 2021)."""

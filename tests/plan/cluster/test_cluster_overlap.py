@@ -11,7 +11,7 @@ import pytest
 
 from pipeloom.ir import pair_duration
 from pipeloom.plan.cluster.config import model_spec
-from pipeloom.plan.cluster.efficiency import collective_seconds
+from pipeloom.plan.cluster.efficiency import collective_seconds, p2p_seconds
 from pipeloom.plan.cluster.estimate import Estimator, rank_stages, work_bound
 from pipeloom.plan.cluster.gpus import hardware
 from pipeloom.plan.cluster.layer_time import Job, PhaseTimes, domain_ranks, layer_times
@@ -85,3 +85,27 @@ def test_dualpipev_replay_credits_the_all_to_all_and_others_do_not():
             continue
         comm = max(m * sum(times[j].f_comm + times[j].i_comm for j in stages) for stages in rank_stages(layout))
         assert 0 < plain - credited <= comm * (1 + 1e-9)
+
+
+def test_blocking_pipeline_sends_lengthen_the_stages_not_the_latency():
+    """Megatron-LM 2021 waits for each stage exchange (``p2p_overlap=False``): F of every stage but the last and
+    I of every stage but the first grow by the send (its 1/tp piece, then the all-gather over tp); the replay's
+    latency between stages is then 0."""
+    dense = {"model_type": "llama", "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8,
+             "num_attention_heads": 8, "num_key_value_heads": 8, "vocab_size": 1000}
+    job = Job(spec=model_spec(dense), hw=hardware("a100-80gb"), gpus=32, global_batch=64, seq=SEQ)
+    layout = Layout(dp=2, tp=4, pp=4)
+    overlapped = Estimator(job).stages(layout)[0]
+    blocking = Estimator(dataclasses.replace(job, p2p_overlap=False)).stages(layout)[0]
+    hidden = layout.mbs * SEQ * 1024 * 2
+    send = (p2p_seconds(job.hw, hidden / 4, same_domain=False)
+            + collective_seconds(job.hw, "all_gather", hidden, 4, ranks_per_domain=4))
+    for j, (a, b) in enumerate(zip(overlapped, blocking)):
+        assert b.f - a.f == pytest.approx(send if j < 3 else 0.0)
+        assert b.i - a.i == pytest.approx(send if j > 0 else 0.0)
+        assert b.w == a.w
+    est = Estimator(dataclasses.replace(job, p2p_overlap=False))
+    m = est.check(layout)
+    times, acts, _ = est.stages(layout)
+    est.replay(layout, m, times, acts)
+    assert [key[4] for key in est._replays] == [0.0]  # the replays' latency between stages
