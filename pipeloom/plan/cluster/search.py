@@ -4,7 +4,7 @@ FSDP or the distributed optimizer and schedule that can run, then branch and bou
 Exactness. Every bound below is a lower bound, so no layout that could win is skipped:
 
 - *group bound*: layouts that differ only in vp, FSDP and schedule (DualPipeV apart) share a bound on step time,
-  the mean pipeline rank's work ``m W / pp`` (:meth:`_Bounds.group`); a group is priced only when its bound is
+  the mean pipeline rank's work ``m W / pp`` (:meth:`Bounds.group`); a group is priced only when its bound is
   below the best fitting step time found so far.
 - *time bound* of a layout: every pipeline rank waits for micro-batch 0's forwards through the stages before
   its first one, then does all its own work (:func:`~pipeloom.plan.cluster.estimate.work_bound`); plus the
@@ -35,7 +35,7 @@ from pipeloom.plan.cluster.layer_time import Job
 from pipeloom.plan.cluster.layout import LAYOUT_KEYS, SCHEDULES, Layout
 from pipeloom.plan.errors import LayoutError, NoLayoutFits
 
-__all__ = ["Candidate", "SearchResult", "enumerate_layouts", "search_layouts", "MBS_CHOICES",
+__all__ = ["Bounds", "Candidate", "SearchResult", "enumerate_layouts", "search_layouts", "MBS_CHOICES",
            "VP_CHOICES"]
 
 MBS_CHOICES = (1, 2, 4)
@@ -134,7 +134,7 @@ def _inner(estimator: Estimator, fixed: dict[str, Any], tp: int, cp: int, pp: in
             yield layout
 
 
-class _Bounds:
+class Bounds:
     """The bounds of the module docstring, and a layout's exact memory."""
 
     def __init__(self, estimator: Estimator) -> None:
@@ -198,7 +198,7 @@ def search_layouts(job: Job, *, fixed: dict[str, Any] | None = None, memory_limi
         raise NoLayoutFits(f"no layout of {job.spec.family} on {job.gpus} GPUs can run with {_fixed_text(fixed)}"
                            f" (global batch {job.global_batch}, sequence {job.seq}); change the fixed keys, the GPU "
                            "count or the global batch")
-    run = _Run(_Bounds(estimator), list(groups.values()), limit, runners_up, progress)
+    run = _Run(Bounds(estimator), list(groups.values()), limit, runners_up, progress)
     best = run.search()
     layouts = sum(map(len, run.groups))
     if best is None:
@@ -215,7 +215,7 @@ def search_layouts(job: Job, *, fixed: dict[str, Any] | None = None, memory_limi
 class _Run:
     """One branch and bound over the groups of layouts (module docstring)."""
 
-    def __init__(self, bounds: _Bounds, groups: list[list[Layout]], limit: float, runners_up: int,
+    def __init__(self, bounds: Bounds, groups: list[list[Layout]], limit: float, runners_up: int,
                  progress: Callable[[str], None] | None) -> None:
         self.bounds, self.groups, self.limit = bounds, groups, limit
         self.runners_up, self.progress = runners_up, progress
