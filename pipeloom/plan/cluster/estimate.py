@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from dataclasses import dataclass
-from itertools import accumulate
 from typing import Any
 
 from pipeloom.errors import PipeloomError
@@ -18,13 +17,13 @@ from pipeloom.plan.cluster.efficiency import collective_seconds, memory_seconds,
 from pipeloom.plan.cluster.held import RankHeld, held_profile, peak_held
 from pipeloom.plan.cluster.layer_time import Job, PhaseTimes, domain_ranks, layer_times
 from pipeloom.plan.cluster.layout import SCHEDULES, Layout
+from pipeloom.plan.cluster.placement import rank_stages, stage_layers, work_bound
 from pipeloom.plan.errors import LayoutError
 from pipeloom.problem import Costs, Problem
 from pipeloom.schedules import build_schedule
 from pipeloom.sim import simulate
 
-__all__ = ["Memory", "Estimate", "Estimator", "stage_layers", "rank_of", "rank_stages", "work_bound", "WORKSPACE_BYTES",
-           "BUCKET_BYTES"]
+__all__ = ["Memory", "Estimate", "Estimator", "WORKSPACE_BYTES", "BUCKET_BYTES"]
 
 WORKSPACE_BYTES = 2 * 1024**3
 """Memory every GPU holds besides the model: CUDA context, cuBLAS workspaces and NCCL buffers (about 1 GiB for
@@ -91,21 +90,6 @@ class Estimate:
                 "memory_per_gpu": self.memory.as_dict()}
 
 
-def stage_layers(spec_layers: tuple[str, ...], stages: int) -> list[tuple[str, ...]]:
-    """The layer kinds of each of ``stages`` stages in model order: an even split, the remainder going to
-    the middle stages first (the first holds the embedding, the last the head)."""
-    base, extra = divmod(len(spec_layers), stages)
-    order = list(range(1, stages - 1)) + [0, stages - 1] if stages > 2 else list(range(stages))
-    counts = [base] * stages
-    for j in order[:extra]:
-        counts[j] += 1
-    out, start = [], 0
-    for count in counts:
-        out.append(spec_layers[start:start + count])
-        start += count
-    return out
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class _Cut:
     """The layers of each stage for one stage count, and the stages' distinct shapes."""
@@ -149,7 +133,8 @@ class Estimator:
         keep = self.counts[self.kinds[-1]].activations["none"]
         # what a split backward's W still needs after I: the inputs of the four projections (two norm
         # outputs, the attention output, the MLP activation's output), a share of what F kept
-        self.w_fraction = min(1.0, 2 * (2 * h + a.heads * a.v_dim + mlp) / (keep.sequence + keep.tensor))
+        kept = keep.sequence + keep.tensor + keep.replicated
+        self.w_fraction = min(1.0, 2 * (2 * h + a.heads * a.v_dim + mlp) / kept)
 
     def check(self, layout: Layout) -> int:
         """LayoutError when ``layout`` cannot run this job; else its micro-batches per pipeline."""
@@ -411,40 +396,3 @@ class Estimator:
         if layout.fsdp:  # weights gathered again for every micro-batch's forward and backward
             exposed += m * (max(0.0, ag - f1) + max(0.0, ag - b1))
         return exposed
-
-
-def rank_of(stage: int, layout: Layout) -> int:
-    """The pipeline rank of model stage ``stage``: looped (interleaved, linear) or a V."""
-    if SCHEDULES[layout.schedule] == "v":
-        return stage if stage < layout.pp else 2 * layout.pp - 1 - stage
-    return stage % layout.pp
-
-
-def work_bound(layout: Layout, m: int, times: list[PhaseTimes]) -> float:
-    """A lower bound on any schedule's makespan: a rank starts after micro-batch 0's forwards through the
-    model stages before its first one, then does all its own work (DualPipeV: an overlapped pair of a
-    forward and a backward takes max(F, B) + overhead, so it saves at most F - overhead)."""
-    bound = 0.0
-    mid = times[len(times) // 2]
-    overlap = min(mid.f, mid.i + mid.w)
-    before = list(accumulate((t.f for t in times), initial=0.0))  # before[j]: forwards of stages 0 .. j-1
-    ranks = rank_stages(layout)
-    for stages in ranks:
-        busy = m * sum(times[j].f + times[j].i + times[j].w for j in stages)
-        if layout.schedule == "dualpipev":
-            busy -= m * sum(max(0.0, times[j].f - overlap) for j in stages)  # each F sits in at most one pair
-        bound = max(bound, before[min(stages)] + busy)
-    if layout.schedule in ("1f1b", "interleaved-1f1b"):
-        # a full backward in micro-batch order: rank p-1's last action is stage p-1's B of the last micro-batch,
-        # after which that micro-batch's B still runs through stages p-2 .. 0 on the other ranks
-        stages = ranks[layout.pp - 1]
-        busy = m * sum(times[j].f + times[j].i + times[j].w for j in stages)
-        bound = max(bound, before[layout.pp - 1] + busy + sum(times[j].i + times[j].w for j in range(layout.pp - 1)))
-    return bound
-
-
-def rank_stages(layout: Layout) -> list[list[int]]:
-    """Per pipeline rank, its model stages in order (:func:`rank_of` inverted)."""
-    if SCHEDULES[layout.schedule] == "v":
-        return [[r, 2 * layout.pp - 1 - r] for r in range(layout.pp)]
-    return [list(range(r, layout.stages, layout.pp)) for r in range(layout.pp)]

@@ -7,7 +7,7 @@ Exactness. Every bound below is a lower bound, so no layout that could win is sk
   the mean pipeline rank's work ``m W / pp`` (:meth:`Bounds.group`); a group is priced only when its bound is
   below the best fitting step time found so far.
 - *time bound* of a layout: every pipeline rank waits for micro-batch 0's forwards through the stages before
-  its first one, then does all its own work (:func:`~pipeloom.plan.cluster.estimate.work_bound`); plus the
+  its first one, then does all its own work (:func:`~pipeloom.plan.cluster.placement.work_bound`); plus the
   exposed data-parallel time and the optimizer step, which the estimate adds as they are.
 - *memory bound* of a layout: weights, gradients, optimizer and buffers exactly, and for the activations one
   micro-batch of each of a rank's stages: when a rank starts the forward of its last stage for a micro-batch,
@@ -30,9 +30,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeloom.plan.cluster.counts import RECOMPUTE_MODES
-from pipeloom.plan.cluster.estimate import Estimate, Estimator, rank_stages, work_bound
+from pipeloom.plan.cluster.estimate import Estimate, Estimator
 from pipeloom.plan.cluster.layer_time import Job
 from pipeloom.plan.cluster.layout import LAYOUT_KEYS, SCHEDULES, Layout
+from pipeloom.plan.cluster.placement import rank_stages, work_bound
 from pipeloom.plan.errors import LayoutError, NoLayoutFits
 
 __all__ = ["Bounds", "Candidate", "SearchResult", "enumerate_layouts", "search_layouts", "MBS_CHOICES",
