@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import accumulate
+from typing import Any
 
-from pipeloom.ir import Schedule
-from pipeloom.sim import compile_schedule
+from pipeloom.ir import Overlap, Schedule, task_actions
 
 __all__ = ["RankHeld", "held_profile", "peak_held"]
 
@@ -41,35 +41,35 @@ def held_profile(schedule: Schedule) -> tuple[RankHeld, ...]:
     """Per rank of ``schedule`` (not lowered), the held units after each action: each task's memory over its
     stage's forward memory, summed over an action's tasks (an overlapped pair or a split B counts at once, as
     the simulator applies it); points after an action that frees only are dominated by the one before it."""
-    compiled = compile_schedule(schedule)
-    tasks = schedule.problem.tasks
-    unit = {task.stage: task.memory for task in tasks if task.kind == "F"}
-
-    def parts(index: int) -> tuple[int, ...]:
-        if index < len(tasks):
-            return (index,)
-        return tuple(t for part in compiled.composites[index - len(tasks)].units for t, _ in part)
-
+    problem = schedule.problem
+    tasks = {task.key: task for task in problem.tasks}
+    unit = {task.stage: task.memory for task in problem.tasks if task.kind == "F"}
+    changes: dict[Any, tuple[tuple[int, float], ...]] = {}  # per (stage, kind) of an action's parts
     out = []
-    for seq in compiled.seq_tasks:
-        steps = {index: parts(index) for index in set(seq)}
-        stages = sorted({tasks[t].stage for found in steps.values() for t in found})
-        position = {stage: k for k, stage in enumerate(stages)}
-        deltas: dict[int, list[tuple[int, float]]] = {}
-        for index, found in steps.items():
-            deltas[index] = [(position[tasks[t].stage], tasks[t].memory / unit[tasks[t].stage])
-                             for t in found if unit[tasks[t].stage]]
+    for actions in schedule.ranks:
+        signatures = []
+        for action in actions:
+            parts = (action.forward, action.backward) if type(action) is Overlap else (action,)
+            signature = tuple((part[0], part[1]) for part in parts)
+            if signature not in changes:  # its tasks do not depend on the micro-batch
+                found = [tasks[part.task] for part in task_actions(problem, action)]
+                changes[signature] = tuple((t.stage, t.memory / unit[t.stage]) for t in found if unit[t.stage])
+            signatures.append(signature)
+        stages = sorted({stage for signature in set(signatures) for stage, _ in changes[signature]})
         points: set[tuple[float, ...]]
         if len(stages) == 1:  # one stage: the running sum's maximum
-            step = {index: sum(d for _, d in change) for index, change in deltas.items()}
-            points = {(max(accumulate(map(step.__getitem__, seq), initial=0.0)),)}
+            step = {signature: sum(d for _, d in changes[signature]) for signature in set(signatures)}
+            points = {(max(accumulate(map(step.__getitem__, signatures), initial=0.0)),)}
         else:
+            position = {stage: k for k, stage in enumerate(stages)}
+            moves = {signature: (tuple((position[stage], d) for stage, d in changes[signature]),
+                                 any(d > 0 for _, d in changes[signature])) for signature in set(signatures)}
             held, points = [0.0] * len(stages), set()
-            for index in seq:
-                change = deltas[index]
+            for signature in signatures:
+                change, rises = moves[signature]
                 for k, d in change:
                     held[k] += d
-                if any(d > 0 for _, d in change):
+                if rises:
                     points.add(tuple(held))
         out.append(RankHeld(stages=tuple(stages), points=_frontier(points)))
     return tuple(out)
