@@ -164,5 +164,6 @@ def report(result) -> str:
         lines.append("runners-up:")
         for est, why in result.runners_up:
             lines.append(f"  {est.layout}: {est.step_time:.3f} s, {_gib(est.memory.total)}: {why}")
-    lines.append(f"searched {result.candidates} layouts ({result.simulated} simulated) in {result.seconds:.1f} s")
+    lines.append(f"searched {result.candidates} layouts ({result.priced} priced, {result.simulated} simulated) in "
+                 f"{result.seconds:.1f} s")
     return "\n".join(lines)

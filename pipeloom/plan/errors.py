@@ -70,7 +70,15 @@ class ModelConfigError(PipeloomError):
 
 
 class NoLayoutFits(PipeloomError):
-    """No layout of the job runs, or none fits the memory limit."""
+    """No layout of the job runs, or none fits the memory limit; then ``smallest_limit`` is the least memory per
+    GPU of any layout (bytes: planning again with it finds ``smallest_layout``, with less finds none; None when
+    no layout runs at all)."""
+
+    def __init__(self, message: str, *, smallest_limit: float | None = None,
+                 smallest_layout: str | None = None) -> None:
+        super().__init__(message)
+        self.smallest_limit = smallest_limit
+        self.smallest_layout = smallest_layout
 
 
 class LayoutError(PipeloomError):

@@ -40,6 +40,8 @@ class ClusterPlan:
     """Seconds the planning took."""
     candidates: int
     """Layouts that could run."""
+    priced: int
+    """Layouts whose step-time bound and memory were computed."""
     simulated: int
     """Layouts priced by replaying their schedule."""
 
@@ -56,7 +58,7 @@ class ClusterPlan:
                       "hidden": self.job.spec.hidden},
             "gpus": self.job.gpus, "global_batch": self.job.global_batch, "seq": self.job.seq,
             "dtype": self.job.dtype, "memory_limit": self.memory_limit, "candidates": self.candidates,
-            "simulated": self.simulated, "seconds": self.seconds,
+            "priced": self.priced, "simulated": self.simulated, "seconds": self.seconds,
         }
 
 
@@ -108,7 +110,8 @@ def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: st
     if set(fixed) >= set(LAYOUT_KEYS):
         best = Estimator(job).estimate(Layout(**fixed))
         return ClusterPlan(job=job, best=best, runners_up=(), memory_limit=limit,
-                           seconds=time.perf_counter() - start, candidates=1, simulated=1)
+                           seconds=time.perf_counter() - start, candidates=1, priced=1, simulated=1)
     result = search_layouts(job, fixed=fixed, memory_limit=limit, runners_up=runners_up, progress=progress)
     return ClusterPlan(job=job, best=result.best, runners_up=result.runners_up, memory_limit=limit,
-                       seconds=time.perf_counter() - start, candidates=result.candidates, simulated=result.simulated)
+                       seconds=time.perf_counter() - start, candidates=result.candidates, priced=result.priced,
+                       simulated=result.simulated)

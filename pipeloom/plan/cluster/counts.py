@@ -27,7 +27,8 @@ __all__ = ["Recompute", "RECOMPUTE_MODES", "LayerCounts", "Activations", "layer_
 
 Recompute = Literal["none", "selective", "full"]
 RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
-_STAT = 4  # bytes of one fp32 statistic (a norm's 1/rms, the softmax's log-sum-exp)
+_STAT = 4  # bytes of one fp32 statistic (a norm's 1/rms, the softmax's log-sum-exp, a routing probability)
+_INDEX = 8  # bytes of one int64 index (a token's top-k expert choice, a routed copy's place in the permutation)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -38,10 +39,13 @@ class Activations:
     """Divided by tp only under sequence parallelism (norm inputs/outputs, residual stream)."""
     tensor: float
     """Divided by tp always (q, k, v, attention output, MLP intermediates, per-head statistics)."""
+    replicated: float = 0.0
+    """Never divided by tp: MLA's low-rank latents, computed on every tp rank (its down-projections are
+    replicated)."""
 
     def per_gpu(self, *, tp: int, cp: int, sp: bool) -> float:
         """Bytes per token of the micro-batch on one GPU of a tp x cp group."""
-        return (self.sequence / (tp if sp else 1) + self.tensor / tp) / cp
+        return (self.sequence / (tp if sp else 1) + self.tensor / tp + self.replicated) / cp
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -103,10 +107,11 @@ def attention_flops(spec: ModelSpec, seq: int, *, causal: bool = False) -> float
     return full / 2 if causal else full
 
 
-def _attention_activations(spec: ModelSpec, width: int) -> tuple[float, float]:
-    """``(sequence, tensor)`` bytes per token of the attention half of a layer (flash attention, ``width``
-    bytes per element): the norm's input and output (+ 1/rms) and q, k, v, the output (also the output
-    projection's input) and the log-sum-exp per head; Qwen3's q/k norms keep their inputs (+ 1/rms per head)."""
+def _attention_activations(spec: ModelSpec, width: int) -> tuple[float, float, float]:
+    """``(sequence, tensor, replicated)`` bytes per token of the attention half of a layer (flash attention,
+    ``width`` bytes per element): the norm's input and output (+ 1/rms) and q, k, v, the output (also the output
+    projection's input) and the log-sum-exp per head; Qwen3's q/k norms keep their inputs (+ 1/rms per head);
+    MLA's two low-rank norms (q and kv latents) keep their inputs and outputs (+ 1/rms), on every tp rank."""
     a, h = spec.attention, spec.hidden
     sequence = width * (2 * h) + _STAT
     qkv = a.heads * a.qk_dim + a.kv_heads * (a.qk_dim + a.v_dim)
@@ -114,10 +119,11 @@ def _attention_activations(spec: ModelSpec, width: int) -> tuple[float, float]:
     if a.qk_norm:
         qkv += (a.heads + a.kv_heads) * a.qk_dim
         stats += a.heads + a.kv_heads
-    if a.latent:  # MLA also keeps its low-rank inputs (the q and kv up-projections' inputs)
-        qkv += a.q_rank + a.kv_rank
+    replicated = 0.0
+    if a.latent:  # the latents' norms: input and output each, the up-projections' input being the output
+        replicated = width * 2 * (a.q_rank + a.kv_rank) + _STAT * ((1 if a.q_rank else 0) + 1)
     tensor = width * (qkv + a.heads * a.v_dim) + _STAT * stats
-    return sequence, tensor
+    return sequence, tensor, replicated
 
 
 def _mlp_activations(intermediate: int, *, gated: bool, width: int) -> float:
@@ -154,22 +160,26 @@ def layer_counts(spec: ModelSpec, kind: str, seq: int, *, width: int = 2) -> Lay
         routed_mm = ex.top_k * 3 * h * ex.intermediate  # per token: its top-k experts
         mlp_mm = h * ex.count + shared_mm + (h if ex.shared_gate else 0)  # router, shared expert(s), their gate
         mlp_other = expert_params
-        # routed: each token's k copies (the experts' input h, gate+up 2I, activation I) and its fp32 router
-        # probabilities; the shared expert(s) like a dense MLP
-        mlp_keep = (width * ex.top_k * (h + 3 * ex.intermediate) + _STAT * ex.count
+        # routed: each token's k copies (the expert's input h, gate+up 2I, activation I, and its output h, which
+        # the probability-weighted combine keeps for the probability's gradient; the copy's fp32 probability
+        # and int64 place in the permutation), the router's fp32 probabilities over the experts and the int64
+        # top-k choice; the shared expert(s) like a dense MLP
+        copy = width * (2 * h + 3 * ex.intermediate) + _STAT + _INDEX
+        mlp_keep = (ex.top_k * copy + _INDEX * ex.top_k + _STAT * ex.count
                     + _mlp_activations(ex.shared_intermediate, gated=True, width=width))
     else:
         raise ValueError(f"unknown layer kind {kind!r}; one of embedding, dense, moe, head")
     params = attn_mm + attn_other + mlp_mm + mlp_other + 2 * _norm(spec)
     core = attention_flops(spec, seq)
     linear = 2.0 * seq * (attn_mm + mlp_mm + routed_mm)
-    seq_a, tensor_a = _attention_activations(spec, width)
+    seq_a, tensor_a, latent = _attention_activations(spec, width)
     sequence = seq_a + width * (2 * h) + _STAT  # + the MLP norm's input and output (+ 1/rms)
-    none = Activations(sequence=sequence, tensor=tensor_a + mlp_keep)
+    none = Activations(sequence=sequence, tensor=tensor_a + mlp_keep, replicated=latent)
     # selective: the attention core runs again in the backward, so only its softmax statistics are not kept:
     # its inputs q, k, v are the recomputation's inputs, its output the output projection's input
     # (with flash attention there are no s x s scores to save: Megatron's selective recompute saves little)
-    selective = Activations(sequence=sequence, tensor=tensor_a + mlp_keep - _STAT * spec.attention.heads)
+    selective = Activations(sequence=sequence, tensor=tensor_a + mlp_keep - _STAT * spec.attention.heads,
+                            replicated=latent)
     full = Activations(sequence=float(width * h), tensor=0.0)  # only the layer's input
     return LayerCounts(kind=kind, params=params, expert_params=expert_params, f=linear + core, i=linear + 2 * core,
                        w=linear, attention_f=core,

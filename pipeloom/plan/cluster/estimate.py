@@ -6,21 +6,24 @@ and the optimizer step. :class:`Estimator` caches the simulations by stage shape
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
 from pipeloom.errors import PipeloomError
+from pipeloom.ir import Schedule
 from pipeloom.plan.cluster.counts import layer_counts, optimizer_bytes
 from pipeloom.plan.cluster.efficiency import collective_seconds, memory_seconds, p2p_seconds
+from pipeloom.plan.cluster.held import RankHeld, held_profile, peak_held
 from pipeloom.plan.cluster.layer_time import Job, PhaseTimes, add_times, deepseek_activations, domain_ranks, layer_times
 from pipeloom.plan.cluster.layout import SCHEDULES, Layout
+from pipeloom.plan.cluster.placement import rank_stages, stage_layers, work_bound
 from pipeloom.plan.errors import LayoutError
 from pipeloom.problem import Costs, Problem
 from pipeloom.schedules import build_schedule
 from pipeloom.sim import simulate
 
-__all__ = ["Memory", "Estimate", "Estimator", "stage_layers", "rank_of", "rank_stages", "work_bound", "WORKSPACE_BYTES",
-           "BUCKET_BYTES"]
+__all__ = ["Memory", "Estimate", "Estimator", "WORKSPACE_BYTES", "BUCKET_BYTES"]
 
 WORKSPACE_BYTES = 2 * 1024**3
 """Memory every GPU holds besides the model: CUDA context, cuBLAS workspaces and NCCL buffers (about 1 GiB for
@@ -87,19 +90,16 @@ class Estimate:
                 "memory_per_gpu": self.memory.as_dict()}
 
 
-def stage_layers(spec_layers: tuple[str, ...], stages: int) -> list[tuple[str, ...]]:
-    """The layer kinds of each of ``stages`` stages in model order: an even split, the remainder going to
-    the middle stages first (the first holds the embedding, the last the head)."""
-    base, extra = divmod(len(spec_layers), stages)
-    order = list(range(1, stages - 1)) + [0, stages - 1] if stages > 2 else list(range(stages))
-    counts = [base] * stages
-    for j in order[:extra]:
-        counts[j] += 1
-    out, start = [], 0
-    for count in counts:
-        out.append(spec_layers[start:start + count])
-        start += count
-    return out
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Cut:
+    """The layers of each stage for one stage count, and the stages' distinct shapes."""
+
+    layers: list[tuple[str, ...]]
+    """Per stage, its layer kinds in model order."""
+    shapes: tuple[tuple[tuple[str, int], ...], ...]
+    """The distinct ``(kind, count)`` multisets of a stage's layers, the embedding and the head included."""
+    shape_of: tuple[int, ...]
+    """Per stage, the index of its shape."""
 
 
 class Estimator:
@@ -112,10 +112,16 @@ class Estimator:
         self.counts = {k: layer_counts(spec, k, job.seq) for k in ("embedding", "head", *set(self.kinds))}
         self._layer: dict[tuple[Any, ...], PhaseTimes] = {}
         self._replays: dict[tuple[Any, ...], tuple[float, float, float]] = {}
-        self._schedules: dict[tuple[Any, ...], Any] = {}
+        self._schedules: dict[tuple[Any, ...], Schedule] = {}
         self._stages: dict[tuple[Any, ...], tuple[list[PhaseTimes], list[float], list[tuple[str, ...]]]] = {}
         self._static: dict[tuple[Any, ...], tuple[Memory, float, float]] = {}
         self._dp: dict[tuple[Any, ...], float] = {}
+        self._work: dict[tuple[Any, ...], float] = {}
+        self._acts: dict[tuple[Any, ...], float] = {}
+        self._cuts: dict[int, _Cut] = {}
+        self._ranks: dict[tuple[Any, ...], tuple[tuple[tuple[int, ...], tuple[tuple[str, int], ...]], ...]] = {}
+        self._profiles: dict[tuple[Any, ...], tuple[RankHeld, ...]] = {}
+        self._model_kinds = tuple(sorted(Counter((*self.kinds, "embedding", "head")).items()))
         # model FLOPs of a step: every matmul once (no recomputation), the attention core over the causal
         # triangle only (half the square: what a causal kernel computes, as the Llama 3 and DeepSeek reports count)
         per_sequence = sum(self.counts[k].f + self.counts[k].i + self.counts[k].w - 2 * self.counts[k].attention_f
@@ -127,7 +133,8 @@ class Estimator:
         keep = self.counts[self.kinds[-1]].activations["none"]
         # what a split backward's W still needs after I: the inputs of the four projections (two norm
         # outputs, the attention output, the MLP activation's output), a share of what F kept
-        self.w_fraction = min(1.0, 2 * (2 * h + a.heads * a.v_dim + mlp) / (keep.sequence + keep.tensor))
+        kept = keep.sequence + keep.tensor + keep.replicated
+        self.w_fraction = min(1.0, 2 * (2 * h + a.heads * a.v_dim + mlp) / kept)
 
     def check(self, layout: Layout) -> int:
         """LayoutError when ``layout`` cannot run this job; else its micro-batches per pipeline."""
@@ -163,30 +170,60 @@ class Estimator:
             self._layer[key] = layer_times(self.job, layout, kind)
         return self._layer[key]
 
+    def total_work(self, layout: Layout) -> float:
+        """Seconds of F + I + W of one micro-batch through the whole model (every layer, the embedding and the
+        head): whatever the cut, the stages' work adds up to it."""
+        key = (layout.tp, layout.cp, layout.ep, layout.mbs, layout.recompute)
+        if key not in self._work:
+            total = 0.0
+            for kind, count in self._model_kinds:
+                t = self.times(layout, kind)
+                total += count * (t.f + t.i + t.w)
+            self._work[key] = total
+        return self._work[key]
+
     def stages(self, layout: Layout) -> tuple[list[PhaseTimes], list[float], list[tuple[str, ...]]]:
-        """Per model stage: F/I/W seconds per micro-batch, activation bytes per micro-batch, its layers."""
+        """Per model stage: F/I/W seconds per micro-batch, activation bytes per micro-batch, its layers
+        (priced once per distinct stage shape: its count of each layer kind, the embedding, the head)."""
         key = (layout.tp, layout.cp, layout.ep, layout.mbs, layout.recompute, layout.stages)
         if key not in self._stages:
-            self._stages[key] = self._cut(layout)
-        return self._stages[key]
+            cut = self._cut(layout.stages)
+            priced = []
+            for shape in cut.shapes:
+                parts = [self.times(layout, kind) for kind, count in shape for _ in range(count)]
+                kept = sum(count * self._activation(layout, kind) for kind, count in shape)
+                priced.append((add_times(*parts), kept))
+            self._stages[key] = ([priced[s][0] for s in cut.shape_of], [priced[s][1] for s in cut.shape_of],
+                                 cut.layers)
+        times, acts, layers = self._stages[key]
+        if not self.job.p2p_overlap and layout.stages > 1:
+            times = self._with_blocking_sends(layout, times)
+        return times, acts, layers
 
-    def _cut(self, layout: Layout) -> tuple[list[PhaseTimes], list[float], list[tuple[str, ...]]]:
-        cut = stage_layers(self.kinds, layout.stages)
-        times, acts = [], []
-        for j, kinds in enumerate(cut):
-            parts = [self.times(layout, k) for k in kinds]
-            extra = [k for k, here in (("embedding", j == 0), ("head", j == len(cut) - 1)) if here]
-            parts += [self.times(layout, k) for k in extra]
-            times.append(add_times(*parts))
-            acts.append(sum(self._activation(layout, k) for k in (*kinds, *extra)))
-        if not self.job.p2p_overlap and len(cut) > 1:  # blocking exchanges: the rank waits for each transfer
-            hidden = layout.mbs * self.job.seq // layout.cp * self.job.spec.hidden * 2.0
-            tp = layout.tp  # the 1/tp pieces are all-gathered over tp after they arrive (scatter-gather)
-            send = self._p2p(layout) + collective_seconds(self.job.hw, "all_gather", hidden, tp,
-                                                          ranks_per_domain=domain_ranks(tp, 1, self.job.hw))
-            times = [dataclasses.replace(t, f=t.f + (send if j < len(cut) - 1 else 0.0),
-                                         i=t.i + (send if j > 0 else 0.0)) for j, t in enumerate(times)]
-        return times, acts, cut
+    def _with_blocking_sends(self, layout: Layout, times: list[PhaseTimes]) -> list[PhaseTimes]:
+        """Blocking exchanges (``Job.p2p_overlap`` off): the rank waits for each transfer, so a stage's F
+        sends forward and its I sends back inside the stage's time; the 1/tp pieces are all-gathered over tp
+        after they arrive (Megatron's scatter-gather)."""
+        hidden = layout.mbs * self.job.seq // layout.cp * self.job.spec.hidden * 2.0
+        tp = layout.tp
+        send = self._p2p(layout) + collective_seconds(self.job.hw, "all_gather", hidden, tp,
+                                                      ranks_per_domain=domain_ranks(tp, 1, self.job.hw))
+        last = len(times) - 1
+        return [dataclasses.replace(t, f=t.f + (send if j < last else 0.0), i=t.i + (send if j > 0 else 0.0))
+                for j, t in enumerate(times)]
+
+    def _cut(self, stages: int) -> _Cut:
+        """The layers of each of ``stages`` stages and their distinct shapes (cached per stage count)."""
+        if stages not in self._cuts:
+            layers = stage_layers(self.kinds, stages)
+            shapes: dict[tuple[tuple[str, int], ...], int] = {}
+            shape_of = []
+            for j, kinds in enumerate(layers):
+                extra = (("embedding",) if j == 0 else ()) + (("head",) if j == stages - 1 else ())
+                shape = tuple(sorted(Counter((*kinds, *extra)).items()))
+                shape_of.append(shapes.setdefault(shape, len(shapes)))
+            self._cuts[stages] = _Cut(layers=layers, shapes=tuple(shapes), shape_of=tuple(shape_of))
+        return self._cuts[stages]
 
     def _p2p(self, layout: Layout) -> float:
         """Seconds of one stage-to-stage send of a micro-batch's hidden states (split over tp: Megatron's
@@ -197,11 +234,45 @@ class Estimator:
         return p2p_seconds(job.hw, hidden, same_domain=same)
 
     def _activation(self, layout: Layout, kind: str) -> float:
-        kept = self.counts[kind].activations[layout.recompute]
-        if layout.recompute == "selective" and self.job.selective == "deepseek" and kind in ("dense", "moe"):
-            kept = deepseek_activations(self.job.spec, kind)
-        keep = kept.per_gpu(tp=layout.tp, cp=layout.cp, sp=layout.tp > 1)
-        return keep * layout.mbs * self.job.seq
+        """Activation bytes one micro-batch keeps in one layer of ``kind`` on one GPU."""
+        return self._keep(kind, layout.tp, layout.cp, layout.mbs, layout.recompute)
+
+    def _keep(self, kind: str, tp: int, cp: int, mbs: int, recompute: str) -> float:
+        key = (kind, tp, cp, mbs, recompute)
+        if key not in self._acts:
+            keep = self.counts[kind].activations[recompute]
+            if recompute == "selective" and self.job.selective == "deepseek" and kind in ("dense", "moe"):
+                keep = deepseek_activations(self.job.spec, kind)
+            self._acts[key] = keep.per_gpu(tp=tp, cp=cp, sp=tp > 1) * mbs * self.job.seq
+        return self._acts[key]
+
+    def schedule(self, layout: Layout, m: int) -> Schedule:
+        """The layout's schedule for ``m`` micro-batches with unit costs (cached by name, pp, vp and m): the
+        order of every schedule here but zbv does not depend on the costs (tested), and zbv's cost-aware
+        order is built for F = I = W (its paper's setting); the memory of W is :attr:`w_fraction` of F's."""
+        name, pp, vp = layout.schedule, layout.pp, layout.vp
+        key = (name, pp, vp, m)
+        if key not in self._schedules:
+            split = name in ("zb-h1", "zbv", "dualpipev")
+            costs = Costs(f=1.0, b=1.0 if split else 2.0, w=1.0, memory=1.0, w_memory=self.w_fraction if split else 0.0)
+            options = {"stages_per_rank": vp} if SCHEDULES[name] == "interleaved" else {}
+            try:
+                self._schedules[key] = build_schedule(name, pp, m, costs=costs, **options)
+            except PipeloomError as error:
+                raise LayoutError(f"{name} cannot run pp={pp}, vp={vp} with {m} micro-batches: {error}") from None
+        return self._schedules[key]
+
+    def activation_peak(self, layout: Layout, m: int, acts: list[float]) -> float:
+        """The busiest rank's peak of held activations, as :meth:`replay` finds it (the replay of ``m``
+        micro-batches, of 3 pp past 3 pp of them), without replaying: from the schedule's held counts
+        (:func:`~pipeloom.plan.cluster.held.held_profile`, cached per schedule)."""
+        if layout.pp == 1:
+            return acts[0]
+        m = m if m <= 3 * layout.pp else 3 * layout.pp
+        key = (layout.schedule, layout.pp, layout.vp, m)
+        if key not in self._profiles:
+            self._profiles[key] = held_profile(self.schedule(layout, m))
+        return peak_held(self._profiles[key], acts)
 
     def replay(self, layout: Layout, m: int, times: list[PhaseTimes], acts: list[float]) -> tuple[float, float, float]:
         """``(makespan, bubble, peak activation bytes)`` of the layout's schedule with these stage costs."""
@@ -234,26 +305,10 @@ class Estimator:
 
     def _simulate(self, layout: Layout, m: int, times: list[PhaseTimes], acts: list[float],
                   latency: float) -> tuple[float, float, float]:
-        """Build the schedule (interleaved with the middle stage's cost ratios), price each task with its
-        stage's costs and replay it. DualPipeV's overlapped F+B pairs take F + B less the expert all-to-all
-        each part hides under the other's compute (the tasks' ``comm``: :func:`pipeloom.ir.pair_duration`)."""
-        name, pp, vp = layout.schedule, layout.pp, layout.vp
-        mid = times[len(times) // 2]
-        split = name in ("zb-h1", "zbv", "dualpipev")
-        unit = mid.f + mid.i + mid.w or 1.0
-        ratio = tuple(round(x / unit * vp, 2) for x in (mid.f, mid.i, mid.w))
-        if name == "zbv":  # its cost-aware order built once per (pp, m) for F = I = W (its paper's setting)
-            ratio = (1.0, 1.0, 1.0)
-        costs = Costs(f=ratio[0], b=ratio[1] if split else ratio[1] + ratio[2], w=ratio[2], memory=1.0,
-                      w_memory=self.w_fraction if split else 0.0)
-        options = {"stages_per_rank": vp} if SCHEDULES[name] == "interleaved" else {}
-        bkey = (name, pp, vp, m, ratio)
-        if bkey not in self._schedules:
-            try:
-                self._schedules[bkey] = build_schedule(name, pp, m, costs=costs, **options)
-            except PipeloomError as error:
-                raise LayoutError(f"{name} cannot run pp={pp}, vp={vp} with {m} micro-batches: {error}") from None
-        schedule = self._schedules[bkey]
+        """Price each task of the layout's schedule (:meth:`schedule`) with its stage's costs and replay it.
+        DualPipeV's overlapped F+B pairs take F + B less the expert all-to-all each part hides under the other's
+        compute (the tasks' ``comm``: :func:`pipeloom.ir.pair_duration`)."""
+        schedule = self.schedule(layout, m)
         taken = {t.stage: t.memory for t in schedule.problem.tasks if t.kind == "F"}
         tasks = []
         for task in schedule.problem.tasks:
@@ -262,16 +317,16 @@ class Estimator:
             comm = {"F": t.f_comm, "B": t.i_comm, "I": t.i_comm, "W": 0.0}[task.kind]
             scale = acts[task.stage] / taken[task.stage] if taken[task.stage] else 0.0
             tasks.append(dataclasses.replace(task, duration=duration, comm=comm, memory=task.memory * scale))
-        problem = Problem(num_ranks=pp, tasks=tuple(tasks), comm_latency=latency)
+        problem = Problem(num_ranks=layout.pp, tasks=tuple(tasks), comm_latency=latency)
         timeline = simulate(dataclasses.replace(schedule, problem=problem))
         return timeline.makespan, timeline.bubble_ratio, max(timeline.peak_memory)
 
     def estimate(self, layout: Layout) -> Estimate:
         """The predicted step of ``layout`` (LayoutError when it cannot run)."""
         m = self.check(layout)
-        times, acts, cut = self.stages(layout)
+        times, acts, _ = self.stages(layout)
         makespan, bubble, peak = self.replay(layout, m, times, acts)
-        memory, exposed, optimizer = self.static_state(layout, times, cut, m)
+        memory, exposed, optimizer = self.static_state(layout, times, m)
         memory = dataclasses.replace(memory, activations=peak)
         step = makespan + exposed + optimizer
         job = self.job
@@ -280,27 +335,19 @@ class Estimator:
                         tokens_per_gpu_per_second=job.global_batch * job.seq / (step * job.gpus),
                         mfu=self.model_flops / (step * job.gpus * job.hw.peak(job.dtype)))
 
-    def static_state(self, layout: Layout, times: list[PhaseTimes], cut: list[tuple[str, ...]],
-               m: int) -> tuple[Memory, float, float]:
+    def static_state(self, layout: Layout, times: list[PhaseTimes], m: int) -> tuple[Memory, float, float]:
         """Memory of weights, gradients, optimizer and buffers on the busiest rank; the exposed data-parallel
         seconds; the optimizer step's seconds (cached: they do not depend on the schedule's order)."""
         key = (layout.tp, layout.cp, layout.ep, layout.mbs, layout.recompute, layout.pp, layout.vp,
                SCHEDULES[layout.schedule] == "v", layout.dp, layout.fsdp, m)
         if key not in self._static:
-            self._static[key] = self._static_state(layout, times, cut, m)
+            self._static[key] = self._static_state(layout, times, m)
         return self._static[key]
 
-    def _static_state(self, layout: Layout, times: list[PhaseTimes], cut: list[tuple[str, ...]],
-                      m: int) -> tuple[Memory, float, float]:
+    def _static_state(self, layout: Layout, times: list[PhaseTimes], m: int) -> tuple[Memory, float, float]:
         states, tails = [], []
-        seen: dict[tuple[Any, ...], tuple[Memory, tuple[float, float, float]]] = {}
-        last = len(cut) - 1
-        for stages in rank_stages(layout):
-            # ranks holding the same layers (the middle ones) are priced once
-            key = tuple((cut[j], j == 0, j == last) for j in stages)
-            if key not in seen:
-                seen[key] = self._rank_state(layout, times, cut, stages, m)
-            state, tail = seen[key]
+        for stages, kinds in self._rank_shapes(layout):  # ranks holding the same layers priced once
+            state, tail = self._rank_state(layout, times, stages, kinds, m)
             states.append(state)
             tails.append(tail)
         # the rank with the most static memory (the activations' peak is the replay's maximum over ranks)
@@ -308,26 +355,43 @@ class Estimator:
         _, exposed, optimizer = max(tails)
         return memory, exposed, optimizer
 
-    def _rank_state(self, layout: Layout, times: list[PhaseTimes], cut: list[tuple[str, ...]], stages: list[int],
-                    m: int) -> tuple[Memory, tuple[float, float, float]]:
+    def _rank_shapes(self, layout: Layout) -> tuple[tuple[tuple[int, ...], tuple[tuple[str, int], ...]], ...]:
+        """The distinct pipeline ranks of the layout's placement: one rank's stages per distinct sequence of
+        stage shapes, with the layer kinds it holds and how many of each (cached per pp, vp, placement)."""
+        v = SCHEDULES[layout.schedule] == "v"
+        key = (layout.pp, layout.vp, v)
+        if key not in self._ranks:
+            cut = self._cut(layout.stages)
+            seen: dict[tuple[int, ...], tuple[tuple[int, ...], tuple[tuple[str, int], ...]]] = {}
+            for stages in rank_stages(layout):
+                shapes = tuple(cut.shape_of[j] for j in stages)
+                if shapes not in seen:
+                    kinds: Counter[str] = Counter()
+                    for s in shapes:
+                        kinds.update(dict(cut.shapes[s]))
+                    seen[shapes] = (tuple(stages), tuple(sorted(kinds.items())))
+            self._ranks[key] = tuple(seen.values())
+        return self._ranks[key]
+
+    def _rank_state(self, layout: Layout, times: list[PhaseTimes], stages: tuple[int, ...],
+                    kinds: tuple[tuple[str, int], ...], m: int) -> tuple[Memory, tuple[float, float, float]]:
         """One rank's static memory and ``(exposed + optimizer, exposed, optimizer)`` seconds."""
         hw, dpcp = self.job.hw, layout.dp * layout.cp
         dense = expert = 0.0
-        for j in stages:  # parameters held: tp-sharded, experts over ep
-            for kind in (*cut[j], *(("embedding",) if j == 0 else ()), *(("head",) if j == len(cut) - 1 else ())):
-                c = self.counts[kind]
-                dense += (c.params - c.expert_params) / layout.tp
-                expert += c.expert_params / layout.ep
+        for kind, count in kinds:  # parameters held: tp-sharded, experts over ep
+            c = self.counts[kind]
+            dense += count * (c.params - c.expert_params) / layout.tp
+            expert += count * c.expert_params / layout.ep
         parts = [a + b for a, b in zip(optimizer_bytes(dense, shards=dpcp, fsdp=layout.fsdp),
                                        optimizer_bytes(expert, shards=dpcp // layout.ep, fsdp=layout.fsdp))]
         f1 = sum(times[j].f for j in stages)
         b1 = sum(times[j].i + times[j].w for j in stages)
         exposed = sum(self._dp_exposed(layout, params, group, f1, b1, m)
                       for params, group in ((dense, dpcp), (expert, dpcp // layout.ep)))
-        layers = max(1, sum(len(cut[j]) for j in stages))
+        layers = max(1, sum(count for kind, count in kinds if kind not in ("embedding", "head")))
         buffers = WORKSPACE_BYTES + (2 * 2.0 * (dense + expert) / layers if layout.fsdp else 0.0)
         if layout.recompute == "full":  # one layer's activations rebuilt at a time during its backward
-            buffers += max(self._activation(dataclasses.replace(layout, recompute="none"), k) for k in set(self.kinds))
+            buffers += max(self._keep(k, layout.tp, layout.cp, layout.mbs, "none") for k in set(self.kinds))
         shard = dense / dpcp + expert / max(1, dpcp // layout.ep)
         optimizer = memory_seconds(hw, 32.0 * shard)  # read/write master, moments, grads and weights
         memory = Memory(weights=parts[0], gradients=parts[1], optimizer=parts[2], activations=0.0, buffers=buffers)
@@ -353,39 +417,3 @@ class Estimator:
         if layout.fsdp:  # weights gathered again for every micro-batch's forward and backward
             exposed += m * (max(0.0, ag - f1) + max(0.0, ag - b1))
         return exposed
-
-
-def rank_of(stage: int, layout: Layout) -> int:
-    """The pipeline rank of model stage ``stage``: looped (interleaved, linear) or a V."""
-    if SCHEDULES[layout.schedule] == "v":
-        return stage if stage < layout.pp else 2 * layout.pp - 1 - stage
-    return stage % layout.pp
-
-
-def work_bound(layout: Layout, m: int, times: list[PhaseTimes]) -> float:
-    """A lower bound on any schedule's makespan: a rank starts after micro-batch 0's forwards through the
-    model stages before its first one, then does all its own work (DualPipeV: an overlapped pair of a
-    forward and a backward takes F + B less the communication each part hides, so the pairs save at most
-    every F's and I's ``comm``)."""
-    bound = 0.0
-    for stages in rank_stages(layout):
-        before = sum(times[j].f for j in range(min(stages)))
-        busy = m * sum(times[j].f + times[j].i + times[j].w for j in stages)
-        if layout.schedule == "dualpipev":
-            busy -= m * sum(times[j].f_comm + times[j].i_comm for j in stages)  # each part in at most one pair
-        bound = max(bound, before + busy)
-    if layout.schedule in ("1f1b", "interleaved-1f1b"):
-        # a full backward in micro-batch order: rank p-1's last action is stage p-1's B of the last micro-batch,
-        # after which that micro-batch's B still runs through stages p-2 .. 0 on the other ranks
-        stages = rank_stages(layout)[layout.pp - 1]
-        before = sum(times[j].f for j in range(layout.pp - 1))
-        busy = m * sum(times[j].f + times[j].i + times[j].w for j in stages)
-        bound = max(bound, before + busy + sum(times[j].i + times[j].w for j in range(layout.pp - 1)))
-    return bound
-
-
-def rank_stages(layout: Layout) -> list[list[int]]:
-    """Per pipeline rank, its model stages in order (:func:`rank_of` inverted)."""
-    if SCHEDULES[layout.schedule] == "v":
-        return [[r, 2 * layout.pp - 1 - r] for r in range(layout.pp)]
-    return [list(range(r, layout.stages, layout.pp)) for r in range(layout.pp)]

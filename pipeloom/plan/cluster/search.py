@@ -1,41 +1,51 @@
 """Search of layouts for one job: every dp x tp x pp x cp (ep for MoE inside dp x cp), vp, mbs, recomputation,
-FSDP or the distributed optimizer and schedule that can run, pruned by bounds, then branch and bound on the
-simulated step time.
+FSDP or the distributed optimizer and schedule that can run, then branch and bound on the simulated step time.
 
-Exactness: each candidate gets a lower bound on its step time (every pipeline rank must wait for micro-batch
-0's forwards through the stages before its first one, then do all its own work; plus the exposed
-data-parallel time and the optimizer step, which the estimate adds as they are) and a lower bound on its
-memory (weights, gradients, optimizer, buffers exactly; activations as the schedule's peak count of held
-stages, replayed with unit costs, times the smallest stage's activations, for schedules whose order does not
-depend on costs; one stage's otherwise). Candidates are simulated in increasing bound order until the bound
-reaches the best fitting step time, so the answer is the fastest fitting layout of the whole space; as the
-fitting set only grows with the memory limit, more memory never gives a slower plan.
+Exactness. Every bound below is a lower bound, so no layout that could win is skipped:
+
+- *group bound*: layouts that differ only in vp, FSDP and schedule (DualPipeV apart) share a bound on step time,
+  the mean pipeline rank's work ``m W / pp`` (:meth:`Bounds.group`); a group is priced only when its bound is
+  below the best fitting step time found so far.
+- *time bound* of a layout: every pipeline rank waits for micro-batch 0's forwards through the stages before
+  its first one, then does all its own work (:func:`~pipeloom.plan.cluster.placement.work_bound`); plus the
+  exposed data-parallel time and the optimizer step, which the estimate adds as they are.
+- *memory bound* of a layout: weights, gradients, optimizer and buffers exactly, and for the activations one
+  micro-batch of each of a rank's stages: when a rank starts the forward of its last stage for a micro-batch,
+  the forwards of its other stages for that micro-batch are held and none of their backwards can have begun
+  (they wait for this forward). Before a layout is simulated its memory is computed exactly (the schedule's
+  held counts, :mod:`.held`, the replay's peak up to rounding); over the limit, it is not simulated.
+
+Layouts are taken in increasing bound order (groups before their members) until the bound reaches the best
+fitting step time, so the answer is the fastest fitting layout of the whole space; as the fitting set only
+grows with the memory limit, more memory never gives a slower plan. When nothing fits, the layout of least
+memory is found the same way, in increasing memory-bound order.
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from pipeloom.plan.cluster.counts import RECOMPUTE_MODES
-from pipeloom.plan.cluster.estimate import Estimate, Estimator, rank_stages, work_bound
+from pipeloom.plan.cluster.estimate import Estimate, Estimator
 from pipeloom.plan.cluster.layer_time import Job
 from pipeloom.plan.cluster.layout import LAYOUT_KEYS, SCHEDULES, Layout
+from pipeloom.plan.cluster.placement import rank_stages, work_bound
 from pipeloom.plan.errors import LayoutError, NoLayoutFits
-from pipeloom.problem import Costs
-from pipeloom.schedules import build_schedule
-from pipeloom.sim import simulate
 
-__all__ = ["Candidate", "SearchResult", "enumerate_layouts", "search_layouts", "MBS_CHOICES",
+__all__ = ["Bounds", "Candidate", "SearchResult", "enumerate_layouts", "search_layouts", "MBS_CHOICES",
            "VP_CHOICES"]
 
 MBS_CHOICES = (1, 2, 4)
 """Micro-batch sizes tried (sequences)."""
 VP_CHOICES = (2, 3, 4, 5, 6, 7, 8)
 """Stages per rank tried for interleaved-1f1b."""
-_COST_AWARE = ("zbv",)
+_ROUNDING = 1e-9
+"""Relative slack for the memory computed from held counts against the replay's running sum (they add the
+same numbers in a different order)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -60,6 +70,8 @@ class SearchResult:
     """Other simulated layouts (the fastest fitting ones, then faster ones that do not fit) and why each lost."""
     candidates: int
     """Layouts that can run (before bounds)."""
+    priced: int
+    """Layouts whose time bound and memory were computed (the others' group bound was past the best)."""
     simulated: int
     """Layouts priced by simulation."""
     memory_limit: float
@@ -123,80 +135,177 @@ def _inner(estimator: Estimator, fixed: dict[str, Any], tp: int, cp: int, pp: in
             yield layout
 
 
-class _Bounds:
-    """Lower bounds of a layout's step time and memory (module docstring), with unit-cost replays cached."""
+class Bounds:
+    """The bounds of the module docstring, and a layout's exact memory."""
 
     def __init__(self, estimator: Estimator) -> None:
         self.estimator = estimator
-        self._units: dict[tuple[str, int, int, int], tuple[float, ...]] = {}
-
-    def held_units(self, layout: Layout, m: int) -> tuple[float, ...]:
-        """Per rank: the most stages' activations the schedule holds at once (unit costs, one per stage),
-        replayed with at most 2 pp micro-batches: the warm-up that sets the peak is the same with more."""
-        m = min(m, 2 * layout.pp)
-        key = (layout.schedule, layout.pp, layout.vp, m)
-        if key not in self._units:
-            if layout.pp == 1 or layout.schedule in _COST_AWARE:
-                self._units[key] = (1.0,) * layout.pp
-            else:
-                options = {"stages_per_rank": layout.vp} if SCHEDULES[layout.schedule] == "interleaved" else {}
-                schedule = build_schedule(layout.schedule, layout.pp, m, costs=Costs(memory=float(layout.vp)),
-                                          **options)
-                self._units[key] = tuple(simulate(schedule).peak_memory)
-        return self._units[key]
 
     def candidate(self, layout: Layout) -> Candidate:
+        """The layout's time bound and memory bound."""
         e = self.estimator
         m = e.check(layout)
-        times, acts, cut = e.stages(layout)
-        memory, exposed, optimizer = e.static_state(layout, times, cut, m)
-        ranks = rank_stages(layout)
-        units = self.held_units(layout, m)
-        act_bound = max(units[r] * min(acts[j] for j in js) for r, js in enumerate(ranks))
-        bound = work_bound(layout, m, times)
-        return Candidate(layout=layout, time_bound=bound + exposed + optimizer,
-                         memory_bound=memory.total + act_bound)
+        times, acts, _ = e.stages(layout)
+        memory, exposed, optimizer = e.static_state(layout, times, m)
+        held = max(sum(acts[j] for j in stages) for stages in rank_stages(layout))
+        return Candidate(layout=layout, time_bound=work_bound(layout, m, times) + exposed + optimizer,
+                         memory_bound=memory.total + held)
+
+    def memory(self, layout: Layout) -> float:
+        """The layout's memory per GPU (the estimate's up to rounding; LayoutError when its schedule cannot be
+        built)."""
+        e = self.estimator
+        m = e.check(layout)
+        times, acts, _ = e.stages(layout)
+        return e.static_state(layout, times, m)[0].total + e.activation_peak(layout, m, acts)
+
+    def group(self, layout: Layout) -> float:
+        """A lower bound on the time bound of every layout of ``layout``'s group (:func:`_group_key`): the
+        busiest pipeline rank does at least the mean rank's work, ``m W / pp`` with ``W`` one micro-batch's
+        F + I + W through the whole model, whatever the stages per rank, schedule and FSDP; DualPipeV's pairs
+        hide at most each stage's F and I communication (:func:`work_bound`), so there ``m sum_j (F_j + I_j +
+        W_j - Fcomm_j - Icomm_j) / pp`` over its 2 pp stages. Shrunk by 1e-12 so that rounding never lifts it over a
+        member's bound."""
+        e = self.estimator
+        m = layout.microbatches(e.job.global_batch)
+        if layout.schedule == "dualpipev":
+            times, _, _ = e.stages(layout)
+            work = sum(t.f + t.i + t.w - t.f_comm - t.i_comm for t in times)
+        else:
+            work = e.total_work(layout)
+        return m * work / layout.pp * (1 - 1e-12)
+
+
+def _group_key(layout: Layout) -> tuple[Any, ...]:
+    """Layouts that differ only in vp, FSDP and schedule (DualPipeV apart) share one group bound."""
+    return (layout.tp, layout.cp, layout.ep, layout.pp, layout.dp, layout.mbs, layout.recompute,
+            layout.schedule == "dualpipev")
 
 
 def search_layouts(job: Job, *, fixed: dict[str, Any] | None = None, memory_limit: float | None = None,
                    runners_up: int = 5, progress: Callable[[str], None] | None = None) -> SearchResult:
     """The fastest layout of ``job`` within ``memory_limit`` bytes per GPU (default: the GPU's memory), with the
-    keys of ``fixed`` held; NoLayoutFits when none fits (naming the smallest memory any layout needs)."""
+    keys of ``fixed`` held; NoLayoutFits when none fits, with the least memory per GPU any layout needs and
+    that layout (``smallest_limit``, ``smallest_layout``: planning again with that limit finds a plan)."""
     fixed = dict(fixed or {})
     limit = float(memory_limit if memory_limit is not None else job.hw.memory_bytes)
     estimator = Estimator(job)
-    bounds = _Bounds(estimator)
-    candidates = [bounds.candidate(layout) for layout in enumerate_layouts(estimator, fixed)]
-    if not candidates:
+    groups: dict[tuple[Any, ...], list[Layout]] = {}
+    for layout in enumerate_layouts(estimator, fixed):
+        groups.setdefault(_group_key(layout), []).append(layout)
+    if not groups:
         raise NoLayoutFits(f"no layout of {job.spec.family} on {job.gpus} GPUs can run with {_fixed_text(fixed)}"
                            f" (global batch {job.global_batch}, sequence {job.seq}); change the fixed keys, the GPU "
                            "count or the global batch")
-    fitting = sorted((c for c in candidates if c.memory_bound <= limit), key=lambda c: (c.time_bound, _key(c.layout)))
-    best: Estimate | None = None
-    done: list[Estimate] = []
-    extra = 0  # candidates simulated past the bound, for the runners-up
-    for count, cand in enumerate(fitting):
-        if best is not None and cand.time_bound >= best.step_time:
-            extra += 1
-            if extra > runners_up:
-                break
-        if progress and count % 20 == 0:
-            progress(f"simulated {count} of {len(fitting)} candidates")
-        try:
-            est = estimator.estimate(cand.layout)
-        except LayoutError:
-            continue
-        done.append(est)
-        if est.memory.total <= limit and (best is None or (est.step_time, _key(est.layout)) <
-                                          (best.step_time, _key(best.layout))):
-            best = est
+    run = _Run(Bounds(estimator), list(groups.values()), limit, runners_up, progress)
+    best = run.search()
+    layouts = sum(map(len, run.groups))
     if best is None:
-        smallest = min(c.memory_bound for c in candidates)
-        raise NoLayoutFits(f"no layout fits {limit / 2**30:.1f} GiB per GPU ({len(candidates)} layouts tried; the "
-                           f"smallest needs at least {smallest / 2**30:.1f} GiB); use more GPUs, a smaller global "
-                           "batch or sequence, or raise --memory-limit")
-    return SearchResult(best=best, runners_up=_runners_up(best, done, limit, runners_up),
-                        candidates=len(candidates), simulated=len(done), memory_limit=limit)
+        least = run.smallest()
+        raise NoLayoutFits(f"no layout fits {limit / 2**30:.1f} GiB per GPU ({layouts} layouts tried; the least memory"
+                           f" any needs is {least.memory.total / 2**30:.2f} GiB ({least.memory.total:.0f} bytes), by "
+                           f"{least.layout}); use more GPUs, a smaller global batch or sequence, or raise "
+                           "--memory-limit", smallest_limit=least.memory.total, smallest_layout=str(least.layout))
+    run.price_faster_over(best)
+    return SearchResult(best=best, runners_up=_runners_up(best, run.done, limit, runners_up), candidates=layouts,
+                        priced=run.priced, simulated=len(run.done), memory_limit=limit)
+
+
+class _Run:
+    """One branch and bound over the groups of layouts (module docstring)."""
+
+    def __init__(self, bounds: Bounds, groups: list[list[Layout]], limit: float, runners_up: int,
+                 progress: Callable[[str], None] | None) -> None:
+        self.bounds, self.groups, self.limit = bounds, groups, limit
+        self.runners_up, self.progress = runners_up, progress
+        self.done: list[Estimate] = []
+        self.over: list[Candidate] = []  # priced layouts known or bounded to need more memory than the limit
+        self.memory: dict[Layout, float] = {}  # exact memory computed so far
+        self.priced = 0
+
+    def _fits(self, bound: float) -> bool:
+        return bound <= self.limit * (1 + _ROUNDING)
+
+    def search(self) -> Estimate | None:
+        """The fastest fitting layout (ties: the smallest :func:`_key`), or None."""
+        estimator = self.bounds.estimator
+        queue: list[tuple[Any, ...]] = [(self.bounds.group(members[0]), 0, n) for n, members in enumerate(self.groups)]
+        heapq.heapify(queue)
+        best: Estimate | None = None
+        extra = 0  # layouts simulated past the bound, for the runners-up
+        while queue:
+            entry = heapq.heappop(queue)
+            if entry[1] == 0:  # a group: its layouts' bounds, those that may fit queued (ties: groups first)
+                for layout in self.groups[entry[2]]:
+                    cand = self.bounds.candidate(layout)
+                    self.priced += 1
+                    if self._fits(cand.memory_bound):
+                        heapq.heappush(queue, (cand.time_bound, 1, _key(layout), cand))
+                    else:
+                        self.over.append(cand)
+                continue
+            cand = entry[3]
+            if best is not None and cand.time_bound >= best.step_time:
+                extra += 1
+                if extra > self.runners_up:
+                    break
+            if not self._fits(self._memory(cand)):
+                self.over.append(cand)
+                continue
+            if self.progress and len(self.done) % 20 == 0:
+                self.progress(f"simulated {len(self.done)} layouts, priced {self.priced}")
+            try:
+                est = estimator.estimate(cand.layout)
+            except LayoutError:
+                continue
+            self.done.append(est)
+            if est.memory.total > self.limit:  # within the rounding of the limit
+                self.over.append(cand)
+            elif best is None or (est.step_time, _key(est.layout)) < (best.step_time, _key(best.layout)):
+                best = est
+        return best
+
+    def _memory(self, cand: Candidate) -> float:
+        """The layout's exact memory (inf when its schedule cannot be built), cached."""
+        if cand.layout not in self.memory:
+            try:
+                self.memory[cand.layout] = self.bounds.memory(cand.layout)
+            except LayoutError:
+                self.memory[cand.layout] = float("inf")
+        return self.memory[cand.layout]
+
+    def smallest(self) -> Estimate:
+        """After a search that found nothing (every layout priced): the layout of least memory, taken in
+        increasing memory-bound order until the bound passes the least exact memory found."""
+        estimator = self.bounds.estimator
+        least = float("inf")
+        for cand in sorted(self.over, key=lambda c: (c.memory_bound, _key(c.layout))):
+            if cand.memory_bound > least * (1 + _ROUNDING):
+                break
+            least = min(least, self._memory(cand))
+        found = []
+        for cand in self.over:  # the replay decides among those within the rounding of the least
+            if self.memory.get(cand.layout, float("inf")) <= least * (1 + _ROUNDING):
+                try:
+                    found.append(estimator.estimate(cand.layout))
+                except LayoutError:
+                    continue
+        if not found:
+            raise NoLayoutFits(f"no layout of {estimator.job.spec.family} on {estimator.job.gpus} GPUs has a schedule "
+                               "that can be built; change the GPU count or the global batch")
+        return min(found, key=lambda e: (e.memory.total, _key(e.layout)))
+
+    def price_faster_over(self, best: Estimate) -> None:
+        """Simulate a few layouts over the limit whose bound is below the best's time (the runners-up name the
+        memory they need)."""
+        estimator = self.bounds.estimator
+        faster = sorted((c for c in self.over if c.time_bound < best.step_time),
+                        key=lambda c: (c.time_bound, _key(c.layout)))
+        for cand in faster[:max(1, self.runners_up // 2)]:
+            try:
+                self.done.append(estimator.estimate(cand.layout))
+            except LayoutError:
+                continue
 
 
 def _key(layout: Layout) -> tuple[Any, ...]:

@@ -12,6 +12,17 @@ The model counts fused kernels (Megatron with Transformer Engine); transformers'
 two things more, which the expected value adds: each RMSNorm keeps its normalised input before the scale by
 its weight (h elements per norm, per q/k norm its head dims), and the gated MLP keeps act(gate) * up, the
 down projection's input, apart from act(gate) (I elements; a fused SwiGLU recomputes it).
+
+MoE layers (Qwen3-MoE, Mixtral, DeepSeek-V3) run transformers' eager experts (a loop over the experts hit).
+Which expert a token picks depends on the data, but each token picks top_k distinct experts, so the copies
+add up to exactly tokens x top_k and the per-layer totals are exact. Eager keeps per routed copy, beyond the
+model's, act(gate) * up (I), the weighted output that ``index_add_`` keeps as its source (h), and a second
+int64 (``nonzero`` gives the token and its top-k slot); per token, its router's own extras (:func:`_router_extra`).
+DeepSeek-V3's MLA (q and kv latents of different head dims) runs eager attention, which keeps the s x s
+softmax probabilities where flash attention keeps one log-sum-exp per head; its kv latent's norm takes a slice
+of the kv down-projection's output, whose storage (with the rope part) autograd keeps whole; and with the core
+checkpointed, v is a view of the kv up-projection's output, so the checkpoint keeps that whole storage (k's
+no-rope part too).
 """
 
 from __future__ import annotations
@@ -26,28 +37,38 @@ transformers = pytest.importorskip("transformers")
 
 BATCH, SEQ, WIDTH = 2, 16, 4
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
+MOE_FAMILIES = {"qwen3_moe": "sdpa", "mixtral": "sdpa", "deepseek_v3": "eager"}  # the attention each runs
+_STAT, _INDEX = 4, 8  # bytes of an fp32 statistic, of an int64 index
 
 
-def _checkpointed_sdpa():
-    """An attention function: transformers' sdpa one inside a reentrant checkpoint (the core recomputed)."""
+def _checkpointed(family, attention):
+    """An attention function: transformers' sdpa (or the family's eager) one inside a reentrant checkpoint (the
+    core recomputed)."""
+    from importlib import import_module
+
     from torch.utils.checkpoint import checkpoint
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    def attention(module, query, key, value, attention_mask, **kwargs):
+    forward = (sdpa_attention_forward if attention == "sdpa" else
+               import_module(f"transformers.models.{family}.modeling_{family}").eager_attention_forward)
+
+    def wrapped(module, query, key, value, attention_mask, **kwargs):
         def core(q, k, v):
-            return sdpa_attention_forward(module, q, k, v, attention_mask, **kwargs)[0]
+            return forward(module, q, k, v, attention_mask, **kwargs)[0]
         return checkpoint(core, query, key, value, use_reentrant=True), None
 
-    transformers.AttentionInterface.register("pipeloom_selective", attention)
-    return "pipeloom_selective"
+    name = f"pipeloom_selective_{family}_{attention}"
+    transformers.AttentionInterface.register(name, wrapped)
+    return name
 
 
-def _saved_per_layer(family, mode):
+def _saved_per_layer(family, mode, attention="sdpa"):
     """Bytes of unique non-parameter storages each decoder layer saves, shared ones left out."""
     config = tiny_config(family)
     torch.manual_seed(0)
-    impl = _checkpointed_sdpa() if mode == "selective" else "sdpa"
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=impl)
+    impl = _checkpointed(family, attention) if mode == "selective" else attention
+    experts = {"experts_implementation": "eager"} if family in MOE_FAMILIES else {}
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=impl, **experts)
     if mode == "full":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     model.train()
@@ -74,13 +95,36 @@ def _saved_per_layer(family, mode):
     return config, [sum(size for key, size in one.items() if key not in shared) for one in layers]
 
 
-def _eager_extra(spec, mode):
+def _eager_extra(spec, mode, kind="dense", config=None, attention="sdpa"):
     """Bytes per token transformers' eager layer keeps beyond the fused kernels' (see the module doc)."""
     if mode == "full":
         return 0
     a = spec.attention
     norms = 2 * spec.hidden + ((a.heads + a.kv_heads) * a.qk_dim if a.qk_norm else 0)
-    return WIDTH * (norms + spec.intermediate)
+    extra = 0
+    if a.latent:  # the latents' normalised inputs; the kv down-projection's rope part, in the kept storage
+        norms += a.q_rank + a.kv_rank
+        extra += WIDTH * a.rope_dim
+    if attention == "eager" and mode == "none":  # s x s probabilities instead of the log-sum-exp
+        extra += WIDTH * a.heads * SEQ - _STAT * a.heads
+    if a.latent and mode == "selective":  # the checkpoint's v: a view of the kv up-projection's output (+ k's)
+        extra += WIDTH * a.heads * (a.qk_dim - a.rope_dim)
+    if kind == "dense":
+        return extra + WIDTH * (norms + spec.intermediate)
+    ex = spec.experts
+    routed = ex.top_k * (WIDTH * (ex.intermediate + spec.hidden) + _INDEX)
+    return extra + WIDTH * (norms + ex.shared_intermediate) + routed + _router_extra(config)
+
+
+def _router_extra(config):
+    """Bytes per token a router of transformers keeps beyond the probabilities and the top-k indices: the top-k
+    values and their sum where it renormalises them (Mixtral always), DeepSeek-V3's group-limited choice (the
+    top-2 indices within each group, the chosen groups, the experts' mask as bools)."""
+    k = config.num_experts_per_tok
+    extra = _STAT * (k + 1) if config.model_type == "mixtral" or getattr(config, "norm_topk_prob", False) else 0
+    if config.model_type == "deepseek_v3":
+        extra += _INDEX * (2 * config.n_group + config.topk_group) + config.n_routed_experts
+    return extra
 
 
 @pytest.mark.parametrize("mode", ["none", "selective", "full"])
@@ -91,6 +135,20 @@ def test_activation_bytes_equal_saved_tensors(family, mode):
     keep = layer_counts(spec, "dense", SEQ, width=WIDTH).activations[mode].per_gpu(tp=1, cp=1, sp=False)
     expected = BATCH * SEQ * (keep + _eager_extra(spec, mode))
     assert per_layer == [expected] * spec.layers
+
+
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+@pytest.mark.parametrize("family", sorted(MOE_FAMILIES))
+def test_moe_and_mla_activation_bytes_equal_saved_tensors(family, mode):
+    attention = MOE_FAMILIES[family]
+    config, per_layer = _saved_per_layer(family, mode, attention)
+    spec = model_spec(config)
+    expected = []
+    for n in range(spec.layers):
+        kind = "moe" if n in spec.moe_layers else "dense"
+        keep = layer_counts(spec, kind, SEQ, width=WIDTH).activations[mode].per_gpu(tp=1, cp=1, sp=False)
+        expected.append(BATCH * SEQ * (keep + _eager_extra(spec, mode, kind, config, attention)))
+    assert spec.moe_layers and per_layer == expected
 
 
 def test_modes_are_ordered_and_divided():

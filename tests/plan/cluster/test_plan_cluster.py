@@ -10,10 +10,11 @@ import pytest
 from pipeloom.cli import main
 from pipeloom.plan.cluster import plan_cluster
 from pipeloom.plan.cluster.config import model_spec
-from pipeloom.plan.cluster.estimate import Estimator, work_bound
+from pipeloom.plan.cluster.estimate import Estimator
 from pipeloom.plan.cluster.gpus import hardware
 from pipeloom.plan.cluster.layer_time import Job
 from pipeloom.plan.cluster.layout import LAYOUT_KEYS, Layout, parse_layout
+from pipeloom.plan.cluster.placement import work_bound
 from pipeloom.plan.errors import LayoutError, NoLayoutFits
 
 SMALL = {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 16,

@@ -1,0 +1,89 @@
+"""Activations a pipeline schedule holds: per rank, how many micro-batches of each of its stages are held
+after each of its actions (in units of one stage forward's memory), kept only where no other point holds as
+much of every stage. The schedule's peak for any per-stage activation bytes is then a maximum of a few dot
+products, the same number the simulator's replay reaches (its running sum in rank order)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import accumulate
+from typing import Any
+
+from pipeloom.ir import Overlap, Schedule, task_actions
+
+__all__ = ["RankHeld", "held_profile", "peak_held"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RankHeld:
+    """One rank's held activations: its stages and the non-dominated held counts."""
+
+    stages: tuple[int, ...]
+    """The model stages the rank runs, in increasing order."""
+    points: tuple[tuple[float, ...], ...]
+    """Held units per stage of :attr:`stages` after an action, for the actions no other one dominates."""
+
+    def peak(self, acts: list[float] | tuple[float, ...]) -> float:
+        """The rank's peak (>= 0: nothing held before the first action) for ``acts[j]`` bytes per unit of
+        stage ``j``."""
+        weights = [acts[j] for j in self.stages]
+        best = 0.0
+        for point in self.points:
+            total = 0.0
+            for count, weight in zip(point, weights):
+                total += count * weight
+            if total > best:
+                best = total
+        return best
+
+
+def held_profile(schedule: Schedule) -> tuple[RankHeld, ...]:
+    """Per rank of ``schedule`` (not lowered), the held units after each action: each task's memory over its
+    stage's forward memory, summed over an action's tasks (an overlapped pair or a split B counts at once, as
+    the simulator applies it); points after an action that frees only are dominated by the one before it."""
+    problem = schedule.problem
+    tasks = {task.key: task for task in problem.tasks}
+    unit = {task.stage: task.memory for task in problem.tasks if task.kind == "F"}
+    changes: dict[Any, tuple[tuple[int, float], ...]] = {}  # per (stage, kind) of an action's parts
+    out = []
+    for actions in schedule.ranks:
+        signatures = []
+        for action in actions:
+            parts = (action.forward, action.backward) if type(action) is Overlap else (action,)
+            signature = tuple((part[0], part[1]) for part in parts)
+            if signature not in changes:  # its tasks do not depend on the micro-batch
+                found = [tasks[part.task] for part in task_actions(problem, action)]
+                changes[signature] = tuple((t.stage, t.memory / unit[t.stage]) for t in found if unit[t.stage])
+            signatures.append(signature)
+        stages = sorted({stage for signature in set(signatures) for stage, _ in changes[signature]})
+        points: set[tuple[float, ...]]
+        if len(stages) == 1:  # one stage: the running sum's maximum
+            step = {signature: sum(d for _, d in changes[signature]) for signature in set(signatures)}
+            points = {(max(accumulate(map(step.__getitem__, signatures), initial=0.0)),)}
+        else:
+            position = {stage: k for k, stage in enumerate(stages)}
+            moves = {signature: (tuple((position[stage], d) for stage, d in changes[signature]),
+                                 any(d > 0 for _, d in changes[signature])) for signature in set(signatures)}
+            held, points = [0.0] * len(stages), set()
+            for signature in signatures:
+                change, rises = moves[signature]
+                for k, d in change:
+                    held[k] += d
+                if rises:
+                    points.add(tuple(held))
+        out.append(RankHeld(stages=tuple(stages), points=_frontier(points)))
+    return tuple(out)
+
+
+def _frontier(points: set[tuple[float, ...]]) -> tuple[tuple[float, ...], ...]:
+    """The points not dominated (<= in every coordinate) by another one."""
+    kept: list[tuple[float, ...]] = []
+    for point in sorted(points, key=sum, reverse=True):  # a dominating point has the larger sum: seen first
+        if not any(all(a <= b for a, b in zip(point, other)) for other in kept):
+            kept.append(point)
+    return tuple(kept)
+
+
+def peak_held(profile: tuple[RankHeld, ...], acts: list[float] | tuple[float, ...]) -> float:
+    """The busiest rank's peak of held activations for ``acts[j]`` bytes per micro-batch of stage ``j``."""
+    return max(rank.peak(acts) for rank in profile)

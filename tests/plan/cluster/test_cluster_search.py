@@ -1,0 +1,117 @@
+"""The cluster search against exhaustive pricing: every bound it prunes with is below what the estimate gives,
+the pruned search returns the exhaustive best, the least memory it reports is the exhaustive minimum (that
+limit finds a plan, any below finds none), and the cost-oblivious schedules' order does not depend on costs."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pipeloom.plan.cluster import plan_cluster
+from pipeloom.plan.cluster.config import model_spec
+from pipeloom.plan.cluster.estimate import Estimator
+from pipeloom.plan.cluster.gpus import hardware
+from pipeloom.plan.cluster.layer_time import Job
+from pipeloom.plan.cluster.layout import LAYOUT_KEYS
+from pipeloom.plan.cluster.search import Bounds, enumerate_layouts, search_layouts
+from pipeloom.plan.errors import LayoutError, NoLayoutFits
+from pipeloom.problem import Costs
+from pipeloom.schedules import build_schedule
+
+DENSE = {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 16,
+         "num_attention_heads": 16, "num_key_value_heads": 4, "vocab_size": 32000}
+MOE = {"model_type": "mixtral", "hidden_size": 1024, "intermediate_size": 2048, "num_hidden_layers": 8,
+       "num_attention_heads": 8, "num_key_value_heads": 2, "num_local_experts": 8, "num_experts_per_tok": 2,
+       "vocab_size": 32000}
+CASES = [(DENSE, 4, 16, 4096), (DENSE, 8, 32, 2048), (MOE, 8, 32, 4096)]
+GIB = 2**30
+
+
+def _job(config, gpus, batch, seq):
+    return Job(spec=model_spec(config), hw=hardware("h100"), gpus=gpus, global_batch=batch, seq=seq)
+
+
+def _exhaustive(job):
+    """Every layout that can run, estimated (the replay of its schedule)."""
+    estimator = Estimator(job)
+    out = []
+    for layout in enumerate_layouts(estimator, {}):
+        try:
+            out.append(estimator.estimate(layout))
+        except LayoutError:
+            continue
+    return out
+
+
+def _key(est):
+    return est.step_time, tuple(getattr(est.layout, k) for k in LAYOUT_KEYS)
+
+
+@pytest.fixture(scope="module", params=CASES, ids=["dense-4", "dense-8", "moe-8"])
+def case(request):
+    job = _job(*request.param)
+    return job, _exhaustive(job)
+
+
+def test_bounds_are_below_the_estimate(case):
+    job, estimates = case
+    bounds = Bounds(Estimator(job))
+    for est in estimates:
+        cand = bounds.candidate(est.layout)
+        assert bounds.group(est.layout) <= cand.time_bound <= est.step_time * (1 + 1e-12), est.layout
+        exact = bounds.memory(est.layout)
+        assert cand.memory_bound <= exact * (1 + 1e-12), est.layout
+        assert exact == pytest.approx(est.memory.total, rel=1e-9), est.layout
+
+
+def test_pruned_search_returns_the_exhaustive_best(case):
+    job, estimates = case
+    totals = sorted(e.memory.total for e in estimates)
+    for limit in (job.hw.memory_bytes, totals[len(totals) // 4], totals[len(totals) // 10]):
+        result = search_layouts(job, memory_limit=limit)
+        best = min((e for e in estimates if e.memory.total <= limit), key=_key)
+        assert result.best.layout == best.layout and result.best.step_time == best.step_time
+        assert result.priced <= result.candidates == len(estimates)
+
+
+def test_least_memory_is_exact_and_fits(case):
+    job, estimates = case
+    least = min(e.memory.total for e in estimates)
+    with pytest.raises(NoLayoutFits) as raised:
+        search_layouts(job, memory_limit=least * (1 - 1e-9))
+    assert raised.value.smallest_limit == pytest.approx(least, rel=1e-12)
+    found = search_layouts(job, memory_limit=raised.value.smallest_limit)
+    assert found.best.memory.total <= raised.value.smallest_limit
+    with pytest.raises(NoLayoutFits):
+        search_layouts(job, memory_limit=raised.value.smallest_limit * (1 - 1e-9))
+
+
+def test_more_memory_never_slower_from_the_least():
+    job = _job(DENSE, 8, 32, 4096)
+    with pytest.raises(NoLayoutFits) as raised:
+        search_layouts(job, memory_limit=1 * GIB)
+    least = raised.value.smallest_limit
+    assert least is not None and least > 1 * GIB
+    limits = [least, least * 1.05, least * 1.3, 40 * GIB, 80 * GIB]
+    times = [plan_cluster(DENSE, "h100", gpus=8, global_batch=32, seq=4096, memory_limit=limit).best.step_time
+             for limit in limits]
+    assert all(later <= earlier for earlier, later in zip(times, times[1:]))
+
+
+@pytest.mark.parametrize("name, pp, vp, m", [("1f1b", 4, 1, 9), ("interleaved-1f1b", 4, 2, 8),
+                                             ("interleaved-1f1b", 3, 4, 12), ("zb-h1", 5, 1, 13),
+                                             ("dualpipev", 4, 2, 10)])
+def test_cost_oblivious_orders(name, pp, vp, m):
+    """The estimator builds these once per (name, pp, vp, m) with unit costs: their order must not change
+    with the costs (zbv's does, which is why the estimator builds it for F = I = W only)."""
+    rng = random.Random(7)
+    options = {"stages_per_rank": vp} if name == "interleaved-1f1b" else {}
+    orders = set()
+    for _ in range(6):
+        f, i, w = (rng.uniform(0.1, 3.0) for _ in range(3))
+        split = name != "1f1b" and name != "interleaved-1f1b"
+        costs = Costs(f=f, b=i if split else i + w, w=w, memory=1.0, w_memory=rng.uniform(0, 0.9) if split else 0.0)
+        schedule = build_schedule(name, pp, m, costs=costs, **options)
+        orders.add(tuple(tuple(map(str, rank)) for rank in schedule.ranks))
+    assert len(orders) == 1
