@@ -12,9 +12,9 @@ from pipeloom.runtime import Failures, Parallelism, Tracing
 VOCAB = 96
 
 
-def build_moe(name: str, *, seed: int = 0, implementation: str | None = None) -> nn.Module:
+def build_moe(name: str, *, seed: int = 0, implementation: str | None = None, **extra: object) -> nn.Module:
     """Tiny random-init Qwen3-MoE (4 sparse layers) or DeepSeek-V3 (1 dense + 3 MoE layers with a shared
-    expert and group-limited routing): 4 experts, 2 per token, eager attention."""
+    expert and group-limited routing): 4 experts, 2 per token, eager attention; ``extra``: more config fields."""
     import transformers as T
 
     torch.manual_seed(seed)
@@ -22,7 +22,7 @@ def build_moe(name: str, *, seed: int = 0, implementation: str | None = None) ->
                   num_hidden_layers=4, hidden_size=32, intermediate_size=48, num_attention_heads=4,
                   num_key_value_heads=2, attn_implementation="eager")
     if name == "qwen3_moe":
-        config = T.Qwen3MoeConfig(moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, **common)
+        config = T.Qwen3MoeConfig(moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, **common, **extra)
         model = T.Qwen3MoeForCausalLM(config)
     elif name == "deepseek_v3":
         config = T.DeepseekV3Config(moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,

@@ -1,0 +1,173 @@
+"""What each spawned rank runs in the tests of expert parallelism composed with FSDP: a tiny Qwen3-MoE on a mesh
+with "ep" and data_parallel='fsdp' next to the same model on the mesh with "dp" in its place (the same replicas,
+FSDP over all of them, no sharded experts)."""
+
+from __future__ import annotations
+
+import torch
+from ep_jobs import build_moe, lm_loss, tokens
+
+from pipeloom.runtime import Failures, Parallelism, Tracing
+
+MESHES = {  # layout -> (the mesh with "ep", the reference's mesh): the same replicas, numbered alike
+    "pp2_ep2": (((2, 2), ("pp", "ep")), ((2, 2), ("pp", "dp"))),
+    "dp2_ep2": (((2, 1, 2), ("dp", "pp", "ep")), ((4, 1), ("dp", "pp"))),
+    "dp2_pp2_ep2": (((2, 2, 2), ("dp", "pp", "ep")), ((4, 2), ("dp", "pp"))),
+}
+
+
+def _engine(layout: str, reference: bool, schedule: str):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from pipeloom.runtime import pipeline
+
+    shape, names = MESHES[layout][reference]
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    model = build_moe("qwen3_moe")
+    common = dict(schedule=schedule, loss_fn=lm_loss, microbatches=2, failures=Failures(timeout=120),
+                  parallel=Parallelism(mesh=mesh, data_parallel="fsdp"))
+    if mesh.size(names.index("pp")) == 1:  # one stage: the model itself, its experts called as modules
+        return pipeline(model, stages=[model], **common)
+    x, _ = tokens()
+    return pipeline(model, split_points=["model.layers.2"], **common,
+                    tracing=Tracing(tracer="export", example_inputs=(x[:2],)))
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _set_from(mine: dict, reference: dict) -> None:
+    """Every parameter of ``mine`` set to the reference's (whole, then cut as each of mine is placed)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    with torch.no_grad():
+        for key, p in mine.items():
+            whole = _full(reference[key].detach())
+            if isinstance(p, DTensor):
+                p.to_local().copy_(distribute_tensor(whole, p.device_mesh, p.placements).to_local())
+            else:
+                p.copy_(whole)
+
+
+def ep_fsdp(rank: int, world: int, layout: str, schedule: str, steps: int, folder: str) -> dict:
+    """``steps`` SGD steps of the ep + FSDP run and its reference from the same parameters (each step starts both
+    from the reference's): whether the losses are bitwise equal, the largest gradient difference relative to
+    its tensor's largest entry, the parameters without a gradient, which parameters are experts and over which
+    mesh dimensions; then clip_grad_norm_ on both, their full state dicts, and a checkpoint saved by the ep run
+    loaded by the reference after it moved on."""
+    from pipeloom.runtime.parallel.ep import is_expert
+
+    ours, theirs = _engine(layout, False, schedule), _engine(layout, True, schedule)
+    mine, reference = dict(ours.named_parameters()), dict(theirs.named_parameters())
+    equal, worst, missing = True, 0.0, set()
+    for step in range(steps):
+        x, y = tokens(seed=step)
+        equal &= bool(torch.equal(ours.step(x, target=y), theirs.step(x, target=y)))
+        for key in sorted(mine):
+            p, q = mine[key], reference[key]
+            if p.grad is None:
+                missing.add(key)
+                continue
+            grad, expected = _full(p.grad), _full(q.grad)
+            worst = max(worst, float((grad - expected).abs().max()) / (float(expected.abs().max()) or 1.0))
+        with torch.no_grad():
+            for q in reference.values():
+                q -= 0.1 * q.grad
+        _set_from(mine, reference)
+        for p in (*mine.values(), *reference.values()):
+            p.grad = None
+    x, y = tokens(seed=steps)
+    ours.step(x, target=y)
+    theirs.step(x, target=y)
+    norms = (float(ours.clip_grad_norm_(1e-3)), float(theirs.clip_grad_norm_(1e-3)))
+    full, expected = ours.full_state_dict(), theirs.full_state_dict()
+    full_equal = full.keys() == expected.keys() and all(torch.equal(full[k], expected[k]) for k in full)
+    ours.save_checkpoint(folder)
+    saved = ours.full_state_dict()
+    with torch.no_grad():
+        for q in reference.values():
+            q -= q.grad  # the reference moves away from the saved state
+    theirs.load_checkpoint(folder)
+    loaded = theirs.full_state_dict()
+    restored = saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k]) for k in saved)
+    experts = {key: (list(p.device_mesh.mesh_dim_names or ()), list(p.to_local().shape))
+               for key, p in mine.items() if is_expert(p)}
+    dense = sorted({str(p.device_mesh.mesh_dim_names) for p in mine.values() if not is_expert(p)})
+    ours.close()
+    theirs.close()
+    return {"losses_equal": equal, "worst": worst, "missing": sorted(missing), "experts": experts, "dense": dense,
+            "params": len(mine), "norms": norms, "full_equal": full_equal, "restored": restored,
+            "ranks": len(full)}
+
+
+def _attention_and_dense_plan() -> dict:
+    """torch's plan for Qwen3-MoE's attention (heads split over "tp") and its dense MLP (layer 0)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan: dict = {f"model.layers.*.self_attn.{p}_proj": ColwiseParallel() for p in "qkv"}
+    plan["model.layers.*.self_attn.o_proj"] = RowwiseParallel()
+    plan.update({f"model.layers.0.mlp.{p}_proj": ColwiseParallel() for p in ("gate", "up")})
+    plan["model.layers.0.mlp.down_proj"] = RowwiseParallel()
+    return plan
+
+
+def _tp_engine(dim: str, plan: object):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from pipeloom.runtime import pipeline
+
+    mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("pp", dim, "tp"))
+    model = build_moe("qwen3_moe", mlp_only_layers=[0])  # layer 0 a dense MLP, layers 1-3 MoE
+    return pipeline(model, stages=[model], schedule="1f1b", loss_fn=lm_loss, microbatches=2,
+                    failures=Failures(timeout=120), parallel=Parallelism(mesh=mesh, tp_plan=plan))
+
+
+def ep_tp(rank: int, world: int, steps: int) -> dict:
+    """pp 1 × ep 2 × tp 2 next to pp 1 × dp 2 × tp 2, attention and the dense MLP tensor-parallel: ``steps`` SGD
+    steps from the same parameters as in :func:`ep_fsdp`; then what pipeline() says to a plan that shards the
+    experts, to SequenceParallel and to tp_plan='auto' with "ep"."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, SequenceParallel
+
+    from pipeloom.runtime import PipelineError
+    from pipeloom.runtime.parallel.ep import is_expert
+
+    plan = _attention_and_dense_plan()
+    ours, theirs = _tp_engine("ep", plan), _tp_engine("dp", plan)
+    mine, reference = dict(ours.named_parameters()), dict(theirs.named_parameters())
+    equal, worst, missing = True, 0.0, set()
+    losses = []
+    for step in range(steps):
+        x, y = tokens(seed=step)
+        a, b = ours.step(x, target=y), theirs.step(x, target=y)
+        losses.append((float(a), float(b)))
+        equal &= bool(torch.equal(a, b))
+        for key in sorted(mine):
+            p, q = mine[key], reference[key]
+            if p.grad is None:
+                missing.add(key)
+                continue
+            grad, expected = _full(p.grad), _full(q.grad)
+            worst = max(worst, float((grad - expected).abs().max()) / (float(expected.abs().max()) or 1.0))
+        with torch.no_grad():
+            for q in reference.values():
+                q -= 0.1 * q.grad
+        _set_from(mine, reference)
+        for p in (*mine.values(), *reference.values()):
+            p.grad = None
+    placed = {key: list(p.device_mesh.mesh_dim_names or ()) for key, p in mine.items() if hasattr(p, "device_mesh")}
+    experts = sum(1 for p in mine.values() if is_expert(p))
+    ours.close()
+    theirs.close()
+    refused = {}
+    for case, bad in {"experts": {**plan, "model.layers.*.mlp.experts": ColwiseParallel()},
+                      "sp": {**plan, "model.layers.*.input_layernorm": SequenceParallel()}, "auto": "auto"}.items():
+        try:
+            _tp_engine("ep", bad).close()
+            refused[case] = "no error"
+        except PipelineError as error:
+            refused[case] = str(error)
+    return {"losses_equal": equal, "worst": worst, "missing": sorted(missing), "placed": placed, "losses": losses,
+            "experts": experts, "refused": refused}
