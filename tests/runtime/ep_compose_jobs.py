@@ -127,8 +127,10 @@ def _tp_engine(dim: str, plan: object):
 
 def ep_tp(rank: int, world: int, steps: int) -> dict:
     """pp 1 × ep 2 × tp 2 next to pp 1 × dp 2 × tp 2, attention and the dense MLP tensor-parallel: ``steps`` SGD
-    steps from the same parameters as in :func:`ep_fsdp`; then what pipeline() says to a plan that shards the
-    experts, to SequenceParallel and to tp_plan='auto' with "ep"."""
+    steps from the same parameters as in :func:`ep_fsdp` (each step's pair of losses, whether all were bitwise
+    equal, the worst relative gradient difference, the parameters without a gradient, each DTensor parameter's
+    mesh dimensions); clip_grad_norm_ and the full state dicts after one more step; then what pipeline() says
+    to a plan that shards the experts, to SequenceParallel and to tp_plan='auto' with "ep"."""
     from torch.distributed.tensor.parallel import ColwiseParallel, SequenceParallel
 
     from pipeloom.runtime import PipelineError
@@ -159,6 +161,12 @@ def ep_tp(rank: int, world: int, steps: int) -> dict:
             p.grad = None
     placed = {key: list(p.device_mesh.mesh_dim_names or ()) for key, p in mine.items() if hasattr(p, "device_mesh")}
     experts = sum(1 for p in mine.values() if is_expert(p))
+    x, y = tokens(seed=steps)
+    ours.step(x, target=y)
+    theirs.step(x, target=y)
+    norms = (float(ours.clip_grad_norm_(1e-3)), float(theirs.clip_grad_norm_(1e-3)))
+    full, expected = ours.full_state_dict(), theirs.full_state_dict()
+    full_equal = full.keys() == expected.keys() and all(torch.equal(full[k], expected[k]) for k in full)
     ours.close()
     theirs.close()
     refused = {}
@@ -170,4 +178,4 @@ def ep_tp(rank: int, world: int, steps: int) -> dict:
         except PipelineError as error:
             refused[case] = str(error)
     return {"losses_equal": equal, "worst": worst, "missing": sorted(missing), "placed": placed, "losses": losses,
-            "experts": experts, "refused": refused}
+            "experts": experts, "refused": refused, "norms": norms, "full_equal": full_equal, "keys": len(full)}

@@ -86,7 +86,7 @@ def layout_of(process_group: dist.ProcessGroup | None, mesh: DeviceMesh | None) 
     unknown = [n for n in names if n not in _NAMES]
     if unknown or "pp" not in names:
         raise PipelineError(f"the mesh's dimensions are {list(names)}; pipeloom runs a \"pp\" dimension and, "
-                            "optionally, \"dp\" and \"tp\" or \"ep\": name them mesh_dim_names=('dp', 'pp', 'tp')")
+                            "optionally, \"dp\", \"tp\" and \"ep\": name them mesh_dim_names=('dp', 'pp', 'tp')")
     group = mesh.get_group("pp")
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     dp = DataParallel(group=None, rank=0, size=1)
