@@ -104,13 +104,16 @@ def ep_fsdp(rank: int, world: int, layout: str, schedule: str, steps: int, folde
 
 
 def _attention_and_dense_plan() -> dict:
-    """torch's plan for Qwen3-MoE's attention (heads split over "tp") and its dense MLP (layer 0)."""
+    """torch's plan for Qwen2-MoE's attention (heads split over "tp"), its dense MLP (layer 0) and its shared
+    experts (dense MLPs beside the routed experts of layers 1-3). (Qwen3's per-head q/k norms would be replicated
+    parameters whose gradients each tp rank sums over its own heads only: no model for this test.)"""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     plan: dict = {f"model.layers.*.self_attn.{p}_proj": ColwiseParallel() for p in "qkv"}
     plan["model.layers.*.self_attn.o_proj"] = RowwiseParallel()
-    plan.update({f"model.layers.0.mlp.{p}_proj": ColwiseParallel() for p in ("gate", "up")})
-    plan["model.layers.0.mlp.down_proj"] = RowwiseParallel()
+    for mlp in ("model.layers.0.mlp", "model.layers.*.mlp.shared_expert"):
+        plan.update({f"{mlp}.{p}_proj": ColwiseParallel() for p in ("gate", "up")})
+        plan[f"{mlp}.down_proj"] = RowwiseParallel()
     return plan
 
 
@@ -120,7 +123,7 @@ def _tp_engine(dim: str, plan: object):
     from pipeloom.runtime import pipeline
 
     mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("pp", dim, "tp"))
-    model = build_moe("qwen3_moe", mlp_only_layers=[0])  # layer 0 a dense MLP, layers 1-3 MoE
+    model = build_moe("qwen2_moe", mlp_only_layers=[0])  # layer 0 a dense MLP, layers 1-3 MoE
     return pipeline(model, stages=[model], schedule="1f1b", loss_fn=lm_loss, microbatches=2,
                     failures=Failures(timeout=120), parallel=Parallelism(mesh=mesh, tp_plan=plan))
 
