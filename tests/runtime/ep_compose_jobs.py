@@ -9,20 +9,36 @@ from ep_jobs import build_moe, lm_loss, tokens
 
 from pipeloom.runtime import Failures, Parallelism, Tracing
 
-MESHES = {  # layout -> (the mesh with "ep", the reference's mesh): the same replicas, numbered alike
-    "pp2_ep2": (((2, 2), ("pp", "ep")), ((2, 2), ("pp", "dp"))),
-    "dp2_ep2": (((2, 1, 2), ("dp", "pp", "ep")), ((4, 1), ("dp", "pp"))),
-    "dp2_pp2_ep2": (((2, 2, 2), ("dp", "pp", "ep")), ((4, 2), ("dp", "pp"))),
+MESHES = {  # layout -> the mesh with "ep" (its reference: the same ranks with "ep" merged into "dp")
+    "pp2_ep2": ((2, 2), ("pp", "ep")),
+    "dp2_ep2": ((2, 1, 2), ("dp", "pp", "ep")),
+    "dp2_pp2_ep2": ((2, 2, 2), ("dp", "pp", "ep")),
 }
 
 
-def _engine(layout: str, reference: bool, schedule: str):
-    from torch.distributed.device_mesh import init_device_mesh
+def _mesh(layout: str, reference: bool):
+    """The layout's mesh, or its reference: every rank at its own "pp" coordinate and replica index, with
+    "dp" in place of "ep" (dp × ep ranks in the order replica = dp index × ep + ep index)."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+    shape, names = MESHES[layout]
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    if not reference:
+        return mesh
+    grid, kept = mesh.mesh, [n for n in names if n != "ep"]
+    if "dp" in names:  # ep right after dp, then the two merged
+        grid = grid.movedim(names.index("ep"), names.index("dp") + 1)
+        grid = grid.reshape(*grid.shape[:names.index("dp")], -1, *grid.shape[names.index("dp") + 2:])
+    else:
+        kept = ["dp" if n == "ep" else n for n in names]
+    return DeviceMesh("cpu", grid, mesh_dim_names=tuple(kept))
+
+
+def _engine(layout: str, reference: bool, schedule: str):
     from pipeloom.runtime import pipeline
 
-    shape, names = MESHES[layout][reference]
-    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    mesh = _mesh(layout, reference)
+    names = mesh.mesh_dim_names
     model = build_moe("qwen3_moe")
     common = dict(schedule=schedule, loss_fn=lm_loss, microbatches=2, failures=Failures(timeout=120),
                   parallel=Parallelism(mesh=mesh, data_parallel="fsdp"))

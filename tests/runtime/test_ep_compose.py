@@ -1,32 +1,36 @@
-"""Expert parallelism composed with FSDP and with tensor parallelism on 4 gloo ranks: a tiny Qwen3-MoE
-(transformers, random init) with data_parallel='fsdp' on (pp 2, ep 2) and on (dp 2, pp 1, ep 2) against the same
-model with FSDP on the mesh with "dp" in place of "ep" (the same replicas and global batch, no sharded experts):
-losses bitwise equal, gradients within the ep tolerance, every parameter with a gradient, the experts sharded over
-"ep" and then over "dp", the dense parameters over every replica; clipping, full state dicts and a checkpoint read
-back by the reference. And pp 1 × ep 2 × tp 2 (attention and dense MLPs tensor-parallel, experts over "ep" only)
-against pp 1 × dp 2 × tp 2 (Qwen2-MoE: shared experts tensor-parallel too), with the plans that do not compose
-refused by name."""
+"""Expert parallelism composed with FSDP and with tensor parallelism on gloo ranks: a tiny Qwen3-MoE (transformers,
+random init) with data_parallel='fsdp' on (pp 2, ep 2), (dp 2, pp 1, ep 2) and, on 8 ranks, (dp 2, pp 2, ep 2)
+against the same model with FSDP on the mesh with "dp" in place of "ep" (the same replicas and global batch, no
+sharded experts): losses bitwise equal, gradients within the ep tolerance, every parameter with a gradient, the
+experts sharded over "ep" and then over "dp", the dense parameters over every replica; clipping, full state dicts
+and a checkpoint read back by the reference. And pp 1 × ep 2 × tp 2 (attention and dense MLPs tensor-parallel,
+experts over "ep" only) against pp 1 × dp 2 × tp 2 (Qwen2-MoE: shared experts tensor-parallel too), with the
+plans that do not compose refused by name."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from ep_compose_jobs import ep_fsdp, ep_tp
+from ep_compose_jobs import MESHES, ep_fsdp, ep_tp
 from ep_jobs import build_moe
 from ranks import run_ranks
 from test_ep import TOLERANCE, _ok
 
 # layout -> (expert parameters on a rank holding MoE layers, the mesh dimensions they are sharded over, the
 # local shape of a gate_up_proj: 4 experts of [2·16, 32] cut over ep and then dp)
-EXPECTED = {"pp2_ep2": (4, ["ep"], [2, 32, 32]), "dp2_ep2": (8, ["dp", "ep"], [1, 32, 32])}
+EXPECTED = {"pp2_ep2": (4, ["ep"], [2, 32, 32]), "dp2_ep2": (8, ["dp", "ep"], [1, 32, 32]),
+            "dp2_pp2_ep2": (4, ["dp", "ep"], [1, 32, 32])}
 
 
 @pytest.mark.parametrize("layout", sorted(EXPECTED))
 def test_ep_with_fsdp_matches_fsdp_without_ep(layout, tmp_path):
-    results = _ok(run_ranks(4, ep_fsdp, layout, "1f1b", 3, str(tmp_path / "ckpt"), timeout=1200))
+    world = math.prod(MESHES[layout][0])  # 4 ranks, 8 for dp 2 × pp 2 × ep 2
+    results = _ok(run_ranks(world, ep_fsdp, layout, "1f1b", 3, str(tmp_path / "ckpt"), timeout=1200))
     count, dims, shape = EXPECTED[layout]
     for rank, found in results.items():
         assert found["losses_equal"], rank
