@@ -10,6 +10,13 @@ its experts: its parameters become ``DTensor``\\ s sharded ``Shard(0)`` over the
 clipping, state dicts and checkpoints see the whole tensor), and its gradient is summed over ``"dp"`` only.
 Tokens reach their experts' ranks and come back with all-to-all (:mod:`pipeloom.runtime.parallel.ep_dispatch`).
 
+With ``data_parallel="fsdp"`` the dense parameters are FSDP-sharded over the replicas (their flattened
+``"replicas"`` mesh) and each experts module over ``"dp"`` within its ep shard
+(:mod:`pipeloom.runtime.parallel.fsdp`). With a ``"tp"`` dimension too, the replicas are those of one
+(``"pp"``, ``"tp"``) coordinate and the experts are replicated over ``"tp"``: after a row-parallel layer every
+tp rank holds the same tokens, dispatches them over its own ``"ep"`` group and computes the same outputs
+(:func:`check_tp_with_experts` refuses the plans for which that does not hold).
+
 **The experts interface** (what ``transformers``' grouped experts modules — Qwen2/3-MoE, Mixtral, OLMoE,
 DeepSeek-V3, ... — already are, and what a user's own MoE layer provides to be sharded): a module with
 
@@ -41,8 +48,9 @@ from pipeloom.runtime.parallel.tp import resolve
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["REPLICAS", "ExpertParallel", "check_experts_agree", "expert_groups", "expert_layout", "experts_for",
-           "check_tp_with_experts", "find_experts", "is_expert", "is_experts_module", "moe_layers", "shard_experts"]
+__all__ = ["REPLICAS", "ExpertParallel", "check_experts_agree", "check_tp_with_experts", "expert_groups",
+           "expert_layout", "experts_for", "find_experts", "is_expert", "is_experts_module", "moe_layers",
+           "shard_experts"]
 
 
 REPLICAS = "replicas"  # the name of the replicas' flattened mesh dimension (every one but "pp" and "tp")
