@@ -10,7 +10,9 @@ and those without torch.compile with eager elementwise kernels. Megatron-LM 2021
 after the pipeline flush (its training step calls the all-reduce after forward_backward returns; the overlap
 came with Megatron-Core's --overlap-grad-reduce in 2023): ``overlap_grad_reduce=False`` there. torchtitan's
 selective recomputation is its op-level policy (``selective="op"``), or every second layer whole where its
-table says "selective layer" (``selective="layer"``).
+table says "selective layer" (``selective="layer"``); DeepSeek-V3's is its own (``selective="deepseek"``).
+torchtitan's context parallelism all-gathers K/V (``cp_rotate="allgather"``, its default rotate method).
+DeepSeek-V3's all-to-all is its own (``moe_comm="deepseek"``: node-limited FP8 dispatch, 20 SMs for it).
 Keys a source leaves open are searched with the published ones held, except that the 2021 Megatron rows get
 the schedules of their time (1F1B or interleaved 1F1B, the faster) and the recomputation their Eq. 3 assumes.
 Throughput is compared in tokens/s per GPU where the source determines it (as published, or Megatron's Eq. 3
@@ -84,17 +86,29 @@ def attention(run: dict) -> str:
 
 def selective(run: dict) -> str:
     """torchtitan's selective recomputation: its op-level policy, or every second layer whole where its table
-    says "selective layer"; Megatron's (the attention core) elsewhere."""
+    says "selective layer"; DeepSeek-V3's (its norms, MLA up-projections and MoE SwiGLU recomputed, linear inputs
+    cached in FP8: report sec. 3.2.3, 3.3.4); Megatron's (the attention core) elsewhere."""
+    if run["id"].startswith("deepseek-v3"):
+        return "deepseek"
     if not run["id"].startswith("torchtitan"):
         return "attention"
     return "layer" if "selective-layer" in run["id"] else "op"
+
+
+def cp_rotate(run: dict) -> str:
+    """torchtitan's context parallelism is PyTorch's ``context_parallel`` with torchtitan's default
+    ``context_parallel_rotate_method = "allgather"``; Megatron-Core's (Llama 3's stack is taken to match) passes
+    K/V around the ring."""
+    return "allgather" if run["id"].startswith("torchtitan") else "ring"
 
 
 def _plan(run: dict, fixed: dict | None, limit: float | None):
     return plan_cluster(run_config(run), run_hardware(run), gpus=run["gpus"], global_batch=run["global_batch"],
                         seq=run["seq"], dtype=run["dtype"], layout=fixed, kernels=kernels(run),
                         attention=attention(run), overlap_grad_reduce=not run["id"].startswith("megatron2021"),
-                        selective=selective(run),
+                        p2p_overlap=not run["id"].startswith("megatron2021"),
+                        selective=selective(run), cp_rotate=cp_rotate(run),
+                        moe_comm="deepseek" if run["id"].startswith("deepseek-v3") else "plain",
                         memory_limit=limit, runners_up=0)
 
 

@@ -37,9 +37,16 @@ def add_cluster_arguments(plan: argparse.ArgumentParser) -> None:
     group.add_argument("--no-overlap-grad-reduce", dest="overlap_grad_reduce", action="store_false",
                        help="the data-parallel gradient all-reduce runs after the backward, exposed (Megatron-LM "
                             "before --overlap-grad-reduce)")
-    group.add_argument("--selective", choices=("attention", "op", "layer"), default="attention",
+    group.add_argument("--selective", choices=("attention", "op", "layer", "deepseek"), default="attention",
                        help="what recompute=selective recomputes: attention (Megatron's: the attention core; "
-                            "default), op (torchtitan's op-level policy) or layer (every second layer whole)")
+                            "default), op (torchtitan's op-level policy), layer (every second layer whole) or "
+                            "deepseek (DeepSeek-V3's norms, MLA up-projections and SwiGLU; FP8-cached inputs)")
+    group.add_argument("--cp-rotate", choices=("ring", "allgather"), default="ring",
+                       help="how context parallelism exchanges K/V: ring (Megatron-Core's, beside the compute; "
+                            "default) or allgather (PyTorch's context_parallel, as torchtitan runs it)")
+    group.add_argument("--moe-comm", choices=("plain", "deepseek"), default="plain",
+                       help="the expert all-to-all: plain (default) or deepseek (DeepSeek-V3's node-limited FP8 "
+                            "dispatch with 20 SMs reserved for communication)")
     group.add_argument("--layout", metavar="KEY=VALUE,...",
                        help="layout keys to hold fixed, e.g. tp=4,pp=8,vp=5,cp=1,ep=1,dp=2,mbs=1,fsdp=0,"
                             "recompute=selective,schedule=interleaved-1f1b; all of them: predict that layout")
@@ -77,7 +84,8 @@ def cmd_plan_cluster(args: argparse.Namespace) -> int:
         result = plan_cluster(args.model, args.hardware, gpus=args.gpus, global_batch=args.global_batch,
                               seq=args.seq, dtype=args.dtype, layout=args.layout, kernels=args.kernels,
                               attention=args.attention, overlap_grad_reduce=args.overlap_grad_reduce,
-                              selective=args.selective, memory_limit=args.memory_limit,
+                              selective=args.selective, cp_rotate=args.cp_rotate, moe_comm=args.moe_comm,
+                              memory_limit=args.memory_limit,
                               progress=progress)
     except PipeloomError as error:
         raise UsageError(str(error).splitlines()[0]) from None

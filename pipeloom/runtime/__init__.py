@@ -30,6 +30,7 @@ from pipeloom.runtime.model.split import (
     stages_from_modules,
 )
 from pipeloom.runtime.options import Failures, Parallelism, Tracing, Weights
+from pipeloom.runtime.parallel.link import SimulatedLink
 from pipeloom.runtime.parallel.scatter import Traffic
 from pipeloom.runtime.program import MODEL_INPUT, model_pieces
 from pipeloom.runtime.state.state_dict import LoadResult, ModelNames, model_names
@@ -46,6 +47,7 @@ __all__ = [
     "ModelTraceError",
     "PipelineEngine",
     "PipelineError",
+    "SimulatedLink",
     "SplitError",
     "SplitOrderError",
     "StageGraph",

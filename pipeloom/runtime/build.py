@@ -165,7 +165,8 @@ def _engine_parts(staged: StagedModel, *, model: nn.Module | None, layout: Layou
         if layout.ep.size > 1:
             check_tp_with_experts(tp_plan, {k: staged.stages[k] for k in held}, expert_names)
         _apply_tp(staged, held, tp_plan, layout, lowering, data_parallel, shared)
-    experts = shard_experts({k: staged.stages[k] for k in held}, expert_names, layout.ep) if layout.ep.size > 1 else []
+    experts = shard_experts({k: staged.stages[k] for k in held}, expert_names, layout.ep,
+                            link=parallel.simulated_link) if layout.ep.size > 1 else []
     sharded = _sharded(data_parallel, layout, lowering, shared)
     if sharded:  # an experts module is sharded over "dp" on its own (its parameters are over "ep" already)
         shard_pieces({k: staged.stages[k] for k in held}, layout.dp.mesh,

@@ -49,15 +49,21 @@ from pipeloom.trace.format import rank_file, step_record, trace_document, write_
 __all__ = ["PipelineEngine"]
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # engines not yet collected
+_BUILT = [False]  # whether this process built an engine (then exit also ends a forgotten process group)
 
 
 @atexit.register
 def _close_live_engines() -> None:
     """Close every engine still alive at exit (their threads and group references), while the
-    interpreter is still whole."""
+    interpreter is still whole; in a process that built an engine, also destroy the default process
+    group the script forgot to destroy: left to the interpreter's teardown, gloo's threads abort the
+    process ("terminate called without an active exception") in about one exit of five."""
     for engine in list(_LIVE):
         with contextlib.suppress(Exception):
             engine.close()
+    if _BUILT[0] and dist.is_available() and dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
 def _mesh_scope(layout: Layout) -> FailureScope | None:
     """With data-parallel replicas or a "tp" dimension, one failure board over every rank of the mesh
     (global numbers; a rank of another pipeline is named so, with its mesh coordinates on a "tp" mesh),
@@ -129,6 +135,7 @@ class PipelineEngine:
                                     {lowering.rank_of[lowering.stage_for[j][last]] for j in range(lowering.replicas)}))
         self._step_count = 0
         _LIVE.add(self)  # closed at interpreter exit if the script does not close it
+        _BUILT[0] = True
         self.training_steps = 0  # training steps run: part of every forward's random seed
         self.training = True
         self.names = names  # the original model's names of the pieces' tensors (manual mode: stages.{k}.{name})

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pipeloom.runtime.errors import PipelineError
+from pipeloom.runtime.parallel.link import SimulatedLink
 
 if TYPE_CHECKING:
     from torch import nn
@@ -77,6 +78,10 @@ class Parallelism:
     """An overlapped pair ``(iF;jB)OVERLAP_F_B`` (DualPipe's) runs its two parts interleaved at their expert
     all-to-alls, one computing while the other's is in flight (:mod:`pipeloom.runtime.parallel.overlap`); every
     rank passes the same value."""
+    simulated_link: SimulatedLink | None = None
+    """A benchmark and test facility, off by default: every expert all-to-all completes no earlier than
+    ``latency + bytes / bandwidth`` after it was issued, its wait sleeping (:mod:`pipeloom.runtime.parallel.link`),
+    so that a pair's overlap has idle time to fill on CPU ranks; every rank passes the same value."""
 
     def __post_init__(self) -> None:
         if self.mesh is not None and self.process_group is not None:
@@ -88,6 +93,9 @@ class Parallelism:
                                 f"[{self.experts!r}]")
         if not isinstance(self.scatter_boundaries, bool) or not isinstance(self.overlap_pairs, bool):
             raise PipelineError("Parallelism(scatter_boundaries=, overlap_pairs=) are True or False")
+        if self.simulated_link is not None and not isinstance(self.simulated_link, SimulatedLink):
+            raise PipelineError(f"Parallelism(simulated_link={self.simulated_link!r}) takes a SimulatedLink(latency=, "
+                                "bandwidth=) or None")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -95,7 +95,7 @@ def build_own(seed: int = 0) -> nn.Module:
 V_SHAPED = ("zbv", "dualpipev")  # two pieces per rank
 
 
-def _engine(model: nn.Module, schedule: str, dim: str, name: str, timeout: float = 60):
+def _engine(model: nn.Module, schedule: str, dim: str, name: str, timeout: float = 60, link=None):
     from torch.distributed.device_mesh import init_device_mesh
 
     from pipeloom.runtime import pipeline
@@ -110,7 +110,7 @@ def _engine(model: nn.Module, schedule: str, dim: str, name: str, timeout: float
             loss_fn=F.mse_loss,
             microbatches=4,
             tracing=Tracing(leaf_modules=["1.experts", "2.experts"]),
-            parallel=Parallelism(mesh=mesh, experts=["*.experts"] if dim == "ep" else None),
+            parallel=Parallelism(mesh=mesh, experts=["*.experts"] if dim == "ep" else None, simulated_link=link),
             failures=Failures(timeout=timeout),
         )  # the reference's tracer keeps them whole too
     x, _ = tokens()
@@ -121,7 +121,7 @@ def _engine(model: nn.Module, schedule: str, dim: str, name: str, timeout: float
         loss_fn=lm_loss,
         microbatches=4,
         tracing=Tracing(tracer="export", example_inputs=(x[:2],)),
-        parallel=Parallelism(mesh=mesh),
+        parallel=Parallelism(mesh=mesh, simulated_link=link),
         failures=Failures(timeout=timeout),
     )
 
@@ -278,10 +278,11 @@ def ep_fault(rank: int, world: int, timeout: float) -> dict:
     return {"error": outcome[:400], "seconds": elapsed}
 
 
-def ep_overlap(rank: int, world: int, name: str, steps: int = 2) -> dict:
+def ep_overlap(rank: int, world: int, name: str, steps: int = 2, link=None) -> dict:
     """``name`` under dualpipev on (pp 2, ep 2), overlapped pairs run one part after the other and interleaved at
-    their all-to-alls (``overlap_pairs=True``), from the same parameters: whether losses and gradients are
-    bitwise equal, and how many times the interleaved run handed the baton over."""
+    their all-to-alls (``overlap_pairs=True``; its all-to-alls held to ``link``, a simulated link, when given),
+    from the same parameters: whether losses and gradients are bitwise equal, and how many times the interleaved
+    run handed the baton over."""
     from pipeloom.runtime.parallel import overlap
     from pipeloom.runtime.parallel.ep import is_expert
 
@@ -293,7 +294,8 @@ def ep_overlap(rank: int, world: int, name: str, steps: int = 2) -> dict:
         original(self, part)
 
     overlap.Baton.pass_on = counting  # type: ignore[method-assign]
-    plain, interleaved = _engine(_build(name), "dualpipev", "ep", name), _engine(_build(name), "dualpipev", "ep", name)
+    plain = _engine(_build(name), "dualpipev", "ep", name)
+    interleaved = _engine(_build(name), "dualpipev", "ep", name, link=link)
     interleaved.overlap_pairs = True
     equal = True
     for step in range(steps):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from functools import partial
 
 from pipeloom.runtime import Failures
 
@@ -11,7 +12,7 @@ def hf_exactness(rank: int, world: int, cases: list[tuple[str, str, int]], steps
     """For every (model, schedule, pieces): ``steps`` SGD steps with the engine and with the unsplit model's
     for-loop reference (the second step with a shorter sequence); mismatching parameters, whether the
     losses agree, and the shared (tied) parameters' values after training."""
-    from hf_models import build_hf, hf_splits, lm_loss, tokens
+    from hf_models import build_hf, hf_batch, hf_splits, lm_loss
     from models import train_beside_reference
 
     from pipeloom.runtime import pipeline, split_model
@@ -22,8 +23,9 @@ def hf_exactness(rank: int, world: int, cases: list[tuple[str, str, int]], steps
     for name, schedule, pieces in cases:
         if name not in traced:
             model = build_hf(name)
-            traced[name] = (model, copy.deepcopy(model.state_dict()),
-                            trace_model(model, tracer="export", example_inputs=(tokens()[0],)))
+            example = hf_batch(name)[0]
+            traced[name] = (model, copy.deepcopy(model.state_dict()), trace_model(
+                model, tracer="export", example_inputs=example if isinstance(example, tuple) else (example,)))
         model, initial, trace = traced[name]
         model.load_state_dict(initial)
         model.zero_grad(set_to_none=True)
@@ -37,12 +39,20 @@ def hf_exactness(rank: int, world: int, cases: list[tuple[str, str, int]], steps
             failures=Failures(timeout=60),
         )
         problems, losses_equal, owned = train_beside_reference(
-            engine, model, reference, lm_loss, lambda step: tokens(seq=12 if step == 0 else 7, seed=step), steps)
+            engine, model, reference, lm_loss, partial(_batch, name), steps)
         shared = {name: p.detach().flatten().tolist() for name, p in zip(engine.shared.names, engine.shared.params)
                   if id(p) in owned}
         results[f"{name}/{schedule}"] = {"mismatches": problems, "losses_equal": bool(losses_equal),
-                                         "owned": len(owned), "shared": shared}
+                                         "owned": len(owned), "shared": shared,
+                                         "uses": dict(zip(engine.shared.names, engine.shared.uses))}
     return results
+
+
+def _batch(name: str, step: int) -> tuple:
+    """Step ``step``'s batch of ``name``: the second step with a shorter sequence."""
+    from hf_models import hf_batch
+
+    return hf_batch(name, seq=12 if step == 0 else 7, seed=step)
 
 
 def hf_dropout(rank: int, world: int, schedules: list[str], steps: int = 2) -> dict:

@@ -11,7 +11,9 @@ LAYERS = 4
 
 
 def build_hf(name: str, *, dropout: float = 0.0, seed: int = 0) -> torch.nn.Module:
-    """GPT-2 and BERT-MLM tie their head to the embedding; Qwen2 is built tied too; LLaMA is not.
+    """GPT-2 and BERT-MLM tie their head to the embedding; Qwen2 is built tied too; LLaMA is not. BART and
+    T5 share one embedding between the encoder, the decoder and the head; Whisper ties its decoder's
+    embedding to its head (encoder-decoder models: ``ENCODER_DECODER``, 2 encoder and 4 decoder layers).
 
     LLaMA and Qwen2 use eager attention: with SDPA, transformers skips the causal mask when it runs
     untraced but builds it under tracing, so the traced program runs another attention kernel
@@ -39,14 +41,45 @@ def build_hf(name: str, *, dropout: float = 0.0, seed: int = 0) -> torch.nn.Modu
                                num_key_value_heads=2, tie_word_embeddings=True, attention_dropout=dropout,
                                attn_implementation="eager", **common)
         return T.Qwen2ForCausalLM(config)
+    if name in ENCODER_DECODER:
+        return _encoder_decoder(name, dropout, common)
     raise ValueError(name)
+
+
+ENCODER_DECODER = {"bart": ("model.encoder.layers", "model.decoder.layers"),  # model -> its blocks' names
+                   "t5": ("encoder.block", "decoder.block"),
+                   "whisper": ("model.encoder.layers", "model.decoder.layers")}
+MELS, FRAMES = 8, 32  # Whisper's input features: (rows, MELS, FRAMES), FRAMES = 2 × max_source_positions
+
+
+def _encoder_decoder(name: str, dropout: float, common: dict) -> torch.nn.Module:
+    """Eager attention: the traced program then runs the untraced one's kernels (docs/runtime.md)."""
+    import transformers as T
+
+    common = dict(common, decoder_start_token_id=0, attn_implementation="eager")
+    sizes = dict(d_model=32, encoder_layers=2, decoder_layers=LAYERS, encoder_attention_heads=4,
+                 decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, dropout=dropout,
+                 attention_dropout=dropout, activation_dropout=dropout)
+    if name == "bart":
+        return T.BartForConditionalGeneration(T.BartConfig(max_position_embeddings=64, **sizes, **common))
+    if name == "whisper":
+        return T.WhisperForConditionalGeneration(T.WhisperConfig(num_mel_bins=MELS, max_source_positions=FRAMES // 2,
+                                                                 max_target_positions=32, **sizes, **common))
+    return T.T5ForConditionalGeneration(T.T5Config(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=LAYERS,
+                                                   num_heads=4, dropout_rate=dropout, **common))
 
 
 _BLOCKS = {"gpt2": "transformer.h", "llama": "model.layers", "bert": "bert.encoder.layer", "qwen2": "model.layers"}
 
 
 def hf_splits(name: str, pieces: int) -> list[str]:
-    """Split points cutting the model's 4 blocks into ``pieces`` pieces (1, 2 or 4)."""
+    """Split points cutting the model's 4 blocks into ``pieces`` pieces (1, 2 or 4). An encoder-decoder
+    model: 2 pieces cut its decoder in half (the encoder and the first half in piece 0, which uses the shared
+    embedding twice when it has one); 4 pieces cut after the first encoder layer and the first and third
+    decoder layers (the encoder's output then feeds decoder layers in pieces 1, 2 and 3)."""
+    if name in ENCODER_DECODER:
+        encoder, decoder = ENCODER_DECODER[name]
+        return {1: [], 2: [f"{decoder}.2"], 4: [f"{encoder}.1", f"{decoder}.1", f"{decoder}.3"]}[pieces]
     step = LAYERS // pieces
     return [f"{_BLOCKS[name]}.{k}" for k in range(step, LAYERS, step)]
 
@@ -60,3 +93,16 @@ def tokens(rows: int = 8, seq: int = 12, seed: int = 1) -> tuple[torch.Tensor, t
     generator = torch.Generator().manual_seed(seed)
     return (torch.randint(1, VOCAB, (rows, seq), generator=generator),
             torch.randint(0, VOCAB, (rows, seq), generator=generator))
+
+
+def hf_batch(name: str, rows: int = 8, seq: int = 12, seed: int = 1) -> tuple[object, torch.Tensor]:
+    """``name``'s inputs and targets: token ids; T5 and Whisper take the decoder's ids too, as their third
+    positional input after an attention mask (all ones); Whisper's encoder reads (rows, MELS, FRAMES)
+    features instead of ids."""
+    x, y = tokens(rows, seq, seed)
+    if name == "t5":
+        return (x, torch.ones_like(x), torch.roll(y, 1, dims=1)), y
+    if name == "whisper":
+        features = torch.randn(rows, MELS, FRAMES, generator=torch.Generator().manual_seed(seed))
+        return (features, torch.ones(rows, FRAMES, dtype=torch.long), torch.roll(y, 1, dims=1)), y
+    return x, y

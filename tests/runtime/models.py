@@ -55,17 +55,40 @@ class TwoInputs(nn.Module):
         return self.out(torch.tanh(self.c(h)))
 
 
+class MultiUse(nn.Module):
+    """Cut at a, c and out: piece 0's value h is used twice by piece 1 and once by piece 2, and the weight
+    ``tied`` too. One device adds each one's gradients use by use, the last
+    use first; grouping piece 1's two uses first gives other bits."""
+
+    def __init__(self, hidden: int = 16) -> None:
+        super().__init__()
+        self.inp = nn.Linear(hidden, hidden)
+        self.a = nn.Linear(hidden, hidden)
+        self.b = nn.Linear(hidden, hidden)
+        self.c = nn.Linear(hidden, hidden)
+        self.out = nn.Linear(hidden, 3)
+        self.tied = nn.Parameter(torch.randn(hidden, hidden) / 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        y = torch.tanh(self.a(h)) + torch.tanh(self.b(h))
+        y = torch.tanh(torch.tanh(y @ self.tied) @ self.tied.T)
+        z = torch.tanh(self.c(y)) * h
+        return self.out(z @ self.tied)
+
+
 SPLITS = {  # model -> split points for 1, 2 and 4 pieces
     "residual": {1: [], 2: ["layers.4"], 3: ["layers.3", "layers.6"], 4: ["layers.2", "layers.4", "layers.6"],
                  8: [f"layers.{i}" for i in range(1, 8)]},
     "skip": {1: [], 2: ["mid2"], 4: ["mid1", "mid2", "out"]},
     "two_inputs": {1: [], 2: ["b"], 4: ["b", "c", "out"]},
+    "multi_use": {1: [], 4: ["a", "c", "out"]},
 }
 
 
 def build(name: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    return {"residual": Residual, "skip": Skip, "two_inputs": TwoInputs}[name]()
+    return {"residual": Residual, "skip": Skip, "two_inputs": TwoInputs, "multi_use": MultiUse}[name]()
 
 
 def batch(name: str, rows: int = 16, seed: int = 1) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
@@ -128,9 +151,10 @@ def train_one_rank(model_name: str, schedule, pieces: int, steps: int = 3, **opt
 
 def train_beside_reference(engine, model, reference, loss_fn, batch_for, steps: int, microbatches: int = 4):
     """``steps`` SGD steps of ``engine`` (over ``model``) next to the single-device ``reference``, the batch of
-    step k from ``batch_for(k)``: the names of parameters not bitwise the reference's after each step, whether
-    every loss was bitwise the reference's, and the ids of this rank's parameters (read after each step: an
-    engine split at its first step owns its pieces only then)."""
+    step k from ``batch_for(k)`` (inputs: a tensor, or a tuple of the model's inputs): the names of parameters
+    not bitwise the reference's after each step, whether every loss was bitwise the reference's, and the ids
+    of this rank's parameters (read after each step: an engine split at its first step owns its pieces only
+    then)."""
     import torch
 
     ours = torch.optim.SGD(engine.parameters(), lr=0.1)
@@ -141,8 +165,9 @@ def train_beside_reference(engine, model, reference, loss_fn, batch_for, steps: 
         loss = engine.step(x, target=y)
         owned = {id(p) for p in engine.parameters()}
         expected = None
-        for xm, ym in zip(torch.chunk(x, microbatches), torch.chunk(y, microbatches)):
-            part = loss_fn(reference(xm), ym) / microbatches
+        chunks = list(zip(*(torch.chunk(t, microbatches) for t in (x if isinstance(x, tuple) else (x,)))))
+        for xm, ym in zip(chunks, torch.chunk(y, microbatches)):
+            part = loss_fn(reference(*xm), ym) / microbatches
             part.backward()
             expected = part.detach() if expected is None else expected + part.detach()
         losses_equal &= torch.equal(loss, expected)

@@ -36,6 +36,26 @@ def test_skip_connections_and_two_inputs_are_exact(model_name, schedule):
     assert problems == [] and all(losses)
 
 
+@pytest.mark.parametrize("split_backward", [False, True], ids=["interleaved-1f1b", "interleaved-zb"])
+def test_values_and_weights_used_several_times_add_their_uses_as_one_device(split_backward):
+    """models.MultiUse in 4 pieces on one rank (with split backward, I and W apart): h is made by piece 0
+    and used twice by piece 1 and once by piece 2, and so is the weight ``tied``.
+    Adding piece 1's two uses together before adding them to the later ones' (what autograd does inside a
+    piece) gives ``tied`` and ``inp`` other bits than the single-device reference's."""
+    from pipeloom.runtime import split_model
+    from pipeloom.runtime.step.shared import shared_parameters
+    from pipeloom.schedules.interleaved_zb import interleaved_zb
+
+    staged = split_model(build("multi_use"), SPLITS["multi_use"][4])
+    assert [ref.stage for ref in staged.graph.stages[2].inputs] == [1, 1]  # y, and h threaded through piece 1
+    assert [ref.stage for ref in staged.graph.stages[1].inputs] == [0]
+    shared = shared_parameters(staged.stages)
+    assert shared.pieces == ((1, 2),) and shared.uses == ((2, 1),)  # piece 1 gives its two uses apart
+    schedule = interleaved_zb(1, 8, stages_per_rank=4) if split_backward else "interleaved-1f1b"
+    problems, losses = train_one_rank("multi_use", schedule, 4)
+    assert problems == [] and all(losses)
+
+
 def test_a_searched_schedule_runs_exactly():
     from pipeloom.search import search
     from pipeloom.search.placements import placement

@@ -7,6 +7,7 @@ import pytest
 
 pytest.importorskip("torch")
 
+from models import assert_bitwise_reports
 from rank_jobs import exactness, fault, float64_loss, shape_change
 from ranks import run_ranks
 
@@ -59,6 +60,17 @@ def test_every_schedule_is_bitwise_exact_on_every_rank(exact_runs):
     for key in keys:
         assert all(results[r][1][key]["owned"] > 0 for r in range(world)), key
     assert any(key.startswith("residual/searched-v") for key in keys)
+
+
+@pytest.mark.timeout(240)
+def test_values_and_weights_used_several_times_are_exact_across_ranks():
+    """models.MultiUse in 4 pieces on 2 ranks. Under interleaved-1f1b (pieces 0, 2 on rank 0; 1, 3 on rank 1)
+    h goes from rank 0 to piece 1 on rank 1 and back to piece 2 on rank 0, and piece 1's two uses of the
+    weight ``tied`` cross to rank 0 apart in the shared-parameter exchange; under zbv (I and W apart)
+    pieces 1 and 2 share rank 1."""
+    cases = [("multi_use", "interleaved-1f1b", 4, None), ("multi_use", "zbv", 4, None)]
+    results = run_ranks(2, exactness, cases, 3, timeout=200)
+    assert_bitwise_reports(results, len(cases))
 
 
 @pytest.mark.timeout(120)

@@ -32,6 +32,25 @@ def test_transformers_models_are_bitwise_exact_on_two_ranks():
     assert results[0][1]["llama/1f1b"]["shared"] == {}  # LLaMA does not tie its head
 
 
+ENCODER_DECODER = [(name, schedule, 2 if schedule == "1f1b" else 4) for name in ("bart", "t5", "whisper")
+                   for schedule in ("1f1b", "zbv")]
+
+
+@pytest.mark.timeout(600)
+def test_encoder_decoder_models_are_bitwise_exact_on_two_ranks():
+    """BART, T5 and Whisper (hf_models.hf_splits): under 1f1b piece 0 holds the encoder and half the decoder,
+    so BART's and T5's shared embedding is used twice there (encoder and decoder) and once by piece 1 (the
+    head); under zbv the encoder's output feeds decoder layers of pieces 1, 2 (both on rank 1) and 3 (rank 0).
+    Before the runtime added every use in one device's order, gradients differed by up to 2e-8 (docs/runtime.md)."""
+    results = run_ranks(2, hf_exactness, ENCODER_DECODER, timeout=540)
+    for rank, key, outcome in assert_bitwise_reports(results, len(ENCODER_DECODER)):
+        assert outcome["owned"] > 0, (rank, key)
+    for key in ("bart/1f1b", "t5/1f1b"):  # piece 0 gives its two uses of the embedding apart
+        assert list(results[0][1][key]["uses"].values()) == [(2, 1)], key
+        first, second = results[0][1][key]["shared"], results[1][1][key]["shared"]
+        assert first and first.keys() == second.keys() and all(first[n] == second[n] for n in first), key
+
+
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("world, schedules", [(1, ["interleaved-1f1b"]), (2, ["zbv", "interleaved-1f1b"]),
                                               (4, ["1f1b"])], ids=["1rank", "2ranks", "4ranks"])

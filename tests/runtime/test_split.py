@@ -167,9 +167,10 @@ def _backward_detached(staged: StagedModel, inputs: tuple) -> torch.Tensor:
 CASES = [
     (MLP, ["layers.2", "head"], lambda: (torch.randn(5, 8),), [(0, 1), (1, 2)]),
     (MLP, ["layers.1", "layers.2.fc", "layers.3"], lambda: (torch.randn(5, 8),), [(0, 1), (1, 2), (2, 3)]),
-    (Skip, ["body.0", "body.1"], lambda: (torch.randn(5, 4),), [(0, 1), (0, 2), (1, 2)]),
+    # stage 0's embedding, read by stages 1 and 2, is threaded: stage 2 reads stage 1's unchanged copy
+    (Skip, ["body.0", "body.1"], lambda: (torch.randn(5, 4),), [(0, 1), (1, 2)]),
     (TwoInTwoOut, ["b", "mix", "out"], lambda: (torch.randn(5, 6), torch.randn(5, 6)),
-     [(0, 1), (0, 3), (1, 2), (2, 3)]),  # stage 3 reads u from stage 0
+     [(0, 1), (1, 2), (1, 3), (2, 3)]),  # stage 3 reads u from stage 1, which reads it too (threaded)
     (Scaled, ["b"], lambda: (torch.randn(5, 4),), [(0, 1)]),
 ]
 

@@ -62,6 +62,10 @@ class Experts:
     """Intermediate size of the shared expert(s) together, run on every token (0: none)."""
     shared_gate: bool = False
     """A sigmoid gate (hidden -> 1) on the shared expert's output (Qwen2-MoE)."""
+    groups: int = 1
+    """Groups the routed experts are split into for group-limited routing (DeepSeek's ``n_group``)."""
+    group_top_k: int = 0
+    """Groups a token may be routed into (DeepSeek's ``topk_group``); 0: routing not group-limited."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -211,7 +215,9 @@ def _deepseek(data: Mapping[str, Any], common: dict[str, Any], heads: int) -> Mo
     routed = int(_get(data, "n_routed_experts", default=0))
     moe_intermediate = int(_get(data, "moe_intermediate_size"))
     experts = Experts(count=routed, top_k=int(_get(data, "num_experts_per_tok")), intermediate=moe_intermediate,
-                      shared_intermediate=moe_intermediate * int(data.get("n_shared_experts") or 0))
+                      shared_intermediate=moe_intermediate * int(data.get("n_shared_experts") or 0),
+                      groups=int(data.get("n_group") or 1),
+                      group_top_k=int(data.get("topk_group") or 0) if int(data.get("n_group") or 1) > 1 else 0)
     first_dense = int(data.get("first_k_dense_replace") or 0)
     freq = int(data.get("moe_layer_freq") or 1)
     layers = common["layers"]

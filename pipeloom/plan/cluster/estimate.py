@@ -12,7 +12,7 @@ from typing import Any
 from pipeloom.errors import PipeloomError
 from pipeloom.plan.cluster.counts import layer_counts, optimizer_bytes
 from pipeloom.plan.cluster.efficiency import collective_seconds, memory_seconds, p2p_seconds
-from pipeloom.plan.cluster.layer_time import Job, PhaseTimes, domain_ranks, layer_times
+from pipeloom.plan.cluster.layer_time import Job, PhaseTimes, add_times, deepseek_activations, domain_ranks, layer_times
 from pipeloom.plan.cluster.layout import SCHEDULES, Layout
 from pipeloom.plan.errors import LayoutError
 from pipeloom.problem import Costs, Problem
@@ -177,12 +177,30 @@ class Estimator:
             parts = [self.times(layout, k) for k in kinds]
             extra = [k for k, here in (("embedding", j == 0), ("head", j == len(cut) - 1)) if here]
             parts += [self.times(layout, k) for k in extra]
-            times.append(PhaseTimes(f=sum(p.f for p in parts), i=sum(p.i for p in parts), w=sum(p.w for p in parts)))
+            times.append(add_times(*parts))
             acts.append(sum(self._activation(layout, k) for k in (*kinds, *extra)))
+        if not self.job.p2p_overlap and len(cut) > 1:  # blocking exchanges: the rank waits for each transfer
+            hidden = layout.mbs * self.job.seq // layout.cp * self.job.spec.hidden * 2.0
+            tp = layout.tp  # the 1/tp pieces are all-gathered over tp after they arrive (scatter-gather)
+            send = self._p2p(layout) + collective_seconds(self.job.hw, "all_gather", hidden, tp,
+                                                          ranks_per_domain=domain_ranks(tp, 1, self.job.hw))
+            times = [dataclasses.replace(t, f=t.f + (send if j < len(cut) - 1 else 0.0),
+                                         i=t.i + (send if j > 0 else 0.0)) for j, t in enumerate(times)]
         return times, acts, cut
 
+    def _p2p(self, layout: Layout) -> float:
+        """Seconds of one stage-to-stage send of a micro-batch's hidden states (split over tp: Megatron's
+        scatter-gather)."""
+        job = self.job
+        hidden = layout.mbs * job.seq // layout.cp * job.spec.hidden * 2 / layout.tp
+        same = layout.tp * layout.cp * layout.dp < job.hw.scale_up_size
+        return p2p_seconds(job.hw, hidden, same_domain=same)
+
     def _activation(self, layout: Layout, kind: str) -> float:
-        keep = self.counts[kind].activations[layout.recompute].per_gpu(tp=layout.tp, cp=layout.cp, sp=layout.tp > 1)
+        kept = self.counts[kind].activations[layout.recompute]
+        if layout.recompute == "selective" and self.job.selective == "deepseek" and kind in ("dense", "moe"):
+            kept = deepseek_activations(self.job.spec, kind)
+        keep = kept.per_gpu(tp=layout.tp, cp=layout.cp, sp=layout.tp > 1)
         return keep * layout.mbs * self.job.seq
 
     def replay(self, layout: Layout, m: int, times: list[PhaseTimes], acts: list[float]) -> tuple[float, float, float]:
@@ -191,11 +209,10 @@ class Estimator:
         if layout.pp == 1:
             busy = m * (times[0].f + times[0].i + times[0].w)
             return busy, 0.0, acts[0]
-        hidden = layout.mbs * job.seq // layout.cp * job.spec.hidden * 2 / layout.tp
-        same = layout.tp * layout.cp * layout.dp < job.hw.scale_up_size
-        latency = p2p_seconds(job.hw, hidden, same_domain=same)
+        latency = self._p2p(layout) if job.p2p_overlap else 0.0  # blocking: inside the stages' F and I
         key = (layout.schedule, layout.pp, layout.vp, m, latency,
-               tuple((round(t.f, 9), round(t.i, 9), round(t.w, 9)) for t in times), tuple(round(a) for a in acts))
+               tuple(tuple(round(x, 9) for x in (t.f, t.i, t.w, t.f_comm, t.i_comm)) for t in times),
+               tuple(round(a) for a in acts))
         if key not in self._replays:
             self._replays[key] = self._extrapolated(layout, m, times, acts, latency)
         return self._replays[key]
@@ -218,7 +235,8 @@ class Estimator:
     def _simulate(self, layout: Layout, m: int, times: list[PhaseTimes], acts: list[float],
                   latency: float) -> tuple[float, float, float]:
         """Build the schedule (interleaved with the middle stage's cost ratios), price each task with its
-        stage's costs and replay it. DualPipeV's overlapped F+B pairs take F + B (no overlap credited)."""
+        stage's costs and replay it. DualPipeV's overlapped F+B pairs take F + B less the expert all-to-all
+        each part hides under the other's compute (the tasks' ``comm``: :func:`pipeloom.ir.pair_duration`)."""
         name, pp, vp = layout.schedule, layout.pp, layout.vp
         mid = times[len(times) // 2]
         split = name in ("zb-h1", "zbv", "dualpipev")
@@ -241,10 +259,10 @@ class Estimator:
         for task in schedule.problem.tasks:
             t = times[task.stage]
             duration = {"F": t.f, "B": t.i + t.w, "I": t.i, "W": t.w}[task.kind]
+            comm = {"F": t.f_comm, "B": t.i_comm, "I": t.i_comm, "W": 0.0}[task.kind]
             scale = acts[task.stage] / taken[task.stage] if taken[task.stage] else 0.0
-            tasks.append(dataclasses.replace(task, duration=duration, memory=task.memory * scale))
-        overlap = min(mid.f, mid.i + mid.w) if name == "dualpipev" else 0.0
-        problem = Problem(num_ranks=pp, tasks=tuple(tasks), comm_latency=latency, overlap_overhead=overlap)
+            tasks.append(dataclasses.replace(task, duration=duration, comm=comm, memory=task.memory * scale))
+        problem = Problem(num_ranks=pp, tasks=tuple(tasks), comm_latency=latency)
         timeline = simulate(dataclasses.replace(schedule, problem=problem))
         return timeline.makespan, timeline.bubble_ratio, max(timeline.peak_memory)
 
@@ -347,15 +365,14 @@ def rank_of(stage: int, layout: Layout) -> int:
 def work_bound(layout: Layout, m: int, times: list[PhaseTimes]) -> float:
     """A lower bound on any schedule's makespan: a rank starts after micro-batch 0's forwards through the
     model stages before its first one, then does all its own work (DualPipeV: an overlapped pair of a
-    forward and a backward takes max(F, B) + overhead, so it saves at most F - overhead)."""
+    forward and a backward takes F + B less the communication each part hides, so the pairs save at most
+    every F's and I's ``comm``)."""
     bound = 0.0
-    mid = times[len(times) // 2]
-    overlap = min(mid.f, mid.i + mid.w)
     for stages in rank_stages(layout):
         before = sum(times[j].f for j in range(min(stages)))
         busy = m * sum(times[j].f + times[j].i + times[j].w for j in stages)
         if layout.schedule == "dualpipev":
-            busy -= m * sum(max(0.0, times[j].f - overlap) for j in stages)  # each F sits in at most one pair
+            busy -= m * sum(times[j].f_comm + times[j].i_comm for j in stages)  # each part in at most one pair
         bound = max(bound, before + busy)
     if layout.schedule in ("1f1b", "interleaved-1f1b"):
         # a full backward in micro-batch order: rank p-1's last action is stage p-1's B of the last micro-batch,

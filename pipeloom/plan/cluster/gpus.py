@@ -168,14 +168,16 @@ BUILTIN: dict[str, Hardware] = {
                        memory_source="1,440 GB per 8 GPUs -> 180 GB",
                        domain_source="8 GPUs on NVLink switches",
                        nic_source="8x 400 Gb/s ConnectX-7 -> 50 GB/s", sms=148,
-                       sms_source="148 SMs per B200 GPU (CUDA device query in public B200 benchmarks)"),
+                       sms_source=("Chips and Cheese, 'Nvidia's B200: Keeping the CUDA Juggernaut Rolling' (2025): 74 "
+                                   "SMs enabled on each of its two dies, 148 per GPU")),
     "gb200": _blackwell("gb200", bf16=2.5e15, memory_gib=186, domain=72, nic=50e9, sheet=_GB200_SHEET,
                         peak_source=("FP16/BF16 360 / FP8 720 PFLOPS per 72 GPUs with sparsity -> 2.5 / 5 dense "
                                      "(glennklockwood.com/garden/processors/B200, GB200 at 1,200 W, agrees)"),
                         memory_source="13.4 TB HBM3e per 72 GPUs -> 186 GB",
                         domain_source="72 GPUs in one NVLink domain (NVL72)",
                         nic_source="one 400 Gb/s ConnectX-7 per GPU -> 50 GB/s", sms=148,
-                        sms_source="the B200 GPU (148 SMs, as b200) in a Grace-Blackwell superchip"),
+                        sms_source=("the B200 GPU (148 SMs, as b200: Chips and Cheese) in a Grace-Blackwell superchip; "
+                                    "no separate GB200 count was found")),
     "gb300": _blackwell("gb300", bf16=2.5e15, memory_gib=288, domain=72, nic=100e9, sheet=_GB300_SHEET,
                         peak_source=("FP16/BF16 360 / FP8 720 PFLOPS per 72 GPUs with sparsity -> 2.5 / 5 dense "
                                      "(verda.com/blog/gb300-nvl72-architecture per-GPU table agrees)"),
@@ -183,7 +185,9 @@ BUILTIN: dict[str, Hardware] = {
                         domain_source="72 GPUs in one NVLink domain (NVL72)",
                         nic_source=("one 800 Gb/s ConnectX-8 per GPU (NVIDIA NVL72 enterprise reference "
                                     "architecture: 4 ConnectX-8 per 4-GPU compute tray) -> 100 GB/s"),
-                        sms=160, sms_source="NVIDIA technical blog 'Inside NVIDIA Blackwell Ultra': 160 SMs"),
+                        sms=160, sms_source=("NVIDIA technical blog 'Inside NVIDIA Blackwell Ultra' (Aug 2025) "
+                                             "and its Hot Chips 2025 talk (reported by TweakTown): 160 SMs of 128 "
+                                             "CUDA cores")),
     "mi300x": _mi300x(),
 }
 """Built-in GPU descriptions by name."""

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 
 from pipeloom.plan.cluster.config import ModelSpec
-from pipeloom.plan.cluster.counts import layer_counts
+from pipeloom.plan.cluster.counts import Activations, layer_counts
 from pipeloom.plan.cluster.efficiency import (
     attention_seconds,
     collective_seconds,
@@ -23,7 +23,16 @@ from pipeloom.plan.cluster.hardware import Hardware
 from pipeloom.plan.cluster.layout import Layout
 from pipeloom.plan.cluster.materialized import materialized_attention_seconds
 
-__all__ = ["Job", "PhaseTimes", "layer_times", "domain_ranks"]
+__all__ = ["Job", "PhaseTimes", "add_times", "layer_times", "domain_ranks", "deepseek_activations", "SELECTIVE",
+           "CP_ROTATE", "MOE_COMM"]
+
+CP_ROTATE = ("ring", "allgather")
+MOE_COMM = ("plain", "deepseek")
+"""How the expert all-to-all is run (:attr:`Job.moe_comm`)."""
+"""How context parallelism exchanges K/V (:attr:`Job.cp_rotate`)."""
+
+SELECTIVE = ("attention", "op", "layer", "deepseek")
+"""What ``recompute=selective`` may recompute (:attr:`Job.selective`)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -52,7 +61,20 @@ class Job:
     """What ``recompute=selective`` recomputes: ``attention`` (Megatron's: the attention core) or ``op``
     (torchtitan's op-level policy: every op but the matmuls and the attention kernel, and every second matmul of
     a layer: :func:`_op_recompute`) or ``layer`` (torchtitan's ``selective_ac_option = "2"``: every second
-    layer recomputed whole)."""
+    layer recomputed whole) or ``deepseek`` (DeepSeek-V3's: every RMSNorm, MLA's up-projections and the MoE
+    SwiGLU run again; linear inputs cached in FP8: :func:`deepseek_activations`)."""
+    cp_rotate: str = "ring"
+    """How context parallelism exchanges K/V: ``ring`` (each block's K/V sent to the next rank beside the current
+    block's compute: Megatron-Core / Transformer Engine) or ``allgather`` (PyTorch's ``context_parallel`` as
+    torchtitan ran it: :func:`_cp_allgather`)."""
+    moe_comm: str = "plain"
+    """The expert all-to-all: ``plain`` (every routed copy of a token sent in bf16 to its expert's GPU) or
+    ``deepseek`` (DeepSeek-V3's kernels: :func:`_deepseek_all_to_all`, with :data:`_COMM_SMS` SMs reserved)."""
+    p2p_overlap: bool = True
+    """Pipeline sends run beside the ranks' compute (Megatron-Core, torch.distributed.pipelining: the replay's
+    latency between stages); False: each stage's output and input-gradient exchange blocks the rank for the
+    transfer (Megatron-LM 2021's ``_communicate``: ``batch_isend_irecv``, wait, ``cuda.synchronize``), added
+    to the stage's F and I by the estimator."""
     overlap_grad_reduce: bool = True
     """The data-parallel gradient exchange overlaps the backward bucket by bucket (Megatron-Core's
     ``--overlap-grad-reduce``, FSDP, DDP); False: one all-reduce after the last backward (Megatron-LM 2021)."""
@@ -68,6 +90,11 @@ class PhaseTimes:
     """Input-gradient backward (with recomputation)."""
     w: float
     """Weight-gradient backward."""
+    f_comm: float = 0.0
+    """Of ``f``, the seconds spent in communication another micro-batch's compute can hide: the expert
+    all-to-alls (DualPipe's overlapped pairs hide them; :class:`pipeloom.problem.Task` ``comm``)."""
+    i_comm: float = 0.0
+    """Of ``i``, the same for the input-gradient backward."""
 
 
 def domain_ranks(group: int, stride: int, hw: Hardware) -> int:
@@ -103,12 +130,16 @@ def _price(hw: Hardware, gemms: list[tuple[int, int]], m: int, dtype: str, count
                       w=count * sum(gemm_seconds(hw, n, k, m, dtype=dtype) for n, k in gemms))
 
 
-def _add(*parts: PhaseTimes) -> PhaseTimes:
-    return PhaseTimes(f=sum(p.f for p in parts), i=sum(p.i for p in parts), w=sum(p.w for p in parts))
+def add_times(*parts: PhaseTimes) -> PhaseTimes:
+    """The phase times of ``parts`` run one after the other (their communication parts summed too)."""
+    return PhaseTimes(f=sum(p.f for p in parts), i=sum(p.i for p in parts), w=sum(p.w for p in parts),
+                      f_comm=sum(p.f_comm for p in parts), i_comm=sum(p.i_comm for p in parts))
 
 
 def layer_times(job: Job, layout: Layout, kind: str) -> PhaseTimes:
     """F, I and W seconds of one micro-batch through one layer of ``kind`` on one GPU of ``layout``."""
+    if job.moe_comm == "deepseek" and layout.ep > 1:  # the all-to-all kernels hold some SMs all along
+        job = dataclasses.replace(job, hw=_compute_share(job.hw))
     spec, hw, tp, cp = job.spec, job.hw, layout.tp, layout.cp
     tokens = layout.mbs * job.seq // cp  # tokens of the micro-batch on this GPU's cp shard
     width = 2  # bf16 activations
@@ -141,7 +172,9 @@ def layer_times(job: Job, layout: Layout, kind: str) -> PhaseTimes:
     core_f = core(hw, batch=layout.mbs, heads=max(1, a.heads // tp), seq=job.seq, head_dim=head_dim) / cp
     core_b = core(hw, batch=layout.mbs, heads=max(1, a.heads // tp), seq=job.seq, head_dim=head_dim,
                   backward=True) / cp
-    if cp > 1:  # ring attention: K/V blocks pass around the cp ring beside the block computations
+    if cp > 1 and job.cp_rotate == "allgather":
+        core_f, core_b = _cp_allgather(job, layout, tokens, core_f, core_b)
+    elif cp > 1:  # ring attention: K/V blocks pass around the cp ring beside the block computations
         kv = tokens * a.kv_heads * (a.qk_dim + a.v_dim) * width / tp
         ring = (cp - 1) * p2p_seconds(hw, kv, same_domain=domain_ranks(cp, tp, hw) == cp)
         core_f, core_b = max(core_f, ring), max(core_b, 2 * ring)
@@ -152,17 +185,20 @@ def layer_times(job: Job, layout: Layout, kind: str) -> PhaseTimes:
         parts.append(_price(hw, _mlp(spec, spec.intermediate, tp, gated=spec.gated), tokens, job.dtype))
     else:
         parts.append(_moe_times(job, layout, tokens))
-    gemm = _add(*parts)
+    gemm = add_times(*parts)
     f = gemm.f + core_f + ew_f + tp_comm
     i = gemm.i + core_b + ew_b + tp_comm
+    i_comm = gemm.i_comm
     if layout.recompute == "selective":
         if job.selective == "layer":  # every second layer checkpointed whole: half a forward per layer on average
-            i += f / 2
+            i, i_comm = i + f / 2, i_comm + gemm.f_comm / 2
+        elif job.selective == "deepseek":
+            i += _deepseek_recompute(job, tokens, tp, kind)
         else:
             i += _op_recompute(job, tokens, tp) + ew_f if job.selective == "op" and kind == "dense" else core_f
-    elif layout.recompute == "full":
-        i += f
-    return PhaseTimes(f=f, i=i, w=gemm.w)
+    elif layout.recompute == "full":  # the forward again, its all-to-alls included
+        i, i_comm = i + f, i_comm + gemm.f_comm
+    return PhaseTimes(f=f, i=i, w=gemm.w, f_comm=gemm.f_comm, i_comm=i_comm)
 
 
 def _op_recompute(job: Job, tokens: int, tp: int) -> float:
@@ -186,7 +222,8 @@ def _materialized(hw: Hardware, *, batch: int, heads: int, seq: int, head_dim: i
 def _moe_times(job: Job, layout: Layout, tokens: int) -> PhaseTimes:
     """The MoE MLP: router and shared experts on this GPU's tokens, routed experts (not tensor-parallel:
     each tp rank routes its sequence-parallel share of the tokens) on the tokens the all-to-all brings,
-    and the dispatch and combine all-to-alls over the ep ranks in both passes."""
+    and the dispatch and combine all-to-alls over the ep ranks in both passes (their seconds also as
+    ``f_comm`` / ``i_comm``: what an overlapped pair may hide)."""
     spec, hw, tp, ep = job.spec, job.hw, layout.tp, layout.ep
     ex = spec.experts
     assert ex is not None
@@ -198,9 +235,136 @@ def _moe_times(job: Job, layout: Layout, tokens: int) -> PhaseTimes:
     per_expert = local * ex.top_k // experts_here  # balanced routing: each local expert's tokens
     parts.append(_price(hw, _mlp(spec, ex.intermediate, 1, gated=True), per_expert, job.dtype, count=experts_here))
     a2a = 0.0
-    if ep > 1:
+    if ep > 1 and job.moe_comm == "deepseek":
+        a2a = _deepseek_all_to_all(job, layout, local)
+    elif ep > 1:
         nbytes = local * ex.top_k * spec.hidden * 2
         a2a = 2 * collective_seconds(hw, "all_to_all", nbytes, ep,
                                      ranks_per_domain=domain_ranks(ep, tp, hw))
-    times = _add(*parts)
-    return PhaseTimes(f=times.f + a2a, i=times.i + a2a, w=times.w)
+    times = add_times(*parts)
+    return PhaseTimes(f=times.f + a2a, i=times.i + a2a, w=times.w, f_comm=a2a, i_comm=a2a)
+
+
+_FP8 = 1 + 4 / 128
+"""Bytes per element of an FP8 activation with DeepSeek-V3's fine-grained scaling (one fp32 scale per 1 x 128
+tile: report sec. 3.3.2)."""
+_E5M6 = 1.5
+"""Bytes per element of DeepSeek-V3's 12-bit E5M6 format (report sec. 3.3.4)."""
+
+
+def deepseek_activations(spec: ModelSpec, kind: str) -> Activations:
+    """Bytes per token a decoder layer keeps for the backward under DeepSeek-V3's memory savings (technical
+    report, arXiv:2412.19437, sec. 3.2.3 and 3.3.4): every RMSNorm and MLA's up-projections are recomputed
+    in the backward (their outputs, q, k, v included, are not kept: each norm's input, the residual stream,
+    and MLA's latents, ``c_q``, ``c_kv`` and the rotary key, are); the attention output (the output projection's
+    input, also read by the attention backward) is kept in E5M6; the MoE SwiGLU's input is cached in FP8
+    and its output recomputed; the inputs of the other linear layers (the experts' dispatched tokens, a dense
+    MLP's down-projection input) are cached in FP8. Statistics: the attention's log-sum-exp per head and the
+    router's fp32 scores. Only the low-rank paths of MLA and a gated MLP are described; another model is
+    priced by its :mod:`counts` activations."""
+    a, h = spec.attention, spec.hidden
+    sequence = 2 * (2.0 * h)  # the two norms' inputs (bf16), their outputs and 1/rms recomputed
+    latents = 2.0 * (a.q_rank + a.kv_rank + a.rope_dim) if a.latent else 0.0
+    tensor = latents + _E5M6 * a.heads * a.v_dim + 4.0 * a.heads
+    if kind == "moe":
+        ex = spec.experts
+        assert ex is not None, "moe layer of a dense model"
+        # each token's top-k copies: the dispatched input and the SwiGLU input (gate, up) in FP8; the shared
+        # expert's SwiGLU input likewise (its input is the recomputed norm output); the router's scores
+        tensor += (_FP8 * ex.top_k * (h + 2 * ex.intermediate) + _FP8 * 2 * ex.shared_intermediate
+                   + 4.0 * ex.count)
+    else:  # a dense gated MLP: the SwiGLU input in bf16, its output (the down projection's input) in FP8
+        tensor += 2.0 * 2 * spec.intermediate + _FP8 * spec.intermediate
+    return Activations(sequence=sequence, tensor=tensor)
+
+
+def _deepseek_recompute(job: Job, tokens: int, tp: int, kind: str) -> float:
+    """Seconds DeepSeek-V3's recomputation adds to a layer's backward (:func:`deepseek_activations`): the two
+    RMSNorms (read h, write h, bf16), MLA's q and kv up-projection GEMMs and, in an MoE layer, the routed and
+    shared experts' SwiGLU (read gate and up, write the product: 6 bytes per intermediate element)."""
+    spec, hw, a = job.spec, job.hw, job.spec.attention
+    norms = memory_seconds(hw, 2 * 4.0 * spec.hidden * tokens) + hw.kernel_overhead
+    up = [(a.heads * a.qk_dim // tp, a.q_rank)] if a.q_rank else []
+    if a.latent:
+        up.append((a.heads * (a.qk_dim - a.rope_dim + a.v_dim) // tp, a.kv_rank))
+    seconds = norms + _price(hw, up, tokens, job.dtype).f
+    if kind == "moe" and spec.experts is not None:
+        ex = spec.experts
+        # routed: this rank's tokens / tp, top-k copies each; shared: all tokens, sharded by tp
+        seconds += memory_seconds(hw, 6.0 * (ex.top_k * ex.intermediate + ex.shared_intermediate) * tokens / tp)
+    return seconds
+
+
+def _cp_allgather(job: Job, layout: Layout, tokens: int, core_f: float, core_b: float) -> tuple[float, float]:
+    """Forward and backward seconds of the attention core under PyTorch's ``context_parallel`` with its default
+    ``allgather`` rotation, as torchtitan ran it (``torch.distributed.tensor.experimental._attention``:
+    ``_templated_ring_attention`` and its backward; torchtitan's ``context_parallel_rotate_method`` default;
+    its Llama repeats K/V to the query heads before SDPA, so the K/V exchanged have ``heads`` heads).
+
+    The cp blocks of the load-balanced causal split do equal work (``core / cp`` each). Forward: the K/V are
+    all-gathered once, started after the first block is issued and waited for before the second, so the
+    gather hides only under the first block; every later block's output is merged into an fp32 accumulator
+    with the log-sum-exp rule (cast 6 bytes per output element, merge 38: ``out - sigmoid(lse_b - lse) * (out
+    - block_out)`` in three eager kernels) and cast back (6); K and V are concatenated for the exchange every
+    step (4 bytes per K/V element). Backward: the K/V all-gather again under the first block; dK and dV
+    accumulate in fp32 and travel to the next rank every step by an all-to-all permutation (fp32: twice the
+    bf16 bytes), each send hidden under the next block's compute, the last exposed; per step the gradients'
+    fp32 accumulation (10 bytes per q, k and v element: read fp32 and the bf16 block, write fp32) and the
+    concatenations for the sends (8 + 4 bytes per K/V element)."""
+    spec, hw, cp, tp = job.spec, job.hw, layout.cp, layout.tp
+    a = spec.attention
+    heads = max(1, a.heads // tp)
+    q_elems = tokens * heads * a.qk_dim
+    kv_elems = tokens * heads * (a.qk_dim + a.v_dim)
+    out_elems = tokens * heads * a.v_dim
+    same = domain_ranks(cp, tp, hw)
+    gather = collective_seconds(hw, "all_gather", 2.0 * kv_elems * cp, cp, ranks_per_domain=same)
+    send = p2p_seconds(hw, 4.0 * kv_elems, same_domain=same == cp)
+    block_f, block_b = core_f / cp, core_b / cp
+    merge = memory_seconds(hw, (12 + 38 * (cp - 1)) * out_elems + 4 * (cp - 1) * kv_elems)
+    forward = max(block_f, gather) + (cp - 1) * block_f + merge + (cp - 1) * 3 * hw.kernel_overhead
+    accumulate = memory_seconds(hw, cp * (10 * (q_elems + kv_elems) + 12 * kv_elems))
+    backward = max(block_b, gather) + (cp - 1) * max(block_b, send) + send + accumulate
+    return forward, backward
+
+
+_COMM_SMS = 20
+"""SMs DeepSeek-V3's all-to-all kernels occupy on an H800 (report sec. 3.2.2: "only 20 SMs are sufficient to
+fully utilize the bandwidths of IB and NVLink"), leaving the rest to compute."""
+
+
+def _compute_share(hw: Hardware) -> Hardware:
+    """``hw`` with :data:`_COMM_SMS` SMs taken by communication: the peak rates and the SMs for wave
+    quantization scale by the SMs left."""
+    left = hw.sm_count - _COMM_SMS
+    if left < 1:
+        return hw
+    share = left / hw.sm_count
+    return dataclasses.replace(hw, sm_count=left, peak_flops={k: v * share for k, v in hw.peak_flops.items()})
+
+
+def _deepseek_all_to_all(job: Job, layout: Layout, local: int) -> float:
+    """Seconds of one pass's dispatch and combine with DeepSeek-V3's kernels (report sec. 3.2.2, 3.3.4): the
+    dispatch in FP8 (1 byte and a 4-byte scale per 128 elements), the combine in bf16; each token crosses
+    InfiniBand once per node it is routed to (to the GPU of the same in-node index, which forwards it over
+    NVLink), and group-limited routing caps those nodes at ``group_top_k`` groups' nodes (4 for DeepSeek-V3,
+    whose 8 groups are its 8 nodes under ep = 64). Per token, the NIC carries ``reach · (D-1)/D`` copies (D
+    nodes in the ep group, uniform routing) and NVLink ``top_k · (r-1)/r``; the two run at once, as in
+    :func:`~pipeloom.plan.cluster.efficiency.collective_seconds`'s all-to-all."""
+    spec, hw, ep = job.spec, job.hw, layout.ep
+    ex = spec.experts
+    assert ex is not None
+    r = domain_ranks(ep, layout.tp, hw)
+    nodes = ep // r
+    reach = min(ex.top_k, nodes)
+    if ex.group_top_k:
+        reach = min(reach, ex.group_top_k * math.ceil(nodes / ex.groups))
+    up = hw.scale_up_bandwidth * hw.scale_up_efficiency
+    out = hw.scale_out_bandwidth * hw.scale_out_efficiency
+    seconds = 0.0
+    for width in (_FP8, 2.0):  # dispatch, combine
+        token = spec.hidden * width
+        across = local * reach * (nodes - 1) / nodes * token / out + (hw.scale_out_latency if nodes > 1 else 0.0)
+        inside = local * ex.top_k * (r - 1) / r * token / up + (hw.scale_up_latency if r > 1 else 0.0)
+        seconds += max(across, inside)
+    return seconds

@@ -312,34 +312,74 @@ def _split(traced: TracedModel, split_points: Sequence[str], leaf_modules: Seque
             raise SplitOrderError(f"stage {s} would hold no computation; remove split point {split_points[s]!r}")
         for node in stage_nodes:
             for source in node.all_input_nodes:
-                producer = stage_of.get(source)
-                if producer is not None and producer != s and source not in inputs[s]:
+                if stage_of.get(source, s) != s and source not in inputs[s]:
                     inputs[s].append(source)
-                    if producer != MODEL_INPUT and source not in outputs[producer]:
-                        outputs[producer].append(source)
     for source in output_nodes:
         if source.op == "get_attr":
             raise SplitError(f"the model returns the attribute {source.target!r} directly; return it from a "
                              "computation or leave it out of the output")
-        if (producer := stage_of.get(source, MODEL_INPUT)) != MODEL_INPUT and source not in outputs[producer]:
+    provider = _providers(stage_of, inputs, output_nodes, num_stages - 1)
+    for s in range(num_stages):
+        for source in inputs[s]:
+            if (producer := provider.get((source, s), MODEL_INPUT)) != MODEL_INPUT and source not in outputs[producer]:
+                outputs[producer].append(source)
+    for source in output_nodes:
+        if (producer := provider.get((source, None), MODEL_INPUT)) != MODEL_INPUT and source not in outputs[producer]:
             outputs[producer].append(source)
     for s in range(num_stages):
         if not outputs[s]:
             raise SplitOrderError(f"stage {s} computes nothing that a later stage or the model output uses; "
                                   f"move split point {split_points[s - 1] if s else split_points[0]!r}")
 
-    def ref(node: fx.Node) -> ValueRef:
-        if (stage := stage_of.get(node, MODEL_INPUT)) == MODEL_INPUT:
+    def ref(node: fx.Node, consumer: int | None) -> ValueRef:
+        if (stage := provider.get((node, consumer), MODEL_INPUT)) == MODEL_INPUT:
             return ValueRef(stage=MODEL_INPUT, index=placeholders.index(node), name=node.name)
         return ValueRef(stage=stage, index=outputs[stage].index(node), name=node.name)
 
     modules = tuple(_build_stage(traced.root, nodes[s], inputs[s], outputs[s], s, traced.device)
                     for s in range(num_stages))
-    specs = tuple(StageSpec(index=s, inputs=tuple(ref(n) for n in inputs[s]), num_outputs=len(outputs[s]))
+    specs = tuple(StageSpec(index=s, inputs=tuple(ref(n, s) for n in inputs[s]), num_outputs=len(outputs[s]))
                   for s in range(num_stages))
-    output = pytree.tree_map(lambda v: ref(v) if isinstance(v, fx.Node) else v, traced_output)
+    output = pytree.tree_map(lambda v: ref(v, None) if isinstance(v, fx.Node) else v, traced_output)
     return StagedModel(stages=modules, graph=StageGraph(stages=specs, input_names=traced.input_names,
                                                        output=output))
+
+
+def _providers(stage_of: dict[fx.Node, int | Source], inputs: list[list[fx.Node]], output_nodes: list[fx.Node],
+               last: int) -> dict[tuple[fx.Node, int | None], int | Source]:
+    """Which stage hands each stage input (``(node, consumer stage)``) and each model output (``(node, None)``)
+    its value: the stage making it, except for a value that may carry a gradient and that two or more later
+    stages read. That one is threaded through its readers in order (the first reads it from its maker, each
+    next one from the reader before it, which returns its own input unchanged), so that each reader's
+    backward starts from the gradient of the readers after it and adds its own uses after it: the order of
+    additions of one device's backward, which reaches the last use first (docs/design.md §5). A model output
+    made before the last stage counts as a read of the last stage; the last stage then returns its own copy.
+    """
+    readers: dict[fx.Node, list[int]] = {}
+    for s, stage_inputs in enumerate(inputs):
+        for node in stage_inputs:
+            readers.setdefault(node, []).append(s)
+    early_outputs = [n for n in dict.fromkeys(output_nodes) if stage_of.get(n, last) not in (MODEL_INPUT, last)]
+    for node in early_outputs:  # the last stage reads it for the output when others read it too
+        if readers.get(node) and last not in readers[node] and _carries_gradient(node):
+            readers[node].append(last)
+            inputs[last].append(node)
+    provider: dict[tuple[fx.Node, int | None], int | Source] = {}
+    for node, stages in readers.items():
+        maker = stage_of.get(node, MODEL_INPUT)
+        threaded = maker != MODEL_INPUT and len(stages) > 1 and _carries_gradient(node)
+        for k, s in enumerate(stages):
+            provider[(node, s)] = stages[k - 1] if threaded and k else maker
+    for node in output_nodes:
+        maker = stage_of.get(node, MODEL_INPUT)
+        provider[(node, None)] = last if node in early_outputs and last in readers.get(node, ()) else maker
+    return provider
+
+
+def _carries_gradient(node: fx.Node) -> bool:
+    """Whether ``node``'s value may carry a gradient: not an integer or boolean tensor (by its traced value)."""
+    value = node.meta.get("val")
+    return not isinstance(value, torch.Tensor) or value.is_floating_point() or value.is_complex()
 
 
 def stages_from_modules(modules: Sequence[nn.Module], *, num_inputs: int = 1) -> StagedModel:

@@ -48,6 +48,8 @@ from pipeloom.runtime.parallel.tp import resolve
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
+    from pipeloom.runtime.parallel.link import SimulatedLink
+
 __all__ = ["REPLICAS", "ExpertParallel", "check_experts_agree", "check_tp_with_experts", "expert_groups",
            "expert_layout", "experts_for", "find_experts", "is_expert", "is_experts_module", "moe_layers",
            "shard_experts"]
@@ -183,10 +185,12 @@ def _describe(held: list) -> str:
 # ------------------------------------------------------------------------------------- sharding
 
 
-def shard_experts(stages: Mapping[int, nn.Module], names: Sequence[str], ep: ExpertParallel) -> list[nn.Module]:
+def shard_experts(stages: Mapping[int, nn.Module], names: Sequence[str], ep: ExpertParallel, *,
+                  link: SimulatedLink | None = None) -> list[nn.Module]:
     """Keep this rank's ``E / ep`` experts of every experts module the stages hold, as ``DTensor`` parameters
     sharded ``Shard(0)`` over the ``"ep"`` sub-mesh, and route the module's forward through the all-to-all
-    dispatch. Returns the modules sharded. Call after the pieces are on their device."""
+    dispatch (its all-to-alls held to ``link``, a simulated slower link, when given). Returns the modules
+    sharded. Call after the pieces are on their device."""
     from torch.distributed.tensor import DTensor, Shard
 
     from pipeloom.runtime.parallel.ep_dispatch import ExpertDispatch
@@ -203,7 +207,7 @@ def shard_experts(stages: Mapping[int, nn.Module], names: Sequence[str], ep: Exp
             sharded = DTensor.from_local(piece, ep.mesh, [Shard(0)], run_check=False, shape=param.shape,
                                          stride=param.stride())
             module._parameters[pname] = nn.Parameter(sharded, requires_grad=param.requires_grad)
-        module.forward = ExpertDispatch(module=module, local=local, ep=ep, num_experts=count)
+        module.forward = ExpertDispatch(module=module, local=local, ep=ep, num_experts=count, link=link)
     return [module for _, _, module in held]
 
 

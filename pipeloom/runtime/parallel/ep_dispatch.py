@@ -16,6 +16,9 @@ makes it raise after the group's timeout, which ``pipeline()`` sets to the engin
 
 from __future__ import annotations
 
+import math
+import time
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,7 +26,8 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeloom.runtime.errors import PipelineError
-from pipeloom.runtime.parallel.overlap import current_baton
+from pipeloom.runtime.parallel.link import SimulatedLink, link_bytes
+from pipeloom.runtime.parallel.overlap import current_baton, post_collective
 from pipeloom.runtime.parallel.tp import local_of
 
 if TYPE_CHECKING:
@@ -38,55 +42,64 @@ class _AllToAll(torch.autograd.Function):
     then runs them in one order, whatever else its graph holds (two nodes could run in either order)."""
 
     @staticmethod
-    def forward(send: list[int], recv: list[int], group: dist.ProcessGroup,
+    def forward(send: list[int], recv: list[int], group: dist.ProcessGroup, link: SimulatedLink | None,
                 *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(_exchange(t, send, recv, group) for t in tensors)
+        return tuple(_exchange(t, send, recv, group, link) for t in tensors)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple:
         outputs = ctx.saved_shapes
         filled = [g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
                   for g, (shape, dtype, device) in zip(grads, outputs)]
-        return None, None, None, *(_exchange(g, ctx.recv, ctx.send, ctx.group) for g in filled)
+        return None, None, None, None, *(_exchange(g, ctx.recv, ctx.send, ctx.group, ctx.link) for g in filled)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-        ctx.send, ctx.recv, ctx.group = inputs[0], inputs[1], inputs[2]
+        ctx.send, ctx.recv, ctx.group, ctx.link = inputs[0], inputs[1], inputs[2], inputs[3]
         ctx.saved_shapes = [(t.shape, t.dtype, t.device) for t in output]
 
 
-def _exchange(rows: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+def _exchange(rows: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup,
+              link: SimulatedLink | None = None) -> torch.Tensor:
     out = rows.new_empty((sum(recv), *rows.shape[1:]))
+    payload = rows.contiguous()
     pair = current_baton()  # inside an overlapped pair: the other part computes while this one is in flight
+    issued = time.perf_counter()
     try:
-        work = dist.all_to_all_single(out, rows.contiguous(), output_split_sizes=recv, input_split_sizes=send,
-                                      group=group, async_op=pair is not None)
-        if pair is not None:
+        if pair is None:
+            dist.all_to_all_single(out, payload, output_split_sizes=recv, input_split_sizes=send, group=group)
+        else:
+            wait = post_collective(partial(dist.all_to_all_single, out, payload, output_split_sizes=recv,
+                                           input_split_sizes=send, group=group, async_op=True), (payload, out), pair)
             pair[0].pass_on(pair[1])
-            assert work is not None  # async_op=True returns its work
-            work.wait()
+            wait()
     except RuntimeError as error:  # gloo's timeout or a closed connection: say which exchange and with whom
         raise PipelineError(f"the experts' all-to-all over \"ep\" (global ranks "
                             f"{dist.get_process_group_ranks(group)}) failed: an ep peer failed or stopped before "
                             f"joining it (its own error names the cause): {error}") from error
+    if link is not None:  # a simulated slower link: complete no earlier than its time after issuing (link.py)
+        row_bytes = math.prod(payload.shape[1:]) * payload.element_size()
+        link.hold(issued, link_bytes(send, recv, dist.get_rank(group), row_bytes))
     return out
 
 
-def all_to_all(tensors: tuple[torch.Tensor, ...], send: list[int], recv: list[int],
-               group: dist.ProcessGroup) -> tuple[torch.Tensor, ...]:
+def all_to_all(tensors: tuple[torch.Tensor, ...], send: list[int], recv: list[int], group: dist.ProcessGroup,
+               link: SimulatedLink | None = None) -> tuple[torch.Tensor, ...]:
     """Differentiable ``all_to_all_single`` of each of ``tensors`` (``send[r]`` rows to rank r, ``recv[r]`` from
-    it), as one autograd node."""
-    return _AllToAll.apply(send, recv, group, *tensors)
+    it), as one autograd node; ``link``: each exchange (and its backward's) held to a simulated link (link.py)."""
+    return _AllToAll.apply(send, recv, group, link, *tensors)
 
 
 class ExpertDispatch:
     """The forward of one sharded experts module (installed as its ``forward``; see the module doc)."""
 
-    def __init__(self, *, module: nn.Module, local: nn.Module, ep: ExpertParallel, num_experts: int) -> None:
+    def __init__(self, *, module: nn.Module, local: nn.Module, ep: ExpertParallel, num_experts: int,
+                 link: SimulatedLink | None = None) -> None:
         self.module = module  # the model's module, holding the DTensor parameters
         self.local = local  # a shallow copy over this rank's experts: its own forward computes what arrives
         self.ep = ep
         self.num_experts = num_experts
+        self.link = link  # a simulated slower link every all-to-all is held to (benchmarks and tests), or None
         config = getattr(module, "config", None)
         # transformers' eager experts add one expert at a time (index_add_): contributions in expert order
         self.expert_order = getattr(config, "_experts_implementation", None) == "eager"
@@ -101,16 +114,16 @@ class ExpertDispatch:
         destination = torch.div(ids[kept], per, rounding_mode="floor")
         order = kept[torch.argsort(destination, stable=True)]  # pairs grouped by the rank holding their expert
         send = torch.bincount(destination, minlength=self.ep.size)
-        group = self.ep.group
+        group, link = self.ep.group, self.link
         assert group is not None  # sharded only with an "ep" group
         ones = [1] * self.ep.size
-        recv = _exchange(send, ones, ones, group)  # how many rows each rank sends here
+        recv = _exchange(send, ones, ones, group, link)  # how many rows each rank sends here
         send_list, recv_list = send.tolist(), recv.tolist()
         rows, weights = all_to_all((hidden_states.reshape(tokens, width)[torch.div(order, k, rounding_mode="floor")],
-                                    top_k_weights.reshape(-1)[order]), send_list, recv_list, group)
-        local_ids = _exchange(ids[order] % per, send_list, recv_list, group)  # index among its rank's experts
+                                    top_k_weights.reshape(-1)[order]), send_list, recv_list, group, link)
+        local_ids = _exchange(ids[order] % per, send_list, recv_list, group, link)  # index among its rank's experts
         done = self._compute(rows, local_ids[:, None], weights[:, None])
-        (back,) = all_to_all((done,), recv_list, send_list, group)
+        (back,) = all_to_all((done,), recv_list, send_list, group, link)
         pairs = torch.index_copy(back.new_zeros(tokens * k, width), 0, order, back).view(tokens, k, width)
         if not self.expert_order:
             return pairs.sum(dim=1).to(hidden_states.dtype)

@@ -23,7 +23,7 @@ from pipeloom.runtime.step.backward import PendingWeights, add_in_order, backwar
 from pipeloom.runtime.step.pieces import RankPieces
 from pipeloom.runtime.step.replicas import ReplicaExchange
 from pipeloom.runtime.step.rng import seeded
-from pipeloom.runtime.step.shared import SharedGradients
+from pipeloom.runtime.step.shared import SharedGradients, UseGradients
 from pipeloom.runtime.step.timing import ActionClock
 
 if TYPE_CHECKING:
@@ -56,6 +56,7 @@ class StepRun:
         self.leaves: dict[tuple[int, int], list] = {}  # (stage, mb) -> [(leaf, producer, index, position)]
         self.grads: dict[tuple[int, int], dict] = {}  # (stage, mb) -> {index: {position: [gradients]}}
         self.pending: dict[tuple[int, int], PendingWeights | None] = {}
+        self.uses: dict[tuple[int, int], UseGradients] = {}  # (stage, mb) -> shared parameters' uses, apart
         self.losses: dict[int, torch.Tensor] = {}
         self.model_outputs: dict[int, object] = {}
         self.received: dict[int, list] = {}
@@ -343,6 +344,9 @@ class StepRun:
         roots, grads = self._roots(s, mb)
         entries = self.leaves.pop((s, mb))
         inputs = [leaf for leaf, *_ in entries]
+        if self.shared is not None and self.low.replicas == 1:  # uses a shared parameter's sum would group
+            if (uses := self.shared.watch(self.low.piece_of[s], roots)) is not None:
+                self.uses[(s, mb)] = uses
         saved = self._swap_out(s) if full else None
         with self._loss_parallel(s):
             if full:
@@ -403,8 +407,7 @@ class StepRun:
         low = self.low
         if low.replicas == 1:
             assert self.shared is not None  # _kept found shared parameters
-            indices = self.shared.shared.of_piece(low.piece_of[s])
-            self.shared.collect(low.piece_of[s], mb, dict(zip(indices, found)))
+            self.shared.collect_piece(low.piece_of[s], mb, found, self.uses.pop((s, mb), None))
             return
         assert self.replicas is not None  # a training step of a two-replica schedule
         self.replicas.collect(s, mb, found)

@@ -1,0 +1,55 @@
+"""Context parallelism as PyTorch's ``context_parallel`` runs it for torchtitan (``cp_rotate="allgather"``): the K/V
+(repeated to the query heads) all-gathered once per pass and hidden only under the first block, fp32 merges of
+the block outputs, dK/dV sent in fp32 every step; Megatron's ring (the default) unchanged."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from pipeloom.plan.cluster.api import plan_cluster
+from pipeloom.plan.cluster.config import model_spec
+from pipeloom.plan.cluster.efficiency import attention_seconds, collective_seconds
+from pipeloom.plan.cluster.gpus import hardware
+from pipeloom.plan.cluster.layer_time import Job, layer_times
+from pipeloom.plan.cluster.layout import Layout
+from pipeloom.plan.errors import LayoutError
+
+LLAMA = {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 4,
+         "num_attention_heads": 16, "num_key_value_heads": 4, "vocab_size": 1000}
+SEQ = 65536
+LAYOUT = Layout(dp=1, tp=8, cp=2)  # tp fills the node: the two cp ranks sit in different nodes
+
+
+def _job(*, rotate: str, nic: float | None = None) -> Job:
+    hw = hardware("h100")
+    if nic is not None:
+        hw = dataclasses.replace(hw, scale_out_bandwidth=nic)
+    return Job(spec=model_spec(LLAMA), hw=hw, gpus=16, global_batch=1, seq=SEQ, cp_rotate=rotate)
+
+
+def test_the_gather_is_exposed_beyond_the_first_block():
+    fast, slow = _job(rotate="allgather"), _job(rotate="allgather", nic=1e9)
+    heads, d = 16 // 8, 128
+    tokens = SEQ // 2
+    gather = collective_seconds(slow.hw, "all_gather", 2.0 * tokens * heads * 2 * d * 2, 2, ranks_per_domain=1)
+    block = attention_seconds(slow.hw, batch=1, heads=heads, seq=SEQ, head_dim=d) / 2 / 2  # the core / cp / cp
+    assert gather > block  # K/V at the query heads (16, not 4) over a slow link
+    assert collective_seconds(fast.hw, "all_gather", 2.0 * tokens * heads * 2 * d * 2, 2, ranks_per_domain=1) < block
+    f_fast, f_slow = layer_times(fast, LAYOUT, "dense").f, layer_times(slow, LAYOUT, "dense").f
+    assert f_slow - f_fast == pytest.approx(gather - block, rel=1e-9)
+    assert layer_times(slow, LAYOUT, "dense").i > layer_times(fast, LAYOUT, "dense").i
+
+
+def test_allgather_costs_at_least_the_ring_on_a_fast_link():
+    ring, gathered = _job(rotate="ring"), _job(rotate="allgather")
+    r, g = layer_times(ring, LAYOUT, "dense"), layer_times(gathered, LAYOUT, "dense")
+    assert g.f > r.f and g.i > r.i and g.w == r.w  # fp32 merges and gradient accumulation, nothing on W
+    assert layer_times(gathered, dataclasses.replace(LAYOUT, cp=1, dp=2), "dense") == \
+        layer_times(ring, dataclasses.replace(LAYOUT, cp=1, dp=2), "dense")  # no cp: no difference
+
+
+def test_the_option_is_checked():
+    with pytest.raises(LayoutError, match="allgather"):
+        plan_cluster(LLAMA, "h100", gpus=16, global_batch=1, seq=SEQ, cp_rotate="p2p")

@@ -1,0 +1,111 @@
+"""DualPipe's overlapped pairs in the cluster estimate: a MoE layer's expert all-to-all is carried as the
+communication part of its forward and input-gradient backward (``PhaseTimes.f_comm`` / ``i_comm``), equal to
+the all-to-all seconds the layer itself prices, and a pair hides it under the other part's compute only:
+never more than that compute, never more than the all-to-all, and nothing in schedules without pairs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from pipeloom.ir import pair_duration
+from pipeloom.plan.cluster.config import model_spec
+from pipeloom.plan.cluster.efficiency import collective_seconds, p2p_seconds
+from pipeloom.plan.cluster.estimate import Estimator, rank_stages, work_bound
+from pipeloom.plan.cluster.gpus import hardware
+from pipeloom.plan.cluster.layer_time import Job, PhaseTimes, domain_ranks, layer_times
+from pipeloom.plan.cluster.layout import Layout
+
+MOE = {"model_type": "mixtral", "hidden_size": 1024, "intermediate_size": 2048, "num_hidden_layers": 8,
+       "num_attention_heads": 8, "num_key_value_heads": 8, "vocab_size": 1000, "num_local_experts": 16,
+       "num_experts_per_tok": 2}
+SEQ = 2048
+
+
+def _job(hw: str = "h100", gpus: int = 64) -> Job:
+    return Job(spec=model_spec(MOE), hw=hardware(hw), gpus=gpus, global_batch=256, seq=SEQ)
+
+
+def _no_comm(times: list[PhaseTimes]) -> list[PhaseTimes]:
+    return [dataclasses.replace(t, f_comm=0.0, i_comm=0.0) for t in times]
+
+
+def test_the_comm_part_is_the_layers_own_all_to_all():
+    job = _job()
+    layout = Layout(dp=16, pp=4, vp=2, ep=16, schedule="dualpipev")
+    times = layer_times(job, layout, "moe")
+    tokens = layout.mbs * SEQ
+    nbytes = tokens * MOE["num_experts_per_tok"] * MOE["hidden_size"] * 2
+    a2a = 2 * collective_seconds(job.hw, "all_to_all", nbytes, 16, ranks_per_domain=domain_ranks(16, 1, job.hw))
+    assert a2a > 0
+    assert times.f_comm == pytest.approx(a2a) and times.i_comm == pytest.approx(a2a)
+    assert times.f_comm < times.f and times.i_comm < times.i
+    dense = layer_times(job, layout, "dense") if job.spec.dense_layers else layer_times(job, layout, "head")
+    assert dense.f_comm == dense.i_comm == 0.0
+    # ep = 1: no all-to-all, nothing to hide
+    assert layer_times(job, dataclasses.replace(layout, ep=1), "moe").f_comm == 0.0
+
+
+def test_full_recomputation_repeats_the_forwards_all_to_all():
+    job = _job()
+    layout = Layout(dp=16, pp=4, vp=2, ep=16, schedule="dualpipev")
+    plain = layer_times(job, layout, "moe")
+    full = layer_times(job, dataclasses.replace(layout, recompute="full"), "moe")
+    assert full.i_comm == pytest.approx(plain.i_comm + plain.f_comm)
+
+
+@pytest.mark.parametrize("hw", ["h100", "gb200"])  # over InfiniBand; inside one NVL72 domain
+def test_a_pair_hides_at_most_its_all_to_all_and_at_most_the_other_parts_compute(hw):
+    job = _job(hw)
+    layout = Layout(dp=16, pp=4, vp=2, ep=16, schedule="dualpipev")
+    t = layer_times(job, layout, "moe")
+    paired = pair_duration((t.f, t.i + t.w), (t.f_comm, t.i_comm))
+    saved = t.f + t.i + t.w - paired
+    assert 0 < saved <= t.f_comm + t.i_comm + 1e-12
+    assert saved <= (t.f - t.f_comm) + (t.i + t.w - t.i_comm) + 1e-12
+    f_compute, b_compute = t.f - t.f_comm, t.i + t.w - t.i_comm
+    assert saved == pytest.approx(min(t.f_comm, b_compute) + min(t.i_comm, f_compute))
+    if t.f_comm <= b_compute and t.i_comm <= f_compute:  # shorter than the other part's compute: hidden whole
+        assert saved == pytest.approx(t.f_comm + t.i_comm)
+
+
+def test_dualpipev_replay_credits_the_all_to_all_and_others_do_not():
+    job = _job()
+    est = Estimator(job)
+    for schedule, vp in (("dualpipev", 2), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1)):
+        layout = Layout(dp=16, pp=4, vp=vp, ep=16, schedule=schedule)
+        m = est.check(layout)
+        times, acts, _ = est.stages(layout)
+        credited = est._simulate(layout, m, times, acts, 0.0)[0]
+        plain = est._simulate(layout, m, _no_comm(times), acts, 0.0)[0]
+        assert credited >= work_bound(layout, m, times) * (1 - 1e-12), schedule
+        if schedule != "dualpipev":
+            assert credited == pytest.approx(plain), schedule
+            continue
+        comm = max(m * sum(times[j].f_comm + times[j].i_comm for j in stages) for stages in rank_stages(layout))
+        assert 0 < plain - credited <= comm * (1 + 1e-9)
+
+
+def test_blocking_pipeline_sends_lengthen_the_stages_not_the_latency():
+    """Megatron-LM 2021 waits for each stage exchange (``p2p_overlap=False``): F of every stage but the last and
+    I of every stage but the first grow by the send (its 1/tp piece, then the all-gather over tp); the replay's
+    latency between stages is then 0."""
+    dense = {"model_type": "llama", "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8,
+             "num_attention_heads": 8, "num_key_value_heads": 8, "vocab_size": 1000}
+    job = Job(spec=model_spec(dense), hw=hardware("a100-80gb"), gpus=32, global_batch=64, seq=SEQ)
+    layout = Layout(dp=2, tp=4, pp=4)
+    overlapped = Estimator(job).stages(layout)[0]
+    blocking = Estimator(dataclasses.replace(job, p2p_overlap=False)).stages(layout)[0]
+    hidden = layout.mbs * SEQ * 1024 * 2
+    send = (p2p_seconds(job.hw, hidden / 4, same_domain=False)
+            + collective_seconds(job.hw, "all_gather", hidden, 4, ranks_per_domain=4))
+    for j, (a, b) in enumerate(zip(overlapped, blocking)):
+        assert b.f - a.f == pytest.approx(send if j < 3 else 0.0)
+        assert b.i - a.i == pytest.approx(send if j > 0 else 0.0)
+        assert b.w == a.w
+    est = Estimator(dataclasses.replace(job, p2p_overlap=False))
+    m = est.check(layout)
+    times, acts, _ = est.stages(layout)
+    est.replay(layout, m, times, acts)
+    assert [key[4] for key in est._replays] == [0.0]  # the replays' latency between stages
