@@ -24,7 +24,13 @@ from pipeloom.runtime.model.materialize import place_pieces
 from pipeloom.runtime.model.split import StagedModel
 from pipeloom.runtime.options import Failures, Parallelism, Tracing, Weights
 from pipeloom.runtime.parallel.dp import Layout, layout_of
-from pipeloom.runtime.parallel.ep import check_experts_agree, experts_for, moe_layers, shard_experts
+from pipeloom.runtime.parallel.ep import (
+    check_experts_agree,
+    check_tp_with_experts,
+    experts_for,
+    moe_layers,
+    shard_experts,
+)
 from pipeloom.runtime.parallel.fsdp import shard_pieces
 from pipeloom.runtime.parallel.tp import (
     apply_tp_plan,
@@ -104,7 +110,7 @@ def pipeline(
     sharding, tp_plan = _tensor_parallel(model, parallel, layout, microbatches, tracing)
     if layout.tp.group is not None:  # a TP all-reduce inside a forward ends within the engine's timeout
         set_group_timeout([layout.group, layout.dp.group, layout.tp.group], failures.timeout)
-    expert_names = experts_for(model, stages, parallel.experts, layout.ep, parallel.data_parallel or "replicate")
+    expert_names = experts_for(model, stages, parallel.experts, layout.ep)
     if layout.ep.size > 1:  # an all-to-all inside a forward ends within the engine's timeout
         set_group_timeout([layout.group, layout.dp.group, layout.ep.group, layout.ep.dp_group], failures.timeout)
     seed = shared_seed(layout.everyone, layout.everyone_size, seed)  # here, whenever the model is split
@@ -156,13 +162,15 @@ def _engine_parts(staged: StagedModel, *, model: nn.Module | None, layout: Layou
                                                       for p in shared.params))
     data_parallel = parallel.data_parallel or "replicate"
     if tp_plan is not None:
+        if layout.ep.size > 1:
+            check_tp_with_experts(tp_plan, {k: staged.stages[k] for k in held}, expert_names)
         _apply_tp(staged, held, tp_plan, layout, lowering, data_parallel, shared)
-    if layout.ep.size > 1:
-        shard_experts({k: staged.stages[k] for k in held}, expert_names, layout.ep,
-                      link=parallel.simulated_link)
+    experts = shard_experts({k: staged.stages[k] for k in held}, expert_names, layout.ep,
+                            link=parallel.simulated_link) if layout.ep.size > 1 else []
     sharded = _sharded(data_parallel, layout, lowering, shared)
-    if sharded:
-        shard_pieces({k: staged.stages[k] for k in held}, layout.dp.mesh)
+    if sharded:  # an experts module is sharded over "dp" on its own (its parameters are over "ep" already)
+        shard_pieces({k: staged.stages[k] for k in held}, layout.dp.mesh,
+                     inner=[(module, layout.ep.dp_mesh) for module in experts])
     pieces = _rank_pieces(lowering, layout, device, staged, loss_fn, seed, shared, sharded)
     logger.info("rank %d runs pieces %s on %s (data parallel: %s)", layout.rank, held, device, data_parallel)
     return dict(staged=staged, pieces=pieces, layout=layout, trace=record, timeout=timeout, names=names,
@@ -174,6 +182,8 @@ def _tensor_parallel(model: nn.Module | None, parallel: Parallelism, layout: Lay
                      tracing: Tracing) -> tuple[AutoSharding | None, dict | None]:
     """The search's choice for ``tp_plan="auto"`` (else None) and the plan to apply (None: no tensor parallelism)."""
     if is_auto(parallel.tp_plan):
+        if layout.ep.size > 1:
+            check_tp_with_experts(parallel.tp_plan, {}, ())  # refused: the search does not know the experts
         sharding = _auto_plan(model, parallel.tp_plan, parallel.mesh, layout, microbatches, tracing.example_inputs)
         return sharding, sharding.plan or None  # every region replicated: nothing to apply
     return None, check_tp_plan(parallel.tp_plan, layout.tp, model=model)

@@ -54,12 +54,14 @@ class Parallelism:
 
     mesh: DeviceMesh | None = None
     """A ``DeviceMesh`` with a ``"pp"`` dimension (the pipeline) and optionally ``"dp"`` (replicas, each running
-    its share of the global batch) and ``"tp"`` (tensor parallel inside each stage). None: ``process_group``."""
+    its share of the global batch), ``"tp"`` (tensor parallel inside each stage) and ``"ep"`` (experts shared out
+    over ranks that are otherwise replicas). None: ``process_group``."""
     process_group: ProcessGroup | None = None
     """The ranks of one pipeline without a mesh (default: the whole world)."""
     data_parallel: str | None = None
     """How the ``"dp"`` replicas hold the pieces: ``"replicate"`` (whole, gradients all-reduced) or ``"fsdp"``
-    (sharded with torch's ``fully_shard``). None: replicate, or a plan's sharding."""
+    (sharded with torch's ``fully_shard``; with ``"ep"`` over the dp × ep replicas, and the experts over ``"dp"``
+    within their ep shard). None: replicate, or a plan's sharding."""
     tp_plan: dict | str | Any = None
     """With a ``"tp"`` dimension: torch's ``parallelize_module`` plan ({module name or pattern: ParallelStyle},
     the model's names), ``"hf"`` (a ``transformers`` model's own plan), ``"auto"`` or an

@@ -12,9 +12,10 @@ from pipeloom.runtime import Failures, Parallelism, Tracing
 VOCAB = 96
 
 
-def build_moe(name: str, *, seed: int = 0, implementation: str | None = None) -> nn.Module:
-    """Tiny random-init Qwen3-MoE (4 sparse layers) or DeepSeek-V3 (1 dense + 3 MoE layers with a shared
-    expert and group-limited routing): 4 experts, 2 per token, eager attention."""
+def build_moe(name: str, *, seed: int = 0, implementation: str | None = None, **extra: object) -> nn.Module:
+    """Tiny random-init Qwen3-MoE (4 sparse layers), Qwen2-MoE (4 sparse layers, each with a shared expert) or
+    DeepSeek-V3 (1 dense + 3 MoE layers with a shared expert and group-limited routing): 4 experts, 2 per token,
+    eager attention; ``extra``: more config fields (Qwen's)."""
     import transformers as T
 
     torch.manual_seed(seed)
@@ -22,8 +23,12 @@ def build_moe(name: str, *, seed: int = 0, implementation: str | None = None) ->
                   num_hidden_layers=4, hidden_size=32, intermediate_size=48, num_attention_heads=4,
                   num_key_value_heads=2, attn_implementation="eager")
     if name == "qwen3_moe":
-        config = T.Qwen3MoeConfig(moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, **common)
+        config = T.Qwen3MoeConfig(moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, **common, **extra)
         model = T.Qwen3MoeForCausalLM(config)
+    elif name == "qwen2_moe":  # a shared expert (a dense MLP) beside the routed ones, no q/k norms
+        config = T.Qwen2MoeConfig(moe_intermediate_size=16, shared_expert_intermediate_size=32, num_experts=4,
+                                  num_experts_per_tok=2, **common, **extra)
+        model = T.Qwen2MoeForCausalLM(config)
     elif name == "deepseek_v3":
         config = T.DeepseekV3Config(moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
                                     n_group=2, topk_group=1, first_k_dense_replace=1, n_shared_experts=1,

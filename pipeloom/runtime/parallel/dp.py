@@ -43,7 +43,8 @@ class DataParallel:
     group: dist.ProcessGroup | None  # the "dp" process group (None when size is 1)
     rank: int  # this replica's index: it runs micro-batches rank·M … rank·M + M − 1
     size: int
-    mesh: DeviceMesh | None = None  # the "dp" sub-mesh (for FSDP), when the mesh has that dimension
+    mesh: DeviceMesh | None = None  # the "dp" sub-mesh (for FSDP), when the mesh has that dimension (with "ep":
+    # the replicas, every dimension but "pp")
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +86,7 @@ def layout_of(process_group: dist.ProcessGroup | None, mesh: DeviceMesh | None) 
     unknown = [n for n in names if n not in _NAMES]
     if unknown or "pp" not in names:
         raise PipelineError(f"the mesh's dimensions are {list(names)}; pipeloom runs a \"pp\" dimension and, "
-                            "optionally, \"dp\" and \"tp\" or \"ep\": name them mesh_dim_names=('dp', 'pp', 'tp')")
+                            "optionally, \"dp\", \"tp\" and \"ep\": name them mesh_dim_names=('dp', 'pp', 'tp')")
     group = mesh.get_group("pp")
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     dp = DataParallel(group=None, rank=0, size=1)
@@ -101,8 +102,11 @@ def layout_of(process_group: dist.ProcessGroup | None, mesh: DeviceMesh | None) 
         coordinates = mesh_coordinates(mesh)
     ep = ExpertParallel()
     if "ep" in names:  # the dp × ep ranks of this "pp" coordinate are the replicas; experts shard over "ep"
-        ep, replicas, index, size = expert_layout(mesh, names)
-        dp = DataParallel(group=replicas, rank=index, size=size) if ep.size > 1 else dp
+        ep, replicas = expert_layout(mesh, names)
+        if ep.size > 1:
+            together = replicas.get_group()
+            dp = DataParallel(group=together, rank=dist.get_rank(together), size=dist.get_world_size(together),
+                              mesh=replicas)
         coordinates = mesh_coordinates(mesh)
     everyone: dist.ProcessGroup | None = group
     everyone_size = world

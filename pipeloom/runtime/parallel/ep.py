@@ -10,6 +10,13 @@ its experts: its parameters become ``DTensor``\\ s sharded ``Shard(0)`` over the
 clipping, state dicts and checkpoints see the whole tensor), and its gradient is summed over ``"dp"`` only.
 Tokens reach their experts' ranks and come back with all-to-all (:mod:`pipeloom.runtime.parallel.ep_dispatch`).
 
+With ``data_parallel="fsdp"`` the dense parameters are FSDP-sharded over the replicas (their flattened
+``"replicas"`` mesh) and each experts module over ``"dp"`` within its ep shard
+(:mod:`pipeloom.runtime.parallel.fsdp`). With a ``"tp"`` dimension too, the replicas are those of one
+(``"pp"``, ``"tp"``) coordinate and the experts are replicated over ``"tp"``: after a row-parallel layer every
+tp rank holds the same tokens, dispatches them over its own ``"ep"`` group and computes the same outputs
+(:func:`check_tp_with_experts` refuses the plans for which that does not hold).
+
 **The experts interface** (what ``transformers``' grouped experts modules — Qwen2/3-MoE, Mixtral, OLMoE,
 DeepSeek-V3, ... — already are, and what a user's own MoE layer provides to be sharded): a module with
 
@@ -43,8 +50,12 @@ if TYPE_CHECKING:
 
     from pipeloom.runtime.parallel.link import SimulatedLink
 
-__all__ = ["ExpertParallel", "check_experts_agree", "expert_groups", "expert_layout", "experts_for", "find_experts",
-           "is_expert", "is_experts_module", "moe_layers", "shard_experts"]
+__all__ = ["REPLICAS", "ExpertParallel", "check_experts_agree", "check_tp_with_experts", "expert_groups",
+           "expert_layout", "experts_for", "find_experts", "is_expert", "is_experts_module", "moe_layers",
+           "shard_experts"]
+
+
+REPLICAS = "replicas"  # the name of the replicas' flattened mesh dimension (every one but "pp" and "tp")
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,36 +68,27 @@ class ExpertParallel:
     mesh: DeviceMesh | None = None  # the 1-D "ep" sub-mesh the experts' DTensors are sharded over
     dp_group: dist.ProcessGroup | None = None  # the "dp" group the experts' gradients are summed over
     dp_size: int = 1
+    dp_mesh: DeviceMesh | None = None  # the "dp" sub-mesh FSDP shards each rank's experts over (size > 1 only)
 
 
-def expert_layout(mesh: DeviceMesh, names: Sequence[str]) -> tuple[ExpertParallel, dist.ProcessGroup, int, int]:
-    """(the ``"ep"`` place, the replicas' group, this rank's replica index, replicas) on a mesh with ``"ep"``:
-    the replicas are every rank of this rank's ``"pp"`` coordinate, numbered in the order of the mesh's other
-    dimensions (``("dp", "pp", "ep")``: replica = dp index × ep + ep index). Every rank calls it (it makes
-    one group per pipeline rank)."""
-    if "tp" in names:
-        raise PipelineError("a mesh with both \"ep\" and \"tp\" is not built yet; use (\"dp\", \"pp\", \"ep\") or "
-                            "(\"dp\", \"pp\", \"tp\")")
-    if mesh.size() != dist.get_world_size():  # before new_group, which every rank of the job must call
+def expert_layout(mesh: DeviceMesh, names: Sequence[str]) -> tuple[ExpertParallel, DeviceMesh]:
+    """(the ``"ep"`` place, the replicas' 1-D mesh) on a mesh with ``"ep"``: the replicas are every rank of
+    this rank's ``"pp"`` (and ``"tp"``) coordinate, numbered in the order of the mesh's other dimensions
+    (``("dp", "pp", "ep")``: replica = dp index × ep + ep index); their mesh (``"replicas"``, those dimensions
+    flattened) is what the dense parameters' gradients are summed, or FSDP-sharded, over. Every rank calls it."""
+    if mesh.size() != dist.get_world_size():  # before flattening, whose groups every rank creates
         raise PipelineError(f"the mesh holds {mesh.size()} of the {dist.get_world_size()} ranks; with \"ep\" "
                             "pipeloom needs a mesh over every rank of the default process group")
     ep_group = mesh.get_group("ep")
-    dp_group, dp_size = None, 1
+    dp_group, dp_size, dp_mesh = None, 1, None
     if "dp" in names and mesh.size(list(names).index("dp")) > 1:
-        dp_group = mesh.get_group("dp")
+        dp_group, dp_mesh = mesh.get_group("dp"), mesh["dp"]
         dp_size = dist.get_world_size(dp_group)
     ep = ExpertParallel(group=ep_group, rank=dist.get_rank(ep_group), size=dist.get_world_size(ep_group),
-                        mesh=mesh["ep"], dp_group=dp_group, dp_size=dp_size)
-    grid = mesh.mesh.movedim(list(names).index("pp"), 0)
-    rows = grid.reshape(grid.shape[0], -1).tolist()
-    me = dist.get_rank()
-    replicas, index = None, -1
-    for ranks in rows:  # every rank creates every group, in the same order (torch's rule for new_group)
-        group = dist.new_group(ranks)
-        if me in ranks:
-            replicas, index = group, ranks.index(me)
-    assert replicas is not None  # the mesh holds every rank (layout_of checks)
-    return ep, replicas, index, len(rows[0])
+                        mesh=mesh["ep"], dp_group=dp_group, dp_size=dp_size, dp_mesh=dp_mesh)
+    others = tuple(name for name in names if name not in ("pp", "tp"))  # in the mesh's order
+    replicas = (mesh[others] if len(others) > 1 else mesh[others[0]])._flatten(REPLICAS)
+    return ep, replicas
 
 
 # ------------------------------------------------------------------------------------- finding experts
@@ -184,11 +186,11 @@ def _describe(held: list) -> str:
 
 
 def shard_experts(stages: Mapping[int, nn.Module], names: Sequence[str], ep: ExpertParallel, *,
-                  link: SimulatedLink | None = None) -> int:
+                  link: SimulatedLink | None = None) -> list[nn.Module]:
     """Keep this rank's ``E / ep`` experts of every experts module the stages hold, as ``DTensor`` parameters
     sharded ``Shard(0)`` over the ``"ep"`` sub-mesh, and route the module's forward through the all-to-all
-    dispatch (its all-to-alls held to ``link``, a simulated slower link, when given). Returns how many modules
-    were sharded. Call after the pieces are on their device."""
+    dispatch (its all-to-alls held to ``link``, a simulated slower link, when given). Returns the modules
+    sharded. Call after the pieces are on their device."""
     from torch.distributed.tensor import DTensor, Shard
 
     from pipeloom.runtime.parallel.ep_dispatch import ExpertDispatch
@@ -206,14 +208,15 @@ def shard_experts(stages: Mapping[int, nn.Module], names: Sequence[str], ep: Exp
                                          stride=param.stride())
             module._parameters[pname] = nn.Parameter(sharded, requires_grad=param.requires_grad)
         module.forward = ExpertDispatch(module=module, local=local, ep=ep, num_experts=count, link=link)
-    return len(held)
+    return [module for _, _, module in held]
 
 
 def is_expert(param: torch.Tensor) -> bool:
-    """Whether ``param`` is a sharded expert parameter (a DTensor over an ``"ep"`` sub-mesh)."""
+    """Whether ``param`` is a sharded expert parameter: a DTensor over the ``"ep"`` sub-mesh, or over
+    ``("dp", "ep")`` once FSDP shards it (the dense parameters' FSDP mesh is the flattened ``"replicas"``)."""
     from torch.distributed.tensor import DTensor
 
-    return isinstance(param, DTensor) and tuple(param.device_mesh.mesh_dim_names or ()) == ("ep",)
+    return isinstance(param, DTensor) and "ep" in (param.device_mesh.mesh_dim_names or ())
 
 
 def expert_groups(stage_params: Mapping[int, Sequence[nn.Parameter]], ep: ExpertParallel) -> dict[int, tuple]:
@@ -222,18 +225,15 @@ def expert_groups(stage_params: Mapping[int, Sequence[nn.Parameter]], ep: Expert
     return {id(p): (ep.dp_group, ep.dp_size) for ps in stage_params.values() for p in ps if is_expert(p)}
 
 
-def experts_for(model: nn.Module | None, stages: object, given: Sequence[str] | None, ep: ExpertParallel,
-                data_parallel: str) -> list[str]:
+def experts_for(model: nn.Module | None, stages: object, given: Sequence[str] | None,
+                ep: ExpertParallel) -> list[str]:
     """The experts modules ``pipeline()`` shards over ``"ep"`` (none without it): found in ``model``, or in
-    the user's own ``stages`` when no model is given; refuses ``experts=`` without ``"ep"`` and FSDP with it."""
+    the user's own ``stages`` when no model is given; refuses ``experts=`` without ``"ep"``."""
     if ep.size <= 1:
         if given is not None:
             raise PipelineError("experts= names the modules sharded over the mesh's \"ep\" dimension; pass mesh= "
                                 "with mesh_dim_names holding \"pp\" and \"ep\", or leave experts= out")
         return []
-    if data_parallel == "fsdp":
-        raise PipelineError("data_parallel='fsdp' with an \"ep\" dimension is not built yet; use "
-                            "data_parallel='replicate'")
     if model is not None:
         return find_experts(model, given)
     held = stages.stages if hasattr(stages, "stages") else stages
@@ -248,6 +248,32 @@ def experts_for(model: nn.Module | None, stages: object, given: Sequence[str] | 
         raise PipelineError("the mesh has an \"ep\" dimension but the stages hold no experts module; name yours "
                             "with experts=[...] (docs/parallelism.md: the experts interface)")
     return names
+
+
+def check_tp_with_experts(plan: Mapping[str, object] | str | object, stages: Mapping[int, nn.Module],
+                          names: Sequence[str]) -> None:
+    """With "ep" and "tp" together the experts are sharded over "ep" only and replicated over "tp" (every tp
+    rank of a replica dispatches the same tokens and computes the same experts): refuse a plan that would shard
+    an experts module (or anything inside it), sequence parallelism (each tp rank would route different
+    tokens) and ``tp_plan="auto"`` (its search does not know the experts)."""
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    what = "works: attention and dense MLPs tensor-parallel, the experts over \"ep\" only (docs/parallelism.md)"
+    if not isinstance(plan, Mapping):
+        raise PipelineError(f"tp_plan={plan!r} with an \"ep\" dimension is not built yet; pass torch's "
+                            f"parallelize_module plan as a dict that leaves the experts modules out ({what})")
+    for key, style in plan.items():
+        if isinstance(style, SequenceParallel):
+            raise PipelineError(f"tp_plan key {key!r} is SequenceParallel, which with an \"ep\" dimension is not "
+                                f"built yet (each tp rank would route other tokens); leave it out ({what})")
+        for stage in stages.values():
+            for name in resolve(stage, key):
+                hit = next((e for e in names if name == e or name.startswith(e + ".") or e.startswith(name + ".")),
+                           None)
+                if hit is not None:
+                    raise PipelineError(f"tp_plan key {key!r} names {name!r}, which is or holds the experts module "
+                                        f"{hit!r}; with \"ep\" the experts are sharded over \"ep\" and replicated "
+                                        f"over \"tp\": leave them out of tp_plan ({what})")
 
 
 def moe_layers(names: Sequence[str]) -> list[str]:

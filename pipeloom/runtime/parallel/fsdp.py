@@ -12,11 +12,17 @@ ran, its gradients are reduce-scattered into the sharded parameters (FSDP's ``po
 ``set_gradient_divide_factor(1.0)``, since each micro-batch's loss is already divided by M × dp); at
 the end of the step FSDP's final callback reshards. ``post_backward`` and the parameter groups are FSDP
 internals (torch's own pipelining calls them the same way); a torch without them is refused by name.
+
+With an ``"ep"`` dimension (:mod:`pipeloom.runtime.parallel.ep`) the piece is sharded over every replica (the
+flattened ``"replicas"`` mesh, dp × ep ranks) and each experts module first on its own: its parameters, already
+DTensors over ``"ep"``, are sharded again over ``"dp"`` (torch's FSDP + EP placement, the "dp_shard_mod_ep"
+of torchtitan), so its gradient is reduce-scattered over ``"dp"`` alone; without ``"dp"`` the experts are kept
+out of FSDP (their gradient needs no reduction). The steps above then run over every FSDP module of the piece.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol, cast
 
 from torch import nn
@@ -48,28 +54,52 @@ def _sharded(module: nn.Module) -> FSDPModule:
 
 
 def _groups(module: nn.Module) -> list:
-    state = _state(module)
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is None:
-        raise PipelineError("data_parallel='fsdp' needs FSDP2's parameter groups (torch >= 2.6); upgrade torch or "
-                            "use data_parallel='replicate'")
-    return list(groups)
+    """The FSDP parameter groups of ``module``'s own state and of every sharded module inside it."""
+    from torch.distributed.fsdp import FSDPModule
+
+    found = []
+    for sub in module.modules():
+        if not isinstance(sub, FSDPModule):
+            continue
+        groups = getattr(_state(sub), "_fsdp_param_groups", None)
+        if groups is None:
+            raise PipelineError("data_parallel='fsdp' needs FSDP2's parameter groups (torch >= 2.6); upgrade torch "
+                                "or use data_parallel='replicate'")
+        found += groups
+    return found
 
 
-def shard_pieces(pieces: Mapping[int, nn.Module], mesh: DeviceMesh | None) -> None:
-    """``fully_shard`` every local piece over ``mesh`` (the "dp" sub-mesh), gradients summed."""
-    from torch.distributed.fsdp import fully_shard
+def shard_pieces(pieces: Mapping[int, nn.Module], mesh: DeviceMesh | None,
+                 inner: Sequence[tuple[nn.Module, DeviceMesh | None]] = ()) -> None:
+    """``fully_shard`` every local piece over ``mesh`` (the "dp" sub-mesh), gradients summed. ``inner``: modules
+    of the pieces sharded first, each over its own mesh (an experts module, whose parameters are already sharded
+    over "ep", over "dp"), or, with None, kept out of FSDP (their gradients need no reduction)."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
 
+    kept_out: set[int] = set()
+    for module, own in inner:
+        if own is None:
+            kept_out.update(id(p) for p in module.parameters())
+        else:
+            fully_shard(module, mesh=own, reshard_after_forward=False)
     for module in pieces.values():
-        fully_shard(module, mesh=mesh, reshard_after_forward=False)
-        sharded = _sharded(module)
-        sharded.set_gradient_divide_factor(1.0)
-        sharded.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+        ignored = {p for p in module.parameters() if id(p) in kept_out}
+        fully_shard(module, mesh=mesh, reshard_after_forward=False, ignored_params=ignored or None)
+        for sub in module.modules():
+            if isinstance(sub, FSDPModule):
+                sub.set_gradient_divide_factor(1.0)
+                sub.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
 
 
 def whole_parameters(module: nn.Module) -> list[nn.Parameter]:
-    """The unsharded parameters a sharded piece computes with (the leaves of its autograd graph)."""
-    return [param._unsharded_param for group in _groups(module) for param in group.fsdp_params]
+    """The parameters a sharded piece computes with (the leaves of its autograd graph): the unsharded ones
+    FSDP gathers, and the ones kept out of FSDP as they are."""
+    whole, managed = [], set()
+    for group in _groups(module):
+        for param in group.fsdp_params:
+            whole.append(param._unsharded_param)
+            managed.update({id(param._unsharded_param), id(param.sharded_param)})
+    return whole + [p for p in module.parameters() if id(p) not in managed]
 
 
 class ShardedGradients:
