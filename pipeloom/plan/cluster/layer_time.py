@@ -22,6 +22,7 @@ from pipeloom.plan.cluster.elementwise import layer_elementwise
 from pipeloom.plan.cluster.hardware import Hardware
 from pipeloom.plan.cluster.layout import Layout
 from pipeloom.plan.cluster.materialized import materialized_attention_seconds
+from pipeloom.plan.tp.all_to_all import moe_exchanges
 
 __all__ = ["Job", "PhaseTimes", "layer_times", "domain_ranks"]
 
@@ -186,7 +187,8 @@ def _materialized(hw: Hardware, *, batch: int, heads: int, seq: int, head_dim: i
 def _moe_times(job: Job, layout: Layout, tokens: int) -> PhaseTimes:
     """The MoE MLP: router and shared experts on this GPU's tokens, routed experts (not tensor-parallel:
     each tp rank routes its sequence-parallel share of the tokens) on the tokens the all-to-all brings,
-    and the dispatch and combine all-to-alls over the ep ranks in both passes."""
+    and the dispatch and combine all-to-alls over the ep ranks in both passes
+    (:func:`pipeloom.plan.tp.all_to_all.moe_exchanges`: rows, routing weights, ids and counts)."""
     spec, hw, tp, ep = job.spec, job.hw, layout.tp, layout.ep
     ex = spec.experts
     assert ex is not None
@@ -197,10 +199,10 @@ def _moe_times(job: Job, layout: Layout, tokens: int) -> PhaseTimes:
     experts_here = ex.count // ep
     per_expert = local * ex.top_k // experts_here  # balanced routing: each local expert's tokens
     parts.append(_price(hw, _mlp(spec, ex.intermediate, 1, gated=True), per_expert, job.dtype, count=experts_here))
-    a2a = 0.0
-    if ep > 1:
-        nbytes = local * ex.top_k * spec.hidden * 2
-        a2a = 2 * collective_seconds(hw, "all_to_all", nbytes, ep,
-                                     ranks_per_domain=domain_ranks(ep, tp, hw))
+    # the runtime's all-to-alls of this GPU's tokens (16-bit rows and weights): pipeloom.plan.tp.all_to_all
+    exchanges = moe_exchanges(tokens=local, hidden=spec.hidden, top_k=ex.top_k, ep=ep, dtype_bytes=2,
+                              experts=ex.count)
+    a2a = {phase: sum(collective_seconds(hw, "all_to_all", e.bytes, ep, ranks_per_domain=domain_ranks(ep, tp, hw))
+                      for e in exchanges if e.phase == phase) for phase in ("F", "I")}
     times = _add(*parts)
-    return PhaseTimes(f=times.f + a2a, i=times.i + a2a, w=times.w)
+    return PhaseTimes(f=times.f + a2a["F"], i=times.i + a2a["I"], w=times.w)
