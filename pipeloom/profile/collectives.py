@@ -20,12 +20,17 @@ if TYPE_CHECKING:
 __all__ = ["CollectiveCounter", "by_interval", "time_collectives"]
 
 _KINDS = {"all_reduce": "all_reduce", "all_reduce_": "all_reduce", "all_gather_into_tensor": "all_gather",
-          "reduce_scatter_tensor": "reduce_scatter"}
+          "reduce_scatter_tensor": "reduce_scatter", "all_to_all_single": "all_to_all"}
+_C10D_KINDS = {"alltoall_base_": "all_to_all"}
+"""The process-group ops counted besides DTensor's functional ones: the expert-parallel dispatch's
+``dist.all_to_all_single`` (gloo's and NCCL's ``alltoall_base``); the data-parallel gradient all-reduces, which
+run between and beside the actions, are not counted."""
 
 
 class CollectiveCounter(TorchDispatchMode):
     """``with CollectiveCounter() as counter: ...``; ``counter.records`` lists ``(kind, bytes)`` per collective
-    (bytes of the whole tensor: an all-reduce's input, an all-gather's output, a reduce-scatter's input),
+    (bytes of the whole tensor: an all-reduce's input, an all-gather's output, a reduce-scatter's input, an
+    all-to-all's send buffer),
     ``counter.counts()`` sums them by kind, ``counter.stamps`` holds when each began (``time.time_ns()``, the
     clock of the runtime's traces). The same ops torch's ``CommDebugMode`` counts."""
 
@@ -37,11 +42,13 @@ class CollectiveCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         packet = func._overloadpacket
-        kind = _KINDS.get(packet.__name__) if "c10d_functional" in packet._qualified_op_name else None
+        qualified = packet._qualified_op_name
+        kind = (_KINDS.get(packet.__name__) if "c10d_functional" in qualified
+                else _C10D_KINDS.get(packet.__name__) if qualified.startswith("c10d::") else None)
         started = time.time_ns()
         out = func(*args, **kwargs)
         if kind is not None:
-            tensor = args[0]
+            tensor = args[1] if qualified == "c10d::alltoall_base_" else args[0]  # (output, input, ...)
             nbytes = tensor.numel() * tensor.element_size()
             if kind == "all_gather":
                 nbytes = out.numel() * out.element_size()
@@ -55,10 +62,10 @@ class CollectiveCounter(TorchDispatchMode):
 
 
 def by_interval(counter: CollectiveCounter, intervals: Sequence[tuple[Hashable, int, int]]
-                ) -> dict[Hashable, list[tuple[str, int]]]:
+                ) -> dict[Hashable, list[tuple[str, float]]]:
     """The counter's ``(kind, bytes)`` records grouped by the interval ``(key, start_ns, end_ns)`` each began
     in (the runtime's traced actions of this rank); a record in none of them goes under None."""
-    found: dict[Hashable, list[tuple[str, int]]] = {key: [] for key, _, _ in intervals}
+    found: dict[Hashable, list[tuple[str, float]]] = {key: [] for key, _, _ in intervals}
     found.setdefault(None, [])
     ordered = sorted(intervals, key=lambda interval: interval[1])
     for record, stamp in zip(counter.records, counter.stamps):
