@@ -5,6 +5,7 @@ put down to the action running then), and timed collectives on a real group for
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import Counter
 from collections.abc import Hashable, Sequence
@@ -14,10 +15,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from pipeloom.plan.errors import PlanError
+
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["CollectiveCounter", "by_interval", "time_collectives"]
+__all__ = ["CollectiveCounter", "by_interval", "group_mean", "time_collectives"]
 
 _KINDS = {"all_reduce": "all_reduce", "all_reduce_": "all_reduce", "all_gather_into_tensor": "all_gather",
           "reduce_scatter_tensor": "reduce_scatter", "all_to_all_single": "all_to_all"}
@@ -72,6 +75,26 @@ def by_interval(counter: CollectiveCounter, intervals: Sequence[tuple[Hashable, 
         key = next((k for k, start, end in ordered if start <= stamp <= end), None)
         found[key].append(record)
     return found
+
+
+def group_mean(found: dict[object, list[tuple[str, float]]], group: ProcessGroup
+               ) -> dict[object, list[tuple[str, float]]]:
+    """``found`` with each all-to-all's bytes the mean over the ``"ep"`` group (every rank of it runs the same
+    exchanges in the same order): a rank's dispatch sends all its pairs, but what it sends back in the combine (and
+    in the dispatch's reverse) is what its experts received, which depends on the routing; over the group each pair
+    arrives once, so the mean is the balanced size :func:`pipeloom.plan.tp.all_to_all.moe_exchanges` gives."""
+    import torch.distributed as dist
+
+    ranks: list[dict | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(ranks, found, group=group)
+    mean: dict[object, list[tuple[str, float]]] = {}
+    for key, records in found.items():
+        columns = list(zip(*(part[key] for part in ranks if part is not None)))
+        if len(columns) != len(records):
+            raise PlanError(f"the ranks of one \"ep\" group ran different collectives in {key}; profile again")
+        mean[key] = [(kind, statistics.fmean(b for _, b in column) if kind == "all_to_all" else nbytes)
+                     for (kind, nbytes), column in zip(records, columns)]
+    return mean
 
 
 def time_collectives(group: ProcessGroup | None, sizes: Sequence[int], *, repeats: int = 5,

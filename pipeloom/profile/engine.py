@@ -246,7 +246,7 @@ class EngineProfiler:
         slows every operation) and put down to the traced action it began in: per piece, the collectives of
         one micro-batch (F, I and W from the split pipeline; the full one's B must hold the same as I and W
         together). The same on every rank of a pipeline."""
-        from pipeloom.profile.collectives import CollectiveCounter, by_interval
+        from pipeloom.profile.collectives import CollectiveCounter, by_interval, group_mean
 
         found: dict[object, list[tuple[str, float]]] = {}
         me = dist.get_rank(self.group)
@@ -273,7 +273,7 @@ class EngineProfiler:
         self.counted_steps.append(self.steps)
         self.steps += 1
         if self.ep_group is not None:
-            found = _ep_mean(found, self.ep_group)
+            found = group_mean(found, self.ep_group)
         everyone: list[dict | None] = [None] * self.world
         dist.all_gather_object(everyone, found, group=self.group)
         merged = {key: records for part in everyone if part for key, records in part.items()}
@@ -370,24 +370,6 @@ def _mesh_group(mesh: DeviceMesh, name: str) -> ProcessGroup:
         raise PlanError(f"the mesh has dimensions {names}; profiling tensor-parallel stages needs \"pp\" and "
                         "\"tp\", e.g. init_device_mesh('cpu', (2, 2), mesh_dim_names=('pp', 'tp'))")
     return mesh.get_group(name)
-
-
-def _ep_mean(found: dict[object, list[tuple[str, float]]], group: ProcessGroup
-             ) -> dict[object, list[tuple[str, float]]]:
-    """``found`` with each all-to-all's bytes the mean over the ``"ep"`` group (every rank of it runs the same
-    exchanges in the same order): a rank's dispatch sends all its pairs, but what it sends back in the combine (and
-    in the dispatch's reverse) is what its experts received, which depends on the routing; over the group each pair
-    arrives once, so the mean is the balanced size :func:`pipeloom.plan.tp.all_to_all.moe_exchanges` gives."""
-    ranks: list[dict | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(ranks, found, group=group)
-    mean: dict[object, list[tuple[str, float]]] = {}
-    for key, records in found.items():
-        columns = list(zip(*(part[key] for part in ranks if part is not None)))
-        if len(columns) != len(records):
-            raise PlanError(f"the ranks of one \"ep\" group ran different collectives in {key}; profile again")
-        mean[key] = [(kind, statistics.fmean(b for _, b in column) if kind == "all_to_all" else nbytes)
-                     for (kind, nbytes), column in zip(records, columns)]
-    return mean
 
 
 def _piece_collectives(name: str, stage: int, found: Mapping[object, list[tuple[str, float]]],

@@ -179,6 +179,20 @@ def test_a_saved_cluster_plan_with_ep_runs(tmp_path):
     assert results[0]["experts"] > 0 and results[2]["experts"] > 0  # both stages hold MoE layers
 
 
+def test_ep_inside_dp_on_8_ranks():
+    """("dp" 2, "pp" 2, "ep" 2): 4 replicas per stage, experts over "ep", their gradients summed over "dp" —
+    2 steps of 1f1b against ("dp" 4, "pp" 2) with the same replica and pipeline rank on every rank: losses
+    bitwise equal, gradients within TOLERANCE, every parameter with a gradient."""
+    from ep_jobs import ep_with_dp
+
+    results = _ok(run_ranks(8, ep_with_dp, timeout=2400))
+    for rank, found in results.items():
+        assert found["equal"] and found["worst"] <= TOLERANCE and not found["missing"], (rank, found)
+        assert (found["replicas"], found["ep"], found["expert_dp"]) == (4, 2, 2) and found["same_rank"], (rank, found)
+        assert found["experts"] == 4, (rank, found)  # 2 MoE layers per stage, 2 stacked parameters each
+    assert "(dp 1, pp 0, ep 1)" in results[5]["where"], results[5]
+
+
 def test_the_profiler_counts_each_moe_layers_all_to_alls():
     """EngineProfiler on (pp 2, ep 2): every piece holding a MoE layer ran exactly the all-to-alls
     pipeloom.plan.tp.all_to_all.moe_exchanges predicts for its micro-batch (4 tokens, hidden 16, top-2 of 4
