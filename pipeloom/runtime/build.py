@@ -104,8 +104,7 @@ def pipeline(
     sharding, tp_plan = _tensor_parallel(model, parallel, layout, microbatches, tracing)
     if layout.tp.group is not None:  # a TP all-reduce inside a forward ends within the engine's timeout
         set_group_timeout([layout.group, layout.dp.group, layout.tp.group], failures.timeout)
-    expert_names = experts_for(model, stages, parallel.experts, layout.ep, parallel.data_parallel or "replicate",
-                               parallel.capacity_factor)
+    expert_names = experts_for(model, stages, layout.ep, parallel)
     if layout.ep.size > 1:  # an all-to-all inside a forward ends within the engine's timeout
         set_group_timeout([layout.group, layout.dp.group, layout.ep.group, layout.ep.dp_group], failures.timeout)
     seed = shared_seed(layout.everyone, layout.everyone_size, seed)  # here, whenever the model is split

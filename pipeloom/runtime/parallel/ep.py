@@ -41,6 +41,8 @@ from pipeloom.runtime.parallel.tp import resolve
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
+    from pipeloom.runtime.options import Parallelism
+
 __all__ = ["ExpertParallel", "check_experts_agree", "expert_groups", "expert_layout", "experts_for", "find_experts",
            "is_expert", "is_experts_module", "moe_layers", "shard_experts"]
 
@@ -229,11 +231,11 @@ def expert_groups(stage_params: Mapping[int, Sequence[nn.Parameter]], ep: Expert
     return {id(p): (ep.dp_group, ep.dp_size) for ps in stage_params.values() for p in ps if is_expert(p)}
 
 
-def experts_for(model: nn.Module | None, stages: object, given: Sequence[str] | None, ep: ExpertParallel,
-                data_parallel: str, capacity_factor: float | None = None) -> list[str]:
+def experts_for(model: nn.Module | None, stages: object, ep: ExpertParallel, parallel: Parallelism) -> list[str]:
     """The experts modules ``pipeline()`` shards over ``"ep"`` (none without it): found in ``model``, or in
     the user's own ``stages`` when no model is given; refuses ``experts=`` or ``capacity_factor=`` without
-    ``"ep"`` and FSDP with it."""
+    ``"ep"`` and FSDP with it (``parallel``: the options, whose ``experts`` name the modules)."""
+    given, capacity_factor = parallel.experts, parallel.capacity_factor
     if ep.size <= 1:
         if capacity_factor is not None:
             raise PipelineError(f"Parallelism(capacity_factor={capacity_factor}) bounds the tokens the \"ep\" "
@@ -243,7 +245,7 @@ def experts_for(model: nn.Module | None, stages: object, given: Sequence[str] | 
             raise PipelineError("experts= names the modules sharded over the mesh's \"ep\" dimension; pass mesh= "
                                 "with mesh_dim_names holding \"pp\" and \"ep\", or leave experts= out")
         return []
-    if data_parallel == "fsdp":
+    if parallel.data_parallel == "fsdp":
         raise PipelineError("data_parallel='fsdp' with an \"ep\" dimension is not built yet; use "
                             "data_parallel='replicate'")
     if model is not None:
