@@ -525,5 +525,13 @@ def ep_profile(rank: int, world: int) -> dict:
     table = profiler.table(skip=1)
     for engine in profiler.engines:
         engine.close()
+    from pipeloom.profile.in_engine import profile_in_engine
+
+    model = build_own()
+    measured = profile_in_engine(model, x, loss_fn=F.mse_loss, target=y, microbatches=2, pieces=["0", "1", "2", "3"],
+                                 leaf_modules=["1.experts", "2.experts"], mesh=mesh, warmup_steps=1, steps=2)
+    whole = {name: sum(p.numel() * 4 for p in model.get_submodule(name).parameters()) for name in ("0", "1", "2", "3")}
     return {"counted": {name: sorted((c.kind, c.phase, c.bytes) for c in found) for name, found in counted.items()},
-            "pieces": [(p.name, p.f, p.i) for p in table.pieces]}
+            "pieces": [(p.name, p.f, p.i) for p in table.pieces],
+            "param_bytes": [(p.param_bytes, whole[p.name]) for p in measured.pieces],
+            "times": [(p.f, p.i) for p in measured.pieces], "device": measured.device}

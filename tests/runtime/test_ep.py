@@ -197,7 +197,8 @@ def test_the_profiler_counts_each_moe_layers_all_to_alls():
     """EngineProfiler on (pp 2, ep 2): every piece holding a MoE layer ran exactly the all-to-alls
     pipeloom.plan.tp.all_to_all.moe_exchanges predicts for its micro-batch (4 tokens, hidden 16, top-2 of 4
     experts, fp32, int64 counts and ids; each exchange's bytes the mean over the ep group, as the combine sends
-    back what the routing brought), the others none; the table's times hold them."""
+    back what the routing brought), the others none; the table's times hold them. profile_in_engine on the same
+    mesh: each MoE piece's param_bytes less the half of its experts the other ep rank holds."""
     from ep_jobs import ep_profile
 
     from pipeloom.plan.tp.all_to_all import moe_exchanges
@@ -210,3 +211,9 @@ def test_the_profiler_counts_each_moe_layers_all_to_alls():
         assert found["counted"] == {"0": [], "1": layer, "2": layer, "3": []}, (rank, found["counted"])
         assert [name for name, _, _ in found["pieces"]] == ["0", "1", "2", "3"]
         assert all(f > 0 and i > 0 for _, f, i in found["pieces"][1:3]), found["pieces"]
+        # profile_in_engine on the same mesh: a MoE piece holds half its experts' bytes (2 x 4 x 16 x 32 fp32)
+        experts = 2 * 4 * 16 * 32 * 4
+        assert found["param_bytes"][0] == (found["param_bytes"][0][1],) * 2, found["param_bytes"]
+        assert found["param_bytes"][1] == (found["param_bytes"][1][1] - experts / 2, found["param_bytes"][1][1])
+        assert found["param_bytes"][2][0] == found["param_bytes"][2][1] - experts / 2
+        assert all(f > 0 and i > 0 for f, i in found["times"][1:3]) and "experts over ep 2" in found["device"]
