@@ -26,8 +26,9 @@ class Exchange:
     phase: str
     """``"F"`` (forward) or ``"I"`` (the input-gradient backward: each differentiable exchange reversed)."""
     bytes: float
-    """This rank's send buffer (every pair it routes, those to its own experts included; what it receives is
-    the same size when routing is balanced)."""
+    """This rank's send buffer: in the dispatch exactly every pair it routes (those to its own experts
+    included); in the combine and the reverses what its experts received, the same size under balanced routing
+    and on average over the ep group whatever the routing (each pair arrives once)."""
 
 
 def _positive(name: str, value: object) -> int:
