@@ -87,6 +87,9 @@ def torchtitan_settings(plan: Plan, schedule: Schedule, csv_path: str | Path, *,
     """``{section: {key: value}}`` of torchtitan's configuration (0.2.x and 0.3.x alike) for ``plan`` run as
     ``schedule`` (the plan's simulated order), whose CSV is written at ``csv_path`` (made absolute); ``modules``:
     the model's pieces in call order (see :func:`stage_modules`)."""
+    if plan.expert_parallel > 1:
+        raise PlanError(f"the plan shares its experts over expert_parallel={plan.expert_parallel} ranks; the "
+                        "torchtitan export is checked without expert parallelism only: export a plan saved with ep=1")
     placement = _placement(schedule)
     if placement == "v":
         name = "ZBVZeroBubble"

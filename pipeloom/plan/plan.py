@@ -1,5 +1,6 @@
 """A pipeline plan: where to cut the model, which schedule to run with how many micro-batches, and
-what the simulator predicts; its ``pipeloom.plan/1`` JSON form, which the runtime reads."""
+what the simulator predicts; its ``pipeloom.plan/1`` JSON form, which the runtime reads (``pipeloom.plan/2``
+for a plan with expert parallelism, the one key ``/1`` lacks; every ``/1`` file reads as before)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,17 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from pipeloom.errors import PipeloomError, shown
-from pipeloom.ir.jsonfields import integer, json_object, number, read_json_file, string, strings
+from pipeloom.ir.jsonfields import check_keys, integer, number, parse_object, read_json_file, string, strings
 from pipeloom.plan.errors import PlanError
 from pipeloom.schedules import REGISTRY
 
-__all__ = ["PLAN_FORMAT", "Plan", "load_plan", "model_stage_count", "plan_from_json", "plan_to_json", "save_plan"]
+__all__ = ["PLAN_FORMAT", "PLAN_FORMAT_EP", "Plan", "load_plan", "model_stage_count", "plan_from_json", "plan_to_json",
+           "save_plan"]
 
 PLAN_FORMAT = "pipeloom.plan/1"
+PLAN_FORMAT_EP = "pipeloom.plan/2"
+"""A plan with ``expert_parallel`` above 1 is written in this version (``/1`` plus that key), so that a pipeloom
+that cannot run it says so by the format; every other plan is still written and read as ``/1``."""
 
 _SCHEDULE_FILE_SUFFIXES = (".json", ".csv")
 
@@ -68,6 +73,10 @@ class Plan:
     tensor_parallel: int = 1
     """Tensor-parallel ranks per pipeline stage: the job runs on ``world_size`` ranks, a ``("dp", "pp", "tp")``
     mesh (``"dp"`` left out when 1)."""
+    expert_parallel: int = 1
+    """Ranks of one pipeline stage each MoE layer's experts are shared out over: the ``data_parallel`` replicas
+    are ``data_parallel / expert_parallel`` groups of that many, a ``("dp", "pp", "ep")`` mesh (``"dp"`` left
+    out when 1; docs/parallelism.md, expert parallelism)."""
     tp_plan: dict | None = None
     """With ``tensor_parallel`` > 1: the tensor-parallel plan as JSON, a built-in recipe and its module names
     (:mod:`pipeloom.plan.tp.recipes`), turned into torch's ``ParallelStyle`` dict by ``pipeline(plan=)``."""
@@ -78,7 +87,8 @@ class Plan:
     where the plan could not run); empty when the plan was chosen by prediction alone."""
 
     def __post_init__(self) -> None:
-        for name in ("num_ranks", "microbatches", "global_batch", "data_parallel", "tensor_parallel"):
+        for name in ("num_ranks", "microbatches", "global_batch", "data_parallel", "tensor_parallel",
+                     "expert_parallel"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise PlanError(f"plan {name} must be a positive integer, got {shown(value)}")
@@ -88,6 +98,13 @@ class Plan:
             raise PlanError(f"plan global_batch {self.global_batch} is not a multiple of microbatches "
                             f"{self.microbatches} x data_parallel {self.data_parallel}; every micro-batch must "
                             "hold the same number of samples")
+        if self.data_parallel % self.expert_parallel:
+            raise PlanError(f"plan expert_parallel {self.expert_parallel} must divide data_parallel "
+                            f"{self.data_parallel} (the experts are shared out over replicas of a stage)")
+        if self.expert_parallel > 1 and (self.tensor_parallel > 1 or self.sharding == "fsdp"):
+            raise PlanError(f"plan expert_parallel {self.expert_parallel} with tensor_parallel "
+                            f"{self.tensor_parallel} and sharding {self.sharding!r}: pipeloom runs ep with "
+                            "tensor_parallel 1 and sharding 'replicate' only")
         if (self.tensor_parallel > 1) != (self.tp_plan is not None):
             raise PlanError(f"plan tensor_parallel {self.tensor_parallel} needs a tp_plan exactly when it is above 1 "
                             f"(got tp_plan {shown(self.tp_plan)}); give both or neither")
@@ -142,9 +159,9 @@ _KEYS = {"format", "num_ranks", "split_points", "schedule", "schedule_options", 
 
 
 def plan_to_json(plan: Plan, *, indent: int | None = 1) -> str:
-    """The ``pipeloom.plan/1`` JSON text of ``plan``."""
+    """The ``pipeloom.plan/1`` JSON text of ``plan`` (``/2`` with ``expert_parallel`` above 1)."""
     document = {
-        "format": PLAN_FORMAT,
+        "format": PLAN_FORMAT if plan.expert_parallel == 1 else PLAN_FORMAT_EP,
         "num_ranks": plan.num_ranks,
         "split_points": list(plan.split_points),
         "schedule": plan.schedule,
@@ -164,6 +181,8 @@ def plan_to_json(plan: Plan, *, indent: int | None = 1) -> str:
     if plan.tensor_parallel > 1:  # optional: plans without tensor parallelism read as before
         document["tensor_parallel"] = plan.tensor_parallel
         document["tp_plan"] = plan.tp_plan
+    if plan.expert_parallel > 1:  # /2 only
+        document["expert_parallel"] = plan.expert_parallel
     if plan.trials:  # optional as well: written only for a plan chosen by measurement
         document["trials"] = [dict(trial) for trial in plan.trials]
     return json.dumps(document, indent=indent)
@@ -194,7 +213,14 @@ def plan_from_json(text: str) -> Plan:
     data_parallel). Optional: ``data_parallel`` (1), ``sharding`` (replicate), ``tensor_parallel`` (1)
     and ``tp_plan`` (a recipe, :mod:`pipeloom.plan.tp.recipes`; required when ``tensor_parallel`` > 1).
     """
-    document = json_object(text, fmt=PLAN_FORMAT, keys=_KEYS, error=PlanError, what="plan")
+    document = parse_object(text, error=PlanError, what="plan")
+    if "format" not in document:
+        raise PlanError(f"the plan is missing key 'format'; expected \"format\": \"{PLAN_FORMAT}\"")
+    if document["format"] not in (PLAN_FORMAT, PLAN_FORMAT_EP):
+        raise PlanError(f"format {shown(document['format'])} is not supported; expected {PLAN_FORMAT!r} or "
+                        f"{PLAN_FORMAT_EP!r}")
+    check_keys(document, _KEYS | {"expert_parallel"} if document["format"] == PLAN_FORMAT_EP else _KEYS,
+               where="plan", error=PlanError)
     where = "plan"
     options = document.get("schedule_options") or {}
     if not isinstance(options, dict):
@@ -218,6 +244,7 @@ def plan_from_json(text: str) -> Plan:
         sharding=string(document, "sharding", where=where, error=PlanError, default="replicate"),
         tensor_parallel=integer(document, "tensor_parallel", where=where, error=PlanError, default=1),
         tp_plan=document.get("tp_plan"),
+        expert_parallel=integer(document, "expert_parallel", where=where, error=PlanError, default=1),
         trials=_trials(document.get("trials", [])),
     )
     size = document.get("microbatch_size", plan.microbatch_size)

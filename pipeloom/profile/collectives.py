@@ -5,6 +5,7 @@ put down to the action running then), and timed collectives on a real group for
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import Counter
 from collections.abc import Hashable, Sequence
@@ -14,18 +15,25 @@ from typing import TYPE_CHECKING
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from pipeloom.plan.errors import PlanError
+
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["CollectiveCounter", "by_interval", "time_collectives"]
+__all__ = ["CollectiveCounter", "by_interval", "group_mean", "time_collectives"]
 
 _KINDS = {"all_reduce": "all_reduce", "all_reduce_": "all_reduce", "all_gather_into_tensor": "all_gather",
-          "reduce_scatter_tensor": "reduce_scatter"}
+          "reduce_scatter_tensor": "reduce_scatter", "all_to_all_single": "all_to_all"}
+_C10D_KINDS = {"alltoall_base_": "all_to_all"}
+"""The process-group ops counted besides DTensor's functional ones: the expert-parallel dispatch's
+``dist.all_to_all_single`` (gloo's and NCCL's ``alltoall_base``); the data-parallel gradient all-reduces, which
+run between and beside the actions, are not counted."""
 
 
 class CollectiveCounter(TorchDispatchMode):
     """``with CollectiveCounter() as counter: ...``; ``counter.records`` lists ``(kind, bytes)`` per collective
-    (bytes of the whole tensor: an all-reduce's input, an all-gather's output, a reduce-scatter's input),
+    (bytes of the whole tensor: an all-reduce's input, an all-gather's output, a reduce-scatter's input, an
+    all-to-all's send buffer),
     ``counter.counts()`` sums them by kind, ``counter.stamps`` holds when each began (``time.time_ns()``, the
     clock of the runtime's traces). The same ops torch's ``CommDebugMode`` counts."""
 
@@ -37,11 +45,13 @@ class CollectiveCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         packet = func._overloadpacket
-        kind = _KINDS.get(packet.__name__) if "c10d_functional" in packet._qualified_op_name else None
+        qualified = packet._qualified_op_name
+        kind = (_KINDS.get(packet.__name__) if "c10d_functional" in qualified
+                else _C10D_KINDS.get(packet.__name__) if qualified.startswith("c10d::") else None)
         started = time.time_ns()
         out = func(*args, **kwargs)
         if kind is not None:
-            tensor = args[0]
+            tensor = args[1] if qualified == "c10d::alltoall_base_" else args[0]  # (output, input, ...)
             nbytes = tensor.numel() * tensor.element_size()
             if kind == "all_gather":
                 nbytes = out.numel() * out.element_size()
@@ -55,16 +65,36 @@ class CollectiveCounter(TorchDispatchMode):
 
 
 def by_interval(counter: CollectiveCounter, intervals: Sequence[tuple[Hashable, int, int]]
-                ) -> dict[Hashable, list[tuple[str, int]]]:
+                ) -> dict[Hashable, list[tuple[str, float]]]:
     """The counter's ``(kind, bytes)`` records grouped by the interval ``(key, start_ns, end_ns)`` each began
     in (the runtime's traced actions of this rank); a record in none of them goes under None."""
-    found: dict[Hashable, list[tuple[str, int]]] = {key: [] for key, _, _ in intervals}
+    found: dict[Hashable, list[tuple[str, float]]] = {key: [] for key, _, _ in intervals}
     found.setdefault(None, [])
     ordered = sorted(intervals, key=lambda interval: interval[1])
     for record, stamp in zip(counter.records, counter.stamps):
         key = next((k for k, start, end in ordered if start <= stamp <= end), None)
         found[key].append(record)
     return found
+
+
+def group_mean(found: dict[object, list[tuple[str, float]]], group: ProcessGroup
+               ) -> dict[object, list[tuple[str, float]]]:
+    """``found`` with each all-to-all's bytes the mean over the ``"ep"`` group (every rank of it runs the same
+    exchanges in the same order): a rank's dispatch sends all its pairs, but what it sends back in the combine (and
+    in the dispatch's reverse) is what its experts received, which depends on the routing; over the group each pair
+    arrives once, so the mean is the balanced size :func:`pipeloom.plan.tp.all_to_all.moe_exchanges` gives."""
+    import torch.distributed as dist
+
+    ranks: list[dict | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(ranks, found, group=group)
+    mean: dict[object, list[tuple[str, float]]] = {}
+    for key, records in found.items():
+        columns = list(zip(*(part[key] for part in ranks if part is not None)))
+        if len(columns) != len(records):
+            raise PlanError(f"the ranks of one \"ep\" group ran different collectives in {key}; profile again")
+        mean[key] = [(kind, statistics.fmean(b for _, b in column) if kind == "all_to_all" else nbytes)
+                     for (kind, nbytes), column in zip(records, columns)]
+    return mean
 
 
 def time_collectives(group: ProcessGroup | None, sizes: Sequence[int], *, repeats: int = 5,

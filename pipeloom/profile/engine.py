@@ -107,6 +107,12 @@ class EngineProfiler:
     pipelines run over ``"pp"`` on a copy of the model each, their stages sharded by the plan over ``"tp"``
     (no two-replica pipeline: the runtime refuses those with a plan); :meth:`count` counts each piece's
     collectives. Its table holds one tp rank's times (that of the pipelines global rank 0 is in).
+
+    ``mesh`` with dimensions ``"pp"`` and ``"ep"`` (no ``tp_plan``): the pipelines run on a copy of the model each
+    with its MoE layers' experts shared out over ``"ep"`` (:mod:`pipeloom.runtime.parallel.ep`), every ep rank
+    a replica stepping the whole ``inputs``; the pieces' times include the expert all-to-alls, and
+    :meth:`count` counts each piece's (kind ``all_to_all``, this rank's send buffer; what
+    :func:`pipeloom.plan.tp.all_to_all.moe_exchanges` predicts per MoE layer).
     """
 
     def __init__(self, model: nn.Module, inputs: torch.Tensor | tuple, *,
@@ -117,11 +123,19 @@ class EngineProfiler:
                  tp_plan: Mapping[str, object] | None = None) -> None:
         if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
             raise PlanError(f"microbatches must be a positive integer, got {microbatches!r}")
-        if (mesh is None) != (tp_plan is None):
+        dims = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+        self.expert_parallel = "ep" in dims  # the MoE layers' experts shared out over "ep" (no tp_plan)
+        if mesh is not None and sorted(dims) not in (["pp", "tp"], ["ep", "pp"]):
+            raise PlanError(f"the profiling mesh has dimensions {dims}; give (\"pp\", \"tp\") with a tp_plan or "
+                            "(\"pp\", \"ep\") for a model with MoE layers")
+        if (tp_plan is not None) != (mesh is not None and not self.expert_parallel):
             raise PlanError("profiling tensor-parallel stages needs both mesh= (with \"pp\" and \"tp\") and "
                             "tp_plan= (torch's parallelize_module plan); give both or neither")
         self.model, self.inputs, self.target = model, inputs, target
-        self.tensor_parallel = mesh is not None
+        self.tensor_parallel = mesh is not None  # the pipelines run copies of the model over the mesh
+        # with "ep" each ep rank's pipeline is a replica: it gets the whole inputs (the batch repeated ep times)
+        self.replicas = mesh.size(dims.index("ep")) if mesh is not None and self.expert_parallel else 1
+        self.ep_group = mesh.get_group("ep") if mesh is not None and self.expert_parallel else None
         world_group = dist.group.WORLD
         assert world_group is not None, "profiling in the engine needs an initialised process group"
         self.group: ProcessGroup = (_mesh_group(mesh, "pp") if mesh is not None
@@ -154,7 +168,7 @@ class EngineProfiler:
         """One profiling pipeline: the one trace cut at every piece, or (tensor parallel) a copy of the model
         cut by ``pipeline`` itself, whose stages the plan shards (the copy keeps the user's model whole)."""
         schedule = profiling_schedule(len(self.names), self.world, self.microbatches, split_backward=split)
-        if tp_plan is None:
+        if mesh is None:
             return pipeline(
                 self.model,
                 schedule=schedule,
@@ -170,7 +184,7 @@ class EngineProfiler:
             loss_fn=loss_fn,
             record=True,
             tracing=Tracing(tracer=tracer, leaf_modules=self.leaf_modules, example_inputs=first),
-            parallel=Parallelism(mesh=mesh, tp_plan=dict(tp_plan)),
+            parallel=Parallelism(mesh=mesh, tp_plan=dict(tp_plan) if tp_plan is not None else None),
         )
 
     def _exchange_pipeline(self, loss_fn: Callable, microbatches: int,
@@ -209,9 +223,22 @@ class EngineProfiler:
         for engine in self._all_engines:
             self._clear()
             dist.barrier(self.everyone)
-            engine.step(self.inputs, target=self.target)
+            inputs, target = self._batch()
+            engine.step(inputs, target=target)
         self._clear()
         self.steps += 1
+
+    def _batch(self) -> tuple:
+        """(inputs, {"target": target}) of one step: with ``"ep"`` the batch repeated once per ep rank, so that
+        every replica's micro-batches are those of the table (the engine gives each replica its share)."""
+        def repeated(value: object) -> object:
+            if isinstance(value, torch.Tensor) and self.replicas > 1:
+                return torch.cat([value] * self.replicas)
+            if isinstance(value, tuple):
+                return tuple(repeated(v) for v in value)
+            return value
+
+        return repeated(self.inputs), repeated(self.target)
 
     def count(self) -> dict[str, tuple[Collective, ...]]:
         """One step of each pipeline with every collective counted
@@ -219,15 +246,16 @@ class EngineProfiler:
         slows every operation) and put down to the traced action it began in: per piece, the collectives of
         one micro-batch (F, I and W from the split pipeline; the full one's B must hold the same as I and W
         together). The same on every rank of a pipeline."""
-        from pipeloom.profile.collectives import CollectiveCounter, by_interval
+        from pipeloom.profile.collectives import CollectiveCounter, by_interval, group_mean
 
-        found: dict[object, list[tuple[str, int]]] = {}
+        found: dict[object, list[tuple[str, float]]] = {}
         me = dist.get_rank(self.group)
         for engine in self.engines:
             self._clear()
             dist.barrier(self.everyone)
+            inputs, target = self._batch()
             with CollectiveCounter() as counter:
-                engine.step(self.inputs, target=self.target)
+                engine.step(inputs, target=target)
             events = engine.trace_document()["steps"][-1]["events"]
             compute = [e for e in events if e["kind"] == "compute"]
             actions = [a for a in engine.schedule.ranks[me] if isinstance(a, Action)]  # the profiling schedule's
@@ -244,6 +272,8 @@ class EngineProfiler:
         self._clear()
         self.counted_steps.append(self.steps)
         self.steps += 1
+        if self.ep_group is not None:
+            found = group_mean(found, self.ep_group)
         everyone: list[dict | None] = [None] * self.world
         dist.all_gather_object(everyone, found, group=self.group)
         merged = {key: records for part in everyone if part for key, records in part.items()}
@@ -342,12 +372,12 @@ def _mesh_group(mesh: DeviceMesh, name: str) -> ProcessGroup:
     return mesh.get_group(name)
 
 
-def _piece_collectives(name: str, stage: int, found: Mapping[object, list[tuple[str, int]]],
+def _piece_collectives(name: str, stage: int, found: Mapping[object, list[tuple[str, float]]],
                        microbatches: int) -> tuple[Collective, ...]:
     """Piece ``stage``'s collectives of one micro-batch from the counted actions ``found`` ((stage, kind,
     micro-batch) -> (kind, bytes) records): F, I and W of micro-batch 0, checked equal for every micro-batch,
     and the full backward's B equal to I and W together."""
-    def records(kind: str, m: int) -> list[tuple[str, int]]:
+    def records(kind: str, m: int) -> list[tuple[str, float]]:
         return sorted(found.get((stage, kind, m), []))
 
     for m in range(1, microbatches):

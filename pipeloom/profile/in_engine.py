@@ -8,6 +8,9 @@ cuts the model at every piece, gives each rank a run of consecutive pieces, runs
 takes each piece's median traced F, B, I and W. Bytes still come from ``profile_model``. A third,
 two-replica pipeline (as Chimera and DualPipe run) measures what their gradient exchange costs.
 
+On a ``("pp", "ep")`` mesh it runs those pipelines with each MoE layer's experts shared out over ``"ep"``
+(their all-to-alls inside the pieces' times, the experts' bytes this rank does not hold taken off).
+
 On a ``("pp", "tp")`` mesh with a tensor-parallel plan it does that over every rank (the table's tp-1 times),
 then runs the same two pipelines over ``"pp"`` with each stage sharded by the plan over ``"tp"`` (torch's
 ``parallelize_module``, as ``pipeline(mesh=..., tp_plan=...)`` runs it), counts every piece's collectives
@@ -21,8 +24,9 @@ tensor-parallel pass :mod:`pipeloom.profile.tp`; this module is the entry point 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pipeloom.plan.costs.table import CostTable
 from pipeloom.plan.errors import PlanError
@@ -82,10 +86,20 @@ def profile_in_engine(
     ``tp_plan`` (torch's ``parallelize_module`` plan, the model's module names) and ``heads`` (attention heads
     per layer): the above over every rank gives the tp-1 table, then :func:`profile_tensor_parallel` measures
     the stages sharded over ``"tp"`` and fills the table's ``tensor`` field.
+    ``mesh`` with dimensions ``"pp"`` and ``"ep"`` (a model with MoE layers; no ``tp_plan``): the pipelines run
+    over ``"pp"`` with the experts shared out over ``"ep"`` (:class:`EngineProfiler` with that mesh), so each
+    piece's times hold its expert all-to-alls; see :func:`_profile_expert_parallel`.
     Every rank calls this and gets the same table; the model's gradients are cleared.
     """
     if warmup_steps < 0 or steps < 1:
         raise PlanError(f"need warmup_steps >= 0 and steps >= 1, got {warmup_steps} and {steps}")
+    if mesh is not None and "ep" in tuple(getattr(mesh, "mesh_dim_names", None) or ()):
+        if tp_plan is not None or process_group is not None:
+            raise PlanError("profiling on a (\"pp\", \"ep\") mesh takes no tp_plan= or process_group=")
+        return _profile_expert_parallel(model, inputs, loss_fn=loss_fn, target=target, microbatches=microbatches,
+                                        pieces=pieces, warmup_steps=warmup_steps, steps=steps,
+                                        action_cost=action_cost, bandwidth=bandwidth, base=base, tracer=tracer,
+                                        leaf_modules=leaf_modules, mesh=mesh)
     if mesh is not None or tp_plan is not None:
         check_tp_request(mesh, tp_plan, heads, process_group)
         from pipeloom.runtime.parallel.tp import leaf_modules_for
@@ -105,3 +119,28 @@ def profile_in_engine(
                                    base=table, mesh=mesh, tp_plan=tp_plan, heads=heads, warmup_steps=warmup_steps,
                                    steps=steps, bandwidth=bandwidth, tracer=tracer, leaf_modules=leaf_modules)
 
+
+def _profile_expert_parallel(model: nn.Module, inputs: torch.Tensor | tuple, *, mesh: DeviceMesh,
+                             warmup_steps: int, steps: int, action_cost: float | None, bandwidth: float | None,
+                             base: CostTable | None, **given: Any) -> CostTable:
+    """The table of ``model``'s pieces on one ep rank of a ``("pp", "ep")`` mesh: times from the profiling
+    pipelines with the experts shared out (every ep rank steps the whole ``inputs``, so the micro-batches are
+    the table's), and each piece's ``param_bytes`` less the ``(ep - 1) / ep`` of its experts' parameters this
+    rank does not hold (activation and output bytes as on one device: balanced routing brings each rank as
+    many rows as it sends)."""
+    from pipeloom.runtime.parallel.ep import find_experts
+
+    profiler = EngineProfiler(model, inputs, base=base, exchange=False, mesh=mesh, **given)
+    for _ in range(warmup_steps + steps):
+        profiler.step()
+    table = profiler.table(skip=warmup_steps, action_cost=action_cost, bandwidth=bandwidth)
+    ep = profiler.replicas
+    experts = [(name, sum(p.numel() * p.element_size() for p in model.get_submodule(name).parameters()))
+               for name in find_experts(model, None)]
+
+    def held(piece: str) -> float:  # expert bytes inside this piece that other ep ranks hold
+        inside = [nbytes for name, nbytes in experts if name == piece or name.startswith(piece + ".")]
+        return sum(inside) * (ep - 1) / ep
+
+    pieces = tuple(dataclasses.replace(p, param_bytes=p.param_bytes - held(p.name)) for p in table.pieces)
+    return dataclasses.replace(table, pieces=pieces, device=f"{table.device}, experts over ep {ep}")

@@ -110,7 +110,7 @@ def pipeline(
     sharding, tp_plan = _tensor_parallel(model, parallel, layout, microbatches, tracing)
     if layout.tp.group is not None:  # a TP all-reduce inside a forward ends within the engine's timeout
         set_group_timeout([layout.group, layout.dp.group, layout.tp.group], failures.timeout)
-    expert_names = experts_for(model, stages, parallel.experts, layout.ep)
+    expert_names = experts_for(model, stages, layout.ep, parallel)
     if layout.ep.size > 1:  # an all-to-all inside a forward ends within the engine's timeout
         set_group_timeout([layout.group, layout.dp.group, layout.ep.group, layout.ep.dp_group], failures.timeout)
     seed = shared_seed(layout.everyone, layout.everyone_size, seed)  # here, whenever the model is split
@@ -154,7 +154,7 @@ def _engine_parts(staged: StagedModel, *, model: nn.Module | None, layout: Layou
     if layout.ep.size > 1:
         _check_ep(lowering)
         check_experts_agree({k: staged.stages[k] for k in held}, expert_names, layout.ep, stage_rank=layout.rank,
-                            everyone=layout.everyone)
+                            everyone=layout.everyone, capacity_factor=parallel.capacity_factor)
     device = device_for(layout, device, [staged.stages[k] for k in held])
     replaced = place_pieces({k: staged.stages[k] for k in held}, device, model=model, names=names,
                             state_dict=weights.state_dict, init_weights=weights.init_weights)
@@ -166,7 +166,8 @@ def _engine_parts(staged: StagedModel, *, model: nn.Module | None, layout: Layou
             check_tp_with_experts(tp_plan, {k: staged.stages[k] for k in held}, expert_names)
         _apply_tp(staged, held, tp_plan, layout, lowering, data_parallel, shared)
     experts = shard_experts({k: staged.stages[k] for k in held}, expert_names, layout.ep,
-                            link=parallel.simulated_link) if layout.ep.size > 1 else []
+                            link=parallel.simulated_link,
+                            capacity_factor=parallel.capacity_factor) if layout.ep.size > 1 else []
     sharded = _sharded(data_parallel, layout, lowering, shared)
     if sharded:  # an experts module is sharded over "dp" on its own (its parameters are over "ep" already)
         shard_pieces({k: staged.stages[k] for k in held}, layout.dp.mesh,
@@ -246,12 +247,12 @@ def _from_plan(plan: str | Path, schedule: object, split_points: Sequence[str] |
                microbatches: int | None, *, parallel: Parallelism, device: torch.device | str | None) -> tuple:
     """(schedule, split points, schedule options, micro-batches, parallelism) from a plan file, explicit ones
     winning; a plan with replicas or tensor parallelism gets a ``("dp", "pp", "tp")`` mesh over every rank
-    (sizes of 1 left out) unless one is given (whose shape must be the plan's), its sharding as
-    ``data_parallel`` unless given, and its saved tensor-parallel recipe becomes torch's ``ParallelStyle`` dict
-    (:func:`pipeloom.runtime.parallel.tp.recipe_styles`)."""
+    (``("dp", "pp", "ep")`` with expert parallelism; sizes of 1 left out) unless one is given (whose shape must
+    be the plan's), its sharding as ``data_parallel`` unless given, and its saved tensor-parallel recipe becomes
+    torch's ``ParallelStyle`` dict (:func:`pipeloom.runtime.parallel.tp.recipe_styles`)."""
     chosen = load_plan(plan)
     mesh, tp_plan = parallel.mesh, parallel.tp_plan
-    if chosen.data_parallel > 1 or chosen.tensor_parallel > 1:
+    if chosen.data_parallel > 1 or chosen.tensor_parallel > 1:  # expert_parallel > 1 implies data_parallel > 1
         mesh = _plan_mesh(chosen, mesh, parallel.process_group, device)
     if tp_plan is None and chosen.tp_plan is not None:
         tp_plan = recipe_styles(chosen.tp_plan)
@@ -266,10 +267,12 @@ def _from_plan(plan: str | Path, schedule: object, split_points: Sequence[str] |
 def _plan_mesh(chosen, mesh: DeviceMesh | None, process_group: ProcessGroup | None,
                device: torch.device | str | None) -> DeviceMesh:
     """The ``("dp", "pp", "tp")`` mesh a plan with ``data_parallel`` replicas and ``tensor_parallel`` ranks
-    per stage runs on ("dp" and "tp" left out where 1)."""
+    per stage runs on, or ``("dp", "pp", "ep")`` with ``expert_parallel`` (its replicas ``dp × ep``); "dp",
+    "ep" and "tp" left out where 1."""
     import torch.distributed as dist
 
-    shape = {"dp": chosen.data_parallel, "pp": chosen.num_ranks, "tp": chosen.tensor_parallel}
+    ep = chosen.expert_parallel
+    shape = {"dp": chosen.data_parallel // ep, "pp": chosen.num_ranks, "ep": ep, "tp": chosen.tensor_parallel}
     shape = {name: size for name, size in shape.items() if size > 1 or name == "pp"}
     described = " x ".join(f"{name} {size}" for name, size in shape.items())
     if process_group is not None:
@@ -278,7 +281,7 @@ def _plan_mesh(chosen, mesh: DeviceMesh | None, process_group: ProcessGroup | No
     if mesh is not None:
         names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
         got = {n: mesh.size(k) for k, n in enumerate(names)}
-        if any(got.get(name, 1) != size for name, size in {"dp": 1, "tp": 1, **shape}.items()):
+        if any(got.get(name, 1) != size for name, size in {"dp": 1, "ep": 1, "tp": 1, **shape}.items()):
             raise PipelineError(f"the plan's mesh is {described} but mesh= is "
                                 f"{' x '.join(f'{n} {v}' for n, v in got.items())}; pass a mesh of the plan's shape "
                                 "or none")

@@ -74,6 +74,11 @@ class Parallelism:
     """With ``"ep"``: the names (or fnmatch patterns) of the experts modules whose experts are shared out over
     ``"ep"`` (:mod:`pipeloom.runtime.parallel.ep`: the interface they follow); None finds every module of the
     model with that interface (``transformers``' MoE experts have it)."""
+    capacity_factor: float | None = None
+    """With ``"ep"``: each expert takes at most ``ceil(capacity_factor · T · k / E)`` of the (token, choice)
+    pairs of one rank's micro-batch (``T`` tokens, top-``k`` of ``E`` experts); the pairs beyond it, in token
+    order, are dropped (Switch, GShard, Megatron's ``moe_expert_capacity_factor``). None: no capacity, nothing
+    dropped (exact). Every rank passes the same value."""
     overlap_pairs: bool = False
     """An overlapped pair ``(iF;jB)OVERLAP_F_B`` (DualPipe's) runs its two parts interleaved at their expert
     all-to-alls, one computing while the other's is in flight (:mod:`pipeloom.runtime.parallel.overlap`); every
@@ -91,6 +96,11 @@ class Parallelism:
         if isinstance(self.experts, str):
             raise PipelineError(f"Parallelism(experts={self.experts!r}) takes a list of module names, e.g. "
                                 f"[{self.experts!r}]")
+        factor = self.capacity_factor
+        if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float))
+                                   or not math.isfinite(factor) or factor <= 0):
+            raise PipelineError(f"Parallelism(capacity_factor={factor!r}): give a finite number > 0 (1.0: each "
+                                "expert takes its balanced share) or None for no capacity")
         if not isinstance(self.scatter_boundaries, bool) or not isinstance(self.overlap_pairs, bool):
             raise PipelineError("Parallelism(scatter_boundaries=, overlap_pairs=) are True or False")
         if self.simulated_link is not None and not isinstance(self.simulated_link, SimulatedLink):

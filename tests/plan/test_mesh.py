@@ -148,6 +148,10 @@ def test_torchtitan_export_refuses_two_replica_schedules():
     with pytest.raises(PlanError, match="two model replicas per rank.*without dualpipe, chimera"):
         torchtitan_settings(result.plan, result.schedule, "x.csv", modules=[f"blocks.{k}" for k in range(8)])
     assert "[training]" in torchtitan_toml({"training": {"local_batch_size": 4}})
+    one = plan_pipeline(_table(), num_ranks=4, global_batch=8, schedules=["1f1b"], microbatches=[4])
+    ep = dataclasses.replace(one.plan, data_parallel=2, expert_parallel=2)
+    with pytest.raises(PlanError, match="expert_parallel=2 ranks.*export a plan saved with ep=1"):
+        torchtitan_settings(ep, one.schedule, "x.csv", modules=[f"blocks.{k}" for k in range(8)])
 
 
 def test_stage_modules_cut_the_pieces_and_refuse_what_torchtitan_cannot_split():

@@ -54,7 +54,8 @@ def test_plan_checks():
 
 
 @pytest.mark.parametrize(("change", "words"), [
-    (lambda d: d.update(format="pipeloom.plan/2"), "expected 'pipeloom.plan/1'"),
+    (lambda d: d.update(format="pipeloom.plan/3"), "expected 'pipeloom.plan/1' or 'pipeloom.plan/2'"),
+    (lambda d: d.update(expert_parallel=2), r"unknown key\(s\) \['expert_parallel'\]"),  # a /2 key
     (lambda d: d.update(stages=3), r"unknown key\(s\) \['stages'\]"),
     (lambda d: d.pop("schedule"), "missing key 'schedule'"),
     (lambda d: d.update(microbatches="8"), "plan.microbatches: expected an integer"),
@@ -65,6 +66,27 @@ def test_json_errors(change, words):
     document = json.loads(plan_to_json(_plan()))
     change(document)
     with pytest.raises(PlanError, match=words):
+        plan_from_json(json.dumps(document))
+
+
+def test_expert_parallel_is_written_as_version_2(tmp_path):
+    """A plan with expert_parallel > 1 is written as pipeloom.plan/2 and reads back equal; every other plan is
+    written as /1 without the key (what older readers take); a /2 file without the key reads expert_parallel 1."""
+    plan = _plan(data_parallel=4, expert_parallel=2, global_batch=64)
+    save_plan(plan, tmp_path / "plan.json")
+    document = json.loads((tmp_path / "plan.json").read_text())
+    assert document["format"] == "pipeloom.plan/2" and document["expert_parallel"] == 2
+    assert load_plan(tmp_path / "plan.json") == plan and plan.world_size == 8
+    plain = json.loads(plan_to_json(_plan(data_parallel=4, global_batch=64)))
+    assert plain["format"] == PLAN_FORMAT and "expert_parallel" not in plain
+    plain["format"] = "pipeloom.plan/2"
+    assert plan_from_json(json.dumps(plain)).expert_parallel == 1
+    with pytest.raises(PlanError, match="expert_parallel 3 must divide data_parallel 4"):
+        _plan(data_parallel=4, expert_parallel=3, global_batch=64)
+    with pytest.raises(PlanError, match="tensor_parallel 1 and sharding 'replicate' only"):
+        _plan(data_parallel=2, expert_parallel=2, sharding="fsdp")
+    document["expert_parallel"] = 0
+    with pytest.raises(PlanError, match="plan.expert_parallel: expected an integer >= 1, got 0"):
         plan_from_json(json.dumps(document))
 
 

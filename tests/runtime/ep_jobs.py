@@ -3,6 +3,8 @@ of ``transformers`` and a user's own MoE layer on a (pp 2, ep 2) mesh next to th
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -309,3 +311,234 @@ def ep_overlap(rank: int, world: int, name: str, steps: int = 2, link=None) -> d
     plain.close()
     interleaved.close()
     return {"equal": equal, "handed": handed[0]}
+
+
+def _capped(model: nn.Module, capacity: int) -> nn.Module:
+    """``model`` with every experts module keeping at most ``capacity`` (token, choice) pairs per expert, the first
+    in (token, choice) order, before its own forward (the reference: the drops worked out on one device, each
+    replica's micro-batch alone; a pair's place among its expert's pairs counted by comparing every pair with
+    every earlier one, not as the dispatch counts it). ``capacity`` is a number, not a formula of the traced
+    sizes, so that torch.export sees no size arithmetic."""
+    from pipeloom.runtime.parallel.ep import find_experts
+
+    for name in find_experts(model, None):
+        module = model.get_submodule(name)
+        own = module.forward
+
+        def forward(hidden_states, top_k_index, top_k_weights, own=own, count=module.num_experts):
+            flat = top_k_index.reshape(-1)
+            earlier = ((flat[None, :] == flat[:, None]).tril(-1)).sum(1)  # pairs before this one, same expert
+            dropped = torch.where(earlier >= capacity, count, flat).view_as(top_k_index)
+            return own(hidden_states, dropped, top_k_weights)
+
+        module.forward = forward
+    return model
+
+
+def _moe_engine(model: nn.Module, dim: str, capacity_factor: float | None):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from pipeloom.runtime import pipeline
+
+    x, _ = tokens()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", dim))
+    return pipeline(model, schedule="1f1b", split_points=["model.layers.2"], loss_fn=lm_loss, microbatches=4,
+                    tracing=Tracing(tracer="export", example_inputs=(x[:2],)),
+                    parallel=Parallelism(mesh=mesh, capacity_factor=capacity_factor), failures=Failures(timeout=120))
+
+
+def _grads(engine) -> dict[str, torch.Tensor]:
+    from pipeloom.runtime.parallel.ep import is_expert
+
+    found = {}
+    for key, p in engine.named_parameters():
+        found[key] = p.grad.to_local().clone() if is_expert(p) else p.grad.clone()
+        p.grad = None
+    return found
+
+
+def ep_capacity(rank: int, world: int, factor: float, steps: int = 2) -> dict:
+    """Qwen3-MoE on (pp 2, ep 2), 1f1b, ``steps`` steps without an SGD update, in four runs: no capacity, a
+    capacity large enough to drop nothing (4.0), ``factor`` with ep, and ``factor`` on (pp 2, dp 2) with the
+    drops made by hand before each experts module's own forward. Returns whether the first two are bitwise
+    equal (losses and gradients), whether the third's losses equal the fourth's bitwise, its worst gradient
+    difference (relative to each tensor's largest reference gradient), and whether ``factor`` changed the loss."""
+    plain, roomy = _moe_engine(build_moe("qwen3_moe"), "ep", None), _moe_engine(build_moe("qwen3_moe"), "ep", 4.0)
+    capped = _moe_engine(build_moe("qwen3_moe"), "ep", factor)
+    # each replica's micro-batch: 8 rows / (2 replicas x 4 micro-batches) x 6 tokens = 6 tokens, top-2 of 4
+    capacity = math.ceil(factor * 6 * 2 / 4)
+    reference = _moe_engine(_capped(build_moe("qwen3_moe"), capacity), "dp", None)
+    same, equal, changed, worst = True, True, False, 0.0
+    for step in range(steps):
+        x, y = tokens(seed=step)
+        losses = [engine.step(x, target=y) for engine in (plain, roomy, capped, reference)]
+        same &= bool(torch.equal(losses[0], losses[1]))
+        equal &= bool(torch.equal(losses[2], losses[3]))
+        changed |= not torch.equal(losses[0], losses[2])
+        grads = [_grads(engine) for engine in (plain, roomy, capped, reference)]
+        same &= all(torch.equal(grads[0][k], grads[1][k]) for k in grads[0])
+        for key, grad in grads[2].items():
+            expected = grads[3][key]
+            if grad.shape != expected.shape:  # an expert shard: this ep rank's experts of the whole
+                per = grad.shape[0]
+                expected = expected[capped.layout.ep.rank * per:(capped.layout.ep.rank + 1) * per]
+            worst = max(worst, float((grad - expected).abs().max()) / (float(expected.abs().max()) or 1.0))
+    for engine in (plain, roomy, capped, reference):
+        engine.close()
+    return {"none_equals_roomy": same, "losses_equal": equal, "worst": worst, "changed": changed}
+
+
+def ep_capacity_disagree(rank: int, world: int) -> str:
+    """Rank 3 passes capacity_factor 2.0, the others 1.0: what pipeline() raises on each."""
+    from pipeloom.runtime import PipelineError
+
+    try:
+        _moe_engine(build_moe("qwen3_moe"), "ep", 2.0 if rank == 3 else 1.0).close()
+    except PipelineError as error:
+        return str(error)
+    return "no error"
+
+
+QWEN3_MOE_CONFIG = {"model_type": "qwen3_moe", "vocab_size": VOCAB, "num_hidden_layers": 4, "hidden_size": 32,
+                    "intermediate_size": 48, "num_attention_heads": 4, "num_key_value_heads": 2,
+                    "moe_intermediate_size": 16, "num_experts": 4, "num_experts_per_tok": 2}
+"""build_moe("qwen3_moe")'s sizes as the config the cluster planner reads."""
+
+
+def ep_plan(rank: int, world: int, path: str, steps: int = 2) -> dict:
+    """Qwen3-MoE run from a saved cluster plan with ep 2 (``pipeline(model, plan=path)``, which builds the mesh)
+    next to the same model on a (pp 2, dp 2) mesh with the plan's split points, schedule and micro-batches:
+    the mesh it built, whether the losses are bitwise equal, the worst relative gradient difference."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from pipeloom.plan.plan import load_plan
+    from pipeloom.runtime import pipeline
+    from pipeloom.runtime.parallel.ep import is_expert
+
+    plan = load_plan(path)
+    x, _ = tokens()
+    tracing = Tracing(tracer="export", example_inputs=(x[:2],))
+    planned = pipeline(build_moe("qwen3_moe"), plan=path, loss_fn=lm_loss, tracing=tracing)
+    reference = pipeline(build_moe("qwen3_moe"), schedule=plan.schedule, split_points=list(plan.split_points),
+                         microbatches=plan.microbatches, loss_fn=lm_loss, tracing=tracing,
+                         parallel=Parallelism(mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))))
+    equal, worst, experts = True, 0.0, 0
+    for step in range(steps):
+        x, y = tokens(seed=step)
+        equal &= bool(torch.equal(planned.step(x, target=y), reference.step(x, target=y)))
+        theirs = dict(reference.named_parameters())
+        for key, p in planned.named_parameters():
+            grad, expected = p.grad, theirs[key].grad
+            if is_expert(p):
+                experts += 1
+                grad = grad.to_local()
+                per = grad.shape[0]
+                expected = expected[planned.layout.ep.rank * per:(planned.layout.ep.rank + 1) * per]
+            worst = max(worst, float((grad - expected).abs().max()) / (float(expected.abs().max()) or 1.0))
+            p.grad, theirs[key].grad = None, None
+    layout = planned.layout
+    found = {"where": layout.where(), "ep": layout.ep.size, "replicas": layout.dp.size, "equal": equal,
+             "worst": worst, "experts": experts, "microbatches": planned.lowering.schedule.num_microbatches}
+    planned.close()
+    reference.close()
+    return found
+
+
+def _step_and_compare(ours, theirs, x: torch.Tensor, y: torch.Tensor) -> tuple[bool, float, set]:
+    """One step of both engines from the same parameters: whether the losses are bitwise equal, the worst
+    gradient difference relative to each tensor's largest reference gradient (an expert shard against its slice
+    of the whole), the parameters without a gradient; then the same SGD update on both, from ``theirs``'s
+    gradients."""
+    from pipeloom.runtime.parallel.ep import is_expert
+
+    equal = bool(torch.equal(ours.step(x, target=y), theirs.step(x, target=y)))
+    mine, reference = dict(ours.named_parameters()), dict(theirs.named_parameters())
+    worst, missing = 0.0, set()
+    ep = ours.layout.ep
+    for key, p in mine.items():
+        q = reference[key]
+        if p.grad is None:
+            missing.add(key)
+            continue
+        grad, expected = p.grad, q.grad
+        if is_expert(p):
+            per = expected.shape[0] // ep.size
+            grad, expected = p.grad.to_local(), expected[ep.rank * per:(ep.rank + 1) * per]
+        worst = max(worst, float((grad - expected).abs().max()) / (float(expected.abs().max()) or 1.0))
+    with torch.no_grad():
+        for key, q in reference.items():
+            p = mine[key]
+            q -= 0.1 * q.grad
+            if is_expert(p):
+                per = q.shape[0] // ep.size
+                p.to_local().copy_(q.detach()[ep.rank * per:(ep.rank + 1) * per])
+            else:
+                p.copy_(q.detach())
+            p.grad, q.grad = None, None
+    return equal, worst, missing
+
+
+def ep_with_dp(rank: int, world: int, steps: int = 2) -> dict:
+    """8 ranks: Qwen3-MoE, 1f1b, on ("dp" 2, "pp" 2, "ep" 2) — 4 replicas per stage (dp index × 2 + ep index),
+    experts shared over "ep" and their gradients summed over "dp" — against ("dp" 4, "pp" 2) with each rank's
+    replica index and pipeline rank the same as in the ep run (the reference mesh lists the ranks so), from the
+    same parameters each step: losses bitwise, the worst relative gradient difference, parameters without a
+    gradient, the sizes of the groups."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    from pipeloom.runtime import pipeline
+    from pipeloom.runtime.parallel.ep import is_expert
+
+    grid = torch.arange(world).reshape(2, 2, 2)  # (dp, pp, ep): global rank = dp·4 + pp·2 + ep
+    meshes = {"ep": init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp", "pp", "ep")),
+              "dp": DeviceMesh("cpu", grid.permute(0, 2, 1).reshape(4, 2), mesh_dim_names=("dp", "pp"))}
+    x, _ = tokens(rows=16)
+    engines = {name: pipeline(build_moe("qwen3_moe"), schedule="1f1b", split_points=["model.layers.2"],
+                              loss_fn=lm_loss, microbatches=4, failures=Failures(timeout=300),
+                              tracing=Tracing(tracer="export", example_inputs=(x[:1],)),
+                              parallel=Parallelism(mesh=mesh)) for name, mesh in meshes.items()}
+    ours, theirs = engines["ep"], engines["dp"]
+    equal, worst, missing = True, 0.0, set()
+    for step in range(steps):
+        x, y = tokens(rows=16, seed=step)
+        same, far, absent = _step_and_compare(ours, theirs, x, y)
+        equal, worst, missing = equal and same, max(worst, far), missing | absent
+    found = {"equal": equal, "worst": worst, "missing": sorted(missing), "replicas": ours.layout.dp.size,
+             "ep": ours.layout.ep.size, "expert_dp": ours.layout.ep.dp_size, "where": ours.layout.where(),
+             "experts": sum(1 for p in ours.parameters() if is_expert(p)),
+             "same_rank": ours.layout.rank == theirs.layout.rank and ours.layout.dp.rank == theirs.layout.dp.rank}
+    ours.close()
+    theirs.close()
+    return found
+
+
+def ep_profile(rank: int, world: int) -> dict:
+    """The user's MoE model profiled in the engine on a (pp 2, ep 2) mesh (EngineProfiler, pieces 0..3, 2
+    micro-batches of 4 tokens): each piece's counted collectives per micro-batch, (kind, phase, bytes), and the
+    table's pieces after two timed steps."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from pipeloom.profile.engine import EngineProfiler
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "ep"))
+    x, y = _batch("own", 0)
+    profiler = EngineProfiler(build_own(), x, loss_fn=F.mse_loss, target=y, microbatches=2,
+                              pieces=["0", "1", "2", "3"], exchange=False, leaf_modules=["1.experts", "2.experts"],
+                              mesh=mesh)
+    profiler.step()
+    counted = profiler.count()
+    profiler.step()
+    profiler.step()
+    table = profiler.table(skip=1)
+    for engine in profiler.engines:
+        engine.close()
+    from pipeloom.profile.in_engine import profile_in_engine
+
+    model = build_own()
+    measured = profile_in_engine(model, x, loss_fn=F.mse_loss, target=y, microbatches=2, pieces=["0", "1", "2", "3"],
+                                 leaf_modules=["1.experts", "2.experts"], mesh=mesh, warmup_steps=1, steps=2)
+    whole = {name: sum(p.numel() * 4 for p in model.get_submodule(name).parameters()) for name in ("0", "1", "2", "3")}
+    return {"counted": {name: sorted((c.kind, c.phase, c.bytes) for c in found) for name, found in counted.items()},
+            "pieces": [(p.name, p.f, p.i) for p in table.pieces],
+            "param_bytes": [(p.param_bytes, whole[p.name]) for p in measured.pieces],
+            "times": [(p.f, p.i) for p in measured.pieces], "device": measured.device}

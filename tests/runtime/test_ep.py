@@ -110,3 +110,110 @@ def test_overlapped_pairs_interleave_at_the_all_to_alls(name):
     results = _ok(run_ranks(4, ep_overlap, name, timeout=900))
     assert all(found["equal"] for found in results.values()), results
     assert results[2]["handed"] > 0 and results[3]["handed"] > 0, results
+
+
+def test_capacity_drops_the_pairs_beyond_each_experts_capacity():
+    """4 tokens, top-2 of 4 experts, factor 0.5: capacity ceil(0.5 * 8 / 4) = 1 pair per expert, taken in
+    (token, choice) order; the pairs after each expert's first become "no expert" (4); a pair already at 4
+    counts for none."""
+    from pipeloom.runtime.parallel.ep_dispatch import over_capacity
+
+    index = torch.tensor([[0, 1], [0, 2], [0, 1], [3, 0]])
+    assert over_capacity(index, 4, 0.5).tolist() == [[0, 1], [4, 2], [4, 4], [3, 4]]
+    assert over_capacity(index, 4, 1.0).tolist() == [[0, 1], [0, 2], [4, 1], [3, 4]]  # capacity 2
+    assert torch.equal(over_capacity(index, 4, 2.0), index)  # capacity 4: nothing dropped
+    assert over_capacity(torch.tensor([[4, 0], [0, 4]]), 4, 0.5).tolist() == [[4, 0], [4, 4]]  # capacity 1
+
+
+def test_capacity_factor_is_checked():
+    from pipeloom.runtime import Parallelism, PipelineError, pipeline
+
+    for bad in (0, -1.0, float("inf"), True, "1"):
+        with pytest.raises(PipelineError, match="capacity_factor"):
+            Parallelism(capacity_factor=bad)
+    from ep_jobs import build_own
+
+    with pytest.raises(PipelineError, match="capacity_factor=1.25\\) bounds the tokens"):
+        pipeline(build_own(), schedule="1f1b", split_points=["2"], loss_fn=torch.nn.functional.mse_loss,
+                 microbatches=2, parallel=Parallelism(capacity_factor=1.25))
+
+
+def test_capacity_with_ep_matches_the_same_drops_without_ep():
+    """Qwen3-MoE on (pp 2, ep 2): capacity_factor None and 4.0 (nothing dropped) are bitwise equal; factor 0.5
+    changes the loss, and equals the (pp 2, dp 2) run that drops the same pairs by hand before each experts
+    module's forward (losses bitwise, gradients within TOLERANCE); ranks that disagree on the factor raise
+    before any tensor moves."""
+    from ep_jobs import ep_capacity, ep_capacity_disagree
+
+    results = _ok(run_ranks(4, ep_capacity, 0.5, timeout=1200))
+    for rank, found in results.items():
+        assert found["none_equals_roomy"] and found["losses_equal"] and found["changed"], (rank, found)
+        assert found["worst"] <= TOLERANCE, (rank, found)
+    told = _ok(run_ranks(4, ep_capacity_disagree, timeout=300))
+    for rank, message in told.items():
+        assert "disagree on Parallelism(capacity_factor=)" in message and "2.0" in message, (rank, message)
+
+
+def test_a_saved_cluster_plan_with_ep_runs(tmp_path):
+    """`pipeloom plan --save` of a tiny Qwen3-MoE layout with ep 2 (pp 2, dp 2 holding ep 2) writes a
+    pipeloom.plan/2 file; pipeline(model, plan=...) on 4 ranks builds the (pp 2, ep 2) mesh and shards the
+    experts from it, and matches the (pp 2, dp 2) run of the plan's split points and micro-batches: losses bitwise,
+    gradients within TOLERANCE."""
+    from ep_jobs import QWEN3_MOE_CONFIG, ep_plan
+
+    from pipeloom.plan.cluster import plan_cluster
+    from pipeloom.plan.cluster.runtime_plan import runtime_plan
+    from pipeloom.plan.plan import save_plan
+
+    result = plan_cluster(QWEN3_MOE_CONFIG, "h100", gpus=4, global_batch=8, seq=6,
+                          layout="dp=2,tp=1,pp=2,vp=1,cp=1,ep=2,mbs=1,fsdp=0,recompute=none,schedule=1f1b")
+    plan = runtime_plan(result)
+    assert (plan.num_ranks, plan.data_parallel, plan.expert_parallel, plan.microbatches) == (2, 2, 2, 4)
+    save_plan(plan, tmp_path / "plan.json")
+    assert '"format": "pipeloom.plan/2"' in (tmp_path / "plan.json").read_text()
+    results = _ok(run_ranks(4, ep_plan, str(tmp_path / "plan.json"), timeout=900))
+    for rank, found in results.items():
+        assert found["ep"] == 2 and found["replicas"] == 2 and found["microbatches"] == 4, (rank, found)
+        assert found["equal"] and found["worst"] <= TOLERANCE, (rank, found)
+    assert "(pp 0, ep 1)" in results[1]["where"] and "(pp 1, ep 0)" in results[2]["where"], results
+    assert results[0]["experts"] > 0 and results[2]["experts"] > 0  # both stages hold MoE layers
+
+
+def test_ep_inside_dp_on_8_ranks():
+    """("dp" 2, "pp" 2, "ep" 2): 4 replicas per stage, experts over "ep", their gradients summed over "dp" —
+    2 steps of 1f1b against ("dp" 4, "pp" 2) with the same replica and pipeline rank on every rank: losses
+    bitwise equal, gradients within TOLERANCE, every parameter with a gradient."""
+    from ep_jobs import ep_with_dp
+
+    results = _ok(run_ranks(8, ep_with_dp, timeout=2400))
+    for rank, found in results.items():
+        assert found["equal"] and found["worst"] <= TOLERANCE and not found["missing"], (rank, found)
+        assert (found["replicas"], found["ep"], found["expert_dp"]) == (4, 2, 2) and found["same_rank"], (rank, found)
+        assert found["experts"] == 4, (rank, found)  # 2 MoE layers per stage, 2 stacked parameters each
+    assert "(dp 1, pp 0, ep 1)" in results[5]["where"], results[5]
+
+
+def test_the_profiler_counts_each_moe_layers_all_to_alls():
+    """EngineProfiler on (pp 2, ep 2): every piece holding a MoE layer ran exactly the all-to-alls
+    pipeloom.plan.tp.all_to_all.moe_exchanges predicts for its micro-batch (4 tokens, hidden 16, top-2 of 4
+    experts, fp32, int64 counts and ids; each exchange's bytes the mean over the ep group, as the combine sends
+    back what the routing brought), the others none; the table's times hold them. profile_in_engine on the same
+    mesh: each MoE piece's param_bytes less the half of its experts the other ep rank holds."""
+    from ep_jobs import ep_profile
+
+    from pipeloom.plan.tp.all_to_all import moe_exchanges
+
+    results = _ok(run_ranks(4, ep_profile, timeout=900))
+    layer = sorted(("all_to_all", e.phase, e.bytes)
+                   for e in moe_exchanges(tokens=4, hidden=16, top_k=2, ep=2, dtype_bytes=4, experts=4))
+    assert len(layer) == 8 and sum(b for _, p, b in layer if p == "F") == 16 + 512 + 32 + 64 + 512
+    for rank, found in results.items():
+        assert found["counted"] == {"0": [], "1": layer, "2": layer, "3": []}, (rank, found["counted"])
+        assert [name for name, _, _ in found["pieces"]] == ["0", "1", "2", "3"]
+        assert all(f > 0 and i > 0 for _, f, i in found["pieces"][1:3]), found["pieces"]
+        # profile_in_engine on the same mesh: a MoE piece holds half its experts' bytes (2 x 4 x 16 x 32 fp32)
+        experts = 2 * 4 * 16 * 32 * 4
+        assert found["param_bytes"][0] == (found["param_bytes"][0][1],) * 2, found["param_bytes"]
+        assert found["param_bytes"][1] == (found["param_bytes"][1][1] - experts / 2, found["param_bytes"][1][1])
+        assert found["param_bytes"][2][0] == found["param_bytes"][2][1] - experts / 2
+        assert all(f > 0 and i > 0 for f, i in found["times"][1:3]) and "experts over ep 2" in found["device"]

@@ -33,7 +33,8 @@ all-reduce's buffer; for an all-to-all each rank's buffer). ``ranks = r · D`` w
   (``r`` parallel rings, one NIC each), all-gather inside the domain;
 - all-gather: all-gather of the ``1/r`` shard across domains, then inside; reduce-scatter the reverse;
 - all-to-all: each rank sends ``(r-1)/n`` of its buffer over the scale-up link and ``(n-r)/n`` over its
-  NIC, the two at once (the slower one counts).
+  NIC, the two at once (the slower one counts; each part priced by
+  :func:`pipeloom.plan.tp.all_to_all.all_to_all_seconds`).
 
 Each ring level moves ``share · S`` at ``B · e`` (the ring algebra of
 :meth:`pipeloom.plan.tp.collectives.CollectiveFit.seconds`: ``2(n-1)/n`` of the bytes for an all-reduce,
@@ -71,6 +72,7 @@ import math
 
 from pipeloom.plan.cluster.hardware import Hardware
 from pipeloom.plan.errors import HardwareError
+from pipeloom.plan.tp.all_to_all import all_to_all_seconds
 from pipeloom.plan.tp.collectives import CollectiveFit
 
 __all__ = ["COLLECTIVE_KINDS", "attention_flops", "attention_seconds", "collective_seconds", "dtype_bytes",
@@ -223,8 +225,8 @@ def collective_seconds(hw: Hardware, kind: str, nbytes: float, ranks: int, *, ra
     r, domains = ranks_per_domain, ranks // ranks_per_domain
     up, out = _bandwidth(hw, same_domain=True), _bandwidth(hw, same_domain=False)
     if kind == "all_to_all":
-        inside = (r - 1) / ranks * nbytes / up + (hw.scale_up_latency if r > 1 else 0.0)
-        across = (ranks - r) / ranks * nbytes / out + (hw.scale_out_latency if domains > 1 else 0.0)
+        inside = all_to_all_seconds(nbytes, ranks, peers=r - 1, latency=hw.scale_up_latency, bandwidth=up)
+        across = all_to_all_seconds(nbytes, ranks, peers=ranks - r, latency=hw.scale_out_latency, bandwidth=out)
         return max(inside, across)
     inner = "reduce_scatter" if kind == "all_reduce" else kind
     twice = 2 if kind == "all_reduce" else 1  # an all-reduce passes the domain twice: reduce-scatter, all-gather

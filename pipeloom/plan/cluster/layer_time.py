@@ -22,6 +22,7 @@ from pipeloom.plan.cluster.elementwise import layer_elementwise
 from pipeloom.plan.cluster.hardware import Hardware
 from pipeloom.plan.cluster.layout import Layout
 from pipeloom.plan.cluster.materialized import materialized_attention_seconds
+from pipeloom.plan.tp.all_to_all import moe_exchanges
 
 __all__ = ["Job", "PhaseTimes", "add_times", "layer_times", "domain_ranks", "deepseek_activations", "SELECTIVE",
            "CP_ROTATE", "MOE_COMM"]
@@ -222,8 +223,9 @@ def _materialized(hw: Hardware, *, batch: int, heads: int, seq: int, head_dim: i
 def _moe_times(job: Job, layout: Layout, tokens: int) -> PhaseTimes:
     """The MoE MLP: router and shared experts on this GPU's tokens, routed experts (not tensor-parallel:
     each tp rank routes its sequence-parallel share of the tokens) on the tokens the all-to-all brings,
-    and the dispatch and combine all-to-alls over the ep ranks in both passes (their seconds also as
-    ``f_comm`` / ``i_comm``: what an overlapped pair may hide)."""
+    and the dispatch and combine all-to-alls over the ep ranks in both passes
+    (:func:`pipeloom.plan.tp.all_to_all.moe_exchanges`: rows, routing weights, ids and counts; their seconds
+    also as ``f_comm`` / ``i_comm``: what an overlapped pair may hide)."""
     spec, hw, tp, ep = job.spec, job.hw, layout.tp, layout.ep
     ex = spec.experts
     assert ex is not None
@@ -234,15 +236,17 @@ def _moe_times(job: Job, layout: Layout, tokens: int) -> PhaseTimes:
     experts_here = ex.count // ep
     per_expert = local * ex.top_k // experts_here  # balanced routing: each local expert's tokens
     parts.append(_price(hw, _mlp(spec, ex.intermediate, 1, gated=True), per_expert, job.dtype, count=experts_here))
-    a2a = 0.0
+    a2a = {"F": 0.0, "I": 0.0}
     if ep > 1 and job.moe_comm == "deepseek":
-        a2a = _deepseek_all_to_all(job, layout, local)
-    elif ep > 1:
-        nbytes = local * ex.top_k * spec.hidden * 2
-        a2a = 2 * collective_seconds(hw, "all_to_all", nbytes, ep,
-                                     ranks_per_domain=domain_ranks(ep, tp, hw))
+        a2a["F"] = a2a["I"] = _deepseek_all_to_all(job, layout, local)
+    elif ep > 1:  # the runtime's all-to-alls of this GPU's tokens (16-bit rows and weights)
+        exchanges = moe_exchanges(tokens=local, hidden=spec.hidden, top_k=ex.top_k, ep=ep, dtype_bytes=2,
+                                  experts=ex.count)
+        per_domain = domain_ranks(ep, tp, hw)
+        a2a = {phase: sum(collective_seconds(hw, "all_to_all", e.bytes, ep, ranks_per_domain=per_domain)
+                          for e in exchanges if e.phase == phase) for phase in ("F", "I")}
     times = add_times(*parts)
-    return PhaseTimes(f=times.f + a2a, i=times.i + a2a, w=times.w, f_comm=a2a, i_comm=a2a)
+    return PhaseTimes(f=times.f + a2a["F"], i=times.i + a2a["I"], w=times.w, f_comm=a2a["F"], i_comm=a2a["I"])
 
 
 _FP8 = 1 + 4 / 128

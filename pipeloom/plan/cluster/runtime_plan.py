@@ -1,7 +1,8 @@
 """A cluster plan as the runtime's plan file (``pipeloom plan --model ... --save``): the chosen layout's pipeline,
 data-parallel, FSDP and tensor-parallel sizes, the split points at the model's decoder layers, the schedule and
-its micro-batches, so that ``pipeline(model, plan=FILE)`` runs it. The dimensions the runtime does not run
-(context and expert parallelism) are refused by name, and what it runs differently is said."""
+its micro-batches, and expert-parallel size (a ``pipeloom.plan/2`` file), so that ``pipeline(model, plan=FILE)``
+runs it. What the runtime does not run (context parallelism; ep with tp or fsdp) is refused by name, and what it
+runs differently is said."""
 
 from __future__ import annotations
 
@@ -34,13 +35,16 @@ def _starts(layers: int, pieces: int) -> list[int]:
 
 
 def runtime_plan(result: ClusterPlan) -> Plan:
-    """``result``'s chosen layout as a ``pipeloom.plan/1`` plan; PlanError naming what the runtime cannot run."""
+    """``result``'s chosen layout as a plan (``pipeloom.plan/1``, ``/2`` with ep); PlanError naming what the
+    runtime cannot run."""
     job, best = result.job, result.best
     layout = best.layout
-    missing = [f"{name}={size}" for name, size in (("cp", layout.cp), ("ep", layout.ep)) if size > 1]
-    if missing:
-        raise PlanError(f"the chosen layout uses {', '.join(missing)}, which pipeloom's runtime does not run yet (it "
-                        "runs pp, dp, fsdp and tp); fix them with --layout cp=1,ep=1 to save a plan it runs")
+    if layout.cp > 1:
+        raise PlanError(f"the chosen layout uses cp={layout.cp}, which pipeloom's runtime does not run yet (it runs "
+                        "pp, dp, fsdp, tp and ep); fix it with --layout cp=1 to save a plan it runs")
+    if layout.ep > 1 and (layout.tp > 1 or layout.fsdp):
+        raise PlanError(f"the chosen layout uses ep={layout.ep} with tp={layout.tp} and fsdp={int(layout.fsdp)}; "
+                        "pipeloom's runtime runs ep with tp=1 and fsdp=0 only: fix them with --layout tp=1,fsdp=0")
     family = job.spec.family
     prefix = LAYER_PREFIX.get(family, "model.layers")
     split_points = tuple(f"{prefix}.{layer}" for layer in _starts(job.spec.layers, layout.pp * layout.vp))
@@ -61,7 +65,7 @@ def runtime_plan(result: ClusterPlan) -> Plan:
                 predicted_step_time=best.step_time, peak_memory=(best.memory.total,) * layout.pp,
                 memory_limit=result.memory_limit, bubble_ratio=best.bubble, device=job.hw.name,
                 data_parallel=layout.dp, sharding="fsdp" if layout.fsdp else "replicate",
-                tensor_parallel=layout.tp, tp_plan=tp_plan)
+                tensor_parallel=layout.tp, tp_plan=tp_plan, expert_parallel=layout.ep)
 
 
 def runtime_notes(result: ClusterPlan) -> list[str]:

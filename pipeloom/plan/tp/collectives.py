@@ -13,8 +13,9 @@ from pipeloom.plan.errors import TensorParallelError
 __all__ = [
     "COLLECTIVES", "Collective", "CollectiveFit", "collective_seconds", "fit_collectives", "ring_steps_and_share"]
 
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
-"""Collective kinds priced; ``bytes`` is always the whole (unsharded) tensor's."""
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+"""Collective kinds priced; ``bytes`` is the whole (unsharded) tensor's, for an all-to-all this rank's send buffer
+(:mod:`pipeloom.plan.tp.all_to_all`)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -38,7 +39,11 @@ class Collective:
 def ring_steps_and_share(kind: str, size: int) -> tuple[int, float]:
     """Ring messages per rank and the share of the tensor each rank moves: an all-reduce is a
     reduce-scatter then an all-gather, ``2(n-1)`` messages and ``2(n-1)/n`` of the bytes; an all-gather
-    or a reduce-scatter is one of them. The one ring formula of the cost model (tp and dp price with it)."""
+    or a reduce-scatter is one of them. The one ring formula of the cost model (tp and dp price with it). An
+    all-to-all posts its ``n - 1`` messages at once: one step, ``(n-1)/n`` of the buffer
+    (:func:`pipeloom.plan.tp.all_to_all.all_to_all_seconds`)."""
+    if kind == "all_to_all":
+        return (1 if size > 1 else 0), (size - 1) / size
     twice = 2 if kind == "all_reduce" else 1
     return twice * (size - 1), twice * (size - 1) / size
 

@@ -48,6 +48,7 @@ from pipeloom.runtime.parallel.tp import resolve
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
+    from pipeloom.runtime.options import Parallelism
     from pipeloom.runtime.parallel.link import SimulatedLink
 
 __all__ = ["REPLICAS", "ExpertParallel", "check_experts_agree", "check_tp_with_experts", "expert_groups",
@@ -152,16 +153,24 @@ def _held(stages: Mapping[int, nn.Module], names: Sequence[str]) -> list[tuple[i
 
 
 def check_experts_agree(stages: Mapping[int, nn.Module], names: Sequence[str], ep: ExpertParallel, *,
-                        stage_rank: int, everyone: dist.ProcessGroup | None) -> None:
-    """Before any tensor moves: the ranks of every ``"ep"`` group hold the same experts modules with the same
-    expert counts and shapes, and the counts divide by the group's size; else every rank of the mesh raises
-    the same error (gathered over ``everyone``), naming the ranks and their counts."""
+                        stage_rank: int, everyone: dist.ProcessGroup | None,
+                        capacity_factor: float | None = None) -> None:
+    """Before any tensor moves: every rank of the mesh passed the same capacity factor, and the ranks of every
+    ``"ep"`` group hold the same experts modules with the same expert counts and shapes, and the counts divide
+    by the group's size; else every rank of the mesh raises the same error (gathered over ``everyone``),
+    naming the ranks and their values."""
     mine = [(name, _count(module), [tuple(p.shape) for p in module.parameters(recurse=False)])
             for _, name, module in _held(stages, names)]
     everything: list = [None] * dist.get_world_size(everyone)
-    dist.all_gather_object(everything, (stage_rank, ep.rank, mine), group=everyone)
+    dist.all_gather_object(everything, (stage_rank, ep.rank, mine, capacity_factor), group=everyone)
+    factors = {factor for *_, factor in everything}
+    if len(factors) > 1:
+        told = ", ".join(f"pipeline rank {where} ep rank {ep_rank}: {factor}"
+                         for where, ep_rank, _, factor in everything)
+        raise PipelineError(f"the ranks disagree on Parallelism(capacity_factor=) ({told}); pass the same value "
+                            "(or None) on every rank")
     first: dict[int, tuple[int, list]] = {}
-    for where, ep_rank, held in everything:
+    for where, ep_rank, held, _ in everything:
         if where in first and first[where][1] != held:
             raise PipelineError(
                 f"the ranks of one \"ep\" group (pipeline rank {where}) disagree on their experts: ep rank "
@@ -186,11 +195,12 @@ def _describe(held: list) -> str:
 
 
 def shard_experts(stages: Mapping[int, nn.Module], names: Sequence[str], ep: ExpertParallel, *,
-                  link: SimulatedLink | None = None) -> list[nn.Module]:
+                  link: SimulatedLink | None = None, capacity_factor: float | None = None) -> list[nn.Module]:
     """Keep this rank's ``E / ep`` experts of every experts module the stages hold, as ``DTensor`` parameters
     sharded ``Shard(0)`` over the ``"ep"`` sub-mesh, and route the module's forward through the all-to-all
-    dispatch (its all-to-alls held to ``link``, a simulated slower link, when given). Returns the modules
-    sharded. Call after the pieces are on their device."""
+    dispatch (its all-to-alls held to ``link``, a simulated slower link, when given; with ``capacity_factor``:
+    :func:`~pipeloom.runtime.parallel.ep_dispatch.over_capacity`). Returns the modules sharded. Call after the
+    pieces are on their device."""
     from torch.distributed.tensor import DTensor, Shard
 
     from pipeloom.runtime.parallel.ep_dispatch import ExpertDispatch
@@ -207,7 +217,8 @@ def shard_experts(stages: Mapping[int, nn.Module], names: Sequence[str], ep: Exp
             sharded = DTensor.from_local(piece, ep.mesh, [Shard(0)], run_check=False, shape=param.shape,
                                          stride=param.stride())
             module._parameters[pname] = nn.Parameter(sharded, requires_grad=param.requires_grad)
-        module.forward = ExpertDispatch(module=module, local=local, ep=ep, num_experts=count, link=link)
+        module.forward = ExpertDispatch(module=module, local=local, ep=ep, num_experts=count, link=link,
+                                        capacity_factor=capacity_factor)
     return [module for _, _, module in held]
 
 
@@ -225,11 +236,16 @@ def expert_groups(stage_params: Mapping[int, Sequence[nn.Parameter]], ep: Expert
     return {id(p): (ep.dp_group, ep.dp_size) for ps in stage_params.values() for p in ps if is_expert(p)}
 
 
-def experts_for(model: nn.Module | None, stages: object, given: Sequence[str] | None,
-                ep: ExpertParallel) -> list[str]:
+def experts_for(model: nn.Module | None, stages: object, ep: ExpertParallel, parallel: Parallelism) -> list[str]:
     """The experts modules ``pipeline()`` shards over ``"ep"`` (none without it): found in ``model``, or in
-    the user's own ``stages`` when no model is given; refuses ``experts=`` without ``"ep"``."""
+    the user's own ``stages`` when no model is given; refuses ``experts=`` or ``capacity_factor=`` without
+    ``"ep"`` (``parallel``: the options, whose ``experts`` name the modules)."""
+    given, capacity_factor = parallel.experts, parallel.capacity_factor
     if ep.size <= 1:
+        if capacity_factor is not None:
+            raise PipelineError(f"Parallelism(capacity_factor={capacity_factor}) bounds the tokens the \"ep\" "
+                                "dispatch sends each expert; pass mesh= with mesh_dim_names holding \"pp\" and "
+                                "\"ep\", or leave capacity_factor out")
         if given is not None:
             raise PipelineError("experts= names the modules sharded over the mesh's \"ep\" dimension; pass mesh= "
                                 "with mesh_dim_names holding \"pp\" and \"ep\", or leave experts= out")

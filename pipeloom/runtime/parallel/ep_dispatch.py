@@ -10,6 +10,12 @@ docs/parallelism.md), and the per-token sum keeps the unsharded order — expert
 Gradients: each expert's weight gradient sums its rows from every replica of the ep group, in another
 order and grouping than one device (docs/parallelism.md states which sums change).
 
+A capacity factor (``Parallelism(capacity_factor=f)``) bounds the pairs each expert takes from one rank's
+micro-batch to ``ceil(f · T · k / E)`` (:func:`pipeloom.plan.tp.all_to_all.expert_capacity`); the pairs beyond
+it, in (token, choice) order, are dropped before the dispatch (:func:`over_capacity`): they contribute nothing,
+as the interface's "no expert" index, and the token keeps its other choices and the residual. None (the
+default) drops nothing, and the dispatch runs exactly as without the option.
+
 gloo runs ``all_to_all_single`` (``ProcessGroupGloo::alltoall_base``), as NCCL does; a peer that never joins
 makes it raise after the group's timeout, which ``pipeline()`` sets to the engine's.
 """
@@ -25,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipeloom.plan.tp.all_to_all import expert_capacity
 from pipeloom.runtime.errors import PipelineError
 from pipeloom.runtime.parallel.link import SimulatedLink, link_bytes
 from pipeloom.runtime.parallel.overlap import current_baton, post_collective
@@ -33,7 +40,7 @@ from pipeloom.runtime.parallel.tp import local_of
 if TYPE_CHECKING:
     from pipeloom.runtime.parallel.ep import ExpertParallel
 
-__all__ = ["ExpertDispatch", "all_to_all"]
+__all__ = ["ExpertDispatch", "all_to_all", "over_capacity"]
 
 
 class _AllToAll(torch.autograd.Function):
@@ -90,16 +97,30 @@ def all_to_all(tensors: tuple[torch.Tensor, ...], send: list[int], recv: list[in
     return _AllToAll.apply(send, recv, group, link, *tensors)
 
 
+def over_capacity(top_k_index: torch.Tensor, num_experts: int, factor: float) -> torch.Tensor:
+    """``top_k_index`` ``[T, k]`` with every pair beyond its expert's capacity ``ceil(factor · T · k / E)`` set to
+    ``num_experts`` ("no expert"): pairs are taken in (token, choice) order, each expert keeping its first
+    ``capacity`` (Switch's and GShard's position order). Pairs already at ``num_experts`` count for no expert."""
+    tokens, k = top_k_index.shape
+    capacity = expert_capacity(factor, tokens=tokens, top_k=k, experts=num_experts)
+    flat = top_k_index.reshape(-1)  # [T·k], token-major
+    valid = flat < num_experts
+    chosen = torch.nn.functional.one_hot(flat.clamp(max=num_experts - 1), num_experts) * valid[:, None]  # [T·k, E]
+    earlier = ((chosen.cumsum(0) - chosen) * chosen).sum(1)  # pairs before this one that chose its expert
+    return torch.where(valid & (earlier >= capacity), num_experts, flat).view_as(top_k_index)
+
+
 class ExpertDispatch:
     """The forward of one sharded experts module (installed as its ``forward``; see the module doc)."""
 
     def __init__(self, *, module: nn.Module, local: nn.Module, ep: ExpertParallel, num_experts: int,
-                 link: SimulatedLink | None = None) -> None:
+                 link: SimulatedLink | None = None, capacity_factor: float | None = None) -> None:
         self.module = module  # the model's module, holding the DTensor parameters
         self.local = local  # a shallow copy over this rank's experts: its own forward computes what arrives
         self.ep = ep
         self.num_experts = num_experts
         self.link = link  # a simulated slower link every all-to-all is held to (benchmarks and tests), or None
+        self.capacity_factor = capacity_factor  # None: no capacity, nothing dropped
         config = getattr(module, "config", None)
         # transformers' eager experts add one expert at a time (index_add_): contributions in expert order
         self.expert_order = getattr(config, "_experts_implementation", None) == "eager"
@@ -108,6 +129,8 @@ class ExpertDispatch:
                  top_k_weights: torch.Tensor) -> torch.Tensor:
         tokens, width = hidden_states.shape[0], hidden_states.shape[-1]
         k = top_k_index.shape[-1]
+        if self.capacity_factor is not None:
+            top_k_index = over_capacity(top_k_index.reshape(tokens, k), self.num_experts, self.capacity_factor)
         per = self.num_experts // self.ep.size
         ids = top_k_index.reshape(-1)
         kept = (ids < self.num_experts).nonzero().squeeze(1)  # index num_experts: "no expert" (transformers')

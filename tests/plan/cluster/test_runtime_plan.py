@@ -45,6 +45,21 @@ def test_what_the_runtime_cannot_run_is_refused_by_name():
         runtime_plan(tp)
 
 
+def test_an_ep_layout_saves_its_expert_parallel_size():
+    """ep sits inside dp (the layout's dp replicas hold ep groups): the plan keeps dp as its replicas and ep as
+    expert_parallel (a pipeloom.plan/2 file); ep with fsdp or tp, which the runtime does not run, is refused."""
+    moe = {"model_type": "qwen3_moe", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 8,
+           "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 1000, "moe_intermediate_size": 128,
+           "num_experts": 8, "num_experts_per_tok": 2}
+    layout = "dp=4,tp=1,pp=2,vp=1,cp=1,ep=2,mbs=1,fsdp=0,recompute=none,schedule=1f1b"
+    plan = runtime_plan(plan_cluster(moe, "h100", gpus=8, global_batch=16, seq=512, layout=layout))
+    assert (plan.num_ranks, plan.data_parallel, plan.expert_parallel, plan.world_size) == (2, 4, 2, 8)
+    assert plan.split_points == ("model.layers.4",) and plan.microbatches == 4
+    with pytest.raises(PlanError, match="ep=2 with tp=1 and fsdp=1.*--layout tp=1,fsdp=0"):
+        runtime_plan(plan_cluster(moe, "h100", gpus=8, global_batch=16, seq=512,
+                                  layout=layout.replace("fsdp=0", "fsdp=1")))
+
+
 def test_save_writes_a_plan_and_names_what_runs_differently(tmp_path, capsys):
     config = tmp_path / "config.json"
     config.write_text(json.dumps(LLAMA))
