@@ -373,7 +373,9 @@ def _cut(model: Model, inputs: tuple, pieces: Sequence[str] | None, *, tracer: s
         if not names:
             raise PlanError(f"{type(model).__name__} calls no submodule to cut at; name the pieces (module names "
                             "in call order), or profile its pieces as a list of modules")
-        return split_model(traced, names[1:], leaf_modules=leaf_modules), names
+        # the model's own dataflow per piece (no threading of values several pieces read): the planner groups
+        # the pieces into stages, and the runtime threads what the chosen stages read
+        return split_model(traced, names[1:], leaf_modules=leaf_modules, thread_reads=False), names
     staged = model if isinstance(model, StagedModel) else stages_from_modules(list(model), num_inputs=len(inputs))
     names = list(pieces) if pieces is not None else [str(k) for k in range(staged.num_stages)]
     if len(names) != staged.num_stages or len(set(names)) != len(names):

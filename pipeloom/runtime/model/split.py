@@ -272,7 +272,7 @@ def _build_stage(root: nn.Module | dict, nodes: list[fx.Node], inputs: list[fx.N
 
 def split_model(model: nn.Module | TracedModel, split_points: Sequence[str], *, tracer: str = "auto",
                 leaf_modules: Sequence[str] = (), example_inputs: object = None,
-                export_leaves: Sequence[str] = ()) -> StagedModel:
+                export_leaves: Sequence[str] = (), thread_reads: bool = True) -> StagedModel:
     """Cut ``model`` into ``len(split_points) + 1`` stages; split point s-1 is where stage s starts.
 
     A split point is a module name (e.g. ``"layers.4"``): the stage starts at the first node inside
@@ -282,15 +282,19 @@ def split_model(model: nn.Module | TracedModel, split_points: Sequence[str], *, 
     inputs are given). ``leaf_modules``: module names never cut (kept as calls of the module by either tracer;
     ``export_leaves``: more, kept as calls only by torch.export, see :func:`trace_model`).
     ``model`` may be a :class:`~pipeloom.runtime.model.tracing.TracedModel` (``trace_model``), to cut one
-    trace several ways.
+    trace several ways. ``thread_reads``: a value two or more later stages read is threaded through its
+    readers (:func:`_providers`, what the runtime needs for one device's order of additions); False hands
+    every reader its value from the stage making it (the model's own dataflow, which the profiler reports
+    per piece so that the planner can group pieces into stages).
     """
     if not isinstance(model, TracedModel):
         model = trace_model(model, tracer=tracer, leaf_modules=leaf_modules, example_inputs=example_inputs,
                             export_leaves=export_leaves)
-    return _split(model, split_points, leaf_modules)
+    return _split(model, split_points, leaf_modules, thread_reads=thread_reads)
 
 
-def _split(traced: TracedModel, split_points: Sequence[str], leaf_modules: Sequence[str]) -> StagedModel:
+def _split(traced: TracedModel, split_points: Sequence[str], leaf_modules: Sequence[str], *,
+           thread_reads: bool = True) -> StagedModel:
     graph = fx.Graph()  # a copy: sizes localized for this split leave the traced graph as it was
     copies: dict[fx.Node, fx.Node] = {}
     graph.graph_copy(traced.graph, copies)
@@ -318,7 +322,7 @@ def _split(traced: TracedModel, split_points: Sequence[str], leaf_modules: Seque
         if source.op == "get_attr":
             raise SplitError(f"the model returns the attribute {source.target!r} directly; return it from a "
                              "computation or leave it out of the output")
-    provider = _providers(stage_of, inputs, output_nodes, num_stages - 1)
+    provider = _providers(stage_of, inputs, output_nodes, num_stages - 1, thread=thread_reads)
     for s in range(num_stages):
         for source in inputs[s]:
             if (producer := provider.get((source, s), MODEL_INPUT)) != MODEL_INPUT and source not in outputs[producer]:
@@ -346,7 +350,7 @@ def _split(traced: TracedModel, split_points: Sequence[str], leaf_modules: Seque
 
 
 def _providers(stage_of: dict[fx.Node, int | Source], inputs: list[list[fx.Node]], output_nodes: list[fx.Node],
-               last: int) -> dict[tuple[fx.Node, int | None], int | Source]:
+               last: int, *, thread: bool = True) -> dict[tuple[fx.Node, int | None], int | Source]:
     """Which stage hands each stage input (``(node, consumer stage)``) and each model output (``(node, None)``)
     its value: the stage making it, except for a value that may carry a gradient and that two or more later
     stages read. That one is threaded through its readers in order (the first reads it from its maker, each
@@ -354,20 +358,21 @@ def _providers(stage_of: dict[fx.Node, int | Source], inputs: list[list[fx.Node]
     backward starts from the gradient of the readers after it and adds its own uses after it: the order of
     additions of one device's backward, which reaches the last use first (docs/design.md §5). A model output
     made before the last stage counts as a read of the last stage; the last stage then returns its own copy.
+    Without ``thread``, every reader gets the value from its maker.
     """
     readers: dict[fx.Node, list[int]] = {}
     for s, stage_inputs in enumerate(inputs):
         for node in stage_inputs:
             readers.setdefault(node, []).append(s)
     early_outputs = [n for n in dict.fromkeys(output_nodes) if stage_of.get(n, last) not in (MODEL_INPUT, last)]
-    for node in early_outputs:  # the last stage reads it for the output when others read it too
+    for node in early_outputs if thread else ():  # the last stage reads it for the output when others do too
         if readers.get(node) and last not in readers[node] and _carries_gradient(node):
             readers[node].append(last)
             inputs[last].append(node)
     provider: dict[tuple[fx.Node, int | None], int | Source] = {}
     for node, stages in readers.items():
         maker = stage_of.get(node, MODEL_INPUT)
-        threaded = maker != MODEL_INPUT and len(stages) > 1 and _carries_gradient(node)
+        threaded = thread and maker != MODEL_INPUT and len(stages) > 1 and _carries_gradient(node)
         for k, s in enumerate(stages):
             provider[(node, s)] = stages[k - 1] if threaded and k else maker
     for node in output_nodes:

@@ -12,10 +12,12 @@ import pytest
 from pipeloom.ir import pair_duration
 from pipeloom.plan.cluster.config import model_spec
 from pipeloom.plan.cluster.efficiency import collective_seconds, p2p_seconds
-from pipeloom.plan.cluster.estimate import Estimator, rank_stages, work_bound
+from pipeloom.plan.cluster.estimate import Estimator
 from pipeloom.plan.cluster.gpus import hardware
 from pipeloom.plan.cluster.layer_time import Job, PhaseTimes, domain_ranks, layer_times
 from pipeloom.plan.cluster.layout import Layout
+from pipeloom.plan.cluster.placement import rank_stages, work_bound
+from pipeloom.plan.tp.all_to_all import moe_exchanges
 
 MOE = {"model_type": "mixtral", "hidden_size": 1024, "intermediate_size": 2048, "num_hidden_layers": 8,
        "num_attention_heads": 8, "num_key_value_heads": 8, "vocab_size": 1000, "num_local_experts": 16,
@@ -36,10 +38,13 @@ def test_the_comm_part_is_the_layers_own_all_to_all():
     layout = Layout(dp=16, pp=4, vp=2, ep=16, schedule="dualpipev")
     times = layer_times(job, layout, "moe")
     tokens = layout.mbs * SEQ
-    nbytes = tokens * MOE["num_experts_per_tok"] * MOE["hidden_size"] * 2
-    a2a = 2 * collective_seconds(job.hw, "all_to_all", nbytes, 16, ranks_per_domain=domain_ranks(16, 1, job.hw))
-    assert a2a > 0
-    assert times.f_comm == pytest.approx(a2a) and times.i_comm == pytest.approx(a2a)
+    exchanges = moe_exchanges(tokens=tokens, hidden=MOE["hidden_size"], top_k=MOE["num_experts_per_tok"], ep=16,
+                              dtype_bytes=2, experts=MOE["num_local_experts"])
+    a2a = {phase: sum(collective_seconds(job.hw, "all_to_all", e.bytes, 16,
+                                         ranks_per_domain=domain_ranks(16, 1, job.hw))
+                      for e in exchanges if e.phase == phase) for phase in ("F", "I")}
+    assert a2a["F"] > 0 and a2a["I"] > 0
+    assert times.f_comm == pytest.approx(a2a["F"]) and times.i_comm == pytest.approx(a2a["I"])
     assert times.f_comm < times.f and times.i_comm < times.i
     dense = layer_times(job, layout, "dense") if job.spec.dense_layers else layer_times(job, layout, "head")
     assert dense.f_comm == dense.i_comm == 0.0
