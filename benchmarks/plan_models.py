@@ -14,9 +14,10 @@ every plan side by side, then the two targets, MET or NOT MET:
     python benchmarks/plan_models.py --models unet --rounds 1 --steps 2 --batch 4   # a smoke run
     python benchmarks/plan_models.py --try 3              # and a third target: the plan chosen by measurement
 
-With ``--try K`` the plan ``pipeloom.profile.trials.try_plans`` chooses among the K best predicted plans (each
-run ``--steps`` steps) runs with the others, and a third target is judged: its median step time within 5 %
-of the fastest measured plan's.
+With ``--try K`` the plan ``pipeloom.profile.trials.try_plans`` chooses among the K best predicted plans (its
+own interleaved rounds and elimination, the library's default budget unless ``--try-steps``/``--try-seconds``)
+runs with the others in the benchmark's rounds, and a third target is judged on those rounds alone (not on the
+trials' steps): its median step time within 5 % of the fastest measured plan's, among every plan run.
 
 The models are tiny random-init configs (no downloads), 32 tokens or positions per sample:
 ``transformers``' GPT2LMHeadModel and LlamaForCausalLM as ``examples/train_hf.py`` builds them (vocabulary
@@ -31,6 +32,7 @@ import statistics
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 
 import torch
@@ -38,6 +40,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpt_reality import RealityConfig, Workload, run_reality, wait_until_quiet
+from pipeloom.cli.plan_try import trial_lines
+from pipeloom.plan.race import TrialBudget
 from plan_gpt import TARGET, print_reality
 
 __all__ = ["SkipNet", "hf_workload", "main", "targets", "unet_workload"]
@@ -179,10 +183,22 @@ def tried_target(plans: list[dict], tried: dict) -> tuple[str, bool | None, str]
         return (what, False, f"the runtime refused it: {tried['error']}")
     medians = {record["label"]: statistics.median(t for e in record["rounds"] for t in e["times"])
                for record in plans if "error" not in record and record.get("rounds")}
+    if len(medians) < 2:  # nothing to compare with: the target would pass whatever was chosen
+        return (what, None, f"only {len(medians)} plan ran; give --max-plans 2 or more")
     fastest = min(medians, key=medians.__getitem__)
     ratio = medians[tried["label"]] / medians[fastest]
-    return (what, ratio <= TRY_TARGET, f"{tried['label']} {ratio:.3f} x the fastest ({fastest}, "
-                                       f"{medians[fastest] * 1e3:.1f} ms)")
+    among = "one of the plans tried" if any(_same(trial, fastest, plans) for trial in tried["trials"]) \
+        else "not one of the plans tried"
+    return (what, ratio <= TRY_TARGET, f"{tried['label']} {medians[tried['label']] * 1e3:.1f} ms, {ratio:.3f} x "
+                                       f"the fastest ({fastest}, {medians[fastest] * 1e3:.1f} ms; {among}) over "
+                                       f"{len(medians)} plans")
+
+
+def _same(trial: dict, label: str, plans: list[dict]) -> bool:
+    """Whether the trial record is the plan run under ``label`` (same schedule, micro-batches and split)."""
+    record = next(record for record in plans if record["label"] == label)
+    return (trial["schedule"], trial["microbatches"], list(trial["split_points"])) == \
+        (record["schedule"], record["microbatches"], list(record["split_points"]))
 
 
 def _mark(met: bool | None) -> str:
@@ -198,6 +214,12 @@ def _workloads(args: argparse.Namespace) -> dict[str, Workload]:
     if unknown:
         raise SystemExit(f"plan_models: unknown --models {', '.join(unknown)}; choose from {', '.join(every)}")
     return {name: every[name]() for name in names}
+
+
+def _budget(args: argparse.Namespace) -> TrialBudget:
+    default = TrialBudget()
+    return TrialBudget(steps=args.try_steps or default.steps,
+                       seconds=default.seconds if args.try_seconds is None else args.try_seconds)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -216,6 +238,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="extra attempts of a measurement while other processes load the machine")
     parser.add_argument("--try", dest="try_k", type=int, default=0, metavar="K",
                         help="also choose a plan by measurement among the K best predicted (try_plans) and judge it")
+    parser.add_argument("--try-steps", type=int, help="with --try: the most timed steps per plan tried "
+                                                      f"(default {TrialBudget().steps})")
+    parser.add_argument("--try-seconds", type=float, help="with --try: seconds of trial steps after which no round "
+                                                          f"starts (default {TrialBudget().seconds:g})")
     parser.add_argument("--out", metavar="DIR", help="folder for each model's costs, plans, traces (default: temp)")
     args = parser.parse_args(argv)
     out = Path(args.out or tempfile.mkdtemp(prefix="plan_models_"))
@@ -225,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         config = RealityConfig(out=str(out / name), workload=workload, uniform=True, global_batch=args.batch,
                                rounds=args.rounds, steps=args.steps, max_plans=args.max_plans,
                                cycles=min(5, args.steps), retries=args.retries, try_plans=args.try_k,
+                               try_budget=_budget(args),
                                schedules=tuple(args.schedules.split(",")) if args.schedules else None)
         started = time.perf_counter()
         try:
@@ -239,6 +266,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"targets ({time.perf_counter() - started:.0f} s):")
         for what, met, detail in rows:
             print(f"  {_mark(met):7} {what}: {detail}")
+        tried = next((record for record in results["plans"] if record.get("tried_choice")), None)
+        if tried is not None:
+            print("the trials of --try (their own steps, not the rounds above):")
+            for line in trial_lines(types.SimpleNamespace(trials=tried["trials"])):
+                print(f"  {line}")
         summary.append((name, rows))
     print(f"\nsummary ({args.rounds} rounds, {args.steps} timed steps per plan and round; files in {out})")
     for name, rows in summary:
