@@ -336,7 +336,7 @@ def _measure_overhead(rank: int, config: RealityConfig, link: Link, *, counts: t
         inputs, targets = torch.randn(count, 4), torch.randn(count, 4)
         table = profile_in_engine(model, inputs, loss_fn=loss_fn, target=targets, microbatches=count,
                                   pieces=["0", "1"], warmup_steps=3, steps=10)
-        inside = statistics.median(getattr(p, key) for p in table.pieces for key in "fiwb")
+        inside = statistics.median(v for p in table.pieces for v in (p.f, p.i, p.w, p.full_backward))
         return inside, inside, {"inside": inside, "overhead": inside, "fixed": table.runtime.step_overhead,
                                 "latency": table.link.latency, "message": table.runtime.message_cost}
     out = Path(config.out)

@@ -242,12 +242,14 @@ def main(argv: list[str] | None = None) -> int:
                                                       f"(default {TrialBudget().steps})")
     parser.add_argument("--try-seconds", type=float, help="with --try: seconds of trial steps after which no round "
                                                           f"starts (default {TrialBudget().seconds:g})")
+    parser.add_argument("--wait-quiet", type=float, default=120.0, metavar="S",
+                        help="before each model, wait up to S seconds for the machine to go quiet (default 120)")
     parser.add_argument("--out", metavar="DIR", help="folder for each model's costs, plans, traces (default: temp)")
     args = parser.parse_args(argv)
     out = Path(args.out or tempfile.mkdtemp(prefix="plan_models_"))
     summary = []
     for name, workload in _workloads(args).items():
-        idle = wait_until_quiet()
+        idle = wait_until_quiet(limit=args.wait_quiet)
         config = RealityConfig(out=str(out / name), workload=workload, uniform=True, global_batch=args.batch,
                                rounds=args.rounds, steps=args.steps, max_plans=args.max_plans,
                                cycles=min(5, args.steps), retries=args.retries, try_plans=args.try_k,
@@ -258,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
             results = run_reality(config)
         except Exception as error:  # a failed model is reported; the others still run
             reason = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
+            print(f"{workload.name}: {error}", file=sys.stderr, flush=True)  # a rank's traceback, for the log
             print(f"\n{workload.name}: FAILED: {reason}", flush=True)
             summary.append((name, [("run", False, reason)]))
             continue
