@@ -102,6 +102,8 @@ def _steps(engine, count: int, inputs: Any, target: Any, process_group: ProcessG
     import torch
     import torch.distributed as dist
 
+    if count == 0:
+        return []
     local = []
     for _ in range(count):
         for param in engine.parameters():
