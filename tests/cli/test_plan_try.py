@@ -75,3 +75,23 @@ def test_try_usage_errors(tmp_path, capsys, monkeypatch, flags, message):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     code = main(["plan", "--costs", str(_costs(tmp_path)), "--ranks", "2", "--global-batch", "8", *flags])
     assert code == 2 and message in capsys.readouterr().err
+
+
+def test_trial_lines_say_how_each_plan_was_measured_and_which_left_early():
+    import types
+
+    from pipeloom.cli.plan_try import trial_lines
+
+    trials = [{"label": "1f1b, 4 micro-batches", "predicted": 0.5, "measured": 0.4, "step_times": [0.4] * 15,
+               "rounds": 5},
+              {"label": "gpipe, 4 micro-batches", "predicted": 0.45, "measured": 0.6, "step_times": [0.6] * 15,
+               "rounds": 5, "dropped_after": 5},
+              {"label": "zbv, 2 micro-batches", "predicted": 0.55, "measured": None, "step_times": [], "rounds": 0,
+               "error": "PlanError: refused"}]
+    lines = trial_lines(types.SimpleNamespace(trials=trials))
+    assert lines == [
+        "tried 1f1b, 4 micro-batches: predicted 0.5000 s, measured 0.4000 s (median of 15 steps in 5 rounds)"
+        "  <- chosen",
+        "tried gpipe, 4 micro-batches: predicted 0.4500 s, measured 0.6000 s (median of 15 steps in 5 rounds), "
+        "dropped after round 5 as clearly slower",
+        "tried zbv, 2 micro-batches: predicted 0.5500 s, not run: PlanError: refused"]
