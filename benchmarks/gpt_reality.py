@@ -183,6 +183,12 @@ class RealityConfig:
     plans, with ``try_budget``) and run it with the others, marked ``tried_choice``."""
     try_budget: TrialBudget = dataclasses.field(default_factory=TrialBudget)
     """How ``try_plans`` measures (the library's defaults unless given)."""
+    judge_rounds: int = 0
+    """After the rounds, this many rounds more that only time every plan (no profiling), the plans interleaved
+    in an order rotated by one per round, ``judge_steps`` timed steps each after one untimed: the reference the
+    ``--try`` choice is judged against (``record["judged"]``, per round), measured apart from the trials."""
+    judge_steps: int = 3
+    """Timed steps of each plan in each judging round."""
 
     def __post_init__(self) -> None:
         for name in ("global_batch", "max_plans", "repeats", "rounds", "steps", "cycles"):
@@ -643,6 +649,9 @@ def _worker(rank: int, store_file: str, config: RealityConfig) -> None:
         for record in (runs if round_ % 2 == 0 else runs[::-1]):
             _measure_plan(rank, record, engines[id(record)], profilers.get(record["microbatch_size"]), batches,
                           config, link, costs, bases)
+    if config.judge_rounds:
+        _log(rank, begun, f"{config.judge_rounds} judging rounds over the {len(runs)} plans, interleaved")
+        _judge(rank, runs, engines, batches, config)
     for record in runs:
         record["trace"] = str(out / (f"trace-uniform-{record['schedule']}" if record is uniform
                                      else f"trace{records.index(record)}-{record['schedule']}"))
@@ -653,6 +662,20 @@ def _worker(rank: int, store_file: str, config: RealityConfig) -> None:
         }, indent=1))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _judge(rank: int, runs: list[dict], engines: dict, batches: list, config: RealityConfig) -> None:
+    """``config.judge_rounds`` rounds of every plan's steps alone, the plans in an order rotated by one per round
+    (A B C, B C A, ...) so the machine's drift hits them alike; rank 0 appends each round's timed steps to
+    ``record["judged"]``. One untimed step first in each round: the first step after another plan's engine."""
+    for round_ in range(config.judge_rounds):
+        shift = round_ % len(runs)
+        for record in runs[shift:] + runs[:shift]:
+            engine = engines[id(record)]
+            _steps(engine, batches, 1)
+            times = _steps(engine, batches, config.judge_steps, first=1)
+            if rank == 0:
+                record.setdefault("judged", []).append(times)
 
 
 def _try_choice(tables: list[CostTable], config: RealityConfig):

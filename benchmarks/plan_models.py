@@ -16,8 +16,10 @@ every plan side by side, then the two targets, MET or NOT MET:
 
 With ``--try K`` the plan ``pipeloom.profile.trials.try_plans`` chooses among the K best predicted plans (its
 own interleaved rounds and elimination, the library's default budget unless ``--try-steps``/``--try-seconds``)
-runs with the others in the benchmark's rounds, and a third target is judged on those rounds alone (not on the
-trials' steps): its median step time within 5 % of the fastest measured plan's, among every plan run.
+runs with the others, and a third target is judged: its median step time within 5 % of the fastest measured
+plan's, among every plan run. The reference is measured apart from the trials, after the rounds: ``--judge-rounds``
+rounds in which every plan's engine runs one untimed and ``--judge-steps`` timed steps, the plans in an order
+rotated by one per round, so the machine's drift hits them alike (``--judge-rounds 0``: the rounds' steps).
 
 The models are tiny random-init configs (no downloads), 32 tokens or positions per sample:
 ``transformers``' GPT2LMHeadModel and LlamaForCausalLM as ``examples/train_hf.py`` builds them (vocabulary
@@ -176,12 +178,13 @@ TRY_TARGET = 1.05
 
 
 def tried_target(plans: list[dict], tried: dict) -> tuple[str, bool | None, str]:
-    """The ``--try`` target: the tried choice's median step time (over every round's steps) against the
-    fastest plan's."""
+    """The ``--try`` target: the tried choice's median step time against the fastest plan's, over the judging
+    rounds' steps (``record["judged"]``: every plan interleaved, apart from the trials) where there are any,
+    else over every round's timed steps."""
     what = f"plan chosen by --try within {TRY_TARGET - 1:.0%} of the fastest measured"
     if "error" in tried:
         return (what, False, f"the runtime refused it: {tried['error']}")
-    medians = {record["label"]: statistics.median(t for e in record["rounds"] for t in e["times"])
+    medians = {record["label"]: statistics.median(_judged_steps(record))
                for record in plans if "error" not in record and record.get("rounds")}
     if len(medians) < 2:  # nothing to compare with: the target would pass whatever was chosen
         return (what, None, f"only {len(medians)} plan ran; give --max-plans 2 or more")
@@ -191,7 +194,19 @@ def tried_target(plans: list[dict], tried: dict) -> tuple[str, bool | None, str]
         else "not one of the plans tried"
     return (what, ratio <= TRY_TARGET, f"{tried['label']} {medians[tried['label']] * 1e3:.1f} ms, {ratio:.3f} x "
                                        f"the fastest ({fastest}, {medians[fastest] * 1e3:.1f} ms; {among}) over "
-                                       f"{len(medians)} plans")
+                                       f"{len(medians)} plans, " + _reference(tried))
+
+
+def _reference(record: dict) -> str:
+    if record.get("judged"):
+        return f"{len(record['judged'])} judging rounds of {len(record['judged'][0])} steps"
+    return "the rounds' steps"
+
+
+def _judged_steps(record: dict) -> list[float]:
+    if record.get("judged"):
+        return [t for times in record["judged"] for t in times]
+    return [t for e in record["rounds"] for t in e["times"]]
 
 
 def _same(trial: dict, label: str, plans: list[dict]) -> bool:
@@ -242,6 +257,11 @@ def main(argv: list[str] | None = None) -> int:
                                                       f"(default {TrialBudget().steps})")
     parser.add_argument("--try-seconds", type=float, help="with --try: seconds of trial steps after which no round "
                                                           f"starts (default {TrialBudget().seconds:g})")
+    parser.add_argument("--judge-rounds", type=int, default=15, metavar="R",
+                        help="with --try: rounds that time every plan again, interleaved, as the reference of the "
+                             "--try target (default 15; 0: judge on the rounds' steps)")
+    parser.add_argument("--judge-steps", type=int, default=3, metavar="N",
+                        help="timed steps of each plan in each judging round (default 3)")
     parser.add_argument("--wait-quiet", type=float, default=120.0, metavar="S",
                         help="before each model, wait up to S seconds for the machine to go quiet (default 120)")
     parser.add_argument("--out", metavar="DIR", help="folder for each model's costs, plans, traces (default: temp)")
@@ -253,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
         config = RealityConfig(out=str(out / name), workload=workload, uniform=True, global_batch=args.batch,
                                rounds=args.rounds, steps=args.steps, max_plans=args.max_plans,
                                cycles=min(5, args.steps), retries=args.retries, try_plans=args.try_k,
-                               try_budget=_budget(args),
+                               try_budget=_budget(args), judge_rounds=args.judge_rounds if args.try_k else 0,
+                               judge_steps=args.judge_steps,
                                schedules=tuple(args.schedules.split(",")) if args.schedules else None)
         started = time.perf_counter()
         try:
