@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import statistics
 import sys
 import tempfile
@@ -253,6 +254,18 @@ def _workloads(args: argparse.Namespace) -> dict[str, Workload]:
     return {name: every[name]() for name in names}
 
 
+def _judge_again(folder: Path, names: list[str]) -> int:
+    """The targets of an earlier run's saved results (the judging rule as it is now)."""
+    for name in names:
+        path = folder / name / "results.json"
+        if not path.exists():
+            print(f"{name:6} no results ({path})")
+            continue
+        rows = targets(json.loads(path.read_text()))
+        print(f"{name:6} " + "; ".join(f"{_mark(met)} {what}: {detail}" for what, met, detail in rows))
+    return 0
+
+
 def _budget(args: argparse.Namespace) -> TrialBudget:
     default = TrialBudget()
     return TrialBudget(steps=args.try_steps or default.steps,
@@ -287,7 +300,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wait-quiet", type=float, default=120.0, metavar="S",
                         help="before each model, wait up to S seconds for the machine to go quiet (default 120)")
     parser.add_argument("--out", metavar="DIR", help="folder for each model's costs, plans, traces (default: temp)")
+    parser.add_argument("--judge-only", metavar="DIR",
+                        help="run nothing: judge the targets again from DIR/<model>/results.json of an earlier run")
     args = parser.parse_args(argv)
+    if args.judge_only:
+        return _judge_again(Path(args.judge_only), args.models.split(","))
     out = Path(args.out or tempfile.mkdtemp(prefix="plan_models_"))
     summary = []
     for name, workload in _workloads(args).items():
