@@ -17,15 +17,15 @@ One spawned pair of processes (``torch.set_num_threads(1)`` in each: one core pe
    at two micro-batch counts.
 3. **Plan**: rank 0 runs ``plan_pipeline`` for 2 ranks and saves the best plan of each schedule; with
    ``uniform``, also the chosen plan with the workload's layers cut evenly (same schedule and micro-batches).
-4. **Rounds**: for each plan in turn, warm-up steps, then ``cycles`` times one profiling step of the
-   plan's micro-batch size (``EngineProfiler``) followed by a share of the plan's timed steps (a
-   barrier, then rank 0's wall clock of ``engine.step``); the prediction (same split and order,
-   ``recost`` + ``simulate``) comes from those profiling steps. Profile and run interleave within a
-   second, so the drifting speed of a shared virtual machine hits both alike. A measurement during
-   which other processes used more than ``max_foreign`` cores is taken again.
+4. **Rounds**: for each plan in turn (forwards in even rounds, backwards in odd ones), warm-up steps,
+   then ``cycles`` times one profiling step of the plan's micro-batch size (``EngineProfiler``) followed by
+   a share of the plan's timed steps (a barrier, then rank 0's wall clock of ``engine.step``); the
+   prediction (same split and order, ``recost`` + ``simulate``) comes from those profiling steps. Profile
+   and run interleave within a second, so the drifting speed of a shared virtual machine hits both alike.
+   A measurement during which other processes used more than ``max_foreign`` cores is taken again.
 5. **Traces**: every plan's engine traces in memory (``trace=True``); the timed steps' traces are
    written per plan for ``pipeloom.viz.measured`` (task times and span of the very steps timed).
-   The uniform split, where it differs from the chosen one, runs right after the chosen plan in each round.
+   The uniform split, where it differs from the chosen one, runs next to the chosen plan in each round.
 
 Rank 0 writes everything to ``results.json`` in the output folder; ``plan_gpt.py`` prints it.
 A workload's callables cross to the spawned ranks by pickling: module-level functions or
@@ -60,6 +60,7 @@ from pipeloom.plan import CostTable, Link, Partition, Plan, load_plan, plan_pipe
 from pipeloom.plan.costs.file import costs_from_json, costs_to_json
 from pipeloom.plan.costs.table import table_for_size
 from pipeloom.plan.noise import expected_makespan
+from pipeloom.plan.race import TrialBudget
 from pipeloom.plan.recost import replica_sync_time, stage_spreads
 from pipeloom.profile.engine import EngineProfiler
 from pipeloom.profile.in_engine import profile_in_engine
@@ -179,7 +180,15 @@ class RealityConfig:
     """Seconds to wait before measuring again."""
     try_plans: int = 0
     """K > 0: choose the plan by measurement (``pipeloom.profile.trials.try_plans`` over the K best predicted
-    plans, ``steps`` timed steps each) and run it with the others, marked ``tried_choice``."""
+    plans, with ``try_budget``) and run it with the others, marked ``tried_choice``."""
+    try_budget: TrialBudget = dataclasses.field(default_factory=TrialBudget)
+    """How ``try_plans`` measures (the library's defaults unless given)."""
+    judge_rounds: int = 0
+    """After the rounds, this many rounds more that only time every plan (no profiling), the plans interleaved
+    in an order rotated by one per round, ``judge_steps`` timed steps each after one untimed: the reference the
+    ``--try`` choice is judged against (``record["judged"]``, per round), measured apart from the trials."""
+    judge_steps: int = 3
+    """Timed steps of each plan in each judging round."""
 
     def __post_init__(self) -> None:
         for name in ("global_batch", "max_plans", "repeats", "rounds", "steps", "cycles"):
@@ -333,7 +342,7 @@ def _measure_overhead(rank: int, config: RealityConfig, link: Link, *, counts: t
         inputs, targets = torch.randn(count, 4), torch.randn(count, 4)
         table = profile_in_engine(model, inputs, loss_fn=loss_fn, target=targets, microbatches=count,
                                   pieces=["0", "1"], warmup_steps=3, steps=10)
-        inside = statistics.median(getattr(p, key) for p in table.pieces for key in "fiwb")
+        inside = statistics.median(v for p in table.pieces for v in (p.f, p.i, p.w, p.full_backward))
         return inside, inside, {"inside": inside, "overhead": inside, "fixed": table.runtime.step_overhead,
                                 "latency": table.link.latency, "message": table.runtime.message_cost}
     out = Path(config.out)
@@ -621,7 +630,7 @@ def _worker(rank: int, store_file: str, config: RealityConfig) -> None:
     records, profiled["plan_seconds"], uniform = shared[0]
     runs = list(records)
     if uniform is not None and not uniform["same"]:
-        runs.insert(1, uniform)  # right after the chosen plan: the two meet the machine's speed alike
+        runs.insert(1, uniform)  # next to the chosen plan in every round: the two meet the machine's speed alike
     engines = {id(record): engine for record in runs
                if (engine := _runnable(record, config)) is not None}  # a refused plan is reported, not run
     runs = [record for record in runs if id(record) in engines]
@@ -635,9 +644,14 @@ def _worker(rank: int, store_file: str, config: RealityConfig) -> None:
                                              **work.tracing)
     for round_ in range(config.rounds):
         _log(rank, begun, f"round {round_ + 1} of {config.rounds}: profile, predict and run each of {len(runs)} plans")
-        for record in runs:
+        # forwards in even rounds, backwards in odd ones: a drift within a round weighs on every position alike,
+        # and the uniform split stays next to the chosen plan
+        for record in (runs if round_ % 2 == 0 else runs[::-1]):
             _measure_plan(rank, record, engines[id(record)], profilers.get(record["microbatch_size"]), batches,
                           config, link, costs, bases)
+    if config.judge_rounds:
+        _log(rank, begun, f"{config.judge_rounds} judging rounds over the {len(runs)} plans, interleaved")
+        _judge(rank, runs, engines, batches, config)
     for record in runs:
         record["trace"] = str(out / (f"trace-uniform-{record['schedule']}" if record is uniform
                                      else f"trace{records.index(record)}-{record['schedule']}"))
@@ -650,9 +664,23 @@ def _worker(rank: int, store_file: str, config: RealityConfig) -> None:
     dist.destroy_process_group()
 
 
+def _judge(rank: int, runs: list[dict], engines: dict, batches: list, config: RealityConfig) -> None:
+    """``config.judge_rounds`` rounds of every plan's steps alone, the plans in an order rotated by one per round
+    (A B C, B C A, ...) so the machine's drift hits them alike; rank 0 appends each round's timed steps to
+    ``record["judged"]``. One untimed step first in each round: the first step after another plan's engine."""
+    for round_ in range(config.judge_rounds):
+        shift = round_ % len(runs)
+        for record in runs[shift:] + runs[:shift]:
+            engine = engines[id(record)]
+            _steps(engine, batches, 1)
+            times = _steps(engine, batches, config.judge_steps, first=1)
+            if rank == 0:
+                record.setdefault("judged", []).append(times)
+
+
 def _try_choice(tables: list[CostTable], config: RealityConfig):
     """The plan ``try_plans`` chooses among the ``config.try_plans`` best of the same plan search as
-    :func:`choose_plans` (deterministic: the same on both ranks), each run ``config.steps`` steps."""
+    :func:`choose_plans` (deterministic: the same on both ranks), measured as ``config.try_budget`` says."""
     from pipeloom.profile.trials import try_plans
 
     work = config.workload
@@ -660,7 +688,7 @@ def _try_choice(tables: list[CostTable], config: RealityConfig):
                           schedules=config.schedules)
     inputs, target = work.batch(0, config.global_batch)
     return try_plans(result, build=work.build, inputs=inputs, target=target, loss_fn=work.loss, k=config.try_plans,
-                     steps=config.steps, warmup=config.warmup_steps,
+                     budget=config.try_budget,
                      options_for=lambda plan: {"tracing": Tracing(**work.tracing,
                                                                   example_inputs=work.example_inputs(plan.microbatch_size))})
 

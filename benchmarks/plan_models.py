@@ -14,9 +14,14 @@ every plan side by side, then the two targets, MET or NOT MET:
     python benchmarks/plan_models.py --models unet --rounds 1 --steps 2 --batch 4   # a smoke run
     python benchmarks/plan_models.py --try 3              # and a third target: the plan chosen by measurement
 
-With ``--try K`` the plan ``pipeloom.profile.trials.try_plans`` chooses among the K best predicted plans (each
-run ``--steps`` steps) runs with the others, and a third target is judged: its median step time within 5 %
-of the fastest measured plan's.
+With ``--try K`` the plan ``pipeloom.profile.trials.try_plans`` chooses among the K best predicted plans (its
+own interleaved rounds and elimination, the library's default budget unless ``--try-steps``/``--try-seconds``)
+runs with the others, and a third target is judged: its median step time within 5 % of the fastest measured
+plan's, among every plan run. The reference is measured apart from the trials, after the rounds: ``--judge-rounds``
+rounds in which every plan's engine runs one untimed and ``--judge-steps`` timed steps, the plans in an order
+rotated by one per round, so the machine's drift hits them alike; a plan's time is then paired by round (its
+round median over the round's median over the plans, the median over the rounds), the pooled median printed
+beside it (``--judge-rounds 0``: the pooled median of the rounds' steps).
 
 The models are tiny random-init configs (no downloads), 32 tokens or positions per sample:
 ``transformers``' GPT2LMHeadModel and LlamaForCausalLM as ``examples/train_hf.py`` builds them (vocabulary
@@ -27,10 +32,12 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import statistics
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 
 import torch
@@ -38,6 +45,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpt_reality import RealityConfig, Workload, run_reality, wait_until_quiet
+from pipeloom.cli.plan_try import trial_lines
+from pipeloom.plan.race import TrialBudget
 from plan_gpt import TARGET, print_reality
 
 __all__ = ["SkipNet", "hf_workload", "main", "targets", "unet_workload"]
@@ -172,17 +181,62 @@ TRY_TARGET = 1.05
 
 
 def tried_target(plans: list[dict], tried: dict) -> tuple[str, bool | None, str]:
-    """The ``--try`` target: the tried choice's median step time (over every round's steps) against the
-    fastest plan's."""
+    """The ``--try`` target: the tried choice's time against the fastest plan's. With judging rounds
+    (``record["judged"]``: every plan, interleaved, measured apart from the trials) a plan's time is paired by
+    round: the median over the rounds of its round median over that round's median of every plan's round
+    median, so a round the machine's load slowed slows every plan in it alike; the pooled median of every judged
+    step is printed beside it. Without: the pooled median of every round's timed steps."""
     what = f"plan chosen by --try within {TRY_TARGET - 1:.0%} of the fastest measured"
     if "error" in tried:
         return (what, False, f"the runtime refused it: {tried['error']}")
-    medians = {record["label"]: statistics.median(t for e in record["rounds"] for t in e["times"])
-               for record in plans if "error" not in record and record.get("rounds")}
-    fastest = min(medians, key=medians.__getitem__)
-    ratio = medians[tried["label"]] / medians[fastest]
-    return (what, ratio <= TRY_TARGET, f"{tried['label']} {ratio:.3f} x the fastest ({fastest}, "
-                                       f"{medians[fastest] * 1e3:.1f} ms)")
+    ran = [record for record in plans if "error" not in record and record.get("rounds")]
+    if len(ran) < 2:  # nothing to compare with: the target would pass whatever was chosen
+        return (what, None, f"only {len(ran)} plan ran; give --max-plans 2 or more")
+    pooled = {record["label"]: statistics.median(_judged_steps(record)) for record in ran}
+    paired = all(record.get("judged") for record in ran)
+    score = _paired_by_round(ran) if paired else pooled
+    fastest = min(score, key=score.__getitem__)
+    ratio = score[tried["label"]] / score[fastest]
+    among = "one of the plans tried" if any(_same(trial, fastest, plans) for trial in tried["trials"]) \
+        else "not one of the plans tried"
+    detail = (f"{tried['label']} {ratio:.3f} x the fastest ({fastest}; {among}) over {len(ran)} plans, "
+              + _reference(tried))
+    if paired:
+        quickest = min(pooled, key=pooled.__getitem__)
+        detail += (f"; pooled medians {pooled[tried['label']] * 1e3:.1f} ms vs {quickest} "
+                   f"{pooled[quickest] * 1e3:.1f} ms ({pooled[tried['label']] / pooled[quickest]:.3f} x)")
+    return (what, ratio <= TRY_TARGET, detail)
+
+
+def _paired_by_round(ran: list[dict]) -> dict[str, float]:
+    """Each plan's median over the judging rounds of (its round median / the round's median over the plans)."""
+    rounds = min(len(record["judged"]) for record in ran)
+    relative: dict[str, list[float]] = {record["label"]: [] for record in ran}
+    for k in range(rounds):
+        medians = {record["label"]: statistics.median(record["judged"][k]) for record in ran}
+        middle = statistics.median(medians.values())
+        for label, value in medians.items():
+            relative[label].append(value / middle)
+    return {label: statistics.median(values) for label, values in relative.items()}
+
+
+def _reference(record: dict) -> str:
+    if record.get("judged"):
+        return f"paired by round over {len(record['judged'])} judging rounds of {len(record['judged'][0])} steps"
+    return "pooled median of the rounds' steps"
+
+
+def _judged_steps(record: dict) -> list[float]:
+    if record.get("judged"):
+        return [t for times in record["judged"] for t in times]
+    return [t for e in record["rounds"] for t in e["times"]]
+
+
+def _same(trial: dict, label: str, plans: list[dict]) -> bool:
+    """Whether the trial record is the plan run under ``label`` (same schedule, micro-batches and split)."""
+    record = next(record for record in plans if record["label"] == label)
+    return (trial["schedule"], trial["microbatches"], list(trial["split_points"])) == \
+        (record["schedule"], record["microbatches"], list(record["split_points"]))
 
 
 def _mark(met: bool | None) -> str:
@@ -198,6 +252,24 @@ def _workloads(args: argparse.Namespace) -> dict[str, Workload]:
     if unknown:
         raise SystemExit(f"plan_models: unknown --models {', '.join(unknown)}; choose from {', '.join(every)}")
     return {name: every[name]() for name in names}
+
+
+def _judge_again(folder: Path, names: list[str]) -> int:
+    """The targets of an earlier run's saved results (the judging rule as it is now)."""
+    for name in names:
+        path = folder / name / "results.json"
+        if not path.exists():
+            print(f"{name:6} no results ({path})")
+            continue
+        rows = targets(json.loads(path.read_text()))
+        print(f"{name:6} " + "; ".join(f"{_mark(met)} {what}: {detail}" for what, met, detail in rows))
+    return 0
+
+
+def _budget(args: argparse.Namespace) -> TrialBudget:
+    default = TrialBudget()
+    return TrialBudget(steps=args.try_steps or default.steps,
+                       seconds=default.seconds if args.try_seconds is None else args.try_seconds)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -216,21 +288,39 @@ def main(argv: list[str] | None = None) -> int:
                         help="extra attempts of a measurement while other processes load the machine")
     parser.add_argument("--try", dest="try_k", type=int, default=0, metavar="K",
                         help="also choose a plan by measurement among the K best predicted (try_plans) and judge it")
+    parser.add_argument("--try-steps", type=int, help="with --try: the most timed steps per plan tried "
+                                                      f"(default {TrialBudget().steps})")
+    parser.add_argument("--try-seconds", type=float, help="with --try: seconds of trial steps after which no round "
+                                                          f"starts (default {TrialBudget().seconds:g})")
+    parser.add_argument("--judge-rounds", type=int, default=15, metavar="R",
+                        help="with --try: rounds that time every plan again, interleaved, as the reference of the "
+                             "--try target (default 15; 0: judge on the rounds' steps)")
+    parser.add_argument("--judge-steps", type=int, default=3, metavar="N",
+                        help="timed steps of each plan in each judging round (default 3)")
+    parser.add_argument("--wait-quiet", type=float, default=120.0, metavar="S",
+                        help="before each model, wait up to S seconds for the machine to go quiet (default 120)")
     parser.add_argument("--out", metavar="DIR", help="folder for each model's costs, plans, traces (default: temp)")
+    parser.add_argument("--judge-only", metavar="DIR",
+                        help="run nothing: judge the targets again from DIR/<model>/results.json of an earlier run")
     args = parser.parse_args(argv)
+    if args.judge_only:
+        return _judge_again(Path(args.judge_only), args.models.split(","))
     out = Path(args.out or tempfile.mkdtemp(prefix="plan_models_"))
     summary = []
     for name, workload in _workloads(args).items():
-        idle = wait_until_quiet()
+        idle = wait_until_quiet(limit=args.wait_quiet)
         config = RealityConfig(out=str(out / name), workload=workload, uniform=True, global_batch=args.batch,
                                rounds=args.rounds, steps=args.steps, max_plans=args.max_plans,
                                cycles=min(5, args.steps), retries=args.retries, try_plans=args.try_k,
+                               try_budget=_budget(args), judge_rounds=args.judge_rounds if args.try_k else 0,
+                               judge_steps=args.judge_steps,
                                schedules=tuple(args.schedules.split(",")) if args.schedules else None)
         started = time.perf_counter()
         try:
             results = run_reality(config)
         except Exception as error:  # a failed model is reported; the others still run
             reason = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
+            print(f"{workload.name}: {error}", file=sys.stderr, flush=True)  # a rank's traceback, for the log
             print(f"\n{workload.name}: FAILED: {reason}", flush=True)
             summary.append((name, [("run", False, reason)]))
             continue
@@ -239,6 +329,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"targets ({time.perf_counter() - started:.0f} s):")
         for what, met, detail in rows:
             print(f"  {_mark(met):7} {what}: {detail}")
+        tried = next((record for record in results["plans"] if record.get("tried_choice")), None)
+        if tried is not None:
+            print("the trials of --try (their own steps, not the rounds above):")
+            for line in trial_lines(types.SimpleNamespace(trials=tried["trials"])):
+                print(f"  {line}")
         summary.append((name, rows))
     print(f"\nsummary ({args.rounds} rounds, {args.steps} timed steps per plan and round; files in {out})")
     for name, rows in summary:

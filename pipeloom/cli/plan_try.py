@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import argparse
 
-from pipeloom.cli.argtypes import count
+from pipeloom.cli.argtypes import count, number
 from pipeloom.cli.errors import UsageError
+from pipeloom.plan.race import TrialBudget
 
-__all__ = ["add_try_arguments", "check_try", "trial_lines", "try_in_engine"]
+__all__ = ["add_try_arguments", "budget", "check_try", "trial_lines", "try_in_engine"]
 
 
 def add_try_arguments(plan: argparse.ArgumentParser) -> None:
-    """``--try K`` and what it needs: ``--build``, ``--loss``, ``--arg``, ``--seq``, ``--try-steps``."""
+    """``--try K`` and what it needs: ``--build``, ``--loss``, ``--arg``, ``--seq``, ``--try-steps``,
+    ``--try-seconds``."""
+    default = TrialBudget()
     group = plan.add_argument_group("choosing by measurement (--try; run under torchrun, one process per rank)")
     group.add_argument("--try", dest="try_k", type=count, metavar="K",
                        help="run the K best predicted plans for a few steps in the engine on the ranks of this "
@@ -24,15 +27,22 @@ def add_try_arguments(plan: argparse.ArgumentParser) -> None:
     group.add_argument("--loss", metavar="NAME", help="with --try: the loss function NAME(output, target) in FILE")
     group.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE",
                        help="with --try: a keyword for FUNCTION (repeatable)")
-    group.add_argument("--try-steps", type=count, default=3, metavar="N",
-                       help="with --try: timed steps per plan, after one untimed (default 3)")
+    group.add_argument("--try-steps", type=count, metavar="N",
+                       help="with --try: at most N timed steps per plan, in rounds of "
+                            f"{default.round_steps} that interleave the plans, after {default.warmup} "
+                            f"untimed ones (default {default.steps})")
+    group.add_argument("--try-seconds", type=number(float, "a number of seconds > 0", 0.001),
+                       metavar="S",
+                       help="with --try: start no new round once the trial steps took S seconds (default "
+                            f"{default.seconds:g}); a plan clearly slower than the leader leaves earlier")
 
 
 def check_try(args: argparse.Namespace) -> None:
     """UsageError, before planning, when ``--try`` lacks what it needs or runs outside a launch."""
     import os
 
-    given = [flag for flag, value in (("--build", args.build), ("--loss", args.loss)) if value is not None]
+    given = [flag for flag, value in (("--build", args.build), ("--loss", args.loss), ("--try-steps", args.try_steps),
+                                      ("--try-seconds", args.try_seconds)) if value is not None]
     if args.try_k is None:
         if given:
             raise UsageError(f"{' and '.join(given)} go with --try K (the plans to run in the engine)")
@@ -84,7 +94,8 @@ def try_in_engine(args: argparse.Namespace, result):
 
         # the split settled at pipeline(): torch.fx first, torch.export on this batch where fx cannot trace
         tried = try_plans(result, build=build, inputs=inputs, target=target, loss_fn=loss, k=args.try_k,
-                          steps=args.try_steps, tracing=Tracing(example_inputs=inputs))
+                          budget=budget(args),
+                          tracing=Tracing(example_inputs=inputs))
         if dist.get_rank() != 0 and getattr(args, "outputs", None) is not None:
             args.outputs.discard()  # rank 0 writes the files; an empty one from here must not replace them
         return tried
@@ -93,12 +104,25 @@ def try_in_engine(args: argparse.Namespace, result):
             dist.destroy_process_group()
 
 
+def budget(args: argparse.Namespace) -> TrialBudget:
+    """The trial budget of ``--try-steps`` and ``--try-seconds``, the defaults where not given."""
+    default = TrialBudget()
+    return TrialBudget(steps=args.try_steps or default.steps,
+                       seconds=default.seconds if args.try_seconds is None else args.try_seconds)
+
+
 def trial_lines(plan) -> list[str]:
-    """One line per plan tried: its label, predicted and measured step time, and which was chosen."""
+    """One line per plan tried: its label, predicted and measured step time (median of how many steps, in how
+    many rounds), whether it left the race early, and which was chosen."""
     lines = []
     for k, trial in enumerate(plan.trials):
-        measured = (f"measured {trial['measured']:#.4g} s" if trial.get("measured") is not None
-                    else f"not run: {trial.get('error', '')}")
+        if trial.get("measured") is None:
+            measured = f"not run: {trial.get('error', '')}"
+        else:
+            measured = (f"measured {trial['measured']:#.4g} s (median of {len(trial.get('step_times', ()))} steps "
+                        f"in {trial.get('rounds', 1)} rounds)")
+        if "dropped_after" in trial:
+            measured += f", dropped after round {trial['dropped_after']} as clearly slower"
         chosen = "  <- chosen" if k == 0 else ""
         lines.append(f"tried {trial['label']}: predicted {trial['predicted']:#.4g} s, {measured}{chosen}")
     return lines

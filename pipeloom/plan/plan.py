@@ -81,10 +81,12 @@ class Plan:
     """With ``tensor_parallel`` > 1: the tensor-parallel plan as JSON, a built-in recipe and its module names
     (:mod:`pipeloom.plan.tp.recipes`), turned into torch's ``ParallelStyle`` dict by ``pipeline(plan=)``."""
     trials: tuple[dict, ...] = ()
-    """The plans measured in the engine before this one was chosen (``pipeloom plan --try K``), fastest first:
-    each ``{"label", "schedule", "schedule_options", "microbatches", "data_parallel", "split_points",
-    "predicted", "measured", "step_times"}`` (seconds; ``measured`` the median step, null with an ``"error"``
-    where the plan could not run); empty when the plan was chosen by prediction alone."""
+    """The plans measured in the engine before this one was chosen (``pipeloom plan --try K``), the chosen
+    first, then the others left in the race by median step, then those dropped (the last dropped first), then
+    those refused: each ``{"label", "schedule", "schedule_options", "microbatches", "data_parallel",
+    "split_points", "predicted", "measured", "step_times", "rounds"}`` and ``"dropped_after"`` (the round) for a
+    plan dropped as clearly slower (seconds; ``measured`` the median timed step, null with an ``"error"`` where
+    the plan could not run); empty when the plan was chosen by prediction alone."""
 
     def __post_init__(self) -> None:
         for name in ("num_ranks", "microbatches", "global_batch", "data_parallel", "tensor_parallel",

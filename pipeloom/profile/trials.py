@@ -1,23 +1,24 @@
-"""Choose a plan by measurement: run the K best predicted plans for a few steps in the engine, on the ranks at
-hand, and keep the fastest measured (``pipeloom plan --try K``, :func:`try_plans`).
+"""Choose a plan by measurement: run the K best predicted plans in the engine, on the ranks at hand, and keep
+the fastest measured (``pipeloom plan --try K``, :func:`try_plans`).
 
 The planner's predictions can be noisier than the gaps between its best plans (issue 28: on HF LLaMA the
 chosen chimera ran 31 % slower than 1F1B), so the last word goes to the engine. Every rank calls
 :func:`try_plans` (a collective on the process group). Rank 0's plan search names the trials (a search cut
 short by a time limit may differ between ranks), each as its plan and its re-costed schedule, and sends them to
-every rank; each rank saves them in a folder of its own, builds each with ``pipeloom.pipeline(plan=...)`` from a
-fresh model and runs ``warmup`` then ``steps`` steps. A step's time is the slowest rank's wall time of
-``engine.step`` (the ranks start it together, after a barrier), and a trial's time the median of its steps.
-The chosen plan carries every trial in :attr:`pipeloom.plan.plan.Plan.trials`.
+every rank; each rank saves them in a folder of its own and builds each with ``pipeloom.pipeline(plan=...)``
+from a fresh model, then runs its warm-up steps. The timed steps follow in interleaved rounds with successive
+elimination (:class:`pipeloom.plan.race.TrialRace`): the engines of the plans still in the race live
+together, so memory must hold K of them at once. A step's time is the slowest rank's seconds in
+``engine.step`` (the ranks start it together, after a barrier; nothing else is timed), and a plan's time the
+median of its timed steps. The chosen plan carries every trial in :attr:`pipeloom.plan.plan.Plan.trials`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +26,7 @@ from pipeloom.errors import PipeloomError
 from pipeloom.ir import schedule_from_json, schedule_to_json
 from pipeloom.plan.plan import Plan, PlanError, plan_from_json, plan_to_json
 from pipeloom.plan.planner import Candidate, PlanResult
+from pipeloom.plan.race import TrialBudget, TrialRace
 from pipeloom.sim import simulate
 
 if TYPE_CHECKING:
@@ -32,7 +34,7 @@ if TYPE_CHECKING:
     from torch import nn
     from torch.distributed import ProcessGroup
 
-__all__ = ["TrialPlan", "measure_plan", "trial_plans", "try_plans"]
+__all__ = ["TrialPlan", "trial_plans", "try_plans"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -79,89 +81,110 @@ def trial_plans(result: PlanResult, k: int) -> list[TrialPlan]:
     return found
 
 
-def measure_plan(trial: TrialPlan, folder: Path, *, build: Callable[[], nn.Module], inputs: Any, target: Any,
-                 loss_fn: Callable[[Any, Any], torch.Tensor], steps: int, warmup: int,
-                 process_group: ProcessGroup | None = None, **pipeline_options: Any) -> list[float]:
-    """Seconds of each of ``steps`` steps of ``trial`` in the engine (after ``warmup`` untimed ones), each the
-    slowest rank's; every rank calls it. ``PipeloomError`` where the engine refuses the plan (on every rank)."""
-    import torch
-    import torch.distributed as dist
-
+def _engine(trial: TrialPlan, folder: Path, build: Callable[[], nn.Module], loss_fn: Callable[[Any, Any], Any],
+            process_group: ProcessGroup | None, options: dict):
+    """``trial``'s engine, built from a fresh model; ``PipeloomError`` where the engine refuses the plan (the
+    same way on every rank)."""
     from pipeloom.runtime.build import pipeline
     from pipeloom.runtime.options import Parallelism
 
+    folder.mkdir()
     path = folder / "plan.json"
     PlanResult(plan=trial.plan, timeline=simulate(schedule_from_json(trial.schedule_json)), candidates=(),
                seconds=0.0).save(path)  # with the simulated order next to it where the engine would build another
-    engine = pipeline(build(), plan=str(path), loss_fn=loss_fn, parallel=Parallelism(process_group=process_group),
-                      **pipeline_options)
-    times = []
-    for step in range(warmup + steps):
+    return pipeline(build(), plan=str(path), loss_fn=loss_fn, parallel=Parallelism(process_group=process_group),
+                    **options)
+
+
+def _steps(engine, count: int, inputs: Any, target: Any, process_group: ProcessGroup | None) -> list[float]:
+    """Seconds of each of ``count`` steps, the slowest rank's: only ``engine.step`` is timed, every rank
+    starting it after a barrier (one all-reduce at the end, so the same on every rank)."""
+    import torch
+    import torch.distributed as dist
+
+    if count == 0:
+        return []
+    local = []
+    for _ in range(count):
         for param in engine.parameters():
-            param.grad = None
+            param.grad = None  # as after optimizer.zero_grad(set_to_none=True)
         dist.barrier(group=process_group)
         started = time.perf_counter()
         engine.step(inputs, target=target)
-        elapsed = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=process_group)  # the same on every rank
-        if step >= warmup:
-            times.append(float(elapsed.item()))
-    return times
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        local.append(time.perf_counter() - started)
+    slowest = torch.tensor(local, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=process_group)
+    return [float(t) for t in slowest.tolist()]
 
 
-def _record(trial: TrialPlan, times: Sequence[float] | None, error: str = "") -> dict:
+def _record(trial: TrialPlan, race: TrialRace, n: int, error: str = "") -> dict:
     plan = trial.plan
     record: dict[str, Any] = {
         "label": trial.label, "schedule": plan.schedule, "schedule_options": dict(plan.schedule_options),
         "microbatches": plan.microbatches, "data_parallel": plan.data_parallel,
         "split_points": list(plan.split_points), "predicted": plan.predicted_step_time,
-        "measured": statistics.median(times) if times else None, "step_times": list(times or ())}
+        "measured": race.median(n), "step_times": [t for round_ in race.times[n] for t in round_],
+        "rounds": len(race.times[n])}
+    if n in race.dropped:
+        record["dropped_after"] = race.dropped[n]
     if error:
         record["error"] = error
     return record
 
 
+def _shared_trials(result: PlanResult, k: int, process_group: ProcessGroup | None) -> list[TrialPlan]:
+    """Rank 0's :func:`trial_plans`, on every rank."""
+    import torch.distributed as dist
+
+    sent = [[(t.label, plan_to_json(t.plan), t.schedule_json) for t in trial_plans(result, k)]]
+    dist.broadcast_object_list(sent, src=dist.get_global_rank(process_group, 0) if process_group else 0,
+                               group=process_group)
+    return [TrialPlan(label=label, plan=plan_from_json(text), schedule_json=schedule)
+            for label, text, schedule in sent[0]]
+
+
 def try_plans(result: PlanResult, *, build: Callable[[], nn.Module], inputs: Any, target: Any,
-              loss_fn: Callable[[Any, Any], torch.Tensor], k: int = 3, steps: int = 3, warmup: int = 1,
+              loss_fn: Callable[[Any, Any], torch.Tensor], k: int = 3, budget: TrialBudget | None = None,
               process_group: ProcessGroup | None = None, options_for: Callable[[Plan], dict] | None = None,
               **pipeline_options: Any) -> PlanResult:
     """``result`` with the fastest measured of its ``k`` best plans (:func:`trial_plans`) as its plan, which
-    carries every trial (``Plan.trials``), and that plan's simulated timeline; every rank of ``process_group``
-    (default: the default group, of the plans' world size) calls it with the same ``inputs`` and ``target``
-    (one step's batch) and the same ``build`` (a fresh model, the same weights on every rank, each call).
-    ``pipeline_options`` go to ``pipeloom.pipeline`` (e.g. ``tracing=Tracing(...)``), with
-    ``options_for(plan)``'s for each plan where given (e.g. example inputs of its micro-batch size).
-    PlanError when no trial could run."""
+    carries every trial (``Plan.trials``, the chosen first), and that plan's simulated timeline. ``budget``
+    (default ``TrialBudget()``) sets the warm-up, the steps per round and when to stop
+    (:mod:`pipeloom.plan.race`). Every rank of ``process_group`` (default: the default group, of the plans'
+    world size) calls it with the same ``inputs`` and ``target`` (one step's batch) and the same ``build`` (a
+    fresh model, the same weights on every rank, each call). ``pipeline_options`` go to ``pipeloom.pipeline``
+    (e.g. ``tracing=Tracing(...)``), with ``options_for(plan)``'s for each plan where given (e.g. example
+    inputs of its micro-batch size). PlanError when no trial could run."""
     import torch.distributed as dist
 
-    if steps < 1 or warmup < 0:
-        raise PlanError(f"need steps >= 1 and warmup >= 0, got {steps} and {warmup}")
+    budget = TrialBudget() if budget is None else budget
     world = dist.get_world_size(process_group)
     if result.plan.world_size != world:
         raise PlanError(f"the plan runs on {result.plan.world_size} ranks but {world} are at hand; try the plans "
                         f"on {result.plan.world_size} ranks (torchrun --nproc-per-node {result.plan.world_size})")
-    sent = [[(t.label, plan_to_json(t.plan), t.schedule_json) for t in trial_plans(result, k)]]
-    dist.broadcast_object_list(sent, src=dist.get_global_rank(process_group, 0) if process_group else 0,
-                               group=process_group)
-    trials = [TrialPlan(label=label, plan=plan_from_json(text), schedule_json=schedule)
-              for label, text, schedule in sent[0]]
-    records = []
+    trials = _shared_trials(result, k, process_group)
+    race, errors, engines = TrialRace(len(trials), budget), {}, {}
     with tempfile.TemporaryDirectory(prefix="pipeloom-try-") as scratch:
         for n, trial in enumerate(trials):
-            folder = Path(scratch) / str(n)
-            folder.mkdir()
+            options = {**pipeline_options, **(options_for(trial.plan) if options_for is not None else {})}
             try:
-                options = {**pipeline_options, **(options_for(trial.plan) if options_for is not None else {})}
-                times = measure_plan(trial, folder, build=build, inputs=inputs, target=target, loss_fn=loss_fn,
-                                     steps=steps, warmup=warmup, process_group=process_group, **options)
-                records.append((trial, _record(trial, times)))
+                engines[n] = _engine(trial, Path(scratch) / str(n), build, loss_fn, process_group, options)
             except PipeloomError as error:  # refused by the engine, the same way on every rank
-                records.append((trial, _record(trial, None, f"{type(error).__name__}: {error}")))
-    ran = [(trial, record) for trial, record in records if record["measured"] is not None]
-    if not ran:
-        reasons = "; ".join(f"{record['label']}: {record['error']}" for _, record in records) or "no plan fits"
+                errors[n] = f"{type(error).__name__}: {error}"
+                race.refuse(n)
+                continue
+            race.spend(sum(_steps(engines[n], budget.warmup, inputs, target, process_group)))
+        while not race.done():
+            for n in race.order():
+                race.record(n, _steps(engines[n], budget.round_steps, inputs, target, process_group))
+            for n in race.end_round():
+                del engines[n]  # memory back as soon as a plan leaves the race
+    records = [_record(trials[n], race, n, errors.get(n, "")) for n in race.ranking()]
+    if not race.alive:
+        reasons = "; ".join(f"{record['label']}: {record['error']}" for record in records) or "no plan fits"
         raise PlanError(f"none of the {len(records)} plans tried could run: {reasons}")
-    ordered = sorted(records, key=lambda pair: (pair[1]["measured"] is None, pair[1]["measured"] or 0.0))
-    chosen = ordered[0][0]
-    plan = dataclasses.replace(chosen.plan, trials=tuple(record for _, record in ordered))
+    chosen = trials[race.ranking()[0]]
+    plan = dataclasses.replace(chosen.plan, trials=tuple(records))
     return dataclasses.replace(result, plan=plan, timeline=simulate(schedule_from_json(chosen.schedule_json)))

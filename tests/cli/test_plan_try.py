@@ -50,24 +50,48 @@ def test_try_runs_the_best_plans_on_two_ranks_and_saves_what_it_measured(tmp_pat
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
                f"--master-port={_port()}", "-m", "pipeloom", "plan", "--costs", "costs.json", "--ranks", "2",
                "--global-batch", "8", "--schedules", "1f1b,gpipe", "--microbatches", "2", "4", "--try", "3",
-               "--build", "model.py:build", "--loss", "mse", "--try-steps", "2", "--save", "plan.json"]
+               "--build", "model.py:build", "--loss", "mse", "--try-steps", "6", "--try-seconds", "60",
+               "--save", "plan.json"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "COLUMNS": "120"}
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
     tried = [line for line in done.stdout.splitlines() if line.startswith("tried ")]
     assert len(tried) == 3 and tried[0].endswith("<- chosen"), done.stdout  # printed once: rank 0
+    assert all("(median of 6 steps in 2 rounds)" in line for line in tried), done.stdout  # 2 rounds of 3 steps
     saved = json.loads((tmp_path / "plan.json").read_text())
     trials = saved["trials"]
     assert len(trials) == 3 and [t["measured"] for t in trials] == sorted(t["measured"] for t in trials)
+    assert all(len(t["step_times"]) == 6 and t["rounds"] == 2 for t in trials)
     assert (saved["schedule"], saved["microbatches"]) == (trials[0]["schedule"], trials[0]["microbatches"])
 
 
 @pytest.mark.parametrize(("flags", "message"), [
     (["--try", "2"], "--try runs the plans in the engine: give --build FILE.py:FUNCTION and --loss NAME"),
     (["--build", "m.py:f"], "--build go with --try K"),
+    (["--try-seconds", "5"], "--try-seconds go with --try K"),
     (["--try", "2", "--build", "m.py:f", "--loss", "l"], "--try runs on every rank of a launch: torchrun"),
 ])
 def test_try_usage_errors(tmp_path, capsys, monkeypatch, flags, message):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     code = main(["plan", "--costs", str(_costs(tmp_path)), "--ranks", "2", "--global-batch", "8", *flags])
     assert code == 2 and message in capsys.readouterr().err
+
+
+def test_trial_lines_say_how_each_plan_was_measured_and_which_left_early():
+    import types
+
+    from pipeloom.cli.plan_try import trial_lines
+
+    trials = [{"label": "1f1b, 4 micro-batches", "predicted": 0.5, "measured": 0.4, "step_times": [0.4] * 15,
+               "rounds": 5},
+              {"label": "gpipe, 4 micro-batches", "predicted": 0.45, "measured": 0.6, "step_times": [0.6] * 15,
+               "rounds": 5, "dropped_after": 5},
+              {"label": "zbv, 2 micro-batches", "predicted": 0.55, "measured": None, "step_times": [], "rounds": 0,
+               "error": "PlanError: refused"}]
+    lines = trial_lines(types.SimpleNamespace(trials=trials))
+    assert lines == [
+        "tried 1f1b, 4 micro-batches: predicted 0.5000 s, measured 0.4000 s (median of 15 steps in 5 rounds)"
+        "  <- chosen",
+        "tried gpipe, 4 micro-batches: predicted 0.4500 s, measured 0.6000 s (median of 15 steps in 5 rounds), "
+        "dropped after round 5 as clearly slower",
+        "tried zbv, 2 micro-batches: predicted 0.5500 s, not run: PlanError: refused"]

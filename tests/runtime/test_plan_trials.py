@@ -3,6 +3,8 @@ fastest measured is chosen, and its plan file carries every measurement."""
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 from ranks import run_ranks
 
@@ -18,8 +20,11 @@ def test_the_fastest_measured_of_the_best_plans_is_chosen_and_saved(tmp_path):
     trials = mine["trials"]
     assert len(trials) == 3 and len({(t["schedule"], t["microbatches"]) for t in trials}) == 3
     measured = [t["measured"] for t in trials]
-    assert all(m > 0 for m in measured) and measured == sorted(measured)  # fastest first
-    assert all(len(t["step_times"]) == 2 and t["predicted"] > 0 for t in trials)
+    # two rounds of two timed steps each, no plan dropped (that takes five rounds): fastest median first
+    assert all(m > 0 for m in measured) and measured == sorted(measured)
+    assert all(len(t["step_times"]) == 4 and t["rounds"] == 2 and "dropped_after" not in t and t["predicted"] > 0
+               for t in trials)
+    assert all(t["measured"] == statistics.median(t["step_times"]) for t in trials)
     # the plan chosen is the fastest measured, on both ranks (they share every step's slowest time)
     assert (mine["schedule"], mine["microbatches"]) == (trials[0]["schedule"], trials[0]["microbatches"])
     assert theirs["trials"] == trials and theirs["schedule"] == mine["schedule"]

@@ -9,6 +9,7 @@ from pipeloom.plan.costs.parts import Piece
 from pipeloom.plan.costs.table import CostTable
 from pipeloom.plan.plan import load_plan
 from pipeloom.plan.planner import plan_pipeline
+from pipeloom.plan.race import TrialBudget
 from pipeloom.profile.trials import try_plans
 
 WIDTH, LAYERS, BATCH = 16, 4, 8
@@ -32,12 +33,14 @@ def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def try_three(rank: int, world: int, folder: str) -> dict:
-    """Plan for 2 ranks (1f1b, gpipe, zbv; 2 or 4 micro-batches), try the 3 best for 2 steps, save the plan."""
+    """Plan for 2 ranks (1f1b, gpipe, zbv; 2 or 4 micro-batches), try the 3 best in 2 interleaved rounds of 2
+    steps, save the plan."""
     result = plan_pipeline(table(), num_ranks=world, global_batch=BATCH, schedules=["1f1b", "gpipe", "zbv"],
                            microbatches=[2, 4])
     torch.manual_seed(1)
     inputs, target = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
-    tried = try_plans(result, build=build, inputs=inputs, target=target, loss_fn=loss, k=3, steps=2, warmup=1)
+    tried = try_plans(result, build=build, inputs=inputs, target=target, loss_fn=loss, k=3,
+                      budget=TrialBudget(warmup=1, round_steps=2, steps=4, seconds=None))
     path = f"{folder}/plan{rank}.json"
     tried.save(path)
     saved = load_plan(path)
