@@ -119,16 +119,9 @@ def worker(rank: int, options: dict, port: int, folder: str) -> None:
     for round_ in range(options["warmup"] + options["steps"]):
         order = list(engines) if round_ % 2 == 0 else list(reversed(engines))
         for dim in order:
-            engine = engines[dim]
-            for p in engine.parameters():
-                p.grad = None
-            dist.barrier()
-            start = time.perf_counter()
-            engine.step(x, target=y)
-            elapsed = torch.tensor([time.perf_counter() - start])
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            elapsed = _timed_step(engines[dim], x, y)
             if round_ >= options["warmup"]:
-                times[dim].append(float(elapsed))
+                times[dim].append(elapsed)
     memory = {dim: _bytes(engines[dim]) for dim in ("ep", "dp")}
     everyone: list = [None] * WORLD
     dist.all_gather_object(everyone, memory)
