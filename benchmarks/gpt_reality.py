@@ -60,7 +60,7 @@ from pipeloom.plan import CostTable, Link, Partition, Plan, load_plan, plan_pipe
 from pipeloom.plan.costs.file import costs_from_json, costs_to_json
 from pipeloom.plan.costs.table import table_for_size
 from pipeloom.plan.noise import expected_makespan
-from pipeloom.plan.race import TrialBudget
+from pipeloom.plan.race import TrialBudget, run_key
 from pipeloom.plan.recost import replica_sync_time, stage_spreads
 from pipeloom.profile.engine import EngineProfiler
 from pipeloom.profile.in_engine import profile_in_engine
@@ -441,7 +441,9 @@ def _mean_table(tables: list[CostTable]) -> CostTable:
 
 
 def choose_plans(tables: list[CostTable], config: RealityConfig) -> tuple[list[dict], float]:
-    """Plan, and save the best plan of each schedule (best first, at most ``max_plans``) in ``out``.
+    """Plan, and save the best plan of each schedule (best first, at most ``max_plans``) in ``out``; a plan
+    running the same actions on the same ranks as one kept before (gpipe and 1f1b at one micro-batch) is that
+    plan, not run twice (``pipeloom.plan.race.run_key``).
 
     Returns one record per plan (its file, label, prediction...) and the search's seconds. The engine
     builds a built-in name with default costs; where that order differs from the one the search
@@ -450,11 +452,12 @@ def choose_plans(tables: list[CostTable], config: RealityConfig) -> tuple[list[d
     """
     result = plan_pipeline(tables, num_ranks=2, global_batch=config.global_batch,
                            memory_limit=config.memory_limit, schedules=config.schedules)
-    records, seen = [], set()
+    records, seen, runs = [], set(), set()
     for candidate in (c for c in result.candidates if c.fits and c.data_parallel == 1):
-        if candidate.label in seen or len(records) == config.max_plans:
+        if candidate.label in seen or run_key(candidate) in runs or len(records) == config.max_plans:
             continue
         seen.add(candidate.label)
+        runs.add(run_key(candidate))
         path = Path(config.out) / f"plan{len(records)}-{candidate.schedule}.json"
         schedule, options = candidate.schedule, candidate.schedule_options
         own_order = not _same_order(build_schedule(schedule, 2, candidate.microbatches, **options),
@@ -483,10 +486,7 @@ def predict(record: dict, tables: list[CostTable], config: RealityConfig) -> flo
     """The plan search's prediction for a saved plan, re-made from ``tables``: the same split and
     action order, re-costed (``recost``) and simulated, plus the replicas' gradient exchange and the
     table's fixed ``step_overhead``."""
-    if record["run_schedule"] is not None:
-        schedule = load_schedule(record["run_schedule"])
-    else:
-        schedule = build_schedule(record["schedule"], 2, record["microbatches"], **record["schedule_options"])
+    schedule = _record_schedule(record)
     table = table_for_size(tables, record["microbatch_size"])
     starts = [0] + [table.names.index(name) for name in record["split_points"]] + [len(table.pieces)]
     count = len(starts) - 1
@@ -497,6 +497,13 @@ def predict(record: dict, tables: list[CostTable], config: RealityConfig) -> flo
     return (expected_makespan(dataclasses.replace(schedule, problem=problem), stage_spreads(table, schedule, split),
                               start_skew=table.runtime.start_skew)
             + replica_sync_time(table, schedule, split) + table.runtime.step_overhead)
+
+
+def _record_schedule(record: dict) -> Schedule:
+    """The order a plan record runs: its saved schedule file, or its built-in schedule's default order."""
+    if record["run_schedule"] is not None:
+        return load_schedule(record["run_schedule"])
+    return build_schedule(record["schedule"], 2, record["microbatches"], **record["schedule_options"])
 
 
 def _same_order(a: Schedule, b: Schedule) -> bool:
@@ -697,20 +704,21 @@ def _mark_tried(records: list[dict], tried, config: RealityConfig) -> None:
     """Mark the record of the plan ``try_plans`` chose (``tried_choice``, with its trials), adding it
     (saved as ``plan-tried.json``) where it is not the best of its schedule."""
     plan = tried.plan
-    for record in records:
-        if (record["schedule"], record["microbatches"], record["split_points"]) == \
-                (plan.schedule, plan.microbatches, list(plan.split_points)):
-            record.update(tried_choice=True, trials=list(plan.trials))
-            return
     path = Path(config.out) / "plan-tried.json"
     tried.save(path)
     saved = load_plan(path)
-    run_schedule = None if saved.schedule == plan.schedule else str(path.with_name(saved.schedule))
-    records.append({"file": str(path), "label": f"{plan.trials[0]['label']} (tried)", "schedule": plan.schedule,
-                    "schedule_options": dict(plan.schedule_options), "run_schedule": run_schedule,
-                    "microbatches": plan.microbatches, "microbatch_size": plan.microbatch_size,
-                    "split_points": list(plan.split_points), "predicted": plan.predicted_step_time,
-                    "own_order": run_schedule is not None, "tried_choice": True, "trials": list(plan.trials)})
+    run_schedule = None if saved.schedule == plan.schedule else str(path.parent / saved.schedule)
+    record = {"file": str(path), "label": f"{plan.trials[0]['label']} (tried)", "schedule": plan.schedule,
+              "schedule_options": dict(plan.schedule_options), "run_schedule": run_schedule,
+              "microbatches": plan.microbatches, "microbatch_size": plan.microbatch_size,
+              "split_points": list(plan.split_points), "predicted": plan.predicted_step_time,
+              "own_order": run_schedule is not None, "tried_choice": True, "trials": list(plan.trials)}
+    for kept in records:  # the same plan when it runs the same actions (gpipe and 1f1b at one micro-batch)
+        if (kept["microbatches"], kept["split_points"]) == (record["microbatches"], record["split_points"]) \
+                and _same_order(_record_schedule(kept), _record_schedule(record)):
+            kept.update(tried_choice=True, trials=list(plan.trials))
+            return
+    records.append(record)
 
 
 def _measure_plan(rank: int, record: dict, engine, profiler: EngineProfiler | None, batches: list,

@@ -8,14 +8,14 @@ import argparse
 
 from pipeloom.cli.argtypes import count, number
 from pipeloom.cli.errors import UsageError
-from pipeloom.plan.race import TrialBudget
+from pipeloom.plan.race import SPREAD, TrialBudget
 
 __all__ = ["add_try_arguments", "budget", "check_try", "trial_lines", "try_in_engine"]
 
 
 def add_try_arguments(plan: argparse.ArgumentParser) -> None:
     """``--try K`` and what it needs: ``--build``, ``--loss``, ``--arg``, ``--seq``, ``--try-steps``,
-    ``--try-seconds``."""
+    ``--try-seconds``, ``--try-spread``."""
     default = TrialBudget()
     group = plan.add_argument_group("choosing by measurement (--try; run under torchrun, one process per rank)")
     group.add_argument("--try", dest="try_k", type=count, metavar="K",
@@ -27,6 +27,10 @@ def add_try_arguments(plan: argparse.ArgumentParser) -> None:
     group.add_argument("--loss", metavar="NAME", help="with --try: the loss function NAME(output, target) in FILE")
     group.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE",
                        help="with --try: a keyword for FUNCTION (repeatable)")
+    group.add_argument("--try-spread", type=number(float, "a fraction >= 0", 0.0), metavar="F",
+                       help="with --try: a shape (micro-batches, stages per rank) whose best plan is predicted within "
+                            "F of the best takes a trial slot ahead of better predicted plans of shapes already tried "
+                            f"(default {SPREAD:g}, the planner's stated accuracy)")
     group.add_argument("--try-steps", type=count, metavar="N",
                        help="with --try: at most N timed steps per plan, in rounds of "
                             f"{default.round_steps} that interleave the plans, after {default.warmup} "
@@ -41,8 +45,9 @@ def check_try(args: argparse.Namespace) -> None:
     """UsageError, before planning, when ``--try`` lacks what it needs or runs outside a launch."""
     import os
 
-    given = [flag for flag, value in (("--build", args.build), ("--loss", args.loss), ("--try-steps", args.try_steps),
-                                      ("--try-seconds", args.try_seconds)) if value is not None]
+    flags = (("--build", args.build), ("--loss", args.loss), ("--try-steps", args.try_steps),
+             ("--try-seconds", args.try_seconds), ("--try-spread", args.try_spread))
+    given = [flag for flag, value in flags if value is not None]
     if args.try_k is None:
         if given:
             raise UsageError(f"{' and '.join(given)} go with --try K (the plans to run in the engine)")
@@ -94,7 +99,7 @@ def try_in_engine(args: argparse.Namespace, result):
 
         # the split settled at pipeline(): torch.fx first, torch.export on this batch where fx cannot trace
         tried = try_plans(result, build=build, inputs=inputs, target=target, loss_fn=loss, k=args.try_k,
-                          budget=budget(args),
+                          spread=SPREAD if args.try_spread is None else args.try_spread, budget=budget(args),
                           tracing=Tracing(example_inputs=inputs))
         if dist.get_rank() != 0 and getattr(args, "outputs", None) is not None:
             args.outputs.discard()  # rank 0 writes the files; an empty one from here must not replace them

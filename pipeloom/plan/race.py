@@ -1,5 +1,6 @@
-"""The measuring rule of ``pipeloom plan --try K`` (no torch): plans timed in interleaved rounds, those clearly
-slower than the leader dropped, the rest stopped by a budget of steps and seconds, the lowest median kept.
+"""The measuring rule of ``pipeloom plan --try K`` (no torch): which plans enter (:func:`entrants`), then plans
+timed in interleaved rounds, those clearly slower than the leader dropped, the rest stopped by a budget of steps
+and seconds, the lowest median kept.
 
 Each round runs every plan still in the race for ``round_steps`` timed steps, in an order rotated by one plan
 per round (A B C, B C A, C A B, ...), so a drifting machine speed hits every plan alike and no plan always runs
@@ -17,10 +18,14 @@ import dataclasses
 import math
 import statistics
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from pipeloom.plan.plan import PlanError
 
-__all__ = ["TrialBudget", "TrialRace", "median_ratio_lower_bound"]
+if TYPE_CHECKING:
+    from pipeloom.plan.planner import Candidate
+
+__all__ = ["SPREAD", "TrialBudget", "TrialRace", "entrants", "median_ratio_lower_bound", "run_key", "shape_key"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -158,3 +163,57 @@ class TrialRace:
         left = sorted(self.alive, key=lambda plan: (self.median(plan), plan))
         dropped = sorted(self.dropped, key=lambda plan: (-self.dropped[plan], self.median(plan), plan))
         return left + dropped + sorted(self.refused)
+
+
+SPREAD = 0.15
+"""How far above the best prediction a plan of another shape (:func:`shape_key`) may be and still take a trial
+slot ahead of better predicted plans: the accuracy the planner is held to on held-out models (measured / predicted
+within 15 %, ``benchmarks/plan_models.py``; docs/plan-models.md)."""
+
+
+def run_key(candidate: Candidate) -> tuple:
+    """What the engine would execute: replicas, split, micro-batches, and each rank's actions in order with
+    each task's rank. Two schedules that coincide here (gpipe and 1f1b at one micro-batch) are one plan."""
+    _, timeline, _ = candidate.simulation()
+    schedule = timeline.schedule
+    placement = tuple(sorted((task.key, task.ranks) for task in schedule.problem.tasks))
+    return (candidate.data_parallel, candidate.split_points, candidate.microbatches, placement,
+            tuple(tuple(map(str, actions)) for actions in schedule.ranks))
+
+
+def shape_key(candidate: Candidate) -> tuple[int, int, int]:
+    """``(replicas, micro-batches, stages per rank)``: what sets a plan's messages and profiled micro-batch size,
+    the terms the prediction's errors follow."""
+    problem = candidate.simulation()[1].schedule.problem
+    stages = 1 + max(task.stage for task in problem.tasks)
+    return (candidate.data_parallel, candidate.microbatches, max(1, stages // problem.num_ranks))
+
+
+def entrants(fitting: Sequence[Candidate], k: int, spread: float = SPREAD) -> list[Candidate]:
+    """Up to ``k`` of ``fitting`` (best predicted first), none running what an earlier pick runs: the best;
+    then, while slots remain, the best of each shape (:func:`shape_key`: micro-batches, stages per rank,
+    replicas) not yet picked whose prediction is within ``spread`` of the best; then the rest by prediction.
+
+    Plans of one shape share their errors: one profile prices every plan of a micro-batch size, and the
+    per-message cost multiplies the same message count. On GPT-2 in docs/plan-models.md (2026-11-26) the
+    one-stage-per-rank plans ran 4-9 % faster than predicted, the two-stages-per-rank ones 4 % faster to 4 %
+    slower, and the three best predicted were often of one shape while the fastest measured was another."""
+    distinct, seen = [], set()
+    for candidate in fitting:
+        key = run_key(candidate)
+        if key not in seen:
+            seen.add(key)
+            distinct.append(candidate)
+    if not distinct:
+        return []
+    best = distinct[0].simulation()[0]
+    chosen, shapes = {0}, {shape_key(distinct[0])}
+    for n, candidate in enumerate(distinct):
+        if len(chosen) < k and shape_key(candidate) not in shapes \
+                and candidate.simulation()[0] <= best * (1 + spread):
+            shapes.add(shape_key(candidate))
+            chosen.add(n)
+    for n in range(len(distinct)):
+        if len(chosen) < k:
+            chosen.add(n)
+    return [distinct[n] for n in sorted(chosen)]

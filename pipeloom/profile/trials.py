@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 from pipeloom.errors import PipeloomError
 from pipeloom.ir import schedule_from_json, schedule_to_json
 from pipeloom.plan.plan import Plan, PlanError, plan_from_json, plan_to_json
-from pipeloom.plan.planner import Candidate, PlanResult
-from pipeloom.plan.race import TrialBudget, TrialRace
+from pipeloom.plan.planner import PlanResult
+from pipeloom.plan.race import SPREAD, TrialBudget, TrialRace, entrants
 from pipeloom.sim import simulate
 
 if TYPE_CHECKING:
@@ -49,23 +49,21 @@ class TrialPlan:
     """The simulated schedule (``pipeloom.schedule/1``, costs included): the order the engine must run."""
 
 
-def _key(candidate: Candidate) -> tuple:
-    return (candidate.schedule, tuple(sorted(candidate.schedule_options.items())), candidate.microbatches,
-            candidate.data_parallel, candidate.split_points)
-
-
-def trial_plans(result: PlanResult, k: int) -> list[TrialPlan]:
-    """The ``k`` best fitting candidates of ``result`` (distinct schedule, options, micro-batches, replicas and
-    split), as plans of ``result.plan``'s mesh and tensor parallelism; the best first."""
+def trial_plans(result: PlanResult, k: int, *, spread: float = SPREAD) -> list[TrialPlan]:
+    """``k`` of the best fitting candidates of ``result`` as plans of ``result.plan``'s mesh and tensor
+    parallelism, the best predicted first: distinct in what they run (schedules that coincide, such as gpipe
+    and 1f1b at one micro-batch, count once), and spread over shapes (micro-batches, stages per rank) where a
+    shape's best is predicted within ``spread`` (a fraction) of the best plan (:func:`pipeloom.plan.race.entrants`)."""
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise PlanError(f"the number of plans to try must be a positive integer, got {k!r}")
-    base, found, seen = result.plan, [], set()
+    if isinstance(spread, bool) or not isinstance(spread, (int, float)) or not 0 <= spread < float("inf"):
+        raise PlanError(f"the trials' spread must be a fraction of at least 0, got {spread!r}")
+    base = result.plan
     world = base.world_size
-    for candidate in result.candidates:
-        tp = getattr(candidate, "tensor_parallel", base.tensor_parallel)
-        if not candidate.fits or _key(candidate) in seen or tp != base.tensor_parallel:
-            continue
-        seen.add(_key(candidate))
+    fitting = [c for c in result.candidates
+               if c.fits and getattr(c, "tensor_parallel", base.tensor_parallel) == base.tensor_parallel]
+    found = []
+    for candidate in entrants(fitting, k, spread):
         step_time, timeline, partition = candidate.simulation()
         dp = candidate.data_parallel
         plan = dataclasses.replace(
@@ -76,8 +74,6 @@ def trial_plans(result: PlanResult, k: int) -> list[TrialPlan]:
             stage_times=partition.stage_times, sharding=base.sharding if dp > 1 else "replicate", trials=())
         label = f"{candidate.label}, {candidate.microbatches} micro-batches" + (f", dp {dp}" if dp > 1 else "")
         found.append(TrialPlan(label=label, plan=plan, schedule_json=schedule_to_json(timeline.schedule)))
-        if len(found) == k:
-            break
     return found
 
 
@@ -134,11 +130,11 @@ def _record(trial: TrialPlan, race: TrialRace, n: int, error: str = "") -> dict:
     return record
 
 
-def _shared_trials(result: PlanResult, k: int, process_group: ProcessGroup | None) -> list[TrialPlan]:
+def _shared_trials(result: PlanResult, k: int, spread: float, process_group: ProcessGroup | None) -> list[TrialPlan]:
     """Rank 0's :func:`trial_plans`, on every rank."""
     import torch.distributed as dist
 
-    sent = [[(t.label, plan_to_json(t.plan), t.schedule_json) for t in trial_plans(result, k)]]
+    sent = [[(t.label, plan_to_json(t.plan), t.schedule_json) for t in trial_plans(result, k, spread=spread)]]
     dist.broadcast_object_list(sent, src=dist.get_global_rank(process_group, 0) if process_group else 0,
                                group=process_group)
     return [TrialPlan(label=label, plan=plan_from_json(text), schedule_json=schedule)
@@ -146,10 +142,12 @@ def _shared_trials(result: PlanResult, k: int, process_group: ProcessGroup | Non
 
 
 def try_plans(result: PlanResult, *, build: Callable[[], nn.Module], inputs: Any, target: Any,
-              loss_fn: Callable[[Any, Any], torch.Tensor], k: int = 3, budget: TrialBudget | None = None,
+              loss_fn: Callable[[Any, Any], torch.Tensor], k: int = 3, spread: float = SPREAD,
+              budget: TrialBudget | None = None,
               process_group: ProcessGroup | None = None, options_for: Callable[[Plan], dict] | None = None,
               **pipeline_options: Any) -> PlanResult:
-    """``result`` with the fastest measured of its ``k`` best plans (:func:`trial_plans`) as its plan, which
+    """``result`` with the fastest measured of its ``k`` best plans (:func:`trial_plans` with ``spread``) as its
+    plan, which
     carries every trial (``Plan.trials``, the chosen first), and that plan's simulated timeline. ``budget``
     (default ``TrialBudget()``) sets the warm-up, the steps per round and when to stop
     (:mod:`pipeloom.plan.race`). Every rank of ``process_group`` (default: the default group, of the plans'
@@ -164,7 +162,7 @@ def try_plans(result: PlanResult, *, build: Callable[[], nn.Module], inputs: Any
     if result.plan.world_size != world:
         raise PlanError(f"the plan runs on {result.plan.world_size} ranks but {world} are at hand; try the plans "
                         f"on {result.plan.world_size} ranks (torchrun --nproc-per-node {result.plan.world_size})")
-    trials = _shared_trials(result, k, process_group)
+    trials = _shared_trials(result, k, spread, process_group)
     race, errors, engines = TrialRace(len(trials), budget), {}, {}
     with tempfile.TemporaryDirectory(prefix="pipeloom-try-") as scratch:
         for n, trial in enumerate(trials):

@@ -48,14 +48,78 @@ def test_trial_plans_are_the_best_distinct_fitting_candidates():
     import trial_jobs
 
     from pipeloom.plan.planner import plan_pipeline
+    from pipeloom.plan.race import run_key
     from pipeloom.profile.trials import trial_plans
 
     result = plan_pipeline(trial_jobs.table(), num_ranks=2, global_batch=8, schedules=["1f1b", "gpipe"],
                            microbatches=[2, 4, 8])
-    found = trial_plans(result, 4)
     fitting = [c for c in result.candidates if c.fits]
+    # spread 0: the best predicted, in order, each running something of its own
+    found = trial_plans(result, 4, spread=0)
     assert [(t.plan.schedule, t.plan.microbatches) for t in found] == \
         [(c.schedule, c.microbatches) for c in fitting[:4]]
+    assert len({run_key(c) for c in fitting[:4]}) == 4
     assert found[0].plan.predicted_step_time == result.plan.predicted_step_time
     with pytest.raises(PlanError, match="positive integer"):
         trial_plans(result, 0)
+    with pytest.raises(PlanError, match="spread"):
+        trial_plans(result, 2, spread=-0.1)
+
+
+def test_trial_plans_count_schedules_that_coincide_once():
+    """gpipe and 1f1b at one micro-batch run the same actions on the same ranks: one trial, not two."""
+    import trial_jobs
+
+    from pipeloom.plan.planner import plan_pipeline
+    from pipeloom.profile.trials import trial_plans
+
+    result = plan_pipeline(trial_jobs.table(), num_ranks=2, global_batch=8, schedules=["1f1b", "gpipe"],
+                           microbatches=[1, 2])
+    one = [c for c in result.candidates if c.fits and c.microbatches == 1]
+    assert {c.schedule for c in one} == {"1f1b", "gpipe"}  # both searched, both fit
+    found = trial_plans(result, 4, spread=0)
+    assert sum(t.plan.microbatches == 1 for t in found) == 1
+    assert len(found) == 3  # 1f1b and gpipe at 2 differ; at 1 they are one plan
+
+
+def test_trial_plans_spread_over_micro_batch_counts_within_the_spread():
+    """A count whose best plan is predicted within the spread of the best takes a slot ahead of better
+    predicted plans of a count already tried; beyond the spread it does not."""
+    import trial_jobs
+
+    from pipeloom.plan.planner import plan_pipeline
+    from pipeloom.profile.trials import trial_plans
+
+    result = plan_pipeline(trial_jobs.table(), num_ranks=2, global_batch=8, schedules=["1f1b", "gpipe", "zb-h1"],
+                           microbatches=[2, 8])
+    fitting = [c for c in result.candidates if c.fits]
+    best = fitting[0]
+    other = next(c for c in fitting if c.microbatches != best.microbatches)
+    gap = other.step_time / best.step_time - 1
+    assert gap > 0 and fitting.index(other) >= 2  # the other count is not among the two best predicted
+    wide = trial_plans(result, 2, spread=gap * 1.01)
+    assert [(t.plan.schedule, t.plan.microbatches) for t in wide] == \
+        [(best.schedule, best.microbatches), (other.schedule, other.microbatches)]
+    narrow = trial_plans(result, 2, spread=gap * 0.99)
+    assert [t.plan.microbatches for t in narrow] == [best.microbatches, fitting[1].microbatches]
+
+
+def test_trial_plans_spread_over_stages_per_rank():
+    """Two stages per rank and one are different shapes: with every plan at one micro-batch count, the best
+    one-stage-per-rank plan takes a slot ahead of better predicted two-stage ones when it is within the spread."""
+    import trial_jobs
+
+    from pipeloom.plan.planner import plan_pipeline
+    from pipeloom.plan.race import shape_key
+    from pipeloom.profile.trials import trial_plans
+
+    result = plan_pipeline(trial_jobs.table(), num_ranks=2, global_batch=8, microbatches=[4],
+                           schedules=["zbv", "interleaved-1f1b", "v-half", "1f1b"])
+    fitting = [c for c in result.candidates if c.fits]
+    shapes = [shape_key(c) for c in fitting]
+    assert {v for _, _, v in shapes} == {1, 2}
+    flat = next(c for c in fitting if shape_key(c)[2] == 1)
+    gap = flat.step_time / fitting[0].step_time - 1
+    found = trial_plans(result, 2, spread=max(gap, 0.0) * 1.01 + 1e-12)
+    assert shape_key(fitting[0])[2] == 2 and fitting.index(flat) >= 2  # not among the two best predicted
+    assert (found[-1].plan.schedule, found[-1].plan.microbatches) == (flat.schedule, flat.microbatches)
