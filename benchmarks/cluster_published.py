@@ -13,6 +13,8 @@ selective recomputation is its op-level policy (``selective="op"``), or every se
 table says "selective layer" (``selective="layer"``); DeepSeek-V3's is its own (``selective="deepseek"``).
 torchtitan's context parallelism all-gathers K/V (``cp_rotate="allgather"``, its default rotate method).
 DeepSeek-V3's all-to-all is its own (``moe_comm="deepseek"``: node-limited FP8 dispatch, 20 SMs for it).
+Megatron-LM 2021 predates sequence parallelism (``sequence_parallel=False``: norms and residual adds on every
+token of each tp rank, all-reduces). torchtitan and Llama 3 reduce-scatter gradients in fp32 (``grad_reduce``).
 Keys a source leaves open are searched with the published ones held, except that the 2021 Megatron rows get
 the schedules of their time (1F1B or interleaved 1F1B, the faster) and the recomputation their Eq. 3 assumes.
 Throughput is compared in tokens/s per GPU where the source determines it (as published, or Megatron's Eq. 3
@@ -102,6 +104,13 @@ def cp_rotate(run: dict) -> str:
     return "allgather" if run["id"].startswith("torchtitan") else "ring"
 
 
+def grad_reduce(run: dict) -> str:
+    """The gradient reduce-scatter's dtype: torchtitan's default ``mixed_precision_reduce = "float32"``; Llama 3's
+    FSDP reduce-scatters in FP32 (report sec. 3.3.2, "Numerical stability"); Megatron-LM 2021 trained in fp16
+    and all-reduced fp16 gradients; DeepSeek-V3's report gives no dtype for it (bf16 taken)."""
+    return "fp32" if run["id"].startswith(("torchtitan", "llama3")) else "bf16"
+
+
 def _plan(run: dict, fixed: dict | None, limit: float | None):
     return plan_cluster(run_config(run), run_hardware(run), gpus=run["gpus"], global_batch=run["global_batch"],
                         seq=run["seq"], dtype=run["dtype"], layout=fixed, kernels=kernels(run),
@@ -109,6 +118,7 @@ def _plan(run: dict, fixed: dict | None, limit: float | None):
                         p2p_overlap=not run["id"].startswith("megatron2021"),
                         selective=selective(run), cp_rotate=cp_rotate(run),
                         moe_comm="deepseek" if run["id"].startswith("deepseek-v3") else "plain",
+                        grad_reduce=grad_reduce(run), sequence_parallel=not run["id"].startswith("megatron2021"),
                         memory_limit=limit, runners_up=0)
 
 

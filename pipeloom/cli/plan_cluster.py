@@ -47,6 +47,12 @@ def add_cluster_arguments(plan: argparse.ArgumentParser) -> None:
     group.add_argument("--moe-comm", choices=("plain", "deepseek"), default="plain",
                        help="the expert all-to-all: plain (default) or deepseek (DeepSeek-V3's node-limited FP8 "
                             "dispatch with 20 SMs reserved for communication)")
+    group.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
+                       help="with tp > 1, every tp rank runs the norms and residual adds on all the tokens and the "
+                            "tp exchanges are all-reduces (Megatron-LM before sequence parallelism)")
+    group.add_argument("--grad-reduce", choices=("bf16", "fp32"), default="bf16",
+                       help="the data type of the gradient reduce-scatter: bf16 (default) or fp32 (torchtitan's "
+                            "default mixed_precision_reduce, Llama 3's)")
     group.add_argument("--layout", metavar="KEY=VALUE,...",
                        help="layout keys to hold fixed, e.g. tp=4,pp=8,vp=5,cp=1,ep=1,dp=2,mbs=1,fsdp=0,"
                             "recompute=selective,schedule=interleaved-1f1b; all of them: predict that layout")
@@ -85,6 +91,7 @@ def cmd_plan_cluster(args: argparse.Namespace) -> int:
                               seq=args.seq, dtype=args.dtype, layout=args.layout, kernels=args.kernels,
                               attention=args.attention, overlap_grad_reduce=args.overlap_grad_reduce,
                               selective=args.selective, cp_rotate=args.cp_rotate, moe_comm=args.moe_comm,
+                              grad_reduce=args.grad_reduce, sequence_parallel=args.sequence_parallel,
                               memory_limit=args.memory_limit,
                               progress=progress)
     except PipeloomError as error:

@@ -62,8 +62,8 @@ on InfiniBand are not modelled (they make all-reduces faster than this).
   pairs one micro-batch's all-to-all with another's compute (DualPipe's overlapped F&B pairs).
 - Pipeline sends between stages overlap the receiving stage's other work in the schedule; the
   simulator places them.
-- Compute kernels do not overlap each other; a collective running beside compute slows that compute a
-  little (SM and memory contention), not modelled here.
+- Compute kernels do not overlap each other; a collective running beside compute slows that compute
+  (its kernels hold SMs and HBM bandwidth): :func:`overlapped_seconds` prices the two together.
 """
 
 from __future__ import annotations
@@ -75,8 +75,9 @@ from pipeloom.plan.errors import HardwareError
 from pipeloom.plan.tp.all_to_all import all_to_all_seconds
 from pipeloom.plan.tp.collectives import CollectiveFit
 
-__all__ = ["COLLECTIVE_KINDS", "attention_flops", "attention_seconds", "collective_seconds", "dtype_bytes",
-           "gemm_efficiency", "gemm_seconds", "memory_seconds", "p2p_seconds", "wave_efficiency"]
+__all__ = ["COLLECTIVE_KINDS", "attention_flops", "attention_seconds", "collective_seconds", "domain_ranks",
+           "dtype_bytes", "gemm_efficiency", "gemm_seconds", "hidden_cost", "memory_seconds", "overlapped_seconds",
+           "p2p_seconds", "wave_efficiency"]
 
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 """Collective kinds :func:`collective_seconds` prices."""
@@ -245,3 +246,26 @@ def p2p_seconds(hw: Hardware, nbytes: float, *, same_domain: bool) -> float:
         return 0.0
     latency = hw.scale_up_latency if same_domain else hw.scale_out_latency
     return latency + nbytes / _bandwidth(hw, same_domain=same_domain)
+
+
+def overlapped_seconds(hw: Hardware, compute: float, comm: float) -> float:
+    """Seconds of ``compute`` seconds of kernels (alone) with a ``comm``-second collective or send running beside
+    them. While both run, compute goes ``1 + hw.overlap_slowdown`` times slower; a collective longer than the
+    slowed compute is the whole time: ``max(comm, compute + comm · s / (1 + s))``. With ``s = 0`` it is
+    ``max(compute, comm)``."""
+    if compute < 0 or comm < 0:
+        raise HardwareError(f"seconds must be >= 0, got compute {compute!r} and comm {comm!r}")
+    return max(comm, compute + hidden_cost(hw, comm))
+
+
+def hidden_cost(hw: Hardware, comm: float) -> float:
+    """Seconds a ``comm``-second collective that compute hides entirely still adds to that compute: what the
+    compute loses while sharing the GPU with it, ``comm · s / (1 + s)`` (:func:`overlapped_seconds`)."""
+    s = hw.overlap_slowdown
+    return comm * s / (1.0 + s)
+
+
+def domain_ranks(group: int, stride: int, hw: Hardware) -> int:
+    """Ranks of a group of ``group`` ranks ``stride`` apart that share one scale-up domain (Megatron's rank
+    order tp, cp, dp, pp: a group's members are consecutive multiples of its stride)."""
+    return math.gcd(group, max(1, hw.scale_up_size // stride))

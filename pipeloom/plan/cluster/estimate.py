@@ -13,9 +13,16 @@ from typing import Any
 from pipeloom.errors import PipeloomError
 from pipeloom.ir import Schedule
 from pipeloom.plan.cluster.counts import layer_counts, optimizer_bytes
-from pipeloom.plan.cluster.efficiency import collective_seconds, memory_seconds, p2p_seconds
+from pipeloom.plan.cluster.efficiency import collective_seconds, domain_ranks, hidden_cost, memory_seconds, p2p_seconds
 from pipeloom.plan.cluster.held import RankHeld, held_profile, peak_held
-from pipeloom.plan.cluster.layer_time import Job, PhaseTimes, add_times, deepseek_activations, domain_ranks, layer_times
+from pipeloom.plan.cluster.layer_time import (
+    GRAD_REDUCE,
+    Job,
+    PhaseTimes,
+    add_times,
+    deepseek_activations,
+    layer_times,
+)
 from pipeloom.plan.cluster.layout import SCHEDULES, Layout
 from pipeloom.plan.cluster.placement import rank_stages, stage_layers, work_bound
 from pipeloom.plan.errors import LayoutError
@@ -115,7 +122,7 @@ class Estimator:
         self._schedules: dict[tuple[Any, ...], Schedule] = {}
         self._stages: dict[tuple[Any, ...], tuple[list[PhaseTimes], list[float], list[tuple[str, ...]]]] = {}
         self._static: dict[tuple[Any, ...], tuple[Memory, float, float]] = {}
-        self._dp: dict[tuple[Any, ...], float] = {}
+        self._dp: dict[tuple[Any, ...], tuple[float, float]] = {}
         self._work: dict[tuple[Any, ...], float] = {}
         self._acts: dict[tuple[Any, ...], float] = {}
         self._cuts: dict[int, _Cut] = {}
@@ -243,7 +250,7 @@ class Estimator:
             keep = self.counts[kind].activations[recompute]
             if recompute == "selective" and self.job.selective == "deepseek" and kind in ("dense", "moe"):
                 keep = deepseek_activations(self.job.spec, kind)
-            self._acts[key] = keep.per_gpu(tp=tp, cp=cp, sp=tp > 1) * mbs * self.job.seq
+            self._acts[key] = keep.per_gpu(tp=tp, cp=cp, sp=tp > 1 and self.job.sequence_parallel) * mbs * self.job.seq
         return self._acts[key]
 
     def schedule(self, layout: Layout, m: int) -> Schedule:
@@ -400,20 +407,24 @@ class Estimator:
     def _dp_exposed(self, layout: Layout, params: float, group: int, f1: float, b1: float, m: int) -> float:
         """Seconds of gradient reduce-scatter and parameter all-gather (FSDP: per micro-batch gathers) over
         ``group`` ranks that the rank's last backward / first forward does not hide (module doc of
-        :mod:`pipeloom.plan.cluster.efficiency`); the last bucket is always exposed."""
+        :mod:`pipeloom.plan.cluster.efficiency`); the last bucket is always exposed. What is hidden still slows
+        the compute beside it (:func:`pipeloom.plan.cluster.efficiency.hidden_cost`)."""
         if group <= 1 or params == 0:
             return 0.0
         hw, nbytes = self.job.hw, 2.0 * params
         key = (nbytes, group, layout.tp)
         if key not in self._dp:
             per_domain = domain_ranks(group, layout.tp, hw)
-            self._dp[key] = (collective_seconds(hw, "reduce_scatter", nbytes, group, ranks_per_domain=per_domain)
-                             + collective_seconds(hw, "all_gather", nbytes, group, ranks_per_domain=per_domain)) / 2
-        rs = ag = self._dp[key]  # a ring reduce-scatter and all-gather move the same bytes
+            grads = GRAD_REDUCE[self.job.grad_reduce] * params
+            self._dp[key] = (collective_seconds(hw, "reduce_scatter", grads, group, ranks_per_domain=per_domain),
+                             collective_seconds(hw, "all_gather", nbytes, group, ranks_per_domain=per_domain))
+        rs, ag = self._dp[key]  # gradients in the reduce's dtype, weights gathered in bf16
         last = min(1.0, BUCKET_BYTES / nbytes)
         if not self.job.overlap_grad_reduce:  # an all-reduce after the last backward: nothing hides it
             return rs + ag
         exposed = max(rs - b1, rs * last) + max(ag - f1, ag * last)
+        moved = rs + ag
         if layout.fsdp:  # weights gathered again for every micro-batch's forward and backward
             exposed += m * (max(0.0, ag - f1) + max(0.0, ag - b1))
-        return exposed
+            moved += 2 * m * ag
+        return exposed + hidden_cost(hw, moved - exposed)

@@ -39,6 +39,11 @@ _PRIOR = {
                          "over 14 ring steps; it matters only for small messages"),
     "scale_out_latency": "order of magnitude: InfiniBand/RoCE one-way latency 2-3 us plus NCCL's proxy",
     "kernel_overhead": "prior: the GPU-side gap and tail between back-to-back kernels, 1-3 us in profiler traces",
+    "overlap_slowdown": ("S. Lee, J. Oh, J. Kim, S. Go, J. Park, D. Mahajan, 'Characterizing Compute-Communication "
+                         "Overlap in GPU-Accelerated Distributed Deep Learning: Performance and Power Implications' "
+                         "(arXiv:2507.03114, 2025), abstract: compute overlapped with communication ran 18.9 % "
+                         "slower on average (at most 40 %) over GPT and LLaMA training on 4 A100s, H100s, MI250s "
+                         "and MI210s; the one average for every GPU, no per-GPU figure"),
 }
 _NVLINK_EFF = ("nccl-tests all_reduce bus bandwidth at large sizes (ring, no NVLS): 8x A100 230-250 GB/s of "
                "300 (https://docs.alayanew.com/en/docs/tech-blog/2026-05-06-nccl-tests)")

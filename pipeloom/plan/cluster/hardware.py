@@ -71,6 +71,9 @@ class Hardware:
     """Streaming multiprocessors (compute units) that run GEMM tiles at once: wave quantization (H100 SXM: 132)."""
     kernel_overhead: float = 2e-6
     """Seconds every kernel costs whatever its size (launch and tail), the floor of a tiny GEMM."""
+    overlap_slowdown: float = 0.189
+    """How much longer compute takes while a collective runs beside it (the collective's kernels hold SMs and
+    HBM bandwidth): 0.189 = 18.9 % longer (:func:`pipeloom.plan.cluster.efficiency.overlapped_seconds`)."""
     sources: Mapping[str, str] = field(default_factory=dict)
     """Where each field's number comes from (field name -> datasheet, paper or benchmark)."""
 
@@ -89,6 +92,9 @@ class Hardware:
         for name in ("memory_bytes", "memory_bandwidth", "scale_up_bandwidth", "scale_out_bandwidth",
                      "gemm_half_dim", "attention_half_seq"):
             _positive(self.name, name, getattr(self, name))
+        if not _number(self.overlap_slowdown) or self.overlap_slowdown < 0:
+            raise HardwareError(f"hardware {self.name!r}: overlap_slowdown is a fraction >= 0 (0.189: compute 18.9 % "
+                                f"slower beside a collective), got {self.overlap_slowdown!r}")
         if not _number(self.flash2_slowdown) or self.flash2_slowdown < 1:
             raise HardwareError(f"hardware {self.name!r}: flash2_slowdown is a ratio >= 1, "
                                 f"got {self.flash2_slowdown!r}")

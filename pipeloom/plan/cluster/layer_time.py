@@ -10,13 +10,14 @@ import math
 from dataclasses import dataclass
 
 from pipeloom.plan.cluster.config import ModelSpec
+from pipeloom.plan.cluster.context import context_parallel_core
 from pipeloom.plan.cluster.counts import Activations, layer_counts
 from pipeloom.plan.cluster.efficiency import (
     attention_seconds,
     collective_seconds,
+    domain_ranks,
     gemm_seconds,
     memory_seconds,
-    p2p_seconds,
 )
 from pipeloom.plan.cluster.elementwise import layer_elementwise
 from pipeloom.plan.cluster.hardware import Hardware
@@ -24,13 +25,15 @@ from pipeloom.plan.cluster.layout import Layout
 from pipeloom.plan.cluster.materialized import materialized_attention_seconds
 from pipeloom.plan.tp.all_to_all import moe_exchanges
 
-__all__ = ["Job", "PhaseTimes", "add_times", "layer_times", "domain_ranks", "deepseek_activations", "SELECTIVE",
-           "CP_ROTATE", "MOE_COMM"]
+__all__ = ["Job", "PhaseTimes", "add_times", "layer_times", "deepseek_activations", "SELECTIVE",
+           "CP_ROTATE", "MOE_COMM", "GRAD_REDUCE"]
 
 CP_ROTATE = ("ring", "allgather")
+"""How context parallelism exchanges K/V (:attr:`Job.cp_rotate`)."""
 MOE_COMM = ("plain", "deepseek")
 """How the expert all-to-all is run (:attr:`Job.moe_comm`)."""
-"""How context parallelism exchanges K/V (:attr:`Job.cp_rotate`)."""
+GRAD_REDUCE = {"bf16": 2, "fp32": 4}
+"""The data types the gradient reduce-scatter may move (:attr:`Job.grad_reduce`), and their bytes."""
 
 SELECTIVE = ("attention", "op", "layer", "deepseek")
 """What ``recompute=selective`` may recompute (:attr:`Job.selective`)."""
@@ -67,7 +70,7 @@ class Job:
     cp_rotate: str = "ring"
     """How context parallelism exchanges K/V: ``ring`` (each block's K/V sent to the next rank beside the current
     block's compute: Megatron-Core / Transformer Engine) or ``allgather`` (PyTorch's ``context_parallel`` as
-    torchtitan ran it: :func:`_cp_allgather`)."""
+    torchtitan ran it: :func:`pipeloom.plan.cluster.context.context_parallel_core`)."""
     moe_comm: str = "plain"
     """The expert all-to-all: ``plain`` (every routed copy of a token sent in bf16 to its expert's GPU) or
     ``deepseek`` (DeepSeek-V3's kernels: :func:`_deepseek_all_to_all`, with :data:`_COMM_SMS` SMs reserved)."""
@@ -79,6 +82,15 @@ class Job:
     overlap_grad_reduce: bool = True
     """The data-parallel gradient exchange overlaps the backward bucket by bucket (Megatron-Core's
     ``--overlap-grad-reduce``, FSDP, DDP); False: one all-reduce after the last backward (Megatron-LM 2021)."""
+    sequence_parallel: bool = True
+    """With tp > 1, the norms, dropouts and residual adds run on the tp rank's 1/tp of the tokens and the tp
+    exchanges are all-gathers and reduce-scatters (Megatron-Core, torchtitan); False: every tp rank runs them
+    on all the tokens and keeps their activations whole, the exchanges being all-reduces of the same bytes
+    (Megatron-LM before sequence parallelism: Korthikanti et al. 2022, arXiv:2205.05198, sec. 4.2.2)."""
+    grad_reduce: str = "bf16"
+    """The data type of the data-parallel gradient reduce-scatter: ``bf16`` (the weights' width) or ``fp32``
+    (torchtitan's default ``mixed_precision_reduce = "float32"``; Megatron-LM with bf16, which turns on
+    ``accumulate_allreduce_grads_in_fp32``; Llama 3's FSDP, report sec. 3.3.2 "Numerical stability")."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -96,12 +108,6 @@ class PhaseTimes:
     all-to-alls (DualPipe's overlapped pairs hide them; :class:`pipeloom.problem.Task` ``comm``)."""
     i_comm: float = 0.0
     """Of ``i``, the same for the input-gradient backward."""
-
-
-def domain_ranks(group: int, stride: int, hw: Hardware) -> int:
-    """Ranks of a group of ``group`` ranks ``stride`` apart that share one scale-up domain (Megatron's rank
-    order tp, cp, dp, pp: a group's members are consecutive multiples of its stride)."""
-    return math.gcd(group, max(1, hw.scale_up_size // stride))
 
 
 def _gemms(spec: ModelSpec, tp: int) -> list[tuple[int, int]]:
@@ -144,19 +150,24 @@ def layer_times(job: Job, layout: Layout, kind: str) -> PhaseTimes:
     spec, hw, tp, cp = job.spec, job.hw, layout.tp, layout.cp
     tokens = layout.mbs * job.seq // cp  # tokens of the micro-batch on this GPU's cp shard
     width = 2  # bf16 activations
-    sp = tp > 1
+    sp = tp > 1 and job.sequence_parallel
     act = layer_counts(spec, kind, job.seq).activations["none"].per_gpu(tp=tp, cp=1, sp=sp)
     elementwise = memory_seconds(hw, 2.0 * act * tokens)  # write what is kept, read the inputs again
     tp_ranks = domain_ranks(tp, 1, hw)
     hidden_bytes = tokens * spec.hidden * width  # a full (all-gathered) hidden-state tensor
     if kind == "embedding":
-        comm = collective_seconds(hw, "reduce_scatter", hidden_bytes, tp, ranks_per_domain=tp_ranks) if sp else 0.0
+        comm = collective_seconds(hw, "reduce_scatter" if sp else "all_reduce", hidden_bytes, tp,
+                                  ranks_per_domain=tp_ranks) if tp > 1 else 0.0
         return PhaseTimes(f=memory_seconds(hw, hidden_bytes) + comm, i=0.0, w=memory_seconds(hw, 2 * hidden_bytes))
     if kind == "head":
         gemm = _price(hw, [(spec.vocab // tp, spec.hidden)], tokens, job.dtype)
+        # sequence parallel: all-gather the tokens before the head, reduce-scatter the gradient after; without:
+        # the tokens are whole on every tp rank and the input gradient is all-reduced
         comm = collective_seconds(hw, "all_gather", hidden_bytes, tp, ranks_per_domain=tp_ranks) if sp else 0.0
+        back = comm if sp else (collective_seconds(hw, "all_reduce", hidden_bytes, tp, ranks_per_domain=tp_ranks)
+                                if tp > 1 else 0.0)
         loss = memory_seconds(hw, 3.0 * 4 * tokens * spec.vocab / tp)  # fp32 logits: softmax, its gradient
-        return PhaseTimes(f=gemm.f + comm + loss, i=gemm.i + comm + elementwise, w=gemm.w)
+        return PhaseTimes(f=gemm.f + comm + loss, i=gemm.i + back + elementwise, w=gemm.w)
     a = spec.attention
     # memory-bound kernels counted one by one (norms, residual adds, rotary, activation, MoE permutes)
     ew = layer_elementwise(spec, kind, tp=tp, sp=sp, kernels=job.kernels)
@@ -173,15 +184,10 @@ def layer_times(job: Job, layout: Layout, kind: str) -> PhaseTimes:
     core_f = core(hw, batch=layout.mbs, heads=max(1, a.heads // tp), seq=job.seq, head_dim=head_dim) / cp
     core_b = core(hw, batch=layout.mbs, heads=max(1, a.heads // tp), seq=job.seq, head_dim=head_dim,
                   backward=True) / cp
-    if cp > 1 and job.cp_rotate == "allgather":
-        core_f, core_b = _cp_allgather(job, layout, tokens, core_f, core_b)
-    elif cp > 1:  # ring attention: K/V blocks pass around the cp ring beside the block computations
-        kv = tokens * a.kv_heads * (a.qk_dim + a.v_dim) * width / tp
-        ring = (cp - 1) * p2p_seconds(hw, kv, same_domain=domain_ranks(cp, tp, hw) == cp)
-        core_f, core_b = max(core_f, ring), max(core_b, 2 * ring)
-    # sequence parallelism: all-gather before and reduce-scatter after attention and the MLP, both passes
-    tp_comm = 2 * (collective_seconds(hw, "all_gather", hidden_bytes, tp, ranks_per_domain=tp_ranks)
-                   + collective_seconds(hw, "reduce_scatter", hidden_bytes, tp, ranks_per_domain=tp_ranks)) if sp else 0
+    if cp > 1:
+        core_f, core_b = context_parallel_core(hw, a, rotate=job.cp_rotate, tp=tp, cp=cp, tokens=tokens,
+                                               core_f=core_f, core_b=core_b)
+    tp_comm = _tp_exchanges(hw, hidden_bytes, tp, sp=sp)
     if kind == "dense":
         parts.append(_price(hw, _mlp(spec, spec.intermediate, tp, gated=spec.gated), tokens, job.dtype))
     else:
@@ -299,37 +305,17 @@ def _deepseek_recompute(job: Job, tokens: int, tp: int, kind: str) -> float:
     return seconds
 
 
-def _cp_allgather(job: Job, layout: Layout, tokens: int, core_f: float, core_b: float) -> tuple[float, float]:
-    """Forward and backward seconds of the attention core under PyTorch's ``context_parallel`` with its default
-    ``allgather`` rotation, as torchtitan ran it (``torch.distributed.tensor.experimental._attention``:
-    ``_templated_ring_attention`` and its backward; torchtitan's ``context_parallel_rotate_method`` default;
-    its Llama repeats K/V to the query heads before SDPA, so the K/V exchanged have ``heads`` heads).
-
-    The cp blocks of the load-balanced causal split do equal work (``core / cp`` each). Forward: the K/V are
-    all-gathered once, started after the first block is issued and waited for before the second, so the
-    gather hides only under the first block; every later block's output is merged into an fp32 accumulator
-    with the log-sum-exp rule (cast 6 bytes per output element, merge 38: ``out - sigmoid(lse_b - lse) * (out
-    - block_out)`` in three eager kernels) and cast back (6); K and V are concatenated for the exchange every
-    step (4 bytes per K/V element). Backward: the K/V all-gather again under the first block; dK and dV
-    accumulate in fp32 and travel to the next rank every step by an all-to-all permutation (fp32: twice the
-    bf16 bytes), each send hidden under the next block's compute, the last exposed; per step the gradients'
-    fp32 accumulation (10 bytes per q, k and v element: read fp32 and the bf16 block, write fp32) and the
-    concatenations for the sends (8 + 4 bytes per K/V element)."""
-    spec, hw, cp, tp = job.spec, job.hw, layout.cp, layout.tp
-    a = spec.attention
-    heads = max(1, a.heads // tp)
-    q_elems = tokens * heads * a.qk_dim
-    kv_elems = tokens * heads * (a.qk_dim + a.v_dim)
-    out_elems = tokens * heads * a.v_dim
-    same = domain_ranks(cp, tp, hw)
-    gather = collective_seconds(hw, "all_gather", 2.0 * kv_elems * cp, cp, ranks_per_domain=same)
-    send = p2p_seconds(hw, 4.0 * kv_elems, same_domain=same == cp)
-    block_f, block_b = core_f / cp, core_b / cp
-    merge = memory_seconds(hw, (12 + 38 * (cp - 1)) * out_elems + 4 * (cp - 1) * kv_elems)
-    forward = max(block_f, gather) + (cp - 1) * block_f + merge + (cp - 1) * 3 * hw.kernel_overhead
-    accumulate = memory_seconds(hw, cp * (10 * (q_elems + kv_elems) + 12 * kv_elems))
-    backward = max(block_b, gather) + (cp - 1) * max(block_b, send) + send + accumulate
-    return forward, backward
+def _tp_exchanges(hw: Hardware, hidden_bytes: float, tp: int, *, sp: bool) -> float:
+    """Seconds of one layer's tensor-parallel exchanges in one pass: under sequence parallelism an all-gather
+    before and a reduce-scatter after attention and the MLP; without it an all-reduce after each (forward) or
+    before each (the input gradient's backward)."""
+    if tp == 1:
+        return 0.0
+    ranks = domain_ranks(tp, 1, hw)
+    if sp:
+        return 2 * (collective_seconds(hw, "all_gather", hidden_bytes, tp, ranks_per_domain=ranks)
+                    + collective_seconds(hw, "reduce_scatter", hidden_bytes, tp, ranks_per_domain=ranks))
+    return 2 * collective_seconds(hw, "all_reduce", hidden_bytes, tp, ranks_per_domain=ranks)
 
 
 _COMM_SMS = 20

@@ -22,15 +22,17 @@ SEQ = 65536
 LAYOUT = Layout(dp=1, tp=8, cp=2)  # tp fills the node: the two cp ranks sit in different nodes
 
 
-def _job(*, rotate: str, nic: float | None = None) -> Job:
+def _job(*, rotate: str, nic: float | None = None, slowdown: float | None = None) -> Job:
     hw = hardware("h100")
+    if slowdown is not None:
+        hw = dataclasses.replace(hw, overlap_slowdown=slowdown)
     if nic is not None:
         hw = dataclasses.replace(hw, scale_out_bandwidth=nic)
     return Job(spec=model_spec(LLAMA), hw=hw, gpus=16, global_batch=1, seq=SEQ, cp_rotate=rotate)
 
 
 def test_the_gather_is_exposed_beyond_the_first_block():
-    fast, slow = _job(rotate="allgather"), _job(rotate="allgather", nic=1e9)
+    fast, slow = _job(rotate="allgather", slowdown=0.0), _job(rotate="allgather", nic=1e9, slowdown=0.0)
     heads, d = 16 // 8, 128
     tokens = SEQ // 2
     gather = collective_seconds(slow.hw, "all_gather", 2.0 * tokens * heads * 2 * d * 2, 2, ranks_per_domain=1)
@@ -53,3 +55,15 @@ def test_allgather_costs_at_least_the_ring_on_a_fast_link():
 def test_the_option_is_checked():
     with pytest.raises(LayoutError, match="allgather"):
         plan_cluster(LLAMA, "h100", gpus=16, global_batch=1, seq=SEQ, cp_rotate="p2p")
+
+
+def test_a_hidden_gather_still_slows_the_block_beside_it():
+    """With the contention of a collective running beside compute, the hidden K/V gather adds its
+    ``s / (1 + s)`` share to the forward; without, nothing."""
+    free, shared = _job(rotate="allgather", slowdown=0.0), _job(rotate="allgather")
+    heads, d = 16 // 8, 128
+    gather = collective_seconds(free.hw, "all_gather", 2.0 * (SEQ // 2) * heads * 2 * d * 2, 2, ranks_per_domain=1)
+    s = shared.hw.overlap_slowdown
+    assert s > 0
+    f_free, f_shared = layer_times(free, LAYOUT, "dense").f, layer_times(shared, LAYOUT, "dense").f
+    assert f_shared - f_free == pytest.approx(gather * s / (1 + s), rel=1e-9)

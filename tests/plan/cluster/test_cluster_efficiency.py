@@ -16,6 +16,7 @@ from pipeloom.plan.cluster.efficiency import (
     gemm_efficiency,
     gemm_seconds,
     memory_seconds,
+    overlapped_seconds,
     p2p_seconds,
     wave_efficiency,
 )
@@ -226,3 +227,21 @@ def test_a_faster_link_makes_collectives_faster():
     faster = dataclasses.replace(ROUND, scale_out_bandwidth=20e9)
     assert collective_seconds(faster, "all_reduce", 1e9, 64, ranks_per_domain=8) < collective_seconds(
         ROUND, "all_reduce", 1e9, 64, ranks_per_domain=8)
+
+
+def test_overlapped_compute_and_collective_closed_form():
+    """Compute goes ``1 + s`` times slower while a collective runs beside it: ``max(comm, compute + comm·s/(1+s))``;
+    a collective longer than the slowed compute is the whole time; with ``s = 0`` the longer of the two."""
+    hw = hardware("h100")
+    s = hw.overlap_slowdown
+    assert s == 0.189 and "2507.03114" in hw.sources["overlap_slowdown"]
+    assert overlapped_seconds(hw, 1.0, 0.5) == pytest.approx(1.0 + 0.5 * s / (1 + s))
+    assert overlapped_seconds(hw, 1.0, 0.0) == 1.0
+    assert overlapped_seconds(hw, 1.0, 1.0 + s) == pytest.approx(1.0 + s)  # the slowed compute just fits under it
+    assert overlapped_seconds(hw, 1.0, 3.0) == 3.0
+    free = dataclasses.replace(hw, overlap_slowdown=0.0)
+    assert [overlapped_seconds(free, 1.0, c) for c in (0.5, 2.0)] == [1.0, 2.0]
+    with pytest.raises(HardwareError, match="overlap_slowdown"):
+        dataclasses.replace(hw, overlap_slowdown=-0.1)
+    with pytest.raises(HardwareError, match="seconds"):
+        overlapped_seconds(hw, -1.0, 0.0)

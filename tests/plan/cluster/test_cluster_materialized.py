@@ -110,3 +110,26 @@ def test_torchtitan_op_policy_recomputes_every_second_matmul_and_the_elementwise
     assert layer.i - none.i == pytest.approx(none.f / 2)  # every second layer's forward again, on average
     with pytest.raises(LayoutError, match="torchtitan"):
         plan_cluster(GPT, "a100-80gb", gpus=8, global_batch=8, seq=2048, selective="layers")
+
+
+def test_without_sequence_parallelism_every_tp_rank_runs_the_norms_on_all_tokens():
+    """Megatron-LM before sequence parallelism: the residual stream's elementwise work is not divided by tp, the
+    activations of the norms are kept whole, and the tp exchanges are all-reduces of the same hidden bytes."""
+    spec = model_spec(GPT)
+    hw = hardware("a100-80gb")
+    layout = Layout(dp=1, tp=4, mbs=2)
+    sp_job = Job(spec=spec, hw=hw, gpus=4, global_batch=2, seq=2048)
+    plain = dataclasses.replace(sp_job, sequence_parallel=False)
+    tokens, hidden = 2 * 2048, 2 * 2048 * 256 * 2
+    split, whole = (layer_elementwise(spec, "dense", tp=4, sp=sp) for sp in (True, False))
+    assert whole.f_bytes > split.f_bytes and whole.b_bytes > split.b_bytes
+    a, b = layer_times(sp_job, layout, "dense"), layer_times(plain, layout, "dense")
+    sp_comm = 2 * (collective_seconds(hw, "all_gather", hidden, 4, ranks_per_domain=4)
+                   + collective_seconds(hw, "reduce_scatter", hidden, 4, ranks_per_domain=4))
+    ar_comm = 2 * collective_seconds(hw, "all_reduce", hidden, 4, ranks_per_domain=4)
+    extra_f = memory_seconds(hw, whole.f_bytes * tokens) - memory_seconds(hw, split.f_bytes * tokens)
+    assert b.f - a.f == pytest.approx(extra_f + ar_comm - sp_comm, rel=1e-9)
+    assert b.w == a.w
+    assert Estimator(plain)._activation(layout, "dense") > Estimator(sp_job)._activation(layout, "dense")
+    no_tp = dataclasses.replace(layout, tp=1, dp=4)
+    assert layer_times(sp_job, no_tp, "dense") == layer_times(plain, no_tp, "dense")  # nothing to shard without tp

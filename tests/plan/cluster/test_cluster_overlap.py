@@ -11,10 +11,10 @@ import pytest
 
 from pipeloom.ir import pair_duration
 from pipeloom.plan.cluster.config import model_spec
-from pipeloom.plan.cluster.efficiency import collective_seconds, p2p_seconds
+from pipeloom.plan.cluster.efficiency import collective_seconds, domain_ranks, p2p_seconds
 from pipeloom.plan.cluster.estimate import Estimator
 from pipeloom.plan.cluster.gpus import hardware
-from pipeloom.plan.cluster.layer_time import Job, PhaseTimes, domain_ranks, layer_times
+from pipeloom.plan.cluster.layer_time import Job, PhaseTimes, layer_times
 from pipeloom.plan.cluster.layout import Layout
 from pipeloom.plan.cluster.placement import rank_stages, work_bound
 from pipeloom.plan.tp.all_to_all import moe_exchanges
@@ -114,3 +114,32 @@ def test_blocking_pipeline_sends_lengthen_the_stages_not_the_latency():
     times, acts, _ = est.stages(layout)
     est.replay(layout, m, times, acts)
     assert [key[4] for key in est._replays] == [0.0]  # the replays' latency between stages
+
+
+def test_the_gradient_exchange_hidden_by_compute_still_slows_it_and_fp32_moves_twice_the_bytes():
+    """The data-parallel reduce-scatter (in the reduce's dtype) and all-gather (bf16 weights) that the backward and
+    forward hide add ``s / (1 + s)`` of their seconds (the compute beside them runs slower); the last bucket stays
+    exposed; an fp32 reduce moves twice the bytes of a bf16 one."""
+    dense = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 8,
+             "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 1000}
+    job = Job(spec=model_spec(dense), hw=hardware("h100"), gpus=64, global_batch=64, seq=SEQ)
+    layout, params, group = Layout(dp=64), 1e9, 64
+    per_domain = domain_ranks(group, 1, job.hw)
+    s = job.hw.overlap_slowdown
+
+    def moved(nbytes_rs: float) -> tuple[float, float]:
+        return (collective_seconds(job.hw, "reduce_scatter", nbytes_rs, group, ranks_per_domain=per_domain),
+                collective_seconds(job.hw, "all_gather", 2 * params, group, ranks_per_domain=per_domain))
+
+    last = 40e6 * 2 / (2 * params)
+    for reduce, width in (("bf16", 2), ("fp32", 4)):
+        est = Estimator(dataclasses.replace(job, grad_reduce=reduce))
+        rs, ag = moved(width * params)
+        hidden = est._dp_exposed(layout, params, group, f1=1e3, b1=1e3, m=1)  # compute hides all but the last bucket
+        exposed = (rs + ag) * last
+        assert hidden == pytest.approx(exposed + (rs + ag - exposed) * s / (1 + s))
+        free = Estimator(dataclasses.replace(job, grad_reduce=reduce,
+                                             hw=dataclasses.replace(job.hw, overlap_slowdown=0.0)))
+        assert free._dp_exposed(layout, params, group, f1=1e3, b1=1e3, m=1) == pytest.approx(exposed)
+        assert free._dp_exposed(layout, params, group, f1=0.0, b1=0.0, m=1) == pytest.approx(rs + ag)
+    assert moved(4 * params)[0] > 1.9 * moved(2 * params)[0]
