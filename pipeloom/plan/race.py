@@ -34,13 +34,16 @@ class TrialBudget:
 
     warmup: int = 3
     """Untimed steps of each plan right after it is built (first-step costs: allocation, caches)."""
+    settle: int = 1
+    """Untimed steps of each plan at the start of each of its rounds: the first steps after another plan's
+    engine ran find cold caches, which a training run of one plan never sees (judging rounds discard them too)."""
     round_steps: int = 3
     """Timed steps of each plan in each round; the round's median is what rounds compare."""
     steps: int = 60
     """At most this many timed steps per plan (``ceil(steps / round_steps)`` rounds)."""
     seconds: float | None = 120.0
-    """No new round once the trial steps (warm-up included, the slowest rank's time) took this long; None: no
-    limit. The first round always runs, so that every plan has a measurement."""
+    """No new round once the trial steps (warm-up and settling included, the slowest rank's time) took this long;
+    None: no limit. The first round always runs, so that every plan has a measurement."""
     confidence: float = 0.95
     """One-sided confidence of the bound that drops a plan (at 0.95: five rounds in a row slower, or 9 of 10)."""
 
@@ -49,8 +52,10 @@ class TrialBudget:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise PlanError(f"trial budget {name} must be a positive integer, got {value!r}")
-        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
-            raise PlanError(f"trial budget warmup must be an integer >= 0, got {self.warmup!r}")
+        for name in ("warmup", "settle"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise PlanError(f"trial budget {name} must be an integer >= 0, got {value!r}")
         if self.seconds is not None and not self.seconds > 0:
             raise PlanError(f"trial budget seconds must be more than 0 (or None: no limit), got {self.seconds!r}")
         if not 0.5 < self.confidence < 1:

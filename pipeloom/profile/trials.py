@@ -175,7 +175,8 @@ def try_plans(result: PlanResult, *, build: Callable[[], nn.Module], inputs: Any
                 continue
             race.spend(sum(_steps(engines[n], budget.warmup, inputs, target, process_group)))
         while not race.done():
-            for n in race.order():
+            for n in race.order():  # settling steps first: the first after another engine's find cold caches
+                race.spend(sum(_steps(engines[n], budget.settle, inputs, target, process_group)))
                 race.record(n, _steps(engines[n], budget.round_steps, inputs, target, process_group))
             for n in race.end_round():
                 del engines[n]  # memory back as soon as a plan leaves the race

@@ -141,7 +141,8 @@ def test_measurements_must_follow_the_rounds():
 
 @pytest.mark.parametrize(("field", "value", "message"), [
     ("steps", 0, "steps must be a positive integer"), ("round_steps", True, "round_steps must be"),
-    ("warmup", -1, "warmup must be an integer >= 0"), ("seconds", 0.0, "seconds must be more than 0"),
+    ("warmup", -1, "warmup must be an integer >= 0"), ("settle", -1, "settle must be an integer >= 0"),
+    ("seconds", 0.0, "seconds must be more than 0"),
     ("confidence", 1.0, "confidence must lie between 0.5 and 1")])
 def test_a_bad_budget_is_refused_naming_the_field(field, value, message):
     with pytest.raises(PlanError, match=message):
