@@ -98,11 +98,18 @@ class ModelSpec:
     """The MoE MLP, None for a dense model."""
     moe_layers: tuple[int, ...] = ()
     """Indices of the layers whose MLP is the MoE one (the others are dense)."""
+    mtp: int = 0
+    """Multi-token-prediction modules after the last layer (DeepSeek-V3's ``num_nextn_predict_layers``; report
+    arXiv:2412.19437 sec. 2.2): each normalises the last hidden state and the next token's embedding,
+    projects their concatenation 2h -> h, runs one decoder block of the last layer's kind and the shared head
+    with a second loss (:func:`pipeloom.plan.cluster.counts.layer_counts` kind ``mtp``)."""
 
     def __post_init__(self) -> None:
         for name in ("hidden", "layers", "vocab", "intermediate"):
             if getattr(self, name) <= 0:
                 raise ModelConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.mtp < 0:
+            raise ModelConfigError(f"num_nextn_predict_layers must be >= 0, got {self.mtp}")
         if self.attention.heads % self.attention.kv_heads:
             raise ModelConfigError(f"{self.attention.heads} query heads are not a multiple of "
                                    f"{self.attention.kv_heads} key/value heads")
@@ -206,7 +213,8 @@ def _gpt2(data: Mapping[str, Any]) -> ModelSpec:
 
 
 def _deepseek(data: Mapping[str, Any], common: dict[str, Any], heads: int) -> ModelSpec:
-    """DeepSeek-V2/V3: MLA attention, shared experts, the first ``first_k_dense_replace`` layers dense."""
+    """DeepSeek-V2/V3: MLA attention, shared experts, the first ``first_k_dense_replace`` layers dense, and
+    ``num_nextn_predict_layers`` multi-token-prediction modules (0 where the config has no such field)."""
     nope, rope = int(_get(data, "qk_nope_head_dim")), int(_get(data, "qk_rope_head_dim"))
     attention = Attention(heads=heads, kv_heads=heads, qk_dim=nope + rope, v_dim=int(_get(data, "v_head_dim")),
                           qkv_bias=bool(data.get("attention_bias", False)), latent=True,
@@ -223,4 +231,5 @@ def _deepseek(data: Mapping[str, Any], common: dict[str, Any], heads: int) -> Mo
     layers = common["layers"]
     moe = tuple(i for i in range(layers) if routed and i >= first_dense and i % freq == 0)
     return ModelSpec(**common, attention=attention, intermediate=int(_get(data, "intermediate_size")),
-                     experts=experts if routed else None, moe_layers=moe if routed else ())
+                     experts=experts if routed else None, moe_layers=moe if routed else (),
+                     mtp=int(data.get("num_nextn_predict_layers") or 0))

@@ -23,7 +23,7 @@ from typing import Literal
 from pipeloom.plan.cluster.config import ModelSpec
 
 __all__ = ["Recompute", "RECOMPUTE_MODES", "LayerCounts", "Activations", "layer_counts", "attention_flops",
-           "model_params", "optimizer_bytes"]
+           "model_params", "optimizer_bytes", "mtp_block", "mtp_activations"]
 
 Recompute = Literal["none", "selective", "full"]
 RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
@@ -53,7 +53,7 @@ class LayerCounts:
     """One layer kind's counts for one sequence of ``seq`` tokens."""
 
     kind: str
-    """``embedding``, ``dense``, ``moe`` or ``head``."""
+    """``embedding``, ``dense``, ``moe``, ``head`` or ``mtp`` (one multi-token-prediction module)."""
     params: int
     """Parameters (for ``moe``: all experts)."""
     expert_params: int
@@ -132,10 +132,45 @@ def _mlp_activations(intermediate: int, *, gated: bool, width: int) -> float:
     return float(width * (3 * intermediate if gated else 2 * intermediate))
 
 
-def layer_counts(spec: ModelSpec, kind: str, seq: int, *, width: int = 2) -> LayerCounts:
-    """The counts of one layer of ``kind`` (embedding, dense, moe, head) for one sequence of ``seq`` tokens;
-    ``width``: bytes of one activation element (2: bf16; statistics are fp32 whatever it is)."""
+def mtp_block(spec: ModelSpec) -> str:
+    """The kind of a multi-token-prediction module's decoder block: the last layer's (DeepSeek-V3: ``moe``)."""
+    return "moe" if spec.layers - 1 in spec.moe_layers else "dense"
+
+
+def mtp_activations(spec: ModelSpec, mode: str, block: Activations, *, width: int = 2) -> Activations:
+    """Bytes per token one MTP module keeps under recomputation ``mode``, its block keeping ``block``: the two
+    RMSNorms' inputs (the last hidden state, the next token's embedding) and outputs (whose concatenation is
+    the projection's input) with their 1/rms, or under ``full`` only the two inputs; the block's; and its
+    pass through the shared head (its own final norm's input and output, the fp32 logits of the second loss)."""
     h = spec.hidden
+    head = layer_counts(spec, "head", 1, width=width).activations[mode]
+    entry = width * 2 * h if mode == "full" else width * 4 * h + 2 * _STAT
+    return Activations(sequence=entry + block.sequence + head.sequence, tensor=block.tensor + head.tensor,
+                       replicated=block.replicated)
+
+
+def _mtp_counts(spec: ModelSpec, seq: int, width: int) -> LayerCounts:
+    """One multi-token-prediction module (DeepSeek-V3 report sec. 2.2): two norms (hidden state, next token's
+    embedding), the projection 2h -> h (no bias), one block of the last layer's kind and the shared head's
+    final norm (the checkpoint's ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm``); the embedding and the
+    head's matrix are the main model's (no parameters here) but the head's matmul runs again on the module's
+    tokens, for the second loss."""
+    h = spec.hidden
+    block = layer_counts(spec, mtp_block(spec), seq, width=width)
+    head = layer_counts(spec, "head", seq, width=width)
+    proj = 2.0 * seq * (2 * h) * h
+    return LayerCounts(kind="mtp", params=2 * h * h + 3 * _norm(spec) + block.params,
+                       expert_params=block.expert_params, f=block.f + proj + head.f, i=block.i + proj + head.i,
+                       w=block.w + proj + head.w, attention_f=block.attention_f,
+                       activations={m: mtp_activations(spec, m, a, width=width) for m, a in block.activations.items()})
+
+
+def layer_counts(spec: ModelSpec, kind: str, seq: int, *, width: int = 2) -> LayerCounts:
+    """The counts of one layer of ``kind`` (embedding, dense, moe, head, mtp) for one sequence of ``seq``
+    tokens; ``width``: bytes of one activation element (2: bf16; statistics are fp32 whatever it is)."""
+    h = spec.hidden
+    if kind == "mtp":
+        return _mtp_counts(spec, seq, width)
     if kind == "embedding":
         params = spec.vocab * h + spec.positions * h
         return LayerCounts(kind=kind, params=params, expert_params=0, f=0.0, i=0.0, w=0.0, attention_f=0.0,
@@ -168,7 +203,7 @@ def layer_counts(spec: ModelSpec, kind: str, seq: int, *, width: int = 2) -> Lay
         mlp_keep = (ex.top_k * copy + _INDEX * ex.top_k + _STAT * ex.count
                     + _mlp_activations(ex.shared_intermediate, gated=True, width=width))
     else:
-        raise ValueError(f"unknown layer kind {kind!r}; one of embedding, dense, moe, head")
+        raise ValueError(f"unknown layer kind {kind!r}; one of embedding, dense, moe, head, mtp")
     params = attn_mm + attn_other + mlp_mm + mlp_other + 2 * _norm(spec)
     core = attention_flops(spec, seq)
     linear = 2.0 * seq * (attn_mm + mlp_mm + routed_mm)
@@ -187,7 +222,8 @@ def layer_counts(spec: ModelSpec, kind: str, seq: int, *, width: int = 2) -> Lay
 
 
 def model_params(spec: ModelSpec) -> int:
-    """Parameters of the whole model (an untied head counted once)."""
+    """Parameters of the whole model (an untied head counted once; not its multi-token-prediction modules, which
+    DeepSeek-V3's 671 B leaves out too: ``spec.mtp * layer_counts(spec, "mtp", 1).params`` more)."""
     dense = layer_counts(spec, "dense", 1).params if spec.dense_layers else 0
     moe = layer_counts(spec, "moe", 1).params if spec.moe_layers else 0
     return (layer_counts(spec, "embedding", 1).params + layer_counts(spec, "head", 1).params

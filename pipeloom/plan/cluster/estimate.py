@@ -12,7 +12,7 @@ from typing import Any
 
 from pipeloom.errors import PipeloomError
 from pipeloom.ir import Schedule
-from pipeloom.plan.cluster.counts import layer_counts, optimizer_bytes
+from pipeloom.plan.cluster.counts import layer_counts, mtp_activations, mtp_block, optimizer_bytes
 from pipeloom.plan.cluster.efficiency import collective_seconds, domain_ranks, hidden_cost, memory_seconds, p2p_seconds
 from pipeloom.plan.cluster.held import RankHeld, held_profile, peak_held
 from pipeloom.plan.cluster.layer_time import (
@@ -24,6 +24,7 @@ from pipeloom.plan.cluster.layer_time import (
     layer_times,
 )
 from pipeloom.plan.cluster.layout import SCHEDULES, Layout
+from pipeloom.plan.cluster.mtp import mtp_times
 from pipeloom.plan.cluster.placement import rank_stages, stage_layers, work_bound
 from pipeloom.plan.errors import LayoutError
 from pipeloom.problem import Costs, Problem
@@ -116,7 +117,9 @@ class Estimator:
         self.job = job
         spec = job.spec
         self.kinds = tuple("moe" if n in set(spec.moe_layers) else "dense" for n in range(spec.layers))
-        self.counts = {k: layer_counts(spec, k, job.seq) for k in ("embedding", "head", *set(self.kinds))}
+        # the last stage's kinds after its layers: the head and the multi-token-prediction modules
+        self.tail = ("head",) + ("mtp",) * spec.mtp
+        self.counts = {k: layer_counts(spec, k, job.seq) for k in ("embedding", *set(self.tail), *set(self.kinds))}
         self._layer: dict[tuple[Any, ...], PhaseTimes] = {}
         self._replays: dict[tuple[Any, ...], tuple[float, float, float]] = {}
         self._schedules: dict[tuple[Any, ...], Schedule] = {}
@@ -128,13 +131,13 @@ class Estimator:
         self._cuts: dict[int, _Cut] = {}
         self._ranks: dict[tuple[Any, ...], tuple[tuple[tuple[int, ...], tuple[tuple[str, int], ...]], ...]] = {}
         self._profiles: dict[tuple[Any, ...], tuple[RankHeld, ...]] = {}
-        self._model_kinds = tuple(sorted(Counter((*self.kinds, "embedding", "head")).items()))
+        self._model_kinds = tuple(sorted(Counter((*self.kinds, "embedding", *self.tail)).items()))
         # model FLOPs of a step: every matmul once (no recomputation), the attention core over the causal
-        # triangle only (half the square: what a causal kernel computes, as the Llama 3 and DeepSeek reports count)
+        # triangle only (half the square: what a causal kernel computes, as the Llama 3 and DeepSeek reports count);
+        # the MTP modules' matmuls are computed work of the step and counted too (their head pass included)
         per_sequence = sum(self.counts[k].f + self.counts[k].i + self.counts[k].w - 2 * self.counts[k].attention_f
-                           for k in self.kinds)
-        head = self.counts["head"]
-        self.model_flops = job.global_batch * (per_sequence + head.f + head.i + head.w)
+                           for k in (*self.kinds, *self.tail))
+        self.model_flops = job.global_batch * per_sequence
         a, h = spec.attention, spec.hidden
         mlp = spec.experts.top_k * spec.experts.intermediate if spec.moe_layers and spec.experts else spec.intermediate
         keep = self.counts[self.kinds[-1]].activations["none"]
@@ -174,7 +177,7 @@ class Estimator:
         """:func:`layer_times`, cached by what it depends on."""
         key = (kind, layout.tp, layout.cp, layout.ep, layout.mbs, layout.recompute)
         if key not in self._layer:
-            self._layer[key] = layer_times(self.job, layout, kind)
+            self._layer[key] = (mtp_times(self.job, layout) if kind == "mtp" else layer_times(self.job, layout, kind))
         return self._layer[key]
 
     def total_work(self, layout: Layout) -> float:
@@ -226,7 +229,7 @@ class Estimator:
             shapes: dict[tuple[tuple[str, int], ...], int] = {}
             shape_of = []
             for j, kinds in enumerate(layers):
-                extra = (("embedding",) if j == 0 else ()) + (("head",) if j == stages - 1 else ())
+                extra = (("embedding",) if j == 0 else ()) + (self.tail if j == stages - 1 else ())
                 shape = tuple(sorted(Counter((*kinds, *extra)).items()))
                 shape_of.append(shapes.setdefault(shape, len(shapes)))
             self._cuts[stages] = _Cut(layers=layers, shapes=tuple(shapes), shape_of=tuple(shape_of))
@@ -250,6 +253,9 @@ class Estimator:
             keep = self.counts[kind].activations[recompute]
             if recompute == "selective" and self.job.selective == "deepseek" and kind in ("dense", "moe"):
                 keep = deepseek_activations(self.job.spec, kind)
+            elif recompute == "selective" and self.job.selective == "deepseek" and kind == "mtp":
+                spec = self.job.spec
+                keep = mtp_activations(spec, recompute, deepseek_activations(spec, mtp_block(spec)))
             self._acts[key] = keep.per_gpu(tp=tp, cp=cp, sp=tp > 1 and self.job.sequence_parallel) * mbs * self.job.seq
         return self._acts[key]
 

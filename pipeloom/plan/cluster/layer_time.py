@@ -26,7 +26,7 @@ from pipeloom.plan.cluster.materialized import materialized_attention_seconds
 from pipeloom.plan.tp.all_to_all import moe_exchanges
 
 __all__ = ["Job", "PhaseTimes", "add_times", "layer_times", "deepseek_activations", "SELECTIVE",
-           "CP_ROTATE", "MOE_COMM", "GRAD_REDUCE"]
+           "CP_ROTATE", "MOE_COMM", "GRAD_REDUCE", "compute_share"]
 
 CP_ROTATE = ("ring", "allgather")
 """How context parallelism exchanges K/V (:attr:`Job.cp_rotate`)."""
@@ -144,9 +144,12 @@ def add_times(*parts: PhaseTimes) -> PhaseTimes:
 
 
 def layer_times(job: Job, layout: Layout, kind: str) -> PhaseTimes:
-    """F, I and W seconds of one micro-batch through one layer of ``kind`` on one GPU of ``layout``."""
+    """F, I and W seconds of one micro-batch through one layer of ``kind`` on one GPU of ``layout`` (a
+    multi-token-prediction module, kind ``mtp``: :func:`pipeloom.plan.cluster.mtp.mtp_times`)."""
+    if kind not in ("embedding", "head", "dense", "moe"):
+        raise ValueError(f"layer_times prices embedding, dense, moe and head layers, not {kind!r}")
     if job.moe_comm == "deepseek" and layout.ep > 1:  # the all-to-all kernels hold some SMs all along
-        job = dataclasses.replace(job, hw=_compute_share(job.hw))
+        job = dataclasses.replace(job, hw=compute_share(job.hw))
     spec, hw, tp, cp = job.spec, job.hw, layout.tp, layout.cp
     tokens = layout.mbs * job.seq // cp  # tokens of the micro-batch on this GPU's cp shard
     width = 2  # bf16 activations
@@ -323,7 +326,7 @@ _COMM_SMS = 20
 fully utilize the bandwidths of IB and NVLink"), leaving the rest to compute."""
 
 
-def _compute_share(hw: Hardware) -> Hardware:
+def compute_share(hw: Hardware) -> Hardware:
     """``hw`` with :data:`_COMM_SMS` SMs taken by communication: the peak rates and the SMs for wave
     quantization scale by the SMs left."""
     left = hw.sm_count - _COMM_SMS

@@ -14,7 +14,7 @@ from pipeloom.plan.cluster.config import model_spec
 from pipeloom.plan.cluster.counts import layer_counts
 from pipeloom.plan.cluster.gpus import hardware
 from pipeloom.plan.cluster.hardware import load_hardware
-from pipeloom.plan.cluster.layer_time import Job, _compute_share, deepseek_activations, layer_times
+from pipeloom.plan.cluster.layer_time import Job, compute_share, deepseek_activations, layer_times
 from pipeloom.plan.cluster.layout import Layout
 from pipeloom.plan.errors import LayoutError
 
@@ -88,7 +88,7 @@ def test_communication_sms_slow_the_compute():
     plain = layer_times(job, layout, "dense")
     reserved = layer_times(dataclasses.replace(job, moe_comm="deepseek"), layout, "dense")
     assert reserved.f > plain.f and reserved.w > plain.w
-    share = _compute_share(hw)
+    share = compute_share(hw)
     assert share.sm_count == 112 and share.peak("fp8") == pytest.approx(hw.peak("fp8") * 112 / 132)
     assert share.memory_bandwidth == hw.memory_bandwidth and share.scale_out_bandwidth == hw.scale_out_bandwidth
     assert layer_times(dataclasses.replace(job, moe_comm="deepseek"), dataclasses.replace(layout, ep=1, dp=128),

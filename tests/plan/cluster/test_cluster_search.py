@@ -24,7 +24,13 @@ DENSE = {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632, 
 MOE = {"model_type": "mixtral", "hidden_size": 1024, "intermediate_size": 2048, "num_hidden_layers": 8,
        "num_attention_heads": 8, "num_key_value_heads": 2, "num_local_experts": 8, "num_experts_per_tok": 2,
        "vocab_size": 32000}
-CASES = [(DENSE, 4, 16, 4096), (DENSE, 8, 32, 2048), (MOE, 8, 32, 4096)]
+MTP = {"model_type": "deepseek_v3", "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8,
+       "num_attention_heads": 8, "num_key_value_heads": 8, "vocab_size": 32000, "q_lora_rank": 384,
+       "kv_lora_rank": 256, "qk_rope_head_dim": 32, "qk_nope_head_dim": 64, "v_head_dim": 64, "n_routed_experts": 8,
+       "n_shared_experts": 1, "moe_intermediate_size": 512, "first_k_dense_replace": 1, "num_experts_per_tok": 2,
+       "num_nextn_predict_layers": 1}
+"""A DeepSeek-V3-like model with a multi-token-prediction module on its last stage."""
+CASES = [(DENSE, 4, 16, 4096), (DENSE, 8, 32, 2048), (MOE, 8, 32, 4096), (MTP, 8, 32, 4096)]
 GIB = 2**30
 
 
@@ -48,7 +54,7 @@ def _key(est):
     return est.step_time, tuple(getattr(est.layout, k) for k in LAYOUT_KEYS)
 
 
-@pytest.fixture(scope="module", params=CASES, ids=["dense-4", "dense-8", "moe-8"])
+@pytest.fixture(scope="module", params=CASES, ids=["dense-4", "dense-8", "moe-8", "mtp-8"])
 def case(request):
     job = _job(*request.param)
     return job, _exhaustive(job)
