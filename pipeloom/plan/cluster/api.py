@@ -12,13 +12,14 @@ from typing import Any
 from pipeloom.plan.cluster.config import ModelSpec, model_spec
 from pipeloom.plan.cluster.efficiency import dtype_bytes
 from pipeloom.plan.cluster.elementwise import KERNELS
-from pipeloom.plan.cluster.estimate import Estimate, Estimator
+from pipeloom.plan.cluster.estimate import Estimator
 from pipeloom.plan.cluster.gpus import hardware
 from pipeloom.plan.cluster.hardware import Hardware
 from pipeloom.plan.cluster.layer_time import CP_ROTATE, GRAD_REDUCE, MOE_COMM, SELECTIVE, Job
 from pipeloom.plan.cluster.layout import LAYOUT_KEYS, Layout, parse_layout
 from pipeloom.plan.cluster.materialized import ATTENTION_KINDS
 from pipeloom.plan.cluster.search import search_layouts
+from pipeloom.plan.cluster.step import Estimate
 from pipeloom.plan.errors import LayoutError
 
 __all__ = ["ClusterPlan", "plan_cluster"]

@@ -26,12 +26,13 @@ from pipeloom.plan.cluster.layer_time import (
 from pipeloom.plan.cluster.layout import SCHEDULES, Layout
 from pipeloom.plan.cluster.mtp import mtp_times
 from pipeloom.plan.cluster.placement import rank_stages, stage_layers, work_bound
+from pipeloom.plan.cluster.step import Estimate, Memory
 from pipeloom.plan.errors import LayoutError
 from pipeloom.problem import Costs, Problem
 from pipeloom.schedules import build_schedule
 from pipeloom.sim import simulate
 
-__all__ = ["Memory", "Estimate", "Estimator", "WORKSPACE_BYTES", "BUCKET_BYTES"]
+__all__ = ["Estimator", "WORKSPACE_BYTES", "BUCKET_BYTES"]
 
 WORKSPACE_BYTES = 2 * 1024**3
 """Memory every GPU holds besides the model: CUDA context, cuBLAS workspaces and NCCL buffers (about 1 GiB for
@@ -40,62 +41,6 @@ NCCL_BUFFSIZE x channels); a stated allowance, not fitted to any run."""
 BUCKET_BYTES = 40e6 * 2
 """Gradient bucket of the data-parallel reduce-scatter: Megatron's default 40M parameters in bf16; the last
 bucket of a backward cannot overlap anything."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Memory:
-    """Bytes per GPU (the busiest pipeline rank)."""
-
-    weights: float
-    """Model weights held (bf16)."""
-    gradients: float
-    """Gradients held (bf16)."""
-    optimizer: float
-    """fp32 master weights and Adam's two moments held."""
-    activations: float
-    """Peak of activations held for the backward (from the schedule's replay)."""
-    buffers: float
-    """Workspaces: :data:`WORKSPACE_BYTES`, FSDP's gathered layers, a fully recomputed layer's activations."""
-
-    @property
-    def total(self) -> float:
-        """All of it."""
-        return self.weights + self.gradients + self.optimizer + self.activations + self.buffers
-
-    def as_dict(self) -> dict[str, float]:
-        """The breakdown and the total, in bytes."""
-        return {**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, "total": self.total}
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Estimate:
-    """The predicted step of one layout."""
-
-    layout: Layout
-    """The layout."""
-    step_time: float
-    """Seconds per step."""
-    pipeline_time: float
-    """Of it, the schedule's makespan (compute, tp/ep/cp communication, pipeline sends, bubbles)."""
-    exposed_dp: float
-    """Of it, the data-parallel / FSDP communication the computation does not hide."""
-    optimizer_time: float
-    """Of it, the optimizer step (bandwidth-bound)."""
-    bubble: float
-    """Idle fraction of the pipeline ranks during the makespan."""
-    memory: Memory
-    """Bytes per GPU."""
-    tokens_per_gpu_per_second: float
-    """Throughput per GPU."""
-    mfu: float
-    """Model FLOPs (matmuls, causal attention) per second over the GPUs' dense peak in the job's dtype."""
-
-    def as_dict(self) -> dict[str, Any]:
-        """JSON-ready (seconds and bytes)."""
-        return {"layout": self.layout.as_dict(), "step_time": self.step_time, "pipeline_time": self.pipeline_time,
-                "exposed_dp_time": self.exposed_dp, "optimizer_time": self.optimizer_time, "bubble": self.bubble,
-                "tokens_per_gpu_per_second": self.tokens_per_gpu_per_second, "mfu": self.mfu,
-                "memory_per_gpu": self.memory.as_dict()}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

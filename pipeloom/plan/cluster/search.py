@@ -30,10 +30,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeloom.plan.cluster.counts import RECOMPUTE_MODES
-from pipeloom.plan.cluster.estimate import Estimate, Estimator
+from pipeloom.plan.cluster.estimate import Estimator
 from pipeloom.plan.cluster.layer_time import Job
 from pipeloom.plan.cluster.layout import LAYOUT_KEYS, SCHEDULES, Layout
 from pipeloom.plan.cluster.placement import rank_stages, work_bound
+from pipeloom.plan.cluster.step import Estimate
 from pipeloom.plan.errors import LayoutError, NoLayoutFits
 
 __all__ = ["Bounds", "Candidate", "SearchResult", "enumerate_layouts", "search_layouts", "MBS_CHOICES",
