@@ -68,20 +68,16 @@ def _set_from(mine: dict, reference: dict) -> None:
                 p.copy_(whole)
 
 
-def ep_fsdp(rank: int, world: int, layout: str, schedule: str, steps: int, folder: str) -> dict:
-    """``steps`` SGD steps of the ep + FSDP run and its reference from the same parameters (each step starts both
-    from the reference's): whether the losses are bitwise equal, the largest gradient difference relative to
-    its tensor's largest entry, the parameters without a gradient, which parameters are experts and over which
-    mesh dimensions; then clip_grad_norm_ on both, their full state dicts, and a checkpoint saved by the ep run
-    loaded by the reference after it moved on."""
-    from pipeloom.runtime.parallel.ep import is_expert
-
-    ours, theirs = _engine(layout, False, schedule), _engine(layout, True, schedule)
-    mine, reference = dict(ours.named_parameters()), dict(theirs.named_parameters())
-    equal, worst, missing = True, 0.0, set()
+def _train_beside(ours, theirs, mine: dict, reference: dict, steps: int) -> tuple[bool, float, set, list]:
+    """``steps`` steps of both engines on the same batches: whether every loss is bitwise equal, the worst
+    gradient difference relative to the reference's largest, the parameters without a gradient, the losses.
+    After each step the reference takes an SGD step and ours is set to its weights."""
+    equal, worst, missing, losses = True, 0.0, set(), []
     for step in range(steps):
         x, y = tokens(seed=step)
-        equal &= bool(torch.equal(ours.step(x, target=y), theirs.step(x, target=y)))
+        a, b = ours.step(x, target=y), theirs.step(x, target=y)
+        losses.append((float(a), float(b)))
+        equal &= bool(torch.equal(a, b))
         for key in sorted(mine):
             p, q = mine[key], reference[key]
             if p.grad is None:
@@ -95,6 +91,20 @@ def ep_fsdp(rank: int, world: int, layout: str, schedule: str, steps: int, folde
         _set_from(mine, reference)
         for p in (*mine.values(), *reference.values()):
             p.grad = None
+    return equal, worst, missing, losses
+
+
+def ep_fsdp(rank: int, world: int, layout: str, schedule: str, steps: int, folder: str) -> dict:
+    """``steps`` SGD steps of the ep + FSDP run and its reference from the same parameters (each step starts both
+    from the reference's): whether the losses are bitwise equal, the largest gradient difference relative to
+    its tensor's largest entry, the parameters without a gradient, which parameters are experts and over which
+    mesh dimensions; then clip_grad_norm_ on both, their full state dicts, and a checkpoint saved by the ep run
+    loaded by the reference after it moved on."""
+    from pipeloom.runtime.parallel.ep import is_expert
+
+    ours, theirs = _engine(layout, False, schedule), _engine(layout, True, schedule)
+    mine, reference = dict(ours.named_parameters()), dict(theirs.named_parameters())
+    equal, worst, missing, _ = _train_beside(ours, theirs, mine, reference, steps)
     x, y = tokens(seed=steps)
     ours.step(x, target=y)
     theirs.step(x, target=y)
@@ -158,26 +168,7 @@ def ep_tp(rank: int, world: int, steps: int) -> dict:
     plan = _attention_and_dense_plan()
     ours, theirs = _tp_engine("ep", plan), _tp_engine("dp", plan)
     mine, reference = dict(ours.named_parameters()), dict(theirs.named_parameters())
-    equal, worst, missing = True, 0.0, set()
-    losses = []
-    for step in range(steps):
-        x, y = tokens(seed=step)
-        a, b = ours.step(x, target=y), theirs.step(x, target=y)
-        losses.append((float(a), float(b)))
-        equal &= bool(torch.equal(a, b))
-        for key in sorted(mine):
-            p, q = mine[key], reference[key]
-            if p.grad is None:
-                missing.add(key)
-                continue
-            grad, expected = _full(p.grad), _full(q.grad)
-            worst = max(worst, float((grad - expected).abs().max()) / (float(expected.abs().max()) or 1.0))
-        with torch.no_grad():
-            for q in reference.values():
-                q -= 0.1 * q.grad
-        _set_from(mine, reference)
-        for p in (*mine.values(), *reference.values()):
-            p.grad = None
+    equal, worst, missing, losses = _train_beside(ours, theirs, mine, reference, steps)
     placed = {key: list(p.device_mesh.mesh_dim_names or ()) for key, p in mine.items() if hasattr(p, "device_mesh")}
     experts = sum(1 for p in mine.values() if is_expert(p))
     x, y = tokens(seed=steps)
