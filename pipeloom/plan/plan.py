@@ -182,7 +182,8 @@ def plan_to_json(plan: Plan, *, indent: int | None = 1) -> str:
     }
     if plan.tensor_parallel > 1:  # optional: plans without tensor parallelism read as before
         document["tensor_parallel"] = plan.tensor_parallel
-        document["tp_plan"] = plan.tp_plan
+        # an empty head_norm list is left out: a plan without per-head norms reads as before, by older readers too
+        document["tp_plan"] = {k: v for k, v in (plan.tp_plan or {}).items() if k != "head_norm" or v}
     if plan.expert_parallel > 1:  # /2 only
         document["expert_parallel"] = plan.expert_parallel
     if plan.trials:  # optional as well: written only for a plan chosen by measurement

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from pipeloom.plan.tp.collectives import CollectiveFit
 from pipeloom.plan.tp.sharding import (
     LOSS_PARALLEL_REDUCTIONS,
@@ -111,3 +113,21 @@ def test_options_the_problem_does_not_allow_are_never_chosen():
                                                                      "mlp": OPTIONS["mlp"]}))
     assert narrowed.choice["attention"] == "replicate" and narrowed.choice["mlp"] != "replicate"
     assert narrowed.choice["embedding"] == narrowed.choice["head"] == "replicate"  # not offered: replicate only
+
+
+def test_a_recipe_may_name_head_norms():
+    """``head_norm`` is optional (a recipe without it reads as before, with an empty list), keeps its modules'
+    parameters whole (a recipe of head norms alone shards nothing), and names each module once."""
+    from pipeloom.plan.errors import RecipeError
+    from pipeloom.plan.tp.recipes import check_recipe
+
+    old = {"recipe": "megatron", "column": ["layers.*.q"], "row": ["layers.*.out"]}
+    assert check_recipe(old)["head_norm"] == []
+    found = check_recipe({**old, "head_norm": ["layers.*.q_norm"]})
+    assert found["head_norm"] == ["layers.*.q_norm"] and found["column"] == ["layers.*.q"]
+    with pytest.raises(RecipeError, match="shards no module"):
+        check_recipe({"recipe": "megatron", "head_norm": ["layers.*.q_norm"]})
+    with pytest.raises(RecipeError, match="twice"):
+        check_recipe({**old, "head_norm": ["layers.*.q"]})
+    with pytest.raises(RecipeError, match="head_norm must be a list"):
+        check_recipe({**old, "head_norm": "layers.*.q_norm"})

@@ -11,11 +11,11 @@ LAYERS = 4
 
 
 def build_hf(name: str, *, dropout: float = 0.0, seed: int = 0) -> torch.nn.Module:
-    """GPT-2 and BERT-MLM tie their head to the embedding; Qwen2 is built tied too; LLaMA is not. BART and
-    T5 share one embedding between the encoder, the decoder and the head; Whisper ties its decoder's
+    """GPT-2 and BERT-MLM tie their head to the embedding; Qwen2 is built tied too; LLaMA and Qwen3 are not.
+    BART and T5 share one embedding between the encoder, the decoder and the head; Whisper ties its decoder's
     embedding to its head (encoder-decoder models: ``ENCODER_DECODER``, 2 encoder and 4 decoder layers).
 
-    LLaMA and Qwen2 use eager attention: with SDPA, transformers skips the causal mask when it runs
+    LLaMA, Qwen2 and Qwen3 use eager attention: with SDPA, transformers skips the causal mask when it runs
     untraced but builds it under tracing, so the traced program runs another attention kernel
     (docs/runtime.md)."""
     import transformers as T
@@ -41,6 +41,11 @@ def build_hf(name: str, *, dropout: float = 0.0, seed: int = 0) -> torch.nn.Modu
                                num_key_value_heads=2, tie_word_embeddings=True, attention_dropout=dropout,
                                attn_implementation="eager", **common)
         return T.Qwen2ForCausalLM(config)
+    if name == "qwen3":  # per-head q_norm/k_norm over head_dim 8 (4 query heads, 2 key/value heads)
+        config = T.Qwen3Config(num_hidden_layers=LAYERS, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=8, tie_word_embeddings=False,
+                               attention_dropout=dropout, attn_implementation="eager", **common)
+        return T.Qwen3ForCausalLM(config)
     if name in ENCODER_DECODER:
         return _encoder_decoder(name, dropout, common)
     raise ValueError(name)
@@ -69,7 +74,8 @@ def _encoder_decoder(name: str, dropout: float, common: dict) -> torch.nn.Module
                                                    num_heads=4, dropout_rate=dropout, **common))
 
 
-_BLOCKS = {"gpt2": "transformer.h", "llama": "model.layers", "bert": "bert.encoder.layer", "qwen2": "model.layers"}
+_BLOCKS = {"gpt2": "transformer.h", "llama": "model.layers", "bert": "bert.encoder.layer", "qwen2": "model.layers",
+           "qwen3": "model.layers"}
 
 
 def hf_splits(name: str, pieces: int) -> list[str]:

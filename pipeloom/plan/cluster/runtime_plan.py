@@ -24,6 +24,8 @@ _TP_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
 """Families whose attention and MLP projections are plain ``nn.Linear`` modules under the names below."""
 _COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 _ROW = ("self_attn.o_proj", "mlp.down_proj")
+_HEAD_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
+"""Per-head norms after the split heads (``qk_norm``: Qwen3, Qwen3-MoE), their gradients summed over tp."""
 
 
 def _starts(layers: int, pieces: int) -> list[int]:
@@ -56,6 +58,8 @@ def runtime_plan(result: ClusterPlan) -> Plan:
                             "parallel=Parallelism(tp_plan=...)) with a plan of your own")
         tp_plan = {"recipe": "megatron", "column": [f"{prefix}.*.{name}" for name in _COLUMN],
                    "row": [f"{prefix}.*.{name}" for name in _ROW]}
+        if job.spec.attention.qk_norm:
+            tp_plan["head_norm"] = [f"{prefix}.*.{name}" for name in _HEAD_NORMS]
     samples = layout.dp * layout.mbs
     if job.global_batch % samples:
         raise PlanError(f"global batch {job.global_batch} is not a multiple of dp {layout.dp} x mbs {layout.mbs}")

@@ -14,6 +14,12 @@ attention block) get ``PrepareModuleInput`` from the sequence-sharded stream (``
 all-gather), column modules inside them read that whole input and the others read the sharded stream
 (``input_layouts=Shard(1)``: an all-gather each), row modules write a sharded one (``output_layouts=Shard(1)``:
 a reduce-scatter), the embedding writes it and the head reads it.
+
+``head_norm`` (optional, either recipe): per-head norms applied after the heads are split, e.g. Qwen3's
+``self_attn.q_norm``/``k_norm`` over ``head_dim`` of ``q_proj(x).view(B, T, heads, head_dim)``; each becomes
+``SequenceParallel(sequence_dim=-2, use_local_output=True)`` (transformers' ``replicated_with_grad_allreduce``):
+its weight stays whole on every rank and its gradient, which each rank computes over its own heads only, is
+summed over ``"tp"``. A plan without the key loads as before (an empty list).
 """
 
 from __future__ import annotations
@@ -25,7 +31,8 @@ from pipeloom.plan.errors import RecipeError
 __all__ = ["RECIPES", "check_recipe"]
 
 RECIPES = ("megatron", "megatron-sp")
-_LISTS = ("column", "row", "sequence", "gather", "vocab_embedding", "vocab_head", "loss_head")
+_LISTS = ("column", "row", "sequence", "gather", "vocab_embedding", "vocab_head", "loss_head", "head_norm")
+_UNSHARDED = ("sequence", "gather", "head_norm")  # lists whose modules keep their parameters whole
 
 
 def check_recipe(recipe: object) -> dict:
@@ -53,7 +60,7 @@ def check_recipe(recipe: object) -> dict:
     for key in ("sequence", "gather"):
         if recipe["recipe"] == "megatron" and found[key]:
             raise RecipeError(f"tp_plan.{key} needs recipe 'megatron-sp' (sequence parallelism)")
-    if not seen - set(found["sequence"]) - set(found["gather"]):
+    if not seen.difference(*(found[key] for key in _UNSHARDED)):
         raise RecipeError("tp_plan shards no module; name at least one column, row or vocab module")
     return found
 

@@ -59,6 +59,9 @@ class RegionModules:
     """The MLP region's own module, as ``attention_module``."""
     norms: tuple[str, ...] = ()
     """Per-token modules made sequence-parallel with ``megatron-sp`` (the blocks' norms and the final one)."""
+    head_norms: tuple[str, ...] = ()
+    """Per-head norms after the attention's column-split heads (Qwen3's ``q_norm``/``k_norm``): the recipe's
+    ``head_norm`` whenever attention is sharded, so their replicated weights' gradients are summed over tp."""
     embedding: str | None = None
     """The ``nn.Embedding`` (vocabulary-parallel option); None: the region is left out."""
     head: str | None = None
@@ -370,11 +373,12 @@ def recipe_for(choice: dict[str, str], m: RegionModules) -> dict | None:
     sp = choice.get("attention") == "megatron-sp"
     recipe: dict = {"recipe": "megatron-sp" if sp else "megatron", "column": [], "row": [],
                     "sequence": list(m.norms) if sp else [], "gather": [], "vocab_embedding": [],
-                    "vocab_head": [], "loss_head": []}
+                    "vocab_head": [], "loss_head": [], "head_norm": []}
     for region in ("attention", "mlp"):
         if choice.get(region, "replicate") != "replicate":
             recipe["column"] += list(getattr(m, f"{region}_column"))
             recipe["row"] += list(getattr(m, f"{region}_row"))
+            recipe["head_norm"] += list(m.head_norms) if region == "attention" else []
             own = getattr(m, f"{region}_module")
             if sp and own is not None:
                 recipe["gather"].append(own)

@@ -44,6 +44,7 @@ from torch import nn
 
 from pipeloom.runtime.errors import PipelineError
 from pipeloom.runtime.parallel.tp import resolve
+from pipeloom.runtime.parallel.tp_heads import per_head_modules, splits_heads
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -279,7 +280,7 @@ def check_tp_with_experts(plan: Mapping[str, object] | str | object, stages: Map
         raise PipelineError(f"tp_plan={plan!r} with an \"ep\" dimension is not built yet; pass torch's "
                             f"parallelize_module plan as a dict that leaves the experts modules out ({what})")
     for key, style in plan.items():
-        if isinstance(style, SequenceParallel):
+        if isinstance(style, SequenceParallel) and not _head_norms_only(plan, stages, key):
             raise PipelineError(f"tp_plan key {key!r} is SequenceParallel, which with an \"ep\" dimension is not "
                                 f"built yet (each tp rank would route other tokens); leave it out ({what})")
         for stage in stages.values():
@@ -290,6 +291,20 @@ def check_tp_with_experts(plan: Mapping[str, object] | str | object, stages: Map
                     raise PipelineError(f"tp_plan key {key!r} names {name!r}, which is or holds the experts module "
                                         f"{hit!r}; with \"ep\" the experts are sharded over \"ep\" and replicated "
                                         f"over \"tp\": leave them out of tp_plan ({what})")
+
+
+def _head_norms_only(plan: Mapping[str, object], stages: Mapping[int, nn.Module], key: str) -> bool:
+    """Whether ``key`` names only per-head norms beside the plan's column-split projections (Qwen3's q/k norms:
+    their SequenceParallel splits the heads axis, not the tokens, so every tp rank still routes the same ones)."""
+    found = False
+    for stage in stages.values():
+        resolved = {name: style for k, style in plan.items() for name in resolve(stage, k)}
+        heads = {name for name, _ in per_head_modules(stage, [n for n, s in resolved.items() if splits_heads(s)])}
+        names = resolve(stage, key)
+        if any(name not in heads for name in names):
+            return False
+        found = found or bool(names)
+    return found
 
 
 def moe_layers(names: Sequence[str]) -> list[str]:

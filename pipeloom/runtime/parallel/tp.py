@@ -21,6 +21,7 @@ from torch import fx, nn
 
 from pipeloom.plan.tp.recipes import check_recipe
 from pipeloom.runtime.errors import PipelineError
+from pipeloom.runtime.parallel.tp_heads import check_head_norms, head_norm_style
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -202,11 +203,13 @@ def apply_tp_plan(stages: Mapping[int, nn.Module], plan: Mapping[str, Any], tp: 
     """Apply ``plan`` with ``parallelize_module`` to each stage (``{piece: module}``) over the ``"tp"``
     sub-mesh: every key to the modules of that stage it names (the model's names, which fx stages keep).
     A key that names a module a stage holds but never calls (torch.fx inlined it, or torch.export
-    flattened it) is refused: its style would never fire."""
+    flattened it) is refused: its style would never fire; so is a plan that splits a module's heads and leaves
+    a per-head norm beside them plain (:func:`pipeloom.runtime.parallel.tp_heads.check_head_norms`)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     for piece, stage in stages.items():
         called = _called(stage)
+        resolved: dict[str, Any] = {}
         for key, style in plan.items():
             for name in resolve(stage, key):
                 if called is not None and not any(name == c or name.startswith(c + ".") for c in called):
@@ -214,6 +217,10 @@ def apply_tp_plan(stages: Mapping[int, nn.Module], plan: Mapping[str, Any], tp: 
                         f"tp_plan key {key!r} names module {name!r}, which model piece {piece} does not call as a "
                         "module (the tracer inlined or flattened it), so its style would never run; keep it (or the "
                         f"block around it) whole with leaf_modules=[{name!r}]")
+                resolved[name] = style
+        check_head_norms(stage, resolved, piece)
+        for key, style in plan.items():
+            for name in resolve(stage, key):
                 parallelize_module(stage, cast("DeviceMesh", tp.mesh), {name: style})
 
 
@@ -259,6 +266,8 @@ HF_STYLES: dict[str, Callable[[], object]] = {
     "rowwise_split_input": lambda: _styles().RowwiseParallel(input_layouts=_replicate()),
     "embedding_rowwise": lambda: _styles().RowwiseParallel(input_layouts=_replicate()),  # vocabulary-parallel
     "sequence_parallel": lambda: _styles().SequenceParallel(),
+    # a per-head norm (Qwen3's q_norm/k_norm) after column-split heads: its weight's gradient summed over "tp"
+    "replicated_with_grad_allreduce": head_norm_style,
 }
 _HF_NO_OP = ("replicate",)  # every rank keeps the whole parameter: nothing to apply
 
@@ -330,6 +339,8 @@ def recipe_styles(recipe: Mapping) -> dict:
         styles[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate())
     for name in recipe["vocab_head"]:
         styles[name] = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(), output_layouts=Replicate())
+    for name in recipe["head_norm"]:  # a norm over head_dim of (B, T, heads/tp, head_dim): gradient summed
+        styles[name] = head_norm_style()
     for name in recipe["loss_head"]:
         styles[name] = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(), output_layouts=Shard(-1),
                                        use_local_output=False)

@@ -7,8 +7,9 @@ The regions are found from the module tree and the ``nn.Linear`` shapes, not fro
 the blocks are the largest ``ModuleList``/``Sequential`` of identical modules; in a block, with ``h`` the
 first linear's input width, the MLP is the linears ``h -> F`` (columns) and ``F -> h`` (rows) with ``F != h``,
 attention the other linears (the last ``h -> h`` one, in registration order, is its row-parallel output, the
-rest its columns); the embedding is the widest ``nn.Embedding`` of width ``h`` outside the blocks, the head
-the ``nn.Linear`` ``h -> vocab`` outside them.
+rest its columns; per-head norms beside the columns, Qwen3's ``q_norm``/``k_norm``, its ``head_norm``
+modules: :func:`pipeloom.runtime.parallel.tp_heads.head_modules`); the embedding is the widest
+``nn.Embedding`` of width ``h`` outside the blocks, the head the ``nn.Linear`` ``h -> vocab`` outside them.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 from torch import nn
 
 from pipeloom.runtime.errors import PipelineError, RegionsNotFoundError
+from pipeloom.runtime.parallel.tp_heads import per_head_modules
 from pipeloom.runtime.parallel.tp_rules import dtensor_options
 
 if TYPE_CHECKING:  # pipeloom.plan is imported where used (runtime -> plan is a function-level import)
@@ -236,7 +238,9 @@ def find_regions(model: nn.Module, *, heads: int | None = None) -> ModelRegions:
               for region in ("attention", "mlp")}
     if owners["attention"] is not None and owners["attention"] == owners["mlp"]:
         owners = {"attention": None, "mlp": None}  # one module holds both: not a region of its own
-    norms = [f"{pattern}.{n}" for n, m in children[0].named_modules() if n and "Norm" in type(m).__name__]
+    per_head = [f"{pattern}.{n}" for n, _ in per_head_modules(children[0], [n for n, _ in parts["attention_column"]])]
+    norms = [f"{pattern}.{n}" for n, m in children[0].named_modules()
+             if n and "Norm" in type(m).__name__ and f"{pattern}.{n}" not in per_head]
     norms += [n for n, m in model.named_modules()
               if n and "Norm" in type(m).__name__ and not n.startswith(blocks + ".")]
     embeddings = [(n, m) for n, m in _outside(model, blocks, nn.Embedding) if m.embedding_dim == hidden]
@@ -255,6 +259,7 @@ def find_regions(model: nn.Module, *, heads: int | None = None) -> ModelRegions:
                             mlp_column=named["mlp_column"], mlp_row=named["mlp_row"],
                             attention_module=owners["attention"] and f"{pattern}.{owners['attention']}",
                             mlp_module=owners["mlp"] and f"{pattern}.{owners['mlp']}", norms=tuple(norms),
+                            head_norms=tuple(per_head),
                             embedding=embed_name, head=head_name)
     weights = {key: sum(m.weight.numel() for _, m in found) for key, found in parts.items()}
     return ModelRegions(modules=modules, blocks=blocks, layers=len(children), hidden=hidden,

@@ -32,6 +32,21 @@ def test_the_plan_file_follows_the_layout():
     assert renamed.split_points == ("layers.4", "layers.8", "layers.12") and modules[-2:] == ["norm", "output"]
 
 
+def test_a_qwen3_plan_gives_its_head_norms_their_style(tmp_path):
+    """Qwen3's per-head q_norm/k_norm (qk_norm) ride in the recipe's head_norm, saved and loaded back; LLaMA has
+    none and its saved plan carries no head_norm key (a file older readers still read)."""
+    qwen3 = dict(LLAMA, model_type="qwen3", head_dim=128)
+    plan = runtime_plan(plan_cluster(qwen3, "h100", gpus=8, global_batch=32, seq=2048, layout=FIXED))
+    assert plan.tp_plan["head_norm"] == ["model.layers.*.self_attn.q_norm", "model.layers.*.self_attn.k_norm"]
+    save_plan(plan, tmp_path / "qwen3.json")
+    assert load_plan(tmp_path / "qwen3.json").tp_plan == plan.tp_plan
+    llama = runtime_plan(plan_cluster(LLAMA, "h100", gpus=8, global_batch=32, seq=2048, layout=FIXED))
+    assert llama.tp_plan["head_norm"] == []
+    save_plan(llama, tmp_path / "llama.json")
+    assert "head_norm" not in json.loads((tmp_path / "llama.json").read_text())["tp_plan"]
+    assert load_plan(tmp_path / "llama.json").tp_plan == llama.tp_plan
+
+
 def test_what_the_runtime_cannot_run_is_refused_by_name():
     cp = plan_cluster(LLAMA, "h100", gpus=8, global_batch=32, seq=2048, layout=FIXED.replace("dp=2", "dp=1")
                       .replace("cp=1", "cp=2"))
