@@ -95,6 +95,17 @@ def lm_loss(output: object, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(output.logits.flatten(0, 1), target.flatten())
 
 
+def accumulated_step(model, x: torch.Tensor, y: torch.Tensor, microbatches: int) -> float:
+    """One step of ``model`` on one device as a pipeline runs it: the batch cut into ``microbatches``, each
+    micro-batch's loss over their count back-propagated in turn; the summed loss."""
+    total = 0.0
+    for xm, ym in zip(torch.chunk(x, microbatches), torch.chunk(y, microbatches)):
+        value = lm_loss(model(xm), ym) / microbatches
+        value.backward()
+        total += float(value.detach())
+    return total
+
+
 def tokens(rows: int = 8, seq: int = 12, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     return (torch.randint(1, VOCAB, (rows, seq), generator=generator),

@@ -21,7 +21,7 @@ MICROBATCHES = 2
 
 def hf_pipelined(rank: int, world: int, steps: int) -> dict:
     """pp 2 x tp 2: the engine with ``tp_plan="hf"`` and split points, next to torch's TP alone."""
-    from hf_models import build_hf, hf_splits, lm_loss, tokens
+    from hf_models import accumulated_step, build_hf, hf_splits, lm_loss, tokens
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -49,18 +49,12 @@ def hf_pipelined(rank: int, world: int, steps: int) -> dict:
     model = build_hf("llama").double()
     model = parallelize_module(model, mesh["tp"], hf_plan(model))
 
-    def alone(*_):
-        total = 0.0
-        for xm, ym in zip(torch.chunk(x, MICROBATCHES), torch.chunk(y, MICROBATCHES)):
-            value = lm_loss(model(xm), ym) / MICROBATCHES
-            value.backward()
-            total += float(value.detach())
-        return total
-
-    out["alone"] = _train(model, model.named_parameters, steps, alone)
+    out["alone"] = _train(model, model.named_parameters, steps,
+                          lambda *_: accumulated_step(model, x, y, MICROBATCHES))
     if rank0():
         model = build_hf("llama").double()
-        out["one_device"] = _train(model, model.named_parameters, steps, alone)["full"]
+        out["one_device"] = _train(model, model.named_parameters, steps,
+                                   lambda *_: accumulated_step(model, x, y, MICROBATCHES))["full"]
     return out
 
 
@@ -79,7 +73,7 @@ def explicit_plan(layers: int = 4) -> dict:
 
 def explicit_pipelined(rank: int, world: int, steps: int, schedules: list[str]) -> dict:
     """pp 2 x tp 2: the engine with an explicit-name plan under each schedule, and torch's TP of that plan alone."""
-    from hf_models import build_hf, hf_splits, lm_loss, tokens
+    from hf_models import accumulated_step, build_hf, hf_splits, lm_loss, tokens
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -105,15 +99,8 @@ def explicit_pipelined(rank: int, world: int, steps: int, schedules: list[str]) 
         engine.close()
     model = parallelize_module(build_hf("llama").double(), mesh["tp"], explicit_plan())
 
-    def alone(*_):
-        total = 0.0
-        for xm, ym in zip(torch.chunk(x, MICROBATCHES), torch.chunk(y, MICROBATCHES)):
-            value = lm_loss(model(xm), ym) / MICROBATCHES
-            value.backward()
-            total += float(value.detach())
-        return total
-
-    out["alone"] = _train(model, model.named_parameters, steps, alone)
+    out["alone"] = _train(model, model.named_parameters, steps,
+                          lambda *_: accumulated_step(model, x, y, MICROBATCHES))
     return out
 
 

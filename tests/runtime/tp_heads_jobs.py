@@ -57,20 +57,13 @@ def _plan(case: str, mesh, x: torch.Tensor) -> object:
 
 def _one_device(steps: int) -> list[dict]:
     """The same micro-batch loop on the whole model: each step's gradients by name."""
-    from hf_models import build_hf, lm_loss, tokens
+    from hf_models import accumulated_step, build_hf, tokens
 
     model = build_hf("qwen3").double()
     x, y = tokens()
 
-    def step(*_):
-        total = 0.0
-        for xm, ym in zip(torch.chunk(x, MICROBATCHES), torch.chunk(y, MICROBATCHES)):
-            value = lm_loss(model(xm), ym) / MICROBATCHES
-            value.backward()
-            total += float(value.detach())
-        return total
-
-    return _train(model, model.named_parameters, steps, step)["full"]
+    return _train(model, model.named_parameters, steps,
+                  lambda *_: accumulated_step(model, x, y, MICROBATCHES))["full"]
 
 
 def _refusal(mesh) -> str:
