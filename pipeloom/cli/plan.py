@@ -66,6 +66,9 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
     plan.add_argument("--tp-row", metavar="NAMES", default="attn.proj,mlp.2",
                       help="comma-separated modules inside a layer made row-parallel (with --heads; default "
                            "attn.proj,mlp.2)")
+    plan.add_argument("--tp-head-norm", metavar="NAMES", default="",
+                      help="comma-separated modules inside a layer that normalize each head the columns split, e.g. "
+                           "self_attn.q_norm,self_attn.k_norm for Qwen3 (with --heads; default none)")
     plan.add_argument("--sharding", choices=("replicate", "fsdp"), default="replicate",
                       help="how replicas hold the weights: replicate (gradients all-reduced) or fsdp (optimizer state "
                            "sharded over the replicas, gradients reduce-scattered); default replicate")
@@ -213,7 +216,8 @@ def _dp_link(args: argparse.Namespace, tables):
 
 
 def _with_heads(args: argparse.Namespace, tables: list) -> list:
-    """The tables, given a ``tensor`` field from --heads/--tp-layers/--tp-column/--tp-row where asked."""
+    """The tables, given a ``tensor`` field from --heads/--tp-layers/--tp-column/--tp-row/--tp-head-norm where
+    asked."""
     if args.heads is None:
         return tables
     import dataclasses
@@ -225,7 +229,8 @@ def _with_heads(args: argparse.Namespace, tables: list) -> list:
     if not layers:
         raise UsageError(f"--tp-layers {args.tp_layers!r} matches no piece of the cost table; its pieces are "
                          f"{', '.join(tables[0].names[:6])}, ...")
-    info = TensorInfo(heads=args.heads, layers=layers, column=_names(args.tp_column), row=_names(args.tp_row))
+    info = TensorInfo(heads=args.heads, layers=layers, column=_names(args.tp_column), row=_names(args.tp_row),
+                      head_norm=_names(args.tp_head_norm))
     return [dataclasses.replace(table, tensor=info) for table in tables]
 
 

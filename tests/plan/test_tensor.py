@@ -5,13 +5,14 @@ optional JSON fields, and the search choosing tp where memory binds."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
 from pipeloom.plan import analytical_gpt_costs
 from pipeloom.plan.costs.file import costs_from_json, costs_to_json
 from pipeloom.plan.costs.parts import Link
-from pipeloom.plan.errors import PlanError
+from pipeloom.plan.errors import PlanError, TensorParallelError
 from pipeloom.plan.mesh import plan_mesh
 from pipeloom.plan.plan import Plan, plan_from_json, plan_to_json
 from pipeloom.plan.tp.collectives import CollectiveFit, fit_collectives
@@ -78,3 +79,28 @@ def test_plan_mesh_chooses_tp_when_memory_binds():
     assert all(c.schedule not in ("dualpipe", "chimera") for c in tight.candidates if c.tensor_parallel > 1)
     with pytest.raises(PlanError, match="does not divide the model's 32 heads"):
         plan_mesh(table, num_ranks=6, global_batch=6, tensor_parallel=[3])
+
+
+def test_head_norms_reach_the_file_and_the_recipe(tmp_path, capsys):
+    """``tensor.head_norm`` (Qwen3's per-head q/k norms): written only when given, read back, listed in the saved
+    plan's recipe under ``head_norm`` per layer; ``pipeloom plan --tp-head-norm`` sets it."""
+    from pipeloom.cli import main
+
+    table = gpt(2)
+    assert "head_norm" not in json.loads(costs_to_json(table))["tensor"] and "head_norm" not in table.tensor.recipe()
+    normed = dataclasses.replace(table, tensor=dataclasses.replace(table.tensor, head_norm=("attn.q_norm",)))
+    assert costs_from_json(costs_to_json(normed)) == normed
+    assert normed.tensor.recipe()["head_norm"] == [f"{layer}.attn.q_norm" for layer in normed.tensor.layers]
+    with pytest.raises(TensorParallelError, match="head_norm must be a list of names"):
+        TensorInfo(heads=32, head_norm=("",))
+    path = tmp_path / "gpt.json"
+    path.write_text(costs_to_json(analytical_gpt_costs(
+        layers=4, hidden=1024, heads=16, seq=512, vocab=1000, microbatch_size=1, flops_per_second=4e14,
+        bytes_per_second=2e12, link=LINK)))
+    saved = tmp_path / "plan.json"
+    code = main(["plan", "--costs", str(path), "--ranks", "4", "--global-batch", "8", "--tp", "2", "--heads", "16",
+                 "--tp-head-norm", "attn.q_norm,attn.k_norm", "--save", str(saved)])
+    assert code == 0, capsys.readouterr()
+    plan = plan_from_json(saved.read_text())
+    assert plan.tensor_parallel == 2
+    assert plan.tp_plan["head_norm"] == [f"blocks.{k}.{m}" for k in range(4) for m in ("attn.q_norm", "attn.k_norm")]

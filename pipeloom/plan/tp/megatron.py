@@ -50,6 +50,9 @@ class TensorInfo:
     """Module names inside a layer made column-parallel (e.g. ``attn.qkv``, ``mlp.0``)."""
     row: tuple[str, ...] = ()
     """Module names inside a layer made row-parallel (e.g. ``attn.proj``, ``mlp.2``)."""
+    head_norm: tuple[str, ...] = ()
+    """Module names inside a layer that normalize each head of what the columns split (Qwen3's
+    ``self_attn.q_norm``, ``self_attn.k_norm``): their weights' gradients are summed over the tp ranks."""
     fit: CollectiveFit = CollectiveFit()
     """Collective prices on the ``"tp"`` dimension (empty: the table's link, no overhead)."""
     profiles: tuple[TensorProfile, ...] = ()
@@ -58,7 +61,7 @@ class TensorInfo:
     def __post_init__(self) -> None:
         if isinstance(self.heads, bool) or not isinstance(self.heads, int) or self.heads < 1:
             raise TensorParallelError(f"tensor.heads must be a positive integer, got {self.heads!r}")
-        for name in ("layers", "column", "row"):
+        for name in ("layers", "column", "row", "head_norm"):
             values = getattr(self, name)
             if isinstance(values, str) or not all(isinstance(v, str) and v for v in values):
                 raise TensorParallelError(f"tensor.{name} must be a list of names, got {values!r}")
@@ -88,8 +91,11 @@ class TensorInfo:
 
     def recipe(self) -> dict:
         """The saved plan's ``tp_plan``: the built-in ``"megatron"`` recipe over every layer's modules."""
-        return {"recipe": "megatron", "column": [f"{layer}.{m}" for layer in self.layers for m in self.column],
-                "row": [f"{layer}.{m}" for layer in self.layers for m in self.row]}
+        recipe = {"recipe": "megatron", "column": [f"{layer}.{m}" for layer in self.layers for m in self.column],
+                  "row": [f"{layer}.{m}" for layer in self.layers for m in self.row]}
+        if self.head_norm:
+            recipe["head_norm"] = [f"{layer}.{m}" for layer in self.layers for m in self.head_norm]
+        return recipe
 
 
 def layer_collectives(info: TensorInfo, activation_bytes: float) -> tuple[Collective, ...]:
@@ -179,26 +185,29 @@ def _sharded(piece: Piece, tp: int) -> Piece:
 
 # ------------------------------------------------------------------------------------------------ JSON
 
-_TENSOR_KEYS = {"heads", "layers", "column", "row", "collectives", "profiled"}
+_TENSOR_KEYS = {"heads", "layers", "column", "row", "head_norm", "collectives", "profiled"}
 _FIT_KEYS = {"latency", "bandwidth", "overhead"}
 
 
 def tensor_to_json(info: TensorInfo) -> dict:
-    """The cost table's ``tensor`` object (``profiled`` only where a size was measured)."""
+    """The cost table's ``tensor`` object (``head_norm`` only where given, ``profiled`` only where a size was
+    measured)."""
     fit = info.fit
     kinds = sorted(set(fit.latency) | set(fit.bandwidth) | set(fit.overhead), key=COLLECTIVES.index)
     document = {"heads": info.heads, "layers": list(info.layers), "column": list(info.column), "row": list(info.row),
                 "collectives": {k: {"latency": fit.latency.get(k, 0.0), "bandwidth": fit.bandwidth.get(k),
                                     "overhead": fit.overhead.get(k, 0.0)} for k in kinds}}
+    if info.head_norm:
+        document["head_norm"] = list(info.head_norm)
     if info.profiles:
         document["profiled"] = [profile_to_json(p) for p in info.profiles]
     return document
 
 
 def tensor_from_json(entry: object) -> TensorInfo:
-    """Read a cost table's ``tensor`` object: ``heads`` (required), ``layers``, ``column``, ``row`` (lists
-    of names), ``collectives`` ({kind: {latency, bandwidth, overhead}}, optional) and ``profiled`` (optional:
-    per measured size ``{"tp", "latency", "runtime", "pieces": [{"name", "f", "i", "w",
+    """Read a cost table's ``tensor`` object: ``heads`` (required), ``layers``, ``column``, ``row``, ``head_norm``
+    (lists of names; ``head_norm`` optional), ``collectives`` ({kind: {latency, bandwidth, overhead}}, optional) and
+    ``profiled`` (optional: per measured size ``{"tp", "latency", "runtime", "pieces": [{"name", "f", "i", "w",
     "measured_full_backward", "collectives": [{"kind", "phase", "bytes", "count"}]}]}``); unknown keys are
     errors."""
     if not isinstance(entry, dict):
@@ -217,7 +226,7 @@ def tensor_from_json(entry: object) -> TensorInfo:
         bandwidth[kind] = values.get("bandwidth")
         overhead[kind] = values.get("overhead", 0.0)
     lists = {}
-    for key in ("layers", "column", "row"):
+    for key in ("layers", "column", "row", "head_norm"):
         value = entry.get(key, [])
         if not isinstance(value, list):
             raise TensorParallelError(f"{key} must be a list of names, got {value!r}")
