@@ -704,21 +704,21 @@ def _mark_tried(records: list[dict], tried, config: RealityConfig) -> None:
     """Mark the record of the plan ``try_plans`` chose (``tried_choice``, with its trials), adding it
     (saved as ``plan-tried.json``) where it is not the best of its schedule."""
     plan = tried.plan
+    runs = tried.timeline.schedule  # the order the tried plan runs: the simulated one, saved where it differs
+    for kept in records:  # the same plan when it runs the same actions (gpipe and 1f1b at one micro-batch)
+        if (kept["microbatches"], kept["split_points"]) == (plan.microbatches, list(plan.split_points)) \
+                and _same_order(_record_schedule(kept), runs):
+            kept.update(tried_choice=True, trials=list(plan.trials))
+            return
     path = Path(config.out) / "plan-tried.json"
     tried.save(path)
     saved = load_plan(path)
     run_schedule = None if saved.schedule == plan.schedule else str(path.parent / saved.schedule)
-    record = {"file": str(path), "label": f"{plan.trials[0]['label']} (tried)", "schedule": plan.schedule,
-              "schedule_options": dict(plan.schedule_options), "run_schedule": run_schedule,
-              "microbatches": plan.microbatches, "microbatch_size": plan.microbatch_size,
-              "split_points": list(plan.split_points), "predicted": plan.predicted_step_time,
-              "own_order": run_schedule is not None, "tried_choice": True, "trials": list(plan.trials)}
-    for kept in records:  # the same plan when it runs the same actions (gpipe and 1f1b at one micro-batch)
-        if (kept["microbatches"], kept["split_points"]) == (record["microbatches"], record["split_points"]) \
-                and _same_order(_record_schedule(kept), _record_schedule(record)):
-            kept.update(tried_choice=True, trials=list(plan.trials))
-            return
-    records.append(record)
+    records.append({"file": str(path), "label": f"{plan.trials[0]['label']} (tried)", "schedule": plan.schedule,
+                    "schedule_options": dict(plan.schedule_options), "run_schedule": run_schedule,
+                    "microbatches": plan.microbatches, "microbatch_size": plan.microbatch_size,
+                    "split_points": list(plan.split_points), "predicted": plan.predicted_step_time,
+                    "own_order": run_schedule is not None, "tried_choice": True, "trials": list(plan.trials)})
 
 
 def _measure_plan(rank: int, record: dict, engine, profiler: EngineProfiler | None, batches: list,

@@ -147,8 +147,7 @@ def try_plans(result: PlanResult, *, build: Callable[[], nn.Module], inputs: Any
               process_group: ProcessGroup | None = None, options_for: Callable[[Plan], dict] | None = None,
               **pipeline_options: Any) -> PlanResult:
     """``result`` with the fastest measured of its ``k`` best plans (:func:`trial_plans` with ``spread``) as its
-    plan, which
-    carries every trial (``Plan.trials``, the chosen first), and that plan's simulated timeline. ``budget``
+    plan, which carries every trial (``Plan.trials``, the chosen first), and that plan's simulated timeline. ``budget``
     (default ``TrialBudget()``) sets the warm-up, the steps per round and when to stop
     (:mod:`pipeloom.plan.race`). Every rank of ``process_group`` (default: the default group, of the plans'
     world size) calls it with the same ``inputs`` and ``target`` (one step's batch) and the same ``build`` (a

@@ -23,10 +23,11 @@ from pipeloom.plan.cluster.elementwise import layer_elementwise
 from pipeloom.plan.cluster.hardware import Hardware
 from pipeloom.plan.cluster.layout import Layout
 from pipeloom.plan.cluster.materialized import materialized_attention_seconds
+from pipeloom.plan.errors import LayoutError
 from pipeloom.plan.tp.all_to_all import moe_exchanges
 
 __all__ = ["Job", "PhaseTimes", "add_times", "layer_times", "deepseek_activations", "SELECTIVE",
-           "CP_ROTATE", "MOE_COMM", "GRAD_REDUCE", "compute_share"]
+           "CP_ROTATE", "MOE_COMM", "GRAD_REDUCE", "compute_hardware", "compute_share"]
 
 CP_ROTATE = ("ring", "allgather")
 """How context parallelism exchanges K/V (:attr:`Job.cp_rotate`)."""
@@ -147,9 +148,8 @@ def layer_times(job: Job, layout: Layout, kind: str) -> PhaseTimes:
     """F, I and W seconds of one micro-batch through one layer of ``kind`` on one GPU of ``layout`` (a
     multi-token-prediction module, kind ``mtp``: :func:`pipeloom.plan.cluster.mtp.mtp_times`)."""
     if kind not in ("embedding", "head", "dense", "moe"):
-        raise ValueError(f"layer_times prices embedding, dense, moe and head layers, not {kind!r}")
-    if job.moe_comm == "deepseek" and layout.ep > 1:  # the all-to-all kernels hold some SMs all along
-        job = dataclasses.replace(job, hw=compute_share(job.hw))
+        raise LayoutError(f"layer_times prices embedding, dense, moe and head layers, not {kind!r}")
+    job = dataclasses.replace(job, hw=compute_hardware(job, layout))
     spec, hw, tp, cp = job.spec, job.hw, layout.tp, layout.cp
     tokens = layout.mbs * job.seq // cp  # tokens of the micro-batch on this GPU's cp shard
     width = 2  # bf16 activations
@@ -324,6 +324,12 @@ def _tp_exchanges(hw: Hardware, hidden_bytes: float, tp: int, *, sp: bool) -> fl
 _COMM_SMS = 20
 """SMs DeepSeek-V3's all-to-all kernels occupy on an H800 (report sec. 3.2.2: "only 20 SMs are sufficient to
 fully utilize the bandwidths of IB and NVLink"), leaving the rest to compute."""
+
+
+def compute_hardware(job: Job, layout: Layout) -> Hardware:
+    """The GPU as compute kernels see it in ``layout``: with DeepSeek-V3's all-to-all kernels on an ep mesh, the
+    SMs they hold all along are taken (:func:`compute_share`); otherwise ``job.hw``."""
+    return compute_share(job.hw) if job.moe_comm == "deepseek" and layout.ep > 1 else job.hw
 
 
 def compute_share(hw: Hardware) -> Hardware:

@@ -10,7 +10,7 @@ import dataclasses
 
 from pipeloom.plan.cluster.counts import mtp_block
 from pipeloom.plan.cluster.efficiency import collective_seconds, domain_ranks, gemm_seconds, memory_seconds
-from pipeloom.plan.cluster.layer_time import Job, PhaseTimes, add_times, compute_share, layer_times
+from pipeloom.plan.cluster.layer_time import Job, PhaseTimes, add_times, compute_hardware, layer_times
 from pipeloom.plan.cluster.layout import Layout
 
 __all__ = ["mtp_times"]
@@ -32,7 +32,7 @@ def mtp_times(job: Job, layout: Layout) -> PhaseTimes:
 
 def _entry(job: Job, layout: Layout) -> PhaseTimes:
     """The two norms, the projection and its tensor-parallel exchange (:func:`mtp_times`)."""
-    hw = compute_share(job.hw) if job.moe_comm == "deepseek" and layout.ep > 1 else job.hw
+    hw = compute_hardware(job, layout)
     h, tp, width = job.spec.hidden, layout.tp, 2
     tokens = layout.mbs * job.seq // layout.cp
     sp = tp > 1 and job.sequence_parallel

@@ -209,7 +209,7 @@ def apply_tp_plan(stages: Mapping[int, nn.Module], plan: Mapping[str, Any], tp: 
 
     for piece, stage in stages.items():
         called = _called(stage)
-        resolved: dict[str, Any] = {}
+        applied: list[tuple[str, Any]] = []  # (module, style) in the plan's order, each key resolved once
         for key, style in plan.items():
             for name in resolve(stage, key):
                 if called is not None and not any(name == c or name.startswith(c + ".") for c in called):
@@ -217,11 +217,10 @@ def apply_tp_plan(stages: Mapping[int, nn.Module], plan: Mapping[str, Any], tp: 
                         f"tp_plan key {key!r} names module {name!r}, which model piece {piece} does not call as a "
                         "module (the tracer inlined or flattened it), so its style would never run; keep it (or the "
                         f"block around it) whole with leaf_modules=[{name!r}]")
-                resolved[name] = style
-        check_head_norms(stage, resolved, piece)
-        for key, style in plan.items():
-            for name in resolve(stage, key):
-                parallelize_module(stage, cast("DeviceMesh", tp.mesh), {name: style})
+                applied.append((name, style))
+        check_head_norms(stage, dict(applied), piece)
+        for name, style in applied:
+            parallelize_module(stage, cast("DeviceMesh", tp.mesh), {name: style})
 
 
 def captured_parameters(modules: Mapping[int, nn.Module]) -> dict[int, tuple[tuple[str, int], ...]]:

@@ -19,7 +19,7 @@ from pipeloom.plan.cluster.gpus import hardware
 from pipeloom.plan.cluster.layer_time import Job, add_times, deepseek_activations, layer_times
 from pipeloom.plan.cluster.layout import Layout
 from pipeloom.plan.cluster.mtp import mtp_times
-from pipeloom.plan.errors import ModelConfigError
+from pipeloom.plan.errors import LayoutError, ModelConfigError
 
 H, HEADS, Q_RANK, KV_RANK, ROPE, NOPE, V, EXPERTS, TOP_K, MOE_I, VOCAB = 64, 4, 24, 16, 8, 16, 12, 4, 2, 24, 128
 TINY_V3 = {"model_type": "deepseek_v3", "hidden_size": H, "intermediate_size": 96, "num_hidden_layers": 3,
@@ -126,5 +126,5 @@ def test_memory_and_model_flops_count_the_module():
 
 
 def test_layer_times_refuses_the_module():
-    with pytest.raises(ValueError, match="mtp"):
+    with pytest.raises(LayoutError, match="mtp"):
         layer_times(_job(TINY_V3), Layout(dp=2), "mtp")
