@@ -15,6 +15,8 @@ torchtitan's context parallelism all-gathers K/V (``cp_rotate="allgather"``, its
 DeepSeek-V3's all-to-all is its own (``moe_comm="deepseek"``: node-limited FP8 dispatch, 20 SMs for it).
 Megatron-LM 2021 predates sequence parallelism (``sequence_parallel=False``: norms and residual adds on every
 token of each tp rank, all-reduces). torchtitan and Llama 3 reduce-scatter gradients in fp32 (``grad_reduce``).
+Megatron-LM 2021, torchtitan 2024 and Llama 3 cut the layers evenly (``stage_cut="even"``); DeepSeek-V3's cut is
+not published and is the planner's balanced one.
 Keys a source leaves open are searched with the published ones held, except that the 2021 Megatron rows get
 the schedules of their time (1F1B or interleaved 1F1B, the faster) and the recomputation their Eq. 3 assumes.
 Throughput is compared in tokens/s per GPU where the source determines it (as published, or Megatron's Eq. 3
@@ -111,6 +113,14 @@ def grad_reduce(run: dict) -> str:
     return "fp32" if run["id"].startswith(("torchtitan", "llama3")) else "bf16"
 
 
+def stage_cut(run: dict) -> str:
+    """Megatron-LM 2021 required the layers to divide evenly over the stages; torchtitan's 2024
+    ``generate_split_points`` cut ``layers // stages`` per stage with the remainder spread; Llama 3 ran the even
+    cut with one layer less on the first and last stages (report sec. 3.3.2), which the even cut of 126 layers
+    gives. DeepSeek-V3 does not publish its cut: the planner's balanced one."""
+    return "balanced" if run["id"].startswith("deepseek-v3") else "even"
+
+
 def _plan(run: dict, fixed: dict | None, limit: float | None):
     return plan_cluster(run_config(run), run_hardware(run), gpus=run["gpus"], global_batch=run["global_batch"],
                         seq=run["seq"], dtype=run["dtype"], layout=fixed, kernels=kernels(run),
@@ -119,7 +129,7 @@ def _plan(run: dict, fixed: dict | None, limit: float | None):
                         selective=selective(run), cp_rotate=cp_rotate(run),
                         moe_comm="deepseek" if run["id"].startswith("deepseek-v3") else "plain",
                         grad_reduce=grad_reduce(run), sequence_parallel=not run["id"].startswith("megatron2021"),
-                        memory_limit=limit, runners_up=0)
+                        stage_cut=stage_cut(run), memory_limit=limit, runners_up=0)
 
 
 def check(run: dict, *, search: bool) -> dict:

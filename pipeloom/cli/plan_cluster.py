@@ -53,6 +53,10 @@ def add_cluster_arguments(plan: argparse.ArgumentParser) -> None:
     group.add_argument("--grad-reduce", choices=("bf16", "fp32"), default="bf16",
                        help="the data type of the gradient reduce-scatter: bf16 (default) or fp32 (torchtitan's "
                             "default mixed_precision_reduce, Llama 3's)")
+    group.add_argument("--stage-cut", choices=("balanced", "even"), default="balanced",
+                       help="how the decoder layers are cut into pipeline stages: balanced (layers moved off the "
+                            "busiest pipeline rank, the embedding and the head counted; default) or even (as many "
+                            "layers per stage as divide, the remainder to the middle stages)")
     group.add_argument("--layout", metavar="KEY=VALUE,...",
                        help="layout keys to hold fixed, e.g. tp=4,pp=8,vp=5,cp=1,ep=1,dp=2,mbs=1,fsdp=0,"
                             "recompute=selective,schedule=interleaved-1f1b; all of them: predict that layout")
@@ -92,7 +96,7 @@ def cmd_plan_cluster(args: argparse.Namespace) -> int:
                               attention=args.attention, overlap_grad_reduce=args.overlap_grad_reduce,
                               selective=args.selective, cp_rotate=args.cp_rotate, moe_comm=args.moe_comm,
                               grad_reduce=args.grad_reduce, sequence_parallel=args.sequence_parallel,
-                              memory_limit=args.memory_limit,
+                              stage_cut=args.stage_cut, memory_limit=args.memory_limit,
                               progress=progress)
     except PipeloomError as error:
         raise UsageError(str(error).splitlines()[0]) from None
@@ -150,6 +154,17 @@ def _gib(nbytes: float) -> str:
     return f"{nbytes / 2**30:.1f} GiB"
 
 
+def _runs(counts) -> str:
+    """``7, 8 x14, 7``: the stages' layer counts, repeats folded."""
+    runs: list[list[int]] = []
+    for count in counts:
+        if runs and runs[-1][0] == count:
+            runs[-1][1] += 1
+        else:
+            runs.append([count, 1])
+    return ", ".join(f"{count} x{times}" if times > 1 else f"{count}" for count, times in runs)
+
+
 def report(result) -> str:
     """The text report: the layout, its step, throughput, MFU, memory, bubble and the runners-up."""
     best, job = result.best, result.job
@@ -159,6 +174,7 @@ def report(result) -> str:
         f"{job.spec.family} on {job.gpus} x {job.hw.name}, global batch {job.global_batch} x {job.seq} tokens, "
         f"{job.dtype}",
         f"layout: {best.layout}",
+        *([f"layers per stage: {_runs(best.stage_layers)}"] if len(best.stage_layers) > 1 else []),
         f"step time: {best.step_time:.3f} s (pipeline {best.pipeline_time:.3f} s, exposed dp "
         f"{best.exposed_dp:.3f} s, optimizer {best.optimizer_time:.3f} s)",
         f"tokens/s per GPU: {best.tokens_per_gpu_per_second:,.0f}   MFU: {best.mfu * 100:.1f} %   "

@@ -15,7 +15,7 @@ from pipeloom.plan.cluster.elementwise import KERNELS
 from pipeloom.plan.cluster.estimate import Estimator
 from pipeloom.plan.cluster.gpus import hardware
 from pipeloom.plan.cluster.hardware import Hardware
-from pipeloom.plan.cluster.layer_time import CP_ROTATE, GRAD_REDUCE, MOE_COMM, SELECTIVE, Job
+from pipeloom.plan.cluster.layer_time import CP_ROTATE, GRAD_REDUCE, MOE_COMM, SELECTIVE, STAGE_CUTS, Job
 from pipeloom.plan.cluster.layout import LAYOUT_KEYS, Layout, parse_layout
 from pipeloom.plan.cluster.materialized import ATTENTION_KINDS
 from pipeloom.plan.cluster.search import search_layouts
@@ -68,7 +68,7 @@ def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: st
                  kernels: str = "fused", attention: str = "flash", overlap_grad_reduce: bool = True,
                  p2p_overlap: bool = True,
                  selective: str = "attention", cp_rotate: str = "ring", moe_comm: str = "plain",
-                 grad_reduce: str = "bf16", sequence_parallel: bool = True,
+                 grad_reduce: str = "bf16", sequence_parallel: bool = True, stage_cut: str = "balanced",
                  memory_limit: float | None = None, runners_up: int = 5,
                  progress: Callable[[str], None] | None = None) -> ClusterPlan:
     """The fastest layout of ``model`` (config.json path, dict, PretrainedConfig or ModelSpec) on ``gpus`` GPUs of
@@ -84,7 +84,8 @@ def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: st
     ``plain`` or ``deepseek`` (DeepSeek-V3's node-limited FP8 dispatch, 20 SMs for communication); ``grad_reduce``:
     the gradient reduce-scatter's dtype, ``bf16`` or ``fp32`` (torchtitan's default, Llama 3's);
     ``sequence_parallel`` False: tp ranks run the norms and residual adds on every token and all-reduce
-    (Megatron-LM before 2022). ``layout``: keys
+    (Megatron-LM before 2022); ``stage_cut``: ``balanced`` (layers moved off the busiest pipeline rank) or ``even``
+    (the frameworks that cut as many layers per stage as divide). ``layout``: keys
     held fixed (``"tp=4,pp=8"`` or a dict); with all of :data:`LAYOUT_KEYS` it predicts that layout alone."""
     start = time.perf_counter()
     for name, value in (("gpus", gpus), ("global_batch", global_batch), ("seq", seq)):
@@ -107,13 +108,16 @@ def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: st
     if grad_reduce not in GRAD_REDUCE:
         raise LayoutError(f"grad_reduce={grad_reduce!r}: use 'bf16' or 'fp32' (gradients reduce-scattered in float32, "
                           f"torchtitan's default)")
+    if stage_cut not in STAGE_CUTS:
+        raise LayoutError(f"stage_cut={stage_cut!r}: use 'balanced' (layers moved off the busiest pipeline rank) or "
+                          f"'even' (as many layers per stage as divide)")
     if attention not in ATTENTION_KINDS:
         raise LayoutError(f"attention={attention!r}: use {' or '.join(map(repr, ATTENTION_KINDS))}")
     job = Job(spec=model_spec(model), hw=device, gpus=gpus, global_batch=global_batch, seq=seq, dtype=dtype,
               kernels=kernels, attention=attention, overlap_grad_reduce=bool(overlap_grad_reduce),
               p2p_overlap=bool(p2p_overlap),
               selective=selective, cp_rotate=cp_rotate, moe_comm=moe_comm, grad_reduce=grad_reduce,
-              sequence_parallel=bool(sequence_parallel))
+              sequence_parallel=bool(sequence_parallel), stage_cut=stage_cut)
     fixed = parse_layout(layout) if isinstance(layout, str) else dict(layout or {})
     limit = float(memory_limit if memory_limit is not None else device.memory_bytes)
     if set(fixed) >= set(LAYOUT_KEYS):

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from dataclasses import dataclass
 from typing import Any
 
 from pipeloom.errors import PipeloomError
@@ -25,7 +24,7 @@ from pipeloom.plan.cluster.layer_time import (
 )
 from pipeloom.plan.cluster.layout import SCHEDULES, Layout
 from pipeloom.plan.cluster.mtp import mtp_times
-from pipeloom.plan.cluster.placement import rank_stages, stage_layers, work_bound
+from pipeloom.plan.cluster.placement import Cut, balanced_counts, cut_of, even_counts, rank_stages, work_bound
 from pipeloom.plan.cluster.step import Estimate, Memory
 from pipeloom.plan.errors import LayoutError
 from pipeloom.problem import Costs, Problem
@@ -41,18 +40,6 @@ NCCL_BUFFSIZE x channels); a stated allowance, not fitted to any run."""
 BUCKET_BYTES = 40e6 * 2
 """Gradient bucket of the data-parallel reduce-scatter: Megatron's default 40M parameters in bf16; the last
 bucket of a backward cannot overlap anything."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class _Cut:
-    """The layers of each stage for one stage count, and the stages' distinct shapes."""
-
-    layers: list[tuple[str, ...]]
-    """Per stage, its layer kinds in model order."""
-    shapes: tuple[tuple[tuple[str, int], ...], ...]
-    """The distinct ``(kind, count)`` multisets of a stage's layers, the embedding and the head included."""
-    shape_of: tuple[int, ...]
-    """Per stage, the index of its shape."""
 
 
 class Estimator:
@@ -73,7 +60,8 @@ class Estimator:
         self._dp: dict[tuple[Any, ...], tuple[float, float]] = {}
         self._work: dict[tuple[Any, ...], float] = {}
         self._acts: dict[tuple[Any, ...], float] = {}
-        self._cuts: dict[int, _Cut] = {}
+        self._cuts: dict[tuple[int, ...], Cut] = {}
+        self._counts: dict[tuple[Any, ...], tuple[int, ...]] = {}
         self._ranks: dict[tuple[Any, ...], tuple[tuple[tuple[int, ...], tuple[tuple[str, int], ...]], ...]] = {}
         self._profiles: dict[tuple[Any, ...], tuple[RankHeld, ...]] = {}
         self._model_kinds = tuple(sorted(Counter((*self.kinds, "embedding", *self.tail)).items()))
@@ -140,9 +128,10 @@ class Estimator:
     def stages(self, layout: Layout) -> tuple[list[PhaseTimes], list[float], list[tuple[str, ...]]]:
         """Per model stage: F/I/W seconds per micro-batch, activation bytes per micro-batch, its layers
         (priced once per distinct stage shape: its count of each layer kind, the embedding, the head)."""
-        key = (layout.tp, layout.cp, layout.ep, layout.mbs, layout.recompute, layout.stages)
+        counts = self.stage_counts(layout)
+        key = (layout.tp, layout.cp, layout.ep, layout.mbs, layout.recompute, counts)
         if key not in self._stages:
-            cut = self._cut(layout.stages)
+            cut = self._cut(counts)
             priced = []
             for shape in cut.shapes:
                 parts = [self.times(layout, kind) for kind, count in shape for _ in range(count)]
@@ -167,18 +156,39 @@ class Estimator:
         return [dataclasses.replace(t, f=t.f + (send if j < last else 0.0), i=t.i + (send if j > 0 else 0.0))
                 for j, t in enumerate(times)]
 
-    def _cut(self, stages: int) -> _Cut:
-        """The layers of each of ``stages`` stages and their distinct shapes (cached per stage count)."""
-        if stages not in self._cuts:
-            layers = stage_layers(self.kinds, stages)
-            shapes: dict[tuple[tuple[str, int], ...], int] = {}
-            shape_of = []
-            for j, kinds in enumerate(layers):
-                extra = (("embedding",) if j == 0 else ()) + (self.tail if j == stages - 1 else ())
-                shape = tuple(sorted(Counter((*kinds, *extra)).items()))
-                shape_of.append(shapes.setdefault(shape, len(shapes)))
-            self._cuts[stages] = _Cut(layers=layers, shapes=tuple(shapes), shape_of=tuple(shape_of))
-        return self._cuts[stages]
+    def stage_counts(self, layout: Layout) -> tuple[int, ...]:
+        """Decoder layers per model stage (:attr:`Job.stage_cut`): the even cut, or the cut that balances the
+        pipeline ranks' work per micro-batch (F + I + W; under DualPipeV less the communication its pairs may
+        hide) with this layout's layer times."""
+        if layout.stages == 1:
+            return (len(self.kinds),)
+        if self.job.stage_cut == "even":
+            return even_counts(len(self.kinds), layout.stages)
+        pair = layout.schedule == "dualpipev"
+        v = SCHEDULES[layout.schedule] == "v"
+        known = (layout.tp, layout.cp, layout.ep, layout.mbs, layout.recompute, layout.pp, layout.vp, v, pair)
+        if known in self._counts:
+            return self._counts[known]
+        work = {}
+        for kind in {*self.kinds, "embedding", *self.tail}:
+            t = self.times(layout, kind)
+            work[kind] = t.f + t.i + t.w - ((t.f_comm + t.i_comm) if pair else 0.0)
+        # the cut depends on the work's ratios only: to 1 % of a last layer's, so that layouts whose ratios agree
+        # share one search (the cut is a search's result, and any cut is priced exactly)
+        unit = work[self.kinds[-1]] if work[self.kinds[-1]] > 0 else 1.0
+        ratios = {kind: round(value / unit, 2) for kind, value in work.items()}
+        key = (layout.pp, layout.vp, v, tuple(sorted(ratios.items())))
+        if key not in self._counts:
+            self._counts[key] = balanced_counts(self.kinds, rank_stages(layout), ratios, first=ratios["embedding"],
+                                                last=sum(ratios[kind] for kind in self.tail))
+        self._counts[known] = self._counts[key]
+        return self._counts[known]
+
+    def _cut(self, counts: tuple[int, ...]) -> Cut:
+        """:func:`~pipeloom.plan.cluster.placement.cut_of` the cut ``counts``, cached."""
+        if counts not in self._cuts:
+            self._cuts[counts] = cut_of(self.kinds, counts, self.tail)
+        return self._cuts[counts]
 
     def _p2p(self, layout: Layout) -> float:
         """Seconds of one stage-to-stage send of a micro-batch's hidden states (split over tp: Megatron's
@@ -288,7 +298,8 @@ class Estimator:
         memory = dataclasses.replace(memory, activations=peak)
         step = makespan + exposed + optimizer
         job = self.job
-        return Estimate(layout=layout, step_time=step, pipeline_time=makespan, exposed_dp=exposed,
+        return Estimate(layout=layout, stage_layers=self.stage_counts(layout), step_time=step,
+                        pipeline_time=makespan, exposed_dp=exposed,
                         optimizer_time=optimizer, bubble=bubble, memory=memory,
                         tokens_per_gpu_per_second=job.global_batch * job.seq / (step * job.gpus),
                         mfu=self.model_flops / (step * job.gpus * job.hw.peak(job.dtype)))
@@ -297,7 +308,7 @@ class Estimator:
         """Memory of weights, gradients, optimizer and buffers on the busiest rank; the exposed data-parallel
         seconds; the optimizer step's seconds (cached: they do not depend on the schedule's order)."""
         key = (layout.tp, layout.cp, layout.ep, layout.mbs, layout.recompute, layout.pp, layout.vp,
-               SCHEDULES[layout.schedule] == "v", layout.dp, layout.fsdp, m)
+               SCHEDULES[layout.schedule] == "v", layout.dp, layout.fsdp, m, self.stage_counts(layout))
         if key not in self._static:
             self._static[key] = self._static_state(layout, times, m)
         return self._static[key]
@@ -315,11 +326,12 @@ class Estimator:
 
     def _rank_shapes(self, layout: Layout) -> tuple[tuple[tuple[int, ...], tuple[tuple[str, int], ...]], ...]:
         """The distinct pipeline ranks of the layout's placement: one rank's stages per distinct sequence of
-        stage shapes, with the layer kinds it holds and how many of each (cached per pp, vp, placement)."""
+        stage shapes, with the layer kinds it holds and how many of each (cached per pp, vp, placement, cut)."""
         v = SCHEDULES[layout.schedule] == "v"
-        key = (layout.pp, layout.vp, v)
+        counts = self.stage_counts(layout)
+        key = (layout.pp, layout.vp, v, counts)
         if key not in self._ranks:
-            cut = self._cut(layout.stages)
+            cut = self._cut(counts)
             seen: dict[tuple[int, ...], tuple[tuple[int, ...], tuple[tuple[str, int], ...]]] = {}
             for stages in rank_stages(layout):
                 shapes = tuple(cut.shape_of[j] for j in stages)

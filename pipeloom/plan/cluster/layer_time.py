@@ -27,7 +27,7 @@ from pipeloom.plan.errors import LayoutError
 from pipeloom.plan.tp.all_to_all import moe_exchanges
 
 __all__ = ["Job", "PhaseTimes", "add_times", "layer_times", "deepseek_activations", "SELECTIVE",
-           "CP_ROTATE", "MOE_COMM", "GRAD_REDUCE", "compute_hardware", "compute_share"]
+           "CP_ROTATE", "MOE_COMM", "GRAD_REDUCE", "STAGE_CUTS", "compute_hardware", "compute_share"]
 
 CP_ROTATE = ("ring", "allgather")
 """How context parallelism exchanges K/V (:attr:`Job.cp_rotate`)."""
@@ -38,6 +38,8 @@ GRAD_REDUCE = {"bf16": 2, "fp32": 4}
 
 SELECTIVE = ("attention", "op", "layer", "deepseek")
 """What ``recompute=selective`` may recompute (:attr:`Job.selective`)."""
+STAGE_CUTS = ("balanced", "even")
+"""How the decoder layers may be cut into pipeline stages (:attr:`Job.stage_cut`)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -92,6 +94,13 @@ class Job:
     """The data type of the data-parallel gradient reduce-scatter: ``bf16`` (the weights' width) or ``fp32``
     (torchtitan's default ``mixed_precision_reduce = "float32"``; Megatron-LM with bf16, which turns on
     ``accumulate_allreduce_grads_in_fp32``; Llama 3's FSDP, report sec. 3.3.2 "Numerical stability")."""
+    stage_cut: str = "balanced"
+    """How the decoder layers are cut into pipeline stages: ``balanced`` (layers moved off the busiest pipeline
+    rank, the embedding, the head and the multi-token-prediction modules counted:
+    :func:`~pipeloom.plan.cluster.placement.balanced_counts`; Megatron-Core's ``--decoder-first/last-pipeline-
+    num-layers``, torchtitan's ``module_fqns_per_model_part`` run such cuts) or ``even`` (as many layers per
+    stage as divide, the remainder to the middle stages: Megatron-LM 2021, which required the layers to divide
+    evenly; torchtitan's 2024 ``generate_split_points``; Llama 3's one layer less on the first and last stages)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -1,27 +1,234 @@
-"""Where a layout's layers and stages go: the even cut of the decoder layers into stages, each stage's pipeline
-rank (looped or in a V), and a lower bound on any schedule's makespan from the stages' work."""
+"""Where a layout's layers and stages go: the cut of the decoder layers into stages (even, or balanced over the
+pipeline ranks' work), each stage's pipeline rank (looped or in a V), and a lower bound on any schedule's makespan
+from the stages' work."""
 
 from __future__ import annotations
 
+import heapq
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from itertools import accumulate
 
 from pipeloom.plan.cluster.layer_time import PhaseTimes
 from pipeloom.plan.cluster.layout import SCHEDULES, Layout
 
-__all__ = ["stage_layers", "rank_of", "rank_stages", "work_bound"]
+__all__ = ["Cut", "even_counts", "balanced_counts", "cut_of", "stage_layers", "rank_of", "rank_stages", "work_bound"]
 
 
-def stage_layers(spec_layers: tuple[str, ...], stages: int) -> list[tuple[str, ...]]:
-    """The layer kinds of each of ``stages`` stages in model order: an even split, the remainder going to
-    the middle stages first (the first holds the embedding, the last the head)."""
-    base, extra = divmod(len(spec_layers), stages)
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Cut:
+    """The layers of each stage of one cut, and the stages' distinct shapes."""
+
+    counts: tuple[int, ...]
+    """Per stage, its decoder layers."""
+    layers: list[tuple[str, ...]]
+    """Per stage, its layer kinds in model order."""
+    shapes: tuple[tuple[tuple[str, int], ...], ...]
+    """The distinct ``(kind, count)`` multisets of a stage's layers, the embedding and the head included."""
+    shape_of: tuple[int, ...]
+    """Per stage, the index of its shape."""
+
+
+def cut_of(kinds: Sequence[str], counts: tuple[int, ...], tail: tuple[str, ...]) -> Cut:
+    """The cut of the layers ``kinds`` with ``counts[j]`` in stage ``j``: the embedding joins the first stage's
+    layers, ``tail`` (the head, multi-token prediction) the last's."""
+    layers = stage_layers(kinds, counts)
+    shapes: dict[tuple[tuple[str, int], ...], int] = {}
+    shape_of = []
+    for j, held in enumerate(layers):
+        extra = (("embedding",) if j == 0 else ()) + (tail if j == len(counts) - 1 else ())
+        shape = tuple(sorted(Counter((*held, *extra)).items()))
+        shape_of.append(shapes.setdefault(shape, len(shapes)))
+    return Cut(counts=counts, layers=layers, shapes=tuple(shapes), shape_of=tuple(shape_of))
+
+
+def even_counts(layers: int, stages: int) -> tuple[int, ...]:
+    """Decoder layers per stage of an even cut: ``layers // stages`` each, the remainder going to the middle
+    stages first (the first holds the embedding, the last the head)."""
+    base, extra = divmod(layers, stages)
     order = list(range(1, stages - 1)) + [0, stages - 1] if stages > 2 else list(range(stages))
     counts = [base] * stages
     for j in order[:extra]:
         counts[j] += 1
+    return tuple(counts)
+
+
+def balanced_counts(kinds: Sequence[str], ranks: Sequence[Sequence[int]], work: Mapping[str, float], *,
+                    first: float, last: float) -> tuple[int, ...]:
+    """Decoder layers per stage that balance the pipeline ranks' work: ``kinds`` the layers' kinds in model
+    order, ``ranks`` each pipeline rank's stages, ``work`` seconds per micro-batch of a layer of each kind,
+    ``first`` / ``last`` what the first stage (the embedding) and the last (the head, multi-token prediction)
+    add. With one kind of layer, the rank fill (:func:`_rank_fill`) is optimal; with one stage per rank, the
+    cut with the least busy stage (:func:`_stage_cut`) is; otherwise a local search (:class:`_Balance`) from the
+    rank fill, or the even cut (:func:`even_counts`) where that is better: the ranks' loads sorted from the
+    largest down, compared in that order. Never busier than the even cut; every stage keeps at least one
+    layer."""
+    stages = sum(len(r) for r in ranks)
+    if stages == 1:
+        return (len(kinds),)
+    if len(set(kinds)) == 1:
+        return _rank_fill(kinds, ranks, work, first, last)
+    if stages == len(ranks):
+        return _stage_cut(kinds, stages, work, first, last)
+    balance = _Balance(kinds, ranks, work, first, last)
+    ends = [even_counts(len(kinds), stages), balance.descend(_rank_fill(kinds, ranks, work, first, last))]
+    return min(ends, key=lambda counts: (balance.rounded(balance.rank_loads(counts)), counts))
+
+
+def _rank_fill(kinds: Sequence[str], ranks: Sequence[Sequence[int]], work: Mapping[str, float], first: float,
+               last: float) -> tuple[int, ...]:
+    """Layers per rank that minimise the busiest rank's load if every layer did the average work (one more layer
+    at a time to the rank it leaves least busy; exact for one kind of layer, where any counts are a cut), each
+    rank's layers spread evenly over its stages, the remainder to stages without the embedding or the head.
+    Ties go to the later ranks."""
+    stages = sum(len(r) for r in ranks)
+    mean = sum(work[k] for k in kinds) / len(kinds)
+    extra = [(first if 0 in held else 0.0) + (last if stages - 1 in held else 0.0) for held in ranks]
+    held_layers = [len(held) for held in ranks]
+    # ties go to the later ranks, which hold fewer micro-batches' activations under 1F1B-like schedules
+    heap = [(mean * (n + 1) + e, -r) for r, (n, e) in enumerate(zip(held_layers, extra))]
+    heapq.heapify(heap)
+    for _ in range(len(kinds) - stages):
+        _, r = heapq.heappop(heap)
+        held_layers[-r] += 1
+        heapq.heappush(heap, (mean * (held_layers[-r] + 1) + extra[-r], r))
+    counts = [0] * stages
+    for held, n in zip(ranks, held_layers):
+        base, more = divmod(n, len(held))
+        order = sorted(held, key=lambda j: (j in (0, stages - 1), j))
+        for j in held:
+            counts[j] = base + (1 if j in order[:more] else 0)
+    return tuple(counts)
+
+
+def _stage_cut(kinds: Sequence[str], stages: int, work: Mapping[str, float], first: float,
+               last: float) -> tuple[int, ...]:
+    """The cut whose busiest stage is least busy (stages taken alone, each with at least one layer): bisection
+    on the busiest stage's load, each bound checked by filling the stages greedily in model order."""
+    weights = [work[k] for k in kinds]
+    layers = len(weights)
+
+    def fill(bound: float) -> list[int] | None:
+        counts, load = [0], first
+        for n, w in enumerate(weights):
+            tail = last if n == layers - 1 else 0.0
+            if counts[-1] and load + w + tail > bound:
+                counts.append(0)
+                load = 0.0
+            counts[-1] += 1
+            load += w
+        if len(counts) > stages or load + last > bound:
+            return None
+        while len(counts) < stages:  # split the first stage of several layers: no stage gets busier
+            j = next(j for j, c in enumerate(counts) if c > 1)
+            counts[j:j + 1] = [counts[j] - 1, 1]
+        return counts
+
+    lo = max(max(weights), first + weights[0], last + weights[-1])
+    hi = first + last + sum(weights)
+    best = fill(hi)
+    for _ in range(60):
+        if hi - lo <= 1e-9 * hi:
+            break
+        mid = (lo + hi) / 2
+        found = fill(mid)
+        if found is None:
+            lo = mid
+        else:
+            hi, best = mid, found
+    assert best is not None
+    return tuple(best)
+
+
+class _Balance:
+    """The local search of :func:`balanced_counts`: a layer moves from a stage of a busiest rank to a
+    neighbouring stage while the sorted rank loads fall."""
+
+    def __init__(self, kinds: Sequence[str], ranks: Sequence[Sequence[int]], work: Mapping[str, float],
+                 first: float, last: float) -> None:
+        self.ranks, self.work, self.first, self.last = ranks, work, first, last
+        self.stages = sum(len(r) for r in ranks)
+        self.cumulative = list(accumulate((work[k] for k in kinds), initial=0.0))
+        self.owner = [0] * self.stages
+        for r, held in enumerate(ranks):
+            for j in held:
+                self.owner[j] = r
+        total = sum(work[k] for k in kinds) + first + last
+        self.scale = total if total > 0 else 1.0
+
+    def load(self, j: int, begin: int, end: int) -> float:
+        """Stage ``j`` holding layers ``begin .. end-1``."""
+        extra = (self.first if j == 0 else 0.0) + (self.last if j == self.stages - 1 else 0.0)
+        return extra + self.cumulative[end] - self.cumulative[begin]
+
+    def rounded(self, values: Sequence[float]) -> list[float]:
+        """Sorted from the largest down, rounded so that ranks of equal work compare equal."""
+        return sorted((round(x / self.scale, 12) for x in values), reverse=True)
+
+    def rank_loads(self, counts: Sequence[int]) -> list[float]:
+        starts = list(accumulate(counts, initial=0))
+        per_rank = [0.0] * len(self.ranks)
+        for j in range(self.stages):
+            per_rank[self.owner[j]] += self.load(j, starts[j], starts[j + 1])
+        return per_rank
+
+    @staticmethod
+    def _nearest(light: list[bool], j: int) -> tuple[int, ...]:
+        """The nearest stage of a least busy rank before stage ``j`` and after it (where there is one)."""
+        before = next((k for k in range(j - 1, -1, -1) if light[k]), None)
+        after = next((k for k in range(j + 1, len(light)) if light[k]), None)
+        return tuple(k for k in (before, after) if k is not None)
+
+    def descend(self, counts: Sequence[int]) -> tuple[int, ...]:
+        """From ``counts``, the first move that lowers the sorted loads until none does: a layer from a stage of
+        a busiest rank to a stage next to it or to the nearest stage of a least busy rank on either side, each
+        boundary between them shifted by one. Two sorted vectors that differ only in the loads of the ranks a
+        move touches compare as those ranks' loads do."""
+        owner, stages, scale = self.owner, self.stages, self.scale
+        starts = list(accumulate(counts, initial=0))  # stage j: layers starts[j] .. starts[j+1]-1
+        stage_load = [self.load(j, starts[j], starts[j + 1]) for j in range(stages)]
+        per_rank = [sum(stage_load[j] for j in held) for held in self.ranks]
+        while True:
+            level = [round(x / scale, 12) for x in per_rank]
+            busiest = [r for r, x in enumerate(level) if x == max(level)]
+            lightest = {r for r, x in enumerate(level) if x == min(level)}
+            light = [owner[j] in lightest for j in range(stages)]
+            moves = [(j, to) for r in busiest for j in self.ranks[r] if starts[j + 1] - starts[j] >= 2
+                     for to in (j - 1, j + 1, *self._nearest(light, j)) if 0 <= to < stages and to != j]
+            for j, to in moves:
+                step = 1 if to > j else -1
+                # boundaries between j and to move one layer toward j: starts[b] for b in (j+1 .. to) or (to+1 .. j)
+                bounds = range(j + 1, to + 1) if step > 0 else range(to + 1, j + 1)
+                new_starts = {b: starts[b] - step for b in bounds}
+                if any(new_starts.get(b + 1, starts[b + 1]) - new_starts.get(b, starts[b]) < 1
+                       for b in range(min(j, to), max(j, to) + 1)):
+                    continue
+                changed = {}
+                for stage in range(min(j, to), max(j, to) + 1):
+                    changed[stage] = self.load(stage, new_starts.get(stage, starts[stage]),
+                                               new_starts.get(stage + 1, starts[stage + 1]))
+                trial: dict[int, float] = {}
+                for stage, new in changed.items():
+                    r = owner[stage]
+                    trial[r] = trial.get(r, per_rank[r]) + new - stage_load[stage]
+                if self.rounded(list(trial.values())) < self.rounded([per_rank[r] for r in trial]):
+                    for b, first_layer in new_starts.items():
+                        starts[b] = first_layer
+                    for stage, new in changed.items():
+                        stage_load[stage] = new
+                    for r, rank_load in trial.items():
+                        per_rank[r] = rank_load
+                    break
+            else:
+                return tuple(b - a for a, b in zip(starts, starts[1:]))
+
+
+def stage_layers(kinds: Sequence[str], counts: Sequence[int]) -> list[tuple[str, ...]]:
+    """The layer kinds of each stage in model order, ``counts[j]`` layers in stage ``j``."""
     out, start = [], 0
     for count in counts:
-        out.append(spec_layers[start:start + count])
+        out.append(tuple(kinds[start:start + count]))
         start += count
     return out
 

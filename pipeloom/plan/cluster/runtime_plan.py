@@ -1,13 +1,14 @@
 """A cluster plan as the runtime's plan file (``pipeloom plan --model ... --save``): the chosen layout's pipeline,
-data-parallel, FSDP and tensor-parallel sizes, the split points at the model's decoder layers, the schedule and
-its micro-batches, and expert-parallel size (a ``pipeloom.plan/2`` file), so that ``pipeline(model, plan=FILE)``
-runs it. What the runtime does not run (context parallelism; ep with tp or fsdp) is refused by name, and what it
-runs differently is said."""
+data-parallel, FSDP and tensor-parallel sizes, the split points at the model's decoder layers (the planner's
+cut), the schedule and its micro-batches, and expert-parallel size (a ``pipeloom.plan/2`` file), so that
+``pipeline(model, plan=FILE)`` runs it. What the runtime does not run (context parallelism; ep with tp or fsdp) is
+refused by name, and what it runs differently is said."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from itertools import accumulate
 from typing import TYPE_CHECKING
 
 from pipeloom.plan.errors import PlanError
@@ -28,12 +29,10 @@ _HEAD_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
 """Per-head norms after the split heads (``qk_norm``: Qwen3, Qwen3-MoE), their gradients summed over tp."""
 
 
-def _starts(layers: int, pieces: int) -> list[int]:
-    """The first layer of pieces 1..pieces-1 when ``layers`` are cut into ``pieces`` near-equal runs (the
-    embedding rides with the first piece, the head with the last, as the planner prices them)."""
-    if pieces > layers:
-        raise PlanError(f"the layout cuts {layers} decoder layers into {pieces} stages; plan with fewer stages")
-    return [round(k * layers / pieces) for k in range(1, pieces)]
+def _starts(counts: Sequence[int]) -> list[int]:
+    """The first layer of stages 1.. of a cut with ``counts[j]`` decoder layers in stage ``j`` (the embedding rides
+    with the first stage, the head with the last, as the planner prices them)."""
+    return list(accumulate(counts[:-1]))
 
 
 def runtime_plan(result: ClusterPlan) -> Plan:
@@ -49,7 +48,7 @@ def runtime_plan(result: ClusterPlan) -> Plan:
                         "pipeloom's runtime runs ep with tp=1 and fsdp=0 only: fix them with --layout tp=1,fsdp=0")
     family = job.spec.family
     prefix = LAYER_PREFIX.get(family, "model.layers")
-    split_points = tuple(f"{prefix}.{layer}" for layer in _starts(job.spec.layers, layout.pp * layout.vp))
+    split_points = tuple(f"{prefix}.{layer}" for layer in _starts(best.stage_layers))
     tp_plan = None
     if layout.tp > 1:
         if family not in _TP_FAMILIES:

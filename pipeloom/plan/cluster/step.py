@@ -43,6 +43,9 @@ class Estimate:
 
     layout: Layout
     """The layout."""
+    stage_layers: tuple[int, ...]
+    """Decoder layers of each model stage, in model order (the embedding rides with the first, the head with the
+    last)."""
     step_time: float
     """Seconds per step."""
     pipeline_time: float
@@ -62,7 +65,8 @@ class Estimate:
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready (seconds and bytes)."""
-        return {"layout": self.layout.as_dict(), "step_time": self.step_time, "pipeline_time": self.pipeline_time,
+        return {"layout": self.layout.as_dict(), "stage_layers": list(self.stage_layers), "step_time": self.step_time,
+                "pipeline_time": self.pipeline_time,
                 "exposed_dp_time": self.exposed_dp, "optimizer_time": self.optimizer_time, "bubble": self.bubble,
                 "tokens_per_gpu_per_second": self.tokens_per_gpu_per_second, "mfu": self.mfu,
                 "memory_per_gpu": self.memory.as_dict()}

@@ -51,14 +51,15 @@ def test_json_schema(config, capsys):
     assert data["best"]["memory_per_gpu"]["total"] <= data["hardware"]["memory_bytes"]
     tokens = 32 * 4096 / (data["best"]["step_time"] * 8)
     assert data["best"]["tokens_per_gpu_per_second"] == pytest.approx(tokens)
+    assert sum(data["best"]["stage_layers"]) == 16 and len(data["best"]["stage_layers"]) == layout["pp"] * layout["vp"]
 
 
 def test_text_report(config, capsys):
     assert main(["plan", "--model", str(config), "--hardware", "h100", "--gpus", "8", "--global-batch", "32",
                  "--seq", "4096", "--layout", "tp=2,pp=2,cp=1"]) == 0
     out = capsys.readouterr().out
-    for word in ("layout: dp=2,tp=2,pp=2", "step time", "tokens/s per GPU", "MFU", "bubble", "weights",
-                 "gradients", "optimizer", "activations", "buffers", "runners-up"):
+    for word in ("layout: dp=2,tp=2,pp=2", "layers per stage: ", "step time", "tokens/s per GPU", "MFU", "bubble",
+                 "weights", "gradients", "optimizer", "activations", "buffers", "runners-up"):
         assert word in out
 
 

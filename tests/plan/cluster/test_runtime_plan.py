@@ -20,7 +20,7 @@ FIXED = "dp=2,tp=2,pp=2,vp=2,cp=1,ep=1,mbs=1,fsdp=1,recompute=selective,schedule
 
 
 def test_the_plan_file_follows_the_layout():
-    result = plan_cluster(LLAMA, "h100", gpus=8, global_batch=32, seq=2048, layout=FIXED)
+    result = plan_cluster(LLAMA, "h100", gpus=8, global_batch=32, seq=2048, layout=FIXED, stage_cut="even")
     plan = runtime_plan(result)
     assert (plan.num_ranks, plan.data_parallel, plan.tensor_parallel, plan.sharding) == (2, 2, 2, "fsdp")
     assert plan.split_points == ("model.layers.4", "model.layers.8", "model.layers.12")  # 16 layers, 4 stages
@@ -30,6 +30,16 @@ def test_the_plan_file_follows_the_layout():
     assert plan.predicted_step_time == result.best.step_time
     renamed, modules = torchtitan_plan(plan, 16)
     assert renamed.split_points == ("layers.4", "layers.8", "layers.12") and modules[-2:] == ["norm", "output"]
+
+
+def test_the_plan_file_cuts_where_the_planner_priced():
+    """The balanced cut (the default) moves layers off the rank holding the 32K-vocabulary head: the saved split
+    points are the estimate's cut, not an even one."""
+    result = plan_cluster(LLAMA, "h100", gpus=8, global_batch=32, seq=2048, layout=FIXED)
+    counts = result.best.stage_layers
+    assert sum(counts) == 16 and counts != (4, 4, 4, 4)
+    starts = [sum(counts[:j]) for j in range(1, 4)]
+    assert runtime_plan(result).split_points == tuple(f"model.layers.{k}" for k in starts)
 
 
 def test_a_qwen3_plan_gives_its_head_norms_their_style(tmp_path):
@@ -80,9 +90,9 @@ def test_save_writes_a_plan_and_names_what_runs_differently(tmp_path, capsys):
     config.write_text(json.dumps(LLAMA))
     save = tmp_path / "plan.json"
     assert main(["plan", "--model", str(config), "--hardware", "h100", "--gpus", "8", "--global-batch", "32",
-                 "--seq", "2048", "--layout", FIXED, "--save", str(save)]) == 0
+                 "--seq", "2048", "--layout", FIXED, "--stage-cut", "even", "--save", str(save)]) == 0
     out = capsys.readouterr().out
-    assert f"wrote plan {save}" in out and "recompute=selective" in out
+    assert f"wrote plan {save}" in out and "recompute=selective" in out and "layers per stage: 4 x4" in out
     assert load_plan(save).split_points == ("model.layers.4", "model.layers.8", "model.layers.12")
 
 

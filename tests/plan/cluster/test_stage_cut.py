@@ -1,0 +1,91 @@
+"""The cut of the decoder layers into pipeline stages (:func:`balanced_counts`): never busier than the even cut,
+optimal for one kind of layer or one stage per rank (against every cut of small cases), layers taken off the
+ranks holding the head or the embedding; the estimate prices the cut it reports, and ``stage_cut="even"`` keeps
+the even one."""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+from pathlib import Path
+
+import pytest
+
+from pipeloom.plan.cluster import plan_cluster
+from pipeloom.plan.cluster.placement import balanced_counts, even_counts
+from pipeloom.plan.errors import LayoutError
+
+_SPEC = importlib.util.spec_from_file_location(
+    "stage_cut", Path(__file__).resolve().parents[3] / "benchmarks" / "stage_cut.py")
+bench = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(bench)
+_ranks, _loads = bench.placement_ranks, bench.rank_loads
+LINEAR, LOOPED, V = bench.PLACEMENTS
+
+
+def test_equal_layers_without_extras_keep_the_even_cut():
+    kinds = ["d"] * 16
+    assert balanced_counts(kinds, _ranks(LINEAR, 4), {"d": 1.0}, first=0.0, last=0.0) == (4, 4, 4, 4)
+    counts = balanced_counts(kinds, _ranks(V, 4), {"d": 1.0}, first=0.0, last=0.0)
+    assert max(_loads(kinds, counts, _ranks(V, 4), {"d": 1.0}, 0.0, 0.0)) == 4.0
+
+
+def test_a_heavy_head_takes_layers_off_its_rank():
+    """16 layers of work 1 and a head of work 2 on 4 ranks: the even cut's last rank does 6, the balanced cut's
+    busiest rank 5 (18 / 4 rounded up to whole layers), the head's stage holding 3 layers."""
+    kinds, work, ranks = ["d"] * 16, {"d": 1.0}, _ranks(LINEAR, 4)
+    assert max(_loads(kinds, even_counts(16, 4), ranks, work, 0.0, 2.0)) == 6.0
+    counts = balanced_counts(kinds, ranks, work, first=0.0, last=2.0)
+    assert max(_loads(kinds, counts, ranks, work, 0.0, 2.0)) == 5.0 and counts[-1] == 3
+    assert counts[0] <= counts[1]  # the layer freed goes to a later rank, which holds fewer micro-batches
+
+
+def test_looped_ranks_are_balanced_not_their_stages():
+    """10 layers over 2 ranks x 2 looped stages: filling stages greedily (3, 3, 3, 1) gives a rank 6 layers;
+    the balanced cut gives each rank 5."""
+    kinds, ranks = ["d"] * 10, _ranks(LOOPED, 2)
+    counts = balanced_counts(kinds, ranks, {"d": 1.0}, first=0.0, last=0.0)
+    assert _loads(kinds, counts, ranks, {"d": 1.0}, 0.0, 0.0) == [5.0, 5.0]
+
+
+@pytest.mark.parametrize("placement", [LINEAR, LOOPED, V])
+def test_one_kind_is_optimal_and_no_cut_is_busier_than_even(placement):
+    """Against every cut of small random cases (``benchmarks/stage_cut.py``): one kind of layer with any
+    embedding and head gets the least busy busiest rank there is, and so do dense-then-MoE layers on one stage
+    per rank; on looped or V stages those are never busier than the even cut, and the optimum in most cases
+    (the rest is a local search's)."""
+    rng = random.Random(7)
+    optimal = trials = 0
+    for mixed in (False, True) * 20:
+        case = bench.random_case(rng, placement, mixed)
+        counts = balanced_counts(case[0], case[1], case[2], first=case[3], last=case[4])
+        assert len(counts) == sum(map(len, case[1])) and sum(counts) == len(case[0]) and min(counts) >= 1
+        balanced, even, best = bench.check(*case)
+        assert balanced <= even + 1e-12
+        if len(set(case[0])) == 1 or placement == LINEAR:
+            assert balanced == pytest.approx(best)
+        else:
+            trials += 1
+            optimal += balanced <= best + 1e-9
+    assert placement == LINEAR or (trials == 20 and optimal >= 0.75 * trials)
+
+
+LLAMA = {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 16,
+         "num_attention_heads": 16, "num_key_value_heads": 4, "vocab_size": 128256}
+FIXED = "dp=1,tp=1,pp=4,vp=1,cp=1,ep=1,mbs=1,fsdp=0,recompute=none,schedule=1f1b"
+
+
+def test_the_estimate_prices_the_cut_it_reports():
+    """A 128K-vocabulary head on the last of 4 stages: the balanced cut gives that stage fewer layers and a
+    shorter step than the even cut, whose 4 x 4 ``stage_cut="even"`` keeps."""
+    args = dict(gpus=4, global_batch=16, seq=2048, layout=FIXED)
+    even = plan_cluster(LLAMA, "h100", stage_cut="even", **args).best
+    balanced = plan_cluster(LLAMA, "h100", **args).best
+    assert even.stage_layers == (4, 4, 4, 4)
+    assert sum(balanced.stage_layers) == 16 and balanced.stage_layers[-1] < 4
+    assert balanced.step_time < even.step_time
+
+
+def test_an_unknown_stage_cut_is_refused():
+    with pytest.raises(LayoutError, match="stage_cut='uneven'.*'balanced'.*'even'"):
+        plan_cluster(LLAMA, "h100", gpus=4, global_batch=16, seq=2048, layout=FIXED, stage_cut="uneven")
