@@ -39,7 +39,7 @@ from pipeloom.plan.cluster.api import plan_cluster  # noqa: E402
 from pipeloom.plan.errors import NoLayoutFits  # noqa: E402
 from published_runs import derived, load_runs, run_config, run_hardware  # noqa: E402
 
-_SCHEDULE = {"none": "1f1b", "dualpipe": "dualpipev"}  # pp 1 has no schedule; DualPipe priced as DualPipeV
+_SCHEDULE = {"none": "1f1b"}  # pp 1 has no schedule
 
 
 def _fixed(run: dict) -> list[dict]:

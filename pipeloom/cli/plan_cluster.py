@@ -123,6 +123,9 @@ def _save(args: argparse.Namespace, result) -> list[str]:
         plan = runtime_plan(result)
     except PipeloomError as error:
         raise UsageError(str(error)) from None
+    if args.export == "torchtitan" and result.best.layout.copies == 2:
+        raise UsageError("the chosen layout runs dualpipe, two copies of the model, which torchtitan cannot place; "
+                         "fix it with --layout schedule=dualpipev (one copy in a V) to export it")
     written = []
     if args.export == "torchtitan":
         from pipeloom.schedules import build_schedule

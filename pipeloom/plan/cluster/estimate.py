@@ -22,9 +22,18 @@ from pipeloom.plan.cluster.layer_time import (
     deepseek_activations,
     layer_times,
 )
-from pipeloom.plan.cluster.layout import SCHEDULES, Layout
+from pipeloom.plan.cluster.layout import PAIRED, SCHEDULES, Layout
 from pipeloom.plan.cluster.mtp import mtp_times
-from pipeloom.plan.cluster.placement import Cut, balanced_counts, cut_of, even_counts, rank_stages, work_bound
+from pipeloom.plan.cluster.placement import (
+    Cut,
+    balanced_counts,
+    cut_of,
+    cut_ranks,
+    even_counts,
+    rank_stages,
+    schedule_microbatches,
+    work_bound,
+)
 from pipeloom.plan.cluster.step import Estimate, Memory
 from pipeloom.plan.errors import LayoutError
 from pipeloom.problem import Costs, Problem
@@ -60,7 +69,7 @@ class Estimator:
         self._dp: dict[tuple[Any, ...], tuple[float, float]] = {}
         self._work: dict[tuple[Any, ...], float] = {}
         self._acts: dict[tuple[Any, ...], float] = {}
-        self._cuts: dict[tuple[int, ...], Cut] = {}
+        self._cuts: dict[tuple[tuple[int, ...], int], Cut] = {}
         self._counts: dict[tuple[Any, ...], tuple[int, ...]] = {}
         self._ranks: dict[tuple[Any, ...], tuple[tuple[tuple[int, ...], tuple[tuple[str, int], ...]], ...]] = {}
         self._profiles: dict[tuple[Any, ...], tuple[RankHeld, ...]] = {}
@@ -98,8 +107,11 @@ class Estimator:
             raise LayoutError(f"ep={layout.ep} does not divide {spec.experts.count} experts")
         if layout.pp > 1 and m < layout.pp:
             raise LayoutError(f"{m} micro-batches for pp={layout.pp}: need at least pp (lower dp or mbs)")
-        if layout.schedule == "dualpipev" and m < 2 * layout.pp:
-            raise LayoutError(f"dualpipev needs at least 2 x pp = {2 * layout.pp} micro-batches, got {m}")
+        if layout.schedule in PAIRED and m < 2 * layout.pp:
+            raise LayoutError(f"{layout.schedule} needs at least 2 x pp = {2 * layout.pp} micro-batches, got {m}")
+        if layout.copies == 2 and (layout.pp % 2 or m % 2):
+            raise LayoutError(f"dualpipe needs an even pp (its halves mirror) and an even number of micro-batches "
+                              f"(half enter at each end), got pp={layout.pp} and {m}")
         if layout.schedule == "interleaved-1f1b" and m % layout.pp:
             raise LayoutError(f"interleaved-1f1b needs micro-batches ({m}) divisible by pp={layout.pp}")
         if layout.pp == 1 and layout.schedule != "1f1b":
@@ -113,25 +125,27 @@ class Estimator:
             self._layer[key] = (mtp_times(self.job, layout) if kind == "mtp" else layer_times(self.job, layout, kind))
         return self._layer[key]
 
-    def total_work(self, layout: Layout) -> float:
+    def total_work(self, layout: Layout, *, paired: bool = False) -> float:
         """Seconds of F + I + W of one micro-batch through the whole model (every layer, the embedding and the
-        head): whatever the cut, the stages' work adds up to it."""
-        key = (layout.tp, layout.cp, layout.ep, layout.mbs, layout.recompute)
+        head), ``paired``: less the F and I communication DualPipe's pairs may hide: whatever the cut, the
+        stages' work adds up to it (blocking pipeline sends only add to the stages)."""
+        key = (layout.tp, layout.cp, layout.ep, layout.mbs, layout.recompute, paired)
         if key not in self._work:
             total = 0.0
             for kind, count in self._model_kinds:
                 t = self.times(layout, kind)
-                total += count * (t.f + t.i + t.w)
+                total += count * (t.f + t.i + t.w - ((t.f_comm + t.i_comm) if paired else 0.0))
             self._work[key] = total
         return self._work[key]
 
     def stages(self, layout: Layout) -> tuple[list[PhaseTimes], list[float], list[tuple[str, ...]]]:
-        """Per model stage: F/I/W seconds per micro-batch, activation bytes per micro-batch, its layers
-        (priced once per distinct stage shape: its count of each layer kind, the embedding, the head)."""
+        """Per schedule stage (the model stages; twice over for DualPipe's copies): F/I/W seconds per
+        micro-batch, activation bytes per micro-batch, its layers (priced once per distinct stage shape: its
+        count of each layer kind, the embedding, the head)."""
         counts = self.stage_counts(layout)
-        key = (layout.tp, layout.cp, layout.ep, layout.mbs, layout.recompute, counts)
+        key = (layout.tp, layout.cp, layout.ep, layout.mbs, layout.recompute, counts, layout.copies)
         if key not in self._stages:
-            cut = self._cut(counts)
+            cut = self._cut(counts, layout.copies)
             priced = []
             for shape in cut.shapes:
                 parts = [self.times(layout, kind) for kind, count in shape for _ in range(count)]
@@ -152,9 +166,9 @@ class Estimator:
         tp = layout.tp
         send = self._p2p(layout) + collective_seconds(self.job.hw, "all_gather", hidden, tp,
                                                       ranks_per_domain=domain_ranks(tp, 1, self.job.hw))
-        last = len(times) - 1
-        return [dataclasses.replace(t, f=t.f + (send if j < last else 0.0), i=t.i + (send if j > 0 else 0.0))
-                for j, t in enumerate(times)]
+        last = layout.stages - 1  # of each copy
+        return [dataclasses.replace(t, f=t.f + (send if j % layout.stages < last else 0.0),
+                                    i=t.i + (send if j % layout.stages > 0 else 0.0)) for j, t in enumerate(times)]
 
     def stage_counts(self, layout: Layout) -> tuple[int, ...]:
         """Decoder layers per model stage (:attr:`Job.stage_cut`): the even cut, or the cut that balances the
@@ -164,8 +178,8 @@ class Estimator:
             return (len(self.kinds),)
         if self.job.stage_cut == "even":
             return even_counts(len(self.kinds), layout.stages)
-        pair = layout.schedule == "dualpipev"
-        v = SCHEDULES[layout.schedule] == "v"
+        pair = layout.schedule in PAIRED
+        v = SCHEDULES[layout.schedule]
         known = (layout.tp, layout.cp, layout.ep, layout.mbs, layout.recompute, layout.pp, layout.vp, v, pair)
         if known in self._counts:
             return self._counts[known]
@@ -179,16 +193,16 @@ class Estimator:
         ratios = {kind: round(value / unit, 2) for kind, value in work.items()}
         key = (layout.pp, layout.vp, v, tuple(sorted(ratios.items())))
         if key not in self._counts:
-            self._counts[key] = balanced_counts(self.kinds, rank_stages(layout), ratios, first=ratios["embedding"],
+            self._counts[key] = balanced_counts(self.kinds, cut_ranks(layout), ratios, first=ratios["embedding"],
                                                 last=sum(ratios[kind] for kind in self.tail))
         self._counts[known] = self._counts[key]
         return self._counts[known]
 
-    def _cut(self, counts: tuple[int, ...]) -> Cut:
+    def _cut(self, counts: tuple[int, ...], copies: int) -> Cut:
         """:func:`~pipeloom.plan.cluster.placement.cut_of` the cut ``counts``, cached."""
-        if counts not in self._cuts:
-            self._cuts[counts] = cut_of(self.kinds, counts, self.tail)
-        return self._cuts[counts]
+        if (counts, copies) not in self._cuts:
+            self._cuts[counts, copies] = cut_of(self.kinds, counts, self.tail, copies)
+        return self._cuts[counts, copies]
 
     def _p2p(self, layout: Layout) -> float:
         """Seconds of one stage-to-stage send of a micro-batch's hidden states (split over tp: Megatron's
@@ -221,7 +235,7 @@ class Estimator:
         name, pp, vp = layout.schedule, layout.pp, layout.vp
         key = (name, pp, vp, m)
         if key not in self._schedules:
-            split = name in ("zb-h1", "zbv", "dualpipev")
+            split = name in ("zb-h1", "zbv", *PAIRED)
             costs = Costs(f=1.0, b=1.0 if split else 2.0, w=1.0, memory=1.0, w_memory=self.w_fraction if split else 0.0)
             options = {"stages_per_rank": vp} if SCHEDULES[name] == "interleaved" else {}
             try:
@@ -268,7 +282,7 @@ class Estimator:
         t0, _, _ = self._simulate(layout, 2 * p, times, acts, latency)
         t1, _, peak = self._simulate(layout, 3 * p, times, acts, latency)
         makespan = max(t0 + (m - 2 * p) * (t1 - t0) / p, work_bound(layout, m, times))
-        busy = m * sum(t.f + t.i + t.w for t in times)
+        busy = schedule_microbatches(layout, m) * sum(t.f + t.i + t.w for t in times)
         return makespan, max(0.0, 1.0 - busy / (p * makespan)), peak
 
     def _simulate(self, layout: Layout, m: int, times: list[PhaseTimes], acts: list[float],
@@ -308,15 +322,16 @@ class Estimator:
         """Memory of weights, gradients, optimizer and buffers on the busiest rank; the exposed data-parallel
         seconds; the optimizer step's seconds (cached: they do not depend on the schedule's order)."""
         key = (layout.tp, layout.cp, layout.ep, layout.mbs, layout.recompute, layout.pp, layout.vp,
-               SCHEDULES[layout.schedule] == "v", layout.dp, layout.fsdp, m, self.stage_counts(layout))
+               SCHEDULES[layout.schedule], layout.dp, layout.fsdp, m, self.stage_counts(layout))
         if key not in self._static:
-            self._static[key] = self._static_state(layout, times, m)
+            self._static[key] = self._static_state(layout, times, schedule_microbatches(layout, m))
         return self._static[key]
 
-    def _static_state(self, layout: Layout, times: list[PhaseTimes], m: int) -> tuple[Memory, float, float]:
+    def _static_state(self, layout: Layout, times: list[PhaseTimes], runs: int) -> tuple[Memory, float, float]:
+        """:meth:`static_state` with ``runs`` the schedule's micro-batches (each runs all of a rank's stages)."""
         states, tails = [], []
         for stages, kinds in self._rank_shapes(layout):  # ranks holding the same layers priced once
-            state, tail = self._rank_state(layout, times, stages, kinds, m)
+            state, tail = self._rank_state(layout, times, stages, kinds, runs)
             states.append(state)
             tails.append(tail)
         # the rank with the most static memory (the activations' peak is the replay's maximum over ranks)
@@ -327,11 +342,10 @@ class Estimator:
     def _rank_shapes(self, layout: Layout) -> tuple[tuple[tuple[int, ...], tuple[tuple[str, int], ...]], ...]:
         """The distinct pipeline ranks of the layout's placement: one rank's stages per distinct sequence of
         stage shapes, with the layer kinds it holds and how many of each (cached per pp, vp, placement, cut)."""
-        v = SCHEDULES[layout.schedule] == "v"
         counts = self.stage_counts(layout)
-        key = (layout.pp, layout.vp, v, counts)
+        key = (layout.pp, layout.vp, SCHEDULES[layout.schedule], counts)
         if key not in self._ranks:
-            cut = self._cut(counts)
+            cut = self._cut(counts, layout.copies)
             seen: dict[tuple[int, ...], tuple[tuple[int, ...], tuple[tuple[str, int], ...]]] = {}
             for stages in rank_stages(layout):
                 shapes = tuple(cut.shape_of[j] for j in stages)
@@ -345,8 +359,10 @@ class Estimator:
 
     def _rank_state(self, layout: Layout, times: list[PhaseTimes], stages: tuple[int, ...],
                     kinds: tuple[tuple[str, int], ...], m: int) -> tuple[Memory, tuple[float, float, float]]:
-        """One rank's static memory and ``(exposed + optimizer, exposed, optimizer)`` seconds."""
-        hw, dpcp = self.job.hw, layout.dp * layout.cp
+        """One rank's static memory and ``(exposed + optimizer, exposed, optimizer)`` seconds. DualPipe's two
+        copies: each parameter the rank holds has its twin on the mirror rank, so gradients are reduced, and the
+        optimizer state sharded, over both copies' data-parallel ranks."""
+        hw, dpcp = self.job.hw, layout.dp * layout.cp * layout.copies
         dense = expert = 0.0
         for kind, count in kinds:  # parameters held: tp-sharded, experts over ep
             c = self.counts[kind]

@@ -9,7 +9,7 @@ from typing import Any
 from pipeloom.plan.cluster.counts import RECOMPUTE_MODES
 from pipeloom.plan.errors import LayoutError
 
-__all__ = ["Layout", "SCHEDULES", "LAYOUT_KEYS", "parse_layout"]
+__all__ = ["Layout", "SCHEDULES", "PAIRED", "LAYOUT_KEYS", "parse_layout"]
 
 SCHEDULES: dict[str, str] = {
     "1f1b": "1f1b",
@@ -17,9 +17,13 @@ SCHEDULES: dict[str, str] = {
     "zb-h1": "linear",
     "zbv": "v",
     "dualpipev": "v",
+    "dualpipe": "two-copy",
 }
 """The schedules the cluster planner prices, with their stage placement (linear: vp 1, interleaved: vp >= 2
-looped stages per rank, v: 2 stages per rank in a V)."""
+looped stages per rank, v: 2 stages per rank in a V, two-copy: vp 1, the model cut into pp stages held twice,
+rank r holding stage r of one copy and stage pp-1-r of the other)."""
+PAIRED = ("dualpipev", "dualpipe")
+"""Schedules that overlap one micro-batch's forward with another's backward (DualPipe's F&B pairs)."""
 LAYOUT_KEYS = ("dp", "tp", "pp", "vp", "cp", "ep", "mbs", "fsdp", "recompute", "schedule")
 """The keys of a layout, in the order ``--layout`` and the JSON print them."""
 
@@ -35,7 +39,7 @@ class Layout:
     pp: int = 1
     """Pipeline ranks."""
     vp: int = 1
-    """Stages per pipeline rank (interleaved: >= 2; zbv and dualpipev: 2; others 1)."""
+    """Stages per pipeline rank (interleaved: >= 2; zbv and dualpipev: 2; others 1, dualpipe's two copies apart)."""
     cp: int = 1
     """Context-parallel ranks (each holds 1/cp of every sequence)."""
     ep: int = 1
@@ -65,6 +69,9 @@ class Layout:
             raise LayoutError(f"{self.schedule} places 2 stages per rank in a V: use vp=2, got vp={self.vp}")
         if placement == "interleaved" and self.vp < 2:
             raise LayoutError(f"interleaved-1f1b needs vp >= 2 stages per rank, got vp={self.vp}; use 1f1b for vp=1")
+        if placement == "two-copy" and self.vp != 1:
+            raise LayoutError(f"dualpipe cuts the model into pp stages and holds it twice: use vp=1 (dualpipev for "
+                              f"2 stages per rank in a V), got vp={self.vp}")
         if placement == "linear" and self.vp != 1:
             raise LayoutError(f"{self.schedule} runs one stage per rank: use vp=1 (or interleaved-1f1b), got "
                               f"vp={self.vp}")
@@ -79,8 +86,13 @@ class Layout:
 
     @property
     def stages(self) -> int:
-        """Pipeline stages (pp x vp)."""
+        """Pipeline stages the model is cut into (pp x vp)."""
         return self.pp * self.vp
+
+    @property
+    def copies(self) -> int:
+        """Copies of the model the pipeline holds (DualPipe: 2)."""
+        return 2 if SCHEDULES[self.schedule] == "two-copy" else 1
 
     def microbatches(self, global_batch: int) -> int:
         """Micro-batches per pipeline per step; LayoutError when the global batch does not split evenly."""

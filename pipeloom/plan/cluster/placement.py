@@ -11,9 +11,10 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 from pipeloom.plan.cluster.layer_time import PhaseTimes
-from pipeloom.plan.cluster.layout import SCHEDULES, Layout
+from pipeloom.plan.cluster.layout import PAIRED, SCHEDULES, Layout
 
-__all__ = ["Cut", "even_counts", "balanced_counts", "cut_of", "stage_layers", "rank_of", "rank_stages", "work_bound"]
+__all__ = ["Cut", "even_counts", "balanced_counts", "cut_of", "cut_ranks", "stage_layers", "rank_stages",
+           "schedule_microbatches", "work_bound"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -21,22 +22,25 @@ class Cut:
     """The layers of each stage of one cut, and the stages' distinct shapes."""
 
     counts: tuple[int, ...]
-    """Per stage, its decoder layers."""
+    """Per model stage, its decoder layers."""
     layers: list[tuple[str, ...]]
-    """Per stage, its layer kinds in model order."""
+    """Per schedule stage (the model stages, twice over for DualPipe's two copies), its layer kinds in model
+    order."""
     shapes: tuple[tuple[tuple[str, int], ...], ...]
     """The distinct ``(kind, count)`` multisets of a stage's layers, the embedding and the head included."""
     shape_of: tuple[int, ...]
     """Per stage, the index of its shape."""
 
 
-def cut_of(kinds: Sequence[str], counts: tuple[int, ...], tail: tuple[str, ...]) -> Cut:
+def cut_of(kinds: Sequence[str], counts: tuple[int, ...], tail: tuple[str, ...], copies: int = 1) -> Cut:
     """The cut of the layers ``kinds`` with ``counts[j]`` in stage ``j``: the embedding joins the first stage's
-    layers, ``tail`` (the head, multi-token prediction) the last's."""
-    layers = stage_layers(kinds, counts)
+    layers, ``tail`` (the head, multi-token prediction) the last's; with 2 ``copies`` (DualPipe) the schedule's
+    stages are the cut's stages twice over, copy by copy."""
+    layers = stage_layers(kinds, counts) * copies
     shapes: dict[tuple[tuple[str, int], ...], int] = {}
     shape_of = []
-    for j, held in enumerate(layers):
+    for n, held in enumerate(layers):
+        j = n % len(counts)
         extra = (("embedding",) if j == 0 else ()) + (tail if j == len(counts) - 1 else ())
         shape = tuple(sorted(Counter((*held, *extra)).items()))
         shape_of.append(shapes.setdefault(shape, len(shapes)))
@@ -233,26 +237,30 @@ def stage_layers(kinds: Sequence[str], counts: Sequence[int]) -> list[tuple[str,
     return out
 
 
-def rank_of(stage: int, layout: Layout) -> int:
-    """The pipeline rank of model stage ``stage``: looped (interleaved, linear) or a V."""
-    if SCHEDULES[layout.schedule] == "v":
-        return stage if stage < layout.pp else 2 * layout.pp - 1 - stage
-    return stage % layout.pp
+def schedule_microbatches(layout: Layout, m: int) -> int:
+    """Micro-batches of the schedule for ``m`` per pipeline per step: DualPipe's schedule counts a pair, one
+    fed from each end, as one."""
+    return m // layout.copies
 
 
 def work_bound(layout: Layout, m: int, times: list[PhaseTimes]) -> float:
-    """A lower bound on any schedule's makespan: a rank starts after micro-batch 0's forwards through the
-    model stages before its first one, then does all its own work (DualPipeV: an overlapped pair of a
-    forward and a backward takes F + B less the communication each part hides, so the pairs save at most
-    every F's and I's ``comm``)."""
+    """A lower bound on any schedule's makespan (``m`` micro-batches, ``times`` per schedule stage): a rank
+    starts after micro-batch 0's forwards through the stages before its first one, then does all its own work
+    (DualPipe(V): an overlapped pair of a forward and a backward takes F + B less the communication each part
+    hides, so the pairs save at most every F's and I's ``comm``; DualPipe's rank starts on the copy that
+    reaches it first)."""
     bound = 0.0
     before = list(accumulate((t.f for t in times), initial=0.0))  # before[j]: forwards of stages 0 .. j-1
     ranks = rank_stages(layout)
+    runs = schedule_microbatches(layout, m)
     for stages in ranks:
-        busy = m * sum(times[j].f + times[j].i + times[j].w for j in stages)
-        if layout.schedule == "dualpipev":
-            busy -= m * sum(times[j].f_comm + times[j].i_comm for j in stages)  # each part in at most one pair
-        bound = max(bound, before[min(stages)] + busy)
+        busy = runs * sum(times[j].f + times[j].i + times[j].w for j in stages)
+        if layout.schedule in PAIRED:
+            busy -= runs * sum(times[j].f_comm + times[j].i_comm for j in stages)  # each part in at most one pair
+        wait = before[min(stages)]
+        if layout.copies == 2:  # the other copy's stages pp .. (its stage here) - 1 come first
+            wait = min(wait, before[max(stages)] - before[layout.pp])
+        bound = max(bound, wait + busy)
     if layout.schedule in ("1f1b", "interleaved-1f1b"):
         # a full backward in micro-batch order: rank p-1's last action is stage p-1's B of the last micro-batch,
         # after which that micro-batch's B still runs through stages p-2 .. 0 on the other ranks
@@ -263,7 +271,18 @@ def work_bound(layout: Layout, m: int, times: list[PhaseTimes]) -> float:
 
 
 def rank_stages(layout: Layout) -> list[list[int]]:
-    """Per pipeline rank, its model stages in order (:func:`rank_of` inverted)."""
-    if SCHEDULES[layout.schedule] == "v":
+    """Per pipeline rank, its schedule stages in order: looped (interleaved, linear: stage s on rank s mod pp),
+    a V, or DualPipe's two copies (stage ``s < pp`` of the copy fed from rank 0 on rank ``s``, stage ``pp + k``
+    of the other copy on rank ``pp - 1 - k``: the V's ranks)."""
+    if SCHEDULES[layout.schedule] in ("v", "two-copy"):
         return [[r, 2 * layout.pp - 1 - r] for r in range(layout.pp)]
     return [list(range(r, layout.stages, layout.pp)) for r in range(layout.pp)]
+
+
+def cut_ranks(layout: Layout) -> list[list[int]]:
+    """Per pipeline rank, the model stages of the cut it holds, each rank once (:func:`balanced_counts`'s
+    ``ranks``): :func:`rank_stages`, but for DualPipe's copies model stages ``r`` and ``pp - 1 - r`` on ranks
+    ``r`` and ``pp - 1 - r`` alike, listed once."""
+    if layout.copies == 2:
+        return [[r, layout.pp - 1 - r] for r in range(layout.pp // 2)]
+    return rank_stages(layout)

@@ -3,7 +3,7 @@ FSDP or the distributed optimizer and schedule that can run, then branch and bou
 
 Exactness. Every bound below is a lower bound, so no layout that could win is skipped:
 
-- *group bound*: layouts that differ only in vp, FSDP and schedule (DualPipeV apart) share a bound on step time,
+- *group bound*: layouts that differ only in vp, FSDP and schedule (DualPipe(V) apart) share a bound on step time,
   the mean pipeline rank's work ``m W / pp`` (:meth:`Bounds.group`); a group is priced only when its bound is
   below the best fitting step time found so far.
 - *time bound* of a layout: every pipeline rank waits for micro-batch 0's forwards through the stages before
@@ -12,7 +12,8 @@ Exactness. Every bound below is a lower bound, so no layout that could win is sk
 - *memory bound* of a layout: weights, gradients, optimizer and buffers exactly, and for the activations one
   micro-batch of each of a rank's stages: when a rank starts the forward of its last stage for a micro-batch,
   the forwards of its other stages for that micro-batch are held and none of their backwards can have begun
-  (they wait for this forward). Before a layout is simulated its memory is computed exactly (the schedule's
+  (they wait for this forward; DualPipe's two stages on a rank belong to different copies: one micro-batch of
+  the larger). Before a layout is simulated its memory is computed exactly (the schedule's
   held counts, :mod:`.held`, the replay's peak up to rounding); over the limit, it is not simulated.
 
 Layouts are taken in increasing bound order (groups before their members) until the bound reaches the best
@@ -32,7 +33,7 @@ from typing import Any
 from pipeloom.plan.cluster.counts import RECOMPUTE_MODES
 from pipeloom.plan.cluster.estimate import Estimator
 from pipeloom.plan.cluster.layer_time import Job
-from pipeloom.plan.cluster.layout import LAYOUT_KEYS, SCHEDULES, Layout
+from pipeloom.plan.cluster.layout import LAYOUT_KEYS, PAIRED, SCHEDULES, Layout
 from pipeloom.plan.cluster.placement import rank_stages, work_bound
 from pipeloom.plan.cluster.step import Estimate
 from pipeloom.plan.errors import LayoutError, NoLayoutFits
@@ -148,7 +149,8 @@ class Bounds:
         m = e.check(layout)
         times, acts, _ = e.stages(layout)
         memory, exposed, optimizer = e.static_state(layout, times, m)
-        held = max(sum(acts[j] for j in stages) for stages in rank_stages(layout))
+        # DualPipe's two stages on a rank are of different copies, which no dependency orders: one stage's activations
+        held = max((max if layout.copies == 2 else sum)(acts[j] for j in stages) for stages in rank_stages(layout))
         return Candidate(layout=layout, time_bound=work_bound(layout, m, times) + exposed + optimizer,
                          memory_bound=memory.total + held)
 
@@ -163,24 +165,19 @@ class Bounds:
     def group(self, layout: Layout) -> float:
         """A lower bound on the time bound of every layout of ``layout``'s group (:func:`_group_key`): the
         busiest pipeline rank does at least the mean rank's work, ``m W / pp`` with ``W`` one micro-batch's
-        F + I + W through the whole model, whatever the stages per rank, schedule and FSDP; DualPipeV's pairs
-        hide at most each stage's F and I communication (:func:`work_bound`), so there ``m sum_j (F_j + I_j +
-        W_j - Fcomm_j - Icomm_j) / pp`` over its 2 pp stages. Shrunk by 1e-12 so that rounding never lifts it over a
-        member's bound."""
+        F + I + W through the whole model, whatever the cut, the stages per rank, schedule and FSDP; DualPipe(V)'s
+        pairs hide at most each stage's F and I communication (:func:`work_bound`), so there ``W`` is less that
+        communication (DualPipe's m / 2 pairs of micro-batches through its two copies do the same work). Shrunk
+        by 1e-12 so that rounding never lifts it over a member's bound."""
         e = self.estimator
         m = layout.microbatches(e.job.global_batch)
-        if layout.schedule == "dualpipev":
-            times, _, _ = e.stages(layout)
-            work = sum(t.f + t.i + t.w - t.f_comm - t.i_comm for t in times)
-        else:
-            work = e.total_work(layout)
-        return m * work / layout.pp * (1 - 1e-12)
+        return m * e.total_work(layout, paired=layout.schedule in PAIRED) / layout.pp * (1 - 1e-12)
 
 
 def _group_key(layout: Layout) -> tuple[Any, ...]:
-    """Layouts that differ only in vp, FSDP and schedule (DualPipeV apart) share one group bound."""
+    """Layouts that differ only in vp, FSDP and schedule (DualPipe and DualPipeV apart) share one group bound."""
     return (layout.tp, layout.cp, layout.ep, layout.pp, layout.dp, layout.mbs, layout.recompute,
-            layout.schedule == "dualpipev")
+            layout.schedule if layout.schedule in PAIRED else "")
 
 
 def search_layouts(job: Job, *, fixed: dict[str, Any] | None = None, memory_limit: float | None = None,

@@ -107,7 +107,7 @@ def test_more_memory_never_slower_from_the_least():
 
 @pytest.mark.parametrize("name, pp, vp, m", [("1f1b", 4, 1, 9), ("interleaved-1f1b", 4, 2, 8),
                                              ("interleaved-1f1b", 3, 4, 12), ("zb-h1", 5, 1, 13),
-                                             ("dualpipev", 4, 2, 10)])
+                                             ("dualpipev", 4, 2, 10), ("dualpipe", 4, 1, 10)])
 def test_cost_oblivious_orders(name, pp, vp, m):
     """The estimator builds these once per (name, pp, vp, m) with unit costs: their order must not change
     with the costs (zbv's does, which is why the estimator builds it for F = I = W only)."""

@@ -93,7 +93,8 @@ def test_more_memory_never_slower():
 def test_replay_meets_its_bound_and_extrapolates():
     job = Job(spec=model_spec(SMALL), hw=hardware("h100"), gpus=8, global_batch=64, seq=4096)
     est = Estimator(job)
-    for schedule, vp in (("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zbv", 2), ("dualpipev", 2)):
+    for schedule, vp in (("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zbv", 2), ("dualpipev", 2),
+                         ("dualpipe", 1)):
         layout = Layout(dp=1, tp=2, pp=4, vp=vp, schedule=schedule, mbs=1)
         m = est.check(layout)
         times, acts, _ = est.stages(layout)

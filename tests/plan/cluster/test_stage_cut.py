@@ -1,7 +1,7 @@
 """The cut of the decoder layers into pipeline stages (:func:`balanced_counts`): never busier than the even cut,
 optimal for one kind of layer or one stage per rank (against every cut of small cases), layers taken off the
 ranks holding the head or the embedding; the estimate prices the cut it reports, and ``stage_cut="even"`` keeps
-the even one."""
+the even one; DualPipe's two copies."""
 
 from __future__ import annotations
 
@@ -12,6 +12,11 @@ from pathlib import Path
 import pytest
 
 from pipeloom.plan.cluster import plan_cluster
+from pipeloom.plan.cluster.config import model_spec
+from pipeloom.plan.cluster.estimate import Estimator
+from pipeloom.plan.cluster.gpus import hardware
+from pipeloom.plan.cluster.layer_time import Job
+from pipeloom.plan.cluster.layout import Layout, parse_layout
 from pipeloom.plan.cluster.placement import balanced_counts, even_counts
 from pipeloom.plan.errors import LayoutError
 
@@ -89,3 +94,33 @@ def test_the_estimate_prices_the_cut_it_reports():
 def test_an_unknown_stage_cut_is_refused():
     with pytest.raises(LayoutError, match="stage_cut='uneven'.*'balanced'.*'even'"):
         plan_cluster(LLAMA, "h100", gpus=4, global_batch=16, seq=2048, layout=FIXED, stage_cut="uneven")
+
+
+SMALL_VOCAB = dict(LLAMA, vocab_size=64)
+
+
+def test_dualpipe_holds_two_copies_and_shards_their_state_over_both():
+    """DualPipe (two copies, rank r holding model stages r and pp-1-r): twice the layers' weights and gradients
+    of 1F1B on the same pp, the optimizer state sharded over both copies' ranks (about 1F1B's), and its balanced
+    cut over the ranks' stage pairs."""
+    args = dict(gpus=4, global_batch=16, seq=2048, stage_cut="even")
+    one = plan_cluster(SMALL_VOCAB, "h100", layout=FIXED, **args).best
+    two = plan_cluster(SMALL_VOCAB, "h100", layout=FIXED.replace("1f1b", "dualpipe"), **args).best
+    assert two.stage_layers == one.stage_layers == (4, 4, 4, 4)
+    assert two.memory.weights == pytest.approx(2 * one.memory.weights, rel=0.01)
+    assert two.memory.gradients == pytest.approx(2 * one.memory.gradients, rel=0.01)
+    assert two.memory.optimizer == pytest.approx(one.memory.optimizer, rel=0.01)
+    balanced = plan_cluster(LLAMA, "h100", gpus=4, global_batch=16, seq=2048,
+                            layout=FIXED.replace("1f1b", "dualpipe")).best.stage_layers
+    assert sum(balanced) == 16 and balanced[0] + balanced[3] < balanced[1] + balanced[2]  # the head's pair
+
+
+@pytest.mark.parametrize("layout, message", [
+    ("pp=3,schedule=dualpipe", "dualpipe needs an even pp"),
+    ("pp=4,vp=2,schedule=dualpipe", "use vp=1"),
+])
+def test_dualpipe_refuses_what_it_cannot_run(layout, message):
+    estimator = Estimator(Job(spec=model_spec(LLAMA), hw=hardware("h100"), gpus=12, global_batch=48, seq=2048))
+    fixed = parse_layout(layout)
+    with pytest.raises(LayoutError, match=message):
+        estimator.check(Layout(dp=12 // fixed["pp"], **fixed))
