@@ -104,3 +104,23 @@ def hf_dropout(rank: int, world: int, schedules: list[str], steps: int = 2) -> d
             model.train()
         results[schedule] = {"mismatches": problems, "losses": losses, "no_dropout_loss": plain}
     return results
+
+
+def hf_plan(rank: int, world: int, path: str, steps: int = 2) -> dict:
+    """The tiny LLaMA trained from a saved plan file (``pipeline(model, plan=path)``: its split points, schedule
+    and micro-batches) next to the unsplit model's for-loop reference, as :func:`hf_exactness` reports it."""
+    from hf_models import build_hf, hf_batch, lm_loss
+    from models import train_beside_reference
+
+    from pipeloom.plan.plan import load_plan
+    from pipeloom.runtime import Tracing, pipeline
+
+    plan = load_plan(path)
+    model = build_hf("llama")
+    reference = copy.deepcopy(model)
+    engine = pipeline(model, plan=path, loss_fn=lm_loss, failures=Failures(timeout=60),
+                      tracing=Tracing(tracer="export", example_inputs=(hf_batch("llama")[0],)))
+    problems, losses_equal, _ = train_beside_reference(engine, model, reference, lm_loss, partial(_batch, "llama"),
+                                                       steps, microbatches=plan.microbatches)
+    return {plan.schedule: {"mismatches": problems, "losses_equal": bool(losses_equal),
+                            "microbatches": engine.lowering.schedule.num_microbatches}}

@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from hf_jobs import hf_dropout, hf_exactness
+from hf_jobs import hf_dropout, hf_exactness, hf_plan
 from models import assert_bitwise_reports
 from ranks import run_ranks
 
@@ -67,3 +67,24 @@ def test_dropout_is_the_same_on_any_number_of_ranks(world, schedules):
             assert all(ours == theirs for ours, theirs in outcome["losses"]), (rank, schedule, outcome["losses"])
             # dropout really drew: the loss differs from the same model without it
             assert outcome["losses"][0][0] != pytest.approx(outcome["no_dropout_loss"], rel=1e-6)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("schedule", ["dualpipe", "1f1b"])
+def test_a_cluster_plan_runs_bitwise(tmp_path, schedule):
+    """``pipeloom plan --model ... --save`` for the tiny LLaMA on 2 GPUs (dualpipe: two copies of the model, a
+    pair of micro-batches per schedule micro-batch; 1f1b) runs through ``pipeline(model, plan=...)`` on 2 ranks
+    bitwise equal to the unsplit model."""
+    from hf_models import LAYERS, VOCAB
+
+    from pipeloom.plan.cluster import plan_cluster
+    from pipeloom.plan.cluster.runtime_plan import runtime_plan
+    from pipeloom.plan.plan import save_plan
+
+    config = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": LAYERS,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": VOCAB}
+    result = plan_cluster(config, "h100", gpus=2, global_batch=8, seq=12,
+                          layout=f"dp=1,tp=1,pp=2,vp=1,cp=1,ep=1,mbs=1,fsdp=0,recompute=none,schedule={schedule}")
+    save_plan(runtime_plan(result), tmp_path / "plan.json")
+    found = assert_bitwise_reports(run_ranks(2, hf_plan, str(tmp_path / "plan.json"), timeout=360), cases=1)
+    assert all(outcome["microbatches"] == (4 if schedule == "dualpipe" else 8) for _, _, outcome in found)
