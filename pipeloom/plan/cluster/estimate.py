@@ -89,34 +89,8 @@ class Estimator:
         self.w_fraction = min(1.0, 2 * (2 * h + a.heads * a.v_dim + mlp) / kept)
 
     def check(self, layout: Layout) -> int:
-        """LayoutError when ``layout`` cannot run this job; else its micro-batches per pipeline."""
-        job, spec = self.job, self.job.spec
-        if layout.gpus != job.gpus:
-            raise LayoutError(f"dp x tp x pp x cp = {layout.gpus} is not the job's {job.gpus} GPUs")
-        m = layout.microbatches(job.global_batch)
-        a = spec.attention
-        if a.heads % layout.tp or (a.kv_heads % layout.tp and layout.tp % a.kv_heads):
-            raise LayoutError(f"tp={layout.tp} does not split {a.heads} query / {a.kv_heads} key-value heads")
-        if job.seq % (2 * layout.cp) and layout.cp > 1:
-            raise LayoutError(f"sequence {job.seq} does not split into 2 x cp={layout.cp} load-balanced chunks")
-        if layout.stages > spec.layers:
-            raise LayoutError(f"{layout.stages} stages for {spec.layers} layers: at most one stage per layer")
-        if spec.experts is None and layout.ep > 1:
-            raise LayoutError(f"ep={layout.ep} on a dense model: use ep=1")
-        if spec.experts is not None and spec.experts.count % layout.ep:
-            raise LayoutError(f"ep={layout.ep} does not divide {spec.experts.count} experts")
-        if layout.pp > 1 and m < layout.pp:
-            raise LayoutError(f"{m} micro-batches for pp={layout.pp}: need at least pp (lower dp or mbs)")
-        if layout.schedule in PAIRED and m < 2 * layout.pp:
-            raise LayoutError(f"{layout.schedule} needs at least 2 x pp = {2 * layout.pp} micro-batches, got {m}")
-        if layout.copies == 2 and (layout.pp % 2 or m % 2):
-            raise LayoutError(f"dualpipe needs an even pp (its halves mirror) and an even number of micro-batches "
-                              f"(half enter at each end), got pp={layout.pp} and {m}")
-        if layout.schedule == "interleaved-1f1b" and m % layout.pp:
-            raise LayoutError(f"interleaved-1f1b needs micro-batches ({m}) divisible by pp={layout.pp}")
-        if layout.pp == 1 and layout.schedule != "1f1b":
-            raise LayoutError("pp=1 has no pipeline: use schedule=1f1b")
-        return m
+        """:meth:`Layout.check` against this job: LayoutError when it cannot run; else its micro-batches."""
+        return layout.check(self.job)
 
     def times(self, layout: Layout, kind: str) -> PhaseTimes:
         """:func:`layer_times`, cached by what it depends on."""
@@ -125,17 +99,18 @@ class Estimator:
             self._layer[key] = (mtp_times(self.job, layout) if kind == "mtp" else layer_times(self.job, layout, kind))
         return self._layer[key]
 
+    def work(self, layout: Layout, kind: str, *, paired: bool = False) -> float:
+        """Seconds of F + I + W of one micro-batch through one ``kind`` (a layer, the embedding, the head),
+        ``paired``: less the F and I communication DualPipe's pairs may hide."""
+        t = self.times(layout, kind)
+        return t.f + t.i + t.w - ((t.f_comm + t.i_comm) if paired else 0.0)
+
     def total_work(self, layout: Layout, *, paired: bool = False) -> float:
-        """Seconds of F + I + W of one micro-batch through the whole model (every layer, the embedding and the
-        head), ``paired``: less the F and I communication DualPipe's pairs may hide: whatever the cut, the
+        """:meth:`work` through the whole model (every layer, the embedding and the head): whatever the cut, the
         stages' work adds up to it (blocking pipeline sends only add to the stages)."""
         key = (layout.tp, layout.cp, layout.ep, layout.mbs, layout.recompute, paired)
         if key not in self._work:
-            total = 0.0
-            for kind, count in self._model_kinds:
-                t = self.times(layout, kind)
-                total += count * (t.f + t.i + t.w - ((t.f_comm + t.i_comm) if paired else 0.0))
-            self._work[key] = total
+            self._work[key] = sum(count * self.work(layout, kind, paired=paired) for kind, count in self._model_kinds)
         return self._work[key]
 
     def stages(self, layout: Layout) -> tuple[list[PhaseTimes], list[float], list[tuple[str, ...]]]:
@@ -172,26 +147,23 @@ class Estimator:
 
     def stage_counts(self, layout: Layout) -> tuple[int, ...]:
         """Decoder layers per model stage (:attr:`Job.stage_cut`): the even cut, or the cut that balances the
-        pipeline ranks' work per micro-batch (F + I + W; under DualPipeV less the communication its pairs may
+        pipeline ranks' work per micro-batch (F + I + W; under DualPipe(V) less the communication its pairs may
         hide) with this layout's layer times."""
         if layout.stages == 1:
             return (len(self.kinds),)
         if self.job.stage_cut == "even":
             return even_counts(len(self.kinds), layout.stages)
         pair = layout.schedule in PAIRED
-        v = SCHEDULES[layout.schedule]
-        known = (layout.tp, layout.cp, layout.ep, layout.mbs, layout.recompute, layout.pp, layout.vp, v, pair)
+        placement = SCHEDULES[layout.schedule]
+        known = (layout.tp, layout.cp, layout.ep, layout.mbs, layout.recompute, layout.pp, layout.vp, placement, pair)
         if known in self._counts:
             return self._counts[known]
-        work = {}
-        for kind in {*self.kinds, "embedding", *self.tail}:
-            t = self.times(layout, kind)
-            work[kind] = t.f + t.i + t.w - ((t.f_comm + t.i_comm) if pair else 0.0)
+        work = {kind: self.work(layout, kind, paired=pair) for kind in {*self.kinds, "embedding", *self.tail}}
         # the cut depends on the work's ratios only: to 1 % of a last layer's, so that layouts whose ratios agree
         # share one search (the cut is a search's result, and any cut is priced exactly)
         unit = work[self.kinds[-1]] if work[self.kinds[-1]] > 0 else 1.0
         ratios = {kind: round(value / unit, 2) for kind, value in work.items()}
-        key = (layout.pp, layout.vp, v, tuple(sorted(ratios.items())))
+        key = (layout.pp, layout.vp, placement, tuple(sorted(ratios.items())))
         if key not in self._counts:
             self._counts[key] = balanced_counts(self.kinds, cut_ranks(layout), ratios, first=ratios["embedding"],
                                                 last=sum(ratios[kind] for kind in self.tail))

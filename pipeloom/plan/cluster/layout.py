@@ -4,10 +4,13 @@ virtual stages, micro-batch size, FSDP or the distributed optimizer, recomputati
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeloom.plan.cluster.counts import RECOMPUTE_MODES
 from pipeloom.plan.errors import LayoutError
+
+if TYPE_CHECKING:
+    from pipeloom.plan.cluster.layer_time import Job
 
 __all__ = ["Layout", "SCHEDULES", "PAIRED", "LAYOUT_KEYS", "parse_layout"]
 
@@ -100,6 +103,36 @@ class Layout:
             raise LayoutError(f"global batch {global_batch} does not split into dp={self.dp} x mbs={self.mbs} "
                               "micro-batches; pick a dp x mbs that divides it")
         return global_batch // (self.dp * self.mbs)
+
+    def check(self, job: Job) -> int:
+        """LayoutError when this layout cannot run ``job``; else its micro-batches per pipeline."""
+        spec = job.spec
+        if self.gpus != job.gpus:
+            raise LayoutError(f"dp x tp x pp x cp = {self.gpus} is not the job's {job.gpus} GPUs")
+        m = self.microbatches(job.global_batch)
+        a = spec.attention
+        if a.heads % self.tp or (a.kv_heads % self.tp and self.tp % a.kv_heads):
+            raise LayoutError(f"tp={self.tp} does not split {a.heads} query / {a.kv_heads} key-value heads")
+        if job.seq % (2 * self.cp) and self.cp > 1:
+            raise LayoutError(f"sequence {job.seq} does not split into 2 x cp={self.cp} load-balanced chunks")
+        if self.stages > spec.layers:
+            raise LayoutError(f"{self.stages} stages for {spec.layers} layers: at most one stage per layer")
+        if spec.experts is None and self.ep > 1:
+            raise LayoutError(f"ep={self.ep} on a dense model: use ep=1")
+        if spec.experts is not None and spec.experts.count % self.ep:
+            raise LayoutError(f"ep={self.ep} does not divide {spec.experts.count} experts")
+        if self.pp > 1 and m < self.pp:
+            raise LayoutError(f"{m} micro-batches for pp={self.pp}: need at least pp (lower dp or mbs)")
+        if self.schedule in PAIRED and m < 2 * self.pp:
+            raise LayoutError(f"{self.schedule} needs at least 2 x pp = {2 * self.pp} micro-batches, got {m}")
+        if self.copies == 2 and (self.pp % 2 or m % 2):
+            raise LayoutError(f"dualpipe needs an even pp (its halves mirror) and an even number of micro-batches "
+                              f"(half enter at each end), got pp={self.pp} and {m}")
+        if self.schedule == "interleaved-1f1b" and m % self.pp:
+            raise LayoutError(f"interleaved-1f1b needs micro-batches ({m}) divisible by pp={self.pp}")
+        if self.pp == 1 and self.schedule != "1f1b":
+            raise LayoutError("pp=1 has no pipeline: use schedule=1f1b")
+        return m
 
     def as_dict(self) -> dict[str, Any]:
         """The layout as JSON-ready values (fsdp as 0/1)."""

@@ -1,6 +1,6 @@
 """Where a layout's layers and stages go: the cut of the decoder layers into stages (even, or balanced over the
-pipeline ranks' work), each stage's pipeline rank (looped or in a V), and a lower bound on any schedule's makespan
-from the stages' work."""
+pipeline ranks' work), each stage's pipeline rank (looped, in a V, or DualPipe's two copies), and a lower bound
+on any schedule's makespan from the stages' work."""
 
 from __future__ import annotations
 
@@ -151,7 +151,7 @@ class _Balance:
 
     def __init__(self, kinds: Sequence[str], ranks: Sequence[Sequence[int]], work: Mapping[str, float],
                  first: float, last: float) -> None:
-        self.ranks, self.work, self.first, self.last = ranks, work, first, last
+        self.ranks, self.first, self.last = ranks, first, last
         self.stages = sum(len(r) for r in ranks)
         self.cumulative = list(accumulate((work[k] for k in kinds), initial=0.0))
         self.owner = [0] * self.stages
@@ -171,6 +171,7 @@ class _Balance:
         return sorted((round(x / self.scale, 12) for x in values), reverse=True)
 
     def rank_loads(self, counts: Sequence[int]) -> list[float]:
+        """Each rank's load under the cut ``counts``."""
         starts = list(accumulate(counts, initial=0))
         per_rank = [0.0] * len(self.ranks)
         for j in range(self.stages):
