@@ -90,8 +90,10 @@ def _choices(key: str, fixed: dict[str, Any], default: list[Any]) -> list[Any]:
     return [fixed[key]] if key in fixed else default
 
 
-def enumerate_layouts(estimator: Estimator, fixed: dict[str, Any]) -> Iterator[Layout]:
-    """Every layout of the job that passes :meth:`Estimator.check`, with the keys of ``fixed`` as given."""
+def enumerate_layouts(estimator: Estimator, fixed: dict[str, Any],
+                      refusals: list[str] | None = None) -> Iterator[Layout]:
+    """Every layout of the job that passes :meth:`Estimator.check`, with the keys of ``fixed`` as given; the
+    first layout refused, with why, appended to ``refusals`` (for the error when none can run)."""
     job, spec = estimator.job, estimator.job.spec
     unknown = set(fixed) - set(LAYOUT_KEYS)
     if unknown:
@@ -99,21 +101,34 @@ def enumerate_layouts(estimator: Estimator, fixed: dict[str, Any]) -> Iterator[L
     n, hw = job.gpus, job.hw
     tps = [t for t in _divisors(n) if t <= hw.scale_up_size and spec.attention.heads % t == 0]
     for tp in _choices("tp", fixed, tps):
-        cps = [c for c in _divisors(n // tp) if c <= 16 and (c == 1 or job.seq % (2 * c) == 0)] if n % tp == 0 else []
+        if n % tp:
+            _refuse(refusals, f"tp={tp} does not divide the {n} GPUs")
+            continue
+        cps = [c for c in _divisors(n // tp) if c <= 16 and (c == 1 or job.seq % (2 * c) == 0)]
         for cp in _choices("cp", fixed, cps):
             if n % (tp * cp):
+                _refuse(refusals, f"tp={tp} x cp={cp} does not divide the {n} GPUs")
                 continue
             pps = [p for p in _divisors(n // (tp * cp)) if p <= spec.layers]
             for pp in _choices("pp", fixed, pps):
                 if n % (tp * cp * pp):
+                    _refuse(refusals, f"tp={tp} x cp={cp} x pp={pp} does not divide the {n} GPUs")
                     continue
                 dp = n // (tp * cp * pp)
                 if "dp" in fixed and fixed["dp"] != dp:
+                    _refuse(refusals, f"tp={tp} x cp={cp} x pp={pp} leaves dp={dp} on {n} GPUs, not dp={fixed['dp']}")
                     continue
-                yield from _inner(estimator, fixed, tp, cp, pp, dp)
+                yield from _inner(estimator, fixed, tp, cp, pp, dp, refusals)
 
 
-def _inner(estimator: Estimator, fixed: dict[str, Any], tp: int, cp: int, pp: int, dp: int) -> Iterator[Layout]:
+def _refuse(refusals: list[str] | None, reason: str) -> None:
+    """Keep the first reason a layout was refused."""
+    if refusals is not None and not refusals:
+        refusals.append(reason)
+
+
+def _inner(estimator: Estimator, fixed: dict[str, Any], tp: int, cp: int, pp: int, dp: int,
+           refusals: list[str] | None) -> Iterator[Layout]:
     """Layouts of one dp x tp x pp x cp."""
     spec, job = estimator.job.spec, estimator.job
     experts = spec.experts.count if spec.experts else 1
@@ -124,6 +139,7 @@ def _inner(estimator: Estimator, fixed: dict[str, Any], tp: int, cp: int, pp: in
             _choices("recompute", fixed, list(RECOMPUTE_MODES)), _choices("fsdp", fixed, [False, True]),
             _choices("schedule", fixed, schedules)):
         if job.global_batch % (dp * mbs):
+            _refuse(refusals, f"dp={dp} x mbs={mbs} does not divide the global batch {job.global_batch}")
             continue
         placement = SCHEDULES.get(schedule)
         vps = {"interleaved": [v for v in VP_CHOICES if pp * v <= spec.layers], "v": [2]}.get(placement or "", [1])
@@ -132,7 +148,9 @@ def _inner(estimator: Estimator, fixed: dict[str, Any], tp: int, cp: int, pp: in
                 layout = Layout(dp=dp, tp=tp, pp=pp, vp=vp, cp=cp, ep=ep, mbs=mbs, fsdp=bool(fsdp),
                                 recompute=recompute, schedule=schedule)
                 estimator.check(layout)
-            except LayoutError:
+            except LayoutError as error:
+                _refuse(refusals, f"dp={dp},tp={tp},pp={pp},vp={vp},cp={cp},ep={ep},mbs={mbs},schedule={schedule}: "
+                                  f"{error}")
                 continue
             yield layout
 
@@ -189,12 +207,14 @@ def search_layouts(job: Job, *, fixed: dict[str, Any] | None = None, memory_limi
     limit = float(memory_limit if memory_limit is not None else job.hw.memory_bytes)
     estimator = Estimator(job)
     groups: dict[tuple[Any, ...], list[Layout]] = {}
-    for layout in enumerate_layouts(estimator, fixed):
+    refusals: list[str] = []
+    for layout in enumerate_layouts(estimator, fixed, refusals):
         groups.setdefault(_group_key(layout), []).append(layout)
     if not groups:
+        first = f" (the first refused: {refusals[0]})" if refusals else ""
         raise NoLayoutFits(f"no layout of {job.spec.family} on {job.gpus} GPUs can run with {_fixed_text(fixed)}"
-                           f" (global batch {job.global_batch}, sequence {job.seq}); change the fixed keys, the GPU "
-                           "count or the global batch")
+                           f" (global batch {job.global_batch}, sequence {job.seq}){first}; change the fixed keys, "
+                           "the GPU count or the global batch")
     run = _Run(Bounds(estimator), list(groups.values()), limit, runners_up, progress)
     best = run.search()
     layouts = sum(map(len, run.groups))
