@@ -168,6 +168,13 @@ def _runs(counts) -> str:
     return ", ".join(f"{count} x{times}" if times > 1 else f"{count}" for count, times in runs)
 
 
+def _copies(layout) -> str:
+    """How DualPipe's ranks hold its two copies of the stages (nothing for one copy)."""
+    if layout.copies == 1:
+        return ""
+    return f" (two copies: rank r holds stage r of one and stage {layout.pp - 1}-r of the other)"
+
+
 def report(result) -> str:
     """The text report: the layout, its step, throughput, MFU, memory, bubble and the runners-up."""
     best, job = result.best, result.job
@@ -177,7 +184,8 @@ def report(result) -> str:
         f"{job.spec.family} on {job.gpus} x {job.hw.name}, global batch {job.global_batch} x {job.seq} tokens, "
         f"{job.dtype}",
         f"layout: {best.layout}",
-        *([f"layers per stage: {_runs(best.stage_layers)}"] if len(best.stage_layers) > 1 else []),
+        *([f"layers per stage: {_runs(best.stage_layers)}{_copies(best.layout)}"] if len(best.stage_layers) > 1
+          else []),
         f"step time: {best.step_time:.3f} s (pipeline {best.pipeline_time:.3f} s, exposed dp "
         f"{best.exposed_dp:.3f} s, optimizer {best.optimizer_time:.3f} s)",
         f"tokens/s per GPU: {best.tokens_per_gpu_per_second:,.0f}   MFU: {best.mfu * 100:.1f} %   "

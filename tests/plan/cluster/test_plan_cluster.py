@@ -138,6 +138,13 @@ def test_cli_errors_one_line_exit_2(config, capsys, argv, message):
     assert len(err.splitlines()) == 1 and message in err
 
 
+def test_text_report_of_dualpipe_says_how_its_copies_sit(config, capsys):
+    assert main(["plan", "--model", str(config), "--hardware", "h100", "--gpus", "8", "--global-batch", "32",
+                 "--seq", "4096", "--layout", "pp=4,schedule=dualpipe"]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("layers per stage: "))
+    assert line.endswith("(two copies: rank r holds stage r of one and stage 3-r of the other)")
+
+
 def test_layout_checks():
     with pytest.raises(LayoutError, match="vp=2"):
         Layout(pp=2, vp=3, schedule="zbv")
