@@ -7,6 +7,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from itertools import groupby
 from pathlib import Path
 
 from pipeloom.cli.errors import UsageError
@@ -159,12 +160,7 @@ def _gib(nbytes: float) -> str:
 
 def _runs(counts) -> str:
     """``7, 8 x14, 7``: the stages' layer counts, repeats folded."""
-    runs: list[list[int]] = []
-    for count in counts:
-        if runs and runs[-1][0] == count:
-            runs[-1][1] += 1
-        else:
-            runs.append([count, 1])
+    runs = ((count, len(list(run))) for count, run in groupby(counts))
     return ", ".join(f"{count} x{times}" if times > 1 else f"{count}" for count, times in runs)
 
 

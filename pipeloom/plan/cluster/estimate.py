@@ -70,7 +70,8 @@ class Estimator:
         self._work: dict[tuple[Any, ...], float] = {}
         self._acts: dict[tuple[Any, ...], float] = {}
         self._cuts: dict[tuple[tuple[int, ...], int], Cut] = {}
-        self._counts: dict[tuple[Any, ...], tuple[int, ...]] = {}
+        self._counts: dict[tuple[Any, ...], tuple[int, ...]] = {}  # the cut per layout's layer shapes and placement
+        self._balanced: dict[tuple[Any, ...], tuple[int, ...]] = {}  # the balanced cut per placement and work ratios
         self._ranks: dict[tuple[Any, ...], tuple[tuple[tuple[int, ...], tuple[tuple[str, int], ...]], ...]] = {}
         self._profiles: dict[tuple[Any, ...], tuple[RankHeld, ...]] = {}
         self._model_kinds = tuple(sorted(Counter((*self.kinds, "embedding", *self.tail)).items()))
@@ -164,10 +165,10 @@ class Estimator:
         unit = work[self.kinds[-1]] if work[self.kinds[-1]] > 0 else 1.0
         ratios = {kind: round(value / unit, 2) for kind, value in work.items()}
         key = (layout.pp, layout.vp, placement, tuple(sorted(ratios.items())))
-        if key not in self._counts:
-            self._counts[key] = balanced_counts(self.kinds, cut_ranks(layout), ratios, first=ratios["embedding"],
-                                                last=sum(ratios[kind] for kind in self.tail))
-        self._counts[known] = self._counts[key]
+        if key not in self._balanced:
+            self._balanced[key] = balanced_counts(self.kinds, cut_ranks(layout), ratios, first=ratios["embedding"],
+                                                  last=sum(ratios[kind] for kind in self.tail))
+        self._counts[known] = self._balanced[key]
         return self._counts[known]
 
     def _cut(self, counts: tuple[int, ...], copies: int) -> Cut:
