@@ -10,8 +10,12 @@ measured against fitted time per shape; writes the file. Under 5 minutes on one 
     python benchmarks/calibrate_gpu.py --base h100 --out h100-measured.json          # on the GPU
     python benchmarks/calibrate_gpu.py --base h100 --device cpu --grid tiny --out /tmp/cpu.json  # a smoke run
 
+Where the base GPU has an FP8 peak, the same GEMM grid also runs in FP8 (``torch._scaled_mm``, e4m3 inputs
+with per-tensor scales, BF16 output: the GEMM alone, as the maximum achievable matmul table measures it) and
+``fp8_gemm_efficiency`` is fitted with the BF16 fit's half dimension and overhead.
+
 On CPU the shapes are tiny, the dtype float32 and the peak the base's (so the fitted efficiencies are
-tiny fractions): that checks the script, not a CPU. FP8 GEMMs are not measured (the BF16 fit applies).
+tiny fractions): that checks the script, not a CPU.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from pipeloom.plan.cluster.efficiency import attention_flops  # noqa: E402
 from pipeloom.plan.cluster.gpus import hardware  # noqa: E402
 from pipeloom.plan.cluster.hardware import Hardware, save_hardware  # noqa: E402
 
-__all__ = ["GRIDS", "Fit", "fit_attention", "fit_gemm", "main", "model_attention", "model_gemm"]
+__all__ = ["GRIDS", "Fit", "fit_attention", "fit_fp8_gemm", "fit_gemm", "main", "model_attention", "model_gemm"]
 
 GRIDS = {
     "full": {"gemm": (256, 512, 1024, 2048, 4096, 8192), "seq": (256, 512, 1024, 2048, 4096, 8192),
@@ -94,6 +98,16 @@ def fit_gemm(samples: Sequence[tuple[int, int, int, float]], *, peak: float, ban
     return Fit(values=best[1], rms_log_error=best[0])
 
 
+def fit_fp8_gemm(samples: Sequence[tuple[int, int, int, float]], *, peak: float, bandwidth: float, half: float,
+                 overhead: float) -> Fit:
+    """The FP8 ceiling (``fp8_gemm_efficiency``) minimizing the log-time error of FP8 ``(m, n, k, seconds)``
+    samples (one-byte inputs, ``peak`` the FP8 peak), the half dimension and overhead fixed to the BF16 fit's."""
+    scored = min((math.sqrt(sum((math.log(model_gemm(m, n, k, peak=peak, bandwidth=bandwidth, efficiency=e,
+                                                     half=half, overhead=overhead, width=1)) - math.log(t)) ** 2
+                                for m, n, k, t in samples) / len(samples)), e) for e in _EFFICIENCIES)
+    return Fit(values={"fp8_gemm_efficiency": scored[1]}, rms_log_error=scored[0])
+
+
 def fit_attention(samples: Sequence[tuple[float, int, float, float, bool]], *, peak: float, bandwidth: float,
                   overhead: float) -> Fit:
     """Grid search of (forward efficiency, backward efficiency, half sequence) over ``(flops, seq, traffic,
@@ -134,8 +148,10 @@ def _timer(device: str) -> Callable[[Callable[[], object], int], float]:
     return run
 
 
-def measure(device: str, grid: dict, *, budget: float, repeats: int, log: Callable[[str], None]) -> dict:
-    """Median seconds of a large copy, every GEMM of the grid and attention forward/backward per sequence."""
+def measure(device: str, grid: dict, *, budget: float, repeats: int, log: Callable[[str], None],
+            fp8: bool = False) -> dict:
+    """Median seconds of a large copy, every GEMM of the grid (and, with ``fp8``, every FP8 GEMM) and
+    attention forward/backward per sequence."""
     import torch
     import torch.nn.functional as F
 
@@ -147,7 +163,7 @@ def measure(device: str, grid: dict, *, budget: float, repeats: int, log: Callab
     copy_dst = torch.empty_like(copy_src)
     copy = timed(lambda: copy_dst.copy_(copy_src), repeats)
     out: dict = {"dtype": str(dtype).removeprefix("torch."), "width": width, "copy": (2 * grid["copy_bytes"], copy),
-                 "gemm": [], "attention": []}
+                 "gemm": [], "gemm_fp8": [], "attention": []}
     log(f"copy of {grid['copy_bytes'] / 2**20:.0f} MiB: {2 * grid['copy_bytes'] / copy / 1e9:.1f} GB/s (read+write)")
     for m, n, k in itertools.product(grid["gemm"], repeat=3):
         if time.monotonic() > deadline:
@@ -156,6 +172,16 @@ def measure(device: str, grid: dict, *, budget: float, repeats: int, log: Callab
         a = torch.randn(m, k, dtype=dtype, device=device)
         b = torch.randn(k, n, dtype=dtype, device=device)
         out["gemm"].append((m, n, k, timed(lambda a=a, b=b: a @ b, repeats)))
+    if fp8:
+        one = torch.ones((), device=device)
+        for m, n, k in itertools.product(grid["gemm"], repeat=3):
+            if time.monotonic() > deadline:
+                log("FP8 GEMM grid cut short by --budget")
+                break
+            a = torch.randn(m, k, device=device).to(torch.float8_e4m3fn)
+            b = torch.randn(n, k, device=device).to(torch.float8_e4m3fn).t()  # column-major, as _scaled_mm takes it
+            out["gemm_fp8"].append((m, n, k, timed(lambda a=a, b=b: torch._scaled_mm(
+                a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16), repeats)))
     heads, head_dim = grid["heads"], grid["head_dim"]
     for seq in grid["seq"]:
         if time.monotonic() > deadline:
@@ -200,11 +226,18 @@ def calibrate(base: Hardware, measured: dict, grid: dict, *, device_name: str, n
     sources["memory_efficiency"] = f"{where}: copy of {grid['copy_bytes']} bytes"
     for key in gemm.values:
         sources[key] = f"{where}: {len(measured['gemm'])} GEMM shapes, rms log-time error {gemm.rms_log_error:.3f}"
+    fp8 = {}
+    if measured["gemm_fp8"]:
+        fit = fit_fp8_gemm(measured["gemm_fp8"], peak=base.peak("fp8"), bandwidth=bandwidth,
+                           half=gemm.values["gemm_half_dim"], overhead=gemm.values["kernel_overhead"])
+        fp8 = fit.values
+        sources["fp8_gemm_efficiency"] = (f"{where}: {len(measured['gemm_fp8'])} FP8 GEMM shapes (torch._scaled_mm), "
+                                          f"rms log-time error {fit.rms_log_error:.3f}")
     for key in attention.values:
         sources[key] = (f"{where}: causal SDPA at {len(measured['attention'])} sequence lengths, rms log-time error "
                         f"{attention.rms_log_error:.3f}")
     _print_fit(measured, gemm, peak, bandwidth, log)
-    return dataclasses.replace(base, name=name, memory_efficiency=memory_efficiency, **gemm.values,
+    return dataclasses.replace(base, name=name, memory_efficiency=memory_efficiency, **gemm.values, **fp8,
                                **attention.values, sources=sources)
 
 
@@ -233,11 +266,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     base = hardware(args.base)
     device_name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
     start = time.monotonic()
-    measured = measure(device, grid, budget=args.budget, repeats=args.repeats, log=print)
+    fp8 = "fp8" in base.peak_flops and hasattr(torch, "float8_e4m3fn")
+    measured = measure(device, grid, budget=args.budget, repeats=args.repeats, log=print, fp8=fp8)
     hw = calibrate(base, measured, grid, device_name=device_name, name=args.name or f"{base.name}-measured",
                    log=print)
     save_hardware(hw, args.out)
-    print(f"gemm_efficiency {hw.gemm_efficiency:.3g}, gemm_half_dim {hw.gemm_half_dim:.0f}, kernel_overhead "
+    print(f"gemm_efficiency {hw.gemm_efficiency:.3g} (fp8 {hw.gemm_ceiling('fp8'):.3g}), gemm_half_dim "
+          f"{hw.gemm_half_dim:.0f}, kernel_overhead "
           f"{hw.kernel_overhead * 1e6:.1f} us, attention {hw.attention_efficiency:.3g} / "
           f"{hw.attention_backward_efficiency:.3g} (half at s={hw.attention_half_seq:.0f}), memory "
           f"{hw.memory_efficiency:.3g}; wrote {args.out} in {time.monotonic() - start:.0f} s")

@@ -9,19 +9,31 @@ docs/cluster-plan.md ('Hardware').
 
 from __future__ import annotations
 
-from pipeloom.plan.cluster.efficiency import attention_flops, attention_seconds, collective_seconds, gemm_seconds
+from pipeloom.plan.cluster.efficiency import (
+    attention_flops,
+    attention_seconds,
+    collective_seconds,
+    gemm_efficiency,
+    gemm_seconds,
+)
 from pipeloom.plan.cluster.gpus import hardware, hardware_names
 
 __all__ = ["REFERENCES", "main"]
 
-_MAMF = "Bekman, ml-engineering, maximum achievable matmul FLOPS table (best shape)"
+_MAMF = "Bekman, ml-engineering, maximum achievable matmul FLOPS table at 744d01e (best shape)"
 _FA3 = "FlashAttention-3 paper (arXiv:2407.08608): BF16 forward up to 740 TFLOP/s at head dim 256, seq 16k"
 _NCCL8 = "nccl-tests busbw at large sizes (docs.alayanew.com nccl-tests guide)"
 _NCCL16 = "nccl-tests busbw, 2+ nodes NVLink + NDR IB (saturncloud.io NCCL validation guide)"
 
 
-def _gemm(name: str, m: int, n: int, k: int) -> float:
-    return 2 * m * n * k / gemm_seconds(hardware(name), m, n, k) / 1e12
+def _gemm(name: str, m: int, n: int, k: int, dtype: str = "bf16") -> float:
+    return 2 * m * n * k / gemm_seconds(hardware(name), m, n, k, dtype=dtype) / 1e12
+
+
+def _matmul(name: str, m: int, n: int, k: int, dtype: str = "bf16") -> float:
+    """The GEMM's compute rate alone (no FP8 scaling casts: the table times pre-cast inputs)."""
+    hw = hardware(name)
+    return gemm_efficiency(hw, m, n, k, dtype=dtype) * hw.peak(dtype) / 1e12
 
 
 def _attention(name: str, head_dim: int) -> float:
@@ -37,11 +49,21 @@ def _busbw(name: str, ranks: int, per_domain: int) -> float:
 
 REFERENCES = [
     # (what, unit, predicted, (low, high) measured, source, independent?)
-    ("A100 SXM GEMM 6912x16384x2048", "TFLOP/s", lambda: _gemm("a100-80gb", 6912, 16384, 2048), (267.9, 267.9),
+    ("A100 SXM GEMM 1024x10240x5120", "TFLOP/s", lambda: _matmul("a100-80gb", 1024, 10240, 5120), (271.2, 271.2),
      _MAMF, "no: sets the ceiling E"),
-    ("H100 SXM GEMM 6144x17920x2816", "TFLOP/s", lambda: _gemm("h100", 6144, 17920, 2816), (792.1, 792.1), _MAMF,
+    ("H100 SXM GEMM 2048x2048x13312", "TFLOP/s", lambda: _matmul("h100", 2048, 2048, 13312), (794.5, 794.5), _MAMF,
      "no: sets the ceiling E"),
-    ("MI300X GEMM 4096x10240x4864", "TFLOP/s", lambda: _gemm("mi300x", 4096, 10240, 4864), (781.9, 781.9), _MAMF,
+    ("H100 SXM FP8 GEMM 1024x9216x14336", "TFLOP/s", lambda: _matmul("h100", 1024, 9216, 14336, "fp8"),
+     (1402.6, 1402.6), _MAMF, "no: sets the FP8 ceiling"),
+    ("H200 SXM FP8 GEMM 1280x4096x12032", "TFLOP/s", lambda: _matmul("h200", 1280, 4096, 12032, "fp8"),
+     (1453.4, 1453.4), _MAMF, "no: sets the FP8 ceiling"),
+    ("B200 SXM GEMM 1792x16128x3072", "TFLOP/s", lambda: _matmul("b200", 1792, 16128, 3072), (1745.0, 1745.0),
+     _MAMF, "no: sets the ceiling E"),
+    ("B200 SXM FP8 GEMM 15360x4096x3072", "TFLOP/s", lambda: _matmul("b200", 15360, 4096, 3072, "fp8"),
+     (3432.5, 3432.5), _MAMF, "no: sets the FP8 ceiling"),
+    ("GB200 GEMM 4096x9728x2048", "TFLOP/s", lambda: _matmul("gb200", 4096, 9728, 2048), (1822.0, 1822.0), _MAMF,
+     "no: sets the ceiling E"),
+    ("MI300X GEMM 10240x15360x8192", "TFLOP/s", lambda: _matmul("mi300x", 10240, 15360, 8192), (668.4, 668.4), _MAMF,
      "no: sets the ceiling E"),
     ("H100 attention forward, head dim 256, s=16k", "TFLOP/s", lambda: _attention("h100", 256), (740.0, 740.0), _FA3,
      "partly: the 0.65 prior is read from the same paper's head-dim-128 curve"),
@@ -63,16 +85,18 @@ def main() -> None:
         ratio = value / ((low + high) / 2)
         print(f"{what:<46} {unit:<11} {value:>10.1f} {measured:>13} {ratio:>6.2f}  {independent}  [{source}]")
     print()
-    print("Per GPU (priors unless calibrated): cube GEMM TFLOP/s at 1k / 4k / 8k; causal attention forward "
+    print("Per GPU (priors unless calibrated): cube GEMM TFLOP/s at 1k / 4k / 8k (FP8 at 8k, scaling casts "
+          "included); causal attention forward "
           "TFLOP/s at s = 4k (32 heads of 128); all-reduce busbw GB/s of 8 GiB on 8 GPUs of one domain and "
           "on 1,024 GPUs, 8 per domain")
     for name in hardware_names():
         hw = hardware(name)
         cubes = " / ".join(f"{_gemm(name, d, d, d):,.0f}" for d in (1024, 4096, 8192))
+        fp8 = f"{_gemm(name, 8192, 8192, 8192, 'fp8'):,.0f}" if "fp8" in hw.peak_flops else "-"
         shape = {"batch": 1, "heads": 32, "seq": 4096, "head_dim": 128}
         attention = attention_flops(**shape) / attention_seconds(hw, **shape) / 1e12
         per_domain = min(8, hw.scale_up_size)
-        print(f"  {name:<10} GEMM {cubes:>22}   attention {attention:>7,.0f}   all-reduce "
+        print(f"  {name:<10} GEMM {cubes:>22}   FP8 {fp8:>6}   attention {attention:>7,.0f}   all-reduce "
               f"{_busbw(name, per_domain, per_domain):>5.0f} / {_busbw(name, 1024, per_domain):>5.0f}")
 
 

@@ -6,8 +6,9 @@ collectives over the scale-up / scale-out topology, and point-to-point sends bet
 
     t = overhead + max(2mnk / (peak · E · f(m)·f(n)·f(k)),  bytes / (HBM · e_mem)),   f(d) = d / (d + d½)
 
-``E`` is the large-shape efficiency (maximum achievable matmul FLOPS / peak), ``d½`` the half-rate
-dimension; ``bytes`` reads both inputs at the dtype's width and writes the output in BF16. The rate
+``E`` is the large-shape efficiency (maximum achievable matmul FLOPS / peak) of the GEMM's dtype (FP8's
+own where the GPU has a measurement: :meth:`~pipeloom.plan.cluster.hardware.Hardware.gemm_ceiling`), ``d½``
+the half-rate dimension; ``bytes`` reads both inputs at the dtype's width and writes the output in BF16. The rate
 ``2mnk / t`` never exceeds ``E · peak``. On top of the smooth ``f`` (fixed per-tile prologue and epilogue
 costs), **wave quantization** (NVIDIA, "Matrix Multiplication Background User's Guide", sections on tile and
 wave quantization): the output is cut into ``tm x tn`` tiles, one per SM at a time, so the GEMM takes
@@ -128,11 +129,11 @@ def wave_efficiency(hw: Hardware, m: float, n: float, count: int = 1) -> float:
     return best
 
 
-def gemm_efficiency(hw: Hardware, m: float, n: float, k: float, count: int = 1) -> float:
-    """Fraction of peak the GEMM's compute runs at: ``E · Π d / (d + d½)`` over ``m, n, k``, times
-    :func:`wave_efficiency`."""
+def gemm_efficiency(hw: Hardware, m: float, n: float, k: float, count: int = 1, *, dtype: str = "bf16") -> float:
+    """Fraction of ``dtype``'s peak the GEMM's compute runs at: ``E · Π d / (d + d½)`` over ``m, n, k``
+    (``E`` the GPU's ceiling for that dtype, :meth:`Hardware.gemm_ceiling`), times :func:`wave_efficiency`."""
     half = hw.gemm_half_dim
-    smooth = hw.gemm_efficiency * (m / (m + half)) * (n / (n + half)) * (k / (k + half))
+    smooth = hw.gemm_ceiling(dtype) * (m / (m + half)) * (n / (n + half)) * (k / (k + half))
     return smooth * wave_efficiency(hw, m, n, count)
 
 
@@ -146,7 +147,7 @@ def gemm_seconds(hw: Hardware, m: float, n: float, k: float, *, dtype: str = "bf
     peak, width = hw.peak(dtype), dtype_bytes(dtype)
     if m == 0 or n == 0 or k == 0 or count == 0:
         return 0.0
-    compute = 2.0 * m * n * k / (peak * gemm_efficiency(hw, m, n, k, count))
+    compute = 2.0 * m * n * k / (peak * gemm_efficiency(hw, m, n, k, count, dtype=dtype))
     traffic = (m * k + k * n) * width + m * n * 2
     bandwidth = hw.memory_bandwidth * hw.memory_efficiency
     seconds = hw.kernel_overhead + count * max(compute, traffic / bandwidth)

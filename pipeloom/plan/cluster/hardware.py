@@ -49,6 +49,9 @@ class Hardware:
     """Seconds one step of a collective takes across domains (through the NICs and switches)."""
     gemm_efficiency: float = 0.80
     """Fraction of peak a large, well-shaped GEMM reaches (the maximum achievable matmul FLOPS / peak)."""
+    fp8_gemm_efficiency: float | None = None
+    """The same fraction of the FP8 peak for FP8 GEMMs (per-tensor scaled); None: ``gemm_efficiency``'s, for a
+    GPU without an FP8 measurement."""
     gemm_half_dim: float = 128.0
     """A GEMM dimension at which that dimension alone halves the rate: each of m, n, k scales the rate
     by ``d / (d + gemm_half_dim)`` (tile and wave quantization, fixed per-tile costs)."""
@@ -117,6 +120,10 @@ class Hardware:
         if not isinstance(self.memory_bytes, int) or isinstance(self.memory_bytes, bool):
             raise HardwareError(f"hardware {self.name!r}: memory_bytes must be a whole number of bytes, "
                                 f"got {self.memory_bytes!r}")
+        if self.fp8_gemm_efficiency is not None and (not _number(self.fp8_gemm_efficiency)
+                                                     or not 0 < self.fp8_gemm_efficiency <= 1):
+            raise HardwareError(f"hardware {self.name!r}: fp8_gemm_efficiency is a fraction of the FP8 peak in "
+                                f"(0, 1], or null to use gemm_efficiency, got {self.fp8_gemm_efficiency!r}")
         sources = dict(self.sources)
         known = {f.name for f in fields(self)}
         for key, text in sources.items():
@@ -132,6 +139,12 @@ class Hardware:
             raise HardwareError(f"{self.name} has no {dtype!r} tensor-core rate; use dtype "
                                 f"{' or '.join(repr(d) for d in self.peak_flops)}")
         return rate
+
+    def gemm_ceiling(self, dtype: str) -> float:
+        """The fraction of ``dtype``'s peak a large GEMM reaches (``fp8_gemm_efficiency`` for FP8 where given)."""
+        if dtype == "fp8" and self.fp8_gemm_efficiency is not None:
+            return self.fp8_gemm_efficiency
+        return self.gemm_efficiency
 
     def to_dict(self) -> dict:
         """The JSON form (``format`` tag first); :func:`load_hardware` reads it back."""

@@ -79,3 +79,25 @@ def test_cpu_smoke_run_writes_a_loadable_file(tmp_path, capsys):
     assert hw.name == "cpu-smoke" and hw.peak_flops == hardware("a100-80gb").peak_flops
     assert "calibrate_gpu.py on CPU (float32)" in hw.sources["gemm_efficiency"]
     assert "wrote" in capsys.readouterr().out
+
+
+def test_cpu_smoke_run_fits_fp8_where_the_base_has_it(tmp_path):
+    """An H100 base has an FP8 peak: the script times the grid with torch._scaled_mm too and writes a fitted
+    fp8_gemm_efficiency with its provenance (on CPU a tiny fraction, as for BF16)."""
+    pytest.importorskip("torch")
+    out = tmp_path / "cpu.json"
+    assert CALIBRATE.main(["--base", "h100", "--device", "cpu", "--grid", "tiny", "--repeats", "1",
+                           "--out", str(out)]) == 0
+    hw = load_hardware(out)
+    assert hw.fp8_gemm_efficiency is not None and hw.fp8_gemm_efficiency != hardware("h100").fp8_gemm_efficiency
+    assert "27 FP8 GEMM shapes (torch._scaled_mm)" in hw.sources["fp8_gemm_efficiency"]
+
+
+def test_the_fp8_fit_recovers_the_ceiling_it_was_made_with():
+    hw = hardware("h100")
+    bandwidth = hw.memory_bandwidth * hw.memory_efficiency
+    samples = [(m, n, k, CALIBRATE.model_gemm(m, n, k, peak=hw.peak("fp8"), bandwidth=bandwidth, efficiency=0.7,
+                                              half=128.0, overhead=2e-6, width=1))
+               for m, n, k in itertools.product((512, 2048, 8192), repeat=3)]
+    fit = CALIBRATE.fit_fp8_gemm(samples, peak=hw.peak("fp8"), bandwidth=bandwidth, half=128.0, overhead=2e-6)
+    assert fit.values == {"fp8_gemm_efficiency": 0.7} and fit.rms_log_error < 1e-9

@@ -58,6 +58,10 @@ def test_gemm_compute_bound_closed_form():
     # (read 2, read 2 and write 1 bytes per element) at the achieved HBM bandwidth, one more kernel
     cast = 1e-6 + 5 * 2 * m * k / 0.5e12
     assert gemm_seconds(ROUND, m, n, k, dtype="fp8") == pytest.approx(1e-6 + compute / 2 + cast)
+    # with its own FP8 ceiling (0.4 of the FP8 peak against 0.5 of BF16's) the compute part scales by 0.5 / 0.4
+    fp8_own = dataclasses.replace(ROUND, fp8_gemm_efficiency=0.4)
+    assert gemm_seconds(fp8_own, m, n, k, dtype="fp8") == pytest.approx(1e-6 + compute / 2 * 0.5 / 0.4 + cast)
+    assert gemm_seconds(fp8_own, m, n, k) == gemm_seconds(ROUND, m, n, k)  # BF16 unchanged
 
 
 def test_gemm_memory_bound_closed_form():
@@ -74,7 +78,7 @@ def test_gemm_time_and_smooth_rate_rise_with_every_dimension_and_stay_under_peak
     for dtype in hw.peak_flops:
         for m, n, k in itertools.product(sizes, repeat=3):
             rate = 2 * m * n * k / gemm_seconds(hw, m, n, k, dtype=dtype)
-            assert rate < hw.gemm_efficiency * hw.peak_flops[dtype]
+            assert rate < hw.gemm_ceiling(dtype) * hw.peak_flops[dtype]
             smooth = gemm_efficiency(hw, m, n, k) / wave_efficiency(hw, m, n)
             for grown in ((2 * m, n, k), (m, 2 * n, k), (m, n, 2 * k)):
                 # twice the work never takes less time; the smooth part of the rate rises (the waves' saw-tooth
@@ -84,6 +88,9 @@ def test_gemm_time_and_smooth_rate_rise_with_every_dimension_and_stay_under_peak
     # small GEMMs run far from peak, large ones near the measured ceiling
     assert 2 * 256**3 / gemm_seconds(hw, 256, 256, 256) < 0.3 * hw.peak_flops["bf16"]
     assert 2 * 16384**3 / gemm_seconds(hw, 16384, 16384, 16384) > 0.95 * hw.gemm_efficiency * hw.peak_flops["bf16"]
+    if "fp8" in hw.peak_flops:  # FP8 near its own ceiling (the per-tensor scaling casts cost ~15 % at this size)
+        ceiling = hw.gemm_ceiling("fp8") * hw.peak_flops["fp8"]
+        assert 0.8 * ceiling < 2 * 16384**3 / gemm_seconds(hw, 16384, 16384, 16384, dtype="fp8") < ceiling
 
 
 def test_fp8_needs_a_gpu_that_has_it():

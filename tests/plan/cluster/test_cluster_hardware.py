@@ -70,6 +70,19 @@ def test_a_minimal_file_takes_the_documented_priors(tmp_path):
     assert hw.name == "my-gpu" and hw.gemm_efficiency == Hardware.__dataclass_fields__["gemm_efficiency"].default
 
 
+def test_an_fp8_ceiling_is_the_gpus_own_where_measured_else_the_bf16_one(tmp_path):
+    """H100: the FP8 MAMF fraction (0.709) is below BF16's (0.803), and FP8 GEMMs take it; a file written
+    before the field existed (no ``fp8_gemm_efficiency``) loads with FP8 at the BF16 fraction."""
+    h100 = hardware("h100")
+    assert h100.gemm_ceiling("bf16") == h100.gemm_efficiency == 0.803
+    assert h100.gemm_ceiling("fp8") == h100.fp8_gemm_efficiency == 0.709
+    assert "1,402.6 of 1,979" in h100.sources["fp8_gemm_efficiency"]
+    old = h100.to_dict()
+    del old["fp8_gemm_efficiency"], old["sources"]["fp8_gemm_efficiency"]
+    loaded = hardware(_write(tmp_path, old))
+    assert loaded.fp8_gemm_efficiency is None and loaded.gemm_ceiling("fp8") == 0.803
+
+
 def _write(tmp_path, data) -> str:
     path = tmp_path / "bad.json"
     path.write_text(data if isinstance(data, str) else json.dumps(data))
@@ -87,6 +100,7 @@ def _good() -> dict:
     (lambda d: d.update(peak_flops={"fp16": 1e15}), "unknown dtype 'fp16'; use bf16, fp8"),
     (lambda d: d.update(peak_flops={"fp8": 1e15}), "needs a 'bf16' rate"),
     (lambda d: d.update(gemm_efficiency=1.5), r"gemm_efficiency is a fraction of peak in \(0, 1\]"),
+    (lambda d: d.update(fp8_gemm_efficiency=0), r"fp8_gemm_efficiency is a fraction of the FP8 peak .* or null"),
     (lambda d: d.update(scale_up_size=0), "scale_up_size must be a whole number of GPUs >= 1"),
     (lambda d: d.update(memory_bytes=8.5e10), "memory_bytes must be a whole number of bytes"),
     (lambda d: d.update(scale_out_latency=-1), "scale_out_latency must be seconds >= 0"),
