@@ -9,6 +9,7 @@ ends it and the watch (also at interpreter exit, for a messenger never closed).
 
 from __future__ import annotations
 
+import collections
 import datetime
 import weakref
 from collections.abc import Callable, Sequence
@@ -32,7 +33,14 @@ from pipeloom.runtime.errors import PipelineError
 from pipeloom.runtime.parallel.tp import TensorParallel
 from pipeloom.runtime.program import Unit
 
-__all__ = ["FailureScope", "Messenger"]
+__all__ = ["KEPT_WORKS", "FailureScope", "Messenger"]
+
+KEPT_WORKS = 4
+"""How many of its last waited gloo works a messenger keeps until the next step begins (or the messenger
+goes). Gloo's worker thread drops its own reference to a collective a moment after the waiting thread
+returns; when it drops the last one, it frees the work's tensors on that thread, which takes the GIL, and
+during interpreter shutdown right after a last step that aborts the process ("terminate called without an
+active exception", seen under load about one exit in fifteen). Held here, the work is freed by Python."""
 
 
 def _same(rank: int) -> int:
@@ -83,6 +91,7 @@ class Messenger:
         self.incoming = {src: order for (src, dst), order in pair_order.items() if dst == rank}
         self._send_error: PipelineError | None = None
         self._helpers = HelperThreads()
+        self._waited: collections.deque = collections.deque(maxlen=KEPT_WORKS)  # see KEPT_WORKS
         self.transport = transport if transport is not None else transport_for(group, self._helpers)
         self._closer = weakref.finalize(self, self._helpers.stop)  # runs at close(), collection or exit
 
@@ -92,6 +101,7 @@ class Messenger:
         an earlier step with these input shapes, or (``discover``) filled as units arrive."""
         if self._helpers.stopped:
             raise PipelineError("this engine was closed (close()); build a new one to take more steps")
+        self._waited.clear()
         return StepMessages(self, metas, specs, discover=discover, events=events, unit_filter=unit_filter)
 
     # --------------------------------------------------------------------- outside the units
@@ -131,6 +141,7 @@ class Messenger:
         point-to-point waits call :meth:`await_work` directly.)"""
         if self.polled or not completes_alone(work):
             return self.await_work(work)
+        self._waited.append(work)
         failed = wait_in_slices(work, timeout=self.timeout, board=self.board)
         if failed is not None and failed[1] is None and self.store is not None:
             self._close_connections()  # frees gloo's thread still waiting in the collective
@@ -141,6 +152,7 @@ class Messenger:
         rank's failure in the store ends the wait within about ``PEER_POLL_S`` seconds (module watch)."""
         if self.polled:
             return poll_work(work, timeout=self.timeout, board=self.board)
+        self._waited.append(work)
         watch = self._watch()
         if watch is not None:
             watch.waiting += 1
