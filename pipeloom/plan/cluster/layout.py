@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 __all__ = ["Layout", "SCHEDULES", "PAIRED", "LAYOUT_KEYS", "parse_layout"]
 
 SCHEDULES: dict[str, str] = {
-    "1f1b": "1f1b",
+    "1f1b": "linear",
     "interleaved-1f1b": "interleaved",
     "zb-h1": "linear",
     "zbv": "v",

@@ -148,7 +148,18 @@ def test_text_report_of_dualpipe_says_how_its_copies_sit(config, capsys):
 def test_layout_checks():
     with pytest.raises(LayoutError, match="vp=2"):
         Layout(pp=2, vp=3, schedule="zbv")
+    with pytest.raises(LayoutError, match="1f1b runs one stage per rank: use vp=1"):
+        Layout(pp=2, vp=3, schedule="1f1b")
     with pytest.raises(LayoutError, match="ep=3"):
         Layout(dp=4, ep=3)
     with pytest.raises(LayoutError, match="out of range"):
         parse_layout("fsdp=2")
+
+
+def test_a_fixed_vp_is_searched_only_with_the_schedules_that_loop():
+    """With vp fixed above 1 and the schedule free, 1F1B (one stage per rank) is not a candidate: it was once
+    priced with the stages of only one loop, about 1/vp of the work (an MFU over 100 %)."""
+    found = plan_cluster(SMALL, "h100", gpus=8, global_batch=32, seq=2048, layout="pp=4,vp=2", runners_up=20)
+    for estimate in (found.best, *(runner for runner, _ in found.runners_up)):
+        assert estimate.layout.schedule in ("interleaved-1f1b", "zbv", "dualpipev"), estimate.layout
+        assert estimate.mfu < 1
