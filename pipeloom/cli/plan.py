@@ -79,7 +79,8 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
     plan.add_argument("--global-batch", type=count, required=True, metavar="B",
                       help="samples per step (with --model: sequences)")
     plan.add_argument("--memory-limit", type=bytes_argument, metavar="SIZE",
-                      help="bytes per rank, e.g. 80GiB or 512MiB (default: no limit)")
+                      help="bytes per rank, e.g. 80GiB or 512MiB (default: no limit; with --model the GPU's "
+                           "memory)")
     plan.add_argument("--schedules", metavar="NAMES",
                       help="comma-separated schedules to try (default: every built-in one)")
     plan.add_argument("--stages-per-rank", type=count, nargs="+", default=[2], metavar="V",
@@ -92,7 +93,7 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
     plan.add_argument("--time-limit", type=number(float, "a number of seconds > 0", 0.01), default=PLAN_TIME_LIMIT,
                       metavar="SECONDS", help=f"stop trying candidates after this long (default {PLAN_TIME_LIMIT:g}); "
                                               "those left untried (the largest micro-batch counts) are counted")
-    plan.add_argument("--top", type=count, default=10, metavar="N", help="runners-up to show (default 10)")
+    plan.add_argument("--top", type=count, metavar="N", help="runners-up to show (default 10; with --model 5)")
     plan.add_argument("-o", "--out", type=path_with(".png", ".svg", ".html"),
                       help="the best plan's simulated timeline (.png/.svg, or .html: interactive)")
     plan.add_argument("--server", metavar="URL",
@@ -109,7 +110,8 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
     plan.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     add_cluster_arguments(plan)
     add_try_arguments(plan)
-    plan.set_defaults(handler=cmd_plan)
+    # what each flag is when not given: --model refuses the cost-table mode's flags that were given
+    plan.set_defaults(handler=cmd_plan, plan_defaults={action.dest: action.default for action in plan._actions})
 
 
 def _schedules(text: str | None) -> list[str] | None:
@@ -288,7 +290,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                           "seconds": result.seconds, "untried": result.untried}))
     else:
         console.print(_best_table(result))
-        console.print(_runners_up(result, args.top))
+        console.print(_runners_up(result, 10 if args.top is None else args.top))
     for message in written:
         console.print(message, markup=False, soft_wrap=True)
     return 0

@@ -80,7 +80,42 @@ def check_plan_mode(args: argparse.Namespace) -> bool:
                if value is None]
     if missing:
         raise UsageError(f"--model needs {', '.join(missing)}")
+    defaults = getattr(args, "plan_defaults", {})
+    for dest, (flag, instead) in _COST_TABLE_ONLY.items():
+        if dest in defaults and getattr(args, dest, None) != defaults[dest]:
+            raise UsageError(f"{flag} belongs to planning from a cost table (--costs); with --model {instead}")
     return True
+
+
+_COST_TABLE_ONLY = {
+    "ranks": ("--ranks", "give the job's GPUs with --gpus N"),
+    "data_parallel": ("--data-parallel", "fix it with --layout dp=N (or leave it to the search)"),
+    "tensor_parallel": ("--tp", "fix it with --layout tp=N (or leave it to the search)"),
+    "heads": ("--heads", "the heads come from the model config"),
+    "tp_layers": ("--tp-layers", "the model config says which layers are tensor-parallel"),
+    "tp_column": ("--tp-column", "the model config says which layers are tensor-parallel"),
+    "tp_row": ("--tp-row", "the model config says which layers are tensor-parallel"),
+    "tp_head_norm": ("--tp-head-norm", "the model config says which layers are tensor-parallel"),
+    "sharding": ("--sharding", "fix it with --layout fsdp=0|1 (or leave it to the search)"),
+    "dp_latency": ("--dp-latency", "the links come from --hardware (a pipeloom.hardware/1 file for others)"),
+    "dp_bandwidth": ("--dp-bandwidth", "the links come from --hardware (a pipeloom.hardware/1 file for others)"),
+    "schedules": ("--schedules", "fix the schedule with --layout schedule=NAME (or leave it to the search)"),
+    "stages_per_rank": ("--stages-per-rank", "fix it with --layout vp=N (or leave it to the search)"),
+    "microbatches": ("--microbatches", "fix the sequences per micro-batch with --layout mbs=N (or leave it to the "
+                                       "search)"),
+    "search": ("--search", "the schedules are priced by the simulator; there is no CP-SAT pass"),
+    "time_limit": ("--time-limit", "the search runs to the end (bounds prune it)"),
+    "out": ("--out", "there is no timeline picture; --json prints the whole answer"),
+    "server": ("--server", "plan here"),
+    "try_k": ("--try", "there is nothing to measure here; plan, --save, then run the plan"),
+    "build": ("--build", "there is nothing to measure here; plan, --save, then run the plan"),
+    "loss": ("--loss", "there is nothing to measure here; plan, --save, then run the plan"),
+    "arg": ("--arg", "there is nothing to measure here; plan, --save, then run the plan"),
+    "try_spread": ("--try-spread", "there is nothing to measure here; plan, --save, then run the plan"),
+    "try_steps": ("--try-steps", "there is nothing to measure here; plan, --save, then run the plan"),
+    "try_seconds": ("--try-seconds", "there is nothing to measure here; plan, --save, then run the plan"),
+}
+"""The cost-table mode's flags (argparse dest -> the flag, what --model offers instead)."""
 
 
 def cmd_plan_cluster(args: argparse.Namespace) -> int:
@@ -98,7 +133,7 @@ def cmd_plan_cluster(args: argparse.Namespace) -> int:
                               selective=args.selective, cp_rotate=args.cp_rotate, moe_comm=args.moe_comm,
                               grad_reduce=args.grad_reduce, sequence_parallel=args.sequence_parallel,
                               stage_cut=args.stage_cut, memory_limit=args.memory_limit,
-                              progress=progress)
+                              runners_up=5 if args.top is None else args.top, progress=progress)
     except PipeloomError as error:
         raise UsageError(str(error).splitlines()[0]) from None
     finally:

@@ -335,7 +335,8 @@ def _runners_up(best: Estimate, done: list[Estimate], limit: float, count: int) 
     """The fastest other fitting layouts (slower by how much, and where the time goes), then faster ones that
     do not fit."""
     fits = sorted((e for e in done if e.memory.total <= limit and e is not best), key=lambda e: e.step_time)
-    over = sorted((e for e in done if e.memory.total > limit), key=lambda e: e.step_time)
+    over = sorted((e for e in done if e.memory.total > limit and e.step_time < best.step_time),
+                  key=lambda e: e.step_time)
     out = []
     for est in fits[:count]:
         out.append((est, f"{(est.step_time / best.step_time - 1) * 100:.1f}% slower ({_why(est, best)})"))

@@ -130,6 +130,16 @@ def test_1f1b_bound_is_exact_for_even_stages():
     (["--model", "CONFIG", "--hardware", "h100", "--gpus", "8", "--seq", "4096", "--memory-limit", "1GiB"],
      "no layout fits"),
     (["--model", "/nonexistent.json", "--hardware", "h100", "--gpus", "8", "--seq", "4096"], "cannot read"),
+    # the cost-table mode's flags are refused, naming what --model offers instead
+    (["--model", "CONFIG", "--hardware", "h100", "--gpus", "8", "--seq", "4096", "--schedules", "1f1b"],
+     "--schedules belongs to planning from a cost table (--costs); with --model fix the schedule with --layout "
+     "schedule=NAME"),
+    (["--model", "CONFIG", "--hardware", "h100", "--gpus", "8", "--seq", "4096", "--tp", "2"], "--layout tp=N"),
+    (["--model", "CONFIG", "--hardware", "h100", "--gpus", "8", "--seq", "4096", "--ranks", "3"], "--gpus N"),
+    (["--model", "CONFIG", "--hardware", "h100", "--gpus", "8", "--seq", "4096", "--microbatches", "7"],
+     "--layout mbs=N"),
+    (["--model", "CONFIG", "--hardware", "h100", "--gpus", "8", "--seq", "4096", "--sharding", "fsdp"],
+     "--layout fsdp=0|1"),
 ])
 def test_cli_errors_one_line_exit_2(config, capsys, argv, message):
     argv = [str(config) if a == "CONFIG" else a for a in argv]
@@ -163,3 +173,13 @@ def test_a_fixed_vp_is_searched_only_with_the_schedules_that_loop():
     for estimate in (found.best, *(runner for runner, _ in found.runners_up)):
         assert estimate.layout.schedule in ("interleaved-1f1b", "zbv", "dualpipev"), estimate.layout
         assert estimate.mfu < 1
+
+
+def test_top_sets_how_many_runners_up_and_those_over_the_limit_are_faster(config, capsys):
+    assert main(["plan", "--model", str(config), "--hardware", "h100", "--gpus", "8", "--global-batch", "32",
+                 "--seq", "4096", "--top", "2", "--memory-limit", "30GiB", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    fitting = [r for r in data["runners_up"] if r["memory_per_gpu"]["total"] <= 30 * GIB]
+    over = [r for r in data["runners_up"] if r["memory_per_gpu"]["total"] > 30 * GIB]
+    assert len(fitting) == 2 and len(over) <= 1
+    assert all(r["step_time"] < data["best"]["step_time"] for r in over)  # a slower layout that does not fit is noise
