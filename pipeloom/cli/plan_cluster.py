@@ -80,6 +80,9 @@ def check_plan_mode(args: argparse.Namespace) -> bool:
                if value is None]
     if missing:
         raise UsageError(f"--model needs {', '.join(missing)}")
+    if args.memory_limit is not None and args.memory_limit < 2**20:
+        raise UsageError(f"--memory-limit {args.memory_limit:g} is {args.memory_limit:g} bytes per GPU; give a unit, "
+                         f"e.g. {args.memory_limit:g}GiB")
     defaults = getattr(args, "plan_defaults", {})
     for dest, (flag, instead) in _COST_TABLE_ONLY.items():
         if dest in defaults and getattr(args, dest, None) != defaults[dest]:

@@ -113,7 +113,12 @@ def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: st
                           f"'even' (as many layers per stage as divide)")
     if attention not in ATTENTION_KINDS:
         raise LayoutError(f"attention={attention!r}: use {' or '.join(map(repr, ATTENTION_KINDS))}")
-    job = Job(spec=model_spec(model), hw=device, gpus=gpus, global_batch=global_batch, seq=seq, dtype=dtype,
+    spec = model_spec(model)
+    if spec.positions and seq > spec.positions:
+        raise LayoutError(f"seq={seq}: this {spec.family} model's learned position embedding has {spec.positions} "
+                          f"rows, so it takes sequences of at most {spec.positions} tokens; use --seq "
+                          f"{spec.positions} or less")
+    job = Job(spec=spec, hw=device, gpus=gpus, global_batch=global_batch, seq=seq, dtype=dtype,
               kernels=kernels, attention=attention, overlap_grad_reduce=bool(overlap_grad_reduce),
               p2p_overlap=bool(p2p_overlap),
               selective=selective, cp_rotate=cp_rotate, moe_comm=moe_comm, grad_reduce=grad_reduce,

@@ -156,7 +156,10 @@ def parse_layout(text: str) -> dict[str, Any]:
             raise LayoutError(f"layout key {key!r} given twice")
         value = value.strip()
         if key in ("recompute", "schedule"):
-            fixed[key] = value
+            fixed[key] = value.lower()  # 1F1B, None: the names are lower-case
+            choices = RECOMPUTE_MODES if key == "recompute" else tuple(SCHEDULES)
+            if fixed[key] not in choices:
+                raise LayoutError(f"layout {key}={value} is not one of {', '.join(choices)}")
             continue
         try:
             number = int(value)

@@ -41,7 +41,7 @@ from pipeloom.plan.errors import LayoutError, NoLayoutFits
 __all__ = ["Bounds", "Candidate", "SearchResult", "enumerate_layouts", "search_layouts", "MBS_CHOICES",
            "VP_CHOICES"]
 
-MBS_CHOICES = (1, 2, 4)
+MBS_CHOICES = (1, 2, 4, 8, 16, 32, 64)
 """Micro-batch sizes tried (sequences)."""
 VP_CHOICES = (2, 3, 4, 5, 6, 7, 8)
 """Stages per rank tried for interleaved-1f1b."""
