@@ -1,6 +1,7 @@
 """Run a function on several gloo ranks (processes of their own) and collect what each returns.
 
-The ranks are forked from a fork server that imported torch and pipeloom's runtime once (``PRELOAD``),
+The ranks are forked from a fork server that imported torch, pipeloom's runtime and the transformers models
+the tests build once (``PRELOAD``),
 not spawned: a spawned rank spends seconds importing torch (12-15 s for two ranks on the loaded 2-core
 machine, against 0.4 s forked), and the multi-rank tests start ranks a few hundred times. Each test
 still gets fresh processes; only the imports are shared."""
@@ -13,8 +14,12 @@ import os
 import socket
 import traceback
 
+_HF_MODELS = ["llama", "gpt2", "bert", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "deepseek_v3", "mamba2", "t5",
+              "bart", "whisper", "convnext"]
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.tensor.parallel",
-           "pipeloom.runtime"]
+           "pipeloom.runtime", "transformers",
+           *(f"transformers.models.{name}.modeling_{name}" for name in _HF_MODELS)]
+"""Imported once by the fork server (a module that cannot be imported is skipped: transformers is optional)."""
 
 
 def free_port() -> int:
