@@ -173,6 +173,27 @@ def float64_loss(rank: int, world: int) -> dict:
     return found
 
 
+def waited_works(rank: int, world: int) -> list[int]:
+    """After each of two steps: how many waited gloo works the messenger still holds (test_exit.py's guard:
+    Python, not gloo's worker thread, must free the last collective, the loss all-reduce)."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    from pipeloom.runtime import pipeline
+
+    torch.manual_seed(0)
+    engine = pipeline(schedule="1f1b", stages=[nn.Linear(8, 8), nn.Linear(8, 3)], loss_fn=F.cross_entropy,
+                      microbatches=4, failures=Failures(timeout=30))
+    x, y = torch.randn(8, 8), torch.randint(0, 3, (8,))
+    kept = []
+    for _ in range(2):
+        engine.step(x, target=y)
+        kept.append(len(engine.messenger._waited))
+    engine.close()
+    return kept
+
+
 def profile_in_engine_job(rank: int, world: int, folder: str) -> dict:
     """profile_in_engine on the residual model; the table as JSON, and what an in-memory trace left behind."""
     import torch.nn.functional as F
