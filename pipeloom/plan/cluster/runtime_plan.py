@@ -66,9 +66,20 @@ def runtime_plan(result: ClusterPlan) -> Plan:
     return Plan(num_ranks=layout.pp, split_points=split_points, schedule=layout.schedule, schedule_options=options,
                 microbatches=job.global_batch // samples, global_batch=job.global_batch,
                 predicted_step_time=best.step_time, peak_memory=(best.memory.total,) * layout.pp,
+                stage_times=_stage_times(result),
                 memory_limit=result.memory_limit, bubble_ratio=best.bubble, device=job.hw.name,
                 data_parallel=layout.dp, sharding="fsdp" if layout.fsdp else "replicate",
                 tensor_parallel=layout.tp, tp_plan=tp_plan, expert_parallel=layout.ep)
+
+
+def _stage_times(result: ClusterPlan) -> tuple[float, ...]:
+    """Seconds per micro-batch of each model stage (F + I + W as the estimate priced them; one copy's under
+    DualPipe)."""
+    from pipeloom.plan.cluster.estimate import Estimator
+
+    layout = result.best.layout
+    times = Estimator(result.job).stages(layout)[0]
+    return tuple(t.f + t.i + t.w for t in times[:layout.stages])
 
 
 def runtime_notes(result: ClusterPlan) -> list[str]:

@@ -28,6 +28,9 @@ def test_the_plan_file_follows_the_layout():
     assert plan.microbatches == 16 and plan.global_batch == 32  # 32 samples over 2 replicas of micro-batch 1
     assert plan.tp_plan["column"][0] == "model.layers.*.self_attn.q_proj"
     assert plan.predicted_step_time == result.best.step_time
+    # every stage's F + I + W; the first and last carry the embedding and the head on top of 4 equal layers
+    assert len(plan.stage_times) == 4 and plan.stage_times[1] == pytest.approx(plan.stage_times[2])
+    assert min(plan.stage_times[0], plan.stage_times[3]) > plan.stage_times[1] > 0
     renamed, modules = torchtitan_plan(plan, 16)
     assert renamed.split_points == ("layers.4", "layers.8", "layers.12") and modules[-2:] == ["norm", "output"]
 
