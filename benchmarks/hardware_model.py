@@ -22,6 +22,7 @@ __all__ = ["REFERENCES", "main"]
 
 _MAMF = "Bekman, ml-engineering, maximum achievable matmul FLOPS table at 744d01e (best shape)"
 _FA3 = "FlashAttention-3 paper (arXiv:2407.08608): BF16 forward up to 740 TFLOP/s at head dim 256, seq 16k"
+_SDPA = "NVIDIA cudnn-frontend SDPA training benchmark, cuDNN 9.13.1 (128 heads of 128, causal)"
 _NCCL8 = "nccl-tests busbw at large sizes (docs.alayanew.com nccl-tests guide)"
 _NCCL16 = "nccl-tests busbw, 2+ nodes NVLink + NDR IB (saturncloud.io NCCL validation guide)"
 
@@ -39,6 +40,12 @@ def _matmul(name: str, m: int, n: int, k: int, dtype: str = "bf16") -> float:
 def _attention(name: str, head_dim: int) -> float:
     shape = {"batch": 1, "heads": 16384 // head_dim // 8, "seq": 16384, "head_dim": head_dim, "causal": False}
     return attention_flops(**shape) / attention_seconds(hardware(name), **shape) / 1e12
+
+
+def _attention_causal(name: str, backward: bool) -> float:
+    shape = {"batch": 1, "heads": 128, "seq": 32768, "head_dim": 128, "causal": True}
+    return (attention_flops(**shape, backward=backward)
+            / attention_seconds(hardware(name), **shape, backward=backward) / 1e12)
 
 
 def _busbw(name: str, ranks: int, per_domain: int) -> float:
@@ -67,6 +74,10 @@ REFERENCES = [
      "no: sets the ceiling E"),
     ("H100 attention forward, head dim 256, s=16k", "TFLOP/s", lambda: _attention("h100", 256), (740.0, 740.0), _FA3,
      "partly: the 0.65 prior is read from the same paper's head-dim-128 curve"),
+    ("B200 causal attention forward, s=32k", "TFLOP/s", lambda: _attention_causal("b200", False),
+     (1419.0, 1419.0), _SDPA, "no: sets attention_efficiency"),
+    ("B200 causal attention backward, s=32k", "TFLOP/s", lambda: _attention_causal("b200", True),
+     (1108.7, 1108.7), _SDPA, "no: sets attention_backward_efficiency"),
     ("8x A100 all-reduce in one node", "GB/s busbw", lambda: _busbw("a100-80gb", 8, 8), (230.0, 250.0), _NCCL8,
      "no: sets scale_up_efficiency"),
     ("8x H100 all-reduce in one node", "GB/s busbw", lambda: _busbw("h100", 8, 8), (460.0, 480.0), _NCCL8,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeloom.plan.cluster.hardware import FORMAT, Hardware, load_hardware
+from pipeloom.plan.cluster.hardware import ATTENTION_HALF_SEQ, FORMAT, Hardware, load_hardware
 from pipeloom.plan.errors import HardwareError
 
 __all__ = ["BUILTIN", "hardware", "hardware_names"]
@@ -30,6 +30,9 @@ _FA2_HOPPER = ("FA3 paper (arXiv:2407.08608): FA3 forward 1.5-2.0x FA2 on H100; 
                "#48163: cuDNN attention 1.7-2.3x FA2 for training shapes on H100 -> 1.7, where both ranges meet")
 _FA2_BEST = "FlashAttention-2 is this GPU's best attention kernel (cuDNN slower on A100: transformers PR #48163)"
 _HOPPER_PRIOR = "no public measurement found for this GPU: Hopper's (H100) value as the prior"
+_CUDNN_SDPA = ("NVIDIA cudnn-frontend, benchmark/sdpa_benchmark_training/artifacts (causal BF16 SDPA, batch 1, 128 "
+               "query and 8 key-value heads, head dim 128, sequence 32,768; rate / (peak x s / (s + 256)))")
+_SDPA_SEQ = 32768
 _PRIOR = {
     "gemm_half_dim": ("prior, not a measurement: a 1024-cube GEMM at ~70 % of the large-shape rate, the "
                       "shape of cuBLAS rate-vs-size curves; calibrate_gpu.py fits it"),
@@ -107,7 +110,13 @@ def _hopper(name: str, memory_gib: int, bandwidth: float, sheet: str, gemm: tupl
 
 def _blackwell(name: str, *, bf16: float, memory_gib: int, domain: int, nic: float, sheet: str,
                peak_source: str, memory_source: str, domain_source: str, nic_source: str, sms: int,
-               sms_source: str, gemm: tuple[float, float], gemm_source: tuple[str, str]) -> Hardware:
+               sms_source: str, gemm: tuple[float, float], gemm_source: tuple[str, str],
+               attention: tuple[float, float, float, float], attention_source: str) -> Hardware:
+    """``attention``: TFLOP/s of NVIDIA's causal BF16 SDPA benchmark at sequence 32,768 (``_CUDNN_SDPA``): cuDNN
+    forward, backward, then PyTorch's FlashAttention-2 backend forward, backward."""
+    fwd, bwd, fa2_fwd, fa2_bwd = attention
+    at = bf16 / 1e12 * _SDPA_SEQ / (_SDPA_SEQ + ATTENTION_HALF_SEQ)  # the model's rate at that length, per unit A
+    measured = _CUDNN_SDPA + attention_source
     return _describe(
         name, {
             "peak_flops": sheet + peak_source, "memory_bytes": sheet + memory_source,
@@ -116,16 +125,18 @@ def _blackwell(name: str, *, bf16: float, memory_gib: int, domain: int, nic: flo
             "scale_up_bandwidth": sheet + "fifth-generation NVLink 1.8 TB/s per GPU (both directions) -> 900 GB/s",
             "scale_out_bandwidth": sheet + nic_source,
             "gemm_efficiency": _MAMF + gemm_source[0], "fp8_gemm_efficiency": _MAMF_FP8 + gemm_source[1],
-            "attention_efficiency": _HOPPER_PRIOR,
-            "attention_backward_efficiency": _HOPPER_PRIOR,
+            "attention_efficiency": measured + f": cuDNN forward {fwd:,} TFLOP/s",
+            "attention_backward_efficiency": measured + f": cuDNN backward {bwd:,} TFLOP/s",
             "scale_up_efficiency": _NVLINK_EFF, "scale_out_efficiency": _NIC_EFF, "sm_count": sms_source,
-            "flash2_slowdown": _HOPPER_PRIOR,
+            "flash2_slowdown": measured + (f": cuDNN / FlashAttention-2 forward {fwd:,} / {fa2_fwd:,}, backward "
+                                           f"{bwd:,} / {fa2_bwd:,} TFLOP/s; the smaller ratio"),
         },
         sm_count=sms,
         peak_flops={"bf16": bf16, "fp8": 2 * bf16}, memory_bytes=memory_gib * GiB, memory_bandwidth=8e12,
         scale_up_size=domain, scale_up_bandwidth=900e9, scale_out_bandwidth=nic,
         scale_up_latency=1e-6, scale_out_latency=5e-6, gemm_efficiency=gemm[0], fp8_gemm_efficiency=gemm[1],
-        attention_efficiency=0.65, attention_backward_efficiency=0.52,
+        attention_efficiency=round(fwd / at, 3), attention_backward_efficiency=round(bwd / at, 3),
+        flash2_slowdown=round(min(fwd / fa2_fwd, bwd / fa2_bwd), 2),
     )
 
 
@@ -182,6 +193,8 @@ BUILTIN: dict[str, Hardware] = {
                        nic_source="8x 400 Gb/s ConnectX-7 -> 50 GB/s", sms=148, gemm=(0.776, 0.763),
                        gemm_source=(": BF16, B200 SXM 1,745.0 of 2,250 TFLOPS (torch 2.7.1+cu128)",
                                     ": B200 SXM 3,432.5 of 4,500 TFLOPS (torch 2.7.1+cu128)"),
+                       attention=(1419.0, 1108.7, 403.7, 330.8),
+                       attention_source=" at commit 0b1577c (cuDNN 9.13.1, Oct 2025), NVIDIA B200",
                        sms_source=("Chips and Cheese, 'Nvidia's B200: Keeping the CUDA Juggernaut Rolling' (2025): 74 "
                                    "SMs enabled on each of its two dies, 148 per GPU")),
     "gb200": _blackwell("gb200", bf16=2.5e15, memory_gib=186, domain=72, nic=50e9, sheet=_GB200_SHEET,
@@ -192,6 +205,8 @@ BUILTIN: dict[str, Hardware] = {
                         nic_source="one 400 Gb/s ConnectX-7 per GPU -> 50 GB/s", sms=148, gemm=(0.729, 0.723),
                         gemm_source=(": BF16, GB200 SXM 1,822.0 of 2,500 TFLOPS (torch 2.10.0.dev, cu130)",
                                      ": GB200 SXM 3,615.6 of 5,000 TFLOPS (torch 2.10.0.dev, cu130)"),
+                        attention=(1681.0, 1348.0, 438.0, 360.0),
+                        attention_source=" at commit b372d39 (cuDNN 9.17.0, Dec 2025), NVIDIA GB200",
                         sms_source=("the B200 GPU (148 SMs, as b200: Chips and Cheese) in a Grace-Blackwell superchip; "
                                     "no separate GB200 count was found")),
     "gb300": _blackwell("gb300", bf16=2.5e15, memory_gib=288, domain=72, nic=100e9, sheet=_GB300_SHEET,
@@ -205,6 +220,8 @@ BUILTIN: dict[str, Hardware] = {
                         gemm_source=(": BF16, B300 SXM (the GPU of a GB300 superchip; no GB300 row) 1,769.0 of "
                                      "2,250 TFLOPS (torch 2.9.1+cu130)",
                                      ": B300 SXM 3,353.3 of 4,500 TFLOPS (torch 2.9.1+cu130)"),
+                        attention=(2007.0, 1438.0, 441.0, 365.0),
+                        attention_source=" at commit b372d39 (cuDNN 9.17.0, Dec 2025), NVIDIA GB300",
                         sms=160, sms_source=("NVIDIA technical blog 'Inside NVIDIA Blackwell Ultra' (Aug 2025) "
                                              "and its Hot Chips 2025 talk (reported by TweakTown): 160 SMs of 128 "
                                              "CUDA cores")),

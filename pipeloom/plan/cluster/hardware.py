@@ -12,13 +12,15 @@ from pathlib import Path
 
 from pipeloom.plan.errors import HardwareError
 
-__all__ = ["DTYPES", "FORMAT", "Hardware", "hardware_from_dict", "load_hardware", "save_hardware"]
+__all__ = ["ATTENTION_HALF_SEQ", "DTYPES", "FORMAT", "Hardware", "hardware_from_dict", "load_hardware", "save_hardware"]
 
 FORMAT = "pipeloom.hardware/1"
 """The ``format`` tag of a hardware JSON file."""
 
 DTYPES = ("bf16", "fp8")
 """Matrix-multiply data types a peak rate may be given for (dense, no 2:4 sparsity)."""
+ATTENTION_HALF_SEQ = 256.0
+"""The prior half-rate sequence length of attention (:attr:`Hardware.attention_half_seq`)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -62,7 +64,7 @@ class Hardware:
     flash2_slowdown: float = 1.7
     """How much slower FlashAttention-2's kernels (PyTorch SDPA's first-priority backend) run than the GPU's best
     attention kernel that ``attention_efficiency`` describes (FA3 / cuDNN on Hopper); 1 where FA2 is the best."""
-    attention_half_seq: float = 256.0
+    attention_half_seq: float = ATTENTION_HALF_SEQ
     """A sequence length at which attention runs at half its long-sequence rate: ``s / (s + half)``."""
     memory_efficiency: float = 0.85
     """Fraction of HBM bandwidth an elementwise (bandwidth-bound) kernel reaches."""

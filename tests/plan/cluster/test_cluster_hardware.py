@@ -135,3 +135,18 @@ def test_unreadable_and_unknown(tmp_path):
 def test_hardware_is_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         hardware("h100").name = "x"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(("name", "forward", "backward"), [("b200", 1419.0, 1108.7), ("gb200", 1681.0, 1348.0),
+                                                          ("gb300", 2007.0, 1438.0)])
+def test_blackwell_attention_reproduces_nvidias_sdpa_benchmark(name, forward, backward):
+    """Blackwell's attention efficiencies come from NVIDIA's causal BF16 SDPA benchmark (cudnn-frontend, 128 query
+    heads of 128, sequence 32,768): the model gives those rates back at that shape."""
+    from pipeloom.plan.cluster.efficiency import attention_flops, attention_seconds
+
+    hw = hardware(name)
+    shape = {"batch": 1, "heads": 128, "seq": 32768, "head_dim": 128, "causal": True}
+    for measured, backward_pass in ((forward, False), (backward, True)):
+        rate = attention_flops(**shape, backward=backward_pass) / attention_seconds(hw, **shape, backward=backward_pass)
+        assert rate / 1e12 == pytest.approx(measured, rel=0.01)
+    assert "cudnn-frontend" in hw.sources["attention_efficiency"] and hw.flash2_slowdown > 3
