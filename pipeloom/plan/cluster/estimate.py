@@ -40,7 +40,7 @@ from pipeloom.problem import Costs, Problem
 from pipeloom.schedules import build_schedule
 from pipeloom.sim import simulate
 
-__all__ = ["Estimator", "WORKSPACE_BYTES", "BUCKET_BYTES", "ZBV_RATIO_STEP"]
+__all__ = ["Estimator", "WORKSPACE_BYTES", "BUCKET_BYTES", "ZBV_RATIO_STEPS"]
 
 WORKSPACE_BYTES = 2 * 1024**3
 """Memory every GPU holds besides the model: CUDA context, cuBLAS workspaces and NCCL buffers (about 1 GiB for
@@ -49,9 +49,10 @@ NCCL_BUFFSIZE x channels); a stated allowance, not fitted to any run."""
 BUCKET_BYTES = 40e6 * 2
 """Gradient bucket of the data-parallel reduce-scatter: Megatron's default 40M parameters in bf16; the last
 bucket of a backward cannot overlap anything."""
-ZBV_RATIO_STEP = 0.25
-"""zbv's order is built with I / F and W / F rounded to this step: layouts whose ratios round alike share one
-build (a zbv build takes about 0.4 s), and the replay prices the order with the layout's exact times."""
+ZBV_RATIO_STEPS = (0.5, 0.25)
+"""zbv's order is built with I / F and W / F rounded to these steps: layouts whose ratios round alike share one
+build (a zbv build takes about 0.4 s), and the replay prices the order with the layout's exact times (W, which
+fills the bubbles, matters more to the order than I)."""
 
 
 class Estimator:
@@ -207,7 +208,7 @@ class Estimator:
     def schedule(self, layout: Layout, m: int) -> Schedule:
         """The layout's schedule for ``m`` micro-batches (cached by name, pp, vp, m and zbv's cost ratios): the
         order of every schedule here but zbv does not depend on the costs (tested), so they are built with unit
-        costs; zbv's cost-aware order is built with the layout's mean I / F and W / F (to :data:`ZBV_RATIO_STEP`):
+        costs; zbv's cost-aware order is built with the layout's mean I / F and W / F (:data:`ZBV_RATIO_STEPS`):
         built for F = I = W, its steady state ran 13 % slower than the busiest rank's work on Llama 3 8B at tp 8
         x pp 8 (F : I : W = 1 : 1.15 : 0.45), and 1F1B overtook it at large micro-batch counts. The memory of W is
         :attr:`w_fraction` of F's."""
@@ -225,11 +226,11 @@ class Estimator:
         return self._schedules[key]
 
     def _zbv_ratios(self, layout: Layout) -> tuple[float, float]:
-        """The layout's mean I / F and W / F, rounded to :data:`ZBV_RATIO_STEP` (at least one step)."""
+        """The layout's mean I / F and W / F, rounded to :data:`ZBV_RATIO_STEPS` (at least one step)."""
         times = self.stages(layout)[0]
-        f, step = sum(t.f for t in times), ZBV_RATIO_STEP
+        f = sum(t.f for t in times)
         i, w = (max(step, round(sum(x) / f / step) * step) if f > 0 else 1.0
-                for x in ([t.i for t in times], [t.w for t in times]))
+                for x, step in zip(([t.i for t in times], [t.w for t in times]), ZBV_RATIO_STEPS))
         return i, w
 
     def activation_peak(self, layout: Layout, m: int, acts: list[float]) -> float:
