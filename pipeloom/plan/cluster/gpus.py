@@ -29,7 +29,6 @@ _FA3 = ("FlashAttention-3 (Shah et al. 2024, arXiv:2407.08608, sec. 4.1, figs. 5
 _FA2_HOPPER = ("FA3 paper (arXiv:2407.08608): FA3 forward 1.5-2.0x FA2 on H100; huggingface/transformers PR "
                "#48163: cuDNN attention 1.7-2.3x FA2 for training shapes on H100 -> 1.7, where both ranges meet")
 _FA2_BEST = "FlashAttention-2 is this GPU's best attention kernel (cuDNN slower on A100: transformers PR #48163)"
-_HOPPER_PRIOR = "no public measurement found for this GPU: Hopper's (H100) value as the prior"
 _CUDNN_SDPA = ("NVIDIA cudnn-frontend, benchmark/sdpa_benchmark_training/artifacts (causal BF16 SDPA, batch 1, 128 "
                "query and 8 key-value heads, head dim 128, sequence 32,768; rate / (peak x s / (s + 256)))")
 _SDPA_SEQ = 32768
