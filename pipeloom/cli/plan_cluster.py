@@ -209,6 +209,13 @@ def _copies(layout) -> str:
     return f" (two copies: rank r holds stage r of one and stage {layout.pp - 1}-r of the other)"
 
 
+def _window(spec) -> str:
+    """The header's note of sliding-window attention ('' without)."""
+    if not spec.window_layers:
+        return ""
+    return f", sliding window {spec.window:,} tokens on {len(spec.window_layers)} of {spec.layers} layers"
+
+
 def report(result) -> str:
     """The text report: the layout, its step, throughput, MFU, memory, bubble and the runners-up."""
     best, job = result.best, result.job
@@ -216,7 +223,7 @@ def report(result) -> str:
     fits = "fits" if mem.total <= result.memory_limit else "DOES NOT FIT"
     lines = [
         f"{job.spec.family} on {job.gpus} x {job.hw.name}, global batch {job.global_batch} x {job.seq} tokens, "
-        f"{job.dtype}",
+        f"{job.dtype}{_window(job.spec)}",
         f"layout: {best.layout}",
         *([f"layers per stage: {_runs(best.stage_layers)}{_copies(best.layout)}"] if len(best.stage_layers) > 1
           else []),

@@ -1,9 +1,11 @@
 """A decoder's shape read from a transformers config (a config.json path, a dict or a ``PretrainedConfig``),
 without importing transformers: dense decoders (LLaMA, Mistral, Qwen2/3, Gemma, GPT-2, GPT-NeoX) and
-mixture-of-experts decoders (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3 with multi-head latent attention)."""
+mixture-of-experts decoders (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3 with multi-head latent attention),
+with sliding-window attention on the layers transformers gives it (:func:`_windows`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -98,6 +100,11 @@ class ModelSpec:
     """The MoE MLP, None for a dense model."""
     moe_layers: tuple[int, ...] = ()
     """Indices of the layers whose MLP is the MoE one (the others are dense)."""
+    window: int = 0
+    """Sliding-window attention's window in tokens (a query attends to itself and the ``window - 1`` tokens
+    before it, as transformers' sliding-window mask), 0: none."""
+    window_layers: tuple[int, ...] = ()
+    """Indices of the layers whose attention is windowed (the others attend to the whole causal prefix)."""
     mtp: int = 0
     """Multi-token-prediction modules after the last layer (DeepSeek-V3's ``num_nextn_predict_layers``; report
     arXiv:2412.19437 sec. 2.2): each normalises the last hidden state and the next token's embedding,
@@ -110,6 +117,11 @@ class ModelSpec:
                 raise ModelConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.mtp < 0:
             raise ModelConfigError(f"num_nextn_predict_layers must be >= 0, got {self.mtp}")
+        if self.window < 0 or (self.window_layers and not self.window):
+            raise ModelConfigError(f"sliding_window must be a positive number of tokens, got {self.window}")
+        if any(not 0 <= n < self.layers for n in self.window_layers):
+            raise ModelConfigError(f"sliding-window layers {list(self.window_layers)} are not all among the "
+                                   f"{self.layers} layers")
         if self.attention.heads % self.attention.kv_heads:
             raise ModelConfigError(f"{self.attention.heads} query heads are not a multiple of "
                                    f"{self.attention.kv_heads} key/value heads")
@@ -160,6 +172,38 @@ def model_spec(config: object) -> ModelSpec:
     family = str(data.get("model_type", ""))
     if family not in SUPPORTED_FAMILIES:
         raise ModelConfigError(f"model_type {family!r} is not modelled; supported: {', '.join(SUPPORTED_FAMILIES)}")
+    spec = _family_spec(data, family)
+    window, layers = _windows(data, family, spec.layers)
+    return dataclasses.replace(spec, window=window, window_layers=layers) if layers else spec
+
+
+def _windows(data: Mapping[str, Any], family: str, layers: int) -> tuple[int, tuple[int, ...]]:
+    """``(window, layers)`` of sliding-window attention as transformers builds the model: the config's
+    ``layer_types`` where it has them (``"sliding_attention"`` layers); otherwise Mistral and Mixtral window every
+    layer when ``sliding_window`` is set, Qwen3-MoE every layer with ``use_sliding_window``, Qwen2 and Qwen3 the
+    layers from ``max_window_layers`` on, Qwen2-MoE every second layer below it; the other families never."""
+    size = data.get("sliding_window")
+    if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+        return 0, ()
+    types = data.get("layer_types")
+    if isinstance(types, (list, tuple)):
+        return size, tuple(n for n, kind in enumerate(types[:layers]) if kind == "sliding_attention")
+    if family in ("mistral", "mixtral"):
+        return size, tuple(range(layers))
+    if not data.get("use_sliding_window"):
+        return 0, ()
+    last = int(data["max_window_layers"]) if data.get("max_window_layers") is not None else 28  # transformers' default
+    if family == "qwen3_moe":
+        return size, tuple(range(layers))
+    if family in ("qwen2", "qwen3"):
+        return size, tuple(range(last, layers))
+    if family == "qwen2_moe":
+        return size, tuple(n for n in range(min(last, layers)) if (n + 1) % 2)
+    return 0, ()
+
+
+def _family_spec(data: Mapping[str, Any], family: str) -> ModelSpec:
+    """The spec of ``family``'s config, without sliding windows."""
     if family == "gpt2":
         return _gpt2(data)
     hidden = int(_get(data, "hidden_size"))

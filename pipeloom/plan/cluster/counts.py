@@ -23,12 +23,36 @@ from typing import Literal
 from pipeloom.plan.cluster.config import ModelSpec
 
 __all__ = ["Recompute", "RECOMPUTE_MODES", "LayerCounts", "Activations", "layer_counts", "attention_flops",
-           "model_params", "optimizer_bytes", "mtp_block", "mtp_activations"]
+           "attended_fraction", "model_params", "optimizer_bytes", "mtp_block", "mtp_activations", "layer_kinds",
+           "block_kind", "WINDOWED"]
 
 Recompute = Literal["none", "selective", "full"]
 RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
 _STAT = 4  # bytes of one fp32 statistic (a norm's 1/rms, the softmax's log-sum-exp, a routing probability)
 _INDEX = 8  # bytes of one int64 index (a token's top-k expert choice, a routed copy's place in the permutation)
+WINDOWED = "-window"
+"""The suffix of a decoder layer kind whose attention is windowed (``dense-window``, ``moe-window``)."""
+
+
+def block_kind(kind: str) -> str:
+    """The kind of a layer's parameters and MLP: ``kind`` without :data:`WINDOWED`."""
+    return kind.removesuffix(WINDOWED)
+
+
+def layer_kinds(spec: ModelSpec) -> tuple[str, ...]:
+    """The kind of each decoder layer in model order: ``dense`` or ``moe``, with :data:`WINDOWED` where its attention
+    is a sliding window shorter than the sequence may be."""
+    moe, windowed = set(spec.moe_layers), set(spec.window_layers)
+    return tuple(("moe" if n in moe else "dense") + (WINDOWED if n in windowed else "") for n in range(spec.layers))
+
+
+def attended_fraction(seq: int, window: int = 0) -> float:
+    """The fraction of the ``seq x seq`` score square a causal kernel computes: the lower triangle (1/2), or under a
+    sliding ``window`` shorter than ``seq`` the band ``(w·s - w²/2) / s²``. Both leave out the diagonal's half
+    (``min(s, w) / 2`` score pairs), as ``s²/2`` does for the triangle, so the two agree at ``w = s``."""
+    if window <= 0 or window >= seq:
+        return 0.5
+    return (window * seq - window * window / 2) / (seq * seq)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -66,6 +90,9 @@ class LayerCounts:
     """Weight-gradient matmul FLOPs for one sequence."""
     attention_f: float
     """Of ``f``, the attention core's (full s x s square)."""
+    attended_f: float
+    """What a causal kernel computes of ``attention_f``: the lower triangle, or a sliding window's band
+    (:func:`attended_fraction`)."""
     activations: dict[str, Activations]
     """Per recomputation mode, what one token keeps (the head: its logits' gradient input)."""
 
@@ -99,12 +126,13 @@ def _mlp_weights(spec: ModelSpec, intermediate: int, *, gated: bool, bias: bool)
     return 2 * h * intermediate, (intermediate + h) if bias else 0
 
 
-def attention_flops(spec: ModelSpec, seq: int, *, causal: bool = False) -> float:
+def attention_flops(spec: ModelSpec, seq: int, *, causal: bool = False, window: int = 0) -> float:
     """Forward FLOPs of one layer's attention core on one sequence: QK^T and PV, ``2 s^2 heads (qk + v)``;
-    ``causal`` counts only the lower triangle (half the square), what a causal flash kernel computes."""
+    ``causal`` counts only what a causal flash kernel computes: the lower triangle (half the square), or the band
+    of a sliding ``window`` (:func:`attended_fraction`)."""
     a = spec.attention
     full = 2.0 * seq * seq * a.heads * (a.qk_dim + a.v_dim)
-    return full / 2 if causal else full
+    return full * attended_fraction(seq, window) if causal else full
 
 
 def _attention_activations(spec: ModelSpec, width: int) -> tuple[float, float, float]:
@@ -134,7 +162,7 @@ def _mlp_activations(intermediate: int, *, gated: bool, width: int) -> float:
 
 def mtp_block(spec: ModelSpec) -> str:
     """The kind of a multi-token-prediction module's decoder block: the last layer's (DeepSeek-V3: ``moe``)."""
-    return "moe" if spec.layers - 1 in spec.moe_layers else "dense"
+    return layer_kinds(spec)[-1]
 
 
 def mtp_activations(spec: ModelSpec, mode: str, block: Activations, *, width: int = 2) -> Activations:
@@ -161,19 +189,23 @@ def _mtp_counts(spec: ModelSpec, seq: int, width: int) -> LayerCounts:
     proj = 2.0 * seq * (2 * h) * h
     return LayerCounts(kind="mtp", params=2 * h * h + 3 * _norm(spec) + block.params,
                        expert_params=block.expert_params, f=block.f + proj + head.f, i=block.i + proj + head.i,
-                       w=block.w + proj + head.w, attention_f=block.attention_f,
+                       w=block.w + proj + head.w, attention_f=block.attention_f, attended_f=block.attended_f,
                        activations={m: mtp_activations(spec, m, a, width=width) for m, a in block.activations.items()})
 
 
 def layer_counts(spec: ModelSpec, kind: str, seq: int, *, width: int = 2) -> LayerCounts:
-    """The counts of one layer of ``kind`` (embedding, dense, moe, head, mtp) for one sequence of ``seq``
-    tokens; ``width``: bytes of one activation element (2: bf16; statistics are fp32 whatever it is)."""
+    """The counts of one layer of ``kind`` (embedding, dense, moe, their :data:`WINDOWED` kinds, head, mtp) for
+    one sequence of ``seq`` tokens; ``width``: bytes of one activation element (2: bf16; statistics are fp32
+    whatever it is). A windowed kind counts as its block kind but for ``attended_f``."""
     h = spec.hidden
+    window = spec.window if kind.endswith(WINDOWED) else 0
+    kind = block_kind(kind)
     if kind == "mtp":
         return _mtp_counts(spec, seq, width)
     if kind == "embedding":
         params = spec.vocab * h + spec.positions * h
         return LayerCounts(kind=kind, params=params, expert_params=0, f=0.0, i=0.0, w=0.0, attention_f=0.0,
+                           attended_f=0.0,
                            activations={m: Activations(sequence=0.0, tensor=0.0) for m in RECOMPUTE_MODES})
     if kind == "head":
         params = _norm(spec) + (0 if spec.tied else spec.vocab * h)
@@ -181,7 +213,7 @@ def layer_counts(spec: ModelSpec, kind: str, seq: int, *, width: int = 2) -> Lay
         # the final norm's input and output (+ 1/rms); the fp32 logits the loss keeps (vocab split by tp)
         keep = Activations(sequence=width * 2 * h + _STAT, tensor=4.0 * spec.vocab)
         return LayerCounts(kind=kind, params=params, expert_params=0, f=mm, i=mm, w=mm, attention_f=0.0,
-                           activations={m: keep for m in ("none", "selective", "full")})
+                           attended_f=0.0, activations={m: keep for m in ("none", "selective", "full")})
     attn_mm, attn_other = _attention_weights(spec)
     if kind == "dense":
         mlp_mm, mlp_other = _mlp_weights(spec, spec.intermediate, gated=spec.gated, bias=spec.mlp_bias)
@@ -216,8 +248,9 @@ def layer_counts(spec: ModelSpec, kind: str, seq: int, *, width: int = 2) -> Lay
     selective = Activations(sequence=sequence, tensor=tensor_a + mlp_keep - _STAT * spec.attention.heads,
                             replicated=latent)
     full = Activations(sequence=float(width * h), tensor=0.0)  # only the layer's input
-    return LayerCounts(kind=kind, params=params, expert_params=expert_params, f=linear + core, i=linear + 2 * core,
-                       w=linear, attention_f=core,
+    return LayerCounts(kind=kind + (WINDOWED if window else ""), params=params, expert_params=expert_params,
+                       f=linear + core, i=linear + 2 * core, w=linear, attention_f=core,
+                       attended_f=core * attended_fraction(seq, window),
                        activations={"none": none, "selective": selective, "full": full})
 
 

@@ -21,10 +21,12 @@ memory-bound work beside the GEMM (one kernel overhead for the pair). Not modell
 throttling under a power cap.
 
 **Attention** (flash attention: no ``s x s`` matrix in HBM): the forward is ``4·b·h·s²·d`` FLOPs (``QKᵀ``
-and ``PV``), half of it when causal; the backward ``2.5x`` that (five matmuls, one of them the recomputed
-``QKᵀ``). Rate ``peak · A · s / (s + s½)`` with ``A`` the forward's or the backward's efficiency, in a
-roofline with reading and writing ``q, k, v, o`` (and their gradients). Grouped-query attention is priced
-like multi-head attention with ``heads`` query heads (its smaller K/V traffic is not modelled).
+and ``PV``), half of it when causal (a sliding window of ``w < s`` tokens: the band, ``(w·s - w²/2) / s²`` of
+the square); the backward ``2.5x`` that (five matmuls, one of them the recomputed ``QKᵀ``). Rate
+``peak · A · L / (L + s½)`` with ``A`` the forward's or the backward's efficiency and ``L`` the keys a query
+attends to, ``s`` (``min(s, w)`` under a window: a query tile loops over that many keys), in a roofline with
+reading and writing ``q, k, v, o`` (and their gradients). Grouped-query attention is priced like multi-head
+attention with ``heads`` query heads (its smaller K/V traffic is not modelled).
 
 **Collectives** (``nbytes`` = the whole tensor: an all-gather's output, a reduce-scatter's input, an
 all-reduce's buffer; for an all-to-all each rank's buffer). ``ranks = r · D`` with ``r`` ranks in each of
@@ -71,6 +73,7 @@ from __future__ import annotations
 
 import math
 
+from pipeloom.plan.cluster.counts import attended_fraction
 from pipeloom.plan.cluster.hardware import Hardware
 from pipeloom.plan.errors import HardwareError
 from pipeloom.plan.tp.all_to_all import all_to_all_seconds
@@ -156,26 +159,31 @@ def gemm_seconds(hw: Hardware, m: float, n: float, k: float, *, dtype: str = "bf
     return seconds
 
 
-def attention_flops(*, batch: float, heads: int, seq: int, head_dim: int, causal: bool = True,
+def attention_flops(*, batch: float, heads: int, seq: int, head_dim: int, causal: bool = True, window: int = 0,
                     backward: bool = False) -> float:
-    """FLOPs of the flash-attention core: ``4·b·h·s²·d`` forward (half when causal), 2.5x that backward."""
+    """FLOPs of the flash-attention core: ``4·b·h·s²·d`` forward (half when causal; a causal sliding ``window``'s
+    band: :func:`~pipeloom.plan.cluster.counts.attended_fraction`), 2.5x that backward."""
     _sizes(batch=batch)
     _dims(heads=heads, seq=seq, head_dim=head_dim)
-    forward = 4.0 * batch * heads * seq * seq * head_dim * (0.5 if causal else 1.0)
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise HardwareError(f"window must be a number of tokens >= 0 (0: none), got {window!r}")
+    forward = 4.0 * batch * heads * seq * seq * head_dim * (attended_fraction(seq, window) if causal else 1.0)
     return forward * (_BACKWARD if backward else 1.0)
 
 
 def attention_seconds(hw: Hardware, *, batch: float, heads: int, seq: int, head_dim: int, causal: bool = True,
-                      dtype: str = "bf16", backward: bool = False) -> float:
-    """Seconds of the flash-attention core, forward or backward (module docstring). Megatron's and
-    Transformer Engine's FP8 recipes keep attention in BF16: pass ``dtype="bf16"`` for them."""
-    flops = attention_flops(batch=batch, heads=heads, seq=seq, head_dim=head_dim, causal=causal,
+                      window: int = 0, dtype: str = "bf16", backward: bool = False) -> float:
+    """Seconds of the flash-attention core, forward or backward (module docstring), with a causal sliding
+    ``window`` of that many tokens (0: none). Megatron's and Transformer Engine's FP8 recipes keep attention in
+    BF16: pass ``dtype="bf16"`` for them."""
+    flops = attention_flops(batch=batch, heads=heads, seq=seq, head_dim=head_dim, causal=causal, window=window,
                             backward=backward)
     peak, width = hw.peak(dtype), dtype_bytes(dtype)
     if flops == 0:
         return 0.0
     share = hw.attention_backward_efficiency if backward else hw.attention_efficiency
-    compute = flops / (peak * share * seq / (seq + hw.attention_half_seq))
+    keys = min(seq, window) if causal and window else seq  # keys each query's tile loops over
+    compute = flops / (peak * share * keys / (keys + hw.attention_half_seq))
     # Forward reads q, k, v and writes o; backward reads those and do, writes dq, dk, dv.
     traffic = (8 if backward else 4) * batch * heads * seq * head_dim * width
     return hw.kernel_overhead + max(compute, traffic / (hw.memory_bandwidth * hw.memory_efficiency))

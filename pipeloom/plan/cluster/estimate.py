@@ -11,7 +11,14 @@ from typing import Any
 
 from pipeloom.errors import PipeloomError
 from pipeloom.ir import Schedule
-from pipeloom.plan.cluster.counts import layer_counts, mtp_activations, mtp_block, optimizer_bytes
+from pipeloom.plan.cluster.counts import (
+    block_kind,
+    layer_counts,
+    layer_kinds,
+    mtp_activations,
+    mtp_block,
+    optimizer_bytes,
+)
 from pipeloom.plan.cluster.efficiency import collective_seconds, domain_ranks, hidden_cost, memory_seconds, p2p_seconds
 from pipeloom.plan.cluster.held import RankHeld, held_profile, peak_held
 from pipeloom.plan.cluster.layer_time import (
@@ -61,7 +68,7 @@ class Estimator:
     def __init__(self, job: Job) -> None:
         self.job = job
         spec = job.spec
-        self.kinds = tuple("moe" if n in set(spec.moe_layers) else "dense" for n in range(spec.layers))
+        self.kinds = layer_kinds(spec)
         # the last stage's kinds after its layers: the head and the multi-token-prediction modules
         self.tail = ("head",) + ("mtp",) * spec.mtp
         self.counts = {k: layer_counts(spec, k, job.seq) for k in ("embedding", *set(self.tail), *set(self.kinds))}
@@ -79,10 +86,12 @@ class Estimator:
         self._ranks: dict[tuple[Any, ...], tuple[tuple[tuple[int, ...], tuple[tuple[str, int], ...]], ...]] = {}
         self._profiles: dict[tuple[Any, ...], tuple[RankHeld, ...]] = {}
         self._model_kinds = tuple(sorted(Counter((*self.kinds, "embedding", *self.tail)).items()))
-        # model FLOPs of a step: every matmul once (no recomputation), the attention core over the causal
-        # triangle only (half the square: what a causal kernel computes, as the Llama 3 and DeepSeek reports count);
-        # the MTP modules' matmuls are computed work of the step and counted too (their head pass included)
-        per_sequence = sum(self.counts[k].f + self.counts[k].i + self.counts[k].w - 2 * self.counts[k].attention_f
+        # model FLOPs of a step: every matmul once (no recomputation), the attention core's forward and backward
+        # over what a causal kernel computes (the triangle, half the square, as the Llama 3 and DeepSeek reports
+        # count; a sliding window's band); the counts' F and I hold the full square once and twice; the MTP
+        # modules' matmuls are computed work of the step and counted too (their head pass included)
+        per_sequence = sum(self.counts[k].f + self.counts[k].i + self.counts[k].w
+                           - 3 * (self.counts[k].attention_f - self.counts[k].attended_f)
                            for k in (*self.kinds, *self.tail))
         self.model_flops = job.global_batch * per_sequence
         a, h = spec.attention, spec.hidden
@@ -197,11 +206,11 @@ class Estimator:
         key = (kind, tp, cp, mbs, recompute)
         if key not in self._acts:
             keep = self.counts[kind].activations[recompute]
-            if recompute == "selective" and self.job.selective == "deepseek" and kind in ("dense", "moe"):
-                keep = deepseek_activations(self.job.spec, kind)
+            if recompute == "selective" and self.job.selective == "deepseek" and block_kind(kind) in ("dense", "moe"):
+                keep = deepseek_activations(self.job.spec, block_kind(kind))
             elif recompute == "selective" and self.job.selective == "deepseek" and kind == "mtp":
                 spec = self.job.spec
-                keep = mtp_activations(spec, recompute, deepseek_activations(spec, mtp_block(spec)))
+                keep = mtp_activations(spec, recompute, deepseek_activations(spec, block_kind(mtp_block(spec))))
             self._acts[key] = keep.per_gpu(tp=tp, cp=cp, sp=tp > 1 and self.job.sequence_parallel) * mbs * self.job.seq
         return self._acts[key]
 

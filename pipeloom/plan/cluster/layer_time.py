@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from pipeloom.plan.cluster.config import ModelSpec
 from pipeloom.plan.cluster.context import context_parallel_core
-from pipeloom.plan.cluster.counts import Activations, layer_counts
+from pipeloom.plan.cluster.counts import WINDOWED, Activations, block_kind, layer_counts
 from pipeloom.plan.cluster.efficiency import (
     attention_seconds,
     collective_seconds,
@@ -155,9 +155,11 @@ def add_times(*parts: PhaseTimes) -> PhaseTimes:
 
 def layer_times(job: Job, layout: Layout, kind: str) -> PhaseTimes:
     """F, I and W seconds of one micro-batch through one layer of ``kind`` on one GPU of ``layout`` (a
-    multi-token-prediction module, kind ``mtp``: :func:`pipeloom.plan.cluster.mtp.mtp_times`)."""
-    if kind not in ("embedding", "head", "dense", "moe"):
-        raise LayoutError(f"layer_times prices embedding, dense, moe and head layers, not {kind!r}")
+    multi-token-prediction module, kind ``mtp``: :func:`pipeloom.plan.cluster.mtp.mtp_times`; a
+    :data:`~pipeloom.plan.cluster.counts.WINDOWED` kind's flash attention skips what its sliding window leaves
+    out, the materialized scores do not)."""
+    if block_kind(kind) not in ("embedding", "head", "dense", "moe"):
+        raise LayoutError(f"layer_times prices embedding, dense, moe (or windowed) and head layers, not {kind!r}")
     job = dataclasses.replace(job, hw=compute_hardware(job, layout))
     spec, hw, tp, cp = job.spec, job.hw, layout.tp, layout.cp
     tokens = layout.mbs * job.seq // cp  # tokens of the micro-batch on this GPU's cp shard
@@ -180,22 +182,27 @@ def layer_times(job: Job, layout: Layout, kind: str) -> PhaseTimes:
                                 if tp > 1 else 0.0)
         loss = memory_seconds(hw, 3.0 * 4 * tokens * spec.vocab / tp)  # fp32 logits: softmax, its gradient
         return PhaseTimes(f=gemm.f + comm + loss, i=gemm.i + back + elementwise, w=gemm.w)
-    a = spec.attention
+    a, window = spec.attention, spec.window if kind.endswith(WINDOWED) else 0
+    kind = block_kind(kind)
     # memory-bound kernels counted one by one (norms, residual adds, rotary, activation, MoE permutes)
     ew = layer_elementwise(spec, kind, tp=tp, sp=sp, kernels=job.kernels)
     ew_f = memory_seconds(hw, ew.f_bytes * tokens) + (ew.f_kernels - 1) * hw.kernel_overhead
     ew_b = memory_seconds(hw, ew.b_bytes * tokens) + (ew.b_kernels - 1) * hw.kernel_overhead
     parts = [_price(hw, _gemms(spec, tp), tokens, job.dtype)]
     head_dim = (a.qk_dim + a.v_dim) // 2
-    # the cp shard's queries attend to the whole sequence: 1/cp of the causal square (load-balanced halves)
-    core = _materialized if job.attention == "materialized" else attention_seconds
+    # the cp shard's queries attend to the whole sequence (or window): 1/cp of the causal triangle or band
+    # (load-balanced halves)
+    core_hw = hw
     if job.attention == "flash2":  # FA2's kernels: the best kernel's rates over the measured ratio
         slow = hw.flash2_slowdown
-        hw = dataclasses.replace(hw, attention_efficiency=hw.attention_efficiency / slow,
-                                 attention_backward_efficiency=hw.attention_backward_efficiency / slow)
-    core_f = core(hw, batch=layout.mbs, heads=max(1, a.heads // tp), seq=job.seq, head_dim=head_dim) / cp
-    core_b = core(hw, batch=layout.mbs, heads=max(1, a.heads // tp), seq=job.seq, head_dim=head_dim,
-                  backward=True) / cp
+        core_hw = dataclasses.replace(hw, attention_efficiency=hw.attention_efficiency / slow,
+                                      attention_backward_efficiency=hw.attention_backward_efficiency / slow)
+    core_f, core_b = (_materialized(hw, batch=layout.mbs, heads=max(1, a.heads // tp), seq=job.seq,
+                                    head_dim=head_dim, backward=backward) / cp
+                      if job.attention == "materialized" else
+                      attention_seconds(core_hw, batch=layout.mbs, heads=max(1, a.heads // tp), seq=job.seq,
+                                        head_dim=head_dim, window=window, backward=backward) / cp
+                      for backward in (False, True))
     if cp > 1:
         core_f, core_b = context_parallel_core(hw, a, rotate=job.cp_rotate, tp=tp, cp=cp, tokens=tokens,
                                                core_f=core_f, core_b=core_b)
