@@ -24,7 +24,7 @@ from pipeloom.plan.cluster.config import ModelSpec
 
 __all__ = ["Recompute", "RECOMPUTE_MODES", "LayerCounts", "Activations", "layer_counts", "attention_flops",
            "attended_fraction", "model_params", "optimizer_bytes", "mtp_block", "mtp_activations", "layer_kinds",
-           "block_kind", "WINDOWED"]
+           "block_kind", "WINDOWED", "deepseek_activations", "FP8_BYTES"]
 
 Recompute = Literal["none", "selective", "full"]
 RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
@@ -95,6 +95,13 @@ class LayerCounts:
     (:func:`attended_fraction`)."""
     activations: dict[str, Activations]
     """Per recomputation mode, what one token keeps (the head: its logits' gradient input)."""
+
+    @property
+    def model_flops(self) -> float:
+        """The layer's model FLOPs for one sequence: every matmul once (no recomputation) and the attention core's
+        forward and backward over what a causal kernel computes (``attended_f``: the triangle, as the Llama 3 and
+        DeepSeek reports count, or a sliding window's band), where F and I hold the full square once and twice."""
+        return self.f + self.i + self.w - 3 * (self.attention_f - self.attended_f)
 
 
 def _norm(spec: ModelSpec) -> int:
@@ -273,3 +280,36 @@ def optimizer_bytes(params: float, *, shards: int = 1, fsdp: bool = False) -> tu
     if fsdp:
         return weights / shards, grads / shards, states / shards
     return weights, grads, states / shards
+
+
+FP8_BYTES = 1 + 4 / 128
+"""Bytes per element of an FP8 activation with DeepSeek-V3's fine-grained scaling (one fp32 scale per 1 x 128
+tile: report sec. 3.3.2)."""
+_E5M6 = 1.5
+"""Bytes per element of DeepSeek-V3's 12-bit E5M6 format (report sec. 3.3.4)."""
+
+
+def deepseek_activations(spec: ModelSpec, kind: str) -> Activations:
+    """Bytes per token a decoder layer keeps for the backward under DeepSeek-V3's memory savings (technical
+    report, arXiv:2412.19437, sec. 3.2.3 and 3.3.4): every RMSNorm and MLA's up-projections are recomputed
+    in the backward (their outputs, q, k, v included, are not kept: each norm's input, the residual stream,
+    and MLA's latents, ``c_q``, ``c_kv`` and the rotary key, are); the attention output (the output projection's
+    input, also read by the attention backward) is kept in E5M6; the MoE SwiGLU's input is cached in FP8
+    and its output recomputed; the inputs of the other linear layers (the experts' dispatched tokens, a dense
+    MLP's down-projection input) are cached in FP8. Statistics: the attention's log-sum-exp per head and the
+    router's fp32 scores. Only the low-rank paths of MLA and a gated MLP are described; another model is
+    priced by its :mod:`counts` activations."""
+    a, h = spec.attention, spec.hidden
+    sequence = 2 * (2.0 * h)  # the two norms' inputs (bf16), their outputs and 1/rms recomputed
+    latents = 2.0 * (a.q_rank + a.kv_rank + a.rope_dim) if a.latent else 0.0
+    tensor = latents + _E5M6 * a.heads * a.v_dim + 4.0 * a.heads
+    if kind == "moe":
+        ex = spec.experts
+        assert ex is not None, "moe layer of a dense model"
+        # each token's top-k copies: the dispatched input and the SwiGLU input (gate, up) in FP8; the shared
+        # expert's SwiGLU input likewise (its input is the recomputed norm output); the router's scores
+        tensor += (FP8_BYTES * ex.top_k * (h + 2 * ex.intermediate) + FP8_BYTES * 2 * ex.shared_intermediate
+                   + 4.0 * ex.count)
+    else:  # a dense gated MLP: the SwiGLU input in bf16, its output (the down projection's input) in FP8
+        tensor += 2.0 * 2 * spec.intermediate + FP8_BYTES * spec.intermediate
+    return Activations(sequence=sequence, tensor=tensor)

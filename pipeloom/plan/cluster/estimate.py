@@ -11,14 +11,7 @@ from typing import Any
 
 from pipeloom.errors import PipeloomError
 from pipeloom.ir import Schedule
-from pipeloom.plan.cluster.counts import (
-    block_kind,
-    layer_counts,
-    layer_kinds,
-    mtp_activations,
-    mtp_block,
-    optimizer_bytes,
-)
+from pipeloom.plan.cluster.counts import layer_counts, layer_kinds, optimizer_bytes
 from pipeloom.plan.cluster.efficiency import collective_seconds, domain_ranks, hidden_cost, memory_seconds, p2p_seconds
 from pipeloom.plan.cluster.held import RankHeld, held_profile, peak_held
 from pipeloom.plan.cluster.layer_time import (
@@ -26,7 +19,7 @@ from pipeloom.plan.cluster.layer_time import (
     Job,
     PhaseTimes,
     add_times,
-    deepseek_activations,
+    kept_activations,
     layer_times,
 )
 from pipeloom.plan.cluster.layout import PAIRED, SCHEDULES, Layout
@@ -86,14 +79,8 @@ class Estimator:
         self._ranks: dict[tuple[Any, ...], tuple[tuple[tuple[int, ...], tuple[tuple[str, int], ...]], ...]] = {}
         self._profiles: dict[tuple[Any, ...], tuple[RankHeld, ...]] = {}
         self._model_kinds = tuple(sorted(Counter((*self.kinds, "embedding", *self.tail)).items()))
-        # model FLOPs of a step: every matmul once (no recomputation), the attention core's forward and backward
-        # over what a causal kernel computes (the triangle, half the square, as the Llama 3 and DeepSeek reports
-        # count; a sliding window's band); the counts' F and I hold the full square once and twice; the MTP
-        # modules' matmuls are computed work of the step and counted too (their head pass included)
-        per_sequence = sum(self.counts[k].f + self.counts[k].i + self.counts[k].w
-                           - 3 * (self.counts[k].attention_f - self.counts[k].attended_f)
-                           for k in (*self.kinds, *self.tail))
-        self.model_flops = job.global_batch * per_sequence
+        # the MTP modules' matmuls are computed work of the step and counted too (their head pass included)
+        self.model_flops = job.global_batch * sum(self.counts[k].model_flops for k in (*self.kinds, *self.tail))
         a, h = spec.attention, spec.hidden
         mlp = spec.experts.top_k * spec.experts.intermediate if spec.moe_layers and spec.experts else spec.intermediate
         keep = self.counts[self.kinds[-1]].activations["none"]
@@ -205,12 +192,7 @@ class Estimator:
     def _keep(self, kind: str, tp: int, cp: int, mbs: int, recompute: str) -> float:
         key = (kind, tp, cp, mbs, recompute)
         if key not in self._acts:
-            keep = self.counts[kind].activations[recompute]
-            if recompute == "selective" and self.job.selective == "deepseek" and block_kind(kind) in ("dense", "moe"):
-                keep = deepseek_activations(self.job.spec, block_kind(kind))
-            elif recompute == "selective" and self.job.selective == "deepseek" and kind == "mtp":
-                spec = self.job.spec
-                keep = mtp_activations(spec, recompute, deepseek_activations(spec, block_kind(mtp_block(spec))))
+            keep = kept_activations(self.job, self.counts[kind], recompute)
             self._acts[key] = keep.per_gpu(tp=tp, cp=cp, sp=tp > 1 and self.job.sequence_parallel) * mbs * self.job.seq
         return self._acts[key]
 

@@ -11,7 +11,17 @@ from dataclasses import dataclass
 
 from pipeloom.plan.cluster.config import ModelSpec
 from pipeloom.plan.cluster.context import context_parallel_core
-from pipeloom.plan.cluster.counts import WINDOWED, Activations, block_kind, layer_counts
+from pipeloom.plan.cluster.counts import (
+    FP8_BYTES,
+    WINDOWED,
+    Activations,
+    LayerCounts,
+    block_kind,
+    deepseek_activations,
+    layer_counts,
+    mtp_activations,
+    mtp_block,
+)
 from pipeloom.plan.cluster.efficiency import (
     attention_seconds,
     collective_seconds,
@@ -26,7 +36,7 @@ from pipeloom.plan.cluster.materialized import materialized_attention_seconds
 from pipeloom.plan.errors import LayoutError
 from pipeloom.plan.tp.all_to_all import moe_exchanges
 
-__all__ = ["Job", "PhaseTimes", "add_times", "layer_times", "deepseek_activations", "SELECTIVE",
+__all__ = ["Job", "PhaseTimes", "add_times", "layer_times", "kept_activations", "SELECTIVE",
            "CP_ROTATE", "MOE_COMM", "GRAD_REDUCE", "STAGE_CUTS", "compute_hardware", "compute_share"]
 
 CP_ROTATE = ("ring", "allgather")
@@ -189,20 +199,7 @@ def layer_times(job: Job, layout: Layout, kind: str) -> PhaseTimes:
     ew_f = memory_seconds(hw, ew.f_bytes * tokens) + (ew.f_kernels - 1) * hw.kernel_overhead
     ew_b = memory_seconds(hw, ew.b_bytes * tokens) + (ew.b_kernels - 1) * hw.kernel_overhead
     parts = [_price(hw, _gemms(spec, tp), tokens, job.dtype)]
-    head_dim = (a.qk_dim + a.v_dim) // 2
-    # the cp shard's queries attend to the whole sequence (or window): 1/cp of the causal triangle or band
-    # (load-balanced halves)
-    core_hw = hw
-    if job.attention == "flash2":  # FA2's kernels: the best kernel's rates over the measured ratio
-        slow = hw.flash2_slowdown
-        core_hw = dataclasses.replace(hw, attention_efficiency=hw.attention_efficiency / slow,
-                                      attention_backward_efficiency=hw.attention_backward_efficiency / slow)
-    core_f, core_b = (_materialized(hw, batch=layout.mbs, heads=max(1, a.heads // tp), seq=job.seq,
-                                    head_dim=head_dim, backward=backward) / cp
-                      if job.attention == "materialized" else
-                      attention_seconds(core_hw, batch=layout.mbs, heads=max(1, a.heads // tp), seq=job.seq,
-                                        head_dim=head_dim, window=window, backward=backward) / cp
-                      for backward in (False, True))
+    core_f, core_b = (_attention_core(job, layout, window, backward=backward) for backward in (False, True))
     if cp > 1:
         core_f, core_b = context_parallel_core(hw, a, rotate=job.cp_rotate, tp=tp, cp=cp, tokens=tokens,
                                                core_f=core_f, core_b=core_b)
@@ -227,6 +224,24 @@ def layer_times(job: Job, layout: Layout, kind: str) -> PhaseTimes:
     return PhaseTimes(f=f, i=i, w=gemm.w, f_comm=gemm.f_comm, i_comm=i_comm)
 
 
+def _attention_core(job: Job, layout: Layout, window: int, *, backward: bool) -> float:
+    """Seconds of one layer's attention core on one GPU of ``layout``, forward or backward, in ``job.attention``'s
+    kernels (``window``: the layer's sliding window, 0 for none; scores in HBM compute the masked square whole):
+    the cp shard's queries attend to the whole sequence (or window), 1/cp of the causal triangle or band
+    (load-balanced halves)."""
+    hw, a = job.hw, job.spec.attention
+    heads, head_dim = max(1, a.heads // layout.tp), (a.qk_dim + a.v_dim) // 2
+    if job.attention == "materialized":
+        return materialized_attention_seconds(hw, batch=layout.mbs, heads=heads, seq=job.seq, head_dim=head_dim,
+                                              backward=backward) / layout.cp
+    if job.attention == "flash2":  # FA2's kernels: the best kernel's rates over the measured ratio
+        slow = hw.flash2_slowdown
+        hw = dataclasses.replace(hw, attention_efficiency=hw.attention_efficiency / slow,
+                                 attention_backward_efficiency=hw.attention_backward_efficiency / slow)
+    return attention_seconds(hw, batch=layout.mbs, heads=heads, seq=job.seq, head_dim=head_dim, window=window,
+                             backward=backward) / layout.cp
+
+
 def _op_recompute(job: Job, tokens: int, tp: int) -> float:
     """Seconds of the matmuls torchtitan's op-level selective checkpointing recomputes in a dense layer: its policy
     saves every matmul's output "except every second mm" counted per layer (torchtitan
@@ -237,12 +252,6 @@ def _op_recompute(job: Job, tokens: int, tp: int) -> float:
     o_proj = (spec.hidden, a.heads * a.v_dim // tp)
     up = (spec.intermediate // tp, spec.hidden) if spec.gated else (0, spec.hidden)
     return _price(job.hw, [k_proj, o_proj, up], tokens, job.dtype).f
-
-
-def _materialized(hw: Hardware, *, batch: int, heads: int, seq: int, head_dim: int, backward: bool = False) -> float:
-    """The scores-in-HBM attention core in 16-bit (its GEMMs at the BF16 rate; FP8 recipes keep attention 16-bit)."""
-    return materialized_attention_seconds(hw, batch=batch, heads=heads, seq=seq, head_dim=head_dim,
-                                          backward=backward)
 
 
 def _moe_times(job: Job, layout: Layout, tokens: int) -> PhaseTimes:
@@ -274,37 +283,15 @@ def _moe_times(job: Job, layout: Layout, tokens: int) -> PhaseTimes:
     return PhaseTimes(f=times.f + a2a["F"], i=times.i + a2a["I"], w=times.w, f_comm=a2a["F"], i_comm=a2a["I"])
 
 
-_FP8 = 1 + 4 / 128
-"""Bytes per element of an FP8 activation with DeepSeek-V3's fine-grained scaling (one fp32 scale per 1 x 128
-tile: report sec. 3.3.2)."""
-_E5M6 = 1.5
-"""Bytes per element of DeepSeek-V3's 12-bit E5M6 format (report sec. 3.3.4)."""
-
-
-def deepseek_activations(spec: ModelSpec, kind: str) -> Activations:
-    """Bytes per token a decoder layer keeps for the backward under DeepSeek-V3's memory savings (technical
-    report, arXiv:2412.19437, sec. 3.2.3 and 3.3.4): every RMSNorm and MLA's up-projections are recomputed
-    in the backward (their outputs, q, k, v included, are not kept: each norm's input, the residual stream,
-    and MLA's latents, ``c_q``, ``c_kv`` and the rotary key, are); the attention output (the output projection's
-    input, also read by the attention backward) is kept in E5M6; the MoE SwiGLU's input is cached in FP8
-    and its output recomputed; the inputs of the other linear layers (the experts' dispatched tokens, a dense
-    MLP's down-projection input) are cached in FP8. Statistics: the attention's log-sum-exp per head and the
-    router's fp32 scores. Only the low-rank paths of MLA and a gated MLP are described; another model is
-    priced by its :mod:`counts` activations."""
-    a, h = spec.attention, spec.hidden
-    sequence = 2 * (2.0 * h)  # the two norms' inputs (bf16), their outputs and 1/rms recomputed
-    latents = 2.0 * (a.q_rank + a.kv_rank + a.rope_dim) if a.latent else 0.0
-    tensor = latents + _E5M6 * a.heads * a.v_dim + 4.0 * a.heads
-    if kind == "moe":
-        ex = spec.experts
-        assert ex is not None, "moe layer of a dense model"
-        # each token's top-k copies: the dispatched input and the SwiGLU input (gate, up) in FP8; the shared
-        # expert's SwiGLU input likewise (its input is the recomputed norm output); the router's scores
-        tensor += (_FP8 * ex.top_k * (h + 2 * ex.intermediate) + _FP8 * 2 * ex.shared_intermediate
-                   + 4.0 * ex.count)
-    else:  # a dense gated MLP: the SwiGLU input in bf16, its output (the down projection's input) in FP8
-        tensor += 2.0 * 2 * spec.intermediate + _FP8 * spec.intermediate
-    return Activations(sequence=sequence, tensor=tensor)
+def kept_activations(job: Job, counts: LayerCounts, recompute: str) -> Activations:
+    """What one token keeps in a layer of ``counts`` under ``recompute``: the counts' own, or under DeepSeek-V3's
+    selective recomputation (``job.selective == "deepseek"``) :func:`deepseek_activations` for its decoder layers
+    and multi-token-prediction modules."""
+    if recompute != "selective" or job.selective != "deepseek" or counts.kind in ("embedding", "head"):
+        return counts.activations[recompute]
+    if counts.kind == "mtp":
+        return mtp_activations(job.spec, recompute, deepseek_activations(job.spec, block_kind(mtp_block(job.spec))))
+    return deepseek_activations(job.spec, block_kind(counts.kind))
 
 
 def _deepseek_recompute(job: Job, tokens: int, tp: int, kind: str) -> float:
@@ -377,7 +364,7 @@ def _deepseek_all_to_all(job: Job, layout: Layout, local: int) -> float:
     up = hw.scale_up_bandwidth * hw.scale_up_efficiency
     out = hw.scale_out_bandwidth * hw.scale_out_efficiency
     seconds = 0.0
-    for width in (_FP8, 2.0):  # dispatch, combine
+    for width in (FP8_BYTES, 2.0):  # dispatch, combine
         token = spec.hidden * width
         across = local * reach * (nodes - 1) / nodes * token / out + (hw.scale_out_latency if nodes > 1 else 0.0)
         inside = local * ex.top_k * (r - 1) / r * token / up + (hw.scale_up_latency if r > 1 else 0.0)

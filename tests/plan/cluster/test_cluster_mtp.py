@@ -13,10 +13,10 @@ import dataclasses
 import pytest
 
 from pipeloom.plan.cluster.config import model_spec
-from pipeloom.plan.cluster.counts import layer_counts, mtp_activations
+from pipeloom.plan.cluster.counts import deepseek_activations, layer_counts, mtp_activations
 from pipeloom.plan.cluster.estimate import Estimator
 from pipeloom.plan.cluster.gpus import hardware
-from pipeloom.plan.cluster.layer_time import Job, add_times, deepseek_activations, layer_times
+from pipeloom.plan.cluster.layer_time import Job, add_times, layer_times
 from pipeloom.plan.cluster.layout import Layout
 from pipeloom.plan.cluster.mtp import mtp_times
 from pipeloom.plan.errors import LayoutError, ModelConfigError
@@ -119,8 +119,7 @@ def test_memory_and_model_flops_count_the_module():
     assert a.memory.weights - b.memory.weights == 2.0 * mtp.params
     assert a.memory.gradients - b.memory.gradients == 2.0 * mtp.params
     assert a.memory.optimizer - b.memory.optimizer == pytest.approx(12.0 * mtp.params / 2)
-    attention_left_out = 3 * (mtp.attention_f - mtp.attended_f)  # the square's upper half, forward and backward
-    assert on.model_flops - off.model_flops == pytest.approx(8 * (mtp.f + mtp.i + mtp.w - attention_left_out))
+    assert on.model_flops - off.model_flops == pytest.approx(8 * mtp.model_flops)
     # the search's total work adds the module once
     assert on.total_work(layout) - off.total_work(layout) == pytest.approx(
         sum(dataclasses.astuple(mtp_times(on.job, layout))[:3]))
