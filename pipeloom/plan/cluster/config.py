@@ -1,5 +1,5 @@
 """A decoder's shape read from a transformers config (a config.json path, a dict or a ``PretrainedConfig``),
-without importing transformers: dense decoders (LLaMA, Mistral, Qwen2/3, Gemma, GPT-2, GPT-NeoX) and
+without importing transformers: dense decoders (LLaMA, Mistral, Qwen2/3, Gemma 1/2/3, GPT-2, GPT-NeoX) and
 mixture-of-experts decoders (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3 with multi-head latent attention),
 with sliding-window attention on the layers transformers gives it (:func:`_windows`)."""
 
@@ -16,7 +16,8 @@ from pipeloom.plan.errors import ModelConfigError
 
 __all__ = ["ModelSpec", "Attention", "Experts", "model_spec", "SUPPORTED_FAMILIES"]
 
-_DENSE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gpt2", "gpt_neox")
+_DENSE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "gpt2", "gpt_neox")
+_GEMMA = ("gemma", "gemma2", "gemma3_text")
 _MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3")
 SUPPORTED_FAMILIES: tuple[str, ...] = _DENSE + _MOE
 """The ``model_type`` values :func:`model_spec` reads."""
@@ -92,6 +93,9 @@ class ModelSpec:
     """Biases on the MLP projections."""
     layer_norm: bool = False
     """LayerNorm with a bias (GPT-2, GPT-NeoX) rather than RMSNorm."""
+    post_norms: bool = False
+    """Norms after attention and after the MLP too, on each branch's output before the residual add (Gemma 2
+    and 3: four norms per layer)."""
     tied: bool = False
     """The output head shares the embedding's weight."""
     positions: int = 0
@@ -125,6 +129,12 @@ class ModelSpec:
         if self.attention.heads % self.attention.kv_heads:
             raise ModelConfigError(f"{self.attention.heads} query heads are not a multiple of "
                                    f"{self.attention.kv_heads} key/value heads")
+
+    @property
+    def layer_norms(self) -> int:
+        """Norms over h in one decoder layer: before attention and before the MLP, and after each with
+        :attr:`post_norms`."""
+        return 4 if self.post_norms else 2
 
     @property
     def dense_layers(self) -> int:
@@ -170,8 +180,14 @@ def model_spec(config: object) -> ModelSpec:
         return config
     data = _read(config)
     family = str(data.get("model_type", ""))
+    if family == "gemma3" and isinstance(data.get("text_config"), Mapping):
+        raise ModelConfigError("model_type 'gemma3' is Gemma 3's vision-language config; the planner reads its "
+                               "language model: pass its text_config (model_type gemma3_text) as the config")
     if family not in SUPPORTED_FAMILIES:
         raise ModelConfigError(f"model_type {family!r} is not modelled; supported: {', '.join(SUPPORTED_FAMILIES)}")
+    if data.get("use_bidirectional_attention"):
+        raise ModelConfigError(f"{family} with use_bidirectional_attention is an encoder; the planner plans causal "
+                               "decoders: set use_bidirectional_attention to false")
     spec = _family_spec(data, family)
     window, layers = _windows(data, family, spec.layers)
     return dataclasses.replace(spec, window=window, window_layers=layers) if layers else spec
@@ -180,7 +196,8 @@ def model_spec(config: object) -> ModelSpec:
 def _windows(data: Mapping[str, Any], family: str, layers: int) -> tuple[int, tuple[int, ...]]:
     """``(window, layers)`` of sliding-window attention as transformers builds the model: the config's
     ``layer_types`` where it has them (``"sliding_attention"`` layers); otherwise Mistral and Mixtral window every
-    layer when ``sliding_window`` is set, Qwen3-MoE every layer with ``use_sliding_window``, Qwen2 and Qwen3 the
+    layer when ``sliding_window`` is set, Gemma 2 every second layer from the first, Gemma 3 all but every
+    ``sliding_window_pattern``-th (6), Qwen3-MoE every layer with ``use_sliding_window``, Qwen2 and Qwen3 the
     layers from ``max_window_layers`` on, Qwen2-MoE every second layer below it; the other families never."""
     size = data.get("sliding_window")
     if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
@@ -190,6 +207,11 @@ def _windows(data: Mapping[str, Any], family: str, layers: int) -> tuple[int, tu
         return size, tuple(n for n, kind in enumerate(types[:layers]) if kind == "sliding_attention")
     if family in ("mistral", "mixtral"):
         return size, tuple(range(layers))
+    if family == "gemma2":
+        return size, tuple(n for n in range(layers) if (n + 1) % 2)
+    if family == "gemma3_text":
+        pattern = int(data.get("sliding_window_pattern") or 6)
+        return size, tuple(n for n in range(layers) if (n + 1) % pattern)
     if not data.get("use_sliding_window"):
         return 0, ()
     last = int(data["max_window_layers"]) if data.get("max_window_layers") is not None else 28  # transformers' default
@@ -211,7 +233,7 @@ def _family_spec(data: Mapping[str, Any], family: str) -> ModelSpec:
     layers = int(_get(data, "num_hidden_layers"))
     head_dim = int(data.get("head_dim") or hidden // heads)
     common: dict[str, Any] = dict(family=family, hidden=hidden, layers=layers, vocab=int(_get(data, "vocab_size")),
-                  tied=bool(data.get("tie_word_embeddings", family == "gemma")))
+                  tied=bool(data.get("tie_word_embeddings", family in _GEMMA)))
     if family == "gpt_neox":
         bias = bool(data.get("attention_bias", True))
         attention = Attention(heads=heads, kv_heads=heads, qk_dim=head_dim, v_dim=head_dim, qkv_bias=bias, o_bias=bias)
@@ -224,8 +246,9 @@ def _family_spec(data: Mapping[str, Any], family: str) -> ModelSpec:
     qkv_bias = family == "qwen2" or (family == "qwen2_moe" and bool(data.get("qkv_bias", True))) or bias
     attention = Attention(heads=heads, kv_heads=kv_heads, qk_dim=head_dim, v_dim=head_dim, qkv_bias=qkv_bias,
                           o_bias=bias and family not in ("qwen2", "qwen2_moe"),
-                          qk_norm=family in ("qwen3", "qwen3_moe"))
-    dense: dict[str, Any] = dict(**common, attention=attention, mlp_bias=bool(data.get("mlp_bias", False)))
+                          qk_norm=family in ("qwen3", "qwen3_moe", "gemma3_text"))
+    dense: dict[str, Any] = dict(**common, attention=attention, mlp_bias=bool(data.get("mlp_bias", False)),
+                                 post_norms=family in ("gemma2", "gemma3_text"))
     if family in _DENSE:
         return ModelSpec(**dense, intermediate=int(_get(data, "intermediate_size")))
     if family == "mixtral":

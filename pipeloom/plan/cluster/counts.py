@@ -243,11 +243,13 @@ def layer_counts(spec: ModelSpec, kind: str, seq: int, *, width: int = 2) -> Lay
                     + _mlp_activations(ex.shared_intermediate, gated=True, width=width))
     else:
         raise ValueError(f"unknown layer kind {kind!r}; one of embedding, dense, moe, head, mtp")
-    params = attn_mm + attn_other + mlp_mm + mlp_other + 2 * _norm(spec)
+    params = attn_mm + attn_other + mlp_mm + mlp_other + spec.layer_norms * _norm(spec)
     core = attention_flops(spec, seq)
     linear = 2.0 * seq * (attn_mm + mlp_mm + routed_mm)
     seq_a, tensor_a, latent = _attention_activations(spec, width)
-    sequence = seq_a + width * (2 * h) + _STAT  # + the MLP norm's input and output (+ 1/rms)
+    # + the MLP norm's input and output (+ 1/rms); a norm after a branch keeps its input (+ 1/rms), its output
+    # going into the residual add
+    sequence = seq_a + width * (2 * h) + _STAT + (spec.layer_norms - 2) * (width * h + _STAT)
     none = Activations(sequence=sequence, tensor=tensor_a + mlp_keep, replicated=latent)
     # selective: the attention core runs again in the backward, so only its softmax statistics are not kept:
     # its inputs q, k, v are the recomputation's inputs, its output the output projection's input

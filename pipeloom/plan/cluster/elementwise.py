@@ -6,7 +6,8 @@ kernel overhead per kernel.
 Two implementations are counted, because frameworks differ by a factor of three here:
 
 - ``fused`` (Megatron-LM / Transformer Engine, or ``torch.compile``): one kernel per operation, reading its
-  inputs and writing its output once. Forward per token: two RMSNorm/LayerNorms (read h, write h each), two
+  inputs and writing its output once. Forward per token: two RMSNorm/LayerNorms (read h, write h each; four
+with Gemma 2/3's norms after each branch), two
   residual adds (read 2h, write h), rotary embedding of q and k (read and write them; absent with learned
   positions), the MLP activation (SwiGLU: read gate and up, 2I, write I; GELU: read I, write I). Bias adds
   ride in the GEMM epilogues and softmax inside flash attention: no traffic of their own. Backward: a norm
@@ -87,21 +88,22 @@ def layer_elementwise(spec: ModelSpec, kind: str, *, tp: int = 1, sp: bool = Fal
     qk = (a.heads + a.kv_heads) * a.qk_dim  # the rotated q and k elements
     rotary = spec.positions == 0
     if kernels == "fused":
-        seq_f, seq_b = 2 * 2 * h + 2 * 3 * h, 2 * 3 * h + 2 * 3 * h  # norms, residual adds
+        norms = spec.layer_norms
+        seq_f, seq_b = norms * 2 * h + 2 * 3 * h, norms * 3 * h + 2 * 3 * h  # norms, residual adds
         act_f, act_b = (3 * width, 5 * width) if gated else (2 * width, 3 * width)
         rot = 2 * qk if rotary else 0
         ten_f, ten_b = act_f + rot + route, act_b + rot + route
         f = _W * (seq_f / (tp if sp else 1) + ten_f / tp)
         b = _W * (seq_b / (tp if sp else 1) + ten_b / tp)
-        count = 2 + 2 + (1 if rotary else 0) + 1 + (2 if route else 0)
+        count = norms + 2 + (1 if rotary else 0) + 1 + (2 if route else 0)
         return Elementwise(f_bytes=f, b_bytes=b, f_kernels=count, b_kernels=count)
     norm = _EAGER_RMSNORM * h if not spec.layer_norm else 2 * _W * h
     norm_kernels = _EAGER_RMSNORM_KERNELS if not spec.layer_norm else 1
-    seq_f = 2 * norm + 2 * 3 * _W * h  # two norms, two residual adds
+    seq_f = spec.layer_norms * norm + 2 * 3 * _W * h  # the norms, two residual adds
     repeat = _W * (a.kv_heads + a.heads) * (a.qk_dim + a.v_dim) if a.kv_heads < a.heads else 0
     ten_f = ((_EAGER_ROTARY * qk if rotary else 0) + repeat + 2 * _W * a.heads * a.v_dim
              + (10 if gated else 4) * width + _W * route)
     f = seq_f / (tp if sp else 1) + ten_f / tp
-    count_f = (2 * norm_kernels + 2 + (2 * _EAGER_ROTARY_KERNELS if rotary else 0) + (2 if repeat else 0) + 1
-               + (2 if gated else 1) + (2 if route else 0))
+    count_f = (spec.layer_norms * norm_kernels + 2 + (2 * _EAGER_ROTARY_KERNELS if rotary else 0)
+               + (2 if repeat else 0) + 1 + (2 if gated else 1) + (2 if route else 0))
     return Elementwise(f_bytes=f, b_bytes=2 * f, f_kernels=count_f, b_kernels=2 * count_f)

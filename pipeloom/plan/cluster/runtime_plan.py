@@ -22,7 +22,8 @@ __all__ = ["LAYER_PREFIX", "runtime_plan", "runtime_notes", "torchtitan_plan"]
 LAYER_PREFIX = {"gpt2": "transformer.h", "gpt_neox": "gpt_neox.layers"}
 """Where a ``transformers`` model of a family keeps its decoder layers (every other family: ``model.layers``)."""
 _TP_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
-"""Families whose attention and MLP projections are plain ``nn.Linear`` modules under the names below."""
+"""Families whose attention and MLP projections are plain ``nn.Linear`` modules under the names below, whose
+recipe the runtime's tests run (Gemma 2 and 3 have the same names but no such test yet)."""
 _COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 _ROW = ("self_attn.o_proj", "mlp.down_proj")
 _HEAD_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
@@ -52,9 +53,9 @@ def runtime_plan(result: ClusterPlan) -> Plan:
     tp_plan = None
     if layout.tp > 1:
         if family not in _TP_FAMILIES:
-            raise PlanError(f"tp={layout.tp}: a {family} model's projections are not plain Linear modules pipeloom "
-                            "can shard by name; save with --layout tp=1, or pass pipeline(..., "
-                            "parallel=Parallelism(tp_plan=...)) with a plan of your own")
+            raise PlanError(f"tp={layout.tp}: pipeloom's tensor-parallel recipe by module name is written for "
+                            f"{', '.join(_TP_FAMILIES)}, not {family}; save with --layout tp=1, or pass "
+                            "pipeline(..., parallel=Parallelism(tp_plan=...)) with a plan of your own")
         tp_plan = {"recipe": "megatron", "column": [f"{prefix}.*.{name}" for name in _COLUMN],
                    "row": [f"{prefix}.*.{name}" for name in _ROW]}
         if job.spec.attention.qk_norm:

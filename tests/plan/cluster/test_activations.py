@@ -10,7 +10,8 @@ checkpointed (``gradient_checkpointing_enable`` with ``use_reentrant=True``).
 
 The model counts fused kernels (Megatron with Transformer Engine); transformers' eager PyTorch keeps exactly
 two things more, which the expected value adds: each RMSNorm keeps its normalised input before the scale by
-its weight (h elements per norm, per q/k norm its head dims), and the gated MLP keeps act(gate) * up, the
+its weight (h elements per norm, per q/k norm its head dims; Gemma's also keeps the ``1 + weight`` it computes
+per call, per layer not per token), and the gated MLP keeps act(gate) * up, the
 down projection's input, apart from act(gate) (I elements; a fused SwiGLU recomputes it).
 
 MoE layers (Qwen3-MoE, Mixtral, DeepSeek-V3) run transformers' eager experts (a loop over the experts hit).
@@ -18,11 +19,12 @@ Which expert a token picks depends on the data, but each token picks top_k disti
 add up to exactly tokens x top_k and the per-layer totals are exact. Eager keeps per routed copy, beyond the
 model's, act(gate) * up (I), the weighted output that ``index_add_`` keeps as its source (h), and a second
 int64 (``nonzero`` gives the token and its top-k slot); per token, its router's own extras (:func:`_router_extra`).
-DeepSeek-V3's MLA (q and kv latents of different head dims) runs eager attention, which keeps the s x s
-softmax probabilities where flash attention keeps one log-sum-exp per head; its kv latent's norm takes a slice
-of the kv down-projection's output, whose storage (with the rope part) autograd keeps whole; and with the core
-checkpointed, v is a view of the kv up-projection's output, so the checkpoint keeps that whole storage (k's
-no-rope part too).
+DeepSeek-V3's MLA (q and kv latents of different head dims) and Gemma 2 (no sdpa path) run eager attention,
+which keeps the s x s softmax probabilities where flash attention keeps one log-sum-exp per head, and K and V
+repeated to every query head under grouped-query attention (Gemma 2) where flash attention keeps them once; MLA's
+kv latent's norm takes a slice of the kv down-projection's output, whose storage (with the rope part) autograd
+keeps whole; and with the core checkpointed, v is a view of the kv up-projection's output, so the checkpoint
+keeps that whole storage (k's no-rope part too).
 """
 
 from __future__ import annotations
@@ -36,7 +38,11 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 BATCH, SEQ, WIDTH = 2, 16, 4
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
+FAMILIES = {"llama": "sdpa", "mistral": "sdpa", "qwen2": "sdpa", "qwen3": "sdpa", "gemma": "sdpa",
+            "gemma2": "eager", "gemma3_text": "sdpa"}  # the attention each runs (Gemma 2 has no sdpa path)
+# Gemma 2 / 3 with every layer global: a sliding-window mask makes CPU sdpa keep its scores (not flash-like);
+# the window changes no kept tensor of a flash kernel
+_GLOBAL = {"gemma2": ["full_attention"] * 2, "gemma3_text": ["full_attention"] * 2}
 MOE_FAMILIES = {"qwen3_moe": "sdpa", "mixtral": "sdpa", "deepseek_v3": "eager"}  # the attention each runs
 _STAT, _INDEX = 4, 8  # bytes of an fp32 statistic, of an int64 index
 
@@ -65,6 +71,8 @@ def _checkpointed(family, attention):
 def _saved_per_layer(family, mode, attention="sdpa"):
     """Bytes of unique non-parameter storages each decoder layer saves, shared ones left out."""
     config = tiny_config(family)
+    if family in _GLOBAL:
+        config.layer_types = _GLOBAL[family]
     torch.manual_seed(0)
     impl = _checkpointed(family, attention) if mode == "selective" else attention
     experts = {"experts_implementation": "eager"} if family in MOE_FAMILIES else {}
@@ -100,13 +108,14 @@ def _eager_extra(spec, mode, kind="dense", config=None, attention="sdpa"):
     if mode == "full":
         return 0
     a = spec.attention
-    norms = 2 * spec.hidden + ((a.heads + a.kv_heads) * a.qk_dim if a.qk_norm else 0)
+    norms = spec.layer_norms * spec.hidden + ((a.heads + a.kv_heads) * a.qk_dim if a.qk_norm else 0)
     extra = 0
     if a.latent:  # the latents' normalised inputs; the kv down-projection's rope part, in the kept storage
         norms += a.q_rank + a.kv_rank
         extra += WIDTH * a.rope_dim
-    if attention == "eager" and mode == "none":  # s x s probabilities instead of the log-sum-exp
-        extra += WIDTH * a.heads * SEQ - _STAT * a.heads
+    if attention == "eager" and mode == "none":  # s x s probabilities instead of the log-sum-exp; grouped K, V
+        # repeated to every query head (repeat_kv), the matmuls keeping the copies instead of K and V
+        extra += WIDTH * a.heads * SEQ - _STAT * a.heads + WIDTH * (a.heads - a.kv_heads) * (a.qk_dim + a.v_dim)
     if a.latent and mode == "selective":  # the checkpoint's v: a view of the kv up-projection's output (+ k's)
         extra += WIDTH * a.heads * (a.qk_dim - a.rope_dim)
     if kind == "dense":
@@ -127,13 +136,22 @@ def _router_extra(config):
     return extra
 
 
+def _gemma_scales(spec, mode):
+    """Bytes per layer (not per token) Gemma's eager RMSNorm keeps: each call computes ``1 + weight`` anew and the
+    product with it keeps that tensor, over h (over the head dim for Gemma 3's q and k norms)."""
+    if mode == "full" or not spec.family.startswith("gemma"):
+        return 0
+    a = spec.attention
+    return WIDTH * (spec.layer_norms * spec.hidden + (2 * a.qk_dim if a.qk_norm else 0))
+
+
 @pytest.mark.parametrize("mode", ["none", "selective", "full"])
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_activation_bytes_equal_saved_tensors(family, mode):
-    config, per_layer = _saved_per_layer(family, mode)
+    config, per_layer = _saved_per_layer(family, mode, FAMILIES[family])
     spec = model_spec(config)
     keep = layer_counts(spec, "dense", SEQ, width=WIDTH).activations[mode].per_gpu(tp=1, cp=1, sp=False)
-    expected = BATCH * SEQ * (keep + _eager_extra(spec, mode))
+    expected = BATCH * SEQ * (keep + _eager_extra(spec, mode, attention=FAMILIES[family])) + _gemma_scales(spec, mode)
     assert per_layer == [expected] * spec.layers
 
 

@@ -35,10 +35,19 @@ def test_reads_config_json(tmp_path):
     ({"model_type": "t5"}, "not modelled"),
     ({"model_type": "llama", "hidden_size": 64}, "num_attention_heads"),
     (42, "config.json path"),
+    ({"model_type": "gemma3", "text_config": dict(TINY["gemma3_text"], model_type="gemma3_text")},
+     "pass its text_config"),
+    (dict(TINY["gemma3_text"], model_type="gemma3_text", use_bidirectional_attention=True), "causal decoders"),
 ])
 def test_bad_configs(bad, match):
     with pytest.raises(ModelConfigError, match=match):
         model_spec(bad)
+
+
+def test_gemma3_text_has_four_norms_qk_norms_and_windows():
+    text = dict(TINY["gemma3_text"], model_type="gemma3_text")
+    spec = model_spec(text)
+    assert spec.post_norms and spec.attention.qk_norm and spec.tied and spec.window_layers == (0,)
 
 
 def test_missing_file():

@@ -14,6 +14,10 @@ TINY: dict[str, dict[str, Any]] = {
     "qwen2": dict(_COMMON, num_key_value_heads=2),
     "qwen3": dict(_COMMON, num_key_value_heads=2, head_dim=32),
     "gemma": dict(_COMMON, num_key_value_heads=1, head_dim=16),
+    "gemma2": dict(_COMMON, num_key_value_heads=2, head_dim=16, sliding_window=8, attn_logit_softcapping=None,
+                   final_logit_softcapping=None),
+    "gemma3_text": dict(_COMMON, num_key_value_heads=2, head_dim=16, sliding_window=8, layer_types=[
+        "sliding_attention", "full_attention"]),
     "gpt2": dict(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=64),
     "gpt_neox": dict(_COMMON, tie_word_embeddings=False),
     "mixtral": dict(_COMMON, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
