@@ -180,9 +180,10 @@ def model_spec(config: object) -> ModelSpec:
         return config
     data = _read(config)
     family = str(data.get("model_type", ""))
-    if family == "gemma3" and isinstance(data.get("text_config"), Mapping):
-        raise ModelConfigError("model_type 'gemma3' is Gemma 3's vision-language config; the planner reads its "
-                               "language model: pass its text_config (model_type gemma3_text) as the config")
+    text = data.get("text_config")
+    if family not in SUPPORTED_FAMILIES and isinstance(text, Mapping) and text.get("model_type") in SUPPORTED_FAMILIES:
+        raise ModelConfigError(f"model_type {family!r} is a multimodal config; the planner plans its language model: "
+                               f"pass its text_config (model_type {text['model_type']}) as the config")
     if family not in SUPPORTED_FAMILIES:
         raise ModelConfigError(f"model_type {family!r} is not modelled; supported: {', '.join(SUPPORTED_FAMILIES)}")
     if data.get("use_bidirectional_attention"):

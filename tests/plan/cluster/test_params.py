@@ -36,7 +36,8 @@ def test_reads_config_json(tmp_path):
     ({"model_type": "llama", "hidden_size": 64}, "num_attention_heads"),
     (42, "config.json path"),
     ({"model_type": "gemma3", "text_config": dict(TINY["gemma3_text"], model_type="gemma3_text")},
-     "pass its text_config"),
+     "multimodal config; the planner plans its language model: pass its text_config \\(model_type gemma3_text"),
+    ({"model_type": "qwen2_5_vl", "text_config": {"model_type": "qwen2"}}, r"text_config \(model_type qwen2\)"),
     (dict(TINY["gemma3_text"], model_type="gemma3_text", use_bidirectional_attention=True), "causal decoders"),
 ])
 def test_bad_configs(bad, match):
