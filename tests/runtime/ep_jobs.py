@@ -15,9 +15,10 @@ VOCAB = 96
 
 
 def build_moe(name: str, *, seed: int = 0, implementation: str | None = None, **extra: object) -> nn.Module:
-    """Tiny random-init Qwen3-MoE (4 sparse layers), Qwen2-MoE (4 sparse layers, each with a shared expert) or
-    DeepSeek-V3 (1 dense + 3 MoE layers with a shared expert and group-limited routing): 4 experts, 2 per token,
-    eager attention; ``extra``: more config fields (Qwen's)."""
+    """Tiny random-init Qwen3-MoE (4 sparse layers), Qwen2-MoE (4 sparse layers, each with a shared expert),
+    DeepSeek-V3 (1 dense + 3 MoE layers with a shared expert and group-limited routing) or gpt-oss (4 sparse
+    layers, biased experts, sinks): 4 experts, 2 per token, eager attention; ``extra``: more config fields
+    (Qwen's)."""
     import transformers as T
 
     torch.manual_seed(seed)
@@ -37,6 +38,10 @@ def build_moe(name: str, *, seed: int = 0, implementation: str | None = None, **
                                     q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4,
                                     v_head_dim=8, **{**common, "num_key_value_heads": 4})  # MLA: kv heads = heads
         model = T.DeepseekV3ForCausalLM(config)
+    elif name == "gpt_oss":  # biased experts and router, attention sinks, every second layer a 4-token window
+        config = T.GptOssConfig(num_local_experts=4, num_experts_per_tok=2, head_dim=8, sliding_window=4,
+                                **{**common, "intermediate_size": 16}, **extra)
+        model = T.GptOssForCausalLM(config)
     else:
         raise ValueError(name)
     with torch.no_grad():  # transformers leaves the experts' stacked weights and some routers at zero/empty

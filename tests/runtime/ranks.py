@@ -14,8 +14,8 @@ import os
 import socket
 import traceback
 
-_HF_MODELS = ["llama", "gpt2", "bert", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "deepseek_v3", "mamba2", "t5",
-              "bart", "whisper", "convnext"]
+_HF_MODELS = ["llama", "gpt2", "bert", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss", "mamba2",
+              "t5", "bart", "whisper", "convnext"]
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.tensor.parallel",
            "pipeloom.runtime", "transformers",
            *(f"transformers.models.{name}.modeling_{name}" for name in _HF_MODELS)]

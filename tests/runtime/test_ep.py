@@ -27,7 +27,7 @@ def _ok(results: dict) -> dict:
 
 
 CASES = [(name, schedule) for name in ("qwen3_moe", "deepseek_v3") for schedule in ("1f1b", "zbv", "dualpipev")]
-CASES += [("own", "1f1b"), ("own", "zbv")]
+CASES += [("gpt_oss", "1f1b"), ("own", "1f1b"), ("own", "zbv")]  # gpt-oss: biased experts (4 parameters each)
 
 
 def test_ep_matches_the_same_replicas_without_ep():
@@ -39,9 +39,9 @@ def test_ep_matches_the_same_replicas_without_ep():
             assert found["losses_equal"], (rank, case)
             assert found["worst"] <= TOLERANCE, (rank, case, found["worst"])
             assert not found["missing"], (rank, case, found["missing"])
-    for name, schedule in CASES:  # every MoE layer's experts sharded somewhere: 2 parameters per experts module
+    for name, schedule in CASES:  # every MoE layer's experts sharded somewhere: their parameters per experts module
         sharded = sum(results[r][f"{name}/{schedule}"]["expert_params"] for r in (0, 2))
-        assert sharded == {"qwen3_moe": 8, "deepseek_v3": 6, "own": 4}[name], (name, schedule, sharded)
+        assert sharded == {"qwen3_moe": 8, "deepseek_v3": 6, "gpt_oss": 16, "own": 4}[name], (name, schedule, sharded)
 
 
 def test_ep_state_clip_checkpoint_and_failures(tmp_path):

@@ -1,6 +1,7 @@
 """A decoder's shape read from a transformers config (a config.json path, a dict or a ``PretrainedConfig``),
 without importing transformers: dense decoders (LLaMA, Mistral, Qwen2/3, Gemma 1/2/3, GPT-2, GPT-NeoX) and
-mixture-of-experts decoders (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3 with multi-head latent attention),
+mixture-of-experts decoders (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3 with multi-head latent attention,
+gpt-oss with attention sinks and biased experts),
 with sliding-window attention on the layers transformers gives it (:func:`_windows`)."""
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ __all__ = ["ModelSpec", "Attention", "Experts", "model_spec", "SUPPORTED_FAMILIE
 
 _DENSE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "gpt2", "gpt_neox")
 _GEMMA = ("gemma", "gemma2", "gemma3_text")
-_MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3")
+_MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "gpt_oss")
 SUPPORTED_FAMILIES: tuple[str, ...] = _DENSE + _MOE
 """The ``model_type`` values :func:`model_spec` reads."""
 
@@ -41,6 +42,8 @@ class Attention:
     """Bias on the output projection."""
     qk_norm: bool = False
     """RMSNorm over each head's q and k (Qwen3): 2 x qk_dim parameters."""
+    sinks: bool = False
+    """A learned sink logit per query head, in every softmax's denominator (gpt-oss): ``heads`` parameters."""
     latent: bool = False
     """Multi-head latent attention (DeepSeek-V2/V3)."""
     q_rank: int = 0
@@ -69,6 +72,11 @@ class Experts:
     """Groups the routed experts are split into for group-limited routing (DeepSeek's ``n_group``)."""
     group_top_k: int = 0
     """Groups a token may be routed into (DeepSeek's ``topk_group``); 0: routing not group-limited."""
+    bias: bool = False
+    """Biases on each routed expert's gate/up and down projections, and on the router (gpt-oss)."""
+    softmax_after_top_k: bool = False
+    """The router takes the top-k logits, then a softmax over those k (gpt-oss); else its probabilities are over
+    every expert (a softmax or sigmoid, then the top k)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -197,7 +205,7 @@ def model_spec(config: object) -> ModelSpec:
 def _windows(data: Mapping[str, Any], family: str, layers: int) -> tuple[int, tuple[int, ...]]:
     """``(window, layers)`` of sliding-window attention as transformers builds the model: the config's
     ``layer_types`` where it has them (``"sliding_attention"`` layers); otherwise Mistral and Mixtral window every
-    layer when ``sliding_window`` is set, Gemma 2 every second layer from the first, Gemma 3 all but every
+    layer when ``sliding_window`` is set, Gemma 2 and gpt-oss every second layer from the first, Gemma 3 all but every
     ``sliding_window_pattern``-th (6), Qwen3-MoE every layer with ``use_sliding_window``, Qwen2 and Qwen3 the
     layers from ``max_window_layers`` on, Qwen2-MoE every second layer below it; the other families never."""
     size = data.get("sliding_window")
@@ -208,7 +216,7 @@ def _windows(data: Mapping[str, Any], family: str, layers: int) -> tuple[int, tu
         return size, tuple(n for n, kind in enumerate(types[:layers]) if kind == "sliding_attention")
     if family in ("mistral", "mixtral"):
         return size, tuple(range(layers))
-    if family == "gemma2":
+    if family in ("gemma2", "gpt_oss"):
         return size, tuple(n for n in range(layers) if (n + 1) % 2)
     if family == "gemma3_text":
         pattern = int(data.get("sliding_window_pattern") or 6)
@@ -242,6 +250,8 @@ def _family_spec(data: Mapping[str, Any], family: str) -> ModelSpec:
                          gated=False, mlp_bias=True, layer_norm=True)
     if family.startswith("deepseek"):
         return _deepseek(data, common, heads)
+    if family == "gpt_oss":
+        return _gpt_oss(data, common, heads, head_dim)
     kv_heads = int(data.get("num_key_value_heads") or heads)
     bias = bool(data.get("attention_bias", False))
     qkv_bias = family == "qwen2" or (family == "qwen2_moe" and bool(data.get("qkv_bias", True))) or bias
@@ -301,3 +311,17 @@ def _deepseek(data: Mapping[str, Any], common: dict[str, Any], heads: int) -> Mo
     return ModelSpec(**common, attention=attention, intermediate=int(_get(data, "intermediate_size")),
                      experts=experts if routed else None, moe_layers=moe if routed else (),
                      mtp=int(data.get("num_nextn_predict_layers") or 0))
+
+
+def _gpt_oss(data: Mapping[str, Any], common: dict[str, Any], heads: int, head_dim: int) -> ModelSpec:
+    """gpt-oss: grouped-query attention with biased projections and a sink logit per head, every layer an MoE
+    of biased SwiGLU experts (``intermediate_size`` each) under a biased router that takes the top-k logits
+    before its softmax; no shared expert."""
+    bias = bool(data.get("attention_bias", True))
+    attention = Attention(heads=heads, kv_heads=int(data.get("num_key_value_heads") or heads), qk_dim=head_dim,
+                          v_dim=head_dim, qkv_bias=bias, o_bias=bias, sinks=True)
+    experts = Experts(count=int(_get(data, "num_local_experts", "num_experts")),
+                      top_k=int(_get(data, "num_experts_per_tok")), intermediate=int(_get(data, "intermediate_size")),
+                      bias=True, softmax_after_top_k=True)
+    return ModelSpec(**common, attention=attention, intermediate=experts.intermediate, experts=experts,
+                     moe_layers=tuple(range(common["layers"])))

@@ -121,7 +121,8 @@ def _attention_weights(spec: ModelSpec) -> tuple[int, int]:
         return q + kv + out, norms + bias
     q, k, v = a.heads * a.qk_dim, a.kv_heads * a.qk_dim, a.kv_heads * a.v_dim
     o = a.heads * a.v_dim
-    other = (q + k + v if a.qkv_bias else 0) + (h if a.o_bias else 0) + (2 * a.qk_dim if a.qk_norm else 0)
+    other = ((q + k + v if a.qkv_bias else 0) + (h if a.o_bias else 0) + (2 * a.qk_dim if a.qk_norm else 0)
+             + (a.heads if a.sinks else 0))
     return h * (q + k + v) + o * h, other
 
 
@@ -230,16 +231,16 @@ def layer_counts(spec: ModelSpec, kind: str, seq: int, *, width: int = 2) -> Lay
         ex = spec.experts
         assert ex is not None, "moe layer of a dense model"
         shared_mm, _ = _mlp_weights(spec, ex.shared_intermediate, gated=True, bias=False)
-        expert_params = ex.count * 3 * h * ex.intermediate
+        expert_params = ex.count * (3 * h * ex.intermediate + ((2 * ex.intermediate + h) if ex.bias else 0))
         routed_mm = ex.top_k * 3 * h * ex.intermediate  # per token: its top-k experts
         mlp_mm = h * ex.count + shared_mm + (h if ex.shared_gate else 0)  # router, shared expert(s), their gate
-        mlp_other = expert_params
+        mlp_other = expert_params + (ex.count if ex.bias else 0)  # the routed experts, the router's bias
         # routed: each token's k copies (the expert's input h, gate+up 2I, activation I, and its output h, which
         # the probability-weighted combine keeps for the probability's gradient; the copy's fp32 probability
         # and int64 place in the permutation), the router's fp32 probabilities over the experts and the int64
         # top-k choice; the shared expert(s) like a dense MLP
         copy = width * (2 * h + 3 * ex.intermediate) + _STAT + _INDEX
-        mlp_keep = (ex.top_k * copy + _INDEX * ex.top_k + _STAT * ex.count
+        mlp_keep = (ex.top_k * copy + _INDEX * ex.top_k + _STAT * (ex.top_k if ex.softmax_after_top_k else ex.count)
                     + _mlp_activations(ex.shared_intermediate, gated=True, width=width))
     else:
         raise ValueError(f"unknown layer kind {kind!r}; one of embedding, dense, moe, head, mtp")

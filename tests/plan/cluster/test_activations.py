@@ -19,6 +19,10 @@ Which expert a token picks depends on the data, but each token picks top_k disti
 add up to exactly tokens x top_k and the per-layer totals are exact. Eager keeps per routed copy, beyond the
 model's, act(gate) * up (I), the weighted output that ``index_add_`` keeps as its source (h), and a second
 int64 (``nonzero`` gives the token and its top-k slot); per token, its router's own extras (:func:`_router_extra`).
+gpt-oss's clamped SwiGLU (``(clamp(up) + 1) * clamp(gate) * sigmoid(alpha * clamp(gate))``) keeps three more
+I-wide tensors per copy in eager code (the clamped gate, the sigmoid, ``clamp(up) + 1``), and its eager attention
+with sinks keeps the probabilities with the sink column (s + 1 per query and head) and the int64 argmax of the
+max it subtracts first.
 DeepSeek-V3's MLA (q and kv latents of different head dims) and Gemma 2 (no sdpa path) run eager attention,
 which keeps the s x s softmax probabilities where flash attention keeps one log-sum-exp per head, and K and V
 repeated to every query head under grouped-query attention (Gemma 2) where flash attention keeps them once; MLA's
@@ -43,7 +47,8 @@ FAMILIES = {"llama": "sdpa", "mistral": "sdpa", "qwen2": "sdpa", "qwen3": "sdpa"
 # Gemma 2 / 3 with every layer global: a sliding-window mask makes CPU sdpa keep its scores (not flash-like);
 # the window changes no kept tensor of a flash kernel
 _GLOBAL = {"gemma2": ["full_attention"] * 2, "gemma3_text": ["full_attention"] * 2}
-MOE_FAMILIES = {"qwen3_moe": "sdpa", "mixtral": "sdpa", "deepseek_v3": "eager"}  # the attention each runs
+MOE_FAMILIES = {"qwen3_moe": "sdpa", "mixtral": "sdpa", "deepseek_v3": "eager",
+                "gpt_oss": "eager"}  # the attention each runs (gpt-oss's sinks: no sdpa path)
 _STAT, _INDEX = 4, 8  # bytes of an fp32 statistic, of an int64 index
 
 
@@ -116,12 +121,16 @@ def _eager_extra(spec, mode, kind="dense", config=None, attention="sdpa"):
     if attention == "eager" and mode == "none":  # s x s probabilities instead of the log-sum-exp; grouped K, V
         # repeated to every query head (repeat_kv), the matmuls keeping the copies instead of K and V
         extra += WIDTH * a.heads * SEQ - _STAT * a.heads + WIDTH * (a.heads - a.kv_heads) * (a.qk_dim + a.v_dim)
+        if a.sinks:  # the probabilities' sink column, and the int64 argmax of the logits' max subtracted first
+            extra += (WIDTH + _INDEX) * a.heads
     if a.latent and mode == "selective":  # the checkpoint's v: a view of the kv up-projection's output (+ k's)
         extra += WIDTH * a.heads * (a.qk_dim - a.rope_dim)
     if kind == "dense":
         return extra + WIDTH * (norms + spec.intermediate)
     ex = spec.experts
     routed = ex.top_k * (WIDTH * (ex.intermediate + spec.hidden) + _INDEX)
+    if config.model_type == "gpt_oss":  # the clamped SwiGLU's clamped gate, clamped up + 1 and sigmoid, per copy
+        routed += ex.top_k * WIDTH * 3 * ex.intermediate
     return extra + WIDTH * (norms + ex.shared_intermediate) + routed + _router_extra(config)
 
 

@@ -33,6 +33,7 @@ WINDOWED = {
     "qwen2_moe": dict(use_sliding_window=True, sliding_window=8, max_window_layers=3, mlp_only_layers=[]),
     "qwen3_moe": dict(use_sliding_window=True, sliding_window=8),
     "gemma2": dict(sliding_window=8),
+    "gpt_oss": dict(sliding_window=8),
     "gemma3_text": dict(sliding_window=8, layer_types=None, sliding_window_pattern=3),
 }
 

@@ -25,6 +25,8 @@ TINY: dict[str, dict[str, Any]] = {
                       shared_expert_intermediate_size=48, decoder_sparse_step=1, mlp_only_layers=[0]),
     "qwen3_moe": dict(_COMMON, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                       head_dim=16),
+    "gpt_oss": dict(_COMMON, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                    sliding_window=8),
     "deepseek_v2": dict(_COMMON, num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=None,
                         kv_lora_rank=16, qk_rope_head_dim=8,
                         qk_nope_head_dim=16, v_head_dim=12, n_routed_experts=4, n_shared_experts=2,
