@@ -90,33 +90,30 @@ def check_plan_mode(args: argparse.Namespace) -> bool:
     return True
 
 
+_SEARCHED = "(or leave it to the search)"
+_FROM_CONFIG = "the model config says which layers are tensor-parallel"
+_FROM_HARDWARE = "the links come from --hardware (a pipeloom.hardware/1 file for others)"
+_NOTHING_TO_MEASURE = "there is nothing to measure here; plan, --save, then run the plan"
 _COST_TABLE_ONLY = {
     "ranks": ("--ranks", "give the job's GPUs with --gpus N"),
-    "data_parallel": ("--data-parallel", "fix it with --layout dp=N (or leave it to the search)"),
-    "tensor_parallel": ("--tp", "fix it with --layout tp=N (or leave it to the search)"),
+    "data_parallel": ("--data-parallel", f"fix it with --layout dp=N {_SEARCHED}"),
+    "tensor_parallel": ("--tp", f"fix it with --layout tp=N {_SEARCHED}"),
     "heads": ("--heads", "the heads come from the model config"),
-    "tp_layers": ("--tp-layers", "the model config says which layers are tensor-parallel"),
-    "tp_column": ("--tp-column", "the model config says which layers are tensor-parallel"),
-    "tp_row": ("--tp-row", "the model config says which layers are tensor-parallel"),
-    "tp_head_norm": ("--tp-head-norm", "the model config says which layers are tensor-parallel"),
-    "sharding": ("--sharding", "fix it with --layout fsdp=0|1 (or leave it to the search)"),
-    "dp_latency": ("--dp-latency", "the links come from --hardware (a pipeloom.hardware/1 file for others)"),
-    "dp_bandwidth": ("--dp-bandwidth", "the links come from --hardware (a pipeloom.hardware/1 file for others)"),
-    "schedules": ("--schedules", "fix the schedule with --layout schedule=NAME (or leave it to the search)"),
-    "stages_per_rank": ("--stages-per-rank", "fix it with --layout vp=N (or leave it to the search)"),
-    "microbatches": ("--microbatches", "fix the sequences per micro-batch with --layout mbs=N (or leave it to the "
-                                       "search)"),
+    **{dest: (flag, _FROM_CONFIG) for dest, flag in (("tp_layers", "--tp-layers"), ("tp_column", "--tp-column"),
+                                                     ("tp_row", "--tp-row"), ("tp_head_norm", "--tp-head-norm"))},
+    "sharding": ("--sharding", f"fix it with --layout fsdp=0|1 {_SEARCHED}"),
+    "dp_latency": ("--dp-latency", _FROM_HARDWARE),
+    "dp_bandwidth": ("--dp-bandwidth", _FROM_HARDWARE),
+    "schedules": ("--schedules", f"fix the schedule with --layout schedule=NAME {_SEARCHED}"),
+    "stages_per_rank": ("--stages-per-rank", f"fix it with --layout vp=N {_SEARCHED}"),
+    "microbatches": ("--microbatches", f"fix the sequences per micro-batch with --layout mbs=N {_SEARCHED}"),
     "search": ("--search", "the schedules are priced by the simulator; there is no CP-SAT pass"),
     "time_limit": ("--time-limit", "the search runs to the end (bounds prune it)"),
     "out": ("--out", "there is no timeline picture; --json prints the whole answer"),
     "server": ("--server", "plan here"),
-    "try_k": ("--try", "there is nothing to measure here; plan, --save, then run the plan"),
-    "build": ("--build", "there is nothing to measure here; plan, --save, then run the plan"),
-    "loss": ("--loss", "there is nothing to measure here; plan, --save, then run the plan"),
-    "arg": ("--arg", "there is nothing to measure here; plan, --save, then run the plan"),
-    "try_spread": ("--try-spread", "there is nothing to measure here; plan, --save, then run the plan"),
-    "try_steps": ("--try-steps", "there is nothing to measure here; plan, --save, then run the plan"),
-    "try_seconds": ("--try-seconds", "there is nothing to measure here; plan, --save, then run the plan"),
+    **{dest: (flag, _NOTHING_TO_MEASURE) for dest, flag in (
+        ("try_k", "--try"), ("build", "--build"), ("loss", "--loss"), ("arg", "--arg"), ("try_spread", "--try-spread"),
+        ("try_steps", "--try-steps"), ("try_seconds", "--try-seconds"))},
 }
 """The cost-table mode's flags (argparse dest -> the flag, what --model offers instead)."""
 
