@@ -22,6 +22,13 @@ _MAMF = ("maximum achievable matmul FLOPS (best shape, mean of 100 runs) / peak,
          "compute/accelerator/README.md 'Maximum Achievable Matmul FLOPS comparison table' at commit 744d01e "
          "(https://github.com/stas00/ml-engineering/tree/master/compute/accelerator)")
 _MAMF_FP8 = _MAMF.replace("comparison table'", "comparison table', FP8 (float8_e4m3fn, torch._scaled_mm)")
+
+
+def _mamf(row: str, measured: float, peak: float, note: str, *, fp8: bool = False) -> tuple[float, str]:
+    """A GEMM ceiling from the maximum achievable matmul table: its ``row``'s ``measured`` TFLOP/s over the
+    ``peak`` the table divides by (rounded to 3 digits, as the table's percentages), and its source text."""
+    source = (_MAMF_FP8 + ":" if fp8 else _MAMF + ": BF16,") + f" {row} {measured:,} of {peak:,} TFLOPS ({note})"
+    return round(measured / peak, 3), source
 _FA2 = ("FlashAttention-2 (Dao 2023, arXiv:2307.08691, sec. 4.1): 50-73 % of A100 peak, forward up to 73 %, "
         "backward lower; the long-sequence, head-dim-128 end of that range")
 _FA3 = ("FlashAttention-3 (Shah et al. 2024, arXiv:2407.08608, sec. 4.1, figs. 5-6): BF16 forward up to 740 "
@@ -60,6 +67,7 @@ def _describe(name: str, sources: dict[str, str], **values) -> Hardware:
 
 def _a100(name: str, memory_gib: int, bandwidth: float, bandwidth_source: str) -> Hardware:
     sheet = "NVIDIA A100 datasheet (https://www.nvidia.com/en-us/data-center/a100/): "
+    gemm, gemm_source = _mamf("A100 SXM", 271.2, 312, "torch 2.6.0+cu126")
     return _describe(
         name, {
             "peak_flops": sheet + "BF16 tensor core 312 TFLOPS dense; no FP8",
@@ -68,7 +76,7 @@ def _a100(name: str, memory_gib: int, bandwidth: float, bandwidth_source: str) -
             "scale_up_size": "HGX/DGX A100: 8 GPUs on NVSwitch",
             "scale_up_bandwidth": sheet + "NVLink 600 GB/s (both directions) -> 300 GB/s",
             "scale_out_bandwidth": "DGX A100 datasheet: 8x 200 Gb/s HDR InfiniBand (ConnectX-6) -> 25 GB/s per GPU",
-            "gemm_efficiency": _MAMF + ": BF16, A100 SXM 271.2 of 312 TFLOPS (torch 2.6.0+cu126)",
+            "gemm_efficiency": gemm_source,
             "attention_efficiency": _FA2, "attention_backward_efficiency": _FA2,
             "scale_up_efficiency": _NVLINK_EFF, "scale_out_efficiency": _NIC_EFF,
             "sm_count": "NVIDIA A100 Tensor Core GPU Architecture whitepaper: 108 SMs in the A100",
@@ -77,13 +85,14 @@ def _a100(name: str, memory_gib: int, bandwidth: float, bandwidth_source: str) -
         sm_count=108, flash2_slowdown=1.0,
         peak_flops={"bf16": 312e12}, memory_bytes=memory_gib * GiB, memory_bandwidth=bandwidth,
         scale_up_size=8, scale_up_bandwidth=300e9, scale_out_bandwidth=25e9,
-        scale_up_latency=1e-6, scale_out_latency=5e-6, gemm_efficiency=0.869,
+        scale_up_latency=1e-6, scale_out_latency=5e-6, gemm_efficiency=gemm,
         attention_efficiency=0.70, attention_backward_efficiency=0.60,
     )
 
 
-def _hopper(name: str, memory_gib: int, bandwidth: float, sheet: str, gemm: tuple[float, float],
-            gemm_source: tuple[str, str]) -> Hardware:
+def _hopper(name: str, memory_gib: int, bandwidth: float, sheet: str, bf16: tuple[float, str],
+            fp8: tuple[float, str]) -> Hardware:
+    """``bf16``, ``fp8``: the GEMM ceilings and their sources (:func:`_mamf`)."""
     return _describe(
         name, {
             "peak_flops": sheet + ("BF16 1,979 / FP8 3,958 TFLOPS with sparsity -> 989.4 / 1,978.9 dense "
@@ -92,7 +101,7 @@ def _hopper(name: str, memory_gib: int, bandwidth: float, sheet: str, gemm: tupl
             "scale_up_size": "HGX/DGX H100 and H200: 8 GPUs on NVSwitch",
             "scale_up_bandwidth": sheet + "NVLink 900 GB/s (both directions) -> 450 GB/s",
             "scale_out_bandwidth": "DGX H100/H200 datasheet: 8x 400 Gb/s ConnectX-7 -> 50 GB/s per GPU",
-            "gemm_efficiency": _MAMF + gemm_source[0], "fp8_gemm_efficiency": _MAMF_FP8 + gemm_source[1],
+            "gemm_efficiency": bf16[1], "fp8_gemm_efficiency": fp8[1],
             "attention_efficiency": _FA3, "attention_backward_efficiency": _FA3,
             "scale_up_efficiency": _NVLINK_EFF + "; H100 ring similar (NVLS reaches more, not modelled)",
             "scale_out_efficiency": _NIC_EFF,
@@ -102,16 +111,17 @@ def _hopper(name: str, memory_gib: int, bandwidth: float, sheet: str, gemm: tupl
         sm_count=132,
         peak_flops={"bf16": 989.4e12, "fp8": 1978.9e12}, memory_bytes=memory_gib * GiB, memory_bandwidth=bandwidth,
         scale_up_size=8, scale_up_bandwidth=450e9, scale_out_bandwidth=50e9,
-        scale_up_latency=1e-6, scale_out_latency=5e-6, gemm_efficiency=gemm[0], fp8_gemm_efficiency=gemm[1],
+        scale_up_latency=1e-6, scale_out_latency=5e-6, gemm_efficiency=bf16[0], fp8_gemm_efficiency=fp8[0],
         attention_efficiency=0.65, attention_backward_efficiency=0.52,
     )
 
 
 def _blackwell(name: str, *, bf16: float, memory_gib: int, domain: int, nic: float, sheet: str,
                peak_source: str, memory_source: str, domain_source: str, nic_source: str, sms: int,
-               sms_source: str, gemm: tuple[float, float], gemm_source: tuple[str, str],
+               sms_source: str, gemm: tuple[tuple[float, str], tuple[float, str]],
                attention: tuple[float, float, float, float], attention_source: str) -> Hardware:
-    """``attention``: TFLOP/s of NVIDIA's causal BF16 SDPA benchmark at sequence 32,768 (``_CUDNN_SDPA``): cuDNN
+    """``gemm``: the BF16 and FP8 GEMM ceilings and their sources (:func:`_mamf`). ``attention``: TFLOP/s of
+    NVIDIA's causal BF16 SDPA benchmark at sequence 32,768 (``_CUDNN_SDPA``): cuDNN
     forward, backward, then PyTorch's FlashAttention-2 backend forward, backward."""
     fwd, bwd, fa2_fwd, fa2_bwd = attention
     at = bf16 / 1e12 * _SDPA_SEQ / (_SDPA_SEQ + ATTENTION_HALF_SEQ)  # the model's rate at that length, per unit A
@@ -123,7 +133,7 @@ def _blackwell(name: str, *, bf16: float, memory_gib: int, domain: int, nic: flo
             "scale_up_size": sheet + domain_source,
             "scale_up_bandwidth": sheet + "fifth-generation NVLink 1.8 TB/s per GPU (both directions) -> 900 GB/s",
             "scale_out_bandwidth": sheet + nic_source,
-            "gemm_efficiency": _MAMF + gemm_source[0], "fp8_gemm_efficiency": _MAMF_FP8 + gemm_source[1],
+            "gemm_efficiency": gemm[0][1], "fp8_gemm_efficiency": gemm[1][1],
             "attention_efficiency": measured + f": cuDNN forward {fwd:,} TFLOP/s",
             "attention_backward_efficiency": measured + f": cuDNN backward {bwd:,} TFLOP/s",
             "scale_up_efficiency": _NVLINK_EFF, "scale_out_efficiency": _NIC_EFF, "sm_count": sms_source,
@@ -133,7 +143,7 @@ def _blackwell(name: str, *, bf16: float, memory_gib: int, domain: int, nic: flo
         sm_count=sms,
         peak_flops={"bf16": bf16, "fp8": 2 * bf16}, memory_bytes=memory_gib * GiB, memory_bandwidth=8e12,
         scale_up_size=domain, scale_up_bandwidth=900e9, scale_out_bandwidth=nic,
-        scale_up_latency=1e-6, scale_out_latency=5e-6, gemm_efficiency=gemm[0], fp8_gemm_efficiency=gemm[1],
+        scale_up_latency=1e-6, scale_out_latency=5e-6, gemm_efficiency=gemm[0][0], fp8_gemm_efficiency=gemm[1][0],
         attention_efficiency=round(fwd / at, 3), attention_backward_efficiency=round(bwd / at, 3),
         flash2_slowdown=round(min(fwd / fa2_fwd, bwd / fa2_bwd), 2),
     )
@@ -141,8 +151,10 @@ def _blackwell(name: str, *, bf16: float, memory_gib: int, domain: int, nic: flo
 
 def _mi300x() -> Hardware:
     sheet = "AMD Instinct MI300X datasheet (https://www.amd.com/en/products/accelerators/instinct/mi300/mi300x.html): "
+    gemm, gemm_source = _mamf("MI300X", 668.4, 1300, "torch 2.5.1, ROCm 6.3, TunableOp")
+    hopper = _H100_BF16[0]
     scaled = ("no public flash-attention figure used: H100's fraction x (MI300X / H100 maximum achievable matmul "
-              "efficiency, 0.514 / 0.803)")
+              f"efficiency, {gemm} / {hopper})")
     return _describe(
         "mi300x", {
             "peak_flops": sheet + "BF16 1,307.4 / FP8 2,614.9 TFLOPS dense",
@@ -150,8 +162,7 @@ def _mi300x() -> Hardware:
             "scale_up_size": "MI300X platform: 8 GPUs fully connected by Infinity Fabric",
             "scale_up_bandwidth": sheet + "Infinity Fabric 896 GB/s aggregate (7 links, both directions) -> 448 GB/s",
             "scale_out_bandwidth": "MI300X platforms (e.g. Azure ND MI300X v5): 8x 400 Gb/s NICs -> 50 GB/s per GPU",
-            "gemm_efficiency": _MAMF + (": BF16, MI300X 668.4 of 1,300 TFLOPS (torch 2.5.1, ROCm 6.3, TunableOp); "
-                                        "the table's FP8 row is empty, so FP8 GEMMs take this fraction"),
+            "gemm_efficiency": gemm_source + "; the table's FP8 row is empty, so FP8 GEMMs take this fraction",
             "attention_efficiency": scaled, "attention_backward_efficiency": scaled,
             "scale_up_efficiency": ("prior: a ring over the fully connected fabric reaches less of the aggregate "
                                     "than NVSwitch does; 0.70 assumed, not measured"),
@@ -162,13 +173,14 @@ def _mi300x() -> Hardware:
         sm_count=304, flash2_slowdown=1.0,
         peak_flops={"bf16": 1307.4e12, "fp8": 2614.9e12}, memory_bytes=192 * GiB, memory_bandwidth=5.3e12,
         scale_up_size=8, scale_up_bandwidth=448e9, scale_out_bandwidth=50e9,
-        scale_up_latency=1e-6, scale_out_latency=5e-6, gemm_efficiency=0.514,
-        attention_efficiency=round(0.65 * 0.514 / 0.803, 3),
-        attention_backward_efficiency=round(0.52 * 0.514 / 0.803, 3),
+        scale_up_latency=1e-6, scale_out_latency=5e-6, gemm_efficiency=gemm,
+        attention_efficiency=round(0.65 * gemm / hopper, 3),
+        attention_backward_efficiency=round(0.52 * gemm / hopper, 3),
         scale_up_efficiency=0.70,
     )
 
 
+_H100_BF16 = _mamf("H100 SXM", 794.5, 989, "torch 2.7.0+cu126")
 _H100_SHEET = "NVIDIA H100 datasheet (https://www.nvidia.com/en-us/data-center/h100/), SXM: "
 _H200_SHEET = "NVIDIA H200 datasheet (https://www.nvidia.com/en-us/data-center/h200/), SXM: "
 _B200_SHEET = "NVIDIA DGX B200 datasheet (https://www.nvidia.com/en-us/data-center/dgx-b200/), per GPU: "
@@ -178,20 +190,20 @@ _GB300_SHEET = "NVIDIA GB300 NVL72 specifications (https://www.nvidia.com/en-us/
 BUILTIN: dict[str, Hardware] = {
     "a100-40gb": _a100("a100-40gb", 40, 1555e9, "HBM2 1,555 GB/s"),
     "a100-80gb": _a100("a100-80gb", 80, 2039e9, "HBM2e 2,039 GB/s"),
-    "h100": _hopper("h100", 80, 3.35e12, _H100_SHEET, (0.803, 0.709),
-                    (": BF16, H100 SXM 794.5 of 989 TFLOPS (torch 2.7.0+cu126)",
-                     ": H100 SXM 1,402.6 of 1,979 TFLOPS (torch 2.7.0+cu126; row dated 2025-01-05, commit 37acbf2)")),
-    "h200": _hopper("h200", 141, 4.8e12, _H200_SHEET, (0.803, 0.734),
-                    (": BF16, H100 SXM 794.5 of 989 TFLOPS, the table noting 'H200 is the same'",
-                     ": H200 SXM 1,453.4 of 1,979 TFLOPS (torch 2.7.1+cu128)")),
+    "h100": _hopper("h100", 80, 3.35e12, _H100_SHEET, _H100_BF16,
+                    _mamf("H100 SXM", 1402.6, 1979, "torch 2.7.0+cu126; row dated 2025-01-05, commit 37acbf2",
+                          fp8=True)),
+    "h200": _hopper("h200", 141, 4.8e12, _H200_SHEET,
+                    (_H100_BF16[0], _H100_BF16[1] + ", the table noting 'H200 is the same'"),
+                    _mamf("H200 SXM", 1453.4, 1979, "torch 2.7.1+cu128", fp8=True)),
     "b200": _blackwell("b200", bf16=2.25e15, memory_gib=180, domain=8, nic=50e9, sheet=_B200_SHEET,
                        peak_source=("FP8 72 PFLOPS per 8 GPUs with sparsity -> 4.5 dense; BF16 half that, 2.25 (the "
                                     "HGX B200 table at glennklockwood.com/garden/processors/B200 agrees)"),
                        memory_source="1,440 GB per 8 GPUs -> 180 GB",
                        domain_source="8 GPUs on NVLink switches",
-                       nic_source="8x 400 Gb/s ConnectX-7 -> 50 GB/s", sms=148, gemm=(0.776, 0.763),
-                       gemm_source=(": BF16, B200 SXM 1,745.0 of 2,250 TFLOPS (torch 2.7.1+cu128)",
-                                    ": B200 SXM 3,432.5 of 4,500 TFLOPS (torch 2.7.1+cu128)"),
+                       nic_source="8x 400 Gb/s ConnectX-7 -> 50 GB/s", sms=148,
+                       gemm=(_mamf("B200 SXM", 1745.0, 2250, "torch 2.7.1+cu128"),
+                             _mamf("B200 SXM", 3432.5, 4500, "torch 2.7.1+cu128", fp8=True)),
                        attention=(1419.0, 1108.7, 403.7, 330.8),
                        attention_source=" at commit 0b1577c (cuDNN 9.13.1, Oct 2025), NVIDIA B200",
                        sms_source=("Chips and Cheese, 'Nvidia's B200: Keeping the CUDA Juggernaut Rolling' (2025): 74 "
@@ -201,9 +213,9 @@ BUILTIN: dict[str, Hardware] = {
                                      "(glennklockwood.com/garden/processors/B200, GB200 at 1,200 W, agrees)"),
                         memory_source="13.4 TB HBM3e per 72 GPUs -> 186 GB",
                         domain_source="72 GPUs in one NVLink domain (NVL72)",
-                        nic_source="one 400 Gb/s ConnectX-7 per GPU -> 50 GB/s", sms=148, gemm=(0.729, 0.723),
-                        gemm_source=(": BF16, GB200 SXM 1,822.0 of 2,500 TFLOPS (torch 2.10.0.dev, cu130)",
-                                     ": GB200 SXM 3,615.6 of 5,000 TFLOPS (torch 2.10.0.dev, cu130)"),
+                        nic_source="one 400 Gb/s ConnectX-7 per GPU -> 50 GB/s", sms=148,
+                        gemm=(_mamf("GB200 SXM", 1822.0, 2500, "torch 2.10.0.dev, cu130"),
+                              _mamf("GB200 SXM", 3615.6, 5000, "torch 2.10.0.dev, cu130", fp8=True)),
                         attention=(1681.0, 1348.0, 438.0, 360.0),
                         attention_source=" at commit b372d39 (cuDNN 9.17.0, Dec 2025), NVIDIA GB200",
                         sms_source=("the B200 GPU (148 SMs, as b200: Chips and Cheese) in a Grace-Blackwell superchip; "
@@ -215,10 +227,9 @@ BUILTIN: dict[str, Hardware] = {
                         domain_source="72 GPUs in one NVLink domain (NVL72)",
                         nic_source=("one 800 Gb/s ConnectX-8 per GPU (NVIDIA NVL72 enterprise reference "
                                     "architecture: 4 ConnectX-8 per 4-GPU compute tray) -> 100 GB/s"),
-                        gemm=(0.786, 0.745),
-                        gemm_source=(": BF16, B300 SXM (the GPU of a GB300 superchip; no GB300 row) 1,769.0 of "
-                                     "2,250 TFLOPS (torch 2.9.1+cu130)",
-                                     ": B300 SXM 3,353.3 of 4,500 TFLOPS (torch 2.9.1+cu130)"),
+                        gemm=(_mamf("B300 SXM (the GPU of a GB300 superchip; no GB300 row)", 1769.0, 2250,
+                                    "torch 2.9.1+cu130"),
+                              _mamf("B300 SXM", 3353.3, 4500, "torch 2.9.1+cu130", fp8=True)),
                         attention=(2007.0, 1438.0, 441.0, 365.0),
                         attention_source=" at commit b372d39 (cuDNN 9.17.0, Dec 2025), NVIDIA GB300",
                         sms=160, sms_source=("NVIDIA technical blog 'Inside NVIDIA Blackwell Ultra' (Aug 2025) "

@@ -150,3 +150,23 @@ def test_blackwell_attention_reproduces_nvidias_sdpa_benchmark(name, forward, ba
         rate = attention_flops(**shape, backward=backward_pass) / attention_seconds(hw, **shape, backward=backward_pass)
         assert rate / 1e12 == pytest.approx(measured, rel=0.01)
     assert "cudnn-frontend" in hw.sources["attention_efficiency"] and hw.flash2_slowdown > 3
+
+
+def test_every_builtin_gemm_ceiling_is_the_ratio_its_source_quotes():
+    """The GEMM ceilings are computed from the maximum achievable matmul table's raw TFLOP/s and peak, which their
+    source text quotes: the number and its source cannot drift apart."""
+    import re
+
+    from pipeloom.plan.cluster.gpus import BUILTIN
+
+    checked = 0
+    for name, hw in BUILTIN.items():
+        for field in ("gemm_efficiency", "fp8_gemm_efficiency"):
+            value = getattr(hw, field)
+            found = re.search(r"([\d,.]+) of ([\d,.]+) TFLOPS", hw.sources.get(field, ""))
+            if value is None or found is None:
+                continue
+            measured, peak = (float(x.replace(",", "")) for x in found.groups())
+            assert value == round(measured / peak, 3), (name, field, value, found.group(0))
+            checked += 1
+    assert checked == 13  # BF16 of all eight GPUs, FP8 of the five with an FP8 row
