@@ -121,6 +121,12 @@ def stage_cut(run: dict) -> str:
     return "balanced" if run["id"].startswith("deepseek-v3") else "even"
 
 
+def tp_overlap(run: dict) -> bool:
+    """Tensor-parallel exchanges beside the GEMMs: NVIDIA's MLPerf GPT-3 configs set ``TP_COMM_OVERLAP=True``
+    (Transformer Engine's userbuffers); torchtitan's "asyncTP" row ran PyTorch's async tensor parallelism."""
+    return run["id"].startswith("mlperf") or "asynctp" in run["id"]
+
+
 def _plan(run: dict, fixed: dict | None, limit: float | None):
     return plan_cluster(run_config(run), run_hardware(run), gpus=run["gpus"], global_batch=run["global_batch"],
                         seq=run["seq"], dtype=run["dtype"], layout=fixed, kernels=kernels(run),
@@ -129,6 +135,7 @@ def _plan(run: dict, fixed: dict | None, limit: float | None):
                         selective=selective(run), cp_rotate=cp_rotate(run),
                         moe_comm="deepseek" if run["id"].startswith("deepseek-v3") else "plain",
                         grad_reduce=grad_reduce(run), sequence_parallel=not run["id"].startswith("megatron2021"),
+                        tp_overlap=tp_overlap(run),
                         stage_cut=stage_cut(run), memory_limit=limit, runners_up=0)
 
 

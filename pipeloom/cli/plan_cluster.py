@@ -51,6 +51,10 @@ def add_cluster_arguments(plan: argparse.ArgumentParser) -> None:
     group.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
                        help="with tp > 1, every tp rank runs the norms and residual adds on all the tokens and the "
                             "tp exchanges are all-reduces (Megatron-LM before sequence parallelism)")
+    group.add_argument("--tp-overlap", action="store_true",
+                       help="tensor-parallel all-gathers and reduce-scatters run beside the GEMMs next to them "
+                            "(Transformer Engine's userbuffers: Megatron-Core / NeMo tp_comm_overlap; PyTorch's "
+                            "async TP); default: between them, exposed")
     group.add_argument("--grad-reduce", choices=("bf16", "fp32"), default="bf16",
                        help="the data type of the gradient reduce-scatter: bf16 (default) or fp32 (torchtitan's "
                             "default mixed_precision_reduce, Llama 3's)")
@@ -132,7 +136,7 @@ def cmd_plan_cluster(args: argparse.Namespace) -> int:
                               attention=args.attention, overlap_grad_reduce=args.overlap_grad_reduce,
                               selective=args.selective, cp_rotate=args.cp_rotate, moe_comm=args.moe_comm,
                               grad_reduce=args.grad_reduce, sequence_parallel=args.sequence_parallel,
-                              stage_cut=args.stage_cut, memory_limit=args.memory_limit,
+                              tp_overlap=args.tp_overlap, stage_cut=args.stage_cut, memory_limit=args.memory_limit,
                               runners_up=5 if args.top is None else args.top, progress=progress)
     except PipeloomError as error:
         raise UsageError(str(error).splitlines()[0]) from None

@@ -46,19 +46,31 @@ def _deepseek_v3() -> dict:
     # hidden 7168, 128 heads (MLA: query compression 1536, KV compression 512, 128 + 64 rotary per head, values
     # 128); first 3 layers dense (FFN 18432); MoE layers: 1 shared + 256 routed experts of 2048, 8 routed per
     # token, at most 4 nodes per token (8 groups, top 4); vocabulary 129,280. The multi-token-prediction module
-    # is not among the 61 layers.
+    # is not among the 61 layers: one module (num_nextn_predict_layers 1, report sec. 2.2).
     return {"model_type": "deepseek_v3", "hidden_size": 7168, "intermediate_size": 18432,
             "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128,
             "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256, "num_experts_per_tok": 8,
             "first_k_dense_replace": 3, "moe_layer_freq": 1, "q_lora_rank": 1536, "kv_lora_rank": 512,
             "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "vocab_size": 129280,
-            "tie_word_embeddings": False, "n_group": 8, "topk_group": 4, "max_position_embeddings": 163840}
+            "tie_word_embeddings": False, "n_group": 8, "topk_group": 4, "max_position_embeddings": 163840,
+            "num_nextn_predict_layers": 1}
+
+
+def _mlperf_gpt3() -> dict:
+    # MLPerf Training's GPT-3 175B as NVIDIA's NeMo submissions configure it (mlcommons/training_results_v3.1 to
+    # v4.1, NVIDIA/benchmarks/gpt3/implementations/*/conf/custom.yaml and NeMo's base megatron_gpt_config.yaml):
+    # 96 layers, hidden 12288, 96 heads, FFN 49152, sequence 2048, learned absolute positions, GeLU, biases,
+    # LayerNorm, tied embeddings; the SentencePiece vocabulary of 50,257 padded to a multiple of 128 x tp 4
+    # (NeMo's make_vocab_size_divisible_by) = 50,688, the GEMMs' width.
+    return {"model_type": "gpt2", "n_embd": 12288, "n_layer": 96, "n_head": 96, "n_inner": 49152, "n_positions": 2048,
+            "vocab_size": 50688, "activation_function": "gelu", "tie_word_embeddings": True}
 
 
 CONFIGS = {
     **{f"megatron-gpt-{size}": _gpt(*spec) for size, spec in _MEGATRON_2021.items()},
     **{f"llama3-{size}": _llama(*spec) for size, spec in _LLAMA3.items()},
     "deepseek-v3": _deepseek_v3(),
+    "mlperf-gpt3-175b": _mlperf_gpt3(),
 }
 """File stem -> config dict."""
 

@@ -11,16 +11,13 @@ from typing import Any
 
 from pipeloom.plan.cluster.config import ModelSpec, model_spec
 from pipeloom.plan.cluster.efficiency import dtype_bytes
-from pipeloom.plan.cluster.elementwise import KERNELS
 from pipeloom.plan.cluster.estimate import Estimator
 from pipeloom.plan.cluster.gpus import hardware
 from pipeloom.plan.cluster.hardware import Hardware
-from pipeloom.plan.cluster.layer_time import CP_ROTATE, GRAD_REDUCE, MOE_COMM, SELECTIVE, STAGE_CUTS, Job
+from pipeloom.plan.cluster.job import Job
 from pipeloom.plan.cluster.layout import LAYOUT_KEYS, Layout, parse_layout
-from pipeloom.plan.cluster.materialized import ATTENTION_KINDS
 from pipeloom.plan.cluster.search import search_layouts
 from pipeloom.plan.cluster.step import Estimate
-from pipeloom.plan.errors import LayoutError
 
 __all__ = ["ClusterPlan", "plan_cluster"]
 
@@ -69,7 +66,8 @@ def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: st
                  kernels: str = "fused", attention: str = "flash", overlap_grad_reduce: bool = True,
                  p2p_overlap: bool = True,
                  selective: str = "attention", cp_rotate: str = "ring", moe_comm: str = "plain",
-                 grad_reduce: str = "bf16", sequence_parallel: bool = True, stage_cut: str = "balanced",
+                 grad_reduce: str = "bf16", sequence_parallel: bool = True, tp_overlap: bool = False,
+                 stage_cut: str = "balanced",
                  memory_limit: float | None = None, runners_up: int = 5,
                  progress: Callable[[str], None] | None = None) -> ClusterPlan:
     """The fastest layout of ``model`` (config.json path, dict, PretrainedConfig or ModelSpec) on ``gpus`` GPUs of
@@ -85,45 +83,19 @@ def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: st
     ``plain`` or ``deepseek`` (DeepSeek-V3's node-limited FP8 dispatch, 20 SMs for communication); ``grad_reduce``:
     the gradient reduce-scatter's dtype, ``bf16`` or ``fp32`` (torchtitan's default, Llama 3's);
     ``sequence_parallel`` False: tp ranks run the norms and residual adds on every token and all-reduce
-    (Megatron-LM before 2022); ``stage_cut``: ``balanced`` (layers moved off the busiest pipeline rank) or ``even``
-    (the frameworks that cut as many layers per stage as divide). ``layout``: keys
-    held fixed (``"tp=4,pp=8"`` or a dict); with all of :data:`LAYOUT_KEYS` it predicts that layout alone."""
+    (Megatron-LM before 2022); ``tp_overlap``: tensor-parallel exchanges run beside the GEMMs (Transformer
+    Engine's userbuffers, PyTorch's async TP); ``stage_cut``: ``balanced`` (layers moved off the busiest pipeline
+    rank) or ``even`` (the frameworks that cut as many layers per stage as divide). ``layout``: keys held fixed
+    (``"tp=4,pp=8"`` or a dict); with all of :data:`LAYOUT_KEYS` it predicts that layout alone."""
     start = time.perf_counter()
-    for name, value in (("gpus", gpus), ("global_batch", global_batch), ("seq", seq)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise LayoutError(f"{name} must be a positive integer, got {value!r}")
     device = hardware(hw)
     dtype_bytes(dtype)
-    device.peak(dtype)
-    if kernels not in KERNELS:
-        raise LayoutError(f"kernels={kernels!r}: use {' or '.join(map(repr, KERNELS))}")
-    if selective not in SELECTIVE:
-        raise LayoutError(f"selective={selective!r}: use 'attention' (Megatron's), 'op' (torchtitan's op policy), "
-                          f"'layer' (every second layer whole) or 'deepseek' (DeepSeek-V3's norms, MLA "
-                          f"up-projections and SwiGLU, FP8-cached inputs)")
-    if cp_rotate not in CP_ROTATE:
-        raise LayoutError(f"cp_rotate={cp_rotate!r}: use 'ring' (Megatron-Core's K/V ring) or 'allgather' "
-                          f"(PyTorch's context_parallel, as torchtitan runs it)")
-    if moe_comm not in MOE_COMM:
-        raise LayoutError(f"moe_comm={moe_comm!r}: use 'plain' or 'deepseek' (DeepSeek-V3's all-to-all kernels)")
-    if grad_reduce not in GRAD_REDUCE:
-        raise LayoutError(f"grad_reduce={grad_reduce!r}: use 'bf16' or 'fp32' (gradients reduce-scattered in float32, "
-                          f"torchtitan's default)")
-    if stage_cut not in STAGE_CUTS:
-        raise LayoutError(f"stage_cut={stage_cut!r}: use 'balanced' (layers moved off the busiest pipeline rank) or "
-                          f"'even' (as many layers per stage as divide)")
-    if attention not in ATTENTION_KINDS:
-        raise LayoutError(f"attention={attention!r}: use {' or '.join(map(repr, ATTENTION_KINDS))}")
     spec = model_spec(model)
-    if spec.positions and seq > spec.positions:
-        raise LayoutError(f"seq={seq}: this {spec.family} model's learned position embedding has {spec.positions} "
-                          f"rows, so it takes sequences of at most {spec.positions} tokens; use --seq "
-                          f"{spec.positions} or less")
     job = Job(spec=spec, hw=device, gpus=gpus, global_batch=global_batch, seq=seq, dtype=dtype,
               kernels=kernels, attention=attention, overlap_grad_reduce=bool(overlap_grad_reduce),
               p2p_overlap=bool(p2p_overlap),
               selective=selective, cp_rotate=cp_rotate, moe_comm=moe_comm, grad_reduce=grad_reduce,
-              sequence_parallel=bool(sequence_parallel), stage_cut=stage_cut)
+              sequence_parallel=bool(sequence_parallel), tp_overlap=bool(tp_overlap), stage_cut=stage_cut)
     fixed = parse_layout(layout) if isinstance(layout, str) else dict(layout or {})
     limit = float(memory_limit if memory_limit is not None else device.memory_bytes)
     if set(fixed) >= set(LAYOUT_KEYS):

@@ -14,14 +14,8 @@ from pipeloom.ir import Schedule
 from pipeloom.plan.cluster.counts import layer_counts, layer_kinds, optimizer_bytes
 from pipeloom.plan.cluster.efficiency import collective_seconds, domain_ranks, hidden_cost, memory_seconds, p2p_seconds
 from pipeloom.plan.cluster.held import RankHeld, held_profile, peak_held
-from pipeloom.plan.cluster.layer_time import (
-    GRAD_REDUCE,
-    Job,
-    PhaseTimes,
-    add_times,
-    kept_activations,
-    layer_times,
-)
+from pipeloom.plan.cluster.job import GRAD_REDUCE, Job
+from pipeloom.plan.cluster.layer_time import PhaseTimes, add_times, kept_activations, layer_times
 from pipeloom.plan.cluster.layout import PAIRED, SCHEDULES, Layout
 from pipeloom.plan.cluster.mtp import mtp_times
 from pipeloom.plan.cluster.placement import (

@@ -28,90 +28,17 @@ from pipeloom.plan.cluster.efficiency import (
     domain_ranks,
     gemm_seconds,
     memory_seconds,
+    overlapped_seconds,
 )
 from pipeloom.plan.cluster.elementwise import layer_elementwise
 from pipeloom.plan.cluster.hardware import Hardware
+from pipeloom.plan.cluster.job import Job
 from pipeloom.plan.cluster.layout import Layout
 from pipeloom.plan.cluster.materialized import materialized_attention_seconds
 from pipeloom.plan.errors import LayoutError
 from pipeloom.plan.tp.all_to_all import moe_exchanges
 
-__all__ = ["Job", "PhaseTimes", "add_times", "layer_times", "kept_activations", "SELECTIVE",
-           "CP_ROTATE", "MOE_COMM", "GRAD_REDUCE", "STAGE_CUTS", "compute_hardware", "compute_share"]
-
-CP_ROTATE = ("ring", "allgather")
-"""How context parallelism exchanges K/V (:attr:`Job.cp_rotate`)."""
-MOE_COMM = ("plain", "deepseek")
-"""How the expert all-to-all is run (:attr:`Job.moe_comm`)."""
-GRAD_REDUCE = {"bf16": 2, "fp32": 4}
-"""The data types the gradient reduce-scatter may move (:attr:`Job.grad_reduce`), and their bytes."""
-
-SELECTIVE = ("attention", "op", "layer", "deepseek")
-"""What ``recompute=selective`` may recompute (:attr:`Job.selective`)."""
-STAGE_CUTS = ("balanced", "even")
-"""How the decoder layers may be cut into pipeline stages (:attr:`Job.stage_cut`)."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Job:
-    """What is trained where: the model, the GPU type and the step's size."""
-
-    spec: ModelSpec
-    """The model."""
-    hw: Hardware
-    """The GPU type."""
-    gpus: int
-    """GPUs of the job."""
-    global_batch: int
-    """Sequences per step."""
-    seq: int
-    """Tokens per sequence."""
-    dtype: str = "bf16"
-    """GEMM precision (bf16 or fp8; attention runs in bf16 either way)."""
-    kernels: str = "fused"
-    """Elementwise kernels: ``fused`` (Megatron, Transformer Engine, torch.compile) or ``eager`` (PyTorch op by
-    op): :mod:`pipeloom.plan.cluster.elementwise`."""
-    attention: str = "flash"
-    """Attention core: ``flash`` (the GPU's best kernel), ``flash2`` (FlashAttention-2) or ``materialized`` scores
-    (Megatron-LM 2021): :mod:`.materialized`."""
-    selective: str = "attention"
-    """What ``recompute=selective`` recomputes: ``attention`` (Megatron's: the attention core) or ``op``
-    (torchtitan's op-level policy: every op but the matmuls and the attention kernel, and every second matmul of
-    a layer: :func:`_op_recompute`) or ``layer`` (torchtitan's ``selective_ac_option = "2"``: every second
-    layer recomputed whole) or ``deepseek`` (DeepSeek-V3's: every RMSNorm, MLA's up-projections and the MoE
-    SwiGLU run again; linear inputs cached in FP8: :func:`deepseek_activations`)."""
-    cp_rotate: str = "ring"
-    """How context parallelism exchanges K/V: ``ring`` (each block's K/V sent to the next rank beside the current
-    block's compute: Megatron-Core / Transformer Engine) or ``allgather`` (PyTorch's ``context_parallel`` as
-    torchtitan ran it: :func:`pipeloom.plan.cluster.context.context_parallel_core`)."""
-    moe_comm: str = "plain"
-    """The expert all-to-all: ``plain`` (every routed copy of a token sent in bf16 to its expert's GPU) or
-    ``deepseek`` (DeepSeek-V3's kernels: :func:`_deepseek_all_to_all`, with :data:`_COMM_SMS` SMs reserved)."""
-    p2p_overlap: bool = True
-    """Pipeline sends run beside the ranks' compute (Megatron-Core, torch.distributed.pipelining: the replay's
-    latency between stages); False: each stage's output and input-gradient exchange blocks the rank for the
-    transfer (Megatron-LM 2021's ``_communicate``: ``batch_isend_irecv``, wait, ``cuda.synchronize``), added
-    to the stage's F and I by the estimator."""
-    overlap_grad_reduce: bool = True
-    """The data-parallel gradient exchange overlaps the backward bucket by bucket (Megatron-Core's
-    ``--overlap-grad-reduce``, FSDP, DDP); False: one all-reduce after the last backward (Megatron-LM 2021)."""
-    sequence_parallel: bool = True
-    """With tp > 1, the norms, dropouts and residual adds run on the tp rank's 1/tp of the tokens and the tp
-    exchanges are all-gathers and reduce-scatters (Megatron-Core, torchtitan); False: every tp rank runs them
-    on all the tokens and keeps their activations whole, the exchanges being all-reduces of the same bytes
-    (Megatron-LM before sequence parallelism: Korthikanti et al. 2022, arXiv:2205.05198, sec. 4.2.2)."""
-    grad_reduce: str = "bf16"
-    """The data type of the data-parallel gradient reduce-scatter: ``bf16`` (the weights' width) or ``fp32``
-    (torchtitan's default ``mixed_precision_reduce = "float32"``; Megatron-LM with bf16, which turns on
-    ``accumulate_allreduce_grads_in_fp32``; Llama 3's FSDP, report sec. 3.3.2 "Numerical stability")."""
-    stage_cut: str = "balanced"
-    """How the decoder layers are cut into pipeline stages: ``balanced`` (layers moved off the busiest pipeline
-    rank, the embedding, the head and the multi-token-prediction modules counted:
-    :func:`~pipeloom.plan.cluster.placement.balanced_counts`; Megatron-Core's ``--decoder-first/last-pipeline-
-    num-layers``, torchtitan's ``module_fqns_per_model_part`` run such cuts) or ``even`` (as many layers per
-    stage as divide, the remainder to the middle stages: Megatron-LM 2021, which required the layers to divide
-    evenly; torchtitan's 2024 ``generate_split_points``; Llama 3's one layer less on the first and last stages)."""
-
+__all__ = ["PhaseTimes", "add_times", "layer_times", "kept_activations", "compute_hardware", "compute_share"]
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PhaseTimes:
@@ -203,14 +130,14 @@ def layer_times(job: Job, layout: Layout, kind: str) -> PhaseTimes:
     if cp > 1:
         core_f, core_b = context_parallel_core(hw, a, rotate=job.cp_rotate, tp=tp, cp=cp, tokens=tokens,
                                                core_f=core_f, core_b=core_b)
-    tp_comm = _tp_exchanges(hw, hidden_bytes, tp, sp=sp)
+    tp_f, tp_i = _tp_time(job, layout, tokens, kind, hidden_bytes)
     if kind == "dense":
         parts.append(_price(hw, _mlp(spec, spec.intermediate, tp, gated=spec.gated), tokens, job.dtype))
     else:
         parts.append(_moe_times(job, layout, tokens))
     gemm = add_times(*parts)
-    f = gemm.f + core_f + ew_f + tp_comm
-    i = gemm.i + core_b + ew_b + tp_comm
+    f = gemm.f + core_f + ew_f + tp_f
+    i = gemm.i + core_b + ew_b + tp_i
     i_comm = gemm.i_comm
     if layout.recompute == "selective":
         if job.selective == "layer":  # every second layer checkpointed whole: half a forward per layer on average
@@ -309,6 +236,35 @@ def _deepseek_recompute(job: Job, tokens: int, tp: int, kind: str) -> float:
         # routed: this rank's tokens / tp, top-k copies each; shared: all tokens, sharded by tp
         seconds += memory_seconds(hw, 6.0 * (ex.top_k * ex.intermediate + ex.shared_intermediate) * tokens / tp)
     return seconds
+
+
+def _tp_time(job: Job, layout: Layout, tokens: int, kind: str, hidden_bytes: float) -> tuple[float, float]:
+    """Seconds one layer's tensor-parallel exchanges add to its F and to its I: :func:`_tp_exchanges` run between
+    the GEMMs, or with ``job.tp_overlap`` under sequence parallelism each exchange beside its GEMM, adding what
+    :func:`overlapped_seconds` adds to it: the all-gather before the attention's first projection and the
+    reduce-scatter after its output projection (a dense MLP's up and down projections likewise; a MoE layer's
+    are exposed: they wrap the routed experts), in the input-gradient backward the reduce-scatter after the first
+    projection's and the all-gather before the last one's input gradient."""
+    hw, tp = job.hw, layout.tp
+    sp = tp > 1 and job.sequence_parallel
+    exposed = _tp_exchanges(hw, hidden_bytes, tp, sp=sp)
+    if not (job.tp_overlap and sp):
+        return exposed, exposed
+    ranks = domain_ranks(tp, 1, hw)
+    gather = collective_seconds(hw, "all_gather", hidden_bytes, tp, ranks_per_domain=ranks)
+    scatter = collective_seconds(hw, "reduce_scatter", hidden_bytes, tp, ranks_per_domain=ranks)
+    first, *_, last = _gemms(job.spec, tp)
+    # (GEMM, the exchange beside it in F, the one beside its input gradient in I)
+    pairs = [(first, gather, scatter), (last, scatter, gather)]
+    if kind == "dense":
+        up, down = _mlp(job.spec, job.spec.intermediate, tp, gated=job.spec.gated)
+        pairs += [(up, gather, scatter), (down, scatter, gather)]
+    f = i = exposed - (gather + scatter) * len(pairs) / 2  # a MoE block's exchanges stay exposed
+    for gemm, forward, backward in pairs:
+        times = _price(hw, [gemm], tokens, job.dtype)
+        f += overlapped_seconds(hw, times.f, forward) - times.f
+        i += overlapped_seconds(hw, times.i, backward) - times.i
+    return f, i
 
 
 def _tp_exchanges(hw: Hardware, hidden_bytes: float, tp: int, *, sp: bool) -> float:

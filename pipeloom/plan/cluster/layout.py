@@ -10,7 +10,7 @@ from pipeloom.plan.cluster.counts import RECOMPUTE_MODES
 from pipeloom.plan.errors import LayoutError
 
 if TYPE_CHECKING:
-    from pipeloom.plan.cluster.layer_time import Job
+    from pipeloom.plan.cluster.job import Job
 
 __all__ = ["Layout", "SCHEDULES", "PAIRED", "LAYOUT_KEYS", "parse_layout"]
 

@@ -10,7 +10,8 @@ import dataclasses
 
 from pipeloom.plan.cluster.counts import mtp_block
 from pipeloom.plan.cluster.efficiency import collective_seconds, domain_ranks, gemm_seconds, memory_seconds
-from pipeloom.plan.cluster.layer_time import Job, PhaseTimes, add_times, compute_hardware, layer_times
+from pipeloom.plan.cluster.job import Job
+from pipeloom.plan.cluster.layer_time import PhaseTimes, add_times, compute_hardware, layer_times
 from pipeloom.plan.cluster.layout import Layout
 
 __all__ = ["mtp_times"]

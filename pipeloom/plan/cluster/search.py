@@ -32,7 +32,7 @@ from typing import Any
 
 from pipeloom.plan.cluster.counts import RECOMPUTE_MODES
 from pipeloom.plan.cluster.estimate import Estimator
-from pipeloom.plan.cluster.layer_time import Job
+from pipeloom.plan.cluster.job import Job
 from pipeloom.plan.cluster.layout import LAYOUT_KEYS, PAIRED, SCHEDULES, Layout
 from pipeloom.plan.cluster.placement import rank_stages, work_bound
 from pipeloom.plan.cluster.step import Estimate

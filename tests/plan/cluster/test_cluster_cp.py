@@ -12,7 +12,8 @@ from pipeloom.plan.cluster.api import plan_cluster
 from pipeloom.plan.cluster.config import model_spec
 from pipeloom.plan.cluster.efficiency import attention_seconds, collective_seconds
 from pipeloom.plan.cluster.gpus import hardware
-from pipeloom.plan.cluster.layer_time import Job, layer_times
+from pipeloom.plan.cluster.job import Job
+from pipeloom.plan.cluster.layer_time import layer_times
 from pipeloom.plan.cluster.layout import Layout
 from pipeloom.plan.errors import LayoutError
 

@@ -14,7 +14,8 @@ from pipeloom.plan.cluster.config import model_spec
 from pipeloom.plan.cluster.counts import deepseek_activations, layer_counts
 from pipeloom.plan.cluster.gpus import hardware
 from pipeloom.plan.cluster.hardware import load_hardware
-from pipeloom.plan.cluster.layer_time import Job, compute_share, layer_times
+from pipeloom.plan.cluster.job import Job
+from pipeloom.plan.cluster.layer_time import compute_share, layer_times
 from pipeloom.plan.cluster.layout import Layout
 from pipeloom.plan.errors import LayoutError
 

@@ -10,7 +10,8 @@ import pytest
 from pipeloom.plan.cluster.config import model_spec
 from pipeloom.plan.cluster.elementwise import layer_elementwise
 from pipeloom.plan.cluster.gpus import hardware
-from pipeloom.plan.cluster.layer_time import Job, layer_times
+from pipeloom.plan.cluster.job import Job
+from pipeloom.plan.cluster.layer_time import layer_times
 from pipeloom.plan.cluster.layout import Layout
 from pipeloom.plan.errors import LayoutError
 

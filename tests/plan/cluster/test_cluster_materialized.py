@@ -15,7 +15,8 @@ from pipeloom.plan.cluster.efficiency import attention_seconds, collective_secon
 from pipeloom.plan.cluster.elementwise import layer_elementwise
 from pipeloom.plan.cluster.estimate import Estimator
 from pipeloom.plan.cluster.gpus import hardware
-from pipeloom.plan.cluster.layer_time import Job, layer_times
+from pipeloom.plan.cluster.job import Job
+from pipeloom.plan.cluster.layer_time import layer_times
 from pipeloom.plan.cluster.layout import Layout
 from pipeloom.plan.cluster.materialized import materialized_attention_seconds
 from pipeloom.plan.errors import LayoutError

@@ -16,7 +16,8 @@ from pipeloom.plan.cluster.config import model_spec
 from pipeloom.plan.cluster.counts import deepseek_activations, layer_counts, mtp_activations
 from pipeloom.plan.cluster.estimate import Estimator
 from pipeloom.plan.cluster.gpus import hardware
-from pipeloom.plan.cluster.layer_time import Job, add_times, layer_times
+from pipeloom.plan.cluster.job import Job
+from pipeloom.plan.cluster.layer_time import add_times, layer_times
 from pipeloom.plan.cluster.layout import Layout
 from pipeloom.plan.cluster.mtp import mtp_times
 from pipeloom.plan.errors import LayoutError, ModelConfigError

@@ -14,7 +14,8 @@ from pipeloom.plan.cluster.config import model_spec
 from pipeloom.plan.cluster.efficiency import collective_seconds, domain_ranks, p2p_seconds
 from pipeloom.plan.cluster.estimate import Estimator
 from pipeloom.plan.cluster.gpus import hardware
-from pipeloom.plan.cluster.layer_time import Job, PhaseTimes, layer_times
+from pipeloom.plan.cluster.job import Job
+from pipeloom.plan.cluster.layer_time import PhaseTimes, layer_times
 from pipeloom.plan.cluster.layout import PAIRED, Layout
 from pipeloom.plan.cluster.placement import rank_stages, schedule_microbatches, work_bound
 from pipeloom.plan.tp.all_to_all import moe_exchanges
@@ -144,3 +145,36 @@ def test_the_gradient_exchange_hidden_by_compute_still_slows_it_and_fp32_moves_t
         assert free._dp_exposed(layout, params, group, f1=1e3, b1=1e3, m=1) == pytest.approx(exposed)
         assert free._dp_exposed(layout, params, group, f1=0.0, b1=0.0, m=1) == pytest.approx(rs + ag)
     assert moved(4 * params)[0] > 1.9 * moved(2 * params)[0]
+
+
+def test_tp_overlap_hides_the_tp_exchanges_beside_their_gemms():
+    """``Job.tp_overlap``: a dense layer's four tp exchanges (attention in and out, MLP in and out) run beside
+    the GEMMs next to them in F and in I, each adding ``overlapped_seconds(gemm, exchange) - gemm``; a MoE layer
+    overlaps only its attention's two; nothing changes without tp or without sequence parallelism."""
+    from pipeloom.plan.cluster.efficiency import gemm_seconds, overlapped_seconds
+
+    dense = {**MOE, "model_type": "llama", "intermediate_size": 4096}
+    job = Job(spec=model_spec(dense), hw=hardware("h100"), gpus=64, global_batch=256, seq=SEQ)
+    on = dataclasses.replace(job, tp_overlap=True)
+    layout = Layout(dp=8, tp=8, mbs=1, schedule="1f1b")
+    plain, hidden = layer_times(job, layout, "dense"), layer_times(on, layout, "dense")
+    hw, tokens, h = job.hw, SEQ, 1024
+    nbytes = tokens * h * 2
+    gather = collective_seconds(hw, "all_gather", nbytes, 8, ranks_per_domain=8)
+    scatter = collective_seconds(hw, "reduce_scatter", nbytes, 8, ranks_per_domain=8)
+    qkv, out, up, down = (3 * h // 8, h), (h, h // 8), (2 * 4096 // 8, h), (h, 4096 // 8)
+    forward = sum(overlapped_seconds(hw, gemm_seconds(hw, tokens, n, k), c) - gemm_seconds(hw, tokens, n, k)
+                  for (n, k), c in ((qkv, gather), (out, scatter), (up, gather), (down, scatter)))
+    assert hidden.f == pytest.approx(plain.f - 2 * (gather + scatter) + forward)
+    backward = sum(overlapped_seconds(hw, gemm_seconds(hw, tokens, k, n), c) - gemm_seconds(hw, tokens, k, n)
+                   for (n, k), c in ((qkv, scatter), (out, gather), (up, scatter), (down, gather)))
+    assert hidden.i == pytest.approx(plain.i - 2 * (gather + scatter) + backward)
+    assert hidden.w == plain.w and hidden.f < plain.f and hidden.i < plain.i
+    moe = dataclasses.replace(_job(), tp_overlap=True)
+    moe_layout = Layout(dp=8, tp=8, ep=8, mbs=1, schedule="1f1b")
+    saved = layer_times(_job(), moe_layout, "moe").f - layer_times(moe, moe_layout, "moe").f
+    assert 0 < saved < gather + scatter  # the attention's pair only, and not all of it
+    for same in (Layout(dp=64, mbs=1, schedule="1f1b"), layout):
+        base = job if same.tp == 1 else dataclasses.replace(job, sequence_parallel=False)
+        assert layer_times(base, same, "dense") == layer_times(dataclasses.replace(base, tp_overlap=True), same,
+                                                               "dense")

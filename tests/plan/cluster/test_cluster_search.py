@@ -12,7 +12,7 @@ from pipeloom.plan.cluster import plan_cluster
 from pipeloom.plan.cluster.config import model_spec
 from pipeloom.plan.cluster.estimate import Estimator
 from pipeloom.plan.cluster.gpus import hardware
-from pipeloom.plan.cluster.layer_time import Job
+from pipeloom.plan.cluster.job import Job
 from pipeloom.plan.cluster.layout import LAYOUT_KEYS
 from pipeloom.plan.cluster.search import Bounds, enumerate_layouts, search_layouts
 from pipeloom.plan.errors import LayoutError, NoLayoutFits

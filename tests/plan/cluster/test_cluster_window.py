@@ -16,7 +16,8 @@ from pipeloom.plan.cluster.counts import attended_fraction, layer_counts, layer_
 from pipeloom.plan.cluster.efficiency import attention_seconds
 from pipeloom.plan.cluster.estimate import Estimator
 from pipeloom.plan.cluster.gpus import hardware
-from pipeloom.plan.cluster.layer_time import Job, layer_times
+from pipeloom.plan.cluster.job import Job
+from pipeloom.plan.cluster.layer_time import layer_times
 from pipeloom.plan.cluster.layout import Layout
 
 # Mistral 7B v0.1's shape (its model card's config.json: sliding_window 4096 on every layer)

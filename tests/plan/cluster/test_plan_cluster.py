@@ -12,7 +12,7 @@ from pipeloom.plan.cluster import plan_cluster
 from pipeloom.plan.cluster.config import model_spec
 from pipeloom.plan.cluster.estimate import Estimator
 from pipeloom.plan.cluster.gpus import hardware
-from pipeloom.plan.cluster.layer_time import Job
+from pipeloom.plan.cluster.job import Job
 from pipeloom.plan.cluster.layout import LAYOUT_KEYS, Layout, parse_layout
 from pipeloom.plan.cluster.placement import work_bound
 from pipeloom.plan.errors import LayoutError, NoLayoutFits
@@ -223,3 +223,13 @@ def test_zbv_is_built_for_the_layouts_costs(tp):
     zbv = plan_cluster(SMALL, "h100", layout=fixed + "zbv", **args).best.step_time
     one = plan_cluster(SMALL, "h100", layout=fixed + "1f1b", **args).best.step_time
     assert zbv <= 1.01 * one
+
+
+def test_tp_overlap_flag_reaches_the_estimate(config, capsys):
+    argv = ["plan", "--model", str(config), "--hardware", "h100", "--gpus", "8", "--global-batch", "32", "--seq",
+            "4096", "--layout", "dp=1,tp=8,pp=1,vp=1,cp=1,ep=1,mbs=1,fsdp=0,recompute=none,schedule=1f1b", "--json"]
+    steps = []
+    for extra in ([], ["--tp-overlap"]):
+        assert main([*argv, *extra]) == 0
+        steps.append(json.loads(capsys.readouterr().out)["best"]["step_time"])
+    assert steps[1] < steps[0]

@@ -1,0 +1,123 @@
+"""What is trained where, and how its framework runs it: :class:`Job` (the model, the GPU type, the step's
+size, and the framework's choices the planner does not search: kernels, attention, overlaps, recomputation
+policy, exchanges, stage cut), checked when made."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeloom.plan.cluster.config import ModelSpec
+from pipeloom.plan.cluster.elementwise import KERNELS
+from pipeloom.plan.cluster.hardware import Hardware
+from pipeloom.plan.cluster.materialized import ATTENTION_KINDS
+from pipeloom.plan.errors import LayoutError
+
+__all__ = ["Job", "SELECTIVE", "CP_ROTATE", "MOE_COMM", "GRAD_REDUCE", "STAGE_CUTS"]
+
+CP_ROTATE = ("ring", "allgather")
+"""How context parallelism exchanges K/V (:attr:`Job.cp_rotate`)."""
+MOE_COMM = ("plain", "deepseek")
+"""How the expert all-to-all is run (:attr:`Job.moe_comm`)."""
+GRAD_REDUCE = {"bf16": 2, "fp32": 4}
+"""The data types the gradient reduce-scatter may move (:attr:`Job.grad_reduce`), and their bytes."""
+
+SELECTIVE = ("attention", "op", "layer", "deepseek")
+"""What ``recompute=selective`` may recompute (:attr:`Job.selective`)."""
+STAGE_CUTS = ("balanced", "even")
+"""How the decoder layers may be cut into pipeline stages (:attr:`Job.stage_cut`)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Job:
+    """What is trained where: the model, the GPU type and the step's size."""
+
+    spec: ModelSpec
+    """The model."""
+    hw: Hardware
+    """The GPU type."""
+    gpus: int
+    """GPUs of the job."""
+    global_batch: int
+    """Sequences per step."""
+    seq: int
+    """Tokens per sequence."""
+    dtype: str = "bf16"
+    """GEMM precision (bf16 or fp8; attention runs in bf16 either way)."""
+    kernels: str = "fused"
+    """Elementwise kernels: ``fused`` (Megatron, Transformer Engine, torch.compile) or ``eager`` (PyTorch op by
+    op): :mod:`pipeloom.plan.cluster.elementwise`."""
+    attention: str = "flash"
+    """Attention core: ``flash`` (the GPU's best kernel), ``flash2`` (FlashAttention-2) or ``materialized`` scores
+    (Megatron-LM 2021): :mod:`.materialized`."""
+    selective: str = "attention"
+    """What ``recompute=selective`` recomputes: ``attention`` (Megatron's: the attention core) or ``op``
+    (torchtitan's op-level policy: every op but the matmuls and the attention kernel, and every second matmul of
+    a layer: :func:`_op_recompute`) or ``layer`` (torchtitan's ``selective_ac_option = "2"``: every second
+    layer recomputed whole) or ``deepseek`` (DeepSeek-V3's: every RMSNorm, MLA's up-projections and the MoE
+    SwiGLU run again; linear inputs cached in FP8: :func:`deepseek_activations`)."""
+    cp_rotate: str = "ring"
+    """How context parallelism exchanges K/V: ``ring`` (each block's K/V sent to the next rank beside the current
+    block's compute: Megatron-Core / Transformer Engine) or ``allgather`` (PyTorch's ``context_parallel`` as
+    torchtitan ran it: :func:`pipeloom.plan.cluster.context.context_parallel_core`)."""
+    moe_comm: str = "plain"
+    """The expert all-to-all: ``plain`` (every routed copy of a token sent in bf16 to its expert's GPU) or
+    ``deepseek`` (DeepSeek-V3's kernels: :func:`_deepseek_all_to_all`, with :data:`_COMM_SMS` SMs reserved)."""
+    p2p_overlap: bool = True
+    """Pipeline sends run beside the ranks' compute (Megatron-Core, torch.distributed.pipelining: the replay's
+    latency between stages); False: each stage's output and input-gradient exchange blocks the rank for the
+    transfer (Megatron-LM 2021's ``_communicate``: ``batch_isend_irecv``, wait, ``cuda.synchronize``), added
+    to the stage's F and I by the estimator."""
+    overlap_grad_reduce: bool = True
+    """The data-parallel gradient exchange overlaps the backward bucket by bucket (Megatron-Core's
+    ``--overlap-grad-reduce``, FSDP, DDP); False: one all-reduce after the last backward (Megatron-LM 2021)."""
+    tp_overlap: bool = False
+    """Each tensor-parallel all-gather and reduce-scatter runs beside the GEMM next to it (under sequence
+    parallelism): Transformer Engine's userbuffers (Megatron-Core / NeMo ``tp_comm_overlap``), PyTorch's async
+    tensor parallelism (torchtitan ``enable_async_tensor_parallel``); each then adds to its GEMM what
+    :func:`~pipeloom.plan.cluster.efficiency.overlapped_seconds` says. False (or without sequence parallelism):
+    they run between the GEMMs, exposed."""
+    sequence_parallel: bool = True
+    """With tp > 1, the norms, dropouts and residual adds run on the tp rank's 1/tp of the tokens and the tp
+    exchanges are all-gathers and reduce-scatters (Megatron-Core, torchtitan); False: every tp rank runs them
+    on all the tokens and keeps their activations whole, the exchanges being all-reduces of the same bytes
+    (Megatron-LM before sequence parallelism: Korthikanti et al. 2022, arXiv:2205.05198, sec. 4.2.2)."""
+    grad_reduce: str = "bf16"
+    """The data type of the data-parallel gradient reduce-scatter: ``bf16`` (the weights' width) or ``fp32``
+    (torchtitan's default ``mixed_precision_reduce = "float32"``; Megatron-LM with bf16, which turns on
+    ``accumulate_allreduce_grads_in_fp32``; Llama 3's FSDP, report sec. 3.3.2 "Numerical stability")."""
+    stage_cut: str = "balanced"
+    """How the decoder layers are cut into pipeline stages: ``balanced`` (layers moved off the busiest pipeline
+    rank, the embedding, the head and the multi-token-prediction modules counted:
+    :func:`~pipeloom.plan.cluster.placement.balanced_counts`; Megatron-Core's ``--decoder-first/last-pipeline-
+    num-layers``, torchtitan's ``module_fqns_per_model_part`` run such cuts) or ``even`` (as many layers per
+    stage as divide, the remainder to the middle stages: Megatron-LM 2021, which required the layers to divide
+    evenly; torchtitan's 2024 ``generate_split_points``; Llama 3's one layer less on the first and last stages)."""
+
+    def __post_init__(self) -> None:
+        choices = (("kernels", KERNELS, "elementwise kernels: fused (Megatron, Transformer Engine, torch.compile) or "
+                                        "eager (PyTorch op by op)"),
+                   ("attention", ATTENTION_KINDS, "the attention core's kernels"),
+                   ("selective", SELECTIVE, "'attention' (Megatron's), 'op' (torchtitan's op policy), 'layer' "
+                                            "(every second layer whole) or 'deepseek' (DeepSeek-V3's norms, MLA "
+                                            "up-projections and SwiGLU, FP8-cached inputs)"),
+                   ("cp_rotate", CP_ROTATE, "'ring' (Megatron-Core's K/V ring) or 'allgather' (PyTorch's "
+                                            "context_parallel, as torchtitan runs it)"),
+                   ("moe_comm", MOE_COMM, "'plain' or 'deepseek' (DeepSeek-V3's all-to-all kernels)"),
+                   ("grad_reduce", tuple(GRAD_REDUCE), "'bf16' or 'fp32' (gradients reduce-scattered in float32, "
+                                                       "torchtitan's default)"),
+                   ("stage_cut", STAGE_CUTS, "'balanced' (layers moved off the busiest pipeline rank) or 'even' "
+                                             "(as many layers per stage as divide)"))
+        for name, allowed, what in choices:
+            value = getattr(self, name)
+            if value not in allowed:
+                raise LayoutError(f"{name}={value!r}: use one of {', '.join(map(repr, allowed))}: {what}")
+        for name in ("gpus", "global_batch", "seq"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise LayoutError(f"{name} must be a positive integer, got {value!r}")
+        self.hw.peak(self.dtype)
+        positions = self.spec.positions
+        if positions and self.seq > positions:
+            raise LayoutError(f"seq={self.seq}: this {self.spec.family} model's learned position embedding has "
+                              f"{positions} rows, so it takes sequences of at most {positions} tokens; use --seq "
+                              f"{positions} or less")
