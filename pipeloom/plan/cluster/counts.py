@@ -201,6 +201,27 @@ def _mtp_counts(spec: ModelSpec, seq: int, width: int) -> LayerCounts:
                        activations={m: mtp_activations(spec, m, a, width=width) for m, a in block.activations.items()})
 
 
+def _moe_mlp(spec: ModelSpec, width: int) -> tuple[int, int, int, int, float]:
+    """``(matmul weight elements, other parameters, routed expert parameters, routed matmul weights per token,
+    kept bytes per token)`` of a layer's MoE MLP: the router, the shared expert(s) and their gate, the routed
+    experts (with their biases and the router's, gpt-oss)."""
+    ex, h = spec.experts, spec.hidden
+    assert ex is not None, "moe layer of a dense model"
+    shared_mm, _ = _mlp_weights(spec, ex.shared_intermediate, gated=True, bias=False)
+    expert_params = ex.count * (3 * h * ex.intermediate + ((2 * ex.intermediate + h) if ex.bias else 0))
+    routed_mm = ex.top_k * 3 * h * ex.intermediate  # per token: its top-k experts
+    mlp_mm = h * ex.count + shared_mm + (h if ex.shared_gate else 0)  # router, shared expert(s), their gate
+    mlp_other = expert_params + (ex.count if ex.bias else 0)  # the routed experts, the router's bias
+    # routed: each token's k copies (the expert's input h, gate+up 2I, activation I, and its output h, which the
+    # probability-weighted combine keeps for the probability's gradient; the copy's fp32 probability and int64
+    # place in the permutation), the router's fp32 probabilities (over the experts, or over the top k when its
+    # softmax follows the choice) and the int64 top-k choice; the shared expert(s) like a dense MLP
+    copy = width * (2 * h + 3 * ex.intermediate) + _STAT + _INDEX
+    keep = (ex.top_k * copy + _INDEX * ex.top_k + _STAT * (ex.top_k if ex.softmax_after_top_k else ex.count)
+            + _mlp_activations(ex.shared_intermediate, gated=True, width=width))
+    return mlp_mm, mlp_other, expert_params, routed_mm, keep
+
+
 def layer_counts(spec: ModelSpec, kind: str, seq: int, *, width: int = 2) -> LayerCounts:
     """The counts of one layer of ``kind`` (embedding, dense, moe, their :data:`WINDOWED` kinds, head, mtp) for
     one sequence of ``seq`` tokens; ``width``: bytes of one activation element (2: bf16; statistics are fp32
@@ -228,20 +249,7 @@ def layer_counts(spec: ModelSpec, kind: str, seq: int, *, width: int = 2) -> Lay
         expert_params, routed_mm = 0, 0
         mlp_keep = _mlp_activations(spec.intermediate, gated=spec.gated, width=width)
     elif kind == "moe":
-        ex = spec.experts
-        assert ex is not None, "moe layer of a dense model"
-        shared_mm, _ = _mlp_weights(spec, ex.shared_intermediate, gated=True, bias=False)
-        expert_params = ex.count * (3 * h * ex.intermediate + ((2 * ex.intermediate + h) if ex.bias else 0))
-        routed_mm = ex.top_k * 3 * h * ex.intermediate  # per token: its top-k experts
-        mlp_mm = h * ex.count + shared_mm + (h if ex.shared_gate else 0)  # router, shared expert(s), their gate
-        mlp_other = expert_params + (ex.count if ex.bias else 0)  # the routed experts, the router's bias
-        # routed: each token's k copies (the expert's input h, gate+up 2I, activation I, and its output h, which
-        # the probability-weighted combine keeps for the probability's gradient; the copy's fp32 probability
-        # and int64 place in the permutation), the router's fp32 probabilities over the experts and the int64
-        # top-k choice; the shared expert(s) like a dense MLP
-        copy = width * (2 * h + 3 * ex.intermediate) + _STAT + _INDEX
-        mlp_keep = (ex.top_k * copy + _INDEX * ex.top_k + _STAT * (ex.top_k if ex.softmax_after_top_k else ex.count)
-                    + _mlp_activations(ex.shared_intermediate, gated=True, width=width))
+        mlp_mm, mlp_other, expert_params, routed_mm, mlp_keep = _moe_mlp(spec, width)
     else:
         raise ValueError(f"unknown layer kind {kind!r}; one of embedding, dense, moe, head, mtp")
     params = attn_mm + attn_other + mlp_mm + mlp_other + spec.layer_norms * _norm(spec)
