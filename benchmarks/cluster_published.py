@@ -127,6 +127,15 @@ def tp_overlap(run: dict) -> bool:
     return run["id"].startswith("mlperf") or "asynctp" in run["id"]
 
 
+def fp8_cast(run: dict) -> str:
+    """How the FP8 rows cast: MLPerf's NeMo runs Transformer Engine's delayed scaling under Megatron (FP8 weights
+    made once a step, FP8 activations reused: ``cached``); torchtitan's Float8 is torchao's per-tensor dynamic
+    scaling (``dynamic``); DeepSeek-V3 quantizes each 1 x 128 activation tile as it casts it, but when its
+    weights are quantized is not published: ``dynamic``, every input cast for every GEMM, the most cast traffic
+    either could be."""
+    return "cached" if run["id"].startswith("mlperf") else "dynamic"
+
+
 def _plan(run: dict, fixed: dict | None, limit: float | None):
     return plan_cluster(run_config(run), run_hardware(run), gpus=run["gpus"], global_batch=run["global_batch"],
                         seq=run["seq"], dtype=run["dtype"], layout=fixed, kernels=kernels(run),
@@ -135,7 +144,7 @@ def _plan(run: dict, fixed: dict | None, limit: float | None):
                         selective=selective(run), cp_rotate=cp_rotate(run),
                         moe_comm="deepseek" if run["id"].startswith("deepseek-v3") else "plain",
                         grad_reduce=grad_reduce(run), sequence_parallel=not run["id"].startswith("megatron2021"),
-                        tp_overlap=tp_overlap(run),
+                        tp_overlap=tp_overlap(run), fp8_cast=fp8_cast(run),
                         stage_cut=stage_cut(run), memory_limit=limit, runners_up=0)
 
 

@@ -55,6 +55,11 @@ def add_cluster_arguments(plan: argparse.ArgumentParser) -> None:
                        help="tensor-parallel all-gathers and reduce-scatters run beside the GEMMs next to them "
                             "(Transformer Engine's userbuffers: Megatron-Core / NeMo tp_comm_overlap; PyTorch's "
                             "async TP); default: between them, exposed")
+    group.add_argument("--fp8-cast", choices=("cached", "dynamic"), default="cached",
+                       help="with --dtype fp8, how the GEMMs' inputs are cast: cached (Transformer Engine's "
+                            "delayed scaling, Megatron-Core's default: the amax in the cast kernel, FP8 weights "
+                            "and activations reused; default) or dynamic (torchao's per-tensor dynamic scaling, "
+                            "torchtitan's Float8: both inputs of every GEMM, an amax pass first)")
     group.add_argument("--grad-reduce", choices=("bf16", "fp32"), default="bf16",
                        help="the data type of the gradient reduce-scatter: bf16 (default) or fp32 (torchtitan's "
                             "default mixed_precision_reduce, Llama 3's)")
@@ -136,7 +141,8 @@ def cmd_plan_cluster(args: argparse.Namespace) -> int:
                               attention=args.attention, overlap_grad_reduce=args.overlap_grad_reduce,
                               selective=args.selective, cp_rotate=args.cp_rotate, moe_comm=args.moe_comm,
                               grad_reduce=args.grad_reduce, sequence_parallel=args.sequence_parallel,
-                              tp_overlap=args.tp_overlap, stage_cut=args.stage_cut, memory_limit=args.memory_limit,
+                              tp_overlap=args.tp_overlap, fp8_cast=args.fp8_cast, stage_cut=args.stage_cut,
+                              memory_limit=args.memory_limit,
                               runners_up=5 if args.top is None else args.top, progress=progress)
     except PipeloomError as error:
         raise UsageError(str(error).splitlines()[0]) from None

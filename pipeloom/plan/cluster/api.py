@@ -67,7 +67,7 @@ def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: st
                  p2p_overlap: bool = True,
                  selective: str = "attention", cp_rotate: str = "ring", moe_comm: str = "plain",
                  grad_reduce: str = "bf16", sequence_parallel: bool = True, tp_overlap: bool = False,
-                 stage_cut: str = "balanced",
+                 fp8_cast: str = "cached", stage_cut: str = "balanced",
                  memory_limit: float | None = None, runners_up: int = 5,
                  progress: Callable[[str], None] | None = None) -> ClusterPlan:
     """The fastest layout of ``model`` (config.json path, dict, PretrainedConfig or ModelSpec) on ``gpus`` GPUs of
@@ -84,7 +84,9 @@ def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: st
     the gradient reduce-scatter's dtype, ``bf16`` or ``fp32`` (torchtitan's default, Llama 3's);
     ``sequence_parallel`` False: tp ranks run the norms and residual adds on every token and all-reduce
     (Megatron-LM before 2022); ``tp_overlap``: tensor-parallel exchanges run beside the GEMMs (Transformer
-    Engine's userbuffers, PyTorch's async TP); ``stage_cut``: ``balanced`` (layers moved off the busiest pipeline
+    Engine's userbuffers, PyTorch's async TP); ``fp8_cast``: how FP8 GEMMs cast their inputs, ``cached``
+    (Transformer Engine's delayed scaling, FP8 copies reused) or ``dynamic`` (torchao's per-tensor dynamic
+    scaling); ``stage_cut``: ``balanced`` (layers moved off the busiest pipeline
     rank) or ``even`` (the frameworks that cut as many layers per stage as divide). ``layout``: keys held fixed
     (``"tp=4,pp=8"`` or a dict); with all of :data:`LAYOUT_KEYS` it predicts that layout alone."""
     start = time.perf_counter()
@@ -95,7 +97,8 @@ def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: st
               kernels=kernels, attention=attention, overlap_grad_reduce=bool(overlap_grad_reduce),
               p2p_overlap=bool(p2p_overlap),
               selective=selective, cp_rotate=cp_rotate, moe_comm=moe_comm, grad_reduce=grad_reduce,
-              sequence_parallel=bool(sequence_parallel), tp_overlap=bool(tp_overlap), stage_cut=stage_cut)
+              sequence_parallel=bool(sequence_parallel), tp_overlap=bool(tp_overlap), fp8_cast=fp8_cast,
+              stage_cut=stage_cut)
     fixed = parse_layout(layout) if isinstance(layout, str) else dict(layout or {})
     limit = float(memory_limit if memory_limit is not None else device.memory_bytes)
     if set(fixed) >= set(LAYOUT_KEYS):

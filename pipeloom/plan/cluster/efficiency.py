@@ -14,10 +14,13 @@ costs), **wave quantization** (NVIDIA, "Matrix Multiplication Background User's 
 wave quantization): the output is cut into ``tm x tn`` tiles, one per SM at a time, so the GEMM takes
 ``⌈tiles / SMs⌉`` waves where ``tiles / SMs`` would do; the factor is their ratio, for the better of the two
 tile shapes cuBLAS/CUTLASS use for large BF16/FP8 GEMMs, 128x128 and 256x128 (``count`` same-shape GEMMs
-of a grouped kernel share the waves; below one wave split-K fills the GPU). **FP8** GEMMs with per-tensor
-dynamic scaling (torchao's and Transformer Engine's default recipe) first read each input for its absolute
-maximum and then read it again and write its FP8 copy: 2 + 2 + 1 = 5 bytes per input element of
-memory-bound work beside the GEMM (one kernel overhead for the pair). Not modelled: layouts, and clock
+of a grouped kernel share the waves; below one wave split-K fills the GPU). **FP8** GEMMs cast their inputs
+beside the GEMM (one kernel overhead for the casts), memory-bound: ``cast`` gives the bytes moved per element of
+each input, 5 for per-tensor dynamic scaling (:data:`DYNAMIC_CAST_BYTES`: read for the absolute maximum, then
+read again and write the FP8 copy, 2 + 2 + 1), 4 where the amax is taken in the cast kernel, which writes the
+copy and its transpose (:data:`FUSED_CAST_BYTES`: Transformer Engine's delayed scaling), 0 for an input whose FP8
+copy is reused.
+Not modelled: layouts, and clock
 throttling under a power cap.
 
 **Attention** (flash attention: no ``s x s`` matrix in HBM): the forward is ``4·b·h·s²·d`` FLOPs (``QKᵀ``
@@ -79,9 +82,9 @@ from pipeloom.plan.errors import HardwareError
 from pipeloom.plan.tp.all_to_all import all_to_all_seconds
 from pipeloom.plan.tp.collectives import CollectiveFit
 
-__all__ = ["COLLECTIVE_KINDS", "attention_flops", "attention_seconds", "collective_seconds", "domain_ranks",
-           "dtype_bytes", "gemm_efficiency", "gemm_seconds", "hidden_cost", "memory_seconds", "overlapped_seconds",
-           "p2p_seconds", "wave_efficiency"]
+__all__ = ["COLLECTIVE_KINDS", "DYNAMIC_CAST_BYTES", "FUSED_CAST_BYTES", "attention_flops", "attention_seconds",
+           "collective_seconds", "domain_ranks", "dtype_bytes", "gemm_efficiency", "gemm_seconds", "hidden_cost",
+           "memory_seconds", "overlapped_seconds", "p2p_seconds", "wave_efficiency"]
 
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 """Collective kinds :func:`collective_seconds` prices."""
@@ -113,9 +116,14 @@ def _sizes(**sizes: float) -> None:
 
 _TILES = ((128, 128), (256, 128))
 """Output tiles (rows x columns) of the large-GEMM kernels (CUTLASS/cuBLAS on Ampere and Hopper)."""
-_CAST_BYTES = 5
-"""Bytes per input element of FP8 per-tensor scaling: read for the absolute maximum (2), read and write the
-FP8 copy (2 + 1)."""
+DYNAMIC_CAST_BYTES = 5
+"""Bytes per input element of an FP8 cast under per-tensor dynamic scaling (torchao's tensor-wise recipe): read
+for the absolute maximum (2), then read and write the FP8 copy (2 + 1)."""
+FUSED_CAST_BYTES = 4
+"""Bytes per input element of an FP8 cast that takes the amax in the cast kernel (Transformer Engine's delayed
+scaling, whose scale comes from earlier steps' amax history): read (2) and write the FP8 copy and its transpose
+(1 + 1: Hopper's FP8 GEMMs take only the "TN" layout, both operands K-major (cuBLASLt's FP8 matmul), so the
+weight gradient's GEMM needs the transposed copies: Transformer Engine's fused cast-transpose)."""
 
 
 def wave_efficiency(hw: Hardware, m: float, n: float, count: int = 1) -> float:
@@ -140,13 +148,18 @@ def gemm_efficiency(hw: Hardware, m: float, n: float, k: float, count: int = 1, 
     return smooth * wave_efficiency(hw, m, n, count)
 
 
-def gemm_seconds(hw: Hardware, m: float, n: float, k: float, *, dtype: str = "bf16", count: int = 1) -> float:
+def gemm_seconds(hw: Hardware, m: float, n: float, k: float, *, dtype: str = "bf16", count: int = 1,
+                 cast: tuple[float, float] = (DYNAMIC_CAST_BYTES, DYNAMIC_CAST_BYTES)) -> float:
     """Seconds of one ``(m x k) @ (k x n)`` GEMM (module docstring: roofline with a size-dependent
     efficiency, plus the kernel overhead); 0 when any dimension is 0. ``count`` same-shape GEMMs run as one
     grouped kernel (the experts of a mixture of experts): one overhead, ``count`` times the work, each at
-    its own shape's efficiency. ``m`` may be an average (tokens per expert)."""
+    its own shape's efficiency. ``m`` may be an average (tokens per expert). ``cast``: in FP8, the bytes moved
+    per element to cast the ``m x k`` and the ``k x n`` input (module docstring)."""
     _sizes(m=m, n=n, k=k)
     _dims(count=count)
+    if not isinstance(cast, tuple) or len(cast) != 2:
+        raise HardwareError(f"cast must be two byte counts (per element of each input), got {cast!r}")
+    _sizes(cast_first=cast[0], cast_second=cast[1])
     peak, width = hw.peak(dtype), dtype_bytes(dtype)
     if m == 0 or n == 0 or k == 0 or count == 0:
         return 0.0
@@ -154,8 +167,9 @@ def gemm_seconds(hw: Hardware, m: float, n: float, k: float, *, dtype: str = "bf
     traffic = (m * k + k * n) * width + m * n * 2
     bandwidth = hw.memory_bandwidth * hw.memory_efficiency
     seconds = hw.kernel_overhead + count * max(compute, traffic / bandwidth)
-    if dtype == "fp8":  # per-tensor scaling: amax and cast of both inputs, memory-bound
-        seconds += hw.kernel_overhead + count * _CAST_BYTES * (m * k + k * n) / bandwidth
+    moved = cast[0] * m * k + cast[1] * k * n
+    if dtype == "fp8" and moved:  # the inputs' casts, memory-bound
+        seconds += hw.kernel_overhead + count * moved / bandwidth
     return seconds
 
 

@@ -12,8 +12,10 @@ from pipeloom.plan.cluster.hardware import Hardware
 from pipeloom.plan.cluster.materialized import ATTENTION_KINDS
 from pipeloom.plan.errors import LayoutError
 
-__all__ = ["Job", "SELECTIVE", "CP_ROTATE", "MOE_COMM", "GRAD_REDUCE", "STAGE_CUTS"]
+__all__ = ["Job", "SELECTIVE", "CP_ROTATE", "MOE_COMM", "GRAD_REDUCE", "STAGE_CUTS", "FP8_CASTS"]
 
+FP8_CASTS = ("cached", "dynamic")
+"""How FP8 GEMMs cast their inputs (:attr:`Job.fp8_cast`)."""
 CP_ROTATE = ("ring", "allgather")
 """How context parallelism exchanges K/V (:attr:`Job.cp_rotate`)."""
 MOE_COMM = ("plain", "deepseek")
@@ -70,6 +72,14 @@ class Job:
     overlap_grad_reduce: bool = True
     """The data-parallel gradient exchange overlaps the backward bucket by bucket (Megatron-Core's
     ``--overlap-grad-reduce``, FSDP, DDP); False: one all-reduce after the last backward (Megatron-LM 2021)."""
+    fp8_cast: str = "cached"
+    """How FP8 GEMMs (``dtype="fp8"``) cast their inputs (:data:`FP8_CASTS`): ``cached``, Transformer Engine's
+    delayed scaling as Megatron-Core runs it (its default ``--fp8-recipe delayed``): the amax taken in the cast
+    kernel, each weight's FP8 copy made on a step's first micro-batch and reused (``is_first_microbatch``), the
+    forward's FP8 input and the input gradient's FP8 output gradient reused by the weight gradient, so a
+    micro-batch casts only the forward's and the input gradient's activation operand; ``dynamic``, per-tensor
+    dynamic scaling (torchao's tensor-wise Float8, torchtitan's): both inputs of every FP8 GEMM, an amax pass
+    first (:data:`~pipeloom.plan.cluster.efficiency.DYNAMIC_CAST_BYTES`)."""
     tp_overlap: bool = False
     """Each tensor-parallel all-gather and reduce-scatter runs beside the GEMM next to it (under sequence
     parallelism): Transformer Engine's userbuffers (Megatron-Core / NeMo ``tp_comm_overlap``), PyTorch's async
@@ -105,6 +115,9 @@ class Job:
                    ("moe_comm", MOE_COMM, "'plain' or 'deepseek' (DeepSeek-V3's all-to-all kernels)"),
                    ("grad_reduce", tuple(GRAD_REDUCE), "'bf16' or 'fp32' (gradients reduce-scattered in float32, "
                                                        "torchtitan's default)"),
+                   ("fp8_cast", FP8_CASTS, "'cached' (Transformer Engine's delayed scaling: FP8 weights and "
+                                           "activations reused) or 'dynamic' (torchao's per-tensor dynamic "
+                                           "scaling: both inputs cast for every GEMM)"),
                    ("stage_cut", STAGE_CUTS, "'balanced' (layers moved off the busiest pipeline rank) or 'even' "
                                              "(as many layers per stage as divide)"))
         for name, allowed, what in choices:

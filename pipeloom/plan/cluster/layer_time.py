@@ -23,6 +23,8 @@ from pipeloom.plan.cluster.counts import (
     mtp_block,
 )
 from pipeloom.plan.cluster.efficiency import (
+    DYNAMIC_CAST_BYTES,
+    FUSED_CAST_BYTES,
     attention_seconds,
     collective_seconds,
     domain_ranks,
@@ -38,7 +40,8 @@ from pipeloom.plan.cluster.materialized import materialized_attention_seconds
 from pipeloom.plan.errors import LayoutError
 from pipeloom.plan.tp.all_to_all import moe_exchanges
 
-__all__ = ["PhaseTimes", "add_times", "layer_times", "kept_activations", "compute_hardware", "compute_share"]
+__all__ = ["PhaseTimes", "add_times", "layer_times", "kept_activations", "compute_hardware", "compute_share",
+           "fp8_casts"]
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PhaseTimes:
@@ -75,13 +78,30 @@ def _mlp(spec: ModelSpec, intermediate: int, tp: int, *, gated: bool) -> list[tu
     return [(up, spec.hidden), (spec.hidden, intermediate // tp)]
 
 
-def _price(hw: Hardware, gemms: list[tuple[int, int]], m: int, dtype: str, count: int = 1) -> PhaseTimes:
-    """F, I, W of GEMMs ``(m x k) @ (k x n)``: dX is ``(m x n) @ (n x k)``, dW ``(n x m) @ (m x k)``."""
+def _price(job: Job, gemms: list[tuple[int, int]], m: int, count: int = 1) -> PhaseTimes:
+    """F, I, W of GEMMs ``(m x k) @ (k x n)`` on ``job``'s GPU in its dtype: dX is ``(m x n) @ (n x k)``, dW
+    ``(n x m) @ (m x k)``."""
     if m == 0:
         return PhaseTimes(f=0.0, i=0.0, w=0.0)
-    return PhaseTimes(f=count * sum(gemm_seconds(hw, m, n, k, dtype=dtype) for n, k in gemms),
-                      i=count * sum(gemm_seconds(hw, m, k, n, dtype=dtype) for n, k in gemms),
-                      w=count * sum(gemm_seconds(hw, n, k, m, dtype=dtype) for n, k in gemms))
+
+    f, i, w = fp8_casts(job)
+
+    def seconds(rows: int, cols: int, inner: int, cast: tuple[float, float]) -> float:
+        return gemm_seconds(job.hw, rows, cols, inner, dtype=job.dtype, cast=cast)
+
+    return PhaseTimes(f=count * sum(seconds(m, n, k, f) for n, k in gemms),
+                      i=count * sum(seconds(m, k, n, i) for n, k in gemms),
+                      w=count * sum(seconds(n, k, m, w) for n, k in gemms))
+
+
+def fp8_casts(job: Job) -> tuple[tuple[float, float], ...]:
+    """Bytes per element an FP8 GEMM moves to cast its two inputs, in F (activation, weight), I (output
+    gradient, weight) and W (output gradient, activation), under ``job.fp8_cast``: ``dynamic`` casts every input
+    with an amax pass first; ``cached`` casts only F's activation and I's output gradient, the amax in the cast
+    kernel (the weights' FP8 copies are made once a step, and W reuses the FP8 copies F and I made)."""
+    if job.fp8_cast == "dynamic":
+        return ((DYNAMIC_CAST_BYTES, DYNAMIC_CAST_BYTES),) * 3
+    return (FUSED_CAST_BYTES, 0.0), (FUSED_CAST_BYTES, 0.0), (0.0, 0.0)
 
 
 def add_times(*parts: PhaseTimes) -> PhaseTimes:
@@ -111,7 +131,7 @@ def layer_times(job: Job, layout: Layout, kind: str) -> PhaseTimes:
                                   ranks_per_domain=tp_ranks) if tp > 1 else 0.0
         return PhaseTimes(f=memory_seconds(hw, hidden_bytes) + comm, i=0.0, w=memory_seconds(hw, 2 * hidden_bytes))
     if kind == "head":
-        gemm = _price(hw, [(spec.vocab // tp, spec.hidden)], tokens, job.dtype)
+        gemm = _price(job, [(spec.vocab // tp, spec.hidden)], tokens)
         # sequence parallel: all-gather the tokens before the head, reduce-scatter the gradient after; without:
         # the tokens are whole on every tp rank and the input gradient is all-reduced
         comm = collective_seconds(hw, "all_gather", hidden_bytes, tp, ranks_per_domain=tp_ranks) if sp else 0.0
@@ -125,14 +145,14 @@ def layer_times(job: Job, layout: Layout, kind: str) -> PhaseTimes:
     ew = layer_elementwise(spec, kind, tp=tp, sp=sp, kernels=job.kernels)
     ew_f = memory_seconds(hw, ew.f_bytes * tokens) + (ew.f_kernels - 1) * hw.kernel_overhead
     ew_b = memory_seconds(hw, ew.b_bytes * tokens) + (ew.b_kernels - 1) * hw.kernel_overhead
-    parts = [_price(hw, _gemms(spec, tp), tokens, job.dtype)]
+    parts = [_price(job, _gemms(spec, tp), tokens)]
     core_f, core_b = (_attention_core(job, layout, window, backward=backward) for backward in (False, True))
     if cp > 1:
         core_f, core_b = context_parallel_core(hw, a, rotate=job.cp_rotate, tp=tp, cp=cp, tokens=tokens,
                                                core_f=core_f, core_b=core_b)
     tp_f, tp_i = _tp_time(job, layout, tokens, kind, hidden_bytes)
     if kind == "dense":
-        parts.append(_price(hw, _mlp(spec, spec.intermediate, tp, gated=spec.gated), tokens, job.dtype))
+        parts.append(_price(job, _mlp(spec, spec.intermediate, tp, gated=spec.gated), tokens))
     else:
         parts.append(_moe_times(job, layout, tokens))
     gemm = add_times(*parts)
@@ -178,7 +198,7 @@ def _op_recompute(job: Job, tokens: int, tp: int) -> float:
     k_proj = (a.kv_heads * a.qk_dim // tp, spec.hidden)
     o_proj = (spec.hidden, a.heads * a.v_dim // tp)
     up = (spec.intermediate // tp, spec.hidden) if spec.gated else (0, spec.hidden)
-    return _price(job.hw, [k_proj, o_proj, up], tokens, job.dtype).f
+    return _price(job, [k_proj, o_proj, up], tokens).f
 
 
 def _moe_times(job: Job, layout: Layout, tokens: int) -> PhaseTimes:
@@ -191,12 +211,12 @@ def _moe_times(job: Job, layout: Layout, tokens: int) -> PhaseTimes:
     ex = spec.experts
     assert ex is not None
     local = max(1, tokens // tp)  # tokens this GPU routes
-    parts = [_price(hw, [(ex.count, spec.hidden)], local, job.dtype)]
+    parts = [_price(job, [(ex.count, spec.hidden)], local)]
     if ex.shared_intermediate:
-        parts.append(_price(hw, _mlp(spec, ex.shared_intermediate, tp, gated=True), tokens, job.dtype))
+        parts.append(_price(job, _mlp(spec, ex.shared_intermediate, tp, gated=True), tokens))
     experts_here = ex.count // ep
     per_expert = local * ex.top_k // experts_here  # balanced routing: each local expert's tokens
-    parts.append(_price(hw, _mlp(spec, ex.intermediate, 1, gated=True), per_expert, job.dtype, count=experts_here))
+    parts.append(_price(job, _mlp(spec, ex.intermediate, 1, gated=True), per_expert, count=experts_here))
     a2a = {"F": 0.0, "I": 0.0}
     if ep > 1 and job.moe_comm == "deepseek":
         a2a["F"] = a2a["I"] = _deepseek_all_to_all(job, layout, local)
@@ -230,7 +250,7 @@ def _deepseek_recompute(job: Job, tokens: int, tp: int, kind: str) -> float:
     up = [(a.heads * a.qk_dim // tp, a.q_rank)] if a.q_rank else []
     if a.latent:
         up.append((a.heads * (a.qk_dim - a.rope_dim + a.v_dim) // tp, a.kv_rank))
-    seconds = norms + _price(hw, up, tokens, job.dtype).f
+    seconds = norms + _price(job, up, tokens).f
     if kind == "moe" and spec.experts is not None:
         ex = spec.experts
         # routed: this rank's tokens / tp, top-k copies each; shared: all tokens, sharded by tp
@@ -261,7 +281,7 @@ def _tp_time(job: Job, layout: Layout, tokens: int, kind: str, hidden_bytes: flo
         pairs += [(up, gather, scatter), (down, scatter, gather)]
     f = i = exposed - (gather + scatter) * len(pairs) / 2  # a MoE block's exchanges stay exposed
     for gemm, forward, backward in pairs:
-        times = _price(hw, [gemm], tokens, job.dtype)
+        times = _price(job, [gemm], tokens)
         f += overlapped_seconds(hw, times.f, forward) - times.f
         i += overlapped_seconds(hw, times.i, backward) - times.i
     return f, i

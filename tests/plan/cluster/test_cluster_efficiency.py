@@ -54,10 +54,17 @@ def test_gemm_compute_bound_closed_form():
     compute = 2 * m * n * k / (1e15 * 0.5 * 0.98**3 * wave_efficiency(ROUND, m, n))
     assert compute > 3 * m * n * 2 / 0.5e12
     assert gemm_seconds(ROUND, m, n, k) == pytest.approx(1e-6 + compute)
-    # fp8: twice the peak, inputs half as wide, plus per-tensor scaling: amax and cast of both inputs
-    # (read 2, read 2 and write 1 bytes per element) at the achieved HBM bandwidth, one more kernel
+    # fp8: twice the peak, inputs half as wide, plus the casts of both inputs at the achieved HBM bandwidth, one
+    # more kernel: per-tensor dynamic scaling reads for the amax, then reads and writes the copy (5 bytes per
+    # element); a cast kernel that takes the amax and writes the copy and its transpose moves 4; a reused copy 0
     cast = 1e-6 + 5 * 2 * m * k / 0.5e12
     assert gemm_seconds(ROUND, m, n, k, dtype="fp8") == pytest.approx(1e-6 + compute / 2 + cast)
+    assert gemm_seconds(ROUND, m, n, k, dtype="fp8", cast=(4, 0)) == pytest.approx(
+        1e-6 + compute / 2 + 1e-6 + 4 * m * k / 0.5e12)
+    assert gemm_seconds(ROUND, m, n, k, dtype="fp8", cast=(0, 0)) == pytest.approx(1e-6 + compute / 2)
+    assert gemm_seconds(ROUND, m, n, k, cast=(0, 0)) == gemm_seconds(ROUND, m, n, k)  # bf16: no cast
+    with pytest.raises(HardwareError, match="cast_first must be a number >= 0"):
+        gemm_seconds(ROUND, m, n, k, dtype="fp8", cast=(-1, 0))
     # with its own FP8 ceiling (0.4 of the FP8 peak against 0.5 of BF16's) the compute part scales by 0.5 / 0.4
     fp8_own = dataclasses.replace(ROUND, fp8_gemm_efficiency=0.4)
     assert gemm_seconds(fp8_own, m, n, k, dtype="fp8") == pytest.approx(1e-6 + compute / 2 * 0.5 / 0.4 + cast)

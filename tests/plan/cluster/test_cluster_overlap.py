@@ -18,6 +18,7 @@ from pipeloom.plan.cluster.job import Job
 from pipeloom.plan.cluster.layer_time import PhaseTimes, layer_times
 from pipeloom.plan.cluster.layout import PAIRED, Layout
 from pipeloom.plan.cluster.placement import rank_stages, schedule_microbatches, work_bound
+from pipeloom.plan.errors import LayoutError
 from pipeloom.plan.tp.all_to_all import moe_exchanges
 
 MOE = {"model_type": "mixtral", "hidden_size": 1024, "intermediate_size": 2048, "num_hidden_layers": 8,
@@ -178,3 +179,25 @@ def test_tp_overlap_hides_the_tp_exchanges_beside_their_gemms():
         base = job if same.tp == 1 else dataclasses.replace(job, sequence_parallel=False)
         assert layer_times(base, same, "dense") == layer_times(dataclasses.replace(base, tp_overlap=True), same,
                                                                "dense")
+
+
+def test_fp8_casts_follow_the_framework():
+    """``Job.fp8_cast``: torchao's dynamic scaling casts both inputs of F, I and W with an amax pass (5 bytes per
+    element); Transformer Engine's cached casts move 4 bytes per element of F's activation and I's output gradient
+    only; a BF16 job casts nothing either way."""
+    from pipeloom.plan.cluster.efficiency import DYNAMIC_CAST_BYTES, FUSED_CAST_BYTES
+    from pipeloom.plan.cluster.layer_time import fp8_casts
+
+    dense = {**MOE, "model_type": "llama", "intermediate_size": 4096}
+    job = Job(spec=model_spec(dense), hw=hardware("h100"), gpus=64, global_batch=256, seq=SEQ, dtype="fp8")
+    dynamic = dataclasses.replace(job, fp8_cast="dynamic")
+    assert fp8_casts(dynamic) == ((DYNAMIC_CAST_BYTES, DYNAMIC_CAST_BYTES),) * 3 == ((5, 5),) * 3
+    assert fp8_casts(job) == ((FUSED_CAST_BYTES, 0.0), (FUSED_CAST_BYTES, 0.0), (0.0, 0.0)) == ((4, 0), (4, 0), (0, 0))
+    layout = Layout(dp=8, tp=8, mbs=1, schedule="1f1b")
+    cached, every = layer_times(job, layout, "dense"), layer_times(dynamic, layout, "dense")
+    assert cached.f < every.f and cached.i < every.i and cached.w < every.w
+    bf16 = dataclasses.replace(job, dtype="bf16")
+    assert layer_times(bf16, layout, "dense") == layer_times(dataclasses.replace(bf16, fp8_cast="dynamic"), layout,
+                                                             "dense")
+    with pytest.raises(LayoutError, match="fp8_cast='delayed'"):
+        dataclasses.replace(job, fp8_cast="delayed")
