@@ -17,9 +17,13 @@ from pipeloom.plan.errors import ModelConfigError
 
 __all__ = ["ModelSpec", "Attention", "Experts", "model_spec", "SUPPORTED_FAMILIES"]
 
-_DENSE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "gpt2", "gpt_neox")
+_DENSE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "granite", "phi3", "olmo2", "olmo3",
+          "starcoder2", "gpt2", "gpt_neox")
 _GEMMA = ("gemma", "gemma2", "gemma3_text")
-_MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "gpt_oss")
+_TIED = (*_GEMMA, "starcoder2")
+"""Families whose config ties the head to the embedding when ``tie_word_embeddings`` is absent."""
+_OLMO = ("olmo2", "olmo3")
+_MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss")
 SUPPORTED_FAMILIES: tuple[str, ...] = _DENSE + _MOE
 """The ``model_type`` values :func:`model_spec` reads."""
 
@@ -41,7 +45,11 @@ class Attention:
     o_bias: bool = False
     """Bias on the output projection."""
     qk_norm: bool = False
-    """RMSNorm over each head's q and k (Qwen3): 2 x qk_dim parameters."""
+    """RMSNorm over each head's q and k (Qwen3, GLM-4.5): 2 x qk_dim parameters; over the whole q and k
+    projections with :attr:`qk_norm_full`."""
+    qk_norm_full: bool = False
+    """The q and k norms span each projection's whole output (OLMo 2 and 3): (heads + kv_heads) x qk_dim
+    parameters, one 1/rms for q and one for k per token."""
     sinks: bool = False
     """A learned sink logit per query head, in every softmax's denominator (gpt-oss): ``heads`` parameters."""
     latent: bool = False
@@ -104,6 +112,9 @@ class ModelSpec:
     post_norms: bool = False
     """Norms after attention and after the MLP too, on each branch's output before the residual add (Gemma 2
     and 3: four norms per layer)."""
+    parallel_residual: bool = False
+    """Attention and MLP both read the layer's input, and one add sums the two branches into it (GPT-NeoX's
+    ``use_parallel_residual``, its default)."""
     tied: bool = False
     """The output head shares the embedding's weight."""
     positions: int = 0
@@ -204,8 +215,9 @@ def model_spec(config: object) -> ModelSpec:
 
 def _windows(data: Mapping[str, Any], family: str, layers: int) -> tuple[int, tuple[int, ...]]:
     """``(window, layers)`` of sliding-window attention as transformers builds the model: the config's
-    ``layer_types`` where it has them (``"sliding_attention"`` layers); otherwise Mistral and Mixtral window every
-    layer when ``sliding_window`` is set, Gemma 2 and gpt-oss every second layer from the first, Gemma 3 all but every
+    ``layer_types`` where it has them (``"sliding_attention"`` layers); otherwise Mistral, Mixtral, Phi-3 and
+    StarCoder2 window every layer when ``sliding_window`` is set, OLMo 3 three layers of every four (its default
+    ``layer_types``), Gemma 2 and gpt-oss every second layer from the first, Gemma 3 all but every
     ``sliding_window_pattern``-th (6), Qwen3-MoE every layer with ``use_sliding_window``, Qwen2 and Qwen3 the
     layers from ``max_window_layers`` on, Qwen2-MoE every second layer below it; the other families never."""
     size = data.get("sliding_window")
@@ -214,10 +226,12 @@ def _windows(data: Mapping[str, Any], family: str, layers: int) -> tuple[int, tu
     types = data.get("layer_types")
     if isinstance(types, (list, tuple)):
         return size, tuple(n for n, kind in enumerate(types[:layers]) if kind == "sliding_attention")
-    if family in ("mistral", "mixtral"):
+    if family in ("mistral", "mixtral", "phi3", "starcoder2"):
         return size, tuple(range(layers))
     if family in ("gemma2", "gpt_oss"):
         return size, tuple(n for n in range(layers) if (n + 1) % 2)
+    if family == "olmo3":
+        return size, tuple(n for n in range(layers) if (n + 1) % 4)
     if family == "gemma3_text":
         pattern = int(data.get("sliding_window_pattern") or 6)
         return size, tuple(n for n in range(layers) if (n + 1) % pattern)
@@ -242,13 +256,20 @@ def _family_spec(data: Mapping[str, Any], family: str) -> ModelSpec:
     layers = int(_get(data, "num_hidden_layers"))
     head_dim = int(data.get("head_dim") or hidden // heads)
     common: dict[str, Any] = dict(family=family, hidden=hidden, layers=layers, vocab=int(_get(data, "vocab_size")),
-                  tied=bool(data.get("tie_word_embeddings", family in _GEMMA)))
+                  tied=bool(data.get("tie_word_embeddings", family in _TIED)))
     if family == "gpt_neox":
         bias = bool(data.get("attention_bias", True))
         attention = Attention(heads=heads, kv_heads=heads, qk_dim=head_dim, v_dim=head_dim, qkv_bias=bias, o_bias=bias)
         return ModelSpec(**common, attention=attention, intermediate=int(_get(data, "intermediate_size")),
-                         gated=False, mlp_bias=True, layer_norm=True)
-    if family.startswith("deepseek"):
+                         gated=False, mlp_bias=True, layer_norm=True,
+                         parallel_residual=bool(data.get("use_parallel_residual", True)))
+    if family == "starcoder2":  # LayerNorm, grouped-query attention, a GELU MLP, biases on every projection
+        bias = bool(data.get("use_bias", True))
+        attention = Attention(heads=heads, kv_heads=int(data.get("num_key_value_heads") or heads), qk_dim=head_dim,
+                              v_dim=head_dim, qkv_bias=bias, o_bias=bias)
+        return ModelSpec(**common, attention=attention, intermediate=int(_get(data, "intermediate_size")),
+                         gated=False, mlp_bias=bias, layer_norm=True)
+    if family.startswith("deepseek") or family == "glm4_moe":
         return _deepseek(data, common, heads)
     if family == "gpt_oss":
         return _gpt_oss(data, common, heads, head_dim)
@@ -257,7 +278,8 @@ def _family_spec(data: Mapping[str, Any], family: str) -> ModelSpec:
     qkv_bias = family == "qwen2" or (family == "qwen2_moe" and bool(data.get("qkv_bias", True))) or bias
     attention = Attention(heads=heads, kv_heads=kv_heads, qk_dim=head_dim, v_dim=head_dim, qkv_bias=qkv_bias,
                           o_bias=bias and family not in ("qwen2", "qwen2_moe"),
-                          qk_norm=family in ("qwen3", "qwen3_moe", "gemma3_text"))
+                          qk_norm=family in ("qwen3", "qwen3_moe", "gemma3_text", *_OLMO),
+                          qk_norm_full=family in _OLMO)
     dense: dict[str, Any] = dict(**common, attention=attention, mlp_bias=bool(data.get("mlp_bias", False)),
                                  post_norms=family in ("gemma2", "gemma3_text"))
     if family in _DENSE:
@@ -291,13 +313,20 @@ def _gpt2(data: Mapping[str, Any]) -> ModelSpec:
 
 
 def _deepseek(data: Mapping[str, Any], common: dict[str, Any], heads: int) -> ModelSpec:
-    """DeepSeek-V2/V3: MLA attention, shared experts, the first ``first_k_dense_replace`` layers dense, and
+    """DeepSeek-V2/V3 (MLA attention) and GLM-4.5 (``glm4_moe``: grouped-query attention, q/k norms per head with
+    ``use_qk_norm``): shared experts, the first ``first_k_dense_replace`` layers dense, group-limited routing, and
     ``num_nextn_predict_layers`` multi-token-prediction modules (0 where the config has no such field)."""
-    nope, rope = int(_get(data, "qk_nope_head_dim")), int(_get(data, "qk_rope_head_dim"))
-    attention = Attention(heads=heads, kv_heads=heads, qk_dim=nope + rope, v_dim=int(_get(data, "v_head_dim")),
-                          qkv_bias=bool(data.get("attention_bias", False)), latent=True,
-                          q_rank=int(data.get("q_lora_rank") or 0), kv_rank=int(_get(data, "kv_lora_rank")),
-                          rope_dim=rope)
+    if common["family"] == "glm4_moe":
+        head_dim = int(data.get("head_dim") or common["hidden"] // heads)
+        attention = Attention(heads=heads, kv_heads=int(data.get("num_key_value_heads") or heads), qk_dim=head_dim,
+                              v_dim=head_dim, qkv_bias=bool(data.get("attention_bias", False)),
+                              qk_norm=bool(data.get("use_qk_norm", False)))
+    else:
+        nope, rope = int(_get(data, "qk_nope_head_dim")), int(_get(data, "qk_rope_head_dim"))
+        attention = Attention(heads=heads, kv_heads=heads, qk_dim=nope + rope, v_dim=int(_get(data, "v_head_dim")),
+                              qkv_bias=bool(data.get("attention_bias", False)), latent=True,
+                              q_rank=int(data.get("q_lora_rank") or 0), kv_rank=int(_get(data, "kv_lora_rank")),
+                              rope_dim=rope)
     routed = int(_get(data, "n_routed_experts", default=0))
     moe_intermediate = int(_get(data, "moe_intermediate_size"))
     experts = Experts(count=routed, top_k=int(_get(data, "num_experts_per_tok")), intermediate=moe_intermediate,

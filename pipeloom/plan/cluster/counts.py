@@ -28,7 +28,7 @@ __all__ = ["Recompute", "RECOMPUTE_MODES", "LayerCounts", "Activations", "layer_
 
 Recompute = Literal["none", "selective", "full"]
 RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
-_STAT = 4  # bytes of one fp32 statistic (a norm's 1/rms, the softmax's log-sum-exp, a routing probability)
+_STAT = 4  # bytes of one fp32 statistic (a norm's 1/rms or mean, the softmax's log-sum-exp, a routing probability)
 _INDEX = 8  # bytes of one int64 index (a token's top-k expert choice, a routed copy's place in the permutation)
 WINDOWED = "-window"
 """The suffix of a decoder layer kind whose attention is windowed (``dense-window``, ``moe-window``)."""
@@ -109,6 +109,12 @@ def _norm(spec: ModelSpec) -> int:
     return 2 * spec.hidden if spec.layer_norm else spec.hidden
 
 
+def _norm_stats(spec: ModelSpec) -> int:
+    """Bytes of the fp32 statistics one norm over h keeps per token: LayerNorm's mean and 1/std, RMSNorm's 1/rms
+    (Apex's and Transformer Engine's fused kernels keep the same as PyTorch's)."""
+    return 2 * _STAT if spec.layer_norm else _STAT
+
+
 def _attention_weights(spec: ModelSpec) -> tuple[int, int]:
     """``(matmul weight elements, other parameters)`` of one layer's attention."""
     a, h = spec.attention, spec.hidden
@@ -121,8 +127,8 @@ def _attention_weights(spec: ModelSpec) -> tuple[int, int]:
         return q + kv + out, norms + bias
     q, k, v = a.heads * a.qk_dim, a.kv_heads * a.qk_dim, a.kv_heads * a.v_dim
     o = a.heads * a.v_dim
-    other = ((q + k + v if a.qkv_bias else 0) + (h if a.o_bias else 0) + (2 * a.qk_dim if a.qk_norm else 0)
-             + (a.heads if a.sinks else 0))
+    qk_norms = (q + k if a.qk_norm_full else 2 * a.qk_dim) if a.qk_norm else 0
+    other = (q + k + v if a.qkv_bias else 0) + (h if a.o_bias else 0) + qk_norms + (a.heads if a.sinks else 0)
     return h * (q + k + v) + o * h, other
 
 
@@ -146,18 +152,22 @@ def attention_flops(spec: ModelSpec, seq: int, *, causal: bool = False, window: 
 def _attention_activations(spec: ModelSpec, width: int) -> tuple[float, float, float]:
     """``(sequence, tensor, replicated)`` bytes per token of the attention half of a layer (flash attention,
     ``width`` bytes per element): the norm's input and output (+ 1/rms) and q, k, v, the output (also the output
-    projection's input) and the log-sum-exp per head; Qwen3's q/k norms keep their inputs (+ 1/rms per head);
+    projection's input) and the log-sum-exp per head; Qwen3's q/k norms keep their inputs (+ 1/rms per head, or
+    one each for q and k where they span the whole projection: OLMo 2 and 3);
     MLA's two low-rank norms (q and kv latents) keep their inputs and outputs (+ 1/rms), on every tp rank."""
     a, h = spec.attention, spec.hidden
-    sequence = width * (2 * h) + _STAT
+    sequence = width * (2 * h) + _norm_stats(spec)
     qkv = a.heads * a.qk_dim + a.kv_heads * (a.qk_dim + a.v_dim)
     stats = a.heads
+    replicated = 0.0
     if a.qk_norm:
         qkv += (a.heads + a.kv_heads) * a.qk_dim
-        stats += a.heads + a.kv_heads
-    replicated = 0.0
+        if a.qk_norm_full:  # one 1/rms for q and one for k, over all heads: on every tp rank
+            replicated += 2 * _STAT
+        else:
+            stats += a.heads + a.kv_heads
     if a.latent:  # the latents' norms: input and output each, the up-projections' input being the output
-        replicated = width * 2 * (a.q_rank + a.kv_rank) + _STAT * ((1 if a.q_rank else 0) + 1)
+        replicated += width * 2 * (a.q_rank + a.kv_rank) + _STAT * ((1 if a.q_rank else 0) + 1)
     tensor = width * (qkv + a.heads * a.v_dim) + _STAT * stats
     return sequence, tensor, replicated
 
@@ -180,7 +190,7 @@ def mtp_activations(spec: ModelSpec, mode: str, block: Activations, *, width: in
     pass through the shared head (its own final norm's input and output, the fp32 logits of the second loss)."""
     h = spec.hidden
     head = layer_counts(spec, "head", 1, width=width).activations[mode]
-    entry = width * 2 * h if mode == "full" else width * 4 * h + 2 * _STAT
+    entry = width * 2 * h if mode == "full" else width * 4 * h + 2 * _norm_stats(spec)
     return Activations(sequence=entry + block.sequence + head.sequence, tensor=block.tensor + head.tensor,
                        replicated=block.replicated)
 
@@ -240,7 +250,7 @@ def layer_counts(spec: ModelSpec, kind: str, seq: int, *, width: int = 2) -> Lay
         params = _norm(spec) + (0 if spec.tied else spec.vocab * h)
         mm = 2.0 * seq * h * spec.vocab
         # the final norm's input and output (+ 1/rms); the fp32 logits the loss keeps (vocab split by tp)
-        keep = Activations(sequence=width * 2 * h + _STAT, tensor=4.0 * spec.vocab)
+        keep = Activations(sequence=width * 2 * h + _norm_stats(spec), tensor=4.0 * spec.vocab)
         return LayerCounts(kind=kind, params=params, expert_params=0, f=mm, i=mm, w=mm, attention_f=0.0,
                            attended_f=0.0, activations={m: keep for m in ("none", "selective", "full")})
     attn_mm, attn_other = _attention_weights(spec)
@@ -256,9 +266,11 @@ def layer_counts(spec: ModelSpec, kind: str, seq: int, *, width: int = 2) -> Lay
     core = attention_flops(spec, seq)
     linear = 2.0 * seq * (attn_mm + mlp_mm + routed_mm)
     seq_a, tensor_a, latent = _attention_activations(spec, width)
-    # + the MLP norm's input and output (+ 1/rms); a norm after a branch keeps its input (+ 1/rms), its output
-    # going into the residual add
-    sequence = seq_a + width * (2 * h) + _STAT + (spec.layer_norms - 2) * (width * h + _STAT)
+    # + the MLP norm's input and output (+ 1/rms; its input is the attention norm's under a parallel residual);
+    # a norm after a branch keeps its input (+ 1/rms), its output going into the residual add
+    stat = _norm_stats(spec)
+    mlp_norm = width * (1 if spec.parallel_residual else 2) * h + stat
+    sequence = seq_a + mlp_norm + (spec.layer_norms - 2) * (width * h + stat)
     none = Activations(sequence=sequence, tensor=tensor_a + mlp_keep, replicated=latent)
     # selective: the attention core runs again in the backward, so only its softmax statistics are not kept:
     # its inputs q, k, v are the recomputation's inputs, its output the output projection's input

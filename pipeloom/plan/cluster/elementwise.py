@@ -8,7 +8,8 @@ Two implementations are counted, because frameworks differ by a factor of three 
 - ``fused`` (Megatron-LM / Transformer Engine, or ``torch.compile``): one kernel per operation, reading its
   inputs and writing its output once. Forward per token: two RMSNorm/LayerNorms (read h, write h each; four
 with Gemma 2/3's norms after each branch), two
-  residual adds (read 2h, write h), rotary embedding of q and k (read and write them; absent with learned
+  residual adds (read 2h, write h; under GPT-NeoX's parallel residual one add of the two branches and the
+  input, read 3h, write h), rotary embedding of q and k (read and write them; absent with learned
   positions), the MLP activation (SwiGLU: read gate and up, 2I, write I; GELU: read I, write I). Bias adds
   ride in the GEMM epilogues and softmax inside flash attention: no traffic of their own. Backward: a norm
   reads its input and the output gradient and writes the input gradient (3h); each residual add sums the
@@ -89,13 +90,14 @@ def layer_elementwise(spec: ModelSpec, kind: str, *, tp: int = 1, sp: bool = Fal
     rotary = spec.positions == 0
     if kernels == "fused":
         norms = spec.layer_norms
-        seq_f, seq_b = norms * 2 * h + 2 * 3 * h, norms * 3 * h + 2 * 3 * h  # norms, residual adds
+        adds, add_kernels = (4 * h, 1) if spec.parallel_residual else (2 * 3 * h, 2)  # one add of 3, or two of 2
+        seq_f, seq_b = norms * 2 * h + adds, norms * 3 * h + adds  # norms, residual adds
         act_f, act_b = (3 * width, 5 * width) if gated else (2 * width, 3 * width)
         rot = 2 * qk if rotary else 0
         ten_f, ten_b = act_f + rot + route, act_b + rot + route
         f = _W * (seq_f / (tp if sp else 1) + ten_f / tp)
         b = _W * (seq_b / (tp if sp else 1) + ten_b / tp)
-        count = norms + 2 + (1 if rotary else 0) + 1 + (2 if route else 0)
+        count = norms + add_kernels + (1 if rotary else 0) + 1 + (2 if route else 0)
         return Elementwise(f_bytes=f, b_bytes=b, f_kernels=count, b_kernels=count)
     norm = _EAGER_RMSNORM * h if not spec.layer_norm else 2 * _W * h
     norm_kernels = _EAGER_RMSNORM_KERNELS if not spec.layer_norm else 1

@@ -12,13 +12,18 @@ The model counts fused kernels (Megatron with Transformer Engine); transformers'
 two things more, which the expected value adds: each RMSNorm keeps its normalised input before the scale by
 its weight (h elements per norm, per q/k norm its head dims; Gemma's also keeps the ``1 + weight`` it computes
 per call, per layer not per token), and the gated MLP keeps act(gate) * up, the
-down projection's input, apart from act(gate) (I elements; a fused SwiGLU recomputes it).
+down projection's input, apart from act(gate) (I elements; a fused SwiGLU recomputes it). LayerNorm (GPT-NeoX,
+StarCoder2) is one kernel in eager PyTorch too, and a GELU MLP keeps the same as a fused one. Where rotary
+embeddings go through ``torch.cat`` (Phi-3, GLM-4.5 and GPT-NeoX: partial rotary), q is contiguous per head, so
+sdpa's output is too and the copy into the output projection's layout is a second tensor (h elements, without
+the core's recomputation).
 
-MoE layers (Qwen3-MoE, Mixtral, DeepSeek-V3) run transformers' eager experts (a loop over the experts hit).
+MoE layers (Qwen3-MoE, Mixtral, DeepSeek-V3, GLM-4.5) run transformers' eager experts (a loop over the experts hit).
 Which expert a token picks depends on the data, but each token picks top_k distinct experts, so the copies
 add up to exactly tokens x top_k and the per-layer totals are exact. Eager keeps per routed copy, beyond the
 model's, act(gate) * up (I), the weighted output that ``index_add_`` keeps as its source (h), and a second
-int64 (``nonzero`` gives the token and its top-k slot); per token, its router's own extras (:func:`_router_extra`).
+int64 (``nonzero`` gives the token and its top-k slot); per token, its router's own extras (:func:`_router_extra`;
+GLM-4.5's router is DeepSeek-V3's).
 gpt-oss's clamped SwiGLU (``(clamp(up) + 1) * clamp(gate) * sigmoid(alpha * clamp(gate))``) keeps three more
 I-wide tensors per copy in eager code (the clamped gate, the sigmoid, ``clamp(up) + 1``), and its eager attention
 with sinks keeps the probabilities with the sink column (s + 1 per query and head) and the int64 argmax of the
@@ -37,19 +42,24 @@ import pytest
 from tests.plan.cluster.tiny import tiny_config
 
 from pipeloom.plan.cluster import layer_counts, model_spec
+from pipeloom.plan.cluster.runtime_plan import LAYER_PREFIX
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 BATCH, SEQ, WIDTH = 2, 16, 4
 FAMILIES = {"llama": "sdpa", "mistral": "sdpa", "qwen2": "sdpa", "qwen3": "sdpa", "gemma": "sdpa",
-            "gemma2": "eager", "gemma3_text": "sdpa"}  # the attention each runs (Gemma 2 has no sdpa path)
+            "gemma2": "eager", "gemma3_text": "sdpa", "granite": "sdpa", "phi3": "sdpa", "olmo2": "sdpa",
+            "olmo3": "sdpa", "starcoder2": "sdpa", "gpt_neox": "sdpa"}  # the attention each runs (Gemma 2 has
+# no sdpa path); GPT-2 is left out: its eager GELU ("gelu_new", written out op by op) and fused c_attn split keep
+# several more copies than any kernel a framework would train it with
 # Gemma 2 / 3 with every layer global: a sliding-window mask makes CPU sdpa keep its scores (not flash-like);
 # the window changes no kept tensor of a flash kernel
-_GLOBAL = {"gemma2": ["full_attention"] * 2, "gemma3_text": ["full_attention"] * 2}
-MOE_FAMILIES = {"qwen3_moe": "sdpa", "mixtral": "sdpa", "deepseek_v3": "eager",
+_GLOBAL = {"gemma2": ["full_attention"] * 2, "gemma3_text": ["full_attention"] * 2, "olmo3": ["full_attention"] * 2}
+MOE_FAMILIES = {"qwen3_moe": "sdpa", "mixtral": "sdpa", "deepseek_v3": "eager", "glm4_moe": "sdpa",
                 "gpt_oss": "eager"}  # the attention each runs (gpt-oss's sinks: no sdpa path)
 _STAT, _INDEX = 4, 8  # bytes of an fp32 statistic, of an int64 index
+_ROTARY_CAT = ("phi3", "glm4_moe", "gpt_neox")  # rotary through torch.cat: q contiguous per head, and so sdpa's output
 
 
 def _checkpointed(family, attention):
@@ -73,9 +83,11 @@ def _checkpointed(family, attention):
     return name
 
 
-def _saved_per_layer(family, mode, attention="sdpa"):
+def _saved_per_layer(family, mode, attention="sdpa", **overrides):
     """Bytes of unique non-parameter storages each decoder layer saves, shared ones left out."""
     config = tiny_config(family)
+    for key, value in overrides.items():
+        setattr(config, key, value)
     if family in _GLOBAL:
         config.layer_types = _GLOBAL[family]
     torch.manual_seed(0)
@@ -95,7 +107,7 @@ def _saved_per_layer(family, mode, attention="sdpa"):
             saved.setdefault(current[0], {})[storage.data_ptr()] = storage.nbytes()
         return tensor
 
-    for n, layer in enumerate(model.model.layers):
+    for n, layer in enumerate(model.get_submodule(LAYER_PREFIX.get(family, "model.layers"))):
         layer.register_forward_pre_hook(lambda module, args, n=n: current.__setitem__(0, n))
         layer.register_forward_hook(lambda module, args, out: current.__setitem__(0, None))
     ids = torch.randint(0, config.vocab_size, (BATCH, SEQ))
@@ -113,8 +125,11 @@ def _eager_extra(spec, mode, kind="dense", config=None, attention="sdpa"):
     if mode == "full":
         return 0
     a = spec.attention
-    norms = spec.layer_norms * spec.hidden + ((a.heads + a.kv_heads) * a.qk_dim if a.qk_norm else 0)
+    norms = (0 if spec.layer_norm else spec.layer_norms * spec.hidden) + ((a.heads + a.kv_heads) * a.qk_dim
+                                                                         if a.qk_norm else 0)
     extra = 0
+    if spec.family in _ROTARY_CAT and mode == "none":  # the attention output copied out of q's layout
+        extra += WIDTH * a.heads * a.v_dim
     if a.latent:  # the latents' normalised inputs; the kv down-projection's rope part, in the kept storage
         norms += a.q_rank + a.kv_rank
         extra += WIDTH * a.rope_dim
@@ -126,7 +141,7 @@ def _eager_extra(spec, mode, kind="dense", config=None, attention="sdpa"):
     if a.latent and mode == "selective":  # the checkpoint's v: a view of the kv up-projection's output (+ k's)
         extra += WIDTH * a.heads * (a.qk_dim - a.rope_dim)
     if kind == "dense":
-        return extra + WIDTH * (norms + spec.intermediate)
+        return extra + WIDTH * (norms + (spec.intermediate if spec.gated else 0))
     ex = spec.experts
     routed = ex.top_k * (WIDTH * (ex.intermediate + spec.hidden) + _INDEX)
     if config.model_type == "gpt_oss":  # the clamped SwiGLU's clamped gate, clamped up + 1 and sigmoid, per copy
@@ -140,7 +155,7 @@ def _router_extra(config):
     top-2 indices within each group, the chosen groups, the experts' mask as bools)."""
     k = config.num_experts_per_tok
     extra = _STAT * (k + 1) if config.model_type == "mixtral" or getattr(config, "norm_topk_prob", False) else 0
-    if config.model_type == "deepseek_v3":
+    if config.model_type in ("deepseek_v3", "glm4_moe"):
         extra += _INDEX * (2 * config.n_group + config.topk_group) + config.n_routed_experts
     return extra
 
@@ -162,6 +177,17 @@ def test_activation_bytes_equal_saved_tensors(family, mode):
     keep = layer_counts(spec, "dense", SEQ, width=WIDTH).activations[mode].per_gpu(tp=1, cp=1, sp=False)
     expected = BATCH * SEQ * (keep + _eager_extra(spec, mode, attention=FAMILIES[family])) + _gemma_scales(spec, mode)
     assert per_layer == [expected] * spec.layers
+
+
+@pytest.mark.parametrize("mode", ["none", "selective"])
+def test_gpt_neox_sequential_residual_keeps_the_mlp_norm_input(mode):
+    config, per_layer = _saved_per_layer("gpt_neox", mode, use_parallel_residual=False)
+    spec = model_spec(config)
+    parallel = model_spec(dict(config.to_dict(), use_parallel_residual=True))
+    keep, shared = (layer_counts(s, "dense", SEQ, width=WIDTH).activations[mode].per_gpu(tp=1, cp=1, sp=False)
+                    for s in (spec, parallel))
+    assert not spec.parallel_residual and keep == shared + WIDTH * spec.hidden
+    assert per_layer == [BATCH * SEQ * (keep + _eager_extra(spec, mode))] * spec.layers
 
 
 @pytest.mark.parametrize("mode", ["none", "selective", "full"])

@@ -36,6 +36,9 @@ WINDOWED = {
     "gemma2": dict(sliding_window=8),
     "gpt_oss": dict(sliding_window=8),
     "gemma3_text": dict(sliding_window=8, layer_types=None, sliding_window_pattern=3),
+    "phi3": dict(sliding_window=8),
+    "starcoder2": dict(sliding_window=8),
+    "olmo3": dict(sliding_window=8, layer_types=None),
 }
 
 
