@@ -222,14 +222,25 @@ class Estimator:
         """The busiest rank's peak of held activations, as :meth:`replay` finds it (the replay of ``m``
         micro-batches, of 3 pp past 3 pp of them), without replaying: from the schedule's held counts
         (:func:`~pipeloom.plan.cluster.held.held_profile`, cached per schedule)."""
-        if layout.pp == 1:
-            return acts[0]
+        return acts[0] if layout.pp == 1 else peak_held(self._profile(layout, m), acts)
+
+    def _profile(self, layout: Layout, m: int) -> tuple[RankHeld, ...]:
+        """The held counts of the layout's schedule per rank (:func:`held_profile`, cached per schedule)."""
         m = m if m <= 3 * layout.pp else 3 * layout.pp
         ratios = self._zbv_ratios(layout) if layout.schedule == "zbv" else ()
         key = (layout.schedule, layout.pp, layout.vp, m, *ratios)
         if key not in self._profiles:
             self._profiles[key] = held_profile(self.schedule(layout, m))
-        return peak_held(self._profiles[key], acts)
+        return self._profiles[key]
+
+    def rank_memory(self, layout: Layout) -> tuple[float, ...]:
+        """Bytes on each pipeline rank at its own peak: the static memory of the layers it holds and its own peak
+        of held activations (the estimate's ``memory`` adds the busiest rank's of each: at least every one)."""
+        m, (times, acts, _) = self.check(layout), self.stages(layout)
+        held = [acts[0]] if layout.pp == 1 else [rank.peak(acts) for rank in self._profile(layout, m)]
+        runs = schedule_microbatches(layout, m)
+        return tuple(self._rank_state(layout, times, tuple(stages), self._kinds_of(layout, stages), runs)[0].total
+                     + peak for stages, peak in zip(rank_stages(layout), held))
 
     def replay(self, layout: Layout, m: int, times: list[PhaseTimes], acts: list[float]) -> tuple[float, float, float]:
         """``(makespan, bubble, peak activation bytes)`` of the layout's schedule with these stage costs."""
@@ -325,12 +336,16 @@ class Estimator:
             for stages in rank_stages(layout):
                 shapes = tuple(cut.shape_of[j] for j in stages)
                 if shapes not in seen:
-                    kinds: Counter[str] = Counter()
-                    for s in shapes:
-                        kinds.update(dict(cut.shapes[s]))
-                    seen[shapes] = (tuple(stages), tuple(sorted(kinds.items())))
+                    seen[shapes] = (tuple(stages), self._kinds_of(layout, stages))
             self._ranks[key] = tuple(seen.values())
         return self._ranks[key]
+
+    def _kinds_of(self, layout: Layout, stages: list[int]) -> tuple[tuple[str, int], ...]:
+        """The layer kinds a rank holding these schedule stages holds, and how many of each."""
+        cut, kinds = self._cut(self.stage_counts(layout), layout.copies), Counter[str]()
+        for j in stages:
+            kinds.update(dict(cut.shapes[cut.shape_of[j]]))
+        return tuple(sorted(kinds.items()))
 
     def _rank_state(self, layout: Layout, times: list[PhaseTimes], stages: tuple[int, ...],
                     kinds: tuple[tuple[str, int], ...], m: int) -> tuple[Memory, tuple[float, float, float]]:

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from itertools import accumulate
 from typing import TYPE_CHECKING
 
+from pipeloom.plan.cluster.estimate import Estimator
 from pipeloom.plan.errors import PlanError
 from pipeloom.plan.plan import Plan
 
@@ -66,7 +67,7 @@ def runtime_plan(result: ClusterPlan) -> Plan:
     options = {"stages_per_rank": layout.vp} if layout.schedule == "interleaved-1f1b" else {}
     return Plan(num_ranks=layout.pp, split_points=split_points, schedule=layout.schedule, schedule_options=options,
                 microbatches=job.global_batch // samples, global_batch=job.global_batch,
-                predicted_step_time=best.step_time, peak_memory=(best.memory.total,) * layout.pp,
+                predicted_step_time=best.step_time, peak_memory=Estimator(job).rank_memory(layout),
                 stage_times=_stage_times(result),
                 memory_limit=result.memory_limit, bubble_ratio=best.bubble, device=job.hw.name,
                 data_parallel=layout.dp, sharding="fsdp" if layout.fsdp else "replicate",
@@ -76,8 +77,6 @@ def runtime_plan(result: ClusterPlan) -> Plan:
 def _stage_times(result: ClusterPlan) -> tuple[float, ...]:
     """Seconds per micro-batch of each model stage (F + I + W as the estimate priced them; one copy's under
     DualPipe)."""
-    from pipeloom.plan.cluster.estimate import Estimator
-
     layout = result.best.layout
     times = Estimator(result.job).stages(layout)[0]
     return tuple(t.f + t.i + t.w for t in times[:layout.stages])

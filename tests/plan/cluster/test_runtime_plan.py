@@ -10,6 +10,7 @@ import pytest
 
 from pipeloom.cli import main
 from pipeloom.plan.cluster import plan_cluster
+from pipeloom.plan.cluster.estimate import Estimator
 from pipeloom.plan.cluster.runtime_plan import runtime_plan, torchtitan_plan
 from pipeloom.plan.errors import PlanError
 from pipeloom.plan.plan import load_plan, save_plan
@@ -33,6 +34,22 @@ def test_the_plan_file_follows_the_layout():
     assert min(plan.stage_times[0], plan.stage_times[3]) > plan.stage_times[1] > 0
     renamed, modules = torchtitan_plan(plan, 16)
     assert renamed.split_points == ("layers.4", "layers.8", "layers.12") and modules[-2:] == ["norm", "output"]
+
+
+def test_the_plan_file_gives_each_rank_its_own_memory():
+    """Under 1F1B rank r holds pp - r micro-batches of its stage at its peak: ranks holding the same layers differ by
+    one stage's activations each; none is above the estimate's memory (the busiest rank's static memory with the
+    busiest rank's activations): here the last rank's static memory (its head has the final norm on top of a matrix
+    the size of rank 0's embedding) with rank 0's activations, the final norm's 16 bytes per weight above rank 0."""
+    layout = "dp=1,tp=1,pp=4,vp=1,cp=1,ep=1,mbs=1,fsdp=0,recompute=none,schedule=1f1b"
+    result = plan_cluster(LLAMA, "h100", gpus=4, global_batch=16, seq=2048, layout=layout, stage_cut="even",
+                          memory_limit=1e15)
+    plan = runtime_plan(result)
+    _, acts, _ = Estimator(result.job).stages(result.best.layout)
+    assert len(plan.peak_memory) == 4 and acts[1] == acts[2]
+    assert plan.peak_memory[1] - plan.peak_memory[2] == pytest.approx(acts[1])
+    assert max(plan.peak_memory) == plan.peak_memory[0] == result.best.memory.total - 16 * LLAMA["hidden_size"]
+    assert min(plan.peak_memory) < 0.8 * plan.peak_memory[0]
 
 
 def test_the_plan_file_cuts_where_the_planner_priced():
