@@ -99,7 +99,8 @@ def enumerate_layouts(estimator: Estimator, fixed: dict[str, Any],
     if unknown:
         raise LayoutError(f"unknown layout keys {sorted(unknown)}; use {', '.join(LAYOUT_KEYS)}")
     n, hw = job.gpus, job.hw
-    tps = [t for t in _divisors(n) if t <= hw.scale_up_size and spec.attention.heads % t == 0]
+    tps = [t for t in _divisors(n) if t <= hw.scale_up_size and spec.attention.heads % t == 0
+           and spec.attention.kv_heads % t == 0]
     for tp in _choices("tp", fixed, tps):
         if n % tp:
             _refuse(refusals, f"tp={tp} does not divide the {n} GPUs")

@@ -227,7 +227,7 @@ def test_zbv_is_built_for_the_layouts_costs(tp):
 
 def test_tp_overlap_flag_reaches_the_estimate(config, capsys):
     argv = ["plan", "--model", str(config), "--hardware", "h100", "--gpus", "8", "--global-batch", "32", "--seq",
-            "4096", "--layout", "dp=1,tp=8,pp=1,vp=1,cp=1,ep=1,mbs=1,fsdp=0,recompute=none,schedule=1f1b", "--json"]
+            "4096", "--layout", "dp=2,tp=4,pp=1,vp=1,cp=1,ep=1,mbs=1,fsdp=0,recompute=none,schedule=1f1b", "--json"]
     steps = []
     for extra in ([], ["--tp-overlap"]):
         assert main([*argv, *extra]) == 0
@@ -244,3 +244,12 @@ def test_fp8_cast_flag_reaches_the_estimate(config, capsys):
         assert main([*argv, *extra]) == 0
         steps.append(json.loads(capsys.readouterr().out)["best"]["step_time"])
     assert steps[0] < steps[1]  # Transformer Engine's cached casts (the default) move less than torchao's
+
+
+def test_tp_holds_whole_key_value_heads(capsys):
+    """Megatron-Core and torchtitan divide the key/value heads by tp: tp=8 on 4 of them is refused with the largest tp
+    that splits both head counts, and the search never tries it."""
+    with pytest.raises(LayoutError, match=r"tp=8 does not split 16 query / 4 key-value heads evenly .* use tp=4"):
+        _plan(layout="dp=1,tp=8,pp=1,vp=1,cp=1,ep=1,mbs=1,fsdp=0,recompute=none,schedule=1f1b")
+    result = _plan(runners_up=50)
+    assert all(e.layout.tp <= 4 for e in (result.best, *(est for est, _ in result.runners_up)))
