@@ -132,8 +132,8 @@ def fp8_cast(run: dict) -> str:
     made once a step, FP8 activations reused: ``cached``); torchtitan's Float8 is torchao's per-tensor dynamic
     scaling (``dynamic``); DeepSeek-V3 quantizes each 1 x 128 activation tile as it casts it, but when its
     weights are quantized is not published: ``dynamic``, every input cast for every GEMM, the most cast traffic
-    either could be."""
-    return "cached" if run["id"].startswith("mlperf") else "dynamic"
+    either could be. The BF16 rows cast nothing (the default, ``cached``, prices no cast)."""
+    return "dynamic" if run["dtype"] == "fp8" and not run["id"].startswith("mlperf") else "cached"
 
 
 def _plan(run: dict, fixed: dict | None, limit: float | None):

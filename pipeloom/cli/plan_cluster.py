@@ -20,8 +20,9 @@ def add_cluster_arguments(plan: argparse.ArgumentParser) -> None:
     """The arguments of the cluster mode (``--global-batch``, ``--memory-limit`` and ``--json`` are shared)."""
     group = plan.add_argument_group("planning from a model config (instead of --costs)")
     group.add_argument("--model", type=Path, metavar="CONFIG.json",
-                       help="a transformers config.json (LLaMA, Mistral, Qwen2/3, Gemma, GPT-2, GPT-NeoX, Mixtral, "
-                            "Qwen2/3-MoE, DeepSeek-V2/V3); see docs/cluster-plan.md")
+                       help="a transformers config.json (LLaMA, Mistral, Qwen2/3, Gemma 1-3, Granite, Phi-3/4, "
+                            "OLMo 2/3, StarCoder2, GPT-2, GPT-NeoX, Mixtral, Qwen2/3-MoE, DeepSeek-V2/V3, GLM-4.5, "
+                            "gpt-oss); see docs/cluster-plan.md")
     group.add_argument("--hardware", metavar="NAME|FILE.json",
                        help="GPU type: a100-40gb, a100-80gb, h100, h200, b200, gb200, gb300, mi300x, or a "
                             "pipeloom.hardware/1 JSON file")
@@ -162,16 +163,13 @@ def cmd_plan_cluster(args: argparse.Namespace) -> int:
 def _save(args: argparse.Namespace, result) -> list[str]:
     """``--save`` (and ``--export torchtitan``): the chosen layout as the runtime's plan file, the lines that say
     so and what the runtime runs differently; a layout the runtime cannot run is refused before anything is written."""
-    from pipeloom.plan.cluster.runtime_plan import runtime_notes, runtime_plan, torchtitan_plan
+    from pipeloom.plan.cluster.runtime_plan import runtime_notes, runtime_plan, save_blockers, torchtitan_plan
     from pipeloom.plan.plan import save_plan
 
-    try:
-        plan = runtime_plan(result)
-    except PipeloomError as error:
-        raise UsageError(str(error)) from None
-    if args.export == "torchtitan" and result.best.layout.copies == 2:
-        raise UsageError("the chosen layout runs dualpipe, two copies of the model, which torchtitan cannot place; "
-                         "fix it with --layout schedule=dualpipev (one copy in a V) to export it")
+    blockers = save_blockers(result, export=args.export)
+    if blockers:
+        raise UsageError(blockers)
+    plan = runtime_plan(result)
     written = []
     if args.export == "torchtitan":
         from pipeloom.schedules import build_schedule
@@ -223,6 +221,12 @@ def _window(spec) -> str:
     return f", sliding window {spec.window:,} tokens on {len(spec.window_layers)} of {spec.layers} layers"
 
 
+def _above(result) -> str:
+    """The note of a memory limit above the GPU's memory ('' otherwise)."""
+    have = result.job.hw.memory_bytes
+    return f"; the limit is above the {result.job.hw.name}'s {_gib(have)}" if result.memory_limit > have else ""
+
+
 def report(result) -> str:
     """The text report: the layout, its step, throughput, MFU, memory, bubble and the runners-up."""
     best, job = result.best, result.job
@@ -236,9 +240,10 @@ def report(result) -> str:
           else []),
         f"step time: {best.step_time:.3f} s (pipeline {best.pipeline_time:.3f} s, exposed dp "
         f"{best.exposed_dp:.3f} s, optimizer {best.optimizer_time:.3f} s)",
-        f"tokens/s per GPU: {best.tokens_per_gpu_per_second:,.0f}   MFU: {best.mfu * 100:.1f} %   "
-        f"bubble: {best.bubble * 100:.1f} %",
-        f"memory per GPU: {_gib(mem.total)} of {_gib(result.memory_limit)} ({fits}): weights {_gib(mem.weights)}, "
+        f"tokens/s per GPU: {best.tokens_per_gpu_per_second:,.0f}   MFU: {best.mfu * 100:.1f} % (of the "
+        f"{job.dtype} peak)   bubble: {best.bubble * 100:.1f} %",
+        f"memory per GPU: {_gib(mem.total)} of {_gib(result.memory_limit)} ({fits}{_above(result)}): weights "
+        f"{_gib(mem.weights)}, "
         f"gradients {_gib(mem.gradients)}, optimizer {_gib(mem.optimizer)}, activations {_gib(mem.activations)}, "
         f"buffers {_gib(mem.buffers)}",
     ]

@@ -18,6 +18,7 @@ from pipeloom.plan.cluster.job import Job
 from pipeloom.plan.cluster.layout import LAYOUT_KEYS, Layout, parse_layout
 from pipeloom.plan.cluster.search import search_layouts
 from pipeloom.plan.cluster.step import Estimate
+from pipeloom.plan.costs.parts import parse_bytes
 
 __all__ = ["ClusterPlan", "plan_cluster"]
 
@@ -68,27 +69,27 @@ def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: st
                  selective: str = "attention", cp_rotate: str = "ring", moe_comm: str = "plain",
                  grad_reduce: str = "bf16", sequence_parallel: bool = True, tp_overlap: bool = False,
                  fp8_cast: str = "cached", stage_cut: str = "balanced",
-                 memory_limit: float | None = None, runners_up: int = 5,
+                 memory_limit: float | str | None = None, runners_up: int = 5,
                  progress: Callable[[str], None] | None = None) -> ClusterPlan:
-    """The fastest layout of ``model`` (config.json path, dict, PretrainedConfig or ModelSpec) on ``gpus`` GPUs of
-    type ``hw`` (a built-in name, a hardware JSON file or a Hardware) for ``global_batch`` sequences of ``seq``
-    tokens, within ``memory_limit`` bytes per GPU (default the GPU's); ``kernels``: ``fused`` (Megatron, Transformer
-    Engine, torch.compile) or ``eager`` elementwise kernels; ``attention``: ``flash`` or ``materialized`` scores
-    (Megatron-LM before flash attention); ``overlap_grad_reduce`` False: the gradient all-reduce runs after the
-    backward, exposed (Megatron-LM 2021); ``p2p_overlap`` False: pipeline sends block the ranks (Megatron-LM
-    2021); ``selective``: what ``recompute=selective`` recomputes, ``attention``
+    """The fastest layout of ``model`` (config.json path, dict, PretrainedConfig or ModelSpec) on ``gpus`` GPUs of type
+    ``hw`` (a built-in name, a hardware JSON file or a Hardware) for ``global_batch`` sequences of ``seq`` tokens,
+    within ``memory_limit`` per GPU (bytes, or a size such as ``"40GiB"``; default the GPU's memory); ``kernels``:
+    ``fused`` (Megatron, Transformer Engine, torch.compile) or ``eager`` elementwise kernels; ``attention``:
+    ``flash`` or ``materialized`` scores (Megatron-LM before flash attention); ``overlap_grad_reduce`` False: the
+    gradient all-reduce runs after the backward, exposed (Megatron-LM 2021); ``p2p_overlap`` False: pipeline sends
+    block the ranks (Megatron-LM 2021); ``selective``: what ``recompute=selective`` recomputes, ``attention``
     (Megatron's), ``op`` (torchtitan's op-level policy), ``layer`` (every second layer whole) or ``deepseek``
     (DeepSeek-V3's recomputation and FP8 activation caching); ``cp_rotate``: ``ring`` (K/V passed block by block
     beside the compute: Megatron-Core) or ``allgather`` (PyTorch's ``context_parallel``, torchtitan); ``moe_comm``:
     ``plain`` or ``deepseek`` (DeepSeek-V3's node-limited FP8 dispatch, 20 SMs for communication); ``grad_reduce``:
     the gradient reduce-scatter's dtype, ``bf16`` or ``fp32`` (torchtitan's default, Llama 3's);
-    ``sequence_parallel`` False: tp ranks run the norms and residual adds on every token and all-reduce
-    (Megatron-LM before 2022); ``tp_overlap``: tensor-parallel exchanges run beside the GEMMs (Transformer
-    Engine's userbuffers, PyTorch's async TP); ``fp8_cast``: how FP8 GEMMs cast their inputs, ``cached``
-    (Transformer Engine's delayed scaling, FP8 copies reused) or ``dynamic`` (torchao's per-tensor dynamic
-    scaling); ``stage_cut``: ``balanced`` (layers moved off the busiest pipeline
-    rank) or ``even`` (the frameworks that cut as many layers per stage as divide). ``layout``: keys held fixed
-    (``"tp=4,pp=8"`` or a dict); with all of :data:`LAYOUT_KEYS` it predicts that layout alone."""
+    ``sequence_parallel`` False: tp ranks run the norms and residual adds on every token and all-reduce (Megatron-LM
+    before 2022); ``tp_overlap``: tensor-parallel exchanges run beside the GEMMs (Transformer Engine's userbuffers,
+    PyTorch's async TP); ``fp8_cast``: how FP8 GEMMs cast their inputs, ``cached`` (Transformer Engine's delayed
+    scaling, FP8 copies reused) or ``dynamic`` (torchao's per-tensor dynamic scaling); ``stage_cut``: ``balanced``
+    (layers moved off the busiest pipeline rank) or ``even`` (the frameworks that cut as many layers per stage as
+    divide). ``layout``: keys held fixed (``"tp=4,pp=8"`` or a dict); with all of :data:`LAYOUT_KEYS` it predicts
+    that layout alone."""
     start = time.perf_counter()
     device = hardware(hw)
     dtype_bytes(dtype)
@@ -100,7 +101,7 @@ def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: st
               sequence_parallel=bool(sequence_parallel), tp_overlap=bool(tp_overlap), fp8_cast=fp8_cast,
               stage_cut=stage_cut)
     fixed = parse_layout(layout) if isinstance(layout, str) else dict(layout or {})
-    limit = float(memory_limit if memory_limit is not None else device.memory_bytes)
+    limit = parse_bytes(memory_limit) if memory_limit is not None else float(device.memory_bytes)
     if set(fixed) >= set(LAYOUT_KEYS):
         best = Estimator(job).estimate(Layout(**fixed))
         return ClusterPlan(job=job, best=best, runners_up=(), memory_limit=limit,

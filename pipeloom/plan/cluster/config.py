@@ -200,9 +200,16 @@ def model_spec(config: object) -> ModelSpec:
     data = _read(config)
     family = str(data.get("model_type", ""))
     text = data.get("text_config")
-    if family not in SUPPORTED_FAMILIES and isinstance(text, Mapping) and text.get("model_type") in SUPPORTED_FAMILIES:
-        raise ModelConfigError(f"model_type {family!r} is a multimodal config; the planner plans its language model: "
-                               f"pass its text_config (model_type {text['model_type']}) as the config")
+    if not family:
+        raise ModelConfigError(f"the model config has no model_type{_guess(data.get('architectures'))}; supported: "
+                               f"{', '.join(SUPPORTED_FAMILIES)}")
+    if family not in SUPPORTED_FAMILIES and isinstance(text, Mapping):
+        inner = text.get("model_type")
+        if inner in SUPPORTED_FAMILIES:
+            raise ModelConfigError(f"model_type {family!r} is a multimodal config; the planner plans its language "
+                                   f"model: pass its text_config (model_type {inner}) as the config")
+        raise ModelConfigError(f"model_type {family!r} is a multimodal config whose language model ({inner}) is not "
+                               f"modelled; supported: {', '.join(SUPPORTED_FAMILIES)}")
     if family not in SUPPORTED_FAMILIES:
         raise ModelConfigError(f"model_type {family!r} is not modelled; supported: {', '.join(SUPPORTED_FAMILIES)}")
     if data.get("use_bidirectional_attention"):
@@ -211,6 +218,18 @@ def model_spec(config: object) -> ModelSpec:
     spec = _family_spec(data, family)
     window, layers = _windows(data, family, spec.layers)
     return dataclasses.replace(spec, window=window, window_layers=layers) if layers else spec
+
+
+def _guess(architectures: object) -> str:
+    """The fix for a config without ``model_type`` whose ``architectures`` name a supported family's class (transformers
+    names them ``<Family>ForCausalLM``), or nothing."""
+    names = architectures if isinstance(architectures, list) else []
+    by_class = {family.replace("_", ""): family for family in SUPPORTED_FAMILIES}
+    for name in names:
+        family = by_class.get(str(name).lower().removesuffix("forcausallm").removesuffix("lmheadmodel"))
+        if family:
+            return f" (its architectures say {name}): add \"model_type\": \"{family}\""
+    return ": add the model_type transformers writes in config.json"
 
 
 def _windows(data: Mapping[str, Any], family: str, layers: int) -> tuple[int, tuple[int, ...]]:

@@ -138,8 +138,10 @@ class Hardware:
         """Dense peak FLOP/s for ``dtype``; names the dtypes this GPU has when it lacks that one."""
         rate = self.peak_flops.get(dtype)
         if rate is None:
-            raise HardwareError(f"{self.name} has no {dtype!r} tensor-core rate; use dtype "
-                                f"{' or '.join(repr(d) for d in self.peak_flops)}")
+            have = " or ".join(self.peak_flops)
+            raise HardwareError(f"{self.name} has no {dtype!r} tensor-core rate; use --dtype {have} (dtype="
+                                f"{have!r} in Python), or describe the GPU in a pipeloom.hardware/1 file whose "
+                                f"peak_flops gives {dtype}")
         return rate
 
     def gemm_ceiling(self, dtype: str) -> float:

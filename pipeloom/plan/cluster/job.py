@@ -129,8 +129,22 @@ class Job:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise LayoutError(f"{name} must be a positive integer, got {value!r}")
         self.hw.peak(self.dtype)
+        self._check_applies()
         positions = self.spec.positions
         if positions and self.seq > positions:
             raise LayoutError(f"seq={self.seq}: this {self.spec.family} model's learned position embedding has "
                               f"{positions} rows, so it takes sequences of at most {positions} tokens; use --seq "
                               f"{positions} or less")
+
+    def _check_applies(self) -> None:
+        """LayoutError for a framework choice this job has nothing to apply to (it would change nothing, or price
+        what the framework does not do)."""
+        if self.selective == "deepseek" and self.dtype != "fp8":
+            raise LayoutError("selective='deepseek' caches activations in FP8, as DeepSeek-V3's FP8 training does; use "
+                              "it with dtype 'fp8' (--dtype fp8), or another selective policy")
+        if self.fp8_cast != "cached" and self.dtype != "fp8":
+            raise LayoutError(f"fp8_cast={self.fp8_cast!r} prices FP8 GEMMs' casts; with dtype {self.dtype!r} there "
+                              "are none: add --dtype fp8 or leave --fp8-cast out")
+        if self.moe_comm != "plain" and self.spec.experts is None:
+            raise LayoutError(f"moe_comm={self.moe_comm!r} prices the expert all-to-all; the {self.spec.family} "
+                              "model has no experts: leave --moe-comm out")

@@ -76,8 +76,8 @@ class Layout:
             raise LayoutError(f"dualpipe cuts the model into pp stages and holds it twice: use vp=1 (dualpipev for "
                               f"2 stages per rank in a V), got vp={self.vp}")
         if placement == "linear" and self.vp != 1:
-            raise LayoutError(f"{self.schedule} runs one stage per rank: use vp=1 (or interleaved-1f1b), got "
-                              f"vp={self.vp}")
+            raise LayoutError(f"{self.schedule} runs one stage per rank: use vp=1 (or schedule=interleaved-1f1b for "
+                              f"vp >= 2 stages per rank), got vp={self.vp}")
         if (self.dp * self.cp) % self.ep:
             raise LayoutError(f"ep={self.ep} must divide dp x cp = {self.dp * self.cp} (experts are sharded over "
                               "the data- and context-parallel ranks)")
@@ -118,7 +118,8 @@ class Layout:
         if job.seq % (2 * self.cp) and self.cp > 1:
             raise LayoutError(f"sequence {job.seq} does not split into 2 x cp={self.cp} load-balanced chunks")
         if self.stages > spec.layers:
-            raise LayoutError(f"{self.stages} stages for {spec.layers} layers: at most one stage per layer")
+            raise LayoutError(f"pp={self.pp} x vp={self.vp} = {self.stages} stages for {spec.layers} layers: at most "
+                              f"one stage per layer; lower pp or vp so that pp x vp <= {spec.layers}")
         if spec.experts is None and self.ep > 1:
             raise LayoutError(f"ep={self.ep} on a dense model: use ep=1")
         if spec.experts is not None and spec.experts.count % self.ep:

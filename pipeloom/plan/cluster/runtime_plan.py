@@ -18,7 +18,7 @@ from pipeloom.plan.plan import Plan
 if TYPE_CHECKING:
     from pipeloom.plan.cluster.api import ClusterPlan
 
-__all__ = ["LAYER_PREFIX", "runtime_plan", "runtime_notes", "torchtitan_plan"]
+__all__ = ["LAYER_PREFIX", "TORCHTITAN_MODELS", "runtime_plan", "runtime_notes", "save_blockers", "torchtitan_plan"]
 
 LAYER_PREFIX = {"gpt2": "transformer.h", "gpt_neox": "gpt_neox.layers"}
 """Where a ``transformers`` model of a family keeps its decoder layers (every other family: ``model.layers``)."""
@@ -37,26 +37,64 @@ def _starts(counts: Sequence[int]) -> list[int]:
     return list(accumulate(counts[:-1]))
 
 
+TORCHTITAN_MODELS = {"llama": "llama3", "qwen3": "qwen3", "qwen3_moe": "qwen3", "deepseek_v3": "deepseek_v3"}
+"""Families torchtitan has a model of, with its module names (``tok_embeddings``, ``layers.N``, ``norm``,
+``output``): ``--export torchtitan`` writes only these."""
+
+
+def save_blockers(result: ClusterPlan, *, export: str | None = None) -> str | None:
+    """Why ``result``'s chosen layout cannot be saved as a plan the runtime runs (or exported to ``export``), every
+    reason and the ``--layout`` keys that fix them in one line; None when nothing stops it."""
+    layout, family = result.best.layout, result.job.spec.family
+    if result.best.memory.total > result.memory_limit:
+        return (f"the chosen layout needs {result.best.memory.total / 2**30:.1f} GiB per GPU, over the "
+                f"{result.memory_limit / 2**30:.1f} GiB limit, so a saved plan would not run; leave some keys to the "
+                "search (or raise --memory-limit) to save one that fits")
+    problems: list[str] = []
+    fixes: dict[str, int | str] = {}
+    if layout.cp > 1:
+        problems.append(f"cp={layout.cp} (pipeloom's runtime does not run context parallelism yet)")
+        fixes["cp"] = 1
+    if layout.ep > 1 and (layout.tp > 1 or layout.fsdp):
+        problems.append(f"ep={layout.ep} with tp={layout.tp}, fsdp={int(layout.fsdp)} (the runtime runs ep with tp=1 "
+                        "and fsdp=0 only)")
+        fixes.update({key: value for key, value, now in (("tp", 1, layout.tp > 1), ("fsdp", 0, layout.fsdp)) if now})
+    if layout.tp > 1 and family not in _TP_FAMILIES:
+        problems.append(f"tp={layout.tp} on {family} (the tensor-parallel recipe by module name is written for "
+                        f"{', '.join(_TP_FAMILIES)}; or pass pipeline(..., parallel=Parallelism(tp_plan=...)) with a "
+                        "plan of your own)")
+        fixes["tp"] = 1
+    if export == "torchtitan":
+        if layout.copies == 2:
+            problems.append("schedule=dualpipe for torchtitan (two copies of the model, which it cannot place)")
+            fixes["schedule"] = "dualpipev"
+        if layout.ep > 1:
+            problems.append(f"ep={layout.ep} for torchtitan (the export is checked without expert parallelism)")
+            fixes["ep"] = 1
+        if family not in TORCHTITAN_MODELS:
+            names = ", ".join(f"{k} ({v})" for k, v in TORCHTITAN_MODELS.items())
+            problems.append(f"{family} for torchtitan, which has no such model (the export covers {names})")
+    if not problems:
+        return None
+    fix = ",".join(f"{k}={v}" for k, v in fixes.items())
+    fix = f"; fix {'them' if len(fixes) > 1 else 'it'} with --layout {fix}" if fixes else ""
+    return (f"cannot save the chosen layout {'for torchtitan' if export else 'as a plan the runtime runs'}: "
+            + "; ".join(problems) + fix)
+
+
 def runtime_plan(result: ClusterPlan) -> Plan:
-    """``result``'s chosen layout as a plan (``pipeloom.plan/1``, ``/2`` with ep); PlanError naming what the
-    runtime cannot run."""
+    """``result``'s chosen layout as a plan (``pipeloom.plan/1``, ``/2`` with ep); PlanError naming everything the
+    runtime cannot run (:func:`save_blockers`)."""
     job, best = result.job, result.best
     layout = best.layout
-    if layout.cp > 1:
-        raise PlanError(f"the chosen layout uses cp={layout.cp}, which pipeloom's runtime does not run yet (it runs "
-                        "pp, dp, fsdp, tp and ep); fix it with --layout cp=1 to save a plan it runs")
-    if layout.ep > 1 and (layout.tp > 1 or layout.fsdp):
-        raise PlanError(f"the chosen layout uses ep={layout.ep} with tp={layout.tp} and fsdp={int(layout.fsdp)}; "
-                        "pipeloom's runtime runs ep with tp=1 and fsdp=0 only: fix them with --layout tp=1,fsdp=0")
+    blockers = save_blockers(result)
+    if blockers:
+        raise PlanError(blockers)
     family = job.spec.family
     prefix = LAYER_PREFIX.get(family, "model.layers")
     split_points = tuple(f"{prefix}.{layer}" for layer in _starts(best.stage_layers))
     tp_plan = None
     if layout.tp > 1:
-        if family not in _TP_FAMILIES:
-            raise PlanError(f"tp={layout.tp}: pipeloom's tensor-parallel recipe by module name is written for "
-                            f"{', '.join(_TP_FAMILIES)}, not {family}; save with --layout tp=1, or pass "
-                            "pipeline(..., parallel=Parallelism(tp_plan=...)) with a plan of your own")
         tp_plan = {"recipe": "megatron", "column": [f"{prefix}.*.{name}" for name in _COLUMN],
                    "row": [f"{prefix}.*.{name}" for name in _ROW]}
         if job.spec.attention.qk_norm:

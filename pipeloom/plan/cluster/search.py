@@ -213,9 +213,10 @@ def search_layouts(job: Job, *, fixed: dict[str, Any] | None = None, memory_limi
         groups.setdefault(_group_key(layout), []).append(layout)
     if not groups:
         first = f" (the first refused: {refusals[0]})" if refusals else ""
+        keys = "change the fixed keys, " if fixed else ""
         raise NoLayoutFits(f"no layout of {job.spec.family} on {job.gpus} GPUs can run with {_fixed_text(fixed)}"
-                           f" (global batch {job.global_batch}, sequence {job.seq}){first}; change the fixed keys, "
-                           "the GPU count or the global batch")
+                           f" (global batch {job.global_batch}, sequence {job.seq}){first}; {keys}pick a GPU count "
+                           "or a global batch with more common divisors")
     run = _Run(Bounds(estimator), list(groups.values()), limit, runners_up, progress)
     best = run.search()
     layouts = sum(map(len, run.groups))
@@ -347,14 +348,18 @@ def _runners_up(best: Estimate, done: list[Estimate], limit: float, count: int) 
 
 
 def _why(est: Estimate, best: Estimate) -> str:
-    """The part of the step that grew most against the best."""
+    """The part of the step that grew most against the best, and the parts that shrank (by at least a twentieth of
+    that), so the gap adds up."""
     parts = {"bubble": est.bubble * est.pipeline_time - best.bubble * best.pipeline_time,
              "compute and tp/ep communication": (1 - est.bubble) * est.pipeline_time
              - (1 - best.bubble) * best.pipeline_time,
              "exposed dp communication": est.exposed_dp - best.exposed_dp,
              "optimizer step": est.optimizer_time - best.optimizer_time}
     name, delta = max(parts.items(), key=lambda item: item[1])
-    return f"{name} +{delta:.3g} s"
+    shrank = [(other, d) for other, d in parts.items() if d < 0 and abs(d) >= 0.05 * delta]
+    if not shrank:
+        return f"{name} +{delta:.3g} s"
+    return f"{name} +{delta:.3g} s, " + ", ".join(f"{other} {d:.3g} s" for other, d in shrank)
 
 
 def _fixed_text(fixed: dict[str, Any]) -> str:

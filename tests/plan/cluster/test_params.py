@@ -39,6 +39,11 @@ def test_reads_config_json(tmp_path):
      "multimodal config; the planner plans its language model: pass its text_config \\(model_type gemma3_text"),
     ({"model_type": "qwen2_5_vl", "text_config": {"model_type": "qwen2"}}, r"text_config \(model_type qwen2\)"),
     (dict(TINY["gemma3_text"], model_type="gemma3_text", use_bidirectional_attention=True), "causal decoders"),
+    ({"model_type": "qwen2_5_vl", "text_config": {"model_type": "qwen2_5_vl_text"}},
+     r"multimodal config whose language model \(qwen2_5_vl_text\) is not modelled"),
+    ({"architectures": ["Qwen3MoeForCausalLM"]}, 'no model_type .*Qwen3MoeForCausalLM.*add "model_type": "qwen3_moe"'),
+    ({"architectures": ["GPT2LMHeadModel"]}, 'add "model_type": "gpt2"'),
+    ({"hidden_size": 64}, "no model_type: add the model_type transformers writes"),
 ])
 def test_bad_configs(bad, match):
     with pytest.raises(ModelConfigError, match=match):

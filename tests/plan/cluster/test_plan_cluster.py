@@ -253,3 +253,13 @@ def test_tp_holds_whole_key_value_heads(capsys):
         _plan(layout="dp=1,tp=8,pp=1,vp=1,cp=1,ep=1,mbs=1,fsdp=0,recompute=none,schedule=1f1b")
     result = _plan(runners_up=50)
     assert all(e.layout.tp <= 4 for e in (result.best, *(est for est, _ in result.runners_up)))
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(selective="deepseek"), "caches activations in FP8, as DeepSeek-V3's FP8 training does"),
+    (dict(fp8_cast="dynamic"), "with dtype 'bf16' there are none"),
+    (dict(moe_comm="deepseek"), "the llama model has no experts"),
+])
+def test_framework_choices_with_nothing_to_apply_to_are_refused(options, match):
+    with pytest.raises(LayoutError, match=match):
+        _plan(**options)

@@ -11,7 +11,7 @@ import pytest
 from pipeloom.cli import main
 from pipeloom.plan.cluster import plan_cluster
 from pipeloom.plan.cluster.estimate import Estimator
-from pipeloom.plan.cluster.runtime_plan import runtime_plan, torchtitan_plan
+from pipeloom.plan.cluster.runtime_plan import runtime_plan, save_blockers, torchtitan_plan
 from pipeloom.plan.errors import PlanError
 from pipeloom.plan.plan import load_plan, save_plan
 
@@ -80,7 +80,8 @@ def test_a_qwen3_plan_gives_its_head_norms_their_style(tmp_path):
 def test_what_the_runtime_cannot_run_is_refused_by_name():
     cp = plan_cluster(LLAMA, "h100", gpus=8, global_batch=32, seq=2048, layout=FIXED.replace("dp=2", "dp=1")
                       .replace("cp=1", "cp=2"))
-    with pytest.raises(PlanError, match="cp=2, which pipeloom's runtime does not run"):
+    with pytest.raises(PlanError, match=r"cp=2 \(pipeloom's runtime does not run context parallelism yet\); fix it "
+                                        "with --layout cp=1"):
         runtime_plan(cp)
     gpt2 = {"model_type": "gpt2", "n_embd": 1024, "n_layer": 8, "n_head": 16, "vocab_size": 50257,
             "n_positions": 1024}
@@ -100,9 +101,31 @@ def test_an_ep_layout_saves_its_expert_parallel_size():
     plan = runtime_plan(plan_cluster(moe, "h100", gpus=8, global_batch=16, seq=512, layout=layout))
     assert (plan.num_ranks, plan.data_parallel, plan.expert_parallel, plan.world_size) == (2, 4, 2, 8)
     assert plan.split_points == ("model.layers.4",) and plan.microbatches == 4
-    with pytest.raises(PlanError, match="ep=2 with tp=1 and fsdp=1.*--layout tp=1,fsdp=0"):
+    with pytest.raises(PlanError, match="ep=2 with tp=1, fsdp=1 .*; fix it with --layout fsdp=0$"):
         runtime_plan(plan_cluster(moe, "h100", gpus=8, global_batch=16, seq=512,
                                   layout=layout.replace("fsdp=0", "fsdp=1")))
+
+
+def test_every_reason_a_layout_cannot_be_saved_is_named_at_once():
+    """cp, ep with fsdp and the export's own limits come in one message with one --layout fix; a layout over the
+    memory limit is refused before anything else: a saved plan would not run."""
+    moe = {"model_type": "mixtral", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 8,
+           "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 1000, "num_local_experts": 8,
+           "num_experts_per_tok": 2}
+    layout = "dp=2,tp=1,pp=2,vp=1,cp=2,ep=2,mbs=1,fsdp=1,recompute=none,schedule=dualpipe"
+    result = plan_cluster(moe, "h100", gpus=8, global_batch=16, seq=512, layout=layout)
+    message = save_blockers(result, export="torchtitan")
+    for part in ("cp=2", "ep=2 with tp=1, fsdp=1", "schedule=dualpipe for torchtitan", "ep=2 for torchtitan",
+                 "mixtral for torchtitan, which has no such model", "fix them with --layout cp=1,fsdp=0,"
+                 "schedule=dualpipev,ep=1"):
+        assert part in message, part
+    assert "torchtitan" not in save_blockers(result)
+    small = dict(LLAMA, num_hidden_layers=4)
+    over = plan_cluster(small, "h100", gpus=8, global_batch=32, seq=2048, layout=FIXED.replace("pp=2", "pp=1")
+                        .replace("vp=2", "vp=1").replace("interleaved-1f1b", "1f1b").replace("dp=2", "dp=4"),
+                        memory_limit=2**30)
+    with pytest.raises(PlanError, match=r"needs .* GiB per GPU, over the 1.0 GiB limit, so a saved plan would not run"):
+        runtime_plan(over)
 
 
 def test_save_writes_a_plan_and_names_what_runs_differently(tmp_path, capsys):
@@ -114,6 +137,17 @@ def test_save_writes_a_plan_and_names_what_runs_differently(tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"wrote plan {save}" in out and "recompute=selective" in out and "layers per stage: 4 x4" in out
     assert load_plan(save).split_points == ("model.layers.4", "model.layers.8", "model.layers.12")
+
+
+def test_save_of_a_layout_over_the_limit_writes_nothing(tmp_path, capsys):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(LLAMA))
+    save = tmp_path / "plan.json"
+    assert main(["plan", "--model", str(config), "--hardware", "h100", "--gpus", "8", "--global-batch", "32",
+                 "--seq", "2048", "--layout", FIXED, "--memory-limit", "1GiB", "--save", str(save)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "over the 1.0 GiB limit, so a saved plan would not run" in err[0]
+    assert not save.exists()
 
 
 def test_a_saved_plan_runs_in_the_engine(tmp_path):
