@@ -128,23 +128,26 @@ def test_every_reason_a_layout_cannot_be_saved_is_named_at_once():
         runtime_plan(over)
 
 
-def test_save_writes_a_plan_and_names_what_runs_differently(tmp_path, capsys):
+def _plan_and_save(tmp_path, *extra):
+    """``pipeloom plan`` on LLAMA with FIXED and ``extra`` flags, saved to ``tmp_path/plan.json``: (status, path)."""
     config = tmp_path / "config.json"
     config.write_text(json.dumps(LLAMA))
     save = tmp_path / "plan.json"
-    assert main(["plan", "--model", str(config), "--hardware", "h100", "--gpus", "8", "--global-batch", "32",
-                 "--seq", "2048", "--layout", FIXED, "--stage-cut", "even", "--save", str(save)]) == 0
+    return main(["plan", "--model", str(config), "--hardware", "h100", "--gpus", "8", "--global-batch", "32",
+                 "--seq", "2048", "--layout", FIXED, *extra, "--save", str(save)]), save
+
+
+def test_save_writes_a_plan_and_names_what_runs_differently(tmp_path, capsys):
+    status, save = _plan_and_save(tmp_path, "--stage-cut", "even")
+    assert status == 0
     out = capsys.readouterr().out
     assert f"wrote plan {save}" in out and "recompute=selective" in out and "layers per stage: 4 x4" in out
     assert load_plan(save).split_points == ("model.layers.4", "model.layers.8", "model.layers.12")
 
 
 def test_save_of_a_layout_over_the_limit_writes_nothing(tmp_path, capsys):
-    config = tmp_path / "config.json"
-    config.write_text(json.dumps(LLAMA))
-    save = tmp_path / "plan.json"
-    assert main(["plan", "--model", str(config), "--hardware", "h100", "--gpus", "8", "--global-batch", "32",
-                 "--seq", "2048", "--layout", FIXED, "--memory-limit", "1GiB", "--save", str(save)]) == 2
+    status, save = _plan_and_save(tmp_path, "--memory-limit", "1GiB")
+    assert status == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "over the 1.0 GiB limit, so a saved plan would not run" in err[0]
     assert not save.exists()
