@@ -46,9 +46,28 @@ def build_hf(name: str, *, dropout: float = 0.0, seed: int = 0) -> torch.nn.Modu
                                num_key_value_heads=2, head_dim=8, tie_word_embeddings=False,
                                attention_dropout=dropout, attn_implementation="eager", **common)
         return T.Qwen3ForCausalLM(config)
+    if name in PLANNED:  # the families the cluster planner reads beyond these (eager attention, as above)
+        config = T.AutoConfig.for_model(name, **PLANNED[name], attention_dropout=dropout,
+                                        attn_implementation="eager", **common)
+        return T.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     if name in ENCODER_DECODER:
         return _encoder_decoder(name, dropout, common)
     raise ValueError(name)
+
+
+_SMALL = dict(num_hidden_layers=LAYERS, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+              num_key_value_heads=2)
+PLANNED = {
+    "granite": dict(_SMALL, embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.1,
+                    logits_scaling=4.0),
+    "phi3": dict(_SMALL, partial_rotary_factor=0.5),  # fused qkv and gate-up projections, rotary on half
+    "olmo2": dict(_SMALL),  # norms after attention and the MLP, q/k norms over the whole projections
+    "starcoder2": dict(_SMALL),  # LayerNorm, biased projections, a GELU MLP, tied head
+    "glm4_moe": dict(_SMALL, head_dim=8, moe_intermediate_size=16, n_routed_experts=4, n_shared_experts=1,
+                     num_experts_per_tok=2, first_k_dense_replace=1, n_group=1, topk_group=1, use_qk_norm=True,
+                     attention_bias=True, partial_rotary_factor=0.5),
+}
+"""Tiny configs of the families ``pipeloom plan --model`` reads that the cases above do not cover."""
 
 
 ENCODER_DECODER = {"bart": ("model.encoder.layers", "model.decoder.layers"),  # model -> its blocks' names
@@ -75,7 +94,7 @@ def _encoder_decoder(name: str, dropout: float, common: dict) -> torch.nn.Module
 
 
 _BLOCKS = {"gpt2": "transformer.h", "llama": "model.layers", "bert": "bert.encoder.layer", "qwen2": "model.layers",
-           "qwen3": "model.layers"}
+           "qwen3": "model.layers", **{name: "model.layers" for name in PLANNED}}
 
 
 def hf_splits(name: str, pieces: int) -> list[str]:

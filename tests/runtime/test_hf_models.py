@@ -32,6 +32,17 @@ def test_transformers_models_are_bitwise_exact_on_two_ranks():
     assert results[0][1]["llama/1f1b"]["shared"] == {}  # LLaMA does not tie its head
 
 
+@pytest.mark.timeout(400)
+def test_the_cluster_planners_other_families_are_bitwise_exact_on_two_ranks():
+    """Granite, Phi-3, OLMo 2, StarCoder2 and GLM-4.5 (its MoE layers and dense first layer): the families
+    ``pipeloom plan --model`` reads and saves plans for, cut at ``model.layers.N`` as its plan files cut them."""
+    from hf_models import PLANNED
+
+    cases = [(name, schedule, 2 if schedule == "1f1b" else 4) for name in PLANNED for schedule in ("1f1b", "zbv")]
+    for rank, key, outcome in assert_bitwise_reports(run_ranks(2, hf_exactness, cases, timeout=360), len(cases)):
+        assert outcome["owned"] > 0, (rank, key)
+
+
 ENCODER_DECODER = [(name, schedule, 2 if schedule == "1f1b" else 4) for name in ("bart", "t5", "whisper")
                    for schedule in ("1f1b", "zbv")]
 
