@@ -193,10 +193,9 @@ class Estimator:
     def schedule(self, layout: Layout, m: int) -> Schedule:
         """The layout's schedule for ``m`` micro-batches (cached by name, pp, vp, m and zbv's cost ratios): the
         order of every schedule here but zbv does not depend on the costs (tested), so they are built with unit
-        costs; zbv's cost-aware order is built with the layout's mean I / F and W / F (:data:`ZBV_RATIO_STEPS`):
-        built for F = I = W, its steady state ran 13 % slower than the busiest rank's work on Llama 3 8B at tp 8
-        x pp 8 (F : I : W = 1 : 1.15 : 0.45), and 1F1B overtook it at large micro-batch counts. The memory of W is
-        :attr:`w_fraction` of F's."""
+        costs; zbv's cost-aware order with mean I / F and W / F (:meth:`_zbv_ratios`): built for F = I = W, its
+        steady state ran 13 % slower than the busiest rank's work on Llama 3 8B at tp 8 x pp 8 (F : I : W = 1 :
+        1.15 : 0.45), and 1F1B overtook it at large micro-batch counts. W holds :attr:`w_fraction` of F's memory."""
         name, pp, vp = layout.schedule, layout.pp, layout.vp
         b, w = self._zbv_ratios(layout) if name == "zbv" else (1.0, 1.0)
         key = (name, pp, vp, m, b, w)
@@ -211,8 +210,10 @@ class Estimator:
         return self._schedules[key]
 
     def _zbv_ratios(self, layout: Layout) -> tuple[float, float]:
-        """The layout's mean I / F and W / F, rounded to :data:`ZBV_RATIO_STEPS` (at least one step)."""
-        times = self.stages(layout)[0]
+        """The mean I / F and W / F of the layout's twin without recomputation, rounded to :data:`ZBV_RATIO_STEPS`
+        (at least one step): a layout that recomputes runs its twin's order with longer tasks, and a fixed order
+        only slows when its tasks lengthen, so recomputing is never priced faster than not (and holds no more)."""
+        times = self.stages(dataclasses.replace(layout, recompute="none"))[0]
         f = sum(t.f for t in times)
         i, w = (max(step, round(sum(x) / f / step) * step) if f > 0 else 1.0
                 for x, step in zip(([t.i for t in times], [t.w for t in times]), ZBV_RATIO_STEPS))
