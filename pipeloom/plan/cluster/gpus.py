@@ -3,7 +3,9 @@
 Peak rates are the datasheets' dense figures (NVIDIA quotes tensor-core rates "with sparsity": the dense
 rate is half). Bandwidths are one direction per GPU: NVIDIA's NVLink figure (600/900/1,800 GB/s) is both
 directions, so half of it; a node's NIC line rate divided by its GPUs for scale-out. Memory capacities are
-binary (an "80 GB" H100 shows 81,559 MiB in nvidia-smi). Efficiencies are public microbenchmarks where one
+what nvidia-smi reports where public logs of the GPU show it (the driver keeps the rest: an "80 GB" H100 shows
+81,559 MiB, 79.6 GiB; H200 143,771 MiB; B200 183,359 MiB; an A100's 80 and 40 GB are 81,920 and 40,960 MiB, its
+datasheet's figure in GiB), otherwise the datasheet's figure in GiB. Efficiencies are public microbenchmarks where one
 was found, otherwise the prior named in the source text (``benchmarks/calibrate_gpu.py`` replaces them
 with a measured fit on the GPU at hand). Nothing here was fitted to a training run."""
 
@@ -17,6 +19,7 @@ from pipeloom.plan.errors import HardwareError
 __all__ = ["BUILTIN", "hardware", "hardware_names"]
 
 GiB = 2**30
+MiB = 2**20
 
 _MAMF = ("maximum achievable matmul FLOPS (best shape, mean of 100 runs) / peak, Bekman, ml-engineering, "
          "compute/accelerator/README.md 'Maximum Achievable Matmul FLOPS comparison table' at commit 744d01e "
@@ -65,13 +68,17 @@ def _describe(name: str, sources: dict[str, str], **values) -> Hardware:
     return Hardware(name=name, sources={**_PRIOR, **sources}, **values)
 
 
+_SMI = ("; nvidia-smi's total, what the driver gives CUDA (as public nvidia-smi logs of the GPU show it): "
+        "{mib:,} MiB")
+
+
 def _a100(name: str, memory_gib: int, bandwidth: float, bandwidth_source: str) -> Hardware:
     sheet = "NVIDIA A100 datasheet (https://www.nvidia.com/en-us/data-center/a100/): "
     gemm, gemm_source = _mamf("A100 SXM", 271.2, 312, "torch 2.6.0+cu126")
     return _describe(
         name, {
             "peak_flops": sheet + "BF16 tensor core 312 TFLOPS dense; no FP8",
-            "memory_bytes": sheet + f"{memory_gib} GB",
+            "memory_bytes": sheet + f"{memory_gib} GB" + _SMI.format(mib=memory_gib * 1024) + " (the same)",
             "memory_bandwidth": sheet + bandwidth_source,
             "scale_up_size": "HGX/DGX A100: 8 GPUs on NVSwitch",
             "scale_up_bandwidth": sheet + "NVLink 600 GB/s (both directions) -> 300 GB/s",
@@ -91,13 +98,15 @@ def _a100(name: str, memory_gib: int, bandwidth: float, bandwidth_source: str) -
 
 
 def _hopper(name: str, memory_gib: int, bandwidth: float, sheet: str, bf16: tuple[float, str],
-            fp8: tuple[float, str]) -> Hardware:
-    """``bf16``, ``fp8``: the GEMM ceilings and their sources (:func:`_mamf`)."""
+            fp8: tuple[float, str], smi_mib: int) -> Hardware:
+    """``bf16``, ``fp8``: the GEMM ceilings and their sources (:func:`_mamf`); ``smi_mib``: the memory nvidia-smi
+    reports."""
     return _describe(
         name, {
             "peak_flops": sheet + ("BF16 1,979 / FP8 3,958 TFLOPS with sparsity -> 989.4 / 1,978.9 dense "
                                    "(132 SMs at 1.83 GHz)"),
-            "memory_bytes": sheet + f"{memory_gib} GB", "memory_bandwidth": sheet + f"{bandwidth / 1e12:g} TB/s",
+            "memory_bytes": sheet + f"{memory_gib} GB" + _SMI.format(mib=smi_mib),
+            "memory_bandwidth": sheet + f"{bandwidth / 1e12:g} TB/s",
             "scale_up_size": "HGX/DGX H100 and H200: 8 GPUs on NVSwitch",
             "scale_up_bandwidth": sheet + "NVLink 900 GB/s (both directions) -> 450 GB/s",
             "scale_out_bandwidth": "DGX H100/H200 datasheet: 8x 400 Gb/s ConnectX-7 -> 50 GB/s per GPU",
@@ -109,7 +118,7 @@ def _hopper(name: str, memory_gib: int, bandwidth: float, sheet: str, bf16: tupl
             "flash2_slowdown": _FA2_HOPPER,
         },
         sm_count=132,
-        peak_flops={"bf16": 989.4e12, "fp8": 1978.9e12}, memory_bytes=memory_gib * GiB, memory_bandwidth=bandwidth,
+        peak_flops={"bf16": 989.4e12, "fp8": 1978.9e12}, memory_bytes=smi_mib * MiB, memory_bandwidth=bandwidth,
         scale_up_size=8, scale_up_bandwidth=450e9, scale_out_bandwidth=50e9,
         scale_up_latency=1e-6, scale_out_latency=5e-6, gemm_efficiency=bf16[0], fp8_gemm_efficiency=fp8[0],
         attention_efficiency=0.65, attention_backward_efficiency=0.52,
@@ -119,8 +128,10 @@ def _hopper(name: str, memory_gib: int, bandwidth: float, sheet: str, bf16: tupl
 def _blackwell(name: str, *, bf16: float, memory_gib: int, domain: int, nic: float, sheet: str,
                peak_source: str, memory_source: str, domain_source: str, nic_source: str, sms: int,
                sms_source: str, gemm: tuple[tuple[float, str], tuple[float, str]],
-               attention: tuple[float, float, float, float], attention_source: str) -> Hardware:
-    """``gemm``: the BF16 and FP8 GEMM ceilings and their sources (:func:`_mamf`). ``attention``: TFLOP/s of
+               attention: tuple[float, float, float, float], attention_source: str,
+               smi_mib: int | None = None) -> Hardware:
+    """``gemm``: the BF16 and FP8 GEMM ceilings and their sources (:func:`_mamf`); ``smi_mib``: the memory nvidia-smi
+    reports where a public log of the GPU was found (else the datasheet's, in GiB). ``attention``: TFLOP/s of
     NVIDIA's causal BF16 SDPA benchmark at sequence 32,768 (``_CUDNN_SDPA``): cuDNN
     forward, backward, then PyTorch's FlashAttention-2 backend forward, backward."""
     fwd, bwd, fa2_fwd, fa2_bwd = attention
@@ -128,7 +139,8 @@ def _blackwell(name: str, *, bf16: float, memory_gib: int, domain: int, nic: flo
     measured = _CUDNN_SDPA + attention_source
     return _describe(
         name, {
-            "peak_flops": sheet + peak_source, "memory_bytes": sheet + memory_source,
+            "peak_flops": sheet + peak_source,
+            "memory_bytes": sheet + memory_source + (_SMI.format(mib=smi_mib) if smi_mib else ""),
             "memory_bandwidth": sheet + "HBM3e 8 TB/s per GPU",
             "scale_up_size": sheet + domain_source,
             "scale_up_bandwidth": sheet + "fifth-generation NVLink 1.8 TB/s per GPU (both directions) -> 900 GB/s",
@@ -141,7 +153,8 @@ def _blackwell(name: str, *, bf16: float, memory_gib: int, domain: int, nic: flo
                                            f"{bwd:,} / {fa2_bwd:,} TFLOP/s; the smaller ratio"),
         },
         sm_count=sms,
-        peak_flops={"bf16": bf16, "fp8": 2 * bf16}, memory_bytes=memory_gib * GiB, memory_bandwidth=8e12,
+        peak_flops={"bf16": bf16, "fp8": 2 * bf16}, memory_bytes=smi_mib * MiB if smi_mib else memory_gib * GiB,
+        memory_bandwidth=8e12,
         scale_up_size=domain, scale_up_bandwidth=900e9, scale_out_bandwidth=nic,
         scale_up_latency=1e-6, scale_out_latency=5e-6, gemm_efficiency=gemm[0][0], fp8_gemm_efficiency=gemm[1][0],
         attention_efficiency=round(fwd / at, 3), attention_backward_efficiency=round(bwd / at, 3),
@@ -192,10 +205,10 @@ BUILTIN: dict[str, Hardware] = {
     "a100-80gb": _a100("a100-80gb", 80, 2039e9, "HBM2e 2,039 GB/s"),
     "h100": _hopper("h100", 80, 3.35e12, _H100_SHEET, _H100_BF16,
                     _mamf("H100 SXM", 1402.6, 1979, "torch 2.7.0+cu126; row dated 2025-01-05, commit 37acbf2",
-                          fp8=True)),
+                          fp8=True), smi_mib=81559),
     "h200": _hopper("h200", 141, 4.8e12, _H200_SHEET,
                     (_H100_BF16[0], _H100_BF16[1] + ", the table noting 'H200 is the same'"),
-                    _mamf("H200 SXM", 1453.4, 1979, "torch 2.7.1+cu128", fp8=True)),
+                    _mamf("H200 SXM", 1453.4, 1979, "torch 2.7.1+cu128", fp8=True), smi_mib=143771),
     "b200": _blackwell("b200", bf16=2.25e15, memory_gib=180, domain=8, nic=50e9, sheet=_B200_SHEET,
                        peak_source=("FP8 72 PFLOPS per 8 GPUs with sparsity -> 4.5 dense; BF16 half that, 2.25 (the "
                                     "HGX B200 table at glennklockwood.com/garden/processors/B200 agrees)"),
@@ -207,7 +220,7 @@ BUILTIN: dict[str, Hardware] = {
                        attention=(1419.0, 1108.7, 403.7, 330.8),
                        attention_source=" at commit 0b1577c (cuDNN 9.13.1, Oct 2025), NVIDIA B200",
                        sms_source=("Chips and Cheese, 'Nvidia's B200: Keeping the CUDA Juggernaut Rolling' (2025): 74 "
-                                   "SMs enabled on each of its two dies, 148 per GPU")),
+                                   "SMs enabled on each of its two dies, 148 per GPU"), smi_mib=183359),
     "gb200": _blackwell("gb200", bf16=2.5e15, memory_gib=186, domain=72, nic=50e9, sheet=_GB200_SHEET,
                         peak_source=("FP16/BF16 360 / FP8 720 PFLOPS per 72 GPUs with sparsity -> 2.5 / 5 dense "
                                      "(glennklockwood.com/garden/processors/B200, GB200 at 1,200 W, agrees)"),

@@ -40,7 +40,7 @@ def test_every_builtin_loads_and_every_spec_field_has_a_source(name):
 def test_datasheet_figures_of_two_gpus():
     h100, a100 = hardware("h100"), hardware("a100-80gb")
     assert h100.peak_flops == {"bf16": 989.4e12, "fp8": 1978.9e12}
-    assert h100.memory_bytes == 80 * 2**30 and h100.memory_bandwidth == 3.35e12
+    assert h100.memory_bytes == 81559 * 2**20 and h100.memory_bandwidth == 3.35e12  # nvidia-smi's 81,559 MiB
     assert h100.scale_up_bandwidth == 450e9 and h100.scale_up_size == 8
     assert "fp8" not in a100.peak_flops and a100.memory_bandwidth == 2039e9
     assert hardware("gb200").scale_up_size == 72
