@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeloom.plan.cluster.family_defaults import FAMILY_DEFAULTS
 from pipeloom.plan.errors import ModelConfigError
 
 __all__ = ["ModelSpec", "Attention", "Experts", "model_spec", "SUPPORTED_FAMILIES"]
@@ -215,6 +216,7 @@ def model_spec(config: object) -> ModelSpec:
     if data.get("use_bidirectional_attention"):
         raise ModelConfigError(f"{family} with use_bidirectional_attention is an encoder; the planner plans causal "
                                "decoders: set use_bidirectional_attention to false")
+    data = {**FAMILY_DEFAULTS.get(family, {}), **data}  # what transformers assumes for a field left out
     spec = _family_spec(data, family)
     window, layers = _windows(data, family, spec.layers)
     return dataclasses.replace(spec, window=window, window_layers=layers) if layers else spec

@@ -1,5 +1,6 @@
 """DeepSeek-V3's multi-token-prediction (MTP) module: read from ``num_nextn_predict_layers``, counted by hand,
-priced on the last pipeline stage with the head, and absent (the step unchanged) without the field.
+priced on the last pipeline stage with the head, and absent with ``num_nextn_predict_layers: 0``; a DeepSeek-V3
+config that leaves the field out takes transformers' default, one module (DeepSeek-V2 has none).
 
 transformers' DeepseekV3 model does not build the MTP layers (its config carries the field, its model ignores
 it), so there is no transformers reference to count against: the counts are checked against the formula of
@@ -29,14 +30,16 @@ TINY_V3 = {"model_type": "deepseek_v3", "hidden_size": H, "intermediate_size": 9
            "n_routed_experts": EXPERTS, "n_shared_experts": 1, "moe_intermediate_size": MOE_I,
            "first_k_dense_replace": 1, "num_experts_per_tok": TOP_K, "n_group": 1, "topk_group": 1,
            "num_nextn_predict_layers": 1}
-WITHOUT = {k: v for k, v in TINY_V3.items() if k != "num_nextn_predict_layers"}
+WITHOUT = {**TINY_V3, "num_nextn_predict_layers": 0}
+MISSING = {k: v for k, v in TINY_V3.items() if k != "num_nextn_predict_layers"}
 SEQ = 16
 
 
 def test_read_from_the_config_only_where_it_is():
     assert model_spec(TINY_V3).mtp == 1
     assert model_spec(WITHOUT).mtp == 0
-    assert model_spec({**TINY_V3, "num_nextn_predict_layers": 0}).mtp == 0
+    assert model_spec(MISSING).mtp == 1  # transformers' DeepseekV3Config default
+    assert model_spec({**MISSING, "model_type": "deepseek_v2"}).mtp == 0
     with pytest.raises(ModelConfigError, match="num_nextn_predict_layers"):
         model_spec({**TINY_V3, "num_nextn_predict_layers": -1})
 
@@ -84,9 +87,9 @@ def test_without_the_field_nothing_changes():
     layouts = [Layout(dp=2, ep=2), Layout(pp=2, schedule="1f1b", recompute="selective"),
                Layout(pp=2, schedule="zb-h1")]
     for layout in layouts:
-        off = Estimator(_job({**TINY_V3, "num_nextn_predict_layers": 0})).estimate(layout)
-        assert Estimator(_job(WITHOUT)).estimate(layout) == off
+        off = Estimator(_job(WITHOUT)).estimate(layout)
         on = Estimator(_job(TINY_V3)).estimate(layout)
+        assert Estimator(_job(MISSING)).estimate(layout) == on
         assert on.step_time > off.step_time
         assert on.tokens_per_gpu_per_second < off.tokens_per_gpu_per_second
 

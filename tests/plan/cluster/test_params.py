@@ -9,6 +9,7 @@ from tests.plan.cluster.tiny import TINY, tiny_config
 
 from pipeloom.plan.cluster import ModelConfigError, model_params, model_spec
 from pipeloom.plan.cluster.counts import optimizer_bytes
+from pipeloom.plan.cluster.family_defaults import FAMILY_DEFAULTS
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -65,3 +66,21 @@ def test_optimizer_state():
     assert optimizer_bytes(10) == (20, 20, 120)
     assert optimizer_bytes(10, shards=4) == (20, 20, 30)
     assert optimizer_bytes(10, shards=4, fsdp=True) == (5, 5, 30)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_DEFAULTS))
+def test_family_defaults_are_transformers_own(family):
+    """A field a config.json leaves out takes the installed transformers' default (the configuration class's, or its
+    default object's where the class computes it), not the reader's generic fallback."""
+    default = transformers.AutoConfig.for_model(family)
+    for field, value in FAMILY_DEFAULTS[family].items():
+        declared = getattr(type(default), field, None)  # the class's default (Qwen's window before post-init)
+        assert (declared if declared is not None else getattr(default, field)) == value, (family, field)
+
+
+@pytest.mark.parametrize("family", sorted(TINY))
+def test_a_bare_config_reads_as_its_config_object(family):
+    """The tiny configs as bare config.json fields read as the config objects transformers builds from them: every
+    field they leave out (GLM-4.5's and DeepSeek-V3's multi-token prediction, Mistral's window) takes
+    transformers' default."""
+    assert model_spec(dict(TINY[family], model_type=family)) == model_spec(tiny_config(family))
