@@ -62,6 +62,7 @@ PLANNED = {
                     logits_scaling=4.0),
     "phi3": dict(_SMALL, partial_rotary_factor=0.5),  # fused qkv and gate-up projections, rotary on half
     "olmo2": dict(_SMALL),  # norms after attention and the MLP, q/k norms over the whole projections
+    "olmo3": dict(_SMALL, sliding_window=4, layer_types=["sliding_attention"] * 3 + ["full_attention"]),
     "starcoder2": dict(_SMALL),  # LayerNorm, biased projections, a GELU MLP, tied head
     "glm4_moe": dict(_SMALL, head_dim=8, moe_intermediate_size=16, n_routed_experts=4, n_shared_experts=1,
                      num_experts_per_tok=2, first_k_dense_replace=1, n_group=1, topk_group=1, use_qk_norm=True,

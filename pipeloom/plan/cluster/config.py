@@ -1,7 +1,8 @@
 """A decoder's shape read from a transformers config (a config.json path, a dict or a ``PretrainedConfig``),
-without importing transformers: dense decoders (LLaMA, Mistral, Qwen2/3, Gemma 1/2/3, GPT-2, GPT-NeoX) and
-mixture-of-experts decoders (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3 with multi-head latent attention,
-gpt-oss with attention sinks and biased experts),
+without importing transformers: dense decoders (LLaMA, Mistral, Qwen2/3, Gemma 1/2/3, Granite, Phi-3, OLMo 2/3,
+StarCoder2, GPT-2, GPT-NeoX) and mixture-of-experts decoders (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3 with
+multi-head latent attention, GLM-4.5, gpt-oss with attention sinks and biased experts), a field left out taking
+transformers' default for the family (:data:`~pipeloom.plan.cluster.family_defaults.FAMILY_DEFAULTS`),
 with sliding-window attention on the layers transformers gives it (:func:`_windows`)."""
 
 from __future__ import annotations
@@ -227,6 +228,7 @@ def _guess(architectures: object) -> str:
     names them ``<Family>ForCausalLM``), or nothing."""
     names = architectures if isinstance(architectures, list) else []
     by_class = {family.replace("_", ""): family for family in SUPPORTED_FAMILIES}
+    by_class["gemma3"] = "gemma3_text"  # Gemma3ForCausalLM is the text-only model of a gemma3_text config
     for name in names:
         family = by_class.get(str(name).lower().removesuffix("forcausallm").removesuffix("lmheadmodel"))
         if family:

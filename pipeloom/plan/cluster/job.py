@@ -139,6 +139,10 @@ class Job:
     def _check_applies(self) -> None:
         """LayoutError for a framework choice this job has nothing to apply to (it would change nothing, or price
         what the framework does not do)."""
+        if self.selective == "deepseek" and not self.spec.attention.latent:
+            raise LayoutError(f"selective='deepseek' is DeepSeek-V3's recipe for multi-head latent attention (its "
+                              f"up-projections recomputed from the cached latents); the {self.spec.family} model has "
+                              "none: use selective 'attention' or 'op'")
         if self.selective == "deepseek" and self.dtype != "fp8":
             raise LayoutError("selective='deepseek' caches activations in FP8, as DeepSeek-V3's FP8 training does; use "
                               "it with dtype 'fp8' (--dtype fp8), or another selective policy")

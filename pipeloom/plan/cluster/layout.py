@@ -114,7 +114,8 @@ class Layout:
         if a.heads % self.tp or a.kv_heads % self.tp:  # Megatron-Core divides both by tp (torchtitan too)
             fits = [t for t in range(1, self.tp) if a.heads % t == 0 and a.kv_heads % t == 0]
             raise LayoutError(f"tp={self.tp} does not split {a.heads} query / {a.kv_heads} key-value heads evenly "
-                              f"(each tp rank holds whole heads); use tp={max(fits)} or a smaller divisor")
+                              f"(each tp rank holds whole heads); use tp={max(fits)}, the largest below {self.tp} "
+                              "that divides both")
         if job.seq % (2 * self.cp) and self.cp > 1:
             raise LayoutError(f"sequence {job.seq} does not split into 2 x cp={self.cp} load-balanced chunks")
         if self.stages > spec.layers:

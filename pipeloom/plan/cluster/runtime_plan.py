@@ -23,8 +23,8 @@ __all__ = ["LAYER_PREFIX", "TORCHTITAN_MODELS", "runtime_plan", "runtime_notes",
 LAYER_PREFIX = {"gpt2": "transformer.h", "gpt_neox": "gpt_neox.layers"}
 """Where a ``transformers`` model of a family keeps its decoder layers (every other family: ``model.layers``)."""
 _TP_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
-"""Families whose attention and MLP projections are plain ``nn.Linear`` modules under the names below, whose
-recipe the runtime's tests run (Gemma 2 and 3 have the same names but no such test yet)."""
+"""Families whose attention and MLP projections are plain ``nn.Linear`` modules under the names below (the runtime's
+tp tests run LLaMA and Qwen3; Gemma 2 and 3 have the same names but their extra norms are not in the recipe)."""
 _COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 _ROW = ("self_attn.o_proj", "mlp.down_proj")
 _HEAD_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
@@ -43,15 +43,17 @@ TORCHTITAN_MODELS = {"llama": "llama3", "qwen3": "qwen3", "qwen3_moe": "qwen3", 
 
 
 def save_blockers(result: ClusterPlan, *, export: str | None = None) -> str | None:
-    """Why ``result``'s chosen layout cannot be saved as a plan the runtime runs (or exported to ``export``), every
-    reason and the ``--layout`` keys that fix them in one line; None when nothing stops it."""
+    """Why ``result``'s chosen layout cannot be saved as a plan the runtime runs (or exported to ``export``): every
+    reason in one line, then the ``--layout`` keys that fix those a key fixes; None when nothing stops it."""
     layout, family = result.best.layout, result.job.spec.family
-    if result.best.memory.total > result.memory_limit:
-        return (f"the chosen layout needs {result.best.memory.total / 2**30:.1f} GiB per GPU, over the "
-                f"{result.memory_limit / 2**30:.1f} GiB limit, so a saved plan would not run; leave some keys to the "
-                "search (or raise --memory-limit) to save one that fits")
-    problems: list[str] = []
+    problems: list[str] = []  # each with the layout keys that fix it ({} where none does)
     fixes: dict[str, int | str] = {}
+    unfixed = 0
+    if result.best.memory.total > result.memory_limit:
+        problems.append(f"it needs {result.best.memory.total / 2**30:.1f} GiB per GPU, over the "
+                        f"{result.memory_limit / 2**30:.1f} GiB limit, so a saved plan would not run (leave some keys "
+                        "to the search, or raise --memory-limit)")
+        unfixed += 1
     if layout.cp > 1:
         problems.append(f"cp={layout.cp} (pipeloom's runtime does not run context parallelism yet)")
         fixes["cp"] = 1
@@ -65,19 +67,22 @@ def save_blockers(result: ClusterPlan, *, export: str | None = None) -> str | No
                         "plan of your own)")
         fixes["tp"] = 1
     if export == "torchtitan":
+        if family not in TORCHTITAN_MODELS:
+            names = ", ".join(f"{k} ({v})" for k, v in TORCHTITAN_MODELS.items())
+            problems.append(f"{family} for torchtitan, which has no such model (the export covers {names}; save the "
+                            "plan without --export)")
+            unfixed += 1
         if layout.copies == 2:
             problems.append("schedule=dualpipe for torchtitan (two copies of the model, which it cannot place)")
             fixes["schedule"] = "dualpipev"
         if layout.ep > 1:
             problems.append(f"ep={layout.ep} for torchtitan (the export is checked without expert parallelism)")
             fixes["ep"] = 1
-        if family not in TORCHTITAN_MODELS:
-            names = ", ".join(f"{k} ({v})" for k, v in TORCHTITAN_MODELS.items())
-            problems.append(f"{family} for torchtitan, which has no such model (the export covers {names})")
     if not problems:
         return None
-    fix = ",".join(f"{k}={v}" for k, v in fixes.items())
-    fix = f"; fix {'them' if len(fixes) > 1 else 'it'} with --layout {fix}" if fixes else ""
+    keys = ",".join(f"{k}={v}" for k, v in fixes.items())
+    which = "the others" if unfixed else ("them" if len(problems) > 1 else "it")
+    fix = f"; fix {which} with --layout {keys}" if fixes else ""
     return (f"cannot save the chosen layout {'for torchtitan' if export else 'as a plan the runtime runs'}: "
             + "; ".join(problems) + fix)
 

@@ -356,6 +356,8 @@ def _why(est: Estimate, best: Estimate) -> str:
              "exposed dp communication": est.exposed_dp - best.exposed_dp,
              "optimizer step": est.optimizer_time - best.optimizer_time}
     name, delta = max(parts.items(), key=lambda item: item[1])
+    if delta <= 1e-9 * best.step_time:
+        return "the same step within rounding"
     shrank = [(other, d) for other, d in parts.items() if d < 0 and abs(d) >= 0.05 * delta]
     if not shrank:
         return f"{name} +{delta:.3g} s"

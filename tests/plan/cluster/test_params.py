@@ -44,6 +44,7 @@ def test_reads_config_json(tmp_path):
      r"multimodal config whose language model \(qwen2_5_vl_text\) is not modelled"),
     ({"architectures": ["Qwen3MoeForCausalLM"]}, 'no model_type .*Qwen3MoeForCausalLM.*add "model_type": "qwen3_moe"'),
     ({"architectures": ["GPT2LMHeadModel"]}, 'add "model_type": "gpt2"'),
+    ({"architectures": ["Gemma3ForCausalLM"]}, 'add "model_type": "gemma3_text"'),
     ({"hidden_size": 64}, "no model_type: add the model_type transformers writes"),
 ])
 def test_bad_configs(bad, match):

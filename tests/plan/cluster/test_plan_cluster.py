@@ -3,6 +3,7 @@ in memory, CLI errors as one line with exit 2."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -249,14 +250,16 @@ def test_fp8_cast_flag_reaches_the_estimate(config, capsys):
 def test_tp_holds_whole_key_value_heads(capsys):
     """Megatron-Core and torchtitan divide the key/value heads by tp: tp=8 on 4 of them is refused with the largest tp
     that splits both head counts, and the search never tries it."""
-    with pytest.raises(LayoutError, match=r"tp=8 does not split 16 query / 4 key-value heads evenly .* use tp=4"):
+    with pytest.raises(LayoutError, match=r"tp=8 does not split 16 query / 4 key-value heads evenly .* use tp=4, the "
+                                          "largest below 8 that divides both"):
         _plan(layout="dp=1,tp=8,pp=1,vp=1,cp=1,ep=1,mbs=1,fsdp=0,recompute=none,schedule=1f1b")
     result = _plan(runners_up=50)
     assert all(e.layout.tp <= 4 for e in (result.best, *(est for est, _ in result.runners_up)))
 
 
 @pytest.mark.parametrize("options, match", [
-    (dict(selective="deepseek"), "caches activations in FP8, as DeepSeek-V3's FP8 training does"),
+    (dict(selective="deepseek"), "recipe for multi-head latent attention .* the llama model has none"),
+    (dict(selective="deepseek", dtype="fp8"), "recipe for multi-head latent attention"),
     (dict(fp8_cast="dynamic"), "with dtype 'bf16' there are none"),
     (dict(moe_comm="deepseek"), "the llama model has no experts"),
 ])
@@ -279,3 +282,29 @@ def test_recomputing_is_never_priced_faster_nor_holding_more(pp, m):
              ("none", "selective", "full")]
     assert steps[0].step_time <= steps[1].step_time <= steps[2].step_time
     assert steps[0].memory.activations >= steps[1].memory.activations >= steps[2].memory.activations
+
+
+def test_deepseeks_recomputation_needs_its_fp8_training():
+    from tests.plan.cluster.tiny import TINY
+
+    v3 = dict(TINY["deepseek_v3"], model_type="deepseek_v3")
+    with pytest.raises(LayoutError, match="caches activations in FP8, as DeepSeek-V3's FP8 training does"):
+        plan_cluster(v3, "h100", gpus=2, global_batch=8, seq=16, selective="deepseek")
+    assert plan_cluster(v3, "h100", gpus=2, global_batch=8, seq=16, selective="deepseek", dtype="fp8").best
+
+
+def test_a_runner_ups_reason_names_what_grew_and_what_shrank():
+    from pipeloom.plan.cluster.search import _why
+
+    best = _plan(layout="dp=8,tp=1,pp=1,vp=1,cp=1,ep=1,mbs=1,fsdp=0,recompute=none,schedule=1f1b").best
+    other = dataclasses.replace(best, exposed_dp=best.exposed_dp + 0.05, pipeline_time=best.pipeline_time - 0.049)
+    assert _why(other, best) == "exposed dp communication +0.05 s, compute and tp/ep communication -0.049 s"
+    assert _why(dataclasses.replace(best, exposed_dp=best.exposed_dp + 1e-15), best) == "the same step within rounding"
+
+
+def test_the_report_says_which_peak_and_a_limit_above_the_gpu(config, capsys):
+    assert main(["plan", "--model", str(config), "--hardware", "h100", "--gpus", "8", "--global-batch", "32", "--seq",
+                 "4096", "--memory-limit", "100GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "% (of the bf16 peak)" in out and "(fits; the limit is above the h100's 79.6 GiB)" in out
+    assert _plan(memory_limit="40GiB").memory_limit == 40 * GIB  # the Python API takes a size too

@@ -116,7 +116,7 @@ def test_every_reason_a_layout_cannot_be_saved_is_named_at_once():
     result = plan_cluster(moe, "h100", gpus=8, global_batch=16, seq=512, layout=layout)
     message = save_blockers(result, export="torchtitan")
     for part in ("cp=2", "ep=2 with tp=1, fsdp=1", "schedule=dualpipe for torchtitan", "ep=2 for torchtitan",
-                 "mixtral for torchtitan, which has no such model", "fix them with --layout cp=1,fsdp=0,"
+                 "mixtral for torchtitan, which has no such model", "fix the others with --layout cp=1,fsdp=0,"
                  "schedule=dualpipev,ep=1"):
         assert part in message, part
     assert "torchtitan" not in save_blockers(result)
@@ -126,6 +126,10 @@ def test_every_reason_a_layout_cannot_be_saved_is_named_at_once():
                         memory_limit=2**30)
     with pytest.raises(PlanError, match=r"needs .* GiB per GPU, over the 1.0 GiB limit, so a saved plan would not run"):
         runtime_plan(over)
+    both = plan_cluster(small, "h100", gpus=8, global_batch=32, seq=2048, memory_limit=2**30,
+                        layout=FIXED.replace("dp=2", "dp=1").replace("cp=1", "cp=2"))
+    message = save_blockers(both)  # over the limit and cp: both named, the key fixing the one it fixes
+    assert "over the 1.0 GiB limit" in message and message.endswith("; fix the others with --layout cp=1")
 
 
 def _plan_and_save(tmp_path, *extra):
