@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeloom.plan.cluster.family_defaults import FAMILY_DEFAULTS
+from pipeloom.plan.cluster.family_defaults import FAMILY_DEFAULTS, transformers_defaults
 from pipeloom.plan.errors import ModelConfigError
 
 __all__ = ["ModelSpec", "Attention", "Experts", "model_spec", "SUPPORTED_FAMILIES"]
@@ -218,7 +218,14 @@ def model_spec(config: object) -> ModelSpec:
         raise ModelConfigError(f"{family} with use_bidirectional_attention is an encoder; the planner plans causal "
                                "decoders: set use_bidirectional_attention to false")
     data = {**FAMILY_DEFAULTS.get(family, {}), **data}  # what transformers assumes for a field left out
-    spec = _family_spec(data, family)
+    try:
+        spec = _family_spec(data, family)
+    except ModelConfigError as missing:  # a field only transformers' own defaults give (a text_config leaves many)
+        filled = transformers_defaults(data, family)
+        if filled is None:
+            raise ModelConfigError(f"{missing}; add it, or install transformers to take its default") from None
+        data = filled
+        spec = _family_spec(data, family)
     window, layers = _windows(data, family, spec.layers)
     return dataclasses.replace(spec, window=window, window_layers=layers) if layers else spec
 

@@ -3,13 +3,16 @@ configuration classes (transformers 5.x; ``tests/plan/cluster/test_params.py`` c
 version's default config), for the fields :func:`pipeloom.plan.cluster.config.model_spec` reads where the class
 default is not what the reader would otherwise assume (the query heads' count for ``num_key_value_heads``,
 ``hidden_size / num_attention_heads`` for ``head_dim``, no window, no experts, no multi-token prediction, a full q
-projection). A field the config gives, ``null`` included, is read as given."""
+projection). A field the config gives, ``null`` included, is read as given. A config still lacking a field the
+reader needs (the published multimodal checkpoints' ``text_config`` give only what differs from the defaults)
+takes every default from transformers itself where it is installed (:func:`transformers_defaults`)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["FAMILY_DEFAULTS"]
+__all__ = ["FAMILY_DEFAULTS", "transformers_defaults"]
 
 _QWEN = {"sliding_window": 4096, "max_window_layers": 28}  # read only with use_sliding_window
 _GEMMA = {"num_key_value_heads": 4, "head_dim": 256, "sliding_window": 4096}
@@ -35,3 +38,18 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "gpt_oss": {"num_key_value_heads": 8, "head_dim": 64, "sliding_window": 128},
 }
 """Per ``model_type``, the defaults a missing field takes (the families not listed have none that matter)."""
+
+
+def transformers_defaults(data: Mapping[str, Any], family: str) -> dict[str, Any] | None:
+    """``data`` with every field it leaves out as transformers' configuration class for ``family`` sets it (the
+    published multimodal checkpoints' ``text_config`` give only what differs from those defaults); None without
+    transformers, or where it refuses the fields."""
+    try:
+        from transformers import AutoConfig
+    except ImportError:
+        return None
+    try:
+        full = AutoConfig.for_model(family, **{k: v for k, v in data.items() if k != "model_type"}).to_dict()
+    except Exception:  # noqa: BLE001 - whatever transformers refuses, the reader's own message stands
+        return None
+    return {**full, **data}

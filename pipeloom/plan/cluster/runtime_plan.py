@@ -61,6 +61,13 @@ def save_blockers(result: ClusterPlan, *, export: str | None = None) -> str | No
         problems.append(f"ep={layout.ep} with tp={layout.tp}, fsdp={int(layout.fsdp)} (the runtime runs ep with tp=1 "
                         "and fsdp=0 only)")
         fixes.update({key: value for key, value, now in (("tp", 1, layout.tp > 1), ("fsdp", 0, layout.fsdp)) if now})
+    if layout.recompute != "none" and not export and result.best.memory.total <= result.memory_limit:
+        kept = Estimator(result.job).estimate(dataclasses.replace(layout, recompute="none")).memory.total
+        if kept > result.memory_limit:
+            problems.append(f"recompute={layout.recompute}: pipeloom's runtime keeps every activation, and this layout "
+                            f"needs {kept / 2**30:.1f} GiB per GPU so, over the {result.memory_limit / 2**30:.1f} GiB "
+                            "limit (search with --layout recompute=none for a plan it fits)")
+            unfixed += 1
     if layout.tp > 1 and family not in _TP_FAMILIES:
         problems.append(f"tp={layout.tp} on {family} (the tensor-parallel recipe by module name is written for "
                         f"{', '.join(_TP_FAMILIES)}; or pass pipeline(..., parallel=Parallelism(tp_plan=...)) with a "
@@ -80,6 +87,11 @@ def save_blockers(result: ClusterPlan, *, export: str | None = None) -> str | No
             fixes["ep"] = 1
     if not problems:
         return None
+    if fixes.get("schedule") == "dualpipev":
+        fixes["vp"] = 2  # the V places two stages per rank
+    tp, cp = int(fixes.get("tp", layout.tp)), int(fixes.get("cp", layout.cp))
+    if (tp, cp) != (layout.tp, layout.cp) and result.job.gpus % (tp * layout.pp * cp) == 0:
+        fixes["dp"] = result.job.gpus // (tp * layout.pp * cp)  # the GPUs the other keys free
     keys = ",".join(f"{k}={v}" for k, v in fixes.items())
     which = "the others" if unfixed else ("them" if len(problems) > 1 else "it")
     fix = f"; fix {which} with --layout {keys}" if fixes else ""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 from tests.plan.cluster.tiny import TINY, tiny_config
@@ -34,7 +35,6 @@ def test_reads_config_json(tmp_path):
 
 @pytest.mark.parametrize("bad, match", [
     ({"model_type": "t5"}, "not modelled"),
-    ({"model_type": "llama", "hidden_size": 64}, "num_attention_heads"),
     (42, "config.json path"),
     ({"model_type": "gemma3", "text_config": dict(TINY["gemma3_text"], model_type="gemma3_text")},
      "multimodal config; the planner plans its language model: pass its text_config \\(model_type gemma3_text"),
@@ -85,3 +85,16 @@ def test_a_bare_config_reads_as_its_config_object(family):
     field they leave out (GLM-4.5's and DeepSeek-V3's multi-token prediction, Mistral's window) takes
     transformers' default."""
     assert model_spec(dict(TINY[family], model_type=family)) == model_spec(tiny_config(family))
+
+
+def test_a_text_config_takes_transformers_defaults_for_what_it_leaves_out(monkeypatch):
+    """google/gemma-3-4b-it's text_config gives six fields (transformers' defaults fill the rest): read as the config
+    object transformers builds from them. Without transformers, the field the reader needs is named with both fixes."""
+    text = {"model_type": "gemma3_text", "hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 34,
+            "sliding_window": 1024, "rope_scaling": {"factor": 8.0, "rope_type": "linear"}}
+    expected = model_spec(transformers.AutoConfig.for_model("gemma3_text", **{k: v for k, v in text.items()
+                                                                               if k != "model_type"}))
+    assert model_spec(text) == expected and expected.attention.heads == 8 and expected.vocab == 262208
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as if not installed
+    with pytest.raises(ModelConfigError, match="has no num_attention_heads; add it, or install transformers"):
+        model_spec({"model_type": "llama", "hidden_size": 64})

@@ -81,7 +81,7 @@ def test_what_the_runtime_cannot_run_is_refused_by_name():
     cp = plan_cluster(LLAMA, "h100", gpus=8, global_batch=32, seq=2048, layout=FIXED.replace("dp=2", "dp=1")
                       .replace("cp=1", "cp=2"))
     with pytest.raises(PlanError, match=r"cp=2 \(pipeloom's runtime does not run context parallelism yet\); fix it "
-                                        "with --layout cp=1"):
+                                        "with --layout cp=1,dp=2"):
         runtime_plan(cp)
     gpt2 = {"model_type": "gpt2", "n_embd": 1024, "n_layer": 8, "n_head": 16, "vocab_size": 50257,
             "n_positions": 1024}
@@ -117,7 +117,7 @@ def test_every_reason_a_layout_cannot_be_saved_is_named_at_once():
     message = save_blockers(result, export="torchtitan")
     for part in ("cp=2", "ep=2 with tp=1, fsdp=1", "schedule=dualpipe for torchtitan", "ep=2 for torchtitan",
                  "mixtral for torchtitan, which has no such model", "fix the others with --layout cp=1,fsdp=0,"
-                 "schedule=dualpipev,ep=1"):
+                 "schedule=dualpipev,ep=1,vp=2,dp=4"):
         assert part in message, part
     assert "torchtitan" not in save_blockers(result)
     small = dict(LLAMA, num_hidden_layers=4)
@@ -129,7 +129,7 @@ def test_every_reason_a_layout_cannot_be_saved_is_named_at_once():
     both = plan_cluster(small, "h100", gpus=8, global_batch=32, seq=2048, memory_limit=2**30,
                         layout=FIXED.replace("dp=2", "dp=1").replace("cp=1", "cp=2"))
     message = save_blockers(both)  # over the limit and cp: both named, the key fixing the one it fixes
-    assert "over the 1.0 GiB limit" in message and message.endswith("; fix the others with --layout cp=1")
+    assert "over the 1.0 GiB limit" in message and message.endswith("; fix the others with --layout cp=1,dp=2")
 
 
 def _plan_and_save(tmp_path, *extra):
@@ -198,3 +198,18 @@ def test_the_readme_command_plans_llama3_70b_on_64_h100s(capsys):
     assert best["fits"] and best["memory_per_gpu"]["total"] <= 80 * 2**30
     layout = best["layout"]
     assert layout["dp"] * layout["tp"] * layout["pp"] * layout["cp"] == 64
+
+
+def test_a_layout_that_fits_only_by_recomputing_is_not_saved_for_the_runtime():
+    """pipeloom's runtime keeps every activation: a layout that fits the limit only with recomputation would not fit
+    there, so it is refused for the runtime (and the search with recompute=none suggested); one that fits without
+    is saved with a note."""
+    layout = "dp=2,tp=1,pp=1,vp=1,cp=1,ep=1,mbs=1,fsdp=1,recompute=full,schedule=1f1b"
+    full = plan_cluster(LLAMA, "h100", gpus=2, global_batch=8, seq=8192, layout=layout, memory_limit="12GiB")
+    none = plan_cluster(LLAMA, "h100", gpus=2, global_batch=8, seq=8192, layout=layout.replace("full", "none"))
+    assert full.best.memory.total <= 12 * 2**30 < none.best.memory.total
+    message = save_blockers(full)
+    assert f"needs {none.best.memory.total / 2**30:.1f} GiB per GPU so, over the 12.0 GiB limit" in message
+    assert "search with --layout recompute=none" in message and save_blockers(full, export="torchtitan") is None
+    roomy = plan_cluster(LLAMA, "h100", gpus=2, global_batch=8, seq=8192, layout=layout)
+    assert save_blockers(roomy) is None and runtime_plan(roomy).num_ranks == 1
