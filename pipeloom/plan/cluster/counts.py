@@ -24,7 +24,7 @@ from pipeloom.plan.cluster.config import ModelSpec
 
 __all__ = ["Recompute", "RECOMPUTE_MODES", "LayerCounts", "Activations", "layer_counts", "attention_flops",
            "attended_fraction", "model_params", "optimizer_bytes", "mtp_block", "mtp_activations", "layer_kinds",
-           "block_kind", "WINDOWED", "deepseek_activations", "FP8_BYTES"]
+           "block_kind", "WINDOWED", "deepseek_activations", "FP8_BYTES", "op_activations"]
 
 Recompute = Literal["none", "selective", "full"]
 RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
@@ -303,6 +303,25 @@ def optimizer_bytes(params: float, *, shards: int = 1, fsdp: bool = False) -> tu
     if fsdp:
         return weights / shards, grads / shards, states / shards
     return weights, grads, states / shards
+
+
+def op_activations(spec: ModelSpec, *, width: int = 2) -> Activations:
+    """Bytes per token a dense layer keeps under torchtitan's op-level selective checkpointing
+    (``_apply_ac_to_transformer_block``: the layer checkpointed, its policy saving the outputs of the attention
+    kernel and of every matmul "except every second mm", counted per layer; everything else runs again): the
+    layer's input, and of its matmuls in call order (q, k, v, o, then gate, up, down, or up, down) the first,
+    third, ...: q, v, gate and down of a gated layer (k, o and up run again, as the time prices them), the flash
+    kernel's output and log-sum-exp. A row-parallel matmul's output (down) is its partial sum before the
+    reduce-scatter: whole on every tp rank. Un-fused projections, as torchtitan's models are written."""
+    a, h = spec.attention, spec.hidden
+    outputs = [("tensor", a.heads * a.qk_dim), ("tensor", a.kv_heads * a.qk_dim), ("tensor", a.kv_heads * a.v_dim),
+               ("replicated", h)]
+    outputs += ([("tensor", spec.intermediate)] * 2 if spec.gated else [("tensor", spec.intermediate)])
+    outputs.append(("replicated", h))
+    kept = {"tensor": width * a.heads * a.v_dim + _STAT * a.heads, "replicated": 0.0}  # the flash kernel's
+    for where, size in outputs[::2]:
+        kept[where] += width * size
+    return Activations(sequence=float(width * h), tensor=kept["tensor"], replicated=kept["replicated"])
 
 
 FP8_BYTES = 1 + 4 / 128

@@ -21,6 +21,7 @@ from pipeloom.plan.cluster.counts import (
     layer_counts,
     mtp_activations,
     mtp_block,
+    op_activations,
 )
 from pipeloom.plan.cluster.efficiency import (
     DYNAMIC_CAST_BYTES,
@@ -231,11 +232,18 @@ def _moe_times(job: Job, layout: Layout, tokens: int) -> PhaseTimes:
 
 
 def kept_activations(job: Job, counts: LayerCounts, recompute: str) -> Activations:
-    """What one token keeps in a layer of ``counts`` under ``recompute``: the counts' own, or under DeepSeek-V3's
-    selective recomputation (``job.selective == "deepseek"``) :func:`deepseek_activations` for its decoder layers
-    and multi-token-prediction modules."""
-    if recompute != "selective" or job.selective != "deepseek" or counts.kind in ("embedding", "head"):
+    """What one token keeps in a layer of ``counts`` under ``recompute``: the counts' own; under ``selective`` as
+    ``job.selective`` says: every second layer whole (``layer``: half a layer's ``none`` and half its ``full``, on
+    average), torchtitan's op policy in a dense layer (``op``: :func:`op_activations`), or DeepSeek-V3's
+    (``deepseek``: :func:`deepseek_activations` for its decoder layers and multi-token-prediction modules)."""
+    if recompute != "selective" or counts.kind in ("embedding", "head") or job.selective == "attention":
         return counts.activations[recompute]
+    if job.selective == "layer":
+        none, full = counts.activations["none"], counts.activations["full"]
+        return Activations(sequence=(none.sequence + full.sequence) / 2, tensor=(none.tensor + full.tensor) / 2,
+                           replicated=(none.replicated + full.replicated) / 2)
+    if job.selective == "op":
+        return op_activations(job.spec) if block_kind(counts.kind) == "dense" else counts.activations[recompute]
     if counts.kind == "mtp":
         return mtp_activations(job.spec, recompute, deepseek_activations(job.spec, block_kind(mtp_block(job.spec))))
     return deepseek_activations(job.spec, block_kind(counts.kind))

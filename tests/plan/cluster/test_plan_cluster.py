@@ -11,9 +11,11 @@ import pytest
 from pipeloom.cli import main
 from pipeloom.plan.cluster import plan_cluster
 from pipeloom.plan.cluster.config import model_spec
+from pipeloom.plan.cluster.counts import layer_counts, op_activations
 from pipeloom.plan.cluster.estimate import Estimator
 from pipeloom.plan.cluster.gpus import hardware
 from pipeloom.plan.cluster.job import Job
+from pipeloom.plan.cluster.layer_time import kept_activations
 from pipeloom.plan.cluster.layout import LAYOUT_KEYS, Layout, parse_layout
 from pipeloom.plan.cluster.placement import work_bound
 from pipeloom.plan.errors import LayoutError, NoLayoutFits
@@ -308,3 +310,23 @@ def test_the_report_says_which_peak_and_a_limit_above_the_gpu(config, capsys):
     out = capsys.readouterr().out
     assert "% (of the bf16 peak)" in out and "(fits; the limit is above the h100's 79.6 GiB)" in out
     assert _plan(memory_limit="40GiB").memory_limit == 40 * GIB  # the Python API takes a size too
+
+
+def test_each_selective_policy_keeps_its_own_activations():
+    """torchtitan's op policy keeps a dense layer's input, the outputs of its first, third, ... matmuls (q, v, gate,
+    down: down's partial sum whole on every tp rank) and the flash kernel's output and log-sum-exp; its "selective
+    layer" keeps on average half a layer's activations and half its input; each costs time for what it saves."""
+    job = Job(spec=model_spec(SMALL), hw=hardware("h100"), gpus=8, global_batch=32, seq=4096)
+    h, heads, kv, d, inter = 2048, 16, 4, 128, 5632
+    op = op_activations(job.spec)
+    assert (op.sequence, op.tensor, op.replicated) == (2 * h, 2 * (heads * d + kv * d + heads * d + inter) + 4 * heads,
+                                                      2 * h)
+    counts = layer_counts(job.spec, "dense", job.seq)
+    kept = {s: kept_activations(dataclasses.replace(job, selective=s), counts, "selective").per_gpu(tp=2, cp=1, sp=True)
+            for s in ("attention", "op", "layer")}
+    none, full = (counts.activations[m].per_gpu(tp=2, cp=1, sp=True) for m in ("none", "full"))
+    assert kept["layer"] == pytest.approx((none + full) / 2) and full < kept["op"] < kept["attention"] < none
+    estimates = {s: Estimator(dataclasses.replace(job, selective=s)).estimate(
+        Layout(dp=4, tp=2, recompute="selective")) for s in ("attention", "op", "layer")}
+    assert estimates["attention"].step_time < estimates["op"].step_time  # op reruns three matmuls and the rest
+    assert estimates["op"].memory.activations < estimates["attention"].memory.activations
