@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeloom.plan.cluster.config import ModelSpec, model_spec
+from pipeloom.plan.cluster.counts import model_params
 from pipeloom.plan.cluster.efficiency import dtype_bytes
 from pipeloom.plan.cluster.estimate import Estimator
 from pipeloom.plan.cluster.gpus import hardware
@@ -54,7 +55,9 @@ class ClusterPlan:
                          "memory_bandwidth": hw.memory_bandwidth, "scale_up_size": hw.scale_up_size,
                          "scale_up_bandwidth": hw.scale_up_bandwidth, "scale_out_bandwidth": hw.scale_out_bandwidth},
             "model": {"family": self.job.spec.family, "layers": self.job.spec.layers,
-                      "hidden": self.job.spec.hidden, "sliding_window": self.job.spec.window,
+                      "hidden": self.job.spec.hidden, "params": model_params(self.job.spec),
+                      "experts": self.job.spec.experts.count if self.job.spec.experts else 0,
+                      "sliding_window": self.job.spec.window,
                       "sliding_window_layers": list(self.job.spec.window_layers)},
             "gpus": self.job.gpus, "global_batch": self.job.global_batch, "seq": self.job.seq,
             "dtype": self.job.dtype, "memory_limit": self.memory_limit, "candidates": self.candidates,

@@ -139,13 +139,15 @@ class Job:
     def _check_applies(self) -> None:
         """LayoutError for a framework choice this job has nothing to apply to (it would change nothing, or price
         what the framework does not do)."""
-        if self.selective == "deepseek" and not self.spec.attention.latent:
-            raise LayoutError(f"selective='deepseek' is DeepSeek-V3's recipe for multi-head latent attention (its "
-                              f"up-projections recomputed from the cached latents); the {self.spec.family} model has "
-                              "none: use selective 'attention' or 'op'")
-        if self.selective == "deepseek" and self.dtype != "fp8":
-            raise LayoutError("selective='deepseek' caches activations in FP8, as DeepSeek-V3's FP8 training does; use "
-                              "it with dtype 'fp8' (--dtype fp8), or another selective policy")
+        if self.selective == "deepseek":
+            reasons = [why for why, wrong in (
+                (f"the {self.spec.family} model has no multi-head latent attention, whose up-projections it "
+                 "recomputes", not self.spec.attention.latent),
+                (f"it caches activations in FP8, as DeepSeek-V3's FP8 training does, and the GEMMs are {self.dtype} "
+                 "(--dtype fp8)", self.dtype != "fp8")) if wrong]
+            if reasons:
+                raise LayoutError("selective='deepseek' is DeepSeek-V3's recipe: " + "; ".join(reasons)
+                                  + "; use selective 'attention' or 'op' otherwise")
         if self.fp8_cast != "cached" and self.dtype != "fp8":
             raise LayoutError(f"fp8_cast={self.fp8_cast!r} prices FP8 GEMMs' casts; with dtype {self.dtype!r} there "
                               "are none: add --dtype fp8 or leave --fp8-cast out")

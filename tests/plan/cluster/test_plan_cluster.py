@@ -11,7 +11,7 @@ import pytest
 from pipeloom.cli import main
 from pipeloom.plan.cluster import plan_cluster
 from pipeloom.plan.cluster.config import model_spec
-from pipeloom.plan.cluster.counts import layer_counts, op_activations
+from pipeloom.plan.cluster.counts import layer_counts, model_params, op_activations
 from pipeloom.plan.cluster.estimate import Estimator
 from pipeloom.plan.cluster.gpus import hardware
 from pipeloom.plan.cluster.job import Job
@@ -55,6 +55,7 @@ def test_json_schema(config, capsys):
     tokens = 32 * 4096 / (data["best"]["step_time"] * 8)
     assert data["best"]["tokens_per_gpu_per_second"] == pytest.approx(tokens)
     assert sum(data["best"]["stage_layers"]) == 16 and len(data["best"]["stage_layers"]) == layout["pp"] * layout["vp"]
+    assert data["model"]["params"] == model_params(model_spec(SMALL)) and data["model"]["experts"] == 0
 
 
 def test_text_report(config, capsys):
@@ -260,8 +261,10 @@ def test_tp_holds_whole_key_value_heads(capsys):
 
 
 @pytest.mark.parametrize("options, match", [
-    (dict(selective="deepseek"), "recipe for multi-head latent attention .* the llama model has none"),
-    (dict(selective="deepseek", dtype="fp8"), "recipe for multi-head latent attention"),
+    (dict(selective="deepseek"), "the llama model has no multi-head latent attention.*; it caches activations in "
+                                 "FP8.* the GEMMs are bf16"),
+    (dict(selective="deepseek", dtype="fp8"), "no multi-head latent attention, whose up-projections it recomputes; "
+                                              "use"),
     (dict(fp8_cast="dynamic"), "with dtype 'bf16' there are none"),
     (dict(moe_comm="deepseek"), "the llama model has no experts"),
 ])
