@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeloom.plan.cluster.family_defaults import FAMILY_DEFAULTS, transformers_defaults
+from pipeloom.plan.cluster.family_defaults import FAMILY_DEFAULTS
 from pipeloom.plan.errors import ModelConfigError
 
 __all__ = ["ModelSpec", "Attention", "Experts", "model_spec", "SUPPORTED_FAMILIES"]
@@ -217,17 +217,19 @@ def model_spec(config: object) -> ModelSpec:
     if data.get("use_bidirectional_attention"):
         raise ModelConfigError(f"{family} with use_bidirectional_attention is an encoder; the planner plans causal "
                                "decoders: set use_bidirectional_attention to false")
-    data = {**FAMILY_DEFAULTS.get(family, {}), **data}  # what transformers assumes for a field left out
-    try:
-        spec = _family_spec(data, family)
-    except ModelConfigError as missing:  # a field only transformers' own defaults give (a text_config leaves many)
-        filled = transformers_defaults(data, family)
-        if filled is None:
-            raise ModelConfigError(f"{missing}; add it, or install transformers to take its default") from None
-        data = filled
-        spec = _family_spec(data, family)
+    data = {**{key: value for key, value in FAMILY_DEFAULTS.get(family, {}).items()  # transformers' defaults for
+               if not any(name in data for name in _ALIASES.get(key, (key,)))}, **data}  # the fields left out
+    spec = _family_spec(data, family)
     window, layers = _windows(data, family, spec.layers)
     return dataclasses.replace(spec, window=window, window_layers=layers) if layers else spec
+
+
+_ALIASES = {name: group for group in (("num_experts", "num_local_experts"), ("n_embd", "hidden_size"),
+                                      ("n_head", "num_attention_heads"), ("n_layer", "num_hidden_layers"),
+                                      ("n_positions", "max_position_embeddings"))
+            for name in group}
+"""Fields the reader takes under either name (a config's ``to_dict()`` may write the other): a default for one is
+not taken where the config gives the other."""
 
 
 def _guess(architectures: object) -> str:

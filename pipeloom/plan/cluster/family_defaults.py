@@ -1,55 +1,79 @@
 """What transformers assumes for a config field a config.json leaves out, per ``model_type``: the defaults of its
 configuration classes (transformers 5.x; ``tests/plan/cluster/test_params.py`` checks each against the installed
-version's default config), for the fields :func:`pipeloom.plan.cluster.config.model_spec` reads where the class
-default is not what the reader would otherwise assume (the query heads' count for ``num_key_value_heads``,
-``hidden_size / num_attention_heads`` for ``head_dim``, no window, no experts, no multi-token prediction, a full q
-projection). A field the config gives, ``null`` included, is read as given. A config still lacking a field the
-reader needs (the published multimodal checkpoints' ``text_config`` give only what differs from the defaults)
-takes every default from transformers itself where it is installed (:func:`transformers_defaults`)."""
+version), for every field :func:`pipeloom.plan.cluster.config.model_spec` reads that the class sets (a field the
+class leaves to its post-init, such as ``num_key_value_heads`` = the query heads or ``head_dim`` = hidden / heads,
+the reader derives the same way). The published multimodal checkpoints' ``text_config`` give only what differs
+from these. A field the config gives, ``null`` included, is read as given. The planner reads configs without
+importing transformers (it plans clusters it does not run on), so the defaults are data here."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["FAMILY_DEFAULTS", "transformers_defaults"]
-
-_QWEN = {"sliding_window": 4096, "max_window_layers": 28}  # read only with use_sliding_window
-_GEMMA = {"num_key_value_heads": 4, "head_dim": 256, "sliding_window": 4096}
+__all__ = ["FAMILY_DEFAULTS"]
 
 FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
-    "mistral": {"num_key_value_heads": 8, "sliding_window": 4096},
-    "qwen2": {**_QWEN, "num_key_value_heads": 32},
-    "qwen3": {**_QWEN, "num_key_value_heads": 32, "head_dim": 128},
-    "gemma": {"num_key_value_heads": 16, "head_dim": 256},
-    "gemma2": _GEMMA,
-    "gemma3_text": _GEMMA,
-    "olmo3": {"sliding_window": 4096},
-    "starcoder2": {"num_key_value_heads": 2},
-    "mixtral": {"num_key_value_heads": 8},
-    "qwen2_moe": {**_QWEN, "num_key_value_heads": 16, "shared_expert_intermediate_size": 5632},
-    "qwen3_moe": {"sliding_window": 4096, "num_key_value_heads": 4},  # every layer windowed: no max_window_layers
-    "deepseek_v2": {"n_routed_experts": 64, "n_shared_experts": 2, "q_lora_rank": 1536},
-    "deepseek_v3": {"num_key_value_heads": 128, "n_routed_experts": 256, "n_shared_experts": 1,
-                    "first_k_dense_replace": 3, "n_group": 8, "topk_group": 4, "q_lora_rank": 1536,
-                    "num_nextn_predict_layers": 1},
-    "glm4_moe": {"num_key_value_heads": 8, "n_routed_experts": 128, "n_shared_experts": 1, "first_k_dense_replace": 1,
-                 "n_group": 1, "topk_group": 1, "num_nextn_predict_layers": 1},
-    "gpt_oss": {"num_key_value_heads": 8, "head_dim": 64, "sliding_window": 128},
+    "llama": {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
+              "vocab_size": 32000, "attention_bias": False, "mlp_bias": False},
+    "mistral": {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+                "num_key_value_heads": 8, "vocab_size": 32000, "sliding_window": 4096},
+    "qwen2": {"hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32, "num_attention_heads": 32,
+              "num_key_value_heads": 32, "vocab_size": 151936, "sliding_window": 4096, "use_sliding_window": False,
+              "max_window_layers": 28},
+    "qwen3": {"hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32, "num_attention_heads": 32,
+              "num_key_value_heads": 32, "head_dim": 128, "vocab_size": 151936, "sliding_window": 4096,
+              "use_sliding_window": False, "max_window_layers": 28, "attention_bias": False},
+    "gemma": {"hidden_size": 3072, "intermediate_size": 24576, "num_hidden_layers": 28, "num_attention_heads": 16,
+              "num_key_value_heads": 16, "head_dim": 256, "vocab_size": 256000, "attention_bias": False},
+    "gemma2": {"hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26, "num_attention_heads": 8,
+               "num_key_value_heads": 4, "head_dim": 256, "vocab_size": 256000, "sliding_window": 4096,
+               "attention_bias": False},
+    "gemma3_text": {"hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+                    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "vocab_size": 262208,
+                    "sliding_window": 4096, "attention_bias": False},
+    "granite": {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
+                "vocab_size": 32000, "attention_bias": False, "mlp_bias": False},
+    "phi3": {"hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 32, "num_attention_heads": 32,
+             "vocab_size": 32064},
+    "olmo2": {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
+              "vocab_size": 50304, "attention_bias": False},
+    "olmo3": {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
+              "vocab_size": 50304, "sliding_window": 4096, "attention_bias": False},
+    "starcoder2": {"hidden_size": 3072, "intermediate_size": 12288, "num_hidden_layers": 30,
+                   "num_attention_heads": 24, "num_key_value_heads": 2, "vocab_size": 49152, "use_bias": True},
+    "gpt2": {"vocab_size": 50257, "n_embd": 768, "n_layer": 12, "n_head": 12, "n_positions": 1024},
+    "gpt_neox": {"hidden_size": 6144, "intermediate_size": 24576, "num_hidden_layers": 44, "num_attention_heads": 64,
+                 "vocab_size": 50432, "attention_bias": True, "use_parallel_residual": True},
+    "mixtral": {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+                "num_key_value_heads": 8, "vocab_size": 32000, "num_local_experts": 8, "num_experts_per_tok": 2},
+    "qwen2_moe": {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 24, "num_attention_heads": 16,
+                  "num_key_value_heads": 16, "vocab_size": 151936, "sliding_window": 4096,
+                  "use_sliding_window": False, "max_window_layers": 28, "qkv_bias": True, "num_experts": 60,
+                  "num_experts_per_tok": 4, "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,
+                  "decoder_sparse_step": 1},
+    "qwen3_moe": {"hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 24, "num_attention_heads": 32,
+                  "num_key_value_heads": 4, "vocab_size": 151936, "sliding_window": 4096,
+                  "use_sliding_window": False, "attention_bias": False, "num_experts": 128, "num_experts_per_tok": 8,
+                  "moe_intermediate_size": 768, "decoder_sparse_step": 1},
+    "deepseek_v2": {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+                    "num_attention_heads": 32, "vocab_size": 102400, "attention_bias": False, "mlp_bias": False,
+                    "moe_intermediate_size": 1407, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+                    "v_head_dim": 128, "q_lora_rank": 1536, "kv_lora_rank": 512, "n_routed_experts": 64,
+                    "n_shared_experts": 2, "first_k_dense_replace": 0},
+    "deepseek_v3": {"hidden_size": 7168, "intermediate_size": 18432, "num_hidden_layers": 61,
+                    "num_attention_heads": 128, "num_key_value_heads": 128, "vocab_size": 129280,
+                    "attention_bias": False, "num_experts_per_tok": 8, "moe_intermediate_size": 2048,
+                    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "q_lora_rank": 1536,
+                    "kv_lora_rank": 512, "n_routed_experts": 256, "n_shared_experts": 1, "n_group": 8,
+                    "topk_group": 4, "first_k_dense_replace": 3, "num_nextn_predict_layers": 1},
+    "glm4_moe": {"hidden_size": 4096, "intermediate_size": 10944, "num_hidden_layers": 46, "num_attention_heads": 96,
+                 "num_key_value_heads": 8, "vocab_size": 151552, "attention_bias": False, "use_qk_norm": False,
+                 "num_experts_per_tok": 8, "moe_intermediate_size": 1408, "n_routed_experts": 128,
+                 "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
+                 "num_nextn_predict_layers": 1},
+    "gpt_oss": {"hidden_size": 2880, "intermediate_size": 2880, "num_hidden_layers": 36, "num_attention_heads": 64,
+                "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 201088, "sliding_window": 128,
+                "attention_bias": True, "num_local_experts": 128, "num_experts_per_tok": 4},
 }
-"""Per ``model_type``, the defaults a missing field takes (the families not listed have none that matter)."""
+"""Per ``model_type``, the value a field the config leaves out takes."""
 
-
-def transformers_defaults(data: Mapping[str, Any], family: str) -> dict[str, Any] | None:
-    """``data`` with every field it leaves out as transformers' configuration class for ``family`` sets it (the
-    published multimodal checkpoints' ``text_config`` give only what differs from those defaults); None without
-    transformers, or where it refuses the fields."""
-    try:
-        from transformers import AutoConfig
-    except ImportError:
-        return None
-    try:
-        full = AutoConfig.for_model(family, **{k: v for k, v in data.items() if k != "model_type"}).to_dict()
-    except Exception:  # noqa: BLE001 - whatever transformers refuses, the reader's own message stands
-        return None
-    return {**full, **data}
