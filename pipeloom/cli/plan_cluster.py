@@ -150,7 +150,7 @@ def cmd_plan_cluster(args: argparse.Namespace) -> int:
     finally:
         if progress is not None:
             print("\r\033[K", end="", file=sys.stderr, flush=True)
-    written = _save(args, result) if args.save else []
+    written = [*_unused(args, result.best.layout), *(_save(args, result) if args.save else [])]
     if args.json:
         print(json.dumps(result.as_dict(), indent=2))
     else:
@@ -158,6 +158,19 @@ def cmd_plan_cluster(args: argparse.Namespace) -> int:
     for line in written:
         print(line, file=sys.stderr if args.json else sys.stdout)
     return 0
+
+
+def _unused(args: argparse.Namespace, layout) -> list[str]:
+    """Notes for framework options given that change nothing on the chosen layout (they are priced where the
+    search tries a layout they apply to, so they are not refused)."""
+    unused = [(args.tp_overlap and layout.tp == 1, "--tp-overlap", "tp=1"),
+              (not args.sequence_parallel and layout.tp == 1, "--no-sequence-parallel", "tp=1"),
+              (args.cp_rotate != "ring" and layout.cp == 1, f"--cp-rotate {args.cp_rotate}", "cp=1"),
+              (args.moe_comm != "plain" and layout.ep == 1, f"--moe-comm {args.moe_comm}", "ep=1"),
+              (args.selective != "attention" and layout.recompute != "selective", f"--selective {args.selective}",
+               f"recompute={layout.recompute}")]
+    return [f"note: {flag} changes nothing on the chosen layout, which runs {why}" for given, flag, why in unused
+            if given]
 
 
 def _save(args: argparse.Namespace, result) -> list[str]:

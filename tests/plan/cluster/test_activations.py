@@ -23,7 +23,9 @@ Which expert a token picks depends on the data, but each token picks top_k disti
 add up to exactly tokens x top_k and the per-layer totals are exact. Eager keeps per routed copy, beyond the
 model's, act(gate) * up (I), the weighted output that ``index_add_`` keeps as its source (h), and a second
 int64 (``nonzero`` gives the token and its top-k slot); per token, its router's own extras (:func:`_router_extra`;
-GLM-4.5's router is DeepSeek-V3's).
+GLM-4.5's router is DeepSeek-V3's). Only what the graph still holds once the forward is done counts: a branch
+nothing reads afterwards (a top-k whose values are dropped) frees what it saved, and its addresses go to later
+tensors.
 gpt-oss's clamped SwiGLU (``(clamp(up) + 1) * clamp(gate) * sigmoid(alpha * clamp(gate))``) keeps three more
 I-wide tensors per copy in eager code (the clamped gate, the sigmoid, ``clamp(up) + 1``), and its eager attention
 with sinks keeps the probabilities with the sink column (s + 1 per query and head) and the int64 argmax of the
@@ -37,6 +39,8 @@ keeps that whole storage (k's no-rope part too).
 """
 
 from __future__ import annotations
+
+import weakref
 
 import pytest
 from tests.plan.cluster.tiny import tiny_config
@@ -99,13 +103,11 @@ def _saved_per_layer(family, mode, attention="sdpa", **overrides):
     model.train()
     fixed = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
     current = [None]
-    saved: dict[int | None, dict[int, int]] = {}
+    packed: list[tuple[int | None, weakref.ref]] = []
 
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in fixed:
-            saved.setdefault(current[0], {})[storage.data_ptr()] = storage.nbytes()
-        return tensor
+    def pack(tensor):  # counted once the forward is done, among the tensors the graph still holds: a graph branch
+        packed.append((current[0], weakref.ref(tensor)))  # nothing reads (a top-k's unused values) frees what it
+        return tensor  # saved, and its addresses go to later tensors
 
     for n, layer in enumerate(model.get_submodule(LAYER_PREFIX.get(family, "model.layers"))):
         layer.register_forward_pre_hook(lambda module, args, n=n: current.__setitem__(0, n))
@@ -113,7 +115,14 @@ def _saved_per_layer(family, mode, attention="sdpa", **overrides):
     ids = torch.randint(0, config.vocab_size, (BATCH, SEQ))
     x = model.get_input_embeddings()(ids).detach().requires_grad_()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        model(inputs_embeds=x, labels=ids)
+        output = model(inputs_embeds=x, labels=ids)  # the graph, and what it saved, alive while counted
+    saved: dict[int | None, dict[int, int]] = {}
+    for n, ref in packed:
+        tensor = ref()
+        if tensor is not None and tensor.untyped_storage().data_ptr() not in fixed:
+            storage = tensor.untyped_storage()
+            saved.setdefault(n, {})[storage.data_ptr()] = storage.nbytes()
+    del output
     layers = [saved.get(n, {}) for n in range(config.num_hidden_layers)]
     shared = {key for n, one in enumerate(layers) for m, other in enumerate(layers) if m != n for key in one
               if key in other}
@@ -151,13 +160,11 @@ def _eager_extra(spec, mode, kind="dense", config=None, attention="sdpa"):
 
 def _router_extra(config):
     """Bytes per token a router of transformers keeps beyond the probabilities and the top-k indices: the top-k
-    values and their sum where it renormalises them (Mixtral always), DeepSeek-V3's group-limited choice (the
-    top-2 indices within each group, the chosen groups, the experts' mask as bools)."""
+    values and their sum where it renormalises them (Mixtral always). DeepSeek-V3's and GLM-4.5's group-limited
+    choice saves its top-2 indices within each group, the chosen groups and the experts' mask while it runs, but
+    nothing reads that branch's values afterwards, so the graph frees them with it: not kept."""
     k = config.num_experts_per_tok
-    extra = _STAT * (k + 1) if config.model_type == "mixtral" or getattr(config, "norm_topk_prob", False) else 0
-    if config.model_type in ("deepseek_v3", "glm4_moe"):
-        extra += _INDEX * (2 * config.n_group + config.topk_group) + config.n_routed_experts
-    return extra
+    return _STAT * (k + 1) if config.model_type == "mixtral" or getattr(config, "norm_topk_prob", False) else 0
 
 
 def _gemma_scales(spec, mode):

@@ -333,3 +333,16 @@ def test_each_selective_policy_keeps_its_own_activations():
         Layout(dp=4, tp=2, recompute="selective")) for s in ("attention", "op", "layer")}
     assert estimates["attention"].step_time < estimates["op"].step_time  # op reruns three matmuls and the rest
     assert estimates["op"].memory.activations < estimates["attention"].memory.activations
+
+
+def test_options_that_change_nothing_on_the_chosen_layout_are_noted(config, capsys):
+    argv = ["plan", "--model", str(config), "--hardware", "h100", "--gpus", "8", "--global-batch", "32", "--seq",
+            "4096",
+            "--layout", "dp=8,tp=1,pp=1,vp=1,cp=1,ep=1,mbs=1,fsdp=0,recompute=none,schedule=1f1b"]
+    assert main([*argv, "--tp-overlap", "--cp-rotate", "allgather", "--selective", "op"]) == 0
+    out = capsys.readouterr().out
+    for note in ("note: --tp-overlap changes nothing on the chosen layout, which runs tp=1",
+                 "note: --cp-rotate allgather changes nothing on the chosen layout, which runs cp=1",
+                 "note: --selective op changes nothing on the chosen layout, which runs recompute=none"):
+        assert note in out
+    assert main(argv) == 0 and "note:" not in capsys.readouterr().out
