@@ -21,9 +21,6 @@ __all__ = ["ModelSpec", "Attention", "Experts", "model_spec", "SUPPORTED_FAMILIE
 
 _DENSE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "granite", "phi3", "olmo2", "olmo3",
           "starcoder2", "gpt2", "gpt_neox")
-_GEMMA = ("gemma", "gemma2", "gemma3_text")
-_TIED = (*_GEMMA, "starcoder2")
-"""Families whose config ties the head to the embedding when ``tie_word_embeddings`` is absent."""
 _OLMO = ("olmo2", "olmo3")
 _MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss")
 SUPPORTED_FAMILIES: tuple[str, ...] = _DENSE + _MOE
@@ -288,7 +285,7 @@ def _family_spec(data: Mapping[str, Any], family: str) -> ModelSpec:
     layers = int(_get(data, "num_hidden_layers"))
     head_dim = int(data.get("head_dim") or hidden // heads)
     common: dict[str, Any] = dict(family=family, hidden=hidden, layers=layers, vocab=int(_get(data, "vocab_size")),
-                  tied=bool(data.get("tie_word_embeddings", family in _TIED)))
+                  tied=bool(data.get("tie_word_embeddings", False)))
     if family == "gpt_neox":
         bias = bool(data.get("attention_bias", True))
         attention = Attention(heads=heads, kv_heads=heads, qk_dim=head_dim, v_dim=head_dim, qkv_bias=bias, o_bias=bias)
@@ -302,7 +299,7 @@ def _family_spec(data: Mapping[str, Any], family: str) -> ModelSpec:
         return ModelSpec(**common, attention=attention, intermediate=int(_get(data, "intermediate_size")),
                          gated=False, mlp_bias=bias, layer_norm=True)
     if family.startswith("deepseek") or family == "glm4_moe":
-        return _deepseek(data, common, heads)
+        return _deepseek(data, common, heads, head_dim)
     if family == "gpt_oss":
         return _gpt_oss(data, common, heads, head_dim)
     kv_heads = int(data.get("num_key_value_heads") or heads)
@@ -340,16 +337,16 @@ def _gpt2(data: Mapping[str, Any]) -> ModelSpec:
     return ModelSpec(family="gpt2", hidden=hidden, layers=int(_get(data, "n_layer", "num_hidden_layers")),
                      vocab=int(_get(data, "vocab_size")), attention=attention,
                      intermediate=int(data.get("n_inner") or 4 * hidden), gated=False, mlp_bias=True,
-                     layer_norm=True, tied=bool(data.get("tie_word_embeddings", True)),
+                     layer_norm=True, tied=bool(data.get("tie_word_embeddings", False)),
                      positions=int(_get(data, "n_positions", "max_position_embeddings")))
 
 
-def _deepseek(data: Mapping[str, Any], common: dict[str, Any], heads: int) -> ModelSpec:
-    """DeepSeek-V2/V3 (MLA attention) and GLM-4.5 (``glm4_moe``: grouped-query attention, q/k norms per head with
-    ``use_qk_norm``): shared experts, the first ``first_k_dense_replace`` layers dense, group-limited routing, and
-    ``num_nextn_predict_layers`` multi-token-prediction modules (0 where the config has no such field)."""
+def _deepseek(data: Mapping[str, Any], common: dict[str, Any], heads: int, head_dim: int) -> ModelSpec:
+    """DeepSeek-V2/V3 (MLA attention) and GLM-4.5 (``glm4_moe``: grouped-query attention of ``head_dim``, q/k norms
+    per head with ``use_qk_norm``): shared experts, the first ``first_k_dense_replace`` layers dense, group-limited
+    routing, and ``num_nextn_predict_layers`` multi-token-prediction modules (the family's default where the config
+    leaves the field out: one for DeepSeek-V3 and GLM-4.5, none for DeepSeek-V2)."""
     if common["family"] == "glm4_moe":
-        head_dim = int(data.get("head_dim") or common["hidden"] // heads)
         attention = Attention(heads=heads, kv_heads=int(data.get("num_key_value_heads") or heads), qk_dim=head_dim,
                               v_dim=head_dim, qkv_bias=bool(data.get("attention_bias", False)),
                               qk_norm=bool(data.get("use_qk_norm", False)))

@@ -12,6 +12,7 @@ from itertools import accumulate
 from typing import TYPE_CHECKING
 
 from pipeloom.plan.cluster.estimate import Estimator
+from pipeloom.plan.cluster.layout import Layout
 from pipeloom.plan.errors import PlanError
 from pipeloom.plan.plan import Plan
 
@@ -120,20 +121,20 @@ def runtime_plan(result: ClusterPlan) -> Plan:
     if job.global_batch % samples:
         raise PlanError(f"global batch {job.global_batch} is not a multiple of dp {layout.dp} x mbs {layout.mbs}")
     options = {"stages_per_rank": layout.vp} if layout.schedule == "interleaved-1f1b" else {}
+    estimator = Estimator(job)  # one for the ranks' memory and the stages' times: they share its stage pricing
     return Plan(num_ranks=layout.pp, split_points=split_points, schedule=layout.schedule, schedule_options=options,
                 microbatches=job.global_batch // samples, global_batch=job.global_batch,
-                predicted_step_time=best.step_time, peak_memory=Estimator(job).rank_memory(layout),
-                stage_times=_stage_times(result),
+                predicted_step_time=best.step_time, peak_memory=estimator.rank_memory(layout),
+                stage_times=_stage_times(estimator, layout),
                 memory_limit=result.memory_limit, bubble_ratio=best.bubble, device=job.hw.name,
                 data_parallel=layout.dp, sharding="fsdp" if layout.fsdp else "replicate",
                 tensor_parallel=layout.tp, tp_plan=tp_plan, expert_parallel=layout.ep)
 
 
-def _stage_times(result: ClusterPlan) -> tuple[float, ...]:
+def _stage_times(estimator: Estimator, layout: Layout) -> tuple[float, ...]:
     """Seconds per micro-batch of each model stage (F + I + W as the estimate priced them; one copy's under
     DualPipe)."""
-    layout = result.best.layout
-    times = Estimator(result.job).stages(layout)[0]
+    times = estimator.stages(layout)[0]
     return tuple(t.f + t.i + t.w for t in times[:layout.stages])
 
 
