@@ -176,13 +176,14 @@ def _unused(args: argparse.Namespace, layout) -> list[str]:
 def _save(args: argparse.Namespace, result) -> list[str]:
     """``--save`` (and ``--export torchtitan``): the chosen layout as the runtime's plan file, the lines that say
     so and what the runtime runs differently; a layout the runtime cannot run is refused before anything is written."""
-    from pipeloom.plan.cluster.runtime_plan import runtime_notes, runtime_plan, save_blockers, torchtitan_plan
+    from pipeloom.plan.cluster.runtime_plan import runtime_notes, runtime_plan, torchtitan_plan
+    from pipeloom.plan.errors import PlanError
     from pipeloom.plan.plan import save_plan
 
-    blockers = save_blockers(result, export=args.export)
-    if blockers:
-        raise UsageError(blockers)
-    plan = runtime_plan(result)
+    try:
+        plan = runtime_plan(result, export=args.export)
+    except PlanError as error:  # what the layout or the export cannot run: the user's --layout to change
+        raise UsageError(str(error)) from None
     written = []
     if args.export == "torchtitan":
         from pipeloom.schedules import build_schedule

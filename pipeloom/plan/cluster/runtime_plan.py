@@ -62,13 +62,13 @@ def save_blockers(result: ClusterPlan, *, export: str | None = None) -> str | No
         problems.append(f"ep={layout.ep} with tp={layout.tp}, fsdp={int(layout.fsdp)} (the runtime runs ep with tp=1 "
                         "and fsdp=0 only)")
         fixes.update({key: value for key, value, now in (("tp", 1, layout.tp > 1), ("fsdp", 0, layout.fsdp)) if now})
-    if layout.recompute != "none" and not export and result.best.memory.total <= result.memory_limit:
-        kept = Estimator(result.job).estimate(dataclasses.replace(layout, recompute="none")).memory.total
-        if kept > result.memory_limit:
-            problems.append(f"recompute={layout.recompute}: pipeloom's runtime keeps every activation, and this layout "
-                            f"needs {kept / 2**30:.1f} GiB per GPU so, over the {result.memory_limit / 2**30:.1f} GiB "
-                            "limit (search with --layout recompute=none for a plan it fits)")
-            unfixed += 1
+    kept = _kept_over_limit(result) if not export and result.best.memory.total <= result.memory_limit else None
+    if kept is not None:  # torchtitan recomputes as the plan says: only pipeloom's runtime is refused
+        problems.append(f"recompute={layout.recompute}: pipeloom's runtime keeps every activation, and this layout "
+                        f"needs {kept / 2**30:.1f} GiB per GPU so, over the {result.memory_limit / 2**30:.1f} GiB "
+                        "limit (search with --layout recompute=none for a plan it fits, or --export torchtitan, "
+                        "which recomputes)")
+        unfixed += 1
     if layout.tp > 1 and family not in _TP_FAMILIES:
         problems.append(f"tp={layout.tp} on {family} (the tensor-parallel recipe by module name is written for "
                         f"{', '.join(_TP_FAMILIES)}; or pass pipeline(..., parallel=Parallelism(tp_plan=...)) with a "
@@ -100,12 +100,22 @@ def save_blockers(result: ClusterPlan, *, export: str | None = None) -> str | No
             + "; ".join(problems) + fix)
 
 
-def runtime_plan(result: ClusterPlan) -> Plan:
-    """``result``'s chosen layout as a plan (``pipeloom.plan/1``, ``/2`` with ep); PlanError naming everything the
-    runtime cannot run (:func:`save_blockers`)."""
+def _kept_over_limit(result: ClusterPlan) -> float | None:
+    """Bytes per GPU the chosen layout needs with every activation kept (as pipeloom's runtime keeps them), where
+    that is over the memory limit; None where it fits or the layout recomputes nothing."""
+    layout = result.best.layout
+    if layout.recompute == "none":
+        return None
+    kept = Estimator(result.job).estimate(dataclasses.replace(layout, recompute="none")).memory.total
+    return kept if kept > result.memory_limit else None
+
+
+def runtime_plan(result: ClusterPlan, *, export: str | None = None) -> Plan:
+    """``result``'s chosen layout as a plan (``pipeloom.plan/1``, ``/2`` with ep), to run with pipeloom's runtime or,
+    with ``export``, with that framework; PlanError naming everything that cannot run it (:func:`save_blockers`)."""
     job, best = result.job, result.best
     layout = best.layout
-    blockers = save_blockers(result)
+    blockers = save_blockers(result, export=export)
     if blockers:
         raise PlanError(blockers)
     family = job.spec.family
@@ -142,7 +152,12 @@ def runtime_notes(result: ClusterPlan) -> list[str]:
     """What the runtime runs differently from the plan's prediction (said next to a saved plan)."""
     layout = result.best.layout
     notes = []
-    if layout.recompute != "none":
+    kept = _kept_over_limit(result)
+    if kept is not None:  # saved for an export that recomputes (save_blockers refuses it otherwise)
+        notes.append(f"the plan fits only with recompute={layout.recompute}: pipeloom's runtime keeps every "
+                     f"activation and would need {kept / 2**30:.1f} GiB per GPU, over the "
+                     f"{result.memory_limit / 2**30:.1f} GiB limit; train it with the exported torchtitan settings")
+    elif layout.recompute != "none":
         notes.append(f"the plan assumes recompute={layout.recompute}; pipeloom's runtime keeps every activation, so "
                      "running it there needs more memory than predicted")
     if result.job.dtype != "bf16":

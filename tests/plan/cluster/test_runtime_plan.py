@@ -213,3 +213,25 @@ def test_a_layout_that_fits_only_by_recomputing_is_not_saved_for_the_runtime():
     assert "search with --layout recompute=none" in message and save_blockers(full, export="torchtitan") is None
     roomy = plan_cluster(LLAMA, "h100", gpus=2, global_batch=8, seq=8192, layout=layout)
     assert save_blockers(roomy) is None and runtime_plan(roomy).num_ranks == 1
+
+
+def test_a_layout_that_fits_only_by_recomputing_is_exported_for_torchtitan(tmp_path, capsys):
+    """torchtitan recomputes as the plan says: with --export torchtitan the same layout is saved, the plan file and
+    torchtitan's files both written, and the note says how much pipeloom's own runtime would need; without the
+    export the command refuses it and writes nothing."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(LLAMA))
+    save = tmp_path / "plan.json"
+    command = ["plan", "--model", str(config), "--hardware", "h100", "--gpus", "2", "--global-batch", "8", "--seq",
+               "8192", "--layout", "dp=2,tp=1,pp=1,vp=1,cp=1,ep=1,mbs=1,fsdp=1,recompute=full,schedule=1f1b",
+               "--memory-limit", "12GiB", "--save", str(save)]
+    assert main(command) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "or --export torchtitan, which recomputes" in err[0] and not save.exists()
+    assert main([*command, "--export", "torchtitan"]) == 0
+    out = capsys.readouterr().out
+    kept = plan_cluster(LLAMA, "h100", gpus=2, global_batch=8, seq=8192, memory_limit="12GiB",
+                        layout="dp=2,tp=1,pp=1,vp=1,cp=1,ep=1,mbs=1,fsdp=1,recompute=none,schedule=1f1b")
+    assert (f"note: the plan fits only with recompute=full: pipeloom's runtime keeps every activation and would "
+            f"need {kept.best.memory.total / 2**30:.1f} GiB per GPU, over the 12.0 GiB limit") in out
+    assert load_plan(save).num_ranks == 1 and (tmp_path / "plan.torchtitan.toml").exists()
