@@ -60,6 +60,11 @@ class Attention:
     rope_dim: int = 0
     """MLA: the decoupled rotary key dimension (shared by all heads)."""
 
+    def splits(self, tp: int) -> bool:
+        """Whether ``tp`` ranks each hold whole query and key/value heads (Megatron-Core and torchtitan divide both
+        by tp)."""
+        return self.heads % tp == 0 and self.kv_heads % tp == 0
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Experts:

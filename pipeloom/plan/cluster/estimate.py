@@ -53,8 +53,7 @@ class Estimator:
     """Prices layouts of one :class:`Job`; caches layer times and schedule replays (no state but caches)."""
 
     def __init__(self, job: Job) -> None:
-        self.job = job
-        spec = job.spec
+        self.job, spec = job, job.spec
         self.kinds = layer_kinds(spec)
         # the last stage's kinds after its layers: the head and the multi-token-prediction modules
         self.tail = ("head",) + ("mtp",) * spec.mtp
@@ -119,7 +118,7 @@ class Estimator:
             priced = []
             for shape in cut.shapes:
                 parts = [self.times(layout, kind) for kind, count in shape for _ in range(count)]
-                kept = sum(count * self._activation(layout, kind) for kind, count in shape)
+                kept = sum(count * self.activation(layout, kind) for kind, count in shape)
                 priced.append((add_times(*parts), kept))
             self._stages[key] = ([priced[s][0] for s in cut.shape_of], [priced[s][1] for s in cut.shape_of],
                                  cut.layers)
@@ -179,7 +178,7 @@ class Estimator:
         same = layout.tp * layout.cp * layout.dp < job.hw.scale_up_size
         return p2p_seconds(job.hw, hidden, same_domain=same)
 
-    def _activation(self, layout: Layout, kind: str) -> float:
+    def activation(self, layout: Layout, kind: str) -> float:
         """Activation bytes one micro-batch keeps in one layer of ``kind`` on one GPU."""
         return self._keep(kind, layout.tp, layout.cp, layout.mbs, layout.recompute)
 
@@ -353,38 +352,39 @@ class Estimator:
         """One rank's static memory and ``(exposed + optimizer, exposed, optimizer)`` seconds. DualPipe's two
         copies: each parameter the rank holds has its twin on the mirror rank, so gradients are reduced, and the
         optimizer state sharded, over both copies' data-parallel ranks."""
-        hw, dpcp = self.job.hw, layout.dp * layout.cp * layout.copies
+        hw, dpcp, edp = self.job.hw, layout.dp * layout.cp * layout.copies, layout.expert_replicas * layout.copies
         dense = expert = 0.0
         for kind, count in kinds:  # parameters held: tp-sharded, experts over ep
             c = self.counts[kind]
             dense += count * (c.params - c.expert_params) / layout.tp
             expert += count * c.expert_params / layout.ep
         parts = [a + b for a, b in zip(optimizer_bytes(dense, shards=dpcp, fsdp=layout.fsdp),
-                                       optimizer_bytes(expert, shards=dpcp // layout.ep, fsdp=layout.fsdp))]
+                                       optimizer_bytes(expert, shards=edp, fsdp=layout.fsdp))]
         f1 = sum(times[j].f for j in stages)
         b1 = sum(times[j].i + times[j].w for j in stages)
-        exposed = sum(self._dp_exposed(layout, params, group, f1, b1, m)
-                      for params, group in ((dense, dpcp), (expert, dpcp // layout.ep)))
+        # the dense replicas sit tp apart (Megatron's order tp, cp, dp); the experts' replicas ep apart (etp, ep, edp)
+        exposed = sum(self._dp_exposed(layout, params, group, stride, f1, b1, m)
+                      for params, group, stride in ((dense, dpcp, layout.tp), (expert, edp, layout.ep)))
         layers = max(1, sum(count for kind, count in kinds if kind not in ("embedding", "head")))
         buffers = WORKSPACE_BYTES + (2 * 2.0 * (dense + expert) / layers if layout.fsdp else 0.0)
         if layout.recompute == "full":  # one layer's activations rebuilt at a time during its backward
             buffers += max(self._keep(k, layout.tp, layout.cp, layout.mbs, "none") for k in set(self.kinds))
-        shard = dense / dpcp + expert / max(1, dpcp // layout.ep)
+        shard = dense / dpcp + expert / edp
         optimizer = memory_seconds(hw, 32.0 * shard)  # read/write master, moments, grads and weights
         memory = Memory(weights=parts[0], gradients=parts[1], optimizer=parts[2], activations=0.0, buffers=buffers)
         return memory, (exposed + optimizer, exposed, optimizer)
 
-    def _dp_exposed(self, layout: Layout, params: float, group: int, f1: float, b1: float, m: int) -> float:
-        """Seconds of gradient reduce-scatter and parameter all-gather (FSDP: per micro-batch gathers) over
-        ``group`` ranks that the rank's last backward / first forward does not hide (module doc of
-        :mod:`pipeloom.plan.cluster.efficiency`); the last bucket is always exposed. What is hidden still slows
-        the compute beside it (:func:`pipeloom.plan.cluster.efficiency.hidden_cost`)."""
+    def _dp_exposed(self, layout: Layout, params: float, group: int, stride: int, f1: float, b1: float,
+                    m: int) -> float:
+        """Seconds of gradient reduce-scatter and parameter all-gather (FSDP: per micro-batch gathers) over ``group``
+        ranks ``stride`` apart that the rank's last backward / first forward does not hide, the last bucket never
+        (:mod:`~pipeloom.plan.cluster.efficiency`); what is hidden still slows the compute beside it (hidden_cost)."""
         if group <= 1 or params == 0:
             return 0.0
         hw, nbytes = self.job.hw, 2.0 * params
-        key = (nbytes, group, layout.tp)
+        key = (nbytes, group, stride)
         if key not in self._dp:
-            per_domain = domain_ranks(group, layout.tp, hw)
+            per_domain = domain_ranks(group, stride, hw)
             grads = GRAD_REDUCE[self.job.grad_reduce] * params
             self._dp[key] = (collective_seconds(hw, "reduce_scatter", grads, group, ranks_per_domain=per_domain),
                              collective_seconds(hw, "all_gather", nbytes, group, ranks_per_domain=per_domain))

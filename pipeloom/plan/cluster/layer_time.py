@@ -224,7 +224,7 @@ def _moe_times(job: Job, layout: Layout, tokens: int) -> PhaseTimes:
     elif ep > 1:  # the runtime's all-to-alls of this GPU's tokens (16-bit rows and weights)
         exchanges = moe_exchanges(tokens=local, hidden=spec.hidden, top_k=ex.top_k, ep=ep, dtype_bytes=2,
                                   experts=ex.count)
-        per_domain = domain_ranks(ep, tp, hw)
+        per_domain = domain_ranks(ep, 1, hw)  # ep consecutive ranks (Layout.ep)
         a2a = {phase: sum(collective_seconds(hw, "all_to_all", e.bytes, ep, ranks_per_domain=per_domain)
                           for e in exchanges if e.phase == phase) for phase in ("F", "I")}
     times = add_times(*parts)
@@ -340,7 +340,7 @@ def _deepseek_all_to_all(job: Job, layout: Layout, local: int) -> float:
     spec, hw, ep = job.spec, job.hw, layout.ep
     ex = spec.experts
     assert ex is not None
-    r = domain_ranks(ep, layout.tp, hw)
+    r = domain_ranks(ep, 1, hw)
     nodes = ep // r
     reach = min(ex.top_k, nodes)
     if ex.group_top_k:

@@ -1,8 +1,11 @@
-"""One layout of a training job on a cluster: the parallel dimensions (dp x tp x pp x cp, ep inside dp x cp),
-virtual stages, micro-batch size, FSDP or the distributed optimizer, recomputation and the pipeline schedule."""
+"""One layout of a training job on a cluster: the parallel dimensions (dp x tp x pp x cp, ep inside tp x dp x cp),
+virtual stages, micro-batch size, FSDP or the distributed optimizer, recomputation and the pipeline schedule; and
+every layout a job can run, with the keys the user fixed held (:func:`enumerate_layouts`, for the search)."""
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -12,7 +15,8 @@ from pipeloom.plan.errors import LayoutError
 if TYPE_CHECKING:
     from pipeloom.plan.cluster.job import Job
 
-__all__ = ["Layout", "SCHEDULES", "PAIRED", "LAYOUT_KEYS", "parse_layout"]
+__all__ = ["Layout", "SCHEDULES", "PAIRED", "LAYOUT_KEYS", "MBS_CHOICES", "VP_CHOICES", "enumerate_layouts",
+           "parse_layout"]
 
 SCHEDULES: dict[str, str] = {
     "1f1b": "linear",
@@ -46,7 +50,11 @@ class Layout:
     cp: int = 1
     """Context-parallel ranks (each holds 1/cp of every sequence)."""
     ep: int = 1
-    """Expert-parallel ranks, a divisor of dp x cp (1 for dense models)."""
+    """Expert-parallel ranks, a divisor of tp x dp x cp (1 for dense models). The routed experts run whole on
+    each rank (no tensor parallelism inside an expert): the ranks of a pipeline stage form Megatron-Core's
+    expert mesh (its "MoE parallel folding" with expert tp 1; torchtitan's ``expert_tensor_parallel_degree=1``),
+    ep consecutive ranks sharing out the experts, the tp x dp x cp / ep groups of them holding the same experts
+    (:attr:`expert_replicas`)."""
     mbs: int = 1
     """Sequences per micro-batch."""
     fsdp: bool = False
@@ -78,14 +86,20 @@ class Layout:
         if placement == "linear" and self.vp != 1:
             raise LayoutError(f"{self.schedule} runs one stage per rank: use vp=1 (or schedule=interleaved-1f1b for "
                               f"vp >= 2 stages per rank), got vp={self.vp}")
-        if (self.dp * self.cp) % self.ep:
-            raise LayoutError(f"ep={self.ep} must divide dp x cp = {self.dp * self.cp} (experts are sharded over "
-                              "the data- and context-parallel ranks)")
+        if (self.tp * self.dp * self.cp) % self.ep:
+            raise LayoutError(f"ep={self.ep} must divide tp x dp x cp = {self.tp * self.dp * self.cp} (experts are "
+                              "shared out over a stage's tensor-, data- and context-parallel ranks)")
 
     @property
     def gpus(self) -> int:
         """GPUs the layout occupies: dp x tp x pp x cp."""
         return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def expert_replicas(self) -> int:
+        """Ranks of a pipeline stage holding the same experts (Megatron-Core's expert data parallelism): tp x dp x
+        cp / ep, over which the experts' gradients are reduced and their optimizer state sharded."""
+        return self.tp * self.dp * self.cp // self.ep
 
     @property
     def stages(self) -> int:
@@ -111,8 +125,8 @@ class Layout:
             raise LayoutError(f"dp x tp x pp x cp = {self.gpus} is not the job's {job.gpus} GPUs")
         m = self.microbatches(job.global_batch)
         a = spec.attention
-        if a.heads % self.tp or a.kv_heads % self.tp:  # Megatron-Core divides both by tp (torchtitan too)
-            fits = [t for t in range(1, self.tp) if a.heads % t == 0 and a.kv_heads % t == 0]
+        if not a.splits(self.tp):
+            fits = [t for t in range(1, self.tp) if a.splits(t)]
             raise LayoutError(f"tp={self.tp} does not split {a.heads} query / {a.kv_heads} key-value heads evenly "
                               f"(each tp rank holds whole heads); use tp={max(fits)}, the largest below {self.tp} "
                               "that divides both")
@@ -173,3 +187,84 @@ def parse_layout(text: str) -> dict[str, Any]:
             raise LayoutError(f"layout {key}={value} is out of range ({'0 or 1' if key == 'fsdp' else '>= 1'})")
         fixed[key] = bool(number) if key == "fsdp" else number
     return fixed
+
+
+MBS_CHOICES = (1, 2, 4, 8, 16, 32, 64)
+"""Micro-batch sizes tried (sequences)."""
+VP_CHOICES = (2, 3, 4, 5, 6, 7, 8)
+"""Stages per rank tried for interleaved-1f1b."""
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _choices(key: str, fixed: dict[str, Any], default: list[Any]) -> list[Any]:
+    return [fixed[key]] if key in fixed else default
+
+
+def enumerate_layouts(job: Job, fixed: dict[str, Any], refusals: list[str] | None = None) -> Iterator[Layout]:
+    """Every layout of ``job`` that passes :meth:`Layout.check` (dp x tp x pp x cp filling the GPUs, tp within the
+    scale-up domain and splitting the heads, cp up to 16 with the sequence in 2cp chunks, pp up to the layer count,
+    ep for MoE inside tp x dp x cp and dividing the experts, vp, mbs, recomputation, FSDP, schedule), with the keys
+    of ``fixed`` as given; the first layout refused, with why, appended to ``refusals`` (for the error when none
+    can run)."""
+    spec = job.spec
+    unknown = set(fixed) - set(LAYOUT_KEYS)
+    if unknown:
+        raise LayoutError(f"unknown layout keys {sorted(unknown)}; use {', '.join(LAYOUT_KEYS)}")
+    n, hw = job.gpus, job.hw
+    tps = [t for t in _divisors(n) if t <= hw.scale_up_size and spec.attention.splits(t)]
+    for tp in _choices("tp", fixed, tps):
+        if n % tp:
+            _refuse(refusals, f"tp={tp} does not divide the {n} GPUs")
+            continue
+        cps = [c for c in _divisors(n // tp) if c <= 16 and (c == 1 or job.seq % (2 * c) == 0)]
+        for cp in _choices("cp", fixed, cps):
+            if n % (tp * cp):
+                _refuse(refusals, f"tp={tp} x cp={cp} does not divide the {n} GPUs")
+                continue
+            pps = [p for p in _divisors(n // (tp * cp)) if p <= spec.layers]
+            for pp in _choices("pp", fixed, pps):
+                if n % (tp * cp * pp):
+                    _refuse(refusals, f"tp={tp} x cp={cp} x pp={pp} does not divide the {n} GPUs")
+                    continue
+                dp = n // (tp * cp * pp)
+                if "dp" in fixed and fixed["dp"] != dp:
+                    _refuse(refusals, f"tp={tp} x cp={cp} x pp={pp} leaves dp={dp} on {n} GPUs, not dp={fixed['dp']}")
+                    continue
+                yield from _inner(job, fixed, tp, cp, pp, dp, refusals)
+
+
+def _refuse(refusals: list[str] | None, reason: str) -> None:
+    """Keep the first reason a layout was refused."""
+    if refusals is not None and not refusals:
+        refusals.append(reason)
+
+
+def _inner(job: Job, fixed: dict[str, Any], tp: int, cp: int, pp: int, dp: int,
+           refusals: list[str] | None) -> Iterator[Layout]:
+    """Layouts of one dp x tp x pp x cp."""
+    spec = job.spec
+    experts = spec.experts.count if spec.experts else 1
+    eps = [e for e in _divisors(tp * dp * cp) if experts % e == 0] if spec.experts else [1]
+    schedules = list(SCHEDULES) if pp > 1 else ["1f1b"]
+    for ep, mbs, recompute, fsdp, schedule in itertools.product(
+            _choices("ep", fixed, eps), _choices("mbs", fixed, list(MBS_CHOICES)),
+            _choices("recompute", fixed, list(RECOMPUTE_MODES)), _choices("fsdp", fixed, [False, True]),
+            _choices("schedule", fixed, schedules)):
+        if job.global_batch % (dp * mbs):
+            _refuse(refusals, f"dp={dp} x mbs={mbs} does not divide the global batch {job.global_batch}")
+            continue
+        placement = SCHEDULES.get(schedule)
+        vps = {"interleaved": [v for v in VP_CHOICES if pp * v <= spec.layers], "v": [2]}.get(placement or "", [1])
+        for vp in _choices("vp", fixed, vps):
+            try:
+                layout = Layout(dp=dp, tp=tp, pp=pp, vp=vp, cp=cp, ep=ep, mbs=mbs, fsdp=bool(fsdp),
+                                recompute=recompute, schedule=schedule)
+                layout.check(job)
+            except LayoutError as error:
+                _refuse(refusals, f"dp={dp},tp={tp},pp={pp},vp={vp},cp={cp},ep={ep},mbs={mbs},schedule={schedule}: "
+                                  f"{error}")
+                continue
+            yield layout

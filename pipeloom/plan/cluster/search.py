@@ -1,5 +1,5 @@
-"""Search of layouts for one job: every dp x tp x pp x cp (ep for MoE inside dp x cp), vp, mbs, recomputation,
-FSDP or the distributed optimizer and schedule that can run, then branch and bound on the simulated step time.
+"""Search of layouts for one job: every layout that can run (:func:`~pipeloom.plan.cluster.layout.enumerate_layouts`),
+then branch and bound on the simulated step time.
 
 Exactness. Every bound below is a lower bound, so no layout that could win is skipped:
 
@@ -15,6 +15,10 @@ Exactness. Every bound below is a lower bound, so no layout that could win is sk
   (they wait for this forward; DualPipe's two stages on a rank belong to different copies: one micro-batch of
   the larger). Before a layout is simulated its memory is computed exactly (the schedule's
   held counts, :mod:`.held`, the replay's peak up to rounding); over the limit, it is not simulated.
+- *memory floor* of a layout, below its memory bound and known before its cut is priced: the mean pipeline
+  rank's share of the same terms (:meth:`Bounds.floor`). A layout over the limit on its floor is set aside
+  unpriced, and priced only where the answer needs its bounds (the faster layouts over the limit named among
+  the runners-up; the least memory when nothing fits), in the same order as if every one had been priced.
 
 Layouts are taken in increasing bound order (groups before their members) until the bound reaches the best
 fitting step time, so the answer is the fastest fitting layout of the whole space; as the fitting set only
@@ -26,25 +30,21 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeloom.plan.cluster.counts import RECOMPUTE_MODES
-from pipeloom.plan.cluster.estimate import Estimator
+from pipeloom.plan.cluster.counts import optimizer_bytes
+from pipeloom.plan.cluster.estimate import WORKSPACE_BYTES, Estimator
 from pipeloom.plan.cluster.job import Job
-from pipeloom.plan.cluster.layout import LAYOUT_KEYS, PAIRED, SCHEDULES, Layout
+from pipeloom.plan.cluster.layout import LAYOUT_KEYS, PAIRED, Layout, enumerate_layouts
 from pipeloom.plan.cluster.placement import rank_stages, work_bound
 from pipeloom.plan.cluster.step import Estimate
 from pipeloom.plan.errors import LayoutError, NoLayoutFits
 
-__all__ = ["Bounds", "Candidate", "SearchResult", "enumerate_layouts", "search_layouts", "MBS_CHOICES",
-           "VP_CHOICES"]
+__all__ = ["Bounds", "Candidate", "SearchResult", "search_layouts"]
 
-MBS_CHOICES = (1, 2, 4, 8, 16, 32, 64)
-"""Micro-batch sizes tried (sequences)."""
-VP_CHOICES = (2, 3, 4, 5, 6, 7, 8)
-"""Stages per rank tried for interleaved-1f1b."""
 _ROUNDING = 1e-9
 """Relative slack for the memory computed from held counts against the replay's running sum (they add the
 same numbers in a different order)."""
@@ -60,6 +60,9 @@ class Candidate:
     """Lower bound on its step time."""
     memory_bound: float
     """Lower bound on its memory per GPU."""
+    priced: bool = True
+    """False: set aside on its memory floor alone (:meth:`Bounds.floor`; ``time_bound`` its group's bound), its
+    bounds computed only where the search needs them."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -82,85 +85,27 @@ class SearchResult:
     """Anything else worth printing."""
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _choices(key: str, fixed: dict[str, Any], default: list[Any]) -> list[Any]:
-    return [fixed[key]] if key in fixed else default
-
-
-def enumerate_layouts(estimator: Estimator, fixed: dict[str, Any],
-                      refusals: list[str] | None = None) -> Iterator[Layout]:
-    """Every layout of the job that passes :meth:`Estimator.check`, with the keys of ``fixed`` as given; the
-    first layout refused, with why, appended to ``refusals`` (for the error when none can run)."""
-    job, spec = estimator.job, estimator.job.spec
-    unknown = set(fixed) - set(LAYOUT_KEYS)
-    if unknown:
-        raise LayoutError(f"unknown layout keys {sorted(unknown)}; use {', '.join(LAYOUT_KEYS)}")
-    n, hw = job.gpus, job.hw
-    tps = [t for t in _divisors(n) if t <= hw.scale_up_size and spec.attention.heads % t == 0
-           and spec.attention.kv_heads % t == 0]
-    for tp in _choices("tp", fixed, tps):
-        if n % tp:
-            _refuse(refusals, f"tp={tp} does not divide the {n} GPUs")
-            continue
-        cps = [c for c in _divisors(n // tp) if c <= 16 and (c == 1 or job.seq % (2 * c) == 0)]
-        for cp in _choices("cp", fixed, cps):
-            if n % (tp * cp):
-                _refuse(refusals, f"tp={tp} x cp={cp} does not divide the {n} GPUs")
-                continue
-            pps = [p for p in _divisors(n // (tp * cp)) if p <= spec.layers]
-            for pp in _choices("pp", fixed, pps):
-                if n % (tp * cp * pp):
-                    _refuse(refusals, f"tp={tp} x cp={cp} x pp={pp} does not divide the {n} GPUs")
-                    continue
-                dp = n // (tp * cp * pp)
-                if "dp" in fixed and fixed["dp"] != dp:
-                    _refuse(refusals, f"tp={tp} x cp={cp} x pp={pp} leaves dp={dp} on {n} GPUs, not dp={fixed['dp']}")
-                    continue
-                yield from _inner(estimator, fixed, tp, cp, pp, dp, refusals)
-
-
-def _refuse(refusals: list[str] | None, reason: str) -> None:
-    """Keep the first reason a layout was refused."""
-    if refusals is not None and not refusals:
-        refusals.append(reason)
-
-
-def _inner(estimator: Estimator, fixed: dict[str, Any], tp: int, cp: int, pp: int, dp: int,
-           refusals: list[str] | None) -> Iterator[Layout]:
-    """Layouts of one dp x tp x pp x cp."""
-    spec, job = estimator.job.spec, estimator.job
-    experts = spec.experts.count if spec.experts else 1
-    eps = [e for e in _divisors(dp * cp) if experts % e == 0] if spec.experts else [1]
-    schedules = list(SCHEDULES) if pp > 1 else ["1f1b"]
-    for ep, mbs, recompute, fsdp, schedule in itertools.product(
-            _choices("ep", fixed, eps), _choices("mbs", fixed, list(MBS_CHOICES)),
-            _choices("recompute", fixed, list(RECOMPUTE_MODES)), _choices("fsdp", fixed, [False, True]),
-            _choices("schedule", fixed, schedules)):
-        if job.global_batch % (dp * mbs):
-            _refuse(refusals, f"dp={dp} x mbs={mbs} does not divide the global batch {job.global_batch}")
-            continue
-        placement = SCHEDULES.get(schedule)
-        vps = {"interleaved": [v for v in VP_CHOICES if pp * v <= spec.layers], "v": [2]}.get(placement or "", [1])
-        for vp in _choices("vp", fixed, vps):
-            try:
-                layout = Layout(dp=dp, tp=tp, pp=pp, vp=vp, cp=cp, ep=ep, mbs=mbs, fsdp=bool(fsdp),
-                                recompute=recompute, schedule=schedule)
-                estimator.check(layout)
-            except LayoutError as error:
-                _refuse(refusals, f"dp={dp},tp={tp},pp={pp},vp={vp},cp={cp},ep={ep},mbs={mbs},schedule={schedule}: "
-                                  f"{error}")
-                continue
-            yield layout
-
-
 class Bounds:
     """The bounds of the module docstring, and a layout's exact memory."""
 
     def __init__(self, estimator: Estimator) -> None:
-        self.estimator = estimator
+        self.estimator = e = estimator
+        self._held = Counter((*e.kinds, "embedding", *e.tail))  # the model's layers, each on one rank (per copy)
+        self._expert = sum(n * e.counts[kind].expert_params for kind, n in self._held.items())
+        self._dense = sum(n * e.counts[kind].params for kind, n in self._held.items()) - self._expert
+
+    def floor(self, layout: Layout) -> float:
+        """A lower bound on the memory bound before the layout's cut is priced: the mean pipeline rank's weights,
+        gradients, optimizer state and one micro-batch of its stages' activations (DualPipe: the larger of its
+        two, at least half of both), counted as the estimate counts a rank's, and the workspace; the busiest
+        rank holds at least the mean."""
+        e, share = self.estimator, layout.copies / layout.pp
+        dense = optimizer_bytes(self._dense * share / layout.tp, shards=layout.dp * layout.cp * layout.copies,
+                                fsdp=layout.fsdp)
+        expert = optimizer_bytes(self._expert * share / layout.ep, shards=layout.expert_replicas * layout.copies,
+                                 fsdp=layout.fsdp)
+        held = sum(n * e.activation(layout, kind) for kind, n in self._held.items()) / layout.pp
+        return (sum(dense) + sum(expert) + held + WORKSPACE_BYTES) * (1 - _ROUNDING)
 
     def candidate(self, layout: Layout) -> Candidate:
         """The layout's time bound and memory bound."""
@@ -209,7 +154,7 @@ def search_layouts(job: Job, *, fixed: dict[str, Any] | None = None, memory_limi
     estimator = Estimator(job)
     groups: dict[tuple[Any, ...], list[Layout]] = {}
     refusals: list[str] = []
-    for layout in enumerate_layouts(estimator, fixed, refusals):
+    for layout in enumerate_layouts(job, fixed, refusals):
         groups.setdefault(_group_key(layout), []).append(layout)
     if not groups:
         first = f" (the first refused: {refusals[0]})" if refusals else ""
@@ -257,6 +202,11 @@ class _Run:
             entry = heapq.heappop(queue)
             if entry[1] == 0:  # a group: its layouts' bounds, those that may fit queued (ties: groups first)
                 for layout in self.groups[entry[2]]:
+                    floor = self.bounds.floor(layout)
+                    if not self._fits(floor):  # over whatever its cut: priced later only if needed
+                        self.over.append(Candidate(layout=layout, time_bound=entry[0], memory_bound=floor,
+                                                   priced=False))
+                        continue
                     cand = self.bounds.candidate(layout)
                     self.priced += 1
                     if self._fits(cand.memory_bound):
@@ -299,7 +249,7 @@ class _Run:
         increasing memory-bound order until the bound passes the least exact memory found."""
         estimator = self.bounds.estimator
         least = float("inf")
-        for cand in sorted(self.over, key=lambda c: (c.memory_bound, _key(c.layout))):
+        for cand in self._in_order(self.over, "memory_bound"):
             if cand.memory_bound > least * (1 + _ROUNDING):
                 break
             least = min(least, self._memory(cand))
@@ -319,13 +269,29 @@ class _Run:
         """Simulate a few layouts over the limit whose bound is below the best's time (the runners-up name the
         memory they need)."""
         estimator = self.bounds.estimator
-        faster = sorted((c for c in self.over if c.time_bound < best.step_time),
-                        key=lambda c: (c.time_bound, _key(c.layout)))
-        for cand in faster[:max(1, self.runners_up // 2)]:
+        faster = self._in_order([c for c in self.over if c.time_bound < best.step_time], "time_bound")
+        for cand in itertools.islice(faster, max(1, self.runners_up // 2)):
+            if cand.time_bound >= best.step_time:
+                break
             try:
                 self.done.append(estimator.estimate(cand.layout))
             except LayoutError:
                 continue
+
+    def _in_order(self, cands: list[Candidate], bound: str) -> Iterator[Candidate]:
+        """``cands`` priced, in increasing ``bound`` (ties: :func:`_key`), as sorting them all would give: those
+        set aside on their floor are priced when they come first (their floor and group bound are below their
+        bounds) and queued again."""
+        queue = [(getattr(c, bound), c.priced, _key(c.layout), c) for c in cands]
+        heapq.heapify(queue)
+        while queue:
+            value, priced, key, cand = heapq.heappop(queue)
+            if priced:
+                yield cand
+                continue
+            full = self.bounds.candidate(cand.layout)
+            self.priced += 1
+            heapq.heappush(queue, (getattr(full, bound), True, key, full))
 
 
 def _key(layout: Layout) -> tuple[Any, ...]:

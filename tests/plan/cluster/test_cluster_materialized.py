@@ -131,6 +131,6 @@ def test_without_sequence_parallelism_every_tp_rank_runs_the_norms_on_all_tokens
     extra_f = memory_seconds(hw, whole.f_bytes * tokens) - memory_seconds(hw, split.f_bytes * tokens)
     assert b.f - a.f == pytest.approx(extra_f + ar_comm - sp_comm, rel=1e-9)
     assert b.w == a.w
-    assert Estimator(plain)._activation(layout, "dense") > Estimator(sp_job)._activation(layout, "dense")
+    assert Estimator(plain).activation(layout, "dense") > Estimator(sp_job).activation(layout, "dense")
     no_tp = dataclasses.replace(layout, tp=1, dp=4)
     assert layer_times(sp_job, no_tp, "dense") == layer_times(plain, no_tp, "dense")  # nothing to shard without tp

@@ -138,13 +138,13 @@ def test_the_gradient_exchange_hidden_by_compute_still_slows_it_and_fp32_moves_t
     for reduce, width in (("bf16", 2), ("fp32", 4)):
         est = Estimator(dataclasses.replace(job, grad_reduce=reduce))
         rs, ag = moved(width * params)
-        hidden = est._dp_exposed(layout, params, group, f1=1e3, b1=1e3, m=1)  # compute hides all but the last bucket
+        hidden = est._dp_exposed(layout, params, group, 1, f1=1e3, b1=1e3, m=1)  # compute hides all but the last bucket
         exposed = (rs + ag) * last
         assert hidden == pytest.approx(exposed + (rs + ag - exposed) * s / (1 + s))
         free = Estimator(dataclasses.replace(job, grad_reduce=reduce,
                                              hw=dataclasses.replace(job.hw, overlap_slowdown=0.0)))
-        assert free._dp_exposed(layout, params, group, f1=1e3, b1=1e3, m=1) == pytest.approx(exposed)
-        assert free._dp_exposed(layout, params, group, f1=0.0, b1=0.0, m=1) == pytest.approx(rs + ag)
+        assert free._dp_exposed(layout, params, group, 1, f1=1e3, b1=1e3, m=1) == pytest.approx(exposed)
+        assert free._dp_exposed(layout, params, group, 1, f1=0.0, b1=0.0, m=1) == pytest.approx(rs + ag)
     assert moved(4 * params)[0] > 1.9 * moved(2 * params)[0]
 
 
