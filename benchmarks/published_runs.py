@@ -33,7 +33,7 @@ _MEASURES = ("tokens_per_gpu_per_second", "tflops_per_gpu", "mfu", "peak_fractio
 
 def load_runs(path: str | Path = RUNS) -> list[dict]:
     """The rows, each checked: required fields, sources with a URL, the layout's keys, the GPU count equal
-    to tp·pp·cp·dp (ep lies inside dp·cp), a model config and a hardware description that load."""
+    to tp·pp·cp·dp (ep lies inside tp·dp·cp), a model config and a hardware description that load."""
     doc = json.loads(Path(path).read_text())
     if doc.get("format") != FORMAT:
         raise ValueError(f"{path}: 'format' must be {FORMAT!r}, got {doc.get('format')!r}")
@@ -61,8 +61,8 @@ def _check(run: dict) -> None:
     product = math.prod(layout[key] for key in ("tp", "pp", "cp", "dp"))
     if product != run["gpus"]:
         raise ValueError(f"run {name}: tp·pp·cp·dp = {product}, not the {run['gpus']} GPUs")
-    if (layout["dp"] * layout["cp"]) % layout["ep"]:
-        raise ValueError(f"run {name}: ep {layout['ep']} does not divide dp·cp")
+    if (layout["tp"] * layout["dp"] * layout["cp"]) % layout["ep"]:
+        raise ValueError(f"run {name}: ep {layout['ep']} does not divide tp·dp·cp")
     if run["global_batch"] % layout["dp"]:
         raise ValueError(f"run {name}: global batch {run['global_batch']} is not a multiple of dp {layout['dp']}")
     if layout["fsdp"] != (1 if run["sharding"] == "zero3" else 0):

@@ -176,39 +176,47 @@ def _unused(args: argparse.Namespace, layout) -> list[str]:
 def _save(args: argparse.Namespace, result) -> list[str]:
     """``--save`` (and ``--export torchtitan``): the chosen layout as the runtime's plan file, the lines that say
     so and what the runtime runs differently; a layout the runtime cannot run is refused before anything is written."""
-    from pipeloom.plan.cluster.runtime_plan import runtime_notes, runtime_plan, torchtitan_plan
+    from pipeloom.plan.cluster import runtime_plan as saving
     from pipeloom.plan.errors import PlanError
     from pipeloom.plan.plan import save_plan
 
     try:
-        plan = runtime_plan(result, export=args.export)
+        plan = saving.runtime_plan(result, export=args.export)
     except PlanError as error:  # what the layout or the export cannot run: the user's --layout to change
         raise UsageError(str(error)) from None
-    written = []
+    written, kept = [], None
     if args.export == "torchtitan":
         from pipeloom.schedules import build_schedule
 
-        renamed, modules = torchtitan_plan(plan, result.job.spec.layers)
+        renamed, modules = saving.torchtitan_plan(plan, result.job.spec.layers)
         schedule = build_schedule(plan.schedule, plan.num_ranks, plan.microbatches, **plan.schedule_options)
-        written.append(export_torchtitan(renamed, schedule, args.save, list(modules)))
+        written.append(export_torchtitan(renamed, schedule, args.save, list(modules),
+                                         saving.torchtitan_recompute(result)))
+        kept = saving.kept_over_limit(result)  # the export recomputes; pipeloom's runtime would not
     outputs = getattr(args, "outputs", None)
     save_plan(plan, outputs.path(args.save) if outputs is not None else args.save)
-    notes = [f"note: {note}" for note in runtime_notes(result)]
-    return [f"wrote plan {args.save} (pipeline(model, plan=...) runs it)", *written, *notes]
+    notes = [f"note: {note}" for note in saving.runtime_notes(result, kept=kept)]
+    runs = "pipeline(model, plan=...) runs it" if kept is None else "for torchtitan; pipeloom's runtime won't fit it"
+    return [f"wrote plan {args.save} ({runs})", *written, *notes]
 
 
-def export_torchtitan(plan, schedule, save: Path, modules: Sequence[str]) -> str:
-    """Write ``<stem>.torchtitan.args``, ``.toml`` and ``.csv`` next to the plan; the lines that say so."""
+def export_torchtitan(plan, schedule, save: Path, modules: Sequence[str], activation_checkpoint: str | None = None
+                      ) -> str:
+    """Write ``<stem>.torchtitan.args``, ``.toml`` and ``.csv`` next to the plan (with ``activation_checkpoint``,
+    torchtitan's recomputation set too); the lines that say so."""
     import shlex
 
-    from pipeloom.plan.export import TORCHTITAN_03_SETTINGS, torchtitan_overrides, write_torchtitan
+    from pipeloom.plan.export import version_overrides, write_torchtitan
 
     args, toml, csv = (save.with_name(f"{save.stem}.torchtitan.{ext}") for ext in ("args", "toml", "csv"))
-    settings = write_torchtitan(plan, schedule, toml, csv, modules=modules, args_path=args)
-    words = shlex.join(torchtitan_overrides(settings))
-    return (f"wrote torchtitan overrides {args}, 0.2.x TOML {toml} and schedule {csv}\n"
-            f"torchtitan 0.2.x and 0.3.x: {words}\n"
-            f"torchtitan 0.3.x also: {shlex.join(torchtitan_overrides(TORCHTITAN_03_SETTINGS))}")
+    settings = write_torchtitan(plan, schedule, toml, csv, modules=modules, args_path=args,
+                                activation_checkpoint=activation_checkpoint)
+    shared, older, newer = version_overrides(settings)
+    lines = [f"wrote torchtitan overrides {args}, 0.2.x TOML {toml} and schedule {csv}",
+             f"torchtitan 0.2.x and 0.3.x: {shlex.join(shared)}"]
+    if older:
+        lines.append(f"torchtitan 0.2.x also: {shlex.join(older)}")
+    return "\n".join([*lines, f"torchtitan 0.3.x also: {shlex.join(newer)}"])
 
 
 def _gib(nbytes: float) -> str:

@@ -31,8 +31,8 @@ from pipeloom.plan.errors import PlanError
 from pipeloom.plan.partitioning.shape import schedule_shape
 from pipeloom.plan.plan import Plan
 
-__all__ = ["EXPORT_FORMATS", "TORCHTITAN_03_SETTINGS", "TORCHTITAN_VERSIONS", "stage_modules", "torchtitan_args",
-           "torchtitan_overrides", "torchtitan_settings", "torchtitan_toml", "write_torchtitan"]
+__all__ = ["ACTIVATION_CHECKPOINTS", "EXPORT_FORMATS", "TORCHTITAN_03_SETTINGS", "TORCHTITAN_VERSIONS", "stage_modules",
+           "torchtitan_args", "torchtitan_overrides", "torchtitan_settings", "torchtitan_toml", "write_torchtitan"]
 
 EXPORT_FORMATS = ("torchtitan",)
 
@@ -42,6 +42,14 @@ TORCHTITAN_VERSIONS = ("0.2.2", "0.3.0")
 TORCHTITAN_03_SETTINGS: dict[str, dict[str, object]] = {"training": {"disable_cuda_graphs": True}}
 """What torchtitan 0.3.x needs besides :func:`torchtitan_settings` for pipeline parallelism (its
 ``Trainer.Config`` refuses ``pipeline_parallel_degree > 1`` while CUDA graphs are on); 0.2.x lacks the option."""
+
+
+ACTIVATION_CHECKPOINTS: dict[str, dict[str, object]] = {
+    "none": {"mode": "none"}, "full": {"mode": "full"}, "op": {"mode": "selective", "selective_ac_option": "op"}}
+"""torchtitan's activation checkpointing the export can set: no recomputation, every block recomputed, or its
+op-level selective policy, as 0.2.x's ``activation_checkpoint`` section; 0.3.x takes the same ``mode`` as its
+``activation_checkpoint`` subcommand (``none``, ``full``, ``selective``: its ``SelectiveAC`` is the op-level
+policy), after every other override as tyro wants it."""
 
 
 def _placement(schedule: Schedule) -> str:
@@ -152,21 +160,44 @@ def torchtitan_overrides(settings: dict[str, dict[str, object]]) -> list[str]:
     return words
 
 
+def version_overrides(settings: dict[str, dict[str, object]]) -> tuple[list[str], list[str], list[str]]:
+    """The overrides both versions take, 0.2.x's own (its ``activation_checkpoint`` section) and 0.3.x's own
+    (:data:`TORCHTITAN_03_SETTINGS`, then the activation-checkpointing subcommand, last as tyro wants it)."""
+    shared = {section: values for section, values in settings.items() if section != "activation_checkpoint"}
+    ac = settings.get("activation_checkpoint")
+    older = torchtitan_overrides({"activation_checkpoint": ac}) if ac else []
+    newer = torchtitan_overrides(TORCHTITAN_03_SETTINGS)
+    if ac:
+        newer.append(f"activation_checkpoint:{ac['mode']}")
+    return torchtitan_overrides(shared), older, newer
+
+
 def torchtitan_args(settings: dict[str, dict[str, object]]) -> str:
-    """The ``.torchtitan.args`` text: the overrides both versions take on one line, 0.3.x's extra on another."""
-    return (f"# pipeloom plan: torchtitan command-line overrides (checked with torchtitan "
-            f"{' and '.join(TORCHTITAN_VERSIONS)}); append to the training command\n"
-            f"{shlex.join(torchtitan_overrides(settings))}\n"
-            "# torchtitan 0.3.x also needs this (CUDA graphs, on by default, refuse pipeline parallelism; "
-            "0.2.x has no such option)\n"
-            f"{shlex.join(torchtitan_overrides(TORCHTITAN_03_SETTINGS))}\n")
+    """The ``.torchtitan.args`` text: the overrides both versions take on one line, each version's own on
+    another."""
+    shared, older, newer = version_overrides(settings)
+    text = (f"# pipeloom plan: torchtitan command-line overrides (checked with torchtitan "
+            f"{' and '.join(TORCHTITAN_VERSIONS)}); append to the training command\n{shlex.join(shared)}\n")
+    if older:
+        text += f"# torchtitan 0.2.x also (its activation checkpointing)\n{shlex.join(older)}\n"
+    return text + ("# torchtitan 0.3.x also needs this (CUDA graphs, on by default, refuse pipeline parallelism; "
+                   "0.2.x has no such option; then its activation-checkpointing subcommand, last)\n"
+                   f"{shlex.join(newer)}\n")
 
 
 def write_torchtitan(plan: Plan, schedule: Schedule, toml_path: str | Path, csv_path: str | Path, *,
-                     modules: Sequence[str], args_path: str | Path | None = None) -> dict[str, dict[str, object]]:
+                     modules: Sequence[str], args_path: str | Path | None = None,
+                     activation_checkpoint: str | None = None) -> dict[str, dict[str, object]]:
     """Write the schedule CSV, the 0.2.x TOML fragment and (``args_path``) the command-line overrides; the
-    settings name the CSV by its absolute path. Returns the settings."""
+    settings name the CSV by its absolute path, and with ``activation_checkpoint`` (a key of
+    :data:`ACTIVATION_CHECKPOINTS`) set torchtitan's recomputation (else torchtitan's own default runs). Returns
+    the settings."""
     settings = torchtitan_settings(plan, schedule, csv_path, modules=modules)
+    if activation_checkpoint is not None:
+        if activation_checkpoint not in ACTIVATION_CHECKPOINTS:
+            raise PlanError(f"activation checkpointing {activation_checkpoint!r} for torchtitan: use one of "
+                            f"{', '.join(ACTIVATION_CHECKPOINTS)}")
+        settings["activation_checkpoint"] = dict(ACTIVATION_CHECKPOINTS[activation_checkpoint])
     Path(csv_path).write_text(schedule_to_csv(schedule), encoding="utf-8")
     Path(toml_path).write_text(torchtitan_toml(settings), encoding="utf-8")
     if args_path is not None:

@@ -80,3 +80,43 @@ def test_torchtitan_03_parses_the_overrides(tmp_path, schedule):
             tyro.cli(Trainer.Config, args=overrides, registry=custom_registry)
         config = tyro.cli(Trainer.Config, args=[*overrides, *extra], registry=custom_registry)
     assert not _matches(config, settings), _matches(config, settings)
+
+
+@pytest.mark.parametrize("recompute", ["none", "full", "op"])
+def test_the_activation_checkpointing_reaches_torchtitan(tmp_path, recompute):
+    """The export's recomputation as torchtitan reads it: 0.2.x's ``activation_checkpoint`` section (TOML and its
+    own overrides), 0.3.x's subcommand after its other overrides (``none``, ``FullAC``, the op-level
+    ``SelectiveAC``)."""
+    from pipeloom.plan.export import ACTIVATION_CHECKPOINTS, version_overrides
+
+    pieces = tuple(Piece(name=name, f=1.0, i=1.0, w=1.0, activation_bytes=100.0, w_activation_bytes=20.0,
+                         param_bytes=10.0, output_bytes=8.0) for name in MODULES)
+    result = plan_mesh(CostTable(pieces=pieces, microbatch_size=1), num_ranks=4, global_batch=16,
+                       schedules=["1f1b"], data_parallel=[2], microbatches=[8])
+    toml, csv = tmp_path / "plan.torchtitan.toml", tmp_path / "plan.torchtitan.csv"
+    settings = write_torchtitan(result.plan, result.schedule, toml, csv, modules=MODULES,
+                                activation_checkpoint=recompute)
+    shared, older, newer = version_overrides(settings)
+    if VERSION.startswith("0.2."):
+        from torchtitan.config.manager import ConfigManager
+
+        for args in (["--job.config_file", str(toml)], [*shared, *older]):
+            config = ConfigManager().parse_args(args)
+            section = config.activation_checkpoint
+            assert {key: getattr(section, key) for key in ACTIVATION_CHECKPOINTS[recompute]} == \
+                ACTIVATION_CHECKPOINTS[recompute], args
+        return
+    from torchtitan.config.configs import ParallelismConfig, TrainingConfig
+    from torchtitan.config.manager import ConfigManager, custom_registry
+    from torchtitan.distributed.activation_checkpoint import ActivationCheckpointingConfig, FullAC, SelectiveAC
+
+    ConfigManager.register_tyro_rules(custom_registry)
+    sections = dataclasses.make_dataclass("Sections", [  # three of Trainer.Config's sections, under its names
+        ("training", TrainingConfig, dataclasses.field(default_factory=TrainingConfig)),
+        ("parallelism", ParallelismConfig, dataclasses.field(default_factory=ParallelismConfig)),
+        ("activation_checkpoint", ActivationCheckpointingConfig,
+         dataclasses.field(default_factory=SelectiveAC.Config))])
+    config = tyro.cli(sections, args=[*shared, *newer], default=sections(), registry=custom_registry)
+    expected = {"none": type(None), "full": FullAC.Config, "op": SelectiveAC.Config}[recompute]
+    assert type(config.activation_checkpoint) is expected and config.training.disable_cuda_graphs
+    assert not _matches(config, {k: v for k, v in settings.items() if k != "activation_checkpoint"})

@@ -19,7 +19,8 @@ from pipeloom.plan.plan import Plan
 if TYPE_CHECKING:
     from pipeloom.plan.cluster.api import ClusterPlan
 
-__all__ = ["LAYER_PREFIX", "TORCHTITAN_MODELS", "runtime_plan", "runtime_notes", "save_blockers", "torchtitan_plan"]
+__all__ = ["LAYER_PREFIX", "TORCHTITAN_MODELS", "kept_over_limit", "runtime_plan", "runtime_notes", "save_blockers",
+           "torchtitan_plan", "torchtitan_recompute"]
 
 LAYER_PREFIX = {"gpt2": "transformer.h", "gpt_neox": "gpt_neox.layers"}
 """Where a ``transformers`` model of a family keeps its decoder layers (every other family: ``model.layers``)."""
@@ -62,12 +63,13 @@ def save_blockers(result: ClusterPlan, *, export: str | None = None) -> str | No
         problems.append(f"ep={layout.ep} with tp={layout.tp}, fsdp={int(layout.fsdp)} (the runtime runs ep with tp=1 "
                         "and fsdp=0 only)")
         fixes.update({key: value for key, value, now in (("tp", 1, layout.tp > 1), ("fsdp", 0, layout.fsdp)) if now})
-    kept = _kept_over_limit(result) if not export and result.best.memory.total <= result.memory_limit else None
-    if kept is not None:  # torchtitan recomputes as the plan says: only pipeloom's runtime is refused
+    kept = kept_over_limit(result) if not export and result.best.memory.total <= result.memory_limit else None
+    if kept is not None:  # the torchtitan export sets torchtitan's recomputation: only pipeloom's runtime is refused
+        export_fits = save_blockers(result, export="torchtitan") is None
         problems.append(f"recompute={layout.recompute}: pipeloom's runtime keeps every activation, and this layout "
                         f"needs {kept / 2**30:.1f} GiB per GPU so, over the {result.memory_limit / 2**30:.1f} GiB "
-                        "limit (search with --layout recompute=none for a plan it fits, or --export torchtitan, "
-                        "which recomputes)")
+                        "limit (search with --layout recompute=none for a plan it fits"
+                        + (", or add --export torchtitan, which recomputes as planned)" if export_fits else ")"))
         unfixed += 1
     if layout.tp > 1 and family not in _TP_FAMILIES:
         problems.append(f"tp={layout.tp} on {family} (the tensor-parallel recipe by module name is written for "
@@ -86,6 +88,11 @@ def save_blockers(result: ClusterPlan, *, export: str | None = None) -> str | No
         if layout.ep > 1:
             problems.append(f"ep={layout.ep} for torchtitan (the export is checked without expert parallelism)")
             fixes["ep"] = 1
+        if layout.recompute == "selective" and result.job.selective != "op":
+            problems.append(f"recompute=selective with --selective {result.job.selective} for torchtitan, whose "
+                            "selective recomputation is its op-level policy (plan with --selective op, or with "
+                            "--layout recompute=full or none)")
+            unfixed += 1
     if not problems:
         return None
     if fixes.get("schedule") == "dualpipev":
@@ -100,7 +107,7 @@ def save_blockers(result: ClusterPlan, *, export: str | None = None) -> str | No
             + "; ".join(problems) + fix)
 
 
-def _kept_over_limit(result: ClusterPlan) -> float | None:
+def kept_over_limit(result: ClusterPlan) -> float | None:
     """Bytes per GPU the chosen layout needs with every activation kept (as pipeloom's runtime keeps them), where
     that is over the memory limit; None where it fits or the layout recomputes nothing."""
     layout = result.best.layout
@@ -148,12 +155,23 @@ def _stage_times(estimator: Estimator, layout: Layout) -> tuple[float, ...]:
     return tuple(t.f + t.i + t.w for t in times[:layout.stages])
 
 
-def runtime_notes(result: ClusterPlan) -> list[str]:
-    """What the runtime runs differently from the plan's prediction (said next to a saved plan)."""
+def torchtitan_recompute(result: ClusterPlan) -> str:
+    """The chosen layout's recomputation as torchtitan's activation checkpointing
+    (:data:`pipeloom.plan.export.ACTIVATION_CHECKPOINTS`); :func:`save_blockers` refuses the others."""
+    recompute = result.best.layout.recompute
+    if recompute == "selective" and result.job.selective != "op":
+        raise PlanError(f"recompute=selective with --selective {result.job.selective} has no torchtitan setting; "
+                        "plan with --selective op")
+    return "op" if recompute == "selective" else recompute
+
+
+def runtime_notes(result: ClusterPlan, *, kept: float | None = None) -> list[str]:
+    """What the runtime runs differently from the plan's prediction (said next to a saved plan); ``kept``: the
+    bytes per GPU pipeloom's runtime would need where over the limit (:func:`kept_over_limit`; saved only for an
+    export that recomputes)."""
     layout = result.best.layout
     notes = []
-    kept = _kept_over_limit(result)
-    if kept is not None:  # saved for an export that recomputes (save_blockers refuses it otherwise)
+    if kept is not None:
         notes.append(f"the plan fits only with recompute={layout.recompute}: pipeloom's runtime keeps every "
                      f"activation and would need {kept / 2**30:.1f} GiB per GPU, over the "
                      f"{result.memory_limit / 2**30:.1f} GiB limit; train it with the exported torchtitan settings")

@@ -76,7 +76,8 @@ class SearchResult:
     candidates: int
     """Layouts that can run (before bounds)."""
     priced: int
-    """Layouts whose time bound and memory were computed (the others' group bound was past the best)."""
+    """Layouts whose time bound and memory bound were computed (the others' group bound was past the best, or their
+    memory floor over the limit)."""
     simulated: int
     """Layouts priced by simulation."""
     memory_limit: float
@@ -184,7 +185,7 @@ class _Run:
         self.bounds, self.groups, self.limit = bounds, groups, limit
         self.runners_up, self.progress = runners_up, progress
         self.done: list[Estimate] = []
-        self.over: list[Candidate] = []  # priced layouts known or bounded to need more memory than the limit
+        self.over: list[Candidate] = []  # layouts known or bounded (floor or bound) to need more than the limit
         self.memory: dict[Layout, float] = {}  # exact memory computed so far
         self.priced = 0
 
@@ -245,7 +246,7 @@ class _Run:
         return self.memory[cand.layout]
 
     def smallest(self) -> Estimate:
-        """After a search that found nothing (every layout priced): the layout of least memory, taken in
+        """After a search that found nothing (every layout bounded): the layout of least memory, taken in
         increasing memory-bound order until the bound passes the least exact memory found."""
         estimator = self.bounds.estimator
         least = float("inf")

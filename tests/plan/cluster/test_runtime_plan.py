@@ -216,9 +216,9 @@ def test_a_layout_that_fits_only_by_recomputing_is_not_saved_for_the_runtime():
 
 
 def test_a_layout_that_fits_only_by_recomputing_is_exported_for_torchtitan(tmp_path, capsys):
-    """torchtitan recomputes as the plan says: with --export torchtitan the same layout is saved, the plan file and
-    torchtitan's files both written, and the note says how much pipeloom's own runtime would need; without the
-    export the command refuses it and writes nothing."""
+    """The torchtitan export tells torchtitan to recompute as planned: with --export torchtitan the same layout is
+    saved, the plan file and torchtitan's files both written, and the note says how much pipeloom's own runtime
+    would need; without the export the command refuses it and writes nothing."""
     config = tmp_path / "config.json"
     config.write_text(json.dumps(LLAMA))
     save = tmp_path / "plan.json"
@@ -227,11 +227,54 @@ def test_a_layout_that_fits_only_by_recomputing_is_exported_for_torchtitan(tmp_p
                "--memory-limit", "12GiB", "--save", str(save)]
     assert main(command) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "or --export torchtitan, which recomputes" in err[0] and not save.exists()
+    assert len(err) == 1 and "or add --export torchtitan, which recomputes as planned" in err[0] and not save.exists()
     assert main([*command, "--export", "torchtitan"]) == 0
     out = capsys.readouterr().out
     kept = plan_cluster(LLAMA, "h100", gpus=2, global_batch=8, seq=8192, memory_limit="12GiB",
                         layout="dp=2,tp=1,pp=1,vp=1,cp=1,ep=1,mbs=1,fsdp=1,recompute=none,schedule=1f1b")
     assert (f"note: the plan fits only with recompute=full: pipeloom's runtime keeps every activation and would "
             f"need {kept.best.memory.total / 2**30:.1f} GiB per GPU, over the 12.0 GiB limit") in out
-    assert load_plan(save).num_ranks == 1 and (tmp_path / "plan.torchtitan.toml").exists()
+    assert f"wrote plan {save} (for torchtitan; pipeloom's runtime won't fit it)" in out
+    assert load_plan(save).num_ranks == 1
+    # torchtitan told to recompute as planned: 0.2.x's section (TOML and its own overrides), 0.3.x's subcommand last
+    assert '[activation_checkpoint]\nmode = "full"' in (tmp_path / "plan.torchtitan.toml").read_text()
+    lines = (tmp_path / "plan.torchtitan.args").read_text().splitlines()
+    assert "--activation_checkpoint.mode full" in lines and lines[-1].endswith(" activation_checkpoint:full")
+    assert "torchtitan 0.2.x also: --activation_checkpoint.mode full" in out
+
+
+@pytest.mark.parametrize(("recompute", "selective", "older", "newer"), [
+    ("none", "op", "--activation_checkpoint.mode none", "activation_checkpoint:none"),
+    ("selective", "op", "--activation_checkpoint.mode selective --activation_checkpoint.selective_ac_option op",
+     "activation_checkpoint:selective")])
+def test_the_torchtitan_export_carries_the_recomputation(tmp_path, capsys, recompute, selective, older, newer):
+    """Whatever the layout recomputes, torchtitan is told (its own default is selective recomputation); the
+    planner's op-level selective policy is torchtitan's."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(LLAMA))
+    layout = f"dp=2,tp=1,pp=2,vp=1,cp=1,ep=1,mbs=1,fsdp=0,recompute={recompute},schedule=1f1b"
+    assert main(["plan", "--model", str(config), "--hardware", "h100", "--gpus", "4", "--global-batch", "8", "--seq",
+                 "2048", "--layout", layout, "--selective", selective, "--save", str(tmp_path / "plan.json"),
+                 "--export", "torchtitan"]) == 0
+    out = capsys.readouterr().out
+    assert f"torchtitan 0.2.x also: {older}\n" in out and out.split("torchtitan 0.3.x also: ")[1].split("\n")[0] \
+        == f"--training.disable_cuda_graphs {newer}"
+
+
+def test_a_recomputation_torchtitan_has_not_is_refused_for_it():
+    """The planner's default selective recomputation (the attention core, Megatron's) has no torchtitan setting:
+    the export is refused, and a runtime refusal of a layout that fits only by recomputing does not send the
+    user to it (nor where torchtitan has no such model)."""
+    layout = "dp=2,tp=1,pp=1,vp=1,cp=1,ep=1,mbs=1,fsdp=1,recompute=selective,schedule=1f1b"
+    attention = plan_cluster(LLAMA, "h100", gpus=2, global_batch=8, seq=8192, layout=layout)
+    assert "whose selective recomputation is its op-level policy (plan with --selective op" in save_blockers(
+        attention, export="torchtitan")
+    assert save_blockers(plan_cluster(LLAMA, "h100", gpus=2, global_batch=8, seq=8192, layout=layout,
+                                      selective="op"), export="torchtitan") is None
+    full = layout.replace("selective", "full")
+    llama = plan_cluster(LLAMA, "h100", gpus=2, global_batch=8, seq=8192, layout=full, memory_limit="12GiB")
+    mistral = plan_cluster(dict(LLAMA, model_type="mistral", sliding_window=None), "h100", gpus=2, global_batch=8,
+                           seq=8192, layout=full, memory_limit="12GiB")
+    assert "or add --export torchtitan, which recomputes as planned" in save_blockers(llama)
+    assert "recompute=full: pipeloom's runtime keeps" in save_blockers(mistral)
+    assert "--export torchtitan" not in save_blockers(mistral)
