@@ -276,8 +276,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         written.append(_draw(args, result.timeline, title))
     if args.save:  # last: it names a companion schedule file after itself, so it is written in place
         if args.export == "torchtitan":  # first: a plan torchtitan cannot take is refused before anything is saved
+            # the plan was measured and priced keeping every activation: torchtitan is told to recompute nothing
             written.append(export_torchtitan(result.plan, result.schedule, args.save,
-                                             [piece.name for piece in tables[0].pieces]))
+                                             [piece.name for piece in tables[0].pieces], "none"))
         outputs = getattr(args, "outputs", None)
         result.save(outputs.direct(args.save) if outputs is not None else args.save)
         written.insert(0, f"wrote plan {args.save}")

@@ -9,7 +9,9 @@ torchtitan runs a pipeline from its ``parallelism`` settings: the module names o
 ``pipeline_parallel_schedule``, whose class decides how torchtitan places the stages on ranks: looped
 (stage s on rank s mod p) for every name but ``ZBVZeroBubble`` and ``DualPipeV``, which place them in a V.
 pipeloom writes the plan's action order as the CSV and names a schedule of the same placement; two-replica
-plans (dualpipe, chimera) have no torchtitan placement and are refused.
+plans (dualpipe, chimera) have no torchtitan placement and are refused. The recomputation the plan was priced
+with is set as torchtitan's activation checkpointing (:data:`ACTIVATION_CHECKPOINTS`; torchtitan's own default
+recomputes selectively).
 
 Checked against the configuration classes of torchtitan 0.2.2 and 0.3.0 (:data:`TORCHTITAN_VERSIONS`;
 ``tests/plan/test_torchtitan_export.py`` when torchtitan is installed). 0.2.x reads a TOML train config
