@@ -11,7 +11,7 @@ from typing import Any
 
 from pipeloom.errors import PipeloomError
 from pipeloom.ir import Schedule
-from pipeloom.plan.cluster.counts import layer_counts, layer_kinds, optimizer_bytes
+from pipeloom.plan.cluster.counts import block_kind, layer_counts, layer_kinds, optimizer_bytes
 from pipeloom.plan.cluster.efficiency import collective_seconds, domain_ranks, hidden_cost, memory_seconds, p2p_seconds
 from pipeloom.plan.cluster.held import RankHeld, held_profile, peak_held
 from pipeloom.plan.cluster.job import GRAD_REDUCE, Job
@@ -87,8 +87,9 @@ class Estimator:
         return layout.check(self.job)
 
     def times(self, layout: Layout, kind: str) -> PhaseTimes:
-        """:func:`layer_times`, cached by what it depends on."""
-        key = (kind, layout.tp, layout.cp, layout.ep, layout.mbs, layout.recompute)
+        """:func:`layer_times`, cached by what it depends on (a layer without experts: only whether ep > 1)."""
+        ep = layout.ep if kind == "mtp" or block_kind(kind) == "moe" else layout.ep > 1
+        key = (kind, layout.tp, layout.cp, ep, layout.mbs, layout.recompute)
         if key not in self._layer:
             self._layer[key] = (mtp_times(self.job, layout) if kind == "mtp" else layer_times(self.job, layout, kind))
         return self._layer[key]
@@ -171,8 +172,7 @@ class Estimator:
         return self._cuts[counts, copies]
 
     def _p2p(self, layout: Layout) -> float:
-        """Seconds of one stage-to-stage send of a micro-batch's hidden states (split over tp: Megatron's
-        scatter-gather)."""
+        """Seconds of one stage-to-stage send of a micro-batch's hidden states (over tp: Megatron's scatter-gather)."""
         job = self.job
         hidden = layout.mbs * job.seq // layout.cp * job.spec.hidden * 2 / layout.tp
         same = layout.tp * layout.cp * layout.dp < job.hw.scale_up_size
