@@ -236,6 +236,16 @@ def _copies(layout) -> str:
     return f" (two copies: rank r holds stage r of one and stage {layout.pp - 1}-r of the other)"
 
 
+def _experts(spec, layout) -> list[str]:
+    """How the routed experts are laid out (nothing for a dense model): per GPU, and the expert mesh's groups."""
+    if spec.experts is None:
+        return []
+    count, ep, replicas = spec.experts.count, layout.ep, layout.expert_replicas
+    where = "tp x dp x cp" if layout.tp > 1 else "dp x cp"
+    held = f"each held by {replicas} GPUs of a stage" if replicas > 1 else "each on one GPU of a stage"
+    return [f"experts: {count // ep} of {count} per GPU (ep {ep} consecutive GPUs within {where}; {held})"]
+
+
 def _window(spec) -> str:
     """The header's note of sliding-window attention ('' without)."""
     if not spec.window_layers:
@@ -260,6 +270,7 @@ def report(result) -> str:
         f"layout: {best.layout}",
         *([f"layers per stage: {_runs(best.stage_layers)}{_copies(best.layout)}"] if len(best.stage_layers) > 1
           else []),
+        *_experts(job.spec, best.layout),
         f"step time: {best.step_time:.3f} s (pipeline {best.pipeline_time:.3f} s, exposed dp "
         f"{best.exposed_dp:.3f} s, optimizer {best.optimizer_time:.3f} s)",
         f"tokens/s per GPU: {best.tokens_per_gpu_per_second:,.0f}   MFU: {best.mfu * 100:.1f} % (of the "

@@ -4,6 +4,8 @@ reduce their gradients and shard their optimizer state."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from pipeloom.plan.cluster import plan_cluster
@@ -93,3 +95,17 @@ def test_the_expert_replicas_sit_ep_apart():
     across = sync(dense / 2, 8, 4) + sync(expert / 8, 2, 1)
     assert result.best.exposed_dp == pytest.approx(across)
     assert across > sync(dense / 2, 8, 4) + sync(expert / 8, 2, 2)
+
+
+def test_the_report_says_how_the_experts_are_laid_out(tmp_path, capsys):
+    from pipeloom.cli import main
+
+    config = tmp_path / "mixtral.json"
+    config.write_text(json.dumps(MIXTRAL))
+    for layout, line in ((_layout(ep=8), "experts: 1 of 8 per GPU (ep 8 consecutive GPUs within tp x dp x cp; each "
+                                         "on one GPU of a stage)"),
+                         (_layout(tp=1, dp=8, ep=2), "experts: 4 of 8 per GPU (ep 2 consecutive GPUs within dp x cp; "
+                                                     "each held by 4 GPUs of a stage)")):
+        assert main(["plan", "--model", str(config), "--hardware", "h100", "--gpus", "8", "--global-batch", "8",
+                     "--seq", "1024", "--layout", layout]) == 0
+        assert line in capsys.readouterr().out.splitlines()
