@@ -190,8 +190,9 @@ def _save(args: argparse.Namespace, result) -> list[str]:
 
         renamed, modules = saving.torchtitan_plan(plan, result.job.spec.layers)
         schedule = build_schedule(plan.schedule, plan.num_ranks, plan.microbatches, **plan.schedule_options)
-        written.append(export_torchtitan(renamed, schedule, args.save, list(modules),
-                                         saving.torchtitan_recompute(result)))
+        recompute = saving.torchtitan_recompute(result)
+        assert recompute is not None, "runtime_plan refuses the export of a recomputation torchtitan has not"
+        written.append(export_torchtitan(renamed, schedule, args.save, list(modules), recompute))
         kept = saving.kept_over_limit(result)  # the export recomputes; pipeloom's runtime would not
     outputs = getattr(args, "outputs", None)
     save_plan(plan, outputs.path(args.save) if outputs is not None else args.save)

@@ -34,7 +34,8 @@ from pipeloom.plan.partitioning.shape import schedule_shape
 from pipeloom.plan.plan import Plan
 
 __all__ = ["ACTIVATION_CHECKPOINTS", "EXPORT_FORMATS", "TORCHTITAN_03_SETTINGS", "TORCHTITAN_VERSIONS", "stage_modules",
-           "torchtitan_args", "torchtitan_overrides", "torchtitan_settings", "torchtitan_toml", "write_torchtitan"]
+           "torchtitan_args", "torchtitan_overrides", "torchtitan_settings", "torchtitan_toml", "version_overrides",
+           "write_torchtitan"]
 
 EXPORT_FORMATS = ("torchtitan",)
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from pipeloom.errors import PipeloomError
 from pipeloom.ir import Schedule
-from pipeloom.plan.cluster.counts import block_kind, layer_counts, layer_kinds, optimizer_bytes
+from pipeloom.plan.cluster.counts import block_kind, layer_counts, layer_kinds
 from pipeloom.plan.cluster.efficiency import collective_seconds, domain_ranks, hidden_cost, memory_seconds, p2p_seconds
 from pipeloom.plan.cluster.held import RankHeld, held_profile, peak_held
 from pipeloom.plan.cluster.job import GRAD_REDUCE, Job
@@ -352,14 +352,13 @@ class Estimator:
         """One rank's static memory and ``(exposed + optimizer, exposed, optimizer)`` seconds. DualPipe's two
         copies: each parameter the rank holds has its twin on the mirror rank, so gradients are reduced, and the
         optimizer state sharded, over both copies' data-parallel ranks."""
-        hw, dpcp, edp = self.job.hw, layout.dp * layout.cp * layout.copies, layout.expert_replicas * layout.copies
+        hw, (dpcp, edp) = self.job.hw, layout.state_groups
         dense = expert = 0.0
         for kind, count in kinds:  # parameters held: tp-sharded, experts over ep
             c = self.counts[kind]
             dense += count * (c.params - c.expert_params) / layout.tp
             expert += count * c.expert_params / layout.ep
-        parts = [a + b for a, b in zip(optimizer_bytes(dense, shards=dpcp, fsdp=layout.fsdp),
-                                       optimizer_bytes(expert, shards=edp, fsdp=layout.fsdp))]
+        weights, gradients, states = layout.param_state(dense, expert)
         f1 = sum(times[j].f for j in stages)
         b1 = sum(times[j].i + times[j].w for j in stages)
         # the dense replicas sit tp apart (Megatron's order tp, cp, dp); the experts' replicas ep apart (etp, ep, edp)
@@ -371,7 +370,7 @@ class Estimator:
             buffers += max(self._keep(k, layout.tp, layout.cp, layout.mbs, "none") for k in set(self.kinds))
         shard = dense / dpcp + expert / edp
         optimizer = memory_seconds(hw, 32.0 * shard)  # read/write master, moments, grads and weights
-        memory = Memory(weights=parts[0], gradients=parts[1], optimizer=parts[2], activations=0.0, buffers=buffers)
+        memory = Memory(weights=weights, gradients=gradients, optimizer=states, activations=0.0, buffers=buffers)
         return memory, (exposed + optimizer, exposed, optimizer)
 
     def _dp_exposed(self, layout: Layout, params: float, group: int, stride: int, f1: float, b1: float,

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from pipeloom.plan.cluster.counts import RECOMPUTE_MODES
+from pipeloom.plan.cluster.counts import RECOMPUTE_MODES, optimizer_bytes
 from pipeloom.plan.errors import LayoutError
 
 if TYPE_CHECKING:
@@ -110,6 +110,22 @@ class Layout:
     def copies(self) -> int:
         """Copies of the model the pipeline holds (DualPipe: 2)."""
         return 2 if SCHEDULES[self.schedule] == "two-copy" else 1
+
+    @property
+    def state_groups(self) -> tuple[int, int]:
+        """The ranks holding the same dense parameters, and the same experts, as a rank: dp x cp and the expert
+        replicas (:attr:`expert_replicas`), under DualPipe both copies' (each parameter has its twin on the mirror
+        rank). Gradients are reduced, and the optimizer state sharded, over them."""
+        return self.dp * self.cp * self.copies, self.expert_replicas * self.copies
+
+    def param_state(self, dense: float, expert: float) -> tuple[float, float, float]:
+        """``(weights, gradients, optimizer)`` bytes per GPU of the ``dense`` and ``expert`` parameters a rank holds
+        (:func:`~pipeloom.plan.cluster.counts.optimizer_bytes`), sharded over :attr:`state_groups`."""
+        dense_group, expert_group = self.state_groups
+        dense_parts = optimizer_bytes(dense, shards=dense_group, fsdp=self.fsdp)
+        expert_parts = optimizer_bytes(expert, shards=expert_group, fsdp=self.fsdp)
+        weights, gradients, optimizer = (a + b for a, b in zip(dense_parts, expert_parts))
+        return weights, gradients, optimizer
 
     def microbatches(self, global_batch: int) -> int:
         """Micro-batches per pipeline per step; LayoutError when the global batch does not split evenly."""

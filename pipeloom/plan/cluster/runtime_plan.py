@@ -77,22 +77,7 @@ def save_blockers(result: ClusterPlan, *, export: str | None = None) -> str | No
                         "plan of your own)")
         fixes["tp"] = 1
     if export == "torchtitan":
-        if family not in TORCHTITAN_MODELS:
-            names = ", ".join(f"{k} ({v})" for k, v in TORCHTITAN_MODELS.items())
-            problems.append(f"{family} for torchtitan, which has no such model (the export covers {names}; save the "
-                            "plan without --export)")
-            unfixed += 1
-        if layout.copies == 2:
-            problems.append("schedule=dualpipe for torchtitan (two copies of the model, which it cannot place)")
-            fixes["schedule"] = "dualpipev"
-        if layout.ep > 1:
-            problems.append(f"ep={layout.ep} for torchtitan (the export is checked without expert parallelism)")
-            fixes["ep"] = 1
-        if layout.recompute == "selective" and result.job.selective != "op":
-            problems.append(f"recompute=selective with --selective {result.job.selective} for torchtitan, whose "
-                            "selective recomputation is its op-level policy (plan with --selective op, or with "
-                            "--layout recompute=full or none)")
-            unfixed += 1
+        unfixed += _torchtitan_problems(result, problems, fixes)
     if not problems:
         return None
     if fixes.get("schedule") == "dualpipev":
@@ -105,6 +90,29 @@ def save_blockers(result: ClusterPlan, *, export: str | None = None) -> str | No
     fix = f"; fix {which} with --layout {keys}" if fixes else ""
     return (f"cannot save the chosen layout {'for torchtitan' if export else 'as a plan the runtime runs'}: "
             + "; ".join(problems) + fix)
+
+
+def _torchtitan_problems(result: ClusterPlan, problems: list[str], fixes: dict[str, int | str]) -> int:
+    """What the torchtitan export cannot take, appended to ``problems``, the ``--layout`` keys that fix those a key
+    fixes added to ``fixes``; returns how many no key fixes."""
+    layout, family, unfixed = result.best.layout, result.job.spec.family, 0
+    if family not in TORCHTITAN_MODELS:
+        names = ", ".join(f"{k} ({v})" for k, v in TORCHTITAN_MODELS.items())
+        problems.append(f"{family} for torchtitan, which has no such model (the export covers {names}; save the "
+                        "plan without --export)")
+        unfixed += 1
+    if layout.copies == 2:
+        problems.append("schedule=dualpipe for torchtitan (two copies of the model, which it cannot place)")
+        fixes["schedule"] = "dualpipev"
+    if layout.ep > 1:
+        problems.append(f"ep={layout.ep} for torchtitan (the export is checked without expert parallelism)")
+        fixes["ep"] = 1
+    if torchtitan_recompute(result) is None:
+        problems.append(f"recompute=selective with --selective {result.job.selective} for torchtitan, whose "
+                        "selective recomputation is its op-level policy (plan with --selective op, or with "
+                        "--layout recompute=full or none)")
+        unfixed += 1
+    return unfixed
 
 
 def kept_over_limit(result: ClusterPlan) -> float | None:
@@ -155,14 +163,14 @@ def _stage_times(estimator: Estimator, layout: Layout) -> tuple[float, ...]:
     return tuple(t.f + t.i + t.w for t in times[:layout.stages])
 
 
-def torchtitan_recompute(result: ClusterPlan) -> str:
+def torchtitan_recompute(result: ClusterPlan) -> str | None:
     """The chosen layout's recomputation as torchtitan's activation checkpointing
-    (:data:`pipeloom.plan.export.ACTIVATION_CHECKPOINTS`); :func:`save_blockers` refuses the others."""
+    (:data:`pipeloom.plan.export.ACTIVATION_CHECKPOINTS`), None where torchtitan has no such setting (a selective
+    policy other than its op-level one: :func:`save_blockers` refuses the export)."""
     recompute = result.best.layout.recompute
-    if recompute == "selective" and result.job.selective != "op":
-        raise PlanError(f"recompute=selective with --selective {result.job.selective} has no torchtitan setting; "
-                        "plan with --selective op")
-    return "op" if recompute == "selective" else recompute
+    if recompute != "selective":
+        return recompute
+    return "op" if result.job.selective == "op" else None
 
 
 def runtime_notes(result: ClusterPlan, *, kept: float | None = None) -> list[str]:

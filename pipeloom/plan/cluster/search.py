@@ -35,7 +35,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeloom.plan.cluster.counts import optimizer_bytes
 from pipeloom.plan.cluster.estimate import WORKSPACE_BYTES, Estimator
 from pipeloom.plan.cluster.job import Job
 from pipeloom.plan.cluster.layout import LAYOUT_KEYS, PAIRED, Layout, enumerate_layouts
@@ -101,12 +100,9 @@ class Bounds:
         two, at least half of both), counted as the estimate counts a rank's, and the workspace; the busiest
         rank holds at least the mean."""
         e, share = self.estimator, layout.copies / layout.pp
-        dense = optimizer_bytes(self._dense * share / layout.tp, shards=layout.dp * layout.cp * layout.copies,
-                                fsdp=layout.fsdp)
-        expert = optimizer_bytes(self._expert * share / layout.ep, shards=layout.expert_replicas * layout.copies,
-                                 fsdp=layout.fsdp)
+        state = layout.param_state(self._dense * share / layout.tp, self._expert * share / layout.ep)
         held = sum(n * e.activation(layout, kind) for kind, n in self._held.items()) / layout.pp
-        return (sum(dense) + sum(expert) + held + WORKSPACE_BYTES) * (1 - _ROUNDING)
+        return (sum(state) + held + WORKSPACE_BYTES) * (1 - _ROUNDING)
 
     def candidate(self, layout: Layout) -> Candidate:
         """The layout's time bound and memory bound."""
