@@ -79,7 +79,8 @@ class Timeline:
         return curve
 
 
-def simulate(schedule: Schedule, *, overlap_overhead: float | None = None) -> Timeline:
+def simulate(schedule: Schedule, *, overlap_overhead: float | None = None,
+             compiled: CompiledSchedule | None = None) -> Timeline:
     """Replay ``schedule``: each rank runs its list in order, one action at a time.
 
     An action starts at the latest of its ranks becoming free and each dep's finish (plus the
@@ -88,7 +89,9 @@ def simulate(schedule: Schedule, *, overlap_overhead: float | None = None) -> Ti
     (and a full ``B`` on a split stage) is one action: it starts when every part's deps are met and
     takes ``max(forward, backward) + overlap_overhead`` (I + W); ``overlap_overhead`` None: the
     problem's (docs/semantics.md). Raises DeadlockError when the lists cannot run to the end; use
-    :func:`pipeloom.validate.validate` for full checks.
+    :func:`pipeloom.validate.validate` for full checks. ``compiled``: :func:`compile_schedule` of a schedule with
+    the same lists and tasks and any costs, reused with ``schedule``'s costs instead of compiling the lists again
+    (ScheduleError when they differ).
     """
     require_type("schedule", schedule, Schedule, "a pipeloom Schedule (e.g. build_schedule('1f1b', 4, 8) or "
                  "load_schedule(path))")
@@ -99,7 +102,10 @@ def simulate(schedule: Schedule, *, overlap_overhead: float | None = None) -> Ti
         return Timeline(schedule=schedule, starts=lowered.starts, ends=lowered.ends, memory=lowered.memory,
                         makespan=lowered.makespan, busy=lowered.busy, peak_memory=lowered.peak_memory)
     problem = schedule.problem
-    compiled = CompiledSchedule.of(schedule, overhead)
+    if compiled is None:
+        compiled = CompiledSchedule.of(schedule, overhead)
+    else:
+        compiled = compiled.repriced(schedule, overhead)
     seq_tasks = compiled.seq_tasks
     replay = compiled.replay()
     starts, ends = replay.starts, replay.ends

@@ -4,8 +4,8 @@ actions (an overlapped pair, a full ``B`` on a split stage) complete several slo
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from operator import itemgetter
 from typing import Any
 
@@ -14,8 +14,6 @@ from pipeloom.ir import (
     Action,
     Overlap,
     Schedule,
-    action_duration,
-    action_memory,
     compute_parts,
     format_grid,
     pair_duration,
@@ -71,29 +69,12 @@ class Composite:
         """The replay slots (task x micro-batch) it completes."""
         return tuple(t * num_mb + dense[mb] for unit in self.units for t, mb in unit)
 
-    def external_deps(self, deps: list, num_mb: int, dense: Mapping[int, int]) -> tuple[tuple[int, float], ...]:
-        """``(slot, latency)`` of every dependency of its tasks outside its own part (a W waits for the
-        I of its own B; a pair's parts do not wait for each other: one that depends on the other never
-        starts, the validator reports it as a deadlock)."""
-        found: dict[int, float] = {}
-        for unit in self.units:
-            inside = {t * num_mb + dense[mb] for t, mb in unit}
-            for t, mb in unit:
-                for base, lat in deps[t]:
-                    slot = base + dense[mb]
-                    if slot not in inside:
-                        found[slot] = max(lat, found.get(slot, lat))
-        return tuple(found.items())
-
 
 def composite_of(problem: Problem, index: Mapping[tuple[int, str], int], action: Action | Overlap,
                  overhead: float) -> Composite | None:
     """``action`` as a composite of ``problem``, or None when one of its parts names no task."""
     units: list[tuple[tuple[int, int], ...]] = []
-    comms: list[float] = []
     for part in compute_parts(action):
-        comms.append(sum(problem.task(task.task).comm for task in part_tasks(problem, part)
-                         if task.task in index))
         unit: list[tuple[int, int]] = []
         for task in part_tasks(problem, part):
             i = index.get(task.task)
@@ -102,11 +83,45 @@ def composite_of(problem: Problem, index: Mapping[tuple[int, str], int], action:
             unit.append((i, task.microbatch))
         units.append(tuple(unit))
     overlapped = type(action) is Overlap
-    return Composite(action=action, units=tuple(units), overlapped=overlapped, overhead=overhead if overlapped else 0.0,
-                     duration=action_duration(problem, action, overlap_overhead=overhead),
-                     memory=action_memory(problem, action), comms=tuple(comms),
-                     fraction=problem.overlap_fraction if overlapped else 0.0,
-                     measured=overlapped and problem.pair_time is not None)
+    parts = [[t for t, _ in unit] for unit in units]
+    return Composite(action, tuple(units), overlapped, *_prices(parts, overlapped, problem, overhead))
+
+
+def _prices(parts: Sequence[Sequence[int]], overlapped: bool, problem: Problem,
+            overhead: float) -> tuple[float, float, float, tuple[float, ...], float, bool]:
+    """A composite's fields that ``problem``'s costs decide (``overhead`` through ``measured``, in field order)
+    from its parts' task indices (not their micro-batches): the parts' durations summed (a pair's as
+    :func:`~pipeloom.ir.action_duration` prices it), their communication and memory changes."""
+    tasks = problem.tasks
+    times = tuple(sum(tasks[t].duration for t in part) for part in parts)
+    comms = tuple(sum(tasks[t].comm for t in part) for part in parts)
+    memory = sum(tasks[t].memory for part in parts for t in part)
+    if not overlapped:
+        return 0.0, sum(times), memory, comms, 0.0, False
+    measured = problem.pair_time
+    duration = measured if measured is not None else pair_duration(
+        (times[0], times[1]), (comms[0], comms[1]), fraction=problem.overlap_fraction, overhead=overhead)
+    return overhead, duration, memory, comms, problem.overlap_fraction, measured is not None
+
+
+def _links(problem: Problem, composite: Composite, num_mb: int,
+           dense: Mapping[int, int]) -> tuple[tuple[tuple[int, bool], ...], tuple[int, ...]]:
+    """What a replay needs of ``composite`` besides its costs: every dependency of its tasks outside its own part
+    (a W waits for the I of its own B; a pair's parts do not wait for each other: one that depends on the other
+    never starts, the validator reports it as a deadlock), as its slot less the composite's first part's
+    micro-batch (the hot loop adds the micro-batch) and whether it ran on other ranks (then the problem's
+    latency applies); and the slots it completes."""
+    tasks, index = problem.tasks, {task.key: i for i, task in enumerate(problem.tasks)}
+    first = dense[composite.units[0][0][1]]
+    found: dict[int, bool] = {}
+    for unit in composite.units:
+        inside = {t * num_mb + dense[mb] for t, mb in unit}
+        for t, mb in unit:
+            for dep in tasks[t].deps:
+                slot = index[dep] * num_mb + dense[mb]
+                if slot not in inside:
+                    found[slot] = found.get(slot, False) or set(tasks[index[dep]].ranks) != set(tasks[t].ranks)
+    return tuple((slot - first, cross) for slot, cross in found.items()), composite.slots(num_mb, dense)
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +136,12 @@ class CompiledSchedule:
     seq_mbs: tuple[list, ...]
     dense: dict[int, int]
     composites: tuple[Composite, ...]
+    links: tuple[tuple[tuple[tuple[int, bool], ...], tuple[int, ...]], ...]
+    """Per composite, its dependencies outside it and the slots it completes (:func:`_links`)."""
+    shapes: tuple[tuple[bool, tuple[tuple[int, ...], ...]], ...]
+    """The composites' distinct shapes: whether a pair, and each part's task indices (what decides their costs)."""
+    shape_of: tuple[int, ...]
+    """Per composite, its shape's index in :attr:`shapes`."""
 
     @classmethod
     def of(cls, schedule: Schedule, overhead: float) -> CompiledSchedule:
@@ -131,7 +152,30 @@ class CompiledSchedule:
         composites = tuple(composite for _, composite in found.values())
         extra = {mb for c in composites for unit in c.units for _, mb in unit}
         seq_mbs, dense = _densify(seq_mbs, schedule.num_microbatches, extra)
-        return cls(schedule, index, seq_tasks, seq_mbs, dense, composites)
+        links = tuple(_links(problem, c, len(dense), dense) for c in composites)
+        shapes: dict[tuple[bool, tuple[tuple[int, ...], ...]], int] = {}
+        shape_of = tuple(shapes.setdefault((c.overlapped, tuple(tuple(t for t, _ in unit) for unit in c.units)),
+                                           len(shapes)) for c in composites)
+        return cls(schedule, index, seq_tasks, seq_mbs, dense, composites, links, tuple(shapes), shape_of)
+
+    def repriced(self, schedule: Schedule, overhead: float) -> CompiledSchedule:
+        """This compilation for ``schedule``: the same lists over a problem with the same tasks (keys,
+        dependencies, ranks) in the same order, its costs (durations, communication, memory, how pairs are
+        priced) replacing these; compiling the lists again, most of a replay's time for a schedule of overlapped
+        pairs, is skipped. ScheduleError when the lists or the tasks differ."""
+        problem, compiled = schedule.problem, self.schedule
+        same_lists = schedule.ranks is compiled.ranks or schedule.ranks == compiled.ranks
+        if not (same_lists and schedule.num_microbatches == compiled.num_microbatches
+                and len(problem.tasks) == len(compiled.problem.tasks)
+                and all((new.key, new.deps, new.ranks) == (old.key, old.deps, old.ranks)
+                        for new, old in zip(problem.tasks, compiled.problem.tasks))):
+            raise ScheduleError(f"schedule {schedule.name!r} is not the compiled one ({compiled.name!r}) with other "
+                                "costs: its lists or its tasks differ; compile it instead (compile_schedule)")
+        prices = [_prices(parts, overlapped, problem, overhead if overlapped else 0.0)
+                  for overlapped, parts in self.shapes]
+        composites = tuple(Composite(c.action, c.units, c.overlapped, *prices[k])
+                           for c, k in zip(self.composites, self.shape_of))
+        return replace(self, schedule=schedule, composites=composites)
 
     def scale(self, t: int, factors: list[float]) -> float:
         """The factor on composite ``t``'s duration when each (task, micro-batch) has its own factor."""
@@ -166,7 +210,7 @@ class CompiledSchedule:
         cannot finish."""
         problem = self.schedule.problem
         replay = _Replay(problem, len(self.dense), self.seq_tasks, self.seq_mbs, scales, release)
-        replay.add_composites(self.composites, self.dense)
+        replay.add_composites(self.composites, self.links)
         replay.run()
         stuck = [r for r in range(problem.num_ranks) if replay.pos[r] < len(self.seq_tasks[r])]
         if stuck:
@@ -251,7 +295,7 @@ class _Replay:
         tasks = problem.tasks
         self.scales = scales  # per rank, per position: a factor on that single-rank action's duration
         index = {task.key: i for i, task in enumerate(tasks)}
-        self.num_mb = num_mb
+        self.num_mb, self.latency = num_mb, problem.comm_latency
         self.seq_tasks, self.seq_mbs = seq_tasks, seq_mbs
         self.durations = [task.duration for task in tasks]
         self.rank_sets = [task.ranks for task in tasks]
@@ -276,21 +320,20 @@ class _Replay:
         self.num_tasks = len(tasks)
         self.part_slots: list[tuple[int, ...]] = []
 
-    def add_composites(self, composites: tuple[Composite, ...], dense: dict[int, int]) -> None:
+    def add_composites(self, composites: tuple[Composite, ...],
+                       links: tuple[tuple[tuple[tuple[int, bool], ...], tuple[int, ...]], ...]) -> None:
         """Index ``num_tasks + k`` runs ``composites[k]``: its deps are those of its parts outside it
-        (stored against its first part's micro-batch, as the hot loop reads them), its own slot is
-        a placeholder, and finishing it finishes every part's slot."""
-        num_mb = self.num_mb
-        for composite in composites:
-            first = dense[composite.units[0][0][1]]
-            external = composite.external_deps(self.deps, num_mb, dense)
-            self.deps.append(tuple((slot - first, lat) for slot, lat in external))
+        (``links[k]``, stored against its first part's micro-batch, as the hot loop reads them), its own slot
+        is a placeholder, and finishing it finishes every part's slot."""
+        latency = self.latency
+        for composite, (external, slots) in zip(composites, links, strict=True):
+            self.deps.append(tuple((slot, latency if cross else 0.0) for slot, cross in external))
             self.durations.append(composite.duration)
             self.single.append(False)
             self.rank_sets.append(())
-            self.part_slots.append(composite.slots(num_mb, dense))
-        self.finish.extend([None] * (len(composites) * num_mb))
-        self.waiters.extend([None] * (len(composites) * num_mb))
+            self.part_slots.append(slots)
+        self.finish.extend([None] * (len(composites) * self.num_mb))
+        self.waiters.extend([None] * (len(composites) * self.num_mb))
 
     @property
     def makespan(self) -> float:

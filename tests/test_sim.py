@@ -6,6 +6,8 @@ Oracles: start/end/memory values worked out on paper from docs/design.md §3, an
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -251,6 +253,55 @@ def test_simulate_agrees_with_the_naive_reference(schedule):
         durations = [schedule.problem.task(a.task).duration for a in row]
         assert list(timeline.ends[r]) == pytest.approx([s + d for s, d in zip(starts[r], durations)])
         assert timeline.busy[r] == pytest.approx(sum(durations))
+
+
+# ------------------------------------------------------------------------------- compiled once, repriced
+
+
+def _priced_anew(schedule: Schedule, seed: int, **fields) -> Schedule:
+    """``schedule`` with random durations, communication inside them, memory and latency (and ``fields``)."""
+    import random
+
+    draw = random.Random(seed)
+    tasks = tuple(dataclasses.replace(task, duration=0.2 + draw.random(), comm=0.2 * draw.random(),
+                                      memory=task.memory * draw.random()) for task in schedule.problem.tasks)
+    problem = dataclasses.replace(schedule.problem, tasks=tasks, comm_latency=0.1 * draw.random(), **fields)
+    return dataclasses.replace(schedule, problem=problem)
+
+
+@pytest.mark.parametrize(("name", "ranks", "options"), [
+    ("dualpipe", 4, {}), ("dualpipev", 4, {}), ("zbv", 4, {}), ("zb-h1", 4, {}), ("1f1b", 4, {}),
+    ("interleaved-1f1b", 2, {"stages_per_rank": 2}),
+])
+@pytest.mark.parametrize("fields", [{}, {"overlap_fraction": 0.5, "overlap_overhead": 0.05}, {"pair_time": 1.5}])
+def test_a_compiled_schedule_repriced_replays_as_one_compiled_anew(name, ranks, options, fields):
+    """Compiling once and replaying with other costs (the cluster planner's way: one compilation per schedule,
+    many layouts) gives the very timeline a fresh compilation does, pairs' pricing included."""
+    from pipeloom.problem import Costs
+    from pipeloom.schedules import build_schedule
+    from pipeloom.sim import compile_schedule
+
+    built = build_schedule(name, ranks, 2 * ranks, costs=Costs(f=1, b=1.5, w=0.5, memory=1, w_memory=0.3), **options)
+    compiled = compile_schedule(built)
+    for seed in range(3):
+        schedule = _priced_anew(built, seed, **fields)
+        assert simulate(schedule, compiled=compiled) == simulate(schedule)
+
+
+def test_a_compiled_schedule_refuses_other_lists_or_tasks():
+    from pipeloom.schedules import build_schedule
+    from pipeloom.sim import compile_schedule
+
+    compiled = compile_schedule(build_schedule("1f1b", 4, 8))
+    with pytest.raises(ScheduleError, match="lists or its tasks differ"):
+        simulate(build_schedule("1f1b", 4, 12), compiled=compiled)
+    with pytest.raises(ScheduleError, match="lists or its tasks differ"):
+        simulate(build_schedule("gpipe", 4, 8), compiled=compiled)
+    other = build_schedule("1f1b", 4, 8)
+    moved = dataclasses.replace(other.problem, tasks=tuple(dataclasses.replace(task, deps=())
+                                                           for task in other.problem.tasks))
+    with pytest.raises(ScheduleError, match="lists or its tasks differ"):
+        simulate(dataclasses.replace(other, problem=moved), compiled=compiled)
 
 
 # ------------------------------------------------------------------------------- expected_makespan

@@ -13,7 +13,7 @@ from pipeloom.errors import PipeloomError
 from pipeloom.ir import Schedule
 from pipeloom.plan.cluster.counts import block_kind, layer_counts, layer_kinds
 from pipeloom.plan.cluster.efficiency import collective_seconds, domain_ranks, hidden_cost, memory_seconds, p2p_seconds
-from pipeloom.plan.cluster.held import RankHeld, held_profile, peak_held
+from pipeloom.plan.cluster.held import RankHeld, held_profile, peak_held, replay_stages
 from pipeloom.plan.cluster.job import GRAD_REDUCE, Job
 from pipeloom.plan.cluster.layer_time import PhaseTimes, add_times, kept_activations, layer_times
 from pipeloom.plan.cluster.layout import PAIRED, SCHEDULES, Layout
@@ -30,9 +30,10 @@ from pipeloom.plan.cluster.placement import (
 )
 from pipeloom.plan.cluster.step import Estimate, Memory
 from pipeloom.plan.errors import LayoutError
-from pipeloom.problem import Costs, Problem
+from pipeloom.problem import Costs
 from pipeloom.schedules import build_schedule
-from pipeloom.sim import simulate
+from pipeloom.sim import compile_schedule
+from pipeloom.sim_replay import CompiledSchedule
 
 __all__ = ["Estimator", "WORKSPACE_BYTES", "BUCKET_BYTES", "ZBV_RATIO_STEPS"]
 
@@ -61,6 +62,7 @@ class Estimator:
         self._layer: dict[tuple[Any, ...], PhaseTimes] = {}
         self._replays: dict[tuple[Any, ...], tuple[float, float, float]] = {}
         self._schedules: dict[tuple[Any, ...], Schedule] = {}
+        self._compiled: dict[tuple[Any, ...], CompiledSchedule] = {}
         self._stages: dict[tuple[Any, ...], tuple[list[PhaseTimes], list[float], list[tuple[str, ...]]]] = {}
         self._static: dict[tuple[Any, ...], tuple[Memory, float, float]] = {}
         self._dp: dict[tuple[Any, ...], tuple[float, float]] = {}
@@ -195,9 +197,8 @@ class Estimator:
         costs; zbv's cost-aware order with mean I / F and W / F (:meth:`_zbv_ratios`): built for F = I = W, its
         steady state ran 13 % slower than the busiest rank's work on Llama 3 8B at tp 8 x pp 8 (F : I : W = 1 :
         1.15 : 0.45), and 1F1B overtook it at large micro-batch counts. W holds :attr:`w_fraction` of F's memory."""
-        name, pp, vp = layout.schedule, layout.pp, layout.vp
-        b, w = self._zbv_ratios(layout) if name == "zbv" else (1.0, 1.0)
-        key = (name, pp, vp, m, b, w)
+        key = self._schedule_key(layout, m)
+        name, pp, vp, _, b, w = key
         if key not in self._schedules:
             split = name in ("zb-h1", "zbv", *PAIRED)
             costs = Costs(f=1.0, b=b if split else 2.0, w=w, memory=1.0, w_memory=self.w_fraction if split else 0.0)
@@ -207,6 +208,10 @@ class Estimator:
             except PipeloomError as error:
                 raise LayoutError(f"{name} cannot run pp={pp}, vp={vp} with {m} micro-batches: {error}") from None
         return self._schedules[key]
+
+    def _schedule_key(self, layout: Layout, m: int) -> tuple[str, int, int, int, float, float]:
+        b, w = self._zbv_ratios(layout) if layout.schedule == "zbv" else (1.0, 1.0)
+        return layout.schedule, layout.pp, layout.vp, m, b, w
 
     def _zbv_ratios(self, layout: Layout) -> tuple[float, float]:
         """The mean I / F and W / F of the layout's twin without recomputation, rounded to :data:`ZBV_RATIO_STEPS`
@@ -227,8 +232,7 @@ class Estimator:
     def _profile(self, layout: Layout, m: int) -> tuple[RankHeld, ...]:
         """The held counts of the layout's schedule per rank (:func:`held_profile`, cached per schedule)."""
         m = m if m <= 3 * layout.pp else 3 * layout.pp
-        ratios = self._zbv_ratios(layout) if layout.schedule == "zbv" else ()
-        key = (layout.schedule, layout.pp, layout.vp, m, *ratios)
+        key = self._schedule_key(layout, m)
         if key not in self._profiles:
             self._profiles[key] = held_profile(self.schedule(layout, m))
         return self._profiles[key]
@@ -273,21 +277,12 @@ class Estimator:
 
     def _simulate(self, layout: Layout, m: int, times: list[PhaseTimes], acts: list[float],
                   latency: float) -> tuple[float, float, float]:
-        """Price each task of the layout's schedule (:meth:`schedule`) with its stage's costs and replay it.
-        DualPipeV's overlapped F+B pairs take F + B less the expert all-to-all each part hides under the other's
-        compute (the tasks' ``comm``: :func:`pipeloom.ir.pair_duration`)."""
-        schedule = self.schedule(layout, m)
-        taken = {t.stage: t.memory for t in schedule.problem.tasks if t.kind == "F"}
-        tasks = []
-        for task in schedule.problem.tasks:
-            t = times[task.stage]
-            duration = {"F": t.f, "B": t.i + t.w, "I": t.i, "W": t.w}[task.kind]
-            comm = {"F": t.f_comm, "B": t.i_comm, "I": t.i_comm, "W": 0.0}[task.kind]
-            scale = acts[task.stage] / taken[task.stage] if taken[task.stage] else 0.0
-            tasks.append(dataclasses.replace(task, duration=duration, comm=comm, memory=task.memory * scale))
-        problem = Problem(num_ranks=layout.pp, tasks=tuple(tasks), comm_latency=latency)
-        timeline = simulate(dataclasses.replace(schedule, problem=problem))
-        return timeline.makespan, timeline.bubble_ratio, max(timeline.peak_memory)
+        """The layout's schedule (:meth:`schedule`) replayed with its stage costs (:func:`replay_stages`), its lists
+        compiled once per schedule."""
+        key = self._schedule_key(layout, m)
+        if key not in self._compiled:
+            self._compiled[key] = compile_schedule(self.schedule(layout, m))
+        return replay_stages(self._compiled[key], times, acts, latency)
 
     def estimate(self, layout: Layout) -> Estimate:
         """The predicted step of ``layout`` (LayoutError when it cannot run)."""

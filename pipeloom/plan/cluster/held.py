@@ -1,17 +1,23 @@
-"""Activations a pipeline schedule holds: per rank, how many micro-batches of each of its stages are held
-after each of its actions (in units of one stage forward's memory), kept only where no other point holds as
-much of every stage. The schedule's peak for any per-stage activation bytes is then a maximum of a few dot
-products, the same number the simulator's replay reaches (its running sum in rank order)."""
+"""A pipeline schedule at a layout's stage costs. Activations held: per rank, how many micro-batches of each of
+its stages are held after each of its actions (in units of one stage forward's memory), kept only where no other
+point holds as much of every stage; the schedule's peak for any per-stage activation bytes is then a maximum of
+a few dot products, the same number the simulator's replay reaches (its running sum in rank order). The replay
+itself (:func:`replay_stages`): the schedule compiled once, each layout's costs put on its tasks."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from itertools import accumulate
 from typing import Any
 
 from pipeloom.ir import Overlap, Schedule, task_actions
+from pipeloom.plan.cluster.layer_time import PhaseTimes
+from pipeloom.problem import Problem
+from pipeloom.sim import simulate
+from pipeloom.sim_replay import CompiledSchedule
 
-__all__ = ["RankHeld", "held_profile", "peak_held"]
+__all__ = ["RankHeld", "held_profile", "peak_held", "replay_stages"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -87,3 +93,23 @@ def _frontier(points: set[tuple[float, ...]]) -> tuple[tuple[float, ...], ...]:
 def peak_held(profile: tuple[RankHeld, ...], acts: list[float] | tuple[float, ...]) -> float:
     """The busiest rank's peak of held activations for ``acts[j]`` bytes per micro-batch of stage ``j``."""
     return max(rank.peak(acts) for rank in profile)
+
+
+def replay_stages(compiled: CompiledSchedule, times: Sequence[PhaseTimes], acts: Sequence[float],
+                  latency: float) -> tuple[float, float, float]:
+    """``(makespan, bubble, peak held bytes)`` of the compiled schedule with each task priced by its stage:
+    ``times`` (an F, I, W its phase's seconds, a B I + W; the all-to-all inside F and I as the tasks' ``comm``,
+    which DualPipe(V)'s overlapped pairs hide under the other part's compute: :func:`pipeloom.ir.pair_duration`),
+    ``acts`` bytes per micro-batch for the schedule's memory units, ``latency`` between stages."""
+    schedule = compiled.schedule
+    taken = {t.stage: t.memory for t in schedule.problem.tasks if t.kind == "F"}
+    tasks = []
+    for task in schedule.problem.tasks:
+        t = times[task.stage]
+        duration = {"F": t.f, "B": t.i + t.w, "I": t.i, "W": t.w}[task.kind]
+        comm = {"F": t.f_comm, "B": t.i_comm, "I": t.i_comm, "W": 0.0}[task.kind]
+        scale = acts[task.stage] / taken[task.stage] if taken[task.stage] else 0.0
+        tasks.append(replace(task, duration=duration, comm=comm, memory=task.memory * scale))
+    problem = Problem(num_ranks=schedule.problem.num_ranks, tasks=tuple(tasks), comm_latency=latency)
+    timeline = simulate(replace(schedule, problem=problem), compiled=compiled)
+    return timeline.makespan, timeline.bubble_ratio, max(timeline.peak_memory)
