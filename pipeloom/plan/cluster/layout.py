@@ -155,6 +155,10 @@ class Layout:
             raise LayoutError(f"ep={self.ep} on a dense model: use ep=1")
         if spec.experts is not None and spec.experts.count % self.ep:
             raise LayoutError(f"ep={self.ep} does not divide {spec.experts.count} experts")
+        if self.ep > 1 and self.tp > 1 and not job.sequence_parallel:
+            raise LayoutError(f"ep={self.ep} with tp={self.tp} needs sequence parallelism (Megatron-Core requires it "
+                              "for expert and tensor parallelism together); drop --no-sequence-parallel, or use tp=1 "
+                              "or ep=1")
         if self.pp > 1 and m < self.pp:
             raise LayoutError(f"{m} micro-batches for pp={self.pp}: need at least pp (lower dp or mbs)")
         if self.schedule in PAIRED and m < 2 * self.pp:

@@ -11,7 +11,7 @@ import pytest
 from pipeloom.plan.cluster import plan_cluster
 from pipeloom.plan.cluster.efficiency import collective_seconds
 from pipeloom.plan.cluster.estimate import Estimator
-from pipeloom.plan.cluster.layout import Layout
+from pipeloom.plan.cluster.layout import Layout, enumerate_layouts
 from pipeloom.plan.errors import LayoutError
 
 MIXTRAL = {"model_type": "mixtral", "hidden_size": 1024, "intermediate_size": 3584, "num_hidden_layers": 8,
@@ -109,3 +109,17 @@ def test_the_report_says_how_the_experts_are_laid_out(tmp_path, capsys):
         assert main(["plan", "--model", str(config), "--hardware", "h100", "--gpus", "8", "--global-batch", "8",
                      "--seq", "1024", "--layout", layout]) == 0
         assert line in capsys.readouterr().out.splitlines()
+
+
+def test_ep_with_tp_needs_sequence_parallelism():
+    """Without sequence parallelism every tp rank holds all of a micro-batch's tokens, which experts shared out over
+    those ranks would route once per rank: Megatron-Core refuses expert with tensor parallelism without it (its MoE
+    README), and so does the planner; the search keeps tp 1 or ep 1 there."""
+    with pytest.raises(LayoutError, match=r"ep=2 with tp=2 needs sequence parallelism.*drop --no-sequence-parallel"):
+        plan_cluster(MIXTRAL, "h100", gpus=8, global_batch=8, seq=1024, layout=_layout(ep=2), sequence_parallel=False)
+    result = plan_cluster(MIXTRAL, "h100", gpus=8, global_batch=8, seq=1024, sequence_parallel=False)
+    layouts = list(enumerate_layouts(result.job, {}))
+    assert all(layout.tp == 1 or layout.ep == 1 for layout in layouts)
+    assert any(layout.tp > 1 for layout in layouts) and any(layout.ep > 1 for layout in layouts)
+    with_sp = plan_cluster(MIXTRAL, "h100", gpus=8, global_batch=8, seq=1024).job
+    assert any(layout.tp > 1 and layout.ep > 1 for layout in enumerate_layouts(with_sp, {}))
