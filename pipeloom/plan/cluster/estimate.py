@@ -264,16 +264,16 @@ class Estimator:
                       latency: float) -> tuple[float, float, float]:
         """The replay of ``m`` micro-batches; past 3 pp of them, from replays of 2 pp and 3 pp: after the
         warm-up every schedule here repeats one period per micro-batch (the busiest rank's work), so the
-        makespan grows linearly, ``T(m) = T(2p) + (m - 2p) (T(3p) - T(2p)) / p``, and the memory peak is
-        the warm-up's. Never below the bound every replay meets (:func:`work_bound`)."""
+        makespan grows linearly, ``T(m) = T(2p) + (m - 2p) (T(3p) - T(2p)) / p``, and so do the ranks' busy
+        seconds (DualPipe(V)'s overlapped pairs counted as they run, less the communication they hide); the
+        memory peak is the warm-up's. Never below the bound every replay meets (:func:`work_bound`)."""
         p = layout.pp
         if m <= 3 * p:
             return self._simulate(layout, m, times, acts, latency)
-        t0, _, _ = self._simulate(layout, 2 * p, times, acts, latency)
-        t1, _, peak = self._simulate(layout, 3 * p, times, acts, latency)
+        (t0, b0, _), (t1, b1, peak) = (self._simulate(layout, k * p, times, acts, latency) for k in (2, 3))
         makespan = max(t0 + (m - 2 * p) * (t1 - t0) / p, work_bound(layout, m, times))
-        busy = schedule_microbatches(layout, m) * sum(t.f + t.i + t.w for t in times)
-        return makespan, max(0.0, 1.0 - busy / (p * makespan)), peak
+        busy0, busy1 = (1 - b0) * t0, (1 - b1) * t1  # mean busy seconds per rank
+        return makespan, max(0.0, 1.0 - (busy0 + (m - 2 * p) * (busy1 - busy0) / p) / makespan), peak
 
     def _simulate(self, layout: Layout, m: int, times: list[PhaseTimes], acts: list[float],
                   latency: float) -> tuple[float, float, float]:

@@ -95,6 +95,22 @@ def test_dualpipe_replays_credit_the_all_to_all_and_others_do_not():
         assert 0 < plain - credited <= comm * (1 + 1e-9)
 
 
+@pytest.mark.parametrize(("schedule", "vp"), [("dualpipev", 2), ("dualpipe", 1), ("zbv", 2), ("1f1b", 1)])
+def test_the_extrapolated_bubble_is_the_full_replays(schedule, vp):
+    """Past 3 pp micro-batches the makespan and the bubble come from replays of 2 pp and 3 pp; the busy seconds
+    extrapolate with them, pairs counted as they run: until 2026-12-03 the work was counted before the pairs hid
+    their all-to-all, and every DualPipe(V) layout past 3 pp micro-batches reported a bubble of 0."""
+    est = Estimator(_job())
+    layout = Layout(dp=16, pp=4, vp=vp, ep=16, schedule=schedule)
+    m = est.check(layout)
+    assert m > 3 * layout.pp
+    times, acts, _ = est.stages(layout)
+    _, full, _ = est._simulate(layout, m, times, acts, 0.0)
+    _, extrapolated, _ = est._extrapolated(layout, m, times, acts, 0.0)
+    assert full > 0.01
+    assert extrapolated == pytest.approx(full, abs=0.005)
+
+
 def test_blocking_pipeline_sends_lengthen_the_stages_not_the_latency():
     """Megatron-LM 2021 waits for each stage exchange (``p2p_overlap=False``): F of every stage but the last and
     I of every stage but the first grow by the send (its 1/tp piece, then the all-gather over tp); the replay's
