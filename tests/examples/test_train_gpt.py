@@ -13,7 +13,6 @@ from __future__ import annotations
 import importlib
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -44,12 +43,6 @@ TIMEOUT = 120  # seconds for one launch; the pytest timeout of each test is a li
 pytestmark = pytest.mark.timeout(TIMEOUT + 30)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _losses(stdout: str, steps: int = STEPS) -> list[str]:
     """The printed loss texts, checked to be steps 0..steps-1 in order and nothing else."""
     matches = [LOSS_LINE.match(line) for line in stdout.splitlines() if line.startswith("step ")]
@@ -62,13 +55,16 @@ def run_example(*args: str, ranks: int = 1, steps: int = STEPS) -> str:
     """stdout of the example (one plain process, or torchrun with ``ranks`` processes)."""
     command = [sys.executable, str(EXAMPLE)]
     if ranks > 1:
-        command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
-                   "--master-addr=127.0.0.1", f"--master-port={_free_port()}", str(EXAMPLE)]
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+                   str(EXAMPLE)]  # as the README launches it
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}  # gloo on CPU
     env.pop("PIPELOOM_TRACE", None)
     done = subprocess.run([*command, "--steps", str(steps), *args], capture_output=True, text=True,
                           env=env, timeout=TIMEOUT, check=False)
     assert done.returncode == 0, f"exit {done.returncode}\nstdout:\n{done.stdout}\nstderr:\n{done.stderr}"
+    # every rank's process exits 0 and cleanly (a rank once died after its last step with "terminate called
+    # without an active exception"): checked on each of this file's five torchrun launches
+    assert "terminate called" not in done.stderr, done.stderr
     return done.stdout
 
 
@@ -113,21 +109,6 @@ def test_saved_schedule_file_runs_like_the_built_in(one_rank, tmp_path):
     path = tmp_path / "gpipe2.csv"
     save_schedule(build_schedule("gpipe", 2, 8), path)
     assert _losses(run_example("--schedule", str(path), ranks=2)) == one_rank
-
-
-@pytest.mark.timeout(4 * TIMEOUT + 30)
-def test_every_rank_exits_zero_after_a_successful_run():
-    """Four 2-rank launches in a row, as users launch them: every rank's process exits 0 (a rank once
-    died after its last step with ``terminate called without an active exception``)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    env.pop("PIPELOOM_TRACE", None)
-    for schedule in ("1f1b", "zbv", "dualpipe", "1f1b"):
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                   str(EXAMPLE), "--steps", str(STEPS), "--schedule", schedule]
-        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=TIMEOUT, check=False)
-        assert done.returncode == 0, f"{schedule}: exit {done.returncode}\nstderr:\n{done.stderr}"
-        assert "terminate called" not in done.stderr, done.stderr
-        assert len(_losses(done.stdout)) == STEPS
 
 
 def test_unbuildable_schedule_is_one_line_and_nonzero():
