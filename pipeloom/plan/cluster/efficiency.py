@@ -290,5 +290,6 @@ def hidden_cost(hw: Hardware, comm: float) -> float:
 
 def domain_ranks(group: int, stride: int, hw: Hardware) -> int:
     """Ranks of a group of ``group`` ranks ``stride`` apart that share one scale-up domain (Megatron's rank
-    order tp, cp, dp, pp: a group's members are consecutive multiples of its stride)."""
-    return math.gcd(group, max(1, hw.scale_up_size // stride))
+    order tp, cp, dp, pp: a group's members are consecutive multiples of its stride; the job's ranks fill
+    :attr:`~Hardware.domain_gpus` GPUs of each domain in order)."""
+    return math.gcd(group, max(1, hw.domain_gpus // stride))

@@ -177,7 +177,7 @@ class Estimator:
         """Seconds of one stage-to-stage send of a micro-batch's hidden states (over tp: Megatron's scatter-gather)."""
         job = self.job
         hidden = layout.mbs * job.seq // layout.cp * job.spec.hidden * 2 / layout.tp
-        same = layout.tp * layout.cp * layout.dp < job.hw.scale_up_size
+        same = layout.tp * layout.cp * layout.dp < job.hw.domain_gpus
         return p2p_seconds(job.hw, hidden, same_domain=same)
 
     def activation(self, layout: Layout, kind: str) -> float:

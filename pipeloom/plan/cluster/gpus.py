@@ -125,6 +125,15 @@ def _hopper(name: str, memory_gib: int, bandwidth: float, sheet: str, bf16: tupl
     )
 
 
+_NVL72_SEGMENT = 64
+_NVL72_SEGMENT_SOURCE = (
+    "NVIDIA Technical Blog, 'Unlock Exascale Performance on NVIDIA GB200 NVL72 with Slurm Topology-Aware Job "
+    "Scheduling' and 'Achieving Peak System and Workload Efficiency on NVIDIA GB200 NVL72 with Slurm Block "
+    "Scheduling' (developer.nvidia.com/blog, read through public summaries): large jobs take segments of 16 of a "
+    "rack's 18 compute trays (--segment=16), 64 GPUs per NVLink domain, the other 2 trays left for small jobs and "
+    "failed nodes")
+
+
 def _blackwell(name: str, *, bf16: float, memory_gib: int, domain: int, nic: float, sheet: str,
                peak_source: str, memory_source: str, domain_source: str, nic_source: str, sms: int,
                sms_source: str, gemm: tuple[tuple[float, str], tuple[float, str]],
@@ -143,6 +152,7 @@ def _blackwell(name: str, *, bf16: float, memory_gib: int, domain: int, nic: flo
             "memory_bytes": sheet + memory_source + (_SMI.format(mib=smi_mib) if smi_mib else ""),
             "memory_bandwidth": sheet + "HBM3e 8 TB/s per GPU",
             "scale_up_size": sheet + domain_source,
+            **({"scale_up_placed": _NVL72_SEGMENT_SOURCE} if domain == 72 else {}),
             "scale_up_bandwidth": sheet + "fifth-generation NVLink 1.8 TB/s per GPU (both directions) -> 900 GB/s",
             "scale_out_bandwidth": sheet + nic_source,
             "gemm_efficiency": gemm[0][1], "fp8_gemm_efficiency": gemm[1][1],
@@ -155,7 +165,8 @@ def _blackwell(name: str, *, bf16: float, memory_gib: int, domain: int, nic: flo
         sm_count=sms,
         peak_flops={"bf16": bf16, "fp8": 2 * bf16}, memory_bytes=smi_mib * MiB if smi_mib else memory_gib * GiB,
         memory_bandwidth=8e12,
-        scale_up_size=domain, scale_up_bandwidth=900e9, scale_out_bandwidth=nic,
+        scale_up_size=domain, scale_up_placed=_NVL72_SEGMENT if domain == 72 else None,
+        scale_up_bandwidth=900e9, scale_out_bandwidth=nic,
         scale_up_latency=1e-6, scale_out_latency=5e-6, gemm_efficiency=gemm[0][0], fp8_gemm_efficiency=gemm[1][0],
         attention_efficiency=round(fwd / at, 3), attention_backward_efficiency=round(bwd / at, 3),
         flash2_slowdown=round(min(fwd / fa2_fwd, bwd / fa2_bwd), 2),

@@ -79,6 +79,10 @@ class Hardware:
     overlap_slowdown: float = 0.189
     """How much longer compute takes while a collective runs beside it (the collective's kernels hold SMs and
     HBM bandwidth): 0.189 = 18.9 % longer (:func:`pipeloom.plan.cluster.efficiency.overlapped_seconds`)."""
+    scale_up_placed: int | None = None
+    """GPUs of one job placed in each scale-up domain where fewer than it holds; None: all of them. An NVL72 rack's
+    18 trays of 4 GPUs are given to large jobs in segments of 16 trays, 64 GPUs (NVIDIA's Slurm block-scheduling
+    guidance for GB200 NVL72), so that the power-of-two groups of a layout fill whole domains."""
     sources: Mapping[str, str] = field(default_factory=dict)
     """Where each field's number comes from (field name -> datasheet, paper or benchmark)."""
 
@@ -119,6 +123,12 @@ class Hardware:
         if not isinstance(self.scale_up_size, int) or isinstance(self.scale_up_size, bool) or self.scale_up_size < 1:
             raise HardwareError(f"hardware {self.name!r}: scale_up_size must be a whole number of GPUs >= 1, "
                                 f"got {self.scale_up_size!r}")
+        placed = self.scale_up_placed
+        if placed is not None and (not isinstance(placed, int) or isinstance(placed, bool)
+                                   or not 1 <= placed <= self.scale_up_size):
+            raise HardwareError(f"hardware {self.name!r}: scale_up_placed is the GPUs of one job in each scale-up "
+                                f"domain, a whole number from 1 to scale_up_size ({self.scale_up_size}), or null for "
+                                f"all of them; got {placed!r}")
         if not isinstance(self.memory_bytes, int) or isinstance(self.memory_bytes, bool):
             raise HardwareError(f"hardware {self.name!r}: memory_bytes must be a whole number of bytes, "
                                 f"got {self.memory_bytes!r}")
@@ -133,6 +143,11 @@ class Hardware:
                 raise HardwareError(f"hardware {self.name!r}: sources maps a field name to a string; "
                                     f"{key!r}: {text!r} is not one (fields: {', '.join(sorted(known))})")
         object.__setattr__(self, "sources", sources)
+
+    @property
+    def domain_gpus(self) -> int:
+        """GPUs of one job that share a scale-up domain (:attr:`scale_up_placed`, else the whole domain)."""
+        return self.scale_up_placed or self.scale_up_size
 
     def peak(self, dtype: str) -> float:
         """Dense peak FLOP/s for ``dtype``; names the dtypes this GPU has when it lacks that one."""

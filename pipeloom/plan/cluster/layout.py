@@ -234,7 +234,7 @@ def enumerate_layouts(job: Job, fixed: dict[str, Any], refusals: list[str] | Non
     if unknown:
         raise LayoutError(f"unknown layout keys {sorted(unknown)}; use {', '.join(LAYOUT_KEYS)}")
     n, hw = job.gpus, job.hw
-    tps = [t for t in _divisors(n) if t <= hw.scale_up_size and spec.attention.splits(t)]
+    tps = [t for t in _divisors(n) if t <= hw.domain_gpus and spec.attention.splits(t)]
     for tp in _choices("tp", fixed, tps):
         if n % tp:
             _refuse(refusals, f"tp={tp} does not divide the {n} GPUs")

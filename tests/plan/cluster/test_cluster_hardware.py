@@ -83,6 +83,23 @@ def test_an_fp8_ceiling_is_the_gpus_own_where_measured_else_the_bf16_one(tmp_pat
     assert loaded.fp8_gemm_efficiency is None and loaded.gemm_ceiling("fp8") == 0.803
 
 
+def test_a_job_takes_64_gpus_of_each_nvl72_rack(tmp_path):
+    """NVIDIA schedules large jobs on an NVL72 rack in segments of 16 of its 18 trays: 64 GPUs of a job share a
+    domain, so a group of 64 consecutive ranks stays on NVLink (the gcd with 72 had put 8 per domain), and a
+    data-parallel group 4 ranks apart holds 16 per domain; 8-GPU nodes are filled whole. A file written before
+    the field existed loads with the whole domain."""
+    from pipeloom.plan.cluster.efficiency import domain_ranks
+
+    gb200, b200 = hardware("gb200"), hardware("b200")
+    assert (gb200.scale_up_size, gb200.scale_up_placed, gb200.domain_gpus) == (72, 64, 64)
+    assert "--segment=16" in gb200.sources["scale_up_placed"] and hardware("gb300").domain_gpus == 64
+    assert (b200.scale_up_placed, b200.domain_gpus) == (None, 8)
+    assert domain_ranks(64, 1, gb200) == 64 and domain_ranks(16, 4, gb200) == 16 and domain_ranks(64, 1, b200) == 8
+    old = gb200.to_dict()
+    del old["scale_up_placed"], old["sources"]["scale_up_placed"]
+    assert hardware(_write(tmp_path, old)).domain_gpus == 72
+
+
 def _write(tmp_path, data) -> str:
     path = tmp_path / "bad.json"
     path.write_text(data if isinstance(data, str) else json.dumps(data))
@@ -102,6 +119,7 @@ def _good() -> dict:
     (lambda d: d.update(gemm_efficiency=1.5), r"gemm_efficiency is a fraction of peak in \(0, 1\]"),
     (lambda d: d.update(fp8_gemm_efficiency=0), r"fp8_gemm_efficiency is a fraction of the FP8 peak .* or null"),
     (lambda d: d.update(scale_up_size=0), "scale_up_size must be a whole number of GPUs >= 1"),
+    (lambda d: d.update(scale_up_placed=9), r"scale_up_placed is the GPUs of one job .* from 1 to scale_up_size \(8\)"),
     (lambda d: d.update(memory_bytes=8.5e10), "memory_bytes must be a whole number of bytes"),
     (lambda d: d.update(scale_out_latency=-1), "scale_out_latency must be seconds >= 0"),
     (lambda d: d.update(sources={"nvlink": "x"}), "sources maps a field name to a string"),
