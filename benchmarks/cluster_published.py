@@ -15,8 +15,10 @@ torchtitan's context parallelism all-gathers K/V (``cp_rotate="allgather"``, its
 DeepSeek-V3's all-to-all is its own (``moe_comm="deepseek"``: node-limited FP8 dispatch, 20 SMs for it).
 Megatron-LM 2021 predates sequence parallelism (``sequence_parallel=False``: norms and residual adds on every
 token of each tp rank, all-reduces). torchtitan and Llama 3 reduce-scatter gradients in fp32 (``grad_reduce``).
-Megatron-LM 2021, torchtitan 2024 and Llama 3 cut the layers evenly (``stage_cut="even"``); DeepSeek-V3's cut is
-not published and is the planner's balanced one.
+Megatron-LM 2021, torchtitan 2024 and Llama 3 cut the layers evenly (``stage_cut="even"``), as Megatron-Bridge's
+recipes do (their ``account_for_embedding/loss_in_pipeline_split`` gives the even cut's stages); DeepSeek-V3's cut
+is not published and is the planner's balanced one. Megatron-Bridge's rows (``mbridge-``) run Megatron-Core's
+defaults: fused kernels, the GPU's best attention kernel, ring context parallelism, bf16 gradient reduction.
 Keys a source leaves open are searched with the published ones held, except that the 2021 Megatron rows get
 the schedules of their time (1F1B or interleaved 1F1B, the faster) and the recomputation their Eq. 3 assumes.
 Throughput is compared in tokens/s per GPU where the source determines it (as published, or Megatron's Eq. 3
@@ -123,17 +125,19 @@ def stage_cut(run: dict) -> str:
 
 def tp_overlap(run: dict) -> bool:
     """Tensor-parallel exchanges beside the GEMMs: NVIDIA's MLPerf GPT-3 configs set ``TP_COMM_OVERLAP=True``
-    (Transformer Engine's userbuffers); torchtitan's "asyncTP" row ran PyTorch's async tensor parallelism."""
-    return run["id"].startswith("mlperf") or "asynctp" in run["id"]
+    (Transformer Engine's userbuffers), as Megatron-Bridge's Llama recipes do (``tp_comm_overlap`` where tp > 1;
+    its Qwen3 H100 recipe turns it off); torchtitan's "asyncTP" row ran PyTorch's async tensor parallelism."""
+    return run["id"].startswith(("mlperf", "mbridge-llama")) or "asynctp" in run["id"]
 
 
 def fp8_cast(run: dict) -> str:
     """How the FP8 rows cast: MLPerf's NeMo runs Transformer Engine's delayed scaling under Megatron (FP8 weights
-    made once a step, FP8 activations reused: ``cached``); torchtitan's Float8 is torchao's per-tensor dynamic
-    scaling (``dynamic``); DeepSeek-V3 quantizes each 1 x 128 activation tile as it casts it, but when its
-    weights are quantized is not published: ``dynamic``, every input cast for every GEMM, the most cast traffic
-    either could be. The BF16 rows cast nothing (the default, ``cached``, prices no cast)."""
-    return "dynamic" if run["dtype"] == "fp8" and not run["id"].startswith("mlperf") else "cached"
+    made once a step, FP8 activations reused: ``cached``), and Megatron-Bridge's current scaling under the same
+    Megatron (the weights' FP8 copies made on a step's first micro-batch); torchtitan's Float8 is torchao's
+    per-tensor dynamic scaling (``dynamic``); DeepSeek-V3 quantizes each 1 x 128 activation tile as it casts it,
+    but when its weights are quantized is not published: ``dynamic``, every input cast for every GEMM, the most
+    cast traffic either could be. The BF16 rows cast nothing (the default, ``cached``, prices no cast)."""
+    return "dynamic" if run["dtype"] == "fp8" and not run["id"].startswith(("mlperf", "mbridge")) else "cached"
 
 
 def _plan(run: dict, fixed: dict | None, limit: float | None):

@@ -66,11 +66,36 @@ def _mlperf_gpt3() -> dict:
             "vocab_size": 50688, "activation_function": "gelu", "tie_word_embeddings": True}
 
 
+def _qwen3_moe(layers: int, hidden: int, ffn: int, expert_ffn: int, heads: int) -> dict:
+    # Qwen3 MoE (the Qwen/Qwen3-235B-A22B and Qwen/Qwen3-30B-A3B model cards' config.json): every layer an MoE
+    # of 128 experts, 8 routed per token (no shared expert), 4 key/value heads of 128, q/k norms, vocabulary
+    # 151,936, untied embeddings; the dense FFN size is unused (no mlp_only_layers).
+    return {"model_type": "qwen3_moe", "hidden_size": hidden, "intermediate_size": ffn,
+            "moe_intermediate_size": expert_ffn, "num_hidden_layers": layers, "num_attention_heads": heads,
+            "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8,
+            "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [], "vocab_size": 151936,
+            "tie_word_embeddings": False, "max_position_embeddings": 40960}
+
+
+def _gpt_oss_120b() -> dict:
+    # openai/gpt-oss-120b's config.json (and OpenAI's model card, 116.8B parameters): 36 layers, hidden 2880, 64
+    # query and 8 key/value heads of 64 with a sink per head, every layer an MoE of 128 experts of 2880, 4 per
+    # token, every second layer (the even ones) a 128-token window, vocabulary 201,088, untied embeddings.
+    return {"model_type": "gpt_oss", "hidden_size": 2880, "intermediate_size": 2880, "num_hidden_layers": 36,
+            "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64, "num_local_experts": 128,
+            "num_experts_per_tok": 4, "sliding_window": 128,
+            "layer_types": ["sliding_attention", "full_attention"] * 18, "vocab_size": 201088,
+            "tie_word_embeddings": False, "max_position_embeddings": 131072}
+
+
 CONFIGS = {
     **{f"megatron-gpt-{size}": _gpt(*spec) for size, spec in _MEGATRON_2021.items()},
     **{f"llama3-{size}": _llama(*spec) for size, spec in _LLAMA3.items()},
     "deepseek-v3": _deepseek_v3(),
     "mlperf-gpt3-175b": _mlperf_gpt3(),
+    "qwen3-235b-a22b": _qwen3_moe(94, 4096, 12288, 1536, 64),
+    "qwen3-30b-a3b": _qwen3_moe(48, 2048, 6144, 768, 32),
+    "gpt-oss-120b": _gpt_oss_120b(),
 }
 """File stem -> config dict."""
 

@@ -28,10 +28,28 @@ def test_every_row_loads_and_is_consistent():
     runs = PUBLISHED.load_runs()
     assert len(runs) >= 40
     families = {run["id"].split("-")[0] for run in runs}
-    assert {"megatron2021", "llama3", "torchtitan", "deepseek"} <= families
+    assert {"megatron2021", "llama3", "torchtitan", "deepseek", "mlperf", "mbridge"} <= families
     for run in runs:
         assert PUBLISHED.run_hardware(run).memory_bytes > 0
-        assert PUBLISHED.run_config(run)["model_type"] in ("gpt2", "llama", "deepseek_v3")
+        assert PUBLISHED.run_config(run)["model_type"] in ("gpt2", "llama", "deepseek_v3", "qwen3_moe", "gpt_oss")
+
+
+def test_the_megatron_bridge_rows_models_count_as_their_cards_say():
+    """The configs of the Megatron-Bridge rows' models (from their model cards' config.json) count the
+    parameters their names and cards give: Qwen3-235B-A22B 235B with 22B active, Qwen3-30B-A3B 30.5B with 3.3B,
+    gpt-oss-120b 116.8B."""
+    from pipeloom.plan.cluster.config import model_spec
+    from pipeloom.plan.cluster.counts import layer_counts, layer_kinds
+
+    def billions(name: str) -> tuple[float, float]:
+        spec = model_spec(PUBLISHED.run_config({"id": name, "model": name}))
+        counts = [layer_counts(spec, kind, 4096) for kind in (*layer_kinds(spec), "embedding", "head")]
+        total, expert = sum(c.params for c in counts), sum(c.expert_params for c in counts)
+        return total / 1e9, (total - expert + expert * spec.experts.top_k / spec.experts.count) / 1e9
+
+    assert billions("qwen3-235b-a22b") == pytest.approx((235.1, 22.2), abs=0.05)
+    assert billions("qwen3-30b-a3b") == pytest.approx((30.5, 3.35), abs=0.05)
+    assert billions("gpt-oss-120b")[0] == pytest.approx(116.8, abs=0.05)
 
 
 def test_megatron_derived_figures_by_hand():
