@@ -38,6 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from pipeloom.plan.cluster.api import plan_cluster  # noqa: E402
+from pipeloom.plan.cluster.config import model_spec  # noqa: E402
 from pipeloom.plan.errors import NoLayoutFits  # noqa: E402
 from published_runs import derived, load_runs, run_config, run_hardware  # noqa: E402
 
@@ -140,6 +141,12 @@ def fp8_cast(run: dict) -> str:
     return "dynamic" if run["dtype"] == "fp8" and not run["id"].startswith(("mlperf", "mbridge")) else "cached"
 
 
+def moe_overlap(run: dict) -> bool:
+    """The Megatron-Bridge recipes that set ``moe_a2a_overlap`` (Megatron-Core's ``overlap_moe_expert_parallel_comm``):
+    Qwen3-235B-A22B's H100 recipe (interleaved 1F1B) and gpt-oss-120b's GB200 one (one stage)."""
+    return run["id"] in ("mbridge-qwen3-235b-a22b-h100-fp8-256gpus", "mbridge-gpt-oss-120b-gb200-bf16-64gpus")
+
+
 def _plan(run: dict, fixed: dict | None, limit: float | None):
     return plan_cluster(run_config(run), run_hardware(run), gpus=run["gpus"], global_batch=run["global_batch"],
                         seq=run["seq"], dtype=run["dtype"], layout=fixed, kernels=kernels(run),
@@ -149,13 +156,13 @@ def _plan(run: dict, fixed: dict | None, limit: float | None):
                         moe_comm="deepseek" if run["id"].startswith("deepseek-v3") else "plain",
                         grad_reduce=grad_reduce(run), sequence_parallel=not run["id"].startswith("megatron2021"),
                         tp_overlap=tp_overlap(run), fp8_cast=fp8_cast(run),
-                        stage_cut=stage_cut(run), memory_limit=limit, runners_up=0)
+                        stage_cut=stage_cut(run), moe_overlap=moe_overlap(run), memory_limit=limit, runners_up=0)
 
 
 def check(run: dict, *, search: bool) -> dict:
     """One row: the published layout's prediction and error, the planner's choice."""
     hw = run_hardware(run)
-    row: dict = {"id": run["id"], "moe": run["model"].startswith("deepseek")}
+    row: dict = {"id": run["id"], "moe": model_spec(run_config(run)).experts is not None}
     try:
         published = _published(run, hw.memory_bytes)
         row["fits"] = True

@@ -49,6 +49,10 @@ def add_cluster_arguments(plan: argparse.ArgumentParser) -> None:
     group.add_argument("--moe-comm", choices=("plain", "deepseek"), default="plain",
                        help="the expert all-to-all: plain (default) or deepseek (DeepSeek-V3's node-limited FP8 "
                             "dispatch with 20 SMs reserved for communication)")
+    group.add_argument("--moe-overlap", action="store_true",
+                       help="each forward runs beside another micro-batch's backward, their expert all-to-alls "
+                            "hidden under each other's compute (Megatron-Core's overlap_moe_expert_parallel_comm: "
+                            "pp 1 or interleaved-1f1b; DualPipe(V) pair always); default: exposed")
     group.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
                        help="with tp > 1, every tp rank runs the norms and residual adds on all the tokens and the "
                             "tp exchanges are all-reduces (Megatron-LM before sequence parallelism)")
@@ -143,6 +147,7 @@ def cmd_plan_cluster(args: argparse.Namespace) -> int:
                               selective=args.selective, cp_rotate=args.cp_rotate, moe_comm=args.moe_comm,
                               grad_reduce=args.grad_reduce, sequence_parallel=args.sequence_parallel,
                               tp_overlap=args.tp_overlap, fp8_cast=args.fp8_cast, stage_cut=args.stage_cut,
+                              moe_overlap=args.moe_overlap,
                               memory_limit=args.memory_limit,
                               runners_up=5 if args.top is None else args.top, progress=progress)
     except PipeloomError as error:
@@ -163,7 +168,10 @@ def cmd_plan_cluster(args: argparse.Namespace) -> int:
 def _unused(args: argparse.Namespace, layout) -> list[str]:
     """Notes for framework options given that change nothing on the chosen layout (they are priced where the
     search tries a layout they apply to, so they are not refused)."""
+    overlap_why = "ep=1" if layout.ep == 1 else f"schedule={layout.schedule} with pp={layout.pp}"
     unused = [(args.tp_overlap and layout.tp == 1, "--tp-overlap", "tp=1"),
+              (args.moe_overlap and not (layout.ep > 1 and (layout.pp == 1 or layout.schedule == "interleaved-1f1b")),
+               "--moe-overlap", overlap_why),
               (not args.sequence_parallel and layout.tp == 1, "--no-sequence-parallel", "tp=1"),
               (args.cp_rotate != "ring" and layout.cp == 1, f"--cp-rotate {args.cp_rotate}", "cp=1"),
               (args.moe_comm != "plain" and layout.ep == 1, f"--moe-comm {args.moe_comm}", "ep=1"),

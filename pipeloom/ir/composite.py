@@ -12,8 +12,9 @@ from pipeloom.errors import ProblemError, ScheduleError
 from pipeloom.ir.core import Action, Comm, Overlap, Schedule, compute_parts
 from pipeloom.problem import Problem
 
-__all__ = ["action_duration", "action_memory", "has_pairs", "is_split_full_backward", "pair_duration", "part_tasks",
-           "priced_overlap", "sequential_pairs", "task_actions", "without_overlap"]
+__all__ = ["action_duration", "action_memory", "has_pairs", "is_split_full_backward", "pair_duration",
+           "paired_forward_backward", "part_tasks", "priced_overlap", "sequential_pairs", "task_actions",
+           "without_overlap"]
 
 
 def is_split_full_backward(problem: Problem, action: Action) -> bool:
@@ -113,3 +114,25 @@ def sequential_pairs(schedule: Schedule) -> Schedule:
                         for part in (action.parts if type(action) is Overlap else (action,)))
                   for row in schedule.ranks)
     return dataclasses.replace(schedule, ranks=ranks)
+
+
+def paired_forward_backward(schedule: Schedule) -> Schedule:
+    """``schedule`` with every full backward that its rank runs right before a forward of another micro-batch made
+    one overlapped pair with that forward: Megatron-Core's combined 1F1B with ``overlap_moe_expert_parallel_comm``,
+    where each part's expert all-to-all hides under the other part's compute. The pair takes the backward's place,
+    so it holds no more than the backward-then-forward it replaces; a forward and a backward of the same micro-batch
+    stay apart, and pairing each backward with the forward after it (not the one before) keeps interleaved 1F1B
+    free of deadlock (a pair of a rank waiting on its neighbour's pair, which waits on it). A split backward (I, W)
+    and actions already paired are left as they are."""
+    rows = []
+    for row in schedule.ranks:
+        out: list = []
+        for action in row:
+            last = out[-1] if out else None
+            if (type(action) is Action and action.kind == "F" and type(last) is Action and last.kind == "B"
+                    and last.microbatch != action.microbatch):
+                out[-1] = Overlap(action, last)
+            else:
+                out.append(action)
+        rows.append(tuple(out))
+    return dataclasses.replace(schedule, ranks=tuple(rows))

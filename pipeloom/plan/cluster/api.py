@@ -71,7 +71,7 @@ def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: st
                  p2p_overlap: bool = True,
                  selective: str = "attention", cp_rotate: str = "ring", moe_comm: str = "plain",
                  grad_reduce: str = "bf16", sequence_parallel: bool = True, tp_overlap: bool = False,
-                 fp8_cast: str = "cached", stage_cut: str = "balanced",
+                 fp8_cast: str = "cached", stage_cut: str = "balanced", moe_overlap: bool = False,
                  memory_limit: float | str | None = None, runners_up: int = 5,
                  progress: Callable[[str], None] | None = None) -> ClusterPlan:
     """The fastest layout of ``model`` (config.json path, dict, PretrainedConfig or ModelSpec) on ``gpus`` GPUs of type
@@ -91,8 +91,9 @@ def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: st
     PyTorch's async TP); ``fp8_cast``: how FP8 GEMMs cast their inputs, ``cached`` (Transformer Engine's delayed
     scaling, FP8 copies reused) or ``dynamic`` (torchao's per-tensor dynamic scaling); ``stage_cut``: ``balanced``
     (layers moved off the busiest pipeline rank) or ``even`` (the frameworks that cut as many layers per stage as
-    divide). ``layout``: keys held fixed (``"tp=4,pp=8"`` or a dict); with all of :data:`LAYOUT_KEYS` it predicts
-    that layout alone."""
+    divide); ``moe_overlap``: each forward runs beside another micro-batch's backward, hiding the expert all-to-all
+    (Megatron-Core's ``overlap_moe_expert_parallel_comm``: pp 1 or interleaved 1F1B). ``layout``: keys held fixed
+    (``"tp=4,pp=8"`` or a dict); with all of :data:`LAYOUT_KEYS` it predicts that layout alone."""
     start = time.perf_counter()
     device = hardware(hw)
     dtype_bytes(dtype)
@@ -102,7 +103,7 @@ def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: st
               p2p_overlap=bool(p2p_overlap),
               selective=selective, cp_rotate=cp_rotate, moe_comm=moe_comm, grad_reduce=grad_reduce,
               sequence_parallel=bool(sequence_parallel), tp_overlap=bool(tp_overlap), fp8_cast=fp8_cast,
-              stage_cut=stage_cut)
+              stage_cut=stage_cut, moe_overlap=bool(moe_overlap))
     fixed = parse_layout(layout) if isinstance(layout, str) else dict(layout or {})
     limit = parse_bytes(memory_limit) if memory_limit is not None else float(device.memory_bytes)
     if set(fixed) >= set(LAYOUT_KEYS):

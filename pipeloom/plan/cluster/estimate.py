@@ -10,7 +10,7 @@ from collections import Counter
 from typing import Any
 
 from pipeloom.errors import PipeloomError
-from pipeloom.ir import Schedule
+from pipeloom.ir import Schedule, paired_forward_backward
 from pipeloom.plan.cluster.counts import block_kind, layer_counts, layer_kinds
 from pipeloom.plan.cluster.efficiency import collective_seconds, domain_ranks, hidden_cost, memory_seconds, p2p_seconds
 from pipeloom.plan.cluster.held import RankHeld, held_profile, peak_held, replay_stages
@@ -150,7 +150,7 @@ class Estimator:
             return (len(self.kinds),)
         if self.job.stage_cut == "even":
             return even_counts(len(self.kinds), layout.stages)
-        pair = layout.schedule in PAIRED
+        pair = self.job.pairs(layout)
         placement = SCHEDULES[layout.schedule]
         known = (layout.tp, layout.cp, layout.ep, layout.mbs, layout.recompute, layout.pp, layout.vp, placement, pair)
         if known in self._counts:
@@ -198,20 +198,22 @@ class Estimator:
         steady state ran 13 % slower than the busiest rank's work on Llama 3 8B at tp 8 x pp 8 (F : I : W = 1 :
         1.15 : 0.45), and 1F1B overtook it at large micro-batch counts. W holds :attr:`w_fraction` of F's memory."""
         key = self._schedule_key(layout, m)
-        name, pp, vp, _, b, w = key
+        name, pp, vp, _, b, w, pairs = key
         if key not in self._schedules:
             split = name in ("zb-h1", "zbv", *PAIRED)
             costs = Costs(f=1.0, b=b if split else 2.0, w=w, memory=1.0, w_memory=self.w_fraction if split else 0.0)
             options = {"stages_per_rank": vp} if SCHEDULES[name] == "interleaved" else {}
             try:
-                self._schedules[key] = build_schedule(name, pp, m, costs=costs, **options)
+                built = build_schedule(name, pp, m, costs=costs, **options)
             except PipeloomError as error:
                 raise LayoutError(f"{name} cannot run pp={pp}, vp={vp} with {m} micro-batches: {error}") from None
+            # Job.moe_overlap: interleaved 1F1B's forward-backward neighbours run as pairs (DualPipe's are built so)
+            self._schedules[key] = paired_forward_backward(built) if pairs and name not in PAIRED else built
         return self._schedules[key]
 
-    def _schedule_key(self, layout: Layout, m: int) -> tuple[str, int, int, int, float, float]:
+    def _schedule_key(self, layout: Layout, m: int) -> tuple[str, int, int, int, float, float, bool]:
         b, w = self._zbv_ratios(layout) if layout.schedule == "zbv" else (1.0, 1.0)
-        return layout.schedule, layout.pp, layout.vp, m, b, w
+        return layout.schedule, layout.pp, layout.vp, m, b, w, self.job.pairs(layout)
 
     def _zbv_ratios(self, layout: Layout) -> tuple[float, float]:
         """The mean I / F and W / F of the layout's twin without recomputation, rounded to :data:`ZBV_RATIO_STEPS`
@@ -250,7 +252,10 @@ class Estimator:
         """``(makespan, bubble, peak activation bytes)`` of the layout's schedule with these stage costs."""
         job = self.job
         if layout.pp == 1:
-            busy = m * (times[0].f + times[0].i + times[0].w)
+            t = times[0]
+            busy = m * (t.f + t.i + t.w)
+            if job.pairs(layout):  # Job.moe_overlap: B0 with F1, ..., B(m-2) with F(m-1), each hiding the other's
+                busy -= (m - 1) * (min(t.f_comm, t.i + t.w - t.i_comm) + min(t.i_comm, t.f - t.f_comm))
             return busy, 0.0, acts[0]
         latency = self._p2p(layout) if job.p2p_overlap else 0.0  # blocking: inside the stages' F and I
         key = (layout.schedule, layout.pp, layout.vp, m, latency,
@@ -271,7 +276,7 @@ class Estimator:
         if m <= 3 * p:
             return self._simulate(layout, m, times, acts, latency)
         (t0, b0, _), (t1, b1, peak) = (self._simulate(layout, k * p, times, acts, latency) for k in (2, 3))
-        makespan = max(t0 + (m - 2 * p) * (t1 - t0) / p, work_bound(layout, m, times))
+        makespan = max(t0 + (m - 2 * p) * (t1 - t0) / p, work_bound(layout, m, times, paired=self.job.pairs(layout)))
         busy0, busy1 = (1 - b0) * t0, (1 - b1) * t1  # mean busy seconds per rank
         return makespan, max(0.0, 1.0 - (busy0 + (m - 2 * p) * (busy1 - busy0) / p) / makespan), peak
 

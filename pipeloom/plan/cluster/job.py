@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pipeloom.plan.cluster.config import ModelSpec
 from pipeloom.plan.cluster.elementwise import KERNELS
 from pipeloom.plan.cluster.hardware import Hardware
+from pipeloom.plan.cluster.layout import PAIRED, Layout
 from pipeloom.plan.cluster.materialized import ATTENTION_KINDS
 from pipeloom.plan.errors import LayoutError
 
@@ -86,6 +87,11 @@ class Job:
     tensor parallelism (torchtitan ``enable_async_tensor_parallel``); each then adds to its GEMM what
     :func:`~pipeloom.plan.cluster.efficiency.overlapped_seconds` says. False (or without sequence parallelism):
     they run between the GEMMs, exposed."""
+    moe_overlap: bool = False
+    """Megatron-Core's ``overlap_moe_expert_parallel_comm``: each forward runs with the backward of another
+    micro-batch next to it, each part's expert all-to-all under the other part's compute, as in DualPipe's pairs
+    (:meth:`pairs`): on one pipeline stage, or under interleaved 1F1B (Megatron requires virtual stages where
+    pp > 1). False (Megatron's default): the all-to-alls are exposed outside DualPipe(V)."""
     sequence_parallel: bool = True
     """With tp > 1, the norms, dropouts and residual adds run on the tp rank's 1/tp of the tokens and the tp
     exchanges are all-gathers and reduce-scatters (Megatron-Core, torchtitan); False: every tp rank runs them
@@ -136,6 +142,13 @@ class Job:
                               f"{positions} rows, so it takes sequences of at most {positions} tokens; use --seq "
                               f"{positions} or less")
 
+    def pairs(self, layout: Layout) -> bool:
+        """Whether ``layout`` runs forward-backward pairs whose parts hide each other's expert all-to-all:
+        DualPipe(V) always; under :attr:`moe_overlap` one pipeline stage, or interleaved 1F1B, with ep > 1."""
+        if layout.schedule in PAIRED:
+            return True
+        return self.moe_overlap and layout.ep > 1 and (layout.pp == 1 or layout.schedule == "interleaved-1f1b")
+
     def _check_applies(self) -> None:
         """LayoutError for a framework choice this job has nothing to apply to (it would change nothing, or price
         what the framework does not do)."""
@@ -151,6 +164,9 @@ class Job:
         if self.fp8_cast != "cached" and self.dtype != "fp8":
             raise LayoutError(f"fp8_cast={self.fp8_cast!r} prices FP8 GEMMs' casts; with dtype {self.dtype!r} there "
                               "are none: add --dtype fp8 or leave --fp8-cast out")
+        if self.moe_overlap and self.spec.experts is None:
+            raise LayoutError(f"moe_overlap overlaps the expert all-to-all; the {self.spec.family} model has no "
+                              "experts: leave --moe-overlap out")
         if self.moe_comm != "plain" and self.spec.experts is None:
             raise LayoutError(f"moe_comm={self.moe_comm!r} prices the expert all-to-all; the {self.spec.family} "
                               "model has no experts: leave --moe-comm out")

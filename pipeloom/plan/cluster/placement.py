@@ -244,20 +244,24 @@ def schedule_microbatches(layout: Layout, m: int) -> int:
     return m // layout.copies
 
 
-def work_bound(layout: Layout, m: int, times: list[PhaseTimes]) -> float:
+def work_bound(layout: Layout, m: int, times: list[PhaseTimes], *, paired: bool | None = None) -> float:
     """A lower bound on any schedule's makespan (``m`` micro-batches, ``times`` per schedule stage): a rank
     starts after micro-batch 0's forwards through the stages before its first one, then does all its own work
-    (DualPipe(V): an overlapped pair of a forward and a backward takes F + B less the communication each part
-    hides, so the pairs save at most every F's and I's ``comm``; DualPipe's rank starts on the copy that
-    reaches it first)."""
+    (``paired``, by default DualPipe(V)'s: an overlapped pair of a forward and a backward takes F + B less the
+    communication each part hides, so the pairs save at most every F's and I's ``comm``; DualPipe's rank starts on
+    the copy that reaches it first)."""
+    paired = layout.schedule in PAIRED if paired is None else paired
     bound = 0.0
     before = list(accumulate((t.f for t in times), initial=0.0))  # before[j]: forwards of stages 0 .. j-1
     ranks = rank_stages(layout)
     runs = schedule_microbatches(layout, m)
+
+    def work(j: int) -> float:  # each part in at most one pair
+        t = times[j]
+        return t.f + t.i + t.w - ((t.f_comm + t.i_comm) if paired else 0.0)
+
     for stages in ranks:
-        busy = runs * sum(times[j].f + times[j].i + times[j].w for j in stages)
-        if layout.schedule in PAIRED:
-            busy -= runs * sum(times[j].f_comm + times[j].i_comm for j in stages)  # each part in at most one pair
+        busy = runs * sum(work(j) for j in stages)
         wait = before[min(stages)]
         if layout.copies == 2:  # the other copy's stages pp .. (its stage here) - 1 come first
             wait = min(wait, before[max(stages)] - before[layout.pp])
@@ -266,7 +270,7 @@ def work_bound(layout: Layout, m: int, times: list[PhaseTimes]) -> float:
         # a full backward in micro-batch order: rank p-1's last action is stage p-1's B of the last micro-batch,
         # after which that micro-batch's B still runs through stages p-2 .. 0 on the other ranks
         stages = ranks[layout.pp - 1]
-        busy = m * sum(times[j].f + times[j].i + times[j].w for j in stages)
+        busy = m * sum(work(j) for j in stages)
         bound = max(bound, before[layout.pp - 1] + busy + sum(times[j].i + times[j].w for j in range(layout.pp - 1)))
     return bound
 

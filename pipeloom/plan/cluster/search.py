@@ -37,7 +37,7 @@ from typing import Any
 
 from pipeloom.plan.cluster.estimate import WORKSPACE_BYTES, Estimator
 from pipeloom.plan.cluster.job import Job
-from pipeloom.plan.cluster.layout import LAYOUT_KEYS, PAIRED, Layout, enumerate_layouts
+from pipeloom.plan.cluster.layout import LAYOUT_KEYS, Layout, enumerate_layouts
 from pipeloom.plan.cluster.placement import rank_stages, work_bound
 from pipeloom.plan.cluster.step import Estimate
 from pipeloom.plan.errors import LayoutError, NoLayoutFits
@@ -112,7 +112,8 @@ class Bounds:
         memory, exposed, optimizer = e.static_state(layout, times, m)
         # DualPipe's two stages on a rank are of different copies, which no dependency orders: one stage's activations
         held = max((max if layout.copies == 2 else sum)(acts[j] for j in stages) for stages in rank_stages(layout))
-        return Candidate(layout=layout, time_bound=work_bound(layout, m, times) + exposed + optimizer,
+        return Candidate(layout=layout, time_bound=work_bound(layout, m, times, paired=e.job.pairs(layout)) + exposed
+                         + optimizer,
                          memory_bound=memory.total + held)
 
     def memory(self, layout: Layout) -> float:
@@ -132,13 +133,14 @@ class Bounds:
         by 1e-12 so that rounding never lifts it over a member's bound."""
         e = self.estimator
         m = layout.microbatches(e.job.global_batch)
-        return m * e.total_work(layout, paired=layout.schedule in PAIRED) / layout.pp * (1 - 1e-12)
+        return m * e.total_work(layout, paired=e.job.pairs(layout)) / layout.pp * (1 - 1e-12)
 
 
-def _group_key(layout: Layout) -> tuple[Any, ...]:
-    """Layouts that differ only in vp, FSDP and schedule (DualPipe and DualPipeV apart) share one group bound."""
+def _group_key(job: Job, layout: Layout) -> tuple[Any, ...]:
+    """Layouts that differ only in vp, FSDP and schedule share one group bound; those whose pairs hide the expert
+    all-to-all (:meth:`Job.pairs`: DualPipe, DualPipeV, Megatron's overlapped interleaved 1F1B) each their own."""
     return (layout.tp, layout.cp, layout.ep, layout.pp, layout.dp, layout.mbs, layout.recompute,
-            layout.schedule if layout.schedule in PAIRED else "")
+            layout.schedule if job.pairs(layout) else "")
 
 
 def search_layouts(job: Job, *, fixed: dict[str, Any] | None = None, memory_limit: float | None = None,
@@ -152,7 +154,7 @@ def search_layouts(job: Job, *, fixed: dict[str, Any] | None = None, memory_limi
     groups: dict[tuple[Any, ...], list[Layout]] = {}
     refusals: list[str] = []
     for layout in enumerate_layouts(job, fixed, refusals):
-        groups.setdefault(_group_key(layout), []).append(layout)
+        groups.setdefault(_group_key(job, layout), []).append(layout)
     if not groups:
         first = f" (the first refused: {refusals[0]})" if refusals else ""
         keys = "change the fixed keys, " if fixed else ""

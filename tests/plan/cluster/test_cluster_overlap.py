@@ -216,3 +216,49 @@ def test_fp8_casts_follow_the_framework():
         dataclasses.replace(dynamic, dtype="bf16")  # BF16 GEMMs cast nothing: the choice would change nothing
     with pytest.raises(LayoutError, match="fp8_cast='delayed'"):
         dataclasses.replace(job, fp8_cast="delayed")
+
+
+def _overlap_job(**options) -> Job:
+    return dataclasses.replace(_job(), moe_overlap=True, **options)
+
+
+def test_megatron_moe_overlap_pairs_interleaved_1f1b_and_one_stage_only():
+    """``moe_overlap`` (Megatron-Core's overlap_moe_expert_parallel_comm): interleaved 1F1B with ep > 1 runs its
+    backward-forward neighbours as pairs that hide the all-to-all (faster, by at most every F's and I's
+    all-to-all); plain 1F1B over pp > 1 (Megatron needs virtual stages there), ep 1 and zero-bubble schedules are
+    priced as without it; DualPipe(V) pairs either way."""
+    plain, overlap = Estimator(_job()), Estimator(_overlap_job())
+    for schedule, vp, ep, paired in (("interleaved-1f1b", 2, 16, True), ("1f1b", 1, 16, False),
+                                     ("interleaved-1f1b", 2, 1, False), ("zbv", 2, 16, False),
+                                     ("dualpipev", 2, 16, True)):
+        layout = Layout(dp=16, pp=4, vp=vp, ep=ep, schedule=schedule)
+        assert overlap.job.pairs(layout) == paired, schedule
+        before, after = plain.estimate(layout), overlap.estimate(layout)
+        if not paired or schedule in PAIRED:
+            assert after.step_time == before.step_time, (schedule, ep)
+            continue
+        m = overlap.check(layout)
+        times, _, _ = overlap.stages(layout)
+        comm = max(m * sum(times[j].f_comm + times[j].i_comm for j in stages) for stages in rank_stages(layout))
+        assert 0 < before.step_time - after.step_time <= comm * (1 + 1e-9)
+        assert after.memory.activations <= before.memory.activations
+
+
+def test_megatron_moe_overlap_on_one_stage_by_hand():
+    """pp 1: B0 with F1, ..., B(m-2) with F(m-1): m - 1 pairs, each hiding min(F's all-to-all, B's compute) +
+    min(B's all-to-all, F's compute)."""
+    layout = Layout(dp=64, pp=1, ep=16, mbs=1)
+    plain, overlap = Estimator(_job()), Estimator(_overlap_job())
+    m = overlap.check(layout)
+    t = overlap.stages(layout)[0][0]
+    hidden = min(t.f_comm, t.i + t.w - t.i_comm) + min(t.i_comm, t.f - t.f_comm)
+    assert hidden > 0
+    assert plain.estimate(layout).pipeline_time - overlap.estimate(layout).pipeline_time == pytest.approx(
+        (m - 1) * hidden)
+
+
+def test_megatron_moe_overlap_needs_experts():
+    with pytest.raises(LayoutError, match="moe_overlap overlaps the expert all-to-all; the llama model has no experts"):
+        Job(spec=model_spec({"model_type": "llama", "hidden_size": 512, "intermediate_size": 1024,
+                             "num_hidden_layers": 4, "num_attention_heads": 8, "vocab_size": 1000}),
+            hw=hardware("h100"), gpus=8, global_batch=8, seq=1024, moe_overlap=True)

@@ -30,12 +30,14 @@ MTP = {"model_type": "deepseek_v3", "hidden_size": 1024, "intermediate_size": 28
        "n_shared_experts": 1, "moe_intermediate_size": 512, "first_k_dense_replace": 1, "num_experts_per_tok": 2,
        "num_nextn_predict_layers": 1}
 """A DeepSeek-V3-like model with a multi-token-prediction module on its last stage."""
-CASES = [(DENSE, 4, 16, 4096), (DENSE, 8, 32, 2048), (MOE, 8, 32, 4096), (MTP, 8, 32, 4096)]
+CASES = [(DENSE, 4, 16, 4096), (DENSE, 8, 32, 2048), (MOE, 8, 32, 4096), (MTP, 8, 32, 4096),
+         (MOE, 8, 32, 4096, {"moe_overlap": True})]
 GIB = 2**30
 
 
-def _job(config, gpus, batch, seq):
-    return Job(spec=model_spec(config), hw=hardware("h100"), gpus=gpus, global_batch=batch, seq=seq)
+def _job(config, gpus, batch, seq, options=None):
+    return Job(spec=model_spec(config), hw=hardware("h100"), gpus=gpus, global_batch=batch, seq=seq,
+               **(options or {}))
 
 
 def _exhaustive(job):
@@ -54,7 +56,7 @@ def _key(est):
     return est.step_time, tuple(getattr(est.layout, k) for k in LAYOUT_KEYS)
 
 
-@pytest.fixture(scope="module", params=CASES, ids=["dense-4", "dense-8", "moe-8", "mtp-8"])
+@pytest.fixture(scope="module", params=CASES, ids=["dense-4", "dense-8", "moe-8", "mtp-8", "moe-8-overlap"])
 def case(request):
     job = _job(*request.param)
     return job, _exhaustive(job)

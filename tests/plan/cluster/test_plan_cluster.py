@@ -148,6 +148,8 @@ def test_1f1b_bound_is_exact_for_even_stages():
      "--memory-limit 80 is 80 bytes per GPU; give a unit, e.g. 80GiB"),
     (["--model", "CONFIG", "--hardware", "h100", "--gpus", "8", "--seq", "4096", "--layout", "schedule=1f2b"],
      "layout schedule=1f2b is not one of 1f1b, interleaved-1f1b"),
+    (["--model", "CONFIG", "--hardware", "h100", "--gpus", "8", "--seq", "4096", "--moe-overlap"],
+     "moe_overlap overlaps the expert all-to-all; the llama model has no experts: leave --moe-overlap out"),
 ])
 def test_cli_errors_one_line_exit_2(config, capsys, argv, message):
     argv = [str(config) if a == "CONFIG" else a for a in argv]
@@ -346,3 +348,17 @@ def test_options_that_change_nothing_on_the_chosen_layout_are_noted(config, caps
                  "note: --selective op changes nothing on the chosen layout, which runs recompute=none"):
         assert note in out
     assert main(argv) == 0 and "note:" not in capsys.readouterr().out
+
+
+def test_moe_overlap_on_a_layout_it_does_not_apply_to_is_noted(tmp_path, capsys):
+    config = tmp_path / "moe.json"
+    config.write_text(json.dumps({"model_type": "mixtral", "hidden_size": 1024, "intermediate_size": 2048,
+                                  "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 8,
+                                  "vocab_size": 1000, "num_local_experts": 8, "num_experts_per_tok": 2}))
+    argv = ["plan", "--model", str(config), "--hardware", "h100", "--gpus", "8", "--global-batch", "32", "--seq",
+            "2048", "--moe-overlap", "--layout"]
+    assert main([*argv, "dp=4,tp=1,pp=2,vp=1,cp=1,ep=4,mbs=1,fsdp=0,recompute=none,schedule=1f1b"]) == 0
+    assert ("note: --moe-overlap changes nothing on the chosen layout, which runs schedule=1f1b with pp=2"
+            in capsys.readouterr().out)
+    assert main([*argv, "dp=4,tp=1,pp=2,vp=2,cp=1,ep=4,mbs=1,fsdp=0,recompute=none,schedule=interleaved-1f1b"]) == 0
+    assert "note:" not in capsys.readouterr().out
