@@ -11,7 +11,7 @@ import pytest
 from pipeloom.cli import main
 from pipeloom.plan.cluster import plan_cluster
 from pipeloom.plan.cluster.estimate import Estimator
-from pipeloom.plan.cluster.runtime_plan import runtime_plan, save_blockers, torchtitan_plan
+from pipeloom.plan.cluster.runtime_plan import runtime_notes, runtime_plan, save_blockers, torchtitan_plan
 from pipeloom.plan.errors import PlanError
 from pipeloom.plan.plan import load_plan, save_plan
 
@@ -104,6 +104,17 @@ def test_an_ep_layout_saves_its_expert_parallel_size():
     with pytest.raises(PlanError, match="ep=2 with tp=1, fsdp=1 .*; fix it with --layout fsdp=0$"):
         runtime_plan(plan_cluster(moe, "h100", gpus=8, global_batch=16, seq=512,
                                   layout=layout.replace("fsdp=0", "fsdp=1")))
+
+
+def test_a_plan_priced_with_megatrons_overlapped_all_to_all_says_the_runtime_runs_it_exposed():
+    moe = {"model_type": "qwen3_moe", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 8,
+           "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 1000, "moe_intermediate_size": 128,
+           "num_experts": 8, "num_experts_per_tok": 2}
+    note = "the runtime runs them one after the other, the all-to-all exposed"
+    for schedule, vp, said in (("interleaved-1f1b", 2, True), ("1f1b", 1, False)):
+        layout = f"dp=4,tp=1,pp=2,vp={vp},cp=1,ep=2,mbs=1,fsdp=0,recompute=none,schedule={schedule}"
+        result = plan_cluster(moe, "h100", gpus=8, global_batch=16, seq=512, layout=layout, moe_overlap=True)
+        assert any(note in line for line in runtime_notes(result)) == said, schedule
 
 
 def test_every_reason_a_layout_cannot_be_saved_is_named_at_once():
