@@ -104,14 +104,14 @@ def _prices(parts: Sequence[Sequence[int]], overlapped: bool, problem: Problem,
     return overhead, duration, memory, comms, problem.overlap_fraction, measured is not None
 
 
-def _links(problem: Problem, composite: Composite, num_mb: int,
+def _links(problem: Problem, index: Mapping[tuple[int, str], int], composite: Composite, num_mb: int,
            dense: Mapping[int, int]) -> tuple[tuple[tuple[int, bool], ...], tuple[int, ...]]:
     """What a replay needs of ``composite`` besides its costs: every dependency of its tasks outside its own part
     (a W waits for the I of its own B; a pair's parts do not wait for each other: one that depends on the other
     never starts, the validator reports it as a deadlock), as its slot less the composite's first part's
     micro-batch (the hot loop adds the micro-batch) and whether it ran on other ranks (then the problem's
     latency applies); and the slots it completes."""
-    tasks, index = problem.tasks, {task.key: i for i, task in enumerate(problem.tasks)}
+    tasks = problem.tasks
     first = dense[composite.units[0][0][1]]
     found: dict[int, bool] = {}
     for unit in composite.units:
@@ -152,7 +152,7 @@ class CompiledSchedule:
         composites = tuple(composite for _, composite in found.values())
         extra = {mb for c in composites for unit in c.units for _, mb in unit}
         seq_mbs, dense = _densify(seq_mbs, schedule.num_microbatches, extra)
-        links = tuple(_links(problem, c, len(dense), dense) for c in composites)
+        links = tuple(_links(problem, index, c, len(dense), dense) for c in composites)
         shapes: dict[tuple[bool, tuple[tuple[int, ...], ...]], int] = {}
         shape_of = tuple(shapes.setdefault((c.overlapped, tuple(tuple(t for t, _ in unit) for unit in c.units)),
                                            len(shapes)) for c in composites)

@@ -258,7 +258,7 @@ class Estimator:
                 busy -= (m - 1) * (min(t.f_comm, t.i + t.w - t.i_comm) + min(t.i_comm, t.f - t.f_comm))
             return busy, 0.0, acts[0]
         latency = self._p2p(layout) if job.p2p_overlap else 0.0  # blocking: inside the stages' F and I
-        key = (layout.schedule, layout.pp, layout.vp, m, latency,
+        key = (layout.schedule, layout.pp, layout.vp, m, latency, job.pairs(layout),
                tuple(tuple(round(x, 9) for x in (t.f, t.i, t.w, t.f_comm, t.i_comm)) for t in times),
                tuple(round(a) for a in acts))
         if key not in self._replays:

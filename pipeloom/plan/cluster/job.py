@@ -88,10 +88,10 @@ class Job:
     :func:`~pipeloom.plan.cluster.efficiency.overlapped_seconds` says. False (or without sequence parallelism):
     they run between the GEMMs, exposed."""
     moe_overlap: bool = False
-    """Megatron-Core's ``overlap_moe_expert_parallel_comm``: each forward runs with the backward of another
-    micro-batch next to it, each part's expert all-to-all under the other part's compute, as in DualPipe's pairs
-    (:meth:`pairs`): on one pipeline stage, or under interleaved 1F1B (Megatron requires virtual stages where
-    pp > 1). False (Megatron's default): the all-to-alls are exposed outside DualPipe(V)."""
+    """Megatron-Core's ``overlap_moe_expert_parallel_comm``: each backward runs with the forward of another
+    micro-batch that its rank runs next, each part's expert all-to-all under the other part's compute, as in
+    DualPipe's pairs (:meth:`pairs`): on one pipeline stage, or under interleaved 1F1B (Megatron requires virtual
+    stages where pp > 1). False (Megatron's default): the all-to-alls are exposed outside DualPipe(V)."""
     sequence_parallel: bool = True
     """With tp > 1, the norms, dropouts and residual adds run on the tp rank's 1/tp of the tokens and the tp
     exchanges are all-gathers and reduce-scatters (Megatron-Core, torchtitan); False: every tp rank runs them
