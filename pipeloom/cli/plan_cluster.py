@@ -75,6 +75,10 @@ def add_cluster_arguments(plan: argparse.ArgumentParser) -> None:
     group.add_argument("--layout", metavar="KEY=VALUE,...",
                        help="layout keys to hold fixed, e.g. tp=4,pp=8,vp=5,cp=1,ep=1,dp=2,mbs=1,fsdp=0,"
                             "recompute=selective,schedule=interleaved-1f1b; all of them: predict that layout")
+    # the cost-table mode refuses these by name (check_plan_mode): they describe a cluster it does not plan
+    # (--seq it shares: --try builds the model with it)
+    plan.set_defaults(cluster_flags={action.dest: action.option_strings[0] for action in group._group_actions
+                                     if action.dest not in ("model", "seq")})
 
 
 def check_plan_mode(args: argparse.Namespace) -> bool:
@@ -86,7 +90,16 @@ def check_plan_mode(args: argparse.Namespace) -> bool:
     if args.model is None and not args.costs:
         raise UsageError("give --costs FILE (plan from a cost table) or --model CONFIG.json --hardware NAME --gpus N "
                          "--global-batch B --seq S (plan for a cluster)")
+    defaults = getattr(args, "plan_defaults", {})
     if args.model is None:
+        given = [flag for dest, flag in getattr(args, "cluster_flags", {}).items()
+                 if dest in defaults and getattr(args, dest, None) != defaults[dest]]
+        if given:
+            instead = {"--gpus": "give the cost table's ranks with --ranks P",
+                       "--layout": "fix tp, the schedule or the micro-batches with --tp, --schedules or "
+                                   "--microbatches"}.get(given[0], "leave it out")
+            raise UsageError(f"{given[0]} belongs to planning for a cluster (--model CONFIG.json --hardware NAME); "
+                             f"a cost table's costs were measured as the model ran: {instead}")
         if args.ranks is None:
             raise UsageError("--costs needs --ranks P")
         return False
@@ -97,7 +110,6 @@ def check_plan_mode(args: argparse.Namespace) -> bool:
     if args.memory_limit is not None and args.memory_limit < 2**20:
         raise UsageError(f"--memory-limit {args.memory_limit:g} is {args.memory_limit:g} bytes per GPU; give a unit, "
                          f"e.g. {args.memory_limit:g}GiB")
-    defaults = getattr(args, "plan_defaults", {})
     for dest, (flag, instead) in _COST_TABLE_ONLY.items():
         if dest in defaults and getattr(args, dest, None) != defaults[dest]:
             raise UsageError(f"{flag} belongs to planning from a cost table (--costs); with --model {instead}")

@@ -362,3 +362,26 @@ def test_moe_overlap_on_a_layout_it_does_not_apply_to_is_noted(tmp_path, capsys)
             in capsys.readouterr().out)
     assert main([*argv, "dp=4,tp=1,pp=2,vp=2,cp=1,ep=4,mbs=1,fsdp=0,recompute=none,schedule=interleaved-1f1b"]) == 0
     assert "note:" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--tp-overlap"], "--tp-overlap belongs to planning for a cluster"),
+    (["--moe-overlap"], "--moe-overlap belongs to planning for a cluster"),
+    (["--hardware", "h100"], "--hardware belongs to planning for a cluster"),
+    (["--dtype", "fp8"], "--dtype belongs to planning for a cluster"),
+    (["--gpus", "8"], "give the cost table's ranks with --ranks P"),
+    (["--layout", "tp=2"], "fix tp, the schedule or the micro-batches with --tp, --schedules or --microbatches"),
+])
+def test_the_cost_table_mode_refuses_the_cluster_flags_by_name(tmp_path, capsys, extra, message):
+    """A cluster flag given with --costs was silently ignored; now one line names it and the fix, exit 2."""
+    from pipeloom.plan import analytical_gpt_costs
+    from pipeloom.plan.costs.file import save_costs
+
+    costs = tmp_path / "costs.json"
+    save_costs(analytical_gpt_costs(layers=4, hidden=256, heads=4, seq=256, vocab=1000, microbatch_size=1,
+                                    flops_per_second=1e14, bytes_per_second=1e12), costs)
+    argv = ["plan", "--costs", str(costs), "--ranks", "2", "--global-batch", "8"]
+    assert main([*argv, *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err
+    assert main(argv) == 0 and main([*argv, "--seq", "256"]) == 0  # --seq is shared (--try builds with it)
