@@ -29,6 +29,18 @@ def add_cluster_arguments(plan: argparse.ArgumentParser) -> None:
     group.add_argument("--gpus", type=int, metavar="N", help="GPUs of the job")
     group.add_argument("--seq", type=int, metavar="S", help="tokens per sequence")
     group.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16", help="GEMM precision (default bf16)")
+    _add_framework_options(group)
+    group.add_argument("--layout", metavar="KEY=VALUE,...",
+                       help="layout keys to hold fixed, e.g. tp=4,pp=8,vp=5,cp=1,ep=1,dp=2,mbs=1,fsdp=0,"
+                            "recompute=selective,schedule=interleaved-1f1b; all of them: predict that layout")
+    # the cost-table mode refuses these by name (check_plan_mode): they describe a cluster it does not plan
+    # (--seq it shares: --try builds the model with it)
+    plan.set_defaults(cluster_flags={action.dest: action.option_strings[0] for action in group._group_actions
+                                     if action.dest not in ("model", "seq")})
+
+
+def _add_framework_options(group) -> None:
+    """What the training framework does (defaults: Megatron-Core's), each a choice the estimate prices."""
     group.add_argument("--kernels", choices=("fused", "eager"), default="fused",
                        help="elementwise kernels: fused (Megatron, Transformer Engine, torch.compile; default) or "
                             "eager (PyTorch op by op)")
@@ -50,9 +62,10 @@ def add_cluster_arguments(plan: argparse.ArgumentParser) -> None:
                        help="the expert all-to-all: plain (default) or deepseek (DeepSeek-V3's node-limited FP8 "
                             "dispatch with 20 SMs reserved for communication)")
     group.add_argument("--moe-overlap", action="store_true",
-                       help="each forward runs beside another micro-batch's backward, their expert all-to-alls "
-                            "hidden under each other's compute (Megatron-Core's overlap_moe_expert_parallel_comm: "
-                            "pp 1 or interleaved-1f1b; DualPipe(V) pair always); default: exposed")
+                       help="each backward runs with the forward of another micro-batch its rank runs next, their "
+                            "expert all-to-alls hidden under each other's compute (Megatron-Core's "
+                            "overlap_moe_expert_parallel_comm: pp 1 or interleaved-1f1b; DualPipe(V) pair always); "
+                            "default: exposed")
     group.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
                        help="with tp > 1, every tp rank runs the norms and residual adds on all the tokens and the "
                             "tp exchanges are all-reduces (Megatron-LM before sequence parallelism)")
@@ -72,13 +85,6 @@ def add_cluster_arguments(plan: argparse.ArgumentParser) -> None:
                        help="how the decoder layers are cut into pipeline stages: balanced (layers moved off the "
                             "busiest pipeline rank, the embedding and the head counted; default) or even (as many "
                             "layers per stage as divide, the remainder to the middle stages)")
-    group.add_argument("--layout", metavar="KEY=VALUE,...",
-                       help="layout keys to hold fixed, e.g. tp=4,pp=8,vp=5,cp=1,ep=1,dp=2,mbs=1,fsdp=0,"
-                            "recompute=selective,schedule=interleaved-1f1b; all of them: predict that layout")
-    # the cost-table mode refuses these by name (check_plan_mode): they describe a cluster it does not plan
-    # (--seq it shares: --try builds the model with it)
-    plan.set_defaults(cluster_flags={action.dest: action.option_strings[0] for action in group._group_actions
-                                     if action.dest not in ("model", "seq")})
 
 
 def check_plan_mode(args: argparse.Namespace) -> bool:
@@ -167,7 +173,7 @@ def cmd_plan_cluster(args: argparse.Namespace) -> int:
     finally:
         if progress is not None:
             print("\r\033[K", end="", file=sys.stderr, flush=True)
-    written = [*_unused(args, result.best.layout), *(_save(args, result) if args.save else [])]
+    written = [*_unused(args, result.job, result.best.layout), *(_save(args, result) if args.save else [])]
     if args.json:
         print(json.dumps(result.as_dict(), indent=2))
     else:
@@ -177,13 +183,12 @@ def cmd_plan_cluster(args: argparse.Namespace) -> int:
     return 0
 
 
-def _unused(args: argparse.Namespace, layout) -> list[str]:
+def _unused(args: argparse.Namespace, job, layout) -> list[str]:
     """Notes for framework options given that change nothing on the chosen layout (they are priced where the
     search tries a layout they apply to, so they are not refused)."""
     overlap_why = "ep=1" if layout.ep == 1 else f"schedule={layout.schedule} with pp={layout.pp}"
     unused = [(args.tp_overlap and layout.tp == 1, "--tp-overlap", "tp=1"),
-              (args.moe_overlap and not (layout.ep > 1 and (layout.pp == 1 or layout.schedule == "interleaved-1f1b")),
-               "--moe-overlap", overlap_why),
+              (args.moe_overlap and not job.overlap_pairs(layout), "--moe-overlap", overlap_why),
               (not args.sequence_parallel and layout.tp == 1, "--no-sequence-parallel", "tp=1"),
               (args.cp_rotate != "ring" and layout.cp == 1, f"--cp-rotate {args.cp_rotate}", "cp=1"),
               (args.moe_comm != "plain" and layout.ep == 1, f"--moe-comm {args.moe_comm}", "ep=1"),

@@ -91,9 +91,10 @@ def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: st
     PyTorch's async TP); ``fp8_cast``: how FP8 GEMMs cast their inputs, ``cached`` (Transformer Engine's delayed
     scaling, FP8 copies reused) or ``dynamic`` (torchao's per-tensor dynamic scaling); ``stage_cut``: ``balanced``
     (layers moved off the busiest pipeline rank) or ``even`` (the frameworks that cut as many layers per stage as
-    divide); ``moe_overlap``: each forward runs beside another micro-batch's backward, hiding the expert all-to-all
-    (Megatron-Core's ``overlap_moe_expert_parallel_comm``: pp 1 or interleaved 1F1B). ``layout``: keys held fixed
-    (``"tp=4,pp=8"`` or a dict); with all of :data:`LAYOUT_KEYS` it predicts that layout alone."""
+    divide); ``moe_overlap``: each backward runs with its rank's next forward, of another micro-batch, hiding each
+    other's expert all-to-all (Megatron-Core's ``overlap_moe_expert_parallel_comm``: pp 1 or interleaved 1F1B).
+    ``layout``: keys held fixed (``"tp=4,pp=8"`` or a dict); with all of :data:`LAYOUT_KEYS` it predicts that layout
+    alone."""
     start = time.perf_counter()
     device = hardware(hw)
     dtype_bytes(dtype)

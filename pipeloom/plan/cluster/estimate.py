@@ -10,7 +10,7 @@ from collections import Counter
 from typing import Any
 
 from pipeloom.errors import PipeloomError
-from pipeloom.ir import Schedule, paired_forward_backward
+from pipeloom.ir import Schedule, pair_duration, paired_forward_backward
 from pipeloom.plan.cluster.counts import block_kind, layer_counts, layer_kinds
 from pipeloom.plan.cluster.efficiency import collective_seconds, domain_ranks, hidden_cost, memory_seconds, p2p_seconds
 from pipeloom.plan.cluster.held import RankHeld, held_profile, peak_held, replay_stages
@@ -198,7 +198,7 @@ class Estimator:
         steady state ran 13 % slower than the busiest rank's work on Llama 3 8B at tp 8 x pp 8 (F : I : W = 1 :
         1.15 : 0.45), and 1F1B overtook it at large micro-batch counts. W holds :attr:`w_fraction` of F's memory."""
         key = self._schedule_key(layout, m)
-        name, pp, vp, _, b, w, pairs = key
+        name, pp, vp, _, b, w, _ = key
         if key not in self._schedules:
             split = name in ("zb-h1", "zbv", *PAIRED)
             costs = Costs(f=1.0, b=b if split else 2.0, w=w, memory=1.0, w_memory=self.w_fraction if split else 0.0)
@@ -207,8 +207,8 @@ class Estimator:
                 built = build_schedule(name, pp, m, costs=costs, **options)
             except PipeloomError as error:
                 raise LayoutError(f"{name} cannot run pp={pp}, vp={vp} with {m} micro-batches: {error}") from None
-            # Job.moe_overlap: interleaved 1F1B's forward-backward neighbours run as pairs (DualPipe's are built so)
-            self._schedules[key] = paired_forward_backward(built) if pairs and name not in PAIRED else built
+            # Job.moe_overlap: interleaved 1F1B's backward-forward neighbours run as pairs (DualPipe's are built so)
+            self._schedules[key] = paired_forward_backward(built) if self.job.overlap_pairs(layout) else built
         return self._schedules[key]
 
     def _schedule_key(self, layout: Layout, m: int) -> tuple[str, int, int, int, float, float, bool]:
@@ -255,7 +255,7 @@ class Estimator:
             t = times[0]
             busy = m * (t.f + t.i + t.w)
             if job.pairs(layout):  # Job.moe_overlap: B0 with F1, ..., B(m-2) with F(m-1), each hiding the other's
-                busy -= (m - 1) * (min(t.f_comm, t.i + t.w - t.i_comm) + min(t.i_comm, t.f - t.f_comm))
+                busy -= (m - 1) * (t.f + t.i + t.w - pair_duration((t.f, t.i + t.w), (t.f_comm, t.i_comm)))
             return busy, 0.0, acts[0]
         latency = self._p2p(layout) if job.p2p_overlap else 0.0  # blocking: inside the stages' F and I
         key = (layout.schedule, layout.pp, layout.vp, m, latency, job.pairs(layout),

@@ -144,9 +144,12 @@ class Job:
 
     def pairs(self, layout: Layout) -> bool:
         """Whether ``layout`` runs forward-backward pairs whose parts hide each other's expert all-to-all:
-        DualPipe(V) always; under :attr:`moe_overlap` one pipeline stage, or interleaved 1F1B, with ep > 1."""
-        if layout.schedule in PAIRED:
-            return True
+        DualPipe(V) always, the others where :meth:`overlap_pairs`."""
+        return layout.schedule in PAIRED or self.overlap_pairs(layout)
+
+    def overlap_pairs(self, layout: Layout) -> bool:
+        """Whether :attr:`moe_overlap` pairs ``layout``'s forwards and backwards: with ep > 1, on one pipeline stage
+        or under interleaved 1F1B (DualPipe(V) pairs without it)."""
         return self.moe_overlap and layout.ep > 1 and (layout.pp == 1 or layout.schedule == "interleaved-1f1b")
 
     def _check_applies(self) -> None:

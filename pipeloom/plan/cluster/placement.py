@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 from pipeloom.plan.cluster.layer_time import PhaseTimes
-from pipeloom.plan.cluster.layout import PAIRED, SCHEDULES, Layout
+from pipeloom.plan.cluster.layout import SCHEDULES, Layout
 
 __all__ = ["Cut", "even_counts", "balanced_counts", "cut_of", "cut_ranks", "stage_layers", "rank_stages",
            "schedule_microbatches", "work_bound"]
@@ -244,13 +244,12 @@ def schedule_microbatches(layout: Layout, m: int) -> int:
     return m // layout.copies
 
 
-def work_bound(layout: Layout, m: int, times: list[PhaseTimes], *, paired: bool | None = None) -> float:
+def work_bound(layout: Layout, m: int, times: list[PhaseTimes], *, paired: bool) -> float:
     """A lower bound on any schedule's makespan (``m`` micro-batches, ``times`` per schedule stage): a rank
     starts after micro-batch 0's forwards through the stages before its first one, then does all its own work
-    (``paired``, by default DualPipe(V)'s: an overlapped pair of a forward and a backward takes F + B less the
-    communication each part hides, so the pairs save at most every F's and I's ``comm``; DualPipe's rank starts on
-    the copy that reaches it first)."""
-    paired = layout.schedule in PAIRED if paired is None else paired
+    (``paired``: the schedule runs overlapped pairs, :meth:`~pipeloom.plan.cluster.job.Job.pairs`; a pair of a
+    forward and a backward takes F + B less the communication each part hides, so the pairs save at most every F's
+    and I's ``comm``; DualPipe's rank starts on the copy that reaches it first)."""
     bound = 0.0
     before = list(accumulate((t.f for t in times), initial=0.0))  # before[j]: forwards of stages 0 .. j-1
     ranks = rank_stages(layout)

@@ -12,7 +12,7 @@ from itertools import accumulate
 from typing import TYPE_CHECKING
 
 from pipeloom.plan.cluster.estimate import Estimator
-from pipeloom.plan.cluster.layout import PAIRED, Layout
+from pipeloom.plan.cluster.layout import Layout
 from pipeloom.plan.errors import PlanError
 from pipeloom.plan.plan import Plan
 
@@ -188,7 +188,7 @@ def runtime_notes(result: ClusterPlan, *, kept: float | None = None) -> list[str
                      "running it there needs more memory than predicted")
     if result.job.dtype != "bf16":
         notes.append(f"the plan assumes {result.job.dtype} GEMMs; the runtime runs the model's own dtype")
-    if result.job.moe_overlap and result.job.pairs(layout) and layout.schedule not in PAIRED:
+    if result.job.overlap_pairs(layout):
         notes.append("the plan assumes each forward beside another micro-batch's backward, hiding the expert "
                      "all-to-all (--moe-overlap); the runtime runs them one after the other, the all-to-all exposed")
     return notes

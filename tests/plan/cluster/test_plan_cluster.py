@@ -104,7 +104,7 @@ def test_replay_meets_its_bound_and_extrapolates():
         times, acts, _ = est.stages(layout)
         full = est._simulate(layout, m, times, acts, 0.0)[0]
         extrapolated = est._extrapolated(layout, m, times, acts, 0.0)[0]
-        assert full >= work_bound(layout, m, times) * (1 - 1e-12)
+        assert full >= work_bound(layout, m, times, paired=est.job.pairs(layout)) * (1 - 1e-12)
         assert extrapolated == pytest.approx(full, rel=0.02), schedule
 
 
@@ -115,7 +115,7 @@ def test_1f1b_bound_is_exact_for_even_stages():
     m = est.check(layout)
     times, acts, _ = est.stages(layout)
     full = est._simulate(layout, m, times, acts, 0.0)[0]
-    assert full == pytest.approx(work_bound(layout, m, times), rel=0.05)
+    assert full == pytest.approx(work_bound(layout, m, times, paired=est.job.pairs(layout)), rel=0.05)
 
 
 @pytest.mark.parametrize("argv, message", [
