@@ -1,20 +1,19 @@
-"""A decoder's shape read from a transformers config (a config.json path, a dict or a ``PretrainedConfig``),
+"""A decoder's shape read from a transformers config (a config.json path, a model folder, a Hugging Face model id
+in the local cache, a dict or a ``PretrainedConfig``: :func:`~pipeloom.plan.cluster.config_source.read_config`),
 without importing transformers: dense decoders (LLaMA, Mistral, Qwen2/3, Gemma 1/2/3, Granite, Phi-3, OLMo 2/3,
 StarCoder2, GPT-2, GPT-NeoX) and mixture-of-experts decoders (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3 with
 multi-head latent attention, GLM-4.5, gpt-oss with attention sinks and biased experts), a field left out taking
-transformers' default for the family (:data:`~pipeloom.plan.cluster.family_defaults.FAMILY_DEFAULTS`),
+transformers' default for the family (:data:`~pipeloom.plan.cluster.config_source.FAMILY_DEFAULTS`),
 with sliding-window attention on the layers transformers gives it (:func:`_windows`)."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from pipeloom.plan.cluster.family_defaults import FAMILY_DEFAULTS
+from pipeloom.plan.cluster.config_source import FAMILY_DEFAULTS, read_config
 from pipeloom.plan.errors import ModelConfigError
 
 __all__ = ["ModelSpec", "Attention", "Experts", "model_spec", "SUPPORTED_FAMILIES"]
@@ -165,28 +164,6 @@ class ModelSpec:
         return self.layers - len(self.moe_layers)
 
 
-def _read(config: object) -> dict[str, Any]:
-    """The config as a dict: from a path to config.json, a mapping, or anything with ``to_dict()``."""
-    if isinstance(config, (str, Path)):
-        try:
-            data = json.loads(Path(config).read_text())
-        except OSError as error:
-            raise ModelConfigError(f"cannot read model config {str(config)!r}: {error.strerror}; pass the path "
-                                   "of a transformers config.json") from None
-        except json.JSONDecodeError as error:
-            raise ModelConfigError(f"model config {str(config)!r} is not JSON ({error})") from None
-    elif isinstance(config, Mapping):
-        data = dict(config)
-    elif callable(getattr(config, "to_dict", None)):
-        data = config.to_dict()  # type: ignore[attr-defined]
-    else:
-        raise ModelConfigError(f"a model config must be a config.json path, a dict or a PretrainedConfig, got "
-                               f"{type(config).__name__}")
-    if not isinstance(data, dict):
-        raise ModelConfigError("a model config must be a JSON object")
-    return data
-
-
 def _get(data: Mapping[str, Any], *names: str, default: Any = None) -> Any:
     """The first of ``names`` present (and not None) in ``data``; ModelConfigError if none is and no default."""
     for name in names:
@@ -198,10 +175,11 @@ def _get(data: Mapping[str, Any], *names: str, default: Any = None) -> Any:
 
 
 def model_spec(config: object) -> ModelSpec:
-    """The :class:`ModelSpec` of a transformers config (path, dict or ``PretrainedConfig``)."""
+    """The :class:`ModelSpec` of a transformers config (path, model folder, Hugging Face id, dict or
+    ``PretrainedConfig``)."""
     if isinstance(config, ModelSpec):
         return config
-    data = _read(config)
+    data = read_config(config)
     family = str(data.get("model_type", ""))
     text = data.get("text_config")
     if not family:

@@ -8,8 +8,8 @@ import pytest
 from tests.plan.cluster.tiny import TINY, tiny_config
 
 from pipeloom.plan.cluster import ModelConfigError, model_params, model_spec
+from pipeloom.plan.cluster.config_source import FAMILY_DEFAULTS
 from pipeloom.plan.cluster.counts import optimizer_bytes
-from pipeloom.plan.cluster.family_defaults import FAMILY_DEFAULTS
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

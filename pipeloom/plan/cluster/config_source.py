@@ -1,16 +1,104 @@
-"""What transformers assumes for a config field a config.json leaves out, per ``model_type``: the defaults of its
-configuration classes (transformers 5.x; ``tests/plan/cluster/test_params.py`` checks each against the installed
-version), for every field :func:`pipeloom.plan.cluster.config.model_spec` reads that the class sets (a field the
-class leaves to its post-init, such as ``num_key_value_heads`` = the query heads or ``head_dim`` = hidden / heads,
-the reader derives the same way). The published multimodal checkpoints' ``text_config`` give only what differs
-from these. A field the config gives, ``null`` included, is read as given. The planner reads configs without
-importing transformers (it plans clusters it does not run on), so the defaults are data here."""
+"""Where a model config comes from, and what it leaves out.
+
+:func:`read_config` gives the config as a dict from what a user has at hand: a ``config.json``, the folder of a
+downloaded model (its ``config.json``), a Hugging Face model id whose config is in the local Hugging Face cache
+(``hf download ID config.json`` or any earlier download put it there; nothing is fetched: the planner plans
+clusters from any machine, often one without the network), a dict, or a ``PretrainedConfig``.
+
+:data:`FAMILY_DEFAULTS` is what transformers assumes for a config field a config.json leaves out, per
+``model_type``: the defaults of its configuration classes (transformers 5.x; ``tests/plan/cluster/test_params.py``
+checks each against the installed version), for every field :func:`pipeloom.plan.cluster.config.model_spec` reads
+that the class sets (a field the class leaves to its post-init, such as ``num_key_value_heads`` = the query heads
+or ``head_dim`` = hidden / heads, the reader derives the same way). The published multimodal checkpoints'
+``text_config`` give only what differs from these. A field the config gives, ``null`` included, is read as given.
+The planner reads configs without importing transformers (it plans clusters it does not run on), so the defaults
+are data here."""
 
 from __future__ import annotations
 
+import json
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
-__all__ = ["FAMILY_DEFAULTS"]
+from pipeloom.plan.errors import ModelConfigError
+
+__all__ = ["FAMILY_DEFAULTS", "read_config", "hub_cache"]
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+"""A Hugging Face model id: ``name`` or ``owner/name``."""
+
+
+def read_config(config: object) -> dict[str, Any]:
+    """The config as a dict: from a path to a config.json, a model folder holding one, a Hugging Face model id
+    whose config is in the local cache (:func:`hub_cache`), a mapping, or anything with ``to_dict()``."""
+    if isinstance(config, (str, Path)):
+        path = _config_path(str(config))
+        try:
+            data = json.loads(path.read_text())
+        except OSError as error:
+            raise ModelConfigError(f"cannot read model config {str(path)!r}: {error.strerror}; pass the path of a "
+                                   "transformers config.json") from None
+        except json.JSONDecodeError as error:
+            raise ModelConfigError(f"model config {str(path)!r} is not JSON ({error})") from None
+    elif isinstance(config, Mapping):
+        data = dict(config)
+    elif callable(getattr(config, "to_dict", None)):
+        data = config.to_dict()  # type: ignore[attr-defined]
+    else:
+        raise ModelConfigError(f"a model config must be a config.json path, a model folder, a Hugging Face model "
+                               f"id, a dict or a PretrainedConfig, got {type(config).__name__}")
+    if not isinstance(data, dict):
+        raise ModelConfigError("a model config must be a JSON object")
+    return data
+
+
+def _config_path(name: str) -> Path:
+    """The config.json ``name`` stands for: the file itself, a folder's config.json, or a model id's cached one."""
+    path = Path(name)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelConfigError(f"model folder {name!r} has no config.json; pass the path of a transformers "
+                                   "config.json")
+        return path / "config.json"
+    if path.exists() or name.endswith(".json") or not _HUB_ID.fullmatch(name):
+        return path  # a file (or a path that is not there: read_config says so)
+    cache = hub_cache()
+    found = _cached_config(cache / f"models--{name.replace('/', '--')}")
+    if found is None:
+        raise ModelConfigError(f"cannot read model config {name!r}: no such file or folder, and the local Hugging "
+                               f"Face cache ({cache}) holds no config of a model {name!r}; download it (hf download "
+                               f"{name} config.json) or pass the path of a transformers config.json")
+    return found
+
+
+def hub_cache() -> Path:
+    """The local Hugging Face cache, where ``huggingface_hub`` puts it: ``$HF_HUB_CACHE``, else
+    ``$HUGGINGFACE_HUB_CACHE``, else ``$HF_HOME/hub``, ``$HF_HOME`` defaulting to ``$XDG_CACHE_HOME/huggingface``
+    (``~/.cache/huggingface``)."""
+    for variable in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if os.environ.get(variable):
+            return Path(os.environ[variable]).expanduser()
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache"), "huggingface")
+    return Path(home).expanduser() / "hub"
+
+
+def _cached_config(repo: Path) -> Path | None:
+    """A cached model's config.json: the snapshot ``refs/main`` names, else the only snapshot that has one."""
+    ref = repo / "refs" / "main"
+    if ref.is_file():
+        chosen = repo / "snapshots" / ref.read_text().strip() / "config.json"
+        if chosen.is_file():
+            return chosen
+    snapshots = sorted((repo / "snapshots").glob("*/config.json")) if (repo / "snapshots").is_dir() else []
+    if len(snapshots) > 1:
+        raise ModelConfigError(f"the local Hugging Face cache holds {len(snapshots)} revisions of {repo.name} and "
+                               "no refs/main; pass the path of the config.json to plan")
+    return snapshots[0] if snapshots else None
+
 
 FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,

@@ -1,0 +1,91 @@
+"""Where a model config comes from (:mod:`pipeloom.plan.cluster.config_source`): a config.json, a model folder, or
+a Hugging Face model id whose config is in the local cache, laid out as ``huggingface_hub`` lays it out
+(``models--OWNER--NAME/refs/main`` naming a ``snapshots/REVISION`` folder); and the one-line refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from tests.plan.cluster.tiny import TINY
+
+from pipeloom.cli import main
+from pipeloom.plan.cluster import ModelConfigError, model_spec
+from pipeloom.plan.cluster.config_source import hub_cache, read_config
+
+LLAMA = dict(TINY["llama"], model_type="llama")
+
+
+def _cache_model(cache, model_id: str, revisions: dict[str, dict], main_ref: str | None = None):
+    """A cache holding ``model_id``'s config at each revision (``refs/main`` naming ``main_ref``)."""
+    repo = cache / f"models--{model_id.replace('/', '--')}"
+    for revision, config in revisions.items():
+        folder = repo / "snapshots" / revision
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text(json.dumps(config))
+    if main_ref is not None:
+        (repo / "refs").mkdir(parents=True)
+        (repo / "refs" / "main").write_text(main_ref + "\n")
+
+
+def test_a_model_folder_is_read_through_its_config_json(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA))
+    assert read_config(tmp_path) == LLAMA
+    assert model_spec(str(tmp_path)).hidden == LLAMA["hidden_size"]
+    with pytest.raises(ModelConfigError, match=r"model folder .* has no config.json; pass the path"):
+        read_config(tmp_path / "..")
+
+
+def test_a_hub_id_is_read_from_the_snapshot_refs_main_names(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    older = dict(LLAMA, hidden_size=32)
+    _cache_model(tmp_path / "hub", "acme/tiny-llama", {"a1": older, "b2": LLAMA}, main_ref="b2")
+    assert read_config("acme/tiny-llama") == LLAMA
+    assert model_spec("acme/tiny-llama").hidden == LLAMA["hidden_size"]
+    _cache_model(tmp_path / "hub", "solo", {"c3": older})  # one revision, no refs: that one; a bare name is an id
+    assert read_config("solo") == older
+
+
+def test_the_cache_is_where_huggingface_hub_puts_it(tmp_path, monkeypatch):
+    for variable in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert hub_cache() == tmp_path / ".cache" / "huggingface" / "hub"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert hub_cache() == tmp_path / "xdg" / "huggingface" / "hub"
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "home"))
+    assert hub_cache() == tmp_path / "home" / "hub"
+    monkeypatch.setenv("HUGGINGFACE_HUB_CACHE", str(tmp_path / "legacy"))
+    assert hub_cache() == tmp_path / "legacy"
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert hub_cache() == tmp_path / "hub"
+    _cache_model(tmp_path / "hub", "acme/tiny-llama", {"b2": LLAMA}, main_ref="b2")
+    assert read_config("acme/tiny-llama") == LLAMA
+
+
+def test_what_is_neither_a_file_nor_cached_is_refused_with_the_fix(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(ModelConfigError, match=r"no such file or folder, and the local Hugging Face cache \(.*hub\) "
+                                               r"holds no config of a model 'acme/missing'; download it \(hf download "
+                                               r"acme/missing config.json\) or pass the path"):
+        read_config("acme/missing")
+    for path in ("missing.json", "./acme/missing", "a/b/c"):  # paths, not ids: read as paths
+        with pytest.raises(ModelConfigError, match=r"cannot read model config .*No such file"):
+            read_config(path)
+    _cache_model(tmp_path / "hub", "acme/two", {"a1": LLAMA, "b2": LLAMA})  # two revisions and no refs/main
+    with pytest.raises(ModelConfigError, match="holds 2 revisions of models--acme--two and no refs/main"):
+        read_config("acme/two")
+
+
+def test_the_command_plans_a_cached_hub_id_and_refuses_a_missing_one_in_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    _cache_model(tmp_path / "hub", "acme/tiny-llama", {"b2": LLAMA}, main_ref="b2")
+    argv = ["plan", "--hardware", "h100", "--gpus", "8", "--global-batch", "16", "--seq", "512", "--json"]
+    assert main([*argv, "--model", "acme/tiny-llama"]) == 0
+    assert json.loads(capsys.readouterr().out)["best"]["step_time"] > 0
+    assert main([*argv, "--model", "acme/other"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "hf download acme/other config.json" in err, err
