@@ -133,12 +133,14 @@ def tp_overlap(run: dict) -> bool:
 
 def fp8_cast(run: dict) -> str:
     """How the FP8 rows cast: MLPerf's NeMo runs Transformer Engine's delayed scaling under Megatron (FP8 weights
-    made once a step, FP8 activations reused: ``cached``), and Megatron-Bridge's current scaling under the same
-    Megatron (the weights' FP8 copies made on a step's first micro-batch); torchtitan's Float8 is torchao's
-    per-tensor dynamic scaling (``dynamic``); DeepSeek-V3 quantizes each 1 x 128 activation tile as it casts it,
-    but when its weights are quantized is not published: ``dynamic``, every input cast for every GEMM, the most
-    cast traffic either could be. The BF16 rows cast nothing (the default, ``cached``, prices no cast)."""
-    return "dynamic" if run["dtype"] == "fp8" and not run["id"].startswith(("mlperf", "mbridge")) else "cached"
+    made once a step, FP8 activations reused, the amax in the cast kernel: ``cached``), Megatron-Bridge its current
+    scaling (FP8-CS: the same casts, each after an amax pass over its input: ``current``); torchtitan's Float8 is
+    torchao's per-tensor dynamic scaling (``dynamic``); DeepSeek-V3 quantizes each 1 x 128 activation tile as it
+    casts it, but when its weights are quantized is not published: ``dynamic``, every input cast for every GEMM,
+    the most cast traffic either could be. The BF16 rows cast nothing (the default, ``cached``, prices no cast)."""
+    if run["dtype"] != "fp8" or run["id"].startswith("mlperf"):
+        return "cached"
+    return "current" if run["id"].startswith("mbridge") else "dynamic"
 
 
 def moe_overlap(run: dict) -> bool:

@@ -74,11 +74,13 @@ def _add_framework_options(group) -> None:
                        help="tensor-parallel all-gathers and reduce-scatters run beside the GEMMs next to them "
                             "(Transformer Engine's userbuffers: Megatron-Core / NeMo tp_comm_overlap; PyTorch's "
                             "async TP); default: between them, exposed")
-    group.add_argument("--fp8-cast", choices=("cached", "dynamic"), default="cached",
+    group.add_argument("--fp8-cast", choices=("cached", "dynamic", "current"), default="cached",
                        help="with --dtype fp8, how the GEMMs' inputs are cast: cached (Transformer Engine's "
                             "delayed scaling, Megatron-Core's default: the amax in the cast kernel, FP8 weights "
-                            "and activations reused; default) or dynamic (torchao's per-tensor dynamic scaling, "
-                            "torchtitan's Float8: both inputs of every GEMM, an amax pass first)")
+                            "and activations reused; default), dynamic (torchao's per-tensor dynamic scaling, "
+                            "torchtitan's Float8: both inputs of every GEMM, an amax pass first) or current "
+                            "(Transformer Engine's current scaling, Megatron-Bridge's FP8-CS: as cached, with an "
+                            "amax pass first)")
     group.add_argument("--grad-reduce", choices=("bf16", "fp32"), default="bf16",
                        help="the data type of the gradient reduce-scatter: bf16 (default) or fp32 (torchtitan's "
                             "default mixed_precision_reduce, Llama 3's)")

@@ -89,7 +89,8 @@ def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: st
     ``sequence_parallel`` False: tp ranks run the norms and residual adds on every token and all-reduce (Megatron-LM
     before 2022); ``tp_overlap``: tensor-parallel exchanges run beside the GEMMs (Transformer Engine's userbuffers,
     PyTorch's async TP); ``fp8_cast``: how FP8 GEMMs cast their inputs, ``cached`` (Transformer Engine's delayed
-    scaling, FP8 copies reused) or ``dynamic`` (torchao's per-tensor dynamic scaling); ``stage_cut``: ``balanced``
+    scaling, FP8 copies reused), ``dynamic`` (torchao's per-tensor dynamic scaling) or ``current`` (Transformer
+    Engine's current scaling: as ``cached``, an amax pass first); ``stage_cut``: ``balanced``
     (layers moved off the busiest pipeline rank) or ``even`` (the frameworks that cut as many layers per stage as
     divide); ``moe_overlap``: each backward runs with its rank's next forward, of another micro-batch, hiding each
     other's expert all-to-all (Megatron-Core's ``overlap_moe_expert_parallel_comm``: pp 1 or interleaved 1F1B).

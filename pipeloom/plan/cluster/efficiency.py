@@ -18,7 +18,8 @@ of a grouped kernel share the waves; below one wave split-K fills the GPU). **FP
 beside the GEMM (one kernel overhead for the casts), memory-bound: ``cast`` gives the bytes moved per element of
 each input, 5 for per-tensor dynamic scaling (:data:`DYNAMIC_CAST_BYTES`: read for the absolute maximum, then
 read again and write the FP8 copy, 2 + 2 + 1), 4 where the amax is taken in the cast kernel, which writes the
-copy and its transpose (:data:`FUSED_CAST_BYTES`: Transformer Engine's delayed scaling), 0 for an input whose FP8
+copy and its transpose (:data:`FUSED_CAST_BYTES`: Transformer Engine's delayed scaling), 6 where an amax pass
+comes first (:data:`CURRENT_CAST_BYTES`: Transformer Engine's current scaling), 0 for an input whose FP8
 copy is reused.
 Not modelled: layouts, and clock
 throttling under a power cap.
@@ -82,9 +83,9 @@ from pipeloom.plan.errors import HardwareError
 from pipeloom.plan.tp.all_to_all import all_to_all_seconds
 from pipeloom.plan.tp.collectives import CollectiveFit
 
-__all__ = ["COLLECTIVE_KINDS", "DYNAMIC_CAST_BYTES", "FUSED_CAST_BYTES", "attention_flops", "attention_seconds",
-           "collective_seconds", "domain_ranks", "dtype_bytes", "gemm_efficiency", "gemm_seconds", "hidden_cost",
-           "memory_seconds", "overlapped_seconds", "p2p_seconds", "wave_efficiency"]
+__all__ = ["COLLECTIVE_KINDS", "CURRENT_CAST_BYTES", "DYNAMIC_CAST_BYTES", "FUSED_CAST_BYTES", "attention_flops",
+           "attention_seconds", "collective_seconds", "domain_ranks", "dtype_bytes", "gemm_efficiency", "gemm_seconds",
+           "hidden_cost", "memory_seconds", "overlapped_seconds", "p2p_seconds", "wave_efficiency"]
 
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 """Collective kinds :func:`collective_seconds` prices."""
@@ -124,6 +125,10 @@ FUSED_CAST_BYTES = 4
 scaling, whose scale comes from earlier steps' amax history): read (2) and write the FP8 copy and its transpose
 (1 + 1: Hopper's FP8 GEMMs take only the "TN" layout, both operands K-major (cuBLASLt's FP8 matmul), so the
 weight gradient's GEMM needs the transposed copies: Transformer Engine's fused cast-transpose)."""
+CURRENT_CAST_BYTES = 6
+"""Bytes per input element of Transformer Engine's current-scaling cast (``Float8CurrentScaling``, Megatron-Bridge's
+FP8-CS): an amax pass over the input first (2: ``Float8CurrentScalingQuantizer::quantize_impl`` runs
+``nvte_compute_amax`` before the quantize kernel), then the fused cast-transpose of :data:`FUSED_CAST_BYTES` (4)."""
 
 
 def wave_efficiency(hw: Hardware, m: float, n: float, count: int = 1) -> float:

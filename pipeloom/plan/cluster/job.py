@@ -15,7 +15,7 @@ from pipeloom.plan.errors import LayoutError
 
 __all__ = ["Job", "SELECTIVE", "CP_ROTATE", "MOE_COMM", "GRAD_REDUCE", "STAGE_CUTS", "FP8_CASTS"]
 
-FP8_CASTS = ("cached", "dynamic")
+FP8_CASTS = ("cached", "dynamic", "current")
 """How FP8 GEMMs cast their inputs (:attr:`Job.fp8_cast`)."""
 CP_ROTATE = ("ring", "allgather")
 """How context parallelism exchanges K/V (:attr:`Job.cp_rotate`)."""
@@ -122,8 +122,9 @@ class Job:
                    ("grad_reduce", tuple(GRAD_REDUCE), "'bf16' or 'fp32' (gradients reduce-scattered in float32, "
                                                        "torchtitan's default)"),
                    ("fp8_cast", FP8_CASTS, "'cached' (Transformer Engine's delayed scaling: FP8 weights and "
-                                           "activations reused) or 'dynamic' (torchao's per-tensor dynamic "
-                                           "scaling: both inputs cast for every GEMM)"),
+                                           "activations reused), 'dynamic' (torchao's per-tensor dynamic "
+                                           "scaling: both inputs cast for every GEMM) or 'current' (Transformer "
+                                           "Engine's current scaling: as cached, an amax pass first)"),
                    ("stage_cut", STAGE_CUTS, "'balanced' (layers moved off the busiest pipeline rank) or 'even' "
                                              "(as many layers per stage as divide)"))
         for name, allowed, what in choices:

@@ -24,6 +24,7 @@ from pipeloom.plan.cluster.counts import (
     op_activations,
 )
 from pipeloom.plan.cluster.efficiency import (
+    CURRENT_CAST_BYTES,
     DYNAMIC_CAST_BYTES,
     FUSED_CAST_BYTES,
     attention_seconds,
@@ -99,10 +100,12 @@ def fp8_casts(job: Job) -> tuple[tuple[float, float], ...]:
     """Bytes per element an FP8 GEMM moves to cast its two inputs, in F (activation, weight), I (output
     gradient, weight) and W (output gradient, activation), under ``job.fp8_cast``: ``dynamic`` casts every input
     with an amax pass first; ``cached`` casts only F's activation and I's output gradient, the amax in the cast
-    kernel (the weights' FP8 copies are made once a step, and W reuses the FP8 copies F and I made)."""
+    kernel (the weights' FP8 copies are made once a step, and W reuses the FP8 copies F and I made); ``current``
+    casts the same two with an amax pass first (Transformer Engine's current scaling)."""
     if job.fp8_cast == "dynamic":
         return ((DYNAMIC_CAST_BYTES, DYNAMIC_CAST_BYTES),) * 3
-    return (FUSED_CAST_BYTES, 0.0), (FUSED_CAST_BYTES, 0.0), (0.0, 0.0)
+    made = CURRENT_CAST_BYTES if job.fp8_cast == "current" else FUSED_CAST_BYTES
+    return (made, 0.0), (made, 0.0), (0.0, 0.0)
 
 
 def add_times(*parts: PhaseTimes) -> PhaseTimes:

@@ -200,8 +200,8 @@ def test_tp_overlap_hides_the_tp_exchanges_beside_their_gemms():
 def test_fp8_casts_follow_the_framework():
     """``Job.fp8_cast``: torchao's dynamic scaling casts both inputs of F, I and W with an amax pass (5 bytes per
     element); Transformer Engine's cached casts move 4 bytes per element of F's activation and I's output gradient
-    only; a BF16 job casts nothing either way."""
-    from pipeloom.plan.cluster.efficiency import DYNAMIC_CAST_BYTES, FUSED_CAST_BYTES
+    only, its current scaling 6 (an amax pass first); a BF16 job casts nothing either way."""
+    from pipeloom.plan.cluster.efficiency import CURRENT_CAST_BYTES, DYNAMIC_CAST_BYTES, FUSED_CAST_BYTES
     from pipeloom.plan.cluster.layer_time import fp8_casts
 
     dense = {**MOE, "model_type": "llama", "intermediate_size": 4096}
@@ -209,9 +209,14 @@ def test_fp8_casts_follow_the_framework():
     dynamic = dataclasses.replace(job, fp8_cast="dynamic")
     assert fp8_casts(dynamic) == ((DYNAMIC_CAST_BYTES, DYNAMIC_CAST_BYTES),) * 3 == ((5, 5),) * 3
     assert fp8_casts(job) == ((FUSED_CAST_BYTES, 0.0), (FUSED_CAST_BYTES, 0.0), (0.0, 0.0)) == ((4, 0), (4, 0), (0, 0))
+    current = dataclasses.replace(job, fp8_cast="current")
+    assert fp8_casts(current) == ((CURRENT_CAST_BYTES, 0.0), (CURRENT_CAST_BYTES, 0.0), (0.0, 0.0)) == ((6, 0), (6, 0),
+                                                                                                      (0, 0))
     layout = Layout(dp=8, tp=8, mbs=1, schedule="1f1b")
     cached, every = layer_times(job, layout, "dense"), layer_times(dynamic, layout, "dense")
     assert cached.f < every.f and cached.i < every.i and cached.w < every.w
+    amax = layer_times(current, layout, "dense")  # the amax pass adds to F and I; W reuses F's and I's copies
+    assert cached.f < amax.f and cached.i < amax.i and cached.w == amax.w
     with pytest.raises(LayoutError, match="with dtype 'bf16' there are none: add --dtype fp8"):
         dataclasses.replace(dynamic, dtype="bf16")  # BF16 GEMMs cast nothing: the choice would change nothing
     with pytest.raises(LayoutError, match="fp8_cast='delayed'"):
