@@ -57,7 +57,7 @@ def read_config(config: object) -> dict[str, Any]:
 
 def _config_path(name: str) -> Path:
     """The config.json ``name`` stands for: the file itself, a folder's config.json, or a model id's cached one."""
-    path = Path(name)
+    path = Path(name).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelConfigError(f"model folder {name!r} has no config.json; pass the path of a transformers "

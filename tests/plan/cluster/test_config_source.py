@@ -28,10 +28,12 @@ def _cache_model(cache, model_id: str, revisions: dict[str, dict], main_ref: str
         (repo / "refs" / "main").write_text(main_ref + "\n")
 
 
-def test_a_model_folder_is_read_through_its_config_json(tmp_path):
+def test_a_model_folder_is_read_through_its_config_json(tmp_path, monkeypatch):
     (tmp_path / "config.json").write_text(json.dumps(LLAMA))
     assert read_config(tmp_path) == LLAMA
     assert model_spec(str(tmp_path)).hidden == LLAMA["hidden_size"]
+    monkeypatch.setenv("HOME", str(tmp_path))  # a path from the home folder, as the Python API is given one
+    assert read_config("~") == read_config("~/config.json") == LLAMA
     with pytest.raises(ModelConfigError, match=r"model folder .* has no config.json; pass the path"):
         read_config(tmp_path / "..")
 
