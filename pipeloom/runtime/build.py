@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import nn
 
+from pipeloom.ir import Schedule
 from pipeloom.plan.plan import load_plan
 from pipeloom.runtime.engine import PipelineEngine
 from pipeloom.runtime.errors import NeedsExampleError, PipelineError
@@ -41,7 +42,7 @@ from pipeloom.runtime.parallel.tp import (
     set_group_timeout,
 )
 from pipeloom.runtime.parallel.tp_auto import AutoPlan, AutoSharding, auto_tp_plan, is_auto
-from pipeloom.runtime.program import Lowering
+from pipeloom.runtime.program import Lowering, check_pieces
 from pipeloom.runtime.setup import device_for, lower_for, resolve_schedule, shared_seed, staged_model
 from pipeloom.runtime.state.state_dict import model_names
 from pipeloom.runtime.step.pieces import RankPieces
@@ -107,6 +108,8 @@ def pipeline(
     _check_arguments(schedule, loss_fn, microbatches)
     assert loss_fn is not None  # _check_arguments refused None
     layout = layout_of(parallel.process_group, parallel.mesh)
+    if model is not None and stages is None and split_points is not None:  # refused before any tracing
+        schedule = _for_pieces(schedule, layout, len(split_points) + 1, microbatches, schedule_options or {})
     sharding, tp_plan = _tensor_parallel(model, parallel, layout, microbatches, tracing)
     if layout.tp.group is not None:  # a TP all-reduce inside a forward ends within the engine's timeout
         set_group_timeout([layout.group, layout.dp.group, layout.tp.group], failures.timeout)
@@ -135,6 +138,16 @@ def pipeline(
         return FirstStepEngine(model=model, sharding=sharding, build=lambda batch: settle(
             cut(batch), schedule=schedule))
     return PipelineEngine(**settle(staged))
+
+
+def _for_pieces(schedule: object, layout: Layout, pieces: int, microbatches: int | None,
+                options: dict) -> Schedule:
+    """The schedule for a model cut into ``pieces``, checked to run that many before the model is traced (a
+    large model's trace takes long; the pieces are known from its split points)."""
+    resolved = resolve_schedule(schedule, num_ranks=layout.world, num_pieces=pieces, microbatches=microbatches,
+                                options=options)
+    check_pieces(resolved, pieces)
+    return resolved
 
 
 def _engine_parts(staged: StagedModel, *, model: nn.Module | None, layout: Layout, schedule: object,

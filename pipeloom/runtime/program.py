@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from pipeloom.ir import Action, Comm, Overlap, Schedule, compute_parts
 from pipeloom.runtime.errors import PipelineError
 
-__all__ = ["MODEL_INPUT", "Lowering", "Source", "Step", "Unit", "build_programs", "forward_unit", "model_pieces"]
+__all__ = ["MODEL_INPUT", "Lowering", "Source", "Step", "Unit", "build_programs", "check_pieces", "forward_unit",
+           "model_pieces"]
 
 class Source(enum.Enum):
     """Where a value comes from when it is not a piece's output."""
@@ -148,6 +149,23 @@ def _forward_edges(schedule: Schedule) -> set[tuple[int, int]]:
             for dep in task.deps if dep[1] == "F"}
 
 
+def check_pieces(schedule: Schedule, num_pieces: int, components: list[list[int]] | None = None) -> None:
+    """PipelineError unless every replica of ``schedule`` (a connected component of its forward stages;
+    ``components`` when already found) has ``num_pieces`` stages: the model's pieces, one per stage."""
+    num_stages = schedule.problem.num_stages
+    components = _components(num_stages, _forward_edges(schedule)) if components is None else components
+    replicas = len(components)
+    if any(len(c) != num_pieces for c in components):
+        sizes = sorted({len(c) for c in components})
+        per = f"{replicas} replicas of {sizes} stages" if replicas > 1 else f"{num_stages} stages"
+        wanted = num_stages // replicas if num_stages % replicas == 0 else num_stages
+        raise PipelineError(
+            f"the schedule {schedule.name!r} has {per}, but the model is cut into {num_pieces} pieces "
+            f"({num_pieces - 1} split points); cut the model into {wanted} pieces ({wanted - 1} split points), or "
+            "choose a schedule with as many stages as pieces"
+        )
+
+
 def model_pieces(schedule: Schedule) -> int:
     """How many pieces the model must be cut into to run ``schedule``: its stages over its replicas."""
     num_stages = schedule.problem.num_stages
@@ -221,16 +239,7 @@ def _place(schedule: Schedule, piece_inputs: Sequence[Sequence[tuple[int | Sourc
         rank_of[task.stage] = task.ranks[0]
     edges = _forward_edges(schedule)
     components = _components(num_stages, edges)
-    replicas = len(components)
-    if any(len(c) != num_pieces for c in components):
-        sizes = sorted({len(c) for c in components})
-        per = f"{replicas} replicas of {sizes} stages" if replicas > 1 else f"{num_stages} stages"
-        wanted = num_stages // replicas if num_stages % replicas == 0 else num_stages
-        raise PipelineError(
-            f"the schedule {schedule.name!r} has {per}, but the model is cut into {num_pieces} pieces "
-            f"({num_pieces - 1} split points); cut the model into {wanted} pieces ({wanted - 1} split points), or "
-            "choose a schedule with as many stages as pieces"
-        )
+    check_pieces(schedule, num_pieces, components)
     piece_of, replica_of = [0] * num_stages, [0] * num_stages
     for j, comp in enumerate(components):
         for k, s in enumerate(comp):

@@ -178,6 +178,24 @@ def test_bad_options_say_what_to_do(make, words):
         make()
 
 
+@pytest.mark.parametrize(("overrides", "words"), [
+    ({"schedule": "zbv"}, "cut the model into 2 pieces"),
+    ({"schedule": "dualpipe"}, "dualpipe needs an even number of ranks"),  # one that cannot be built here
+    ({"schedule": pipeloom.build_schedule("1f1b", 1, 4), "split_points": ["layers.4"]}, "cut the model into 1 pieces"),
+])
+def test_pieces_a_schedule_cannot_run_are_refused_before_the_model_is_traced(overrides, words, monkeypatch):
+    """The pieces are known from the split points: a large model's trace is not waited for to learn the
+    schedule cannot run them (the tracer here fails the test if it is reached)."""
+    import pipeloom.runtime.build as build_module
+
+    def traced(*args, **kwargs):
+        raise AssertionError("the model was traced before the schedule was checked")
+
+    monkeypatch.setattr(build_module, "staged_model", traced)
+    with pytest.raises(pipeloom.PipeloomError, match=words):
+        _engine(**overrides)
+
+
 def test_a_schedule_for_more_ranks_names_the_launch_command():
     with pytest.raises(PipelineError, match="torchrun --nproc-per-node 2"):
         _engine(schedule=pipeloom.build_schedule("1f1b", 2, 4), split_points=["layers.4"])

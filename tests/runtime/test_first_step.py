@@ -46,9 +46,11 @@ def test_the_graphs_errors_come_at_the_first_step_and_the_others_at_pipeline():
         pipeline(model, schedule="nope", split_points=["transformer.h.2"], loss_fn=lm_loss, microbatches=4)
     with pytest.raises(PipelineError, match="say how many micro-batches"):
         pipeline(model, schedule="zbv", split_points=["transformer.h.2"], loss_fn=lm_loss)
+    with pytest.raises(PipelineError, match="cut the model into 1 pieces"):  # the pieces are the split points'
+        pipeline(model, schedule="1f1b", split_points=["transformer.h.2"], loss_fn=lm_loss, microbatches=4)
     engine = pipeline(
         model,
-        schedule="1f1b",
+        schedule="zbv",  # two stages on the one rank: as many as the split point makes pieces
         split_points=["transformer.h.9"],
         loss_fn=lm_loss,
         microbatches=4,
@@ -60,7 +62,7 @@ def test_the_graphs_errors_come_at_the_first_step_and_the_others_at_pipeline():
     with pytest.raises(UnknownSplitPointError) as given:
         pipeline(
             model,
-            schedule="1f1b",
+            schedule="zbv",
             split_points=["transformer.h.9"],
             loss_fn=lm_loss,
             microbatches=4,
