@@ -80,7 +80,9 @@ class Job:
     forward's FP8 input and the input gradient's FP8 output gradient reused by the weight gradient, so a
     micro-batch casts only the forward's and the input gradient's activation operand; ``dynamic``, per-tensor
     dynamic scaling (torchao's tensor-wise Float8, torchtitan's): both inputs of every FP8 GEMM, an amax pass
-    first (:data:`~pipeloom.plan.cluster.efficiency.DYNAMIC_CAST_BYTES`)."""
+    first (:data:`~pipeloom.plan.cluster.efficiency.DYNAMIC_CAST_BYTES`); ``current``, Transformer Engine's current
+    scaling (``Float8CurrentScaling``, Megatron-Bridge's FP8-CS): the casts of ``cached``, each after an amax
+    pass of its own (:data:`~pipeloom.plan.cluster.efficiency.CURRENT_CAST_BYTES`)."""
     tp_overlap: bool = False
     """Each tensor-parallel all-gather and reduce-scatter runs beside the GEMM next to it (under sequence
     parallelism): Transformer Engine's userbuffers (Megatron-Core / NeMo ``tp_comm_overlap``), PyTorch's async
