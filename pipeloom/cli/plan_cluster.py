@@ -293,9 +293,11 @@ def report(result) -> str:
     best, job = result.best, result.job
     mem = best.memory
     fits = "fits" if mem.total <= result.memory_limit else "DOES NOT FIT"
+    text_of = (f" (the language model of a {job.spec.text_of} config: its vision tower and image tokens are not "
+               "planned)") if job.spec.text_of else ""
     lines = [
-        f"{job.spec.family} on {job.gpus} x {job.hw.name}, global batch {job.global_batch} x {job.seq} tokens, "
-        f"{job.dtype}{_window(job.spec)}",
+        f"{job.spec.family}{text_of} on {job.gpus} x {job.hw.name}, global batch {job.global_batch} x {job.seq} "
+        f"tokens, {job.dtype}{_window(job.spec)}",
         f"layout: {best.layout}",
         *([f"layers per stage: {_runs(best.stage_layers)}{_copies(best.layout)}"] if len(best.stage_layers) > 1
           else []),

@@ -54,7 +54,7 @@ class ClusterPlan:
             "hardware": {"name": hw.name, "memory_bytes": hw.memory_bytes, "peak_flops": dict(hw.peak_flops),
                          "memory_bandwidth": hw.memory_bandwidth, "scale_up_size": hw.scale_up_size,
                          "scale_up_bandwidth": hw.scale_up_bandwidth, "scale_out_bandwidth": hw.scale_out_bandwidth},
-            "model": {"family": self.job.spec.family, "layers": self.job.spec.layers,
+            "model": {"family": self.job.spec.family, "text_of": self.job.spec.text_of, "layers": self.job.spec.layers,
                       "hidden": self.job.spec.hidden, "params": model_params(self.job.spec),
                       "experts": self.job.spec.experts.count if self.job.spec.experts else 0,
                       "sliding_window": self.job.spec.window,

@@ -131,6 +131,9 @@ class ModelSpec:
     before it, as transformers' sliding-window mask), 0: none."""
     window_layers: tuple[int, ...] = ()
     """Indices of the layers whose attention is windowed (the others attend to the whole causal prefix)."""
+    text_of: str = ""
+    """The ``model_type`` of the multimodal config whose ``text_config`` this is ('' for a language model's own
+    config): the planner plans its language model; the vision tower and the image tokens are not counted."""
     mtp: int = 0
     """Multi-token-prediction modules after the last layer (DeepSeek-V3's ``num_nextn_predict_layers``; report
     arXiv:2412.19437 sec. 2.2): each normalises the last hidden state and the next token's embedding,
@@ -187,9 +190,8 @@ def model_spec(config: object) -> ModelSpec:
                                f"{', '.join(SUPPORTED_FAMILIES)}")
     if family not in SUPPORTED_FAMILIES and isinstance(text, Mapping):
         inner = text.get("model_type")
-        if inner in SUPPORTED_FAMILIES:
-            raise ModelConfigError(f"model_type {family!r} is a multimodal config; the planner plans its language "
-                                   f"model: pass its text_config (model_type {inner}) as the config")
+        if inner in SUPPORTED_FAMILIES:  # a multimodal model: its language model is what is planned
+            return dataclasses.replace(model_spec(dict(text)), text_of=family)
         raise ModelConfigError(f"model_type {family!r} is a multimodal config whose language model ({inner}) is not "
                                f"modelled; supported: {', '.join(SUPPORTED_FAMILIES)}")
     if family not in SUPPORTED_FAMILIES:

@@ -191,6 +191,11 @@ def runtime_notes(result: ClusterPlan, *, kept: float | None = None) -> list[str
     if result.job.overlap_pairs(layout):
         notes.append("the plan assumes each forward beside another micro-batch's backward, hiding the expert "
                      "all-to-all (--moe-overlap); the runtime runs them one after the other, the all-to-all exposed")
+    spec = result.job.spec
+    if spec.text_of:
+        notes.append(f"the plan cuts the language model of the {spec.text_of} config at its decoder layers: run it on "
+                     f"that language model alone (the {spec.family} model of its text_config); the {spec.text_of} "
+                     "model names its layers otherwise, and its vision tower is not planned")
     return notes
 
 

@@ -91,3 +91,20 @@ def test_the_command_plans_a_cached_hub_id_and_refuses_a_missing_one_in_one_line
     assert main([*argv, "--model", "acme/other"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "hf download acme/other config.json" in err, err
+
+
+def test_a_multimodal_model_is_planned_as_its_language_model_and_says_so(tmp_path, capsys):
+    """A downloaded Gemma 3 folder (model_type gemma3, its language model in text_config): the report names the
+    language model and what is not planned; --json gives the wrapper's model_type."""
+    text = dict(TINY["gemma3_text"], model_type="gemma3_text")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma3", "text_config": text,
+                                                      "vision_config": {"model_type": "siglip_vision_model"}}))
+    argv = ["plan", "--model", str(tmp_path), "--hardware", "h100", "--gpus", "8", "--global-batch", "16", "--seq",
+            "512"]
+    assert main(argv) == 0
+    head = capsys.readouterr().out.splitlines()[0]
+    assert head.startswith("gemma3_text (the language model of a gemma3 config: its vision tower and image tokens "
+                           "are not planned) on 8 x h100"), head
+    assert main([*argv, "--json"]) == 0
+    model = json.loads(capsys.readouterr().out)["model"]
+    assert model["family"] == "gemma3_text" and model["text_of"] == "gemma3"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -35,9 +36,6 @@ def test_reads_config_json(tmp_path):
 @pytest.mark.parametrize("bad, match", [
     ({"model_type": "t5"}, "not modelled"),
     (42, "config.json path"),
-    ({"model_type": "gemma3", "text_config": dict(TINY["gemma3_text"], model_type="gemma3_text")},
-     "multimodal config; the planner plans its language model: pass its text_config \\(model_type gemma3_text"),
-    ({"model_type": "qwen2_5_vl", "text_config": {"model_type": "qwen2"}}, r"text_config \(model_type qwen2\)"),
     (dict(TINY["gemma3_text"], model_type="gemma3_text", use_bidirectional_attention=True), "causal decoders"),
     ({"model_type": "qwen2_5_vl", "text_config": {"model_type": "qwen2_5_vl_text"}},
      r"multimodal config whose language model \(qwen2_5_vl_text\) is not modelled"),
@@ -84,6 +82,19 @@ def test_a_bare_config_reads_as_its_config_object(family):
     field they leave out (GLM-4.5's and DeepSeek-V3's multi-token prediction, Mistral's window) takes
     transformers' default."""
     assert model_spec(dict(TINY[family], model_type=family)) == model_spec(tiny_config(family))
+
+
+def test_a_multimodal_config_is_planned_as_its_language_model():
+    """google/gemma-3-4b-it's config.json (model_type gemma3, the language model's six fields in text_config): read
+    as its text_config, marked as the language model of a gemma3 config (the command's report:
+    tests/plan/cluster/test_config_source.py)."""
+    text = {"model_type": "gemma3_text", "hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 34,
+            "sliding_window": 1024, "rope_scaling": {"factor": 8.0, "rope_type": "linear"}}
+    whole = {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"], "text_config": text,
+             "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 1152}}
+    spec = model_spec(whole)
+    assert spec == dataclasses.replace(model_spec(text), text_of="gemma3") and model_spec(text).text_of == ""
+    assert model_params(spec) == model_params(model_spec(text))
 
 
 def test_a_text_config_takes_transformers_defaults_for_what_it_leaves_out():

@@ -117,6 +117,17 @@ def test_a_plan_priced_with_megatrons_overlapped_all_to_all_says_the_runtime_run
         assert any(note in line for line in runtime_notes(result)) == said, schedule
 
 
+def test_a_multimodal_models_plan_says_it_cuts_the_language_model_alone():
+    text = {"model_type": "gemma3_text", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 8,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1000}
+    layout = "dp=4,tp=1,pp=2,vp=1,cp=1,ep=1,mbs=1,fsdp=0,recompute=none,schedule=1f1b"
+    note = "the plan cuts the language model of the gemma3 config at its decoder layers: run it on that language model"
+    for config, said in (({"model_type": "gemma3", "text_config": text}, True), (text, False)):
+        result = plan_cluster(config, "h100", gpus=8, global_batch=16, seq=512, layout=layout)
+        assert runtime_plan(result).split_points == ("model.layers.4",)
+        assert any(note in line for line in runtime_notes(result)) == said
+
+
 def test_every_reason_a_layout_cannot_be_saved_is_named_at_once():
     """cp, ep with fsdp and the export's own limits come in one message with one --layout fix; a layout over the
     memory limit is refused before anything else: a saved plan would not run."""
