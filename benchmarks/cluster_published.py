@@ -206,6 +206,48 @@ def _line(row: dict, markdown: bool) -> str:
     return "| " + " | ".join(cells) + " |" if markdown else "  ".join(cells)
 
 
+_TIE = 0.02
+"""Measured rates of two runs within this fraction of each other are a tie (run-to-run noise, rounding)."""
+
+
+def _rate(row: dict) -> tuple[float, float] | None:
+    """(measured, predicted) of a row in one unit: tokens/s per GPU, else MFU; None without a measurement."""
+    if "measured" in row:
+        return row["measured"], row["predicted"]
+    return (row["measured_mfu"], row["mfu"]) if "measured_mfu" in row else None
+
+
+def ordering(runs: list[dict], rows: list[dict]) -> list[str]:
+    """Pairs of published runs of one job (model, GPU, GPU count, batch, sequence and dtype the same; the layout,
+    framework or software release not): does the model order them as measured? A planner is used to rank
+    layouts, so this is the check of what it is for; pairs the model prices alike (within 1 %: the same layout
+    and settings, as two MLPerf rounds) and measured ties are listed apart."""
+    groups: dict[tuple, list[tuple[dict, dict]]] = {}
+    for run, row in zip(runs, rows):
+        if _rate(row) is not None:
+            key = (run["model"], run["hardware"], run["gpus"], run["global_batch"], run["seq"], run["dtype"])
+            groups.setdefault(key, []).append((run, row))
+    lines, right, ranked = [], 0, 0
+    for members in groups.values():
+        for k, (_, a) in enumerate(members):
+            for _, b in members[k + 1:]:
+                (ma, pa), (mb, pb) = _rate(a), _rate(b)  # type: ignore[misc]
+                measured, predicted = ma / mb, pa / pb
+                if abs(predicted - 1) <= 0.01:
+                    verdict = "priced alike (the model does not tell them apart)"
+                elif abs(measured - 1) <= _TIE:
+                    verdict = "a measured tie"
+                else:
+                    ranked += 1
+                    same = (measured > 1) == (predicted > 1)
+                    right += same
+                    verdict = "ordered as measured" if same else "ORDERED WRONG"
+                lines.append(f"{a['id']} / {b['id']}: measured x{measured:.2f}, predicted x{predicted:.2f}: {verdict}")
+    lines.append(f"{right} of {ranked} pairs of runs of one job ordered as measured ({len(lines)} pairs; ties and "
+                 "pairs priced alike not counted)")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-search", action="store_true", help="only predict the published layouts")
@@ -231,6 +273,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\n{inside} of {len(errors)} rows within target (15 % dense, 20 % MoE); median |error| "
           f"{sorted(errors)[len(errors) // 2] * 100:.1f} %; planner's choice predicted slower than the published "
           f"layout in {len(slower)} rows {slower}")
+    print("\n" + "\n".join(ordering(runs, rows)))
 
 
 if __name__ == "__main__":
