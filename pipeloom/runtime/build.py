@@ -108,14 +108,14 @@ def pipeline(
     _check_arguments(schedule, loss_fn, microbatches)
     assert loss_fn is not None  # _check_arguments refused None
     layout = layout_of(parallel.process_group, parallel.mesh)
-    if model is not None and stages is None and split_points is not None:  # refused before any tracing
-        schedule = _for_pieces(schedule, layout, len(split_points) + 1, microbatches, schedule_options or {})
     sharding, tp_plan = _tensor_parallel(model, parallel, layout, microbatches, tracing)
     if layout.tp.group is not None:  # a TP all-reduce inside a forward ends within the engine's timeout
         set_group_timeout([layout.group, layout.dp.group, layout.tp.group], failures.timeout)
     expert_names = experts_for(model, stages, layout.ep, parallel)
     if layout.ep.size > 1:  # an all-to-all inside a forward ends within the engine's timeout
         set_group_timeout([layout.group, layout.dp.group, layout.ep.group, layout.ep.dp_group], failures.timeout)
+    if model is not None and stages is None and split_points is not None:  # refused before any tracing
+        schedule = _for_pieces(schedule, layout, len(split_points) + 1, microbatches, schedule_options or {})
     seed = shared_seed(layout.everyone, layout.everyone_size, seed)  # here, whenever the model is split
     settle = functools.partial(
         _engine_parts, model=model, layout=layout, schedule=schedule, microbatches=microbatches,
