@@ -13,7 +13,7 @@ from pathlib import Path
 from pipeloom.cli.errors import UsageError
 from pipeloom.errors import PipeloomError
 
-__all__ = ["add_cluster_arguments", "check_plan_mode", "cmd_plan_cluster", "export_torchtitan"]
+__all__ = ["add_cluster_arguments", "check_plan_mode", "cmd_plan_cluster", "export_torchtitan", "token_count"]
 
 
 def add_cluster_arguments(plan: argparse.ArgumentParser) -> None:
@@ -30,6 +30,9 @@ def add_cluster_arguments(plan: argparse.ArgumentParser) -> None:
     group.add_argument("--gpus", type=int, metavar="N", help="GPUs of the job")
     group.add_argument("--seq", type=int, metavar="S", help="tokens per sequence")
     group.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16", help="GEMM precision (default bf16)")
+    group.add_argument("--tokens", type=token_count, metavar="N",
+                       help="also say how long training N tokens takes with the chosen layout (steps, days, "
+                            "GPU-hours); a count or with a K/M/B/T suffix, e.g. 15T")
     _add_framework_options(group)
     group.add_argument("--layout", metavar="KEY=VALUE,...",
                        help="layout keys to hold fixed, e.g. tp=4,pp=8,vp=5,cp=1,ep=1,dp=2,mbs=1,fsdp=0,"
@@ -88,6 +91,21 @@ def _add_framework_options(group) -> None:
                        help="how the decoder layers are cut into pipeline stages: balanced (layers moved off the "
                             "busiest pipeline rank, the embedding and the head counted; default) or even (as many "
                             "layers per stage as divide, the remainder to the middle stages)")
+
+
+_SUFFIXES = {"K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}
+
+
+def token_count(text: str) -> float:
+    """``--tokens``: a positive count, with an optional K/M/B/T suffix (``15T`` = 15e12)."""
+    number, scale = (text[:-1], _SUFFIXES[text[-1].upper()]) if text[-1:].upper() in _SUFFIXES else (text, 1.0)
+    try:
+        value = float(number) * scale
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive token count; give e.g. 2000000, 2M or 15T")
+    return value
 
 
 def check_plan_mode(args: argparse.Namespace) -> bool:
@@ -177,10 +195,11 @@ def cmd_plan_cluster(args: argparse.Namespace) -> int:
         if progress is not None:
             print("\r\033[K", end="", file=sys.stderr, flush=True)
     written = [*_unused(args, result.job, result.best.layout), *(_save(args, result) if args.save else [])]
+    training = result.training(args.tokens) if args.tokens else None
     if args.json:
-        print(json.dumps(result.as_dict(), indent=2))
+        print(json.dumps({**result.as_dict(), **({"training": training} if training else {})}, indent=2))
     else:
-        print(report(result))
+        print(report(result) + (f"\n{_training(training, result.job.gpus)}" if training else ""))
     for line in written:
         print(line, file=sys.stderr if args.json else sys.stdout)
     return 0
@@ -286,6 +305,16 @@ def _above(result) -> str:
     """The note of a memory limit above the GPU's memory ('' otherwise)."""
     have = result.job.hw.memory_bytes
     return f"; the limit is above the {result.job.hw.name}'s {_gib(have)}" if result.memory_limit > have else ""
+
+
+def _training(training: dict, gpus: int) -> str:
+    """The ``--tokens`` line: steps, days and GPU-hours."""
+    tokens = training["tokens"]
+    suffix = next(((k, v) for k, v in reversed(_SUFFIXES.items()) if tokens >= v), ("", 1.0))
+    seconds, steps = training["seconds"], training["steps"]
+    took = f"{seconds / 86400:,.1f} days" if seconds >= 86400 else f"{seconds / 3600:.2f} hours"
+    return (f"training {tokens / suffix[1]:.4g}{suffix[0]} tokens: {steps:,} step{'s' if steps != 1 else ''}, "
+            f"{took}, {training['gpu_hours']:,.0f} GPU-hours on {gpus:,} GPUs (at the predicted step time)")
 
 
 def report(result) -> str:

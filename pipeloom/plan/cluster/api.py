@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeloom.errors import ArgumentError
 from pipeloom.plan.cluster.config import ModelSpec, model_spec
 from pipeloom.plan.cluster.counts import model_params
 from pipeloom.plan.cluster.efficiency import dtype_bytes
@@ -44,6 +46,17 @@ class ClusterPlan:
     """Layouts whose step-time bound and memory were computed."""
     simulated: int
     """Layouts priced by replaying their schedule."""
+
+    def training(self, tokens: float) -> dict[str, float]:
+        """Training ``tokens`` tokens with the chosen layout: ``steps`` (whole steps of the global batch),
+        ``seconds`` and ``gpu_hours`` (every GPU of the job for that time), as NeMo's performance tables give
+        time to train; the step's predicted time throughout (no warm-up, checkpoints or failures)."""
+        if isinstance(tokens, bool) or not isinstance(tokens, (int, float)) or not 0 < tokens < float("inf"):
+            raise ArgumentError(f"tokens to train must be a positive number, got {tokens!r}")
+        steps = math.ceil(tokens / (self.job.global_batch * self.job.seq))
+        seconds = steps * self.best.step_time
+        return {"tokens": float(tokens), "steps": steps, "seconds": seconds,
+                "gpu_hours": seconds * self.job.gpus / 3600}
 
     def as_dict(self) -> dict[str, Any]:
         """The ``--json`` object (seconds and bytes)."""

@@ -369,6 +369,7 @@ def test_moe_overlap_on_a_layout_it_does_not_apply_to_is_noted(tmp_path, capsys)
 @pytest.mark.parametrize(("extra", "message"), [
     (["--tp-overlap"], "--tp-overlap belongs to planning for a cluster"),
     (["--moe-overlap"], "--moe-overlap belongs to planning for a cluster"),
+    (["--tokens", "15T"], "--tokens belongs to planning for a cluster"),
     (["--hardware", "h100"], "--hardware belongs to planning for a cluster"),
     (["--dtype", "fp8"], "--dtype belongs to planning for a cluster"),
     (["--gpus", "8"], "give the cost table's ranks with --ranks P"),
@@ -387,3 +388,30 @@ def test_the_cost_table_mode_refuses_the_cluster_flags_by_name(tmp_path, capsys,
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err
     assert main(argv) == 0 and main([*argv, "--seq", "256"]) == 0  # --seq is shared (--try builds with it)
+
+
+def test_time_to_train_a_token_count(config, capsys):
+    """ClusterPlan.training: whole steps of the global batch at the predicted step time, every GPU for that long;
+    --tokens with a K/M/B/T suffix prints it as a line and adds it to --json; a bad count is one line, exit 2."""
+    from pipeloom.errors import ArgumentError
+
+    result = _plan()
+    tokens_per_step = 32 * 4096
+    training = result.training(10 * tokens_per_step + 1)  # one token more than ten steps: eleven steps
+    assert training["steps"] == 11 and training["seconds"] == pytest.approx(11 * result.best.step_time)
+    assert training["gpu_hours"] == pytest.approx(training["seconds"] * 8 / 3600)
+    for bad in (0, -1.0, float("inf"), float("nan"), True, "1T"):
+        with pytest.raises(ArgumentError, match="tokens to train must be a positive number"):
+            result.training(bad)
+    argv = ["plan", "--model", str(config), "--hardware", "h100", "--gpus", "8", "--global-batch", "32", "--seq",
+            "4096"]
+    assert main([*argv, "--tokens", "1.5T"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    steps = -(-int(1.5e12) // tokens_per_step)
+    assert line.startswith(f"training 1.5T tokens: {steps:,} steps, ") and "GPU-hours on 8 GPUs" in line, line
+    assert main([*argv, "--tokens", "2m", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["training"]["steps"] == -(-2_000_000 // tokens_per_step)
+    for bad in ("15X", "-3T", "T", "0"):
+        assert main([*argv, f"--tokens={bad}"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "not a positive token count" in err, err
