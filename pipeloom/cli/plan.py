@@ -42,9 +42,12 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
     """Register ``pipeloom plan``."""
 
     plan = commands.add_parser(
-        "plan", help="choose split points, schedule and micro-batches for a cost table",
-        description="Search every schedule, stages per rank and micro-batch count for the fastest plan that "
-                    "fits the memory (see docs/plan.md).")
+        "plan", help="plan a cluster from a model config (--model), or a pipeline from a cost table (--costs)",
+        description="For a cluster you may not have yet: --model CONFIG.json|DIR|ID --hardware GPU --gpus N "
+                    "--global-batch B --seq S searches dp x tp x pp x cp x ep, recomputation and the schedule for the "
+                    "fastest layout that fits (docs/cluster-plan.md). For a model profiled here: --costs FILE "
+                    "--ranks P --global-batch B searches every schedule, stages per rank and micro-batch count for "
+                    "the fastest plan that fits the memory (docs/plan.md).")
     plan.add_argument("--costs", type=Path, nargs="+", metavar="FILE",
                       help="pipeloom.costs/2 (or /1) files (pipeloom profile --save, or written by hand); several "
                            "files of one model at different micro-batch sizes are interpolated")
