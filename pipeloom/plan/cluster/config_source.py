@@ -95,8 +95,9 @@ def _cached_config(repo: Path) -> Path | None:
             return chosen
     snapshots = sorted((repo / "snapshots").glob("*/config.json")) if (repo / "snapshots").is_dir() else []
     if len(snapshots) > 1:
-        raise ModelConfigError(f"the local Hugging Face cache holds {len(snapshots)} revisions of {repo.name} and "
-                               "no refs/main; pass the path of the config.json to plan")
+        main = "whose refs/main names none of them" if ref.is_file() else "and no refs/main"
+        raise ModelConfigError(f"the local Hugging Face cache holds {len(snapshots)} revisions of {repo.name} {main}; "
+                               "pass the path of the config.json to plan")
     return snapshots[0] if snapshots else None
 
 

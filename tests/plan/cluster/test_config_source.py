@@ -79,6 +79,9 @@ def test_what_is_neither_a_file_nor_cached_is_refused_with_the_fix(tmp_path, mon
     _cache_model(tmp_path / "hub", "acme/two", {"a1": LLAMA, "b2": LLAMA})  # two revisions and no refs/main
     with pytest.raises(ModelConfigError, match="holds 2 revisions of models--acme--two and no refs/main"):
         read_config("acme/two")
+    _cache_model(tmp_path / "hub", "acme/moved", {"a1": LLAMA, "b2": LLAMA}, main_ref="c3")  # refs/main elsewhere
+    with pytest.raises(ModelConfigError, match="revisions of models--acme--moved whose refs/main names none of them"):
+        read_config("acme/moved")
 
 
 def test_the_command_plans_a_cached_hub_id_and_refuses_a_missing_one_in_one_line(tmp_path, monkeypatch, capsys):
