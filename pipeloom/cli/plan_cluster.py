@@ -317,6 +317,33 @@ def _training(training: dict, gpus: int) -> str:
             f"{took}, {training['gpu_hours']:,.0f} GPU-hours on {gpus:,} GPUs (at the predicted step time)")
 
 
+_FP8_CASTS = {"cached": "Transformer Engine's delayed scaling", "dynamic": "torchao's per-tensor dynamic scaling",
+              "current": "Transformer Engine's current scaling"}
+
+
+def _assumes(job, layout) -> str:
+    """The framework choices priced for ``layout`` (the ones that apply to it), each set by the flag named."""
+    said = [f"{job.kernels} elementwise kernels (--kernels)", f"{job.attention} attention (--attention)",
+            f"gradients reduced in {job.grad_reduce} " + ("beside the backward" if job.overlap_grad_reduce
+                                                          else "after it") + " (--grad-reduce, "
+            "--no-overlap-grad-reduce)"]
+    if layout.tp > 1:
+        said.append(("sequence parallel" if job.sequence_parallel else "no sequence parallelism") + ", tp exchanges "
+                    + ("beside the GEMMs (--tp-overlap)" if job.tp_overlap else "between the GEMMs (--tp-overlap)"))
+    if layout.cp > 1:
+        said.append(f"context parallelism by {job.cp_rotate} (--cp-rotate)")
+    if layout.ep > 1:
+        said.append(f"{job.moe_comm} expert all-to-all (--moe-comm)" + (", overlapped by pairs (--moe-overlap)"
+                                                                          if job.overlap_pairs(layout) else ""))
+    if layout.recompute == "selective":
+        said.append(f"selective recomputation: {job.selective} (--selective)")
+    if job.dtype == "fp8":
+        said.append(f"FP8 casts: {_FP8_CASTS[job.fp8_cast]} (--fp8-cast)")
+    if layout.stages > 1:
+        said.append(f"{job.stage_cut} stage cut (--stage-cut)")
+    return "assumes: " + "; ".join(said)
+
+
 def report(result) -> str:
     """The text report: the layout, its step, throughput, MFU, memory, bubble and the runners-up."""
     best, job = result.best, result.job
@@ -328,6 +355,7 @@ def report(result) -> str:
         f"{job.spec.family}{text_of} on {job.gpus} x {job.hw.name}, global batch {job.global_batch} x {job.seq} "
         f"tokens, {job.dtype}{_window(job.spec)}",
         f"layout: {best.layout}",
+        _assumes(job, best.layout),
         *([f"layers per stage: {_runs(best.stage_layers)}{_copies(best.layout)}"] if len(best.stage_layers) > 1
           else []),
         *_experts(job.spec, best.layout),

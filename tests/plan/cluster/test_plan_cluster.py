@@ -65,6 +65,19 @@ def test_text_report(config, capsys):
     for word in ("layout: dp=2,tp=2,pp=2", "layers per stage: ", "step time", "tokens/s per GPU", "MFU", "bubble",
                  "weights", "gradients", "optimizer", "activations", "buffers", "runners-up"):
         assert word in out
+    # the framework choices priced for the chosen layout, each with its flag; those that do not apply left out
+    assumes = out.splitlines()[2]
+    assert assumes == ("assumes: fused elementwise kernels (--kernels); flash attention (--attention); gradients "
+                       "reduced in bf16 beside the backward (--grad-reduce, --no-overlap-grad-reduce); sequence "
+                       "parallel, tp exchanges between the GEMMs (--tp-overlap); balanced stage cut (--stage-cut)")
+    assert main(["plan", "--model", str(config), "--hardware", "h100", "--gpus", "8", "--global-batch", "32", "--seq",
+                 "4096", "--dtype", "fp8", "--fp8-cast", "current", "--tp-overlap", "--grad-reduce", "fp32",
+                 "--layout", "tp=2,pp=1,cp=2,recompute=selective", "--selective", "op"]) == 0
+    assumes = capsys.readouterr().out.splitlines()[2]
+    for said in ("gradients reduced in fp32", "tp exchanges beside the GEMMs", "context parallelism by ring",
+                 "selective recomputation: op", "FP8 casts: Transformer Engine's current scaling"):
+        assert said in assumes, assumes
+    assert "stage cut" not in assumes and "expert" not in assumes
 
 
 def test_fixed_layout_is_predicted_as_given():
