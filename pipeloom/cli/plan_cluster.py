@@ -45,21 +45,24 @@ def add_cluster_arguments(plan: argparse.ArgumentParser) -> None:
 
 def _add_framework_options(group) -> None:
     """What the training framework does (defaults: Megatron-Core's), each a choice the estimate prices."""
-    group.add_argument("--kernels", choices=("fused", "eager"), default="fused",
+    group.add_argument("--framework", choices=("megatron-bridge", "torchtitan"),
+                       help="set the choices below as that framework makes them (NVIDIA's Megatron-Bridge recipes, "
+                            "or torchtitan's defaults: docs/cluster-plan.md); a flag given as well wins")
+    group.add_argument("--kernels", choices=("fused", "eager"),
                        help="elementwise kernels: fused (Megatron, Transformer Engine, torch.compile; default) or "
                             "eager (PyTorch op by op)")
-    group.add_argument("--attention", choices=("flash", "flash2", "materialized"), default="flash",
+    group.add_argument("--attention", choices=("flash", "flash2", "materialized"),
                        help="attention core: flash (the GPU's best kernel; default), flash2 (FlashAttention-2, "
                             "PyTorch SDPA's default backend) or materialized s x s scores (Megatron-LM before "
                             "flash attention)")
     group.add_argument("--no-overlap-grad-reduce", dest="overlap_grad_reduce", action="store_false",
                        help="the data-parallel gradient all-reduce runs after the backward, exposed (Megatron-LM "
                             "before --overlap-grad-reduce)")
-    group.add_argument("--selective", choices=("attention", "op", "layer", "deepseek"), default="attention",
+    group.add_argument("--selective", choices=("attention", "op", "layer", "deepseek"),
                        help="what recompute=selective recomputes: attention (Megatron's: the attention core; "
                             "default), op (torchtitan's op-level policy), layer (every second layer whole) or "
                             "deepseek (DeepSeek-V3's norms, MLA up-projections and SwiGLU; FP8-cached inputs)")
-    group.add_argument("--cp-rotate", choices=("ring", "allgather"), default="ring",
+    group.add_argument("--cp-rotate", choices=("ring", "allgather"),
                        help="how context parallelism exchanges K/V: ring (Megatron-Core's, beside the compute; "
                             "default) or allgather (PyTorch's context_parallel, as torchtitan runs it)")
     group.add_argument("--moe-comm", choices=("plain", "deepseek"), default="plain",
@@ -73,21 +76,21 @@ def _add_framework_options(group) -> None:
     group.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
                        help="with tp > 1, every tp rank runs the norms and residual adds on all the tokens and the "
                             "tp exchanges are all-reduces (Megatron-LM before sequence parallelism)")
-    group.add_argument("--tp-overlap", action="store_true",
+    group.add_argument("--tp-overlap", action="store_true", default=None,
                        help="tensor-parallel all-gathers and reduce-scatters run beside the GEMMs next to them "
                             "(Transformer Engine's userbuffers: Megatron-Core / NeMo tp_comm_overlap; PyTorch's "
                             "async TP); default: between them, exposed")
-    group.add_argument("--fp8-cast", choices=("cached", "dynamic", "current"), default="cached",
+    group.add_argument("--fp8-cast", choices=("cached", "dynamic", "current"),
                        help="with --dtype fp8, how the GEMMs' inputs are cast: cached (Transformer Engine's "
                             "delayed scaling, Megatron-Core's default: the amax in the cast kernel, FP8 weights "
                             "and activations reused; default), dynamic (torchao's per-tensor dynamic scaling, "
                             "torchtitan's Float8: both inputs of every GEMM, an amax pass first) or current "
                             "(Transformer Engine's current scaling, Megatron-Bridge's FP8-CS: as cached, with an "
                             "amax pass first)")
-    group.add_argument("--grad-reduce", choices=("bf16", "fp32"), default="bf16",
+    group.add_argument("--grad-reduce", choices=("bf16", "fp32"),
                        help="the data type of the gradient reduce-scatter: bf16 (default) or fp32 (torchtitan's "
                             "default mixed_precision_reduce, Llama 3's)")
-    group.add_argument("--stage-cut", choices=("balanced", "even"), default="balanced",
+    group.add_argument("--stage-cut", choices=("balanced", "even"),
                        help="how the decoder layers are cut into pipeline stages: balanced (layers moved off the "
                             "busiest pipeline rank, the embedding and the head counted; default) or even (as many "
                             "layers per stage as divide, the remainder to the middle stages)")
@@ -181,12 +184,9 @@ def cmd_plan_cluster(args: argparse.Namespace) -> int:
             print(f"\r\033[K{message}", end="", file=sys.stderr, flush=True)
     try:
         result = plan_cluster(args.model, args.hardware, gpus=args.gpus, global_batch=args.global_batch,
-                              seq=args.seq, dtype=args.dtype, layout=args.layout, kernels=args.kernels,
-                              attention=args.attention, overlap_grad_reduce=args.overlap_grad_reduce,
-                              selective=args.selective, cp_rotate=args.cp_rotate, moe_comm=args.moe_comm,
-                              grad_reduce=args.grad_reduce, sequence_parallel=args.sequence_parallel,
-                              tp_overlap=args.tp_overlap, fp8_cast=args.fp8_cast, stage_cut=args.stage_cut,
-                              moe_overlap=args.moe_overlap,
+                              seq=args.seq, dtype=args.dtype, layout=args.layout, **_framework(args),
+                              overlap_grad_reduce=args.overlap_grad_reduce, moe_comm=args.moe_comm,
+                              sequence_parallel=args.sequence_parallel, moe_overlap=args.moe_overlap,
                               memory_limit=args.memory_limit,
                               runners_up=5 if args.top is None else args.top, progress=progress)
     except PipeloomError as error:
@@ -205,6 +205,19 @@ def cmd_plan_cluster(args: argparse.Namespace) -> int:
     return 0
 
 
+_PRESET = ("kernels", "attention", "selective", "cp_rotate", "grad_reduce", "stage_cut", "tp_overlap", "fp8_cast")
+"""The choices --framework sets (pipeloom.plan.cluster.job.FRAMEWORKS); each flag given as well wins."""
+
+
+def _framework(args: argparse.Namespace) -> dict:
+    """The framework choices to price: each flag given, else --framework's, else the planner's default."""
+    from pipeloom.plan.cluster.job import framework_options
+
+    preset = framework_options(args.framework, dtype=args.dtype) if args.framework else {}
+    return {key: getattr(args, key) if getattr(args, key) is not None else preset[key] for key in _PRESET
+            if getattr(args, key) is not None or key in preset}
+
+
 def _unused(args: argparse.Namespace, job, layout) -> list[str]:
     """Notes for framework options given that change nothing on the chosen layout (they are priced where the
     search tries a layout they apply to, so they are not refused)."""
@@ -212,10 +225,10 @@ def _unused(args: argparse.Namespace, job, layout) -> list[str]:
     unused = [(args.tp_overlap and layout.tp == 1, "--tp-overlap", "tp=1"),
               (args.moe_overlap and not job.overlap_pairs(layout), "--moe-overlap", overlap_why),
               (not args.sequence_parallel and layout.tp == 1, "--no-sequence-parallel", "tp=1"),
-              (args.cp_rotate != "ring" and layout.cp == 1, f"--cp-rotate {args.cp_rotate}", "cp=1"),
+              (args.cp_rotate not in (None, "ring") and layout.cp == 1, f"--cp-rotate {args.cp_rotate}", "cp=1"),
               (args.moe_comm != "plain" and layout.ep == 1, f"--moe-comm {args.moe_comm}", "ep=1"),
-              (args.selective != "attention" and layout.recompute != "selective", f"--selective {args.selective}",
-               f"recompute={layout.recompute}")]
+              (args.selective not in (None, "attention") and layout.recompute != "selective",
+               f"--selective {args.selective}", f"recompute={layout.recompute}")]
     return [f"note: {flag} changes nothing on the chosen layout, which runs {why}" for given, flag, why in unused
             if given]
 

@@ -5,6 +5,7 @@ policy, exchanges, stage cut), checked when made."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from pipeloom.plan.cluster.config import ModelSpec
 from pipeloom.plan.cluster.elementwise import KERNELS
@@ -13,7 +14,8 @@ from pipeloom.plan.cluster.layout import PAIRED, Layout
 from pipeloom.plan.cluster.materialized import ATTENTION_KINDS
 from pipeloom.plan.errors import LayoutError
 
-__all__ = ["Job", "SELECTIVE", "CP_ROTATE", "MOE_COMM", "GRAD_REDUCE", "STAGE_CUTS", "FP8_CASTS"]
+__all__ = ["Job", "SELECTIVE", "CP_ROTATE", "MOE_COMM", "GRAD_REDUCE", "STAGE_CUTS", "FP8_CASTS", "FRAMEWORKS",
+           "framework_options"]
 
 FP8_CASTS = ("cached", "dynamic", "current")
 """How FP8 GEMMs cast their inputs (:attr:`Job.fp8_cast`)."""
@@ -28,6 +30,33 @@ SELECTIVE = ("attention", "op", "layer", "deepseek")
 """What ``recompute=selective`` may recompute (:attr:`Job.selective`)."""
 STAGE_CUTS = ("balanced", "even")
 """How the decoder layers may be cut into pipeline stages (:attr:`Job.stage_cut`)."""
+
+FRAMEWORKS: dict[str, dict[str, Any]] = {
+    "megatron-bridge": {"kernels": "fused", "attention": "flash", "selective": "attention", "cp_rotate": "ring",
+                        "grad_reduce": "bf16", "stage_cut": "even", "tp_overlap": True, "fp8_cast": "current"},
+    "torchtitan": {"kernels": "eager", "attention": "flash2", "selective": "op", "cp_rotate": "allgather",
+                   "grad_reduce": "fp32", "stage_cut": "even", "tp_overlap": False, "fp8_cast": "dynamic"},
+}
+"""The :class:`Job` choices a framework makes as its users run it (:func:`framework_options`), each from its
+source: **megatron-bridge**, NVIDIA's Megatron-Bridge performance recipes at v0.4.2
+(``scripts/performance/configs/``): Transformer Engine's fused kernels and attention, the attention core as
+selective recomputation (Megatron-Core's default ``recompute_modules``), K/V passed around the context-parallel
+ring, gradients reduce-scattered in bf16 (``grad_reduce_in_fp32`` False), layers cut evenly over the stages
+(Megatron-Core's split), ``tp_comm_overlap`` where tp > 1, FP8 with current scaling (their FP8-CS);
+**torchtitan**, its job config's defaults (torchtitan 0.3): no ``torch.compile`` (eager elementwise kernels),
+PyTorch SDPA (FlashAttention-2), the op-level selective policy, ``context_parallel_rotate_method =
+"allgather"``, ``mixed_precision_reduce = "float32"``, ``generate_split_points``' even cut, async TP off,
+torchao's per-tensor dynamic Float8. The recipes' per-model exceptions (an MoE recipe's ``moe_a2a_overlap``,
+a Qwen3 recipe's tp overlap off, a run that compiles) are the user's flags to give."""
+
+
+def framework_options(name: str, *, dtype: str = "bf16") -> dict[str, Any]:
+    """The :data:`FRAMEWORKS` choices of ``name`` as :func:`~pipeloom.plan.cluster.api.plan_cluster` keywords (the
+    FP8 casts only for ``dtype="fp8"``: a BF16 job casts nothing); LayoutError for an unknown name."""
+    if name not in FRAMEWORKS:
+        raise LayoutError(f"unknown framework {name!r}: use one of {', '.join(FRAMEWORKS)}, or give its choices "
+                          "one by one (kernels, attention, selective, ...)")
+    return {key: value for key, value in FRAMEWORKS[name].items() if key != "fp8_cast" or dtype == "fp8"}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -383,6 +383,7 @@ def test_moe_overlap_on_a_layout_it_does_not_apply_to_is_noted(tmp_path, capsys)
     (["--tp-overlap"], "--tp-overlap belongs to planning for a cluster"),
     (["--moe-overlap"], "--moe-overlap belongs to planning for a cluster"),
     (["--tokens", "15T"], "--tokens belongs to planning for a cluster"),
+    (["--framework", "torchtitan"], "--framework belongs to planning for a cluster"),
     (["--hardware", "h100"], "--hardware belongs to planning for a cluster"),
     (["--dtype", "fp8"], "--dtype belongs to planning for a cluster"),
     (["--gpus", "8"], "give the cost table's ranks with --ranks P"),
@@ -428,3 +429,32 @@ def test_time_to_train_a_token_count(config, capsys):
         assert main([*argv, f"--tokens={bad}"]) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and "not a positive token count" in err, err
+
+
+def test_a_framework_sets_its_choices_and_a_flag_given_as_well_wins(config, capsys):
+    """--framework NAME prices the choices pipeloom.plan.cluster.job.FRAMEWORKS gives it, exactly as the flags one by
+    one would (FP8 casts only with --dtype fp8); a flag given as well wins; the Python API takes the same choices
+    from framework_options."""
+    from pipeloom.plan.cluster.job import FRAMEWORKS, framework_options
+
+    assert framework_options("torchtitan") == {k: v for k, v in FRAMEWORKS["torchtitan"].items() if k != "fp8_cast"}
+    assert framework_options("megatron-bridge", dtype="fp8")["fp8_cast"] == "current"
+    with pytest.raises(LayoutError, match="unknown framework 'deepspeed': use one of megatron-bridge, torchtitan"):
+        framework_options("deepspeed")
+    argv = ["plan", "--model", str(config), "--hardware", "h100", "--gpus", "8", "--global-batch", "32", "--seq",
+            "4096", "--dtype", "fp8", "--layout", "tp=2,pp=2,cp=2,recompute=selective", "--json"]
+
+    def step(*extra: str) -> float:
+        assert main([*argv, *extra]) == 0
+        return json.loads(capsys.readouterr().out)["best"]["step_time"]
+
+    by_hand = ["--kernels", "eager", "--attention", "flash2", "--selective", "op", "--cp-rotate", "allgather",
+               "--grad-reduce", "fp32", "--stage-cut", "even", "--fp8-cast", "dynamic"]
+    titan = step("--framework", "torchtitan")
+    assert titan == step(*by_hand) != step()
+    assert step("--framework", "torchtitan", "--kernels", "fused") == step(*by_hand[2:], "--kernels", "fused") != titan
+    bridge = step("--framework", "megatron-bridge")
+    assert bridge == step("--stage-cut", "even", "--tp-overlap", "--fp8-cast", "current")
+    result = plan_cluster(SMALL, "h100", gpus=8, global_batch=32, seq=4096, dtype="fp8",
+                          layout="tp=2,pp=2,cp=2,recompute=selective", **framework_options("torchtitan", dtype="fp8"))
+    assert result.best.step_time == titan
