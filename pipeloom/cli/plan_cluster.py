@@ -199,7 +199,8 @@ def cmd_plan_cluster(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({**result.as_dict(), **({"training": training} if training else {})}, indent=2))
     else:
-        print(report(result) + (f"\n{_training(training, result.job.gpus)}" if training else ""))
+        print(report(result, framework=args.framework)
+              + (f"\n{_training(training, result.job.gpus)}" if training else ""))
     for line in written:
         print(line, file=sys.stderr if args.json else sys.stdout)
     return 0
@@ -334,8 +335,9 @@ _FP8_CASTS = {"cached": "Transformer Engine's delayed scaling", "dynamic": "torc
               "current": "Transformer Engine's current scaling"}
 
 
-def _assumes(job, layout) -> str:
-    """The framework choices priced for ``layout`` (the ones that apply to it), each set by the flag named."""
+def _assumes(job, layout, framework: str | None = None) -> str:
+    """The framework choices priced for ``layout`` (the ones that apply to it), each set by the flag named (or by
+    ``framework``'s choices, where --framework was given)."""
     said = [f"{job.kernels} elementwise kernels (--kernels)", f"{job.attention} attention (--attention)",
             f"gradients reduced in {job.grad_reduce} " + ("beside the backward" if job.overlap_grad_reduce
                                                           else "after it") + " (--grad-reduce, "
@@ -354,11 +356,12 @@ def _assumes(job, layout) -> str:
         said.append(f"FP8 casts: {_FP8_CASTS[job.fp8_cast]} (--fp8-cast)")
     if layout.stages > 1:
         said.append(f"{job.stage_cut} stage cut (--stage-cut)")
-    return "assumes: " + "; ".join(said)
+    return f"assumes{f' ({framework})' if framework else ''}: " + "; ".join(said)
 
 
-def report(result) -> str:
-    """The text report: the layout, its step, throughput, MFU, memory, bubble and the runners-up."""
+def report(result, *, framework: str | None = None) -> str:
+    """The text report: the layout, the framework choices it assumes (``framework``: the --framework given), its
+    step, throughput, MFU, memory, bubble and the runners-up."""
     best, job = result.best, result.job
     mem = best.memory
     fits = "fits" if mem.total <= result.memory_limit else "DOES NOT FIT"
@@ -368,7 +371,7 @@ def report(result) -> str:
         f"{job.spec.family}{text_of} on {job.gpus} x {job.hw.name}, global batch {job.global_batch} x {job.seq} "
         f"tokens, {job.dtype}{_window(job.spec)}",
         f"layout: {best.layout}",
-        _assumes(job, best.layout),
+        _assumes(job, best.layout, framework),
         *([f"layers per stage: {_runs(best.stage_layers)}{_copies(best.layout)}"] if len(best.stage_layers) > 1
           else []),
         *_experts(job.spec, best.layout),

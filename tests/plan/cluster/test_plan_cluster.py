@@ -458,3 +458,6 @@ def test_a_framework_sets_its_choices_and_a_flag_given_as_well_wins(config, caps
     result = plan_cluster(SMALL, "h100", gpus=8, global_batch=32, seq=4096, dtype="fp8",
                           layout="tp=2,pp=2,cp=2,recompute=selective", **framework_options("torchtitan", dtype="fp8"))
     assert result.best.step_time == titan
+    assert main([arg for arg in argv if arg != "--json"] + ["--framework", "torchtitan", "--kernels", "fused"]) == 0
+    assumes = capsys.readouterr().out.splitlines()[2]
+    assert assumes.startswith("assumes (torchtitan): fused elementwise kernels (--kernels); flash2 attention"), assumes
