@@ -4,21 +4,11 @@ throughput error, and the planner's own choice on the same job.
 
     python benchmarks/cluster_published.py [--no-search | --search-up-to GPUS] [--only SUBSTRING] [--markdown]
 
-The 2021 Megatron rows predate flash attention: their attention core is priced with its scores in HBM
-(``attention="materialized"``); torchtitan's rows with FlashAttention-2 (PyTorch SDPA's default backend),
-and those without torch.compile with eager elementwise kernels. Megatron-LM 2021 all-reduced the gradients
-after the pipeline flush (its training step calls the all-reduce after forward_backward returns; the overlap
-came with Megatron-Core's --overlap-grad-reduce in 2023): ``overlap_grad_reduce=False`` there. torchtitan's
-selective recomputation is its op-level policy (``selective="op"``), or every second layer whole where its
-table says "selective layer" (``selective="layer"``); DeepSeek-V3's is its own (``selective="deepseek"``).
-torchtitan's context parallelism all-gathers K/V (``cp_rotate="allgather"``, its default rotate method).
-DeepSeek-V3's all-to-all is its own (``moe_comm="deepseek"``: node-limited FP8 dispatch, 20 SMs for it).
-Megatron-LM 2021 predates sequence parallelism (``sequence_parallel=False``: norms and residual adds on every
-token of each tp rank, all-reduces). torchtitan and Llama 3 reduce-scatter gradients in fp32 (``grad_reduce``).
-Megatron-LM 2021, torchtitan 2024 and Llama 3 cut the layers evenly (``stage_cut="even"``), as Megatron-Bridge's
-recipes do (their ``account_for_embedding/loss_in_pipeline_split`` gives the even cut's stages); DeepSeek-V3's cut
-is not published and is the planner's balanced one. Megatron-Bridge's rows (``mbridge-``) run Megatron-Core's
-defaults: fused kernels, the GPU's best attention kernel, ring context parallelism, bf16 gradient reduction.
+Each row is priced with the framework choices it ran (:func:`options`): torchtitan's rows with torchtitan's
+preset and Megatron-Bridge's with its recipes' (``pipeloom.plan.cluster.job.FRAMEWORKS``, what ``pipeloom plan
+--framework`` sets), then what a row's source says differs; the 2021 Megatron, Llama 3, MLPerf and DeepSeek-V3
+rows with their own (materialized attention and blocking sends in 2021, fp32 gradient reduce in Llama 3, tp
+overlap in MLPerf, DeepSeek-V3's recomputation and all-to-all).
 Keys a source leaves open are searched with the published ones held, except that the 2021 Megatron rows get
 the schedules of their time (1F1B or interleaved 1F1B, the faster) and the recomputation their Eq. 3 assumes.
 Throughput is compared in tokens/s per GPU where the source determines it (as published, or Megatron's Eq. 3
@@ -39,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from pipeloom.plan.cluster.api import plan_cluster  # noqa: E402
 from pipeloom.plan.cluster.config import model_spec  # noqa: E402
+from pipeloom.plan.cluster.job import framework_options  # noqa: E402
 from pipeloom.plan.errors import NoLayoutFits  # noqa: E402
 from published_runs import derived, load_runs, run_config, run_hardware  # noqa: E402
 
@@ -73,92 +64,61 @@ def _published(run: dict, limit: float | None):
     return min(plans, key=lambda plan: plan.best.step_time)
 
 
-def kernels(run: dict) -> str:
-    """torchtitan compiles only when its config says so (``compile = false`` by default): its rows without
-    torch.compile in their source ran PyTorch's eager elementwise kernels; Megatron, Meta's and DeepSeek's
-    stacks fuse them."""
-    if not run["id"].startswith("torchtitan"):
-        return "fused"
-    return "fused" if "compile" in json.dumps(run) else "eager"
+def framework(run: dict) -> str | None:
+    """The framework preset a row ran (``pipeloom.plan.cluster.job.FRAMEWORKS``): torchtitan's rows its job-config
+    defaults, Megatron-Bridge's its performance recipes; None for the rest, whose choices :func:`options` gives."""
+    if run["id"].startswith("torchtitan"):
+        return "torchtitan"
+    return "megatron-bridge" if run["id"].startswith("mbridge") else None
 
 
-def attention(run: dict) -> str:
-    """Megatron-LM 2021 predates flash attention (scores in HBM); torchtitan (Dec 2024) calls PyTorch's SDPA,
-    whose fixed backend priority picks FlashAttention-2 (FA3 was not in PyTorch then: pytorch/pytorch#131309;
-    huggingface/transformers PR #48163 on the priority); the others are taken to run the GPU's best kernel."""
-    if run["id"].startswith("megatron2021"):
-        return "materialized"
-    return "flash2" if run["id"].startswith("torchtitan") else "flash"
+def options(run: dict) -> dict:
+    """The framework choices a row ran, as ``plan_cluster`` keywords: its framework's preset, then what its source
+    says differs (the planner's defaults, Megatron-Core's, for what neither sets).
 
-
-def selective(run: dict) -> str:
-    """torchtitan's selective recomputation: its op-level policy, or every second layer whole where its table
-    says "selective layer"; DeepSeek-V3's (its norms, MLA up-projections and MoE SwiGLU recomputed, linear inputs
-    cached in FP8: report sec. 3.2.3, 3.3.4); Megatron's (the attention core) elsewhere."""
-    if run["id"].startswith("deepseek-v3"):
-        return "deepseek"
-    if not run["id"].startswith("torchtitan"):
-        return "attention"
-    return "layer" if "selective-layer" in run["id"] else "op"
-
-
-def cp_rotate(run: dict) -> str:
-    """torchtitan's context parallelism is PyTorch's ``context_parallel`` with torchtitan's default
-    ``context_parallel_rotate_method = "allgather"``; Megatron-Core's (Llama 3's stack is taken to match) passes
-    K/V around the ring."""
-    return "allgather" if run["id"].startswith("torchtitan") else "ring"
-
-
-def grad_reduce(run: dict) -> str:
-    """The gradient reduce-scatter's dtype: torchtitan's default ``mixed_precision_reduce = "float32"``; Llama 3's
-    FSDP reduce-scatters in FP32 (report sec. 3.3.2, "Numerical stability"); Megatron-LM 2021 trained in fp16
-    and all-reduced fp16 gradients; DeepSeek-V3's report gives no dtype for it (bf16 taken)."""
-    return "fp32" if run["id"].startswith(("torchtitan", "llama3")) else "bf16"
-
-
-def stage_cut(run: dict) -> str:
-    """Megatron-LM 2021 required the layers to divide evenly over the stages; torchtitan's 2024
-    ``generate_split_points`` cut ``layers // stages`` per stage with the remainder spread; Llama 3 ran the even
-    cut with one layer less on the first and last stages (report sec. 3.3.2), which the even cut of 126 layers
-    gives. DeepSeek-V3 does not publish its cut: the planner's balanced one."""
-    return "balanced" if run["id"].startswith("deepseek-v3") else "even"
-
-
-def tp_overlap(run: dict) -> bool:
-    """Tensor-parallel exchanges beside the GEMMs: NVIDIA's MLPerf GPT-3 configs set ``TP_COMM_OVERLAP=True``
-    (Transformer Engine's userbuffers), as Megatron-Bridge's Llama recipes do (``tp_comm_overlap`` where tp > 1;
-    its Qwen3 H100 recipe turns it off); torchtitan's "asyncTP" row ran PyTorch's async tensor parallelism."""
-    return run["id"].startswith(("mlperf", "mbridge-llama")) or "asynctp" in run["id"]
-
-
-def fp8_cast(run: dict) -> str:
-    """How the FP8 rows cast: MLPerf's NeMo runs Transformer Engine's delayed scaling under Megatron (FP8 weights
-    made once a step, FP8 activations reused, the amax in the cast kernel: ``cached``), Megatron-Bridge its current
-    scaling (FP8-CS: the same casts, each after an amax pass over its input: ``current``); torchtitan's Float8 is
-    torchao's per-tensor dynamic scaling (``dynamic``); DeepSeek-V3 quantizes each 1 x 128 activation tile as it
-    casts it, but when its weights are quantized is not published: ``dynamic``, every input cast for every GEMM,
-    the most cast traffic either could be. The BF16 rows cast nothing (the default, ``cached``, prices no cast)."""
-    if run["dtype"] != "fp8" or run["id"].startswith("mlperf"):
-        return "cached"
-    return "current" if run["id"].startswith("mbridge") else "dynamic"
-
-
-def moe_overlap(run: dict) -> bool:
-    """The Megatron-Bridge recipes that set ``moe_a2a_overlap`` (Megatron-Core's ``overlap_moe_expert_parallel_comm``):
-    Qwen3-235B-A22B's H100 recipe (interleaved 1F1B) and gpt-oss-120b's GB200 one (one stage)."""
-    return run["id"] in ("mbridge-qwen3-235b-a22b-h100-fp8-256gpus", "mbridge-gpt-oss-120b-gb200-bf16-64gpus")
+    - torchtitan: its rows that name torch.compile fuse the elementwise kernels; "selective layer" recomputes
+      every second layer whole; the "asyncTP" row ran PyTorch's async tensor parallelism.
+    - Megatron-Bridge: only its Llama recipes overlap the tp exchanges (its Qwen3 H100 recipe turns
+      ``tp_comm_overlap`` off; gpt-oss runs tp 1); Qwen3-235B-A22B's H100 recipe and gpt-oss-120b's GB200 one set
+      ``moe_a2a_overlap`` (Megatron-Core's ``overlap_moe_expert_parallel_comm``).
+    - Megatron-LM 2021 predates flash attention (scores in HBM), sequence parallelism and the overlapped gradient
+      reduce (all-reduced after the flush) and sent stage boundaries blocking (``_communicate``); it required the
+      layers to divide evenly over the stages.
+    - Llama 3 reduce-scatters gradients in fp32 (report sec. 3.3.2) and cut 126 layers evenly with one fewer on
+      the first and last stages, which the even cut gives.
+    - MLPerf's NeMo configs set ``TP_COMM_OVERLAP=True``, cut evenly, and cast FP8 with Transformer Engine's
+      delayed scaling (the default, ``cached``).
+    - DeepSeek-V3: its own recomputation (norms, MLA up-projections and MoE SwiGLU; FP8-cached inputs) and
+      all-to-all kernels (node-limited FP8 dispatch, 20 SMs); when it quantizes weights is not published, so every
+      input is cast for every GEMM (``dynamic``, the most cast traffic it could have); its cut is not published
+      (the planner's balanced one)."""
+    fw, rid = framework(run), run["id"]
+    opts = dict(framework_options(fw, dtype=run["dtype"])) if fw else {}
+    if fw == "torchtitan":
+        opts.update(kernels="fused" if "compile" in json.dumps(run) else opts["kernels"],
+                    selective="layer" if "selective-layer" in rid else opts["selective"],
+                    tp_overlap="asynctp" in rid)
+    elif fw == "megatron-bridge":
+        opts.update(tp_overlap=rid.startswith("mbridge-llama"),
+                    moe_overlap=rid in ("mbridge-qwen3-235b-a22b-h100-fp8-256gpus",
+                                        "mbridge-gpt-oss-120b-gb200-bf16-64gpus"))
+    elif rid.startswith("megatron2021"):
+        opts.update(attention="materialized", overlap_grad_reduce=False, p2p_overlap=False, sequence_parallel=False,
+                    stage_cut="even")
+    elif rid.startswith("llama3"):
+        opts.update(grad_reduce="fp32", stage_cut="even")
+    elif rid.startswith("mlperf"):
+        opts.update(tp_overlap=True, stage_cut="even")
+    elif rid.startswith("deepseek-v3"):
+        opts.update(selective="deepseek", moe_comm="deepseek", fp8_cast="dynamic" if run["dtype"] == "fp8"
+                    else "cached")
+    return opts
 
 
 def _plan(run: dict, fixed: dict | None, limit: float | None):
     return plan_cluster(run_config(run), run_hardware(run), gpus=run["gpus"], global_batch=run["global_batch"],
-                        seq=run["seq"], dtype=run["dtype"], layout=fixed, kernels=kernels(run),
-                        attention=attention(run), overlap_grad_reduce=not run["id"].startswith("megatron2021"),
-                        p2p_overlap=not run["id"].startswith("megatron2021"),
-                        selective=selective(run), cp_rotate=cp_rotate(run),
-                        moe_comm="deepseek" if run["id"].startswith("deepseek-v3") else "plain",
-                        grad_reduce=grad_reduce(run), sequence_parallel=not run["id"].startswith("megatron2021"),
-                        tp_overlap=tp_overlap(run), fp8_cast=fp8_cast(run),
-                        stage_cut=stage_cut(run), moe_overlap=moe_overlap(run), memory_limit=limit, runners_up=0)
+                        seq=run["seq"], dtype=run["dtype"], layout=fixed, **options(run), memory_limit=limit,
+                        runners_up=0)
 
 
 def check(run: dict, *, search: bool) -> dict:
