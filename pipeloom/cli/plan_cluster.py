@@ -206,16 +206,14 @@ def cmd_plan_cluster(args: argparse.Namespace) -> int:
     return 0
 
 
-_PRESET = ("kernels", "attention", "selective", "cp_rotate", "grad_reduce", "stage_cut", "tp_overlap", "fp8_cast")
-"""The choices --framework sets (pipeloom.plan.cluster.job.FRAMEWORKS); each flag given as well wins."""
-
-
 def _framework(args: argparse.Namespace) -> dict:
-    """The framework choices to price: each flag given, else --framework's, else the planner's default."""
-    from pipeloom.plan.cluster.job import framework_options
+    """The framework choices to price: each flag given, else --framework's, else the planner's default (the
+    choices a preset sets are pipeloom.plan.cluster.job.FRAMEWORKS' keys; each has its flag of the same name)."""
+    from pipeloom.plan.cluster.job import FRAMEWORKS, framework_options
 
     preset = framework_options(args.framework, dtype=args.dtype) if args.framework else {}
-    return {key: getattr(args, key) if getattr(args, key) is not None else preset[key] for key in _PRESET
+    keys = {key for choices in FRAMEWORKS.values() for key in choices}
+    return {key: getattr(args, key) if getattr(args, key) is not None else preset[key] for key in sorted(keys)
             if getattr(args, key) is not None or key in preset}
 
 
@@ -344,7 +342,7 @@ def _assumes(job, layout, framework: str | None = None) -> str:
             "--no-overlap-grad-reduce)"]
     if layout.tp > 1:
         said.append(("sequence parallel" if job.sequence_parallel else "no sequence parallelism") + ", tp exchanges "
-                    + ("beside the GEMMs (--tp-overlap)" if job.tp_overlap else "between the GEMMs (--tp-overlap)"))
+                    + ("beside" if job.tp_overlap else "between") + " the GEMMs (--tp-overlap)")
     if layout.cp > 1:
         said.append(f"context parallelism by {job.cp_rotate} (--cp-rotate)")
     if layout.ep > 1:

@@ -130,13 +130,10 @@ def pipeline(
     try:
         staged = cut()
     except NeedsExampleError:  # only torch.export traces it, and no example was given: the first batch is one
-        assert model is not None and split_points is not None  # a model to trace, cut at these points
-        schedule = resolve_schedule(schedule, num_ranks=layout.world, num_pieces=len(split_points) + 1,
-                                    microbatches=microbatches, options=schedule_options or {})
+        assert model is not None and split_points is not None  # a model to trace: its schedule resolved above
         logger.info("rank %d: torch.fx cannot trace %s; it is split at the first step, traced with torch.export "
                     "on that step's batch", layout.rank, type(model).__name__)
-        return FirstStepEngine(model=model, sharding=sharding, build=lambda batch: settle(
-            cut(batch), schedule=schedule))
+        return FirstStepEngine(model=model, sharding=sharding, build=lambda batch: settle(cut(batch)))
     return PipelineEngine(**settle(staged))
 
 

@@ -13,8 +13,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def _module():
-    spec = importlib.util.spec_from_file_location("published_runs", ROOT / "benchmarks" / "published_runs.py")
+def _module(name: str = "published_runs"):
+    """benchmarks/NAME.py (cluster_published.py puts its folder on the path for published_runs itself)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -92,21 +93,6 @@ def test_bad_rows_are_refused(tmp_path, change, message):
         PUBLISHED.load_runs(path)
 
 
-def _benchmark():
-    """benchmarks/cluster_published.py (it imports published_runs from its folder)."""
-    import sys
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        spec = importlib.util.spec_from_file_location("cluster_published", ROOT / "benchmarks" / "cluster_published.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    return module
-
-
 def test_pairs_of_runs_of_one_job_are_judged_by_their_order():
     """The ordering check: two runs of one job ordered as measured or wrong; a measured tie (within 2 %) and a
     pair the model prices alike (within 1 %) listed but not counted; runs of other jobs never paired."""
@@ -114,7 +100,7 @@ def test_pairs_of_runs_of_one_job_are_judged_by_their_order():
     runs = [dict(job, id=name) for name in ("a", "b", "c", "d")] + [dict(job, id="e", gpus=16)]
     rates = {"a": (100.0, 130.0), "b": (80.0, 120.0), "c": (99.0, 90.0), "d": (70.0, 129.5), "e": (50.0, 1.0)}
     rows = [{"id": r["id"], "measured": rates[r["id"]][0], "predicted": rates[r["id"]][1]} for r in runs]
-    lines = _benchmark().ordering(runs, rows)
+    lines = _module("cluster_published").ordering(runs, rows)
     verdicts = {line.split(":")[0]: line.rsplit(": ", 1)[1] for line in lines[:-1]}
     assert verdicts == {
         "a / b": "ordered as measured", "a / c": "a measured tie", "a / d": "priced alike (the model does not tell "
