@@ -80,7 +80,8 @@ def options(run: dict) -> dict:
       every second layer whole; the "asyncTP" row ran PyTorch's async tensor parallelism.
     - Megatron-Bridge: only its Llama recipes overlap the tp exchanges (its Qwen3 H100 recipe turns
       ``tp_comm_overlap`` off; gpt-oss runs tp 1); Qwen3-235B-A22B's H100 recipe and gpt-oss-120b's GB200 one set
-      ``moe_a2a_overlap`` (Megatron-Core's ``overlap_moe_expert_parallel_comm``).
+      ``moe_a2a_overlap`` (Megatron-Core's ``overlap_moe_expert_parallel_comm``); the gpt-oss recipes recompute
+      ``recompute_modules=["layernorm", "moe_act"]``.
     - Megatron-LM 2021 predates flash attention (scores in HBM), sequence parallelism and the overlapped gradient
       reduce (all-reduced after the flush) and sent stage boundaries blocking (``_communicate``); it required the
       layers to divide evenly over the stages.
@@ -102,6 +103,8 @@ def options(run: dict) -> dict:
         opts.update(tp_overlap=rid.startswith("mbridge-llama"),
                     moe_overlap=rid in ("mbridge-qwen3-235b-a22b-h100-fp8-256gpus",
                                         "mbridge-gpt-oss-120b-gb200-bf16-64gpus"))
+        if rid.startswith("mbridge-gpt-oss"):
+            opts.update(selective="layernorm,moe_act")
     elif rid.startswith("megatron2021"):
         opts.update(attention="materialized", overlap_grad_reduce=False, p2p_overlap=False, sequence_parallel=False,
                     stage_cut="even")

@@ -58,10 +58,12 @@ def _add_framework_options(group) -> None:
     group.add_argument("--no-overlap-grad-reduce", dest="overlap_grad_reduce", action="store_false",
                        help="the data-parallel gradient all-reduce runs after the backward, exposed (Megatron-LM "
                             "before --overlap-grad-reduce)")
-    group.add_argument("--selective", choices=("attention", "op", "layer", "deepseek"),
-                       help="what recompute=selective recomputes: attention (Megatron's: the attention core; "
-                            "default), op (torchtitan's op-level policy), layer (every second layer whole) or "
-                            "deepseek (DeepSeek-V3's norms, MLA up-projections and SwiGLU; FP8-cached inputs)")
+    group.add_argument("--selective", metavar="POLICY",
+                       help="what recompute=selective recomputes: Megatron-Core's recompute_modules, "
+                            "comma-separated, from core_attn (the attention core; default), layernorm, moe_act, "
+                            "mla_up_proj, mlp, moe, shared_experts; or op (torchtitan's op-level policy), layer "
+                            "(every second layer whole) or deepseek (DeepSeek-V3's norms, MLA up-projections and "
+                            "SwiGLU; FP8-cached inputs)")
     group.add_argument("--cp-rotate", choices=("ring", "allgather"),
                        help="how context parallelism exchanges K/V: ring (Megatron-Core's, beside the compute; "
                             "default) or allgather (PyTorch's context_parallel, as torchtitan runs it)")
@@ -226,7 +228,7 @@ def _unused(args: argparse.Namespace, job, layout) -> list[str]:
               (not args.sequence_parallel and layout.tp == 1, "--no-sequence-parallel", "tp=1"),
               (args.cp_rotate not in (None, "ring") and layout.cp == 1, f"--cp-rotate {args.cp_rotate}", "cp=1"),
               (args.moe_comm != "plain" and layout.ep == 1, f"--moe-comm {args.moe_comm}", "ep=1"),
-              (args.selective not in (None, "attention") and layout.recompute != "selective",
+              (args.selective not in (None, "core_attn") and layout.recompute != "selective",
                f"--selective {args.selective}", f"recompute={layout.recompute}")]
     return [f"note: {flag} changes nothing on the chosen layout, which runs {why}" for given, flag, why in unused
             if given]

@@ -82,7 +82,7 @@ def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: st
                  global_batch: int, seq: int, dtype: str = "bf16", layout: str | Mapping[str, Any] | None = None,
                  kernels: str = "fused", attention: str = "flash", overlap_grad_reduce: bool = True,
                  p2p_overlap: bool = True,
-                 selective: str = "attention", cp_rotate: str = "ring", moe_comm: str = "plain",
+                 selective: str = "core_attn", cp_rotate: str = "ring", moe_comm: str = "plain",
                  grad_reduce: str = "bf16", sequence_parallel: bool = True, tp_overlap: bool = False,
                  fp8_cast: str = "cached", stage_cut: str = "balanced", moe_overlap: bool = False,
                  memory_limit: float | str | None = None, runners_up: int = 5,
@@ -93,9 +93,10 @@ def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: st
     ``fused`` (Megatron, Transformer Engine, torch.compile) or ``eager`` elementwise kernels; ``attention``:
     ``flash`` or ``materialized`` scores (Megatron-LM before flash attention); ``overlap_grad_reduce`` False: the
     gradient all-reduce runs after the backward, exposed (Megatron-LM 2021); ``p2p_overlap`` False: pipeline sends
-    block the ranks (Megatron-LM 2021); ``selective``: what ``recompute=selective`` recomputes, ``attention``
-    (Megatron's), ``op`` (torchtitan's op-level policy), ``layer`` (every second layer whole) or ``deepseek``
-    (DeepSeek-V3's recomputation and FP8 activation caching); ``cp_rotate``: ``ring`` (K/V passed block by block
+    block the ranks (Megatron-LM 2021); ``selective``: what ``recompute=selective`` recomputes, Megatron-Core's
+    ``recompute_modules`` comma-separated (default ``core_attn``, the attention core; :mod:`.recompute`), ``op``
+    (torchtitan's op-level policy), ``layer`` (every second layer whole) or ``deepseek`` (DeepSeek-V3's
+    recomputation and FP8 activation caching); ``cp_rotate``: ``ring`` (K/V passed block by block
     beside the compute: Megatron-Core) or ``allgather`` (PyTorch's ``context_parallel``, torchtitan); ``moe_comm``:
     ``plain`` or ``deepseek`` (DeepSeek-V3's node-limited FP8 dispatch, 20 SMs for communication); ``grad_reduce``:
     the gradient reduce-scatter's dtype, ``bf16`` or ``fp32`` (torchtitan's default, Llama 3's);

@@ -24,11 +24,12 @@ from pipeloom.plan.cluster.config import ModelSpec
 
 __all__ = ["Recompute", "RECOMPUTE_MODES", "LayerCounts", "Activations", "layer_counts", "attention_flops",
            "attended_fraction", "model_params", "optimizer_bytes", "mtp_block", "mtp_activations", "layer_kinds",
-           "block_kind", "WINDOWED", "deepseek_activations", "FP8_BYTES", "op_activations"]
+           "block_kind", "WINDOWED", "STAT_BYTES", "mlp_activations", "moe_activations", "norm_stats"]
 
 Recompute = Literal["none", "selective", "full"]
 RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
-_STAT = 4  # bytes of one fp32 statistic (a norm's 1/rms or mean, the softmax's log-sum-exp, a routing probability)
+STAT_BYTES = 4
+"""Bytes of one fp32 statistic (a norm's 1/rms or mean, the softmax's log-sum-exp, a routing probability)."""
 _INDEX = 8  # bytes of one int64 index (a token's top-k expert choice, a routed copy's place in the permutation)
 WINDOWED = "-window"
 """The suffix of a decoder layer kind whose attention is windowed (``dense-window``, ``moe-window``)."""
@@ -109,10 +110,10 @@ def _norm(spec: ModelSpec) -> int:
     return 2 * spec.hidden if spec.layer_norm else spec.hidden
 
 
-def _norm_stats(spec: ModelSpec) -> int:
+def norm_stats(spec: ModelSpec) -> int:
     """Bytes of the fp32 statistics one norm over h keeps per token: LayerNorm's mean and 1/std, RMSNorm's 1/rms
     (Apex's and Transformer Engine's fused kernels keep the same as PyTorch's)."""
-    return 2 * _STAT if spec.layer_norm else _STAT
+    return 2 * STAT_BYTES if spec.layer_norm else STAT_BYTES
 
 
 def _attention_weights(spec: ModelSpec) -> tuple[int, int]:
@@ -156,23 +157,23 @@ def _attention_activations(spec: ModelSpec, width: int) -> tuple[float, float, f
     one each for q and k where they span the whole projection: OLMo 2 and 3);
     MLA's two low-rank norms (q and kv latents) keep their inputs and outputs (+ 1/rms), on every tp rank."""
     a, h = spec.attention, spec.hidden
-    sequence = width * (2 * h) + _norm_stats(spec)
+    sequence = width * (2 * h) + norm_stats(spec)
     qkv = a.heads * a.qk_dim + a.kv_heads * (a.qk_dim + a.v_dim)
     stats = a.heads
     replicated = 0.0
     if a.qk_norm:
         qkv += (a.heads + a.kv_heads) * a.qk_dim
         if a.qk_norm_full:  # one 1/rms for q and one for k, over all heads: on every tp rank
-            replicated += 2 * _STAT
+            replicated += 2 * STAT_BYTES
         else:
             stats += a.heads + a.kv_heads
     if a.latent:  # the latents' norms: input and output each, the up-projections' input being the output
-        replicated += width * 2 * (a.q_rank + a.kv_rank) + _STAT * ((1 if a.q_rank else 0) + 1)
-    tensor = width * (qkv + a.heads * a.v_dim) + _STAT * stats
+        replicated += width * 2 * (a.q_rank + a.kv_rank) + STAT_BYTES * ((1 if a.q_rank else 0) + 1)
+    tensor = width * (qkv + a.heads * a.v_dim) + STAT_BYTES * stats
     return sequence, tensor, replicated
 
 
-def _mlp_activations(intermediate: int, *, gated: bool, width: int) -> float:
+def mlp_activations(intermediate: int, *, gated: bool, width: int) -> float:
     """Bytes per token kept by one MLP of ``intermediate`` width: the up-projection's output (gate and up:
     2I, or I before GELU) and the activation's output, the down projection's input (I)."""
     return float(width * (3 * intermediate if gated else 2 * intermediate))
@@ -190,7 +191,7 @@ def mtp_activations(spec: ModelSpec, mode: str, block: Activations, *, width: in
     pass through the shared head (its own final norm's input and output, the fp32 logits of the second loss)."""
     h = spec.hidden
     head = layer_counts(spec, "head", 1, width=width).activations[mode]
-    entry = width * 2 * h if mode == "full" else width * 4 * h + 2 * _norm_stats(spec)
+    entry = width * 2 * h if mode == "full" else width * 4 * h + 2 * norm_stats(spec)
     return Activations(sequence=entry + block.sequence + head.sequence, tensor=block.tensor + head.tensor,
                        replicated=block.replicated)
 
@@ -222,14 +223,20 @@ def _moe_mlp(spec: ModelSpec, width: int) -> tuple[int, int, int, int, float]:
     routed_mm = ex.top_k * 3 * h * ex.intermediate  # per token: its top-k experts
     mlp_mm = h * ex.count + shared_mm + (h if ex.shared_gate else 0)  # router, shared expert(s), their gate
     mlp_other = expert_params + (ex.count if ex.bias else 0)  # the routed experts, the router's bias
-    # routed: each token's k copies (the expert's input h, gate+up 2I, activation I, and its output h, which the
-    # probability-weighted combine keeps for the probability's gradient; the copy's fp32 probability and int64
-    # place in the permutation), the router's fp32 probabilities (over the experts, or over the top k when its
-    # softmax follows the choice) and the int64 top-k choice; the shared expert(s) like a dense MLP
-    copy = width * (2 * h + 3 * ex.intermediate) + _STAT + _INDEX
-    keep = (ex.top_k * copy + _INDEX * ex.top_k + _STAT * (ex.top_k if ex.softmax_after_top_k else ex.count)
-            + _mlp_activations(ex.shared_intermediate, gated=True, width=width))
-    return mlp_mm, mlp_other, expert_params, routed_mm, keep
+    return mlp_mm, mlp_other, expert_params, routed_mm, moe_activations(spec, width=width)
+
+
+def moe_activations(spec: ModelSpec, *, width: int = 2) -> float:
+    """Bytes per token a layer's MoE MLP keeps: each token's k routed copies (the expert's input h, gate+up 2I,
+    activation I, and its output h, which the probability-weighted combine keeps for the probability's gradient;
+    the copy's fp32 probability and int64 place in the permutation), the router's fp32 probabilities (over the
+    experts, or over the top k when its softmax follows the choice) and the int64 top-k choice; the shared
+    expert(s) like a dense MLP."""
+    ex, h = spec.experts, spec.hidden
+    assert ex is not None, "moe layer of a dense model"
+    copy = width * (2 * h + 3 * ex.intermediate) + STAT_BYTES + _INDEX
+    return (ex.top_k * copy + _INDEX * ex.top_k + STAT_BYTES * (ex.top_k if ex.softmax_after_top_k else ex.count)
+            + mlp_activations(ex.shared_intermediate, gated=True, width=width))
 
 
 def layer_counts(spec: ModelSpec, kind: str, seq: int, *, width: int = 2) -> LayerCounts:
@@ -250,14 +257,14 @@ def layer_counts(spec: ModelSpec, kind: str, seq: int, *, width: int = 2) -> Lay
         params = _norm(spec) + (0 if spec.tied else spec.vocab * h)
         mm = 2.0 * seq * h * spec.vocab
         # the final norm's input and output (+ 1/rms); the fp32 logits the loss keeps (vocab split by tp)
-        keep = Activations(sequence=width * 2 * h + _norm_stats(spec), tensor=4.0 * spec.vocab)
+        keep = Activations(sequence=width * 2 * h + norm_stats(spec), tensor=4.0 * spec.vocab)
         return LayerCounts(kind=kind, params=params, expert_params=0, f=mm, i=mm, w=mm, attention_f=0.0,
                            attended_f=0.0, activations={m: keep for m in ("none", "selective", "full")})
     attn_mm, attn_other = _attention_weights(spec)
     if kind == "dense":
         mlp_mm, mlp_other = _mlp_weights(spec, spec.intermediate, gated=spec.gated, bias=spec.mlp_bias)
         expert_params, routed_mm = 0, 0
-        mlp_keep = _mlp_activations(spec.intermediate, gated=spec.gated, width=width)
+        mlp_keep = mlp_activations(spec.intermediate, gated=spec.gated, width=width)
     elif kind == "moe":
         mlp_mm, mlp_other, expert_params, routed_mm, mlp_keep = _moe_mlp(spec, width)
     else:
@@ -268,14 +275,14 @@ def layer_counts(spec: ModelSpec, kind: str, seq: int, *, width: int = 2) -> Lay
     seq_a, tensor_a, latent = _attention_activations(spec, width)
     # + the MLP norm's input and output (+ 1/rms; its input is the attention norm's under a parallel residual);
     # a norm after a branch keeps its input (+ 1/rms), its output going into the residual add
-    stat = _norm_stats(spec)
+    stat = norm_stats(spec)
     mlp_norm = width * (1 if spec.parallel_residual else 2) * h + stat
     sequence = seq_a + mlp_norm + (spec.layer_norms - 2) * (width * h + stat)
     none = Activations(sequence=sequence, tensor=tensor_a + mlp_keep, replicated=latent)
     # selective: the attention core runs again in the backward, so only its softmax statistics are not kept:
     # its inputs q, k, v are the recomputation's inputs, its output the output projection's input
     # (with flash attention there are no s x s scores to save: Megatron's selective recompute saves little)
-    selective = Activations(sequence=sequence, tensor=tensor_a + mlp_keep - _STAT * spec.attention.heads,
+    selective = Activations(sequence=sequence, tensor=tensor_a + mlp_keep - STAT_BYTES * spec.attention.heads,
                             replicated=latent)
     full = Activations(sequence=float(width * h), tensor=0.0)  # only the layer's input
     return LayerCounts(kind=kind + (WINDOWED if window else ""), params=params, expert_params=expert_params,
@@ -303,55 +310,3 @@ def optimizer_bytes(params: float, *, shards: int = 1, fsdp: bool = False) -> tu
     if fsdp:
         return weights / shards, grads / shards, states / shards
     return weights, grads, states / shards
-
-
-def op_activations(spec: ModelSpec, *, width: int = 2) -> Activations:
-    """Bytes per token a dense layer keeps under torchtitan's op-level selective checkpointing
-    (``_apply_ac_to_transformer_block``: the layer checkpointed, its policy saving the outputs of the attention
-    kernel and of every matmul "except every second mm", counted per layer; everything else runs again): the
-    layer's input, and of its matmuls in call order (q, k, v, o, then gate, up, down, or up, down) the first,
-    third, ...: q, v, gate and down of a gated layer (k, o and up run again, as the time prices them), the flash
-    kernel's output and log-sum-exp. A row-parallel matmul's output (down) is its partial sum before the
-    reduce-scatter: whole on every tp rank. Un-fused projections, as torchtitan's models are written."""
-    a, h = spec.attention, spec.hidden
-    outputs = [("tensor", a.heads * a.qk_dim), ("tensor", a.kv_heads * a.qk_dim), ("tensor", a.kv_heads * a.v_dim),
-               ("replicated", h)]
-    outputs += ([("tensor", spec.intermediate)] * 2 if spec.gated else [("tensor", spec.intermediate)])
-    outputs.append(("replicated", h))
-    kept = {"tensor": width * a.heads * a.v_dim + _STAT * a.heads, "replicated": 0.0}  # the flash kernel's
-    for where, size in outputs[::2]:
-        kept[where] += width * size
-    return Activations(sequence=float(width * h), tensor=kept["tensor"], replicated=kept["replicated"])
-
-
-FP8_BYTES = 1 + 4 / 128
-"""Bytes per element of an FP8 activation with DeepSeek-V3's fine-grained scaling (one fp32 scale per 1 x 128
-tile: report sec. 3.3.2)."""
-_E5M6 = 1.5
-"""Bytes per element of DeepSeek-V3's 12-bit E5M6 format (report sec. 3.3.4)."""
-
-
-def deepseek_activations(spec: ModelSpec, kind: str) -> Activations:
-    """Bytes per token a decoder layer keeps for the backward under DeepSeek-V3's memory savings (technical
-    report, arXiv:2412.19437, sec. 3.2.3 and 3.3.4): every RMSNorm and MLA's up-projections are recomputed
-    in the backward (their outputs, q, k, v included, are not kept: each norm's input, the residual stream,
-    and MLA's latents, ``c_q``, ``c_kv`` and the rotary key, are); the attention output (the output projection's
-    input, also read by the attention backward) is kept in E5M6; the MoE SwiGLU's input is cached in FP8
-    and its output recomputed; the inputs of the other linear layers (the experts' dispatched tokens, a dense
-    MLP's down-projection input) are cached in FP8. Statistics: the attention's log-sum-exp per head and the
-    router's fp32 scores. Only the low-rank paths of MLA and a gated MLP are described; another model is
-    priced by its :mod:`counts` activations."""
-    a, h = spec.attention, spec.hidden
-    sequence = 2 * (2.0 * h)  # the two norms' inputs (bf16), their outputs and 1/rms recomputed
-    latents = 2.0 * (a.q_rank + a.kv_rank + a.rope_dim) if a.latent else 0.0
-    tensor = latents + _E5M6 * a.heads * a.v_dim + 4.0 * a.heads
-    if kind == "moe":
-        ex = spec.experts
-        assert ex is not None, "moe layer of a dense model"
-        # each token's top-k copies: the dispatched input and the SwiGLU input (gate, up) in FP8; the shared
-        # expert's SwiGLU input likewise (its input is the recomputed norm output); the router's scores
-        tensor += (FP8_BYTES * ex.top_k * (h + 2 * ex.intermediate) + FP8_BYTES * 2 * ex.shared_intermediate
-                   + 4.0 * ex.count)
-    else:  # a dense gated MLP: the SwiGLU input in bf16, its output (the down projection's input) in FP8
-        tensor += 2.0 * 2 * spec.intermediate + FP8_BYTES * spec.intermediate
-    return Activations(sequence=sequence, tensor=tensor)

@@ -32,6 +32,22 @@ attends to, ``s`` (``min(s, w)`` under a window: a query tile loops over that ma
 reading and writing ``q, k, v, o`` (and their gradients). Grouped-query attention is priced like multi-head
 attention with ``heads`` query heads (its smaller K/V traffic is not modelled).
 
+**Attention with its scores in HBM** (:func:`materialized_attention_seconds`), as Megatron-LM's core attention
+ran before flash attention (Narayanan et al. 2021, sec. 4.2: batched GEMMs for ``QKᵀ`` and ``PV`` around a fused
+scale-mask-softmax kernel; attention dropout after the softmax, Megatron's default ``attention_dropout`` 0.1).
+
+Per head and sequence, with ``e = s²`` score elements in 16-bit:
+
+- forward: ``QKᵀ`` (an ``s x s x d`` GEMM over the full square: causality is a mask), the fused softmax (read
+  the scores, write the probabilities: 4 bytes per element), dropout (read 2, write 2 and a 1-byte mask: 5),
+  ``PV`` (``s x d x s``);
+- backward: ``dV = Pᵀ dO`` and ``dP = dO Vᵀ``, dropout's backward (read the gradient and the mask, write:
+  5), the softmax's (read the probabilities and their gradient, write the scores' gradient: 6), ``dQ = dS K``
+  and ``dK = dSᵀ Q``.
+
+GEMMs are priced by :func:`gemm_seconds` as one batched kernel over the ``batch x heads`` products, the
+elementwise passes by :func:`memory_seconds`.
+
 **Collectives** (``nbytes`` = the whole tensor: an all-gather's output, a reduce-scatter's input, an
 all-reduce's buffer; for an all-to-all each rank's buffer). ``ranks = r · D`` with ``r`` ranks in each of
 ``D`` scale-up domains, hierarchical as NCCL's topology-aware paths behave at scale:
@@ -83,9 +99,10 @@ from pipeloom.plan.errors import HardwareError
 from pipeloom.plan.tp.all_to_all import all_to_all_seconds
 from pipeloom.plan.tp.collectives import CollectiveFit
 
-__all__ = ["COLLECTIVE_KINDS", "CURRENT_CAST_BYTES", "DYNAMIC_CAST_BYTES", "FUSED_CAST_BYTES", "attention_flops",
-           "attention_seconds", "collective_seconds", "domain_ranks", "dtype_bytes", "gemm_efficiency", "gemm_seconds",
-           "hidden_cost", "memory_seconds", "overlapped_seconds", "p2p_seconds", "wave_efficiency"]
+__all__ = ["ATTENTION_KINDS", "COLLECTIVE_KINDS", "CURRENT_CAST_BYTES", "DYNAMIC_CAST_BYTES", "FUSED_CAST_BYTES",
+           "attention_flops", "attention_seconds", "collective_seconds", "domain_ranks", "dtype_bytes",
+           "gemm_efficiency", "gemm_seconds", "hidden_cost", "materialized_attention_seconds", "memory_seconds",
+           "overlapped_seconds", "p2p_seconds", "wave_efficiency"]
 
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 """Collective kinds :func:`collective_seconds` prices."""
@@ -298,3 +315,28 @@ def domain_ranks(group: int, stride: int, hw: Hardware) -> int:
     order tp, cp, dp, pp: a group's members are consecutive multiples of its stride; the job's ranks fill
     :attr:`~Hardware.domain_gpus` GPUs of each domain in order)."""
     return math.gcd(group, max(1, hw.domain_gpus // stride))
+
+
+ATTENTION_KINDS = ("flash", "flash2", "materialized")
+"""Attention implementations: the GPU's best flash-attention kernel (FA3 / cuDNN on Hopper), FlashAttention-2
+(PyTorch SDPA's first-priority backend, ``Hardware.flash2_slowdown`` slower), or scores materialized
+(Megatron-LM 2021)."""
+
+_SOFTMAX_F, _DROPOUT_F = 4, 5  # bytes per score element (module docstring: attention with its scores in HBM)
+_DROPOUT_B, _SOFTMAX_B = 5, 6
+
+
+def materialized_attention_seconds(hw: Hardware, *, batch: int, heads: int, seq: int, head_dim: int,
+                                   dtype: str = "bf16", backward: bool = False) -> float:
+    """Seconds of the attention core with its scores in HBM, forward or backward (module docstring)."""
+    count = batch * heads
+    if count == 0 or seq == 0:
+        return 0.0
+    scores = float(count) * seq * seq
+    if not backward:
+        gemms = gemm_seconds(hw, seq, seq, head_dim, dtype=dtype, count=count) + gemm_seconds(
+            hw, seq, head_dim, seq, dtype=dtype, count=count)
+        return gemms + memory_seconds(hw, _SOFTMAX_F * scores) + memory_seconds(hw, _DROPOUT_F * scores)
+    gemms = (3 * gemm_seconds(hw, seq, head_dim, seq, dtype=dtype, count=count)  # dV, dQ, dK
+             + gemm_seconds(hw, seq, seq, head_dim, dtype=dtype, count=count))  # dP
+    return gemms + memory_seconds(hw, _DROPOUT_B * scores) + memory_seconds(hw, _SOFTMAX_B * scores)

@@ -15,7 +15,7 @@ from pipeloom.plan.cluster.counts import block_kind, layer_counts, layer_kinds
 from pipeloom.plan.cluster.efficiency import collective_seconds, domain_ranks, hidden_cost, memory_seconds, p2p_seconds
 from pipeloom.plan.cluster.held import RankHeld, held_profile, peak_held, replay_stages
 from pipeloom.plan.cluster.job import GRAD_REDUCE, Job
-from pipeloom.plan.cluster.layer_time import PhaseTimes, add_times, kept_activations, layer_times
+from pipeloom.plan.cluster.layer_time import PhaseTimes, add_times, layer_times
 from pipeloom.plan.cluster.layout import PAIRED, SCHEDULES, Layout
 from pipeloom.plan.cluster.mtp import mtp_times
 from pipeloom.plan.cluster.placement import (
@@ -28,6 +28,7 @@ from pipeloom.plan.cluster.placement import (
     schedule_microbatches,
     work_bound,
 )
+from pipeloom.plan.cluster.recompute import kept_activations
 from pipeloom.plan.cluster.step import Estimate, Memory
 from pipeloom.plan.errors import LayoutError
 from pipeloom.problem import Costs
@@ -187,7 +188,7 @@ class Estimator:
     def _keep(self, kind: str, tp: int, cp: int, mbs: int, recompute: str) -> float:
         key = (kind, tp, cp, mbs, recompute)
         if key not in self._acts:
-            keep = kept_activations(self.job, self.counts[kind], recompute)
+            keep = kept_activations(self.job.selective, self.job.spec, self.counts[kind], recompute)
             self._acts[key] = keep.per_gpu(tp=tp, cp=cp, sp=tp > 1 and self.job.sequence_parallel) * mbs * self.job.seq
         return self._acts[key]
 

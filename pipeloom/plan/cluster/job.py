@@ -8,13 +8,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeloom.plan.cluster.config import ModelSpec
+from pipeloom.plan.cluster.efficiency import ATTENTION_KINDS
 from pipeloom.plan.cluster.elementwise import KERNELS
 from pipeloom.plan.cluster.hardware import Hardware
 from pipeloom.plan.cluster.layout import PAIRED, Layout
-from pipeloom.plan.cluster.materialized import ATTENTION_KINDS
+from pipeloom.plan.cluster.recompute import idle_modules, megatron_modules
 from pipeloom.plan.errors import LayoutError
 
-__all__ = ["Job", "SELECTIVE", "CP_ROTATE", "MOE_COMM", "GRAD_REDUCE", "STAGE_CUTS", "FP8_CASTS", "FRAMEWORKS",
+__all__ = ["Job", "CP_ROTATE", "MOE_COMM", "GRAD_REDUCE", "STAGE_CUTS", "FP8_CASTS", "FRAMEWORKS",
            "framework_options"]
 
 FP8_CASTS = ("cached", "dynamic", "current")
@@ -26,13 +27,11 @@ MOE_COMM = ("plain", "deepseek")
 GRAD_REDUCE = {"bf16": 2, "fp32": 4}
 """The data types the gradient reduce-scatter may move (:attr:`Job.grad_reduce`), and their bytes."""
 
-SELECTIVE = ("attention", "op", "layer", "deepseek")
-"""What ``recompute=selective`` may recompute (:attr:`Job.selective`)."""
 STAGE_CUTS = ("balanced", "even")
 """How the decoder layers may be cut into pipeline stages (:attr:`Job.stage_cut`)."""
 
 FRAMEWORKS: dict[str, dict[str, Any]] = {
-    "megatron-bridge": {"kernels": "fused", "attention": "flash", "selective": "attention", "cp_rotate": "ring",
+    "megatron-bridge": {"kernels": "fused", "attention": "flash", "selective": "core_attn", "cp_rotate": "ring",
                         "grad_reduce": "bf16", "stage_cut": "even", "tp_overlap": True, "fp8_cast": "current"},
     "torchtitan": {"kernels": "eager", "attention": "flash2", "selective": "op", "cp_rotate": "allgather",
                    "grad_reduce": "fp32", "stage_cut": "even", "tp_overlap": False, "fp8_cast": "dynamic"},
@@ -80,13 +79,16 @@ class Job:
     op): :mod:`pipeloom.plan.cluster.elementwise`."""
     attention: str = "flash"
     """Attention core: ``flash`` (the GPU's best kernel), ``flash2`` (FlashAttention-2) or ``materialized`` scores
-    (Megatron-LM 2021): :mod:`.materialized`."""
-    selective: str = "attention"
-    """What ``recompute=selective`` recomputes: ``attention`` (Megatron's: the attention core) or ``op``
+    (Megatron-LM 2021): :func:`~pipeloom.plan.cluster.efficiency.materialized_attention_seconds`."""
+    selective: str = "core_attn"
+    """What ``recompute=selective`` recomputes (:mod:`pipeloom.plan.cluster.recompute`): Megatron-Core's
+    ``recompute_modules``, comma-separated, from ``core_attn`` (its default: the attention core), ``layernorm``,
+    ``moe_act``, ``mla_up_proj``, ``mlp``, ``moe`` and ``shared_experts`` (written back in that order); or ``op``
     (torchtitan's op-level policy: every op but the matmuls and the attention kernel, and every second matmul of
-    a layer: :func:`_op_recompute`) or ``layer`` (torchtitan's ``selective_ac_option = "2"``: every second
-    layer recomputed whole) or ``deepseek`` (DeepSeek-V3's: every RMSNorm, MLA's up-projections and the MoE
-    SwiGLU run again; linear inputs cached in FP8: :func:`deepseek_activations`)."""
+    a layer: :func:`~pipeloom.plan.cluster.layer_time._op_recompute`) or ``layer`` (torchtitan's
+    ``selective_ac_option = "2"``: every second layer recomputed whole) or ``deepseek`` (DeepSeek-V3's: every
+    RMSNorm, MLA's up-projections and the MoE SwiGLU run again; linear inputs cached in FP8:
+    :func:`~pipeloom.plan.cluster.recompute.deepseek_activations`)."""
     cp_rotate: str = "ring"
     """How context parallelism exchanges K/V: ``ring`` (each block's K/V sent to the next rank beside the current
     block's compute: Megatron-Core / Transformer Engine) or ``allgather`` (PyTorch's ``context_parallel`` as
@@ -141,12 +143,12 @@ class Job:
     evenly; torchtitan's 2024 ``generate_split_points``; Llama 3's one layer less on the first and last stages)."""
 
     def __post_init__(self) -> None:
+        modules = megatron_modules(self.selective)
+        if modules:  # one spelling per set of modules
+            object.__setattr__(self, "selective", ",".join(modules))
         choices = (("kernels", KERNELS, "elementwise kernels: fused (Megatron, Transformer Engine, torch.compile) or "
                                         "eager (PyTorch op by op)"),
                    ("attention", ATTENTION_KINDS, "the attention core's kernels"),
-                   ("selective", SELECTIVE, "'attention' (Megatron's), 'op' (torchtitan's op policy), 'layer' "
-                                            "(every second layer whole) or 'deepseek' (DeepSeek-V3's norms, MLA "
-                                            "up-projections and SwiGLU, FP8-cached inputs)"),
                    ("cp_rotate", CP_ROTATE, "'ring' (Megatron-Core's K/V ring) or 'allgather' (PyTorch's "
                                             "context_parallel, as torchtitan runs it)"),
                    ("moe_comm", MOE_COMM, "'plain' or 'deepseek' (DeepSeek-V3's all-to-all kernels)"),
@@ -187,6 +189,11 @@ class Job:
     def _check_applies(self) -> None:
         """LayoutError for a framework choice this job has nothing to apply to (it would change nothing, or price
         what the framework does not do)."""
+        idle = idle_modules(self.spec, megatron_modules(self.selective))
+        if idle:
+            raise LayoutError(f"selective={self.selective!r}: " + "; ".join(
+                f"{module} recomputes nothing in the {self.spec.family} model, which {why}" for module, why in idle)
+                + f": leave {'it' if len(idle) == 1 else 'them'} out")
         if self.selective == "deepseek":
             reasons = [why for why, wrong in (
                 (f"the {self.spec.family} model has no multi-head latent attention, whose up-projections it "
@@ -195,7 +202,7 @@ class Job:
                  "(--dtype fp8)", self.dtype != "fp8")) if wrong]
             if reasons:
                 raise LayoutError("selective='deepseek' is DeepSeek-V3's recipe: " + "; ".join(reasons)
-                                  + "; use selective 'attention' or 'op' otherwise")
+                                  + "; use selective 'core_attn' or 'op' otherwise")
         if self.fp8_cast != "cached" and self.dtype != "fp8":
             raise LayoutError(f"fp8_cast={self.fp8_cast!r} prices FP8 GEMMs' casts; with dtype {self.dtype!r} there "
                               "are none: add --dtype fp8 or leave --fp8-cast out")

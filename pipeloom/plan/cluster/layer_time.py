@@ -11,18 +11,7 @@ from dataclasses import dataclass
 
 from pipeloom.plan.cluster.config import ModelSpec
 from pipeloom.plan.cluster.context import context_parallel_core
-from pipeloom.plan.cluster.counts import (
-    FP8_BYTES,
-    WINDOWED,
-    Activations,
-    LayerCounts,
-    block_kind,
-    deepseek_activations,
-    layer_counts,
-    mtp_activations,
-    mtp_block,
-    op_activations,
-)
+from pipeloom.plan.cluster.counts import WINDOWED, block_kind, layer_counts
 from pipeloom.plan.cluster.efficiency import (
     CURRENT_CAST_BYTES,
     DYNAMIC_CAST_BYTES,
@@ -31,6 +20,7 @@ from pipeloom.plan.cluster.efficiency import (
     collective_seconds,
     domain_ranks,
     gemm_seconds,
+    materialized_attention_seconds,
     memory_seconds,
     overlapped_seconds,
 )
@@ -38,11 +28,11 @@ from pipeloom.plan.cluster.elementwise import layer_elementwise
 from pipeloom.plan.cluster.hardware import Hardware
 from pipeloom.plan.cluster.job import Job
 from pipeloom.plan.cluster.layout import Layout
-from pipeloom.plan.cluster.materialized import materialized_attention_seconds
+from pipeloom.plan.cluster.recompute import FP8_BYTES, megatron_modules, separate_norms
 from pipeloom.plan.errors import LayoutError
 from pipeloom.plan.tp.all_to_all import moe_exchanges
 
-__all__ = ["PhaseTimes", "add_times", "layer_times", "kept_activations", "compute_hardware", "compute_share",
+__all__ = ["PhaseTimes", "add_times", "layer_times", "compute_hardware", "compute_share",
            "fp8_casts"]
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -161,18 +151,31 @@ def layer_times(job: Job, layout: Layout, kind: str) -> PhaseTimes:
         parts.append(_moe_times(job, layout, tokens))
     gemm = add_times(*parts)
     f = gemm.f + core_f + ew_f + tp_f
-    i = gemm.i + core_b + ew_b + tp_i
-    i_comm = gemm.i_comm
-    if layout.recompute == "selective":
-        if job.selective == "layer":  # every second layer checkpointed whole: half a forward per layer on average
-            i, i_comm = i + f / 2, i_comm + gemm.f_comm / 2
-        elif job.selective == "deepseek":
-            i += _deepseek_recompute(job, tokens, tp, kind)
-        else:
-            i += _op_recompute(job, tokens, tp) + ew_f if job.selective == "op" and kind == "dense" else core_f
-    elif layout.recompute == "full":  # the forward again, its all-to-alls included
-        i, i_comm = i + f, i_comm + gemm.f_comm
-    return PhaseTimes(f=f, i=i, w=gemm.w, f_comm=gemm.f_comm, i_comm=i_comm)
+    forward = PhaseTimes(f=f, i=0.0, w=0.0, f_comm=gemm.f_comm)
+    extra, extra_comm = _recompute(job, layout, tokens, kind, forward, core_f=core_f, tp_f=tp_f, ew_f=ew_f,
+                                   mlp=parts[1])
+    return PhaseTimes(f=f, i=gemm.i + core_b + ew_b + tp_i + extra, w=gemm.w, f_comm=gemm.f_comm,
+                      i_comm=gemm.i_comm + extra_comm)
+
+
+def _recompute(job: Job, layout: Layout, tokens: int, kind: str, forward: PhaseTimes, *, core_f: float,
+               tp_f: float, ew_f: float, mlp: PhaseTimes) -> tuple[float, float]:
+    """Seconds ``layout.recompute`` adds to a layer's backward, and of them the all-to-alls' (``forward``: the
+    layer's F and its all-to-alls; the other keywords its parts, as :func:`_megatron_recompute` takes them): the
+    forward again under ``full``; under ``selective``, ``job.selective``'s policy."""
+    if layout.recompute == "full":  # the forward again, its all-to-alls included
+        return forward.f, forward.f_comm
+    if layout.recompute != "selective":
+        return 0.0, 0.0
+    if job.selective == "layer":  # every second layer checkpointed whole: half a forward per layer on average
+        return forward.f / 2, forward.f_comm / 2
+    if job.selective == "deepseek":
+        return _deepseek_recompute(job, tokens, layout.tp, kind), 0.0
+    if job.selective == "op" and kind == "dense":
+        return _op_recompute(job, tokens, layout.tp) + ew_f, 0.0
+    # Megatron-Core's modules (torchtitan's op policy in an MoE layer: the attention core)
+    modules = ("core_attn",) if job.selective == "op" else megatron_modules(job.selective)
+    return _megatron_recompute(job, layout, tokens, kind, modules, core_f=core_f, tp_f=tp_f, mlp=mlp)
 
 
 def _attention_core(job: Job, layout: Layout, window: int, *, backward: bool) -> float:
@@ -234,28 +237,11 @@ def _moe_times(job: Job, layout: Layout, tokens: int) -> PhaseTimes:
     return PhaseTimes(f=times.f + a2a["F"], i=times.i + a2a["I"], w=times.w, f_comm=a2a["F"], i_comm=a2a["I"])
 
 
-def kept_activations(job: Job, counts: LayerCounts, recompute: str) -> Activations:
-    """What one token keeps in a layer of ``counts`` under ``recompute``: the counts' own; under ``selective`` as
-    ``job.selective`` says: every second layer whole (``layer``: half a layer's ``none`` and half its ``full``, on
-    average), torchtitan's op policy in a dense layer (``op``: :func:`op_activations`), or DeepSeek-V3's
-    (``deepseek``: :func:`deepseek_activations` for its decoder layers and multi-token-prediction modules)."""
-    if recompute != "selective" or counts.kind in ("embedding", "head") or job.selective == "attention":
-        return counts.activations[recompute]
-    if job.selective == "layer":
-        none, full = counts.activations["none"], counts.activations["full"]
-        return Activations(sequence=(none.sequence + full.sequence) / 2, tensor=(none.tensor + full.tensor) / 2,
-                           replicated=(none.replicated + full.replicated) / 2)
-    if job.selective == "op":
-        return op_activations(job.spec) if block_kind(counts.kind) == "dense" else counts.activations[recompute]
-    if counts.kind == "mtp":
-        return mtp_activations(job.spec, recompute, deepseek_activations(job.spec, block_kind(mtp_block(job.spec))))
-    return deepseek_activations(job.spec, block_kind(counts.kind))
-
-
 def _deepseek_recompute(job: Job, tokens: int, tp: int, kind: str) -> float:
-    """Seconds DeepSeek-V3's recomputation adds to a layer's backward (:func:`deepseek_activations`): the two
-    RMSNorms (read h, write h, bf16), MLA's q and kv up-projection GEMMs and, in an MoE layer, the routed and
-    shared experts' SwiGLU (read gate and up, write the product: 6 bytes per intermediate element)."""
+    """Seconds DeepSeek-V3's recomputation adds to a layer's backward
+    (:func:`~pipeloom.plan.cluster.recompute.deepseek_activations`): the two RMSNorms (read h, write h, bf16),
+    MLA's q and kv up-projection GEMMs and, in an MoE layer, the routed and shared experts' SwiGLU (read gate
+    and up, write the product: 6 bytes per intermediate element)."""
     spec, hw, a = job.spec, job.hw, job.spec.attention
     norms = memory_seconds(hw, 2 * 4.0 * spec.hidden * tokens) + hw.kernel_overhead
     up = [(a.heads * a.qk_dim // tp, a.q_rank)] if a.q_rank else []
@@ -267,6 +253,43 @@ def _deepseek_recompute(job: Job, tokens: int, tp: int, kind: str) -> float:
         # routed: this rank's tokens / tp, top-k copies each; shared: all tokens, sharded by tp
         seconds += memory_seconds(hw, 6.0 * (ex.top_k * ex.intermediate + ex.shared_intermediate) * tokens / tp)
     return seconds
+
+
+def _megatron_recompute(job: Job, layout: Layout, tokens: int, kind: str, modules: tuple[str, ...], *,
+                        core_f: float, tp_f: float, mlp: PhaseTimes) -> tuple[float, float]:
+    """Seconds Megatron-Core's ``recompute_modules`` (:mod:`pipeloom.plan.cluster.recompute`) add to a layer's
+    backward, and of them the all-to-alls' (an overlapped pair may hide them): each module's forward again, on
+    the layer's F prices (``core_f`` the attention core, ``tp_f`` the layer's tp exchanges, ``mlp`` its MLP's
+    GEMMs, all-to-alls included): ``core_attn`` the attention core; ``layernorm`` the separate norms (read h,
+    write h); ``moe_act`` the routed experts' activation (read gate and up, write the product: 6 bytes per
+    intermediate element); ``mla_up_proj`` MLA's q and kv up-projection GEMMs; ``mlp`` a dense MLP's GEMMs, its
+    activation, its fused norm and half the layer's tp exchanges; ``moe`` the MoE MLP's GEMMs and all-to-alls
+    and its experts' activations; ``shared_experts`` their GEMMs and activation. Not priced: the rotary
+    embedding under ``mla_up_proj``, the token permutations under ``moe``."""
+    spec, hw, tp, a = job.spec, job.hw, layout.tp, job.spec.attention
+    sp = tp if tp > 1 and job.sequence_parallel else 1
+    act = 6.0 if spec.gated else 4.0  # bytes per intermediate element of the activation: read 2 (1), write 1
+    seconds, comm = core_f if "core_attn" in modules else 0.0, 0.0
+    if "layernorm" in modules:
+        seconds += separate_norms(spec, kind) * (memory_seconds(hw, 2 * 2.0 * spec.hidden * tokens / sp)
+                                                 + hw.kernel_overhead)
+    if "mla_up_proj" in modules and a.latent:
+        up = [(a.heads * a.qk_dim // tp, a.q_rank)] if a.q_rank else []
+        seconds += _price(job, [*up, (a.heads * (a.qk_dim - a.rope_dim + a.v_dim) // tp, a.kv_rank)], tokens).f
+    if kind == "dense" and "mlp" in modules:
+        seconds += (mlp.f + memory_seconds(hw, act * spec.intermediate * tokens / tp)
+                    + memory_seconds(hw, 2 * 2.0 * spec.hidden * tokens / sp) + tp_f / 2)
+    ex = spec.experts
+    if kind == "moe" and ex is not None:
+        routed = memory_seconds(hw, 6.0 * ex.top_k * ex.intermediate * max(1, tokens // tp))
+        shared = _price(job, _mlp(spec, ex.shared_intermediate, tp, gated=True), tokens).f + memory_seconds(
+            hw, 6.0 * ex.shared_intermediate * tokens / tp) if ex.shared_intermediate else 0.0
+        if "moe" in modules:
+            seconds, comm = seconds + mlp.f + routed + memory_seconds(
+                hw, 6.0 * ex.shared_intermediate * tokens / tp), comm + mlp.f_comm
+        else:
+            seconds += (routed if "moe_act" in modules else 0.0) + (shared if "shared_experts" in modules else 0.0)
+    return seconds, comm
 
 
 def _tp_time(job: Job, layout: Layout, tokens: int, kind: str, hidden_bytes: float) -> tuple[float, float]:

@@ -89,6 +89,13 @@ def _checkpointed(family, attention):
 
 def _saved_per_layer(family, mode, attention="sdpa", **overrides):
     """Bytes of unique non-parameter storages each decoder layer saves, shared ones left out."""
+    config, layers = _saved_storages(family, mode, attention, **overrides)
+    return config, [sum(layer.values()) for layer in layers]
+
+
+def _saved_storages(family, mode, attention="sdpa", prepare=None, **overrides):
+    """Per decoder layer, the unique non-parameter storages it saves (address: bytes), shared ones left out;
+    ``prepare(model)`` changes the model before its forward (``mode`` ``none``)."""
     config = tiny_config(family)
     for key, value in overrides.items():
         setattr(config, key, value)
@@ -100,6 +107,8 @@ def _saved_per_layer(family, mode, attention="sdpa", **overrides):
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=impl, **experts)
     if mode == "full":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    if prepare is not None:
+        prepare(model)
     model.train()
     fixed = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
     current = [None]
@@ -126,7 +135,7 @@ def _saved_per_layer(family, mode, attention="sdpa", **overrides):
     layers = [saved.get(n, {}) for n in range(config.num_hidden_layers)]
     shared = {key for n, one in enumerate(layers) for m, other in enumerate(layers) if m != n for key in one
               if key in other}
-    return config, [sum(size for key, size in one.items() if key not in shared) for one in layers]
+    return config, [{key: size for key, size in one.items() if key not in shared} for one in layers]
 
 
 def _eager_extra(spec, mode, kind="dense", config=None, attention="sdpa"):
@@ -219,3 +228,191 @@ def test_modes_are_ordered_and_divided():
     one = acts["none"]
     assert one.per_gpu(tp=4, cp=1, sp=True) == pytest.approx(none / 4)
     assert one.per_gpu(tp=4, cp=2, sp=False) == pytest.approx((one.sequence + one.tensor / 4) / 2)
+
+
+# Megatron-Core's recompute_modules (pipeloom.plan.cluster.recompute). A module under normal checkpointing (mlp,
+# moe, shared_experts) is wrapped in a reentrant checkpoint as Megatron-Core's layer spec draws its bounds (the
+# dense MLP with its norm, fused into its first linear layer by Transformer Engine; the MoE MLP without its norm,
+# which runs as a module of its own): what the layer saves less is compared with what the model says it keeps
+# less, plus the eager extras that go with it (_eager_extra). An output-discarding module (layernorm, moe_act,
+# mla_up_proj) frees exactly the storage of its output that autograd saves: those storages, found by address, are
+# compared with what the model says it keeps less.
+_PRE_NORM = ("llama", "mistral", "qwen2", "qwen3", "granite", "phi3", "starcoder2", "gpt_neox")  # a pre-MLP norm
+# named post_attention_layernorm before the MLP (Gemma's and OLMo's norms sit elsewhere)
+
+
+def _layers(model, family):
+    return list(model.get_submodule(LAYER_PREFIX.get(family, "model.layers")))
+
+
+def _moe_block(layer):
+    """The layer's MoE MLP (the child holding the experts), None in a dense layer."""
+    return next((child for child in layer.children() if hasattr(child, "experts")), None)
+
+
+def _checkpoint(module, before=None):
+    """Run ``module`` (after ``before``, a module taken out of the layer's forward) inside a reentrant checkpoint."""
+    from torch.utils.checkpoint import checkpoint
+
+    forward = module.forward
+    if before is not None:
+        module.add_module("pipeloom_before", before)
+
+    def wrapped(hidden, *args, **kwargs):
+        def run(x):
+            return forward(before(x) if before is not None else x, *args, **kwargs)
+        return checkpoint(run, hidden, use_reentrant=True)
+
+    module.forward = wrapped
+
+
+def _fewer(spec, kind, modules):
+    """Bytes per token the model says a layer of ``kind`` keeps less under ``modules`` (one GPU, no tp)."""
+    from pipeloom.plan.cluster.recompute import megatron_activations
+
+    none = layer_counts(spec, kind, SEQ, width=WIDTH).activations["none"].per_gpu(tp=1, cp=1, sp=False)
+    return none - megatron_activations(spec, kind, modules, width=WIDTH).per_gpu(tp=1, cp=1, sp=False)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES) + sorted(MOE_FAMILIES))
+def test_megatron_core_attn_is_the_selective_mode(family):
+    from pipeloom.plan.cluster.counts import layer_kinds
+    from pipeloom.plan.cluster.recompute import megatron_activations
+
+    spec = model_spec(tiny_config(family))
+    for kind in set(layer_kinds(spec)):
+        assert megatron_activations(spec, kind, ("core_attn",)) == layer_counts(spec, kind, SEQ).activations[
+            "selective"]
+
+
+@pytest.mark.parametrize("family", _PRE_NORM)
+def test_megatron_mlp_recompute_frees_what_autograd_saved(family):
+    def prepare(model):
+        for layer in _layers(model, family):
+            norm, layer.post_attention_layernorm = layer.post_attention_layernorm, torch.nn.Identity()
+            _checkpoint(layer.mlp, before=norm)
+
+    config, none = _saved_per_layer(family, "none", FAMILIES[family])
+    _, layers = _saved_storages(family, "none", FAMILIES[family], prepare=prepare)
+    spec = model_spec(config)
+    eager = WIDTH * ((0 if spec.layer_norm else spec.hidden) + (spec.intermediate if spec.gated else 0))
+    assert [n - sum(m.values()) for n, m in zip(none, layers)] == [
+        BATCH * SEQ * (_fewer(spec, "dense", ("mlp",)) + eager)] * spec.layers
+
+
+@pytest.mark.parametrize("family", sorted(MOE_FAMILIES))
+def test_megatron_moe_recompute_frees_what_autograd_saved(family):
+    def prepare(model):
+        for layer in _layers(model, family):
+            if _moe_block(layer) is not None:
+                _checkpoint(_moe_block(layer))
+
+    config, none = _saved_per_layer(family, "none", MOE_FAMILIES[family])
+    _, layers = _saved_storages(family, "none", MOE_FAMILIES[family], prepare=prepare)
+    spec, ex = model_spec(config), model_spec(config).experts
+    routed = ex.top_k * (WIDTH * (ex.intermediate + spec.hidden) + _INDEX) + (
+        ex.top_k * WIDTH * 3 * ex.intermediate if family == "gpt_oss" else 0)
+    eager = routed + WIDTH * ex.shared_intermediate + _router_extra(config)
+    expected = [BATCH * SEQ * (_fewer(spec, "moe", ("moe",)) + eager) if n in spec.moe_layers else 0
+                for n in range(spec.layers)]
+    assert [n - sum(m.values()) for n, m in zip(none, layers)] == expected and any(expected)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+def test_megatron_shared_experts_recompute_frees_what_autograd_saved(family):
+    def prepare(model):
+        for layer in _layers(model, family):
+            if _moe_block(layer) is not None:
+                _checkpoint(_moe_block(layer).shared_experts)
+
+    config, none = _saved_per_layer(family, "none", MOE_FAMILIES[family])
+    _, layers = _saved_storages(family, "none", MOE_FAMILIES[family], prepare=prepare)
+    spec = model_spec(config)
+    eager = WIDTH * spec.experts.shared_intermediate  # act(gate), kept apart from act(gate) * up
+    expected = [BATCH * SEQ * (_fewer(spec, "moe", ("shared_experts",)) + eager) if n in spec.moe_layers else 0
+                for n in range(spec.layers)]
+    assert [n - sum(m.values()) for n, m in zip(none, layers)] == expected and any(expected)
+
+
+def _tagged(family, attention, tag):
+    """Per layer, the bytes autograd saves of the storages ``tag(model, found)`` adds to ``found`` (a list of
+    tensors, held until counted so that no other tensor takes their addresses)."""
+    found: list = []
+    config, layers = _saved_storages(family, "none", attention, prepare=lambda model: tag(model, found))
+    addresses = {t.untyped_storage().data_ptr() for t in found}
+    return config, [sum(size for key, size in layer.items() if key in addresses) for layer in layers]
+
+
+@pytest.mark.parametrize("family", sorted(MOE_FAMILIES))
+def test_megatron_layernorm_recompute_frees_the_separate_norms_outputs(family):
+    """The MoE layers' pre-MLP norms and, under latent attention, every attention norm."""
+    def tag(model, found):
+        for layer in _layers(model, family):
+            norms = [layer.post_attention_layernorm] if _moe_block(layer) is not None else []
+            if config_latent:
+                norms.append(layer.input_layernorm)
+            for norm in norms:
+                norm.register_forward_hook(lambda module, args, out: found.append(out))
+
+    spec = model_spec(tiny_config(family))
+    config_latent = spec.attention.latent
+    _, freed = _tagged(family, MOE_FAMILIES[family], tag)
+    kinds = ["moe" if n in spec.moe_layers else "dense" for n in range(spec.layers)]
+    expected = [BATCH * SEQ * _fewer(spec, kind, ("layernorm",)) for kind in kinds]
+    assert freed == expected and all(expected[n] for n in spec.moe_layers)
+
+
+@pytest.mark.parametrize("family", sorted(MOE_FAMILIES))
+def test_megatron_moe_act_recompute_frees_the_experts_activation_outputs(family):
+    """The input of each expert's down projection, whatever way the family multiplies by it."""
+    from torch.overrides import TorchFunctionMode
+
+    class Downs(TorchFunctionMode):
+        def __init__(self, weights, found):
+            super().__init__()
+            self.weights, self.found = weights, found
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func in (torch.nn.functional.linear, torch.matmul, torch.Tensor.matmul) and len(args) > 1 \
+                    and args[1].untyped_storage().data_ptr() in self.weights:
+                self.found.append(args[0])
+            return func(*args, **(kwargs or {}))
+
+    def tag(model, found):
+        weights = {block.experts.down_proj.untyped_storage().data_ptr()
+                   for block in map(_moe_block, _layers(model, family)) if block is not None}
+        for block in filter(None, map(_moe_block, _layers(model, family))):
+            forward = block.experts.forward
+
+            def watched(*args, forward=forward, **kwargs):
+                with Downs(weights, found):
+                    return forward(*args, **kwargs)
+            block.experts.forward = watched
+
+    config, freed = _tagged(family, MOE_FAMILIES[family], tag)
+    spec = model_spec(config)
+    expected = [BATCH * SEQ * _fewer(spec, "moe", ("moe_act",)) if n in spec.moe_layers else 0
+                for n in range(spec.layers)]
+    assert freed == expected and any(expected)
+
+
+def test_megatron_mla_up_proj_recompute_frees_q_k_and_v():
+    """q, k and v as the attention core receives them (v made contiguous, as the eager core's batched matmul
+    copies it: what it saves is then the tensor received)."""
+    from importlib import import_module
+
+    eager = import_module("transformers.models.deepseek_v3.modeling_deepseek_v3").eager_attention_forward
+    found: list = []
+
+    def recorded(module, query, key, value, attention_mask, **kwargs):
+        value = value.contiguous()
+        found.extend((query, key, value))
+        return eager(module, query, key, value, attention_mask, **kwargs)
+
+    transformers.AttentionInterface.register("pipeloom_recorded_deepseek_v3", recorded)
+    config, layers = _saved_storages("deepseek_v3", "none", "pipeloom_recorded_deepseek_v3")
+    addresses = {t.untyped_storage().data_ptr() for t in found}
+    freed = [sum(size for key, size in layer.items() if key in addresses) for layer in layers]
+    spec = model_spec(config)
+    kinds = ["moe" if n in spec.moe_layers else "dense" for n in range(spec.layers)]
+    assert freed == [BATCH * SEQ * _fewer(spec, kind, ("mla_up_proj",)) for kind in kinds] and all(freed)

@@ -1,6 +1,6 @@
 """The job options of what a framework does (attention kernel, gradient overlap): attention with its scores in
-HBM (:mod:`pipeloom.plan.cluster.materialized`) against its closed form, FlashAttention-2, an exposed gradient
-all-reduce."""
+HBM (:func:`pipeloom.plan.cluster.efficiency.materialized_attention_seconds`) against its closed form,
+FlashAttention-2, an exposed gradient all-reduce."""
 
 from __future__ import annotations
 
@@ -11,14 +11,19 @@ import pytest
 from pipeloom.plan.cluster.api import plan_cluster
 from pipeloom.plan.cluster.config import model_spec
 from pipeloom.plan.cluster.counts import model_params
-from pipeloom.plan.cluster.efficiency import attention_seconds, collective_seconds, gemm_seconds, memory_seconds
+from pipeloom.plan.cluster.efficiency import (
+    attention_seconds,
+    collective_seconds,
+    gemm_seconds,
+    materialized_attention_seconds,
+    memory_seconds,
+)
 from pipeloom.plan.cluster.elementwise import layer_elementwise
 from pipeloom.plan.cluster.estimate import Estimator
 from pipeloom.plan.cluster.gpus import hardware
 from pipeloom.plan.cluster.job import Job
 from pipeloom.plan.cluster.layer_time import layer_times
 from pipeloom.plan.cluster.layout import Layout
-from pipeloom.plan.cluster.materialized import materialized_attention_seconds
 from pipeloom.plan.errors import LayoutError
 
 GPT = {"model_type": "gpt2", "n_embd": 256, "n_layer": 2, "n_head": 4, "vocab_size": 100, "n_positions": 2048}

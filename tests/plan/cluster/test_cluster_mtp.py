@@ -14,13 +14,14 @@ import dataclasses
 import pytest
 
 from pipeloom.plan.cluster.config import model_spec
-from pipeloom.plan.cluster.counts import deepseek_activations, layer_counts, mtp_activations
+from pipeloom.plan.cluster.counts import layer_counts, mtp_activations
 from pipeloom.plan.cluster.estimate import Estimator
 from pipeloom.plan.cluster.gpus import hardware
 from pipeloom.plan.cluster.job import Job
 from pipeloom.plan.cluster.layer_time import add_times, layer_times
 from pipeloom.plan.cluster.layout import Layout
 from pipeloom.plan.cluster.mtp import mtp_times
+from pipeloom.plan.cluster.recompute import deepseek_activations
 from pipeloom.plan.errors import LayoutError, ModelConfigError
 
 H, HEADS, Q_RANK, KV_RANK, ROPE, NOPE, V, EXPERTS, TOP_K, MOE_I, VOCAB = 64, 4, 24, 16, 8, 16, 12, 4, 2, 24, 128
@@ -94,7 +95,7 @@ def test_without_the_field_nothing_changes():
         assert on.tokens_per_gpu_per_second < off.tokens_per_gpu_per_second
 
 
-@pytest.mark.parametrize("selective", ["attention", "deepseek"])
+@pytest.mark.parametrize("selective", ["core_attn", "deepseek"])
 def test_last_stage_holds_the_module(selective):
     dtype = "fp8" if selective == "deepseek" else "bf16"  # DeepSeek's caching is part of its FP8 training
     on, off = (Estimator(_job(config, selective=selective, dtype=dtype)) for config in (TINY_V3, WITHOUT))

@@ -11,13 +11,13 @@ import pytest
 from pipeloom.cli import main
 from pipeloom.plan.cluster import plan_cluster
 from pipeloom.plan.cluster.config import model_spec
-from pipeloom.plan.cluster.counts import layer_counts, model_params, op_activations
+from pipeloom.plan.cluster.counts import layer_counts, model_params
 from pipeloom.plan.cluster.estimate import Estimator
 from pipeloom.plan.cluster.gpus import hardware
 from pipeloom.plan.cluster.job import Job
-from pipeloom.plan.cluster.layer_time import kept_activations
 from pipeloom.plan.cluster.layout import LAYOUT_KEYS, Layout, parse_layout
 from pipeloom.plan.cluster.placement import work_bound
+from pipeloom.plan.cluster.recompute import kept_activations, op_activations
 from pipeloom.plan.errors import LayoutError, NoLayoutFits
 
 SMALL = {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 16,
@@ -342,14 +342,14 @@ def test_each_selective_policy_keeps_its_own_activations():
     assert (op.sequence, op.tensor, op.replicated) == (2 * h, 2 * (heads * d + kv * d + heads * d + inter) + 4 * heads,
                                                       2 * h)
     counts = layer_counts(job.spec, "dense", job.seq)
-    kept = {s: kept_activations(dataclasses.replace(job, selective=s), counts, "selective").per_gpu(tp=2, cp=1, sp=True)
-            for s in ("attention", "op", "layer")}
+    kept = {s: kept_activations(s, job.spec, counts, "selective").per_gpu(tp=2, cp=1, sp=True)
+            for s in ("core_attn", "op", "layer")}
     none, full = (counts.activations[m].per_gpu(tp=2, cp=1, sp=True) for m in ("none", "full"))
-    assert kept["layer"] == pytest.approx((none + full) / 2) and full < kept["op"] < kept["attention"] < none
+    assert kept["layer"] == pytest.approx((none + full) / 2) and full < kept["op"] < kept["core_attn"] < none
     estimates = {s: Estimator(dataclasses.replace(job, selective=s)).estimate(
-        Layout(dp=4, tp=2, recompute="selective")) for s in ("attention", "op", "layer")}
-    assert estimates["attention"].step_time < estimates["op"].step_time  # op reruns three matmuls and the rest
-    assert estimates["op"].memory.activations < estimates["attention"].memory.activations
+        Layout(dp=4, tp=2, recompute="selective")) for s in ("core_attn", "op", "layer")}
+    assert estimates["core_attn"].step_time < estimates["op"].step_time  # op reruns three matmuls and the rest
+    assert estimates["op"].memory.activations < estimates["core_attn"].memory.activations
 
 
 def test_options_that_change_nothing_on_the_chosen_layout_are_noted(config, capsys):

@@ -1,0 +1,193 @@
+"""What ``recompute=selective`` keeps for the backward under each policy (:attr:`Job.selective
+<pipeloom.plan.cluster.job.Job.selective>`), per token of a layer: Megatron-Core's ``recompute_modules``
+(any set of :data:`MEGATRON_MODULES`; its default, ``core_attn``, is :mod:`counts`' ``selective``), torchtitan's
+op-level policy (``op``) and every second layer whole (``layer``), DeepSeek-V3's (``deepseek``). The seconds
+each adds to a layer's backward are :func:`pipeloom.plan.cluster.layer_time.layer_times`'.
+
+Megatron-Core's modules (``TransformerConfig.recompute_modules``, as its layer spec with Transformer Engine builds
+the layer):
+
+- ``core_attn``: the attention core runs again in the backward (normal checkpointing): its q, k, v are the
+  checkpoint's inputs and its output the output projection's input, so only its log-sum-exp per head is not kept;
+- ``layernorm``: the norms Megatron-Core runs as modules of their own, the pre-MLP norm of an MoE layer (the router
+  reads its output too) and the attention's norm before multi-head latent attention (two down-projections read
+  it), discard their output and recompute it (output-discarding checkpointing): h elements each. A norm fused
+  into the linear layer after it (Transformer Engine's ``LayerNormLinear``: standard attention's qkv, a dense MLP's
+  first projection) keeps its output for the weight gradient: nothing to discard;
+- ``moe_act``: the routed experts' activation discards its output (the second projection's input, I per routed
+  copy) and recomputes it from the first projection's output, which is kept;
+- ``mla_up_proj``: MLA's up-projections and rotary embedding discard q, k and v and recompute them from the
+  latents, which are kept;
+- ``mlp``: a dense layer's MLP, its norm fused into it, runs again (normal checkpointing): it keeps its input
+  only (the residual stream, kept anyway), not the norm's output and statistic nor the MLP's intermediates;
+- ``moe``: an MoE layer's MLP runs again, its all-to-alls included: it keeps its input (the pre-MLP norm's output)
+  and nothing of the router, the routed copies or the shared experts;
+- ``shared_experts``: the shared experts run again: their intermediates are not kept.
+
+Not counted: the one module's activations a normal checkpoint rebuilds at a time during the backward.
+"""
+
+from __future__ import annotations
+
+from pipeloom.plan.cluster.config import ModelSpec
+from pipeloom.plan.cluster.counts import (
+    STAT_BYTES,
+    Activations,
+    LayerCounts,
+    block_kind,
+    layer_counts,
+    mlp_activations,
+    moe_activations,
+    mtp_activations,
+    mtp_block,
+    norm_stats,
+)
+from pipeloom.plan.errors import LayoutError
+
+__all__ = ["MEGATRON_MODULES", "POLICIES", "FP8_BYTES", "megatron_modules", "idle_modules", "megatron_activations",
+           "kept_activations", "op_activations", "deepseek_activations", "separate_norms"]
+
+MEGATRON_MODULES = ("core_attn", "layernorm", "moe_act", "mla_up_proj", "mlp", "moe", "shared_experts")
+"""Megatron-Core's ``recompute_modules`` (module docstring), in the order :func:`megatron_modules` writes them."""
+POLICIES = ("op", "layer", "deepseek")
+"""The selective policies other than a set of Megatron-Core modules."""
+
+
+def megatron_modules(selective: str) -> tuple[str, ...]:
+    """The Megatron-Core modules ``selective`` names, comma-separated (``"layernorm,moe_act"``), in
+    :data:`MEGATRON_MODULES`' order; () for one of :data:`POLICIES`; LayoutError for anything else."""
+    if selective in POLICIES:
+        return ()
+    names = [name.strip() for name in str(selective).split(",")]
+    unknown = [name for name in names if name not in MEGATRON_MODULES]
+    if unknown or len(set(names)) != len(names):
+        what = f"unknown {', '.join(map(repr, unknown))}" if unknown else "a module named twice"
+        raise LayoutError(f"selective={selective!r}: {what}; use Megatron-Core's recompute_modules comma-separated "
+                          f"(from {', '.join(MEGATRON_MODULES)}), 'op' (torchtitan's op-level policy), 'layer' "
+                          "(every second layer whole) or 'deepseek' (DeepSeek-V3's)")
+    return tuple(module for module in MEGATRON_MODULES if module in names)
+
+
+def separate_norms(spec: ModelSpec, kind: str) -> int:
+    """How many of a layer's norms Megatron-Core runs as modules of their own (``layernorm`` recomputes them):
+    the pre-MLP norm of an MoE layer, the attention's norm before multi-head latent attention."""
+    return int(spec.attention.latent) + int(block_kind(kind) == "moe")
+
+
+def idle_modules(spec: ModelSpec, modules: tuple[str, ...]) -> list[tuple[str, str]]:
+    """Of ``modules``, those that recompute nothing in ``spec``'s layers, each with why (``(module, "has no
+    ...")``)."""
+    ex, moe, dense = spec.experts, bool(spec.moe_layers), spec.dense_layers > 0
+    idle = {"layernorm": (not spec.attention.latent and not moe,
+                          "fuses every norm into the linear layer after it (no MoE layer, no latent attention)"),
+            "moe_act": (not moe, "has no MoE layer"),
+            "mla_up_proj": (not spec.attention.latent, "has no multi-head latent attention"),
+            "mlp": (not dense, "has no dense MLP"),
+            "moe": (not moe, "has no MoE layer"),
+            "shared_experts": (ex is None or not ex.shared_intermediate, "has no shared experts")}
+    return [(module, idle[module][1]) for module in modules if module in idle and idle[module][0]]
+
+
+def megatron_activations(spec: ModelSpec, kind: str, modules: tuple[str, ...], *, width: int = 2) -> Activations:
+    """Bytes per token a decoder layer of ``kind`` keeps when Megatron-Core recomputes ``modules`` (module
+    docstring): its :mod:`counts` ``none`` activations, less what each module does not keep."""
+    none = layer_counts(spec, kind, 1, width=width).activations["none"]
+    a, h, kind = spec.attention, spec.hidden, block_kind(kind)
+    sequence, tensor = none.sequence, none.tensor
+    if "core_attn" in modules:
+        tensor -= STAT_BYTES * a.heads
+    if "layernorm" in modules:
+        sequence -= width * h * separate_norms(spec, kind)
+    if "mla_up_proj" in modules and a.latent:
+        tensor -= width * (a.heads * a.qk_dim + a.kv_heads * (a.qk_dim + a.v_dim))
+    if kind == "dense" and "mlp" in modules:
+        sequence -= width * h + norm_stats(spec)
+        tensor -= mlp_activations(spec.intermediate, gated=spec.gated, width=width)
+    if kind == "moe" and spec.experts is not None:
+        ex = spec.experts
+        if "moe" in modules:
+            tensor -= moe_activations(spec, width=width)
+        else:
+            tensor -= (width * ex.top_k * ex.intermediate if "moe_act" in modules else 0.0) + (
+                mlp_activations(ex.shared_intermediate, gated=True, width=width) if "shared_experts" in modules
+                else 0.0)
+    return Activations(sequence=sequence, tensor=tensor, replicated=none.replicated)
+
+
+def kept_activations(selective: str, spec: ModelSpec, counts: LayerCounts, recompute: str) -> Activations:
+    """What one token keeps in a layer of ``counts`` under ``recompute``: the counts' own; under ``selective`` as
+    the policy ``selective`` says: Megatron-Core's modules (:func:`megatron_activations`), every second layer
+    whole (``layer``: half a layer's ``none`` and half its ``full``, on average), torchtitan's op policy in a
+    dense layer (``op``: :func:`op_activations`; an MoE layer keeps the attention core's), or DeepSeek-V3's
+    (``deepseek``: :func:`deepseek_activations`); a multi-token-prediction module keeps its block's under the
+    policy (:func:`~pipeloom.plan.cluster.counts.mtp_activations`)."""
+    if recompute != "selective" or counts.kind in ("embedding", "head"):
+        return counts.activations[recompute]
+    if selective == "layer":
+        none, full = counts.activations["none"], counts.activations["full"]
+        return Activations(sequence=(none.sequence + full.sequence) / 2, tensor=(none.tensor + full.tensor) / 2,
+                           replicated=(none.replicated + full.replicated) / 2)
+    if counts.kind == "mtp":
+        return mtp_activations(spec, recompute, _block(selective, spec, mtp_block(spec)))
+    return _block(selective, spec, counts.kind)
+
+
+def _block(selective: str, spec: ModelSpec, kind: str) -> Activations:
+    """What one token keeps in a decoder layer of ``kind`` under the policy ``selective`` (not ``layer``)."""
+    if selective == "deepseek":
+        return deepseek_activations(spec, block_kind(kind))
+    if selective == "op" and block_kind(kind) == "dense":
+        return op_activations(spec)
+    return megatron_activations(spec, kind, megatron_modules(selective) if selective != "op" else ("core_attn",))
+
+
+def op_activations(spec: ModelSpec, *, width: int = 2) -> Activations:
+    """Bytes per token a dense layer keeps under torchtitan's op-level selective checkpointing
+    (``_apply_ac_to_transformer_block``: the layer checkpointed, its policy saving the outputs of the attention
+    kernel and of every matmul "except every second mm", counted per layer; everything else runs again): the
+    layer's input, and of its matmuls in call order (q, k, v, o, then gate, up, down, or up, down) the first,
+    third, ...: q, v, gate and down of a gated layer (k, o and up run again, as the time prices them), the flash
+    kernel's output and log-sum-exp. A row-parallel matmul's output (down) is its partial sum before the
+    reduce-scatter: whole on every tp rank. Un-fused projections, as torchtitan's models are written."""
+    a, h = spec.attention, spec.hidden
+    outputs = [("tensor", a.heads * a.qk_dim), ("tensor", a.kv_heads * a.qk_dim), ("tensor", a.kv_heads * a.v_dim),
+               ("replicated", h)]
+    outputs += ([("tensor", spec.intermediate)] * 2 if spec.gated else [("tensor", spec.intermediate)])
+    outputs.append(("replicated", h))
+    kept = {"tensor": width * a.heads * a.v_dim + STAT_BYTES * a.heads, "replicated": 0.0}  # the flash kernel's
+    for where, size in outputs[::2]:
+        kept[where] += width * size
+    return Activations(sequence=float(width * h), tensor=kept["tensor"], replicated=kept["replicated"])
+
+
+FP8_BYTES = 1 + 4 / 128
+"""Bytes per element of an FP8 activation with DeepSeek-V3's fine-grained scaling (one fp32 scale per 1 x 128
+tile: report sec. 3.3.2)."""
+_E5M6 = 1.5
+"""Bytes per element of DeepSeek-V3's 12-bit E5M6 format (report sec. 3.3.4)."""
+
+
+def deepseek_activations(spec: ModelSpec, kind: str) -> Activations:
+    """Bytes per token a decoder layer keeps for the backward under DeepSeek-V3's memory savings (technical
+    report, arXiv:2412.19437, sec. 3.2.3 and 3.3.4): every RMSNorm and MLA's up-projections are recomputed
+    in the backward (their outputs, q, k, v included, are not kept: each norm's input, the residual stream,
+    and MLA's latents, ``c_q``, ``c_kv`` and the rotary key, are); the attention output (the output projection's
+    input, also read by the attention backward) is kept in E5M6; the MoE SwiGLU's input is cached in FP8
+    and its output recomputed; the inputs of the other linear layers (the experts' dispatched tokens, a dense
+    MLP's down-projection input) are cached in FP8. Statistics: the attention's log-sum-exp per head and the
+    router's fp32 scores. Only the low-rank paths of MLA and a gated MLP are described; another model is
+    priced by its :mod:`counts` activations."""
+    a, h = spec.attention, spec.hidden
+    sequence = 2 * (2.0 * h)  # the two norms' inputs (bf16), their outputs and 1/rms recomputed
+    latents = 2.0 * (a.q_rank + a.kv_rank + a.rope_dim) if a.latent else 0.0
+    tensor = latents + _E5M6 * a.heads * a.v_dim + 4.0 * a.heads
+    if kind == "moe":
+        ex = spec.experts
+        assert ex is not None, "moe layer of a dense model"
+        # each token's top-k copies: the dispatched input and the SwiGLU input (gate, up) in FP8; the shared
+        # expert's SwiGLU input likewise (its input is the recomputed norm output); the router's scores
+        tensor += (FP8_BYTES * ex.top_k * (h + 2 * ex.intermediate) + FP8_BYTES * 2 * ex.shared_intermediate
+                   + 4.0 * ex.count)
+    else:  # a dense gated MLP: the SwiGLU input in bf16, its output (the down projection's input) in FP8
+        tensor += 2.0 * 2 * spec.intermediate + FP8_BYTES * spec.intermediate
+    return Activations(sequence=sequence, tensor=tensor)
