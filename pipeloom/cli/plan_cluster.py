@@ -61,7 +61,8 @@ def _add_framework_options(group) -> None:
     group.add_argument("--selective", metavar="POLICY",
                        help="what recompute=selective recomputes: Megatron-Core's recompute_modules, "
                             "comma-separated, from core_attn (the attention core; default), layernorm, moe_act, "
-                            "mla_up_proj, mlp, moe, shared_experts; or op (torchtitan's op-level policy), layer "
+                            "mla_up_proj, mlp, moe, shared_experts, or search (the model's module sets, cheapest "
+                            "first, each tried: the fastest plan kept); or op (torchtitan's op-level policy), layer "
                             "(every second layer whole) or deepseek (DeepSeek-V3's norms, MLA up-projections and "
                             "SwiGLU; FP8-cached inputs)")
     group.add_argument("--cp-rotate", choices=("ring", "allgather"),
@@ -335,9 +336,10 @@ _FP8_CASTS = {"cached": "Transformer Engine's delayed scaling", "dynamic": "torc
               "current": "Transformer Engine's current scaling"}
 
 
-def _assumes(job, layout, framework: str | None = None) -> str:
+def _assumes(job, layout, framework: str | None = None, selective_sets: int = 0) -> str:
     """The framework choices priced for ``layout`` (the ones that apply to it), each set by the flag named (or by
-    ``framework``'s choices, where --framework was given)."""
+    ``framework``'s choices, where --framework was given; ``selective_sets``: the module sets --selective search
+    tried)."""
     said = [f"{job.kernels} elementwise kernels (--kernels)", f"{job.attention} attention (--attention)",
             f"gradients reduced in {job.grad_reduce} " + ("beside the backward" if job.overlap_grad_reduce
                                                           else "after it") + " (--grad-reduce, "
@@ -351,7 +353,8 @@ def _assumes(job, layout, framework: str | None = None) -> str:
         said.append(f"{job.moe_comm} expert all-to-all (--moe-comm)" + (", overlapped by pairs (--moe-overlap)"
                                                                           if job.overlap_pairs(layout) else ""))
     if layout.recompute == "selective":
-        said.append(f"selective recomputation: {job.selective} (--selective)")
+        how = f"--selective search: the fastest of {selective_sets} module sets" if selective_sets else "--selective"
+        said.append(f"selective recomputation: {job.selective} ({how})")
     if job.dtype == "fp8":
         said.append(f"FP8 casts: {_FP8_CASTS[job.fp8_cast]} (--fp8-cast)")
     if layout.stages > 1:
@@ -371,7 +374,7 @@ def report(result, *, framework: str | None = None) -> str:
         f"{job.spec.family}{text_of} on {job.gpus} x {job.hw.name}, global batch {job.global_batch} x {job.seq} "
         f"tokens, {job.dtype}{_window(job.spec)}",
         f"layout: {best.layout}",
-        _assumes(job, best.layout, framework),
+        _assumes(job, best.layout, framework, result.selective_sets),
         *([f"layers per stage: {_runs(best.stage_layers)}{_copies(best.layout)}"] if len(best.stage_layers) > 1
           else []),
         *_experts(job.spec, best.layout),

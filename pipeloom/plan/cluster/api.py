@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Mapping
@@ -19,9 +20,11 @@ from pipeloom.plan.cluster.gpus import hardware
 from pipeloom.plan.cluster.hardware import Hardware
 from pipeloom.plan.cluster.job import Job
 from pipeloom.plan.cluster.layout import LAYOUT_KEYS, Layout, parse_layout
+from pipeloom.plan.cluster.recompute import SEARCHED, module_sets
 from pipeloom.plan.cluster.search import search_layouts
 from pipeloom.plan.cluster.step import Estimate
 from pipeloom.plan.costs.parts import parse_bytes
+from pipeloom.plan.errors import NoLayoutFits
 
 __all__ = ["ClusterPlan", "plan_cluster"]
 
@@ -46,6 +49,9 @@ class ClusterPlan:
     """Layouts whose step-time bound and memory were computed."""
     simulated: int
     """Layouts priced by replaying their schedule."""
+    selective_sets: int = 0
+    """Megatron-Core module sets tried for ``recompute=selective`` (``selective="search"``: the job's is the one
+    that won), 0 when the job's was given."""
 
     def training(self, tokens: float) -> dict[str, float]:
         """Training ``tokens`` tokens with the chosen layout: ``steps`` (whole steps of the global batch),
@@ -73,7 +79,8 @@ class ClusterPlan:
                       "sliding_window": self.job.spec.window,
                       "sliding_window_layers": list(self.job.spec.window_layers)},
             "gpus": self.job.gpus, "global_batch": self.job.global_batch, "seq": self.job.seq,
-            "dtype": self.job.dtype, "memory_limit": self.memory_limit, "candidates": self.candidates,
+            "dtype": self.job.dtype, "selective": self.job.selective, "selective_sets": self.selective_sets,
+            "memory_limit": self.memory_limit, "candidates": self.candidates,
             "priced": self.priced, "simulated": self.simulated, "seconds": self.seconds,
         }
 
@@ -94,7 +101,8 @@ def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: st
     ``flash`` or ``materialized`` scores (Megatron-LM before flash attention); ``overlap_grad_reduce`` False: the
     gradient all-reduce runs after the backward, exposed (Megatron-LM 2021); ``p2p_overlap`` False: pipeline sends
     block the ranks (Megatron-LM 2021); ``selective``: what ``recompute=selective`` recomputes, Megatron-Core's
-    ``recompute_modules`` comma-separated (default ``core_attn``, the attention core; :mod:`.recompute`), ``op``
+    ``recompute_modules`` comma-separated (default ``core_attn``, the attention core; :mod:`.recompute`), or
+    ``search`` (each of :func:`~pipeloom.plan.cluster.recompute.module_sets` tried, the fastest plan kept), ``op``
     (torchtitan's op-level policy), ``layer`` (every second layer whole) or ``deepseek`` (DeepSeek-V3's
     recomputation and FP8 activation caching); ``cp_rotate``: ``ring`` (K/V passed block by block
     beside the compute: Megatron-Core) or ``allgather`` (PyTorch's ``context_parallel``, torchtitan); ``moe_comm``:
@@ -117,11 +125,20 @@ def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: st
     job = Job(spec=spec, hw=device, gpus=gpus, global_batch=global_batch, seq=seq, dtype=dtype,
               kernels=kernels, attention=attention, overlap_grad_reduce=bool(overlap_grad_reduce),
               p2p_overlap=bool(p2p_overlap),
-              selective=selective, cp_rotate=cp_rotate, moe_comm=moe_comm, grad_reduce=grad_reduce,
+              selective="core_attn" if selective == SEARCHED else selective, cp_rotate=cp_rotate,
+              moe_comm=moe_comm, grad_reduce=grad_reduce,
               sequence_parallel=bool(sequence_parallel), tp_overlap=bool(tp_overlap), fp8_cast=fp8_cast,
               stage_cut=stage_cut, moe_overlap=bool(moe_overlap))
     fixed = parse_layout(layout) if isinstance(layout, str) else dict(layout or {})
     limit = parse_bytes(memory_limit) if memory_limit is not None else float(device.memory_bytes)
+    if selective != SEARCHED:
+        return _plan(job, fixed, limit, runners_up, progress, start)
+    return _best_modules(job, fixed, limit, runners_up, progress, start)
+
+
+def _plan(job: Job, fixed: dict[str, Any], limit: float, runners_up: int, progress: Callable[[str], None] | None,
+          start: float) -> ClusterPlan:
+    """The plan of ``job``: the layout ``fixed`` gives whole, predicted, or the fastest that fits ``limit``."""
     if set(fixed) >= set(LAYOUT_KEYS):
         best = Estimator(job).estimate(Layout(**fixed))
         return ClusterPlan(job=job, best=best, runners_up=(), memory_limit=limit,
@@ -130,3 +147,28 @@ def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: st
     return ClusterPlan(job=job, best=result.best, runners_up=result.runners_up, memory_limit=limit,
                        seconds=time.perf_counter() - start, candidates=result.candidates, priced=result.priced,
                        simulated=result.simulated)
+
+
+def _best_modules(job: Job, fixed: dict[str, Any], limit: float, runners_up: int,
+                  progress: Callable[[str], None] | None, start: float) -> ClusterPlan:
+    """``selective="search"``: :func:`_plan` with each of the model's Megatron-Core module sets, the fastest plan
+    that fits kept (the first set's on a tie: a layout that does not recompute selectively is the same under every
+    set); a whole layout given, the fastest within ``limit``, else the one that needs least memory. No set fits: the
+    refusal that names the least memory."""
+    plans: list[ClusterPlan] = []
+    refusals: list[NoLayoutFits] = []
+    for modules in module_sets(job.spec):
+        try:
+            plans.append(_plan(dataclasses.replace(job, selective=",".join(modules)), fixed, limit, runners_up,
+                               progress, start))
+        except NoLayoutFits as refusal:
+            refusals.append(refusal)
+    if not plans:
+        raise min(refusals, key=lambda r: float("inf") if r.smallest_limit is None else r.smallest_limit)
+    fitting = [plan for plan in plans if plan.best.memory.total <= limit]
+    best = (min(fitting, key=lambda plan: plan.best.step_time) if fitting
+            else min(plans, key=lambda plan: plan.best.memory.total))
+    return dataclasses.replace(best, seconds=time.perf_counter() - start, selective_sets=len(plans) + len(refusals),
+                               candidates=sum(plan.candidates for plan in plans),
+                               priced=sum(plan.priced for plan in plans),
+                               simulated=sum(plan.simulated for plan in plans))

@@ -44,13 +44,20 @@ from pipeloom.plan.cluster.counts import (
 )
 from pipeloom.plan.errors import LayoutError
 
-__all__ = ["MEGATRON_MODULES", "POLICIES", "FP8_BYTES", "megatron_modules", "idle_modules", "megatron_activations",
-           "kept_activations", "op_activations", "deepseek_activations", "separate_norms"]
+__all__ = ["MEGATRON_MODULES", "POLICIES", "SEARCHED", "FP8_BYTES", "module_sets", "megatron_modules",
+           "idle_modules", "megatron_activations", "kept_activations", "op_activations", "deepseek_activations",
+           "separate_norms"]
 
 MEGATRON_MODULES = ("core_attn", "layernorm", "moe_act", "mla_up_proj", "mlp", "moe", "shared_experts")
 """Megatron-Core's ``recompute_modules`` (module docstring), in the order :func:`megatron_modules` writes them."""
 POLICIES = ("op", "layer", "deepseek")
 """The selective policies other than a set of Megatron-Core modules."""
+SEARCHED = "search"
+"""``selective="search"``: the planner tries each of :func:`module_sets` and keeps the fastest plan."""
+_CHEAPEST_FIRST = ("layernorm", "moe_act", "mla_up_proj", "shared_experts", "mlp", "core_attn", "moe")
+"""Megatron-Core's modules by what their recomputation runs: elementwise kernels (the norms, the experts'
+activation), GEMMs (MLA's up-projections, the shared experts, a dense MLP), the attention core (which saves only its
+statistics under flash attention), the whole MoE MLP with its all-to-alls."""
 
 
 def megatron_modules(selective: str) -> tuple[str, ...]:
@@ -66,6 +73,19 @@ def megatron_modules(selective: str) -> tuple[str, ...]:
                           f"(from {', '.join(MEGATRON_MODULES)}), 'op' (torchtitan's op-level policy), 'layer' "
                           "(every second layer whole) or 'deepseek' (DeepSeek-V3's)")
     return tuple(module for module in MEGATRON_MODULES if module in names)
+
+
+def module_sets(spec: ModelSpec) -> list[tuple[str, ...]]:
+    """The Megatron-Core module sets ``selective="search"`` tries on ``spec``: Megatron-Core's default
+    (``core_attn``), then the modules the model has added one at a time in :data:`_CHEAPEST_FIRST`'s order, so each
+    set keeps less than the one before at a higher price (each in :data:`MEGATRON_MODULES`' order)."""
+    have = [module for module in _CHEAPEST_FIRST if not idle_modules(spec, (module,))]
+    sets: list[tuple[str, ...]] = [("core_attn",)]
+    for n in range(1, len(have) + 1):
+        modules = tuple(module for module in MEGATRON_MODULES if module in have[:n])
+        if modules not in sets:
+            sets.append(modules)
+    return sets
 
 
 def separate_norms(spec: ModelSpec, kind: str) -> int:

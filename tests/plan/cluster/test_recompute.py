@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from pipeloom.cli import main
+from pipeloom.plan.cluster.api import plan_cluster
 from pipeloom.plan.cluster.config import model_spec
 from pipeloom.plan.cluster.efficiency import gemm_seconds, memory_seconds
 from pipeloom.plan.cluster.estimate import Estimator
@@ -19,7 +20,8 @@ from pipeloom.plan.cluster.gpus import hardware
 from pipeloom.plan.cluster.job import Job
 from pipeloom.plan.cluster.layer_time import layer_times
 from pipeloom.plan.cluster.layout import Layout
-from pipeloom.plan.errors import LayoutError
+from pipeloom.plan.cluster.recompute import MEGATRON_MODULES, module_sets
+from pipeloom.plan.errors import LayoutError, NoLayoutFits
 
 CONFIGS = Path(__file__).resolve().parents[3] / "benchmarks" / "data" / "configs"
 MOE = json.loads((CONFIGS / "qwen3-30b-a3b.json").read_text())
@@ -115,3 +117,55 @@ def test_the_command_takes_megatron_modules(tmp_path, capsys):
     assert main([*common, "--selective", "mla_up_proj"]) != 0
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "has no multi-head latent attention" in err, err
+
+
+def test_the_sets_a_search_tries_add_the_cheapest_recomputation_first():
+    assert module_sets(model_spec(DENSE)) == [("core_attn",), ("mlp",), ("core_attn", "mlp")]
+    assert module_sets(model_spec(MOE)) == [("core_attn",), ("layernorm",), ("layernorm", "moe_act"),
+                                            ("core_attn", "layernorm", "moe_act"),
+                                            ("core_attn", "layernorm", "moe_act", "moe")]
+    assert module_sets(model_spec(MLA))[-1] == MEGATRON_MODULES and len(module_sets(model_spec(MLA))) == 8
+
+
+DUALPIPE = "dp=128,tp=1,pp=16,vp=1,cp=1,ep=64,mbs=1,fsdp=0,schedule=dualpipe"  # recompute searched
+
+
+def _deepseek(selective: str, limit: str = "70GiB"):
+    return plan_cluster(MLA, "h100", gpus=2048, global_batch=15360, seq=4096, dtype="fp8", layout=DUALPIPE,
+                        selective=selective, memory_limit=limit, runners_up=0)
+
+
+def test_a_module_search_keeps_the_fastest_set_that_fits():
+    """DeepSeek-V3 as it ran, within 70 GiB: Megatron-Core's default (the attention core) keeps too much, so only
+    full recomputation fits; recomputing every module selectively fits and is faster."""
+    searched = _deepseek("search")
+    each = {",".join(modules): _deepseek(",".join(modules)) for modules in module_sets(model_spec(MLA))}
+    fitting = [plan.best.step_time for plan in each.values() if plan.best.memory.total <= plan.memory_limit]
+    assert searched.best.step_time == min(fitting) < each["core_attn"].best.step_time
+    assert each["core_attn"].best.layout.recompute == "full" and searched.best.layout.recompute == "selective"
+    assert searched.job.selective == ",".join(MEGATRON_MODULES) and searched.selective_sets == 8
+    found = searched.as_dict()
+    assert (found["selective"], found["selective_sets"]) == (searched.job.selective, 8)
+    assert _deepseek("core_attn").as_dict()["selective_sets"] == 0
+
+
+def test_when_no_set_fits_the_refusal_names_the_least_memory_of_any():
+    with pytest.raises(NoLayoutFits) as searched:
+        _deepseek("search", "20GiB")
+    least = []
+    for modules in module_sets(model_spec(MLA)):
+        with pytest.raises(NoLayoutFits) as one:
+            _deepseek(",".join(modules), "20GiB")
+        least.append(one.value.smallest_limit)
+    assert searched.value.smallest_limit == min(least)
+
+
+def test_the_command_says_which_set_a_search_chose(tmp_path, capsys):
+    path = tmp_path / "deepseek.json"
+    path.write_text(json.dumps(MLA))
+    assert main(["plan", "--model", str(path), "--hardware", "h100", "--gpus", "2048", "--global-batch", "15360",
+                 "--seq", "4096", "--dtype", "fp8", "--layout", DUALPIPE, "--memory-limit", "70GiB",
+                 "--selective", "search"]) == 0
+    out = capsys.readouterr().out
+    assert (f"selective recomputation: {','.join(MEGATRON_MODULES)} (--selective search: the fastest of 8 module "
+            "sets)") in out
