@@ -80,6 +80,7 @@ class ClusterPlan:
                       "sliding_window_layers": list(self.job.spec.window_layers)},
             "gpus": self.job.gpus, "global_batch": self.job.global_batch, "seq": self.job.seq,
             "dtype": self.job.dtype, "selective": self.job.selective, "selective_sets": self.selective_sets,
+            "recompute_layers": self.job.recompute_layers,
             "memory_limit": self.memory_limit, "candidates": self.candidates,
             "priced": self.priced, "simulated": self.simulated, "seconds": self.seconds,
         }
@@ -92,7 +93,7 @@ def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: st
                  selective: str = "core_attn", cp_rotate: str = "ring", moe_comm: str = "plain",
                  grad_reduce: str = "bf16", sequence_parallel: bool = True, tp_overlap: bool = False,
                  fp8_cast: str = "cached", stage_cut: str = "balanced", moe_overlap: bool = False,
-                 memory_limit: float | str | None = None, runners_up: int = 5,
+                 recompute_layers: int = 0, memory_limit: float | str | None = None, runners_up: int = 5,
                  progress: Callable[[str], None] | None = None) -> ClusterPlan:
     """The fastest layout of ``model`` (config.json path, dict, PretrainedConfig or ModelSpec) on ``gpus`` GPUs of type
     ``hw`` (a built-in name, a hardware JSON file or a Hardware) for ``global_batch`` sequences of ``seq`` tokens,
@@ -115,7 +116,9 @@ def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: st
     Engine's current scaling: as ``cached``, an amax pass first); ``stage_cut``: ``balanced``
     (layers moved off the busiest pipeline rank) or ``even`` (the frameworks that cut as many layers per stage as
     divide); ``moe_overlap``: each backward runs with its rank's next forward, of another micro-batch, hiding each
-    other's expert all-to-all (Megatron-Core's ``overlap_moe_expert_parallel_comm``: pp 1 or interleaved 1F1B).
+    other's expert all-to-all (Megatron-Core's ``overlap_moe_expert_parallel_comm``: pp 1 or interleaved 1F1B);
+    ``recompute_layers``: with ``recompute=full``, only the first N decoder layers of each stage (Megatron-Core's
+    block method; 0: every layer).
     ``layout``: keys held fixed (``"tp=4,pp=8"`` or a dict); with all of :data:`LAYOUT_KEYS` it predicts that layout
     alone."""
     start = time.perf_counter()
@@ -128,7 +131,7 @@ def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: st
               selective="core_attn" if selective == SEARCHED else selective, cp_rotate=cp_rotate,
               moe_comm=moe_comm, grad_reduce=grad_reduce,
               sequence_parallel=bool(sequence_parallel), tp_overlap=bool(tp_overlap), fp8_cast=fp8_cast,
-              stage_cut=stage_cut, moe_overlap=bool(moe_overlap))
+              stage_cut=stage_cut, moe_overlap=bool(moe_overlap), recompute_layers=recompute_layers)
     fixed = parse_layout(layout) if isinstance(layout, str) else dict(layout or {})
     limit = parse_bytes(memory_limit) if memory_limit is not None else float(device.memory_bytes)
     if selective != SEARCHED:

@@ -12,7 +12,7 @@ from typing import Any
 from pipeloom.errors import PipeloomError
 from pipeloom.ir import Schedule, pair_duration, paired_forward_backward
 from pipeloom.plan.cluster.counts import block_kind, layer_counts, layer_kinds
-from pipeloom.plan.cluster.efficiency import collective_seconds, domain_ranks, hidden_cost, memory_seconds, p2p_seconds
+from pipeloom.plan.cluster.efficiency import collective_seconds, domain_ranks, hidden_cost, memory_seconds
 from pipeloom.plan.cluster.held import RankHeld, held_profile, peak_held, replay_stages
 from pipeloom.plan.cluster.job import GRAD_REDUCE, Job
 from pipeloom.plan.cluster.layer_time import PhaseTimes, add_times, layer_times
@@ -24,8 +24,11 @@ from pipeloom.plan.cluster.placement import (
     cut_of,
     cut_ranks,
     even_counts,
+    mode_shapes,
     rank_stages,
     schedule_microbatches,
+    stage_send_seconds,
+    with_blocking_sends,
     work_bound,
 )
 from pipeloom.plan.cluster.recompute import kept_activations
@@ -105,7 +108,10 @@ class Estimator:
 
     def total_work(self, layout: Layout, *, paired: bool = False) -> float:
         """:meth:`work` through the whole model (every layer, the embedding and the head): whatever the cut, the
-        stages' work adds up to it (blocking pipeline sends only add to the stages)."""
+        stages' work adds up to it (blocking pipeline sends only add to the stages); under
+        :attr:`Job.recompute_layers`, whose recomputed layers depend on the cut, the work without recomputation
+        (at most the stages')."""
+        layout = self._unblocked(layout)
         key = (layout.tp, layout.cp, layout.ep, layout.mbs, layout.recompute, paired)
         if key not in self._work:
             self._work[key] = sum(count * self.work(layout, kind, paired=paired) for kind, count in self._model_kinds)
@@ -114,34 +120,31 @@ class Estimator:
     def stages(self, layout: Layout) -> tuple[list[PhaseTimes], list[float], list[tuple[str, ...]]]:
         """Per schedule stage (the model stages; twice over for DualPipe's copies): F/I/W seconds per
         micro-batch, activation bytes per micro-batch, its layers (priced once per distinct stage shape: its
-        count of each layer kind, the embedding, the head)."""
+        count of each layer kind, the embedding, the head; under :attr:`Job.recompute_layers` N, the first N
+        decoder layers with the layout's full recomputation and the others without: :func:`mode_shapes`)."""
         counts = self.stage_counts(layout)
         key = (layout.tp, layout.cp, layout.ep, layout.mbs, layout.recompute, counts, layout.copies)
         if key not in self._stages:
-            cut = self._cut(counts, layout.copies)
+            cut, plain = self._cut(counts, layout.copies), self._unblocked(layout)
+            shapes, shape_of = mode_shapes(cut, self.job.recompute_layers if plain is not layout else None)
             priced = []
-            for shape in cut.shapes:
-                parts = [self.times(layout, kind) for kind, count in shape for _ in range(count)]
-                kept = sum(count * self.activation(layout, kind) for kind, count in shape)
-                priced.append((add_times(*parts), kept))
-            self._stages[key] = ([priced[s][0] for s in cut.shape_of], [priced[s][1] for s in cut.shape_of],
-                                 cut.layers)
+            for shape in shapes:
+                parts = [(layout if own else plain, kind, count) for own, kind, count in shape]
+                each = [self.times(mode, kind) for mode, kind, count in parts for _ in range(count)]
+                kept = sum(count * self.activation(mode, kind) for mode, kind, count in parts)
+                priced.append((add_times(*each), kept))
+            self._stages[key] = ([priced[s][0] for s in shape_of], [priced[s][1] for s in shape_of], cut.layers)
         times, acts, layers = self._stages[key]
         if not self.job.p2p_overlap and layout.stages > 1:
-            times = self._with_blocking_sends(layout, times)
+            times = with_blocking_sends(self.job, layout, times)
         return times, acts, layers
 
-    def _with_blocking_sends(self, layout: Layout, times: list[PhaseTimes]) -> list[PhaseTimes]:
-        """Blocking exchanges (``Job.p2p_overlap`` off): the rank waits for each transfer, so a stage's F
-        sends forward and its I sends back inside the stage's time; the 1/tp pieces are all-gathered over tp
-        after they arrive (Megatron's scatter-gather)."""
-        hidden = layout.mbs * self.job.seq // layout.cp * self.job.spec.hidden * 2.0
-        tp = layout.tp
-        send = self._p2p(layout) + collective_seconds(self.job.hw, "all_gather", hidden, tp,
-                                                      ranks_per_domain=domain_ranks(tp, 1, self.job.hw))
-        last = layout.stages - 1  # of each copy
-        return [dataclasses.replace(t, f=t.f + (send if j % layout.stages < last else 0.0),
-                                    i=t.i + (send if j % layout.stages > 0 else 0.0)) for j, t in enumerate(times)]
+    def _unblocked(self, layout: Layout) -> Layout:
+        """``layout`` without recomputation where :attr:`Job.recompute_layers` recomputes only some layers of each
+        stage (the twin whose work the cut is balanced on and the group bound counts); else ``layout`` itself."""
+        if layout.recompute == "full" and self.job.recompute_layers:
+            return dataclasses.replace(layout, recompute="none")
+        return layout
 
     def stage_counts(self, layout: Layout) -> tuple[int, ...]:
         """Decoder layers per model stage (:attr:`Job.stage_cut`): the even cut, or the cut that balances the
@@ -151,6 +154,7 @@ class Estimator:
             return (len(self.kinds),)
         if self.job.stage_cut == "even":
             return even_counts(len(self.kinds), layout.stages)
+        layout = self._unblocked(layout)
         pair = self.job.pairs(layout)
         placement = SCHEDULES[layout.schedule]
         known = (layout.tp, layout.cp, layout.ep, layout.mbs, layout.recompute, layout.pp, layout.vp, placement, pair)
@@ -173,13 +177,6 @@ class Estimator:
         if (counts, copies) not in self._cuts:
             self._cuts[counts, copies] = cut_of(self.kinds, counts, self.tail, copies)
         return self._cuts[counts, copies]
-
-    def _p2p(self, layout: Layout) -> float:
-        """Seconds of one stage-to-stage send of a micro-batch's hidden states (over tp: Megatron's scatter-gather)."""
-        job = self.job
-        hidden = layout.mbs * job.seq // layout.cp * job.spec.hidden * 2 / layout.tp
-        same = layout.tp * layout.cp * layout.dp < job.hw.domain_gpus
-        return p2p_seconds(job.hw, hidden, same_domain=same)
 
     def activation(self, layout: Layout, kind: str) -> float:
         """Activation bytes one micro-batch keeps in one layer of ``kind`` on one GPU."""
@@ -258,7 +255,7 @@ class Estimator:
             if job.pairs(layout):  # Job.moe_overlap: B0 with F1, ..., B(m-2) with F(m-1), each hiding the other's
                 busy -= (m - 1) * (t.f + t.i + t.w - pair_duration((t.f, t.i + t.w), (t.f_comm, t.i_comm)))
             return busy, 0.0, acts[0]
-        latency = self._p2p(layout) if job.p2p_overlap else 0.0  # blocking: inside the stages' F and I
+        latency = stage_send_seconds(job, layout) if job.p2p_overlap else 0.0  # blocking: inside the stages' F and I
         key = (layout.schedule, layout.pp, layout.vp, m, latency, job.pairs(layout),
                tuple(tuple(round(x, 9) for x in (t.f, t.i, t.w, t.f_comm, t.i_comm)) for t in times),
                tuple(round(a) for a in acts))

@@ -141,6 +141,12 @@ class Job:
     num-layers``, torchtitan's ``module_fqns_per_model_part`` run such cuts) or ``even`` (as many layers per
     stage as divide, the remainder to the middle stages: Megatron-LM 2021, which required the layers to divide
     evenly; torchtitan's 2024 ``generate_split_points``; Llama 3's one layer less on the first and last stages)."""
+    recompute_layers: int = 0
+    """Which decoder layers ``recompute=full`` recomputes: 0, every one (Megatron-Core's ``recompute_method
+    "uniform"`` with one layer per unit, torchtitan's full checkpointing); N > 0, the first N of each model chunk
+    (a pipeline stage, or a virtual stage under interleaving), the chunk's other layers keeping everything
+    (Megatron-Core's ``recompute_method "block"`` with ``recompute_num_layers`` N, as Megatron-Bridge's
+    ``recompute_num_layers`` sets it): :meth:`~pipeloom.plan.cluster.estimate.Estimator.stages`."""
 
     def __post_init__(self) -> None:
         modules = megatron_modules(self.selective)
@@ -168,6 +174,10 @@ class Job:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise LayoutError(f"{name} must be a positive integer, got {value!r}")
+        layers = self.recompute_layers
+        if isinstance(layers, bool) or not isinstance(layers, int) or layers < 0:
+            raise LayoutError(f"recompute_layers must be a whole number of layers per stage >= 0 (0: every layer), "
+                              f"got {layers!r}")
         self.hw.peak(self.dtype)
         self._check_applies()
         positions = self.spec.positions

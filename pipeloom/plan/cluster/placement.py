@@ -1,20 +1,22 @@
 """Where a layout's layers and stages go: the cut of the decoder layers into stages (even, or balanced over the
-pipeline ranks' work), each stage's pipeline rank (looped, in a V, or DualPipe's two copies), and a lower bound
-on any schedule's makespan from the stages' work."""
+pipeline ranks' work), each stage's pipeline rank (looped, in a V, or DualPipe's two copies), the sends between
+stages, and a lower bound on any schedule's makespan from the stages' work."""
 
 from __future__ import annotations
 
 import heapq
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import accumulate
 
+from pipeloom.plan.cluster.efficiency import collective_seconds, domain_ranks, p2p_seconds
+from pipeloom.plan.cluster.job import Job
 from pipeloom.plan.cluster.layer_time import PhaseTimes
 from pipeloom.plan.cluster.layout import SCHEDULES, Layout
 
 __all__ = ["Cut", "even_counts", "balanced_counts", "cut_of", "cut_ranks", "stage_layers", "rank_stages",
-           "schedule_microbatches", "work_bound"]
+           "schedule_microbatches", "work_bound", "mode_shapes", "stage_send_seconds", "with_blocking_sends"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -45,6 +47,44 @@ def cut_of(kinds: Sequence[str], counts: tuple[int, ...], tail: tuple[str, ...],
         shape = tuple(sorted(Counter((*held, *extra)).items()))
         shape_of.append(shapes.setdefault(shape, len(shapes)))
     return Cut(counts=counts, layers=layers, shapes=tuple(shapes), shape_of=tuple(shape_of))
+
+
+def mode_shapes(cut: Cut, recomputed: int | None) -> tuple[tuple[tuple[tuple[bool, str, int], ...], ...],
+                                                              tuple[int, ...]]:
+    """The distinct stage shapes of ``cut`` as ``(own, kind, count)`` triples, ``own`` for layers priced with the
+    layout's recomputation (else without), and each stage's shape index: with ``recomputed`` None, every layer
+    (the cut's own shapes); with N, each stage's first N decoder layers in model order, its embedding and tail
+    (Megatron-Core's block method: :attr:`~pipeloom.plan.cluster.job.Job.recompute_layers`)."""
+    if recomputed is None:
+        return tuple(tuple((True, kind, count) for kind, count in shape) for shape in cut.shapes), cut.shape_of
+    shapes: dict[tuple[tuple[bool, str, int], ...], int] = {}
+    shape_of = []
+    for j, held in enumerate(cut.layers):
+        own = Counter(dict(cut.shapes[cut.shape_of[j]]))
+        own.subtract(held[recomputed:])
+        shape = (tuple((True, kind, count) for kind, count in sorted(own.items()) if count)
+                 + tuple((False, kind, count) for kind, count in sorted(Counter(held[recomputed:]).items())))
+        shape_of.append(shapes.setdefault(shape, len(shapes)))
+    return tuple(shapes), tuple(shape_of)
+
+
+def stage_send_seconds(job: Job, layout: Layout) -> float:
+    """Seconds of one stage-to-stage send of a micro-batch's hidden states (over tp: Megatron's scatter-gather)."""
+    hidden = layout.mbs * job.seq // layout.cp * job.spec.hidden * 2 / layout.tp
+    same = layout.tp * layout.cp * layout.dp < job.hw.domain_gpus
+    return p2p_seconds(job.hw, hidden, same_domain=same)
+
+
+def with_blocking_sends(job: Job, layout: Layout, times: list[PhaseTimes]) -> list[PhaseTimes]:
+    """The stages' ``times`` with blocking exchanges (``Job.p2p_overlap`` off): the rank waits for each transfer,
+    so a stage's F sends forward and its I sends back inside the stage's time; the 1/tp pieces are all-gathered
+    over tp after they arrive (Megatron's scatter-gather)."""
+    hidden = layout.mbs * job.seq // layout.cp * job.spec.hidden * 2.0
+    send = stage_send_seconds(job, layout) + collective_seconds(job.hw, "all_gather", hidden, layout.tp,
+                                                                 ranks_per_domain=domain_ranks(layout.tp, 1, job.hw))
+    last = layout.stages - 1  # of each copy
+    return [replace(t, f=t.f + (send if j % layout.stages < last else 0.0),
+                    i=t.i + (send if j % layout.stages > 0 else 0.0)) for j, t in enumerate(times)]
 
 
 def even_counts(layers: int, stages: int) -> tuple[int, ...]:

@@ -31,7 +31,7 @@ MTP = {"model_type": "deepseek_v3", "hidden_size": 1024, "intermediate_size": 28
        "num_nextn_predict_layers": 1}
 """A DeepSeek-V3-like model with a multi-token-prediction module on its last stage."""
 CASES = [(DENSE, 4, 16, 4096), (DENSE, 8, 32, 2048), (MOE, 8, 32, 4096), (MTP, 8, 32, 4096),
-         (MOE, 8, 32, 4096, {"moe_overlap": True})]
+         (MOE, 8, 32, 4096, {"moe_overlap": True}), (DENSE, 8, 32, 4096, {"recompute_layers": 2})]
 GIB = 2**30
 
 
@@ -56,7 +56,8 @@ def _key(est):
     return est.step_time, tuple(getattr(est.layout, k) for k in LAYOUT_KEYS)
 
 
-@pytest.fixture(scope="module", params=CASES, ids=["dense-4", "dense-8", "moe-8", "mtp-8", "moe-8-overlap"])
+@pytest.fixture(scope="module", params=CASES, ids=["dense-4", "dense-8", "moe-8", "mtp-8", "moe-8-overlap",
+                                                             "dense-8-block"])
 def case(request):
     job = _job(*request.param)
     return job, _exhaustive(job)

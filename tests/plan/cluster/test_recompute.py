@@ -169,3 +169,59 @@ def test_the_command_says_which_set_a_search_chose(tmp_path, capsys):
     out = capsys.readouterr().out
     assert (f"selective recomputation: {','.join(MEGATRON_MODULES)} (--selective search: the fastest of 8 module "
             "sets)") in out
+
+
+def _block(n: int, recompute: str = "full"):
+    job = Job(spec=model_spec(DENSE), hw=hardware("h100"), gpus=16, global_batch=64, seq=8192, stage_cut="even",
+              recompute_layers=n)
+    return Estimator(job), Layout(dp=4, pp=4, recompute=recompute, schedule="1f1b")  # 8 layers per stage
+
+
+def test_block_recompute_reruns_the_first_layers_of_each_stage():
+    """Megatron-Core's block method: 2 of each stage's 8 layers recomputed whole, 6 keeping everything."""
+    estimator, layout = _block(2)
+    times, acts, layers = estimator.stages(layout)
+    none, full = (dataclasses.replace(layout, recompute=mode) for mode in ("none", "full"))
+    assert [len(held) for held in layers] == [8] * 4
+    for j, held in enumerate(layers):
+        extra = [k for k in ("embedding",) if j == 0] + [k for k in ("head",) if j == 3]
+        assert acts[j] == pytest.approx(sum(estimator.activation(full, k) for k in held[:2])
+                                        + sum(estimator.activation(none, k) for k in (*held[2:], *extra)))
+        assert times[j].i == pytest.approx(sum(estimator.times(full, k).i for k in held[:2])
+                                           + sum(estimator.times(none, k).i for k in (*held[2:], *extra)))
+    plans = [_block(n)[0].estimate(layout) for n in (1, 2, 3)]
+    plain = _block(0)[0].estimate(layout)
+    kept = _block(0)[0].estimate(dataclasses.replace(layout, recompute="none"))
+    assert kept.step_time < plans[0].step_time < plans[1].step_time < plans[2].step_time < plain.step_time
+    assert kept.memory.total > plans[0].memory.total > plans[1].memory.total > plans[2].memory.total \
+        > plain.memory.total
+
+
+def test_block_recompute_of_every_layer_is_full_recompute_and_other_modes_are_untouched():
+    estimator, layout = _block(8)
+    plain, _ = _block(0)
+    assert estimator.estimate(layout) == plain.estimate(layout)
+    assert _block(9)[0].estimate(layout) == plain.estimate(layout)
+    for mode in ("none", "selective"):
+        other = dataclasses.replace(layout, recompute=mode)
+        assert _block(2)[0].estimate(other) == plain.estimate(other)
+    for bad in (-1, True, 1.5):
+        with pytest.raises(LayoutError, match="recompute_layers must be a whole number"):
+            _block(bad)
+
+
+def test_the_command_takes_recompute_layers(tmp_path, capsys):
+    path = tmp_path / "llama.json"
+    path.write_text(json.dumps(DENSE))
+    common = ["plan", "--model", str(path), "--hardware", "h100", "--gpus", "16", "--global-batch", "64", "--seq",
+              "8192", "--stage-cut", "even", "--recompute-layers", "2", "--layout"]
+    layout = "dp=4,tp=1,pp=4,vp=1,cp=1,ep=1,mbs=1,fsdp=0,recompute={},schedule=1f1b"
+    assert main([*common, layout.format("full")]) == 0
+    assert "full recomputation of the first 2 layers of each stage (--recompute-layers)" in capsys.readouterr().out
+    assert main([*common, layout.format("full"), "--json"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert found["recompute_layers"] == 2
+    assert found["best"]["step_time"] == pytest.approx(_block(2)[0].estimate(_block(2)[1]).step_time)
+    assert main([*common, layout.format("none")]) == 0
+    assert "note: --recompute-layers 2 changes nothing on the chosen layout, which runs recompute=none" in \
+        capsys.readouterr().out

@@ -1,0 +1,128 @@
+"""The text report of ``pipeloom plan --model``: the chosen layout, the framework choices it assumes, its step,
+throughput, MFU, memory, bubble and the runners-up, and the time to train a number of tokens."""
+
+from __future__ import annotations
+
+from itertools import groupby
+
+__all__ = ["TOKEN_SUFFIXES", "report", "training_text"]
+
+TOKEN_SUFFIXES = {"K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}
+"""The suffixes ``--tokens`` takes (``15T``) and the report writes token counts with."""
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.1f} GiB"
+
+
+def _runs(counts) -> str:
+    """``7, 8 x14, 7``: the stages' layer counts, repeats folded."""
+    runs = ((count, len(list(run))) for count, run in groupby(counts))
+    return ", ".join(f"{count} x{times}" if times > 1 else f"{count}" for count, times in runs)
+
+
+def _copies(layout) -> str:
+    """How DualPipe's ranks hold its two copies of the stages (nothing for one copy)."""
+    if layout.copies == 1:
+        return ""
+    return f" (two copies: rank r holds stage r of one and stage {layout.pp - 1}-r of the other)"
+
+
+def _experts(spec, layout) -> list[str]:
+    """How the routed experts are laid out (nothing for a dense model): per GPU, and the expert mesh's groups."""
+    if spec.experts is None:
+        return []
+    count, ep, replicas = spec.experts.count, layout.ep, layout.expert_replicas
+    where = "tp x dp x cp" if layout.tp > 1 else "dp x cp"
+    held = f"each held by {replicas} GPUs of a stage" if replicas > 1 else "each on one GPU of a stage"
+    return [f"experts: {count // ep} of {count} per GPU (ep {ep} consecutive GPUs within {where}; {held})"]
+
+
+def _window(spec) -> str:
+    """The header's note of sliding-window attention ('' without)."""
+    if not spec.window_layers:
+        return ""
+    return f", sliding window {spec.window:,} tokens on {len(spec.window_layers)} of {spec.layers} layers"
+
+
+def _above(result) -> str:
+    """The note of a memory limit above the GPU's memory ('' otherwise)."""
+    have = result.job.hw.memory_bytes
+    return f"; the limit is above the {result.job.hw.name}'s {_gib(have)}" if result.memory_limit > have else ""
+
+
+def training_text(training: dict, gpus: int) -> str:
+    """The ``--tokens`` line: steps, days and GPU-hours."""
+    tokens = training["tokens"]
+    suffix = next(((k, v) for k, v in reversed(TOKEN_SUFFIXES.items()) if tokens >= v), ("", 1.0))
+    seconds, steps = training["seconds"], training["steps"]
+    took = f"{seconds / 86400:,.1f} days" if seconds >= 86400 else f"{seconds / 3600:.2f} hours"
+    return (f"training {tokens / suffix[1]:.4g}{suffix[0]} tokens: {steps:,} step{'s' if steps != 1 else ''}, "
+            f"{took}, {training['gpu_hours']:,.0f} GPU-hours on {gpus:,} GPUs (at the predicted step time)")
+
+
+_FP8_CASTS = {"cached": "Transformer Engine's delayed scaling", "dynamic": "torchao's per-tensor dynamic scaling",
+              "current": "Transformer Engine's current scaling"}
+
+
+def _assumes(job, layout, framework: str | None = None, selective_sets: int = 0) -> str:
+    """The framework choices priced for ``layout`` (the ones that apply to it), each set by the flag named (or by
+    ``framework``'s choices, where --framework was given; ``selective_sets``: the module sets --selective search
+    tried)."""
+    said = [f"{job.kernels} elementwise kernels (--kernels)", f"{job.attention} attention (--attention)",
+            f"gradients reduced in {job.grad_reduce} " + ("beside the backward" if job.overlap_grad_reduce
+                                                          else "after it") + " (--grad-reduce, "
+            "--no-overlap-grad-reduce)"]
+    if layout.tp > 1:
+        said.append(("sequence parallel" if job.sequence_parallel else "no sequence parallelism") + ", tp exchanges "
+                    + ("beside" if job.tp_overlap else "between") + " the GEMMs (--tp-overlap)")
+    if layout.cp > 1:
+        said.append(f"context parallelism by {job.cp_rotate} (--cp-rotate)")
+    if layout.ep > 1:
+        said.append(f"{job.moe_comm} expert all-to-all (--moe-comm)" + (", overlapped by pairs (--moe-overlap)"
+                                                                          if job.overlap_pairs(layout) else ""))
+    if layout.recompute == "selective":
+        how = f"--selective search: the fastest of {selective_sets} module sets" if selective_sets else "--selective"
+        said.append(f"selective recomputation: {job.selective} ({how})")
+    if layout.recompute == "full":
+        which = f"the first {job.recompute_layers} layers of each stage" if job.recompute_layers else "every layer"
+        said.append(f"full recomputation of {which} (--recompute-layers)")
+    if job.dtype == "fp8":
+        said.append(f"FP8 casts: {_FP8_CASTS[job.fp8_cast]} (--fp8-cast)")
+    if layout.stages > 1:
+        said.append(f"{job.stage_cut} stage cut (--stage-cut)")
+    return f"assumes{f' ({framework})' if framework else ''}: " + "; ".join(said)
+
+
+def report(result, *, framework: str | None = None) -> str:
+    """The text report: the layout, the framework choices it assumes (``framework``: the --framework given), its
+    step, throughput, MFU, memory, bubble and the runners-up."""
+    best, job = result.best, result.job
+    mem = best.memory
+    fits = "fits" if mem.total <= result.memory_limit else "DOES NOT FIT"
+    text_of = (f" (the language model of a {job.spec.text_of} config: its vision tower and image tokens are not "
+               "planned)") if job.spec.text_of else ""
+    lines = [
+        f"{job.spec.family}{text_of} on {job.gpus} x {job.hw.name}, global batch {job.global_batch} x {job.seq} "
+        f"tokens, {job.dtype}{_window(job.spec)}",
+        f"layout: {best.layout}",
+        _assumes(job, best.layout, framework, result.selective_sets),
+        *([f"layers per stage: {_runs(best.stage_layers)}{_copies(best.layout)}"] if len(best.stage_layers) > 1
+          else []),
+        *_experts(job.spec, best.layout),
+        f"step time: {best.step_time:.3f} s (pipeline {best.pipeline_time:.3f} s, exposed dp "
+        f"{best.exposed_dp:.3f} s, optimizer {best.optimizer_time:.3f} s)",
+        f"tokens/s per GPU: {best.tokens_per_gpu_per_second:,.0f}   MFU: {best.mfu * 100:.1f} % (of the "
+        f"{job.dtype} peak)   bubble: {best.bubble * 100:.1f} %",
+        f"memory per GPU: {_gib(mem.total)} of {_gib(result.memory_limit)} ({fits}{_above(result)}): weights "
+        f"{_gib(mem.weights)}, "
+        f"gradients {_gib(mem.gradients)}, optimizer {_gib(mem.optimizer)}, activations {_gib(mem.activations)}, "
+        f"buffers {_gib(mem.buffers)}",
+    ]
+    if result.runners_up:
+        lines.append("runners-up:")
+        for est, why in result.runners_up:
+            lines.append(f"  {est.layout}: {est.step_time:.3f} s, {_gib(est.memory.total)}: {why}")
+    lines.append(f"searched {result.candidates} layouts ({result.priced} priced, {result.simulated} simulated) in "
+                 f"{result.seconds:.1f} s")
+    return "\n".join(lines)
