@@ -162,9 +162,9 @@ def wait_in_slices(work: dist.Work, *, timeout: float, board: FailureBoard) -> t
         try:
             work.wait(timeout=datetime.timedelta(seconds=min(PEER_POLL_S, left)))
             return None
-        except Exception as error:  # noqa: BLE001 (a slice's end and the work's own failure raise alike)
-            if work.is_completed():  # the work failed: its own error
-                return f"{type(error).__name__}: {error}", error
+        except Exception:  # noqa: BLE001 (a slice's end and the work's own failure raise alike)
+            if work.is_completed():  # it failed, or it completed just after the slice ended: its own outcome
+                return _outcome(work)
         if (found := board.first_failure()) is not None:
             return f"rank {found[0]} failed: {found[1]}", None
 
@@ -187,6 +187,12 @@ def poll_work(work: dist.Work, *, timeout: float, board: FailureBoard) -> tuple[
                 return f"no answer within {timeout:g} s", None
             time.sleep(pause)
             pause = min(2 * pause, _LAST_PAUSE_S)
+    return _outcome(work)
+
+
+def _outcome(work: dist.Work) -> tuple[str, Exception | None] | None:
+    """A completed work's outcome: None when it succeeded, else (its error, as text, and the error). A slice's
+    timeout is not the work's error: the work may complete between the slice's end and the look at it."""
     try:
         work.wait()  # complete: raises the work's own error, if it failed
     except Exception as error:  # noqa: BLE001 (the caller names the peer and the store's message)
