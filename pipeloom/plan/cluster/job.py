@@ -143,8 +143,8 @@ class Job:
     evenly; torchtitan's 2024 ``generate_split_points``; Llama 3's one layer less on the first and last stages)."""
     recompute_layers: int = 0
     """Which decoder layers ``recompute=full`` recomputes: 0, every one (Megatron-Core's ``recompute_method
-    "uniform"`` with one layer per unit, torchtitan's full checkpointing); N > 0, the first N of each model chunk
-    (a pipeline stage, or a virtual stage under interleaving), the chunk's other layers keeping everything
+    "uniform"`` with one layer per unit, torchtitan's full checkpointing); N > 0, the first N of each stage (a
+    virtual stage under interleaving: Megatron-Core's model chunk), the stage's other layers keeping everything
     (Megatron-Core's ``recompute_method "block"`` with ``recompute_num_layers`` N, as Megatron-Bridge's
     ``recompute_num_layers`` sets it): :meth:`~pipeloom.plan.cluster.estimate.Estimator.stages`."""
 

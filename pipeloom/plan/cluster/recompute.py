@@ -1,11 +1,10 @@
-"""What ``recompute=selective`` keeps for the backward under each policy (:attr:`Job.selective
-<pipeloom.plan.cluster.job.Job.selective>`), per token of a layer: Megatron-Core's ``recompute_modules``
-(any set of :data:`MEGATRON_MODULES`; its default, ``core_attn``, is :mod:`counts`' ``selective``), torchtitan's
-op-level policy (``op``) and every second layer whole (``layer``), DeepSeek-V3's (``deepseek``). The seconds
-each adds to a layer's backward are :func:`pipeloom.plan.cluster.layer_time.layer_times`'.
+"""What ``recompute=selective`` keeps for the backward per token of a layer under each policy (``Job.selective``):
+Megatron-Core's ``recompute_modules``, torchtitan's op-level and every-second-layer policies, DeepSeek-V3's. The
+seconds each adds to a layer's backward are :func:`pipeloom.plan.cluster.layer_time.layer_times`'.
 
-Megatron-Core's modules (``TransformerConfig.recompute_modules``, as its layer spec with Transformer Engine builds
-the layer):
+torchtitan's policies are ``op`` and ``layer`` (every second layer whole), DeepSeek-V3's ``deepseek``.
+Megatron-Core's are any set of :data:`MEGATRON_MODULES` (``TransformerConfig.recompute_modules``; its default,
+``core_attn``, is :mod:`counts`' ``selective``), each as its layer spec with Transformer Engine builds the layer:
 
 - ``core_attn``: the attention core runs again in the backward (normal checkpointing): its q, k, v are the
   checkpoint's inputs and its output the output projection's input, so only its log-sum-exp per head is not kept;
