@@ -93,14 +93,25 @@ def _add_framework_options(group) -> None:
     group.add_argument("--grad-reduce", choices=("bf16", "fp32"),
                        help="the data type of the gradient reduce-scatter: bf16 (default) or fp32 (torchtitan's "
                             "default mixed_precision_reduce, Llama 3's)")
-    group.add_argument("--recompute-layers", type=int, default=0, metavar="N",
+    group.add_argument("--recompute-layers", type=_depth, default=0, metavar="N|search",
                        help="with recompute=full, recompute only the first N decoder layers of each stage (each "
                             "virtual stage under interleaving), the others keeping everything: Megatron-Core's "
-                            "recompute_method block with recompute_num_layers N; default 0: every layer")
+                            "recompute_method block with recompute_num_layers N; default 0: every layer; search: "
+                            "0, 1, 2, 4, ... each tried, the fastest plan kept")
     group.add_argument("--stage-cut", choices=("balanced", "even"),
                        help="how the decoder layers are cut into pipeline stages: balanced (layers moved off the "
                             "busiest pipeline rank, the embedding and the head counted; default) or even (as many "
                             "layers per stage as divide, the remainder to the middle stages)")
+
+
+def _depth(text: str) -> int | str:
+    """``--recompute-layers``: a whole number of layers, or ``search``."""
+    if text == "search":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a number of layers nor 'search'") from None
 
 
 def token_count(text: str) -> float:

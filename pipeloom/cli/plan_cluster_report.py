@@ -65,10 +65,16 @@ _FP8_CASTS = {"cached": "Transformer Engine's delayed scaling", "dynamic": "torc
               "current": "Transformer Engine's current scaling"}
 
 
-def _assumes(job, layout, framework: str | None = None, selective_sets: int = 0) -> str:
+def _how(choice: str, searched: tuple[str, ...], variants: int) -> str:
+    """The flag that sets ``choice``, and how many plans its search compared when it was given as ``search``."""
+    flag = "--" + choice.replace("_", "-")
+    return f"{flag} search: the fastest of {variants} plans" if choice in searched else flag
+
+
+def _assumes(job, layout, framework: str | None = None, searched: tuple[str, ...] = (), variants: int = 0) -> str:
     """The framework choices priced for ``layout`` (the ones that apply to it), each set by the flag named (or by
-    ``framework``'s choices, where --framework was given; ``selective_sets``: the module sets --selective search
-    tried)."""
+    ``framework``'s choices, where --framework was given; ``searched``: the choices given as ``search``, of which
+    the plan is the fastest of ``variants``)."""
     said = [f"{job.kernels} elementwise kernels (--kernels)", f"{job.attention} attention (--attention)",
             f"gradients reduced in {job.grad_reduce} " + ("beside the backward" if job.overlap_grad_reduce
                                                           else "after it") + " (--grad-reduce, "
@@ -82,11 +88,10 @@ def _assumes(job, layout, framework: str | None = None, selective_sets: int = 0)
         said.append(f"{job.moe_comm} expert all-to-all (--moe-comm)" + (", overlapped by pairs (--moe-overlap)"
                                                                           if job.overlap_pairs(layout) else ""))
     if layout.recompute == "selective":
-        how = f"--selective search: the fastest of {selective_sets} module sets" if selective_sets else "--selective"
-        said.append(f"selective recomputation: {job.selective} ({how})")
+        said.append(f"selective recomputation: {job.selective} ({_how('selective', searched, variants)})")
     if layout.recompute == "full":
         which = f"the first {job.recompute_layers} layers of each stage" if job.recompute_layers else "every layer"
-        said.append(f"full recomputation of {which} (--recompute-layers)")
+        said.append(f"full recomputation of {which} ({_how('recompute_layers', searched, variants)})")
     if job.dtype == "fp8":
         said.append(f"FP8 casts: {_FP8_CASTS[job.fp8_cast]} (--fp8-cast)")
     if layout.stages > 1:
@@ -106,7 +111,7 @@ def report(result, *, framework: str | None = None) -> str:
         f"{job.spec.family}{text_of} on {job.gpus} x {job.hw.name}, global batch {job.global_batch} x {job.seq} "
         f"tokens, {job.dtype}{_window(job.spec)}",
         f"layout: {best.layout}",
-        _assumes(job, best.layout, framework, result.selective_sets),
+        _assumes(job, best.layout, framework, result.searched, result.variants),
         *([f"layers per stage: {_runs(best.stage_layers)}{_copies(best.layout)}"] if len(best.stage_layers) > 1
           else []),
         *_experts(job.spec, best.layout),

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import time
 from collections.abc import Callable, Mapping
@@ -20,7 +21,7 @@ from pipeloom.plan.cluster.gpus import hardware
 from pipeloom.plan.cluster.hardware import Hardware
 from pipeloom.plan.cluster.job import Job
 from pipeloom.plan.cluster.layout import LAYOUT_KEYS, Layout, parse_layout
-from pipeloom.plan.cluster.recompute import SEARCHED, module_sets
+from pipeloom.plan.cluster.recompute import SEARCHED, module_sets, recompute_depths
 from pipeloom.plan.cluster.search import search_layouts
 from pipeloom.plan.cluster.step import Estimate
 from pipeloom.plan.costs.parts import parse_bytes
@@ -49,9 +50,11 @@ class ClusterPlan:
     """Layouts whose step-time bound and memory were computed."""
     simulated: int
     """Layouts priced by replaying their schedule."""
-    selective_sets: int = 0
-    """Megatron-Core module sets tried for ``recompute=selective`` (``selective="search"``: the job's is the one
-    that won), 0 when the job's was given."""
+    searched: tuple[str, ...] = ()
+    """The job's choices the planner searched (``selective``, ``recompute_layers``: given as ``"search"``); the
+    job holds the values that won."""
+    variants: int = 0
+    """Jobs planned for :attr:`searched` (every combination of their values), 0 when nothing was searched."""
 
     def training(self, tokens: float) -> dict[str, float]:
         """Training ``tokens`` tokens with the chosen layout: ``steps`` (whole steps of the global batch),
@@ -79,8 +82,8 @@ class ClusterPlan:
                       "sliding_window": self.job.spec.window,
                       "sliding_window_layers": list(self.job.spec.window_layers)},
             "gpus": self.job.gpus, "global_batch": self.job.global_batch, "seq": self.job.seq,
-            "dtype": self.job.dtype, "selective": self.job.selective, "selective_sets": self.selective_sets,
-            "recompute_layers": self.job.recompute_layers,
+            "dtype": self.job.dtype, "selective": self.job.selective, "recompute_layers": self.job.recompute_layers,
+            "searched": list(self.searched), "variants": self.variants,
             "memory_limit": self.memory_limit, "candidates": self.candidates,
             "priced": self.priced, "simulated": self.simulated, "seconds": self.seconds,
         }
@@ -93,7 +96,7 @@ def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: st
                  selective: str = "core_attn", cp_rotate: str = "ring", moe_comm: str = "plain",
                  grad_reduce: str = "bf16", sequence_parallel: bool = True, tp_overlap: bool = False,
                  fp8_cast: str = "cached", stage_cut: str = "balanced", moe_overlap: bool = False,
-                 recompute_layers: int = 0, memory_limit: float | str | None = None, runners_up: int = 5,
+                 recompute_layers: int | str = 0, memory_limit: float | str | None = None, runners_up: int = 5,
                  progress: Callable[[str], None] | None = None) -> ClusterPlan:
     """The fastest layout of ``model`` (config.json path, dict, PretrainedConfig or ModelSpec) on ``gpus`` GPUs of type
     ``hw`` (a built-in name, a hardware JSON file or a Hardware) for ``global_batch`` sequences of ``seq`` tokens,
@@ -118,25 +121,34 @@ def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: st
     divide); ``moe_overlap``: each backward runs with its rank's next forward, of another micro-batch, hiding each
     other's expert all-to-all (Megatron-Core's ``overlap_moe_expert_parallel_comm``: pp 1 or interleaved 1F1B);
     ``recompute_layers``: with ``recompute=full``, only the first N decoder layers of each stage (Megatron-Core's
-    block method; 0: every layer).
+    block method; 0: every layer), or ``search`` (each of :func:`~pipeloom.plan.cluster.recompute.recompute_depths`
+    tried, the fastest plan kept).
     ``layout``: keys held fixed (``"tp=4,pp=8"`` or a dict); with all of :data:`LAYOUT_KEYS` it predicts that layout
     alone."""
     start = time.perf_counter()
     device = hardware(hw)
     dtype_bytes(dtype)
     spec = model_spec(model)
+    depth: Any = 0 if recompute_layers == SEARCHED else recompute_layers  # Job refuses anything but a count
     job = Job(spec=spec, hw=device, gpus=gpus, global_batch=global_batch, seq=seq, dtype=dtype,
               kernels=kernels, attention=attention, overlap_grad_reduce=bool(overlap_grad_reduce),
               p2p_overlap=bool(p2p_overlap),
               selective="core_attn" if selective == SEARCHED else selective, cp_rotate=cp_rotate,
               moe_comm=moe_comm, grad_reduce=grad_reduce,
               sequence_parallel=bool(sequence_parallel), tp_overlap=bool(tp_overlap), fp8_cast=fp8_cast,
-              stage_cut=stage_cut, moe_overlap=bool(moe_overlap), recompute_layers=recompute_layers)
+              stage_cut=stage_cut, moe_overlap=bool(moe_overlap),
+              recompute_layers=depth)
     fixed = parse_layout(layout) if isinstance(layout, str) else dict(layout or {})
     limit = parse_bytes(memory_limit) if memory_limit is not None else float(device.memory_bytes)
-    if selective != SEARCHED:
+    choices: dict[str, list[Any]] = {
+        "selective": [",".join(modules) for modules in module_sets(spec)] if selective == SEARCHED else [],
+        "recompute_layers": recompute_depths(spec) if recompute_layers == SEARCHED else []}
+    searched = {name: values for name, values in choices.items() if values}
+    if not searched:
         return _plan(job, fixed, limit, runners_up, progress, start)
-    return _best_modules(job, fixed, limit, runners_up, progress, start)
+    variants = [dataclasses.replace(job, **dict(zip(searched, values)))
+                for values in itertools.product(*searched.values())]
+    return _best_variant(variants, tuple(searched), fixed, limit, runners_up, progress, start)
 
 
 def _plan(job: Job, fixed: dict[str, Any], limit: float, runners_up: int, progress: Callable[[str], None] | None,
@@ -152,18 +164,16 @@ def _plan(job: Job, fixed: dict[str, Any], limit: float, runners_up: int, progre
                        simulated=result.simulated)
 
 
-def _best_modules(job: Job, fixed: dict[str, Any], limit: float, runners_up: int,
+def _best_variant(jobs: list[Job], searched: tuple[str, ...], fixed: dict[str, Any], limit: float, runners_up: int,
                   progress: Callable[[str], None] | None, start: float) -> ClusterPlan:
-    """``selective="search"``: :func:`_plan` with each of the model's Megatron-Core module sets, the fastest plan
-    that fits kept (the first set's on a tie: a layout that does not recompute selectively is the same under every
-    set); a whole layout given, the fastest within ``limit``, else the one that needs least memory. No set fits: the
-    refusal that names the least memory."""
+    """The searched choices: :func:`_plan` with each of ``jobs``, the fastest plan that fits kept (the first job's
+    on a tie: a layout that does not recompute is the same under every variant); a whole layout given, the fastest
+    within ``limit``, else the one that needs least memory. None fits: the refusal that names the least memory."""
     plans: list[ClusterPlan] = []
     refusals: list[NoLayoutFits] = []
-    for modules in module_sets(job.spec):
+    for job in jobs:
         try:
-            plans.append(_plan(dataclasses.replace(job, selective=",".join(modules)), fixed, limit, runners_up,
-                               progress, start))
+            plans.append(_plan(job, fixed, limit, runners_up, progress, start))
         except NoLayoutFits as refusal:
             refusals.append(refusal)
     if not plans:
@@ -171,7 +181,7 @@ def _best_modules(job: Job, fixed: dict[str, Any], limit: float, runners_up: int
     fitting = [plan for plan in plans if plan.best.memory.total <= limit]
     best = (min(fitting, key=lambda plan: plan.best.step_time) if fitting
             else min(plans, key=lambda plan: plan.best.memory.total))
-    return dataclasses.replace(best, seconds=time.perf_counter() - start, selective_sets=len(plans) + len(refusals),
+    return dataclasses.replace(best, seconds=time.perf_counter() - start, searched=searched, variants=len(jobs),
                                candidates=sum(plan.candidates for plan in plans),
                                priced=sum(plan.priced for plan in plans),
                                simulated=sum(plan.simulated for plan in plans))

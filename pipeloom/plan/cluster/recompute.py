@@ -43,7 +43,8 @@ from pipeloom.plan.cluster.counts import (
 )
 from pipeloom.plan.errors import LayoutError
 
-__all__ = ["MEGATRON_MODULES", "POLICIES", "SEARCHED", "FP8_BYTES", "module_sets", "megatron_modules",
+__all__ = ["MEGATRON_MODULES", "POLICIES", "SEARCHED", "FP8_BYTES", "module_sets", "recompute_depths",
+           "megatron_modules",
            "idle_modules", "megatron_activations", "kept_activations", "op_activations", "deepseek_activations",
            "separate_norms"]
 
@@ -52,7 +53,8 @@ MEGATRON_MODULES = ("core_attn", "layernorm", "moe_act", "mla_up_proj", "mlp", "
 POLICIES = ("op", "layer", "deepseek")
 """The selective policies other than a set of Megatron-Core modules."""
 SEARCHED = "search"
-"""``selective="search"``: the planner tries each of :func:`module_sets` and keeps the fastest plan."""
+"""``selective="search"`` / ``recompute_layers="search"``: the planner tries each of :func:`module_sets` /
+:func:`recompute_depths` (both: every pair) and keeps the fastest plan."""
 _CHEAPEST_FIRST = ("layernorm", "moe_act", "mla_up_proj", "shared_experts", "mlp", "core_attn", "moe")
 """Megatron-Core's modules by what their recomputation runs: elementwise kernels (the norms, the experts'
 activation), GEMMs (MLA's up-projections, the shared experts, a dense MLP), the attention core (which saves only its
@@ -85,6 +87,13 @@ def module_sets(spec: ModelSpec) -> list[tuple[str, ...]]:
         if modules not in sets:
             sets.append(modules)
     return sets
+
+
+def recompute_depths(spec: ModelSpec) -> list[int]:
+    """The :attr:`~pipeloom.plan.cluster.job.Job.recompute_layers` ``recompute_layers="search"`` tries on ``spec``:
+    0 (every layer), then 1, 2, 4, ... below the model's decoder layers (a stage recomputing as many as it holds
+    recomputes them all)."""
+    return [0, *(2**k for k in range(spec.layers.bit_length()) if 2**k < spec.layers)]
 
 
 def separate_norms(spec: ModelSpec, kind: str) -> int:

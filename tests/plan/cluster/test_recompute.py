@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from pipeloom.cli import main
+from pipeloom.cli.plan_cluster_report import report
 from pipeloom.plan.cluster.api import plan_cluster
 from pipeloom.plan.cluster.config import model_spec
 from pipeloom.plan.cluster.efficiency import gemm_seconds, memory_seconds
@@ -20,7 +21,7 @@ from pipeloom.plan.cluster.gpus import hardware
 from pipeloom.plan.cluster.job import Job
 from pipeloom.plan.cluster.layer_time import layer_times
 from pipeloom.plan.cluster.layout import Layout
-from pipeloom.plan.cluster.recompute import MEGATRON_MODULES, module_sets
+from pipeloom.plan.cluster.recompute import MEGATRON_MODULES, module_sets, recompute_depths
 from pipeloom.plan.errors import LayoutError, NoLayoutFits
 
 CONFIGS = Path(__file__).resolve().parents[3] / "benchmarks" / "data" / "configs"
@@ -143,10 +144,11 @@ def test_a_module_search_keeps_the_fastest_set_that_fits():
     fitting = [plan.best.step_time for plan in each.values() if plan.best.memory.total <= plan.memory_limit]
     assert searched.best.step_time == min(fitting) < each["core_attn"].best.step_time
     assert each["core_attn"].best.layout.recompute == "full" and searched.best.layout.recompute == "selective"
-    assert searched.job.selective == ",".join(MEGATRON_MODULES) and searched.selective_sets == 8
+    assert searched.job.selective == ",".join(MEGATRON_MODULES)
+    assert (searched.searched, searched.variants) == (("selective",), 8)
     found = searched.as_dict()
-    assert (found["selective"], found["selective_sets"]) == (searched.job.selective, 8)
-    assert _deepseek("core_attn").as_dict()["selective_sets"] == 0
+    assert (found["selective"], found["searched"], found["variants"]) == (searched.job.selective, ["selective"], 8)
+    assert (_deepseek("core_attn").as_dict()["searched"], _deepseek("core_attn").as_dict()["variants"]) == ([], 0)
 
 
 def test_when_no_set_fits_the_refusal_names_the_least_memory_of_any():
@@ -167,8 +169,8 @@ def test_the_command_says_which_set_a_search_chose(tmp_path, capsys):
                  "--seq", "4096", "--dtype", "fp8", "--layout", DUALPIPE, "--memory-limit", "70GiB",
                  "--selective", "search"]) == 0
     out = capsys.readouterr().out
-    assert (f"selective recomputation: {','.join(MEGATRON_MODULES)} (--selective search: the fastest of 8 module "
-            "sets)") in out
+    assert (f"selective recomputation: {','.join(MEGATRON_MODULES)} (--selective search: the fastest of 8 "
+            "plans)") in out
 
 
 def _block(n: int, recompute: str = "full"):
@@ -225,3 +227,26 @@ def test_the_command_takes_recompute_layers(tmp_path, capsys):
     assert main([*common, layout.format("none")]) == 0
     assert "note: --recompute-layers 2 changes nothing on the chosen layout, which runs recompute=none" in \
         capsys.readouterr().out
+
+
+def test_a_depth_search_keeps_the_fewest_recomputed_layers_that_fit():
+    """Llama 3 8B on pp 4 (8 layers a stage) within 45 GiB: recomputing 1 layer of each stage needs 47.9 GiB, 2
+    need 43.9: the search keeps 2, the fastest that fits, and says so."""
+    layout = "dp=4,tp=1,pp=4,vp=1,cp=1,ep=1,mbs=1,fsdp=0,recompute=full,schedule=1f1b"
+
+    def plan(depth):
+        return plan_cluster(DENSE, "h100", gpus=16, global_batch=64, seq=8192, stage_cut="even", layout=layout,
+                            recompute_layers=depth, memory_limit="45GiB")
+
+    assert recompute_depths(model_spec(DENSE)) == [0, 1, 2, 4, 8, 16]
+    searched = plan("search")
+    each = {depth: plan(depth) for depth in recompute_depths(model_spec(DENSE))}
+    fitting = {depth: p.best.step_time for depth, p in each.items() if p.best.memory.total <= p.memory_limit}
+    assert min(fitting, key=fitting.get) == 2 and 1 not in fitting
+    assert searched.job.recompute_layers == 2 and searched.best.step_time == fitting[2]
+    assert (searched.searched, searched.variants) == (("recompute_layers",), 6)
+    assert "full recomputation of the first 2 layers of each stage (--recompute-layers search: the fastest of 6 " \
+           "plans)" in report(searched)
+    both = plan_cluster(DENSE, "h100", gpus=16, global_batch=64, seq=8192, stage_cut="even", layout=layout,
+                        recompute_layers="search", selective="search", memory_limit="45GiB")
+    assert (both.searched, both.variants) == (("selective", "recompute_layers"), 3 * 6)
