@@ -28,7 +28,7 @@ from pipeloom.plan.cluster.elementwise import layer_elementwise
 from pipeloom.plan.cluster.hardware import Hardware
 from pipeloom.plan.cluster.job import Job
 from pipeloom.plan.cluster.layout import Layout
-from pipeloom.plan.cluster.recompute import FP8_BYTES, megatron_modules, separate_norms
+from pipeloom.plan.cluster.recompute import FP8_BYTES, layer_modules, separate_norms
 from pipeloom.plan.errors import LayoutError
 from pipeloom.plan.tp.all_to_all import moe_exchanges
 
@@ -173,9 +173,8 @@ def _recompute(job: Job, layout: Layout, tokens: int, kind: str, forward: PhaseT
         return _deepseek_recompute(job, tokens, layout.tp, kind), 0.0
     if job.selective == "op" and kind == "dense":
         return _op_recompute(job, tokens, layout.tp) + ew_f, 0.0
-    # Megatron-Core's modules (torchtitan's op policy in an MoE layer: the attention core)
-    modules = ("core_attn",) if job.selective == "op" else megatron_modules(job.selective)
-    return _megatron_recompute(job, layout, tokens, kind, modules, core_f=core_f, tp_f=tp_f, mlp=mlp)
+    return _megatron_recompute(job, layout, tokens, kind, layer_modules(job.selective), core_f=core_f, tp_f=tp_f,
+                               mlp=mlp)
 
 
 def _attention_core(job: Job, layout: Layout, window: int, *, backward: bool) -> float:
@@ -269,26 +268,26 @@ def _megatron_recompute(job: Job, layout: Layout, tokens: int, kind: str, module
     spec, hw, tp, a = job.spec, job.hw, layout.tp, job.spec.attention
     sp = tp if tp > 1 and job.sequence_parallel else 1
     act = 6.0 if spec.gated else 4.0  # bytes per intermediate element of the activation: read 2 (1), write 1
+    norm = memory_seconds(hw, 2 * 2.0 * spec.hidden * tokens / sp)  # one norm again: read h, write h (bf16)
     seconds, comm = core_f if "core_attn" in modules else 0.0, 0.0
     if "layernorm" in modules:
-        seconds += separate_norms(spec, kind) * (memory_seconds(hw, 2 * 2.0 * spec.hidden * tokens / sp)
-                                                 + hw.kernel_overhead)
+        seconds += separate_norms(spec, kind) * (norm + hw.kernel_overhead)
     if "mla_up_proj" in modules and a.latent:
         up = [(a.heads * a.qk_dim // tp, a.q_rank)] if a.q_rank else []
         seconds += _price(job, [*up, (a.heads * (a.qk_dim - a.rope_dim + a.v_dim) // tp, a.kv_rank)], tokens).f
     if kind == "dense" and "mlp" in modules:
-        seconds += (mlp.f + memory_seconds(hw, act * spec.intermediate * tokens / tp)
-                    + memory_seconds(hw, 2 * 2.0 * spec.hidden * tokens / sp) + tp_f / 2)
+        seconds += mlp.f + memory_seconds(hw, act * spec.intermediate * tokens / tp) + norm + tp_f / 2
     ex = spec.experts
     if kind == "moe" and ex is not None:
-        routed = memory_seconds(hw, 6.0 * ex.top_k * ex.intermediate * max(1, tokens // tp))
-        shared = _price(job, _mlp(spec, ex.shared_intermediate, tp, gated=True), tokens).f + memory_seconds(
-            hw, 6.0 * ex.shared_intermediate * tokens / tp) if ex.shared_intermediate else 0.0
-        if "moe" in modules:
-            seconds, comm = seconds + mlp.f + routed + memory_seconds(
-                hw, 6.0 * ex.shared_intermediate * tokens / tp), comm + mlp.f_comm
+        routed = memory_seconds(hw, 6.0 * ex.top_k * ex.intermediate * max(1, tokens // tp))  # routed copies' act
+        shared = memory_seconds(hw, 6.0 * ex.shared_intermediate * tokens / tp)  # the shared experts' activation
+        if "moe" in modules:  # the MoE MLP's GEMMs and all-to-alls (``mlp``), and its experts' activations
+            seconds, comm = seconds + mlp.f + routed + shared, comm + mlp.f_comm
         else:
-            seconds += (routed if "moe_act" in modules else 0.0) + (shared if "shared_experts" in modules else 0.0)
+            if "moe_act" in modules:
+                seconds += routed
+            if "shared_experts" in modules and ex.shared_intermediate:
+                seconds += _price(job, _mlp(spec, ex.shared_intermediate, tp, gated=True), tokens).f + shared
     return seconds, comm
 
 

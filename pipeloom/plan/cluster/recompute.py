@@ -44,7 +44,7 @@ from pipeloom.plan.cluster.counts import (
 from pipeloom.plan.errors import LayoutError
 
 __all__ = ["MEGATRON_MODULES", "POLICIES", "SEARCHED", "FP8_BYTES", "module_sets", "recompute_depths",
-           "megatron_modules",
+           "megatron_modules", "layer_modules",
            "idle_modules", "megatron_activations", "kept_activations", "op_activations", "deepseek_activations",
            "separate_norms"]
 
@@ -74,6 +74,12 @@ def megatron_modules(selective: str) -> tuple[str, ...]:
                           f"(from {', '.join(MEGATRON_MODULES)}), 'op' (torchtitan's op-level policy), 'layer' "
                           "(every second layer whole) or 'deepseek' (DeepSeek-V3's)")
     return tuple(module for module in MEGATRON_MODULES if module in names)
+
+
+def layer_modules(selective: str) -> tuple[str, ...]:
+    """The Megatron-Core modules the policy ``selective`` recomputes in a layer it has no rule of its own for: its
+    modules; under torchtitan's ``op`` (whose rule is a dense layer's) the attention core, as in an MoE layer."""
+    return ("core_attn",) if selective == "op" else megatron_modules(selective)
 
 
 def module_sets(spec: ModelSpec) -> list[tuple[str, ...]]:
@@ -166,7 +172,7 @@ def _block(selective: str, spec: ModelSpec, kind: str) -> Activations:
         return deepseek_activations(spec, block_kind(kind))
     if selective == "op" and block_kind(kind) == "dense":
         return op_activations(spec)
-    return megatron_activations(spec, kind, megatron_modules(selective) if selective != "op" else ("core_attn",))
+    return megatron_activations(spec, kind, layer_modules(selective))
 
 
 def op_activations(spec: ModelSpec, *, width: int = 2) -> Activations:
