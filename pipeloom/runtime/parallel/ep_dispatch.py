@@ -145,7 +145,7 @@ class ExpertDispatch:
         rows, weights = all_to_all((hidden_states.reshape(tokens, width)[torch.div(order, k, rounding_mode="floor")],
                                     top_k_weights.reshape(-1)[order]), send_list, recv_list, group, link)
         local_ids = _exchange(ids[order] % per, send_list, recv_list, group, link)  # index among its rank's experts
-        done = self._compute(rows, local_ids[:, None], weights[:, None])
+        done = self._per_source(rows, local_ids, weights, recv_list)
         (back,) = all_to_all((done,), recv_list, send_list, group, link)
         pairs = torch.index_copy(back.new_zeros(tokens * k, width), 0, order, back).view(tokens, k, width)
         if not self.expert_order:
@@ -156,6 +156,16 @@ class ExpertDispatch:
         for j in range(k):  # zeros + first + second ...: the unsharded module's index_add_ order per token
             total = total + pairs[:, j].to(total.dtype)
         return total
+
+    def _per_source(self, rows: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                    recv: list[int]) -> torch.Tensor:
+        """:meth:`_compute` on the rows from each source rank apart, in rank order: an expert's matmul then has
+        the height it has on that rank without ep (its rows of that rank's micro-batch), so its rows are the
+        reference's on a BLAS whose rows depend on the matmul's height (MKL on an AVX2 CPU: below 12 rows)."""
+        parts = [part for part in zip(rows.split(recv), ids.split(recv), weights.split(recv)) if part[0].shape[0]]
+        if len(parts) <= 1:
+            return self._compute(rows, ids[:, None], weights[:, None])
+        return torch.cat([self._compute(r, i[:, None], w[:, None]) for r, i, w in parts])
 
     def _compute(self, rows: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The module's own forward over this rank's experts, on the rows that arrived (one choice each)."""
