@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 import time
 from collections.abc import Callable, Mapping
@@ -22,7 +21,7 @@ from pipeloom.plan.cluster.hardware import Hardware
 from pipeloom.plan.cluster.job import Job
 from pipeloom.plan.cluster.layout import LAYOUT_KEYS, Layout, parse_layout
 from pipeloom.plan.cluster.recompute import SEARCHED, module_sets, recompute_depths
-from pipeloom.plan.cluster.search import search_layouts
+from pipeloom.plan.cluster.search import runners_up_of, search_faster, search_layouts
 from pipeloom.plan.cluster.step import Estimate
 from pipeloom.plan.costs.parts import parse_bytes
 from pipeloom.plan.errors import NoLayoutFits
@@ -54,7 +53,8 @@ class ClusterPlan:
     """The job's choices the planner searched (``selective``, ``recompute_layers``: given as ``"search"``); the
     job holds the values that won."""
     variants: int = 0
-    """Jobs planned for :attr:`searched` (every combination of their values), 0 when nothing was searched."""
+    """Plans made for :attr:`searched` (the first values over every layout, each other value over its
+    recomputation mode's layouts: every combination covered), 0 when nothing was searched."""
 
     def training(self, tokens: float) -> dict[str, float]:
         """Training ``tokens`` tokens with the chosen layout: ``steps`` (whole steps of the global batch),
@@ -146,9 +146,26 @@ def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: st
     searched = {name: values for name, values in choices.items() if values}
     if not searched:
         return _plan(job, fixed, limit, runners_up, progress, start)
-    variants = [dataclasses.replace(job, **dict(zip(searched, values)))
-                for values in itertools.product(*searched.values())]
-    return _best_variant(variants, tuple(searched), fixed, limit, runners_up, progress, start)
+    job = dataclasses.replace(job, **{name: values[0] for name, values in searched.items()})
+    return _best_variant(_variants(job, searched, fixed), tuple(searched), fixed, limit, runners_up, progress, start)
+
+
+_MODE_OF = {"selective": "selective", "recompute_layers": "full"}
+"""The recomputation mode whose layouts each searched choice changes (it changes no other layout)."""
+
+
+def _variants(job: Job, searched: dict[str, list[Any]], fixed: dict[str, Any]) -> list[tuple[Job, dict[str, Any]]]:
+    """The plans the searched choices need, as (job, fixed keys): ``job`` (every choice at its first value) over
+    every layout, then each other value of a choice over the layouts of its mode alone (:data:`_MODE_OF`: a
+    selective set changes only the layouts that recompute selectively, a depth only those that recompute fully),
+    which covers every combination of the values without planning each one."""
+    modes = [fixed["recompute"]] if "recompute" in fixed else None
+    runs = [(job, fixed)]
+    for name, values in searched.items():
+        mode = _MODE_OF[name]
+        if modes is None or mode in modes:
+            runs += [(dataclasses.replace(job, **{name: value}), {**fixed, "recompute": mode}) for value in values[1:]]
+    return runs
 
 
 def _plan(job: Job, fixed: dict[str, Any], limit: float, runners_up: int, progress: Callable[[str], None] | None,
@@ -164,24 +181,47 @@ def _plan(job: Job, fixed: dict[str, Any], limit: float, runners_up: int, progre
                        simulated=result.simulated)
 
 
-def _best_variant(jobs: list[Job], searched: tuple[str, ...], fixed: dict[str, Any], limit: float, runners_up: int,
-                  progress: Callable[[str], None] | None, start: float) -> ClusterPlan:
-    """The searched choices: :func:`_plan` with each of ``jobs``, the fastest plan that fits kept (the first job's
-    on a tie: a layout that does not recompute is the same under every variant); a whole layout given, the fastest
-    within ``limit``, else the one that needs least memory. None fits: the refusal that names the least memory."""
+def _best_variant(runs: list[tuple[Job, dict[str, Any]]], searched: tuple[str, ...], fixed: dict[str, Any],
+                  limit: float, runners_up: int, progress: Callable[[str], None] | None, start: float) -> ClusterPlan:
+    """The searched choices (:func:`_variants`): the first run planned whole, each later one searched for a layout
+    faster than the best so far (:func:`~pipeloom.plan.cluster.search.search_faster`), the fastest plan that fits
+    kept (the earlier on a tie); the runners-up the fastest other layouts any run simulated. A whole layout given:
+    each run's prediction, the fastest within ``limit``, else the one that needs least memory. None fits: the
+    refusal that names the least memory."""
+    whole = set(fixed) >= set(LAYOUT_KEYS)
     plans: list[ClusterPlan] = []
     refusals: list[NoLayoutFits] = []
-    for job in jobs:
+    for job, keys in runs:
+        fitting = [plan.best.step_time for plan in plans if plan.best.memory.total <= limit]
         try:
-            plans.append(_plan(job, fixed, limit, runners_up, progress, start))
+            if whole:
+                plans.append(_plan(job, keys, limit, runners_up, progress, start))
+                continue
+            # searched even where the run's keys name a whole layout: it must fit the limit, as the search's would
+            found = (search_faster(job, min(fitting), fixed=keys, memory_limit=limit, runners_up=runners_up,
+                                   progress=progress) if fitting
+                     else search_layouts(job, fixed=keys, memory_limit=limit, runners_up=runners_up,
+                                         progress=progress))
         except NoLayoutFits as refusal:
             refusals.append(refusal)
+            continue
+        if found is not None:
+            plans.append(ClusterPlan(job=job, best=found.best, runners_up=found.runners_up, memory_limit=limit,
+                                     seconds=0.0, candidates=found.candidates, priced=found.priced,
+                                     simulated=found.simulated))
     if not plans:
         raise min(refusals, key=lambda r: float("inf") if r.smallest_limit is None else r.smallest_limit)
-    fitting = [plan for plan in plans if plan.best.memory.total <= limit]
-    best = (min(fitting, key=lambda plan: plan.best.step_time) if fitting
+    fitting_plans = [plan for plan in plans if plan.best.memory.total <= limit]
+    best = (min(fitting_plans, key=lambda plan: plan.best.step_time) if fitting_plans
             else min(plans, key=lambda plan: plan.best.memory.total))
-    return dataclasses.replace(best, seconds=time.perf_counter() - start, searched=searched, variants=len(jobs),
+    others: dict[str, Estimate] = {}
+    for est in (est for plan in plans for est in (plan.best, *(e for e, _ in plan.runners_up))):
+        name = str(est.layout)
+        if est is not best.best and name != str(best.best.layout) and (
+                name not in others or est.step_time < others[name].step_time):
+            others[name] = est  # a layout under two values of a choice: its faster
+    return dataclasses.replace(best, seconds=time.perf_counter() - start, searched=searched, variants=len(runs),
+                               runners_up=runners_up_of(best.best, list(others.values()), limit, runners_up),
                                candidates=sum(plan.candidates for plan in plans),
                                priced=sum(plan.priced for plan in plans),
                                simulated=sum(plan.simulated for plan in plans))

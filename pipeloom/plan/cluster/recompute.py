@@ -54,7 +54,7 @@ POLICIES = ("op", "layer", "deepseek")
 """The selective policies other than a set of Megatron-Core modules."""
 SEARCHED = "search"
 """``selective="search"`` / ``recompute_layers="search"``: the planner tries each of :func:`module_sets` /
-:func:`recompute_depths` (both: every pair) and keeps the fastest plan."""
+:func:`recompute_depths` (both: every pair, without planning each: ``api._variants``) and keeps the fastest plan."""
 _CHEAPEST_FIRST = ("layernorm", "moe_act", "mla_up_proj", "shared_experts", "mlp", "core_attn", "moe")
 """Megatron-Core's modules by what their recomputation runs: elementwise kernels (the norms, the experts'
 activation), GEMMs (MLA's up-projections, the shared experts, a dense MLP), the attention core (which saves only its

@@ -42,7 +42,7 @@ from pipeloom.plan.cluster.placement import rank_stages, work_bound
 from pipeloom.plan.cluster.step import Estimate
 from pipeloom.plan.errors import LayoutError, NoLayoutFits
 
-__all__ = ["Bounds", "Candidate", "SearchResult", "search_layouts"]
+__all__ = ["Bounds", "Candidate", "SearchResult", "runners_up_of", "search_faster", "search_layouts"]
 
 _ROUNDING = 1e-9
 """Relative slack for the memory computed from held counts against the replay's running sum (they add the
@@ -148,6 +148,21 @@ def search_layouts(job: Job, *, fixed: dict[str, Any] | None = None, memory_limi
     """The fastest layout of ``job`` within ``memory_limit`` bytes per GPU (default: the GPU's memory), with the
     keys of ``fixed`` held; NoLayoutFits when none fits, with the least memory per GPU any layout needs and
     that layout (``smallest_limit``, ``smallest_layout``: planning again with that limit finds a plan)."""
+    result = _search(job, fixed, memory_limit, runners_up, progress, beat=None)
+    assert result is not None  # without a time to beat, a search finds a layout or refuses
+    return result
+
+
+def search_faster(job: Job, beat: float, *, fixed: dict[str, Any] | None = None, memory_limit: float | None = None,
+                  runners_up: int = 5, progress: Callable[[str], None] | None = None) -> SearchResult | None:
+    """:func:`search_layouts` for a layout faster than ``beat`` seconds per step (another job's best, say): None
+    when no fitting layout is. The bounds stop the search where they reach ``beat``, so a job none of whose
+    layouts can beat it costs its group bounds and little else."""
+    return _search(job, fixed, memory_limit, runners_up, progress, beat=beat)
+
+
+def _search(job: Job, fixed: dict[str, Any] | None, memory_limit: float | None, runners_up: int,
+            progress: Callable[[str], None] | None, *, beat: float | None) -> SearchResult | None:
     fixed = dict(fixed or {})
     limit = float(memory_limit if memory_limit is not None else job.hw.memory_bytes)
     estimator = Estimator(job)
@@ -162,8 +177,10 @@ def search_layouts(job: Job, *, fixed: dict[str, Any] | None = None, memory_limi
                            f" (global batch {job.global_batch}, sequence {job.seq}){first}; {keys}pick a GPU count "
                            "or a global batch with more common divisors")
     run = _Run(Bounds(estimator), list(groups.values()), limit, runners_up, progress)
-    best = run.search()
+    best = run.search(beat)
     layouts = sum(map(len, run.groups))
+    if best is None and beat is not None:
+        return None
     if best is None:
         least = run.smallest()
         raise NoLayoutFits(f"no layout fits {limit / 2**30:.1f} GiB per GPU ({layouts} layouts tried; the least memory"
@@ -171,7 +188,7 @@ def search_layouts(job: Job, *, fixed: dict[str, Any] | None = None, memory_limi
                            f"{least.layout}); use more GPUs, a smaller global batch or sequence, or raise "
                            "--memory-limit", smallest_limit=least.memory.total, smallest_layout=str(least.layout))
     run.price_faster_over(best)
-    return SearchResult(best=best, runners_up=_runners_up(best, run.done, limit, runners_up), candidates=layouts,
+    return SearchResult(best=best, runners_up=runners_up_of(best, run.done, limit, runners_up), candidates=layouts,
                         priced=run.priced, simulated=len(run.done), memory_limit=limit)
 
 
@@ -190,8 +207,9 @@ class _Run:
     def _fits(self, bound: float) -> bool:
         return bound <= self.limit * (1 + _ROUNDING)
 
-    def search(self) -> Estimate | None:
-        """The fastest fitting layout (ties: the smallest :func:`_key`), or None."""
+    def search(self, beat: float | None = None) -> Estimate | None:
+        """The fastest fitting layout (ties: the smallest :func:`_key`), or None; with ``beat``, only one faster
+        than ``beat`` seconds."""
         estimator = self.bounds.estimator
         queue: list[tuple[Any, ...]] = [(self.bounds.group(members[0]), 0, n) for n, members in enumerate(self.groups)]
         heapq.heapify(queue)
@@ -199,6 +217,8 @@ class _Run:
         extra = 0  # layouts simulated past the bound, for the runners-up
         while queue:
             entry = heapq.heappop(queue)
+            if best is None and beat is not None and entry[0] >= beat:  # nothing left can beat it
+                break
             if entry[1] == 0:  # a group: its layouts' bounds, those that may fit queued (ties: groups first)
                 for layout in self.groups[entry[2]]:
                     floor = self.bounds.floor(layout)
@@ -230,6 +250,8 @@ class _Run:
             self.done.append(est)
             if est.memory.total > self.limit:  # within the rounding of the limit
                 self.over.append(cand)
+            elif beat is not None and est.step_time >= beat:
+                continue
             elif best is None or (est.step_time, _key(est.layout)) < (best.step_time, _key(best.layout)):
                 best = est
         return best
@@ -298,7 +320,8 @@ def _key(layout: Layout) -> tuple[Any, ...]:
     return tuple(getattr(layout, key) for key in LAYOUT_KEYS)
 
 
-def _runners_up(best: Estimate, done: list[Estimate], limit: float, count: int) -> tuple[tuple[Estimate, str], ...]:
+def runners_up_of(best: Estimate, done: list[Estimate], limit: float,
+                  count: int) -> tuple[tuple[Estimate, str], ...]:
     """The fastest other fitting layouts (slower by how much, and where the time goes), then faster ones that
     do not fit."""
     fits = sorted((e for e in done if e.memory.total <= limit and e is not best), key=lambda e: e.step_time)

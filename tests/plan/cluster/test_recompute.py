@@ -249,4 +249,26 @@ def test_a_depth_search_keeps_the_fewest_recomputed_layers_that_fit():
            "plans)" in report(searched)
     both = plan_cluster(DENSE, "h100", gpus=16, global_batch=64, seq=8192, stage_cut="even", layout=layout,
                         recompute_layers="search", selective="search", memory_limit="45GiB")
-    assert (both.searched, both.variants) == (("selective", "recompute_layers"), 3 * 6)
+    # the layout recomputes fully: the selective sets change nothing on it, so only the depths are planned
+    assert (both.searched, both.variants) == (("selective", "recompute_layers"), 6)
+    assert both.best.step_time == searched.best.step_time and both.job.recompute_layers == 2
+
+
+def test_searching_both_choices_finds_the_fastest_of_every_pair_planning_fewer():
+    """Llama 3 8B on 16 H100s with pp 4 held, within 45 GiB: the two searches together plan the first set and depth
+    over every layout and each other value over its mode's layouts (1 + 2 + 5 plans, not 3 x 6), and find the
+    fastest plan of all 18 pairs, each planned alone."""
+    def plan(selective, depth):
+        return plan_cluster(DENSE, "h100", gpus=16, global_batch=64, seq=8192, stage_cut="even", layout="pp=4",
+                            selective=selective, recompute_layers=depth, memory_limit="45GiB", runners_up=3)
+
+    both = plan("search", "search")
+    pairs = [plan(",".join(modules), depth) for modules in module_sets(model_spec(DENSE))
+             for depth in recompute_depths(model_spec(DENSE))]
+    fastest = min(pairs, key=lambda p: p.best.step_time)  # every pair's plan fits: the search refuses otherwise
+    assert both.variants == 1 + 2 + 5 and both.searched == ("selective", "recompute_layers")
+    assert both.best.step_time == fastest.best.step_time and both.best.layout == fastest.best.layout
+    assert both.best.memory.total <= both.memory_limit
+    slower = [est.step_time for est, why in both.runners_up if "slower" in why]
+    assert slower == sorted(slower) and all(t >= both.best.step_time for t in slower)
+    assert len({str(est.layout) for est, _ in both.runners_up}) == len(both.runners_up)
