@@ -81,7 +81,8 @@ def options(run: dict) -> dict:
     - Megatron-Bridge: only its Llama recipes overlap the tp exchanges (its Qwen3 H100 recipe turns
       ``tp_comm_overlap`` off; gpt-oss runs tp 1); Qwen3-235B-A22B's H100 recipe and gpt-oss-120b's GB200 one set
       ``moe_a2a_overlap`` (Megatron-Core's ``overlap_moe_expert_parallel_comm``); the gpt-oss recipes recompute
-      ``recompute_modules=["layernorm", "moe_act"]``.
+      ``recompute_modules=["layernorm", "moe_act"]``; Qwen3-30B-A3B's H100 recipe dispatches with Hybrid-EP
+      (``moe_flex_dispatcher_backend="hybridep"``), the other MoE recipes with Megatron-Core's all-to-all.
     - Megatron-LM 2021 predates flash attention (scores in HBM), sequence parallelism and the overlapped gradient
       reduce (all-reduced after the flush) and sent stage boundaries blocking (``_communicate``); it required the
       layers to divide evenly over the stages.
@@ -105,6 +106,8 @@ def options(run: dict) -> dict:
                                         "mbridge-gpt-oss-120b-gb200-bf16-64gpus"))
         if rid.startswith("mbridge-gpt-oss"):
             opts.update(selective="layernorm,moe_act")
+        if rid == "mbridge-qwen3-30b-a3b-h100-fp8-16gpus":
+            opts.update(moe_comm="hybridep")
     elif rid.startswith("megatron2021"):
         opts.update(attention="materialized", overlap_grad_reduce=False, p2p_overlap=False, sequence_parallel=False,
                     stage_cut="even")

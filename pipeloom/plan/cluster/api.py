@@ -110,7 +110,8 @@ def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: st
     (torchtitan's op-level policy), ``layer`` (every second layer whole) or ``deepseek`` (DeepSeek-V3's
     recomputation and FP8 activation caching); ``cp_rotate``: ``ring`` (K/V passed block by block
     beside the compute: Megatron-Core) or ``allgather`` (PyTorch's ``context_parallel``, torchtitan); ``moe_comm``:
-    ``plain`` or ``deepseek`` (DeepSeek-V3's node-limited FP8 dispatch, 20 SMs for communication); ``grad_reduce``:
+    ``plain``, ``deepseek`` (DeepSeek-V3's node-limited FP8 dispatch, 20 SMs for communication) or ``hybridep``
+    (NVIDIA's Hybrid-EP: each token once per other node it is routed to, in bf16); ``grad_reduce``:
     the gradient reduce-scatter's dtype, ``bf16`` or ``fp32`` (torchtitan's default, Llama 3's);
     ``sequence_parallel`` False: tp ranks run the norms and residual adds on every token and all-reduce (Megatron-LM
     before 2022); ``tp_overlap``: tensor-parallel exchanges run beside the GEMMs (Transformer Engine's userbuffers,

@@ -102,7 +102,7 @@ from pipeloom.plan.tp.collectives import CollectiveFit
 __all__ = ["ATTENTION_KINDS", "COLLECTIVE_KINDS", "CURRENT_CAST_BYTES", "DYNAMIC_CAST_BYTES", "FUSED_CAST_BYTES",
            "attention_flops", "attention_seconds", "collective_seconds", "domain_ranks", "dtype_bytes",
            "gemm_efficiency", "gemm_seconds", "hidden_cost", "materialized_attention_seconds", "memory_seconds",
-           "overlapped_seconds", "p2p_seconds", "wave_efficiency"]
+           "node_dispatch_seconds", "overlapped_seconds", "p2p_seconds", "wave_efficiency"]
 
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 """Collective kinds :func:`collective_seconds` prices."""
@@ -282,6 +282,25 @@ def collective_seconds(hw: Hardware, kind: str, nbytes: float, ranks: int, *, ra
     latency = (twice * _steps(inner, r, tree=False) * hw.scale_up_latency
                + _steps(kind, domains, tree=True) * hw.scale_out_latency)
     return max(inside, across) + latency
+
+
+def node_dispatch_seconds(hw: Hardware, *, tokens: float, hidden: int, top_k: int, ranks: int, remote: float,
+                          widths: tuple[float, float]) -> float:
+    """Seconds of an expert dispatch and combine (bytes per element ``widths``) over ``ranks`` expert-parallel
+    GPUs that send each of ``tokens`` tokens ``remote`` times over the NIC (once per other scale-up domain it is
+    routed to, to the GPU of its in-domain index) and ``top_k · (r-1)/r`` times over the scale-up link (its
+    copies to the domain's other GPUs); the two run at once, as in :func:`collective_seconds`'s all-to-all."""
+    r = domain_ranks(ranks, 1, hw)
+    nodes = ranks // r
+    up = hw.scale_up_bandwidth * hw.scale_up_efficiency
+    out = hw.scale_out_bandwidth * hw.scale_out_efficiency
+    seconds = 0.0
+    for width in widths:  # dispatch, combine
+        token = hidden * width
+        across = tokens * remote * token / out + (hw.scale_out_latency if nodes > 1 else 0.0)
+        inside = tokens * top_k * (r - 1) / r * token / up + (hw.scale_up_latency if r > 1 else 0.0)
+        seconds += max(across, inside)
+    return seconds
 
 
 def p2p_seconds(hw: Hardware, nbytes: float, *, same_domain: bool) -> float:

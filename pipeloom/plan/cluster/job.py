@@ -22,7 +22,7 @@ FP8_CASTS = ("cached", "dynamic", "current")
 """How FP8 GEMMs cast their inputs (:attr:`Job.fp8_cast`)."""
 CP_ROTATE = ("ring", "allgather")
 """How context parallelism exchanges K/V (:attr:`Job.cp_rotate`)."""
-MOE_COMM = ("plain", "deepseek")
+MOE_COMM = ("plain", "deepseek", "hybridep")
 """How the expert all-to-all is run (:attr:`Job.moe_comm`)."""
 GRAD_REDUCE = {"bf16": 2, "fp32": 4}
 """The data types the gradient reduce-scatter may move (:attr:`Job.grad_reduce`), and their bytes."""
@@ -95,7 +95,9 @@ class Job:
     torchtitan ran it: :func:`pipeloom.plan.cluster.context.context_parallel_core`)."""
     moe_comm: str = "plain"
     """The expert all-to-all: ``plain`` (every routed copy of a token sent in bf16 to its expert's GPU) or
-    ``deepseek`` (DeepSeek-V3's kernels: :func:`_deepseek_all_to_all`, with :data:`_COMM_SMS` SMs reserved)."""
+    ``deepseek`` (DeepSeek-V3's kernels: :func:`_deepseek_all_to_all`, with :data:`_COMM_SMS` SMs reserved) or
+    ``hybridep`` (NVIDIA's Hybrid-EP kernels, Megatron-Core's flex dispatcher: each token once per other node, in
+    bf16: :func:`_hybridep_all_to_all`)."""
     p2p_overlap: bool = True
     """Pipeline sends run beside the ranks' compute (Megatron-Core, torch.distributed.pipelining: the replay's
     latency between stages); False: each stage's output and input-gradient exchange blocks the rank for the
@@ -157,7 +159,8 @@ class Job:
                    ("attention", ATTENTION_KINDS, "the attention core's kernels"),
                    ("cp_rotate", CP_ROTATE, "'ring' (Megatron-Core's K/V ring) or 'allgather' (PyTorch's "
                                             "context_parallel, as torchtitan runs it)"),
-                   ("moe_comm", MOE_COMM, "'plain' or 'deepseek' (DeepSeek-V3's all-to-all kernels)"),
+                   ("moe_comm", MOE_COMM, "'plain', 'deepseek' (DeepSeek-V3's all-to-all kernels) or 'hybridep' "
+                    "(NVIDIA's Hybrid-EP kernels)"),
                    ("grad_reduce", tuple(GRAD_REDUCE), "'bf16' or 'fp32' (gradients reduce-scattered in float32, "
                                                        "torchtitan's default)"),
                    ("fp8_cast", FP8_CASTS, "'cached' (Transformer Engine's delayed scaling: FP8 weights and "

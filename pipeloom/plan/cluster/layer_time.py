@@ -22,6 +22,7 @@ from pipeloom.plan.cluster.efficiency import (
     gemm_seconds,
     materialized_attention_seconds,
     memory_seconds,
+    node_dispatch_seconds,
     overlapped_seconds,
 )
 from pipeloom.plan.cluster.elementwise import layer_elementwise
@@ -226,6 +227,8 @@ def _moe_times(job: Job, layout: Layout, tokens: int) -> PhaseTimes:
     a2a = {"F": 0.0, "I": 0.0}
     if ep > 1 and job.moe_comm == "deepseek":
         a2a["F"] = a2a["I"] = _deepseek_all_to_all(job, layout, local)
+    elif ep > 1 and job.moe_comm == "hybridep":
+        a2a["F"] = a2a["I"] = _hybridep_all_to_all(job, layout, local)
     elif ep > 1:  # the runtime's all-to-alls of this GPU's tokens (16-bit rows and weights)
         exchanges = moe_exchanges(tokens=local, hidden=spec.hidden, top_k=ex.top_k, ep=ep, dtype_bytes=2,
                                   experts=ex.count)
@@ -362,20 +365,31 @@ def _deepseek_all_to_all(job: Job, layout: Layout, local: int) -> float:
     whose 8 groups are its 8 nodes under ep = 64). Per token, the NIC carries ``reach · (D-1)/D`` copies (D
     nodes in the ep group, uniform routing) and NVLink ``top_k · (r-1)/r``; the two run at once, as in
     :func:`~pipeloom.plan.cluster.efficiency.collective_seconds`'s all-to-all."""
-    spec, hw, ep = job.spec, job.hw, layout.ep
-    ex = spec.experts
+    ex = job.spec.experts
     assert ex is not None
-    r = domain_ranks(ep, 1, hw)
-    nodes = ep // r
+    r = domain_ranks(layout.ep, 1, job.hw)
+    nodes = layout.ep // r
     reach = min(ex.top_k, nodes)
     if ex.group_top_k:
         reach = min(reach, ex.group_top_k * math.ceil(nodes / ex.groups))
-    up = hw.scale_up_bandwidth * hw.scale_up_efficiency
-    out = hw.scale_out_bandwidth * hw.scale_out_efficiency
-    seconds = 0.0
-    for width in (FP8_BYTES, 2.0):  # dispatch, combine
-        token = spec.hidden * width
-        across = local * reach * (nodes - 1) / nodes * token / out + (hw.scale_out_latency if nodes > 1 else 0.0)
-        inside = local * ex.top_k * (r - 1) / r * token / up + (hw.scale_up_latency if r > 1 else 0.0)
-        seconds += max(across, inside)
-    return seconds
+    return node_dispatch_seconds(job.hw, tokens=local, hidden=job.spec.hidden, top_k=ex.top_k, ranks=layout.ep,
+                                 remote=reach * (nodes - 1) / nodes, widths=(FP8_BYTES, 2.0))
+
+
+def _hybridep_all_to_all(job: Job, layout: Layout, local: int) -> float:
+    """Seconds of one pass's dispatch and combine with NVIDIA's Hybrid-EP kernels (DeepEP's ``hybrid-ep``
+    branch, ``docs/Hybrid-EP_Implementation.md``; Megatron-Core's flex dispatcher with
+    ``moe_flex_dispatcher_backend="hybridep"``): as DeepSeek-V3's, a token crosses InfiniBand once to each other
+    node that holds any of its experts (to the GPU of its in-node index, whose RDMA buffer holds one copy per
+    token and remote node) and fans out over NVLink there; both ways in bf16 (its FP8 dispatch is an option the
+    recipes do not set). With uniform routing over ``E`` experts on ``D`` nodes, a token reaches each other node
+    with probability ``1 - C(E - E/D, k) / C(E, k)``. The SMs its persistent kernels hold are not priced (their
+    count is a launch setting no recipe publishes)."""
+    ex = job.spec.experts
+    assert ex is not None
+    r = domain_ranks(layout.ep, 1, job.hw)
+    nodes = layout.ep // r
+    per_node = ex.count // nodes
+    missed = math.comb(ex.count - per_node, ex.top_k) / math.comb(ex.count, ex.top_k)
+    return node_dispatch_seconds(job.hw, tokens=local, hidden=job.spec.hidden, top_k=ex.top_k, ranks=layout.ep,
+                                 remote=(nodes - 1) * (1 - missed), widths=(2.0, 2.0))
