@@ -31,6 +31,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 
+from pipeloom.arithmetic import divisors
 from pipeloom.ir.core import compute_parts
 from pipeloom.plan.costs.parts import Link
 from pipeloom.plan.costs.shared import shared_across_stages, shared_sync_time
@@ -119,11 +120,6 @@ def _last_gradient_ends(timeline) -> dict[int, float]:
                 if part.kind in ("B", "I", "W"):
                     ends[part.stage] = max(ends.get(part.stage, 0.0), end)
     return ends
-
-
-def _divisors(n: int) -> list[int]:
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    return sorted(set(small + [n // d for d in small]))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -299,14 +295,14 @@ def _prefixed(progress: Callable[[str], None], prefix: str) -> Callable[[str], N
 
 def _replica_counts(table: CostTable, num_ranks: int, global_batch: int, asked: Sequence[int] | None) -> list[int]:
     if asked is None:
-        sizes = [d for d in _divisors(num_ranks)
+        sizes = [d for d in divisors(num_ranks)
                  if global_batch % d == 0 and num_ranks // d <= len(table.pieces)]
         return sizes or [1]  # one pipeline over every rank, whose check says what is wrong
     sizes = sorted(set(asked))
     for dp in sizes:
         if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1 or num_ranks % dp:
             raise PlanError(f"data parallel size {dp!r} does not divide {num_ranks} ranks; choose among "
-                            f"{_divisors(num_ranks)}")
+                            f"{divisors(num_ranks)}")
         if global_batch % dp:
             raise PlanError(f"data parallel size {dp} does not divide the global batch {global_batch}; each "
                             "replica runs an equal share")

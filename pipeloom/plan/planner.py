@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipeloom.arithmetic import divisors
 from pipeloom.errors import PipeloomError
 from pipeloom.formatting import format_bytes
 from pipeloom.ir import Schedule, save_schedule
@@ -148,11 +149,6 @@ MAX_PLAN_MICROBATCHES = 1024
 """Most micro-batches per step a plan considers: the default counts are the divisors of the global
 batch up to this (found without counting to the batch), and a larger count asked for is refused.
 Each candidate is simulated, and a step of more micro-batches than this has no bubble left to gain."""
-
-
-def _divisors(n: int) -> list[int]:
-    """The divisors of ``n`` up to :data:`MAX_PLAN_MICROBATCHES`."""
-    return [m for m in range(1, min(n, MAX_PLAN_MICROBATCHES) + 1) if n % m == 0]
 
 
 class _Search:
@@ -309,14 +305,14 @@ def plan_pipeline(
 
 def _microbatch_counts(microbatches: Sequence[int] | None, global_batch: int) -> list[int]:
     """The micro-batch counts to try (given, or every divisor of the global batch), checked."""
-    counts = sorted(set(microbatches)) if microbatches is not None else _divisors(global_batch)
+    counts = sorted(set(microbatches)) if microbatches is not None else divisors(global_batch, MAX_PLAN_MICROBATCHES)
     for m in counts:
         if isinstance(m, int) and not isinstance(m, bool) and m > MAX_PLAN_MICROBATCHES:
             raise PlanError(f"{m} micro-batches per step is more than the planner considers "
                             f"({MAX_PLAN_MICROBATCHES}); choose at most {MAX_PLAN_MICROBATCHES}")
         if isinstance(m, bool) or not isinstance(m, int) or m < 1 or global_batch % m:
             raise PlanError(f"micro-batch count {m!r} does not divide the global batch {global_batch}; "
-                            f"choose among {_divisors(global_batch)}")
+                            f"choose among {divisors(global_batch, MAX_PLAN_MICROBATCHES)}")
     return counts
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from pipeloom.arithmetic import divisors
 from pipeloom.serve.errors import WorkError
 
 __all__ = ["MAX_COUNT", "MAX_LIST", "MAX_SEARCH_RANKS", "MAX_TABLES", "check_count",
@@ -75,12 +76,6 @@ def uploaded_work(document: dict) -> int:
     return max(listed, per_task) + max(num_ranks, len(ranks) if isinstance(ranks, list) else 0)
 
 
-def _divisors(n: int, cap: int) -> list[int]:
-    """The divisors of ``n`` up to ``cap`` (trial division up to sqrt(n): n is capped by :data:`MAX_COUNT`)."""
-    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
-    return sorted(d for d in set(small) | {n // d for d in small} if d <= cap)
-
-
 def plan_work(*, pieces: int, ranks: int, global_batch: int, schedules: Sequence[str] | None,
               stages_per_rank: Sequence[int], microbatches: Sequence[int] | None,
               data_parallel: Sequence[int] | None, tensor_parallel: Sequence[int], search: float, limit: int) -> int:
@@ -95,11 +90,11 @@ def plan_work(*, pieces: int, ranks: int, global_batch: int, schedules: Sequence
     for tp in (t for t in set(tensor_parallel) if ranks % t == 0):
         share = ranks // tp
         replicas = ([d for d in set(data_parallel) if share % d == 0] if data_parallel is not None else
-                    [d for d in _divisors(share, share) if global_batch % d == 0 and share // d <= pieces] or [1])
+                    [d for d in divisors(share) if global_batch % d == 0 and share // d <= pieces] or [1])
         for dp in replicas:
             pp, batch = share // dp, max(1, global_batch // dp)
             counts = ([m for m in set(microbatches) if batch % m == 0] if microbatches is not None
-                      else _divisors(batch, MAX_PLAN_MICROBATCHES))
+                      else divisors(batch, MAX_PLAN_MICROBATCHES))
             for name in names:
                 options = stages_per_rank if "stages_per_rank" in REGISTRY[name].options else [None]
                 for v in set(options):

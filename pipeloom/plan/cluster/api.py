@@ -218,7 +218,7 @@ def _best_variant(runs: list[tuple[Job, dict[str, Any]]], searched: tuple[str, .
     others: dict[str, Estimate] = {}
     for est in (est for plan in plans for est in (plan.best, *(e for e, _ in plan.runners_up))):
         name = str(est.layout)
-        if est is not best.best and name != str(best.best.layout) and (
+        if name != str(best.best.layout) and (
                 name not in others or est.step_time < others[name].step_time):
             others[name] = est  # a layout under two values of a choice: its faster
     return dataclasses.replace(best, seconds=time.perf_counter() - start, searched=searched, variants=len(runs),

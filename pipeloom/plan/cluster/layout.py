@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
+from pipeloom.arithmetic import divisors
 from pipeloom.plan.cluster.counts import RECOMPUTE_MODES, optimizer_bytes
 from pipeloom.plan.errors import LayoutError
 
@@ -215,10 +216,6 @@ VP_CHOICES = (2, 3, 4, 5, 6, 7, 8)
 """Stages per rank tried for interleaved-1f1b."""
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def _choices(key: str, fixed: dict[str, Any], default: list[Any]) -> list[Any]:
     return [fixed[key]] if key in fixed else default
 
@@ -234,17 +231,17 @@ def enumerate_layouts(job: Job, fixed: dict[str, Any], refusals: list[str] | Non
     if unknown:
         raise LayoutError(f"unknown layout keys {sorted(unknown)}; use {', '.join(LAYOUT_KEYS)}")
     n, hw = job.gpus, job.hw
-    tps = [t for t in _divisors(n) if t <= hw.domain_gpus and spec.attention.splits(t)]
+    tps = [t for t in divisors(n) if t <= hw.domain_gpus and spec.attention.splits(t)]
     for tp in _choices("tp", fixed, tps):
         if n % tp:
             _refuse(refusals, f"tp={tp} does not divide the {n} GPUs")
             continue
-        cps = [c for c in _divisors(n // tp) if c <= 16 and (c == 1 or job.seq % (2 * c) == 0)]
+        cps = [c for c in divisors(n // tp) if c <= 16 and (c == 1 or job.seq % (2 * c) == 0)]
         for cp in _choices("cp", fixed, cps):
             if n % (tp * cp):
                 _refuse(refusals, f"tp={tp} x cp={cp} does not divide the {n} GPUs")
                 continue
-            pps = [p for p in _divisors(n // (tp * cp)) if p <= spec.layers]
+            pps = [p for p in divisors(n // (tp * cp)) if p <= spec.layers]
             for pp in _choices("pp", fixed, pps):
                 if n % (tp * cp * pp):
                     _refuse(refusals, f"tp={tp} x cp={cp} x pp={pp} does not divide the {n} GPUs")
@@ -267,7 +264,7 @@ def _inner(job: Job, fixed: dict[str, Any], tp: int, cp: int, pp: int, dp: int,
     """Layouts of one dp x tp x pp x cp."""
     spec = job.spec
     experts = spec.experts.count if spec.experts else 1
-    eps = [e for e in _divisors(tp * dp * cp) if experts % e == 0] if spec.experts else [1]
+    eps = [e for e in divisors(tp * dp * cp) if experts % e == 0] if spec.experts else [1]
     schedules = list(SCHEDULES) if pp > 1 else ["1f1b"]
     for ep, mbs, recompute, fsdp, schedule in itertools.product(
             _choices("ep", fixed, eps), _choices("mbs", fixed, list(MBS_CHOICES)),
