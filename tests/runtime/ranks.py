@@ -1,9 +1,10 @@
 """Run a function on several gloo ranks (processes of their own) and collect what each returns.
 
-The ranks are forked from a fork server that imported torch, pipeloom's runtime and the transformers models
-the tests build once (``PRELOAD``),
-not spawned: a spawned rank spends seconds importing torch (12-15 s for two ranks on the loaded 2-core
-machine, against 0.4 s forked), and the multi-rank tests start ranks a few hundred times. Each test
+The ranks are forked from one fork server per test process that imported torch, pipeloom's runtime, the
+transformers models the tests build and the rank jobs once (``PRELOAD``), not spawned: a spawned rank spends
+seconds importing torch (12-15 s for two ranks on the loaded 2-core machine, against 0.4 s forked), and the
+multi-rank tests start ranks a few hundred times. Every test uses the same list, so the server starts once per
+test process (a few seconds of CPU) instead of again wherever two tests wanted different lists. Each test
 still gets fresh processes; only the imports are shared."""
 
 from __future__ import annotations
@@ -16,9 +17,14 @@ import traceback
 
 _HF_MODELS = ["llama", "gpt2", "bert", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss", "mamba2",
               "t5", "bart", "whisper", "convnext"]
+_JOBS = ["ranks", "hf_models", "ep_jobs", "ep_compose_jobs", "fault_jobs", "first_step_jobs", "hf_jobs", "layout_jobs",
+         "link_jobs", "mamba_jobs", "profile_tp_jobs", "rank_jobs", "scale_jobs", "state_jobs", "tp_auto_jobs",
+         "tp_heads_jobs", "tp_jobs", "tp_plan_jobs", "trial_jobs"]
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.tensor.parallel",
-           "pipeloom.runtime", "transformers",
-           *(f"transformers.models.{name}.modeling_{name}" for name in _HF_MODELS)]
+           "torch.distributed.checkpoint", "torch.distributed.device_mesh", "pipeloom.runtime",
+           "pipeloom.runtime.parallel.tp_auto", "pipeloom.plan.tp.sharding", "pipeloom.profile.in_engine",
+           "transformers",
+           *(f"transformers.models.{name}.modeling_{name}" for name in _HF_MODELS), *_JOBS]
 """Imported once by the fork server (a module that cannot be imported is skipped: transformers is optional)."""
 
 
@@ -46,17 +52,16 @@ def _worker(rank: int, world: int, port: int, fn, args, queue) -> None:
                 dist.destroy_process_group()
 
 
-def preloaded_context(preload: list[str] | None = None):
-    """The fork-server context whose server has imported ``preload`` (default ``PRELOAD``): a server
-    running with another list is stopped first, and the next start imports this one."""
+def preloaded_context():
+    """The fork-server context whose server has imported ``PRELOAD``: a server started with another list (the
+    server of ``pipeloom serve``'s jobs, in this process) is stopped first, and the next start imports this one."""
     from multiprocessing import forkserver
 
-    wanted = PRELOAD if preload is None else preload
     server = forkserver._forkserver  # the process's one fork server (private: no public way to stop it)
-    if server._preload_modules != wanted and server._forkserver_pid is not None:
+    if server._preload_modules != PRELOAD and server._forkserver_pid is not None:
         server._stop()
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(wanted)
+    ctx.set_forkserver_preload(PRELOAD)
     return ctx
 
 

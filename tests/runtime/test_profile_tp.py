@@ -5,8 +5,6 @@ tensor field against what the planner needs (it loads, plans with tp 2 from the 
 
 from __future__ import annotations
 
-import multiprocessing as mp
-
 import pytest
 
 pytest.importorskip("torch")
@@ -19,29 +17,13 @@ from pipeloom.plan.costs.file import costs_from_json, costs_to_json, load_costs
 from pipeloom.plan.mesh import plan_mesh
 from pipeloom.plan.tp.megatron import layer_collectives, tensor_parallel_table
 
-PRELOAD = ["torch", "torch.distributed.tensor.parallel", "torch.distributed.device_mesh", "pipeloom.runtime",
-           "pipeloom.profile.in_engine", "ranks", "profile_tp_jobs"]
-
 
 def _run(world: int, fn, *args, timeout: float) -> dict:
-    """Every rank's result (forked from a server that imported PRELOAD once: DTensor's import alone costs seconds
-    of CPU per process); asserts none failed."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
-    results = run_ranks(world, fn, *args, timeout=timeout, context=ctx)
+    """Every rank's result; asserts none failed."""
+    results = run_ranks(world, fn, *args, timeout=timeout)
     bad = {rank: value for rank, value in results.items() if value[0] != "ok"}
     assert not bad, bad
     return {rank: value for rank, (_, value) in results.items()}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _stop_the_forkserver():
-    """The preloaded forkserver ends with this module (left alive, later spawned ranks of other modules saw a
-    failed peer only when its process exited)."""
-    yield
-    from multiprocessing import forkserver
-
-    forkserver._forkserver._stop()
 
 
 @pytest.fixture(scope="module")

@@ -3,8 +3,8 @@ tp_plan=)`` against the same torch ``parallelize_module`` plan run without pipel
 one device (within ``TOLERANCE``: a row-parallel layer sums in another order); replicated boundary tensors
 sent once per tp group (the bytes counted); boundary DTensors, a DTensor loss, a transformers model's own
 plan, clipping, state dicts and checkpoints of sharded parameters, a hung tp peer, 8 ranks (dp x pp x tp),
-and what is refused, by message. One spawn of the ranks per mesh shape (2, 4 and 8 ranks), forked from a fork
-server that imported torch's DTensor and transformers once (tp_jobs.run_preloaded)."""
+and what is refused, by message. One start of the ranks per mesh shape (2, 4 and 8 ranks), forked from the
+tests' fork server (ranks.run_ranks)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import functools
 import numpy as np
 import pytest
 import torch
+from ranks import run_ranks
 from tp_jobs import (
     CLIP,
     MICROBATCHES,
@@ -22,7 +23,6 @@ from tp_jobs import (
     build,
     loss_fn,
     mesh3d,
-    run_preloaded,
     tp_pipelines,
     two_ranks,
 )
@@ -70,18 +70,9 @@ def _one_device(model_name: str, steps: int) -> tuple[list[dict], dict]:
 
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _stop_the_forkserver():
-    """The preloaded forkserver of tp_jobs.run_preloaded ends with this module: left alive in the pytest
-    process, the spawned ranks of later tests (tests/runtime/test_faults.py) did not see a peer's failure."""
-    yield
-    from multiprocessing import forkserver
-
-    forkserver._forkserver._stop()
-
 @pytest.fixture(scope="module")
 def two_rank_runs():
-    return _ok(run_preloaded(2, two_ranks, TP_ONLY, HF_STEPS, timeout=150))
+    return _ok(run_ranks(2, two_ranks, TP_ONLY, HF_STEPS, timeout=150))
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +83,7 @@ def checkpoint_folder(tmp_path_factory):
 @pytest.fixture(scope="module")
 def pipelined_runs(checkpoint_folder):
     # names in another order than ("pp", "tp"): any order of the mesh's dimensions works
-    return _ok(run_preloaded(4, tp_pipelines, PIPELINED, (2, 2), ("tp", "pp"), str(checkpoint_folder), timeout=240))
+    return _ok(run_ranks(4, tp_pipelines, PIPELINED, (2, 2), ("tp", "pp"), str(checkpoint_folder), timeout=240))
 
 
 def _check(runs: dict, case: tuple) -> float:
@@ -289,7 +280,7 @@ def test_what_a_tp_mesh_refuses_says_so_by_name(pipelined_runs):
 def test_eight_ranks_dp_pp_tp_replicas_identical():
     """dp 2 x pp 2 x tp 2, 1f1b, one step: the two replicas' local gradients bitwise equal, the same loss on
     every rank, within TOLERANCE of one device over the global batch, every parameter held."""
-    runs = _ok(run_preloaded(8, mesh3d, timeout=240))
+    runs = _ok(run_ranks(8, mesh3d, timeout=240))
     reference, _ = one_device("tiny", 1)
     by_place: dict[tuple, dict] = {}
     losses = set()

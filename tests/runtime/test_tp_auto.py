@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tp_auto_jobs as jobs
+from ranks import run_ranks
 
 from pipeloom.plan.costs.parts import Link, Piece
 from pipeloom.plan.costs.table import CostTable
@@ -206,18 +207,9 @@ def test_without_ortools_the_runtime_imports_and_auto_names_the_fix():
 # ------------------------------------------------------------------------------------ on 4 gloo ranks
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _stop_the_forkserver():
-    """The preloaded forkserver ends with this module (as in test_tp.py)."""
-    yield
-    from multiprocessing import forkserver
-
-    forkserver._forkserver._stop()
-
-
 @pytest.fixture(scope="module")
 def auto_runs():
-    results = jobs.run_preloaded(4, jobs.auto_job, 0.6 * _free_memory(), timeout=240)
+    results = run_ranks(4, jobs.auto_job, 0.6 * _free_memory(), timeout=240)
     bad = {rank: value for rank, value in results.items() if value[0] != "ok"}
     assert not bad, bad
     return {rank: value for rank, (_, value) in results.items()}
@@ -252,7 +244,7 @@ def test_auto_plan_runs_llama_bitwise_as_torch_without_pipelining():
     """pp 1 x tp 2, tiny random-init LLaMA (float64, the model as the one stage): under 0.6 of the replicated
     memory the search shards attention, MLP (GQA's k/v and the gated MLP as found) and the embedding; 2 steps,
     gradients bitwise those of the same plan run by torch, none missing, the same loss on both ranks."""
-    results = jobs.run_preloaded(2, jobs.llama_auto_job, 0.6, timeout=240)
+    results = run_ranks(2, jobs.llama_auto_job, 0.6, timeout=240)
     bad = {rank: value for rank, value in results.items() if value[0] != "ok"}
     assert not bad, bad
     runs = {rank: value for rank, (_, value) in results.items()}

@@ -11,22 +11,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from tp_heads_jobs import HEAD_NORMS, hand_plan, qwen3_job, run_preloaded
+from ranks import run_ranks
+from tp_heads_jobs import HEAD_NORMS, hand_plan, qwen3_job
 
 from pipeloom.runtime.errors import PipelineError
 
 HF_TOLERANCE = 1e-7  # test_tp.py's float64 LLaMA (float32 softmax and rotary tables; Qwen3's norms cast too)
 STEPS = 2
 CASES = ["hf", "dict", "recipe", "auto"]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _stop_the_forkserver():
-    """As test_tp.py: the preloaded fork server ends with this module."""
-    yield
-    from multiprocessing import forkserver
-
-    forkserver._forkserver._stop()
 
 
 def _ok(results: dict) -> dict:
@@ -68,7 +60,7 @@ def _check(runs: dict, cases: list[str]) -> float:
 
 
 def test_qwen3_head_norms_on_pp1_tp2_match_one_device():
-    runs = _ok(run_preloaded(2, qwen3_job, 1, CASES, STEPS, timeout=420))
+    runs = _ok(run_ranks(2, qwen3_job, 1, CASES, STEPS, timeout=420))
     worst = _check(runs, CASES)
     print(f"Qwen3 pp 1 x tp 2, {STEPS} steps, plans {CASES}: largest difference to one device {worst:.3g}")
     for found in runs.values():
@@ -83,7 +75,7 @@ def test_qwen3_head_norms_on_pp1_tp2_match_one_device():
 
 @pytest.mark.timeout(600)
 def test_qwen3_hf_plan_on_pp2_tp2_matches_one_device():
-    runs = _ok(run_preloaded(4, qwen3_job, 2, ["hf"], STEPS, timeout=540))
+    runs = _ok(run_ranks(4, qwen3_job, 2, ["hf"], STEPS, timeout=540))
     worst = _check(runs, ["hf"])
     print(f"Qwen3 tp_plan='hf' pp 2 x tp 2 (1f1b, {STEPS} steps): largest difference to one device {worst:.3g}")
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from tp_jobs import _train, rank0, run_preloaded
+from ranks import run_ranks
+from tp_jobs import _train, rank0
 
 from pipeloom.runtime import Failures, Parallelism, Tracing
 
@@ -106,7 +107,7 @@ def explicit_pipelined(rank: int, world: int, steps: int, schedules: list[str]) 
 
 @pytest.fixture(scope="module")
 def runs() -> dict:
-    results = run_preloaded(4, hf_pipelined, STEPS, timeout=420)
+    results = run_ranks(4, hf_pipelined, STEPS, timeout=420)
     bad = {rank: value for rank, value in results.items() if value[0] != "ok"}
     assert not bad, bad
     return {rank: value for rank, (_, value) in results.items()}
@@ -141,7 +142,7 @@ def test_hf_plan_on_pp2_tp2_is_bitwise_torch_tp_alone(runs):
 def test_an_explicit_name_plan_on_pp2_tp2_is_bitwise_torch_tp_alone():
     """The issue-28 case: the same plan written with one module name per key (not patterns) failed at the
     first forward (the attention's reshapes kept the unsharded head count); it now keeps model.layers.N whole."""
-    results = run_preloaded(4, explicit_pipelined, STEPS, ["1f1b", "zbv"], timeout=540)
+    results = run_ranks(4, explicit_pipelined, STEPS, ["1f1b", "zbv"], timeout=540)
     bad = {rank: value for rank, value in results.items() if value[0] != "ok"}
     assert not bad, bad
     for rank, (_, found) in results.items():

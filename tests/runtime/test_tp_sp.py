@@ -14,6 +14,7 @@ from collections import Counter
 import numpy as np
 import pytest
 import tp_auto_jobs as jobs
+from ranks import run_ranks
 
 from pipeloom.plan.tp.sharding import LOSS_PARALLEL_REDUCTIONS, ShardingProblem, region_costs
 from pipeloom.runtime.parallel.tp_auto import find_regions
@@ -25,18 +26,9 @@ TORCH_NAMES = {"all_reduce": "all_reduce", "all_gather": "all_gather_into_tensor
                "reduce_scatter": "reduce_scatter_tensor"}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _stop_the_forkserver():
-    """The preloaded forkserver ends with this module (as in test_tp.py)."""
-    yield
-    from multiprocessing import forkserver
-
-    forkserver._forkserver._stop()
-
-
 @pytest.fixture(scope="module")
 def sp_runs():
-    results = jobs.run_preloaded(4, jobs.sp_job, COUNT_ROWS, timeout=300)
+    results = run_ranks(4, jobs.sp_job, COUNT_ROWS, timeout=300)
     bad = {rank: value for rank, value in results.items() if value[0] != "ok"}
     assert not bad, bad
     return {rank: value for rank, (_, value) in results.items()}

@@ -191,21 +191,6 @@ def count(model: nn.Module, tp_mesh, plan: dict, rows: int, loss=loss_fn) -> dic
     return found
 
 
-# imported once by the fork server the ranks are forked from (tp_jobs.run_preloaded's reason)
-PRELOAD = ["torch", "torch.distributed.tensor.parallel", "torch.distributed.device_mesh", "pipeloom.runtime",
-           "pipeloom.runtime.parallel.tp_auto", "pipeloom.plan.tp.sharding", "ranks", "tp_auto_jobs", "hf_models",
-           "transformers.models.llama.modeling_llama"]
-
-
-def run_preloaded(world: int, fn, *args, timeout: float) -> dict[int, tuple[str, object]]:
-    """``ranks.run_ranks`` with the ranks forked from a fork server that has imported ``PRELOAD``."""
-    import multiprocessing as mp
-
-    from ranks import run_ranks
-
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
-    return run_ranks(world, fn, *args, timeout=timeout, context=ctx)
 
 
 def choices_plan(choice: dict) -> dict:

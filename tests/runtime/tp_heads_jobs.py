@@ -7,12 +7,10 @@ the child processes)."""
 from __future__ import annotations
 
 import torch
-from tp_jobs import PRELOAD as TP_PRELOAD
 from tp_jobs import _local, _train, rank0
 
 from pipeloom.runtime import Failures, Parallelism, Tracing
 
-PRELOAD = [*TP_PRELOAD, "transformers.models.qwen3.modeling_qwen3", "tp_heads_jobs"]
 MICROBATCHES = 2
 COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 ROW = ("self_attn.o_proj", "mlp.down_proj")
@@ -20,11 +18,6 @@ HEAD_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
 RECIPE = {"recipe": "megatron", "column": [f"model.layers.*.{n}" for n in COLUMN],
           "row": [f"model.layers.*.{n}" for n in ROW], "head_norm": [f"model.layers.*.{n}" for n in HEAD_NORMS]}
 
-
-def run_preloaded(world: int, fn, *args, timeout: float) -> dict[int, tuple[str, object]]:
-    from ranks import preloaded_context, run_ranks
-
-    return run_ranks(world, fn, *args, timeout=timeout, context=preloaded_context(PRELOAD))
 
 
 def hand_plan(*, norms: bool) -> dict:

@@ -11,20 +11,6 @@ from torch import nn
 
 from pipeloom.runtime import Failures, Parallelism
 
-# imported once by the fork server the ranks are forked from (instead of by every spawned rank: torch's
-# DTensor alone imports torch._dynamo, ~4 s of CPU per process on this machine)
-PRELOAD = ["torch", "torch.distributed.tensor.parallel", "torch.distributed.checkpoint",
-           "torch.distributed.device_mesh", "pipeloom.runtime", "ranks", "tp_jobs", "hf_models",
-           "transformers.models.llama.modeling_llama", "transformers.models.gpt2.modeling_gpt2"]
-
-
-def run_preloaded(world: int, fn, *args, timeout: float) -> dict[int, tuple[str, object]]:
-    """``ranks.run_ranks`` with the ranks forked from a fork server that has imported ``PRELOAD``."""
-    from ranks import preloaded_context, run_ranks
-
-    return run_ranks(world, fn, *args, timeout=timeout, context=preloaded_context(PRELOAD))
-
-
 CLASSES = 5
 STEPS = 3
 MICROBATCHES = 4
