@@ -271,6 +271,10 @@ def _exported(model: nn.Module, example_inputs: object, keep: Sequence[str] = ()
         raise ModelTraceError(f"example_inputs must be a tensor or a tuple of tensors (the model's positional "
                               f"inputs), got {type(example_inputs).__name__}")
     dynamic = tuple({d: Dim.AUTO for d in range(a.dim())} for a in args)
+    config = torch.fx.config
+    emitting = getattr(config, "do_not_emit_stack_traces", None)  # absent from older torch
+    if emitting is not None:  # no node's Python stack is kept: pipeloom never reads it, and taking it is costly
+        config.do_not_emit_stack_traces = True
     try:
         exported = torch.export.export(model, args, dynamic_shapes=dynamic, strict=False,
                                        preserve_module_call_signature=tuple(keep))
@@ -281,6 +285,9 @@ def _exported(model: nn.Module, example_inputs: object, keep: Sequence[str] = ()
             f"{_data_dependent_advice(model, error)}Split it by hand instead: "
             "pipeloom.runtime.stages_from_modules([stage0, stage1, ...])"
         ) from error
+    finally:
+        if emitting is not None:
+            config.do_not_emit_stack_traces = emitting
     return exported
 
 
