@@ -34,6 +34,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+PORT_TAKEN = "port taken"
+"""What a rank 0 reports when another process took the free port between :func:`free_port` and its bind."""
+
+
 def _worker(rank: int, world: int, port: int, fn, args, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     import torch
@@ -41,7 +45,13 @@ def _worker(rank: int, world: int, port: int, fn, args, queue) -> None:
 
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        try:
+            dist.init_process_group("gloo", rank=rank, world_size=world)
+        except Exception as error:
+            if "EADDRINUSE" in str(error):  # the launch is retried on another port
+                queue.put((rank, PORT_TAKEN, str(error)))
+                return
+            raise
         result = fn(rank, world, *args)
         queue.put((rank, "ok", result))
     except BaseException as error:  # noqa: BLE001 (report everything; the parent decides)
@@ -68,19 +78,27 @@ def preloaded_context():
 def run_ranks(world: int, fn, *args, timeout: float = 120.0, context=None) -> dict[int, tuple[str, object]]:
     """``{rank: ("ok", result) | ("error", text) | ("died", exit code)}``; ranks that never answer
     within ``timeout`` are killed and reported as ("timeout", None). ``context``: the multiprocessing
-    context that starts the ranks (default: the fork server preloaded with ``PRELOAD``)."""
+    context that starts the ranks (default: the fork server preloaded with ``PRELOAD``). A launch whose free
+    port another process took before rank 0 bound it is started again on another port (at most 3 times)."""
     if context is None:  # PIPELOOM_TEST_SPAWN=1: spawn every rank afresh, as before (to compare, or to debug)
         context = mp.get_context("spawn") if os.environ.get("PIPELOOM_TEST_SPAWN") == "1" else preloaded_context()
-    ctx = context
+    for _ in range(3):
+        results = _launch(context, world, fn, args, timeout)
+        if not any(status == PORT_TAKEN for status, _ in results.values()):
+            break
+    return results
+
+
+def _launch(ctx, world: int, fn, args, timeout: float) -> dict[int, tuple[str, object]]:
+    import queue as queues
+    import time
+
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, queue), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     results: dict[int, tuple[str, object]] = {}
-    import queue as queues
-    import time
-
     deadline = time.monotonic() + timeout
     while len(results) < world and time.monotonic() < deadline:
         try:
@@ -90,8 +108,10 @@ def run_ranks(world: int, fn, *args, timeout: float = 120.0, context=None) -> di
                 break
             continue
         results[rank] = (status, value)
+        if status == PORT_TAKEN:  # the others wait for a rank 0 that never listens
+            break
     for p in procs:
-        p.join(timeout=5)
+        p.join(timeout=0 if any(status == PORT_TAKEN for status, _ in results.values()) else 5)
         if p.is_alive():
             p.kill()
     for r in range(world):
