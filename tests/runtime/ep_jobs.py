@@ -394,13 +394,20 @@ def ep_capacity(rank: int, world: int, factor: float, steps: int = 2) -> dict:
 
 
 def ep_capacity_disagree(rank: int, world: int) -> str:
-    """Rank 3 passes capacity_factor 2.0, the others 1.0: what pipeline() raises on each."""
-    from pipeloom.runtime import PipelineError
+    """Rank 3 passes capacity_factor 2.0, the others 1.0: what pipeline() raises on each. It is asked to trace
+    with torch.fx, which cannot trace Qwen3-MoE: the refusal comes before the model is traced, or the trace's
+    error would."""
+    from torch.distributed.device_mesh import init_device_mesh
 
+    from pipeloom.runtime import PipelineError, pipeline
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "ep"))
     try:
-        _moe_engine(build_moe("qwen3_moe"), "ep", 2.0 if rank == 3 else 1.0).close()
+        pipeline(build_moe("qwen3_moe"), schedule="1f1b", split_points=["model.layers.2"], loss_fn=lm_loss,
+                 microbatches=4, tracing=Tracing(tracer="fx"),
+                 parallel=Parallelism(mesh=mesh, capacity_factor=2.0 if rank == 3 else 1.0)).close()
     except PipelineError as error:
-        return str(error)
+        return f"{type(error).__name__}: {error}"
     return "no error"
 
 

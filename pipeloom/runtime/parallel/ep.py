@@ -52,9 +52,9 @@ if TYPE_CHECKING:
     from pipeloom.runtime.options import Parallelism
     from pipeloom.runtime.parallel.link import SimulatedLink
 
-__all__ = ["REPLICAS", "ExpertParallel", "check_experts_agree", "check_tp_with_experts", "expert_groups",
-           "expert_layout", "experts_for", "find_experts", "is_expert", "is_experts_module", "moe_layers",
-           "shard_experts"]
+__all__ = ["REPLICAS", "ExpertParallel", "check_capacity_agrees", "check_experts_agree", "check_tp_with_experts",
+           "expert_groups", "expert_layout", "experts_for", "find_experts", "is_expert", "is_experts_module",
+           "moe_layers", "shard_experts"]
 
 
 REPLICAS = "replicas"  # the name of the replicas' flattened mesh dimension (every one but "pp" and "tp")
@@ -153,25 +153,29 @@ def _held(stages: Mapping[int, nn.Module], names: Sequence[str]) -> list[tuple[i
     return found
 
 
+def check_capacity_agrees(factor: float | None, ep: ExpertParallel, *, stage_rank: int,
+                          everyone: dist.ProcessGroup | None) -> None:
+    """Before the model is traced (a large model's trace takes long): every rank of the mesh passed the same
+    capacity factor; else every rank raises the same error (gathered over ``everyone``), naming each rank's."""
+    everything: list = [None] * dist.get_world_size(everyone)
+    dist.all_gather_object(everything, (stage_rank, ep.rank, factor), group=everyone)
+    if len({told for *_, told in everything}) > 1:
+        told = ", ".join(f"pipeline rank {where} ep rank {ep_rank}: {value}" for where, ep_rank, value in everything)
+        raise PipelineError(f"the ranks disagree on Parallelism(capacity_factor=) ({told}); pass the same value "
+                            "(or None) on every rank")
+
+
 def check_experts_agree(stages: Mapping[int, nn.Module], names: Sequence[str], ep: ExpertParallel, *,
-                        stage_rank: int, everyone: dist.ProcessGroup | None,
-                        capacity_factor: float | None = None) -> None:
-    """Before any tensor moves: every rank of the mesh passed the same capacity factor, and the ranks of every
-    ``"ep"`` group hold the same experts modules with the same expert counts and shapes, and the counts divide
-    by the group's size; else every rank of the mesh raises the same error (gathered over ``everyone``),
-    naming the ranks and their values."""
+                        stage_rank: int, everyone: dist.ProcessGroup | None) -> None:
+    """Before any tensor moves: the ranks of every ``"ep"`` group hold the same experts modules with the same
+    expert counts and shapes, and the counts divide by the group's size; else every rank of the mesh raises the
+    same error (gathered over ``everyone``), naming the ranks and their values."""
     mine = [(name, _count(module), [tuple(p.shape) for p in module.parameters(recurse=False)])
             for _, name, module in _held(stages, names)]
     everything: list = [None] * dist.get_world_size(everyone)
-    dist.all_gather_object(everything, (stage_rank, ep.rank, mine, capacity_factor), group=everyone)
-    factors = {factor for *_, factor in everything}
-    if len(factors) > 1:
-        told = ", ".join(f"pipeline rank {where} ep rank {ep_rank}: {factor}"
-                         for where, ep_rank, _, factor in everything)
-        raise PipelineError(f"the ranks disagree on Parallelism(capacity_factor=) ({told}); pass the same value "
-                            "(or None) on every rank")
+    dist.all_gather_object(everything, (stage_rank, ep.rank, mine), group=everyone)
     first: dict[int, tuple[int, list]] = {}
-    for where, ep_rank, held, _ in everything:
+    for where, ep_rank, held in everything:
         if where in first and first[where][1] != held:
             raise PipelineError(
                 f"the ranks of one \"ep\" group (pipeline rank {where}) disagree on their experts: ep rank "
