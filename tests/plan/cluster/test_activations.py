@@ -60,7 +60,7 @@ FAMILIES = {"llama": "sdpa", "mistral": "sdpa", "qwen2": "sdpa", "qwen3": "sdpa"
 # Gemma 2 / 3 with every layer global: a sliding-window mask makes CPU sdpa keep its scores (not flash-like);
 # the window changes no kept tensor of a flash kernel
 _GLOBAL = {"gemma2": ["full_attention"] * 2, "gemma3_text": ["full_attention"] * 2, "olmo3": ["full_attention"] * 2}
-MOE_FAMILIES = {"qwen3_moe": "sdpa", "mixtral": "sdpa", "deepseek_v3": "eager", "glm4_moe": "sdpa",
+MOE_FAMILIES = {"qwen3_moe": "sdpa", "mixtral": "sdpa", "olmoe": "sdpa", "deepseek_v3": "eager", "glm4_moe": "sdpa",
                 "gpt_oss": "eager"}  # the attention each runs (gpt-oss's sinks: no sdpa path)
 _STAT, _INDEX = 4, 8  # bytes of an fp32 statistic, of an int64 index
 _ROTARY_CAT = ("phi3", "glm4_moe", "gpt_neox")  # rotary through torch.cat: q contiguous per head, and so sdpa's output
