@@ -63,6 +63,7 @@ PLANNED = {
     "phi3": dict(_SMALL, partial_rotary_factor=0.5),  # fused qkv and gate-up projections, rotary on half
     "olmo2": dict(_SMALL),  # norms after attention and the MLP, q/k norms over the whole projections
     "olmo3": dict(_SMALL, sliding_window=4, layer_types=["sliding_attention"] * 3 + ["full_attention"]),
+    "smollm3": dict(_SMALL, no_rope_layer_interval=2),  # every second layer without rotary embedding
     "starcoder2": dict(_SMALL),  # LayerNorm, biased projections, a GELU MLP, tied head
     "olmoe": dict(_SMALL, num_experts=4, num_experts_per_tok=2),  # OLMo's q/k norms, every layer sparse
     "glm4_moe": dict(_SMALL, head_dim=8, moe_intermediate_size=16, n_routed_experts=4, n_shared_experts=1,

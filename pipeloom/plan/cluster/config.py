@@ -1,9 +1,9 @@
 """A decoder's shape read from a transformers config (a config.json path, a model folder, a Hugging Face model id
 in the local cache, a dict or a ``PretrainedConfig``: :func:`~pipeloom.plan.cluster.config_source.read_config`),
 without importing transformers: dense decoders (LLaMA, Mistral, Qwen2/3, Gemma 1/2/3, Granite, Phi-3, OLMo 2/3,
-StarCoder2, GPT-2, GPT-NeoX) and mixture-of-experts decoders (Mixtral, OLMoE, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3 with
-multi-head latent attention, GLM-4.5, gpt-oss with attention sinks and biased experts), a field left out taking
-transformers' default for the family (:data:`~pipeloom.plan.cluster.config_source.FAMILY_DEFAULTS`),
+SmolLM3, StarCoder2, GPT-2, GPT-NeoX) and mixture-of-experts decoders (Mixtral, OLMoE, Qwen2-MoE, Qwen3-MoE,
+DeepSeek-V2/V3 with multi-head latent attention, GLM-4.5, gpt-oss with attention sinks and biased experts), a field
+left out taking transformers' default for the family (:data:`~pipeloom.plan.cluster.config_source.FAMILY_DEFAULTS`),
 with sliding-window attention on the layers transformers gives it (:func:`_windows`)."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pipeloom.plan.errors import ModelConfigError
 __all__ = ["ModelSpec", "Attention", "Experts", "model_spec", "SUPPORTED_FAMILIES"]
 
 _DENSE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "granite", "phi3", "olmo2", "olmo3",
-          "starcoder2", "gpt2", "gpt_neox")
+          "smollm3", "starcoder2", "gpt2", "gpt_neox")
 _OLMO = ("olmo2", "olmo3", "olmoe")
 _MOE = ("mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss")
 SUPPORTED_FAMILIES: tuple[str, ...] = _DENSE + _MOE

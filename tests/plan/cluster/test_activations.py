@@ -54,9 +54,11 @@ transformers = pytest.importorskip("transformers")
 BATCH, SEQ, WIDTH = 2, 16, 4
 FAMILIES = {"llama": "sdpa", "mistral": "sdpa", "qwen2": "sdpa", "qwen3": "sdpa", "gemma": "sdpa",
             "gemma2": "eager", "gemma3_text": "sdpa", "granite": "sdpa", "phi3": "sdpa", "olmo2": "sdpa",
-            "olmo3": "sdpa", "starcoder2": "sdpa", "gpt_neox": "sdpa"}  # the attention each runs (Gemma 2 has
-# no sdpa path); GPT-2 is left out: its eager GELU ("gelu_new", written out op by op) and fused c_attn split keep
-# several more copies than any kernel a framework would train it with
+            "olmo3": "sdpa", "smollm3": "sdpa", "starcoder2": "sdpa", "gpt_neox": "sdpa"}  # the attention each
+# runs (Gemma 2 has no sdpa path; SmolLM3's tiny instance has rotary on both layers, so that its rotary's cos and
+# sin are shared as in the other families: a layer without keeps the same bytes less those); GPT-2 is left out:
+# its eager GELU ("gelu_new", written out op by op) and fused c_attn split keep several more copies than any kernel
+# a framework would train it with
 # Gemma 2 / 3 with every layer global: a sliding-window mask makes CPU sdpa keep its scores (not flash-like);
 # the window changes no kept tensor of a flash kernel
 _GLOBAL = {"gemma2": ["full_attention"] * 2, "gemma3_text": ["full_attention"] * 2, "olmo3": ["full_attention"] * 2}

@@ -25,6 +25,7 @@ TINY: dict[str, dict[str, Any]] = {
     "olmo2": dict(_COMMON, num_key_value_heads=2, pad_token_id=0, eos_token_id=2),
     "olmo3": dict(_COMMON, num_key_value_heads=2, pad_token_id=0, eos_token_id=2, sliding_window=8,
                   layer_types=["sliding_attention", "full_attention"]),
+    "smollm3": dict(_COMMON, num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2),
     "starcoder2": dict(_COMMON, num_key_value_heads=2, bos_token_id=1, eos_token_id=2),
     "gpt2": dict(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
                  attn_pdrop=0.0),
