@@ -195,7 +195,9 @@ def model_spec(config: object) -> ModelSpec:
         raise ModelConfigError(f"model_type {family!r} is a multimodal config whose language model ({inner}) is not "
                                f"modelled; supported: {', '.join(SUPPORTED_FAMILIES)}")
     if family not in SUPPORTED_FAMILIES:
-        raise ModelConfigError(f"model_type {family!r} is not modelled; supported: {', '.join(SUPPORTED_FAMILIES)}")
+        raise ModelConfigError(f"model_type {family!r} is not modelled; supported: {', '.join(SUPPORTED_FAMILIES)}. "
+                               "A decoder whose layers have one of these shapes (most LLaMA-like models) plans as that "
+                               "family: copy its config.json with \"model_type\" set to it (e.g. \"llama\")")
     if data.get("use_bidirectional_attention"):
         raise ModelConfigError(f"{family} with use_bidirectional_attention is an encoder; the planner plans causal "
                                "decoders: set use_bidirectional_attention to false")

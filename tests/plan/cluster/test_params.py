@@ -34,7 +34,7 @@ def test_reads_config_json(tmp_path):
 
 
 @pytest.mark.parametrize("bad, match", [
-    ({"model_type": "t5"}, "not modelled"),
+    ({"model_type": "t5"}, r"not modelled; supported: .*copy its config.json with \"model_type\" set to it"),
     (42, "config.json path"),
     (dict(TINY["gemma3_text"], model_type="gemma3_text", use_bidirectional_attention=True), "causal decoders"),
     ({"model_type": "qwen2_5_vl", "text_config": {"model_type": "qwen2_5_vl_text"}},
