@@ -14,12 +14,12 @@ import multiprocessing as mp
 import os
 import socket
 import traceback
+from pathlib import Path
 
 _HF_MODELS = ["llama", "gpt2", "bert", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss", "mamba2",
               "t5", "bart", "whisper", "convnext"]
-_JOBS = ["ranks", "hf_models", "ep_jobs", "ep_compose_jobs", "fault_jobs", "first_step_jobs", "hf_jobs", "layout_jobs",
-         "link_jobs", "mamba_jobs", "profile_tp_jobs", "rank_jobs", "scale_jobs", "state_jobs", "tp_auto_jobs",
-         "tp_heads_jobs", "tp_jobs", "tp_plan_jobs", "trial_jobs"]
+_JOBS = ["ranks", "hf_models", *sorted(path.stem for path in Path(__file__).parent.glob("*_jobs.py"))]
+"""The modules whose functions the ranks run: this one, the model builders, and every ``*_jobs.py`` beside it."""
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.tensor.parallel",
            "torch.distributed.checkpoint", "torch.distributed.device_mesh", "pipeloom.runtime",
            "pipeloom.runtime.parallel.tp_auto", "pipeloom.plan.tp.sharding", "pipeloom.profile.in_engine",
@@ -110,8 +110,9 @@ def _launch(ctx, world: int, fn, args, timeout: float) -> dict[int, tuple[str, o
         results[rank] = (status, value)
         if status == PORT_TAKEN:  # the others wait for a rank 0 that never listens
             break
+    taken = any(status == PORT_TAKEN for status, _ in results.values())
     for p in procs:
-        p.join(timeout=0 if any(status == PORT_TAKEN for status, _ in results.values()) else 5)
+        p.join(timeout=0 if taken else 5)
         if p.is_alive():
             p.kill()
     for r in range(world):
