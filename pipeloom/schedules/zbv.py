@@ -206,11 +206,12 @@ def zbv(
     variants and also the round construction of ``zbv_rounds`` (deep staggered warm-up, one I and
     one F per rank per round, W in the waits, four W options); a round order replaces the list
     scheduler's only if the validator accepts it (ordered, memory limit) and the simulator finds
-    it shorter. The tries stop at the first order that reaches the makespan no order beats
-    (:func:`_makespan_floor`, the bound below with per-stage costs): the result is the same, built
-    about ten times faster where the default policy reaches it (F = I = W at p=32, m=96). With it zbv is nowhere slower than the authors' ZB-V generator on the 324 cells of
-    benchmarks/data/zbv_reference.json. Larger schedules run the default policy once
-    (p=64, m=1024: 393k actions in about 1.3 s of CPU, docs/schedules.md).
+    it shorter. With it zbv is nowhere slower than the authors' ZB-V generator on the 324 cells of
+    benchmarks/data/zbv_reference.json. The tries stop at the first order that reaches the
+    makespan no order beats (:func:`_makespan_floor`, the bound below with per-stage costs): the
+    result is the same, built about ten times faster where the default policy reaches it (F = I = W
+    at p=32, m=96). Larger schedules run the default policy once (p=64, m=1024: 393k actions in
+    about 1.3 s of CPU, docs/schedules.md).
 
     Memory: at most ``memory_limit`` per rank, by default 1F1B's peak ``min(p, m) * costs.memory``;
     the Schedule's problem carries the limit so the validator enforces it. A limit below

@@ -232,3 +232,34 @@ def test_a_round_candidate_is_used_only_if_valid_and_shorter(monkeypatch):
     assert simulate(zbv(4, 8, costs=costs, memory_limit=1)).makespan > simulate(list_only).makespan
     monkeypatch.setattr(zbv_module, "round_candidates", lambda plan: [(0.0, slower)])
     assert zbv(4, 8, costs=costs) == list_only  # valid but not shorter by the simulator
+
+
+@pytest.mark.parametrize("cost_name", list(COSTS))
+@pytest.mark.parametrize(("p", "m"), [(1, 3), (2, 5), (4, 8), (5, 13), (8, 24)])
+def test_stopping_at_the_makespan_floor_builds_the_same_order(monkeypatch, p, m, cost_name):
+    """The floor is below every order built (every policy, every round candidate), and zbv with the stop
+    gives the order it gives without it (the floor patched to 0: every try runs)."""
+    costs = COSTS[cost_name]
+    for limit in (None, max(costs.memory, 0.5 * p * costs.memory)):
+        stopped = zbv(p, m, costs=costs, memory_limit=limit)
+        problem = stopped.problem
+        plan = v_plan(problem, m, problem.memory_limit)
+        floor = zbv_module._makespan_floor(plan)
+        built = [result[1] for policy in zbv_module._VARIANTS
+                 if (result := zbv_module._list_schedule(plan, policy)) is not None]
+        built += [makespan for makespan, _ in round_candidates(plan)]
+        assert min(built) >= floor * (1 - 1e-12), (limit, min(built), floor)
+        with monkeypatch.context() as patch:
+            patch.setattr(zbv_module, "_makespan_floor", lambda plan: 0.0)
+            assert zbv(p, m, costs=costs, memory_limit=limit) == stopped, limit
+
+
+def test_an_order_at_the_floor_ends_the_tries(monkeypatch):
+    """Equal costs: the default policy reaches the floor, so no other policy and no round runs."""
+    calls = []
+    real = zbv_module._list_schedule
+    monkeypatch.setattr(zbv_module, "_list_schedule", lambda plan, policy: calls.append(policy) or real(plan, policy))
+    monkeypatch.setattr(zbv_module, "round_candidates", lambda plan: pytest.fail("rounds ran"))
+    schedule = zbv(8, 24, costs=Costs(f=1, b=1, w=1, w_memory=0.5))
+    assert calls == [zbv_module._DEFAULT]
+    assert simulate(schedule).makespan == 3 * 24 + 7 / 2
