@@ -65,6 +65,8 @@ PLANNED = {
     "olmo3": dict(_SMALL, sliding_window=4, layer_types=["sliding_attention"] * 3 + ["full_attention"]),
     "smollm3": dict(_SMALL, no_rope_layer_interval=2),  # every second layer without rotary embedding
     "starcoder2": dict(_SMALL),  # LayerNorm, biased projections, a GELU MLP, tied head
+    "cohere": dict(_SMALL, use_qk_norm=True),  # one LayerNorm before both branches, a LayerNorm per head, scaled logits
+    "cohere2": dict(_SMALL, sliding_window=4, layer_types=["sliding_attention"] * 3 + ["full_attention"]),
     "olmoe": dict(_SMALL, num_experts=4, num_experts_per_tok=2),  # OLMo's q/k norms, every layer sparse
     "glm4_moe": dict(_SMALL, head_dim=8, moe_intermediate_size=16, n_routed_experts=4, n_shared_experts=1,
                      num_experts_per_tok=2, first_k_dense_replace=1, n_group=1, topk_group=1, use_qk_norm=True,

@@ -1,10 +1,11 @@
 """A decoder's shape read from a transformers config (a config.json path, a model folder, a Hugging Face model id
 in the local cache, a dict or a ``PretrainedConfig``: :func:`~pipeloom.plan.cluster.config_source.read_config`),
 without importing transformers: dense decoders (LLaMA, Mistral, Qwen2/3, Gemma 1/2/3, Granite, Phi-3, OLMo 2/3,
-SmolLM3, StarCoder2, GPT-2, GPT-NeoX) and mixture-of-experts decoders (Mixtral, OLMoE, Qwen2-MoE, Qwen3-MoE,
-DeepSeek-V2/V3 with multi-head latent attention, GLM-4.5, gpt-oss with attention sinks and biased experts), a field
-left out taking transformers' default for the family (:data:`~pipeloom.plan.cluster.config_source.FAMILY_DEFAULTS`),
-with sliding-window attention on the layers transformers gives it (:func:`_windows`)."""
+SmolLM3, StarCoder2, Cohere's Command R / R7B / A, GPT-2, GPT-NeoX) and mixture-of-experts decoders (Mixtral,
+OLMoE, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3 with multi-head latent attention, GLM-4.5, gpt-oss with attention sinks
+and biased experts), a field left out taking transformers' default for the family
+(:data:`~pipeloom.plan.cluster.config_source.FAMILY_DEFAULTS`), with sliding-window attention on the layers
+transformers gives it (:func:`_windows`)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from pipeloom.plan.errors import ModelConfigError
 __all__ = ["ModelSpec", "Attention", "Experts", "model_spec", "SUPPORTED_FAMILIES"]
 
 _DENSE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "granite", "phi3", "olmo2", "olmo3",
-          "smollm3", "starcoder2", "gpt2", "gpt_neox")
+          "smollm3", "starcoder2", "cohere", "cohere2", "gpt2", "gpt_neox")
 _OLMO = ("olmo2", "olmo3", "olmoe")
 _MOE = ("mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss")
 SUPPORTED_FAMILIES: tuple[str, ...] = _DENSE + _MOE
@@ -48,6 +49,9 @@ class Attention:
     qk_norm_full: bool = False
     """The q and k norms span each projection's whole output (OLMo 2 and 3): (heads + kv_heads) x qk_dim
     parameters, one 1/rms for q and one for k per token."""
+    qk_norm_head_weights: bool = False
+    """Each head's q and k norm has weights of its own (Cohere's ``use_qk_norm``): (heads + kv_heads) x qk_dim
+    parameters, the statistics still per head."""
     sinks: bool = False
     """A learned sink logit per query head, in every softmax's denominator (gpt-oss): ``heads`` parameters."""
     latent: bool = False
@@ -111,13 +115,17 @@ class ModelSpec:
     mlp_bias: bool = False
     """Biases on the MLP projections."""
     layer_norm: bool = False
-    """LayerNorm with a bias (GPT-2, GPT-NeoX) rather than RMSNorm."""
+    """LayerNorm (mean and variance: GPT-2, GPT-NeoX, StarCoder2, Cohere) rather than RMSNorm."""
+    norm_bias: bool = True
+    """A LayerNorm's bias (Cohere's LayerNorms have none)."""
     post_norms: bool = False
     """Norms after attention and after the MLP too, on each branch's output before the residual add (Gemma 2
     and 3: four norms per layer)."""
     parallel_residual: bool = False
     """Attention and MLP both read the layer's input, and one add sums the two branches into it (GPT-NeoX's
-    ``use_parallel_residual``, its default)."""
+    ``use_parallel_residual``, its default; Cohere)."""
+    shared_norm: bool = False
+    """Under :attr:`parallel_residual`, one norm feeds both branches (Cohere) instead of one each (GPT-NeoX)."""
     tied: bool = False
     """The output head shares the embedding's weight."""
     positions: int = 0
@@ -157,9 +165,9 @@ class ModelSpec:
 
     @property
     def layer_norms(self) -> int:
-        """Norms over h in one decoder layer: before attention and before the MLP, and after each with
-        :attr:`post_norms`."""
-        return 4 if self.post_norms else 2
+        """Norms over h in one decoder layer: before attention and before the MLP (one before both with
+        :attr:`shared_norm`), and after each with :attr:`post_norms`."""
+        return 1 if self.shared_norm else 4 if self.post_norms else 2
 
     @property
     def dense_layers(self) -> int:
@@ -233,8 +241,8 @@ def _windows(data: Mapping[str, Any], family: str, layers: int) -> tuple[int, tu
     """``(window, layers)`` of sliding-window attention as transformers builds the model: the config's
     ``layer_types`` where it has them (``"sliding_attention"`` layers); otherwise Mistral, Mixtral, Phi-3 and
     StarCoder2 window every layer when ``sliding_window`` is set, OLMo 3 three layers of every four (its default
-    ``layer_types``), Gemma 2 and gpt-oss every second layer from the first, Gemma 3 all but every
-    ``sliding_window_pattern``-th (6), Qwen3-MoE every layer with ``use_sliding_window``, Qwen2 and Qwen3 the
+    ``layer_types``), Gemma 2 and gpt-oss every second layer from the first, Gemma 3 and Cohere 2 all but every
+    ``sliding_window_pattern``-th (6 and 4), Qwen3-MoE every layer with ``use_sliding_window``, Qwen2 and Qwen3 the
     layers from ``max_window_layers`` on, Qwen2-MoE every second layer below it; the other families never."""
     size = data.get("sliding_window")
     if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
@@ -248,8 +256,8 @@ def _windows(data: Mapping[str, Any], family: str, layers: int) -> tuple[int, tu
         return size, tuple(n for n in range(layers) if (n + 1) % 2)
     if family == "olmo3":
         return size, tuple(n for n in range(layers) if (n + 1) % 4)
-    if family == "gemma3_text":
-        pattern = int(data.get("sliding_window_pattern") or 6)
+    if family in ("gemma3_text", "cohere2"):
+        pattern = int(data.get("sliding_window_pattern") or (6 if family == "gemma3_text" else 4))
         return size, tuple(n for n in range(layers) if (n + 1) % pattern)
     if not data.get("use_sliding_window"):
         return 0, ()
@@ -285,6 +293,8 @@ def _family_spec(data: Mapping[str, Any], family: str) -> ModelSpec:
                               v_dim=head_dim, qkv_bias=bias, o_bias=bias)
         return ModelSpec(**common, attention=attention, intermediate=int(_get(data, "intermediate_size")),
                          gated=False, mlp_bias=bias, layer_norm=True)
+    if family in ("cohere", "cohere2"):
+        return _cohere(data, common, heads, head_dim)
     if family.startswith("deepseek") or family == "glm4_moe":
         return _deepseek(data, common, heads, head_dim)
     if family == "gpt_oss":
@@ -327,6 +337,19 @@ def _gpt2(data: Mapping[str, Any]) -> ModelSpec:
                      intermediate=int(data.get("n_inner") or 4 * hidden), gated=False, mlp_bias=True,
                      layer_norm=True, tied=bool(data.get("tie_word_embeddings", False)),
                      positions=int(_get(data, "n_positions", "max_position_embeddings")))
+
+
+def _cohere(data: Mapping[str, Any], common: dict[str, Any], heads: int, head_dim: int) -> ModelSpec:
+    """Cohere's Command R (``cohere``) and R7B / A (``cohere2``, sliding windows on three layers of four): one
+    LayerNorm without a bias before attention and the gated MLP side by side, whose outputs one add sums into the
+    residual stream; grouped-query attention, with Command R's ``use_qk_norm`` a LayerNorm per head with weights of
+    its own; a tied head (its ``logit_scale`` is one multiply of the logits, no parameter)."""
+    bias = bool(data.get("attention_bias", False))
+    qk_norm = common["family"] == "cohere" and bool(data.get("use_qk_norm", False))
+    attention = Attention(heads=heads, kv_heads=int(data.get("num_key_value_heads") or heads), qk_dim=head_dim,
+                          v_dim=head_dim, qkv_bias=bias, o_bias=bias, qk_norm=qk_norm, qk_norm_head_weights=qk_norm)
+    return ModelSpec(**common, attention=attention, intermediate=int(_get(data, "intermediate_size")),
+                     layer_norm=True, norm_bias=False, parallel_residual=True, shared_norm=True)
 
 
 def _deepseek(data: Mapping[str, Any], common: dict[str, Any], heads: int, head_dim: int) -> ModelSpec:

@@ -106,13 +106,13 @@ class LayerCounts:
 
 
 def _norm(spec: ModelSpec) -> int:
-    """Parameters of one norm over h."""
-    return 2 * spec.hidden if spec.layer_norm else spec.hidden
+    """Parameters of one norm over h: its weight, and a LayerNorm's bias."""
+    return 2 * spec.hidden if spec.layer_norm and spec.norm_bias else spec.hidden
 
 
 def norm_stats(spec: ModelSpec) -> int:
-    """Bytes of the fp32 statistics one norm over h keeps per token: LayerNorm's mean and 1/std, RMSNorm's 1/rms
-    (Apex's and Transformer Engine's fused kernels keep the same as PyTorch's)."""
+    """Bytes of the fp32 statistics one norm keeps per token (over h, or per head for a q/k norm): LayerNorm's mean
+    and 1/std, RMSNorm's 1/rms (Apex's and Transformer Engine's fused kernels keep the same as PyTorch's)."""
     return 2 * STAT_BYTES if spec.layer_norm else STAT_BYTES
 
 
@@ -128,7 +128,7 @@ def _attention_weights(spec: ModelSpec) -> tuple[int, int]:
         return q + kv + out, norms + bias
     q, k, v = a.heads * a.qk_dim, a.kv_heads * a.qk_dim, a.kv_heads * a.v_dim
     o = a.heads * a.v_dim
-    qk_norms = (q + k if a.qk_norm_full else 2 * a.qk_dim) if a.qk_norm else 0
+    qk_norms = (q + k if a.qk_norm_full or a.qk_norm_head_weights else 2 * a.qk_dim) if a.qk_norm else 0
     other = (q + k + v if a.qkv_bias else 0) + (h if a.o_bias else 0) + qk_norms + (a.heads if a.sinks else 0)
     return h * (q + k + v) + o * h, other
 
@@ -154,7 +154,8 @@ def _attention_activations(spec: ModelSpec, width: int) -> tuple[float, float, f
     """``(sequence, tensor, replicated)`` bytes per token of the attention half of a layer (flash attention,
     ``width`` bytes per element): the norm's input and output (+ 1/rms) and q, k, v, the output (also the output
     projection's input) and the log-sum-exp per head; Qwen3's q/k norms keep their inputs (+ 1/rms per head, or
-    one each for q and k where they span the whole projection: OLMo 2 and 3);
+    one each for q and k where they span the whole projection: OLMo 2 and 3; Cohere's LayerNorms per head their
+    mean and 1/std);
     MLA's two low-rank norms (q and kv latents) keep their inputs and outputs (+ 1/rms), on every tp rank."""
     a, h = spec.attention, spec.hidden
     sequence = width * (2 * h) + norm_stats(spec)
@@ -166,7 +167,7 @@ def _attention_activations(spec: ModelSpec, width: int) -> tuple[float, float, f
         if a.qk_norm_full:  # one 1/rms for q and one for k, over all heads: on every tp rank
             replicated += 2 * STAT_BYTES
         else:
-            stats += a.heads + a.kv_heads
+            stats += (a.heads + a.kv_heads) * norm_stats(spec) // STAT_BYTES
     if a.latent:  # the latents' norms: input and output each, the up-projections' input being the output
         replicated += width * 2 * (a.q_rank + a.kv_rank) + STAT_BYTES * ((1 if a.q_rank else 0) + 1)
     tensor = width * (qkv + a.heads * a.v_dim) + STAT_BYTES * stats
@@ -273,11 +274,14 @@ def layer_counts(spec: ModelSpec, kind: str, seq: int, *, width: int = 2) -> Lay
     core = attention_flops(spec, seq)
     linear = 2.0 * seq * (attn_mm + mlp_mm + routed_mm)
     seq_a, tensor_a, latent = _attention_activations(spec, width)
-    # + the MLP norm's input and output (+ 1/rms; its input is the attention norm's under a parallel residual);
-    # a norm after a branch keeps its input (+ 1/rms), its output going into the residual add
+    # + the MLP norm's input and output (+ 1/rms; its input is the attention norm's under a parallel residual,
+    # and with one norm before both branches the attention half's counts hold it); a norm after a branch keeps
+    # its input (+ 1/rms), its output going into the residual add
     stat = norm_stats(spec)
-    mlp_norm = width * (1 if spec.parallel_residual else 2) * h + stat
-    sequence = seq_a + mlp_norm + (spec.layer_norms - 2) * (width * h + stat)
+    sequence = seq_a
+    if not spec.shared_norm:
+        mlp_norm = width * (1 if spec.parallel_residual else 2) * h + stat
+        sequence += mlp_norm + (spec.layer_norms - 2) * (width * h + stat)
     none = Activations(sequence=sequence, tensor=tensor_a + mlp_keep, replicated=latent)
     # selective: the attention core runs again in the backward, so only its softmax statistics are not kept:
     # its inputs q, k, v are the recomputation's inputs, its output the output projection's input

@@ -13,7 +13,12 @@ two things more, which the expected value adds: each RMSNorm keeps its normalise
 its weight (h elements per norm, per q/k norm its head dims; Gemma's also keeps the ``1 + weight`` it computes
 per call, per layer not per token), and the gated MLP keeps act(gate) * up, the
 down projection's input, apart from act(gate) (I elements; a fused SwiGLU recomputes it). LayerNorm (GPT-NeoX,
-StarCoder2) is one kernel in eager PyTorch too, and a GELU MLP keeps the same as a fused one. Where rotary
+StarCoder2) is one kernel in eager PyTorch too, and a GELU MLP keeps the same as a fused one. Cohere's LayerNorm
+(without a bias; over h, and with ``use_qk_norm`` over each head) is written out op by op: it keeps x - mean twice
+(the variance's square and the scaling each compute it) and the normalised tensor before the weight, with one
+1/std, where a fused kernel keeps its input, its mean and its 1/std: per norm over d, 2d elements more and one
+statistic fewer. Cohere 2 runs rotary embeddings on its sliding-window layers only, so its tiny instance has every
+layer global (no mask, no rotary tables kept by one layer alone). Where rotary
 embeddings go through ``torch.cat`` (Phi-3, GLM-4.5 and GPT-NeoX: partial rotary), q is contiguous per head, so
 sdpa's output is too and the copy into the output projection's layout is a second tensor (h elements, without
 the core's recomputation).
@@ -54,14 +59,16 @@ transformers = pytest.importorskip("transformers")
 BATCH, SEQ, WIDTH = 2, 16, 4
 FAMILIES = {"llama": "sdpa", "mistral": "sdpa", "qwen2": "sdpa", "qwen3": "sdpa", "gemma": "sdpa",
             "gemma2": "eager", "gemma3_text": "sdpa", "granite": "sdpa", "phi3": "sdpa", "olmo2": "sdpa",
-            "olmo3": "sdpa", "smollm3": "sdpa", "starcoder2": "sdpa", "gpt_neox": "sdpa"}  # the attention each
+            "olmo3": "sdpa", "smollm3": "sdpa", "starcoder2": "sdpa", "cohere": "sdpa", "cohere2": "sdpa",
+            "gpt_neox": "sdpa"}  # the attention each
 # runs (Gemma 2 has no sdpa path; SmolLM3's tiny instance has rotary on both layers, so that its rotary's cos and
 # sin are shared as in the other families: a layer without keeps the same bytes less those); GPT-2 is left out:
 # its eager GELU ("gelu_new", written out op by op) and fused c_attn split keep several more copies than any kernel
 # a framework would train it with
 # Gemma 2 / 3 with every layer global: a sliding-window mask makes CPU sdpa keep its scores (not flash-like);
 # the window changes no kept tensor of a flash kernel
-_GLOBAL = {"gemma2": ["full_attention"] * 2, "gemma3_text": ["full_attention"] * 2, "olmo3": ["full_attention"] * 2}
+_GLOBAL = {"gemma2": ["full_attention"] * 2, "gemma3_text": ["full_attention"] * 2, "olmo3": ["full_attention"] * 2,
+           "cohere2": ["full_attention"] * 2}
 MOE_FAMILIES = {"qwen3_moe": "sdpa", "mixtral": "sdpa", "olmoe": "sdpa", "deepseek_v3": "eager", "glm4_moe": "sdpa",
                 "gpt_oss": "eager"}  # the attention each runs (gpt-oss's sinks: no sdpa path)
 _STAT, _INDEX = 4, 8  # bytes of an fp32 statistic, of an int64 index
@@ -145,9 +152,14 @@ def _eager_extra(spec, mode, kind="dense", config=None, attention="sdpa"):
     if mode == "full":
         return 0
     a = spec.attention
-    norms = (0 if spec.layer_norm else spec.layer_norms * spec.hidden) + ((a.heads + a.kv_heads) * a.qk_dim
-                                                                         if a.qk_norm else 0)
     extra = 0
+    if spec.family in ("cohere", "cohere2"):  # LayerNorm op by op: 2d more per norm over d, one statistic fewer
+        per_head = (a.heads + a.kv_heads) if a.qk_norm else 0
+        norms = 2 * (spec.layer_norms * spec.hidden + per_head * a.qk_dim)
+        extra -= _STAT * (spec.layer_norms + per_head)
+    else:
+        norms = (0 if spec.layer_norm else spec.layer_norms * spec.hidden) + ((a.heads + a.kv_heads) * a.qk_dim
+                                                                             if a.qk_norm else 0)
     if spec.family in _ROTARY_CAT and mode == "none":  # the attention output copied out of q's layout
         extra += WIDTH * a.heads * a.v_dim
     if a.latent:  # the latents' normalised inputs; the kv down-projection's rope part, in the kept storage

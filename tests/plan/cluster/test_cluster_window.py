@@ -39,6 +39,7 @@ WINDOWED = {
     "phi3": dict(sliding_window=8),
     "starcoder2": dict(sliding_window=8),
     "olmo3": dict(sliding_window=8, layer_types=None),
+    "cohere2": dict(sliding_window=8, layer_types=None, sliding_window_pattern=3),
 }
 
 

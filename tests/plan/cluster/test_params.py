@@ -26,6 +26,16 @@ def test_params_equal_transformers(family):
     assert model_params(model_spec(config.to_dict())) == expected
 
 
+def test_a_cohere2_head_dim_the_file_gives_is_the_models():
+    """Cohere 2's config object derives head_dim = hidden / heads only where the file leaves it out."""
+    data = dict(TINY["cohere2"], model_type="cohere2", head_dim=32)
+    config = transformers.AutoConfig.for_model(**data)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    assert model_spec(data).attention.qk_dim == config.head_dim == 32
+    assert model_params(model_spec(data)) == sum(p.numel() for p in model.parameters())
+
+
 def test_reads_config_json(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(dict(TINY["llama"], model_type="llama")))
