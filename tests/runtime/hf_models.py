@@ -68,11 +68,14 @@ PLANNED = {
     "cohere": dict(_SMALL, use_qk_norm=True),  # one LayerNorm before both branches, a LayerNorm per head, scaled logits
     "cohere2": dict(_SMALL, sliding_window=4, layer_types=["sliding_attention"] * 3 + ["full_attention"]),
     "olmoe": dict(_SMALL, num_experts=4, num_experts_per_tok=2),  # OLMo's q/k norms, every layer sparse
+    "ernie4_5_moe": dict(_SMALL, use_bias=True, moe_num_experts=4, moe_k=2, moe_intermediate_size=16,
+                         moe_num_shared_experts=1, moe_layer_start_index=1),  # a shared expert, biased head
     "glm4_moe": dict(_SMALL, head_dim=8, moe_intermediate_size=16, n_routed_experts=4, n_shared_experts=1,
                      num_experts_per_tok=2, first_k_dense_replace=1, n_group=1, topk_group=1, use_qk_norm=True,
                      attention_bias=True, partial_rotary_factor=0.5),
 }
-"""Tiny configs of the families ``pipeloom plan --model`` reads that the cases above do not cover."""
+"""Tiny configs of the families ``pipeloom plan --model`` reads that the cases above do not cover (ERNIE 4.5's dense
+model is covered by its MoE model's dense first layer)."""
 
 
 ENCODER_DECODER = {"bart": ("model.encoder.layers", "model.decoder.layers"),  # model -> its blocks' names

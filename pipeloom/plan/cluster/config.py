@@ -1,9 +1,9 @@
-"""A decoder's shape read from a transformers config (a config.json path, a model folder, a Hugging Face model id
-in the local cache, a dict or a ``PretrainedConfig``: :func:`~pipeloom.plan.cluster.config_source.read_config`),
+"""A decoder's shape read from a transformers config (a config.json path, a model folder, a Hugging Face model id in
+the local cache, a dict or a ``PretrainedConfig``: :func:`~pipeloom.plan.cluster.config_source.read_config`),
 without importing transformers: dense decoders (LLaMA, Mistral, Qwen2/3, Gemma 1/2/3, Granite, Phi-3, OLMo 2/3,
-SmolLM3, StarCoder2, Cohere's Command R / R7B / A, GPT-2, GPT-NeoX) and mixture-of-experts decoders (Mixtral,
-OLMoE, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3 with multi-head latent attention, GLM-4.5, gpt-oss with attention sinks
-and biased experts), a field left out taking transformers' default for the family
+SmolLM3, StarCoder2, Cohere's Command R / R7B / A, ERNIE 4.5, GPT-2, GPT-NeoX) and mixture-of-experts decoders
+(Mixtral, OLMoE, Qwen2-MoE, Qwen3-MoE, ERNIE 4.5 MoE, DeepSeek-V2/V3 with multi-head latent attention, GLM-4.5,
+gpt-oss with attention sinks and biased experts), a field left out taking transformers' default for the family
 (:data:`~pipeloom.plan.cluster.config_source.FAMILY_DEFAULTS`), with sliding-window attention on the layers
 transformers gives it (:func:`_windows`)."""
 
@@ -20,9 +20,10 @@ from pipeloom.plan.errors import ModelConfigError
 __all__ = ["ModelSpec", "Attention", "Experts", "model_spec", "SUPPORTED_FAMILIES"]
 
 _DENSE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "granite", "phi3", "olmo2", "olmo3",
-          "smollm3", "starcoder2", "cohere", "cohere2", "gpt2", "gpt_neox")
+          "smollm3", "starcoder2", "cohere", "cohere2", "ernie4_5", "gpt2", "gpt_neox")
 _OLMO = ("olmo2", "olmo3", "olmoe")
-_MOE = ("mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss")
+_MOE = ("mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "ernie4_5_moe", "deepseek_v2", "deepseek_v3", "glm4_moe",
+        "gpt_oss")
 SUPPORTED_FAMILIES: tuple[str, ...] = _DENSE + _MOE
 """The ``model_type`` values :func:`model_spec` reads."""
 
@@ -83,6 +84,11 @@ class Experts:
     """Intermediate size of the shared expert(s) together, run on every token (0: none)."""
     shared_gate: bool = False
     """A sigmoid gate (hidden -> 1) on the shared expert's output (Qwen2-MoE)."""
+    shared_bias: bool = False
+    """Biases on the shared expert's projections (ERNIE 4.5 with ``use_bias``)."""
+    router_correction: bool = False
+    """A per-expert bias added to the router's scores for the choice only, a parameter not trained (ERNIE 4.5's
+    ``e_score_correction_bias``): ``count`` parameters."""
     groups: int = 1
     """Groups the routed experts are split into for group-limited routing (DeepSeek's ``n_group``)."""
     group_top_k: int = 0
@@ -128,6 +134,8 @@ class ModelSpec:
     """Under :attr:`parallel_residual`, one norm feeds both branches (Cohere) instead of one each (GPT-NeoX)."""
     tied: bool = False
     """The output head shares the embedding's weight."""
+    head_bias: bool = False
+    """A bias on the output head (ERNIE 4.5 MoE with ``use_bias``): ``vocab`` parameters, its own even when tied."""
     positions: int = 0
     """Rows of a learned position embedding (GPT-2), 0 for rotary models."""
     experts: Experts | None = None
@@ -295,6 +303,8 @@ def _family_spec(data: Mapping[str, Any], family: str) -> ModelSpec:
                          gated=False, mlp_bias=bias, layer_norm=True)
     if family in ("cohere", "cohere2"):
         return _cohere(data, common, heads, head_dim)
+    if family.startswith("ernie"):
+        return _ernie(data, common, heads, head_dim)
     if family.startswith("deepseek") or family == "glm4_moe":
         return _deepseek(data, common, heads, head_dim)
     if family == "gpt_oss":
@@ -350,6 +360,35 @@ def _cohere(data: Mapping[str, Any], common: dict[str, Any], heads: int, head_di
                           v_dim=head_dim, qkv_bias=bias, o_bias=bias, qk_norm=qk_norm, qk_norm_head_weights=qk_norm)
     return ModelSpec(**common, attention=attention, intermediate=int(_get(data, "intermediate_size")),
                      layer_norm=True, norm_bias=False, parallel_residual=True, shared_norm=True)
+
+
+def _ernie(data: Mapping[str, Any], common: dict[str, Any], heads: int, head_dim: int) -> ModelSpec:
+    """Baidu's ERNIE 4.5: LLaMA's layer with biases on every projection under ``use_bias``; the MoE models
+    (``ernie4_5_moe``) with ``moe_num_shared_experts`` shared experts (one gated MLP of that many times
+    ``moe_intermediate_size``), the layers from ``moe_layer_start_index`` to ``moe_layer_end_index`` (-1: the last)
+    every ``moe_layer_interval``-th sparse, a softmax router over every expert whose top-``moe_k`` choice adds
+    an untrained per-expert bias, the chosen probabilities renormalised, a bias on the head under ``use_bias``
+    (the dense model's head has none); and ``num_nextn_predict_layers``
+    multi-token-prediction modules (transformers builds none; ERNIE 4.5 trained with one)."""
+    bias = bool(data.get("use_bias", False))
+    attention = Attention(heads=heads, kv_heads=int(data.get("num_key_value_heads") or heads), qk_dim=head_dim,
+                          v_dim=head_dim, qkv_bias=bias, o_bias=bias)
+    dense: dict[str, Any] = dict(**common, attention=attention, intermediate=int(_get(data, "intermediate_size")),
+                                 mlp_bias=bias)
+    if common["family"] == "ernie4_5":
+        return ModelSpec(**dense)
+    count = int(_get(data, "moe_num_experts", "num_experts", default=0))
+    intermediate = int(_get(data, "moe_intermediate_size"))
+    experts = Experts(count=count, top_k=int(_get(data, "moe_k", "num_experts_per_tok")), intermediate=intermediate,
+                      shared_intermediate=intermediate * int(data.get("moe_num_shared_experts") or 0),
+                      shared_bias=bias, router_correction=True)
+    layers = common["layers"]
+    start, end = int(data.get("moe_layer_start_index") or 0), int(_get(data, "moe_layer_end_index", default=-1))
+    end = layers - 1 if end == -1 else end
+    interval = int(data.get("moe_layer_interval") or 1)
+    moe = tuple(i for i in range(layers) if count and start <= i <= end and (i + 1) % interval == 0)
+    return ModelSpec(**dense, experts=experts if moe else None, moe_layers=moe, head_bias=bias,
+                     mtp=int(data.get("num_nextn_predict_layers") or 0))
 
 
 def _deepseek(data: Mapping[str, Any], common: dict[str, Any], heads: int, head_dim: int) -> ModelSpec:

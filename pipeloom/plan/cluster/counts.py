@@ -219,11 +219,13 @@ def _moe_mlp(spec: ModelSpec, width: int) -> tuple[int, int, int, int, float]:
     experts (with their biases and the router's, gpt-oss)."""
     ex, h = spec.experts, spec.hidden
     assert ex is not None, "moe layer of a dense model"
-    shared_mm, _ = _mlp_weights(spec, ex.shared_intermediate, gated=True, bias=False)
+    shared_mm, shared_bias = _mlp_weights(spec, ex.shared_intermediate, gated=True,
+                                          bias=ex.shared_bias and ex.shared_intermediate > 0)
     expert_params = ex.count * (3 * h * ex.intermediate + ((2 * ex.intermediate + h) if ex.bias else 0))
     routed_mm = ex.top_k * 3 * h * ex.intermediate  # per token: its top-k experts
     mlp_mm = h * ex.count + shared_mm + (h if ex.shared_gate else 0)  # router, shared expert(s), their gate
-    mlp_other = expert_params + (ex.count if ex.bias else 0)  # the routed experts, the router's bias
+    # the routed experts, the router's bias and its choice's correction bias, the shared expert(s)' biases
+    mlp_other = expert_params + (ex.count if ex.bias else 0) + (ex.count if ex.router_correction else 0) + shared_bias
     return mlp_mm, mlp_other, expert_params, routed_mm, moe_activations(spec, width=width)
 
 
@@ -255,7 +257,7 @@ def layer_counts(spec: ModelSpec, kind: str, seq: int, *, width: int = 2) -> Lay
                            attended_f=0.0,
                            activations={m: Activations(sequence=0.0, tensor=0.0) for m in RECOMPUTE_MODES})
     if kind == "head":
-        params = _norm(spec) + (0 if spec.tied else spec.vocab * h)
+        params = _norm(spec) + (0 if spec.tied else spec.vocab * h) + (spec.vocab if spec.head_bias else 0)
         mm = 2.0 * seq * h * spec.vocab
         # the final norm's input and output (+ 1/rms); the fp32 logits the loss keeps (vocab split by tp)
         keep = Activations(sequence=width * 2 * h + norm_stats(spec), tensor=4.0 * spec.vocab)
