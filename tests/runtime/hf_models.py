@@ -67,6 +67,7 @@ PLANNED = {
     "starcoder2": dict(_SMALL),  # LayerNorm, biased projections, a GELU MLP, tied head
     "cohere": dict(_SMALL, use_qk_norm=True),  # one LayerNorm before both branches, a LayerNorm per head, scaled logits
     "cohere2": dict(_SMALL, sliding_window=4, layer_types=["sliding_attention"] * 3 + ["full_attention"]),
+    "glm4": dict(_SMALL, head_dim=8),  # norms after attention and the MLP too, interleaved rotary on half the dims
     "olmoe": dict(_SMALL, num_experts=4, num_experts_per_tok=2),  # OLMo's q/k norms, every layer sparse
     "ernie4_5_moe": dict(_SMALL, use_bias=True, moe_num_experts=4, moe_k=2, moe_intermediate_size=16,
                          moe_num_shared_experts=1, moe_layer_start_index=1),  # a shared expert, biased head

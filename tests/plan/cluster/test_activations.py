@@ -16,12 +16,13 @@ elements; a fused SwiGLU recomputes it). LayerNorm (GPT-NeoX, StarCoder2) is one
 GELU MLP keeps the same as a fused one. Cohere's LayerNorm (without a bias; over h, and with ``use_qk_norm`` over
 each head) is written out op by op: it keeps x - mean twice (the variance's square and the scaling each compute it)
 and the normalised tensor before the weight, with one 1/std, where a fused kernel keeps its input, its mean and its
-1/std: per norm over d, 2d elements more and one statistic fewer. ERNIE 4.5's interleaved rotary embedding makes
-each layer's cos and sin anew from a half of the model's tables, and its products keep those copies (qk_dim / 2
-elements each). Cohere 2 runs rotary embeddings on its sliding-window layers only, so its tiny instance has every
-layer global (no mask, no rotary tables kept by one layer alone). Where rotary embeddings go through ``torch.cat``
-(Phi-3, GLM-4.5 and GPT-NeoX: partial rotary), q is contiguous per head, so sdpa's output is too and the copy into
-the output projection's layout is a second tensor (h elements, without the core's recomputation).
+1/std: per norm over d, 2d elements more and one statistic fewer. ERNIE 4.5's and GLM-4's interleaved rotary
+embeddings make each layer's cos and sin anew from a half of the model's tables, and their products keep those
+copies (half the rotated dimensions each). Cohere 2 runs rotary embeddings on its sliding-window layers only, so its
+tiny instance has every layer global (no mask, no rotary tables kept by one layer alone). Where rotary embeddings go
+through ``torch.cat`` (Phi-3, GLM-4.5 and GPT-NeoX: partial rotary), q is contiguous per head, so sdpa's output is
+too and the copy into the output projection's layout is a second tensor (h elements, without the core's
+recomputation).
 
 MoE layers (Qwen3-MoE, Mixtral, DeepSeek-V3, GLM-4.5) run transformers' eager experts (a loop over the experts hit).
 Which expert a token picks depends on the data, but each token picks top_k distinct experts, so the copies
@@ -60,7 +61,7 @@ BATCH, SEQ, WIDTH = 2, 16, 4
 FAMILIES = {"llama": "sdpa", "mistral": "sdpa", "qwen2": "sdpa", "qwen3": "sdpa", "gemma": "sdpa",
             "gemma2": "eager", "gemma3_text": "sdpa", "granite": "sdpa", "phi3": "sdpa", "olmo2": "sdpa",
             "olmo3": "sdpa", "smollm3": "sdpa", "starcoder2": "sdpa", "cohere": "sdpa", "cohere2": "sdpa",
-            "ernie4_5": "sdpa", "gpt_neox": "sdpa"}  # the attention each
+            "ernie4_5": "sdpa", "glm4": "sdpa", "gpt_neox": "sdpa"}  # the attention each
 # runs (Gemma 2 has no sdpa path; SmolLM3's tiny instance has rotary on both layers, so that its rotary's cos and
 # sin are shared as in the other families: a layer without keeps the same bytes less those); GPT-2 is left out:
 # its eager GELU ("gelu_new", written out op by op) and fused c_attn split keep several more copies than any kernel
@@ -72,7 +73,9 @@ _GLOBAL = {"gemma2": ["full_attention"] * 2, "gemma3_text": ["full_attention"] *
 MOE_FAMILIES = {"qwen3_moe": "sdpa", "mixtral": "sdpa", "olmoe": "sdpa", "deepseek_v3": "eager", "glm4_moe": "sdpa",
                 "gpt_oss": "eager", "ernie4_5_moe": "sdpa"}  # the attention each runs (gpt-oss's sinks: no sdpa path)
 _STAT, _INDEX = 4, 8  # bytes of an fp32 statistic, of an int64 index
-_ROTARY_CAT = ("phi3", "glm4_moe", "gpt_neox")  # rotary through torch.cat: q contiguous per head, and so sdpa's output
+_ROTARY_CAT = ("phi3", "glm4", "glm4_moe", "gpt_neox")
+_INTERLEAVED_ROTARY = {"ernie4_5": 1.0, "ernie4_5_moe": 1.0, "glm4": 0.5}  # the share of qk_dim rotated (GLM-4's
+# transformers default partial_rotary_factor)  # rotary through torch.cat: q contiguous per head, and so sdpa's output
 
 
 def _checkpointed(family, attention):
@@ -160,8 +163,8 @@ def _eager_extra(spec, mode, kind="dense", config=None, attention="sdpa"):
     else:
         norms = (0 if spec.layer_norm else spec.layer_norms * spec.hidden) + ((a.heads + a.kv_heads) * a.qk_dim
                                                                              if a.qk_norm else 0)
-    if spec.family.startswith("ernie"):  # each layer's interleaved cos and sin, made from halves of the model's
-        extra += WIDTH * a.qk_dim  # tables: a copy of each half (qk_dim / 2), which the rotary products keep
+    if spec.family in _INTERLEAVED_ROTARY:  # each layer's interleaved cos and sin, made from halves of the model's
+        extra += WIDTH * int(a.qk_dim * _INTERLEAVED_ROTARY[spec.family])  # tables: copies the products keep
     if spec.family in _ROTARY_CAT and mode == "none":  # the attention output copied out of q's layout
         extra += WIDTH * a.heads * a.v_dim
     if a.latent:  # the latents' normalised inputs; the kv down-projection's rope part, in the kept storage
