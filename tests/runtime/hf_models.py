@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pipeloom.plan.cluster.runtime_plan import LAYER_PREFIX
+
 VOCAB = 96
 LAYERS = 4
 
@@ -68,6 +70,8 @@ PLANNED = {
     "cohere": dict(_SMALL, use_qk_norm=True),  # one LayerNorm before both branches, a LayerNorm per head, scaled logits
     "cohere2": dict(_SMALL, sliding_window=4, layer_types=["sliding_attention"] * 3 + ["full_attention"]),
     "glm4": dict(_SMALL, head_dim=8),  # norms after attention and the MLP too, interleaved rotary on half the dims
+    "falcon": dict(num_hidden_layers=LAYERS, hidden_size=32, num_attention_heads=4, num_kv_heads=2, bias=True,
+                   new_decoder_architecture=True, ffn_hidden_size=64),  # fused q/k/v, two norms side by side
     "olmoe": dict(_SMALL, num_experts=4, num_experts_per_tok=2),  # OLMo's q/k norms, every layer sparse
     "ernie4_5_moe": dict(_SMALL, use_bias=True, moe_num_experts=4, moe_k=2, moe_intermediate_size=16,
                          moe_num_shared_experts=1, moe_layer_start_index=1),  # a shared expert, biased head
@@ -103,7 +107,7 @@ def _encoder_decoder(name: str, dropout: float, common: dict) -> torch.nn.Module
 
 
 _BLOCKS = {"gpt2": "transformer.h", "llama": "model.layers", "bert": "bert.encoder.layer", "qwen2": "model.layers",
-           "qwen3": "model.layers", **{name: "model.layers" for name in PLANNED}}
+           "qwen3": "model.layers", **{name: LAYER_PREFIX.get(name, "model.layers") for name in PLANNED}}
 
 
 def hf_splits(name: str, pieces: int) -> list[str]:

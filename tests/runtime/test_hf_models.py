@@ -37,9 +37,10 @@ def test_the_cluster_planners_other_families_are_bitwise_exact_on_two_ranks():
     """Granite, Phi-3, OLMo 2 and 3 (its sliding windows), SmolLM3 (layers without rotary embedding), StarCoder2,
     Cohere (its parallel branches under one norm, per-head q/k norms) and Cohere 2 (rotary on its sliding-window
     layers only), ERNIE 4.5 MoE (biased projections, shared experts, a biased head; its dense first layer is the
-    dense ERNIE 4.5's), GLM-4 (four norms, interleaved rotary on half the dimensions), OLMoE and GLM-4.5 (its
-    MoE layers and dense first layer): of the families ``pipeloom plan --model`` reads and saves plans for,
-    those the other cases do not cover, cut at ``model.layers.N`` as its plan files cut them."""
+    dense ERNIE 4.5's), GLM-4 (four norms, interleaved rotary on half the dimensions), Falcon (its layers under
+    transformer.h, a fused q/k/v projection), OLMoE and GLM-4.5 (its MoE layers and dense first layer): of the
+    families ``pipeloom plan --model`` reads and saves plans for, those the other cases do not cover, cut at
+    ``model.layers.N`` as its plan files cut them."""
     from hf_models import PLANNED
 
     cases = [(name, schedule, 2 if schedule == "1f1b" else 4) for name in PLANNED for schedule in ("1f1b", "zbv")]

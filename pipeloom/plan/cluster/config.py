@@ -1,10 +1,10 @@
 """A decoder's shape read from a transformers config (a config.json path, a model folder, a Hugging Face model id in
 the local cache, a dict or a ``PretrainedConfig``: :func:`~pipeloom.plan.cluster.config_source.read_config`),
 without importing transformers: dense decoders (LLaMA, Mistral, Qwen2/3, Gemma 1/2/3, Granite, Phi-3, OLMo 2/3,
-SmolLM3, StarCoder2, Cohere's Command R / R7B / A, ERNIE 4.5, GLM-4, GPT-2, GPT-NeoX) and mixture-of-experts decoders
-(Mixtral, OLMoE, Qwen2-MoE, Qwen3-MoE, ERNIE 4.5 MoE, DeepSeek-V2/V3 with multi-head latent attention, GLM-4.5,
-gpt-oss with attention sinks and biased experts), a field left out taking transformers' default for the family
-(:data:`~pipeloom.plan.cluster.config_source.FAMILY_DEFAULTS`), with sliding-window attention on the layers
+SmolLM3, StarCoder2, Cohere's Command R / R7B / A, ERNIE 4.5, GLM-4, Falcon, GPT-2, GPT-NeoX) and mixture-of-experts
+decoders (Mixtral, OLMoE, Qwen2-MoE, Qwen3-MoE, ERNIE 4.5 MoE, DeepSeek-V2/V3 with multi-head latent attention,
+GLM-4.5, gpt-oss with attention sinks and biased experts), a field left out taking transformers' default for the
+family (:data:`~pipeloom.plan.cluster.config_source.FAMILY_DEFAULTS`), with sliding-window attention on the layers
 transformers gives it (:func:`_windows`)."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pipeloom.plan.errors import ModelConfigError
 __all__ = ["ModelSpec", "Attention", "Experts", "model_spec", "SUPPORTED_FAMILIES"]
 
 _DENSE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "granite", "phi3", "olmo2", "olmo3",
-          "smollm3", "starcoder2", "cohere", "cohere2", "ernie4_5", "glm4", "gpt2", "gpt_neox")
+          "smollm3", "starcoder2", "cohere", "cohere2", "ernie4_5", "glm4", "falcon", "gpt2", "gpt_neox")
 _OLMO = ("olmo2", "olmo3", "olmoe")
 _MOE = ("mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "ernie4_5_moe", "deepseek_v2", "deepseek_v3", "glm4_moe",
         "gpt_oss")
@@ -283,6 +283,8 @@ def _family_spec(data: Mapping[str, Any], family: str) -> ModelSpec:
     """The spec of ``family``'s config, without sliding windows."""
     if family == "gpt2":
         return _gpt2(data)
+    if family == "falcon":
+        return _falcon(data)
     hidden = int(_get(data, "hidden_size"))
     heads = int(_get(data, "num_attention_heads"))
     layers = int(_get(data, "num_hidden_layers"))
@@ -360,6 +362,34 @@ def _cohere(data: Mapping[str, Any], common: dict[str, Any], heads: int, head_di
                           v_dim=head_dim, qkv_bias=bias, o_bias=bias, qk_norm=qk_norm, qk_norm_head_weights=qk_norm)
     return ModelSpec(**common, attention=attention, intermediate=int(_get(data, "intermediate_size")),
                      layer_norm=True, norm_bias=False, parallel_residual=True, shared_norm=True)
+
+
+def _falcon(data: Mapping[str, Any]) -> ModelSpec:
+    """Falcon: LayerNorm, one fused q/k/v projection, a GELU MLP of ``ffn_hidden_size`` (4h), biases on every
+    projection under ``bias``, a tied head. Attention and MLP side by side under ``parallel_attn`` (or the new
+    decoder architecture of Falcon 40B / 180B), each after a LayerNorm of its own there (``num_ln_in_parallel_attn``
+    2, its default) or after one shared LayerNorm (1; the 7B's); one query-shared key/value head under
+    ``multi_query`` in the old architecture, ``num_kv_heads`` in the new. ALiBi (``alibi``) is refused: its
+    attention adds a bias per head to the scores, which the flash-attention pricing does not model."""
+    if data.get("alibi"):
+        raise ModelConfigError("a Falcon config with alibi=true is not modelled (its attention adds a bias per head to "
+                               "the scores, which the planner's flash-attention pricing does not cover); plan a "
+                               "rotary Falcon (alibi false) of the same sizes instead")
+    hidden = int(_get(data, "hidden_size", "n_embed"))
+    heads = int(_get(data, "num_attention_heads"))
+    new = bool(data.get("new_decoder_architecture", False))
+    # the old architecture's fused projection gives every head its key and value, or one for all (multi_query)
+    kv_heads = int(data.get("num_kv_heads") or heads) if new else 1 if data.get("multi_query", True) else heads
+    bias = bool(data.get("bias", False))
+    parallel = bool(data.get("parallel_attn", True)) or new
+    norms = int(data.get("num_ln_in_parallel_attn") or (2 if new else 1))
+    attention = Attention(heads=heads, kv_heads=kv_heads, qk_dim=hidden // heads, v_dim=hidden // heads,
+                          qkv_bias=bias, o_bias=bias)
+    return ModelSpec(family="falcon", hidden=hidden, layers=int(_get(data, "num_hidden_layers")),
+                     vocab=int(_get(data, "vocab_size")), attention=attention,
+                     intermediate=int(data.get("ffn_hidden_size") or 4 * hidden), gated=False, mlp_bias=bias,
+                     layer_norm=True, parallel_residual=parallel, shared_norm=parallel and norms == 1,
+                     tied=bool(data.get("tie_word_embeddings", True)))
 
 
 def _ernie(data: Mapping[str, Any], common: dict[str, Any], heads: int, head_dim: int) -> ModelSpec:

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 __all__ = ["LAYER_PREFIX", "TORCHTITAN_MODELS", "kept_over_limit", "runtime_plan", "runtime_notes", "save_blockers",
            "torchtitan_plan", "torchtitan_recompute"]
 
-LAYER_PREFIX = {"gpt2": "transformer.h", "gpt_neox": "gpt_neox.layers"}
+LAYER_PREFIX = {"gpt2": "transformer.h", "falcon": "transformer.h", "gpt_neox": "gpt_neox.layers"}
 """Where a ``transformers`` model of a family keeps its decoder layers (every other family: ``model.layers``)."""
 _TP_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
 """Families whose attention and MLP projections are plain ``nn.Linear`` modules under the names below (the runtime's

@@ -18,11 +18,13 @@ each head) is written out op by op: it keeps x - mean twice (the variance's squa
 and the normalised tensor before the weight, with one 1/std, where a fused kernel keeps its input, its mean and its
 1/std: per norm over d, 2d elements more and one statistic fewer. ERNIE 4.5's and GLM-4's interleaved rotary
 embeddings make each layer's cos and sin anew from a half of the model's tables, and their products keep those
-copies (half the rotated dimensions each). Cohere 2 runs rotary embeddings on its sliding-window layers only, so its
-tiny instance has every layer global (no mask, no rotary tables kept by one layer alone). Where rotary embeddings go
-through ``torch.cat`` (Phi-3, GLM-4.5 and GPT-NeoX: partial rotary), q is contiguous per head, so sdpa's output is
-too and the copy into the output projection's layout is a second tensor (h elements, without the core's
-recomputation).
+copies (half the rotated dimensions each). Falcon's model hands its attention an explicit (b, 1, s, s) causal mask,
+under which transformers' sdpa repeats K and V to every query head: without the core's recomputation the layer keeps
+the mask (s elements per token) and the repeated K and V in place of K and V. Cohere 2 runs rotary embeddings on its
+sliding-window layers only, so its tiny instance has every layer global (no mask, no rotary tables kept by one layer
+alone). Where rotary embeddings go through ``torch.cat`` (Phi-3, GLM-4.5 and GPT-NeoX: partial rotary), q is
+contiguous per head, so sdpa's output is too and the copy into the output projection's layout is a second tensor (h
+elements, without the core's recomputation).
 
 MoE layers (Qwen3-MoE, Mixtral, DeepSeek-V3, GLM-4.5) run transformers' eager experts (a loop over the experts hit).
 Which expert a token picks depends on the data, but each token picks top_k distinct experts, so the copies
@@ -61,7 +63,7 @@ BATCH, SEQ, WIDTH = 2, 16, 4
 FAMILIES = {"llama": "sdpa", "mistral": "sdpa", "qwen2": "sdpa", "qwen3": "sdpa", "gemma": "sdpa",
             "gemma2": "eager", "gemma3_text": "sdpa", "granite": "sdpa", "phi3": "sdpa", "olmo2": "sdpa",
             "olmo3": "sdpa", "smollm3": "sdpa", "starcoder2": "sdpa", "cohere": "sdpa", "cohere2": "sdpa",
-            "ernie4_5": "sdpa", "glm4": "sdpa", "gpt_neox": "sdpa"}  # the attention each
+            "ernie4_5": "sdpa", "glm4": "sdpa", "falcon": "sdpa", "gpt_neox": "sdpa"}  # the attention each
 # runs (Gemma 2 has no sdpa path; SmolLM3's tiny instance has rotary on both layers, so that its rotary's cos and
 # sin are shared as in the other families: a layer without keeps the same bytes less those); GPT-2 is left out:
 # its eager GELU ("gelu_new", written out op by op) and fused c_attn split keep several more copies than any kernel
@@ -165,6 +167,8 @@ def _eager_extra(spec, mode, kind="dense", config=None, attention="sdpa"):
                                                                              if a.qk_norm else 0)
     if spec.family in _INTERLEAVED_ROTARY:  # each layer's interleaved cos and sin, made from halves of the model's
         extra += WIDTH * int(a.qk_dim * _INTERLEAVED_ROTARY[spec.family])  # tables: copies the products keep
+    if spec.family == "falcon" and mode == "none":  # sdpa under Falcon's explicit (b, 1, s, s) mask: the mask, and
+        extra += WIDTH * (SEQ + (a.heads - a.kv_heads) * (a.qk_dim + a.v_dim))  # K and V repeated to every head
     if spec.family in _ROTARY_CAT and mode == "none":  # the attention output copied out of q's layout
         extra += WIDTH * a.heads * a.v_dim
     if a.latent:  # the latents' normalised inputs; the kv down-projection's rope part, in the kept storage

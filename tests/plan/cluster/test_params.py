@@ -36,6 +36,31 @@ def test_a_cohere2_head_dim_the_file_gives_is_the_models():
     assert model_params(model_spec(data)) == sum(p.numel() for p in model.parameters())
 
 
+@pytest.mark.parametrize("variant", [
+    dict(new_decoder_architecture=False, multi_query=True, parallel_attn=True),  # Falcon 7B: one norm, one kv head
+    dict(new_decoder_architecture=False, multi_query=False, parallel_attn=False),  # sequential, every head its kv
+    dict(new_decoder_architecture=True, num_ln_in_parallel_attn=1, bias=False),  # the new layout under one norm
+], ids=["7b", "sequential", "new-one-norm"])
+def test_falcon_layouts_count_as_transformers_builds_them(variant):
+    """Parameters and norms as transformers builds each layout, and its keys and values: their share of the fused
+    q/k/v projection's output."""
+    data = dict(TINY["falcon"], model_type="falcon", **variant)
+    config = transformers.AutoConfig.for_model(**data)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    spec = model_spec(data)
+    assert model_params(spec) == sum(p.numel() for p in model.parameters())
+    assert spec.layer_norms == len([m for m in model.transformer.h[0].modules() if isinstance(m, torch.nn.LayerNorm)])
+    a = spec.attention
+    fused = model.transformer.h[0].self_attention.query_key_value.weight.shape[0]
+    assert fused == (a.heads + 2 * a.kv_heads) * a.qk_dim
+
+
+def test_a_falcon_with_alibi_is_refused_with_the_fix():
+    with pytest.raises(ModelConfigError, match="alibi=true is not modelled.*alibi false"):
+        model_spec(dict(TINY["falcon"], model_type="falcon", alibi=True))
+
+
 def test_reads_config_json(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(dict(TINY["llama"], model_type="llama")))
