@@ -18,7 +18,8 @@ Megatron-Core's are any set of :data:`MEGATRON_MODULES` (``TransformerConfig.rec
 - ``mla_up_proj``: MLA's up-projections and rotary embedding discard q, k and v and recompute them from the
   latents, which are kept;
 - ``mlp``: a dense layer's MLP, its norm fused into it, runs again (normal checkpointing): it keeps its input
-  only (the residual stream, kept anyway), not the norm's output and statistic nor the MLP's intermediates;
+  only (the residual stream, kept anyway), not the norm's output and statistic nor the MLP's intermediates (with
+  one norm before both branches, Cohere's, the attention still keeps that norm's output);
 - ``moe``: an MoE layer's MLP runs again, its all-to-alls included: it keeps its input (the pre-MLP norm's output)
   and nothing of the router, the routed copies or the shared experts;
 - ``shared_experts``: the shared experts run again: their intermediates are not kept.
@@ -135,7 +136,8 @@ def megatron_activations(spec: ModelSpec, kind: str, modules: tuple[str, ...], *
     if "mla_up_proj" in modules and a.latent:
         tensor -= width * (a.heads * a.qk_dim + a.kv_heads * (a.qk_dim + a.v_dim))
     if kind == "dense" and "mlp" in modules:
-        sequence -= width * h + norm_stats(spec)
+        if not spec.shared_norm:  # one norm before both branches: its output stays kept for the attention
+            sequence -= width * h + norm_stats(spec)
         tensor -= mlp_activations(spec.intermediate, gated=spec.gated, width=width)
     if kind == "moe" and spec.experts is not None:
         ex = spec.experts

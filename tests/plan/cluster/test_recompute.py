@@ -91,6 +91,21 @@ def test_dense_mlp_and_mla_up_projections_rerun_their_gemms():
     assert 0 < up.i - base.i < base.f / 4
 
 
+def test_recomputing_the_mlp_under_one_shared_norm_keeps_that_norms_output():
+    """Cohere's attention and MLP read one norm's output: recomputing the MLP frees its intermediates only, where
+    under a norm of its own (LLaMA's) it frees that norm's output and statistic too."""
+    from pipeloom.plan.cluster.counts import layer_counts, mlp_activations, norm_stats
+    from pipeloom.plan.cluster.recompute import megatron_activations
+
+    for config, shared in ((dict(DENSE, model_type="cohere"), True), (DENSE, False)):
+        spec = model_spec(config)
+        none = layer_counts(spec, "dense", 1).activations["none"]
+        mlp = megatron_activations(spec, "dense", ("mlp",))
+        assert spec.shared_norm is shared
+        assert none.tensor - mlp.tensor == mlp_activations(spec.intermediate, gated=True, width=2)
+        assert none.sequence - mlp.sequence == (0 if shared else 2 * spec.hidden + norm_stats(spec))
+
+
 def test_more_modules_keep_less_and_cost_more():
     job = _job(MOE)
     layout = Layout(dp=16, ep=8, recompute="selective")
