@@ -73,6 +73,7 @@ PLANNED = {
     "falcon": dict(num_hidden_layers=LAYERS, hidden_size=32, num_attention_heads=4, num_kv_heads=2, bias=True,
                    new_decoder_architecture=True, ffn_hidden_size=64),  # fused q/k/v, two norms side by side
     "olmoe": dict(_SMALL, num_experts=4, num_experts_per_tok=2),  # OLMo's q/k norms, every layer sparse
+    "minimax_m2": dict(_SMALL, head_dim=8, num_local_experts=4, num_experts_per_tok=2),  # a sigmoid router
     "ernie4_5_moe": dict(_SMALL, use_bias=True, moe_num_experts=4, moe_k=2, moe_intermediate_size=16,
                          moe_num_shared_experts=1, moe_layer_start_index=1),  # a shared expert, biased head
     "glm4_moe": dict(_SMALL, head_dim=8, moe_intermediate_size=16, n_routed_experts=4, n_shared_experts=1,

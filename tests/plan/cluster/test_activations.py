@@ -22,7 +22,7 @@ copies (half the rotated dimensions each). Falcon's model hands its attention an
 under which transformers' sdpa repeats K and V to every query head: without the core's recomputation the layer keeps
 the mask (s elements per token) and the repeated K and V in place of K and V. Cohere 2 runs rotary embeddings on its
 sliding-window layers only, so its tiny instance has every layer global (no mask, no rotary tables kept by one layer
-alone). Where rotary embeddings go through ``torch.cat`` (Phi-3, GLM-4.5 and GPT-NeoX: partial rotary), q is
+alone). Where rotary embeddings go through ``torch.cat`` (Phi-3, GLM-4.5, MiniMax-M2 and GPT-NeoX: partial rotary), q is
 contiguous per head, so sdpa's output is too and the copy into the output projection's layout is a second tensor (h
 elements, without the core's recomputation).
 
@@ -73,9 +73,10 @@ FAMILIES = {"llama": "sdpa", "mistral": "sdpa", "qwen2": "sdpa", "qwen3": "sdpa"
 _GLOBAL = {"gemma2": ["full_attention"] * 2, "gemma3_text": ["full_attention"] * 2, "olmo3": ["full_attention"] * 2,
            "cohere2": ["full_attention"] * 2}
 MOE_FAMILIES = {"qwen3_moe": "sdpa", "mixtral": "sdpa", "olmoe": "sdpa", "deepseek_v3": "eager", "glm4_moe": "sdpa",
-                "gpt_oss": "eager", "ernie4_5_moe": "sdpa"}  # the attention each runs (gpt-oss's sinks: no sdpa path)
+                "gpt_oss": "eager", "ernie4_5_moe": "sdpa",
+                "minimax_m2": "sdpa"}  # the attention each runs (gpt-oss's sinks: no sdpa path)
 _STAT, _INDEX = 4, 8  # bytes of an fp32 statistic, of an int64 index
-_ROTARY_CAT = ("phi3", "glm4", "glm4_moe", "gpt_neox")
+_ROTARY_CAT = ("phi3", "glm4", "glm4_moe", "gpt_neox", "minimax_m2")
 _INTERLEAVED_ROTARY = {"ernie4_5": 1.0, "ernie4_5_moe": 1.0, "glm4": 0.5}  # the share of qk_dim rotated (GLM-4's
 # transformers default partial_rotary_factor)  # rotary through torch.cat: q contiguous per head, and so sdpa's output
 
@@ -191,15 +192,16 @@ def _eager_extra(spec, mode, kind="dense", config=None, attention="sdpa"):
 
 
 def _router_extra(config):
-    """Bytes per token a router of transformers keeps beyond the probabilities and the top-k indices: the top-k
-    values and their sum where it renormalises them (Mixtral always; ERNIE 4.5 also the sum clamped away from
-    zero, the division's denominator). DeepSeek-V3's and GLM-4.5's group-limited choice saves its top-2 indices
-    within each group, the chosen groups and the experts' mask while it runs, but nothing reads that branch's
-    values afterwards, so the graph frees them with it: not kept."""
+    """Bytes per token a router of transformers keeps beyond the probabilities and the top-k indices: the top-k values
+    and their sum where it renormalises them (Mixtral and MiniMax-M2 always; ERNIE 4.5 also the sum clamped away
+    from zero, the division's denominator). DeepSeek-V3's and GLM-4.5's group-limited choice saves its top-2
+    indices within each group, the chosen groups and the experts' mask while it runs, but nothing reads that
+    branch's values afterwards, so the graph frees them with it: not kept."""
     k = config.num_experts_per_tok
     if config.model_type == "ernie4_5_moe":
         return _STAT * (k + 2)
-    return _STAT * (k + 1) if config.model_type == "mixtral" or getattr(config, "norm_topk_prob", False) else 0
+    renormalised = config.model_type in ("mixtral", "minimax_m2") or getattr(config, "norm_topk_prob", False)
+    return _STAT * (k + 1) if renormalised else 0
 
 
 def _gemma_scales(spec, mode):
