@@ -81,7 +81,8 @@ PLANNED = {
                      attention_bias=True, partial_rotary_factor=0.5),
 }
 """Tiny configs of the families ``pipeloom plan --model`` reads that the cases above do not cover (ERNIE 4.5's dense
-model is covered by its MoE model's dense first layer)."""
+model is covered by its MoE model's dense first layer; Seed-OSS is LLaMA's layer with the biased projections of
+Qwen2 and StarCoder2)."""
 
 
 ENCODER_DECODER = {"bart": ("model.encoder.layers", "model.decoder.layers"),  # model -> its blocks' names

@@ -1,11 +1,11 @@
 """A decoder's shape read from a transformers config (a config.json path, a model folder, a Hugging Face model id in
 the local cache, a dict or a ``PretrainedConfig``: :func:`~pipeloom.plan.cluster.config_source.read_config`),
 without importing transformers: dense decoders (LLaMA, Mistral, Qwen2/3, Gemma 1/2/3, Granite, Phi-3, OLMo 2/3,
-SmolLM3, StarCoder2, Cohere's Command R / R7B / A, ERNIE 4.5, GLM-4, Falcon, GPT-2, GPT-NeoX) and mixture-of-experts
-decoders (Mixtral, OLMoE, MiniMax-M2, Qwen2-MoE, Qwen3-MoE, ERNIE 4.5 MoE, DeepSeek-V2/V3 with multi-head latent
-attention, GLM-4.5, gpt-oss with attention sinks and biased experts), a field left out taking transformers' default
-for the family (:data:`~pipeloom.plan.cluster.config_source.FAMILY_DEFAULTS`), with sliding-window attention on the
-layers transformers gives it (:func:`_windows`)."""
+SmolLM3, StarCoder2, Cohere's Command R / R7B / A, ERNIE 4.5, GLM-4, Seed-OSS, Falcon, GPT-2, GPT-NeoX) and
+mixture-of-experts decoders (Mixtral, OLMoE, MiniMax-M2, Qwen2-MoE, Qwen3-MoE, ERNIE 4.5 MoE, DeepSeek-V2/V3 with
+multi-head latent attention, GLM-4.5, gpt-oss with attention sinks and biased experts), a field left out taking
+transformers' default for the family (:data:`~pipeloom.plan.cluster.config_source.FAMILY_DEFAULTS`), with
+sliding-window attention on the layers transformers gives it (:func:`_windows`)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ from pipeloom.plan.errors import ModelConfigError
 __all__ = ["ModelSpec", "Attention", "Experts", "model_spec", "SUPPORTED_FAMILIES"]
 
 _DENSE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "granite", "phi3", "olmo2", "olmo3",
-          "smollm3", "starcoder2", "cohere", "cohere2", "ernie4_5", "glm4", "falcon", "gpt2", "gpt_neox")
+          "smollm3", "starcoder2", "cohere", "cohere2", "ernie4_5", "glm4", "seed_oss", "falcon", "gpt2",
+          "gpt_neox")
 _OLMO = ("olmo2", "olmo3", "olmoe")
 _MOE = ("mixtral", "olmoe", "minimax_m2", "qwen2_moe", "qwen3_moe", "ernie4_5_moe", "deepseek_v2", "deepseek_v3",
         "glm4_moe", "gpt_oss")
@@ -315,7 +316,8 @@ def _family_spec(data: Mapping[str, Any], family: str) -> ModelSpec:
     bias = bool(data.get("attention_bias", False))
     qkv_bias = family == "qwen2" or (family == "qwen2_moe" and bool(data.get("qkv_bias", True))) or bias
     attention = Attention(heads=heads, kv_heads=kv_heads, qk_dim=head_dim, v_dim=head_dim, qkv_bias=qkv_bias,
-                          o_bias=bias and family not in ("qwen2", "qwen2_moe", "glm4"),
+                          o_bias=(bool(data.get("attention_out_bias", False)) if family == "seed_oss" else
+                                  bias and family not in ("qwen2", "qwen2_moe", "glm4")),
                           qk_norm=family in ("qwen3", "qwen3_moe", "gemma3_text", "minimax_m2", *_OLMO),
                           qk_norm_full=family in (*_OLMO, "minimax_m2"))
     dense: dict[str, Any] = dict(**common, attention=attention, mlp_bias=bool(data.get("mlp_bias", False)),
