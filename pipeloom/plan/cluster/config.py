@@ -1,9 +1,9 @@
 """A decoder's shape read from a transformers config (a config.json path, a model folder, a Hugging Face model id in
 the local cache, a dict or a ``PretrainedConfig``: :func:`~pipeloom.plan.cluster.config_source.read_config`),
 without importing transformers: dense decoders (LLaMA, Mistral, Qwen2/3, Gemma 1/2/3, Granite, Phi-3, OLMo 2/3,
-SmolLM3, StarCoder2, Cohere's Command R / R7B / A, ERNIE 4.5, GLM-4, Seed-OSS, Falcon, GPT-2, GPT-NeoX) and
-mixture-of-experts decoders (Mixtral, OLMoE, MiniMax-M2, Qwen2-MoE, Qwen3-MoE, ERNIE 4.5 MoE, DeepSeek-V2/V3 with
-multi-head latent attention, GLM-4.5, gpt-oss with attention sinks and biased experts), a field left out taking
+SmolLM3, StarCoder2, Cohere's Command R / R7B / A, ERNIE 4.5, GLM-4, Seed-OSS, EXAONE 4, Falcon, GPT-2, GPT-NeoX)
+and mixture-of-experts decoders (Mixtral, OLMoE, MiniMax-M2, Qwen2-MoE, Qwen3-MoE, ERNIE 4.5 MoE, DeepSeek-V2/V3
+with multi-head latent attention, GLM-4.5, gpt-oss with attention sinks and biased experts), a field left out taking
 transformers' default for the family (:data:`~pipeloom.plan.cluster.config_source.FAMILY_DEFAULTS`), with
 sliding-window attention on the layers transformers gives it (:func:`_windows`)."""
 
@@ -20,8 +20,8 @@ from pipeloom.plan.errors import ModelConfigError
 __all__ = ["ModelSpec", "Attention", "Experts", "model_spec", "SUPPORTED_FAMILIES"]
 
 _DENSE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "granite", "phi3", "olmo2", "olmo3",
-          "smollm3", "starcoder2", "cohere", "cohere2", "ernie4_5", "glm4", "seed_oss", "falcon", "gpt2",
-          "gpt_neox")
+          "smollm3", "starcoder2", "cohere", "cohere2", "ernie4_5", "glm4", "seed_oss", "exaone4", "falcon",
+          "gpt2", "gpt_neox")
 _OLMO = ("olmo2", "olmo3", "olmoe")
 _MOE = ("mixtral", "olmoe", "minimax_m2", "qwen2_moe", "qwen3_moe", "ernie4_5_moe", "deepseek_v2", "deepseek_v3",
         "glm4_moe", "gpt_oss")
@@ -250,9 +250,10 @@ def _windows(data: Mapping[str, Any], family: str, layers: int) -> tuple[int, tu
     """``(window, layers)`` of sliding-window attention as transformers builds the model: the config's
     ``layer_types`` where it has them (``"sliding_attention"`` layers); otherwise Mistral, Mixtral, Phi-3 and
     StarCoder2 window every layer when ``sliding_window`` is set, OLMo 3 three layers of every four (its default
-    ``layer_types``), Gemma 2 and gpt-oss every second layer from the first, Gemma 3 and Cohere 2 all but every
-    ``sliding_window_pattern``-th (6 and 4), Qwen3-MoE every layer with ``use_sliding_window``, Qwen2 and Qwen3 the
-    layers from ``max_window_layers`` on, Qwen2-MoE every second layer below it; the other families never."""
+    ``layer_types``), Gemma 2 and gpt-oss every second layer from the first, Gemma 3, Cohere 2 and EXAONE 4 all but
+    every ``sliding_window_pattern``-th (6, 4 and 4), Qwen3-MoE every layer with ``use_sliding_window``, Qwen2 and
+    Qwen3 the layers from ``max_window_layers`` on, Qwen2-MoE every second layer below it; the other families
+    never."""
     size = data.get("sliding_window")
     if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
         return 0, ()
@@ -265,8 +266,12 @@ def _windows(data: Mapping[str, Any], family: str, layers: int) -> tuple[int, tu
         return size, tuple(n for n in range(layers) if (n + 1) % 2)
     if family == "olmo3":
         return size, tuple(n for n in range(layers) if (n + 1) % 4)
-    if family in ("gemma3_text", "cohere2"):
-        pattern = int(data.get("sliding_window_pattern") or (6 if family == "gemma3_text" else 4))
+    if family in ("gemma3_text", "cohere2", "exaone4"):
+        pattern = data.get("sliding_window_pattern") or (6 if family == "gemma3_text" else 4)
+        if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
+            raise ModelConfigError(f"sliding_window_pattern must be a positive whole number of layers, got "
+                                   f"{pattern!r}; give the config's layer_types instead (\"sliding_attention\" or "
+                                   "\"full_attention\" per layer)")
         return size, tuple(n for n in range(layers) if (n + 1) % pattern)
     if not data.get("use_sliding_window"):
         return 0, ()
@@ -318,7 +323,7 @@ def _family_spec(data: Mapping[str, Any], family: str) -> ModelSpec:
     attention = Attention(heads=heads, kv_heads=kv_heads, qk_dim=head_dim, v_dim=head_dim, qkv_bias=qkv_bias,
                           o_bias=(bool(data.get("attention_out_bias", False)) if family == "seed_oss" else
                                   bias and family not in ("qwen2", "qwen2_moe", "glm4")),
-                          qk_norm=family in ("qwen3", "qwen3_moe", "gemma3_text", "minimax_m2", *_OLMO),
+                          qk_norm=family in ("qwen3", "qwen3_moe", "gemma3_text", "exaone4", "minimax_m2", *_OLMO),
                           qk_norm_full=family in (*_OLMO, "minimax_m2"))
     dense: dict[str, Any] = dict(**common, attention=attention, mlp_bias=bool(data.get("mlp_bias", False)),
                                  post_norms=family in ("gemma2", "gemma3_text", "glm4"))

@@ -20,11 +20,11 @@ and the normalised tensor before the weight, with one 1/std, where a fused kerne
 embeddings make each layer's cos and sin anew from a half of the model's tables, and their products keep those
 copies (half the rotated dimensions each). Falcon's model hands its attention an explicit (b, 1, s, s) causal mask,
 under which transformers' sdpa repeats K and V to every query head: without the core's recomputation the layer keeps
-the mask (s elements per token) and the repeated K and V in place of K and V. Cohere 2 runs rotary embeddings on its
-sliding-window layers only, so its tiny instance has every layer global (no mask, no rotary tables kept by one layer
-alone). Where rotary embeddings go through ``torch.cat`` (Phi-3, GLM-4.5, MiniMax-M2 and GPT-NeoX: partial rotary), q is
-contiguous per head, so sdpa's output is too and the copy into the output projection's layout is a second tensor (h
-elements, without the core's recomputation).
+the mask (s elements per token) and the repeated K and V in place of K and V. Cohere 2 and EXAONE 4 run rotary
+embeddings on their sliding-window layers only, so their tiny instances have every layer global (no mask, no rotary
+tables kept by one layer alone). Where rotary embeddings go through ``torch.cat`` (Phi-3, GLM-4.5, MiniMax-M2 and
+GPT-NeoX: partial rotary), q is contiguous per head, so sdpa's output is too and the copy into the output
+projection's layout is a second tensor (h elements, without the core's recomputation).
 
 MoE layers (Qwen3-MoE, Mixtral, DeepSeek-V3, GLM-4.5) run transformers' eager experts (a loop over the experts hit).
 Which expert a token picks depends on the data, but each token picks top_k distinct experts, so the copies
@@ -63,7 +63,7 @@ BATCH, SEQ, WIDTH = 2, 16, 4
 FAMILIES = {"llama": "sdpa", "mistral": "sdpa", "qwen2": "sdpa", "qwen3": "sdpa", "gemma": "sdpa",
             "gemma2": "eager", "gemma3_text": "sdpa", "granite": "sdpa", "phi3": "sdpa", "olmo2": "sdpa",
             "olmo3": "sdpa", "smollm3": "sdpa", "starcoder2": "sdpa", "cohere": "sdpa", "cohere2": "sdpa",
-            "ernie4_5": "sdpa", "glm4": "sdpa", "seed_oss": "sdpa", "falcon": "sdpa",
+            "ernie4_5": "sdpa", "glm4": "sdpa", "seed_oss": "sdpa", "exaone4": "sdpa", "falcon": "sdpa",
             "gpt_neox": "sdpa"}  # the attention each
 # runs (Gemma 2 has no sdpa path; SmolLM3's tiny instance has rotary on both layers, so that its rotary's cos and
 # sin are shared as in the other families: a layer without keeps the same bytes less those); GPT-2 is left out:
@@ -72,7 +72,7 @@ FAMILIES = {"llama": "sdpa", "mistral": "sdpa", "qwen2": "sdpa", "qwen3": "sdpa"
 # Gemma 2 / 3 with every layer global: a sliding-window mask makes CPU sdpa keep its scores (not flash-like);
 # the window changes no kept tensor of a flash kernel
 _GLOBAL = {"gemma2": ["full_attention"] * 2, "gemma3_text": ["full_attention"] * 2, "olmo3": ["full_attention"] * 2,
-           "cohere2": ["full_attention"] * 2}
+           "cohere2": ["full_attention"] * 2, "exaone4": ["full_attention"] * 2}
 MOE_FAMILIES = {"qwen3_moe": "sdpa", "mixtral": "sdpa", "olmoe": "sdpa", "deepseek_v3": "eager", "glm4_moe": "sdpa",
                 "gpt_oss": "eager", "ernie4_5_moe": "sdpa",
                 "minimax_m2": "sdpa"}  # the attention each runs (gpt-oss's sinks: no sdpa path)

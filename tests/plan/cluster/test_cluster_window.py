@@ -40,6 +40,7 @@ WINDOWED = {
     "starcoder2": dict(sliding_window=8),
     "olmo3": dict(sliding_window=8, layer_types=None),
     "cohere2": dict(sliding_window=8, layer_types=None, sliding_window_pattern=3),
+    "exaone4": dict(sliding_window=8, layer_types=None, sliding_window_pattern=3),
 }
 
 
@@ -92,6 +93,9 @@ def test_bad_windows():
         dataclasses.replace(model_spec(MISTRAL), window_layers=(40,))
     with pytest.raises(ModelConfigError, match="sliding_window"):
         dataclasses.replace(model_spec(MISTRAL), window=0)
+    letters = dict(TINY["exaone4"], model_type="exaone4", layer_types=None, sliding_window_pattern="LLLG")
+    with pytest.raises(ModelConfigError, match="sliding_window_pattern must be a positive whole number.*layer_types"):
+        model_spec(letters)
 
 
 @pytest.mark.parametrize("seq, window", [(16, 4), (16, 15), (16, 16), (16, 40), (64, 1), (33, 7)])

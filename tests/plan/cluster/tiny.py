@@ -38,6 +38,8 @@ TINY: dict[str, dict[str, Any]] = {
                    new_decoder_architecture=True, ffn_hidden_size=96, bias=True, max_position_embeddings=64),
     "seed_oss": dict(_COMMON, num_key_value_heads=2, head_dim=16, attention_out_bias=True, mlp_bias=True,
                      residual_dropout=0.0, attention_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    "exaone4": dict(_COMMON, num_key_value_heads=2, sliding_window=8, layer_types=["sliding_attention",
+                    "full_attention"], pad_token_id=0, bos_token_id=1, eos_token_id=2),
     "gpt2": dict(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
                  attn_pdrop=0.0),
     "gpt_neox": dict(_COMMON, tie_word_embeddings=False),
