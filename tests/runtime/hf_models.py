@@ -83,7 +83,7 @@ PLANNED = {
 """Tiny configs of the families ``pipeloom plan --model`` reads that the cases above do not cover (ERNIE 4.5's dense
 model is covered by its MoE model's dense first layer; Seed-OSS is LLaMA's layer with the biased projections of
 Qwen2 and StarCoder2; EXAONE 4 has OLMo 2's norms, Qwen3's q/k norms and Cohere 2's windows; GLM-4.7-Flash is
-DeepSeek-V3's architecture, which the expert-parallel tests run)."""
+DeepSeek-V3's architecture, which the expert-parallel tests run; dots.llm1 is GLM-4.5's with q/k norms always)."""
 
 
 ENCODER_DECODER = {"bart": ("model.encoder.layers", "model.decoder.layers"),  # model -> its blocks' names

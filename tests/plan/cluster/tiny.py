@@ -70,6 +70,9 @@ TINY: dict[str, dict[str, Any]] = {
                           qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12, n_routed_experts=4,
                           n_shared_experts=1, moe_intermediate_size=24, num_experts_per_tok=2, n_group=1, topk_group=1,
                           mlp_layer_types=["dense", "sparse", "sparse"]),
+    "dots1": dict(_COMMON, num_hidden_layers=3, num_key_value_heads=2, head_dim=16, moe_intermediate_size=24,
+                  n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, n_group=1,
+                  topk_group=1),
 }
 """Config keywords per ``model_type``: 2-3 layers, hidden 64, GQA where the family has it."""
 
