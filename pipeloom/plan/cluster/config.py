@@ -169,6 +169,9 @@ class ModelSpec:
         if any(not 0 <= n < self.layers for n in self.window_layers):
             raise ModelConfigError(f"sliding-window layers {list(self.window_layers)} are not all among the "
                                    f"{self.layers} layers")
+        if self.shared_norm and not self.parallel_residual:
+            raise ModelConfigError("shared_norm (one norm before both branches) needs parallel_residual: a layer "
+                                   "whose MLP follows its attention normalises the MLP's own input")
         if self.attention.heads % self.attention.kv_heads:
             raise ModelConfigError(f"{self.attention.heads} query heads are not a multiple of "
                                    f"{self.attention.kv_heads} key/value heads")
@@ -403,11 +406,11 @@ def _falcon(data: Mapping[str, Any]) -> ModelSpec:
 def _ernie(data: Mapping[str, Any], common: dict[str, Any], heads: int, head_dim: int) -> ModelSpec:
     """Baidu's ERNIE 4.5: LLaMA's layer with biases on every projection under ``use_bias``; the MoE models
     (``ernie4_5_moe``) with ``moe_num_shared_experts`` shared experts (one gated MLP of that many times
-    ``moe_intermediate_size``), the layers from ``moe_layer_start_index`` to ``moe_layer_end_index`` (-1: the last)
-    every ``moe_layer_interval``-th sparse, a softmax router over every expert whose top-``moe_k`` choice adds
-    an untrained per-expert bias, the chosen probabilities renormalised, a bias on the head under ``use_bias``
-    (the dense model's head has none); and ``num_nextn_predict_layers``
-    multi-token-prediction modules (transformers builds none; ERNIE 4.5 trained with one)."""
+    ``moe_intermediate_size``), the layers from ``moe_layer_start_index`` to ``moe_layer_end_index`` (-1: the
+    last) every ``moe_layer_interval``-th sparse, a softmax router over every expert whose top-``moe_k`` choice
+    adds an untrained per-expert bias, the chosen probabilities renormalised, a bias on the head under
+    ``use_bias`` (the dense model's head has none); and ``num_nextn_predict_layers`` multi-token-prediction
+    modules (transformers builds none and skips the checkpoints' ``mtp`` weights when loading)."""
     bias = bool(data.get("use_bias", False))
     attention = Attention(heads=heads, kv_heads=int(data.get("num_key_value_heads") or heads), qk_dim=head_dim,
                           v_dim=head_dim, qkv_bias=bias, o_bias=bias)
@@ -432,11 +435,11 @@ def _ernie(data: Mapping[str, Any], common: dict[str, Any], heads: int, head_dim
 def _deepseek(data: Mapping[str, Any], common: dict[str, Any], heads: int, head_dim: int) -> ModelSpec:
     """DeepSeek-V2/V3 and GLM-4.7-Flash (``glm4_moe_lite``) with MLA attention, and GLM-4.5 (``glm4_moe``) and
     dots.llm1 (``dots1``) with grouped-query attention of ``head_dim``, q/k norms per head (GLM-4.5's with
-    ``use_qk_norm``): shared experts, the first
-    ``first_k_dense_replace`` layers dense (GLM-4.7-Flash: the layers its ``mlp_layer_types`` calls ``"dense"``, by
-    default the first), group-limited routing, and ``num_nextn_predict_layers`` multi-token-prediction modules (the
-    family's default where the config leaves the field out: one for DeepSeek-V3 and GLM-4.5, none for DeepSeek-V2
-    and GLM-4.7-Flash, whose transformers config has no such field)."""
+    ``use_qk_norm``): shared experts, the first ``first_k_dense_replace`` layers dense (GLM-4.7-Flash: the
+    layers its ``mlp_layer_types`` calls ``"dense"``, by default the first), group-limited routing, and
+    ``num_nextn_predict_layers`` multi-token-prediction modules (the family's default where the config leaves
+    the field out: one for DeepSeek-V3 and GLM-4.5, none for DeepSeek-V2 and GLM-4.7-Flash, whose transformers
+    config has no such field)."""
     if common["family"] in ("glm4_moe", "dots1"):
         attention = Attention(heads=heads, kv_heads=int(data.get("num_key_value_heads") or heads), qk_dim=head_dim,
                               v_dim=head_dim, qkv_bias=bool(data.get("attention_bias", False)),
