@@ -28,8 +28,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from pipeloom.plan.cluster.api import plan_cluster  # noqa: E402
-from pipeloom.plan.cluster.config import model_spec  # noqa: E402
 from pipeloom.plan.cluster.job import framework_options  # noqa: E402
+from pipeloom.plan.cluster.model.reader import model_spec  # noqa: E402
 from pipeloom.plan.errors import NoLayoutFits  # noqa: E402
 from published_runs import derived, load_runs, run_config, run_hardware  # noqa: E402
 

@@ -7,12 +7,12 @@ import dataclasses
 
 import pytest
 
-from pipeloom.plan.cluster.config import model_spec
 from pipeloom.plan.cluster.efficiency import collective_seconds, domain_ranks
 from pipeloom.plan.cluster.gpus import hardware
 from pipeloom.plan.cluster.job import Job
 from pipeloom.plan.cluster.layer_time import layer_times
 from pipeloom.plan.cluster.layout import Layout
+from pipeloom.plan.cluster.model.reader import model_spec
 from pipeloom.plan.errors import TensorParallelError
 from pipeloom.plan.tp.all_to_all import all_to_all_seconds, expert_capacity, moe_exchanges, routed_pairs
 

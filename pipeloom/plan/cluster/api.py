@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 from pipeloom.errors import ArgumentError
-from pipeloom.plan.cluster.config import ModelSpec, model_spec
 from pipeloom.plan.cluster.counts import model_params
 from pipeloom.plan.cluster.efficiency import dtype_bytes
 from pipeloom.plan.cluster.estimate import Estimator
@@ -20,6 +19,8 @@ from pipeloom.plan.cluster.gpus import hardware
 from pipeloom.plan.cluster.hardware import Hardware
 from pipeloom.plan.cluster.job import Job
 from pipeloom.plan.cluster.layout import LAYOUT_KEYS, Layout, parse_layout
+from pipeloom.plan.cluster.model.reader import model_spec
+from pipeloom.plan.cluster.model.spec import ModelSpec
 from pipeloom.plan.cluster.recompute import SEARCHED, module_sets, recompute_depths
 from pipeloom.plan.cluster.search import runners_up_of, search_faster, search_layouts
 from pipeloom.plan.cluster.step import Estimate

@@ -4,7 +4,6 @@ PyTorch's ``context_parallel`` all-gathers them for torchtitan (``allgather``)."
 
 from __future__ import annotations
 
-from pipeloom.plan.cluster.config import Attention
 from pipeloom.plan.cluster.efficiency import (
     collective_seconds,
     domain_ranks,
@@ -13,6 +12,7 @@ from pipeloom.plan.cluster.efficiency import (
     p2p_seconds,
 )
 from pipeloom.plan.cluster.hardware import Hardware
+from pipeloom.plan.cluster.model.spec import Attention
 
 __all__ = ["context_parallel_core"]
 

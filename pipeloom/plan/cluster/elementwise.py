@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeloom.plan.cluster.config import ModelSpec
+from pipeloom.plan.cluster.model.spec import ModelSpec
 from pipeloom.plan.errors import LayoutError
 
 __all__ = ["KERNELS", "Elementwise", "layer_elementwise"]

@@ -7,11 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pipeloom.plan.cluster.config import ModelSpec
 from pipeloom.plan.cluster.efficiency import ATTENTION_KINDS
 from pipeloom.plan.cluster.elementwise import KERNELS
 from pipeloom.plan.cluster.hardware import Hardware
 from pipeloom.plan.cluster.layout import PAIRED, Layout
+from pipeloom.plan.cluster.model.spec import ModelSpec
 from pipeloom.plan.cluster.recompute import idle_modules, megatron_modules
 from pipeloom.plan.errors import LayoutError
 

@@ -9,7 +9,6 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from pipeloom.plan.cluster.config import ModelSpec
 from pipeloom.plan.cluster.context import context_parallel_core
 from pipeloom.plan.cluster.counts import WINDOWED, block_kind, layer_counts
 from pipeloom.plan.cluster.efficiency import (
@@ -29,6 +28,7 @@ from pipeloom.plan.cluster.elementwise import layer_elementwise
 from pipeloom.plan.cluster.hardware import Hardware
 from pipeloom.plan.cluster.job import Job
 from pipeloom.plan.cluster.layout import Layout
+from pipeloom.plan.cluster.model.spec import ModelSpec
 from pipeloom.plan.cluster.recompute import FP8_BYTES, layer_modules, separate_norms
 from pipeloom.plan.errors import LayoutError
 from pipeloom.plan.tp.all_to_all import moe_exchanges

@@ -29,7 +29,6 @@ Not counted: the one module's activations a normal checkpoint rebuilds at a time
 
 from __future__ import annotations
 
-from pipeloom.plan.cluster.config import ModelSpec
 from pipeloom.plan.cluster.counts import (
     STAT_BYTES,
     Activations,
@@ -42,6 +41,7 @@ from pipeloom.plan.cluster.counts import (
     mtp_block,
     norm_stats,
 )
+from pipeloom.plan.cluster.model.spec import ModelSpec
 from pipeloom.plan.errors import LayoutError
 
 __all__ = ["MEGATRON_MODULES", "POLICIES", "SEARCHED", "FP8_BYTES", "module_sets", "recompute_depths",

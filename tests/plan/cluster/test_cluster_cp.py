@@ -9,12 +9,12 @@ import dataclasses
 import pytest
 
 from pipeloom.plan.cluster.api import plan_cluster
-from pipeloom.plan.cluster.config import model_spec
 from pipeloom.plan.cluster.efficiency import attention_seconds, collective_seconds
 from pipeloom.plan.cluster.gpus import hardware
 from pipeloom.plan.cluster.job import Job
 from pipeloom.plan.cluster.layer_time import layer_times
 from pipeloom.plan.cluster.layout import Layout
+from pipeloom.plan.cluster.model.reader import model_spec
 from pipeloom.plan.errors import LayoutError
 
 LLAMA = {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 4,

@@ -7,12 +7,12 @@ import dataclasses
 
 import pytest
 
-from pipeloom.plan.cluster.config import model_spec
 from pipeloom.plan.cluster.elementwise import layer_elementwise
 from pipeloom.plan.cluster.gpus import hardware
 from pipeloom.plan.cluster.job import Job
 from pipeloom.plan.cluster.layer_time import layer_times
 from pipeloom.plan.cluster.layout import Layout
+from pipeloom.plan.cluster.model.reader import model_spec
 from pipeloom.plan.errors import LayoutError
 
 # h 64, 4 heads of 16 (2 kv heads), intermediate 160: small round numbers for the hand counts

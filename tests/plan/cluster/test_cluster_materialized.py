@@ -9,7 +9,6 @@ import dataclasses
 import pytest
 
 from pipeloom.plan.cluster.api import plan_cluster
-from pipeloom.plan.cluster.config import model_spec
 from pipeloom.plan.cluster.counts import model_params
 from pipeloom.plan.cluster.efficiency import (
     attention_seconds,
@@ -24,6 +23,7 @@ from pipeloom.plan.cluster.gpus import hardware
 from pipeloom.plan.cluster.job import Job
 from pipeloom.plan.cluster.layer_time import layer_times
 from pipeloom.plan.cluster.layout import Layout
+from pipeloom.plan.cluster.model.reader import model_spec
 from pipeloom.plan.errors import LayoutError
 
 GPT = {"model_type": "gpt2", "n_embd": 256, "n_layer": 2, "n_head": 4, "vocab_size": 100, "n_positions": 2048}

@@ -13,13 +13,13 @@ import dataclasses
 
 import pytest
 
-from pipeloom.plan.cluster.config import model_spec
 from pipeloom.plan.cluster.counts import layer_counts, mtp_activations
 from pipeloom.plan.cluster.estimate import Estimator
 from pipeloom.plan.cluster.gpus import hardware
 from pipeloom.plan.cluster.job import Job
 from pipeloom.plan.cluster.layer_time import add_times, layer_times
 from pipeloom.plan.cluster.layout import Layout
+from pipeloom.plan.cluster.model.reader import model_spec
 from pipeloom.plan.cluster.mtp import mtp_times
 from pipeloom.plan.cluster.recompute import deepseek_activations
 from pipeloom.plan.errors import LayoutError, ModelConfigError

@@ -9,11 +9,11 @@ import random
 import pytest
 
 from pipeloom.plan.cluster import plan_cluster
-from pipeloom.plan.cluster.config import model_spec
 from pipeloom.plan.cluster.estimate import Estimator
 from pipeloom.plan.cluster.gpus import hardware
 from pipeloom.plan.cluster.job import Job
 from pipeloom.plan.cluster.layout import LAYOUT_KEYS, enumerate_layouts
+from pipeloom.plan.cluster.model.reader import model_spec
 from pipeloom.plan.cluster.search import Bounds, search_layouts
 from pipeloom.plan.errors import LayoutError, NoLayoutFits
 from pipeloom.problem import Costs

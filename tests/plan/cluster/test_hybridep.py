@@ -12,11 +12,11 @@ import pytest
 
 from pipeloom.cli import main
 from pipeloom.plan.cluster.api import plan_cluster
-from pipeloom.plan.cluster.config import model_spec
 from pipeloom.plan.cluster.gpus import hardware
 from pipeloom.plan.cluster.job import Job
 from pipeloom.plan.cluster.layer_time import layer_times
 from pipeloom.plan.cluster.layout import Layout
+from pipeloom.plan.cluster.model.reader import model_spec
 from pipeloom.plan.errors import LayoutError
 
 CONFIGS = Path(__file__).parents[3] / "benchmarks/data/configs"

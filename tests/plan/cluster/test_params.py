@@ -9,8 +9,8 @@ import pytest
 from tests.plan.cluster.tiny import TINY, tiny_config
 
 from pipeloom.plan.cluster import ModelConfigError, model_params, model_spec
-from pipeloom.plan.cluster.config_source import FAMILY_DEFAULTS
 from pipeloom.plan.cluster.counts import optimizer_bytes
+from pipeloom.plan.cluster.model.source import FAMILY_DEFAULTS
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -122,7 +122,7 @@ def test_a_bare_config_reads_as_its_config_object(family):
 def test_a_multimodal_config_is_planned_as_its_language_model():
     """google/gemma-3-4b-it's config.json (model_type gemma3, the language model's six fields in text_config): read
     as its text_config, marked as the language model of a gemma3 config (the command's report:
-    tests/plan/cluster/test_config_source.py)."""
+    tests/plan/cluster/test_model_source.py)."""
     text = {"model_type": "gemma3_text", "hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 34,
             "sliding_window": 1024, "rope_scaling": {"factor": 8.0, "rope_type": "linear"}}
     whole = {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"], "text_config": text,

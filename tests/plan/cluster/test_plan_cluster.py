@@ -10,12 +10,12 @@ import pytest
 
 from pipeloom.cli import main
 from pipeloom.plan.cluster import plan_cluster
-from pipeloom.plan.cluster.config import model_spec
 from pipeloom.plan.cluster.counts import layer_counts, model_params
 from pipeloom.plan.cluster.estimate import Estimator
 from pipeloom.plan.cluster.gpus import hardware
 from pipeloom.plan.cluster.job import Job
 from pipeloom.plan.cluster.layout import LAYOUT_KEYS, Layout, parse_layout
+from pipeloom.plan.cluster.model.reader import model_spec
 from pipeloom.plan.cluster.placement import work_bound
 from pipeloom.plan.cluster.recompute import kept_activations, op_activations
 from pipeloom.plan.errors import LayoutError, NoLayoutFits

@@ -14,13 +14,13 @@ import pytest
 from pipeloom.cli import main
 from pipeloom.cli.plan_cluster_report import report
 from pipeloom.plan.cluster.api import plan_cluster
-from pipeloom.plan.cluster.config import model_spec
 from pipeloom.plan.cluster.efficiency import gemm_seconds, memory_seconds
 from pipeloom.plan.cluster.estimate import Estimator
 from pipeloom.plan.cluster.gpus import hardware
 from pipeloom.plan.cluster.job import Job
 from pipeloom.plan.cluster.layer_time import layer_times
 from pipeloom.plan.cluster.layout import Layout
+from pipeloom.plan.cluster.model.reader import model_spec
 from pipeloom.plan.cluster.recompute import MEGATRON_MODULES, module_sets, recompute_depths
 from pipeloom.plan.errors import LayoutError, NoLayoutFits
 

@@ -1,4 +1,4 @@
-"""Where a model config comes from (:mod:`pipeloom.plan.cluster.config_source`): a config.json, a model folder, or
+"""Where a model config comes from (:mod:`pipeloom.plan.cluster.model.source`): a config.json, a model folder, or
 a Hugging Face model id whose config is in the local cache, laid out as ``huggingface_hub`` lays it out
 (``models--OWNER--NAME/refs/main`` naming a ``snapshots/REVISION`` folder); and the one-line refusals."""
 
@@ -11,7 +11,7 @@ from tests.plan.cluster.tiny import TINY
 
 from pipeloom.cli import main
 from pipeloom.plan.cluster import ModelConfigError, model_spec
-from pipeloom.plan.cluster.config_source import hub_cache, read_config
+from pipeloom.plan.cluster.model.source import hub_cache, read_config
 
 LLAMA = dict(TINY["llama"], model_type="llama")
 

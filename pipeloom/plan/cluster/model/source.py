@@ -7,7 +7,7 @@ clusters from any machine, often one without the network), a dict, or a ``Pretra
 
 :data:`FAMILY_DEFAULTS` is what transformers assumes for a config field a config.json leaves out, per
 ``model_type``: the defaults of its configuration classes (transformers 5.x; ``tests/plan/cluster/test_params.py``
-checks each against the installed version), for every field :func:`pipeloom.plan.cluster.config.model_spec` reads
+checks each against the installed version), for every field :func:`pipeloom.plan.cluster.model.reader.model_spec` reads
 that the class sets (a field the class leaves to its post-init, such as ``num_key_value_heads`` = the query heads
 or ``head_dim`` = hidden / heads, the reader derives the same way). The published multimodal checkpoints'
 ``text_config`` give only what differs from these. A field the config gives, ``null`` included, is read as given.

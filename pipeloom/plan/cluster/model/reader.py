@@ -1,24 +1,24 @@
-"""A decoder's shape read from a transformers config (a config.json path, a model folder, a Hugging Face model id in
-the local cache, a dict or a ``PretrainedConfig``: :func:`~pipeloom.plan.cluster.config_source.read_config`),
-without importing transformers: dense decoders (LLaMA, Mistral, Qwen2/3, Gemma 1/2/3, Granite, Phi-3, OLMo 2/3,
-SmolLM3, StarCoder2, Cohere's Command R / R7B / A, ERNIE 4.5, GLM-4, Seed-OSS, EXAONE 4, Falcon, GPT-2, GPT-NeoX)
-and mixture-of-experts decoders (Mixtral, OLMoE, MiniMax-M2, Qwen2-MoE, Qwen3-MoE, ERNIE 4.5 MoE, DeepSeek-V2/V3 and
-GLM-4.7-Flash with multi-head latent attention, GLM-4.5, dots.llm1, gpt-oss with attention sinks and biased
-experts), a field left out taking transformers' default for the family
-(:data:`~pipeloom.plan.cluster.config_source.FAMILY_DEFAULTS`), with sliding-window attention on the layers
-transformers gives it (:func:`_windows`)."""
+"""A decoder's shape (:class:`~pipeloom.plan.cluster.model.spec.ModelSpec`) read from a transformers config (a
+config.json path, a model folder, a Hugging Face model id in the local cache, a dict or a ``PretrainedConfig``:
+:func:`~pipeloom.plan.cluster.model.source.read_config`), without importing transformers: dense decoders (LLaMA,
+Mistral, Qwen2/3, Gemma 1/2/3, Granite, Phi-3, OLMo 2/3, SmolLM3, StarCoder2, Cohere's Command R / R7B / A, ERNIE
+4.5, GLM-4, Seed-OSS, EXAONE 4, Falcon, GPT-2, GPT-NeoX) and mixture-of-experts decoders (Mixtral, OLMoE,
+MiniMax-M2, Qwen2-MoE, Qwen3-MoE, ERNIE 4.5 MoE, DeepSeek-V2/V3 and GLM-4.7-Flash with multi-head latent attention,
+GLM-4.5, dots.llm1, gpt-oss with attention sinks and biased experts), a field left out taking transformers' default
+for the family (:data:`~pipeloom.plan.cluster.model.source.FAMILY_DEFAULTS`), with sliding-window attention on the
+layers transformers gives it (:func:`_windows`)."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
-from pipeloom.plan.cluster.config_source import FAMILY_DEFAULTS, read_config
+from pipeloom.plan.cluster.model.source import FAMILY_DEFAULTS, read_config
+from pipeloom.plan.cluster.model.spec import Attention, Experts, ModelSpec
 from pipeloom.plan.errors import ModelConfigError
 
-__all__ = ["ModelSpec", "Attention", "Experts", "model_spec", "SUPPORTED_FAMILIES"]
+__all__ = ["model_spec", "SUPPORTED_FAMILIES"]
 
 _DENSE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "granite", "phi3", "olmo2", "olmo3",
           "smollm3", "starcoder2", "cohere", "cohere2", "ernie4_5", "glm4", "seed_oss", "exaone4", "falcon",
@@ -28,164 +28,6 @@ _MOE = ("mixtral", "olmoe", "minimax_m2", "qwen2_moe", "qwen3_moe", "ernie4_5_mo
         "glm4_moe", "glm4_moe_lite", "dots1", "gpt_oss")
 SUPPORTED_FAMILIES: tuple[str, ...] = _DENSE + _MOE
 """The ``model_type`` values :func:`model_spec` reads."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Attention:
-    """One layer's attention: grouped-query (``latent`` False) or DeepSeek's multi-head latent attention."""
-
-    heads: int
-    """Query heads."""
-    kv_heads: int
-    """Key/value heads (grouped-query attention; = heads for MHA; = heads for MLA after its up-projection)."""
-    qk_dim: int
-    """Per-head dimension of queries and keys (MLA: nope + rope dims)."""
-    v_dim: int
-    """Per-head dimension of values."""
-    qkv_bias: bool = False
-    """Biases on the q, k and v projections."""
-    o_bias: bool = False
-    """Bias on the output projection."""
-    qk_norm: bool = False
-    """RMSNorm over each head's q and k (Qwen3, GLM-4.5): 2 x qk_dim parameters; over the whole q and k
-    projections with :attr:`qk_norm_full`."""
-    qk_norm_full: bool = False
-    """The q and k norms span each projection's whole output (OLMo 2 and 3): (heads + kv_heads) x qk_dim
-    parameters, one 1/rms for q and one for k per token."""
-    qk_norm_head_weights: bool = False
-    """Each head's q and k norm has weights of its own (Cohere's ``use_qk_norm``): (heads + kv_heads) x qk_dim
-    parameters, the statistics still per head."""
-    sinks: bool = False
-    """A learned sink logit per query head, in every softmax's denominator (gpt-oss): ``heads`` parameters."""
-    latent: bool = False
-    """Multi-head latent attention (DeepSeek-V2/V3)."""
-    q_rank: int = 0
-    """MLA: rank of the query's low-rank projection (0: a full q projection)."""
-    kv_rank: int = 0
-    """MLA: rank of the compressed key/value."""
-    rope_dim: int = 0
-    """MLA: the decoupled rotary key dimension (shared by all heads)."""
-
-    def splits(self, tp: int) -> bool:
-        """Whether ``tp`` ranks each hold whole query and key/value heads (Megatron-Core and torchtitan divide both
-        by tp)."""
-        return self.heads % tp == 0 and self.kv_heads % tp == 0
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Experts:
-    """The mixture-of-experts MLP of the MoE layers."""
-
-    count: int
-    """Routed experts."""
-    top_k: int
-    """Experts each token is routed to."""
-    intermediate: int
-    """Intermediate size of one routed expert (gated MLP)."""
-    shared_intermediate: int = 0
-    """Intermediate size of the shared expert(s) together, run on every token (0: none)."""
-    shared_gate: bool = False
-    """A sigmoid gate (hidden -> 1) on the shared expert's output (Qwen2-MoE)."""
-    shared_bias: bool = False
-    """Biases on the shared expert's projections (ERNIE 4.5 with ``use_bias``)."""
-    router_correction: bool = False
-    """A per-expert bias added to the router's scores for the choice only, a parameter not trained (ERNIE 4.5's
-    ``e_score_correction_bias``): ``count`` parameters."""
-    groups: int = 1
-    """Groups the routed experts are split into for group-limited routing (DeepSeek's ``n_group``)."""
-    group_top_k: int = 0
-    """Groups a token may be routed into (DeepSeek's ``topk_group``); 0: routing not group-limited."""
-    bias: bool = False
-    """Biases on each routed expert's gate/up and down projections, and on the router (gpt-oss)."""
-    softmax_after_top_k: bool = False
-    """The router takes the top-k logits, then a softmax over those k (gpt-oss); else its probabilities are over
-    every expert (a softmax or sigmoid, then the top k)."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ModelSpec:
-    """The shape of a decoder-only language model, enough to count its parameters, FLOPs and memory."""
-
-    family: str
-    """The config's ``model_type``."""
-    hidden: int
-    """Hidden size h."""
-    layers: int
-    """Decoder layers L."""
-    vocab: int
-    """Vocabulary size V."""
-    attention: Attention
-    """Every layer's attention."""
-    intermediate: int
-    """Intermediate size of a dense layer's MLP."""
-    gated: bool = True
-    """A gated MLP (SwiGLU/GeGLU: gate, up, down) rather than two projections."""
-    mlp_bias: bool = False
-    """Biases on the MLP projections."""
-    layer_norm: bool = False
-    """LayerNorm (mean and variance: GPT-2, GPT-NeoX, StarCoder2, Cohere) rather than RMSNorm."""
-    norm_bias: bool = True
-    """A LayerNorm's bias (Cohere's LayerNorms have none)."""
-    post_norms: bool = False
-    """Norms after attention and after the MLP too, on each branch's output before the residual add (Gemma 2
-    and 3: four norms per layer)."""
-    parallel_residual: bool = False
-    """Attention and MLP both read the layer's input, and one add sums the two branches into it (GPT-NeoX's
-    ``use_parallel_residual``, its default; Cohere)."""
-    shared_norm: bool = False
-    """Under :attr:`parallel_residual`, one norm feeds both branches (Cohere) instead of one each (GPT-NeoX)."""
-    tied: bool = False
-    """The output head shares the embedding's weight."""
-    head_bias: bool = False
-    """A bias on the output head (ERNIE 4.5 MoE with ``use_bias``): ``vocab`` parameters, its own even when tied."""
-    positions: int = 0
-    """Rows of a learned position embedding (GPT-2), 0 for rotary models."""
-    experts: Experts | None = None
-    """The MoE MLP, None for a dense model."""
-    moe_layers: tuple[int, ...] = ()
-    """Indices of the layers whose MLP is the MoE one (the others are dense)."""
-    window: int = 0
-    """Sliding-window attention's window in tokens (a query attends to itself and the ``window - 1`` tokens
-    before it, as transformers' sliding-window mask), 0: none."""
-    window_layers: tuple[int, ...] = ()
-    """Indices of the layers whose attention is windowed (the others attend to the whole causal prefix)."""
-    text_of: str = ""
-    """The ``model_type`` of the multimodal config whose ``text_config`` this is ('' for a language model's own
-    config): the planner plans its language model; the vision tower and the image tokens are not counted."""
-    mtp: int = 0
-    """Multi-token-prediction modules after the last layer (DeepSeek-V3's ``num_nextn_predict_layers``; report
-    arXiv:2412.19437 sec. 2.2): each normalises the last hidden state and the next token's embedding,
-    projects their concatenation 2h -> h, runs one decoder block of the last layer's kind and the shared head
-    with a second loss (:func:`pipeloom.plan.cluster.counts.layer_counts` kind ``mtp``)."""
-
-    def __post_init__(self) -> None:
-        for name in ("hidden", "layers", "vocab", "intermediate"):
-            if getattr(self, name) <= 0:
-                raise ModelConfigError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.mtp < 0:
-            raise ModelConfigError(f"num_nextn_predict_layers must be >= 0, got {self.mtp}")
-        if self.window < 0 or (self.window_layers and not self.window):
-            raise ModelConfigError(f"sliding_window must be a positive number of tokens, got {self.window}")
-        if any(not 0 <= n < self.layers for n in self.window_layers):
-            raise ModelConfigError(f"sliding-window layers {list(self.window_layers)} are not all among the "
-                                   f"{self.layers} layers")
-        if self.shared_norm and not self.parallel_residual:
-            raise ModelConfigError("shared_norm (one norm before both branches) needs parallel_residual: a layer "
-                                   "whose MLP follows its attention normalises the MLP's own input")
-        if self.attention.heads % self.attention.kv_heads:
-            raise ModelConfigError(f"{self.attention.heads} query heads are not a multiple of "
-                                   f"{self.attention.kv_heads} key/value heads")
-
-    @property
-    def layer_norms(self) -> int:
-        """Norms over h in one decoder layer: before attention and before the MLP (one before both with
-        :attr:`shared_norm`), and after each with :attr:`post_norms`."""
-        return 1 if self.shared_norm else 4 if self.post_norms else 2
-
-    @property
-    def dense_layers(self) -> int:
-        """Layers with a dense MLP."""
-        return self.layers - len(self.moe_layers)
 
 
 def _get(data: Mapping[str, Any], *names: str, default: Any = None) -> Any:
