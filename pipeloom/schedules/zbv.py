@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from pipeloom.errors import PipeloomError, ScheduleError
 from pipeloom.ir import Action, Schedule
-from pipeloom.problem import Costs
+from pipeloom.problem import Costs, Problem
 from pipeloom.schedules.common import MemoryLimit, check_counts, make_schedule, v_problem
 from pipeloom.schedules.kernel import ListProblem, ListTask, RankState, rank_schedule_kernel
 from pipeloom.schedules.zbv_plan import VPlan, v_plan
@@ -239,7 +239,7 @@ def zbv(
         )
     plan = v_plan(problem, m, limit)
     policies = _VARIANTS if 6 * p * m <= _VARIANT_ACTIONS else (_DEFAULT,)
-    floor = _makespan_floor(plan) * (1 + _FLOOR_ROUNDING)
+    floor = _makespan_floor(problem, plan) * (1 + _FLOOR_ROUNDING)
     best = None
     for policy in policies:
         if policy.reserve > 1 and 0.5 * (1 + policy.reserve) * costs.memory > plan.limit:
@@ -263,15 +263,16 @@ def zbv(
     return schedule
 
 
-def _makespan_floor(plan: VPlan) -> float:
+def _makespan_floor(problem: Problem, plan: VPlan) -> float:
     """A makespan no order of ``plan`` beats: rank r runs nothing before micro-batch 0's forwards through
-    stages 0 .. r-1 (and their sends) reach its first stage, then all of its two stages' F, I and W."""
-    (f, i, w), m = plan.duration, plan.num_microbatches
+    stages 0 .. r-1 (and their sends) reach its first stage, then all of its work
+    (:meth:`~pipeloom.problem.Problem.work_per_microbatch` per micro-batch)."""
+    work, f = problem.work_per_microbatch(), plan.duration[0]
     floor = head = 0.0
-    for r, stages in enumerate(plan.rank_stages):
+    for r in range(plan.num_ranks):
         if r:
             head += f[r - 1] + plan.latency_f[r]
-        floor = max(floor, head + m * sum(f[s] + i[s] + w[s] for s in stages))
+        floor = max(floor, head + plan.num_microbatches * work[r])
     return floor
 
 

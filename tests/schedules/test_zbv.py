@@ -244,13 +244,13 @@ def test_stopping_at_the_makespan_floor_builds_the_same_order(monkeypatch, p, m,
         stopped = zbv(p, m, costs=costs, memory_limit=limit)
         problem = stopped.problem
         plan = v_plan(problem, m, problem.memory_limit)
-        floor = zbv_module._makespan_floor(plan)
+        floor = zbv_module._makespan_floor(problem, plan)
         built = [result[1] for policy in zbv_module._VARIANTS
                  if (result := zbv_module._list_schedule(plan, policy)) is not None]
         built += [makespan for makespan, _ in round_candidates(plan)]
         assert min(built) >= floor * (1 - 1e-12), (limit, min(built), floor)
         with monkeypatch.context() as patch:
-            patch.setattr(zbv_module, "_makespan_floor", lambda plan: 0.0)
+            patch.setattr(zbv_module, "_makespan_floor", lambda problem, plan: 0.0)
             assert zbv(p, m, costs=costs, memory_limit=limit) == stopped, limit
 
 
