@@ -51,6 +51,8 @@ def build_hf(name: str, *, dropout: float = 0.0, seed: int = 0) -> torch.nn.Modu
     if name in PLANNED:  # the families the cluster planner reads beyond these (eager attention, as above)
         config = T.AutoConfig.for_model(name, **PLANNED[name], attention_dropout=dropout,
                                         attn_implementation="eager", **common)
+        if name == "mistral4":  # no AutoModelForCausalLM class: its checkpoints are multimodal models around it
+            return T.Mistral4ForCausalLM._from_config(config, attn_implementation="eager")
         return T.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     if name in ENCODER_DECODER:
         return _encoder_decoder(name, dropout, common)
@@ -79,6 +81,10 @@ PLANNED = {
     "glm4_moe": dict(_SMALL, head_dim=8, moe_intermediate_size=16, n_routed_experts=4, n_shared_experts=1,
                      num_experts_per_tok=2, first_k_dense_replace=1, n_group=1, topk_group=1, use_qk_norm=True,
                      attention_bias=True, partial_rotary_factor=0.5),
+    "mistral4": dict(_SMALL, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4,
+                     qk_nope_head_dim=4, v_head_dim=8, n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=16,
+                     num_experts_per_tok=2, first_k_dense_replace=1, n_group=2, topk_group=1),  # MLA, softmax router,
+    # the queries scaled by their position (position_ids reach every layer)
 }
 """Tiny configs of the families ``pipeloom plan --model`` reads that the cases above do not cover (ERNIE 4.5's dense
 model is covered by its MoE model's dense first layer; Seed-OSS is LLaMA's layer with the biased projections of

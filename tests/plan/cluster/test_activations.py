@@ -51,7 +51,7 @@ from __future__ import annotations
 import weakref
 
 import pytest
-from tests.plan.cluster.tiny import tiny_config
+from tests.plan.cluster.tiny import tiny_config, tiny_model
 
 from pipeloom.plan.cluster import layer_counts, model_spec
 from pipeloom.plan.cluster.runtime_plan import LAYER_PREFIX
@@ -75,7 +75,8 @@ _GLOBAL = {"gemma2": ["full_attention"] * 2, "gemma3_text": ["full_attention"] *
            "cohere2": ["full_attention"] * 2, "exaone4": ["full_attention"] * 2}
 MOE_FAMILIES = {"qwen3_moe": "sdpa", "mixtral": "sdpa", "olmoe": "sdpa", "deepseek_v3": "eager", "glm4_moe": "sdpa",
                 "gpt_oss": "eager", "ernie4_5_moe": "sdpa", "minimax_m2": "sdpa", "dots1": "sdpa",
-                "glm4_moe_lite": "eager"}  # the attention each runs (gpt-oss's sinks, MLA's head dims: no sdpa path)
+                "glm4_moe_lite": "eager", "mistral4": "eager"}  # the attention each runs (gpt-oss's sinks, MLA's head
+# dims: no sdpa path)
 _STAT, _INDEX = 4, 8  # bytes of an fp32 statistic, of an int64 index
 _ROTARY_CAT = ("phi3", "glm4", "glm4_moe", "gpt_neox", "minimax_m2")
 _INTERLEAVED_ROTARY = {"ernie4_5": 1.0, "ernie4_5_moe": 1.0, "glm4": 0.5}  # the share of qk_dim rotated (GLM-4's
@@ -120,7 +121,7 @@ def _saved_storages(family, mode, attention="sdpa", prepare=None, **overrides):
     torch.manual_seed(0)
     impl = _checkpointed(family, attention) if mode == "selective" else attention
     experts = {"experts_implementation": "eager"} if family in MOE_FAMILIES else {}
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=impl, **experts)
+    model = tiny_model(config, attn_implementation=impl, **experts)
     if mode == "full":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     if prepare is not None:
@@ -214,6 +215,14 @@ def _gemma_scales(spec, mode):
     return WIDTH * (spec.layer_norms * spec.hidden + (2 * a.qk_dim if a.qk_norm else 0))
 
 
+def _query_scale(spec, mode):
+    """Bytes per layer (not per token) Mistral 4's eager attention keeps: the queries' position-dependent scale
+    (Llama 4's ``1 + beta * log(1 + floor(position / original_max_position_embeddings))``, one fp32 per position),
+    a tensor of its own in every layer that the product with the queries keeps; a fused kernel folds it into the
+    softmax scale."""
+    return WIDTH * SEQ if spec.family == "mistral4" and mode != "full" else 0
+
+
 @pytest.mark.parametrize("mode", ["none", "selective", "full"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_activation_bytes_equal_saved_tensors(family, mode):
@@ -245,7 +254,8 @@ def test_moe_and_mla_activation_bytes_equal_saved_tensors(family, mode):
     for n in range(spec.layers):
         kind = "moe" if n in spec.moe_layers else "dense"
         keep = layer_counts(spec, kind, SEQ, width=WIDTH).activations[mode].per_gpu(tp=1, cp=1, sp=False)
-        expected.append(BATCH * SEQ * (keep + _eager_extra(spec, mode, kind, config, attention)))
+        expected.append(BATCH * SEQ * (keep + _eager_extra(spec, mode, kind, config, attention))
+                        + _query_scale(spec, mode))
     assert spec.moe_layers and per_layer == expected
 
 

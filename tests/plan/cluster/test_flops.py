@@ -13,7 +13,7 @@ loop of linear layers; the grouped-matmul kernel is not seen by the counter).
 from __future__ import annotations
 
 import pytest
-from tests.plan.cluster.tiny import TINY, tiny_config
+from tests.plan.cluster.tiny import TINY, tiny_config, tiny_model
 
 from pipeloom.plan.cluster import layer_counts, model_spec
 
@@ -27,8 +27,7 @@ BATCH, SEQ = 2, 16
 def _measure(family):
     config = tiny_config(family)
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager",
-                                                         experts_implementation="eager")
+    model = tiny_model(config, attn_implementation="eager", experts_implementation="eager")
     ids = torch.randint(0, config.vocab_size, (BATCH, SEQ))
     x = model.get_input_embeddings()(ids).detach().requires_grad_()
     with flop_counter.FlopCounterMode(display=False) as counter:

@@ -6,7 +6,7 @@ import dataclasses
 import json
 
 import pytest
-from tests.plan.cluster.tiny import TINY, tiny_config
+from tests.plan.cluster.tiny import TINY, tiny_config, tiny_model
 
 from pipeloom.plan.cluster import ModelConfigError, model_params, model_spec
 from pipeloom.plan.cluster.counts import optimizer_bytes
@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 def test_params_equal_transformers(family):
     config = tiny_config(family)
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config)
+    model = tiny_model(config)
     expected = sum(p.numel() for p in model.parameters())  # tied weights are one Parameter: counted once
     assert model_params(model_spec(config)) == expected
     assert model_params(model_spec(config.to_dict())) == expected

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["TINY", "tiny_config"]
+__all__ = ["TINY", "tiny_config", "tiny_model"]
 
 _COMMON: dict[str, Any] = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                                vocab_size=128, max_position_embeddings=64)
@@ -73,6 +73,10 @@ TINY: dict[str, dict[str, Any]] = {
     "dots1": dict(_COMMON, num_hidden_layers=3, num_key_value_heads=2, head_dim=16, moe_intermediate_size=24,
                   n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, n_group=1,
                   topk_group=1),
+    "mistral4": dict(_COMMON, num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16,
+                     qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12, n_routed_experts=4, n_shared_experts=1,
+                     moe_intermediate_size=24, num_experts_per_tok=2, first_k_dense_replace=1, n_group=2,
+                     topk_group=1),
 }
 """Config keywords per ``model_type``: 2-3 layers, hidden 64, GQA where the family has it."""
 
@@ -82,3 +86,18 @@ def tiny_config(family: str) -> Any:
     import transformers
 
     return transformers.AutoConfig.for_model(family, **TINY[family])
+
+
+_CAUSAL_LM = {"mistral4": "Mistral4ForCausalLM"}
+"""Families transformers registers no ``AutoModelForCausalLM`` class for (Mistral 4's checkpoints are multimodal
+models around it): their causal-LM class by name."""
+
+
+def tiny_model(config: Any, **kwargs: Any) -> Any:
+    """The causal language model of ``config`` (``kwargs``: ``attn_implementation`` and the like), random init."""
+    import transformers
+
+    name = _CAUSAL_LM.get(config.model_type)
+    if name is None:
+        return transformers.AutoModelForCausalLM.from_config(config, **kwargs)
+    return getattr(transformers, name)._from_config(config, **kwargs)

@@ -3,10 +3,10 @@ config.json path, a model folder, a Hugging Face model id in the local cache, a 
 :func:`~pipeloom.plan.cluster.model.source.read_config`), without importing transformers: dense decoders (LLaMA,
 Mistral, Qwen2/3, Gemma 1/2/3, Granite, Phi-3, OLMo 2/3, SmolLM3, StarCoder2, Cohere's Command R / R7B / A, ERNIE
 4.5, GLM-4, Seed-OSS, EXAONE 4, Falcon, GPT-2, GPT-NeoX) and mixture-of-experts decoders (Mixtral, OLMoE,
-MiniMax-M2, Qwen2-MoE, Qwen3-MoE, ERNIE 4.5 MoE, DeepSeek-V2/V3 and GLM-4.7-Flash with multi-head latent attention,
-GLM-4.5, dots.llm1, gpt-oss with attention sinks and biased experts), a field left out taking transformers' default
-for the family (:data:`~pipeloom.plan.cluster.model.source.FAMILY_DEFAULTS`), with sliding-window attention on the
-layers transformers gives it (:func:`_windows`)."""
+MiniMax-M2, Qwen2-MoE, Qwen3-MoE, ERNIE 4.5 MoE, DeepSeek-V2/V3, GLM-4.7-Flash and Mistral 4 with multi-head latent
+attention, GLM-4.5, dots.llm1, gpt-oss with attention sinks and biased experts), a field left out taking transformers'
+default for the family (:data:`~pipeloom.plan.cluster.model.source.FAMILY_DEFAULTS`), with sliding-window attention
+on the layers transformers gives it (:func:`_windows`)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ _DENSE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text"
           "gpt2", "gpt_neox")
 _OLMO = ("olmo2", "olmo3", "olmoe")
 _MOE = ("mixtral", "olmoe", "minimax_m2", "qwen2_moe", "qwen3_moe", "ernie4_5_moe", "deepseek_v2", "deepseek_v3",
-        "glm4_moe", "glm4_moe_lite", "dots1", "gpt_oss")
+        "glm4_moe", "glm4_moe_lite", "dots1", "mistral4", "gpt_oss")
 SUPPORTED_FAMILIES: tuple[str, ...] = _DENSE + _MOE
 """The ``model_type`` values :func:`model_spec` reads."""
 
@@ -159,7 +159,7 @@ def _family_spec(data: Mapping[str, Any], family: str) -> ModelSpec:
         return _cohere(data, common, heads, head_dim)
     if family.startswith("ernie"):
         return _ernie(data, common, heads, head_dim)
-    if family.startswith("deepseek") or family.startswith("glm4_moe") or family == "dots1":
+    if family.startswith("deepseek") or family.startswith("glm4_moe") or family in ("dots1", "mistral4"):
         return _deepseek(data, common, heads, head_dim)
     if family == "gpt_oss":
         return _gpt_oss(data, common, heads, head_dim)
@@ -275,13 +275,15 @@ def _ernie(data: Mapping[str, Any], common: dict[str, Any], heads: int, head_dim
 
 
 def _deepseek(data: Mapping[str, Any], common: dict[str, Any], heads: int, head_dim: int) -> ModelSpec:
-    """DeepSeek-V2/V3 and GLM-4.7-Flash (``glm4_moe_lite``) with MLA attention, and GLM-4.5 (``glm4_moe``) and
+    """DeepSeek-V2/V3, GLM-4.7-Flash (``glm4_moe_lite``) and Mistral 4 (``mistral4``: DeepSeek-V3's layers under
+    DeepSeek-V2's softmax router, a position-dependent scale on the queries, no multi-token prediction) with MLA
+    attention, and GLM-4.5 (``glm4_moe``) and
     dots.llm1 (``dots1``) with grouped-query attention of ``head_dim``, q/k norms per head (GLM-4.5's with
     ``use_qk_norm``): shared experts, the first ``first_k_dense_replace`` layers dense (GLM-4.7-Flash: the
     layers its ``mlp_layer_types`` calls ``"dense"``, by default the first), group-limited routing, and
     ``num_nextn_predict_layers`` multi-token-prediction modules (the family's default where the config leaves
-    the field out: one for DeepSeek-V3 and GLM-4.5, none for DeepSeek-V2 and GLM-4.7-Flash, whose transformers
-    config has no such field)."""
+    the field out: one for DeepSeek-V3 and GLM-4.5, none for DeepSeek-V2, GLM-4.7-Flash and Mistral 4, whose
+    transformers configs have no such field)."""
     if common["family"] in ("glm4_moe", "dots1"):
         attention = Attention(heads=heads, kv_heads=int(data.get("num_key_value_heads") or heads), qk_dim=head_dim,
                               v_dim=head_dim, qkv_bias=bool(data.get("attention_bias", False)),
