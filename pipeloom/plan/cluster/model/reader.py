@@ -60,7 +60,7 @@ def model_spec(config: object) -> ModelSpec:
     if family not in SUPPORTED_FAMILIES:
         raise ModelConfigError(f"model_type {family!r} is not modelled; supported: {', '.join(SUPPORTED_FAMILIES)}. "
                                "A decoder whose layers have one of these shapes (most LLaMA-like models) plans as that "
-                               "family: copy its config.json with \"model_type\" set to it (e.g. \"llama\")")
+                               f"family: copy its config.json with \"model_type\" set to it ({_like(data)})")
     if data.get("use_bidirectional_attention"):
         raise ModelConfigError(f"{family} with use_bidirectional_attention is an encoder; the planner plans causal "
                                "decoders: set use_bidirectional_attention to false")
@@ -77,6 +77,19 @@ _ALIASES = {name: group for group in (("num_experts", "num_local_experts"), ("n_
             for name in group}
 """Fields the reader takes under either name (a config's ``to_dict()`` may write the other): a default for one is
 not taken where the config gives the other."""
+
+
+_EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
+def _like(data: Mapping[str, Any]) -> str:
+    """An example family for an unmodelled config to stand in as: a mixture of experts' (its routed experts would
+    be planned as one dense MLP under LLaMA's) or LLaMA's."""
+    if any(data.get(name) for name in _EXPERT_FIELDS):
+        return ("e.g. \"qwen3_moe\": num_experts, num_experts_per_tok and moe_intermediate_size per expert, or "
+                "\"mixtral\": num_local_experts, num_experts_per_tok and intermediate_size per expert; it has experts, "
+                "so not a dense family")
+    return "e.g. \"llama\""
 
 
 def _guess(architectures: object) -> str:
