@@ -24,6 +24,9 @@ _MEGATRON_2021 = {
     # sec. 5.2 / Table 2: the GPT-3 175B configuration (174.6B with this vocabulary)
     "174.6b": (96, 12288, 96),
 }
+# The paper states no dropout rates: Megatron-LM's defaults (``--hidden-dropout 0.1`` on each branch's output and on
+# the embedding, ``--attention-dropout 0.1``), as the benchmark's materialized attention prices its dropout.
+_MEGATRON_DROPOUT = 0.1
 
 # Llama 3 family (Llama 3 paper, arXiv:2407.21783, Table 3; the Llama 3.1 model cards' config.json):
 # layers, hidden, FFN, heads, KV heads; vocabulary 128,256, untied embeddings, 128k positions.
@@ -32,7 +35,8 @@ _LLAMA3 = {"8b": (32, 4096, 14336, 32, 8), "70b": (80, 8192, 28672, 64, 8), "405
 
 def _gpt(heads: int, hidden: int, layers: int) -> dict:
     return {"model_type": "gpt2", "n_embd": hidden, "n_layer": layers, "n_head": heads, "n_inner": 4 * hidden,
-            "n_positions": 2048, "vocab_size": 51200, "activation_function": "gelu", "tie_word_embeddings": True}
+            "n_positions": 2048, "vocab_size": 51200, "activation_function": "gelu", "tie_word_embeddings": True,
+            "resid_pdrop": _MEGATRON_DROPOUT, "embd_pdrop": _MEGATRON_DROPOUT, "attn_pdrop": _MEGATRON_DROPOUT}
 
 
 def _llama(layers: int, hidden: int, ffn: int, heads: int, kv_heads: int) -> dict:
@@ -61,9 +65,11 @@ def _mlperf_gpt3() -> dict:
     # v4.1, NVIDIA/benchmarks/gpt3/implementations/*/conf/custom.yaml and NeMo's base megatron_gpt_config.yaml):
     # 96 layers, hidden 12288, 96 heads, FFN 49152, sequence 2048, learned absolute positions, GeLU, biases,
     # LayerNorm, tied embeddings; the SentencePiece vocabulary of 50,257 padded to a multiple of 128 x tp 4
-    # (NeMo's make_vocab_size_divisible_by) = 50,688, the GEMMs' width.
+    # (NeMo's make_vocab_size_divisible_by) = 50,688, the GEMMs' width; custom.yaml's hidden_dropout and
+    # attention_dropout 0.0 (no dropout).
     return {"model_type": "gpt2", "n_embd": 12288, "n_layer": 96, "n_head": 96, "n_inner": 49152, "n_positions": 2048,
-            "vocab_size": 50688, "activation_function": "gelu", "tie_word_embeddings": True}
+            "vocab_size": 50688, "activation_function": "gelu", "tie_word_embeddings": True, "resid_pdrop": 0.0,
+            "embd_pdrop": 0.0, "attn_pdrop": 0.0}
 
 
 def _qwen3_moe(layers: int, hidden: int, ffn: int, expert_ffn: int, heads: int) -> dict:

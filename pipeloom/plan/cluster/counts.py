@@ -24,12 +24,15 @@ from pipeloom.plan.cluster.model.spec import ModelSpec
 
 __all__ = ["Recompute", "RECOMPUTE_MODES", "LayerCounts", "Activations", "layer_counts", "attention_flops",
            "attended_fraction", "model_params", "optimizer_bytes", "mtp_block", "mtp_activations", "layer_kinds",
-           "block_kind", "WINDOWED", "STAT_BYTES", "mlp_activations", "moe_activations", "norm_stats"]
+           "block_kind", "WINDOWED", "STAT_BYTES", "MASK_BYTES", "mlp_activations", "moe_activations", "norm_stats"]
 
 Recompute = Literal["none", "selective", "full"]
 RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
 STAT_BYTES = 4
 """Bytes of one fp32 statistic (a norm's 1/rms or mean, the softmax's log-sum-exp, a routing probability)."""
+MASK_BYTES = 1
+"""Bytes of one element of a dropout's mask (PyTorch keeps a bool per element; Megatron's fused bias-dropout-add a
+uint8)."""
 _INDEX = 8  # bytes of one int64 index (a token's top-k expert choice, a routed copy's place in the permutation)
 WINDOWED = "-window"
 """The suffix of a decoder layer kind whose attention is windowed (``dense-window``, ``moe-window``)."""
@@ -253,9 +256,9 @@ def layer_counts(spec: ModelSpec, kind: str, seq: int, *, width: int = 2) -> Lay
         return _mtp_counts(spec, seq, width)
     if kind == "embedding":
         params = spec.vocab * h + spec.positions * h
+        mask = Activations(sequence=float(MASK_BYTES * h if spec.embedding_dropout else 0), tensor=0.0)
         return LayerCounts(kind=kind, params=params, expert_params=0, f=0.0, i=0.0, w=0.0, attention_f=0.0,
-                           attended_f=0.0,
-                           activations={m: Activations(sequence=0.0, tensor=0.0) for m in RECOMPUTE_MODES})
+                           attended_f=0.0, activations={m: mask for m in RECOMPUTE_MODES})  # its dropout's mask
     if kind == "head":
         params = _norm(spec) + (0 if spec.tied else spec.vocab * h) + (spec.vocab if spec.head_bias else 0)
         mm = 2.0 * seq * h * spec.vocab
@@ -284,6 +287,7 @@ def layer_counts(spec: ModelSpec, kind: str, seq: int, *, width: int = 2) -> Lay
     if not spec.shared_norm:
         mlp_norm = width * (1 if spec.parallel_residual else 2) * h + stat
         sequence += mlp_norm + (spec.layer_norms - 2) * (width * h + stat)
+    sequence += MASK_BYTES * h * spec.residual_dropouts  # the residual dropouts' masks
     none = Activations(sequence=sequence, tensor=tensor_a + mlp_keep, replicated=latent)
     # selective: the attention core runs again in the backward, so only its softmax statistics are not kept:
     # its inputs q, k, v are the recomputation's inputs, its output the output projection's input

@@ -30,8 +30,12 @@ with Gemma 2/3's norms after each branch), two
 A MoE layer also permutes each token's top-k copies to their experts and back (read h, write k·h; then read
 k·h, write h), in both passes, in either implementation.
 
-Not counted: dropout (the published configs train without it, or Megatron fuses it into the bias-dropout-add
-counted above as a residual add), casts around FP8 GEMMs (Float8 scaling reads and writes each GEMM input
+A residual dropout (a config that trains with one: ``ModelSpec.residual_dropouts``) writes a one-byte mask per
+element of h and its backward reads it: fused, inside the residual add (Megatron's bias-dropout-add: 1 byte more
+each way, no kernel of its own); eager, ``F.dropout`` as a kernel of its own (read 2, write 2 and the mask: 5 bytes
+per element each way).
+
+Not counted: casts around FP8 GEMMs (Float8 scaling reads and writes each GEMM input
 once more: counted by the estimator with the GEMM, not here), and the loss (priced with the head).
 """
 
@@ -39,6 +43,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pipeloom.plan.cluster.counts import MASK_BYTES
 from pipeloom.plan.cluster.model.spec import ModelSpec
 from pipeloom.plan.errors import LayoutError
 
@@ -52,6 +57,7 @@ _EAGER_RMSNORM = 36  # bytes per element of h (module docstring)
 _EAGER_RMSNORM_KERNELS = 6
 _EAGER_ROTARY = 20  # bytes per element of q and of k
 _EAGER_ROTARY_KERNELS = 3
+_EAGER_DROPOUT = 2 * _W + MASK_BYTES  # bytes per element of h, forward and backward alike
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -95,8 +101,9 @@ def layer_elementwise(spec: ModelSpec, kind: str, *, tp: int = 1, sp: bool = Fal
         act_f, act_b = (3 * width, 5 * width) if gated else (2 * width, 3 * width)
         rot = 2 * qk if rotary else 0
         ten_f, ten_b = act_f + rot + route, act_b + rot + route
-        f = _W * (seq_f / (tp if sp else 1) + ten_f / tp)
-        b = _W * (seq_b / (tp if sp else 1) + ten_b / tp)
+        masks = MASK_BYTES * spec.residual_dropouts * h / (tp if sp else 1)  # in the residual adds
+        f = _W * (seq_f / (tp if sp else 1) + ten_f / tp) + masks
+        b = _W * (seq_b / (tp if sp else 1) + ten_b / tp) + masks
         count = norms + add_kernels + (1 if rotary else 0) + 1 + (2 if route else 0)
         return Elementwise(f_bytes=f, b_bytes=b, f_kernels=count, b_kernels=count)
     norm = _EAGER_RMSNORM * h if not spec.layer_norm else 2 * _W * h
@@ -108,4 +115,6 @@ def layer_elementwise(spec: ModelSpec, kind: str, *, tp: int = 1, sp: bool = Fal
     f = seq_f / (tp if sp else 1) + ten_f / tp
     count_f = (spec.layer_norms * norm_kernels + 2 + (2 * _EAGER_ROTARY_KERNELS if rotary else 0)
                + (2 if repeat else 0) + 1 + (2 if gated else 1) + (2 if route else 0))
-    return Elementwise(f_bytes=f, b_bytes=2 * f, f_kernels=count_f, b_kernels=2 * count_f)
+    dropout = _EAGER_DROPOUT * spec.residual_dropouts * h / (tp if sp else 1)  # each way, a kernel each
+    return Elementwise(f_bytes=f + dropout, b_bytes=2 * f + dropout, f_kernels=count_f + spec.residual_dropouts,
+                       b_kernels=2 * count_f + spec.residual_dropouts)

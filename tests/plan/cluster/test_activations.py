@@ -51,9 +51,10 @@ from __future__ import annotations
 import weakref
 
 import pytest
-from tests.plan.cluster.tiny import tiny_config, tiny_model
+from tests.plan.cluster.tiny import TINY, tiny_config, tiny_model
 
 from pipeloom.plan.cluster import layer_counts, model_spec
+from pipeloom.plan.cluster.counts import MASK_BYTES
 from pipeloom.plan.cluster.runtime_plan import LAYER_PREFIX
 
 torch = pytest.importorskip("torch")
@@ -110,9 +111,10 @@ def _saved_per_layer(family, mode, attention="sdpa", **overrides):
     return config, [sum(layer.values()) for layer in layers]
 
 
-def _saved_storages(family, mode, attention="sdpa", prepare=None, **overrides):
+def _saved_storages(family, mode, attention="sdpa", prepare=None, outside=None, **overrides):
     """Per decoder layer, the unique non-parameter storages it saves (address: bytes), shared ones left out;
-    ``prepare(model)`` changes the model before its forward (``mode`` ``none``)."""
+    ``prepare(model)`` changes the model before its forward (``mode`` ``none``); ``outside``, a dict: filled with
+    the storages saved outside the decoder layers (the embedding's, the head's and the loss's)."""
     config = tiny_config(family)
     for key, value in overrides.items():
         setattr(config, key, value)
@@ -149,6 +151,8 @@ def _saved_storages(family, mode, attention="sdpa", prepare=None, **overrides):
             storage = tensor.untyped_storage()
             saved.setdefault(n, {})[storage.data_ptr()] = storage.nbytes()
     del output
+    if outside is not None:
+        outside.update(saved.get(None, {}))
     layers = [saved.get(n, {}) for n in range(config.num_hidden_layers)]
     shared = {key for n, one in enumerate(layers) for m, other in enumerate(layers) if m != n for key in one
               if key in other}
@@ -257,6 +261,56 @@ def test_moe_and_mla_activation_bytes_equal_saved_tensors(family, mode):
         expected.append(BATCH * SEQ * (keep + _eager_extra(spec, mode, kind, config, attention))
                         + _query_scale(spec, mode))
     assert spec.moe_layers and per_layer == expected
+
+
+# Residual dropouts (a config that trains with them: ModelSpec.residual_dropouts), each family's own way (GPT-NeoX
+# after both branches, StarCoder2 on the attention's and the MLP's outputs, Phi-3 and Seed-OSS likewise, Falcon once
+# on the sum of its parallel branches and once after the MLP in its sequential layout, whose attention dropout is
+# 0 here). A GPU keeps a one-byte mask per element (native_dropout, as the model counts: MASK_BYTES); PyTorch on the
+# CPU drops out unfused, multiplying by noise in the activations' dtype and keeping that: WIDTH bytes per element
+# here. So the masks are counted per element of h: as many as the model says, and none under full recomputation.
+_DROPOUTS = {"gpt_neox": dict(hidden_dropout=0.1), "starcoder2": dict(residual_dropout=0.1),
+             "phi3": dict(resid_pdrop=0.1), "seed_oss": dict(residual_dropout=0.1),
+             "falcon": dict(hidden_dropout=0.1),
+             "falcon-sequential": dict(hidden_dropout=0.1, parallel_attn=False, new_decoder_architecture=False)}
+
+
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+@pytest.mark.parametrize("case", sorted(_DROPOUTS))
+def test_residual_dropouts_keep_a_mask_per_element_of_h(case, mode):
+    family, on = case.split("-")[0], _DROPOUTS[case]
+    off = {key: 0.0 if "dropout" in key or "pdrop" in key else value for key, value in on.items()}
+    config, without = _saved_per_layer(family, mode, FAMILIES[family], **off)
+    dropped, with_masks = _saved_per_layer(family, mode, FAMILIES[family], **on)
+    spec, plain = model_spec(dropped), model_spec(config)
+    masks = spec.residual_dropouts if mode != "full" else 0
+    assert spec.residual_dropouts == (1 if family == "falcon" else 2) and plain.residual_dropouts == 0
+    assert [b - a for a, b in zip(without, with_masks)] == [BATCH * SEQ * spec.hidden * WIDTH * masks] * spec.layers
+    keep = {s: layer_counts(s, "dense", SEQ, width=WIDTH).activations[mode].per_gpu(tp=1, cp=1, sp=False)
+            for s in (spec, plain)}
+    assert keep[spec] - keep[plain] == MASK_BYTES * spec.hidden * masks
+
+
+def test_an_embedding_dropout_keeps_a_mask_per_element_of_h():
+    """StarCoder2's embedding_dropout, on the embedding's output before the first layer (counted per element, as
+    above); the model keeps it in the embedding whatever the recomputation."""
+    saved = []
+    for rate in (0.0, 0.1):
+        outside: dict[int, int] = {}
+        _saved_storages("starcoder2", "none", outside=outside, embedding_dropout=rate)
+        saved.append(sum(outside.values()))
+    spec = model_spec(dict(TINY["starcoder2"], model_type="starcoder2", embedding_dropout=0.1))
+    assert spec.embedding_dropout and saved[1] - saved[0] == BATCH * SEQ * spec.hidden * WIDTH
+    for mode in ("none", "selective", "full"):
+        kept = layer_counts(spec, "embedding", SEQ).activations[mode].per_gpu(tp=1, cp=1, sp=False)
+        assert kept == MASK_BYTES * spec.hidden
+
+
+def test_a_gpu_dropout_keeps_a_one_byte_mask():
+    """What MASK_BYTES stands for: the fused dropout a GPU runs (torch.native_dropout, which CUDA's F.dropout
+    calls) returns a bool mask, the tensor its backward keeps."""
+    _, mask = torch.native_dropout(torch.ones(4, 8), 0.1, True)
+    assert mask.dtype == torch.bool and mask.element_size() == MASK_BYTES
 
 
 def test_modes_are_ordered_and_divided():

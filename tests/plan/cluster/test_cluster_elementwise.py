@@ -18,7 +18,8 @@ from pipeloom.plan.errors import LayoutError
 # h 64, 4 heads of 16 (2 kv heads), intermediate 160: small round numbers for the hand counts
 LLAMA = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "intermediate_size": 160, "vocab_size": 100}
-GPT2 = {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 100, "n_positions": 128}
+GPT2 = {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 100, "n_positions": 128,
+        "resid_pdrop": 0.0, "embd_pdrop": 0.0}
 
 
 def test_fused_llama_layer_equals_hand_count():
@@ -56,6 +57,36 @@ def test_gpt2_learned_positions_and_layer_norm():
     eager = layer_elementwise(spec, "dense", kernels="eager")
     # LayerNorm is one kernel even in eager PyTorch; no repeat_kv (multi-head attention)
     assert eager.f_bytes == 2 * 2 * 2 * h + 2 * 3 * 2 * h + 2 * 2 * 4 * 16 + 4 * i
+
+
+def test_residual_dropouts_write_and_read_their_masks():
+    """GPT-2's resid_pdrop (transformers' default 0.1) on both branches: fused into the residual adds, a one-byte
+    mask per element written forward and read backward; eager, a kernel each way reading and writing h and the
+    mask; divided by tp under sequence parallelism, as the residual stream."""
+    plain, dropped = model_spec(GPT2), model_spec({**GPT2, "resid_pdrop": 0.1})
+    assert (plain.residual_dropouts, dropped.residual_dropouts) == (0, 2)
+    h = 64
+    for tp, sp in ((1, False), (2, True)):
+        base, more = (layer_elementwise(spec, "dense", tp=tp, sp=sp) for spec in (plain, dropped))
+        assert more.f_bytes - base.f_bytes == pytest.approx(2 * h / tp)
+        assert more.b_bytes - base.b_bytes == pytest.approx(2 * h / tp)
+        assert (more.f_kernels, more.b_kernels) == (base.f_kernels, base.b_kernels)
+        base, more = (layer_elementwise(spec, "dense", tp=tp, sp=sp, kernels="eager") for spec in (plain, dropped))
+        assert more.f_bytes - base.f_bytes == pytest.approx(2 * (2 + 2 + 1) * h / tp)
+        assert more.b_bytes - base.b_bytes == pytest.approx(2 * (2 + 2 + 1) * h / tp)
+        assert (more.f_kernels - base.f_kernels, more.b_kernels - base.b_kernels) == (2, 2)
+
+
+def test_an_embedding_dropout_is_priced_in_the_embedding():
+    """Its hidden state read and written and its mask written forward, the reverse backward (the embedding's
+    backward is all weight gradient)."""
+    hw = hardware("h100")
+    layout = Layout(dp=1, tp=1, pp=1, mbs=1, recompute="none", schedule="1f1b")
+    plain, dropped = (Job(spec=model_spec({**GPT2, "embd_pdrop": rate}), hw=hw, gpus=1, global_batch=8, seq=128)
+                      for rate in (0.0, 0.1))
+    base, more = (layer_times(job, layout, "embedding") for job in (plain, dropped))
+    assert more.f > base.f and more.w > base.w and more.i == base.i == 0.0
+    assert more.f - base.f == pytest.approx(more.w - base.w)
 
 
 def test_sequence_parallel_divides_only_the_residual_stream():

@@ -86,6 +86,29 @@ def test_bad_configs(bad, match):
         model_spec(bad)
 
 
+@pytest.mark.parametrize("family, fields, masks, embedding", [
+    ("gpt2", {}, 2, True),  # transformers' defaults: resid_pdrop and embd_pdrop 0.1
+    ("gpt2", {"resid_pdrop": 0.0, "embd_pdrop": 0.0}, 0, False),
+    ("gpt_neox", {"hidden_dropout": 0.1}, 2, True),  # after both branches and on the embedding
+    ("starcoder2", {"residual_dropout": 0.1}, 2, False),
+    ("starcoder2", {"embedding_dropout": 0.1}, 0, True),
+    ("phi3", {"resid_pdrop": 0.1, "embd_pdrop": 0.1}, 2, False),  # transformers applies no embd_pdrop
+    ("seed_oss", {}, 2, False),  # transformers' default residual_dropout 0.1
+    ("falcon", {"hidden_dropout": 0.1, "attention_dropout": 0.1}, 1, False),  # parallel: one on the branches' sum
+    ("falcon", {"parallel_attn": False, "hidden_dropout": 0.1, "attention_dropout": 0.1}, 2, False),
+    ("falcon", {"parallel_attn": False, "attention_dropout": 0.1}, 1, False),
+    ("llama", {"attention_dropout": 0.1}, 0, False),  # inside flash attention: no mask kept
+])
+def test_dropouts_that_keep_masks_are_read_per_family(family, fields, masks, embedding):
+    spec = model_spec({"model_type": family, **fields})
+    assert (spec.residual_dropouts, spec.embedding_dropout) == (masks, embedding)
+
+
+def test_a_dropout_that_is_no_probability_is_refused():
+    with pytest.raises(ModelConfigError, match=r"resid_pdrop must be a dropout probability in \[0, 1\), got 1.5"):
+        model_spec({"model_type": "gpt2", "resid_pdrop": 1.5})
+
+
 def test_gemma3_text_has_four_norms_qk_norms_and_windows():
     text = dict(TINY["gemma3_text"], model_type="gemma3_text")
     spec = model_spec(text)

@@ -67,6 +67,7 @@ def model_spec(config: object) -> ModelSpec:
     data = {**{key: value for key, value in FAMILY_DEFAULTS.get(family, {}).items()  # transformers' defaults for
                if not any(name in data for name in _ALIASES.get(key, (key,)))}, **data}  # the fields left out
     spec = _family_spec(data, family)
+    spec = dataclasses.replace(spec, **_dropouts(data, family, spec.parallel_residual))
     window, layers = _windows(data, family, spec.layers)
     return dataclasses.replace(spec, window=window, window_layers=layers) if layers else spec
 
@@ -103,6 +104,35 @@ def _guess(architectures: object) -> str:
         if family:
             return f" (its architectures say {name}): add \"model_type\": \"{family}\""
     return ": add the model_type transformers writes in config.json"
+
+
+def _rate(data: Mapping[str, Any], name: str) -> bool:
+    """Whether the config's dropout ``name`` is on (a rate above 0; absent or null: off)."""
+    value = data.get(name)
+    if value is None:
+        return False
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise ModelConfigError(f"{name} must be a dropout probability in [0, 1), got {value!r}")
+    return value > 0
+
+
+def _dropouts(data: Mapping[str, Any], family: str, parallel: bool) -> dict[str, Any]:
+    """The dropouts that keep masks, as transformers' models apply them in training: GPT-2's ``resid_pdrop`` on
+    each branch's output and ``embd_pdrop`` on the embedding; GPT-NeoX's ``hidden_dropout`` on both and on the
+    embedding; StarCoder2's ``residual_dropout`` and ``embedding_dropout``; Phi-3's ``resid_pdrop`` (its
+    ``embd_pdrop`` is not applied); Seed-OSS's ``residual_dropout``; Falcon's one ``hidden_dropout`` on the sum of
+    its ``parallel`` branches, or in its sequential layout ``attention_dropout`` on the attention's output and
+    ``hidden_dropout`` on the MLP's. Attention dropout inside a flash kernel keeps no mask (it draws again from
+    its seed in the backward)."""
+    residual = {"gpt2": "resid_pdrop", "gpt_neox": "hidden_dropout", "starcoder2": "residual_dropout",
+                "phi3": "resid_pdrop", "seed_oss": "residual_dropout"}
+    embedding = {"gpt2": "embd_pdrop", "gpt_neox": "hidden_dropout", "starcoder2": "embedding_dropout"}
+    if family == "falcon":
+        masks = (int(_rate(data, "hidden_dropout")) if parallel else
+                 int(_rate(data, "attention_dropout")) + int(_rate(data, "hidden_dropout")))
+        return dict(residual_dropouts=masks)
+    return dict(residual_dropouts=2 if family in residual and _rate(data, residual[family]) else 0,
+                embedding_dropout=family in embedding and _rate(data, embedding[family]))
 
 
 def _windows(data: Mapping[str, Any], family: str, layers: int) -> tuple[int, tuple[int, ...]]:

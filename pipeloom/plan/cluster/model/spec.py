@@ -121,6 +121,12 @@ class ModelSpec:
     """A bias on the output head (ERNIE 4.5 MoE with ``use_bias``): ``vocab`` parameters, its own even when tied."""
     positions: int = 0
     """Rows of a learned position embedding (GPT-2), 0 for rotary models."""
+    residual_dropouts: int = 0
+    """Dropouts on the residual stream in each decoder layer (a branch's output before its residual add: GPT-2's
+    ``resid_pdrop``, GPT-NeoX's ``hidden_dropout``, ...), each keeping a one-byte mask per element of h for the
+    backward; 0 where the config trains without."""
+    embedding_dropout: bool = False
+    """A dropout on the embedding's output (GPT-2's ``embd_pdrop``, ...): a one-byte mask per element of h kept."""
     experts: Experts | None = None
     """The MoE MLP, None for a dense model."""
     moe_layers: tuple[int, ...] = ()
@@ -143,6 +149,9 @@ class ModelSpec:
         for name in ("hidden", "layers", "vocab", "intermediate"):
             if getattr(self, name) <= 0:
                 raise ModelConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0 <= self.residual_dropouts <= 2:
+            raise ModelConfigError(f"residual_dropouts is 0, 1 or 2 per layer (one per branch), got "
+                                   f"{self.residual_dropouts}")
         if self.mtp < 0:
             raise ModelConfigError(f"num_nextn_predict_layers must be >= 0, got {self.mtp}")
         if self.window < 0 or (self.window_layers and not self.window):
