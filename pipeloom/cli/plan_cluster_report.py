@@ -45,6 +45,13 @@ def _window(spec) -> str:
     return f", sliding window {spec.window:,} tokens on {len(spec.window_layers)} of {spec.layers} layers"
 
 
+def _dropout(spec) -> str:
+    """The header's note of the dropouts the config trains with, whose masks are counted ('' without)."""
+    said = ([f"{spec.residual_dropouts} residual dropout{'s' if spec.residual_dropouts > 1 else ''} per layer"]
+            if spec.residual_dropouts else []) + (["an embedding dropout"] if spec.embedding_dropout else [])
+    return f", {' and '.join(said)} (the config's: their masks kept)" if said else ""
+
+
 def _above(result) -> str:
     """The note of a memory limit above the GPU's memory ('' otherwise)."""
     have = result.job.hw.memory_bytes
@@ -109,7 +116,7 @@ def report(result, *, framework: str | None = None) -> str:
                "planned)") if job.spec.text_of else ""
     lines = [
         f"{job.spec.family}{text_of} on {job.gpus} x {job.hw.name}, global batch {job.global_batch} x {job.seq} "
-        f"tokens, {job.dtype}{_window(job.spec)}",
+        f"tokens, {job.dtype}{_window(job.spec)}{_dropout(job.spec)}",
         f"layout: {best.layout}",
         _assumes(job, best.layout, framework, result.searched, result.variants),
         *([f"layers per stage: {_runs(best.stage_layers)}{_copies(best.layout)}"] if len(best.stage_layers) > 1

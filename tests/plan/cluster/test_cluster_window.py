@@ -175,3 +175,27 @@ def test_the_command_says_which_layers_are_windowed(tmp_path, capsys):
     assert main([*argv, "--json"]) == 0
     model = json.loads(capsys.readouterr().out)["model"]
     assert (model["sliding_window"], model["sliding_window_layers"]) == (4096, list(range(8)))
+
+
+def test_the_command_says_which_dropouts_the_config_trains_with(tmp_path, capsys):
+    """GPT-2's resid_pdrop and embd_pdrop (transformers' defaults, 0.1): named in the header and in --json, and
+    their masks in the memory: more activation memory than the same config without dropout."""
+    gpt2 = {"model_type": "gpt2", "n_embd": 256, "n_layer": 4, "n_head": 4, "vocab_size": 1000, "n_positions": 1024}
+    path, plain = tmp_path / "config.json", tmp_path / "plain.json"
+    path.write_text(json.dumps(gpt2))
+    plain.write_text(json.dumps(dict(gpt2, resid_pdrop=0.0, embd_pdrop=0.0)))
+    argv = ["--hardware", "h100", "--gpus", "8", "--global-batch", "8", "--seq", "1024", "--layout",
+            "tp=1,pp=1,cp=1,mbs=1,recompute=none"]
+    assert main(["plan", "--model", str(path), *argv]) == 0
+    header = capsys.readouterr().out.splitlines()[0]
+    assert header.endswith(", 2 residual dropouts per layer and an embedding dropout (the config's: their masks kept)")
+    assert main(["plan", "--model", str(plain), *argv]) == 0
+    assert "dropout" not in capsys.readouterr().out.splitlines()[0]
+    found = []
+    for config in (path, plain):
+        assert main(["plan", "--model", str(config), *argv, "--json"]) == 0
+        found.append(json.loads(capsys.readouterr().out))
+    assert (found[0]["model"]["residual_dropouts"], found[0]["model"]["embedding_dropout"]) == (2, True)
+    assert (found[1]["model"]["residual_dropouts"], found[1]["model"]["embedding_dropout"]) == (0, False)
+    kept = [one["best"]["memory_per_gpu"]["activations"] for one in found]
+    assert kept[0] - kept[1] == 1024 * 256 * (2 * 4 + 1)  # a byte per element of h: 2 per layer, 1 in the embedding
