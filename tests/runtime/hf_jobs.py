@@ -55,8 +55,9 @@ def _batch(name: str, step: int) -> tuple:
     return hf_batch(name, seq=12 if step == 0 else 7, seed=step)
 
 
-def hf_dropout(rank: int, world: int, schedules: list[str], steps: int = 2) -> dict:
-    """GPT-2 with dropout 0.1 cut into 4 pieces: the engine's losses, gradients and SGD updates against the
+def hf_dropout(rank: int, world: int, schedules: list[str], steps: int = 2, name: str = "gpt2") -> dict:
+    """GPT-2 with dropout 0.1 (or ``name``, a family of ``hf_models.RANDOM`` whose forward draws random numbers
+    itself, without dropout) cut into 4 pieces: the engine's losses, gradients and SGD updates against the
     single-process reference with the runtime's random numbers (pipeloom.runtime.reference_step), run
     on the same model from the same state just before each engine step."""
     import torch
@@ -65,9 +66,9 @@ def hf_dropout(rank: int, world: int, schedules: list[str], steps: int = 2) -> d
     from pipeloom.runtime import pipeline, reference_step, split_model
 
     x, y = tokens()
-    model = build_hf("gpt2", dropout=0.1)
+    model = build_hf(name, dropout=0.1 if name == "gpt2" else 0.0)
     initial = copy.deepcopy(model.state_dict())
-    staged = split_model(model, hf_splits("gpt2", 4), tracer="export", example_inputs=(x,))
+    staged = split_model(model, hf_splits(name, 4), tracer="export", example_inputs=(x,))
     params = dict(model.named_parameters())
     results = {}
     for schedule in schedules:

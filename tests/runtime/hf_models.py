@@ -48,8 +48,8 @@ def build_hf(name: str, *, dropout: float = 0.0, seed: int = 0) -> torch.nn.Modu
                                num_key_value_heads=2, head_dim=8, tie_word_embeddings=False,
                                attention_dropout=dropout, attn_implementation="eager", **common)
         return T.Qwen3ForCausalLM(config)
-    if name in PLANNED:  # the families the cluster planner reads beyond these (eager attention, as above)
-        config = T.AutoConfig.for_model(name, **PLANNED[name], attention_dropout=dropout,
+    if name in PLANNED or name in RANDOM:  # the families the cluster planner reads beyond these (eager attention)
+        config = T.AutoConfig.for_model(name, **{**PLANNED, **RANDOM}[name], attention_dropout=dropout,
                                         attn_implementation="eager", **common)
         if name == "mistral4":  # no AutoModelForCausalLM class: its checkpoints are multimodal models around it
             return T.Mistral4ForCausalLM._from_config(config, attn_implementation="eager")
@@ -90,6 +90,13 @@ PLANNED = {
 model is covered by its MoE model's dense first layer; Seed-OSS is LLaMA's layer with the biased projections of
 Qwen2 and StarCoder2; EXAONE 4 has OLMo 2's norms, Qwen3's q/k norms and Cohere 2's windows; GLM-4.7-Flash is
 DeepSeek-V3's architecture, which the expert-parallel tests run; dots.llm1 is GLM-4.5's with q/k norms always)."""
+RANDOM = {
+    "phimoe": dict(_SMALL, num_local_experts=4, num_experts_per_tok=2, attention_bias=True, lm_head_bias=True,
+                   input_jitter_noise=0.01, router_jitter_noise=0.01),
+}
+"""Families whose training forward draws random numbers beyond dropout (Phi-3.5-MoE: its sparsemixer samples each
+token's experts, and its input jitter multiplies by noise), checked against the runtime's seeded reference
+(``pipeloom.runtime.reference_step``) as dropout is, not against the unsplit model."""
 
 
 ENCODER_DECODER = {"bart": ("model.encoder.layers", "model.decoder.layers"),  # model -> its blocks' names
@@ -116,7 +123,7 @@ def _encoder_decoder(name: str, dropout: float, common: dict) -> torch.nn.Module
 
 
 _BLOCKS = {"gpt2": "transformer.h", "llama": "model.layers", "bert": "bert.encoder.layer", "qwen2": "model.layers",
-           "qwen3": "model.layers", **{name: LAYER_PREFIX.get(name, "model.layers") for name in PLANNED}}
+           "qwen3": "model.layers", **{name: LAYER_PREFIX.get(name, "model.layers") for name in (*PLANNED, *RANDOM)}}
 
 
 def hf_splits(name: str, pieces: int) -> list[str]:

@@ -87,6 +87,22 @@ def test_dropout_is_the_same_on_any_number_of_ranks(world, schedules):
 
 
 @pytest.mark.timeout(400)
+def test_random_routing_is_the_same_on_any_number_of_ranks():
+    """Phi-3.5-MoE (``pipeloom plan --model`` reads it): its sparsemixer samples each token's two experts and its
+    input jitter multiplies by noise in training; on two ranks under zbv and interleaved 1f1b (four pieces), its
+    losses and gradients equal the seeded single-process reference's bitwise, as dropout's do."""
+    results = run_ranks(2, hf_dropout, ["zbv", "interleaved-1f1b"], 2, "phimoe", timeout=360)
+    failures = {rank: value for rank, (status, value) in results.items() if status != "ok"}
+    assert not failures, failures
+    for rank, (_, report) in results.items():
+        for schedule, outcome in report.items():
+            assert outcome["mismatches"] == [], (rank, schedule, outcome["mismatches"])
+            assert all(ours == theirs for ours, theirs in outcome["losses"]), (rank, schedule, outcome["losses"])
+            # the draws changed the loss: eval mode (the top two by score, no noise) gives another
+            assert outcome["losses"][0][0] != pytest.approx(outcome["no_dropout_loss"], rel=1e-6)
+
+
+@pytest.mark.timeout(400)
 @pytest.mark.parametrize("schedule", ["dualpipe", "1f1b"])
 def test_a_cluster_plan_runs_bitwise(tmp_path, schedule):
     """``pipeloom plan --model ... --save`` for the tiny LLaMA on 2 GPUs (dualpipe: two copies of the model, a

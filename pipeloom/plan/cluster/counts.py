@@ -236,13 +236,17 @@ def moe_activations(spec: ModelSpec, *, width: int = 2) -> float:
     """Bytes per token a layer's MoE MLP keeps: each token's k routed copies (the expert's input h, gate+up 2I,
     activation I, and its output h, which the probability-weighted combine keeps for the probability's gradient;
     the copy's fp32 probability and int64 place in the permutation), the router's fp32 probabilities (over the
-    experts, or over the top k when its softmax follows the choice) and the int64 top-k choice; the shared
-    expert(s) like a dense MLP."""
+    experts, or over the top k when its softmax follows the choice; Phi-3.5-MoE's sparsemixer a second softmax over
+    the experts and its two chosen probabilities) and the int64 top-k choice; the shared expert(s) like a dense
+    MLP; Phi-3.5-MoE's input jitter its two noise tensors."""
     ex, h = spec.experts, spec.hidden
     assert ex is not None, "moe layer of a dense model"
     copy = width * (2 * h + 3 * ex.intermediate) + STAT_BYTES + _INDEX
-    return (ex.top_k * copy + _INDEX * ex.top_k + STAT_BYTES * (ex.top_k if ex.softmax_after_top_k else ex.count)
-            + mlp_activations(ex.shared_intermediate, gated=True, width=width))
+    router = STAT_BYTES * (ex.top_k if ex.softmax_after_top_k else ex.count) + _INDEX * ex.top_k
+    if ex.sparsemixer:
+        router += STAT_BYTES * (ex.count + 2)
+    jitter = 2 * width * h if ex.input_jitter else 0
+    return ex.top_k * copy + router + jitter + mlp_activations(ex.shared_intermediate, gated=True, width=width)
 
 
 def layer_counts(spec: ModelSpec, kind: str, seq: int, *, width: int = 2) -> LayerCounts:

@@ -76,8 +76,8 @@ _GLOBAL = {"gemma2": ["full_attention"] * 2, "gemma3_text": ["full_attention"] *
            "cohere2": ["full_attention"] * 2, "exaone4": ["full_attention"] * 2}
 MOE_FAMILIES = {"qwen3_moe": "sdpa", "mixtral": "sdpa", "olmoe": "sdpa", "deepseek_v3": "eager", "glm4_moe": "sdpa",
                 "gpt_oss": "eager", "ernie4_5_moe": "sdpa", "minimax_m2": "sdpa", "dots1": "sdpa",
-                "glm4_moe_lite": "eager", "mistral4": "eager"}  # the attention each runs (gpt-oss's sinks, MLA's head
-# dims: no sdpa path)
+                "glm4_moe_lite": "eager", "mistral4": "eager", "phimoe": "sdpa"}  # the attention each runs (gpt-oss's
+# sinks, MLA's head dims: no sdpa path)
 _STAT, _INDEX = 4, 8  # bytes of an fp32 statistic, of an int64 index
 _ROTARY_CAT = ("phi3", "glm4", "glm4_moe", "gpt_neox", "minimax_m2")
 _INTERLEAVED_ROTARY = {"ernie4_5": 1.0, "ernie4_5_moe": 1.0, "glm4": 0.5}  # the share of qk_dim rotated (GLM-4's
@@ -202,8 +202,12 @@ def _router_extra(config):
     and their sum where it renormalises them (Mixtral and MiniMax-M2 always; ERNIE 4.5 also the sum clamped away
     from zero, the division's denominator). DeepSeek-V3's and GLM-4.5's group-limited choice saves its top-2
     indices within each group, the chosen groups and the experts' mask while it runs, but nothing reads that
-    branch's values afterwards, so the graph frees them with it: not kept."""
+    branch's values afterwards, so the graph frees them with it: not kept. Phi-3.5-MoE's sparsemixer masks the
+    scores twice with ``masked_fill``, which keeps its bool mask over the experts each time (its Gumbel draws' and
+    its midpoint masks' branches are freed likewise)."""
     k = config.num_experts_per_tok
+    if config.model_type == "phimoe":
+        return 2 * config.num_local_experts
     if config.model_type == "ernie4_5_moe":
         return _STAT * (k + 2)
     renormalised = config.model_type in ("mixtral", "minimax_m2") or getattr(config, "norm_topk_prob", False)
@@ -304,6 +308,20 @@ def test_an_embedding_dropout_keeps_a_mask_per_element_of_h():
     for mode in ("none", "selective", "full"):
         kept = layer_counts(spec, "embedding", SEQ).activations[mode].per_gpu(tp=1, cp=1, sp=False)
         assert kept == MASK_BYTES * spec.hidden
+
+
+@pytest.mark.parametrize("mode", ["none", "selective"])
+def test_phimoe_input_jitter_keeps_its_two_noise_tensors(mode):
+    """Phi-3.5-MoE's input_jitter_noise multiplies the MoE block's input by noise in training, in the block and
+    again in its router, in place: each product keeps its noise, h per token (the checkpoints' configs set 0.01)."""
+    config, without = _saved_per_layer("phimoe", mode, "sdpa", input_jitter_noise=0.0)
+    jittered, with_noise = _saved_per_layer("phimoe", mode, "sdpa", input_jitter_noise=0.01)
+    spec, plain = model_spec(jittered), model_spec(config)
+    assert spec.experts.input_jitter and not plain.experts.input_jitter
+    assert [b - a for a, b in zip(without, with_noise)] == [BATCH * SEQ * 2 * WIDTH * spec.hidden] * spec.layers
+    keep = {s: layer_counts(s, "moe", SEQ, width=WIDTH).activations[mode].per_gpu(tp=1, cp=1, sp=False)
+            for s in (spec, plain)}
+    assert keep[spec] - keep[plain] == 2 * WIDTH * spec.hidden
 
 
 def test_a_gpu_dropout_keeps_a_one_byte_mask():

@@ -71,7 +71,7 @@ def test_reads_config_json(tmp_path):
 @pytest.mark.parametrize("bad, match", [
     ({"model_type": "t5"}, r"not modelled; supported: .*copy its config.json with \"model_type\" set to it "
                            r"\(e.g. \"llama\"\)"),
-    ({"model_type": "phimoe", "num_local_experts": 16}, r"not modelled.*\"qwen3_moe\".*\"mixtral\".*not a dense"),
+    ({"model_type": "granitemoe", "num_local_experts": 32}, r"not modelled.*\"qwen3_moe\".*\"mixtral\".*not a dense"),
     (42, "config.json path"),
     (dict(TINY["gemma3_text"], model_type="gemma3_text", use_bidirectional_attention=True), "causal decoders"),
     ({"model_type": "qwen2_5_vl", "text_config": {"model_type": "qwen2_5_vl_text"}},
@@ -102,6 +102,13 @@ def test_bad_configs(bad, match):
 def test_dropouts_that_keep_masks_are_read_per_family(family, fields, masks, embedding):
     spec = model_spec({"model_type": family, **fields})
     assert (spec.residual_dropouts, spec.embedding_dropout) == (masks, embedding)
+
+
+def test_phimoe_routes_to_two_experts_only():
+    """Its sparsemixer picks exactly two experts whatever num_experts_per_tok says; another value is refused."""
+    assert model_spec(dict(TINY["phimoe"], model_type="phimoe")).experts.top_k == 2
+    with pytest.raises(ModelConfigError, match="phimoe routes each token to 2 experts.*set it to 2"):
+        model_spec(dict(TINY["phimoe"], model_type="phimoe", num_experts_per_tok=4))
 
 
 def test_a_dropout_that_is_no_probability_is_refused():

@@ -44,6 +44,8 @@ TINY: dict[str, dict[str, Any]] = {
                  attn_pdrop=0.0),
     "gpt_neox": dict(_COMMON, tie_word_embeddings=False),
     "mixtral": dict(_COMMON, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
+    "phimoe": dict(_COMMON, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, attention_bias=True,
+                   lm_head_bias=True),
     "olmoe": dict(_COMMON, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, pad_token_id=0, eos_token_id=2),
     "minimax_m2": dict(_COMMON, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2),
     "qwen2_moe": dict(_COMMON, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,

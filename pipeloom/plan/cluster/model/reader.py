@@ -2,11 +2,11 @@
 config.json path, a model folder, a Hugging Face model id in the local cache, a dict or a ``PretrainedConfig``:
 :func:`~pipeloom.plan.cluster.model.source.read_config`), without importing transformers: dense decoders (LLaMA,
 Mistral, Qwen2/3, Gemma 1/2/3, Granite, Phi-3, OLMo 2/3, SmolLM3, StarCoder2, Cohere's Command R / R7B / A, ERNIE
-4.5, GLM-4, Seed-OSS, EXAONE 4, Falcon, GPT-2, GPT-NeoX) and mixture-of-experts decoders (Mixtral, OLMoE,
-MiniMax-M2, Qwen2-MoE, Qwen3-MoE, ERNIE 4.5 MoE, DeepSeek-V2/V3, GLM-4.7-Flash and Mistral 4 with multi-head latent
-attention, GLM-4.5, dots.llm1, gpt-oss with attention sinks and biased experts), a field left out taking transformers'
-default for the family (:data:`~pipeloom.plan.cluster.model.source.FAMILY_DEFAULTS`), with sliding-window attention
-on the layers transformers gives it (:func:`_windows`)."""
+4.5, GLM-4, Seed-OSS, EXAONE 4, Falcon, GPT-2, GPT-NeoX) and mixture-of-experts decoders (Mixtral, Phi-3.5-MoE,
+OLMoE, MiniMax-M2, Qwen2-MoE, Qwen3-MoE, ERNIE 4.5 MoE, DeepSeek-V2/V3, GLM-4.7-Flash and Mistral 4 with multi-head
+latent attention, GLM-4.5, dots.llm1, gpt-oss with attention sinks and biased experts), a field left out taking
+transformers' default for the family (:data:`~pipeloom.plan.cluster.model.source.FAMILY_DEFAULTS`), with
+sliding-window attention on the layers transformers gives it (:func:`_windows`)."""
 
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ _DENSE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text"
           "smollm3", "starcoder2", "cohere", "cohere2", "ernie4_5", "glm4", "seed_oss", "exaone4", "falcon",
           "gpt2", "gpt_neox")
 _OLMO = ("olmo2", "olmo3", "olmoe")
-_MOE = ("mixtral", "olmoe", "minimax_m2", "qwen2_moe", "qwen3_moe", "ernie4_5_moe", "deepseek_v2", "deepseek_v3",
-        "glm4_moe", "glm4_moe_lite", "dots1", "mistral4", "gpt_oss")
+_MOE = ("mixtral", "phimoe", "olmoe", "minimax_m2", "qwen2_moe", "qwen3_moe", "ernie4_5_moe", "deepseek_v2",
+        "deepseek_v3", "glm4_moe", "glm4_moe_lite", "dots1", "mistral4", "gpt_oss")
 SUPPORTED_FAMILIES: tuple[str, ...] = _DENSE + _MOE
 """The ``model_type`` values :func:`model_spec` reads."""
 
@@ -137,19 +137,19 @@ def _dropouts(data: Mapping[str, Any], family: str, parallel: bool) -> dict[str,
 
 def _windows(data: Mapping[str, Any], family: str, layers: int) -> tuple[int, tuple[int, ...]]:
     """``(window, layers)`` of sliding-window attention as transformers builds the model: the config's
-    ``layer_types`` where it has them (``"sliding_attention"`` layers); otherwise Mistral, Mixtral, Phi-3 and
-    StarCoder2 window every layer when ``sliding_window`` is set, OLMo 3 three layers of every four (its default
-    ``layer_types``), Gemma 2 and gpt-oss every second layer from the first, Gemma 3, Cohere 2 and EXAONE 4 all but
-    every ``sliding_window_pattern``-th (6, 4 and 4), Qwen3-MoE every layer with ``use_sliding_window``, Qwen2 and
-    Qwen3 the layers from ``max_window_layers`` on, Qwen2-MoE every second layer below it; the other families
-    never."""
+    ``layer_types`` where it has them (``"sliding_attention"`` layers); otherwise Mistral, Mixtral, Phi-3,
+    Phi-3.5-MoE and StarCoder2 window every layer when ``sliding_window`` is set, OLMo 3 three layers of every four
+    (its default ``layer_types``), Gemma 2 and gpt-oss every second layer from the first, Gemma 3, Cohere 2 and
+    EXAONE 4 all but every ``sliding_window_pattern``-th (6, 4 and 4), Qwen3-MoE every layer with
+    ``use_sliding_window``, Qwen2 and Qwen3 the layers from ``max_window_layers`` on, Qwen2-MoE every second layer
+    below it; the other families never."""
     size = data.get("sliding_window")
     if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
         return 0, ()
     types = data.get("layer_types")
     if isinstance(types, (list, tuple)):
         return size, tuple(n for n, kind in enumerate(types[:layers]) if kind == "sliding_attention")
-    if family in ("mistral", "mixtral", "phi3", "starcoder2"):
+    if family in ("mistral", "mixtral", "phimoe", "phi3", "starcoder2"):
         return size, tuple(range(layers))
     if family in ("gemma2", "gpt_oss"):
         return size, tuple(n for n in range(layers) if (n + 1) % 2)
@@ -206,6 +206,8 @@ def _family_spec(data: Mapping[str, Any], family: str) -> ModelSpec:
         return _deepseek(data, common, heads, head_dim)
     if family == "gpt_oss":
         return _gpt_oss(data, common, heads, head_dim)
+    if family == "phimoe":
+        return _phimoe(data, common, heads, head_dim)
     kv_heads = int(data.get("num_key_value_heads") or heads)
     bias = bool(data.get("attention_bias", False))
     qkv_bias = family == "qwen2" or (family == "qwen2_moe" and bool(data.get("qkv_bias", True))) or bias
@@ -367,3 +369,22 @@ def _gpt_oss(data: Mapping[str, Any], common: dict[str, Any], heads: int, head_d
                       bias=True, softmax_after_top_k=True)
     return ModelSpec(**common, attention=attention, intermediate=experts.intermediate, experts=experts,
                      moe_layers=tuple(range(common["layers"])))
+
+
+def _phimoe(data: Mapping[str, Any], common: dict[str, Any], heads: int, head_dim: int) -> ModelSpec:
+    """Phi-3.5-MoE: Mixtral's layer under LayerNorms with biases, q/k/v/o biases under ``attention_bias``, a head
+    bias under ``lm_head_bias``, every layer an MoE of ``intermediate_size`` gated experts whose router is the
+    sparsemixer (always the top 2: ``num_experts_per_tok`` must say so), with ``input_jitter_noise`` in training."""
+    top_k = int(_get(data, "num_experts_per_tok"))
+    if top_k != 2:
+        raise ModelConfigError(f"phimoe routes each token to 2 experts (its sparsemixer picks exactly two), but "
+                               f"num_experts_per_tok is {top_k}: set it to 2")
+    bias = bool(data.get("attention_bias", False))
+    attention = Attention(heads=heads, kv_heads=int(data.get("num_key_value_heads") or heads), qk_dim=head_dim,
+                          v_dim=head_dim, qkv_bias=bias, o_bias=bias)
+    experts = Experts(count=int(_get(data, "num_local_experts", "num_experts")), top_k=top_k,
+                      intermediate=int(_get(data, "intermediate_size")), sparsemixer=True,
+                      input_jitter=_rate(data, "input_jitter_noise"))
+    return ModelSpec(**common, attention=attention, intermediate=experts.intermediate, experts=experts,
+                     moe_layers=tuple(range(common["layers"])), layer_norm=True,
+                     head_bias=bool(data.get("lm_head_bias", False)))

@@ -78,6 +78,12 @@ class Experts:
     """Groups a token may be routed into (DeepSeek's ``topk_group``); 0: routing not group-limited."""
     bias: bool = False
     """Biases on each routed expert's gate/up and down projections, and on the router (gpt-oss)."""
+    sparsemixer: bool = False
+    """Phi-3.5-MoE's router (transformers' ``sparsemixer``): the top 2 by two masked softmaxes over every expert,
+    each kept with its chosen probability: a second softmax and two fp32 multipliers beyond a softmax router's."""
+    input_jitter: bool = False
+    """A multiplicative noise on the MoE block's input in training, drawn twice (the block's and its router's:
+    Phi-3.5-MoE's ``input_jitter_noise``), each noise tensor kept for the backward (h elements per token each)."""
     softmax_after_top_k: bool = False
     """The router takes the top-k logits, then a softmax over those k (gpt-oss); else its probabilities are over
     every expert (a softmax or sigmoid, then the top k)."""
