@@ -68,6 +68,18 @@ def test_encoder_decoder_models_are_bitwise_exact_on_two_ranks():
         assert first and first.keys() == second.keys() and all(first[n] == second[n] for n in first), key
 
 
+def _assert_seeded_reference(results: dict) -> None:
+    """Every rank's :func:`hf_jobs.hf_dropout` report: gradients and losses equal the seeded reference's bitwise,
+    and the draws changed the loss (eval mode, which draws nothing, gives another)."""
+    failures = {rank: value for rank, (status, value) in results.items() if status != "ok"}
+    assert not failures, failures
+    for rank, (_, report) in results.items():
+        for schedule, outcome in report.items():
+            assert outcome["mismatches"] == [], (rank, schedule, outcome["mismatches"])
+            assert all(ours == theirs for ours, theirs in outcome["losses"]), (rank, schedule, outcome["losses"])
+            assert outcome["losses"][0][0] != pytest.approx(outcome["no_dropout_loss"], rel=1e-6)
+
+
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("world, schedules", [(1, ["interleaved-1f1b"]), (2, ["zbv", "interleaved-1f1b"]),
                                               (4, ["1f1b"])], ids=["1rank", "2ranks", "4ranks"])
@@ -76,14 +88,7 @@ def test_dropout_is_the_same_on_any_number_of_ranks(world, schedules):
         results = {0: ("ok", hf_dropout(0, 1, schedules))}
     else:
         results = run_ranks(world, hf_dropout, schedules, timeout=360)
-    failures = {rank: value for rank, (status, value) in results.items() if status != "ok"}
-    assert not failures, failures
-    for rank, (_, report) in results.items():
-        for schedule, outcome in report.items():
-            assert outcome["mismatches"] == [], (rank, schedule, outcome["mismatches"])
-            assert all(ours == theirs for ours, theirs in outcome["losses"]), (rank, schedule, outcome["losses"])
-            # dropout really drew: the loss differs from the same model without it
-            assert outcome["losses"][0][0] != pytest.approx(outcome["no_dropout_loss"], rel=1e-6)
+    _assert_seeded_reference(results)
 
 
 @pytest.mark.timeout(400)
@@ -91,15 +96,7 @@ def test_random_routing_is_the_same_on_any_number_of_ranks():
     """Phi-3.5-MoE (``pipeloom plan --model`` reads it): its sparsemixer samples each token's two experts and its
     input jitter multiplies by noise in training; on two ranks under zbv and interleaved 1f1b (four pieces), its
     losses and gradients equal the seeded single-process reference's bitwise, as dropout's do."""
-    results = run_ranks(2, hf_dropout, ["zbv", "interleaved-1f1b"], 2, "phimoe", timeout=360)
-    failures = {rank: value for rank, (status, value) in results.items() if status != "ok"}
-    assert not failures, failures
-    for rank, (_, report) in results.items():
-        for schedule, outcome in report.items():
-            assert outcome["mismatches"] == [], (rank, schedule, outcome["mismatches"])
-            assert all(ours == theirs for ours, theirs in outcome["losses"]), (rank, schedule, outcome["losses"])
-            # the draws changed the loss: eval mode (the top two by score, no noise) gives another
-            assert outcome["losses"][0][0] != pytest.approx(outcome["no_dropout_loss"], rel=1e-6)
+    _assert_seeded_reference(run_ranks(2, hf_dropout, ["zbv", "interleaved-1f1b"], 2, "phimoe", timeout=360))
 
 
 @pytest.mark.timeout(400)
