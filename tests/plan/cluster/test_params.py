@@ -109,6 +109,8 @@ def test_phimoe_routes_to_two_experts_only():
     assert model_spec(dict(TINY["phimoe"], model_type="phimoe")).experts.top_k == 2
     with pytest.raises(ModelConfigError, match="phimoe routes each token to 2 experts.*set it to 2"):
         model_spec(dict(TINY["phimoe"], model_type="phimoe", num_experts_per_tok=4))
+    with pytest.raises(ModelConfigError, match=r"input_jitter_noise must be a noise magnitude in \[0, 1\), got -0.1"):
+        model_spec(dict(TINY["phimoe"], model_type="phimoe", input_jitter_noise=-0.1))
 
 
 def test_a_dropout_that_is_no_probability_is_refused():

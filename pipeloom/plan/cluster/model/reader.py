@@ -106,13 +106,14 @@ def _guess(architectures: object) -> str:
     return ": add the model_type transformers writes in config.json"
 
 
-def _rate(data: Mapping[str, Any], name: str) -> bool:
-    """Whether the config's dropout ``name`` is on (a rate above 0; absent or null: off)."""
+def _rate(data: Mapping[str, Any], name: str, what: str = "a dropout probability") -> bool:
+    """Whether the config's dropout (or other training noise) ``name`` is on: a value in (0, 1); absent, null or 0:
+    off; anything else refused, saying it must be ``what``."""
     value = data.get(name)
     if value is None:
         return False
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
-        raise ModelConfigError(f"{name} must be a dropout probability in [0, 1), got {value!r}")
+        raise ModelConfigError(f"{name} must be {what} in [0, 1), got {value!r}")
     return value > 0
 
 
@@ -322,12 +323,11 @@ def _ernie(data: Mapping[str, Any], common: dict[str, Any], heads: int, head_dim
 def _deepseek(data: Mapping[str, Any], common: dict[str, Any], heads: int, head_dim: int) -> ModelSpec:
     """DeepSeek-V2/V3, GLM-4.7-Flash (``glm4_moe_lite``) and Mistral 4 (``mistral4``: DeepSeek-V3's layers under
     DeepSeek-V2's softmax router, a position-dependent scale on the queries, no multi-token prediction) with MLA
-    attention, and GLM-4.5 (``glm4_moe``) and
-    dots.llm1 (``dots1``) with grouped-query attention of ``head_dim``, q/k norms per head (GLM-4.5's with
-    ``use_qk_norm``): shared experts, the first ``first_k_dense_replace`` layers dense (GLM-4.7-Flash: the
-    layers its ``mlp_layer_types`` calls ``"dense"``, by default the first), group-limited routing, and
-    ``num_nextn_predict_layers`` multi-token-prediction modules (the family's default where the config leaves
-    the field out: one for DeepSeek-V3 and GLM-4.5, none for DeepSeek-V2, GLM-4.7-Flash and Mistral 4, whose
+    attention, and GLM-4.5 (``glm4_moe``) and dots.llm1 (``dots1``) with grouped-query attention of ``head_dim``,
+    q/k norms per head (GLM-4.5's with ``use_qk_norm``): shared experts, the first ``first_k_dense_replace`` layers
+    dense (GLM-4.7-Flash: the layers its ``mlp_layer_types`` calls ``"dense"``, by default the first), group-limited
+    routing, and ``num_nextn_predict_layers`` multi-token-prediction modules (the family's default where the config
+    leaves the field out: one for DeepSeek-V3 and GLM-4.5, none for DeepSeek-V2, GLM-4.7-Flash and Mistral 4, whose
     transformers configs have no such field)."""
     if common["family"] in ("glm4_moe", "dots1"):
         attention = Attention(heads=heads, kv_heads=int(data.get("num_key_value_heads") or heads), qk_dim=head_dim,
@@ -384,7 +384,7 @@ def _phimoe(data: Mapping[str, Any], common: dict[str, Any], heads: int, head_di
                           v_dim=head_dim, qkv_bias=bias, o_bias=bias)
     experts = Experts(count=int(_get(data, "num_local_experts", "num_experts")), top_k=top_k,
                       intermediate=int(_get(data, "intermediate_size")), sparsemixer=True,
-                      input_jitter=_rate(data, "input_jitter_noise"))
+                      input_jitter=_rate(data, "input_jitter_noise", "a noise magnitude"))
     return ModelSpec(**common, attention=attention, intermediate=experts.intermediate, experts=experts,
                      moe_layers=tuple(range(common["layers"])), layer_norm=True,
                      head_bias=bool(data.get("lm_head_bias", False)))
