@@ -81,6 +81,9 @@ PLANNED = {
     "glm4_moe": dict(_SMALL, head_dim=8, moe_intermediate_size=16, n_routed_experts=4, n_shared_experts=1,
                      num_experts_per_tok=2, first_k_dense_replace=1, n_group=1, topk_group=1, use_qk_norm=True,
                      attention_bias=True, partial_rotary_factor=0.5),
+    "granitemoeshared": dict(_SMALL, num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=32,
+                             embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.1,
+                             logits_scaling=4.0),  # a softmax over the top-k logits, a shared MLP beside the experts
     "mistral4": dict(_SMALL, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4,
                      qk_nope_head_dim=4, v_head_dim=8, n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=16,
                      num_experts_per_tok=2, first_k_dense_replace=1, n_group=2, topk_group=1),  # MLA, softmax router,

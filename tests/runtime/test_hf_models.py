@@ -39,9 +39,10 @@ def test_the_cluster_planners_other_families_are_bitwise_exact_on_two_ranks():
     layers only), ERNIE 4.5 MoE (biased projections, shared experts, a biased head; its dense first layer is the
     dense ERNIE 4.5's), GLM-4 (four norms, interleaved rotary on half the dimensions), Falcon (its layers under
     transformer.h, a fused q/k/v projection), MiniMax-M2 (a sigmoid router with a correction bias buffer), OLMoE,
-    GLM-4.5 (its MoE layers and dense first layer) and Mistral 4 (MLA, a group-limited softmax router, queries
-    scaled by their positions): of the families ``pipeloom plan --model`` reads and
-    saves plans for, those the other cases do not cover, cut at ``model.layers.N`` as its plan files cut them."""
+    GLM-4.5 (its MoE layers and dense first layer), Granite MoE (a shared MLP beside the experts, Granite's
+    multipliers) and Mistral 4 (MLA, a group-limited softmax router, queries scaled by their positions): of the
+    families ``pipeloom plan --model`` reads and saves plans for, those the other cases do not cover, cut at
+    ``model.layers.N`` as its plan files cut them."""
     from hf_models import PLANNED
 
     cases = [(name, schedule, 2 if schedule == "1f1b" else 4) for name in PLANNED for schedule in ("1f1b", "zbv")]

@@ -76,7 +76,8 @@ _GLOBAL = {"gemma2": ["full_attention"] * 2, "gemma3_text": ["full_attention"] *
            "cohere2": ["full_attention"] * 2, "exaone4": ["full_attention"] * 2}
 MOE_FAMILIES = {"qwen3_moe": "sdpa", "mixtral": "sdpa", "olmoe": "sdpa", "deepseek_v3": "eager", "glm4_moe": "sdpa",
                 "gpt_oss": "eager", "ernie4_5_moe": "sdpa", "minimax_m2": "sdpa", "dots1": "sdpa",
-                "glm4_moe_lite": "eager", "mistral4": "eager", "phimoe": "sdpa"}  # the attention each runs (gpt-oss's
+                "glm4_moe_lite": "eager", "mistral4": "eager", "phimoe": "sdpa",
+                "granitemoe": "sdpa", "granitemoeshared": "sdpa"}  # the attention each runs (gpt-oss's
 # sinks, MLA's head dims: no sdpa path)
 _STAT, _INDEX = 4, 8  # bytes of an fp32 statistic, of an int64 index
 _ROTARY_CAT = ("phi3", "glm4", "glm4_moe", "gpt_neox", "minimax_m2")
@@ -417,6 +418,8 @@ def test_megatron_moe_recompute_frees_what_autograd_saved(family):
         for layer in _layers(model, family):
             if _moe_block(layer) is not None:
                 _checkpoint(_moe_block(layer))
+                if getattr(layer, "shared_mlp", None) is not None:  # Granite MoE's shared MLP, the MoE block's
+                    _checkpoint(layer.shared_mlp)  # sibling there, is in Megatron-Core's MoE layer
 
     config, none = _saved_per_layer(family, "none", MOE_FAMILIES[family])
     _, layers = _saved_storages(family, "none", MOE_FAMILIES[family], prepare=prepare)

@@ -71,7 +71,7 @@ def test_reads_config_json(tmp_path):
 @pytest.mark.parametrize("bad, match", [
     ({"model_type": "t5"}, r"not modelled; supported: .*copy its config.json with \"model_type\" set to it "
                            r"\(e.g. \"llama\"\)"),
-    ({"model_type": "granitemoe", "num_local_experts": 32}, r"not modelled.*\"qwen3_moe\".*\"mixtral\".*not a dense"),
+    ({"model_type": "hunyuan_v1_moe", "num_experts": 16}, r"not modelled.*\"qwen3_moe\".*\"mixtral\".*not a dense"),
     (42, "config.json path"),
     (dict(TINY["gemma3_text"], model_type="gemma3_text", use_bidirectional_attention=True), "causal decoders"),
     ({"model_type": "qwen2_5_vl", "text_config": {"model_type": "qwen2_5_vl_text"}},

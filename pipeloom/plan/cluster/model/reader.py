@@ -3,9 +3,9 @@ config.json path, a model folder, a Hugging Face model id in the local cache, a 
 :func:`~pipeloom.plan.cluster.model.source.read_config`), without importing transformers: dense decoders (LLaMA,
 Mistral, Qwen2/3, Gemma 1/2/3, Granite, Phi-3, OLMo 2/3, SmolLM3, StarCoder2, Cohere's Command R / R7B / A, ERNIE
 4.5, GLM-4, Seed-OSS, EXAONE 4, Falcon, GPT-2, GPT-NeoX) and mixture-of-experts decoders (Mixtral, Phi-3.5-MoE,
-OLMoE, MiniMax-M2, Qwen2-MoE, Qwen3-MoE, ERNIE 4.5 MoE, DeepSeek-V2/V3, GLM-4.7-Flash and Mistral 4 with multi-head
-latent attention, GLM-4.5, dots.llm1, gpt-oss with attention sinks and biased experts), a field left out taking
-transformers' default for the family (:data:`~pipeloom.plan.cluster.model.source.FAMILY_DEFAULTS`), with
+Granite MoE, OLMoE, MiniMax-M2, Qwen2-MoE, Qwen3-MoE, ERNIE 4.5 MoE, DeepSeek-V2/V3, GLM-4.7-Flash and Mistral 4
+with multi-head latent attention, GLM-4.5, dots.llm1, gpt-oss with attention sinks and biased experts), a field left
+out taking transformers' default for the family (:data:`~pipeloom.plan.cluster.model.source.FAMILY_DEFAULTS`), with
 sliding-window attention on the layers transformers gives it (:func:`_windows`)."""
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ _DENSE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text"
           "smollm3", "starcoder2", "cohere", "cohere2", "ernie4_5", "glm4", "seed_oss", "exaone4", "falcon",
           "gpt2", "gpt_neox")
 _OLMO = ("olmo2", "olmo3", "olmoe")
-_MOE = ("mixtral", "phimoe", "olmoe", "minimax_m2", "qwen2_moe", "qwen3_moe", "ernie4_5_moe", "deepseek_v2",
-        "deepseek_v3", "glm4_moe", "glm4_moe_lite", "dots1", "mistral4", "gpt_oss")
+_MOE = ("mixtral", "phimoe", "granitemoe", "granitemoeshared", "olmoe", "minimax_m2", "qwen2_moe", "qwen3_moe",
+        "ernie4_5_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "dots1", "mistral4", "gpt_oss")
 SUPPORTED_FAMILIES: tuple[str, ...] = _DENSE + _MOE
 """The ``model_type`` values :func:`model_spec` reads."""
 
@@ -221,10 +221,14 @@ def _family_spec(data: Mapping[str, Any], family: str) -> ModelSpec:
                                  post_norms=family in ("gemma2", "gemma3_text", "glm4"))
     if family in _DENSE:
         return ModelSpec(**dense, intermediate=int(_get(data, "intermediate_size")))
-    if family in ("mixtral", "olmoe", "minimax_m2"):  # every layer sparse, each expert an intermediate_size gated MLP
+    if family in ("mixtral", "olmoe", "minimax_m2", "granitemoe", "granitemoeshared"):  # every layer sparse, each
+        # expert an intermediate_size gated MLP; Granite MoE's router a softmax over the top-k logits, and its shared
+        # MLP (shared_intermediate_size, 0: none)
+        granite = family.startswith("granitemoe")
         experts = Experts(count=int(_get(data, "num_local_experts", "num_experts")),
                           top_k=int(_get(data, "num_experts_per_tok")),
-                          intermediate=int(_get(data, "intermediate_size")))
+                          intermediate=int(_get(data, "intermediate_size")), softmax_after_top_k=granite,
+                          shared_intermediate=int(data.get("shared_intermediate_size") or 0) if granite else 0)
         return ModelSpec(**dense, intermediate=experts.intermediate, experts=experts, moe_layers=tuple(range(layers)))
     experts = Experts(count=int(_get(data, "num_experts", "num_local_experts")),
                       top_k=int(_get(data, "num_experts_per_tok")),
