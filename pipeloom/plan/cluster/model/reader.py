@@ -221,15 +221,8 @@ def _family_spec(data: Mapping[str, Any], family: str) -> ModelSpec:
                                  post_norms=family in ("gemma2", "gemma3_text", "glm4"))
     if family in _DENSE:
         return ModelSpec(**dense, intermediate=int(_get(data, "intermediate_size")))
-    if family in ("mixtral", "olmoe", "minimax_m2", "granitemoe", "granitemoeshared"):  # every layer sparse, each
-        # expert an intermediate_size gated MLP; Granite MoE's router a softmax over the top-k logits, and its shared
-        # MLP (shared_intermediate_size, 0: none)
-        granite = family.startswith("granitemoe")
-        experts = Experts(count=int(_get(data, "num_local_experts", "num_experts")),
-                          top_k=int(_get(data, "num_experts_per_tok")),
-                          intermediate=int(_get(data, "intermediate_size")), softmax_after_top_k=granite,
-                          shared_intermediate=int(data.get("shared_intermediate_size") or 0) if granite else 0)
-        return ModelSpec(**dense, intermediate=experts.intermediate, experts=experts, moe_layers=tuple(range(layers)))
+    if family in ("mixtral", "olmoe", "minimax_m2", "granitemoe", "granitemoeshared"):
+        return _every_layer_sparse(data, family, dense)
     experts = Experts(count=int(_get(data, "num_experts", "num_local_experts")),
                       top_k=int(_get(data, "num_experts_per_tok")),
                       intermediate=int(_get(data, "moe_intermediate_size")),
@@ -239,6 +232,19 @@ def _family_spec(data: Mapping[str, Any], family: str) -> ModelSpec:
     dense_only = set(data.get("mlp_only_layers") or ())
     moe = tuple(i for i in range(layers) if i not in dense_only and experts.count > 0 and (i + 1) % step == 0)
     return ModelSpec(**dense, intermediate=int(_get(data, "intermediate_size")), experts=experts, moe_layers=moe)
+
+
+def _every_layer_sparse(data: Mapping[str, Any], family: str, dense: dict[str, Any]) -> ModelSpec:
+    """Mixtral, OLMoE, MiniMax-M2 and Granite MoE: every layer an MoE of ``intermediate_size`` gated experts (the
+    layer's attention and norms in ``dense``); Granite MoE's router a softmax over the top-k logits, and its shared
+    MLP (``shared_intermediate_size``, 0: none)."""
+    granite = family.startswith("granitemoe")
+    experts = Experts(count=int(_get(data, "num_local_experts", "num_experts")),
+                      top_k=int(_get(data, "num_experts_per_tok")),
+                      intermediate=int(_get(data, "intermediate_size")), softmax_after_top_k=granite,
+                      shared_intermediate=int(data.get("shared_intermediate_size") or 0) if granite else 0)
+    return ModelSpec(**dense, intermediate=experts.intermediate, experts=experts,
+                     moe_layers=tuple(range(dense["layers"])))
 
 
 def _gpt2(data: Mapping[str, Any]) -> ModelSpec:
