@@ -33,7 +33,9 @@ k·h, write h), in both passes, in either implementation.
 A residual dropout (a config that trains with one: ``ModelSpec.residual_dropouts``) writes a one-byte mask per
 element of h and its backward reads it: fused, inside the residual add (Megatron's bias-dropout-add: 1 byte more
 each way, no kernel of its own); eager, ``F.dropout`` as a kernel of its own (read 2, write 2 and the mask: 5 bytes
-per element each way).
+per element each way). Phi-3.5-MoE's input jitter (``Experts.input_jitter``) multiplies the MoE block's input by
+noise twice: fused, a kernel each that draws and writes the noise and scales the input in place (3 elements of h
+each way); eager, ``uniform_`` then ``mul_`` (4 forward, 3 backward, in 2 and 1 kernels).
 
 Not counted: casts around FP8 GEMMs (Float8 scaling reads and writes each GEMM input
 once more: counted by the estimator with the GEMM, not here), and the loss (priced with the head).
@@ -94,6 +96,7 @@ def layer_elementwise(spec: ModelSpec, kind: str, *, tp: int = 1, sp: bool = Fal
     route = 2 * (1 + spec.experts.top_k) * h if kind == "moe" and spec.experts is not None else 0
     qk = (a.heads + a.kv_heads) * a.qk_dim  # the rotated q and k elements
     rotary = spec.positions == 0
+    jitters = 2 if kind == "moe" and spec.experts is not None and spec.experts.input_jitter else 0
     if kernels == "fused":
         norms = spec.layer_norms
         adds, add_kernels = (4 * h, 1) if spec.parallel_residual else (2 * 3 * h, 2)  # one add of 3, or two of 2
@@ -102,9 +105,10 @@ def layer_elementwise(spec: ModelSpec, kind: str, *, tp: int = 1, sp: bool = Fal
         rot = 2 * qk if rotary else 0
         ten_f, ten_b = act_f + rot + route, act_b + rot + route
         masks = MASK_BYTES * spec.residual_dropouts * h / (tp if sp else 1)  # in the residual adds
+        seq_f, seq_b = seq_f + jitters * 3 * h, seq_b + jitters * 3 * h
         f = _W * (seq_f / (tp if sp else 1) + ten_f / tp) + masks
         b = _W * (seq_b / (tp if sp else 1) + ten_b / tp) + masks
-        count = norms + add_kernels + (1 if rotary else 0) + 1 + (2 if route else 0)
+        count = norms + add_kernels + (1 if rotary else 0) + 1 + (2 if route else 0) + jitters
         return Elementwise(f_bytes=f, b_bytes=b, f_kernels=count, b_kernels=count)
     norm = _EAGER_RMSNORM * h if not spec.layer_norm else 2 * _W * h
     norm_kernels = _EAGER_RMSNORM_KERNELS if not spec.layer_norm else 1
@@ -116,5 +120,7 @@ def layer_elementwise(spec: ModelSpec, kind: str, *, tp: int = 1, sp: bool = Fal
     count_f = (spec.layer_norms * norm_kernels + 2 + (2 * _EAGER_ROTARY_KERNELS if rotary else 0)
                + (2 if repeat else 0) + 1 + (2 if gated else 1) + (2 if route else 0))
     dropout = _EAGER_DROPOUT * spec.residual_dropouts * h / (tp if sp else 1)  # each way, a kernel each
-    return Elementwise(f_bytes=f + dropout, b_bytes=2 * f + dropout, f_kernels=count_f + spec.residual_dropouts,
-                       b_kernels=2 * count_f + spec.residual_dropouts)
+    jitter_f, jitter_b = (_W * jitters * n * h / (tp if sp else 1) for n in (4, 3))
+    return Elementwise(f_bytes=f + dropout + jitter_f, b_bytes=2 * f + dropout + jitter_b,
+                       f_kernels=count_f + spec.residual_dropouts + 2 * jitters,
+                       b_kernels=2 * count_f + spec.residual_dropouts + jitters)

@@ -77,6 +77,23 @@ def test_residual_dropouts_write_and_read_their_masks():
         assert (more.f_kernels - base.f_kernels, more.b_kernels - base.b_kernels) == (2, 2)
 
 
+def test_phimoe_input_jitter_is_two_passes_over_the_moe_input():
+    """Its two noise draws and in-place products: fused 3 elements of h each way per draw, a kernel each; eager
+    uniform_ and mul_ (4 forward, 3 backward, 2 + 1 kernels each); dense layers and no jitter: nothing."""
+    phimoe = {"model_type": "phimoe", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "intermediate_size": 96, "vocab_size": 100, "num_local_experts": 4}
+    plain, jittered = model_spec(phimoe), model_spec({**phimoe, "input_jitter_noise": 0.01})
+    h = 64
+    base, more = (layer_elementwise(spec, "moe") for spec in (plain, jittered))
+    assert (more.f_bytes - base.f_bytes, more.b_bytes - base.b_bytes) == (2 * 2 * 3 * h, 2 * 2 * 3 * h)
+    assert (more.f_kernels - base.f_kernels, more.b_kernels - base.b_kernels) == (2, 2)
+    base, more = (layer_elementwise(spec, "moe", kernels="eager") for spec in (plain, jittered))
+    assert (more.f_bytes - base.f_bytes, more.b_bytes - base.b_bytes) == (2 * 2 * 4 * h, 2 * 2 * 3 * h)
+    assert (more.f_kernels - base.f_kernels, more.b_kernels - base.b_kernels) == (4, 2)
+    sp = [layer_elementwise(spec, "moe", tp=2, sp=True) for spec in (plain, jittered)]
+    assert sp[1].f_bytes - sp[0].f_bytes == pytest.approx(2 * 2 * 3 * h / 2)
+
+
 def test_an_embedding_dropout_is_priced_in_the_embedding():
     """Its hidden state read and written and its mask written forward, the reverse backward (the embedding's
     backward is all weight gradient)."""
