@@ -49,7 +49,7 @@ from pipeloom.plan.cluster.counts import MASK_BYTES
 from pipeloom.plan.cluster.model.spec import ModelSpec
 from pipeloom.plan.errors import LayoutError
 
-__all__ = ["KERNELS", "Elementwise", "layer_elementwise"]
+__all__ = ["DROPOUT_BYTES", "KERNELS", "Elementwise", "layer_elementwise"]
 
 KERNELS = ("fused", "eager")
 """How the elementwise operations run: one fused kernel each, or PyTorch's eager ops one by one."""
@@ -59,7 +59,9 @@ _EAGER_RMSNORM = 36  # bytes per element of h (module docstring)
 _EAGER_RMSNORM_KERNELS = 6
 _EAGER_ROTARY = 20  # bytes per element of q and of k
 _EAGER_ROTARY_KERNELS = 3
-_EAGER_DROPOUT = 2 * _W + MASK_BYTES  # bytes per element of h, forward and backward alike
+DROPOUT_BYTES = 2 * _W + MASK_BYTES
+"""Bytes per element of a dropout run as a kernel of its own (read and write the bf16 tensor, write or read its
+mask), forward and backward alike: eager residual dropouts, and the embedding's dropout in either kernel mode."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -119,7 +121,7 @@ def layer_elementwise(spec: ModelSpec, kind: str, *, tp: int = 1, sp: bool = Fal
     f = seq_f / (tp if sp else 1) + ten_f / tp
     count_f = (spec.layer_norms * norm_kernels + 2 + (2 * _EAGER_ROTARY_KERNELS if rotary else 0)
                + (2 if repeat else 0) + 1 + (2 if gated else 1) + (2 if route else 0))
-    dropout = _EAGER_DROPOUT * spec.residual_dropouts * h / (tp if sp else 1)  # each way, a kernel each
+    dropout = DROPOUT_BYTES * spec.residual_dropouts * h / (tp if sp else 1)  # each way, a kernel each
     jitter_f, jitter_b = (_W * jitters * n * h / (tp if sp else 1) for n in (4, 3))
     return Elementwise(f_bytes=f + dropout + jitter_f, b_bytes=2 * f + dropout + jitter_b,
                        f_kernels=count_f + spec.residual_dropouts + 2 * jitters,

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 
 from pipeloom.plan.cluster.context import context_parallel_core
-from pipeloom.plan.cluster.counts import MASK_BYTES, WINDOWED, block_kind, layer_counts
+from pipeloom.plan.cluster.counts import WINDOWED, block_kind, layer_counts
 from pipeloom.plan.cluster.efficiency import (
     CURRENT_CAST_BYTES,
     DYNAMIC_CAST_BYTES,
@@ -24,7 +24,7 @@ from pipeloom.plan.cluster.efficiency import (
     node_dispatch_seconds,
     overlapped_seconds,
 )
-from pipeloom.plan.cluster.elementwise import layer_elementwise
+from pipeloom.plan.cluster.elementwise import DROPOUT_BYTES, layer_elementwise
 from pipeloom.plan.cluster.hardware import Hardware
 from pipeloom.plan.cluster.job import Job
 from pipeloom.plan.cluster.layout import Layout
@@ -124,8 +124,8 @@ def layer_times(job: Job, layout: Layout, kind: str) -> PhaseTimes:
     if kind == "embedding":
         comm = collective_seconds(hw, "reduce_scatter" if sp else "all_reduce", hidden_bytes, tp,
                                   ranks_per_domain=tp_ranks) if tp > 1 else 0.0
-        # its dropout (a config that trains with one): read and write the hidden state and a one-byte mask, each way
-        dropout = memory_seconds(hw, (2 * width + MASK_BYTES) * tokens * spec.hidden) if spec.embedding_dropout else 0.0
+        # its dropout (a config that trains with one), a kernel of its own each way
+        dropout = memory_seconds(hw, DROPOUT_BYTES * tokens * spec.hidden) if spec.embedding_dropout else 0.0
         return PhaseTimes(f=memory_seconds(hw, hidden_bytes) + comm + dropout, i=0.0,
                           w=memory_seconds(hw, 2 * hidden_bytes) + dropout)
     if kind == "head":
