@@ -39,10 +39,12 @@ def _experts(spec, layout) -> list[str]:
 
 
 def _window(spec) -> str:
-    """The header's note of sliding-window attention ('' without)."""
+    """The header's note of sliding-window or chunked attention ('' without)."""
     if not spec.window_layers:
         return ""
-    return f", sliding window {spec.window:,} tokens on {len(spec.window_layers)} of {spec.layers} layers"
+    local = (f"attention in chunks of {spec.window:,} tokens" if spec.chunked else
+             f"sliding window {spec.window:,} tokens")
+    return f", {local} on {len(spec.window_layers)} of {spec.layers} layers"
 
 
 def _dropout(spec) -> str:

@@ -88,6 +88,10 @@ PLANNED = {
                      qk_nope_head_dim=4, v_head_dim=8, n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=16,
                      num_experts_per_tok=2, first_k_dense_replace=1, n_group=2, topk_group=1),  # MLA, softmax router,
     # the queries scaled by their position (position_ids reach every layer)
+    "llama4_text": dict(_SMALL, head_dim=8, intermediate_size=16, intermediate_size_mlp=64, num_local_experts=4,
+                        num_experts_per_tok=1, interleave_moe_layer_step=2, no_rope_layer_interval=2,
+                        attention_chunk_size=4),  # chunked attention on the rotary layers, NoPE layers with the
+    # queries' temperature, every expert run on every token under a sigmoid router, a shared expert
 }
 """Tiny configs of the families ``pipeloom plan --model`` reads that the cases above do not cover (ERNIE 4.5's dense
 model is covered by its MoE model's dense first layer; Seed-OSS is LLaMA's layer with the biased projections of

@@ -40,7 +40,8 @@ def test_the_cluster_planners_other_families_are_bitwise_exact_on_two_ranks():
     dense ERNIE 4.5's), GLM-4 (four norms, interleaved rotary on half the dimensions), Falcon (its layers under
     transformer.h, a fused q/k/v projection), MiniMax-M2 (a sigmoid router with a correction bias buffer), OLMoE,
     GLM-4.5 (its MoE layers and dense first layer), Granite MoE (a shared MLP beside the experts, Granite's
-    multipliers) and Mistral 4 (MLA, a group-limited softmax router, queries scaled by their positions): of the
+    multipliers), Mistral 4 (MLA, a group-limited softmax router, queries scaled by their positions) and Llama 4
+    (chunked attention on its rotary layers, NoPE layers, a sigmoid router, every expert run on every token): of the
     families ``pipeloom plan --model`` reads and saves plans for, those the other cases do not cover, cut at
     ``model.layers.N`` as its plan files cut them."""
     from hf_models import PLANNED

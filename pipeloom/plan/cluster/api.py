@@ -82,6 +82,7 @@ class ClusterPlan:
                       "experts": self.job.spec.experts.count if self.job.spec.experts else 0,
                       "sliding_window": self.job.spec.window,
                       "sliding_window_layers": list(self.job.spec.window_layers),
+                      "chunked_attention": self.job.spec.chunked, "nope_layers": list(self.job.spec.nope_layers),
                       "residual_dropouts": self.job.spec.residual_dropouts,
                       "embedding_dropout": self.job.spec.embedding_dropout},
             "gpus": self.job.gpus, "global_batch": self.job.global_batch, "seq": self.job.seq,

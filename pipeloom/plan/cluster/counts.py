@@ -17,6 +17,7 @@ MLP intermediates). Context parallelism divides everything by cp.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Literal
 
@@ -24,7 +25,8 @@ from pipeloom.plan.cluster.model.spec import ModelSpec
 
 __all__ = ["Recompute", "RECOMPUTE_MODES", "LayerCounts", "Activations", "layer_counts", "attention_flops",
            "attended_fraction", "model_params", "optimizer_bytes", "mtp_block", "mtp_activations", "layer_kinds",
-           "block_kind", "WINDOWED", "STAT_BYTES", "MASK_BYTES", "mlp_activations", "moe_activations", "norm_stats"]
+           "block_kind", "is_windowed", "is_nope", "WINDOWED", "NOPE", "STAT_BYTES", "MASK_BYTES", "mlp_activations",
+           "moe_activations", "norm_stats"]
 
 Recompute = Literal["none", "selective", "full"]
 RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
@@ -35,27 +37,47 @@ MASK_BYTES = 1
 uint8)."""
 _INDEX = 8  # bytes of one int64 index (a token's top-k expert choice, a routed copy's place in the permutation)
 WINDOWED = "-window"
-"""The suffix of a decoder layer kind whose attention is windowed (``dense-window``, ``moe-window``)."""
+"""The suffix of a decoder layer kind whose attention is windowed (``dense-window``, ``moe-window``): a sliding
+window, or chunks (:attr:`~pipeloom.plan.cluster.model.spec.ModelSpec.chunked`)."""
+NOPE = "-nope"
+"""The suffix of a decoder layer kind without rotary embeddings (``dense-nope``, ``moe-window-nope``)."""
 
 
 def block_kind(kind: str) -> str:
-    """The kind of a layer's parameters and MLP: ``kind`` without :data:`WINDOWED`."""
-    return kind.removesuffix(WINDOWED)
+    """The kind of a layer's parameters and MLP: ``kind`` without :data:`WINDOWED` and :data:`NOPE`."""
+    return kind.removesuffix(NOPE).removesuffix(WINDOWED)
+
+
+def is_windowed(kind: str) -> bool:
+    """Whether a layer of ``kind`` attends in a window (or chunks): a :data:`WINDOWED` kind."""
+    return kind.removesuffix(NOPE).endswith(WINDOWED)
+
+
+def is_nope(kind: str) -> bool:
+    """Whether a layer of ``kind`` runs without rotary embeddings: a :data:`NOPE` kind."""
+    return kind.endswith(NOPE)
 
 
 def layer_kinds(spec: ModelSpec) -> tuple[str, ...]:
     """The kind of each decoder layer in model order: ``dense`` or ``moe``, with :data:`WINDOWED` where its attention
-    is a sliding window shorter than the sequence may be."""
-    moe, windowed = set(spec.moe_layers), set(spec.window_layers)
-    return tuple(("moe" if n in moe else "dense") + (WINDOWED if n in windowed else "") for n in range(spec.layers))
+    is a sliding window (or chunks) shorter than the sequence may be, then :data:`NOPE` where it has no rotary
+    embeddings."""
+    moe, windowed, nope = set(spec.moe_layers), set(spec.window_layers), set(spec.nope_layers)
+    return tuple(("moe" if n in moe else "dense") + (WINDOWED if n in windowed else "") + (NOPE if n in nope else "")
+                 for n in range(spec.layers))
 
 
-def attended_fraction(seq: int, window: int = 0) -> float:
+def attended_fraction(seq: int, window: int = 0, *, chunked: bool = False) -> float:
     """The fraction of the ``seq x seq`` score square a causal kernel computes: the lower triangle (1/2), or under a
-    sliding ``window`` shorter than ``seq`` the band ``(w·s - w²/2) / s²``. Both leave out the diagonal's half
-    (``min(s, w) / 2`` score pairs), as ``s²/2`` does for the triangle, so the two agree at ``w = s``."""
+    sliding ``window`` shorter than ``seq`` the band ``(w·s - w²/2) / s²``, or in ``chunked`` attention (chunks of
+    ``window`` tokens) each chunk's triangle, ``(n·w² + r²) / (2 s²)`` for n whole chunks and r tokens left. All
+    leave out the diagonal's half (``min(s, w) / 2`` score pairs), as ``s²/2`` does for the triangle, so they agree
+    at ``w = s``."""
     if window <= 0 or window >= seq:
         return 0.5
+    if chunked:
+        whole, left = divmod(seq, window)
+        return (whole * window * window + left * left) / (2 * seq * seq)
     return (window * seq - window * window / 2) / (seq * seq)
 
 
@@ -119,8 +141,14 @@ def norm_stats(spec: ModelSpec) -> int:
     return 2 * STAT_BYTES if spec.layer_norm else STAT_BYTES
 
 
-def _attention_weights(spec: ModelSpec) -> tuple[int, int]:
-    """``(matmul weight elements, other parameters)`` of one layer's attention."""
+def _qk_norm(spec: ModelSpec, kind: str) -> bool:
+    """Whether a layer of ``kind`` normalises its q and k (not a NoPE layer's where the norm follows the rotary)."""
+    a = spec.attention
+    return a.qk_norm and not (a.qk_norm_with_rope and is_nope(kind))
+
+
+def _attention_weights(spec: ModelSpec, kind: str = "dense") -> tuple[int, int]:
+    """``(matmul weight elements, other parameters)`` of the attention of one layer of ``kind``."""
     a, h = spec.attention, spec.hidden
     if a.latent:
         q = h * a.q_rank + a.q_rank * a.heads * a.qk_dim if a.q_rank else h * a.heads * a.qk_dim
@@ -131,7 +159,8 @@ def _attention_weights(spec: ModelSpec) -> tuple[int, int]:
         return q + kv + out, norms + bias
     q, k, v = a.heads * a.qk_dim, a.kv_heads * a.qk_dim, a.kv_heads * a.v_dim
     o = a.heads * a.v_dim
-    qk_norms = (q + k if a.qk_norm_full or a.qk_norm_head_weights else 2 * a.qk_dim) if a.qk_norm else 0
+    qk_norms = (0 if a.qk_norm_weightless else q + k if a.qk_norm_full or a.qk_norm_head_weights else
+                2 * a.qk_dim) if _qk_norm(spec, kind) else 0
     other = (q + k + v if a.qkv_bias else 0) + (h if a.o_bias else 0) + qk_norms + (a.heads if a.sinks else 0)
     return h * (q + k + v) + o * h, other
 
@@ -153,19 +182,20 @@ def attention_flops(spec: ModelSpec, seq: int, *, causal: bool = False, window: 
     return full * attended_fraction(seq, window) if causal else full
 
 
-def _attention_activations(spec: ModelSpec, width: int) -> tuple[float, float, float]:
+def _attention_activations(spec: ModelSpec, width: int, kind: str = "dense") -> tuple[float, float, float]:
     """``(sequence, tensor, replicated)`` bytes per token of the attention half of a layer (flash attention,
     ``width`` bytes per element): the norm's input and output (+ 1/rms) and q, k, v, the output (also the output
     projection's input) and the log-sum-exp per head; Qwen3's q/k norms keep their inputs (+ 1/rms per head, or
     one each for q and k where they span the whole projection: OLMo 2 and 3; Cohere's LayerNorms per head their
     mean and 1/std);
-    MLA's two low-rank norms (q and kv latents) keep their inputs and outputs (+ 1/rms), on every tp rank."""
+    MLA's two low-rank norms (q and kv latents) keep their inputs and outputs (+ 1/rms), on every tp rank. A layer of
+    ``kind`` without the q/k norms (:func:`_qk_norm`) keeps neither."""
     a, h = spec.attention, spec.hidden
     sequence = width * (2 * h) + norm_stats(spec)
     qkv = a.heads * a.qk_dim + a.kv_heads * (a.qk_dim + a.v_dim)
     stats = a.heads
     replicated = 0.0
-    if a.qk_norm:
+    if _qk_norm(spec, kind):
         qkv += (a.heads + a.kv_heads) * a.qk_dim
         if a.qk_norm_full:  # one 1/rms for q and one for k, over all heads: on every tp rank
             replicated += 2 * STAT_BYTES
@@ -250,12 +280,13 @@ def moe_activations(spec: ModelSpec, *, width: int = 2) -> float:
 
 
 def layer_counts(spec: ModelSpec, kind: str, seq: int, *, width: int = 2) -> LayerCounts:
-    """The counts of one layer of ``kind`` (embedding, dense, moe, their :data:`WINDOWED` kinds, head, mtp) for
-    one sequence of ``seq`` tokens; ``width``: bytes of one activation element (2: bf16; statistics are fp32
-    whatever it is). A windowed kind counts as its block kind but for ``attended_f``."""
+    """The counts of one layer of ``kind`` (embedding, dense, moe, their :data:`WINDOWED` and :data:`NOPE` kinds,
+    head, mtp) for one sequence of ``seq`` tokens; ``width``: bytes of one activation element (2: bf16; statistics
+    are fp32 whatever it is). A windowed kind counts as its block kind but for ``attended_f``; a NoPE kind but for
+    a q/k norm that follows the rotary (:attr:`~pipeloom.plan.cluster.model.spec.Attention.qk_norm_with_rope`)."""
     h = spec.hidden
-    window = spec.window if kind.endswith(WINDOWED) else 0
-    kind = block_kind(kind)
+    window = spec.window if is_windowed(kind) else 0
+    layer, kind = kind, block_kind(kind)
     if kind == "mtp":
         return _mtp_counts(spec, seq, width)
     if kind == "embedding":
@@ -270,7 +301,7 @@ def layer_counts(spec: ModelSpec, kind: str, seq: int, *, width: int = 2) -> Lay
         keep = Activations(sequence=width * 2 * h + norm_stats(spec), tensor=4.0 * spec.vocab)
         return LayerCounts(kind=kind, params=params, expert_params=0, f=mm, i=mm, w=mm, attention_f=0.0,
                            attended_f=0.0, activations={m: keep for m in ("none", "selective", "full")})
-    attn_mm, attn_other = _attention_weights(spec)
+    attn_mm, attn_other = _attention_weights(spec, layer)
     if kind == "dense":
         mlp_mm, mlp_other = _mlp_weights(spec, spec.intermediate, gated=spec.gated, bias=spec.mlp_bias)
         expert_params, routed_mm = 0, 0
@@ -282,7 +313,7 @@ def layer_counts(spec: ModelSpec, kind: str, seq: int, *, width: int = 2) -> Lay
     params = attn_mm + attn_other + mlp_mm + mlp_other + spec.layer_norms * _norm(spec)
     core = attention_flops(spec, seq)
     linear = 2.0 * seq * (attn_mm + mlp_mm + routed_mm)
-    seq_a, tensor_a, latent = _attention_activations(spec, width)
+    seq_a, tensor_a, latent = _attention_activations(spec, width, layer)
     # + the MLP norm's input and output (+ 1/rms; its input is the attention norm's under a parallel residual,
     # and with one norm before both branches the attention half's counts hold it); a norm after a branch keeps
     # its input (+ 1/rms), its output going into the residual add
@@ -299,19 +330,18 @@ def layer_counts(spec: ModelSpec, kind: str, seq: int, *, width: int = 2) -> Lay
     selective = Activations(sequence=sequence, tensor=tensor_a + mlp_keep - STAT_BYTES * spec.attention.heads,
                             replicated=latent)
     full = Activations(sequence=float(width * h), tensor=0.0)  # only the layer's input
-    return LayerCounts(kind=kind + (WINDOWED if window else ""), params=params, expert_params=expert_params,
+    return LayerCounts(kind=layer, params=params, expert_params=expert_params,
                        f=linear + core, i=linear + 2 * core, w=linear, attention_f=core,
-                       attended_f=core * attended_fraction(seq, window),
+                       attended_f=core * attended_fraction(seq, window, chunked=spec.chunked),
                        activations={"none": none, "selective": selective, "full": full})
 
 
 def model_params(spec: ModelSpec) -> int:
     """Parameters of the whole model (an untied head counted once; not its multi-token-prediction modules, which
     DeepSeek-V3's 671 B leaves out too: ``spec.mtp * layer_counts(spec, "mtp", 1).params`` more)."""
-    dense = layer_counts(spec, "dense", 1).params if spec.dense_layers else 0
-    moe = layer_counts(spec, "moe", 1).params if spec.moe_layers else 0
-    return (layer_counts(spec, "embedding", 1).params + layer_counts(spec, "head", 1).params
-            + spec.dense_layers * dense + len(spec.moe_layers) * moe)
+    layers = Counter(layer_kinds(spec))
+    return sum(count * layer_counts(spec, kind, 1).params for kind, count in (*layers.items(), ("embedding", 1),
+                                                                             ("head", 1)))
 
 
 def optimizer_bytes(params: float, *, shards: int = 1, fsdp: bool = False) -> tuple[float, float, float]:

@@ -196,29 +196,31 @@ def gemm_seconds(hw: Hardware, m: float, n: float, k: float, *, dtype: str = "bf
 
 
 def attention_flops(*, batch: float, heads: int, seq: int, head_dim: int, causal: bool = True, window: int = 0,
-                    backward: bool = False) -> float:
+                    chunked: bool = False, backward: bool = False) -> float:
     """FLOPs of the flash-attention core: ``4·b·h·s²·d`` forward (half when causal; a causal sliding ``window``'s
-    band: :func:`~pipeloom.plan.cluster.counts.attended_fraction`), 2.5x that backward."""
+    band, or ``chunked`` in chunks of ``window`` tokens each chunk's triangle:
+    :func:`~pipeloom.plan.cluster.counts.attended_fraction`), 2.5x that backward."""
     _sizes(batch=batch)
     _dims(heads=heads, seq=seq, head_dim=head_dim)
     if isinstance(window, bool) or not isinstance(window, int) or window < 0:
         raise HardwareError(f"window must be a number of tokens >= 0 (0: none), got {window!r}")
-    forward = 4.0 * batch * heads * seq * seq * head_dim * (attended_fraction(seq, window) if causal else 1.0)
+    forward = 4.0 * batch * heads * seq * seq * head_dim * (attended_fraction(seq, window, chunked=chunked)
+                                                           if causal else 1.0)
     return forward * (_BACKWARD if backward else 1.0)
 
 
 def attention_seconds(hw: Hardware, *, batch: float, heads: int, seq: int, head_dim: int, causal: bool = True,
-                      window: int = 0, dtype: str = "bf16", backward: bool = False) -> float:
+                      window: int = 0, chunked: bool = False, dtype: str = "bf16", backward: bool = False) -> float:
     """Seconds of the flash-attention core, forward or backward (module docstring), with a causal sliding
-    ``window`` of that many tokens (0: none). Megatron's and Transformer Engine's FP8 recipes keep attention in
-    BF16: pass ``dtype="bf16"`` for them."""
+    ``window`` of that many tokens (0: none), or ``chunked`` in chunks of ``window`` tokens. Megatron's and
+    Transformer Engine's FP8 recipes keep attention in BF16: pass ``dtype="bf16"`` for them."""
     flops = attention_flops(batch=batch, heads=heads, seq=seq, head_dim=head_dim, causal=causal, window=window,
-                            backward=backward)
+                            chunked=chunked, backward=backward)
     peak, width = hw.peak(dtype), dtype_bytes(dtype)
     if flops == 0:
         return 0.0
     share = hw.attention_backward_efficiency if backward else hw.attention_efficiency
-    keys = min(seq, window) if causal and window else seq  # keys each query's tile loops over
+    keys = min(seq, window) if causal and window else seq  # keys each query's tile loops over (at most a chunk's)
     compute = flops / (peak * share * keys / (keys + hw.attention_half_seq))
     # Forward reads q, k, v and writes o; backward reads those and do, writes dq, dk, dv.
     traffic = (8 if backward else 4) * batch * heads * seq * head_dim * width

@@ -78,12 +78,13 @@ class Elementwise:
     """Backward kernels."""
 
 
-def layer_elementwise(spec: ModelSpec, kind: str, *, tp: int = 1, sp: bool = False,
-                      kernels: str = "fused") -> Elementwise:
+def layer_elementwise(spec: ModelSpec, kind: str, *, tp: int = 1, sp: bool = False, kernels: str = "fused",
+                      rotary: bool = True) -> Elementwise:
     """The elementwise traffic of one ``dense`` or ``moe`` layer per token of the micro-batch on one GPU of a
     tp group: the residual stream's ops (norms, adds) divided by tp under sequence parallelism, the head and
     MLP-width ops (rotary, activation) by tp always. A MoE layer's activation runs on each token's top-k
-    experts plus the shared expert(s)."""
+    experts plus the shared expert(s). ``rotary``: False for a NoPE layer (no rotary kernels); a model with
+    learned positions has none either way."""
     if kernels not in KERNELS:
         raise LayoutError(f"kernels={kernels!r}: use {' or '.join(map(repr, KERNELS))}")
     if kind not in ("dense", "moe"):
@@ -97,7 +98,7 @@ def layer_elementwise(spec: ModelSpec, kind: str, *, tp: int = 1, sp: bool = Fal
     # a MoE layer permutes each token's k copies to its experts and back (read h, write k·h; read k·h, write h)
     route = 2 * (1 + spec.experts.top_k) * h if kind == "moe" and spec.experts is not None else 0
     qk = (a.heads + a.kv_heads) * a.qk_dim  # the rotated q and k elements
-    rotary = spec.positions == 0
+    rotary = rotary and spec.positions == 0
     jitters = 2 if kind == "moe" and spec.experts is not None and spec.experts.input_jitter else 0
     if kernels == "fused":
         norms = spec.layer_norms

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 
 from pipeloom.plan.cluster.context import context_parallel_core
-from pipeloom.plan.cluster.counts import WINDOWED, block_kind, layer_counts
+from pipeloom.plan.cluster.counts import block_kind, is_nope, is_windowed, layer_counts
 from pipeloom.plan.cluster.efficiency import (
     CURRENT_CAST_BYTES,
     DYNAMIC_CAST_BYTES,
@@ -108,10 +108,11 @@ def add_times(*parts: PhaseTimes) -> PhaseTimes:
 def layer_times(job: Job, layout: Layout, kind: str) -> PhaseTimes:
     """F, I and W seconds of one micro-batch through one layer of ``kind`` on one GPU of ``layout`` (a
     multi-token-prediction module, kind ``mtp``: :func:`pipeloom.plan.cluster.mtp.mtp_times`; a
-    :data:`~pipeloom.plan.cluster.counts.WINDOWED` kind's flash attention skips what its sliding window leaves
-    out, the materialized scores do not)."""
+    :data:`~pipeloom.plan.cluster.counts.WINDOWED` kind's flash attention skips what its sliding window or chunks
+    leave out, the materialized scores do not; a :data:`~pipeloom.plan.cluster.counts.NOPE` kind runs no rotary)."""
     if block_kind(kind) not in ("embedding", "head", "dense", "moe"):
-        raise LayoutError(f"layer_times prices embedding, dense, moe (or windowed) and head layers, not {kind!r}")
+        raise LayoutError(f"layer_times prices embedding, dense, moe (or windowed, NoPE) and head layers, not "
+                          f"{kind!r}")
     job = dataclasses.replace(job, hw=compute_hardware(job, layout))
     spec, hw, tp, cp = job.spec, job.hw, layout.tp, layout.cp
     tokens = layout.mbs * job.seq // cp  # tokens of the micro-batch on this GPU's cp shard
@@ -137,10 +138,10 @@ def layer_times(job: Job, layout: Layout, kind: str) -> PhaseTimes:
                                 if tp > 1 else 0.0)
         loss = memory_seconds(hw, 3.0 * 4 * tokens * spec.vocab / tp)  # fp32 logits: softmax, its gradient
         return PhaseTimes(f=gemm.f + comm + loss, i=gemm.i + back + elementwise, w=gemm.w)
-    a, window = spec.attention, spec.window if kind.endswith(WINDOWED) else 0
+    a, window, rotary = spec.attention, spec.window if is_windowed(kind) else 0, not is_nope(kind)
     kind = block_kind(kind)
     # memory-bound kernels counted one by one (norms, residual adds, rotary, activation, MoE permutes)
-    ew = layer_elementwise(spec, kind, tp=tp, sp=sp, kernels=job.kernels)
+    ew = layer_elementwise(spec, kind, tp=tp, sp=sp, kernels=job.kernels, rotary=rotary)
     ew_f = memory_seconds(hw, ew.f_bytes * tokens) + (ew.f_kernels - 1) * hw.kernel_overhead
     ew_b = memory_seconds(hw, ew.b_bytes * tokens) + (ew.b_kernels - 1) * hw.kernel_overhead
     parts = [_price(job, _gemms(spec, tp), tokens)]
@@ -183,7 +184,8 @@ def _recompute(job: Job, layout: Layout, tokens: int, kind: str, forward: PhaseT
 
 def _attention_core(job: Job, layout: Layout, window: int, *, backward: bool) -> float:
     """Seconds of one layer's attention core on one GPU of ``layout``, forward or backward, in ``job.attention``'s
-    kernels (``window``: the layer's sliding window, 0 for none; scores in HBM compute the masked square whole):
+    kernels (``window``: the layer's sliding window or chunk, 0 for none; scores in HBM compute the masked square
+    whole):
     the cp shard's queries attend to the whole sequence (or window), 1/cp of the causal triangle or band
     (load-balanced halves)."""
     hw, a = job.hw, job.spec.attention
@@ -196,7 +198,7 @@ def _attention_core(job: Job, layout: Layout, window: int, *, backward: bool) ->
         hw = dataclasses.replace(hw, attention_efficiency=hw.attention_efficiency / slow,
                                  attention_backward_efficiency=hw.attention_backward_efficiency / slow)
     return attention_seconds(hw, batch=layout.mbs, heads=heads, seq=job.seq, head_dim=head_dim, window=window,
-                             backward=backward) / layout.cp
+                             chunked=job.spec.chunked, backward=backward) / layout.cp
 
 
 def _op_recompute(job: Job, tokens: int, tp: int) -> float:

@@ -34,6 +34,10 @@ int64 (``nonzero`` gives the token and its top-k slot); per token, its router's 
 GLM-4.5's router is DeepSeek-V3's). Only what the graph still holds once the forward is done counts: a branch
 nothing reads afterwards (a top-k whose values are dropped) frees what it saved, and its addresses go to later
 tensors.
+Llama 4 runs every expert on every token (its tiny instance routes each token to all four, so the copies are the
+model's), scaling each copy's input by its score: per copy it keeps, beyond the model's, act(gate) * up (I) and no
+int64 place in a permutation; its weightless q/k norms keep no normalised tensor before a weight, and its NoPE
+layers keep their queries' temperature per position (:func:`_query_scale`).
 gpt-oss's clamped SwiGLU (``(clamp(up) + 1) * clamp(gate) * sigmoid(alpha * clamp(gate))``) keeps three more
 I-wide tensors per copy in eager code (the clamped gate, the sigmoid, ``clamp(up) + 1``), and its eager attention
 with sinks keeps the probabilities with the sink column (s + 1 per query and head) and the int64 argmax of the
@@ -54,7 +58,7 @@ import pytest
 from tests.plan.cluster.tiny import TINY, tiny_config, tiny_model
 
 from pipeloom.plan.cluster import layer_counts, model_spec
-from pipeloom.plan.cluster.counts import MASK_BYTES
+from pipeloom.plan.cluster.counts import MASK_BYTES, block_kind, layer_kinds
 from pipeloom.plan.cluster.runtime_plan import LAYER_PREFIX
 
 torch = pytest.importorskip("torch")
@@ -73,12 +77,13 @@ FAMILIES = {"llama": "sdpa", "mistral": "sdpa", "qwen2": "sdpa", "qwen3": "sdpa"
 # Gemma 2 / 3 with every layer global: a sliding-window mask makes CPU sdpa keep its scores (not flash-like);
 # the window changes no kept tensor of a flash kernel
 _GLOBAL = {"gemma2": ["full_attention"] * 2, "gemma3_text": ["full_attention"] * 2, "olmo3": ["full_attention"] * 2,
-           "cohere2": ["full_attention"] * 2, "exaone4": ["full_attention"] * 2}
+           "cohere2": ["full_attention"] * 2, "exaone4": ["full_attention"] * 2,
+           "llama4_text": ["full_attention"] * 4}
 MOE_FAMILIES = {"qwen3_moe": "sdpa", "mixtral": "sdpa", "olmoe": "sdpa", "deepseek_v3": "eager", "glm4_moe": "sdpa",
                 "gpt_oss": "eager", "ernie4_5_moe": "sdpa", "minimax_m2": "sdpa", "dots1": "sdpa",
                 "glm4_moe_lite": "eager", "mistral4": "eager", "phimoe": "sdpa",
-                "granitemoe": "sdpa", "granitemoeshared": "sdpa"}  # the attention each runs (gpt-oss's
-# sinks, MLA's head dims: no sdpa path)
+                "granitemoe": "sdpa", "granitemoeshared": "sdpa", "llama4_text": "sdpa"}  # the attention each
+# runs (gpt-oss's sinks, MLA's head dims: no sdpa path)
 _STAT, _INDEX = 4, 8  # bytes of an fp32 statistic, of an int64 index
 _ROTARY_CAT = ("phi3", "glm4", "glm4_moe", "gpt_neox", "minimax_m2")
 _INTERLEAVED_ROTARY = {"ernie4_5": 1.0, "ernie4_5_moe": 1.0, "glm4": 0.5}  # the share of qk_dim rotated (GLM-4's
@@ -172,7 +177,8 @@ def _eager_extra(spec, mode, kind="dense", config=None, attention="sdpa"):
         extra -= _STAT * (spec.layer_norms + per_head)
     else:
         norms = (0 if spec.layer_norm else spec.layer_norms * spec.hidden) + ((a.heads + a.kv_heads) * a.qk_dim
-                                                                             if a.qk_norm else 0)
+                                                                             if a.qk_norm and not
+                                                                             a.qk_norm_weightless else 0)
     if spec.family in _INTERLEAVED_ROTARY:  # each layer's interleaved cos and sin, made from halves of the model's
         extra += WIDTH * int(a.qk_dim * _INTERLEAVED_ROTARY[spec.family])  # tables: copies the products keep
     if spec.family == "falcon" and mode == "none":  # sdpa under Falcon's explicit (b, 1, s, s) mask: the mask, and
@@ -191,11 +197,18 @@ def _eager_extra(spec, mode, kind="dense", config=None, attention="sdpa"):
         extra += WIDTH * a.heads * (a.qk_dim - a.rope_dim)
     if kind == "dense":
         return extra + WIDTH * (norms + (spec.intermediate if spec.gated else 0))
+    return extra + WIDTH * (norms + spec.experts.shared_intermediate) + _routed_extra(spec) + _router_extra(config)
+
+
+def _routed_extra(spec):
+    """Bytes per token transformers' eager experts keep beyond the model's routed copies (see the module doc)."""
     ex = spec.experts
+    if spec.family == "llama4_text":  # every expert on every token, the input scaled (no index, no combine)
+        return ex.top_k * (WIDTH * ex.intermediate - _INDEX)
     routed = ex.top_k * (WIDTH * (ex.intermediate + spec.hidden) + _INDEX)
-    if config.model_type == "gpt_oss":  # the clamped SwiGLU's clamped gate, clamped up + 1 and sigmoid, per copy
+    if spec.family == "gpt_oss":  # the clamped SwiGLU's clamped gate, clamped up + 1 and sigmoid, per copy
         routed += ex.top_k * WIDTH * 3 * ex.intermediate
-    return extra + WIDTH * (norms + ex.shared_intermediate) + routed + _router_extra(config)
+    return routed
 
 
 def _router_extra(config):
@@ -224,12 +237,14 @@ def _gemma_scales(spec, mode):
     return WIDTH * (spec.layer_norms * spec.hidden + (2 * a.qk_dim if a.qk_norm else 0))
 
 
-def _query_scale(spec, mode):
-    """Bytes per layer (not per token) Mistral 4's eager attention keeps: the queries' position-dependent scale
-    (Llama 4's ``1 + beta * log(1 + floor(position / original_max_position_embeddings))``, one fp32 per position),
-    a tensor of its own in every layer that the product with the queries keeps; a fused kernel folds it into the
-    softmax scale."""
-    return WIDTH * SEQ if spec.family == "mistral4" and mode != "full" else 0
+def _query_scale(spec, mode, layer):
+    """Bytes per layer (not per token) Mistral 4's and Llama 4's eager attention keeps: the queries' position-dependent
+    scale (Mistral 4's ``1 + beta * log(1 + floor(position / original_max_position_embeddings))`` in every layer,
+    Llama 4's temperature ``1 + attn_scale * log1p(floor((position + 1) / floor_scale))`` in its NoPE layers), one
+    fp32 per position, a tensor of its own that the product with the queries keeps; a fused kernel folds it into
+    the queries' scaling."""
+    scaled = spec.family == "mistral4" or (spec.family == "llama4_text" and layer in spec.nope_layers)
+    return WIDTH * SEQ if scaled and mode != "full" else 0
 
 
 @pytest.mark.parametrize("mode", ["none", "selective", "full"])
@@ -260,11 +275,10 @@ def test_moe_and_mla_activation_bytes_equal_saved_tensors(family, mode):
     config, per_layer = _saved_per_layer(family, mode, attention)
     spec = model_spec(config)
     expected = []
-    for n in range(spec.layers):
-        kind = "moe" if n in spec.moe_layers else "dense"
+    for n, kind in enumerate(layer_kinds(spec)):
         keep = layer_counts(spec, kind, SEQ, width=WIDTH).activations[mode].per_gpu(tp=1, cp=1, sp=False)
-        expected.append(BATCH * SEQ * (keep + _eager_extra(spec, mode, kind, config, attention))
-                        + _query_scale(spec, mode))
+        expected.append(BATCH * SEQ * (keep + _eager_extra(spec, mode, block_kind(kind), config, attention))
+                        + _query_scale(spec, mode, n))
     assert spec.moe_layers and per_layer == expected
 
 
@@ -388,7 +402,6 @@ def _fewer(spec, kind, modules):
 
 @pytest.mark.parametrize("family", sorted(FAMILIES) + sorted(MOE_FAMILIES))
 def test_megatron_core_attn_is_the_selective_mode(family):
-    from pipeloom.plan.cluster.counts import layer_kinds
     from pipeloom.plan.cluster.recompute import megatron_activations
 
     spec = model_spec(tiny_config(family))
@@ -423,10 +436,8 @@ def test_megatron_moe_recompute_frees_what_autograd_saved(family):
 
     config, none = _saved_per_layer(family, "none", MOE_FAMILIES[family])
     _, layers = _saved_storages(family, "none", MOE_FAMILIES[family], prepare=prepare)
-    spec, ex = model_spec(config), model_spec(config).experts
-    routed = ex.top_k * (WIDTH * (ex.intermediate + spec.hidden) + _INDEX) + (
-        ex.top_k * WIDTH * 3 * ex.intermediate if family == "gpt_oss" else 0)
-    eager = routed + WIDTH * ex.shared_intermediate + _router_extra(config)
+    spec = model_spec(config)
+    eager = _routed_extra(spec) + WIDTH * spec.experts.shared_intermediate + _router_extra(config)
     expected = [BATCH * SEQ * (_fewer(spec, "moe", ("moe",)) + eager) if n in spec.moe_layers else 0
                 for n in range(spec.layers)]
     assert [n - sum(m.values()) for n, m in zip(none, layers)] == expected and any(expected)
@@ -487,7 +498,7 @@ def test_megatron_moe_act_recompute_frees_the_experts_activation_outputs(family)
             self.weights, self.found = weights, found
 
         def __torch_function__(self, func, types, args=(), kwargs=None):
-            if func in (torch.nn.functional.linear, torch.matmul, torch.Tensor.matmul) and len(args) > 1 \
+            if func in (torch.nn.functional.linear, torch.matmul, torch.Tensor.matmul, torch.bmm) and len(args) > 1 \
                     and args[1].untyped_storage().data_ptr() in self.weights:
                 self.found.append(args[0])
             return func(*args, **(kwargs or {}))

@@ -84,8 +84,14 @@ TINY: dict[str, dict[str, Any]] = {
                      qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12, n_routed_experts=4, n_shared_experts=1,
                      moe_intermediate_size=24, num_experts_per_tok=2, first_k_dense_replace=1, n_group=2,
                      topk_group=1),
+    # transformers runs every expert on every token: with top_k = the experts, that is what the planner counts; the
+    # four layers are dense-window (rotary, chunked), moe-nope, moe-window and dense-nope
+    "llama4_text": dict(_COMMON, num_hidden_layers=4, num_key_value_heads=2, head_dim=16, intermediate_size=32,
+                        intermediate_size_mlp=96, num_local_experts=4, num_experts_per_tok=4, moe_layers=[1, 2],
+                        no_rope_layer_interval=2, attention_chunk_size=8, pad_token_id=0, bos_token_id=1,
+                        eos_token_id=2),
 }
-"""Config keywords per ``model_type``: 2-3 layers, hidden 64, GQA where the family has it."""
+"""Config keywords per ``model_type``: 2-4 layers, hidden 64, GQA where the family has it."""
 
 
 def tiny_config(family: str) -> Any:

@@ -4,7 +4,8 @@ config.json path, a model folder, a Hugging Face model id in the local cache, a 
 Mistral, Qwen2/3, Gemma 1/2/3, Granite, Phi-3, OLMo 2/3, SmolLM3, StarCoder2, Cohere's Command R / R7B / A, ERNIE
 4.5, GLM-4, Seed-OSS, EXAONE 4, Falcon, GPT-2, GPT-NeoX) and mixture-of-experts decoders (Mixtral, Phi-3.5-MoE,
 Granite MoE, OLMoE, MiniMax-M2, Qwen2-MoE, Qwen3-MoE, ERNIE 4.5 MoE, DeepSeek-V2/V3, GLM-4.7-Flash and Mistral 4
-with multi-head latent attention, GLM-4.5, dots.llm1, gpt-oss with attention sinks and biased experts), a field left
+with multi-head latent attention, GLM-4.5, dots.llm1, gpt-oss with attention sinks and biased experts, Llama 4 with
+chunked attention and NoPE layers: :mod:`~pipeloom.plan.cluster.model.moe`), a field left
 out taking transformers' default for the family (:data:`~pipeloom.plan.cluster.model.source.FAMILY_DEFAULTS`), with
 sliding-window attention on the layers transformers gives it (:func:`_windows`)."""
 
@@ -14,6 +15,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from pipeloom.plan.cluster.model.fields import get_field, nope_layers, rate_on
+from pipeloom.plan.cluster.model.moe import deepseek_spec, every_layer_sparse, gpt_oss_spec, llama4_spec, phimoe_spec
 from pipeloom.plan.cluster.model.source import FAMILY_DEFAULTS, read_config
 from pipeloom.plan.cluster.model.spec import Attention, Experts, ModelSpec
 from pipeloom.plan.errors import ModelConfigError
@@ -25,19 +28,10 @@ _DENSE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text"
           "gpt2", "gpt_neox")
 _OLMO = ("olmo2", "olmo3", "olmoe")
 _MOE = ("mixtral", "phimoe", "granitemoe", "granitemoeshared", "olmoe", "minimax_m2", "qwen2_moe", "qwen3_moe",
-        "ernie4_5_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "dots1", "mistral4", "gpt_oss")
+        "ernie4_5_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "dots1", "mistral4", "gpt_oss",
+        "llama4_text")
 SUPPORTED_FAMILIES: tuple[str, ...] = _DENSE + _MOE
 """The ``model_type`` values :func:`model_spec` reads."""
-
-
-def _get(data: Mapping[str, Any], *names: str, default: Any = None) -> Any:
-    """The first of ``names`` present (and not None) in ``data``; ModelConfigError if none is and no default."""
-    for name in names:
-        if data.get(name) is not None:
-            return data[name]
-    if default is None:
-        raise ModelConfigError(f"model config ({data.get('model_type')}) has no {' / '.join(names)}")
-    return default
 
 
 def model_spec(config: object) -> ModelSpec:
@@ -106,17 +100,6 @@ def _guess(architectures: object) -> str:
     return ": add the model_type transformers writes in config.json"
 
 
-def _rate(data: Mapping[str, Any], name: str, what: str = "a dropout probability") -> bool:
-    """Whether the config's dropout (or other training noise) ``name`` is on: a value in (0, 1); absent, null or 0:
-    off; anything else refused, saying it must be ``what``."""
-    value = data.get(name)
-    if value is None:
-        return False
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
-        raise ModelConfigError(f"{name} must be {what} in [0, 1), got {value!r}")
-    return value > 0
-
-
 def _dropouts(data: Mapping[str, Any], family: str, parallel: bool) -> dict[str, Any]:
     """The dropouts that keep masks, as transformers' models apply them in training: GPT-2's ``resid_pdrop`` on
     each branch's output and ``embd_pdrop`` on the embedding; GPT-NeoX's ``hidden_dropout`` on both and on the
@@ -129,11 +112,11 @@ def _dropouts(data: Mapping[str, Any], family: str, parallel: bool) -> dict[str,
                 "phi3": "resid_pdrop", "seed_oss": "residual_dropout"}
     embedding = {"gpt2": "embd_pdrop", "gpt_neox": "hidden_dropout", "starcoder2": "embedding_dropout"}
     if family == "falcon":
-        masks = (int(_rate(data, "hidden_dropout")) if parallel else
-                 int(_rate(data, "attention_dropout")) + int(_rate(data, "hidden_dropout")))
+        masks = (int(rate_on(data, "hidden_dropout")) if parallel else
+                 int(rate_on(data, "attention_dropout")) + int(rate_on(data, "hidden_dropout")))
         return dict(residual_dropouts=masks)
-    return dict(residual_dropouts=2 if family in residual and _rate(data, residual[family]) else 0,
-                embedding_dropout=family in embedding and _rate(data, embedding[family]))
+    return dict(residual_dropouts=2 if family in residual and rate_on(data, residual[family]) else 0,
+                embedding_dropout=family in embedding and rate_on(data, embedding[family]))
 
 
 def _windows(data: Mapping[str, Any], family: str, layers: int) -> tuple[int, tuple[int, ...]]:
@@ -181,34 +164,36 @@ def _family_spec(data: Mapping[str, Any], family: str) -> ModelSpec:
         return _gpt2(data)
     if family == "falcon":
         return _falcon(data)
-    hidden = int(_get(data, "hidden_size"))
-    heads = int(_get(data, "num_attention_heads"))
-    layers = int(_get(data, "num_hidden_layers"))
+    hidden = int(get_field(data, "hidden_size"))
+    heads = int(get_field(data, "num_attention_heads"))
+    layers = int(get_field(data, "num_hidden_layers"))
     head_dim = int(data.get("head_dim") or hidden // heads)
-    common: dict[str, Any] = dict(family=family, hidden=hidden, layers=layers, vocab=int(_get(data, "vocab_size")),
+    common: dict[str, Any] = dict(family=family, hidden=hidden, layers=layers, vocab=int(get_field(data, "vocab_size")),
                   tied=bool(data.get("tie_word_embeddings", False)))
     if family == "gpt_neox":
         bias = bool(data.get("attention_bias", True))
         attention = Attention(heads=heads, kv_heads=heads, qk_dim=head_dim, v_dim=head_dim, qkv_bias=bias, o_bias=bias)
-        return ModelSpec(**common, attention=attention, intermediate=int(_get(data, "intermediate_size")),
+        return ModelSpec(**common, attention=attention, intermediate=int(get_field(data, "intermediate_size")),
                          gated=False, mlp_bias=True, layer_norm=True,
                          parallel_residual=bool(data.get("use_parallel_residual", True)))
     if family == "starcoder2":  # LayerNorm, grouped-query attention, a GELU MLP, biases on every projection
         bias = bool(data.get("use_bias", True))
         attention = Attention(heads=heads, kv_heads=int(data.get("num_key_value_heads") or heads), qk_dim=head_dim,
                               v_dim=head_dim, qkv_bias=bias, o_bias=bias)
-        return ModelSpec(**common, attention=attention, intermediate=int(_get(data, "intermediate_size")),
+        return ModelSpec(**common, attention=attention, intermediate=int(get_field(data, "intermediate_size")),
                          gated=False, mlp_bias=bias, layer_norm=True)
     if family in ("cohere", "cohere2"):
         return _cohere(data, common, heads, head_dim)
     if family.startswith("ernie"):
         return _ernie(data, common, heads, head_dim)
     if family.startswith("deepseek") or family.startswith("glm4_moe") or family in ("dots1", "mistral4"):
-        return _deepseek(data, common, heads, head_dim)
+        return deepseek_spec(data, common, heads, head_dim)
     if family == "gpt_oss":
-        return _gpt_oss(data, common, heads, head_dim)
+        return gpt_oss_spec(data, common, heads, head_dim)
     if family == "phimoe":
-        return _phimoe(data, common, heads, head_dim)
+        return phimoe_spec(data, common, heads, head_dim)
+    if family == "llama4_text":
+        return llama4_spec(data, common, heads, head_dim)
     kv_heads = int(data.get("num_key_value_heads") or heads)
     bias = bool(data.get("attention_bias", False))
     qkv_bias = family == "qwen2" or (family == "qwen2_moe" and bool(data.get("qkv_bias", True))) or bias
@@ -218,46 +203,34 @@ def _family_spec(data: Mapping[str, Any], family: str) -> ModelSpec:
                           qk_norm=family in ("qwen3", "qwen3_moe", "gemma3_text", "exaone4", "minimax_m2", *_OLMO),
                           qk_norm_full=family in (*_OLMO, "minimax_m2"))
     dense: dict[str, Any] = dict(**common, attention=attention, mlp_bias=bool(data.get("mlp_bias", False)),
-                                 post_norms=family in ("gemma2", "gemma3_text", "glm4"))
+                                 post_norms=family in ("gemma2", "gemma3_text", "glm4"),
+                                 nope_layers=nope_layers(data, layers) if family == "smollm3" else ())
     if family in _DENSE:
-        return ModelSpec(**dense, intermediate=int(_get(data, "intermediate_size")))
+        return ModelSpec(**dense, intermediate=int(get_field(data, "intermediate_size")))
     if family in ("mixtral", "olmoe", "minimax_m2", "granitemoe", "granitemoeshared"):
-        return _every_layer_sparse(data, family, dense)
-    experts = Experts(count=int(_get(data, "num_experts", "num_local_experts")),
-                      top_k=int(_get(data, "num_experts_per_tok")),
-                      intermediate=int(_get(data, "moe_intermediate_size")),
+        return every_layer_sparse(data, family, dense)
+    experts = Experts(count=int(get_field(data, "num_experts", "num_local_experts")),
+                      top_k=int(get_field(data, "num_experts_per_tok")),
+                      intermediate=int(get_field(data, "moe_intermediate_size")),
                       shared_intermediate=int(data.get("shared_expert_intermediate_size") or 0),
                       shared_gate=family == "qwen2_moe" and bool(data.get("shared_expert_intermediate_size")))
     step = int(data.get("decoder_sparse_step") or 1)
     dense_only = set(data.get("mlp_only_layers") or ())
     moe = tuple(i for i in range(layers) if i not in dense_only and experts.count > 0 and (i + 1) % step == 0)
-    return ModelSpec(**dense, intermediate=int(_get(data, "intermediate_size")), experts=experts, moe_layers=moe)
-
-
-def _every_layer_sparse(data: Mapping[str, Any], family: str, dense: dict[str, Any]) -> ModelSpec:
-    """Mixtral, OLMoE, MiniMax-M2 and Granite MoE: every layer an MoE of ``intermediate_size`` gated experts (the
-    layer's attention and norms in ``dense``); Granite MoE's router a softmax over the top-k logits, and its shared
-    MLP (``shared_intermediate_size``, 0: none)."""
-    granite = family.startswith("granitemoe")
-    experts = Experts(count=int(_get(data, "num_local_experts", "num_experts")),
-                      top_k=int(_get(data, "num_experts_per_tok")),
-                      intermediate=int(_get(data, "intermediate_size")), softmax_after_top_k=granite,
-                      shared_intermediate=int(data.get("shared_intermediate_size") or 0) if granite else 0)
-    return ModelSpec(**dense, intermediate=experts.intermediate, experts=experts,
-                     moe_layers=tuple(range(dense["layers"])))
+    return ModelSpec(**dense, intermediate=int(get_field(data, "intermediate_size")), experts=experts, moe_layers=moe)
 
 
 def _gpt2(data: Mapping[str, Any]) -> ModelSpec:
     """GPT-2: learned positions, LayerNorm, biased Conv1D projections, a 4h (or n_inner) GELU MLP, tied head."""
-    hidden = int(_get(data, "n_embd", "hidden_size"))
-    heads = int(_get(data, "n_head", "num_attention_heads"))
+    hidden = int(get_field(data, "n_embd", "hidden_size"))
+    heads = int(get_field(data, "n_head", "num_attention_heads"))
     attention = Attention(heads=heads, kv_heads=heads, qk_dim=hidden // heads, v_dim=hidden // heads,
                           qkv_bias=True, o_bias=True)
-    return ModelSpec(family="gpt2", hidden=hidden, layers=int(_get(data, "n_layer", "num_hidden_layers")),
-                     vocab=int(_get(data, "vocab_size")), attention=attention,
+    return ModelSpec(family="gpt2", hidden=hidden, layers=int(get_field(data, "n_layer", "num_hidden_layers")),
+                     vocab=int(get_field(data, "vocab_size")), attention=attention,
                      intermediate=int(data.get("n_inner") or 4 * hidden), gated=False, mlp_bias=True,
                      layer_norm=True, tied=bool(data.get("tie_word_embeddings", False)),
-                     positions=int(_get(data, "n_positions", "max_position_embeddings")))
+                     positions=int(get_field(data, "n_positions", "max_position_embeddings")))
 
 
 def _cohere(data: Mapping[str, Any], common: dict[str, Any], heads: int, head_dim: int) -> ModelSpec:
@@ -269,7 +242,7 @@ def _cohere(data: Mapping[str, Any], common: dict[str, Any], heads: int, head_di
     qk_norm = common["family"] == "cohere" and bool(data.get("use_qk_norm", False))
     attention = Attention(heads=heads, kv_heads=int(data.get("num_key_value_heads") or heads), qk_dim=head_dim,
                           v_dim=head_dim, qkv_bias=bias, o_bias=bias, qk_norm=qk_norm, qk_norm_head_weights=qk_norm)
-    return ModelSpec(**common, attention=attention, intermediate=int(_get(data, "intermediate_size")),
+    return ModelSpec(**common, attention=attention, intermediate=int(get_field(data, "intermediate_size")),
                      layer_norm=True, norm_bias=False, parallel_residual=True, shared_norm=True)
 
 
@@ -284,8 +257,8 @@ def _falcon(data: Mapping[str, Any]) -> ModelSpec:
         raise ModelConfigError("a Falcon config with alibi=true is not modelled (its attention adds a bias per head to "
                                "the scores, which the planner's flash-attention pricing does not cover); plan a "
                                "rotary Falcon (alibi false) of the same sizes instead")
-    hidden = int(_get(data, "hidden_size", "n_embed"))
-    heads = int(_get(data, "num_attention_heads"))
+    hidden = int(get_field(data, "hidden_size", "n_embed"))
+    heads = int(get_field(data, "num_attention_heads"))
     new = bool(data.get("new_decoder_architecture", False))
     # the old architecture's fused projection gives every head its key and value, or one for all (multi_query)
     kv_heads = int(data.get("num_kv_heads") or heads) if new else 1 if data.get("multi_query", True) else heads
@@ -294,8 +267,8 @@ def _falcon(data: Mapping[str, Any]) -> ModelSpec:
     norms = int(data.get("num_ln_in_parallel_attn") or (2 if new else 1))
     attention = Attention(heads=heads, kv_heads=kv_heads, qk_dim=hidden // heads, v_dim=hidden // heads,
                           qkv_bias=bias, o_bias=bias)
-    return ModelSpec(family="falcon", hidden=hidden, layers=int(_get(data, "num_hidden_layers")),
-                     vocab=int(_get(data, "vocab_size")), attention=attention,
+    return ModelSpec(family="falcon", hidden=hidden, layers=int(get_field(data, "num_hidden_layers")),
+                     vocab=int(get_field(data, "vocab_size")), attention=attention,
                      intermediate=int(data.get("ffn_hidden_size") or 4 * hidden), gated=False, mlp_bias=bias,
                      layer_norm=True, parallel_residual=parallel, shared_norm=parallel and norms == 1,
                      tied=bool(data.get("tie_word_embeddings", True)))
@@ -312,89 +285,20 @@ def _ernie(data: Mapping[str, Any], common: dict[str, Any], heads: int, head_dim
     bias = bool(data.get("use_bias", False))
     attention = Attention(heads=heads, kv_heads=int(data.get("num_key_value_heads") or heads), qk_dim=head_dim,
                           v_dim=head_dim, qkv_bias=bias, o_bias=bias)
-    dense: dict[str, Any] = dict(**common, attention=attention, intermediate=int(_get(data, "intermediate_size")),
+    dense: dict[str, Any] = dict(**common, attention=attention, intermediate=int(get_field(data, "intermediate_size")),
                                  mlp_bias=bias)
     if common["family"] == "ernie4_5":
         return ModelSpec(**dense)
-    count = int(_get(data, "moe_num_experts", "num_experts", default=0))
-    intermediate = int(_get(data, "moe_intermediate_size"))
-    experts = Experts(count=count, top_k=int(_get(data, "moe_k", "num_experts_per_tok")), intermediate=intermediate,
+    count = int(get_field(data, "moe_num_experts", "num_experts", default=0))
+    intermediate = int(get_field(data, "moe_intermediate_size"))
+    experts = Experts(count=count, top_k=int(get_field(data, "moe_k", "num_experts_per_tok")),
+                      intermediate=intermediate,
                       shared_intermediate=intermediate * int(data.get("moe_num_shared_experts") or 0),
                       shared_bias=bias, router_correction=True)
     layers = common["layers"]
-    start, end = int(data.get("moe_layer_start_index") or 0), int(_get(data, "moe_layer_end_index", default=-1))
+    start, end = int(data.get("moe_layer_start_index") or 0), int(get_field(data, "moe_layer_end_index", default=-1))
     end = layers - 1 if end == -1 else end
     interval = int(data.get("moe_layer_interval") or 1)
     moe = tuple(i for i in range(layers) if count and start <= i <= end and (i + 1) % interval == 0)
     return ModelSpec(**dense, experts=experts if moe else None, moe_layers=moe, head_bias=bias,
                      mtp=int(data.get("num_nextn_predict_layers") or 0))
-
-
-def _deepseek(data: Mapping[str, Any], common: dict[str, Any], heads: int, head_dim: int) -> ModelSpec:
-    """DeepSeek-V2/V3, GLM-4.7-Flash (``glm4_moe_lite``) and Mistral 4 (``mistral4``: DeepSeek-V3's layers under
-    DeepSeek-V2's softmax router, a position-dependent scale on the queries, no multi-token prediction) with MLA
-    attention, and GLM-4.5 (``glm4_moe``) and dots.llm1 (``dots1``) with grouped-query attention of ``head_dim``,
-    q/k norms per head (GLM-4.5's with ``use_qk_norm``): shared experts, the first ``first_k_dense_replace`` layers
-    dense (GLM-4.7-Flash: the layers its ``mlp_layer_types`` calls ``"dense"``, by default the first), group-limited
-    routing, and ``num_nextn_predict_layers`` multi-token-prediction modules (the family's default where the config
-    leaves the field out: one for DeepSeek-V3 and GLM-4.5, none for DeepSeek-V2, GLM-4.7-Flash and Mistral 4, whose
-    transformers configs have no such field)."""
-    if common["family"] in ("glm4_moe", "dots1"):
-        attention = Attention(heads=heads, kv_heads=int(data.get("num_key_value_heads") or heads), qk_dim=head_dim,
-                              v_dim=head_dim, qkv_bias=bool(data.get("attention_bias", False)),
-                              qk_norm=common["family"] == "dots1" or bool(data.get("use_qk_norm", False)))
-    else:
-        nope, rope = int(_get(data, "qk_nope_head_dim")), int(_get(data, "qk_rope_head_dim"))
-        attention = Attention(heads=heads, kv_heads=heads, qk_dim=nope + rope, v_dim=int(_get(data, "v_head_dim")),
-                              qkv_bias=bool(data.get("attention_bias", False)), latent=True,
-                              q_rank=int(data.get("q_lora_rank") or 0), kv_rank=int(_get(data, "kv_lora_rank")),
-                              rope_dim=rope)
-    routed = int(_get(data, "n_routed_experts", default=0))
-    moe_intermediate = int(_get(data, "moe_intermediate_size"))
-    experts = Experts(count=routed, top_k=int(_get(data, "num_experts_per_tok")), intermediate=moe_intermediate,
-                      shared_intermediate=moe_intermediate * int(data.get("n_shared_experts") or 0),
-                      groups=int(data.get("n_group") or 1),
-                      group_top_k=int(data.get("topk_group") or 0) if int(data.get("n_group") or 1) > 1 else 0)
-    first_dense = int(data.get("first_k_dense_replace") or 0)
-    freq = int(data.get("moe_layer_freq") or 1)
-    layers = common["layers"]
-    moe = tuple(i for i in range(layers) if routed and i >= first_dense and i % freq == 0)
-    if common["family"] == "glm4_moe_lite":  # "dense" / "sparse" per layer, by default the first layer dense
-        types = data.get("mlp_layer_types") or ["dense"] + ["sparse"] * (layers - 1)
-        moe = tuple(i for i, kind in enumerate(types[:layers]) if routed and kind == "sparse")
-    return ModelSpec(**common, attention=attention, intermediate=int(_get(data, "intermediate_size")),
-                     experts=experts if routed else None, moe_layers=moe if routed else (),
-                     mtp=int(data.get("num_nextn_predict_layers") or 0))
-
-
-def _gpt_oss(data: Mapping[str, Any], common: dict[str, Any], heads: int, head_dim: int) -> ModelSpec:
-    """gpt-oss: grouped-query attention with biased projections and a sink logit per head, every layer an MoE
-    of biased SwiGLU experts (``intermediate_size`` each) under a biased router that takes the top-k logits
-    before its softmax; no shared expert."""
-    bias = bool(data.get("attention_bias", True))
-    attention = Attention(heads=heads, kv_heads=int(data.get("num_key_value_heads") or heads), qk_dim=head_dim,
-                          v_dim=head_dim, qkv_bias=bias, o_bias=bias, sinks=True)
-    experts = Experts(count=int(_get(data, "num_local_experts", "num_experts")),
-                      top_k=int(_get(data, "num_experts_per_tok")), intermediate=int(_get(data, "intermediate_size")),
-                      bias=True, softmax_after_top_k=True)
-    return ModelSpec(**common, attention=attention, intermediate=experts.intermediate, experts=experts,
-                     moe_layers=tuple(range(common["layers"])))
-
-
-def _phimoe(data: Mapping[str, Any], common: dict[str, Any], heads: int, head_dim: int) -> ModelSpec:
-    """Phi-3.5-MoE: Mixtral's layer under LayerNorms with biases, q/k/v/o biases under ``attention_bias``, a head
-    bias under ``lm_head_bias``, every layer an MoE of ``intermediate_size`` gated experts whose router is the
-    sparsemixer (always the top 2: ``num_experts_per_tok`` must say so), with ``input_jitter_noise`` in training."""
-    top_k = int(_get(data, "num_experts_per_tok"))
-    if top_k != 2:
-        raise ModelConfigError(f"phimoe routes each token to 2 experts (its sparsemixer picks exactly two), but "
-                               f"num_experts_per_tok is {top_k}: set it to 2")
-    bias = bool(data.get("attention_bias", False))
-    attention = Attention(heads=heads, kv_heads=int(data.get("num_key_value_heads") or heads), qk_dim=head_dim,
-                          v_dim=head_dim, qkv_bias=bias, o_bias=bias)
-    experts = Experts(count=int(_get(data, "num_local_experts", "num_experts")), top_k=top_k,
-                      intermediate=int(_get(data, "intermediate_size")), sparsemixer=True,
-                      input_jitter=_rate(data, "input_jitter_noise", "a noise magnitude"))
-    return ModelSpec(**common, attention=attention, intermediate=experts.intermediate, experts=experts,
-                     moe_layers=tuple(range(common["layers"])), layer_norm=True,
-                     head_bias=bool(data.get("lm_head_bias", False)))

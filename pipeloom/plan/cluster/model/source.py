@@ -223,5 +223,10 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "gpt_oss": {"hidden_size": 2880, "intermediate_size": 2880, "num_hidden_layers": 36, "num_attention_heads": 64,
                 "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 201088, "sliding_window": 128,
                 "attention_bias": True, "num_local_experts": 128, "num_experts_per_tok": 4},
+    "llama4_text": {"hidden_size": 5120, "intermediate_size": 8192, "intermediate_size_mlp": 16384,
+                    "num_hidden_layers": 48, "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128,
+                    "vocab_size": 202048, "tie_word_embeddings": False, "attention_bias": False,
+                    "num_local_experts": 16, "num_experts_per_tok": 1, "interleave_moe_layer_step": 1,
+                    "use_qk_norm": True, "no_rope_layer_interval": 4, "attention_chunk_size": 8192},
 }
 """Per ``model_type``, the value a field the config leaves out takes."""

@@ -36,6 +36,11 @@ class Attention:
     qk_norm_head_weights: bool = False
     """Each head's q and k norm has weights of its own (Cohere's ``use_qk_norm``): (heads + kv_heads) x qk_dim
     parameters, the statistics still per head."""
+    qk_norm_weightless: bool = False
+    """The q and k norms have no weights (Llama 4's L2 norm per head): no parameters, the statistics per head."""
+    qk_norm_with_rope: bool = False
+    """The q and k norms run only in the layers with rotary embeddings (Llama 4 normalises after its rotary, and
+    its NoPE layers, :attr:`ModelSpec.nope_layers`, have neither)."""
     sinks: bool = False
     """A learned sink logit per query head, in every softmax's denominator (gpt-oss): ``heads`` parameters."""
     latent: bool = False
@@ -142,6 +147,12 @@ class ModelSpec:
     before it, as transformers' sliding-window mask), 0: none."""
     window_layers: tuple[int, ...] = ()
     """Indices of the layers whose attention is windowed (the others attend to the whole causal prefix)."""
+    chunked: bool = False
+    """The windowed layers attend in chunks of ``window`` tokens (Llama 4's ``attention_chunk_size``): a query attends
+    to the tokens of its own chunk up to itself, where a sliding window would reach back ``window - 1`` tokens."""
+    nope_layers: tuple[int, ...] = ()
+    """Indices of the layers without rotary embeddings (NoPE: Llama 4's and SmolLM3's every fourth layer): no rotary
+    kernels, and no q/k norm where :attr:`Attention.qk_norm_with_rope`."""
     text_of: str = ""
     """The ``model_type`` of the multimodal config whose ``text_config`` this is ('' for a language model's own
     config): the planner plans its language model; the vision tower and the image tokens are not counted."""
@@ -162,6 +173,10 @@ class ModelSpec:
             raise ModelConfigError(f"num_nextn_predict_layers must be >= 0, got {self.mtp}")
         if self.window < 0 or (self.window_layers and not self.window):
             raise ModelConfigError(f"sliding_window must be a positive number of tokens, got {self.window}")
+        if self.chunked and not self.window_layers:
+            raise ModelConfigError("chunked attention needs the layers it runs on (window_layers) and a chunk size")
+        if any(not 0 <= n < self.layers for n in self.nope_layers):
+            raise ModelConfigError(f"NoPE layers {list(self.nope_layers)} are not all among the {self.layers} layers")
         if any(not 0 <= n < self.layers for n in self.window_layers):
             raise ModelConfigError(f"sliding-window layers {list(self.window_layers)} are not all among the "
                                    f"{self.layers} layers")

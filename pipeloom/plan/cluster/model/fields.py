@@ -1,0 +1,51 @@
+"""Reading one field of a transformers config dict: :func:`get_field` (the first of its names given, or a
+default), :func:`rate_on` (whether a dropout or noise rate is on, checked) and :func:`nope_layers` (the layers
+without rotary embeddings)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from pipeloom.plan.errors import ModelConfigError
+
+__all__ = ["get_field", "rate_on", "nope_layers"]
+
+
+def get_field(data: Mapping[str, Any], *names: str, default: Any = None) -> Any:
+    """The first of ``names`` present (and not None) in ``data``; ModelConfigError if none is and no default."""
+    for name in names:
+        if data.get(name) is not None:
+            return data[name]
+    if default is None:
+        raise ModelConfigError(f"model config ({data.get('model_type')}) has no {' / '.join(names)}")
+    return default
+
+
+def rate_on(data: Mapping[str, Any], name: str, what: str = "a dropout probability") -> bool:
+    """Whether the config's dropout (or other training noise) ``name`` is on: a value in (0, 1); absent, null or 0:
+    off; anything else refused, saying it must be ``what``."""
+    value = data.get(name)
+    if value is None:
+        return False
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise ModelConfigError(f"{name} must be {what} in [0, 1), got {value!r}")
+    return value > 0
+
+
+def nope_layers(data: Mapping[str, Any], layers: int, *, empty_is_default: bool = False) -> tuple[int, ...]:
+    """The layers without rotary embeddings: those the config's ``no_rope_layers`` marks 0 (1: rotary), by default
+    every ``no_rope_layer_interval``-th (Llama 4's and SmolLM3's 4); an empty list is the default where
+    ``empty_is_default`` (Llama 4's configuration class reads it so)."""
+    rope = data.get("no_rope_layers")
+    if rope is None or (empty_is_default and not rope):
+        interval = data.get("no_rope_layer_interval")
+        interval = 4 if interval is None else interval
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            raise ModelConfigError(f"no_rope_layer_interval must be a positive whole number of layers, got "
+                                   f"{interval!r}")
+        rope = [int((n + 1) % interval != 0) for n in range(layers)]
+    if not isinstance(rope, (list, tuple)) or len(rope) < layers or any(value not in (0, 1) for value in rope):
+        raise ModelConfigError(f"no_rope_layers must give 1 (rotary) or 0 (NoPE) for each of the {layers} layers, "
+                               f"got {rope!r}")
+    return tuple(n for n in range(layers) if not rope[n])
