@@ -29,6 +29,9 @@ _TP_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
 tp tests run LLaMA and Qwen3; Gemma 2 and 3 have the same names but their extra norms are not in the recipe)."""
 _COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 _ROW = ("self_attn.o_proj", "mlp.down_proj")
+_DENSE_EXPERTS = ("llama4_text",)
+"""Families whose transformers experts module runs every expert on every token (no top-k interface, so the runtime's
+expert parallelism has nothing to dispatch)."""
 _HEAD_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
 """Per-head norms after the split heads (``qk_norm``: Qwen3, Qwen3-MoE), their gradients summed over tp."""
 
@@ -63,6 +66,11 @@ def save_blockers(result: ClusterPlan, *, export: str | None = None) -> str | No
         problems.append(f"ep={layout.ep} with tp={layout.tp}, fsdp={int(layout.fsdp)} (the runtime runs ep with tp=1 "
                         "and fsdp=0 only)")
         fixes.update({key: value for key, value, now in (("tp", 1, layout.tp > 1), ("fsdp", 0, layout.fsdp)) if now})
+    if layout.ep > 1 and family in _DENSE_EXPERTS and not export:
+        problems.append(f"ep={layout.ep} on {family} (transformers' model runs every expert on every token, with no "
+                        "forward(hidden_states, top_k_index, top_k_weights) for the runtime's expert parallelism to "
+                        "dispatch to)")
+        fixes["ep"] = 1
     kept = kept_over_limit(result) if not export and result.best.memory.total <= result.memory_limit else None
     if kept is not None:  # the torchtitan export sets torchtitan's recomputation: only pipeloom's runtime is refused
         export_fits = save_blockers(result, export="torchtitan") is None
@@ -192,6 +200,11 @@ def runtime_notes(result: ClusterPlan, *, kept: float | None = None) -> list[str
         notes.append("the plan assumes each forward beside another micro-batch's backward, hiding the expert "
                      "all-to-all (--moe-overlap); the runtime runs them one after the other, the all-to-all exposed")
     spec = result.job.spec
+    if spec.family in _DENSE_EXPERTS and spec.experts is not None:
+        ex = spec.experts
+        notes.append(f"the plan prices each token's top {ex.top_k} of {ex.count} experts, as training frameworks run "
+                     f"them; transformers' {spec.family} runs every expert on every token, {ex.count // ex.top_k}x "
+                     "the routed experts' work and memory in pipeloom's runtime")
     if spec.text_of:
         notes.append(f"the plan cuts the language model of the {spec.text_of} config at its decoder layers: run it on "
                      f"that language model alone (the {spec.family} model of its text_config); the {spec.text_of} "
