@@ -66,10 +66,12 @@ def _published(run: dict, limit: float | None):
 
 def framework(run: dict) -> str | None:
     """The framework preset a row ran (``pipeloom.plan.cluster.job.FRAMEWORKS``): torchtitan's rows its job-config
-    defaults, Megatron-Bridge's its performance recipes; None for the rest, whose choices :func:`options` gives."""
+    defaults, Megatron-Bridge's its performance recipes, as NeMo 2.0's (the same Megatron-Core with Transformer
+    Engine, distributed optimizer, bf16 gradient reduce and current-scaling FP8 in its performance tables); None for
+    the rest, whose choices :func:`options` gives."""
     if run["id"].startswith("torchtitan"):
         return "torchtitan"
-    return "megatron-bridge" if run["id"].startswith("mbridge") else None
+    return "megatron-bridge" if run["id"].startswith(("mbridge", "nemo-")) else None
 
 
 def options(run: dict) -> dict:

@@ -94,6 +94,18 @@ def _gpt_oss_120b() -> dict:
             "tie_word_embeddings": False, "max_position_embeddings": 131072}
 
 
+def _llama4_scout() -> dict:
+    # meta-llama/Llama-4-Scout-17B-16E's text_config (transformers' Llama4TextConfig defaults are this checkpoint's):
+    # 48 layers, hidden 5120, 40 query and 8 key/value heads of 128, 16 experts of 8192 and a shared one on every
+    # layer, 1 per token, dense MLP 16384 (no dense layer here), rotary and 8192-token chunks on three layers of
+    # four, q/k L2 norms, vocabulary 202,048, untied embeddings; its language model counts 107.8 B (17.2 B active).
+    return {"model_type": "llama4_text", "hidden_size": 5120, "intermediate_size": 8192,
+            "intermediate_size_mlp": 16384, "num_hidden_layers": 48, "num_attention_heads": 40,
+            "num_key_value_heads": 8, "head_dim": 128, "num_local_experts": 16, "num_experts_per_tok": 1,
+            "interleave_moe_layer_step": 1, "use_qk_norm": True, "no_rope_layer_interval": 4,
+            "attention_chunk_size": 8192, "vocab_size": 202048, "tie_word_embeddings": False}
+
+
 CONFIGS = {
     **{f"megatron-gpt-{size}": _gpt(*spec) for size, spec in _MEGATRON_2021.items()},
     **{f"llama3-{size}": _llama(*spec) for size, spec in _LLAMA3.items()},
@@ -102,6 +114,7 @@ CONFIGS = {
     "qwen3-235b-a22b": _qwen3_moe(94, 4096, 12288, 1536, 64),
     "qwen3-30b-a3b": _qwen3_moe(48, 2048, 6144, 768, 32),
     "gpt-oss-120b": _gpt_oss_120b(),
+    "llama4-scout": _llama4_scout(),
 }
 """File stem -> config dict."""
 

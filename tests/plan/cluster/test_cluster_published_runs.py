@@ -29,16 +29,17 @@ def test_every_row_loads_and_is_consistent():
     runs = PUBLISHED.load_runs()
     assert len(runs) >= 40
     families = {run["id"].split("-")[0] for run in runs}
-    assert {"megatron2021", "llama3", "torchtitan", "deepseek", "mlperf", "mbridge"} <= families
+    assert {"megatron2021", "llama3", "torchtitan", "deepseek", "mlperf", "mbridge", "nemo"} <= families
     for run in runs:
         assert PUBLISHED.run_hardware(run).memory_bytes > 0
-        assert PUBLISHED.run_config(run)["model_type"] in ("gpt2", "llama", "deepseek_v3", "qwen3_moe", "gpt_oss")
+        assert PUBLISHED.run_config(run)["model_type"] in ("gpt2", "llama", "deepseek_v3", "qwen3_moe", "gpt_oss",
+                                                           "llama4_text")
 
 
 def test_the_megatron_bridge_rows_models_count_as_their_cards_say():
-    """The configs of the Megatron-Bridge rows' models (from their model cards' config.json) count the
+    """The configs of the Megatron-Bridge and NeMo rows' models (from their model cards' config.json) count the
     parameters their names and cards give: Qwen3-235B-A22B 235B with 22B active, Qwen3-30B-A3B 30.5B with 3.3B,
-    gpt-oss-120b 116.8B."""
+    gpt-oss-120b 116.8B, Llama 4 Scout's language model 107.8B with 17.2B (its card: 17B active)."""
     from pipeloom.plan.cluster.counts import layer_counts, layer_kinds
     from pipeloom.plan.cluster.model.reader import model_spec
 
@@ -51,6 +52,7 @@ def test_the_megatron_bridge_rows_models_count_as_their_cards_say():
     assert billions("qwen3-235b-a22b") == pytest.approx((235.1, 22.2), abs=0.05)
     assert billions("qwen3-30b-a3b") == pytest.approx((30.5, 3.35), abs=0.05)
     assert billions("gpt-oss-120b")[0] == pytest.approx(116.8, abs=0.05)
+    assert billions("llama4-scout") == pytest.approx((107.77, 17.17), abs=0.005)  # NeMo's Llama 4 Scout row
 
 
 def test_megatron_derived_figures_by_hand():
