@@ -127,6 +127,33 @@ def test_both_tracers_cut_the_same_model_bitwise(tracer):
         assert torch.equal(staged.run(x), model(x))
 
 
+def test_export_runs_under_its_settings_and_restores_them():
+    """torch.export runs without fake-tensor caching and node stack traces (benchmarks/export_time.py: the same
+    graph, faster); torch's settings are as they were afterwards, after a failed export too."""
+    import torch._dynamo.config as dynamo_config
+
+    from pipeloom.runtime.model import tracing
+
+    seen = []
+    export = torch.export.export
+
+    def watching(*args, **kwargs):
+        seen.append((dynamo_config.fake_tensor_cache_enabled, torch.fx.config.do_not_emit_stack_traces))
+        return export(*args, **kwargs)
+
+    before = (dynamo_config.fake_tensor_cache_enabled, torch.fx.config.do_not_emit_stack_traces)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.export, "export", watching)
+        split_model(Blocks(), ["blocks.1"], tracer="export", example_inputs=(torch.randn(5, 4),))
+        with pytest.raises(ModelTraceError):  # a scalar is not an input torch.export takes: refused by pipeloom
+            tracing._exported(Blocks(), (torch.randn(5, 4), 3))
+        patch.setattr(torch.export, "export", lambda *args, **kwargs: 1 / 0)
+        with pytest.raises(ModelTraceError, match="ZeroDivisionError"):
+            split_model(Blocks(), ["blocks.1"], tracer="export", example_inputs=(torch.randn(5, 4),))
+    assert seen == [(False, True)]
+    assert (dynamo_config.fake_tensor_cache_enabled, torch.fx.config.do_not_emit_stack_traces) == before
+
+
 def test_leaf_modules_stay_whole():
     staged = split_model(Blocks(), ["blocks.1"], tracer="fx", leaf_modules=["blocks.0"])
     calls = [n.target for n in staged.stages[0].graph.nodes if n.op == "call_module"]

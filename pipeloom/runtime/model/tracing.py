@@ -7,8 +7,9 @@ node's module scopes (``nn_module_stack``), from which split points are found.
 
 from __future__ import annotations
 
+import contextlib
 import operator
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
@@ -271,13 +272,10 @@ def _exported(model: nn.Module, example_inputs: object, keep: Sequence[str] = ()
         raise ModelTraceError(f"example_inputs must be a tensor or a tuple of tensors (the model's positional "
                               f"inputs), got {type(example_inputs).__name__}")
     dynamic = tuple({d: Dim.AUTO for d in range(a.dim())} for a in args)
-    config = torch.fx.config
-    emitting = getattr(config, "do_not_emit_stack_traces", None)  # absent from older torch
-    if emitting is not None:  # no node's Python stack is kept: pipeloom never reads it, and taking it is costly
-        config.do_not_emit_stack_traces = True
     try:
-        exported = torch.export.export(model, args, dynamic_shapes=dynamic, strict=False,
-                                       preserve_module_call_signature=tuple(keep))
+        with _export_settings():
+            exported = torch.export.export(model, args, dynamic_shapes=dynamic, strict=False,
+                                           preserve_module_call_signature=tuple(keep))
     except Exception as error:  # export raises many kinds (Unsupported, UserError, RuntimeError...)
         kept = f" keeping {list(keep)} whole" if keep else ""
         raise ModelTraceError(
@@ -285,10 +283,36 @@ def _exported(model: nn.Module, example_inputs: object, keep: Sequence[str] = ()
             f"{_data_dependent_advice(model, error)}Split it by hand instead: "
             "pipeloom.runtime.stages_from_modules([stage0, stage1, ...])"
         ) from error
-    finally:
-        if emitting is not None:
-            config.do_not_emit_stack_traces = emitting
     return exported
+
+
+_EXPORT_SETTINGS = (("torch.fx.config", "do_not_emit_stack_traces", True),
+                    ("torch._dynamo.config", "fake_tensor_cache_enabled", False))
+"""torch settings pipeloom's export runs under, each restored after it (one a torch version lacks is left alone):
+no node keeps its Python stack (pipeloom never reads it, and taking it is costly), and fake tensors are not
+cached (with every input dimension symbolic, hashing the arguments and rebuilding each cached output costs more
+than it saves). Together: the same graphs in 0.64-0.82 of the time on the test suite's tiny transformers models
+(``benchmarks/export_time.py``, docs/runtime.md)."""
+
+
+@contextlib.contextmanager
+def _export_settings() -> Iterator[None]:
+    import importlib
+
+    saved = []
+    for module_name, name, value in _EXPORT_SETTINGS:
+        try:
+            config = importlib.import_module(module_name)
+        except ImportError:  # a torch without it
+            continue
+        if hasattr(config, name):
+            saved.append((config, name, getattr(config, name)))
+            setattr(config, name, value)
+    try:
+        yield
+    finally:
+        for config, name, value in reversed(saved):
+            setattr(config, name, value)
 
 
 def _data_dependent_advice(model: nn.Module, error: Exception) -> str:
