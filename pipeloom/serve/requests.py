@@ -242,20 +242,11 @@ def _counts(document: dict, key: str, where: str) -> list[int] | None:
     return value
 
 
-def plan_request(document: dict, config: ServeConfig, *, read_tables: bool = True) -> dict:
-    """Check ``POST /api/plans``: ``{"costs": <pipeloom.costs/2 (or /1) object, or a list of them>, "ranks",
-    "global_batch", "memory_limit"? (bytes, or a size like "16GiB"), "data_parallel"?, "tensor_parallel"?,
-    "sharding"?, "schedules"?, "stages_per_rank"?, "microbatches"?, "search"? (seconds)}``. The cost tables
-    are read here with the file reader, so a bad one is refused before the plan is queued; with
-    ``read_tables=False`` they are only counted (the quick check of every other field and of the work, which
-    the server runs before it hands the full check to a worker)."""
+def _plan_tables(tables: object, where: str, *, read_tables: bool) -> tuple[list[str], int]:
+    """A plan request's cost tables (one object or a list): ``(their JSON texts, the most pieces any has)``, each
+    read with the file reader (``read_tables``) or only its pieces counted; RequestError naming the bad one."""
     from pipeloom.plan.costs.file import costs_from_json
-    from pipeloom.plan.costs.parts import parse_bytes
-    from pipeloom.schedules import REGISTRY
 
-    where = "plan"
-    check_keys(document, _PLAN_KEYS, where=where, error=RequestError)
-    tables = document.get("costs")
     tables = tables if isinstance(tables, list) else [tables]
     if len(tables) > MAX_TABLES:
         raise RequestError(f"{where}.costs: {len(tables)} tables, above this server's limit of {MAX_TABLES}", 413)
@@ -276,14 +267,35 @@ def plan_request(document: dict, config: ServeConfig, *, read_tables: bool = Tru
         except PipeloomError as error:
             raise RequestError(f"{where}.costs[{k}]: {error}") from None
         texts.append(text)
+    return texts, pieces
+
+
+def _memory_limit(document: dict, where: str) -> float | None:
+    """A request's ``memory_limit``: bytes, a size like ``"16GiB"``, or None."""
+    from pipeloom.plan.costs.parts import parse_bytes
+
     limit = document.get("memory_limit")
     if isinstance(limit, str):
         try:
-            limit = parse_bytes(limit)
+            return parse_bytes(limit)
         except PipeloomError as error:
             raise RequestError(f"{where}.memory_limit: {error}") from None
-    elif limit is not None:
-        limit = number(document, "memory_limit", where=where, error=RequestError)
+    return None if limit is None else number(document, "memory_limit", where=where, error=RequestError)
+
+
+def plan_request(document: dict, config: ServeConfig, *, read_tables: bool = True) -> dict:
+    """Check ``POST /api/plans``: ``{"costs": <pipeloom.costs/2 (or /1) object, or a list of them>, "ranks",
+    "global_batch", "memory_limit"? (bytes, or a size like "16GiB"), "data_parallel"?, "tensor_parallel"?,
+    "sharding"?, "schedules"?, "stages_per_rank"?, "microbatches"?, "search"? (seconds)}``. The cost tables
+    are read here with the file reader, so a bad one is refused before the plan is queued; with
+    ``read_tables=False`` they are only counted (the quick check of every other field and of the work, which
+    the server runs before it hands the full check to a worker)."""
+    from pipeloom.schedules import REGISTRY
+
+    where = "plan"
+    check_keys(document, _PLAN_KEYS, where=where, error=RequestError)
+    texts, pieces = _plan_tables(document.get("costs"), where, read_tables=read_tables)
+    limit = _memory_limit(document, where)
     schedules = document.get("schedules")
     if schedules is not None and (not isinstance(schedules, list) or not schedules or len(schedules) > MAX_LIST
                                   or any(not isinstance(name, str) or name not in REGISTRY for name in schedules)):
