@@ -153,18 +153,8 @@ def _checked_shared(shared: Sequence[SharedParam], order: dict[str, int]) -> tup
     return tuple(checked)
 
 
-def table_for_size(tables: CostTable | Sequence[CostTable], microbatch_size: int) -> CostTable:
-    """The cost table for ``microbatch_size`` from tables measured at one or more sizes.
-
-    A measured size is used as it is; between two measured sizes every time and byte count is
-    interpolated linearly (an affine model, fixed costs included, between the two); below the
-    smallest or above the largest the nearest table is scaled in proportion (:meth:`CostTable.scaled`).
-    The tables must list the same pieces (same names and inputs); the first one's device, link,
-    optimizer factor and runtime step overhead are kept, and the first runtime ``replica_link`` any of
-    them has. The runtime's action overhead, message cost, time spread and start skew, fitted with each
-    table's pieces, are interpolated with them. A measured full backward missing from one of two tables
-    is taken as its ``i + w``.
-    """
+def _one_per_size(tables: CostTable | Sequence[CostTable]) -> list[CostTable]:
+    """``tables`` as a list, checked: at least one, the same pieces in each, one table per micro-batch size."""
     tables = [tables] if isinstance(tables, CostTable) else list(tables)
     if not tables:
         raise CostTableError("give at least one cost table")
@@ -182,6 +172,23 @@ def table_for_size(tables: CostTable | Sequence[CostTable], microbatch_size: int
             f"two cost tables are for micro-batch size {twice[0]}; give one table per size (each "
             f"`pipeloom profile --batch N` run measures one size)"
         )
+    return tables
+
+
+def table_for_size(tables: CostTable | Sequence[CostTable], microbatch_size: int) -> CostTable:
+    """The cost table for ``microbatch_size`` from tables measured at one or more sizes.
+
+    A measured size is used as it is; between two measured sizes every time and byte count is
+    interpolated linearly (an affine model, fixed costs included, between the two); below the
+    smallest or above the largest the nearest table is scaled in proportion (:meth:`CostTable.scaled`).
+    The tables must list the same pieces (same names and inputs); the first one's device, link,
+    optimizer factor and runtime step overhead are kept, and the first runtime ``replica_link`` any of
+    them has. The runtime's action overhead, message cost, time spread and start skew, fitted with each
+    table's pieces, are interpolated with them. A measured full backward missing from one of two tables
+    is taken as its ``i + w``.
+    """
+    tables = _one_per_size(tables)
+    first = tables[0]
     by_size = {table.microbatch_size: table for table in tables}
     replica_link = next((t.runtime.replica_link for t in tables if t.runtime.replica_link is not None), None)
 
