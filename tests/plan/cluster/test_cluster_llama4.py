@@ -133,6 +133,8 @@ def test_bad_llama4_configs():
         model_spec(dict(model_type="llama4_text", no_rope_layers=[1, 0]))
     with pytest.raises(ModelConfigError, match="attention_chunk_size must be a positive number"):
         model_spec(dict(model_type="llama4_text", attention_chunk_size=0, layer_types=["chunked_attention"] * 48))
+    with pytest.raises(ModelConfigError, match=r"MoE layers \[1, 48\] are not all among the 48 layers"):
+        model_spec(dict(model_type="llama4_text", moe_layers=[1, 48]))
     with pytest.raises(ModelConfigError, match="no_rope_layer_interval must be a positive whole number"):
         model_spec(dict(model_type="smollm3", no_rope_layer_interval=0))
 

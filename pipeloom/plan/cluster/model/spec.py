@@ -90,8 +90,9 @@ class Experts:
     """A multiplicative noise on the MoE block's input in training, drawn twice (the block's and its router's:
     Phi-3.5-MoE's ``input_jitter_noise``), each noise tensor kept for the backward (h elements per token each)."""
     softmax_after_top_k: bool = False
-    """The router takes the top-k logits, then a softmax over those k (gpt-oss); else its probabilities are over
-    every expert (a softmax or sigmoid, then the top k)."""
+    """The router takes the top-k logits, then a softmax over those k (gpt-oss, Granite MoE) or a sigmoid of each
+    (Llama 4): k probabilities kept per token; else its probabilities are over every expert (a softmax or sigmoid,
+    then the top k)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -175,6 +176,8 @@ class ModelSpec:
             raise ModelConfigError(f"sliding_window must be a positive number of tokens, got {self.window}")
         if self.chunked and not self.window_layers:
             raise ModelConfigError("chunked attention needs the layers it runs on (window_layers) and a chunk size")
+        if any(not 0 <= n < self.layers for n in self.moe_layers):
+            raise ModelConfigError(f"MoE layers {list(self.moe_layers)} are not all among the {self.layers} layers")
         if any(not 0 <= n < self.layers for n in self.nope_layers):
             raise ModelConfigError(f"NoPE layers {list(self.nope_layers)} are not all among the {self.layers} layers")
         if any(not 0 <= n < self.layers for n in self.window_layers):
