@@ -271,16 +271,16 @@ def _plan_tables(tables: object, where: str, *, read_tables: bool) -> tuple[list
 
 
 def _memory_limit(document: dict, where: str) -> float | None:
-    """A request's ``memory_limit``: bytes, a size like ``"16GiB"``, or None."""
+    """A request's ``memory_limit`` as :func:`_limit` reads it (bytes, or None), or a size like ``"16GiB"``."""
     from pipeloom.plan.costs.parts import parse_bytes
 
     limit = document.get("memory_limit")
-    if isinstance(limit, str):
-        try:
-            return parse_bytes(limit)
-        except PipeloomError as error:
-            raise RequestError(f"{where}.memory_limit: {error}") from None
-    return None if limit is None else number(document, "memory_limit", where=where, error=RequestError)
+    if not isinstance(limit, str):
+        return _limit(document, where)
+    try:
+        return parse_bytes(limit)
+    except PipeloomError as error:
+        raise RequestError(f"{where}.memory_limit: {error}") from None
 
 
 def plan_request(document: dict, config: ServeConfig, *, read_tables: bool = True) -> dict:
