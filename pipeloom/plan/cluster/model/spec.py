@@ -176,13 +176,10 @@ class ModelSpec:
             raise ModelConfigError(f"sliding_window must be a positive number of tokens, got {self.window}")
         if self.chunked and not self.window_layers:
             raise ModelConfigError("chunked attention needs the layers it runs on (window_layers) and a chunk size")
-        if any(not 0 <= n < self.layers for n in self.moe_layers):
-            raise ModelConfigError(f"MoE layers {list(self.moe_layers)} are not all among the {self.layers} layers")
-        if any(not 0 <= n < self.layers for n in self.nope_layers):
-            raise ModelConfigError(f"NoPE layers {list(self.nope_layers)} are not all among the {self.layers} layers")
-        if any(not 0 <= n < self.layers for n in self.window_layers):
-            raise ModelConfigError(f"sliding-window layers {list(self.window_layers)} are not all among the "
-                                   f"{self.layers} layers")
+        for what, indices in (("MoE", self.moe_layers), ("NoPE", self.nope_layers),
+                              ("sliding-window", self.window_layers)):
+            if any(not 0 <= n < self.layers for n in indices):
+                raise ModelConfigError(f"{what} layers {list(indices)} are not all among the {self.layers} layers")
         if self.shared_norm and not self.parallel_residual:
             raise ModelConfigError("shared_norm (one norm before both branches) needs parallel_residual: a layer "
                                    "whose MLP follows its attention normalises the MLP's own input")
