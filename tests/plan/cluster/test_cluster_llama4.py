@@ -7,7 +7,7 @@ import dataclasses
 import json
 
 import pytest
-from tests.plan.cluster.tiny import TINY
+from tests.plan.cluster.tiny import TINY, local_layers
 
 from pipeloom.cli import main
 from pipeloom.plan.cluster import ModelConfigError, model_spec
@@ -32,27 +32,12 @@ def _tiny_model(**overrides):
     return config, transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
 
 
-def _masked_layers(model):
-    """The layers whose last query (of 16) may not see the first key: a forward with a hook on each layer's mask."""
-    import torch
-
-    masks = {}
-    for n, layer in enumerate(model.model.layers):
-        layer.register_forward_pre_hook(
-            lambda module, args, kwargs, n=n: masks.__setitem__(n, kwargs["attention_mask"]), with_kwargs=True)
-    with torch.no_grad():
-        model(input_ids=torch.zeros(1, 16, dtype=torch.long))
-    seen = {n: bool(mask[0, 0, 15, 0]) if mask.dtype == torch.bool else bool(mask[0, 0, 15, 0] == 0)
-            for n, mask in masks.items()}
-    return tuple(n for n in sorted(seen) if not seen[n])
-
-
 @pytest.mark.parametrize("overrides", [{}, dict(no_rope_layer_interval=3, moe_layers=None,
                                                 interleave_moe_layer_step=2),
                                        dict(no_rope_layers=[1, 1, 0, 1]), dict(attention_chunk_size=None)])
 def test_chunked_and_nope_layers_are_transformers_own(overrides):
     config, model = _tiny_model(**overrides)
-    chunked = _masked_layers(model)
+    chunked = local_layers(model)
     nope = tuple(n for n, layer in enumerate(model.model.layers) if not layer.self_attn.use_rope)
     moe = tuple(n for n, layer in enumerate(model.model.layers) if layer.is_moe_layer)
     assert nope  # every case has NoPE layers

@@ -7,7 +7,7 @@ import dataclasses
 import json
 
 import pytest
-from tests.plan.cluster.tiny import TINY
+from tests.plan.cluster.tiny import TINY, local_layers
 
 from pipeloom.cli import main
 from pipeloom.plan.cluster import ModelConfigError, model_spec
@@ -44,25 +44,6 @@ WINDOWED = {
 }
 
 
-def _windowed_layers(model, torch) -> tuple[int, ...]:
-    """The layers whose attention transformers masks with a sliding window: a 16-token forward (eager attention),
-    each decoder layer's mask seen by a hook; a layer is windowed when its last query may not see the first key."""
-    masks = {}
-
-    def keep(n):
-        def hook(module, args, kwargs):
-            masks[n] = kwargs["attention_mask"]
-        return hook
-
-    for n, layer in enumerate(model.model.layers):
-        layer.register_forward_pre_hook(keep(n), with_kwargs=True)
-    with torch.no_grad():
-        model(input_ids=torch.zeros(1, 16, dtype=torch.long))
-    allowed = {n: bool(mask[0, 0, 15, 0]) if mask.dtype == torch.bool else bool(mask[0, 0, 15, 0] == 0)
-               for n, mask in masks.items()}
-    return tuple(n for n in sorted(allowed) if not allowed[n])
-
-
 @pytest.mark.parametrize("family", sorted(WINDOWED))
 def test_windowed_layers_are_transformers_own(family):
     torch = pytest.importorskip("torch")
@@ -71,7 +52,7 @@ def test_windowed_layers_are_transformers_own(family):
     config = transformers.AutoConfig.for_model(family, **kwargs)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-    expected = _windowed_layers(model, torch)
+    expected = local_layers(model)
     assert expected, family  # the case windows something
     for source in (config, config.to_dict(), dict(kwargs, model_type=family)):  # layer_types read, or derived
         spec = model_spec(source)

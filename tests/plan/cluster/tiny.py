@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["TINY", "tiny_config", "tiny_model"]
+__all__ = ["TINY", "tiny_config", "tiny_model", "local_layers"]
 
 _COMMON: dict[str, Any] = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                                vocab_size=128, max_position_embeddings=64)
@@ -114,3 +114,20 @@ def tiny_model(config: Any, **kwargs: Any) -> Any:
     if name is None:
         return transformers.AutoModelForCausalLM.from_config(config, **kwargs)
     return getattr(transformers, name)._from_config(config, **kwargs)
+
+
+def local_layers(model: Any) -> tuple[int, ...]:
+    """The decoder layers whose attention transformers masks to a window or a chunk: a 16-token forward (``model`` on
+    eager attention), each layer's mask seen by a hook; a layer is local when its last query may not see the first
+    key."""
+    import torch
+
+    masks = {}
+    for n, layer in enumerate(model.model.layers):
+        layer.register_forward_pre_hook(
+            lambda module, args, kwargs, n=n: masks.__setitem__(n, kwargs["attention_mask"]), with_kwargs=True)
+    with torch.no_grad():
+        model(input_ids=torch.zeros(1, 16, dtype=torch.long))
+    seen = {n: bool(mask[0, 0, 15, 0]) if mask.dtype == torch.bool else bool(mask[0, 0, 15, 0] == 0)
+            for n, mask in masks.items()}
+    return tuple(n for n in sorted(seen) if not seen[n])
