@@ -16,9 +16,12 @@ elements; a fused SwiGLU recomputes it). LayerNorm (GPT-NeoX, StarCoder2) is one
 GELU MLP keeps the same as a fused one. Cohere's LayerNorm (without a bias; over h, and with ``use_qk_norm`` over
 each head) is written out op by op: it keeps x - mean twice (the variance's square and the scaling each compute it)
 and the normalised tensor before the weight, with one 1/std, where a fused kernel keeps its input, its mean and its
-1/std: per norm over d, 2d elements more and one statistic fewer. ERNIE 4.5's and GLM-4's interleaved rotary
-embeddings make each layer's cos and sin anew from a half of the model's tables, and their products keep those
-copies (half the rotated dimensions each). Falcon's model hands its attention an explicit (b, 1, s, s) causal mask,
+1/std: per norm over d, 2d elements more and one statistic fewer. ERNIE 4.5's, GLM-4's and Helium's interleaved
+rotary embeddings make each layer's cos and sin anew from a half of the model's tables, and their products keep
+those copies (half the rotated dimensions each). Ministral 3 scales its queries by position as Mistral 4 does
+(:func:`_query_scale`). Arcee's ReLU² MLP keeps what a GELU one keeps (the up-projection's ReLU output, for the
+square and for its own gradient, and the square, the down projection's input), and Hunyuan's q/k norms, after its
+rotary, the same as Qwen3's before it. Falcon's model hands its attention an explicit (b, 1, s, s) causal mask,
 under which transformers' sdpa repeats K and V to every query head: without the core's recomputation the layer keeps
 the mask (s elements per token) and the repeated K and V in place of K and V. Cohere 2 and EXAONE 4 run rotary
 embeddings on their sliding-window layers only, so their tiny instances have every layer global (no mask, no rotary
@@ -69,7 +72,8 @@ FAMILIES = {"llama": "sdpa", "mistral": "sdpa", "qwen2": "sdpa", "qwen3": "sdpa"
             "gemma2": "eager", "gemma3_text": "sdpa", "granite": "sdpa", "phi3": "sdpa", "olmo2": "sdpa",
             "olmo3": "sdpa", "smollm3": "sdpa", "starcoder2": "sdpa", "cohere": "sdpa", "cohere2": "sdpa",
             "ernie4_5": "sdpa", "glm4": "sdpa", "seed_oss": "sdpa", "exaone4": "sdpa", "falcon": "sdpa",
-            "gpt_neox": "sdpa"}  # the attention each
+            "gpt_neox": "sdpa", "ministral": "sdpa", "ministral3": "sdpa", "helium": "sdpa", "arcee": "sdpa",
+            "hunyuan_v1_dense": "sdpa"}  # the attention each
 # runs (Gemma 2 has no sdpa path; SmolLM3's tiny instance has rotary on both layers, so that its rotary's cos and
 # sin are shared as in the other families: a layer without keeps the same bytes less those); GPT-2 is left out:
 # its eager GELU ("gelu_new", written out op by op) and fused c_attn split keep several more copies than any kernel
@@ -86,8 +90,9 @@ MOE_FAMILIES = {"qwen3_moe": "sdpa", "mixtral": "sdpa", "olmoe": "sdpa", "deepse
 # runs (gpt-oss's sinks, MLA's head dims: no sdpa path)
 _STAT, _INDEX = 4, 8  # bytes of an fp32 statistic, of an int64 index
 _ROTARY_CAT = ("phi3", "glm4", "glm4_moe", "gpt_neox", "minimax_m2")
-_INTERLEAVED_ROTARY = {"ernie4_5": 1.0, "ernie4_5_moe": 1.0, "glm4": 0.5}  # the share of qk_dim rotated (GLM-4's
-# transformers default partial_rotary_factor)  # rotary through torch.cat: q contiguous per head, and so sdpa's output
+_INTERLEAVED_ROTARY = {"ernie4_5": 1.0, "ernie4_5_moe": 1.0, "glm4": 0.5, "helium": 1.0}  # the share of qk_dim
+# rotated (GLM-4's transformers default partial_rotary_factor); _ROTARY_CAT: rotary through torch.cat, so q is
+# contiguous per head, and so is sdpa's output
 
 
 def _checkpointed(family, attention):
@@ -238,12 +243,13 @@ def _gemma_scales(spec, mode):
 
 
 def _query_scale(spec, mode, layer):
-    """Bytes per layer (not per token) Mistral 4's and Llama 4's eager attention keeps: the queries' position-dependent
-    scale (Mistral 4's ``1 + beta * log(1 + floor(position / original_max_position_embeddings))`` in every layer,
+    """Bytes per layer (not per token) Mistral 4's, Ministral 3's and Llama 4's eager attention keeps: the queries'
+    position-dependent scale (Mistral 4's and Ministral 3's ``1 + beta * log(1 + floor(position /
+    original_max_position_embeddings))`` in every layer,
     Llama 4's temperature ``1 + attn_scale * log1p(floor((position + 1) / floor_scale))`` in its NoPE layers), one
     fp32 per position, a tensor of its own that the product with the queries keeps; a fused kernel folds it into
     the queries' scaling."""
-    scaled = spec.family == "mistral4" or (spec.family == "llama4_text" and layer in spec.nope_layers)
+    scaled = spec.family in ("mistral4", "ministral3") or (spec.family == "llama4_text" and layer in spec.nope_layers)
     return WIDTH * SEQ if scaled and mode != "full" else 0
 
 
@@ -254,7 +260,7 @@ def test_activation_bytes_equal_saved_tensors(family, mode):
     spec = model_spec(config)
     keep = layer_counts(spec, "dense", SEQ, width=WIDTH).activations[mode].per_gpu(tp=1, cp=1, sp=False)
     expected = BATCH * SEQ * (keep + _eager_extra(spec, mode, attention=FAMILIES[family])) + _gemma_scales(spec, mode)
-    assert per_layer == [expected] * spec.layers
+    assert per_layer == [expected + _query_scale(spec, mode, n) for n in range(spec.layers)]
 
 
 @pytest.mark.parametrize("mode", ["none", "selective"])

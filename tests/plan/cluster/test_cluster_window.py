@@ -41,6 +41,8 @@ WINDOWED = {
     "olmo3": dict(sliding_window=8, layer_types=None),
     "cohere2": dict(sliding_window=8, layer_types=None, sliding_window_pattern=3),
     "exaone4": dict(sliding_window=8, layer_types=None, sliding_window_pattern=3),
+    "ministral": dict(sliding_window=8, layer_types=None),
+    "ministral3": dict(sliding_window=8),
 }
 
 

@@ -176,3 +176,17 @@ def test_a_text_config_takes_transformers_defaults_for_what_it_leaves_out():
     assert model_spec(text) == expected and expected.attention.heads == 8 and expected.vocab == 262208
     with pytest.raises(ModelConfigError, match="has no num_experts_per_tok"):
         model_spec({"model_type": "deepseek_v2", "kv_lora_rank": 16})
+
+
+@pytest.mark.parametrize("family", ["ministral", "ministral3", "helium", "arcee", "hunyuan_v1_dense"])
+def test_a_bare_model_type_counts_as_transformers_default_model(family):
+    """A config.json that gives only its model_type (and Ministral's and Hunyuan's head_dim: transformers' classes
+    fail on the None their configurations default it to, so their checkpoints give it) reads as transformers'
+    default configuration of the family (:data:`FAMILY_DEFAULTS`), and counts the parameters of that model built on
+    the meta device (Ministral 3's default is its 8B base model's language model: 34 layers of hidden 4,096)."""
+    given = {"head_dim": 128} if family in ("ministral", "hunyuan_v1_dense") else {}
+    config = transformers.AutoConfig.for_model(family, **given)
+    with torch.device("meta"):
+        model = tiny_model(config)
+    expected = sum(p.numel() for p in model.parameters())
+    assert model_params(model_spec({"model_type": family, **given})) == model_params(model_spec(config)) == expected

@@ -1,13 +1,14 @@
 """A decoder's shape (:class:`~pipeloom.plan.cluster.model.spec.ModelSpec`) read from a transformers config (a
 config.json path, a model folder, a Hugging Face model id in the local cache, a dict or a ``PretrainedConfig``:
 :func:`~pipeloom.plan.cluster.model.source.read_config`), without importing transformers: dense decoders (LLaMA,
-Mistral, Qwen2/3, Gemma 1/2/3, Granite, Phi-3, OLMo 2/3, SmolLM3, StarCoder2, Cohere's Command R / R7B / A, ERNIE
-4.5, GLM-4, Seed-OSS, EXAONE 4, Falcon, GPT-2, GPT-NeoX) and mixture-of-experts decoders (Mixtral, Phi-3.5-MoE,
-Granite MoE, OLMoE, MiniMax-M2, Qwen2-MoE, Qwen3-MoE, ERNIE 4.5 MoE, DeepSeek-V2/V3, GLM-4.7-Flash and Mistral 4
-with multi-head latent attention, GLM-4.5, dots.llm1, gpt-oss with attention sinks and biased experts, Llama 4 with
-chunked attention and NoPE layers: :mod:`~pipeloom.plan.cluster.model.moe`), a field left
-out taking transformers' default for the family (:data:`~pipeloom.plan.cluster.model.source.FAMILY_DEFAULTS`), with
-sliding-window attention on the layers transformers gives it (:func:`_windows`)."""
+Mistral, Ministral, Ministral 3, Qwen2/3, Gemma 1/2/3, Granite, Phi-3, OLMo 2/3, SmolLM3, StarCoder2, Cohere's
+Command R / R7B / A, ERNIE 4.5, GLM-4, Seed-OSS, EXAONE 4, Helium, Arcee, Hunyuan dense, Falcon, GPT-2, GPT-NeoX) and
+mixture-of-experts decoders (Mixtral, Phi-3.5-MoE, Granite MoE, OLMoE, MiniMax-M2, Qwen2-MoE, Qwen3-MoE, ERNIE 4.5
+MoE, DeepSeek-V2/V3, GLM-4.7-Flash and Mistral 4 with multi-head latent attention, GLM-4.5, dots.llm1, gpt-oss with
+attention sinks and biased experts, Llama 4 with chunked attention and NoPE layers:
+:mod:`~pipeloom.plan.cluster.model.moe`), a field left out taking transformers' default for the family
+(:data:`~pipeloom.plan.cluster.model.source.FAMILY_DEFAULTS`), with sliding-window attention on the layers
+transformers gives it (:func:`_windows`)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,9 @@ __all__ = ["model_spec", "SUPPORTED_FAMILIES"]
 
 _DENSE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "granite", "phi3", "olmo2", "olmo3",
           "smollm3", "starcoder2", "cohere", "cohere2", "ernie4_5", "glm4", "seed_oss", "exaone4", "falcon",
-          "gpt2", "gpt_neox")
+          "gpt2", "gpt_neox", "ministral", "ministral3", "helium", "arcee", "hunyuan_v1_dense")
+_UNGATED = ("arcee",)
+"""Families of the LLaMA layout whose MLP is two projections around one activation (Arcee's ReLU²)."""
 _OLMO = ("olmo2", "olmo3", "olmoe")
 _MOE = ("mixtral", "phimoe", "granitemoe", "granitemoeshared", "olmoe", "minimax_m2", "qwen2_moe", "qwen3_moe",
         "ernie4_5_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "dots1", "mistral4", "gpt_oss",
@@ -93,6 +96,7 @@ def _guess(architectures: object) -> str:
     names = architectures if isinstance(architectures, list) else []
     by_class = {family.replace("_", ""): family for family in SUPPORTED_FAMILIES}
     by_class["gemma3"] = "gemma3_text"  # Gemma3ForCausalLM is the text-only model of a gemma3_text config
+    by_class["hunyuandensev1"] = "hunyuan_v1_dense"  # HunYuanDenseV1ForCausalLM
     for name in names:
         family = by_class.get(str(name).lower().removesuffix("forcausallm").removesuffix("lmheadmodel"))
         if family:
@@ -120,8 +124,8 @@ def _dropouts(data: Mapping[str, Any], family: str, parallel: bool) -> dict[str,
 
 
 def _windows(data: Mapping[str, Any], family: str, layers: int) -> tuple[int, tuple[int, ...]]:
-    """``(window, layers)`` of sliding-window attention as transformers builds the model: the config's
-    ``layer_types`` where it has them (``"sliding_attention"`` layers); otherwise Mistral, Mixtral, Phi-3,
+    """``(window, layers)`` of sliding-window attention as transformers builds the model: the config's ``layer_types``
+    where it has them (``"sliding_attention"`` layers); otherwise Mistral, Ministral, Ministral 3, Mixtral, Phi-3,
     Phi-3.5-MoE and StarCoder2 window every layer when ``sliding_window`` is set, OLMo 3 three layers of every four
     (its default ``layer_types``), Gemma 2 and gpt-oss every second layer from the first, Gemma 3, Cohere 2 and
     EXAONE 4 all but every ``sliding_window_pattern``-th (6, 4 and 4), Qwen3-MoE every layer with
@@ -133,7 +137,7 @@ def _windows(data: Mapping[str, Any], family: str, layers: int) -> tuple[int, tu
     types = data.get("layer_types")
     if isinstance(types, (list, tuple)):
         return size, tuple(n for n, kind in enumerate(types[:layers]) if kind == "sliding_attention")
-    if family in ("mistral", "mixtral", "phimoe", "phi3", "starcoder2"):
+    if family in ("mistral", "mixtral", "phimoe", "phi3", "starcoder2", "ministral", "ministral3"):
         return size, tuple(range(layers))
     if family in ("gemma2", "gpt_oss"):
         return size, tuple(n for n in range(layers) if (n + 1) % 2)
@@ -199,14 +203,15 @@ def _family_spec(data: Mapping[str, Any], family: str) -> ModelSpec:
     qkv_bias = family == "qwen2" or (family == "qwen2_moe" and bool(data.get("qkv_bias", True))) or bias
     attention = Attention(heads=heads, kv_heads=kv_heads, qk_dim=head_dim, v_dim=head_dim, qkv_bias=qkv_bias,
                           o_bias=(bool(data.get("attention_out_bias", False)) if family == "seed_oss" else
-                                  bias and family not in ("qwen2", "qwen2_moe", "glm4")),
-                          qk_norm=family in ("qwen3", "qwen3_moe", "gemma3_text", "exaone4", "minimax_m2", *_OLMO),
+                                  bias and family not in ("qwen2", "qwen2_moe", "glm4", "helium")),
+                          qk_norm=family in ("qwen3", "qwen3_moe", "gemma3_text", "exaone4", "minimax_m2",
+                                             "hunyuan_v1_dense", *_OLMO),
                           qk_norm_full=family in (*_OLMO, "minimax_m2"))
     dense: dict[str, Any] = dict(**common, attention=attention, mlp_bias=bool(data.get("mlp_bias", False)),
                                  post_norms=family in ("gemma2", "gemma3_text", "glm4"),
                                  nope_layers=nope_layers(data, layers) if family == "smollm3" else ())
     if family in _DENSE:
-        return ModelSpec(**dense, intermediate=int(get_field(data, "intermediate_size")))
+        return ModelSpec(**dense, intermediate=int(get_field(data, "intermediate_size")), gated=family not in _UNGATED)
     if family in ("mixtral", "olmoe", "minimax_m2", "granitemoe", "granitemoeshared"):
         return every_layer_sparse(data, family, dense)
     experts = Experts(count=int(get_field(data, "num_experts", "num_local_experts")),
