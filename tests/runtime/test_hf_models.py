@@ -102,11 +102,12 @@ def test_random_routing_is_the_same_on_any_number_of_ranks():
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("schedule", ["dualpipe", "1f1b"])
-def test_a_cluster_plan_runs_bitwise(tmp_path, schedule):
+@pytest.mark.parametrize("schedule, vp", [("dualpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 3)])
+def test_a_cluster_plan_runs_bitwise(tmp_path, schedule, vp):
     """``pipeloom plan --model ... --save`` for the tiny LLaMA on 2 GPUs (dualpipe: two copies of the model, a
-    pair of micro-batches per schedule micro-batch; 1f1b) runs through ``pipeline(model, plan=...)`` on 2 ranks
-    bitwise equal to the unsplit model."""
+    pair of micro-batches per schedule micro-batch; 1f1b; interleaved 1f1b over 2 x 3 stages for the 4 layers, the
+    first holding only the embedding and the last only the final norm and head) runs through
+    ``pipeline(model, plan=...)`` on 2 ranks bitwise equal to the unsplit model."""
     from hf_models import LAYERS, VOCAB
 
     from pipeloom.plan.cluster import plan_cluster
@@ -116,7 +117,11 @@ def test_a_cluster_plan_runs_bitwise(tmp_path, schedule):
     config = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": LAYERS,
               "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": VOCAB}
     result = plan_cluster(config, "h100", gpus=2, global_batch=8, seq=12,
-                          layout=f"dp=1,tp=1,pp=2,vp=1,cp=1,ep=1,mbs=1,fsdp=0,recompute=none,schedule={schedule}")
-    save_plan(runtime_plan(result), tmp_path / "plan.json")
+                          layout=f"dp=1,tp=1,pp=2,vp={vp},cp=1,ep=1,mbs=1,fsdp=0,recompute=none,schedule={schedule}")
+    plan = runtime_plan(result)
+    if vp == 3:
+        assert result.best.stage_layers == (0, 1, 1, 1, 1, 0)
+        assert plan.split_points == (*(f"model.layers.{k}" for k in range(LAYERS)), "model.norm")
+    save_plan(plan, tmp_path / "plan.json")
     found = assert_bitwise_reports(run_ranks(2, hf_plan, str(tmp_path / "plan.json"), timeout=360), cases=1)
     assert all(outcome["microbatches"] == (4 if schedule == "dualpipe" else 8) for _, _, outcome in found)

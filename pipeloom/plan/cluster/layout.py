@@ -15,9 +15,10 @@ from pipeloom.plan.errors import LayoutError
 
 if TYPE_CHECKING:
     from pipeloom.plan.cluster.job import Job
+    from pipeloom.plan.cluster.model.spec import ModelSpec
 
 __all__ = ["Layout", "SCHEDULES", "PAIRED", "LAYOUT_KEYS", "MBS_CHOICES", "VP_CHOICES", "enumerate_layouts",
-           "parse_layout"]
+           "parse_layout", "max_stages"]
 
 SCHEDULES: dict[str, str] = {
     "1f1b": "linear",
@@ -149,9 +150,10 @@ class Layout:
                               "that divides both")
         if job.seq % (2 * self.cp) and self.cp > 1:
             raise LayoutError(f"sequence {job.seq} does not split into 2 x cp={self.cp} load-balanced chunks")
-        if self.stages > spec.layers:
+        if self.stages > max_stages(spec):
             raise LayoutError(f"pp={self.pp} x vp={self.vp} = {self.stages} stages for {spec.layers} layers: at most "
-                              f"one stage per layer; lower pp or vp so that pp x vp <= {spec.layers}")
+                              "one stage per layer, and one each for the embedding and the head; lower pp or vp so "
+                              f"that pp x vp <= {max_stages(spec)}")
         if spec.experts is None and self.ep > 1:
             raise LayoutError(f"ep={self.ep} on a dense model: use ep=1")
         if spec.experts is not None and spec.experts.count % self.ep:
@@ -212,6 +214,14 @@ def parse_layout(text: str) -> dict[str, Any]:
 
 MBS_CHOICES = (1, 2, 4, 8, 16, 32, 64)
 """Micro-batch sizes tried (sequences)."""
+def max_stages(spec: ModelSpec) -> int:
+    """The most pipeline stages a model cuts into: one per decoder layer, and one each for the embedding and the
+    head alone (Llama 3 405B's 126 layers in 16 x 8 = 128 stages, the first and last without a decoder layer: Meta's
+    "one Transformer layer short" ends; Megatron-LM's ``--account-for-embedding-in-pipeline-split`` and
+    ``--account-for-loss-in-pipeline-split``)."""
+    return spec.layers + 2
+
+
 VP_CHOICES = (2, 3, 4, 5, 6, 7, 8)
 """Stages per rank tried for interleaved-1f1b."""
 
@@ -241,7 +251,7 @@ def enumerate_layouts(job: Job, fixed: dict[str, Any], refusals: list[str] | Non
             if n % (tp * cp):
                 _refuse(refusals, f"tp={tp} x cp={cp} does not divide the {n} GPUs")
                 continue
-            pps = [p for p in divisors(n // (tp * cp)) if p <= spec.layers]
+            pps = [p for p in divisors(n // (tp * cp)) if p <= max_stages(spec)]
             for pp in _choices("pp", fixed, pps):
                 if n % (tp * cp * pp):
                     _refuse(refusals, f"tp={tp} x cp={cp} x pp={pp} does not divide the {n} GPUs")
@@ -274,7 +284,8 @@ def _inner(job: Job, fixed: dict[str, Any], tp: int, cp: int, pp: int, dp: int,
             _refuse(refusals, f"dp={dp} x mbs={mbs} does not divide the global batch {job.global_batch}")
             continue
         placement = SCHEDULES.get(schedule)
-        vps = {"interleaved": [v for v in VP_CHOICES if pp * v <= spec.layers], "v": [2]}.get(placement or "", [1])
+        vps = {"interleaved": [v for v in VP_CHOICES if pp * v <= max_stages(spec)], "v": [2]}.get(placement or "",
+                                                                                                   [1])
         for vp in _choices("vp", fixed, vps):
             try:
                 layout = Layout(dp=dp, tp=tp, pp=pp, vp=vp, cp=cp, ep=ep, mbs=mbs, fsdp=bool(fsdp),

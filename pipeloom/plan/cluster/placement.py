@@ -89,7 +89,8 @@ def with_blocking_sends(job: Job, layout: Layout, times: list[PhaseTimes]) -> li
 
 def even_counts(layers: int, stages: int) -> tuple[int, ...]:
     """Decoder layers per stage of an even cut: ``layers // stages`` each, the remainder going to the middle
-    stages first (the first holds the embedding, the last the head)."""
+    stages first (the first holds the embedding, the last the head; with more stages than layers, the first and
+    the last hold only those)."""
     base, extra = divmod(layers, stages)
     order = list(range(1, stages - 1)) + [0, stages - 1] if stages > 2 else list(range(stages))
     counts = [base] * stages
@@ -107,10 +108,13 @@ def balanced_counts(kinds: Sequence[str], ranks: Sequence[Sequence[int]], work: 
     cut with the least busy stage (:func:`_stage_cut`) is; otherwise a local search (:class:`_Balance`) from the
     rank fill, or the even cut (:func:`even_counts`) where that is better: the ranks' loads sorted from the
     largest down, compared in that order. Never busier than the even cut; every stage keeps at least one
-    layer."""
+    layer, but where there are more stages than layers: then the even cut, one layer per stage and none on the
+    first or last (or both)."""
     stages = sum(len(r) for r in ranks)
     if stages == 1:
         return (len(kinds),)
+    if stages > len(kinds):  # one layer per stage, the embedding or the head (or both) on a stage of its own
+        return even_counts(len(kinds), stages)
     if len(set(kinds)) == 1:
         return _rank_fill(kinds, ranks, work, first, last)
     if stages == len(ranks):

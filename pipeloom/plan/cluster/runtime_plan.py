@@ -19,10 +19,13 @@ from pipeloom.plan.plan import Plan
 if TYPE_CHECKING:
     from pipeloom.plan.cluster.api import ClusterPlan
 
-__all__ = ["LAYER_PREFIX", "TORCHTITAN_MODELS", "kept_over_limit", "runtime_plan", "runtime_notes", "save_blockers",
-           "torchtitan_plan", "torchtitan_recompute"]
+__all__ = ["LAYER_PREFIX", "FINAL_NORM", "split_point", "TORCHTITAN_MODELS", "kept_over_limit", "runtime_plan",
+           "runtime_notes", "save_blockers", "torchtitan_plan", "torchtitan_recompute"]
 
 LAYER_PREFIX = {"gpt2": "transformer.h", "falcon": "transformer.h", "gpt_neox": "gpt_neox.layers"}
+FINAL_NORM = {"gpt2": "transformer.ln_f", "falcon": "transformer.ln_f", "gpt_neox": "gpt_neox.final_layer_norm"}
+"""The final norm of the families whose transformers model does not call it ``model.norm``: where a last stage that
+holds only the head begins."""
 """Where a ``transformers`` model of a family keeps its decoder layers (every other family: ``model.layers``)."""
 _TP_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
 """Families whose attention and MLP projections are plain ``nn.Linear`` modules under the names below (the runtime's
@@ -38,8 +41,17 @@ _HEAD_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
 
 def _starts(counts: Sequence[int]) -> list[int]:
     """The first layer of stages 1.. of a cut with ``counts[j]`` decoder layers in stage ``j`` (the embedding rides
-    with the first stage, the head with the last, as the planner prices them)."""
+    with the first stage, the head with the last, as the planner prices them; a last stage without a decoder layer
+    starts after the last one)."""
     return list(accumulate(counts[:-1]))
+
+
+def split_point(family: str, layer: int, layers: int) -> str:
+    """The module where a stage starting at decoder ``layer`` of ``layers`` begins in ``family``'s transformers
+    model: the layer, or the final norm for a stage that holds only the head."""
+    if layer < layers:
+        return f"{LAYER_PREFIX.get(family, 'model.layers')}.{layer}"
+    return FINAL_NORM.get(family, "model.norm")
 
 
 TORCHTITAN_MODELS = {"llama": "llama3", "qwen3": "qwen3", "qwen3_moe": "qwen3", "deepseek_v3": "deepseek_v3"}
@@ -143,7 +155,7 @@ def runtime_plan(result: ClusterPlan, *, export: str | None = None) -> Plan:
         raise PlanError(blockers)
     family = job.spec.family
     prefix = LAYER_PREFIX.get(family, "model.layers")
-    split_points = tuple(f"{prefix}.{layer}" for layer in _starts(best.stage_layers))
+    split_points = tuple(split_point(family, layer, job.spec.layers) for layer in _starts(best.stage_layers))
     tp_plan = None
     if layout.tp > 1:
         tp_plan = {"recipe": "megatron", "column": [f"{prefix}.*.{name}" for name in _COLUMN],
@@ -215,7 +227,7 @@ def runtime_notes(result: ClusterPlan, *, kept: float | None = None) -> list[str
 def torchtitan_plan(plan: Plan, layers: int) -> tuple[Plan, Sequence[str]]:
     """The plan in torchtitan's module names (``tok_embeddings``, ``layers.N``, ``norm``, ``output``) and the
     model's modules in call order, for ``--export torchtitan``."""
-    starts = [int(point.rsplit(".", 1)[1]) for point in plan.split_points]
+    ends = [point.rsplit(".", 1)[1] for point in plan.split_points]  # a layer's index, or the final norm's name
     modules = ["tok_embeddings", *(f"layers.{k}" for k in range(layers)), "norm", "output"]
-    renamed = dataclasses.replace(plan, split_points=tuple(f"layers.{k}" for k in starts))
+    renamed = dataclasses.replace(plan, split_points=tuple(f"layers.{k}" if k.isdigit() else "norm" for k in ends))
     return renamed, modules

@@ -7,11 +7,12 @@ from __future__ import annotations
 import json
 
 import pytest
+from tests.plan.cluster.tiny import TINY, tiny_config, tiny_model
 
 from pipeloom.cli import main
-from pipeloom.plan.cluster import plan_cluster
+from pipeloom.plan.cluster import model_spec, plan_cluster
 from pipeloom.plan.cluster.estimate import Estimator
-from pipeloom.plan.cluster.runtime_plan import runtime_notes, runtime_plan, save_blockers, torchtitan_plan
+from pipeloom.plan.cluster.runtime_plan import runtime_notes, runtime_plan, save_blockers, split_point, torchtitan_plan
 from pipeloom.plan.errors import PlanError
 from pipeloom.plan.plan import load_plan, save_plan
 
@@ -300,3 +301,34 @@ def test_a_recomputation_torchtitan_has_not_is_refused_for_it():
     assert "or add --export torchtitan, which recomputes as planned" in save_blockers(llama)
     assert "recompute=full: pipeloom's runtime keeps" in save_blockers(mistral)
     assert "--export torchtitan" not in save_blockers(mistral)
+
+
+def test_stages_of_the_embedding_or_the_head_alone_are_saved_and_exported(tmp_path, capsys):
+    """A cut with more stages than layers: the plan file's split points start stage 1 at the first layer and the
+    last stage at the final norm (the runtime runs it bitwise: tests/runtime/test_hf_models.py), and torchtitan's
+    model parts are the embedding alone, a layer each, and the final norm with the output."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(dict(LLAMA, num_hidden_layers=4)))
+    save = tmp_path / "plan.json"
+    assert main(["plan", "--model", str(config), "--hardware", "h100", "--gpus", "2", "--global-batch", "8", "--seq",
+                 "2048", "--layout", "dp=1,tp=1,pp=2,vp=3,cp=1,ep=1,mbs=1,fsdp=0,recompute=none,"
+                 "schedule=interleaved-1f1b", "--save", str(save), "--export", "torchtitan"]) == 0
+    assert "layers per stage: 0, 1 x4, 0" in capsys.readouterr().out
+    assert load_plan(save).split_points == ("model.layers.0", "model.layers.1", "model.layers.2", "model.layers.3",
+                                            "model.norm")
+    toml = (tmp_path / "plan.torchtitan.toml").read_text()
+    assert ('module_fqns_per_model_part = [["tok_embeddings"], ["layers.0"], ["layers.1"], ["layers.2"], '
+            '["layers.3"], ["norm", "output"]]') in toml
+    assert split_point("gpt2", 12, 12) == "transformer.ln_f" and split_point("gpt2", 3, 12) == "transformer.h.3"
+
+
+@pytest.mark.parametrize("family", sorted(TINY))
+def test_every_family_names_the_modules_its_stages_start_at(family):
+    """The split points a plan gives (a decoder layer, or the final norm for a stage of the head alone) are modules of
+    every family's transformers model."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    config = tiny_config(family)
+    names = {name for name, _ in tiny_model(config).named_modules()}
+    layers = model_spec(config).layers
+    assert {split_point(family, layer, layers) for layer in (0, layers - 1, layers)} <= names

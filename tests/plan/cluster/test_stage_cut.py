@@ -15,7 +15,7 @@ from pipeloom.plan.cluster import plan_cluster
 from pipeloom.plan.cluster.estimate import Estimator
 from pipeloom.plan.cluster.gpus import hardware
 from pipeloom.plan.cluster.job import Job
-from pipeloom.plan.cluster.layout import Layout, parse_layout
+from pipeloom.plan.cluster.layout import Layout, enumerate_layouts, parse_layout
 from pipeloom.plan.cluster.model.reader import model_spec
 from pipeloom.plan.cluster.placement import balanced_counts, even_counts
 from pipeloom.plan.errors import LayoutError
@@ -89,6 +89,26 @@ def test_the_estimate_prices_the_cut_it_reports():
     assert even.stage_layers == (4, 4, 4, 4)
     assert sum(balanced.stage_layers) == 16 and balanced.stage_layers[-1] < 4
     assert balanced.step_time < even.step_time
+
+
+def test_the_embedding_and_the_head_may_take_a_stage_each():
+    """More stages than layers (at most two more): one layer per middle stage, the first and last stages holding
+    only the embedding and the head (Llama 3 405B's 126 layers in 16 x 8 stages); the estimate prices those stages,
+    the layout check and the search allow them and refuse a stage more."""
+    assert even_counts(4, 6) == (0, 1, 1, 1, 1, 0)
+    assert even_counts(4, 5) == (1, 1, 1, 1, 0)
+    kinds = ["d"] * 4
+    assert balanced_counts(kinds, _ranks(LOOPED, 2, 3), {"d": 1.0}, first=0.5, last=2.0) == (0, 1, 1, 1, 1, 0)
+    tiny = dict(LLAMA, num_hidden_layers=4)
+    layout = "dp=1,tp=1,pp=2,vp=3,cp=1,ep=1,mbs=1,fsdp=0,recompute=none,schedule=interleaved-1f1b"
+    best = plan_cluster(tiny, "h100", gpus=2, global_batch=8, seq=2048, layout=layout).best
+    assert best.stage_layers == (0, 1, 1, 1, 1, 0)
+    job = Job(spec=model_spec(tiny), hw=hardware("h100"), gpus=2, global_batch=8, seq=2048)
+    first, *middle, last = Estimator(job).stages(best.layout)[0]
+    assert first.f < min(t.f for t in middle) and last.f > first.f  # the embedding alone; the 128K-vocabulary head
+    assert {c.vp for c in enumerate_layouts(job, {"pp": 2, "schedule": "interleaved-1f1b"})} == {2, 3}
+    with pytest.raises(LayoutError, match="8 stages for 4 layers.*one each for the embedding and the head.*<= 6"):
+        plan_cluster(tiny, "h100", gpus=2, global_batch=8, seq=2048, layout=layout.replace("vp=3", "vp=4"))
 
 
 def test_an_unknown_stage_cut_is_refused():
