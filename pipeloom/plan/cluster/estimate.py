@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
 from pipeloom.errors import PipeloomError
@@ -338,7 +339,7 @@ class Estimator:
             self._ranks[key] = tuple(seen.values())
         return self._ranks[key]
 
-    def _kinds_of(self, layout: Layout, stages: list[int]) -> tuple[tuple[str, int], ...]:
+    def _kinds_of(self, layout: Layout, stages: Sequence[int]) -> tuple[tuple[str, int], ...]:
         """The layer kinds a rank holding these schedule stages holds, and how many of each."""
         cut, kinds = self._cut(self.stage_counts(layout), layout.copies), Counter[str]()
         for j in stages:

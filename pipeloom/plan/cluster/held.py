@@ -50,13 +50,12 @@ def held_profile(schedule: Schedule) -> tuple[RankHeld, ...]:
     problem = schedule.problem
     tasks = {task.key: task for task in problem.tasks}
     unit = {task.stage: task.memory for task in problem.tasks if task.kind == "F"}
-    changes: dict[Any, tuple[tuple[int, float], ...]] = {}  # per (stage, kind) of an action's parts
+    changes: dict[Any, tuple[tuple[int, float], ...]] = {}  # per (stage, kind) of an action, or of a pair's parts
     out = []
     for actions in schedule.ranks:
         signatures = []
-        for action in actions:
-            parts = (action.forward, action.backward) if type(action) is Overlap else (action,)
-            signature = tuple((part[0], part[1]) for part in parts)
+        for action in actions:  # (stage, kind), or an overlapped pair's two
+            signature = (action.forward[:2], action.backward[:2]) if type(action) is Overlap else action[:2]
             if signature not in changes:  # its tasks do not depend on the micro-batch
                 found = [tasks[part.task] for part in task_actions(problem, action)]
                 changes[signature] = tuple((t.stage, t.memory / unit[t.stage]) for t in found if unit[t.stage])
@@ -83,10 +82,24 @@ def held_profile(schedule: Schedule) -> tuple[RankHeld, ...]:
 
 def _frontier(points: set[tuple[float, ...]]) -> tuple[tuple[float, ...], ...]:
     """The points not dominated (<= in every coordinate) by another one."""
+    if len(next(iter(points), ())) == 2:  # a V's or DualPipe's two stages: one sweep
+        return _frontier_2d(points)
     kept: list[tuple[float, ...]] = []
     for point in sorted(points, key=sum, reverse=True):  # a dominating point has the larger sum: seen first
         if not any(all(a <= b for a, b in zip(point, other)) for other in kept):
             kept.append(point)
+    return tuple(kept)
+
+
+def _frontier_2d(points: set[tuple[float, ...]]) -> tuple[tuple[float, ...], ...]:
+    """:func:`_frontier` of distinct points in two coordinates: by the first descending (ties: the second
+    descending), a point is dominated exactly when an earlier one has at least its second coordinate."""
+    kept: list[tuple[float, ...]] = []
+    top = float("-inf")
+    for point in sorted(points, reverse=True):
+        if point[1] > top:
+            kept.append(point)
+            top = point[1]
     return tuple(kept)
 
 

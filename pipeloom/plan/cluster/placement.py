@@ -4,6 +4,7 @@ stages, and a lower bound on any schedule's makespan from the stages' work."""
 
 from __future__ import annotations
 
+import functools
 import heapq
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -318,16 +319,21 @@ def work_bound(layout: Layout, m: int, times: list[PhaseTimes], *, paired: bool)
     return bound
 
 
-def rank_stages(layout: Layout) -> list[list[int]]:
+def rank_stages(layout: Layout) -> tuple[tuple[int, ...], ...]:
     """Per pipeline rank, its schedule stages in order: looped (interleaved, linear: stage s on rank s mod pp),
     a V, or DualPipe's two copies (stage ``s < pp`` of the copy fed from rank 0 on rank ``s``, stage ``pp + k``
     of the other copy on rank ``pp - 1 - k``: the V's ranks)."""
-    if SCHEDULES[layout.schedule] in ("v", "two-copy"):
-        return [[r, 2 * layout.pp - 1 - r] for r in range(layout.pp)]
-    return [list(range(r, layout.stages, layout.pp)) for r in range(layout.pp)]
+    return _rank_stages(SCHEDULES[layout.schedule] in ("v", "two-copy"), layout.pp, layout.vp)
 
 
-def cut_ranks(layout: Layout) -> list[list[int]]:
+@functools.lru_cache(maxsize=1024)
+def _rank_stages(v: bool, pp: int, vp: int) -> tuple[tuple[int, ...], ...]:
+    if v:
+        return tuple((r, 2 * pp - 1 - r) for r in range(pp))
+    return tuple(tuple(range(r, pp * vp, pp)) for r in range(pp))
+
+
+def cut_ranks(layout: Layout) -> Sequence[Sequence[int]]:
     """Per pipeline rank, the model stages of the cut it holds, each rank once (:func:`balanced_counts`'s
     ``ranks``): :func:`rank_stages`, but for DualPipe's copies model stages ``r`` and ``pp - 1 - r`` on ranks
     ``r`` and ``pp - 1 - r`` alike, listed once."""
