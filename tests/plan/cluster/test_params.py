@@ -72,6 +72,18 @@ def test_reads_config_json(tmp_path):
     ({"model_type": "t5"}, r"not modelled; supported: .*copy its config.json with \"model_type\" set to it "
                            r"\(e.g. \"llama\"\)"),
     ({"model_type": "hunyuan_v1_moe", "num_experts": 16}, r"not modelled.*\"qwen3_moe\".*\"mixtral\".*not a dense"),
+    # layers that are not attention: no stand-in offered (Qwen3-Next / Qwen3.5's linear attention, Nemotron-H's Mamba)
+    ({"model_type": "qwen3_next", "layer_types": ["linear_attention", "full_attention"]},
+     r"'qwen3_next' is not modelled: its layers are not all attention \(its config gives layers of kind "
+     r"linear_attention.*no supported family stands in for it; supported: llama"),
+    ({"model_type": "nemotron_h", "mamba_num_heads": 8, "layers_block_type": ["mamba", "attention"]},
+     r"not all attention \(its config gives the fields layers_block_type, mamba_num_heads"),
+    ({"model_type": "qwen3_5", "text_config": {"model_type": "qwen3_5_text", "layer_types": ["linear_attention"]}},
+     r"'qwen3_5' is a multimodal config whose language model \(qwen3_5_text\) is not modelled: its layers are not "
+     r"all attention"),
+    # DeepSeek's sparse attention (DeepSeek-V3.2, GLM-5): DeepSeek-V3 stands in, with what it leaves out
+    ({"model_type": "deepseek_v32", "index_topk": 2048, "layer_types": ["indexed_attention"]},
+     r"sparse attention \(each query attends to the index_topk = 2048 keys an indexer selects\).*as \"deepseek_v3\""),
     (42, "config.json path"),
     (dict(TINY["gemma3_text"], model_type="gemma3_text", use_bidirectional_attention=True), "causal decoders"),
     ({"model_type": "qwen2_5_vl", "text_config": {"model_type": "qwen2_5_vl_text"}},

@@ -52,12 +52,10 @@ def model_spec(config: object) -> ModelSpec:
         inner = text.get("model_type")
         if inner in SUPPORTED_FAMILIES:  # a multimodal model: its language model is what is planned
             return dataclasses.replace(model_spec(dict(text)), text_of=family)
-        raise ModelConfigError(f"model_type {family!r} is a multimodal config whose language model ({inner}) is not "
-                               f"modelled; supported: {', '.join(SUPPORTED_FAMILIES)}")
+        raise ModelConfigError(_unmodelled(f"model_type {family!r} is a multimodal config whose language model "
+                                           f"({inner})", text, stand_in=False))
     if family not in SUPPORTED_FAMILIES:
-        raise ModelConfigError(f"model_type {family!r} is not modelled; supported: {', '.join(SUPPORTED_FAMILIES)}. "
-                               "A decoder whose layers have one of these shapes (most LLaMA-like models) plans as that "
-                               f"family: copy its config.json with \"model_type\" set to it ({_like(data)})")
+        raise ModelConfigError(_unmodelled(f"model_type {family!r}", data))
     if data.get("use_bidirectional_attention"):
         raise ModelConfigError(f"{family} with use_bidirectional_attention is an encoder; the planner plans causal "
                                "decoders: set use_bidirectional_attention to false")
@@ -78,6 +76,42 @@ not taken where the config gives the other."""
 
 
 _EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
+_ATTENTION_LAYERS = ("full_attention", "sliding_attention", "chunked_attention", "attention", "indexed_attention")
+"""``layer_types`` entries of attention layers (any other entry names a layer of another kind)."""
+_OTHER_MIXERS = ("linear_", "mamba", "ssm_", "layers_block_type", "block_types", "attn_layer_period",
+                 "attn_layer_indices", "conv_l_cache", "state_size", "conv_kernel")
+"""Config fields (prefixes) of layers that mix tokens without attention: linear attention (Qwen3-Next / Qwen3.5,
+Kimi Linear, OLMo hybrid, MiniMax-01), state-space (Mamba, Jamba, Nemotron-H, Falcon-H1, Granite 4 hybrid, Zamba),
+short convolutions (LFM2) and the patterns that place them."""
+
+
+def _unmodelled(subject: str, data: Mapping[str, Any], *, stand_in: bool = True) -> str:
+    """Why the config ``data`` (of the model ``subject`` names) is refused, and the stand-in a user can take where one
+    is close (with ``stand_in``): DeepSeek-V3 for DeepSeek's sparse attention; none for models with layers that are
+    not attention (pricing them as attention would be wrong in kind); LLaMA's or a mixture of experts' layer
+    otherwise."""
+    supported = f"supported: {', '.join(SUPPORTED_FAMILIES)}"
+    if "index_topk" in data:
+        return (f"{subject} is not modelled: its attention is DeepSeek's sparse attention (each query attends to the "
+                f"index_topk = {data['index_topk']} keys an indexer selects), which the planner does not price"
+                + ("; as \"deepseek_v3\" (copy its config.json with that model_type) it plans the same layers with "
+                   "dense attention and without the indexer's parameters and work: close at sequences up to "
+                   "index_topk, slower than it runs beyond" if stand_in else "") + f"; {supported}")
+    types = data.get("layer_types")
+    other = sorted({str(kind) for kind in types if kind not in _ATTENTION_LAYERS}) if isinstance(types, list) else []
+    fields = sorted(key for key in data if key.lower().startswith(_OTHER_MIXERS))
+    if other or fields:
+        what = f"layers of kind {', '.join(other)}" if other else f"the fields {', '.join(fields[:3])}"
+        return (f"{subject} is not modelled: its layers are not all attention (its config gives {what}: linear "
+                "attention, state-space or convolution layers), and the planner prices every decoder layer as "
+                f"attention and an MLP, so no supported family stands in for it; {supported}")
+    if not stand_in:
+        return f"{subject} is not modelled; {supported}"
+    return (f"{subject} is not modelled; {supported}. A decoder whose layers have one of these shapes (most "
+            "LLaMA-like models) plans as that family: copy its config.json with \"model_type\" set to it "
+            f"({_like(data)})")
 
 
 def _like(data: Mapping[str, Any]) -> str:
