@@ -214,6 +214,8 @@ def parse_layout(text: str) -> dict[str, Any]:
 
 MBS_CHOICES = (1, 2, 4, 8, 16, 32, 64)
 """Micro-batch sizes tried (sequences)."""
+
+
 def max_stages(spec: ModelSpec) -> int:
     """The most pipeline stages a model cuts into: one per decoder layer, and one each for the embedding and the
     head alone (Llama 3 405B's 126 layers in 16 x 8 = 128 stages, the first and last without a decoder layer: Meta's

@@ -23,10 +23,10 @@ __all__ = ["LAYER_PREFIX", "FINAL_NORM", "split_point", "TORCHTITAN_MODELS", "ke
            "runtime_notes", "save_blockers", "torchtitan_plan", "torchtitan_recompute"]
 
 LAYER_PREFIX = {"gpt2": "transformer.h", "falcon": "transformer.h", "gpt_neox": "gpt_neox.layers"}
+"""Where a ``transformers`` model of a family keeps its decoder layers (every other family: ``model.layers``)."""
 FINAL_NORM = {"gpt2": "transformer.ln_f", "falcon": "transformer.ln_f", "gpt_neox": "gpt_neox.final_layer_norm"}
 """The final norm of the families whose transformers model does not call it ``model.norm``: where a last stage that
 holds only the head begins."""
-"""Where a ``transformers`` model of a family keeps its decoder layers (every other family: ``model.layers``)."""
 _TP_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
 """Families whose attention and MLP projections are plain ``nn.Linear`` modules under the names below (the runtime's
 tp tests run LLaMA and Qwen3; Gemma 2 and 3 have the same names but their extra norms are not in the recipe)."""
