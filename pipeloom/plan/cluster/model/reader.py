@@ -30,6 +30,8 @@ _DENSE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text"
 _UNGATED = ("arcee",)
 """Families of the LLaMA layout whose MLP is two projections around one activation (Arcee's ReLU²)."""
 _OLMO = ("olmo2", "olmo3", "olmoe")
+_QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text", "exaone4", "minimax_m2", "hunyuan_v1_dense", *_OLMO)
+"""Families of the generic reading with q and k norms (per head, or over the whole projections: ``qk_norm_full``)."""
 _MOE = ("mixtral", "phimoe", "granitemoe", "granitemoeshared", "olmoe", "minimax_m2", "qwen2_moe", "qwen3_moe",
         "ernie4_5_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "dots1", "mistral4", "gpt_oss",
         "llama4_text")
@@ -238,8 +240,7 @@ def _family_spec(data: Mapping[str, Any], family: str) -> ModelSpec:
     attention = Attention(heads=heads, kv_heads=kv_heads, qk_dim=head_dim, v_dim=head_dim, qkv_bias=qkv_bias,
                           o_bias=(bool(data.get("attention_out_bias", False)) if family == "seed_oss" else
                                   bias and family not in ("qwen2", "qwen2_moe", "glm4", "helium")),
-                          qk_norm=family in ("qwen3", "qwen3_moe", "gemma3_text", "exaone4", "minimax_m2",
-                                             "hunyuan_v1_dense", *_OLMO),
+                          qk_norm=family in _QK_NORM,
                           qk_norm_full=family in (*_OLMO, "minimax_m2"))
     dense: dict[str, Any] = dict(**common, attention=attention, mlp_bias=bool(data.get("mlp_bias", False)),
                                  post_norms=family in ("gemma2", "gemma3_text", "glm4"),
