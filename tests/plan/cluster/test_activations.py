@@ -86,7 +86,8 @@ _GLOBAL = {"gemma2": ["full_attention"] * 2, "gemma3_text": ["full_attention"] *
 MOE_FAMILIES = {"qwen3_moe": "sdpa", "mixtral": "sdpa", "olmoe": "sdpa", "deepseek_v3": "eager", "glm4_moe": "sdpa",
                 "gpt_oss": "eager", "ernie4_5_moe": "sdpa", "minimax_m2": "sdpa", "dots1": "sdpa",
                 "glm4_moe_lite": "eager", "mistral4": "eager", "phimoe": "sdpa",
-                "granitemoe": "sdpa", "granitemoeshared": "sdpa", "llama4_text": "sdpa"}  # the attention each
+                "granitemoe": "sdpa", "granitemoeshared": "sdpa", "llama4_text": "sdpa",
+                "hunyuan_v1_moe": "sdpa"}  # the attention each
 # runs (gpt-oss's sinks, MLA's head dims: no sdpa path)
 _STAT, _INDEX = 4, 8  # bytes of an fp32 statistic, of an int64 index
 _ROTARY_CAT = ("phi3", "glm4", "glm4_moe", "gpt_neox", "minimax_m2")
@@ -218,9 +219,9 @@ def _routed_extra(spec):
 
 def _router_extra(config):
     """Bytes per token a router of transformers keeps beyond the probabilities and the top-k indices: the top-k values
-    and their sum where it renormalises them (Mixtral and MiniMax-M2 always; ERNIE 4.5 also the sum clamped away
-    from zero, the division's denominator). DeepSeek-V3's and GLM-4.5's group-limited choice saves its top-2
-    indices within each group, the chosen groups and the experts' mask while it runs, but nothing reads that
+    and their sum where it renormalises them (Mixtral, MiniMax-M2 and Hunyuan MoE always; ERNIE 4.5 also the sum
+    clamped away from zero, the division's denominator). DeepSeek-V3's and GLM-4.5's group-limited choice saves its
+    top-2 indices within each group, the chosen groups and the experts' mask while it runs, but nothing reads that
     branch's values afterwards, so the graph frees them with it: not kept. Phi-3.5-MoE's sparsemixer masks the
     scores twice with ``masked_fill``, which keeps its bool mask over the experts each time (its Gumbel draws' and
     its midpoint masks' branches are freed likewise)."""
@@ -229,7 +230,8 @@ def _router_extra(config):
         return 2 * config.num_local_experts
     if config.model_type == "ernie4_5_moe":
         return _STAT * (k + 2)
-    renormalised = config.model_type in ("mixtral", "minimax_m2") or getattr(config, "norm_topk_prob", False)
+    always = ("mixtral", "minimax_m2", "hunyuan_v1_moe")
+    renormalised = config.model_type in always or getattr(config, "norm_topk_prob", False)
     return _STAT * (k + 1) if renormalised else 0
 
 

@@ -71,7 +71,9 @@ def test_reads_config_json(tmp_path):
 @pytest.mark.parametrize("bad, match", [
     ({"model_type": "t5"}, r"not modelled; supported: .*copy its config.json with \"model_type\" set to it "
                            r"\(e.g. \"llama\"\)"),
-    ({"model_type": "hunyuan_v1_moe", "num_experts": 16}, r"not modelled.*\"qwen3_moe\".*\"mixtral\".*not a dense"),
+    ({"model_type": "exaone_moe", "num_experts": 16}, r"not modelled.*\"qwen3_moe\".*\"mixtral\".*not a dense"),
+    (dict(TINY["hunyuan_v1_moe"], model_type="hunyuan_v1_moe", moe_topk=[2, 1]),
+     r"num_experts_per_tok / moe_topk must be one positive whole number, or the same one for every layer"),
     # layers that are not attention: no stand-in offered (Qwen3-Next / Qwen3.5's linear attention, Nemotron-H's Mamba)
     ({"model_type": "qwen3_next", "layer_types": ["linear_attention", "full_attention"]},
      r"'qwen3_next' is not modelled: its layers are not all attention \(its config gives layers of kind "
@@ -190,15 +192,33 @@ def test_a_text_config_takes_transformers_defaults_for_what_it_leaves_out():
         model_spec({"model_type": "deepseek_v2", "kv_lora_rank": 16})
 
 
-@pytest.mark.parametrize("family", ["ministral", "ministral3", "helium", "arcee", "hunyuan_v1_dense"])
+@pytest.mark.parametrize("family", ["ministral", "ministral3", "helium", "arcee", "hunyuan_v1_dense", "hunyuan_v1_moe"])
 def test_a_bare_model_type_counts_as_transformers_default_model(family):
-    """A config.json that gives only its model_type (and Ministral's and Hunyuan's head_dim: transformers' classes
+    """A config.json that gives only its model_type (and Ministral's and Hunyuan's head_dims: transformers' classes
     fail on the None their configurations default it to, so their checkpoints give it) reads as transformers'
     default configuration of the family (:data:`FAMILY_DEFAULTS`), and counts the parameters of that model built on
     the meta device (Ministral 3's default is its 8B base model's language model: 34 layers of hidden 4,096)."""
-    given = {"head_dim": 128} if family in ("ministral", "hunyuan_v1_dense") else {}
+    given = {"head_dim": 128} if family in ("ministral", "hunyuan_v1_dense", "hunyuan_v1_moe") else {}
     config = transformers.AutoConfig.for_model(family, **given)
     with torch.device("meta"):
         model = tiny_model(config)
     expected = sum(p.numel() for p in model.parameters())
     assert model_params(model_spec({"model_type": family, **given})) == model_params(model_spec(config)) == expected
+
+
+def test_hunyuan_a13b_counts_80_b_with_13_b_active():
+    """Tencent's Hunyuan-A13B config.json (its sizes as published, its per-layer lists of one value each): 64 experts
+    of 3,072 with the top 8 per token and one shared MLP in each of 32 layers, a tied head: 80.39 B parameters, 13 B
+    active (Tencent's model card: 80 B in all, 13 B active)."""
+    data = {"model_type": "hunyuan_v1_moe", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 3072, "vocab_size": 128167,
+            "num_experts": 64, "moe_intermediate_size": [3072] * 32, "moe_topk": [8] * 32,
+            "num_shared_expert": [1] * 32, "tie_word_embeddings": True}
+    spec = model_spec(data)
+    total = model_params(spec)
+    routed = spec.layers * spec.experts.count * 3 * spec.hidden * spec.experts.intermediate
+    active = total - routed * (1 - spec.experts.top_k / spec.experts.count)
+    assert round(total / 1e9, 2) == 80.39 and round(active / 1e9) == 13
+    with torch.device("meta"):
+        model = tiny_model(transformers.AutoConfig.for_model(**data))
+    assert total == sum(p.numel() for p in model.parameters())

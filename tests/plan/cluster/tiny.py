@@ -61,6 +61,8 @@ TINY: dict[str, dict[str, Any]] = {
     "minimax_m2": dict(_COMMON, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2),
     "qwen2_moe": dict(_COMMON, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                       shared_expert_intermediate_size=48, decoder_sparse_step=1, mlp_only_layers=[0]),
+    "hunyuan_v1_moe": dict(_COMMON, num_key_value_heads=2, head_dim=16, num_experts=4, moe_topk=2, pad_token_id=0,
+                           bos_token_id=1, eos_token_id=2),
     "qwen3_moe": dict(_COMMON, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                       head_dim=16),
     "glm4_moe": dict(_COMMON, num_hidden_layers=3, num_key_value_heads=2, head_dim=16, moe_intermediate_size=24,

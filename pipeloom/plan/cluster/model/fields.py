@@ -1,6 +1,6 @@
 """Reading one field of a transformers config dict: :func:`get_field` (the first of its names given, or a
-default), :func:`rate_on` (whether a dropout or noise rate is on, checked) and :func:`nope_layers` (the layers
-without rotary embeddings)."""
+default), :func:`same_per_layer` (a number given once or per layer), :func:`rate_on` (whether a dropout or noise rate
+is on, checked) and :func:`nope_layers` (the layers without rotary embeddings)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 from pipeloom.plan.errors import ModelConfigError
 
-__all__ = ["get_field", "rate_on", "nope_layers"]
+__all__ = ["get_field", "same_per_layer", "rate_on", "nope_layers"]
 
 
 def get_field(data: Mapping[str, Any], *names: str, default: Any = None) -> Any:
@@ -20,6 +20,18 @@ def get_field(data: Mapping[str, Any], *names: str, default: Any = None) -> Any:
     if default is None:
         raise ModelConfigError(f"model config ({data.get('model_type')}) has no {' / '.join(names)}")
     return default
+
+
+def same_per_layer(data: Mapping[str, Any], *names: str) -> int:
+    """:func:`get_field` of a whole number a config may give per layer (Hunyuan MoE's ``num_experts`` and ``moe_topk``):
+    one value, or a list of one value repeated; a list of different values is refused (the planner's MoE layers are
+    all alike)."""
+    value = get_field(data, *names)
+    values = set(value) if isinstance(value, (list, tuple)) else {value}
+    if len(values) != 1 or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values):
+        raise ModelConfigError(f"{' / '.join(names)} must be one positive whole number, or the same one for every "
+                               f"layer (the planner's MoE layers are all alike), got {value!r}")
+    return int(values.pop())
 
 
 def rate_on(data: Mapping[str, Any], name: str, what: str = "a dropout probability") -> bool:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pipeloom.plan.cluster.model.fields import get_field, nope_layers, rate_on
+from pipeloom.plan.cluster.model.fields import get_field, nope_layers, rate_on, same_per_layer
 from pipeloom.plan.cluster.model.spec import Attention, Experts, ModelSpec
 from pipeloom.plan.errors import ModelConfigError
 
@@ -16,14 +16,18 @@ __all__ = ["every_layer_sparse", "deepseek_spec", "gpt_oss_spec", "phimoe_spec",
 
 
 def every_layer_sparse(data: Mapping[str, Any], family: str, dense: dict[str, Any]) -> ModelSpec:
-    """Mixtral, OLMoE, MiniMax-M2 and Granite MoE: every layer an MoE of ``intermediate_size`` gated experts (the
-    layer's attention and norms in ``dense``); Granite MoE's router a softmax over the top-k logits, and its shared
-    MLP (``shared_intermediate_size``, 0: none)."""
-    granite = family.startswith("granitemoe")
-    experts = Experts(count=int(get_field(data, "num_local_experts", "num_experts")),
-                      top_k=int(get_field(data, "num_experts_per_tok")),
-                      intermediate=int(get_field(data, "intermediate_size")), softmax_after_top_k=granite,
-                      shared_intermediate=int(data.get("shared_intermediate_size") or 0) if granite else 0)
+    """Mixtral, OLMoE, MiniMax-M2, Granite MoE and Hunyuan MoE: every layer an MoE of ``intermediate_size`` gated
+    experts (the layer's attention and norms in ``dense``); Granite MoE's router a softmax over the top-k logits, and
+    its shared MLP (``shared_intermediate_size``, 0: none); Hunyuan's ``num_experts`` experts, its ``moe_topk`` per
+    token (each given once or per layer, the same for every layer) and one shared MLP of ``intermediate_size``, as
+    transformers builds it (the checkpoints' ``moe_intermediate_size`` and ``num_shared_expert`` lists are not
+    read by transformers' model either)."""
+    granite, hunyuan = family.startswith("granitemoe"), family == "hunyuan_v1_moe"
+    intermediate = int(get_field(data, "intermediate_size"))
+    shared = intermediate if hunyuan else int(data.get("shared_intermediate_size") or 0) if granite else 0
+    experts = Experts(count=same_per_layer(data, "num_local_experts", "num_experts"),
+                      top_k=same_per_layer(data, "num_experts_per_tok", "moe_topk"),
+                      intermediate=intermediate, softmax_after_top_k=granite, shared_intermediate=shared)
     return ModelSpec(**dense, intermediate=experts.intermediate, experts=experts,
                      moe_layers=tuple(range(dense["layers"])))
 

@@ -3,9 +3,9 @@ config.json path, a model folder, a Hugging Face model id in the local cache, a 
 :func:`~pipeloom.plan.cluster.model.source.read_config`), without importing transformers: dense decoders (LLaMA,
 Mistral, Ministral, Ministral 3, Qwen2/3, Gemma 1/2/3, Granite, Phi-3, OLMo 2/3, SmolLM3, StarCoder2, Cohere's
 Command R / R7B / A, ERNIE 4.5, GLM-4, Seed-OSS, EXAONE 4, Helium, Arcee, Hunyuan dense, Falcon, GPT-2, GPT-NeoX) and
-mixture-of-experts decoders (Mixtral, Phi-3.5-MoE, Granite MoE, OLMoE, MiniMax-M2, Qwen2-MoE, Qwen3-MoE, ERNIE 4.5
-MoE, DeepSeek-V2/V3, GLM-4.7-Flash and Mistral 4 with multi-head latent attention, GLM-4.5, dots.llm1, gpt-oss with
-attention sinks and biased experts, Llama 4 with chunked attention and NoPE layers:
+mixture-of-experts decoders (Mixtral, Phi-3.5-MoE, Granite MoE, Hunyuan MoE, OLMoE, MiniMax-M2, Qwen2-MoE, Qwen3-MoE,
+ERNIE 4.5 MoE, DeepSeek-V2/V3, GLM-4.7-Flash and Mistral 4 with multi-head latent attention, GLM-4.5, dots.llm1,
+gpt-oss with attention sinks and biased experts, Llama 4 with chunked attention and NoPE layers:
 :mod:`~pipeloom.plan.cluster.model.moe`), a field left out taking transformers' default for the family
 (:data:`~pipeloom.plan.cluster.model.source.FAMILY_DEFAULTS`), with sliding-window attention on the layers
 transformers gives it (:func:`_windows`)."""
@@ -30,11 +30,12 @@ _DENSE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text"
 _UNGATED = ("arcee",)
 """Families of the LLaMA layout whose MLP is two projections around one activation (Arcee's ReLU²)."""
 _OLMO = ("olmo2", "olmo3", "olmoe")
-_QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text", "exaone4", "minimax_m2", "hunyuan_v1_dense", *_OLMO)
+_QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text", "exaone4", "minimax_m2", "hunyuan_v1_dense", "hunyuan_v1_moe",
+            *_OLMO)
 """Families of the generic reading with q and k norms (per head, or over the whole projections: ``qk_norm_full``)."""
 _MOE = ("mixtral", "phimoe", "granitemoe", "granitemoeshared", "olmoe", "minimax_m2", "qwen2_moe", "qwen3_moe",
         "ernie4_5_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "dots1", "mistral4", "gpt_oss",
-        "llama4_text")
+        "llama4_text", "hunyuan_v1_moe")
 SUPPORTED_FAMILIES: tuple[str, ...] = _DENSE + _MOE
 """The ``model_type`` values :func:`model_spec` reads."""
 
@@ -133,6 +134,7 @@ def _guess(architectures: object) -> str:
     by_class = {family.replace("_", ""): family for family in SUPPORTED_FAMILIES}
     by_class["gemma3"] = "gemma3_text"  # Gemma3ForCausalLM is the text-only model of a gemma3_text config
     by_class["hunyuandensev1"] = "hunyuan_v1_dense"  # HunYuanDenseV1ForCausalLM
+    by_class["hunyuanmoev1"] = "hunyuan_v1_moe"  # HunYuanMoEV1ForCausalLM
     for name in names:
         family = by_class.get(str(name).lower().removesuffix("forcausallm").removesuffix("lmheadmodel"))
         if family:
@@ -247,7 +249,7 @@ def _family_spec(data: Mapping[str, Any], family: str) -> ModelSpec:
                                  nope_layers=nope_layers(data, layers) if family == "smollm3" else ())
     if family in _DENSE:
         return ModelSpec(**dense, intermediate=int(get_field(data, "intermediate_size")), gated=family not in _UNGATED)
-    if family in ("mixtral", "olmoe", "minimax_m2", "granitemoe", "granitemoeshared"):
+    if family in ("mixtral", "olmoe", "minimax_m2", "granitemoe", "granitemoeshared", "hunyuan_v1_moe"):
         return every_layer_sparse(data, family, dense)
     experts = Experts(count=int(get_field(data, "num_experts", "num_local_experts")),
                       top_k=int(get_field(data, "num_experts_per_tok")),
