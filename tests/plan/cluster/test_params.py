@@ -207,7 +207,8 @@ def test_a_bare_model_type_counts_as_transformers_default_model(family):
 
 
 def test_hunyuan_a13b_counts_80_b_with_13_b_active():
-    """Tencent's Hunyuan-A13B config.json (its sizes as published, its per-layer lists of one value each): 64 experts
+    """Tencent's Hunyuan-A13B config.json (its sizes and per-layer lists of one value each as a third party's test
+    copies them in the public code index; the file itself was not read here): 64 experts
     of 3,072 with the top 8 per token and one shared MLP in each of 32 layers, a tied head: 80.39 B parameters, 13 B
     active (Tencent's model card: 80 B in all, 13 B active)."""
     data = {"model_type": "hunyuan_v1_moe", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
