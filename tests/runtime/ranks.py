@@ -5,7 +5,11 @@ transformers models the tests build and the rank jobs once (``PRELOAD``), not sp
 seconds importing torch (12-15 s for two ranks on the loaded 2-core machine, against 0.4 s forked), and the
 multi-rank tests start ranks a few hundred times. Every test uses the same list, so the server starts once per
 test process (a few seconds of CPU) instead of again wherever two tests wanted different lists. Each test
-still gets fresh processes; only the imports are shared."""
+still gets fresh processes; only the imports are shared.
+
+Inside one rank, a model torch.export has already traced is not traced again (``_remember_exports``): tests
+that build several engines of the same model on every rank (one per schedule, the engine under test beside its
+reference) trace it once per rank instead of once per engine. ``PIPELOOM_TEST_EXPORT_MEMO=0`` traces every time."""
 
 from __future__ import annotations
 
@@ -44,6 +48,8 @@ def _worker(rank: int, world: int, port: int, fn, args, queue) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    if os.environ.get("PIPELOOM_TEST_EXPORT_MEMO") != "0":
+        _remember_exports()
     try:
         try:
             dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -60,6 +66,54 @@ def _worker(rank: int, world: int, port: int, fn, args, queue) -> None:
         if dist.is_initialized():
             with contextlib.suppress(Exception):  # a failed peer may have broken the group already
                 dist.destroy_process_group()
+
+
+def _remember_exports() -> None:
+    """Make this process's torch.export of a model (pipeloom's ``tracing._exported``) return the program it
+    returned before for a model of the same kind (``_model_key``: the same modules with the same attributes,
+    parameter and buffer names, shapes and dtypes, example input shapes, and kept modules). torch.export traces
+    with fake tensors, so the values of the tensors do not enter the graph; pipeloom builds its own graph from
+    the program for each engine, bound to that engine's model's tensors, and never changes the program. A trace
+    that fails is not remembered."""
+    from pipeloom.runtime.model import tracing
+
+    original = tracing._exported
+    programs: dict[str, object] = {}
+
+    def exported(model, example_inputs, keep=()):
+        key = _model_key(model, example_inputs, keep)
+        if key not in programs:
+            programs[key] = original(model, example_inputs, keep)
+        return programs[key]
+
+    tracing._exported = exported
+
+
+def _model_key(model, example_inputs, keep) -> str:
+    """Every module's name, class and own attributes (config, training flag, hooks, a forward set on the object:
+    functions by identity) but its parameters, buffers and children, which come next by name, shape, dtype,
+    device and ``requires_grad``; the example inputs and the kept modules. A transformers config counts with all
+    its fields, the private ones its ``repr`` leaves out (``_experts_implementation_internal``) included."""
+    import torch
+    import torch.utils._pytree as pytree
+
+    def tensors(named):
+        return [(name, tuple(t.shape), t.dtype, t.device, t.requires_grad) for name, t in named]
+
+    own = ("_parameters", "_buffers", "_modules")
+    modules = [(name, type(m).__module__, type(m).__qualname__,
+                sorted((k, _described(v)) for k, v in vars(m).items() if k not in own))
+               for name, m in model.named_modules(remove_duplicate=False)]
+    inputs = [(tuple(t.shape), t.dtype, t.device) if isinstance(t, torch.Tensor) else repr(t)
+              for t in pytree.tree_leaves(example_inputs)]
+    return repr((modules, tensors(model.named_parameters(remove_duplicate=False)),
+                 tensors(model.named_buffers(remove_duplicate=False)), inputs, list(keep)))
+
+
+def _described(value) -> str:
+    if hasattr(value, "to_json_string"):  # a transformers config, nested ones (text_config...) alike
+        return repr([(k, _described(v)) for k, v in sorted(vars(value).items())])
+    return repr(value)
 
 
 def preloaded_context():
