@@ -77,6 +77,11 @@ def check_structure(schedule: Schedule) -> None:
         for step, action in enumerate(actions):
             if type(action) is Comm:
                 continue
+            if type(action) is Action and action.task in own and 0 <= action.microbatch < num_mb:
+                if action in seen:  # a task of this rank's, in range: the one check left, done here
+                    _fail(schedule, r, step, f"{action} runs twice on rank {r}")
+                seen.add(action)
+                continue
             composite = type(action) is Overlap or not problem.has_task(action.task)
             for part in task_actions(problem, action):
                 _check_part(schedule, r, step, action, part, own, composite)
@@ -156,7 +161,11 @@ def check_order(schedule: Schedule) -> None:
         for step, action in enumerate(actions):
             if type(action) is Comm:
                 continue
-            for part in task_actions(problem, action) if type(action) is Overlap or action.kind == "B" else (action,):
+            if type(action) is Overlap or (action.kind == "B" and not problem.has_task(action.task)):
+                parts = task_actions(problem, action)
+            else:
+                parts = (action,)
+            for part in parts:
                 if part.kind not in ("B", "W"):
                     continue
                 key = part.task
