@@ -9,7 +9,8 @@ from pipeloom.ir import Action, Schedule
 from pipeloom.problem import Costs, Problem
 from pipeloom.schedules.common import MemoryLimit, chain_problem, check_counts, make_schedule, merge_one_f_one_b
 
-__all__ = ["interleaved_1f1b", "check_stages_per_rank", "looped_problem", "group_sizes", "grouped_order"]
+__all__ = ["interleaved_1f1b", "check_stages_per_rank", "looped_problem", "group_sizes", "grouped_order",
+           "interleaved_warmup"]
 
 
 def check_stages_per_rank(name: str, stages_per_rank: object) -> int:
@@ -68,6 +69,13 @@ def grouped_order(sizes: list[int], stages_per_rank: int, *, reverse: bool = Fal
     return order
 
 
+def interleaved_warmup(num_ranks: int, stages_per_rank: int, first_group: int, rank: int) -> int:
+    """The forwards rank ``rank`` of :func:`interleaved_1f1b` runs before it alternates (before the cap at the
+    m*v forwards it has): (v-1) g + 2(p-r-1) for ``first_group`` g, plain 1F1B's p-r-1 with v = 1."""
+    p, v = num_ranks, stages_per_rank
+    return (v - 1) * first_group + 2 * (p - rank - 1) if v > 1 else p - rank - 1
+
+
 def interleaved_1f1b(
     num_ranks: int,
     num_microbatches: int,
@@ -104,7 +112,7 @@ def interleaved_1f1b(
     backward_order = grouped_order(sizes, v, reverse=True)
     ranks = []
     for r in range(p):
-        warmup = (v - 1) * sizes[0] + 2 * (p - r - 1) if v > 1 else p - r - 1
+        warmup = interleaved_warmup(p, v, sizes[0], r)
         ranks.append(
             merge_one_f_one_b(
                 [Action(c * p + r, "F", mb) for c, mb in forward_order],

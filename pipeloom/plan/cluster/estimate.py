@@ -14,7 +14,7 @@ from pipeloom.errors import PipeloomError
 from pipeloom.ir import Schedule, pair_duration, paired_forward_backward
 from pipeloom.plan.cluster.counts import block_kind, layer_counts, layer_kinds
 from pipeloom.plan.cluster.efficiency import collective_seconds, domain_ranks, hidden_cost, memory_seconds
-from pipeloom.plan.cluster.held import RankHeld, held_profile, peak_held, replay_stages
+from pipeloom.plan.cluster.held import RankHeld, held_profile, peak_held, profiled_microbatches, replay_stages
 from pipeloom.plan.cluster.job import GRAD_REDUCE, Job
 from pipeloom.plan.cluster.layer_time import PhaseTimes, add_times, layer_times
 from pipeloom.plan.cluster.layout import PAIRED, SCHEDULES, Layout
@@ -232,7 +232,7 @@ class Estimator:
 
     def _profile(self, layout: Layout, m: int) -> tuple[RankHeld, ...]:
         """The held counts of the layout's schedule per rank (:func:`held_profile`, cached per schedule)."""
-        m = m if m <= 3 * layout.pp else 3 * layout.pp
+        m = profiled_microbatches(layout.pp, m)
         key = self._schedule_key(layout, m)
         if key not in self._profiles:
             self._profiles[key] = held_profile(self.schedule(layout, m))

@@ -2,10 +2,12 @@
 its stages are held after each of its actions (in units of one stage forward's memory), kept only where no other
 point holds as much of every stage; the schedule's peak for any per-stage activation bytes is then a maximum of
 a few dot products, the same number the simulator's replay reaches (its running sum in rank order). The replay
-itself (:func:`replay_stages`): the schedule compiled once, each layout's costs put on its tasks."""
+itself (:func:`replay_stages`): the schedule compiled once, each layout's costs put on its tasks. Before any
+schedule is built, the warm-up its builder fixes bounds the peak from below (:func:`warmup_peak`)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from itertools import accumulate
@@ -14,10 +16,11 @@ from typing import Any
 from pipeloom.ir import Overlap, Schedule, task_actions
 from pipeloom.plan.cluster.layer_time import PhaseTimes
 from pipeloom.problem import Problem
+from pipeloom.schedules.warmup import WARMUP_SCHEDULES, RankWarmup, warmup_forwards
 from pipeloom.sim import simulate
 from pipeloom.sim_replay import CompiledSchedule
 
-__all__ = ["RankHeld", "held_profile", "peak_held", "replay_stages"]
+__all__ = ["RankHeld", "held_profile", "peak_held", "profiled_microbatches", "replay_stages", "warmup_peak"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -126,3 +129,28 @@ def replay_stages(compiled: CompiledSchedule, times: Sequence[PhaseTimes], acts:
     problem = Problem(num_ranks=schedule.problem.num_ranks, tasks=tuple(tasks), comm_latency=latency)
     timeline = simulate(replace(schedule, problem=problem), compiled=compiled)
     return timeline.makespan, timeline.bubble_ratio, max(timeline.peak_memory)
+
+
+def profiled_microbatches(pp: int, m: int) -> int:
+    """The micro-batches of the schedule whose held activations stand for ``m``'s on ``pp`` ranks: at most 3 pp,
+    the estimator's longest replay (past it the peak is the warm-up's)."""
+    return m if m <= 3 * pp else 3 * pp
+
+
+def warmup_peak(schedule: str, pp: int, vp: int, m: int, acts: Sequence[float]) -> float:
+    """A lower bound on the peak of held activations of ``schedule`` over ``pp`` ranks (``vp`` stages each) for
+    ``m`` micro-batches, without building it: the busiest rank's at the end of its warm-up, every forward of which
+    is still held (:func:`~pipeloom.schedules.warmup.warmup_forwards`, for the :func:`profiled_microbatches`
+    schedule the peak is read from); 0 for a schedule whose order depends on its costs (zbv)."""
+    if pp == 1 or schedule not in WARMUP_SCHEDULES:
+        return 0.0
+    ranks = _warmups(schedule, pp, vp, profiled_microbatches(pp, m))
+    return max((sum(n * acts[j] for j, n in rank) for rank in ranks), default=0.0)
+
+
+@functools.lru_cache(maxsize=1024)
+def _warmups(schedule: str, pp: int, vp: int, m: int) -> tuple[RankWarmup, ...]:
+    try:
+        return warmup_forwards(schedule, pp, m, stages_per_rank=vp)
+    except ValueError:  # counts the schedule refuses: no bound (its exact memory says why)
+        return ()

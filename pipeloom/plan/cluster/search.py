@@ -13,8 +13,11 @@ Exactness. Every bound below is a lower bound, so no layout that could win is sk
   micro-batch of each of a rank's stages: when a rank starts the forward of its last stage for a micro-batch,
   the forwards of its other stages for that micro-batch are held and none of their backwards can have begun
   (they wait for this forward; DualPipe's two stages on a rank belong to different copies: one micro-batch of
-  the larger). Before a layout is simulated its memory is computed exactly (the schedule's
-  held counts, :mod:`.held`, the replay's peak up to rounding); over the limit, it is not simulated.
+  the larger); where the schedule's builder fixes its warm-up (every schedule but zbv), the larger of that and
+  the busiest rank's forwards before its first backward, all held then
+  (:func:`~pipeloom.schedules.warmup.warmup_forwards`). Before a layout is simulated its memory is computed
+  exactly (the schedule's held counts, :mod:`.held`, the replay's peak up to rounding); over the limit, it is not
+  simulated.
 - *memory floor* of a layout, below its memory bound and known before its cut is priced: the mean pipeline
   rank's share of the same terms (:meth:`Bounds.floor`). A layout over the limit on its floor is set aside
   unpriced, and priced only where the answer needs its bounds (the faster layouts over the limit named among
@@ -36,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeloom.plan.cluster.estimate import WORKSPACE_BYTES, Estimator
+from pipeloom.plan.cluster.held import warmup_peak
 from pipeloom.plan.cluster.job import Job
 from pipeloom.plan.cluster.layout import LAYOUT_KEYS, Layout, enumerate_layouts
 from pipeloom.plan.cluster.placement import rank_stages, work_bound
@@ -112,6 +116,7 @@ class Bounds:
         memory, exposed, optimizer = e.static_state(layout, times, m)
         # DualPipe's two stages on a rank are of different copies, which no dependency orders: one stage's activations
         held = max((max if layout.copies == 2 else sum)(acts[j] for j in stages) for stages in rank_stages(layout))
+        held = max(held, warmup_peak(layout.schedule, layout.pp, layout.vp, m, acts))  # where its builder fixes it
         return Candidate(layout=layout, time_bound=work_bound(layout, m, times, paired=e.job.pairs(layout)) + exposed
                          + optimizer,
                          memory_bound=memory.total + held)
