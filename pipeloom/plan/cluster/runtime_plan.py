@@ -176,6 +176,33 @@ def runtime_plan(result: ClusterPlan, *, export: str | None = None) -> Plan:
                 tensor_parallel=layout.tp, tp_plan=tp_plan, expert_parallel=layout.ep)
 
 
+def _runtime_state(result: ClusterPlan) -> str | None:
+    """What pipeloom's runtime holds beyond the plan's weights, gradients and optimizer state, with how much more
+    per GPU for the plan's mixed-precision Adam; None where it holds what the plan does. Without FSDP the runtime
+    keeps the optimizer it is given whole on every data-parallel replica (:mod:`pipeloom.runtime.parallel.dp`),
+    where the plan shards its state over the replicas (Megatron-Core's distributed optimizer): 12 bytes per
+    parameter against the plan's share of them. Under FSDP it gathers each stage's parameters at the stage's first
+    forward and keeps them and their gradients whole until the step ends (torch.distributed.pipelining's recipe,
+    :mod:`pipeloom.runtime.parallel.fsdp`), where the plan gathers a layer at a time: the weights and gradients of
+    the same layout without FSDP."""
+    layout, planned = result.best.layout, result.best.memory
+    if layout.fsdp:
+        whole = Estimator(result.job).estimate(dataclasses.replace(layout, fsdp=False)).memory
+        extra = whole.weights + whole.gradients + whole.buffers - planned.weights - planned.gradients - planned.buffers
+        why = ("gathers each stage's FSDP parameters at its first forward and keeps them and their gradients whole "
+               "until the step ends (torch.distributed.pipelining's recipe), where the plan gathers a layer at a time")
+    else:
+        extra = 6.0 * planned.weights - planned.optimizer  # master weights and moments: 12 bytes per 2 of weights
+        why = ("keeps the optimizer it is given whole on every data-parallel replica, where the plan shards its state "
+               f"over the {layout.state_groups[0]} replicas (a distributed optimizer; fsdp=1 shards it there too)")
+    if extra <= 1e-9 * planned.total:
+        return None
+    need = planned.total + extra
+    over = f", over the {result.memory_limit / 2**30:.1f} GiB limit" if need > result.memory_limit else ""
+    return (f"pipeloom's runtime {why}: with the plan's mixed-precision Adam it needs {extra / 2**30:.1f} GiB more "
+            f"per GPU than predicted, {need / 2**30:.1f} GiB{over}")
+
+
 def _stage_times(estimator: Estimator, layout: Layout) -> tuple[float, ...]:
     """Seconds per micro-batch of each model stage (F + I + W as the estimate priced them; one copy's under
     DualPipe)."""
@@ -206,6 +233,9 @@ def runtime_notes(result: ClusterPlan, *, kept: float | None = None) -> list[str
     elif layout.recompute != "none":
         notes.append(f"the plan assumes recompute={layout.recompute}; pipeloom's runtime keeps every activation, so "
                      "running it there needs more memory than predicted")
+    state = _runtime_state(result)
+    if state is not None:
+        notes.append(state)
     if result.job.dtype != "bf16":
         notes.append(f"the plan assumes {result.job.dtype} GEMMs; the runtime runs the model's own dtype")
     if result.job.overlap_pairs(layout):

@@ -332,3 +332,28 @@ def test_every_family_names_the_modules_its_stages_start_at(family):
     names = {name for name, _ in tiny_model(config).named_modules()}
     layers = model_spec(config).layers
     assert {split_point(family, layer, layers) for layer in (0, layers - 1, layers)} <= names
+
+
+def test_a_plan_says_what_the_runtimes_optimizer_and_fsdp_hold_beyond_it():
+    """The plan shards the optimizer state over the replicas (a distributed optimizer) and, under FSDP, gathers a
+    layer at a time; pipeloom's runtime keeps the optimizer whole on every replica and FSDP's parameters and
+    gradients whole through the step: the note says how much more that is (12 bytes per parameter against the
+    plan's share; the same layout's weights and gradients without FSDP), and nothing with one replica."""
+    layout = "dp=4,tp=1,pp=2,vp=1,cp=1,ep=1,mbs=1,fsdp={},recompute=none,schedule=1f1b"
+    replicated = plan_cluster(LLAMA, "h100", gpus=8, global_batch=32, seq=2048, layout=layout.format(0))
+    memory = replicated.best.memory
+    extra = 6 * memory.weights - memory.optimizer
+    assert extra == pytest.approx(12 * memory.weights / 2 * 3 / 4)  # 3 of the 4 replicas' shares of the state
+    said = [note for note in runtime_notes(replicated) if "whole on every data-parallel replica" in note]
+    assert len(said) == 1 and "over the 4 replicas" in said[0]
+    assert (f"it needs {extra / 2**30:.1f} GiB more per GPU than predicted, {(memory.total + extra) / 2**30:.1f} GiB"
+            in said[0])
+    sharded = plan_cluster(LLAMA, "h100", gpus=8, global_batch=32, seq=2048, layout=layout.format(1))
+    whole, planned = replicated.best.memory, sharded.best.memory
+    extra = whole.total - planned.total  # the same activations and optimizer shard: weights, gradients, buffers
+    assert extra > 0 and whole.optimizer == pytest.approx(planned.optimizer)
+    assert any("keeps them and their gradients whole until the step ends" in note
+               and f"it needs {extra / 2**30:.1f} GiB more per GPU" in note for note in runtime_notes(sharded))
+    alone = plan_cluster(LLAMA, "h100", gpus=2, global_batch=32, seq=2048, layout=layout.format(0).replace("dp=4",
+                                                                                                          "dp=1"))
+    assert not any("pipeloom's runtime" in note for note in runtime_notes(alone))
