@@ -103,6 +103,10 @@ def _assumes(job, layout, framework: str | None = None, searched: tuple[str, ...
         said.append(f"full recomputation of {which} ({_how('recompute_layers', searched, variants)})")
     if job.dtype == "fp8":
         said.append(f"FP8 casts: {_FP8_CASTS[job.fp8_cast]} (--fp8-cast)")
+    if layout.fsdp:
+        said.append("FSDP gathering each layer for every micro-batch" if layout.reshards else
+                    "FSDP under the pipeline as torch.distributed.pipelining runs it: parameters and gradients whole "
+                    "from a stage's first forward to the step's end (the distributed optimizer's memory)")
     if layout.stages > 1:
         said.append(f"{job.stage_cut} stage cut (--stage-cut)")
     return f"assumes{f' ({framework})' if framework else ''}: " + "; ".join(said)

@@ -364,7 +364,7 @@ class Estimator:
         exposed = sum(self._dp_exposed(layout, params, group, stride, f1, b1, m)
                       for params, group, stride in ((dense, dpcp, layout.tp), (expert, edp, layout.ep)))
         layers = max(1, sum(count for kind, count in kinds if kind not in ("embedding", "head")))
-        buffers = WORKSPACE_BYTES + (2 * 2.0 * (dense + expert) / layers if layout.fsdp else 0.0)
+        buffers = WORKSPACE_BYTES + (2 * 2.0 * (dense + expert) / layers if layout.reshards else 0.0)
         if layout.recompute == "full":  # one layer's activations rebuilt at a time during its backward
             buffers += max(self._keep(k, layout.tp, layout.cp, layout.mbs, "none") for k in set(self.kinds))
         shard = dense / dpcp + expert / edp
@@ -392,7 +392,7 @@ class Estimator:
             return rs + ag
         exposed = max(rs - b1, rs * last) + max(ag - f1, ag * last)
         moved = rs + ag
-        if layout.fsdp:  # weights gathered again for every micro-batch's forward and backward
+        if layout.reshards:  # weights gathered again for every micro-batch's forward and backward
             exposed += m * (max(0.0, ag - f1) + max(0.0, ag - b1))
             moved += 2 * m * ag
         return exposed + hidden_cost(hw, moved - exposed)

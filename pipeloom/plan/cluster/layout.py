@@ -60,8 +60,9 @@ class Layout:
     mbs: int = 1
     """Sequences per micro-batch."""
     fsdp: bool = False
-    """Weights and gradients sharded over dp x cp too (ZeRO-3); without it the distributed optimizer shards
-    only the optimizer state."""
+    """FSDP: the weights and gradients sharded over dp x cp too, on one pipeline stage between micro-batches (ZeRO-3:
+    :attr:`reshards`), under a pipeline at rest between steps; without it the distributed optimizer shards only the
+    optimizer state."""
     recompute: str = "none"
     """Activation recomputation: none, selective (the attention core) or full (each layer from its input)."""
     schedule: str = "1f1b"
@@ -104,6 +105,16 @@ class Layout:
         return self.tp * self.dp * self.cp // self.ep
 
     @property
+    def reshards(self) -> bool:
+        """Whether FSDP holds the weights and gradients sharded while the step runs (ZeRO-3: each layer gathered for
+        every micro-batch's forward and backward, its gradient reduce-scattered): on one pipeline stage. Under a
+        pipeline FSDP runs as torch.distributed.pipelining runs it (torchtitan, and pipeloom's runtime:
+        :mod:`pipeloom.runtime.parallel.fsdp`): a stage's parameters are gathered at its first forward and kept whole
+        with their gradients until the step ends, then reduce-scattered once, so it holds and moves what the
+        distributed optimizer does (Megatron's FSDP and DeepSpeed's ZeRO-3 do not run under a pipeline)."""
+        return self.fsdp and self.pp == 1
+
+    @property
     def stages(self) -> int:
         """Pipeline stages the model is cut into (pp x vp)."""
         return self.pp * self.vp
@@ -124,8 +135,8 @@ class Layout:
         """``(weights, gradients, optimizer)`` bytes per GPU of the ``dense`` and ``expert`` parameters a rank holds
         (:func:`~pipeloom.plan.cluster.counts.optimizer_bytes`), sharded over :attr:`state_groups`."""
         dense_group, expert_group = self.state_groups
-        dense_parts = optimizer_bytes(dense, shards=dense_group, fsdp=self.fsdp)
-        expert_parts = optimizer_bytes(expert, shards=expert_group, fsdp=self.fsdp)
+        dense_parts = optimizer_bytes(dense, shards=dense_group, fsdp=self.reshards)
+        expert_parts = optimizer_bytes(expert, shards=expert_group, fsdp=self.reshards)
         weights, gradients, optimizer = (a + b for a, b in zip(dense_parts, expert_parts))
         return weights, gradients, optimizer
 
@@ -235,7 +246,8 @@ def _choices(key: str, fixed: dict[str, Any], default: list[Any]) -> list[Any]:
 def enumerate_layouts(job: Job, fixed: dict[str, Any], refusals: list[str] | None = None) -> Iterator[Layout]:
     """Every layout of ``job`` that passes :meth:`Layout.check` (dp x tp x pp x cp filling the GPUs, tp within the
     scale-up domain and splitting the heads, cp up to 16 with the sequence in 2cp chunks, pp up to the layer count,
-    ep for MoE inside tp x dp x cp and dividing the experts, vp, mbs, recomputation, FSDP, schedule), with the keys
+    ep for MoE inside tp x dp x cp and dividing the experts, vp, mbs, recomputation, FSDP on one pipeline stage
+    (under a pipeline it holds and moves what fsdp=0 does: :attr:`Layout.reshards`), schedule), with the keys
     of ``fixed`` as given; the first layout refused, with why, appended to ``refusals`` (for the error when none
     can run)."""
     spec = job.spec
@@ -284,6 +296,8 @@ def _inner(job: Job, fixed: dict[str, Any], tp: int, cp: int, pp: int, dp: int,
             _choices("schedule", fixed, schedules)):
         if job.global_batch % (dp * mbs):
             _refuse(refusals, f"dp={dp} x mbs={mbs} does not divide the global batch {job.global_batch}")
+            continue
+        if fsdp and pp > 1 and "fsdp" not in fixed:  # priced as without it (Layout.reshards): not searched twice
             continue
         placement = SCHEDULES.get(schedule)
         vps = {"interleaved": [v for v in VP_CHOICES if pp * v <= max_stages(spec)], "v": [2]}.get(placement or "",

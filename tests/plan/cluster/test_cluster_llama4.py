@@ -157,11 +157,11 @@ def test_a_saved_plan_keeps_llama4_experts_whole(tmp_path, capsys):
     refused with the fix, and the plan without says the runtime computes every expert on every token."""
     path, plan = tmp_path / "config.json", tmp_path / "plan.json"
     path.write_text(json.dumps({"model_type": "llama4", "text_config": {"model_type": "llama4_text"}}))
-    job = ["plan", "--model", str(path), "--hardware", "h100", "--gpus", "256", "--global-batch", "512", "--seq",
+    job = ["plan", "--model", str(path), "--hardware", "h200", "--gpus", "256", "--global-batch", "512", "--seq",
            "8192", "--save", str(plan)]
     assert main([*job, "--layout", "tp=1,cp=1,recompute=none,ep=8"]) == 2
     assert "ep=8 on llama4_text (transformers' model runs every expert on every token" in capsys.readouterr().err
     assert not plan.exists()
-    assert main([*job, "--layout", "tp=1,cp=1,recompute=none,ep=1"]) == 0
+    assert main([*job, "--layout", "tp=1,cp=1,pp=16,recompute=none,ep=1"]) == 0
     assert "transformers' llama4_text runs every expert on every token, 16x" in capsys.readouterr().out
     assert json.loads(plan.read_text())["split_points"][0].startswith("model.layers.")

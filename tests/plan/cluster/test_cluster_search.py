@@ -128,3 +128,21 @@ def test_cost_oblivious_orders(name, pp, vp, m):
         schedule = build_schedule(name, pp, m, costs=costs, **options)
         orders.add(tuple(tuple(map(str, rank)) for rank in schedule.ranks))
     assert len(orders) == 1
+
+
+def test_fsdp_under_a_pipeline_holds_and_moves_what_the_distributed_optimizer_does():
+    """torch.distributed.pipelining (torchtitan, pipeloom's runtime) keeps a stage's FSDP parameters and gradients
+    whole from its first forward to the step's end: with pp > 1 fsdp=1 prices as fsdp=0, so the search does not
+    try it twice (a fixed fsdp=1 is priced so); on one stage FSDP shards the weights and gradients (ZeRO-3)."""
+    job = _job(DENSE, 8, 32, 2048)
+    piped = {fsdp: plan_cluster(DENSE, "h100", gpus=8, global_batch=32, seq=2048, layout=(
+        f"dp=4,tp=1,pp=2,vp=1,cp=1,ep=1,mbs=1,fsdp={fsdp},recompute=none,schedule=1f1b")).best for fsdp in (0, 1)}
+    assert piped[1].layout.fsdp and not piped[1].layout.reshards
+    assert (piped[1].memory, piped[1].step_time) == (piped[0].memory, piped[0].step_time)
+    alone = {fsdp: plan_cluster(DENSE, "h100", gpus=8, global_batch=32, seq=2048, layout=(
+        f"dp=8,tp=1,pp=1,vp=1,cp=1,ep=1,mbs=1,fsdp={fsdp},recompute=none,schedule=1f1b")).best for fsdp in (0, 1)}
+    assert alone[1].layout.reshards and alone[1].memory.weights == pytest.approx(alone[0].memory.weights / 8)
+    searched = list(enumerate_layouts(job, {}))
+    assert any(layout.fsdp for layout in searched if layout.pp == 1)
+    assert not any(layout.fsdp for layout in searched if layout.pp > 1)
+    assert all(layout.fsdp for layout in enumerate_layouts(job, {"fsdp": True, "pp": 2}))

@@ -77,7 +77,12 @@ def test_text_report(config, capsys):
     for said in ("gradients reduced in fp32", "tp exchanges beside the GEMMs", "context parallelism by ring",
                  "selective recomputation: op", "FP8 casts: Transformer Engine's current scaling"):
         assert said in assumes, assumes
-    assert "stage cut" not in assumes and "expert" not in assumes
+    assert "stage cut" not in assumes and "expert" not in assumes and "FSDP" not in assumes
+    for layout, said in (("tp=1,pp=2,cp=1,fsdp=1", "FSDP under the pipeline as torch.distributed.pipelining runs it"),
+                         ("tp=1,pp=1,cp=1,fsdp=1", "FSDP gathering each layer for every micro-batch")):
+        assert main(["plan", "--model", str(config), "--hardware", "h100", "--gpus", "8", "--global-batch", "32",
+                     "--seq", "4096", "--layout", layout]) == 0
+        assert said in capsys.readouterr().out.splitlines()[2], layout
 
 
 def test_fixed_layout_is_predicted_as_given():

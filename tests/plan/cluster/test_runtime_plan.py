@@ -335,10 +335,11 @@ def test_every_family_names_the_modules_its_stages_start_at(family):
 
 
 def test_a_plan_says_what_the_runtimes_optimizer_and_fsdp_hold_beyond_it():
-    """The plan shards the optimizer state over the replicas (a distributed optimizer) and, under FSDP, gathers a
-    layer at a time; pipeloom's runtime keeps the optimizer whole on every replica and FSDP's parameters and
-    gradients whole through the step: the note says how much more that is (12 bytes per parameter against the
-    plan's share; the same layout's weights and gradients without FSDP), and nothing with one replica."""
+    """The plan shards the optimizer state over the replicas (a distributed optimizer) and, under FSDP on one stage,
+    gathers a layer at a time; pipeloom's runtime keeps the optimizer whole on every replica and FSDP's parameters
+    and gradients whole through the step: the note says how much more that is (12 bytes per parameter against the
+    plan's share; the same layout's weights and gradients without FSDP), and nothing with one replica or for FSDP
+    under a pipeline, which the plan prices as the runtime runs it."""
     layout = "dp=4,tp=1,pp=2,vp=1,cp=1,ep=1,mbs=1,fsdp={},recompute=none,schedule=1f1b"
     replicated = plan_cluster(LLAMA, "h100", gpus=8, global_batch=32, seq=2048, layout=layout.format(0))
     memory = replicated.best.memory
@@ -348,12 +349,19 @@ def test_a_plan_says_what_the_runtimes_optimizer_and_fsdp_hold_beyond_it():
     assert len(said) == 1 and "over the 4 replicas" in said[0]
     assert (f"it needs {extra / 2**30:.1f} GiB more per GPU than predicted, {(memory.total + extra) / 2**30:.1f} GiB"
             in said[0])
-    sharded = plan_cluster(LLAMA, "h100", gpus=8, global_batch=32, seq=2048, layout=layout.format(1))
-    whole, planned = replicated.best.memory, sharded.best.memory
+    # FSDP on one stage reshards between micro-batches (ZeRO-3) in the plan; under a pipeline it is priced as the
+    # runtime runs it (Layout.reshards), so only the first says more
+    one_stage = "dp=8,tp=1,pp=1,vp=1,cp=1,ep=1,mbs=1,fsdp={},recompute=none,schedule=1f1b"
+    whole, planned = (plan_cluster(LLAMA, "h100", gpus=8, global_batch=32, seq=2048, layout=one_stage.format(fsdp))
+                      .best.memory for fsdp in (0, 1))
     extra = whole.total - planned.total  # the same activations and optimizer shard: weights, gradients, buffers
     assert extra > 0 and whole.optimizer == pytest.approx(planned.optimizer)
+    sharded = plan_cluster(LLAMA, "h100", gpus=8, global_batch=32, seq=2048, layout=one_stage.format(1))
     assert any("keeps them and their gradients whole until the step ends" in note
                and f"it needs {extra / 2**30:.1f} GiB more per GPU" in note for note in runtime_notes(sharded))
+    piped = plan_cluster(LLAMA, "h100", gpus=8, global_batch=32, seq=2048, layout=layout.format(1))
+    assert piped.best.memory == replicated.best.memory
+    assert not any("FSDP" in note for note in runtime_notes(piped))
     alone = plan_cluster(LLAMA, "h100", gpus=2, global_batch=32, seq=2048, layout=layout.format(0).replace("dp=4",
                                                                                                           "dp=1"))
     assert not any("pipeloom's runtime" in note for note in runtime_notes(alone))
