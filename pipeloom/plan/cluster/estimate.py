@@ -374,9 +374,11 @@ class Estimator:
 
     def _dp_exposed(self, layout: Layout, params: float, group: int, stride: int, f1: float, b1: float,
                     m: int) -> float:
-        """Seconds of gradient reduce-scatter and parameter all-gather (FSDP: per micro-batch gathers) over ``group``
-        ranks ``stride`` apart that the rank's last backward / first forward does not hide, the last bucket never
-        (:mod:`~pipeloom.plan.cluster.efficiency`); what is hidden still slows the compute beside it (hidden_cost)."""
+        """Seconds of gradient reduce-scatter and parameter all-gather over ``group`` ranks ``stride`` apart that the
+        rank's last backward / first forward does not hide, the last bucket never (:mod:`~pipeloom.plan.cluster.
+        efficiency`); what is hidden still slows the compute beside it (hidden_cost). FSDP on one stage
+        (:attr:`Layout.reshards`): every micro-batch gathers the weights for its forward and its backward and
+        reduce-scatters its gradients; no gather after the step (the next step's first forward gathers)."""
         if group <= 1 or params == 0:
             return 0.0
         hw, nbytes = self.job.hw, 2.0 * params
@@ -388,11 +390,11 @@ class Estimator:
                              collective_seconds(hw, "all_gather", nbytes, group, ranks_per_domain=per_domain))
         rs, ag = self._dp[key]  # gradients in the reduce's dtype, weights gathered in bf16
         last = min(1.0, BUCKET_BYTES / nbytes)
-        if not self.job.overlap_grad_reduce:  # an all-reduce after the last backward: nothing hides it
-            return rs + ag
-        exposed = max(rs - b1, rs * last) + max(ag - f1, ag * last)
-        moved = rs + ag
-        if layout.reshards:  # weights gathered again for every micro-batch's forward and backward
-            exposed += m * (max(0.0, ag - f1) + max(0.0, ag - b1))
-            moved += 2 * m * ag
-        return exposed + hidden_cost(hw, moved - exposed)
+        if not self.job.overlap_grad_reduce:  # nothing hidden: an all-reduce after the last backward, or ZeRO-3's
+            return m * (2 * ag + rs) if layout.reshards else rs + ag  # two gathers and a reduce per micro-batch
+        exposed = max(ag - f1, ag * last)  # the step's first forward waits for its first bucket
+        if layout.reshards:  # per micro-batch: a gather beside the forward, a gather and a reduce beside the backward
+            exposed += (m - 1) * (max(0.0, ag - f1) + max(0.0, ag + rs - b1)) + max(ag + rs - b1, rs * last)
+            return exposed + hidden_cost(hw, m * (2 * ag + rs) - exposed)
+        exposed += max(rs - b1, rs * last)
+        return exposed + hidden_cost(hw, rs + ag - exposed)

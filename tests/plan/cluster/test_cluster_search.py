@@ -146,3 +146,13 @@ def test_fsdp_under_a_pipeline_holds_and_moves_what_the_distributed_optimizer_do
     assert any(layout.fsdp for layout in searched if layout.pp == 1)
     assert not any(layout.fsdp for layout in searched if layout.pp > 1)
     assert all(layout.fsdp for layout in enumerate_layouts(job, {"fsdp": True, "pp": 2}))
+
+
+def test_fsdp_on_one_stage_gathers_twice_and_reduces_once_per_microbatch():
+    """ZeRO-3 on one stage: each micro-batch gathers the weights for its forward and its backward and reduce-scatters
+    its gradients, no gather after the step; unhidden (``overlap_grad_reduce=False``) that is 3m / 2 times the
+    distributed optimizer's one reduce-scatter and one all-gather of the same bytes (bf16 gradients)."""
+    exposed = {fsdp: plan_cluster(DENSE, "h100", gpus=16, global_batch=64, seq=2048, overlap_grad_reduce=False,
+                                  layout=f"dp=16,tp=1,pp=1,vp=1,cp=1,ep=1,mbs=1,fsdp={fsdp},recompute=none,"
+                                         "schedule=1f1b").best.exposed_dp for fsdp in (0, 1)}
+    assert exposed[0] > 0 and exposed[1] == pytest.approx(exposed[0] * 3 * 4 / 2)  # m = 64 / 16 = 4
