@@ -344,13 +344,17 @@ def model_params(spec: ModelSpec) -> int:
                                                                              ("head", 1)))
 
 
-def optimizer_bytes(params: float, *, shards: int = 1, fsdp: bool = False) -> tuple[float, float, float]:
+def optimizer_bytes(params: float, *, shards: int = 1, fsdp: bool = False,
+                    grad_bytes: float = 2.0) -> tuple[float, float, float]:
     """``(weights, gradients, optimizer)`` bytes per GPU of mixed-precision Adam for ``params`` parameters
-    held by this GPU: bf16 weights (2) and gradients (2), fp32 master weights and two moments (12). The
-    distributed optimizer shards the 12 over ``shards`` data-parallel ranks; FSDP also shards the
-    weights and gradients (one layer's weights are gathered at a time: counted by the estimator as buffers).
+    held by this GPU: bf16 weights (2), gradients accumulated in the reduce's dtype (``grad_bytes``: 2 for bf16,
+    4 for fp32, as Megatron-Core's ``main_grad`` buffer and FSDP2's unsharded accumulation keep them), fp32 master
+    weights and two moments (12). The distributed optimizer shards the 12 over ``shards`` data-parallel ranks;
+    FSDP also shards the weights and gradients, 16 bytes a parameter in all whatever the reduce's dtype (FSDP2's
+    fp32 shard is the master, its gradient the same dtype; one layer's weights are gathered at a time: counted by
+    the estimator as buffers).
     """
-    weights, grads, states = 2.0 * params, 2.0 * params, 12.0 * params
+    weights, states = 2.0 * params, 12.0 * params
     if fsdp:
-        return weights / shards, grads / shards, states / shards
-    return weights, grads, states / shards
+        return weights / shards, 2.0 * params / shards, states / shards
+    return weights, grad_bytes * params, states / shards

@@ -156,3 +156,15 @@ def test_fsdp_on_one_stage_gathers_twice_and_reduces_once_per_microbatch():
                                   layout=f"dp=16,tp=1,pp=1,vp=1,cp=1,ep=1,mbs=1,fsdp={fsdp},recompute=none,"
                                          "schedule=1f1b").best.exposed_dp for fsdp in (0, 1)}
     assert exposed[0] > 0 and exposed[1] == pytest.approx(exposed[0] * 3 * 4 / 2)  # m = 64 / 16 = 4
+
+
+def test_whole_gradients_are_held_in_the_reduces_dtype():
+    """Megatron-Core's main_grad buffer and FSDP2's unsharded accumulation keep whole gradients in the reduce's
+    dtype (fp32: 4 bytes a parameter, bf16: 2); FSDP's sharded state is 16 bytes a parameter either way."""
+    memory = {(reduce, fsdp): plan_cluster(DENSE, "h100", gpus=8, global_batch=32, seq=2048, grad_reduce=reduce,
+                                           layout=f"dp=8,tp=1,pp=1,vp=1,cp=1,ep=1,mbs=1,fsdp={fsdp},recompute=none,"
+                                                  "schedule=1f1b").best.memory
+              for reduce in ("bf16", "fp32") for fsdp in (0, 1)}
+    assert memory["fp32", 0].gradients == pytest.approx(2 * memory["bf16", 0].gradients)
+    assert memory["bf16", 0].gradients == pytest.approx(memory["bf16", 0].weights)
+    assert memory["fp32", 1] == memory["bf16", 1]
