@@ -90,6 +90,8 @@ def options(run: dict) -> dict:
       layers to divide evenly over the stages.
     - Llama 3 reduce-scatters gradients in fp32 (report sec. 3.3.2) and cut 126 layers evenly with one fewer on
       the first and last stages, which the even cut gives.
+    - A row whose sharding is ``zero2`` (Llama 3's FSDP, sharding the optimizer state and the gradients) keeps its
+      gradients sharded (``shard_gradients``).
     - MLPerf's NeMo configs set ``TP_COMM_OVERLAP=True``, cut evenly, and cast FP8 with Transformer Engine's
       delayed scaling (the default, ``cached``).
     - DeepSeek-V3: its own recomputation (norms, MLA up-projections and MoE SwiGLU; FP8-cached inputs) and
@@ -120,6 +122,8 @@ def options(run: dict) -> dict:
     elif rid.startswith("deepseek-v3"):
         opts.update(selective="deepseek", moe_comm="deepseek", fp8_cast="dynamic" if run["dtype"] == "fp8"
                     else "cached")
+    if run.get("sharding") == "zero2":
+        opts.update(shard_gradients=True)
     return opts
 
 

@@ -34,6 +34,7 @@ def add_cluster_arguments(plan: argparse.ArgumentParser) -> None:
                        help="also say how long training N tokens takes with the chosen layout (steps, days, "
                             "GPU-hours); a count or with a K/M/B/T suffix, e.g. 15T")
     _add_framework_options(group)
+    _add_gradient_options(group)
     group.add_argument("--layout", metavar="KEY=VALUE,...",
                        help="layout keys to hold fixed, e.g. tp=4,pp=8,vp=5,cp=1,ep=1,dp=2,mbs=1,fsdp=0,"
                             "recompute=selective,schedule=interleaved-1f1b; all of them: predict that layout")
@@ -55,9 +56,6 @@ def _add_framework_options(group) -> None:
                        help="attention core: flash (the GPU's best kernel; default), flash2 (FlashAttention-2, "
                             "PyTorch SDPA's default backend) or materialized s x s scores (Megatron-LM before "
                             "flash attention)")
-    group.add_argument("--no-overlap-grad-reduce", dest="overlap_grad_reduce", action="store_false",
-                       help="the data-parallel gradient all-reduce runs after the backward, exposed (Megatron-LM "
-                            "before --overlap-grad-reduce)")
     group.add_argument("--selective", metavar="POLICY",
                        help="what recompute=selective recomputes: Megatron-Core's recompute_modules, "
                             "comma-separated, from core_attn (the attention core; default), layernorm, moe_act, "
@@ -91,9 +89,6 @@ def _add_framework_options(group) -> None:
                             "torchtitan's Float8: both inputs of every GEMM, an amax pass first) or current "
                             "(Transformer Engine's current scaling, Megatron-Bridge's FP8-CS: as cached, with an "
                             "amax pass first)")
-    group.add_argument("--grad-reduce", choices=("bf16", "fp32"),
-                       help="the data type of the gradient reduce-scatter: bf16 (default) or fp32 (torchtitan's "
-                            "default mixed_precision_reduce, Llama 3's)")
     group.add_argument("--recompute-layers", type=_depth, default=0, metavar="N|search",
                        help="with recompute=full, recompute only the first N decoder layers of each stage (each "
                             "virtual stage under interleaving), the others keeping everything: Megatron-Core's "
@@ -103,6 +98,20 @@ def _add_framework_options(group) -> None:
                        help="how the decoder layers are cut into pipeline stages: balanced (layers moved off the "
                             "busiest pipeline rank, the embedding and the head counted; default) or even (as many "
                             "layers per stage as divide, the remainder to the middle stages)")
+
+
+def _add_gradient_options(group) -> None:
+    """How the data-parallel ranks exchange and hold the gradients (defaults: Megatron-Core's)."""
+    group.add_argument("--no-overlap-grad-reduce", dest="overlap_grad_reduce", action="store_false",
+                       help="the data-parallel gradient all-reduce runs after the backward, exposed (Megatron-LM "
+                            "before --overlap-grad-reduce)")
+    group.add_argument("--grad-reduce", choices=("bf16", "fp32"),
+                       help="the data type of the gradient reduce-scatter: bf16 (default) or fp32 (torchtitan's "
+                            "default mixed_precision_reduce, Llama 3's)")
+    group.add_argument("--shard-gradients", action="store_true",
+                       help="ZeRO-2: gradients reduce-scattered after every micro-batch's backward and kept sharded "
+                            "over the data-parallel ranks (DeepSpeed's stage 2, Llama 3's FSDP); default: whole "
+                            "until the step's one reduce-scatter (the distributed optimizer; FSDP under a pipeline)")
 
 
 def _depth(text: str) -> int | str:
@@ -204,6 +213,7 @@ def cmd_plan_cluster(args: argparse.Namespace) -> int:
                               seq=args.seq, dtype=args.dtype, layout=args.layout, **_framework(args),
                               overlap_grad_reduce=args.overlap_grad_reduce, moe_comm=args.moe_comm,
                               sequence_parallel=args.sequence_parallel, moe_overlap=args.moe_overlap,
+                              shard_gradients=args.shard_gradients,
                               recompute_layers=args.recompute_layers, memory_limit=args.memory_limit,
                               runners_up=5 if args.top is None else args.top, progress=progress)
     except PipeloomError as error:
@@ -239,6 +249,8 @@ def _unused(args: argparse.Namespace, job, layout) -> list[str]:
     search tries a layout they apply to, so they are not refused)."""
     overlap_why = "ep=1" if layout.ep == 1 else f"schedule={layout.schedule} with pp={layout.pp}"
     unused = [(args.tp_overlap and layout.tp == 1, "--tp-overlap", "tp=1"),
+              (args.shard_gradients and (layout.reshards or layout.state_groups[0] == 1), "--shard-gradients",
+               "fsdp=1 on one stage" if layout.reshards else "one data-parallel replica"),
               (args.moe_overlap and not job.overlap_pairs(layout), "--moe-overlap", overlap_why),
               (not args.sequence_parallel and layout.tp == 1, "--no-sequence-parallel", "tp=1"),
               (args.cp_rotate not in (None, "ring") and layout.cp == 1, f"--cp-rotate {args.cp_rotate}", "cp=1"),

@@ -96,11 +96,11 @@ class ClusterPlan:
 def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: str | Path | Hardware, *, gpus: int,
                  global_batch: int, seq: int, dtype: str = "bf16", layout: str | Mapping[str, Any] | None = None,
                  kernels: str = "fused", attention: str = "flash", overlap_grad_reduce: bool = True,
-                 p2p_overlap: bool = True,
-                 selective: str = "core_attn", cp_rotate: str = "ring", moe_comm: str = "plain",
-                 grad_reduce: str = "bf16", sequence_parallel: bool = True, tp_overlap: bool = False,
-                 fp8_cast: str = "cached", stage_cut: str = "balanced", moe_overlap: bool = False,
-                 recompute_layers: int | str = 0, memory_limit: float | str | None = None, runners_up: int = 5,
+                 p2p_overlap: bool = True, selective: str = "core_attn", cp_rotate: str = "ring",
+                 moe_comm: str = "plain", grad_reduce: str = "bf16", sequence_parallel: bool = True,
+                 tp_overlap: bool = False, fp8_cast: str = "cached", stage_cut: str = "balanced",
+                 moe_overlap: bool = False, recompute_layers: int | str = 0, shard_gradients: bool = False,
+                 memory_limit: float | str | None = None, runners_up: int = 5,
                  progress: Callable[[str], None] | None = None) -> ClusterPlan:
     """The fastest layout of ``model`` (config.json path, dict, PretrainedConfig or ModelSpec) on ``gpus`` GPUs of type
     ``hw`` (a built-in name, a hardware JSON file or a Hardware) for ``global_batch`` sequences of ``seq`` tokens,
@@ -127,7 +127,8 @@ def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: st
     other's expert all-to-all (Megatron-Core's ``overlap_moe_expert_parallel_comm``: pp 1 or interleaved 1F1B);
     ``recompute_layers``: with ``recompute=full``, only the first N decoder layers of each stage (Megatron-Core's
     block method; 0: every layer), or ``search`` (each of :func:`~pipeloom.plan.cluster.recompute.recompute_depths`
-    tried, the fastest plan kept).
+    tried, the fastest plan kept); ``shard_gradients``: ZeRO-2, gradients reduce-scattered after every micro-batch's
+    backward and kept sharded (DeepSpeed's stage 2, Llama 3's FSDP; :attr:`Job.shard_gradients`).
     ``layout``: keys held fixed (``"tp=4,pp=8"`` or a dict); with all of :data:`LAYOUT_KEYS` it predicts that layout
     alone."""
     start = time.perf_counter()
@@ -137,11 +138,10 @@ def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: st
     depth: Any = 0 if recompute_layers == SEARCHED else recompute_layers  # Job refuses anything but a count
     job = Job(spec=spec, hw=device, gpus=gpus, global_batch=global_batch, seq=seq, dtype=dtype,
               kernels=kernels, attention=attention, overlap_grad_reduce=bool(overlap_grad_reduce),
-              p2p_overlap=bool(p2p_overlap),
-              selective="core_attn" if selective == SEARCHED else selective, cp_rotate=cp_rotate,
-              moe_comm=moe_comm, grad_reduce=grad_reduce,
+              p2p_overlap=bool(p2p_overlap), selective="core_attn" if selective == SEARCHED else selective,
+              cp_rotate=cp_rotate, moe_comm=moe_comm, grad_reduce=grad_reduce,
               sequence_parallel=bool(sequence_parallel), tp_overlap=bool(tp_overlap), fp8_cast=fp8_cast,
-              stage_cut=stage_cut, moe_overlap=bool(moe_overlap),
+              stage_cut=stage_cut, moe_overlap=bool(moe_overlap), shard_gradients=bool(shard_gradients),
               recompute_layers=depth)
     fixed = parse_layout(layout) if isinstance(layout, str) else dict(layout or {})
     limit = parse_bytes(memory_limit) if memory_limit is not None else float(device.memory_bytes)

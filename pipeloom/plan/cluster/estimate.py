@@ -297,9 +297,8 @@ class Estimator:
         memory = dataclasses.replace(memory, activations=peak)
         step = makespan + exposed + optimizer
         job = self.job
-        return Estimate(layout=layout, stage_layers=self.stage_counts(layout), step_time=step,
-                        pipeline_time=makespan, exposed_dp=exposed,
-                        optimizer_time=optimizer, bubble=bubble, memory=memory,
+        return Estimate(layout=layout, stage_layers=self.stage_counts(layout), step_time=step, memory=memory,
+                        pipeline_time=makespan, exposed_dp=exposed, optimizer_time=optimizer, bubble=bubble,
                         tokens_per_gpu_per_second=job.global_batch * job.seq / (step * job.gpus),
                         mfu=self.model_flops / (step * job.gpus * job.hw.peak(job.dtype)))
 
@@ -357,18 +356,18 @@ class Estimator:
             c = self.counts[kind]
             dense += count * (c.params - c.expert_params) / layout.tp
             expert += count * c.expert_params / layout.ep
-        weights, gradients, states = layout.param_state(dense, expert, GRAD_REDUCE[self.job.grad_reduce])
-        f1 = sum(times[j].f for j in stages)
-        b1 = sum(times[j].i + times[j].w for j in stages)
+        weights, gradients, states = layout.param_state(dense, expert, GRAD_REDUCE[self.job.grad_reduce],
+                                                        self.job.shard_gradients)
+        f1, b1 = sum(times[j].f for j in stages), sum(times[j].i + times[j].w for j in stages)
         # the dense replicas sit tp apart (Megatron's order tp, cp, dp); the experts' replicas ep apart (etp, ep, edp)
         exposed = sum(self._dp_exposed(layout, params, group, stride, f1, b1, m)
                       for params, group, stride in ((dense, dpcp, layout.tp), (expert, edp, layout.ep)))
         layers = max(1, sum(count for kind, count in kinds if kind not in ("embedding", "head")))
-        buffers = WORKSPACE_BYTES + (2 * 2.0 * (dense + expert) / layers if layout.reshards else 0.0)
+        buffers = WORKSPACE_BYTES + (2 * 2.0 * (dense + expert) / layers if layout.reshards else
+                                     2 * BUCKET_BYTES if self.job.shard_gradients else 0.0)  # ZeRO-2's buckets
         if layout.recompute == "full":  # one layer's activations rebuilt at a time during its backward
             buffers += max(self._keep(k, layout.tp, layout.cp, layout.mbs, "none") for k in set(self.kinds))
-        shard = dense / dpcp + expert / edp
-        optimizer = memory_seconds(hw, 32.0 * shard)  # read/write master, moments, grads and weights
+        optimizer = memory_seconds(hw, 32.0 * (dense / dpcp + expert / edp))  # master, moments, grads and weights
         memory = Memory(weights=weights, gradients=gradients, optimizer=states, activations=0.0, buffers=buffers)
         return memory, (exposed + optimizer, exposed, optimizer)
 
@@ -376,9 +375,9 @@ class Estimator:
                     m: int) -> float:
         """Seconds of gradient reduce-scatter and parameter all-gather over ``group`` ranks ``stride`` apart that the
         rank's last backward / first forward does not hide, the last bucket never (:mod:`~pipeloom.plan.cluster.
-        efficiency`); what is hidden still slows the compute beside it (hidden_cost). FSDP on one stage
-        (:attr:`Layout.reshards`): every micro-batch gathers the weights for its forward and its backward and
-        reduce-scatters its gradients; no gather after the step (the next step's first forward gathers)."""
+        efficiency`); what is hidden still slows the compute beside it (hidden_cost). FSDP on one stage (ZeRO-3:
+        :attr:`Layout.reshards`) gathers for every micro-batch's forward and backward and reduce-scatters after it,
+        with no gather after the step; ZeRO-2 (:attr:`Job.shard_gradients`) reduce-scatters after every backward."""
         if group <= 1 or params == 0:
             return 0.0
         hw, nbytes = self.job.hw, 2.0 * params
@@ -390,11 +389,12 @@ class Estimator:
                              collective_seconds(hw, "all_gather", nbytes, group, ranks_per_domain=per_domain))
         rs, ag = self._dp[key]  # gradients in the reduce's dtype, weights gathered in bf16
         last = min(1.0, BUCKET_BYTES / nbytes)
+        reduces = m if layout.reshards or self.job.shard_gradients else 1  # ZeRO-3, ZeRO-2: one per micro-batch
         if not self.job.overlap_grad_reduce:  # nothing hidden: an all-reduce after the last backward, or ZeRO-3's
-            return m * (2 * ag + rs) if layout.reshards else rs + ag  # two gathers and a reduce per micro-batch
+            return m * (2 * ag + rs) if layout.reshards else reduces * rs + ag  # two gathers and a reduce each
         exposed = max(ag - f1, ag * last)  # the step's first forward waits for its first bucket
         if layout.reshards:  # per micro-batch: a gather beside the forward, a gather and a reduce beside the backward
             exposed += (m - 1) * (max(0.0, ag - f1) + max(0.0, ag + rs - b1)) + max(ag + rs - b1, rs * last)
             return exposed + hidden_cost(hw, m * (2 * ag + rs) - exposed)
-        exposed += max(rs - b1, rs * last)
-        return exposed + hidden_cost(hw, rs + ag - exposed)
+        exposed += (reduces - 1) * max(0.0, rs - b1) + max(rs - b1, rs * last)
+        return exposed + hidden_cost(hw, reduces * rs + ag - exposed)

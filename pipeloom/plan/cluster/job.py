@@ -106,6 +106,11 @@ class Job:
     overlap_grad_reduce: bool = True
     """The data-parallel gradient exchange overlaps the backward bucket by bucket (Megatron-Core's
     ``--overlap-grad-reduce``, FSDP, DDP); False: one all-reduce after the last backward (Megatron-LM 2021)."""
+    shard_gradients: bool = False
+    """ZeRO-2: gradients whole only while a micro-batch's backward makes them, reduce-scattered after it and kept
+    sharded over the data-parallel ranks (DeepSpeed's stage 2; Llama 3's FSDP, report sec. 3.3.2), a reduce-scatter
+    per micro-batch; for the layouts whose gradients are otherwise whole (the distributed optimizer's, FSDP's under
+    a pipeline). False: whole until the step's one reduce-scatter (Megatron-Core, torch.distributed.pipelining)."""
     fp8_cast: str = "cached"
     """How FP8 GEMMs (``dtype="fp8"``) cast their inputs (:data:`FP8_CASTS`): ``cached``, Transformer Engine's
     delayed scaling as Megatron-Core runs it (its default ``--fp8-recipe delayed``): the amax taken in the cast

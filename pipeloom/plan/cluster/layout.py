@@ -131,14 +131,18 @@ class Layout:
         rank). Gradients are reduced, and the optimizer state sharded, over them."""
         return self.dp * self.cp * self.copies, self.expert_replicas * self.copies
 
-    def param_state(self, dense: float, expert: float, grad_bytes: float = 2.0) -> tuple[float, float, float]:
+    def param_state(self, dense: float, expert: float, grad_bytes: float = 2.0,
+                    shard_gradients: bool = False) -> tuple[float, float, float]:
         """``(weights, gradients, optimizer)`` bytes per GPU of the ``dense`` and ``expert`` parameters a rank holds
         (:func:`~pipeloom.plan.cluster.counts.optimizer_bytes`, whole gradients of ``grad_bytes`` each), sharded
-        over :attr:`state_groups`."""
-        dense_group, expert_group = self.state_groups
-        dense_parts = optimizer_bytes(dense, shards=dense_group, fsdp=self.reshards, grad_bytes=grad_bytes)
-        expert_parts = optimizer_bytes(expert, shards=expert_group, fsdp=self.reshards, grad_bytes=grad_bytes)
-        weights, gradients, optimizer = (a + b for a, b in zip(dense_parts, expert_parts))
+        over :attr:`state_groups`; with ``shard_gradients`` (ZeRO-2: :attr:`Job.shard_gradients`) the gradients
+        too."""
+        parts = []
+        for params, group in zip((dense, expert), self.state_groups):
+            weights, gradients, states = optimizer_bytes(params, shards=group, fsdp=self.reshards,
+                                                         grad_bytes=grad_bytes)
+            parts.append((weights, gradients / group if shard_gradients and not self.reshards else gradients, states))
+        weights, gradients, optimizer = (a + b for a, b in zip(*parts))
         return weights, gradients, optimizer
 
     def microbatches(self, global_batch: int) -> int:

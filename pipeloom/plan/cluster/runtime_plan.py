@@ -177,30 +177,38 @@ def runtime_plan(result: ClusterPlan, *, export: str | None = None) -> Plan:
 
 
 def _runtime_state(result: ClusterPlan) -> str | None:
-    """What pipeloom's runtime holds beyond the plan's weights, gradients and optimizer state, with how much more
-    per GPU for the plan's mixed-precision Adam; None where it holds what the plan does. Without FSDP the runtime
-    keeps the optimizer it is given whole on every data-parallel replica (:mod:`pipeloom.runtime.parallel.dp`),
-    where the plan shards its state over the replicas (Megatron-Core's distributed optimizer): 12 bytes per
-    parameter against the plan's share of them. Under FSDP it gathers each stage's parameters at the stage's first
-    forward and keeps them and their gradients whole until the step ends (torch.distributed.pipelining's recipe,
-    :mod:`pipeloom.runtime.parallel.fsdp`), where the plan gathers a layer at a time: the weights and gradients of
-    the same layout without FSDP."""
-    layout, planned = result.best.layout, result.best.memory
-    if layout.fsdp:
-        whole = Estimator(result.job).estimate(dataclasses.replace(layout, fsdp=False)).memory
-        extra = whole.weights + whole.gradients + whole.buffers - planned.weights - planned.gradients - planned.buffers
-        why = ("gathers each stage's FSDP parameters at its first forward and keeps them and their gradients whole "
-               "until the step ends (torch.distributed.pipelining's recipe), where the plan gathers a layer at a time")
-    else:
-        extra = 6.0 * planned.weights - planned.optimizer  # master weights and moments: 12 bytes per 2 of weights
-        why = ("keeps the optimizer it is given whole on every data-parallel replica, where the plan shards its state "
-               f"over the {layout.state_groups[0]} replicas (a distributed optimizer; fsdp=1 shards it there too)")
-    if extra <= 1e-9 * planned.total:
+    """What pipeloom's runtime holds beyond the plan's weights, gradients, optimizer state and buffers, with how much
+    more per GPU for the plan's mixed-precision Adam; None where it holds what the plan does. Without FSDP it keeps
+    the optimizer it is given whole on every data-parallel replica (:mod:`pipeloom.runtime.parallel.dp`), where the
+    plan shards the state over them (a distributed optimizer): 12 bytes per parameter. Its FSDP gathers a stage's
+    parameters at the stage's first forward and keeps them and their gradients whole until the step ends
+    (torch.distributed.pipelining's recipe, :mod:`pipeloom.runtime.parallel.fsdp`), where the plan on one stage
+    gathers a layer at a time; and it keeps gradients whole where the plan shards them (ZeRO-2). The runtime's is
+    the same layout's memory without FSDP and ZeRO-2."""
+    job, layout, planned = result.job, result.best.layout, result.best.memory
+    replicas = layout.state_groups[0]
+    why = []
+    if not layout.fsdp and replicas > 1:
+        why.append("keeps the optimizer it is given whole on every data-parallel replica, where the plan shards its "
+                   f"state over the {replicas} replicas (a distributed optimizer; fsdp=1 shards it there too)")
+    if layout.reshards:
+        why.append("gathers each stage's FSDP parameters at its first forward and keeps them and their gradients "
+                   "whole until the step ends (torch.distributed.pipelining's recipe), where the plan gathers a layer "
+                   "at a time")
+    elif job.shard_gradients and replicas > 1:
+        why.append("keeps the gradients whole until the step ends, where the plan reduce-scatters them after every "
+                   "micro-batch (--shard-gradients)")
+    if not why:
         return None
+    whole = Estimator(dataclasses.replace(job, shard_gradients=False)).estimate(
+        dataclasses.replace(layout, fsdp=False)).memory
+    optimizer = whole.optimizer if layout.fsdp else 6.0 * whole.weights  # 12 bytes per 2 of weights on every replica
+    extra = (whole.weights + whole.gradients + whole.buffers + optimizer
+             - planned.weights - planned.gradients - planned.buffers - planned.optimizer)
     need = planned.total + extra
     over = f", over the {result.memory_limit / 2**30:.1f} GiB limit" if need > result.memory_limit else ""
-    return (f"pipeloom's runtime {why}: with the plan's mixed-precision Adam it needs {extra / 2**30:.1f} GiB more "
-            f"per GPU than predicted, {need / 2**30:.1f} GiB{over}")
+    return (f"pipeloom's runtime {'; it '.join(why)}: with the plan's mixed-precision Adam it needs "
+            f"{extra / 2**30:.1f} GiB more per GPU than predicted, {need / 2**30:.1f} GiB{over}")
 
 
 def _stage_times(estimator: Estimator, layout: Layout) -> tuple[float, ...]:

@@ -168,3 +168,22 @@ def test_whole_gradients_are_held_in_the_reduces_dtype():
     assert memory["fp32", 0].gradients == pytest.approx(2 * memory["bf16", 0].gradients)
     assert memory["bf16", 0].gradients == pytest.approx(memory["bf16", 0].weights)
     assert memory["fp32", 1] == memory["bf16", 1]
+
+
+def test_zero2_shards_the_gradients_and_reduces_them_every_microbatch():
+    """shard_gradients (ZeRO-2): the whole gradients of the distributed optimizer's layouts (and of FSDP under a
+    pipeline) are sharded over the replicas, at the cost of a reduce-scatter per micro-batch, two buckets in flight;
+    unhidden m reduces and a gather against one of each (bf16: the same bytes). FSDP on one stage is ZeRO-3 already."""
+    def best(shard, layout, overlap=True):
+        return plan_cluster(DENSE, "h100", gpus=16, global_batch=64, seq=2048, shard_gradients=shard,
+                            overlap_grad_reduce=overlap, layout=layout).best
+    layout = "dp=8,tp=1,pp=2,vp=1,cp=1,ep=1,mbs=1,fsdp={},recompute=none,schedule=1f1b"
+    whole, sharded = best(False, layout.format(0)), best(True, layout.format(0))
+    assert sharded.memory.gradients == pytest.approx(whole.memory.gradients / 8)
+    assert sharded.memory.weights == whole.memory.weights and sharded.memory.optimizer == whole.memory.optimizer
+    assert sharded.memory.buffers > whole.memory.buffers and sharded.exposed_dp > whole.exposed_dp
+    assert best(True, layout.format(1)).memory.gradients == pytest.approx(sharded.memory.gradients)
+    unhidden = [best(shard, layout.format(0), overlap=False).exposed_dp for shard in (False, True)]
+    assert unhidden[1] == pytest.approx(unhidden[0] * (8 + 1) / 2)  # m = 64 / 8 = 8 reduces and one gather
+    one_stage = layout.format(1).replace("dp=8", "dp=16").replace("pp=2", "pp=1")
+    assert best(True, one_stage).memory == best(False, one_stage).memory

@@ -83,6 +83,14 @@ def test_text_report(config, capsys):
         assert main(["plan", "--model", str(config), "--hardware", "h100", "--gpus", "8", "--global-batch", "32",
                      "--seq", "4096", "--layout", layout]) == 0
         assert said in capsys.readouterr().out.splitlines()[2], layout
+    zero2 = ["plan", "--model", str(config), "--hardware", "h100", "--gpus", "8", "--global-batch", "32", "--seq",
+             "4096", "--shard-gradients", "--layout"]
+    assert main([*zero2, "tp=1,pp=2,cp=1,fsdp=0"]) == 0
+    assert "gradients sharded, reduce-scattered after every micro-batch (--shard-gradients)" in (
+        capsys.readouterr().out.splitlines()[2])
+    assert main([*zero2, "tp=4,pp=2,cp=1,schedule=1f1b"]) == 0
+    assert ("note: --shard-gradients changes nothing on the chosen layout, which runs one data-parallel replica"
+            in capsys.readouterr().out)
 
 
 def test_fixed_layout_is_predicted_as_given():

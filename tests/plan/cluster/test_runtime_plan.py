@@ -361,7 +361,13 @@ def test_a_plan_says_what_the_runtimes_optimizer_and_fsdp_hold_beyond_it():
                and f"it needs {extra / 2**30:.1f} GiB more per GPU" in note for note in runtime_notes(sharded))
     piped = plan_cluster(LLAMA, "h100", gpus=8, global_batch=32, seq=2048, layout=layout.format(1))
     assert piped.best.memory == replicated.best.memory
-    assert not any("FSDP" in note for note in runtime_notes(piped))
+    assert not any("pipeloom's runtime" in note for note in runtime_notes(piped))
+    zero2 = plan_cluster(LLAMA, "h100", gpus=8, global_batch=32, seq=2048, layout=layout.format(1),
+                         shard_gradients=True)  # the runtime's FSDP keeps the gradients whole through the step
+    extra = replicated.best.memory.gradients - zero2.best.memory.gradients - (zero2.best.memory.buffers
+                                                                                - replicated.best.memory.buffers)
+    assert any("keeps the gradients whole until the step ends" in note
+               and f"it needs {extra / 2**30:.1f} GiB more per GPU" in note for note in runtime_notes(zero2))
     alone = plan_cluster(LLAMA, "h100", gpus=2, global_batch=32, seq=2048, layout=layout.format(0).replace("dp=4",
                                                                                                           "dp=1"))
     assert not any("pipeloom's runtime" in note for note in runtime_notes(alone))
