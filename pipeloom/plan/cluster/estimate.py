@@ -364,7 +364,7 @@ class Estimator:
                       for params, group, stride in ((dense, dpcp, layout.tp), (expert, edp, layout.ep)))
         layers = max(1, sum(count for kind, count in kinds if kind not in ("embedding", "head")))
         buffers = WORKSPACE_BYTES + (2 * 2.0 * (dense + expert) / layers if layout.reshards else
-                                     2 * BUCKET_BYTES if self.job.shard_gradients else 0.0)  # ZeRO-2's buckets
+                                     2 * BUCKET_BYTES if self.job.shard_gradients and dpcp > 1 else 0.0)  # ZeRO-2
         if layout.recompute == "full":  # one layer's activations rebuilt at a time during its backward
             buffers += max(self._keep(k, layout.tp, layout.cp, layout.mbs, "none") for k in set(self.kinds))
         optimizer = memory_seconds(hw, 32.0 * (dense / dpcp + expert / edp))  # master, moments, grads and weights
