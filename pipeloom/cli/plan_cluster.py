@@ -249,7 +249,7 @@ def _unused(args: argparse.Namespace, job, layout) -> list[str]:
     search tries a layout they apply to, so they are not refused)."""
     overlap_why = "ep=1" if layout.ep == 1 else f"schedule={layout.schedule} with pp={layout.pp}"
     unused = [(args.tp_overlap and layout.tp == 1, "--tp-overlap", "tp=1"),
-              (args.shard_gradients and (layout.reshards or layout.state_groups[0] == 1), "--shard-gradients",
+              (args.shard_gradients and not job.zero2(layout), "--shard-gradients",
                "fsdp=1 on one stage" if layout.reshards else "one data-parallel replica"),
               (args.moe_overlap and not job.overlap_pairs(layout), "--moe-overlap", overlap_why),
               (not args.sequence_parallel and layout.tp == 1, "--no-sequence-parallel", "tp=1"),

@@ -103,7 +103,7 @@ def _assumes(job, layout, framework: str | None = None, searched: tuple[str, ...
         said.append(f"full recomputation of {which} ({_how('recompute_layers', searched, variants)})")
     if job.dtype == "fp8":
         said.append(f"FP8 casts: {_FP8_CASTS[job.fp8_cast]} (--fp8-cast)")
-    if job.shard_gradients and not layout.reshards:
+    if job.zero2(layout):
         said.append("gradients sharded, reduce-scattered after every micro-batch (--shard-gradients)")
     if layout.fsdp:
         said.append("FSDP gathering each layer for every micro-batch" if layout.reshards else

@@ -357,14 +357,14 @@ class Estimator:
             dense += count * (c.params - c.expert_params) / layout.tp
             expert += count * c.expert_params / layout.ep
         weights, gradients, states = layout.param_state(dense, expert, GRAD_REDUCE[self.job.grad_reduce],
-                                                        self.job.shard_gradients)
+                                                        self.job.zero2(layout))
         f1, b1 = sum(times[j].f for j in stages), sum(times[j].i + times[j].w for j in stages)
         # the dense replicas sit tp apart (Megatron's order tp, cp, dp); the experts' replicas ep apart (etp, ep, edp)
         exposed = sum(self._dp_exposed(layout, params, group, stride, f1, b1, m)
                       for params, group, stride in ((dense, dpcp, layout.tp), (expert, edp, layout.ep)))
         layers = max(1, sum(count for kind, count in kinds if kind not in ("embedding", "head")))
         buffers = WORKSPACE_BYTES + (2 * 2.0 * (dense + expert) / layers if layout.reshards else
-                                     2 * BUCKET_BYTES if self.job.shard_gradients and dpcp > 1 else 0.0)  # ZeRO-2
+                                     2 * BUCKET_BYTES if self.job.zero2(layout) else 0.0)  # ZeRO-2's buckets
         if layout.recompute == "full":  # one layer's activations rebuilt at a time during its backward
             buffers += max(self._keep(k, layout.tp, layout.cp, layout.mbs, "none") for k in set(self.kinds))
         optimizer = memory_seconds(hw, 32.0 * (dense / dpcp + expert / edp))  # master, moments, grads and weights
@@ -377,7 +377,7 @@ class Estimator:
         rank's last backward / first forward does not hide, the last bucket never (:mod:`~pipeloom.plan.cluster.
         efficiency`); what is hidden still slows the compute beside it (hidden_cost). FSDP on one stage (ZeRO-3:
         :attr:`Layout.reshards`) gathers for every micro-batch's forward and backward and reduce-scatters after it,
-        with no gather after the step; ZeRO-2 (:attr:`Job.shard_gradients`) reduce-scatters after every backward."""
+        with no gather after the step; ZeRO-2 (:meth:`Job.zero2`) reduce-scatters after every backward."""
         if group <= 1 or params == 0:
             return 0.0
         hw, nbytes = self.job.hw, 2.0 * params
@@ -389,7 +389,7 @@ class Estimator:
                              collective_seconds(hw, "all_gather", nbytes, group, ranks_per_domain=per_domain))
         rs, ag = self._dp[key]  # gradients in the reduce's dtype, weights gathered in bf16
         last = min(1.0, BUCKET_BYTES / nbytes)
-        reduces = m if layout.reshards or self.job.shard_gradients else 1  # ZeRO-3, ZeRO-2: one per micro-batch
+        reduces = m if layout.reshards or self.job.zero2(layout) else 1  # ZeRO-3, ZeRO-2: one per micro-batch
         if not self.job.overlap_grad_reduce:  # nothing hidden: an all-reduce after the last backward, or ZeRO-3's
             return m * (2 * ag + rs) if layout.reshards else reduces * rs + ag  # two gathers and a reduce each
         exposed = max(ag - f1, ag * last)  # the step's first forward waits for its first bucket

@@ -199,6 +199,13 @@ class Job:
         DualPipe(V) always, the others where :meth:`overlap_pairs`."""
         return layout.schedule in PAIRED or self.overlap_pairs(layout)
 
+    def zero2(self, layout: Layout) -> bool:
+        """Whether :attr:`shard_gradients` shards ``layout``'s gradients: they are otherwise whole (not FSDP on one
+        stage, which shards them already) and other ranks hold the same parameters (:attr:`Layout.state_groups`, the
+        experts' only where the model has experts)."""
+        dense, experts = layout.state_groups
+        return self.shard_gradients and not layout.reshards and max(dense, experts if self.spec.experts else 1) > 1
+
     def overlap_pairs(self, layout: Layout) -> bool:
         """Whether :attr:`moe_overlap` pairs ``layout``'s forwards and backwards: with ep > 1, on one pipeline stage
         or under interleaved 1F1B (DualPipe(V) pairs without it)."""

@@ -135,13 +135,12 @@ class Layout:
                     shard_gradients: bool = False) -> tuple[float, float, float]:
         """``(weights, gradients, optimizer)`` bytes per GPU of the ``dense`` and ``expert`` parameters a rank holds
         (:func:`~pipeloom.plan.cluster.counts.optimizer_bytes`, whole gradients of ``grad_bytes`` each), sharded
-        over :attr:`state_groups`; with ``shard_gradients`` (ZeRO-2: :attr:`Job.shard_gradients`) the gradients
-        too."""
+        over :attr:`state_groups`; with ``shard_gradients`` (ZeRO-2: :meth:`Job.zero2`) the gradients too."""
         parts = []
         for params, group in zip((dense, expert), self.state_groups):
             weights, gradients, states = optimizer_bytes(params, shards=group, fsdp=self.reshards,
                                                          grad_bytes=grad_bytes)
-            parts.append((weights, gradients / group if shard_gradients and not self.reshards else gradients, states))
+            parts.append((weights, gradients / group if shard_gradients else gradients, states))
         weights, gradients, optimizer = (a + b for a, b in zip(*parts))
         return weights, gradients, optimizer
 

@@ -195,7 +195,7 @@ def _runtime_state(result: ClusterPlan) -> str | None:
         why.append("gathers each stage's FSDP parameters at its first forward and keeps them and their gradients "
                    "whole until the step ends (torch.distributed.pipelining's recipe), where the plan gathers a layer "
                    "at a time")
-    elif job.shard_gradients and replicas > 1:
+    elif job.zero2(layout):
         why.append("keeps the gradients whole until the step ends, where the plan reduce-scatters them after every "
                    "micro-batch (--shard-gradients)")
     if not why:

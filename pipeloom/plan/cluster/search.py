@@ -105,7 +105,7 @@ class Bounds:
         rank holds at least the mean."""
         e, share = self.estimator, layout.copies / layout.pp
         state = layout.param_state(self._dense * share / layout.tp, self._expert * share / layout.ep,
-                                   GRAD_REDUCE[e.job.grad_reduce], e.job.shard_gradients)
+                                   GRAD_REDUCE[e.job.grad_reduce], e.job.zero2(layout))
         held = sum(n * e.activation(layout, kind) for kind, n in self._held.items()) / layout.pp
         return (sum(state) + held + WORKSPACE_BYTES) * (1 - _ROUNDING)
 
