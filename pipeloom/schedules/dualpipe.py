@@ -25,7 +25,7 @@ from pipeloom.schedules.common import (
     v_rank_stages,
 )
 
-__all__ = ["dualpipe", "dualpipev", "dualpipe_program"]
+__all__ = ["dualpipe", "dualpipev", "dualpipe_program", "check_dualpipe", "dualpipe_rank_program"]
 
 Step = tuple[str, int]
 """One step of a rank's program: ``(op, phase)``.
@@ -159,6 +159,16 @@ def dualpipe(
     Activation memory: peak p+1 forwards (x ``costs.memory``) on the two middle ranks, p on the others,
     for any ``w_memory``; 2x weights (two replicas).
     """
+    check_dualpipe(num_ranks, num_microbatches)
+    p, m = num_ranks, num_microbatches
+    problem = two_replica_problem(p, costs, split_backward=True, memory_limit=memory_limit)
+    ranks = [_lower(*dualpipe_rank_program(p, m, rank=r)) for r in range(p)]
+    return make_schedule("dualpipe", problem=problem, num_microbatches=m // 2, ranks=ranks)
+
+
+def check_dualpipe(num_ranks: int, num_microbatches: int) -> None:
+    """ArgumentError or ValueError unless :func:`dualpipe` runs these counts: an even number of ranks, an even
+    number of micro-batches, at least 2p."""
     check_counts("dualpipe", num_ranks, num_microbatches)
     p, m = num_ranks, num_microbatches
     check_even_ranks("dualpipe", p, reason="its two halves mirror each other")
@@ -168,12 +178,13 @@ def dualpipe(
             f"2p = {2 * p} with {p} ranks (the reference's requirement), got {m}; "
             f"{even_microbatches_hint(m, minimum=2 * p)}"
         )
-    problem = two_replica_problem(p, costs, split_backward=True, memory_limit=memory_limit)
-    half = p // 2
-    ranks = []
-    for r in range(p):
-        down, up = v_rank_stages(p, rank=r)
-        stages = (down, up) if r < half else (up, down)  # phase 0: the replica entering on r's side
-        program = dualpipe_program(half, half_rank=min(r, p - 1 - r), num_microbatches=m // 2)
-        ranks.append(_lower(program, stages))
-    return make_schedule("dualpipe", problem=problem, num_microbatches=m // 2, ranks=ranks)
+
+
+def dualpipe_rank_program(num_ranks: int, num_microbatches: int, *, rank: int) -> tuple[list[Step], tuple[int, int]]:
+    """Rank ``rank`` of :func:`dualpipe` (counts :func:`check_dualpipe` accepts): its half pipeline's program (P =
+    p/2, h = min(r, p-1-r), M = m/2) and the stages its phases 0 and 1 run, phase 0 the replica entering on its
+    side."""
+    p, r = num_ranks, rank
+    down, up = v_rank_stages(p, rank=r)
+    stages = (down, up) if r < p // 2 else (up, down)
+    return dualpipe_program(p // 2, half_rank=min(r, p - 1 - r), num_microbatches=num_microbatches // 2), stages

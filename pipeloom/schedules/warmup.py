@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from itertools import takewhile
 
-from pipeloom.schedules.common import v_rank_stages
-from pipeloom.schedules.dualpipe import dualpipe_program
+from pipeloom.schedules.common import check_counts, v_rank_stages
+from pipeloom.schedules.dualpipe import Step, check_dualpipe, dualpipe_program, dualpipe_rank_program
 from pipeloom.schedules.interleaved import group_sizes, interleaved_warmup
 
 __all__ = ["WARMUP_SCHEDULES", "RankWarmup", "warmup_forwards"]
@@ -30,8 +30,7 @@ def warmup_forwards(name: str, num_ranks: int, num_microbatches: int, *,
     backward (B, I or an overlapped pair), as its builder orders them. ValueError for a schedule not in
     :data:`WARMUP_SCHEDULES` or counts its builder refuses."""
     p, m = num_ranks, num_microbatches
-    if p < 1 or m < 1:
-        raise ValueError(f"warmup_forwards needs num_ranks and num_microbatches >= 1, got {p} and {m}")
+    check_counts(name, p, m)
     if name == "gpipe":  # every forward first
         return tuple(((r, m),) for r in range(p))
     if name in ("1f1b", "zb-h1"):  # p-r-1 warm-up forwards and one more before the first B (zb-h1: lead p-r)
@@ -40,19 +39,13 @@ def warmup_forwards(name: str, num_ranks: int, num_microbatches: int, *,
         return tuple(((r, min(2 * (p - r) - 1, m)),) for r in range(p))
     if name == "interleaved-1f1b":
         return _interleaved(p, m, stages_per_rank)
-    if name == "dualpipev":
-        if m < 2 * p:
-            raise ValueError(f"dualpipev needs num_microbatches >= 2 x num_ranks = {2 * p}, got {m}")
-        return tuple(_dualpipe_rank(p, r, m, v_rank_stages(p, rank=r)) for r in range(p))
+    if name == "dualpipev":  # dualpipev's check, then its rank r runs the program with h = r
+        check_counts(name, p, m, min_microbatches=2 * p)
+        return tuple(_leading(dualpipe_program(p, half_rank=r, num_microbatches=m), v_rank_stages(p, rank=r))
+                     for r in range(p))
     if name == "dualpipe":
-        if p % 2 or m % 2 or m < 2 * p:
-            raise ValueError(f"dualpipe needs an even num_ranks and an even num_microbatches >= 2 x num_ranks, "
-                             f"got {p} and {m}")
-        half, out = p // 2, []
-        for r in range(p):
-            down, up = v_rank_stages(p, rank=r)
-            out.append(_dualpipe_rank(half, min(r, p - 1 - r), m // 2, (down, up) if r < half else (up, down)))
-        return tuple(out)
+        check_dualpipe(p, m)
+        return tuple(_leading(*dualpipe_rank_program(p, m, rank=r)) for r in range(p))
     raise ValueError(f"warmup_forwards knows {', '.join(WARMUP_SCHEDULES)}, not {name!r} (its order depends on "
                      "its costs: build it and read its held activations)")
 
@@ -74,9 +67,8 @@ def _interleaved(p: int, m: int, v: int) -> tuple[RankWarmup, ...]:
     return tuple(out)
 
 
-def _dualpipe_rank(half_ranks: int, half_rank: int, m: int, stages: tuple[int, int]) -> RankWarmup:
+def _leading(program: list[Step], stages: tuple[int, int]) -> RankWarmup:
     """A DualPipe(V) rank: the leading forwards of its program, phase k running ``stages[k]``."""
-    program = dualpipe_program(half_ranks, half_rank=half_rank, num_microbatches=m)
     counts = [0, 0]
     for _, phase in takewhile(lambda step: step[0] == "F", program):
         counts[phase] += 1

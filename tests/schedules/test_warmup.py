@@ -56,5 +56,5 @@ def test_warmup_refuses_what_it_cannot_read():
         warmup_forwards("zbv", 4, 8)
     with pytest.raises(ValueError, match="even"):
         warmup_forwards("dualpipe", 3, 8)
-    with pytest.raises(ValueError, match="2 x num_ranks"):
+    with pytest.raises(ValueError, match="dualpipev needs at least 8 micro-batches with 4 ranks"):
         warmup_forwards("dualpipev", 4, 7)
