@@ -10,15 +10,12 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from functools import reduce
 from importlib import import_module
-from itertools import accumulate
-from operator import add
 
 from pipeloom.errors import ProblemError, require_type
 from pipeloom.ir import Action, Comm, Overlap, Schedule
 from pipeloom.lowering import replay_lowered
-from pipeloom.sim_replay import CompiledSchedule
+from pipeloom.sim_replay import CompiledSchedule, Pricing
 
 __all__ = ["Timeline", "compile_schedule", "simulate"]
 
@@ -105,30 +102,17 @@ def simulate(schedule: Schedule, *, overlap_overhead: float | None = None,
     if compiled is None:
         compiled = CompiledSchedule.of(schedule, overhead)
     else:
-        compiled = compiled.repriced(schedule, overhead)
-    seq_tasks = compiled.seq_tasks
-    replay = compiled.replay()
-    starts, ends = replay.starts, replay.ends
-    static = problem.static_memory or (0.0,) * problem.num_ranks
-    memory_delta = [task.memory for task in problem.tasks] + [c.memory for c in compiled.composites]
-    durations = [task.duration for task in problem.tasks] + [c.duration for c in compiled.composites]
-    held_lists, peaks, busy = [], [], []
-    for r, seq in enumerate(seq_tasks):
-        # accumulate/reduce add in list order, exactly like a running sum.
-        held = list(accumulate(map(memory_delta.__getitem__, seq), initial=static[r]))
-        held_lists.append(tuple(held[1:]))
-        peaks.append(max(held))
-        busy.append(reduce(add, map(durations.__getitem__, seq), 0.0))
-    makespan = replay.makespan
-    _check_finite(schedule, makespan, busy, peaks)
+        compiled.check_same_lists(schedule)
+    run = compiled.run(Pricing.of(problem, overhead), problem.static_memory)
+    _check_finite(schedule, run.makespan, run.busy, run.peaks)
     return Timeline(
         schedule=schedule,
-        starts=tuple(map(tuple, starts)),
-        ends=tuple(map(tuple, ends)),
-        memory=tuple(held_lists),
-        makespan=makespan,
-        busy=tuple(busy),
-        peak_memory=tuple(peaks),
+        starts=tuple(map(tuple, run.starts)),
+        ends=tuple(map(tuple, run.ends)),
+        memory=tuple(run.held),
+        makespan=run.makespan,
+        busy=tuple(run.busy),
+        peak_memory=tuple(run.peaks),
     )
 
 

@@ -5,8 +5,10 @@ actions (an overlapped pair, a full ``B`` on a split stage) complete several slo
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
-from operator import itemgetter
+from dataclasses import dataclass
+from functools import reduce
+from itertools import accumulate
+from operator import add, itemgetter
 from typing import Any
 
 from pipeloom.errors import DeadlockError, ScheduleError
@@ -22,7 +24,7 @@ from pipeloom.ir import (
 )
 from pipeloom.problem import Problem
 
-__all__ = ["CompiledSchedule", "Composite", "composite_of"]
+__all__ = ["CompiledSchedule", "Composite", "Price", "Pricing", "Run", "composite_of"]
 
 # Applied to plain actions only (Action or Comm tuples: ``_compile`` rules out an Overlap first).
 _TASK_KEY: Callable[[Any], tuple[int, str]] = itemgetter(0, 1)
@@ -30,15 +32,10 @@ _MICROBATCH: Callable[[Any], int] = itemgetter(2)
 
 
 @dataclass(frozen=True, slots=True)
-class Composite:
-    """One composite action: its parts as task indices and micro-batches, its time and memory."""
+class Price:
+    """What a composite action costs: the fields its problem's costs decide, shared by every composite of one
+    shape (the same parts' tasks, whatever their micro-batches)."""
 
-    action: Action | Overlap
-    """The action as the schedule writes it."""
-    units: tuple[tuple[tuple[int, int], ...], ...]
-    """Per part (forward, backward), the ``(task index, micro-batch)`` it completes, in order."""
-    overlapped: bool
-    """Whether the parts run overlapped (a pair: the longer one counts) or one after the other."""
     overhead: float
     """Time added to an overlapped pair (see :func:`~pipeloom.ir.pair_duration`)."""
     duration: float
@@ -52,26 +49,42 @@ class Composite:
     measured: bool = False
     """Whether it is a pair of the problem's measured ``pair_time`` (``duration``)."""
 
-    def scaled(self, durations: list[float], factor: Callable[[int, int], float]) -> float:
-        """Its duration with each task's time multiplied by ``factor(task index, micro-batch)``; a pair
-        of measured time scales that time as its parts' sum, its communication as its part."""
+
+@dataclass(frozen=True, slots=True)
+class Composite:
+    """One composite action: its parts as task indices and micro-batches (its costs: :class:`Price`)."""
+
+    action: Action | Overlap
+    """The action as the schedule writes it."""
+    units: tuple[tuple[tuple[int, int], ...], ...]
+    """Per part (forward, backward), the ``(task index, micro-batch)`` it completes, in order."""
+    overlapped: bool
+    """Whether the parts run overlapped (a pair: the longer one counts) or one after the other."""
+
+    @property
+    def shape(self) -> tuple[bool, tuple[tuple[int, ...], ...]]:
+        """What decides its costs: whether a pair, and each part's task indices."""
+        return self.overlapped, tuple(tuple(t for t, _ in unit) for unit in self.units)
+
+    def scaled(self, price: Price, durations: list[float], factor: Callable[[int, int], float]) -> float:
+        """Its duration at ``price`` with each task's time multiplied by ``factor(task index, micro-batch)``; a
+        pair of measured time scales that time as its parts' sum, its communication as its part."""
         base = [sum(durations[t] for t, _ in unit) for unit in self.units]
         times = [sum(durations[t] * factor(t, mb) for t, mb in unit) for unit in self.units]
         if not self.overlapped:
             return sum(times)
         ratios = [time / b if b > 0 else 1.0 for time, b in zip(times, base, strict=True)]
-        if self.measured:
-            return self.duration * (sum(times) / sum(base) if sum(base) > 0 else 1.0)
-        comms = (self.comms[0] * ratios[0], self.comms[1] * ratios[1])
-        return pair_duration((times[0], times[1]), comms, fraction=self.fraction, overhead=self.overhead)
+        if price.measured:
+            return price.duration * (sum(times) / sum(base) if sum(base) > 0 else 1.0)
+        comms = (price.comms[0] * ratios[0], price.comms[1] * ratios[1])
+        return pair_duration((times[0], times[1]), comms, fraction=price.fraction, overhead=price.overhead)
 
     def slots(self, num_mb: int, dense: Mapping[int, int]) -> tuple[int, ...]:
         """The replay slots (task x micro-batch) it completes."""
         return tuple(t * num_mb + dense[mb] for unit in self.units for t, mb in unit)
 
 
-def composite_of(problem: Problem, index: Mapping[tuple[int, str], int], action: Action | Overlap,
-                 overhead: float) -> Composite | None:
+def composite_of(problem: Problem, index: Mapping[tuple[int, str], int], action: Action | Overlap) -> Composite | None:
     """``action`` as a composite of ``problem``, or None when one of its parts names no task."""
     units: list[tuple[tuple[int, int], ...]] = []
     for part in compute_parts(action):
@@ -82,26 +95,49 @@ def composite_of(problem: Problem, index: Mapping[tuple[int, str], int], action:
                 return None
             unit.append((i, task.microbatch))
         units.append(tuple(unit))
-    overlapped = type(action) is Overlap
-    parts = [[t for t, _ in unit] for unit in units]
-    return Composite(action, tuple(units), overlapped, *_prices(parts, overlapped, problem, overhead))
+    return Composite(action, tuple(units), type(action) is Overlap)
 
 
-def _prices(parts: Sequence[Sequence[int]], overlapped: bool, problem: Problem,
-            overhead: float) -> tuple[float, float, float, tuple[float, ...], float, bool]:
-    """A composite's fields that ``problem``'s costs decide (``overhead`` through ``measured``, in field order)
-    from its parts' task indices (not their micro-batches): the parts' durations summed (a pair's as
-    :func:`~pipeloom.ir.action_duration` prices it), their communication and memory changes."""
-    tasks = problem.tasks
-    times = tuple(sum(tasks[t].duration for t in part) for part in parts)
-    comms = tuple(sum(tasks[t].comm for t in part) for part in parts)
-    memory = sum(tasks[t].memory for part in parts for t in part)
+@dataclass(frozen=True, slots=True)
+class Pricing:
+    """The costs a replay prices a compiled schedule's lists with: per task of its problem, in the problem's order,
+    the duration, the communication inside it and the memory change; the latency between rank sets; and how
+    overlapped pairs are priced (docs/semantics.md, "Composite actions")."""
+
+    durations: Sequence[float]
+    comms: Sequence[float]
+    memory: Sequence[float]
+    latency: float = 0.0
+    overhead: float = 0.0
+    """Time added to every overlapped pair."""
+    fraction: float = 0.0
+    """The share of a pair's shorter part that runs under the longer one (``Problem.overlap_fraction``)."""
+    pair_time: float | None = None
+    """A measured time of every pair (``Problem.pair_time``); None: priced from its parts."""
+
+    @classmethod
+    def of(cls, problem: Problem, overhead: float) -> Pricing:
+        """``problem``'s own costs, ``overhead`` added to every overlapped pair."""
+        tasks = problem.tasks
+        return cls([task.duration for task in tasks], [task.comm for task in tasks], [task.memory for task in tasks],
+                   problem.comm_latency, overhead, problem.overlap_fraction, problem.pair_time)
+
+
+def _price(shape: tuple[bool, tuple[tuple[int, ...], ...]], pricing: Pricing) -> Price:
+    """The :class:`Price` of a composite of ``shape`` (whether a pair, its parts' task indices) under ``pricing``:
+    the parts' durations summed (a pair's as :func:`~pipeloom.ir.action_duration` prices it), their communication
+    and memory changes."""
+    overlapped, parts = shape
+    durations, task_comms = pricing.durations, pricing.comms
+    times = tuple(sum(durations[t] for t in part) for part in parts)
+    comms = tuple(sum(task_comms[t] for t in part) for part in parts)
+    memory = sum(pricing.memory[t] for part in parts for t in part)
     if not overlapped:
-        return 0.0, sum(times), memory, comms, 0.0, False
-    measured = problem.pair_time
+        return Price(0.0, sum(times), memory, comms)
+    measured, overhead = pricing.pair_time, pricing.overhead
     duration = measured if measured is not None else pair_duration(
-        (times[0], times[1]), (comms[0], comms[1]), fraction=problem.overlap_fraction, overhead=overhead)
-    return overhead, duration, memory, comms, problem.overlap_fraction, measured is not None
+        (times[0], times[1]), (comms[0], comms[1]), fraction=pricing.fraction, overhead=overhead)
+    return Price(overhead, duration, memory, comms, pricing.fraction, measured is not None)
 
 
 def _links(problem: Problem, index: Mapping[tuple[int, str], int], composite: Composite, num_mb: int,
@@ -125,10 +161,23 @@ def _links(problem: Problem, index: Mapping[tuple[int, str], int], composite: Co
 
 
 @dataclass(frozen=True, slots=True)
+class Run:
+    """One replay of a compiled schedule's lists: per rank and position, each action's start and end and the memory
+    held right after it starts; per rank, its busy time and peak memory; the makespan."""
+
+    starts: list[list[float]]
+    ends: list[list[float]]
+    held: list[tuple[float, ...]]
+    busy: list[float]
+    peaks: list[float]
+    makespan: float
+
+
+@dataclass(frozen=True, slots=True)
 class CompiledSchedule:
-    """A schedule's rank lists as task indices and dense micro-batches, ready to replay; a composite
-    action (an overlapped pair, a B on a split stage) is index ``len(tasks) + k`` for ``composites[k]``.
-    Build it with :func:`compile_schedule`."""
+    """A schedule's rank lists as task indices and dense micro-batches, ready to replay with any costs
+    (:meth:`run`); a composite action (an overlapped pair, a B on a split stage) is index ``len(tasks) + k`` for
+    ``composites[k]``. Build it with :func:`compile_schedule`."""
 
     schedule: Schedule
     index: dict[tuple[int, str], int]
@@ -136,55 +185,81 @@ class CompiledSchedule:
     seq_mbs: tuple[list, ...]
     dense: dict[int, int]
     composites: tuple[Composite, ...]
-    links: tuple[tuple[tuple[tuple[int, bool], ...], tuple[int, ...]], ...]
-    """Per composite, its dependencies outside it and the slots it completes (:func:`_links`)."""
+    deps: tuple[tuple[tuple[int, bool], ...], ...]
+    """Per task, then per composite, what it waits for (:class:`_Replay`): a slot (a task's: its index times the
+    micro-batches; a composite's: its parts' dependencies outside it, less its first part's micro-batch,
+    :func:`_links`), to which the hot loop adds the micro-batch, and whether it ran on another set of ranks (then
+    the latency applies)."""
+    part_slots: tuple[tuple[int, ...], ...]
+    """Per composite, the slots it completes."""
     shapes: tuple[tuple[bool, tuple[tuple[int, ...], ...]], ...]
     """The composites' distinct shapes: whether a pair, and each part's task indices (what decides their costs)."""
     shape_of: tuple[int, ...]
     """Per composite, its shape's index in :attr:`shapes`."""
+    pricing: Pricing
+    """The schedule's own costs (what :meth:`makespan` and :meth:`action_scales` price)."""
+    prices: tuple[Price, ...]
+    """Per shape, its composites' costs under :attr:`pricing`."""
 
     @classmethod
     def of(cls, schedule: Schedule, overhead: float) -> CompiledSchedule:
         problem = schedule.problem
         index = {task.key: i for i, task in enumerate(problem.tasks)}
         found: dict = {}
-        seq_tasks, seq_mbs = zip(*(_compile(schedule, r, index, overhead, found) for r in range(problem.num_ranks)))
+        seq_tasks, seq_mbs = zip(*(_compile(schedule, r, index, found) for r in range(problem.num_ranks)))
         composites = tuple(composite for _, composite in found.values())
         extra = {mb for c in composites for unit in c.units for _, mb in unit}
         seq_mbs, dense = _densify(seq_mbs, schedule.num_microbatches, extra)
-        links = tuple(_links(problem, index, c, len(dense), dense) for c in composites)
+        links = [_links(problem, index, c, len(dense), dense) for c in composites]
+        tasks, num_mb = problem.tasks, len(dense)
+        deps = tuple(tuple((index[dep] * num_mb, set(tasks[index[dep]].ranks) != set(task.ranks)) for dep in task.deps)
+                     for task in tasks) + tuple(external for external, _ in links)
         shapes: dict[tuple[bool, tuple[tuple[int, ...], ...]], int] = {}
-        shape_of = tuple(shapes.setdefault((c.overlapped, tuple(tuple(t for t, _ in unit) for unit in c.units)),
-                                           len(shapes)) for c in composites)
-        return cls(schedule, index, seq_tasks, seq_mbs, dense, composites, links, tuple(shapes), shape_of)
+        shape_of = tuple(shapes.setdefault(c.shape, len(shapes)) for c in composites)
+        pricing = Pricing.of(problem, overhead)
+        return cls(schedule, index, seq_tasks, seq_mbs, dense, composites, deps,
+                   tuple(slots for _, slots in links), tuple(shapes), shape_of, pricing,
+                   tuple(_price(shape, pricing) for shape in shapes))
 
-    def repriced(self, schedule: Schedule, overhead: float) -> CompiledSchedule:
-        """This compilation for ``schedule``: the same lists over a problem with the same tasks (keys,
-        dependencies, ranks) in the same order, its costs (durations, communication, memory, how pairs are
-        priced) replacing these; compiling the lists again, most of a replay's time for a schedule of overlapped
-        pairs, is skipped. ScheduleError when the lists or the tasks differ."""
+    def check_same_lists(self, schedule: Schedule) -> None:
+        """ScheduleError unless ``schedule`` has these lists over a problem with the same tasks (keys, dependencies,
+        ranks) in the same order, whatever their costs: then :meth:`run` replays it with its costs."""
         problem, compiled = schedule.problem, self.schedule
         same_lists = schedule.ranks is compiled.ranks or schedule.ranks == compiled.ranks
         if not (same_lists and schedule.num_microbatches == compiled.num_microbatches
+                and problem.num_ranks == compiled.problem.num_ranks
                 and len(problem.tasks) == len(compiled.problem.tasks)
                 and all((new.key, new.deps, new.ranks) == (old.key, old.deps, old.ranks)
                         for new, old in zip(problem.tasks, compiled.problem.tasks))):
             raise ScheduleError(f"schedule {schedule.name!r} is not the compiled one ({compiled.name!r}) with other "
                                 "costs: its lists or its tasks differ; compile it instead (compile_schedule)")
-        prices = [_prices(parts, overlapped, problem, overhead if overlapped else 0.0)
-                  for overlapped, parts in self.shapes]
-        composites = tuple(Composite(c.action, c.units, c.overlapped, *prices[k])
-                           for c, k in zip(self.composites, self.shape_of))
-        return replace(self, schedule=schedule, composites=composites)
+
+    def run(self, pricing: Pricing, static: Sequence[float] | None = None) -> Run:
+        """The lists replayed with ``pricing``'s costs (compiling them again, most of a replay's time for a
+        schedule of overlapped pairs, is skipped; each composite priced once per shape), ``static`` memory held
+        on each rank before any action (None: nothing); DeadlockError as :func:`~pipeloom.sim.simulate`."""
+        prices = [_price(shape, pricing) for shape in self.shapes]
+        durations = [*pricing.durations, *(prices[k].duration for k in self.shape_of)]
+        memory = [*pricing.memory, *(prices[k].memory for k in self.shape_of)]
+        replay = self._replay(durations, pricing.latency)
+        held, peaks, busy = [], [], []
+        for r, seq in enumerate(self.seq_tasks):
+            # accumulate/reduce add in list order, exactly like a running sum.
+            rank_held = list(accumulate(map(memory.__getitem__, seq), initial=static[r] if static else 0.0))
+            held.append(tuple(rank_held[1:]))
+            peaks.append(max(rank_held))
+            busy.append(reduce(add, map(durations.__getitem__, seq), 0.0))
+        return Run(replay.starts, replay.ends, held, busy, peaks, replay.makespan)
 
     def scale(self, t: int, factors: list[float]) -> float:
         """The factor on composite ``t``'s duration when each (task, micro-batch) has its own factor."""
-        composite = self.composites[t - len(self.index)]
-        if composite.duration <= 0:
+        k = t - len(self.index)
+        price = self.prices[self.shape_of[k]]
+        if price.duration <= 0:
             return 1.0
-        num_mb, durations = len(self.dense), [task.duration for task in self.schedule.problem.tasks]
-        scaled = composite.scaled(durations, lambda task, mb: factors[task * num_mb + self.dense[mb]])
-        return scaled / composite.duration
+        num_mb, durations = len(self.dense), list(self.pricing.durations)
+        scaled = self.composites[k].scaled(price, durations, lambda task, mb: factors[task * num_mb + self.dense[mb]])
+        return scaled / price.duration
 
     @property
     def num_slots(self) -> int:
@@ -200,17 +275,17 @@ class CompiledSchedule:
                 for seq, mbs in zip(self.seq_tasks, self.seq_mbs)]
 
     def makespan(self, scales: list | None = None, release: list | None = None) -> float:
-        """The makespan of one replay (``scales`` from :meth:`action_scales`; ``release``: the time each
-        rank may begin); DeadlockError as :func:`simulate`."""
-        return self.replay(scales, release).makespan
+        """The makespan of one replay with the schedule's own costs (``scales`` from :meth:`action_scales`;
+        ``release``: the time each rank may begin); DeadlockError as :func:`~pipeloom.sim.simulate`."""
+        durations = [*self.pricing.durations, *(self.prices[k].duration for k in self.shape_of)]
+        return self._replay(durations, self.pricing.latency, scales, release).makespan
 
-    def replay(self, scales: list | None = None, release: list | None = None) -> _Replay:
-        """The replay run to the end (``scales``: a factor per single-rank action; ``release``: the
-        time each rank may begin); DeadlockError naming each stuck rank's head action when the lists
-        cannot finish."""
+    def _replay(self, durations: list[float], latency: float, scales: list | None = None,
+                release: list | None = None) -> _Replay:
+        """The replay run to the end with ``durations`` per task then per composite; DeadlockError naming each
+        stuck rank's head action when the lists cannot finish."""
         problem = self.schedule.problem
-        replay = _Replay(problem, len(self.dense), self.seq_tasks, self.seq_mbs, scales, release)
-        replay.add_composites(self.composites, self.links)
+        replay = _Replay(self, durations, latency, scales, release)
         replay.run()
         stuck = [r for r in range(problem.num_ranks) if replay.pos[r] < len(self.seq_tasks[r])]
         if stuck:
@@ -219,8 +294,7 @@ class CompiledSchedule:
         return replay
 
 
-def _compile(schedule: Schedule, rank: int, index: dict[tuple[int, str], int], overhead: float,
-             found: dict) -> tuple[list, list]:
+def _compile(schedule: Schedule, rank: int, index: dict[tuple[int, str], int], found: dict) -> tuple[list, list]:
     """Task indices and micro-batches of ``rank``'s list (C-level maps: no per-action Python code,
     unless the list holds composite actions, which get indices after the tasks' in ``found``)."""
     actions = schedule.ranks[rank]
@@ -234,7 +308,7 @@ def _compile(schedule: Schedule, rank: int, index: dict[tuple[int, str], int], o
     if None in tasks:
         for i, action in enumerate(actions):
             if tasks[i] is None:
-                tasks[i], mbs[i] = _composite_index(schedule, index, action, overhead, found)
+                tasks[i], mbs[i] = _composite_index(schedule, index, action, found)
     if None in tasks or (mbs and (min(mbs) < 0 or max(mbs) >= schedule.num_microbatches)):
         step = next(
             i for i, (t, mb) in enumerate(zip(tasks, mbs))
@@ -247,7 +321,7 @@ def _compile(schedule: Schedule, rank: int, index: dict[tuple[int, str], int], o
     return tasks, mbs
 
 
-def _composite_index(schedule: Schedule, index: dict, action, overhead: float, found: dict) -> tuple[int | None, int]:
+def _composite_index(schedule: Schedule, index: dict, action, found: dict) -> tuple[int | None, int]:
     """``(index, micro-batch)`` of a composite action (the first part's micro-batch; its parts' are
     checked), or ``(None, 0)`` when ``action`` is none of the problem's."""
     if action in found:
@@ -255,7 +329,7 @@ def _composite_index(schedule: Schedule, index: dict, action, overhead: float, f
         return len(index) + k, _first_mb(composite)
     if type(action) not in (Action, Overlap):
         return None, 0
-    composite = composite_of(schedule.problem, index, action, overhead)
+    composite = composite_of(schedule.problem, index, action)
     if composite is None:
         return None, 0
     if not all(0 <= mb < schedule.num_microbatches for unit in composite.units for _, mb in unit):
@@ -291,49 +365,26 @@ class _Replay:
     rank blocked on a multi-rank action parks on the other rank that has not reached it yet.
     """
 
-    def __init__(self, problem: Problem, num_mb: int, seq_tasks, seq_mbs, scales=None, release=None) -> None:
-        tasks = problem.tasks
+    def __init__(self, compiled: CompiledSchedule, durations: list[float], latency: float, scales=None,
+                 release=None) -> None:
+        tasks, num_ranks = compiled.schedule.problem.tasks, compiled.schedule.problem.num_ranks
         self.scales = scales  # per rank, per position: a factor on that single-rank action's duration
-        index = {task.key: i for i, task in enumerate(tasks)}
-        self.num_mb, self.latency = num_mb, problem.comm_latency
-        self.seq_tasks, self.seq_mbs = seq_tasks, seq_mbs
-        self.durations = [task.duration for task in tasks]
+        self.num_mb, self.latency = len(compiled.dense), latency
+        self.seq_tasks, self.seq_mbs = compiled.seq_tasks, compiled.seq_mbs
+        self.durations = durations  # per task, then per composite
         self.rank_sets = [task.ranks for task in tasks]
-        self.single = [len(task.ranks) == 1 for task in tasks]
-        # (dep slot base, latency): latency only when the dep ran on another set of ranks.
-        self.deps = [
-            tuple(
-                (index[dep] * num_mb,
-                 0.0 if set(tasks[index[dep]].ranks) == set(task.ranks) else problem.comm_latency)
-                for dep in task.deps
-            )
-            for task in tasks
-        ]
-        self.finish: list[float | None] = [None] * (len(tasks) * num_mb)
-        self.waiters: list[list[int] | None] = [None] * len(self.finish)
-        self.starts = [[0.0] * len(seq) for seq in seq_tasks]
-        self.ends = [[0.0] * len(seq) for seq in seq_tasks]
-        self.pos = [0] * problem.num_ranks
-        self.free = list(release) if release is not None else [0.0] * problem.num_ranks
-        self.waiting_on_rank: list[list[int]] = [[] for _ in range(problem.num_ranks)]
-        self.todo = list(range(problem.num_ranks))
         self.num_tasks = len(tasks)
-        self.part_slots: list[tuple[int, ...]] = []
-
-    def add_composites(self, composites: tuple[Composite, ...],
-                       links: tuple[tuple[tuple[tuple[int, bool], ...], tuple[int, ...]], ...]) -> None:
-        """Index ``num_tasks + k`` runs ``composites[k]``: its deps are those of its parts outside it
-        (``links[k]``, stored against its first part's micro-batch, as the hot loop reads them), its own slot
-        is a placeholder, and finishing it finishes every part's slot."""
-        latency = self.latency
-        for composite, (external, slots) in zip(composites, links, strict=True):
-            self.deps.append(tuple((slot, latency if cross else 0.0) for slot, cross in external))
-            self.durations.append(composite.duration)
-            self.single.append(False)
-            self.rank_sets.append(())
-            self.part_slots.append(slots)
-        self.finish.extend([None] * (len(composites) * self.num_mb))
-        self.waiters.extend([None] * (len(composites) * self.num_mb))
+        self.single = [len(task.ranks) == 1 for task in tasks] + [False] * len(compiled.composites)
+        self.deps = compiled.deps
+        self.part_slots = compiled.part_slots
+        self.finish: list[float | None] = [None] * (len(compiled.deps) * self.num_mb)
+        self.waiters: list[list[int] | None] = [None] * len(self.finish)
+        self.starts = [[0.0] * len(seq) for seq in self.seq_tasks]
+        self.ends = [[0.0] * len(seq) for seq in self.seq_tasks]
+        self.pos = [0] * num_ranks
+        self.free = list(release) if release is not None else [0.0] * num_ranks
+        self.waiting_on_rank: list[list[int]] = [[] for _ in range(num_ranks)]
+        self.todo = list(range(num_ranks))
 
     @property
     def makespan(self) -> float:
@@ -343,7 +394,7 @@ class _Replay:
     def run(self) -> None:
         """Advance ranks until none can move (the hot loop: locals only, no per-action objects)."""
         num_mb, deps, finish, waiters = self.num_mb, self.deps, self.finish, self.waiters
-        durations, single, todo = self.durations, self.single, self.todo
+        durations, single, todo, latency = self.durations, self.single, self.todo, self.latency
         while todo:
             r = todo.pop()
             seq, mbs, i, n = self.seq_tasks[r], self.seq_mbs[r], self.pos[r], len(self.seq_tasks[r])
@@ -353,13 +404,15 @@ class _Replay:
             while i < n:
                 t, mb = seq[i], mbs[i]
                 start, blocked = now, -1
-                for base, lat in deps[t]:
+                for base, cross in deps[t]:
                     done = finish[base + mb]
                     if done is None:
                         blocked = base + mb
                         break
-                    if done + lat > start:  # noqa: PLR1730 - a call to max() costs more here
-                        start = done + lat
+                    if cross:
+                        done += latency
+                    if done > start:  # noqa: PLR1730 - a call to max() costs more here
+                        start = done
                 if blocked >= 0:
                     waiting = waiters[blocked]
                     if waiting is None:

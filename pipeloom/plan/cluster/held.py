@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any
 
 from pipeloom.ir import Overlap, Schedule, task_actions
 from pipeloom.plan.cluster.layer_time import PhaseTimes
-from pipeloom.problem import Problem
 from pipeloom.schedules.warmup import WARMUP_SCHEDULES, RankWarmup, warmup_forwards
-from pipeloom.sim import simulate
-from pipeloom.sim_replay import CompiledSchedule
+from pipeloom.sim_replay import CompiledSchedule, Pricing
 
 __all__ = ["RankHeld", "held_profile", "peak_held", "profiled_microbatches", "replay_stages", "warmup_peak"]
 
@@ -119,16 +117,16 @@ def replay_stages(compiled: CompiledSchedule, times: Sequence[PhaseTimes], acts:
     ``acts`` bytes per micro-batch for the schedule's memory units, ``latency`` between stages."""
     schedule = compiled.schedule
     taken = {t.stage: t.memory for t in schedule.problem.tasks if t.kind == "F"}
-    tasks = []
+    durations, comms, memory = [], [], []
     for task in schedule.problem.tasks:
-        t = times[task.stage]
-        duration = {"F": t.f, "B": t.i + t.w, "I": t.i, "W": t.w}[task.kind]
-        comm = {"F": t.f_comm, "B": t.i_comm, "I": t.i_comm, "W": 0.0}[task.kind]
-        scale = acts[task.stage] / taken[task.stage] if taken[task.stage] else 0.0
-        tasks.append(replace(task, duration=duration, comm=comm, memory=task.memory * scale))
-    problem = Problem(num_ranks=schedule.problem.num_ranks, tasks=tuple(tasks), comm_latency=latency)
-    timeline = simulate(replace(schedule, problem=problem), compiled=compiled)
-    return timeline.makespan, timeline.bubble_ratio, max(timeline.peak_memory)
+        t, kind = times[task.stage], task.kind
+        durations.append(t.f if kind == "F" else t.i + t.w if kind == "B" else t.i if kind == "I" else t.w)
+        comms.append(t.f_comm if kind == "F" else t.i_comm if kind in ("B", "I") else 0.0)
+        memory.append(task.memory * (acts[task.stage] / taken[task.stage] if taken[task.stage] else 0.0))
+    run = compiled.run(Pricing(durations, comms, memory, latency))
+    ranks = schedule.problem.num_ranks
+    bubble = 1.0 - sum(run.busy) / (ranks * run.makespan) if run.makespan > 0 else 0.0
+    return run.makespan, bubble, max(run.peaks)
 
 
 def profiled_microbatches(pp: int, m: int) -> int:

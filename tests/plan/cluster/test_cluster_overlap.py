@@ -267,3 +267,40 @@ def test_megatron_moe_overlap_needs_experts():
         Job(spec=model_spec({"model_type": "llama", "hidden_size": 512, "intermediate_size": 1024,
                              "num_hidden_layers": 4, "num_attention_heads": 8, "vocab_size": 1000}),
             hw=hardware("h100"), gpus=8, global_batch=8, seq=1024, moe_overlap=True)
+
+
+@pytest.mark.parametrize(("name", "options"), [("dualpipev", {}), ("dualpipe", {}), ("zbv", {}), ("1f1b", {}),
+                                               ("interleaved-1f1b", {"stages_per_rank": 2})])
+def test_a_replay_at_stage_costs_is_the_simulators_replay_of_the_repriced_task_graph(name, options):
+    """``replay_stages`` prices a compiled schedule's tasks straight from the stages' F, I, W, their all-to-all and
+    activation bytes, without building a task graph per layout: the makespan, bubble and peak equal the simulator's
+    on the schedule whose problem carries those costs (its pairs hiding the all-to-all, the latency between
+    stages), to the last bit."""
+    import random
+
+    from pipeloom.plan.cluster.held import replay_stages
+    from pipeloom.problem import Costs, Problem
+    from pipeloom.schedules import build_schedule
+    from pipeloom.sim import compile_schedule, simulate
+
+    split = name not in ("interleaved-1f1b", "1f1b")
+    built = build_schedule(name, 4, 12, costs=Costs(f=1.0, b=2.0, w=0.5 if split else 1.0, memory=1.0,
+                                                      w_memory=0.3 if split else 0.0), **options)
+    compiled = compile_schedule(built)
+    stages = 1 + max(task.stage for task in built.problem.tasks)
+    rng = random.Random(7)
+    for latency in (0.0, 0.013):
+        times = [PhaseTimes(f=rng.uniform(0.5, 1.5), i=rng.uniform(0.5, 2.0), w=rng.uniform(0.2, 1.0),
+                            f_comm=rng.uniform(0.0, 0.3), i_comm=rng.uniform(0.0, 0.3)) for _ in range(stages)]
+        acts = [rng.uniform(1e9, 2e9) for _ in range(stages)]
+        taken = {t.stage: t.memory for t in built.problem.tasks if t.kind == "F"}
+        tasks = tuple(dataclasses.replace(
+            task, duration={"F": times[task.stage].f, "B": times[task.stage].i + times[task.stage].w,
+                            "I": times[task.stage].i, "W": times[task.stage].w}[task.kind],
+            comm={"F": times[task.stage].f_comm, "B": times[task.stage].i_comm, "I": times[task.stage].i_comm,
+                  "W": 0.0}[task.kind],
+            memory=task.memory * acts[task.stage] / taken[task.stage]) for task in built.problem.tasks)
+        problem = Problem(num_ranks=built.problem.num_ranks, tasks=tasks, comm_latency=latency)
+        timeline = simulate(dataclasses.replace(built, problem=problem))
+        assert replay_stages(compiled, times, acts, latency) == (timeline.makespan, timeline.bubble_ratio,
+                                                                  max(timeline.peak_memory))
