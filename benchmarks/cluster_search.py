@@ -3,7 +3,8 @@ H100s (configs in benchmarks/data/configs/, from the published model cards), glo
 what the GPUs can split, sequence 8,192 (DeepSeek-V3: 4,096).
 
     python benchmarks/cluster_search.py [--gpus 64 1024 16384] [--models llama3-8b ...] [--baseline DIR]
-                                        [--recompute-search] [--memory-limit 30GiB]
+                                        [--recompute-search] [--memory-limit 30GiB] [--hardware gb300]
+                                        [--global-batch 4096] [--seq 4096] [--layout fsdp=1]
 
 Prints per case the seconds the whole search took (wall clock and the process's CPU time: on a loaded machine
 the CPU time is the steadier figure), the layouts that could run, how many were priced (bounds computed) and
@@ -11,7 +12,8 @@ simulated, the chosen layout and its predicted step. ``--baseline DIR`` (a direc
 ``pipeloom`` package, e.g. ``git archive REV pipeloom | tar -x -C DIR``) times that version on each case too,
 each case in a fresh process for both, one after the other, and prints the ratios. Targets: 405B on 16,384 GPUs
 within 60 s and on 1,024 within 10 s (on the project's 2-core machine; a loaded one is slower: say so when
-recording). ``--recompute-search`` plans with ``selective="search"`` and ``recompute_layers="search"`` (the
+recording). ``--hardware``, ``--global-batch``, ``--seq`` and ``--layout`` (fixed keys) change the job of every
+case. ``--recompute-search`` plans with ``selective="search"`` and ``recompute_layers="search"`` (the
 opt-in recomputation searches; the "plans" column counts the plans they made), ``--memory-limit`` below the
 GPU's memory; any config in ``benchmarks/data/configs/`` may be named (``qwen3-30b-a3b``).
 """
@@ -37,13 +39,15 @@ def run_case(model: str, gpus: int, options: dict[str, object] | None = None) ->
     from pipeloom.plan.cluster.api import plan_cluster
     from pipeloom.plan.errors import NoLayoutFits
 
-    seq = 4096 if model.startswith("deepseek") else 8192
-    batch = max(gpus // 8, 16 * 2**20 // seq) if gpus >= 1024 else 16 * 2**20 // seq // 4
+    options = dict(options or {})
+    hw = options.pop("hardware", "h100")
+    seq = int(options.pop("seq", 4096 if model.startswith("deepseek") else 8192))
+    batch = int(options.pop("global_batch", max(gpus // 8, 16 * 2**20 // seq) if gpus >= 1024
+                            else 16 * 2**20 // seq // 4))
     out: dict[str, object] = {"model": model, "gpus": gpus, "batch": f"{batch} x {seq}"}
     wall, cpu = time.perf_counter(), time.process_time()
     try:
-        plan = plan_cluster(CONFIGS / f"{model}.json", "h100", gpus=gpus, global_batch=batch, seq=seq,
-                            **(options or {}))
+        plan = plan_cluster(CONFIGS / f"{model}.json", hw, gpus=gpus, global_batch=batch, seq=seq, **options)
     except NoLayoutFits as error:
         out.update(chosen="-", predicted=str(error), layouts="-", priced="-", simulated="-")
     else:
@@ -74,6 +78,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--recompute-search", action="store_true",
                         help="search the Megatron-Core module sets and block-recomputation depths too")
     parser.add_argument("--memory-limit", help="bytes or a size such as 30GiB (default: the GPU's memory)")
+    parser.add_argument("--hardware", help="a built-in GPU name or a hardware file (default h100)")
+    parser.add_argument("--global-batch", type=int, help="sequences per step (default: 16M tokens, as above)")
+    parser.add_argument("--seq", type=int, help="tokens per sequence (default 8,192; DeepSeek-V3 4,096)")
+    parser.add_argument("--layout", help="keys held fixed, e.g. fsdp=1 (default: none)")
     parser.add_argument("--one", nargs=2, metavar=("MODEL", "GPUS"), help=argparse.SUPPRESS)
     parser.add_argument("--options", default="{}", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -85,6 +93,9 @@ def main(argv: list[str] | None = None) -> None:
         options.update(selective="search", recompute_layers="search")
     if args.memory_limit:
         options.update(memory_limit=args.memory_limit)
+    for name in ("hardware", "global_batch", "seq", "layout"):
+        if getattr(args, name) is not None:
+            options[name] = getattr(args, name)
     if args.baseline:
         print("| model | GPUs | batch x seq | before wall s | after wall s | before CPU s | after CPU s | CPU ratio | "
               "layouts | simulated before / after | plans before / after | priced after | same answer | "
