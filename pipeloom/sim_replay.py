@@ -66,7 +66,7 @@ class Composite:
         """What decides its costs: whether a pair, and each part's task indices."""
         return self.overlapped, tuple(tuple(t for t, _ in unit) for unit in self.units)
 
-    def scaled(self, price: Price, durations: list[float], factor: Callable[[int, int], float]) -> float:
+    def scaled(self, price: Price, durations: Sequence[float], factor: Callable[[int, int], float]) -> float:
         """Its duration at ``price`` with each task's time multiplied by ``factor(task index, micro-batch)``; a
         pair of measured time scales that time as its parts' sum, its communication as its part."""
         base = [sum(durations[t] for t, _ in unit) for unit in self.units]
@@ -239,7 +239,7 @@ class CompiledSchedule:
         schedule of overlapped pairs, is skipped; each composite priced once per shape), ``static`` memory held
         on each rank before any action (None: nothing); DeadlockError as :func:`~pipeloom.sim.simulate`."""
         prices = [_price(shape, pricing) for shape in self.shapes]
-        durations = [*pricing.durations, *(prices[k].duration for k in self.shape_of)]
+        durations = self._durations(pricing, prices)
         memory = [*pricing.memory, *(prices[k].memory for k in self.shape_of)]
         replay = self._replay(durations, pricing.latency)
         held, peaks, busy = [], [], []
@@ -257,8 +257,9 @@ class CompiledSchedule:
         price = self.prices[self.shape_of[k]]
         if price.duration <= 0:
             return 1.0
-        num_mb, durations = len(self.dense), list(self.pricing.durations)
-        scaled = self.composites[k].scaled(price, durations, lambda task, mb: factors[task * num_mb + self.dense[mb]])
+        num_mb = len(self.dense)
+        scaled = self.composites[k].scaled(price, self.pricing.durations,
+                                           lambda task, mb: factors[task * num_mb + self.dense[mb]])
         return scaled / price.duration
 
     @property
@@ -277,8 +278,11 @@ class CompiledSchedule:
     def makespan(self, scales: list | None = None, release: list | None = None) -> float:
         """The makespan of one replay with the schedule's own costs (``scales`` from :meth:`action_scales`;
         ``release``: the time each rank may begin); DeadlockError as :func:`~pipeloom.sim.simulate`."""
-        durations = [*self.pricing.durations, *(self.prices[k].duration for k in self.shape_of)]
-        return self._replay(durations, self.pricing.latency, scales, release).makespan
+        return self._replay(self._durations(self.pricing, self.prices), self.pricing.latency, scales, release).makespan
+
+    def _durations(self, pricing: Pricing, prices: Sequence[Price]) -> list[float]:
+        """Per task then per composite, its duration under ``pricing`` (``prices``: its composites' per shape)."""
+        return [*pricing.durations, *(prices[k].duration for k in self.shape_of)]
 
     def _replay(self, durations: list[float], latency: float, scales: list | None = None,
                 release: list | None = None) -> _Replay:

@@ -356,8 +356,7 @@ class Estimator:
             c = self.counts[kind]
             dense += count * (c.params - c.expert_params) / layout.tp
             expert += count * c.expert_params / layout.ep
-        weights, gradients, states = layout.param_state(dense, expert, GRAD_REDUCE[self.job.grad_reduce],
-                                                        self.job.zero2(layout))
+        weights, gradients, states = self.job.param_state(layout, dense, expert)
         f1, b1 = sum(times[j].f for j in stages), sum(times[j].i + times[j].w for j in stages)
         # the dense replicas sit tp apart (Megatron's order tp, cp, dp); the experts' replicas ep apart (etp, ep, edp)
         exposed = sum(self._dp_exposed(layout, params, group, stride, f1, b1, m)

@@ -206,6 +206,12 @@ class Job:
         dense, experts = layout.state_groups
         return self.shard_gradients and not layout.reshards and max(dense, experts if self.spec.experts else 1) > 1
 
+    def param_state(self, layout: Layout, dense: float, expert: float) -> tuple[float, float, float]:
+        """``(weights, gradients, optimizer)`` bytes per GPU of the ``dense`` and ``expert`` parameters a rank of
+        ``layout`` holds (:meth:`Layout.param_state`): whole gradients in the reduce's dtype (:attr:`grad_reduce`),
+        sharded where :meth:`zero2`."""
+        return layout.param_state(dense, expert, GRAD_REDUCE[self.grad_reduce], self.zero2(layout))
+
     def overlap_pairs(self, layout: Layout) -> bool:
         """Whether :attr:`moe_overlap` pairs ``layout``'s forwards and backwards: with ep > 1, on one pipeline stage
         or under interleaved 1F1B (DualPipe(V) pairs without it)."""

@@ -40,7 +40,7 @@ from typing import Any
 
 from pipeloom.plan.cluster.estimate import WORKSPACE_BYTES, Estimator
 from pipeloom.plan.cluster.held import warmup_peak
-from pipeloom.plan.cluster.job import GRAD_REDUCE, Job
+from pipeloom.plan.cluster.job import Job
 from pipeloom.plan.cluster.layout import LAYOUT_KEYS, Layout, enumerate_layouts
 from pipeloom.plan.cluster.placement import rank_stages, work_bound
 from pipeloom.plan.cluster.step import Estimate
@@ -104,8 +104,7 @@ class Bounds:
         two, at least half of both), counted as the estimate counts a rank's, and the workspace; the busiest
         rank holds at least the mean."""
         e, share = self.estimator, layout.copies / layout.pp
-        state = layout.param_state(self._dense * share / layout.tp, self._expert * share / layout.ep,
-                                   GRAD_REDUCE[e.job.grad_reduce], e.job.zero2(layout))
+        state = e.job.param_state(layout, self._dense * share / layout.tp, self._expert * share / layout.ep)
         held = sum(n * e.activation(layout, kind) for kind, n in self._held.items()) / layout.pp
         return (sum(state) + held + WORKSPACE_BYTES) * (1 - _ROUNDING)
 
