@@ -5,27 +5,44 @@ from __future__ import annotations
 import copy
 from functools import partial
 
+from ranks import traces_before_fork
+
 from pipeloom.runtime import Failures
 
 
+def _traced(name: str) -> tuple:
+    """``name``'s model built and traced whole as :func:`hf_exactness` cuts it: (model, trace)."""
+    from hf_models import build_hf, hf_batch
+
+    from pipeloom.runtime.model.tracing import trace_model
+
+    model = build_hf(name)
+    example = hf_batch(name)[0]
+    return model, trace_model(model, tracer="export",
+                              example_inputs=example if isinstance(example, tuple) else (example,))
+
+
+def _trace_models(cases: list[tuple[str, str, int]], steps: int = 2) -> None:
+    for name in dict.fromkeys(name for name, _, _ in cases):
+        _traced(name)
+
+
+@traces_before_fork(_trace_models)
 def hf_exactness(rank: int, world: int, cases: list[tuple[str, str, int]], steps: int = 2) -> dict:
     """For every (model, schedule, pieces): ``steps`` SGD steps with the engine and with the unsplit model's
     for-loop reference (the second step with a shorter sequence); mismatching parameters, whether the
     losses agree, and the shared (tied) parameters' values after training."""
-    from hf_models import build_hf, hf_batch, hf_splits, lm_loss
+    from hf_models import hf_splits, lm_loss
     from models import train_beside_reference
 
     from pipeloom.runtime import pipeline, split_model
-    from pipeloom.runtime.model.tracing import trace_model
 
     results = {}
     traced: dict = {}  # one torch.export trace per model, cut several ways
     for name, schedule, pieces in cases:
         if name not in traced:
-            model = build_hf(name)
-            example = hf_batch(name)[0]
-            traced[name] = (model, copy.deepcopy(model.state_dict()), trace_model(
-                model, tracer="export", example_inputs=example if isinstance(example, tuple) else (example,)))
+            model, trace = _traced(name)
+            traced[name] = (model, copy.deepcopy(model.state_dict()), trace)
         model, initial, trace = traced[name]
         model.load_state_dict(initial)
         model.zero_grad(set_to_none=True)

@@ -4,7 +4,7 @@ one device (within ``TOLERANCE``: a row-parallel layer sums in another order); r
 sent once per tp group (the bytes counted); boundary DTensors, a DTensor loss, a transformers model's own
 plan, clipping, state dicts and checkpoints of sharded parameters, a hung tp peer, 8 ranks (dp x pp x tp),
 and what is refused, by message. One start of the ranks per mesh shape (2, 4 and 8 ranks), forked from the
-tests' fork server (ranks.run_ranks)."""
+tests' rank server (ranks.run_ranks)."""
 
 from __future__ import annotations
 
