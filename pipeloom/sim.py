@@ -15,7 +15,8 @@ from importlib import import_module
 from pipeloom.errors import ProblemError, require_type
 from pipeloom.ir import Action, Comm, Overlap, Schedule
 from pipeloom.lowering import replay_lowered
-from pipeloom.sim_replay import CompiledSchedule, Pricing
+from pipeloom.sim_pricing import Pricing
+from pipeloom.sim_replay import CompiledSchedule
 
 __all__ = ["Timeline", "compile_schedule", "simulate"]
 

@@ -16,7 +16,8 @@ from typing import Any
 from pipeloom.ir import Overlap, Schedule, task_actions
 from pipeloom.plan.cluster.layer_time import PhaseTimes
 from pipeloom.schedules.warmup import WARMUP_SCHEDULES, RankWarmup, warmup_forwards
-from pipeloom.sim_replay import CompiledSchedule, Pricing
+from pipeloom.sim_pricing import Pricing
+from pipeloom.sim_replay import CompiledSchedule
 
 __all__ = ["RankHeld", "held_profile", "peak_held", "profiled_microbatches", "replay_stages", "warmup_peak"]
 
