@@ -7,6 +7,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from ranks import traces_before_fork
 from torch import nn
 
 from pipeloom.runtime import Failures, Parallelism, Tracing
@@ -144,6 +145,26 @@ def _build(name: str) -> nn.Module:
     return build_own() if name == "own" else build_moe(name)
 
 
+def _trace_meshes(name: str, example: torch.Tensor) -> None:
+    """The traces ``pipeline()`` takes of ``build_moe(name)`` with ``example`` on an "ep" mesh (each experts
+    module's layer kept whole) and on one without "ep", taken without a mesh."""
+    from pipeloom.runtime.model.tracing import trace_model
+    from pipeloom.runtime.parallel.ep import find_experts, moe_layers
+
+    ours, theirs = build_moe(name), build_moe(name)
+    experts = find_experts(ours, None)
+    trace_model(ours, tracer="export", leaf_modules=experts, example_inputs=(example,),
+                export_leaves=moe_layers(experts))
+    trace_model(theirs, tracer="export", example_inputs=(example,))
+
+
+def _trace_engines(cases: list[tuple[str, str]], steps: int = 3) -> None:
+    """The traces :func:`_engine` takes of the transformers models of ``cases``."""
+    for name in dict.fromkeys(name for name, _ in cases if name != "own"):
+        _trace_meshes(name, tokens()[0][:2])
+
+
+@traces_before_fork(_trace_engines)
 def ep_exactness(rank: int, world: int, cases: list[tuple[str, str]], steps: int = 3) -> dict:
     """For each (model, schedule): ``steps`` SGD steps on (pp 2, ep 2) and on (pp 2, dp 2) from the same state
     (each step starts both from the (pp, dp) run's parameters): whether the losses are bitwise equal, the
@@ -490,6 +511,7 @@ def _step_and_compare(ours, theirs, x: torch.Tensor, y: torch.Tensor) -> tuple[b
     return equal, worst, missing
 
 
+@traces_before_fork(lambda steps=2: _trace_meshes("qwen3_moe", tokens(rows=16)[0][:1]))
 def ep_with_dp(rank: int, world: int, steps: int = 2) -> dict:
     """8 ranks: Qwen3-MoE, 1f1b, on ("dp" 2, "pp" 2, "ep" 2) — 4 replicas per stage (dp index × 2 + ep index),
     experts shared over "ep" and their gradients summed over "dp" — against ("dp" 4, "pp" 2) with each rank's
