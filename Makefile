@@ -48,7 +48,7 @@ check: $(TESTING)
 	$(VENV)/bin/mypy
 
 test: $(TESTING) browser check
-	PIPELOOM_REQUIRE_TORCH=1 $(PY) -m pytest -q -n 2
+	PIPELOOM_REQUIRE_TORCH=1 $(PY) -m pytest -q -n 2 --dist worksteal
 
 bench: $(BASE)
 	$(PY) benchmarks/scale.py
