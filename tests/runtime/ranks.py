@@ -13,8 +13,9 @@ traces the same model. A model torch.export has already traced in a process is n
 - a job may name the traces it will take with :func:`traces_before_fork`; the server takes them before it
   forks the ranks, so a launch of ``world`` ranks traces each model once instead of ``world`` times, and
   later launches of this test process not at all;
-- a model the ranks of two launches traced (the same test's several launches, or several tests' jobs) is
-  traced by the server after the second (:func:`_learn`), and later launches trace it no more;
+- a model the ranks of one launch of 4 or more traced, or of two launches of 2 (the same test's several
+  launches, or several tests' jobs), is traced by the server after that launch (:func:`_learn`), and later
+  launches trace it no more;
 - inside one rank, tests that build several engines of the same model (one per schedule, the engine under
   test beside its reference) trace it once.
 
@@ -243,7 +244,7 @@ def _rank_server() -> _RankServer:
 def _serve(requests, results) -> None:
     """Import ``PRELOAD``, then for each launch request: take the job's traces before the fork
     (:func:`traces_before_fork`), fork the ranks, answer their pids, wait for them, answer their exit
-    codes, and trace what they traced that an earlier launch traced too (:func:`_learn`). Ends when the test
+    codes, and trace the models later launches will likely trace again (:func:`_learn`). Ends when the test
     process closes its end of the pipe."""
     import importlib
 
