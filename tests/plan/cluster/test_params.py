@@ -83,6 +83,19 @@ def test_reads_config_json(tmp_path):
     ({"model_type": "qwen3_5", "text_config": {"model_type": "qwen3_5_text", "layer_types": ["linear_attention"]}},
      r"'qwen3_5' is a multimodal config whose language model \(qwen3_5_text\) is not modelled: its layers are not "
      r"all attention"),
+    # layers not of one shape (Gemma 4's wider global layers and per-layer embeddings, Gemma 3n's shared kv layers
+    # and residual streams): no stand-in offered
+    ({"model_type": "gemma4_text", "hidden_size_per_layer_input": 256, "per_layer_config": {"5": {"head_dim": 512}},
+      "layer_types": ["sliding_attention", "full_attention"]},
+     r"'gemma4_text' is not modelled: its layers are not of one shape \(its config gives per_layer_config, "
+     r"hidden_size_per_layer_input:.*no supported family stands in for it; supported: llama"),
+    ({"model_type": "gemma4", "text_config": {"model_type": "gemma4_text", "num_kv_shared_layers": 10}},
+     r"'gemma4' is a multimodal config whose language model \(gemma4_text\) is not modelled: its layers are not of "
+     r"one shape \(its config gives num_kv_shared_layers"),
+    ({"model_type": "gemma3n_text", "altup_num_inputs": 4, "hidden_size_per_layer_input": 256},
+     r"not of one shape \(its config gives hidden_size_per_layer_input, altup_num_inputs"),
+    ({"model_type": "gemma4_text", "hidden_size_per_layer_input": 0},
+     r"not modelled; supported: .*\(e.g. \"llama\"\)"),
     # DeepSeek's sparse attention (DeepSeek-V3.2, GLM-5): DeepSeek-V3 stands in, with what it leaves out
     ({"model_type": "deepseek_v32", "index_topk": 2048, "layer_types": ["indexed_attention"]},
      r"sparse attention \(each query attends to the index_topk = 2048 keys an indexer selects\).*as \"deepseek_v3\""),

@@ -83,6 +83,11 @@ _EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_n
 
 _ATTENTION_LAYERS = ("full_attention", "sliding_attention", "chunked_attention", "attention", "indexed_attention")
 """``layer_types`` entries of attention layers (any other entry names a layer of another kind)."""
+_UNEVEN_LAYERS = ("per_layer_config", "hidden_size_per_layer_input", "num_kv_shared_layers", "altup_num_inputs")
+"""Config fields (when set) of decoders whose layers are not of one shape (Gemma 3n, Gemma 4): layers of other head
+sizes or key/value heads (``per_layer_config``), a per-layer input embedding beside the main one
+(``hidden_size_per_layer_input``), layers that reuse an earlier layer's keys and values (``num_kv_shared_layers``),
+several residual streams (``altup_num_inputs``)."""
 _OTHER_MIXERS = ("linear_", "mamba", "ssm_", "layers_block_type", "block_types", "attn_layer_period",
                  "attn_layer_indices", "conv_l_cache", "state_size", "conv_kernel")
 """Config fields (prefixes) of layers that mix tokens without attention: linear attention (Qwen3-Next / Qwen3.5,
@@ -93,8 +98,9 @@ short convolutions (LFM2) and the patterns that place them."""
 def _unmodelled(subject: str, data: Mapping[str, Any], *, stand_in: bool = True) -> str:
     """Why the config ``data`` (of the model ``subject`` names) is refused, and the stand-in a user can take where one
     is close (with ``stand_in``): DeepSeek-V3 for DeepSeek's sparse attention; none for models with layers that are
-    not attention (pricing them as attention would be wrong in kind); LLaMA's or a mixture of experts' layer
-    otherwise."""
+    not attention (pricing them as attention would be wrong in kind) or whose layers are not of one shape
+    (:data:`_UNEVEN_LAYERS`: LLaMA's layers would leave out, among others, a per-layer embedding table larger than
+    the main one); LLaMA's or a mixture of experts' layer otherwise."""
     supported = f"supported: {', '.join(SUPPORTED_FAMILIES)}"
     if "index_topk" in data:
         return (f"{subject} is not modelled: its attention is DeepSeek's sparse attention (each query attends to the "
@@ -110,6 +116,12 @@ def _unmodelled(subject: str, data: Mapping[str, Any], *, stand_in: bool = True)
         return (f"{subject} is not modelled: its layers are not all attention (its config gives {what}: linear "
                 "attention, state-space or convolution layers), and the planner prices every decoder layer as "
                 f"attention and an MLP, so no supported family stands in for it; {supported}")
+    uneven = [key for key in _UNEVEN_LAYERS if data.get(key)]
+    if uneven:
+        return (f"{subject} is not modelled: its layers are not of one shape (its config gives {', '.join(uneven)}: "
+                "layers of other head sizes, per-layer input embeddings, layers that reuse another's keys and values "
+                "or several residual streams), and the planner prices every decoder layer of a kind alike, so no "
+                f"supported family stands in for it; {supported}")
     if not stand_in:
         return f"{subject} is not modelled; {supported}"
     return (f"{subject} is not modelled; {supported}. A decoder whose layers have one of these shapes (most "
