@@ -16,7 +16,7 @@ from pipeloom.errors import ProblemError, require_type
 from pipeloom.ir import Action, Comm, Overlap, Schedule
 from pipeloom.lowering import replay_lowered
 from pipeloom.sim_pricing import Pricing
-from pipeloom.sim_replay import CompiledSchedule
+from pipeloom.sim_replay import CompiledSchedule, bubble_ratio
 
 __all__ = ["Timeline", "compile_schedule", "simulate"]
 
@@ -48,9 +48,7 @@ class Timeline:
     @property
     def bubble_ratio(self) -> float:
         """``1 - sum(busy) / (num_ranks * makespan)``; 0 for an empty timeline."""
-        if self.makespan <= 0:
-            return 0.0
-        return 1.0 - sum(self.busy) / (self.num_ranks * self.makespan)
+        return bubble_ratio(self.busy, self.makespan)
 
     def events(self, rank: int) -> Iterator[tuple[Action | Overlap | Comm, float, float]]:
         """``(action, start, end)`` of every action of ``rank``, in order."""

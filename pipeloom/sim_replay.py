@@ -23,7 +23,7 @@ from pipeloom.ir import (
 )
 from pipeloom.sim_pricing import Composite, Price, Pricing, composite_of
 
-__all__ = ["CompiledSchedule", "Run"]
+__all__ = ["CompiledSchedule", "Run", "bubble_ratio"]
 
 # Applied to plain actions only (Action or Comm tuples: ``_compile`` rules out an Overlap first).
 _TASK_KEY: Callable[[Any], tuple[int, str]] = itemgetter(0, 1)
@@ -41,6 +41,13 @@ class Run:
     busy: list[float]
     peaks: list[float]
     makespan: float
+
+
+def bubble_ratio(busy: Sequence[float], makespan: float) -> float:
+    """``1 - sum(busy) / (ranks * makespan)`` for each rank's ``busy`` time; 0 for an empty replay."""
+    if makespan <= 0:
+        return 0.0
+    return 1.0 - sum(busy) / (len(busy) * makespan)
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,7 +6,7 @@ import os
 import time
 
 import torch
-from ranks import traces_before_fork
+from ranks import _model_key, traces_before_fork
 from torch import nn
 
 
@@ -20,8 +20,6 @@ def _trace(width: int) -> bool:
     from pipeloom.runtime.model import tracing
 
     model, example = _model(width), (torch.randn(3, width),)
-    from ranks import _model_key
-
     remembered = _model_key(model, example, []) in tracing._exported.programs
     tracing.trace_model(model, tracer="export", example_inputs=example)
     return remembered

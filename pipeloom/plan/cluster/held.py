@@ -17,7 +17,7 @@ from pipeloom.ir import Overlap, Schedule, task_actions
 from pipeloom.plan.cluster.layer_time import PhaseTimes
 from pipeloom.schedules.warmup import WARMUP_SCHEDULES, RankWarmup, warmup_forwards
 from pipeloom.sim_pricing import Pricing
-from pipeloom.sim_replay import CompiledSchedule
+from pipeloom.sim_replay import CompiledSchedule, bubble_ratio
 
 __all__ = ["RankHeld", "held_profile", "peak_held", "profiled_microbatches", "replay_stages", "warmup_peak"]
 
@@ -125,9 +125,7 @@ def replay_stages(compiled: CompiledSchedule, times: Sequence[PhaseTimes], acts:
         comms.append(t.f_comm if kind == "F" else t.i_comm if kind in ("B", "I") else 0.0)
         memory.append(task.memory * (acts[task.stage] / taken[task.stage] if taken[task.stage] else 0.0))
     run = compiled.run(Pricing(durations, comms, memory, latency))
-    ranks = schedule.problem.num_ranks
-    bubble = 1.0 - sum(run.busy) / (ranks * run.makespan) if run.makespan > 0 else 0.0
-    return run.makespan, bubble, max(run.peaks)
+    return run.makespan, bubble_ratio(run.busy, run.makespan), max(run.peaks)
 
 
 def profiled_microbatches(pp: int, m: int) -> int:
