@@ -1,6 +1,6 @@
 """torch.export's symbolic sizes used across a split: computed again in the stage that uses them from sizes
-it measures itself (Mamba2's scan padding), or refused when the split is made. Oracle: the unsplit model's
-for-loop reference of DESIGN §5 (torch.equal losses and gradients)."""
+it measures itself (Mamba2's scan padding, a top-k's count made in a ``no_grad`` region), or refused when the split
+is made. Oracle: the unsplit model's for-loop reference of DESIGN §5 (torch.equal losses and gradients)."""
 
 from __future__ import annotations
 
@@ -50,6 +50,34 @@ class Padded(nn.Module):
         return x.sum(1)
 
 
+class ChosenBlock(nn.Module):
+    """Under ``no_grad``, picks each row's top ``min(3, length)`` positions and updates only those."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, h):
+        with torch.no_grad():
+            keep = h.sum(-1).topk(min(3, h.shape[1]), dim=-1).indices
+        mask = torch.zeros(h.shape[:2]).scatter(1, keep, 1.0)
+        return h + torch.tanh(self.linear(h)) * mask[..., None]
+
+
+class Chosen(nn.Module):
+    """Two blocks choosing their top positions as DeepSeek's sparse attention's indexer does: torch.export makes the
+    count ``Min(3, s)`` once, as an output of the first block's ``no_grad`` region, and the second block's reads it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(ChosenBlock() for _ in range(2))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x.sum(1)
+
+
 def test_a_size_no_tensor_of_the_stage_carries_is_refused_when_the_split_is_made():
     with pytest.raises(SplitError, match=r"made in stage 0 is used in stage 1 .*stages_from_modules"):
         split_model(Pooled(), ["b"], tracer="export", example_inputs=(torch.randn(2, 5, 4),))
@@ -60,6 +88,18 @@ def test_a_size_computed_from_sizes_is_computed_again_in_the_stage_using_it():
     model = Padded()
     staged = split_model(model, ["blocks.1"], tracer="export", example_inputs=(torch.randn(2, 5, 4),))
     for length in (5, 6, 8):
+        x = torch.randn(3, length, 4)
+        assert torch.equal(staged.run(x), model(x))
+
+
+def test_a_size_a_no_grad_region_returns_is_computed_again_from_its_expression():
+    """``Min(3, s)`` comes out of the first block's ``no_grad`` region, no integer operation the stage could run
+    again: the stage after the split builds it from its expression, ``sym_min(3, sym_size(x, 1))``, on its input, for
+    lengths below, at and above 3."""
+    torch.manual_seed(0)
+    model = Chosen()
+    staged = split_model(model, ["blocks.1"], tracer="export", example_inputs=(torch.randn(2, 5, 4),))
+    for length in (2, 3, 5, 8):
         x = torch.randn(3, length, 4)
         assert torch.equal(staged.run(x), model(x))
 

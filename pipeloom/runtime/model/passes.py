@@ -22,11 +22,10 @@ TRACED_DEVICE = "pipeloom_traced_device"
 """``GraphModule.meta`` key: the device torch.export traced on (it writes it into ``to``/``arange`` calls)."""
 
 
-def _size_source(node: fx.Node, user: fx.Node, stage_of: dict[fx.Node, int | Source],
+def _size_source(expr: object, user: fx.Node, stage_of: dict[fx.Node, int | Source],
                  position: dict[fx.Node, float]) -> tuple[fx.Node, int] | None:
     """A tensor that ``user``'s stage has before ``user`` runs (made there, or already an input of the
-    stage), nearest first, and a dimension of it whose size is ``node``'s value."""
-    expr = node.meta["val"].node.expr
+    stage), nearest first, and a dimension of it whose size is the symbolic ``expr``."""
     stage, when = stage_of[user], position[user]
     # every node with a stage: compute nodes, and placeholders (the model's inputs, MODEL_INPUT)
     candidates = [n for n in stage_of if position[n] < when and isinstance(n.meta.get("val"), torch.Tensor)
@@ -41,8 +40,9 @@ def _size_source(node: fx.Node, user: fx.Node, stage_of: dict[fx.Node, int | Sou
 def localize_sizes(graph: fx.Graph, stage_of: dict[fx.Node, int | Source]) -> None:
     """torch.export's symbolic sizes (``sym_size``) used in another stage are measured again there, on
     a tensor that stage has, so that only tensors cross stage boundaries; a size computed from sizes
-    (``Mod(8 - Mod(s70, 8), 8)``: a scan's padding) is computed again there from sizes measured there.
-    One that cannot be is refused now, naming where it is made and used (SplitError)."""
+    (``Mod(8 - Mod(s70, 8), 8)``: a scan's padding; ``Min(4, s70)``, a top-k's count that a ``no_grad`` region
+    returns) is computed again there from sizes measured there. One that cannot be is refused now, naming where it is
+    made and used (SplitError)."""
     position: dict[fx.Node, float] = {n: float(i) for i, n in enumerate(graph.nodes)}
     for node in list(graph.nodes):
         if not isinstance(node.meta.get("val"), torch.SymInt) or node not in stage_of:
@@ -79,11 +79,16 @@ def _size_in_stage(graph: fx.Graph, node: fx.Node, user: fx.Node, stage_of: dict
     neither exists."""
     if node in made:
         return made[node]
-    found = _size_source(node, user, stage_of, position)
+    found = _size_source(node.meta["val"].node.expr, user, stage_of, position)
     if found is not None:
         target: object = torch.ops.aten.sym_size.int
         args: tuple = found
-    elif node.op == "call_function" and node.target in _INT_OPERATIONS and not node.kwargs:
+    elif node.op != "call_function" or node.target not in _INT_OPERATIONS or node.kwargs:
+        rebuilt_size = _expression_in_stage(graph, node.meta["val"], user, stage_of, position)
+        if rebuilt_size is not None:
+            made[node] = rebuilt_size
+        return rebuilt_size
+    else:
         rebuilt = []
         for arg in node.args:
             if isinstance(arg, fx.Node):
@@ -96,15 +101,52 @@ def _size_in_stage(graph: fx.Graph, node: fx.Node, user: fx.Node, stage_of: dict
                 return None
             rebuilt.append(arg)
         target, args = node.target, tuple(rebuilt)
-    else:
-        return None
+    made[node] = _insert(graph, target, args, node.meta["val"], user, stage_of, position)
+    return made[node]
+
+
+def _insert(graph: fx.Graph, target: object, args: tuple, value: object, user: fx.Node,
+            stage_of: dict[fx.Node, int | Source], position: dict[fx.Node, float]) -> fx.Node:
+    """A call of ``target`` on ``args`` (its value ``value``) in ``user``'s stage, just before ``user``."""
     with graph.inserting_before(user):
         size = graph.call_function(target, args)  # type: ignore[arg-type]
-    size.meta["val"] = node.meta["val"]
+    size.meta["val"] = value
     stage_of[size] = stage_of[user]
     position[size] = position[user] - 0.5
-    made[node] = size
     return size
+
+
+_SYMPY_OPERATIONS = {"Add": operator.add, "Mul": operator.mul, "Min": torch.sym_min, "Max": torch.sym_max,
+                     "FloorDiv": operator.floordiv, "Mod": operator.mod, "PythonMod": operator.mod}
+"""The integer operations of a symbolic size's expression (sympy's and torch's classes by name), as graph calls."""
+
+
+def _expression_in_stage(graph: fx.Graph, value: torch.SymInt, user: fx.Node,
+                         stage_of: dict[fx.Node, int | Source], position: dict[fx.Node, float]) -> fx.Node | None:
+    """A node in ``user``'s stage computing the symbolic size ``value`` from its expression (a size made by a node
+    that is no integer operation, such as the output of a ``no_grad`` region): its sizes measured on tensors the
+    stage has, combined by the expression's operations; None if a size cannot be measured there."""
+
+    def build(expr: object) -> tuple[object, object] | None:  # (node or constant, its value)
+        if getattr(expr, "is_Integer", False):
+            return int(expr), int(expr)  # type: ignore[call-overload]
+        found = _size_source(expr, user, stage_of, position)
+        if found is not None:
+            tensor, dim = found
+            size = tensor.meta["val"].shape[dim]
+            return _insert(graph, torch.ops.aten.sym_size.int, found, size, user, stage_of, position), size
+        operation = _SYMPY_OPERATIONS.get(type(expr).__name__)
+        parts = [build(arg) for arg in getattr(expr, "args", ())] if operation is not None else [None]
+        if not parts or any(part is None for part in parts):
+            return None
+        node, val = parts[0]  # type: ignore[misc]
+        for other, other_val in parts[1:]:  # type: ignore[misc]
+            val = operation(val, other_val)  # type: ignore[misc]
+            node = _insert(graph, operation, (node, other), val, user, stage_of, position)
+        return node, val
+
+    built = build(value.node.expr)
+    return built[0] if built is not None and isinstance(built[0], fx.Node) else None
 
 
 _IN_PLACE_OPERATORS = (operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ipow,
