@@ -39,7 +39,12 @@ def _experts(spec, layout) -> list[str]:
 
 
 def _window(spec) -> str:
-    """The header's note of sliding-window or chunked attention ('' without)."""
+    """The header's note of sliding-window, chunked or DeepSeek's sparse attention ('' without)."""
+    if spec.indexer is not None:
+        ix, own = spec.indexer, len(spec.indexer_layers)
+        reused = f", the other {spec.layers - own} reusing the last one's choice" if own < spec.layers else ""
+        return (f", sparse attention to the {ix.topk:,} keys an indexer ({ix.heads} heads of {ix.dim}) picks per "
+                f"query: an indexer on {own} of {spec.layers} layers{reused}")
     if not spec.window_layers:
         return ""
     local = (f"attention in chunks of {spec.window:,} tokens" if spec.chunked else

@@ -88,6 +88,17 @@ PLANNED = {
                      qk_nope_head_dim=4, v_head_dim=8, n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=16,
                      num_experts_per_tok=2, first_k_dense_replace=1, n_group=2, topk_group=1),  # MLA, softmax router,
     # the queries scaled by their position (position_ids reach every layer)
+    "deepseek_v32": dict(_SMALL, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4,
+                         qk_nope_head_dim=4, v_head_dim=8, n_routed_experts=4, n_shared_experts=1,
+                         moe_intermediate_size=16, num_experts_per_tok=2, first_k_dense_replace=1, n_group=1,
+                         topk_group=1, index_topk=4, index_head_dim=8, index_n_heads=2),  # DeepSeek's sparse
+    # attention: an indexer under no_grad picks 4 keys per query, its top-k masking the scores
+    "glm_moe_dsa": dict(_SMALL, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4,
+                        qk_nope_head_dim=4, v_head_dim=8, n_routed_experts=4, n_shared_experts=1,
+                        moe_intermediate_size=16, num_experts_per_tok=2, first_k_dense_replace=1, n_group=1,
+                        topk_group=1, index_topk=4, index_head_dim=8, index_n_heads=2,
+                        indexer_types=["full", "shared", "full", "shared"]),  # layers 1 and 3 reuse the choice
+    # of the layer before: the int32 top-k crosses the pieces' cut with the hidden state
     "llama4_text": dict(_SMALL, head_dim=8, intermediate_size=16, intermediate_size_mlp=64, num_local_experts=4,
                         num_experts_per_tok=1, interleave_moe_layer_step=2, no_rope_layer_interval=2,
                         attention_chunk_size=4),  # chunked attention on the rotary layers, NoPE layers with the

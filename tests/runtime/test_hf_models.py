@@ -40,8 +40,11 @@ def test_the_cluster_planners_other_families_are_bitwise_exact_on_two_ranks():
     dense ERNIE 4.5's), GLM-4 (four norms, interleaved rotary on half the dimensions), Falcon (its layers under
     transformer.h, a fused q/k/v projection), MiniMax-M2 (a sigmoid router with a correction bias buffer), OLMoE,
     GLM-4.5 (its MoE layers and dense first layer), Granite MoE (a shared MLP beside the experts, Granite's
-    multipliers), Mistral 4 (MLA, a group-limited softmax router, queries scaled by their positions) and Llama 4
-    (chunked attention on its rotary layers, NoPE layers, a sigmoid router, every expert run on every token): of the
+    multipliers), Mistral 4 (MLA, a group-limited softmax router, queries scaled by their positions), Llama 4
+    (chunked attention on its rotary layers, NoPE layers, a sigmoid router, every expert run on every token),
+    DeepSeek-V3.2 and GLM-5 (DeepSeek's sparse attention: an indexer under no_grad whose top-k masks the scores, its
+    count made once and read by every later layer; GLM-5's shared layers reusing the top-k of the layer before, across
+    the cut): of the
     families ``pipeloom plan --model`` reads and saves plans for, those the other cases do not cover, cut at
     ``model.layers.N`` as its plan files cut them."""
     from hf_models import PLANNED

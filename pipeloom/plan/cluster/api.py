@@ -83,6 +83,7 @@ class ClusterPlan:
                       "sliding_window": self.job.spec.window,
                       "sliding_window_layers": list(self.job.spec.window_layers),
                       "chunked_attention": self.job.spec.chunked, "nope_layers": list(self.job.spec.nope_layers),
+                      "sparse_attention": _sparse(self.job.spec),
                       "residual_dropouts": self.job.spec.residual_dropouts,
                       "embedding_dropout": self.job.spec.embedding_dropout},
             "gpus": self.job.gpus, "global_batch": self.job.global_batch, "seq": self.job.seq,
@@ -91,6 +92,16 @@ class ClusterPlan:
             "memory_limit": self.memory_limit, "candidates": self.candidates,
             "priced": self.priced, "simulated": self.simulated, "seconds": self.seconds,
         }
+
+
+def _sparse(spec: ModelSpec) -> dict[str, Any] | None:
+    """The ``--json`` model's DeepSeek sparse attention (None without): the keys per query, the indexer's heads and
+    head dimension, and the layers that run an indexer of their own."""
+    ix = spec.indexer
+    if ix is None:
+        return None
+    return {"topk": ix.topk, "index_heads": ix.heads, "index_head_dim": ix.dim,
+            "indexer_layers": list(spec.indexer_layers)}
 
 
 def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: str | Path | Hardware, *, gpus: int,

@@ -21,12 +21,18 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Literal
 
+from pipeloom.plan.cluster.kinds import (
+    attended_window,
+    block_kind,
+    has_indexer,
+    is_nope,
+    layer_kinds,
+)
 from pipeloom.plan.cluster.model.spec import ModelSpec
 
 __all__ = ["Recompute", "RECOMPUTE_MODES", "LayerCounts", "Activations", "layer_counts", "attention_flops",
-           "attended_fraction", "model_params", "optimizer_bytes", "mtp_block", "mtp_activations", "layer_kinds",
-           "block_kind", "is_windowed", "is_nope", "WINDOWED", "NOPE", "STAT_BYTES", "MASK_BYTES", "mlp_activations",
-           "moe_activations", "norm_stats"]
+           "attended_fraction", "indexer_weights", "model_params", "optimizer_bytes", "mtp_block", "mtp_activations",
+           "index_bytes", "STAT_BYTES", "MASK_BYTES", "mlp_activations", "moe_activations", "norm_stats"]
 
 Recompute = Literal["none", "selective", "full"]
 RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
@@ -36,35 +42,12 @@ MASK_BYTES = 1
 """Bytes of one element of a dropout's mask (PyTorch keeps a bool per element; Megatron's fused bias-dropout-add a
 uint8)."""
 _INDEX = 8  # bytes of one int64 index (a token's top-k expert choice, a routed copy's place in the permutation)
-WINDOWED = "-window"
-"""The suffix of a decoder layer kind whose attention is windowed (``dense-window``, ``moe-window``): a sliding
-window, or chunks (:attr:`~pipeloom.plan.cluster.model.spec.ModelSpec.chunked`)."""
-NOPE = "-nope"
-"""The suffix of a decoder layer kind without rotary embeddings (``dense-nope``, ``moe-window-nope``)."""
-
-
-def block_kind(kind: str) -> str:
-    """The kind of a layer's parameters and MLP: ``kind`` without :data:`WINDOWED` and :data:`NOPE`."""
-    return kind.removesuffix(NOPE).removesuffix(WINDOWED)
-
-
-def is_windowed(kind: str) -> bool:
-    """Whether a layer of ``kind`` attends in a window (or chunks): a :data:`WINDOWED` kind."""
-    return kind.removesuffix(NOPE).endswith(WINDOWED)
-
-
-def is_nope(kind: str) -> bool:
-    """Whether a layer of ``kind`` runs without rotary embeddings: a :data:`NOPE` kind."""
-    return kind.endswith(NOPE)
-
-
-def layer_kinds(spec: ModelSpec) -> tuple[str, ...]:
-    """The kind of each decoder layer in model order: ``dense`` or ``moe``, with :data:`WINDOWED` where its attention
-    is a sliding window (or chunks) shorter than the sequence may be, then :data:`NOPE` where it has no rotary
-    embeddings."""
-    moe, windowed, nope = set(spec.moe_layers), set(spec.window_layers), set(spec.nope_layers)
-    return tuple(("moe" if n in moe else "dense") + (WINDOWED if n in windowed else "") + (NOPE if n in nope else "")
-                 for n in range(spec.layers))
+_KEY_INDEX = 4  # bytes of one int32 index of a key that DeepSeek's sparse attention reads
+def index_bytes(spec: ModelSpec, kind: str) -> float:
+    """Bytes per token a layer of ``kind`` keeps of its indexer's choice for the sparse attention's backward: the
+    ``topk`` int32 key indices (padded where a query has fewer keys, as the sparse kernels take them; whole on every
+    tp rank), in the layer that runs the indexer (a :data:`REUSED` layer reads the same tensor)."""
+    return float(_KEY_INDEX * spec.indexer.topk) if spec.indexer is not None and has_indexer(kind) else 0.0
 
 
 def attended_fraction(seq: int, window: int = 0, *, chunked: bool = False) -> float:
@@ -121,13 +104,18 @@ class LayerCounts:
     (:func:`attended_fraction`)."""
     activations: dict[str, Activations]
     """Per recomputation mode, what one token keeps (the head: its logits' gradient input)."""
+    index_f: float = 0.0
+    """Of ``f``, the indexer's score products (DeepSeek's sparse attention: each query head's dot product with every
+    key, then the heads' weighted sum) over the full s x s square; a causal kernel computes the triangle. The indexer
+    runs forward only (no gradient), so I and W hold none of it."""
 
     @property
     def model_flops(self) -> float:
         """The layer's model FLOPs for one sequence: every matmul once (no recomputation) and the attention core's
         forward and backward over what a causal kernel computes (``attended_f``: the triangle, as the Llama 3 and
-        DeepSeek reports count, or a sliding window's band), where F and I hold the full square once and twice."""
-        return self.f + self.i + self.w - 3 * (self.attention_f - self.attended_f)
+        DeepSeek reports count, a sliding window's band, or a sparse attention's top-k keys), where F and I hold the
+        full square once and twice; an indexer's scores over their causal triangle, forward only."""
+        return self.f + self.i + self.w - 3 * (self.attention_f - self.attended_f) - self.index_f / 2
 
 
 def _norm(spec: ModelSpec) -> int:
@@ -171,6 +159,15 @@ def _mlp_weights(spec: ModelSpec, intermediate: int, *, gated: bool, bias: bool)
     if gated:
         return 3 * h * intermediate, (2 * intermediate + h) if bias else 0
     return 2 * h * intermediate, (intermediate + h) if bias else 0
+
+
+def indexer_weights(spec: ModelSpec) -> tuple[int, int]:
+    """``(matmul weight elements, other parameters)`` of one layer's indexer (DeepSeek-V3.2's ``Indexer``): its query
+    projection from MLA's query latent (``wq_b``: q_rank -> heads x dim), its one key head (``wk``: h -> dim) and
+    the heads' weights (``weights_proj``: h -> heads), no biases; the key's LayerNorm (weight and bias)."""
+    ix, a, h = spec.indexer, spec.attention, spec.hidden
+    assert ix is not None, "an indexer of a model without DeepSeek's sparse attention"
+    return a.q_rank * ix.heads * ix.dim + h * ix.dim + h * ix.heads, 2 * ix.dim
 
 
 def attention_flops(spec: ModelSpec, seq: int, *, causal: bool = False, window: int = 0) -> float:
@@ -243,7 +240,8 @@ def _mtp_counts(spec: ModelSpec, seq: int, width: int) -> LayerCounts:
     return LayerCounts(kind="mtp", params=2 * h * h + 3 * _norm(spec) + block.params,
                        expert_params=block.expert_params, f=block.f + proj + head.f, i=block.i + proj + head.i,
                        w=block.w + proj + head.w, attention_f=block.attention_f, attended_f=block.attended_f,
-                       activations={m: mtp_activations(spec, m, a, width=width) for m, a in block.activations.items()})
+                       activations={m: mtp_activations(spec, m, a, width=width) for m, a in block.activations.items()},
+                       index_f=block.index_f)
 
 
 def _moe_mlp(spec: ModelSpec, width: int) -> tuple[int, int, int, int, float]:
@@ -285,7 +283,7 @@ def layer_counts(spec: ModelSpec, kind: str, seq: int, *, width: int = 2) -> Lay
     are fp32 whatever it is). A windowed kind counts as its block kind but for ``attended_f``; a NoPE kind but for
     a q/k norm that follows the rotary (:attr:`~pipeloom.plan.cluster.model.spec.Attention.qk_norm_with_rope`)."""
     h = spec.hidden
-    window = spec.window if is_windowed(kind) else 0
+    window = attended_window(spec, kind)
     layer, kind = kind, block_kind(kind)
     if kind == "mtp":
         return _mtp_counts(spec, seq, width)
@@ -313,6 +311,11 @@ def layer_counts(spec: ModelSpec, kind: str, seq: int, *, width: int = 2) -> Lay
     params = attn_mm + attn_other + mlp_mm + mlp_other + spec.layer_norms * _norm(spec)
     core = attention_flops(spec, seq)
     linear = 2.0 * seq * (attn_mm + mlp_mm + routed_mm)
+    index_mm, index_f = 0, 0.0
+    if has_indexer(layer) and spec.indexer is not None:  # forward only: the indexer takes no gradient
+        index_mm, index_other = indexer_weights(spec)
+        params += index_mm + index_other
+        index_f = 2.0 * seq * seq * spec.indexer.heads * (spec.indexer.dim + 1)  # q·k per head, the heads' sum
     seq_a, tensor_a, latent = _attention_activations(spec, width, layer)
     # + the MLP norm's input and output (+ 1/rms; its input is the attention norm's under a parallel residual,
     # and with one norm before both branches the attention half's counts hold it); a norm after a branch keeps
@@ -323,6 +326,7 @@ def layer_counts(spec: ModelSpec, kind: str, seq: int, *, width: int = 2) -> Lay
         mlp_norm = width * (1 if spec.parallel_residual else 2) * h + stat
         sequence += mlp_norm + (spec.layer_norms - 2) * (width * h + stat)
     sequence += MASK_BYTES * h * spec.residual_dropouts  # the residual dropouts' masks
+    latent += index_bytes(spec, layer)  # the indexer's choice, read again by the sparse attention's backward
     none = Activations(sequence=sequence, tensor=tensor_a + mlp_keep, replicated=latent)
     # selective: the attention core runs again in the backward, so only its softmax statistics are not kept:
     # its inputs q, k, v are the recomputation's inputs, its output the output projection's input
@@ -331,9 +335,9 @@ def layer_counts(spec: ModelSpec, kind: str, seq: int, *, width: int = 2) -> Lay
                             replicated=latent)
     full = Activations(sequence=float(width * h), tensor=0.0)  # only the layer's input
     return LayerCounts(kind=layer, params=params, expert_params=expert_params,
-                       f=linear + core, i=linear + 2 * core, w=linear, attention_f=core,
-                       attended_f=core * attended_fraction(seq, window, chunked=spec.chunked),
-                       activations={"none": none, "selective": selective, "full": full})
+                       f=linear + core + 2.0 * seq * index_mm + index_f, i=linear + 2 * core, w=linear,
+                       attention_f=core, attended_f=core * attended_fraction(seq, window, chunked=spec.chunked),
+                       activations={"none": none, "selective": selective, "full": full}, index_f=index_f)
 
 
 def model_params(spec: ModelSpec) -> int:

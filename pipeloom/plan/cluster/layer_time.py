@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 
 from pipeloom.plan.cluster.context import context_parallel_core
-from pipeloom.plan.cluster.counts import block_kind, is_nope, is_windowed, layer_counts
+from pipeloom.plan.cluster.counts import layer_counts
 from pipeloom.plan.cluster.efficiency import (
     CURRENT_CAST_BYTES,
     DYNAMIC_CAST_BYTES,
@@ -26,7 +26,9 @@ from pipeloom.plan.cluster.efficiency import (
 )
 from pipeloom.plan.cluster.elementwise import DROPOUT_BYTES, layer_elementwise
 from pipeloom.plan.cluster.hardware import Hardware
+from pipeloom.plan.cluster.indexer import indexer_gemms, indexer_score_seconds
 from pipeloom.plan.cluster.job import Job
+from pipeloom.plan.cluster.kinds import attended_window, block_kind, has_indexer, is_nope
 from pipeloom.plan.cluster.layout import Layout
 from pipeloom.plan.cluster.model.spec import ModelSpec
 from pipeloom.plan.cluster.recompute import FP8_BYTES, layer_modules, separate_norms
@@ -109,7 +111,9 @@ def layer_times(job: Job, layout: Layout, kind: str) -> PhaseTimes:
     """F, I and W seconds of one micro-batch through one layer of ``kind`` on one GPU of ``layout`` (a
     multi-token-prediction module, kind ``mtp``: :func:`pipeloom.plan.cluster.mtp.mtp_times`; a
     :data:`~pipeloom.plan.cluster.counts.WINDOWED` kind's flash attention skips what its sliding window or chunks
-    leave out, the materialized scores do not; a :data:`~pipeloom.plan.cluster.counts.NOPE` kind runs no rotary)."""
+    leave out, the materialized scores do not, as a sparse kind's skips the keys its indexer leaves out; a
+    :data:`~pipeloom.plan.cluster.counts.SPARSE` kind runs its indexer first, :mod:`pipeloom.plan.cluster.indexer`;
+    a :data:`~pipeloom.plan.cluster.counts.NOPE` kind runs no rotary)."""
     if block_kind(kind) not in ("embedding", "head", "dense", "moe"):
         raise LayoutError(f"layer_times prices embedding, dense, moe (or windowed, NoPE) and head layers, not "
                           f"{kind!r}")
@@ -138,7 +142,9 @@ def layer_times(job: Job, layout: Layout, kind: str) -> PhaseTimes:
                                 if tp > 1 else 0.0)
         loss = memory_seconds(hw, 3.0 * 4 * tokens * spec.vocab / tp)  # fp32 logits: softmax, its gradient
         return PhaseTimes(f=gemm.f + comm + loss, i=gemm.i + back + elementwise, w=gemm.w)
-    a, window, rotary = spec.attention, spec.window if is_windowed(kind) else 0, not is_nope(kind)
+    a, window, rotary = spec.attention, attended_window(spec, kind), not is_nope(kind)
+    indexer = (_price(job, indexer_gemms(spec), tokens).f + indexer_score_seconds(job, layout)
+               if has_indexer(kind) else 0.0)  # DeepSeek's sparse attention: forward only
     kind = block_kind(kind)
     # memory-bound kernels counted one by one (norms, residual adds, rotary, activation, MoE permutes)
     ew = layer_elementwise(spec, kind, tp=tp, sp=sp, kernels=job.kernels, rotary=rotary)
@@ -155,7 +161,7 @@ def layer_times(job: Job, layout: Layout, kind: str) -> PhaseTimes:
     else:
         parts.append(_moe_times(job, layout, tokens))
     gemm = add_times(*parts)
-    f = gemm.f + core_f + ew_f + tp_f
+    f = gemm.f + core_f + ew_f + tp_f + indexer
     forward = PhaseTimes(f=f, i=0.0, w=0.0, f_comm=gemm.f_comm)
     extra, extra_comm = _recompute(job, layout, tokens, kind, forward, core_f=core_f, tp_f=tp_f, ew_f=ew_f,
                                    mlp=parts[1])

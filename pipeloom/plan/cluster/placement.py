@@ -70,8 +70,13 @@ def mode_shapes(cut: Cut, recomputed: int | None) -> tuple[tuple[tuple[tuple[boo
 
 
 def stage_send_seconds(job: Job, layout: Layout) -> float:
-    """Seconds of one stage-to-stage send of a micro-batch's hidden states (over tp: Megatron's scatter-gather)."""
-    hidden = layout.mbs * job.seq // layout.cp * job.spec.hidden * 2 / layout.tp
+    """Seconds of one stage-to-stage send of a micro-batch's hidden states (over tp: Megatron's scatter-gather), and
+    where layers reuse an earlier layer's top-k keys (GLM-5's shared indexer layers) the int32 top-k indices too, as
+    at a boundary before such a layer (every boundary is priced so)."""
+    spec, tokens = job.spec, layout.mbs * job.seq // layout.cp
+    hidden = tokens * spec.hidden * 2 / layout.tp
+    if spec.indexer is not None and len(spec.indexer_layers) < spec.layers:
+        hidden += tokens * 4 * spec.indexer.topk / layout.tp
     same = layout.tp * layout.cp * layout.dp < job.hw.domain_gpus
     return p2p_seconds(job.hw, hidden, same_domain=same)
 

@@ -33,7 +33,7 @@ from pipeloom.plan.cluster.counts import (
     STAT_BYTES,
     Activations,
     LayerCounts,
-    block_kind,
+    index_bytes,
     layer_counts,
     mlp_activations,
     moe_activations,
@@ -41,6 +41,7 @@ from pipeloom.plan.cluster.counts import (
     mtp_block,
     norm_stats,
 )
+from pipeloom.plan.cluster.kinds import block_kind
 from pipeloom.plan.cluster.model.spec import ModelSpec
 from pipeloom.plan.errors import LayoutError
 
@@ -169,12 +170,15 @@ def kept_activations(selective: str, spec: ModelSpec, counts: LayerCounts, recom
 
 
 def _block(selective: str, spec: ModelSpec, kind: str) -> Activations:
-    """What one token keeps in a decoder layer of ``kind`` under the policy ``selective`` (not ``layer``)."""
+    """What one token keeps in a decoder layer of ``kind`` under the policy ``selective`` (not ``layer``); a layer
+    running an indexer keeps its choice under every policy (:func:`~pipeloom.plan.cluster.counts.index_bytes`)."""
     if selective == "deepseek":
-        return deepseek_activations(spec, block_kind(kind))
-    if selective == "op" and block_kind(kind) == "dense":
-        return op_activations(spec)
-    return megatron_activations(spec, kind, layer_modules(selective))
+        kept = deepseek_activations(spec, block_kind(kind))
+    elif selective == "op" and block_kind(kind) == "dense":
+        kept = op_activations(spec)
+    else:
+        return megatron_activations(spec, kind, layer_modules(selective))  # from the counts: the choice is in them
+    return Activations(sequence=kept.sequence, tensor=kept.tensor, replicated=kept.replicated + index_bytes(spec, kind))
 
 
 def op_activations(spec: ModelSpec, *, width: int = 2) -> Activations:

@@ -61,7 +61,8 @@ import pytest
 from tests.plan.cluster.tiny import TINY, tiny_config, tiny_model
 
 from pipeloom.plan.cluster import layer_counts, model_spec
-from pipeloom.plan.cluster.counts import MASK_BYTES, block_kind, layer_kinds
+from pipeloom.plan.cluster.counts import MASK_BYTES, index_bytes
+from pipeloom.plan.cluster.kinds import block_kind, layer_kinds
 from pipeloom.plan.cluster.runtime_plan import LAYER_PREFIX
 
 torch = pytest.importorskip("torch")
@@ -87,8 +88,11 @@ MOE_FAMILIES = {"qwen3_moe": "sdpa", "mixtral": "sdpa", "olmoe": "sdpa", "deepse
                 "gpt_oss": "eager", "ernie4_5_moe": "sdpa", "minimax_m2": "sdpa", "dots1": "sdpa",
                 "glm4_moe_lite": "eager", "mistral4": "eager", "phimoe": "sdpa",
                 "granitemoe": "sdpa", "granitemoeshared": "sdpa", "llama4_text": "sdpa",
-                "hunyuan_v1_moe": "sdpa"}  # the attention each
+                "hunyuan_v1_moe": "sdpa", "deepseek_v32": "eager", "glm_moe_dsa": "eager"}  # the attention each
 # runs (gpt-oss's sinks, MLA's head dims: no sdpa path)
+_SPARSE = ("deepseek_v32", "glm_moe_dsa")  # DeepSeek's sparse attention: transformers keeps none of its indexer's
+# work (its forward runs under no_grad, its top-k only masks the scores), where the model keeps the top-k indices a
+# sparse kernel reads again in the backward (int32, topk per token, in a layer that runs an indexer)
 _STAT, _INDEX = 4, 8  # bytes of an fp32 statistic, of an int64 index
 _ROTARY_CAT = ("phi3", "glm4", "glm4_moe", "gpt_neox", "minimax_m2")
 _INTERLEAVED_ROTARY = {"ernie4_5": 1.0, "ernie4_5_moe": 1.0, "glm4": 0.5, "helium": 1.0}  # the share of qk_dim
@@ -114,6 +118,10 @@ def _checkpointed(family, attention):
 
     name = f"pipeloom_selective_{family}_{attention}"
     transformers.AttentionInterface.register(name, wrapped)
+    if family in _SPARSE:  # their indexer reads the causal mask, which transformers builds only for known kernels
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+        transformers.AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[attention])
     return name
 
 
@@ -285,7 +293,8 @@ def test_moe_and_mla_activation_bytes_equal_saved_tensors(family, mode):
     expected = []
     for n, kind in enumerate(layer_kinds(spec)):
         keep = layer_counts(spec, kind, SEQ, width=WIDTH).activations[mode].per_gpu(tp=1, cp=1, sp=False)
-        expected.append(BATCH * SEQ * (keep + _eager_extra(spec, mode, block_kind(kind), config, attention))
+        expected.append(BATCH * SEQ * (keep + _eager_extra(spec, mode, block_kind(kind), config, attention)
+                                       - (index_bytes(spec, kind) if mode != "full" else 0))
                         + _query_scale(spec, mode, n))
     assert spec.moe_layers and per_layer == expected
 

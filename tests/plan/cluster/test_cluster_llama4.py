@@ -11,11 +11,12 @@ from tests.plan.cluster.tiny import TINY, local_layers
 
 from pipeloom.cli import main
 from pipeloom.plan.cluster import ModelConfigError, model_spec
-from pipeloom.plan.cluster.counts import attended_fraction, layer_counts, layer_kinds, model_params
+from pipeloom.plan.cluster.counts import attended_fraction, layer_counts, model_params
 from pipeloom.plan.cluster.efficiency import attention_seconds
 from pipeloom.plan.cluster.elementwise import layer_elementwise
 from pipeloom.plan.cluster.gpus import hardware
 from pipeloom.plan.cluster.job import Job
+from pipeloom.plan.cluster.kinds import layer_kinds
 from pipeloom.plan.cluster.layer_time import layer_times
 from pipeloom.plan.cluster.layout import Layout
 

@@ -12,11 +12,12 @@ from tests.plan.cluster.tiny import TINY, local_layers
 from pipeloom.cli import main
 from pipeloom.plan.cluster import ModelConfigError, model_spec
 from pipeloom.plan.cluster.api import plan_cluster
-from pipeloom.plan.cluster.counts import attended_fraction, layer_counts, layer_kinds
+from pipeloom.plan.cluster.counts import attended_fraction, layer_counts
 from pipeloom.plan.cluster.efficiency import attention_seconds
 from pipeloom.plan.cluster.estimate import Estimator
 from pipeloom.plan.cluster.gpus import hardware
 from pipeloom.plan.cluster.job import Job
+from pipeloom.plan.cluster.kinds import layer_kinds
 from pipeloom.plan.cluster.layer_time import layer_times
 from pipeloom.plan.cluster.layout import Layout
 

@@ -1,13 +1,15 @@
 """Matmul FLOPs per layer kind and phase against ``torch.utils.flop_counter.FlopCounterMode`` on tiny instances.
 
-What is compared: FlopCounterMode counts mm/addmm/bmm (2 per multiply-add), i.e. every linear layer, the
-router, the lm head and eager attention's QK^T and PV products over the full s x s square, as
-:mod:`pipeloom.plan.cluster.counts` does. The forward is compared per decoder layer and for the head (the
-counter's per-module totals); the backward per phase over the whole model: I is ``autograd.grad`` of the
-loss with respect to the layers' input only (every dX, the attention core's backward, no dW), I + W the grad
-with respect to the input and every parameter. Routed experts see every token top-k times whatever the
-routing, so the MoE counts do not depend on the random router (experts_implementation="eager": the per-expert
-loop of linear layers; the grouped-matmul kernel is not seen by the counter).
+What is compared: FlopCounterMode counts mm/addmm/bmm (2 per multiply-add), i.e. every linear layer, the router, the lm
+head and eager attention's QK^T and PV products over the full s x s square, as :mod:`pipeloom.plan.cluster.counts` does.
+The forward is compared per decoder layer and for the head (the counter's per-module totals); the backward per phase
+over the whole model: I is ``autograd.grad`` of the loss with respect to the layers' input only (every dX, the attention
+core's backward, no dW), I + W the grad with respect to the input and every parameter. DeepSeek's sparse attention
+(DeepSeek-V3.2, GLM-5) runs its indexer under ``no_grad``: its projections and score products count in the forward of
+the layers that run one, in no backward, and transformers' eager attention still multiplies the whole square (the top-k
+choice masks it). Routed experts see every token top-k times whatever the routing, so the MoE counts do not depend on
+the random router (experts_implementation="eager": the per-expert loop of linear layers; the grouped-matmul kernel is
+not seen by the counter).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import pytest
 from tests.plan.cluster.tiny import TINY, tiny_config, tiny_model
 
 from pipeloom.plan.cluster import layer_counts, model_spec
+from pipeloom.plan.cluster.kinds import layer_kinds
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -46,7 +49,7 @@ def _measure(family):
 def test_flops_per_kind_and_phase(family):
     config, forward, i, w = _measure(family)
     spec = model_spec(config)
-    kinds = ["moe" if n in spec.moe_layers else "dense" for n in range(spec.layers)]
+    kinds = list(layer_kinds(spec))  # DeepSeek's sparse attention: its indexer layers count its forward
     counts = {kind: layer_counts(spec, kind, SEQ) for kind in {*kinds, "head", "embedding"}}
     prefix = next(name for name in forward if name.endswith(".lm_head")).removesuffix(".lm_head")
     for n, kind in enumerate(kinds):

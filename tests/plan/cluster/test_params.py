@@ -96,9 +96,19 @@ def test_reads_config_json(tmp_path):
      r"not of one shape \(its config gives hidden_size_per_layer_input, altup_num_inputs"),
     ({"model_type": "gemma4_text", "hidden_size_per_layer_input": 0},
      r"not modelled; supported: .*\(e.g. \"llama\"\)"),
-    # DeepSeek's sparse attention (DeepSeek-V3.2, GLM-5): DeepSeek-V3 stands in, with what it leaves out
-    ({"model_type": "deepseek_v32", "index_topk": 2048, "layer_types": ["indexed_attention"]},
-     r"sparse attention \(each query attends to the index_topk = 2048 keys an indexer selects\).*as \"deepseek_v3\""),
+    # DeepSeek-V4's compressed sparse attention and residual streams: DeepSeek-V3.2 stands in, saying what it leaves out
+    ({"model_type": "deepseek_v4", "index_topk": 512, "compress_rates": {"compressed_sparse_attention": 4},
+      "hc_mult": 4},
+     r"'deepseek_v4' is not modelled: its attention reads compressed keys.*as \"deepseek_v32\".*without the "
+     r"compression"),
+    # DeepSeek's sparse attention that cannot be built
+    (dict(TINY["deepseek_v32"], model_type="deepseek_v32", q_lora_rank=None), r"needs multi-head latent attention "
+                                                                              r"with q_lora_rank set"),
+    (dict(TINY["glm_moe_dsa"], model_type="glm_moe_dsa", indexer_types=["shared", "full", "full"]),
+     r"first layer .* must run an indexer"),
+    (dict(TINY["glm_moe_dsa"], model_type="glm_moe_dsa", indexer_types=["full", "sparse", "full"]),
+     r"indexer_types must give \"full\" or \"shared\" for each of the 3 layers"),
+    (dict(TINY["deepseek_v32"], model_type="deepseek_v32", index_topk=0), "index_topk must be positive, got 0"),
     (42, "config.json path"),
     (dict(TINY["gemma3_text"], model_type="gemma3_text", use_bidirectional_attention=True), "causal decoders"),
     ({"model_type": "qwen2_5_vl", "text_config": {"model_type": "qwen2_5_vl_text"}},

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from pipeloom.plan.cluster.model.fields import get_field, nope_layers, rate_on, same_per_layer
-from pipeloom.plan.cluster.model.spec import Attention, Experts, ModelSpec
+from pipeloom.plan.cluster.model.spec import Attention, Experts, Indexer, ModelSpec
 from pipeloom.plan.errors import ModelConfigError
 
 __all__ = ["every_layer_sparse", "deepseek_spec", "gpt_oss_spec", "phimoe_spec", "llama4_spec"]
@@ -33,14 +33,16 @@ def every_layer_sparse(data: Mapping[str, Any], family: str, dense: dict[str, An
 
 
 def deepseek_spec(data: Mapping[str, Any], common: dict[str, Any], heads: int, head_dim: int) -> ModelSpec:
-    """DeepSeek-V2/V3, GLM-4.7-Flash (``glm4_moe_lite``) and Mistral 4 (``mistral4``: DeepSeek-V3's layers under
-    DeepSeek-V2's softmax router, a position-dependent scale on the queries, no multi-token prediction) with MLA
-    attention, and GLM-4.5 (``glm4_moe``) and dots.llm1 (``dots1``) with grouped-query attention of ``head_dim``,
-    q/k norms per head (GLM-4.5's with ``use_qk_norm``): shared experts, the first ``first_k_dense_replace`` layers
-    dense (GLM-4.7-Flash: the layers its ``mlp_layer_types`` calls ``"dense"``, by default the first), group-limited
-    routing, and ``num_nextn_predict_layers`` multi-token-prediction modules (the family's default where the config
-    leaves the field out: one for DeepSeek-V3 and GLM-4.5, none for DeepSeek-V2, GLM-4.7-Flash and Mistral 4, whose
-    transformers configs have no such field)."""
+    """DeepSeek-V2/V3, DeepSeek-V3.2 (``deepseek_v32``) and GLM-5 (``glm_moe_dsa``) with DeepSeek's sparse attention
+    (:class:`~pipeloom.plan.cluster.model.spec.Indexer`; their dense layers those ``mlp_layer_types`` calls ``"dense"``,
+    by default the first ``first_k_dense_replace``), GLM-4.7-Flash (``glm4_moe_lite``) and Mistral 4 (``mistral4``:
+    DeepSeek-V3's layers under DeepSeek-V2's softmax router, a position-dependent scale on the queries, no multi-token
+    prediction) with MLA attention, and GLM-4.5 (``glm4_moe``) and dots.llm1 (``dots1``) with grouped-query attention of
+    ``head_dim``, q/k norms per head (GLM-4.5's with ``use_qk_norm``): shared experts, the first
+    ``first_k_dense_replace`` layers dense (GLM-4.7-Flash: the layers its ``mlp_layer_types`` calls ``"dense"``, by
+    default the first), group-limited routing, and ``num_nextn_predict_layers`` multi-token-prediction modules (the
+    family's default where the config leaves the field out: one for DeepSeek-V3 and GLM-4.5, none for DeepSeek-V2,
+    GLM-4.7-Flash and Mistral 4, whose transformers configs have no such field)."""
     if common["family"] in ("glm4_moe", "dots1"):
         attention = Attention(heads=heads, kv_heads=int(data.get("num_key_value_heads") or heads), qk_dim=head_dim,
                               v_dim=head_dim, qkv_bias=bool(data.get("attention_bias", False)),
@@ -61,12 +63,45 @@ def deepseek_spec(data: Mapping[str, Any], common: dict[str, Any], heads: int, h
     freq = int(data.get("moe_layer_freq") or 1)
     layers = common["layers"]
     moe = tuple(i for i in range(layers) if routed and i >= first_dense and i % freq == 0)
-    if common["family"] == "glm4_moe_lite":  # "dense" / "sparse" per layer, by default the first layer dense
-        types = data.get("mlp_layer_types") or ["dense"] + ["sparse"] * (layers - 1)
+    if common["family"] in ("glm4_moe_lite", *_SPARSE_ATTENTION):  # "dense" / "sparse" per layer
+        types = data.get("mlp_layer_types") or (["dense"] + ["sparse"] * (layers - 1)  # GLM-4.7-Flash's default
+                                                if common["family"] == "glm4_moe_lite" else
+                                                ["dense" if i < first_dense else "sparse" for i in range(layers)])
         moe = tuple(i for i, kind in enumerate(types[:layers]) if routed and kind == "sparse")
+    sparse: dict[str, Any] = {}
+    if common["family"] in _SPARSE_ATTENTION:
+        indexer = Indexer(heads=int(get_field(data, "index_n_heads")), dim=int(get_field(data, "index_head_dim")),
+                          topk=int(get_field(data, "index_topk")))
+        sparse = dict(indexer=indexer, indexer_layers=_indexer_layers(data, common["family"], layers))
     return ModelSpec(**common, attention=attention, intermediate=int(get_field(data, "intermediate_size")),
                      experts=experts if routed else None, moe_layers=moe if routed else (),
-                     mtp=int(data.get("num_nextn_predict_layers") or 0))
+                     mtp=int(data.get("num_nextn_predict_layers") or 0), **sparse)
+
+
+_SPARSE_ATTENTION = ("deepseek_v32", "glm_moe_dsa")
+"""The families with DeepSeek's sparse attention (an indexer and top-k attention on every layer)."""
+
+
+def _indexer_layers(data: Mapping[str, Any], family: str, layers: int) -> tuple[int, ...]:
+    """The layers that run an indexer of their own, as transformers builds DeepSeek-V3.2 (every layer) and GLM-5
+    (``glm_moe_dsa``: the ``"full"`` entries of ``indexer_types``, else of ``index_topk_pattern``, ``"F"`` or
+    ``"S"`` per layer, else every ``index_topk_freq``-th layer counted from ``index_skip_topk_offset - 1``, the
+    layers before it all full; the others ``"shared"``, reusing the last full layer's top-k)."""
+    if family != "glm_moe_dsa":
+        return tuple(range(layers))
+    types = data.get("indexer_types")
+    if types is None and data.get("index_topk_pattern") is not None:
+        pattern = data["index_topk_pattern"]
+        types = [{"F": "full", "S": "shared"}.get(c, c) for c in pattern] if isinstance(pattern, str) else pattern
+    if types is None:
+        offset = data.get("index_skip_topk_offset")
+        freq, offset = max(int(data.get("index_topk_freq") or 1), 1), 2 if offset is None else int(offset)
+        return tuple(i for i in range(layers) if max(i - offset + 1, 0) % freq == 0)
+    if not isinstance(types, (list, tuple)) or any(kind not in ("full", "shared") for kind in types[:layers]) \
+            or len(types) < layers:
+        raise ModelConfigError(f"indexer_types must give \"full\" or \"shared\" for each of the {layers} layers, "
+                               f"got {types!r}")
+    return tuple(i for i, kind in enumerate(types[:layers]) if kind == "full")
 
 
 def gpt_oss_spec(data: Mapping[str, Any], common: dict[str, Any], heads: int, head_dim: int) -> ModelSpec:

@@ -4,7 +4,8 @@ config.json path, a model folder, a Hugging Face model id in the local cache, a 
 Mistral, Ministral, Ministral 3, Qwen2/3, Gemma 1/2/3, Granite, Phi-3, OLMo 2/3, SmolLM3, StarCoder2, Cohere's
 Command R / R7B / A, ERNIE 4.5, GLM-4, Seed-OSS, EXAONE 4, Helium, Arcee, Hunyuan dense, Falcon, GPT-2, GPT-NeoX) and
 mixture-of-experts decoders (Mixtral, Phi-3.5-MoE, Granite MoE, Hunyuan MoE, OLMoE, MiniMax-M2, Qwen2-MoE, Qwen3-MoE,
-ERNIE 4.5 MoE, DeepSeek-V2/V3, GLM-4.7-Flash and Mistral 4 with multi-head latent attention, GLM-4.5, dots.llm1,
+ERNIE 4.5 MoE, DeepSeek-V2/V3, GLM-4.7-Flash and Mistral 4 with multi-head latent attention, DeepSeek-V3.2 and GLM-5
+with DeepSeek's sparse attention beside it, GLM-4.5, dots.llm1,
 gpt-oss with attention sinks and biased experts, Llama 4 with chunked attention and NoPE layers:
 :mod:`~pipeloom.plan.cluster.model.moe`), a field left out taking transformers' default for the family
 (:data:`~pipeloom.plan.cluster.model.source.FAMILY_DEFAULTS`), with sliding-window attention on the layers
@@ -35,7 +36,7 @@ _QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text", "exaone4", "minimax_m2", "hunyu
 """Families of the generic reading with q and k norms (per head, or over the whole projections: ``qk_norm_full``)."""
 _MOE = ("mixtral", "phimoe", "granitemoe", "granitemoeshared", "olmoe", "minimax_m2", "qwen2_moe", "qwen3_moe",
         "ernie4_5_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "dots1", "mistral4", "gpt_oss",
-        "llama4_text", "hunyuan_v1_moe")
+        "llama4_text", "hunyuan_v1_moe", "deepseek_v32", "glm_moe_dsa")
 SUPPORTED_FAMILIES: tuple[str, ...] = _DENSE + _MOE
 """The ``model_type`` values :func:`model_spec` reads."""
 
@@ -103,11 +104,11 @@ def _unmodelled(subject: str, data: Mapping[str, Any], *, stand_in: bool = True)
     the main one); LLaMA's or a mixture of experts' layer otherwise."""
     supported = f"supported: {', '.join(SUPPORTED_FAMILIES)}"
     if "index_topk" in data:
-        return (f"{subject} is not modelled: its attention is DeepSeek's sparse attention (each query attends to the "
-                f"index_topk = {data['index_topk']} keys an indexer selects), which the planner does not price"
-                + ("; as \"deepseek_v3\" (copy its config.json with that model_type) it plans the same layers with "
-                   "dense attention and without the indexer's parameters and work: close at sequences up to "
-                   "index_topk, slower than it runs beyond" if stand_in else "") + f"; {supported}")
+        return (f"{subject} is not modelled: its attention reads compressed keys (compress_rates) through "
+                "DeepSeek's sparse attention, beside several residual streams (hc_mult), which the planner does not "
+                "price; the sparse attention of DeepSeek-V3.2 (\"deepseek_v32\") and GLM-5 (\"glm_moe_dsa\") it does"
+                + (", and as \"deepseek_v32\" (copy its config.json with that model_type) it plans layers of the same "
+                   "sizes without the compression" if stand_in else "") + f"; {supported}")
     types = data.get("layer_types")
     other = sorted({str(kind) for kind in types if kind not in _ATTENTION_LAYERS}) if isinstance(types, list) else []
     fields = sorted(key for key in data if key.lower().startswith(_OTHER_MIXERS))
@@ -240,7 +241,7 @@ def _family_spec(data: Mapping[str, Any], family: str) -> ModelSpec:
         return _cohere(data, common, heads, head_dim)
     if family.startswith("ernie"):
         return _ernie(data, common, heads, head_dim)
-    if family.startswith("deepseek") or family.startswith("glm4_moe") or family in ("dots1", "mistral4"):
+    if family.startswith(("deepseek", "glm4_moe")) or family in ("dots1", "mistral4", "glm_moe_dsa"):
         return deepseek_spec(data, common, heads, head_dim)
     if family == "gpt_oss":
         return gpt_oss_spec(data, common, heads, head_dim)

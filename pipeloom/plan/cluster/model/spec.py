@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from pipeloom.plan.errors import ModelConfigError
 
-__all__ = ["Attention", "Experts", "ModelSpec"]
+__all__ = ["Attention", "Experts", "Indexer", "ModelSpec"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -96,6 +96,26 @@ class Experts:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class Indexer:
+    """DeepSeek's sparse attention (DSA: DeepSeek-V3.2, GLM-5): a lightning indexer scores every earlier key for each
+    query, ``sum_j w_j · relu(q_j · k)`` over its heads, and the layer's attention reads only the ``topk`` best keys
+    (min(i + 1, topk) for query i, as many as a sliding window of ``topk`` holds). As transformers runs it, the indexer
+    takes no gradient (its forward runs under ``no_grad``); its parameters are the model's."""
+
+    heads: int
+    """The indexer's query heads (``index_n_heads``)."""
+    dim: int
+    """Its head dimension, shared by its one key head (``index_head_dim``)."""
+    topk: int
+    """Keys each query attends to (``index_topk``)."""
+
+    def __post_init__(self) -> None:
+        for name, field in (("heads", "index_n_heads"), ("dim", "index_head_dim"), ("topk", "index_topk")):
+            if getattr(self, name) <= 0:
+                raise ModelConfigError(f"{field} must be positive, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ModelSpec:
     """The shape of a decoder-only language model, enough to count its parameters, FLOPs and memory."""
 
@@ -157,6 +177,11 @@ class ModelSpec:
     text_of: str = ""
     """The ``model_type`` of the multimodal config whose ``text_config`` this is ('' for a language model's own
     config): the planner plans its language model; the vision tower and the image tokens are not counted."""
+    indexer: Indexer | None = None
+    """DeepSeek's sparse attention on every layer (None: dense attention)."""
+    indexer_layers: tuple[int, ...] = ()
+    """Indices of the layers that run an indexer of their own; under :attr:`indexer` the others reuse the top-k keys
+    of the last indexer layer before them (GLM-5's ``"shared"`` ``indexer_types``)."""
     mtp: int = 0
     """Multi-token-prediction modules after the last layer (DeepSeek-V3's ``num_nextn_predict_layers``; report
     arXiv:2412.19437 sec. 2.2): each normalises the last hidden state and the next token's embedding,
@@ -177,9 +202,20 @@ class ModelSpec:
         if self.chunked and not self.window_layers:
             raise ModelConfigError("chunked attention needs the layers it runs on (window_layers) and a chunk size")
         for what, indices in (("MoE", self.moe_layers), ("NoPE", self.nope_layers),
-                              ("sliding-window", self.window_layers)):
+                              ("sliding-window", self.window_layers), ("indexer", self.indexer_layers)):
             if any(not 0 <= n < self.layers for n in indices):
                 raise ModelConfigError(f"{what} layers {list(indices)} are not all among the {self.layers} layers")
+        if self.indexer is not None:
+            if not (self.attention.latent and self.attention.q_rank):
+                raise ModelConfigError("DeepSeek's sparse attention reads the query latent: it needs multi-head latent "
+                                       "attention with q_lora_rank set")
+            if self.window_layers:
+                raise ModelConfigError("a model with DeepSeek's sparse attention has no sliding-window layers")
+            if not self.indexer_layers or self.indexer_layers[0] != 0:
+                raise ModelConfigError("the first layer of a model with DeepSeek's sparse attention must run an "
+                                       "indexer (indexer_types[0] \"full\"): the layers after it reuse its top-k")
+        elif self.indexer_layers:
+            raise ModelConfigError("indexer layers need an indexer (index_n_heads, index_head_dim, index_topk)")
         if self.shared_norm and not self.parallel_residual:
             raise ModelConfigError("shared_norm (one norm before both branches) needs parallel_residual: a layer "
                                    "whose MLP follows its attention normalises the MLP's own input")

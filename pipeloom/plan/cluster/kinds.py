@@ -1,0 +1,76 @@
+"""The kinds of a model's decoder layers, as the cluster planner counts and prices them: ``dense`` or ``moe`` (the
+MLP), with suffixes for what changes the attention: :data:`WINDOWED` (a sliding window or chunks), :data:`SPARSE` or
+:data:`REUSED` (DeepSeek's sparse attention, with an indexer of its own or reusing an earlier layer's choice), then
+:data:`NOPE` (no rotary embeddings). :func:`layer_kinds` names each layer of a
+:class:`~pipeloom.plan.cluster.model.spec.ModelSpec`; the predicates read a kind back."""
+
+from __future__ import annotations
+
+from pipeloom.plan.cluster.model.spec import ModelSpec
+
+__all__ = ["WINDOWED", "NOPE", "SPARSE", "REUSED", "layer_kinds", "block_kind", "is_windowed", "is_nope", "is_sparse",
+           "has_indexer", "attended_window"]
+
+WINDOWED = "-window"
+"""The suffix of a decoder layer kind whose attention is windowed (``dense-window``, ``moe-window``): a sliding
+window, or chunks (:attr:`~pipeloom.plan.cluster.model.spec.ModelSpec.chunked`)."""
+NOPE = "-nope"
+"""The suffix of a decoder layer kind without rotary embeddings (``dense-nope``, ``moe-window-nope``)."""
+SPARSE = "-sparse"
+"""The suffix of a decoder layer kind with DeepSeek's sparse attention that runs an indexer of its own
+(``moe-sparse``)."""
+REUSED = "-reused"
+"""The suffix of a decoder layer kind with DeepSeek's sparse attention that reuses the top-k keys of the last indexer
+layer before it (GLM-5's ``"shared"`` layers: ``moe-reused``)."""
+
+
+def _attention_kind(kind: str) -> str:
+    """``kind`` without :data:`NOPE`, :data:`SPARSE` and :data:`REUSED`."""
+    return kind.removesuffix(NOPE).removesuffix(SPARSE).removesuffix(REUSED)
+
+
+def block_kind(kind: str) -> str:
+    """The kind of a layer's MLP: ``kind`` without :data:`WINDOWED`, :data:`SPARSE`, :data:`REUSED` and
+    :data:`NOPE`."""
+    return _attention_kind(kind).removesuffix(WINDOWED)
+
+
+def is_windowed(kind: str) -> bool:
+    """Whether a layer of ``kind`` attends in a window (or chunks): a :data:`WINDOWED` kind."""
+    return _attention_kind(kind).endswith(WINDOWED)
+
+
+def is_sparse(kind: str) -> bool:
+    """Whether a layer of ``kind`` attends to the top-k keys an indexer selects: a :data:`SPARSE` or :data:`REUSED`
+    kind."""
+    return kind.removesuffix(NOPE).endswith((SPARSE, REUSED))
+
+
+def has_indexer(kind: str) -> bool:
+    """Whether a layer of ``kind`` runs an indexer of its own: a :data:`SPARSE` kind."""
+    return kind.removesuffix(NOPE).endswith(SPARSE)
+
+
+def attended_window(spec: ModelSpec, kind: str) -> int:
+    """The keys a query of a layer of ``kind`` attends to at most, 0 for its whole causal prefix: its sliding window
+    (or chunk), or under DeepSeek's sparse attention the indexer's ``topk`` (query i attends min(i + 1, topk) keys, as
+    many as a sliding window of ``topk`` holds)."""
+    if is_windowed(kind):
+        return spec.window
+    return spec.indexer.topk if spec.indexer is not None and is_sparse(kind) else 0
+
+
+def is_nope(kind: str) -> bool:
+    """Whether a layer of ``kind`` runs without rotary embeddings: a :data:`NOPE` kind."""
+    return kind.endswith(NOPE)
+
+
+def layer_kinds(spec: ModelSpec) -> tuple[str, ...]:
+    """The kind of each decoder layer in model order: ``dense`` or ``moe``, with :data:`WINDOWED` where its attention
+    is a sliding window (or chunks) shorter than the sequence may be, :data:`SPARSE` or :data:`REUSED` under DeepSeek's
+    sparse attention, then :data:`NOPE` where it has no rotary embeddings."""
+    moe, windowed, nope = set(spec.moe_layers), set(spec.window_layers), set(spec.nope_layers)
+    indexed = set(spec.indexer_layers)
+    sparse = ["" if spec.indexer is None else SPARSE if n in indexed else REUSED for n in range(spec.layers)]
+    return tuple(("moe" if n in moe else "dense") + (WINDOWED if n in windowed else "") + sparse[n]
+                 + (NOPE if n in nope else "") for n in range(spec.layers))
