@@ -215,12 +215,14 @@ def test_a_text_config_takes_transformers_defaults_for_what_it_leaves_out():
         model_spec({"model_type": "deepseek_v2", "kv_lora_rank": 16})
 
 
-@pytest.mark.parametrize("family", ["ministral", "ministral3", "helium", "arcee", "hunyuan_v1_dense", "hunyuan_v1_moe"])
+@pytest.mark.parametrize("family", ["ministral", "ministral3", "helium", "arcee", "hunyuan_v1_dense", "hunyuan_v1_moe",
+                                    "deepseek_v32", "glm_moe_dsa"])
 def test_a_bare_model_type_counts_as_transformers_default_model(family):
     """A config.json that gives only its model_type (and Ministral's and Hunyuan's head_dims: transformers' classes
     fail on the None their configurations default it to, so their checkpoints give it) reads as transformers'
     default configuration of the family (:data:`FAMILY_DEFAULTS`), and counts the parameters of that model built on
-    the meta device (Ministral 3's default is its 8B base model's language model: 34 layers of hidden 4,096)."""
+    the meta device (Ministral 3's default is its 8B base model's language model: 34 layers of hidden 4,096;
+    DeepSeek-V3.2's is the 671.88 B model with an indexer in every layer, GLM-5's 743.91 B)."""
     given = {"head_dim": 128} if family in ("ministral", "hunyuan_v1_dense", "hunyuan_v1_moe") else {}
     config = transformers.AutoConfig.for_model(family, **given)
     with torch.device("meta"):
