@@ -170,6 +170,17 @@ def indexer_weights(spec: ModelSpec) -> tuple[int, int]:
     return a.q_rank * ix.heads * ix.dim + h * ix.dim + h * ix.heads, 2 * ix.dim
 
 
+def _indexer_counts(spec: ModelSpec, kind: str, seq: int) -> tuple[int, int, float]:
+    """``(parameters, matmul weight elements, score FLOPs over the square)`` of the indexer a layer of ``kind`` runs
+    (zeros without one): its weights (:func:`indexer_weights`) and, forward only (it takes no gradient), each query
+    head's dot product with every key and the heads' weighted sum, ``2 s^2 heads (dim + 1)``."""
+    ix = spec.indexer
+    if ix is None or not has_indexer(kind):
+        return 0, 0, 0.0
+    matmuls, other = indexer_weights(spec)
+    return matmuls + other, matmuls, 2.0 * seq * seq * ix.heads * (ix.dim + 1)
+
+
 def attention_flops(spec: ModelSpec, seq: int, *, causal: bool = False, window: int = 0) -> float:
     """Forward FLOPs of one layer's attention core on one sequence: QK^T and PV, ``2 s^2 heads (qk + v)``;
     ``causal`` counts only what a causal flash kernel computes: the lower triangle (half the square), or the band
@@ -311,11 +322,8 @@ def layer_counts(spec: ModelSpec, kind: str, seq: int, *, width: int = 2) -> Lay
     params = attn_mm + attn_other + mlp_mm + mlp_other + spec.layer_norms * _norm(spec)
     core = attention_flops(spec, seq)
     linear = 2.0 * seq * (attn_mm + mlp_mm + routed_mm)
-    index_mm, index_f = 0, 0.0
-    if has_indexer(layer) and spec.indexer is not None:  # forward only: the indexer takes no gradient
-        index_mm, index_other = indexer_weights(spec)
-        params += index_mm + index_other
-        index_f = 2.0 * seq * seq * spec.indexer.heads * (spec.indexer.dim + 1)  # q·k per head, the heads' sum
+    index_params, index_mm, index_f = _indexer_counts(spec, layer, seq)
+    params += index_params
     seq_a, tensor_a, latent = _attention_activations(spec, width, layer)
     # + the MLP norm's input and output (+ 1/rms; its input is the attention norm's under a parallel residual,
     # and with one norm before both branches the attention half's counts hold it); a norm after a branch keeps

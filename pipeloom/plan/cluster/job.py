@@ -7,7 +7,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pipeloom.plan.cluster.efficiency import ATTENTION_KINDS
+from pipeloom.plan.cluster.efficiency import (
+    ATTENTION_KINDS,
+    CURRENT_CAST_BYTES,
+    DYNAMIC_CAST_BYTES,
+    FUSED_CAST_BYTES,
+)
 from pipeloom.plan.cluster.elementwise import KERNELS
 from pipeloom.plan.cluster.hardware import Hardware
 from pipeloom.plan.cluster.layout import PAIRED, Layout
@@ -193,6 +198,17 @@ class Job:
             raise LayoutError(f"seq={self.seq}: this {self.spec.family} model's learned position embedding has "
                               f"{positions} rows, so it takes sequences of at most {positions} tokens; use --seq "
                               f"{positions} or less")
+
+    def fp8_casts(self) -> tuple[tuple[float, float], ...]:
+        """Bytes per element an FP8 GEMM moves to cast its two inputs, in F (activation, weight), I (output
+        gradient, weight) and W (output gradient, activation), under :attr:`fp8_cast`: ``dynamic`` casts every input
+        with an amax pass first; ``cached`` casts only F's activation and I's output gradient, the amax in the cast
+        kernel (the weights' FP8 copies are made once a step, and W reuses the FP8 copies F and I made); ``current``
+        casts the same two with an amax pass first (Transformer Engine's current scaling)."""
+        if self.fp8_cast == "dynamic":
+            return ((DYNAMIC_CAST_BYTES, DYNAMIC_CAST_BYTES),) * 3
+        made = CURRENT_CAST_BYTES if self.fp8_cast == "current" else FUSED_CAST_BYTES
+        return (made, 0.0), (made, 0.0), (0.0, 0.0)
 
     def pairs(self, layout: Layout) -> bool:
         """Whether ``layout`` runs forward-backward pairs whose parts hide each other's expert all-to-all:

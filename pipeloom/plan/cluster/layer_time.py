@@ -12,9 +12,6 @@ from dataclasses import dataclass
 from pipeloom.plan.cluster.context import context_parallel_core
 from pipeloom.plan.cluster.counts import layer_counts
 from pipeloom.plan.cluster.efficiency import (
-    CURRENT_CAST_BYTES,
-    DYNAMIC_CAST_BYTES,
-    FUSED_CAST_BYTES,
     attention_seconds,
     collective_seconds,
     domain_ranks,
@@ -35,8 +32,7 @@ from pipeloom.plan.cluster.recompute import FP8_BYTES, layer_modules, separate_n
 from pipeloom.plan.errors import LayoutError
 from pipeloom.plan.tp.all_to_all import moe_exchanges
 
-__all__ = ["PhaseTimes", "add_times", "layer_times", "compute_hardware", "compute_share",
-           "fp8_casts"]
+__all__ = ["PhaseTimes", "add_times", "layer_times", "compute_hardware", "compute_share"]
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PhaseTimes:
@@ -79,7 +75,7 @@ def _price(job: Job, gemms: list[tuple[int, int]], m: int, count: int = 1) -> Ph
     if m == 0:
         return PhaseTimes(f=0.0, i=0.0, w=0.0)
 
-    f, i, w = fp8_casts(job)
+    f, i, w = job.fp8_casts()
 
     def seconds(rows: int, cols: int, inner: int, cast: tuple[float, float]) -> float:
         return gemm_seconds(job.hw, rows, cols, inner, dtype=job.dtype, cast=cast)
@@ -87,18 +83,6 @@ def _price(job: Job, gemms: list[tuple[int, int]], m: int, count: int = 1) -> Ph
     return PhaseTimes(f=count * sum(seconds(m, n, k, f) for n, k in gemms),
                       i=count * sum(seconds(m, k, n, i) for n, k in gemms),
                       w=count * sum(seconds(n, k, m, w) for n, k in gemms))
-
-
-def fp8_casts(job: Job) -> tuple[tuple[float, float], ...]:
-    """Bytes per element an FP8 GEMM moves to cast its two inputs, in F (activation, weight), I (output
-    gradient, weight) and W (output gradient, activation), under ``job.fp8_cast``: ``dynamic`` casts every input
-    with an amax pass first; ``cached`` casts only F's activation and I's output gradient, the amax in the cast
-    kernel (the weights' FP8 copies are made once a step, and W reuses the FP8 copies F and I made); ``current``
-    casts the same two with an amax pass first (Transformer Engine's current scaling)."""
-    if job.fp8_cast == "dynamic":
-        return ((DYNAMIC_CAST_BYTES, DYNAMIC_CAST_BYTES),) * 3
-    made = CURRENT_CAST_BYTES if job.fp8_cast == "current" else FUSED_CAST_BYTES
-    return (made, 0.0), (made, 0.0), (0.0, 0.0)
 
 
 def add_times(*parts: PhaseTimes) -> PhaseTimes:

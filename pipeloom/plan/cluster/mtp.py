@@ -11,7 +11,7 @@ import dataclasses
 from pipeloom.plan.cluster.counts import mtp_block
 from pipeloom.plan.cluster.efficiency import collective_seconds, domain_ranks, gemm_seconds, memory_seconds
 from pipeloom.plan.cluster.job import Job
-from pipeloom.plan.cluster.layer_time import PhaseTimes, add_times, compute_hardware, fp8_casts, layer_times
+from pipeloom.plan.cluster.layer_time import PhaseTimes, add_times, compute_hardware, layer_times
 from pipeloom.plan.cluster.layout import Layout
 
 __all__ = ["mtp_times"]
@@ -41,7 +41,7 @@ def _entry(job: Job, layout: Layout) -> PhaseTimes:
     norms_f = memory_seconds(hw, 2 * 2.0 * h * width * share) + 2 * hw.kernel_overhead
     norms_b = memory_seconds(hw, 2 * 3.0 * h * width * share) + 2 * hw.kernel_overhead
     n, k = h // tp, 2 * h
-    cast_f, cast_i, cast_w = fp8_casts(job)
+    cast_f, cast_i, cast_w = job.fp8_casts()
     f = gemm_seconds(hw, tokens, n, k, dtype=job.dtype, cast=cast_f)
     i = gemm_seconds(hw, tokens, k, n, dtype=job.dtype, cast=cast_i)
     w = gemm_seconds(hw, n, k, tokens, dtype=job.dtype, cast=cast_w)

@@ -202,15 +202,14 @@ def test_fp8_casts_follow_the_framework():
     element); Transformer Engine's cached casts move 4 bytes per element of F's activation and I's output gradient
     only, its current scaling 6 (an amax pass first); a BF16 job casts nothing either way."""
     from pipeloom.plan.cluster.efficiency import CURRENT_CAST_BYTES, DYNAMIC_CAST_BYTES, FUSED_CAST_BYTES
-    from pipeloom.plan.cluster.layer_time import fp8_casts
 
     dense = {**MOE, "model_type": "llama", "intermediate_size": 4096}
     job = Job(spec=model_spec(dense), hw=hardware("h100"), gpus=64, global_batch=256, seq=SEQ, dtype="fp8")
     dynamic = dataclasses.replace(job, fp8_cast="dynamic")
-    assert fp8_casts(dynamic) == ((DYNAMIC_CAST_BYTES, DYNAMIC_CAST_BYTES),) * 3 == ((5, 5),) * 3
-    assert fp8_casts(job) == ((FUSED_CAST_BYTES, 0.0), (FUSED_CAST_BYTES, 0.0), (0.0, 0.0)) == ((4, 0), (4, 0), (0, 0))
+    assert dynamic.fp8_casts() == ((DYNAMIC_CAST_BYTES, DYNAMIC_CAST_BYTES),) * 3 == ((5, 5),) * 3
+    assert job.fp8_casts() == ((FUSED_CAST_BYTES, 0.0), (FUSED_CAST_BYTES, 0.0), (0.0, 0.0)) == ((4, 0), (4, 0), (0, 0))
     current = dataclasses.replace(job, fp8_cast="current")
-    assert fp8_casts(current) == ((CURRENT_CAST_BYTES, 0.0), (CURRENT_CAST_BYTES, 0.0), (0.0, 0.0)) == ((6, 0), (6, 0),
+    assert current.fp8_casts() == ((CURRENT_CAST_BYTES, 0.0), (CURRENT_CAST_BYTES, 0.0), (0.0, 0.0)) == ((6, 0), (6, 0),
                                                                                                       (0, 0))
     layout = Layout(dp=8, tp=8, mbs=1, schedule="1f1b")
     cached, every = layer_times(job, layout, "dense"), layer_times(dynamic, layout, "dense")
