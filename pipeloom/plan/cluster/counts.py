@@ -43,10 +43,13 @@ MASK_BYTES = 1
 uint8)."""
 _INDEX = 8  # bytes of one int64 index (a token's top-k expert choice, a routed copy's place in the permutation)
 _KEY_INDEX = 4  # bytes of one int32 index of a key that DeepSeek's sparse attention reads
+
+
 def index_bytes(spec: ModelSpec, kind: str) -> float:
     """Bytes per token a layer of ``kind`` keeps of its indexer's choice for the sparse attention's backward: the
     ``topk`` int32 key indices (padded where a query has fewer keys, as the sparse kernels take them; whole on every
-    tp rank), in the layer that runs the indexer (a :data:`REUSED` layer reads the same tensor)."""
+    tp rank), in the layer that runs the indexer (a :data:`~pipeloom.plan.cluster.kinds.REUSED` layer reads the same
+    tensor)."""
     return float(_KEY_INDEX * spec.indexer.topk) if spec.indexer is not None and has_indexer(kind) else 0.0
 
 
@@ -289,10 +292,12 @@ def moe_activations(spec: ModelSpec, *, width: int = 2) -> float:
 
 
 def layer_counts(spec: ModelSpec, kind: str, seq: int, *, width: int = 2) -> LayerCounts:
-    """The counts of one layer of ``kind`` (embedding, dense, moe, their :data:`WINDOWED` and :data:`NOPE` kinds,
-    head, mtp) for one sequence of ``seq`` tokens; ``width``: bytes of one activation element (2: bf16; statistics
+    """The counts of one layer of ``kind`` (embedding, dense, moe and their :mod:`~pipeloom.plan.cluster.kinds`, head,
+    mtp) for one sequence of ``seq`` tokens; ``width``: bytes of one activation element (2: bf16; statistics
     are fp32 whatever it is). A windowed kind counts as its block kind but for ``attended_f``; a NoPE kind but for
-    a q/k norm that follows the rotary (:attr:`~pipeloom.plan.cluster.model.spec.Attention.qk_norm_with_rope`)."""
+    a q/k norm that follows the rotary (:attr:`~pipeloom.plan.cluster.model.spec.Attention.qk_norm_with_rope`); a
+    sparse kind (:mod:`~pipeloom.plan.cluster.kinds`) attends to its top-k keys, and one that runs an indexer adds the
+    indexer's weights, forward and kept choice."""
     h = spec.hidden
     window = attended_window(spec, kind)
     layer, kind = kind, block_kind(kind)

@@ -1,5 +1,5 @@
 """The price of DeepSeek's sparse attention beyond its top-k attention core (DeepSeek-V3.2, GLM-5): the lightning
-indexer each :data:`~pipeloom.plan.cluster.counts.SPARSE` layer runs before its attention, forward only (transformers
+indexer each :data:`~pipeloom.plan.cluster.kinds.SPARSE` layer runs before its attention, forward only (transformers
 runs it under ``no_grad``; the indexer's own training loss, DeepSeek's KL term against the attention's scores, is not
 priced).
 

@@ -94,13 +94,13 @@ def add_times(*parts: PhaseTimes) -> PhaseTimes:
 def layer_times(job: Job, layout: Layout, kind: str) -> PhaseTimes:
     """F, I and W seconds of one micro-batch through one layer of ``kind`` on one GPU of ``layout`` (a
     multi-token-prediction module, kind ``mtp``: :func:`pipeloom.plan.cluster.mtp.mtp_times`; a
-    :data:`~pipeloom.plan.cluster.counts.WINDOWED` kind's flash attention skips what its sliding window or chunks
+    :data:`~pipeloom.plan.cluster.kinds.WINDOWED` kind's flash attention skips what its sliding window or chunks
     leave out, the materialized scores do not, as a sparse kind's skips the keys its indexer leaves out; a
-    :data:`~pipeloom.plan.cluster.counts.SPARSE` kind runs its indexer first, :mod:`pipeloom.plan.cluster.indexer`;
-    a :data:`~pipeloom.plan.cluster.counts.NOPE` kind runs no rotary)."""
+    :data:`~pipeloom.plan.cluster.kinds.SPARSE` kind runs its indexer first, :mod:`pipeloom.plan.cluster.indexer`;
+    a :data:`~pipeloom.plan.cluster.kinds.NOPE` kind runs no rotary)."""
     if block_kind(kind) not in ("embedding", "head", "dense", "moe"):
-        raise LayoutError(f"layer_times prices embedding, dense, moe (or windowed, NoPE) and head layers, not "
-                          f"{kind!r}")
+        raise LayoutError(f"layer_times prices embedding, dense, moe (or windowed, sparse, NoPE) and head layers, "
+                          f"not {kind!r}")
     job = dataclasses.replace(job, hw=compute_hardware(job, layout))
     spec, hw, tp, cp = job.spec, job.hw, layout.tp, layout.cp
     tokens = layout.mbs * job.seq // cp  # tokens of the micro-batch on this GPU's cp shard
