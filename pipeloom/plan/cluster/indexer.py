@@ -1,25 +1,6 @@
-"""The price of DeepSeek's sparse attention beyond its top-k attention core (DeepSeek-V3.2, GLM-5): the lightning
-indexer each :data:`~pipeloom.plan.cluster.kinds.SPARSE` layer runs before its attention, forward only (transformers
-runs it under ``no_grad``; the indexer's own training loss, DeepSeek's KL term against the attention's scores, is not
-priced).
-
-The indexer (DeepSeek-V3.2 report, arXiv:2512.02556, sec. 2.1; transformers' ``DeepseekV32Indexer``) projects MLA's
-query latent to ``heads`` query heads of ``dim`` and the layer's input to one key head of ``dim`` and to a weight per
-head, scores each query against every earlier key, ``sum_j w_j · relu(q_j · k)``, and keeps each query's ``topk``
-best keys. On one GPU of a layout:
-
-- its projections run on every token of the micro-batch's cp shard and are whole on every tp rank (the top-k needs
-  every head's score), priced as GEMMs in the job's dtype (:func:`indexer_gemms`);
-- its scores cover the causal triangle of the shard's queries against the whole sequence (DeepGEMM's
-  ``fp8_mqa_logits`` takes each query's key range), priced as a flash kernel's ``Q K^T`` alone: its heads at half
-  its head dimension have the same FLOPs (``2 · heads · dim`` per query and key), in BF16 (DeepSeek's kernel runs
-  FP8: priced slower than that);
-- the fp32 scores are written and read back once by the top-k (the reference code and transformers' materialise
-  them): 8 bytes per query and key of the triangle.
-
-Left out: the keys' exchange under context parallelism (``dim`` elements a token, against MLA's ``kv_rank + rope``),
-the top-k's own arithmetic beyond that pass, and the indexer's LayerNorm, rotary and ReLU (folded into its kernels).
-"""
+"""What DeepSeek's sparse attention (DeepSeek-V3.2, GLM-5) costs beyond its top-k attention core: the lightning
+indexer a :data:`~pipeloom.plan.cluster.kinds.SPARSE` layer runs first, forward only (transformers runs it under
+``no_grad``; DeepSeek's KL loss that trains it is not priced)."""
 
 from __future__ import annotations
 
@@ -36,16 +17,23 @@ _SCORE_BYTES = 4 * 2
 
 
 def indexer_gemms(spec: ModelSpec) -> list[tuple[int, int]]:
-    """``(n, k)`` of the indexer's projections, whole on every tp rank: queries from MLA's query latent
-    (``heads x dim``), its one key head and its weight per head from the layer's input."""
+    """``(n, k)`` of the indexer's projections, on every token of the micro-batch's cp shard and whole on every tp
+    rank (the top-k needs every head's score): queries from MLA's query latent (``heads x dim``), its one key head
+    and its weight per head from the layer's input; priced as GEMMs in the job's dtype."""
     ix, a = spec.indexer, spec.attention
     assert ix is not None, "an indexer of a model without DeepSeek's sparse attention"
     return [(ix.heads * ix.dim, a.q_rank), (ix.dim, spec.hidden), (ix.heads, spec.hidden)]
 
 
 def indexer_score_seconds(job: Job, layout: Layout) -> float:
-    """Seconds of one layer's indexer scores and top-k pass for one micro-batch on one GPU of ``layout``
-    (module docstring): the cp shard's queries against the whole causal prefix, 1/cp of the triangle."""
+    """Seconds of one layer's indexer scores and top-k pass for one micro-batch on one GPU of ``layout``: each query
+    against every earlier key, ``sum_j w_j · relu(q_j · k)`` (DeepSeek-V3.2 report, arXiv:2512.02556, sec. 2.1), over
+    the cp shard's queries, 1/cp of the causal triangle (DeepGEMM's ``fp8_mqa_logits`` takes each query's key range).
+    Priced as a flash kernel's ``Q K^T`` alone, its heads at half its head dimension having the same FLOPs (``2 ·
+    heads · dim`` a query and key), in BF16 (DeepSeek's kernel runs FP8: priced slower than that); then the fp32
+    scores written and read back once by the top-k, as the reference code and transformers materialise them. Left
+    out: the indexer keys' exchange under context parallelism (``dim`` elements a token), the top-k's arithmetic
+    beyond that pass, and the indexer's LayerNorm, rotary and ReLU."""
     ix = job.spec.indexer
     assert ix is not None, "an indexer of a model without DeepSeek's sparse attention"
     hw, seq = job.hw, job.seq

@@ -1,8 +1,6 @@
-"""The kinds of a model's decoder layers, as the cluster planner counts and prices them: ``dense`` or ``moe`` (the
-MLP), with suffixes for what changes the attention: :data:`WINDOWED` (a sliding window or chunks), :data:`SPARSE` or
-:data:`REUSED` (DeepSeek's sparse attention, with an indexer of its own or reusing an earlier layer's choice), then
-:data:`NOPE` (no rotary embeddings). :func:`layer_kinds` names each layer of a
-:class:`~pipeloom.plan.cluster.model.spec.ModelSpec`; the predicates read a kind back."""
+"""The kinds of a model's decoder layers as the cluster planner counts and prices them (:func:`layer_kinds`): the
+MLP's (``dense``, ``moe``) with suffixes for what changes the attention (:data:`WINDOWED`, :data:`SPARSE`,
+:data:`REUSED`, :data:`NOPE`), and the predicates that read a kind back."""
 
 from __future__ import annotations
 
