@@ -254,6 +254,8 @@ def _unused(args: argparse.Namespace, job, layout) -> list[str]:
               (args.moe_overlap and not job.overlap_pairs(layout), "--moe-overlap", overlap_why),
               (not args.sequence_parallel and layout.tp == 1, "--no-sequence-parallel", "tp=1"),
               (args.cp_rotate not in (None, "ring") and layout.cp == 1, f"--cp-rotate {args.cp_rotate}", "cp=1"),
+              (args.cp_rotate is not None and layout.cp > 1 and job.spec.indexer is not None,
+               f"--cp-rotate {args.cp_rotate}", "DeepSeek's sparse attention, which all-gathers its latent keys"),
               (args.moe_comm != "plain" and layout.ep == 1, f"--moe-comm {args.moe_comm}", "ep=1"),
               (args.selective not in (None, "core_attn") and layout.recompute != "selective",
                f"--selective {args.selective}", f"recompute={layout.recompute}"),

@@ -97,7 +97,8 @@ def _assumes(job, layout, framework: str | None = None, searched: tuple[str, ...
         said.append(("sequence parallel" if job.sequence_parallel else "no sequence parallelism") + ", tp exchanges "
                     + ("beside" if job.tp_overlap else "between") + " the GEMMs (--tp-overlap)")
     if layout.cp > 1:
-        said.append(f"context parallelism by {job.cp_rotate} (--cp-rotate)")
+        said.append("context parallelism by all-gather of the latent keys (DeepSeek's sparse attention)"
+                    if job.spec.indexer is not None else f"context parallelism by {job.cp_rotate} (--cp-rotate)")
     if layout.ep > 1:
         said.append(f"{job.moe_comm} expert all-to-all (--moe-comm)" + (", overlapped by pairs (--moe-overlap)"
                                                                           if job.overlap_pairs(layout) else ""))

@@ -21,18 +21,20 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Literal
 
-from pipeloom.plan.cluster.kinds import (
+from pipeloom.plan.cluster.model.kinds import (
     attended_window,
     block_kind,
     has_indexer,
     is_nope,
+    is_sparse,
     layer_kinds,
 )
 from pipeloom.plan.cluster.model.spec import ModelSpec
 
 __all__ = ["Recompute", "RECOMPUTE_MODES", "LayerCounts", "Activations", "layer_counts", "attention_flops",
            "attended_fraction", "indexer_weights", "model_params", "optimizer_bytes", "mtp_block", "mtp_activations",
-           "index_bytes", "STAT_BYTES", "MASK_BYTES", "mlp_activations", "moe_activations", "norm_stats"]
+           "index_bytes", "sparse_core_dims", "STAT_BYTES", "MASK_BYTES", "mlp_activations", "moe_activations",
+           "norm_stats"]
 
 Recompute = Literal["none", "selective", "full"]
 RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
@@ -47,9 +49,8 @@ _KEY_INDEX = 4  # bytes of one int32 index of a key that DeepSeek's sparse atten
 
 def index_bytes(spec: ModelSpec, kind: str) -> float:
     """Bytes per token a layer of ``kind`` keeps of its indexer's choice for the sparse attention's backward: the
-    ``topk`` int32 key indices (padded where a query has fewer keys, as the sparse kernels take them; whole on every
-    tp rank), in the layer that runs the indexer (a :data:`~pipeloom.plan.cluster.kinds.REUSED` layer reads the same
-    tensor)."""
+    ``topk`` int32 key indices (padded, as the sparse kernels take them; whole on every tp rank), in the layer that
+    runs the indexer (a reusing layer reads the same tensor)."""
     return float(_KEY_INDEX * spec.indexer.topk) if spec.indexer is not None and has_indexer(kind) else 0.0
 
 
@@ -214,8 +215,30 @@ def _attention_activations(spec: ModelSpec, width: int, kind: str = "dense") -> 
             stats += (a.heads + a.kv_heads) * norm_stats(spec) // STAT_BYTES
     if a.latent:  # the latents' norms: input and output each, the up-projections' input being the output
         replicated += width * 2 * (a.q_rank + a.kv_rank) + STAT_BYTES * ((1 if a.q_rank else 0) + 1)
+    if a.latent and is_sparse(kind):  # MLA's MQA mode (sparse_core_dims): the absorbed queries and the kernel's
+        qk, v = sparse_core_dims(spec)  # latent output, the no-rope queries (the absorption's input) and the output
+        # projection's input per head; the one latent key (the kv norm's output with the rotated rope part: rope more)
+        return sequence, width * a.heads * (qk + v + a.qk_dim - a.rope_dim + a.v_dim) + STAT_BYTES * stats, \
+            replicated + width * a.rope_dim
     tensor = width * (qkv + a.heads * a.v_dim) + STAT_BYTES * stats
     return sequence, tensor, replicated
+
+
+def _attended_flops(spec: ModelSpec, kind: str, seq: int, window: int) -> float:
+    """Forward FLOPs of what a layer of ``kind``'s attention kernel computes on one sequence: the causal triangle or
+    the band of its ``window`` (a sparse layer's top-k: in MLA's MQA mode, :func:`sparse_core_dims`)."""
+    a = spec.attention
+    dims = sparse_core_dims(spec) if a.latent and is_sparse(kind) else (a.qk_dim, a.v_dim)
+    return 2.0 * seq * seq * a.heads * sum(dims) * attended_fraction(seq, window, chunked=spec.chunked)
+
+
+def sparse_core_dims(spec: ModelSpec) -> tuple[int, int]:
+    """``(qk, v)`` per-head dimensions of DeepSeek's sparse attention core, which runs MLA in its MQA mode
+    (DeepSeek-V3.2 report, arXiv:2512.02556, sec. 2.1: each latent key-value entry shared by every query head, for
+    the kernels' sake): the queries absorbed into the latent (``kv_rank + rope``) against the one latent key head,
+    and the latent values (``kv_rank``), each head's output up-projected to ``v_dim`` after the kernel."""
+    a = spec.attention
+    return a.kv_rank + a.rope_dim, a.kv_rank
 
 
 def mlp_activations(intermediate: int, *, gated: bool, width: int) -> float:
@@ -292,11 +315,11 @@ def moe_activations(spec: ModelSpec, *, width: int = 2) -> float:
 
 
 def layer_counts(spec: ModelSpec, kind: str, seq: int, *, width: int = 2) -> LayerCounts:
-    """The counts of one layer of ``kind`` (embedding, dense, moe and their :mod:`~pipeloom.plan.cluster.kinds`, head,
-    mtp) for one sequence of ``seq`` tokens; ``width``: bytes of one activation element (2: bf16; statistics
-    are fp32 whatever it is). A windowed kind counts as its block kind but for ``attended_f``; a NoPE kind but for
-    a q/k norm that follows the rotary (:attr:`~pipeloom.plan.cluster.model.spec.Attention.qk_norm_with_rope`); a
-    sparse kind (:mod:`~pipeloom.plan.cluster.kinds`) attends to its top-k keys, and one that runs an indexer adds the
+    """The counts of one layer of ``kind`` (embedding, dense, moe and their :mod:`~pipeloom.plan.cluster.model.kinds`,
+    head, mtp) for one sequence of ``seq`` tokens; ``width``: bytes of one activation element (2: bf16; statistics are
+    fp32 whatever it is). A windowed kind counts as its block kind but for ``attended_f``; a NoPE kind but for a q/k
+    norm that follows the rotary (:attr:`~pipeloom.plan.cluster.model.spec.Attention.qk_norm_with_rope`); a sparse kind
+    (:mod:`~pipeloom.plan.cluster.model.kinds`) attends to its top-k keys, and one that runs an indexer adds the
     indexer's weights, forward and kept choice."""
     h = spec.hidden
     window = attended_window(spec, kind)
@@ -349,7 +372,7 @@ def layer_counts(spec: ModelSpec, kind: str, seq: int, *, width: int = 2) -> Lay
     full = Activations(sequence=float(width * h), tensor=0.0)  # only the layer's input
     return LayerCounts(kind=layer, params=params, expert_params=expert_params,
                        f=linear + core + 2.0 * seq * index_mm + index_f, i=linear + 2 * core, w=linear,
-                       attention_f=core, attended_f=core * attended_fraction(seq, window, chunked=spec.chunked),
+                       attention_f=core, attended_f=_attended_flops(spec, layer, seq, window),
                        activations={"none": none, "selective": selective, "full": full}, index_f=index_f)
 
 

@@ -16,9 +16,9 @@ from pipeloom.plan.cluster.counts import layer_counts
 from pipeloom.plan.cluster.efficiency import collective_seconds, domain_ranks, hidden_cost, memory_seconds
 from pipeloom.plan.cluster.held import RankHeld, held_profile, peak_held, profiled_microbatches, replay_stages
 from pipeloom.plan.cluster.job import GRAD_REDUCE, Job
-from pipeloom.plan.cluster.kinds import block_kind, layer_kinds
 from pipeloom.plan.cluster.layer_time import PhaseTimes, add_times, layer_times
 from pipeloom.plan.cluster.layout import PAIRED, SCHEDULES, Layout
+from pipeloom.plan.cluster.model.kinds import block_kind, layer_kinds
 from pipeloom.plan.cluster.mtp import mtp_times
 from pipeloom.plan.cluster.placement import (
     Cut,

@@ -1,16 +1,16 @@
-"""What DeepSeek's sparse attention (DeepSeek-V3.2, GLM-5) costs beyond its top-k attention core: the lightning
-indexer a :data:`~pipeloom.plan.cluster.kinds.SPARSE` layer runs first, forward only (transformers runs it under
-``no_grad``; DeepSeek's KL loss that trains it is not priced)."""
+"""What DeepSeek's sparse attention (DeepSeek-V3.2, GLM-5) costs beside its top-k core: the lightning indexer a
+:data:`~pipeloom.plan.cluster.model.kinds.SPARSE` layer runs first, forward only (its KL training loss is not priced),
+MLA's absorption into the MQA mode the core runs in, and the latent keys' exchange under context parallelism."""
 
 from __future__ import annotations
 
-from pipeloom.plan.cluster.counts import attended_fraction
-from pipeloom.plan.cluster.efficiency import attention_seconds, memory_seconds
+from pipeloom.plan.cluster.counts import attended_fraction, sparse_core_dims
+from pipeloom.plan.cluster.efficiency import attention_seconds, collective_seconds, domain_ranks, memory_seconds
 from pipeloom.plan.cluster.job import Job
 from pipeloom.plan.cluster.layout import Layout
 from pipeloom.plan.cluster.model.spec import ModelSpec
 
-__all__ = ["indexer_gemms", "indexer_score_seconds"]
+__all__ = ["indexer_gemms", "indexer_score_seconds", "absorbed_gemms", "latent_exchange_seconds"]
 
 _SCORE_BYTES = 4 * 2
 """Bytes per query and key of the indexer's fp32 scores: written by the score kernel, read by the top-k."""
@@ -40,3 +40,28 @@ def indexer_score_seconds(job: Job, layout: Layout) -> float:
     scores = attention_seconds(hw, batch=layout.mbs, heads=ix.heads, seq=seq, head_dim=max(1, ix.dim // 2))
     pairs = layout.mbs * seq * seq * attended_fraction(seq) / layout.cp
     return scores / layout.cp + memory_seconds(hw, _SCORE_BYTES * pairs)
+
+
+def absorbed_gemms(spec: ModelSpec) -> list[tuple[int, int]]:
+    """``(n, k)`` of one head's absorption GEMMs in MLA's MQA mode, run per head (batched over a tp rank's heads): its
+    no-rope query into the latent (``W_UK``: ``qk_dim - rope -> kv_rank``) and the kernel's latent output up to its
+    value (``W_UV``: ``kv_rank -> v_dim``). They take the place of the kv up-projection of every key, with the same
+    FLOPs; the weights are the kv up-projection's."""
+    a = spec.attention
+    return [(a.kv_rank, a.qk_dim - a.rope_dim), (a.v_dim, a.kv_rank)]
+
+
+def latent_exchange_seconds(job: Job, layout: Layout, tokens: int) -> tuple[float, float]:
+    """Forward and backward seconds of a sparse layer's key exchange under context parallelism (``layout.cp > 1``),
+    as Megatron-Core's DSA runs it (all-gather only): every cp rank gathers the whole sequence's latent keys (``kv_rank
+    + rope``, the MQA mode's one key head; whole on every tp rank) and the indexer's keys (``dim``), bf16, before its
+    kernels, exposed; the backward reduce-scatters the latent keys' gradients (the indexer takes none). ``tokens``:
+    the micro-batch's tokens on this GPU's cp shard."""
+    ix = job.spec.indexer
+    assert ix is not None, "a key exchange of a model without DeepSeek's sparse attention"
+    qk, _ = sparse_core_dims(job.spec)
+    per_domain = domain_ranks(layout.cp, layout.tp, job.hw)
+    whole = 2.0 * tokens * layout.cp
+    forward = collective_seconds(job.hw, "all_gather", whole * (qk + ix.dim), layout.cp, ranks_per_domain=per_domain)
+    backward = collective_seconds(job.hw, "reduce_scatter", whole * qk, layout.cp, ranks_per_domain=per_domain)
+    return forward, backward

@@ -100,9 +100,10 @@ class Job:
     torchtitan ran it: :func:`pipeloom.plan.cluster.context.context_parallel_core`)."""
     moe_comm: str = "plain"
     """The expert all-to-all: ``plain`` (every routed copy of a token sent in bf16 to its expert's GPU) or
-    ``deepseek`` (DeepSeek-V3's kernels: :func:`_deepseek_all_to_all`, with :data:`_COMM_SMS` SMs reserved) or
-    ``hybridep`` (NVIDIA's Hybrid-EP kernels, Megatron-Core's flex dispatcher: each token once per other node, in
-    bf16: :func:`_hybridep_all_to_all`)."""
+    ``deepseek`` (DeepSeek-V3's kernels: :func:`~pipeloom.plan.cluster.dispatch.deepseek_all_to_all`, with 20 SMs
+    reserved, :func:`~pipeloom.plan.cluster.layer_time.compute_share`) or ``hybridep`` (NVIDIA's Hybrid-EP kernels,
+    Megatron-Core's flex dispatcher: each token once per other node, in bf16:
+    :func:`~pipeloom.plan.cluster.dispatch.hybridep_all_to_all`)."""
     p2p_overlap: bool = True
     """Pipeline sends run beside the ranks' compute (Megatron-Core, torch.distributed.pipelining: the replay's
     latency between stages); False: each stage's output and input-gradient exchange blocks the rank for the

@@ -6,11 +6,11 @@ recomputation adds) and W (weight gradient)."""
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
 from pipeloom.plan.cluster.context import context_parallel_core
-from pipeloom.plan.cluster.counts import layer_counts
+from pipeloom.plan.cluster.counts import layer_counts, sparse_core_dims
+from pipeloom.plan.cluster.dispatch import deepseek_all_to_all, hybridep_all_to_all
 from pipeloom.plan.cluster.efficiency import (
     attention_seconds,
     collective_seconds,
@@ -18,17 +18,21 @@ from pipeloom.plan.cluster.efficiency import (
     gemm_seconds,
     materialized_attention_seconds,
     memory_seconds,
-    node_dispatch_seconds,
     overlapped_seconds,
 )
 from pipeloom.plan.cluster.elementwise import DROPOUT_BYTES, layer_elementwise
 from pipeloom.plan.cluster.hardware import Hardware
-from pipeloom.plan.cluster.indexer import indexer_gemms, indexer_score_seconds
+from pipeloom.plan.cluster.indexer import (
+    absorbed_gemms,
+    indexer_gemms,
+    indexer_score_seconds,
+    latent_exchange_seconds,
+)
 from pipeloom.plan.cluster.job import Job
-from pipeloom.plan.cluster.kinds import attended_window, block_kind, has_indexer, is_nope
 from pipeloom.plan.cluster.layout import Layout
+from pipeloom.plan.cluster.model.kinds import attended_window, block_kind, has_indexer, is_nope, is_sparse
 from pipeloom.plan.cluster.model.spec import ModelSpec
-from pipeloom.plan.cluster.recompute import FP8_BYTES, layer_modules, separate_norms
+from pipeloom.plan.cluster.recompute import layer_modules, separate_norms
 from pipeloom.plan.errors import LayoutError
 from pipeloom.plan.tp.all_to_all import moe_exchanges
 
@@ -51,13 +55,16 @@ class PhaseTimes:
     """Of ``i``, the same for the input-gradient backward."""
 
 
-def _gemms(spec: ModelSpec, tp: int) -> list[tuple[int, int]]:
+def _gemms(spec: ModelSpec, tp: int, *, absorbed: bool = False) -> list[tuple[int, int]]:
     """``(n, k)`` of the tensor-parallel shards of one layer's attention GEMMs (column-parallel: n / tp,
-    row-parallel: k / tp; MLA's low-rank down-projections replicated)."""
+    row-parallel: k / tp; MLA's low-rank down-projections replicated; ``absorbed``: MLA's MQA mode, without the kv
+    up-projection of every key, :func:`~pipeloom.plan.cluster.indexer.absorbed_gemms` in its place)."""
     a, h = spec.attention, spec.hidden
     if a.latent:
         q = [(a.q_rank, h), (a.heads * a.qk_dim // tp, a.q_rank)] if a.q_rank else [(a.heads * a.qk_dim // tp, h)]
-        kv = [(a.kv_rank + a.rope_dim, h), (a.heads * (a.qk_dim - a.rope_dim + a.v_dim) // tp, a.kv_rank)]
+        kv = [(a.kv_rank + a.rope_dim, h)]
+        if not absorbed:
+            kv.append((a.heads * (a.qk_dim - a.rope_dim + a.v_dim) // tp, a.kv_rank))
         return q + kv + [(h, a.heads * a.v_dim // tp)]
     qkv = a.heads * a.qk_dim + a.kv_heads * (a.qk_dim + a.v_dim)
     return [(qkv // tp, h), (h, a.heads * a.v_dim // tp)]
@@ -94,10 +101,10 @@ def add_times(*parts: PhaseTimes) -> PhaseTimes:
 def layer_times(job: Job, layout: Layout, kind: str) -> PhaseTimes:
     """F, I and W seconds of one micro-batch through one layer of ``kind`` on one GPU of ``layout`` (a
     multi-token-prediction module, kind ``mtp``: :func:`pipeloom.plan.cluster.mtp.mtp_times`; a
-    :data:`~pipeloom.plan.cluster.kinds.WINDOWED` kind's flash attention skips what its sliding window or chunks
+    :data:`~pipeloom.plan.cluster.model.kinds.WINDOWED` kind's flash attention skips what its sliding window or chunks
     leave out, the materialized scores do not, as a sparse kind's skips the keys its indexer leaves out; a
-    :data:`~pipeloom.plan.cluster.kinds.SPARSE` kind runs its indexer first, :mod:`pipeloom.plan.cluster.indexer`;
-    a :data:`~pipeloom.plan.cluster.kinds.NOPE` kind runs no rotary)."""
+    :data:`~pipeloom.plan.cluster.model.kinds.SPARSE` kind runs its indexer first, :mod:`pipeloom.plan.cluster.indexer`;
+    a :data:`~pipeloom.plan.cluster.model.kinds.NOPE` kind runs no rotary)."""
     if block_kind(kind) not in ("embedding", "head", "dense", "moe"):
         raise LayoutError(f"layer_times prices embedding, dense, moe (or windowed, sparse, NoPE) and head layers, "
                           f"not {kind!r}")
@@ -126,31 +133,50 @@ def layer_times(job: Job, layout: Layout, kind: str) -> PhaseTimes:
                                 if tp > 1 else 0.0)
         loss = memory_seconds(hw, 3.0 * 4 * tokens * spec.vocab / tp)  # fp32 logits: softmax, its gradient
         return PhaseTimes(f=gemm.f + comm + loss, i=gemm.i + back + elementwise, w=gemm.w)
-    a, window, rotary = spec.attention, attended_window(spec, kind), not is_nope(kind)
-    indexer = (_price(job, indexer_gemms(spec), tokens).f + indexer_score_seconds(job, layout)
-               if has_indexer(kind) else 0.0)  # DeepSeek's sparse attention: forward only
-    kind = block_kind(kind)
+    attention, core_f, core_b, beside_f, beside_b = _attention(job, layout, kind, tokens)
+    rotary, kind = not is_nope(kind), block_kind(kind)
     # memory-bound kernels counted one by one (norms, residual adds, rotary, activation, MoE permutes)
     ew = layer_elementwise(spec, kind, tp=tp, sp=sp, kernels=job.kernels, rotary=rotary)
     ew_f = memory_seconds(hw, ew.f_bytes * tokens) + (ew.f_kernels - 1) * hw.kernel_overhead
     ew_b = memory_seconds(hw, ew.b_bytes * tokens) + (ew.b_kernels - 1) * hw.kernel_overhead
-    parts = [_price(job, _gemms(spec, tp), tokens)]
-    core_f, core_b = (_attention_core(job, layout, window, backward=backward) for backward in (False, True))
-    if cp > 1:
-        core_f, core_b = context_parallel_core(hw, a, rotate=job.cp_rotate, tp=tp, cp=cp, tokens=tokens,
-                                               core_f=core_f, core_b=core_b)
+    parts = [attention]
     tp_f, tp_i = _tp_time(job, layout, tokens, kind, hidden_bytes)
     if kind == "dense":
         parts.append(_price(job, _mlp(spec, spec.intermediate, tp, gated=spec.gated), tokens))
     else:
         parts.append(_moe_times(job, layout, tokens))
     gemm = add_times(*parts)
-    f = gemm.f + core_f + ew_f + tp_f + indexer
+    f = gemm.f + core_f + ew_f + tp_f + beside_f
     forward = PhaseTimes(f=f, i=0.0, w=0.0, f_comm=gemm.f_comm)
     extra, extra_comm = _recompute(job, layout, tokens, kind, forward, core_f=core_f, tp_f=tp_f, ew_f=ew_f,
                                    mlp=parts[1])
-    return PhaseTimes(f=f, i=gemm.i + core_b + ew_b + tp_i + extra, w=gemm.w, f_comm=gemm.f_comm,
+    return PhaseTimes(f=f, i=gemm.i + core_b + ew_b + tp_i + extra + beside_b, w=gemm.w, f_comm=gemm.f_comm,
                       i_comm=gemm.i_comm + extra_comm)
+
+
+def _attention(job: Job, layout: Layout, kind: str, tokens: int) -> tuple[PhaseTimes, float, float, float, float]:
+    """The attention of one layer of ``kind`` on ``tokens`` (the micro-batch's on this GPU's cp shard): its GEMMs,
+    its core's forward and backward seconds (with the cp exchanges beside it), and what else runs in F and in I:
+    under DeepSeek's sparse attention the indexer (F only) and, under cp, the latent keys' gather (no ring). A sparse
+    core runs MLA in its MQA mode (:func:`~pipeloom.plan.cluster.counts.sparse_core_dims`), its latent absorbed per
+    head (:func:`~pipeloom.plan.cluster.indexer.absorbed_gemms`) in place of the keys' up-projection."""
+    spec, a, tp, cp = job.spec, job.spec.attention, layout.tp, layout.cp
+    absorbed = a.latent and is_sparse(kind)
+    gemms = _price(job, _gemms(spec, tp, absorbed=absorbed), tokens)
+    dims = sparse_core_dims(spec) if absorbed else (a.qk_dim, a.v_dim)
+    window = attended_window(spec, kind)
+    core_f, core_b = (_attention_core(job, layout, window, dims, backward=backward) for backward in (False, True))
+    beside_f = (_price(job, indexer_gemms(spec), tokens).f + indexer_score_seconds(job, layout)
+                if has_indexer(kind) else 0.0)
+    beside_b = 0.0
+    if absorbed:
+        gemms = add_times(gemms, _price(job, absorbed_gemms(spec), tokens, count=max(1, a.heads // tp)))
+        gather_f, beside_b = latent_exchange_seconds(job, layout, tokens) if cp > 1 else (0.0, 0.0)
+        beside_f += gather_f
+    elif cp > 1:
+        core_f, core_b = context_parallel_core(job.hw, a, rotate=job.cp_rotate, tp=tp, cp=cp, tokens=tokens,
+                                               core_f=core_f, core_b=core_b)
+    return gemms, core_f, core_b, beside_f, beside_b
 
 
 def _recompute(job: Job, layout: Layout, tokens: int, kind: str, forward: PhaseTimes, *, core_f: float,
@@ -172,14 +198,14 @@ def _recompute(job: Job, layout: Layout, tokens: int, kind: str, forward: PhaseT
                                mlp=mlp)
 
 
-def _attention_core(job: Job, layout: Layout, window: int, *, backward: bool) -> float:
+def _attention_core(job: Job, layout: Layout, window: int, dims: tuple[int, int], *, backward: bool) -> float:
     """Seconds of one layer's attention core on one GPU of ``layout``, forward or backward, in ``job.attention``'s
-    kernels (``window``: the layer's sliding window or chunk, 0 for none; scores in HBM compute the masked square
-    whole):
+    kernels (``window``: the layer's sliding window, chunk or top-k, 0 for none; scores in HBM compute the masked
+    square whole; ``dims``: the query-key and value dimensions per head):
     the cp shard's queries attend to the whole sequence (or window), 1/cp of the causal triangle or band
     (load-balanced halves)."""
     hw, a = job.hw, job.spec.attention
-    heads, head_dim = max(1, a.heads // layout.tp), (a.qk_dim + a.v_dim) // 2
+    heads, head_dim = max(1, a.heads // layout.tp), sum(dims) // 2
     if job.attention == "materialized":
         return materialized_attention_seconds(hw, batch=layout.mbs, heads=heads, seq=job.seq, head_dim=head_dim,
                                               backward=backward) / layout.cp
@@ -221,9 +247,9 @@ def _moe_times(job: Job, layout: Layout, tokens: int) -> PhaseTimes:
     parts.append(_price(job, _mlp(spec, ex.intermediate, 1, gated=True), per_expert, count=experts_here))
     a2a = {"F": 0.0, "I": 0.0}
     if ep > 1 and job.moe_comm == "deepseek":
-        a2a["F"] = a2a["I"] = _deepseek_all_to_all(job, layout, local)
+        a2a["F"] = a2a["I"] = deepseek_all_to_all(job, layout, local)
     elif ep > 1 and job.moe_comm == "hybridep":
-        a2a["F"] = a2a["I"] = _hybridep_all_to_all(job, layout, local)
+        a2a["F"] = a2a["I"] = hybridep_all_to_all(job, layout, local)
     elif ep > 1:  # the runtime's all-to-alls of this GPU's tokens (16-bit rows and weights)
         exchanges = moe_exchanges(tokens=local, hidden=spec.hidden, top_k=ex.top_k, ep=ep, dtype_bytes=2,
                                   experts=ex.count)
@@ -350,41 +376,3 @@ def compute_share(hw: Hardware) -> Hardware:
         return hw
     share = left / hw.sm_count
     return dataclasses.replace(hw, sm_count=left, peak_flops={k: v * share for k, v in hw.peak_flops.items()})
-
-
-def _deepseek_all_to_all(job: Job, layout: Layout, local: int) -> float:
-    """Seconds of one pass's dispatch and combine with DeepSeek-V3's kernels (report sec. 3.2.2, 3.3.4): the
-    dispatch in FP8 (1 byte and a 4-byte scale per 128 elements), the combine in bf16; each token crosses
-    InfiniBand once per node it is routed to (to the GPU of the same in-node index, which forwards it over
-    NVLink), and group-limited routing caps those nodes at ``group_top_k`` groups' nodes (4 for DeepSeek-V3,
-    whose 8 groups are its 8 nodes under ep = 64). Per token, the NIC carries ``reach · (D-1)/D`` copies (D
-    nodes in the ep group, uniform routing) and NVLink ``top_k · (r-1)/r``; the two run at once, as in
-    :func:`~pipeloom.plan.cluster.efficiency.collective_seconds`'s all-to-all."""
-    ex = job.spec.experts
-    assert ex is not None
-    r = domain_ranks(layout.ep, 1, job.hw)
-    nodes = layout.ep // r
-    reach = min(ex.top_k, nodes)
-    if ex.group_top_k:
-        reach = min(reach, ex.group_top_k * math.ceil(nodes / ex.groups))
-    return node_dispatch_seconds(job.hw, tokens=local, hidden=job.spec.hidden, top_k=ex.top_k, ranks=layout.ep,
-                                 remote=reach * (nodes - 1) / nodes, widths=(FP8_BYTES, 2.0))
-
-
-def _hybridep_all_to_all(job: Job, layout: Layout, local: int) -> float:
-    """Seconds of one pass's dispatch and combine with NVIDIA's Hybrid-EP kernels (DeepEP's ``hybrid-ep``
-    branch, ``docs/Hybrid-EP_Implementation.md``; Megatron-Core's flex dispatcher with
-    ``moe_flex_dispatcher_backend="hybridep"``): as DeepSeek-V3's, a token crosses InfiniBand once to each other
-    node that holds any of its experts (to the GPU of its in-node index, whose RDMA buffer holds one copy per
-    token and remote node) and fans out over NVLink there; both ways in bf16 (its FP8 dispatch is an option the
-    recipes do not set). With uniform routing over ``E`` experts on ``D`` nodes, a token reaches each other node
-    with probability ``1 - C(E - E/D, k) / C(E, k)``. The SMs its persistent kernels hold are not priced (their
-    count is a launch setting no recipe publishes)."""
-    ex = job.spec.experts
-    assert ex is not None
-    r = domain_ranks(layout.ep, 1, job.hw)
-    nodes = layout.ep // r
-    per_node = ex.count // nodes
-    missed = math.comb(ex.count - per_node, ex.top_k) / math.comb(ex.count, ex.top_k)
-    return node_dispatch_seconds(job.hw, tokens=local, hidden=job.spec.hidden, top_k=ex.top_k, ranks=layout.ep,
-                                 remote=(nodes - 1) * (1 - missed), widths=(2.0, 2.0))

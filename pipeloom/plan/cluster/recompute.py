@@ -41,7 +41,7 @@ from pipeloom.plan.cluster.counts import (
     mtp_block,
     norm_stats,
 )
-from pipeloom.plan.cluster.kinds import block_kind
+from pipeloom.plan.cluster.model.kinds import block_kind
 from pipeloom.plan.cluster.model.spec import ModelSpec
 from pipeloom.plan.errors import LayoutError
 

@@ -55,14 +55,15 @@ keeps that whole storage (k's no-rope part too).
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 
 import pytest
 from tests.plan.cluster.tiny import TINY, tiny_config, tiny_model
 
 from pipeloom.plan.cluster import layer_counts, model_spec
-from pipeloom.plan.cluster.counts import MASK_BYTES, index_bytes
-from pipeloom.plan.cluster.kinds import block_kind, layer_kinds
+from pipeloom.plan.cluster.counts import MASK_BYTES
+from pipeloom.plan.cluster.model.kinds import block_kind, layer_kinds
 from pipeloom.plan.cluster.runtime_plan import LAYER_PREFIX
 
 torch = pytest.importorskip("torch")
@@ -91,8 +92,8 @@ MOE_FAMILIES = {"qwen3_moe": "sdpa", "mixtral": "sdpa", "olmoe": "sdpa", "deepse
                 "hunyuan_v1_moe": "sdpa", "deepseek_v32": "eager", "glm_moe_dsa": "eager"}  # the attention each
 # runs (gpt-oss's sinks, MLA's head dims: no sdpa path)
 _SPARSE = ("deepseek_v32", "glm_moe_dsa")  # DeepSeek's sparse attention: transformers keeps none of its indexer's
-# work (its forward runs under no_grad, its top-k only masks the scores), where the model keeps the top-k indices a
-# sparse kernel reads again in the backward (int32, topk per token, in a layer that runs an indexer)
+# work (its forward runs under no_grad, its top-k only masks the scores) and runs MLA as DeepSeek-V3 does, where the
+# model counts the sparse kernel's MQA mode and the top-k indices it reads again in the backward
 _STAT, _INDEX = 4, 8  # bytes of an fp32 statistic, of an int64 index
 _ROTARY_CAT = ("phi3", "glm4", "glm4_moe", "gpt_neox", "minimax_m2")
 _INTERLEAVED_ROTARY = {"ernie4_5": 1.0, "ernie4_5_moe": 1.0, "glm4": 0.5, "helium": 1.0}  # the share of qk_dim
@@ -291,10 +292,12 @@ def test_moe_and_mla_activation_bytes_equal_saved_tensors(family, mode):
     config, per_layer = _saved_per_layer(family, mode, attention)
     spec = model_spec(config)
     expected = []
-    for n, kind in enumerate(layer_kinds(spec)):
-        keep = layer_counts(spec, kind, SEQ, width=WIDTH).activations[mode].per_gpu(tp=1, cp=1, sp=False)
-        expected.append(BATCH * SEQ * (keep + _eager_extra(spec, mode, block_kind(kind), config, attention)
-                                       - (index_bytes(spec, kind) if mode != "full" else 0))
+    # DeepSeek's sparse attention: transformers runs its MLA as DeepSeek-V3's (the model's MQA-mode kernel and its
+    # kept choice are checked in test_cluster_sparse against these counts)
+    counted = dataclasses.replace(spec, indexer=None, indexer_layers=()) if family in _SPARSE else spec
+    for n, kind in enumerate(layer_kinds(counted)):
+        keep = layer_counts(counted, kind, SEQ, width=WIDTH).activations[mode].per_gpu(tp=1, cp=1, sp=False)
+        expected.append(BATCH * SEQ * (keep + _eager_extra(spec, mode, block_kind(kind), config, attention))
                         + _query_scale(spec, mode, n))
     assert spec.moe_layers and per_layer == expected
 

@@ -16,9 +16,9 @@ from pipeloom.plan.cluster.efficiency import attention_seconds
 from pipeloom.plan.cluster.elementwise import layer_elementwise
 from pipeloom.plan.cluster.gpus import hardware
 from pipeloom.plan.cluster.job import Job
-from pipeloom.plan.cluster.kinds import layer_kinds
 from pipeloom.plan.cluster.layer_time import layer_times
 from pipeloom.plan.cluster.layout import Layout
+from pipeloom.plan.cluster.model.kinds import layer_kinds
 
 # Llama 4 Maverick's language model: Scout's (transformers' defaults) with 128 experts on every second layer and no
 # q/k norm (meta-llama/Llama-4-Maverick-17B-128E's text_config)

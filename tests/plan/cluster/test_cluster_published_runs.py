@@ -41,7 +41,7 @@ def test_the_megatron_bridge_rows_models_count_as_their_cards_say():
     parameters their names and cards give: Qwen3-235B-A22B 235B with 22B active, Qwen3-30B-A3B 30.5B with 3.3B,
     gpt-oss-120b 116.8B, Llama 4 Scout's language model 107.8B with 17.2B (its card: 17B active)."""
     from pipeloom.plan.cluster.counts import layer_counts
-    from pipeloom.plan.cluster.kinds import layer_kinds
+    from pipeloom.plan.cluster.model.kinds import layer_kinds
     from pipeloom.plan.cluster.model.reader import model_spec
 
     def billions(name: str) -> tuple[float, float]:

@@ -17,9 +17,9 @@ from pipeloom.plan.cluster.counts import attended_fraction, layer_counts
 from pipeloom.plan.cluster.estimate import Estimator
 from pipeloom.plan.cluster.gpus import hardware
 from pipeloom.plan.cluster.job import Job
-from pipeloom.plan.cluster.kinds import layer_kinds
 from pipeloom.plan.cluster.layer_time import layer_times
 from pipeloom.plan.cluster.layout import Layout
+from pipeloom.plan.cluster.model.kinds import layer_kinds
 from pipeloom.plan.cluster.placement import stage_send_seconds
 
 # DeepSeek-V3.2-Exp's attention and indexer (its config.json), 4 layers: one dense, three MoE of 16 experts
@@ -57,42 +57,66 @@ def test_indexer_layers_are_transformers_own(fields):
 def test_the_indexer_adds_its_weights_forward_and_choice():
     """A layer with an indexer: its weights (``wq_b``, ``wk``, ``weights_proj`` and the key's LayerNorm), its
     forward's projections and scores over the full square (none of it in I or W), and the int32 top-k it keeps
-    except under full recomputation; a GLM-5 layer that reuses the choice adds nothing but the attention's band."""
+    except under full recomputation; a GLM-5 layer that reuses the choice adds none of that. Both run their core
+    in MLA's MQA mode (DeepSeek-V3.2 report sec. 2.1): per query and kept key ``2 heads (2 kv_rank + rope)`` FLOPs
+    (the absorbed query against the latent key, the latent value), where transformers' MLA multiplies
+    ``2 heads (qk + v)`` over the whole square; they keep the absorbed queries, the latent output, the no-rope
+    queries and the output per head, and the one latent key with its rope part."""
     spec = model_spec(V32)
-    seq, ix, h, q_rank = 4096, spec.indexer, spec.hidden, spec.attention.q_rank
+    seq, ix, h, a = 4096, spec.indexer, spec.hidden, spec.attention
     assert layer_kinds(spec) == ("dense-sparse",) + ("moe-sparse",) * 3
     sparse, dense = layer_counts(spec, "moe-sparse", seq), layer_counts(_dense(spec), "moe", seq)
-    weights = q_rank * ix.heads * ix.dim + h * ix.dim + h * ix.heads
+    weights = a.q_rank * ix.heads * ix.dim + h * ix.dim + h * ix.heads
     assert sparse.params - dense.params == weights + 2 * ix.dim
     assert sparse.f - dense.f == 2 * seq * weights + 2 * seq * seq * ix.heads * (ix.dim + 1)
     assert (sparse.i, sparse.w, sparse.attention_f) == (dense.i, dense.w, dense.attention_f)
-    assert sparse.attended_f == dense.attention_f * attended_fraction(seq, ix.topk) < dense.attended_f
+    mqa = 2 * seq * seq * a.heads * (2 * a.kv_rank + a.rope_dim)  # 3.4 x transformers' per query and key
+    assert sparse.attended_f == mqa * attended_fraction(seq, ix.topk)
+    kept = 2 * a.heads * ((a.kv_rank + a.rope_dim) + a.kv_rank + (a.qk_dim - a.rope_dim) + a.v_dim)
+    transformers_kept = 2 * a.heads * (2 * a.qk_dim + 2 * a.v_dim)  # q, k, v, the output
     for mode in ("none", "selective"):
-        assert sparse.activations[mode].replicated - dense.activations[mode].replicated == 4 * ix.topk
+        got, base = sparse.activations[mode], dense.activations[mode]
+        assert got.tensor - base.tensor == kept - transformers_kept
+        assert got.replicated - base.replicated == 4 * ix.topk + 2 * a.rope_dim
     assert sparse.activations["full"] == dense.activations["full"]
-    assert sparse.model_flops < dense.model_flops
     reused = layer_counts(spec, "moe-reused", seq)
-    assert (reused.params, reused.f, reused.activations) == (dense.params, dense.f, dense.activations)
-    assert reused.attended_f == sparse.attended_f
+    assert (reused.params, reused.f, reused.attended_f) == (dense.params, dense.f, sparse.attended_f)
+    assert reused.activations["none"].replicated == sparse.activations["none"].replicated - 4 * ix.topk
 
 
 def test_sparse_layers_cost_more_at_short_sequences_and_less_at_long_ones():
-    """Up to ``index_topk`` tokens the top-k attention reads every earlier key, so a sparse layer costs its
-    indexer's forward more than the dense one, and its backward the same; far beyond it the band it attends to is
-    a fraction of the triangle and the layer is faster, the indexer's scores included."""
+    """Up to ``index_topk`` tokens the top-k attention reads every earlier key, in the MQA mode's wider heads, so a
+    sparse layer costs more than the dense one both ways, its indexer on top; far beyond it the band it attends to
+    is a fraction of the triangle and the layer is faster, the indexer's scores included, and so are its model
+    FLOPs. A layer reusing the choice runs no indexer."""
     spec = model_spec(V32)
     for seq, faster in ((2048, False), (32768, True)):
         job = Job(spec=spec, hw=hardware("h100"), gpus=8, global_batch=8, seq=seq)
         plain = dataclasses.replace(job, spec=_dense(spec))
         sparse, dense = layer_times(job, LAYOUT, "moe-sparse"), layer_times(plain, LAYOUT, "moe")
         assert (sparse.f + sparse.i < dense.f + dense.i) is faster
-        assert sparse.w == dense.w
         if not faster:
-            assert sparse.f > dense.f and sparse.i == dense.i
+            assert sparse.f > dense.f and sparse.i > dense.i
         reused = layer_times(job, LAYOUT, "moe-reused")
         assert reused.f < sparse.f and reused.i == sparse.i
     long = Job(spec=spec, hw=hardware("h100"), gpus=8, global_batch=8, seq=32768)
     assert Estimator(long).model_flops < Estimator(dataclasses.replace(long, spec=_dense(spec))).model_flops
+
+
+def test_context_parallelism_gathers_the_latent_keys():
+    """Under cp a sparse layer gathers the whole sequence's latent and indexer keys (``kv_rank + rope + dim`` a
+    token) before its kernels and reduce-scatters the latent keys' gradients, where a dense MLA layer passes every
+    head's keys and values around a ring: the sparse layer's exchange is priced on the gather, the same in every
+    rotation."""
+    spec = model_spec(V32)
+    job = Job(spec=spec, hw=hardware("h100"), gpus=16, global_batch=16, seq=32768)
+    one, two = (Layout(dp=16 // cp, cp=cp, mbs=1, recompute="none", schedule="1f1b") for cp in (1, 2))
+    whole, shard = layer_times(job, one, "moe-reused"), layer_times(job, two, "moe-reused")
+    allgather = dataclasses.replace(job, cp_rotate="allgather")
+    assert layer_times(allgather, two, "moe-reused") == shard
+    assert shard.f < whole.f and shard.i < whole.i
+    assert layer_times(dataclasses.replace(job, spec=_dense(spec)), two, "moe") != \
+        layer_times(dataclasses.replace(allgather, spec=_dense(spec)), two, "moe")
 
 
 def test_shared_layers_send_their_choice_between_stages():
@@ -124,3 +148,19 @@ def test_the_command_says_which_layers_run_an_indexer(tmp_path, capsys):
     path.write_text(json.dumps(dict(v3, model_type="deepseek_v3")))
     assert main([*argv, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["model"]["sparse_attention"] is None
+
+
+def test_the_command_says_how_context_parallelism_exchanges_the_keys(tmp_path, capsys):
+    """Under cp the report's assumptions name the latent keys' all-gather, and a --cp-rotate given (which prices
+    dense attention's exchange) is noted as changing nothing."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(V32))
+    argv = ["plan", "--model", str(path), "--hardware", "h100", "--gpus", "16", "--global-batch", "16", "--seq",
+            "32768", "--layout", "cp=2,tp=1,pp=1"]
+    assert main([*argv, "--cp-rotate", "ring"]) == 0
+    out = capsys.readouterr().out
+    assert "context parallelism by all-gather of the latent keys (DeepSeek's sparse attention)" in out
+    assert ("note: --cp-rotate ring changes nothing on the chosen layout, which runs DeepSeek's sparse attention, "
+            "which all-gathers its latent keys") in out
+    assert main(argv) == 0
+    assert "note: --cp-rotate" not in capsys.readouterr().out

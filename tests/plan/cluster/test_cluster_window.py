@@ -17,9 +17,9 @@ from pipeloom.plan.cluster.efficiency import attention_seconds
 from pipeloom.plan.cluster.estimate import Estimator
 from pipeloom.plan.cluster.gpus import hardware
 from pipeloom.plan.cluster.job import Job
-from pipeloom.plan.cluster.kinds import layer_kinds
 from pipeloom.plan.cluster.layer_time import layer_times
 from pipeloom.plan.cluster.layout import Layout
+from pipeloom.plan.cluster.model.kinds import layer_kinds
 
 # Mistral 7B v0.1's shape (its model card's config.json: sliding_window 4096 on every layer)
 MISTRAL = dict(model_type="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,

@@ -18,7 +18,7 @@ import pytest
 from tests.plan.cluster.tiny import TINY, tiny_config, tiny_model
 
 from pipeloom.plan.cluster import layer_counts, model_spec
-from pipeloom.plan.cluster.kinds import layer_kinds
+from pipeloom.plan.cluster.model.kinds import layer_kinds
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
