@@ -117,8 +117,9 @@ class LayerCounts:
     def model_flops(self) -> float:
         """The layer's model FLOPs for one sequence: every matmul once (no recomputation) and the attention core's
         forward and backward over what a causal kernel computes (``attended_f``: the triangle, as the Llama 3 and
-        DeepSeek reports count, a sliding window's band, or a sparse attention's top-k keys), where F and I hold the
-        full square once and twice; an indexer's scores over their causal triangle, forward only."""
+        DeepSeek reports count, a sliding window's band, or a sparse attention's top-k keys, at MLA's per-head
+        products: the MQA mode's extra FLOPs, like recomputation's, are priced but not counted), where F and I hold
+        the full square once and twice; an indexer's scores over their causal triangle, forward only."""
         return self.f + self.i + self.w - 3 * (self.attention_f - self.attended_f) - self.index_f / 2
 
 
@@ -222,14 +223,6 @@ def _attention_activations(spec: ModelSpec, width: int, kind: str = "dense") -> 
             replicated + width * a.rope_dim
     tensor = width * (qkv + a.heads * a.v_dim) + STAT_BYTES * stats
     return sequence, tensor, replicated
-
-
-def _attended_flops(spec: ModelSpec, kind: str, seq: int, window: int) -> float:
-    """Forward FLOPs of what a layer of ``kind``'s attention kernel computes on one sequence: the causal triangle or
-    the band of its ``window`` (a sparse layer's top-k: in MLA's MQA mode, :func:`sparse_core_dims`)."""
-    a = spec.attention
-    dims = sparse_core_dims(spec) if a.latent and is_sparse(kind) else (a.qk_dim, a.v_dim)
-    return 2.0 * seq * seq * a.heads * sum(dims) * attended_fraction(seq, window, chunked=spec.chunked)
 
 
 def sparse_core_dims(spec: ModelSpec) -> tuple[int, int]:
@@ -372,7 +365,7 @@ def layer_counts(spec: ModelSpec, kind: str, seq: int, *, width: int = 2) -> Lay
     full = Activations(sequence=float(width * h), tensor=0.0)  # only the layer's input
     return LayerCounts(kind=layer, params=params, expert_params=expert_params,
                        f=linear + core + 2.0 * seq * index_mm + index_f, i=linear + 2 * core, w=linear,
-                       attention_f=core, attended_f=_attended_flops(spec, layer, seq, window),
+                       attention_f=core, attended_f=core * attended_fraction(seq, window, chunked=spec.chunked),
                        activations={"none": none, "selective": selective, "full": full}, index_f=index_f)
 
 

@@ -57,11 +57,10 @@ def test_indexer_layers_are_transformers_own(fields):
 def test_the_indexer_adds_its_weights_forward_and_choice():
     """A layer with an indexer: its weights (``wq_b``, ``wk``, ``weights_proj`` and the key's LayerNorm), its
     forward's projections and scores over the full square (none of it in I or W), and the int32 top-k it keeps
-    except under full recomputation; a GLM-5 layer that reuses the choice adds none of that. Both run their core
-    in MLA's MQA mode (DeepSeek-V3.2 report sec. 2.1): per query and kept key ``2 heads (2 kv_rank + rope)`` FLOPs
-    (the absorbed query against the latent key, the latent value), where transformers' MLA multiplies
-    ``2 heads (qk + v)`` over the whole square; they keep the absorbed queries, the latent output, the no-rope
-    queries and the output per head, and the one latent key with its rope part."""
+    except under full recomputation; a GLM-5 layer that reuses the choice adds none of that. Both attend to the
+    top-k band and run their core in MLA's MQA mode (DeepSeek-V3.2 report sec. 2.1), which keeps the absorbed
+    queries, the latent output, the no-rope queries and the output per head, and the one latent key with its rope
+    part."""
     spec = model_spec(V32)
     seq, ix, h, a = 4096, spec.indexer, spec.hidden, spec.attention
     assert layer_kinds(spec) == ("dense-sparse",) + ("moe-sparse",) * 3
@@ -70,8 +69,8 @@ def test_the_indexer_adds_its_weights_forward_and_choice():
     assert sparse.params - dense.params == weights + 2 * ix.dim
     assert sparse.f - dense.f == 2 * seq * weights + 2 * seq * seq * ix.heads * (ix.dim + 1)
     assert (sparse.i, sparse.w, sparse.attention_f) == (dense.i, dense.w, dense.attention_f)
-    mqa = 2 * seq * seq * a.heads * (2 * a.kv_rank + a.rope_dim)  # 3.4 x transformers' per query and key
-    assert sparse.attended_f == mqa * attended_fraction(seq, ix.topk)
+    # the model FLOPs count MLA's per-head products over the top-k band (the MQA mode's are priced, not counted)
+    assert sparse.attended_f == dense.attention_f * attended_fraction(seq, ix.topk) < dense.attended_f
     kept = 2 * a.heads * ((a.kv_rank + a.rope_dim) + a.kv_rank + (a.qk_dim - a.rope_dim) + a.v_dim)
     transformers_kept = 2 * a.heads * (2 * a.qk_dim + 2 * a.v_dim)  # q, k, v, the output
     for mode in ("none", "selective"):
