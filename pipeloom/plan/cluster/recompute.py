@@ -41,7 +41,7 @@ from pipeloom.plan.cluster.counts import (
     mtp_block,
     norm_stats,
 )
-from pipeloom.plan.cluster.model.kinds import block_kind
+from pipeloom.plan.cluster.model.kinds import block_kind, is_sparse
 from pipeloom.plan.cluster.model.spec import ModelSpec
 from pipeloom.plan.errors import LayoutError
 
@@ -173,12 +173,12 @@ def _block(selective: str, spec: ModelSpec, kind: str) -> Activations:
     """What one token keeps in a decoder layer of ``kind`` under the policy ``selective`` (not ``layer``); a layer
     running an indexer keeps its choice under every policy (:func:`~pipeloom.plan.cluster.counts.index_bytes`)."""
     if selective == "deepseek":
-        kept = deepseek_activations(spec, block_kind(kind))
-    elif selective == "op" and block_kind(kind) == "dense":
+        return deepseek_activations(spec, kind)
+    if selective == "op" and block_kind(kind) == "dense":
         kept = op_activations(spec)
-    else:
-        return megatron_activations(spec, kind, layer_modules(selective))  # from the counts: the choice is in them
-    return Activations(sequence=kept.sequence, tensor=kept.tensor, replicated=kept.replicated + index_bytes(spec, kind))
+        return Activations(sequence=kept.sequence, tensor=kept.tensor,
+                           replicated=kept.replicated + index_bytes(spec, kind))
+    return megatron_activations(spec, kind, layer_modules(selective))  # from the counts: the choice is in them
 
 
 def op_activations(spec: ModelSpec, *, width: int = 2) -> Activations:
@@ -216,11 +216,15 @@ def deepseek_activations(spec: ModelSpec, kind: str) -> Activations:
     and its output recomputed; the inputs of the other linear layers (the experts' dispatched tokens, a dense
     MLP's down-projection input) are cached in FP8. Statistics: the attention's log-sum-exp per head and the
     router's fp32 scores. Only the low-rank paths of MLA and a gated MLP are described; another model is
-    priced by its :mod:`counts` activations."""
+    priced by its :mod:`counts` activations. A layer of DeepSeek's sparse attention runs its core in MLA's MQA mode
+    (:func:`~pipeloom.plan.cluster.counts.sparse_core_dims`): the kernel's latent output is kept (``kv_rank`` a
+    head, the value up-projection's input, which recomputes the output projection's), and its top-k indices."""
     a, h = spec.attention, spec.hidden
     sequence = 2 * (2.0 * h)  # the two norms' inputs (bf16), their outputs and 1/rms recomputed
     latents = 2.0 * (a.q_rank + a.kv_rank + a.rope_dim) if a.latent else 0.0
-    tensor = latents + _E5M6 * a.heads * a.v_dim + 4.0 * a.heads
+    output = a.kv_rank if a.latent and is_sparse(kind) else a.v_dim
+    tensor = latents + _E5M6 * a.heads * output + 4.0 * a.heads
+    replicated, kind = index_bytes(spec, kind), block_kind(kind)
     if kind == "moe":
         ex = spec.experts
         assert ex is not None, "moe layer of a dense model"
@@ -230,4 +234,4 @@ def deepseek_activations(spec: ModelSpec, kind: str) -> Activations:
                    + 4.0 * ex.count)
     else:  # a dense gated MLP: the SwiGLU input in bf16, its output (the down projection's input) in FP8
         tensor += 2.0 * 2 * spec.intermediate + FP8_BYTES * spec.intermediate
-    return Activations(sequence=sequence, tensor=tensor)
+    return Activations(sequence=sequence, tensor=tensor, replicated=replicated)

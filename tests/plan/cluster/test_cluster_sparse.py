@@ -163,3 +163,18 @@ def test_the_command_says_how_context_parallelism_exchanges_the_keys(tmp_path, c
             "which all-gathers its latent keys") in out
     assert main(argv) == 0
     assert "note: --cp-rotate" not in capsys.readouterr().out
+
+
+def test_deepseeks_recomputation_keeps_the_latent_output_and_the_choice():
+    """Under DeepSeek-V3's recomputation (``--selective deepseek``) a sparse layer keeps the MQA kernel's latent
+    output in E5M6 (``kv_rank`` a head, where DeepSeek-V3's layer keeps its ``v_dim`` output; the output projection's
+    input is recomputed from it) and, where it runs an indexer, the top-k indices."""
+    from pipeloom.plan.cluster.recompute import deepseek_activations
+
+    spec = model_spec(V32)
+    a, dense = spec.attention, deepseek_activations(_dense(spec), "moe")
+    sparse, reused = deepseek_activations(spec, "moe-sparse"), deepseek_activations(spec, "moe-reused")
+    e5m6 = 1.5  # bytes of DeepSeek-V3's 12-bit activation format
+    assert sparse.tensor - dense.tensor == reused.tensor - dense.tensor == e5m6 * a.heads * (a.kv_rank - a.v_dim)
+    assert (sparse.replicated, reused.replicated, dense.replicated) == (4 * spec.indexer.topk, 0, 0)
+    assert sparse.sequence == dense.sequence
