@@ -101,6 +101,15 @@ def _cached_config(repo: Path) -> Path | None:
     return snapshots[0] if snapshots else None
 
 
+_DEEPSEEK_V32: dict[str, Any] = {
+    "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+    "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1,
+    "n_routed_experts": 256, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "qk_nope_head_dim": 128, "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
+    "attention_bias": False, "tie_word_embeddings": False, "index_topk": 2048, "index_head_dim": 128,
+    "index_n_heads": 64}
+"""transformers' DeepSeek-V3.2 configuration defaults, which GLM-5's (``glm_moe_dsa``) derive from."""
+
 FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
               "vocab_size": 32000, "attention_bias": False, "mlp_bias": False},
@@ -170,20 +179,11 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                       "q_lora_rank": 768, "qk_rope_head_dim": 64, "v_head_dim": 256, "qk_nope_head_dim": 192,
                       "n_group": 1, "topk_group": 1, "num_experts_per_tok": 4, "attention_bias": False,
                       "tie_word_embeddings": False},
-    "deepseek_v32": {"vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
-                     "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128,
-                     "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256, "kv_lora_rank": 512,
-                     "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128,
-                     "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
-                     "attention_bias": False, "tie_word_embeddings": False, "index_topk": 2048, "index_head_dim": 128,
-                     "index_n_heads": 64},
-    "glm_moe_dsa": {"vocab_size": 154880, "hidden_size": 6144, "intermediate_size": 12288,
-                    "moe_intermediate_size": 2048, "num_hidden_layers": 78, "num_attention_heads": 64,
-                    "num_key_value_heads": 64, "n_shared_experts": 1, "n_routed_experts": 256, "kv_lora_rank": 512,
-                    "q_lora_rank": 2048, "qk_rope_head_dim": 64, "v_head_dim": 256, "qk_nope_head_dim": 192,
-                    "n_group": 1, "topk_group": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
-                    "attention_bias": False, "tie_word_embeddings": False, "index_topk": 2048, "index_head_dim": 128,
-                    "index_n_heads": 32},
+    "deepseek_v32": _DEEPSEEK_V32,
+    # GLM-5: transformers' configuration class derives from DeepSeek-V3.2's, these the fields it sets anew
+    "glm_moe_dsa": {**_DEEPSEEK_V32, "vocab_size": 154880, "hidden_size": 6144, "intermediate_size": 12288,
+                    "num_hidden_layers": 78, "num_attention_heads": 64, "num_key_value_heads": 64, "q_lora_rank": 2048,
+                    "v_head_dim": 256, "qk_nope_head_dim": 192, "n_group": 1, "topk_group": 1, "index_n_heads": 32},
     "dots1": {"vocab_size": 152064, "hidden_size": 4608, "intermediate_size": 10944, "moe_intermediate_size": 1408,
               "num_hidden_layers": 62, "num_attention_heads": 32, "num_key_value_heads": 32, "n_group": 1,
               "topk_group": 1, "first_k_dense_replace": 0, "attention_bias": False, "tie_word_embeddings": False},
