@@ -108,7 +108,7 @@ def _remember_exports() -> None:
     that fails is not remembered. Forked processes inherit the programs remembered before the fork."""
     from pipeloom.runtime.model import tracing
 
-    if os.environ.get("PIPELOOM_TEST_EXPORT_MEMO") == "0" or hasattr(tracing._exported, "programs"):
+    if not _memo_on() or hasattr(tracing._exported, "programs"):
         return  # off, or already on (a rank forked from the server inherits the server's)
     original = tracing._exported
     programs: dict[str, object] = {}
@@ -122,6 +122,11 @@ def _remember_exports() -> None:
 
     exported.programs = programs
     tracing._exported = exported
+
+
+def _memo_on() -> bool:
+    """Whether traces are remembered and shared (``PIPELOOM_TEST_EXPORT_MEMO=0`` turns it off)."""
+    return os.environ.get("PIPELOOM_TEST_EXPORT_MEMO") != "0"
 
 
 _LEARNING: dict[str, object] = {}
@@ -255,7 +260,7 @@ def _serve(requests, results) -> None:
 
     torch.set_num_threads(1)  # the ranks run on one thread each; none is started here before they fork
     _remember_exports()
-    if os.environ.get("PIPELOOM_TEST_EXPORT_MEMO") != "0":
+    if _memo_on():
         _LEARNING["folder"] = tempfile.mkdtemp(prefix="pipeloom-rank-server-")
     try:
         _serve_launches(requests, results)
@@ -277,7 +282,7 @@ def _serve_launches(requests, results) -> None:
         except EOFError:
             return
         prepare = getattr(fn, "traces_before_fork", None)
-        if prepare is not None and os.environ.get("PIPELOOM_TEST_EXPORT_MEMO") != "0":
+        if prepare is not None and _memo_on():
             with contextlib.suppress(Exception):  # the ranks trace (and report what fails) themselves
                 prepare(*args)
         torch.set_rng_state(seeds[0])
