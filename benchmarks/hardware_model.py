@@ -17,6 +17,10 @@ from pipeloom.plan.cluster.efficiency import (
     gemm_seconds,
 )
 from pipeloom.plan.cluster.gpus import hardware, hardware_names
+from pipeloom.plan.cluster.job import Job
+from pipeloom.plan.cluster.layout import Layout
+from pipeloom.plan.cluster.mixers import gdn_core_seconds
+from pipeloom.plan.cluster.model.reader import model_spec
 
 __all__ = ["REFERENCES", "main"]
 
@@ -25,6 +29,7 @@ _FA3 = "FlashAttention-3 paper (arXiv:2407.08608): BF16 forward up to 740 TFLOP/
 _SDPA = "NVIDIA cudnn-frontend SDPA training benchmark, cuDNN 9.13.1 (128 heads of 128, causal)"
 _NCCL8 = "nccl-tests busbw at large sizes (docs.alayanew.com nccl-tests guide)"
 _NCCL16 = "nccl-tests busbw, 2+ nodes NVLink + NDR IB (saturncloud.io NCCL validation guide)"
+_FLA = "fla README 'Benchmarks' (chunk_gdn, one GB200, bf16, do_bench median; measured at fla 0a48470)"
 
 
 def _gemm(name: str, m: int, n: int, k: int, dtype: str = "bf16") -> float:
@@ -46,6 +51,16 @@ def _attention_causal(name: str, backward: bool) -> float:
     shape = {"batch": 1, "heads": 128, "seq": 32768, "head_dim": 128, "causal": True}
     return (attention_flops(**shape, backward=backward)
             / attention_seconds(hardware(name), **shape, backward=backward) / 1e12)
+
+
+def _gdn(batch: int, seq: int, heads: int, dim: int, backward: bool = False) -> float:
+    """Milliseconds of the chunked gated delta rule as the planner prices it on a GB200 (forward, or forward and
+    backward), at the shape of fla's benchmark (as many key as value heads, no tensor parallelism)."""
+    spec = model_spec({"model_type": "qwen3_next", "linear_num_key_heads": heads, "linear_num_value_heads": heads,
+                       "linear_key_head_dim": dim, "linear_value_head_dim": dim})
+    job = Job(spec=spec, hw=hardware("gb200"), gpus=1, global_batch=batch, seq=seq)
+    forward, back = gdn_core_seconds(job, Layout(dp=1, mbs=batch, recompute="none", schedule="1f1b"))
+    return 1e3 * (forward + back if backward else forward)
 
 
 def _busbw(name: str, ranks: int, per_domain: int) -> float:
@@ -78,6 +93,21 @@ REFERENCES = [
      (1419.0, 1419.0), _SDPA, "no: sets attention_efficiency"),
     ("B200 causal attention backward, s=32k", "TFLOP/s", lambda: _attention_causal("b200", True),
      (1108.7, 1108.7), _SDPA, "no: sets attention_backward_efficiency"),
+    ("GB200 GDN fwd 4x4096 tok, 64 heads of 128", "ms", lambda: _gdn(4, 4096, 64, 128), (1.581, 1.581), _FLA,
+     "no: sets GDN_EFFICIENCY"),
+    ("GB200 GDN fwd+bwd 4x4096 tok, 64 heads of 128", "ms", lambda: _gdn(4, 4096, 64, 128, True), (5.964, 5.964),
+     _FLA, "no: sets GDN_BACKWARD_EFFICIENCY"),
+    ("GB200 GDN fwd 1x8192 tok, 96 heads of 128", "ms", lambda: _gdn(1, 8192, 96, 128), (1.265, 1.265), _FLA, "yes"),
+    ("GB200 GDN fwd+bwd 1x8192 tok, 96 heads of 128", "ms", lambda: _gdn(1, 8192, 96, 128, True), (4.738, 4.738),
+     _FLA, "yes"),
+    ("GB200 GDN fwd 2x16384 tok, 16 heads of 128", "ms", lambda: _gdn(2, 16384, 16, 128), (1.029, 1.029), _FLA,
+     "yes"),
+    ("GB200 GDN fwd+bwd 2x16384 tok, 16 heads of 128", "ms", lambda: _gdn(2, 16384, 16, 128, True), (3.616, 3.616),
+     _FLA, "yes"),
+    ("GB200 GDN fwd 8x2048 tok, 32 heads of 256", "ms", lambda: _gdn(8, 2048, 32, 256), (1.831, 1.831), _FLA,
+     "yes (head dim 256; the rate is head dim 128's)"),
+    ("GB200 GDN fwd 4x2048 tok, 16 heads of 128", "ms", lambda: _gdn(4, 2048, 16, 128), (0.753, 0.753), _FLA,
+     "yes (small: the benchmark's ~0.6 ms launch cost, not priced)"),
     ("8x A100 all-reduce in one node", "GB/s busbw", lambda: _busbw("a100-80gb", 8, 8), (230.0, 250.0), _NCCL8,
      "no: sets scale_up_efficiency"),
     ("8x H100 all-reduce in one node", "GB/s busbw", lambda: _busbw("h100", 8, 8), (460.0, 480.0), _NCCL8,
@@ -94,7 +124,8 @@ def main() -> None:
         value = predict()
         measured = f"{low:g}" if low == high else f"{low:g}-{high:g}"
         ratio = value / ((low + high) / 2)
-        print(f"{what:<46} {unit:<11} {value:>10.1f} {measured:>13} {ratio:>6.2f}  {independent}  [{source}]")
+        digits = 3 if unit == "ms" else 1
+        print(f"{what:<46} {unit:<11} {value:>10.{digits}f} {measured:>13} {ratio:>6.2f}  {independent}  [{source}]")
     print()
     print("Per GPU (priors unless calibrated): cube GEMM TFLOP/s at 1k / 4k / 8k (FP8 at 8k, scaling casts "
           "included); causal attention forward "

@@ -39,7 +39,12 @@ def _experts(spec, layout) -> list[str]:
 
 
 def _window(spec) -> str:
-    """The header's note of sliding-window, chunked or DeepSeek's sparse attention ('' without)."""
+    """The header's note of sliding-window, chunked or DeepSeek's sparse attention, or of Gated DeltaNet layers ('' for
+    none)."""
+    if spec.linear is not None:
+        g = spec.linear
+        return (f", Gated DeltaNet on {len(spec.linear_layers)} of {spec.layers} layers ({g.key_heads} key and "
+                f"{g.value_heads} value heads of {g.key_dim} / {g.value_dim}), attention on the others")
     if spec.indexer is not None:
         ix, own = spec.indexer, len(spec.indexer_layers)
         reused = f", the other {spec.layers - own} reusing the last one's choice" if own < spec.layers else ""
@@ -98,7 +103,9 @@ def _assumes(job, layout, framework: str | None = None, searched: tuple[str, ...
                     + ("beside" if job.tp_overlap else "between") + " the GEMMs (--tp-overlap)")
     if layout.cp > 1:
         said.append("context parallelism by all-gather of the latent keys (DeepSeek's sparse attention)"
-                    if job.spec.indexer is not None else f"context parallelism by {job.cp_rotate} (--cp-rotate)")
+                    if job.spec.indexer is not None else f"context parallelism by {job.cp_rotate} (--cp-rotate)"
+                    + (", Gated DeltaNet's by all-to-all between the sequence and the head split"
+                       if job.spec.linear is not None else ""))
     if layout.ep > 1:
         said.append(f"{job.moe_comm} expert all-to-all (--moe-comm)" + (", overlapped by pairs (--moe-overlap)"
                                                                           if job.overlap_pairs(layout) else ""))

@@ -83,7 +83,7 @@ class ClusterPlan:
                       "sliding_window": self.job.spec.window,
                       "sliding_window_layers": list(self.job.spec.window_layers),
                       "chunked_attention": self.job.spec.chunked, "nope_layers": list(self.job.spec.nope_layers),
-                      "sparse_attention": _sparse(self.job.spec),
+                      "sparse_attention": _sparse(self.job.spec), "linear_attention": _linear(self.job.spec),
                       "residual_dropouts": self.job.spec.residual_dropouts,
                       "embedding_dropout": self.job.spec.embedding_dropout},
             "gpus": self.job.gpus, "global_batch": self.job.global_batch, "seq": self.job.seq,
@@ -92,6 +92,16 @@ class ClusterPlan:
             "memory_limit": self.memory_limit, "candidates": self.candidates,
             "priced": self.priced, "simulated": self.simulated, "seconds": self.seconds,
         }
+
+
+def _linear(spec: ModelSpec) -> dict[str, Any] | None:
+    """The ``--json`` model's Gated DeltaNet (None without): its heads and head dimensions, its convolution's taps and
+    the layers it runs on (attention on the others)."""
+    g = spec.linear
+    if g is None:
+        return None
+    return {"kind": "gated_deltanet", "key_heads": g.key_heads, "value_heads": g.value_heads, "key_dim": g.key_dim,
+            "value_dim": g.value_dim, "conv_kernel": g.conv_kernel, "layers": list(spec.linear_layers)}
 
 
 def _sparse(spec: ModelSpec) -> dict[str, Any] | None:

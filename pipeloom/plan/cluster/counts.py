@@ -4,7 +4,9 @@ parameters, matmul FLOPs of the forward (F), the input-gradient backward (I) and
 
 FLOPs count matrix multiplications only (2 per multiply-add), as ``torch.utils.flop_counter`` does: every
 linear layer, the router, the lm head, and the attention core's two products (QK^T and PV) over the full
-s x s square (a causal kernel skips about half of it: :func:`attention_flops` says both). Norms, activations,
+s x s square (a causal kernel skips about half of it: :func:`attention_flops` says both); in a Gated DeltaNet layer
+the chunked gated delta rule's products and its depthwise convolution instead
+(:mod:`~pipeloom.plan.cluster.model.deltanet`). Norms, activations,
 softmax, rotary embeddings and the loss are not counted (they are memory-bound: the estimator prices them by
 bytes). I is every linear's dX plus the attention core's backward (dQ, dK, dP, dV); W is every weight's dW.
 
@@ -21,10 +23,12 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Literal
 
+from pipeloom.plan.cluster.model.deltanet import linear_activations, linear_flops, linear_weights
 from pipeloom.plan.cluster.model.kinds import (
     attended_window,
     block_kind,
     has_indexer,
+    is_linear,
     is_nope,
     is_sparse,
     layer_kinds,
@@ -32,7 +36,7 @@ from pipeloom.plan.cluster.model.kinds import (
 from pipeloom.plan.cluster.model.spec import ModelSpec
 
 __all__ = ["Recompute", "RECOMPUTE_MODES", "LayerCounts", "Activations", "layer_counts", "attention_flops",
-           "attended_fraction", "indexer_weights", "model_params", "optimizer_bytes", "mtp_block", "mtp_activations",
+           "attended_fraction", "indexer_weights", "model_params", "mtp_block", "mtp_activations",
            "index_bytes", "sparse_core_dims", "STAT_BYTES", "MASK_BYTES", "mlp_activations", "moe_activations",
            "norm_stats"]
 
@@ -150,10 +154,13 @@ def _attention_weights(spec: ModelSpec, kind: str = "dense") -> tuple[int, int]:
         norms = (a.q_rank if a.q_rank else 0) + a.kv_rank
         bias = (a.q_rank + a.kv_rank + a.rope_dim + h) if a.qkv_bias else 0  # q_a, kv_a and o biases
         return q + kv + out, norms + bias
-    q, k, v = a.heads * a.qk_dim, a.kv_heads * a.qk_dim, a.kv_heads * a.v_dim
+    if is_linear(kind):
+        return linear_weights(spec)
+    gate = a.heads * a.v_dim if a.output_gate else 0  # the output gate's columns of the q projection
+    q, k, v = a.heads * a.qk_dim + gate, a.kv_heads * a.qk_dim, a.kv_heads * a.v_dim
     o = a.heads * a.v_dim
-    qk_norms = (0 if a.qk_norm_weightless else q + k if a.qk_norm_full or a.qk_norm_head_weights else
-                2 * a.qk_dim) if _qk_norm(spec, kind) else 0
+    qk_norms = (0 if a.qk_norm_weightless else a.heads * a.qk_dim + k if a.qk_norm_full or a.qk_norm_head_weights
+                else 2 * a.qk_dim) if _qk_norm(spec, kind) else 0
     other = (q + k + v if a.qkv_bias else 0) + (h if a.o_bias else 0) + qk_norms + (a.heads if a.sinks else 0)
     return h * (q + k + v) + o * h, other
 
@@ -221,7 +228,8 @@ def _attention_activations(spec: ModelSpec, width: int, kind: str = "dense") -> 
         # projection's input per head; the one latent key (the kv norm's output with the rotated rope part: rope more)
         return sequence, width * a.heads * (qk + v + a.qk_dim - a.rope_dim + a.v_dim) + STAT_BYTES * stats, \
             replicated + width * a.rope_dim
-    tensor = width * (qkv + a.heads * a.v_dim) + STAT_BYTES * stats
+    gate = 2 * a.heads * a.v_dim if a.output_gate else 0  # the gate, and the gated output the projection reads
+    tensor = width * (qkv + a.heads * a.v_dim + gate) + STAT_BYTES * stats
     return sequence, tensor, replicated
 
 
@@ -296,7 +304,8 @@ def moe_activations(spec: ModelSpec, *, width: int = 2) -> float:
     the copy's fp32 probability and int64 place in the permutation), the router's fp32 probabilities (over the
     experts, or over the top k when its softmax follows the choice; Phi-3.5-MoE's sparsemixer a second softmax over
     the experts and its two chosen probabilities) and the int64 top-k choice; the shared expert(s) like a dense
-    MLP; Phi-3.5-MoE's input jitter its two noise tensors."""
+    MLP, and where a sigmoid gates their output (Qwen2-MoE, Qwen3-Next, Qwen3.5-MoE) that output and the gate, which
+    their product keeps; Phi-3.5-MoE's input jitter its two noise tensors."""
     ex, h = spec.experts, spec.hidden
     assert ex is not None, "moe layer of a dense model"
     copy = width * (2 * h + 3 * ex.intermediate) + STAT_BYTES + _INDEX
@@ -304,7 +313,8 @@ def moe_activations(spec: ModelSpec, *, width: int = 2) -> float:
     if ex.sparsemixer:
         router += STAT_BYTES * (ex.count + 2)
     jitter = 2 * width * h if ex.input_jitter else 0
-    return ex.top_k * copy + router + jitter + mlp_activations(ex.shared_intermediate, gated=True, width=width)
+    gate = width * (h + 1) if ex.shared_gate else 0
+    return ex.top_k * copy + router + jitter + gate + mlp_activations(ex.shared_intermediate, gated=True, width=width)
 
 
 def layer_counts(spec: ModelSpec, kind: str, seq: int, *, width: int = 2) -> LayerCounts:
@@ -313,7 +323,8 @@ def layer_counts(spec: ModelSpec, kind: str, seq: int, *, width: int = 2) -> Lay
     fp32 whatever it is). A windowed kind counts as its block kind but for ``attended_f``; a NoPE kind but for a q/k
     norm that follows the rotary (:attr:`~pipeloom.plan.cluster.model.spec.Attention.qk_norm_with_rope`); a sparse kind
     (:mod:`~pipeloom.plan.cluster.model.kinds`) attends to its top-k keys, and one that runs an indexer adds the
-    indexer's weights, forward and kept choice."""
+    indexer's weights, forward and kept choice; a linear kind runs Gated DeltaNet in the attention's place (its
+    weights, FLOPs and kept bytes: :mod:`~pipeloom.plan.cluster.model.deltanet`)."""
     h = spec.hidden
     window = attended_window(spec, kind)
     layer, kind = kind, block_kind(kind)
@@ -341,15 +352,32 @@ def layer_counts(spec: ModelSpec, kind: str, seq: int, *, width: int = 2) -> Lay
     else:
         raise ValueError(f"unknown layer kind {kind!r}; one of embedding, dense, moe, head, mtp")
     params = attn_mm + attn_other + mlp_mm + mlp_other + spec.layer_norms * _norm(spec)
-    core = attention_flops(spec, seq)
+    mixer = linear_flops(spec, seq) if is_linear(layer) else (0.0, 0.0, 0.0)  # Gated DeltaNet's core and conv
+    core = 0.0 if is_linear(layer) else attention_flops(spec, seq)
     linear = 2.0 * seq * (attn_mm + mlp_mm + routed_mm)
     index_params, index_mm, index_f = _indexer_counts(spec, layer, seq)
-    params += index_params
-    seq_a, tensor_a, latent = _attention_activations(spec, width, layer)
+    none, selective = _kept(spec, layer, width, mlp_keep)
+    full = Activations(sequence=float(width * h), tensor=0.0)  # only the layer's input
+    return LayerCounts(kind=layer, params=params + index_params, expert_params=expert_params,
+                       f=linear + core + 2.0 * seq * index_mm + index_f + mixer[0], i=linear + 2 * core + mixer[1],
+                       w=linear + mixer[2],
+                       attention_f=core, attended_f=core * attended_fraction(seq, window, chunked=spec.chunked),
+                       activations={"none": none, "selective": selective, "full": full}, index_f=index_f)
+
+
+def _kept(spec: ModelSpec, layer: str, width: int, mlp_keep: float) -> tuple[Activations, Activations]:
+    """What one token of a decoder layer of kind ``layer`` keeps without recomputation and under ``selective`` (the
+    attention core's), its MLP keeping ``mlp_keep``."""
+    h, stat = spec.hidden, norm_stats(spec)
+    if is_linear(layer):
+        seq_a, tensor_a = linear_activations(spec, width, stat)
+        latent, statistics = 0.0, 0.0  # Megatron-Core recomputes no part of it under selective (core_attn)
+    else:
+        seq_a, tensor_a, latent = _attention_activations(spec, width, layer)
+        statistics = STAT_BYTES * spec.attention.heads  # flash attention's log-sum-exp
     # + the MLP norm's input and output (+ 1/rms; its input is the attention norm's under a parallel residual,
     # and with one norm before both branches the attention half's counts hold it); a norm after a branch keeps
     # its input (+ 1/rms), its output going into the residual add
-    stat = norm_stats(spec)
     sequence = seq_a
     if not spec.shared_norm:
         mlp_norm = width * (1 if spec.parallel_residual else 2) * h + stat
@@ -360,13 +388,7 @@ def layer_counts(spec: ModelSpec, kind: str, seq: int, *, width: int = 2) -> Lay
     # selective: the attention core runs again in the backward, so only its softmax statistics are not kept:
     # its inputs q, k, v are the recomputation's inputs, its output the output projection's input
     # (with flash attention there are no s x s scores to save: Megatron's selective recompute saves little)
-    selective = Activations(sequence=sequence, tensor=tensor_a + mlp_keep - STAT_BYTES * spec.attention.heads,
-                            replicated=latent)
-    full = Activations(sequence=float(width * h), tensor=0.0)  # only the layer's input
-    return LayerCounts(kind=layer, params=params, expert_params=expert_params,
-                       f=linear + core + 2.0 * seq * index_mm + index_f, i=linear + 2 * core, w=linear,
-                       attention_f=core, attended_f=core * attended_fraction(seq, window, chunked=spec.chunked),
-                       activations={"none": none, "selective": selective, "full": full}, index_f=index_f)
+    return none, Activations(sequence=sequence, tensor=tensor_a + mlp_keep - statistics, replicated=latent)
 
 
 def model_params(spec: ModelSpec) -> int:
@@ -375,19 +397,3 @@ def model_params(spec: ModelSpec) -> int:
     layers = Counter(layer_kinds(spec))
     return sum(count * layer_counts(spec, kind, 1).params for kind, count in (*layers.items(), ("embedding", 1),
                                                                              ("head", 1)))
-
-
-def optimizer_bytes(params: float, *, shards: int = 1, fsdp: bool = False,
-                    grad_bytes: float = 2.0) -> tuple[float, float, float]:
-    """``(weights, gradients, optimizer)`` bytes per GPU of mixed-precision Adam for ``params`` parameters
-    held by this GPU: bf16 weights (2), gradients accumulated in the reduce's dtype (``grad_bytes``: 2 for bf16,
-    4 for fp32, as Megatron-Core's ``main_grad`` buffer and FSDP2's unsharded accumulation keep them), fp32 master
-    weights and two moments (12). The distributed optimizer shards the 12 over ``shards`` data-parallel ranks;
-    FSDP also shards the weights and gradients, 16 bytes a parameter in all whatever the reduce's dtype (FSDP2's
-    fp32 shard is the master, its gradient the same dtype; one layer's weights are gathered at a time: counted by
-    the estimator as buffers).
-    """
-    weights, states = 2.0 * params, 12.0 * params
-    if fsdp:
-        return weights / shards, 2.0 * params / shards, states / shards
-    return weights, grad_bytes * params, states / shards

@@ -30,6 +30,17 @@ with Gemma 2/3's norms after each branch), two
 A MoE layer also permutes each token's top-k copies to their experts and back (read h, write k·h; then read
 k·h, write h), in both passes, in either implementation.
 
+A Gated DeltaNet layer (``linear``: Qwen3-Next, Qwen3.5) has no rotary; its mixer's own kernels, in either
+implementation (Megatron-Core's, the only training framework with the layer): the causal convolution with its SiLU
+(read and write the queries, keys and values: ``2C`` for ``C`` channels; backward read the input and the output
+gradient, write the input gradient: ``3C``), the queries' and keys' L2 norm (``2·2K``; backward ``3·2K``) and their
+repeat to every value head (read ``2K``, write ``2 Hv dk``; backward the sum back), the decay and the write strength
+(read the two scalars per value head, write them: ``4 Hv``; backward ``6 Hv``), the gated RMSNorm with its
+``silu(gate)`` product (read the kernel's output and the gate, write the product: ``3V``; backward read those and
+the output gradient, write two gradients: ``5V``): five kernels each way. An attention layer with an output gate
+(Qwen3-Next, Qwen3.5) multiplies the attention's output by ``sigmoid(gate)`` (read two, write one per element;
+backward read three, write two): one kernel each way.
+
 A residual dropout (a config that trains with one: ``ModelSpec.residual_dropouts``) writes a one-byte mask per
 element of h and its backward reads it: fused, inside the residual add (Megatron's bias-dropout-add: 1 byte more
 each way, no kernel of its own); eager, ``F.dropout`` as a kernel of its own (read 2, write 2 and the mask: 5 bytes
@@ -79,12 +90,13 @@ class Elementwise:
 
 
 def layer_elementwise(spec: ModelSpec, kind: str, *, tp: int = 1, sp: bool = False, kernels: str = "fused",
-                      rotary: bool = True) -> Elementwise:
+                      rotary: bool = True, linear: bool = False) -> Elementwise:
     """The elementwise traffic of one ``dense`` or ``moe`` layer per token of the micro-batch on one GPU of a
     tp group: the residual stream's ops (norms, adds) divided by tp under sequence parallelism, the head and
     MLP-width ops (rotary, activation) by tp always. A MoE layer's activation runs on each token's top-k
     experts plus the shared expert(s). ``rotary``: False for a NoPE layer (no rotary kernels); a model with
-    learned positions has none either way."""
+    learned positions has none either way. ``linear``: a Gated DeltaNet layer (its mixer's kernels, :func:`_mixer`,
+    in place of the attention's rotary, output gate and eager copies)."""
     if kernels not in KERNELS:
         raise LayoutError(f"kernels={kernels!r}: use {' or '.join(map(repr, KERNELS))}")
     if kind not in ("dense", "moe"):
@@ -98,32 +110,46 @@ def layer_elementwise(spec: ModelSpec, kind: str, *, tp: int = 1, sp: bool = Fal
     # a MoE layer permutes each token's k copies to its experts and back (read h, write k·h; read k·h, write h)
     route = 2 * (1 + spec.experts.top_k) * h if kind == "moe" and spec.experts is not None else 0
     qk = (a.heads + a.kv_heads) * a.qk_dim  # the rotated q and k elements
-    rotary = rotary and spec.positions == 0
+    rotary = rotary and spec.positions == 0 and not linear
     jitters = 2 if kind == "moe" and spec.experts is not None and spec.experts.input_jitter else 0
+    # the token mixer's own kernels beside the attention core: Gated DeltaNet's, or an output gate's product
+    mix_f, mix_b, mix_kernels = _mixer(spec) if linear else (
+        (3 * a.heads * a.v_dim, 5 * a.heads * a.v_dim, 1) if a.output_gate else (0, 0, 0))
     if kernels == "fused":
         norms = spec.layer_norms
         adds, add_kernels = (4 * h, 1) if spec.parallel_residual else (2 * 3 * h, 2)  # one add of 3, or two of 2
         seq_f, seq_b = norms * 2 * h + adds, norms * 3 * h + adds  # norms, residual adds
         act_f, act_b = (3 * width, 5 * width) if gated else (2 * width, 3 * width)
         rot = 2 * qk if rotary else 0
-        ten_f, ten_b = act_f + rot + route, act_b + rot + route
+        ten_f, ten_b = act_f + rot + route + mix_f, act_b + rot + route + mix_b
         masks = MASK_BYTES * spec.residual_dropouts * h / (tp if sp else 1)  # in the residual adds
         seq_f, seq_b = seq_f + jitters * 3 * h, seq_b + jitters * 3 * h
         f = _W * (seq_f / (tp if sp else 1) + ten_f / tp) + masks
         b = _W * (seq_b / (tp if sp else 1) + ten_b / tp) + masks
-        count = norms + add_kernels + (1 if rotary else 0) + 1 + (2 if route else 0) + jitters
+        count = norms + add_kernels + (1 if rotary else 0) + 1 + (2 if route else 0) + jitters + mix_kernels
         return Elementwise(f_bytes=f, b_bytes=b, f_kernels=count, b_kernels=count)
     norm = _EAGER_RMSNORM * h if not spec.layer_norm else 2 * _W * h
     norm_kernels = _EAGER_RMSNORM_KERNELS if not spec.layer_norm else 1
     seq_f = spec.layer_norms * norm + 2 * 3 * _W * h  # the norms, two residual adds
-    repeat = _W * (a.kv_heads + a.heads) * (a.qk_dim + a.v_dim) if a.kv_heads < a.heads else 0
-    ten_f = ((_EAGER_ROTARY * qk if rotary else 0) + repeat + 2 * _W * a.heads * a.v_dim
-             + (10 if gated else 4) * width + _W * route)
+    repeat = _W * (a.kv_heads + a.heads) * (a.qk_dim + a.v_dim) if a.kv_heads < a.heads and not linear else 0
+    transpose = 0 if linear else 2 * _W * a.heads * a.v_dim  # the attention output's layout copy
+    ten_f = ((_EAGER_ROTARY * qk if rotary else 0) + repeat + transpose + (10 if gated else 4) * width + _W * route)
     f = seq_f / (tp if sp else 1) + ten_f / tp
     count_f = (spec.layer_norms * norm_kernels + 2 + (2 * _EAGER_ROTARY_KERNELS if rotary else 0)
-               + (2 if repeat else 0) + 1 + (2 if gated else 1) + (2 if route else 0))
+               + (2 if repeat else 0) + (0 if linear else 1) + (2 if gated else 1) + (2 if route else 0))
     dropout = DROPOUT_BYTES * spec.residual_dropouts * h / (tp if sp else 1)  # each way, a kernel each
     jitter_f, jitter_b = (_W * jitters * n * h / (tp if sp else 1) for n in (4, 3))
-    return Elementwise(f_bytes=f + dropout + jitter_f, b_bytes=2 * f + dropout + jitter_b,
-                       f_kernels=count_f + spec.residual_dropouts + 2 * jitters,
-                       b_kernels=2 * count_f + spec.residual_dropouts + jitters)
+    return Elementwise(f_bytes=f + dropout + jitter_f + _W * mix_f / tp, b_bytes=2 * f + dropout + jitter_b
+                       + _W * mix_b / tp, f_kernels=count_f + spec.residual_dropouts + 2 * jitters + mix_kernels,
+                       b_kernels=2 * count_f + spec.residual_dropouts + jitters + mix_kernels)
+
+
+def _mixer(spec: ModelSpec) -> tuple[int, int, int]:
+    """``(forward elements, backward elements, kernels)`` per token of a Gated DeltaNet layer's own elementwise kernels
+    (module docstring), over the whole layer (tensor parallelism divides them)."""
+    g = spec.linear
+    assert g is not None, "a linear-attention layer of a model without Gated DeltaNet"
+    repeat = 2 * g.keys + 2 * g.value_heads * g.key_dim
+    forward = 2 * g.mixed + 2 * 2 * g.keys + repeat + 4 * g.value_heads + 3 * g.values
+    backward = 3 * g.mixed + 3 * 2 * g.keys + repeat + 6 * g.value_heads + 5 * g.values
+    return forward, backward, 5

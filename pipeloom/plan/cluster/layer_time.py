@@ -22,15 +22,17 @@ from pipeloom.plan.cluster.efficiency import (
 )
 from pipeloom.plan.cluster.elementwise import DROPOUT_BYTES, layer_elementwise
 from pipeloom.plan.cluster.hardware import Hardware
-from pipeloom.plan.cluster.indexer import (
+from pipeloom.plan.cluster.job import Job
+from pipeloom.plan.cluster.layout import Layout
+from pipeloom.plan.cluster.mixers import (
     absorbed_gemms,
+    gdn_core_seconds,
+    gdn_exchange_seconds,
     indexer_gemms,
     indexer_score_seconds,
     latent_exchange_seconds,
 )
-from pipeloom.plan.cluster.job import Job
-from pipeloom.plan.cluster.layout import Layout
-from pipeloom.plan.cluster.model.kinds import attended_window, block_kind, has_indexer, is_nope, is_sparse
+from pipeloom.plan.cluster.model.kinds import attended_window, block_kind, has_indexer, is_linear, is_nope, is_sparse
 from pipeloom.plan.cluster.model.spec import ModelSpec
 from pipeloom.plan.cluster.recompute import layer_modules, separate_norms
 from pipeloom.plan.errors import LayoutError
@@ -55,18 +57,23 @@ class PhaseTimes:
     """Of ``i``, the same for the input-gradient backward."""
 
 
-def _gemms(spec: ModelSpec, tp: int, *, absorbed: bool = False) -> list[tuple[int, int]]:
+def _gemms(spec: ModelSpec, tp: int, *, absorbed: bool = False, linear: bool = False) -> list[tuple[int, int]]:
     """``(n, k)`` of the tensor-parallel shards of one layer's attention GEMMs (column-parallel: n / tp,
     row-parallel: k / tp; MLA's low-rank down-projections replicated; ``absorbed``: MLA's MQA mode, without the kv
-    up-projection of every key, :func:`~pipeloom.plan.cluster.indexer.absorbed_gemms` in its place)."""
+    up-projection of every key, :func:`~pipeloom.plan.cluster.mixers.absorbed_gemms` in its place; an output gate's
+    columns in the q projection; ``linear``: Gated DeltaNet's input and output projections instead)."""
     a, h = spec.attention, spec.hidden
+    if linear:
+        g = spec.linear
+        assert g is not None, "a linear-attention layer of a model without Gated DeltaNet"
+        return [((g.mixed + g.values + 2 * g.value_heads) // tp, h), (h, g.values // tp)]
     if a.latent:
         q = [(a.q_rank, h), (a.heads * a.qk_dim // tp, a.q_rank)] if a.q_rank else [(a.heads * a.qk_dim // tp, h)]
         kv = [(a.kv_rank + a.rope_dim, h)]
         if not absorbed:
             kv.append((a.heads * (a.qk_dim - a.rope_dim + a.v_dim) // tp, a.kv_rank))
         return q + kv + [(h, a.heads * a.v_dim // tp)]
-    qkv = a.heads * a.qk_dim + a.kv_heads * (a.qk_dim + a.v_dim)
+    qkv = a.heads * a.qk_dim + a.kv_heads * (a.qk_dim + a.v_dim) + (a.heads * a.v_dim if a.output_gate else 0)
     return [(qkv // tp, h), (h, a.heads * a.v_dim // tp)]
 
 
@@ -103,8 +110,9 @@ def layer_times(job: Job, layout: Layout, kind: str) -> PhaseTimes:
     multi-token-prediction module, kind ``mtp``: :func:`pipeloom.plan.cluster.mtp.mtp_times`; a
     :data:`~pipeloom.plan.cluster.model.kinds.WINDOWED` kind's flash attention skips what its sliding window or chunks
     leave out, the materialized scores do not, as a sparse kind's skips the keys its indexer leaves out; a
-    :data:`~pipeloom.plan.cluster.model.kinds.SPARSE` kind runs its indexer first, :mod:`pipeloom.plan.cluster.indexer`;
-    a :data:`~pipeloom.plan.cluster.model.kinds.NOPE` kind runs no rotary)."""
+    :data:`~pipeloom.plan.cluster.model.kinds.SPARSE` kind runs its indexer first, :mod:`pipeloom.plan.cluster.mixers`;
+    a :data:`~pipeloom.plan.cluster.model.kinds.NOPE` kind runs no rotary; a
+    :data:`~pipeloom.plan.cluster.model.kinds.LINEAR` kind runs Gated DeltaNet in its attention's place)."""
     if block_kind(kind) not in ("embedding", "head", "dense", "moe"):
         raise LayoutError(f"layer_times prices embedding, dense, moe (or windowed, sparse, NoPE) and head layers, "
                           f"not {kind!r}")
@@ -134,13 +142,14 @@ def layer_times(job: Job, layout: Layout, kind: str) -> PhaseTimes:
         loss = memory_seconds(hw, 3.0 * 4 * tokens * spec.vocab / tp)  # fp32 logits: softmax, its gradient
         return PhaseTimes(f=gemm.f + comm + loss, i=gemm.i + back + elementwise, w=gemm.w)
     attention, core_f, core_b, beside_f, beside_b = _attention(job, layout, kind, tokens)
-    rotary, kind = not is_nope(kind), block_kind(kind)
+    linear = is_linear(kind)
+    rotary, kind = not (is_nope(kind) or linear), block_kind(kind)
     # memory-bound kernels counted one by one (norms, residual adds, rotary, activation, MoE permutes)
-    ew = layer_elementwise(spec, kind, tp=tp, sp=sp, kernels=job.kernels, rotary=rotary)
+    ew = layer_elementwise(spec, kind, tp=tp, sp=sp, kernels=job.kernels, rotary=rotary, linear=linear)
     ew_f = memory_seconds(hw, ew.f_bytes * tokens) + (ew.f_kernels - 1) * hw.kernel_overhead
     ew_b = memory_seconds(hw, ew.b_bytes * tokens) + (ew.b_kernels - 1) * hw.kernel_overhead
     parts = [attention]
-    tp_f, tp_i = _tp_time(job, layout, tokens, kind, hidden_bytes)
+    tp_f, tp_i = _tp_time(job, layout, tokens, kind, hidden_bytes, linear=linear)
     if kind == "dense":
         parts.append(_price(job, _mlp(spec, spec.intermediate, tp, gated=spec.gated), tokens))
     else:
@@ -148,8 +157,9 @@ def layer_times(job: Job, layout: Layout, kind: str) -> PhaseTimes:
     gemm = add_times(*parts)
     f = gemm.f + core_f + ew_f + tp_f + beside_f
     forward = PhaseTimes(f=f, i=0.0, w=0.0, f_comm=gemm.f_comm)
-    extra, extra_comm = _recompute(job, layout, tokens, kind, forward, core_f=core_f, tp_f=tp_f, ew_f=ew_f,
-                                   mlp=parts[1])
+    # Megatron-Core checkpoints no part of a Gated DeltaNet layer but as a whole (full recomputation)
+    extra, extra_comm = _recompute(job, layout, tokens, kind, forward, core_f=0.0 if linear else core_f, tp_f=tp_f,
+                                   ew_f=ew_f, mlp=parts[1], linear=linear)
     return PhaseTimes(f=f, i=gemm.i + core_b + ew_b + tp_i + extra + beside_b, w=gemm.w, f_comm=gemm.f_comm,
                       i_comm=gemm.i_comm + extra_comm)
 
@@ -159,8 +169,15 @@ def _attention(job: Job, layout: Layout, kind: str, tokens: int) -> tuple[PhaseT
     its core's forward and backward seconds (with the cp exchanges beside it), and what else runs in F and in I:
     under DeepSeek's sparse attention the indexer (F only) and, under cp, the latent keys' gather (no ring). A sparse
     core runs MLA in its MQA mode (:func:`~pipeloom.plan.cluster.counts.sparse_core_dims`), its latent absorbed per
-    head (:func:`~pipeloom.plan.cluster.indexer.absorbed_gemms`) in place of the keys' up-projection."""
+    head (:func:`~pipeloom.plan.cluster.mixers.absorbed_gemms`) in place of the keys' up-projection. A
+    :data:`~pipeloom.plan.cluster.model.kinds.LINEAR` kind's Gated DeltaNet in its place: the input and output
+    projections, the chunked kernel (:func:`~pipeloom.plan.cluster.mixers.gdn_core_seconds`) and under cp the
+    all-to-alls each pass runs (:func:`~pipeloom.plan.cluster.mixers.gdn_exchange_seconds`)."""
     spec, a, tp, cp = job.spec, job.spec.attention, layout.tp, layout.cp
+    if is_linear(kind):  # Gated DeltaNet: its projections, its chunked kernel, and under cp its all-to-alls
+        exchange = gdn_exchange_seconds(job, layout, tokens) if cp > 1 else 0.0
+        return (_price(job, _gemms(spec, tp, linear=True), tokens), *gdn_core_seconds(job, layout), exchange,
+                exchange)
     absorbed = a.latent and is_sparse(kind)
     gemms = _price(job, _gemms(spec, tp, absorbed=absorbed), tokens)
     dims = sparse_core_dims(spec) if absorbed else (a.qk_dim, a.v_dim)
@@ -180,20 +197,23 @@ def _attention(job: Job, layout: Layout, kind: str, tokens: int) -> tuple[PhaseT
 
 
 def _recompute(job: Job, layout: Layout, tokens: int, kind: str, forward: PhaseTimes, *, core_f: float,
-               tp_f: float, ew_f: float, mlp: PhaseTimes) -> tuple[float, float]:
+               tp_f: float, ew_f: float, mlp: PhaseTimes, linear: bool = False) -> tuple[float, float]:
     """Seconds ``layout.recompute`` adds to a layer's backward, and of them the all-to-alls' (``forward``: the
     layer's F and its all-to-alls; the other keywords its parts, as :func:`_megatron_recompute` takes them): the
-    forward again under ``full``; under ``selective``, ``job.selective``'s policy."""
+    forward again under ``full``; under ``selective``, ``job.selective``'s policy (a Gated DeltaNet layer,
+    ``linear``, recomputes its MLP's modules only: :func:`~pipeloom.plan.cluster.recompute.kept_activations`)."""
     if layout.recompute == "full":  # the forward again, its all-to-alls included
         return forward.f, forward.f_comm
     if layout.recompute != "selective":
         return 0.0, 0.0
     if job.selective == "layer":  # every second layer checkpointed whole: half a forward per layer on average
         return forward.f / 2, forward.f_comm / 2
-    if job.selective == "deepseek":
+    if job.selective == "deepseek" and not linear:
         return _deepseek_recompute(job, tokens, layout.tp, kind), 0.0
-    if job.selective == "op" and kind == "dense":
+    if job.selective == "op" and kind == "dense" and not linear:
         return _op_recompute(job, tokens, layout.tp) + ew_f, 0.0
+    if job.selective in ("deepseek", "op"):  # a Gated DeltaNet layer: the attention core's policy, nothing again
+        return 0.0, 0.0
     return _megatron_recompute(job, layout, tokens, kind, layer_modules(job.selective), core_f=core_f, tp_f=tp_f,
                                mlp=mlp)
 
@@ -315,7 +335,8 @@ def _megatron_recompute(job: Job, layout: Layout, tokens: int, kind: str, module
     return seconds, comm
 
 
-def _tp_time(job: Job, layout: Layout, tokens: int, kind: str, hidden_bytes: float) -> tuple[float, float]:
+def _tp_time(job: Job, layout: Layout, tokens: int, kind: str, hidden_bytes: float, *,
+             linear: bool = False) -> tuple[float, float]:
     """Seconds one layer's tensor-parallel exchanges add to its F and to its I: :func:`_tp_exchanges` run between
     the GEMMs, or with ``job.tp_overlap`` under sequence parallelism each exchange beside its GEMM, adding what
     :func:`overlapped_seconds` adds to it: the all-gather before the attention's first projection and the
@@ -330,7 +351,7 @@ def _tp_time(job: Job, layout: Layout, tokens: int, kind: str, hidden_bytes: flo
     ranks = domain_ranks(tp, 1, hw)
     gather = collective_seconds(hw, "all_gather", hidden_bytes, tp, ranks_per_domain=ranks)
     scatter = collective_seconds(hw, "reduce_scatter", hidden_bytes, tp, ranks_per_domain=ranks)
-    first, *_, last = _gemms(job.spec, tp)
+    first, *_, last = _gemms(job.spec, tp, linear=linear)
     # (GEMM, the exchange beside it in F, the one beside its input gradient in I)
     pairs = [(first, gather, scatter), (last, scatter, gather)]
     if kind == "dense":

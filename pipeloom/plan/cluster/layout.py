@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from pipeloom.arithmetic import divisors
-from pipeloom.plan.cluster.counts import RECOMPUTE_MODES, optimizer_bytes
+from pipeloom.plan.cluster.counts import RECOMPUTE_MODES
 from pipeloom.plan.errors import LayoutError
 
 if TYPE_CHECKING:
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from pipeloom.plan.cluster.model.spec import ModelSpec
 
 __all__ = ["Layout", "SCHEDULES", "PAIRED", "LAYOUT_KEYS", "MBS_CHOICES", "VP_CHOICES", "enumerate_layouts",
-           "parse_layout", "max_stages"]
+           "parse_layout", "max_stages", "optimizer_bytes"]
 
 SCHEDULES: dict[str, str] = {
     "1f1b": "linear",
@@ -134,7 +134,7 @@ class Layout:
     def param_state(self, dense: float, expert: float, grad_bytes: float = 2.0,
                     shard_gradients: bool = False) -> tuple[float, float, float]:
         """``(weights, gradients, optimizer)`` bytes per GPU of the ``dense`` and ``expert`` parameters a rank holds
-        (:func:`~pipeloom.plan.cluster.counts.optimizer_bytes`, whole gradients of ``grad_bytes`` each), sharded
+        (:func:`optimizer_bytes`, whole gradients of ``grad_bytes`` each), sharded
         over :attr:`state_groups`; with ``shard_gradients`` (ZeRO-2: :meth:`Job.zero2`) the gradients too."""
         parts = []
         for params, group in zip((dense, expert), self.state_groups):
@@ -165,6 +165,12 @@ class Layout:
                               "that divides both")
         if job.seq % (2 * self.cp) and self.cp > 1:
             raise LayoutError(f"sequence {job.seq} does not split into 2 x cp={self.cp} load-balanced chunks")
+        g = spec.linear
+        if g is not None and not g.splits(self.tp * self.cp):
+            raise LayoutError(f"tp={self.tp} x cp={self.cp} does not split Gated DeltaNet's {g.key_heads} key heads "
+                              f"evenly (Megatron-Core gives each tp x cp rank whole heads: its context parallelism "
+                              f"runs the whole sequence of a share of the heads); use a tp x cp that divides "
+                              f"{g.key_heads}")
         if self.stages > max_stages(spec):
             raise LayoutError(f"pp={self.pp} x vp={self.vp} = {self.stages} stages for {spec.layers} layers: at most "
                               "one stage per layer, and one each for the embedding and the head; lower pp or vp so "
@@ -249,7 +255,8 @@ def _choices(key: str, fixed: dict[str, Any], default: list[Any]) -> list[Any]:
 
 def enumerate_layouts(job: Job, fixed: dict[str, Any], refusals: list[str] | None = None) -> Iterator[Layout]:
     """Every layout of ``job`` that passes :meth:`Layout.check` (dp x tp x pp x cp filling the GPUs, tp within the
-    scale-up domain and splitting the heads, cp up to 16 with the sequence in 2cp chunks, pp up to the layer count,
+    scale-up domain and splitting the heads (Gated DeltaNet's over tp x cp), cp up to 16 with the sequence in 2cp
+    chunks, pp up to the layer count,
     ep for MoE inside tp x dp x cp and dividing the experts, vp, mbs, recomputation, FSDP on one pipeline stage
     (under a pipeline it holds and moves what fsdp=0 does: :attr:`Layout.reshards`), schedule), with the keys
     of ``fixed`` as given; the first layout refused, with why, appended to ``refusals`` (for the error when none
@@ -259,12 +266,15 @@ def enumerate_layouts(job: Job, fixed: dict[str, Any], refusals: list[str] | Non
     if unknown:
         raise LayoutError(f"unknown layout keys {sorted(unknown)}; use {', '.join(LAYOUT_KEYS)}")
     n, hw = job.gpus, job.hw
-    tps = [t for t in divisors(n) if t <= hw.domain_gpus and spec.attention.splits(t)]
+    linear = spec.linear
+    tps = [t for t in divisors(n) if t <= hw.domain_gpus and spec.attention.splits(t)
+           and (linear is None or linear.splits(t))]
     for tp in _choices("tp", fixed, tps):
         if n % tp:
             _refuse(refusals, f"tp={tp} does not divide the {n} GPUs")
             continue
-        cps = [c for c in divisors(n // tp) if c <= 16 and (c == 1 or job.seq % (2 * c) == 0)]
+        cps = [c for c in divisors(n // tp) if c <= 16 and (c == 1 or job.seq % (2 * c) == 0)
+               and (linear is None or linear.splits(tp * c))]
         for cp in _choices("cp", fixed, cps):
             if n % (tp * cp):
                 _refuse(refusals, f"tp={tp} x cp={cp} does not divide the {n} GPUs")
@@ -316,3 +326,19 @@ def _inner(job: Job, fixed: dict[str, Any], tp: int, cp: int, pp: int, dp: int,
                                   f"{error}")
                 continue
             yield layout
+
+
+def optimizer_bytes(params: float, *, shards: int = 1, fsdp: bool = False,
+                    grad_bytes: float = 2.0) -> tuple[float, float, float]:
+    """``(weights, gradients, optimizer)`` bytes per GPU of mixed-precision Adam for ``params`` parameters
+    held by this GPU: bf16 weights (2), gradients accumulated in the reduce's dtype (``grad_bytes``: 2 for bf16,
+    4 for fp32, as Megatron-Core's ``main_grad`` buffer and FSDP2's unsharded accumulation keep them), fp32 master
+    weights and two moments (12). The distributed optimizer shards the 12 over ``shards`` data-parallel ranks;
+    FSDP also shards the weights and gradients, 16 bytes a parameter in all whatever the reduce's dtype (FSDP2's
+    fp32 shard is the master, its gradient the same dtype; one layer's weights are gathered at a time: counted by
+    the estimator as buffers).
+    """
+    weights, states = 2.0 * params, 12.0 * params
+    if fsdp:
+        return weights / shards, 2.0 * params / shards, states / shards
+    return weights, grad_bytes * params, states / shards

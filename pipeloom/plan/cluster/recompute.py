@@ -8,6 +8,8 @@ Megatron-Core's are any set of :data:`MEGATRON_MODULES` (``TransformerConfig.rec
 
 - ``core_attn``: the attention core runs again in the backward (normal checkpointing): its q, k, v are the
   checkpoint's inputs and its output the output projection's input, so only its log-sum-exp per head is not kept;
+  a Gated DeltaNet layer's core is not checkpointed by it (Megatron-Core reads ``core_attn`` in its attention modules
+  only): it keeps everything;
 - ``layernorm``: the norms Megatron-Core runs as modules of their own, the pre-MLP norm of an MoE layer (the router
   reads its output too) and the attention's norm before multi-head latent attention (two down-projections read
   it), discard their output and recompute it (output-discarding checkpointing): h elements each. A norm fused
@@ -41,7 +43,7 @@ from pipeloom.plan.cluster.counts import (
     mtp_block,
     norm_stats,
 )
-from pipeloom.plan.cluster.model.kinds import block_kind, is_sparse
+from pipeloom.plan.cluster.model.kinds import block_kind, is_linear, is_sparse
 from pipeloom.plan.cluster.model.spec import ModelSpec
 from pipeloom.plan.errors import LayoutError
 
@@ -128,9 +130,9 @@ def megatron_activations(spec: ModelSpec, kind: str, modules: tuple[str, ...], *
     """Bytes per token a decoder layer of ``kind`` keeps when Megatron-Core recomputes ``modules`` (module
     docstring): its :mod:`counts` ``none`` activations, less what each module does not keep."""
     none = layer_counts(spec, kind, 1, width=width).activations["none"]
-    a, h, kind = spec.attention, spec.hidden, block_kind(kind)
+    a, h, attends, kind = spec.attention, spec.hidden, not is_linear(kind), block_kind(kind)
     sequence, tensor = none.sequence, none.tensor
-    if "core_attn" in modules:
+    if "core_attn" in modules and attends:  # Megatron-Core's Gated DeltaNet has no core checkpoint
         tensor -= STAT_BYTES * a.heads
     if "layernorm" in modules:
         sequence -= width * h * separate_norms(spec, kind)
@@ -171,10 +173,11 @@ def kept_activations(selective: str, spec: ModelSpec, counts: LayerCounts, recom
 
 def _block(selective: str, spec: ModelSpec, kind: str) -> Activations:
     """What one token keeps in a decoder layer of ``kind`` under the policy ``selective`` (not ``layer``); a layer
-    running an indexer keeps its choice under every policy (:func:`~pipeloom.plan.cluster.counts.index_bytes`)."""
-    if selective == "deepseek":
+    running an indexer keeps its choice under every policy (:func:`~pipeloom.plan.cluster.counts.index_bytes`); a
+    Gated DeltaNet layer under ``deepseek`` or ``op`` (policies written for attention layers) recomputes nothing."""
+    if selective == "deepseek" and not is_linear(kind):
         return deepseek_activations(spec, kind)
-    if selective == "op" and block_kind(kind) == "dense":
+    if selective == "op" and block_kind(kind) == "dense" and not is_linear(kind):
         kept = op_activations(spec)
         return Activations(sequence=kept.sequence, tensor=kept.tensor,
                            replicated=kept.replicated + index_bytes(spec, kind))

@@ -91,6 +91,12 @@ def save_blockers(result: ClusterPlan, *, export: str | None = None) -> str | No
                         "limit (search with --layout recompute=none for a plan it fits"
                         + (", or add --export torchtitan, which recomputes as planned)" if export_fits else ")"))
         unfixed += 1
+    if result.job.spec.linear is not None and not export:
+        problems.append(f"{family}'s Gated DeltaNet layers (pipeloom's runtime does not run them yet: traced by "
+                        "torch.export, transformers' reference gated delta rule builds each chunk's inverse by "
+                        "forward substitution where eager PyTorch solves it, so the gradients are not bitwise eager's, "
+                        "and its loop over chunks is unrolled for the traced sequence length)")
+        unfixed += 1
     if layout.tp > 1 and family not in _TP_FAMILIES:
         problems.append(f"tp={layout.tp} on {family} (the tensor-parallel recipe by module name is written for "
                         f"{', '.join(_TP_FAMILIES)}; or pass pipeline(..., parallel=Parallelism(tp_plan=...)) with a "

@@ -19,7 +19,7 @@ class Memory:
     weights: float
     """Model weights held (bf16)."""
     gradients: float
-    """Gradients held (whole ones in the reduce's dtype: :func:`~pipeloom.plan.cluster.counts.optimizer_bytes`)."""
+    """Gradients held (whole ones in the reduce's dtype: :func:`~pipeloom.plan.cluster.layout.optimizer_bytes`)."""
     optimizer: float
     """fp32 master weights and Adam's two moments held."""
     activations: float

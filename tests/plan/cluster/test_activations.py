@@ -63,7 +63,7 @@ from tests.plan.cluster.tiny import TINY, tiny_config, tiny_model
 
 from pipeloom.plan.cluster import layer_counts, model_spec
 from pipeloom.plan.cluster.counts import MASK_BYTES
-from pipeloom.plan.cluster.model.kinds import block_kind, layer_kinds
+from pipeloom.plan.cluster.model.kinds import block_kind, is_linear, layer_kinds
 from pipeloom.plan.cluster.runtime_plan import LAYER_PREFIX
 
 torch = pytest.importorskip("torch")
@@ -89,7 +89,8 @@ MOE_FAMILIES = {"qwen3_moe": "sdpa", "mixtral": "sdpa", "olmoe": "sdpa", "deepse
                 "gpt_oss": "eager", "ernie4_5_moe": "sdpa", "minimax_m2": "sdpa", "dots1": "sdpa",
                 "glm4_moe_lite": "eager", "mistral4": "eager", "phimoe": "sdpa",
                 "granitemoe": "sdpa", "granitemoeshared": "sdpa", "llama4_text": "sdpa",
-                "hunyuan_v1_moe": "sdpa", "deepseek_v32": "eager", "glm_moe_dsa": "eager"}  # the attention each
+                "hunyuan_v1_moe": "sdpa", "deepseek_v32": "eager", "glm_moe_dsa": "eager",
+                "qwen2_moe": "sdpa"}  # the attention each
 # runs (gpt-oss's sinks, MLA's head dims: no sdpa path)
 _SPARSE = ("deepseek_v32", "glm_moe_dsa")  # DeepSeek's sparse attention: transformers keeps none of its indexer's
 # work (its forward runs under no_grad, its top-k only masks the scores) and runs MLA as DeepSeek-V3 does, where the
@@ -143,7 +144,7 @@ def _saved_storages(family, mode, attention="sdpa", prepare=None, outside=None, 
         config.layer_types = _GLOBAL[family]
     torch.manual_seed(0)
     impl = _checkpointed(family, attention) if mode == "selective" else attention
-    experts = {"experts_implementation": "eager"} if family in MOE_FAMILIES else {}
+    experts = {"experts_implementation": "eager"} if family in MOE_FAMILIES or family in _GDN_MOE else {}
     model = tiny_model(config, attn_implementation=impl, **experts)
     if mode == "full":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
@@ -228,18 +229,18 @@ def _routed_extra(spec):
 
 def _router_extra(config):
     """Bytes per token a router of transformers keeps beyond the probabilities and the top-k indices: the top-k values
-    and their sum where it renormalises them (Mixtral, MiniMax-M2 and Hunyuan MoE always; ERNIE 4.5 also the sum
-    clamped away from zero, the division's denominator). DeepSeek-V3's and GLM-4.5's group-limited choice saves its
-    top-2 indices within each group, the chosen groups and the experts' mask while it runs, but nothing reads that
-    branch's values afterwards, so the graph frees them with it: not kept. Phi-3.5-MoE's sparsemixer masks the
-    scores twice with ``masked_fill``, which keeps its bool mask over the experts each time (its Gumbel draws' and
+    and their sum where it renormalises them (Mixtral, MiniMax-M2, Hunyuan MoE and Qwen3.5-MoE always; ERNIE 4.5
+    also the sum clamped away from zero, the division's denominator). DeepSeek-V3's and GLM-4.5's group-limited choice
+    saves its top-2 indices within each group, the chosen groups and the experts' mask while it runs, but nothing
+    reads that branch's values afterwards, so the graph frees them with it: not kept. Phi-3.5-MoE's sparsemixer masks
+    the scores twice with ``masked_fill``, which keeps its bool mask over the experts each time (its Gumbel draws' and
     its midpoint masks' branches are freed likewise)."""
     k = config.num_experts_per_tok
     if config.model_type == "phimoe":
         return 2 * config.num_local_experts
     if config.model_type == "ernie4_5_moe":
         return _STAT * (k + 2)
-    always = ("mixtral", "minimax_m2", "hunyuan_v1_moe")
+    always = ("mixtral", "minimax_m2", "hunyuan_v1_moe", "qwen3_5_moe_text")
     renormalised = config.model_type in always or getattr(config, "norm_topk_prob", False)
     return _STAT * (k + 1) if renormalised else 0
 
@@ -300,6 +301,102 @@ def test_moe_and_mla_activation_bytes_equal_saved_tensors(family, mode):
         expected.append(BATCH * SEQ * (keep + _eager_extra(spec, mode, block_kind(kind), config, attention))
                         + _query_scale(spec, mode, n))
     assert spec.moe_layers and per_layer == expected
+
+
+# Gated DeltaNet (Qwen3-Next, Qwen3.5 dense and MoE). Its kernel runs as flash-linear-attention's does
+# (:class:`_ChunkKernel`: the reference's output, keeping exactly the tensors fla's ChunkGatedDeltaRuleFunction saves
+# for its backward, as CPU sdpa stands in for flash attention above); what the eager layer keeps around it is counted.
+# The model counts Megatron-Core's layer, which hands the kernel its queries and keys repeated to every value head,
+# where transformers hands them over per key head (fla repeats nothing itself). Eager keeps more
+# (:func:`_gdn_eager_extra`): the convolution's output before its SiLU, K - 1 positions longer than the sequence (it
+# pads both sides and keeps the first L outputs); the values as a view of the SiLU's output, whose storage autograd
+# keeps whole (the queries and keys too, fla's input guard makes a contiguous copy); in the gated RMSNorm, the
+# normalised input before the weight and silu(gate) (the product keeps it); the decay's softplus output (its product
+# with -exp(A_log) keeps it); per layer, exp(A_log) and -exp(A_log), and each RMSNorm's 1 + weight (Gemma's norm). The
+# attention layers: q and its output gate come from one projection, interleaved per head, so q's norm keeps the
+# gate half of that storage too; the partial rotary goes through torch.cat (_ROTARY_CAT); sigmoid(gate) times the
+# attention output keeps the model's two tensors.
+_GDN_FAMILIES = {"qwen3_next": "sdpa", "qwen3_5_text": "sdpa", "qwen3_5_moe_text": "sdpa"}
+_GDN_MODULES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+_GDN_MOE = ("qwen3_next", "qwen3_5_moe_text")  # their MoE layers run transformers' eager experts, as MOE_FAMILIES'
+# (each with Qwen2-MoE's sigmoid gate on its shared expert)
+
+
+class _ChunkKernel(torch.autograd.Function):
+    """transformers' reference gated delta rule's output, keeping what fla's chunk kernel keeps
+    (``ChunkGatedDeltaRuleFunction.forward``'s ``save_for_backward``, fla v0.5.1, with ``use_qk_l2norm_in_kernel``): the
+    L2-normalised queries and keys with an fp32 1/norm per head, the values, the chunked cumulative decay in fp32, the
+    write strength and each chunk's solved ``(I + A)^{-1}``, 64 per value head. The test never runs its backward."""
+
+    reference = None
+
+    @staticmethod
+    def forward(ctx, query, key, value, g, beta):
+        from pipeloom.plan.cluster.model.spec import GDN_CHUNK
+
+        with torch.no_grad():
+            out, _ = _ChunkKernel.reference(query, key, value, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
+            normalised = [x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in (query, key)]
+            norms = [torch.empty(x.shape[:-1], dtype=torch.float32) for x in (query, key)]
+            decay = torch.empty(g.shape, dtype=torch.float32)
+            solved = torch.empty(*value.shape[:-1], GDN_CHUNK, dtype=value.dtype)
+        ctx.save_for_backward(normalised[0], norms[0], normalised[1], norms[1], value, decay, beta, solved)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise NotImplementedError("the stand-in keeps what fla keeps; it is never differentiated")
+
+
+def _with_chunk_kernel(monkeypatch):
+    """transformers' Gated DeltaNet layers call :class:`_ChunkKernel` for their gated delta rule."""
+    from importlib import import_module
+
+    modules = [import_module(f"transformers.models.{name}.modeling_{name}") for name in _GDN_MODULES]
+    _ChunkKernel.reference = modules[0].torch_chunk_gated_delta_rule
+    for module in modules:
+        monkeypatch.setattr(module, "torch_chunk_gated_delta_rule",
+                            lambda query, key, value, g, beta, **_: (_ChunkKernel.apply(query, key, value, g, beta),
+                                                                     None))
+
+
+def _gdn_eager_extra(spec, kind, config, mode):
+    """Bytes per token a Qwen3-Next / Qwen3.5 layer of ``kind`` keeps in eager code beyond the model's (see above)."""
+    if mode == "full":
+        return 0.0
+    a, g = spec.attention, spec.linear
+    if not is_linear(kind):  # the attention layers: the family's eager extras, the gate half of q's storage, the
+        copy = a.heads * a.v_dim if mode == "none" else 0  # output copied out of q's layout (rotary via torch.cat)
+        return _eager_extra(spec, mode, block_kind(kind), config) + WIDTH * (a.heads * a.v_dim + copy)
+    mlp = _eager_extra(dataclasses.replace(spec, attention=dataclasses.replace(a, qk_norm=False)), mode,
+                       block_kind(kind), config)  # the layer norms' normalised inputs, the MLP's extras
+    convolved = g.mixed * (SEQ + g.conv_kernel - 1) / SEQ
+    return mlp + WIDTH * (convolved + 2 * g.keys - 2 * g.value_heads * g.key_dim + 2 * g.values + g.value_heads)
+
+
+def _gdn_per_layer(spec, kind, mode):
+    """Bytes per layer (not per token) a Qwen3-Next / Qwen3.5 layer keeps in eager code: each RMSNorm's 1 + weight
+    (the q and k norms' over a head), a Gated DeltaNet layer's exp(A_log) and -exp(A_log)."""
+    if mode == "full":
+        return 0
+    norms = spec.layer_norms * spec.hidden
+    if is_linear(kind):
+        return WIDTH * (norms + 2 * spec.linear.value_heads)
+    return WIDTH * (norms + 2 * spec.attention.qk_dim)
+
+
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+@pytest.mark.parametrize("family", sorted(_GDN_FAMILIES))
+def test_gated_deltanet_activation_bytes_equal_saved_tensors(family, mode, monkeypatch):
+    _with_chunk_kernel(monkeypatch)
+    config, per_layer = _saved_per_layer(family, mode, _GDN_FAMILIES[family], use_cache=False)
+    spec = model_spec(config)
+    expected = []
+    for kind in layer_kinds(spec):
+        keep = layer_counts(spec, kind, SEQ, width=WIDTH).activations[mode].per_gpu(tp=1, cp=1, sp=False)
+        expected.append(BATCH * SEQ * (keep + _gdn_eager_extra(spec, kind, config, mode))
+                        + _gdn_per_layer(spec, kind, mode))
+    assert spec.linear_layers and per_layer == pytest.approx(expected, rel=1e-12)
 
 
 # Residual dropouts (a config that trains with them: ModelSpec.residual_dropouts), each family's own way (GPT-NeoX

@@ -9,7 +9,7 @@ import pytest
 from tests.plan.cluster.tiny import TINY, tiny_config, tiny_model
 
 from pipeloom.plan.cluster import ModelConfigError, model_params, model_spec
-from pipeloom.plan.cluster.counts import optimizer_bytes
+from pipeloom.plan.cluster.layout import optimizer_bytes
 from pipeloom.plan.cluster.model.source import FAMILY_DEFAULTS
 
 torch = pytest.importorskip("torch")
@@ -74,15 +74,19 @@ def test_reads_config_json(tmp_path):
     ({"model_type": "exaone_moe", "num_experts": 16}, r"not modelled.*\"qwen3_moe\".*\"mixtral\".*not a dense"),
     (dict(TINY["hunyuan_v1_moe"], model_type="hunyuan_v1_moe", moe_topk=[2, 1]),
      r"num_experts_per_tok / moe_topk must be one positive whole number, or the same one for every layer"),
-    # layers that are not attention: no stand-in offered (Qwen3-Next / Qwen3.5's linear attention, Nemotron-H's Mamba)
-    ({"model_type": "qwen3_next", "layer_types": ["linear_attention", "full_attention"]},
-     r"'qwen3_next' is not modelled: its layers are not all attention \(its config gives layers of kind "
+    # layers that are not attention, in families not read: no stand-in offered (OLMo's hybrid, Nemotron-H's Mamba)
+    ({"model_type": "olmo_hybrid", "layer_types": ["linear_attention", "full_attention"]},
+     r"'olmo_hybrid' is not modelled: its layers are not all attention \(its config gives layers of kind "
      r"linear_attention.*no supported family stands in for it; supported: llama"),
     ({"model_type": "nemotron_h", "mamba_num_heads": 8, "layers_block_type": ["mamba", "attention"]},
      r"not all attention \(its config gives the fields layers_block_type, mamba_num_heads"),
-    ({"model_type": "qwen3_5", "text_config": {"model_type": "qwen3_5_text", "layer_types": ["linear_attention"]}},
-     r"'qwen3_5' is a multimodal config whose language model \(qwen3_5_text\) is not modelled: its layers are not "
-     r"all attention"),
+    ({"model_type": "kimi_linear", "linear_num_heads": 32},
+     r"'kimi_linear' is not modelled: its layers are not all attention \(its config gives the fields "
+     r"linear_num_heads"),
+    # Qwen3.5's Gated DeltaNet hybrids are read: a layer that is neither kind is refused
+    ({"model_type": "qwen3_5", "text_config": {"model_type": "qwen3_5_text", "num_hidden_layers": 2,
+                                               "layer_types": ["linear_attention", "mamba"]}},
+     r"qwen3_5_text's layer_types must give \"linear_attention\" or \"full_attention\" for each of its 2 layers"),
     # layers not of one shape (Gemma 4's wider global layers and per-layer embeddings, Gemma 3n's shared kv layers
     # and residual streams): no stand-in offered
     ({"model_type": "gemma4_text", "hidden_size_per_layer_input": 256, "per_layer_config": {"5": {"head_dim": 512}},
@@ -216,13 +220,15 @@ def test_a_text_config_takes_transformers_defaults_for_what_it_leaves_out():
 
 
 @pytest.mark.parametrize("family", ["ministral", "ministral3", "helium", "arcee", "hunyuan_v1_dense", "hunyuan_v1_moe",
-                                    "deepseek_v32", "glm_moe_dsa"])
+                                    "deepseek_v32", "glm_moe_dsa", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"])
 def test_a_bare_model_type_counts_as_transformers_default_model(family):
     """A config.json that gives only its model_type (and Ministral's and Hunyuan's head_dims: transformers' classes
     fail on the None their configurations default it to, so their checkpoints give it) reads as transformers'
     default configuration of the family (:data:`FAMILY_DEFAULTS`), and counts the parameters of that model built on
     the meta device (Ministral 3's default is its 8B base model's language model: 34 layers of hidden 4,096;
-    DeepSeek-V3.2's is the 671.88 B model with an indexer in every layer, GLM-5's 743.91 B)."""
+    DeepSeek-V3.2's is the 671.88 B model with an indexer in every layer, GLM-5's 743.91 B; Qwen3-Next's the 79.67 B
+    of Qwen3-Next-80B-A3B, Qwen3.5's 8.95 B (Qwen3.5-9B's language model) and Qwen3.5-MoE's 34.66 B (Qwen3.5-35B-A3B's),
+    Gated DeltaNet on three layers of four)."""
     given = {"head_dim": 128} if family in ("ministral", "hunyuan_v1_dense", "hunyuan_v1_moe") else {}
     config = transformers.AutoConfig.for_model(family, **given)
     with torch.device("meta"):

@@ -8,6 +8,9 @@ __all__ = ["TINY", "tiny_config", "tiny_model", "local_layers"]
 
 _COMMON: dict[str, Any] = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                                vocab_size=128, max_position_embeddings=64)
+_GDN: dict[str, Any] = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                            linear_value_head_dim=12, linear_conv_kernel_dim=4,
+                            layer_types=["linear_attention", "full_attention"] * 2)
 TINY: dict[str, dict[str, Any]] = {
     "llama": dict(_COMMON, num_key_value_heads=2),
     "mistral": dict(_COMMON, num_key_value_heads=2, head_dim=24),
@@ -108,6 +111,15 @@ TINY: dict[str, dict[str, Any]] = {
                         intermediate_size_mlp=96, num_local_experts=4, num_experts_per_tok=4, moe_layers=[1, 2],
                         no_rope_layer_interval=2, attention_chunk_size=8, pad_token_id=0, bos_token_id=1,
                         eos_token_id=2),
+    # Gated DeltaNet on the first and third layers, attention on the second and fourth; Qwen3-Next's second layer
+    # dense (mlp_only_layers)
+    "qwen3_next": dict(_COMMON, num_hidden_layers=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+                       num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=32,
+                       mlp_only_layers=[1], **_GDN),
+    "qwen3_5_text": dict(_COMMON, num_hidden_layers=4, num_key_value_heads=2, head_dim=16, **_GDN),
+    "qwen3_5_moe_text": dict(_COMMON, num_hidden_layers=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+                             num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=32,
+                             **_GDN),
 }
 """Config keywords per ``model_type``: 2-4 layers, hidden 64, GQA where the family has it."""
 

@@ -1,13 +1,13 @@
 """The kinds of a model's decoder layers as the cluster planner counts and prices them (:func:`layer_kinds`): the
 MLP's (``dense``, ``moe``) with suffixes for what changes the attention (:data:`WINDOWED`, :data:`SPARSE`,
-:data:`REUSED`, :data:`NOPE`), and the predicates that read a kind back."""
+:data:`REUSED`, :data:`NOPE`) or takes its place (:data:`LINEAR`), and the predicates that read a kind back."""
 
 from __future__ import annotations
 
 from pipeloom.plan.cluster.model.spec import ModelSpec
 
-__all__ = ["WINDOWED", "NOPE", "SPARSE", "REUSED", "layer_kinds", "block_kind", "is_windowed", "is_nope", "is_sparse",
-           "has_indexer", "attended_window"]
+__all__ = ["WINDOWED", "NOPE", "SPARSE", "REUSED", "LINEAR", "layer_kinds", "block_kind", "is_windowed", "is_nope",
+           "is_sparse", "is_linear", "has_indexer", "attended_window"]
 
 WINDOWED = "-window"
 """The suffix of a decoder layer kind whose attention is windowed (``dense-window``, ``moe-window``): a sliding
@@ -21,6 +21,10 @@ REUSED = "-reused"
 """The suffix of a decoder layer kind with DeepSeek's sparse attention that reuses the top-k keys of the last indexer
 layer before it (GLM-5's ``"shared"`` layers: ``moe-reused``)."""
 
+LINEAR = "-linear"
+"""The suffix of a decoder layer kind whose token mixer is Gated DeltaNet instead of attention (Qwen3-Next's and
+Qwen3.5's ``"linear_attention"`` layers: ``moe-linear``, ``dense-linear``)."""
+
 
 def _attention_kind(kind: str) -> str:
     """``kind`` without :data:`NOPE`, :data:`SPARSE` and :data:`REUSED`."""
@@ -28,9 +32,14 @@ def _attention_kind(kind: str) -> str:
 
 
 def block_kind(kind: str) -> str:
-    """The kind of a layer's MLP: ``kind`` without :data:`WINDOWED`, :data:`SPARSE`, :data:`REUSED` and
-    :data:`NOPE`."""
-    return _attention_kind(kind).removesuffix(WINDOWED)
+    """The kind of a layer's MLP: ``kind`` without :data:`WINDOWED`, :data:`SPARSE`, :data:`REUSED`, :data:`NOPE`
+    and :data:`LINEAR`."""
+    return _attention_kind(kind.removesuffix(LINEAR)).removesuffix(WINDOWED)
+
+
+def is_linear(kind: str) -> bool:
+    """Whether a layer of ``kind`` mixes its tokens by Gated DeltaNet: a :data:`LINEAR` kind."""
+    return kind.endswith(LINEAR)
 
 
 def is_windowed(kind: str) -> bool:
@@ -66,9 +75,11 @@ def is_nope(kind: str) -> bool:
 def layer_kinds(spec: ModelSpec) -> tuple[str, ...]:
     """The kind of each decoder layer in model order: ``dense`` or ``moe``, with :data:`WINDOWED` where its attention
     is a sliding window (or chunks) shorter than the sequence may be, :data:`SPARSE` or :data:`REUSED` under DeepSeek's
-    sparse attention, then :data:`NOPE` where it has no rotary embeddings."""
+    sparse attention, then :data:`NOPE` where it has no rotary embeddings; :data:`LINEAR` alone where Gated DeltaNet
+    takes the attention's place."""
     moe, windowed, nope = set(spec.moe_layers), set(spec.window_layers), set(spec.nope_layers)
-    indexed = set(spec.indexer_layers)
+    indexed, linear = set(spec.indexer_layers), set(spec.linear_layers)
     sparse = ["" if spec.indexer is None else SPARSE if n in indexed else REUSED for n in range(spec.layers)]
-    return tuple(("moe" if n in moe else "dense") + (WINDOWED if n in windowed else "") + sparse[n]
-                 + (NOPE if n in nope else "") for n in range(spec.layers))
+    return tuple(("moe" if n in moe else "dense") + (LINEAR if n in linear else (WINDOWED if n in windowed else "")
+                                                    + sparse[n] + (NOPE if n in nope else ""))
+                 for n in range(spec.layers))

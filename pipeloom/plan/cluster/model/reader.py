@@ -7,7 +7,8 @@ mixture-of-experts decoders (Mixtral, Phi-3.5-MoE, Granite MoE, Hunyuan MoE, OLM
 ERNIE 4.5 MoE, DeepSeek-V2/V3, GLM-4.7-Flash and Mistral 4 with multi-head latent attention, DeepSeek-V3.2 and GLM-5
 with DeepSeek's sparse attention beside it, GLM-4.5, dots.llm1,
 gpt-oss with attention sinks and biased experts, Llama 4 with chunked attention and NoPE layers:
-:mod:`~pipeloom.plan.cluster.model.moe`), a field left out taking transformers' default for the family
+:mod:`~pipeloom.plan.cluster.model.moe`) and decoders mixing Gated DeltaNet and attention layers (Qwen3-Next,
+Qwen3.5 dense and MoE), a field left out taking transformers' default for the family
 (:data:`~pipeloom.plan.cluster.model.source.FAMILY_DEFAULTS`), with sliding-window attention on the layers
 transformers gives it (:func:`_windows`)."""
 
@@ -17,6 +18,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from pipeloom.plan.cluster.model.deltanet import gated_deltanet_spec
 from pipeloom.plan.cluster.model.fields import get_field, nope_layers, rate_on
 from pipeloom.plan.cluster.model.moe import deepseek_spec, every_layer_sparse, gpt_oss_spec, llama4_spec, phimoe_spec
 from pipeloom.plan.cluster.model.source import FAMILY_DEFAULTS, read_config
@@ -37,7 +39,10 @@ _QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text", "exaone4", "minimax_m2", "hunyu
 _MOE = ("mixtral", "phimoe", "granitemoe", "granitemoeshared", "olmoe", "minimax_m2", "qwen2_moe", "qwen3_moe",
         "ernie4_5_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "dots1", "mistral4", "gpt_oss",
         "llama4_text", "hunyuan_v1_moe", "deepseek_v32", "glm_moe_dsa")
-SUPPORTED_FAMILIES: tuple[str, ...] = _DENSE + _MOE
+_HYBRID = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+"""Families whose layers mix Gated DeltaNet and attention
+(:func:`~pipeloom.plan.cluster.model.deltanet.gated_deltanet_spec`)."""
+SUPPORTED_FAMILIES: tuple[str, ...] = _DENSE + _MOE + _HYBRID
 """The ``model_type`` values :func:`model_spec` reads."""
 
 
@@ -91,9 +96,10 @@ sizes or key/value heads (``per_layer_config``), a per-layer input embedding bes
 several residual streams (``altup_num_inputs``)."""
 _OTHER_MIXERS = ("linear_", "mamba", "ssm_", "layers_block_type", "block_types", "attn_layer_period",
                  "attn_layer_indices", "conv_l_cache", "state_size", "conv_kernel")
-"""Config fields (prefixes) of layers that mix tokens without attention: linear attention (Qwen3-Next / Qwen3.5,
-Kimi Linear, OLMo hybrid, MiniMax-01), state-space (Mamba, Jamba, Nemotron-H, Falcon-H1, Granite 4 hybrid, Zamba),
-short convolutions (LFM2) and the patterns that place them."""
+"""Config fields (prefixes) of layers that mix tokens without attention, in families the planner does not read:
+linear attention (Kimi Linear, OLMo hybrid, MiniMax-01; Qwen3-Next's and Qwen3.5's Gated DeltaNet it reads),
+state-space (Mamba, Jamba, Nemotron-H, Falcon-H1, Granite 4 hybrid, Zamba), short convolutions (LFM2) and the
+patterns that place them."""
 
 
 def _unmodelled(subject: str, data: Mapping[str, Any], *, stand_in: bool = True) -> str:
@@ -115,8 +121,9 @@ def _unmodelled(subject: str, data: Mapping[str, Any], *, stand_in: bool = True)
     if other or fields:
         what = f"layers of kind {', '.join(other)}" if other else f"the fields {', '.join(fields[:3])}"
         return (f"{subject} is not modelled: its layers are not all attention (its config gives {what}: linear "
-                "attention, state-space or convolution layers), and the planner prices every decoder layer as "
-                f"attention and an MLP, so no supported family stands in for it; {supported}")
+                "attention, state-space or convolution layers), and the planner prices a decoder layer's token mixer "
+                "as attention or as Qwen3-Next's Gated DeltaNet (qwen3_next, qwen3_5_text, qwen3_5_moe_text), so no "
+                f"supported family stands in for it; {supported}")
     uneven = [key for key in _UNEVEN_LAYERS if data.get(key)]
     if uneven:
         return (f"{subject} is not modelled: its layers are not of one shape (its config gives {', '.join(uneven)}: "
@@ -249,6 +256,8 @@ def _family_spec(data: Mapping[str, Any], family: str) -> ModelSpec:
         return phimoe_spec(data, common, heads, head_dim)
     if family == "llama4_text":
         return llama4_spec(data, common, heads, head_dim)
+    if family in _HYBRID:
+        return gated_deltanet_spec(data, common, heads, head_dim)
     kv_heads = int(data.get("num_key_value_heads") or heads)
     bias = bool(data.get("attention_bias", False))
     qkv_bias = family == "qwen2" or (family == "qwen2_moe" and bool(data.get("qkv_bias", True))) or bias

@@ -110,6 +110,12 @@ _DEEPSEEK_V32: dict[str, Any] = {
     "index_n_heads": 64}
 """transformers' DeepSeek-V3.2 configuration defaults, which GLM-5's (``glm_moe_dsa``) derive from."""
 
+_GATED_DELTANET: dict[str, Any] = {
+    "hidden_size": 2048, "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256, "attention_bias": False,
+    "tie_word_embeddings": False, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16, "linear_num_value_heads": 32}
+"""transformers' defaults common to Qwen3-Next's and Qwen3.5's configurations (each family sets the rest)."""
+
 FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
               "vocab_size": 32000, "attention_bias": False, "mlp_bias": False},
@@ -259,5 +265,13 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                     "vocab_size": 202048, "tie_word_embeddings": False, "attention_bias": False,
                     "num_local_experts": 16, "num_experts_per_tok": 1, "interleave_moe_layer_step": 1,
                     "use_qk_norm": True, "no_rope_layer_interval": 4, "attention_chunk_size": 8192},
+    "qwen3_next": {**_GATED_DELTANET, "vocab_size": 151936, "intermediate_size": 5632, "num_hidden_layers": 48,
+                   "decoder_sparse_step": 1, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+                   "num_experts_per_tok": 10, "num_experts": 512},
+    "qwen3_5_text": {**_GATED_DELTANET, "vocab_size": 248320, "hidden_size": 4096, "intermediate_size": 12288,
+                     "num_hidden_layers": 32, "num_attention_heads": 16, "num_key_value_heads": 4},
+    "qwen3_5_moe_text": {**_GATED_DELTANET, "vocab_size": 248320, "num_hidden_layers": 40,
+                         "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+                         "num_experts_per_tok": 8, "num_experts": 256},
 }
 """Per ``model_type``, the value a field the config leaves out takes."""

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from pipeloom.plan.errors import ModelConfigError
 
-__all__ = ["Attention", "Experts", "Indexer", "ModelSpec"]
+__all__ = ["Attention", "Experts", "Indexer", "LinearAttention", "ModelSpec"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -43,6 +43,9 @@ class Attention:
     its NoPE layers, :attr:`ModelSpec.nope_layers`, have neither)."""
     sinks: bool = False
     """A learned sink logit per query head, in every softmax's denominator (gpt-oss): ``heads`` parameters."""
+    output_gate: bool = False
+    """The q projection also gives a gate per element of the attention's output, ``sigmoid(gate)`` multiplying it
+    before the output projection (Qwen3-Next, Qwen3.5): ``heads x v_dim`` more output columns."""
     latent: bool = False
     """Multi-head latent attention (DeepSeek-V2/V3)."""
     q_rank: int = 0
@@ -116,6 +119,63 @@ class Indexer:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class LinearAttention:
+    """Gated DeltaNet (Qwen3-Next, Qwen3.5: transformers' ``GatedDeltaNet``), the token mixer of the layers
+    :attr:`ModelSpec.linear_layers` names in place of attention: one projection of the layer's input to the queries
+    and keys (``key_heads`` heads of ``key_dim``), the values and an output gate (``value_heads`` of ``value_dim``)
+    and each value head's decay and write strength (two scalars); a causal depthwise convolution of ``conv_kernel``
+    taps over the queries, keys and values, then SiLU; the gated delta rule, a recurrent ``key_dim x value_dim``
+    state per value head, run in chunks of :data:`GDN_CHUNK` tokens (each query and key head serves
+    ``value_heads / key_heads`` value heads); an RMSNorm per value head gated by ``silu(gate)``; the output
+    projection."""
+
+    key_heads: int
+    """Query and key heads (``linear_num_key_heads``)."""
+    value_heads: int
+    """Value heads (``linear_num_value_heads``), a multiple of ``key_heads``."""
+    key_dim: int
+    """Query and key head dimension (``linear_key_head_dim``)."""
+    value_dim: int
+    """Value head dimension (``linear_value_head_dim``)."""
+    conv_kernel: int
+    """Taps of the causal convolution (``linear_conv_kernel_dim``)."""
+
+    def __post_init__(self) -> None:
+        for name, field in (("key_heads", "linear_num_key_heads"), ("value_heads", "linear_num_value_heads"),
+                            ("key_dim", "linear_key_head_dim"), ("value_dim", "linear_value_head_dim"),
+                            ("conv_kernel", "linear_conv_kernel_dim")):
+            if getattr(self, name) <= 0:
+                raise ModelConfigError(f"{field} must be positive, got {getattr(self, name)}")
+        if self.value_heads % self.key_heads:
+            raise ModelConfigError(f"linear_num_value_heads ({self.value_heads}) must be a multiple of "
+                                   f"linear_num_key_heads ({self.key_heads}): each key head serves whole value heads")
+
+    @property
+    def keys(self) -> int:
+        """Elements of the queries (and of the keys) per token: ``key_heads x key_dim``."""
+        return self.key_heads * self.key_dim
+
+    @property
+    def values(self) -> int:
+        """Elements of the values (and of the output gate) per token: ``value_heads x value_dim``."""
+        return self.value_heads * self.value_dim
+
+    @property
+    def mixed(self) -> int:
+        """Channels of the convolution: the queries, keys and values."""
+        return 2 * self.keys + self.values
+
+    def splits(self, tp: int) -> bool:
+        """Whether ``tp`` ranks each hold whole key heads (and so whole value heads)."""
+        return self.key_heads % tp == 0
+
+
+GDN_CHUNK = 64
+"""Tokens per chunk of the gated delta rule: transformers' ``torch_chunk_gated_delta_rule`` and flash-linear-attention's
+``chunk_gated_delta_rule`` (its ``BT``) both take 64; a sequence is padded to whole chunks."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ModelSpec:
     """The shape of a decoder-only language model, enough to count its parameters, FLOPs and memory."""
 
@@ -182,6 +242,11 @@ class ModelSpec:
     indexer_layers: tuple[int, ...] = ()
     """Indices of the layers that run an indexer of their own; under :attr:`indexer` the others reuse the top-k keys
     of the last indexer layer before them (GLM-5's ``"shared"`` ``indexer_types``)."""
+    linear: LinearAttention | None = None
+    """Gated DeltaNet, on the layers :attr:`linear_layers` names (None: every layer attends)."""
+    linear_layers: tuple[int, ...] = ()
+    """Indices of the layers whose token mixer is :attr:`linear` instead of attention (Qwen3-Next's and Qwen3.5's
+    ``"linear_attention"`` layers)."""
     mtp: int = 0
     """Multi-token-prediction modules after the last layer (DeepSeek-V3's ``num_nextn_predict_layers``; report
     arXiv:2412.19437 sec. 2.2): each normalises the last hidden state and the next token's embedding,
@@ -202,7 +267,8 @@ class ModelSpec:
         if self.chunked and not self.window_layers:
             raise ModelConfigError("chunked attention needs the layers it runs on (window_layers) and a chunk size")
         for what, indices in (("MoE", self.moe_layers), ("NoPE", self.nope_layers),
-                              ("sliding-window", self.window_layers), ("indexer", self.indexer_layers)):
+                              ("sliding-window", self.window_layers), ("indexer", self.indexer_layers),
+                              ("linear-attention", self.linear_layers)):
             if any(not 0 <= n < self.layers for n in indices):
                 raise ModelConfigError(f"{what} layers {list(indices)} are not all among the {self.layers} layers")
         if self.indexer is not None:
@@ -216,6 +282,9 @@ class ModelSpec:
                                        "indexer (indexer_types[0] \"full\"): the layers after it reuse its top-k")
         elif self.indexer_layers:
             raise ModelConfigError("indexer layers need an indexer (index_n_heads, index_head_dim, index_topk)")
+        if self.linear_layers and self.linear is None:
+            raise ModelConfigError("linear-attention layers need their Gated DeltaNet's sizes (linear_num_key_heads, "
+                                   "linear_num_value_heads, linear_key_head_dim, linear_value_head_dim)")
         if self.shared_norm and not self.parallel_residual:
             raise ModelConfigError("shared_norm (one norm before both branches) needs parallel_residual: a layer "
                                    "whose MLP follows its attention normalises the MLP's own input")
