@@ -17,6 +17,7 @@ from pipeloom.runtime.errors import (
     SplitOrderError,
     StageValueError,
     StepMismatchError,
+    TracedSizeError,
     UnknownSplitPointError,
 )
 from pipeloom.runtime.launch import init_ranks
@@ -55,6 +56,7 @@ __all__ = [
     "StageValueError",
     "StepMismatchError",
     "StagedModel",
+    "TracedSizeError",
     "Traffic",
     "UnknownSplitPointError",
     "ValueRef",

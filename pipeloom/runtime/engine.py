@@ -248,6 +248,8 @@ class PipelineEngine:
         chunks, targets = self._inputs(inputs, target, training)
         signature = self._signature(chunks, targets, training)
         cached = self._meta_cache.get(signature)
+        if cached is None:  # new sizes: refused here, before anything ran, when the trace does not hold for them
+            self._check_sizes(inputs)
         metas, specs = (cached if cached is not None else ({}, {}))
         events: list | None = [] if self.tracing else None
         if events is not None:
@@ -318,6 +320,14 @@ class PipelineEngine:
         if training and target is None:
             raise PipelineError("step() needs target= (passed to loss_fn with each micro-batch's output)")
         return chunks, self._chunks(target, "target") if target is not None else []
+
+    def _check_sizes(self, inputs: object) -> None:
+        """Raise TracedSizeError when a micro-batch of the whole batch (every rank checks the same ones) breaks a
+        size the model's torch.export trace fixed; the engine stays usable."""
+        values = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
+        parts = [torch.chunk(v, self.total_microbatches, dim=0) for v in values]
+        for micro in zip(*parts):
+            self.staged.check_sizes(micro)
 
     def _gradient_reduction(self) -> GradientBuckets | ShardedGradients | None:
         """This training step's gradient handling over "dp" (begun), if the pieces have replicas."""

@@ -14,6 +14,7 @@ __all__ = [
     "SplitOrderError",
     "StageValueError",
     "StepMismatchError",
+    "TracedSizeError",
     "UnknownSplitPointError",
 ]
 
@@ -45,6 +46,12 @@ class PipelineError(PipeloomError, RuntimeError):
 class StepMismatchError(PipelineError):
     """Ranks were given different micro-batch counts or batches (shapes, dtypes) for one step. Raised
     on every rank before anything moved: the engine stays usable."""
+
+
+class TracedSizeError(PipelineError):
+    """A step's inputs break a size the model's torch.export trace fixed (a loop unrolled for the example's
+    length): the graph would compute something else for them. Raised before anything ran: the engine stays
+    usable."""
 
 
 class RegionsNotFoundError(PipelineError):

@@ -1,8 +1,11 @@
 """torch.export's symbolic sizes used across a split: computed again in the stage that uses them from sizes
 it measures itself (Mamba2's scan padding, a top-k's count made in a ``no_grad`` region), or refused when the split
-is made. Oracle: the unsplit model's for-loop reference of DESIGN §5 (torch.equal losses and gradients)."""
+is made; inputs breaking a size the trace fixed (a loop unrolled for the example's length) refused when they come.
+Oracle: the unsplit model's for-loop reference of DESIGN §5 (torch.equal losses and gradients)."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 
@@ -10,7 +13,7 @@ torch = pytest.importorskip("torch")
 
 from torch import nn
 
-from pipeloom.runtime import SplitError, split_model
+from pipeloom.runtime import SplitError, TracedSizeError, pipeline, split_model
 
 
 class Pooled(nn.Module):
@@ -76,6 +79,69 @@ class Chosen(nn.Module):
         for block in self.blocks:
             x = block(x)
         return x.sum(1)
+
+
+class ChunkScan(nn.Module):
+    """A scan over chunks of 4 positions in a Python loop over ``x.shape[1] // 4`` of them (the rest left zero), as
+    transformers' gated delta rule loops over its chunks: torch.export unrolls it for the example's length, so the
+    graph holds for lengths with as many whole chunks only (it would leave the others' later chunks zero)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        out = torch.zeros_like(x)
+        state = torch.zeros_like(x[:, 0])
+        for i in range(x.shape[1] // 4):
+            chunk = x[:, 4 * i:4 * i + 4]
+            out[:, 4 * i:4 * i + 4] = chunk + state[:, None]
+            state = state + torch.tanh(self.linear(chunk)).sum(1)
+        return out
+
+
+def test_inputs_breaking_a_size_the_trace_fixed_are_refused_and_others_run_bitwise():
+    torch.manual_seed(0)
+    model = ChunkScan()
+    staged = split_model(model, [], tracer="export", example_inputs=(torch.randn(2, 8, 4),))
+    for length in (8, 9, 11):  # two whole chunks, as the example's
+        x = torch.randn(3, length, 4)
+        assert torch.equal(staged.run(x), model(x))
+    for length in (4, 12, 13):
+        with pytest.raises(TracedSizeError, match=r"x\.shape\[1\].*example of shape \[\(2, 8, 4\)\].*unrolled"):
+            staged.run(torch.randn(3, length, 4))
+    with pytest.raises(TracedSizeError, match=r"x\.shape\[2\] == 4"):  # a dimension export made constant
+        staged.run(torch.randn(3, 8, 5))
+
+
+def test_an_engine_refuses_a_step_breaking_its_trace_and_stays_usable():
+    """Through ``pipeline()`` (traced on the first step's batch, length 8): a step of length 12 is refused before
+    it runs, and the engine takes the next step, of length 9, bitwise as the for-loop reference."""
+    torch.manual_seed(0)
+    model = ChunkScan()
+    reference = copy.deepcopy(model)
+
+    def loss_fn(output, target):
+        return ((output - target) ** 2).mean()
+
+    engine = pipeline(model, schedule="1f1b", split_points=[], loss_fn=loss_fn, microbatches=2)
+    for length in (8, 12, 9):
+        x, y = torch.randn(4, length, 4), torch.randn(4, length, 4)
+        if length == 12:
+            with pytest.raises(TracedSizeError, match="unrolled"):
+                engine.step(x, target=y)
+            assert not engine.broken
+            continue
+        model.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)
+        loss = engine.step(x, target=y)
+        expected = torch.zeros(())
+        for xm, ym in zip(x.chunk(2), y.chunk(2)):
+            part = loss_fn(reference(xm), ym) / 2
+            part.backward()
+            expected = expected + part.detach()
+        assert torch.equal(loss, expected)
+        assert torch.equal(model.linear.weight.grad, reference.linear.weight.grad)
 
 
 def test_a_size_no_tensor_of_the_stage_carries_is_refused_when_the_split_is_made():

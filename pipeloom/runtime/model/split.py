@@ -23,6 +23,7 @@ from pipeloom.runtime.errors import (
 )
 from pipeloom.runtime.model.modes import switch_modes
 from pipeloom.runtime.model.passes import TRACED_DEVICE, copy_mutated_inputs, localize_sizes
+from pipeloom.runtime.model.sizes import TracedSizes
 from pipeloom.runtime.model.tracing import TracedModel, module_scopes, trace_model
 from pipeloom.runtime.program import MODEL_INPUT, Source
 
@@ -97,6 +98,7 @@ class StagedModel:
 
     stages: tuple[nn.Module, ...]  # stage s is stages[s]; its parameters are the model's own objects
     graph: StageGraph  # which values flow between the stages
+    sizes: TracedSizes | None = None  # torch.export: the input sizes the stages hold for (None: any)
 
     def __post_init__(self) -> None:
         if len(self.stages) != len(self.graph.stages):
@@ -123,6 +125,7 @@ class StagedModel:
         if len(inputs) != len(self.graph.input_names):
             names = ", ".join(self.graph.input_names)
             raise SplitError(f"the model takes {len(self.graph.input_names)} inputs ({names}), got {len(inputs)}")
+        self.check_sizes(inputs)
         outputs: list[tuple[object, ...]] = []
         for spec, module in zip(self.graph.stages, self.stages):
             args = [self.value(ref, outputs, inputs, consumer=f"stage {spec.index}") for ref in spec.inputs]
@@ -132,6 +135,13 @@ class StagedModel:
             if record is not None:
                 record(spec.index, args, outputs[-1])
         return self.model_output(outputs, inputs)
+
+    def check_sizes(self, inputs: Sequence[object]) -> None:
+        """Raise :class:`~pipeloom.runtime.errors.TracedSizeError` when model inputs of these sizes break a size
+        the trace fixed (:class:`~pipeloom.runtime.model.sizes.TracedSizes`); stages not traced by torch.export
+        take any."""
+        if self.sizes is not None:
+            self.sizes.check([tuple(t.shape) if isinstance(t, torch.Tensor) else () for t in inputs])
 
     def value(self, ref: ValueRef, outputs: Sequence[Sequence[object]], inputs: Sequence[object], *,
               consumer: str) -> object:
@@ -346,7 +356,7 @@ def _split(traced: TracedModel, split_points: Sequence[str], leaf_modules: Seque
                   for s in range(num_stages))
     output = pytree.tree_map(lambda v: ref(v, None) if isinstance(v, fx.Node) else v, traced_output)
     return StagedModel(stages=modules, graph=StageGraph(stages=specs, input_names=traced.input_names,
-                                                       output=output))
+                                                       output=output), sizes=traced.sizes)
 
 
 def _providers(stage_of: dict[fx.Node, int | Source], inputs: list[list[fx.Node]], output_nodes: list[fx.Node],

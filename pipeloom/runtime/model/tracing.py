@@ -18,6 +18,7 @@ import torch.utils._pytree as pytree
 from torch import fx, nn
 
 from pipeloom.runtime.errors import ModelTraceError, NeedsExampleError, SplitError
+from pipeloom.runtime.model.sizes import TracedSizes, traced_sizes
 
 if TYPE_CHECKING:
     from torch.fx.node import Argument
@@ -48,6 +49,7 @@ class TracedModel:
     output: object  # the model's output structure (a pytree: tuple, dict, ModelOutput...) with fx.Node leaves
     tracer: str  # "fx" or "export"
     device: torch.device | None = None  # torch.export: the device of the example inputs, baked into the graph
+    sizes: TracedSizes | None = None  # torch.export: the input sizes the graph holds for (None: any)
 
 
 def module_scopes(node: fx.Node) -> list[str]:
@@ -163,7 +165,8 @@ def _export(model: nn.Module, example_inputs: object, keep: Sequence[str] = ()) 
         graph.erase_node(node)
     tree = pytree.tree_unflatten(user, exported.call_spec.out_spec)
     device = next(t.device for t in pytree.tree_leaves(example_inputs) if isinstance(t, torch.Tensor))
-    return TracedModel(root=root, graph=graph, input_names=names, output=tree, tracer="export", device=device)
+    return TracedModel(root=root, graph=graph, input_names=names, output=tree, tracer="export", device=device,
+                       sizes=traced_sizes(exported, names, example_inputs))
 
 
 def _kept_refusal(model: nn.Module, name: str, why: str) -> ModelTraceError:
