@@ -250,14 +250,10 @@ def _family_spec(data: Mapping[str, Any], family: str) -> ModelSpec:
         return _ernie(data, common, heads, head_dim)
     if family.startswith(("deepseek", "glm4_moe")) or family in ("dots1", "mistral4", "glm_moe_dsa"):
         return deepseek_spec(data, common, heads, head_dim)
-    if family == "gpt_oss":
-        return gpt_oss_spec(data, common, heads, head_dim)
-    if family == "phimoe":
-        return phimoe_spec(data, common, heads, head_dim)
-    if family == "llama4_text":
-        return llama4_spec(data, common, heads, head_dim)
-    if family in _HYBRID:
-        return gated_deltanet_spec(data, common, heads, head_dim)
+    readers = {"gpt_oss": gpt_oss_spec, "phimoe": phimoe_spec, "llama4_text": llama4_spec,
+               **dict.fromkeys(_HYBRID, gated_deltanet_spec)}  # families with a reader of their own
+    if family in readers:
+        return readers[family](data, common, heads, head_dim)
     kv_heads = int(data.get("num_key_value_heads") or heads)
     bias = bool(data.get("attention_bias", False))
     qkv_bias = family == "qwen2" or (family == "qwen2_moe" and bool(data.get("qkv_bias", True))) or bias
