@@ -1,4 +1,4 @@
-"""How long pipeloom's torch.export takes with the settings it exports under (``tracing._EXPORT_SETTINGS``) against
+"""How long pipeloom's torch.export takes with the settings it exports under (``export_env.EXPORT_SETTINGS``) against
 torch's defaults, side by side in one run, and whether both give the same graph.
 
 For each model (the tiny transformers models of the test suite, or any ``--models`` of ``tests/runtime/hf_models``
@@ -23,7 +23,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "runtime")]
 import torch  # noqa: E402
 from torch.export import Dim  # noqa: E402
 
-from pipeloom.runtime.model.tracing import _export_settings  # noqa: E402
+from pipeloom.runtime.model.export_env import export_settings  # noqa: E402
 
 MOE = ("qwen3_moe", "deepseek_v3", "gpt_oss")
 
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
             graphs["plain"] = _export(model, tokens)
             plain.append(time.perf_counter() - start)
             start = time.perf_counter()
-            with _export_settings():
+            with export_settings():
                 graphs["ours"] = _export(model, tokens)
             ours.append(time.perf_counter() - start)
         same = _structure(graphs["plain"]) == _structure(graphs["ours"])

@@ -61,6 +61,10 @@ def build_hf(name: str, *, dropout: float = 0.0, seed: int = 0) -> torch.nn.Modu
 
 _SMALL = dict(num_hidden_layers=LAYERS, hidden_size=32, intermediate_size=64, num_attention_heads=4,
               num_key_value_heads=2)
+_LINEAR = dict(head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+               linear_value_head_dim=8, linear_conv_kernel_dim=4,
+               layer_types=["linear_attention", "full_attention"] * (LAYERS // 2))  # Qwen3-Next and Qwen3.5
+_QWEN_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)
 PLANNED = {
     "granite": dict(_SMALL, embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.1,
                     logits_scaling=4.0),
@@ -103,6 +107,10 @@ PLANNED = {
                         num_experts_per_tok=1, interleave_moe_layer_step=2, no_rope_layer_interval=2,
                         attention_chunk_size=4),  # chunked attention on the rotary layers, NoPE layers with the
     # queries' temperature, every expert run on every token under a sigmoid router, a shared expert
+    "qwen3_next": dict(_SMALL, **_LINEAR, **_QWEN_MOE),  # Gated DeltaNet layers (a causal conv, the chunked delta
+    # rule's reference) between gated attention layers, so each cut falls between kinds; a sigmoid-gated shared expert
+    "qwen3_5_moe_text": dict(_SMALL, **_LINEAR, **_QWEN_MOE),  # Qwen3-Next's layers with separate projections
+    "qwen3_5_text": dict(_SMALL, **_LINEAR),  # Qwen3.5's dense model
 }
 """Tiny configs of the families ``pipeloom plan --model`` reads that the cases above do not cover (ERNIE 4.5's dense
 model is covered by its MoE model's dense first layer; Seed-OSS is LLaMA's layer with the biased projections of

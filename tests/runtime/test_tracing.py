@@ -154,6 +154,41 @@ def test_export_runs_under_its_settings_and_restores_them():
     assert (dynamo_config.fake_tensor_cache_enabled, torch.fx.config.do_not_emit_stack_traces) == before
 
 
+def test_export_takes_the_eager_branch_of_the_gated_delta_rule():
+    """transformers' Qwen3-Next builds each chunk's inverse another way when it is exported (export_env.EAGER_BRANCHES):
+    under pipeloom's export its module's is_torchdynamo_exporting answers False, so the trace runs the eager code's
+    solve_triangular (and the model runs bitwise on ranks: tests/runtime/test_hf_models.py); the flag is restored
+    afterwards, after a failed export too, and a module that is not listed keeps its own."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.qwen3_next import modeling_qwen3_next as next_module
+
+    config = transformers.AutoConfig.for_model(
+        "qwen3_next", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, vocab_size=64, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=8, linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=16, shared_expert_intermediate_size=16,
+        layer_types=["linear_attention", "full_attention"], use_cache=False)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    flag, seen = next_module.is_torchdynamo_exporting, []
+    solve = torch.linalg.solve_triangular
+
+    def watching(*args, **kwargs):
+        seen.append(torch.compiler.is_exporting())
+        return solve(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.linalg, "solve_triangular", watching)
+        staged = split_model(model, ["model.layers.1"], tracer="export",
+                             example_inputs=(torch.randint(0, 64, (2, 9)),))
+        assert next_module.is_torchdynamo_exporting is flag and seen and all(seen)  # traced through the solver
+        patch.setattr(torch.export, "export", lambda *args, **kwargs: 1 / 0)
+        with pytest.raises(ModelTraceError):
+            split_model(model, ["model.layers.1"], tracer="export", example_inputs=(torch.randint(0, 64, (2, 9)),))
+    assert next_module.is_torchdynamo_exporting is flag
+    ids = torch.randint(0, 64, (2, 9))
+    assert torch.equal(staged.run(ids).logits, model(ids).logits)
+
+
 def test_leaf_modules_stay_whole():
     staged = split_model(Blocks(), ["blocks.1"], tracer="fx", leaf_modules=["blocks.0"])
     calls = [n.target for n in staged.stages[0].graph.nodes if n.op == "call_module"]

@@ -7,9 +7,8 @@ node's module scopes (``nn_module_stack``), from which split points are found.
 
 from __future__ import annotations
 
-import contextlib
 import operator
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
@@ -18,6 +17,7 @@ import torch.utils._pytree as pytree
 from torch import fx, nn
 
 from pipeloom.runtime.errors import ModelTraceError, NeedsExampleError, SplitError
+from pipeloom.runtime.model.export_env import eager_branches, export_settings
 from pipeloom.runtime.model.sizes import TracedSizes, traced_sizes
 
 if TYPE_CHECKING:
@@ -276,7 +276,7 @@ def _exported(model: nn.Module, example_inputs: object, keep: Sequence[str] = ()
                               f"inputs), got {type(example_inputs).__name__}")
     dynamic = tuple({d: Dim.AUTO for d in range(a.dim())} for a in args)
     try:
-        with _export_settings():
+        with export_settings(), eager_branches(model):
             exported = torch.export.export(model, args, dynamic_shapes=dynamic, strict=False,
                                            preserve_module_call_signature=tuple(keep))
     except Exception as error:  # export raises many kinds (Unsupported, UserError, RuntimeError...)
@@ -287,35 +287,6 @@ def _exported(model: nn.Module, example_inputs: object, keep: Sequence[str] = ()
             "pipeloom.runtime.stages_from_modules([stage0, stage1, ...])"
         ) from error
     return exported
-
-
-_EXPORT_SETTINGS = (("torch.fx.config", "do_not_emit_stack_traces", True),
-                    ("torch._dynamo.config", "fake_tensor_cache_enabled", False))
-"""torch settings pipeloom's export runs under, each restored after it (one a torch version lacks is left alone):
-no node keeps its Python stack (pipeloom never reads it, and taking it is costly), and fake tensors are not
-cached (with every input dimension symbolic, hashing the arguments and rebuilding each cached output costs more
-than it saves). Together: the same graphs in 0.64-0.82 of the time on the test suite's tiny transformers models
-(``benchmarks/export_time.py``, docs/runtime.md)."""
-
-
-@contextlib.contextmanager
-def _export_settings() -> Iterator[None]:
-    import importlib
-
-    saved = []
-    for module_name, name, value in _EXPORT_SETTINGS:
-        try:
-            config = importlib.import_module(module_name)
-        except ImportError:  # a torch without it
-            continue
-        if hasattr(config, name):
-            saved.append((config, name, getattr(config, name)))
-            setattr(config, name, value)
-    try:
-        yield
-    finally:
-        for config, name, value in reversed(saved):
-            setattr(config, name, value)
 
 
 def _data_dependent_advice(model: nn.Module, error: Exception) -> str:
