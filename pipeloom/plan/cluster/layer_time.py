@@ -114,8 +114,8 @@ def layer_times(job: Job, layout: Layout, kind: str) -> PhaseTimes:
     a :data:`~pipeloom.plan.cluster.model.kinds.NOPE` kind runs no rotary; a
     :data:`~pipeloom.plan.cluster.model.kinds.LINEAR` kind runs Gated DeltaNet in its attention's place)."""
     if block_kind(kind) not in ("embedding", "head", "dense", "moe"):
-        raise LayoutError(f"layer_times prices embedding, dense, moe (or windowed, sparse, NoPE) and head layers, "
-                          f"not {kind!r}")
+        raise LayoutError(f"layer_times prices embedding, dense, moe (or windowed, sparse, NoPE, Gated DeltaNet) and "
+                          f"head layers, not {kind!r}")
     job = dataclasses.replace(job, hw=compute_hardware(job, layout))
     spec, hw, tp, cp = job.spec, job.hw, layout.tp, layout.cp
     tokens = layout.mbs * job.seq // cp  # tokens of the micro-batch on this GPU's cp shard

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from pipeloom.plan.cluster.estimate import Estimator
 from pipeloom.plan.cluster.layout import Layout
+from pipeloom.plan.cluster.model.spec import GDN_CHUNK
 from pipeloom.plan.errors import PlanError
 from pipeloom.plan.plan import Plan
 
@@ -90,12 +91,6 @@ def save_blockers(result: ClusterPlan, *, export: str | None = None) -> str | No
                         f"needs {kept / 2**30:.1f} GiB per GPU so, over the {result.memory_limit / 2**30:.1f} GiB "
                         "limit (search with --layout recompute=none for a plan it fits"
                         + (", or add --export torchtitan, which recomputes as planned)" if export_fits else ")"))
-        unfixed += 1
-    if result.job.spec.linear is not None and not export:
-        problems.append(f"{family}'s Gated DeltaNet layers (pipeloom's runtime does not run them yet: traced by "
-                        "torch.export, transformers' reference gated delta rule builds each chunk's inverse by "
-                        "forward substitution where eager PyTorch solves it, so the gradients are not bitwise eager's, "
-                        "and its loop over chunks is unrolled for the traced sequence length)")
         unfixed += 1
     if layout.tp > 1 and family not in _TP_FAMILIES:
         problems.append(f"tp={layout.tp} on {family} (the tensor-parallel recipe by module name is written for "
@@ -261,6 +256,12 @@ def runtime_notes(result: ClusterPlan, *, kept: float | None = None) -> list[str
         notes.append(f"the plan prices each token's top {ex.top_k} of {ex.count} experts, as training frameworks run "
                      f"them; transformers' {spec.family} runs every expert on every token, {ex.count // ex.top_k}x "
                      "the routed experts' work and memory in pipeloom's runtime")
+    if spec.linear is not None:
+        chunks = -(-result.job.seq // GDN_CHUNK)
+        notes.append(f"transformers' gated delta rule loops over the sequence's {GDN_CHUNK}-token chunks in Python: "
+                     f"the runtime's trace holds for the chunk count of the batch it traces ({chunks} at "
+                     f"{result.job.seq:,} tokens) and refuses other lengths (TracedSizeError); pad every batch to one "
+                     "length")
     if spec.text_of:
         notes.append(f"the plan cuts the language model of the {spec.text_of} config at its decoder layers: run it on "
                      f"that language model alone (the {spec.family} model of its text_config); the {spec.text_of} "
