@@ -201,19 +201,18 @@ def _recompute(job: Job, layout: Layout, tokens: int, kind: str, forward: PhaseT
     """Seconds ``layout.recompute`` adds to a layer's backward, and of them the all-to-alls' (``forward``: the
     layer's F and its all-to-alls; the other keywords its parts, as :func:`_megatron_recompute` takes them): the
     forward again under ``full``; under ``selective``, ``job.selective``'s policy (a Gated DeltaNet layer,
-    ``linear``, recomputes its MLP's modules only: :func:`~pipeloom.plan.cluster.recompute.kept_activations`)."""
+    ``linear``, passes no ``core_f``: its core is never checkpointed alone, and ``op`` takes its MoE-layer rule there,
+    the attention core's: :func:`~pipeloom.plan.cluster.recompute.kept_activations`)."""
     if layout.recompute == "full":  # the forward again, its all-to-alls included
         return forward.f, forward.f_comm
     if layout.recompute != "selective":
         return 0.0, 0.0
     if job.selective == "layer":  # every second layer checkpointed whole: half a forward per layer on average
         return forward.f / 2, forward.f_comm / 2
-    if job.selective == "deepseek" and not linear:
+    if job.selective == "deepseek":  # (refused for models without multi-head latent attention: no Gated DeltaNet)
         return _deepseek_recompute(job, tokens, layout.tp, kind), 0.0
     if job.selective == "op" and kind == "dense" and not linear:
         return _op_recompute(job, tokens, layout.tp) + ew_f, 0.0
-    if job.selective in ("deepseek", "op"):  # a Gated DeltaNet layer: the attention core's policy, nothing again
-        return 0.0, 0.0
     return _megatron_recompute(job, layout, tokens, kind, layer_modules(job.selective), core_f=core_f, tp_f=tp_f,
                                mlp=mlp)
 

@@ -174,8 +174,9 @@ def kept_activations(selective: str, spec: ModelSpec, counts: LayerCounts, recom
 def _block(selective: str, spec: ModelSpec, kind: str) -> Activations:
     """What one token keeps in a decoder layer of ``kind`` under the policy ``selective`` (not ``layer``); a layer
     running an indexer keeps its choice under every policy (:func:`~pipeloom.plan.cluster.counts.index_bytes`); a
-    Gated DeltaNet layer under ``deepseek`` or ``op`` (policies written for attention layers) recomputes nothing."""
-    if selective == "deepseek" and not is_linear(kind):
+    Gated DeltaNet layer under ``op`` takes the policy's MoE-layer rule (the attention core's), which recomputes
+    nothing there."""
+    if selective == "deepseek":  # (refused for models without multi-head latent attention: no Gated DeltaNet)
         return deepseek_activations(spec, kind)
     if selective == "op" and block_kind(kind) == "dense" and not is_linear(kind):
         kept = op_activations(spec)

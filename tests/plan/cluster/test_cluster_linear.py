@@ -183,3 +183,17 @@ def test_a_saved_plan_says_which_lengths_the_runtime_runs(tmp_path, capsys):
     assert ("note: transformers' gated delta rule loops over the sequence's 64-token chunks in Python: the runtime's "
             "trace holds for the chunk count of the batch it traces (64 at 4,096 tokens) and refuses other lengths "
             "(TracedSizeError)") in said.out + said.err
+
+
+def test_torchtitans_op_policy_recomputes_the_attention_core_of_moe_layers_and_nothing_of_a_linear_one():
+    """Under ``op`` (its rule is a dense layer's) an MoE layer recomputes its attention core, as ``core_attn`` does;
+    a Gated DeltaNet layer, whose core is never checkpointed alone, recomputes nothing (Qwen3-Next's kinds)."""
+    spec = model_spec(NEXT)
+    selective = Layout(dp=8, mbs=1, recompute="selective", schedule="1f1b")
+    times = {policy: {kind: layer_times(Job(spec=spec, hw=hardware("h100"), gpus=8, global_batch=8, seq=4096,
+                                            selective=policy), selective, kind) for kind in ("moe", "moe" + LINEAR)}
+             for policy in ("op", "core_attn")}
+    plain = {kind: layer_times(Job(spec=spec, hw=hardware("h100"), gpus=8, global_batch=8, seq=4096), LAYOUT, kind)
+             for kind in ("moe", "moe" + LINEAR)}
+    assert times["op"]["moe"] == times["core_attn"]["moe"] and times["op"]["moe"].i > plain["moe"].i
+    assert times["op"]["moe" + LINEAR].i == plain["moe" + LINEAR].i
