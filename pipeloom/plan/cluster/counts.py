@@ -156,8 +156,7 @@ def _attention_weights(spec: ModelSpec, kind: str = "dense") -> tuple[int, int]:
         return q + kv + out, norms + bias
     if is_linear(kind):
         return linear_weights(spec)
-    gate = a.heads * a.v_dim if a.output_gate else 0  # the output gate's columns of the q projection
-    q, k, v = a.heads * a.qk_dim + gate, a.kv_heads * a.qk_dim, a.kv_heads * a.v_dim
+    q, k, v = a.heads * a.qk_dim + a.gate, a.kv_heads * a.qk_dim, a.kv_heads * a.v_dim  # q: its gate's columns too
     o = a.heads * a.v_dim
     qk_norms = (0 if a.qk_norm_weightless else a.heads * a.qk_dim + k if a.qk_norm_full or a.qk_norm_head_weights
                 else 2 * a.qk_dim) if _qk_norm(spec, kind) else 0
@@ -228,8 +227,8 @@ def _attention_activations(spec: ModelSpec, width: int, kind: str = "dense") -> 
         # projection's input per head; the one latent key (the kv norm's output with the rotated rope part: rope more)
         return sequence, width * a.heads * (qk + v + a.qk_dim - a.rope_dim + a.v_dim) + STAT_BYTES * stats, \
             replicated + width * a.rope_dim
-    gate = 2 * a.heads * a.v_dim if a.output_gate else 0  # the gate, and the gated output the projection reads
-    tensor = width * (qkv + a.heads * a.v_dim + gate) + STAT_BYTES * stats
+    # with an output gate: the gate, and the gated output the projection reads
+    tensor = width * (qkv + a.heads * a.v_dim + 2 * a.gate) + STAT_BYTES * stats
     return sequence, tensor, replicated
 
 

@@ -113,8 +113,7 @@ def layer_elementwise(spec: ModelSpec, kind: str, *, tp: int = 1, sp: bool = Fal
     rotary = rotary and spec.positions == 0 and not linear
     jitters = 2 if kind == "moe" and spec.experts is not None and spec.experts.input_jitter else 0
     # the token mixer's own kernels beside the attention core: Gated DeltaNet's, or an output gate's product
-    mix_f, mix_b, mix_kernels = _mixer(spec) if linear else (
-        (3 * a.heads * a.v_dim, 5 * a.heads * a.v_dim, 1) if a.output_gate else (0, 0, 0))
+    mix_f, mix_b, mix_kernels = _mixer(spec) if linear else (3 * a.gate, 5 * a.gate, 1 if a.gate else 0)
     if kernels == "fused":
         norms = spec.layer_norms
         adds, add_kernels = (4 * h, 1) if spec.parallel_residual else (2 * 3 * h, 2)  # one add of 3, or two of 2

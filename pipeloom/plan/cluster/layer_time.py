@@ -73,7 +73,7 @@ def _gemms(spec: ModelSpec, tp: int, *, absorbed: bool = False, linear: bool = F
         if not absorbed:
             kv.append((a.heads * (a.qk_dim - a.rope_dim + a.v_dim) // tp, a.kv_rank))
         return q + kv + [(h, a.heads * a.v_dim // tp)]
-    qkv = a.heads * a.qk_dim + a.kv_heads * (a.qk_dim + a.v_dim) + (a.heads * a.v_dim if a.output_gate else 0)
+    qkv = a.heads * a.qk_dim + a.kv_heads * (a.qk_dim + a.v_dim) + a.gate
     return [(qkv // tp, h), (h, a.heads * a.v_dim // tp)]
 
 

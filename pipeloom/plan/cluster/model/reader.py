@@ -122,8 +122,8 @@ def _unmodelled(subject: str, data: Mapping[str, Any], *, stand_in: bool = True)
         what = f"layers of kind {', '.join(other)}" if other else f"the fields {', '.join(fields[:3])}"
         return (f"{subject} is not modelled: its layers are not all attention (its config gives {what}: linear "
                 "attention, state-space or convolution layers), and the planner prices a decoder layer's token mixer "
-                "as attention or as Qwen3-Next's Gated DeltaNet (qwen3_next, qwen3_5_text, qwen3_5_moe_text), so no "
-                f"supported family stands in for it; {supported}")
+                f"as attention or as Qwen3-Next's Gated DeltaNet ({', '.join(_HYBRID)}), so no supported family "
+                f"stands in for it; {supported}")
     uneven = [key for key in _UNEVEN_LAYERS if data.get(key)]
     if uneven:
         return (f"{subject} is not modelled: its layers are not of one shape (its config gives {', '.join(uneven)}: "

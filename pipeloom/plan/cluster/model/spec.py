@@ -55,6 +55,11 @@ class Attention:
     rope_dim: int = 0
     """MLA: the decoupled rotary key dimension (shared by all heads)."""
 
+    @property
+    def gate(self) -> int:
+        """Elements of the output gate per token: ``heads x v_dim`` with :attr:`output_gate`, else 0."""
+        return self.heads * self.v_dim if self.output_gate else 0
+
     def splits(self, tp: int) -> bool:
         """Whether ``tp`` ranks each hold whole query and key/value heads (Megatron-Core and torchtitan divide both
         by tp)."""
