@@ -111,6 +111,8 @@ PLANNED = {
     # rule's reference) between gated attention layers, so each cut falls between kinds; a sigmoid-gated shared expert
     "qwen3_5_moe_text": dict(_SMALL, **_LINEAR, **_QWEN_MOE),  # Qwen3-Next's layers with separate projections
     "qwen3_5_text": dict(_SMALL, **_LINEAR),  # Qwen3.5's dense model
+    "olmo_hybrid": dict(_SMALL, layer_types=_LINEAR["layer_types"]),  # OLMo 3's
+    # attention layers (norms after each branch) between Gated DeltaNet layers normed before each (sizes derived)
 }
 """Tiny configs of the families ``pipeloom plan --model`` reads that the cases above do not cover (ERNIE 4.5's dense
 model is covered by its MoE model's dense first layer; Seed-OSS is LLaMA's layer with the biased projections of

@@ -44,8 +44,8 @@ def test_the_cluster_planners_other_families_are_bitwise_exact_on_two_ranks():
     (chunked attention on its rotary layers, NoPE layers, a sigmoid router, every expert run on every token),
     DeepSeek-V3.2 and GLM-5 (DeepSeek's sparse attention: an indexer under no_grad whose top-k masks the scores, its
     count made once and read by every later layer; GLM-5's shared layers reusing the top-k of the layer before, across
-    the cut), Qwen3-Next, Qwen3.5-MoE and Qwen3.5 (Gated DeltaNet layers, exported through their eager branch, cut
-    between them and gated attention layers): of the
+    the cut), Qwen3-Next, Qwen3.5-MoE, Qwen3.5 and OLMo hybrid (Gated DeltaNet layers, exported through their eager
+    branch, cut between them and attention layers, gated in Qwen's, OLMo 3's in OLMo's): of the
     families ``pipeloom plan --model`` reads and saves plans for, those the other cases do not cover, cut at
     ``model.layers.N`` as its plan files cut them."""
     from hf_models import PLANNED

@@ -41,12 +41,13 @@ def export_settings() -> Iterator[None]:
 
 
 EAGER_BRANCHES = ("transformers.models.qwen3_next.modeling_qwen3_next", "transformers.models.qwen3_5.modeling_qwen3_5",
-                  "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe")
+                  "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe",
+                  "transformers.models.olmo_hybrid.modeling_olmo_hybrid")
 """Modeling modules whose code takes another branch when it is exported than it runs eagerly, one that computes other
-numbers: transformers' gated delta rule (Qwen3-Next, Qwen3.5) builds each chunk's inverse by forward substitution
-under ``is_torchdynamo_exporting()`` ("not all export targets support the fast triangular solver"), where it runs
-``torch.linalg.solve_triangular`` eagerly; its gradients then differ from eager's by about 1e-8. pipeloom runs the
-graph in PyTorch, where the solver traces and runs: during pipeloom's export, these modules'
+numbers: transformers' gated delta rule (Qwen3-Next, Qwen3.5, OLMo hybrid) builds each chunk's inverse by forward
+substitution under ``is_torchdynamo_exporting()`` ("not all export targets support the fast triangular solver"), where
+it runs ``torch.linalg.solve_triangular`` eagerly; its gradients then differ from eager's by about 1e-8. pipeloom runs
+the graph in PyTorch, where the solver traces and runs: during pipeloom's export, these modules'
 ``is_torchdynamo_exporting`` answers False, so the graph computes what eager PyTorch does. Only these: in other modules
 (Mamba's, Jamba's) the flag picks kernels, not a formula."""
 
