@@ -96,12 +96,13 @@ class ClusterPlan:
 
 def _linear(spec: ModelSpec) -> dict[str, Any] | None:
     """The ``--json`` model's Gated DeltaNet (None without): its heads and head dimensions, its convolution's taps and
-    the layers it runs on (attention on the others)."""
+    the layers it runs on (attention on the others), whether its write strength is doubled (OLMo hybrid)."""
     g = spec.linear
     if g is None:
         return None
     return {"kind": "gated_deltanet", "key_heads": g.key_heads, "value_heads": g.value_heads, "key_dim": g.key_dim,
-            "value_dim": g.value_dim, "conv_kernel": g.conv_kernel, "layers": list(spec.linear_layers)}
+            "value_dim": g.value_dim, "conv_kernel": g.conv_kernel, "negative_eigenvalues": g.negative_eigenvalues,
+            "layers": list(spec.linear_layers)}
 
 
 def _sparse(spec: ModelSpec) -> dict[str, Any] | None:

@@ -30,12 +30,13 @@ with Gemma 2/3's norms after each branch), two
 A MoE layer also permutes each token's top-k copies to their experts and back (read h, write k·h; then read
 k·h, write h), in both passes, in either implementation.
 
-A Gated DeltaNet layer (``linear``: Qwen3-Next, Qwen3.5) has no rotary; its mixer's own kernels, in either
+A Gated DeltaNet layer (``linear``: Qwen3-Next, Qwen3.5, OLMo hybrid) has no rotary; its mixer's own kernels, in either
 implementation (Megatron-Core's, the only training framework with the layer): the causal convolution with its SiLU
 (read and write the queries, keys and values: ``2C`` for ``C`` channels; backward read the input and the output
 gradient, write the input gradient: ``3C``), the queries' and keys' L2 norm (``2·2K``; backward ``3·2K``) and their
 repeat to every value head (read ``2K``, write ``2 Hv dk``; backward the sum back), the decay and the write strength
-(read the two scalars per value head, write them: ``4 Hv``; backward ``6 Hv``), the gated RMSNorm with its
+(read the two scalars per value head, write them: ``4 Hv``; backward ``6 Hv``; OLMo hybrid's doubled write strength
+one more written: ``5 Hv``, its gradient in the same backward), the gated RMSNorm with its
 ``silu(gate)`` product (read the kernel's output and the gate, write the product: ``3V``; backward read those and
 the output gradient, write two gradients: ``5V``): five kernels each way. An attention layer with an output gate
 (Qwen3-Next, Qwen3.5) multiplies the attention's output by ``sigmoid(gate)`` (read two, write one per element;
@@ -149,6 +150,7 @@ def _mixer(spec: ModelSpec) -> tuple[int, int, int]:
     g = spec.linear
     assert g is not None, "a linear-attention layer of a model without Gated DeltaNet"
     repeat = 2 * g.keys + 2 * g.value_heads * g.key_dim
-    forward = 2 * g.mixed + 2 * 2 * g.keys + repeat + 4 * g.value_heads + 3 * g.values
+    gates = (5 if g.negative_eigenvalues else 4) * g.value_heads  # the decay, the write strength (and its double)
+    forward = 2 * g.mixed + 2 * 2 * g.keys + repeat + gates + 3 * g.values
     backward = 3 * g.mixed + 3 * 2 * g.keys + repeat + 6 * g.value_heads + 5 * g.values
     return forward, backward, 5

@@ -4,9 +4,9 @@ DeepSeek's sparse attention (DeepSeek-V3.2, GLM-5) beside its top-k core: the li
 :data:`~pipeloom.plan.cluster.model.kinds.SPARSE` layer runs first, forward only (its KL training loss is not priced),
 MLA's absorption into the MQA mode the core runs in, and the latent keys' exchange under context parallelism.
 
-Gated DeltaNet (Qwen3-Next, Qwen3.5: :data:`~pipeloom.plan.cluster.model.kinds.LINEAR` layers): the chunked gated delta
-rule's kernels (:func:`gdn_core_seconds`) and, under context parallelism, Megatron-Core's all-to-alls between the
-sequence split and the head split (:func:`gdn_exchange_seconds`)."""
+Gated DeltaNet (Qwen3-Next, Qwen3.5, OLMo hybrid: :data:`~pipeloom.plan.cluster.model.kinds.LINEAR` layers): the
+chunked gated delta rule's kernels (:func:`gdn_core_seconds`) and, under context parallelism, Megatron-Core's
+all-to-alls between the sequence split and the head split (:func:`gdn_exchange_seconds`)."""
 
 from __future__ import annotations
 

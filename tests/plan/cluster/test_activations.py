@@ -303,7 +303,7 @@ def test_moe_and_mla_activation_bytes_equal_saved_tensors(family, mode):
     assert spec.moe_layers and per_layer == expected
 
 
-# Gated DeltaNet (Qwen3-Next, Qwen3.5 dense and MoE). Its kernel runs as flash-linear-attention's does
+# Gated DeltaNet (Qwen3-Next, Qwen3.5 dense and MoE, OLMo hybrid). Its kernel runs as flash-linear-attention's does
 # (:class:`_ChunkKernel`: the reference's output, keeping exactly the tensors fla's ChunkGatedDeltaRuleFunction saves
 # for its backward, as CPU sdpa stands in for flash attention above); what the eager layer keeps around it is counted.
 # The model counts Megatron-Core's layer, which hands the kernel its queries and keys repeated to every value head,
@@ -315,9 +315,12 @@ def test_moe_and_mla_activation_bytes_equal_saved_tensors(family, mode):
 # with -exp(A_log) keeps it); per layer, exp(A_log) and -exp(A_log), and each RMSNorm's 1 + weight (Gemma's norm). The
 # attention layers: q and its output gate come from one projection, interleaved per head, so q's norm keeps the
 # gate half of that storage too; the partial rotary goes through torch.cat (_ROTARY_CAT); sigmoid(gate) times the
-# attention output keeps the model's two tensors.
-_GDN_FAMILIES = {"qwen3_next": "sdpa", "qwen3_5_text": "sdpa", "qwen3_5_moe_text": "sdpa"}
-_GDN_MODULES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+# attention output keeps the model's two tensors. OLMo hybrid's attention layers are OLMo 3's (its eager extras), its
+# norms scale by their weight (no 1 + weight), and it doubles the write strength after its sigmoid: the kernel keeps
+# the doubled copy, the sigmoid its output, both counted by the model; with as many key heads as value heads
+# (transformers' OLMo hybrid repeats none) Megatron-Core's repeat keeps nothing more than eager.
+_GDN_FAMILIES = {"qwen3_next": "sdpa", "qwen3_5_text": "sdpa", "qwen3_5_moe_text": "sdpa", "olmo_hybrid": "sdpa"}
+_GDN_MODULES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid")
 _GDN_MOE = ("qwen3_next", "qwen3_5_moe_text")  # their MoE layers run transformers' eager experts, as MOE_FAMILIES'
 # (each with Qwen2-MoE's sigmoid gate on its shared expert)
 
@@ -365,6 +368,8 @@ def _gdn_eager_extra(spec, kind, config, mode):
     if mode == "full":
         return 0.0
     a, g = spec.attention, spec.linear
+    if not is_linear(kind) and not a.output_gate:  # OLMo hybrid's attention layers: OLMo 3's eager extras
+        return _eager_extra(spec, mode, block_kind(kind), config)
     if not is_linear(kind):  # the attention layers: the family's eager extras, the gate half of q's storage, the
         copy = a.heads * a.v_dim if mode == "none" else 0  # output copied out of q's layout (rotary via torch.cat)
         return _eager_extra(spec, mode, block_kind(kind), config) + WIDTH * (a.heads * a.v_dim + copy)
@@ -375,14 +380,16 @@ def _gdn_eager_extra(spec, kind, config, mode):
 
 
 def _gdn_per_layer(spec, kind, mode):
-    """Bytes per layer (not per token) a Qwen3-Next / Qwen3.5 layer keeps in eager code: each RMSNorm's 1 + weight
-    (the q and k norms' over a head), a Gated DeltaNet layer's exp(A_log) and -exp(A_log)."""
+    """Bytes per layer (not per token) a Gated DeltaNet hybrid's layer keeps in eager code: Qwen3-Next's / Qwen3.5's
+    RMSNorms' 1 + weight (the q and k norms' over a head; OLMo hybrid's norms scale by their weight), a Gated DeltaNet
+    layer's exp(A_log) and -exp(A_log)."""
     if mode == "full":
         return 0
-    norms = spec.layer_norms * spec.hidden
+    qwen = spec.family != "olmo_hybrid"
+    norms = spec.layer_norms * spec.hidden if qwen else 0
     if is_linear(kind):
         return WIDTH * (norms + 2 * spec.linear.value_heads)
-    return WIDTH * (norms + 2 * spec.attention.qk_dim)
+    return WIDTH * (norms + 2 * spec.attention.qk_dim) if qwen else 0
 
 
 @pytest.mark.parametrize("mode", ["none", "selective", "full"])

@@ -1,7 +1,7 @@
-"""Gated DeltaNet hybrids (Qwen3-Next, Qwen3.5 dense and MoE) in the cluster planner: which layers are linear
-attention, what such a layer counts and costs (its chunked kernel, its all-to-alls under context parallelism), the
-heads tensor and context parallelism must split, the output gate of the attention layers, and what the command says
-and saves. Parameters, FLOPs and saved tensors against transformers are in test_params, test_flops and
+"""Gated DeltaNet hybrids (Qwen3-Next, Qwen3.5 dense and MoE, OLMo hybrid) in the cluster planner: which layers are
+linear attention, what such a layer counts and costs (its chunked kernel, its all-to-alls under context
+parallelism), the heads tensor and context parallelism must split, the output gate of the attention layers, and what
+the command says and saves. Parameters, FLOPs and saved tensors against transformers are in test_params, test_flops and
 test_activations (their tiny instances)."""
 
 from __future__ import annotations
@@ -44,6 +44,32 @@ def test_the_linear_layers_are_those_layer_types_marks():
     assert dense.experts is None and set(map(block_kind, layer_kinds(dense))) == {"dense"}
     moe = model_spec({"model_type": "qwen3_5_moe", "text_config": {"model_type": "qwen3_5_moe_text"}})
     assert moe.text_of == "qwen3_5_moe" and moe.moe_layers == tuple(range(40)) and len(moe.linear_layers) == 30
+
+
+def test_olmo_hybrid_reads_as_transformers_derives_it():
+    """OLMo hybrid: attention on every fourth layer (the last where there are fewer than four), OLMo 3's (q and k
+    norms over the whole projections, no output gate) with a dense MLP; its Gated DeltaNet's sizes, where left out,
+    derived from the attention's heads as ``OlmoHybridConfig`` derives them (Olmo-Hybrid-7B: 30 heads of 96 / 192);
+    its write strength doubled unless ``linear_allow_neg_eigval`` is false, which keeps one more scalar per value
+    head and token (the kernel's doubled copy beside the sigmoid's output) and changes nothing else."""
+    spec = model_spec({"model_type": "olmo_hybrid"})
+    g, a = spec.linear, spec.attention
+    assert (g.key_heads, g.value_heads, g.key_dim, g.value_dim, g.conv_kernel) == (30, 30, 96, 192, 4)
+    assert g.negative_eigenvalues and spec.experts is None and spec.linear_layers == tuple(
+        n for n in range(32) if n % 4 != 3)
+    assert a.qk_norm_full and not a.output_gate and (a.heads, a.kv_heads, a.qk_dim) == (30, 30, 128)
+    assert model_spec({"model_type": "olmo_hybrid", "num_hidden_layers": 2}).linear_layers == (0,)
+    assert model_spec({"model_type": "olmo_hybrid", "hidden_size": 2048, "num_attention_heads": 16,
+                       "linear_num_key_heads": 8}).linear == dataclasses.replace(g, key_heads=8, value_heads=16,
+                                                                                  key_dim=192, value_dim=384)
+    plain = model_spec({"model_type": "olmo_hybrid", "linear_allow_neg_eigval": False})
+    assert plain == dataclasses.replace(spec, linear=dataclasses.replace(g, negative_eigenvalues=False))
+    doubled, single = (layer_counts(s, "dense" + LINEAR, 4096, width=2) for s in (spec, plain))
+    for mode in ("none", "selective"):
+        kept = [c.activations[mode].per_gpu(tp=1, cp=1, sp=False) for c in (doubled, single)]
+        assert kept[0] - kept[1] == 2 * g.value_heads
+    assert doubled.activations["full"] == single.activations["full"]
+    assert (doubled.f, doubled.i, doubled.w, doubled.params) == (single.f, single.i, single.w, single.params)
 
 
 @pytest.mark.parametrize(("fields", "match"), [
@@ -155,7 +181,7 @@ def test_the_command_says_which_layers_are_gated_deltanet(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["model"]["linear_attention"] == {"kind": "gated_deltanet", "key_heads": 16, "value_heads": 32,
                                                 "key_dim": 128, "value_dim": 128, "conv_kernel": 4,
-                                                "layers": [0, 1, 2, 4, 5, 6]}
+                                                "negative_eigenvalues": False, "layers": [0, 1, 2, 4, 5, 6]}
     assert out["best"]["layout"]["cp"] == 2
     path.write_text(json.dumps({"model_type": "qwen3_moe"}))
     assert main([*argv, "--json"]) == 0

@@ -74,9 +74,10 @@ def test_reads_config_json(tmp_path):
     ({"model_type": "exaone_moe", "num_experts": 16}, r"not modelled.*\"qwen3_moe\".*\"mixtral\".*not a dense"),
     (dict(TINY["hunyuan_v1_moe"], model_type="hunyuan_v1_moe", moe_topk=[2, 1]),
      r"num_experts_per_tok / moe_topk must be one positive whole number, or the same one for every layer"),
-    # layers that are not attention, in families not read: no stand-in offered (OLMo's hybrid, Nemotron-H's Mamba)
-    ({"model_type": "olmo_hybrid", "layer_types": ["linear_attention", "full_attention"]},
-     r"'olmo_hybrid' is not modelled: its layers are not all attention \(its config gives layers of kind "
+    # layers that are not attention, in families not read: no stand-in offered (MiniMax-01's lightning attention,
+    # Nemotron-H's Mamba)
+    ({"model_type": "minimax", "layer_types": ["linear_attention", "full_attention"]},
+     r"'minimax' is not modelled: its layers are not all attention \(its config gives layers of kind "
      r"linear_attention.*no supported family stands in for it; supported: llama"),
     ({"model_type": "nemotron_h", "mamba_num_heads": 8, "layers_block_type": ["mamba", "attention"]},
      r"not all attention \(its config gives the fields layers_block_type, mamba_num_heads"),
@@ -220,7 +221,8 @@ def test_a_text_config_takes_transformers_defaults_for_what_it_leaves_out():
 
 
 @pytest.mark.parametrize("family", ["ministral", "ministral3", "helium", "arcee", "hunyuan_v1_dense", "hunyuan_v1_moe",
-                                    "deepseek_v32", "glm_moe_dsa", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"])
+                                    "deepseek_v32", "glm_moe_dsa", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text",
+                                    "olmo_hybrid"])
 def test_a_bare_model_type_counts_as_transformers_default_model(family):
     """A config.json that gives only its model_type (and Ministral's and Hunyuan's head_dims: transformers' classes
     fail on the None their configurations default it to, so their checkpoints give it) reads as transformers'
@@ -228,7 +230,8 @@ def test_a_bare_model_type_counts_as_transformers_default_model(family):
     the meta device (Ministral 3's default is its 8B base model's language model: 34 layers of hidden 4,096;
     DeepSeek-V3.2's is the 671.88 B model with an indexer in every layer, GLM-5's 743.91 B; Qwen3-Next's the 79.67 B
     of Qwen3-Next-80B-A3B, Qwen3.5's 8.95 B (Qwen3.5-9B's language model) and Qwen3.5-MoE's 34.66 B (Qwen3.5-35B-A3B's),
-    Gated DeltaNet on three layers of four)."""
+    Gated DeltaNet on three layers of four; OLMo hybrid's 7.43 B, Olmo-Hybrid-7B's, its Gated DeltaNet's sizes
+    derived from the attention's)."""
     given = {"head_dim": 128} if family in ("ministral", "hunyuan_v1_dense", "hunyuan_v1_moe") else {}
     config = transformers.AutoConfig.for_model(family, **given)
     with torch.device("meta"):

@@ -120,6 +120,10 @@ TINY: dict[str, dict[str, Any]] = {
     "qwen3_5_moe_text": dict(_COMMON, num_hidden_layers=4, num_key_value_heads=2, head_dim=16, num_experts=4,
                              num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=32,
                              **_GDN),
+    # OLMo hybrid: its Gated DeltaNet's sizes left to transformers (four key and value heads of 12 and 24), attention
+    # (OLMo 3's) on the second and fourth layers
+    "olmo_hybrid": dict(_COMMON, num_hidden_layers=4, num_key_value_heads=2, layer_types=_GDN["layer_types"],
+                        pad_token_id=0, eos_token_id=1),
 }
 """Config keywords per ``model_type``: 2-4 layers, hidden 64, GQA where the family has it."""
 

@@ -1,6 +1,6 @@
-"""Qwen3-Next's and Qwen3.5's Gated DeltaNet hybrids: reading one from its config (:func:`gated_deltanet_spec`) and
-what one of its Gated DeltaNet layers counts in attention's place (weights, FLOPs, kept bytes), which
-:func:`pipeloom.plan.cluster.counts.layer_counts` adds to the layer's MLP and norms."""
+"""The Gated DeltaNet hybrids (Qwen3-Next, Qwen3.5, OLMo hybrid): reading one from its config
+(:func:`gated_deltanet_spec`) and what one of its Gated DeltaNet layers counts in attention's place (weights, FLOPs,
+kept bytes), which :func:`pipeloom.plan.cluster.counts.layer_counts` adds to the layer's MLP and norms."""
 
 from __future__ import annotations
 
@@ -17,33 +17,39 @@ _FP32 = 4  # bytes of one fp32 statistic (counts.STAT_BYTES)
 
 
 def gated_deltanet_spec(data: Mapping[str, Any], common: dict[str, Any], heads: int, head_dim: int) -> ModelSpec:
-    """Qwen3-Next (``qwen3_next``) and Qwen3.5 (``qwen3_5_text``, ``qwen3_5_moe_text``): Gated DeltaNet on the layers
-    ``layer_types`` marks ``"linear_attention"`` (by default three of every ``full_attention_interval``, 4), attention
-    on the others: grouped-query attention with q/k norms per head and an output gate from a q projection twice as
-    wide, biases on every projection under ``attention_bias``; the MLP a mixture of experts with a shared expert
-    gated by a sigmoid (hidden -> 1) on every layer (Qwen3.5-MoE) or on Qwen2-MoE's layers (``decoder_sparse_step``,
-    ``mlp_only_layers``: Qwen3-Next), or dense (Qwen3.5). Rotary embeddings turn a quarter of each head
-    (``partial_rotary_factor``), which changes nothing counted."""
+    """Qwen3-Next (``qwen3_next``), Qwen3.5 (``qwen3_5_text``, ``qwen3_5_moe_text``) and OLMo hybrid (``olmo_hybrid``):
+    Gated DeltaNet on the layers ``layer_types`` marks ``"linear_attention"`` (by default three of every
+    ``full_attention_interval``, 4; OLMo hybrid's every fourth, and its last where it has fewer than four layers),
+    attention on the others. Qwen's attention is grouped-query attention with q/k norms per head and an output gate
+    from a q projection twice as wide, biases on every projection under ``attention_bias``; its MLP a mixture of
+    experts with a shared expert gated by a sigmoid (hidden -> 1) on every layer (Qwen3.5-MoE) or on Qwen2-MoE's
+    layers (``decoder_sparse_step``, ``mlp_only_layers``: Qwen3-Next), or dense (Qwen3.5). Rotary embeddings turn a
+    quarter of each head (``partial_rotary_factor``), which changes nothing counted. OLMo hybrid's attention is OLMo
+    3's (q and k norms over the whole projections, no output gate), its MLP dense, its linear layers' sizes derived
+    as transformers derives them where left out (the attention's heads; a key head of three quarters of the hidden
+    size over them, a value head twice that), its write strength doubled (``linear_allow_neg_eigval``, on by
+    default); its attention layers normalise each branch's output and its linear layers each branch's input, two
+    norms a layer either way."""
     layers, family = common["layers"], common["family"]
+    olmo = family == "olmo_hybrid"
     types = data.get("layer_types")
     if types is None:
         interval = int(data.get("full_attention_interval") or 4)
         types = ["linear_attention" if (n + 1) % interval else "full_attention" for n in range(layers)]
+        if olmo and "full_attention" not in types:
+            types[-1] = "full_attention"
     if not isinstance(types, list) or len(types) < layers or any(
             kind not in ("linear_attention", "full_attention") for kind in types[:layers]):
         raise ModelConfigError(f"{family}'s layer_types must give \"linear_attention\" or \"full_attention\" for each "
                                f"of its {layers} layers, got {types!r}")
     bias = bool(data.get("attention_bias", False))
     attention = Attention(heads=heads, kv_heads=int(data.get("num_key_value_heads") or heads), qk_dim=head_dim,
-                          v_dim=head_dim, qkv_bias=bias, o_bias=bias, qk_norm=True, output_gate=True)
-    linear = LinearAttention(key_heads=int(get_field(data, "linear_num_key_heads")),
-                             value_heads=int(get_field(data, "linear_num_value_heads")),
-                             key_dim=int(get_field(data, "linear_key_head_dim")),
-                             value_dim=int(get_field(data, "linear_value_head_dim")),
-                             conv_kernel=int(get_field(data, "linear_conv_kernel_dim")))
+                          v_dim=head_dim, qkv_bias=bias, o_bias=bias, qk_norm=True, qk_norm_full=olmo,
+                          output_gate=not olmo)
+    linear = _deltanet_sizes(data, family, heads, common["hidden"])
     hybrid: dict[str, Any] = dict(**common, attention=attention, linear=linear,
                                   linear_layers=tuple(n for n in range(layers) if types[n] == "linear_attention"))
-    if family == "qwen3_5_text":
+    if family in ("qwen3_5_text", "olmo_hybrid"):
         return ModelSpec(**hybrid, intermediate=int(get_field(data, "intermediate_size")))
     experts = Experts(count=int(get_field(data, "num_experts")), top_k=int(get_field(data, "num_experts_per_tok")),
                       intermediate=int(get_field(data, "moe_intermediate_size")),
@@ -56,6 +62,24 @@ def gated_deltanet_spec(data: Mapping[str, Any], common: dict[str, Any], heads: 
                      moe_layers=moe)
 
 
+def _deltanet_sizes(data: Mapping[str, Any], family: str, heads: int, hidden: int) -> LinearAttention:
+    """The Gated DeltaNet of a hybrid's config: Qwen's sizes as given; OLMo hybrid's, where left out, as
+    ``OlmoHybridConfig`` derives them (key and value heads the attention's, a key head ``int(0.75 hidden / key
+    heads)``, a value head twice that)."""
+    if family != "olmo_hybrid":
+        return LinearAttention(key_heads=int(get_field(data, "linear_num_key_heads")),
+                               value_heads=int(get_field(data, "linear_num_value_heads")),
+                               key_dim=int(get_field(data, "linear_key_head_dim")),
+                               value_dim=int(get_field(data, "linear_value_head_dim")),
+                               conv_kernel=int(get_field(data, "linear_conv_kernel_dim")))
+    key_heads = int(data.get("linear_num_key_heads") or heads)
+    key_dim = int(data.get("linear_key_head_dim") or int(0.75 * hidden / key_heads))
+    return LinearAttention(key_heads=key_heads, value_heads=int(data.get("linear_num_value_heads") or heads),
+                           key_dim=key_dim, value_dim=int(data.get("linear_value_head_dim") or 2 * key_dim),
+                           conv_kernel=int(get_field(data, "linear_conv_kernel_dim")),
+                           negative_eigenvalues=bool(data.get("linear_allow_neg_eigval", True)))
+
+
 def _deltanet(spec: ModelSpec) -> LinearAttention:
     assert spec.linear is not None, "a linear-attention layer of a model without Gated DeltaNet"
     return spec.linear
@@ -64,7 +88,8 @@ def _deltanet(spec: ModelSpec) -> LinearAttention:
 def linear_weights(spec: ModelSpec) -> tuple[int, int]:
     """``(matmul weight elements, other parameters)`` of one layer's Gated DeltaNet (transformers'
     ``GatedDeltaNet``): the input projection to the queries, keys, values, output gate and each value head's two
-    scalars (Qwen3-Next's ``in_proj_qkvz`` and ``in_proj_ba``, Qwen3.5's four projections: the same matmuls), the
+    scalars (Qwen3-Next's ``in_proj_qkvz`` and ``in_proj_ba``, Qwen3.5's four projections, OLMo hybrid's six: the
+    same matmuls), the
     output projection, no biases; the depthwise convolution's taps, each value head's ``dt_bias`` and ``A_log``, the
     gated RMSNorm's weight over a value head."""
     g, h = _deltanet(spec), spec.hidden
@@ -108,10 +133,12 @@ def linear_activations(spec: ModelSpec, width: int, stat: int) -> tuple[float, f
     the values, the chunked cumulative decay in fp32 and each chunk's solved ``(I + A)^{-1}``,
     :data:`~pipeloom.plan.cluster.model.spec.GDN_CHUNK` elements per value head; the kernel's output and the gated
     RMSNorm's 1/rms per value head, its output and the output gate (the product's inputs); the output projection's
-    input."""
+    input. Under :attr:`~pipeloom.plan.cluster.model.spec.LinearAttention.negative_eigenvalues` the kernel is handed
+    the write strength doubled, a copy kept beside the sigmoid's output."""
     g, h = _deltanet(spec), spec.hidden
     heads = g.value_heads
     elements = (g.mixed + 2 * g.keys + 2 * heads  # the convolution's input; the L2 norm's output; decay input, beta
                 + 2 * heads * g.key_dim + g.values + GDN_CHUNK * heads  # the kernel's queries, keys, values and A
-                + 4 * g.values)  # the kernel's output, the norm's output, the gate, the output projection's input
+                + 4 * g.values  # the kernel's output, the norm's output, the gate, the output projection's input
+                + (heads if g.negative_eigenvalues else 0))  # the kernel's doubled write strength
     return width * (2 * h) + stat, width * elements + _FP32 * (2 * g.key_heads + 2 * heads)  # 1/norms, decay, 1/rms

@@ -22,8 +22,8 @@ REUSED = "-reused"
 layer before it (GLM-5's ``"shared"`` layers: ``moe-reused``)."""
 
 LINEAR = "-linear"
-"""The suffix of a decoder layer kind whose token mixer is Gated DeltaNet instead of attention (Qwen3-Next's and
-Qwen3.5's ``"linear_attention"`` layers: ``moe-linear``, ``dense-linear``)."""
+"""The suffix of a decoder layer kind whose token mixer is Gated DeltaNet instead of attention (the
+``"linear_attention"`` layers of Qwen3-Next, Qwen3.5 and OLMo hybrid: ``moe-linear``, ``dense-linear``)."""
 
 
 def _attention_kind(kind: str) -> str:

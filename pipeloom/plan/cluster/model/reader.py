@@ -8,7 +8,7 @@ ERNIE 4.5 MoE, DeepSeek-V2/V3, GLM-4.7-Flash and Mistral 4 with multi-head laten
 with DeepSeek's sparse attention beside it, GLM-4.5, dots.llm1,
 gpt-oss with attention sinks and biased experts, Llama 4 with chunked attention and NoPE layers:
 :mod:`~pipeloom.plan.cluster.model.moe`) and decoders mixing Gated DeltaNet and attention layers (Qwen3-Next,
-Qwen3.5 dense and MoE), a field left out taking transformers' default for the family
+Qwen3.5 dense and MoE, OLMo hybrid), a field left out taking transformers' default for the family
 (:data:`~pipeloom.plan.cluster.model.source.FAMILY_DEFAULTS`), with sliding-window attention on the layers
 transformers gives it (:func:`_windows`)."""
 
@@ -39,7 +39,7 @@ _QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text", "exaone4", "minimax_m2", "hunyu
 _MOE = ("mixtral", "phimoe", "granitemoe", "granitemoeshared", "olmoe", "minimax_m2", "qwen2_moe", "qwen3_moe",
         "ernie4_5_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "dots1", "mistral4", "gpt_oss",
         "llama4_text", "hunyuan_v1_moe", "deepseek_v32", "glm_moe_dsa")
-_HYBRID = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+_HYBRID = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid")
 """Families whose layers mix Gated DeltaNet and attention
 (:func:`~pipeloom.plan.cluster.model.deltanet.gated_deltanet_spec`)."""
 SUPPORTED_FAMILIES: tuple[str, ...] = _DENSE + _MOE + _HYBRID
@@ -97,7 +97,7 @@ several residual streams (``altup_num_inputs``)."""
 _OTHER_MIXERS = ("linear_", "mamba", "ssm_", "layers_block_type", "block_types", "attn_layer_period",
                  "attn_layer_indices", "conv_l_cache", "state_size", "conv_kernel")
 """Config fields (prefixes) of layers that mix tokens without attention, in families the planner does not read:
-linear attention (Kimi Linear, OLMo hybrid, MiniMax-01; Qwen3-Next's and Qwen3.5's Gated DeltaNet it reads),
+linear attention (Kimi Linear, MiniMax-01; the Gated DeltaNet of Qwen3-Next, Qwen3.5 and OLMo hybrid it reads),
 state-space (Mamba, Jamba, Nemotron-H, Falcon-H1, Granite 4 hybrid, Zamba), short convolutions (LFM2) and the
 patterns that place them."""
 

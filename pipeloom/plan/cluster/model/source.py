@@ -273,5 +273,8 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3_5_moe_text": {**_GATED_DELTANET, "vocab_size": 248320, "num_hidden_layers": 40,
                          "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
                          "num_experts_per_tok": 8, "num_experts": 256},
+    "olmo_hybrid": {"vocab_size": 100352, "hidden_size": 3840, "intermediate_size": 11008, "num_hidden_layers": 32,
+                    "num_attention_heads": 30, "attention_bias": False, "tie_word_embeddings": False,
+                    "linear_conv_kernel_dim": 4, "linear_allow_neg_eigval": True},
 }
 """Per ``model_type``, the value a field the config leaves out takes."""

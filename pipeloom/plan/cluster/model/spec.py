@@ -125,8 +125,8 @@ class Indexer:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LinearAttention:
-    """Gated DeltaNet (Qwen3-Next, Qwen3.5: transformers' ``GatedDeltaNet``), the token mixer of the layers
-    :attr:`ModelSpec.linear_layers` names in place of attention: one projection of the layer's input to the queries
+    """Gated DeltaNet (Qwen3-Next, Qwen3.5, OLMo hybrid: transformers' ``GatedDeltaNet``), the token mixer of the
+    layers :attr:`ModelSpec.linear_layers` names in place of attention: projections of the layer's input to the queries
     and keys (``key_heads`` heads of ``key_dim``), the values and an output gate (``value_heads`` of ``value_dim``)
     and each value head's decay and write strength (two scalars); a causal depthwise convolution of ``conv_kernel``
     taps over the queries, keys and values, then SiLU; the gated delta rule, a recurrent ``key_dim x value_dim``
@@ -144,6 +144,9 @@ class LinearAttention:
     """Value head dimension (``linear_value_head_dim``)."""
     conv_kernel: int
     """Taps of the causal convolution (``linear_conv_kernel_dim``)."""
+    negative_eigenvalues: bool = False
+    """The write strength doubled after its sigmoid, to (0, 2) (OLMo hybrid's ``linear_allow_neg_eigval``): the kernel
+    is handed the doubled copy, kept beside the sigmoid's output."""
 
     def __post_init__(self) -> None:
         for name, field in (("key_heads", "linear_num_key_heads"), ("value_heads", "linear_num_value_heads"),
@@ -250,8 +253,8 @@ class ModelSpec:
     linear: LinearAttention | None = None
     """Gated DeltaNet, on the layers :attr:`linear_layers` names (None: every layer attends)."""
     linear_layers: tuple[int, ...] = ()
-    """Indices of the layers whose token mixer is :attr:`linear` instead of attention (Qwen3-Next's and Qwen3.5's
-    ``"linear_attention"`` layers)."""
+    """Indices of the layers whose token mixer is :attr:`linear` instead of attention (the
+    ``"linear_attention"`` layers of Qwen3-Next, Qwen3.5 and OLMo hybrid)."""
     mtp: int = 0
     """Multi-token-prediction modules after the last layer (DeepSeek-V3's ``num_nextn_predict_layers``; report
     arXiv:2412.19437 sec. 2.2): each normalises the last hidden state and the next token's embedding,
