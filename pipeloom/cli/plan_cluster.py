@@ -82,13 +82,14 @@ def _add_framework_options(group) -> None:
                        help="tensor-parallel all-gathers and reduce-scatters run beside the GEMMs next to them "
                             "(Transformer Engine's userbuffers: Megatron-Core / NeMo tp_comm_overlap; PyTorch's "
                             "async TP); default: between them, exposed")
-    group.add_argument("--fp8-cast", choices=("cached", "dynamic", "current"),
+    group.add_argument("--fp8-cast", choices=("cached", "dynamic", "current", "mxfp8"),
                        help="with --dtype fp8, how the GEMMs' inputs are cast: cached (Transformer Engine's "
                             "delayed scaling, Megatron-Core's default: the amax in the cast kernel, FP8 weights "
                             "and activations reused; default), dynamic (torchao's per-tensor dynamic scaling, "
-                            "torchtitan's Float8: both inputs of every GEMM, an amax pass first) or current "
+                            "torchtitan's Float8: both inputs of every GEMM, an amax pass first), current "
                             "(Transformer Engine's current scaling, Megatron-Bridge's FP8-CS: as cached, with an "
-                            "amax pass first)")
+                            "amax pass first) or mxfp8 (Transformer Engine's MXFP8 block scaling on Blackwell, "
+                            "Megatron-Bridge's MXFP8: as cached, a block-scaled copy per direction)")
     group.add_argument("--recompute-layers", type=_depth, default=0, metavar="N|search",
                        help="with recompute=full, recompute only the first N decoder layers of each stage (each "
                             "virtual stage under interleaving), the others keeping everything: Megatron-Core's "

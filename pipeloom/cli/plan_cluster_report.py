@@ -81,7 +81,7 @@ def training_text(training: dict, gpus: int) -> str:
 
 
 _FP8_CASTS = {"cached": "Transformer Engine's delayed scaling", "dynamic": "torchao's per-tensor dynamic scaling",
-              "current": "Transformer Engine's current scaling"}
+              "current": "Transformer Engine's current scaling", "mxfp8": "Transformer Engine's MXFP8 block scaling"}
 
 
 def _how(choice: str, searched: tuple[str, ...], variants: int) -> str:

@@ -19,8 +19,8 @@ beside the GEMM (one kernel overhead for the casts), memory-bound: ``cast`` give
 each input, 5 for per-tensor dynamic scaling (:data:`DYNAMIC_CAST_BYTES`: read for the absolute maximum, then
 read again and write the FP8 copy, 2 + 2 + 1), 4 where the amax is taken in the cast kernel, which writes the
 copy and its transpose (:data:`FUSED_CAST_BYTES`: Transformer Engine's delayed scaling), 6 where an amax pass
-comes first (:data:`CURRENT_CAST_BYTES`: Transformer Engine's current scaling), 0 for an input whose FP8
-copy is reused.
+comes first (:data:`CURRENT_CAST_BYTES`: Transformer Engine's current scaling), 4 and a sixteenth for MXFP8's two
+block-scaled copies (:data:`MXFP8_CAST_BYTES`), 0 for an input whose FP8 copy is reused.
 Not modelled: layouts, and clock
 throttling under a power cap.
 
@@ -100,6 +100,7 @@ from pipeloom.plan.tp.all_to_all import all_to_all_seconds
 from pipeloom.plan.tp.collectives import CollectiveFit
 
 __all__ = ["ATTENTION_KINDS", "COLLECTIVE_KINDS", "CURRENT_CAST_BYTES", "DYNAMIC_CAST_BYTES", "FUSED_CAST_BYTES",
+           "MXFP8_CAST_BYTES",
            "attention_flops", "attention_seconds", "collective_seconds", "domain_ranks", "dtype_bytes",
            "gemm_efficiency", "gemm_seconds", "hidden_cost", "materialized_attention_seconds", "memory_seconds",
            "node_dispatch_seconds", "overlapped_seconds", "p2p_seconds", "wave_efficiency"]
@@ -146,6 +147,14 @@ CURRENT_CAST_BYTES = 6
 """Bytes per input element of Transformer Engine's current-scaling cast (``Float8CurrentScaling``, Megatron-Bridge's
 FP8-CS): an amax pass over the input first (2: ``Float8CurrentScalingQuantizer::quantize_impl`` runs
 ``nvte_compute_amax`` before the quantize kernel), then the fused cast-transpose of :data:`FUSED_CAST_BYTES` (4)."""
+MXFP8_CAST_BYTES = 2 + 2 * (1 + 1 / 32)
+"""Bytes per input element of Transformer Engine's MXFP8 cast (``MXFP8BlockScaling``, Blackwell): read (2) and write
+two FP8 copies, one scaled per 32 elements along each row and one per 32 along each column, each with its one-byte
+E8M0 scale per block (1 + 1/32 each). The block scales need no amax pass, and the two copies are quantized apart
+from the full-precision input, not transposed from each other (Transformer Engine's MXFP8 documentation,
+``docs/features/low_precision_training/mxfp8``: "rowwise and columnwise MXFP8 tensors are numerically different"),
+in one pass over it (``common/cast/mxfp8/quantize_mxfp8.cuh``: one kernel takes both scales of each 128 x 128
+chunk)."""
 
 
 def wave_efficiency(hw: Hardware, m: float, n: float, count: int = 1) -> float:

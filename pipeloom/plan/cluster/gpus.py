@@ -134,6 +134,12 @@ _NVL72_SEGMENT_SOURCE = (
     "failed nodes")
 
 
+_MXFP8_SOURCE = ("Transformer Engine's MXFP8 documentation (docs/features/low_precision_training/mxfp8): MXFP8 "
+                 "'leverages native hardware acceleration on Blackwell GPUs (SM 10.0+)'; its GEMMs are priced at the "
+                 "FP8 peak and ceiling, measured with per-tensor scaled FP8 (no block-scaled GEMM measurement was "
+                 "found)")
+
+
 def _blackwell(name: str, *, bf16: float, memory_gib: int, domain: int, nic: float, sheet: str,
                peak_source: str, memory_source: str, domain_source: str, nic_source: str, sms: int,
                sms_source: str, gemm: tuple[tuple[float, str], tuple[float, str]],
@@ -159,10 +165,11 @@ def _blackwell(name: str, *, bf16: float, memory_gib: int, domain: int, nic: flo
             "attention_efficiency": measured + f": cuDNN forward {fwd:,} TFLOP/s",
             "attention_backward_efficiency": measured + f": cuDNN backward {bwd:,} TFLOP/s",
             "scale_up_efficiency": _NVLINK_EFF, "scale_out_efficiency": _NIC_EFF, "sm_count": sms_source,
+            "mxfp8": _MXFP8_SOURCE,
             "flash2_slowdown": measured + (f": cuDNN / FlashAttention-2 forward {fwd:,} / {fa2_fwd:,}, backward "
                                            f"{bwd:,} / {fa2_bwd:,} TFLOP/s; the smaller ratio"),
         },
-        sm_count=sms,
+        sm_count=sms, mxfp8=True,
         peak_flops={"bf16": bf16, "fp8": 2 * bf16}, memory_bytes=smi_mib * MiB if smi_mib else memory_gib * GiB,
         memory_bandwidth=8e12,
         scale_up_size=domain, scale_up_placed=_NVL72_SEGMENT if domain == 72 else None,

@@ -54,6 +54,9 @@ class Hardware:
     fp8_gemm_efficiency: float | None = None
     """The same fraction of the FP8 peak for FP8 GEMMs (per-tensor scaled); None: ``gemm_efficiency``'s, for a
     GPU without an FP8 measurement."""
+    mxfp8: bool = False
+    """Tensor cores that multiply FP8 scaled per block of 32 elements (MXFP8: Blackwell, SM 10.0 and later), at the
+    FP8 rate: what ``fp8_cast="mxfp8"`` (Transformer Engine's ``MXFP8BlockScaling``) needs."""
     gemm_half_dim: float = 128.0
     """A GEMM dimension at which that dimension alone halves the rate: each of m, n, k scales the rate
     by ``d / (d + gemm_half_dim)`` (tile and wave quantization, fixed per-tile costs)."""
@@ -129,6 +132,9 @@ class Hardware:
             raise HardwareError(f"hardware {self.name!r}: scale_up_placed is the GPUs of one job in each scale-up "
                                 f"domain, a whole number from 1 to scale_up_size ({self.scale_up_size}), or null for "
                                 f"all of them; got {placed!r}")
+        if not isinstance(self.mxfp8, bool):
+            raise HardwareError(f"hardware {self.name!r}: mxfp8 is true or false (whether the tensor cores scale FP8 "
+                                f"per block of 32 elements), got {self.mxfp8!r}")
         if not isinstance(self.memory_bytes, int) or isinstance(self.memory_bytes, bool):
             raise HardwareError(f"hardware {self.name!r}: memory_bytes must be a whole number of bytes, "
                                 f"got {self.memory_bytes!r}")

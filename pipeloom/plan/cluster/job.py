@@ -12,6 +12,7 @@ from pipeloom.plan.cluster.efficiency import (
     CURRENT_CAST_BYTES,
     DYNAMIC_CAST_BYTES,
     FUSED_CAST_BYTES,
+    MXFP8_CAST_BYTES,
 )
 from pipeloom.plan.cluster.elementwise import KERNELS
 from pipeloom.plan.cluster.hardware import Hardware
@@ -23,7 +24,7 @@ from pipeloom.plan.errors import LayoutError
 __all__ = ["Job", "CP_ROTATE", "MOE_COMM", "GRAD_REDUCE", "STAGE_CUTS", "FP8_CASTS", "FRAMEWORKS",
            "framework_options"]
 
-FP8_CASTS = ("cached", "dynamic", "current")
+FP8_CASTS = ("cached", "dynamic", "current", "mxfp8")
 """How FP8 GEMMs cast their inputs (:attr:`Job.fp8_cast`)."""
 CP_ROTATE = ("ring", "allgather")
 """How context parallelism exchanges K/V (:attr:`Job.cp_rotate`)."""
@@ -176,8 +177,10 @@ class Job:
                                                        "torchtitan's default)"),
                    ("fp8_cast", FP8_CASTS, "'cached' (Transformer Engine's delayed scaling: FP8 weights and "
                                            "activations reused), 'dynamic' (torchao's per-tensor dynamic "
-                                           "scaling: both inputs cast for every GEMM) or 'current' (Transformer "
-                                           "Engine's current scaling: as cached, an amax pass first)"),
+                                           "scaling: both inputs cast for every GEMM), 'current' (Transformer "
+                                           "Engine's current scaling: as cached, an amax pass first) or 'mxfp8' "
+                                           "(Transformer Engine's MXFP8 block scaling, Blackwell: as cached, a "
+                                           "copy per direction)"),
                    ("stage_cut", STAGE_CUTS, "'balanced' (layers moved off the busiest pipeline rank) or 'even' "
                                              "(as many layers per stage as divide)"))
         for name, allowed, what in choices:
@@ -205,10 +208,11 @@ class Job:
         gradient, weight) and W (output gradient, activation), under :attr:`fp8_cast`: ``dynamic`` casts every input
         with an amax pass first; ``cached`` casts only F's activation and I's output gradient, the amax in the cast
         kernel (the weights' FP8 copies are made once a step, and W reuses the FP8 copies F and I made); ``current``
-        casts the same two with an amax pass first (Transformer Engine's current scaling)."""
+        casts the same two with an amax pass first (Transformer Engine's current scaling); ``mxfp8`` the same two into
+        a block-scaled copy per direction (:data:`~pipeloom.plan.cluster.efficiency.MXFP8_CAST_BYTES`)."""
         if self.fp8_cast == "dynamic":
             return ((DYNAMIC_CAST_BYTES, DYNAMIC_CAST_BYTES),) * 3
-        made = CURRENT_CAST_BYTES if self.fp8_cast == "current" else FUSED_CAST_BYTES
+        made = {"current": CURRENT_CAST_BYTES, "mxfp8": MXFP8_CAST_BYTES}.get(self.fp8_cast, FUSED_CAST_BYTES)
         return (made, 0.0), (made, 0.0), (0.0, 0.0)
 
     def pairs(self, layout: Layout) -> bool:
@@ -254,6 +258,10 @@ class Job:
         if self.fp8_cast != "cached" and self.dtype != "fp8":
             raise LayoutError(f"fp8_cast={self.fp8_cast!r} prices FP8 GEMMs' casts; with dtype {self.dtype!r} there "
                               "are none: add --dtype fp8 or leave --fp8-cast out")
+        if self.fp8_cast == "mxfp8" and not self.hw.mxfp8:
+            raise LayoutError(f"fp8_cast='mxfp8' needs tensor cores that scale FP8 per block of 32 (Blackwell: b200, "
+                              f"gb200, gb300); {self.hw.name} has none (its hardware description's mxfp8 is false): "
+                              "use --fp8-cast current or cached there")
         if self.moe_overlap and self.spec.experts is None:
             raise LayoutError(f"moe_overlap overlaps the expert all-to-all; the {self.spec.family} model has no "
                               "experts: leave --moe-overlap out")
