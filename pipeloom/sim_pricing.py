@@ -29,6 +29,9 @@ class Price:
     """Per part, the communication inside its tasks' durations (a pair may hide it)."""
     fraction: float = 0.0
     """The problem's ``overlap_fraction`` (a pair only)."""
+    slowdown: float = 0.0
+    """The share of each hidden second of communication the compute beside it loses (a pair only:
+    :attr:`Pricing.slowdown`)."""
     measured: bool = False
     """Whether it is a pair of the problem's measured ``pair_time`` (``duration``)."""
 
@@ -60,7 +63,8 @@ class Composite:
         if price.measured:
             return price.duration * (sum(times) / sum(base) if sum(base) > 0 else 1.0)
         comms = (price.comms[0] * ratios[0], price.comms[1] * ratios[1])
-        return pair_duration((times[0], times[1]), comms, fraction=price.fraction, overhead=price.overhead)
+        return pair_duration((times[0], times[1]), comms, fraction=price.fraction, overhead=price.overhead,
+                             slowdown=price.slowdown)
 
     def slots(self, num_mb: int, dense: Mapping[int, int]) -> tuple[int, ...]:
         """The replay slots (task x micro-batch) it completes."""
@@ -116,6 +120,10 @@ class Pricing:
     """The share of a pair's shorter part that runs under the longer one (``Problem.overlap_fraction``)."""
     pair_time: float | None = None
     """A measured time of every pair (``Problem.pair_time``); None: priced from its parts."""
+    slowdown: float = 0.0
+    """The share of each second of communication a pair hides that the compute beside it loses
+    (:func:`~pipeloom.ir.pair_duration`): a caller's pricing (the cluster planner's expert all-to-alls), not a
+    problem's."""
 
     @classmethod
     def of(cls, problem: Problem, overhead: float) -> Pricing:
@@ -137,5 +145,6 @@ class Pricing:
             return Price(0.0, sum(times), memory, comms)
         measured, overhead = self.pair_time, self.overhead
         duration = measured if measured is not None else pair_duration(
-            (times[0], times[1]), (comms[0], comms[1]), fraction=self.fraction, overhead=overhead)
-        return Price(overhead, duration, memory, comms, self.fraction, measured is not None)
+            (times[0], times[1]), (comms[0], comms[1]), fraction=self.fraction, overhead=overhead,
+            slowdown=self.slowdown)
+        return Price(overhead, duration, memory, comms, self.fraction, self.slowdown, measured is not None)

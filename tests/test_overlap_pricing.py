@@ -60,6 +60,15 @@ def test_pair_duration(times, comms, fraction, expected):
     assert pair_duration(times, comms, fraction=fraction, overhead=0.25) == pytest.approx(expected + 0.25)
 
 
+def test_a_pair_slowed_beside_its_hidden_communication():
+    """``slowdown``: each hidden second costs the compute beside it that share of a second. F 2 (1 of all-to-all)
+    with B 3 (2 of all-to-all) hides 1 + 1 seconds: 3 at no slowdown, 3.5 at a quarter, F + B at all of it; never
+    below the longer part; nothing hidden, nothing lost."""
+    assert pair_duration((2.0, 3.0), (1.0, 2.0), slowdown=0.25) == pytest.approx(3.5)
+    assert pair_duration((2.0, 3.0), (1.0, 2.0), slowdown=1.0) == pytest.approx(5.0)
+    assert pair_duration((2.0, 3.0), (0.0, 0.0), fraction=1.0, slowdown=0.5) == pytest.approx(3.0)
+
+
 def test_communication_inside_tasks_is_credited_to_pairs_only():
     comm = dataclasses.replace(PAPER, f_comm=4000, b_comm=4000)
     with_comm = simulate(build_schedule("dualpipev", 8, 24, costs=comm))

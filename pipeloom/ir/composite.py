@@ -47,16 +47,18 @@ def _part_comm(problem: Problem, part: Action) -> float:
 
 
 def pair_duration(times: tuple[float, float], comms: tuple[float, float], *, fraction: float = 0.0,
-                  overhead: float = 0.0) -> float:
+                  overhead: float = 0.0, slowdown: float = 0.0) -> float:
     """How long an overlapped pair occupies its rank, from its parts' ``times`` (forward, backward) and
     the communication inside them (``comms``): one device runs one compute at a time, so the pair takes
     F + B less what each part's communication hides under the other part's compute
     (``min(comm_F, B - comm_B) + min(comm_B, F - comm_F)``), less ``fraction`` of the shorter part (compute
     run at once, as two devices would), never under ``max(F, B)``; plus ``overhead``. ``fraction`` 1 with
-    no communication is the longer part alone."""
+    no communication is the longer part alone. ``slowdown``: the share of each hidden second the compute beside
+    it loses (the communication's kernels hold SMs and memory bandwidth while they run), so hiding a second of
+    communication saves ``1 - slowdown`` of it."""
     (f, b), (f_comm, b_comm) = times, comms
     hidden = min(f_comm, b - b_comm) + min(b_comm, f - f_comm)
-    return max(f + b - hidden - fraction * min(f, b), f, b) + overhead
+    return max(f + b - hidden * (1.0 - slowdown) - fraction * min(f, b), f, b) + overhead
 
 
 def priced_overlap(problem: Problem) -> bool:

@@ -16,7 +16,7 @@ from pipeloom.plan.cluster.counts import layer_counts
 from pipeloom.plan.cluster.efficiency import collective_seconds, domain_ranks, hidden_cost, memory_seconds
 from pipeloom.plan.cluster.held import RankHeld, held_profile, peak_held, profiled_microbatches, replay_stages
 from pipeloom.plan.cluster.job import GRAD_REDUCE, Job
-from pipeloom.plan.cluster.layer_time import PhaseTimes, add_times, layer_times
+from pipeloom.plan.cluster.layer_time import PhaseTimes, add_times, layer_times, pair_slowdown
 from pipeloom.plan.cluster.layout import PAIRED, SCHEDULES, Layout
 from pipeloom.plan.cluster.model.kinds import block_kind, layer_kinds
 from pipeloom.plan.cluster.mtp import mtp_times
@@ -255,7 +255,8 @@ class Estimator:
             t = times[0]
             busy = m * (t.f + t.i + t.w)
             if job.pairs(layout):  # Job.moe_overlap: B0 with F1, ..., B(m-2) with F(m-1), each hiding the other's
-                busy -= (m - 1) * (t.f + t.i + t.w - pair_duration((t.f, t.i + t.w), (t.f_comm, t.i_comm)))
+                busy -= (m - 1) * (t.f + t.i + t.w - pair_duration((t.f, t.i + t.w), (t.f_comm, t.i_comm),
+                                                                   slowdown=pair_slowdown(job)))
             return busy, 0.0, acts[0]
         latency = stage_send_seconds(job, layout) if job.p2p_overlap else 0.0  # blocking: inside the stages' F and I
         key = (layout.schedule, layout.pp, layout.vp, m, latency, job.pairs(layout),
@@ -287,7 +288,7 @@ class Estimator:
         key = self._schedule_key(layout, m)
         if key not in self._compiled:
             self._compiled[key] = compile_schedule(self.schedule(layout, m))
-        return replay_stages(self._compiled[key], times, acts, latency)
+        return replay_stages(self._compiled[key], times, acts, latency, pair_slowdown(self.job))
 
     def estimate(self, layout: Layout) -> Estimate:
         """The predicted step of ``layout`` (LayoutError when it cannot run)."""

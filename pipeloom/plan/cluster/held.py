@@ -111,11 +111,12 @@ def peak_held(profile: tuple[RankHeld, ...], acts: list[float] | tuple[float, ..
 
 
 def replay_stages(compiled: CompiledSchedule, times: Sequence[PhaseTimes], acts: Sequence[float],
-                  latency: float) -> tuple[float, float, float]:
+                  latency: float, slowdown: float = 0.0) -> tuple[float, float, float]:
     """``(makespan, bubble, peak held bytes)`` of the compiled schedule with each task priced by its stage:
     ``times`` (an F, I, W its phase's seconds, a B I + W; the all-to-all inside F and I as the tasks' ``comm``,
-    which DualPipe(V)'s overlapped pairs hide under the other part's compute: :func:`pipeloom.ir.pair_duration`),
-    ``acts`` bytes per micro-batch for the schedule's memory units, ``latency`` between stages."""
+    which DualPipe(V)'s overlapped pairs hide under the other part's compute, losing ``slowdown`` of each hidden
+    second to it: :func:`pipeloom.ir.pair_duration`), ``acts`` bytes per micro-batch for the schedule's memory
+    units, ``latency`` between stages."""
     schedule = compiled.schedule
     taken = {t.stage: t.memory for t in schedule.problem.tasks if t.kind == "F"}
     durations, comms, memory = [], [], []
@@ -124,7 +125,7 @@ def replay_stages(compiled: CompiledSchedule, times: Sequence[PhaseTimes], acts:
         durations.append(t.f if kind == "F" else t.i + t.w if kind == "B" else t.i if kind == "I" else t.w)
         comms.append(t.f_comm if kind == "F" else t.i_comm if kind in ("B", "I") else 0.0)
         memory.append(task.memory * (acts[task.stage] / taken[task.stage] if taken[task.stage] else 0.0))
-    run = compiled.run(Pricing(durations, comms, memory, latency))
+    run = compiled.run(Pricing(durations, comms, memory, latency, slowdown=slowdown))
     return run.makespan, bubble_ratio(run.busy, run.makespan), max(run.peaks)
 
 

@@ -16,6 +16,7 @@ from pipeloom.plan.cluster.efficiency import (
     collective_seconds,
     domain_ranks,
     gemm_seconds,
+    hidden_cost,
     materialized_attention_seconds,
     memory_seconds,
     overlapped_seconds,
@@ -38,7 +39,8 @@ from pipeloom.plan.cluster.recompute import layer_modules, separate_norms
 from pipeloom.plan.errors import LayoutError
 from pipeloom.plan.tp.all_to_all import moe_exchanges
 
-__all__ = ["PhaseTimes", "add_times", "layer_times", "compute_hardware", "compute_share"]
+__all__ = ["PhaseTimes", "add_times", "layer_times", "compute_hardware", "compute_share", "pair_slowdown",
+           "HYBRIDEP_SMS"]
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PhaseTimes:
@@ -52,7 +54,8 @@ class PhaseTimes:
     """Weight-gradient backward."""
     f_comm: float = 0.0
     """Of ``f``, the seconds spent in communication another micro-batch's compute can hide: the expert
-    all-to-alls (DualPipe's overlapped pairs hide them; :class:`pipeloom.problem.Task` ``comm``)."""
+    all-to-alls (DualPipe's overlapped pairs hide them, the compute beside them slowed by :func:`pair_slowdown`;
+    :class:`pipeloom.problem.Task` ``comm``)."""
     i_comm: float = 0.0
     """Of ``i``, the same for the input-gradient backward."""
 
@@ -375,6 +378,26 @@ def _tp_exchanges(hw: Hardware, hidden_bytes: float, tp: int, *, sp: bool) -> fl
         return 2 * (collective_seconds(hw, "all_gather", hidden_bytes, tp, ranks_per_domain=ranks)
                     + collective_seconds(hw, "reduce_scatter", hidden_bytes, tp, ranks_per_domain=ranks))
     return 2 * collective_seconds(hw, "all_reduce", hidden_bytes, tp, ranks_per_domain=ranks)
+
+
+HYBRIDEP_SMS = 32
+"""SMs NVIDIA's Hybrid-EP dispatch and combine kernels hold while they run: Megatron-Bridge's performance recipes set
+``moe_hybridep_num_sms = 32`` for that backend (``src/megatron/bridge/perf_recipes/_common.py`` at v0.6.0;
+Megatron-Core's ``moe_flex_dispatcher_num_sms`` otherwise leaves the count to the backend)."""
+
+
+def pair_slowdown(job: Job) -> float:
+    """The share of each second of expert all-to-all an overlapped pair hides that the compute beside it loses
+    (:func:`~pipeloom.ir.pair_duration`'s ``slowdown``): none under DeepSeek-V3's kernels, whose SMs are taken from
+    the compute all along (:func:`compute_hardware`); under Hybrid-EP's, its :data:`HYBRIDEP_SMS` SMs' share of the
+    GPU's while it runs; beside an NCCL all-to-all, the slowdown any collective costs the compute beside it
+    (``s / (1 + s)`` of its seconds for ``hw.overlap_slowdown`` ``s``:
+    :func:`~pipeloom.plan.cluster.efficiency.hidden_cost`)."""
+    if job.moe_comm == "deepseek":
+        return 0.0
+    if job.moe_comm == "hybridep":
+        return min(1.0, HYBRIDEP_SMS / job.hw.sm_count)
+    return hidden_cost(job.hw, 1.0)
 
 
 _COMM_SMS = 20

@@ -14,7 +14,7 @@ from pipeloom.plan.cluster.efficiency import collective_seconds, domain_ranks, p
 from pipeloom.plan.cluster.estimate import Estimator
 from pipeloom.plan.cluster.gpus import hardware
 from pipeloom.plan.cluster.job import Job
-from pipeloom.plan.cluster.layer_time import PhaseTimes, layer_times
+from pipeloom.plan.cluster.layer_time import HYBRIDEP_SMS, PhaseTimes, layer_times, pair_slowdown
 from pipeloom.plan.cluster.layout import PAIRED, Layout
 from pipeloom.plan.cluster.model.reader import model_spec
 from pipeloom.plan.cluster.placement import rank_stages, schedule_microbatches, work_bound
@@ -272,15 +272,35 @@ def test_megatron_moe_overlap_pairs_interleaved_1f1b_and_one_stage_only():
 
 def test_megatron_moe_overlap_on_one_stage_by_hand():
     """pp 1: B0 with F1, ..., B(m-2) with F(m-1): m - 1 pairs, each hiding min(F's all-to-all, B's compute) +
-    min(B's all-to-all, F's compute)."""
+    min(B's all-to-all, F's compute), less what the compute beside it loses while it runs (:func:`pair_slowdown`:
+    an NCCL all-to-all the generic slowdown beside a collective, s / (1 + s) of each hidden second)."""
     layout = Layout(dp=64, pp=1, ep=16, mbs=1)
     plain, overlap = Estimator(_job()), Estimator(_overlap_job())
     m = overlap.check(layout)
     t = overlap.stages(layout)[0][0]
     hidden = min(t.f_comm, t.i + t.w - t.i_comm) + min(t.i_comm, t.f - t.f_comm)
-    assert hidden > 0
+    s = overlap.job.hw.overlap_slowdown
+    assert hidden > 0 and pair_slowdown(overlap.job) == pytest.approx(s / (1 + s))
     assert plain.estimate(layout).pipeline_time - overlap.estimate(layout).pipeline_time == pytest.approx(
-        (m - 1) * hidden)
+        (m - 1) * hidden / (1 + s))
+
+
+def test_a_hidden_all_to_all_slows_the_compute_beside_it_by_its_kernels_share():
+    """What a pair loses of each second of all-to-all it hides: DeepSeek-V3's kernels nothing (their 20 SMs are
+    taken from the compute all along), Hybrid-EP's its 32 SMs' share of the GPU's while it runs (32 / 132 on an
+    H100), an NCCL all-to-all the slowdown beside any collective; so Hybrid-EP's pairs on one stage save the
+    hidden seconds times 100 / 132."""
+    job = _overlap_job()
+    assert pair_slowdown(dataclasses.replace(job, moe_comm="deepseek")) == 0.0
+    hybrid = dataclasses.replace(job, moe_comm="hybridep")
+    assert pair_slowdown(hybrid) == HYBRIDEP_SMS / 132 == 32 / 132
+    layout = Layout(dp=64, pp=1, ep=16, mbs=1)
+    plain, overlap = Estimator(dataclasses.replace(hybrid, moe_overlap=False)), Estimator(hybrid)
+    m = overlap.check(layout)
+    t = overlap.stages(layout)[0][0]
+    hidden = min(t.f_comm, t.i + t.w - t.i_comm) + min(t.i_comm, t.f - t.f_comm)
+    assert plain.estimate(layout).pipeline_time - overlap.estimate(layout).pipeline_time == pytest.approx(
+        (m - 1) * hidden * 100 / 132)
 
 
 def test_megatron_moe_overlap_needs_experts():
