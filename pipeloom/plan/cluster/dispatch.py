@@ -40,8 +40,9 @@ def hybridep_all_to_all(job: Job, layout: Layout, local: int) -> float:
     node that holds any of its experts (to the GPU of its in-node index, whose RDMA buffer holds one copy per
     token and remote node) and fans out over NVLink there; both ways in bf16 (its FP8 dispatch is an option the
     recipes do not set). With uniform routing over ``E`` experts on ``D`` nodes, a token reaches each other node
-    with probability ``1 - C(E - E/D, k) / C(E, k)``. The SMs its persistent kernels hold are not priced (their
-    count is a launch setting no recipe publishes)."""
+    with probability ``1 - C(E - E/D, k) / C(E, k)``. The SMs its kernels hold are priced where an overlapped pair
+    hides it (:func:`~pipeloom.plan.cluster.layer_time.pair_slowdown`: the 32 Megatron-Bridge's recipes set);
+    exposed, it runs alone."""
     ex = job.spec.experts
     assert ex is not None
     r = domain_ranks(layout.ep, 1, job.hw)
