@@ -140,6 +140,12 @@ _MXFP8_SOURCE = ("Transformer Engine's MXFP8 documentation (docs/features/low_pr
                  "found)")
 
 
+_ANY_LAYOUT_SOURCE = ("Transformer Engine's FP8 current scaling documentation (docs/features/low_precision_training/"
+                      "fp8_current_scaling, 'Transpose handling'): Blackwell's GEMMs take several layouts natively, so "
+                      "its row-wise and column-wise FP8 tensors share one memory layout; Ada and Hopper need a "
+                      "transposed copy for the backward")
+
+
 def _blackwell(name: str, *, bf16: float, memory_gib: int, domain: int, nic: float, sheet: str,
                peak_source: str, memory_source: str, domain_source: str, nic_source: str, sms: int,
                sms_source: str, gemm: tuple[tuple[float, str], tuple[float, str]],
@@ -165,11 +171,11 @@ def _blackwell(name: str, *, bf16: float, memory_gib: int, domain: int, nic: flo
             "attention_efficiency": measured + f": cuDNN forward {fwd:,} TFLOP/s",
             "attention_backward_efficiency": measured + f": cuDNN backward {bwd:,} TFLOP/s",
             "scale_up_efficiency": _NVLINK_EFF, "scale_out_efficiency": _NIC_EFF, "sm_count": sms_source,
-            "mxfp8": _MXFP8_SOURCE,
+            "mxfp8": _MXFP8_SOURCE, "fp8_any_layout": _ANY_LAYOUT_SOURCE,
             "flash2_slowdown": measured + (f": cuDNN / FlashAttention-2 forward {fwd:,} / {fa2_fwd:,}, backward "
                                            f"{bwd:,} / {fa2_bwd:,} TFLOP/s; the smaller ratio"),
         },
-        sm_count=sms, mxfp8=True,
+        sm_count=sms, mxfp8=True, fp8_any_layout=True,
         peak_flops={"bf16": bf16, "fp8": 2 * bf16}, memory_bytes=smi_mib * MiB if smi_mib else memory_gib * GiB,
         memory_bandwidth=8e12,
         scale_up_size=domain, scale_up_placed=_NVL72_SEGMENT if domain == 72 else None,

@@ -57,6 +57,9 @@ class Hardware:
     mxfp8: bool = False
     """Tensor cores that multiply FP8 scaled per block of 32 elements (MXFP8: Blackwell, SM 10.0 and later), at the
     FP8 rate: what ``fp8_cast="mxfp8"`` (Transformer Engine's ``MXFP8BlockScaling``) needs."""
+    fp8_any_layout: bool = False
+    """FP8 GEMMs that take either operand layout (Blackwell), so a per-tensor scaled FP8 copy serves the weight
+    gradient's GEMM too and no transposed copy is written (Hopper's and Ada's take only "TN")."""
     gemm_half_dim: float = 128.0
     """A GEMM dimension at which that dimension alone halves the rate: each of m, n, k scales the rate
     by ``d / (d + gemm_half_dim)`` (tile and wave quantization, fixed per-tile costs)."""
@@ -132,9 +135,11 @@ class Hardware:
             raise HardwareError(f"hardware {self.name!r}: scale_up_placed is the GPUs of one job in each scale-up "
                                 f"domain, a whole number from 1 to scale_up_size ({self.scale_up_size}), or null for "
                                 f"all of them; got {placed!r}")
-        if not isinstance(self.mxfp8, bool):
-            raise HardwareError(f"hardware {self.name!r}: mxfp8 is true or false (whether the tensor cores scale FP8 "
-                                f"per block of 32 elements), got {self.mxfp8!r}")
+        for name, what in (("mxfp8", "whether the tensor cores scale FP8 per block of 32 elements"),
+                           ("fp8_any_layout", "whether FP8 GEMMs take either operand layout")):
+            if not isinstance(getattr(self, name), bool):
+                raise HardwareError(f"hardware {self.name!r}: {name} is true or false ({what}), got "
+                                    f"{getattr(self, name)!r}")
         if not isinstance(self.memory_bytes, int) or isinstance(self.memory_bytes, bool):
             raise HardwareError(f"hardware {self.name!r}: memory_bytes must be a whole number of bytes, "
                                 f"got {self.memory_bytes!r}")

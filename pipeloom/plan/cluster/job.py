@@ -209,10 +209,14 @@ class Job:
         with an amax pass first; ``cached`` casts only F's activation and I's output gradient, the amax in the cast
         kernel (the weights' FP8 copies are made once a step, and W reuses the FP8 copies F and I made); ``current``
         casts the same two with an amax pass first (Transformer Engine's current scaling); ``mxfp8`` the same two into
-        a block-scaled copy per direction (:data:`~pipeloom.plan.cluster.efficiency.MXFP8_CAST_BYTES`)."""
+        a block-scaled copy per direction (:data:`~pipeloom.plan.cluster.efficiency.MXFP8_CAST_BYTES`). On a GPU whose
+        FP8 GEMMs take either layout (``hw.fp8_any_layout``: Blackwell) ``cached`` and ``current`` write no transposed
+        copy, a byte less per element."""
         if self.fp8_cast == "dynamic":
             return ((DYNAMIC_CAST_BYTES, DYNAMIC_CAST_BYTES),) * 3
         made = {"current": CURRENT_CAST_BYTES, "mxfp8": MXFP8_CAST_BYTES}.get(self.fp8_cast, FUSED_CAST_BYTES)
+        if self.hw.fp8_any_layout and self.fp8_cast in ("cached", "current"):
+            made -= 1  # the one copy serves both GEMMs: no transpose written
         return (made, 0.0), (made, 0.0), (0.0, 0.0)
 
     def pairs(self, layout: Layout) -> bool:

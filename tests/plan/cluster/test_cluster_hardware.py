@@ -122,6 +122,7 @@ def _good() -> dict:
     (lambda d: d.update(scale_up_placed=9), r"scale_up_placed is the GPUs of one job .* from 1 to scale_up_size \(8\)"),
     (lambda d: d.update(memory_bytes=8.5e10), "memory_bytes must be a whole number of bytes"),
     (lambda d: d.update(mxfp8="yes"), "mxfp8 is true or false"),
+    (lambda d: d.update(fp8_any_layout=1), "fp8_any_layout is true or false"),
     (lambda d: d.update(scale_out_latency=-1), "scale_out_latency must be seconds >= 0"),
     (lambda d: d.update(sources={"nvlink": "x"}), "sources maps a field name to a string"),
     (lambda d: d.update(peak_flops=[1]), "'peak_flops' must be a JSON object"),

@@ -225,9 +225,11 @@ def test_fp8_casts_follow_the_framework():
 def test_mxfp8_casts_two_block_scaled_copies_on_blackwell_only():
     """``fp8_cast="mxfp8"`` (Transformer Engine's MXFP8 block scaling): as the cached casts, F's activation and I's
     output gradient only, each read once and written as two FP8 copies (row- and column-wise blocks of 32) with a
-    one-byte scale per block: 4 + 1/16 bytes per element, a little more than the cached casts' copy and transpose;
-    W reuses them. Only a GPU whose tensor cores scale per block (the Blackwell descriptions' ``mxfp8``) takes it."""
-    from pipeloom.plan.cluster.efficiency import FUSED_CAST_BYTES, MXFP8_CAST_BYTES
+    one-byte scale per block: 4 + 1/16 bytes per element, a little more than Hopper's cached casts' copy and
+    transpose and one copy more than Blackwell's (its FP8 GEMMs take either layout: ``fp8_any_layout``, so its
+    cached casts move 3 bytes and its current ones 5); W reuses them. Only a GPU whose tensor cores scale per block
+    (the Blackwell descriptions' ``mxfp8``) takes it."""
+    from pipeloom.plan.cluster.efficiency import MXFP8_CAST_BYTES
 
     dense = {**MOE, "model_type": "llama", "intermediate_size": 4096}
     job = Job(spec=model_spec(dense), hw=hardware("gb200"), gpus=64, global_batch=256, seq=SEQ, dtype="fp8")
@@ -236,9 +238,14 @@ def test_mxfp8_casts_two_block_scaled_copies_on_blackwell_only():
     layout = Layout(dp=8, tp=8, mbs=1, schedule="1f1b")
     cached, block = layer_times(job, layout, "dense"), layer_times(mx, layout, "dense")
     assert cached.f < block.f and cached.i < block.i and cached.w == block.w
-    assert block.f - cached.f < 0.01 * cached.f and MXFP8_CAST_BYTES / FUSED_CAST_BYTES < 1.02
-    assert [name for name in ("a100-80gb", "h100", "h200", "b200", "gb200", "gb300", "mi300x")
-            if hardware(name).mxfp8] == ["b200", "gb200", "gb300"]
+    assert block.f - cached.f < 0.02 * cached.f
+    assert job.fp8_casts() == ((3, 0), (3, 0), (0, 0))
+    assert dataclasses.replace(job, fp8_cast="current").fp8_casts() == ((5, 0), (5, 0), (0, 0))
+    hopper = dataclasses.replace(job, hw=hardware("h100"))
+    assert hopper.fp8_casts() == ((4, 0), (4, 0), (0, 0))  # the copy and its transpose
+    for field in ("mxfp8", "fp8_any_layout"):
+        assert [name for name in ("a100-80gb", "h100", "h200", "b200", "gb200", "gb300", "mi300x")
+                if getattr(hardware(name), field)] == ["b200", "gb200", "gb300"]
     with pytest.raises(LayoutError, match=r"fp8_cast='mxfp8' needs tensor cores that scale FP8 per block of 32 "
                                           r"\(Blackwell: b200, gb200, gb300\); h100 has none .*--fp8-cast current"):
         dataclasses.replace(mx, hw=hardware("h100"))

@@ -278,13 +278,13 @@ def test_fp8_cast_flag_reaches_the_estimate(config, capsys):
     # Transformer Engine's cached casts (the default) move the least: its current scaling adds an amax pass over
     # the activations and output gradients, torchao's dynamic scaling casts the weights too
     assert steps[0] < steps[1] < steps[2]
-    # MXFP8 on a Blackwell GPU: the cached casts' inputs written once more as block scales, a little slower; the
-    # report names it; on an H100 it is refused in one line
+    # MXFP8 on a Blackwell GPU: two block-scaled copies per cast where Blackwell's per-tensor cached cast writes one
+    # (its GEMMs take either layout), a little slower; the report names it; on an H100 it is refused in one line
     blackwell = [*argv[:4], "gb200", *argv[5:]]
     for extra in ([], ["--fp8-cast", "mxfp8"]):
         assert main([*blackwell, *extra]) == 0
         steps.append(json.loads(capsys.readouterr().out)["best"]["step_time"])
-    assert steps[3] < steps[4] < 1.01 * steps[3]
+    assert steps[3] < steps[4] < 1.05 * steps[3]
     assert main([*blackwell[:-1], "--fp8-cast", "mxfp8"]) == 0
     assert "FP8 casts: Transformer Engine's MXFP8 block scaling (--fp8-cast)" in capsys.readouterr().out
     assert main([*argv, "--fp8-cast", "mxfp8"]) == 2
