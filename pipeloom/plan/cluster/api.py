@@ -141,14 +141,12 @@ def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: st
     the gradient reduce-scatter's dtype, ``bf16`` or ``fp32`` (torchtitan's default, Llama 3's);
     ``sequence_parallel`` False: tp ranks run the norms and residual adds on every token and all-reduce (Megatron-LM
     before 2022); ``tp_overlap``: tensor-parallel exchanges run beside the GEMMs (Transformer Engine's userbuffers,
-    PyTorch's async TP); ``fp8_cast``: how FP8 GEMMs cast their inputs, ``cached`` (Transformer Engine's delayed
-    scaling, FP8 copies reused), ``dynamic`` (torchao's per-tensor dynamic scaling), ``current`` (Transformer
-    Engine's current scaling: as ``cached``, an amax pass first) or ``mxfp8`` (its MXFP8 block scaling, on GPUs
-    whose hardware description has ``mxfp8``: as ``cached``, a block-scaled copy per direction); ``stage_cut``:
-    ``balanced`` (layers moved off the busiest pipeline rank) or ``even`` (the frameworks that cut as many layers
-    per stage as divide); ``moe_overlap``: each backward runs with its rank's next forward, of another micro-batch,
-    hiding each other's expert all-to-all (Megatron-Core's ``overlap_moe_expert_parallel_comm``: pp 1 or interleaved
-    1F1B);
+    PyTorch's async TP); ``fp8_cast``: how FP8 GEMMs cast their inputs (:data:`~pipeloom.plan.cluster.job.FP8_CASTS`:
+    Transformer Engine's delayed scaling, ``cached``, its current scaling or MXFP8 blocks, torchao's per-tensor
+    ``dynamic``); ``stage_cut``: ``balanced`` (layers moved off the busiest pipeline rank) or ``even`` (as many
+    layers per stage as divide); ``moe_overlap``: each backward runs with its rank's next forward, of another
+    micro-batch, hiding each other's expert all-to-all (Megatron-Core's ``overlap_moe_expert_parallel_comm``: pp 1 or
+    interleaved 1F1B);
     ``recompute_layers``: with ``recompute=full``, only the first N decoder layers of each stage (Megatron-Core's
     block method; 0: every layer), or ``search`` (each of :func:`~pipeloom.plan.cluster.recompute.recompute_depths`
     tried, the fastest plan kept); ``shard_gradients``: ZeRO-2, gradients reduce-scattered after every micro-batch's

@@ -13,10 +13,11 @@ from typing import Any
 from pipeloom.errors import PipeloomError
 from pipeloom.ir import Schedule, pair_duration, paired_forward_backward
 from pipeloom.plan.cluster.counts import layer_counts
+from pipeloom.plan.cluster.dispatch import pair_slowdown
 from pipeloom.plan.cluster.efficiency import collective_seconds, domain_ranks, hidden_cost, memory_seconds
 from pipeloom.plan.cluster.held import RankHeld, held_profile, peak_held, profiled_microbatches, replay_stages
 from pipeloom.plan.cluster.job import GRAD_REDUCE, Job
-from pipeloom.plan.cluster.layer_time import PhaseTimes, add_times, layer_times, pair_slowdown
+from pipeloom.plan.cluster.layer_time import PhaseTimes, add_times, layer_times
 from pipeloom.plan.cluster.layout import PAIRED, SCHEDULES, Layout
 from pipeloom.plan.cluster.model.kinds import block_kind, layer_kinds
 from pipeloom.plan.cluster.mtp import mtp_times
@@ -110,9 +111,8 @@ class Estimator:
 
     def total_work(self, layout: Layout, *, paired: bool = False) -> float:
         """:meth:`work` through the whole model (every layer, the embedding and the head): whatever the cut, the
-        stages' work adds up to it (blocking pipeline sends only add to the stages); under
-        :attr:`Job.recompute_layers`, whose recomputed layers depend on the cut, the work without recomputation
-        (at most the stages')."""
+        stages' work adds up to it (blocking pipeline sends only add to the stages); under :attr:`Job.recompute_layers`,
+        whose recomputed layers depend on the cut, the work without recomputation (at most the stages')."""
         layout = self._unblocked(layout)
         key = (layout.tp, layout.cp, layout.ep, layout.mbs, layout.recompute, paired)
         if key not in self._work:
@@ -283,8 +283,7 @@ class Estimator:
 
     def _simulate(self, layout: Layout, m: int, times: list[PhaseTimes], acts: list[float],
                   latency: float) -> tuple[float, float, float]:
-        """The layout's schedule (:meth:`schedule`) replayed with its stage costs (:func:`replay_stages`), its lists
-        compiled once per schedule."""
+        """The layout's schedule (:meth:`schedule`), compiled once, replayed with :func:`replay_stages`."""
         key = self._schedule_key(layout, m)
         if key not in self._compiled:
             self._compiled[key] = compile_schedule(self.schedule(layout, m))

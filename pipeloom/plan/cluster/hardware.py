@@ -135,11 +135,7 @@ class Hardware:
             raise HardwareError(f"hardware {self.name!r}: scale_up_placed is the GPUs of one job in each scale-up "
                                 f"domain, a whole number from 1 to scale_up_size ({self.scale_up_size}), or null for "
                                 f"all of them; got {placed!r}")
-        for name, what in (("mxfp8", "whether the tensor cores scale FP8 per block of 32 elements"),
-                           ("fp8_any_layout", "whether FP8 GEMMs take either operand layout")):
-            if not isinstance(getattr(self, name), bool):
-                raise HardwareError(f"hardware {self.name!r}: {name} is true or false ({what}), got "
-                                    f"{getattr(self, name)!r}")
+        _flags(self)
         if not isinstance(self.memory_bytes, int) or isinstance(self.memory_bytes, bool):
             raise HardwareError(f"hardware {self.name!r}: memory_bytes must be a whole number of bytes, "
                                 f"got {self.memory_bytes!r}")
@@ -183,6 +179,14 @@ class Hardware:
             value = getattr(self, f.name)
             out[f.name] = dict(value) if isinstance(value, Mapping) else value
         return out
+
+
+def _flags(hw: Hardware) -> None:
+    """HardwareError unless the true-or-false capabilities are booleans."""
+    for name, what in (("mxfp8", "whether the tensor cores scale FP8 per block of 32 elements"),
+                       ("fp8_any_layout", "whether FP8 GEMMs take either operand layout")):
+        if not isinstance(getattr(hw, name), bool):
+            raise HardwareError(f"hardware {hw.name!r}: {name} is true or false ({what}), got {getattr(hw, name)!r}")
 
 
 def _number(value) -> bool:

@@ -102,7 +102,7 @@ class Job:
     moe_comm: str = "plain"
     """The expert all-to-all: ``plain`` (every routed copy of a token sent in bf16 to its expert's GPU) or
     ``deepseek`` (DeepSeek-V3's kernels: :func:`~pipeloom.plan.cluster.dispatch.deepseek_all_to_all`, with 20 SMs
-    reserved, :func:`~pipeloom.plan.cluster.layer_time.compute_share`) or ``hybridep`` (NVIDIA's Hybrid-EP kernels,
+    reserved, :func:`~pipeloom.plan.cluster.dispatch.compute_share`) or ``hybridep`` (NVIDIA's Hybrid-EP kernels,
     Megatron-Core's flex dispatcher: each token once per other node, in bf16:
     :func:`~pipeloom.plan.cluster.dispatch.hybridep_all_to_all`)."""
     p2p_overlap: bool = True

@@ -10,13 +10,12 @@ from dataclasses import dataclass
 
 from pipeloom.plan.cluster.context import context_parallel_core
 from pipeloom.plan.cluster.counts import layer_counts, sparse_core_dims
-from pipeloom.plan.cluster.dispatch import deepseek_all_to_all, hybridep_all_to_all
+from pipeloom.plan.cluster.dispatch import compute_hardware, deepseek_all_to_all, hybridep_all_to_all
 from pipeloom.plan.cluster.efficiency import (
     attention_seconds,
     collective_seconds,
     domain_ranks,
     gemm_seconds,
-    hidden_cost,
     materialized_attention_seconds,
     memory_seconds,
     overlapped_seconds,
@@ -39,8 +38,7 @@ from pipeloom.plan.cluster.recompute import layer_modules, separate_norms
 from pipeloom.plan.errors import LayoutError
 from pipeloom.plan.tp.all_to_all import moe_exchanges
 
-__all__ = ["PhaseTimes", "add_times", "layer_times", "compute_hardware", "compute_share", "pair_slowdown",
-           "HYBRIDEP_SMS"]
+__all__ = ["PhaseTimes", "add_times", "layer_times"]
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PhaseTimes:
@@ -54,7 +52,8 @@ class PhaseTimes:
     """Weight-gradient backward."""
     f_comm: float = 0.0
     """Of ``f``, the seconds spent in communication another micro-batch's compute can hide: the expert
-    all-to-alls (DualPipe's overlapped pairs hide them, the compute beside them slowed by :func:`pair_slowdown`;
+    all-to-alls (DualPipe's overlapped pairs hide them, the compute beside them slowed by
+    :func:`~pipeloom.plan.cluster.dispatch.pair_slowdown`;
     :class:`pipeloom.problem.Task` ``comm``)."""
     i_comm: float = 0.0
     """Of ``i``, the same for the input-gradient backward."""
@@ -378,44 +377,3 @@ def _tp_exchanges(hw: Hardware, hidden_bytes: float, tp: int, *, sp: bool) -> fl
         return 2 * (collective_seconds(hw, "all_gather", hidden_bytes, tp, ranks_per_domain=ranks)
                     + collective_seconds(hw, "reduce_scatter", hidden_bytes, tp, ranks_per_domain=ranks))
     return 2 * collective_seconds(hw, "all_reduce", hidden_bytes, tp, ranks_per_domain=ranks)
-
-
-HYBRIDEP_SMS = 32
-"""SMs NVIDIA's Hybrid-EP dispatch and combine kernels hold while they run: Megatron-Bridge's performance recipes set
-``moe_hybridep_num_sms = 32`` for that backend (``src/megatron/bridge/perf_recipes/_common.py`` at v0.6.0;
-Megatron-Core's ``moe_flex_dispatcher_num_sms`` otherwise leaves the count to the backend)."""
-
-
-def pair_slowdown(job: Job) -> float:
-    """The share of each second of expert all-to-all an overlapped pair hides that the compute beside it loses
-    (:func:`~pipeloom.ir.pair_duration`'s ``slowdown``): none under DeepSeek-V3's kernels, whose SMs are taken from
-    the compute all along (:func:`compute_hardware`); under Hybrid-EP's, its :data:`HYBRIDEP_SMS` SMs' share of the
-    GPU's while it runs; beside an NCCL all-to-all, the slowdown any collective costs the compute beside it
-    (``s / (1 + s)`` of its seconds for ``hw.overlap_slowdown`` ``s``:
-    :func:`~pipeloom.plan.cluster.efficiency.hidden_cost`)."""
-    if job.moe_comm == "deepseek":
-        return 0.0
-    if job.moe_comm == "hybridep":
-        return min(1.0, HYBRIDEP_SMS / job.hw.sm_count)
-    return hidden_cost(job.hw, 1.0)
-
-
-_COMM_SMS = 20
-"""SMs DeepSeek-V3's all-to-all kernels occupy on an H800 (report sec. 3.2.2: "only 20 SMs are sufficient to
-fully utilize the bandwidths of IB and NVLink"), leaving the rest to compute."""
-
-
-def compute_hardware(job: Job, layout: Layout) -> Hardware:
-    """The GPU as compute kernels see it in ``layout``: with DeepSeek-V3's all-to-all kernels on an ep mesh, the
-    SMs they hold all along are taken (:func:`compute_share`); otherwise ``job.hw``."""
-    return compute_share(job.hw) if job.moe_comm == "deepseek" and layout.ep > 1 else job.hw
-
-
-def compute_share(hw: Hardware) -> Hardware:
-    """``hw`` with :data:`_COMM_SMS` SMs taken by communication: the peak rates and the SMs for wave
-    quantization scale by the SMs left."""
-    left = hw.sm_count - _COMM_SMS
-    if left < 1:
-        return hw
-    share = left / hw.sm_count
-    return dataclasses.replace(hw, sm_count=left, peak_flops={k: v * share for k, v in hw.peak_flops.items()})

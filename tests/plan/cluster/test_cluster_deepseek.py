@@ -11,10 +11,11 @@ import pytest
 
 from pipeloom.plan.cluster.api import plan_cluster
 from pipeloom.plan.cluster.counts import layer_counts
+from pipeloom.plan.cluster.dispatch import compute_share
 from pipeloom.plan.cluster.gpus import hardware
 from pipeloom.plan.cluster.hardware import load_hardware
 from pipeloom.plan.cluster.job import Job
-from pipeloom.plan.cluster.layer_time import compute_share, layer_times
+from pipeloom.plan.cluster.layer_time import layer_times
 from pipeloom.plan.cluster.layout import Layout
 from pipeloom.plan.cluster.model.reader import model_spec
 from pipeloom.plan.cluster.recompute import deepseek_activations

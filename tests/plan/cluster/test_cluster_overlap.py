@@ -10,11 +10,12 @@ import dataclasses
 import pytest
 
 from pipeloom.ir import pair_duration
+from pipeloom.plan.cluster.dispatch import HYBRIDEP_SMS, pair_slowdown
 from pipeloom.plan.cluster.efficiency import collective_seconds, domain_ranks, p2p_seconds
 from pipeloom.plan.cluster.estimate import Estimator
 from pipeloom.plan.cluster.gpus import hardware
 from pipeloom.plan.cluster.job import Job
-from pipeloom.plan.cluster.layer_time import HYBRIDEP_SMS, PhaseTimes, layer_times, pair_slowdown
+from pipeloom.plan.cluster.layer_time import PhaseTimes, layer_times
 from pipeloom.plan.cluster.layout import PAIRED, Layout
 from pipeloom.plan.cluster.model.reader import model_spec
 from pipeloom.plan.cluster.placement import rank_stages, schedule_microbatches, work_bound
