@@ -104,8 +104,7 @@ class Estimator:
         return self._layer[key]
 
     def work(self, layout: Layout, kind: str, *, paired: bool = False) -> float:
-        """Seconds of F + I + W of one micro-batch through one ``kind`` (a layer, the embedding, the head),
-        ``paired``: less the F and I communication DualPipe's pairs may hide."""
+        """Seconds of F + I + W of one micro-batch through one ``kind`` (``paired``: less its F's and I's comm)."""
         t = self.times(layout, kind)
         return t.f + t.i + t.w - ((t.f_comm + t.i_comm) if paired else 0.0)
 
@@ -187,8 +186,9 @@ class Estimator:
     def _keep(self, kind: str, tp: int, cp: int, mbs: int, recompute: str) -> float:
         key = (kind, tp, cp, mbs, recompute)
         if key not in self._acts:
-            keep = kept_activations(self.job.selective, self.job.spec, self.counts[kind], recompute)
-            self._acts[key] = keep.per_gpu(tp=tp, cp=cp, sp=tp > 1 and self.job.sequence_parallel) * mbs * self.job.seq
+            job = self.job
+            keep = kept_activations(job.selective, job.spec, self.counts[kind], recompute, fp8=job.saved_fp8())
+            self._acts[key] = keep.per_gpu(tp=tp, cp=cp, sp=tp > 1 and job.sequence_parallel) * mbs * job.seq
         return self._acts[key]
 
     def schedule(self, layout: Layout, m: int) -> Schedule:

@@ -219,6 +219,15 @@ class Job:
             made -= 1  # the one copy serves both GEMMs: no transpose written
         return (made, 0.0), (made, 0.0), (0.0, 0.0)
 
+    def saved_fp8(self) -> tuple[float, bool] | None:
+        """How Transformer Engine's FP8 GEMMs keep the inputs they quantized for the weight gradient
+        (:func:`~pipeloom.plan.cluster.recompute.fp8_saved_inputs`): ``(bytes per element, delayed scaling)`` under
+        its casts (``cached``: delayed scaling, 1 byte; ``current``: 1; ``mxfp8``: 1 and a block scale per 32),
+        None otherwise (BF16 GEMMs; torchao's ``dynamic`` casts keep the BF16 inputs)."""
+        if self.dtype != "fp8" or self.fp8_cast == "dynamic":
+            return None
+        return (1 + 1 / 32 if self.fp8_cast == "mxfp8" else 1.0), self.fp8_cast == "cached"
+
     def pairs(self, layout: Layout) -> bool:
         """Whether ``layout`` runs forward-backward pairs whose parts hide each other's expert all-to-all:
         DualPipe(V) always, the others where :meth:`overlap_pairs`."""

@@ -50,7 +50,7 @@ from pipeloom.plan.errors import LayoutError
 __all__ = ["MEGATRON_MODULES", "POLICIES", "SEARCHED", "FP8_BYTES", "module_sets", "recompute_depths",
            "megatron_modules", "layer_modules",
            "idle_modules", "megatron_activations", "kept_activations", "op_activations", "deepseek_activations",
-           "separate_norms"]
+           "separate_norms", "fp8_saved_inputs"]
 
 MEGATRON_MODULES = ("core_attn", "layernorm", "moe_act", "mla_up_proj", "mlp", "moe", "shared_experts")
 """Megatron-Core's ``recompute_modules`` (module docstring), in the order :func:`megatron_modules` writes them."""
@@ -153,13 +153,23 @@ def megatron_activations(spec: ModelSpec, kind: str, modules: tuple[str, ...], *
     return Activations(sequence=sequence, tensor=tensor, replicated=none.replicated)
 
 
-def kept_activations(selective: str, spec: ModelSpec, counts: LayerCounts, recompute: str) -> Activations:
+def kept_activations(selective: str, spec: ModelSpec, counts: LayerCounts, recompute: str, *,
+                     fp8: tuple[float, bool] | None = None) -> Activations:
     """What one token keeps in a layer of ``counts`` under ``recompute``: the counts' own; under ``selective`` as
     the policy ``selective`` says: Megatron-Core's modules (:func:`megatron_activations`), every second layer
     whole (``layer``: half a layer's ``none`` and half its ``full``, on average), torchtitan's op policy in a
     dense layer (``op``: :func:`op_activations`; an MoE layer keeps the attention core's), or DeepSeek-V3's
     (``deepseek``: :func:`deepseek_activations`); a multi-token-prediction module keeps its block's under the
-    policy (:func:`~pipeloom.plan.cluster.counts.mtp_activations`)."""
+    policy (:func:`~pipeloom.plan.cluster.counts.mtp_activations`). ``fp8``: Transformer Engine's FP8 GEMMs
+    keeping the inputs they quantized (``(bytes per element, delayed scaling)``: :func:`fp8_saved_inputs`), in a
+    decoder layer without recomputation or under Megatron-Core's modules."""
+    if fp8 is not None and counts.kind not in ("embedding", "head", "mtp") and (
+            recompute == "none" or (recompute == "selective" and selective not in POLICIES)):
+        kept = kept_activations(selective, spec, counts, recompute)
+        more = fp8_saved_inputs(spec, counts.kind, megatron_modules(selective) if recompute == "selective" else (),
+                                quantized=fp8[0], delayed=fp8[1])
+        return Activations(sequence=kept.sequence + more.sequence, tensor=kept.tensor + more.tensor,
+                           replicated=kept.replicated)
     if recompute != "selective" or counts.kind in ("embedding", "head"):
         return counts.activations[recompute]
     if selective == "layer":
@@ -169,6 +179,43 @@ def kept_activations(selective: str, spec: ModelSpec, counts: LayerCounts, recom
     if counts.kind == "mtp":
         return mtp_activations(spec, recompute, _block(selective, spec, mtp_block(spec)))
     return _block(selective, spec, counts.kind)
+
+
+def fp8_saved_inputs(spec: ModelSpec, kind: str, modules: tuple[str, ...], *, quantized: float, delayed: bool,
+                     width: int = 2) -> Activations:
+    """What one token of a decoder layer of ``kind`` keeps beyond its BF16 counts (negative: less) where Transformer
+    Engine's FP8 GEMMs keep, for the weight gradient, the input they quantized (``quantized`` bytes per element, its
+    column-wise copy: ``transformer_engine/pytorch/module/linear.py``) in place of the BF16 input, as Megatron-Core's
+    layers run them with ``modules`` recomputed. The BF16 tensor goes where nothing else keeps it: the attention norm's
+    output (its fused qkv projection's input; read by the MLP's too under one norm before both), a dense MLP's norm
+    output and its down projection's input, each routed copy's expert input and, unless ``moe_act`` runs again, its
+    activation (under ``moe_act`` Megatron-Core has the down projection keep the BF16 input it then discards:
+    ``set_save_original_input``), a shared expert's down projection input. Kept more: a shared expert's first
+    projection keeps its own copy of the pre-MLP norm's output, which the router keeps in BF16 (unless ``layernorm``
+    runs again: then it keeps the original). The output projection keeps the BF16 attention output the core keeps
+    (``set_save_original_input``) except under ``delayed`` scaling, where it keeps its own copy: more beside the
+    core's output, less where the core runs again (``core_attn``) or an output gate's product is its input. Not
+    applied (zero): multi-head latent attention and Gated DeltaNet layers, whose projections Megatron-Core sets
+    apart, and what ``mlp`` or ``moe`` recomputes whole."""
+    a, h, block = spec.attention, spec.hidden, block_kind(kind)
+    if a.latent or is_linear(kind) or block not in ("dense", "moe"):
+        return Activations(sequence=0.0, tensor=0.0)
+    less = width - quantized  # per element of an input only its GEMM keeps
+    sequence = -(width - (2 if spec.shared_norm and "mlp" not in modules else 1) * quantized) * h
+    tensor = 0.0
+    if delayed:
+        out = a.gate or a.heads * a.v_dim
+        tensor += -less * out if ("core_attn" in modules or a.gate) else quantized * out
+    if block == "dense" and "mlp" not in modules:
+        sequence -= 0.0 if spec.shared_norm else less * h
+        tensor -= less * spec.intermediate
+    ex = spec.experts
+    if block == "moe" and ex is not None and "moe" not in modules:
+        tensor -= less * ex.top_k * (h + (0 if "moe_act" in modules else ex.intermediate))
+        if ex.shared_intermediate and "shared_experts" not in modules:
+            tensor -= less * ex.shared_intermediate
+            sequence += 0.0 if "layernorm" in modules else quantized * h
+    return Activations(sequence=sequence, tensor=tensor)
 
 
 def _block(selective: str, spec: ModelSpec, kind: str) -> Activations:

@@ -287,3 +287,49 @@ def test_searching_both_choices_finds_the_fastest_of_every_pair_planning_fewer()
     slower = [est.step_time for est, why in both.runners_up if "slower" in why]
     assert slower == sorted(slower) and all(t >= both.best.step_time for t in slower)
     assert len({str(est.layout) for est, _ in both.runners_up}) == len(both.runners_up)
+
+
+def test_transformer_engine_fp8_keeps_the_inputs_it_quantized():
+    """Transformer Engine's FP8 GEMMs keep the input they quantized (1 byte; MXFP8 and its block scale 1 + 1/32) in
+    place of the BF16 input where only the GEMM needs it, by hand per token on Llama 3 8B and Qwen3-30B-A3B:
+    the attention norm's output and, in a dense layer, the MLP norm's output (sequence) and the down projection's
+    input (tensor); in an MoE layer each routed copy's expert input and activation (less the activation under
+    moe_act, whose BF16 input Megatron-Core discards). Under delayed scaling the output projection keeps its own
+    copy beside the core's BF16 output (more), or in its place where the core runs again (less). Nothing for
+    torchao's casts, BF16, full recomputation, latent attention, or a policy of torchtitan's."""
+    from pipeloom.plan.cluster.counts import Activations
+    from pipeloom.plan.cluster.recompute import fp8_saved_inputs, kept_activations
+
+    dense = model_spec(DENSE)
+    h, i, out = dense.hidden, dense.intermediate, dense.attention.heads * dense.attention.v_dim
+    for modules, delayed, tensor in (((), False, -i), ((), True, out - i), (("core_attn",), True, -out - i),
+                                     (("core_attn",), False, -i)):
+        more = fp8_saved_inputs(dense, "dense", modules, quantized=1.0, delayed=delayed)
+        assert (more.sequence, more.tensor) == (-2 * h, tensor), (modules, delayed)
+    mx = fp8_saved_inputs(dense, "dense", (), quantized=1 + 1 / 32, delayed=False)
+    assert mx.sequence == pytest.approx(-2 * h * (1 - 1 / 32)) and mx.tensor == pytest.approx(-i * (1 - 1 / 32))
+    moe = model_spec(MOE)
+    ex, hm = moe.experts, moe.hidden
+    assert fp8_saved_inputs(moe, "moe", (), quantized=1.0, delayed=False).tensor == -ex.top_k * (hm + ex.intermediate)
+    assert fp8_saved_inputs(moe, "moe", ("moe_act",), quantized=1.0, delayed=False).tensor == -ex.top_k * hm
+    assert fp8_saved_inputs(moe, "moe", ("moe",), quantized=1.0, delayed=False).tensor == 0
+    shared = model_spec({"model_type": "qwen2_moe"})  # a shared expert: its down projection's input in FP8, its
+    se, hs = shared.experts, shared.hidden  # first projection's own copy of the norm output (not under layernorm)
+    more = fp8_saved_inputs(shared, "moe", (), quantized=1.0, delayed=False)
+    assert (more.sequence, more.tensor) == (0.0, -se.top_k * (hs + se.intermediate) - se.shared_intermediate)
+    assert fp8_saved_inputs(shared, "moe", ("layernorm",), quantized=1.0, delayed=False).sequence == -hs
+    assert fp8_saved_inputs(model_spec(MLA), "moe", (), quantized=1.0, delayed=True) == fp8_saved_inputs(
+        model_spec(MLA), "dense", (), quantized=0.0, delayed=False) == Activations(sequence=0.0, tensor=0.0)
+    job = Job(spec=moe, hw=hardware("h100"), gpus=8, global_batch=64, seq=4096, dtype="fp8", fp8_cast="current")
+    assert job.saved_fp8() == (1.0, False)
+    assert dataclasses.replace(job, fp8_cast="dynamic").saved_fp8() is None
+    assert dataclasses.replace(job, hw=hardware("gb200"), fp8_cast="mxfp8").saved_fp8() == (1 + 1 / 32, False)
+    layout = Layout(dp=8, ep=8, mbs=1, recompute="none", schedule="1f1b")
+    fp8, torchao = Estimator(job), Estimator(dataclasses.replace(job, fp8_cast="dynamic"))
+    assert fp8.activation(layout, "moe") == pytest.approx(  # the attention norm's output, the routed copies'
+        torchao.activation(layout, "moe") - 4096 * (hm + ex.top_k * (hm + ex.intermediate)))
+    counts = fp8.counts["moe"]
+    assert kept_activations("layer", moe, counts, "selective", fp8=(1.0, True)) == kept_activations(
+        "layer", moe, counts, "selective")
+    assert fp8.activation(dataclasses.replace(layout, recompute="full"), "moe") == torchao.activation(
+        dataclasses.replace(layout, recompute="full"), "moe")
