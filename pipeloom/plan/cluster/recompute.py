@@ -194,16 +194,18 @@ def fp8_saved_inputs(spec: ModelSpec, kind: str, modules: tuple[str, ...], *, qu
     projection keeps its own copy of the pre-MLP norm's output, which the router keeps in BF16 (unless ``layernorm``
     runs again: then it keeps the original). The output projection keeps the BF16 attention output the core keeps
     (``set_save_original_input``) except under ``delayed`` scaling, where it keeps its own copy: more beside the
-    core's output, less where the core runs again (``core_attn``) or an output gate's product is its input. Not
-    applied (zero): multi-head latent attention and Gated DeltaNet layers, whose projections Megatron-Core sets
-    apart, and what ``mlp`` or ``moe`` recomputes whole."""
+    core's output, less where the core runs again (``core_attn``) or an output gate's product is its input. The
+    attention half of a layer with multi-head latent attention or Gated DeltaNet, whose projections Megatron-Core
+    sets apart, is left as counted (its MLP half is not), and so is what ``mlp`` or ``moe`` recomputes whole."""
     a, h, block = spec.attention, spec.hidden, block_kind(kind)
-    if a.latent or is_linear(kind) or block not in ("dense", "moe"):
+    if block not in ("dense", "moe"):
         return Activations(sequence=0.0, tensor=0.0)
     less = width - quantized  # per element of an input only its GEMM keeps
-    sequence = -(width - (2 if spec.shared_norm and "mlp" not in modules else 1) * quantized) * h
+    standard = not a.latent and not is_linear(kind)
+    readers = 2 if spec.shared_norm and "mlp" not in modules else 1  # the GEMMs reading the attention norm's output
+    sequence = -(width - readers * quantized) * h if standard else 0.0
     tensor = 0.0
-    if delayed:
+    if delayed and standard:
         out = a.gate or a.heads * a.v_dim
         tensor += -less * out if ("core_attn" in modules or a.gate) else quantized * out
     if block == "dense" and "mlp" not in modules:

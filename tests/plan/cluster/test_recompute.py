@@ -296,7 +296,7 @@ def test_transformer_engine_fp8_keeps_the_inputs_it_quantized():
     input (tensor); in an MoE layer each routed copy's expert input and activation (less the activation under
     moe_act, whose BF16 input Megatron-Core discards). Under delayed scaling the output projection keeps its own
     copy beside the core's BF16 output (more), or in its place where the core runs again (less). Nothing for
-    torchao's casts, BF16, full recomputation, latent attention, or a policy of torchtitan's."""
+    torchao's casts, BF16, full recomputation, latent attention's half of a layer, or a policy of torchtitan's."""
     from pipeloom.plan.cluster.counts import Activations
     from pipeloom.plan.cluster.recompute import fp8_saved_inputs, kept_activations
 
@@ -318,8 +318,11 @@ def test_transformer_engine_fp8_keeps_the_inputs_it_quantized():
     more = fp8_saved_inputs(shared, "moe", (), quantized=1.0, delayed=False)
     assert (more.sequence, more.tensor) == (0.0, -se.top_k * (hs + se.intermediate) - se.shared_intermediate)
     assert fp8_saved_inputs(shared, "moe", ("layernorm",), quantized=1.0, delayed=False).sequence == -hs
-    assert fp8_saved_inputs(model_spec(MLA), "moe", (), quantized=1.0, delayed=True) == fp8_saved_inputs(
-        model_spec(MLA), "dense", (), quantized=0.0, delayed=False) == Activations(sequence=0.0, tensor=0.0)
+    mla = model_spec(MLA)  # latent attention's half left as counted, its MLP's not
+    assert fp8_saved_inputs(mla, "dense", (), quantized=1.0, delayed=True) == Activations(
+        sequence=-mla.hidden, tensor=-mla.intermediate)
+    assert fp8_saved_inputs(mla, "moe", ("moe",), quantized=1.0, delayed=True) == fp8_saved_inputs(
+        mla, "embedding", (), quantized=1.0, delayed=False) == Activations(sequence=0.0, tensor=0.0)
     job = Job(spec=moe, hw=hardware("h100"), gpus=8, global_batch=64, seq=4096, dtype="fp8", fp8_cast="current")
     assert job.saved_fp8() == (1.0, False)
     assert dataclasses.replace(job, fp8_cast="dynamic").saved_fp8() is None
