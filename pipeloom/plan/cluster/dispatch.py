@@ -45,8 +45,7 @@ def hybridep_all_to_all(job: Job, layout: Layout, local: int) -> float:
     token and remote node) and fans out over NVLink there; both ways in bf16 (its FP8 dispatch is an option the
     recipes do not set). With uniform routing over ``E`` experts on ``D`` nodes, a token reaches each other node
     with probability ``1 - C(E - E/D, k) / C(E, k)``. The SMs its kernels hold are priced where an overlapped pair
-    hides it (:func:`pair_slowdown`: the 32 Megatron-Bridge's recipes set);
-    exposed, it runs alone."""
+    hides it (:func:`pair_slowdown`: the 32 Megatron-Bridge's recipes set); exposed, it runs alone."""
     ex = job.spec.experts
     assert ex is not None
     r = domain_ranks(layout.ep, 1, job.hw)

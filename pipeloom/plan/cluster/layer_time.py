@@ -53,8 +53,7 @@ class PhaseTimes:
     f_comm: float = 0.0
     """Of ``f``, the seconds spent in communication another micro-batch's compute can hide: the expert
     all-to-alls (DualPipe's overlapped pairs hide them, the compute beside them slowed by
-    :func:`~pipeloom.plan.cluster.dispatch.pair_slowdown`;
-    :class:`pipeloom.problem.Task` ``comm``)."""
+    :func:`~pipeloom.plan.cluster.dispatch.pair_slowdown`; :class:`pipeloom.problem.Task` ``comm``)."""
     i_comm: float = 0.0
     """Of ``i``, the same for the input-gradient backward."""
 
