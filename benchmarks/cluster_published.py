@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from pipeloom.plan.cluster.api import plan_cluster  # noqa: E402
-from pipeloom.plan.cluster.job import framework_options  # noqa: E402
+from pipeloom.plan.cluster.job import STAGE_CUTS, framework_options  # noqa: E402
 from pipeloom.plan.cluster.model.reader import model_spec  # noqa: E402
 from pipeloom.plan.errors import NoLayoutFits  # noqa: E402
 from published_runs import derived, load_runs, run_config, run_hardware  # noqa: E402
@@ -87,8 +87,9 @@ def options(run: dict) -> dict:
       (``moe_flex_dispatcher_backend="hybridep"``), the other MoE recipes with Megatron-Core's all-to-all. The 26.08
       release's MXFP8 rows (recipes in ``src/megatron/bridge/perf_recipes/`` at v0.6.0) all cast with Transformer
       Engine's MXFP8 block scaling, dispatch with Hybrid-EP and overlap the all-to-all with
-      ``overlap_moe_expert_parallel_comm``; DeepSeek-V3's GB200 recipe recomputes ``mla_up_proj``, and its
-      explicit 16-stage pipeline layout is priced with the planner's balanced cut.
+      ``overlap_moe_expert_parallel_comm``; DeepSeek-V3's GB200 recipe recomputes ``mla_up_proj``, and the explicit
+      16-stage pipeline layout both its recipes set is priced as written (the planner's own search cuts its own
+      way, :func:`_plan`).
     - Megatron-LM 2021 predates flash attention (scores in HBM), sequence parallelism and the overlapped gradient
       reduce (all-reduced after the flush) and sent stage boundaries blocking (``_communicate``); it required the
       layers to divide evenly over the stages.
@@ -119,7 +120,7 @@ def options(run: dict) -> dict:
         if "-mxfp8-" in rid:
             opts.update(fp8_cast="mxfp8", moe_comm="hybridep", moe_overlap=True)
             if rid.startswith("mbridge-deepseek-v3"):
-                opts.update(stage_cut="balanced", selective="mla_up_proj")
+                opts.update(stage_cut="Et*4|(t*4|)*14tmL", selective="mla_up_proj")
     elif rid.startswith("megatron2021"):
         opts.update(attention="materialized", overlap_grad_reduce=False, p2p_overlap=False, sequence_parallel=False,
                     stage_cut="even")
@@ -136,9 +137,13 @@ def options(run: dict) -> dict:
 
 
 def _plan(run: dict, fixed: dict | None, limit: float | None):
+    """The published layout (``fixed``: its keys) or, with ``fixed`` None, the planner's choice; that search cuts
+    the stages its own way where the row's cut was written out for its layout's stage count."""
+    opts = options(run)
+    if fixed is None and opts.get("stage_cut") not in (None, *STAGE_CUTS):
+        opts["stage_cut"] = "balanced"
     return plan_cluster(run_config(run), run_hardware(run), gpus=run["gpus"], global_batch=run["global_batch"],
-                        seq=run["seq"], dtype=run["dtype"], layout=fixed, **options(run), memory_limit=limit,
-                        runners_up=0)
+                        seq=run["seq"], dtype=run["dtype"], layout=fixed, **opts, memory_limit=limit, runners_up=0)
 
 
 def check(run: dict, *, search: bool) -> dict:

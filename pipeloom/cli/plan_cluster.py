@@ -95,10 +95,13 @@ def _add_framework_options(group) -> None:
                             "virtual stage under interleaving), the others keeping everything: Megatron-Core's "
                             "recompute_method block with recompute_num_layers N; default 0: every layer; search: "
                             "0, 1, 2, 4, ... each tried, the fastest plan kept")
-    group.add_argument("--stage-cut", choices=("balanced", "even"),
+    group.add_argument("--stage-cut", metavar="balanced|even|LAYOUT",
                        help="how the decoder layers are cut into pipeline stages: balanced (layers moved off the "
-                            "busiest pipeline rank, the embedding and the head counted; default) or even (as many "
-                            "layers per stage as divide, the remainder to the middle stages)")
+                            "busiest pipeline rank, the embedding and the head counted; default), even (as many "
+                            "layers per stage as divide, the remainder to the middle stages) or the stages "
+                            "themselves as Megatron-Core's --pipeline-model-parallel-layout writes them, e.g. "
+                            "'Et*4|(t*4|)*14tmL' (E embedding, t decoder layer, m multi-token prediction, L loss, | "
+                            "between stages; then only layouts with pp x vp of that many stages are searched)")
 
 
 def _add_gradient_options(group) -> None:

@@ -148,11 +148,11 @@ class Estimator:
         return layout
 
     def stage_counts(self, layout: Layout) -> tuple[int, ...]:
-        """Decoder layers per model stage (:attr:`Job.stage_cut`): the even cut, or the cut that balances the
-        pipeline ranks' work per micro-batch (F + I + W; under DualPipe(V) less the communication its pairs may
-        hide) with this layout's layer times."""
-        if layout.stages == 1:
-            return (len(self.kinds),)
+        """Decoder layers per model stage (:attr:`Job.stage_cut`): the explicit cut, the even cut, or the cut that
+        balances the pipeline ranks' work per micro-batch (F + I + W; under DualPipe(V) less the communication its
+        pairs may hide) with this layout's layer times."""
+        if layout.stages == 1 or self.job.cut() is not None:  # one stage, or the cut given (Layout.check: its size)
+            return self.job.cut() or (len(self.kinds),)
         if self.job.stage_cut == "even":
             return even_counts(len(self.kinds), layout.stages)
         layout = self._unblocked(layout)

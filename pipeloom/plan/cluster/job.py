@@ -4,6 +4,7 @@ policy, exchanges, stage cut), checked when made."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +23,7 @@ from pipeloom.plan.cluster.recompute import idle_modules, megatron_modules
 from pipeloom.plan.errors import LayoutError
 
 __all__ = ["Job", "CP_ROTATE", "MOE_COMM", "GRAD_REDUCE", "STAGE_CUTS", "FP8_CASTS", "FRAMEWORKS",
-           "framework_options"]
+           "framework_options", "layout_cut"]
 
 FP8_CASTS = ("cached", "dynamic", "current", "mxfp8")
 """How FP8 GEMMs cast their inputs (:attr:`Job.fp8_cast`)."""
@@ -34,7 +35,83 @@ GRAD_REDUCE = {"bf16": 2, "fp32": 4}
 """The data types the gradient reduce-scatter may move (:attr:`Job.grad_reduce`), and their bytes."""
 
 STAGE_CUTS = ("balanced", "even")
-"""How the decoder layers may be cut into pipeline stages (:attr:`Job.stage_cut`)."""
+"""How the decoder layers may be cut into pipeline stages (:attr:`Job.stage_cut`), besides an explicit cut
+(:func:`layout_cut`)."""
+
+_LAYOUT_PARTS = {"E": "the embedding", "t": "a decoder layer", "m": "a multi-token-prediction module", "L": "the loss"}
+
+
+def _unrolled(text: str) -> str:
+    """``text`` with every ``x*N`` and ``(...)*N`` written out (nested groups allowed)."""
+    out: list[list[str]] = [[]]
+    i = 0
+    while i < len(text):
+        c = text[i]
+        i += 1
+        if c == "(":
+            out.append([])
+            continue
+        if c == ")":
+            if len(out) == 1:
+                raise ValueError("a ')' with no '(' before it")
+            group = "".join(out.pop())
+            out[-1].append(group)
+        elif c == "*":
+            raise ValueError("a '*' after nothing to repeat")
+        elif c in _LAYOUT_PARTS or c == "|":
+            out[-1].append(c)
+        else:
+            raise ValueError(f"{c!r} is not a part of a stage")
+        digits = ""
+        if i < len(text) and text[i] == "*":
+            while i + 1 < len(text) and text[i + 1].isdigit():
+                digits += text[i + 1]
+                i += 1
+            if not digits:
+                raise ValueError("a '*' with no count after it")
+            i += 1
+            out[-1][-1] *= int(digits)
+    if len(out) > 1:
+        raise ValueError("a '(' that is never closed")
+    return "".join(out[0])
+
+
+@functools.lru_cache(maxsize=64)
+def layout_cut(text: str, layers: int, mtp: int) -> tuple[int, ...]:
+    """Decoder layers per pipeline stage of an explicit cut written as Megatron-Core's
+    ``--pipeline-model-parallel-layout`` writes one: the stages in model order (where each runs is the schedule's:
+    interleaved 1F1B's stage ``k`` on pipeline rank ``k % pp``, as Megatron-Core's) separated by ``|``, each a run
+    of ``E`` (the embedding), ``t`` (a decoder layer), ``m`` (a multi-token-prediction module) and ``L`` (the head
+    and the loss); ``x*N`` and ``(...)*N`` repeat, commas and spaces are ignored. DeepSeek-V3's 16 virtual stages
+    in Megatron-Bridge's recipes: ``Et*4|(t*4|)*14tmL``. The embedding opens the first stage, the loss closes the
+    last, and the multi-token-prediction modules (``mtp`` of them, as many as the model has) sit between the last
+    stage's decoder layers and its loss, where the planner prices them; ``layers`` decoder layers in all.
+    LayoutError naming what is wrong otherwise."""
+    def refuse(why: str) -> LayoutError:
+        return LayoutError(f"stage cut {text!r}: {why}; write the stages as Megatron-Core's pipeline layout does, "
+                           "e.g. Et*4|(t*4|)*14tmL (E embedding, t decoder layer, m multi-token prediction, L loss, | "
+                           "between stages)")
+
+    try:
+        stages = _unrolled(text.replace(",", "").replace(" ", "")).split("|")
+    except ValueError as error:
+        raise refuse(str(error)) from None
+    flat = "".join(stages)
+    for j, stage in enumerate(stages):
+        if not stage:
+            raise refuse(f"stage {j} holds nothing")
+    if flat.count("E") != 1 or not flat.startswith("E"):
+        raise refuse("the embedding (E) must come once, first")
+    if flat.count("L") != 1 or not flat.endswith("L"):
+        raise refuse("the loss (L) must come once, last")
+    if flat.count("t") != layers:
+        raise refuse(f"it holds {flat.count('t')} decoder layers (t); the model has {layers}")
+    if flat.count("m") != mtp:
+        raise refuse(f"it holds {flat.count('m')} multi-token-prediction modules (m); the model has {mtp}")
+    if mtp and not stages[-1].endswith("m" * mtp + "L"):
+        raise refuse("the multi-token-prediction modules are priced beside the loss, after the last decoder layer: "
+                     "put them all just before the L")
+    return tuple(stage.count("t") for stage in stages)
 
 FRAMEWORKS: dict[str, dict[str, Any]] = {
     "megatron-bridge": {"kernels": "fused", "attention": "flash", "selective": "core_attn", "cp_rotate": "ring",
@@ -154,7 +231,9 @@ class Job:
     :func:`~pipeloom.plan.cluster.placement.balanced_counts`; Megatron-Core's ``--decoder-first/last-pipeline-
     num-layers``, torchtitan's ``module_fqns_per_model_part`` run such cuts) or ``even`` (as many layers per
     stage as divide, the remainder to the middle stages: Megatron-LM 2021, which required the layers to divide
-    evenly; torchtitan's 2024 ``generate_split_points``; Llama 3's one layer less on the first and last stages)."""
+    evenly; torchtitan's 2024 ``generate_split_points``; Llama 3's one layer less on the first and last stages),
+    or the stages themselves as Megatron-Core's ``--pipeline-model-parallel-layout`` writes them
+    (:func:`layout_cut`, e.g. ``Et*4|(t*4|)*14tmL``): then only layouts of that many stages (pp x vp) run."""
     recompute_layers: int = 0
     """Which decoder layers ``recompute=full`` recomputes: 0, every one (Megatron-Core's ``recompute_method
     "uniform"`` with one layer per unit, torchtitan's full checkpointing); N > 0, the first N of each stage (a
@@ -181,11 +260,14 @@ class Job:
                                            "Engine's current scaling: as cached, an amax pass first) or 'mxfp8' "
                                            "(Transformer Engine's MXFP8 block scaling, Blackwell: as cached, a "
                                            "copy per direction)"),
-                   ("stage_cut", STAGE_CUTS, "'balanced' (layers moved off the busiest pipeline rank) or 'even' "
-                                             "(as many layers per stage as divide)"))
+                   ("stage_cut", STAGE_CUTS, "'balanced' (layers moved off the busiest pipeline rank), 'even' "
+                                             "(as many layers per stage as divide) or the stages themselves, as "
+                                             "Megatron-Core's pipeline layout writes them (e.g. Et*4|(t*4|)*14tmL)"))
         for name, allowed, what in choices:
             value = getattr(self, name)
-            if value not in allowed:
+            if name == "stage_cut" and isinstance(value, str) and set(value) & set("EL|"):
+                self.cut()  # an explicit cut: refused here if it does not cut this model
+            elif value not in allowed:
                 raise LayoutError(f"{name}={value!r}: use one of {', '.join(map(repr, allowed))}: {what}")
         for name in ("gpus", "global_batch", "seq"):
             value = getattr(self, name)
@@ -202,6 +284,13 @@ class Job:
             raise LayoutError(f"seq={self.seq}: this {self.spec.family} model's learned position embedding has "
                               f"{positions} rows, so it takes sequences of at most {positions} tokens; use --seq "
                               f"{positions} or less")
+
+    def cut(self) -> tuple[int, ...] | None:
+        """Decoder layers per pipeline stage of an explicit :attr:`stage_cut` (:func:`layout_cut`); None for
+        ``balanced`` and ``even``, whose cut depends on the layout."""
+        if self.stage_cut in STAGE_CUTS:
+            return None
+        return layout_cut(self.stage_cut, self.spec.layers, self.spec.mtp)
 
     def fp8_casts(self) -> tuple[tuple[float, float], ...]:
         """Bytes per element an FP8 GEMM moves to cast its two inputs, in F (activation, weight), I (output

@@ -175,6 +175,10 @@ class Layout:
             raise LayoutError(f"pp={self.pp} x vp={self.vp} = {self.stages} stages for {spec.layers} layers: at most "
                               "one stage per layer, and one each for the embedding and the head; lower pp or vp so "
                               f"that pp x vp <= {max_stages(spec)}")
+        cut = job.cut()
+        if cut is not None and len(cut) != self.stages:
+            raise LayoutError(f"pp={self.pp} x vp={self.vp} = {self.stages} stages, but the stage cut "
+                              f"{job.stage_cut!r} has {len(cut)}: use pp and vp whose product is {len(cut)}")
         if spec.experts is None and self.ep > 1:
             raise LayoutError(f"ep={self.ep} on a dense model: use ep=1")
         if spec.experts is not None and spec.experts.count % self.ep:

@@ -113,7 +113,9 @@ def balanced_counts(kinds: Sequence[str], ranks: Sequence[Sequence[int]], work: 
     add. With one kind of layer, the rank fill (:func:`_rank_fill`) is optimal; with one stage per rank, the
     cut with the least busy stage (:func:`_stage_cut`) is; otherwise a local search (:class:`_Balance`) from the
     rank fill, or the even cut (:func:`even_counts`) where that is better: the ranks' loads sorted from the
-    largest down, compared in that order. Never busier than the even cut; every stage keeps at least one
+    largest down, compared in that order, then the busiest stage (a stage busier than the others holds up the
+    stages after it: under interleaving the ranks' loads alone leave the cut of a rank's layers over its stages
+    open). Never busier than the even cut; every stage keeps at least one
     layer, but where there are more stages than layers: then the even cut, one layer per stage and none on the
     first or last (or both)."""
     stages = sum(len(r) for r in ranks)
@@ -127,15 +129,17 @@ def balanced_counts(kinds: Sequence[str], ranks: Sequence[Sequence[int]], work: 
         return _stage_cut(kinds, stages, work, first, last)
     balance = _Balance(kinds, ranks, work, first, last)
     ends = [even_counts(len(kinds), stages), balance.descend(_rank_fill(kinds, ranks, work, first, last))]
-    return min(ends, key=lambda counts: (balance.rounded(balance.rank_loads(counts)), counts))
+    return min(ends, key=lambda counts: (balance.rounded(balance.rank_loads(counts)),
+                                         balance.rounded(balance.stage_loads(counts))[0], counts))
 
 
 def _rank_fill(kinds: Sequence[str], ranks: Sequence[Sequence[int]], work: Mapping[str, float], first: float,
                last: float) -> tuple[int, ...]:
     """Layers per rank that minimise the busiest rank's load if every layer did the average work (one more layer
     at a time to the rank it leaves least busy; exact for one kind of layer, where any counts are a cut), each
-    rank's layers spread evenly over its stages, the remainder to stages without the embedding or the head.
-    Ties go to the later ranks."""
+    rank's layers spread over its stages so that its busiest stage is least busy, the embedding and the head
+    counted (one more layer at a time to the stage it leaves least busy, ties to a stage without them, then the
+    earlier). Ties go to the later ranks."""
     stages = sum(len(r) for r in ranks)
     mean = sum(work[k] for k in kinds) / len(kinds)
     extra = [(first if 0 in held else 0.0) + (last if stages - 1 in held else 0.0) for held in ranks]
@@ -149,10 +153,12 @@ def _rank_fill(kinds: Sequence[str], ranks: Sequence[Sequence[int]], work: Mappi
         heapq.heappush(heap, (mean * (held_layers[-r] + 1) + extra[-r], r))
     counts = [0] * stages
     for held, n in zip(ranks, held_layers):
-        base, more = divmod(n, len(held))
-        order = sorted(held, key=lambda j: (j in (0, stages - 1), j))
+        ends = {j: (first if j == 0 else 0.0) + (last if j == stages - 1 else 0.0) for j in held}
         for j in held:
-            counts[j] = base + (1 if j in order[:more] else 0)
+            counts[j] = 1
+        for _ in range(n - len(held)):  # to the stage it leaves least busy: a stage with an end gets fewer
+            j = min(held, key=lambda j: (mean * (counts[j] + 1) + ends[j], ends[j] > 0, j))
+            counts[j] += 1
     return tuple(counts)
 
 
@@ -220,12 +226,16 @@ class _Balance:
         """Sorted from the largest down, rounded so that ranks of equal work compare equal."""
         return sorted((round(x / self.scale, 12) for x in values), reverse=True)
 
+    def stage_loads(self, counts: Sequence[int]) -> list[float]:
+        """Each stage's load under the cut ``counts``."""
+        starts = list(accumulate(counts, initial=0))
+        return [self.load(j, starts[j], starts[j + 1]) for j in range(self.stages)]
+
     def rank_loads(self, counts: Sequence[int]) -> list[float]:
         """Each rank's load under the cut ``counts``."""
-        starts = list(accumulate(counts, initial=0))
         per_rank = [0.0] * len(self.ranks)
-        for j in range(self.stages):
-            per_rank[self.owner[j]] += self.load(j, starts[j], starts[j + 1])
+        for j, load in enumerate(self.stage_loads(counts)):
+            per_rank[self.owner[j]] += load
         return per_rank
 
     @staticmethod

@@ -177,7 +177,7 @@ def _search(job: Job, fixed: dict[str, Any] | None, memory_limit: float | None, 
         groups.setdefault(_group_key(job, layout), []).append(layout)
     if not groups:
         first = f" (the first refused: {refusals[0]})" if refusals else ""
-        keys = "change the fixed keys, " if fixed else ""
+        keys = ("change the fixed keys, " if fixed else "") + ("the stage cut, " if job.cut() else "")
         raise NoLayoutFits(f"no layout of {job.spec.family} on {job.gpus} GPUs can run with {_fixed_text(fixed)}"
                            f" (global batch {job.global_batch}, sequence {job.seq}){first}; {keys}pick a GPU count "
                            "or a global batch with more common divisors")

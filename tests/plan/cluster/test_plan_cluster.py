@@ -176,12 +176,30 @@ def test_1f1b_bound_is_exact_for_even_stages():
      "layout schedule=1f2b is not one of 1f1b, interleaved-1f1b"),
     (["--model", "CONFIG", "--hardware", "h100", "--gpus", "8", "--seq", "4096", "--moe-overlap"],
      "moe_overlap overlaps the expert all-to-all; the llama model has no experts: leave --moe-overlap out"),
+    (["--model", "CONFIG", "--hardware", "h100", "--gpus", "8", "--seq", "4096", "--stage-cut", "Et*8|t*7L"],
+     "stage cut 'Et*8|t*7L': it holds 15 decoder layers (t); the model has 16"),
+    (["--model", "CONFIG", "--hardware", "h100", "--gpus", "8", "--seq", "4096", "--stage-cut", "Et*8|t*8L",
+      "--layout", "pp=4,vp=1"], "4 stages, but the stage cut 'Et*8|t*8L' has 2: use pp and vp whose product is 2"),
 ])
 def test_cli_errors_one_line_exit_2(config, capsys, argv, message):
     argv = [str(config) if a == "CONFIG" else a for a in argv]
     assert main(["plan", "--global-batch", "32", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err
+
+
+def test_cli_takes_a_stage_cut_written_out(config, capsys):
+    """``--stage-cut`` in Megatron-Core's pipeline-layout syntax: the layers per stage as written, in the report and
+    in ``--json``, on a layout the search picked among those of that many stages."""
+    argv = ["plan", "--model", str(config), "--hardware", "h100", "--gpus", "8", "--global-batch", "32", "--seq",
+            "4096", "--stage-cut", "Et*5|t*3|t*3|t*5L"]
+    assert main(argv) == 0
+    assert "layers per stage: 5, 3 x2, 5" in capsys.readouterr().out
+    assert main([*argv, "--json"]) == 0
+    best = json.loads(capsys.readouterr().out)["best"]
+    assert best["stage_layers"] == [5, 3, 3, 5] and best["layout"]["pp"] * best["layout"]["vp"] == 4
+    assert main([*argv[:-1], "Et*5|t*6|t*5L"]) == 2  # 3 stages: no pp x vp on 8 GPUs
+    assert "; the stage cut, pick a GPU count" in capsys.readouterr().err
 
 
 def test_text_report_of_dualpipe_says_how_its_copies_sit(config, capsys):

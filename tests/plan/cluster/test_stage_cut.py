@@ -75,6 +75,21 @@ def test_one_kind_is_optimal_and_no_cut_is_busier_than_even(placement):
     assert placement == LINEAR or (trials == 20 and optimal >= 0.75 * trials)
 
 
+@pytest.mark.parametrize("placement", [LOOPED, V])
+def test_a_ranks_layers_go_where_its_busiest_stage_is_least_busy(placement):
+    """The ranks' loads leave open how a rank's layers spread over its stages; with one kind of layer the balanced
+    cut's busiest stage is the least busy of every cut with its ranks' loads (small random cases), and DeepSeek-V3's
+    shape (3 dense layers, 58 MoE ones, a head and MTP module of 2.7 MoE layers' work) on 2 ranks x 8 looped stages
+    gets Megatron-Bridge's hand cut ``Et*4|(t*4|)*14tmL``, not three stages of 3 layers on the head's rank."""
+    rng = random.Random(11)
+    for _ in range(12):
+        assert bench.checks(*bench.random_case(rng, placement, False))[3]
+    if placement == LOOPED:
+        kinds = ["dense"] * 3 + ["moe"] * 58
+        counts = balanced_counts(kinds, _ranks(LOOPED, 2, 8), {"dense": 7.0, "moe": 10.6}, first=0.1, last=28.7)
+        assert counts == (4,) * 15 + (1,)
+
+
 LLAMA = {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 16,
          "num_attention_heads": 16, "num_key_value_heads": 4, "vocab_size": 128256}
 FIXED = "dp=1,tp=1,pp=4,vp=1,cp=1,ep=1,mbs=1,fsdp=0,recompute=none,schedule=1f1b"
@@ -109,6 +124,48 @@ def test_the_embedding_and_the_head_may_take_a_stage_each():
     assert {c.vp for c in enumerate_layouts(job, {"pp": 2, "schedule": "interleaved-1f1b"})} == {2, 3}
     with pytest.raises(LayoutError, match="8 stages for 4 layers.*one each for the embedding and the head.*<= 6"):
         plan_cluster(tiny, "h100", gpus=2, global_batch=8, seq=2048, layout=layout.replace("vp=3", "vp=4"))
+
+
+DSV3_SHAPE = {"model_type": "deepseek_v3", "hidden_size": 1024, "intermediate_size": 2048,
+              "moe_intermediate_size": 256, "num_hidden_layers": 13, "first_k_dense_replace": 1,
+              "num_attention_heads": 8, "q_lora_rank": 256, "kv_lora_rank": 128, "qk_nope_head_dim": 64,
+              "qk_rope_head_dim": 32, "v_head_dim": 64, "n_routed_experts": 16, "num_experts_per_tok": 2,
+              "n_shared_experts": 1, "num_nextn_predict_layers": 1, "vocab_size": 32000}
+
+
+def test_an_explicit_cut_is_priced_as_written_and_fixes_the_stage_count():
+    """``stage_cut`` in Megatron-Core's pipeline-layout syntax: the estimate prices those layers per stage (the
+    embedding alone on the first, the MTP module with the loss on the last), the search tries only layouts of that
+    many stages, and a layout of another count is refused naming the fix."""
+    cut = "E|(t*3|)*4tmL"  # 13 layers: none beside the embedding, 3 in each of 4 stages, 1 with the MTP and loss
+    layout = "dp=1,tp=1,pp=2,vp=3,cp=1,ep=1,mbs=1,fsdp=0,recompute=none,schedule=interleaved-1f1b"
+    args = dict(gpus=2, global_batch=8, seq=1024)
+    best = plan_cluster(DSV3_SHAPE, "h100", layout=layout, stage_cut=cut, **args).best
+    assert best.stage_layers == (0, 3, 3, 3, 3, 1)
+    balanced = plan_cluster(DSV3_SHAPE, "h100", layout=layout, **args).best
+    assert balanced.stage_layers != best.stage_layers and balanced.step_time != best.step_time
+    searched = plan_cluster(DSV3_SHAPE, "h100", stage_cut=cut, runners_up=20, **args)
+    assert {est.layout.stages for est in (searched.best, *(est for est, _ in searched.runners_up))} == {6}
+    assert 0 < searched.candidates < plan_cluster(DSV3_SHAPE, "h100", **args).candidates
+    with pytest.raises(LayoutError, match=r"pp=2 x vp=2 = 4 stages, but the stage cut 'E\|.*has 6: use pp and vp "
+                                          r"whose product is 6"):
+        plan_cluster(DSV3_SHAPE, "h100", layout=layout.replace("vp=3", "vp=2"), stage_cut=cut, **args)
+
+
+@pytest.mark.parametrize("cut, message", [
+    ("Et*12|mL", "it holds 12 decoder layers \\(t\\); the model has 13"),
+    ("Et*12|tL", "it holds 0 multi-token-prediction modules"),
+    ("Et*6|mt*7L", "the multi-token-prediction modules are priced beside the loss.*put them all just before the L"),
+    ("t*13mLE", "the embedding \\(E\\) must come once, first"),
+    ("Et*13m", "the loss \\(L\\) must come once, last"),
+    ("Et*6||t*7mL", "stage 1 holds nothing"),
+    ("E(t*6|t*7mL", "a '\\(' that is never closed"),
+    ("Et*|t*13mL", "a '\\*' with no count"),
+    ("Ex*13mL", "'x' is not a part of a stage"),
+])
+def test_a_wrong_explicit_cut_is_refused_naming_the_problem(cut, message):
+    with pytest.raises(LayoutError, match=f"stage cut .*: {message}.*e.g. Et\\*4"):
+        plan_cluster(DSV3_SHAPE, "h100", gpus=2, global_batch=8, seq=1024, stage_cut=cut)
 
 
 def test_an_unknown_stage_cut_is_refused():
