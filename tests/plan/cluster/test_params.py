@@ -122,6 +122,19 @@ def test_reads_config_json(tmp_path):
     ({"architectures": ["GPT2LMHeadModel"]}, 'add "model_type": "gpt2"'),
     ({"architectures": ["Gemma3ForCausalLM"]}, 'add "model_type": "gemma3_text"'),
     ({"hidden_size": 64}, "no model_type: add the model_type transformers writes"),
+    # a size or switch of the wrong type is named before anything reads it (these had crashed or been read wrong)
+    ({"model_type": "llama", "hidden_size": "4096"}, "hidden_size must be a whole number >= 1, got '4096': fix the "
+                                                     "config's \"hidden_size\""),
+    ({"model_type": "llama", "hidden_size": [4096]}, r"hidden_size must be a whole number >= 1, got \[4096\]"),
+    ({"model_type": "llama", "num_hidden_layers": True}, "num_hidden_layers must be a whole number >= 1, got True"),
+    ({"model_type": "llama", "num_hidden_layers": 32.0}, "num_hidden_layers must be a whole number >= 1, got 32.0"),
+    ({"model_type": "llama", "num_attention_heads": 0}, "num_attention_heads must be a whole number >= 1, got 0"),
+    ({"model_type": "llama", "num_key_value_heads": 0}, "num_key_value_heads must be a whole number >= 1, got 0"),
+    ({"model_type": "llama", "head_dim": 0}, "head_dim must be a whole number >= 1, got 0"),
+    ({"model_type": "llama", "tie_word_embeddings": "yes"}, "tie_word_embeddings must be true or false, got 'yes'"),
+    ({"model_type": "mixtral", "num_local_experts": 8, "num_experts_per_tok": 16},
+     "each token is routed to 16 of 8 experts: the config's num_experts_per_tok must be between 1 and"),
+    ({"model_type": "gemma3_text", "sliding_window_pattern": 0}, "sliding_window_pattern must be a whole number >= 1"),
 ])
 def test_bad_configs(bad, match):
     with pytest.raises(ModelConfigError, match=match):

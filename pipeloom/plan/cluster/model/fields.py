@@ -1,6 +1,7 @@
 """Reading one field of a transformers config dict: :func:`get_field` (the first of its names given, or a
 default), :func:`same_per_layer` (a number given once or per layer), :func:`rate_on` (whether a dropout or noise rate
-is on, checked) and :func:`nope_layers` (the layers without rotary embeddings)."""
+is on, checked), :func:`nope_layers` (the layers without rotary embeddings) and :func:`check_fields` (the sizes and
+switches every family reads, checked for their type before any is used)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,43 @@ from typing import Any
 
 from pipeloom.plan.errors import ModelConfigError
 
-__all__ = ["get_field", "same_per_layer", "rate_on", "nope_layers"]
+__all__ = ["get_field", "same_per_layer", "rate_on", "nope_layers", "check_fields"]
+
+_COUNTS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "num_key_value_heads", "head_dim",
+           "n_embd", "n_head", "n_layer", "n_positions", "max_position_embeddings", "n_inner",
+           "num_experts_per_tok", "num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts",
+           "moe_topk", "kv_lora_rank", "qk_rope_head_dim", "v_head_dim", "interleave_moe_layer_step",
+           "sliding_window_pattern", "decoder_sparse_step", "moe_layer_freq")
+"""Sizes that are whole numbers of at least 1 wherever a config gives them (a few may be one per layer:
+:func:`same_per_layer`)."""
+_SIZES = ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size", "first_k_dense_replace",
+          "n_shared_experts", "num_nextn_predict_layers", "qk_nope_head_dim", "q_lora_rank")
+"""Sizes that are whole numbers, 0 allowed (0: the part is absent)."""
+_SWITCHES = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window", "use_parallel_residual",
+             "use_bias", "qkv_bias", "attention_out_bias")
+"""Switches, true or false."""
+
+
+def check_fields(data: Mapping[str, Any]) -> None:
+    """ModelConfigError naming the field where a size of :data:`_COUNTS` or :data:`_SIZES` is not a whole number in
+    range (a list of them where one per layer may be given), or a switch of :data:`_SWITCHES` not true or false;
+    null is a field left out. Checked before any is read, so that a wrong type is named, not met as a crash."""
+    for names, least in ((_COUNTS, 1), (_SIZES, 0)):
+        for name in names:
+            value = data.get(name)
+            values = value if isinstance(value, (list, tuple)) and name in _PER_LAYER else [value]
+            if value is not None and not all(isinstance(v, int) and not isinstance(v, bool) and v >= least
+                                             for v in values):
+                raise ModelConfigError(f"{name} must be a whole number >= {least}, got {value!r}: fix the config's "
+                                       f"\"{name}\"")
+    for name in _SWITCHES:
+        value = data.get(name)
+        if value is not None and not isinstance(value, bool):
+            raise ModelConfigError(f"{name} must be true or false, got {value!r}: fix the config's \"{name}\"")
+
+
+_PER_LAYER = ("num_local_experts", "num_experts", "num_experts_per_tok", "moe_topk", "moe_intermediate_size")
+"""Sizes a config may give once per layer (Hunyuan MoE: :func:`same_per_layer`)."""
 
 
 def get_field(data: Mapping[str, Any], *names: str, default: Any = None) -> Any:

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from pipeloom.plan.cluster.model.deltanet import gated_deltanet_spec
-from pipeloom.plan.cluster.model.fields import get_field, nope_layers, rate_on
+from pipeloom.plan.cluster.model.fields import check_fields, get_field, nope_layers, rate_on
 from pipeloom.plan.cluster.model.moe import deepseek_spec, every_layer_sparse, gpt_oss_spec, llama4_spec, phimoe_spec
 from pipeloom.plan.cluster.model.source import FAMILY_DEFAULTS, read_config
 from pipeloom.plan.cluster.model.spec import Attention, Experts, ModelSpec
@@ -70,6 +70,7 @@ def model_spec(config: object) -> ModelSpec:
                                "decoders: set use_bidirectional_attention to false")
     data = {**{key: value for key, value in FAMILY_DEFAULTS.get(family, {}).items()  # transformers' defaults for
                if not any(name in data for name in _ALIASES.get(key, (key,)))}, **data}  # the fields left out
+    check_fields(data)
     spec = _family_spec(data, family)
     spec = dataclasses.replace(spec, **_dropouts(data, family, spec.parallel_residual))
     window, layers = _windows(data, family, spec.layers)

@@ -102,6 +102,11 @@ class Experts:
     (Llama 4): k probabilities kept per token; else its probabilities are over every expert (a softmax or sigmoid,
     then the top k)."""
 
+    def __post_init__(self) -> None:
+        if not 1 <= self.top_k <= self.count:
+            raise ModelConfigError(f"each token is routed to {self.top_k} of {self.count} experts: the config's "
+                                   "num_experts_per_tok must be between 1 and its expert count")
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Indexer:
