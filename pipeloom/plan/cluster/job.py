@@ -352,8 +352,8 @@ class Job:
             reasons = [why for why, wrong in (
                 (f"the {self.spec.family} model has no multi-head latent attention, whose up-projections it "
                  "recomputes", not self.spec.attention.latent),
-                (f"it caches activations in FP8, as DeepSeek-V3's FP8 training does, and the GEMMs are {self.dtype} "
-                 "(--dtype fp8)", self.dtype != "fp8")) if wrong]
+                (f"it caches activations in FP8, as DeepSeek-V3's FP8 training does, and the GEMMs are {self.dtype}: "
+                 "add --dtype fp8", self.dtype != "fp8")) if wrong]
             if reasons:
                 raise LayoutError("selective='deepseek' is DeepSeek-V3's recipe: " + "; ".join(reasons)
                                   + "; use selective 'core_attn' or 'op' otherwise")

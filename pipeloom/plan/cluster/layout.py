@@ -191,9 +191,10 @@ class Layout:
             raise LayoutError(f"{m} micro-batches for pp={self.pp}: need at least pp (lower dp or mbs)")
         if self.schedule in PAIRED and m < 2 * self.pp:
             raise LayoutError(f"{self.schedule} needs at least 2 x pp = {2 * self.pp} micro-batches, got {m}")
-        if self.copies == 2 and (self.pp % 2 or m % 2):
-            raise LayoutError(f"dualpipe needs an even pp (its halves mirror) and an even number of micro-batches "
-                              f"(half enter at each end), got pp={self.pp} and {m}")
+        if self.copies == 2 and self.pp % 2:
+            raise LayoutError(f"dualpipe needs an even pp (its halves mirror), got pp={self.pp}")
+        if self.copies == 2 and m % 2:
+            raise LayoutError(f"dualpipe needs an even number of micro-batches (half enter at each end), got {m}")
         if self.schedule == "interleaved-1f1b" and m % self.pp:
             raise LayoutError(f"interleaved-1f1b needs micro-batches ({m}) divisible by pp={self.pp}")
         if self.pp == 1 and self.schedule != "1f1b":

@@ -188,9 +188,12 @@ def _search(job: Job, fixed: dict[str, Any] | None, memory_limit: float | None, 
         return None
     if best is None:
         least = run.smallest()
-        raise NoLayoutFits(f"no layout fits {limit / 2**30:.1f} GiB per GPU ({layouts} layouts tried; the least memory"
-                           f" any needs is {least.memory.total / 2**30:.2f} GiB ({least.memory.total:.0f} bytes), by "
-                           f"{least.layout}); use more GPUs, a smaller global batch or sequence, or raise "
+        tried = f"{layouts} layout{'s' if layouts != 1 else ''} tried with {_fixed_text(fixed)}" if fixed else \
+            f"{layouts} layouts tried"
+        free = "fix fewer --layout keys, " if fixed else ""
+        raise NoLayoutFits(f"no layout fits {limit / 2**30:.1f} GiB per GPU ({tried}; the least memory any needs is "
+                           f"{least.memory.total / 2**30:.2f} GiB ({least.memory.total:.0f} bytes), by "
+                           f"{least.layout}); {free}use more GPUs, a smaller global batch or sequence, or raise "
                            "--memory-limit", smallest_limit=least.memory.total, smallest_layout=str(least.layout))
     run.price_faster_over(best)
     return SearchResult(best=best, runners_up=runners_up_of(best, run.done, limit, runners_up), candidates=layouts,
@@ -358,5 +361,6 @@ def _why(est: Estimate, best: Estimate) -> str:
 
 
 def _fixed_text(fixed: dict[str, Any]) -> str:
-    return ",".join(f"{k}={v}" for k, v in fixed.items()) or "no fixed keys"
+    """The fixed keys as ``--layout`` takes them (fsdp as 0 or 1)."""
+    return ",".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in fixed.items()) or "no fixed keys"
 
