@@ -134,7 +134,8 @@ def test_reads_config_json(tmp_path):
     ({"model_type": "llama", "tie_word_embeddings": "yes"}, "tie_word_embeddings must be true or false, got 'yes'"),
     ({"model_type": "mixtral", "num_local_experts": 8, "num_experts_per_tok": 16},
      "each token is routed to 16 of 8 experts: the config's num_experts_per_tok must be between 1 and"),
-    ({"model_type": "gemma3_text", "sliding_window_pattern": 0}, "sliding_window_pattern must be a whole number >= 1"),
+    ({"model_type": "gemma3_text", "sliding_window_pattern": 0},
+     "sliding_window_pattern must be a positive whole number of layers, got 0; give the config's layer_types"),
 ])
 def test_bad_configs(bad, match):
     with pytest.raises(ModelConfigError, match=match):

@@ -203,7 +203,8 @@ def _windows(data: Mapping[str, Any], family: str, layers: int) -> tuple[int, tu
     if family == "olmo3":
         return size, tuple(n for n in range(layers) if (n + 1) % 4)
     if family in ("gemma3_text", "cohere2", "exaone4"):
-        pattern = data.get("sliding_window_pattern") or (6 if family == "gemma3_text" else 4)
+        pattern = data.get("sliding_window_pattern")
+        pattern = (6 if family == "gemma3_text" else 4) if pattern is None else pattern
         if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
             raise ModelConfigError(f"sliding_window_pattern must be a positive whole number of layers, got "
                                    f"{pattern!r}; give the config's layer_types instead (\"sliding_attention\" or "
