@@ -304,32 +304,51 @@ def schedule_microbatches(layout: Layout, m: int) -> int:
     return m // layout.copies
 
 
+def _rank_work(times: list[PhaseTimes], stages: Sequence[int], paired: bool, *, weights: bool = True) -> float:
+    """The least busy time one micro-batch's parts on a rank holding ``stages`` can take: F + I + W of each (without
+    ``weights``: F + I); with
+    ``paired`` (overlapped pairs of a forward and a backward of the rank's stages,
+    :func:`pipeloom.ir.pair_duration`) each part's communication hidden at most under the compute of the other part
+    of its pair, so each F's ``f_comm`` at most under the rank's longest backward compute (I + W less ``i_comm``) and
+    each I's ``i_comm`` under its longest forward compute; and never below the communication itself, which a pair
+    only hides."""
+    work = sum(times[j].f + times[j].i + (times[j].w if weights else 0.0) for j in stages)
+    if not paired:
+        return work
+    longest_b = max(times[j].i + times[j].w - times[j].i_comm for j in stages)
+    longest_f = max(times[j].f - times[j].f_comm for j in stages)
+    hidden = sum(min(times[j].f_comm, longest_b) + min(times[j].i_comm, longest_f) for j in stages)
+    return max(work - hidden, sum(times[j].f_comm + times[j].i_comm for j in stages))
+
+
 def work_bound(layout: Layout, m: int, times: list[PhaseTimes], *, paired: bool) -> float:
     """A lower bound on any schedule's makespan (``m`` micro-batches, ``times`` per schedule stage): a rank
     starts after micro-batch 0's forwards through the stages before its first one, then does all its own work
     (``paired``: the schedule runs overlapped pairs, :meth:`~pipeloom.plan.cluster.job.Job.pairs`; a pair of a
-    forward and a backward takes F + B less the communication each part hides, so the pairs save at most every F's
-    and I's ``comm``; DualPipe's rank starts on the copy that reaches it first)."""
+    forward and a backward takes F + B less the communication each part hides under the other's compute:
+    :func:`_rank_work`; DualPipe's rank starts on the copy that reaches it first). With one copy of the model, also:
+    the last input gradient of a rank's first stage ``s`` waits for every forward and input gradient the rank runs
+    (each micro-batch's pass through the rank's later stages comes before its input gradient at ``s``), and the input
+    gradients of stages ``s - 1 .. 0`` follow it on the other ranks."""
     bound = 0.0
     before = list(accumulate((t.f for t in times), initial=0.0))  # before[j]: forwards of stages 0 .. j-1
     ranks = rank_stages(layout)
     runs = schedule_microbatches(layout, m)
-
-    def work(j: int) -> float:  # each part in at most one pair
-        t = times[j]
-        return t.f + t.i + t.w - ((t.f_comm + t.i_comm) if paired else 0.0)
-
     for stages in ranks:
-        busy = runs * sum(work(j) for j in stages)
+        busy = runs * _rank_work(times, stages, paired)
         wait = before[min(stages)]
         if layout.copies == 2:  # the other copy's stages pp .. (its stage here) - 1 come first
             wait = min(wait, before[max(stages)] - before[layout.pp])
         bound = max(bound, wait + busy)
+        if layout.copies == 1:
+            first = min(stages)
+            drain = sum(times[j].i - (times[j].i_comm if paired else 0.0) for j in range(first))
+            bound = max(bound, wait + runs * _rank_work(times, stages, paired, weights=False) + drain)
     if layout.schedule in ("1f1b", "interleaved-1f1b"):
         # a full backward in micro-batch order: rank p-1's last action is stage p-1's B of the last micro-batch,
         # after which that micro-batch's B still runs through stages p-2 .. 0 on the other ranks
         stages = ranks[layout.pp - 1]
-        busy = m * sum(work(j) for j in stages)
+        busy = m * _rank_work(times, stages, paired)
         bound = max(bound, before[layout.pp - 1] + busy + sum(times[j].i + times[j].w for j in range(layout.pp - 1)))
     return bound
 

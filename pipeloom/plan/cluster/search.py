@@ -132,13 +132,17 @@ class Bounds:
     def group(self, layout: Layout) -> float:
         """A lower bound on the time bound of every layout of ``layout``'s group (:func:`_group_key`): the
         busiest pipeline rank does at least the mean rank's work, ``m W / pp`` with ``W`` one micro-batch's
-        F + I + W through the whole model, whatever the cut, the stages per rank, schedule and FSDP; DualPipe(V)'s
-        pairs hide at most each stage's F and I communication (:func:`work_bound`), so there ``W`` is less that
-        communication (DualPipe's m / 2 pairs of micro-batches through its two copies do the same work). Shrunk
-        by 1e-12 so that rounding never lifts it over a member's bound."""
+        F + I + W through the whole model, whatever the cut, the stages per rank, schedule and FSDP; where pairs
+        hide the expert all-to-all (DualPipe(V)) a pair hides at most its communication and takes at least as long
+        as it (:func:`work_bound`), so there ``W`` is the larger of the work less the communication and the
+        communication (DualPipe's m / 2 pairs of micro-batches through its two copies do the same work). Shrunk by
+        1e-12 so that rounding never lifts it over a member's bound."""
         e = self.estimator
         m = layout.microbatches(e.job.global_batch)
-        return m * e.total_work(layout, paired=e.job.pairs(layout)) / layout.pp * (1 - 1e-12)
+        work = e.total_work(layout, paired=e.job.pairs(layout))
+        if e.job.pairs(layout):
+            work = max(work, e.total_work(layout) - work)
+        return m * work / layout.pp * (1 - 1e-12)
 
 
 def _group_key(job: Job, layout: Layout) -> tuple[Any, ...]:

@@ -353,3 +353,29 @@ def test_a_replay_at_stage_costs_is_the_simulators_replay_of_the_repriced_task_g
         timeline = simulate(dataclasses.replace(built, problem=problem))
         assert replay_stages(compiled, times, acts, latency) == (timeline.makespan, timeline.bubble_ratio,
                                                                   max(timeline.peak_memory))
+
+
+@pytest.mark.parametrize("schedule, vp", [("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zbv", 2),
+                                          ("dualpipev", 2), ("dualpipe", 1)])
+def test_the_work_bound_never_passes_a_replay(schedule, vp):
+    """The search prunes on :func:`work_bound`, and the estimate never reads below it: on random stage costs (the
+    all-to-all from none to twice the compute beside it, uneven stages, the fewest micro-batches a schedule runs and
+    more) every replay takes at least the bound, paired schedules' pairs hiding what they can."""
+    import random
+
+    rng = random.Random(hash((schedule, vp)) % 1000)
+    est = Estimator(_job())
+    for pp in (2, 4):
+        layout = Layout(dp=64 // pp, pp=pp, vp=vp, ep=16, schedule=schedule)
+        for m in sorted({2 * pp, 3 * pp, 5 * pp}):
+            if m % (2 if layout.copies == 2 else 1) or (schedule == "interleaved-1f1b" and m % pp):
+                continue
+            for _ in range(4):
+                times = []
+                for _ in range(pp * vp * layout.copies):
+                    f, i, w = rng.uniform(0.5, 2.0), rng.uniform(0.5, 2.0), rng.uniform(0.2, 2.0)
+                    comm = rng.choice([0.0, 0.3, 1.0, 2.0])
+                    times.append(PhaseTimes(f=f * (1 + comm), i=i * (1 + comm), w=w, f_comm=f * comm, i_comm=i * comm))
+                acts = [1.0] * len(times)
+                made = est._simulate(layout, m, times, acts, 0.0)[0]
+                assert made >= work_bound(layout, m, times, paired=est.job.pairs(layout)) * (1 - 1e-9), (pp, m)
