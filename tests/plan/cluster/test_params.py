@@ -26,6 +26,46 @@ def test_params_equal_transformers(family):
     assert model_params(model_spec(config.to_dict())) == expected
 
 
+_VL_TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=1000)
+_VL_VISION = dict(depth=1, hidden_size=32, out_hidden_size=64, num_heads=2, intermediate_size=64)
+
+
+@pytest.mark.parametrize("name, text, vision, tie", [
+    ("Qwen2VL", {}, {}, False),
+    ("Qwen2_5_VL", {}, {}, True),  # Qwen2.5-VL-3B ties its head, at the top level
+    ("Qwen3VL", {"head_dim": 16}, {"deepstack_visual_indexes": []}, False),
+    ("Qwen3VLMoe", {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+     {"deepstack_visual_indexes": []}, False),
+])
+def test_qwen_vl_language_models_count_as_transformers_builds_them(name, text, vision, tie):
+    """Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's language models are read as the Qwen2, Qwen3 and Qwen3-MoE layers they
+    are (``STAND_INS``): the parameters of the whole model's language model and head, its vision tower left out, as
+    transformers builds them, from the config object and its config.json alike; the text config alone reads the same."""
+    config = getattr(transformers, f"{name}Config")(text_config=dict(_VL_TEXT, **text),
+                                                     vision_config=dict(_VL_VISION, **vision), tie_word_embeddings=tie)
+    with torch.device("meta"):
+        model = getattr(transformers, f"{name}ForConditionalGeneration")(config)
+    expected = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("model.visual"))
+    spec = model_spec(config.to_dict())
+    assert model_params(spec) == expected and spec.text_of == config.model_type
+    assert spec.family == {"Qwen2VL": "qwen2", "Qwen2_5_VL": "qwen2", "Qwen3VL": "qwen3"}.get(name, "qwen3_moe")
+    assert model_params(model_spec(config)) == expected
+    alone = dict(config.text_config.to_dict(), tie_word_embeddings=tie)
+    assert model_params(model_spec(alone)) == expected and model_spec(alone).text_of == ""
+    if name in ("Qwen2VL", "Qwen2_5_VL"):  # the hub's config.json: the language model's fields at the top level
+        flat = {"model_type": config.model_type, "tie_word_embeddings": tie, **_VL_TEXT, **text}
+        assert getattr(transformers, f"{name}Config")(**flat).text_config.hidden_size == _VL_TEXT["hidden_size"]
+        assert model_params(model_spec(flat)) == expected
+        # a pre-v5 save's tie inside text_config ties the whole model too (transformers forwards it)
+        old = {"model_type": config.model_type, "text_config": dict(alone, tie_word_embeddings=True)}
+        with torch.device("meta"):
+            tied = getattr(transformers, f"{name}ForConditionalGeneration")(getattr(transformers, f"{name}Config")(
+                text_config=dict(_VL_TEXT, tie_word_embeddings=True), vision_config=_VL_VISION))
+        assert model_params(model_spec(old)) == sum(p.numel() for n, p in tied.named_parameters()
+                                                    if not n.startswith("model.visual"))
+
+
 def test_a_cohere2_head_dim_the_file_gives_is_the_models():
     """Cohere 2's config object derives head_dim = hidden / heads only where the file leaves it out."""
     data = dict(TINY["cohere2"], model_type="cohere2", head_dim=32)
@@ -116,8 +156,8 @@ def test_reads_config_json(tmp_path):
     (dict(TINY["deepseek_v32"], model_type="deepseek_v32", index_topk=0), "index_topk must be positive, got 0"),
     (42, "config.json path"),
     (dict(TINY["gemma3_text"], model_type="gemma3_text", use_bidirectional_attention=True), "causal decoders"),
-    ({"model_type": "qwen2_5_vl", "text_config": {"model_type": "qwen2_5_vl_text"}},
-     r"multimodal config whose language model \(qwen2_5_vl_text\) is not modelled"),
+    ({"model_type": "qwen2_5_vl", "text_config": {"model_type": "glm4v_text"}},
+     r"multimodal config whose language model \(glm4v_text\) is not modelled"),
     ({"architectures": ["Qwen3MoeForCausalLM"]}, 'no model_type .*Qwen3MoeForCausalLM.*add "model_type": "qwen3_moe"'),
     ({"architectures": ["GPT2LMHeadModel"]}, 'add "model_type": "gpt2"'),
     ({"architectures": ["Gemma3ForCausalLM"]}, 'add "model_type": "gemma3_text"'),

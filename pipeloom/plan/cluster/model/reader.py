@@ -44,6 +44,16 @@ _HYBRID = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid")
 (:func:`~pipeloom.plan.cluster.model.deltanet.gated_deltanet_spec`)."""
 SUPPORTED_FAMILIES: tuple[str, ...] = _DENSE + _MOE + _HYBRID
 """The ``model_type`` values :func:`model_spec` reads."""
+STAND_INS = {"qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3",
+             "qwen3_vl_moe_text": "qwen3_moe"}
+"""Language models of multimodal configs whose decoder layers are, parameter for parameter, a supported family's
+(Qwen2-VL's and Qwen2.5-VL's Qwen2 layers with their multimodal rotary sections, which hold no parameters; Qwen3-VL's
+Qwen3 and Qwen3-MoE layers): read as that family, with their own configuration class's defaults
+(:data:`FAMILY_DEFAULTS`) and the tied head the whole model's config sets (transformers ties at the top level;
+Qwen2-VL's and Qwen2.5-VL's also where a pre-v5 text_config said so)."""
+_FLAT = {"qwen2_vl": "qwen2_vl_text", "qwen2_5_vl": "qwen2_5_vl_text"}
+"""Multimodal configs whose hub config.json gives the language model's fields at the top level, no text_config
+(transformers moves them into its text_config)."""
 
 
 def model_spec(config: object) -> ModelSpec:
@@ -57,8 +67,16 @@ def model_spec(config: object) -> ModelSpec:
     if not family:
         raise ModelConfigError(f"the model config has no model_type{_guess(data.get('architectures'))}; supported: "
                                f"{', '.join(SUPPORTED_FAMILIES)}")
+    if family in STAND_INS:  # the language model's config alone
+        return model_spec(_stand_in(data, bool(data.get("tie_word_embeddings",
+                                                         FAMILY_DEFAULTS[family].get("tie_word_embeddings", False)))))
+    if family in _FLAT and not isinstance(text, Mapping):
+        text = {**{key: value for key, value in data.items() if key != "vision_config"}, "model_type": _FLAT[family]}
     if family not in SUPPORTED_FAMILIES and isinstance(text, Mapping):
         inner = text.get("model_type")
+        if inner in STAND_INS:
+            tie = bool(data.get("tie_word_embeddings")) or (family in _FLAT and bool(text.get("tie_word_embeddings")))
+            text, inner = _stand_in(text, tie), STAND_INS[inner]
         if inner in SUPPORTED_FAMILIES:  # a multimodal model: its language model is what is planned
             return dataclasses.replace(model_spec(dict(text)), text_of=family)
         raise ModelConfigError(_unmodelled(f"model_type {family!r} is a multimodal config whose language model "
@@ -75,6 +93,15 @@ def model_spec(config: object) -> ModelSpec:
     spec = dataclasses.replace(spec, **_dropouts(data, family, spec.parallel_residual))
     window, layers = _windows(data, family, spec.layers)
     return dataclasses.replace(spec, window=window, window_layers=layers) if layers else spec
+
+
+def _stand_in(text: Mapping[str, Any], tie: bool) -> dict[str, Any]:
+    """A :data:`STAND_INS` language model's config as its stand-in family's: the fields it leaves out filled with its
+    own class's defaults, the head tied or not as ``tie`` says (:func:`model_spec`: as transformers decides)."""
+    inner = str(text["model_type"])
+    defaults = {key: value for key, value in FAMILY_DEFAULTS[inner].items()
+                if not any(name in text for name in _ALIASES.get(key, (key,)))}
+    return {**defaults, **text, "model_type": STAND_INS[inner], "tie_word_embeddings": tie}
 
 
 _ALIASES = {name: group for group in (("num_experts", "num_local_experts"), ("n_embd", "hidden_size"),
