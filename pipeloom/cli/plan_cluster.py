@@ -112,6 +112,11 @@ def _add_gradient_options(group) -> None:
     group.add_argument("--grad-reduce", choices=("bf16", "fp32"),
                        help="the data type of the gradient reduce-scatter: bf16 (default) or fp32 (torchtitan's "
                             "default mixed_precision_reduce, Llama 3's)")
+    group.add_argument("--adam-moments", choices=("fp32", "bf16"), default="fp32",
+                       help="the data type of Adam's two moments: fp32 (default) or bf16 (Megatron-Core's "
+                            "precision-aware optimizer with exp_avg_dtype and exp_avg_sq_dtype bf16, as "
+                            "Megatron-Bridge's DeepSeek-V3 recipes run it: 8 bytes of optimizer state a parameter, "
+                            "not 12)")
     group.add_argument("--shard-gradients", action="store_true",
                        help="ZeRO-2: gradients reduce-scattered after every micro-batch's backward and kept sharded "
                             "over the data-parallel ranks (DeepSpeed's stage 2, Llama 3's FSDP); default: whole "
@@ -217,7 +222,7 @@ def cmd_plan_cluster(args: argparse.Namespace) -> int:
                               seq=args.seq, dtype=args.dtype, layout=args.layout, **_framework(args),
                               overlap_grad_reduce=args.overlap_grad_reduce, moe_comm=args.moe_comm,
                               sequence_parallel=args.sequence_parallel, moe_overlap=args.moe_overlap,
-                              shard_gradients=args.shard_gradients,
+                              shard_gradients=args.shard_gradients, adam_moments=args.adam_moments,
                               recompute_layers=args.recompute_layers, memory_limit=args.memory_limit,
                               runners_up=5 if args.top is None else args.top, progress=progress)
     except PipeloomError as error:

@@ -116,6 +116,8 @@ def _assumes(job, layout, framework: str | None = None, searched: tuple[str, ...
         said.append(f"full recomputation of {which} ({_how('recompute_layers', searched, variants)})")
     if job.dtype == "fp8":
         said.append(f"FP8 casts: {_FP8_CASTS[job.fp8_cast]} (--fp8-cast)")
+    if job.adam_moments != "fp32":
+        said.append(f"Adam's moments in {job.adam_moments} (--adam-moments)")
     if job.zero2(layout):
         said.append("gradients sharded, reduce-scattered after every micro-batch (--shard-gradients)")
     if layout.fsdp:
@@ -156,6 +158,9 @@ def report(result, *, framework: str | None = None) -> str:
         lines.append("runners-up:")
         for est, why in result.runners_up:
             lines.append(f"  {est.layout}: {est.step_time:.3f} s, {_gib(est.memory.total)}: {why}")
-    lines.append(f"searched {result.candidates} layouts ({result.priced} priced, {result.simulated} simulated) in "
-                 f"{result.seconds:.1f} s")
+    if result.candidates == 1:  # a layout given whole, or the one the fixed keys leave
+        lines.append(f"predicted the one layout that can run in {result.seconds:.1f} s")
+    else:
+        lines.append(f"searched {result.candidates} layouts ({result.priced} priced, {result.simulated} simulated) in "
+                     f"{result.seconds:.1f} s")
     return "\n".join(lines)

@@ -16,7 +16,7 @@ from pipeloom.plan.cluster.counts import layer_counts
 from pipeloom.plan.cluster.dispatch import pair_slowdown
 from pipeloom.plan.cluster.efficiency import collective_seconds, domain_ranks, hidden_cost, memory_seconds
 from pipeloom.plan.cluster.held import RankHeld, held_profile, peak_held, profiled_microbatches, replay_stages
-from pipeloom.plan.cluster.job import GRAD_REDUCE, Job
+from pipeloom.plan.cluster.job import ADAM_MOMENTS, GRAD_REDUCE, Job
 from pipeloom.plan.cluster.layer_time import PhaseTimes, add_times, layer_times
 from pipeloom.plan.cluster.layout import PAIRED, SCHEDULES, Layout
 from pipeloom.plan.cluster.model.kinds import block_kind, layer_kinds
@@ -49,8 +49,7 @@ WORKSPACE_BYTES = 2 * 1024**3
 the context and library kernels and 0.5-1 GiB for NCCL's channels at scale, per NVIDIA's NCCL docs on
 NCCL_BUFFSIZE x channels); a stated allowance, not fitted to any run."""
 BUCKET_BYTES = 40e6 * 2
-"""Gradient bucket of the data-parallel reduce-scatter: Megatron's default 40M parameters in bf16; the last
-bucket of a backward cannot overlap anything."""
+"""Data-parallel gradient bucket: Megatron's default 40M parameters in bf16 (a backward's last overlaps nothing)."""
 ZBV_RATIO_STEPS = (0.5, 0.25)
 """zbv's order is built with I / F and W / F rounded to these steps: layouts whose ratios round alike share one
 build (a zbv build takes about 0.4 s), and the replay prices the order with the layout's exact times (W, which
@@ -367,7 +366,8 @@ class Estimator:
                                      2 * BUCKET_BYTES if self.job.zero2(layout) else 0.0)  # ZeRO-2's buckets
         if layout.recompute == "full":  # one layer's activations rebuilt at a time during its backward
             buffers += max(self._keep(k, layout.tp, layout.cp, layout.mbs, "none") for k in set(self.kinds))
-        optimizer = memory_seconds(hw, 32.0 * (dense / dpcp + expert / edp))  # master, moments, grads and weights
+        moments = 4.0 * ADAM_MOMENTS[self.job.adam_moments]  # read and write two moments; master, grads and weights
+        optimizer = memory_seconds(hw, (16.0 + moments) * (dense / dpcp + expert / edp))
         memory = Memory(weights=weights, gradients=gradients, optimizer=states, activations=0.0, buffers=buffers)
         return memory, (exposed + optimizer, exposed, optimizer)
 

@@ -132,14 +132,14 @@ class Layout:
         return self.dp * self.cp * self.copies, self.expert_replicas * self.copies
 
     def param_state(self, dense: float, expert: float, grad_bytes: float = 2.0,
-                    shard_gradients: bool = False) -> tuple[float, float, float]:
+                    shard_gradients: bool = False, moment_bytes: float = 4.0) -> tuple[float, float, float]:
         """``(weights, gradients, optimizer)`` bytes per GPU of the ``dense`` and ``expert`` parameters a rank holds
-        (:func:`optimizer_bytes`, whole gradients of ``grad_bytes`` each), sharded
+        (:func:`optimizer_bytes`, whole gradients of ``grad_bytes`` each, Adam's moments of ``moment_bytes``), sharded
         over :attr:`state_groups`; with ``shard_gradients`` (ZeRO-2: :meth:`Job.zero2`) the gradients too."""
         parts = []
         for params, group in zip((dense, expert), self.state_groups):
             weights, gradients, states = optimizer_bytes(params, shards=group, fsdp=self.reshards,
-                                                         grad_bytes=grad_bytes)
+                                                         grad_bytes=grad_bytes, moment_bytes=moment_bytes)
             parts.append((weights, gradients / group if shard_gradients else gradients, states))
         weights, gradients, optimizer = (a + b for a, b in zip(*parts))
         return weights, gradients, optimizer
@@ -333,17 +333,18 @@ def _inner(job: Job, fixed: dict[str, Any], tp: int, cp: int, pp: int, dp: int,
             yield layout
 
 
-def optimizer_bytes(params: float, *, shards: int = 1, fsdp: bool = False,
-                    grad_bytes: float = 2.0) -> tuple[float, float, float]:
+def optimizer_bytes(params: float, *, shards: int = 1, fsdp: bool = False, grad_bytes: float = 2.0,
+                    moment_bytes: float = 4.0) -> tuple[float, float, float]:
     """``(weights, gradients, optimizer)`` bytes per GPU of mixed-precision Adam for ``params`` parameters
     held by this GPU: bf16 weights (2), gradients accumulated in the reduce's dtype (``grad_bytes``: 2 for bf16,
     4 for fp32, as Megatron-Core's ``main_grad`` buffer and FSDP2's unsharded accumulation keep them), fp32 master
-    weights and two moments (12). The distributed optimizer shards the 12 over ``shards`` data-parallel ranks;
-    FSDP also shards the weights and gradients, 16 bytes a parameter in all whatever the reduce's dtype (FSDP2's
-    fp32 shard is the master, its gradient the same dtype; one layer's weights are gathered at a time: counted by
-    the estimator as buffers).
+    weights and two moments of ``moment_bytes`` each (12 in all; 8 with Megatron-Core's precision-aware optimizer's
+    bf16 moments). The distributed optimizer shards the optimizer state over ``shards`` data-parallel ranks;
+    FSDP also shards the weights and gradients, 16 bytes a parameter in all with fp32 moments whatever the reduce's
+    dtype (FSDP2's fp32 shard is the master, its gradient the same dtype; one layer's weights are gathered at a
+    time: counted by the estimator as buffers).
     """
-    weights, states = 2.0 * params, 12.0 * params
+    weights, states = 2.0 * params, (4.0 + 2 * moment_bytes) * params
     if fsdp:
         return weights / shards, 2.0 * params / shards, states / shards
     return weights, grad_bytes * params, states / shards

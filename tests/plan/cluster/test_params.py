@@ -229,6 +229,9 @@ def test_optimizer_state():
     assert optimizer_bytes(10) == (20, 20, 120)
     assert optimizer_bytes(10, shards=4) == (20, 20, 30)
     assert optimizer_bytes(10, shards=4, fsdp=True) == (5, 5, 30)
+    # Megatron-Core's precision-aware optimizer with bf16 moments: the fp32 master and two 2-byte moments
+    assert optimizer_bytes(10, moment_bytes=2) == (20, 20, 80)
+    assert optimizer_bytes(10, shards=4, fsdp=True, moment_bytes=2) == (5, 5, 20)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILY_DEFAULTS))

@@ -192,6 +192,24 @@ def test_cli_errors_one_line_exit_2(config, capsys, argv, message):
     assert len(err.splitlines()) == 1 and message in err
 
 
+def test_bf16_adam_moments_hold_two_thirds_of_the_optimizer_state(config, capsys):
+    """``adam_moments="bf16"`` (Megatron-Core's precision-aware optimizer): 8 bytes of optimizer state a parameter
+    where fp32 moments take 12, the weights, gradients and activations as they were, the optimizer step no slower;
+    the report says so and an unknown type is refused."""
+    layout = "dp=2,tp=2,pp=2,vp=1,cp=1,ep=1,mbs=1,fsdp=0,recompute=none,schedule=1f1b"
+    fp32, bf16 = (_plan(layout=layout, adam_moments=moments).best for moments in ("fp32", "bf16"))
+    assert bf16.memory.optimizer == pytest.approx(fp32.memory.optimizer * 8 / 12)
+    assert (bf16.memory.weights, bf16.memory.gradients, bf16.memory.activations) == \
+        (fp32.memory.weights, fp32.memory.gradients, fp32.memory.activations)
+    assert bf16.optimizer_time < fp32.optimizer_time and bf16.step_time <= fp32.step_time
+    argv = ["plan", "--model", str(config), "--hardware", "h100", "--gpus", "8", "--global-batch", "32", "--seq",
+            "4096", "--layout", layout]
+    assert main([*argv, "--adam-moments", "bf16"]) == 0
+    assert "Adam's moments in bf16 (--adam-moments)" in capsys.readouterr().out
+    with pytest.raises(LayoutError, match="adam_moments='fp16': use one of 'fp32', 'bf16'"):
+        _plan(layout=layout, adam_moments="fp16")
+
+
 def test_cli_takes_a_stage_cut_written_out(config, capsys):
     """``--stage-cut`` in Megatron-Core's pipeline-layout syntax: the layers per stage as written, in the report and
     in ``--json``, on a layout the search picked among those of that many stages."""
