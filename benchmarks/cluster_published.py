@@ -89,7 +89,7 @@ def options(run: dict) -> dict:
       Engine's MXFP8 block scaling, dispatch with Hybrid-EP and overlap the all-to-all with
       ``overlap_moe_expert_parallel_comm``; DeepSeek-V3's GB200 recipe recomputes ``mla_up_proj``, and the explicit
       16-stage pipeline layout both its recipes set is priced as written (the planner's own search cuts its own
-      way, :func:`_plan`).
+      way, :func:`_plan`), with the precision-aware optimizer's bf16 moments their base recipe sets.
     - Megatron-LM 2021 predates flash attention (scores in HBM), sequence parallelism and the overlapped gradient
       reduce (all-reduced after the flush) and sent stage boundaries blocking (``_communicate``); it required the
       layers to divide evenly over the stages.
@@ -120,7 +120,7 @@ def options(run: dict) -> dict:
         if "-mxfp8-" in rid:
             opts.update(fp8_cast="mxfp8", moe_comm="hybridep", moe_overlap=True)
             if rid.startswith("mbridge-deepseek-v3"):
-                opts.update(stage_cut="Et*4|(t*4|)*14tmL", selective="mla_up_proj")
+                opts.update(stage_cut="Et*4|(t*4|)*14tmL", selective="mla_up_proj", adam_moments="bf16")
     elif rid.startswith("megatron2021"):
         opts.update(attention="materialized", overlap_grad_reduce=False, p2p_overlap=False, sequence_parallel=False,
                     stage_cut="even")
