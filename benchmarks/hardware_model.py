@@ -27,6 +27,9 @@ __all__ = ["REFERENCES", "main"]
 _MAMF = "Bekman, ml-engineering, maximum achievable matmul FLOPS table at 744d01e (best shape)"
 _FA3 = "FlashAttention-3 paper (arXiv:2407.08608): BF16 forward up to 740 TFLOP/s at head dim 256, seq 16k"
 _SDPA = "NVIDIA cudnn-frontend SDPA training benchmark, cuDNN 9.13.1 (128 heads of 128, causal)"
+_SDPA_917 = "NVIDIA cudnn-frontend SDPA training benchmark at b372d39, cuDNN 9.17.0 (128 heads of 128, causal)"
+_SDPA_919 = ("NVIDIA cudnn-frontend SDPA training benchmark at fb682ce, cuDNN 9.19.1, results/*_919_only_cudnn "
+             "(64 heads of 128)")
 _NCCL8 = "nccl-tests busbw at large sizes (docs.alayanew.com nccl-tests guide)"
 _NCCL16 = "nccl-tests busbw, 2+ nodes NVLink + NDR IB (saturncloud.io NCCL validation guide)"
 _FLA = "fla README 'Benchmarks' (chunk_gdn, one GB200, bf16, do_bench median; measured at fla 0a48470)"
@@ -47,8 +50,8 @@ def _attention(name: str, head_dim: int) -> float:
     return attention_flops(**shape) / attention_seconds(hardware(name), **shape) / 1e12
 
 
-def _attention_causal(name: str, backward: bool) -> float:
-    shape = {"batch": 1, "heads": 128, "seq": 32768, "head_dim": 128, "causal": True}
+def _attention_causal(name: str, backward: bool, seq: int = 32768, heads: int = 128, causal: bool = True) -> float:
+    shape = {"batch": 1, "heads": heads, "seq": seq, "head_dim": 128, "causal": causal}
     return (attention_flops(**shape, backward=backward)
             / attention_seconds(hardware(name), **shape, backward=backward) / 1e12)
 
@@ -88,7 +91,21 @@ REFERENCES = [
     ("MI300X GEMM 10240x15360x8192", "TFLOP/s", lambda: _matmul("mi300x", 10240, 15360, 8192), (668.4, 668.4), _MAMF,
      "no: sets the ceiling E"),
     ("H100 attention forward, head dim 256, s=16k", "TFLOP/s", lambda: _attention("h100", 256), (740.0, 740.0), _FA3,
-     "partly: the 0.65 prior is read from the same paper's head-dim-128 curve"),
+     "yes (FlashAttention-3, not cuDNN; head dim 256, priced as 128's)"),
+    ("H200 causal attention forward, s=4k", "TFLOP/s", lambda: _attention_causal("h200", False, 4096, 64),
+     (591.0, 591.0), _SDPA_919, "no: in the fit of the Hopper efficiencies"),
+    ("H200 causal attention backward, s=4k", "TFLOP/s", lambda: _attention_causal("h200", True, 4096, 64),
+     (474.0, 474.0), _SDPA_919, "no: in the fit of the Hopper efficiencies"),
+    ("H200 attention forward, no mask, s=8k", "TFLOP/s", lambda: _attention_causal("h200", False, 8192, 64, False),
+     (691.0, 691.0), _SDPA_919, "yes (the fit is causal)"),
+    ("GB200 causal attention forward, s=2k", "TFLOP/s", lambda: _attention_causal("gb200", False, 2048, 64),
+     (1042.0, 1042.0), _SDPA_919, "no: in the fit of the GB200 efficiencies"),
+    ("GB200 causal attention forward, s=4k", "TFLOP/s", lambda: _attention_causal("gb200", False, 4096),
+     (1386.0, 1386.0), _SDPA_917, "yes (cuDNN 9.17, 128 heads; the fit is 9.19's)"),
+    ("GB200 causal attention backward, s=4k", "TFLOP/s", lambda: _attention_causal("gb200", True, 4096),
+     (1054.0, 1054.0), _SDPA_917, "yes (cuDNN 9.17, 128 heads; the fit is 9.19's)"),
+    ("GB300 causal attention forward, s=8k", "TFLOP/s", lambda: _attention_causal("gb300", False, 8192),
+     (1899.0, 1899.0), _SDPA_917, "yes (cuDNN 9.17, 128 heads; the fit is 9.19's)"),
     ("B200 causal attention forward, s=32k", "TFLOP/s", lambda: _attention_causal("b200", False),
      (1419.0, 1419.0), _SDPA, "no: sets attention_efficiency"),
     ("B200 causal attention backward, s=32k", "TFLOP/s", lambda: _attention_causal("b200", True),

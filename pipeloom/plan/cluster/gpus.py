@@ -11,9 +11,10 @@ with a measured fit on the GPU at hand). Nothing here was fitted to a training r
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
-from pipeloom.plan.cluster.hardware import ATTENTION_HALF_SEQ, FORMAT, Hardware, load_hardware
+from pipeloom.plan.cluster.hardware import FORMAT, Hardware, load_hardware
 from pipeloom.plan.errors import HardwareError
 
 __all__ = ["BUILTIN", "hardware", "hardware_names"]
@@ -34,14 +35,55 @@ def _mamf(row: str, measured: float, peak: float, note: str, *, fp8: bool = Fals
     return round(measured / peak, 3), source
 _FA2 = ("FlashAttention-2 (Dao 2023, arXiv:2307.08691, sec. 4.1): 50-73 % of A100 peak, forward up to 73 %, "
         "backward lower; the long-sequence, head-dim-128 end of that range")
-_FA3 = ("FlashAttention-3 (Shah et al. 2024, arXiv:2407.08608, sec. 4.1, figs. 5-6): BF16 forward up to 740 "
-        "TFLOP/s (75 %) at head dim 256, about 65 % at head dim 128; backward about 1.5x FA2's, near 52 %")
 _FA2_HOPPER = ("FA3 paper (arXiv:2407.08608): FA3 forward 1.5-2.0x FA2 on H100; huggingface/transformers PR "
                "#48163: cuDNN attention 1.7-2.3x FA2 for training shapes on H100 -> 1.7, where both ranges meet")
 _FA2_BEST = "FlashAttention-2 is this GPU's best attention kernel (cuDNN slower on A100: transformers PR #48163)"
 _CUDNN_SDPA = ("NVIDIA cudnn-frontend, benchmark/sdpa_benchmark_training/artifacts (causal BF16 SDPA, batch 1, 128 "
-               "query and 8 key-value heads, head dim 128, sequence 32,768; rate / (peak x s / (s + 256)))")
+               "query and 8 key-value heads, head dim 128, sequence 32,768; rate / (peak x s / (s + half)))")
 _SDPA_SEQ = 32768
+_SDPA_RESULTS = ("NVIDIA cudnn-frontend at commit fb682ce (Apr 2026), benchmark/sdpa_benchmark_training/results/"
+                 "{folder}: cuDNN 9.19.1 on one {gpu}, causal (top_left) BF16, batch 1, 64 query and 8 key-value heads "
+                 "of 128")
+_SDPA_SWEEPS: dict[str, tuple[str, dict[int, tuple[float, float]]]] = {
+    "gb200": (_SDPA_RESULTS.format(gpu="GB200", folder="gb200_919_only_cudnn/llama3.1_20260226_174648.csv"),
+              {2048: (1042.0, 836.0), 4096: (1335.0, 1132.0), 8192: (1598.0, 1311.0), 16384: (1687.0, 1402.0),
+               32768: (1720.0, 1473.0)}),
+    "gb300": (_SDPA_RESULTS.format(gpu="GB300", folder="gb300_919_only_cudnn/llama3.1_20260226_185510.csv"),
+              {2048: (1266.0, 906.0), 4096: (1672.0, 1195.0), 8192: (1887.0, 1385.0), 16384: (1968.0, 1490.0),
+               32768: (2014.0, 1549.0)}),
+    "hopper": (_SDPA_RESULTS.format(gpu="H200", folder="h200_919_only_cudnn/llama3.1_20260227_034703.csv"),
+               {2048: (484.0, 370.0), 4096: (591.0, 474.0), 8192: (644.0, 541.0), 16384: (673.0, 579.0),
+                32768: (688.0, 581.0)}),
+}
+"""NVIDIA's published sweeps of its training attention kernel over the sequence length (forward, backward TFLOP/s,
+the causal half counted), from which :func:`_sdpa_fit` takes a GPU's attention efficiencies and half-rate sequence."""
+
+
+def _sdpa_fit(peak: float, sweep: dict[int, tuple[float, float]]) -> tuple[float, float, float]:
+    """``(forward efficiency, backward efficiency, half-rate sequence)`` of the model's ``peak · A · s / (s + half)``
+    closest to ``sweep`` (TFLOP/s by sequence length) in log terms: for each ``half`` on a grid of 8 tokens up to
+    8,192, each ``A`` the geometric mean that fits it, the ``half`` of least squared error kept. A fit to a
+    microbenchmark of the kernel, not to any training run."""
+    best: tuple[float, float, float, float] | None = None
+    for half in range(0, 8193, 8):
+        error, fits = 0.0, []
+        for part in (0, 1):
+            logs = [math.log(rates[part] * 1e12 / (peak * s / (s + half))) for s, rates in sweep.items()]
+            mean = sum(logs) / len(logs)
+            fits.append(math.exp(mean))
+            error += sum((x - mean) ** 2 for x in logs)
+        if best is None or error < best[0]:
+            best = (error, fits[0], fits[1], float(half))
+    assert best is not None
+    return round(best[1], 3), round(best[2], 3), best[3]
+
+
+def _sweep_source(key: str, what: str) -> str:
+    """The source text of a value :func:`_sdpa_fit` takes from ``_SDPA_SWEEPS[key]``."""
+    text, sweep = _SDPA_SWEEPS[key]
+    points = ", ".join(f"{s // 1024}K {f:,.0f}/{b:,.0f}" for s, (f, b) in sweep.items())
+    return (f"{what}, fitted (pipeloom.plan.cluster.gpus._sdpa_fit: peak x A x s / (s + half), least squares in log "
+            f"terms) to {text}; forward/backward TFLOP/s by sequence: {points}")
 _PRIOR = {
     "gemm_half_dim": ("prior, not a measurement: a 1024-cube GEMM at ~70 % of the large-shape rate, the "
                       "shape of cuBLAS rate-vs-size curves; calibrate_gpu.py fits it"),
@@ -111,7 +153,9 @@ def _hopper(name: str, memory_gib: int, bandwidth: float, sheet: str, bf16: tupl
             "scale_up_bandwidth": sheet + "NVLink 900 GB/s (both directions) -> 450 GB/s",
             "scale_out_bandwidth": "DGX H100/H200 datasheet: 8x 400 Gb/s ConnectX-7 -> 50 GB/s per GPU",
             "gemm_efficiency": bf16[1], "fp8_gemm_efficiency": fp8[1],
-            "attention_efficiency": _FA3, "attention_backward_efficiency": _FA3,
+            "attention_efficiency": _sweep_source("hopper", "forward A") + _HOPPER_SWEEP_NOTE,
+            "attention_backward_efficiency": _sweep_source("hopper", "backward A") + _HOPPER_SWEEP_NOTE,
+            "attention_half_seq": _sweep_source("hopper", "half-rate sequence") + _HOPPER_SWEEP_NOTE,
             "scale_up_efficiency": _NVLINK_EFF + "; H100 ring similar (NVLS reaches more, not modelled)",
             "scale_out_efficiency": _NIC_EFF,
             "sm_count": "NVIDIA H100 Tensor Core GPU Architecture whitepaper: 132 SMs (SXM5; H200 the same)",
@@ -121,8 +165,15 @@ def _hopper(name: str, memory_gib: int, bandwidth: float, sheet: str, bf16: tupl
         peak_flops={"bf16": 989.4e12, "fp8": 1978.9e12}, memory_bytes=smi_mib * MiB, memory_bandwidth=bandwidth,
         scale_up_size=8, scale_up_bandwidth=450e9, scale_out_bandwidth=50e9,
         scale_up_latency=1e-6, scale_out_latency=5e-6, gemm_efficiency=bf16[0], fp8_gemm_efficiency=fp8[0],
-        attention_efficiency=0.65, attention_backward_efficiency=0.52,
+        attention_efficiency=_HOPPER_SDPA[0], attention_backward_efficiency=_HOPPER_SDPA[1],
+        attention_half_seq=_HOPPER_SDPA[2],
     )
+
+
+_HOPPER_SDPA = _sdpa_fit(989.4e12, _SDPA_SWEEPS["hopper"][1])
+_HOPPER_SWEEP_NOTE = ("; the H100 takes the H200's (the same GPU die, SMs and clocks: attention runs compute-bound). "
+                      "Until 2026-12-05 the FlashAttention-3 paper's figures read off its plots (0.65 / 0.52) and the "
+                      "prior half-rate sequence 256")
 
 
 _NVL72_SEGMENT = 64
@@ -150,14 +201,22 @@ def _blackwell(name: str, *, bf16: float, memory_gib: int, domain: int, nic: flo
                peak_source: str, memory_source: str, domain_source: str, nic_source: str, sms: int,
                sms_source: str, gemm: tuple[tuple[float, str], tuple[float, str]],
                attention: tuple[float, float, float, float], attention_source: str,
-               smi_mib: int | None = None) -> Hardware:
+               sweep: str, smi_mib: int | None = None) -> Hardware:
     """``gemm``: the BF16 and FP8 GEMM ceilings and their sources (:func:`_mamf`); ``smi_mib``: the memory nvidia-smi
     reports where a public log of the GPU was found (else the datasheet's, in GiB). ``attention``: TFLOP/s of
     NVIDIA's causal BF16 SDPA benchmark at sequence 32,768 (``_CUDNN_SDPA``): cuDNN
-    forward, backward, then PyTorch's FlashAttention-2 backend forward, backward."""
+    forward, backward, then PyTorch's FlashAttention-2 backend forward, backward. ``sweep``: the
+    ``_SDPA_SWEEPS`` entry whose fit (:func:`_sdpa_fit`) gives the half-rate sequence, and the efficiencies too where
+    it is this GPU's own; else they are the 32,768-token rates over the model's at that half."""
     fwd, bwd, fa2_fwd, fa2_bwd = attention
-    at = bf16 / 1e12 * _SDPA_SEQ / (_SDPA_SEQ + ATTENTION_HALF_SEQ)  # the model's rate at that length, per unit A
-    measured = _CUDNN_SDPA + attention_source
+    fit_fwd, fit_bwd, half = _sdpa_fit(bf16, _SDPA_SWEEPS[sweep][1])
+    at = bf16 / 1e12 * _SDPA_SEQ / (_SDPA_SEQ + half)  # the model's rate at that length, per unit A
+    own = sweep == name
+    measured = (_sweep_source(sweep, "A") if own else
+                _CUDNN_SDPA + attention_source + f", with {sweep}'s half-rate sequence ({half:,.0f})")
+    half_source = _sweep_source(sweep, "half-rate sequence") + ("" if own else
+                                                                f" ({sweep}'s, the same Blackwell GPU: no sweep of "
+                                                                f"{name}'s own kernel was found)")
     return _describe(
         name, {
             "peak_flops": sheet + peak_source,
@@ -168,8 +227,9 @@ def _blackwell(name: str, *, bf16: float, memory_gib: int, domain: int, nic: flo
             "scale_up_bandwidth": sheet + "fifth-generation NVLink 1.8 TB/s per GPU (both directions) -> 900 GB/s",
             "scale_out_bandwidth": sheet + nic_source,
             "gemm_efficiency": gemm[0][1], "fp8_gemm_efficiency": gemm[1][1],
-            "attention_efficiency": measured + f": cuDNN forward {fwd:,} TFLOP/s",
-            "attention_backward_efficiency": measured + f": cuDNN backward {bwd:,} TFLOP/s",
+            "attention_efficiency": measured + ("" if own else f": cuDNN forward {fwd:,} TFLOP/s"),
+            "attention_backward_efficiency": measured + ("" if own else f": cuDNN backward {bwd:,} TFLOP/s"),
+            "attention_half_seq": half_source,
             "scale_up_efficiency": _NVLINK_EFF, "scale_out_efficiency": _NIC_EFF, "sm_count": sms_source,
             "mxfp8": _MXFP8_SOURCE, "fp8_any_layout": _ANY_LAYOUT_SOURCE,
             "flash2_slowdown": measured + (f": cuDNN / FlashAttention-2 forward {fwd:,} / {fa2_fwd:,}, backward "
@@ -181,7 +241,8 @@ def _blackwell(name: str, *, bf16: float, memory_gib: int, domain: int, nic: flo
         scale_up_size=domain, scale_up_placed=_NVL72_SEGMENT if domain == 72 else None,
         scale_up_bandwidth=900e9, scale_out_bandwidth=nic,
         scale_up_latency=1e-6, scale_out_latency=5e-6, gemm_efficiency=gemm[0][0], fp8_gemm_efficiency=gemm[1][0],
-        attention_efficiency=round(fwd / at, 3), attention_backward_efficiency=round(bwd / at, 3),
+        attention_efficiency=fit_fwd if own else round(fwd / at, 3),
+        attention_backward_efficiency=fit_bwd if own else round(bwd / at, 3), attention_half_seq=half,
         flash2_slowdown=round(min(fwd / fa2_fwd, bwd / fa2_bwd), 2),
     )
 
@@ -211,8 +272,8 @@ def _mi300x() -> Hardware:
         peak_flops={"bf16": 1307.4e12, "fp8": 2614.9e12}, memory_bytes=192 * GiB, memory_bandwidth=5.3e12,
         scale_up_size=8, scale_up_bandwidth=448e9, scale_out_bandwidth=50e9,
         scale_up_latency=1e-6, scale_out_latency=5e-6, gemm_efficiency=gemm,
-        attention_efficiency=round(0.65 * gemm / hopper, 3),
-        attention_backward_efficiency=round(0.52 * gemm / hopper, 3),
+        attention_efficiency=round(_HOPPER_SDPA[0] * gemm / hopper, 3),
+        attention_backward_efficiency=round(_HOPPER_SDPA[1] * gemm / hopper, 3),
         scale_up_efficiency=0.70,
     )
 
@@ -241,7 +302,7 @@ BUILTIN: dict[str, Hardware] = {
                        nic_source="8x 400 Gb/s ConnectX-7 -> 50 GB/s", sms=148,
                        gemm=(_mamf("B200 SXM", 1745.0, 2250, "torch 2.7.1+cu128"),
                              _mamf("B200 SXM", 3432.5, 4500, "torch 2.7.1+cu128", fp8=True)),
-                       attention=(1419.0, 1108.7, 403.7, 330.8),
+                       attention=(1419.0, 1108.7, 403.7, 330.8), sweep="gb200",
                        attention_source=" at commit 0b1577c (cuDNN 9.13.1, Oct 2025), NVIDIA B200",
                        sms_source=("Chips and Cheese, 'Nvidia's B200: Keeping the CUDA Juggernaut Rolling' (2025): 74 "
                                    "SMs enabled on each of its two dies, 148 per GPU"), smi_mib=183359),
@@ -253,7 +314,7 @@ BUILTIN: dict[str, Hardware] = {
                         nic_source="one 400 Gb/s ConnectX-7 per GPU -> 50 GB/s", sms=148,
                         gemm=(_mamf("GB200 SXM", 1822.0, 2500, "torch 2.10.0.dev, cu130"),
                               _mamf("GB200 SXM", 3615.6, 5000, "torch 2.10.0.dev, cu130", fp8=True)),
-                        attention=(1681.0, 1348.0, 438.0, 360.0),
+                        attention=(1681.0, 1348.0, 438.0, 360.0), sweep="gb200",
                         attention_source=" at commit b372d39 (cuDNN 9.17.0, Dec 2025), NVIDIA GB200",
                         sms_source=("the B200 GPU (148 SMs, as b200: Chips and Cheese) in a Grace-Blackwell superchip; "
                                     "no separate GB200 count was found")),
@@ -267,7 +328,7 @@ BUILTIN: dict[str, Hardware] = {
                         gemm=(_mamf("B300 SXM (the GPU of a GB300 superchip; no GB300 row)", 1769.0, 2250,
                                     "torch 2.9.1+cu130"),
                               _mamf("B300 SXM", 3353.3, 4500, "torch 2.9.1+cu130", fp8=True)),
-                        attention=(2007.0, 1438.0, 441.0, 365.0),
+                        attention=(2007.0, 1438.0, 441.0, 365.0), sweep="gb300",
                         attention_source=" at commit b372d39 (cuDNN 9.17.0, Dec 2025), NVIDIA GB300",
                         sms=160, sms_source=("NVIDIA technical blog 'Inside NVIDIA Blackwell Ultra' (Aug 2025) "
                                              "and its Hot Chips 2025 talk (reported by TweakTown): 160 SMs of 128 "

@@ -33,7 +33,7 @@ def _job(*, rotate: str, nic: float | None = None, slowdown: float | None = None
 
 
 def test_the_gather_is_exposed_beyond_the_first_block():
-    fast, slow = _job(rotate="allgather", slowdown=0.0), _job(rotate="allgather", nic=1e9, slowdown=0.0)
+    fast, slow = _job(rotate="allgather", nic=100e9, slowdown=0.0), _job(rotate="allgather", nic=1e9, slowdown=0.0)
     heads, d = 16 // 8, 128
     tokens = SEQ // 2
     gather = collective_seconds(slow.hw, "all_gather", 2.0 * tokens * heads * 2 * d * 2, 2, ranks_per_domain=1)
@@ -61,7 +61,7 @@ def test_the_option_is_checked():
 def test_a_hidden_gather_still_slows_the_block_beside_it():
     """With the contention of a collective running beside compute, the hidden K/V gather adds its
     ``s / (1 + s)`` share to the forward; without, nothing."""
-    free, shared = _job(rotate="allgather", slowdown=0.0), _job(rotate="allgather")
+    free, shared = _job(rotate="allgather", nic=100e9, slowdown=0.0), _job(rotate="allgather", nic=100e9)
     heads, d = 16 // 8, 128
     gather = collective_seconds(free.hw, "all_gather", 2.0 * (SEQ // 2) * heads * 2 * d * 2, 2, ranks_per_domain=1)
     s = shared.hw.overlap_slowdown
