@@ -169,7 +169,7 @@ def _sdpa_rate(hw, seq: int, heads: int, backward: bool) -> float:
 def test_attention_follows_nvidias_sdpa_sweep(name, sweep, heads):
     """Attention's efficiencies and half-rate sequence are fitted to NVIDIA's published sweep of its training
     attention kernel over the sequence (cudnn-frontend's SDPA benchmark, causal BF16): the model gives every point
-    of it back within 12 % (the form ``s / (s + half)`` fits it that closely; it ran 1.2-1.8x faster than measured at
+    of it back within 12 % (the form ``s / (s + half)`` fits it that closely; it ran 1.2-1.4x faster than measured at
     2K tokens with the prior half of 256 before 2026-12-05), and says where it comes from."""
     from pipeloom.plan.cluster.gpus import _SDPA_SWEEPS
 
