@@ -151,9 +151,8 @@ def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: st
     block method; 0: every layer), or ``search`` (each of :func:`~pipeloom.plan.cluster.recompute.recompute_depths`
     tried, the fastest plan kept); ``shard_gradients``: ZeRO-2, gradients reduce-scattered after every micro-batch's
     backward and kept sharded (DeepSpeed's stage 2, Llama 3's FSDP; :attr:`Job.shard_gradients`); ``adam_moments``:
-    ``fp32`` or ``bf16`` (Megatron-Core's precision-aware optimizer's moments: :attr:`Job.adam_moments`).
-    ``layout``: keys held fixed (``"tp=4,pp=8"`` or a dict); with all of :data:`LAYOUT_KEYS` it predicts that layout
-    alone."""
+    ``fp32`` or ``bf16`` (:attr:`Job.adam_moments`). ``layout``: keys held fixed (``"tp=4,pp=8"`` or a dict); with
+    all of :data:`LAYOUT_KEYS` it predicts that layout alone."""
     start = time.perf_counter()
     device = hardware(hw)
     dtype_bytes(dtype)
@@ -165,8 +164,7 @@ def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: st
               cp_rotate=cp_rotate, moe_comm=moe_comm, grad_reduce=grad_reduce,
               sequence_parallel=bool(sequence_parallel), tp_overlap=bool(tp_overlap), fp8_cast=fp8_cast,
               stage_cut=stage_cut, moe_overlap=bool(moe_overlap), shard_gradients=bool(shard_gradients),
-              adam_moments=adam_moments,
-              recompute_layers=depth)
+              adam_moments=adam_moments, recompute_layers=depth)
     fixed = parse_layout(layout) if isinstance(layout, str) else dict(layout or {})
     limit = parse_bytes(memory_limit) if memory_limit is not None else float(device.memory_bytes)
     choices: dict[str, list[Any]] = {
