@@ -286,21 +286,22 @@ def schedule_from_starts(
 ) -> Schedule:
     """Per-rank action lists ordered by ``starts[(task index, micro-batch)]``.
 
-    Ties (zero-duration tasks) go by topological position, then micro-batch, so a dependency
-    always comes first.
+    Ties go first to zero-duration tasks (one that starts where a longer action starts also ends there, so
+    it runs before it), then by topological position, then micro-batch, so a dependency always comes
+    first.
     """
     position = {t: p for p, t in enumerate(topological_order(problem))}
-    ranks: list[list[tuple[float, int, int, Action]]] = [[] for _ in range(problem.num_ranks)]
+    ranks: list[list[tuple[float, bool, int, int, Action]]] = [[] for _ in range(problem.num_ranks)]
     for (t, mb), start in starts.items():
         task = problem.tasks[t]
         action = Action(task.stage, task.kind, mb)
         for rank in task.ranks:
-            ranks[rank].append((start, position[t], mb, action))
+            ranks[rank].append((start, task.duration > 0, position[t], mb, action))
     for entries in ranks:
         entries.sort()
     return Schedule(
         name=name,
         problem=problem,
         num_microbatches=num_microbatches,
-        ranks=tuple(tuple(entry[3] for entry in entries) for entries in ranks),
+        ranks=tuple(tuple(entry[4] for entry in entries) for entries in ranks),
     )

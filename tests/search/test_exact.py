@@ -17,7 +17,7 @@ from pipeloom.errors import DeadlockError
 from pipeloom.ir import Action, Schedule
 from pipeloom.problem import Costs, Problem, Stage, Task, stage_graph
 from pipeloom.schedules import build_schedule
-from pipeloom.search.common import lower_bound
+from pipeloom.search.common import lower_bound, schedule_from_starts
 from pipeloom.search.errors import SearchError
 from pipeloom.search.exact import solve_exact
 from pipeloom.search.memory_bounds import memory_bound
@@ -151,6 +151,25 @@ def test_random_tiny_graphs_match_brute_force(problem, limit):
     check(result, limit)
     assert result.makespan == pytest.approx(expected)
     assert result.status == "optimal"
+
+
+def test_a_zero_duration_action_sharing_a_start_runs_before_the_longer_one():
+    """Hypothesis found it (the CI run before had passed): the solver starts rank 0's zero-duration collective F1 of
+    both micro-batches at time 2, where F0 of micro-batch 1 (2 long) also starts; reading the order by task position
+    put F0 first, so F1 waited for it, and the re-simulated order took 9 where the solver's took 7 (the brute-force
+    optimum). A zero-duration action that starts where a longer one starts also ends there: it goes first."""
+    problem = Problem(num_ranks=2, comm_latency=1.0, tasks=(
+        Task(stage=0, kind="F", ranks=(0,), duration=2.0),
+        Task(stage=1, kind="F", ranks=(0, 1), duration=0.0),
+        Task(stage=2, kind="F", ranks=(1,), duration=2.0, deps=((0, "F"), (1, "F"))),
+    ))
+    assert brute_force(problem, 2, None) == 7.0
+    result = solve_exact(problem, 2, time_limit=5)
+    assert result.makespan == pytest.approx(7.0) and result.status == "optimal"
+    starts = {(0, 0): 0, (0, 1): 2, (1, 0): 2, (1, 1): 2, (2, 0): 3, (2, 1): 5}  # the solver's solution
+    schedule = schedule_from_starts(problem, name="s", num_microbatches=2, starts=starts)
+    assert [(a.stage, a.microbatch) for a in schedule.ranks[0]] == [(0, 0), (1, 0), (1, 1), (0, 1)]
+    assert simulate(schedule).makespan == 7.0
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
