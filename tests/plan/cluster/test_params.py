@@ -109,8 +109,8 @@ def test_reads_config_json(tmp_path):
 
 
 @pytest.mark.parametrize("bad, match", [
-    ({"model_type": "t5"}, r"not modelled; supported: .*copy its config.json with \"model_type\" set to it "
-                           r"\(e.g. \"llama\"\)"),
+    ({"model_type": "persimmon"}, r"not modelled; supported: .*copy its config.json with \"model_type\" set to it "
+                                  r"\(e.g. \"llama\"\)"),
     ({"model_type": "exaone_moe", "num_experts": 16}, r"not modelled.*\"qwen3_moe\".*\"mixtral\".*not a dense"),
     (dict(TINY["hunyuan_v1_moe"], model_type="hunyuan_v1_moe", moe_topk=[2, 1]),
      r"num_experts_per_tok / moe_topk must be one positive whole number, or the same one for every layer"),
@@ -156,6 +156,15 @@ def test_reads_config_json(tmp_path):
     (dict(TINY["deepseek_v32"], model_type="deepseek_v32", index_topk=0), "index_topk must be positive, got 0"),
     (42, "config.json path"),
     (dict(TINY["gemma3_text"], model_type="gemma3_text", use_bidirectional_attention=True), "causal decoders"),
+    # encoders, encoder-decoders and vision models are told so, with no decoder to stand in
+    ({"model_type": "bert", "hidden_size": 768}, r"'bert' is not modelled: it is an encoder \(bert\), and the planner "
+                                                 r"plans decoder-only language models"),
+    ({"model_type": "t5"}, r"it is an encoder-decoder model \(t5\)"),
+    ({"model_type": "my_seq2seq", "is_encoder_decoder": True},
+     r"it is an encoder-decoder model \(is_encoder_decoder\)"),
+    ({"model_type": "my_vit", "image_size": 224, "patch_size": 16}, "it is a vision model"),
+    ({"model_type": "my_encoder", "architectures": ["MyEncoderForMaskedLM"]},
+     r"it is an encoder \(its architectures name MyEncoderForMaskedLM\)"),
     ({"model_type": "qwen2_5_vl", "text_config": {"model_type": "glm4v_text"}},
      r"multimodal config whose language model \(glm4v_text\) is not modelled"),
     ({"architectures": ["Qwen3MoeForCausalLM"]}, 'no model_type .*Qwen3MoeForCausalLM.*add "model_type": "qwen3_moe"'),

@@ -21,6 +21,7 @@ from typing import Any
 from pipeloom.plan.cluster.model.deltanet import gated_deltanet_spec
 from pipeloom.plan.cluster.model.fields import check_fields, get_field, nope_layers, rate_on
 from pipeloom.plan.cluster.model.moe import deepseek_spec, every_layer_sparse, gpt_oss_spec, llama4_spec, phimoe_spec
+from pipeloom.plan.cluster.model.refusal import guess, unmodelled
 from pipeloom.plan.cluster.model.source import FAMILY_DEFAULTS, read_config
 from pipeloom.plan.cluster.model.spec import Attention, Experts, ModelSpec
 from pipeloom.plan.errors import ModelConfigError
@@ -65,8 +66,8 @@ def model_spec(config: object) -> ModelSpec:
     family = str(data.get("model_type", ""))
     text = data.get("text_config")
     if not family:
-        raise ModelConfigError(f"the model config has no model_type{_guess(data.get('architectures'))}; supported: "
-                               f"{', '.join(SUPPORTED_FAMILIES)}")
+        fix = guess(data.get("architectures"), SUPPORTED_FAMILIES)
+        raise ModelConfigError(f"the model config has no model_type{fix}; supported: {', '.join(SUPPORTED_FAMILIES)}")
     if family in STAND_INS:  # the language model's config alone
         return model_spec(_stand_in(data, bool(data.get("tie_word_embeddings",
                                                          FAMILY_DEFAULTS[family].get("tie_word_embeddings", False)))))
@@ -79,10 +80,10 @@ def model_spec(config: object) -> ModelSpec:
             text, inner = _stand_in(text, tie), STAND_INS[inner]
         if inner in SUPPORTED_FAMILIES:  # a multimodal model: its language model is what is planned
             return dataclasses.replace(model_spec(dict(text)), text_of=family)
-        raise ModelConfigError(_unmodelled(f"model_type {family!r} is a multimodal config whose language model "
-                                           f"({inner})", text, stand_in=False))
+        raise ModelConfigError(unmodelled(f"model_type {family!r} is a multimodal config whose language model "
+                                          f"({inner})", text, SUPPORTED_FAMILIES, _HYBRID, stand_in=False))
     if family not in SUPPORTED_FAMILIES:
-        raise ModelConfigError(_unmodelled(f"model_type {family!r}", data))
+        raise ModelConfigError(unmodelled(f"model_type {family!r}", data, SUPPORTED_FAMILIES, _HYBRID))
     if data.get("use_bidirectional_attention"):
         raise ModelConfigError(f"{family} with use_bidirectional_attention is an encoder; the planner plans causal "
                                "decoders: set use_bidirectional_attention to false")
@@ -110,84 +111,6 @@ _ALIASES = {name: group for group in (("num_experts", "num_local_experts"), ("n_
             for name in group}
 """Fields the reader takes under either name (a config's ``to_dict()`` may write the other): a default for one is
 not taken where the config gives the other."""
-
-
-_EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
-
-
-_ATTENTION_LAYERS = ("full_attention", "sliding_attention", "chunked_attention", "attention", "indexed_attention")
-"""``layer_types`` entries of attention layers (any other entry names a layer of another kind)."""
-_UNEVEN_LAYERS = ("per_layer_config", "hidden_size_per_layer_input", "num_kv_shared_layers", "altup_num_inputs")
-"""Config fields (when set) of decoders whose layers are not of one shape (Gemma 3n, Gemma 4): layers of other head
-sizes or key/value heads (``per_layer_config``), a per-layer input embedding beside the main one
-(``hidden_size_per_layer_input``), layers that reuse an earlier layer's keys and values (``num_kv_shared_layers``),
-several residual streams (``altup_num_inputs``)."""
-_OTHER_MIXERS = ("linear_", "mamba", "ssm_", "layers_block_type", "block_types", "attn_layer_period",
-                 "attn_layer_indices", "conv_l_cache", "state_size", "conv_kernel")
-"""Config fields (prefixes) of layers that mix tokens without attention, in families the planner does not read:
-linear attention (Kimi Linear, MiniMax-01; the Gated DeltaNet of Qwen3-Next, Qwen3.5 and OLMo hybrid it reads),
-state-space (Mamba, Jamba, Nemotron-H, Falcon-H1, Granite 4 hybrid, Zamba), short convolutions (LFM2) and the
-patterns that place them."""
-
-
-def _unmodelled(subject: str, data: Mapping[str, Any], *, stand_in: bool = True) -> str:
-    """Why the config ``data`` (of the model ``subject`` names) is refused, and the stand-in a user can take where one
-    is close (with ``stand_in``): DeepSeek-V3 for DeepSeek's sparse attention; none for models with layers that are
-    not attention (pricing them as attention would be wrong in kind) or whose layers are not of one shape
-    (:data:`_UNEVEN_LAYERS`: LLaMA's layers would leave out, among others, a per-layer embedding table larger than
-    the main one); LLaMA's or a mixture of experts' layer otherwise."""
-    supported = f"supported: {', '.join(SUPPORTED_FAMILIES)}"
-    if "index_topk" in data:
-        return (f"{subject} is not modelled: its attention reads compressed keys (compress_rates) through "
-                "DeepSeek's sparse attention, beside several residual streams (hc_mult), which the planner does not "
-                "price; the sparse attention of DeepSeek-V3.2 (\"deepseek_v32\") and GLM-5 (\"glm_moe_dsa\") it does"
-                + (", and as \"deepseek_v32\" (copy its config.json with that model_type) it plans layers of the same "
-                   "sizes without the compression" if stand_in else "") + f"; {supported}")
-    types = data.get("layer_types")
-    other = sorted({str(kind) for kind in types if kind not in _ATTENTION_LAYERS}) if isinstance(types, list) else []
-    fields = sorted(key for key in data if key.lower().startswith(_OTHER_MIXERS))
-    if other or fields:
-        what = f"layers of kind {', '.join(other)}" if other else f"the fields {', '.join(fields[:3])}"
-        return (f"{subject} is not modelled: its layers are not all attention (its config gives {what}: linear "
-                "attention, state-space or convolution layers), and the planner prices a decoder layer's token mixer "
-                f"as attention or as Qwen3-Next's Gated DeltaNet ({', '.join(_HYBRID)}), so no supported family "
-                f"stands in for it; {supported}")
-    uneven = [key for key in _UNEVEN_LAYERS if data.get(key)]
-    if uneven:
-        return (f"{subject} is not modelled: its layers are not of one shape (its config gives {', '.join(uneven)}: "
-                "layers of other head sizes, per-layer input embeddings, layers that reuse another's keys and values "
-                "or several residual streams), and the planner prices every decoder layer of a kind alike, so no "
-                f"supported family stands in for it; {supported}")
-    if not stand_in:
-        return f"{subject} is not modelled; {supported}"
-    return (f"{subject} is not modelled; {supported}. A decoder whose layers have one of these shapes (most "
-            "LLaMA-like models) plans as that family: copy its config.json with \"model_type\" set to it "
-            f"({_like(data)})")
-
-
-def _like(data: Mapping[str, Any]) -> str:
-    """An example family for an unmodelled config to stand in as: a mixture of experts' (its routed experts would
-    be planned as one dense MLP under LLaMA's) or LLaMA's."""
-    if any(data.get(name) for name in _EXPERT_FIELDS):
-        return ("e.g. \"qwen3_moe\": num_experts, num_experts_per_tok and moe_intermediate_size per expert, or "
-                "\"mixtral\": num_local_experts, num_experts_per_tok and intermediate_size per expert; it has experts, "
-                "so not a dense family")
-    return "e.g. \"llama\""
-
-
-def _guess(architectures: object) -> str:
-    """The fix for a config without ``model_type`` whose ``architectures`` name a supported family's class (transformers
-    names them ``<Family>ForCausalLM``), or nothing."""
-    names = architectures if isinstance(architectures, list) else []
-    by_class = {family.replace("_", ""): family for family in SUPPORTED_FAMILIES}
-    by_class["gemma3"] = "gemma3_text"  # Gemma3ForCausalLM is the text-only model of a gemma3_text config
-    by_class["hunyuandensev1"] = "hunyuan_v1_dense"  # HunYuanDenseV1ForCausalLM
-    by_class["hunyuanmoev1"] = "hunyuan_v1_moe"  # HunYuanMoEV1ForCausalLM
-    for name in names:
-        family = by_class.get(str(name).lower().removesuffix("forcausallm").removesuffix("lmheadmodel"))
-        if family:
-            return f" (its architectures say {name}): add \"model_type\": \"{family}\""
-    return ": add the model_type transformers writes in config.json"
 
 
 def _dropouts(data: Mapping[str, Any], family: str, parallel: bool) -> dict[str, Any]:
