@@ -40,7 +40,9 @@ STAGE_CUTS = ("balanced", "even")
 """How the decoder layers may be cut into pipeline stages (:attr:`Job.stage_cut`), besides an explicit cut
 (:func:`layout_cut`)."""
 
-_LAYOUT_PARTS = {"E": "the embedding", "t": "a decoder layer", "m": "a multi-token-prediction module", "L": "the loss"}
+_LAYOUT_PARTS = "EtmL"
+"""What a stage of an explicit cut holds (:func:`layout_cut`): the embedding, decoder layers, multi-token-prediction
+modules, the loss."""
 
 
 def _unrolled(text: str) -> str:
@@ -114,6 +116,7 @@ def layout_cut(text: str, layers: int, mtp: int) -> tuple[int, ...]:
         raise refuse("the multi-token-prediction modules are priced beside the loss, after the last decoder layer: "
                      "put them all just before the L")
     return tuple(stage.count("t") for stage in stages)
+
 
 FRAMEWORKS: dict[str, dict[str, Any]] = {
     "megatron-bridge": {"kernels": "fused", "attention": "flash", "selective": "core_attn", "cp_rotate": "ring",

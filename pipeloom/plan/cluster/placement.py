@@ -306,8 +306,7 @@ def schedule_microbatches(layout: Layout, m: int) -> int:
 
 def _rank_work(times: list[PhaseTimes], stages: Sequence[int], paired: bool, *, weights: bool = True) -> float:
     """The least busy time one micro-batch's parts on a rank holding ``stages`` can take: F + I + W of each (without
-    ``weights``: F + I); with
-    ``paired`` (overlapped pairs of a forward and a backward of the rank's stages,
+    ``weights``: F + I); with ``paired`` (overlapped pairs of a forward and a backward of the rank's stages,
     :func:`pipeloom.ir.pair_duration`) each part's communication hidden at most under the compute of the other part
     of its pair, so each F's ``f_comm`` at most under the rank's longest backward compute (I + W less ``i_comm``) and
     each I's ``i_comm`` under its longest forward compute; and never below the communication itself, which a pair

@@ -192,8 +192,8 @@ def _search(job: Job, fixed: dict[str, Any] | None, memory_limit: float | None, 
         return None
     if best is None:
         least = run.smallest()
-        tried = f"{layouts} layout{'s' if layouts != 1 else ''} tried with {_fixed_text(fixed)}" if fixed else \
-            f"{layouts} layouts tried"
+        tried = f"{layouts} layout{'s' if layouts != 1 else ''} tried"
+        tried += f" with {_fixed_text(fixed)}" if fixed else ""
         free = "fix fewer --layout keys, " if fixed else ""
         raise NoLayoutFits(f"no layout fits {limit / 2**30:.1f} GiB per GPU ({tried}; the least memory any needs is "
                            f"{least.memory.total / 2**30:.2f} GiB ({least.memory.total:.0f} bytes), by "
