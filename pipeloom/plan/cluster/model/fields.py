@@ -22,6 +22,8 @@ _COUNTS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_siz
 _SIZES = ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size", "first_k_dense_replace",
           "n_shared_experts", "num_nextn_predict_layers", "qk_nope_head_dim", "q_lora_rank")
 """Sizes that are whole numbers, 0 allowed (0: the part is absent)."""
+_PER_LAYER = ("num_local_experts", "num_experts", "num_experts_per_tok", "moe_topk", "moe_intermediate_size")
+"""Sizes a config may give once per layer (Hunyuan MoE: :func:`same_per_layer`)."""
 _SWITCHES = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window", "use_parallel_residual",
              "use_bias", "qkv_bias", "attention_out_bias")
 """Switches, true or false."""
@@ -44,9 +46,6 @@ def check_fields(data: Mapping[str, Any]) -> None:
         if value is not None and not isinstance(value, bool):
             raise ModelConfigError(f"{name} must be true or false, got {value!r}: fix the config's \"{name}\"")
 
-
-_PER_LAYER = ("num_local_experts", "num_experts", "num_experts_per_tok", "moe_topk", "moe_intermediate_size")
-"""Sizes a config may give once per layer (Hunyuan MoE: :func:`same_per_layer`)."""
 
 
 def get_field(data: Mapping[str, Any], *names: str, default: Any = None) -> Any:
