@@ -317,8 +317,10 @@ def test_every_generator_refusal_is_a_4xx_json_answer(guarded):
 
 def test_cost_tables_are_checked_off_the_event_loop(guarded):
     """Three uploads of a 7,000-piece cost table (bad in its last piece, so each is read whole, then refused):
-    the server answers other requests meanwhile, each in less than the time one table takes to check here
-    (every request waited behind the uploads before: 6.5 s behind six)."""
+    the server answers other requests meanwhile, each in less than twice the time one table takes to check here
+    (on the event loop a request waits behind all three checks, three times that; every request waited behind the
+    uploads before: 6.5 s behind six). Within one table's time, the bound until 2026-12-05, failed in a fresh-clone
+    CI run at 0.164 s against 0.149 s: the machine's own jitter, not the loop."""
     from concurrent.futures import ThreadPoolExecutor
 
     from pipeloom.errors import PipeloomError
@@ -349,7 +351,7 @@ def test_cost_tables_are_checked_off_the_event_loop(guarded):
     for code, _, answer in answers:
         assert code == 400 and "costs[0]" in json.loads(answer)["error"], answer
     # on the loop, the first health request waits behind all three checks (4.3 s against 1.1 s for one)
-    assert max(latencies) < one, (max(latencies), one, len(latencies))
+    assert max(latencies) < 2 * one, (max(latencies), one, len(latencies))
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads processes from Linux's /proc")
