@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from pipeloom.plan.cluster.estimate import Estimator
 from pipeloom.plan.cluster.job import ADAM_MOMENTS
-from pipeloom.plan.cluster.layout import Layout
+from pipeloom.plan.cluster.layout import Layout, optimizer_bytes
 from pipeloom.plan.cluster.model.spec import GDN_CHUNK
 from pipeloom.plan.errors import PlanError
 from pipeloom.plan.plan import Plan
@@ -204,7 +204,7 @@ def _runtime_state(result: ClusterPlan) -> str | None:
         return None
     whole = Estimator(dataclasses.replace(job, shard_gradients=False)).estimate(
         dataclasses.replace(layout, fsdp=False)).memory
-    state = 4.0 + 2 * ADAM_MOMENTS[job.adam_moments]  # bytes a parameter: the fp32 master and two moments
+    state = optimizer_bytes(1.0, moment_bytes=ADAM_MOMENTS[job.adam_moments])[2]  # bytes a parameter, unsharded
     optimizer = whole.optimizer if layout.fsdp else state / 2 * whole.weights  # per 2 bytes of weights, every replica
     extra = (whole.weights + whole.gradients + whole.buffers + optimizer
              - planned.weights - planned.gradients - planned.buffers - planned.optimizer)
