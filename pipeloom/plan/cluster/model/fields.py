@@ -16,10 +16,10 @@ _COUNTS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_siz
            "n_embd", "n_head", "n_layer", "n_positions", "max_position_embeddings", "n_inner",
            "num_experts_per_tok", "num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts",
            "moe_topk", "kv_lora_rank", "qk_rope_head_dim", "v_head_dim", "interleave_moe_layer_step",
-           "decoder_sparse_step", "moe_layer_freq")
+           "decoder_sparse_step", "moe_layer_freq", "intermediate_size")
 """Sizes that are whole numbers of at least 1 wherever a config gives them (a few may be one per layer:
 :func:`same_per_layer`)."""
-_SIZES = ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size", "first_k_dense_replace",
+_SIZES = ("moe_intermediate_size", "shared_expert_intermediate_size", "first_k_dense_replace",
           "n_shared_experts", "num_nextn_predict_layers", "qk_nope_head_dim", "q_lora_rank")
 """Sizes that are whole numbers, 0 allowed (0: the part is absent)."""
 _PER_LAYER = ("num_local_experts", "num_experts", "num_experts_per_tok", "moe_topk", "moe_intermediate_size")
