@@ -40,7 +40,6 @@ def bytes_argument(text: str) -> float:
 
 def add_plan_parser(commands: argparse._SubParsersAction) -> None:
     """Register ``pipeloom plan``."""
-
     plan = commands.add_parser(
         "plan", help="plan a cluster from a model config (--model), or a pipeline from a cost table (--costs)",
         description="For a cluster you may not have yet: --model CONFIG.json|DIR|ID --hardware GPU --gpus N "
@@ -102,14 +101,15 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
     plan.add_argument("--server", metavar="URL",
                       help="ask a running `pipeloom serve` (e.g. http://127.0.0.1:8765) for the plan instead of "
                            "planning here; the answer names the plan's URL for pipeline(model, plan=URL)")
-    plan.add_argument("--save", type=path_with(".json"), help="write the plan (pipeloom.plan/1 JSON)")
+    plan.add_argument("--save", type=path_with(".json"),
+                      help="write the plan (pipeloom.plan/1 JSON); with --model, of the fastest layout the runtime "
+                           "that trains it runs (pipeloom's; torchtitan's with --export), said where another is faster")
     plan.add_argument("--export", choices=("torchtitan",),
-                      help="also write the plan as torchtitan settings next to --save (checked with torchtitan "
-                           "0.2.2 and 0.3.0): <stem>.torchtitan.args (command-line overrides: each stage's module "
-                           "names, the schedule CSV by absolute path, micro-batch size, degrees; 0.3.x also "
-                           "--training.disable_cuda_graphs), <stem>.torchtitan.toml (the same for a 0.2.x TOML "
-                           "config) and <stem>.torchtitan.csv (the schedule); the cost table's pieces must be "
-                           "torchtitan's modules (tok_embeddings, layers.N, norm, output)")
+                      help="also write the plan as torchtitan settings next to --save (checked with torchtitan 0.2.2 "
+                           "and 0.3.0): <stem>.torchtitan.args (overrides: each stage's module names, the schedule "
+                           "CSV by path, micro-batch size, degrees; 0.3.x also --training.disable_cuda_graphs), "
+                           "<stem>.torchtitan.toml (the same for a 0.2.x TOML config), <stem>.torchtitan.csv (the "
+                           "schedule); a cost table's pieces must be torchtitan's modules (tok_embeddings, layers.N)")
     plan.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     add_cluster_arguments(plan)
     add_try_arguments(plan)

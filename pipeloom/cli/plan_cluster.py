@@ -217,20 +217,21 @@ def cmd_plan_cluster(args: argparse.Namespace) -> int:
     if not args.json and sys.stderr.isatty():
         def progress(message: str) -> None:
             print(f"\r\033[K{message}", end="", file=sys.stderr, flush=True)
+    options = dict(gpus=args.gpus, global_batch=args.global_batch, seq=args.seq, dtype=args.dtype, layout=args.layout,
+                   **_framework(args), overlap_grad_reduce=args.overlap_grad_reduce, moe_comm=args.moe_comm,
+                   sequence_parallel=args.sequence_parallel, moe_overlap=args.moe_overlap,
+                   shard_gradients=args.shard_gradients, adam_moments=args.adam_moments,
+                   recompute_layers=args.recompute_layers, memory_limit=args.memory_limit,
+                   runners_up=5 if args.top is None else args.top, progress=progress)
     try:
-        result = plan_cluster(args.model, args.hardware, gpus=args.gpus, global_batch=args.global_batch,
-                              seq=args.seq, dtype=args.dtype, layout=args.layout, **_framework(args),
-                              overlap_grad_reduce=args.overlap_grad_reduce, moe_comm=args.moe_comm,
-                              sequence_parallel=args.sequence_parallel, moe_overlap=args.moe_overlap,
-                              shard_gradients=args.shard_gradients, adam_moments=args.adam_moments,
-                              recompute_layers=args.recompute_layers, memory_limit=args.memory_limit,
-                              runners_up=5 if args.top is None else args.top, progress=progress)
+        result = plan_cluster(args.model, args.hardware, **options)
+        result, moved = _runnable(args, result, options) if args.save else (result, [])
     except PipeloomError as error:
         raise UsageError(str(error).splitlines()[0]) from None
     finally:
         if progress is not None:
             print("\r\033[K", end="", file=sys.stderr, flush=True)
-    written = [*_unused(args, result.job, result.best.layout), *(_save(args, result) if args.save else [])]
+    written = [*moved, *_unused(args, result.job, result.best.layout), *(_save(args, result) if args.save else [])]
     training = result.training(args.tokens) if args.tokens else None
     if args.json:
         print(json.dumps({**result.as_dict(), **({"training": training} if training else {})}, indent=2))
@@ -240,6 +241,41 @@ def cmd_plan_cluster(args: argparse.Namespace) -> int:
     for line in written:
         print(line, file=sys.stderr if args.json else sys.stdout)
     return 0
+
+
+def _runnable(args: argparse.Namespace, result, options: dict) -> tuple:
+    """``--save``: the fastest layout the plan's runtime (pipeloom's, or torchtitan with ``--export``) runs, priced as
+    it holds a layout's state (:func:`~pipeloom.plan.cluster.runtime_plan.for_runtime`), planned again with the
+    same keys held, and where that is not ``result``'s layout the note that says why; ``result`` itself where the
+    whole layout was given (:func:`_save` saves it or refuses it, naming what stops it)."""
+    from pipeloom.plan.cluster.api import plan_cluster
+    from pipeloom.plan.cluster.estimate import Estimator
+    from pipeloom.plan.cluster.layout import LAYOUT_KEYS, parse_layout
+    from pipeloom.plan.cluster.runtime_plan import for_runtime
+    from pipeloom.plan.errors import NoLayoutFits
+
+    if set(parse_layout(args.layout or "")) >= set(LAYOUT_KEYS):
+        return result, []
+    runs_on = args.export or "pipeloom"
+    where = "torchtitan" if args.export else "pipeloom's runtime"
+    try:
+        runnable = plan_cluster(args.model, args.hardware, **options, runs_on=runs_on)
+    except NoLayoutFits as refusal:
+        raise UsageError(f"cannot save a plan {where} runs: {str(refusal).splitlines()[0]}") from None
+    best = result.best
+    if str(runnable.best.layout) == str(best.layout):
+        return runnable, []
+    job, blocked = for_runtime(result.job, runs_on)
+    assert blocked is not None
+    why = blocked(best.layout)
+    if why is None:
+        there = Estimator(job).estimate(best.layout)
+        limit = result.memory_limit
+        why = (f"there it needs {there.memory.total / 2**30:.1f} GiB per GPU, over the {limit / 2**30:.1f} GiB limit"
+               if there.memory.total > limit else f"there it takes {there.step_time:.3g} s a step")
+    slower = runnable.best.step_time / best.step_time - 1
+    return runnable, [f"note: the fastest layout, {best.layout} ({best.step_time:.3g} s a step as planned), is not "
+                      f"the fastest in {where}: {why}; the plan above is, {slower:.1%} slower"]
 
 
 def _framework(args: argparse.Namespace) -> dict:
@@ -259,7 +295,7 @@ def _unused(args: argparse.Namespace, job, layout) -> list[str]:
     overlap_why = "ep=1" if layout.ep == 1 else f"schedule={layout.schedule} with pp={layout.pp}"
     unused = [(args.tp_overlap and layout.tp == 1, "--tp-overlap", "tp=1"),
               (args.shard_gradients and not job.zero2(layout), "--shard-gradients",
-               "fsdp=1 on one stage" if layout.reshards else "one data-parallel replica"),
+               "fsdp=1 on one stage" if job.reshards(layout) else "one data-parallel replica"),
               (args.moe_overlap and not job.overlap_pairs(layout), "--moe-overlap", overlap_why),
               (not args.sequence_parallel and layout.tp == 1, "--no-sequence-parallel", "tp=1"),
               (args.cp_rotate not in (None, "ring") and layout.cp == 1, f"--cp-rotate {args.cp_rotate}", "cp=1"),
@@ -291,7 +327,7 @@ def _save(args: argparse.Namespace, result) -> list[str]:
 
         renamed, modules = saving.torchtitan_plan(plan, result.job.spec.layers)
         schedule = build_schedule(plan.schedule, plan.num_ranks, plan.microbatches, **plan.schedule_options)
-        recompute = saving.torchtitan_recompute(result)
+        recompute = saving.torchtitan_recompute(result.job, result.best.layout)
         assert recompute is not None, "runtime_plan refuses the export of a recomputation torchtitan has not"
         written.append(export_torchtitan(renamed, schedule, args.save, list(modules), recompute))
         kept = saving.kept_over_limit(result)  # the export recomputes; pipeloom's runtime would not

@@ -121,9 +121,12 @@ def _assumes(job, layout, framework: str | None = None, searched: tuple[str, ...
     if job.zero2(layout):
         said.append("gradients sharded, reduce-scattered after every micro-batch (--shard-gradients)")
     if layout.fsdp:
-        said.append("FSDP gathering each layer for every micro-batch" if layout.reshards else
-                    "FSDP under the pipeline as torch.distributed.pipelining runs it: parameters and gradients whole "
-                    "from a stage's first forward to the step's end (the distributed optimizer's memory)")
+        said.append("FSDP gathering each layer for every micro-batch" if job.reshards(layout) else
+                    f"FSDP {'under the pipeline ' if layout.pp > 1 else ''}as torch.distributed.pipelining runs it: "
+                    "parameters and gradients whole from a stage's first forward to the step's end (the distributed "
+                    "optimizer's memory)")
+    elif not job.distributed_optimizer and layout.state_groups[0] > 1:
+        said.append("Adam's state whole on every data-parallel replica, beside DDP (no distributed optimizer)")
     if layout.stages > 1:
         said.append(f"{job.stage_cut} stage cut (--stage-cut)")
     return f"assumes{f' ({framework})' if framework else ''}: " + "; ".join(said)

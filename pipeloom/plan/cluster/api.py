@@ -22,10 +22,11 @@ from pipeloom.plan.cluster.layout import LAYOUT_KEYS, Layout, parse_layout
 from pipeloom.plan.cluster.model.reader import model_spec
 from pipeloom.plan.cluster.model.spec import ModelSpec
 from pipeloom.plan.cluster.recompute import SEARCHED, module_sets, recompute_depths
+from pipeloom.plan.cluster.runtime_plan import for_runtime
 from pipeloom.plan.cluster.search import runners_up_of, search_faster, search_layouts
 from pipeloom.plan.cluster.step import Estimate
 from pipeloom.plan.costs.parts import parse_bytes
-from pipeloom.plan.errors import NoLayoutFits
+from pipeloom.plan.errors import NoLayoutFits, PlanError
 
 __all__ = ["ClusterPlan", "plan_cluster"]
 
@@ -56,6 +57,8 @@ class ClusterPlan:
     variants: int = 0
     """Plans made for :attr:`searched` (the first values over every layout, each other value over its
     recomputation mode's layouts: every combination covered), 0 when nothing was searched."""
+    runs_on: str | None = None
+    """The runtime whose layouts alone were searched (``plan_cluster``'s ``runs_on``), None for every layout."""
 
     def training(self, tokens: float) -> dict[str, float]:
         """Training ``tokens`` tokens with the chosen layout: ``steps`` (whole steps of the global batch),
@@ -88,7 +91,7 @@ class ClusterPlan:
                       "embedding_dropout": self.job.spec.embedding_dropout},
             "gpus": self.job.gpus, "global_batch": self.job.global_batch, "seq": self.job.seq,
             "dtype": self.job.dtype, "selective": self.job.selective, "recompute_layers": self.job.recompute_layers,
-            "searched": list(self.searched), "variants": self.variants,
+            "searched": list(self.searched), "variants": self.variants, "runs_on": self.runs_on,
             "memory_limit": self.memory_limit, "candidates": self.candidates,
             "priced": self.priced, "simulated": self.simulated, "seconds": self.seconds,
         }
@@ -123,36 +126,29 @@ def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: st
                  tp_overlap: bool = False, fp8_cast: str = "cached", stage_cut: str = "balanced",
                  moe_overlap: bool = False, recompute_layers: int | str = 0, shard_gradients: bool = False,
                  adam_moments: str = "fp32", memory_limit: float | str | None = None, runners_up: int = 5,
-                 progress: Callable[[str], None] | None = None) -> ClusterPlan:
+                 runs_on: str | None = None, progress: Callable[[str], None] | None = None) -> ClusterPlan:
     """The fastest layout of ``model`` (config.json path, dict, PretrainedConfig or ModelSpec) on ``gpus`` GPUs of type
     ``hw`` (a built-in name, a hardware JSON file or a Hardware) for ``global_batch`` sequences of ``seq`` tokens,
-    within ``memory_limit`` per GPU (bytes, or a size such as ``"40GiB"``; default the GPU's memory); ``kernels``:
-    ``fused`` (Megatron, Transformer Engine, torch.compile) or ``eager`` elementwise kernels; ``attention``:
-    ``flash`` or ``materialized`` scores (Megatron-LM before flash attention); ``overlap_grad_reduce`` False: the
-    gradient all-reduce runs after the backward, exposed (Megatron-LM 2021); ``p2p_overlap`` False: pipeline sends
-    block the ranks (Megatron-LM 2021); ``selective``: what ``recompute=selective`` recomputes, Megatron-Core's
-    ``recompute_modules`` comma-separated (default ``core_attn``, the attention core; :mod:`.recompute`), or
-    ``search`` (each of :func:`~pipeloom.plan.cluster.recompute.module_sets` tried, the fastest plan kept), ``op``
-    (torchtitan's op-level policy), ``layer`` (every second layer whole) or ``deepseek`` (DeepSeek-V3's
-    recomputation and FP8 activation caching); ``cp_rotate``: ``ring`` (K/V passed block by block
-    beside the compute: Megatron-Core) or ``allgather`` (PyTorch's ``context_parallel``, torchtitan); ``moe_comm``:
-    ``plain``, ``deepseek`` (DeepSeek-V3's node-limited FP8 dispatch, 20 SMs for communication) or ``hybridep``
-    (NVIDIA's Hybrid-EP: each token once per other node it is routed to, in bf16); ``grad_reduce``:
-    the gradient reduce-scatter's dtype, ``bf16`` or ``fp32`` (torchtitan's default, Llama 3's);
-    ``sequence_parallel`` False: tp ranks run the norms and residual adds on every token and all-reduce (Megatron-LM
-    before 2022); ``tp_overlap``: tensor-parallel exchanges run beside the GEMMs (Transformer Engine's userbuffers,
-    PyTorch's async TP); ``fp8_cast``: how FP8 GEMMs cast their inputs (:data:`~pipeloom.plan.cluster.job.FP8_CASTS`:
-    Transformer Engine's delayed scaling, ``cached``, its current scaling or MXFP8 blocks, torchao's per-tensor
-    ``dynamic``); ``stage_cut``: ``balanced`` (layers moved off the busiest pipeline rank) or ``even`` (as many
-    layers per stage as divide); ``moe_overlap``: each backward runs with its rank's next forward, of another
-    micro-batch, hiding each other's expert all-to-all (Megatron-Core's ``overlap_moe_expert_parallel_comm``: pp 1 or
-    interleaved 1F1B);
-    ``recompute_layers``: with ``recompute=full``, only the first N decoder layers of each stage (Megatron-Core's
-    block method; 0: every layer), or ``search`` (each of :func:`~pipeloom.plan.cluster.recompute.recompute_depths`
-    tried, the fastest plan kept); ``shard_gradients``: ZeRO-2, gradients reduce-scattered after every micro-batch's
-    backward and kept sharded (DeepSpeed's stage 2, Llama 3's FSDP; :attr:`Job.shard_gradients`); ``adam_moments``:
-    ``fp32`` or ``bf16`` (:attr:`Job.adam_moments`). ``layout``: keys held fixed (``"tp=4,pp=8"`` or a dict); with
-    all of :data:`LAYOUT_KEYS` it predicts that layout alone."""
+    within ``memory_limit`` per GPU (bytes, or a size such as ``"40GiB"``; default the GPU's memory). The framework
+    choices are :class:`Job`'s fields of the same names: ``kernels`` ``fused`` or ``eager`` elementwise kernels;
+    ``attention`` ``flash`` or ``materialized`` scores (Megatron-LM before flash attention); ``overlap_grad_reduce``
+    False: the gradient all-reduce after the backward, exposed; ``p2p_overlap`` False: blocking pipeline sends (both
+    Megatron-LM 2021); ``selective``: what ``recompute=selective`` recomputes, Megatron-Core's ``recompute_modules``
+    comma-separated (default ``core_attn``, the attention core; :mod:`.recompute`), ``op`` (torchtitan's op-level
+    policy), ``layer`` (every second layer whole), ``deepseek`` (DeepSeek-V3's recipe) or ``search`` (each of
+    :func:`~pipeloom.plan.cluster.recompute.module_sets` tried, the fastest plan kept); ``cp_rotate`` ``ring``
+    (Megatron-Core) or ``allgather`` (PyTorch's ``context_parallel``); ``moe_comm`` ``plain``, ``deepseek`` or
+    ``hybridep`` all-to-all kernels; ``grad_reduce`` the gradient reduce-scatter's dtype, ``bf16`` or ``fp32``;
+    ``sequence_parallel`` False: Megatron-LM's tensor parallelism before 2022; ``tp_overlap``: tensor-parallel
+    exchanges beside the GEMMs; ``fp8_cast``: how FP8 GEMMs cast their inputs (:attr:`Job.fp8_cast`);
+    ``stage_cut`` ``balanced``, ``even`` or a Megatron-Core pipeline layout; ``moe_overlap``: each backward beside the
+    rank's next forward, hiding each other's expert all-to-all; ``recompute_layers``: with ``recompute=full``, only
+    the first N decoder layers of each stage (0: every layer), or ``search`` (each of
+    :func:`~pipeloom.plan.cluster.recompute.recompute_depths` tried); ``shard_gradients``: ZeRO-2;
+    ``adam_moments`` ``fp32`` or ``bf16``. ``layout``: keys held fixed (``"tp=4,pp=8"`` or a dict); with all of
+    :data:`LAYOUT_KEYS` it predicts that layout alone. ``runs_on``: only the layouts that runtime runs, ``pipeloom``
+    (``pipeline(model, plan=...)``) or ``torchtitan`` (the export), priced as it holds their state
+    (:func:`~pipeloom.plan.cluster.runtime_plan.for_runtime`)."""
     start = time.perf_counter()
     device = hardware(hw)
     dtype_bytes(dtype)
@@ -167,14 +163,16 @@ def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: st
               adam_moments=adam_moments, recompute_layers=depth)
     fixed = parse_layout(layout) if isinstance(layout, str) else dict(layout or {})
     limit = parse_bytes(memory_limit) if memory_limit is not None else float(device.memory_bytes)
+    job, blocked = for_runtime(job, runs_on)
     choices: dict[str, list[Any]] = {
         "selective": [",".join(modules) for modules in module_sets(spec)] if selective == SEARCHED else [],
         "recompute_layers": recompute_depths(spec) if recompute_layers == SEARCHED else []}
     searched = {name: values for name, values in choices.items() if values}
     if not searched:
-        return _plan(job, fixed, limit, runners_up, progress, start)
+        return dataclasses.replace(_plan(job, fixed, limit, runners_up, progress, start, blocked), runs_on=runs_on)
     job = dataclasses.replace(job, **{name: values[0] for name, values in searched.items()})
-    return _best_variant(_variants(job, searched, fixed), tuple(searched), fixed, limit, runners_up, progress, start)
+    return dataclasses.replace(_best_variant(_variants(job, searched, fixed), tuple(searched), fixed, limit,
+                                             runners_up, progress, start, blocked), runs_on=runs_on)
 
 
 _MODE_OF = {"selective": "selective", "recompute_layers": "full"}
@@ -196,20 +194,26 @@ def _variants(job: Job, searched: dict[str, list[Any]], fixed: dict[str, Any]) -
 
 
 def _plan(job: Job, fixed: dict[str, Any], limit: float, runners_up: int, progress: Callable[[str], None] | None,
-          start: float) -> ClusterPlan:
-    """The plan of ``job``: the layout ``fixed`` gives whole, predicted, or the fastest that fits ``limit``."""
+          start: float, blocked: Callable[[Layout], str | None] | None = None) -> ClusterPlan:
+    """The plan of ``job``: the layout ``fixed`` gives whole, predicted, or the fastest that fits ``limit`` (of those
+    ``blocked`` passes: a whole layout it blocks is refused)."""
     if set(fixed) >= set(LAYOUT_KEYS):
-        best = Estimator(job).estimate(Layout(**fixed))
-        return ClusterPlan(job=job, best=best, runners_up=(), memory_limit=limit,
+        layout = Layout(**fixed)
+        why = blocked(layout) if blocked is not None else None
+        if why is not None:
+            raise PlanError(f"{layout} cannot run there: {why}")
+        return ClusterPlan(job=job, best=Estimator(job).estimate(layout), runners_up=(), memory_limit=limit,
                            seconds=time.perf_counter() - start, candidates=1, priced=1, simulated=1)
-    result = search_layouts(job, fixed=fixed, memory_limit=limit, runners_up=runners_up, progress=progress)
+    result = search_layouts(job, fixed=fixed, memory_limit=limit, runners_up=runners_up, progress=progress,
+                            blocked=blocked)
     return ClusterPlan(job=job, best=result.best, runners_up=result.runners_up, memory_limit=limit,
                        seconds=time.perf_counter() - start, candidates=result.candidates, priced=result.priced,
                        simulated=result.simulated)
 
 
 def _best_variant(runs: list[tuple[Job, dict[str, Any]]], searched: tuple[str, ...], fixed: dict[str, Any],
-                  limit: float, runners_up: int, progress: Callable[[str], None] | None, start: float) -> ClusterPlan:
+                  limit: float, runners_up: int, progress: Callable[[str], None] | None, start: float,
+                  blocked: Callable[[Layout], str | None] | None = None) -> ClusterPlan:
     """The searched choices (:func:`_variants`): the first run planned whole, each later one searched for a layout
     faster than the best so far (:func:`~pipeloom.plan.cluster.search.search_faster`), the fastest plan that fits
     kept (the earlier on a tie); the runners-up the fastest other layouts any run simulated. A whole layout given:
@@ -222,13 +226,13 @@ def _best_variant(runs: list[tuple[Job, dict[str, Any]]], searched: tuple[str, .
         fitting = [plan.best.step_time for plan in plans if plan.best.memory.total <= limit]
         try:
             if whole:
-                plans.append(_plan(job, keys, limit, runners_up, progress, start))
+                plans.append(_plan(job, keys, limit, runners_up, progress, start, blocked))
                 continue
             # searched even where the run's keys name a whole layout: it must fit the limit, as the search's would
             found = (search_faster(job, min(fitting), fixed=keys, memory_limit=limit, runners_up=runners_up,
-                                   progress=progress) if fitting
+                                   progress=progress, blocked=blocked) if fitting
                      else search_layouts(job, fixed=keys, memory_limit=limit, runners_up=runners_up,
-                                         progress=progress))
+                                         progress=progress, blocked=blocked))
         except NoLayoutFits as refusal:
             refusals.append(refusal)
             continue

@@ -362,12 +362,13 @@ class Estimator:
         exposed = sum(self._dp_exposed(layout, params, group, stride, f1, b1, m)
                       for params, group, stride in ((dense, dpcp, layout.tp), (expert, edp, layout.ep)))
         layers = max(1, sum(count for kind, count in kinds if kind not in ("embedding", "head")))
-        buffers = WORKSPACE_BYTES + (2 * 2.0 * (dense + expert) / layers if layout.reshards else
+        buffers = WORKSPACE_BYTES + (2 * 2.0 * (dense + expert) / layers if self.job.reshards(layout) else
                                      2 * BUCKET_BYTES if self.job.zero2(layout) else 0.0)  # ZeRO-2's buckets
         if layout.recompute == "full":  # one layer's activations rebuilt at a time during its backward
             buffers += max(self._keep(k, layout.tp, layout.cp, layout.mbs, "none") for k in set(self.kinds))
         moments = 4.0 * ADAM_MOMENTS[self.job.adam_moments]  # read and write two moments; master, grads and weights
-        optimizer = memory_seconds(hw, (16.0 + moments) * (dense / dpcp + expert / edp))
+        stepped = dense / dpcp + expert / edp if self.job.distributed_optimizer or layout.fsdp else dense + expert
+        optimizer = memory_seconds(hw, (16.0 + moments) * stepped)  # each replica steps all it holds, or its shard
         memory = Memory(weights=weights, gradients=gradients, optimizer=states, activations=0.0, buffers=buffers)
         return memory, (exposed + optimizer, exposed, optimizer)
 
@@ -376,24 +377,23 @@ class Estimator:
         """Seconds of gradient reduce-scatter and parameter all-gather over ``group`` ranks ``stride`` apart that the
         rank's last backward / first forward does not hide, the last bucket never (:mod:`~pipeloom.plan.cluster.
         efficiency`); what is hidden still slows the compute beside it (hidden_cost). FSDP on one stage (ZeRO-3:
-        :attr:`Layout.reshards`) gathers for every micro-batch's forward and backward and reduce-scatters after it,
+        :meth:`Job.reshards`) gathers for every micro-batch's forward and backward and reduce-scatters after it,
         with no gather after the step; ZeRO-2 (:meth:`Job.zero2`) reduce-scatters after every backward."""
         if group <= 1 or params == 0:
             return 0.0
-        hw, nbytes = self.job.hw, 2.0 * params
-        key = (nbytes, group, stride)
+        hw, nbytes, key = self.job.hw, 2.0 * params, (2.0 * params, group, stride)
         if key not in self._dp:
             per_domain = domain_ranks(group, stride, hw)
             grads = GRAD_REDUCE[self.job.grad_reduce] * params
             self._dp[key] = (collective_seconds(hw, "reduce_scatter", grads, group, ranks_per_domain=per_domain),
                              collective_seconds(hw, "all_gather", nbytes, group, ranks_per_domain=per_domain))
         rs, ag = self._dp[key]  # gradients in the reduce's dtype, weights gathered in bf16
-        last = min(1.0, BUCKET_BYTES / nbytes)
-        reduces = m if layout.reshards or self.job.zero2(layout) else 1  # ZeRO-3, ZeRO-2: one per micro-batch
+        last, zero3 = min(1.0, BUCKET_BYTES / nbytes), self.job.reshards(layout)
+        reduces = m if zero3 or self.job.zero2(layout) else 1  # ZeRO-3, ZeRO-2: one per micro-batch
         if not self.job.overlap_grad_reduce:  # nothing hidden: an all-reduce after the last backward, or ZeRO-3's
-            return m * (2 * ag + rs) if layout.reshards else reduces * rs + ag  # two gathers and a reduce each
+            return m * (2 * ag + rs) if zero3 else reduces * rs + ag  # two gathers and a reduce each
         exposed = max(ag - f1, ag * last)  # the step's first forward waits for its first bucket
-        if layout.reshards:  # per micro-batch: a gather beside the forward, a gather and a reduce beside the backward
+        if zero3:  # per micro-batch: a gather beside the forward, a gather and a reduce beside the backward
             exposed += (m - 1) * (max(0.0, ag - f1) + max(0.0, ag + rs - b1)) + max(ag + rs - b1, rs * last)
             return exposed + hidden_cost(hw, m * (2 * ag + rs) - exposed)
         exposed += (reduces - 1) * max(0.0, rs - b1) + max(rs - b1, rs * last)

@@ -200,6 +200,12 @@ class Job:
     sharded over the data-parallel ranks (DeepSpeed's stage 2; Llama 3's FSDP, report sec. 3.3.2), a reduce-scatter
     per micro-batch; for the layouts whose gradients are otherwise whole (the distributed optimizer's, FSDP's under
     a pipeline). False: whole until the step's one reduce-scatter (Megatron-Core, torch.distributed.pipelining)."""
+    distributed_optimizer: bool = True
+    """Adam's state sharded over :attr:`Layout.state_groups` (Megatron-Core's distributed optimizer; FSDP shards it
+    anyway). False: whole on every replica, as torch's optimizers beside DDP (pipeloom's runtime, torchtitan)."""
+    fsdp_per_layer: bool = True
+    """FSDP on one stage gathers each layer for every micro-batch (:meth:`reshards`). False: as under a pipeline, the
+    stage gathered at its first forward and kept whole with its gradients until the step ends (pipeloom's runtime)."""
     fp8_cast: str = "cached"
     """How FP8 GEMMs (``dtype="fp8"``) cast their inputs (:data:`FP8_CASTS`): ``cached``, Transformer Engine's
     delayed scaling as Megatron-Core runs it (its default ``--fp8-recipe delayed``): the amax taken in the cast
@@ -334,19 +340,27 @@ class Job:
         DualPipe(V) always, the others where :meth:`overlap_pairs`."""
         return layout.schedule in PAIRED or self.overlap_pairs(layout)
 
+    def reshards(self, layout: Layout) -> bool:
+        """Whether FSDP holds ``layout``'s weights and gradients sharded while the step runs, a layer gathered for
+        every micro-batch (:attr:`Layout.reshards`, where :attr:`fsdp_per_layer`)."""
+        return layout.reshards and self.fsdp_per_layer
+
     def zero2(self, layout: Layout) -> bool:
         """Whether :attr:`shard_gradients` shards ``layout``'s gradients: they are otherwise whole (not FSDP on one
         stage, which shards them already) and other ranks hold the same parameters (:attr:`Layout.state_groups`, the
         experts' only where the model has experts)."""
         dense, experts = layout.state_groups
-        return self.shard_gradients and not layout.reshards and max(dense, experts if self.spec.experts else 1) > 1
+        shared = max(dense, experts if self.spec.experts else 1) > 1
+        return self.shard_gradients and not self.reshards(layout) and shared
 
     def param_state(self, layout: Layout, dense: float, expert: float) -> tuple[float, float, float]:
         """``(weights, gradients, optimizer)`` bytes per GPU of the ``dense`` and ``expert`` parameters a rank of
         ``layout`` holds (:meth:`Layout.param_state`): whole gradients in the reduce's dtype (:attr:`grad_reduce`),
-        sharded where :meth:`zero2`."""
+        sharded where :meth:`zero2`; the optimizer state sharded by FSDP or the distributed optimizer
+        (:attr:`distributed_optimizer`)."""
         return layout.param_state(dense, expert, GRAD_REDUCE[self.grad_reduce], self.zero2(layout),
-                                  ADAM_MOMENTS[self.adam_moments])
+                                  ADAM_MOMENTS[self.adam_moments], reshards=self.reshards(layout),
+                                  shard_optimizer=self.distributed_optimizer or layout.fsdp)
 
     def overlap_pairs(self, layout: Layout) -> bool:
         """Whether :attr:`moe_overlap` pairs ``layout``'s forwards and backwards: with ep > 1, on one pipeline stage

@@ -7,12 +7,13 @@ refused by name, and what it runs differently is said."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import accumulate
 from typing import TYPE_CHECKING
 
+from pipeloom.errors import ArgumentError
 from pipeloom.plan.cluster.estimate import Estimator
-from pipeloom.plan.cluster.job import ADAM_MOMENTS
+from pipeloom.plan.cluster.job import ADAM_MOMENTS, Job
 from pipeloom.plan.cluster.layout import Layout, optimizer_bytes
 from pipeloom.plan.cluster.model.spec import GDN_CHUNK
 from pipeloom.plan.errors import PlanError
@@ -21,8 +22,9 @@ from pipeloom.plan.plan import Plan
 if TYPE_CHECKING:
     from pipeloom.plan.cluster.api import ClusterPlan
 
-__all__ = ["LAYER_PREFIX", "FINAL_NORM", "split_point", "TORCHTITAN_MODELS", "kept_over_limit", "runtime_plan",
-           "runtime_notes", "save_blockers", "torchtitan_plan", "torchtitan_recompute"]
+__all__ = ["LAYER_PREFIX", "FINAL_NORM", "split_point", "TORCHTITAN_MODELS", "RUNTIMES", "for_runtime",
+           "kept_over_limit", "layout_problems", "runtime_plan", "runtime_notes", "save_blockers", "torchtitan_plan",
+           "torchtitan_recompute"]
 
 LAYER_PREFIX = {"gpt2": "transformer.h", "falcon": "transformer.h", "gpt_neox": "gpt_neox.layers"}
 """Where a ``transformers`` model of a family keeps its decoder layers (every other family: ``model.layers``)."""
@@ -64,77 +66,106 @@ TORCHTITAN_MODELS = {"llama": "llama3", "qwen3": "qwen3", "qwen3_moe": "qwen3", 
 def save_blockers(result: ClusterPlan, *, export: str | None = None) -> str | None:
     """Why ``result``'s chosen layout cannot be saved as a plan the runtime runs (or exported to ``export``): every
     reason in one line, then the ``--layout`` keys that fix those a key fixes; None when nothing stops it."""
-    layout, family = result.best.layout, result.job.spec.family
-    problems: list[str] = []  # each with the layout keys that fix it ({} where none does)
-    fixes: dict[str, int | str] = {}
-    unfixed = 0
+    layout = result.best.layout
+    problems: list[tuple[str, dict[str, int | str]]] = []  # each with the layout keys that fix it ({}: none does)
     if result.best.memory.total > result.memory_limit:
-        problems.append(f"it needs {result.best.memory.total / 2**30:.1f} GiB per GPU, over the "
-                        f"{result.memory_limit / 2**30:.1f} GiB limit, so a saved plan would not run (leave some keys "
-                        "to the search, or raise --memory-limit)")
-        unfixed += 1
-    if layout.cp > 1:
-        problems.append(f"cp={layout.cp} (pipeloom's runtime does not run context parallelism yet)")
-        fixes["cp"] = 1
-    if layout.ep > 1 and (layout.tp > 1 or layout.fsdp):
-        problems.append(f"ep={layout.ep} with tp={layout.tp}, fsdp={int(layout.fsdp)} (the runtime runs ep with tp=1 "
-                        "and fsdp=0 only)")
-        fixes.update({key: value for key, value, now in (("tp", 1, layout.tp > 1), ("fsdp", 0, layout.fsdp)) if now})
-    if layout.ep > 1 and family in _DENSE_EXPERTS and not export:
-        problems.append(f"ep={layout.ep} on {family} (transformers' model runs every expert on every token, with no "
-                        "forward(hidden_states, top_k_index, top_k_weights) for the runtime's expert parallelism to "
-                        "dispatch to)")
-        fixes["ep"] = 1
+        problems.append((f"it needs {result.best.memory.total / 2**30:.1f} GiB per GPU, over the "
+                         f"{result.memory_limit / 2**30:.1f} GiB limit, so a saved plan would not run (leave some "
+                         "keys to the search, or raise --memory-limit)", {}))
+    problems += layout_problems(result.job, layout, export=export)
     kept = kept_over_limit(result) if not export and result.best.memory.total <= result.memory_limit else None
     if kept is not None:  # the torchtitan export sets torchtitan's recomputation: only pipeloom's runtime is refused
         export_fits = save_blockers(result, export="torchtitan") is None
-        problems.append(f"recompute={layout.recompute}: pipeloom's runtime keeps every activation, and this layout "
-                        f"needs {kept / 2**30:.1f} GiB per GPU so, over the {result.memory_limit / 2**30:.1f} GiB "
-                        "limit (search with --layout recompute=none for a plan it fits"
-                        + (", or add --export torchtitan, which recomputes as planned)" if export_fits else ")"))
-        unfixed += 1
-    if layout.tp > 1 and family not in _TP_FAMILIES:
-        problems.append(f"tp={layout.tp} on {family} (the tensor-parallel recipe by module name is written for "
-                        f"{', '.join(_TP_FAMILIES)}; or pass pipeline(..., parallel=Parallelism(tp_plan=...)) with a "
-                        "plan of your own)")
-        fixes["tp"] = 1
-    if export == "torchtitan":
-        unfixed += _torchtitan_problems(result, problems, fixes)
+        problems.append((f"recompute={layout.recompute}: pipeloom's runtime keeps every activation, and this layout "
+                         f"needs {kept / 2**30:.1f} GiB per GPU so, over the {result.memory_limit / 2**30:.1f} GiB "
+                         "limit (search with --layout recompute=none for a plan it fits"
+                         + (", or add --export torchtitan, which recomputes as planned)" if export_fits else ")"), {}))
     if not problems:
         return None
+    fixes = {key: value for _, keys in problems for key, value in keys.items()}
     if fixes.get("schedule") == "dualpipev":
         fixes["vp"] = 2  # the V places two stages per rank
     tp, cp = int(fixes.get("tp", layout.tp)), int(fixes.get("cp", layout.cp))
     if (tp, cp) != (layout.tp, layout.cp) and result.job.gpus % (tp * layout.pp * cp) == 0:
         fixes["dp"] = result.job.gpus // (tp * layout.pp * cp)  # the GPUs the other keys free
     keys = ",".join(f"{k}={v}" for k, v in fixes.items())
-    which = "the others" if unfixed else ("them" if len(problems) > 1 else "it")
+    which = "the others" if any(not fixed for _, fixed in problems) else ("them" if len(problems) > 1 else "it")
     fix = f"; fix {which} with --layout {keys}" if fixes else ""
     return (f"cannot save the chosen layout {'for torchtitan' if export else 'as a plan the runtime runs'}: "
-            + "; ".join(problems) + fix)
+            + "; ".join(text for text, _ in problems) + fix)
 
 
-def _torchtitan_problems(result: ClusterPlan, problems: list[str], fixes: dict[str, int | str]) -> int:
-    """What the torchtitan export cannot take, appended to ``problems``, the ``--layout`` keys that fix those a key
-    fixes added to ``fixes``; returns how many no key fixes."""
-    layout, family, unfixed = result.best.layout, result.job.spec.family, 0
-    if family not in TORCHTITAN_MODELS:
+def layout_problems(job: Job, layout: Layout, *, export: str | None = None) -> list[tuple[str, dict[str, int | str]]]:
+    """What stops ``layout`` of ``job`` running in pipeloom's runtime (or, with ``export``, in that framework) whatever
+    its memory: each problem with the ``--layout`` keys that fix it (``{}`` where no key does)."""
+    family = job.spec.family
+    problems: list[tuple[str, dict[str, int | str]]] = []
+    if layout.cp > 1:
+        problems.append((f"cp={layout.cp} (pipeloom's runtime does not run context parallelism yet)", {"cp": 1}))
+    if layout.ep > 1 and (layout.tp > 1 or layout.fsdp):
+        off: dict[str, int | str] = {key: value for key, value, now in (("tp", 1, layout.tp > 1),
+                                                                       ("fsdp", 0, layout.fsdp)) if now}
+        problems.append((f"ep={layout.ep} with tp={layout.tp}, fsdp={int(layout.fsdp)} (the runtime runs ep with tp=1 "
+                         "and fsdp=0 only)", off))
+    if layout.ep > 1 and family in _DENSE_EXPERTS and not export:
+        problems.append((f"ep={layout.ep} on {family} (transformers' model runs every expert on every token, with no "
+                         "forward(hidden_states, top_k_index, top_k_weights) for the runtime's expert parallelism to "
+                         "dispatch to)", {"ep": 1}))
+    if layout.tp > 1 and family not in _TP_FAMILIES:
+        problems.append((f"tp={layout.tp} on {family} (the tensor-parallel recipe by module name is written for "
+                         f"{', '.join(_TP_FAMILIES)}; or pass pipeline(..., parallel=Parallelism(tp_plan=...)) with a "
+                         "plan of your own)", {"tp": 1}))
+    if export == "torchtitan":
+        problems += _torchtitan_problems(job, layout)
+    return problems
+
+
+def _torchtitan_problems(job: Job, layout: Layout) -> list[tuple[str, dict[str, int | str]]]:
+    """What the torchtitan export cannot take of ``layout``, each with the ``--layout`` keys that fix it."""
+    problems: list[tuple[str, dict[str, int | str]]] = []
+    if job.spec.family not in TORCHTITAN_MODELS:
         names = ", ".join(f"{k} ({v})" for k, v in TORCHTITAN_MODELS.items())
-        problems.append(f"{family} for torchtitan, which has no such model (the export covers {names}; save the "
-                        "plan without --export)")
-        unfixed += 1
+        problems.append((f"{job.spec.family} for torchtitan, which has no such model (the export covers {names}; save "
+                         "the plan without --export)", {}))
     if layout.copies == 2:
-        problems.append("schedule=dualpipe for torchtitan (two copies of the model, which it cannot place)")
-        fixes["schedule"] = "dualpipev"
+        problems.append(("schedule=dualpipe for torchtitan (two copies of the model, which it cannot place)",
+                         {"schedule": "dualpipev"}))
     if layout.ep > 1:
-        problems.append(f"ep={layout.ep} for torchtitan (the export is checked without expert parallelism)")
-        fixes["ep"] = 1
-    if torchtitan_recompute(result) is None:
-        problems.append(f"recompute=selective with --selective {result.job.selective} for torchtitan, whose "
-                        "selective recomputation is its op-level policy (plan with --selective op, or with "
-                        "--layout recompute=full or none)")
-        unfixed += 1
-    return unfixed
+        problems.append((f"ep={layout.ep} for torchtitan (the export is checked without expert parallelism)",
+                         {"ep": 1}))
+    if torchtitan_recompute(job, layout) is None:
+        problems.append((f"recompute=selective with --selective {job.selective} for torchtitan, whose selective "
+                         "recomputation is its op-level policy (plan with --selective op, or with --layout "
+                         "recompute=full or none)", {}))
+    return problems
+
+
+RUNTIMES = ("pipeloom", "torchtitan")
+"""What a plan can be searched for (:func:`for_runtime`): pipeloom's runtime, or the torchtitan export."""
+
+
+def for_runtime(job: Job, runs_on: str | None) -> tuple[Job, Callable[[Layout], str | None] | None]:
+    """``job`` as ``runs_on`` (:data:`RUNTIMES`; None: as planned) holds a layout's state, and the search's filter of
+    the layouts it cannot run: a layout's problems in one line (:func:`layout_problems`), None where it runs.
+    pipeloom's runtime keeps every activation, so there a layout that recomputes is refused too: its twin without
+    recomputation is what the runtime would run, and is searched in its place."""
+    if runs_on is None:
+        return job, None
+    if runs_on not in RUNTIMES:
+        raise ArgumentError(f"runs_on must be one of {', '.join(RUNTIMES)}, got {runs_on!r}")
+    export = None if runs_on == "pipeloom" else runs_on
+
+    def blocked(layout: Layout) -> str | None:
+        problems = [text for text, _ in layout_problems(job, layout, export=export)]
+        if export is None and layout.recompute != "none":
+            problems.append(f"recompute={layout.recompute} (pipeloom's runtime keeps every activation)")
+        return "; ".join(problems) or None
+
+    # a torch optimizer beside DDP holds its state whole on every replica; pipeloom's FSDP keeps a stage whole from its
+    # first forward to the step's end, one stage too (pipeloom.runtime.parallel.fsdp), and no gradient sharded
+    held = (dataclasses.replace(job, distributed_optimizer=False, fsdp_per_layer=False, shard_gradients=False)
+            if export is None else dataclasses.replace(job, distributed_optimizer=False))
+    return held, blocked
 
 
 def kept_over_limit(result: ClusterPlan) -> float | None:
@@ -190,10 +221,10 @@ def _runtime_state(result: ClusterPlan) -> str | None:
     job, layout, planned = result.job, result.best.layout, result.best.memory
     replicas = layout.state_groups[0]
     why = []
-    if not layout.fsdp and replicas > 1:
+    if not layout.fsdp and replicas > 1 and job.distributed_optimizer:
         why.append("keeps the optimizer it is given whole on every data-parallel replica, where the plan shards its "
                    f"state over the {replicas} replicas (a distributed optimizer; fsdp=1 shards it there too)")
-    if layout.reshards:
+    if job.reshards(layout):
         why.append("gathers each stage's FSDP parameters at its first forward and keeps them and their gradients "
                    "whole until the step ends (torch.distributed.pipelining's recipe), where the plan gathers a layer "
                    "at a time")
@@ -221,14 +252,13 @@ def _stage_times(estimator: Estimator, layout: Layout) -> tuple[float, ...]:
     return tuple(t.f + t.i + t.w for t in times[:layout.stages])
 
 
-def torchtitan_recompute(result: ClusterPlan) -> str | None:
-    """The chosen layout's recomputation as torchtitan's activation checkpointing
+def torchtitan_recompute(job: Job, layout: Layout) -> str | None:
+    """``layout``'s recomputation as torchtitan's activation checkpointing
     (:data:`pipeloom.plan.export.ACTIVATION_CHECKPOINTS`), None where torchtitan has no such setting (a selective
     policy other than its op-level one: :func:`save_blockers` refuses the export)."""
-    recompute = result.best.layout.recompute
-    if recompute != "selective":
-        return recompute
-    return "op" if result.job.selective == "op" else None
+    if layout.recompute != "selective":
+        return layout.recompute
+    return "op" if job.selective == "op" else None
 
 
 def runtime_notes(result: ClusterPlan, *, kept: float | None = None) -> list[str]:

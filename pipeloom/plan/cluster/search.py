@@ -153,31 +153,41 @@ def _group_key(job: Job, layout: Layout) -> tuple[Any, ...]:
 
 
 def search_layouts(job: Job, *, fixed: dict[str, Any] | None = None, memory_limit: float | None = None,
-                   runners_up: int = 5, progress: Callable[[str], None] | None = None) -> SearchResult:
+                   runners_up: int = 5, progress: Callable[[str], None] | None = None,
+                   blocked: Callable[[Layout], str | None] | None = None) -> SearchResult:
     """The fastest layout of ``job`` within ``memory_limit`` bytes per GPU (default: the GPU's memory), with the
-    keys of ``fixed`` held; NoLayoutFits when none fits, with the least memory per GPU any layout needs and
-    that layout (``smallest_limit``, ``smallest_layout``: planning again with that limit finds a plan)."""
-    result = _search(job, fixed, memory_limit, runners_up, progress, beat=None)
+    keys of ``fixed`` held and none that ``blocked`` gives a reason against (what a runtime cannot run:
+    :func:`~pipeloom.plan.cluster.runtime_plan.blocked_layouts`); NoLayoutFits when none fits, with the least memory
+    per GPU any layout needs and that layout (``smallest_limit``, ``smallest_layout``: planning again with that
+    limit finds a plan)."""
+    result = _search(job, fixed, memory_limit, runners_up, progress, beat=None, blocked=blocked)
     assert result is not None  # without a time to beat, a search finds a layout or refuses
     return result
 
 
 def search_faster(job: Job, beat: float, *, fixed: dict[str, Any] | None = None, memory_limit: float | None = None,
-                  runners_up: int = 5, progress: Callable[[str], None] | None = None) -> SearchResult | None:
+                  runners_up: int = 5, progress: Callable[[str], None] | None = None,
+                  blocked: Callable[[Layout], str | None] | None = None) -> SearchResult | None:
     """:func:`search_layouts` for a layout faster than ``beat`` seconds per step (another job's best, say): None
     when no fitting layout is. The bounds stop the search where they reach ``beat``, so a job none of whose
     layouts can beat it costs its group bounds and little else."""
-    return _search(job, fixed, memory_limit, runners_up, progress, beat=beat)
+    return _search(job, fixed, memory_limit, runners_up, progress, beat=beat, blocked=blocked)
 
 
 def _search(job: Job, fixed: dict[str, Any] | None, memory_limit: float | None, runners_up: int,
-            progress: Callable[[str], None] | None, *, beat: float | None) -> SearchResult | None:
+            progress: Callable[[str], None] | None, *, beat: float | None,
+            blocked: Callable[[Layout], str | None] | None) -> SearchResult | None:
     fixed = dict(fixed or {})
     limit = float(memory_limit if memory_limit is not None else job.hw.memory_bytes)
     estimator = Estimator(job)
     groups: dict[tuple[Any, ...], list[Layout]] = {}
     refusals: list[str] = []
     for layout in enumerate_layouts(job, fixed, refusals):
+        why = blocked(layout) if blocked is not None else None
+        if why is not None:
+            if not refusals:
+                refusals.append(f"{layout}: {why}")
+            continue
         groups.setdefault(_group_key(job, layout), []).append(layout)
     if not groups:
         first = f" (the first refused: {refusals[0]})" if refusals else ""

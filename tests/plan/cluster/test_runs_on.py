@@ -1,0 +1,108 @@
+"""The search for a runtime (``plan_cluster(runs_on=...)``; ``pipeloom plan --model ... --save``): only the layouts
+that runtime runs, priced as it holds their state, and the command's note when the fastest layout is not one of
+them."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from pipeloom.cli import main
+from pipeloom.errors import ArgumentError
+from pipeloom.plan.cluster import plan_cluster
+from pipeloom.plan.cluster.layout import optimizer_bytes
+from pipeloom.plan.cluster.runtime_plan import runtime_notes
+from pipeloom.plan.errors import NoLayoutFits, PlanError
+from pipeloom.plan.plan import load_plan
+
+LLAMA = {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 16,
+         "num_attention_heads": 16, "num_key_value_heads": 4, "vocab_size": 32000}
+QWEN3_MOE = {"model_type": "qwen3_moe", "hidden_size": 1024, "intermediate_size": 2048, "num_hidden_layers": 8,
+             "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 32000, "moe_intermediate_size": 512,
+             "num_experts": 16, "num_experts_per_tok": 2}
+JOB = {"gpus": 8, "global_batch": 32, "seq": 8192, "memory_limit": "12GiB"}
+"""A job whose fastest layout runs context parallelism (cp=2), which neither runtime is given."""
+
+
+def test_the_fastest_layout_a_runtime_runs_is_searched_for_it():
+    anywhere = plan_cluster(LLAMA, "h100", **JOB)
+    assert anywhere.best.layout.cp == 2 and anywhere.runs_on is None
+    for runs_on in ("pipeloom", "torchtitan"):
+        result = plan_cluster(LLAMA, "h100", **JOB, runs_on=runs_on)
+        assert result.runs_on == runs_on and result.as_dict()["runs_on"] == runs_on
+        for est in (result.best, *(est for est, _ in result.runners_up)):
+            assert est.layout.cp == 1, (runs_on, est.layout)
+            assert runs_on == "torchtitan" or est.layout.recompute == "none", est.layout
+        assert anywhere.best.step_time < result.best.step_time
+        assert result.best.memory.total <= 12 * 2**30
+
+
+def test_pipeloom_s_runtime_is_priced_as_it_holds_the_state():
+    """Without FSDP it keeps Adam's state whole on every replica; its FSDP keeps a stage's weights and gradients whole
+    from the first forward to the step's end, one stage too: the memory the saved plan's note gives for the
+    planned layout is what the search for the runtime prices."""
+    for layout in ("dp=4,tp=1,pp=2,vp=1,cp=1,ep=1,mbs=1,fsdp=0,recompute=none,schedule=1f1b",
+                   "dp=8,tp=1,pp=1,vp=1,cp=1,ep=1,mbs=1,fsdp=1,recompute=none,schedule=1f1b"):
+        planned = plan_cluster(LLAMA, "h100", gpus=8, global_batch=32, seq=2048, layout=layout)
+        runtime = plan_cluster(LLAMA, "h100", gpus=8, global_batch=32, seq=2048, layout=layout, runs_on="pipeloom")
+        [note] = [note for note in runtime_notes(planned) if "more per GPU than predicted" in note]
+        need = float(re.search(r"predicted, ([\d.]+) GiB", note).group(1))
+        assert runtime.best.memory.total / 2**30 == pytest.approx(need, abs=0.05), layout
+        assert runtime.best.memory.total > planned.best.memory.total
+        assert not [note for note in runtime_notes(runtime) if "more per GPU than predicted" in note]
+    layout = "dp=4,tp=1,pp=2,vp=1,cp=1,ep=1,mbs=1,fsdp=0,recompute=none,schedule=1f1b"
+    whole = plan_cluster(LLAMA, "h100", gpus=8, global_batch=32, seq=2048, layout=layout, runs_on="torchtitan")
+    state = optimizer_bytes(1.0)[2]  # torchtitan without FSDP: DDP, Adam's 12 bytes a parameter on every replica
+    assert whole.best.memory.optimizer == pytest.approx(state / 2 * whole.best.memory.weights)
+
+
+def test_what_a_runtime_cannot_run_is_refused_when_the_keys_ask_for_it():
+    with pytest.raises(PlanError, match=r"cannot run there: cp=2 \(pipeloom's runtime does not run context"):
+        plan_cluster(LLAMA, "h100", **JOB, runs_on="pipeloom",
+                     layout="dp=4,tp=1,pp=1,vp=1,cp=2,ep=1,mbs=1,fsdp=0,recompute=none,schedule=1f1b")
+    with pytest.raises(NoLayoutFits, match=r"recompute=full \(pipeloom's runtime keeps every activation\)"):
+        plan_cluster(LLAMA, "h100", **JOB, runs_on="pipeloom", layout="recompute=full")
+    assert plan_cluster(LLAMA, "h100", **JOB, runs_on="torchtitan", layout="recompute=full,cp=1").best.layout.cp == 1
+    moe = plan_cluster(QWEN3_MOE, "h100", gpus=8, global_batch=32, seq=4096, runs_on="torchtitan")
+    assert moe.best.layout.ep == 1 and moe.best.layout.copies == 1
+    with pytest.raises(NoLayoutFits, match="ep=2 for torchtitan"):
+        plan_cluster(QWEN3_MOE, "h100", gpus=8, global_batch=32, seq=4096, runs_on="torchtitan", layout="ep=2")
+    with pytest.raises(ArgumentError, match="runs_on must be one of pipeloom, torchtitan, got 'megatron'"):
+        plan_cluster(LLAMA, "h100", **JOB, runs_on="megatron")
+
+
+def _command(tmp_path, *extra: str) -> tuple[list[str], object]:
+    config, save = tmp_path / "config.json", tmp_path / "plan.json"
+    config.write_text(json.dumps(LLAMA))
+    return ["plan", "--model", str(config), "--hardware", "h100", "--gpus", "8", "--global-batch", "32", "--seq",
+            "8192", "--memory-limit", "12GiB", "--save", str(save), *extra], save
+
+
+@pytest.mark.parametrize("export", [[], ["--export", "torchtitan"]], ids=["pipeloom", "torchtitan"])
+def test_save_plans_for_the_runtime_and_says_what_was_faster(tmp_path, capsys, export):
+    command, save = _command(tmp_path, *export)
+    assert main(command) == 0
+    out = capsys.readouterr().out
+    chosen = re.search(r"^layout: (\S+)$", out, re.MULTILINE).group(1)
+    fastest = plan_cluster(LLAMA, "h100", **JOB).best
+    runtime = plan_cluster(LLAMA, "h100", **JOB, runs_on="torchtitan" if export else "pipeloom").best
+    assert chosen == str(runtime.layout) != str(fastest.layout)
+    where = "torchtitan" if export else "pipeloom's runtime"
+    slower = f"{runtime.step_time / fastest.step_time - 1:.1%}"
+    assert (f"note: the fastest layout, {fastest.layout} ({fastest.step_time:.3g} s a step as planned), is not the "
+            f"fastest in {where}: cp=2 (pipeloom's runtime does not run context parallelism yet); the plan above is, "
+            f"{slower} slower") in out
+    plan = load_plan(save)
+    assert (plan.num_ranks, plan.data_parallel, plan.tensor_parallel) == (runtime.layout.pp, runtime.layout.dp,
+                                                                          runtime.layout.tp)
+    assert max(plan.peak_memory) <= 12 * 2**30
+
+
+def test_save_refuses_in_one_line_when_no_layout_the_runtime_runs_can(tmp_path, capsys):
+    command, save = _command(tmp_path, "--layout", "cp=2")
+    assert main(command) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("pipeloom: error: cannot save a plan pipeloom's runtime runs: ")
+    assert "cp=2 (pipeloom's runtime does not run context parallelism yet)" in err[0] and not save.exists()
