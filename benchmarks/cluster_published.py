@@ -84,9 +84,12 @@ def options(run: dict) -> dict:
       ``tp_comm_overlap`` off; gpt-oss runs tp 1); Qwen3-235B-A22B's H100 recipe and gpt-oss-120b's GB200 one set
       ``moe_a2a_overlap`` (Megatron-Core's ``overlap_moe_expert_parallel_comm``); the gpt-oss recipes recompute
       ``recompute_modules=["layernorm", "moe_act"]``; Qwen3-30B-A3B's H100 recipe dispatches with Hybrid-EP
-      (``moe_flex_dispatcher_backend="hybridep"``), the other MoE recipes with Megatron-Core's all-to-all. The 26.08
+      (``moe_flex_dispatcher_backend="hybridep"``), as do NVIDIA's two BF16 runs of it in the skill's controlled
+      comparison (``mbridge-skill-``, the second with ``overlap_moe_expert_parallel_comm``), the other MoE recipes
+      with Megatron-Core's all-to-all. The 26.08
       release's MXFP8 rows (recipes in ``src/megatron/bridge/perf_recipes/`` at v0.6.0) all cast with Transformer
-      Engine's MXFP8 block scaling, dispatch with Hybrid-EP and overlap the all-to-all with
+      Engine's MXFP8 block scaling, dispatch with Hybrid-EP sync-free (``moe_expert_rank_capacity_factor`` 1.5, paged
+      stash, full-iteration CUDA graphs: ``moe_comm="hybridep-sync-free"``) and overlap the all-to-all with
       ``overlap_moe_expert_parallel_comm``; DeepSeek-V3's GB200 recipe recomputes ``mla_up_proj``, and the explicit
       16-stage pipeline layout both its recipes set is priced as written (the planner's own search cuts its own
       way, :func:`_plan`), with the precision-aware optimizer's bf16 moments their base recipe sets.
@@ -115,10 +118,10 @@ def options(run: dict) -> dict:
                                         "mbridge-gpt-oss-120b-gb200-bf16-64gpus"))
         if rid.startswith("mbridge-gpt-oss"):
             opts.update(selective="layernorm,moe_act")
-        if rid == "mbridge-qwen3-30b-a3b-h100-fp8-16gpus":
-            opts.update(moe_comm="hybridep")
+        if rid == "mbridge-qwen3-30b-a3b-h100-fp8-16gpus" or rid.startswith("mbridge-skill-qwen3-30b"):
+            opts.update(moe_comm="hybridep", moe_overlap=rid.endswith("-epoverlap"))
         if "-mxfp8-" in rid:
-            opts.update(fp8_cast="mxfp8", moe_comm="hybridep", moe_overlap=True)
+            opts.update(fp8_cast="mxfp8", moe_comm="hybridep-sync-free", moe_overlap=True)
             if rid.startswith("mbridge-deepseek-v3"):
                 opts.update(stage_cut="Et*4|(t*4|)*14tmL", selective="mla_up_proj", adam_moments="bf16")
     elif rid.startswith("megatron2021"):

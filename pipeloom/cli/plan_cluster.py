@@ -66,10 +66,12 @@ def _add_framework_options(group) -> None:
     group.add_argument("--cp-rotate", choices=("ring", "allgather"),
                        help="how context parallelism exchanges K/V: ring (Megatron-Core's, beside the compute; "
                             "default) or allgather (PyTorch's context_parallel, as torchtitan runs it)")
-    group.add_argument("--moe-comm", choices=("plain", "deepseek", "hybridep"), default="plain",
+    group.add_argument("--moe-comm", choices=("plain", "deepseek", "hybridep", "hybridep-sync-free"), default="plain",
                        help="the expert all-to-all: plain (default), deepseek (DeepSeek-V3's node-limited FP8 "
                             "dispatch with 20 SMs reserved for communication) or hybridep (NVIDIA's Hybrid-EP, "
-                            "Megatron-Core's flex dispatcher: each token once per other node, in bf16)")
+                            "Megatron-Core's flex dispatcher: each token once per other node, in bf16; priced as "
+                            "measured on H100, B200 and GB200), hybridep-sync-free without its calls' host "
+                            "synchronization (Megatron-Core's moe_expert_rank_capacity_factor)")
     group.add_argument("--moe-overlap", action="store_true",
                        help="each backward runs with the forward of another micro-batch its rank runs next, their "
                             "expert all-to-alls hidden under each other's compute (Megatron-Core's "

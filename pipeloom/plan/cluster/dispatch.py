@@ -37,23 +37,98 @@ def deepseek_all_to_all(job: Job, layout: Layout, local: int) -> float:
                                  remote=reach * (nodes - 1) / nodes, widths=(FP8_BYTES, 2.0))
 
 
-def hybridep_all_to_all(job: Job, layout: Layout, local: int) -> float:
-    """Seconds of one pass's dispatch and combine with NVIDIA's Hybrid-EP kernels (DeepEP's ``hybrid-ep``
+def hybridep_all_to_all(job: Job, layout: Layout, local: int) -> tuple[float, float]:
+    """Seconds of one pass's dispatch and combine with NVIDIA's Hybrid-EP kernels, and of them the calls' host
+    synchronization, which no compute beside them hides (the stream drains at it) (DeepSeek's DeepEP, ``hybrid-ep``
     branch, ``docs/Hybrid-EP_Implementation.md``; Megatron-Core's flex dispatcher with
     ``moe_flex_dispatcher_backend="hybridep"``): as DeepSeek-V3's, a token crosses InfiniBand once to each other
     node that holds any of its experts (to the GPU of its in-node index, whose RDMA buffer holds one copy per
-    token and remote node) and fans out over NVLink there; both ways in bf16 (its FP8 dispatch is an option the
-    recipes do not set). With uniform routing over ``E`` experts on ``D`` nodes, a token reaches each other node
-    with probability ``1 - C(E - E/D, k) / C(E, k)``. The SMs its kernels hold are priced where an overlapped pair
-    hides it (:func:`pair_slowdown`: the 32 Megatron-Bridge's recipes set); exposed, it runs alone."""
+    token and remote node) and fans out over NVLink there, once to each GPU holding any of its experts; both ways in
+    bf16 (its FP8 dispatch is an option the recipes do not set). Where the kernels were measured on the GPU type
+    and topology (:data:`HYBRIDEP_MEASURED`), each call is priced as measured: the kernel's rate on the bytes the
+    benchmark counts (:func:`_hybridep_bytes`) plus what a call through its torch API adds to the kernel (the
+    measured difference, a constant per call; not under ``hybridep-sync-free``, whose buffers are sized ahead and whose
+    calls wait for no host: Megatron-Core's sync-free experts); elsewhere the generic node-aware exchange
+    (:func:`~pipeloom.plan.cluster.efficiency.node_dispatch_seconds`), the token reaching each other node with
+    probability ``1 - C(E - E/D, k) / C(E, k)`` under uniform routing over ``E`` experts on ``D`` nodes. The SMs
+    its kernels hold are priced where an overlapped pair hides it (:func:`pair_slowdown`: the 32 Megatron-Bridge's
+    recipes set); exposed, it runs alone."""
     ex = job.spec.experts
     assert ex is not None
     r = domain_ranks(layout.ep, 1, job.hw)
     nodes = layout.ep // r
+    measured = _hybridep_measured(job.hw.name, layout.ep, nodes)
+    if measured is not None:
+        seconds = synchronized = 0.0
+        calls = _hybridep_bytes(_BENCH_TOKENS, _BENCH_HIDDEN, _BENCH_TOP_K, _BENCH_LOCAL * measured.ranks,
+                                measured.ranks, measured.ranks // _BENCH_NODE if nodes > 1 else 1)
+        ours = _hybridep_bytes(local, job.spec.hidden, ex.top_k, ex.count, layout.ep, nodes)
+        for kernel, api in ((measured.dispatch_kernel, measured.dispatch_api),
+                            (measured.combine_kernel, measured.combine_api)):
+            seconds += ours / (kernel * 1e9)
+            if job.moe_comm != "hybridep-sync-free":  # the call's host synchronization and flag updates
+                synchronized += calls / (api * 1e9) - calls / (kernel * 1e9)
+        return seconds + synchronized, synchronized
     per_node = ex.count // nodes
     missed = math.comb(ex.count - per_node, ex.top_k) / math.comb(ex.count, ex.top_k)
     return node_dispatch_seconds(job.hw, tokens=local, hidden=job.spec.hidden, top_k=ex.top_k, ranks=layout.ep,
-                                 remote=(nodes - 1) * (1 - missed), widths=(2.0, 2.0))
+                                 remote=(nodes - 1) * (1 - missed), widths=(2.0, 2.0)), 0.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class HybridEPRun:
+    """One row of the Hybrid-EP benchmark (:data:`HYBRIDEP_MEASURED`): GB/s as the benchmark counts bytes
+    (:func:`_hybridep_bytes`), of the kernels alone (profiler kernel time) and through the torch API (each call's
+    time, with its device synchronization and flag updates), bf16 both ways."""
+
+    ranks: int
+    dispatch_kernel: float
+    combine_kernel: float
+    dispatch_api: float
+    combine_api: float
+
+
+HYBRIDEP_MEASURED: dict[str, tuple[bool, tuple[HybridEPRun, ...]]] = {
+    "h100": (True, (HybridEPRun(16, 71.71, 62.95, 54.47, 53.35), HybridEPRun(32, 57.69, 57.46, 47.36, 52.53),
+                    HybridEPRun(64, 49.97, 49.77, 41.24, 46.57))),
+    "b200": (False, (HybridEPRun(8, 734.95, 673.84, 535.94, 530.86),)),
+    "gb200": (False, (HybridEPRun(8, 764.03, 737.13, 545.71, 568.94), HybridEPRun(16, 706.95, 666.26, 523.48, 521.55),
+                      HybridEPRun(24, 665.97, 639.80, 507.32, 483.76), HybridEPRun(32, 642.23, 605.15, 484.22, 464.54),
+                      HybridEPRun(36, 632.31, 596.99, 479.02, 447.89))),
+}
+"""Hybrid-EP's published benchmark (DeepEP ``hybrid-ep`` branch, ``docs/README_Hybrid-EP.md`` at 17cfb81, May 2026,
+"Performance Results"; ``tests/test_hybrid_ep.py``) by GPU type: whether its ranks were across nodes, and its runs.
+4,096 tokens a rank of hidden 7,168, top 8 of 8 experts a rank, uniform random routing, bf16. H100: across 2, 4 and
+8 nodes of 8 (InfiniBand; 16 SMs, the most measured); B200: 8 GPUs in one node (NVLink; 16 SMs, the only count
+given for Hybrid-EP); GB200: 8 to 36 GPUs of an NVL72 (multi-node NVLink; 32 SMs, as Megatron-Bridge's recipes set)."""
+_BENCH_TOKENS, _BENCH_HIDDEN, _BENCH_TOP_K, _BENCH_LOCAL, _BENCH_NODE = 4096, 7168, 8, 8, 8
+_HYBRIDEP_SAME = {"h200": "h100", "gb300": "gb200"}
+"""GPU types priced with another's measurement: the H200 has the H100's NVLink and the same NICs in its HGX nodes; the
+GB300 NVL72 the GB200's NVLink domain."""
+
+
+def _hybridep_measured(gpu: str, ep: int, nodes: int) -> HybridEPRun | None:
+    """The run measured on ``gpu``'s type closest to ``ep`` ranks in log scale, where it was measured on the same
+    topology (across nodes where ``nodes > 1``, inside one scale-up domain otherwise); None where it was not."""
+    across, runs = HYBRIDEP_MEASURED.get(_HYBRIDEP_SAME.get(gpu, gpu), (False, ()))
+    if not runs or across != (nodes > 1):
+        return None
+    return min(runs, key=lambda run: abs(math.log(run.ranks / ep)))
+
+
+def _hybridep_bytes(tokens: float, hidden: int, top_k: int, experts: int, ranks: int, nodes: int) -> float:
+    """Bytes one rank's Hybrid-EP call moves as its benchmark counts them (bf16): across ``nodes`` nodes, its tokens
+    once to every node holding any of their experts, its own included (``count_rdma_send_from_routing_map``);
+    inside one domain (``nodes`` 1), the tokens it receives, once per token and rank holding any of its experts
+    (the dispatched tensor); under uniform routing."""
+    if nodes > 1:
+        return tokens * nodes * _reach(experts, experts // nodes, top_k) * hidden * 2.0
+    return ranks * tokens * _reach(experts, experts // ranks, top_k) * hidden * 2.0
+
+
+def _reach(experts: int, held: int, top_k: int) -> float:
+    """The chance that a token's ``top_k`` of ``experts`` (uniform, without repeats) include one of ``held``."""
+    return 1.0 - math.comb(experts - held, top_k) / math.comb(experts, top_k)
 
 
 HYBRIDEP_SMS = 32
@@ -71,7 +146,7 @@ def pair_slowdown(job: Job) -> float:
     :func:`~pipeloom.plan.cluster.efficiency.hidden_cost`)."""
     if job.moe_comm == "deepseek":
         return 0.0
-    if job.moe_comm == "hybridep":
+    if job.moe_comm.startswith("hybridep"):
         return min(1.0, HYBRIDEP_SMS / job.hw.sm_count)
     return hidden_cost(job.hw, 1.0)
 

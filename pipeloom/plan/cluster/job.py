@@ -29,7 +29,7 @@ FP8_CASTS = ("cached", "dynamic", "current", "mxfp8")
 """How FP8 GEMMs cast their inputs (:attr:`Job.fp8_cast`)."""
 CP_ROTATE = ("ring", "allgather")
 """How context parallelism exchanges K/V (:attr:`Job.cp_rotate`)."""
-MOE_COMM = ("plain", "deepseek", "hybridep")
+MOE_COMM = ("plain", "deepseek", "hybridep", "hybridep-sync-free")
 """How the expert all-to-all is run (:attr:`Job.moe_comm`)."""
 GRAD_REDUCE = {"bf16": 2, "fp32": 4}
 """The data types the gradient reduce-scatter may move (:attr:`Job.grad_reduce`), and their bytes."""
@@ -186,7 +186,8 @@ class Job:
     ``deepseek`` (DeepSeek-V3's kernels: :func:`~pipeloom.plan.cluster.dispatch.deepseek_all_to_all`, with 20 SMs
     reserved, :func:`~pipeloom.plan.cluster.dispatch.compute_share`) or ``hybridep`` (NVIDIA's Hybrid-EP kernels,
     Megatron-Core's flex dispatcher: each token once per other node, in bf16:
-    :func:`~pipeloom.plan.cluster.dispatch.hybridep_all_to_all`)."""
+    :func:`~pipeloom.plan.cluster.dispatch.hybridep_all_to_all`), ``hybridep-sync-free`` without its calls' host
+    synchronization (Megatron-Core's sync-free experts: ``moe_expert_rank_capacity_factor``)."""
     p2p_overlap: bool = True
     """Pipeline sends run beside the ranks' compute (Megatron-Core, torch.distributed.pipelining: the replay's
     latency between stages); False: each stage's output and input-gradient exchange blocks the rank for the
@@ -267,7 +268,7 @@ class Job:
                    ("cp_rotate", CP_ROTATE, "'ring' (Megatron-Core's K/V ring) or 'allgather' (PyTorch's "
                                             "context_parallel, as torchtitan runs it)"),
                    ("moe_comm", MOE_COMM, "'plain', 'deepseek' (DeepSeek-V3's all-to-all kernels) or 'hybridep' "
-                    "(NVIDIA's Hybrid-EP kernels)"),
+                    "(NVIDIA's Hybrid-EP kernels; 'hybridep-sync-free' without their host synchronization)"),
                    ("grad_reduce", tuple(GRAD_REDUCE), "'bf16' or 'fp32' (gradients reduce-scattered in float32, "
                                                        "torchtitan's default)"),
                    ("adam_moments", tuple(ADAM_MOMENTS), "'fp32' or 'bf16' (Megatron-Core's precision-aware "

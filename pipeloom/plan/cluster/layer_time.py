@@ -254,7 +254,7 @@ def _moe_times(job: Job, layout: Layout, tokens: int) -> PhaseTimes:
     each tp rank routes its sequence-parallel share of the tokens) on the tokens the all-to-all brings,
     and the dispatch and combine all-to-alls over the ep ranks in both passes
     (:func:`pipeloom.plan.tp.all_to_all.moe_exchanges`: rows, routing weights, ids and counts; their seconds
-    also as ``f_comm`` / ``i_comm``: what an overlapped pair may hide)."""
+    also as ``f_comm`` / ``i_comm``: what an overlapped pair may hide, all but Hybrid-EP's host synchronization)."""
     spec, hw, tp, ep = job.spec, job.hw, layout.tp, layout.ep
     ex = spec.experts
     assert ex is not None
@@ -265,11 +265,12 @@ def _moe_times(job: Job, layout: Layout, tokens: int) -> PhaseTimes:
     experts_here = ex.count // ep
     per_expert = local * ex.top_k // experts_here  # balanced routing: each local expert's tokens
     parts.append(_price(job, _mlp(spec, ex.intermediate, 1, gated=True), per_expert, count=experts_here))
-    a2a = {"F": 0.0, "I": 0.0}
+    a2a, held = {"F": 0.0, "I": 0.0}, 0.0  # held: of each pass's, what no compute beside it hides
     if ep > 1 and job.moe_comm == "deepseek":
         a2a["F"] = a2a["I"] = deepseek_all_to_all(job, layout, local)
-    elif ep > 1 and job.moe_comm == "hybridep":
-        a2a["F"] = a2a["I"] = hybridep_all_to_all(job, layout, local)
+    elif ep > 1 and job.moe_comm.startswith("hybridep"):
+        a2a["F"], held = hybridep_all_to_all(job, layout, local)
+        a2a["I"] = a2a["F"]
     elif ep > 1:  # the runtime's all-to-alls of this GPU's tokens (16-bit rows and weights)
         exchanges = moe_exchanges(tokens=local, hidden=spec.hidden, top_k=ex.top_k, ep=ep, dtype_bytes=2,
                                   experts=ex.count)
@@ -277,7 +278,8 @@ def _moe_times(job: Job, layout: Layout, tokens: int) -> PhaseTimes:
         a2a = {phase: sum(collective_seconds(hw, "all_to_all", e.bytes, ep, ranks_per_domain=per_domain)
                           for e in exchanges if e.phase == phase) for phase in ("F", "I")}
     times = add_times(*parts)
-    return PhaseTimes(f=times.f + a2a["F"], i=times.i + a2a["I"], w=times.w, f_comm=a2a["F"], i_comm=a2a["I"])
+    return PhaseTimes(f=times.f + a2a["F"], i=times.i + a2a["I"], w=times.w, f_comm=a2a["F"] - held,
+                      i_comm=a2a["I"] - held)
 
 
 def _deepseek_recompute(job: Job, tokens: int, tp: int, kind: str) -> float:
