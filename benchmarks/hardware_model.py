@@ -9,12 +9,17 @@ docs/cluster-plan.md ('Hardware').
 
 from __future__ import annotations
 
+import math
+
+from pipeloom.plan.cluster.dispatch import HYBRIDEP_MEASURED, hybridep_bytes
 from pipeloom.plan.cluster.efficiency import (
     attention_flops,
     attention_seconds,
     collective_seconds,
+    domain_ranks,
     gemm_efficiency,
     gemm_seconds,
+    node_dispatch_seconds,
 )
 from pipeloom.plan.cluster.gpus import hardware, hardware_names
 from pipeloom.plan.cluster.job import Job
@@ -33,6 +38,8 @@ _SDPA_919 = ("NVIDIA cudnn-frontend SDPA training benchmark at fb682ce, cuDNN 9.
 _NCCL8 = "nccl-tests busbw at large sizes (docs.alayanew.com nccl-tests guide)"
 _NCCL16 = "nccl-tests busbw, 2+ nodes NVLink + NDR IB (saturncloud.io NCCL validation guide)"
 _FLA = "fla README 'Benchmarks' (chunk_gdn, one GB200, bf16, do_bench median; measured at fla 0a48470)"
+_HEP = ("DeepEP hybrid-ep branch, docs/README_Hybrid-EP.md at 17cfb81 (torch API, 4,096 tokens of 7,168, top 8 of 8 "
+        "experts a rank, bf16)")
 
 
 def _gemm(name: str, m: int, n: int, k: int, dtype: str = "bf16") -> float:
@@ -70,6 +77,21 @@ def _busbw(name: str, ranks: int, per_domain: int) -> float:
     nbytes = 2**33  # 8 GiB, the large end of nccl-tests sweeps
     return 2 * (ranks - 1) / ranks * nbytes / collective_seconds(hardware(name), "all_reduce", nbytes, ranks,
                                                                     ranks_per_domain=per_domain) / 1e9
+
+
+def _hybridep(name: str, ranks: int, measured: bool) -> float:
+    """Milliseconds of one Hybrid-EP dispatch and combine at its benchmark's shape on ``ranks`` GPUs: as measured
+    through its torch API (``measured``), or as the generic node-aware exchange prices it (what the planner uses where
+    nothing was measured: :func:`~pipeloom.plan.cluster.dispatch.hybridep_all_to_all`)."""
+    hw = hardware(name)
+    nodes = ranks // domain_ranks(ranks, 1, hw)
+    reach = 1 - math.comb(8 * ranks - 8 * ranks // nodes, 8) / math.comb(8 * ranks, 8)
+    if not measured:
+        return 1e3 * node_dispatch_seconds(hw, tokens=4096, hidden=7168, top_k=8, ranks=ranks,
+                                           remote=(nodes - 1) * reach, widths=(2.0, 2.0))
+    run = next(run for run in HYBRIDEP_MEASURED[name][1] if run.ranks == ranks)
+    nbytes = hybridep_bytes(4096, 7168, 8, 8 * ranks, ranks, nodes)
+    return 1e3 * (nbytes / (run.dispatch_api * 1e9) + nbytes / (run.combine_api * 1e9))
 
 
 REFERENCES = [
@@ -125,6 +147,11 @@ REFERENCES = [
      "yes (head dim 256; the rate is head dim 128's)"),
     ("GB200 GDN fwd 4x2048 tok, 16 heads of 128", "ms", lambda: _gdn(4, 2048, 16, 128), (0.753, 0.753), _FLA,
      "yes (small: the benchmark's ~0.6 ms launch cost, not priced)"),
+    *((f"{name.upper()} x{ranks} Hybrid-EP, the generic exchange", "ms", lambda name=name, ranks=ranks: _hybridep(
+        name, ranks, False), (round(_hybridep(name, ranks, True), 3),) * 2, _HEP,
+       "yes (the planner prices these GPUs from the measurement itself)")
+      for name, ranks in (("h100", 16), ("h100", 32), ("h100", 64), ("b200", 8), ("gb200", 8), ("gb200", 16),
+                          ("gb200", 32))),
     ("8x A100 all-reduce in one node", "GB/s busbw", lambda: _busbw("a100-80gb", 8, 8), (230.0, 250.0), _NCCL8,
      "no: sets scale_up_efficiency"),
     ("8x H100 all-reduce in one node", "GB/s busbw", lambda: _busbw("h100", 8, 8), (460.0, 480.0), _NCCL8,

@@ -14,8 +14,8 @@ from pipeloom.plan.cluster.job import Job
 from pipeloom.plan.cluster.layout import Layout
 from pipeloom.plan.cluster.recompute import FP8_BYTES
 
-__all__ = ["deepseek_all_to_all", "hybridep_all_to_all", "compute_hardware", "compute_share", "pair_slowdown",
-           "HYBRIDEP_SMS"]
+__all__ = ["deepseek_all_to_all", "hybridep_all_to_all", "hybridep_bytes", "compute_hardware", "compute_share",
+           "pair_slowdown", "HybridEPRun", "HYBRIDEP_MEASURED", "HYBRIDEP_SMS"]
 
 
 def deepseek_all_to_all(job: Job, layout: Layout, local: int) -> float:
@@ -46,7 +46,7 @@ def hybridep_all_to_all(job: Job, layout: Layout, local: int) -> tuple[float, fl
     token and remote node) and fans out over NVLink there, once to each GPU holding any of its experts; both ways in
     bf16 (its FP8 dispatch is an option the recipes do not set). Where the kernels were measured on the GPU type
     and topology (:data:`HYBRIDEP_MEASURED`), each call is priced as measured: the kernel's rate on the bytes the
-    benchmark counts (:func:`_hybridep_bytes`) plus what a call through its torch API adds to the kernel (the
+    benchmark counts (:func:`hybridep_bytes`) plus what a call through its torch API adds to the kernel (the
     measured difference, a constant per call; not under ``hybridep-sync-free``, whose buffers are sized ahead and whose
     calls wait for no host: Megatron-Core's sync-free experts); elsewhere the generic node-aware exchange
     (:func:`~pipeloom.plan.cluster.efficiency.node_dispatch_seconds`), the token reaching each other node with
@@ -60,9 +60,9 @@ def hybridep_all_to_all(job: Job, layout: Layout, local: int) -> tuple[float, fl
     measured = _hybridep_measured(job.hw.name, layout.ep, nodes)
     if measured is not None:
         seconds = synchronized = 0.0
-        calls = _hybridep_bytes(_BENCH_TOKENS, _BENCH_HIDDEN, _BENCH_TOP_K, _BENCH_LOCAL * measured.ranks,
+        calls = hybridep_bytes(_BENCH_TOKENS, _BENCH_HIDDEN, _BENCH_TOP_K, _BENCH_LOCAL * measured.ranks,
                                 measured.ranks, measured.ranks // _BENCH_NODE if nodes > 1 else 1)
-        ours = _hybridep_bytes(local, job.spec.hidden, ex.top_k, ex.count, layout.ep, nodes)
+        ours = hybridep_bytes(local, job.spec.hidden, ex.top_k, ex.count, layout.ep, nodes)
         for kernel, api in ((measured.dispatch_kernel, measured.dispatch_api),
                             (measured.combine_kernel, measured.combine_api)):
             seconds += ours / (kernel * 1e9)
@@ -78,7 +78,7 @@ def hybridep_all_to_all(job: Job, layout: Layout, local: int) -> tuple[float, fl
 @dataclasses.dataclass(frozen=True, slots=True)
 class HybridEPRun:
     """One row of the Hybrid-EP benchmark (:data:`HYBRIDEP_MEASURED`): GB/s as the benchmark counts bytes
-    (:func:`_hybridep_bytes`), of the kernels alone (profiler kernel time) and through the torch API (each call's
+    (:func:`hybridep_bytes`), of the kernels alone (profiler kernel time) and through the torch API (each call's
     time, with its device synchronization and flag updates), bf16 both ways."""
 
     ranks: int
@@ -116,7 +116,7 @@ def _hybridep_measured(gpu: str, ep: int, nodes: int) -> HybridEPRun | None:
     return min(runs, key=lambda run: abs(math.log(run.ranks / ep)))
 
 
-def _hybridep_bytes(tokens: float, hidden: int, top_k: int, experts: int, ranks: int, nodes: int) -> float:
+def hybridep_bytes(tokens: float, hidden: int, top_k: int, experts: int, ranks: int, nodes: int) -> float:
     """Bytes one rank's Hybrid-EP call moves as its benchmark counts them (bf16): across ``nodes`` nodes, its tokens
     once to every node holding any of their experts, its own included (``count_rdma_send_from_routing_map``);
     inside one domain (``nodes`` 1), the tokens it receives, once per token and rank holding any of its experts
