@@ -260,24 +260,25 @@ def _runnable(args: argparse.Namespace, result, options: dict) -> tuple:
         return result, []
     runs_on = args.export or "pipeloom"
     where = "torchtitan" if args.export else "pipeloom's runtime"
+    best = result.best
     try:
         runnable = plan_cluster(args.model, args.hardware, **options, runs_on=runs_on)
     except NoLayoutFits as refusal:
-        raise UsageError(f"cannot save a plan {where} runs: {str(refusal).splitlines()[0]}") from None
-    best = result.best
+        raise UsageError(f"cannot save a plan {where} runs: {str(refusal).splitlines()[0]} (planned for any runtime, "
+                         f"the fastest layout is {best.layout}, {best.step_time:.3f} s a step)") from None
     if str(runnable.best.layout) == str(best.layout):
         return runnable, []
     job, blocked = for_runtime(result.job, runs_on)
     assert blocked is not None
     why = blocked(best.layout)
     if why is None:
-        there = Estimator(job).estimate(best.layout)
+        priced = Estimator(job).estimate(best.layout)
         limit = result.memory_limit
-        why = (f"there it needs {there.memory.total / 2**30:.1f} GiB per GPU, over the {limit / 2**30:.1f} GiB limit"
-               if there.memory.total > limit else f"there it takes {there.step_time:.3g} s a step")
-    slower = runnable.best.step_time / best.step_time - 1
-    return runnable, [f"note: the fastest layout, {best.layout} ({best.step_time:.3g} s a step as planned), is not "
-                      f"the fastest in {where}: {why}; the plan above is, {slower:.1%} slower"]
+        why = (f"there it needs {priced.memory.total / 2**30:.1f} GiB per GPU, over the {limit / 2**30:.1f} GiB limit"
+               if priced.memory.total > limit else f"there it takes {priced.step_time:.3f} s a step")
+    there = runnable.best.step_time
+    return runnable, [f"note: the fastest layout as planned, {best.layout} ({best.step_time:.3f} s a step), is not "
+                      f"the fastest in {where}: {why}; the plan above is ({there:.3f} s a step there)"]
 
 
 def _framework(args: argparse.Namespace) -> dict:
