@@ -1,7 +1,8 @@
 """The expert dispatch and combine of one pass with node-aware kernels, which send a token across the NICs once per
 node it is routed to and fan it out over NVLink there: DeepSeek-V3's (FP8 dispatch, group-limited reach) and NVIDIA's
-Hybrid-EP (bf16), and what their kernels take from the compute beside them (:func:`compute_hardware`,
-:func:`pair_slowdown`). The plain all-to-all is :func:`pipeloom.plan.tp.all_to_all.moe_exchanges`."""
+Hybrid-EP (bf16; as its published benchmark measured it, where it did), and what their kernels take from the compute
+beside them (:func:`compute_hardware`, :func:`pair_slowdown`). The plain all-to-all is
+:func:`pipeloom.plan.tp.all_to_all.moe_exchanges`."""
 
 from __future__ import annotations
 
