@@ -233,7 +233,10 @@ def cmd_plan_cluster(args: argparse.Namespace) -> int:
     finally:
         if progress is not None:
             print("\r\033[K", end="", file=sys.stderr, flush=True)
-    written = [*moved, *_unused(args, result.job, result.best.layout), *(_save(args, result) if args.save else [])]
+    unused = _unused(args, result.job, result.best.layout)
+    if result.runs_on == "pipeloom":  # its expert exchange is its own: said in ``moved``
+        unused = [note for note in unused if "--moe-" not in note]
+    written = [*moved, *unused, *(_save(args, result) if args.save else [])]
     training = result.training(args.tokens) if args.tokens else None
     if args.json:
         print(json.dumps({**result.as_dict(), **({"training": training} if training else {})}, indent=2))
@@ -246,39 +249,47 @@ def cmd_plan_cluster(args: argparse.Namespace) -> int:
 
 
 def _runnable(args: argparse.Namespace, result, options: dict) -> tuple:
-    """``--save``: the fastest layout the plan's runtime (pipeloom's, or torchtitan with ``--export``) runs, priced as
-    it holds a layout's state (:func:`~pipeloom.plan.cluster.runtime_plan.for_runtime`), planned again with the
-    same keys held, and where that is not ``result``'s layout the note that says why; ``result`` itself where the
-    whole layout was given (:func:`_save` saves it or refuses it, naming what stops it)."""
+    """``--save``: ``result``'s job planned again for the plan's runtime (pipeloom's, or torchtitan with ``--export``:
+    :func:`~pipeloom.plan.cluster.runtime_plan.for_runtime`), the same keys held: the layouts it runs, priced as it
+    holds and runs them; and, where that is not the fastest layout as planned, the note that says why. A whole layout
+    given that the runtime cannot run is left as planned (:func:`_save` refuses it, naming the keys that fix it)."""
     from pipeloom.plan.cluster.api import plan_cluster
     from pipeloom.plan.cluster.estimate import Estimator
     from pipeloom.plan.cluster.layout import LAYOUT_KEYS, parse_layout
     from pipeloom.plan.cluster.runtime_plan import for_runtime
     from pipeloom.plan.errors import NoLayoutFits
 
-    if set(parse_layout(args.layout or "")) >= set(LAYOUT_KEYS):
-        return result, []
     runs_on = args.export or "pipeloom"
     where = "torchtitan" if args.export else "pipeloom's runtime"
+    job, blocked = for_runtime(result.job, runs_on)
+    assert blocked is not None
     best = result.best
+    why = blocked(best.layout)
+    given = [flag for flag, on in ((f"--moe-comm {args.moe_comm}", args.moe_comm != "plain"),
+                                   ("--moe-overlap", args.moe_overlap)) if on]
+    plain = ([f"note: pipeloom's runtime exchanges the experts' tokens with all_to_all_single, one call after another: "
+              f"the plan is priced so, not with {' and '.join(given)}"] if given and runs_on == "pipeloom" else [])
+    if set(parse_layout(args.layout or "")) >= set(LAYOUT_KEYS):
+        return (result if why else plan_cluster(args.model, args.hardware, **options, runs_on=runs_on)), plain
     try:
         runnable = plan_cluster(args.model, args.hardware, **options, runs_on=runs_on)
     except NoLayoutFits as refusal:
         raise UsageError(f"cannot save a plan {where} runs: {str(refusal).splitlines()[0]} (planned for any runtime, "
                          f"the fastest layout is {best.layout}, {best.step_time:.3f} s a step)") from None
-    if str(runnable.best.layout) == str(best.layout):
-        return runnable, []
-    job, blocked = for_runtime(result.job, runs_on)
-    assert blocked is not None
-    why = blocked(best.layout)
-    if why is None:
-        priced = Estimator(job).estimate(best.layout)
-        limit = result.memory_limit
-        why = (f"there it needs {priced.memory.total / 2**30:.1f} GiB per GPU, over the {limit / 2**30:.1f} GiB limit"
-               if priced.memory.total > limit else f"there it takes {priced.step_time:.3f} s a step")
     there = runnable.best.step_time
-    return runnable, [f"note: the fastest layout as planned, {best.layout} ({best.step_time:.3f} s a step), is not "
-                      f"the fastest in {where}: {why}; the plan above is ({there:.3f} s a step there)"]
+    if str(runnable.best.layout) == str(best.layout):
+        return runnable, plain
+    if why is None:
+        priced, limit = Estimator(job).estimate(best.layout), result.memory_limit
+        if priced.memory.total <= limit and priced.step_time <= there * 1.001:
+            return runnable, plain  # as fast there as the plan: a tie the search broke otherwise
+        why = (f"it needs {priced.memory.total / 2**30:.1f} GiB per GPU, over the {limit / 2**30:.1f} GiB limit"
+               if priced.memory.total > limit else f"it takes {priced.step_time:.3f} s a step")
+    else:
+        why = f"it cannot run: {why}"
+    return runnable, [*plain, f"note: planned as asked, the fastest layout is {best.layout} ({best.step_time:.3f} s a "
+                      f"step); in {where} {why}; the plan above is the fastest there ({there:.3f} s a step as "
+                      f"{where} runs it)"]
 
 
 def _framework(args: argparse.Namespace) -> dict:
@@ -309,8 +320,8 @@ def _unused(args: argparse.Namespace, job, layout) -> list[str]:
                f"--selective {args.selective}", f"recompute={layout.recompute}"),
               (args.recompute_layers and layout.recompute != "full", f"--recompute-layers {args.recompute_layers}",
                f"recompute={layout.recompute}")]
-    return [f"note: {flag} changes nothing on the chosen layout, which runs {why}" for given, flag, why in unused
-            if given]
+    return [f"note: {flag} does not apply to the chosen layout, which runs {why} (it was priced where it applies)"
+            for given, flag, why in unused if given]
 
 
 def _save(args: argparse.Namespace, result) -> list[str]:
@@ -324,7 +335,7 @@ def _save(args: argparse.Namespace, result) -> list[str]:
         plan = saving.runtime_plan(result, export=args.export)
     except PlanError as error:  # what the layout or the export cannot run: the user's --layout to change
         raise UsageError(str(error)) from None
-    written, kept = [], None
+    written = []
     if args.export == "torchtitan":
         from pipeloom.schedules import build_schedule
 
@@ -333,11 +344,11 @@ def _save(args: argparse.Namespace, result) -> list[str]:
         recompute = saving.torchtitan_recompute(result.job, result.best.layout)
         assert recompute is not None, "runtime_plan refuses the export of a recomputation torchtitan has not"
         written.append(export_torchtitan(renamed, schedule, args.save, list(modules), recompute))
-        kept = saving.kept_over_limit(result)  # the export recomputes; pipeloom's runtime would not
     outputs = getattr(args, "outputs", None)
     save_plan(plan, outputs.path(args.save) if outputs is not None else args.save)
-    notes = [f"note: {note}" for note in saving.runtime_notes(result, kept=kept)]
-    runs = "pipeline(model, plan=...) runs it" if kept is None else "for torchtitan; pipeloom's runtime won't fit it"
+    notes = [f"note: {note}" for note in saving.runtime_notes(result)]
+    runs = ("pipeline(model, plan=...) runs it" if not args.export or saving.runtime_memory_note(result)[1]
+            else "for torchtitan; pipeloom's runtime won't run it as planned")
     return [f"wrote plan {args.save} ({runs})", *written, *notes]
 
 

@@ -116,8 +116,10 @@ def torchtitan_settings(plan: Plan, schedule: Schedule, csv_path: str | Path, *,
         "data_parallel_shard_degree": plan.data_parallel if plan.sharding == "fsdp" else 1,
         "tensor_parallel_degree": plan.tensor_parallel,
     }
-    training: dict[str, object] = {"local_batch_size": plan.global_batch // plan.data_parallel,
-                                   "global_batch_size": plan.global_batch}
+    # torchtitan splits a rank's local batch into micro-batches only under pipeline parallelism; without, it runs the
+    # local batch whole and accumulates gradients over global / (local x dp) of them: one micro-batch each
+    local = plan.global_batch // plan.data_parallel if plan.num_ranks > 1 else plan.microbatch_size
+    training: dict[str, object] = {"local_batch_size": local, "global_batch_size": plan.global_batch}
     return {"parallelism": parallelism, "training": training}
 
 

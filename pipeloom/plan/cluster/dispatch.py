@@ -51,29 +51,31 @@ def hybridep_all_to_all(job: Job, layout: Layout, local: int) -> tuple[float, fl
     measured difference, a constant per call; not under ``hybridep-sync-free``, whose buffers are sized ahead and whose
     calls wait for no host: Megatron-Core's sync-free experts); elsewhere the generic node-aware exchange
     (:func:`~pipeloom.plan.cluster.efficiency.node_dispatch_seconds`), the token reaching each other node with
-    probability ``1 - C(E - E/D, k) / C(E, k)`` under uniform routing over ``E`` experts on ``D`` nodes. The SMs
+    probability ``1 - C(E - E/D, k) / C(E, k)`` under uniform routing over ``E`` experts on ``D`` nodes, with the
+    synchronization measured on the GPU type's other topology (none for a type never measured). The SMs
     its kernels hold are priced where an overlapped pair hides it (:func:`pair_slowdown`: the 32 Megatron-Bridge's
     recipes set); exposed, it runs alone."""
     ex = job.spec.experts
     assert ex is not None
     r = domain_ranks(layout.ep, 1, job.hw)
     nodes = layout.ep // r
+    across, runs = HYBRIDEP_MEASURED.get(_HYBRIDEP_SAME.get(job.hw.name, job.hw.name), (False, ()))
+    nearest = min(runs, key=lambda run: abs(math.log(run.ranks / layout.ep)), default=None)  # on either topology
+    synchronized = 0.0
+    if nearest is not None and job.moe_comm != "hybridep-sync-free":  # each call's host synchronization
+        calls = hybridep_bytes(_BENCH_TOKENS, _BENCH_HIDDEN, _BENCH_TOP_K, _BENCH_LOCAL * nearest.ranks,
+                               nearest.ranks, nearest.ranks // _BENCH_NODE if across else 1)
+        synchronized = sum(calls / (api * 1e9) - calls / (kernel * 1e9) for kernel, api in (
+            (nearest.dispatch_kernel, nearest.dispatch_api), (nearest.combine_kernel, nearest.combine_api)))
     measured = _hybridep_measured(job.hw.name, layout.ep, nodes)
-    if measured is not None:
-        seconds = synchronized = 0.0
-        calls = hybridep_bytes(_BENCH_TOKENS, _BENCH_HIDDEN, _BENCH_TOP_K, _BENCH_LOCAL * measured.ranks,
-                                measured.ranks, measured.ranks // _BENCH_NODE if nodes > 1 else 1)
+    if measured is not None:  # measured on this topology: the kernels' rate
         ours = hybridep_bytes(local, job.spec.hidden, ex.top_k, ex.count, layout.ep, nodes)
-        for kernel, api in ((measured.dispatch_kernel, measured.dispatch_api),
-                            (measured.combine_kernel, measured.combine_api)):
-            seconds += ours / (kernel * 1e9)
-            if job.moe_comm != "hybridep-sync-free":  # the call's host synchronization and flag updates
-                synchronized += calls / (api * 1e9) - calls / (kernel * 1e9)
-        return seconds + synchronized, synchronized
-    per_node = ex.count // nodes
-    missed = math.comb(ex.count - per_node, ex.top_k) / math.comb(ex.count, ex.top_k)
-    return node_dispatch_seconds(job.hw, tokens=local, hidden=job.spec.hidden, top_k=ex.top_k, ranks=layout.ep,
-                                 remote=(nodes - 1) * (1 - missed), widths=(2.0, 2.0)), 0.0
+        kernels = ours / (measured.dispatch_kernel * 1e9) + ours / (measured.combine_kernel * 1e9)
+    else:
+        missed = math.comb(ex.count - ex.count // nodes, ex.top_k) / math.comb(ex.count, ex.top_k)
+        kernels = node_dispatch_seconds(job.hw, tokens=local, hidden=job.spec.hidden, top_k=ex.top_k,
+                                        ranks=layout.ep, remote=(nodes - 1) * (1 - missed), widths=(2.0, 2.0))
+    return kernels + synchronized, synchronized
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

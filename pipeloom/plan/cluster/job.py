@@ -182,12 +182,11 @@ class Job:
     block's compute: Megatron-Core / Transformer Engine) or ``allgather`` (PyTorch's ``context_parallel`` as
     torchtitan ran it: :func:`pipeloom.plan.cluster.context.context_parallel_core`)."""
     moe_comm: str = "plain"
-    """The expert all-to-all: ``plain`` (every routed copy of a token sent in bf16 to its expert's GPU) or
-    ``deepseek`` (DeepSeek-V3's kernels: :func:`~pipeloom.plan.cluster.dispatch.deepseek_all_to_all`, with 20 SMs
-    reserved, :func:`~pipeloom.plan.cluster.dispatch.compute_share`) or ``hybridep`` (NVIDIA's Hybrid-EP kernels,
-    Megatron-Core's flex dispatcher: each token once per other node, in bf16:
-    :func:`~pipeloom.plan.cluster.dispatch.hybridep_all_to_all`), ``hybridep-sync-free`` without its calls' host
-    synchronization (Megatron-Core's sync-free experts: ``moe_expert_rank_capacity_factor``)."""
+    """The expert all-to-all: ``plain`` (every routed copy of a token sent in bf16 to its expert's GPU), ``deepseek``
+    (DeepSeek-V3's kernels, 20 SMs reserved: :func:`~pipeloom.plan.cluster.dispatch.deepseek_all_to_all`),
+    ``hybridep`` (NVIDIA's Hybrid-EP, Megatron-Core's flex dispatcher: :func:`~pipeloom.plan.cluster.dispatch.
+    hybridep_all_to_all`) or ``hybridep-sync-free`` (without its calls' host synchronization: Megatron-Core's
+    sync-free experts, ``moe_expert_rank_capacity_factor``)."""
     p2p_overlap: bool = True
     """Pipeline sends run beside the ranks' compute (Megatron-Core, torch.distributed.pipelining: the replay's
     latency between stages); False: each stage's output and input-gradient exchange blocks the rank for the
@@ -369,8 +368,7 @@ class Job:
         return self.moe_overlap and layout.ep > 1 and (layout.pp == 1 or layout.schedule == "interleaved-1f1b")
 
     def _check_applies(self) -> None:
-        """LayoutError for a framework choice this job has nothing to apply to (it would change nothing, or price
-        what the framework does not do)."""
+        """LayoutError for a framework choice with nothing to apply to here, or that this GPU cannot run."""
         idle = idle_modules(self.spec, megatron_modules(self.selective))
         if idle:
             raise LayoutError(f"selective={self.selective!r}: " + "; ".join(
@@ -392,9 +390,11 @@ class Job:
             raise LayoutError(f"fp8_cast='mxfp8' needs tensor cores that scale FP8 per block of 32 (Blackwell: b200, "
                               f"gb200, gb300); {self.hw.name} has none (its hardware description's mxfp8 is false): "
                               "use --fp8-cast current or cached there")
-        if self.moe_overlap and self.spec.experts is None:
-            raise LayoutError(f"moe_overlap overlaps the expert all-to-all; the {self.spec.family} model has no "
-                              "experts: leave --moe-overlap out")
-        if self.moe_comm != "plain" and self.spec.experts is None:
-            raise LayoutError(f"moe_comm={self.moe_comm!r} prices the expert all-to-all; the {self.spec.family} "
-                              "model has no experts: leave --moe-comm out")
+        for flag, on, what in (("moe-overlap", self.moe_overlap, "moe_overlap overlaps"),
+                               ("moe-comm", self.moe_comm != "plain", f"moe_comm={self.moe_comm!r} prices")):
+            if on and self.spec.experts is None:
+                raise LayoutError(f"{what} the expert all-to-all; the {self.spec.family} model has no experts: "
+                                  f"leave --{flag} out")
+        if self.moe_comm.startswith("hybridep") and self.hw.name in ("a100-40gb", "a100-80gb", "mi300x"):
+            raise LayoutError(f"moe_comm={self.moe_comm!r}: NVIDIA's Hybrid-EP kernels need Hopper or Blackwell GPUs "
+                              f"(TMA; h100, h200, b200, gb200, gb300), not {self.hw.name}: use 'plain' there")

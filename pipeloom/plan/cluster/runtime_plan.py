@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 
 from pipeloom.errors import ArgumentError
 from pipeloom.plan.cluster.estimate import Estimator
-from pipeloom.plan.cluster.job import ADAM_MOMENTS, Job
-from pipeloom.plan.cluster.layout import Layout, optimizer_bytes
+from pipeloom.plan.cluster.job import Job
+from pipeloom.plan.cluster.layout import Layout
 from pipeloom.plan.cluster.model.spec import GDN_CHUNK
 from pipeloom.plan.errors import PlanError
 from pipeloom.plan.plan import Plan
@@ -23,8 +23,8 @@ if TYPE_CHECKING:
     from pipeloom.plan.cluster.api import ClusterPlan
 
 __all__ = ["LAYER_PREFIX", "FINAL_NORM", "split_point", "TORCHTITAN_MODELS", "RUNTIMES", "for_runtime",
-           "kept_over_limit", "layout_problems", "runtime_plan", "runtime_notes", "save_blockers", "torchtitan_plan",
-           "torchtitan_recompute"]
+           "layout_problems", "pipeloom_memory", "runtime_job", "runtime_memory_note", "runtime_plan", "runtime_notes",
+           "save_blockers", "torchtitan_plan", "torchtitan_recompute"]
 
 LAYER_PREFIX = {"gpt2": "transformer.h", "falcon": "transformer.h", "gpt_neox": "gpt_neox.layers"}
 """Where a ``transformers`` model of a family keeps its decoder layers (every other family: ``model.layers``)."""
@@ -69,17 +69,11 @@ def save_blockers(result: ClusterPlan, *, export: str | None = None) -> str | No
     layout = result.best.layout
     problems: list[tuple[str, dict[str, int | str]]] = []  # each with the layout keys that fix it ({}: none does)
     if result.best.memory.total > result.memory_limit:
-        problems.append((f"it needs {result.best.memory.total / 2**30:.1f} GiB per GPU, over the "
+        held = f" as {_RUNTIME_NAMES[result.runs_on]} holds its state" if result.runs_on else ""
+        problems.append((f"it needs {result.best.memory.total / 2**30:.1f} GiB per GPU{held}, over the "
                          f"{result.memory_limit / 2**30:.1f} GiB limit, so a saved plan would not run (leave some "
                          "keys to the search, or raise --memory-limit)", {}))
     problems += layout_problems(result.job, layout, export=export)
-    kept = kept_over_limit(result) if not export and result.best.memory.total <= result.memory_limit else None
-    if kept is not None:  # the torchtitan export sets torchtitan's recomputation: only pipeloom's runtime is refused
-        export_fits = save_blockers(result, export="torchtitan") is None
-        problems.append((f"recompute={layout.recompute}: pipeloom's runtime keeps every activation, and this layout "
-                         f"needs {kept / 2**30:.1f} GiB per GPU so, over the {result.memory_limit / 2**30:.1f} GiB "
-                         "limit (search with --layout recompute=none for a plan it fits"
-                         + (", or add --export torchtitan, which recomputes as planned)" if export_fits else ")"), {}))
     if not problems:
         return None
     fixes = {key: value for _, keys in problems for key, value in keys.items()}
@@ -101,13 +95,17 @@ def layout_problems(job: Job, layout: Layout, *, export: str | None = None) -> l
     family = job.spec.family
     problems: list[tuple[str, dict[str, int | str]]] = []
     if layout.cp > 1:
-        problems.append((f"cp={layout.cp} (pipeloom's runtime does not run context parallelism yet)", {"cp": 1}))
+        why = "the torchtitan export writes no context parallelism yet" if export else ("pipeloom's runtime does not "
+                                                                                        "run context parallelism yet")
+        problems.append((f"cp={layout.cp} ({why})", {"cp": 1}))
+    if export == "torchtitan":
+        return problems + _torchtitan_problems(job, layout)
     if layout.ep > 1 and (layout.tp > 1 or layout.fsdp):
         off: dict[str, int | str] = {key: value for key, value, now in (("tp", 1, layout.tp > 1),
                                                                        ("fsdp", 0, layout.fsdp)) if now}
         problems.append((f"ep={layout.ep} with tp={layout.tp}, fsdp={int(layout.fsdp)} (the runtime runs ep with tp=1 "
                          "and fsdp=0 only)", off))
-    if layout.ep > 1 and family in _DENSE_EXPERTS and not export:
+    if layout.ep > 1 and family in _DENSE_EXPERTS:
         problems.append((f"ep={layout.ep} on {family} (transformers' model runs every expert on every token, with no "
                          "forward(hidden_states, top_k_index, top_k_weights) for the runtime's expert parallelism to "
                          "dispatch to)", {"ep": 1}))
@@ -115,8 +113,10 @@ def layout_problems(job: Job, layout: Layout, *, export: str | None = None) -> l
         problems.append((f"tp={layout.tp} on {family} (the tensor-parallel recipe by module name is written for "
                          f"{', '.join(_TP_FAMILIES)}; or pass pipeline(..., parallel=Parallelism(tp_plan=...)) with a "
                          "plan of your own)", {"tp": 1}))
-    if export == "torchtitan":
-        problems += _torchtitan_problems(job, layout)
+    if layout.recompute != "none":
+        there = not [text for text, _ in _torchtitan_problems(job, layout)]
+        problems.append((f"recompute={layout.recompute} (pipeloom's runtime keeps every activation"
+                         + ("; --export torchtitan recomputes as planned)" if there else ")"), {"recompute": "none"}))
     return problems
 
 
@@ -144,11 +144,15 @@ RUNTIMES = ("pipeloom", "torchtitan")
 """What a plan can be searched for (:func:`for_runtime`): pipeloom's runtime, or the torchtitan export."""
 
 
+_RUNTIME_NAMES = {"pipeloom": "pipeloom's runtime", "torchtitan": "torchtitan"}
+
+
 def for_runtime(job: Job, runs_on: str | None) -> tuple[Job, Callable[[Layout], str | None] | None]:
-    """``job`` as ``runs_on`` (:data:`RUNTIMES`; None: as planned) holds a layout's state, and the search's filter of
+    """``job`` as ``runs_on`` (:data:`RUNTIMES`; None: as planned) holds and runs a layout, and the search's filter of
     the layouts it cannot run: a layout's problems in one line (:func:`layout_problems`), None where it runs.
-    pipeloom's runtime keeps every activation, so there a layout that recomputes is refused too: its twin without
-    recomputation is what the runtime would run, and is searched in its place."""
+    pipeloom's runtime keeps every activation (a layout that recomputes is refused: its twin without recomputation is
+    what the runtime would run, and is searched in its place) and exchanges experts with ``all_to_all_single``
+    calls one after another (the plain all-to-all, exposed)."""
     if runs_on is None:
         return job, None
     if runs_on not in RUNTIMES:
@@ -156,26 +160,25 @@ def for_runtime(job: Job, runs_on: str | None) -> tuple[Job, Callable[[Layout], 
     export = None if runs_on == "pipeloom" else runs_on
 
     def blocked(layout: Layout) -> str | None:
-        problems = [text for text, _ in layout_problems(job, layout, export=export)]
-        if export is None and layout.recompute != "none":
-            problems.append(f"recompute={layout.recompute} (pipeloom's runtime keeps every activation)")
-        return "; ".join(problems) or None
+        return "; ".join(text for text, _ in layout_problems(job, layout, export=export)) or None
 
-    # a torch optimizer beside DDP holds its state whole on every replica; pipeloom's FSDP keeps a stage whole from its
-    # first forward to the step's end, one stage too (pipeloom.runtime.parallel.fsdp), and no gradient sharded
-    held = (dataclasses.replace(job, distributed_optimizer=False, fsdp_per_layer=False, shard_gradients=False)
-            if export is None else dataclasses.replace(job, distributed_optimizer=False))
-    return held, blocked
+    return runtime_job(job, runs_on), blocked
 
 
-def kept_over_limit(result: ClusterPlan) -> float | None:
-    """Bytes per GPU the chosen layout needs with every activation kept (as pipeloom's runtime keeps them), where
-    that is over the memory limit; None where it fits or the layout recomputes nothing."""
-    layout = result.best.layout
-    if layout.recompute == "none":
-        return None
-    kept = Estimator(result.job).estimate(dataclasses.replace(layout, recompute="none")).memory.total
-    return kept if kept > result.memory_limit else None
+def runtime_job(job: Job, runs_on: str) -> Job:
+    """``job`` priced as ``runs_on`` holds and runs a layout: a torch optimizer beside DDP holds Adam's state whole on
+    every replica; pipeloom's FSDP keeps a stage whole from its first forward to the step's end, one stage too
+    (:mod:`pipeloom.runtime.parallel.fsdp`), no gradient sharded, and its expert all-to-alls plain and exposed."""
+    if runs_on == "pipeloom":
+        return dataclasses.replace(job, distributed_optimizer=False, fsdp_per_layer=False, shard_gradients=False,
+                                   moe_comm="plain", moe_overlap=False)
+    return dataclasses.replace(job, distributed_optimizer=False)
+
+
+def pipeloom_memory(job: Job, layout: Layout) -> float:
+    """Bytes per GPU pipeloom's runtime needs for ``layout`` of ``job`` (its twin without recomputation, priced as
+    the runtime holds its state: :func:`runtime_job`)."""
+    return Estimator(runtime_job(job, "pipeloom")).estimate(dataclasses.replace(layout, recompute="none")).memory.total
 
 
 def runtime_plan(result: ClusterPlan, *, export: str | None = None) -> Plan:
@@ -209,18 +212,18 @@ def runtime_plan(result: ClusterPlan, *, export: str | None = None) -> Plan:
                 tensor_parallel=layout.tp, tp_plan=tp_plan, expert_parallel=layout.ep)
 
 
-def _runtime_state(result: ClusterPlan) -> str | None:
-    """What pipeloom's runtime holds beyond the plan's weights, gradients, optimizer state and buffers, with how much
-    more per GPU for the plan's mixed-precision Adam; None where it holds what the plan does. Without FSDP it keeps
-    the optimizer it is given whole on every data-parallel replica (:mod:`pipeloom.runtime.parallel.dp`), where the
-    plan shards the state over them (a distributed optimizer): 12 bytes per parameter. Its FSDP gathers a stage's
-    parameters at the stage's first forward and keeps them and their gradients whole until the step ends
-    (torch.distributed.pipelining's recipe, :mod:`pipeloom.runtime.parallel.fsdp`), where the plan on one stage
-    gathers a layer at a time; and it keeps gradients whole where the plan shards them (ZeRO-2). The runtime's is
-    the same layout's memory without FSDP and ZeRO-2."""
-    job, layout, planned = result.job, result.best.layout, result.best.memory
+def runtime_memory_note(result: ClusterPlan) -> tuple[str | None, bool]:
+    """What pipeloom's runtime holds beyond what ``result`` was priced with, and the bytes per GPU it then needs
+    (:func:`pipeloom_memory`, what its own search prices), in one note; None where it holds what the plan does (a plan
+    priced for it). And whether pipeloom's runtime runs the layout within the limit. Without FSDP it keeps the
+    optimizer it is given whole on every data-parallel replica (:mod:`pipeloom.runtime.parallel.dp`); its FSDP keeps a
+    stage's parameters and gradients whole from its first forward to the step's end
+    (:mod:`pipeloom.runtime.parallel.fsdp`); it keeps gradients whole, and every activation."""
+    job, layout = result.job, result.best.layout
     replicas = layout.state_groups[0]
     why = []
+    if layout.recompute != "none":
+        why.append(f"keeps every activation, where the plan recomputes ({layout.recompute})")
     if not layout.fsdp and replicas > 1 and job.distributed_optimizer:
         why.append("keeps the optimizer it is given whole on every data-parallel replica, where the plan shards its "
                    f"state over the {replicas} replicas (a distributed optimizer; fsdp=1 shards it there too)")
@@ -231,18 +234,14 @@ def _runtime_state(result: ClusterPlan) -> str | None:
     elif job.zero2(layout):
         why.append("keeps the gradients whole until the step ends, where the plan reduce-scatters them after every "
                    "micro-batch (--shard-gradients)")
+    runs = not [problem for problem in layout_problems(job, layout) if not problem[0].startswith("recompute=")]
     if not why:
-        return None
-    whole = Estimator(dataclasses.replace(job, shard_gradients=False)).estimate(
-        dataclasses.replace(layout, fsdp=False)).memory
-    state = optimizer_bytes(1.0, moment_bytes=ADAM_MOMENTS[job.adam_moments])[2]  # bytes a parameter, unsharded
-    optimizer = whole.optimizer if layout.fsdp else state / 2 * whole.weights  # per 2 bytes of weights, every replica
-    extra = (whole.weights + whole.gradients + whole.buffers + optimizer
-             - planned.weights - planned.gradients - planned.buffers - planned.optimizer)
-    need = planned.total + extra
-    over = f", over the {result.memory_limit / 2**30:.1f} GiB limit" if need > result.memory_limit else ""
-    return (f"pipeloom's runtime {'; it '.join(why)}: with the plan's mixed-precision Adam it needs "
-            f"{extra / 2**30:.1f} GiB more per GPU than predicted, {need / 2**30:.1f} GiB{over}")
+        return None, runs
+    need = pipeloom_memory(job, layout)
+    over = need > result.memory_limit
+    limit = f", over the {result.memory_limit / 2**30:.1f} GiB limit" if over else ""
+    return (f"pipeloom's runtime {'; it '.join(why)}: it needs {need / 2**30:.1f} GiB per GPU there, "
+            f"{result.best.memory.total / 2**30:.1f} GiB as planned{limit}"), runs and not over
 
 
 def _stage_times(estimator: Estimator, layout: Layout) -> tuple[float, ...]:
@@ -261,20 +260,11 @@ def torchtitan_recompute(job: Job, layout: Layout) -> str | None:
     return "op" if job.selective == "op" else None
 
 
-def runtime_notes(result: ClusterPlan, *, kept: float | None = None) -> list[str]:
-    """What the runtime runs differently from the plan's prediction (said next to a saved plan); ``kept``: the
-    bytes per GPU pipeloom's runtime would need where over the limit (:func:`kept_over_limit`; saved only for an
-    export that recomputes)."""
+def runtime_notes(result: ClusterPlan) -> list[str]:
+    """What the runtime runs differently from the plan's prediction (said next to a saved plan)."""
     layout = result.best.layout
     notes = []
-    if kept is not None:
-        notes.append(f"the plan fits only with recompute={layout.recompute}: pipeloom's runtime keeps every "
-                     f"activation and would need {kept / 2**30:.1f} GiB per GPU, over the "
-                     f"{result.memory_limit / 2**30:.1f} GiB limit; train it with the exported torchtitan settings")
-    elif layout.recompute != "none":
-        notes.append(f"the plan assumes recompute={layout.recompute}; pipeloom's runtime keeps every activation, so "
-                     "running it there needs more memory than predicted")
-    state = _runtime_state(result)
+    state = runtime_memory_note(result)[0]
     if state is not None:
         notes.append(state)
     if result.job.dtype != "bf16":

@@ -182,13 +182,18 @@ def _search(job: Job, fixed: dict[str, Any] | None, memory_limit: float | None, 
     estimator = Estimator(job)
     groups: dict[tuple[Any, ...], list[Layout]] = {}
     refusals: list[str] = []
+    barred: list[str] = []  # the first layout ``blocked`` refused, and why
     for layout in enumerate_layouts(job, fixed, refusals):
         why = blocked(layout) if blocked is not None else None
         if why is not None:
-            if not refusals:
-                refusals.append(f"{layout}: {why}")
+            if not barred:
+                barred.append(f"{layout}: {why}")
             continue
         groups.setdefault(_group_key(job, layout), []).append(layout)
+    if not groups and barred:
+        keys = f" with {_fixed_text(fixed)}" if fixed else ""
+        fix = "; change or drop the --layout keys that ask for it" if fixed else ""
+        raise NoLayoutFits(f"no layout of {job.spec.family} on {job.gpus} GPUs{keys} runs there: {barred[0]}{fix}")
     if not groups:
         first = f" (the first refused: {refusals[0]})" if refusals else ""
         keys = ("change the fixed keys, " if fixed else "") + ("the stage cut, " if job.cut() else "")

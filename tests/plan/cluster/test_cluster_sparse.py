@@ -159,7 +159,7 @@ def test_the_command_says_how_context_parallelism_exchanges_the_keys(tmp_path, c
     assert main([*argv, "--cp-rotate", "ring"]) == 0
     out = capsys.readouterr().out
     assert "context parallelism by all-gather of the latent keys (DeepSeek's sparse attention)" in out
-    assert ("note: --cp-rotate ring changes nothing on the chosen layout, which runs DeepSeek's sparse attention, "
+    assert ("note: --cp-rotate ring does not apply to the chosen layout, which runs DeepSeek's sparse attention, "
             "which all-gathers its latent keys") in out
     assert main(argv) == 0
     assert "note: --cp-rotate" not in capsys.readouterr().out

@@ -89,3 +89,18 @@ def test_the_option_needs_experts_and_is_on_the_command(tmp_path, capsys):
     out = capsys.readouterr().out
     free = float(out.split("step time: ")[1].split(" s")[0])
     assert free < hybrid and "hybridep-sync-free expert all-to-all (--moe-comm)" in out
+
+
+def test_every_topology_of_a_measured_gpu_pays_its_calls_synchronization():
+    """B200s across nodes were not measured: the generic exchange prices the bytes, and each call still waits for
+    the host as Hybrid-EP's B200 run measured (the sync-free mode drops it); GPUs Hybrid-EP does not run on are
+    refused."""
+    job = dataclasses.replace(_job("hybridep"), hw=hardware("b200"), dtype="bf16")
+    layout = Layout(dp=16, ep=16)  # two nodes of 8
+    times = layer_times(job, layout, "moe")
+    free = layer_times(dataclasses.replace(job, moe_comm="hybridep-sync-free"), layout, "moe")
+    calls = 8 * 4096 * (1 - math.comb(56, 8) / math.comb(64, 8)) * 7168 * 2  # the 8-GPU run's bytes a rank
+    synchronized = (calls / 535.94e9 - calls / 734.95e9) + (calls / 530.86e9 - calls / 673.84e9)
+    assert times.f - free.f == pytest.approx(synchronized) and times.f_comm == pytest.approx(free.f_comm)
+    with pytest.raises(LayoutError, match="Hybrid-EP kernels need Hopper or Blackwell GPUs .* not mi300x"):
+        plan_cluster(QWEN, "mi300x", gpus=16, global_batch=64, seq=4096, moe_comm="hybridep")

@@ -89,7 +89,7 @@ def test_text_report(config, capsys):
     assert "gradients sharded, reduce-scattered after every micro-batch (--shard-gradients)" in (
         capsys.readouterr().out.splitlines()[2])
     assert main([*zero2, "tp=4,pp=2,cp=1,schedule=1f1b"]) == 0
-    assert ("note: --shard-gradients changes nothing on the chosen layout, which runs one data-parallel replica"
+    assert ("note: --shard-gradients does not apply to the chosen layout, which runs one data-parallel replica"
             in capsys.readouterr().out)
 
 
@@ -422,9 +422,9 @@ def test_options_that_change_nothing_on_the_chosen_layout_are_noted(config, caps
             "--layout", "dp=8,tp=1,pp=1,vp=1,cp=1,ep=1,mbs=1,fsdp=0,recompute=none,schedule=1f1b"]
     assert main([*argv, "--tp-overlap", "--cp-rotate", "allgather", "--selective", "op"]) == 0
     out = capsys.readouterr().out
-    for note in ("note: --tp-overlap changes nothing on the chosen layout, which runs tp=1",
-                 "note: --cp-rotate allgather changes nothing on the chosen layout, which runs cp=1",
-                 "note: --selective op changes nothing on the chosen layout, which runs recompute=none"):
+    for note in ("note: --tp-overlap does not apply to the chosen layout, which runs tp=1",
+                 "note: --cp-rotate allgather does not apply to the chosen layout, which runs cp=1",
+                 "note: --selective op does not apply to the chosen layout, which runs recompute=none"):
         assert note in out
     assert main(argv) == 0 and "note:" not in capsys.readouterr().out
 
@@ -437,7 +437,7 @@ def test_moe_overlap_on_a_layout_it_does_not_apply_to_is_noted(tmp_path, capsys)
     argv = ["plan", "--model", str(config), "--hardware", "h100", "--gpus", "8", "--global-batch", "32", "--seq",
             "2048", "--moe-overlap", "--layout"]
     assert main([*argv, "dp=4,tp=1,pp=2,vp=1,cp=1,ep=4,mbs=1,fsdp=0,recompute=none,schedule=1f1b"]) == 0
-    assert ("note: --moe-overlap changes nothing on the chosen layout, which runs schedule=1f1b with pp=2"
+    assert ("note: --moe-overlap does not apply to the chosen layout, which runs schedule=1f1b with pp=2"
             in capsys.readouterr().out)
     assert main([*argv, "dp=4,tp=1,pp=2,vp=2,cp=1,ep=4,mbs=1,fsdp=0,recompute=none,schedule=interleaved-1f1b"]) == 0
     assert "note:" not in capsys.readouterr().out

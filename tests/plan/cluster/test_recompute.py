@@ -240,7 +240,7 @@ def test_the_command_takes_recompute_layers(tmp_path, capsys):
     assert found["recompute_layers"] == 2
     assert found["best"]["step_time"] == pytest.approx(_block(2)[0].estimate(_block(2)[1]).step_time)
     assert main([*common, layout.format("none")]) == 0
-    assert "note: --recompute-layers 2 changes nothing on the chosen layout, which runs recompute=none" in \
+    assert "note: --recompute-layers 2 does not apply to the chosen layout, which runs recompute=none" in \
         capsys.readouterr().out
 
 

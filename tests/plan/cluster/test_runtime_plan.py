@@ -12,13 +12,20 @@ from tests.plan.cluster.tiny import TINY, tiny_config, tiny_model
 from pipeloom.cli import main
 from pipeloom.plan.cluster import model_spec, plan_cluster
 from pipeloom.plan.cluster.estimate import Estimator
-from pipeloom.plan.cluster.runtime_plan import runtime_notes, runtime_plan, save_blockers, split_point, torchtitan_plan
+from pipeloom.plan.cluster.runtime_plan import (
+    pipeloom_memory,
+    runtime_notes,
+    runtime_plan,
+    save_blockers,
+    split_point,
+    torchtitan_plan,
+)
 from pipeloom.plan.errors import PlanError
 from pipeloom.plan.plan import load_plan, save_plan
 
 LLAMA = {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 16,
          "num_attention_heads": 16, "num_key_value_heads": 4, "vocab_size": 32000}
-FIXED = "dp=2,tp=2,pp=2,vp=2,cp=1,ep=1,mbs=1,fsdp=1,recompute=selective,schedule=interleaved-1f1b"
+FIXED = "dp=2,tp=2,pp=2,vp=2,cp=1,ep=1,mbs=1,fsdp=1,recompute=none,schedule=interleaved-1f1b"
 
 
 def test_the_plan_file_follows_the_layout():
@@ -130,19 +137,23 @@ def test_a_multimodal_models_plan_says_it_cuts_the_language_model_alone():
 
 
 def test_every_reason_a_layout_cannot_be_saved_is_named_at_once():
-    """cp, ep with fsdp and the export's own limits come in one message with one --layout fix; a layout over the
-    memory limit is refused before anything else: a saved plan would not run."""
+    """cp, ep with fsdp and the export's own limits come in one message with one --layout fix (for torchtitan its
+    own: it runs ep with FSDP, and its cp is the export's to write); a layout over the memory limit is refused before
+    anything else: a saved plan would not run."""
     moe = {"model_type": "mixtral", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 8,
            "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 1000, "num_local_experts": 8,
            "num_experts_per_tok": 2}
     layout = "dp=2,tp=1,pp=2,vp=1,cp=2,ep=2,mbs=1,fsdp=1,recompute=none,schedule=dualpipe"
     result = plan_cluster(moe, "h100", gpus=8, global_batch=16, seq=512, layout=layout)
     message = save_blockers(result, export="torchtitan")
-    for part in ("cp=2", "ep=2 with tp=1, fsdp=1", "schedule=dualpipe for torchtitan", "ep=2 for torchtitan",
-                 "mixtral for torchtitan, which has no such model", "fix the others with --layout cp=1,fsdp=0,"
-                 "schedule=dualpipev,ep=1,vp=2,dp=4"):
+    for part in ("cp=2 (the torchtitan export writes no context parallelism yet)", "schedule=dualpipe for torchtitan",
+                 "ep=2 for torchtitan", "mixtral for torchtitan, which has no such model",
+                 "fix the others with --layout cp=1,schedule=dualpipev,ep=1,vp=2,dp=4"):
         assert part in message, part
-    assert "torchtitan" not in save_blockers(result)
+    assert "ep=2 with tp=1, fsdp=1" not in message
+    message = save_blockers(result)
+    assert "torchtitan" not in message and "ep=2 with tp=1, fsdp=1" in message
+    assert message.endswith("fix them with --layout cp=1,fsdp=0,dp=4")
     small = dict(LLAMA, num_hidden_layers=4)
     over = plan_cluster(small, "h100", gpus=8, global_batch=32, seq=2048, layout=FIXED.replace("pp=2", "pp=1")
                         .replace("vp=2", "vp=1").replace("interleaved-1f1b", "1f1b").replace("dp=2", "dp=4"),
@@ -168,7 +179,8 @@ def test_save_writes_a_plan_and_names_what_runs_differently(tmp_path, capsys):
     status, save = _plan_and_save(tmp_path, "--stage-cut", "even")
     assert status == 0
     out = capsys.readouterr().out
-    assert f"wrote plan {save}" in out and "recompute=selective" in out and "layers per stage: 4 x4" in out
+    assert f"wrote plan {save} (pipeline(model, plan=...) runs it)" in out and "layers per stage: 4 x4" in out
+    assert "as planned" not in out  # a whole layout is priced as the runtime holds it: no memory it did not count
     assert load_plan(save).split_points == ("model.layers.4", "model.layers.8", "model.layers.12")
 
 
@@ -223,19 +235,17 @@ def test_the_readme_command_plans_llama3_70b_on_64_h100s(capsys):
     assert layout["dp"] * layout["tp"] * layout["pp"] * layout["cp"] == 64
 
 
-def test_a_layout_that_fits_only_by_recomputing_is_not_saved_for_the_runtime():
-    """pipeloom's runtime keeps every activation: a layout that fits the limit only with recomputation would not fit
-    there, so it is refused for the runtime (and the search with recompute=none suggested); one that fits without
-    is saved with a note."""
+def test_a_layout_that_recomputes_is_not_saved_for_the_runtime():
+    """pipeloom's runtime keeps every activation: a layout that recomputes is refused for it, with the key that fixes
+    it and the export that runs it as planned; torchtitan takes it. The same layout without recomputation is saved."""
     layout = "dp=2,tp=1,pp=1,vp=1,cp=1,ep=1,mbs=1,fsdp=1,recompute=full,schedule=1f1b"
     full = plan_cluster(LLAMA, "h100", gpus=2, global_batch=8, seq=8192, layout=layout, memory_limit="12GiB")
+    assert save_blockers(full) == ("cannot save the chosen layout as a plan the runtime runs: recompute=full "
+                                   "(pipeloom's runtime keeps every activation; --export torchtitan recomputes as "
+                                   "planned); fix it with --layout recompute=none")
+    assert save_blockers(full, export="torchtitan") is None
     none = plan_cluster(LLAMA, "h100", gpus=2, global_batch=8, seq=8192, layout=layout.replace("full", "none"))
-    assert full.best.memory.total <= 12 * 2**30 < none.best.memory.total
-    message = save_blockers(full)
-    assert f"needs {none.best.memory.total / 2**30:.1f} GiB per GPU so, over the 12.0 GiB limit" in message
-    assert "search with --layout recompute=none" in message and save_blockers(full, export="torchtitan") is None
-    roomy = plan_cluster(LLAMA, "h100", gpus=2, global_batch=8, seq=8192, layout=layout)
-    assert save_blockers(roomy) is None and runtime_plan(roomy).num_ranks == 1
+    assert save_blockers(none) is None and runtime_plan(none).num_ranks == 1
 
 
 def test_a_layout_that_fits_only_by_recomputing_is_exported_for_torchtitan(tmp_path, capsys):
@@ -250,14 +260,17 @@ def test_a_layout_that_fits_only_by_recomputing_is_exported_for_torchtitan(tmp_p
                "--memory-limit", "12GiB", "--save", str(save)]
     assert main(command) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "or add --export torchtitan, which recomputes as planned" in err[0] and not save.exists()
+    assert len(err) == 1 and "--export torchtitan recomputes as planned" in err[0] and not save.exists()
     assert main([*command, "--export", "torchtitan"]) == 0
     out = capsys.readouterr().out
-    kept = plan_cluster(LLAMA, "h100", gpus=2, global_batch=8, seq=8192, memory_limit="12GiB",
-                        layout="dp=2,tp=1,pp=1,vp=1,cp=1,ep=1,mbs=1,fsdp=1,recompute=none,schedule=1f1b")
-    assert (f"note: the plan fits only with recompute=full: pipeloom's runtime keeps every activation and would "
-            f"need {kept.best.memory.total / 2**30:.1f} GiB per GPU, over the 12.0 GiB limit") in out
-    assert f"wrote plan {save} (for torchtitan; pipeloom's runtime won't fit it)" in out
+    planned = plan_cluster(LLAMA, "h100", gpus=2, global_batch=8, seq=8192, memory_limit="12GiB", runs_on="torchtitan",
+                           layout="dp=2,tp=1,pp=1,vp=1,cp=1,ep=1,mbs=1,fsdp=1,recompute=full,schedule=1f1b")
+    need = pipeloom_memory(planned.job, planned.best.layout)  # no recomputation, FSDP's stage whole through the step
+    assert ("note: pipeloom's runtime keeps every activation, where the plan recomputes (full); it gathers each "
+            "stage's FSDP parameters") in out
+    assert (f"it needs {need / 2**30:.1f} GiB per GPU there, {planned.best.memory.total / 2**30:.1f} GiB as planned, "
+            "over the 12.0 GiB limit") in out
+    assert f"wrote plan {save} (for torchtitan; pipeloom's runtime won't run it as planned)" in out
     assert load_plan(save).num_ranks == 1
     # torchtitan told to recompute as planned: 0.2.x's section (TOML and its own overrides), 0.3.x's subcommand last
     assert '[activation_checkpoint]\nmode = "full"' in (tmp_path / "plan.torchtitan.toml").read_text()
@@ -298,8 +311,8 @@ def test_a_recomputation_torchtitan_has_not_is_refused_for_it():
     llama = plan_cluster(LLAMA, "h100", gpus=2, global_batch=8, seq=8192, layout=full, memory_limit="12GiB")
     mistral = plan_cluster(dict(LLAMA, model_type="mistral", sliding_window=None), "h100", gpus=2, global_batch=8,
                            seq=8192, layout=full, memory_limit="12GiB")
-    assert "or add --export torchtitan, which recomputes as planned" in save_blockers(llama)
-    assert "recompute=full: pipeloom's runtime keeps" in save_blockers(mistral)
+    assert "--export torchtitan recomputes as planned" in save_blockers(llama)
+    assert "recompute=full (pipeloom's runtime keeps every activation)" in save_blockers(mistral)
     assert "--export torchtitan" not in save_blockers(mistral)
 
 
@@ -347,8 +360,8 @@ def test_a_plan_says_what_the_runtimes_optimizer_and_fsdp_hold_beyond_it():
     assert extra == pytest.approx(12 * memory.weights / 2 * 3 / 4)  # 3 of the 4 replicas' shares of the state
     said = [note for note in runtime_notes(replicated) if "whole on every data-parallel replica" in note]
     assert len(said) == 1 and "over the 4 replicas" in said[0]
-    assert (f"it needs {extra / 2**30:.1f} GiB more per GPU than predicted, {(memory.total + extra) / 2**30:.1f} GiB"
-            in said[0])
+    assert (f"it needs {(memory.total + extra) / 2**30:.1f} GiB per GPU there, {memory.total / 2**30:.1f} GiB as "
+            "planned") in said[0]
     # FSDP on one stage reshards between micro-batches (ZeRO-3) in the plan; under a pipeline it is priced as the
     # runtime runs it (Layout.reshards), so only the first says more
     one_stage = "dp=8,tp=1,pp=1,vp=1,cp=1,ep=1,mbs=1,fsdp={},recompute=none,schedule=1f1b"
@@ -358,7 +371,7 @@ def test_a_plan_says_what_the_runtimes_optimizer_and_fsdp_hold_beyond_it():
     assert extra > 0 and whole.optimizer == pytest.approx(planned.optimizer)
     sharded = plan_cluster(LLAMA, "h100", gpus=8, global_batch=32, seq=2048, layout=one_stage.format(1))
     assert any("keeps them and their gradients whole until the step ends" in note
-               and f"it needs {extra / 2**30:.1f} GiB more per GPU" in note for note in runtime_notes(sharded))
+               and f"it needs {whole.total / 2**30:.1f} GiB per GPU there" in note for note in runtime_notes(sharded))
     piped = plan_cluster(LLAMA, "h100", gpus=8, global_batch=32, seq=2048, layout=layout.format(1))
     assert piped.best.memory == replicated.best.memory
     assert not any("pipeloom's runtime" in note for note in runtime_notes(piped))
@@ -366,8 +379,25 @@ def test_a_plan_says_what_the_runtimes_optimizer_and_fsdp_hold_beyond_it():
                          shard_gradients=True)  # the runtime's FSDP keeps the gradients whole through the step
     extra = replicated.best.memory.gradients - zero2.best.memory.gradients - (zero2.best.memory.buffers
                                                                                 - replicated.best.memory.buffers)
-    assert any("keeps the gradients whole until the step ends" in note
-               and f"it needs {extra / 2**30:.1f} GiB more per GPU" in note for note in runtime_notes(zero2))
+    assert any("keeps the gradients whole until the step ends" in note and
+               f"it needs {(zero2.best.memory.total + extra) / 2**30:.1f} GiB per GPU there" in note
+               for note in runtime_notes(zero2))
     alone = plan_cluster(LLAMA, "h100", gpus=2, global_batch=32, seq=2048, layout=layout.format(0).replace("dp=4",
                                                                                                           "dp=1"))
     assert not any("pipeloom's runtime" in note for note in runtime_notes(alone))
+
+
+def test_the_torchtitan_export_of_one_stage_accumulates_micro_batches(tmp_path, capsys):
+    """Without pipeline parallelism torchtitan runs a rank's local batch whole and accumulates gradients over
+    global / (local x dp) of them: a one-stage plan's local batch is its micro-batch, where a pipeline's is a rank's
+    micro-batches together (its schedule splits them)."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(LLAMA))
+    for pp, local in ((1, 1), (2, 8)):
+        layout = f"dp={4 // pp},tp=1,pp={pp},vp=1,cp=1,ep=1,mbs=1,fsdp=1,recompute=none,schedule=1f1b"
+        assert main(["plan", "--model", str(config), "--hardware", "h100", "--gpus", "4", "--global-batch", "16",
+                     "--seq", "2048", "--layout", layout, "--save", str(tmp_path / f"pp{pp}.json"),
+                     "--export", "torchtitan"]) == 0
+        capsys.readouterr()
+        args = (tmp_path / f"pp{pp}.torchtitan.args").read_text()
+        assert f"--training.local_batch_size {local} --training.global_batch_size 16" in args, args
