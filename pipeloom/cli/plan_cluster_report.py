@@ -132,6 +132,16 @@ def _assumes(job, layout, framework: str | None = None, searched: tuple[str, ...
     return f"assumes{f' ({framework})' if framework else ''}: " + "; ".join(said)
 
 
+def _work(best) -> list[str]:
+    """The line that says what one micro-batch's work through the model is made of, largest first."""
+    total = sum(seconds for _, seconds in best.work)
+    if total <= 0:
+        return []
+    parts = sorted(best.work, key=lambda part: -part[1])
+    return ["work per micro-batch (F + I + W, every stage): " + ", ".join(
+        f"{name} {seconds / total * 100:.0f} %" for name, seconds in parts if seconds / total >= 0.005)]
+
+
 def report(result, *, framework: str | None = None) -> str:
     """The text report: the layout, the framework choices it assumes (``framework``: the --framework given), its
     step, throughput, MFU, memory, bubble and the runners-up."""
@@ -152,6 +162,7 @@ def report(result, *, framework: str | None = None) -> str:
         f"{best.exposed_dp:.3f} s, optimizer {best.optimizer_time:.3f} s)",
         f"tokens/s per GPU: {best.tokens_per_gpu_per_second:,.0f}   MFU: {best.mfu * 100:.1f} % (of the "
         f"{job.dtype} peak)   bubble: {best.bubble * 100:.1f} %",
+        *_work(best),
         f"memory per GPU: {_gib(mem.total)} of {_gib(result.memory_limit)} ({fits}{_above(result)}): weights "
         f"{_gib(mem.weights)}, "
         f"gradients {_gib(mem.gradients)}, optimizer {_gib(mem.optimizer)}, activations {_gib(mem.activations)}, "

@@ -17,7 +17,7 @@ from pipeloom.plan.cluster.dispatch import pair_slowdown
 from pipeloom.plan.cluster.efficiency import collective_seconds, domain_ranks, hidden_cost, memory_seconds
 from pipeloom.plan.cluster.held import RankHeld, held_profile, peak_held, profiled_microbatches, replay_stages
 from pipeloom.plan.cluster.job import ADAM_MOMENTS, GRAD_REDUCE, Job
-from pipeloom.plan.cluster.layer_time import PhaseTimes, add_times, layer_times
+from pipeloom.plan.cluster.layer_time import layer_times
 from pipeloom.plan.cluster.layout import PAIRED, SCHEDULES, Layout
 from pipeloom.plan.cluster.model.kinds import block_kind, layer_kinds
 from pipeloom.plan.cluster.mtp import mtp_times
@@ -35,7 +35,7 @@ from pipeloom.plan.cluster.placement import (
     work_bound,
 )
 from pipeloom.plan.cluster.recompute import kept_activations
-from pipeloom.plan.cluster.step import Estimate, Memory
+from pipeloom.plan.cluster.step import Estimate, Memory, PhaseTimes, add_times, work_parts
 from pipeloom.plan.errors import LayoutError
 from pipeloom.problem import Costs
 from pipeloom.schedules import build_schedule
@@ -295,12 +295,12 @@ class Estimator:
         makespan, bubble, peak = self.replay(layout, m, times, acts)
         memory, exposed, optimizer = self.static_state(layout, times, m)
         memory = dataclasses.replace(memory, activations=peak)
-        step = makespan + exposed + optimizer
-        job = self.job
+        step, job = makespan + exposed + optimizer, self.job
         return Estimate(layout=layout, stage_layers=self.stage_counts(layout), step_time=step, memory=memory,
                         pipeline_time=makespan, exposed_dp=exposed, optimizer_time=optimizer, bubble=bubble,
                         tokens_per_gpu_per_second=job.global_batch * job.seq / (step * job.gpus),
-                        mfu=self.model_flops / (step * job.gpus * job.hw.peak(job.dtype)))
+                        mfu=self.model_flops / (step * job.gpus * job.hw.peak(job.dtype)),
+                        work=tuple(work_parts(times[:layout.stages]).items()))
 
     def static_state(self, layout: Layout, times: list[PhaseTimes], m: int) -> tuple[Memory, float, float]:
         """Memory of weights, gradients, optimizer and buffers on the busiest rank; the exposed data-parallel

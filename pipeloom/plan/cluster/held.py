@@ -14,7 +14,7 @@ from itertools import accumulate
 from typing import Any
 
 from pipeloom.ir import Overlap, Schedule, task_actions
-from pipeloom.plan.cluster.layer_time import PhaseTimes
+from pipeloom.plan.cluster.step import PhaseTimes
 from pipeloom.schedules.warmup import WARMUP_SCHEDULES, RankWarmup, warmup_forwards
 from pipeloom.sim_pricing import Pricing
 from pipeloom.sim_replay import CompiledSchedule, bubble_ratio

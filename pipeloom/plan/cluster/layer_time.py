@@ -6,7 +6,6 @@ recomputation adds) and W (weight gradient)."""
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 from pipeloom.plan.cluster.context import context_parallel_core
 from pipeloom.plan.cluster.counts import layer_counts, sparse_core_dims
@@ -35,28 +34,11 @@ from pipeloom.plan.cluster.mixers import (
 from pipeloom.plan.cluster.model.kinds import attended_window, block_kind, has_indexer, is_linear, is_nope, is_sparse
 from pipeloom.plan.cluster.model.spec import ModelSpec
 from pipeloom.plan.cluster.recompute import layer_modules, separate_norms
+from pipeloom.plan.cluster.step import PhaseTimes, add_times, named_work
 from pipeloom.plan.errors import LayoutError
 from pipeloom.plan.tp.all_to_all import moe_exchanges
 
-__all__ = ["PhaseTimes", "add_times", "layer_times"]
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class PhaseTimes:
-    """Seconds of one micro-batch through one layer (or the embedding / head) on one GPU."""
-
-    f: float
-    """Forward."""
-    i: float
-    """Input-gradient backward (with recomputation)."""
-    w: float
-    """Weight-gradient backward."""
-    f_comm: float = 0.0
-    """Of ``f``, the seconds spent in communication another micro-batch's compute can hide: the expert
-    all-to-alls (DualPipe's overlapped pairs hide them, the compute beside them slowed by
-    :func:`~pipeloom.plan.cluster.dispatch.pair_slowdown`; :class:`pipeloom.problem.Task` ``comm``)."""
-    i_comm: float = 0.0
-    """Of ``i``, the same for the input-gradient backward."""
-
+__all__ = ["layer_times"]
 
 def _gemms(spec: ModelSpec, tp: int, *, absorbed: bool = False, linear: bool = False) -> list[tuple[int, int]]:
     """``(n, k)`` of the tensor-parallel shards of one layer's attention GEMMs (column-parallel: n / tp,
@@ -100,12 +82,6 @@ def _price(job: Job, gemms: list[tuple[int, int]], m: int, count: int = 1) -> Ph
                       w=count * sum(seconds(n, k, m, w) for n, k in gemms))
 
 
-def add_times(*parts: PhaseTimes) -> PhaseTimes:
-    """The phase times of ``parts`` run one after the other (their communication parts summed too)."""
-    return PhaseTimes(f=sum(p.f for p in parts), i=sum(p.i for p in parts), w=sum(p.w for p in parts),
-                      f_comm=sum(p.f_comm for p in parts), i_comm=sum(p.i_comm for p in parts))
-
-
 def layer_times(job: Job, layout: Layout, kind: str) -> PhaseTimes:
     """F, I and W seconds of one micro-batch through one layer of ``kind`` on one GPU of ``layout`` (a
     multi-token-prediction module, kind ``mtp``: :func:`pipeloom.plan.cluster.mtp.mtp_times`; a
@@ -131,8 +107,8 @@ def layer_times(job: Job, layout: Layout, kind: str) -> PhaseTimes:
                                   ranks_per_domain=tp_ranks) if tp > 1 else 0.0
         # its dropout (a config that trains with one), a kernel of its own each way
         dropout = memory_seconds(hw, DROPOUT_BYTES * tokens * spec.hidden) if spec.embedding_dropout else 0.0
-        return PhaseTimes(f=memory_seconds(hw, hidden_bytes) + comm + dropout, i=0.0,
-                          w=memory_seconds(hw, 2 * hidden_bytes) + dropout)
+        f, w = memory_seconds(hw, hidden_bytes) + comm + dropout, memory_seconds(hw, 2 * hidden_bytes) + dropout
+        return PhaseTimes(f=f, i=0.0, w=w, parts=named_work(elementwise=f + w - comm, tp=comm))
     if kind == "head":
         gemm = _price(job, [(spec.vocab // tp, spec.hidden)], tokens)
         # sequence parallel: all-gather the tokens before the head, reduce-scatter the gradient after; without:
@@ -141,7 +117,8 @@ def layer_times(job: Job, layout: Layout, kind: str) -> PhaseTimes:
         back = comm if sp else (collective_seconds(hw, "all_reduce", hidden_bytes, tp, ranks_per_domain=tp_ranks)
                                 if tp > 1 else 0.0)
         loss = memory_seconds(hw, 3.0 * 4 * tokens * spec.vocab / tp)  # fp32 logits: softmax, its gradient
-        return PhaseTimes(f=gemm.f + comm + loss, i=gemm.i + back + elementwise, w=gemm.w)
+        work = named_work(GEMMs=gemm.f + gemm.i + gemm.w, elementwise=loss + elementwise, tp=comm + back)
+        return PhaseTimes(f=gemm.f + comm + loss, i=gemm.i + back + elementwise, w=gemm.w, parts=work)
     attention, core_f, core_b, beside_f, beside_b = _attention(job, layout, kind, tokens)
     linear = is_linear(kind)
     rotary, kind = not (is_nope(kind) or linear), block_kind(kind)
@@ -161,8 +138,11 @@ def layer_times(job: Job, layout: Layout, kind: str) -> PhaseTimes:
     # Megatron-Core checkpoints no part of a Gated DeltaNet layer but as a whole (full recomputation)
     extra, extra_comm = _recompute(job, layout, tokens, kind, forward, core_f=0.0 if linear else core_f, tp_f=tp_f,
                                    ew_f=ew_f, mlp=parts[1], linear=linear)
+    a2a = dict(parts[1].parts).get("expert all-to-all", 0.0)
+    work = named_work(GEMMs=gemm.f + gemm.i + gemm.w - a2a, attention=core_f + core_b + beside_f + beside_b,
+                  elementwise=ew_f + ew_b, tp=tp_f + tp_i, a2a=a2a, recomputation=extra)
     return PhaseTimes(f=f, i=gemm.i + core_b + ew_b + tp_i + extra + beside_b, w=gemm.w, f_comm=gemm.f_comm,
-                      i_comm=gemm.i_comm + extra_comm)
+                      i_comm=gemm.i_comm + extra_comm, parts=work)
 
 
 def _attention(job: Job, layout: Layout, kind: str, tokens: int) -> tuple[PhaseTimes, float, float, float, float]:
@@ -279,7 +259,7 @@ def _moe_times(job: Job, layout: Layout, tokens: int) -> PhaseTimes:
                           for e in exchanges if e.phase == phase) for phase in ("F", "I")}
     times = add_times(*parts)
     return PhaseTimes(f=times.f + a2a["F"], i=times.i + a2a["I"], w=times.w, f_comm=a2a["F"] - held,
-                      i_comm=a2a["I"] - held)
+                      i_comm=a2a["I"] - held, parts=named_work(a2a=a2a["F"] + a2a["I"]))
 
 
 def _deepseek_recompute(job: Job, tokens: int, tp: int, kind: str) -> float:
@@ -378,3 +358,4 @@ def _tp_exchanges(hw: Hardware, hidden_bytes: float, tp: int, *, sp: bool) -> fl
         return 2 * (collective_seconds(hw, "all_gather", hidden_bytes, tp, ranks_per_domain=ranks)
                     + collective_seconds(hw, "reduce_scatter", hidden_bytes, tp, ranks_per_domain=ranks))
     return 2 * collective_seconds(hw, "all_reduce", hidden_bytes, tp, ranks_per_domain=ranks)
+

@@ -12,8 +12,9 @@ from pipeloom.plan.cluster.counts import mtp_block
 from pipeloom.plan.cluster.dispatch import compute_hardware
 from pipeloom.plan.cluster.efficiency import collective_seconds, domain_ranks, gemm_seconds, memory_seconds
 from pipeloom.plan.cluster.job import Job
-from pipeloom.plan.cluster.layer_time import PhaseTimes, add_times, layer_times
+from pipeloom.plan.cluster.layer_time import layer_times
 from pipeloom.plan.cluster.layout import Layout
+from pipeloom.plan.cluster.step import PhaseTimes, add_times
 
 __all__ = ["mtp_times"]
 

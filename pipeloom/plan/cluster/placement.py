@@ -13,8 +13,8 @@ from itertools import accumulate
 
 from pipeloom.plan.cluster.efficiency import collective_seconds, domain_ranks, p2p_seconds
 from pipeloom.plan.cluster.job import Job
-from pipeloom.plan.cluster.layer_time import PhaseTimes
 from pipeloom.plan.cluster.layout import SCHEDULES, Layout
+from pipeloom.plan.cluster.step import PhaseTimes
 
 __all__ = ["Cut", "even_counts", "balanced_counts", "cut_of", "cut_ranks", "stage_layers", "rank_stages",
            "schedule_microbatches", "work_bound", "mode_shapes", "stage_send_seconds", "with_blocking_sends"]

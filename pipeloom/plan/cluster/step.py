@@ -1,5 +1,6 @@
 """What the estimator predicts for one layout: :class:`Estimate` (step time, its parts, throughput, MFU) and
-:class:`Memory` (bytes per GPU of the busiest pipeline rank)."""
+:class:`Memory` (bytes per GPU of the busiest pipeline rank); and what it adds up: :class:`PhaseTimes` (one
+micro-batch through one layer or stage, by kind of work)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 
 from pipeloom.plan.cluster.layout import Layout
 
-__all__ = ["Memory", "Estimate"]
+__all__ = ["Memory", "Estimate", "PhaseTimes", "WORK_PARTS", "add_times", "named_work", "work_parts"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -62,6 +63,9 @@ class Estimate:
     """Throughput per GPU."""
     mfu: float
     """Model FLOPs (matmuls, causal attention) per second over the GPUs' dense peak in the job's dtype."""
+    work: tuple[tuple[str, float], ...] = ()
+    """Seconds of one micro-batch's F + I + W through every model stage (one copy of the model: one GPU of each
+    stage), by kind of work (:func:`work_parts`)."""
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready (seconds and bytes)."""
@@ -69,4 +73,63 @@ class Estimate:
                 "pipeline_time": self.pipeline_time,
                 "exposed_dp_time": self.exposed_dp, "optimizer_time": self.optimizer_time, "bubble": self.bubble,
                 "tokens_per_gpu_per_second": self.tokens_per_gpu_per_second, "mfu": self.mfu,
-                "memory_per_gpu": self.memory.as_dict()}
+                "memory_per_gpu": self.memory.as_dict(), "work_per_microbatch": dict(self.work)}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PhaseTimes:
+    """Seconds of one micro-batch through one layer (or the embedding / head) on one GPU."""
+
+    f: float
+    """Forward."""
+    i: float
+    """Input-gradient backward (with recomputation)."""
+    w: float
+    """Weight-gradient backward."""
+    f_comm: float = 0.0
+    """Of ``f``, the seconds spent in communication another micro-batch's compute can hide: the expert
+    all-to-alls (DualPipe's overlapped pairs hide them, the compute beside them slowed by
+    :func:`~pipeloom.plan.cluster.dispatch.pair_slowdown`; :class:`pipeloom.problem.Task` ``comm``)."""
+    i_comm: float = 0.0
+    """Of ``i``, the same for the input-gradient backward."""
+    parts: tuple[tuple[str, float], ...] = ()
+    """Of ``f + i + w``, the seconds of each kind of work (:data:`WORK_PARTS`), where priced by part."""
+
+
+WORK_PARTS = ("GEMMs", "attention", "elementwise", "tensor-parallel exchanges", "expert all-to-all",
+              "recomputation")
+"""The kinds of work :attr:`PhaseTimes.parts` names: GEMMs (projections, MLPs, experts, router, head); the
+attention core (or Gated DeltaNet's kernel, with context parallelism's exchanges and an indexer's scoring);
+bandwidth-bound elementwise kernels (norms, activations, rotary, permutes, the loss); the tensor-parallel all-gathers
+and reduce-scatters (or all-reduces) between them; the expert dispatch and combine; what recomputation adds."""
+
+
+def add_times(*parts: PhaseTimes) -> PhaseTimes:
+    """The phase times of ``parts`` run one after the other (their communication and work parts summed too)."""
+    work: dict[str, float] = {}
+    for part in parts:
+        for name, seconds in part.parts:
+            work[name] = work.get(name, 0.0) + seconds
+    return PhaseTimes(f=sum(p.f for p in parts), i=sum(p.i for p in parts), w=sum(p.w for p in parts),
+                      f_comm=sum(p.f_comm for p in parts), i_comm=sum(p.i_comm for p in parts),
+                      parts=tuple(work.items()))
+
+
+def named_work(**seconds: float) -> tuple[tuple[str, float], ...]:
+    """:attr:`PhaseTimes.parts` from seconds by keyword: ``GEMMs``, ``attention``, ``elementwise``, ``tp`` (the
+    tensor-parallel exchanges), ``a2a`` (the expert all-to-all), ``recomputation``; the parts that are nothing left
+    out."""
+    names = {"GEMMs": "GEMMs", "attention": "attention", "elementwise": "elementwise",
+             "tp": "tensor-parallel exchanges", "a2a": "expert all-to-all", "recomputation": "recomputation"}
+    return tuple((names[key], value) for key, value in seconds.items() if value > 0)
+
+
+def work_parts(stages: list[PhaseTimes]) -> dict[str, float]:
+    """Seconds of each kind of work (:data:`WORK_PARTS`) of one micro-batch through ``stages`` (F + I + W), what
+    no part names (pipeline sends that block, the multi-token-prediction modules) as ``other``."""
+    total = add_times(*stages)
+    work = dict(total.parts)
+    other = total.f + total.i + total.w - sum(work.values())
+    if other > 1e-9 * (total.f + total.i + total.w):
+        work["other"] = other
+    return work

@@ -15,10 +15,11 @@ from pipeloom.plan.cluster.efficiency import collective_seconds, domain_ranks, p
 from pipeloom.plan.cluster.estimate import Estimator
 from pipeloom.plan.cluster.gpus import hardware
 from pipeloom.plan.cluster.job import Job
-from pipeloom.plan.cluster.layer_time import PhaseTimes, layer_times
+from pipeloom.plan.cluster.layer_time import layer_times
 from pipeloom.plan.cluster.layout import PAIRED, Layout
 from pipeloom.plan.cluster.model.reader import model_spec
 from pipeloom.plan.cluster.placement import rank_stages, schedule_microbatches, work_bound
+from pipeloom.plan.cluster.step import PhaseTimes
 from pipeloom.plan.errors import LayoutError
 from pipeloom.plan.tp.all_to_all import moe_exchanges
 
