@@ -126,19 +126,16 @@ def layer_times(job: Job, layout: Layout, kind: str) -> PhaseTimes:
     ew = layer_elementwise(spec, kind, tp=tp, sp=sp, kernels=job.kernels, rotary=rotary, linear=linear)
     ew_f = memory_seconds(hw, ew.f_bytes * tokens) + (ew.f_kernels - 1) * hw.kernel_overhead
     ew_b = memory_seconds(hw, ew.b_bytes * tokens) + (ew.b_kernels - 1) * hw.kernel_overhead
-    parts = [attention]
     tp_f, tp_i = _tp_time(job, layout, tokens, kind, hidden_bytes, linear=linear)
-    if kind == "dense":
-        parts.append(_price(job, _mlp(spec, spec.intermediate, tp, gated=spec.gated), tokens))
-    else:
-        parts.append(_moe_times(job, layout, tokens))
-    gemm = add_times(*parts)
+    mlp = (_price(job, _mlp(spec, spec.intermediate, tp, gated=spec.gated), tokens) if kind == "dense"
+           else _moe_times(job, layout, tokens))
+    gemm = add_times(attention, mlp)
     f = gemm.f + core_f + ew_f + tp_f + beside_f
     forward = PhaseTimes(f=f, i=0.0, w=0.0, f_comm=gemm.f_comm)
     # Megatron-Core checkpoints no part of a Gated DeltaNet layer but as a whole (full recomputation)
     extra, extra_comm = _recompute(job, layout, tokens, kind, forward, core_f=0.0 if linear else core_f, tp_f=tp_f,
-                                   ew_f=ew_f, mlp=parts[1], linear=linear)
-    a2a = dict(parts[1].parts).get("expert all-to-all", 0.0)
+                                   ew_f=ew_f, mlp=mlp, linear=linear)
+    a2a = dict(mlp.parts).get("expert all-to-all", 0.0)
     work = named_work(GEMMs=gemm.f + gemm.i + gemm.w - a2a, attention=core_f + core_b + beside_f + beside_b,
                   elementwise=ew_f + ew_b, tp=tp_f + tp_i, a2a=a2a, recomputation=extra)
     return PhaseTimes(f=f, i=gemm.i + core_b + ew_b + tp_i + extra + beside_b, w=gemm.w, f_comm=gemm.f_comm,
