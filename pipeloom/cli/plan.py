@@ -92,7 +92,7 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
     plan.add_argument("--search", type=number(float, "a number of seconds >= 0", 0), default=0.0,
                       metavar="SECONDS", help="also run the CP-SAT schedule search on the best candidates for "
                                               "this long (default 0: off); a better order is saved next to --save")
-    plan.add_argument("--time-limit", type=number(float, "a number of seconds > 0", 0.01), default=PLAN_TIME_LIMIT,
+    plan.add_argument("--time-limit", type=number(float, "a number of seconds >= 0.01", 0.01), default=PLAN_TIME_LIMIT,
                       metavar="SECONDS", help=f"stop trying candidates after this long (default {PLAN_TIME_LIMIT:g}); "
                                               "those left untried (the largest micro-batch counts) are counted")
     plan.add_argument("--top", type=count, metavar="N", help="runners-up to show (default 10; with --model 5)")

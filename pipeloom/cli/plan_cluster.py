@@ -4,6 +4,7 @@ fastest dp x tp x pp x cp x ep layout, schedule and recomputation for a model co
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Sequence
@@ -214,6 +215,7 @@ _COST_TABLE_ONLY = {
 def cmd_plan_cluster(args: argparse.Namespace) -> int:
     """Plan, then print the text report or the JSON object."""
     from pipeloom.plan.cluster.api import plan_cluster
+    from pipeloom.plan.errors import NoLayoutFits
 
     progress = None
     if not args.json and sys.stderr.isatty():
@@ -225,8 +227,14 @@ def cmd_plan_cluster(args: argparse.Namespace) -> int:
                    shard_gradients=args.shard_gradients, adam_moments=args.adam_moments,
                    recompute_layers=args.recompute_layers, memory_limit=args.memory_limit,
                    runners_up=5 if args.top is None else args.top, progress=progress)
+    _check_export(args, options)
     try:
-        result = plan_cluster(args.model, args.hardware, **options)
+        try:
+            result = plan_cluster(args.model, args.hardware, **options)
+        except NoLayoutFits:
+            if not args.save:
+                raise
+            result = None  # none fits as planned: the runtime's own search says what it needs (_runnable)
         result, moved = _runnable(args, result, options) if args.save else (result, [])
     except PipeloomError as error:
         raise UsageError(str(error).splitlines()[0]) from None
@@ -261,22 +269,25 @@ def _runnable(args: argparse.Namespace, result, options: dict) -> tuple:
 
     runs_on = args.export or "pipeloom"
     where = "torchtitan" if args.export else "pipeloom's runtime"
-    job, blocked = for_runtime(result.job, runs_on)
-    assert blocked is not None
-    best = result.best
-    why = blocked(best.layout)
     given = [flag for flag, on in ((f"--moe-comm {args.moe_comm}", args.moe_comm != "plain"),
                                    ("--moe-overlap", args.moe_overlap)) if on]
     plain = ([f"note: pipeloom's runtime exchanges the experts' tokens with all_to_all_single, one call after another: "
               f"the plan is priced so, not with {' and '.join(given)}"] if given and runs_on == "pipeloom" else [])
-    if set(parse_layout(args.layout or "")) >= set(LAYOUT_KEYS):
-        return (result if why else plan_cluster(args.model, args.hardware, **options, runs_on=runs_on)), plain
+    whole = set(parse_layout(args.layout or "")) >= set(LAYOUT_KEYS)
+    blocked = for_runtime(result.job, runs_on)[1] if result is not None else None
+    if result is not None and whole and blocked is not None and blocked(result.best.layout):
+        return result, plain
     try:
         runnable = plan_cluster(args.model, args.hardware, **options, runs_on=runs_on)
     except NoLayoutFits as refusal:
-        raise UsageError(f"cannot save a plan {where} runs: {str(refusal).splitlines()[0]} (planned for any runtime, "
-                         f"the fastest layout is {best.layout}, {best.step_time:.3f} s a step)") from None
-    there = runnable.best.step_time
+        fastest = (f" (planned for any runtime, the fastest layout is {result.best.layout}, "
+                   f"{result.best.step_time:.3f} s a step)" if result is not None else "")
+        raise UsageError(f"cannot save a plan {where} runs: {str(refusal).splitlines()[0]}{fastest}") from None
+    if result is None or whole:
+        return runnable, plain
+    runnable = dataclasses.replace(runnable, seconds=runnable.seconds + result.seconds)  # both searches
+    job, best, there = for_runtime(result.job, runs_on)[0], result.best, runnable.best.step_time
+    why = blocked(best.layout) if blocked is not None else None
     if str(runnable.best.layout) == str(best.layout):
         return runnable, plain
     if why is None:
@@ -290,6 +301,19 @@ def _runnable(args: argparse.Namespace, result, options: dict) -> tuple:
     return runnable, [*plain, f"note: planned as asked, the fastest layout is {best.layout} ({best.step_time:.3f} s a "
                       f"step); in {where} {why}; the plan above is the fastest there ({there:.3f} s a step as "
                       f"{where} runs it)"]
+
+
+def _check_export(args: argparse.Namespace, options: dict) -> None:
+    """UsageError where ``--export torchtitan`` would drop what the plan is priced with: torchtitan's async tensor
+    parallelism, per-layer recomputation depth and float8 are not written by the export."""
+    if not args.export:
+        return
+    unsaid = [flag for flag, on in (("--tp-overlap", options.get("tp_overlap")),
+                                    (f"--recompute-layers {options['recompute_layers']}", options["recompute_layers"]),
+                                    ("--dtype fp8", options["dtype"] == "fp8")) if on]
+    if unsaid:
+        raise UsageError(f"cannot export for torchtitan a plan priced with {' and '.join(unsaid)}: the export writes "
+                         "no async tensor parallelism, recomputation depth or float8; plan without them for the export")
 
 
 def _framework(args: argparse.Namespace) -> dict:
@@ -347,8 +371,10 @@ def _save(args: argparse.Namespace, result) -> list[str]:
     outputs = getattr(args, "outputs", None)
     save_plan(plan, outputs.path(args.save) if outputs is not None else args.save)
     notes = [f"note: {note}" for note in saving.runtime_notes(result)]
-    runs = ("pipeline(model, plan=...) runs it" if not args.export or saving.runtime_memory_note(result)[1]
-            else "for torchtitan; pipeloom's runtime won't run it as planned")
+    runs = "pipeline(model, plan=...) runs it"
+    if not saving.runtime_memory_note(result)[1]:
+        runs = ("for torchtitan; pipeloom's runtime won't run it as planned" if args.export
+                else f"{runs}, not as planned: see the notes")
     return [f"wrote plan {args.save} ({runs})", *written, *notes]
 
 

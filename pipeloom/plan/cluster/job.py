@@ -395,6 +395,6 @@ class Job:
             if on and self.spec.experts is None:
                 raise LayoutError(f"{what} the expert all-to-all; the {self.spec.family} model has no experts: "
                                   f"leave --{flag} out")
-        if self.moe_comm.startswith("hybridep") and self.hw.name in ("a100-40gb", "a100-80gb", "mi300x"):
-            raise LayoutError(f"moe_comm={self.moe_comm!r}: NVIDIA's Hybrid-EP kernels need Hopper or Blackwell GPUs "
-                              f"(TMA; h100, h200, b200, gb200, gb300), not {self.hw.name}: use 'plain' there")
+        if self.moe_comm != "plain" and self.hw.name in ("a100-40gb", "a100-80gb", "mi300x"):
+            raise LayoutError(f"moe_comm={self.moe_comm!r}: DeepEP's and Hybrid-EP's kernels need NVIDIA Hopper or "
+                              f"Blackwell GPUs (h100, h200, b200, gb200, gb300), not {self.hw.name}: use 'plain' there")

@@ -320,8 +320,8 @@ def _inner(job: Job, fixed: dict[str, Any], tp: int, cp: int, pp: int, dp: int,
         if job.global_batch % (dp * mbs):
             _refuse(refusals, f"dp={dp} x mbs={mbs} does not divide the global batch {job.global_batch}")
             continue
-        if fsdp and pp > 1 and "fsdp" not in fixed:  # priced as without it (Layout.reshards): not searched twice
-            continue
+        if fsdp and pp > 1 and "fsdp" not in fixed and job.distributed_optimizer:  # priced as without it: not twice
+            continue  # (Layout.reshards; without a distributed optimizer only FSDP shards the optimizer state)
         placement = SCHEDULES.get(schedule)
         vps = {"interleaved": [v for v in VP_CHOICES if pp * v <= max_stages(spec)], "v": [2]}.get(placement or "",
                                                                                                    [1])

@@ -103,8 +103,8 @@ def layout_problems(job: Job, layout: Layout, *, export: str | None = None) -> l
     if layout.ep > 1 and (layout.tp > 1 or layout.fsdp):
         off: dict[str, int | str] = {key: value for key, value, now in (("tp", 1, layout.tp > 1),
                                                                        ("fsdp", 0, layout.fsdp)) if now}
-        problems.append((f"ep={layout.ep} with tp={layout.tp}, fsdp={int(layout.fsdp)} (the runtime runs ep with tp=1 "
-                         "and fsdp=0 only)", off))
+        given = " and ".join(f"{key}={int(getattr(layout, key))}" for key in off)
+        problems.append((f"ep={layout.ep} with {given} (the runtime runs ep with tp=1 and fsdp=0 only)", off))
     if layout.ep > 1 and family in _DENSE_EXPERTS:
         problems.append((f"ep={layout.ep} on {family} (transformers' model runs every expert on every token, with no "
                          "forward(hidden_states, top_k_index, top_k_weights) for the runtime's expert parallelism to "
@@ -215,7 +215,8 @@ def runtime_plan(result: ClusterPlan, *, export: str | None = None) -> Plan:
 def runtime_memory_note(result: ClusterPlan) -> tuple[str | None, bool]:
     """What pipeloom's runtime holds beyond what ``result`` was priced with, and the bytes per GPU it then needs
     (:func:`pipeloom_memory`, what its own search prices), in one note; None where it holds what the plan does (a plan
-    priced for it). And whether pipeloom's runtime runs the layout within the limit. Without FSDP it keeps the
+    priced for it). And whether pipeloom's runtime runs the layout as priced within the limit (not Llama 4's, whose
+    transformers experts all run on every token). Without FSDP it keeps the
     optimizer it is given whole on every data-parallel replica (:mod:`pipeloom.runtime.parallel.dp`); its FSDP keeps a
     stage's parameters and gradients whole from its first forward to the step's end
     (:mod:`pipeloom.runtime.parallel.fsdp`); it keeps gradients whole, and every activation."""
@@ -235,6 +236,7 @@ def runtime_memory_note(result: ClusterPlan) -> tuple[str | None, bool]:
         why.append("keeps the gradients whole until the step ends, where the plan reduce-scatters them after every "
                    "micro-batch (--shard-gradients)")
     runs = not [problem for problem in layout_problems(job, layout) if not problem[0].startswith("recompute=")]
+    runs = runs and not (job.spec.family in _DENSE_EXPERTS and job.spec.experts)  # every expert on every token
     if not why:
         return None, runs
     need = pipeloom_memory(job, layout)

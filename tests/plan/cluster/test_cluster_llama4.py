@@ -164,5 +164,7 @@ def test_a_saved_plan_keeps_llama4_experts_whole(tmp_path, capsys):
     assert "ep=8 on llama4_text (transformers' model runs every expert on every token" in capsys.readouterr().err
     assert not plan.exists()
     assert main([*job, "--layout", "tp=1,cp=1,pp=16,recompute=none,ep=1,fsdp=1"]) == 0
-    assert "transformers' llama4_text runs every expert on every token, 16x" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "transformers' llama4_text runs every expert on every token, 16x" in out
+    assert f"wrote plan {plan} (pipeline(model, plan=...) runs it, not as planned: see the notes)" in out
     assert json.loads(plan.read_text())["split_points"][0].startswith("model.layers.")

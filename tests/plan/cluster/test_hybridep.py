@@ -102,5 +102,5 @@ def test_every_topology_of_a_measured_gpu_pays_its_calls_synchronization():
     calls = 8 * 4096 * (1 - math.comb(56, 8) / math.comb(64, 8)) * 7168 * 2  # the 8-GPU run's bytes a rank
     synchronized = (calls / 535.94e9 - calls / 734.95e9) + (calls / 530.86e9 - calls / 673.84e9)
     assert times.f - free.f == pytest.approx(synchronized) and times.f_comm == pytest.approx(free.f_comm)
-    with pytest.raises(LayoutError, match="Hybrid-EP kernels need Hopper or Blackwell GPUs .* not mi300x"):
+    with pytest.raises(LayoutError, match="Hybrid-EP.s kernels need NVIDIA Hopper or Blackwell GPUs .* not mi300x"):
         plan_cluster(QWEN, "mi300x", gpus=16, global_batch=64, seq=4096, moe_comm="hybridep")

@@ -110,3 +110,38 @@ def test_save_refuses_in_one_line_when_no_layout_the_runtime_runs_can(tmp_path, 
     fastest = plan_cluster(LLAMA, "h100", **JOB, layout="cp=2").best
     assert err[0].endswith(f"(planned for any runtime, the fastest layout is {fastest.layout}, "
                            f"{fastest.step_time:.3f} s a step)")
+
+
+def test_fsdp_under_a_pipeline_is_searched_where_only_it_shards_the_optimizer():
+    """Planned as Megatron does, FSDP under a pipeline holds what the distributed optimizer does and is not searched
+    twice; for pipeloom's runtime, which has no distributed optimizer, only FSDP shards Adam's state there."""
+    memory = {fsdp: plan_cluster(LLAMA, "h100", gpus=8, global_batch=32, seq=2048, runs_on="pipeloom",
+                                 layout=f"dp=4,tp=1,pp=2,vp=1,cp=1,ep=1,mbs=1,fsdp={fsdp},recompute=none,schedule=1f1b",
+                                 memory_limit="1000GiB").best.memory.total for fsdp in (0, 1)}
+    assert memory[1] < 9 * 2**30 < memory[0]
+    best = plan_cluster(LLAMA, "h100", gpus=8, global_batch=32, seq=2048, runs_on="pipeloom", layout="pp=2,tp=1,cp=1",
+                        memory_limit="9GiB").best
+    assert best.layout.fsdp and best.memory.total <= 9 * 2**30
+
+
+def test_save_names_the_least_memory_its_runtime_needs_when_nothing_fits(tmp_path, capsys):
+    """Where no layout fits as planned either, the refusal is the runtime's search's: the least memory it names
+    fits a plan the command then saves."""
+    command, save = _command(tmp_path)
+    command[command.index("12GiB")] = "3GiB"
+    assert main(command) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("pipeloom: error: cannot save a plan pipeloom's runtime runs: no "
+                                               "layout fits 3.0 GiB per GPU")
+    least = re.search(r"\((\d+) bytes\)", err[0]).group(1)
+    command[command.index("3GiB")] = least
+    assert main(command) == 0 and save.exists()
+
+
+@pytest.mark.parametrize("flag", [["--tp-overlap"], ["--dtype", "fp8"], ["--recompute-layers", "2"]])
+def test_the_torchtitan_export_refuses_what_it_would_not_write(tmp_path, capsys, flag):
+    command, save = _command(tmp_path, "--export", "torchtitan", *flag)
+    assert main(command) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"a plan priced with {' '.join(flag)}: the export writes no" in err[0]
+    assert not save.exists()
