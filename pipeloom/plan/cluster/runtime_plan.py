@@ -142,8 +142,6 @@ def _torchtitan_problems(job: Job, layout: Layout) -> list[tuple[str, dict[str, 
 
 RUNTIMES = ("pipeloom", "torchtitan")
 """What a plan can be searched for (:func:`for_runtime`): pipeloom's runtime, or the torchtitan export."""
-
-
 _RUNTIME_NAMES = {"pipeloom": "pipeloom's runtime", "torchtitan": "torchtitan"}
 
 
@@ -216,10 +214,10 @@ def runtime_memory_note(result: ClusterPlan) -> tuple[str | None, bool]:
     """What pipeloom's runtime holds beyond what ``result`` was priced with, and the bytes per GPU it then needs
     (:func:`pipeloom_memory`, what its own search prices), in one note; None where it holds what the plan does (a plan
     priced for it). And whether pipeloom's runtime runs the layout as priced within the limit (not Llama 4's, whose
-    transformers experts all run on every token). Without FSDP it keeps the
-    optimizer it is given whole on every data-parallel replica (:mod:`pipeloom.runtime.parallel.dp`); its FSDP keeps a
-    stage's parameters and gradients whole from its first forward to the step's end
-    (:mod:`pipeloom.runtime.parallel.fsdp`); it keeps gradients whole, and every activation."""
+    transformers experts all run on every token). Without FSDP it keeps the optimizer it is given whole on every
+    data-parallel replica (:mod:`pipeloom.runtime.parallel.dp`); its FSDP keeps a stage's parameters and gradients
+    whole from its first forward to the step's end (:mod:`pipeloom.runtime.parallel.fsdp`); it keeps gradients whole,
+    and every activation."""
     job, layout = result.job, result.best.layout
     replicas = layout.state_groups[0]
     why = []
