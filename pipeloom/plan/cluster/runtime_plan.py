@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from pipeloom.errors import ArgumentError
 from pipeloom.plan.cluster.estimate import Estimator
 from pipeloom.plan.cluster.job import Job
-from pipeloom.plan.cluster.layout import Layout
+from pipeloom.plan.cluster.layout import PAIRED, Layout
 from pipeloom.plan.cluster.model.spec import GDN_CHUNK
 from pipeloom.plan.errors import PlanError
 from pipeloom.plan.plan import Plan
@@ -272,6 +272,10 @@ def runtime_notes(result: ClusterPlan) -> list[str]:
     if result.job.overlap_pairs(layout):
         notes.append("the plan assumes each forward beside another micro-batch's backward, hiding the expert "
                      "all-to-all (--moe-overlap); the runtime runs them one after the other, the all-to-all exposed")
+    elif layout.schedule in PAIRED and layout.ep > 1:
+        notes.append(f"the plan hides the expert all-to-all under {layout.schedule}'s overlapped pairs: run it with "
+                     "pipeline(..., parallel=Parallelism(overlap_pairs=True)), which interleaves each pair's parts at "
+                     "their all-to-alls (without, they run one after the other, the all-to-all exposed)")
     spec = result.job.spec
     if spec.family in _DENSE_EXPERTS and spec.experts is not None:
         ex = spec.experts

@@ -123,6 +123,12 @@ def test_a_plan_priced_with_megatrons_overlapped_all_to_all_says_the_runtime_run
         layout = f"dp=4,tp=1,pp=2,vp={vp},cp=1,ep=2,mbs=1,fsdp=0,recompute=none,schedule={schedule}"
         result = plan_cluster(moe, "h100", gpus=8, global_batch=16, seq=512, layout=layout, moe_overlap=True)
         assert any(note in line for line in runtime_notes(result)) == said, schedule
+    # DualPipe's pairs hide it as priced where the runtime is told to interleave them
+    pairs = "run it with pipeline(..., parallel=Parallelism(overlap_pairs=True))"
+    for ep, said in ((2, True), (1, False)):
+        layout = f"dp=4,tp=1,pp=2,vp=2,cp=1,ep={ep},mbs=1,fsdp=0,recompute=none,schedule=dualpipev"
+        result = plan_cluster(moe, "h100", gpus=8, global_batch=16, seq=512, layout=layout)
+        assert any(pairs in line for line in runtime_notes(result)) == said, ep
 
 
 def test_a_multimodal_models_plan_says_it_cuts_the_language_model_alone():
