@@ -367,7 +367,8 @@ def _save(args: argparse.Namespace, result) -> list[str]:
         schedule = build_schedule(plan.schedule, plan.num_ranks, plan.microbatches, **plan.schedule_options)
         recompute = saving.torchtitan_recompute(result.job, result.best.layout)
         assert recompute is not None, "runtime_plan refuses the export of a recomputation torchtitan has not"
-        written.append(export_torchtitan(renamed, schedule, args.save, list(modules), recompute))
+        written.append(export_torchtitan(renamed, schedule, args.save, list(modules), recompute,
+                                         context_parallel=result.best.layout.cp))
     outputs = getattr(args, "outputs", None)
     save_plan(plan, outputs.path(args.save) if outputs is not None else args.save)
     notes = [f"note: {note}" for note in saving.runtime_notes(result)]
@@ -378,17 +379,17 @@ def _save(args: argparse.Namespace, result) -> list[str]:
     return [f"wrote plan {args.save} ({runs})", *written, *notes]
 
 
-def export_torchtitan(plan, schedule, save: Path, modules: Sequence[str], activation_checkpoint: str | None = None
-                      ) -> str:
+def export_torchtitan(plan, schedule, save: Path, modules: Sequence[str], activation_checkpoint: str | None = None,
+                      *, context_parallel: int = 1) -> str:
     """Write ``<stem>.torchtitan.args``, ``.toml`` and ``.csv`` next to the plan (with ``activation_checkpoint``,
-    torchtitan's recomputation set too); the lines that say so."""
+    torchtitan's recomputation set too, and its context parallelism); the lines that say so."""
     import shlex
 
     from pipeloom.plan.export import version_overrides, write_torchtitan
 
     args, toml, csv = (save.with_name(f"{save.stem}.torchtitan.{ext}") for ext in ("args", "toml", "csv"))
     settings = write_torchtitan(plan, schedule, toml, csv, modules=modules, args_path=args,
-                                activation_checkpoint=activation_checkpoint)
+                                activation_checkpoint=activation_checkpoint, context_parallel=context_parallel)
     shared, older, newer = version_overrides(settings)
     lines = [f"wrote torchtitan overrides {args}, 0.2.x TOML {toml} and schedule {csv}",
              f"torchtitan 0.2.x and 0.3.x: {shlex.join(shared)}"]

@@ -192,12 +192,19 @@ def torchtitan_args(settings: dict[str, dict[str, object]]) -> str:
 
 def write_torchtitan(plan: Plan, schedule: Schedule, toml_path: str | Path, csv_path: str | Path, *,
                      modules: Sequence[str], args_path: str | Path | None = None,
-                     activation_checkpoint: str | None = None) -> dict[str, dict[str, object]]:
+                     activation_checkpoint: str | None = None,
+                     context_parallel: int = 1) -> dict[str, dict[str, object]]:
     """Write the schedule CSV, the 0.2.x TOML fragment and (``args_path``) the command-line overrides; the
     settings name the CSV by its absolute path, and with ``activation_checkpoint`` (a key of
-    :data:`ACTIVATION_CHECKPOINTS`) set torchtitan's recomputation (else torchtitan's own default runs). Returns
+    :data:`ACTIVATION_CHECKPOINTS`) set torchtitan's recomputation (else torchtitan's own default runs); with
+    ``context_parallel`` above 1 its context parallelism (``parallelism.context_parallel_degree``: the plan's data
+    parallelism and batch are per context-parallel group, each of whose ranks holds 1/cp of the sequence). Returns
     the settings."""
     settings = torchtitan_settings(plan, schedule, csv_path, modules=modules)
+    if isinstance(context_parallel, bool) or not isinstance(context_parallel, int) or context_parallel < 1:
+        raise PlanError(f"context_parallel must be a whole number >= 1, got {context_parallel!r}")
+    if context_parallel > 1:
+        settings["parallelism"]["context_parallel_degree"] = context_parallel
     if activation_checkpoint is not None:
         if activation_checkpoint not in ACTIVATION_CHECKPOINTS:
             raise PlanError(f"activation checkpointing {activation_checkpoint!r} for torchtitan: use one of "

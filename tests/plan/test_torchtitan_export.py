@@ -120,3 +120,32 @@ def test_the_activation_checkpointing_reaches_torchtitan(tmp_path, recompute):
     expected = {"none": type(None), "full": FullAC.Config, "op": SelectiveAC.Config}[recompute]
     assert type(config.activation_checkpoint) is expected and config.training.disable_cuda_graphs
     assert not _matches(config, {k: v for k, v in settings.items() if k != "activation_checkpoint"})
+
+
+def test_context_parallelism_reaches_torchtitan(tmp_path):
+    """A plan's context parallelism as torchtitan reads it (``parallelism.context_parallel_degree``), the data
+    parallelism and batch per context-parallel group as before, in 0.2.x's parser or 0.3.x's."""
+    pieces = tuple(Piece(name=name, f=1.0, i=1.0, w=1.0, activation_bytes=100.0, w_activation_bytes=20.0,
+                         param_bytes=10.0, output_bytes=8.0) for name in MODULES)
+    result = plan_mesh(CostTable(pieces=pieces, microbatch_size=1), num_ranks=4, global_batch=16,
+                       schedules=["1f1b"], data_parallel=[2], microbatches=[8])
+    toml, csv, args = (tmp_path / f"plan.torchtitan.{ext}" for ext in ("toml", "csv", "args"))
+    settings = write_torchtitan(result.plan, result.schedule, toml, csv, modules=MODULES, args_path=args,
+                                context_parallel=2)
+    assert settings["parallelism"]["context_parallel_degree"] == 2
+    overrides = shlex.split(args.read_text().splitlines()[1])
+    if VERSION.startswith("0.2."):
+        from torchtitan.config.manager import ConfigManager
+
+        config = ConfigManager().parse_args(overrides)
+    else:
+        from torchtitan.config.configs import ParallelismConfig, TrainingConfig
+        from torchtitan.config.manager import ConfigManager, custom_registry
+
+        ConfigManager.register_tyro_rules(custom_registry)
+        sections = dataclasses.make_dataclass("Sections", [
+            ("training", TrainingConfig, dataclasses.field(default_factory=TrainingConfig)),
+            ("parallelism", ParallelismConfig, dataclasses.field(default_factory=ParallelismConfig))])
+        config = tyro.cli(sections, args=[*overrides, *torchtitan_overrides(TORCHTITAN_03_SETTINGS)],
+                          default=sections(), registry=custom_registry)
+    assert not _matches(config, settings), _matches(config, settings)

@@ -94,12 +94,10 @@ def layout_problems(job: Job, layout: Layout, *, export: str | None = None) -> l
     its memory: each problem with the ``--layout`` keys that fix it (``{}`` where no key does)."""
     family = job.spec.family
     problems: list[tuple[str, dict[str, int | str]]] = []
+    if export == "torchtitan":  # torchtitan runs context parallelism (all-gathering K/V): the export writes it
+        return _torchtitan_problems(job, layout)
     if layout.cp > 1:
-        why = "the torchtitan export writes no context parallelism yet" if export else ("pipeloom's runtime does not "
-                                                                                        "run context parallelism yet")
-        problems.append((f"cp={layout.cp} ({why})", {"cp": 1}))
-    if export == "torchtitan":
-        return problems + _torchtitan_problems(job, layout)
+        problems.append((f"cp={layout.cp} (pipeloom's runtime does not run context parallelism yet)", {"cp": 1}))
     if layout.ep > 1 and (layout.tp > 1 or layout.fsdp):
         off: dict[str, int | str] = {key: value for key, value, now in (("tp", 1, layout.tp > 1),
                                                                        ("fsdp", 0, layout.fsdp)) if now}
@@ -166,11 +164,12 @@ def for_runtime(job: Job, runs_on: str | None) -> tuple[Job, Callable[[Layout], 
 def runtime_job(job: Job, runs_on: str) -> Job:
     """``job`` priced as ``runs_on`` holds and runs a layout: a torch optimizer beside DDP holds Adam's state whole on
     every replica; pipeloom's FSDP keeps a stage whole from its first forward to the step's end, one stage too
-    (:mod:`pipeloom.runtime.parallel.fsdp`), no gradient sharded, and its expert all-to-alls plain and exposed."""
+    (:mod:`pipeloom.runtime.parallel.fsdp`), no gradient sharded, and its expert all-to-alls plain and exposed;
+    torchtitan's context parallelism all-gathers K/V (``torchtitan/distributed/context_parallel`` at 0.3.0)."""
     if runs_on == "pipeloom":
         return dataclasses.replace(job, distributed_optimizer=False, fsdp_per_layer=False, shard_gradients=False,
                                    moe_comm="plain", moe_overlap=False)
-    return dataclasses.replace(job, distributed_optimizer=False)
+    return dataclasses.replace(job, distributed_optimizer=False, cp_rotate="allgather")
 
 
 def pipeloom_memory(job: Job, layout: Layout) -> float:
@@ -233,8 +232,10 @@ def runtime_memory_note(result: ClusterPlan) -> tuple[str | None, bool]:
     elif job.zero2(layout):
         why.append("keeps the gradients whole until the step ends, where the plan reduce-scatters them after every "
                    "micro-batch (--shard-gradients)")
-    runs = not [problem for problem in layout_problems(job, layout) if not problem[0].startswith("recompute=")]
-    runs = runs and not (job.spec.family in _DENSE_EXPERTS and job.spec.experts)  # every expert on every token
+    stops = [text for text, _ in layout_problems(job, layout) if not text.startswith("recompute=")]
+    if stops:  # what pipeloom's runtime cannot run at all, not what it would need
+        return f"pipeloom's runtime does not run this layout: {'; '.join(stops)}", False
+    runs = not (job.spec.family in _DENSE_EXPERTS and job.spec.experts)  # every expert on every token
     if not why:
         return None, runs
     need = pipeloom_memory(job, layout)

@@ -90,11 +90,12 @@ def test_save_plans_for_the_runtime_and_says_what_was_faster(tmp_path, capsys, e
     fastest = plan_cluster(LLAMA, "h100", **JOB).best
     runtime = plan_cluster(LLAMA, "h100", **JOB, runs_on="torchtitan" if export else "pipeloom").best
     assert chosen == str(runtime.layout) != str(fastest.layout)
-    where, why = (("torchtitan", "the torchtitan export writes no context parallelism yet") if export else
-                  ("pipeloom's runtime", "pipeloom's runtime does not run context parallelism yet"))
+    where = "torchtitan" if export else "pipeloom's runtime"
+    # pipeloom's runtime runs no cp; torchtitan does, but without FSDP holds Adam's state whole on every replica
+    why = ("it needs " if export else "it cannot run: cp=2 (pipeloom's runtime does not run context parallelism yet)")
     assert (f"note: planned as asked, the fastest layout is {fastest.layout} ({fastest.step_time:.3f} s a step); in "
-            f"{where} it cannot run: cp=2 ({why}); the plan above is the fastest there ({runtime.step_time:.3f} s a "
-            f"step as {where} runs it)") in out
+            f"{where} {why}") in out
+    assert f"; the plan above is the fastest there ({runtime.step_time:.3f} s a step as {where} runs it)" in out
     plan = load_plan(save)
     assert (plan.num_ranks, plan.data_parallel, plan.tensor_parallel) == (runtime.layout.pp, runtime.layout.dp,
                                                                           runtime.layout.tp)
@@ -145,3 +146,21 @@ def test_the_torchtitan_export_refuses_what_it_would_not_write(tmp_path, capsys,
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"a plan priced with {' '.join(flag)}: the export writes no" in err[0]
     assert not save.exists()
+
+
+def test_a_torchtitan_plan_runs_context_parallelism(tmp_path, capsys):
+    """torchtitan runs context parallelism (all-gathering K/V, as it is priced for it): the export writes its
+    degree, the batch per context-parallel group; pipeloom's runtime does not run it, as the plan file's line says."""
+    config, save = tmp_path / "config.json", tmp_path / "plan.json"
+    config.write_text(json.dumps(LLAMA))
+    layout = "dp=2,tp=1,pp=1,vp=1,cp=4,ep=1,mbs=1,fsdp=1,recompute=none,schedule=1f1b"
+    assert main(["plan", "--model", str(config), "--hardware", "h100", "--gpus", "8", "--global-batch", "16", "--seq",
+                 "32768", "--layout", layout, "--save", str(save), "--export", "torchtitan"]) == 0
+    out = capsys.readouterr().out
+    args = (tmp_path / "plan.torchtitan.args").read_text()
+    assert "--parallelism.context_parallel_degree 4" in args and "--parallelism.data_parallel_shard_degree 2" in args
+    assert "--training.local_batch_size 1 --training.global_batch_size 16" in args
+    assert f"wrote plan {save} (for torchtitan; pipeloom's runtime won't run it as planned)" in out
+    assert "note: pipeloom's runtime does not run this layout: cp=4" in out
+    result = plan_cluster(LLAMA, "h100", gpus=8, global_batch=16, seq=32768, layout=layout, runs_on="torchtitan")
+    assert result.job.cp_rotate == "allgather"

@@ -144,19 +144,18 @@ def test_a_multimodal_models_plan_says_it_cuts_the_language_model_alone():
 
 def test_every_reason_a_layout_cannot_be_saved_is_named_at_once():
     """cp, ep with fsdp and the export's own limits come in one message with one --layout fix (for torchtitan its
-    own: it runs ep with FSDP, and its cp is the export's to write); a layout over the memory limit is refused before
-    anything else: a saved plan would not run."""
+    own: it runs cp and ep with FSDP, which its export refuses as ep); a layout over the memory limit is refused
+    before anything else: a saved plan would not run."""
     moe = {"model_type": "mixtral", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 8,
            "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 1000, "num_local_experts": 8,
            "num_experts_per_tok": 2}
     layout = "dp=2,tp=1,pp=2,vp=1,cp=2,ep=2,mbs=1,fsdp=1,recompute=none,schedule=dualpipe"
     result = plan_cluster(moe, "h100", gpus=8, global_batch=16, seq=512, layout=layout)
     message = save_blockers(result, export="torchtitan")
-    for part in ("cp=2 (the torchtitan export writes no context parallelism yet)", "schedule=dualpipe for torchtitan",
-                 "ep=2 for torchtitan", "mixtral for torchtitan, which has no such model",
-                 "fix the others with --layout cp=1,schedule=dualpipev,ep=1,vp=2,dp=4"):
+    for part in ("schedule=dualpipe for torchtitan", "ep=2 for torchtitan", "mixtral for torchtitan, which has no such "
+                 "model", "fix the others with --layout schedule=dualpipev,ep=1,vp=2"):
         assert part in message, part
-    assert "ep=2 with fsdp=1" not in message
+    assert "ep=2 with fsdp=1" not in message and "cp=2" not in message
     message = save_blockers(result)
     assert "torchtitan" not in message and "ep=2 with fsdp=1" in message
     assert message.endswith("fix them with --layout cp=1,fsdp=0,dp=4")
