@@ -9,9 +9,7 @@ docs/cluster-plan.md ('Hardware').
 
 from __future__ import annotations
 
-import math
-
-from pipeloom.plan.cluster.dispatch import HYBRIDEP_MEASURED, hybridep_bytes
+from pipeloom.plan.cluster.dispatch import HYBRIDEP_MEASURED, hybridep_bytes, hybridep_generic_seconds
 from pipeloom.plan.cluster.efficiency import (
     attention_flops,
     attention_seconds,
@@ -19,7 +17,6 @@ from pipeloom.plan.cluster.efficiency import (
     domain_ranks,
     gemm_efficiency,
     gemm_seconds,
-    node_dispatch_seconds,
 )
 from pipeloom.plan.cluster.gpus import hardware, hardware_names
 from pipeloom.plan.cluster.job import Job
@@ -84,11 +81,9 @@ def _hybridep(name: str, ranks: int, measured: bool) -> float:
     through its torch API (``measured``), or as the generic node-aware exchange prices it (what the planner uses where
     nothing was measured: :func:`~pipeloom.plan.cluster.dispatch.hybridep_all_to_all`)."""
     hw = hardware(name)
-    nodes = ranks // domain_ranks(ranks, 1, hw)
-    reach = 1 - math.comb(8 * ranks - 8 * ranks // nodes, 8) / math.comb(8 * ranks, 8)
     if not measured:
-        return 1e3 * node_dispatch_seconds(hw, tokens=4096, hidden=7168, top_k=8, ranks=ranks,
-                                           remote=(nodes - 1) * reach, widths=(2.0, 2.0))
+        return 1e3 * hybridep_generic_seconds(hw, tokens=4096, hidden=7168, top_k=8, experts=8 * ranks, ranks=ranks)
+    nodes = ranks // domain_ranks(ranks, 1, hw)
     run = next(run for run in HYBRIDEP_MEASURED[name][1] if run.ranks == ranks)
     nbytes = hybridep_bytes(4096, 7168, 8, 8 * ranks, ranks, nodes)
     return 1e3 * (nbytes / (run.dispatch_api * 1e9) + nbytes / (run.combine_api * 1e9))

@@ -274,7 +274,7 @@ def _runnable(args: argparse.Namespace, result, options: dict) -> tuple:
     plain = ([f"note: pipeloom's runtime exchanges the experts' tokens with all_to_all_single, one call after another: "
               f"the plan is priced so, not with {' and '.join(given)}"] if given and runs_on == "pipeloom" else [])
     whole = set(parse_layout(args.layout or "")) >= set(LAYOUT_KEYS)
-    blocked = for_runtime(result.job, runs_on)[1] if result is not None else None
+    job, blocked = for_runtime(result.job, runs_on) if result is not None else (None, None)
     if result is not None and whole and blocked is not None and blocked(result.best.layout):
         return result, plain
     try:
@@ -286,8 +286,9 @@ def _runnable(args: argparse.Namespace, result, options: dict) -> tuple:
     if result is None or whole:
         return runnable, plain
     runnable = dataclasses.replace(runnable, seconds=runnable.seconds + result.seconds)  # both searches
-    job, best, there = for_runtime(result.job, runs_on)[0], result.best, runnable.best.step_time
-    why = blocked(best.layout) if blocked is not None else None
+    assert job is not None and blocked is not None  # result is not None
+    best, there = result.best, runnable.best.step_time
+    why = blocked(best.layout)
     if str(runnable.best.layout) == str(best.layout):
         return runnable, plain
     if why is None:
@@ -371,9 +372,10 @@ def _save(args: argparse.Namespace, result) -> list[str]:
                                          context_parallel=result.best.layout.cp))
     outputs = getattr(args, "outputs", None)
     save_plan(plan, outputs.path(args.save) if outputs is not None else args.save)
-    notes = [f"note: {note}" for note in saving.runtime_notes(result)]
+    memory = saving.runtime_memory_note(result)
+    notes = [f"note: {note}" for note in saving.runtime_notes(result, memory=memory)]
     runs = "pipeline(model, plan=...) runs it"
-    if not saving.runtime_memory_note(result)[1]:
+    if not memory[1]:
         runs = ("for torchtitan; pipeloom's runtime won't run it as planned" if args.export
                 else f"{runs}, not as planned: see the notes")
     return [f"wrote plan {args.save} ({runs})", *written, *notes]

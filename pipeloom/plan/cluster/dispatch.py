@@ -15,8 +15,8 @@ from pipeloom.plan.cluster.job import Job
 from pipeloom.plan.cluster.layout import Layout
 from pipeloom.plan.cluster.recompute import FP8_BYTES
 
-__all__ = ["deepseek_all_to_all", "hybridep_all_to_all", "hybridep_bytes", "compute_hardware", "compute_share",
-           "pair_slowdown", "HybridEPRun", "HYBRIDEP_MEASURED", "HYBRIDEP_SMS"]
+__all__ = ["deepseek_all_to_all", "hybridep_all_to_all", "hybridep_bytes", "hybridep_generic_seconds",
+           "compute_hardware", "compute_share", "pair_slowdown", "HybridEPRun", "HYBRIDEP_MEASURED", "HYBRIDEP_SMS"]
 
 
 def deepseek_all_to_all(job: Job, layout: Layout, local: int) -> float:
@@ -59,8 +59,7 @@ def hybridep_all_to_all(job: Job, layout: Layout, local: int) -> tuple[float, fl
     assert ex is not None
     r = domain_ranks(layout.ep, 1, job.hw)
     nodes = layout.ep // r
-    across, runs = HYBRIDEP_MEASURED.get(_HYBRIDEP_SAME.get(job.hw.name, job.hw.name), (False, ()))
-    nearest = min(runs, key=lambda run: abs(math.log(run.ranks / layout.ep)), default=None)  # on either topology
+    nearest, across = _nearest_run(job.hw.name, layout.ep)  # on either topology
     synchronized = 0.0
     if nearest is not None and job.moe_comm != "hybridep-sync-free":  # each call's host synchronization
         calls = hybridep_bytes(_BENCH_TOKENS, _BENCH_HIDDEN, _BENCH_TOP_K, _BENCH_LOCAL * nearest.ranks,
@@ -72,10 +71,19 @@ def hybridep_all_to_all(job: Job, layout: Layout, local: int) -> tuple[float, fl
         ours = hybridep_bytes(local, job.spec.hidden, ex.top_k, ex.count, layout.ep, nodes)
         kernels = ours / (measured.dispatch_kernel * 1e9) + ours / (measured.combine_kernel * 1e9)
     else:
-        missed = math.comb(ex.count - ex.count // nodes, ex.top_k) / math.comb(ex.count, ex.top_k)
-        kernels = node_dispatch_seconds(job.hw, tokens=local, hidden=job.spec.hidden, top_k=ex.top_k,
-                                        ranks=layout.ep, remote=(nodes - 1) * (1 - missed), widths=(2.0, 2.0))
+        kernels = hybridep_generic_seconds(job.hw, tokens=local, hidden=job.spec.hidden, top_k=ex.top_k,
+                                           experts=ex.count, ranks=layout.ep)
     return kernels + synchronized, synchronized
+
+
+def hybridep_generic_seconds(hw: Hardware, *, tokens: float, hidden: int, top_k: int, experts: int,
+                             ranks: int) -> float:
+    """Seconds of one Hybrid-EP dispatch and combine where it was not measured: the generic node-aware exchange
+    (:func:`~pipeloom.plan.cluster.efficiency.node_dispatch_seconds`), a token reaching each other node holding any
+    of its ``top_k`` of ``experts`` (uniform routing), in bf16 both ways."""
+    nodes = ranks // domain_ranks(ranks, 1, hw)
+    return node_dispatch_seconds(hw, tokens=tokens, hidden=hidden, top_k=top_k, ranks=ranks,
+                                 remote=(nodes - 1) * _reach(experts, experts // nodes, top_k), widths=(2.0, 2.0))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -110,13 +118,18 @@ _HYBRIDEP_SAME = {"h200": "h100", "gb300": "gb200"}
 GB300 NVL72 the GB200's NVLink domain."""
 
 
-def _hybridep_measured(gpu: str, ep: int, nodes: int) -> HybridEPRun | None:
-    """The run measured on ``gpu``'s type closest to ``ep`` ranks in log scale, where it was measured on the same
-    topology (across nodes where ``nodes > 1``, inside one scale-up domain otherwise); None where it was not."""
+def _nearest_run(gpu: str, ep: int) -> tuple[HybridEPRun | None, bool]:
+    """The run measured on ``gpu``'s type closest to ``ep`` ranks in log scale (None where the type was never
+    measured), and whether its type was measured across nodes."""
     across, runs = HYBRIDEP_MEASURED.get(_HYBRIDEP_SAME.get(gpu, gpu), (False, ()))
-    if not runs or across != (nodes > 1):
-        return None
-    return min(runs, key=lambda run: abs(math.log(run.ranks / ep)))
+    return min(runs, key=lambda run: abs(math.log(run.ranks / ep)), default=None), across
+
+
+def _hybridep_measured(gpu: str, ep: int, nodes: int) -> HybridEPRun | None:
+    """:func:`_nearest_run` where it was measured on the same topology (across nodes where ``nodes > 1``, inside one
+    scale-up domain otherwise); None where it was not."""
+    run, across = _nearest_run(gpu, ep)
+    return run if across == (nodes > 1) else None
 
 
 def hybridep_bytes(tokens: float, hidden: int, top_k: int, experts: int, ranks: int, nodes: int) -> float:

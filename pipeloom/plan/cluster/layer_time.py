@@ -40,6 +40,7 @@ from pipeloom.plan.tp.all_to_all import moe_exchanges
 
 __all__ = ["layer_times"]
 
+
 def _gemms(spec: ModelSpec, tp: int, *, absorbed: bool = False, linear: bool = False) -> list[tuple[int, int]]:
     """``(n, k)`` of the tensor-parallel shards of one layer's attention GEMMs (column-parallel: n / tp,
     row-parallel: k / tp; MLA's low-rank down-projections replicated; ``absorbed``: MLA's MQA mode, without the kv
@@ -355,4 +356,3 @@ def _tp_exchanges(hw: Hardware, hidden_bytes: float, tp: int, *, sp: bool) -> fl
         return 2 * (collective_seconds(hw, "all_gather", hidden_bytes, tp, ranks_per_domain=ranks)
                     + collective_seconds(hw, "reduce_scatter", hidden_bytes, tp, ranks_per_domain=ranks))
     return 2 * collective_seconds(hw, "all_reduce", hidden_bytes, tp, ranks_per_domain=ranks)
-

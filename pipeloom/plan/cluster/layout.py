@@ -131,18 +131,17 @@ class Layout:
         rank). Gradients are reduced, and the optimizer state sharded, over them."""
         return self.dp * self.cp * self.copies, self.expert_replicas * self.copies
 
-    def param_state(self, dense: float, expert: float, grad_bytes: float = 2.0, shard_gradients: bool = False,
-                    moment_bytes: float = 4.0, *, reshards: bool | None = None,
-                    shard_optimizer: bool = True) -> tuple[float, float, float]:
+    def param_state(self, dense: float, expert: float, grad_bytes: float, shard_gradients: bool, moment_bytes: float,
+                    *, reshards: bool, shard_optimizer: bool) -> tuple[float, float, float]:
         """``(weights, gradients, optimizer)`` bytes per GPU of the ``dense`` and ``expert`` parameters a rank holds
         (:func:`optimizer_bytes`, whole gradients of ``grad_bytes`` each, Adam's moments of ``moment_bytes``), sharded
         over :attr:`state_groups`; with ``shard_gradients`` (ZeRO-2: :meth:`Job.zero2`) the gradients too; with
-        ``reshards`` (default :attr:`reshards`: :meth:`Job.reshards`) the weights and gradients too; without
-        ``shard_optimizer`` (:attr:`Job.distributed_optimizer`) the optimizer state whole."""
+        ``reshards`` (:meth:`Job.reshards`) the weights and gradients too; without ``shard_optimizer``
+        (:attr:`Job.distributed_optimizer`) the optimizer state whole."""
         parts = []
         for params, group in zip((dense, expert), self.state_groups):
             weights, gradients, states = optimizer_bytes(params, shards=group if shard_optimizer else 1,
-                                                         fsdp=self.reshards if reshards is None else reshards,
+                                                         fsdp=reshards,
                                                          grad_bytes=grad_bytes, moment_bytes=moment_bytes)
             parts.append((weights, gradients / group if shard_gradients else gradients, states))
         weights, gradients, optimizer = (a + b for a, b in zip(*parts))

@@ -261,11 +261,12 @@ def torchtitan_recompute(job: Job, layout: Layout) -> str | None:
     return "op" if job.selective == "op" else None
 
 
-def runtime_notes(result: ClusterPlan) -> list[str]:
-    """What the runtime runs differently from the plan's prediction (said next to a saved plan)."""
+def runtime_notes(result: ClusterPlan, *, memory: tuple[str | None, bool] | None = None) -> list[str]:
+    """What the runtime runs differently from the plan's prediction (said next to a saved plan); ``memory``:
+    :func:`runtime_memory_note` where the caller has it already."""
     layout = result.best.layout
     notes = []
-    state = runtime_memory_note(result)[0]
+    state = (memory or runtime_memory_note(result))[0]
     if state is not None:
         notes.append(state)
     if result.job.dtype != "bf16":

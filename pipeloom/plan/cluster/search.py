@@ -157,7 +157,7 @@ def search_layouts(job: Job, *, fixed: dict[str, Any] | None = None, memory_limi
                    blocked: Callable[[Layout], str | None] | None = None) -> SearchResult:
     """The fastest layout of ``job`` within ``memory_limit`` bytes per GPU (default: the GPU's memory), with the
     keys of ``fixed`` held and none that ``blocked`` gives a reason against (what a runtime cannot run:
-    :func:`~pipeloom.plan.cluster.runtime_plan.blocked_layouts`); NoLayoutFits when none fits, with the least memory
+    :func:`~pipeloom.plan.cluster.runtime_plan.for_runtime`); NoLayoutFits when none fits, with the least memory
     per GPU any layout needs and that layout (``smallest_limit``, ``smallest_layout``: planning again with that
     limit finds a plan)."""
     result = _search(job, fixed, memory_limit, runners_up, progress, beat=None, blocked=blocked)
