@@ -279,7 +279,16 @@ def collective_seconds(hw: Hardware, kind: str, nbytes: float, ranks: int, *, ra
     memory_seconds(hw, nbytes)  # validates nbytes
     if ranks == 1 or nbytes == 0:
         return 0.0
-    r, domains = ranks_per_domain, ranks // ranks_per_domain
+    # never faster than with as many of the ranks in each domain as it holds (the NIC is the slower link; the levels
+    # alone would price two domains of 8 below one of 16, whose ring moves 15/16 of the bytes against 7/8)
+    most = next(r for r in range(min(ranks, hw.scale_up_size), 0, -1) if ranks % r == 0)
+    seconds = _levels(hw, kind, nbytes, ranks, ranks_per_domain)
+    return seconds if most == ranks_per_domain else max(seconds, _levels(hw, kind, nbytes, ranks, most))
+
+
+def _levels(hw: Hardware, kind: str, nbytes: float, ranks: int, r: int) -> float:
+    """:func:`collective_seconds` by the hierarchical algorithm alone, ``r`` ranks in each domain."""
+    domains = ranks // r
     up, out = _bandwidth(hw, same_domain=True), _bandwidth(hw, same_domain=False)
     if kind == "all_to_all":
         inside = all_to_all_seconds(nbytes, ranks, peers=r - 1, latency=hw.scale_up_latency, bandwidth=up)

@@ -5,7 +5,7 @@ policy, exchanges, stage cut), checked when made."""
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pipeloom.plan.cluster.efficiency import (
@@ -153,7 +153,7 @@ class Job:
     spec: ModelSpec
     """The model."""
     hw: Hardware
-    """The GPU type."""
+    """The GPU type (a job of fewer GPUs than a scale-up domain holds sits in one: its ``scale_up_placed``)."""
     gpus: int
     """GPUs of the job."""
     global_batch: int
@@ -296,6 +296,8 @@ class Job:
             raise LayoutError(f"recompute_layers must be a whole number of layers per stage >= 0 (0: every layer), "
                               f"got {layers!r}")
         self.hw.peak(self.dtype)
+        if self.gpus < self.hw.domain_gpus:  # a job smaller than a scale-up domain sits in one
+            object.__setattr__(self, "hw", replace(self.hw, scale_up_placed=self.gpus))
         self._check_applies()
         positions = self.spec.positions
         if positions and self.seq > positions:
@@ -306,9 +308,7 @@ class Job:
     def cut(self) -> tuple[int, ...] | None:
         """Decoder layers per pipeline stage of an explicit :attr:`stage_cut` (:func:`layout_cut`); None for
         ``balanced`` and ``even``, whose cut depends on the layout."""
-        if self.stage_cut in STAGE_CUTS:
-            return None
-        return layout_cut(self.stage_cut, self.spec.layers, self.spec.mtp)
+        return None if self.stage_cut in STAGE_CUTS else layout_cut(self.stage_cut, self.spec.layers, self.spec.mtp)
 
     def fp8_casts(self) -> tuple[tuple[float, float], ...]:
         """Bytes per element an FP8 GEMM moves to cast its two inputs, in F (activation, weight), I (output

@@ -17,7 +17,8 @@ from pipeloom.plan.cluster.layout import SCHEDULES, Layout
 from pipeloom.plan.cluster.step import PhaseTimes
 
 __all__ = ["Cut", "even_counts", "balanced_counts", "cut_of", "cut_ranks", "stage_layers", "rank_stages",
-           "schedule_microbatches", "work_bound", "mode_shapes", "stage_send_seconds", "with_blocking_sends"]
+           "schedule_microbatches", "work_bound", "mode_shapes", "stage_send_seconds", "crossing_sends",
+           "with_blocking_sends"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -72,13 +73,30 @@ def mode_shapes(cut: Cut, recomputed: int | None) -> tuple[tuple[tuple[tuple[boo
 def stage_send_seconds(job: Job, layout: Layout) -> float:
     """Seconds of one stage-to-stage send of a micro-batch's hidden states (over tp: Megatron's scatter-gather), and
     where layers reuse an earlier layer's top-k keys (GLM-5's shared indexer layers) the int32 top-k indices too, as
-    at a boundary before such a layer (every boundary is priced so)."""
+    at a boundary before such a layer (every boundary is priced so). The schedule's boundaries between ranks
+    (:func:`crossing_sends`) that cross a scale-up domain go over the NIC, the others over the scale-up link: each
+    send is priced at their mean, so that a micro-batch's way through the pipeline takes what its sends add up to."""
     spec, tokens = job.spec, layout.mbs * job.seq // layout.cp
     hidden = tokens * spec.hidden * 2 / layout.tp
     if spec.indexer is not None and len(spec.indexer_layers) < spec.layers:
         hidden += tokens * 4 * spec.indexer.topk / layout.tp
-    same = layout.tp * layout.cp * layout.dp < job.hw.domain_gpus
-    return p2p_seconds(job.hw, hidden, same_domain=same)
+    crossing, sends = crossing_sends(layout, job.hw.domain_gpus)
+    if not sends:
+        return 0.0
+    return (crossing * p2p_seconds(job.hw, hidden, same_domain=False)
+            + (sends - crossing) * p2p_seconds(job.hw, hidden, same_domain=True)) / sends
+
+
+def crossing_sends(layout: Layout, domain: int) -> tuple[int, int]:
+    """``(crossing, sends)``: of the sends between consecutive stages that change rank (the schedule's placement:
+    :func:`rank_stages`; an interleaved schedule's last rank sends to the first), those whose two GPUs sit in
+    different scale-up domains of ``domain`` GPUs. Pipeline rank ``k`` of the first pipeline is GPU ``k x tp x cp x
+    dp`` (Megatron's rank order tp, cp, dp, pp)."""
+    stride = layout.tp * layout.cp * layout.dp
+    rank_of = {stage: rank for rank, stages in enumerate(rank_stages(layout)) for stage in stages}
+    pairs = [(rank_of[s], rank_of[s + 1]) for s in range(len(rank_of) - 1)
+             if rank_of[s] != rank_of[s + 1] and (layout.copies == 1 or s + 1 != layout.stages)]
+    return sum(a * stride // domain != b * stride // domain for a, b in pairs), len(pairs)
 
 
 def with_blocking_sends(job: Job, layout: Layout, times: list[PhaseTimes]) -> list[PhaseTimes]:

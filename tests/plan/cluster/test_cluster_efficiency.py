@@ -189,6 +189,14 @@ def test_collectives_across_domains_closed_forms():
         inside + 14e-6 + 2e-5)
     assert collective_seconds(ROUND, "all_gather", s, 16, ranks_per_domain=8) == pytest.approx(
         7 / 8 * s / UP + 7e-6 + 1e-5)
+    # ... but where a domain holds 16, never faster than the 16 ranks' ring inside one (0.0375 s): the NIC is the
+    # slower link
+    wide = dataclasses.replace(ROUND, scale_up_size=16)
+    flat = 2 * 15 / 16 * s / UP + 30 * 1e-6
+    assert flat > inside + 14e-6 + 2e-5
+    assert collective_seconds(wide, "all_reduce", s, 16, ranks_per_domain=8) == pytest.approx(flat)
+    assert collective_seconds(wide, "all_gather", s, 16, ranks_per_domain=8) == pytest.approx(
+        15 / 16 * s / UP + 15e-6)
     # with NICs 2.5x slower the cross-domain level is the slower one
     slow_nic = dataclasses.replace(ROUND, scale_out_bandwidth=4e9)
     assert collective_seconds(slow_nic, "all_reduce", s, 16, ranks_per_domain=8) == pytest.approx(
@@ -215,6 +223,20 @@ def test_crossing_domains_is_slower(name, kind):
         # more ranks across domains never make it faster per byte moved
         assert collective_seconds(hw, kind, nbytes, 8 * size, ranks_per_domain=size) > inside
         assert collective_seconds(hw, kind, 2 * nbytes, size, ranks_per_domain=size) > inside
+
+
+@pytest.mark.parametrize("name", hardware_names())
+@pytest.mark.parametrize("kind", ["all_reduce", "all_gather", "reduce_scatter", "all_to_all"])
+def test_more_ranks_in_a_domain_is_never_slower(name, kind):
+    """A group's collective with more of its ranks sharing each scale-up domain never takes longer (the hierarchical
+    algorithm alone would price 16 ranks in two domains of 8 below 16 in one: its domain level moves 7/8 of the
+    buffer against 15/16)."""
+    hw = hardware(name)
+    group = 16 if hw.scale_up_size >= 16 else hw.scale_up_size
+    for nbytes in (1e3, 1e6, 1e9):
+        times = [collective_seconds(hw, kind, nbytes, group, ranks_per_domain=r)
+                 for r in range(1, group + 1) if group % r == 0]
+        assert all(a >= b for a, b in zip(times, times[1:])), (nbytes, times)
 
 
 def test_collective_trivial_and_bad_arguments():

@@ -9,10 +9,15 @@ import json
 import pytest
 
 from pipeloom.errors import PipeloomError
+from pipeloom.plan.cluster import model_spec
+from pipeloom.plan.cluster.estimate import Estimator
 from pipeloom.plan.cluster.gpus import hardware, hardware_names
 from pipeloom.plan.cluster.hardware import FORMAT, Hardware, load_hardware, save_hardware
+from pipeloom.plan.cluster.layout import Layout
 from pipeloom.plan.errors import HardwareError
 
+LLAMA_8B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256}
 NAMES = ["a100-40gb", "a100-80gb", "h100", "h200", "b200", "gb200", "gb300", "mi300x"]
 
 
@@ -98,6 +103,47 @@ def test_a_job_takes_64_gpus_of_each_nvl72_rack(tmp_path):
     old = gb200.to_dict()
     del old["scale_up_placed"], old["sources"]["scale_up_placed"]
     assert hardware(_write(tmp_path, old)).domain_gpus == 72
+
+
+def test_a_job_smaller_than_a_domain_sits_in_one():
+    """4 GPUs of a 6-GPU domain share it: a group of 4 is priced inside the domain (the gcd with 6 had put 2 per
+    domain), as 4 GPUs of a domain of 8 are; on an NVL72 16 GPUs share one domain, as in a domain of 16."""
+    from pipeloom.plan.cluster.job import Job
+
+    spec = model_spec(LLAMA_8B)
+    six, eight = (dataclasses.replace(hardware("h100"), scale_up_size=size) for size in (6, 8))
+    jobs = [Job(spec=spec, hw=hw, gpus=4, global_batch=16, seq=4096) for hw in (six, eight)]
+    assert [job.hw.domain_gpus for job in jobs] == [4, 4] and jobs[0].hw.scale_up_size == 6
+    layout = Layout(tp=4, pp=1, dp=1)
+    times = [Estimator(job).estimate(layout).step_time for job in jobs]
+    assert times[0] == pytest.approx(times[1])
+    nvl = Job(spec=spec, hw=hardware("gb200"), gpus=16, global_batch=16, seq=4096)
+    wide = Job(spec=spec, hw=dataclasses.replace(hardware("gb200"), scale_up_size=16, scale_up_placed=None), gpus=16,
+               global_batch=16, seq=4096)
+    assert Estimator(nvl).estimate(Layout(dp=16)).step_time == Estimator(wide).estimate(Layout(dp=16)).step_time
+
+
+def test_pipeline_sends_that_cross_a_domain_go_over_the_nic():
+    """Pipeline rank k of the first pipeline is GPU k x tp x cp x dp: with pp 8 over domains of 2 GPUs three of the
+    seven sends between ranks cross (interleaved with vp 2: fifteen sends, the last rank's to the first among them,
+    seven crossing; the V and DualPipe's copies turn on their last rank); each send is priced at the mean of its
+    boundaries', so a slow NIC slows the pipeline that spans domains, and no longer once it fits in one."""
+    from pipeloom.plan.cluster.job import Job
+    from pipeloom.plan.cluster.placement import crossing_sends, stage_send_seconds
+
+    assert crossing_sends(Layout(pp=8), 2) == (3, 7) and crossing_sends(Layout(pp=8), 8) == (0, 7)
+    assert crossing_sends(Layout(pp=8, vp=2, schedule="interleaved-1f1b"), 2) == (7, 15)
+    assert crossing_sends(Layout(pp=8, vp=2, schedule="zbv"), 2) == (6, 14)
+    assert crossing_sends(Layout(pp=8, schedule="dualpipe"), 2) == (6, 14)
+    assert crossing_sends(Layout(pp=4, tp=2), 8) == (0, 3) and crossing_sends(Layout(pp=4, tp=4), 8) == (1, 3)
+    spec = model_spec(LLAMA_8B)
+    slow = dataclasses.replace(hardware("h100"), scale_out_bandwidth=1e6)
+    times = {}
+    for size in (1, 2, 8):
+        job = Job(spec=spec, hw=dataclasses.replace(slow, scale_up_size=size), gpus=8, global_batch=16, seq=4096)
+        times[size] = (stage_send_seconds(job, Layout(pp=8)), Estimator(job).estimate(Layout(pp=8)).step_time)
+    assert times[2][0] == pytest.approx((3 * times[1][0] + 4 * times[8][0]) / 7)
+    assert times[1][1] > times[2][1] > times[8][1]
 
 
 def _write(tmp_path, data) -> str:
