@@ -38,7 +38,8 @@ from pipeloom.plan.cluster.efficiency import attention_flops  # noqa: E402
 from pipeloom.plan.cluster.gpus import hardware  # noqa: E402
 from pipeloom.plan.cluster.hardware import Hardware, save_hardware  # noqa: E402
 
-__all__ = ["GRIDS", "Fit", "fit_attention", "fit_fp8_gemm", "fit_gemm", "main", "model_attention", "model_gemm"]
+__all__ = ["GRIDS", "Fit", "edge_warnings", "fit_attention", "fit_fp8_gemm", "fit_gemm", "main", "model_attention",
+           "model_gemm"]
 
 GRIDS = {
     "full": {"gemm": (256, 512, 1024, 2048, 4096, 8192), "seq": (256, 512, 1024, 2048, 4096, 8192),
@@ -127,6 +128,25 @@ def fit_attention(samples: Sequence[tuple[float, int, float, float, bool]], *, p
         if error < best[0]:
             best = (error, values)
     return Fit(values=best[1], rms_log_error=best[0])
+
+
+def edge_warnings(hw: Hardware) -> list[str]:
+    """A line for each fitted value at the edge of the grid searched for it: the measurements lie outside what the
+    efficiency model describes there (a CPU run, a throttled or shared GPU), and the value is the grid's, not the
+    GPU's."""
+    grids = {"gemm_efficiency": _EFFICIENCIES, "fp8_gemm_efficiency": _EFFICIENCIES,
+             "attention_efficiency": _EFFICIENCIES, "attention_backward_efficiency": _EFFICIENCIES,
+             "gemm_half_dim": _HALVES, "attention_half_seq": _HALVES, "kernel_overhead": _OVERHEADS}
+    lines = []
+    for key, grid in grids.items():
+        value = getattr(hw, key)
+        edges = [edge for edge, at in (("smallest", grid[0]), ("largest", grid[-1])) if value == at
+                 and not (key.endswith("efficiency") and at == 1.0) and not (key == "kernel_overhead" and at == 0.0)]
+        if edges:
+            lines.append(f"warning: {key} = {value:.3g} is the {edges[0]} value searched: the measurements are outside "
+                         "what the efficiency model describes; check the fitted/measured column before planning with "
+                         "this file")
+    return lines
 
 
 def _timer(device: str) -> Callable[[Callable[[], object], int], float]:
@@ -253,7 +273,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base", default="h100", help="built-in name or hardware file for the datasheet fields")
     parser.add_argument("--out", required=True, help="hardware JSON file to write")
-    parser.add_argument("--name", help="the written description's name (default: BASE-measured)")
+    parser.add_argument("--name", help="the written description's name (default: BASE-measured; on a CPU "
+                        "BASE-measured-on-cpu)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when available")
     parser.add_argument("--grid", choices=tuple(GRIDS), default=None, help="default: full on cuda, tiny on cpu")
     parser.add_argument("--repeats", type=int, default=5)
@@ -268,9 +289,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     start = time.monotonic()
     fp8 = "fp8" in base.peak_flops and hasattr(torch, "float8_e4m3fn")
     measured = measure(device, grid, budget=args.budget, repeats=args.repeats, log=print, fp8=fp8)
-    hw = calibrate(base, measured, grid, device_name=device_name, name=args.name or f"{base.name}-measured",
-                   log=print)
+    default = f"{base.name}-measured" + ("-on-cpu" if device == "cpu" else "")
+    hw = calibrate(base, measured, grid, device_name=device_name, name=args.name or default, log=print)
     save_hardware(hw, args.out)
+    for line in edge_warnings(hw):
+        print(line, file=sys.stderr)
     print(f"gemm_efficiency {hw.gemm_efficiency:.3g} (fp8 {hw.gemm_ceiling('fp8'):.3g}), gemm_half_dim "
           f"{hw.gemm_half_dim:.0f}, kernel_overhead "
           f"{hw.kernel_overhead * 1e6:.1f} us, attention {hw.attention_efficiency:.3g} / "

@@ -144,8 +144,8 @@ def token_count(text: str) -> float:
         value = float(number) * scale
     except ValueError:
         value = float("nan")
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive token count; give e.g. 2000000, 2M or 15T")
+    if not 0 < value < float("inf") or not value.is_integer():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole token count; give e.g. 2000000, 2M or 15T")
     return value
 
 

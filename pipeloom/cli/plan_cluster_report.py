@@ -67,7 +67,7 @@ def _dropout(spec) -> str:
 def _above(result) -> str:
     """The note of a memory limit above the GPU's memory ('' otherwise)."""
     have = result.job.hw.memory_bytes
-    return f"; the limit is above the {result.job.hw.name}'s {_gib(have)}" if result.memory_limit > have else ""
+    return f"; the limit is above the {result.job.hw.name}'s {_gib(have)}" if result.memory_limit > float(have) else ""
 
 
 def training_text(training: dict, gpus: int) -> str:

@@ -13,7 +13,6 @@ from typing import Any
 
 from pipeloom.errors import ArgumentError
 from pipeloom.plan.cluster.counts import model_params
-from pipeloom.plan.cluster.efficiency import dtype_bytes
 from pipeloom.plan.cluster.estimate import Estimator
 from pipeloom.plan.cluster.gpus import hardware
 from pipeloom.plan.cluster.hardware import Hardware
@@ -26,7 +25,7 @@ from pipeloom.plan.cluster.runtime_plan import for_runtime
 from pipeloom.plan.cluster.search import runners_up_of, search_faster, search_layouts
 from pipeloom.plan.cluster.step import Estimate
 from pipeloom.plan.costs.parts import parse_bytes
-from pipeloom.plan.errors import NoLayoutFits, PlanError
+from pipeloom.plan.errors import CostTableError, NoLayoutFits, PlanError
 
 __all__ = ["ClusterPlan", "plan_cluster"]
 
@@ -64,8 +63,9 @@ class ClusterPlan:
         """Training ``tokens`` tokens with the chosen layout: ``steps`` (whole steps of the global batch),
         ``seconds`` and ``gpu_hours`` (every GPU of the job for that time), as NeMo's performance tables give
         time to train; the step's predicted time throughout (no warm-up, checkpoints or failures)."""
-        if isinstance(tokens, bool) or not isinstance(tokens, (int, float)) or not 0 < tokens < float("inf"):
-            raise ArgumentError(f"tokens to train must be a positive number, got {tokens!r}")
+        if (isinstance(tokens, bool) or not isinstance(tokens, (int, float)) or not 0 < tokens < float("inf")
+                or not float(tokens).is_integer()):
+            raise ArgumentError(f"tokens to train must be a positive whole number, got {tokens!r}")
         steps = math.ceil(tokens / (self.job.global_batch * self.job.seq))
         seconds = steps * self.best.step_time
         return {"tokens": float(tokens), "steps": steps, "seconds": seconds,
@@ -77,9 +77,7 @@ class ClusterPlan:
         return {
             "best": dict(self.best.as_dict(), fits=self.best.memory.total <= self.memory_limit),
             "runners_up": [dict(est.as_dict(), why=why) for est, why in self.runners_up],
-            "hardware": {"name": hw.name, "memory_bytes": hw.memory_bytes, "peak_flops": dict(hw.peak_flops),
-                         "memory_bandwidth": hw.memory_bandwidth, "scale_up_size": hw.scale_up_size,
-                         "scale_up_bandwidth": hw.scale_up_bandwidth, "scale_out_bandwidth": hw.scale_out_bandwidth},
+            "hardware": hw.to_dict(),  # the whole description as priced: hardware_from_dict reads it back
             "model": {"family": self.job.spec.family, "text_of": self.job.spec.text_of, "layers": self.job.spec.layers,
                       "hidden": self.job.spec.hidden, "params": model_params(self.job.spec),
                       "experts": self.job.spec.experts.count if self.job.spec.experts else 0,
@@ -118,9 +116,10 @@ def _sparse(spec: ModelSpec) -> dict[str, Any] | None:
             "indexer_layers": list(spec.indexer_layers)}
 
 
-def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: str | Path | Hardware, *, gpus: int,
-                 global_batch: int, seq: int, dtype: str = "bf16", layout: str | Mapping[str, Any] | None = None,
-                 kernels: str = "fused", attention: str = "flash", overlap_grad_reduce: bool = True,
+def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: str | Path | Hardware | dict, *,
+                 gpus: int, global_batch: int, seq: int, dtype: str = "bf16",
+                 layout: str | Mapping[str, Any] | None = None, kernels: str = "fused", attention: str = "flash",
+                 overlap_grad_reduce: bool = True,
                  p2p_overlap: bool = True, selective: str = "core_attn", cp_rotate: str = "ring",
                  moe_comm: str = "plain", grad_reduce: str = "bf16", sequence_parallel: bool = True,
                  tp_overlap: bool = False, fp8_cast: str = "cached", stage_cut: str = "balanced",
@@ -151,7 +150,8 @@ def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: st
     (:func:`~pipeloom.plan.cluster.runtime_plan.for_runtime`)."""
     start = time.perf_counter()
     device = hardware(hw)
-    dtype_bytes(dtype)
+    if dtype not in ("bf16", "fp8"):
+        raise ArgumentError(f"dtype must be 'bf16' or 'fp8' (the GEMMs' inputs), got {dtype!r}")
     spec = model_spec(model)
     depth: Any = 0 if recompute_layers == SEARCHED else recompute_layers  # Job refuses anything but a count
     job = Job(spec=spec, hw=device, gpus=gpus, global_batch=global_batch, seq=seq, dtype=dtype,
@@ -162,7 +162,7 @@ def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: st
               stage_cut=stage_cut, moe_overlap=bool(moe_overlap), shard_gradients=bool(shard_gradients),
               adam_moments=adam_moments, recompute_layers=depth)
     fixed = parse_layout(layout) if isinstance(layout, str) else dict(layout or {})
-    limit = parse_bytes(memory_limit) if memory_limit is not None else float(device.memory_bytes)
+    limit = _memory_limit(memory_limit, device)
     job, blocked = for_runtime(job, runs_on)
     choices: dict[str, list[Any]] = {
         "selective": [",".join(modules) for modules in module_sets(spec)] if selective == SEARCHED else [],
@@ -177,6 +177,19 @@ def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: st
 
 _MODE_OF = {"selective": "selective", "recompute_layers": "full"}
 """The recomputation mode whose layouts each searched choice changes (it changes no other layout)."""
+
+
+def _memory_limit(limit: float | str | None, device: Hardware) -> float:
+    """Bytes per GPU a plan may use: ``limit`` (bytes, or a size such as ``"40GiB"``), else the GPU's memory."""
+    if limit is None:
+        return float(device.memory_bytes)
+    try:
+        value = parse_bytes(limit)
+    except CostTableError as err:
+        raise ArgumentError(f"memory_limit: {err}") from None
+    if value <= 0:
+        raise ArgumentError(f"memory_limit must be more than 0 bytes, got {limit!r}")
+    return value
 
 
 def _variants(job: Job, searched: dict[str, list[Any]], fixed: dict[str, Any]) -> list[tuple[Job, dict[str, Any]]]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from pipeloom.plan.cluster.hardware import FORMAT, Hardware, load_hardware
+from pipeloom.plan.cluster.hardware import FORMAT, Hardware, hardware_from_dict, load_hardware
 from pipeloom.plan.errors import HardwareError
 
 __all__ = ["BUILTIN", "hardware", "hardware_names"]
@@ -343,14 +343,16 @@ def hardware_names() -> list[str]:
     return list(BUILTIN)
 
 
-def hardware(name_or_path: str | Path | Hardware) -> Hardware:
-    """A built-in GPU by name (``"h100"``, case-insensitive; see :func:`hardware_names`) or a
-    ``pipeloom.hardware/1`` JSON file by path; a :class:`Hardware` is returned as it is."""
+def hardware(name_or_path: str | Path | Hardware | dict) -> Hardware:
+    """A built-in GPU by name (``"h100"``, case-insensitive; see :func:`hardware_names`), a ``pipeloom.hardware/1``
+    JSON file by path or its JSON object as a dict; a :class:`Hardware` is returned as it is."""
     if isinstance(name_or_path, Hardware):
         return name_or_path
+    if isinstance(name_or_path, dict):
+        return hardware_from_dict(name_or_path)
     if not isinstance(name_or_path, (str, Path)):
-        raise HardwareError(f"hardware must be a GPU name, a JSON file path or a Hardware, got "
-                            f"{type(name_or_path).__name__}")
+        raise HardwareError(f"hardware must be a GPU name, a JSON file path, its JSON object (a dict) or a Hardware, "
+                            f"got {type(name_or_path).__name__}")
     text = str(name_or_path)
     if text.lower() in BUILTIN:
         return BUILTIN[text.lower()]

@@ -9,6 +9,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 from pipeloom.plan.errors import HardwareError
 
@@ -95,15 +96,7 @@ class Hardware:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise HardwareError(f"hardware name must be a non-empty string, got {self.name!r}")
-        peaks = dict(self.peak_flops)
-        for dtype, rate in peaks.items():
-            if dtype not in DTYPES:
-                raise HardwareError(f"hardware {self.name!r}: peak_flops has unknown dtype {dtype!r}; use "
-                                    f"{', '.join(DTYPES)}")
-            _positive(self.name, f"peak_flops[{dtype!r}]", rate)
-        if "bf16" not in peaks:
-            raise HardwareError(f"hardware {self.name!r}: peak_flops needs a 'bf16' rate (dense FLOP/s)")
-        object.__setattr__(self, "peak_flops", peaks)
+        object.__setattr__(self, "peak_flops", _peaks(self))
         for name in ("memory_bytes", "memory_bandwidth", "scale_up_bandwidth", "scale_out_bandwidth",
                      "gemm_half_dim", "attention_half_seq"):
             _positive(self.name, name, getattr(self, name))
@@ -143,6 +136,9 @@ class Hardware:
                                                      or not 0 < self.fp8_gemm_efficiency <= 1):
             raise HardwareError(f"hardware {self.name!r}: fp8_gemm_efficiency is a fraction of the FP8 peak in "
                                 f"(0, 1], or null to use gemm_efficiency, got {self.fp8_gemm_efficiency!r}")
+        if self.fp8_gemm_efficiency is not None and "fp8" not in self.peak_flops:
+            raise HardwareError(f"hardware {self.name!r}: fp8_gemm_efficiency is given but peak_flops has no 'fp8' "
+                                "rate: add the dense FP8 FLOP/s, or drop fp8_gemm_efficiency")
         sources = dict(self.sources)
         known = {f.name for f in fields(self)}
         for key, text in sources.items():
@@ -179,6 +175,28 @@ class Hardware:
             value = getattr(self, f.name)
             out[f.name] = dict(value) if isinstance(value, Mapping) else value
         return out
+
+
+def _peaks(hw: Hardware) -> dict[str, float]:
+    """``hw``'s dense peak FLOP/s per dtype, checked (known dtypes, a bf16 rate, an FP8 rate not below it), once
+    ``peak_flops`` and ``sources`` are found to be mappings."""
+    for name in ("peak_flops", "sources"):
+        if not isinstance(getattr(hw, name), Mapping):
+            raise HardwareError(f"hardware {hw.name!r}: {name} must be a mapping ({_MAPPINGS[name]}), got "
+                                f"{getattr(hw, name)!r}")
+    peaks = dict(hw.peak_flops)
+    for dtype, rate in peaks.items():
+        if dtype not in DTYPES:
+            raise HardwareError(f"hardware {hw.name!r}: peak_flops has unknown dtype {dtype!r}; use "
+                                f"{', '.join(DTYPES)}")
+        _positive(hw.name, f"peak_flops[{dtype!r}]", rate)
+    if "bf16" not in peaks:
+        raise HardwareError(f"hardware {hw.name!r}: peak_flops needs a 'bf16' rate (dense FLOP/s)")
+    if peaks.get("fp8", peaks["bf16"]) < peaks["bf16"]:
+        raise HardwareError(f"hardware {hw.name!r}: peak_flops['fp8'] ({peaks['fp8']:g}) is below the bf16 rate "
+                            f"({peaks['bf16']:g}); FP8 tensor cores run at least BF16's dense rate: give the "
+                            "datasheet's dense FP8 FLOP/s, or leave fp8 out")
+    return peaks
 
 
 def _flags(hw: Hardware) -> None:
@@ -226,7 +244,8 @@ def hardware_from_dict(data, *, where: str = "hardware description") -> Hardware
     if missing:
         raise HardwareError(f"{where}: missing key(s) {', '.join(map(repr, missing))} (bandwidths in bytes/s one "
                             f"direction, latencies in seconds, memory_bytes in bytes)")
-    values = {k: v for k, v in data.items() if k != "format"}
+    values: dict[str, Any] = {k: int(v) if k in _WHOLE and isinstance(v, float) and v.is_integer() else v
+              for k, v in data.items() if k != "format"}  # 6.4e10 bytes, as some JSON writers put a count
     for key in ("peak_flops", "sources"):
         if key in values and not isinstance(values[key], dict):
             raise HardwareError(f"{where}: {key!r} must be a JSON object, got {values[key]!r}")
@@ -236,6 +255,14 @@ def hardware_from_dict(data, *, where: str = "hardware description") -> Hardware
         raise HardwareError(f"{where}: {err}") from None
 
 
+_WHOLE = ("memory_bytes", "scale_up_size", "scale_up_placed", "sm_count")
+"""The counts of a description: a JSON number that is whole (``6.4e10``) is read as one."""
+_MAPPINGS = {"peak_flops": "dtype -> dense FLOP/s", "sources": "field name -> where its number comes from"}
+
+
 def save_hardware(hw: Hardware, path: str | Path) -> None:
     """Write ``hw`` as a ``pipeloom.hardware/1`` JSON file (:func:`load_hardware` reads it back equal)."""
+    if not isinstance(hw, Hardware):
+        raise HardwareError(f"save_hardware takes a Hardware (pipeloom.plan.cluster.gpus.hardware('h100') gives a "
+                            f"built-in's), got {type(hw).__name__}")
     Path(path).write_text(json.dumps(hw.to_dict(), indent=2) + "\n")

@@ -9,9 +9,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from itertools import accumulate
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from pipeloom.errors import ArgumentError
+from pipeloom.errors import ArgumentError, PipeloomError
 from pipeloom.plan.cluster.estimate import Estimator
 from pipeloom.plan.cluster.job import Job
 from pipeloom.plan.cluster.layout import PAIRED, Layout
@@ -84,9 +84,26 @@ def save_blockers(result: ClusterPlan, *, export: str | None = None) -> str | No
         fixes["dp"] = result.job.gpus // (tp * layout.pp * cp)  # the GPUs the other keys free
     keys = ",".join(f"{k}={v}" for k, v in fixes.items())
     which = "the others" if any(not fixed for _, fixed in problems) else ("them" if len(problems) > 1 else "it")
-    fix = f"; fix {which} with --layout {keys}" if fixes else ""
+    over = result.best.memory.total > result.memory_limit  # said already: leave keys to the search
+    fix = f"; fix {which} with --layout {keys}{'' if over else _fix_memory(result, fixes, export)}" if fixes else ""
     return (f"cannot save the chosen layout {'for torchtitan' if export else 'as a plan the runtime runs'}: "
             + "; ".join(text for text, _ in problems) + fix)
+
+
+def _fix_memory(result: ClusterPlan, fixes: dict[str, int | str], export: str | None) -> str:
+    """What follows the suggested ``--layout`` fix: nothing where the fixed layout fits the limit as the runtime holds
+    it; else that it would not, so that the fix does not lead to a memory refusal unannounced."""
+    try:
+        changes: dict[str, Any] = {key: bool(value) if key == "fsdp" else value for key, value in fixes.items()}
+        fixed = dataclasses.replace(result.best.layout, **changes)
+        needs = Estimator(runtime_job(result.job, export or "pipeloom")).estimate(fixed).memory.total
+    except (PipeloomError, ValueError):  # the other keys do not take the fix: said when it is given
+        return ""
+    if needs <= result.memory_limit:
+        return ""
+    return (f" (that layout needs {needs / 2**30:.1f} GiB per GPU as {_RUNTIME_NAMES[export or 'pipeloom']} holds "
+            f"it, over the {result.memory_limit / 2**30:.1f} GiB limit: give --layout fewer keys and let the search "
+            "choose the others)")
 
 
 def layout_problems(job: Job, layout: Layout, *, export: str | None = None) -> list[tuple[str, dict[str, int | str]]]:

@@ -89,8 +89,21 @@ def test_cpu_smoke_run_fits_fp8_where_the_base_has_it(tmp_path):
     assert CALIBRATE.main(["--base", "h100", "--device", "cpu", "--grid", "tiny", "--repeats", "1",
                            "--out", str(out)]) == 0
     hw = load_hardware(out)
+    assert hw.name == "h100-measured-on-cpu"
     assert hw.fp8_gemm_efficiency is not None and hw.fp8_gemm_efficiency != hardware("h100").fp8_gemm_efficiency
     assert "27 FP8 GEMM shapes (torch._scaled_mm)" in hw.sources["fp8_gemm_efficiency"]
+
+
+def test_a_fit_at_the_edge_of_its_grid_is_warned_of():
+    """A value the fit took at the end of the grid it searched is the grid's, not the GPU's: one warning line per
+    such value, none for a real GPU's description (an efficiency of 1 or no kernel overhead are values, not
+    edges)."""
+    assert CALIBRATE.edge_warnings(hardware("h100")) == []
+    floor = dataclasses.replace(hardware("h100"), gemm_efficiency=1e-5, attention_half_seq=8192.0,
+                                kernel_overhead=0.0, attention_efficiency=1.0)
+    warnings = CALIBRATE.edge_warnings(floor)
+    assert [line.split(" = ")[0] for line in warnings] == ["warning: gemm_efficiency", "warning: attention_half_seq"]
+    assert "is the smallest value searched" in warnings[0] and "is the largest value searched" in warnings[1]
 
 
 def test_the_fp8_fit_recovers_the_ceiling_it_was_made_with():

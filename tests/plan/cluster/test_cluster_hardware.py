@@ -146,6 +146,20 @@ def test_pipeline_sends_that_cross_a_domain_go_over_the_nic():
     assert times[1][1] > times[2][1] > times[8][1]
 
 
+def test_counts_written_as_whole_floats_load_and_objects_name_their_type(tmp_path):
+    """A JSON writer's 8.5e10 bytes or 8.0 GPUs is a whole count and loads; a dict is a description too (as
+    plan_cluster takes one); a Hardware's mappings and save_hardware's argument are checked by name."""
+    data = _good()
+    data.update(memory_bytes=8.5e10, scale_up_size=8.0)
+    loaded = hardware(_write(tmp_path, data))
+    assert (loaded.memory_bytes, loaded.scale_up_size) == (85_000_000_000, 8) and type(loaded.scale_up_size) is int
+    assert hardware(_good()) == hardware("h100")
+    with pytest.raises(HardwareError, match=r"peak_flops must be a mapping \(dtype -> dense FLOP/s\), got None"):
+        dataclasses.replace(hardware("h100"), peak_flops=None)
+    with pytest.raises(HardwareError, match=r"save_hardware takes a Hardware .* got str"):
+        save_hardware("h100", tmp_path / "x.json")
+
+
 def _write(tmp_path, data) -> str:
     path = tmp_path / "bad.json"
     path.write_text(data if isinstance(data, str) else json.dumps(data))
@@ -166,7 +180,10 @@ def _good() -> dict:
     (lambda d: d.update(fp8_gemm_efficiency=0), r"fp8_gemm_efficiency is a fraction of the FP8 peak .* or null"),
     (lambda d: d.update(scale_up_size=0), "scale_up_size must be a whole number of GPUs >= 1"),
     (lambda d: d.update(scale_up_placed=9), r"scale_up_placed is the GPUs of one job .* from 1 to scale_up_size \(8\)"),
-    (lambda d: d.update(memory_bytes=8.5e10), "memory_bytes must be a whole number of bytes"),
+    (lambda d: d.update(memory_bytes=8.5e10 + 0.5), "memory_bytes must be a whole number of bytes"),
+    (lambda d: d.update(peak_flops={"bf16": 1e15, "fp8": 1e14}), r"peak_flops\['fp8'\] \(1e\+14\) is below the bf16"),
+    (lambda d: d.update(peak_flops={"bf16": 1e15}), "fp8_gemm_efficiency is given but peak_flops has no 'fp8'"),
+    (lambda d: d.update(sources=None), r"'sources' must be a JSON object"),
     (lambda d: d.update(mxfp8="yes"), "mxfp8 is true or false"),
     (lambda d: d.update(fp8_any_layout=1), "fp8_any_layout is true or false"),
     (lambda d: d.update(scale_out_latency=-1), "scale_out_latency must be seconds >= 0"),

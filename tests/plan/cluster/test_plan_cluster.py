@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 
@@ -13,6 +14,7 @@ from pipeloom.plan.cluster import plan_cluster
 from pipeloom.plan.cluster.counts import layer_counts, model_params
 from pipeloom.plan.cluster.estimate import Estimator
 from pipeloom.plan.cluster.gpus import hardware
+from pipeloom.plan.cluster.hardware import hardware_from_dict
 from pipeloom.plan.cluster.job import Job
 from pipeloom.plan.cluster.layout import LAYOUT_KEYS, Layout, parse_layout
 from pipeloom.plan.cluster.model.reader import model_spec
@@ -48,6 +50,7 @@ def test_json_schema(config, capsys):
     assert set(data["best"]["memory_per_gpu"]) == {"weights", "gradients", "optimizer", "activations", "buffers",
                                                     "total"}
     assert data["hardware"]["name"] == "h100" and data["hardware"]["memory_bytes"] > 0
+    assert hardware_from_dict(data["hardware"]) == hardware("h100")  # the whole description: it plans again
     assert isinstance(data["runners_up"], list) and isinstance(data["seconds"], float)
     layout = data["best"]["layout"]
     assert layout["dp"] * layout["tp"] * layout["pp"] * layout["cp"] == 8
@@ -190,6 +193,21 @@ def test_cli_errors_one_line_exit_2(config, capsys, argv, message):
     assert main(["plan", "--global-batch", "32", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err
+
+
+def test_the_api_refuses_what_the_command_refuses_as_argument_errors():
+    """plan_cluster names a bad memory limit or dtype as the command does, an ArgumentError (not a cost table's or a
+    GPU's error, nor "no layout fits 0 GiB"); a GPU's JSON object is a hardware description as its file is."""
+    from pipeloom.errors import ArgumentError
+
+    layout = "dp=2,tp=2,pp=2,vp=1,cp=1,ep=1,mbs=1,fsdp=0,recompute=none,schedule=1f1b"
+    for kw, message in ((dict(memory_limit="0"), "memory_limit must be more than 0 bytes, got '0'"),
+                        (dict(memory_limit="lots"), "memory_limit: bad size 'lots'"),
+                        (dict(dtype="fp16"), "dtype must be 'bf16' or 'fp8'")):
+        with pytest.raises(ArgumentError, match=re.escape(message)):
+            _plan(layout=layout, **kw)
+    as_dict = plan_cluster(SMALL, hardware("h100").to_dict(), gpus=8, global_batch=32, seq=4096, layout=layout)
+    assert as_dict.best.step_time == _plan(layout=layout).best.step_time
 
 
 def test_bf16_adam_moments_hold_two_thirds_of_the_optimizer_state(config, capsys):
@@ -478,8 +496,8 @@ def test_time_to_train_a_token_count(config, capsys):
     training = result.training(10 * tokens_per_step + 1)  # one token more than ten steps: eleven steps
     assert training["steps"] == 11 and training["seconds"] == pytest.approx(11 * result.best.step_time)
     assert training["gpu_hours"] == pytest.approx(training["seconds"] * 8 / 3600)
-    for bad in (0, -1.0, float("inf"), float("nan"), True, "1T"):
-        with pytest.raises(ArgumentError, match="tokens to train must be a positive number"):
+    for bad in (0, -1.0, float("inf"), float("nan"), True, "1T", 1.5):
+        with pytest.raises(ArgumentError, match="tokens to train must be a positive whole number"):
             result.training(bad)
     argv = ["plan", "--model", str(config), "--hardware", "h100", "--gpus", "8", "--global-batch", "32", "--seq",
             "4096"]
@@ -489,10 +507,10 @@ def test_time_to_train_a_token_count(config, capsys):
     assert line.startswith(f"training 1.5T tokens: {steps:,} steps, ") and "GPU-hours on 8 GPUs" in line, line
     assert main([*argv, "--tokens", "2m", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["training"]["steps"] == -(-2_000_000 // tokens_per_step)
-    for bad in ("15X", "-3T", "T", "0"):
+    for bad in ("15X", "-3T", "T", "0", "1.5", "1.0005K"):
         assert main([*argv, f"--tokens={bad}"]) == 2
         err = capsys.readouterr().err.strip()
-        assert len(err.splitlines()) == 1 and "not a positive token count" in err, err
+        assert len(err.splitlines()) == 1 and "not a positive whole token count" in err, err
 
 
 def test_a_framework_sets_its_choices_and_a_flag_given_as_well_wins(config, capsys):

@@ -171,6 +171,22 @@ def test_every_reason_a_layout_cannot_be_saved_is_named_at_once():
     assert "over the 1.0 GiB limit" in message and message.endswith("; fix the others with --layout cp=1,dp=2")
 
 
+def test_a_suggested_fix_says_when_the_fixed_layout_would_not_fit():
+    """The --layout keys that fix what the runtime cannot run are priced as the runtime would hold the fixed layout:
+    where it is over the limit (here keeping every activation instead of recomputing) the refusal says so, rather
+    than leading to a memory refusal; within the limit it says nothing more."""
+    layout = FIXED.replace("recompute=none", "recompute=full")
+    roomy = plan_cluster(LLAMA, "h100", gpus=8, global_batch=32, seq=2048, layout=layout)
+    assert save_blockers(roomy).endswith("fix it with --layout recompute=none")
+    needs = pipeloom_memory(roomy.job, roomy.best.layout)
+    limit = (roomy.best.memory.total + needs) / 2  # the layout as planned fits, the fixed one does not
+    tight = plan_cluster(LLAMA, "h100", gpus=8, global_batch=32, seq=2048, layout=layout, memory_limit=limit)
+    assert save_blockers(tight).endswith(
+        f"fix it with --layout recompute=none (that layout needs {needs / 2**30:.1f} GiB per GPU as pipeloom's "
+        f"runtime holds it, over the {limit / 2**30:.1f} GiB limit: give --layout fewer keys and let the search "
+        "choose the others)")
+
+
 def _plan_and_save(tmp_path, *extra):
     """``pipeloom plan`` on LLAMA with FIXED and ``extra`` flags, saved to ``tmp_path/plan.json``: (status, path)."""
     config = tmp_path / "config.json"
@@ -245,9 +261,9 @@ def test_a_layout_that_recomputes_is_not_saved_for_the_runtime():
     it and the export that runs it as planned; torchtitan takes it. The same layout without recomputation is saved."""
     layout = "dp=2,tp=1,pp=1,vp=1,cp=1,ep=1,mbs=1,fsdp=1,recompute=full,schedule=1f1b"
     full = plan_cluster(LLAMA, "h100", gpus=2, global_batch=8, seq=8192, layout=layout, memory_limit="12GiB")
-    assert save_blockers(full) == ("cannot save the chosen layout as a plan the runtime runs: recompute=full "
-                                   "(pipeloom's runtime keeps every activation; --export torchtitan recomputes as "
-                                   "planned); fix it with --layout recompute=none")
+    assert save_blockers(full).startswith("cannot save the chosen layout as a plan the runtime runs: recompute=full "
+                                          "(pipeloom's runtime keeps every activation; --export torchtitan recomputes "
+                                          "as planned); fix it with --layout recompute=none (that layout needs ")
     assert save_blockers(full, export="torchtitan") is None
     none = plan_cluster(LLAMA, "h100", gpus=2, global_batch=8, seq=8192, layout=layout.replace("full", "none"))
     assert save_blockers(none) is None and runtime_plan(none).num_ranks == 1
