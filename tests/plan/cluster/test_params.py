@@ -181,6 +181,7 @@ def test_reads_config_json(tmp_path):
     ({"model_type": "llama", "num_key_value_heads": 0}, "num_key_value_heads must be a whole number >= 1, got 0"),
     ({"model_type": "llama", "head_dim": 0}, "head_dim must be a whole number >= 1, got 0"),
     ({"model_type": "llama", "tie_word_embeddings": "yes"}, "tie_word_embeddings must be true or false, got 'yes'"),
+    ({"model_type": "llama", "rope_scaling": "yarn"}, "rope_scaling must be an object such as .* or null, got 'yarn'"),
     ({"model_type": "mixtral", "num_local_experts": 8, "num_experts_per_tok": 16},
      "each token is routed to 16 of 8 experts: the config's num_experts_per_tok must be between 1 and"),
     ({"model_type": "gemma3_text", "sliding_window_pattern": 0},

@@ -27,6 +27,8 @@ _PER_LAYER = ("num_local_experts", "num_experts", "num_experts_per_tok", "moe_to
 _SWITCHES = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window", "use_parallel_residual",
              "use_bias", "qkv_bias", "attention_out_bias")
 """Switches, true or false."""
+_OBJECTS = ("rope_scaling", "rope_parameters")
+"""Objects (a rotary embedding's scaling: a JSON object or null)."""
 
 
 def check_fields(data: Mapping[str, Any]) -> None:
@@ -45,6 +47,11 @@ def check_fields(data: Mapping[str, Any]) -> None:
         value = data.get(name)
         if value is not None and not isinstance(value, bool):
             raise ModelConfigError(f"{name} must be true or false, got {value!r}: fix the config's \"{name}\"")
+    for name in _OBJECTS:  # not priced (rotary embeddings are elementwise work), but transformers refuses these too
+        value = data.get(name)
+        if value is not None and not isinstance(value, Mapping):
+            raise ModelConfigError(f"{name} must be an object such as {{\"rope_type\": \"yarn\", \"factor\": 4.0}} or "
+                                   f"null, got {value!r}: fix the config's \"{name}\"")
 
 
 
