@@ -279,21 +279,25 @@ def collective_seconds(hw: Hardware, kind: str, nbytes: float, ranks: int, *, ra
     memory_seconds(hw, nbytes)  # validates nbytes
     if ranks == 1 or nbytes == 0:
         return 0.0
-    # never faster than with as many of the ranks in each domain as it holds (the NIC is the slower link; the levels
-    # alone would price two domains of 8 below one of 16, whose ring moves 15/16 of the bytes against 7/8)
+    # the transfer never faster than with as many of the ranks in each domain as it holds (the NIC is the slower
+    # link; the levels alone would move two domains of 8 faster than one of 16, whose ring moves 15/16 of the bytes
+    # against 7/8); the latency is the algorithm's for this placement
     most = next(r for r in range(min(ranks, hw.scale_up_size), 0, -1) if ranks % r == 0)
-    seconds = _levels(hw, kind, nbytes, ranks, ranks_per_domain)
-    return seconds if most == ranks_per_domain else max(seconds, _levels(hw, kind, nbytes, ranks, most))
+    transfer, latency = _levels(hw, kind, nbytes, ranks, ranks_per_domain)
+    if most != ranks_per_domain:
+        transfer = max(transfer, _levels(hw, kind, nbytes, ranks, most)[0])
+    return transfer + latency
 
 
-def _levels(hw: Hardware, kind: str, nbytes: float, ranks: int, r: int) -> float:
-    """:func:`collective_seconds` by the hierarchical algorithm alone, ``r`` ranks in each domain."""
+def _levels(hw: Hardware, kind: str, nbytes: float, ranks: int, r: int) -> tuple[float, float]:
+    """``(transfer, latency)`` seconds of :func:`collective_seconds` by the hierarchical algorithm, ``r`` ranks in
+    each domain."""
     domains = ranks // r
     up, out = _bandwidth(hw, same_domain=True), _bandwidth(hw, same_domain=False)
     if kind == "all_to_all":
         inside = all_to_all_seconds(nbytes, ranks, peers=r - 1, latency=hw.scale_up_latency, bandwidth=up)
         across = all_to_all_seconds(nbytes, ranks, peers=ranks - r, latency=hw.scale_out_latency, bandwidth=out)
-        return max(inside, across)
+        return max(inside, across), 0.0
     inner = "reduce_scatter" if kind == "all_reduce" else kind
     twice = 2 if kind == "all_reduce" else 1  # an all-reduce passes the domain twice: reduce-scatter, all-gather
     inside = twice * _ring(inner, nbytes, r, up)
@@ -301,7 +305,11 @@ def _levels(hw: Hardware, kind: str, nbytes: float, ranks: int, r: int) -> float
     # NCCL pipelines chunks through every hop, so the levels' transfers overlap: the slower one counts.
     latency = (twice * _steps(inner, r, tree=False) * hw.scale_up_latency
                + _steps(kind, domains, tree=True) * hw.scale_out_latency)
-    return max(inside, across) + latency
+    if kind != "all_reduce" and r > 1 and domains > 1:
+        # NCCL's log-depth all-gather / reduce-scatter (PAT) takes one GPU per node; with more it runs its ring, whose
+        # ranks - 1 steps each wait for the last: domains - 1 of them across (src/graph/tuning.cc)
+        latency = (ranks - domains) * hw.scale_up_latency + (domains - 1) * hw.scale_out_latency
+    return max(inside, across), latency
 
 
 def node_dispatch_seconds(hw: Hardware, *, tokens: float, hidden: int, top_k: int, ranks: int, remote: float,
