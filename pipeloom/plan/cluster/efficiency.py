@@ -219,10 +219,12 @@ def attention_flops(*, batch: float, heads: int, seq: int, head_dim: int, causal
 
 
 def attention_seconds(hw: Hardware, *, batch: float, heads: int, seq: int, head_dim: int, causal: bool = True,
-                      window: int = 0, chunked: bool = False, dtype: str = "bf16", backward: bool = False) -> float:
+                      window: int = 0, chunked: bool = False, dtype: str = "bf16", backward: bool = False,
+                      calls_of: int = 0) -> float:
     """Seconds of the flash-attention core, forward or backward (module docstring), with a causal sliding
     ``window`` of that many tokens (0: none), or ``chunked`` in chunks of ``window`` tokens. Megatron's and
-    Transformer Engine's FP8 recipes keep attention in BF16: pass ``dtype="bf16"`` for them."""
+    Transformer Engine's FP8 recipes keep attention in BF16: pass ``dtype="bf16"`` for them. ``calls_of``: the work
+    run as kernel calls over blocks of that many keys (a context-parallel ring's), at those calls' rate."""
     flops = attention_flops(batch=batch, heads=heads, seq=seq, head_dim=head_dim, causal=causal, window=window,
                             chunked=chunked, backward=backward)
     peak, width = hw.peak(dtype), dtype_bytes(dtype)
@@ -230,6 +232,7 @@ def attention_seconds(hw: Hardware, *, batch: float, heads: int, seq: int, head_
         return 0.0
     share = hw.attention_backward_efficiency if backward else hw.attention_efficiency
     keys = min(seq, window) if causal and window else seq  # keys each query's tile loops over (at most a chunk's)
+    keys = min(keys, calls_of) if calls_of else keys
     compute = flops / (peak * share * keys / (keys + hw.attention_half_seq))
     # Forward reads q, k, v and writes o; backward reads those and do, writes dq, dk, dv.
     traffic = (8 if backward else 4) * batch * heads * seq * head_dim * width

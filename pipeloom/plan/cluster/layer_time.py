@@ -161,7 +161,9 @@ def _attention(job: Job, layout: Layout, kind: str, tokens: int) -> tuple[PhaseT
     gemms = _price(job, _gemms(spec, tp, absorbed=absorbed), tokens)
     dims = sparse_core_dims(spec) if absorbed else (a.qk_dim, a.v_dim)
     window = attended_window(spec, kind)
-    core_f, core_b = (_attention_core(job, layout, window, dims, backward=backward) for backward in (False, True))
+    ring = cp > 1 and job.cp_rotate == "ring" and not absorbed  # MLA's sparse core all-gathers its latent keys
+    core_f, core_b = (_attention_core(job, layout, window, dims, backward=backward, ring=ring)
+                      for backward in (False, True))
     beside_f = (_price(job, indexer_gemms(spec), tokens).f + indexer_score_seconds(job, layout)
                 if has_indexer(kind) else 0.0)
     beside_b = 0.0
@@ -196,12 +198,17 @@ def _recompute(job: Job, layout: Layout, tokens: int, kind: str, forward: PhaseT
                                mlp=mlp)
 
 
-def _attention_core(job: Job, layout: Layout, window: int, dims: tuple[int, int], *, backward: bool) -> float:
+def _attention_core(job: Job, layout: Layout, window: int, dims: tuple[int, int], *, backward: bool,
+                    ring: bool = False) -> float:
     """Seconds of one layer's attention core on one GPU of ``layout``, forward or backward, in ``job.attention``'s
     kernels (``window``: the layer's sliding window, chunk or top-k, 0 for none; scores in HBM compute the masked
     square whole; ``dims``: the query-key and value dimensions per head):
     the cp shard's queries attend to the whole sequence (or window), 1/cp of the causal triangle or band
-    (load-balanced halves)."""
+    (load-balanced halves). Over a K/V ``ring`` (Megatron-Core's, Transformer Engine's ring attention) that work
+    runs as cp kernel calls of equal work, one per ring step, on blocks of the 2 cp load-balanced chunks of
+    seq / (2 cp) tokens: the diagonal step's queries and keys are the rank's two chunks, and of the others half
+    take one chunk of keys, half one chunk of queries against two chunks of keys; each call at the rate of the keys
+    it loops over."""
     hw, a = job.hw, job.spec.attention
     heads, head_dim = max(1, a.heads // layout.tp), sum(dims) // 2
     if job.attention == "materialized":
@@ -211,8 +218,13 @@ def _attention_core(job: Job, layout: Layout, window: int, dims: tuple[int, int]
         slow = hw.flash2_slowdown
         hw = dataclasses.replace(hw, attention_efficiency=hw.attention_efficiency / slow,
                                  attention_backward_efficiency=hw.attention_backward_efficiency / slow)
-    return attention_seconds(hw, batch=layout.mbs, heads=heads, seq=job.seq, head_dim=head_dim, window=window,
-                             chunked=job.spec.chunked, backward=backward) / layout.cp
+    def seconds(keys: int) -> float:
+        return attention_seconds(hw, batch=layout.mbs, heads=heads, seq=job.seq, head_dim=head_dim, window=window,
+                                 chunked=job.spec.chunked, backward=backward, calls_of=keys) / layout.cp
+    if not ring:
+        return seconds(0)
+    cp, chunk = layout.cp, max(1, job.seq // (2 * layout.cp))
+    return (seconds(2 * chunk) + (cp - 1) / 2 * (seconds(chunk) + seconds(2 * chunk))) / cp
 
 
 def _op_recompute(job: Job, tokens: int, tp: int) -> float:

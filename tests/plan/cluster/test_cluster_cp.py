@@ -68,3 +68,26 @@ def test_a_hidden_gather_still_slows_the_block_beside_it():
     assert s > 0
     f_free, f_shared = layer_times(free, LAYOUT, "dense").f, layer_times(shared, LAYOUT, "dense").f
     assert f_shared - f_free == pytest.approx(gather * s / (1 + s), rel=1e-9)
+
+
+def test_the_ring_runs_its_attention_as_cp_calls_on_chunks():
+    """Megatron-Core's ring runs a rank's attention as cp kernel calls of equal work, one per ring step, over the 2 cp
+    load-balanced chunks of seq / (2 cp) tokens: the diagonal call and half the others loop over two chunks of keys,
+    the other half over one, each at the rate of the keys it loops over (the efficiency law's keys / (keys + half));
+    PyTorch's all-gather runs one call over the whole sequence. At 8K tokens over cp 4 the calls loop over 2,048 and
+    1,024 keys."""
+    from pipeloom.plan.cluster.layer_time import _attention_core
+
+    seq, cp = 8192, 4
+    ring = dataclasses.replace(_job(rotate="ring"), seq=seq)
+    layout = dataclasses.replace(LAYOUT, cp=cp, dp=1, tp=4)
+    half = ring.hw.attention_half_seq
+    rate = {keys: keys / (keys + half) for keys in (seq, seq // cp, seq // (2 * cp))}
+    for backward in (False, True):
+        whole = _attention_core(ring, layout, 0, (128, 128), backward=backward)
+        calls = _attention_core(ring, layout, 0, (128, 128), backward=backward, ring=True)
+        slower = (rate[seq] / rate[seq // cp] + (cp - 1) / 2 * (rate[seq] / rate[seq // (2 * cp)]
+                                                                + rate[seq] / rate[seq // cp])) / cp
+        overhead = ring.hw.kernel_overhead / cp
+        assert calls - overhead == pytest.approx((whole - overhead) * slower, rel=1e-9)
+        assert slower > 1.3  # 1,024-2,048-key calls run well below the 8K sequence's rate
