@@ -11,10 +11,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pipeloom.cli.errors import UsageError
-from pipeloom.cli.plan_cluster_report import TOKEN_SUFFIXES, report, training_text
+from pipeloom.cli.plan_cluster_report import report, token_count, training_text
 from pipeloom.errors import PipeloomError
 
-__all__ = ["add_cluster_arguments", "check_plan_mode", "cmd_plan_cluster", "export_torchtitan", "token_count"]
+__all__ = ["add_cluster_arguments", "check_plan_mode", "cmd_plan_cluster", "export_torchtitan"]
 
 
 def add_cluster_arguments(plan: argparse.ArgumentParser) -> None:
@@ -134,19 +134,6 @@ def _depth(text: str) -> int | str:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is neither a number of layers nor 'search'") from None
-
-
-def token_count(text: str) -> float:
-    """``--tokens``: a positive count, with an optional K/M/B/T suffix (``15T`` = 15e12)."""
-    suffix = text[-1:].upper()
-    number, scale = (text[:-1], TOKEN_SUFFIXES[suffix]) if suffix in TOKEN_SUFFIXES else (text, 1.0)
-    try:
-        value = float(number) * scale
-    except ValueError:
-        value = float("nan")
-    if not 0 < value < float("inf") or not value.is_integer():
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole token count; give e.g. 2000000, 2M or 15T")
-    return value
 
 
 def check_plan_mode(args: argparse.Namespace) -> bool:
@@ -319,13 +306,16 @@ def _check_export(args: argparse.Namespace, options: dict) -> None:
 
 def _framework(args: argparse.Namespace) -> dict:
     """The framework choices to price: each flag given, else --framework's, else the planner's default (the
-    choices a preset sets are pipeloom.plan.cluster.job.FRAMEWORKS' keys; each has its flag of the same name)."""
+    choices a preset sets are pipeloom.plan.cluster.job.FRAMEWORKS' keys; each has its flag of the same name), and
+    with --framework only the schedules it runs (pipeloom.plan.cluster.layout.FRAMEWORK_SCHEDULES)."""
     from pipeloom.plan.cluster.job import FRAMEWORKS, framework_options
+    from pipeloom.plan.cluster.layout import FRAMEWORK_SCHEDULES
 
     preset = framework_options(args.framework, dtype=args.dtype) if args.framework else {}
     keys = {key for choices in FRAMEWORKS.values() for key in choices}
     return {key: getattr(args, key) if getattr(args, key) is not None else preset[key] for key in sorted(keys)
-            if getattr(args, key) is not None or key in preset}
+            if getattr(args, key) is not None or key in preset} | (
+        {"schedules": FRAMEWORK_SCHEDULES[args.framework]} if args.framework else {})
 
 
 def _unused(args: argparse.Namespace, job, layout) -> list[str]:

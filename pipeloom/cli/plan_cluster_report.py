@@ -1,11 +1,16 @@
 """The text report of ``pipeloom plan --model``: the chosen layout, the framework choices it assumes, its step,
-throughput, MFU, memory, bubble and the runners-up, and the time to train a number of tokens."""
+throughput, MFU, memory, bubble and the runners-up, and the time to train a number of tokens (``--tokens``, read
+here with the suffixes the report writes)."""
 
 from __future__ import annotations
 
+import argparse
 from itertools import groupby
 
-__all__ = ["TOKEN_SUFFIXES", "report", "training_text"]
+from pipeloom.plan.cluster.estimate import WORKSPACE_BYTES
+from pipeloom.plan.cluster.layout import FRAMEWORK_SCHEDULES
+
+__all__ = ["TOKEN_SUFFIXES", "report", "token_count", "training_text"]
 
 TOKEN_SUFFIXES = {"K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}
 """The suffixes ``--tokens`` takes (``15T``) and the report writes token counts with."""
@@ -64,10 +69,33 @@ def _dropout(spec) -> str:
     return f", {' and '.join(said)} (the config's: their masks kept)" if said else ""
 
 
+def _full(total: float, limit: float) -> list[str]:
+    """A note where a plan that fits fills more than 95 % of the limit: what the estimate does not hold (the
+    allocator's fragmentation, buffers beyond the 2 GiB priced) may not fit there."""
+    if not 0.95 * limit < total <= limit:
+        return []
+    return [f"note: the plan fills {total / limit:.0%} of the limit; the allocator's fragmentation and buffers beyond "
+            f"the {_gib(WORKSPACE_BYTES)} priced may not fit in what is left: --memory-limit "
+            f"{0.9 * limit / 2**30:.1f}GiB leaves a tenth free"]
+
+
 def _above(result) -> str:
     """The note of a memory limit above the GPU's memory ('' otherwise)."""
     have = result.job.hw.memory_bytes
     return f"; the limit is above the {result.job.hw.name}'s {_gib(have)}" if result.memory_limit > float(have) else ""
+
+
+def token_count(text: str) -> float:
+    """``--tokens``: a positive count, with an optional K/M/B/T suffix (``15T`` = 15e12)."""
+    suffix = text[-1:].upper()
+    number, scale = (text[:-1], TOKEN_SUFFIXES[suffix]) if suffix in TOKEN_SUFFIXES else (text, 1.0)
+    try:
+        value = float(number) * scale
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf") or not value.is_integer():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole token count; give e.g. 2000000, 2M or 15T")
+    return value
 
 
 def training_text(training: dict, gpus: int) -> str:
@@ -95,9 +123,10 @@ def _assumes(job, layout, framework: str | None = None, searched: tuple[str, ...
     ``framework``'s choices, where --framework was given; ``searched``: the choices given as ``search``, of which
     the plan is the fastest of ``variants``)."""
     said = [f"{job.kernels} elementwise kernels (--kernels)", f"{job.attention} attention (--attention)",
-            f"gradients reduced in {job.grad_reduce} " + ("beside the backward" if job.overlap_grad_reduce
-                                                          else "after it") + " (--grad-reduce, "
-            "--no-overlap-grad-reduce)"]
+            f"gradients held and reduced in {job.grad_reduce} " + ("beside the backward" if job.overlap_grad_reduce
+                                                                   else "after it") + " (--grad-reduce"
+            + (": Megatron-LM keeps fp32 unless --grad-reduce-in-bf16" if job.grad_reduce == "bf16" else "")
+            + ", --no-overlap-grad-reduce)"]
     if layout.tp > 1:
         said.append(("sequence parallel" if job.sequence_parallel else "no sequence parallelism") + ", tp exchanges "
                     + ("beside" if job.tp_overlap else "between") + " the GEMMs (--tp-overlap)")
@@ -116,6 +145,8 @@ def _assumes(job, layout, framework: str | None = None, searched: tuple[str, ...
         said.append(f"full recomputation of {which} ({_how('recompute_layers', searched, variants)})")
     if job.dtype == "fp8":
         said.append(f"FP8 casts: {_FP8_CASTS[job.fp8_cast]} (--fp8-cast)")
+    if framework and layout.pp > 1:
+        said.append(f"the schedules {framework} runs ({', '.join(FRAMEWORK_SCHEDULES[framework])})")
     if job.adam_moments != "fp32":
         said.append(f"Adam's moments in {job.adam_moments} (--adam-moments)")
     if job.zero2(layout):
@@ -167,6 +198,7 @@ def report(result, *, framework: str | None = None) -> str:
         f"{_gib(mem.weights)}, "
         f"gradients {_gib(mem.gradients)}, optimizer {_gib(mem.optimizer)}, activations {_gib(mem.activations)}, "
         f"buffers {_gib(mem.buffers)}",
+        *_full(mem.total, result.memory_limit),
     ]
     if result.runners_up:
         lines.append("runners-up:")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,7 +17,7 @@ from pipeloom.plan.cluster.estimate import Estimator
 from pipeloom.plan.cluster.gpus import hardware
 from pipeloom.plan.cluster.hardware import Hardware
 from pipeloom.plan.cluster.job import Job
-from pipeloom.plan.cluster.layout import LAYOUT_KEYS, Layout, parse_layout
+from pipeloom.plan.cluster.layout import FRAMEWORK_SCHEDULES, LAYOUT_KEYS, SCHEDULES, Layout, parse_layout
 from pipeloom.plan.cluster.model.reader import model_spec
 from pipeloom.plan.cluster.model.spec import ModelSpec
 from pipeloom.plan.cluster.recompute import SEARCHED, module_sets, recompute_depths
@@ -125,7 +125,8 @@ def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: st
                  tp_overlap: bool = False, fp8_cast: str = "cached", stage_cut: str = "balanced",
                  moe_overlap: bool = False, recompute_layers: int | str = 0, shard_gradients: bool = False,
                  adam_moments: str = "fp32", memory_limit: float | str | None = None, runners_up: int = 5,
-                 runs_on: str | None = None, progress: Callable[[str], None] | None = None) -> ClusterPlan:
+                 runs_on: str | None = None, schedules: Sequence[str] | None = None,
+                 progress: Callable[[str], None] | None = None) -> ClusterPlan:
     """The fastest layout of ``model`` (config.json path, dict, PretrainedConfig or ModelSpec) on ``gpus`` GPUs of type
     ``hw`` (a built-in name, a hardware JSON file or a Hardware) for ``global_batch`` sequences of ``seq`` tokens,
     within ``memory_limit`` per GPU (bytes, or a size such as ``"40GiB"``; default the GPU's memory). The framework
@@ -147,7 +148,8 @@ def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: st
     ``adam_moments`` ``fp32`` or ``bf16``. ``layout``: keys held fixed (``"tp=4,pp=8"`` or a dict); with all of
     :data:`LAYOUT_KEYS` it predicts that layout alone. ``runs_on``: only the layouts that runtime runs, ``pipeloom``
     (``pipeline(model, plan=...)``) or ``torchtitan`` (the export), priced as it holds their state
-    (:func:`~pipeloom.plan.cluster.runtime_plan.for_runtime`)."""
+    (:func:`~pipeloom.plan.cluster.runtime_plan.for_runtime`); ``schedules``: only these pipeline schedules (a
+    framework's: :data:`~pipeloom.plan.cluster.layout.FRAMEWORK_SCHEDULES`)."""
     start = time.perf_counter()
     device = hardware(hw)
     if dtype not in ("bf16", "fp8"):
@@ -163,7 +165,7 @@ def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: st
               adam_moments=adam_moments, recompute_layers=depth)
     fixed = parse_layout(layout) if isinstance(layout, str) else dict(layout or {})
     limit = _memory_limit(memory_limit, device)
-    job, blocked = for_runtime(job, runs_on)
+    job, blocked = _only(schedules, *for_runtime(job, runs_on))
     choices: dict[str, list[Any]] = {
         "selective": [",".join(modules) for modules in module_sets(spec)] if selective == SEARCHED else [],
         "recompute_layers": recompute_depths(spec) if recompute_layers == SEARCHED else []}
@@ -177,6 +179,24 @@ def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: st
 
 _MODE_OF = {"selective": "selective", "recompute_layers": "full"}
 """The recomputation mode whose layouts each searched choice changes (it changes no other layout)."""
+
+
+def _only(schedules: Sequence[str] | None, job: Job, runtime: Callable[[Layout], str | None] | None
+          ) -> tuple[Job, Callable[[Layout], str | None] | None]:
+    """``job`` and the search's filter: ``runtime``'s, and a schedule not among ``schedules`` (None: any)."""
+    if schedules is None:
+        return job, runtime
+    allowed = tuple(schedules)
+    if not allowed or any(name not in SCHEDULES for name in allowed):
+        raise ArgumentError(f"schedules must be some of {', '.join(SCHEDULES)}, got {list(allowed)!r}")
+
+    who = next((f"{name} runs" for name, runs in FRAMEWORK_SCHEDULES.items() if runs == allowed),
+               "the schedules given are")
+
+    def blocked(layout: Layout) -> str | None:
+        off = f"schedule={layout.schedule} ({who} {', '.join(allowed)})" if layout.schedule not in allowed else None
+        return "; ".join(why for why in (runtime(layout) if runtime else None, off) if why) or None
+    return job, blocked
 
 
 def _memory_limit(limit: float | str | None, device: Hardware) -> float:

@@ -3,11 +3,12 @@
 Peak rates are the datasheets' dense figures (NVIDIA quotes tensor-core rates "with sparsity": the dense
 rate is half). Bandwidths are one direction per GPU: NVIDIA's NVLink figure (600/900/1,800 GB/s) is both
 directions, so half of it; a node's NIC line rate divided by its GPUs for scale-out. Memory capacities are
-what nvidia-smi reports where public logs of the GPU show it (the driver keeps the rest: an "80 GB" H100 shows
-81,559 MiB, 79.6 GiB; H200 143,771 MiB; B200 183,359 MiB; an A100's 80 and 40 GB are 81,920 and 40,960 MiB, its
-datasheet's figure in GiB), otherwise the datasheet's figure in GiB. Efficiencies are public microbenchmarks where one
-was found, otherwise the prior named in the source text (``benchmarks/calibrate_gpu.py`` replaces them
-with a measured fit on the GPU at hand). Nothing here was fitted to a training run."""
+what nvidia-smi (rocminfo) reports where public logs of the GPU show it (the driver keeps the rest: an "80 GB" H100
+shows 81,559 MiB, 79.6 GiB; H200 143,771 MiB; B200 183,359 MiB; MI300X 201,310,208 KB; an A100's 80 and 40 GB are
+81,920 and 40,960 MiB, its datasheet's figure in GiB), otherwise the datasheet's figure in GiB. Efficiencies are
+public microbenchmarks where one was found, otherwise the prior named in the source text
+(``benchmarks/calibrate_gpu.py`` replaces them with a measured fit on the GPU at hand). Nothing here was fitted to a
+training run."""
 
 from __future__ import annotations
 
@@ -256,7 +257,10 @@ def _mi300x() -> Hardware:
     return _describe(
         "mi300x", {
             "peak_flops": sheet + "BF16 1,307.4 / FP8 2,614.9 TFLOPS dense",
-            "memory_bytes": sheet + "192 GB HBM3", "memory_bandwidth": sheet + "5.3 TB/s",
+            "memory_bytes": sheet + "192 GB HBM3; what the driver gives HIP, as public logs of the GPU show it: "
+                            "rocminfo's pool of 201,310,208 KB (ROCm/legacy-rocm-build#4414), rocm-smi's "
+                            "206,141,652,992 B (#4750)",
+            "memory_bandwidth": sheet + "5.3 TB/s",
             "scale_up_size": "MI300X platform: 8 GPUs fully connected by Infinity Fabric",
             "scale_up_bandwidth": sheet + "Infinity Fabric 896 GB/s aggregate (7 links, both directions) -> 448 GB/s",
             "scale_out_bandwidth": "MI300X platforms (e.g. Azure ND MI300X v5): 8x 400 Gb/s NICs -> 50 GB/s per GPU",
@@ -269,7 +273,7 @@ def _mi300x() -> Hardware:
             "flash2_slowdown": "no separate measurement: its attention figures are already scaled, taken as FA2's",
         },
         sm_count=304, flash2_slowdown=1.0,
-        peak_flops={"bf16": 1307.4e12, "fp8": 2614.9e12}, memory_bytes=192 * GiB, memory_bandwidth=5.3e12,
+        peak_flops={"bf16": 1307.4e12, "fp8": 2614.9e12}, memory_bytes=201_310_208 * 1024, memory_bandwidth=5.3e12,
         scale_up_size=8, scale_up_bandwidth=448e9, scale_out_bandwidth=50e9,
         scale_up_latency=1e-6, scale_out_latency=5e-6, gemm_efficiency=gemm,
         attention_efficiency=round(_HOPPER_SDPA[0] * gemm / hopper, 3),

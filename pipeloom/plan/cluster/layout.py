@@ -17,8 +17,8 @@ if TYPE_CHECKING:
     from pipeloom.plan.cluster.job import Job
     from pipeloom.plan.cluster.model.spec import ModelSpec
 
-__all__ = ["Layout", "SCHEDULES", "PAIRED", "LAYOUT_KEYS", "MBS_CHOICES", "VP_CHOICES", "enumerate_layouts",
-           "parse_layout", "max_stages", "optimizer_bytes"]
+__all__ = ["Layout", "SCHEDULES", "FRAMEWORK_SCHEDULES", "PAIRED", "LAYOUT_KEYS", "MBS_CHOICES", "VP_CHOICES",
+           "enumerate_layouts", "parse_layout", "max_stages", "optimizer_bytes"]
 
 SCHEDULES: dict[str, str] = {
     "1f1b": "linear",
@@ -31,6 +31,12 @@ SCHEDULES: dict[str, str] = {
 """The schedules the cluster planner prices, with their stage placement (linear: vp 1, interleaved: vp >= 2
 looped stages per rank, v: 2 stages per rank in a V, two-copy: vp 1, the model cut into pp stages held twice,
 rank r holding stage r of one copy and stage pp-1-r of the other)."""
+FRAMEWORK_SCHEDULES = {"megatron-bridge": ("1f1b", "interleaved-1f1b"),
+                       "torchtitan": tuple(name for name, place in SCHEDULES.items() if place != "two-copy")}
+"""The schedules a framework runs (``--framework``): Megatron-Core's ``get_forward_backward_func`` picks 1F1B or
+interleaved 1F1B (``pipeline_parallel/schedules.py``: with and without interleaving, at d98e8a6); torchtitan runs
+any order of one copy of the model as pipeloom's export writes it (a schedule CSV for torch's
+``_PipelineScheduleRuntime``), not DualPipe's two."""
 PAIRED = ("dualpipev", "dualpipe")
 """Schedules that overlap one micro-batch's forward with another's backward (DualPipe's F&B pairs)."""
 LAYOUT_KEYS = ("dp", "tp", "pp", "vp", "cp", "ep", "mbs", "fsdp", "recompute", "schedule")

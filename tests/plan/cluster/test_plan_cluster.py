@@ -71,13 +71,14 @@ def test_text_report(config, capsys):
     # the framework choices priced for the chosen layout, each with its flag; those that do not apply left out
     assumes = out.splitlines()[2]
     assert assumes == ("assumes: fused elementwise kernels (--kernels); flash attention (--attention); gradients "
-                       "reduced in bf16 beside the backward (--grad-reduce, --no-overlap-grad-reduce); sequence "
-                       "parallel, tp exchanges between the GEMMs (--tp-overlap); balanced stage cut (--stage-cut)")
+                       "held and reduced in bf16 beside the backward (--grad-reduce: Megatron-LM keeps fp32 unless "
+                       "--grad-reduce-in-bf16, --no-overlap-grad-reduce); sequence parallel, tp exchanges between the "
+                       "GEMMs (--tp-overlap); balanced stage cut (--stage-cut)")
     assert main(["plan", "--model", str(config), "--hardware", "h100", "--gpus", "8", "--global-batch", "32", "--seq",
                  "4096", "--dtype", "fp8", "--fp8-cast", "current", "--tp-overlap", "--grad-reduce", "fp32",
                  "--layout", "tp=2,pp=1,cp=2,recompute=selective", "--selective", "op"]) == 0
     assumes = capsys.readouterr().out.splitlines()[2]
-    for said in ("gradients reduced in fp32", "tp exchanges beside the GEMMs", "context parallelism by ring",
+    for said in ("gradients held and reduced in fp32", "tp exchanges beside the GEMMs", "context parallelism by ring",
                  "selective recomputation: op", "FP8 casts: Transformer Engine's current scaling"):
         assert said in assumes, assumes
     assert "stage cut" not in assumes and "expert" not in assumes and "FSDP" not in assumes
@@ -513,6 +514,45 @@ def test_time_to_train_a_token_count(config, capsys):
         assert len(err.splitlines()) == 1 and "not a positive whole token count" in err, err
 
 
+def test_a_plan_that_fills_the_memory_says_so(config, capsys):
+    """A plan within 5 % of the limit gets a note naming the limit that leaves a tenth free; one with room does not."""
+    layout = "dp=2,tp=2,pp=2,vp=1,cp=1,ep=1,mbs=1,fsdp=0,recompute=none,schedule=1f1b"
+    total = _plan(layout=layout).best.memory.total
+    argv = ["plan", "--model", str(config), "--hardware", "h100", "--gpus", "8", "--global-batch", "32", "--seq",
+            "4096", "--layout", layout, "--memory-limit"]
+    assert main([*argv, f"{total / 0.98 / 2**30:.6f}GiB"]) == 0
+    note = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: the plan fills")]
+    assert note == [f"note: the plan fills 98% of the limit; the allocator's fragmentation and buffers beyond the 2.0 "
+                    f"GiB priced may not fit in what is left: --memory-limit {0.9 * total / 0.98 / 2**30:.1f}GiB "
+                    "leaves a tenth free"]
+    assert main([*argv, f"{total / 0.9 / 2**30:.6f}GiB"]) == 0
+    assert "note: the plan fills" not in capsys.readouterr().out
+
+
+def test_a_framework_searches_only_the_schedules_it_runs(config, capsys):
+    """--framework megatron-bridge searches Megatron-Core's 1F1B and interleaved 1F1B only (here DualPipe is the
+    fastest of all), as plan_cluster(schedules=...) does; the report says so, and a whole layout with a schedule the
+    framework does not run is refused by name; torchtitan runs every schedule of one copy of the model."""
+    from pipeloom.plan.cluster.job import framework_options
+    from pipeloom.plan.cluster.layout import FRAMEWORK_SCHEDULES
+
+    assert _plan(layout="pp=2").best.layout.schedule == "dualpipe"
+    argv = ["plan", "--model", str(config), "--hardware", "h100", "--gpus", "8", "--global-batch", "32", "--seq",
+            "4096", "--layout", "pp=2", "--framework", "megatron-bridge"]
+    assert main([*argv, "--json"]) == 0
+    best = json.loads(capsys.readouterr().out)["best"]
+    by_api = _plan(layout="pp=2", schedules=FRAMEWORK_SCHEDULES["megatron-bridge"],
+                   **framework_options("megatron-bridge")).best
+    assert best["layout"]["schedule"] == by_api.layout.schedule == "interleaved-1f1b"
+    assert best["step_time"] == by_api.step_time
+    assert main(argv) == 0
+    assert "the schedules megatron-bridge runs (1f1b, interleaved-1f1b)" in capsys.readouterr().out.splitlines()[2]
+    whole = "dp=4,tp=1,pp=2,vp=2,cp=1,ep=1,mbs=2,fsdp=0,recompute=none,schedule=zbv"
+    assert main([*argv[:-4], "--layout", whole, "--framework", "megatron-bridge"]) == 2
+    assert "schedule=zbv (megatron-bridge runs 1f1b, interleaved-1f1b)" in capsys.readouterr().err
+    assert "dualpipe" not in FRAMEWORK_SCHEDULES["torchtitan"] and "zbv" in FRAMEWORK_SCHEDULES["torchtitan"]
+
+
 def test_a_framework_sets_its_choices_and_a_flag_given_as_well_wins(config, capsys):
     """--framework NAME prices the choices pipeloom.plan.cluster.job.FRAMEWORKS gives it, exactly as the flags one by
     one would (FP8 casts only with --dtype fp8); a flag given as well wins; the Python API takes the same choices
@@ -524,7 +564,7 @@ def test_a_framework_sets_its_choices_and_a_flag_given_as_well_wins(config, caps
     with pytest.raises(LayoutError, match="unknown framework 'deepspeed': use one of megatron-bridge, torchtitan"):
         framework_options("deepspeed")
     argv = ["plan", "--model", str(config), "--hardware", "h100", "--gpus", "8", "--global-batch", "32", "--seq",
-            "4096", "--dtype", "fp8", "--layout", "tp=2,pp=2,cp=2,recompute=selective", "--json"]
+            "4096", "--dtype", "fp8", "--layout", "tp=2,pp=2,cp=2,recompute=selective,schedule=1f1b", "--json"]
 
     def step(*extra: str) -> float:
         assert main([*argv, *extra]) == 0
@@ -538,7 +578,8 @@ def test_a_framework_sets_its_choices_and_a_flag_given_as_well_wins(config, caps
     bridge = step("--framework", "megatron-bridge")
     assert bridge == step("--stage-cut", "even", "--tp-overlap", "--fp8-cast", "current")
     result = plan_cluster(SMALL, "h100", gpus=8, global_batch=32, seq=4096, dtype="fp8",
-                          layout="tp=2,pp=2,cp=2,recompute=selective", **framework_options("torchtitan", dtype="fp8"))
+                          layout="tp=2,pp=2,cp=2,recompute=selective,schedule=1f1b",
+                          **framework_options("torchtitan", dtype="fp8"))
     assert result.best.step_time == titan
     assert main([arg for arg in argv if arg != "--json"] + ["--framework", "torchtitan", "--kernels", "fused"]) == 0
     assumes = capsys.readouterr().out.splitlines()[2]
