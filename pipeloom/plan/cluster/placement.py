@@ -362,11 +362,12 @@ def work_bound(layout: Layout, m: int, times: list[PhaseTimes], *, paired: bool)
             drain = sum(times[j].i - (times[j].i_comm if paired else 0.0) for j in range(first))
             bound = max(bound, wait + runs * _rank_work(times, stages, paired, weights=False) + drain)
     if layout.schedule in ("1f1b", "interleaved-1f1b"):
-        # a full backward in micro-batch order: rank p-1's last action is stage p-1's B of the last micro-batch,
-        # after which that micro-batch's B still runs through stages p-2 .. 0 on the other ranks
-        stages = ranks[layout.pp - 1]
-        busy = m * _rank_work(times, stages, paired)
-        bound = max(bound, before[layout.pp - 1] + busy + sum(times[j].i + times[j].w for j in range(layout.pp - 1)))
+        # a full backward in micro-batch order: a rank's last action is its first stage's B of the last micro-batch,
+        # after which that micro-batch's B still runs through the stages before it on the other ranks
+        for stages in ranks:
+            first = min(stages)
+            busy = m * _rank_work(times, stages, paired)
+            bound = max(bound, before[first] + busy + sum(times[j].i + times[j].w for j in range(first)))
     return bound
 
 

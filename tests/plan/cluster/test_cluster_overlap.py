@@ -366,8 +366,8 @@ def test_the_work_bound_never_passes_a_replay(schedule, vp):
 
     rng = random.Random(hash((schedule, vp)) % 1000)
     est = Estimator(_job())
-    for pp in (2, 4):
-        layout = Layout(dp=64 // pp, pp=pp, vp=vp, ep=16, schedule=schedule)
+    for pp in (2, 4, 8):  # 8: the middle ranks' bounds (a 1F1B rank's drain after its first stage's last B)
+        layout = Layout(dp=64 // pp, pp=pp, vp=vp, ep=min(16, 64 // pp), schedule=schedule)
         for m in sorted({2 * pp, 3 * pp, 5 * pp}):
             if m % (2 if layout.copies == 2 else 1) or (schedule == "interleaved-1f1b" and m % pp):
                 continue
