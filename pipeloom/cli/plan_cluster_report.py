@@ -7,9 +7,6 @@ from __future__ import annotations
 import argparse
 from itertools import groupby
 
-from pipeloom.plan.cluster.estimate import WORKSPACE_BYTES
-from pipeloom.plan.cluster.layout import FRAMEWORK_SCHEDULES
-
 __all__ = ["TOKEN_SUFFIXES", "report", "token_count", "training_text"]
 
 TOKEN_SUFFIXES = {"K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}
@@ -74,6 +71,8 @@ def _full(total: float, limit: float) -> list[str]:
     allocator's fragmentation, buffers beyond the 2 GiB priced) may not fit there."""
     if not 0.95 * limit < total <= limit:
         return []
+    from pipeloom.plan.cluster.estimate import WORKSPACE_BYTES  # the planner loads on use, not with the CLI
+
     return [f"note: the plan fills {total / limit:.0%} of the limit; the allocator's fragmentation and buffers beyond "
             f"the {_gib(WORKSPACE_BYTES)} priced may not fit in what is left: --memory-limit "
             f"{0.9 * limit / 2**30:.1f}GiB leaves a tenth free"]
@@ -146,6 +145,8 @@ def _assumes(job, layout, framework: str | None = None, searched: tuple[str, ...
     if job.dtype == "fp8":
         said.append(f"FP8 casts: {_FP8_CASTS[job.fp8_cast]} (--fp8-cast)")
     if framework and layout.pp > 1:
+        from pipeloom.plan.cluster.layout import FRAMEWORK_SCHEDULES
+
         said.append(f"the schedules {framework} runs ({', '.join(FRAMEWORK_SCHEDULES[framework])})")
     if job.adam_moments != "fp32":
         said.append(f"Adam's moments in {job.adam_moments} (--adam-moments)")

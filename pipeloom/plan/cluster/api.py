@@ -165,7 +165,8 @@ def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: st
               adam_moments=adam_moments, recompute_layers=depth)
     fixed = parse_layout(layout) if isinstance(layout, str) else dict(layout or {})
     limit = _memory_limit(memory_limit, device)
-    job, blocked = _only(schedules, *for_runtime(job, runs_on))
+    job, runtime = for_runtime(job, runs_on)
+    blocked = _only(schedules, runtime)
     choices: dict[str, list[Any]] = {
         "selective": [",".join(modules) for modules in module_sets(spec)] if selective == SEARCHED else [],
         "recompute_layers": recompute_depths(spec) if recompute_layers == SEARCHED else []}
@@ -181,11 +182,11 @@ _MODE_OF = {"selective": "selective", "recompute_layers": "full"}
 """The recomputation mode whose layouts each searched choice changes (it changes no other layout)."""
 
 
-def _only(schedules: Sequence[str] | None, job: Job, runtime: Callable[[Layout], str | None] | None
-          ) -> tuple[Job, Callable[[Layout], str | None] | None]:
-    """``job`` and the search's filter: ``runtime``'s, and a schedule not among ``schedules`` (None: any)."""
+def _only(schedules: Sequence[str] | None, runtime: Callable[[Layout], str | None] | None
+          ) -> Callable[[Layout], str | None] | None:
+    """The search's filter: ``runtime``'s, and a schedule not among ``schedules`` (None: any)."""
     if schedules is None:
-        return job, runtime
+        return runtime
     allowed = tuple(schedules)
     if not allowed or any(name not in SCHEDULES for name in allowed):
         raise ArgumentError(f"schedules must be some of {', '.join(SCHEDULES)}, got {list(allowed)!r}")
@@ -196,7 +197,7 @@ def _only(schedules: Sequence[str] | None, job: Job, runtime: Callable[[Layout],
     def blocked(layout: Layout) -> str | None:
         off = f"schedule={layout.schedule} ({who} {', '.join(allowed)})" if layout.schedule not in allowed else None
         return "; ".join(why for why in (runtime(layout) if runtime else None, off) if why) or None
-    return job, blocked
+    return blocked
 
 
 def _memory_limit(limit: float | str | None, device: Hardware) -> float:

@@ -224,7 +224,8 @@ def _attention_core(job: Job, layout: Layout, window: int, dims: tuple[int, int]
     if not ring:
         return seconds(0)
     cp, chunk = layout.cp, max(1, job.seq // (2 * layout.cp))
-    return (seconds(2 * chunk) + (cp - 1) / 2 * (seconds(chunk) + seconds(2 * chunk))) / cp
+    two = seconds(2 * chunk)
+    return (two + (cp - 1) / 2 * (seconds(chunk) + two)) / cp
 
 
 def _op_recompute(job: Job, tokens: int, tp: int) -> float:

@@ -349,9 +349,12 @@ def work_bound(layout: Layout, m: int, times: list[PhaseTimes], *, paired: bool)
     gradients of stages ``s - 1 .. 0`` follow it on the other ranks."""
     bound = 0.0
     before = list(accumulate((t.f for t in times), initial=0.0))  # before[j]: forwards of stages 0 .. j-1
-    ranks = rank_stages(layout)
+    # a full backward in micro-batch order (1F1B, interleaved): a rank's last action is its first stage's B of the
+    # last micro-batch, after which that micro-batch's B still runs through the stages before it on the other ranks
+    full_b = layout.schedule in ("1f1b", "interleaved-1f1b")
+    backs = list(accumulate((t.i + t.w for t in times), initial=0.0)) if full_b else []
     runs = schedule_microbatches(layout, m)
-    for stages in ranks:
+    for stages in rank_stages(layout):
         busy = runs * _rank_work(times, stages, paired)
         wait = before[min(stages)]
         if layout.copies == 2:  # the other copy's stages pp .. (its stage here) - 1 come first
@@ -361,13 +364,8 @@ def work_bound(layout: Layout, m: int, times: list[PhaseTimes], *, paired: bool)
             first = min(stages)
             drain = sum(times[j].i - (times[j].i_comm if paired else 0.0) for j in range(first))
             bound = max(bound, wait + runs * _rank_work(times, stages, paired, weights=False) + drain)
-    if layout.schedule in ("1f1b", "interleaved-1f1b"):
-        # a full backward in micro-batch order: a rank's last action is its first stage's B of the last micro-batch,
-        # after which that micro-batch's B still runs through the stages before it on the other ranks
-        for stages in ranks:
-            first = min(stages)
-            busy = m * _rank_work(times, stages, paired)
-            bound = max(bound, before[first] + busy + sum(times[j].i + times[j].w for j in range(first)))
+            if full_b:
+                bound = max(bound, wait + busy + backs[first])
     return bound
 
 

@@ -68,7 +68,8 @@ def save_blockers(result: ClusterPlan, *, export: str | None = None) -> str | No
     reason in one line, then the ``--layout`` keys that fix those a key fixes; None when nothing stops it."""
     layout = result.best.layout
     problems: list[tuple[str, dict[str, int | str]]] = []  # each with the layout keys that fix it ({}: none does)
-    if result.best.memory.total > result.memory_limit:
+    over = result.best.memory.total > result.memory_limit  # said first: leave keys to the search
+    if over:
         held = f" as {_RUNTIME_NAMES[result.runs_on]} holds its state" if result.runs_on else ""
         problems.append((f"it needs {result.best.memory.total / 2**30:.1f} GiB per GPU{held}, over the "
                          f"{result.memory_limit / 2**30:.1f} GiB limit, so a saved plan would not run (leave some "
@@ -84,7 +85,6 @@ def save_blockers(result: ClusterPlan, *, export: str | None = None) -> str | No
         fixes["dp"] = result.job.gpus // (tp * layout.pp * cp)  # the GPUs the other keys free
     keys = ",".join(f"{k}={v}" for k, v in fixes.items())
     which = "the others" if any(not fixed for _, fixed in problems) else ("them" if len(problems) > 1 else "it")
-    over = result.best.memory.total > result.memory_limit  # said already: leave keys to the search
     fix = f"; fix {which} with --layout {keys}{'' if over else _fix_memory(result, fixes, export)}" if fixes else ""
     return (f"cannot save the chosen layout {'for torchtitan' if export else 'as a plan the runtime runs'}: "
             + "; ".join(text for text, _ in problems) + fix)
