@@ -4,12 +4,11 @@ actions (an overlapped pair, a full ``B`` on a split stage) complete several slo
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import reduce
 from itertools import accumulate
-from operator import add, itemgetter
-from typing import Any
+from operator import add
 
 from pipeloom.errors import DeadlockError, ScheduleError
 from pipeloom.ir import (
@@ -21,13 +20,10 @@ from pipeloom.ir import (
     part_tasks,
     task_actions,
 )
-from pipeloom.sim_pricing import Composite, Price, Pricing, composite_of
+from pipeloom.sim_compile import compile_lists
+from pipeloom.sim_pricing import Composite, Price, Pricing
 
 __all__ = ["CompiledSchedule", "Run", "bubble_ratio"]
-
-# Applied to plain actions only (Action or Comm tuples: ``_compile`` rules out an Overlap first).
-_TASK_KEY: Callable[[Any], tuple[int, str]] = itemgetter(0, 1)
-_MICROBATCH: Callable[[Any], int] = itemgetter(2)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +50,8 @@ def bubble_ratio(busy: Sequence[float], makespan: float) -> float:
 class CompiledSchedule:
     """A schedule's rank lists as task indices and dense micro-batches, ready to replay with any costs
     (:meth:`run`); a composite action (an overlapped pair, a B on a split stage) is index ``len(tasks) + k`` for
-    ``composites[k]``. Build it with :func:`compile_schedule`."""
+    ``composites[k]``, its micro-batch its first part's, as a task's is its own. Build it with
+    :func:`compile_schedule`."""
 
     schedule: Schedule
     index: dict[tuple[int, str], int]
@@ -62,13 +59,16 @@ class CompiledSchedule:
     seq_mbs: tuple[list, ...]
     dense: dict[int, int]
     composites: tuple[Composite, ...]
+    """The composite actions' templates: each its parts' tasks and micro-batches, the first part's counted 0 and the
+    others' from it (one template for every micro-batch where the lists use every micro-batch; one per action where
+    they do not, as then the dense numbers do not keep the offsets)."""
     deps: tuple[tuple[tuple[int, bool], ...], ...]
     """Per task, then per composite, what it waits for (:class:`_Replay`): a slot (a task's: its index times the
     micro-batches; a composite's: its parts' dependencies outside it, less its first part's micro-batch,
     :meth:`~pipeloom.sim_pricing.Composite.links`), to which the hot loop adds the micro-batch, and whether it ran
     on another set of ranks (then the latency applies)."""
     part_slots: tuple[tuple[int, ...], ...]
-    """Per composite, the slots it completes."""
+    """Per composite, the slots it completes, less its first part's micro-batch (as :attr:`deps`)."""
     shapes: tuple[tuple[bool, tuple[tuple[int, ...], ...]], ...]
     """The composites' distinct shapes: whether a pair, and each part's task indices (what decides their costs)."""
     shape_of: tuple[int, ...]
@@ -77,17 +77,14 @@ class CompiledSchedule:
     """The schedule's own costs (what :meth:`makespan` and :meth:`action_scales` price)."""
     prices: tuple[Price, ...]
     """Per shape, its composites' costs under :attr:`pricing`."""
+    numbers: tuple[int, ...]
+    """Per replay number, the schedule's micro-batch (:attr:`dense` inverted)."""
 
     @classmethod
     def of(cls, schedule: Schedule, overhead: float) -> CompiledSchedule:
         problem = schedule.problem
         index = {task.key: i for i, task in enumerate(problem.tasks)}
-        found: dict = {}
-        seq_tasks, seq_mbs = zip(*(_compile(schedule, r, index, found) for r in range(problem.num_ranks)))
-        composites = tuple(composite for _, composite in found.values())
-        extra = {mb for c in composites for unit in c.units for _, mb in unit}
-        seq_mbs, dense = _densify(seq_mbs, schedule.num_microbatches, extra)
-        links = [c.links(problem, index, len(dense), dense) for c in composites]
+        seq_tasks, seq_mbs, dense, composites, links = compile_lists(schedule, index)
         tasks, num_mb = problem.tasks, len(dense)
         deps = tuple(tuple((index[dep] * num_mb, set(tasks[index[dep]].ranks) != set(task.ranks)) for dep in task.deps)
                      for task in tasks) + tuple(external for external, _ in links)
@@ -96,7 +93,7 @@ class CompiledSchedule:
         pricing = Pricing.of(problem, overhead)
         return cls(schedule, index, seq_tasks, seq_mbs, dense, composites, deps,
                    tuple(slots for _, slots in links), tuple(shapes), shape_of, pricing,
-                   tuple(pricing.price(shape) for shape in shapes))
+                   tuple(pricing.price(shape) for shape in shapes), tuple(sorted(dense, key=dense.__getitem__)))
 
     def check_same_lists(self, schedule: Schedule) -> None:
         """ScheduleError unless ``schedule`` has these lists over a problem with the same tasks (keys, dependencies,
@@ -128,16 +125,19 @@ class CompiledSchedule:
             busy.append(reduce(add, map(durations.__getitem__, seq), 0.0))
         return Run(replay.starts, replay.ends, held, busy, peaks, replay.makespan)
 
-    def scale(self, t: int, factors: list[float]) -> float:
-        """The factor on composite ``t``'s duration when each (task, micro-batch) has its own factor."""
+    def scale(self, t: int, first: int, factors: list[float]) -> float:
+        """The factor on composite ``t``'s duration when each (task, micro-batch) has its own factor, its first
+        part's micro-batch numbered ``first`` in the replay."""
         k = t - len(self.index)
         price = self.prices[self.shape_of[k]]
         if price.duration <= 0:
             return 1.0
-        num_mb = len(self.dense)
+        num_mb, dense = len(self.dense), self.dense
+        start = self.numbers[first]
         scaled = self.composites[k].scaled(price, self.pricing.durations,
-                                           lambda task, mb: factors[task * num_mb + self.dense[mb]])
+                                           lambda task, mb: factors[task * num_mb + dense[start + mb]])
         return scaled / price.duration
+
 
     @property
     def num_slots(self) -> int:
@@ -149,7 +149,7 @@ class CompiledSchedule:
         """Per rank, per position: the factor on that action's duration when (task t, micro-batch slot
         k) has ``factors[t * num_slots + k]`` (a composite action: the factor its parts give it)."""
         num_tasks, num_mb = len(self.index), len(self.dense)
-        return [[factors[t * num_mb + mb] if t < num_tasks else self.scale(t, factors) for t, mb in zip(seq, mbs)]
+        return [[factors[t * num_mb + mb] if t < num_tasks else self.scale(t, mb, factors) for t, mb in zip(seq, mbs)]
                 for seq, mbs in zip(self.seq_tasks, self.seq_mbs)]
 
     def makespan(self, scales: list | None = None, release: list | None = None) -> float:
@@ -175,75 +175,13 @@ class CompiledSchedule:
         return replay
 
 
-def _compile(schedule: Schedule, rank: int, index: dict[tuple[int, str], int], found: dict) -> tuple[list, list]:
-    """Task indices and micro-batches of ``rank``'s list (C-level maps: no per-action Python code,
-    unless the list holds composite actions, which get indices after the tasks' in ``found``)."""
-    actions = schedule.ranks[rank]
-    tasks: list[int | None]
-    mbs: list[int]
-    if Overlap in set(map(type, actions)):
-        tasks, mbs = [None] * len(actions), [0] * len(actions)
-    else:
-        tasks = list(map(index.get, map(_TASK_KEY, actions)))
-        mbs = list(map(_MICROBATCH, actions))
-    if None in tasks:
-        for i, action in enumerate(actions):
-            if tasks[i] is None:
-                tasks[i], mbs[i] = _composite_index(schedule, index, action, found)
-    if None in tasks or (mbs and (min(mbs) < 0 or max(mbs) >= schedule.num_microbatches)):
-        step = next(
-            i for i, (t, mb) in enumerate(zip(tasks, mbs))
-            if t is None or not 0 <= mb < schedule.num_microbatches
-        )
-        raise ScheduleError(
-            f"rank {rank} step {step}: {actions[step]} is not a task of this schedule's problem "
-            "(run the validator for details)"
-        )
-    return tasks, mbs
-
-
-def _composite_index(schedule: Schedule, index: dict, action, found: dict) -> tuple[int | None, int]:
-    """``(index, micro-batch)`` of a composite action (the first part's micro-batch; its parts' are
-    checked), or ``(None, 0)`` when ``action`` is none of the problem's."""
-    if action in found:
-        k, composite = found[action]
-        return len(index) + k, _first_mb(composite)
-    if type(action) not in (Action, Overlap):
-        return None, 0
-    composite = composite_of(schedule.problem, index, action)
-    if composite is None:
-        return None, 0
-    if not all(0 <= mb < schedule.num_microbatches for unit in composite.units for _, mb in unit):
-        return None, -1
-    found[action] = (len(found), composite)
-    return len(index) + len(found) - 1, _first_mb(composite)
-
-
-def _first_mb(composite: Composite) -> int:
-    return composite.units[0][0][1]
-
-
-def _densify(seq_mbs: tuple[list[int], ...], num_mb: int,
-             extra: Iterable[int] = frozenset()) -> tuple[tuple[list[int], ...], dict[int, int]]:
-    """Renumber the micro-batches the lists use (and ``extra``: composite parts') as 0..K-1
-    (K <= actions) and return that map.
-
-    The replay keeps one slot per (task, micro-batch); a micro-batch no action names has no slot
-    anyone waits on, so a schedule claiming M = 10**12 costs memory by its actions, not by M.
-    """
-    used = sorted(set(extra).union(*map(set, seq_mbs)))
-    if len(used) == num_mb:  # every micro-batch appears (a complete schedule): keep the numbers
-        return seq_mbs, dict(zip(used, used))
-    dense = {mb: i for i, mb in enumerate(used)}
-    return tuple(list(map(dense.__getitem__, mbs)) for mbs in seq_mbs), dense
-
-
 class _Replay:
     """The event replay: every rank runs its list as far as it can, parking when blocked.
 
-    A slot is ``task * num_mb + microbatch``, micro-batches numbered densely by :func:`_densify`
-    (``num_mb`` counts those the lists use). A rank blocked on a dep parks on that dep's slot; a
-    rank blocked on a multi-rank action parks on the other rank that has not reached it yet.
+    A slot is ``task * num_mb + microbatch``, micro-batches numbered densely by
+    :func:`~pipeloom.sim_compile.compile_lists` (``num_mb`` counts those the lists use). A rank blocked on a
+    dep parks on that dep's slot; a rank blocked on a multi-rank action parks on the other rank that has not
+    reached it yet.
     """
 
     def __init__(self, compiled: CompiledSchedule, durations: list[float], latency: float, scales=None,
@@ -305,7 +243,7 @@ class _Replay:
                 if single[t]:
                     end = start + (durations[t] if scale is None else durations[t] * scale[i])
                 elif t >= self.num_tasks:
-                    end = self._composite(t, start, None if scale is None else scale[i])
+                    end = self._composite(t, mb, start, None if scale is None else scale[i])
                 else:
                     joined = self._join(r, t, slot, start)
                     if joined is None:
@@ -322,12 +260,13 @@ class _Replay:
                 self.pos[r], self.free[r] = i, now
                 self._wake(r)
 
-    def _composite(self, t: int, start: float, factor: float | None) -> float:
-        """The end of composite action ``t`` started at ``start`` (its duration times ``factor`` when
-        given): every part's slot ends with it, and the ranks waiting on them may move."""
+    def _composite(self, t: int, mb: int, start: float, factor: float | None) -> float:
+        """The end of composite action ``t`` of first micro-batch ``mb`` started at ``start`` (its duration times
+        ``factor`` when given): every part's slot ends with it, and the ranks waiting on them may move."""
         end = start + (self.durations[t] if factor is None else self.durations[t] * factor)
         waiters = self.waiters
-        for slot in self.part_slots[t - self.num_tasks]:
+        for base in self.part_slots[t - self.num_tasks]:
+            slot = base + mb
             self.finish[slot] = end
             waiting = waiters[slot]
             if waiting is not None:
@@ -373,7 +312,7 @@ def _deadlock_message(
 ) -> str:
     """Name each stuck rank's head action and what it waits for, then show the grid.
 
-    ``dense`` maps a micro-batch to its replay number (see :func:`_densify`).
+    ``dense`` maps a micro-batch to its replay number (see :func:`~pipeloom.sim_compile.compile_lists`).
     """
     problem = schedule.problem
     reasons = []

@@ -24,8 +24,8 @@ first used, so that importing it never imports the layer above (docs/architectur
 use"). They are no import edges: left out of the cycle and direction checks, and each must be listed."""
 
 LAYERS = ("errors", "arithmetic", "formatting", "graph", "remote", "problem", "ir", "lowering", "sim_pricing",
-          "sim_replay", "sim", "validate", "schedules", "search", "trace", "viz", "plan", "runtime", "profile", "serve",
-          "cli")
+          "sim_compile", "sim_replay", "sim", "validate", "schedules", "search", "trace", "viz", "plan", "runtime",
+          "profile", "serve", "cli")
 """The top-level units of ``pipeloom`` from the bottom up (docs/architecture.md's table): each imports only
 units listed before it, at any depth and inside functions too. The package's own ``__init__`` and
 ``__main__`` stand above them all."""

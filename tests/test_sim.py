@@ -304,6 +304,87 @@ def test_a_compiled_schedule_refuses_other_lists_or_tasks():
         simulate(dataclasses.replace(other, problem=moved), compiled=compiled)
 
 
+def _renumbered(schedule: Schedule, number) -> Schedule:
+    """``schedule`` with micro-batch ``k`` of every action (each part of a pair) numbered ``number(k)``."""
+    from pipeloom.ir import Overlap
+
+    def moved(action):
+        if type(action) is Overlap:
+            return Overlap(moved(action.forward), moved(action.backward))
+        return action._replace(microbatch=number(action.microbatch))
+
+    top = max(number(k) for k in range(schedule.num_microbatches)) + 1
+    ranks = [[moved(a) for a in row] for row in schedule.ranks]
+    return dataclasses.replace(schedule, num_microbatches=top, ranks=ranks)
+
+
+def _pairs_of_two_offsets() -> Schedule:
+    """Two ranks, stage 0's list pairing forwards with backwards three micro-batches back, then two back
+    (``(0F3;0B0)``, ``(0F7;0B5)``); stage 1 runs 1F1B."""
+    from pipeloom.ir import Overlap
+
+    def parsed(text: str) -> list:
+        return [Overlap(*map(Action.parse, word.split(";"))) if ";" in word else Action.parse(word)
+                for word in text.split()]
+
+    problem = stage_graph([Stage(ranks=0, f=1, b=2, memory=1), Stage(ranks=1, f=1.5, b=2.5, memory=1)],
+                          comm_latency=0.25)
+    ranks = [parsed("0F0 0F1 0F2 0F3;0B0 0F4 0B1 0F5 0B2 0F6 0B3 0B4 0F7;0B5 0B6 0B7"),
+             parsed(" ".join(f"1F{k} 1B{k}" for k in range(8)))]
+    return Schedule(name="hand", problem=problem, num_microbatches=8, ranks=ranks)
+
+
+@pytest.mark.parametrize("name", ["hand", "dualpipe", "dualpipev", "zb-h1"])
+def test_pairs_replay_alike_whatever_the_microbatch_numbers(name):
+    """Oracle: renumbering the micro-batches (those from 6 on numbered one up: the lists leave number 6 unused,
+    so the replay numbers them densely) changes no start, end or memory of a schedule of overlapped pairs or full
+    backwards on split stages. In the hand schedule ``(0F3;0B0)`` and ``(0F7;0B5)``, renumbered ``(0F8;0B5)``,
+    are then both three micro-batches apart as written and not in the replay's numbers, so no one template of
+    the pair can stand for both (the replay then keeps one per action)."""
+    from pipeloom.problem import Costs
+    from pipeloom.schedules import build_schedule
+
+    if name == "hand":
+        schedule = _pairs_of_two_offsets()
+    else:
+        built = build_schedule(name, 4, 8, costs=Costs(f=1, b=1.5, w=0.5, memory=1, w_memory=0.3))
+        schedule = _priced_anew(built, 0, overlap_fraction=0.3)
+    sparse = simulate(_renumbered(schedule, lambda k: k + (k >= 6)))
+    dense = simulate(schedule)
+    assert (sparse.starts, sparse.ends, sparse.memory, sparse.makespan) == (
+        dense.starts, dense.ends, dense.memory, dense.makespan)
+
+
+@pytest.mark.parametrize("number", [lambda k: k, lambda k: k + (k >= 6)], ids=["every", "sparse"])
+def test_a_pairs_action_scale_is_its_parts_factors(number):
+    """Oracle: a composite action's factor is its parts' own factors applied to its duration
+    (:meth:`Composite.scaled` on the action as written), whichever micro-batch each part is of."""
+    from pipeloom.problem import Costs
+    from pipeloom.schedules import build_schedule
+    from pipeloom.sim import compile_schedule
+    from pipeloom.sim_pricing import Pricing, composite_of
+
+    schedule = _renumbered(_priced_anew(build_schedule("dualpipev", 4, 8, costs=Costs(f=1, b=1.5, w=0.5)), 1),
+                           number)
+    compiled = compile_schedule(schedule)
+    num_mb = compiled.num_slots
+    factors = [1 + (7 * i % 11) / 10 for i in range(len(compiled.index) * num_mb)]
+    scales = compiled.action_scales(factors)
+    pricing = Pricing.of(schedule.problem, schedule.problem.overlap_overhead)
+    checked = 0
+    for row, row_scales in zip(schedule.ranks, scales):
+        for action, scale in zip(row, row_scales):
+            composite = composite_of(schedule.problem, compiled.index, action)
+            if composite is None or (type(action) is Action and len(composite.units[0]) == 1):
+                continue
+            price = pricing.price(composite.shape)
+            want = composite.scaled(price, pricing.durations,
+                                    lambda task, mb: factors[task * num_mb + compiled.dense[mb]]) / price.duration
+            assert scale == pytest.approx(want, rel=1e-12)
+            checked += 1
+    assert checked > 8
+
+
 # ------------------------------------------------------------------------------- expected_makespan
 
 
