@@ -250,9 +250,37 @@ def hardware_from_dict(data, *, where: str = "hardware description") -> Hardware
         if key in values and not isinstance(values[key], dict):
             raise HardwareError(f"{where}: {key!r} must be a JSON object, got {values[key]!r}")
     try:
-        return Hardware(**values)
+        hw = Hardware(**values)
     except HardwareError as err:
         raise HardwareError(f"{where}: {err}") from None
+    _plausible(hw, where)
+    return hw
+
+
+_RANGES = {
+    "peak_flops": (1e12, 1e18, "dense FLOP/s (an H100's BF16: 9.894e14)"),
+    "memory_bytes": (2**30, 2**44, "bytes (an H100's 80 GiB: 85899345920)"),
+    "memory_bandwidth": (1e9, 1e15, "bytes/s (an H100's HBM3: 3.35e12)"),
+    "scale_up_bandwidth": (1e6, 1e14, "bytes/s one direction (an H100's NVLink: 4.5e11)"),
+    "scale_out_bandwidth": (1e6, 1e14, "bytes/s one direction per GPU (a 400 Gb/s NIC: 5e10)"),
+    "scale_up_latency": (0.0, 1e-2, "seconds (NVLink: 1e-6)"),
+    "scale_out_latency": (0.0, 1e-2, "seconds (InfiniBand: 5e-6)"),
+    "kernel_overhead": (0.0, 1e-3, "seconds (a kernel launch: 2e-6)"),
+}
+"""What a file's numbers may be: orders of magnitude around every GPU and link described here, so that a value in
+the wrong unit (GiB for bytes, Gb/s for bytes/s, microseconds for seconds) is refused rather than planned with.
+A :class:`Hardware` made in Python is not held to them (a what-if with links of no cost)."""
+
+
+def _plausible(hw: Hardware, where: str) -> None:
+    """HardwareError naming the first of ``hw``'s numbers outside :data:`_RANGES`."""
+    for name, (low, high, unit) in _RANGES.items():
+        values = hw.peak_flops.items() if name == "peak_flops" else [(None, getattr(hw, name))]
+        for dtype, value in values:
+            if not low <= value <= high:
+                label = f"{name}[{dtype!r}]" if dtype else name
+                raise HardwareError(f"{where}: {label} {value:g} is outside what any GPU has ({low:g} to {high:g} "
+                                    f"{unit}); check its unit")
 
 
 _WHOLE = ("memory_bytes", "scale_up_size", "scale_up_placed", "sm_count")
