@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import re
 from pathlib import Path
+from typing import Any
 
 from pipeloom.cli.argtypes import count, number, path_with
 from pipeloom.cli.demo import cmd_demo
@@ -29,8 +30,19 @@ COST_HELP = (
 )
 
 
+_NEGATIVE = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?[A-Za-z]*$")
+"""A negative number, with an exponent or a unit or neither: no option of ``pipeloom`` looks like one."""
+
+
 class _Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors become one-line ``UsageError``s instead of usage dumps."""
+    """An ArgumentParser whose errors become one-line ``UsageError``s instead of usage dumps, and which reads a
+    negative number with a unit (``--memory-limit -5GiB``) as a value, so its type says what is wrong with it
+    (argparse's own rule takes only bare numbers, and reported "expected one argument")."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = _NEGATIVE
+
 
     def error(self, message: str) -> None:  # type: ignore[override]
         raise UsageError(f"{message} (see `{self.prog} --help`)")

@@ -29,6 +29,8 @@ def bytes_argument(text: str) -> float:
     """An argparse type for sizes such as ``80GiB``, ``512MiB``, ``16GB`` or a number of bytes."""
     from pipeloom.plan.costs.parts import parse_bytes
 
+    if text.strip().startswith("-"):
+        raise argparse.ArgumentTypeError(f"must be more than 0 bytes, got {text!r}")
     try:
         value = parse_bytes(text)
     except PipeloomError as error:
@@ -95,7 +97,8 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
     plan.add_argument("--time-limit", type=number(float, "a number of seconds >= 0.01", 0.01), default=PLAN_TIME_LIMIT,
                       metavar="SECONDS", help=f"stop trying candidates after this long (default {PLAN_TIME_LIMIT:g}); "
                                               "those left untried (the largest micro-batch counts) are counted")
-    plan.add_argument("--top", type=count, metavar="N", help="runners-up to show (default 10; with --model 5)")
+    plan.add_argument("--top", type=number(int, "an integer >= 0", 0), metavar="N",
+                      help="runners-up to show (default 10; with --model 5; 0: none)")
     plan.add_argument("-o", "--out", type=path_with(".png", ".svg", ".html"),
                       help="the best plan's simulated timeline (.png/.svg, or .html: interactive)")
     plan.add_argument("--server", metavar="URL",
@@ -294,7 +297,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                           "seconds": result.seconds, "untried": result.untried}))
     else:
         console.print(_best_table(result))
-        console.print(_runners_up(result, 10 if args.top is None else args.top))
+        if args.top != 0:
+            console.print(_runners_up(result, 10 if args.top is None else args.top))
     for message in written:
         console.print(message, markup=False, soft_wrap=True)
     return 0

@@ -76,6 +76,9 @@ def test_plan_json(capsys, costs):
 
 @pytest.mark.parametrize(("argv", "status", "words"), [
     (["--memory-limit", "80XB"], 2, ["bad size '80XB'"]),
+    (["--memory-limit", "-5GiB"], 2, ["--memory-limit: must be more than 0 bytes, got '-5GiB'"]),
+    (["--memory-limit", "-1e9"], 2, ["--memory-limit: must be more than 0 bytes, got '-1e9'"]),
+    (["--top", "-1"], 2, ["--top: must be an integer >= 0, got '-1'"]),
     (["--memory-limit", "1KiB"], 1, ["no plan fits 1 KiB per rank", "the smallest that fits is about"]),
     (["--schedules", "1f1b,3f3b"], 2, ["unknown schedule(s) ['3f3b']"]),
     (["-m", "3"], 1, ["does not divide the global batch 16"]),

@@ -72,8 +72,9 @@ def test_text_report(config, capsys):
     assumes = out.splitlines()[2]
     assert assumes == ("assumes: fused elementwise kernels (--kernels); flash attention (--attention); gradients "
                        "held and reduced in bf16 beside the backward (--grad-reduce: Megatron-LM keeps fp32 unless "
-                       "--grad-reduce-in-bf16, --no-overlap-grad-reduce); sequence parallel, tp exchanges between the "
-                       "GEMMs (--tp-overlap); balanced stage cut (--stage-cut)")
+                       "--grad-reduce-in-bf16, --no-overlap-grad-reduce); the updated parameters all-gathered beside "
+                       "the step's first forward (Megatron-LM's --overlap-param-gather); sequence parallel, tp "
+                       "exchanges between the GEMMs (--tp-overlap); balanced stage cut (--stage-cut)")
     assert main(["plan", "--model", str(config), "--hardware", "h100", "--gpus", "8", "--global-batch", "32", "--seq",
                  "4096", "--dtype", "fp8", "--fp8-cast", "current", "--tp-overlap", "--grad-reduce", "fp32",
                  "--layout", "tp=2,pp=1,cp=2,recompute=selective", "--selective", "op"]) == 0
@@ -87,6 +88,13 @@ def test_text_report(config, capsys):
         assert main(["plan", "--model", str(config), "--hardware", "h100", "--gpus", "8", "--global-batch", "32",
                      "--seq", "4096", "--layout", layout]) == 0
         assert said in capsys.readouterr().out.splitlines()[2], layout
+    # the parameters' all-gather after the step: said where the optimizer is sharded over replicas
+    job = ["plan", "--model", str(config), "--hardware", "h100", "--gpus", "8", "--global-batch", "32", "--seq", "4096"]
+    assert main([*job, "--layout", "tp=4,pp=2,cp=1,schedule=1f1b"]) == 0
+    assert "all-gathered" not in capsys.readouterr().out.splitlines()[2]  # one replica
+    assert main([*job, "--no-overlap-grad-reduce", "--layout", "tp=4,pp=1,cp=1"]) == 0
+    assert "the updated parameters all-gathered before the step's first forward" in (
+        capsys.readouterr().out.splitlines()[2])
     zero2 = ["plan", "--model", str(config), "--hardware", "h100", "--gpus", "8", "--global-batch", "32", "--seq",
              "4096", "--shard-gradients", "--layout"]
     assert main([*zero2, "tp=1,pp=2,cp=1,fsdp=0"]) == 0
@@ -282,6 +290,16 @@ def test_top_sets_how_many_runners_up_and_those_over_the_limit_are_faster(config
     over = [r for r in data["runners_up"] if r["memory_per_gpu"]["total"] > 30 * GIB]
     assert len(fitting) == 2 and len(over) <= 1
     assert all(r["step_time"] < data["best"]["step_time"] for r in over)  # a slower layout that does not fit is noise
+
+
+def test_top_0_shows_no_runners_up(config, capsys):
+    """``--top 0`` asks for the best layout alone, as ``runners_up=0`` does (it was refused as not positive)."""
+    args = ["plan", "--model", str(config), "--hardware", "h100", "--gpus", "8", "--global-batch", "32", "--seq",
+            "4096", "--top", "0"]
+    assert main([*args, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["runners_up"] == []
+    assert main(args) == 0
+    assert "runners-up" not in capsys.readouterr().out
 
 
 def test_a_sequence_longer_than_learned_positions_is_refused():
