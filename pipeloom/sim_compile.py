@@ -33,10 +33,13 @@ def compile_lists(schedule: Schedule, index: dict[tuple[int, str], int]) -> tupl
     problem = schedule.problem
     found = _Found(per_action=False)
     seq_tasks, seq_mbs = zip(*(_compile(schedule, r, index, found) for r in range(problem.num_ranks)))
+    # conservative: a micro-batch named only by a pair's second part also sends the lists down the per-action path
     if len(set().union(*map(set, seq_mbs))) != schedule.num_microbatches:
         found = _Found(per_action=True)
         seq_tasks, seq_mbs = zip(*(_compile(schedule, r, index, found) for r in range(problem.num_ranks)))
     composites = tuple(found.composites)
+    # the parts' micro-batches, for the dense numbering; per template only its first action's, which is all of them
+    # where each action is its own template, and where templates are shared the numbering is kept whatever they are
     extra = {first + mb for c, first in zip(composites, found.firsts) for unit in c.units for _, mb in unit}
     seq_mbs, dense = _densify(seq_mbs, schedule.num_microbatches, extra)
     links = [_shifted_links(c, first, problem, index, dense) for c, first in zip(composites, found.firsts)]

@@ -61,7 +61,9 @@ class CompiledSchedule:
     composites: tuple[Composite, ...]
     """The composite actions' templates: each its parts' tasks and micro-batches, the first part's counted 0 and the
     others' from it (one template for every micro-batch where the lists use every micro-batch; one per action where
-    they do not, as then the dense numbers do not keep the offsets)."""
+    they do not, as then the dense numbers do not keep the offsets). Its ``action`` is the first action met of the
+    template, and its ``slots`` and ``links`` are not any action's: the replay's are :attr:`part_slots` and
+    :attr:`deps`, which the first part's micro-batch shifts."""
     deps: tuple[tuple[tuple[int, bool], ...], ...]
     """Per task, then per composite, what it waits for (:class:`_Replay`): a slot (a task's: its index times the
     micro-batches; a composite's: its parts' dependencies outside it, less its first part's micro-batch,
@@ -137,7 +139,6 @@ class CompiledSchedule:
         scaled = self.composites[k].scaled(price, self.pricing.durations,
                                            lambda task, mb: factors[task * num_mb + dense[start + mb]])
         return scaled / price.duration
-
 
     @property
     def num_slots(self) -> int:
