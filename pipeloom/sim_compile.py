@@ -74,8 +74,9 @@ def _compile(schedule: Schedule, rank: int, index: dict[tuple[int, str], int], f
     actions = schedule.ranks[rank]
     tasks: list[int | None]
     mbs: list[int]
-    if Overlap in set(map(type, actions)):
-        tasks, mbs = [None] * len(actions), [0] * len(actions)
+    if Overlap in set(map(type, actions)):  # a plain action beside pairs is still its task (a multi-rank one joins)
+        tasks = [None if type(a) is Overlap else index.get(_TASK_KEY(a)) for a in actions]
+        mbs = [0 if type(a) is Overlap else _MICROBATCH(a) for a in actions]
     else:
         tasks = list(map(index.get, map(_TASK_KEY, actions)))
         mbs = list(map(_MICROBATCH, actions))

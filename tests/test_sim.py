@@ -355,6 +355,22 @@ def test_pairs_replay_alike_whatever_the_microbatch_numbers(name):
         dense.starts, dense.ends, dense.memory, dense.makespan)
 
 
+def test_a_multi_rank_action_beside_a_pair_joins_its_ranks():
+    """Oracle: the same lists with ``1F1`` and ``1B0`` run as a pair replay (the pair apart) as the lists without it
+    do; a multi-rank task in a list that held a pair had been compiled as a one-part composite, which never waits
+    for its other rank, and the replay reported a deadlock."""
+    from pipeloom.ir import Overlap
+
+    problem = stage_graph([Stage(ranks=(0, 1), f=1, b=2, memory=1), Stage(ranks=1, f=1.5, b=2.5, memory=1)])
+    plain = ["0F0 0F1 0B0 0B1", "0F0 1F0 0F1 1F1 1B0 0B0 1B1 0B1"]
+    rows = [[Action.parse(word) for word in row.split()] for row in plain]
+    paired = [rows[0], [*rows[1][:3], Overlap(rows[1][3], rows[1][4]), *rows[1][5:]]]
+    alone, together = simulate(_schedule(problem, plain, num_mb=2)), simulate(
+        Schedule(name="hand", problem=problem, num_microbatches=2, ranks=paired))
+    assert together.starts[0] == alone.starts[0] and together.ends[0] == alone.ends[0]
+    assert together.makespan == alone.makespan  # the pair (1F1; 1B0) takes F + B, as the two did one after the other
+
+
 @pytest.mark.parametrize("number", [lambda k: k, lambda k: k + (k >= 6)], ids=["every", "sparse"])
 def test_a_pairs_action_scale_is_its_parts_factors(number):
     """Oracle: a composite action's factor is its parts' own factors applied to its duration
