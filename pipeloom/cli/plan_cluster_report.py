@@ -167,6 +167,20 @@ def _assumes(job, layout, framework: str | None = None, searched: tuple[str, ...
     return f"assumes{f' ({framework})' if framework else ''}: " + "; ".join(said)
 
 
+def _count(n: int) -> str:
+    """A parameter count as model cards write it: 70.55B, 124.4M, 5,120."""
+    return f"{n / 1e9:,.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n:,}"
+
+
+def _defaulted(spec) -> list[str]:
+    """The note naming the size fields the config left out and the defaults planned in their place."""
+    if not spec.defaulted:
+        return []
+    fields = ", ".join(f"{key} {value}" for key, value in spec.defaulted)
+    return [f"note: the config leaves out {', '.join(key for key, _ in spec.defaulted)}: transformers' {spec.family} "
+            f"defaults were planned ({fields}); give them in the config if the model differs"]
+
+
 def _work(best) -> list[str]:
     """The line that says what one micro-batch's work through the model is made of, largest first."""
     total = sum(seconds for _, seconds in best.work)
@@ -180,13 +194,16 @@ def _work(best) -> list[str]:
 def report(result, *, framework: str | None = None) -> str:
     """The text report: the layout, the framework choices it assumes (``framework``: the --framework given), its
     step, throughput, MFU, memory, bubble and the runners-up."""
+    from pipeloom.plan.cluster.counts import model_params  # the planner loads on use, not with the CLI
+
     best, job = result.best, result.job
     mem = best.memory
     fits = "fits" if mem.total <= result.memory_limit else "DOES NOT FIT"
     text_of = (f" (the language model of a {job.spec.text_of} config: its vision tower and image tokens are not "
                "planned)") if job.spec.text_of else ""
     lines = [
-        f"{job.spec.family}{text_of} on {job.gpus} x {job.hw.name}, global batch {job.global_batch} x {job.seq} "
+        f"{job.spec.family}{text_of} ({job.spec.layers} layers, {_count(model_params(job.spec))} parameters) on "
+        f"{job.gpus} x {job.hw.name}, global batch {job.global_batch} x {job.seq} "
         f"tokens, {job.dtype}{_window(job.spec)}{_dropout(job.spec)}",
         f"layout: {best.layout}",
         _assumes(job, best.layout, framework, result.searched, result.variants),
@@ -203,6 +220,7 @@ def report(result, *, framework: str | None = None) -> str:
         f"gradients {_gib(mem.gradients)}, optimizer {_gib(mem.optimizer)}, activations {_gib(mem.activations)}, "
         f"buffers {_gib(mem.buffers)}",
         *_full(mem.total, result.memory_limit),
+        *_defaulted(job.spec),
     ]
     if result.runners_up:
         lines.append("runners-up:")

@@ -107,7 +107,46 @@ def test_a_multimodal_model_is_planned_as_its_language_model_and_says_so(tmp_pat
     assert main(argv) == 0
     head = capsys.readouterr().out.splitlines()[0]
     assert head.startswith("gemma3_text (the language model of a gemma3 config: its vision tower and image tokens "
-                           "are not planned) on 8 x h100"), head
+                           "are not planned) (2 layers, "), head
+    assert " parameters) on 8 x h100" in head, head
     assert main([*argv, "--json"]) == 0
     model = json.loads(capsys.readouterr().out)["model"]
     assert model["family"] == "gemma3_text" and model["text_of"] == "gemma3"
+
+
+QWEN25_32B = {"model_type": "qwen2", "hidden_size": 5120, "intermediate_size": 27648, "num_hidden_layers": 64,
+              "num_attention_heads": 40, "num_key_value_heads": 8, "vocab_size": 152064, "tie_word_embeddings": False}
+
+
+@pytest.mark.parametrize(("typo", "field"), [("num_hidden_layer", "num_hidden_layers"),
+                                              ("intermediate_sise", "intermediate_size"),
+                                              ("hiden_size", "hidden_size")])
+def test_a_misspelled_size_field_is_refused_with_the_name_it_is_close_to(typo, field):
+    """A key one or two letters from a field the config leaves out would leave that field at transformers' default:
+    Qwen2.5-32B with ``num_hidden_layer`` had been planned as a 14.4B model of 32 layers, without a word."""
+    config = {key: value for key, value in QWEN25_32B.items() if key != field} | {typo: QWEN25_32B[field]}
+    with pytest.raises(ModelConfigError, match=f"the config's '{typo}' is no qwen2 field; did you mean '{field}'\\? "
+                                               f"That field is left out, so transformers' default"):
+        model_spec(config)
+    assert model_spec(QWEN25_32B).defaulted == ()  # a whole config: nothing defaulted, no key taken for a typo
+    assert model_spec(QWEN25_32B | {"torch_dtype": "bfloat16", "rope_theta": 1e6}).defaulted == ()
+
+
+def test_size_fields_left_out_are_named_with_the_defaults_planned(tmp_path, capsys):
+    """The report names each size field the config leaves out and the default read in its place, and its first line
+    says how many layers and parameters were planned; --json lists them under model.defaulted."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "llama", "hidden_size": 2048, "num_attention_heads": 16}))
+    argv = ["plan", "--model", str(path), "--hardware", "h100", "--gpus", "8", "--global-batch", "32", "--seq", "4096"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].startswith("llama (32 layers, 2.83B parameters) on 8 x h100"), out
+    assert ("note: the config leaves out intermediate_size, num_hidden_layers, vocab_size: transformers' llama "
+            "defaults were planned (intermediate_size 11008, num_hidden_layers 32, vocab_size 32000)") in out
+    assert main([*argv, "--json"]) == 0
+    model = json.loads(capsys.readouterr().out)["model"]
+    assert model["defaulted"] == {"intermediate_size": 11008, "num_hidden_layers": 32, "vocab_size": 32000}
+    path.write_text(json.dumps(QWEN25_32B))
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("qwen2 (64 layers, 32.76B parameters) on 8 x h100") and "leaves out" not in out

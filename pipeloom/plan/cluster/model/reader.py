@@ -15,6 +15,7 @@ transformers gives it (:func:`_windows`)."""
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from collections.abc import Mapping
 from typing import Any
 
@@ -87,13 +88,40 @@ def model_spec(config: object) -> ModelSpec:
     if data.get("use_bidirectional_attention"):
         raise ModelConfigError(f"{family} with use_bidirectional_attention is an encoder; the planner plans causal "
                                "decoders: set use_bidirectional_attention to false")
-    data = {**{key: value for key, value in FAMILY_DEFAULTS.get(family, {}).items()  # transformers' defaults for
-               if not any(name in data for name in _ALIASES.get(key, (key,)))}, **data}  # the fields left out
+    left_out = {key: value for key, value in FAMILY_DEFAULTS.get(family, {}).items()
+                if not any(name in data for name in _ALIASES.get(key, (key,)))}
+    _misspelled(data, family, left_out)
+    data = {**left_out, **data}  # transformers' defaults for the fields left out
     check_fields(data)
     spec = _family_spec(data, family)
+    spec = dataclasses.replace(spec, defaulted=tuple((key, value) for key, value in left_out.items()
+                                                     if key in _SIZES))
     spec = dataclasses.replace(spec, **_dropouts(data, family, spec.parallel_residual))
     window, layers = _windows(data, family, spec.layers)
     return dataclasses.replace(spec, window=window, window_layers=layers) if layers else spec
+
+
+_SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+          "head_dim", "vocab_size", "moe_intermediate_size", "shared_expert_intermediate_size", "num_experts",
+          "num_local_experts", "num_experts_per_tok", "n_routed_experts", "n_shared_experts", "kv_lora_rank",
+          "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "first_k_dense_replace", "n_embd",
+          "n_layer", "n_head", "n_inner", "moe_num_experts", "moe_k", "moe_topk", "intermediate_size_mlp",
+          "linear_num_key_heads", "linear_num_value_heads")
+"""The fields that size a model: one left out is named where the plan is reported (:attr:`ModelSpec.defaulted`)."""
+
+
+def _misspelled(data: Mapping[str, Any], family: str, left_out: Mapping[str, Any]) -> None:
+    """ModelConfigError for a key of the config that no family knows and that is one or two letters from a field
+    the config leaves out (``num_hidden_layer``): transformers would keep it as an unused attribute and plan the
+    field's default, another model."""
+    for key in data:
+        if key in _KNOWN or not isinstance(key, str):
+            continue
+        close = difflib.get_close_matches(key, list(left_out), n=1, cutoff=0.9)
+        if close:
+            raise ModelConfigError(f"the config's {key!r} is no {family} field; did you mean {close[0]!r}? That field "
+                                   f"is left out, so transformers' default ({close[0]} = {left_out[close[0]]!r}) would "
+                                   "be planned: rename the key")
 
 
 def _stand_in(text: Mapping[str, Any], tie: bool) -> dict[str, Any]:
@@ -111,6 +139,8 @@ _ALIASES = {name: group for group in (("num_experts", "num_local_experts"), ("n_
             for name in group}
 """Fields the reader takes under either name (a config's ``to_dict()`` may write the other): a default for one is
 not taken where the config gives the other."""
+_KNOWN = frozenset(key for defaults in FAMILY_DEFAULTS.values() for key in defaults) | frozenset(_ALIASES)
+"""Every field some family's defaults name: never taken for a misspelling."""
 
 
 def _dropouts(data: Mapping[str, Any], family: str, parallel: bool) -> dict[str, Any]:

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from pipeloom.plan.errors import ModelConfigError
@@ -260,6 +261,9 @@ class ModelSpec:
     linear_layers: tuple[int, ...] = ()
     """Indices of the layers whose token mixer is :attr:`linear` instead of attention (the
     ``"linear_attention"`` layers of Qwen3-Next, Qwen3.5 and OLMo hybrid)."""
+    defaulted: tuple[tuple[str, object], ...] = dataclasses.field(default=(), compare=False)
+    """The size fields the config left out, each with transformers' default for the family that was read in its place
+    (the planner says so: a field misspelled or forgotten plans another model); not part of the shape."""
     mtp: int = 0
     """Multi-token-prediction modules after the last layer (DeepSeek-V3's ``num_nextn_predict_layers``; report
     arXiv:2412.19437 sec. 2.2): each normalises the last hidden state and the next token's embedding,
