@@ -25,7 +25,7 @@ from pipeloom.plan.cluster.runtime_plan import for_runtime
 from pipeloom.plan.cluster.search import runners_up_of, search_faster, search_layouts
 from pipeloom.plan.cluster.step import Estimate
 from pipeloom.plan.costs.parts import parse_bytes
-from pipeloom.plan.errors import CostTableError, NoLayoutFits, PlanError
+from pipeloom.plan.errors import CostTableError, LayoutError, NoLayoutFits, PlanError
 
 __all__ = ["ClusterPlan", "plan_cluster"]
 
@@ -164,8 +164,10 @@ def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: st
               sequence_parallel=bool(sequence_parallel), tp_overlap=bool(tp_overlap), fp8_cast=fp8_cast,
               stage_cut=stage_cut, moe_overlap=bool(moe_overlap), shard_gradients=bool(shard_gradients),
               adam_moments=adam_moments, recompute_layers=depth)
-    fixed = parse_layout(layout) if isinstance(layout, str) else dict(layout or {})
+    fixed = parse_layout(layout if isinstance(layout, str) else _layout_text(layout))
     limit = _memory_limit(memory_limit, device)
+    if isinstance(runners_up, bool) or not isinstance(runners_up, int) or runners_up < 0:
+        raise ArgumentError(f"runners_up must be a whole number >= 0 (0: the best layout alone), got {runners_up!r}")
     job, runtime = for_runtime(job, runs_on)
     blocked = _only(schedules, runtime)
     choices: dict[str, list[Any]] = {
@@ -201,6 +203,25 @@ def _only(schedules: Sequence[str] | None, runtime: Callable[[Layout], str | Non
     return blocked
 
 
+def _layout_text(layout: Mapping[str, Any] | None) -> str:
+    """A ``layout`` mapping as :func:`parse_layout`'s text, so that it is checked alike: whole numbers (``fsdp`` also
+    true or false), names for ``recompute`` and ``schedule``; anything else is refused naming the key."""
+    if layout is None:
+        return ""
+    if not isinstance(layout, Mapping):
+        raise LayoutError(f"layout must be a text such as 'tp=4,pp=8' or a mapping of its keys, got "
+                          f"{type(layout).__name__}")
+    items = []
+    for key, value in layout.items():
+        if isinstance(value, bool) or (isinstance(value, int) and key not in ("recompute", "schedule")):
+            value = int(value)
+        elif not isinstance(value, str) or "," in value:
+            raise LayoutError(f"layout {key} must be {'a name' if key in ('recompute', 'schedule') else 'an integer'}"
+                              f", got {value!r}")
+        items.append(f"{key}={value}")
+    return ",".join(items)
+
+
 def _memory_limit(limit: float | str | None, device: Hardware) -> float:
     """Bytes per GPU a plan may use: ``limit`` (bytes, or a size such as ``"40GiB"``), else the GPU's memory."""
     if limit is None:
@@ -211,6 +232,9 @@ def _memory_limit(limit: float | str | None, device: Hardware) -> float:
         raise ArgumentError(f"memory_limit: {err}") from None
     if value <= 0:
         raise ArgumentError(f"memory_limit must be more than 0 bytes, got {limit!r}")
+    if value < 2**20:
+        raise ArgumentError(f"memory_limit {limit!r} is {value:g} bytes per GPU; give bytes (80 * 2**30) or a size "
+                            "such as '80GiB'")
     return value
 
 

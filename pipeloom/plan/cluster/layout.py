@@ -225,7 +225,7 @@ def parse_layout(text: str) -> dict[str, Any]:
     fixed: dict[str, Any] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         key, sep, value = item.partition("=")
-        key = key.strip()
+        key = key.strip().lower()  # TP=2 as tp=2, as the values' names are read in any case
         if not sep or key not in LAYOUT_KEYS:
             raise LayoutError(f"bad layout item {item!r}: expected key=value with key one of {', '.join(LAYOUT_KEYS)}")
         if key in fixed:

@@ -212,9 +212,22 @@ def test_the_api_refuses_what_the_command_refuses_as_argument_errors():
     layout = "dp=2,tp=2,pp=2,vp=1,cp=1,ep=1,mbs=1,fsdp=0,recompute=none,schedule=1f1b"
     for kw, message in ((dict(memory_limit="0"), "memory_limit must be more than 0 bytes, got '0'"),
                         (dict(memory_limit="lots"), "memory_limit: bad size 'lots'"),
-                        (dict(dtype="fp16"), "dtype must be 'bf16' or 'fp8'")):
+                        (dict(dtype="fp16"), "dtype must be 'bf16' or 'fp8'"),
+                        (dict(memory_limit=80), "memory_limit 80 is 80 bytes per GPU; give bytes (80 * 2**30) or a "
+                                                "size such as '80GiB'"),
+                        (dict(runners_up=-1), "runners_up must be a whole number >= 0"),
+                        (dict(runners_up=True), "runners_up must be a whole number >= 0")):
         with pytest.raises(ArgumentError, match=re.escape(message)):
             _plan(layout=layout, **kw)
+    # a layout mapping is checked as its text is (it had raised a TypeError from inside the search)
+    for fixed, message in (({"tp": 2.0}, "layout tp must be an integer, got 2.0"),
+                           ({"pp": "two"}, "layout pp must be an integer, got 'two'"),
+                           ({"schedule": 3}, "layout schedule must be a name, got 3"),
+                           ({"mbs": None}, "layout mbs must be an integer, got None")):
+        with pytest.raises(LayoutError, match=re.escape(message)):
+            _plan(layout=fixed)
+    assert str(_plan(layout={"TP": 2, "pp": "2", "fsdp": False, "schedule": "1F1B"}).best.layout).startswith(
+        "dp=2,tp=2,pp=2,")
     as_dict = plan_cluster(SMALL, hardware("h100").to_dict(), gpus=8, global_batch=32, seq=4096, layout=layout)
     assert as_dict.best.step_time == _plan(layout=layout).best.step_time
 
