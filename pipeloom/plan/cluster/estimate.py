@@ -34,7 +34,7 @@ from pipeloom.plan.cluster.placement import (
     with_blocking_sends,
     work_bound,
 )
-from pipeloom.plan.cluster.recompute import kept_activations
+from pipeloom.plan.cluster.recompute import kept_activations, kept_scores
 from pipeloom.plan.cluster.step import Estimate, Memory, PhaseTimes, add_times, work_parts
 from pipeloom.plan.errors import LayoutError
 from pipeloom.problem import Costs
@@ -62,8 +62,7 @@ class Estimator:
     def __init__(self, job: Job) -> None:
         self.job, spec = job, job.spec
         self.kinds = layer_kinds(spec)
-        # the last stage's kinds after its layers: the head and the multi-token-prediction modules
-        self.tail = ("head",) + ("mtp",) * spec.mtp
+        self.tail = ("head",) + ("mtp",) * spec.mtp  # the last stage's kinds after its layers: head, MTP modules
         self.counts = {k: layer_counts(spec, k, job.seq) for k in ("embedding", *set(self.tail), *set(self.kinds))}
         self._layer: dict[tuple[Any, ...], PhaseTimes] = {}
         self._replays: dict[tuple[Any, ...], tuple[float, float, float]] = {}
@@ -85,8 +84,7 @@ class Estimator:
         a, h = spec.attention, spec.hidden
         mlp = spec.experts.top_k * spec.experts.intermediate if spec.moe_layers and spec.experts else spec.intermediate
         keep = self.counts[self.kinds[-1]].activations["none"]
-        # what a split backward's W still needs after I: the inputs of the four projections (two norm
-        # outputs, the attention output, the MLP activation's output), a share of what F kept
+        # a split backward's W needs after I the four projections' inputs (two norm outputs, attention out, MLP act)
         kept = keep.sequence + keep.tensor + keep.replicated
         self.w_fraction = min(1.0, 2 * (2 * h + a.heads * a.v_dim + mlp) / kept)
 
@@ -174,20 +172,20 @@ class Estimator:
 
     def _cut(self, counts: tuple[int, ...], copies: int) -> Cut:
         """:func:`~pipeloom.plan.cluster.placement.cut_of` the cut ``counts``, cached."""
-        if (counts, copies) not in self._cuts:
-            self._cuts[counts, copies] = cut_of(self.kinds, counts, self.tail, copies)
-        return self._cuts[counts, copies]
+        return self._cuts.get((counts, copies)) or self._cuts.setdefault(
+            (counts, copies), cut_of(self.kinds, counts, self.tail, copies))
 
     def activation(self, layout: Layout, kind: str) -> float:
         """Activation bytes one micro-batch keeps in one layer of ``kind`` on one GPU."""
         return self._keep(kind, layout.tp, layout.cp, layout.mbs, layout.recompute)
 
     def _keep(self, kind: str, tp: int, cp: int, mbs: int, recompute: str) -> float:
-        key = (kind, tp, cp, mbs, recompute)
-        if key not in self._acts:
-            job = self.job
+        key, job = (kind, tp, cp, mbs, recompute), self.job
+        if key not in self._acts:  # with the scores in HBM, those the backward reads (kept_scores)
             keep = kept_activations(job.selective, job.spec, self.counts[kind], recompute, fp8=job.saved_fp8())
-            self._acts[key] = keep.per_gpu(tp=tp, cp=cp, sp=tp > 1 and job.sequence_parallel) * mbs * job.seq
+            self._acts[key] = keep.per_gpu(tp=tp, cp=cp, sp=tp > 1 and job.sequence_parallel) * mbs * job.seq + (
+                kept_scores(kind, recompute, job.selective, heads=max(1, job.spec.attention.heads // tp),
+                            queries=mbs * job.seq // cp, keys=job.seq) if job.attention == "materialized" else 0)
         return self._acts[key]
 
     def schedule(self, layout: Layout, m: int) -> Schedule:
@@ -364,8 +362,10 @@ class Estimator:
         layers = max(1, sum(count for kind, count in kinds if kind not in ("embedding", "head")))
         buffers = WORKSPACE_BYTES + (2 * 2.0 * (dense + expert) / layers if self.job.reshards(layout) else
                                      2 * BUCKET_BYTES if self.job.zero2(layout) else 0.0)  # ZeRO-2's buckets
-        if layout.recompute == "full":  # one layer's activations rebuilt at a time during its backward
-            buffers += max(self._keep(k, layout.tp, layout.cp, layout.mbs, "none") for k in set(self.kinds))
+        if layout.recompute == "full" or layout.recompute == "selective" and self.job.attention == "materialized":
+            shape, again = (layout.tp, layout.cp, layout.mbs), layout.recompute == "selective"  # one layer rebuilt
+            buffers += max(self._keep(k, *shape, "none") - again * self._keep(k, *shape, "selective")
+                           for k in set(self.kinds))
         moments = 4.0 * ADAM_MOMENTS[self.job.adam_moments]  # read and write two moments; master, grads and weights
         stepped = dense / dpcp + expert / edp if self.job.distributed_optimizer or layout.fsdp else dense + expert
         optimizer = memory_seconds(hw, (16.0 + moments) * stepped)  # each replica steps all it holds, or its shard

@@ -181,6 +181,26 @@ def kept_activations(selective: str, spec: ModelSpec, counts: LayerCounts, recom
     return _block(selective, spec, counts.kind)
 
 
+SCORE_BYTES = 5
+"""Bytes one attention score keeps for the backward with the scores in HBM: the softmax output (2), the dropout
+mask (1) and the dropout output (2), Korthikanti et al. 2022's ``5 a s^2 b`` (Eq. 1; Megatron-LM's core attention with
+its attention dropout, as :func:`~pipeloom.plan.cluster.efficiency.materialized_attention_seconds` prices it)."""
+
+
+def kept_scores(kind: str, recompute: str, selective: str, *, heads: int, queries: int, keys: int) -> float:
+    """Bytes a layer of ``kind`` keeps of its materialized attention scores for one micro-batch on one GPU (``heads``
+    per GPU, ``queries`` rows on it against ``keys``): :data:`SCORE_BYTES` each where its attention core is not run
+    again (none under ``full`` recomputation or where ``selective`` recomputes ``core_attn``; half under ``layer``);
+    none in a layer without attention (the embedding, the head, Gated DeltaNet)."""
+    if block_kind(kind) not in ("dense", "moe") or is_linear(kind) or recompute == "full":
+        return 0.0
+    share = 1.0
+    if recompute == "selective":
+        share = 0.5 if selective == "layer" else 1.0 if selective in POLICIES else float(
+            "core_attn" not in megatron_modules(selective))
+    return share * SCORE_BYTES * heads * queries * keys
+
+
 def fp8_saved_inputs(spec: ModelSpec, kind: str, modules: tuple[str, ...], *, quantized: float, delayed: bool,
                      width: int = 2) -> Activations:
     """What one token of a decoder layer of ``kind`` keeps beyond its BF16 counts (negative: less) where Transformer
