@@ -80,8 +80,8 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
                       help="link latency between replicas in seconds (default: the cost table's link)")
     plan.add_argument("--dp-bandwidth", type=bytes_argument, metavar="BYTES_PER_S",
                       help="link bytes per second between replicas, e.g. 25GB (default: the cost table's link)")
-    plan.add_argument("--global-batch", type=count, required=True, metavar="B",
-                      help="samples per step (with --model: sequences)")
+    plan.add_argument("--global-batch", type=count, metavar="B",
+                      help="samples per step (with --model: sequences); required")
     plan.add_argument("--memory-limit", type=bytes_argument, metavar="SIZE",
                       help="bytes per rank, e.g. 80GiB or 512MiB (default: no limit; with --model the GPU's "
                            "memory)")

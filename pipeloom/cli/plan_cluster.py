@@ -155,11 +155,13 @@ def check_plan_mode(args: argparse.Namespace) -> bool:
                                    "--microbatches"}.get(given[0], "leave it out")
             raise UsageError(f"{given[0]} belongs to planning for a cluster (--model CONFIG.json --hardware NAME); "
                              f"a cost table's costs were measured as the model ran: {instead}")
-        if args.ranks is None:
-            raise UsageError("--costs needs --ranks P")
+        missing = [flag for flag, value in (("--ranks P", args.ranks), ("--global-batch B", args.global_batch))
+                   if value is None]
+        if missing:
+            raise UsageError(f"--costs needs {' and '.join(missing)}")
         return False
-    missing = [flag for flag, value in (("--hardware", args.hardware), ("--gpus", args.gpus), ("--seq", args.seq))
-               if value is None]
+    missing = [flag for flag, value in (("--hardware", args.hardware), ("--gpus", args.gpus),
+                                        ("--global-batch", args.global_batch), ("--seq", args.seq)) if value is None]
     if missing:
         raise UsageError(f"--model needs {', '.join(missing)}")
     if args.memory_limit is not None and args.memory_limit < 2**20:

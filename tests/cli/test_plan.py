@@ -92,6 +92,15 @@ def test_plan_errors_are_one_line(capsys, costs, argv, status, words):
     one_line_error(run(capsys, *args, *argv), status, *words)
 
 
+def test_every_missing_flag_is_named_at_once(capsys, costs):
+    """A user who gives only --model (or only --costs) learns every flag still missing in one line (they had come one
+    at a time, --global-batch first, as argparse's required flag)."""
+    one_line_error(run(capsys, "plan", "--model", "config.json"), 2,
+                   "--model needs --hardware, --gpus, --global-batch, --seq")
+    one_line_error(run(capsys, "plan", "--costs", str(costs)), 2, "--costs needs --ranks P and --global-batch B")
+    one_line_error(run(capsys, "plan", "--costs", str(costs), "--ranks", "2"), 2, "--costs needs --global-batch B")
+
+
 def test_plan_bad_costs_file(capsys, tmp_path):
     path = tmp_path / "costs.json"
     path.write_text('{"format": "pipeloom.costs/1", "microbatch_size": 1, "pieces": [], "gpu": 1}')

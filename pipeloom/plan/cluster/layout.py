@@ -93,8 +93,9 @@ class Layout:
             raise LayoutError(f"dualpipe cuts the model into pp stages and holds it twice: use vp=1 (dualpipev for "
                               f"2 stages per rank in a V), got vp={self.vp}")
         if placement == "linear" and self.vp != 1:
-            raise LayoutError(f"{self.schedule} runs one stage per rank: use vp=1 (or schedule=interleaved-1f1b for "
-                              f"vp >= 2 stages per rank), got vp={self.vp}")
+            loop = "schedule=interleaved-1f1b" if self.pp > 1 else "pp >= 2 with schedule=interleaved-1f1b"
+            raise LayoutError(f"{self.schedule} runs one stage per rank: use vp=1 (or {loop} for vp >= 2 stages per "
+                              f"rank), got vp={self.vp}")
         if (self.tp * self.dp * self.cp) % self.ep:
             raise LayoutError(f"ep={self.ep} must divide tp x dp x cp = {self.tp * self.dp * self.cp} (experts are "
                               "shared out over a stage's tensor-, data- and context-parallel ranks)")

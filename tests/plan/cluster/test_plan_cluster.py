@@ -315,6 +315,19 @@ def test_top_0_shows_no_runners_up(config, capsys):
     assert "runners-up" not in capsys.readouterr().out
 
 
+def test_a_refusal_by_the_models_shape_does_not_advise_other_gpu_counts():
+    """Fixed keys the model's shape refuses (heads tp does not split, a loop over one stage) end with "change the fixed
+    keys" alone: another GPU count or global batch fixes nothing there (as it does where the keys do not divide the
+    GPUs); a vp with pp=1 is not sent to interleaved-1f1b, which needs pp >= 2."""
+    for fixed, why in (("tp=16", "tp=16 does not split 16 query / 4 key-value heads evenly"),
+                       ("vp=3,pp=1", "use vp=1 (or pp >= 2 with schedule=interleaved-1f1b for vp >= 2 stages per")):
+        with pytest.raises(NoLayoutFits, match=re.escape(why)) as info:
+            plan_cluster(SMALL, "h100", gpus=64, global_batch=64, seq=4096, layout=fixed)
+        assert str(info.value).endswith("; change the fixed keys"), info.value
+    with pytest.raises(NoLayoutFits, match="pick a GPU count or a global batch with more common divisors"):
+        plan_cluster(SMALL, "h100", gpus=64, global_batch=64, seq=4096, layout="tp=3")
+
+
 def test_a_sequence_longer_than_learned_positions_is_refused():
     gpt2 = {"model_type": "gpt2", "n_embd": 256, "n_layer": 4, "n_head": 4, "vocab_size": 1000, "n_positions": 1024}
     assert plan_cluster(gpt2, "h100", gpus=8, global_batch=32, seq=1024).best.step_time > 0
