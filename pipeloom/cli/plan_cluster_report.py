@@ -37,6 +37,8 @@ def _experts(spec, layout) -> list[str]:
     count, ep, replicas = spec.experts.count, layout.ep, layout.expert_replicas
     where = "tp x dp x cp" if layout.tp > 1 else "dp x cp"
     held = f"each held by {replicas} GPUs of a stage" if replicas > 1 else "each on one GPU of a stage"
+    if ep == 1:
+        return [f"experts: all {count} on every GPU (no expert parallelism, ep 1; {held})"]
     return [f"experts: {count // ep} of {count} per GPU (ep {ep} consecutive GPUs within {where}; {held})"]
 
 

@@ -106,12 +106,16 @@ def torchtitan_settings(plan: Plan, schedule: Schedule, csv_path: str | Path, *,
         name = "ZBVZeroBubble"
     else:
         name = "Interleaved1F1B" if schedule_shape(schedule).num_stages > plan.num_ranks else "1F1B"
-    parallelism: dict[str, object] = {
-        "pipeline_parallel_degree": plan.num_ranks,
-        "module_fqns_per_model_part": stage_modules(plan.split_points, modules),
+    parts = stage_modules(plan.split_points, modules)  # checked on one stage too: the pieces are torchtitan's modules
+    pipeline: dict[str, object] = {
+        "module_fqns_per_model_part": parts,
         "pipeline_parallel_schedule": name,
         "pipeline_parallel_schedule_csv": str(Path(csv_path).resolve()),
         "pipeline_parallel_microbatch_size": plan.microbatch_size,
+    } if plan.num_ranks > 1 else {}  # one stage: torchtitan builds no pipeline, its settings would only mislead
+    parallelism: dict[str, object] = {
+        "pipeline_parallel_degree": plan.num_ranks,
+        **pipeline,
         "data_parallel_replicate_degree": plan.data_parallel if plan.sharding == "replicate" else 1,
         "data_parallel_shard_degree": plan.data_parallel if plan.sharding == "fsdp" else 1,
         "tensor_parallel_degree": plan.tensor_parallel,
@@ -171,7 +175,8 @@ def version_overrides(settings: dict[str, dict[str, object]]) -> tuple[list[str]
     shared = {section: values for section, values in settings.items() if section != "activation_checkpoint"}
     ac = settings.get("activation_checkpoint")
     older = torchtitan_overrides({"activation_checkpoint": ac}) if ac else []
-    newer = torchtitan_overrides(TORCHTITAN_03_SETTINGS)
+    piped = int(str(settings.get("parallelism", {}).get("pipeline_parallel_degree", 1))) > 1
+    newer = torchtitan_overrides(TORCHTITAN_03_SETTINGS) if piped else []  # CUDA graphs refuse a pipeline only
     if ac:
         newer.append(f"activation_checkpoint:{ac['mode']}")
     return torchtitan_overrides(shared), older, newer
@@ -185,9 +190,12 @@ def torchtitan_args(settings: dict[str, dict[str, object]]) -> str:
             f"{' and '.join(TORCHTITAN_VERSIONS)}); append to the training command\n{shlex.join(shared)}\n")
     if older:
         text += f"# torchtitan 0.2.x also (its activation checkpointing)\n{shlex.join(older)}\n"
-    return text + ("# torchtitan 0.3.x also needs this (CUDA graphs, on by default, refuse pipeline parallelism; "
-                   "0.2.x has no such option; then its activation-checkpointing subcommand, last)\n"
-                   f"{shlex.join(newer)}\n")
+    if not newer:
+        return text
+    why = ("CUDA graphs, on by default, refuse pipeline parallelism; 0.2.x has no such option; then its "
+           "activation-checkpointing subcommand, last" if newer[0].startswith("--") else
+           "its activation-checkpointing subcommand, last")
+    return text + f"# torchtitan 0.3.x also needs this ({why})\n{shlex.join(newer)}\n"
 
 
 def write_torchtitan(plan: Plan, schedule: Schedule, toml_path: str | Path, csv_path: str | Path, *,

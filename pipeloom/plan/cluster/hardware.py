@@ -259,7 +259,7 @@ def hardware_from_dict(data, *, where: str = "hardware description") -> Hardware
 
 _RANGES = {
     "peak_flops": (1e12, 1e18, "dense FLOP/s (an H100's BF16: 9.894e14)"),
-    "memory_bytes": (2**30, 2**44, "bytes (an H100's 80 GiB: 85899345920)"),
+    "memory_bytes": (2**30, 2**44, "bytes (an H100's 79.6 GiB: 85520809984)"),
     "memory_bandwidth": (1e9, 1e15, "bytes/s (an H100's HBM3: 3.35e12)"),
     "scale_up_bandwidth": (1e6, 1e14, "bytes/s one direction (an H100's NVLink: 4.5e11)"),
     "scale_out_bandwidth": (1e6, 1e14, "bytes/s one direction per GPU (a 400 Gb/s NIC: 5e10)"),
