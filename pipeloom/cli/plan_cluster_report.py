@@ -149,10 +149,14 @@ def _assumes(job, layout, framework: str | None = None, searched: tuple[str, ...
         said.append(f"full recomputation of {which} ({_how('recompute_layers', searched, variants)})")
     if job.dtype == "fp8":
         said.append(f"FP8 casts: {_FP8_CASTS[job.fp8_cast]} (--fp8-cast)")
-    if framework and layout.pp > 1:
-        from pipeloom.plan.cluster.layout import FRAMEWORK_SCHEDULES
+    from pipeloom.plan.cluster.layout import FRAMEWORK_SCHEDULES
 
+    if framework and layout.pp > 1:
         said.append(f"the schedules {framework} runs ({', '.join(FRAMEWORK_SCHEDULES[framework])})")
+    elif layout.pp > 1 and layout.schedule not in FRAMEWORK_SCHEDULES["megatron-bridge"]:
+        runs = "pipeloom's runtime" + (" or torchtitan" if layout.schedule in FRAMEWORK_SCHEDULES["torchtitan"] else "")
+        said.append(f"{layout.schedule}, which {runs} runs, not Megatron-Core (--framework megatron-bridge searches "
+                    "its schedules alone)")
     if job.adam_moments != "fp32":
         said.append(f"Adam's moments in {job.adam_moments} (--adam-moments)")
     if job.zero2(layout):
@@ -223,6 +227,9 @@ def report(result, *, framework: str | None = None) -> str:
         f"buffers {_gib(mem.buffers)}",
         *_full(mem.total, result.memory_limit),
         *_defaulted(job.spec),
+        *([f"note: --seq {job.seq:,} is past the config's max_position_embeddings {job.spec.context:,}, the length "
+           "the model was trained to (rope_scaling extends it); the plan prices the longer sequence"]
+          if job.seq > job.spec.context > 0 else []),
     ]
     if result.runners_up:
         lines.append("runners-up:")

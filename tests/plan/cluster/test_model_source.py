@@ -150,3 +150,16 @@ def test_size_fields_left_out_are_named_with_the_defaults_planned(tmp_path, caps
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert out.startswith("qwen2 (64 layers, 32.76B parameters) on 8 x h100") and "leaves out" not in out
+
+
+def test_a_sequence_past_the_trained_length_is_noted(tmp_path, capsys):
+    """A rotary model's max_position_embeddings is the length it was trained to: a longer --seq is planned (rope
+    scaling extends it) with a note saying so, a shorter one without."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(QWEN25_32B | {"max_position_embeddings": 4096}))
+    argv = ["plan", "--model", str(path), "--hardware", "h100", "--gpus", "64", "--global-batch", "64", "--seq"]
+    assert main([*argv, "8192"]) == 0
+    assert ("note: --seq 8,192 is past the config's max_position_embeddings 4,096, the length the model was trained "
+            "to (rope_scaling extends it)") in capsys.readouterr().out
+    assert main([*argv, "4096"]) == 0
+    assert "max_position_embeddings" not in capsys.readouterr().out

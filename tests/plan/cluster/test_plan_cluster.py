@@ -74,7 +74,9 @@ def test_text_report(config, capsys):
                        "held and reduced in bf16 beside the backward (--grad-reduce: Megatron-LM keeps fp32 unless "
                        "--grad-reduce-in-bf16, --no-overlap-grad-reduce); the updated parameters all-gathered beside "
                        "the step's first forward (Megatron-LM's --overlap-param-gather); sequence parallel, tp "
-                       "exchanges between the GEMMs (--tp-overlap); balanced stage cut (--stage-cut)")
+                       "exchanges between the GEMMs (--tp-overlap); dualpipe, which pipeloom's runtime runs, not "
+                       "Megatron-Core (--framework megatron-bridge searches its schedules alone); balanced stage cut "
+                       "(--stage-cut)")
     assert main(["plan", "--model", str(config), "--hardware", "h100", "--gpus", "8", "--global-batch", "32", "--seq",
                  "4096", "--dtype", "fp8", "--fp8-cast", "current", "--tp-overlap", "--grad-reduce", "fp32",
                  "--layout", "tp=2,pp=1,cp=2,recompute=selective", "--selective", "op"]) == 0

@@ -94,8 +94,9 @@ def model_spec(config: object) -> ModelSpec:
     data = {**left_out, **data}  # transformers' defaults for the fields left out
     check_fields(data)
     spec = _family_spec(data, family)
-    spec = dataclasses.replace(spec, defaulted=tuple((key, value) for key, value in left_out.items()
-                                                     if key in _SIZES))
+    context = data.get("max_position_embeddings")
+    spec = dataclasses.replace(spec, defaulted=tuple((key, value) for key, value in left_out.items() if key in _SIZES),
+                               context=context if isinstance(context, int) and not spec.positions else 0)
     spec = dataclasses.replace(spec, **_dropouts(data, family, spec.parallel_residual))
     window, layers = _windows(data, family, spec.layers)
     return dataclasses.replace(spec, window=window, window_layers=layers) if layers else spec

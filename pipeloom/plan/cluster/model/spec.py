@@ -261,6 +261,10 @@ class ModelSpec:
     linear_layers: tuple[int, ...] = ()
     """Indices of the layers whose token mixer is :attr:`linear` instead of attention (the
     ``"linear_attention"`` layers of Qwen3-Next, Qwen3.5 and OLMo hybrid)."""
+    context: int = dataclasses.field(default=0, compare=False)
+    """The config's ``max_position_embeddings`` where its positions are rotary or none (0: not given): the length it
+    was trained to, which a longer ``--seq`` passes (the report says so; a learned table, :attr:`positions`, refuses
+    it)."""
     defaulted: tuple[tuple[str, object], ...] = dataclasses.field(default=(), compare=False)
     """The size fields the config left out, each with transformers' default for the family that was read in its place
     (the planner says so: a field misspelled or forgotten plans another model); not part of the shape."""
