@@ -298,3 +298,26 @@ def test_overlapped_compute_and_collective_closed_form():
         dataclasses.replace(hw, overlap_slowdown=-0.1)
     with pytest.raises(HardwareError, match="seconds"):
         overlapped_seconds(hw, -1.0, 0.0)
+
+
+@pytest.mark.parametrize("change", [dict(sm_count=114), dict(kernel_overhead=9e-6), dict(gemm_half_dim=256.0),
+                                    dict(memory_bandwidth=1e12), dict(gemm_efficiency=0.5),
+                                    dict(peak_flops={"bf16": 5e14, "fp8": 1e15})])
+def test_remembered_gemm_prices_follow_every_field_they_read(change):
+    """Layer times remember each GEMM's price by the GPU's fields as values: a GPU that differs in any field the price
+    reads is priced anew (as with nothing remembered), one made again alike reuses the price."""
+    from pipeloom.plan.cluster import layer_time
+    from pipeloom.plan.cluster.job import Job
+    from pipeloom.plan.cluster.layout import Layout
+    from pipeloom.plan.cluster.model.reader import model_spec
+
+    spec = model_spec({"model_type": "llama", "hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 2,
+                       "num_attention_heads": 8, "num_key_value_heads": 8, "vocab_size": 1000})
+    layout = Layout(dp=8, mbs=2, recompute="none", schedule="1f1b")
+    base = hardware("h100")
+    other = dataclasses.replace(base, **change)
+    priced = [layer_time.layer_times(Job(spec=spec, hw=hw, gpus=8, global_batch=16, seq=2048), layout, "dense")
+              for hw in (base, other, dataclasses.replace(base))]
+    layer_time._GEMMS.clear()
+    fresh = layer_time.layer_times(Job(spec=spec, hw=other, gpus=8, global_batch=16, seq=2048), layout, "dense")
+    assert priced[1] == fresh and priced[1] != priced[0] and priced[2] == priced[0]
