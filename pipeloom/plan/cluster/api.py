@@ -153,8 +153,7 @@ def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: st
     framework's: :data:`~pipeloom.plan.cluster.layout.FRAMEWORK_SCHEDULES`)."""
     start = time.perf_counter()
     device = hardware(hw)
-    if dtype not in ("bf16", "fp8"):
-        raise ArgumentError(f"dtype must be 'bf16' or 'fp8' (the GEMMs' inputs), got {dtype!r}")
+    _check_arguments(dtype, runners_up)
     spec = model_spec(model)
     depth: Any = 0 if recompute_layers == SEARCHED else recompute_layers  # Job refuses anything but a count
     job = Job(spec=spec, hw=device, gpus=gpus, global_batch=global_batch, seq=seq, dtype=dtype,
@@ -166,8 +165,6 @@ def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: st
               adam_moments=adam_moments, recompute_layers=depth)
     fixed = parse_layout(layout if isinstance(layout, str) else _layout_text(layout))
     limit = _memory_limit(memory_limit, device)
-    if isinstance(runners_up, bool) or not isinstance(runners_up, int) or runners_up < 0:
-        raise ArgumentError(f"runners_up must be a whole number >= 0 (0: the best layout alone), got {runners_up!r}")
     job, runtime = for_runtime(job, runs_on)
     blocked = _only(schedules, runtime)
     choices: dict[str, list[Any]] = {
@@ -201,6 +198,14 @@ def _only(schedules: Sequence[str] | None, runtime: Callable[[Layout], str | Non
         off = f"schedule={layout.schedule} ({who} {', '.join(allowed)})" if layout.schedule not in allowed else None
         return "; ".join(why for why in (runtime(layout) if runtime else None, off) if why) or None
     return blocked
+
+
+def _check_arguments(dtype: str, runners_up: int) -> None:
+    """ArgumentError for a dtype other than bf16 / fp8 or a runners-up count that is not a whole number >= 0."""
+    if dtype not in ("bf16", "fp8"):
+        raise ArgumentError(f"dtype must be 'bf16' or 'fp8' (the GEMMs' inputs), got {dtype!r}")
+    if isinstance(runners_up, bool) or not isinstance(runners_up, int) or runners_up < 0:
+        raise ArgumentError(f"runners_up must be a whole number >= 0 (0: the best layout alone), got {runners_up!r}")
 
 
 def _layout_text(layout: Mapping[str, Any] | None) -> str:
