@@ -95,8 +95,29 @@ def _worker(launch: int, rank: int, world: int, port: int, fn, args, queue) -> N
         queue.put((launch, rank, "error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
     finally:
         if dist.is_initialized():
+            _leave_together(rank, world)
             with contextlib.suppress(Exception):  # a failed peer may have broken the group already
                 dist.destroy_process_group()
+
+
+LEAVE_S = 10.0
+"""How long rank 0 waits for the other ranks to finish before it leaves (:func:`_leave_together`)."""
+
+
+def _leave_together(rank: int, world: int) -> None:
+    """Rank 0 hosts the group's store: it leaves only once every rank has finished (or after ``LEAVE_S``, for a rank
+    that died or hangs), as a rank still creating subgroups reads the store after rank 0's own part is done (a
+    subgroup without rank 0: DeviceMesh's flattened groups). Rank 0 leaving first had reset another rank's store
+    connection under load ("Connection reset by peer" in a passing test's rank 1)."""
+    import torch.distributed as dist
+
+    with contextlib.suppress(Exception):  # a store that is gone already: nothing to wait for
+        store = dist.distributed_c10d._get_default_store()
+        left = store.add("pipeloom-test/left", 1)
+        deadline = time.monotonic() + LEAVE_S
+        while rank == 0 and left < world and time.monotonic() < deadline:
+            time.sleep(0.05)
+            left = store.add("pipeloom-test/left", 0)
 
 
 def _remember_exports() -> None:
