@@ -187,6 +187,14 @@ def _defaulted(spec) -> list[str]:
             f"defaults were planned ({fields}); give them in the config if the model differs"]
 
 
+def _past_context(job) -> list[str]:
+    """The note of a sequence longer than the config's ``max_position_embeddings`` (a rotary model's)."""
+    if not job.seq > job.spec.context > 0:
+        return []
+    return [f"note: --seq {job.seq:,} is past the config's max_position_embeddings {job.spec.context:,}, the length "
+            "the model was trained to (rope_scaling extends it); the plan prices the longer sequence"]
+
+
 def _work(best) -> list[str]:
     """The line that says what one micro-batch's work through the model is made of, largest first."""
     total = sum(seconds for _, seconds in best.work)
@@ -227,9 +235,7 @@ def report(result, *, framework: str | None = None) -> str:
         f"buffers {_gib(mem.buffers)}",
         *_full(mem.total, result.memory_limit),
         *_defaulted(job.spec),
-        *([f"note: --seq {job.seq:,} is past the config's max_position_embeddings {job.spec.context:,}, the length "
-           "the model was trained to (rope_scaling extends it); the plan prices the longer sequence"]
-          if job.seq > job.spec.context > 0 else []),
+        *_past_context(job),
     ]
     if result.runners_up:
         lines.append("runners-up:")

@@ -175,7 +175,8 @@ def version_overrides(settings: dict[str, dict[str, object]]) -> tuple[list[str]
     shared = {section: values for section, values in settings.items() if section != "activation_checkpoint"}
     ac = settings.get("activation_checkpoint")
     older = torchtitan_overrides({"activation_checkpoint": ac}) if ac else []
-    piped = int(str(settings.get("parallelism", {}).get("pipeline_parallel_degree", 1))) > 1
+    degree = settings.get("parallelism", {}).get("pipeline_parallel_degree", 1)
+    piped = isinstance(degree, int) and degree > 1
     newer = torchtitan_overrides(TORCHTITAN_03_SETTINGS) if piped else []  # CUDA graphs refuse a pipeline only
     if ac:
         newer.append(f"activation_checkpoint:{ac['mode']}")

@@ -196,12 +196,12 @@ def _search(job: Job, fixed: dict[str, Any] | None, memory_limit: float | None, 
         raise NoLayoutFits(f"no layout of {job.spec.family} on {job.gpus} GPUs{keys} runs there: {barred[0]}{fix}")
     if not groups:
         first = f" (the first refused: {refusals[0]})" if refusals else ""
-        keys = ("change the fixed keys, " if fixed else "") + ("the stage cut, " if job.cut() else "")
+        fixes = ["change the fixed keys"] * bool(fixed) + ["the stage cut"] * bool(job.cut())
         # a refusal by the model's own shape (heads, experts, layers) or by the keys alone: no count fixes it
-        counts = not fixed or not refusals or any(word in refusals[0] for word in ("GPUs", "global batch", "micro"))
-        fix = f"{keys}pick a GPU count or a global batch with more common divisors" if counts else keys[:-2]
+        if not fixed or not refusals or any(word in refusals[0] for word in ("GPUs", "global batch", "micro")):
+            fixes.append("pick a GPU count or a global batch with more common divisors")
         raise NoLayoutFits(f"no layout of {job.spec.family} on {job.gpus} GPUs can run with {_fixed_text(fixed)}"
-                           f" (global batch {job.global_batch}, sequence {job.seq}){first}; {fix}")
+                           f" (global batch {job.global_batch}, sequence {job.seq}){first}; {', '.join(fixes)}")
     run = _Run(Bounds(estimator), list(groups.values()), limit, runners_up, progress)
     best = run.search(beat)
     layouts = sum(map(len, run.groups))
