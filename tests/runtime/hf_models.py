@@ -75,6 +75,11 @@ PLANNED = {
     "starcoder2": dict(_SMALL),  # LayerNorm, biased projections, a GELU MLP, tied head
     "cohere": dict(_SMALL, use_qk_norm=True),  # one LayerNorm before both branches, a LayerNorm per head, scaled logits
     "cohere2": dict(_SMALL, sliding_window=4, layer_types=["sliding_attention"] * 3 + ["full_attention"]),
+    "gemma": dict(_SMALL, head_dim=8),  # a tied head, embeddings scaled by sqrt(hidden), norms of (1 + weight)
+    "gemma2": dict(_SMALL, head_dim=8, sliding_window=4, query_pre_attn_scalar=8,  # four norms a layer, soft-capped
+                   layer_types=["sliding_attention", "full_attention"] * (LAYERS // 2)),  # scores and logits
+    "gemma3_text": dict(_SMALL, head_dim=8, sliding_window=4, query_pre_attn_scalar=8,  # q/k norms per head, a
+                        layer_types=["sliding_attention"] * 3 + ["full_attention"]),  # local rotary base
     "glm4": dict(_SMALL, head_dim=8),  # norms after attention and the MLP too, interleaved rotary on half the dims
     "falcon": dict(num_hidden_layers=LAYERS, hidden_size=32, num_attention_heads=4, num_kv_heads=2, bias=True,
                    new_decoder_architecture=True, ffn_hidden_size=64),  # fused q/k/v, two norms side by side

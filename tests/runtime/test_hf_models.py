@@ -34,7 +34,8 @@ def test_transformers_models_are_bitwise_exact_on_two_ranks():
 
 @pytest.mark.timeout(400)
 def test_the_cluster_planners_other_families_are_bitwise_exact_on_two_ranks():
-    """Granite, Phi-3, OLMo 2 and 3 (its sliding windows), SmolLM3 (layers without rotary embedding), StarCoder2,
+    """Granite, Phi-3, OLMo 2 and 3 (its sliding windows), Gemma 1-3 (Gemma 2's soft-capped scores and logits, Gemma 3's
+    per-head q/k norms), SmolLM3 (layers without rotary embedding), StarCoder2,
     Cohere (its parallel branches under one norm, per-head q/k norms) and Cohere 2 (rotary on its sliding-window
     layers only), ERNIE 4.5 MoE (biased projections, shared experts, a biased head; its dense first layer is the
     dense ERNIE 4.5's), GLM-4 (four norms, interleaved rotary on half the dimensions), Falcon (its layers under

@@ -155,3 +155,33 @@ def test_head_norms_may_be_sequence_parallel_beside_experts():
     check_tp_with_experts(plan, {0: model}, experts)
     with pytest.raises(PipelineError, match="'model.layers.*.input_layernorm' is SequenceParallel"):
         check_tp_with_experts({**plan, "model.layers.*.input_layernorm": SequenceParallel()}, {0: model}, experts)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("name", ["gemma2", "gemma3_text"])
+def test_a_gemma_cluster_plan_with_tp_matches_one_device(tmp_path, name):
+    """``pipeloom plan --model ... --save`` with tp 2 for Gemma 2 (four norms a layer, soft-capped scores) and Gemma 3
+    (its per-head q/k norms in the recipe's ``head_norm``) runs through ``pipeline(model, plan=...)`` on 2 ranks,
+    every rank's whole gradients within the LLaMA tolerance of one device."""
+    from hf_models import build_hf
+    from tp_heads_jobs import planned_tp_job
+
+    from pipeloom.plan.cluster import plan_cluster
+    from pipeloom.plan.cluster.runtime_plan import runtime_plan
+    from pipeloom.plan.plan import save_plan
+
+    result = plan_cluster(build_hf(name).config, "h100", gpus=2, global_batch=8, seq=12,
+                          layout="dp=1,tp=2,pp=1,vp=1,cp=1,ep=1,mbs=4,fsdp=0,recompute=none,schedule=1f1b")
+    plan = runtime_plan(result)
+    assert bool(plan.tp_plan.get("head_norm")) == (name == "gemma3_text"), plan.tp_plan
+    save_plan(plan, tmp_path / "plan.json")
+    runs = _ok(run_ranks(2, planned_tp_job, name, str(tmp_path / "plan.json"), STEPS, timeout=360))
+    reference = runs[0]["one_device"]
+    for rank, found in runs.items():
+        for step in range(STEPS):
+            full = found["run"]["full"][step]
+            assert not found["run"]["missing"][step] and set(full) == set(reference[step]), (rank, step)
+            for grad_name, grad in full.items():
+                assert np.abs(grad - reference[step][grad_name]).max() < HF_TOLERANCE, (rank, step, grad_name)
+        assert any(n.endswith("q_proj.weight") and g.shape[0] * 2 == reference[0][n].shape[0]
+                   for n, g in found["run"]["local"][0].items()), rank  # the heads are split

@@ -107,3 +107,26 @@ def qwen3_job(rank: int, world: int, pp: int, cases: list[str], steps: int) -> d
     if rank0():
         out["one_device"] = _one_device(steps)
     return out
+
+
+def planned_tp_job(rank: int, world: int, name: str, plan_path: str, steps: int) -> dict:
+    """``name``'s tiny model (float64) trained from a saved cluster plan with tp 2 (``pipeline(model, plan=...)``:
+    the recipe the planner wrote, head norms included where the family has them) for ``steps`` SGD steps; rank 0
+    also the single-device reference of the plan's micro-batches."""
+    from hf_models import accumulated_step, build_hf, lm_loss, tokens
+
+    from pipeloom.plan.plan import load_plan
+    from pipeloom.runtime import pipeline
+
+    x, y = tokens()
+    model = build_hf(name).double()
+    engine = pipeline(model, plan=plan_path, loss_fn=lm_loss, failures=Failures(timeout=60),
+                      tracing=Tracing(example_inputs=(x[:4],)))
+    out: dict = {"run": _train(engine, engine.named_parameters, steps, lambda *_: engine.step(x, target=y))}
+    engine.close()
+    if rank0():
+        reference = build_hf(name).double()
+        microbatches = load_plan(plan_path).microbatches
+        out["one_device"] = _train(reference, reference.named_parameters, steps,
+                                   lambda *_: accumulated_step(reference, x, y, microbatches))["full"]
+    return out
