@@ -46,3 +46,35 @@ def test_a_work_that_failed_reports_its_own_error():
     done = _LateWork(error)
     done.waits = 1  # complete when first looked at (NCCL's works are polled)
     assert poll_work(done, timeout=5.0, board=_Board()) == (f"RuntimeError: {error}", error)
+
+
+class _FailedBoard:
+    """Rank 1 failed; counts the looks at the store."""
+
+    def __init__(self) -> None:
+        self.looks = 0
+
+    def first_failure(self):
+        self.looks += 1
+        return 1, "injected fault"
+
+
+def test_the_watch_wakes_again_while_the_wait_lasts():
+    """A wake that did not end this rank's wait (a CI run once saw a rank learn of the failure only from the failed
+    process's exit) is repeated at the next look, and the looks stop once the wait is over."""
+    import threading
+
+    from pipeloom.runtime.comm.watch import PEER_POLL_S, PeerWatch
+
+    woken = threading.Semaphore(0)
+    board = _FailedBoard()
+    watch = PeerWatch(board, woken.release)
+    watch.waiting = 1  # a wait that no wake ends
+    try:
+        assert woken.acquire(timeout=10 * PEER_POLL_S) and woken.acquire(timeout=10 * PEER_POLL_S)
+        assert watch.failure == (1, "injected fault") and board.looks == 1  # the failure is asked for once
+        watch.waiting = 0  # the wait ended: no more wakes
+        woken.acquire(timeout=3 * PEER_POLL_S)  # one wake may have been under way
+        assert not woken.acquire(timeout=3 * PEER_POLL_S)
+    finally:
+        watch.stop()

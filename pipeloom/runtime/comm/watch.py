@@ -90,7 +90,9 @@ class FailureBoard:
 
 class PeerWatch:
     """While this rank waits (``waiting`` > 0), a daemon thread asks ``board`` for another rank's failure
-    every ``PEER_POLL_S`` seconds; on the first one it records it in ``failure`` and calls ``wake``."""
+    every ``PEER_POLL_S`` seconds; on the first one it records it in ``failure`` and calls ``wake``, and calls it
+    again at each later look that finds this rank still waiting (a wake that did not end the wait, or a wait begun
+    after it, is not left to the engine's timeout or to the failed process's exit)."""
 
     def __init__(self, board: FailureBoard, wake: Callable[[], None]) -> None:
         self.board = board
@@ -105,12 +107,12 @@ class PeerWatch:
         while not self._stopped.wait(PEER_POLL_S):
             if not self.waiting:
                 continue
-            found = self.board.first_failure()
+            found = self.failure or self.board.first_failure()
             if found is not None and not self._stopped.is_set():
-                logger.warning("rank %d failed (%s); waking this rank's waits", found[0], found[1])
+                if self.failure is None:
+                    logger.warning("rank %d failed (%s); waking this rank's waits", found[0], found[1])
                 self.failure = found
                 self.wake()
-                return  # a failure ends the engine: nothing more to watch
 
     def stop(self, timeout: float = 5.0) -> None:
         """End the thread (within ``timeout`` seconds even if a store call hangs)."""
