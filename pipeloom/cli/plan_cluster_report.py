@@ -5,6 +5,7 @@ here with the suffixes the report writes)."""
 from __future__ import annotations
 
 import argparse
+import math
 from itertools import groupby
 
 __all__ = ["TOKEN_SUFFIXES", "report", "token_count", "training_text"]
@@ -195,6 +196,18 @@ def _past_context(job) -> list[str]:
             "the model was trained to (rope_scaling extends it); the plan prices the longer sequence"]
 
 
+def _batch_cap(job, dp: int) -> list[str]:
+    """The note of a global batch that caps data parallelism where the chosen layout sits at the cap: dp divides
+    both the global batch and the GPU count."""
+    cap = math.gcd(job.global_batch, job.gpus)
+    if dp != cap or cap >= min(job.global_batch, job.gpus):
+        return []
+    wider = -(-job.global_batch // job.gpus) * job.gpus
+    return [f"note: dp divides both the global batch ({job.global_batch:,}) and the GPU count ({job.gpus:,}), so it "
+            f"is at most {cap:,} here, where the chosen layout is; a global batch of {wider:,} lets the search "
+            "replicate the model more"]
+
+
 def _work(best) -> list[str]:
     """The line that says what one micro-batch's work through the model is made of, largest first."""
     total = sum(seconds for _, seconds in best.work)
@@ -236,6 +249,7 @@ def report(result, *, framework: str | None = None) -> str:
         *_full(mem.total, result.memory_limit),
         *_defaulted(job.spec),
         *_past_context(job),
+        *_batch_cap(job, best.layout.dp),
     ]
     if result.runners_up:
         lines.append("runners-up:")

@@ -163,3 +163,19 @@ def test_a_sequence_past_the_trained_length_is_noted(tmp_path, capsys):
             "to (rope_scaling extends it)") in capsys.readouterr().out
     assert main([*argv, "4096"]) == 0
     assert "max_position_embeddings" not in capsys.readouterr().out
+
+
+def test_a_global_batch_that_caps_data_parallelism_is_noted(tmp_path, capsys):
+    """dp divides both the global batch and the GPU count: where that caps it and the chosen layout sits at the cap,
+    a note says so and names a global batch that lifts it; none where the batch is a multiple of the GPU count."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(QWEN25_32B))
+    argv = ["plan", "--model", str(path), "--hardware", "h100", "--gpus", "64", "--seq", "4096", "--global-batch"]
+    assert main([*argv, "100", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["best"]["layout"]["dp"] == 4  # the cap: gcd(100, 64)
+    assert main([*argv, "100"]) == 0
+    out = capsys.readouterr().out
+    assert ("note: dp divides both the global batch (100) and the GPU count (64), so it is at most 4 here, where the "
+            "chosen layout is; a global batch of 128 lets the search replicate the model more") in out
+    assert main([*argv, "128"]) == 0
+    assert "dp divides" not in capsys.readouterr().out
