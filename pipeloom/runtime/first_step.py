@@ -23,9 +23,11 @@ from pipeloom.runtime.engine import PipelineEngine
 from pipeloom.runtime.errors import PipelineError
 
 if TYPE_CHECKING:
+    from pipeloom.runtime.options import Parallelism
+    from pipeloom.runtime.parallel.dp import Layout
     from pipeloom.runtime.parallel.tp_auto import AutoSharding
 
-__all__ = ["FirstStepEngine"]
+__all__ = ["FirstStepEngine", "replaced_by"]
 
 _BEFORE_SPLIT = ("the model is split at the first step() (pipeline() got no example_inputs and only torch.export "
                  "traces it, on that step's batch)")
@@ -36,9 +38,12 @@ class FirstStepEngine(PipelineEngine):
     it is the engine ``pipeline(..., example_inputs=batch)`` would have built."""
 
     def __init__(self, *, model: nn.Module, build: Callable[[object], dict],
-                 sharding: AutoSharding | None = None) -> None:
+                 sharding: AutoSharding | None = None, replaced: str | None = None) -> None:
         """``build(batch)``: the keyword arguments of :class:`PipelineEngine` for the model traced on ``batch``
-        (``pipeline()``'s own steps from the split on)."""
+        (``pipeline()``'s own steps from the split on). ``replaced``: why the split puts new parameter objects in
+        the place of the model's (FSDP, a tp plan, expert parallelism), so that :meth:`parameters` refuses before
+        it; None where the pieces hold the model's own."""
+        self._replaced = replaced
         # PipelineEngine.__init__ runs at the first step, when the pieces exist
         self._pending: Callable[[object], dict] | None = build
         self._model = model
@@ -69,10 +74,17 @@ class FirstStepEngine(PipelineEngine):
 
     def parameters(self) -> list[nn.Parameter]:
         """After the split, this rank's parameters; before it, every parameter of the model (the objects the
-        pieces will hold, so an optimizer built on them now trains this rank's share)."""
+        pieces will hold, so an optimizer built on them now trains this rank's share), refused where the split
+        replaces them (``replaced``)."""
         if self._pending is None:
             return super().parameters()
         params = list(self._model.parameters())
+        if self._replaced is not None:
+            raise PipelineError(f"engine.parameters() before the first step would give the model's parameters, but "
+                                f"{_BEFORE_SPLIT} and {self._replaced} in new parameter objects then, which an "
+                                "optimizer built now would never update: build the optimizer after the first step, "
+                                "or pass tracing=Tracing(example_inputs=(a batch like the ones step() takes)) to "
+                                "pipeline() to split the model there")
         if any(p.is_meta for p in params):
             raise PipelineError(f"the model is on the meta device and {_BEFORE_SPLIT}, where this rank's parameters "
                                 "are allocated: build the optimizer after the first step, or pass example_inputs= "
@@ -111,3 +123,15 @@ class FirstStepEngine(PipelineEngine):
         self._pending = None
         if self._mode is not None:
             super().train(self._mode)
+
+
+def replaced_by(parallel: Parallelism, layout: Layout, tp_plan: object, expert_names: object) -> str | None:
+    """What, at the split, puts new parameter objects in the place of the model's (so that an optimizer built on
+    them before would train nothing): FSDP's shards, a tp plan's DTensors, this rank's experts; None where the
+    pieces hold the model's own parameters."""
+    reasons = [why for why, now in (("data_parallel='fsdp' shards them", parallel.data_parallel == "fsdp"
+                                     and layout.dp.size > 1),
+                                    ("the tp_plan shards them", tp_plan is not None and layout.tp.size > 1),
+                                    ("expert parallelism keeps this rank's experts", bool(expert_names)
+                                     and layout.ep.size > 1)) if now]
+    return " and ".join(reasons) or None

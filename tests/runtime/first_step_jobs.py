@@ -39,3 +39,26 @@ def hf_first_step(rank: int, world: int, cases: list[tuple[str, str, int]], step
                                          "owned": len(owned), "total": len(list(model.parameters())),
                                          "unsplit_before": unsplit}
     return results
+
+
+def planned_first_step(rank: int, world: int, name: str, path: str) -> dict:
+    """``name``'s tiny model from the saved cluster plan at ``path`` without example_inputs: what
+    ``engine.parameters()`` says before the first step (the parameters' count, or the refusal), and whether every
+    parameter it gives after that step changes in an SGD step."""
+    import torch
+    from hf_models import build_hf, lm_loss, tokens
+
+    from pipeloom.runtime import PipelineError, pipeline
+
+    engine = pipeline(build_hf(name), plan=path, loss_fn=lm_loss, failures=Failures(timeout=60))
+    try:
+        before: object = len(engine.parameters())
+    except PipelineError as error:
+        before = str(error)
+    x, y = tokens()
+    engine.step(x, target=y)
+    params = engine.parameters()
+    start = [p.detach().clone() for p in params]
+    torch.optim.SGD(params, lr=0.1).step()
+    return {"before": before, "unchanged": sum(bool(torch.equal(a, b)) for a, b in zip(start, params)),
+            "after": len(params), "split": engine.split}

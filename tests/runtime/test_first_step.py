@@ -93,3 +93,35 @@ def test_gpt2_and_llama_without_example_inputs_are_bitwise_exact_on_two_ranks():
     for rank, key, outcome in assert_bitwise_reports(results, len(cases)):
         assert outcome["unsplit_before"], (rank, key)
         assert 0 < outcome["owned"] < outcome["total"], (rank, key)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name, layout, why", [
+    ("llama", "dp=2,tp=1,ep=1,fsdp=1", "data_parallel='fsdp' shards them"),
+    ("llama", "dp=1,tp=2,ep=1,fsdp=0", "the tp_plan shards them"),
+    ("olmoe", "dp=2,tp=1,ep=2,fsdp=0", "expert parallelism keeps this rank's experts"),
+    ("llama", "dp=2,tp=1,ep=1,fsdp=0", None)])
+def test_parameters_before_the_split_are_refused_where_the_split_replaces_them(tmp_path, name, layout, why):
+    """A saved cluster plan with FSDP, tp or ep, run without example_inputs: the split puts new parameter objects in the
+    model's place, so ``engine.parameters()`` before the first step (which an optimizer built then would hold, never
+    updating them) is refused, naming why and the fixes; after the step it gives the ones that train. A replicated
+    plan keeps the model's own objects: its parameters() answers before the split."""
+    from first_step_jobs import planned_first_step
+
+    from pipeloom.plan.cluster import plan_cluster
+    from pipeloom.plan.cluster.runtime_plan import runtime_plan
+    from pipeloom.plan.plan import save_plan
+
+    result = plan_cluster(build_hf(name).config, "h100", gpus=2, global_batch=8, seq=12,
+                          layout=f"{layout},pp=1,vp=1,cp=1,mbs=1,recompute=none,schedule=1f1b")
+    save_plan(runtime_plan(result), tmp_path / "plan.json")
+    results = run_ranks(2, planned_first_step, name, str(tmp_path / "plan.json"), timeout=240)
+    for rank, (status, found) in results.items():
+        assert status == "ok", (rank, found)
+        assert found["split"] and found["after"] > 0 and found["unchanged"] == 0, (rank, found)
+        if why is None:
+            assert found["before"] == len(list(build_hf(name).parameters())), (rank, found)
+        else:
+            assert isinstance(found["before"], str) and why in found["before"], (rank, found)
+            assert "build the optimizer after the first step" in found["before"], (rank, found)
+            assert "Tracing(example_inputs=" in found["before"], (rank, found)
