@@ -125,6 +125,7 @@ def layout_problems(job: Job, layout: Layout, *, export: str | None = None) -> l
         problems.append((f"ep={layout.ep} on {family} (transformers' model runs every expert on every token, with no "
                          "forward(hidden_states, top_k_index, top_k_weights) for the runtime's expert parallelism to "
                          "dispatch to)", {"ep": 1}))
+    problems += _composition_problems(job, layout)
     if layout.tp > 1 and family not in _TP_FAMILIES:
         problems.append((f"tp={layout.tp} on {family} (the tensor-parallel recipe by module name is written for "
                          f"{', '.join(_TP_FAMILIES)}; or pass pipeline(..., parallel=Parallelism(tp_plan=...)) with a "
@@ -133,6 +134,26 @@ def layout_problems(job: Job, layout: Layout, *, export: str | None = None) -> l
         there = not [text for text, _ in _torchtitan_problems(job, layout)]
         problems.append((f"recompute={layout.recompute} (pipeloom's runtime keeps every activation"
                          + ("; --export torchtitan recomputes as planned)" if there else ")"), {"recompute": "none"}))
+    return problems
+
+
+def _composition_problems(job: Job, layout: Layout) -> list[tuple[str, dict[str, int | str]]]:
+    """What pipeloom's runtime refuses to compose (``pipeloom.runtime.build``: its FSDP shards over a "dp" of 2 or
+    more, not with a tp plan, DualPipe's two copies or a parameter tied across pieces; DualPipe's copies exchange
+    plain gradients, not tp's DTensors or ep's sharded experts), each with the keys that fix it."""
+    problems: list[tuple[str, dict[str, int | str]]] = []
+    if layout.fsdp:
+        why = ("dp=1 (its FSDP shards over dp replicas: none to shard over)" if layout.dp == 1 else
+               f"tp={layout.tp} (FSDP with a tp plan, 2-D sharding, is not built in the runtime)" if layout.tp > 1
+               else "schedule=dualpipe (its two copies of each stage)" if layout.copies == 2 else
+               "the embedding tied to the head across stages (FSDP shards a parameter once)"
+               if job.spec.tied and layout.pp > 1 else None)
+        if why:
+            problems.append((f"fsdp=1 with {why}", {"fsdp": 0}))
+    if layout.copies == 2 and (layout.tp > 1 or layout.ep > 1):
+        given = " and ".join(f"{key}={getattr(layout, key)}" for key in ("tp", "ep") if getattr(layout, key) > 1)
+        problems.append((f"schedule=dualpipe with {given} (its two copies of each stage exchange plain gradients, "
+                         "not sharded ones)", {"schedule": "dualpipev"}))
     return problems
 
 

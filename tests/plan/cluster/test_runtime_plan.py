@@ -25,13 +25,16 @@ from pipeloom.plan.plan import load_plan, save_plan
 
 LLAMA = {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 16,
          "num_attention_heads": 16, "num_key_value_heads": 4, "vocab_size": 32000}
-FIXED = "dp=2,tp=2,pp=2,vp=2,cp=1,ep=1,mbs=1,fsdp=1,recompute=none,schedule=interleaved-1f1b"
+FIXED = "dp=2,tp=2,pp=2,vp=2,cp=1,ep=1,mbs=1,fsdp=0,recompute=none,schedule=interleaved-1f1b"
 
 
 def test_the_plan_file_follows_the_layout():
     result = plan_cluster(LLAMA, "h100", gpus=8, global_batch=32, seq=2048, layout=FIXED, stage_cut="even")
     plan = runtime_plan(result)
-    assert (plan.num_ranks, plan.data_parallel, plan.tensor_parallel, plan.sharding) == (2, 2, 2, "fsdp")
+    assert (plan.num_ranks, plan.data_parallel, plan.tensor_parallel, plan.sharding) == (2, 2, 2, "replicate")
+    fsdp = plan_cluster(LLAMA, "h100", gpus=8, global_batch=32, seq=2048, stage_cut="even",
+                        layout=FIXED.replace("dp=2,tp=2", "dp=4,tp=1").replace("fsdp=0", "fsdp=1"))
+    assert runtime_plan(fsdp).sharding == "fsdp"
     assert plan.split_points == ("model.layers.4", "model.layers.8", "model.layers.12")  # 16 layers, 4 stages
     assert plan.schedule == "interleaved-1f1b" and plan.schedule_options == {"stages_per_rank": 2}
     assert plan.microbatches == 16 and plan.global_batch == 32  # 32 samples over 2 replicas of micro-batch 1
@@ -143,8 +146,9 @@ def test_a_multimodal_models_plan_says_it_cuts_the_language_model_alone():
 
 
 def test_every_reason_a_layout_cannot_be_saved_is_named_at_once():
-    """cp, ep with fsdp and the export's own limits come in one message with one --layout fix (for torchtitan its
-    own: it runs cp and ep with FSDP, which its export refuses as ep); a layout over the memory limit is refused
+    """cp, ep with fsdp, fsdp and ep under DualPipe's two copies, and the export's own limits come in one message
+    with one --layout fix (for torchtitan its own: it runs cp and ep with FSDP, which its export refuses as ep); a
+    layout over the memory limit is refused
     before anything else: a saved plan would not run."""
     moe = {"model_type": "mixtral", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 8,
            "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 1000, "num_local_experts": 8,
@@ -158,7 +162,8 @@ def test_every_reason_a_layout_cannot_be_saved_is_named_at_once():
     assert "ep=2 with fsdp=1" not in message and "cp=2" not in message
     message = save_blockers(result)
     assert "torchtitan" not in message and "ep=2 with fsdp=1" in message
-    assert message.endswith("fix them with --layout cp=1,fsdp=0,dp=4")
+    assert "fsdp=1 with schedule=dualpipe" in message and "schedule=dualpipe with ep=2" in message
+    assert message.endswith("fix them with --layout cp=1,fsdp=0,schedule=dualpipev,vp=2,dp=4")
     small = dict(LLAMA, num_hidden_layers=4)
     over = plan_cluster(small, "h100", gpus=8, global_batch=32, seq=2048, layout=FIXED.replace("pp=2", "pp=1")
                         .replace("vp=2", "vp=1").replace("interleaved-1f1b", "1f1b").replace("dp=2", "dp=4"),
@@ -424,3 +429,24 @@ def test_the_torchtitan_export_of_one_stage_accumulates_micro_batches(tmp_path, 
         capsys.readouterr()
         args = (tmp_path / f"pp{pp}.torchtitan.args").read_text()
         assert f"--training.local_batch_size {local} --training.global_batch_size 16" in args, args
+
+
+@pytest.mark.parametrize("config, gpus, layout, said, fix", [
+    (LLAMA, 2, "dp=1,tp=1,pp=2,fsdp=1,schedule=1f1b", "fsdp=1 with dp=1", "fsdp=0"),
+    (LLAMA, 4, "dp=2,tp=2,pp=1,fsdp=1,schedule=1f1b", "fsdp=1 with tp=2", "fsdp=0"),
+    (LLAMA, 4, "dp=2,tp=1,pp=2,fsdp=1,schedule=dualpipe", "fsdp=1 with schedule=dualpipe", "fsdp=0"),
+    (dict(LLAMA, tie_word_embeddings=True), 4, "dp=2,tp=1,pp=2,fsdp=1,schedule=1f1b",
+     "fsdp=1 with the embedding tied to the head across stages", "fsdp=0"),
+    (LLAMA, 4, "dp=1,tp=2,pp=2,fsdp=0,schedule=dualpipe", "schedule=dualpipe with tp=2", "schedule=dualpipev,vp=2")])
+def test_what_the_runtime_does_not_compose_is_refused_with_its_fix(config, gpus, layout, said, fix):
+    """What pipeloom's runtime refuses at its first step (its FSDP over no dp replicas, with a tp plan, under
+    DualPipe's two copies or across a tied embedding; DualPipe's copies with tp) is refused at save with the --layout
+    keys that fix it, and a search for that runtime leaves it out."""
+    fixed = f"{layout},vp=1,cp=1,ep=1,mbs=1,recompute=none"
+    message = save_blockers(plan_cluster(config, "h100", gpus=gpus, global_batch=8, seq=512, layout=fixed))
+    assert said in message and message.endswith(f"fix it with --layout {fix}"), message
+    keys = dict(pair.split("=") for pair in layout.split(","))
+    free = {key: keys[key] for key in ("tp", "pp")}  # the rest to the search
+    best = plan_cluster(config, "h100", gpus=gpus, global_batch=8, seq=512, layout=free, runs_on="pipeloom").best
+    assert save_blockers(plan_cluster(config, "h100", gpus=gpus, global_batch=8, seq=512,
+                                      layout=str(best.layout))) is None, best.layout
