@@ -17,10 +17,9 @@ import torch
 from torch import nn
 
 from pipeloom.ir import Schedule
-from pipeloom.plan.plan import load_plan
 from pipeloom.runtime.engine import PipelineEngine
 from pipeloom.runtime.errors import NeedsExampleError, PipelineError
-from pipeloom.runtime.first_step import FirstStepEngine
+from pipeloom.runtime.first_step import FirstStepEngine, replaced_by
 from pipeloom.runtime.model.materialize import place_pieces
 from pipeloom.runtime.model.split import StagedModel
 from pipeloom.runtime.options import Failures, Parallelism, Tracing, Weights
@@ -39,10 +38,10 @@ from pipeloom.runtime.parallel.tp import (
     check_tp_plan,
     leaf_modules_for,
     plan_blocks,
-    recipe_styles,
     set_group_timeout,
 )
 from pipeloom.runtime.parallel.tp_auto import AutoPlan, AutoSharding, auto_tp_plan, is_auto
+from pipeloom.runtime.plan_file import plan_arguments
 from pipeloom.runtime.program import Lowering, check_pieces
 from pipeloom.runtime.setup import device_for, lower_for, resolve_schedule, shared_seed, staged_model
 from pipeloom.runtime.state.state_dict import model_names
@@ -50,7 +49,6 @@ from pipeloom.runtime.step.pieces import RankPieces
 from pipeloom.runtime.step.shared import SharedParameters, check_placement, shared_parameters
 
 if TYPE_CHECKING:
-    from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["TRACE_ENV", "pipeline"]
@@ -103,7 +101,7 @@ def pipeline(
     tracing, parallel = tracing or Tracing(), parallel or Parallelism()
     weights, failures = weights or Weights(), failures or Failures()
     if plan is not None:
-        schedule, planned, schedule_options, microbatches, parallel = _from_plan(
+        schedule, planned, schedule_options, microbatches, parallel = plan_arguments(
             plan, schedule, split_points, schedule_options, microbatches, parallel=parallel, device=device)
         split_points = planned if stages is None else split_points
     _check_arguments(schedule, loss_fn, microbatches)
@@ -135,7 +133,8 @@ def pipeline(
         assert model is not None and split_points is not None  # a model to trace: its schedule resolved above
         logger.info("rank %d: torch.fx cannot trace %s; it is split at the first step, traced with torch.export "
                     "on that step's batch", layout.rank, type(model).__name__)
-        return FirstStepEngine(model=model, sharding=sharding, build=lambda batch: settle(cut(batch)))
+        return FirstStepEngine(model=model, sharding=sharding, build=lambda batch: settle(cut(batch)),
+                               replaced=replaced_by(parallel, layout, tp_plan, expert_names))
     return PipelineEngine(**settle(staged))
 
 
@@ -241,8 +240,8 @@ def _auto_plan(model: nn.Module | None, tp_plan: object, mesh: DeviceMesh | None
     """``tp_plan="auto"``: the search's plan for the whole model on this mesh (the same on every rank: it reads
     only the model's shapes and the options)."""
     if layout.tp.mesh is None:
-        raise PipelineError("tp_plan='auto' shards over the mesh's \"tp\" dimension: pass mesh= with "
-                            "mesh_dim_names holding \"pp\" and \"tp\", e.g. init_device_mesh('cpu', (2, 2), "
+        raise PipelineError("tp_plan='auto' shards over the mesh's \"tp\" dimension: pass Parallelism(mesh=) a "
+                            "mesh with mesh_dim_names holding \"pp\" and \"tp\", e.g. init_device_mesh('cpu', (2, 2), "
                             "mesh_dim_names=('pp', 'tp'))")
     if model is None:
         raise PipelineError("tp_plan='auto' reads the model's shapes: pass the model too (pipeline(model, "
@@ -253,62 +252,6 @@ def _auto_plan(model: nn.Module | None, tp_plan: object, mesh: DeviceMesh | None
     logger.info("tp_plan='auto' chose %s (predicted %.3g s per step, %.3g bytes per rank)", found.result.choice,
                 found.predicted_step_time, found.predicted_memory)
     return found
-
-
-def _from_plan(plan: str | Path, schedule: object, split_points: Sequence[str] | None, options: dict | None,
-               microbatches: int | None, *, parallel: Parallelism, device: torch.device | str | None) -> tuple:
-    """(schedule, split points, schedule options, micro-batches, parallelism) from a plan file, explicit ones
-    winning; a plan with replicas or tensor parallelism gets a ``("dp", "pp", "tp")`` mesh over every rank
-    (``("dp", "pp", "ep")`` with expert parallelism; sizes of 1 left out) unless one is given (whose shape must
-    be the plan's), its sharding as ``data_parallel`` unless given, and its saved tensor-parallel recipe becomes
-    torch's ``ParallelStyle`` dict (:func:`pipeloom.runtime.parallel.tp.recipe_styles`)."""
-    chosen = load_plan(plan)
-    mesh, tp_plan = parallel.mesh, parallel.tp_plan
-    if chosen.data_parallel > 1 or chosen.tensor_parallel > 1:  # expert_parallel > 1 implies data_parallel > 1
-        mesh = _plan_mesh(chosen, mesh, parallel.process_group, device)
-    if tp_plan is None and chosen.tp_plan is not None:
-        tp_plan = recipe_styles(chosen.tp_plan)
-    parallel = dataclasses.replace(parallel, mesh=mesh, tp_plan=tp_plan,
-                                   data_parallel=parallel.data_parallel or chosen.sharding)
-    return (chosen.schedule if schedule is None else schedule,
-            chosen.split_points if split_points is None else split_points,
-            dict(chosen.schedule_options) if options is None else options,
-            chosen.microbatches if microbatches is None else microbatches, parallel)
-
-
-def _plan_mesh(chosen, mesh: DeviceMesh | None, process_group: ProcessGroup | None,
-               device: torch.device | str | None) -> DeviceMesh:
-    """The ``("dp", "pp", "tp")`` mesh a plan with ``data_parallel`` replicas and ``tensor_parallel`` ranks
-    per stage runs on, or ``("dp", "pp", "ep")`` with ``expert_parallel`` (its replicas ``dp × ep``); "dp",
-    "ep" and "tp" left out where 1."""
-    import torch.distributed as dist
-
-    ep = chosen.expert_parallel
-    shape = {"dp": chosen.data_parallel // ep, "pp": chosen.num_ranks, "ep": ep, "tp": chosen.tensor_parallel}
-    shape = {name: size for name, size in shape.items() if size > 1 or name == "pp"}
-    described = " x ".join(f"{name} {size}" for name, size in shape.items())
-    if process_group is not None:
-        raise PipelineError(f"the plan runs on a {described} mesh; pass mesh= (dims {', '.join(map(repr, shape))}) "
-                            "or nothing, not process_group=")
-    if mesh is not None:
-        names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
-        got = {n: mesh.size(k) for k, n in enumerate(names)}
-        if any(got.get(name, 1) != size for name, size in {"dp": 1, "ep": 1, "tp": 1, **shape}.items()):
-            raise PipelineError(f"the plan's mesh is {described} but mesh= is "
-                                f"{' x '.join(f'{n} {v}' for n, v in got.items())}; pass a mesh of the plan's shape "
-                                "or none")
-        return mesh
-    if not dist.is_initialized():
-        raise PipelineError(f"the plan runs on {chosen.world_size} ranks ({described}); launch them (torchrun "
-                            f"--nproc-per-node {chosen.world_size}) and init_process_group first")
-    if dist.get_world_size() != chosen.world_size:
-        raise PipelineError(f"the plan runs on {chosen.world_size} ranks ({described}) but this job has "
-                            f"{dist.get_world_size()}; launch {chosen.world_size} ranks or plan for "
-                            f"{dist.get_world_size()}")
-    from torch.distributed.device_mesh import init_device_mesh
-
-    kind = torch.device(device).type if device is not None else ("cuda" if dist.get_backend() == "nccl" else "cpu")
-    return init_device_mesh(kind, tuple(shape.values()), mesh_dim_names=tuple(shape))
 
 
 def _check_arguments(schedule: object, loss_fn: object, microbatches: object) -> None:
@@ -359,8 +302,8 @@ def _sharded(data_parallel: str, layout: Layout, lowering: Lowering, shared: Sha
     if data_parallel == "replicate":
         return False
     if layout.dp.mesh is None:
-        raise PipelineError("data_parallel='fsdp' shards over the mesh's \"dp\" dimension: pass mesh= with "
-                            "mesh_dim_names=('dp', 'pp') and a dp size above 1")
+        raise PipelineError("data_parallel='fsdp' shards over the mesh's \"dp\" dimension: pass Parallelism(mesh=) a "
+                            "mesh with mesh_dim_names=('dp', 'pp') and a dp size above 1")
     if lowering.replicas > 1:
         raise PipelineError(f"schedule {lowering.schedule.name!r} holds two replicas of each piece; with "
                             "data_parallel='fsdp' choose a one-replica schedule (1f1b, zbv, interleaved-1f1b, ...)")

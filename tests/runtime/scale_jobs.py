@@ -186,3 +186,17 @@ def planned_mesh(rank: int, world: int, plan_path: str) -> dict:
     planned.close()
     explicit.close()
     return result
+
+
+def planned_refusal(rank: int, world: int, plan_path: str) -> str:
+    """``pipeline(model, plan=...)`` on ``world`` ranks: its refusal (``"built"`` if none)."""
+    import torch.nn.functional as F
+    from models import build
+
+    from pipeloom.runtime import PipelineError, pipeline
+
+    try:
+        pipeline(build("residual"), plan=plan_path, loss_fn=F.cross_entropy, failures=Failures(timeout=60)).close()
+    except PipelineError as error:
+        return str(error)
+    return "built"

@@ -368,6 +368,24 @@ def test_a_plan_with_replicas_runs_on_its_own_mesh(tmp_path):
             assert torch.equal(grad, result["explicit"][name]), name
 
 
+def test_a_pipeline_plan_refuses_another_number_of_ranks(tmp_path):
+    """A plan of a 2-rank pipeline (no replicas) launched on 3 ranks, or with no ranks launched, says how many it
+    runs on (before, the schedule's stages were compared with the pieces: 'zbv has 6 stages, but the model is cut
+    into 4 pieces')."""
+    from scale_jobs import planned_refusal
+
+    from pipeloom.plan import Plan, save_plan
+
+    plan = Plan(num_ranks=2, split_points=("layers.2", "layers.4", "layers.6"), schedule="zbv", microbatches=4,
+                global_batch=32, predicted_step_time=1.0)
+    save_plan(plan, tmp_path / "plan.json")
+    with pytest.raises(PipelineError, match=r"the plan runs on 2 ranks \(pp 2\); launch them \(torchrun "
+                                            r"--nproc-per-node 2\)"):
+        pipeline(build("residual"), plan=tmp_path / "plan.json", loss_fn=F.cross_entropy)
+    for rank, said in _ok(run_ranks(3, planned_refusal, str(tmp_path / "plan.json"), timeout=150)).items():
+        assert said == "the plan runs on 2 ranks (pp 2) but this job has 3; launch 2 ranks or plan for 3", (rank, said)
+
+
 def test_a_plan_with_replicas_refuses_a_mesh_of_another_shape(tmp_path):
     from pipeloom.plan import Plan, save_plan
 

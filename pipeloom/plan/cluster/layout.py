@@ -17,8 +17,8 @@ if TYPE_CHECKING:
     from pipeloom.plan.cluster.job import Job
     from pipeloom.plan.cluster.model.spec import ModelSpec
 
-__all__ = ["Layout", "SCHEDULES", "FRAMEWORK_SCHEDULES", "PAIRED", "LAYOUT_KEYS", "MBS_CHOICES", "VP_CHOICES",
-           "enumerate_layouts", "parse_layout", "max_stages", "optimizer_bytes"]
+__all__ = ["Layout", "Refusals", "SCHEDULES", "FRAMEWORK_SCHEDULES", "PAIRED", "LAYOUT_KEYS", "MBS_CHOICES",
+           "VP_CHOICES", "enumerate_layouts", "parse_layout", "max_stages", "optimizer_bytes"]
 
 SCHEDULES: dict[str, str] = {
     "1f1b": "linear",
@@ -268,7 +268,14 @@ def _choices(key: str, fixed: dict[str, Any], default: list[Any]) -> list[Any]:
     return [fixed[key]] if key in fixed else default
 
 
-def enumerate_layouts(job: Job, fixed: dict[str, Any], refusals: list[str] | None = None) -> Iterator[Layout]:
+class Refusals(list):
+    """The first reason a layout was refused, for the error when none can run (at most one item): a strong one
+    (no other value of the keys left to the search avoids it) in the place of a weak one."""
+
+    weak = False
+
+
+def enumerate_layouts(job: Job, fixed: dict[str, Any], refusals: Refusals | None = None) -> Iterator[Layout]:
     """Every layout of ``job`` that passes :meth:`Layout.check` (dp x tp x pp x cp filling the GPUs, tp within the
     scale-up domain and splitting the heads (Gated DeltaNet's over tp x cp), cp up to 16 with the sequence in 2cp
     chunks, pp up to the layer count,
@@ -296,24 +303,27 @@ def enumerate_layouts(job: Job, fixed: dict[str, Any], refusals: list[str] | Non
                 continue
             pps = [p for p in divisors(n // (tp * cp)) if p <= max_stages(spec)]
             for pp in _choices("pp", fixed, pps):
+                others = not {"tp", "cp"} <= set(fixed)  # other tp x cp are tried: a weak reason
                 if n % (tp * cp * pp):
-                    _refuse(refusals, f"tp={tp} x cp={cp} x pp={pp} does not divide the {n} GPUs")
+                    _refuse(refusals, f"tp={tp} x cp={cp} x pp={pp} does not divide the {n} GPUs", weak=others)
                     continue
                 dp = n // (tp * cp * pp)
                 if "dp" in fixed and fixed["dp"] != dp:
-                    _refuse(refusals, f"tp={tp} x cp={cp} x pp={pp} leaves dp={dp} on {n} GPUs, not dp={fixed['dp']}")
+                    _refuse(refusals, f"tp={tp} x cp={cp} x pp={pp} leaves dp={dp} on {n} GPUs, not dp={fixed['dp']}",
+                            weak=others or "pp" not in fixed)
                     continue
                 yield from _inner(job, fixed, tp, cp, pp, dp, refusals)
 
 
-def _refuse(refusals: list[str] | None, reason: str) -> None:
-    """Keep the first reason a layout was refused."""
-    if refusals is not None and not refusals:
-        refusals.append(reason)
+def _refuse(refusals: Refusals | None, reason: str, *, weak: bool = False) -> None:
+    """Keep the first reason a layout was refused, a strong one in the place of a weak one."""
+    if refusals is not None and (not refusals or (refusals.weak and not weak)):
+        refusals[:] = [reason]
+        refusals.weak = weak
 
 
 def _inner(job: Job, fixed: dict[str, Any], tp: int, cp: int, pp: int, dp: int,
-           refusals: list[str] | None) -> Iterator[Layout]:
+           refusals: Refusals | None) -> Iterator[Layout]:
     """Layouts of one dp x tp x pp x cp."""
     spec = job.spec
     experts = spec.experts.count if spec.experts else 1
@@ -323,14 +333,18 @@ def _inner(job: Job, fixed: dict[str, Any], tp: int, cp: int, pp: int, dp: int,
             _choices("ep", fixed, eps), _choices("mbs", fixed, list(MBS_CHOICES)),
             _choices("recompute", fixed, list(RECOMPUTE_MODES)), _choices("fsdp", fixed, [False, True]),
             _choices("schedule", fixed, schedules)):
-        if job.global_batch % (dp * mbs):
-            _refuse(refusals, f"dp={dp} x mbs={mbs} does not divide the global batch {job.global_batch}")
+        if job.global_batch % (dp * mbs):  # weak where a smaller mbs, or another dp, is tried
+            _refuse(refusals, f"dp={dp} x mbs={mbs} does not divide the global batch {job.global_batch}",
+                    weak="mbs" not in fixed or not {"tp", "cp", "pp"} <= set(fixed))
             continue
         if fsdp and pp > 1 and "fsdp" not in fixed and job.distributed_optimizer:  # priced as without it: not twice
             continue  # (Layout.reshards; without a distributed optimizer only FSDP shards the optimizer state)
         placement = SCHEDULES.get(schedule)
         vps = {"interleaved": [v for v in VP_CHOICES if pp * v <= max_stages(spec)], "v": [2]}.get(placement or "",
                                                                                                    [1])
+        if not vps and "vp" not in fixed:
+            _refuse(refusals, f"pp={pp} x vp={min(VP_CHOICES)} stages of {schedule} are more than the {spec.layers} "
+                              "layers and the embedding and head stages", weak="pp" not in fixed)
         for vp in _choices("vp", fixed, vps):
             try:
                 layout = Layout(dp=dp, tp=tp, pp=pp, vp=vp, cp=cp, ep=ep, mbs=mbs, fsdp=bool(fsdp),

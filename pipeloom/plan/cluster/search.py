@@ -41,7 +41,7 @@ from typing import Any
 from pipeloom.plan.cluster.estimate import WORKSPACE_BYTES, Estimator
 from pipeloom.plan.cluster.held import warmup_peak
 from pipeloom.plan.cluster.job import Job
-from pipeloom.plan.cluster.layout import LAYOUT_KEYS, Layout, enumerate_layouts
+from pipeloom.plan.cluster.layout import LAYOUT_KEYS, Layout, Refusals, enumerate_layouts
 from pipeloom.plan.cluster.placement import rank_stages, work_bound
 from pipeloom.plan.cluster.step import Estimate
 from pipeloom.plan.errors import LayoutError, NoLayoutFits
@@ -181,7 +181,7 @@ def _search(job: Job, fixed: dict[str, Any] | None, memory_limit: float | None, 
     limit = float(memory_limit if memory_limit is not None else job.hw.memory_bytes)
     estimator = Estimator(job)
     groups: dict[tuple[Any, ...], list[Layout]] = {}
-    refusals: list[str] = []
+    refusals = Refusals()
     barred: list[str] = []  # the first layout ``blocked`` refused, and why
     for layout in enumerate_layouts(job, fixed, refusals):
         why = blocked(layout) if blocked is not None else None

@@ -249,11 +249,12 @@ def experts_for(model: nn.Module | None, stages: object, ep: ExpertParallel, par
     if ep.size <= 1:
         if capacity_factor is not None:
             raise PipelineError(f"Parallelism(capacity_factor={capacity_factor}) bounds the tokens the \"ep\" "
-                                "dispatch sends each expert; pass mesh= with mesh_dim_names holding \"pp\" and "
-                                "\"ep\", or leave capacity_factor out")
+                                "dispatch sends each expert; pass Parallelism(mesh=) a mesh with mesh_dim_names "
+                                "holding \"pp\" and \"ep\", or leave capacity_factor out")
         if given is not None:
-            raise PipelineError("experts= names the modules sharded over the mesh's \"ep\" dimension; pass mesh= "
-                                "with mesh_dim_names holding \"pp\" and \"ep\", or leave experts= out")
+            raise PipelineError("experts= names the modules sharded over the mesh's \"ep\" dimension; pass "
+                                "Parallelism(mesh=) a mesh with mesh_dim_names holding \"pp\" and \"ep\", or leave "
+                                "experts= out")
         return []
     if model is not None:
         return find_experts(model, given)

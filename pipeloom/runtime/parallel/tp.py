@@ -121,8 +121,8 @@ def check_tp_plan(tp_plan: object, tp: TensorParallel, *, model: nn.Module | Non
             raise PipelineError(f"tp_plan entry {key!r}: {type(style).__name__} must map a module name or pattern "
                                 "to a ParallelStyle (ColwiseParallel(), RowwiseParallel(), ...)")
     if tp.mesh is None:
-        raise PipelineError("tp_plan= shards over the mesh's \"tp\" dimension: pass mesh= with mesh_dim_names "
-                            "holding \"pp\" and \"tp\", e.g. init_device_mesh('cpu', (2, 2), "
+        raise PipelineError("tp_plan= shards over the mesh's \"tp\" dimension: pass Parallelism(mesh=) a mesh with "
+                            "mesh_dim_names holding \"pp\" and \"tp\", e.g. init_device_mesh('cpu', (2, 2), "
                             "mesh_dim_names=('pp', 'tp'))")
     return dict(tp_plan)
 

@@ -170,6 +170,10 @@ def test_1f1b_bound_is_exact_for_even_stages():
       "pp=4,vp=2,schedule=dualpipe"], "schedule=dualpipe: dualpipe cuts the model into pp stages"),
     (["--model", "CONFIG", "--hardware", "h100", "--gpus", "8", "--seq", "4096", "--layout", "mbs=3"],
      "the first refused: dp=8 x mbs=3 does not divide the global batch 32"),
+    # the reason no other value of the free keys avoids comes first (not mbs=64's, which a smaller mbs avoids)
+    (["--model", "CONFIG", "--hardware", "h100", "--gpus", "16", "--seq", "4096", "--layout",
+      "pp=16,schedule=interleaved-1f1b"], "the first refused: pp=16 x vp=2 stages of interleaved-1f1b are more than "
+     "the 16 layers and the embedding and head stages); change the fixed keys"),
     (["--model", "CONFIG", "--hardware", "nope", "--gpus", "8", "--seq", "4096"], "nope"),
     (["--model", "CONFIG", "--hardware", "h100", "--gpus", "8", "--seq", "4096", "--memory-limit", "1GiB"],
      "no layout fits"),

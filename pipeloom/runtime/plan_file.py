@@ -1,0 +1,88 @@
+"""A plan file of ``pipeloom plan`` as :func:`~pipeloom.runtime.pipeline`'s arguments: its schedule, split points,
+options and micro-batches where none are given, the mesh it runs on (checked against the ranks launched), its
+sharding and its tensor-parallel recipe."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from pipeloom.plan.plan import Plan, load_plan
+from pipeloom.runtime.errors import PipelineError
+from pipeloom.runtime.options import Parallelism
+from pipeloom.runtime.parallel.tp import recipe_styles
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["plan_arguments"]
+
+
+def plan_arguments(plan: str | Path, schedule: object, split_points: Sequence[str] | None, options: dict | None,
+               microbatches: int | None, *, parallel: Parallelism, device: torch.device | str | None) -> tuple:
+    """(schedule, split points, schedule options, micro-batches, parallelism) from a plan file, explicit ones
+    winning; a plan with replicas or tensor parallelism gets a ``("dp", "pp", "tp")`` mesh over every rank
+    (``("dp", "pp", "ep")`` with expert parallelism; sizes of 1 left out) unless one is given (whose shape must
+    be the plan's), its sharding as ``data_parallel`` unless given, and its saved tensor-parallel recipe becomes
+    torch's ``ParallelStyle`` dict (:func:`pipeloom.runtime.parallel.tp.recipe_styles`)."""
+    chosen = load_plan(plan)
+    mesh, tp_plan = parallel.mesh, parallel.tp_plan
+    if chosen.data_parallel > 1 or chosen.tensor_parallel > 1:  # expert_parallel > 1 implies data_parallel > 1
+        mesh = _plan_mesh(chosen, mesh, parallel.process_group, device)
+    elif mesh is None and parallel.process_group is None:
+        _check_world(chosen, f"pp {chosen.num_ranks}")
+    if tp_plan is None and chosen.tp_plan is not None:
+        tp_plan = recipe_styles(chosen.tp_plan)
+    parallel = dataclasses.replace(parallel, mesh=mesh, tp_plan=tp_plan,
+                                   data_parallel=parallel.data_parallel or chosen.sharding)
+    return (chosen.schedule if schedule is None else schedule,
+            chosen.split_points if split_points is None else split_points,
+            dict(chosen.schedule_options) if options is None else options,
+            chosen.microbatches if microbatches is None else microbatches, parallel)
+
+
+def _plan_mesh(chosen: Plan, mesh: DeviceMesh | None, process_group: ProcessGroup | None,
+               device: torch.device | str | None) -> DeviceMesh:
+    """The ``("dp", "pp", "tp")`` mesh a plan with ``data_parallel`` replicas and ``tensor_parallel`` ranks
+    per stage runs on, or ``("dp", "pp", "ep")`` with ``expert_parallel`` (its replicas ``dp × ep``); "dp",
+    "ep" and "tp" left out where 1."""
+    import torch.distributed as dist
+
+    ep = chosen.expert_parallel
+    shape = {"dp": chosen.data_parallel // ep, "pp": chosen.num_ranks, "ep": ep, "tp": chosen.tensor_parallel}
+    shape = {name: size for name, size in shape.items() if size > 1 or name == "pp"}
+    described = " x ".join(f"{name} {size}" for name, size in shape.items())
+    if process_group is not None:
+        raise PipelineError(f"the plan runs on a {described} mesh; pass Parallelism(mesh=) a mesh (dims "
+                            f"{', '.join(map(repr, shape))}) or nothing, not process_group=")
+    if mesh is not None:
+        names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+        got = {n: mesh.size(k) for k, n in enumerate(names)}
+        if any(got.get(name, 1) != size for name, size in {"dp": 1, "ep": 1, "tp": 1, **shape}.items()):
+            raise PipelineError(f"the plan's mesh is {described} but mesh= is "
+                                f"{' x '.join(f'{n} {v}' for n, v in got.items())}; pass a mesh of the plan's shape "
+                                "or none")
+        return mesh
+    _check_world(chosen, described)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    kind = torch.device(device).type if device is not None else ("cuda" if dist.get_backend() == "nccl" else "cpu")
+    return init_device_mesh(kind, tuple(shape.values()), mesh_dim_names=tuple(shape))
+
+
+def _check_world(chosen: Plan, described: str) -> None:
+    """The plan's ranks against the job's (a plan of one rank runs without torch.distributed)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() and chosen.world_size > 1:
+        raise PipelineError(f"the plan runs on {chosen.world_size} ranks ({described}); launch them (torchrun "
+                            f"--nproc-per-node {chosen.world_size}) and init_process_group first")
+    if dist.is_initialized() and dist.get_world_size() != chosen.world_size:
+        raise PipelineError(f"the plan runs on {chosen.world_size} ranks ({described}) but this job has "
+                            f"{dist.get_world_size()}; launch {chosen.world_size} ranks or plan for "
+                            f"{dist.get_world_size()}")
