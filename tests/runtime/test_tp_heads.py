@@ -158,10 +158,11 @@ def test_head_norms_may_be_sequence_parallel_beside_experts():
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("name", ["gemma2", "gemma3_text"])
-def test_a_gemma_cluster_plan_with_tp_matches_one_device(tmp_path, name):
-    """``pipeloom plan --model ... --save`` with tp 2 for Gemma 2 (four norms a layer, soft-capped scores) and Gemma 3
-    (its per-head q/k norms in the recipe's ``head_norm``) runs through ``pipeline(model, plan=...)`` on 2 ranks,
+@pytest.mark.parametrize("name", ["gemma2", "gemma3_text", "granite", "smollm3"])
+def test_a_cluster_plan_with_tp_matches_one_device(tmp_path, name):
+    """``pipeloom plan --model ... --save`` with tp 2 for Gemma 2 (four norms a layer, soft-capped scores), Gemma 3
+    (its per-head q/k norms in the recipe's ``head_norm``), Granite (its multipliers) and SmolLM3 (layers without
+    rotary embedding) runs through ``pipeline(model, plan=...)`` on 2 ranks,
     every rank's whole gradients within the LLaMA tolerance of one device."""
     from hf_models import build_hf
     from tp_heads_jobs import planned_tp_job

@@ -31,10 +31,11 @@ LAYER_PREFIX = {"gpt2": "transformer.h", "falcon": "transformer.h", "gpt_neox": 
 FINAL_NORM = {"gpt2": "transformer.ln_f", "falcon": "transformer.ln_f", "gpt_neox": "gpt_neox.final_layer_norm"}
 """The final norm of the families whose transformers model does not call it ``model.norm``: where a last stage that
 holds only the head begins."""
-_TP_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
+_TP_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "granite", "smollm3")
 """Families whose attention and MLP projections are plain ``nn.Linear`` modules under the names below (the runtime's
-tp tests run LLaMA, Qwen3, and Gemma 2 and 3 from saved plans: Gemma's norms after each branch see the whole
-hidden state, Gemma 3's per-head q/k norms are the recipe's ``head_norm``)."""
+tp tests run LLaMA, Qwen3, and Gemma 2 and 3, Granite and SmolLM3 from saved plans: Gemma's norms after each branch
+see the whole hidden state, Gemma 3's per-head q/k norms are the recipe's ``head_norm``, Granite's multipliers and
+SmolLM3's layers without rotary embedding act on whole tensors or on each head alike)."""
 _COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 _ROW = ("self_attn.o_proj", "mlp.down_proj")
 _DENSE_EXPERTS = ("llama4_text",)
