@@ -12,7 +12,7 @@ anything else that needs the split says so.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,11 +31,12 @@ __all__ = ["FirstStepEngine", "replaced_by"]
 
 _BEFORE_SPLIT = ("the model is split at the first step() (pipeline() got no example_inputs and only torch.export "
                  "traces it, on that step's batch)")
+_SPLIT_NOW = "pipeloom.runtime.Tracing(example_inputs=(a batch like the ones step() takes))"
 
 
 class FirstStepEngine(PipelineEngine):
     """A :class:`PipelineEngine` built at its first ``step()``/``eval_step()`` from that batch; from then on
-    it is the engine ``pipeline(..., example_inputs=batch)`` would have built."""
+    it is the engine ``pipeline(..., tracing=Tracing(example_inputs=batch))`` would have built."""
 
     def __init__(self, *, model: nn.Module, build: Callable[[object], dict],
                  sharding: AutoSharding | None = None, replaced: str | None = None) -> None:
@@ -55,8 +56,7 @@ class FirstStepEngine(PipelineEngine):
         """Only reached for what the split sets (the pieces, the lowering, the names...): before it, say why."""
         if self.__dict__.get("_pending") is not None and not name.startswith("__"):
             raise PipelineError(f"engine.{name} is not known yet: {_BEFORE_SPLIT}; use it after the first step, "
-                                "or pass example_inputs=(a batch like the ones step() takes) to pipeline() to "
-                                "split the model there")
+                                f"or pass tracing={_SPLIT_NOW} to pipeline() to split the model there")
         raise AttributeError(name)
 
     @property
@@ -83,13 +83,20 @@ class FirstStepEngine(PipelineEngine):
             raise PipelineError(f"engine.parameters() before the first step would give the model's parameters, but "
                                 f"{_BEFORE_SPLIT} and {self._replaced} in new parameter objects then, which an "
                                 "optimizer built now would never update: build the optimizer after the first step, "
-                                "or pass tracing=Tracing(example_inputs=(a batch like the ones step() takes)) to "
-                                "pipeline() to split the model there")
+                                f"or pass tracing={_SPLIT_NOW} to pipeline() to split the model there")
         if any(p.is_meta for p in params):
             raise PipelineError(f"the model is on the meta device and {_BEFORE_SPLIT}, where this rank's parameters "
-                                "are allocated: build the optimizer after the first step, or pass example_inputs= "
-                                "to pipeline()")
+                                "are allocated: build the optimizer after the first step, or pass "
+                                f"tracing={_SPLIT_NOW} to pipeline()")
         return params
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """After the split, this rank's parameters by name; before it, every parameter of the model under its name
+        (what :meth:`parameters` gives, refused where it is)."""
+        if self._pending is None:
+            return super().named_parameters()
+        self.parameters()
+        return self._model.named_parameters()
 
     def train(self, mode: bool = True) -> PipelineEngine:
         if self._pending is None:
@@ -131,7 +138,8 @@ def replaced_by(parallel: Parallelism, layout: Layout, tp_plan: object, expert_n
     pieces hold the model's own parameters."""
     reasons = [why for why, now in (("data_parallel='fsdp' shards them", parallel.data_parallel == "fsdp"
                                      and layout.dp.size > 1),
-                                    ("the tp_plan shards them", tp_plan is not None and layout.tp.size > 1),
+                                    ("tensor parallelism (the tp_plan) shards them", tp_plan is not None
+                                     and layout.tp.size > 1),
                                     ("expert parallelism keeps this rank's experts", bool(expert_names)
                                      and layout.ep.size > 1)) if now]
     return " and ".join(reasons) or None

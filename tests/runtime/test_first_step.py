@@ -98,7 +98,7 @@ def test_gpt2_and_llama_without_example_inputs_are_bitwise_exact_on_two_ranks():
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name, layout, why", [
     ("llama", "dp=2,tp=1,ep=1,fsdp=1", "data_parallel='fsdp' shards them"),
-    ("llama", "dp=1,tp=2,ep=1,fsdp=0", "the tp_plan shards them"),
+    ("llama", "dp=1,tp=2,ep=1,fsdp=0", "tensor parallelism (the tp_plan) shards them"),
     ("olmoe", "dp=2,tp=1,ep=2,fsdp=0", "expert parallelism keeps this rank's experts"),
     ("llama", "dp=2,tp=1,ep=1,fsdp=0", None)])
 def test_parameters_before_the_split_are_refused_where_the_split_replaces_them(tmp_path, name, layout, why):
@@ -124,4 +124,18 @@ def test_parameters_before_the_split_are_refused_where_the_split_replaces_them(t
         else:
             assert isinstance(found["before"], str) and why in found["before"], (rank, found)
             assert "build the optimizer after the first step" in found["before"], (rank, found)
-            assert "Tracing(example_inputs=" in found["before"], (rank, found)
+            assert "pipeloom.runtime.Tracing(example_inputs=" in found["before"], (rank, found)
+
+
+def test_named_parameters_before_the_split_are_the_models():
+    """Before the split ``named_parameters()`` gives what ``parameters()`` does, under the model's names (parameter
+    groups, say, no weight decay on norms, built before the first step); other attributes the split sets name the
+    fix as ``pipeline()`` takes it."""
+    model = build_hf("llama")
+    engine = pipeline(model, schedule="zbv", split_points=["model.layers.2"], loss_fn=lm_loss, microbatches=4)
+    assert not engine.split
+    named = list(engine.named_parameters())
+    assert [name for name, _ in named] == [name for name, _ in model.named_parameters()]
+    assert [p for _, p in named] == engine.parameters()
+    with pytest.raises(PipelineError, match=r"or pass tracing=pipeloom\.runtime\.Tracing\(example_inputs="):
+        engine.clip_grad_norm_(1.0)

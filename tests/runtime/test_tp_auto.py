@@ -84,7 +84,7 @@ def test_models_without_regions_are_refused_by_name():
         find_regions(build_hf("gpt2"))
     with pytest.raises(RegionsNotFoundError, match="no nn.ModuleList or nn.Sequential of identical blocks"):
         find_regions(MLP())
-    with pytest.raises(PipelineError, match="pass example_inputs=.* or tp_plan=AutoPlan\\(seq="):
+    with pytest.raises(PipelineError, match="pass tracing=Tracing\\(example_inputs=.* or tp_plan=AutoPlan\\(seq="):
         auto_tp_plan(jobs.build(), Mesh())
     with pytest.raises(PipelineError, match="AutoPlan.memory_limit must be a positive number"):
         AutoPlan(memory_limit=-1)

@@ -290,8 +290,8 @@ def _sizes(options: AutoPlan, example_inputs: object, model: nn.Module, microbat
     seq = options.seq or (first.shape[1] if first is not None and first.dim() >= 2 else None)
     if seq is None:
         raise PipelineError(f"tp_plan='auto' prices {type(model).__name__}'s activations from the sequence length: "
-                            "pass example_inputs=(a batch as step() takes, batch x sequence x ...) or "
-                            "tp_plan=AutoPlan(seq=..., microbatch_size=...)")
+                            "pass tracing=Tracing(example_inputs=(a batch as step() takes, batch x sequence x ...)) "
+                            "or tp_plan=AutoPlan(seq=..., microbatch_size=...)")
     table = options.costs.microbatch_size if options.costs is not None else None
     size = options.microbatch_size or table or (-(-first.shape[0] // microbatches) if first is not None else 1)
     return int(size), int(seq)
