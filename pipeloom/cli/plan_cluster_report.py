@@ -208,6 +208,11 @@ def _batch_cap(job, dp: int) -> list[str]:
             "replicate the model more"]
 
 
+def _s(seconds: float) -> str:
+    """Seconds to the millisecond, or to three significant digits below 10 ms (a tiny model's step)."""
+    return f"{seconds:.3f}" if seconds >= 0.01 or seconds == 0 else f"{seconds:.3g}"
+
+
 def _work(best) -> list[str]:
     """The line that says what one micro-batch's work through the model is made of, largest first."""
     total = sum(seconds for _, seconds in best.work)
@@ -237,8 +242,8 @@ def report(result, *, framework: str | None = None) -> str:
         *([f"layers per stage: {_runs(best.stage_layers)}{_copies(best.layout)}"] if len(best.stage_layers) > 1
           else []),
         *_experts(job.spec, best.layout),
-        f"step time: {best.step_time:.3f} s (pipeline {best.pipeline_time:.3f} s, exposed dp "
-        f"{best.exposed_dp:.3f} s, optimizer {best.optimizer_time:.3f} s)",
+        f"step time: {_s(best.step_time)} s (pipeline {_s(best.pipeline_time)} s, exposed dp "
+        f"{_s(best.exposed_dp)} s, optimizer {_s(best.optimizer_time)} s)",
         f"tokens/s per GPU: {best.tokens_per_gpu_per_second:,.0f}   MFU: {best.mfu * 100:.1f} % (of the "
         f"{job.dtype} peak)   bubble: {best.bubble * 100:.1f} %",
         *_work(best),

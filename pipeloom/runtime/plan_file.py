@@ -35,7 +35,7 @@ def plan_arguments(plan: str | Path, schedule: object, split_points: Sequence[st
     if chosen.data_parallel > 1 or chosen.tensor_parallel > 1:  # expert_parallel > 1 implies data_parallel > 1
         mesh = _plan_mesh(chosen, mesh, parallel.process_group, device)
     elif mesh is None and parallel.process_group is None:
-        _check_world(chosen, f"pp {chosen.num_ranks}")
+        _check_world(chosen)
     if tp_plan is None and chosen.tp_plan is not None:
         tp_plan = recipe_styles(chosen.tp_plan)
     parallel = dataclasses.replace(parallel, mesh=mesh, tp_plan=tp_plan,
@@ -68,16 +68,21 @@ def _plan_mesh(chosen: Plan, mesh: DeviceMesh | None, process_group: ProcessGrou
                                 f"{' x '.join(f'{n} {v}' for n, v in got.items())}; pass a mesh of the plan's shape "
                                 "or none")
         return mesh
-    _check_world(chosen, described)
+    _check_world(chosen)
     from torch.distributed.device_mesh import init_device_mesh
 
     kind = torch.device(device).type if device is not None else ("cuda" if dist.get_backend() == "nccl" else "cpu")
     return init_device_mesh(kind, tuple(shape.values()), mesh_dim_names=tuple(shape))
 
 
-def _check_world(chosen: Plan, described: str) -> None:
-    """The plan's ranks against the job's (a plan of one rank runs without torch.distributed)."""
+def _check_world(chosen: Plan) -> None:
+    """The plan's ranks against the job's (a plan of one rank runs without torch.distributed), said in the plan's
+    own terms (ep within dp, as the planner's layout gives it)."""
     import torch.distributed as dist
+
+    sizes = {"dp": chosen.data_parallel, "pp": chosen.num_ranks, "tp": chosen.tensor_parallel}
+    described = " x ".join(f"{name} {size}" for name, size in sizes.items() if size > 1 or name == "pp")
+    described += f", ep {chosen.expert_parallel} within dp" if chosen.expert_parallel > 1 else ""
 
     if not dist.is_initialized() and chosen.world_size > 1:
         raise PipelineError(f"the plan runs on {chosen.world_size} ranks ({described}); launch them (torchrun "

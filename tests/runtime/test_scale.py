@@ -384,6 +384,11 @@ def test_a_pipeline_plan_refuses_another_number_of_ranks(tmp_path):
         pipeline(build("residual"), plan=tmp_path / "plan.json", loss_fn=F.cross_entropy)
     for rank, said in _ok(run_ranks(3, planned_refusal, str(tmp_path / "plan.json"), timeout=150)).items():
         assert said == "the plan runs on 2 ranks (pp 2) but this job has 3; launch 2 ranks or plan for 3", (rank, said)
+    experts = Plan(num_ranks=2, split_points=("layers.4",), schedule="1f1b", microbatches=4, global_batch=32,
+                   predicted_step_time=1.0, data_parallel=2, expert_parallel=2)  # in the planner's terms
+    save_plan(experts, tmp_path / "ep.json")
+    with pytest.raises(PipelineError, match=r"the plan runs on 4 ranks \(dp 2 x pp 2, ep 2 within dp\); launch"):
+        pipeline(build("residual"), plan=tmp_path / "ep.json", loss_fn=F.cross_entropy)
 
 
 def test_a_plan_with_replicas_refuses_a_mesh_of_another_shape(tmp_path):

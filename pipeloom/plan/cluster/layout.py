@@ -182,8 +182,10 @@ class Layout:
                               f"runs the whole sequence of a share of the heads); use a tp x cp that divides "
                               f"{g.key_heads}")
         if self.stages > max_stages(spec):
+            lower = ("pp or vp" if SCHEDULES.get(self.schedule) == "interleaved" else
+                     f"pp ({self.schedule} places {self.vp} stages a rank)")
             raise LayoutError(f"pp={self.pp} x vp={self.vp} = {self.stages} stages for {spec.layers} layers: at most "
-                              "one stage per layer, and one each for the embedding and the head; lower pp or vp so "
+                              f"one stage per layer, and one each for the embedding and the head; lower {lower} so "
                               f"that pp x vp <= {max_stages(spec)}")
         cut = job.cut()
         if cut is not None and len(cut) != self.stages:

@@ -179,3 +179,16 @@ def test_a_global_batch_that_caps_data_parallelism_is_noted(tmp_path, capsys):
             "chosen layout is; a global batch of 128 lets the search replicate the model more") in out
     assert main([*argv, "128"]) == 0
     assert "dp divides" not in capsys.readouterr().out
+
+
+def test_a_tiny_models_step_time_shows_its_digits(tmp_path, capsys):
+    """Below 10 ms the report's seconds keep three significant digits (a tiny model's step printed 0.000 s)."""
+    import re
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "vocab_size": 100,
+                                "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2}))
+    assert main(["plan", "--model", str(path), "--hardware", "h100", "--gpus", "4", "--global-batch", "8", "--seq",
+                 "16"]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("step time:"))
+    assert re.fullmatch(r"step time: 0\.000[1-9]\d* s \(pipeline .*\)", line) and "0.000 s" not in line, line

@@ -174,6 +174,8 @@ def test_1f1b_bound_is_exact_for_even_stages():
     (["--model", "CONFIG", "--hardware", "h100", "--gpus", "16", "--seq", "4096", "--layout",
       "pp=16,schedule=interleaved-1f1b"], "the first refused: pp=16 x vp=2 stages of interleaved-1f1b are more than "
      "the 16 layers and the embedding and head stages); change the fixed keys"),
+    (["--model", "CONFIG", "--hardware", "h100", "--gpus", "16", "--seq", "4096", "--layout", "pp=16,schedule=zbv"],
+     "lower pp (zbv places 2 stages a rank) so that pp x vp <= 18"),
     (["--model", "CONFIG", "--hardware", "nope", "--gpus", "8", "--seq", "4096"], "nope"),
     (["--model", "CONFIG", "--hardware", "h100", "--gpus", "8", "--seq", "4096", "--memory-limit", "1GiB"],
      "no layout fits"),
