@@ -78,12 +78,12 @@ class FirstStepEngine(PipelineEngine):
         replaces them (``replaced``)."""
         if self._pending is None:
             return super().parameters()
-        params = list(self._model.parameters())
         if self._replaced is not None:
             raise PipelineError(f"engine.parameters() before the first step would give the model's parameters, but "
                                 f"{_BEFORE_SPLIT} and {self._replaced} in new parameter objects then, which an "
                                 "optimizer built now would never update: build the optimizer after the first step, "
                                 f"or pass tracing={_SPLIT_NOW} to pipeline() to split the model there")
+        params = list(self._model.parameters())
         if any(p.is_meta for p in params):
             raise PipelineError(f"the model is on the meta device and {_BEFORE_SPLIT}, where this rank's parameters "
                                 "are allocated: build the optimizer after the first step, or pass "
@@ -95,7 +95,7 @@ class FirstStepEngine(PipelineEngine):
         (what :meth:`parameters` gives, refused where it is)."""
         if self._pending is None:
             return super().named_parameters()
-        self.parameters()
+        self.parameters()  # its refusals (parameters replaced at the split, a meta model) hold here too
         return self._model.named_parameters()
 
     def train(self, mode: bool = True) -> PipelineEngine:
@@ -136,10 +136,11 @@ def replaced_by(parallel: Parallelism, layout: Layout, tp_plan: object, expert_n
     """What, at the split, puts new parameter objects in the place of the model's (so that an optimizer built on
     them before would train nothing): FSDP's shards, a tp plan's DTensors, this rank's experts; None where the
     pieces hold the model's own parameters."""
-    reasons = [why for why, now in (("data_parallel='fsdp' shards them", parallel.data_parallel == "fsdp"
-                                     and layout.dp.size > 1),
-                                    ("tensor parallelism (the tp_plan) shards them", tp_plan is not None
-                                     and layout.tp.size > 1),
-                                    ("expert parallelism keeps this rank's experts", bool(expert_names)
-                                     and layout.ep.size > 1)) if now]
+    reasons = []
+    if parallel.data_parallel == "fsdp" and layout.dp.size > 1:
+        reasons.append("data_parallel='fsdp' shards them")
+    if tp_plan is not None and layout.tp.size > 1:
+        reasons.append("tensor parallelism (the tp_plan) shards them")
+    if expert_names and layout.ep.size > 1:
+        reasons.append("expert parallelism keeps this rank's experts")
     return " and ".join(reasons) or None

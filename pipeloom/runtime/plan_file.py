@@ -24,7 +24,7 @@ __all__ = ["plan_arguments"]
 
 
 def plan_arguments(plan: str | Path, schedule: object, split_points: Sequence[str] | None, options: dict | None,
-               microbatches: int | None, *, parallel: Parallelism, device: torch.device | str | None) -> tuple:
+                   microbatches: int | None, *, parallel: Parallelism, device: torch.device | str | None) -> tuple:
     """(schedule, split points, schedule options, micro-batches, parallelism) from a plan file, explicit ones
     winning; a plan with replicas or tensor parallelism gets a ``("dp", "pp", "tp")`` mesh over every rank
     (``("dp", "pp", "ep")`` with expert parallelism; sizes of 1 left out) unless one is given (whose shape must
@@ -83,7 +83,6 @@ def _check_world(chosen: Plan) -> None:
     sizes = {"dp": chosen.data_parallel, "pp": chosen.num_ranks, "tp": chosen.tensor_parallel}
     described = " x ".join(f"{name} {size}" for name, size in sizes.items() if size > 1 or name == "pp")
     described += f", ep {chosen.expert_parallel} within dp" if chosen.expert_parallel > 1 else ""
-
     if not dist.is_initialized() and chosen.world_size > 1:
         raise PipelineError(f"the plan runs on {chosen.world_size} ranks ({described}); launch them (torchrun "
                             f"--nproc-per-node {chosen.world_size}) and init_process_group first")

@@ -291,6 +291,7 @@ def enumerate_layouts(job: Job, fixed: dict[str, Any], refusals: Refusals | None
         raise LayoutError(f"unknown layout keys {sorted(unknown)}; use {', '.join(LAYOUT_KEYS)}")
     n, hw = job.gpus, job.hw
     linear = spec.linear
+    others = not {"tp", "cp"} <= set(fixed)  # other tp x cp are tried: a reason they avoid is weak
     tps = [t for t in divisors(n) if t <= hw.domain_gpus and spec.attention.splits(t)
            and (linear is None or linear.splits(t))]
     for tp in _choices("tp", fixed, tps):
@@ -305,7 +306,6 @@ def enumerate_layouts(job: Job, fixed: dict[str, Any], refusals: Refusals | None
                 continue
             pps = [p for p in divisors(n // (tp * cp)) if p <= max_stages(spec)]
             for pp in _choices("pp", fixed, pps):
-                others = not {"tp", "cp"} <= set(fixed)  # other tp x cp are tried: a weak reason
                 if n % (tp * cp * pp):
                     _refuse(refusals, f"tp={tp} x cp={cp} x pp={pp} does not divide the {n} GPUs", weak=others)
                     continue
