@@ -82,4 +82,10 @@ class NoLayoutFits(PipeloomError):
 
 
 class LayoutError(PipeloomError):
-    """A layout that cannot run: sizes that do not multiply out, a schedule without its placement, ..."""
+    """A layout that cannot run: sizes that do not multiply out, a schedule without its placement, ...; ``counts``
+    is the GPU count or global batch that would let it run where the job's counts are the cause (a global batch
+    dp x mbs divides, ...), else None."""
+
+    def __init__(self, message: str, *, counts: str | None = None) -> None:
+        super().__init__(message)
+        self.counts = counts

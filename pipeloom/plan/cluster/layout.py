@@ -158,14 +158,16 @@ class Layout:
         """Micro-batches per pipeline per step; LayoutError when the global batch does not split evenly."""
         if global_batch % (self.dp * self.mbs):
             raise LayoutError(f"global batch {global_batch} does not split into dp={self.dp} x mbs={self.mbs} "
-                              "micro-batches; pick a dp x mbs that divides it")
+                              "micro-batches; pick a dp x mbs that divides it",
+                              counts=f"a global batch that is a multiple of dp x mbs = {self.dp * self.mbs}")
         return global_batch // (self.dp * self.mbs)
 
     def check(self, job: Job) -> int:
         """LayoutError when this layout cannot run ``job``; else its micro-batches per pipeline."""
         spec = job.spec
         if self.gpus != job.gpus:
-            raise LayoutError(f"dp x tp x pp x cp = {self.gpus} is not the job's {job.gpus} GPUs")
+            raise LayoutError(f"dp x tp x pp x cp = {self.gpus} is not the job's {job.gpus} GPUs",
+                              counts=f"{self.gpus} GPUs")
         m = self.microbatches(job.global_batch)
         a = spec.attention
         if not a.splits(self.tp):
@@ -200,18 +202,27 @@ class Layout:
                               "for expert and tensor parallelism together); drop --no-sequence-parallel, or use tp=1 "
                               "or ep=1")
         if self.pp > 1 and m < self.pp:
-            raise LayoutError(f"{m} micro-batches for pp={self.pp}: need at least pp (lower dp or mbs)")
+            raise LayoutError(f"{m} micro-batches for pp={self.pp}: need at least pp (lower dp or mbs)",
+                              counts=self._batch_of(self.pp))
         if self.schedule in PAIRED and m < 2 * self.pp:
-            raise LayoutError(f"{self.schedule} needs at least 2 x pp = {2 * self.pp} micro-batches, got {m}")
+            raise LayoutError(f"{self.schedule} needs at least 2 x pp = {2 * self.pp} micro-batches, got {m}",
+                              counts=self._batch_of(2 * self.pp))
         if self.copies == 2 and self.pp % 2:
             raise LayoutError(f"dualpipe needs an even pp (its halves mirror), got pp={self.pp}")
         if self.copies == 2 and m % 2:
-            raise LayoutError(f"dualpipe needs an even number of micro-batches (half enter at each end), got {m}")
+            raise LayoutError(f"dualpipe needs an even number of micro-batches (half enter at each end), got {m}",
+                              counts=self._batch_of(2, multiple=True))
         if self.schedule == "interleaved-1f1b" and m % self.pp:
-            raise LayoutError(f"interleaved-1f1b needs micro-batches ({m}) divisible by pp={self.pp}")
+            raise LayoutError(f"interleaved-1f1b needs micro-batches ({m}) divisible by pp={self.pp}",
+                              counts=self._batch_of(self.pp, multiple=True))
         if self.pp == 1 and self.schedule != "1f1b":
             raise LayoutError("pp=1 has no pipeline: use schedule=1f1b")
         return m
+
+    def _batch_of(self, microbatches: int, *, multiple: bool = False) -> str:
+        """The global batches that give this layout at least (``multiple``: a multiple of) ``microbatches``."""
+        batch = microbatches * self.dp * self.mbs
+        return f"a global batch that is a multiple of {batch}" if multiple else f"a global batch of at least {batch}"
 
     def as_dict(self) -> dict[str, Any]:
         """The layout as JSON-ready values (fsdp as 0/1)."""
@@ -272,9 +283,11 @@ def _choices(key: str, fixed: dict[str, Any], default: list[Any]) -> list[Any]:
 
 class Refusals(list):
     """The first reason a layout was refused, for the error when none can run (at most one item): a strong one
-    (no other value of the keys left to the search avoids it) in the place of a weak one."""
+    (no other value of the keys left to the search avoids it) in the place of a weak one; ``counts``, where the
+    job's GPU count or global batch is the cause, the counts that avoid it (``LayoutError.counts``)."""
 
     weak = False
+    counts: str | None = None
 
 
 def enumerate_layouts(job: Job, fixed: dict[str, Any], refusals: Refusals | None = None) -> Iterator[Layout]:
@@ -296,32 +309,38 @@ def enumerate_layouts(job: Job, fixed: dict[str, Any], refusals: Refusals | None
            and (linear is None or linear.splits(t))]
     for tp in _choices("tp", fixed, tps):
         if n % tp:
-            _refuse(refusals, f"tp={tp} does not divide the {n} GPUs")
+            _refuse(refusals, f"tp={tp} does not divide the {n} GPUs", counts=_gpus(tp))
             continue
         cps = [c for c in divisors(n // tp) if c <= 16 and (c == 1 or job.seq % (2 * c) == 0)
                and (linear is None or linear.splits(tp * c))]
         for cp in _choices("cp", fixed, cps):
             if n % (tp * cp):
-                _refuse(refusals, f"tp={tp} x cp={cp} does not divide the {n} GPUs")
+                _refuse(refusals, f"tp={tp} x cp={cp} does not divide the {n} GPUs", counts=_gpus(tp * cp))
                 continue
             pps = [p for p in divisors(n // (tp * cp)) if p <= max_stages(spec)]
             for pp in _choices("pp", fixed, pps):
                 if n % (tp * cp * pp):
-                    _refuse(refusals, f"tp={tp} x cp={cp} x pp={pp} does not divide the {n} GPUs", weak=others)
+                    _refuse(refusals, f"tp={tp} x cp={cp} x pp={pp} does not divide the {n} GPUs", weak=others,
+                            counts=_gpus(tp * cp * pp))
                     continue
                 dp = n // (tp * cp * pp)
                 if "dp" in fixed and fixed["dp"] != dp:
                     _refuse(refusals, f"tp={tp} x cp={cp} x pp={pp} leaves dp={dp} on {n} GPUs, not dp={fixed['dp']}",
-                            weak=others or "pp" not in fixed)
+                            weak=others or "pp" not in fixed, counts=f"{tp * cp * pp * fixed['dp']} GPUs")
                     continue
                 yield from _inner(job, fixed, tp, cp, pp, dp, refusals)
 
 
-def _refuse(refusals: Refusals | None, reason: str, *, weak: bool = False) -> None:
-    """Keep the first reason a layout was refused, a strong one in the place of a weak one."""
+def _refuse(refusals: Refusals | None, reason: str, *, weak: bool = False, counts: str | None = None) -> None:
+    """Keep the first reason a layout was refused, a strong one in the place of a weak one, with the job's counts
+    that avoid it (None: the model's shape or the keys alone refuse it)."""
     if refusals is not None and (not refusals or (refusals.weak and not weak)):
         refusals[:] = [reason]
-        refusals.weak = weak
+        refusals.weak, refusals.counts = weak, counts
+
+
+def _gpus(multiple: int) -> str:
+    return f"a GPU count that is a multiple of {multiple}"
 
 
 def _inner(job: Job, fixed: dict[str, Any], tp: int, cp: int, pp: int, dp: int,
@@ -337,7 +356,8 @@ def _inner(job: Job, fixed: dict[str, Any], tp: int, cp: int, pp: int, dp: int,
             _choices("schedule", fixed, schedules)):
         if job.global_batch % (dp * mbs):  # weak where a smaller mbs, or another dp, is tried
             _refuse(refusals, f"dp={dp} x mbs={mbs} does not divide the global batch {job.global_batch}",
-                    weak="mbs" not in fixed or not {"tp", "cp", "pp"} <= set(fixed))
+                    weak="mbs" not in fixed or not {"tp", "cp", "pp"} <= set(fixed),
+                    counts=f"a global batch that is a multiple of dp x mbs = {dp * mbs}")
             continue
         if fsdp and pp > 1 and "fsdp" not in fixed and job.distributed_optimizer:  # priced as without it: not twice
             continue  # (Layout.reshards; without a distributed optimizer only FSDP shards the optimizer state)
@@ -354,7 +374,7 @@ def _inner(job: Job, fixed: dict[str, Any], tp: int, cp: int, pp: int, dp: int,
                 layout.check(job)
             except LayoutError as error:
                 _refuse(refusals, f"dp={dp},tp={tp},pp={pp},vp={vp},cp={cp},ep={ep},mbs={mbs},schedule={schedule}: "
-                                  f"{error}")
+                                  f"{error}", counts=error.counts)
                 continue
             yield layout
 

@@ -198,8 +198,10 @@ def _search(job: Job, fixed: dict[str, Any] | None, memory_limit: float | None, 
         first = f" (the first refused: {refusals[0]})" if refusals else ""
         fixes = ["change the fixed keys"] * bool(fixed) + ["the stage cut"] * bool(job.cut())
         # a refusal by the model's own shape (heads, experts, layers) or by the keys alone: no count fixes it
-        if not fixed or not refusals or any(word in refusals[0] for word in ("GPUs", "global batch", "micro")):
+        if not fixed or not refusals:
             fixes.append("pick a GPU count or a global batch with more common divisors")
+        elif refusals.counts:
+            fixes.append(f"pick {refusals.counts}")
         raise NoLayoutFits(f"no layout of {job.spec.family} on {job.gpus} GPUs can run with {_fixed_text(fixed)}"
                            f" (global batch {job.global_batch}, sequence {job.seq}){first}; {', '.join(fixes)}")
     run = _Run(Bounds(estimator), list(groups.values()), limit, runners_up, progress)

@@ -333,7 +333,22 @@ def test_a_refusal_by_the_models_shape_does_not_advise_other_gpu_counts():
             plan_cluster(SMALL, "h100", gpus=64, global_batch=64, seq=4096, layout=fixed)
         assert str(info.value).endswith("; change the fixed keys"), info.value
     with pytest.raises(NoLayoutFits, match="pick a GPU count or a global batch with more common divisors"):
-        plan_cluster(SMALL, "h100", gpus=64, global_batch=64, seq=4096, layout="tp=3")
+        plan_cluster(SMALL, "h100", gpus=128, global_batch=1, seq=4096)  # nothing fixed: no single key is the cause
+
+
+def test_a_refusal_by_the_jobs_counts_names_the_counts_that_avoid_it():
+    """Where the GPU count or the global batch refuses the fixed keys, the advice names the count that fixes them,
+    not both counts (pp=3 on 64 GPUs had been sent to "a global batch with more common divisors" too)."""
+    for fixed, batch, fix in (("tp=3", 64, "a GPU count that is a multiple of 3"),
+                              ("pp=3", 64, "a GPU count that is a multiple of 3"),
+                              ("dp=64", 96, "a global batch that is a multiple of dp x mbs = 64"),
+                              ("pp=8,dp=8,mbs=1,schedule=dualpipe", 64, "a global batch of at least 128"),
+                              ("pp=4,dp=16,mbs=1,vp=2,schedule=interleaved-1f1b", 96,
+                               "a global batch that is a multiple of 64"),
+                              ("pp=4,dp=8,tp=1,cp=1", 64, "pick 32 GPUs")):
+        with pytest.raises(NoLayoutFits) as info:
+            plan_cluster(SMALL, "h100", gpus=64, global_batch=batch, seq=4096, layout=fixed)
+        assert str(info.value).endswith(f"change the fixed keys, {'' if 'GPUs' in fix else 'pick '}{fix}"), info.value
 
 
 def test_a_sequence_longer_than_learned_positions_is_refused():
