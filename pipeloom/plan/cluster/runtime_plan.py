@@ -143,19 +143,15 @@ def _composition_problems(job: Job, layout: Layout) -> list[tuple[str, dict[str,
     more, not with a tp plan, DualPipe's two copies or a parameter tied across pieces; DualPipe's copies exchange
     plain gradients, not tp's DTensors or ep's sharded experts), each with the keys that fix it."""
     problems: list[tuple[str, dict[str, int | str]]] = []
-    if layout.fsdp:  # the first conflict is named: fsdp=0 fixes them all
-        if layout.dp == 1:
-            why = "dp=1 (its FSDP shards over dp replicas: none to shard over)"
-        elif layout.tp > 1:
-            why = f"tp={layout.tp} (FSDP with a tp plan, 2-D sharding, is not built in the runtime)"
-        elif layout.copies == 2:
-            why = "schedule=dualpipe (its two copies of each stage)"
-        elif job.spec.tied and layout.pp > 1:
-            why = "the embedding tied to the head across stages (FSDP shards a parameter once)"
-        else:
-            why = ""
-        if why:
-            problems.append((f"fsdp=1 with {why}", {"fsdp": 0}))
+    if layout.fsdp:  # every conflict named: fsdp=0 fixes them all
+        whys = [why for why, there in (
+            ("dp=1 (its FSDP shards over dp replicas: none to shard over)", layout.dp == 1),
+            (f"tp={layout.tp} (FSDP with a tp plan, 2-D sharding, is not built in the runtime)", layout.tp > 1),
+            ("schedule=dualpipe (its two copies of each stage)", layout.copies == 2),
+            ("the embedding tied to the head across stages (FSDP shards a parameter once)",
+             job.spec.tied and layout.pp > 1)) if there]
+        if whys:
+            problems.append((f"fsdp=1 with {' and with '.join(whys)}", {"fsdp": 0}))
     if layout.copies == 2 and (layout.tp > 1 or layout.ep > 1):
         given = " and ".join(f"{key}={getattr(layout, key)}" for key in ("tp", "ep") if getattr(layout, key) > 1)
         problems.append((f"schedule=dualpipe with {given} (its two copies of each stage exchange plain gradients, "

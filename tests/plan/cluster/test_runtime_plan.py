@@ -437,6 +437,9 @@ def test_the_torchtitan_export_of_one_stage_accumulates_micro_batches(tmp_path, 
     (LLAMA, 4, "dp=2,tp=1,pp=2,fsdp=1,schedule=dualpipe", "fsdp=1 with schedule=dualpipe", "fsdp=0"),
     (dict(LLAMA, tie_word_embeddings=True), 4, "dp=2,tp=1,pp=2,fsdp=1,schedule=1f1b",
      "fsdp=1 with the embedding tied to the head across stages", "fsdp=0"),
+    (dict(LLAMA, tie_word_embeddings=True), 4, "dp=1,tp=2,pp=2,fsdp=1,schedule=1f1b",  # every conflict named
+     "fsdp=1 with dp=1 (its FSDP shards over dp replicas: none to shard over) and with tp=2 (FSDP with a tp plan, "
+     "2-D sharding, is not built in the runtime) and with the embedding tied to the head across stages", "fsdp=0"),
     (LLAMA, 4, "dp=1,tp=2,pp=2,fsdp=0,schedule=dualpipe", "schedule=dualpipe with tp=2", "schedule=dualpipev,vp=2")])
 def test_what_the_runtime_does_not_compose_is_refused_with_its_fix(config, gpus, layout, said, fix):
     """What pipeloom's runtime refuses at its first step (its FSDP over no dp replicas, with a tp plan, under
