@@ -38,6 +38,12 @@ Backward = Literal["full", "split", "none"]
 """How the stage-graph builder derives backward tasks: one B, I+W, or none (inference)."""
 
 _TASK_NAME = re.compile(r"^(\d+)([FBIW])$")
+MAX_INTERVALS = 10_000_000
+"""The most (task, micro-batch) intervals (= actions of the schedule) a problem is expanded to:
+:func:`pipeloom.search.search` refuses more before building anything, and ``pipeloom show`` /
+``simulate`` / ``compare`` refuse a larger schedule (one that size already takes gigabytes to
+hold and simulate). Kept here, not with the search, so the CLI reads it without loading OR-Tools."""
+
 _MAX_DIGITS = 18
 """Digits of a stage index at most, as in action text (a larger one is a typo)."""
 

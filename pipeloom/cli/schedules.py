@@ -25,9 +25,8 @@ from pipeloom.cli.outputs import target
 from pipeloom.errors import PipeloomError
 from pipeloom.ir import load_schedule
 from pipeloom.lowering import lower
-from pipeloom.problem import Costs
+from pipeloom.problem import MAX_INTERVALS, Costs
 from pipeloom.schedules import REGISTRY, build_schedule
-from pipeloom.search.api import MAX_INTERVALS
 from pipeloom.sim import Timeline
 from pipeloom.validate import validate
 from pipeloom.viz.report import (

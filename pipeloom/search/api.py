@@ -15,7 +15,7 @@ from typing import Literal
 
 from pipeloom.errors import PipeloomError, require_type
 from pipeloom.ir import Schedule
-from pipeloom.problem import Costs, Problem
+from pipeloom.problem import MAX_INTERVALS, Costs, Problem
 from pipeloom.schedules import REGISTRY, build_schedule
 from pipeloom.search.budget import Budget
 from pipeloom.search.common import lower_bound, to_integers
@@ -33,7 +33,6 @@ __all__ = [
     "AUTO_EXACT_INTERVALS",
     "BUILTIN_SHARE",
     "CONSTRUCTION_SHARE",
-    "MAX_INTERVALS",
     "SearchMode",
     "builtin_candidates",
     "search",
@@ -49,11 +48,6 @@ limit 6, 10 s (docs/search.md): the periodic schedule costs ~0.1 s and is within
 from about 250 intervals on, while up to ~500 the exact model still improves it (xshape M=32:
 282 -> 267) or proves it optimal; beyond that it rarely finishes and the periodic schedule,
 whose gap shrinks as 1/M, is the better use of the time."""
-
-MAX_INTERVALS = 10_000_000
-""":func:`search` refuses, before building anything, a problem of more (task, micro-batch)
-intervals (= actions of the schedule) than this; ``pipeloom show`` uses it too (a schedule that
-size already takes gigabytes to hold and simulate)."""
 
 BUILTIN_SHARE = 0.3
 """Share of :func:`search`'s time limit that building the built-in candidates may take; entries
