@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pipeloom.plan.cluster.dispatch import HYBRIDEP_MEASURED, hybridep_bytes, hybridep_generic_seconds
 from pipeloom.plan.cluster.efficiency import (
+    DYNAMIC_CAST_BYTES,
     attention_flops,
     attention_seconds,
     collective_seconds,
@@ -35,6 +36,8 @@ _SDPA_919 = ("NVIDIA cudnn-frontend SDPA training benchmark at fb682ce, cuDNN 9.
 _NCCL8 = "nccl-tests busbw at large sizes (docs.alayanew.com nccl-tests guide)"
 _NCCL16 = "nccl-tests busbw, 2+ nodes NVLink + NDR IB (saturncloud.io NCCL validation guide)"
 _FLA = "fla README 'Benchmarks' (chunk_gdn, one GB200, bf16, do_bench median; measured at fla 0a48470)"
+_TORCHAO = ("torchao, torchao/float8/README.md 'Performance' at 0cf1281 (Float8Linear forward + backward against bf16 "
+            "nn.Linear, dynamic tensor-wise scaling, torch.compile, one H100)")
 _HEP = ("DeepEP hybrid-ep branch, docs/README_Hybrid-EP.md at 17cfb81 (torch API, 4,096 tokens of 7,168, top 8 of 8 "
         "experts a rank, bf16)")
 
@@ -47,6 +50,15 @@ def _matmul(name: str, m: int, n: int, k: int, dtype: str = "bf16") -> float:
     """The GEMM's compute rate alone (no FP8 scaling casts: the table times pre-cast inputs)."""
     hw = hardware(name)
     return gemm_efficiency(hw, m, n, k, dtype=dtype) * hw.peak(dtype) / 1e12
+
+
+def _float8_linear_speedup(name: str, m: int, k: int, n: int) -> float:
+    """A linear's forward and backward (y = x w, dx = dy wᵀ, dw = xᵀ dy, input m x k, weight k x n) in BF16 over
+    the same in FP8 with per-tensor dynamic casts of both inputs of every GEMM (torchao's tensor-wise recipe)."""
+    hw, cast = hardware(name), (DYNAMIC_CAST_BYTES, DYNAMIC_CAST_BYTES)
+    shapes = ((m, n, k), (m, k, n), (k, n, m))  # (rows, columns, reduced) of y, dx and dw
+    bf16 = sum(gemm_seconds(hw, *shape) for shape in shapes)
+    return bf16 / sum(gemm_seconds(hw, *shape, dtype="fp8", cast=cast) for shape in shapes)
 
 
 def _attention(name: str, head_dim: int) -> float:
@@ -107,6 +119,10 @@ REFERENCES = [
      "no: sets the ceiling E"),
     ("MI300X GEMM 10240x15360x8192", "TFLOP/s", lambda: _matmul("mi300x", 10240, 15360, 8192), (668.4, 668.4), _MAMF,
      "no: sets the ceiling E"),
+    ("H100 FP8 linear speedup, 1024x2048x1024", "x", lambda: _float8_linear_speedup("h100", 1024, 2048, 1024),
+     (0.80, 0.80), _TORCHAO, "yes (small: the casts' launches and bytes weigh most)"),
+    ("H100 FP8 linear speedup, 4096x8192x16384", "x", lambda: _float8_linear_speedup("h100", 4096, 8192, 16384),
+     (1.39, 1.39), _TORCHAO, "yes"),
     ("H100 attention forward, head dim 256, s=16k", "TFLOP/s", lambda: _attention("h100", 256), (740.0, 740.0), _FA3,
      "yes (FlashAttention-3, not cuDNN; head dim 256, priced as 128's)"),
     ("H200 causal attention forward, s=4k", "TFLOP/s", lambda: _attention_causal("h200", False, 4096, 64),
@@ -163,7 +179,7 @@ def main() -> None:
         value = predict()
         measured = f"{low:g}" if low == high else f"{low:g}-{high:g}"
         ratio = value / ((low + high) / 2)
-        digits = 3 if unit == "ms" else 1
+        digits = {"ms": 3, "x": 2}.get(unit, 1)
         print(f"{what:<46} {unit:<11} {value:>10.{digits}f} {measured:>13} {ratio:>6.2f}  {independent}  [{source}]")
     print()
     print("Per GPU (priors unless calibrated): cube GEMM TFLOP/s at 1k / 4k / 8k (FP8 at 8k, scaling casts "
