@@ -206,6 +206,8 @@ def cmd_plan_cluster(args: argparse.Namespace) -> int:
     from pipeloom.plan.cluster.api import plan_cluster
     from pipeloom.plan.errors import NoLayoutFits
 
+    if args.export == "torchtitan" and args.framework is None:  # priced as torchtitan runs it; a flag given still wins
+        args.framework = "torchtitan"
     progress = None
     if not args.json and sys.stderr.isatty():
         def progress(message: str) -> None:
@@ -295,15 +297,23 @@ def _runnable(args: argparse.Namespace, result, options: dict) -> tuple:
 
 def _check_export(args: argparse.Namespace, options: dict) -> None:
     """UsageError where ``--export torchtitan`` would drop what the plan is priced with: torchtitan's async tensor
-    parallelism, per-layer recomputation depth and float8 are not written by the export."""
+    parallelism, per-layer recomputation depth and float8 are not written by the export, and torchtitan reduces
+    gradients in fp32 only; or where it is priced as another framework runs it."""
     if not args.export:
         return
-    unsaid = [flag for flag, on in (("--tp-overlap", options.get("tp_overlap")),
-                                    (f"--recompute-layers {options['recompute_layers']}", options["recompute_layers"]),
-                                    ("--dtype fp8", options["dtype"] == "fp8")) if on]
+    if args.framework not in (None, "torchtitan"):
+        raise UsageError(f"--export torchtitan prices the plan as torchtitan runs it, not as --framework "
+                         f"{args.framework}; drop --framework (or use --framework torchtitan)")
+    unsaid = [(flag, what) for flag, what, on in (
+        ("--tp-overlap", "async tensor parallelism", options.get("tp_overlap")),
+        (f"--recompute-layers {options['recompute_layers']}", "a recomputation depth", options["recompute_layers"]),
+        ("--dtype fp8", "float8", options["dtype"] == "fp8"),
+        ("--grad-reduce bf16", "a bf16 gradient reduce (torchtitan reduces in fp32 only)",
+         options.get("grad_reduce") == "bf16")) if on]
     if unsaid:
-        raise UsageError(f"cannot export for torchtitan a plan priced with {' and '.join(unsaid)}: the export writes "
-                         "no async tensor parallelism, recomputation depth or float8; plan without them for the export")
+        raise UsageError(f"cannot export for torchtitan a plan priced with {' and '.join(f for f, _ in unsaid)}: the "
+                         f"export writes no {' or '.join(w for _, w in unsaid)}; plan without "
+                         f"{'it' if len(unsaid) == 1 else 'them'} for the export")
 
 
 def _framework(args: argparse.Namespace) -> dict:
@@ -361,7 +371,8 @@ def _save(args: argparse.Namespace, result) -> list[str]:
         recompute = saving.torchtitan_recompute(result.job, result.best.layout)
         assert recompute is not None, "runtime_plan refuses the export of a recomputation torchtitan has not"
         written.append(export_torchtitan(renamed, schedule, args.save, list(modules), recompute,
-                                         context_parallel=result.best.layout.cp))
+                                         context_parallel=result.best.layout.cp,
+                                         compiled=result.job.kernels == "fused"))
     outputs = getattr(args, "outputs", None)
     save_plan(plan, outputs.path(args.save) if outputs is not None else args.save)
     memory = saving.runtime_memory_note(result)
@@ -374,16 +385,18 @@ def _save(args: argparse.Namespace, result) -> list[str]:
 
 
 def export_torchtitan(plan, schedule, save: Path, modules: Sequence[str], activation_checkpoint: str | None = None,
-                      *, context_parallel: int = 1) -> str:
+                      *, context_parallel: int = 1, compiled: bool = False) -> str:
     """Write ``<stem>.torchtitan.args``, ``.toml`` and ``.csv`` next to the plan (with ``activation_checkpoint``,
-    torchtitan's recomputation set too, and its context parallelism); the lines that say so."""
+    torchtitan's recomputation set too, and its context parallelism; with ``compiled``, ``torch.compile``); the
+    lines that say so."""
     import shlex
 
     from pipeloom.plan.export import version_overrides, write_torchtitan
 
     args, toml, csv = (save.with_name(f"{save.stem}.torchtitan.{ext}") for ext in ("args", "toml", "csv"))
     settings = write_torchtitan(plan, schedule, toml, csv, modules=modules, args_path=args,
-                                activation_checkpoint=activation_checkpoint, context_parallel=context_parallel)
+                                activation_checkpoint=activation_checkpoint, context_parallel=context_parallel,
+                                compiled=compiled)
     shared, older, newer = version_overrides(settings)
     lines = [f"wrote torchtitan overrides {args}, 0.2.x TOML {toml} and schedule {csv}",
              f"torchtitan 0.2.x and 0.3.x: {shlex.join(shared)}"]

@@ -124,6 +124,8 @@ def torchtitan_settings(plan: Plan, schedule: Schedule, csv_path: str | Path, *,
     # local batch whole and accumulates gradients over global / (local x dp) of them: one micro-batch each
     local = plan.global_batch // plan.data_parallel if plan.num_ranks > 1 else plan.microbatch_size
     training: dict[str, object] = {"local_batch_size": local, "global_batch_size": plan.global_batch}
+    if plan.sequence_length is not None:  # what the plan was priced for; torchtitan's own default is 2,048
+        training["seq_len"] = plan.sequence_length
     return {"parallelism": parallelism, "training": training}
 
 
@@ -202,18 +204,21 @@ def torchtitan_args(settings: dict[str, dict[str, object]]) -> str:
 def write_torchtitan(plan: Plan, schedule: Schedule, toml_path: str | Path, csv_path: str | Path, *,
                      modules: Sequence[str], args_path: str | Path | None = None,
                      activation_checkpoint: str | None = None,
-                     context_parallel: int = 1) -> dict[str, dict[str, object]]:
+                     context_parallel: int = 1, compiled: bool = False) -> dict[str, dict[str, object]]:
     """Write the schedule CSV, the 0.2.x TOML fragment and (``args_path``) the command-line overrides; the
     settings name the CSV by its absolute path, and with ``activation_checkpoint`` (a key of
     :data:`ACTIVATION_CHECKPOINTS`) set torchtitan's recomputation (else torchtitan's own default runs); with
     ``context_parallel`` above 1 its context parallelism (``parallelism.context_parallel_degree``: the plan's data
-    parallelism and batch are per context-parallel group, each of whose ranks holds 1/cp of the sequence). Returns
-    the settings."""
+    parallelism and batch are per context-parallel group, each of whose ranks holds 1/cp of the sequence); with
+    ``compiled``, ``torch.compile`` (``compile.enable``: the elementwise kernels fused, as a plan priced with
+    ``kernels="fused"`` assumes; torchtitan's default runs them eagerly). Returns the settings."""
     settings = torchtitan_settings(plan, schedule, csv_path, modules=modules)
     if isinstance(context_parallel, bool) or not isinstance(context_parallel, int) or context_parallel < 1:
         raise PlanError(f"context_parallel must be a whole number >= 1, got {context_parallel!r}")
     if context_parallel > 1:
         settings["parallelism"]["context_parallel_degree"] = context_parallel
+    if compiled:
+        settings["compile"] = {"enable": True}
     if activation_checkpoint is not None:
         if activation_checkpoint not in ACTIVATION_CHECKPOINTS:
             raise PlanError(f"activation checkpointing {activation_checkpoint!r} for torchtitan: use one of "

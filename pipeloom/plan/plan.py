@@ -80,6 +80,9 @@ class Plan:
     tp_plan: dict | None = None
     """With ``tensor_parallel`` > 1: the tensor-parallel plan as JSON, a built-in recipe and its module names
     (:mod:`pipeloom.plan.tp.recipes`), turned into torch's ``ParallelStyle`` dict by ``pipeline(plan=)``."""
+    sequence_length: int | None = None
+    """Tokens per sample the plan was priced for (a cluster plan's ``--seq``), which its predicted step time and
+    memory hold for; None where the plan does not say (a plan from a measured cost table)."""
     trials: tuple[dict, ...] = ()
     """The plans measured in the engine before this one was chosen (``pipeloom plan --try K``), the chosen
     first, then the others left in the race by median step, then those dropped (the last dropped first), then
@@ -90,8 +93,10 @@ class Plan:
 
     def __post_init__(self) -> None:
         for name in ("num_ranks", "microbatches", "global_batch", "data_parallel", "tensor_parallel",
-                     "expert_parallel"):
+                     "expert_parallel", "sequence_length"):
             value = getattr(self, name)
+            if value is None and name == "sequence_length":
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise PlanError(f"plan {name} must be a positive integer, got {shown(value)}")
         if self.sharding not in ("replicate", "fsdp"):
@@ -157,7 +162,7 @@ class Plan:
 
 _KEYS = {"format", "num_ranks", "split_points", "schedule", "schedule_options", "microbatches", "global_batch",
          "microbatch_size", "predicted_step_time", "peak_memory", "memory_limit", "bubble_ratio", "stage_times",
-         "device", "data_parallel", "sharding", "tensor_parallel", "tp_plan", "trials"}
+         "device", "data_parallel", "sharding", "tensor_parallel", "tp_plan", "sequence_length", "trials"}
 
 
 def plan_to_json(plan: Plan, *, indent: int | None = 1) -> str:
@@ -186,6 +191,8 @@ def plan_to_json(plan: Plan, *, indent: int | None = 1) -> str:
         document["tp_plan"] = {k: v for k, v in (plan.tp_plan or {}).items() if k != "head_norm" or v}
     if plan.expert_parallel > 1:  # /2 only
         document["expert_parallel"] = plan.expert_parallel
+    if plan.sequence_length is not None:  # optional: a cluster plan's --seq
+        document["sequence_length"] = plan.sequence_length
     if plan.trials:  # optional as well: written only for a plan chosen by measurement
         document["trials"] = [dict(trial) for trial in plan.trials]
     return json.dumps(document, indent=indent)
@@ -213,8 +220,9 @@ def plan_from_json(text: str) -> Plan:
 
     Required: ``num_ranks``, ``split_points``, ``schedule``, ``microbatches``, ``global_batch``,
     ``predicted_step_time``; ``microbatch_size``, when present, must equal global_batch / (microbatches ×
-    data_parallel). Optional: ``data_parallel`` (1), ``sharding`` (replicate), ``tensor_parallel`` (1)
-    and ``tp_plan`` (a recipe, :mod:`pipeloom.plan.tp.recipes`; required when ``tensor_parallel`` > 1).
+    data_parallel). Optional: ``data_parallel`` (1), ``sharding`` (replicate), ``tensor_parallel`` (1),
+    ``tp_plan`` (a recipe, :mod:`pipeloom.plan.tp.recipes`; required when ``tensor_parallel`` > 1) and
+    ``sequence_length`` (null: not said).
     """
     document = parse_object(text, error=PlanError, what="plan")
     if "format" not in document:
@@ -248,6 +256,8 @@ def plan_from_json(text: str) -> Plan:
         tensor_parallel=integer(document, "tensor_parallel", where=where, error=PlanError, default=1),
         tp_plan=document.get("tp_plan"),
         expert_parallel=integer(document, "expert_parallel", where=where, error=PlanError, default=1),
+        sequence_length=(integer(document, "sequence_length", where=where, error=PlanError)
+                         if document.get("sequence_length") is not None else None),
         trials=_trials(document.get("trials", [])),
     )
     size = document.get("microbatch_size", plan.microbatch_size)

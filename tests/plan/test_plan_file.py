@@ -31,6 +31,17 @@ def test_round_trip(tmp_path):
     assert set(document) >= {"num_ranks", "split_points", "schedule", "schedule_options", "microbatches",
                              "global_batch", "predicted_step_time", "peak_memory"}
     assert load_plan(tmp_path / "plan.json") == plan
+    assert "sequence_length" not in document  # said by cluster plans only; files without it load as before
+
+
+def test_the_sequence_length_a_plan_was_priced_for_round_trips(tmp_path):
+    plan = _plan(sequence_length=8192)
+    save_plan(plan, tmp_path / "plan.json")
+    assert json.loads((tmp_path / "plan.json").read_text())["sequence_length"] == 8192
+    assert load_plan(tmp_path / "plan.json") == plan
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(PlanError, match="plan sequence_length must be a positive integer"):
+            _plan(sequence_length=bad)
 
 
 @pytest.mark.parametrize("name", sorted(REGISTRY))

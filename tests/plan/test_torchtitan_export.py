@@ -149,3 +149,35 @@ def test_context_parallelism_reaches_torchtitan(tmp_path):
         config = tyro.cli(sections, args=[*overrides, *torchtitan_overrides(TORCHTITAN_03_SETTINGS)],
                           default=sections(), registry=custom_registry)
     assert not _matches(config, settings), _matches(config, settings)
+
+
+def test_the_sequence_and_compile_reach_torchtitan(tmp_path):
+    """A cluster plan's sequence length (``training.seq_len``) and fused kernels (``compile.enable``) as torchtitan
+    reads them, in 0.2.x's parser (TOML and overrides) or 0.3.x's (its three sections)."""
+    pieces = tuple(Piece(name=name, f=1.0, i=1.0, w=1.0, activation_bytes=100.0, w_activation_bytes=20.0,
+                         param_bytes=10.0, output_bytes=8.0) for name in MODULES)
+    result = plan_mesh(CostTable(pieces=pieces, microbatch_size=1), num_ranks=4, global_batch=16,
+                       schedules=["1f1b"], data_parallel=[2], microbatches=[8])
+    plan = dataclasses.replace(result.plan, sequence_length=8192)
+    toml, csv, args = (tmp_path / f"plan.torchtitan.{ext}" for ext in ("toml", "csv", "args"))
+    settings = write_torchtitan(plan, result.schedule, toml, csv, modules=MODULES, args_path=args, compiled=True)
+    assert settings["training"]["seq_len"] == 8192 and settings["compile"] == {"enable": True}
+    overrides = shlex.split(args.read_text().splitlines()[1])
+    if VERSION.startswith("0.2."):
+        from torchtitan.config.manager import ConfigManager
+
+        for given in (["--job.config_file", str(toml)], overrides):
+            config = ConfigManager().parse_args(given)
+            assert not _matches(config, settings), (given, _matches(config, settings))
+        return
+    from torchtitan.config.configs import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.config.manager import ConfigManager, custom_registry
+
+    ConfigManager.register_tyro_rules(custom_registry)
+    sections = dataclasses.make_dataclass("Sections", [
+        ("training", TrainingConfig, dataclasses.field(default_factory=TrainingConfig)),
+        ("parallelism", ParallelismConfig, dataclasses.field(default_factory=ParallelismConfig)),
+        ("compile", CompileConfig, dataclasses.field(default_factory=CompileConfig))])
+    config = tyro.cli(sections, args=[*overrides, *torchtitan_overrides(TORCHTITAN_03_SETTINGS)],
+                      default=sections(), registry=custom_registry)
+    assert not _matches(config, settings), _matches(config, settings)

@@ -12,7 +12,8 @@ import pytest
 from pipeloom.cli import main
 from pipeloom.errors import ArgumentError
 from pipeloom.plan.cluster import plan_cluster
-from pipeloom.plan.cluster.layout import optimizer_bytes
+from pipeloom.plan.cluster.job import framework_options
+from pipeloom.plan.cluster.layout import FRAMEWORK_SCHEDULES, optimizer_bytes
 from pipeloom.plan.cluster.runtime_plan import runtime_notes
 from pipeloom.plan.errors import NoLayoutFits, PlanError
 from pipeloom.plan.plan import load_plan
@@ -87,8 +88,10 @@ def test_save_plans_for_the_runtime_and_says_what_was_faster(tmp_path, capsys, e
     assert main(command) == 0
     out = capsys.readouterr().out
     chosen = re.search(r"^layout: (\S+)$", out, re.MULTILINE).group(1)
-    fastest = plan_cluster(LLAMA, "h100", **JOB).best
-    runtime = plan_cluster(LLAMA, "h100", **JOB, runs_on="torchtitan" if export else "pipeloom").best
+    # the export prices as torchtitan runs it (--framework torchtitan), as planned and for the runtime alike
+    preset = {**framework_options("torchtitan"), "schedules": FRAMEWORK_SCHEDULES["torchtitan"]} if export else {}
+    fastest = plan_cluster(LLAMA, "h100", **JOB, **preset).best
+    runtime = plan_cluster(LLAMA, "h100", **JOB, **preset, runs_on="torchtitan" if export else "pipeloom").best
     assert chosen == str(runtime.layout) != str(fastest.layout)
     where = "torchtitan" if export else "pipeloom's runtime"
     # pipeloom's runtime runs no cp; torchtitan does, but without FSDP holds Adam's state whole on every replica
@@ -139,13 +142,52 @@ def test_save_names_the_least_memory_its_runtime_needs_when_nothing_fits(tmp_pat
     assert main(command) == 0 and save.exists()
 
 
-@pytest.mark.parametrize("flag", [["--tp-overlap"], ["--dtype", "fp8"], ["--recompute-layers", "2"]])
-def test_the_torchtitan_export_refuses_what_it_would_not_write(tmp_path, capsys, flag):
+@pytest.mark.parametrize(("flag", "what"), [(["--tp-overlap"], "async tensor parallelism"),
+                                           (["--dtype", "fp8"], "float8"),
+                                           (["--recompute-layers", "2"], "a recomputation depth"),
+                                           (["--grad-reduce", "bf16"], "a bf16 gradient reduce")])
+def test_the_torchtitan_export_refuses_what_it_would_not_write(tmp_path, capsys, flag, what):
+    """Each refusal names what was given and only that (fp8 alone had been told of async TP and a depth too)."""
     command, save = _command(tmp_path, "--export", "torchtitan", *flag)
     assert main(command) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and f"a plan priced with {' '.join(flag)}: the export writes no" in err[0]
+    assert len(err) == 1 and f"a plan priced with {' '.join(flag)}: the export writes no {what}" in err[0], err
+    assert not any(other in err[0] for other in ("async tensor", "float8", "depth", "bf16 gradient") if other
+                   not in what), err
     assert not save.exists()
+
+
+def test_the_torchtitan_export_is_priced_as_torchtitan_runs_it(tmp_path, capsys):
+    """``--export torchtitan`` prices the plan with torchtitan's defaults (``--framework torchtitan``: eager kernels,
+    its SDPA, gradients reduced in fp32, which is all its ``mixed_precision_reduce`` takes), not Megatron-Core's: a
+    new user's Qwen3-32B plan had been quoted 12.0 s a step for a job torchtitan runs in 15.1 s as priced. The files
+    carry the sequence the plan is priced for (``training.seq_len``, the plan's ``sequence_length``) and, where the
+    plan is priced with fused kernels (``--kernels fused``), ``torch.compile``; another framework is refused."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(LLAMA))
+    base = ["plan", "--model", str(config), "--hardware", "h100", "--gpus", "8", "--global-batch", "32", "--seq",
+            "4096", "--json"]
+
+    def step(*extra: str) -> float:
+        assert main([*base, *extra]) == 0
+        return json.loads(capsys.readouterr().out)["best"]["step_time"]
+
+    exported = step("--save", str(tmp_path / "a.json"), "--export", "torchtitan")
+    preset = {**framework_options("torchtitan"), "schedules": FRAMEWORK_SCHEDULES["torchtitan"]}
+    job = {"gpus": 8, "global_batch": 32, "seq": 4096, "runs_on": "torchtitan"}
+    assert exported == plan_cluster(LLAMA, "h100", **job, **preset).best.step_time
+    assert exported > plan_cluster(LLAMA, "h100", **job).best.step_time  # Megatron-Core's choices, as it had been
+    args = (tmp_path / "a.torchtitan.args").read_text()
+    assert "--training.seq_len 4096" in args and "compile" not in args
+    assert "seq_len = 4096" in (tmp_path / "a.torchtitan.toml").read_text()
+    assert load_plan(tmp_path / "a.json").sequence_length == 4096
+    assert step("--save", str(tmp_path / "b.json"), "--export", "torchtitan", "--kernels", "fused") < exported
+    assert "--compile.enable" in (tmp_path / "b.torchtitan.args").read_text()
+    assert "[compile]\nenable = true" in (tmp_path / "b.torchtitan.toml").read_text()
+    assert main([*base, "--save", str(tmp_path / "c.json"), "--export", "torchtitan", "--framework",
+                 "megatron-bridge"]) == 2
+    assert "not as --framework megatron-bridge; drop --framework" in capsys.readouterr().err
+    assert not (tmp_path / "c.json").exists()
 
 
 def test_a_torchtitan_plan_runs_context_parallelism(tmp_path, capsys):
