@@ -14,7 +14,7 @@ from rich.console import Console
 from pipeloom.cli.argtypes import count, number, path_with
 from pipeloom.cli.errors import UsageError
 from pipeloom.cli.outputs import target
-from pipeloom.cli.plan_cluster import add_cluster_arguments, check_plan_mode, cmd_plan_cluster, export_torchtitan
+from pipeloom.cli.plan_cluster import add_cluster_arguments, check_plan_mode, cmd_plan_cluster
 from pipeloom.cli.plan_try import add_try_arguments, check_try, trial_lines, try_in_engine
 from pipeloom.errors import PipeloomError
 
@@ -282,6 +282,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         written.append(_draw(args, result.timeline, title))
     if args.save:  # last: it names a companion schedule file after itself, so it is written in place
         if args.export == "torchtitan":  # first: a plan torchtitan cannot take is refused before anything is saved
+            from pipeloom.plan.export import export_torchtitan
+
             # the plan was measured and priced keeping every activation: torchtitan is told to recompute nothing
             written.append(export_torchtitan(result.plan, result.schedule, args.save,
                                              [piece.name for piece in tables[0].pieces], "none"))

@@ -7,14 +7,13 @@ import argparse
 import dataclasses
 import json
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 
 from pipeloom.cli.errors import UsageError
 from pipeloom.cli.plan_cluster_report import report, token_count, training_text
 from pipeloom.errors import PipeloomError
 
-__all__ = ["add_cluster_arguments", "check_plan_mode", "cmd_plan_cluster", "export_torchtitan"]
+__all__ = ["add_cluster_arguments", "check_plan_mode", "cmd_plan_cluster"]
 
 
 def add_cluster_arguments(plan: argparse.ArgumentParser) -> None:
@@ -364,6 +363,7 @@ def _save(args: argparse.Namespace, result) -> list[str]:
         raise UsageError(str(error)) from None
     written = []
     if args.export == "torchtitan":
+        from pipeloom.plan.export import export_torchtitan
         from pipeloom.schedules import build_schedule
 
         renamed, modules = saving.torchtitan_plan(plan, result.job.spec.layers)
@@ -382,24 +382,3 @@ def _save(args: argparse.Namespace, result) -> list[str]:
         runs = ("for torchtitan; pipeloom's runtime won't run it as planned" if args.export
                 else f"{runs}, not as planned: see the notes")
     return [f"wrote plan {args.save} ({runs})", *written, *notes]
-
-
-def export_torchtitan(plan, schedule, save: Path, modules: Sequence[str], activation_checkpoint: str | None = None,
-                      *, context_parallel: int = 1, compiled: bool = False) -> str:
-    """Write ``<stem>.torchtitan.args``, ``.toml`` and ``.csv`` next to the plan (with ``activation_checkpoint``,
-    torchtitan's recomputation set too, and its context parallelism; with ``compiled``, ``torch.compile``); the
-    lines that say so."""
-    import shlex
-
-    from pipeloom.plan.export import version_overrides, write_torchtitan
-
-    args, toml, csv = (save.with_name(f"{save.stem}.torchtitan.{ext}") for ext in ("args", "toml", "csv"))
-    settings = write_torchtitan(plan, schedule, toml, csv, modules=modules, args_path=args,
-                                activation_checkpoint=activation_checkpoint, context_parallel=context_parallel,
-                                compiled=compiled)
-    shared, older, newer = version_overrides(settings)
-    lines = [f"wrote torchtitan overrides {args}, 0.2.x TOML {toml} and schedule {csv}",
-             f"torchtitan 0.2.x and 0.3.x: {shlex.join(shared)}"]
-    if older:
-        lines.append(f"torchtitan 0.2.x also: {shlex.join(older)}")
-    return "\n".join([*lines, f"torchtitan 0.3.x also: {shlex.join(newer)}"])

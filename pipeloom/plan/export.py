@@ -33,9 +33,9 @@ from pipeloom.plan.errors import PlanError
 from pipeloom.plan.partitioning.shape import schedule_shape
 from pipeloom.plan.plan import Plan
 
-__all__ = ["ACTIVATION_CHECKPOINTS", "EXPORT_FORMATS", "TORCHTITAN_03_SETTINGS", "TORCHTITAN_VERSIONS", "stage_modules",
-           "torchtitan_args", "torchtitan_overrides", "torchtitan_settings", "torchtitan_toml", "version_overrides",
-           "write_torchtitan"]
+__all__ = ["ACTIVATION_CHECKPOINTS", "EXPORT_FORMATS", "TORCHTITAN_03_SETTINGS", "TORCHTITAN_VERSIONS",
+           "export_torchtitan", "stage_modules", "torchtitan_args", "torchtitan_overrides", "torchtitan_settings",
+           "torchtitan_toml", "version_overrides", "write_torchtitan"]
 
 EXPORT_FORMATS = ("torchtitan",)
 
@@ -229,3 +229,20 @@ def write_torchtitan(plan: Plan, schedule: Schedule, toml_path: str | Path, csv_
     if args_path is not None:
         Path(args_path).write_text(torchtitan_args(settings), encoding="utf-8")
     return settings
+
+
+def export_torchtitan(plan: Plan, schedule: Schedule, save: Path, modules: Sequence[str],
+                      activation_checkpoint: str | None = None, *, context_parallel: int = 1,
+                      compiled: bool = False) -> str:
+    """Write ``<stem>.torchtitan.args``, ``.toml`` and ``.csv`` next to the plan file ``save``
+    (:func:`write_torchtitan`'s settings); the lines that say so, with the overrides of each torchtitan version."""
+    args, toml, csv = (save.with_name(f"{save.stem}.torchtitan.{ext}") for ext in ("args", "toml", "csv"))
+    settings = write_torchtitan(plan, schedule, toml, csv, modules=modules, args_path=args,
+                                activation_checkpoint=activation_checkpoint, context_parallel=context_parallel,
+                                compiled=compiled)
+    shared, older, newer = version_overrides(settings)
+    lines = [f"wrote torchtitan overrides {args}, 0.2.x TOML {toml} and schedule {csv}",
+             f"torchtitan 0.2.x and 0.3.x: {shlex.join(shared)}"]
+    if older:
+        lines.append(f"torchtitan 0.2.x also: {shlex.join(older)}")
+    return "\n".join([*lines, f"torchtitan 0.3.x also: {shlex.join(newer)}"])
