@@ -251,9 +251,9 @@ def _runnable(args: argparse.Namespace, result, options: dict) -> tuple:
     :func:`~pipeloom.plan.cluster.runtime_plan.for_runtime`), the same keys held: the layouts it runs, priced as it
     holds and runs them; and, where that is not the fastest layout as planned, the note that says why. A whole layout
     given that the runtime cannot run is left as planned (:func:`_save` refuses it, naming the keys that fix it)."""
-    from pipeloom.plan.cluster.api import plan_cluster
+    from pipeloom.plan.cluster.api import parse_layout, plan_cluster
     from pipeloom.plan.cluster.estimate import Estimator
-    from pipeloom.plan.cluster.layout import LAYOUT_KEYS, parse_layout
+    from pipeloom.plan.cluster.layout import LAYOUT_KEYS
     from pipeloom.plan.cluster.runtime_plan import for_runtime
     from pipeloom.plan.errors import NoLayoutFits
 

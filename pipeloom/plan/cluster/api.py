@@ -12,12 +12,12 @@ from pathlib import Path
 from typing import Any
 
 from pipeloom.errors import ArgumentError
-from pipeloom.plan.cluster.counts import model_params
+from pipeloom.plan.cluster.counts import RECOMPUTE_MODES, model_params
 from pipeloom.plan.cluster.estimate import Estimator
 from pipeloom.plan.cluster.gpus import hardware
 from pipeloom.plan.cluster.hardware import Hardware
 from pipeloom.plan.cluster.job import Job
-from pipeloom.plan.cluster.layout import FRAMEWORK_SCHEDULES, LAYOUT_KEYS, SCHEDULES, Layout, parse_layout
+from pipeloom.plan.cluster.layout import FRAMEWORK_SCHEDULES, LAYOUT_KEYS, SCHEDULES, Layout
 from pipeloom.plan.cluster.model.reader import model_spec
 from pipeloom.plan.cluster.model.spec import ModelSpec
 from pipeloom.plan.cluster.recompute import SEARCHED, module_sets, recompute_depths
@@ -27,7 +27,7 @@ from pipeloom.plan.cluster.step import Estimate
 from pipeloom.plan.costs.parts import parse_bytes
 from pipeloom.plan.errors import CostTableError, LayoutError, NoLayoutFits, PlanError
 
-__all__ = ["ClusterPlan", "plan_cluster"]
+__all__ = ["ClusterPlan", "parse_layout", "plan_cluster"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -206,6 +206,34 @@ def _check_arguments(dtype: str, runners_up: int) -> None:
         raise ArgumentError(f"dtype must be 'bf16' or 'fp8' (the GEMMs' inputs), got {dtype!r}")
     if isinstance(runners_up, bool) or not isinstance(runners_up, int) or runners_up < 0:
         raise ArgumentError(f"runners_up must be a whole number >= 0 (0: the best layout alone), got {runners_up!r}")
+
+
+def parse_layout(text: str) -> dict[str, Any]:
+    """The keys of ``tp=4,pp=8,...,recompute=selective,schedule=zbv`` (some or all of :data:`LAYOUT_KEYS`)."""
+    fixed: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        key = key.strip().lower()  # TP=2 as tp=2, as the values' names are read in any case
+        if not sep or key not in LAYOUT_KEYS:
+            raise LayoutError(f"bad layout item {item!r}: expected key=value with key one of {', '.join(LAYOUT_KEYS)}")
+        if key in fixed:
+            raise LayoutError(f"layout key {key!r} given twice")
+        value = value.strip()
+        if key in ("recompute", "schedule"):
+            fixed[key] = value.lower()  # 1F1B, None: the names are lower-case
+            choices = RECOMPUTE_MODES if key == "recompute" else tuple(SCHEDULES)
+            if fixed[key] not in choices:
+                raise LayoutError(f"layout {key}={value} is not one of {', '.join(choices)}")
+            continue
+        try:
+            number = int(value)
+        except ValueError:
+            apart = " (the items are separated by commas: tp=2,pp=4)" if "=" in value or " " in value.strip() else ""
+            raise LayoutError(f"layout {key} must be an integer, got {value!r}{apart}") from None
+        if number < (0 if key == "fsdp" else 1) or (key == "fsdp" and number > 1):
+            raise LayoutError(f"layout {key}={value} is out of range ({'0 or 1' if key == 'fsdp' else '>= 1'})")
+        fixed[key] = bool(number) if key == "fsdp" else number
+    return fixed
 
 
 def _layout_text(layout: Mapping[str, Any] | None) -> str:

@@ -4,6 +4,7 @@ descriptions by name, and the ``pipeloom.hardware/1`` JSON file format for any o
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 from collections.abc import Mapping
@@ -237,7 +238,10 @@ def hardware_from_dict(data, *, where: str = "hardware description") -> Hardware
     allowed = {f.name: f for f in fields(Hardware)}
     unknown = sorted(set(data) - set(allowed) - {"format"})
     if unknown:
-        raise HardwareError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; the keys are "
+        close = [f"{match[0]!r} for {key!r}" for key in unknown
+                 if (match := difflib.get_close_matches(key, list(allowed), n=1, cutoff=0.8))]
+        meant = f" (did you mean {', '.join(close)}?)" if close else ""
+        raise HardwareError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))}{meant}; the keys are "
                             f"{', '.join(allowed)}")
     required = [name for name, f in allowed.items() if f.default is MISSING and f.default_factory is MISSING]
     missing = [name for name in required if name not in data]

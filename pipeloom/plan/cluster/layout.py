@@ -5,6 +5,7 @@ every layout a job can run, with the keys the user fixed held (:func:`enumerate_
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
     from pipeloom.plan.cluster.model.spec import ModelSpec
 
 __all__ = ["Layout", "Refusals", "SCHEDULES", "FRAMEWORK_SCHEDULES", "PAIRED", "LAYOUT_KEYS", "MBS_CHOICES",
-           "VP_CHOICES", "enumerate_layouts", "parse_layout", "max_stages", "optimizer_bytes"]
+           "VP_CHOICES", "enumerate_layouts", "max_stages", "optimizer_bytes"]
 
 SCHEDULES: dict[str, str] = {
     "1f1b": "linear",
@@ -234,33 +235,6 @@ class Layout:
         return ",".join(f"{key}={value}" for key, value in self.as_dict().items())
 
 
-def parse_layout(text: str) -> dict[str, Any]:
-    """The keys of ``tp=4,pp=8,...,recompute=selective,schedule=zbv`` (some or all of :data:`LAYOUT_KEYS`)."""
-    fixed: dict[str, Any] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        key, sep, value = item.partition("=")
-        key = key.strip().lower()  # TP=2 as tp=2, as the values' names are read in any case
-        if not sep or key not in LAYOUT_KEYS:
-            raise LayoutError(f"bad layout item {item!r}: expected key=value with key one of {', '.join(LAYOUT_KEYS)}")
-        if key in fixed:
-            raise LayoutError(f"layout key {key!r} given twice")
-        value = value.strip()
-        if key in ("recompute", "schedule"):
-            fixed[key] = value.lower()  # 1F1B, None: the names are lower-case
-            choices = RECOMPUTE_MODES if key == "recompute" else tuple(SCHEDULES)
-            if fixed[key] not in choices:
-                raise LayoutError(f"layout {key}={value} is not one of {', '.join(choices)}")
-            continue
-        try:
-            number = int(value)
-        except ValueError:
-            raise LayoutError(f"layout {key} must be an integer, got {value!r}") from None
-        if number < (0 if key == "fsdp" else 1) or (key == "fsdp" and number > 1):
-            raise LayoutError(f"layout {key}={value} is out of range ({'0 or 1' if key == 'fsdp' else '>= 1'})")
-        fixed[key] = bool(number) if key == "fsdp" else number
-    return fixed
-
-
 MBS_CHOICES = (1, 2, 4, 8, 16, 32, 64)
 """Micro-batch sizes tried (sequences)."""
 
@@ -303,6 +277,17 @@ def enumerate_layouts(job: Job, fixed: dict[str, Any], refusals: Refusals | None
     if unknown:
         raise LayoutError(f"unknown layout keys {sorted(unknown)}; use {', '.join(LAYOUT_KEYS)}")
     n, hw = job.gpus, job.hw
+    sized = [key for key in ("dp", "tp", "cp", "pp") if key in fixed] if "dp" in fixed else []
+    size = math.prod(fixed[key] for key in sized)
+    if n % size:  # no free tp x cp x pp leaves dp: name the fixed keys' product, exactly the GPUs when all four
+        given = " x ".join(f"{key}={fixed[key]}" for key in sized) + (f" = {size}" if len(sized) > 1 else "")
+        _refuse(refusals, f"{given} does not divide the {n} GPUs",
+                counts=f"{size} GPUs" if len(sized) == 4 else _gpus(size))
+        return
+    if fixed.get("mbs", 1) > job.global_batch:
+        _refuse(refusals, f"mbs={fixed['mbs']} is more sequences than the global batch {job.global_batch}",
+                counts=f"a global batch of at least {fixed['mbs']}")
+        return
     linear = spec.linear
     others = not {"tp", "cp"} <= set(fixed)  # other tp x cp are tried: a reason they avoid is weak
     tps = [t for t in divisors(n) if t <= hw.domain_gpus and spec.attention.splits(t)
@@ -325,8 +310,11 @@ def enumerate_layouts(job: Job, fixed: dict[str, Any], refusals: Refusals | None
                     continue
                 dp = n // (tp * cp * pp)
                 if "dp" in fixed and fixed["dp"] != dp:
+                    whole = {"tp", "cp", "pp"} <= set(fixed)  # then exactly tp x cp x pp x dp GPUs run it
                     _refuse(refusals, f"tp={tp} x cp={cp} x pp={pp} leaves dp={dp} on {n} GPUs, not dp={fixed['dp']}",
-                            weak=others or "pp" not in fixed, counts=f"{tp * cp * pp * fixed['dp']} GPUs")
+                            weak=others or "pp" not in fixed,
+                            counts=f"{tp * cp * pp * fixed['dp']} GPUs" if whole else _gpus(
+                                fixed["dp"] * math.prod(fixed.get(key, 1) for key in ("tp", "cp", "pp"))))
                     continue
                 yield from _inner(job, fixed, tp, cp, pp, dp, refusals)
 

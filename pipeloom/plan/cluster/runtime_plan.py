@@ -159,13 +159,21 @@ def _composition_problems(job: Job, layout: Layout) -> list[tuple[str, dict[str,
     return problems
 
 
+def _torchtitan_family(job: Job) -> str:
+    """Why torchtitan cannot train ``job``'s model family ("" where it can)."""
+    if job.spec.family in TORCHTITAN_MODELS:
+        return ""
+    names = ", ".join(f"{k} ({v})" for k, v in TORCHTITAN_MODELS.items())
+    return (f"{job.spec.family} for torchtitan, which has no such model (the export covers {names}; save the plan "
+            "without --export)")
+
+
 def _torchtitan_problems(job: Job, layout: Layout) -> list[tuple[str, dict[str, int | str]]]:
     """What the torchtitan export cannot take of ``layout``, each with the ``--layout`` keys that fix it."""
     problems: list[tuple[str, dict[str, int | str]]] = []
-    if job.spec.family not in TORCHTITAN_MODELS:
-        names = ", ".join(f"{k} ({v})" for k, v in TORCHTITAN_MODELS.items())
-        problems.append((f"{job.spec.family} for torchtitan, which has no such model (the export covers {names}; save "
-                         "the plan without --export)", {}))
+    family = _torchtitan_family(job)
+    if family:
+        problems.append((family, {}))
     if layout.copies == 2:
         problems.append(("schedule=dualpipe for torchtitan (two copies of the model, which it cannot place)",
                          {"schedule": "dualpipev"}))
@@ -195,6 +203,9 @@ def for_runtime(job: Job, runs_on: str | None) -> tuple[Job, Callable[[Layout], 
     if runs_on not in RUNTIMES:
         raise ArgumentError(f"runs_on must be one of {', '.join(RUNTIMES)}, got {runs_on!r}")
     export = None if runs_on == "pipeloom" else runs_on
+    family = _torchtitan_family(job) if export == "torchtitan" else ""
+    if family:  # no layout helps: said before the search, without a layout
+        raise PlanError(family)
 
     def blocked(layout: Layout) -> str | None:
         return "; ".join(text for text, _ in layout_problems(job, layout, export=export)) or None

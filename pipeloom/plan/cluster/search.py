@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipeloom.formatting import format_bytes
 from pipeloom.plan.cluster.estimate import WORKSPACE_BYTES, Estimator
 from pipeloom.plan.cluster.held import warmup_peak
 from pipeloom.plan.cluster.job import Job
@@ -214,7 +215,8 @@ def _search(job: Job, fixed: dict[str, Any] | None, memory_limit: float | None, 
         tried = f"{layouts} layout{'s' if layouts != 1 else ''} tried"
         tried += f" with {_fixed_text(fixed)}" if fixed else ""
         free = "fix fewer --layout keys, " if fixed else ""
-        raise NoLayoutFits(f"no layout fits {limit / 2**30:.1f} GiB per GPU ({tried}; the least memory any needs is "
+        shown = f"{limit / 2**30:.1f} GiB" if limit >= 2**30 / 10 else format_bytes(limit)  # 10 MiB, not 0.0 GiB
+        raise NoLayoutFits(f"no layout fits {shown} per GPU ({tried}; the least memory any needs is "
                            f"{least.memory.total / 2**30:.2f} GiB ({least.memory.total:.0f} bytes), by "
                            f"{least.layout}); {free}use more GPUs, a smaller global batch or sequence, or raise "
                            "--memory-limit", smallest_limit=least.memory.total, smallest_layout=str(least.layout))
@@ -367,20 +369,19 @@ def runners_up_of(best: Estimate, done: list[Estimate], limit: float,
 
 
 def _why(est: Estimate, best: Estimate) -> str:
-    """The part of the step that grew most against the best, and the parts that shrank (by at least a twentieth of
-    that), so the gap adds up."""
+    """The parts of the step that grew against the best, most first, then those that shrank (each by at least a
+    twentieth of the largest change), so the gap adds up (a runner-up slower in both its compute and its exposed dp
+    exchange had been told the first alone)."""
     parts = {"bubble": est.bubble * est.pipeline_time - best.bubble * best.pipeline_time,
              "compute and tp/ep communication": (1 - est.bubble) * est.pipeline_time
              - (1 - best.bubble) * best.pipeline_time,
              "exposed dp communication": est.exposed_dp - best.exposed_dp,
              "optimizer step": est.optimizer_time - best.optimizer_time}
-    name, delta = max(parts.items(), key=lambda item: item[1])
-    if delta <= 1e-9 * best.step_time:
+    largest = max(parts.values())
+    if largest <= 1e-9 * best.step_time:
         return "the same step within rounding"
-    shrank = [(other, d) for other, d in parts.items() if d < 0 and abs(d) >= 0.05 * delta]
-    if not shrank:
-        return f"{name} +{delta:.3g} s"
-    return f"{name} +{delta:.3g} s, " + ", ".join(f"{other} {d:.3g} s" for other, d in shrank)
+    shown = sorted(((name, d) for name, d in parts.items() if abs(d) >= 0.05 * largest), key=lambda item: -item[1])
+    return ", ".join(f"{name} {d:+.3g} s" for name, d in shown)
 
 
 def _fixed_text(fixed: dict[str, Any]) -> str:

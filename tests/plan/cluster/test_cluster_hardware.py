@@ -172,6 +172,8 @@ def _good() -> dict:
 
 @pytest.mark.parametrize(("change", "message"), [
     (lambda d: d.update(nvlink=1), r"unknown key\(s\) 'nvlink'; the keys are name, peak_flops"),
+    (lambda d: d.update(memory_bandwith=d.pop("memory_bandwidth")),
+     r"unknown key\(s\) 'memory_bandwith' \(did you mean 'memory_bandwidth' for 'memory_bandwith'\?\)"),
     (lambda d: d.pop("memory_bandwidth"), r"missing key\(s\) 'memory_bandwidth'"),
     (lambda d: d.update(format="pipeloom.hardware/9"), "'format' must be 'pipeloom.hardware/1'"),
     (lambda d: d.update(peak_flops={"fp16": 1e15}), "unknown dtype 'fp16'; use bf16, fp8"),

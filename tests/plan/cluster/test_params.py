@@ -186,6 +186,8 @@ def test_reads_config_json(tmp_path):
      "each token is routed to 16 of 8 experts: the config's num_experts_per_tok must be between 1 and"),
     ({"model_type": "gemma3_text", "sliding_window_pattern": 0},
      "sliding_window_pattern must be a positive whole number of layers, got 0; give the config's layer_types"),
+    ({"model_type": "llama", "hidden_size": 7680, "num_attention_heads": 60, "num_key_value_heads": 8},
+     "60 query heads are not a multiple of 8 key/value heads .*check num_key_value_heads, e.g. 6, which divides 60"),
 ])
 def test_bad_configs(bad, match):
     with pytest.raises(ModelConfigError, match=match):

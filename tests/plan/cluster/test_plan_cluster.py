@@ -11,12 +11,13 @@ import pytest
 
 from pipeloom.cli import main
 from pipeloom.plan.cluster import plan_cluster
+from pipeloom.plan.cluster.api import parse_layout
 from pipeloom.plan.cluster.counts import layer_counts, model_params
 from pipeloom.plan.cluster.estimate import Estimator
 from pipeloom.plan.cluster.gpus import hardware
 from pipeloom.plan.cluster.hardware import hardware_from_dict
 from pipeloom.plan.cluster.job import Job
-from pipeloom.plan.cluster.layout import LAYOUT_KEYS, Layout, parse_layout
+from pipeloom.plan.cluster.layout import LAYOUT_KEYS, Layout
 from pipeloom.plan.cluster.model.reader import model_spec
 from pipeloom.plan.cluster.placement import work_bound
 from pipeloom.plan.cluster.recompute import kept_activations, op_activations
@@ -123,8 +124,10 @@ def test_memory_fit_decision():
     tight = _plan(memory_limit=free.best.memory.total - 1)
     assert tight.best.memory.total <= free.best.memory.total - 1
     assert tight.best.step_time >= free.best.step_time
-    with pytest.raises(NoLayoutFits, match="no layout fits"):
+    with pytest.raises(NoLayoutFits, match="no layout fits 1.0 GiB per GPU"):
         _plan(memory_limit=1 * GIB)
+    with pytest.raises(NoLayoutFits, match="no layout fits 10 MiB per GPU"):  # it had said 0.0 GiB
+        _plan(memory_limit="10MiB")
     over = _plan(layout=str(free.best.layout), memory_limit=free.best.memory.total - 1)
     assert over.as_dict()["best"]["fits"] is False
 
@@ -164,6 +167,8 @@ def test_1f1b_bound_is_exact_for_even_stages():
     (["--model", "CONFIG", "--gpus", "8", "--seq", "4096"], "--model needs --hardware"),
     (["--model", "CONFIG", "--hardware", "h100", "--gpus", "8", "--seq", "4096", "--layout", "tp=3"], "tp=3"),
     (["--model", "CONFIG", "--hardware", "h100", "--gpus", "8", "--seq", "4096", "--layout", "foo=1"], "foo=1"),
+    (["--model", "CONFIG", "--hardware", "h100", "--gpus", "8", "--seq", "4096", "--layout", "tp=2 pp=2"],
+     "layout tp must be an integer, got '2 pp=2' (the items are separated by commas: tp=2,pp=4)"),
     (["--model", "CONFIG", "--hardware", "h100", "--gpus", "8", "--seq", "4096", "--layout", "pp=3"],
      "the first refused: tp=1 x cp=1 x pp=3 does not divide the 8 GPUs"),
     (["--model", "CONFIG", "--hardware", "h100", "--gpus", "8", "--seq", "4096", "--layout",
@@ -345,7 +350,13 @@ def test_a_refusal_by_the_jobs_counts_names_the_counts_that_avoid_it():
                               ("pp=8,dp=8,mbs=1,schedule=dualpipe", 64, "a global batch of at least 128"),
                               ("pp=4,dp=16,mbs=1,vp=2,schedule=interleaved-1f1b", 96,
                                "a global batch that is a multiple of 64"),
-                              ("pp=4,dp=8,tp=1,cp=1", 64, "pick 32 GPUs")):
+                              ("pp=4,dp=8,tp=1,cp=1", 64, "pick 32 GPUs"),
+                              # a dp no free tp x cp x pp leaves had been sent to "pick 3 GPUs"
+                              ("dp=3", 64, "a GPU count that is a multiple of 3"),
+                              ("dp=3,tp=2", 64, "a GPU count that is a multiple of 6"),
+                              ("dp=16,tp=2,pp=4,cp=1", 64, "pick 128 GPUs"),
+                              # more sequences than the batch had been sent to a batch of 32,768 (dp=64 x 512)
+                              ("mbs=512", 256, "a global batch of at least 512")):
         with pytest.raises(NoLayoutFits) as info:
             plan_cluster(SMALL, "h100", gpus=64, global_batch=batch, seq=4096, layout=fixed)
         assert str(info.value).endswith(f"change the fixed keys, {'' if 'GPUs' in fix else 'pick '}{fix}"), info.value
@@ -651,3 +662,19 @@ def test_a_framework_sets_its_choices_and_a_flag_given_as_well_wins(config, caps
     assert main([arg for arg in argv if arg != "--json"] + ["--framework", "torchtitan", "--kernels", "fused"]) == 0
     assumes = capsys.readouterr().out.splitlines()[2]
     assert assumes.startswith("assumes (torchtitan): fused elementwise kernels (--kernels); flash2 attention"), assumes
+
+
+def test_a_runner_ups_reasons_add_up_to_its_gap():
+    """Every part of the step that grew is named with the parts that shrank, so the named seconds add up to the gap
+    within the parts left out (each under a twentieth of the largest): a Mistral-7B runner-up on 7 GPUs slower in its
+    compute and its exposed FSDP exchange had been told the compute alone."""
+    result = plan_cluster(SMALL, "h100", gpus=7, global_batch=7, seq=4096, runners_up=8)
+    best, checked = result.best, 0
+    for est, why in result.runners_up:
+        if est.memory.total > result.memory_limit or why.endswith("(the same step within rounding)"):
+            continue
+        named = [float(d) for d in re.findall(r" ([+-][0-9.e+-]+) s", why.split("slower (", 1)[1])]
+        gap = est.step_time - best.step_time
+        assert abs(sum(named) - gap) <= 3 * 0.05 * max(named) + 1e-9, (est.layout, why, gap)
+        checked += 1
+    assert checked >= 3 and any(why.count(" s") >= 3 for _, why in result.runners_up), result.runners_up

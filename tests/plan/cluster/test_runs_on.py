@@ -71,6 +71,9 @@ def test_what_a_runtime_cannot_run_is_refused_when_the_keys_ask_for_it():
     assert moe.best.layout.ep == 1 and moe.best.layout.copies == 1
     with pytest.raises(NoLayoutFits, match="ep=2 for torchtitan"):
         plan_cluster(QWEN3_MOE, "h100", gpus=8, global_batch=32, seq=4096, runs_on="torchtitan", layout="ep=2")
+    qwen2 = dict(LLAMA, model_type="qwen2")  # a family torchtitan has no model of: said without a layout
+    with pytest.raises(PlanError, match=r"^qwen2 for torchtitan, which has no such model \(the export covers llama"):
+        plan_cluster(qwen2, "h100", **JOB, runs_on="torchtitan")
     with pytest.raises(ArgumentError, match="runs_on must be one of pipeloom, torchtitan, got 'megatron'"):
         plan_cluster(LLAMA, "h100", **JOB, runs_on="megatron")
 

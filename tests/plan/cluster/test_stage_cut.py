@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 
 from pipeloom.plan.cluster import plan_cluster
+from pipeloom.plan.cluster.api import parse_layout
 from pipeloom.plan.cluster.estimate import Estimator
 from pipeloom.plan.cluster.gpus import hardware
 from pipeloom.plan.cluster.job import Job
-from pipeloom.plan.cluster.layout import Layout, enumerate_layouts, parse_layout
+from pipeloom.plan.cluster.layout import Layout, enumerate_layouts
 from pipeloom.plan.cluster.model.reader import model_spec
 from pipeloom.plan.cluster.placement import balanced_counts, even_counts
 from pipeloom.plan.errors import LayoutError

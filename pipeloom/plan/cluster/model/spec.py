@@ -310,8 +310,12 @@ class ModelSpec:
             raise ModelConfigError("shared_norm (one norm before both branches) needs parallel_residual: a layer "
                                    "whose MLP follows its attention normalises the MLP's own input")
         if self.attention.heads % self.attention.kv_heads:
+            fits = [k for k in range(1, self.attention.heads + 1) if self.attention.heads % k == 0]
+            near = min(fits, key=lambda k: (abs(k - self.attention.kv_heads), k))
             raise ModelConfigError(f"{self.attention.heads} query heads are not a multiple of "
-                                   f"{self.attention.kv_heads} key/value heads")
+                                   f"{self.attention.kv_heads} key/value heads (each key/value head serves a whole "
+                                   f"group of query heads); check num_key_value_heads, e.g. {near}, which divides "
+                                   f"{self.attention.heads}")
 
     @property
     def layer_norms(self) -> int:
