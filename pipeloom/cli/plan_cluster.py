@@ -295,16 +295,18 @@ def _runnable(args: argparse.Namespace, result, options: dict) -> tuple:
 
 
 def _check_export(args: argparse.Namespace, options: dict) -> None:
-    """UsageError where ``--export torchtitan`` would drop what the plan is priced with: torchtitan's async tensor
-    parallelism, per-layer recomputation depth and float8 are not written by the export, and torchtitan reduces
-    gradients in fp32 only; or where it is priced as another framework runs it."""
+    """UsageError where ``--export torchtitan`` would drop what the plan is priced with: a per-layer recomputation
+    depth and float8 are not written by the export, torchtitan reduces gradients in fp32 only and runs its async
+    tensor parallelism only under torch.compile; or where it is priced as another framework runs it."""
     if not args.export:
         return
     if args.framework not in (None, "torchtitan"):
         raise UsageError(f"--export torchtitan prices the plan as torchtitan runs it, not as --framework "
                          f"{args.framework}; drop --framework (or use --framework torchtitan)")
+    if options.get("tp_overlap") and options.get("kernels") != "fused":
+        raise UsageError("torchtitan runs its async tensor parallelism (--tp-overlap) only under torch.compile: add "
+                         "--kernels fused (the export then writes compile.enable), or drop --tp-overlap")
     unsaid = [(flag, what) for flag, what, on in (
-        ("--tp-overlap", "async tensor parallelism", options.get("tp_overlap")),
         (f"--recompute-layers {options['recompute_layers']}", "a recomputation depth", options["recompute_layers"]),
         ("--dtype fp8", "float8", options["dtype"] == "fp8"),
         ("--grad-reduce bf16", "a bf16 gradient reduce (torchtitan reduces in fp32 only)",
@@ -372,7 +374,8 @@ def _save(args: argparse.Namespace, result) -> list[str]:
         assert recompute is not None, "runtime_plan refuses the export of a recomputation torchtitan has not"
         written.append(export_torchtitan(renamed, schedule, args.save, list(modules), recompute,
                                          context_parallel=result.best.layout.cp,
-                                         compiled=result.job.kernels == "fused"))
+                                         compiled=result.job.kernels == "fused",
+                                         async_tp=result.job.tp_overlap and result.best.layout.tp > 1))
     outputs = getattr(args, "outputs", None)
     save_plan(plan, outputs.path(args.save) if outputs is not None else args.save)
     memory = saving.runtime_memory_note(result)

@@ -33,9 +33,9 @@ from pipeloom.plan.errors import PlanError
 from pipeloom.plan.partitioning.shape import schedule_shape
 from pipeloom.plan.plan import Plan
 
-__all__ = ["ACTIVATION_CHECKPOINTS", "EXPORT_FORMATS", "TORCHTITAN_03_SETTINGS", "TORCHTITAN_VERSIONS",
-           "export_torchtitan", "stage_modules", "torchtitan_args", "torchtitan_overrides", "torchtitan_settings",
-           "torchtitan_toml", "version_overrides", "write_torchtitan"]
+__all__ = ["ACTIVATION_CHECKPOINTS", "EXPORT_FORMATS", "TORCHTITAN_03_MOVED", "TORCHTITAN_03_SETTINGS",
+           "TORCHTITAN_VERSIONS", "export_torchtitan", "stage_modules", "torchtitan_args", "torchtitan_overrides",
+           "torchtitan_settings", "torchtitan_toml", "version_overrides", "write_torchtitan"]
 
 EXPORT_FORMATS = ("torchtitan",)
 
@@ -45,6 +45,10 @@ TORCHTITAN_VERSIONS = ("0.2.2", "0.3.0")
 TORCHTITAN_03_SETTINGS: dict[str, dict[str, object]] = {"training": {"disable_cuda_graphs": True}}
 """What torchtitan 0.3.x needs besides :func:`torchtitan_settings` for pipeline parallelism (its
 ``Trainer.Config`` refuses ``pipeline_parallel_degree > 1`` while CUDA graphs are on); 0.2.x lacks the option."""
+
+
+TORCHTITAN_03_MOVED = {("parallelism", "enable_async_tensor_parallel"): ("compile", "enable_async_tensor_parallel")}
+"""Settings 0.3.x reads under another section than 0.2.x (the settings, and 0.2.x's TOML, keep 0.2.x's names)."""
 
 
 ACTIVATION_CHECKPOINTS: dict[str, dict[str, object]] = {
@@ -172,14 +176,19 @@ def torchtitan_overrides(settings: dict[str, dict[str, object]]) -> list[str]:
 
 
 def version_overrides(settings: dict[str, dict[str, object]]) -> tuple[list[str], list[str], list[str]]:
-    """The overrides both versions take, 0.2.x's own (its ``activation_checkpoint`` section) and 0.3.x's own
-    (:data:`TORCHTITAN_03_SETTINGS`, then the activation-checkpointing subcommand, last as tyro wants it)."""
-    shared = {section: values for section, values in settings.items() if section != "activation_checkpoint"}
+    """The overrides both versions take, 0.2.x's own (its ``activation_checkpoint`` section, the settings 0.3.x
+    moved) and 0.3.x's own (:data:`TORCHTITAN_03_SETTINGS`, the moved settings under their new names, then the
+    activation-checkpointing subcommand, last as tyro wants it)."""
+    moved = {old: new for old, new in TORCHTITAN_03_MOVED.items() if old[1] in settings.get(old[0], {})}
+    shared = {section: {key: value for key, value in values.items() if (section, key) not in moved}
+              for section, values in settings.items() if section != "activation_checkpoint"}
     ac = settings.get("activation_checkpoint")
-    older = torchtitan_overrides({"activation_checkpoint": ac}) if ac else []
+    older = torchtitan_overrides({old[0]: {old[1]: settings[old[0]][old[1]]} for old in moved})
+    older += torchtitan_overrides({"activation_checkpoint": ac}) if ac else []
     degree = settings.get("parallelism", {}).get("pipeline_parallel_degree", 1)
     piped = isinstance(degree, int) and degree > 1
     newer = torchtitan_overrides(TORCHTITAN_03_SETTINGS) if piped else []  # CUDA graphs refuse a pipeline only
+    newer += torchtitan_overrides({new[0]: {new[1]: settings[old[0]][old[1]]} for old, new in moved.items()})
     if ac:
         newer.append(f"activation_checkpoint:{ac['mode']}")
     return torchtitan_overrides(shared), older, newer
@@ -187,36 +196,50 @@ def version_overrides(settings: dict[str, dict[str, object]]) -> tuple[list[str]
 
 def torchtitan_args(settings: dict[str, dict[str, object]]) -> str:
     """The ``.torchtitan.args`` text: the overrides both versions take on one line, each version's own on
-    another."""
+    another, each with why."""
     shared, older, newer = version_overrides(settings)
     text = (f"# pipeloom plan: torchtitan command-line overrides (checked with torchtitan "
             f"{' and '.join(TORCHTITAN_VERSIONS)}); append to the training command\n{shlex.join(shared)}\n")
+    moved = any(old[1] in settings.get(old[0], {}) for old in TORCHTITAN_03_MOVED)
+    ac = "activation_checkpoint" in settings
+    whys = [why for why, there in (("its activation checkpointing", ac),
+                                   ("its names of the settings 0.3.x moved", moved)) if there]
     if older:
-        text += f"# torchtitan 0.2.x also (its activation checkpointing)\n{shlex.join(older)}\n"
+        text += f"# torchtitan 0.2.x also ({'; '.join(whys)})\n{shlex.join(older)}\n"
     if not newer:
         return text
-    why = ("CUDA graphs, on by default, refuse pipeline parallelism; 0.2.x has no such option; then its "
-           "activation-checkpointing subcommand, last" if newer[0].startswith("--") else
-           "its activation-checkpointing subcommand, last")
-    return text + f"# torchtitan 0.3.x also needs this ({why})\n{shlex.join(newer)}\n"
+    piped = any(word.startswith("--training.disable_cuda_graphs") for word in newer)
+    whys = [why for why, there in (
+        ("CUDA graphs, on by default, refuse pipeline parallelism; 0.2.x has no such option", piped),
+        ("its names of the settings it moved", moved),
+        ("its activation-checkpointing subcommand, last", ac)) if there]
+    return text + f"# torchtitan 0.3.x also needs this ({'; then '.join(whys)})\n{shlex.join(newer)}\n"
 
 
 def write_torchtitan(plan: Plan, schedule: Schedule, toml_path: str | Path, csv_path: str | Path, *,
                      modules: Sequence[str], args_path: str | Path | None = None,
                      activation_checkpoint: str | None = None,
-                     context_parallel: int = 1, compiled: bool = False) -> dict[str, dict[str, object]]:
+                     context_parallel: int = 1, compiled: bool = False,
+                     async_tp: bool = False) -> dict[str, dict[str, object]]:
     """Write the schedule CSV, the 0.2.x TOML fragment and (``args_path``) the command-line overrides; the
     settings name the CSV by its absolute path, and with ``activation_checkpoint`` (a key of
     :data:`ACTIVATION_CHECKPOINTS`) set torchtitan's recomputation (else torchtitan's own default runs); with
     ``context_parallel`` above 1 its context parallelism (``parallelism.context_parallel_degree``: the plan's data
     parallelism and batch are per context-parallel group, each of whose ranks holds 1/cp of the sequence); with
     ``compiled``, ``torch.compile`` (``compile.enable``: the elementwise kernels fused, as a plan priced with
-    ``kernels="fused"`` assumes; torchtitan's default runs them eagerly). Returns the settings."""
+    ``kernels="fused"`` assumes; torchtitan's default runs them eagerly); with ``async_tp`` (which needs
+    ``compiled``) its async tensor parallelism, the tp exchanges beside the GEMMs (0.2.x:
+    ``parallelism.enable_async_tensor_parallel``, 0.3.x: ``compile.enable_async_tensor_parallel``, both only under
+    ``torch.compile``). Returns the settings."""
     settings = torchtitan_settings(plan, schedule, csv_path, modules=modules)
     if isinstance(context_parallel, bool) or not isinstance(context_parallel, int) or context_parallel < 1:
         raise PlanError(f"context_parallel must be a whole number >= 1, got {context_parallel!r}")
     if context_parallel > 1:
         settings["parallelism"]["context_parallel_degree"] = context_parallel
+    if async_tp and not compiled:
+        raise PlanError("torchtitan's async tensor parallelism runs only under torch.compile: export it compiled")
+    if async_tp:
+        settings["parallelism"]["enable_async_tensor_parallel"] = True
     if compiled:
         settings["compile"] = {"enable": True}
     if activation_checkpoint is not None:
@@ -233,13 +256,13 @@ def write_torchtitan(plan: Plan, schedule: Schedule, toml_path: str | Path, csv_
 
 def export_torchtitan(plan: Plan, schedule: Schedule, save: Path, modules: Sequence[str],
                       activation_checkpoint: str | None = None, *, context_parallel: int = 1,
-                      compiled: bool = False) -> str:
+                      compiled: bool = False, async_tp: bool = False) -> str:
     """Write ``<stem>.torchtitan.args``, ``.toml`` and ``.csv`` next to the plan file ``save``
     (:func:`write_torchtitan`'s settings); the lines that say so, with the overrides of each torchtitan version."""
     args, toml, csv = (save.with_name(f"{save.stem}.torchtitan.{ext}") for ext in ("args", "toml", "csv"))
     settings = write_torchtitan(plan, schedule, toml, csv, modules=modules, args_path=args,
                                 activation_checkpoint=activation_checkpoint, context_parallel=context_parallel,
-                                compiled=compiled)
+                                compiled=compiled, async_tp=async_tp)
     shared, older, newer = version_overrides(settings)
     lines = [f"wrote torchtitan overrides {args}, 0.2.x TOML {toml} and schedule {csv}",
              f"torchtitan 0.2.x and 0.3.x: {shlex.join(shared)}"]

@@ -154,6 +154,25 @@ def test_torchtitan_export_refuses_two_replica_schedules():
         torchtitan_settings(ep, one.schedule, "x.csv", modules=[f"blocks.{k}" for k in range(8)])
 
 
+def test_torchtitan_async_tp_goes_on_each_versions_own_line(tmp_path):
+    """Async tensor parallelism is ``parallelism.enable_async_tensor_parallel`` in 0.2.x (its TOML and line) and
+    ``compile.enable_async_tensor_parallel`` in 0.3.x (its line): never on the shared line; only with compile, which
+    both versions need for it (tests/plan/test_torchtitan_export.py reads them with torchtitan's own parsers)."""
+    result = plan_mesh(_table(16), num_ranks=8, global_batch=32, schedules=["1f1b"], data_parallel=[2],
+                       microbatches=[8])
+    modules = [f"blocks.{k}" for k in range(16)]
+    with pytest.raises(PlanError, match="async tensor parallelism runs only under torch.compile"):
+        write_torchtitan(result.plan, result.schedule, tmp_path / "p.toml", tmp_path / "p.csv", modules=modules,
+                         async_tp=True)
+    write_torchtitan(result.plan, result.schedule, tmp_path / "p.toml", tmp_path / "p.csv", modules=modules,
+                     args_path=tmp_path / "p.args", compiled=True, async_tp=True)
+    lines = (tmp_path / "p.args").read_text().splitlines()
+    assert "enable_async" not in lines[1] and lines[1].endswith("--compile.enable")
+    assert lines[3] == "--parallelism.enable_async_tensor_parallel"
+    assert lines[5] == "--training.disable_cuda_graphs --compile.enable_async_tensor_parallel"
+    assert "enable_async_tensor_parallel = true" in (tmp_path / "p.toml").read_text()
+
+
 def test_stage_modules_cut_the_pieces_and_refuse_what_torchtitan_cannot_split():
     from pipeloom.plan.export import stage_modules
 

@@ -18,7 +18,7 @@ import pytest
 torchtitan = pytest.importorskip("torchtitan")
 tyro = pytest.importorskip("tyro")
 
-from pipeloom.plan import CostTable, Piece, plan_mesh  # noqa: E402 (after the skips)
+from pipeloom.plan import CostTable, Piece, PlanError, plan_mesh  # noqa: E402 (after the skips)
 from pipeloom.plan.export import TORCHTITAN_03_SETTINGS, torchtitan_overrides, write_torchtitan  # noqa: E402
 
 VERSION = importlib.metadata.version("torchtitan")
@@ -151,22 +151,29 @@ def test_context_parallelism_reaches_torchtitan(tmp_path):
     assert not _matches(config, settings), _matches(config, settings)
 
 
-def test_the_sequence_and_compile_reach_torchtitan(tmp_path):
-    """A cluster plan's sequence length (``training.seq_len``) and fused kernels (``compile.enable``) as torchtitan
-    reads them, in 0.2.x's parser (TOML and overrides) or 0.3.x's (its three sections)."""
+def test_the_sequence_compile_and_async_tp_reach_torchtitan(tmp_path):
+    """A cluster plan's sequence length (``training.seq_len``), fused kernels (``compile.enable``) and async tensor
+    parallelism as torchtitan reads them: 0.2.x's parser (TOML; overrides with its own line, where async TP is
+    ``parallelism.enable_async_tensor_parallel``) or 0.3.x's (its sections, async TP under ``compile``)."""
+    from pipeloom.plan.export import version_overrides
+
     pieces = tuple(Piece(name=name, f=1.0, i=1.0, w=1.0, activation_bytes=100.0, w_activation_bytes=20.0,
                          param_bytes=10.0, output_bytes=8.0) for name in MODULES)
     result = plan_mesh(CostTable(pieces=pieces, microbatch_size=1), num_ranks=4, global_batch=16,
                        schedules=["1f1b"], data_parallel=[2], microbatches=[8])
     plan = dataclasses.replace(result.plan, sequence_length=8192)
     toml, csv, args = (tmp_path / f"plan.torchtitan.{ext}" for ext in ("toml", "csv", "args"))
-    settings = write_torchtitan(plan, result.schedule, toml, csv, modules=MODULES, args_path=args, compiled=True)
+    settings = write_torchtitan(plan, result.schedule, toml, csv, modules=MODULES, args_path=args, compiled=True,
+                                async_tp=True)
     assert settings["training"]["seq_len"] == 8192 and settings["compile"] == {"enable": True}
-    overrides = shlex.split(args.read_text().splitlines()[1])
+    assert settings["parallelism"]["enable_async_tensor_parallel"] is True
+    shared, older, newer = version_overrides(settings)
+    assert "--parallelism.enable_async_tensor_parallel" in older and "--compile.enable_async_tensor_parallel" in newer
+    assert not any("enable_async" in word for word in shared)
     if VERSION.startswith("0.2."):
         from torchtitan.config.manager import ConfigManager
 
-        for given in (["--job.config_file", str(toml)], overrides):
+        for given in (["--job.config_file", str(toml)], [*shared, *older]):
             config = ConfigManager().parse_args(given)
             assert not _matches(config, settings), (given, _matches(config, settings))
         return
@@ -178,6 +185,18 @@ def test_the_sequence_and_compile_reach_torchtitan(tmp_path):
         ("training", TrainingConfig, dataclasses.field(default_factory=TrainingConfig)),
         ("parallelism", ParallelismConfig, dataclasses.field(default_factory=ParallelismConfig)),
         ("compile", CompileConfig, dataclasses.field(default_factory=CompileConfig))])
-    config = tyro.cli(sections, args=[*overrides, *torchtitan_overrides(TORCHTITAN_03_SETTINGS)],
-                      default=sections(), registry=custom_registry)
-    assert not _matches(config, settings), _matches(config, settings)
+    config = tyro.cli(sections, args=[*shared, *newer], default=sections(), registry=custom_registry)
+    assert config.compile.enable_async_tensor_parallel
+    in_03 = {section: {k: v for k, v in values.items() if k != "enable_async_tensor_parallel"}
+             for section, values in settings.items()}
+    assert not _matches(config, in_03), _matches(config, in_03)
+
+
+def test_async_tp_is_not_exported_without_compile(tmp_path):
+    pieces = tuple(Piece(name=name, f=1.0, i=1.0, w=1.0, activation_bytes=100.0, w_activation_bytes=20.0,
+                         param_bytes=10.0, output_bytes=8.0) for name in MODULES)
+    result = plan_mesh(CostTable(pieces=pieces, microbatch_size=1), num_ranks=4, global_batch=16,
+                       schedules=["1f1b"], data_parallel=[2], microbatches=[8])
+    with pytest.raises(PlanError, match="async tensor parallelism runs only under torch.compile"):
+        write_torchtitan(result.plan, result.schedule, tmp_path / "a.toml", tmp_path / "a.csv", modules=MODULES,
+                         async_tp=True)

@@ -145,8 +145,7 @@ def test_save_names_the_least_memory_its_runtime_needs_when_nothing_fits(tmp_pat
     assert main(command) == 0 and save.exists()
 
 
-@pytest.mark.parametrize(("flag", "what"), [(["--tp-overlap"], "async tensor parallelism"),
-                                           (["--dtype", "fp8"], "float8"),
+@pytest.mark.parametrize(("flag", "what"), [(["--dtype", "fp8"], "float8"),
                                            (["--recompute-layers", "2"], "a recomputation depth"),
                                            (["--grad-reduce", "bf16"], "a bf16 gradient reduce")])
 def test_the_torchtitan_export_refuses_what_it_would_not_write(tmp_path, capsys, flag, what):
@@ -155,8 +154,7 @@ def test_the_torchtitan_export_refuses_what_it_would_not_write(tmp_path, capsys,
     assert main(command) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"a plan priced with {' '.join(flag)}: the export writes no {what}" in err[0], err
-    assert not any(other in err[0] for other in ("async tensor", "float8", "depth", "bf16 gradient") if other
-                   not in what), err
+    assert not any(other in err[0] for other in ("float8", "depth", "bf16 gradient") if other not in what), err
     assert not save.exists()
 
 
@@ -187,6 +185,12 @@ def test_the_torchtitan_export_is_priced_as_torchtitan_runs_it(tmp_path, capsys)
     assert step("--save", str(tmp_path / "b.json"), "--export", "torchtitan", "--kernels", "fused") < exported
     assert "--compile.enable" in (tmp_path / "b.torchtitan.args").read_text()
     assert "[compile]\nenable = true" in (tmp_path / "b.torchtitan.toml").read_text()
+    # async TP (--tp-overlap) runs in torchtitan only compiled: written with --kernels fused, refused without
+    tp = ["--layout", "tp=2", "--tp-overlap"]
+    assert main([*base, "--save", str(tmp_path / "d.json"), "--export", "torchtitan", *tp]) == 2
+    assert "only under torch.compile: add --kernels fused" in capsys.readouterr().err
+    assert step("--save", str(tmp_path / "d.json"), "--export", "torchtitan", *tp, "--kernels", "fused") > 0
+    assert "--compile.enable_async_tensor_parallel" in (tmp_path / "d.torchtitan.args").read_text()
     assert main([*base, "--save", str(tmp_path / "c.json"), "--export", "torchtitan", "--framework",
                  "megatron-bridge"]) == 2
     assert "not as --framework megatron-bridge; drop --framework" in capsys.readouterr().err
