@@ -130,8 +130,9 @@ def _assumes(job, layout, framework: str | None = None, searched: tuple[str, ...
             + (": Megatron-LM keeps fp32 unless --grad-reduce-in-bf16" if job.grad_reduce == "bf16" else "")
             + ", --no-overlap-grad-reduce)"]
     if (job.distributed_optimizer or layout.fsdp) and layout.state_groups[0] > 1 and not job.reshards(layout):
-        said.append("the updated parameters all-gathered " + ("beside the step's first forward (Megatron-LM's "
-                    "--overlap-param-gather)" if job.overlap_grad_reduce else "before the step's first forward"))
+        flag = " (FSDP's)" if layout.fsdp else " (Megatron-LM's --overlap-param-gather)"  # the distributed optimizer's
+        said.append("the updated parameters all-gathered " + (f"beside the step's first forward{flag}"
+                    if job.overlap_grad_reduce else "before the step's first forward"))
     if layout.tp > 1:
         said.append(("sequence parallel" if job.sequence_parallel else "no sequence parallelism") + ", tp exchanges "
                     + ("beside" if job.tp_overlap else "between") + " the GEMMs (--tp-overlap)")
