@@ -26,6 +26,7 @@ from pipeloom.plan.cluster.search import runners_up_of, search_faster, search_la
 from pipeloom.plan.cluster.step import Estimate
 from pipeloom.plan.costs.parts import parse_bytes
 from pipeloom.plan.errors import CostTableError, LayoutError, NoLayoutFits, PlanError
+from pipeloom.schedules import REGISTRY
 
 __all__ = ["ClusterPlan", "parse_layout", "plan_cluster"]
 
@@ -223,7 +224,10 @@ def parse_layout(text: str) -> dict[str, Any]:
             fixed[key] = value.lower()  # 1F1B, None: the names are lower-case
             choices = RECOMPUTE_MODES if key == "recompute" else tuple(SCHEDULES)
             if fixed[key] not in choices:
-                raise LayoutError(f"layout {key}={value} is not one of {', '.join(choices)}")
+                other = key == "schedule" and fixed[key] in REGISTRY  # a pipeloom schedule this planner does not price
+                raise LayoutError(f"layout {key}={value} is not one of {', '.join(choices)}" + (
+                    " (the cluster planner does not price it; pipeloom plan --costs searches every built-in schedule)"
+                    if other else ""))
             continue
         try:
             number = int(value)

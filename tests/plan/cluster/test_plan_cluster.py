@@ -167,6 +167,8 @@ def test_1f1b_bound_is_exact_for_even_stages():
     (["--model", "CONFIG", "--gpus", "8", "--seq", "4096"], "--model needs --hardware"),
     (["--model", "CONFIG", "--hardware", "h100", "--gpus", "8", "--seq", "4096", "--layout", "tp=3"], "tp=3"),
     (["--model", "CONFIG", "--hardware", "h100", "--gpus", "8", "--seq", "4096", "--layout", "foo=1"], "foo=1"),
+    (["--model", "CONFIG", "--hardware", "h100", "--gpus", "8", "--seq", "4096", "--layout", "schedule=v-half"],
+     "(the cluster planner does not price it; pipeloom plan --costs searches every built-in schedule)"),
     (["--model", "CONFIG", "--hardware", "h100", "--gpus", "8", "--seq", "4096", "--layout", "tp=2 pp=2"],
      "layout tp must be an integer, got '2 pp=2' (the items are separated by commas: tp=2,pp=4)"),
     (["--model", "CONFIG", "--hardware", "h100", "--gpus", "8", "--seq", "4096", "--layout", "pp=3"],
