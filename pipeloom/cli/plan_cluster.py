@@ -295,9 +295,10 @@ def _runnable(args: argparse.Namespace, result, options: dict) -> tuple:
 
 
 def _check_export(args: argparse.Namespace, options: dict) -> None:
-    """UsageError where ``--export torchtitan`` would drop what the plan is priced with: a per-layer recomputation
-    depth and float8 are not written by the export, torchtitan reduces gradients in fp32 only and runs its async
-    tensor parallelism only under torch.compile; or where it is priced as another framework runs it."""
+    """UsageError where ``--export torchtitan`` would drop what the plan is priced with (the export writes none of
+    these, and torchtitan runs its own: fp32 gradient reduces, PyTorch's SDPA, a torch optimizer's fp32 moments,
+    gradients whole under a pipeline, sequence parallelism, reduces beside the backward; async tensor parallelism
+    only compiled), or where it is priced as another framework runs it."""
     if not args.export:
         return
     if args.framework not in (None, "torchtitan"):
@@ -307,13 +308,21 @@ def _check_export(args: argparse.Namespace, options: dict) -> None:
         raise UsageError("torchtitan runs its async tensor parallelism (--tp-overlap) only under torch.compile: add "
                          "--kernels fused (the export then writes compile.enable), or drop --tp-overlap")
     unsaid = [(flag, what) for flag, what, on in (
-        (f"--recompute-layers {options['recompute_layers']}", "a recomputation depth", options["recompute_layers"]),
+        (f"--recompute-layers {options['recompute_layers']}", "recomputation depth", options["recompute_layers"]),
         ("--dtype fp8", "float8", options["dtype"] == "fp8"),
-        ("--grad-reduce bf16", "a bf16 gradient reduce (torchtitan reduces in fp32 only)",
-         options.get("grad_reduce") == "bf16")) if on]
+        ("--grad-reduce bf16", "bf16 gradient reduce (torchtitan reduces in fp32 only)",
+         options.get("grad_reduce") == "bf16"),
+        (f"--attention {options.get('attention')}", "attention kernel (torchtitan runs PyTorch's SDPA: flash2)",
+         options.get("attention") not in (None, "flash2")),
+        ("--adam-moments bf16", "optimizer moment dtype (torch's AdamW keeps fp32 moments)",
+         options["adam_moments"] == "bf16"),
+        ("--shard-gradients", "gradient sharding (torch's pipelining holds them whole to the step's end)",
+         options["shard_gradients"]),
+        ("--no-sequence-parallel", "tensor parallelism without sequence parallelism", not options["sequence_parallel"]),
+        ("--no-overlap-grad-reduce", "exposed gradient reduce", not options["overlap_grad_reduce"])) if on]
     if unsaid:
         raise UsageError(f"cannot export for torchtitan a plan priced with {' and '.join(f for f, _ in unsaid)}: the "
-                         f"export writes no {' or '.join(w for _, w in unsaid)}; plan without "
+                         f"export writes no {'; no '.join(w for _, w in unsaid)}; plan without "
                          f"{'it' if len(unsaid) == 1 else 'them'} for the export")
 
 
@@ -326,8 +335,8 @@ def _framework(args: argparse.Namespace) -> dict:
 
     preset = framework_options(args.framework, dtype=args.dtype) if args.framework else {}
     keys = {key for choices in FRAMEWORKS.values() for key in choices}
-    return {key: getattr(args, key) if getattr(args, key) is not None else preset[key] for key in sorted(keys)
-            if getattr(args, key) is not None or key in preset} | (
+    return {key: getattr(args, key, None) if getattr(args, key, None) is not None else preset[key]
+            for key in sorted(keys) if getattr(args, key, None) is not None or key in preset} | (
         {"schedules": FRAMEWORK_SCHEDULES[args.framework]} if args.framework else {})
 
 

@@ -126,7 +126,8 @@ def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: st
                  moe_comm: str = "plain", grad_reduce: str = "bf16", sequence_parallel: bool = True,
                  tp_overlap: bool = False, fp8_cast: str = "cached", stage_cut: str = "balanced",
                  moe_overlap: bool = False, recompute_layers: int | str = 0, shard_gradients: bool = False,
-                 adam_moments: str = "fp32", memory_limit: float | str | None = None, runners_up: int = 5,
+                 adam_moments: str = "fp32", distributed_optimizer: bool = True,
+                 memory_limit: float | str | None = None, runners_up: int = 5,
                  runs_on: str | None = None, schedules: Sequence[str] | None = None,
                  progress: Callable[[str], None] | None = None) -> ClusterPlan:
     """The fastest layout of ``model`` (config.json path, dict, PretrainedConfig or ModelSpec) on ``gpus`` GPUs of type
@@ -147,7 +148,9 @@ def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: st
     rank's next forward, hiding each other's expert all-to-all; ``recompute_layers``: with ``recompute=full``, only
     the first N decoder layers of each stage (0: every layer), or ``search`` (each of
     :func:`~pipeloom.plan.cluster.recompute.recompute_depths` tried); ``shard_gradients``: ZeRO-2;
-    ``adam_moments`` ``fp32`` or ``bf16``. ``layout``: keys held fixed (``"tp=4,pp=8"`` or a dict); with all of
+    ``adam_moments`` ``fp32`` or ``bf16``; ``distributed_optimizer`` False: Adam's state whole on every replica
+    without FSDP (torch's optimizers beside DDP, as torchtitan runs them).
+    ``layout``: keys held fixed (``"tp=4,pp=8"`` or a dict); with all of
     :data:`LAYOUT_KEYS` it predicts that layout alone. ``runs_on``: only the layouts that runtime runs, ``pipeloom``
     (``pipeline(model, plan=...)``) or ``torchtitan`` (the export), priced as it holds their state
     (:func:`~pipeloom.plan.cluster.runtime_plan.for_runtime`); ``schedules``: only these pipeline schedules (a
@@ -163,7 +166,7 @@ def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: st
               cp_rotate=cp_rotate, moe_comm=moe_comm, grad_reduce=grad_reduce,
               sequence_parallel=bool(sequence_parallel), tp_overlap=bool(tp_overlap), fp8_cast=fp8_cast,
               stage_cut=stage_cut, moe_overlap=bool(moe_overlap), shard_gradients=bool(shard_gradients),
-              adam_moments=adam_moments, recompute_layers=depth)
+              adam_moments=adam_moments, recompute_layers=depth, distributed_optimizer=bool(distributed_optimizer))
     fixed = parse_layout(layout if isinstance(layout, str) else _layout_text(layout))
     limit = _memory_limit(memory_limit, device)
     job, runtime = for_runtime(job, runs_on)

@@ -37,8 +37,7 @@ ADAM_MOMENTS = {"fp32": 4, "bf16": 2}
 """The data types Adam's two moments may be held in (:attr:`Job.adam_moments`), and their bytes."""
 
 STAGE_CUTS = ("balanced", "even")
-"""How the decoder layers may be cut into pipeline stages (:attr:`Job.stage_cut`), besides an explicit cut
-(:func:`layout_cut`)."""
+"""How decoder layers may be cut into stages (:attr:`Job.stage_cut`), besides an explicit cut (:func:`layout_cut`)."""
 
 _LAYOUT_PARTS = "EtmL"
 """What a stage of an explicit cut holds (:func:`layout_cut`): the embedding, decoder layers, multi-token-prediction
@@ -122,19 +121,20 @@ FRAMEWORKS: dict[str, dict[str, Any]] = {
     "megatron-bridge": {"kernels": "fused", "attention": "flash", "selective": "core_attn", "cp_rotate": "ring",
                         "grad_reduce": "bf16", "stage_cut": "even", "tp_overlap": True, "fp8_cast": "current"},
     "torchtitan": {"kernels": "eager", "attention": "flash2", "selective": "op", "cp_rotate": "allgather",
-                   "grad_reduce": "fp32", "stage_cut": "even", "tp_overlap": False, "fp8_cast": "dynamic"},
+                   "grad_reduce": "fp32", "stage_cut": "even", "tp_overlap": False, "fp8_cast": "dynamic",
+                   "distributed_optimizer": False},
 }
-"""The :class:`Job` choices a framework makes as its users run it (:func:`framework_options`), each from its
-source: **megatron-bridge**, NVIDIA's Megatron-Bridge performance recipes at v0.4.2
-(``scripts/performance/configs/``): Transformer Engine's fused kernels and attention, the attention core as
-selective recomputation (Megatron-Core's default ``recompute_modules``), K/V passed around the context-parallel
-ring, gradients reduce-scattered in bf16 (``grad_reduce_in_fp32`` False), layers cut evenly over the stages
-(Megatron-Core's split), ``tp_comm_overlap`` where tp > 1, FP8 with current scaling (their FP8-CS);
-**torchtitan**, its job config's defaults (torchtitan 0.3): no ``torch.compile`` (eager elementwise kernels),
-PyTorch SDPA (FlashAttention-2), the op-level selective policy, ``context_parallel_rotate_method =
-"allgather"``, ``mixed_precision_reduce = "float32"``, ``generate_split_points``' even cut, async TP off,
-torchao's per-tensor dynamic Float8. The recipes' per-model exceptions (an MoE recipe's ``moe_a2a_overlap``,
-a Qwen3 recipe's tp overlap off, a run that compiles) are the user's flags to give."""
+"""The :class:`Job` choices a framework makes as its users run it (:func:`framework_options`), each from its source:
+**megatron-bridge**, NVIDIA's Megatron-Bridge performance recipes at v0.4.2 (``scripts/performance/configs/``):
+Transformer Engine's fused kernels and attention, the attention core as selective recomputation (Megatron-Core's
+default ``recompute_modules``), K/V passed around the context-parallel ring, gradients reduce-scattered in bf16
+(``grad_reduce_in_fp32`` False), layers cut evenly over the stages (Megatron-Core's split), ``tp_comm_overlap`` where
+tp > 1, FP8 with current scaling (their FP8-CS); **torchtitan**, its job config's defaults (torchtitan 0.3): no
+``torch.compile`` (eager elementwise kernels), PyTorch SDPA (FlashAttention-2), the op-level selective policy,
+``context_parallel_rotate_method = "allgather"``, ``mixed_precision_reduce = "float32"``, ``generate_split_points``'
+even cut, async TP off, torchao's per-tensor dynamic Float8, no distributed optimizer (Adam's state whole on each
+replica without FSDP). The recipes' per-model exceptions (an MoE recipe's ``moe_a2a_overlap``, ...) are the user's
+flags to give."""
 
 
 def framework_options(name: str, *, dtype: str = "bf16") -> dict[str, Any]:

@@ -217,12 +217,14 @@ def runtime_job(job: Job, runs_on: str) -> Job:
     """``job`` priced as ``runs_on`` holds and runs a layout: a torch optimizer beside DDP holds Adam's state whole on
     every replica; pipeloom's FSDP keeps a stage whole from its first forward to the step's end, one stage too
     (:mod:`pipeloom.runtime.parallel.fsdp`), no gradient sharded, and its expert all-to-alls plain and exposed;
-    torchtitan's context parallelism all-gathers K/V (``torchtitan/distributed/context_parallel`` at 0.3.0) and its
-    gradients are reduced in fp32 (``mixed_precision_reduce`` takes only ``"float32"`` in 0.2.2 and 0.3.0)."""
+    torchtitan's context parallelism all-gathers K/V (``torchtitan/distributed/context_parallel`` at 0.3.0), its
+    gradients are reduced in fp32 (``mixed_precision_reduce`` takes only ``"float32"`` in 0.2.2 and 0.3.0) and held
+    whole under a pipeline until the step's end (torch's ``PipelineStage``), none sharded per micro-batch."""
     if runs_on == "pipeloom":
         return dataclasses.replace(job, distributed_optimizer=False, fsdp_per_layer=False, shard_gradients=False,
                                    moe_comm="plain", moe_overlap=False)
-    return dataclasses.replace(job, distributed_optimizer=False, cp_rotate="allgather", grad_reduce="fp32")
+    return dataclasses.replace(job, distributed_optimizer=False, cp_rotate="allgather", grad_reduce="fp32",
+                               shard_gradients=False)
 
 
 def pipeloom_memory(job: Job, layout: Layout) -> float:
