@@ -147,11 +147,10 @@ def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: st
     ``stage_cut`` ``balanced``, ``even`` or a Megatron-Core pipeline layout; ``moe_overlap``: each backward beside the
     rank's next forward, hiding each other's expert all-to-all; ``recompute_layers``: with ``recompute=full``, only
     the first N decoder layers of each stage (0: every layer), or ``search`` (each of
-    :func:`~pipeloom.plan.cluster.recompute.recompute_depths` tried); ``shard_gradients``: ZeRO-2;
-    ``adam_moments`` ``fp32`` or ``bf16``; ``distributed_optimizer`` False: Adam's state whole on every replica
-    without FSDP (torch's optimizers beside DDP, as torchtitan runs them).
-    ``layout``: keys held fixed (``"tp=4,pp=8"`` or a dict); with all of
-    :data:`LAYOUT_KEYS` it predicts that layout alone. ``runs_on``: only the layouts that runtime runs, ``pipeloom``
+    :func:`~pipeloom.plan.cluster.recompute.recompute_depths` tried); ``shard_gradients``: ZeRO-2; ``adam_moments``
+    ``fp32`` or ``bf16``; ``distributed_optimizer`` False: Adam's state whole on each replica without FSDP (as
+    torchtitan holds it). ``layout``: keys held fixed (``"tp=4,pp=8"`` or a dict); with all of :data:`LAYOUT_KEYS`
+    it predicts that layout alone. ``runs_on``: only the layouts that runtime runs, ``pipeloom``
     (``pipeline(model, plan=...)``) or ``torchtitan`` (the export), priced as it holds their state
     (:func:`~pipeloom.plan.cluster.runtime_plan.for_runtime`); ``schedules``: only these pipeline schedules (a
     framework's: :data:`~pipeloom.plan.cluster.layout.FRAMEWORK_SCHEDULES`)."""
