@@ -121,15 +121,13 @@ def _sparse(spec: ModelSpec) -> dict[str, Any] | None:
 def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: str | Path | Hardware | dict, *,
                  gpus: int, global_batch: int, seq: int, dtype: str = "bf16",
                  layout: str | Mapping[str, Any] | None = None, kernels: str = "fused", attention: str = "flash",
-                 overlap_grad_reduce: bool = True,
-                 p2p_overlap: bool = True, selective: str = "core_attn", cp_rotate: str = "ring",
-                 moe_comm: str = "plain", grad_reduce: str = "bf16", sequence_parallel: bool = True,
-                 tp_overlap: bool = False, fp8_cast: str = "cached", stage_cut: str = "balanced",
-                 moe_overlap: bool = False, recompute_layers: int | str = 0, shard_gradients: bool = False,
-                 adam_moments: str = "fp32", distributed_optimizer: bool = True,
-                 memory_limit: float | str | None = None, runners_up: int = 5,
-                 runs_on: str | None = None, schedules: Sequence[str] | None = None,
-                 progress: Callable[[str], None] | None = None) -> ClusterPlan:
+                 overlap_grad_reduce: bool = True, p2p_overlap: bool = True, selective: str = "core_attn",
+                 cp_rotate: str = "ring", moe_comm: str = "plain", grad_reduce: str = "bf16",
+                 sequence_parallel: bool = True, tp_overlap: bool = False, fp8_cast: str = "cached",
+                 stage_cut: str = "balanced", moe_overlap: bool = False, recompute_layers: int | str = 0,
+                 shard_gradients: bool = False, adam_moments: str = "fp32", distributed_optimizer: bool = True,
+                 memory_limit: float | str | None = None, runners_up: int = 5, runs_on: str | None = None,
+                 schedules: Sequence[str] | None = None, progress: Callable[[str], None] | None = None) -> ClusterPlan:
     """The fastest layout of ``model`` (config.json path, dict, PretrainedConfig or ModelSpec) on ``gpus`` GPUs of type
     ``hw`` (a built-in name, a hardware JSON file or a Hardware) for ``global_batch`` sequences of ``seq`` tokens,
     within ``memory_limit`` per GPU (bytes, or a size such as ``"40GiB"``; default the GPU's memory). The framework
