@@ -147,7 +147,8 @@ def _assumes(job, layout, framework: str | None = None, searched: tuple[str, ...
     if layout.recompute == "selective":
         said.append(f"selective recomputation: {job.selective} ({_how('selective', searched, variants)})")
     if layout.recompute == "full":
-        which = f"the first {job.recompute_layers} layers of each stage" if job.recompute_layers else "every layer"
+        which = (f"the first {job.recompute_layers} layers of each stage" if 0 < job.recompute_layers < job.spec.layers
+                 else "every layer")  # a depth of the whole model or more recomputes every layer
         said.append(f"full recomputation of {which} ({_how('recompute_layers', searched, variants)})")
     if job.dtype == "fp8":
         said.append(f"FP8 casts: {_FP8_CASTS[job.fp8_cast]} (--fp8-cast)")
@@ -260,7 +261,7 @@ def report(result, *, framework: str | None = None) -> str:
     if result.runners_up:
         lines.append("runners-up:")
         for est, why in result.runners_up:
-            lines.append(f"  {est.layout}: {est.step_time:.3f} s, {_gib(est.memory.total)}: {why}")
+            lines.append(f"  {est.layout}: {_s(est.step_time)} s, {_gib(est.memory.total)}: {why}")
     if result.candidates == 1:  # a layout given whole, or the one the fixed keys leave
         lines.append(f"predicted the one layout that can run in {result.seconds:.1f} s")
     else:

@@ -76,7 +76,8 @@ def megatron_modules(selective: str) -> tuple[str, ...]:
         what = f"unknown {', '.join(map(repr, unknown))}" if unknown else "a module named twice"
         raise LayoutError(f"selective={selective!r}: {what}; use Megatron-Core's recompute_modules comma-separated "
                           f"(from {', '.join(MEGATRON_MODULES)}), 'op' (torchtitan's op-level policy), 'layer' "
-                          "(every second layer whole) or 'deepseek' (DeepSeek-V3's)")
+                          "(every second layer whole), 'deepseek' (DeepSeek-V3's) or 'search' alone (the model's "
+                          "module sets tried)")
     return tuple(module for module in MEGATRON_MODULES if module in names)
 
 

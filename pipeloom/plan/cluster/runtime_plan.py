@@ -326,6 +326,11 @@ def runtime_notes(result: ClusterPlan, *, memory: tuple[str | None, bool] | None
         notes.append(state)
     if result.job.dtype != "bf16":
         notes.append(f"the plan assumes {result.job.dtype} GEMMs; the runtime runs the model's own dtype")
+    if result.job.adam_moments == "bf16":  # the runtime trains with the optimizer it is given
+        fp32 = pipeloom_memory(dataclasses.replace(result.job, adam_moments="fp32"), layout)
+        notes.append("the plan holds Adam's moments in bf16 (--adam-moments bf16): train it with an optimizer that "
+                     f"keeps them so; torch's AdamW keeps them in fp32, {fp32 / 2**30:.1f} GiB per GPU in pipeloom's "
+                     "runtime")
     if result.job.overlap_pairs(layout):
         notes.append("the plan assumes each forward beside another micro-batch's backward, hiding the expert "
                      "all-to-all (--moe-overlap); the runtime runs them one after the other, the all-to-all exposed")

@@ -235,3 +235,21 @@ def test_a_torchtitan_plan_runs_context_parallelism(tmp_path, capsys):
     assert "note: pipeloom's runtime does not run this layout: cp=4" in out
     result = plan_cluster(LLAMA, "h100", gpus=8, global_batch=16, seq=32768, layout=layout, runs_on="torchtitan")
     assert result.job.cp_rotate == "allgather"
+
+
+def test_a_saved_plan_with_bf16_adam_moments_says_what_torchs_adamw_needs():
+    """pipeloom's runtime trains with the optimizer it is given: a plan priced with bf16 moments says so and what
+    torch's AdamW (fp32 moments) needs there (a trial's saved plan fitted only with bf16 moments, unsaid)."""
+    from pipeloom.plan.cluster.runtime_plan import pipeloom_memory
+
+    fixed = "dp=4,tp=1,pp=2,vp=1,cp=1,ep=1,mbs=1,fsdp=0,recompute=none,schedule=1f1b"
+    result = plan_cluster(LLAMA, "h100", gpus=8, global_batch=32, seq=4096, layout=fixed, adam_moments="bf16",
+                          runs_on="pipeloom")
+    fp32 = pipeloom_memory(plan_cluster(LLAMA, "h100", gpus=8, global_batch=32, seq=4096, layout=fixed).job,
+                           result.best.layout)
+    assert fp32 > result.best.memory.total
+    assert (f"the plan holds Adam's moments in bf16 (--adam-moments bf16): train it with an optimizer that keeps them "
+            f"so; torch's AdamW keeps them in fp32, {fp32 / 2**30:.1f} GiB per GPU in pipeloom's runtime"
+            ) in runtime_notes(result)
+    assert not any("moments" in note for note in runtime_notes(plan_cluster(LLAMA, "h100", gpus=8, global_batch=32,
+                                                                              seq=4096, layout=fixed)))
