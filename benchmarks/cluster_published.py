@@ -5,7 +5,7 @@ throughput error, and the planner's own choice on the same job.
     python benchmarks/cluster_published.py [--no-search | --search-up-to GPUS] [--only SUBSTRING] [--markdown]
 
 Each row is priced with the framework choices it ran (:func:`options`): torchtitan's rows with torchtitan's
-preset and Megatron-Bridge's with its recipes' (``pipeloom.plan.cluster.job.FRAMEWORKS``, what ``pipeloom plan
+preset and Megatron-Bridge's with its recipes' (``pipeloom.plan.cluster.api.FRAMEWORKS``, what ``pipeloom plan
 --framework`` sets), then what a row's source says differs; the 2021 Megatron, Llama 3, MLPerf and DeepSeek-V3
 rows with their own (materialized attention and blocking sends in 2021, fp32 gradient reduce in Llama 3, tp
 overlap in MLPerf, DeepSeek-V3's recomputation and all-to-all).
@@ -27,8 +27,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from pipeloom.plan.cluster.api import plan_cluster  # noqa: E402
-from pipeloom.plan.cluster.job import STAGE_CUTS, framework_options  # noqa: E402
+from pipeloom.plan.cluster.api import (
+    framework_options,  # noqa: E402
+    plan_cluster,  # noqa: E402
+)
+from pipeloom.plan.cluster.job import STAGE_CUTS  # noqa: E402
 from pipeloom.plan.cluster.model.reader import model_spec  # noqa: E402
 from pipeloom.plan.errors import NoLayoutFits  # noqa: E402
 from published_runs import derived, load_runs, run_config, run_hardware  # noqa: E402
@@ -65,7 +68,7 @@ def _published(run: dict, limit: float | None):
 
 
 def framework(run: dict) -> str | None:
-    """The framework preset a row ran (``pipeloom.plan.cluster.job.FRAMEWORKS``): torchtitan's rows its job-config
+    """The framework preset a row ran (``pipeloom.plan.cluster.api.FRAMEWORKS``): torchtitan's rows its job-config
     defaults, Megatron-Bridge's its performance recipes, as NeMo 2.0's (the same Megatron-Core with Transformer
     Engine, distributed optimizer, bf16 gradient reduce and current-scaling FP8 in its performance tables); None for
     the rest, whose choices :func:`options` gives."""

@@ -328,9 +328,9 @@ def _check_export(args: argparse.Namespace, options: dict) -> None:
 
 def _framework(args: argparse.Namespace) -> dict:
     """The framework choices to price: each flag given, else --framework's, else the planner's default (the
-    choices a preset sets are pipeloom.plan.cluster.job.FRAMEWORKS' keys; each has its flag of the same name), and
+    choices a preset sets are pipeloom.plan.cluster.api.FRAMEWORKS' keys; each has its flag of the same name), and
     with --framework only the schedules it runs (pipeloom.plan.cluster.layout.FRAMEWORK_SCHEDULES)."""
-    from pipeloom.plan.cluster.job import FRAMEWORKS, framework_options
+    from pipeloom.plan.cluster.api import FRAMEWORKS, framework_options
     from pipeloom.plan.cluster.layout import FRAMEWORK_SCHEDULES
 
     preset = framework_options(args.framework, dtype=args.dtype) if args.framework else {}

@@ -28,7 +28,7 @@ from pipeloom.plan.costs.parts import parse_bytes
 from pipeloom.plan.errors import CostTableError, LayoutError, NoLayoutFits, PlanError
 from pipeloom.schedules import REGISTRY
 
-__all__ = ["ClusterPlan", "parse_layout", "plan_cluster"]
+__all__ = ["ClusterPlan", "FRAMEWORKS", "framework_options", "parse_layout", "plan_cluster"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -116,6 +116,35 @@ def _sparse(spec: ModelSpec) -> dict[str, Any] | None:
         return None
     return {"topk": ix.topk, "index_heads": ix.heads, "index_head_dim": ix.dim,
             "indexer_layers": list(spec.indexer_layers)}
+
+
+FRAMEWORKS: dict[str, dict[str, Any]] = {
+    "megatron-bridge": {"kernels": "fused", "attention": "flash", "selective": "core_attn", "cp_rotate": "ring",
+                        "grad_reduce": "bf16", "stage_cut": "even", "tp_overlap": True, "fp8_cast": "current"},
+    "torchtitan": {"kernels": "eager", "attention": "flash2", "selective": "op", "cp_rotate": "allgather",
+                   "grad_reduce": "fp32", "stage_cut": "even", "tp_overlap": False, "fp8_cast": "dynamic",
+                   "distributed_optimizer": False},
+}
+"""The :class:`Job` choices a framework makes as its users run it (:func:`framework_options`), each from its source:
+**megatron-bridge**, NVIDIA's Megatron-Bridge performance recipes at v0.4.2 (``scripts/performance/configs/``):
+Transformer Engine's fused kernels and attention, the attention core as selective recomputation (Megatron-Core's
+default ``recompute_modules``), K/V passed around the context-parallel ring, gradients reduce-scattered in bf16
+(``grad_reduce_in_fp32`` False), layers cut evenly over the stages (Megatron-Core's split), ``tp_comm_overlap`` where
+tp > 1, FP8 with current scaling (their FP8-CS); **torchtitan**, its job config's defaults (torchtitan 0.3): no
+``torch.compile`` (eager elementwise kernels), PyTorch SDPA (FlashAttention-2), the op-level selective policy,
+``context_parallel_rotate_method = "allgather"``, ``mixed_precision_reduce = "float32"``, ``generate_split_points``'
+even cut, async TP off, torchao's per-tensor dynamic Float8, no distributed optimizer (Adam's state whole on each
+replica without FSDP). The recipes' per-model exceptions (an MoE recipe's ``moe_a2a_overlap``, ...) are the user's
+flags to give."""
+
+
+def framework_options(name: str, *, dtype: str = "bf16") -> dict[str, Any]:
+    """The :data:`FRAMEWORKS` choices of ``name`` as :func:`~pipeloom.plan.cluster.api.plan_cluster` keywords (the
+    FP8 casts only for ``dtype="fp8"``: a BF16 job casts nothing); LayoutError for an unknown name."""
+    if name not in FRAMEWORKS:
+        raise LayoutError(f"unknown framework {name!r}: use one of {', '.join(FRAMEWORKS)}, or give its choices "
+                          "one by one (kernels, attention, selective, ...)")
+    return {key: value for key, value in FRAMEWORKS[name].items() if key != "fp8_cast" or dtype == "fp8"}
 
 
 def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: str | Path | Hardware | dict, *,

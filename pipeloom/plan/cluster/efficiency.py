@@ -157,6 +157,14 @@ in one pass over it (``common/cast/mxfp8/quantize_mxfp8.cuh``: one kernel takes 
 chunk)."""
 
 
+def fp8_weight_copy_bytes(cast: str, *, any_layout: bool) -> float:
+    """Bytes per weight element of the FP8 copies Transformer Engine keeps through a step (each made at the first
+    micro-batch, ``is_first_microbatch``): ``cached``, ``current``: the copy and, where FP8 GEMMs take one layout only
+    (Hopper), its transpose; ``mxfp8``: the two block-scaled copies with their scales; 0 for torchao's ``dynamic``."""
+    copies = {"cached": 1.0 if any_layout else 2.0, "mxfp8": 2 * (1 + 1 / 32), "dynamic": 0.0}
+    return copies.get(cast, copies["cached"])
+
+
 def wave_efficiency(hw: Hardware, m: float, n: float, count: int = 1) -> float:
     """Used fraction of the waves of ``count`` GEMMs with an ``m x n`` output on ``hw.sm_count`` SMs: ``tiles``
     output tiles over ``⌈tiles / SMs⌉`` full waves, the better of :data:`_TILES`. Below one wave the libraries

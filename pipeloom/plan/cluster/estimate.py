@@ -60,8 +60,7 @@ class Estimator:
     """Prices layouts of one :class:`Job`; caches layer times and schedule replays (no state but caches)."""
 
     def __init__(self, job: Job) -> None:
-        self.job, spec = job, job.spec
-        self.kinds = layer_kinds(spec)
+        self.job, spec, self.kinds = job, job.spec, layer_kinds(job.spec)
         self.tail = ("head",) + ("mtp",) * spec.mtp  # the last stage's kinds after its layers: head, MTP modules
         self.counts = {k: layer_counts(spec, k, job.seq) for k in ("embedding", *set(self.tail), *set(self.kinds))}
         self._layer: dict[tuple[Any, ...], PhaseTimes] = {}
@@ -349,12 +348,13 @@ class Estimator:
         copies: each parameter the rank holds has its twin on the mirror rank, so gradients are reduced, and the
         optimizer state sharded, over both copies' data-parallel ranks."""
         hw, (dpcp, edp) = self.job.hw, layout.state_groups
-        dense = expert = 0.0
-        for kind, count in kinds:  # parameters held: tp-sharded, experts over ep
+        dense = expert = ends = 0.0
+        for kind, count in kinds:  # parameters held: tp-sharded, experts over ep; the embedding's and head's
             c = self.counts[kind]
             dense += count * (c.params - c.expert_params) / layout.tp
             expert += count * c.expert_params / layout.ep
-        weights, gradients, states = self.job.param_state(layout, dense, expert)
+            ends += count * c.params / layout.tp if kind in ("embedding", "head") else 0.0
+        weights, gradients, states = self.job.param_state(layout, dense, expert, ends=ends)
         f1, b1 = sum(times[j].f for j in stages), sum(times[j].i + times[j].w for j in stages)
         # the dense replicas sit tp apart (Megatron's order tp, cp, dp); the experts' replicas ep apart (etp, ep, edp)
         exposed = sum(self._dp_exposed(layout, params, group, stride, f1, b1, m)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, replace
-from typing import Any
 
 from pipeloom.plan.cluster.efficiency import (
     ATTENTION_KINDS,
@@ -14,6 +13,7 @@ from pipeloom.plan.cluster.efficiency import (
     DYNAMIC_CAST_BYTES,
     FUSED_CAST_BYTES,
     MXFP8_CAST_BYTES,
+    fp8_weight_copy_bytes,
 )
 from pipeloom.plan.cluster.elementwise import KERNELS
 from pipeloom.plan.cluster.hardware import Hardware
@@ -22,8 +22,7 @@ from pipeloom.plan.cluster.model.spec import ModelSpec
 from pipeloom.plan.cluster.recompute import idle_modules, megatron_modules
 from pipeloom.plan.errors import LayoutError
 
-__all__ = ["Job", "CP_ROTATE", "MOE_COMM", "GRAD_REDUCE", "ADAM_MOMENTS", "STAGE_CUTS", "FP8_CASTS", "FRAMEWORKS",
-           "framework_options", "layout_cut"]
+__all__ = ["Job", "CP_ROTATE", "MOE_COMM", "GRAD_REDUCE", "ADAM_MOMENTS", "STAGE_CUTS", "FP8_CASTS", "layout_cut"]
 
 FP8_CASTS = ("cached", "dynamic", "current", "mxfp8")
 """How FP8 GEMMs cast their inputs (:attr:`Job.fp8_cast`)."""
@@ -115,35 +114,6 @@ def layout_cut(text: str, layers: int, mtp: int) -> tuple[int, ...]:
         raise refuse("the multi-token-prediction modules are priced beside the loss, after the last decoder layer: "
                      "put them all just before the L")
     return tuple(stage.count("t") for stage in stages)
-
-
-FRAMEWORKS: dict[str, dict[str, Any]] = {
-    "megatron-bridge": {"kernels": "fused", "attention": "flash", "selective": "core_attn", "cp_rotate": "ring",
-                        "grad_reduce": "bf16", "stage_cut": "even", "tp_overlap": True, "fp8_cast": "current"},
-    "torchtitan": {"kernels": "eager", "attention": "flash2", "selective": "op", "cp_rotate": "allgather",
-                   "grad_reduce": "fp32", "stage_cut": "even", "tp_overlap": False, "fp8_cast": "dynamic",
-                   "distributed_optimizer": False},
-}
-"""The :class:`Job` choices a framework makes as its users run it (:func:`framework_options`), each from its source:
-**megatron-bridge**, NVIDIA's Megatron-Bridge performance recipes at v0.4.2 (``scripts/performance/configs/``):
-Transformer Engine's fused kernels and attention, the attention core as selective recomputation (Megatron-Core's
-default ``recompute_modules``), K/V passed around the context-parallel ring, gradients reduce-scattered in bf16
-(``grad_reduce_in_fp32`` False), layers cut evenly over the stages (Megatron-Core's split), ``tp_comm_overlap`` where
-tp > 1, FP8 with current scaling (their FP8-CS); **torchtitan**, its job config's defaults (torchtitan 0.3): no
-``torch.compile`` (eager elementwise kernels), PyTorch SDPA (FlashAttention-2), the op-level selective policy,
-``context_parallel_rotate_method = "allgather"``, ``mixed_precision_reduce = "float32"``, ``generate_split_points``'
-even cut, async TP off, torchao's per-tensor dynamic Float8, no distributed optimizer (Adam's state whole on each
-replica without FSDP). The recipes' per-model exceptions (an MoE recipe's ``moe_a2a_overlap``, ...) are the user's
-flags to give."""
-
-
-def framework_options(name: str, *, dtype: str = "bf16") -> dict[str, Any]:
-    """The :data:`FRAMEWORKS` choices of ``name`` as :func:`~pipeloom.plan.cluster.api.plan_cluster` keywords (the
-    FP8 casts only for ``dtype="fp8"``: a BF16 job casts nothing); LayoutError for an unknown name."""
-    if name not in FRAMEWORKS:
-        raise LayoutError(f"unknown framework {name!r}: use one of {', '.join(FRAMEWORKS)}, or give its choices "
-                          "one by one (kernels, attention, selective, ...)")
-    return {key: value for key, value in FRAMEWORKS[name].items() if key != "fp8_cast" or dtype == "fp8"}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -311,14 +281,14 @@ class Job:
         return None if self.stage_cut in STAGE_CUTS else layout_cut(self.stage_cut, self.spec.layers, self.spec.mtp)
 
     def fp8_casts(self) -> tuple[tuple[float, float], ...]:
-        """Bytes per element an FP8 GEMM moves to cast its two inputs, in F (activation, weight), I (output
-        gradient, weight) and W (output gradient, activation), under :attr:`fp8_cast`: ``dynamic`` casts every input
-        with an amax pass first; ``cached`` casts only F's activation and I's output gradient, the amax in the cast
-        kernel (the weights' FP8 copies are made once a step, and W reuses the FP8 copies F and I made); ``current``
-        casts the same two with an amax pass first (Transformer Engine's current scaling); ``mxfp8`` the same two into
-        a block-scaled copy per direction (:data:`~pipeloom.plan.cluster.efficiency.MXFP8_CAST_BYTES`). On a GPU whose
-        FP8 GEMMs take either layout (``hw.fp8_any_layout``: Blackwell) ``cached`` and ``current`` write no transposed
-        copy, a byte less per element."""
+        """Bytes per element an FP8 GEMM moves to cast its two inputs, in F (activation, weight), I (output gradient,
+        weight) and W (output gradient, activation), under :attr:`fp8_cast`: ``dynamic`` casts every input with an amax
+        pass first; ``cached`` casts only F's activation and I's output gradient, the amax in the cast kernel (the
+        weights' FP8 copies are made once a step, and W reuses the FP8 copies F and I made); ``current`` casts the same
+        two with an amax pass first (Transformer Engine's current scaling); ``mxfp8`` the same two into a block-scaled
+        copy per direction (:data:`MXFP8_CAST_BYTES`). On a GPU whose FP8 GEMMs take either layout
+        (``hw.fp8_any_layout``: Blackwell) ``cached`` and ``current`` write no transposed copy, a byte less per element.
+        """
         if self.fp8_cast == "dynamic":
             return ((DYNAMIC_CAST_BYTES, DYNAMIC_CAST_BYTES),) * 3
         made = {"current": CURRENT_CAST_BYTES, "mxfp8": MXFP8_CAST_BYTES}.get(self.fp8_cast, FUSED_CAST_BYTES)
@@ -328,21 +298,21 @@ class Job:
 
     def saved_fp8(self) -> tuple[float, bool] | None:
         """How Transformer Engine's FP8 GEMMs keep the inputs they quantized for the weight gradient
-        (:func:`~pipeloom.plan.cluster.recompute.fp8_saved_inputs`): ``(bytes per element, delayed scaling)`` under
-        its casts (``cached``: delayed scaling, 1 byte; ``current``: 1; ``mxfp8``: 1 and a block scale per 32),
-        None otherwise (BF16 GEMMs; torchao's ``dynamic`` casts keep the BF16 inputs)."""
+        (:func:`~pipeloom.plan.cluster.recompute.fp8_saved_inputs`): ``(bytes per element, delayed scaling)`` under its
+        casts (``cached``: delayed scaling, 1 byte; ``current``: 1; ``mxfp8``: 1 and a block scale per 32), None
+        otherwise (BF16 GEMMs; torchao's ``dynamic`` casts keep the BF16 inputs)."""
         if self.dtype != "fp8" or self.fp8_cast == "dynamic":
             return None
         return (1 + 1 / 32 if self.fp8_cast == "mxfp8" else 1.0), self.fp8_cast == "cached"
 
     def pairs(self, layout: Layout) -> bool:
-        """Whether ``layout`` runs forward-backward pairs whose parts hide each other's expert all-to-all:
-        DualPipe(V) always, the others where :meth:`overlap_pairs`."""
+        """Whether ``layout`` runs forward-backward pairs whose parts hide each other's expert all-to-all: DualPipe(V)
+        always, the others where :meth:`overlap_pairs`."""
         return layout.schedule in PAIRED or self.overlap_pairs(layout)
 
     def reshards(self, layout: Layout) -> bool:
-        """Whether FSDP holds ``layout``'s weights and gradients sharded while the step runs, a layer gathered for
-        every micro-batch (:attr:`Layout.reshards`, where :attr:`fsdp_per_layer`)."""
+        """Whether FSDP holds ``layout``'s weights and gradients sharded while the step runs, a layer gathered for every
+        micro-batch (:attr:`Layout.reshards`, where :attr:`fsdp_per_layer`)."""
         return layout.reshards and self.fsdp_per_layer
 
     def zero2(self, layout: Layout) -> bool:
@@ -353,18 +323,23 @@ class Job:
         shared = max(dense, experts if self.spec.experts else 1) > 1
         return self.shard_gradients and not self.reshards(layout) and shared
 
-    def param_state(self, layout: Layout, dense: float, expert: float) -> tuple[float, float, float]:
+    def param_state(self, layout: Layout, dense: float, expert: float, *, ends: float = 0.0) -> tuple[float, ...]:
         """``(weights, gradients, optimizer)`` bytes per GPU of the ``dense`` and ``expert`` parameters a rank of
         ``layout`` holds (:meth:`Layout.param_state`): whole gradients in the reduce's dtype (:attr:`grad_reduce`),
         sharded where :meth:`zero2`; the optimizer state sharded by FSDP or the distributed optimizer
-        (:attr:`distributed_optimizer`)."""
-        return layout.param_state(dense, expert, GRAD_REDUCE[self.grad_reduce], self.zero2(layout),
-                                  ADAM_MOMENTS[self.adam_moments], reshards=self.reshards(layout),
-                                  shard_optimizer=self.distributed_optimizer or layout.fsdp)
+        (:attr:`distributed_optimizer`). In FP8 the weights of the layers' GEMMs, all but the ``ends`` (the embedding
+        and head, BF16 GEMMs), also have the FP8 copies Transformer Engine keeps through the step
+        (:func:`~pipeloom.plan.cluster.efficiency.fp8_weight_copy_bytes`), unless FSDP gathers each layer for every
+        micro-batch (then they are made per gather, in the gathered layer's buffer)."""
+        weights, gradients, states = layout.param_state(
+            dense, expert, GRAD_REDUCE[self.grad_reduce], self.zero2(layout), ADAM_MOMENTS[self.adam_moments],
+            reshards=self.reshards(layout), shard_optimizer=self.distributed_optimizer or layout.fsdp)
+        copies = fp8_weight_copy_bytes(self.fp8_cast, any_layout=self.hw.fp8_any_layout) * (dense + expert - ends)
+        return weights + (copies if self.dtype == "fp8" and not self.reshards(layout) else 0.0), gradients, states
 
     def overlap_pairs(self, layout: Layout) -> bool:
-        """Whether :attr:`moe_overlap` pairs ``layout``'s forwards and backwards: with ep > 1, on one pipeline stage
-        or under interleaved 1F1B (DualPipe(V) pairs without it)."""
+        """Whether :attr:`moe_overlap` pairs ``layout``'s forwards and backwards: with ep > 1, on one pipeline stage or
+        under interleaved 1F1B (DualPipe(V) pairs without it)."""
         return self.moe_overlap and layout.ep > 1 and (layout.pp == 1 or layout.schedule == "interleaved-1f1b")
 
     def _check_applies(self) -> None:

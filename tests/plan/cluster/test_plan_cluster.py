@@ -613,7 +613,7 @@ def test_a_framework_searches_only_the_schedules_it_runs(config, capsys):
     """--framework megatron-bridge searches Megatron-Core's 1F1B and interleaved 1F1B only (here DualPipe is the
     fastest of all), as plan_cluster(schedules=...) does; the report says so, and a whole layout with a schedule the
     framework does not run is refused by name; torchtitan runs every schedule of one copy of the model."""
-    from pipeloom.plan.cluster.job import framework_options
+    from pipeloom.plan.cluster.api import framework_options
     from pipeloom.plan.cluster.layout import FRAMEWORK_SCHEDULES
 
     assert _plan(layout="pp=2").best.layout.schedule == "dualpipe"
@@ -634,10 +634,10 @@ def test_a_framework_searches_only_the_schedules_it_runs(config, capsys):
 
 
 def test_a_framework_sets_its_choices_and_a_flag_given_as_well_wins(config, capsys):
-    """--framework NAME prices the choices pipeloom.plan.cluster.job.FRAMEWORKS gives it, exactly as the flags one by
+    """--framework NAME prices the choices pipeloom.plan.cluster.api.FRAMEWORKS gives it, exactly as the flags one by
     one would (FP8 casts only with --dtype fp8); a flag given as well wins; the Python API takes the same choices
     from framework_options."""
-    from pipeloom.plan.cluster.job import FRAMEWORKS, framework_options
+    from pipeloom.plan.cluster.api import FRAMEWORKS, framework_options
 
     assert framework_options("torchtitan") == {k: v for k, v in FRAMEWORKS["torchtitan"].items() if k != "fp8_cast"}
     assert framework_options("megatron-bridge", dtype="fp8")["fp8_cast"] == "current"
@@ -680,3 +680,25 @@ def test_a_runner_ups_reasons_add_up_to_its_gap():
         assert abs(sum(named) - gap) <= 3 * 0.05 * max(named) + 1e-9, (est.layout, why, gap)
         checked += 1
     assert checked >= 3 and any(why.count(" s") >= 3 for _, why in result.runners_up), result.runners_up
+
+
+@pytest.mark.parametrize(("hw", "cast", "copy"), [("h100", "cached", 2.0), ("h100", "current", 2.0),
+                                                  ("b200", "cached", 1.0), ("b200", "mxfp8", 2 * (1 + 1 / 32)),
+                                                  ("h100", "dynamic", 0.0)])
+def test_fp8_weight_copies_are_held_through_the_step(hw, cast, copy):
+    """Transformer Engine makes each layer weight's FP8 copy at a step's first micro-batch and keeps it (with its
+    transpose where FP8 GEMMs take one layout only, Hopper; MXFP8: two block-scaled copies): that many bytes a
+    parameter of the layers' GEMMs, not the embedding's or head's (BF16); torchao's dynamic casts keep none. A trial
+    found them missing (about 4 GiB a GPU of a Llama 3 70B layout)."""
+    from pipeloom.plan.cluster.estimate import Estimator
+
+    fixed = "dp=4,tp=2,pp=1,vp=1,cp=1,ep=1,mbs=1,fsdp=0,recompute=none,schedule=1f1b"
+    job = dict(gpus=8, global_batch=32, seq=4096, layout=fixed, memory_limit="1TiB")
+    bf16 = plan_cluster(SMALL, hw, **job)
+    fp8 = plan_cluster(SMALL, hw, **job, dtype="fp8", fp8_cast=cast)
+    layers = Estimator(bf16.job).counts["dense"].params * SMALL["num_hidden_layers"] / 2  # the decoder layers, tp=2
+    assert fp8.best.memory.weights - bf16.best.memory.weights == pytest.approx(copy * layers, rel=1e-9)
+    sharded = plan_cluster(SMALL, hw, **{**job, "layout": fixed.replace("fsdp=0", "fsdp=1")}, dtype="fp8",
+                           fp8_cast=cast)  # FSDP gathers each layer: its copies made per gather
+    assert sharded.best.memory.weights == plan_cluster(SMALL, hw, **{**job, "layout": fixed.replace(
+        "fsdp=0", "fsdp=1")}).best.memory.weights

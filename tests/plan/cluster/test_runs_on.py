@@ -12,7 +12,7 @@ import pytest
 from pipeloom.cli import main
 from pipeloom.errors import ArgumentError
 from pipeloom.plan.cluster import plan_cluster
-from pipeloom.plan.cluster.job import framework_options
+from pipeloom.plan.cluster.api import framework_options
 from pipeloom.plan.cluster.layout import FRAMEWORK_SCHEDULES, optimizer_bytes
 from pipeloom.plan.cluster.runtime_plan import runtime_notes
 from pipeloom.plan.errors import NoLayoutFits, PlanError
