@@ -265,6 +265,7 @@ def report(result, *, framework: str | None = None) -> str:
     if result.candidates == 1:  # a layout given whole, or the one the fixed keys leave
         lines.append(f"predicted the one layout that can run in {result.seconds:.1f} s")
     else:
-        lines.append(f"searched {result.candidates} layouts ({result.priced} priced, {result.simulated} simulated) in "
-                     f"{result.seconds:.1f} s")
+        plans = f"; {result.variants} plans for the searched choices" if result.variants > 1 else ""
+        lines.append(f"searched {result.candidates} layouts ({result.priced} priced, {result.simulated} simulated"
+                     f"{plans}) in {result.seconds:.1f} s")
     return "\n".join(lines)
