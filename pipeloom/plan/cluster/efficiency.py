@@ -161,8 +161,8 @@ def fp8_weight_copy_bytes(cast: str, *, any_layout: bool) -> float:
     """Bytes per weight element of the FP8 copies Transformer Engine keeps through a step (each made at the first
     micro-batch, ``is_first_microbatch``): ``cached``, ``current``: the copy and, where FP8 GEMMs take one layout only
     (Hopper), its transpose; ``mxfp8``: the two block-scaled copies with their scales; 0 for torchao's ``dynamic``."""
-    copies = {"cached": 1.0 if any_layout else 2.0, "mxfp8": 2 * (1 + 1 / 32), "dynamic": 0.0}
-    return copies.get(cast, copies["cached"])
+    one = 1.0 if any_layout else 2.0  # the copy, and its transpose where FP8 GEMMs take one layout only
+    return {"cached": one, "current": one, "mxfp8": 2 * (1 + 1 / 32), "dynamic": 0.0}[cast]
 
 
 def wave_efficiency(hw: Hardware, m: float, n: float, count: int = 1) -> float:

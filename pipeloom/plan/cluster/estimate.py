@@ -349,11 +349,11 @@ class Estimator:
         optimizer state sharded, over both copies' data-parallel ranks."""
         hw, (dpcp, edp) = self.job.hw, layout.state_groups
         dense = expert = ends = 0.0
-        for kind, count in kinds:  # parameters held: tp-sharded, experts over ep; the embedding's and head's
+        for kind, count in kinds:  # parameters held: tp-sharded, experts over ep; ends: the embedding's and head's
             c = self.counts[kind]
             dense += count * (c.params - c.expert_params) / layout.tp
             expert += count * c.expert_params / layout.ep
-            ends += count * c.params / layout.tp if kind in ("embedding", "head") else 0.0
+            ends += count * c.params / layout.tp if kind in ("embedding", "head") else 0.0  # BF16 GEMMs in FP8 too
         weights, gradients, states = self.job.param_state(layout, dense, expert, ends=ends)
         f1, b1 = sum(times[j].f for j in stages), sum(times[j].i + times[j].w for j in stages)
         # the dense replicas sit tp apart (Megatron's order tp, cp, dp); the experts' replicas ep apart (etp, ep, edp)
