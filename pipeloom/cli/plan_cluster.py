@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from pipeloom.cli.errors import UsageError
-from pipeloom.cli.plan_cluster_report import report, token_count, training_text
+from pipeloom.cli.plan_cluster_report import report, seconds_text, token_count, training_text
 from pipeloom.errors import PipeloomError
 
 __all__ = ["add_cluster_arguments", "check_plan_mode", "cmd_plan_cluster"]
@@ -231,7 +231,7 @@ def cmd_plan_cluster(args: argparse.Namespace) -> int:
     finally:
         if progress is not None:
             print("\r\033[K", end="", file=sys.stderr, flush=True)
-    unused = _unused(args, result.job, result.best.layout)
+    unused = _unused(args, result.job, result.best.layout, alone=result.candidates == 1)
     if result.runs_on == "pipeloom":  # its expert exchange is its own: said in ``moved``
         unused = [note for note in unused if "--moe-" not in note]
     written = [*moved, *unused, *(_save(args, result) if args.save else [])]
@@ -271,7 +271,7 @@ def _runnable(args: argparse.Namespace, result, options: dict) -> tuple:
         runnable = plan_cluster(args.model, args.hardware, **options, runs_on=runs_on)
     except NoLayoutFits as refusal:
         fastest = (f" (planned for any runtime, the fastest layout is {result.best.layout}, "
-                   f"{result.best.step_time:.3f} s a step)" if result is not None else "")
+                   f"{seconds_text(result.best.step_time)} s a step)" if result is not None else "")
         raise UsageError(f"cannot save a plan {where} runs: {str(refusal).splitlines()[0]}{fastest}") from None
     if result is None or whole:
         return runnable, plain
@@ -286,12 +286,12 @@ def _runnable(args: argparse.Namespace, result, options: dict) -> tuple:
         if priced.memory.total <= limit and priced.step_time <= there * 1.001:
             return runnable, plain  # as fast there as the plan: a tie the search broke otherwise
         why = (f"it needs {priced.memory.total / 2**30:.1f} GiB per GPU, over the {limit / 2**30:.1f} GiB limit"
-               if priced.memory.total > limit else f"it takes {priced.step_time:.3f} s a step")
+               if priced.memory.total > limit else f"it takes {seconds_text(priced.step_time)} s a step")
     else:
         why = f"it cannot run: {why}"
-    return runnable, [*plain, f"note: planned as asked, the fastest layout is {best.layout} ({best.step_time:.3f} s a "
-                      f"step); in {where} {why}; the plan above is the fastest there ({there:.3f} s a step as "
-                      f"{where} runs it)"]
+    fast, slow = seconds_text(best.step_time), seconds_text(there)
+    return runnable, [*plain, f"note: planned as asked, the fastest layout is {best.layout} ({fast} s a step); in "
+                      f"{where} {why}; the plan above is the fastest there ({slow} s a step as {where} runs it)"]
 
 
 def _check_export(args: argparse.Namespace, options: dict) -> None:
@@ -340,9 +340,9 @@ def _framework(args: argparse.Namespace) -> dict:
         {"schedules": FRAMEWORK_SCHEDULES[args.framework]} if args.framework else {})
 
 
-def _unused(args: argparse.Namespace, job, layout) -> list[str]:
+def _unused(args: argparse.Namespace, job, layout, alone: bool = False) -> list[str]:
     """Notes for framework options given that change nothing on the chosen layout (they are priced where the
-    search tries a layout they apply to, so they are not refused)."""
+    search tries a layout they apply to, so they are not refused; ``alone``: the keys fixed leave one layout)."""
     overlap_why = "ep=1" if layout.ep == 1 else f"schedule={layout.schedule} with pp={layout.pp}"
     unused = [(args.tp_overlap and layout.tp == 1, "--tp-overlap", "tp=1"),
               (args.shard_gradients and not job.zero2(layout), "--shard-gradients",
@@ -357,7 +357,8 @@ def _unused(args: argparse.Namespace, job, layout) -> list[str]:
                f"--selective {args.selective}", f"recompute={layout.recompute}"),
               (args.recompute_layers and layout.recompute != "full", f"--recompute-layers {args.recompute_layers}",
                f"recompute={layout.recompute}")]
-    return [f"note: {flag} does not apply to the chosen layout, which runs {why} (it was priced where it applies)"
+    priced = "the only layout the --layout keys leave: drop the flag" if alone else "it was priced where it applies"
+    return [f"note: {flag} does not apply to the chosen layout, which runs {why} ({priced})"
             for given, flag, why in unused if given]
 
 

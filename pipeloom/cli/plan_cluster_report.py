@@ -8,7 +8,7 @@ import argparse
 import math
 from itertools import groupby
 
-__all__ = ["TOKEN_SUFFIXES", "report", "token_count", "training_text"]
+__all__ = ["TOKEN_SUFFIXES", "report", "seconds_text", "token_count", "training_text"]
 
 TOKEN_SUFFIXES = {"K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}
 """The suffixes ``--tokens`` takes (``15T``) and the report writes token counts with."""
@@ -38,6 +38,7 @@ def _experts(spec, layout) -> list[str]:
     count, ep, replicas = spec.experts.count, layout.ep, layout.expert_replicas
     where = "tp x dp x cp" if layout.tp > 1 else "dp x cp"
     held = f"each held by {replicas} GPUs of a stage" if replicas > 1 else "each on one GPU of a stage"
+    held += ", sharded by FSDP between uses" if layout.fsdp else ""
     if ep == 1:
         return [f"experts: all {count} on every GPU (no expert parallelism, ep 1; {held})"]
     return [f"experts: {count // ep} of {count} per GPU (ep {ep} consecutive GPUs within {where}; {held})"]
@@ -210,7 +211,7 @@ def _batch_cap(job, dp: int) -> list[str]:
             "replicate the model more"]
 
 
-def _s(seconds: float) -> str:
+def seconds_text(seconds: float) -> str:
     """Seconds to the millisecond, or to three significant digits below 10 ms (a tiny model's step)."""
     return f"{seconds:.3f}" if seconds >= 0.01 or seconds == 0 else f"{seconds:.3g}"
 
@@ -244,8 +245,8 @@ def report(result, *, framework: str | None = None) -> str:
         *([f"layers per stage: {_runs(best.stage_layers)}{_copies(best.layout)}"] if len(best.stage_layers) > 1
           else []),
         *_experts(job.spec, best.layout),
-        f"step time: {_s(best.step_time)} s (pipeline {_s(best.pipeline_time)} s, exposed dp "
-        f"{_s(best.exposed_dp)} s, optimizer {_s(best.optimizer_time)} s)",
+        f"step time: {seconds_text(best.step_time)} s (pipeline {seconds_text(best.pipeline_time)} s, exposed dp "
+        f"{seconds_text(best.exposed_dp)} s, optimizer {seconds_text(best.optimizer_time)} s)",
         f"tokens/s per GPU: {best.tokens_per_gpu_per_second:,.0f}   MFU: {best.mfu * 100:.1f} % (of the "
         f"{job.dtype} peak)   bubble: {best.bubble * 100:.1f} %",
         *_work(best),
@@ -261,7 +262,7 @@ def report(result, *, framework: str | None = None) -> str:
     if result.runners_up:
         lines.append("runners-up:")
         for est, why in result.runners_up:
-            lines.append(f"  {est.layout}: {_s(est.step_time)} s, {_gib(est.memory.total)}: {why}")
+            lines.append(f"  {est.layout}: {seconds_text(est.step_time)} s, {_gib(est.memory.total)}: {why}")
     if result.candidates == 1:  # a layout given whole, or the one the fixed keys leave
         lines.append(f"predicted the one layout that can run in {result.seconds:.1f} s")
     else:

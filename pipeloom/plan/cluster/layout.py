@@ -197,7 +197,8 @@ class Layout:
         if spec.experts is None and self.ep > 1:
             raise LayoutError(f"ep={self.ep} on a dense model: use ep=1")
         if spec.experts is not None and spec.experts.count % self.ep:
-            raise LayoutError(f"ep={self.ep} does not divide {spec.experts.count} experts")
+            raise LayoutError(f"ep={self.ep} does not divide {spec.experts.count} experts: use ep in "
+                              f"{', '.join(map(str, divisors(spec.experts.count)))}")
         if self.ep > 1 and self.tp > 1 and not job.sequence_parallel:
             raise LayoutError(f"ep={self.ep} with tp={self.tp} needs sequence parallelism (Megatron-Core requires it "
                               "for expert and tensor parallelism together); drop --no-sequence-parallel, or use tp=1 "
@@ -283,6 +284,12 @@ def enumerate_layouts(job: Job, fixed: dict[str, Any], refusals: Refusals | None
         given = " x ".join(f"{key}={fixed[key]}" for key in sized) + (f" = {size}" if len(sized) > 1 else "")
         _refuse(refusals, f"{given} does not divide the {n} GPUs",
                 counts=f"{size} GPUs" if len(sized) == 4 else _gpus(size))
+        return
+    experts = job.spec.experts.count if job.spec.experts else 1
+    if experts % fixed.get("ep", 1):  # the model's shape: no free key helps
+        _refuse(refusals, f"ep={fixed['ep']} does not divide the {experts} experts: use ep in "
+                          f"{', '.join(map(str, divisors(experts)))}" if job.spec.experts else
+                          f"ep={fixed['ep']} on a dense model: use ep=1")
         return
     if fixed.get("mbs", 1) > job.global_batch:
         _refuse(refusals, f"mbs={fixed['mbs']} is more sequences than the global batch {job.global_batch}",

@@ -702,3 +702,31 @@ def test_fp8_weight_copies_are_held_through_the_step(hw, cast, copy):
                            fp8_cast=cast)  # FSDP gathers each layer: its copies made per gather
     assert sharded.best.memory.weights == plan_cluster(SMALL, hw, **{**job, "layout": fixed.replace(
         "fsdp=0", "fsdp=1")}).best.memory.weights
+
+
+MOE = {"model_type": "qwen3_moe", "hidden_size": 1024, "intermediate_size": 2048, "num_hidden_layers": 8,
+       "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 32000, "moe_intermediate_size": 512,
+       "num_experts": 16, "num_experts_per_tok": 2}
+
+
+def test_an_ep_the_experts_refuse_is_said_with_the_eps_that_divide(tmp_path, capsys):
+    """ep=3 of 16 experts had been refused as "ep=3 must divide tp x dp x cp" (the first layout's reason), which no
+    tp, dp or cp fixes; a fixed layout's flag that does not apply says to drop it (not that it was priced where it
+    applies); the JSON says the routing (experts per token) and the expert exchange priced."""
+    with pytest.raises(NoLayoutFits, match=r"ep=3 does not divide the 16 experts: use ep in 1, 2, 4, 8, 16\); change "
+                                           r"the fixed keys$"):
+        plan_cluster(MOE, "h100", gpus=16, global_batch=64, seq=4096, layout="ep=3")
+    with pytest.raises(NoLayoutFits, match=r"ep=2 on a dense model: use ep=1"):
+        plan_cluster(SMALL, "h100", gpus=16, global_batch=64, seq=4096, layout="ep=2")
+    config = tmp_path / "moe.json"
+    config.write_text(json.dumps(MOE))
+    args = ["plan", "--model", str(config), "--hardware", "h100", "--gpus", "8", "--global-batch", "32", "--seq",
+            "4096", "--moe-overlap", "--layout", "dp=4,tp=1,pp=2,vp=1,cp=1,ep=4,mbs=1,fsdp=0,recompute=none,"
+            "schedule=1f1b"]
+    assert main(args) == 0
+    assert ("note: --moe-overlap does not apply to the chosen layout, which runs schedule=1f1b with pp=2 (the only "
+            "layout the --layout keys leave: drop the flag)") in capsys.readouterr().out
+    assert main([*args, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert (data["model"]["experts"], data["model"]["experts_per_token"]) == (16, 2)
+    assert (data["moe_comm"], data["moe_overlap"]) == ("plain", True)
