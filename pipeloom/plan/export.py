@@ -175,18 +175,24 @@ def torchtitan_overrides(settings: dict[str, dict[str, object]]) -> list[str]:
     return words
 
 
+def _versions(settings: dict[str, dict[str, object]]) -> tuple[dict, dict[str, object] | None, bool]:
+    """What of ``settings`` one torchtitan version takes apart from the other: the settings 0.3.x moved (0.2.x's
+    ``(section, key)`` to 0.3.x's), the activation checkpointing (0.2.x's section, 0.3.x's subcommand), and whether
+    a pipeline runs (0.3.x's CUDA graphs refuse one)."""
+    moved = {old: new for old, new in TORCHTITAN_03_MOVED.items() if old[1] in settings.get(old[0], {})}
+    degree = settings.get("parallelism", {}).get("pipeline_parallel_degree", 1)
+    return moved, settings.get("activation_checkpoint"), isinstance(degree, int) and degree > 1
+
+
 def version_overrides(settings: dict[str, dict[str, object]]) -> tuple[list[str], list[str], list[str]]:
     """The overrides both versions take, 0.2.x's own (its ``activation_checkpoint`` section, the settings 0.3.x
     moved) and 0.3.x's own (:data:`TORCHTITAN_03_SETTINGS`, the moved settings under their new names, then the
     activation-checkpointing subcommand, last as tyro wants it)."""
-    moved = {old: new for old, new in TORCHTITAN_03_MOVED.items() if old[1] in settings.get(old[0], {})}
+    moved, ac, piped = _versions(settings)
     shared = {section: {key: value for key, value in values.items() if (section, key) not in moved}
               for section, values in settings.items() if section != "activation_checkpoint"}
-    ac = settings.get("activation_checkpoint")
     older = torchtitan_overrides({old[0]: {old[1]: settings[old[0]][old[1]]} for old in moved})
     older += torchtitan_overrides({"activation_checkpoint": ac}) if ac else []
-    degree = settings.get("parallelism", {}).get("pipeline_parallel_degree", 1)
-    piped = isinstance(degree, int) and degree > 1
     newer = torchtitan_overrides(TORCHTITAN_03_SETTINGS) if piped else []  # CUDA graphs refuse a pipeline only
     newer += torchtitan_overrides({new[0]: {new[1]: settings[old[0]][old[1]]} for old, new in moved.items()})
     if ac:
@@ -198,17 +204,15 @@ def torchtitan_args(settings: dict[str, dict[str, object]]) -> str:
     """The ``.torchtitan.args`` text: the overrides both versions take on one line, each version's own on
     another, each with why."""
     shared, older, newer = version_overrides(settings)
+    moved, ac, piped = _versions(settings)
     text = (f"# pipeloom plan: torchtitan command-line overrides (checked with torchtitan "
             f"{' and '.join(TORCHTITAN_VERSIONS)}); append to the training command\n{shlex.join(shared)}\n")
-    moved = any(old[1] in settings.get(old[0], {}) for old in TORCHTITAN_03_MOVED)
-    ac = "activation_checkpoint" in settings
     whys = [why for why, there in (("its activation checkpointing", ac),
                                    ("its names of the settings 0.3.x moved", moved)) if there]
     if older:
         text += f"# torchtitan 0.2.x also ({'; '.join(whys)})\n{shlex.join(older)}\n"
     if not newer:
         return text
-    piped = any(word.startswith("--training.disable_cuda_graphs") for word in newer)
     whys = [why for why, there in (
         ("CUDA graphs, on by default, refuse pipeline parallelism; 0.2.x has no such option", piped),
         ("its names of the settings it moved", moved),

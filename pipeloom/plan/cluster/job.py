@@ -334,8 +334,9 @@ class Job:
         weights, gradients, states = layout.param_state(
             dense, expert, GRAD_REDUCE[self.grad_reduce], self.zero2(layout), ADAM_MOMENTS[self.adam_moments],
             reshards=self.reshards(layout), shard_optimizer=self.distributed_optimizer or layout.fsdp)
-        copies = fp8_weight_copy_bytes(self.fp8_cast, any_layout=self.hw.fp8_any_layout) * (dense + expert - ends)
-        return weights + (copies if self.dtype == "fp8" and not self.reshards(layout) else 0.0), gradients, states
+        if self.dtype == "fp8" and not self.reshards(layout):
+            weights += fp8_weight_copy_bytes(self.fp8_cast, any_layout=self.hw.fp8_any_layout) * (dense + expert - ends)
+        return weights, gradients, states
 
     def overlap_pairs(self, layout: Layout) -> bool:
         """Whether :attr:`moe_overlap` pairs ``layout``'s forwards and backwards: with ep > 1, on one pipeline stage or

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from pipeloom.plan.cluster.model.spec import ModelSpec
 
 __all__ = ["Layout", "Refusals", "SCHEDULES", "FRAMEWORK_SCHEDULES", "PAIRED", "LAYOUT_KEYS", "MBS_CHOICES",
-           "VP_CHOICES", "enumerate_layouts", "max_stages", "optimizer_bytes"]
+           "VP_CHOICES", "enumerate_layouts", "ep_problem", "max_stages", "optimizer_bytes"]
 
 SCHEDULES: dict[str, str] = {
     "1f1b": "linear",
@@ -194,11 +194,9 @@ class Layout:
         if cut is not None and len(cut) != self.stages:
             raise LayoutError(f"pp={self.pp} x vp={self.vp} = {self.stages} stages, but the stage cut "
                               f"{job.stage_cut!r} has {len(cut)}: use pp and vp whose product is {len(cut)}")
-        if spec.experts is None and self.ep > 1:
-            raise LayoutError(f"ep={self.ep} on a dense model: use ep=1")
-        if spec.experts is not None and spec.experts.count % self.ep:
-            raise LayoutError(f"ep={self.ep} does not divide {spec.experts.count} experts: use ep in "
-                              f"{', '.join(map(str, divisors(spec.experts.count)))}")
+        refused = ep_problem(spec, self.ep)
+        if refused:
+            raise LayoutError(refused)
         if self.ep > 1 and self.tp > 1 and not job.sequence_parallel:
             raise LayoutError(f"ep={self.ep} with tp={self.tp} needs sequence parallelism (Megatron-Core requires it "
                               "for expert and tensor parallelism together); drop --no-sequence-parallel, or use tp=1 "
@@ -278,18 +276,17 @@ def enumerate_layouts(job: Job, fixed: dict[str, Any], refusals: Refusals | None
     if unknown:
         raise LayoutError(f"unknown layout keys {sorted(unknown)}; use {', '.join(LAYOUT_KEYS)}")
     n, hw = job.gpus, job.hw
+    # with dp fixed, the GPUs the fixed keys need: exactly their product when all four are, else a multiple of it
     sized = [key for key in ("dp", "tp", "cp", "pp") if key in fixed] if "dp" in fixed else []
     size = math.prod(fixed[key] for key in sized)
-    if n % size:  # no free tp x cp x pp leaves dp: name the fixed keys' product, exactly the GPUs when all four
+    sized_gpus = f"{size} GPUs" if len(sized) == 4 else _gpus(size)
+    if n % size:  # no free tp x cp x pp leaves dp: name the fixed keys' product
         given = " x ".join(f"{key}={fixed[key]}" for key in sized) + (f" = {size}" if len(sized) > 1 else "")
-        _refuse(refusals, f"{given} does not divide the {n} GPUs",
-                counts=f"{size} GPUs" if len(sized) == 4 else _gpus(size))
+        _refuse(refusals, f"{given} does not divide the {n} GPUs", counts=sized_gpus)
         return
-    experts = job.spec.experts.count if job.spec.experts else 1
-    if experts % fixed.get("ep", 1):  # the model's shape: no free key helps
-        _refuse(refusals, f"ep={fixed['ep']} does not divide the {experts} experts: use ep in "
-                          f"{', '.join(map(str, divisors(experts)))}" if job.spec.experts else
-                          f"ep={fixed['ep']} on a dense model: use ep=1")
+    refused = ep_problem(spec, fixed.get("ep", 1))
+    if refused:  # the model's shape: no free key helps
+        _refuse(refusals, refused)
         return
     if fixed.get("mbs", 1) > job.global_batch:
         _refuse(refusals, f"mbs={fixed['mbs']} is more sequences than the global batch {job.global_batch}",
@@ -317,11 +314,8 @@ def enumerate_layouts(job: Job, fixed: dict[str, Any], refusals: Refusals | None
                     continue
                 dp = n // (tp * cp * pp)
                 if "dp" in fixed and fixed["dp"] != dp:
-                    whole = {"tp", "cp", "pp"} <= set(fixed)  # then exactly tp x cp x pp x dp GPUs run it
                     _refuse(refusals, f"tp={tp} x cp={cp} x pp={pp} leaves dp={dp} on {n} GPUs, not dp={fixed['dp']}",
-                            weak=others or "pp" not in fixed,
-                            counts=f"{tp * cp * pp * fixed['dp']} GPUs" if whole else _gpus(
-                                fixed["dp"] * math.prod(fixed.get(key, 1) for key in ("tp", "cp", "pp"))))
+                            weak=others or "pp" not in fixed, counts=sized_gpus)
                     continue
                 yield from _inner(job, fixed, tp, cp, pp, dp, refusals)
 
@@ -332,6 +326,16 @@ def _refuse(refusals: Refusals | None, reason: str, *, weak: bool = False, count
     if refusals is not None and (not refusals or (refusals.weak and not weak)):
         refusals[:] = [reason]
         refusals.weak, refusals.counts = weak, counts
+
+
+def ep_problem(spec: ModelSpec, ep: int) -> str | None:
+    """Why ``spec``'s experts cannot be shared out over ``ep`` ranks (None where they can): a dense model, or an ep
+    that does not divide the experts (with the eps that do)."""
+    if spec.experts is None:
+        return f"ep={ep} on a dense model: use ep=1" if ep > 1 else None
+    count = spec.experts.count
+    return None if count % ep == 0 else (f"ep={ep} does not divide the {count} experts: use ep in "
+                                         f"{', '.join(map(str, divisors(count)))}")
 
 
 def _gpus(multiple: int) -> str:
