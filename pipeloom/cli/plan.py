@@ -14,7 +14,8 @@ from rich.console import Console
 from pipeloom.cli.argtypes import count, number, path_with
 from pipeloom.cli.errors import UsageError
 from pipeloom.cli.outputs import target
-from pipeloom.cli.plan_cluster import add_cluster_arguments, check_plan_mode, cmd_plan_cluster
+from pipeloom.cli.plan_cluster import cmd_plan_cluster
+from pipeloom.cli.plan_cluster_args import add_cluster_arguments, check_plan_mode
 from pipeloom.cli.plan_try import add_try_arguments, check_try, trial_lines, try_in_engine
 from pipeloom.errors import PipeloomError
 
@@ -86,7 +87,7 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
                       help="bytes per rank, e.g. 80GiB or 512MiB (default: no limit; with --model the GPU's "
                            "memory)")
     plan.add_argument("--schedules", metavar="NAMES",
-                      help="comma-separated schedules to try (default: every built-in one)")
+                      help="comma-separated schedules to try (default: every built-in one; --model: not v-half, v-min)")
     plan.add_argument("--stages-per-rank", type=count, nargs="+", default=[2], metavar="V",
                       help="stages per rank for the looped schedules (default 2)")
     plan.add_argument("--microbatches", "-m", type=count, nargs="+", metavar="M",

@@ -107,11 +107,12 @@ def test_random_routing_is_the_same_on_any_number_of_ranks():
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("schedule, vp", [("dualpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 3)])
+@pytest.mark.parametrize("schedule, vp", [("dualpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 3), ("v-half", 2)])
 def test_a_cluster_plan_runs_bitwise(tmp_path, schedule, vp):
     """``pipeloom plan --model ... --save`` for the tiny LLaMA on 2 GPUs (dualpipe: two copies of the model, a
     pair of micro-batches per schedule micro-batch; 1f1b; interleaved 1f1b over 2 x 3 stages for the 4 layers, the
-    first holding only the embedding and the last only the final norm and head) runs through
+    first holding only the embedding and the last only the final norm and head; V-Half, searched only when named)
+    runs through
     ``pipeline(model, plan=...)`` on 2 ranks bitwise equal to the unsplit model."""
     from hf_models import LAYERS, VOCAB
 

@@ -182,23 +182,24 @@ def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: st
     it predicts that layout alone. ``runs_on``: only the layouts that runtime runs, ``pipeloom``
     (``pipeline(model, plan=...)``) or ``torchtitan`` (the export), priced as it holds their state
     (:func:`~pipeloom.plan.cluster.runtime_plan.for_runtime`); ``schedules``: only these pipeline schedules (a
-    framework's: :data:`~pipeloom.plan.cluster.layout.FRAMEWORK_SCHEDULES`)."""
+    framework's: :data:`~pipeloom.plan.cluster.layout.FRAMEWORK_SCHEDULES`; default every one the planner prices but
+    V-Half and V-Min, searched only where named: :data:`~pipeloom.plan.cluster.layout.ON_REQUEST`)."""
     start = time.perf_counter()
     device = hardware(hw)
-    _check_arguments(dtype, runners_up)
+    listed = _checked_arguments(dtype, runners_up, schedules)
     spec = model_spec(model)
     depth: Any = 0 if recompute_layers == SEARCHED else recompute_layers  # Job refuses anything but a count
     job = Job(spec=spec, hw=device, gpus=gpus, global_batch=global_batch, seq=seq, dtype=dtype,
               kernels=kernels, attention=attention, overlap_grad_reduce=bool(overlap_grad_reduce),
               p2p_overlap=bool(p2p_overlap), selective="core_attn" if selective == SEARCHED else selective,
-              cp_rotate=cp_rotate, moe_comm=moe_comm, grad_reduce=grad_reduce,
+              cp_rotate=cp_rotate, moe_comm=moe_comm, grad_reduce=grad_reduce, schedules=listed or (),
               sequence_parallel=bool(sequence_parallel), tp_overlap=bool(tp_overlap), fp8_cast=fp8_cast,
               stage_cut=stage_cut, moe_overlap=bool(moe_overlap), shard_gradients=bool(shard_gradients),
               adam_moments=adam_moments, recompute_layers=depth, distributed_optimizer=bool(distributed_optimizer))
     fixed = parse_layout(layout if isinstance(layout, str) else _layout_text(layout))
     limit = _memory_limit(memory_limit, device)
     job, runtime = for_runtime(job, runs_on)
-    blocked = _only(schedules, runtime)
+    blocked = _only(listed, runtime)
     choices: dict[str, list[Any]] = {
         "selective": [",".join(modules) for modules in module_sets(spec)] if selective == SEARCHED else [],
         "recompute_layers": recompute_depths(spec) if recompute_layers == SEARCHED else []}
@@ -214,14 +215,11 @@ _MODE_OF = {"selective": "selective", "recompute_layers": "full"}
 """The recomputation mode whose layouts each searched choice changes (it changes no other layout)."""
 
 
-def _only(schedules: Sequence[str] | None, runtime: Callable[[Layout], str | None] | None
+def _only(allowed: tuple[str, ...] | None, runtime: Callable[[Layout], str | None] | None
           ) -> Callable[[Layout], str | None] | None:
-    """The search's filter: ``runtime``'s, and a schedule not among ``schedules`` (None: any)."""
-    if schedules is None:
+    """The search's filter: ``runtime``'s, and a schedule not among ``allowed`` (None: any)."""
+    if allowed is None:
         return runtime
-    allowed = tuple(schedules)
-    if not allowed or any(name not in SCHEDULES for name in allowed):
-        raise ArgumentError(f"schedules must be some of {', '.join(SCHEDULES)}, got {list(allowed)!r}")
 
     who = next((f"{name} runs" for name, runs in FRAMEWORK_SCHEDULES.items() if runs == allowed),
                "the schedules given are")
@@ -232,12 +230,19 @@ def _only(schedules: Sequence[str] | None, runtime: Callable[[Layout], str | Non
     return blocked
 
 
-def _check_arguments(dtype: str, runners_up: int) -> None:
-    """ArgumentError for a dtype other than bf16 / fp8 or a runners-up count that is not a whole number >= 0."""
+def _checked_arguments(dtype: str, runners_up: int, schedules: Sequence[str] | None) -> tuple[str, ...] | None:
+    """``schedules`` as a tuple (None: not given); ArgumentError for a dtype other than bf16 / fp8, a runners-up count
+    that is not a whole number >= 0, or schedules naming none or one the planner does not price."""
     if dtype not in ("bf16", "fp8"):
         raise ArgumentError(f"dtype must be 'bf16' or 'fp8' (the GEMMs' inputs), got {dtype!r}")
     if isinstance(runners_up, bool) or not isinstance(runners_up, int) or runners_up < 0:
         raise ArgumentError(f"runners_up must be a whole number >= 0 (0: the best layout alone), got {runners_up!r}")
+    if schedules is None:
+        return None
+    listed = (schedules,) if isinstance(schedules, str) else tuple(schedules)
+    if not listed or any(name not in SCHEDULES for name in listed):
+        raise ArgumentError(f"schedules must be some of {', '.join(SCHEDULES)}, got {list(listed)!r}")
+    return listed
 
 
 def parse_layout(text: str) -> dict[str, Any]:

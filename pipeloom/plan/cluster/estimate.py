@@ -196,7 +196,7 @@ class Estimator:
         key = self._schedule_key(layout, m)
         name, pp, vp, _, b, w, _ = key
         if key not in self._schedules:
-            split = name in ("zb-h1", "zbv", *PAIRED)
+            split = name in ("zb-h1", "zbv", "v-half", "v-min", *PAIRED)
             costs = Costs(f=1.0, b=b if split else 2.0, w=w, memory=1.0, w_memory=self.w_fraction if split else 0.0)
             options = {"stages_per_rank": vp} if SCHEDULES[name] == "interleaved" else {}
             try:
@@ -208,7 +208,7 @@ class Estimator:
         return self._schedules[key]
 
     def _schedule_key(self, layout: Layout, m: int) -> tuple[str, int, int, int, float, float, bool]:
-        b, w = self._zbv_ratios(layout) if layout.schedule == "zbv" else (1.0, 1.0)
+        b, w = self._zbv_ratios(layout) if layout.schedule in ("zbv", "v-half", "v-min") else (1.0, 1.0)
         return layout.schedule, layout.pp, layout.vp, m, b, w, self.job.pairs(layout)
 
     def _zbv_ratios(self, layout: Layout) -> tuple[float, float]:

@@ -17,7 +17,7 @@ from pipeloom.plan.cluster.efficiency import (
 )
 from pipeloom.plan.cluster.elementwise import KERNELS
 from pipeloom.plan.cluster.hardware import Hardware
-from pipeloom.plan.cluster.layout import PAIRED, Layout
+from pipeloom.plan.cluster.layout import PAIRED, SCHEDULES, Layout
 from pipeloom.plan.cluster.model.spec import ModelSpec
 from pipeloom.plan.cluster.recompute import idle_modules, megatron_modules
 from pipeloom.plan.errors import LayoutError
@@ -220,6 +220,9 @@ class Job:
     evenly; torchtitan's 2024 ``generate_split_points``; Llama 3's one layer less on the first and last stages),
     or the stages themselves as Megatron-Core's ``--pipeline-model-parallel-layout`` writes them
     (:func:`layout_cut`, e.g. ``Et*4|(t*4|)*14tmL``): then only layouts of that many stages (pp x vp) run."""
+    schedules: tuple[str, ...] = ()
+    """The pipeline schedules the search tries where pp > 1 (:data:`~pipeloom.plan.cluster.layout.SCHEDULES`);
+    empty: every one but :data:`~pipeloom.plan.cluster.layout.ON_REQUEST`'s (a layout fixed to one still runs)."""
     recompute_layers: int = 0
     """Which decoder layers ``recompute=full`` recomputes: 0, every one (Megatron-Core's ``recompute_method
     "uniform"`` with one layer per unit, torchtitan's full checkpointing); N > 0, the first N of each stage (a
@@ -257,6 +260,9 @@ class Job:
                 self.cut()  # an explicit cut: refused here if it does not cut this model
             elif value not in allowed:
                 raise LayoutError(f"{name}={value!r}: use one of {', '.join(map(repr, allowed))}: {what}")
+        unknown = [name for name in self.schedules if name not in SCHEDULES]
+        if unknown or not isinstance(self.schedules, tuple):
+            raise LayoutError(f"schedules={self.schedules!r}: the cluster planner prices {', '.join(SCHEDULES)}")
         for name in ("gpus", "global_batch", "seq"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

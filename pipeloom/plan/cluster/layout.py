@@ -18,20 +18,25 @@ if TYPE_CHECKING:
     from pipeloom.plan.cluster.job import Job
     from pipeloom.plan.cluster.model.spec import ModelSpec
 
-__all__ = ["Layout", "Refusals", "SCHEDULES", "FRAMEWORK_SCHEDULES", "PAIRED", "LAYOUT_KEYS", "MBS_CHOICES",
-           "VP_CHOICES", "enumerate_layouts", "ep_problem", "max_stages", "optimizer_bytes"]
+__all__ = ["Layout", "Refusals", "SCHEDULES", "ON_REQUEST", "FRAMEWORK_SCHEDULES", "PAIRED", "LAYOUT_KEYS",
+           "MBS_CHOICES", "VP_CHOICES", "enumerate_layouts", "ep_problem", "max_stages", "optimizer_bytes"]
 
 SCHEDULES: dict[str, str] = {
     "1f1b": "linear",
     "interleaved-1f1b": "interleaved",
     "zb-h1": "linear",
     "zbv": "v",
+    "v-half": "v",
+    "v-min": "v",
     "dualpipev": "v",
     "dualpipe": "two-copy",
 }
 """The schedules the cluster planner prices, with their stage placement (linear: vp 1, interleaved: vp >= 2
 looped stages per rank, v: 2 stages per rank in a V, two-copy: vp 1, the model cut into pp stages held twice,
 rank r holding stage r of one copy and stage pp-1-r of the other)."""
+ON_REQUEST = ("v-half", "v-min")
+"""Searched only where named (``--schedules``, ``--layout schedule=``): each build runs zbv's list scheduler, about
+1 s (docs/cluster-plan.md, "V-Half and V-Min": by default the 405B search on 1,024 GPUs took 58 s, not 7 s)."""
 FRAMEWORK_SCHEDULES = {"megatron-bridge": ("1f1b", "interleaved-1f1b"),
                        "torchtitan": tuple(name for name, place in SCHEDULES.items() if place != "two-copy")}
 """The schedules a framework runs (``--framework``): Megatron-Core's ``get_forward_backward_func`` picks 1F1B or
@@ -55,7 +60,7 @@ class Layout:
     pp: int = 1
     """Pipeline ranks."""
     vp: int = 1
-    """Stages per pipeline rank (interleaved: >= 2; zbv and dualpipev: 2; others 1, dualpipe's two copies apart)."""
+    """Stages per pipeline rank (interleaved: >= 2; the V placement's: 2; others 1, dualpipe's two copies apart)."""
     cp: int = 1
     """Context-parallel ranks (each holds 1/cp of every sequence)."""
     ep: int = 1
@@ -348,7 +353,7 @@ def _inner(job: Job, fixed: dict[str, Any], tp: int, cp: int, pp: int, dp: int,
     spec = job.spec
     experts = spec.experts.count if spec.experts else 1
     eps = [e for e in divisors(tp * dp * cp) if experts % e == 0] if spec.experts else [1]
-    schedules = list(SCHEDULES) if pp > 1 else ["1f1b"]
+    schedules = list(job.schedules or (name for name in SCHEDULES if name not in ON_REQUEST)) if pp > 1 else ["1f1b"]
     for ep, mbs, recompute, fsdp, schedule in itertools.product(
             _choices("ep", fixed, eps), _choices("mbs", fixed, list(MBS_CHOICES)),
             _choices("recompute", fixed, list(RECOMPUTE_MODES)), _choices("fsdp", fixed, [False, True]),

@@ -167,8 +167,16 @@ def test_1f1b_bound_is_exact_for_even_stages():
     (["--model", "CONFIG", "--gpus", "8", "--seq", "4096"], "--model needs --hardware"),
     (["--model", "CONFIG", "--hardware", "h100", "--gpus", "8", "--seq", "4096", "--layout", "tp=3"], "tp=3"),
     (["--model", "CONFIG", "--hardware", "h100", "--gpus", "8", "--seq", "4096", "--layout", "foo=1"], "foo=1"),
-    (["--model", "CONFIG", "--hardware", "h100", "--gpus", "8", "--seq", "4096", "--layout", "schedule=v-half"],
+    (["--model", "CONFIG", "--hardware", "h100", "--gpus", "8", "--seq", "4096", "--layout", "schedule=zb-h2"],
      "(the cluster planner does not price it; pipeloom plan --costs searches every built-in schedule)"),
+    (["--model", "CONFIG", "--hardware", "h100", "--gpus", "8", "--seq", "4096", "--schedules", "zbv,zb-h2"],
+     "--schedules: the cluster planner does not price zb-h2 (it prices 1f1b, interleaved-1f1b, zb-h1, zbv, v-half, "
+     "v-min, dualpipev, dualpipe); pipeloom plan --costs searches every built-in schedule"),
+    (["--model", "CONFIG", "--hardware", "h100", "--gpus", "8", "--seq", "4096", "--schedules", "zbv,3f3b"],
+     "--schedules: unknown schedule(s) ['3f3b']; the cluster planner prices 1f1b,"),
+    (["--model", "CONFIG", "--hardware", "h100", "--gpus", "8", "--seq", "4096", "--schedules", "v-half",
+      "--framework", "megatron-bridge"], "--schedules: megatron-bridge does not run v-half (it runs 1f1b, "
+     "interleaved-1f1b); drop --framework or those schedules"),
     (["--model", "CONFIG", "--hardware", "h100", "--gpus", "8", "--seq", "4096", "--layout", "tp=2 pp=2"],
      "layout tp must be an integer, got '2 pp=2' (the items are separated by commas: tp=2,pp=4)"),
     (["--model", "CONFIG", "--hardware", "h100", "--gpus", "8", "--seq", "4096", "--layout", "pp=3"],
@@ -188,9 +196,6 @@ def test_1f1b_bound_is_exact_for_even_stages():
      "no layout fits"),
     (["--model", "/nonexistent.json", "--hardware", "h100", "--gpus", "8", "--seq", "4096"], "cannot read"),
     # the cost-table mode's flags are refused, naming what --model offers instead
-    (["--model", "CONFIG", "--hardware", "h100", "--gpus", "8", "--seq", "4096", "--schedules", "1f1b"],
-     "--schedules belongs to planning from a cost table (--costs); with --model fix the schedule with --layout "
-     "schedule=NAME"),
     (["--model", "CONFIG", "--hardware", "h100", "--gpus", "8", "--seq", "4096", "--tp", "2"], "--layout tp=N"),
     (["--model", "CONFIG", "--hardware", "h100", "--gpus", "8", "--seq", "4096", "--ranks", "3"], "--gpus N"),
     (["--model", "CONFIG", "--hardware", "h100", "--gpus", "8", "--seq", "4096", "--microbatches", "7"],
@@ -730,3 +735,15 @@ def test_an_ep_the_experts_refuse_is_said_with_the_eps_that_divide(tmp_path, cap
     data = json.loads(capsys.readouterr().out)
     assert (data["model"]["experts"], data["model"]["experts_per_token"]) == (16, 2)
     assert (data["moe_comm"], data["moe_overlap"]) == ("plain", True)
+
+
+def test_schedules_names_the_schedules_the_command_searches(config, capsys):
+    """--model mode's --schedules (the cost-table mode's flag) names the schedules searched, V-Half and V-Min among
+    them only where named; --framework torchtitan with one fixed by --layout prices it (torchtitan runs its CSV)."""
+    base = ["plan", "--model", str(config), "--hardware", "h100", "--gpus", "8", "--global-batch", "32", "--seq",
+            "4096", "--json"]
+    assert main([*base, "--schedules", "zbv,v-half", "--layout", "pp=2"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert {est["layout"]["schedule"] for est in (data["best"], *data["runners_up"])} <= {"zbv", "v-half"}
+    assert main([*base, "--framework", "torchtitan", "--layout", "pp=2,schedule=v-min"]) == 0
+    assert json.loads(capsys.readouterr().out)["best"]["layout"]["schedule"] == "v-min"
