@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipeloom.arithmetic import divisors
 from pipeloom.plan.cluster.counts import RECOMPUTE_MODES
+from pipeloom.plan.cluster.step import optimizer_bytes
 from pipeloom.plan.errors import LayoutError
 
 if TYPE_CHECKING:
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
     from pipeloom.plan.cluster.model.spec import ModelSpec
 
 __all__ = ["Layout", "Refusals", "SCHEDULES", "ON_REQUEST", "FRAMEWORK_SCHEDULES", "PAIRED", "LAYOUT_KEYS",
-           "MBS_CHOICES", "VP_CHOICES", "enumerate_layouts", "ep_problem", "max_stages", "optimizer_bytes"]
+           "MBS_CHOICES", "VP_CHOICES", "enumerate_layouts", "ep_problem", "max_stages"]
 
 SCHEDULES: dict[str, str] = {
     "1f1b": "linear",
@@ -153,8 +154,7 @@ class Layout:
         (:attr:`Job.distributed_optimizer`) the optimizer state whole."""
         parts = []
         for params, group in zip((dense, expert), self.state_groups):
-            weights, gradients, states = optimizer_bytes(params, shards=group if shard_optimizer else 1,
-                                                         fsdp=reshards,
+            weights, gradients, states = optimizer_bytes(params, shards=group if shard_optimizer else 1, fsdp=reshards,
                                                          grad_bytes=grad_bytes, moment_bytes=moment_bytes)
             parts.append((weights, gradients / group if shard_gradients else gradients, states))
         weights, gradients, optimizer = (a + b for a, b in zip(*parts))
@@ -170,44 +170,15 @@ class Layout:
 
     def check(self, job: Job) -> int:
         """LayoutError when this layout cannot run ``job``; else its micro-batches per pipeline."""
-        spec = job.spec
         if self.gpus != job.gpus:
             raise LayoutError(f"dp x tp x pp x cp = {self.gpus} is not the job's {job.gpus} GPUs",
                               counts=f"{self.gpus} GPUs")
         m = self.microbatches(job.global_batch)
-        a = spec.attention
-        if not a.splits(self.tp):
-            fits = [t for t in range(1, self.tp) if a.splits(t)]
-            raise LayoutError(f"tp={self.tp} does not split {a.heads} query / {a.kv_heads} key-value heads evenly "
-                              f"(each tp rank holds whole heads); use tp={max(fits)}, the largest below {self.tp} "
-                              "that divides both")
-        if job.seq % (2 * self.cp) and self.cp > 1:
-            raise LayoutError(f"sequence {job.seq} does not split into 2 x cp={self.cp} load-balanced chunks")
-        g = spec.linear
-        if g is not None and not g.splits(self.tp * self.cp):
-            raise LayoutError(f"tp={self.tp} x cp={self.cp} does not split Gated DeltaNet's {g.key_heads} key heads "
-                              f"evenly (Megatron-Core gives each tp x cp rank whole heads: its context parallelism "
-                              f"runs the whole sequence of a share of the heads); use a tp x cp that divides "
-                              f"{g.key_heads}")
-        if self.stages > max_stages(spec):
-            lower = ("pp or vp" if SCHEDULES.get(self.schedule) == "interleaved" else
-                     f"pp ({self.schedule} places {self.vp} stages a rank)")
-            raise LayoutError(f"pp={self.pp} x vp={self.vp} = {self.stages} stages for {spec.layers} layers: at most "
-                              f"one stage per layer, and one each for the embedding and the head; lower {lower} so "
-                              f"that pp x vp <= {max_stages(spec)}")
-        cut = job.cut()
-        if cut is not None and len(cut) != self.stages:
-            raise LayoutError(f"pp={self.pp} x vp={self.vp} = {self.stages} stages, but the stage cut "
-                              f"{job.stage_cut!r} has {len(cut)}: use pp and vp whose product is {len(cut)}")
-        refused = ep_problem(spec, self.ep)
-        if refused:
+        if refused := self.shape_problem(job):
             raise LayoutError(refused)
-        if self.ep > 1 and self.tp > 1 and not job.sequence_parallel:
-            raise LayoutError(f"ep={self.ep} with tp={self.tp} needs sequence parallelism (Megatron-Core requires it "
-                              "for expert and tensor parallelism together); drop --no-sequence-parallel, or use tp=1 "
-                              "or ep=1")
         if self.pp > 1 and m < self.pp:
-            raise LayoutError(f"{m} micro-batches for pp={self.pp}: need at least pp (lower dp or mbs)",
+            fix = "lower dp or mbs" if self.dp * self.mbs > 1 else "a larger global batch or a lower pp"
+            raise LayoutError(f"{m} micro-batches for pp={self.pp}: need at least pp ({fix})",
                               counts=self._batch_of(self.pp))
         if self.schedule in PAIRED and m < 2 * self.pp:
             raise LayoutError(f"{self.schedule} needs at least 2 x pp = {2 * self.pp} micro-batches, got {m}",
@@ -223,6 +194,35 @@ class Layout:
         if self.pp == 1 and self.schedule != "1f1b":
             raise LayoutError("pp=1 has no pipeline: use schedule=1f1b")
         return m
+
+    def shape_problem(self, job: Job, *, cut: bool = True) -> str | None:
+        """Why the model or the sequence cannot take this layout's tp, cp, stages or ep, whatever the GPU count and
+        the global batch (None where they can); ``cut``: check the stage count against an explicit stage cut."""
+        spec, a, g = job.spec, job.spec.attention, job.spec.linear
+        if not a.splits(self.tp):
+            fits = [t for t in range(1, self.tp) if a.splits(t)]
+            return (f"tp={self.tp} does not split {a.heads} query / {a.kv_heads} key-value heads evenly (each tp rank "
+                    f"holds whole heads); use tp={max(fits)}, the largest below {self.tp} that divides both")
+        if job.seq % (2 * self.cp) and self.cp > 1:
+            return f"sequence {job.seq} does not split into 2 x cp={self.cp} load-balanced chunks"
+        if g is not None and not g.splits(self.tp * self.cp):
+            return (f"tp={self.tp} x cp={self.cp} does not split Gated DeltaNet's {g.key_heads} key heads evenly "
+                    f"(Megatron-Core gives each tp x cp rank whole heads: its context parallelism runs the whole "
+                    f"sequence of a share of the heads); use a tp x cp that divides {g.key_heads}")
+        if self.stages > max_stages(spec):
+            lower = {"interleaved": "pp or vp", "v": f"pp ({self.schedule} places 2 stages a rank)"}.get(
+                SCHEDULES[self.schedule], "pp")
+            return (f"pp={self.pp} x vp={self.vp} = {self.stages} stages for {spec.layers} layers: at most one stage "
+                    f"per layer, and one each for the embedding and the head; lower {lower} so that pp x vp <= "
+                    f"{max_stages(spec)}")
+        stages = job.cut()
+        if cut and stages is not None and len(stages) != self.stages:
+            return (f"pp={self.pp} x vp={self.vp} = {self.stages} stages, but the stage cut {job.stage_cut!r} has "
+                    f"{len(stages)}: use pp and vp whose product is {len(stages)}")
+        if self.ep > 1 and self.tp > 1 and not job.sequence_parallel:
+            return (f"ep={self.ep} with tp={self.tp} needs sequence parallelism (Megatron-Core requires it for expert "
+                    "and tensor parallelism together); drop --no-sequence-parallel, or use tp=1 or ep=1")
+        return ep_problem(spec, self.ep)
 
     def _batch_of(self, microbatches: int, *, multiple: bool = False) -> str:
         """The global batches that give this layout at least (``multiple``: a multiple of) ``microbatches``."""
@@ -260,9 +260,8 @@ def _choices(key: str, fixed: dict[str, Any], default: list[Any]) -> list[Any]:
 
 
 class Refusals(list):
-    """The first reason a layout was refused, for the error when none can run (at most one item): a strong one
-    (no other value of the keys left to the search avoids it) in the place of a weak one; ``counts``, where the
-    job's GPU count or global batch is the cause, the counts that avoid it (``LayoutError.counts``)."""
+    """The first reason a layout was refused (at most one item): a strong one (no value of the free keys avoids it)
+    in the place of a weak one; ``counts``: the GPU count or global batch that avoids it (``LayoutError.counts``)."""
 
     weak = False
     counts: str | None = None
@@ -271,15 +270,18 @@ class Refusals(list):
 def enumerate_layouts(job: Job, fixed: dict[str, Any], refusals: Refusals | None = None) -> Iterator[Layout]:
     """Every layout of ``job`` that passes :meth:`Layout.check` (dp x tp x pp x cp filling the GPUs, tp within the
     scale-up domain and splitting the heads (Gated DeltaNet's over tp x cp), cp up to 16 with the sequence in 2cp
-    chunks, pp up to the layer count,
-    ep for MoE inside tp x dp x cp and dividing the experts, vp, mbs, recomputation, FSDP on one pipeline stage
-    (under a pipeline it holds and moves what fsdp=0 does: :attr:`Layout.reshards`), schedule), with the keys
-    of ``fixed`` as given; the first layout refused, with why, appended to ``refusals`` (for the error when none
-    can run)."""
+    chunks, pp up to the layer count, ep for MoE inside tp x dp x cp and dividing the experts, vp, mbs,
+    recomputation, FSDP on one pipeline stage (under a pipeline it holds and moves what fsdp=0 does:
+    :attr:`Layout.reshards`), schedule), with the keys of ``fixed`` as given; the first layout refused, with why,
+    appended to ``refusals`` (for the error when none can run)."""
     spec = job.spec
     unknown = set(fixed) - set(LAYOUT_KEYS)
     if unknown:
         raise LayoutError(f"unknown layout keys {sorted(unknown)}; use {', '.join(LAYOUT_KEYS)}")
+    refused, counts = _fixed_problem(job, fixed)
+    if refused:  # the model's shape, the sequence or the batch: no GPU count or free key helps
+        _refuse(refusals, refused, counts=counts)
+        return
     n, hw = job.gpus, job.hw
     # with dp fixed, the GPUs the fixed keys need: exactly their product when all four are, else a multiple of it
     sized = [key for key in ("dp", "tp", "cp", "pp") if key in fixed] if "dp" in fixed else []
@@ -288,14 +290,6 @@ def enumerate_layouts(job: Job, fixed: dict[str, Any], refusals: Refusals | None
     if n % size:  # no free tp x cp x pp leaves dp: name the fixed keys' product
         given = " x ".join(f"{key}={fixed[key]}" for key in sized) + (f" = {size}" if len(sized) > 1 else "")
         _refuse(refusals, f"{given} does not divide the {n} GPUs", counts=sized_gpus)
-        return
-    refused = ep_problem(spec, fixed.get("ep", 1))
-    if refused:  # the model's shape: no free key helps
-        _refuse(refusals, refused)
-        return
-    if fixed.get("mbs", 1) > job.global_batch:
-        _refuse(refusals, f"mbs={fixed['mbs']} is more sequences than the global batch {job.global_batch}",
-                counts=f"a global batch of at least {fixed['mbs']}")
         return
     linear = spec.linear
     others = not {"tp", "cp"} <= set(fixed)  # other tp x cp are tried: a reason they avoid is weak
@@ -323,6 +317,29 @@ def enumerate_layouts(job: Job, fixed: dict[str, Any], refusals: Refusals | None
                             weak=others or "pp" not in fixed, counts=sized_gpus)
                     continue
                 yield from _inner(job, fixed, tp, cp, pp, dp, refusals)
+
+
+def _fixed_problem(job: Job, fixed: dict[str, Any]) -> tuple[str | None, str | None]:
+    """Why the fixed keys cannot run ``job`` whatever the GPUs and free keys (a dp x mbs the batch refuses, a tp, cp,
+    pp or ep the model or sequence refuses: :meth:`Layout.shape_problem`), and the counts that avoid it, or None."""
+    split = fixed.get("dp", 1) * fixed.get("mbs", 1)
+    if fixed.get("mbs", 1) > job.global_batch:
+        return (f"mbs={fixed['mbs']} is more sequences than the global batch {job.global_batch}",
+                f"a global batch of at least {fixed['mbs']}")
+    if job.global_batch % split:  # with a fixed dp that the GPUs refuse too, both counts
+        given = " x ".join(f"{key}={fixed[key]}" for key in ("dp", "mbs") if key in fixed)
+        size = math.prod(fixed[key] for key in ("dp", "tp", "cp", "pp") if key in fixed) if "dp" in fixed else 1
+        gpus = f" and a GPU count that is a multiple of {size}" if job.gpus % size else ""
+        return f"{given} does not divide the global batch {job.global_batch}{' nor the GPUs' * bool(gpus)}", (
+            f"a global batch that is a multiple of {split}{gpus}")
+    schedule = fixed.get("schedule", "1f1b")
+    vp = fixed.get("vp", {"v": 2, "interleaved": 2}.get(SCHEDULES.get(schedule, ""), 1))
+    try:  # dp = ep: any ep divides tp x dp x cp
+        probe = Layout(tp=fixed.get("tp", 1), cp=fixed.get("cp", 1), pp=fixed.get("pp", 1), vp=vp,
+                       ep=fixed.get("ep", 1), dp=fixed.get("ep", 1), schedule=schedule)
+    except LayoutError:  # the keys refuse each other: said where the layouts are made
+        return None, None
+    return probe.shape_problem(job, cut="pp" in fixed and "vp" in fixed), None
 
 
 def _refuse(refusals: Refusals | None, reason: str, *, weak: bool = False, counts: str | None = None) -> None:
@@ -381,20 +398,3 @@ def _inner(job: Job, fixed: dict[str, Any], tp: int, cp: int, pp: int, dp: int,
                                   f"{error}", counts=error.counts)
                 continue
             yield layout
-
-
-def optimizer_bytes(params: float, *, shards: int = 1, fsdp: bool = False, grad_bytes: float = 2.0,
-                    moment_bytes: float = 4.0) -> tuple[float, float, float]:
-    """``(weights, gradients, optimizer)`` bytes per GPU of mixed-precision Adam for ``params`` parameters
-    held by this GPU: bf16 weights (2), gradients accumulated in the reduce's dtype (``grad_bytes``: 2 for bf16,
-    4 for fp32, as Megatron-Core's ``main_grad`` buffer and FSDP2's unsharded accumulation keep them), fp32 master
-    weights and two moments of ``moment_bytes`` each (12 in all; 8 with Megatron-Core's precision-aware optimizer's
-    bf16 moments). The distributed optimizer shards the optimizer state over ``shards`` data-parallel ranks;
-    FSDP also shards the weights and gradients, 16 bytes a parameter in all with fp32 moments whatever the reduce's
-    dtype (FSDP2's fp32 shard is the master, its gradient the same dtype; one layer's weights are gathered at a
-    time: counted by the estimator as buffers).
-    """
-    weights, states = 2.0 * params, (4.0 + 2 * moment_bytes) * params
-    if fsdp:
-        return weights / shards, 2.0 * params / shards, states / shards
-    return weights, grad_bytes * params, states / shards

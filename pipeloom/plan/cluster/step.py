@@ -1,16 +1,17 @@
 """What the estimator predicts for one layout: :class:`Estimate` (step time, its parts, throughput, MFU) and
 :class:`Memory` (bytes per GPU of the busiest pipeline rank); and what it adds up: :class:`PhaseTimes` (one
-micro-batch through one layer or stage, by kind of work)."""
+micro-batch through one layer or stage, by kind of work); mixed-precision Adam's bytes (:func:`optimizer_bytes`)."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pipeloom.plan.cluster.layout import Layout
+if TYPE_CHECKING:
+    from pipeloom.plan.cluster.layout import Layout
 
-__all__ = ["Memory", "Estimate", "PhaseTimes", "WORK_PARTS", "add_times", "named_work", "work_parts"]
+__all__ = ["Memory", "Estimate", "PhaseTimes", "WORK_PARTS", "add_times", "named_work", "optimizer_bytes", "work_parts"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -20,7 +21,7 @@ class Memory:
     weights: float
     """Model weights held (bf16)."""
     gradients: float
-    """Gradients held (whole ones in the reduce's dtype: :func:`~pipeloom.plan.cluster.layout.optimizer_bytes`)."""
+    """Gradients held (whole ones in the reduce's dtype: :func:`optimizer_bytes`)."""
     optimizer: float
     """fp32 master weights and Adam's two moments held."""
     activations: float
@@ -133,3 +134,20 @@ def work_parts(stages: list[PhaseTimes]) -> dict[str, float]:
     if other > 1e-9 * (total.f + total.i + total.w):
         work["other"] = other
     return work
+
+
+def optimizer_bytes(params: float, *, shards: int = 1, fsdp: bool = False, grad_bytes: float = 2.0,
+                    moment_bytes: float = 4.0) -> tuple[float, float, float]:
+    """``(weights, gradients, optimizer)`` bytes per GPU of mixed-precision Adam for ``params`` parameters
+    held by this GPU: bf16 weights (2), gradients accumulated in the reduce's dtype (``grad_bytes``: 2 for bf16,
+    4 for fp32, as Megatron-Core's ``main_grad`` buffer and FSDP2's unsharded accumulation keep them), fp32 master
+    weights and two moments of ``moment_bytes`` each (12 in all; 8 with Megatron-Core's precision-aware optimizer's
+    bf16 moments). The distributed optimizer shards the optimizer state over ``shards`` data-parallel ranks;
+    FSDP also shards the weights and gradients, 16 bytes a parameter in all with fp32 moments whatever the reduce's
+    dtype (FSDP2's fp32 shard is the master, its gradient the same dtype; one layer's weights are gathered at a
+    time: counted by the estimator as buffers).
+    """
+    weights, states = 2.0 * params, (4.0 + 2 * moment_bytes) * params
+    if fsdp:
+        return weights / shards, 2.0 * params / shards, states / shards
+    return weights, grad_bytes * params, states / shards

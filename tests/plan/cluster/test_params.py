@@ -9,8 +9,8 @@ import pytest
 from tests.plan.cluster.tiny import TINY, tiny_config, tiny_model
 
 from pipeloom.plan.cluster import ModelConfigError, model_params, model_spec
-from pipeloom.plan.cluster.layout import optimizer_bytes
 from pipeloom.plan.cluster.model.source import FAMILY_DEFAULTS
+from pipeloom.plan.cluster.step import optimizer_bytes
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

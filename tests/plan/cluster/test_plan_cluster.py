@@ -184,11 +184,27 @@ def test_1f1b_bound_is_exact_for_even_stages():
     (["--model", "CONFIG", "--hardware", "h100", "--gpus", "8", "--seq", "4096", "--layout",
       "pp=4,vp=2,schedule=dualpipe"], "schedule=dualpipe: dualpipe cuts the model into pp stages"),
     (["--model", "CONFIG", "--hardware", "h100", "--gpus", "8", "--seq", "4096", "--layout", "mbs=3"],
-     "the first refused: dp=8 x mbs=3 does not divide the global batch 32"),
+     "the first refused: mbs=3 does not divide the global batch 32); change the fixed keys, pick a global batch "
+     "that is a multiple of 3"),
+    # the model's shape, sequence or batch is named before the GPU count (following "a GPU count that is a
+    # multiple of 3" had met the next refusal)
+    (["--model", "CONFIG", "--hardware", "h100", "--gpus", "8", "--seq", "4096", "--layout", "tp=3"],
+     "the first refused: tp=3 does not split 16 query / 4 key-value heads evenly"),
+    (["--model", "CONFIG", "--hardware", "h100", "--gpus", "8", "--seq", "4096", "--layout", "cp=3"],
+     "the first refused: sequence 4096 does not split into 2 x cp=3 load-balanced chunks"),
+    (["--model", "CONFIG", "--hardware", "h100", "--gpus", "8", "--seq", "4096", "--layout", "pp=32"],
+     "the first refused: pp=32 x vp=1 = 32 stages for 16 layers: at most one stage per layer, and one each for "
+     "the embedding and the head; lower pp so that pp x vp <= 18"),
+    (["--model", "CONFIG", "--hardware", "h100", "--gpus", "24", "--seq", "4096", "--layout", "dp=3"],
+     "the first refused: dp=3 does not divide the global batch 32); change the fixed keys, pick a global batch "
+     "that is a multiple of 3"),
+    (["--model", "CONFIG", "--hardware", "h100", "--gpus", "8", "--seq", "4096", "--global-batch", "4", "--layout",
+      "pp=8,mbs=1"], "4 micro-batches for pp=8: need at least pp (a larger global batch or a lower pp)"),
     # the reason no other value of the free keys avoids comes first (not mbs=64's, which a smaller mbs avoids)
     (["--model", "CONFIG", "--hardware", "h100", "--gpus", "16", "--seq", "4096", "--layout",
-      "pp=16,schedule=interleaved-1f1b"], "the first refused: pp=16 x vp=2 stages of interleaved-1f1b are more than "
-     "the 16 layers and the embedding and head stages); change the fixed keys"),
+      "pp=16,schedule=interleaved-1f1b"], "the first refused: pp=16 x vp=2 = 32 stages for 16 layers: at most one "
+     "stage per layer, and one each for the embedding and the head; lower pp or vp so that pp x vp <= 18); change "
+     "the fixed keys"),
     (["--model", "CONFIG", "--hardware", "h100", "--gpus", "16", "--seq", "4096", "--layout", "pp=16,schedule=zbv"],
      "lower pp (zbv places 2 stages a rank) so that pp x vp <= 18"),
     (["--model", "CONFIG", "--hardware", "nope", "--gpus", "8", "--seq", "4096"], "nope"),
@@ -351,16 +367,18 @@ def test_a_refusal_by_the_models_shape_does_not_advise_other_gpu_counts():
 def test_a_refusal_by_the_jobs_counts_names_the_counts_that_avoid_it():
     """Where the GPU count or the global batch refuses the fixed keys, the advice names the count that fixes them,
     not both counts (pp=3 on 64 GPUs had been sent to "a global batch with more common divisors" too)."""
-    for fixed, batch, fix in (("tp=3", 64, "a GPU count that is a multiple of 3"),
-                              ("pp=3", 64, "a GPU count that is a multiple of 3"),
-                              ("dp=64", 96, "a global batch that is a multiple of dp x mbs = 64"),
+    for fixed, batch, fix in (("pp=3", 64, "a GPU count that is a multiple of 3"),
+                              ("dp=64", 96, "a global batch that is a multiple of 64"),
                               ("pp=8,dp=8,mbs=1,schedule=dualpipe", 64, "a global batch of at least 128"),
                               ("pp=4,dp=16,mbs=1,vp=2,schedule=interleaved-1f1b", 96,
                                "a global batch that is a multiple of 64"),
                               ("pp=4,dp=8,tp=1,cp=1", 64, "pick 32 GPUs"),
                               # a dp no free tp x cp x pp leaves had been sent to "pick 3 GPUs"
-                              ("dp=3", 64, "a GPU count that is a multiple of 3"),
-                              ("dp=3,tp=2", 64, "a GPU count that is a multiple of 6"),
+                              ("dp=3", 66, "a GPU count that is a multiple of 3"),
+                              ("dp=3,tp=2", 66, "a GPU count that is a multiple of 6"),
+                              # neither count: both are named (one had been, and the next plan met the other)
+                              ("dp=3", 64, "a global batch that is a multiple of 3 and a GPU count that is a "
+                                           "multiple of 3"),
                               ("dp=16,tp=2,pp=4,cp=1", 64, "pick 128 GPUs"),
                               # more sequences than the batch had been sent to a batch of 32,768 (dp=64 x 512)
                               ("mbs=512", 256, "a global batch of at least 512")):
