@@ -70,16 +70,19 @@ def _dropout(spec) -> str:
     return f", {' and '.join(said)} (the config's: their masks kept)" if said else ""
 
 
-def _full(total: float, limit: float) -> list[str]:
+def _full(total: float, limit: float, alone: bool) -> list[str]:
     """A note where a plan that fits fills more than 95 % of the limit: what the estimate does not hold (the
-    allocator's fragmentation, buffers beyond the 2 GiB priced) may not fit there."""
+    allocator's fragmentation, buffers beyond the 2 GiB priced) may not fit there; where other layouts were searched,
+    the limit that keeps a tenth free (whether one fits there is the plan's to say: a lower limit is searched again)."""
     if not 0.95 * limit < total <= limit:
         return []
     from pipeloom.plan.cluster.estimate import WORKSPACE_BYTES  # the planner loads on use, not with the CLI
 
+    free = ("fix fewer --layout keys to search layouts that hold less" if alone else
+            f"plan with --memory-limit {math.floor(0.9 * limit / 2**30 * 10) / 10:.1f}GiB to keep a tenth free (it "
+            f"searches again: a layout that holds less, or the least memory any needs)")
     return [f"note: the plan fills {total / limit:.0%} of the limit; the allocator's fragmentation and buffers beyond "
-            f"the {_gib(WORKSPACE_BYTES)} priced may not fit in what is left: --memory-limit "
-            f"{0.9 * limit / 2**30:.1f}GiB leaves a tenth free"]
+            f"the {_gib(WORKSPACE_BYTES)} priced may not fit in what is left: {free}"]
 
 
 def _above(result) -> str:
@@ -245,8 +248,9 @@ def report(result, *, framework: str | None = None) -> str:
         *([f"layers per stage: {_runs(best.stage_layers)}{_copies(best.layout)}"] if len(best.stage_layers) > 1
           else []),
         *_experts(job.spec, best.layout),
-        f"step time: {seconds_text(best.step_time)} s (pipeline {seconds_text(best.pipeline_time)} s, exposed dp "
-        f"{seconds_text(best.exposed_dp)} s, optimizer {seconds_text(best.optimizer_time)} s)",
+        f"step time: {seconds_text(best.step_time)} s (pipeline {seconds_text(best.pipeline_time)} s, exposed dp"
+        f"{' x cp' * (best.layout.cp > 1)} {seconds_text(best.exposed_dp)} s, optimizer "
+        f"{seconds_text(best.optimizer_time)} s)",
         f"tokens/s per GPU: {best.tokens_per_gpu_per_second:,.0f}   MFU: {best.mfu * 100:.1f} % (of the "
         f"{job.dtype} peak)   bubble: {best.bubble * 100:.1f} %",
         *_work(best),
@@ -254,7 +258,7 @@ def report(result, *, framework: str | None = None) -> str:
         f"{_gib(mem.weights)}, "
         f"gradients {_gib(mem.gradients)}, optimizer {_gib(mem.optimizer)}, activations {_gib(mem.activations)}, "
         f"buffers {_gib(mem.buffers)}",
-        *_full(mem.total, result.memory_limit),
+        *_full(mem.total, result.memory_limit, result.candidates == 1),
         *_defaulted(job.spec),
         *_past_context(job),
         *_batch_cap(job, best.layout.dp),

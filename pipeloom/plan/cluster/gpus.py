@@ -362,6 +362,7 @@ def hardware(name_or_path: str | Path | Hardware | dict) -> Hardware:
         return BUILTIN[text.lower()]
     if Path(text).is_file():
         return load_hardware(text)
-    hint = " (no such file)" if text.endswith(".json") or "/" in text else ""
+    hint = (" (a folder, not a file)" if Path(text).is_dir() else
+            " (no such file)" if text.endswith(".json") or "/" in text else "")
     raise HardwareError(f"unknown hardware {text!r}{hint}: use a built-in name ({', '.join(BUILTIN)}) or a "
                         f"{FORMAT} JSON file (pipeloom.plan.cluster.hardware.save_hardware writes one)")

@@ -217,6 +217,9 @@ def test_unreadable_and_unknown(tmp_path):
         hardware("h1000")
     with pytest.raises(HardwareError, match=r"'x/gpu.json' \(no such file\)"):
         hardware("x/gpu.json")
+    (tmp_path / "gpu.json").mkdir()
+    with pytest.raises(HardwareError, match=r"gpu.json' \(a folder, not a file\)"):
+        hardware(tmp_path / "gpu.json")
     with pytest.raises(HardwareError, match="got int"):
         hardware(3)  # type: ignore[arg-type]
     assert issubclass(HardwareError, PipeloomError)

@@ -30,6 +30,8 @@ MTP = {"model_type": "deepseek_v3", "hidden_size": 1024, "intermediate_size": 28
        "n_shared_experts": 1, "moe_intermediate_size": 512, "first_k_dense_replace": 1, "num_experts_per_tok": 2,
        "num_nextn_predict_layers": 1}
 """A DeepSeek-V3-like model with a multi-token-prediction module on its last stage."""
+LLAMA_70B = {"model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+             "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256}
 CASES = [(DENSE, 4, 16, 4096), (DENSE, 8, 32, 2048), (MOE, 8, 32, 4096), (MTP, 8, 32, 4096),
          (MOE, 8, 32, 4096, {"moe_overlap": True}), (DENSE, 8, 32, 4096, {"recompute_layers": 2}),
          (DENSE, 8, 32, 4096, {"schedules": ("1f1b", "zbv", "v-half", "v-min")})]
@@ -99,6 +101,24 @@ def test_least_memory_is_exact_and_fits(case):
     assert found.best.memory.total <= raised.value.smallest_limit
     with pytest.raises(NoLayoutFits):
         search_layouts(job, memory_limit=raised.value.smallest_limit * (1 - 1e-9))
+
+
+def test_the_least_memory_said_in_bytes_finds_a_plan():
+    """The refusal's byte count is rounded up (a count rounded down was refused again), and it names the part that
+    sets the least memory: the model's state (more GPUs lower it, a smaller batch does not) or the activations."""
+    import math
+    import re
+
+    job = _job(LLAMA_70B, 8, 64, 4096)
+    with pytest.raises(NoLayoutFits) as raised:
+        search_layouts(job, memory_limit=8 * GIB)
+    said = int(re.search(r"\((\d+) bytes\)", str(raised.value)).group(1))
+    assert said == math.ceil(raised.value.smallest_limit)
+    assert search_layouts(job, memory_limit=said).best.memory.total <= said
+    assert "use more GPUs (its weights, gradients and optimizer state are " in str(raised.value)
+    assert "global batch" not in str(raised.value)
+    with pytest.raises(NoLayoutFits, match="use more GPUs, a shorter sequence, or raise --memory-limit"):
+        search_layouts(_job(DENSE, 8, 8, 262144), memory_limit=8 * GIB)
 
 
 def test_more_memory_never_slower_from_the_least():
@@ -190,8 +210,6 @@ def test_zero2_shards_the_gradients_and_reduces_them_every_microbatch():
     assert best(True, one_stage).memory == best(False, one_stage).memory
 
 
-LLAMA_70B = {"model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
-             "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256}
 
 
 def test_v_half_and_v_min_are_searched_only_when_named():

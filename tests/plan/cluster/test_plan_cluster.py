@@ -618,17 +618,25 @@ def test_time_to_train_a_token_count(config, capsys):
 
 
 def test_a_plan_that_fills_the_memory_says_so(config, capsys):
-    """A plan within 5 % of the limit gets a note naming the limit that leaves a tenth free; one with room does not."""
+    """A plan within 5 % of the limit gets a note: for a searched plan the limit that keeps a tenth free, rounded
+    down (it had said '--memory-limit 3.7GiB leaves a tenth free' where nothing fit in 3.7 GiB: planning there is a
+    new search); for a fully fixed layout, to fix fewer keys (a lower limit cannot fit it); one with room none."""
     layout = "dp=2,tp=2,pp=2,vp=1,cp=1,ep=1,mbs=1,fsdp=0,recompute=none,schedule=1f1b"
     total = _plan(layout=layout).best.memory.total
     argv = ["plan", "--model", str(config), "--hardware", "h100", "--gpus", "8", "--global-batch", "32", "--seq",
-            "4096", "--layout", layout, "--memory-limit"]
-    assert main([*argv, f"{total / 0.98 / 2**30:.6f}GiB"]) == 0
+            "4096", "--memory-limit"]
+    start = ("note: the plan fills 98% of the limit; the allocator's fragmentation and buffers beyond the 2.0 GiB "
+             "priced ")
+    assert main([*argv, f"{total / 0.98 / 2**30:.6f}GiB", "--layout", layout]) == 0
     note = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: the plan fills")]
-    assert note == [f"note: the plan fills 98% of the limit; the allocator's fragmentation and buffers beyond the 2.0 "
-                    f"GiB priced may not fit in what is left: --memory-limit {0.9 * total / 0.98 / 2**30:.1f}GiB "
-                    "leaves a tenth free"]
-    assert main([*argv, f"{total / 0.9 / 2**30:.6f}GiB"]) == 0
+    assert note == [start + "may not fit in what is left: fix fewer --layout keys to search layouts that hold less"]
+    from pipeloom.cli.plan_cluster_report import _full
+
+    limit = 3.75 / 0.9 * 2**30  # a tenth free is 3.75 GiB: said as 3.7, which keeps it
+    assert _full(0.98 * limit, limit, alone=False) == [
+        start + "may not fit in what is left: plan with --memory-limit 3.7GiB to keep a tenth free (it searches again: "
+        "a layout that holds less, or the least memory any needs)"]
+    assert main([*argv, f"{total / 0.9 / 2**30:.6f}GiB", "--layout", layout]) == 0
     assert "note: the plan fills" not in capsys.readouterr().out
 
 
