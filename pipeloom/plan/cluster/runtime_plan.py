@@ -85,27 +85,39 @@ def save_blockers(result: ClusterPlan, *, export: str | None = None) -> str | No
     tp, cp = int(fixes.get("tp", layout.tp)), int(fixes.get("cp", layout.cp))
     if (tp, cp) != (layout.tp, layout.cp) and result.job.gpus % (tp * layout.pp * cp) == 0:
         fixes["dp"] = result.job.gpus // (tp * layout.pp * cp)  # the GPUs the other keys free
-    keys = ",".join(f"{k}={v}" for k, v in fixes.items())
+    note = "" if over or not fixes else _fix_memory(result, fixes, export)  # a smaller mbs where the fix needs one
+    keys = ",".join(f"{k}={v}" for k, v in fixes.items())  # a fully fixed layout: the whole one, to give in its place
+    keys = f"{keys}: --layout {_fixed(layout, fixes)}" if result.candidates == 1 and not over else f"--layout {keys}"
     which = "the others" if any(not fixed for _, fixed in problems) else ("them" if len(problems) > 1 else "it")
-    fix = f"; fix {which} with --layout {keys}{'' if over else _fix_memory(result, fixes, export)}" if fixes else ""
+    fix = f"; fix {which} with {keys}{note}" if fixes else ""
     return (f"cannot save the chosen layout {'for torchtitan' if export else 'as a plan the runtime runs'}: "
             + "; ".join(text for text, _ in problems) + fix)
 
 
+def _fixed(layout: Layout, fixes: dict[str, int | str]) -> Layout:
+    changes: dict[str, Any] = {key: bool(value) if key == "fsdp" else value for key, value in fixes.items()}
+    return dataclasses.replace(layout, **changes)
+
+
 def _fix_memory(result: ClusterPlan, fixes: dict[str, int | str], export: str | None) -> str:
-    """What follows the suggested ``--layout`` fix: nothing where the fixed layout fits the limit as the runtime holds
-    it; else that it would not, so that the fix does not lead to a memory refusal unannounced."""
-    try:
-        changes: dict[str, Any] = {key: bool(value) if key == "fsdp" else value for key, value in fixes.items()}
-        fixed = dataclasses.replace(result.best.layout, **changes)
-        needs = Estimator(runtime_job(result.job, export or "pipeloom")).estimate(fixed).memory.total
-    except (PipeloomError, ValueError):  # the other keys do not take the fix: said when it is given
-        return ""
-    if needs <= result.memory_limit:
-        return ""
-    return (f" (that layout needs {needs / 2**30:.1f} GiB per GPU as {_RUNTIME_NAMES[export or 'pipeloom']} holds "
-            f"it, over the {result.memory_limit / 2**30:.1f} GiB limit: give --layout fewer keys and let the search "
-            "choose the others)")
+    """What follows the suggested ``--layout`` fix: nothing where the fixed layout runs and fits the limit as the
+    runtime holds it (with the largest smaller mbs added to ``fixes`` where the fix leaves too few micro-batches);
+    else that it would not, so that the fix does not lead to another refusal unannounced."""
+    estimator, mbs = Estimator(runtime_job(result.job, export or "pipeloom")), result.best.layout.mbs
+    failed = None
+    for attempt in [fixes] + ([{**fixes, "mbs": m} for m in range(mbs - 1, 0, -1)] if "mbs" not in fixes else []):
+        try:
+            needs = estimator.estimate(_fixed(result.best.layout, attempt)).memory.total
+        except (PipeloomError, ValueError) as error:
+            failed = failed or error
+            continue
+        fixes.update(attempt)
+        if needs <= result.memory_limit:
+            return ""
+        return (f" (that layout needs {needs / 2**30:.1f} GiB per GPU as {_RUNTIME_NAMES[export or 'pipeloom']} "
+                f"holds it, over the {result.memory_limit / 2**30:.1f} GiB limit: give --layout fewer keys and let "
+                "the search choose the others)")
+    return f" (that layout cannot run: {failed}; give --layout fewer keys and let the search choose the others)"
 
 
 def layout_problems(job: Job, layout: Layout, *, export: str | None = None) -> list[tuple[str, dict[str, int | str]]]:

@@ -92,7 +92,8 @@ def test_what_the_runtime_cannot_run_is_refused_by_name():
     cp = plan_cluster(LLAMA, "h100", gpus=8, global_batch=32, seq=2048, layout=FIXED.replace("dp=2", "dp=1")
                       .replace("cp=1", "cp=2"))
     with pytest.raises(PlanError, match=r"cp=2 \(pipeloom's runtime does not run context parallelism yet\); fix it "
-                                        "with --layout cp=1,dp=2"):
+                                        "with cp=1,dp=2: --layout dp=2,tp=2,pp=2,vp=2,cp=1,ep=1,mbs=1,fsdp=0,"
+                                        "recompute=none,schedule=interleaved-1f1b$"):
         runtime_plan(cp)
     gpt2 = {"model_type": "gpt2", "n_embd": 1024, "n_layer": 8, "n_head": 16, "vocab_size": 50257,
             "n_positions": 1024}
@@ -112,7 +113,8 @@ def test_an_ep_layout_saves_its_expert_parallel_size():
     plan = runtime_plan(plan_cluster(moe, "h100", gpus=8, global_batch=16, seq=512, layout=layout))
     assert (plan.num_ranks, plan.data_parallel, plan.expert_parallel, plan.world_size) == (2, 4, 2, 8)
     assert plan.split_points == ("model.layers.4",) and plan.microbatches == 4
-    with pytest.raises(PlanError, match="ep=2 with fsdp=1 .*; fix it with --layout fsdp=0$"):
+    with pytest.raises(PlanError, match="ep=2 with fsdp=1 .*; fix it with fsdp=0: --layout "
+                                        f"{layout.replace('fsdp=1', 'fsdp=0')}$"):
         runtime_plan(plan_cluster(moe, "h100", gpus=8, global_batch=16, seq=512,
                                   layout=layout.replace("fsdp=0", "fsdp=1")))
 
@@ -157,13 +159,15 @@ def test_every_reason_a_layout_cannot_be_saved_is_named_at_once():
     result = plan_cluster(moe, "h100", gpus=8, global_batch=16, seq=512, layout=layout)
     message = save_blockers(result, export="torchtitan")
     for part in ("schedule=dualpipe for torchtitan", "ep=2 for torchtitan", "mixtral for torchtitan, which has no such "
-                 "model", "fix the others with --layout schedule=dualpipev,ep=1,vp=2"):
+                 "model", "fix the others with schedule=dualpipev,ep=1,vp=2: --layout dp=2,tp=1,pp=2,vp=2,cp=2,ep=1,"
+                 "mbs=1,fsdp=1,recompute=none,schedule=dualpipev"):
         assert part in message, part
-    assert "ep=2 with fsdp=1" not in message and "cp=2" not in message
+    assert "ep=2 with fsdp=1" not in message and "cp=2 (" not in message
     message = save_blockers(result)
     assert "torchtitan" not in message and "ep=2 with fsdp=1" in message
     assert "fsdp=1 with schedule=dualpipe" in message and "schedule=dualpipe with ep=2" in message
-    assert message.endswith("fix them with --layout cp=1,fsdp=0,schedule=dualpipev,vp=2,dp=4")
+    assert message.endswith("fix them with cp=1,fsdp=0,schedule=dualpipev,vp=2,dp=4: --layout dp=4,tp=1,pp=2,vp=2,"
+                            "cp=1,ep=2,mbs=1,fsdp=0,recompute=none,schedule=dualpipev")
     small = dict(LLAMA, num_hidden_layers=4)
     over = plan_cluster(small, "h100", gpus=8, global_batch=32, seq=2048, layout=FIXED.replace("pp=2", "pp=1")
                         .replace("vp=2", "vp=1").replace("interleaved-1f1b", "1f1b").replace("dp=2", "dp=4"),
@@ -176,20 +180,33 @@ def test_every_reason_a_layout_cannot_be_saved_is_named_at_once():
     assert "over the 1.0 GiB limit" in message and message.endswith("; fix the others with --layout cp=1,dp=2")
 
 
+def test_a_suggested_fix_of_a_fixed_layout_is_a_layout_that_runs():
+    """A fully fixed layout's fix is the whole layout to give in its place (appending the keys had met 'given twice'),
+    with a smaller mbs where the fix leaves too few micro-batches (dp 1 -> 2 at mbs 4 left one for pp 2): the
+    layout suggested saves."""
+    tiny = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
+            "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 1000}
+    layout = "dp=1,tp=1,pp=2,vp=1,cp=2,ep=1,mbs=4,fsdp=0,recompute=full,schedule=1f1b"
+    message = save_blockers(plan_cluster(tiny, "h100", gpus=4, global_batch=8, seq=128, layout=layout))
+    fixed = "dp=2,tp=1,pp=2,vp=1,cp=1,ep=1,mbs=2,fsdp=0,recompute=none,schedule=1f1b"
+    assert message.endswith(f"fix them with cp=1,recompute=none,dp=2,mbs=2: --layout {fixed}"), message
+    assert runtime_plan(plan_cluster(tiny, "h100", gpus=4, global_batch=8, seq=128, layout=fixed)).num_ranks == 2
+
+
 def test_a_suggested_fix_says_when_the_fixed_layout_would_not_fit():
     """The --layout keys that fix what the runtime cannot run are priced as the runtime would hold the fixed layout:
     where it is over the limit (here keeping every activation instead of recomputing) the refusal says so, rather
     than leading to a memory refusal; within the limit it says nothing more."""
     layout = FIXED.replace("recompute=none", "recompute=full")
     roomy = plan_cluster(LLAMA, "h100", gpus=8, global_batch=32, seq=2048, layout=layout)
-    assert save_blockers(roomy).endswith("fix it with --layout recompute=none")
+    assert save_blockers(roomy).endswith(f"fix it with recompute=none: --layout {FIXED}")
     needs = pipeloom_memory(roomy.job, roomy.best.layout)
     limit = (roomy.best.memory.total + needs) / 2  # the layout as planned fits, the fixed one does not
     tight = plan_cluster(LLAMA, "h100", gpus=8, global_batch=32, seq=2048, layout=layout, memory_limit=limit)
     assert save_blockers(tight).endswith(
-        f"fix it with --layout recompute=none (that layout needs {needs / 2**30:.1f} GiB per GPU as pipeloom's "
-        f"runtime holds it, over the {limit / 2**30:.1f} GiB limit: give --layout fewer keys and let the search "
-        "choose the others)")
+        f"fix it with recompute=none: --layout {FIXED} (that layout needs {needs / 2**30:.1f} GiB per GPU as "
+        f"pipeloom's runtime holds it, over the {limit / 2**30:.1f} GiB limit: give --layout fewer keys and let the "
+        "search choose the others)")
 
 
 def _plan_and_save(tmp_path, *extra):
@@ -268,7 +285,8 @@ def test_a_layout_that_recomputes_is_not_saved_for_the_runtime():
     full = plan_cluster(LLAMA, "h100", gpus=2, global_batch=8, seq=8192, layout=layout, memory_limit="12GiB")
     assert save_blockers(full).startswith("cannot save the chosen layout as a plan the runtime runs: recompute=full "
                                           "(pipeloom's runtime keeps every activation; --export torchtitan recomputes "
-                                          "as planned); fix it with --layout recompute=none (that layout needs ")
+                                          "as planned); fix it with recompute=none: --layout "
+                                          f"{layout.replace('full', 'none')} (that layout needs ")
     assert save_blockers(full, export="torchtitan") is None
     none = plan_cluster(LLAMA, "h100", gpus=2, global_batch=8, seq=8192, layout=layout.replace("full", "none"))
     assert save_blockers(none) is None and runtime_plan(none).num_ranks == 1
@@ -447,7 +465,7 @@ def test_what_the_runtime_does_not_compose_is_refused_with_its_fix(config, gpus,
     keys that fix it, and a search for that runtime leaves it out."""
     fixed = f"{layout},vp=1,cp=1,ep=1,mbs=1,recompute=none"
     message = save_blockers(plan_cluster(config, "h100", gpus=gpus, global_batch=8, seq=512, layout=fixed))
-    assert said in message and message.endswith(f"fix it with --layout {fix}"), message
+    assert said in message and f"fix it with {fix}: --layout dp=" in message, message
     keys = dict(pair.split("=") for pair in layout.split(","))
     free = {key: keys[key] for key in ("tp", "pp")}  # the rest to the search
     best = plan_cluster(config, "h100", gpus=gpus, global_batch=8, seq=512, layout=free, runs_on="pipeloom").best
