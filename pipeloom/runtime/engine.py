@@ -38,6 +38,7 @@ from pipeloom.runtime.state.state_dict import LoadResult, ModelNames
 from pipeloom.runtime.step.agree import agree_on_step
 from pipeloom.runtime.step.loss import LossSum
 from pipeloom.runtime.step.pieces import RankPieces
+from pipeloom.runtime.step.replicas import diverged_buffers, replica_outputs
 from pipeloom.runtime.step.run import StepRun
 from pipeloom.runtime.step.timing import ActionClock
 
@@ -137,6 +138,7 @@ class PipelineEngine:
         _LIVE.add(self)  # closed at interpreter exit if the script does not close it
         _BUILT[0] = True
         self.training_steps = 0  # training steps run: part of every forward's random seed
+        self._checked = False  # two-replica schedules: the first training step's buffers checked (diverged_buffers)
         self.training = True
         self.names = names  # the original model's names of the pieces' tensors (manual mode: stages.{k}.{name})
 
@@ -231,9 +233,10 @@ class PipelineEngine:
             parts = list(torch.chunk(v, total, dim=0))
             if len(parts) != total:
                 per = f" ({m} per replica × {self.dp.size} replicas)" if self.dp.size > 1 else ""
+                fits = next(n for n in range(v.shape[0], v.shape[0] + total + 1) if -(-n // -(-n // total)) == total)
                 raise PipelineError(f"{what} has {v.shape[0]} rows along dim 0, which torch.chunk cuts into "
-                                    f"{len(parts)} pieces, not the {total} micro-batches{per}; use a multiple of "
-                                    f"{total} rows")
+                                    f"{len(parts)} pieces, not the {total} micro-batches{per}; use a row count it cuts "
+                                    f"into {total} (uneven ones run: {fits} rows, or a multiple of {total})")
             out.append([part.to(self.device) for part in parts[first:first + m]])
         return out
 
@@ -270,6 +273,11 @@ class PipelineEngine:
             self._fail(str(error), error)
         except Exception as error:
             self._fail(run.describe_failure(error), error)
+        if training and self.lowering.replicas > 1 and not self._checked:  # once: a model whose training forward
+            self._checked = True  # changes its buffers does so on its first step
+            diverged = diverged_buffers(self.modules, self.lowering, self.layout.group, self.layout.world)
+            if diverged:
+                self._fail(diverged, PipelineError(diverged))
         if cached is None:
             self._meta_cache[signature] = (metas, specs)
         self.traffic = run.messages.traffic
@@ -278,6 +286,8 @@ class PipelineEngine:
             self._write_trace(step_start, time.time_ns(), events)
         self._step_count += 1
         self.training_steps += training
+        if not training and target is None and self.lowering.replicas > 1 and self.layout.group is not None:
+            run.model_outputs = replica_outputs(run.model_outputs, self.layout.group, self.layout.world, self.device)
         return loss, run.outputs()
 
     def _agree(self, inputs: object, target: object, training: bool) -> None:

@@ -178,10 +178,12 @@ def ep_exactness(rank: int, world: int, cases: list[tuple[str, str]], steps: int
         ep = _engine(ours, schedule, "ep", name)
         dp = _engine(theirs, schedule, "dp", name)
         mine, reference = dict(ep.named_parameters()), dict(dp.named_parameters())
-        equal, worst, missing = True, 0.0, set()
+        equal, worst, missing, gap = True, 0.0, set(), 0.0
         for step in range(steps):
             x, y = _batch(name, step)
-            equal &= bool(torch.equal(ep.step(x, target=y), dp.step(x, target=y)))
+            sharded_loss, replicated_loss = ep.step(x, target=y), dp.step(x, target=y)
+            equal &= bool(torch.equal(sharded_loss, replicated_loss))
+            gap = max(gap, float((sharded_loss - replicated_loss).abs() / replicated_loss.abs()))
             for key, p in mine.items():
                 q = reference[key]
                 if p.grad is None:
@@ -206,8 +208,8 @@ def ep_exactness(rank: int, world: int, cases: list[tuple[str, str]], steps: int
                         p.copy_(source)
                     p.grad, q.grad = None, None
         sharded = sum(1 for p in mine.values() if is_expert(p))
-        results[f"{name}/{schedule}"] = {"losses_equal": equal, "worst": worst, "missing": sorted(missing),
-                                         "expert_params": sharded, "params": len(mine)}
+        results[f"{name}/{schedule}"] = {"losses_equal": equal, "loss_gap": gap, "worst": worst,
+                                         "missing": sorted(missing), "expert_params": sharded, "params": len(mine)}
         ep.close()
         dp.close()
     return results

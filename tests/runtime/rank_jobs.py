@@ -173,6 +173,45 @@ def float64_loss(rank: int, world: int) -> dict:
     return found
 
 
+def two_replicas(rank: int, world: int) -> dict:
+    """Under DualPipe and Chimera (two replicas of each piece) and, to compare, 1F1B and DualPipeV: what eval_step
+    returns on each rank (the whole batch's outputs, equal to one device's, or None), and what a first training step
+    of a model with BatchNorm does (the replicas' running statistics differ: refused by name)."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    from pipeloom.runtime import PipelineError, pipeline
+
+    def mlp(norm: bool) -> nn.Module:
+        torch.manual_seed(0)
+        layers = [nn.Linear(6, 8), nn.BatchNorm1d(8) if norm else nn.Identity(), nn.ReLU(), nn.Linear(8, 8),
+                  nn.BatchNorm1d(8) if norm else nn.Identity(), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3)]
+        return nn.Sequential(*layers)
+
+    x = torch.randn(16, 6, generator=torch.Generator().manual_seed(0))
+    y = torch.randint(0, 3, (16,), generator=torch.Generator().manual_seed(1))
+    found: dict = {}
+    for name, splits in (("dualpipe", ["3"]), ("chimera", ["3"]), ("1f1b", ["3"]), ("dualpipev", ["2", "4", "6"])):
+        reference = mlp(False).eval()
+        engine = pipeline(mlp(False), schedule=name, split_points=splits, loss_fn=F.cross_entropy, microbatches=4,
+                          failures=Failures(timeout=30))
+        out = engine.eval_step(x)
+        with torch.no_grad():  # micro-batch by micro-batch, as the engine runs them
+            expected = torch.cat([reference(part) for part in x.chunk(4)])
+        found[name] = "none" if out is None else bool(isinstance(out, torch.Tensor) and torch.equal(out, expected))
+        engine.close()
+        engine = pipeline(mlp(True), schedule=name, split_points=splits, loss_fn=F.cross_entropy, microbatches=4,
+                          failures=Failures(timeout=30))
+        try:
+            engine.step(x, target=y)
+            found[f"{name} batchnorm"] = "ran"
+        except PipelineError as error:
+            found[f"{name} batchnorm"] = str(error)
+        engine.close()
+    return found
+
+
 def waited_works(rank: int, world: int) -> list[int]:
     """After each of two steps: how many waited gloo works the messenger still holds (test_exit.py's guard:
     Python, not gloo's worker thread, must free the last collective, the loss all-reduce)."""

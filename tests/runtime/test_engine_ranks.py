@@ -8,7 +8,7 @@ import pytest
 pytest.importorskip("torch")
 
 from models import assert_bitwise_reports
-from rank_jobs import exactness, fault, float64_loss, shape_change
+from rank_jobs import exactness, fault, float64_loss, shape_change, two_replicas
 from ranks import run_ranks
 
 from pipeloom.search import search
@@ -111,6 +111,27 @@ def test_a_float64_loss_is_the_same_float64_on_every_rank():
     for rank, (status, found) in results.items():
         assert status == "ok", found
         assert all(found.values()), (rank, found)
+
+
+@pytest.mark.timeout(180)
+def test_two_replicas_return_the_whole_batch_and_refuse_buffers_they_change_apart():
+    """DualPipe's and Chimera's eval_step had returned, on each rank holding a last piece, a list of its replica's
+    micro-batches; they return the whole batch's outputs, one device's, as 1F1B and DualPipeV do (on a rank without
+    a last piece, None). A BatchNorm model's running statistics had been updated by each replica from its own
+    micro-batches and silently kept apart; its first step is refused, naming the buffers, where one-replica schedules
+    run it."""
+    results = run_ranks(2, two_replicas, timeout=150)
+    for rank, (status, found) in results.items():
+        assert status == "ok", found
+        assert found["dualpipe"] is True and found["chimera"] is True, (rank, found)  # both ranks hold a last piece
+        assert found["1f1b"] == (True if rank == 1 else "none") and found["dualpipev"] == (True if rank == 0
+                                                                                           else "none"), (rank, found)
+        for name in ("dualpipe", "chimera"):
+            said = found[f"{name} batchnorm"]
+            assert said.startswith(f"schedule {name!r} holds two replicas of each piece, and the step changed "), said
+            assert "'1.running_mean'" in said and "'4.running_var'" in said, said
+            assert "differently in each" in said and "choose a one-replica schedule" in said, said
+        assert found["1f1b batchnorm"] == "ran" and found["dualpipev batchnorm"] == "ran", (rank, found)
 
 
 @pytest.mark.timeout(180)

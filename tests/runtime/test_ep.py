@@ -13,11 +13,18 @@ pytest.importorskip("transformers")
 from ep_jobs import ep_disagree, ep_exactness, ep_fault, ep_state
 from ranks import run_ranks
 
-# The contract (docs/parallelism.md): losses bitwise equal; every gradient within this bound of its tensor's
-# largest entry. Measured: up to 1.2e-6 (Qwen3-MoE), 1.3e-7 (the user's layer); the bound leaves room for
-# other inputs (each expert's weight gradient is a sum over its tokens whose rows arrive in another order and
-# grouping, and those differences reach every parameter upstream through the input gradients).
+# The contract (docs/parallelism.md): losses bitwise equal (gpt-oss within LOSS_GAP); every gradient within this
+# bound of its tensor's largest entry. Measured: up to 1.2e-6 (Qwen3-MoE), 1.3e-7 (the user's layer); the bound
+# leaves room for other inputs (each expert's weight gradient is a sum over its tokens whose rows arrive in another
+# order and grouping, and those differences reach every parameter upstream through the input gradients).
 TOLERANCE = 1e-5
+
+LOSS_GAP = 2 * 1.1920929e-07
+"""gpt-oss's losses may differ by this, relative (two float32 ulps): on an AVX-512 machine its ep loss came one ulp
+from the replicas' (8.6e-8 relative, 2026-12-05; bitwise there with MKL_ENABLE_INSTRUCTIONS=AVX2, and on the machine
+of the runs before). Its experts are transformers' own per-expert loop (a GEMM, then the bias), given the tokens of
+both replicas at once under ep: MKL's AVX-512 kernels round them apart with the rows' grouping. The other models'
+losses stay bitwise."""
 
 
 def _ok(results: dict) -> dict:
@@ -39,7 +46,8 @@ def test_ep_matches_the_same_replicas_without_ep(model):
     results = _ok(run_ranks(4, ep_exactness, cases, 3, timeout=280))
     for rank, found_cases in results.items():
         for case, found in found_cases.items():
-            assert found["losses_equal"], (rank, case)
+            assert found["losses_equal"] or case.startswith("gpt_oss/") and found["loss_gap"] <= LOSS_GAP, (
+                rank, case, found)
             assert found["worst"] <= TOLERANCE, (rank, case, found["worst"])
             assert not found["missing"], (rank, case, found["missing"])
     for name, schedule in cases:  # every MoE layer's experts sharded somewhere: their parameters per experts module

@@ -6,21 +6,30 @@ Each gradient action of such a schedule leaves its micro-batch's gradients aside
 once, posted as soon as its last gradient action ended (where the transport may post during the step,
 gloo) into receives posted at the start of the step; the first adds everything in micro-batch order
 and sends the sums back (:meth:`ReplicaExchange.merge`).
+
+``eval_step``'s outputs, each replica's on its own last piece, are joined over the pipeline
+(:func:`replica_outputs`); buffers the replicas changed apart in a training step are refused
+(:func:`diverged_buffers`).
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 
+import torch
+import torch.distributed as dist
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from pipeloom.runtime.comm.messenger import Messenger
 from pipeloom.runtime.comm.packed import Incoming, post_incoming, send_packed, take
 from pipeloom.runtime.comm.transport import Posted
+from pipeloom.runtime.program import Lowering
 from pipeloom.runtime.step.backward import accumulate_grad
 from pipeloom.runtime.step.pieces import RankPieces
 
-__all__ = ["REPLICA_TAG", "ReplicaExchange"]
+__all__ = ["REPLICA_TAG", "ReplicaExchange", "diverged_buffers", "replica_outputs"]
 
 REPLICA_TAG = 1 << 24  # tags of these messages, clear of the step's own
 
@@ -134,3 +143,47 @@ class ReplicaExchange:
         return [posted for other in sorted(set(ranks) - {rank})
                 for posted in send_packed(self.messenger, other, [p.grad for p in params], params,
                                           REPLICA_TAG + 4 * piece + 2, self.pieces.device)]
+
+
+def replica_outputs(outputs: dict[int, object], group: dist.ProcessGroup, world: int,
+                    device: torch.device) -> dict[int, object]:
+    """Under a two-replica schedule each replica's last piece holds the model outputs of its own micro-batches: every
+    rank of the pipeline ``group`` gives its own (``eval_step`` without a target, on CPU: each rank's device is its
+    own), and a rank holding a last piece gets every micro-batch's, on ``device``; the others nothing."""
+    def moved(value: object, to: torch.device) -> object:
+        return pytree.tree_map(lambda t: t.to(to) if isinstance(t, torch.Tensor) else t, value)
+
+    every: list[dict[int, object] | None] = [None] * world
+    dist.all_gather_object(every, {mb: moved(out, torch.device("cpu")) for mb, out in outputs.items()}, group=group)
+    if not outputs:
+        return {}
+    return {mb: moved(out, device) for part in every if part for mb, out in part.items()}
+
+
+def diverged_buffers(modules: Mapping[int, nn.Module], lowering: Lowering, group: dist.ProcessGroup | None,
+                     world: int) -> str | None:
+    """Why the engine cannot go on where, after a training step, the two replicas of a piece hold a buffer differently
+    (each replica updates its buffers from its own micro-batches, as BatchNorm's running statistics do, so neither
+    holds one device's values); None where it can. Every rank of the pipeline ``group`` gives a digest of each buffer
+    of its stages (a buffer no step changes stays equal on both), and each gets the same answer."""
+    mine = {}
+    for stage, module in modules.items():
+        for name, buffer in module.named_buffers():
+            data = buffer.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            mine[(lowering.piece_of[stage], name)] = hashlib.sha256(data).hexdigest()
+    every: list[dict[tuple[int, str], str] | None] = [None] * world
+    dist.all_gather_object(every, mine, group=group)
+    seen: dict[tuple[int, str], str] = {}
+    diverged = set()
+    for part in every:
+        for key, digest in (part or {}).items():
+            if seen.setdefault(key, digest) != digest:
+                diverged.add(key)
+    if not diverged:
+        return None
+    names = ", ".join(f"piece {piece}'s {name!r}" for piece, name in sorted(diverged))
+    return (f"schedule {lowering.schedule.name!r} holds two replicas of each piece, and the step changed {names} "
+            "differently in each (each replica updates its buffers from its own micro-batches, as BatchNorm's running "
+            "statistics do, so neither holds one device's values): choose a one-replica schedule (1f1b, zbv, "
+            "dualpipev, ...), or keep those buffers fixed (BatchNorm(track_running_stats=False), or the module in "
+            "eval mode)")
