@@ -273,11 +273,9 @@ class PipelineEngine:
             self._fail(str(error), error)
         except Exception as error:
             self._fail(run.describe_failure(error), error)
-        if training and self.lowering.replicas > 1 and not self._checked:  # once: a model whose training forward
-            self._checked = True  # changes its buffers does so on its first step
-            diverged = diverged_buffers(self.modules, self.lowering, self.layout.group, self.layout.world)
-            if diverged:
-                self._fail(diverged, PipelineError(diverged))
+        if self.lowering.replicas > 1 and self.layout.group is not None and (training and not self._checked or
+                                                                             not training and target is None):
+            self._replicas(run, training)
         if cached is None:
             self._meta_cache[signature] = (metas, specs)
         self.traffic = run.messages.traffic
@@ -286,9 +284,24 @@ class PipelineEngine:
             self._write_trace(step_start, time.time_ns(), events)
         self._step_count += 1
         self.training_steps += training
-        if not training and target is None and self.lowering.replicas > 1 and self.layout.group is not None:
-            run.model_outputs = replica_outputs(run.model_outputs, self.layout.group, self.layout.world, self.device)
         return loss, run.outputs()
+
+    def _replicas(self, run: StepRun, training: bool) -> None:
+        """Two-replica schedules: after the first training step, refuse buffers the replicas changed apart (a model
+        whose training forward changes its buffers does so on its first step); after an eval step without a
+        target, join both replicas' outputs. A failure breaks the engine (on every rank)."""
+        group, world, wait = self.layout.group, self.layout.world, self.messenger.wait_work
+        assert group is not None
+        try:
+            if training:
+                self._checked = True
+                diverged = diverged_buffers(self.modules, self.lowering, group, world, self.device, wait)
+                if diverged:
+                    raise PipelineError(diverged)
+            else:
+                run.model_outputs = replica_outputs(run.model_outputs, group, world, self.device, wait)
+        except PipelineError as error:
+            self._fail(str(error), error)
 
     def _agree(self, inputs: object, target: object, training: bool) -> None:
         """Refuse a step on a broken or closed engine; every rank was given the same step (checked before

@@ -183,7 +183,8 @@ def ep_exactness(rank: int, world: int, cases: list[tuple[str, str]], steps: int
             x, y = _batch(name, step)
             sharded_loss, replicated_loss = ep.step(x, target=y), dp.step(x, target=y)
             equal &= bool(torch.equal(sharded_loss, replicated_loss))
-            gap = max(gap, float((sharded_loss - replicated_loss).abs() / replicated_loss.abs()))
+            apart = float((sharded_loss - replicated_loss).abs() / replicated_loss.abs())
+            gap = gap if apart <= gap else apart  # a NaN sticks (max() would drop it)
             for key, p in mine.items():
                 q = reference[key]
                 if p.grad is None:
@@ -195,7 +196,8 @@ def ep_exactness(rank: int, world: int, cases: list[tuple[str, str]], steps: int
                     grad = p.grad.to_local()
                     expected = expected[ep.layout.ep.rank * per:(ep.layout.ep.rank + 1) * per]
                 scale = float(expected.abs().max()) or 1.0
-                worst = max(worst, float((grad - expected).abs().max()) / scale)
+                apart = float((grad - expected).abs().max()) / scale
+                worst = worst if apart <= worst else apart  # a NaN sticks
             with torch.no_grad():  # the same SGD update on both, from the reference's gradients
                 for key, q in reference.items():
                     p = mine[key]

@@ -17,7 +17,7 @@ from pipeloom.plan.cluster.estimate import Estimator
 from pipeloom.plan.cluster.gpus import hardware
 from pipeloom.plan.cluster.hardware import Hardware
 from pipeloom.plan.cluster.job import Job
-from pipeloom.plan.cluster.layout import FRAMEWORK_SCHEDULES, LAYOUT_KEYS, SCHEDULES, Layout
+from pipeloom.plan.cluster.layout import FRAMEWORK_SCHEDULES, LAYOUT_KEYS, ON_REQUEST, SCHEDULES, Layout
 from pipeloom.plan.cluster.model.reader import model_spec
 from pipeloom.plan.cluster.model.spec import ModelSpec
 from pipeloom.plan.cluster.recompute import SEARCHED, module_sets, recompute_depths
@@ -221,11 +221,12 @@ def _only(allowed: tuple[str, ...] | None, runtime: Callable[[Layout], str | Non
     if allowed is None:
         return runtime
 
-    who = next((f"{name} runs" for name, runs in FRAMEWORK_SCHEDULES.items() if runs == allowed),
-               "the schedules given are")
+    who = next((f"{name} runs" for name, runs in FRAMEWORK_SCHEDULES.items()  # its own, or all but ON_REQUEST's
+                if set(runs) - set(ON_REQUEST) <= set(allowed) <= set(runs)), "the schedules given are")
 
-    def blocked(layout: Layout) -> str | None:
-        off = f"schedule={layout.schedule} ({who} {', '.join(allowed)})" if layout.schedule not in allowed else None
+    def blocked(layout: Layout) -> str | None:  # one stage (1f1b) runs without a pipeline schedule
+        off = (f"schedule={layout.schedule} ({who} {', '.join(allowed)})"
+               if layout.schedule not in allowed and layout.pp > 1 else None)
         return "; ".join(why for why in (runtime(layout) if runtime else None, off) if why) or None
     return blocked
 
@@ -239,7 +240,7 @@ def _checked_arguments(dtype: str, runners_up: int, schedules: Sequence[str] | N
         raise ArgumentError(f"runners_up must be a whole number >= 0 (0: the best layout alone), got {runners_up!r}")
     if schedules is None:
         return None
-    listed = (schedules,) if isinstance(schedules, str) else tuple(schedules)
+    listed = tuple(dict.fromkeys((schedules,) if isinstance(schedules, str) else schedules))  # each once
     if not listed or any(name not in SCHEDULES for name in listed):
         raise ArgumentError(f"schedules must be some of {', '.join(SCHEDULES)}, got {list(listed)!r}")
     return listed

@@ -268,12 +268,9 @@ class Refusals(list):
 
 
 def enumerate_layouts(job: Job, fixed: dict[str, Any], refusals: Refusals | None = None) -> Iterator[Layout]:
-    """Every layout of ``job`` that passes :meth:`Layout.check` (dp x tp x pp x cp filling the GPUs, tp within the
-    scale-up domain and splitting the heads (Gated DeltaNet's over tp x cp), cp up to 16 with the sequence in 2cp
-    chunks, pp up to the layer count, ep for MoE inside tp x dp x cp and dividing the experts, vp, mbs,
-    recomputation, FSDP on one pipeline stage (under a pipeline it holds and moves what fsdp=0 does:
-    :attr:`Layout.reshards`), schedule), with the keys of ``fixed`` as given; the first layout refused, with why,
-    appended to ``refusals`` (for the error when none can run)."""
+    """Every layout of ``job`` that passes :meth:`Layout.check`, with the keys of ``fixed`` as given (the ranges of
+    each key: docs/cluster-plan.md, "The search"; FSDP on one pipeline stage: :attr:`Layout.reshards`); the first
+    layout refused, with why, appended to ``refusals`` (for the error when none can run)."""
     spec = job.spec
     unknown = set(fixed) - set(LAYOUT_KEYS)
     if unknown:
@@ -322,24 +319,27 @@ def enumerate_layouts(job: Job, fixed: dict[str, Any], refusals: Refusals | None
 def _fixed_problem(job: Job, fixed: dict[str, Any]) -> tuple[str | None, str | None]:
     """Why the fixed keys cannot run ``job`` whatever the GPUs and free keys (a dp x mbs the batch refuses, a tp, cp,
     pp or ep the model or sequence refuses: :meth:`Layout.shape_problem`), and the counts that avoid it, or None."""
-    split = fixed.get("dp", 1) * fixed.get("mbs", 1)
-    if fixed.get("mbs", 1) > job.global_batch:
-        return (f"mbs={fixed['mbs']} is more sequences than the global batch {job.global_batch}",
-                f"a global batch of at least {fixed['mbs']}")
-    if job.global_batch % split:  # with a fixed dp that the GPUs refuse too, both counts
-        given = " x ".join(f"{key}={fixed[key]}" for key in ("dp", "mbs") if key in fixed)
-        size = math.prod(fixed[key] for key in ("dp", "tp", "cp", "pp") if key in fixed) if "dp" in fixed else 1
-        gpus = f" and a GPU count that is a multiple of {size}" if job.gpus % size else ""
-        return f"{given} does not divide the global batch {job.global_batch}{' nor the GPUs' * bool(gpus)}", (
-            f"a global batch that is a multiple of {split}{gpus}")
-    schedule = fixed.get("schedule", "1f1b")
+    schedule = fixed.get("schedule", "interleaved-1f1b" if fixed.get("vp", 1) > 1 else "1f1b")
     vp = fixed.get("vp", {"v": 2, "interleaved": 2}.get(SCHEDULES.get(schedule, ""), 1))
     try:  # dp = ep: any ep divides tp x dp x cp
         probe = Layout(tp=fixed.get("tp", 1), cp=fixed.get("cp", 1), pp=fixed.get("pp", 1), vp=vp,
                        ep=fixed.get("ep", 1), dp=fixed.get("ep", 1), schedule=schedule)
+        refused = probe.shape_problem(job, cut="pp" in fixed and "vp" in fixed)
     except LayoutError:  # the keys refuse each other: said where the layouts are made
-        return None, None
-    return probe.shape_problem(job, cut="pp" in fixed and "vp" in fixed), None
+        refused = None
+    if refused or fixed.get("mbs", 1) > job.global_batch:
+        return refused or f"mbs={fixed['mbs']} is more sequences than the global batch {job.global_batch}", (
+            None if refused else f"a global batch of at least {fixed['mbs']}")
+    split = fixed.get("dp", 1) * fixed.get("mbs", 1)
+    if job.global_batch % split:  # with a fixed dp that the GPUs refuse too, both counts
+        given = " x ".join(f"{key}={fixed[key]}" for key in ("dp", "mbs") if key in fixed)
+        sized = [key for key in ("dp", "tp", "cp", "pp") if key in fixed] if "dp" in fixed else []
+        size = math.prod(fixed[key] for key in sized)
+        gpus = ("" if (job.gpus == size if len(sized) == 4 else job.gpus % size == 0) else
+                f" and {size} GPUs" if len(sized) == 4 else f" and a GPU count that is a multiple of {size}")
+        return f"{given} does not divide the global batch {job.global_batch}{' nor the GPUs' * bool(gpus)}", (
+            f"a global batch that is a multiple of {split}{gpus}")
+    return None, None
 
 
 def _refuse(refusals: Refusals | None, reason: str, *, weak: bool = False, counts: str | None = None) -> None:

@@ -104,20 +104,23 @@ def _fix_memory(result: ClusterPlan, fixes: dict[str, int | str], export: str | 
     runtime holds it (with the largest smaller mbs added to ``fixes`` where the fix leaves too few micro-batches);
     else that it would not, so that the fix does not lead to another refusal unannounced."""
     estimator, mbs = Estimator(runtime_job(result.job, export or "pipeloom")), result.best.layout.mbs
-    failed = None
+    failed, over = None, None  # the first refusal; the first layout that runs, over the limit
     for attempt in [fixes] + ([{**fixes, "mbs": m} for m in range(mbs - 1, 0, -1)] if "mbs" not in fixes else []):
         try:
             needs = estimator.estimate(_fixed(result.best.layout, attempt)).memory.total
         except (PipeloomError, ValueError) as error:
             failed = failed or error
             continue
-        fixes.update(attempt)
         if needs <= result.memory_limit:
+            fixes.update(attempt)
             return ""
-        return (f" (that layout needs {needs / 2**30:.1f} GiB per GPU as {_RUNTIME_NAMES[export or 'pipeloom']} "
-                f"holds it, over the {result.memory_limit / 2**30:.1f} GiB limit: give --layout fewer keys and let "
-                "the search choose the others)")
-    return f" (that layout cannot run: {failed}; give --layout fewer keys and let the search choose the others)"
+        over = over or (attempt, needs)
+    if over is None:
+        return f" (that layout cannot run: {failed}; give --layout fewer keys and let the search choose the others)"
+    fixes.update(over[0])
+    return (f" (that layout needs {over[1] / 2**30:.1f} GiB per GPU as {_RUNTIME_NAMES[export or 'pipeloom']} holds "
+            f"it, over the {result.memory_limit / 2**30:.1f} GiB limit: give --layout fewer keys and let the search "
+            "choose the others)")
 
 
 def layout_problems(job: Job, layout: Layout, *, export: str | None = None) -> list[tuple[str, dict[str, int | str]]]:

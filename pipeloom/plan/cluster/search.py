@@ -218,7 +218,7 @@ def _search(job: Job, fixed: dict[str, Any] | None, memory_limit: float | None, 
         free = "fix fewer --layout keys, " if fixed else ""
         shown = f"{limit / 2**30:.1f} GiB" if limit >= 2**30 / 10 else format_bytes(limit)  # 10 MiB, not 0.0 GiB
         held = least.memory  # rounded up: that limit finds it; the part that sets it, and what lowers that part
-        state, acts = held.weights + held.gradients + held.optimizer, held.activations + held.buffers
+        state, acts = held.weights + held.gradients + held.optimizer, held.activations + held.buffers - WORKSPACE_BYTES
         lower = "use more GPUs" + (", a shorter sequence" if acts > state else " (its weights, gradients and "
                                    f"optimizer state are {state / 2**30:.2f} GiB of it)")
         raise NoLayoutFits(f"no layout fits {shown} per GPU ({tried}; the least memory any needs is "

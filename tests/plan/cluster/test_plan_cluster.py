@@ -773,3 +773,37 @@ def test_schedules_names_the_schedules_the_command_searches(config, capsys):
     assert {est["layout"]["schedule"] for est in (data["best"], *data["runners_up"])} <= {"zbv", "v-half"}
     assert main([*base, "--framework", "torchtitan", "--layout", "pp=2,schedule=v-min"]) == 0
     assert json.loads(capsys.readouterr().out)["best"]["layout"]["schedule"] == "v-min"
+
+
+def test_named_schedules_leave_one_stage_layouts_in_and_each_name_counts_once():
+    """A list of pipeline schedules does not bar layouts without a pipeline (they run 1f1b's one stage: a list without
+    it had turned the best, dp 8 on one stage, into a slower pipeline), and a name given twice is searched once."""
+    plain, named = _plan(), _plan(schedules=("zbv", "v-half"))
+    assert plain.best.layout.pp == 1 and named.best.layout == plain.best.layout
+    twice, once = _plan(layout="pp=2", schedules=("zbv", "zbv")), _plan(layout="pp=2", schedules="zbv")
+    assert twice.candidates == once.candidates and twice.best.layout == once.best.layout
+
+
+@pytest.mark.parametrize("fixed, gpus, batch, said, fix", [
+    # the model's shape before the batch: fixing the batch first had met the heads next
+    ("tp=3,dp=3", 8, 32, "tp=3 does not split 16 query / 4 key-value heads evenly", None),
+    # every key of the GPUs fixed: exactly their product, named with the batch
+    ("dp=3,tp=2,pp=4,cp=1", 64, 32, "dp=3 does not divide the global batch 32 nor the GPUs",
+     "a global batch that is a multiple of 3 and 24 GPUs"),
+    ("dp=3,tp=2,pp=4,cp=1", 48, 32, "dp=3 does not divide the global batch 32 nor the GPUs",
+     "a global batch that is a multiple of 3 and 24 GPUs"),
+    # vp given without a schedule is interleaved's: its stage count is named, not 1f1b's one stage a rank
+    ("pp=16,vp=2", 16, 32, "pp=16 x vp=2 = 32 stages for 16 layers", None)])
+def test_a_fixed_layout_is_refused_for_what_no_count_fixes_first(fixed, gpus, batch, said, fix):
+    with pytest.raises(NoLayoutFits) as info:
+        plan_cluster(SMALL, "h100", gpus=gpus, global_batch=batch, seq=4096, layout=fixed)
+    assert said in str(info.value), info.value
+    assert str(info.value).endswith(f"change the fixed keys, pick {fix}" if fix else "change the fixed keys"), info.value
+
+
+def test_a_frameworks_schedules_are_named_as_its_own(config, capsys):
+    """--framework torchtitan searches its schedules but V-Half and V-Min; a schedule it does not run is said as
+    torchtitan's, not as 'the schedules given', which the user gave none of."""
+    assert main(["plan", "--model", str(config), "--hardware", "h100", "--gpus", "8", "--global-batch", "32", "--seq",
+                 "4096", "--framework", "torchtitan", "--layout", "pp=2,schedule=dualpipe"]) == 2
+    assert "(torchtitan runs 1f1b, interleaved-1f1b, zb-h1, zbv, dualpipev)" in capsys.readouterr().err
