@@ -114,6 +114,17 @@ def test_inputs_breaking_a_size_the_trace_fixed_are_refused_and_others_run_bitwi
         staged.run(torch.randn(3, 8, 5))
 
 
+def test_a_trace_on_a_size_of_one_says_export_fixed_it():
+    """torch.export makes a dimension of size 1 a constant: a trace on a one-token example refuses longer inputs,
+    and the refusal says why and to trace on sizes above 1 (a new user's trial had been told of unrolled loops and
+    padding, neither its cause)."""
+    model = torch.nn.Linear(4, 4)
+    staged = split_model(model, [], tracer="export", example_inputs=(torch.randn(2, 1, 4),))
+    with pytest.raises(TracedSizeError, match=r"shape\[1\] == 1.*torch\.export makes a dimension of size 1 a "
+                                              r"constant.*Trace on a batch whose sizes are all above 1"):
+        staged.run(torch.randn(2, 16, 4))
+
+
 def test_an_engine_refuses_a_step_breaking_its_trace_and_stays_usable():
     """Through ``pipeline()`` (traced on the first step's batch, length 8): a step of length 12 is refused before
     it runs, and the engine takes the next step, of length 9, bitwise as the for-loop reference."""

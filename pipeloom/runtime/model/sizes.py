@@ -42,6 +42,7 @@ class TracedSizes:
         if key in self._passed:
             return
         broken: list[tuple[bool, str]] = []  # (whether torch's own code recorded it, what)
+        ones = False
         bound: dict[object, int] = {}
         for name, dims, shape in zip(self.names, self.dims, key):
             if len(dims) != len(shape):
@@ -53,6 +54,7 @@ class TracedSizes:
                     continue
                 value = _evaluate(dim, bound)
                 if value is not None and int(value) != size:
+                    ones = ones or dim == 1  # torch.export makes a dimension of size 1 (or 0) a constant
                     broken.append((False, f"{name}.shape[{d}] == {value}"))
         for equality, where in self.fixed:
             value = _evaluate(equality, bound)
@@ -61,13 +63,15 @@ class TracedSizes:
         if broken:
             first = min(broken, key=lambda item: item[0])[1]  # the model's own code first
             more = f" (and {len(broken) - 1} more)" if len(broken) > 1 else ""
-            raise TracedSizeError(
-                f"inputs of shape {list(key)} break a size the model's torch.export trace fixed: {first}{more}, true "
-                f"for its example of shape {list(self.example)}. The model's Python code ran once, for the example's "
-                "sizes (a loop over a count made from the sequence length is unrolled that many times), so the graph "
-                "would compute something else for these inputs without a word. Pad every batch to one length and "
-                "trace on a batch of it (pipeline(..., tracing=Tracing(example_inputs=batch)), or the first step's "
-                "batch), or build a pipeline per length")
+            why = ("torch.export makes a dimension of size 1 a constant (it specializes sizes 0 and 1), so the graph "
+                   "holds for that size only. Trace on a batch whose sizes are all above 1 (the first step's, or "
+                   "pipeline(..., tracing=Tracing(example_inputs=batch)))" if ones else
+                   "The model's Python code ran once, for the example's sizes (a loop over a count made from the "
+                   "sequence length is unrolled that many times), so the graph would compute something else for these "
+                   "inputs without a word. Pad every batch to one length and trace on a batch of it (pipeline(..., "
+                   "tracing=Tracing(example_inputs=batch)), or the first step's batch), or build a pipeline per length")
+            raise TracedSizeError(f"inputs of shape {list(key)} break a size the model's torch.export trace fixed: "
+                                  f"{first}{more}, true for its example of shape {list(self.example)}. {why}")
         self._passed.add(key)
 
     def _readable(self, expression: object) -> str:

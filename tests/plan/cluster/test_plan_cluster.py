@@ -798,7 +798,8 @@ def test_a_fixed_layout_is_refused_for_what_no_count_fixes_first(fixed, gpus, ba
     with pytest.raises(NoLayoutFits) as info:
         plan_cluster(SMALL, "h100", gpus=gpus, global_batch=batch, seq=4096, layout=fixed)
     assert said in str(info.value), info.value
-    assert str(info.value).endswith(f"change the fixed keys, pick {fix}" if fix else "change the fixed keys"), info.value
+    end = f"change the fixed keys, pick {fix}" if fix else "change the fixed keys"
+    assert str(info.value).endswith(end), info.value
 
 
 def test_a_frameworks_schedules_are_named_as_its_own(config, capsys):
