@@ -80,7 +80,8 @@ def try_in_engine(args: argparse.Namespace, result):
     from pipeloom.runtime.options import Tracing
 
     module, function = load_function(args.build)
-    request = argparse.Namespace(target=args.build, arg=args.arg, batch=args.global_batch, seq=args.seq, loss=args.loss)
+    request = argparse.Namespace(target=args.build, arg=args.arg, batch=args.global_batch, seq=args.seq, loss=args.loss,
+                                 leaf_modules=None)  # profile's flags that made-up inputs read
     loss = loss_function(module, request)
     created = not dist.is_initialized()
     if created:

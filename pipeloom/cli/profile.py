@@ -48,7 +48,8 @@ def add_profile_parser(commands: argparse._SubParsersAction) -> None:
     profile.add_argument("--loss", metavar="NAME",
                          help="a function loss(output, target) in FILE, run in the last piece")
     profile.add_argument("--pieces", metavar="NAMES",
-                         help="comma-separated module names in call order (default: the top-level children, "
+                         help="comma-separated module names in call order, each piece running from its module to "
+                              "the next's, the first from the model's start (default: the top-level children, "
                               "ModuleLists expanded)")
     profile.add_argument("--tracer", choices=("auto", "fx", "export"), default="auto",
                          help="how the model is traced to cut it, as pipeline(tracer=...): torch.fx, torch.export "

@@ -218,12 +218,15 @@ def _plan_dp_pp(tables: list[CostTable], *, num_ranks: int, global_batch: int, m
                                                                     f"{num_ranks // dp}: ")
         shard_tables = _sharded(tables, dp) if sharding == "fsdp" and dp > 1 else tables
         chosen = _schedules_for(names, num_ranks // dp, sharded=sharding == "fsdp" and dp > 1)
-        if chosen == []:
+        if chosen == []:  # said if no other mesh runs
+            failures.append((dp, _unscheduled(dp, num_ranks // dp, names or [], sharded=sharding == "fsdp")))
             continue
         counts = options.get("microbatches")
         if counts is not None and dp != sizes[0]:  # the counts that divide this replica's share
             counts = [m for m in counts if isinstance(m, int) and (global_batch // dp) % m == 0]
             if not counts:
+                failures.append((dp, NoPlanFits(f"dp {dp}: none of the micro-batch counts given divides a replica's "
+                                                f"{global_batch // dp} samples", smallest_limit=None)))
                 continue
         try:
             result = plan_pipeline(shard_tables, num_ranks=num_ranks // dp, global_batch=global_batch // dp,
@@ -276,6 +279,14 @@ def _one_replica(names: Sequence[str] | None, tp: int) -> Sequence[str] | None:
 
 def _fields(candidate: Candidate) -> dict:
     return {f.name: getattr(candidate, f.name) for f in dataclasses.fields(Candidate)}
+
+
+def _unscheduled(dp: int, pp: int, names: Sequence[str], *, sharded: bool) -> NoPlanFits:
+    """Why ``dp`` replicas of a ``pp``-rank pipeline run none of the schedules ``names`` (:func:`_schedules_for`)."""
+    runs = ", ".join(_schedules_for(None, pp, sharded=sharded and dp > 1) or [])
+    where = "one rank" if pp == 1 else f"{pp} ranks sharded with fsdp"
+    return NoPlanFits(f"dp {dp} leaves a pipeline of {where}, where none of the schedules given ({', '.join(names)}) "
+                      f"runs: give fewer replicas (--dp), or a schedule that runs there ({runs})", smallest_limit=None)
 
 
 def _schedules_for(names: Sequence[str] | None, pp: int, *, sharded: bool) -> list[str] | None:
@@ -366,6 +377,8 @@ def _plan_of(best: Candidate, result: PlanResult) -> Plan:
 
 def _nothing_fits(failures: Sequence[tuple[int, NoPlanFits]], *, what: str = "data-parallel") -> NoPlanFits:
     """The error of the mesh that came closest (the least memory that would fit), naming the meshes tried."""
+    if not failures:
+        return NoPlanFits(f"no {what} size could be tried", smallest_limit=None)
     dp, closest = min(failures, key=lambda f: math.inf if f[1].smallest_limit is None else f[1].smallest_limit)
     if len(failures) == 1:
         return closest

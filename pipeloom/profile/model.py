@@ -373,6 +373,7 @@ def _cut(model: Model, inputs: tuple, pieces: Sequence[str] | None, *, tracer: s
         if not names:
             raise PlanError(f"{type(model).__name__} calls no submodule to cut at; name the pieces (module names "
                             "in call order), or profile its pieces as a list of modules")
+        _check_order(traced, names)
         # the model's own dataflow per piece (no threading of values several pieces read): the planner groups
         # the pieces into stages, and the runtime threads what the chosen stages read
         return split_model(traced, names[1:], leaf_modules=leaf_modules, thread_reads=False), names
@@ -382,6 +383,21 @@ def _cut(model: Model, inputs: tuple, pieces: Sequence[str] | None, *, tracer: s
         raise PlanError(f"{staged.num_stages} pieces given as modules but {len(names)} names {names}; give one "
                         "distinct name per piece, or leave pieces out (named 0, 1, ...)")
     return staged, names
+
+
+def _check_order(traced: TracedModel, names: Sequence[str]) -> None:
+    """PlanError unless the pieces' modules are first called in the order given (each piece runs from its module
+    to the next's, the first from the model's start: a name out of order had labelled another piece's costs)."""
+    first: dict[str, int] = {}
+    for position, node in enumerate(traced.graph.nodes):
+        for name in set(names).intersection(module_scopes(node)):
+            first.setdefault(name, position)
+        if node.op == "call_module" and str(node.target) in names:
+            first.setdefault(str(node.target), position)
+    ordered = sorted(names, key=lambda name: first.get(name, -1))
+    if ordered != list(names):
+        raise PlanError(f"pieces {list(names)} are not in call order: the model calls them as {ordered}; give them "
+                        "in that order")
 
 
 def _shared(model: Model, staged: StagedModel, names: Sequence[str]) -> tuple[SharedParam, ...]:

@@ -83,6 +83,11 @@ def test_plan_json(capsys, costs):
     (["--schedules", "1f1b,3f3b"], 2, ["unknown schedule(s) ['3f3b']"]),
     (["-m", "3"], 1, ["does not divide the global batch 16"]),
     (["--ranks", "9"], 1, ["9 ranks need at least 9 pieces"]),
+    # a replica count leaving one rank, where the schedules given do not run (had been "min() arg is an empty
+    # sequence")
+    (["--schedules", "zbv", "--dp", "4"], 1, ["dp 4 leaves a pipeline of one rank, where none of the schedules given "
+                                              "(zbv) runs: give fewer replicas (--dp), or a schedule that runs there "
+                                              "(gpipe, 1f1b, zb-h1, zb-h2)"]),
 ])
 def test_plan_errors_are_one_line(capsys, costs, argv, status, words):
     base = {"--ranks": "4"}

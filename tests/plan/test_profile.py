@@ -93,3 +93,9 @@ def test_profile_takes_given_pieces_and_options():
     assert table.optimizer_factor == 6.0
     # "inp" runs up to layers.2, so it holds inp, layers.0 and layers.1
     assert table.pieces[0].param_bytes == 3 * (16 * 16 + 16) * 4
+    # out of call order: refused (a trial's reversed pieces had each been given the other's costs)
+    from pipeloom.plan.errors import PlanError
+
+    with pytest.raises(PlanError, match=r"pieces \['layers.2', 'layers.1', 'out'\] are not in call order: the model "
+                                        r"calls them as \['layers.1', 'layers.2', 'out'\]; give them in that order"):
+        profile_model(model, torch.randn(2, 16), pieces=["layers.2", "layers.1", "out"], warmup=0, repeats=1)
