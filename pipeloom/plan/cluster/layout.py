@@ -36,8 +36,7 @@ SCHEDULES: dict[str, str] = {
 looped stages per rank, v: 2 stages per rank in a V, two-copy: vp 1, the model cut into pp stages held twice,
 rank r holding stage r of one copy and stage pp-1-r of the other)."""
 ON_REQUEST = ("v-half", "v-min")
-"""Searched only where named (``--schedules``, ``--layout schedule=``): each build runs zbv's list scheduler, about
-1 s (docs/cluster-plan.md, "V-Half and V-Min": by default the 405B search on 1,024 GPUs took 58 s, not 7 s)."""
+"""Searched only where named (``--schedules``, ``--layout schedule=``): slow builds (docs/cluster-plan.md, V-Half)."""
 FRAMEWORK_SCHEDULES = {"megatron-bridge": ("1f1b", "interleaved-1f1b"),
                        "torchtitan": tuple(name for name, place in SCHEDULES.items() if place != "two-copy")}
 """The schedules a framework runs (``--framework``): Megatron-Core's ``get_forward_backward_func`` picks 1F1B or
@@ -280,10 +279,7 @@ def enumerate_layouts(job: Job, fixed: dict[str, Any], refusals: Refusals | None
         _refuse(refusals, refused, counts=counts)
         return
     n, hw = job.gpus, job.hw
-    # with dp fixed, the GPUs the fixed keys need: exactly their product when all four are, else a multiple of it
-    sized = [key for key in ("dp", "tp", "cp", "pp") if key in fixed] if "dp" in fixed else []
-    size = math.prod(fixed[key] for key in sized)
-    sized_gpus = f"{size} GPUs" if len(sized) == 4 else _gpus(size)
+    sized, size, sized_gpus = _sized(fixed)
     if n % size:  # no free tp x cp x pp leaves dp: name the fixed keys' product
         given = " x ".join(f"{key}={fixed[key]}" for key in sized) + (f" = {size}" if len(sized) > 1 else "")
         _refuse(refusals, f"{given} does not divide the {n} GPUs", counts=sized_gpus)
@@ -333,18 +329,22 @@ def _fixed_problem(job: Job, fixed: dict[str, Any]) -> tuple[str | None, str | N
     split = fixed.get("dp", 1) * fixed.get("mbs", 1)
     if job.global_batch % split:  # with a fixed dp that the GPUs refuse too, both counts
         given = " x ".join(f"{key}={fixed[key]}" for key in ("dp", "mbs") if key in fixed)
-        sized = [key for key in ("dp", "tp", "cp", "pp") if key in fixed] if "dp" in fixed else []
-        size = math.prod(fixed[key] for key in sized)
-        gpus = ("" if (job.gpus == size if len(sized) == 4 else job.gpus % size == 0) else
-                f" and {size} GPUs" if len(sized) == 4 else f" and a GPU count that is a multiple of {size}")
+        sized, size, needs = _sized(fixed)
+        gpus = "" if (job.gpus == size if len(sized) == 4 else job.gpus % size == 0) else f" and {needs}"
         return f"{given} does not divide the global batch {job.global_batch}{' nor the GPUs' * bool(gpus)}", (
             f"a global batch that is a multiple of {split}{gpus}")
     return None, None
 
 
+def _sized(fixed: dict[str, Any]) -> tuple[list[str], int, str]:
+    """With dp fixed: the fixed keys of dp, tp, cp, pp, their product and the GPUs they need (all four: exactly it)."""
+    sized: list[str] = [key for key in ("dp", "tp", "cp", "pp") if key in fixed] if "dp" in fixed else []
+    size = int(math.prod(fixed[key] for key in sized))
+    return sized, size, f"{size} GPUs" if len(sized) == 4 else _gpus(size)
+
+
 def _refuse(refusals: Refusals | None, reason: str, *, weak: bool = False, counts: str | None = None) -> None:
-    """Keep the first reason a layout was refused, a strong one in the place of a weak one, with the job's counts
-    that avoid it (None: the model's shape or the keys alone refuse it)."""
+    """Keep the first refusal (a strong one over a weak one) with the job's counts that avoid it (None: none do)."""
     if refusals is not None and (not refusals or (refusals.weak and not weak)):
         refusals[:] = [reason]
         refusals.weak, refusals.counts = weak, counts

@@ -115,12 +115,12 @@ def _fix_memory(result: ClusterPlan, fixes: dict[str, int | str], export: str | 
             fixes.update(attempt)
             return ""
         over = over or (attempt, needs)
+    retry = "give --layout fewer keys and let the search choose the others"
     if over is None:
-        return f" (that layout cannot run: {failed}; give --layout fewer keys and let the search choose the others)"
+        return f" (that layout cannot run: {failed}; {retry})"
     fixes.update(over[0])
     return (f" (that layout needs {over[1] / 2**30:.1f} GiB per GPU as {_RUNTIME_NAMES[export or 'pipeloom']} holds "
-            f"it, over the {result.memory_limit / 2**30:.1f} GiB limit: give --layout fewer keys and let the search "
-            "choose the others)")
+            f"it, over the {result.memory_limit / 2**30:.1f} GiB limit: {retry})")
 
 
 def layout_problems(job: Job, layout: Layout, *, export: str | None = None) -> list[tuple[str, dict[str, int | str]]]:

@@ -222,7 +222,7 @@ def _search(job: Job, fixed: dict[str, Any] | None, memory_limit: float | None, 
         lower = "use more GPUs" + (", a shorter sequence" if acts > state else " (its weights, gradients and "
                                    f"optimizer state are {state / 2**30:.2f} GiB of it)")
         raise NoLayoutFits(f"no layout fits {shown} per GPU ({tried}; the least memory any needs is "
-                           f"{math.ceil(held.total / 2**28 * 25) / 100:.2f} GiB ({math.ceil(held.total)} bytes), by "
+                           f"{math.ceil(held.total / 2**30 * 100) / 100:.2f} GiB ({math.ceil(held.total)} bytes), by "
                            f"{least.layout}); {free}{lower}, or raise --memory-limit", smallest_limit=held.total,
                            smallest_layout=str(least.layout))
     run.price_faster_over(best)
