@@ -295,11 +295,11 @@ class PipelineEngine:
         try:
             if training:
                 self._checked = True
-                diverged = diverged_buffers(self.modules, self.lowering, group, world, self.device, wait)
+                diverged = diverged_buffers(self.modules, self.lowering, group, world, self.rank, self.device, wait)
                 if diverged:
                     raise PipelineError(diverged)
             else:
-                run.model_outputs = replica_outputs(run.model_outputs, group, world, self.device, wait)
+                run.model_outputs = replica_outputs(run.model_outputs, group, world, self.rank, self.device, wait)
         except PipelineError as error:
             self._fail(str(error), error)
 

@@ -1,18 +1,23 @@
 """Gradients sent as one packed message: a presence mask and one flat buffer per dtype, so a list of
 gradients (None where absent) crosses ranks in two or three messages. Used by the replica merge of
-two-replica schedules and by the shared-parameter exchange."""
+two-replica schedules and by the shared-parameter exchange. Python values gathered over a group as
+pickled bytes, awaited as the step's messages are (:func:`gather_objects`)."""
 
 from __future__ import annotations
 
+import pickle
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from pipeloom.runtime.comm.messenger import Messenger
 from pipeloom.runtime.comm.transport import Posted
+from pipeloom.runtime.errors import PipelineError
 
-__all__ = ["Incoming", "post_incoming", "receive_packed", "send_packed", "take"]
+__all__ = ["Incoming", "gather_objects", "post_incoming", "receive_packed", "send_packed", "take"]
 
 
 @dataclass(slots=True)
@@ -78,3 +83,24 @@ def take(messenger: Messenger, incoming: Incoming, what: str = "replica gradient
         view = incoming.buffers[template.dtype][start:start + template.numel()].view(template.shape)
         grads.append(view if present else None)
     return grads
+
+
+def gather_objects(value: object, group: object, world: int, rank: int, device: torch.device,
+                   wait: Callable[[object, str], None], doing: str) -> list[Any]:
+    """Every rank's ``value`` of ``group`` (pickled, on ``device`` as the backend needs), each exchange posted and
+    awaited with ``wait`` (the messenger's: a rank failing meanwhile raises its PipelineError, not a hang until the
+    group's timeout, as a blocking ``all_gather_object`` would); a refused post or a value that cannot be pickled
+    raises a PipelineError naming ``rank`` and ``doing``."""
+    try:
+        mine = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8).to(device)
+        sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+        wait(dist.all_gather(sizes, torch.tensor([mine.numel()], device=device), group=group, async_op=True), doing)
+        longest = int(max(size.item() for size in sizes))
+        parts = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(world)]
+        padded = torch.cat([mine, torch.zeros(longest - mine.numel(), dtype=torch.uint8, device=device)])
+        wait(dist.all_gather(parts, padded, group=group, async_op=True), doing)
+    except PipelineError:
+        raise
+    except Exception as error:  # noqa: BLE001 (a broken group refuses the post; a value may not pickle)
+        raise PipelineError(f"rank {rank}: {doing} failed: {type(error).__name__}: {error}") from error
+    return [pickle.loads(part[:int(size.item())].cpu().numpy().tobytes()) for part, size in zip(parts, sizes)]

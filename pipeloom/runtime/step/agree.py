@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from pipeloom.runtime.comm.packed import gather_objects
 from pipeloom.runtime.errors import PipelineError, StepMismatchError
 
 __all__ = ["FIELDS", "agree_on_step", "describe_step", "describe_value"]
@@ -82,11 +83,7 @@ def agree_on_step(inputs: object, target: object, *, training: bool, microbatche
     rows = [row.tolist() for row in gathered]
     if all(row == rows[0] for row in rows):
         return
-    texts: list = [None] * world
-    try:  # every rank saw the mismatch, so all of them call it
-        dist.all_gather_object(texts, list(mine), group=group)
-    except Exception as error:  # noqa: BLE001
-        raise PipelineError(f"rank {rank}: {doing} failed: {type(error).__name__}: {error}") from error
+    texts = gather_objects(list(mine), group, world, rank, device, wait, doing)  # every rank saw the mismatch
     for index, field in enumerate(FIELDS):
         values = [t[index] for t in texts]
         if any(v != values[0] for v in values):

@@ -15,9 +15,7 @@ and sends the sums back (:meth:`ReplicaExchange.merge`).
 from __future__ import annotations
 
 import hashlib
-import pickle
 from collections.abc import Callable, Mapping
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,14 +23,13 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from pipeloom.runtime.comm.messenger import Messenger
-from pipeloom.runtime.comm.packed import Incoming, post_incoming, send_packed, take
+from pipeloom.runtime.comm.packed import Incoming, gather_objects, post_incoming, send_packed, take
 from pipeloom.runtime.comm.transport import Posted
-from pipeloom.runtime.errors import PipelineError
 from pipeloom.runtime.program import Lowering
 from pipeloom.runtime.step.backward import accumulate_grad
 from pipeloom.runtime.step.pieces import RankPieces
 
-__all__ = ["REPLICA_TAG", "ReplicaExchange", "diverged_buffers", "gather_objects", "replica_outputs"]
+__all__ = ["REPLICA_TAG", "ReplicaExchange", "diverged_buffers", "replica_outputs"]
 
 REPLICA_TAG = 1 << 24  # tags of these messages, clear of the step's own
 
@@ -148,27 +145,7 @@ class ReplicaExchange:
                                           REPLICA_TAG + 4 * piece + 2, self.pieces.device)]
 
 
-def gather_objects(value: object, group: dist.ProcessGroup, world: int, device: torch.device,
-                   wait: Callable[[object, str], None], doing: str) -> list[Any]:
-    """Every rank's ``value`` of the pipeline ``group`` (pickled, on ``device`` as the backend needs), each exchange
-    posted and awaited with ``wait`` (the messenger's: a rank failing meanwhile raises its PipelineError, not a hang
-    until the group's timeout); a refused post or a value that cannot be pickled raises a PipelineError."""
-    try:
-        mine = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8).to(device)
-        sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
-        wait(dist.all_gather(sizes, torch.tensor([mine.numel()], device=device), group=group, async_op=True), doing)
-        longest = int(max(size.item() for size in sizes))
-        parts = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(world)]
-        padded = torch.cat([mine, torch.zeros(longest - mine.numel(), dtype=torch.uint8, device=device)])
-        wait(dist.all_gather(parts, padded, group=group, async_op=True), doing)
-    except PipelineError:
-        raise
-    except Exception as error:  # noqa: BLE001 (a broken group refuses the post; a value may not pickle)
-        raise PipelineError(f"{doing} failed: {type(error).__name__}: {error}") from error
-    return [pickle.loads(part[:int(size.item())].cpu().numpy().tobytes()) for part, size in zip(parts, sizes)]
-
-
-def replica_outputs(outputs: dict[int, object], group: dist.ProcessGroup, world: int, device: torch.device,
+def replica_outputs(outputs: dict[int, object], group: dist.ProcessGroup, world: int, rank: int, device: torch.device,
                     wait: Callable[[object, str], None]) -> dict[int, object]:
     """Under a two-replica schedule each replica's last piece holds the model outputs of its own micro-batches: every
     rank of the pipeline ``group`` gives its own (:func:`gather_objects`, from CPU), and a rank holding a last piece
@@ -177,14 +154,14 @@ def replica_outputs(outputs: dict[int, object], group: dist.ProcessGroup, world:
         return pytree.tree_map(lambda t: t.to(to) if isinstance(t, torch.Tensor) else t, value)
 
     mine = {mb: moved(out, torch.device("cpu")) for mb, out in outputs.items()}
-    every = gather_objects(mine, group, world, device, wait, "exchanging the replicas' model outputs")
+    every = gather_objects(mine, group, world, rank, device, wait, "exchanging the replicas' model outputs")
     if not outputs:
         return {}
     return {mb: moved(out, device) for part in every for mb, out in part.items()}
 
 
 def diverged_buffers(modules: Mapping[int, nn.Module], lowering: Lowering, group: dist.ProcessGroup, world: int,
-                     device: torch.device, wait: Callable[[object, str], None]) -> str | None:
+                     rank: int, device: torch.device, wait: Callable[[object, str], None]) -> str | None:
     """Why the engine cannot go on where, after a training step, the two replicas of a piece hold a buffer differently
     (each replica updates its buffers from its own micro-batches, as BatchNorm's running statistics do, so neither
     holds one device's values); None where it can. Every rank of the pipeline ``group`` gives a digest of each buffer
@@ -195,7 +172,7 @@ def diverged_buffers(modules: Mapping[int, nn.Module], lowering: Lowering, group
         for name, buffer in module.named_buffers():
             data = buffer.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
             mine[(lowering.piece_of[stage], name)] = hashlib.sha256(data).hexdigest()
-    every = gather_objects(mine, group, world, device, wait, "comparing the replicas' buffers")
+    every = gather_objects(mine, group, world, rank, device, wait, "comparing the replicas' buffers")
     seen: dict[tuple[int, str], str] = {}
     diverged = set()
     for part in every:
