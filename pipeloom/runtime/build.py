@@ -41,7 +41,7 @@ from pipeloom.runtime.parallel.tp import (
     set_group_timeout,
 )
 from pipeloom.runtime.parallel.tp_auto import AutoPlan, AutoSharding, auto_tp_plan, is_auto
-from pipeloom.runtime.plan_file import plan_arguments
+from pipeloom.runtime.plan_file import PlannedBatch, plan_arguments
 from pipeloom.runtime.program import Lowering, check_pieces
 from pipeloom.runtime.setup import device_for, lower_for, resolve_schedule, shared_seed, staged_model
 from pipeloom.runtime.state.state_dict import model_names
@@ -100,8 +100,9 @@ def pipeline(
     """
     tracing, parallel = tracing or Tracing(), parallel or Parallelism()
     weights, failures = weights or Weights(), failures or Failures()
+    planned_batch = None
     if plan is not None:
-        schedule, planned, schedule_options, microbatches, parallel = plan_arguments(
+        schedule, planned, schedule_options, microbatches, parallel, planned_batch = plan_arguments(
             plan, schedule, split_points, schedule_options, microbatches, parallel=parallel, device=device)
         split_points = planned if stages is None else split_points
     _check_arguments(schedule, loss_fn, microbatches)
@@ -121,7 +122,7 @@ def pipeline(
         _engine_parts, model=model, layout=layout, schedule=schedule, microbatches=microbatches,
         schedule_options=schedule_options or {}, device=device, weights=weights, tp_plan=tp_plan, parallel=parallel,
         loss_fn=loss_fn, seed=seed, record=record if record is not None else os.environ.get(TRACE_ENV) or None,
-        timeout=failures.timeout, sharding=sharding, expert_names=expert_names)
+        timeout=failures.timeout, sharding=sharding, expert_names=expert_names, planned_batch=planned_batch)
 
     def cut(example: object = None) -> StagedModel:
         given = tracing if example is None else dataclasses.replace(tracing, example_inputs=example, tracer="export")
@@ -152,7 +153,7 @@ def _engine_parts(staged: StagedModel, *, model: nn.Module | None, layout: Layou
                   microbatches: int | None, schedule_options: dict, device: torch.device | str | None,
                   weights: Weights, tp_plan: dict | None, parallel: Parallelism, loss_fn: Callable, seed: int,
                   record: str | Path | bool | None, timeout: float, sharding: AutoSharding | None,
-                  expert_names: Sequence[str]) -> dict:
+                  expert_names: Sequence[str], planned_batch: PlannedBatch | None) -> dict:
     """What :class:`PipelineEngine` is built from, once the model is cut into ``staged``: the schedule lowered
     onto it, this rank's pieces placed on their device (tensor-parallel and FSDP-sharded where asked)."""
     sched = resolve_schedule(schedule, num_ranks=layout.world, num_pieces=staged.num_stages,
@@ -187,7 +188,7 @@ def _engine_parts(staged: StagedModel, *, model: nn.Module | None, layout: Layou
     logger.info("rank %d runs pieces %s on %s (data parallel: %s)", layout.rank, held, device, data_parallel)
     return dict(staged=staged, pieces=pieces, layout=layout, trace=record, timeout=timeout, names=names,
                 scatter_boundaries=parallel.scatter_boundaries, tp_sharding=sharding,
-                overlap_pairs=parallel.overlap_pairs)
+                overlap_pairs=parallel.overlap_pairs, planned_batch=planned_batch)
 
 
 def _tensor_parallel(model: nn.Module | None, parallel: Parallelism, layout: Layout, microbatches: int | None,

@@ -44,6 +44,7 @@ from pipeloom.runtime.step.timing import ActionClock
 
 if TYPE_CHECKING:
     from pipeloom.runtime.parallel.tp_auto import AutoSharding
+    from pipeloom.runtime.plan_file import PlannedBatch
 
 from pipeloom.trace.format import rank_file, step_record, trace_document, write_trace_file
 
@@ -89,7 +90,8 @@ class PipelineEngine:
 
     def __init__(self, *, staged: StagedModel, pieces: RankPieces, layout: Layout, trace: str | Path | bool | None,
                  timeout: float, names: ModelNames, scatter_boundaries: bool = True,
-                 tp_sharding: AutoSharding | None = None, overlap_pairs: bool = False) -> None:
+                 tp_sharding: AutoSharding | None = None, overlap_pairs: bool = False,
+                 planned_batch: PlannedBatch | None = None) -> None:
         """Built by :func:`~pipeloom.runtime.pipeline`, which has put this rank's pieces on their device."""
         self.staged = staged
         self.pieces = pieces
@@ -117,6 +119,7 @@ class PipelineEngine:
         self.broken: str | None = None
         self.overlap_pairs = overlap_pairs  # overlapped pairs run interleaved at their collectives
         self.tp_sharding = tp_sharding  # tp_plan="auto": the chosen plan and its prediction
+        self.planned_batch = planned_batch  # pipeline(plan=): a training step on another batch size is told
         self._meta_cache: dict[tuple, tuple[dict, dict]] = {}
         store, run_id = None, "local"
         if layout.everyone_size > 1:
@@ -253,6 +256,8 @@ class PipelineEngine:
         cached = self._meta_cache.get(signature)
         if cached is None:  # new sizes: refused here, before anything ran, when the trace does not hold for them
             self._check_sizes(inputs)
+            if training and self.planned_batch is not None:
+                self.planned_batch.check(inputs)
         metas, specs = (cached if cached is not None else ({}, {}))
         events: list | None = [] if self.tracing else None
         if events is not None:

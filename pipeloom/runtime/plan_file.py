@@ -1,10 +1,11 @@
 """A plan file of ``pipeloom plan`` as :func:`~pipeloom.runtime.pipeline`'s arguments: its schedule, split points,
 options and micro-batches where none are given, the mesh it runs on (checked against the ranks launched), its
-sharding and its tensor-parallel recipe."""
+sharding and its tensor-parallel recipe; and the batch it was planned for (:class:`PlannedBatch`)."""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -20,13 +21,40 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["plan_arguments"]
+__all__ = ["PlannedBatch", "plan_arguments"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class PlannedBatch:
+    """The global batch a plan file was made for. A training step on another size runs (the runtime takes any
+    size its micro-batches cut), but the plan's predicted time and memory are not for it: said once per size."""
+
+    path: str
+    rows: int
+    told: set[int] = dataclasses.field(default_factory=set)
+
+    def check(self, inputs: object) -> None:
+        """Warn (on global rank 0) the first time a training step's batch has another number of rows."""
+        import torch.distributed as dist
+
+        first = inputs[0] if isinstance(inputs, (tuple, list)) and inputs else inputs
+        if not isinstance(first, torch.Tensor) or first.dim() == 0:
+            return  # refused by the step itself
+        rows = first.shape[0]
+        if rows == self.rows or rows in self.told or (dist.is_initialized() and dist.get_rank() != 0):
+            return
+        self.told.add(rows)
+        logger.warning("this step's batch has %d rows but %s was planned for a global batch of %d: the step runs, "
+                       "but the plan's predicted step time and memory are for %d rows (plan again with "
+                       "--global-batch %d for this batch)", rows, self.path, self.rows, self.rows, rows)
 
 
 def plan_arguments(plan: str | Path, schedule: object, split_points: Sequence[str] | None, options: dict | None,
                    microbatches: int | None, *, parallel: Parallelism, device: torch.device | str | None) -> tuple:
-    """(schedule, split points, schedule options, micro-batches, parallelism) from a plan file, explicit ones
-    winning; a plan with replicas or tensor parallelism gets a ``("dp", "pp", "tp")`` mesh over every rank
+    """(schedule, split points, schedule options, micro-batches, parallelism, planned batch) from a plan file,
+    explicit ones winning; a plan with replicas or tensor parallelism gets a ``("dp", "pp", "tp")`` mesh over every rank
     (``("dp", "pp", "ep")`` with expert parallelism; sizes of 1 left out) unless one is given (whose shape must
     be the plan's), its sharding as ``data_parallel`` unless given, and its saved tensor-parallel recipe becomes
     torch's ``ParallelStyle`` dict (:func:`pipeloom.runtime.parallel.tp.recipe_styles`)."""
@@ -43,7 +71,8 @@ def plan_arguments(plan: str | Path, schedule: object, split_points: Sequence[st
     return (chosen.schedule if schedule is None else schedule,
             chosen.split_points if split_points is None else split_points,
             dict(chosen.schedule_options) if options is None else options,
-            chosen.microbatches if microbatches is None else microbatches, parallel)
+            chosen.microbatches if microbatches is None else microbatches, parallel,
+            PlannedBatch(str(plan), chosen.global_batch))
 
 
 def _plan_mesh(chosen: Plan, mesh: DeviceMesh | None, process_group: ProcessGroup | None,

@@ -413,3 +413,25 @@ def test_a_plan_with_replicas_refuses_a_mesh_of_another_shape(tmp_path):
             loss_fn=F.cross_entropy,
             parallel=Parallelism(mesh=Mesh()),
         )
+
+
+def test_a_step_on_another_batch_than_the_plans_is_told_once_per_size(tmp_path, caplog):
+    """A plan made for 32 samples trains on 16 (the runtime takes any size its micro-batches cut), and says once
+    that the plan's predicted time and memory are for 32; evaluation batches are not told."""
+    from pipeloom.plan import Plan, save_plan
+
+    save_plan(Plan(num_ranks=1, split_points=(), schedule="1f1b", microbatches=4, global_batch=32,
+                   predicted_step_time=1.0), tmp_path / "plan.json")
+    engine = pipeline(build("residual"), plan=tmp_path / "plan.json", loss_fn=F.cross_entropy)
+    with caplog.at_level("WARNING", logger="pipeloom.runtime.plan_file"):
+        for rows in (32, 16, 16, 8):
+            inputs, target = batch("residual", rows)
+            engine.step(inputs, target=target)
+        inputs, target = batch("residual", 4)
+        engine.eval_step(inputs, target=target)
+    told = [record.getMessage() for record in caplog.records if "was planned for" in record.getMessage()]
+    assert [said.split(" but ")[0] for said in told] == ["this step's batch has 16 rows",
+                                                        "this step's batch has 8 rows"], told
+    assert told[0].endswith("plan.json was planned for a global batch of 32: the step runs, but the plan's predicted "
+                            "step time and memory are for 32 rows (plan again with --global-batch 16 for this "
+                            "batch)"), told[0]
