@@ -50,6 +50,33 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
                     "fastest layout that fits (docs/cluster-plan.md). For a model profiled here: --costs FILE "
                     "--ranks P --global-batch B searches every schedule, stages per rank and micro-batch count for "
                     "the fastest plan that fits the memory (docs/plan.md).")
+    _add_table_arguments(plan)
+    plan.add_argument("--global-batch", type=count, metavar="B",
+                      help="samples per step (with --model: sequences); required")
+    plan.add_argument("--memory-limit", type=bytes_argument, metavar="SIZE",
+                      help="bytes per rank, e.g. 80GiB or 512MiB (default: no limit; with --model the GPU's "
+                           "memory)")
+    plan.add_argument("--schedules", metavar="NAMES",
+                      help="comma-separated schedules to try (default: every built-in one; --model: not v-half, v-min)")
+    plan.add_argument("--stages-per-rank", type=count, nargs="+", default=[2], metavar="V",
+                      help="stages per rank for the looped schedules (default 2)")
+    plan.add_argument("--microbatches", "-m", type=count, nargs="+", metavar="M",
+                      help="micro-batch counts to try (default: every divisor of the global batch)")
+    plan.add_argument("--search", type=number(float, "a number of seconds >= 0", 0), default=0.0,
+                      metavar="SECONDS", help="also run the CP-SAT schedule search on the best candidates for "
+                                              "this long (default 0: off); a better order is saved next to --save")
+    plan.add_argument("--time-limit", type=number(float, "a number of seconds >= 0.01", 0.01), default=PLAN_TIME_LIMIT,
+                      metavar="SECONDS", help=f"stop trying candidates after this long (default {PLAN_TIME_LIMIT:g}); "
+                                              "those left untried (the largest micro-batch counts) are counted")
+    _add_output_arguments(plan)
+    add_cluster_arguments(plan)
+    add_try_arguments(plan)
+    # what each flag is when not given: --model refuses the cost-table mode's flags that were given
+    plan.set_defaults(handler=cmd_plan, plan_defaults={action.dest: action.default for action in plan._actions})
+
+
+def _add_table_arguments(plan: argparse.ArgumentParser) -> None:
+    """The cost-table mode's own flags: the tables, the ranks and how replicas and tensor parallelism split them."""
     plan.add_argument("--costs", type=Path, nargs="+", metavar="FILE",
                       help="pipeloom.costs/2 (or /1) files (pipeloom profile --save, or written by hand); several "
                            "files of one model at different micro-batch sizes are interpolated")
@@ -81,23 +108,10 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
                       help="link latency between replicas in seconds (default: the cost table's link)")
     plan.add_argument("--dp-bandwidth", type=bytes_argument, metavar="BYTES_PER_S",
                       help="link bytes per second between replicas, e.g. 25GB (default: the cost table's link)")
-    plan.add_argument("--global-batch", type=count, metavar="B",
-                      help="samples per step (with --model: sequences); required")
-    plan.add_argument("--memory-limit", type=bytes_argument, metavar="SIZE",
-                      help="bytes per rank, e.g. 80GiB or 512MiB (default: no limit; with --model the GPU's "
-                           "memory)")
-    plan.add_argument("--schedules", metavar="NAMES",
-                      help="comma-separated schedules to try (default: every built-in one; --model: not v-half, v-min)")
-    plan.add_argument("--stages-per-rank", type=count, nargs="+", default=[2], metavar="V",
-                      help="stages per rank for the looped schedules (default 2)")
-    plan.add_argument("--microbatches", "-m", type=count, nargs="+", metavar="M",
-                      help="micro-batch counts to try (default: every divisor of the global batch)")
-    plan.add_argument("--search", type=number(float, "a number of seconds >= 0", 0), default=0.0,
-                      metavar="SECONDS", help="also run the CP-SAT schedule search on the best candidates for "
-                                              "this long (default 0: off); a better order is saved next to --save")
-    plan.add_argument("--time-limit", type=number(float, "a number of seconds >= 0.01", 0.01), default=PLAN_TIME_LIMIT,
-                      metavar="SECONDS", help=f"stop trying candidates after this long (default {PLAN_TIME_LIMIT:g}); "
-                                              "those left untried (the largest micro-batch counts) are counted")
+
+
+def _add_output_arguments(plan: argparse.ArgumentParser) -> None:
+    """What the plan is shown, saved or exported as (both modes)."""
     plan.add_argument("--top", type=number(int, "an integer >= 0", 0), metavar="N",
                       help="runners-up to show (default 10; with --model 5; 0: none)")
     plan.add_argument("-o", "--out", type=path_with(".png", ".svg", ".html"),
@@ -115,10 +129,6 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
                            "<stem>.torchtitan.toml (the same for a 0.2.x TOML config), <stem>.torchtitan.csv (the "
                            "schedule); a cost table's pieces must be torchtitan's modules (tok_embeddings, layers.N)")
     plan.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    add_cluster_arguments(plan)
-    add_try_arguments(plan)
-    # what each flag is when not given: --model refuses the cost-table mode's flags that were given
-    plan.set_defaults(handler=cmd_plan, plan_defaults={action.dest: action.default for action in plan._actions})
 
 
 def _schedules(text: str | None) -> list[str] | None:
