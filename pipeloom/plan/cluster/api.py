@@ -22,8 +22,8 @@ from pipeloom.plan.cluster.model.reader import model_spec
 from pipeloom.plan.cluster.model.spec import ModelSpec
 from pipeloom.plan.cluster.recompute import SEARCHED, module_sets, recompute_depths
 from pipeloom.plan.cluster.runtime_plan import for_runtime
-from pipeloom.plan.cluster.search import runners_up_of, search_faster, search_layouts
-from pipeloom.plan.cluster.step import Estimate
+from pipeloom.plan.cluster.search import search_faster, search_layouts
+from pipeloom.plan.cluster.step import Estimate, runners_up_of
 from pipeloom.plan.costs.parts import parse_bytes
 from pipeloom.plan.errors import CostTableError, LayoutError, NoLayoutFits, PlanError
 from pipeloom.schedules import REGISTRY

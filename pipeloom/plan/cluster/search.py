@@ -45,10 +45,10 @@ from pipeloom.plan.cluster.held import warmup_peak
 from pipeloom.plan.cluster.job import Job
 from pipeloom.plan.cluster.layout import LAYOUT_KEYS, Layout, Refusals, enumerate_layouts
 from pipeloom.plan.cluster.placement import rank_stages, work_bound
-from pipeloom.plan.cluster.step import Estimate
+from pipeloom.plan.cluster.step import Estimate, key_text, runners_up_of, twin_key
 from pipeloom.plan.errors import LayoutError, NoLayoutFits
 
-__all__ = ["Bounds", "Candidate", "SearchResult", "runners_up_of", "search_faster", "search_layouts"]
+__all__ = ["Bounds", "Candidate", "SearchResult", "search_faster", "search_layouts"]
 
 _ROUNDING = 1e-9
 """Relative slack for the memory computed from held counts against the replay's running sum (they add the
@@ -285,6 +285,8 @@ class _Run:
                 est = estimator.estimate(cand.layout)
             except LayoutError:
                 continue
+            if extra and any(twin_key(est, twin) for twin in self.done):
+                extra -= 1  # the runners-up name it in its twin's line: another is simulated in its place
             self.done.append(est)
             if est.memory.total > self.limit:  # within the rounding of the limit
                 self.over.append(cand)
@@ -358,38 +360,7 @@ def _key(layout: Layout) -> tuple[Any, ...]:
     return tuple(getattr(layout, key) for key in LAYOUT_KEYS)
 
 
-def runners_up_of(best: Estimate, done: list[Estimate], limit: float,
-                  count: int) -> tuple[tuple[Estimate, str], ...]:
-    """The fastest other fitting layouts (slower by how much, and where the time goes), then faster ones that
-    do not fit."""
-    fits = sorted((e for e in done if e.memory.total <= limit and e is not best), key=lambda e: e.step_time)
-    over = sorted((e for e in done if e.memory.total > limit and e.step_time < best.step_time),
-                  key=lambda e: e.step_time)
-    out = []
-    for est in fits[:count]:
-        out.append((est, f"{(est.step_time / best.step_time - 1) * 100:.1f}% slower ({_why(est, best)})"))
-    for est in over[:max(1, count // 2)]:
-        out.append((est, f"needs {est.memory.total / 2**30:.1f} GiB per GPU > {limit / 2**30:.1f} GiB limit"))
-    return tuple(out)
-
-
-def _why(est: Estimate, best: Estimate) -> str:
-    """The parts of the step that grew against the best, most first, then those that shrank (each by at least a
-    twentieth of the largest change), so the gap adds up (a runner-up slower in both its compute and its exposed dp
-    exchange had been told the first alone)."""
-    parts = {"bubble": est.bubble * est.pipeline_time - best.bubble * best.pipeline_time,
-             "compute and tp/ep communication": (1 - est.bubble) * est.pipeline_time
-             - (1 - best.bubble) * best.pipeline_time,
-             "exposed dp communication": est.exposed_dp - best.exposed_dp,
-             "optimizer step": est.optimizer_time - best.optimizer_time}
-    largest = max(parts.values())
-    if largest <= 1e-9 * best.step_time:
-        return "the same step within rounding"
-    shown = sorted(((name, d) for name, d in parts.items() if abs(d) >= 0.05 * largest), key=lambda item: -item[1])
-    return ", ".join(f"{name} {d:+.3g} s" for name, d in shown)
-
-
 def _fixed_text(fixed: dict[str, Any]) -> str:
     """The fixed keys as ``--layout`` takes them (fsdp as 0 or 1)."""
-    return ",".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in fixed.items()) or "no fixed keys"
+    return ",".join(f"{k}={key_text(v)}" for k, v in fixed.items()) or "no fixed keys"
 

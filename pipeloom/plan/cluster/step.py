@@ -1,6 +1,7 @@
 """What the estimator predicts for one layout: :class:`Estimate` (step time, its parts, throughput, MFU) and
 :class:`Memory` (bytes per GPU of the busiest pipeline rank); and what it adds up: :class:`PhaseTimes` (one
-micro-batch through one layer or stage, by kind of work); mixed-precision Adam's bytes (:func:`optimizer_bytes`)."""
+micro-batch through one layer or stage, by kind of work); mixed-precision Adam's bytes (:func:`optimizer_bytes`);
+how other layouts' estimates compare with the best's (:func:`runners_up_of`)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from pipeloom.plan.cluster.layout import Layout
 
-__all__ = ["Memory", "Estimate", "PhaseTimes", "WORK_PARTS", "add_times", "named_work", "optimizer_bytes", "work_parts"]
+__all__ = ["Memory", "Estimate", "PhaseTimes", "WORK_PARTS", "add_times", "key_text", "named_work", "optimizer_bytes",
+           "runners_up_of", "twin_key", "work_parts"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -151,3 +153,73 @@ def optimizer_bytes(params: float, *, shards: int = 1, fsdp: bool = False, grad_
     if fsdp:
         return weights / shards, 2.0 * params / shards, states / shards
     return weights, grad_bytes * params, states / shards
+
+
+def runners_up_of(best: Estimate, done: list[Estimate], limit: float,
+                  count: int) -> tuple[tuple[Estimate, str], ...]:
+    """The fastest other fitting layouts (slower by how much, and where the time goes), then faster ones that
+    do not fit. Layouts that take the same time as one listed and differ from it in one key are named in its line
+    instead of filling the list (the one of them holding least memory is listed): on a pipeline whose busiest rank
+    sets the step, interleaved 1F1B at vp 2 to 8 takes one time, and five such lines had made the whole list."""
+    fits = _distinct(sorted((e for e in done if e.memory.total <= limit and e is not best),
+                            key=lambda e: (e.step_time, e.memory.total)), count)
+    over = _distinct(sorted((e for e in done if e.memory.total > limit and e.step_time < best.step_time),
+                            key=lambda e: (e.step_time, e.memory.total)), max(1, count // 2))
+    out = []
+    for est, alike in fits:
+        out.append((est, f"{(est.step_time / best.step_time - 1) * 100:.1f}% slower ({_why(est, best)}){alike}"))
+    for est, alike in over:
+        out.append((est, f"needs {est.memory.total / 2**30:.1f} GiB per GPU > {limit / 2**30:.1f} GiB limit{alike}"))
+    return tuple(out)
+
+
+def _distinct(ranked: list[Estimate], count: int) -> list[tuple[Estimate, str]]:
+    """The first ``count`` groups of twins in ``ranked`` (:func:`twin_key`; a group's twins differ in one key, the
+    same for all), each as its member of least memory with the others said: ``"; the same time with vp=3, 4 or 5"``."""
+    groups: list[tuple[list[Estimate], list[str]]] = []  # the members, and the one key they differ in (once known)
+    for est in ranked:
+        for members, key in groups:
+            other = twin_key(est, members[0])
+            if other is not None and key in ([], [other]):
+                members.append(est)
+                key[:] = [other]
+                break
+        else:
+            if len(groups) < count:
+                groups.append(([est], []))
+    out = []
+    for members, key in groups:
+        shown = min(members, key=lambda e: (e.memory.total, dataclasses.astuple(e.layout)))
+        values = sorted(key_text(getattr(e.layout, key[0])) for e in members if e is not shown) if key else []
+        said = [str(value) for value in values]
+        out.append((shown, f"; the same time with {key[0]}={', '.join(said[:-1])} or {said[-1]}" if len(said) > 1
+                    else f"; the same time with {key[0]}={said[0]}" if said else ""))
+    return out
+
+
+def twin_key(a: Estimate, b: Estimate) -> str | None:
+    """The one layout key ``a`` and ``b`` differ in where they take the same step time (within 1e-9 of it): twins
+    to the reader; else None (a twin of a twin differs from the first in two keys, and is not its twin)."""
+    other = [f.name for f in dataclasses.fields(a.layout) if getattr(a.layout, f.name) != getattr(b.layout, f.name)]
+    return other[0] if len(other) == 1 and abs(a.step_time - b.step_time) <= 1e-9 * b.step_time else None
+
+
+def key_text(value: Any) -> Any:
+    """A layout key's value as ``--layout`` takes it (fsdp as 0 or 1)."""
+    return int(value) if isinstance(value, bool) else value
+
+
+def _why(est: Estimate, best: Estimate) -> str:
+    """The parts of the step that grew against the best, most first, then those that shrank (each by at least a
+    twentieth of the largest change), so the gap adds up (a runner-up slower in both its compute and its exposed dp
+    exchange had been told the first alone)."""
+    parts = {"bubble": est.bubble * est.pipeline_time - best.bubble * best.pipeline_time,
+             "compute and tp/ep communication": (1 - est.bubble) * est.pipeline_time
+             - (1 - best.bubble) * best.pipeline_time,
+             "exposed dp communication": est.exposed_dp - best.exposed_dp,
+             "optimizer step": est.optimizer_time - best.optimizer_time}
+    largest = max(parts.values())
+    if largest <= 1e-9 * best.step_time:
+        return "the same step within rounding"
+    shown = sorted(((name, d) for name, d in parts.items() if abs(d) >= 0.05 * largest), key=lambda item: -item[1])
+    return ", ".join(f"{name} {d:+.3g} s" for name, d in shown)

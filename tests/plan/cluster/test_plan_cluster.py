@@ -4,6 +4,7 @@ in memory, CLI errors as one line with exit 2."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import re
 
@@ -502,7 +503,7 @@ def test_deepseeks_recomputation_needs_its_fp8_training():
 
 
 def test_a_runner_ups_reason_names_what_grew_and_what_shrank():
-    from pipeloom.plan.cluster.search import _why
+    from pipeloom.plan.cluster.step import _why
 
     best = _plan(layout="dp=8,tp=1,pp=1,vp=1,cp=1,ep=1,mbs=1,fsdp=0,recompute=none,schedule=1f1b").best
     other = dataclasses.replace(best, exposed_dp=best.exposed_dp + 0.05, pipeline_time=best.pipeline_time - 0.049)
@@ -808,3 +809,25 @@ def test_a_frameworks_schedules_are_named_as_its_own(config, capsys):
     assert main(["plan", "--model", str(config), "--hardware", "h100", "--gpus", "8", "--global-batch", "32", "--seq",
                  "4096", "--framework", "torchtitan", "--layout", "pp=2,schedule=dualpipe"]) == 2
     assert "(torchtitan runs 1f1b, interleaved-1f1b, zb-h1, zbv, dualpipev)" in capsys.readouterr().err
+
+
+def test_runners_up_that_take_the_same_time_are_named_in_one_line():
+    """Qwen3-32B on 128 H100s: interleaved 1F1B over pp 2 takes one time at vp 2 to 8 (the rank holding the head
+    sets the step); those had filled the list, five lines of one layout. Now each is named in the line of the one of
+    them holding least memory, and predicted, each holds the time and no less memory."""
+    qwen3 = {"model_type": "qwen3", "hidden_size": 5120, "intermediate_size": 25600, "num_hidden_layers": 64,
+             "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936}
+    result = plan_cluster(qwen3, "h100", gpus=128, global_batch=512, seq=8192)
+    listed = [est for est, _ in result.runners_up]
+    for a, b in itertools.combinations(listed, 2):
+        differ = [key for key in LAYOUT_KEYS if getattr(a.layout, key) != getattr(b.layout, key)]
+        assert len(differ) > 1 or a.step_time != pytest.approx(b.step_time, rel=1e-9), (a.layout, b.layout)
+    named = [(est, why.split("; the same time with ")[1]) for est, why in result.runners_up if "the same time" in why]
+    assert named and len([est for est in listed if est.memory.total <= result.memory_limit]) >= 3, result.runners_up
+    for est, twins in named:
+        key, values = twins.split("=")
+        for value in values.replace(" or ", ", ").split(", "):
+            layout = dataclasses.replace(est.layout, **{key: int(value) if value.isdigit() else value})
+            twin = plan_cluster(qwen3, "h100", gpus=128, global_batch=512, seq=8192, layout=str(layout)).best
+            assert twin.step_time == pytest.approx(est.step_time, rel=1e-9), (twin.layout, est.layout)
+            assert twin.memory.total >= est.memory.total, (twin.layout, est.layout)
