@@ -36,6 +36,7 @@ from pipeloom.runtime.state.checkpoint import load_checkpoint, save_checkpoint
 from pipeloom.runtime.state.clip import clip_grad_norm_
 from pipeloom.runtime.state.state_dict import LoadResult, ModelNames
 from pipeloom.runtime.step.agree import agree_on_step
+from pipeloom.runtime.step.batch import BatchCut, signature
 from pipeloom.runtime.step.loss import LossSum
 from pipeloom.runtime.step.pieces import RankPieces
 from pipeloom.runtime.step.replicas import diverged_buffers, replica_outputs
@@ -120,7 +121,9 @@ class PipelineEngine:
         self.overlap_pairs = overlap_pairs  # overlapped pairs run interleaved at their collectives
         self.tp_sharding = tp_sharding  # tp_plan="auto": the chosen plan and its prediction
         self.planned_batch = planned_batch  # pipeline(plan=): a training step on another batch size is told
-        self._meta_cache: dict[tuple, tuple[dict, dict]] = {}
+        self._meta_cache: dict[tuple, tuple[dict, dict]] = {}  # per step signature(): what its first step learned
+        self.batch = BatchCut(total=pieces.total_microbatches, replicas=layout.dp.size, replica=layout.dp.rank,
+                              device=self.device)
         store, run_id = None, "local"
         if layout.everyone_size > 1:
             assert layout.everyone is not None  # several ranks have their group
@@ -179,7 +182,7 @@ class PipelineEngine:
         the local parameters' ``.grad`` as the single-device reference would.
         """
         loss = self._run(inputs, target, training=True)[0]
-        assert loss is not None  # a training step has a target (_inputs refuses one without)
+        assert loss is not None  # a training step has a target (BatchCut.step_inputs refuses one without)
         return loss
 
     def eval_step(self, inputs: object, *, target: object = None) -> object:
@@ -221,39 +224,13 @@ class PipelineEngine:
 
     # ------------------------------------------------------------------------------ the step
 
-    def _chunks(self, value: object, what: str) -> list[list]:
-        """value -> per model input, its M micro-batches (a list of tensors)."""
-        values = value if isinstance(value, (tuple, list)) else (value,)
-        m, total = self.num_microbatches, self.total_microbatches
-        first = self.dp.rank * m  # this replica's share of the global batch's micro-batches
-        out = []
-        for i, v in enumerate(values):
-            if not isinstance(v, torch.Tensor):
-                raise PipelineError(f"{what}[{i}] is {type(v).__name__}; step() takes tensors (or a tuple of tensors)")
-            if v.dim() == 0:
-                raise PipelineError(f"{what}[{i}] is a 0-d tensor; micro-batches are cut along dim 0, so give one "
-                                    "row per sample")
-            parts = list(torch.chunk(v, total, dim=0))
-            if len(parts) != total:
-                per = f" ({m} per replica × {self.dp.size} replicas)" if self.dp.size > 1 else ""
-                fits = next(n for n in range(v.shape[0], v.shape[0] + total + 1) if -(-n // -(-n // total)) == total)
-                raise PipelineError(f"{what} has {v.shape[0]} rows along dim 0, which torch.chunk cuts into "
-                                    f"{len(parts)} pieces, not the {total} micro-batches{per}; use a row count it cuts "
-                                    f"into {total} (uneven ones run: {fits} rows, or a multiple of {total})")
-            out.append([part.to(self.device) for part in parts[first:first + m]])
-        return out
-
-    def _signature(self, chunks: list[list], targets: list[list], training: bool) -> tuple:
-        return (training, tuple(tuple((tuple(t.shape), t.dtype) for t in per) for per in chunks),
-                tuple(tuple((tuple(t.shape), t.dtype) for t in per) for per in targets))
-
     def _run(self, inputs: object, target: object, *, training: bool) -> tuple[torch.Tensor | None, object]:
         self._check_parameters()
         self._agree(inputs, target, training)
         self.params = self.pieces.trainable()  # requires_grad may have changed since the last step
-        chunks, targets = self._inputs(inputs, target, training)
-        signature = self._signature(chunks, targets, training)
-        cached = self._meta_cache.get(signature)
+        chunks, targets = self.batch.step_inputs(inputs, target, training, self.staged.graph.input_names)
+        shapes = signature(chunks, targets, training)
+        cached = self._meta_cache.get(shapes)
         if cached is None:  # new sizes: refused here, before anything ran, when the trace does not hold for them
             self._check_sizes(inputs)
             if training and self.planned_batch is not None:
@@ -282,7 +259,7 @@ class PipelineEngine:
                                                                              not training and target is None):
             self._replicas(run, training)
         if cached is None:
-            self._meta_cache[signature] = (metas, specs)
+            self._meta_cache[shapes] = (metas, specs)
         self.traffic = run.messages.traffic
         if events is not None:
             self.clock.resolve(events)
@@ -337,17 +314,6 @@ class PipelineEngine:
                 "model was changed after pipeline(), e.g. by parallelize_module), so its gradient would stay "
                 "empty; pass tp_plan= to pipeline() (or change the model first) and build the engine again")
             self._fail(str(error), error)
-
-    def _inputs(self, inputs: object, target: object, training: bool) -> tuple[list, list]:
-        """This replica's micro-batches of the inputs and of the target."""
-        chunks = self._chunks(inputs, "inputs")
-        names = self.staged.graph.input_names
-        if len(chunks) != len(names):
-            raise PipelineError(f"the model takes {len(names)} input(s) ({', '.join(names)}), step() got "
-                                f"{len(chunks)}; pass a tuple with one tensor per input")
-        if training and target is None:
-            raise PipelineError("step() needs target= (passed to loss_fn with each micro-batch's output)")
-        return chunks, self._chunks(target, "target") if target is not None else []
 
     def _check_sizes(self, inputs: object) -> None:
         """Raise TracedSizeError when a micro-batch of the whole batch (every rank checks the same ones) breaks a

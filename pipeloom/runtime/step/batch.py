@@ -1,0 +1,61 @@
+"""A step's batch cut into micro-batches along dim 0: this data-parallel replica's share of every model input and of
+the target, refused where it cannot be cut into the step's micro-batches; and the sizes a step ran with, the key of
+what the engine learned on its first step of those sizes."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from pipeloom.runtime.errors import PipelineError
+
+__all__ = ["BatchCut", "signature"]
+
+
+class BatchCut:
+    """How a step's batch is cut: ``total`` micro-batches over ``replicas`` data-parallel replicas, of which this
+    rank's replica (``replica``) takes the ``total / replicas`` from ``replica × that`` on, moved to ``device``."""
+
+    def __init__(self, *, total: int, replicas: int, replica: int, device: torch.device) -> None:
+        self.total, self.replicas, self.device = total, replicas, device
+        self.per_replica = total // replicas
+        self.first = replica * self.per_replica
+
+    def cut(self, value: object, what: str) -> list[list[torch.Tensor]]:
+        """``value`` (a tensor or a tuple of tensors) -> per tensor, this replica's micro-batches."""
+        values = value if isinstance(value, (tuple, list)) else (value,)
+        m, total = self.per_replica, self.total
+        out = []
+        for i, v in enumerate(values):
+            if not isinstance(v, torch.Tensor):
+                raise PipelineError(f"{what}[{i}] is {type(v).__name__}; step() takes tensors (or a tuple of tensors)")
+            if v.dim() == 0:
+                raise PipelineError(f"{what}[{i}] is a 0-d tensor; micro-batches are cut along dim 0, so give one "
+                                    "row per sample")
+            parts = list(torch.chunk(v, total, dim=0))
+            if len(parts) != total:
+                per = f" ({m} per replica × {self.replicas} replicas)" if self.replicas > 1 else ""
+                fits = next(n for n in range(v.shape[0], v.shape[0] + total + 1) if -(-n // -(-n // total)) == total)
+                raise PipelineError(f"{what} has {v.shape[0]} rows along dim 0, which torch.chunk cuts into "
+                                    f"{len(parts)} pieces, not the {total} micro-batches{per}; use a row count it cuts "
+                                    f"into {total} (uneven ones run: {fits} rows, or a multiple of {total})")
+            out.append([part.to(self.device) for part in parts[self.first:self.first + m]])
+        return out
+
+    def step_inputs(self, inputs: object, target: object, training: bool,
+                    input_names: Sequence[str]) -> tuple[list, list]:
+        """This replica's micro-batches of the inputs (one list per model input) and of the target."""
+        chunks = self.cut(inputs, "inputs")
+        if len(chunks) != len(input_names):
+            raise PipelineError(f"the model takes {len(input_names)} input(s) ({', '.join(input_names)}), step() got "
+                                f"{len(chunks)}; pass a tuple with one tensor per input")
+        if training and target is None:
+            raise PipelineError("step() needs target= (passed to loss_fn with each micro-batch's output)")
+        return chunks, self.cut(target, "target") if target is not None else []
+
+
+def signature(chunks: list[list[torch.Tensor]], targets: list[list[torch.Tensor]], training: bool) -> tuple:
+    """The shapes and dtypes of a step's micro-batches, and whether it trains."""
+    return (training, tuple(tuple((tuple(t.shape), t.dtype) for t in per) for per in chunks),
+            tuple(tuple((tuple(t.shape), t.dtype) for t in per) for per in targets))
