@@ -277,3 +277,26 @@ def full_state_job(rank: int, world: int, cases: list[tuple[str, str]]) -> dict:
             {"keys": list(full), "expected_keys": list(expected),
              "values_equal": all(torch.equal(full[k], v) for k, v in expected.items() if k in full)})
     return results
+
+
+def sharded_norm_job(rank: int, world: int, sizes: list[int]) -> list[dict]:
+    """Per size: a float32 gradient sharded over every rank (dim 0, as FSDP2 shards it), its norm as the clip
+    computes it against ``vector_norm`` of the whole gradient on one device, and whether the shards' own norms
+    combined (the clip's earlier way) would have differed."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from pipeloom.runtime.state.clip import _norms
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    found = []
+    for size in sizes:
+        whole = torch.randn(size, generator=torch.Generator().manual_seed(size)) * 3
+        sharded = distribute_tensor(whole, mesh, [Shard(0)])
+        expected = torch.linalg.vector_norm(whole, 2.0)
+        ours = _norms([sharded], 2.0, None)[0]
+        combined = torch.linalg.vector_norm(sharded, 2.0).full_tensor()
+        found.append({"equal": torch.equal(ours, expected), "shards_differ": not torch.equal(combined, expected)})
+    dist.barrier()
+    return found

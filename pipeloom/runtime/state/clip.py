@@ -22,32 +22,37 @@ __all__ = ["clip_grad_norm_", "is_sharded"]
 
 def _norms(grads: list[torch.Tensor], norm_type: float, foreach: bool | None) -> list[torch.Tensor]:
     """Each gradient's norm computed as ``torch.nn.utils.get_total_norm`` computes it (the foreach kernel
-    where torch uses it: on a GPU its sums differ from ``vector_norm``'s in the last bits)."""
+    where torch uses it: on a GPU its sums differ from ``vector_norm``'s in the last bits); a sharded gradient's
+    from the whole gradient, gathered (the shards' own norms combined round differently)."""
     from torch.utils._foreach_utils import (
         _device_has_foreach_support,
         _group_tensors_by_device_and_dtype,
         _has_foreach_support,
     )
 
+    def kernel_norms(tensors: list[torch.Tensor], device: torch.device) -> Sequence[torch.Tensor]:
+        if (foreach is None and _has_foreach_support(tensors, device)
+                or foreach and _device_has_foreach_support(device)):
+            return torch._foreach_norm(tensors, norm_type)
+        if foreach:
+            raise PipelineError(f"foreach=True, but the foreach API does not run on {device.type} tensors; "
+                                "pass foreach=None")
+        return [torch.linalg.vector_norm(g, norm_type) for g in tensors]
+
     norms: list = [None] * len(grads)
     plain = [i for i, g in enumerate(grads) if not is_sharded(g)]
-    for i in set(range(len(grads))) - set(plain):  # FSDP's shards: the norm over every shard (a collective)
-        norms[i] = torch.linalg.vector_norm(grads[i], norm_type).full_tensor()
+    for i in sorted(set(range(len(grads))) - set(plain)):  # FSDP's shards: gathered whole in turn (a collective)
+        grad = grads[i]
+        assert is_sharded(grad)
+        whole = grad.full_tensor()  # the norm of the shards' norms differs from the whole's in the last bits
+        norms[i] = kernel_norms([whole], whole.device)[0]
+        del whole
     if not plain:
         return norms
     groups = _group_tensors_by_device_and_dtype([[grads[i] for i in plain]], with_indices=True)
     for (device, _), ([group], indices) in groups.items():
         tensors = cast("list[torch.Tensor]", group)  # gradients (torch types the grouped entries optional)
-        found: Sequence[torch.Tensor]
-        if (foreach is None and _has_foreach_support(tensors, device)
-                or foreach and _device_has_foreach_support(device)):
-            found = torch._foreach_norm(tensors, norm_type)
-        elif foreach:
-            raise PipelineError(f"foreach=True, but the foreach API does not run on {device.type} tensors; "
-                                "pass foreach=None")
-        else:
-            found = [torch.linalg.vector_norm(g, norm_type) for g in tensors]
-        for i, norm in zip(indices, found):
+        for i, norm in zip(indices, kernel_norms(tensors, device)):
             norms[plain[i]] = norm
     return norms
 
