@@ -35,6 +35,7 @@ from pipeloom.runtime.parallel.ep import (
 from pipeloom.runtime.parallel.fsdp import shard_pieces
 from pipeloom.runtime.parallel.tp import (
     apply_tp_plan,
+    check_tied_untouched,
     check_tp_plan,
     leaf_modules_for,
     plan_blocks,
@@ -231,6 +232,7 @@ def _apply_tp(staged: StagedModel, held: Sequence[int], tp_plan: dict, layout: L
               data_parallel: str, shared: SharedParameters) -> None:
     """Shard this rank's pieces with torch's ``parallelize_module`` over the ``"tp"`` dimension."""
     _check_tp(lowering, data_parallel)
+    check_tied_untouched(staged.stages, tp_plan, dict(zip(map(id, shared.params), shared.names)))
     before = _ids([staged.stages[k] for k in held])
     apply_tp_plan({k: staged.stages[k] for k in held}, tp_plan, layout.tp)
     _check_shared_kept(shared, before - _ids([staged.stages[k] for k in held]))

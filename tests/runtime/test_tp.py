@@ -27,6 +27,8 @@ from tp_jobs import (
     two_ranks,
 )
 
+from pipeloom.runtime import PipelineError
+
 TOLERANCE = 1e-12  # float64 models: measured at most ~1e-16 against one device (docs/parallelism.md)
 # float64 LLaMA whose eager attention takes its softmax (and rotary tables) in float32: measured 3.7e-9
 HF_TOLERANCE = 1e-7
@@ -270,6 +272,14 @@ def test_what_a_tp_mesh_refuses_says_so_by_name(pipelined_runs):
         assert "no tp_plan= was given" in refused["no plan"], refused["no plan"]
         assert "tp_plan='hf': Tiny has no config" in refused["hf"], refused["hf"]
         assert "tp_plan key 'layers.*.nope' names no module" in refused["unknown key"], refused["unknown key"]
+        # every rank says why (the ranks without the head had been told to keep a module whole, or nothing)
+        assert ("parameter 'head.weight' is used by several pieces (tied) and tp_plan shards it (key 'head')"
+                in refused["tied"]) or "parameter 'embed.weight'" in refused["tied"], refused["tied"]
+        assert "the mesh holds 3 of the 4 ranks; with \"dp\"" in refused["three replicas"], refused["three replicas"]
+    assert found[3]["outside"] == ("PipelineError: global rank 3 is not in mesh= (it holds ranks 0-2 of 4); call "
+                                   "pipeline() only on the mesh's ranks, or give a mesh over every rank")
+    assert all(found[rank]["outside"] == "not called" for rank in range(3))
+    for refused in found.values():
         late = refused["late"]
         assert "is not the object pipeline() captured" in late and "pass tp_plan= to pipeline()" in late, late
         assert "global rank" in late and "tp " in late, late  # the global rank and its mesh coordinates
@@ -303,3 +313,24 @@ def test_eight_ranks_dp_pp_tp_replicas_identical():
     assert worst <= TOLERANCE
     print(f"dp 2 x pp 2 x tp 2: largest difference to one device {worst:.3g}")
 
+
+def test_a_tp_size_that_splits_a_head_is_refused_before_the_first_forward():
+    """LLaMA with 4 query / 2 key-value heads under tp_plan="hf" on tp 4 failed at its first forward ("shape '[4,
+    10, -1, 16]' is invalid"); 3 heads on tp 2 alike. Refused with the tp sizes that work; a plan leaving the
+    attention whole is not refused."""
+    from hf_models import build_hf
+
+    from pipeloom.runtime.parallel.tp import hf_plan
+    from pipeloom.runtime.parallel.tp_heads import check_head_counts
+
+    model = build_hf("llama")
+    with pytest.raises(PipelineError, match=r"tp 4 does not split LlamaForCausalLM's 4 query / 2 key-value heads "
+                                            r"evenly \(tp_plan shards the attention: "
+                                            r"'model.layers.\*.self_attn.q_proj'; each tp rank takes whole heads\); "
+                                            r"use a \"tp\" mesh dimension of 1 or 2"):
+        check_head_counts(model, hf_plan(model), 4)
+    check_head_counts(model, hf_plan(model), 2)
+    check_head_counts(model, {"model.layers.*.mlp.up_proj": object()}, 4)  # the MLP alone: heads whole
+    model.config.num_attention_heads = model.config.num_key_value_heads = 3
+    with pytest.raises(PipelineError, match=r"3 heads evenly .* of 1 or 3"):
+        check_head_counts(model, hf_plan(model), 2)

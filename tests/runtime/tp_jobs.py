@@ -355,6 +355,7 @@ def tp_refusals(rank: int, world: int, mesh) -> dict:
             found[name] = "built"
         except Exception as error:  # noqa: BLE001 (the test reads the message)
             found[name] = f"{type(error).__name__}: {error}"
+    found.update(_mesh_and_tied_refusals(rank, mesh))
     model = build("tiny")
     engine = pipeline(
         model,
@@ -374,6 +375,35 @@ def tp_refusals(rank: int, world: int, mesh) -> dict:
         found["late"] = f"{type(error).__name__}: {error}"
     found["late_s"] = time.monotonic() - start
     engine.close()
+    return found
+
+
+def _mesh_and_tied_refusals(rank: int, mesh) -> dict:
+    """A tied head given a style (said alike on every rank, the ranks not holding the head included), a rank left
+    out of a pp-only mesh of 3 of the 4 ranks (that rank alone calls pipeline()), and a dp 3 x pp 1 mesh of 3 of
+    the 4 ranks (every rank calls it): by message."""
+    from state_jobs import Tied
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from pipeloom.runtime import pipeline
+
+    found = {}
+    three = init_device_mesh("cpu", (3,), mesh_dim_names=("pp",))
+    replicas = init_device_mesh("cpu", (3, 1), mesh_dim_names=("dp", "pp"))
+    attempts = {"tied": (Tied(), ["layers.2"], mesh, {"head": _colwise()}),
+                "outside": (build("tiny"), SPLITS[4][:2], three, None) if rank == 3 else None,
+                "three replicas": (build("tiny"), [], replicas, None)}
+    for name, attempt in attempts.items():
+        if attempt is None:
+            found[name] = "not called"
+            continue
+        model, splits, on, tp_plan = attempt
+        try:
+            pipeline(model, schedule="1f1b", split_points=splits, microbatches=MICROBATCHES, loss_fn=loss_fn,
+                     parallel=Parallelism(mesh=on, tp_plan=tp_plan), failures=Failures(timeout=30)).close()
+            found[name] = "built"
+        except Exception as error:  # noqa: BLE001 (the test reads the message)
+            found[name] = f"{type(error).__name__}: {error}"
     return found
 
 

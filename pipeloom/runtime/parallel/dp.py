@@ -87,6 +87,7 @@ def layout_of(process_group: dist.ProcessGroup | None, mesh: DeviceMesh | None) 
     if unknown or "pp" not in names:
         raise PipelineError(f"the mesh's dimensions are {list(names)}; pipeloom runs a \"pp\" dimension and, "
                             "optionally, \"dp\", \"tp\" and \"ep\": name them mesh_dim_names=('dp', 'pp', 'tp')")
+    _check_covered(mesh, names)
     group = mesh.get_group("pp")
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     dp = DataParallel(group=None, rank=0, size=1)
@@ -111,13 +112,25 @@ def layout_of(process_group: dist.ProcessGroup | None, mesh: DeviceMesh | None) 
     everyone: dist.ProcessGroup | None = group
     everyone_size = world
     if dp.size > 1 or tp.size > 1:
-        if mesh.size() != dist.get_world_size():
-            extra = "\"dp\"" if dp.size > 1 else "\"tp\""
-            raise PipelineError(f"the mesh holds {mesh.size()} of the {dist.get_world_size()} ranks; with {extra} "
-                                "pipeloom needs a mesh over every rank of the default process group")
         everyone, everyone_size = dist.group.WORLD, dist.get_world_size()
     return Layout(rank=rank, world=world, group=group, dp=dp, everyone=everyone, everyone_size=everyone_size,
                   device_type=mesh.device_type, tp=tp, coordinates=coordinates, ep=ep)
+
+
+def _check_covered(mesh: DeviceMesh, names: tuple[str, ...]) -> None:
+    """Refuse, on every rank and before any of the mesh's groups is used, a rank outside the mesh, and a mesh with
+    replicas or tensor parallelism that leaves ranks out (their steps would wait on ranks that never come)."""
+    world = dist.get_world_size()
+    held = sorted(int(r) for r in mesh.mesh.flatten().tolist())
+    sizes = {name: mesh.size(k) for k, name in enumerate(names)}
+    wide = [f'"{name}"' for name in ("dp", "tp", "ep") if sizes.get(name, 1) > 1]
+    if wide and len(held) != world:
+        raise PipelineError(f"the mesh holds {len(held)} of the {world} ranks; with {' and '.join(wide)} pipeloom "
+                            "needs a mesh over every rank of the default process group")
+    if mesh.get_coordinate() is None:
+        ranks = f"ranks {held[0]}-{held[-1]}" if held == list(range(held[0], held[-1] + 1)) else f"ranks {held}"
+        raise PipelineError(f"global rank {dist.get_rank()} is not in mesh= (it holds {ranks} of {world}); call "
+                            "pipeline() only on the mesh's ranks, or give a mesh over every rank")
 
 
 def _world_of(process_group: dist.ProcessGroup | None) -> tuple[int, int, dist.ProcessGroup | None]:

@@ -21,7 +21,7 @@ from torch import fx, nn
 
 from pipeloom.plan.tp.recipes import check_recipe
 from pipeloom.runtime.errors import PipelineError
-from pipeloom.runtime.parallel.tp_heads import check_head_norms, head_norm_style
+from pipeloom.runtime.parallel.tp_heads import check_head_counts, check_head_norms, head_norm_style
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -33,6 +33,7 @@ __all__ = [
     "apply_tp_plan",
     "captured_parameters",
     "changed_parameter",
+    "check_tied_untouched",
     "check_tp_plan",
     "hf_plan",
     "is_dtensor",
@@ -124,6 +125,8 @@ def check_tp_plan(tp_plan: object, tp: TensorParallel, *, model: nn.Module | Non
         raise PipelineError("tp_plan= shards over the mesh's \"tp\" dimension: pass Parallelism(mesh=) a mesh with "
                             "mesh_dim_names holding \"pp\" and \"tp\", e.g. init_device_mesh('cpu', (2, 2), "
                             "mesh_dim_names=('pp', 'tp'))")
+    if model is not None and tp.size > 1:
+        check_head_counts(model, tp_plan, tp.size)
     return dict(tp_plan)
 
 
@@ -197,6 +200,20 @@ def _called(stage: nn.Module) -> set[str] | None:
     if not isinstance(stage, fx.GraphModule):
         return None
     return {str(node.target) for node in stage.graph.nodes if node.op == "call_module"}
+
+
+def check_tied_untouched(stages: Sequence[nn.Module], plan: Mapping[str, Any], shared: Mapping[int, str]) -> None:
+    """Refuse, the same way on every rank (every piece looked at, held or not), a plan that gives a style to a
+    module holding a parameter several pieces use (``shared``: id -> name): torch would shard or replicate it as a
+    DTensor, while its gradients are exchanged between ranks as plain tensors."""
+    for stage in stages:
+        for key in plan:
+            for name in resolve(stage, key):
+                tied = next((shared[id(p)] for p in stage.get_submodule(name).parameters() if id(p) in shared), None)
+                if tied is not None:
+                    raise PipelineError(f"parameter {tied!r} is used by several pieces (tied) and tp_plan shards it "
+                                        f"(key {key!r}); sharding a tied parameter is not built yet: leave its modules "
+                                        "out of tp_plan or split so that all its uses fall in one piece")
 
 
 def apply_tp_plan(stages: Mapping[int, nn.Module], plan: Mapping[str, Any], tp: TensorParallel) -> None:

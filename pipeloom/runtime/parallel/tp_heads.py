@@ -1,7 +1,8 @@
 """Per-head modules under tensor parallelism: Qwen3's ``q_norm``/``k_norm`` (a norm over ``head_dim`` applied
 to ``q_proj(x).view(B, T, H, D)``) see only their tp rank's heads once the projections are column-parallel, so
 their replicated weight's gradient is a partial sum. :func:`head_norm_style` is the style that sums it over
-``"tp"``; :func:`check_head_norms` refuses a plan that splits the heads and leaves such a module plain.
+``"tp"``; :func:`check_head_norms` refuses a plan that splits the heads and leaves such a module plain, and
+:func:`check_head_counts` a tp size that would split a head (found at the first forward as a failed reshape).
 """
 
 from __future__ import annotations
@@ -12,7 +13,11 @@ from torch import nn
 
 from pipeloom.runtime.errors import PipelineError
 
-__all__ = ["HEAD_NORM_FIX", "check_head_norms", "head_modules", "head_norm_style", "per_head_modules", "splits_heads"]
+__all__ = ["HEAD_NORM_FIX", "check_head_counts", "check_head_norms", "head_modules", "head_norm_style",
+           "per_head_modules", "splits_heads"]
+
+_ATTENTION = ("attn", "attention", "q_proj", "k_proj", "v_proj", "qkv", "query_key_value")
+"""Plan keys holding one of these shard the attention's projections (transformers' and torchtitan's names)."""
 
 HEAD_NORM_FIX = ("pipeloom.runtime.parallel.tp_heads.head_norm_style(), i.e. torch's SequenceParallel("
                  "sequence_dim=-2, use_local_output=True); transformers calls it 'replicated_with_grad_allreduce', "
@@ -100,3 +105,24 @@ def check_head_norms(stage: nn.Module, resolved: Mapping[str, object], piece: in
             f"{piece}: each tp rank would sum its gradient over its own heads only, so the replicas' gradients "
             f"would differ and drift apart after the optimizer step; give {name!r} (or a pattern naming it) the "
             f"style {HEAD_NORM_FIX}")
+
+
+def check_head_counts(model: nn.Module, plan: Mapping[str, object], tp: int) -> None:
+    """Refuse a plan that shards the attention (a key naming it: :data:`_ATTENTION`) over ``tp`` ranks where ``tp``
+    does not divide the model's query or key-value heads (its config's ``num_attention_heads`` and
+    ``num_key_value_heads``): each rank must take whole heads of both."""
+    config = getattr(model, "config", None)
+    heads = getattr(config, "num_attention_heads", None)
+    if not isinstance(heads, int) or heads < 1:
+        return
+    groups = getattr(config, "num_key_value_heads", None)
+    groups = groups if isinstance(groups, int) and groups > 0 else heads
+    attention = next((key for key in plan if any(name in key.lower() for name in _ATTENTION)), None)
+    if attention is None or (heads % tp == 0 and groups % tp == 0):
+        return
+    fits = [size for size in range(1, min(heads, groups) + 1) if heads % size == 0 and groups % size == 0]
+    said = f"{heads} query / {groups} key-value heads" if groups != heads else f"{heads} heads"
+    fix = (f"use a \"tp\" mesh dimension of {', '.join(map(str, fits[:-1]))} or {fits[-1]}" if len(fits) > 1
+           else "leave the attention out of tp_plan, or use a mesh without \"tp\"")
+    raise PipelineError(f"tp {tp} does not split {type(model).__name__}'s {said} evenly (tp_plan shards the "
+                        f"attention: {attention!r}; each tp rank takes whole heads); {fix}")
