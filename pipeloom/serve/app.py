@@ -180,7 +180,9 @@ class _Handlers:
             raise RequestError(f"search {job.id} is {job.status}; its schedule exists once it is done", 409)
         text = job.files.get(suffix if suffix in ("json", "csv") else "none")
         if text is None:
-            raise RequestError(f"no .{suffix} form of this schedule; ask for schedule.json or schedule.csv", 404)
+            why = job.files.get("csv_refused") if suffix == "csv" else None
+            raise RequestError(f"no .csv form of this schedule: {why}" if why else
+                               f"no .{suffix} form of a schedule; ask for schedule.json or schedule.csv", 404)
         return _file(text, f"search-{job.id}.{suffix}", "application/json" if suffix == "json" else "text/csv")
 
     async def make_plan(self, request: Request) -> Response:

@@ -31,12 +31,13 @@ PROGRESS_SECONDS = 0.2
 
 
 def _files(schedule) -> dict[str, Any]:
-    """The schedule as ``pipeloom.schedule/1`` text and torch CSV text (None where CSV cannot hold it)."""
+    """The schedule as ``pipeloom.schedule/1`` text and torch CSV text (None where CSV cannot hold it, and
+    ``csv_refused`` says why)."""
     try:
-        csv = schedule_to_csv(schedule)
-    except PipeloomError:
-        csv = None
-    return {"json": schedule_to_json(schedule, indent=1) + "\n", "csv": csv}
+        csv, refused = schedule_to_csv(schedule), None
+    except PipeloomError as error:
+        csv, refused = None, str(error)
+    return {"json": schedule_to_json(schedule, indent=1) + "\n", "csv": csv, "csv_refused": refused}
 
 
 def _search(request: dict, conn) -> dict:

@@ -106,6 +106,19 @@ def test_downloads_are_the_projects_formats(server):
         assert r.headers["Content-Type"].startswith("text/csv") and r.read().decode().startswith("0F0,")
 
 
+def test_a_searched_schedule_without_a_csv_form_says_why(server):
+    """An M-shape search's schedule has no torch CSV form: the 404 says why (it had said "ask for schedule.json or
+    schedule.csv" to a request for schedule.csv); its JSON form is there."""
+    job = finished_search(server, {"placement": "mshape", "ranks": 4, "microbatches": 4, "time_limit": 2,
+                                   "memory_limit": 6})
+    assert job["status"] == "done", job
+    code, answer = call(f"{server}/api/searches/{job['id']}/schedule.csv")
+    assert code == 404 and answer["error"].startswith("no .csv form of this schedule: schedule "), answer
+    assert "cannot be saved as torch CSV because" in answer["error"] and "save it as .json" in answer["error"]
+    with urllib.request.urlopen(f"{server}/api/searches/{job['id']}/schedule.json", timeout=30) as r:
+        assert schedule_from_json(r.read().decode()).num_ranks == 4
+
+
 def test_a_cancelled_search_frees_its_worker(server):
     # its bound is not met: it runs its whole time
     document = {"placement": "nnshape", "ranks": 8, "microbatches": 48, "time_limit": 60}
