@@ -72,7 +72,7 @@ def _trace_files(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list
             found = [f for f in path.iterdir() if _RANK_FILE.fullmatch(f.name) and f.is_file()]
             if not found:
                 raise TraceFormatError(f"{path}: no rank<N>.json files in this folder; record a run with "
-                                       f"trace={str(path)!r} (or PIPELOOM_TRACE={path})")
+                                       f"record={str(path)!r} (or PIPELOOM_TRACE={path})")
             files.extend(sorted(found, key=_rank_number))
         elif path.is_file():
             files.append(path)
@@ -138,7 +138,7 @@ def _check_format(path: Path, document: dict) -> None:
     else:
         hint = f"its format {shown(tag)} is not a pipeloom runtime trace"
     raise TraceFormatError(f"{path}: {hint}; expected \"format\": \"{TRACE_FORMAT}\" "
-                           "(pass the rank*.json files the engine writes with trace=FOLDER)")
+                           "(pass the rank*.json files the engine writes with record=FOLDER)")
 
 
 def _field(path: Path, obj: dict, key: str, kind: type, where: str = "") -> Any:

@@ -98,7 +98,7 @@ def test_incomplete_run_fails_with_one_line_and_writes_nothing(capsys, run_folde
 
 
 def test_a_folder_without_trace_files(capsys, tmp_path):
-    assert_one_line_error(run(capsys, "trace", tmp_path), 1, "no rank<N>.json files", "trace=")
+    assert_one_line_error(run(capsys, "trace", tmp_path), 1, "no rank<N>.json files", "record=")
 
 
 @pytest.mark.parametrize("argv, fragment", [
