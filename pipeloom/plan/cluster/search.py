@@ -34,6 +34,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import re
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -184,18 +185,21 @@ def _search(job: Job, fixed: dict[str, Any] | None, memory_limit: float | None, 
     estimator = Estimator(job)
     groups: dict[tuple[Any, ...], list[Layout]] = {}
     refusals = Refusals()
-    barred: list[str] = []  # the first layout ``blocked`` refused, and why
+    barred: Counter[str] = Counter()  # layouts ``blocked`` refused, by the layout key each problem names
+    said: dict[str, str] = {}  # the first problem of each key
+    stopped = 0
     for layout in enumerate_layouts(job, fixed, refusals):
         why = blocked(layout) if blocked is not None else None
         if why is not None:
-            if not barred:
-                barred.append(f"{layout}: {why}")
+            stopped += 1
+            problems = {problem.split("=", 1)[0]: problem for problem in re.split(r"; (?=[a-z]+=)", why)}
+            barred.update(problems.keys())  # each problem starts "key=value"; a layout counted once per key
+            for key, problem in problems.items():
+                said.setdefault(key, problem)
             continue
         groups.setdefault(_group_key(job, layout), []).append(layout)
     if not groups and barred:
-        keys = f" with {_fixed_text(fixed)}" if fixed else ""
-        fix = "; change or drop the --layout keys that ask for it" if fixed else ""
-        raise NoLayoutFits(f"no layout of {job.spec.family} on {job.gpus} GPUs{keys} runs there: {barred[0]}{fix}")
+        raise NoLayoutFits(_barred_text(job, fixed, barred, said, stopped))
     if not groups:
         first = f" (the first refused: {refusals[0]})" if refusals else ""
         fixes = ["change the fixed keys"] * bool(fixed) + ["the stage cut"] * bool(job.cut())
@@ -358,6 +362,37 @@ class _Run:
 def _key(layout: Layout) -> tuple[Any, ...]:
     """A total order of layouts (ties of time broken the same way at every memory limit)."""
     return tuple(getattr(layout, key) for key in LAYOUT_KEYS)
+
+
+def _barred_text(job: Job, fixed: dict[str, Any], barred: Counter[str], said: dict[str, str], total: int) -> str:
+    """Why none of the ``total`` layouts runs where ``blocked`` looks: the problem that stops them all, or the
+    commonest problems by layout key, each with how many layouts it stops and its first instance (one layout's
+    problems named alone had read as the only obstacle)."""
+    keys = f" with {_fixed_text(fixed)}" if fixed else ""
+    fix = "; change or drop the --layout keys that ask for it" if fixed else ""
+    (top, count), = barred.most_common(1)
+    if count == total:  # one problem stops every layout: it alone is said
+        return f"no layout of {job.spec.family} on {job.gpus} GPUs{keys} runs there: {said[top]}{fix}"
+    shown = [f"{key} in {count:,} (e.g. {said[key]})" for key, count in barred.most_common(3)]
+    more = f", and {len(barred) - 3} more" if len(barred) > 3 else ""
+    return (f"no layout of {job.spec.family} on {job.gpus} GPUs{keys} runs there; what stops them, by layouts: "
+            f"{'; '.join(shown)}{more}{_without(job, fixed, barred)}{fix}")
+
+
+def _without(job: Job, fixed: dict[str, Any], barred: Counter[str]) -> str:
+    """Where no layout can run with the barred keys at their plain values (tp and cp 1, no FSDP, no recomputation;
+    ep is refused beside others, not alone), why not: the enumeration's own refusal and the count that avoids it;
+    else ``""``."""
+    plain = {key: value for key, value in _PLAIN.items() if key in barred and key not in fixed}
+    refusals = Refusals()
+    if not plain or next(enumerate_layouts(job, {**fixed, **plain}, refusals), None) is not None or not refusals:
+        return ""
+    counts = f"; pick {refusals.counts}" if refusals.counts else ""
+    return f"; and with {_fixed_text(plain)} none can run ({refusals[0]}{counts})"
+
+
+_PLAIN: dict[str, Any] = {"tp": 1, "cp": 1, "fsdp": False, "recompute": "none"}
+"""The value of each layout key that asks nothing of a runtime (its default)."""
 
 
 def _fixed_text(fixed: dict[str, Any]) -> str:

@@ -13,8 +13,9 @@ from pipeloom.cli import main
 from pipeloom.errors import ArgumentError
 from pipeloom.plan.cluster import plan_cluster
 from pipeloom.plan.cluster.api import framework_options
-from pipeloom.plan.cluster.layout import FRAMEWORK_SCHEDULES, optimizer_bytes
+from pipeloom.plan.cluster.layout import FRAMEWORK_SCHEDULES
 from pipeloom.plan.cluster.runtime_plan import runtime_notes
+from pipeloom.plan.cluster.step import optimizer_bytes
 from pipeloom.plan.errors import NoLayoutFits, PlanError
 from pipeloom.plan.plan import load_plan
 
@@ -253,3 +254,21 @@ def test_a_saved_plan_with_bf16_adam_moments_says_what_torchs_adamw_needs():
             ) in runtime_notes(result)
     assert not any("moments" in note for note in runtime_notes(plan_cluster(LLAMA, "h100", gpus=8, global_batch=32,
                                                                               seq=4096, layout=fixed)))
+
+
+def test_where_no_layout_runs_the_refusal_says_what_stops_them_and_why_the_rest_cannot_run():
+    """GPT-2 on 16 GPUs with 8 sequences for pipeloom's runtime: every layout needs tp (no recipe for gpt2), cp or
+    recomputation, none of which the runtime runs, and without them fewer micro-batches than stages are left.
+    The refusal had named one layout's problem alone ("dp=...,cp=2: cp=2 (...)"), which read as the only one."""
+    gpt2 = {"model_type": "gpt2", "n_layer": 12, "n_head": 12, "n_embd": 768, "vocab_size": 50257,
+            "n_positions": 1024}
+    with pytest.raises(NoLayoutFits) as refused:
+        plan_cluster(gpt2, "h100", gpus=16, global_batch=8, seq=1024, runs_on="pipeloom")
+    said = str(refused.value)
+    assert said.startswith("no layout of gpt2 on 16 GPUs runs there; what stops them, by layouts: cp in "), said
+    for part in ("(e.g. cp=2 (pipeloom's runtime does not run context parallelism yet))",
+                 "recompute in ", "tp in ", "(e.g. tp=2 on gpt2 (the tensor-parallel recipe",
+                 "; and with tp=1,cp=1,fsdp=0,recompute=none none can run (",
+                 "need at least pp (lower dp or mbs); pick a global batch of at least 16)"):
+        assert part in said, (part, said)
+    plan_cluster(gpt2, "h100", gpus=16, global_batch=16, seq=1024, runs_on="pipeloom")  # the count it names runs
