@@ -256,7 +256,7 @@ class _Run:
         queue: list[tuple[Any, ...]] = [(self.bounds.group(members[0]), 0, n) for n, members in enumerate(self.groups)]
         heapq.heapify(queue)
         best: Estimate | None = None
-        extra = 0  # layouts simulated past the bound, for the runners-up
+        extra = 0  # fitting layouts simulated past the best's time, for the runners-up
         while queue:
             entry = heapq.heappop(queue)
             if best is None and beat is not None and entry[0] >= beat:  # nothing left can beat it
@@ -276,10 +276,9 @@ class _Run:
                         self.over.append(cand)
                 continue
             cand = entry[3]
-            if best is not None and cand.time_bound >= best.step_time:
-                extra += 1
-                if extra > self.runners_up:
-                    break
+            past = best is not None and cand.time_bound >= best.step_time
+            if past and extra >= self.runners_up:
+                break
             if not self._fits(self._memory(cand)):
                 self.over.append(cand)
                 continue
@@ -289,8 +288,8 @@ class _Run:
                 est = estimator.estimate(cand.layout)
             except LayoutError:
                 continue
-            if extra and any(twin_key(est, twin) for twin in self.done):
-                extra -= 1  # the runners-up name it in its twin's line: another is simulated in its place
+            # a runner-up found: one that fits, not named in a twin's line (runners_up_of)
+            extra += past and est.memory.total <= self.limit and not any(twin_key(est, twin) for twin in self.done)
             self.done.append(est)
             if est.memory.total > self.limit:  # within the rounding of the limit
                 self.over.append(cand)

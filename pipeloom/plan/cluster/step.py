@@ -155,12 +155,18 @@ def optimizer_bytes(params: float, *, shards: int = 1, fsdp: bool = False, grad_
     return weights, grad_bytes * params, states / shards
 
 
+TWIN = 5e-4
+"""Runners-up whose step times differ by at most this fraction (below the 0.1 % the text shows) and whose layouts
+differ in one key are told in one line."""
+
+
 def runners_up_of(best: Estimate, done: list[Estimate], limit: float,
                   count: int) -> tuple[tuple[Estimate, str], ...]:
     """The fastest other fitting layouts (slower by how much, and where the time goes), then faster ones that
-    do not fit. Layouts that take the same time as one listed and differ from it in one key are named in its line
-    instead of filling the list (the one of them holding least memory is listed): on a pipeline whose busiest rank
-    sets the step, interleaved 1F1B at vp 2 to 8 takes one time, and five such lines had made the whole list."""
+    do not fit. Layouts within :data:`TWIN` of one listed in step time that differ from it in one key are named in
+    its line instead of filling the list (the one of them holding least memory is listed): on a pipeline whose
+    busiest rank sets the step, interleaved 1F1B at vp 2 to 8 takes one time, and five such lines had made the
+    whole list."""
     fits = _distinct(sorted((e for e in done if e.memory.total <= limit and e is not best),
                             key=lambda e: (e.step_time, e.memory.total)), count)
     over = _distinct(sorted((e for e in done if e.memory.total > limit and e.step_time < best.step_time),
@@ -175,7 +181,7 @@ def runners_up_of(best: Estimate, done: list[Estimate], limit: float,
 
 def _distinct(ranked: list[Estimate], count: int) -> list[tuple[Estimate, str]]:
     """The first ``count`` groups of twins in ``ranked`` (:func:`twin_key`; a group's twins differ in one key, the
-    same for all), each as its member of least memory with the others said: ``"; the same time with vp=3, 4 or 5"``."""
+    same for all), each as its member of least memory with the others said: ``"; within 0.05 %: vp=3, 4 or 5"``."""
     groups: list[tuple[list[Estimate], list[str]]] = []  # the members, and the one key they differ in (once known)
     for est in ranked:
         for members, key in groups:
@@ -192,16 +198,17 @@ def _distinct(ranked: list[Estimate], count: int) -> list[tuple[Estimate, str]]:
         shown = min(members, key=lambda e: (e.memory.total, dataclasses.astuple(e.layout)))
         values = sorted(key_text(getattr(e.layout, key[0])) for e in members if e is not shown) if key else []
         said = [str(value) for value in values]
-        out.append((shown, f"; the same time with {key[0]}={', '.join(said[:-1])} or {said[-1]}" if len(said) > 1
-                    else f"; the same time with {key[0]}={said[0]}" if said else ""))
+        within = f"; within {TWIN:.2%} of its time with"
+        out.append((shown, f"{within} {key[0]}={', '.join(said[:-1])} or {said[-1]}" if len(said) > 1
+                    else f"{within} {key[0]}={said[0]}" if said else ""))
     return out
 
 
 def twin_key(a: Estimate, b: Estimate) -> str | None:
-    """The one layout key ``a`` and ``b`` differ in where they take the same step time (within 1e-9 of it): twins
-    to the reader; else None (a twin of a twin differs from the first in two keys, and is not its twin)."""
+    """The one layout key ``a`` and ``b`` differ in where their step times are within :data:`TWIN` of each other:
+    twins to the reader; else None (a twin of a twin differs from the first in two keys, and is not its twin)."""
     other = [f.name for f in dataclasses.fields(a.layout) if getattr(a.layout, f.name) != getattr(b.layout, f.name)]
-    return other[0] if len(other) == 1 and abs(a.step_time - b.step_time) <= 1e-9 * b.step_time else None
+    return other[0] if len(other) == 1 and abs(a.step_time - b.step_time) <= TWIN * b.step_time else None
 
 
 def key_text(value: Any) -> Any:

@@ -814,20 +814,23 @@ def test_a_frameworks_schedules_are_named_as_its_own(config, capsys):
 def test_runners_up_that_take_the_same_time_are_named_in_one_line():
     """Qwen3-32B on 128 H100s: interleaved 1F1B over pp 2 takes one time at vp 2 to 8 (the rank holding the head
     sets the step); those had filled the list, five lines of one layout. Now each is named in the line of the one of
-    them holding least memory, and predicted, each holds the time and no less memory."""
+    them holding least memory, and predicted, each is within TWIN of its time and holds no less memory; the list
+    still shows five fitting runners-up (the search simulates others in the twins' place)."""
+    from pipeloom.plan.cluster.step import TWIN
+
     qwen3 = {"model_type": "qwen3", "hidden_size": 5120, "intermediate_size": 25600, "num_hidden_layers": 64,
              "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936}
     result = plan_cluster(qwen3, "h100", gpus=128, global_batch=512, seq=8192)
     listed = [est for est, _ in result.runners_up]
     for a, b in itertools.combinations(listed, 2):
         differ = [key for key in LAYOUT_KEYS if getattr(a.layout, key) != getattr(b.layout, key)]
-        assert len(differ) > 1 or a.step_time != pytest.approx(b.step_time, rel=1e-9), (a.layout, b.layout)
-    named = [(est, why.split("; the same time with ")[1]) for est, why in result.runners_up if "the same time" in why]
-    assert named and len([est for est in listed if est.memory.total <= result.memory_limit]) >= 3, result.runners_up
+        assert len(differ) > 1 or abs(a.step_time - b.step_time) > TWIN * b.step_time, (a.layout, b.layout)
+    named = [(est, why.split(" of its time with ")[1]) for est, why in result.runners_up if "of its time with" in why]
+    assert named and len([est for est in listed if est.memory.total <= result.memory_limit]) == 5, result.runners_up
     for est, twins in named:
         key, values = twins.split("=")
         for value in values.replace(" or ", ", ").split(", "):
             layout = dataclasses.replace(est.layout, **{key: int(value) if value.isdigit() else value})
             twin = plan_cluster(qwen3, "h100", gpus=128, global_batch=512, seq=8192, layout=str(layout)).best
-            assert twin.step_time == pytest.approx(est.step_time, rel=1e-9), (twin.layout, est.layout)
+            assert twin.step_time == pytest.approx(est.step_time, rel=TWIN), (twin.layout, est.layout)
             assert twin.memory.total >= est.memory.total, (twin.layout, est.layout)
