@@ -229,12 +229,12 @@ class PipelineEngine:
         self._agree(inputs, target, training)
         self.params = self.pieces.trainable()  # requires_grad may have changed since the last step
         chunks, targets = self.batch.step_inputs(inputs, target, training, self.staged.graph.input_names)
+        if training and self.planned_batch is not None:  # every step: replicas' shares may hide a new size
+            self.planned_batch.check(inputs)
         shapes = signature(chunks, targets, training)
         cached = self._meta_cache.get(shapes)
         if cached is None:  # new sizes: refused here, before anything ran, when the trace does not hold for them
             self._check_sizes(inputs)
-            if training and self.planned_batch is not None:
-                self.planned_batch.check(inputs)
         metas, specs = (cached if cached is not None else ({}, {}))
         events: list | None = [] if self.tracing else None
         if events is not None:
@@ -410,7 +410,7 @@ class PipelineEngine:
         return clip_grad_norm_(self.named_parameters(), self.names.parameters, max_norm,
                                      norm_type=norm_type, error_if_nonfinite=error_if_nonfinite, foreach=foreach,
                                      group=self._group_for("clip_grad_norm_"), device=self.device,
-                                     wait=self.messenger.wait_work)
+                                     wait=self.messenger.wait_work, gather_over=self.dp.mesh if self.sharded else None)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's parameters and buffers under the model's ``state_dict()`` keys (tied ones under

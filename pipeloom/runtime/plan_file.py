@@ -33,17 +33,17 @@ class PlannedBatch:
 
     path: str
     rows: int
+    speaks: bool = True
+    """Whether this rank says it (one rank of the job: the pipeline's first, of the first replica)."""
     told: set[int] = dataclasses.field(default_factory=set)
 
     def check(self, inputs: object) -> None:
-        """Warn (on global rank 0) the first time a training step's batch has another number of rows."""
-        import torch.distributed as dist
-
+        """Warn the first time a training step's batch has another number of rows."""
         first = inputs[0] if isinstance(inputs, (tuple, list)) and inputs else inputs
         if not isinstance(first, torch.Tensor) or first.dim() == 0:
             return  # refused by the step itself
         rows = first.shape[0]
-        if rows == self.rows or rows in self.told or (dist.is_initialized() and dist.get_rank() != 0):
+        if rows == self.rows or rows in self.told or not self.speaks:
             return
         self.told.add(rows)
         logger.warning("this step's batch has %d rows but %s was planned for a global batch of %d: the step runs, "

@@ -281,8 +281,9 @@ def full_state_job(rank: int, world: int, cases: list[tuple[str, str]]) -> dict:
 
 def sharded_norm_job(rank: int, world: int, sizes: list[int]) -> list[dict]:
     """Per size: a float32 gradient sharded over every rank (dim 0, as FSDP2 shards it), its norm as the clip
-    computes it against ``vector_norm`` of the whole gradient on one device, and whether the shards' own norms
-    combined (the clip's earlier way) would have differed."""
+    computes it against ``vector_norm`` of the whole gradient on one device, whether the shards' own norms
+    combined (the clip's earlier way) would have differed, and that a gradient sharded over another mesh than
+    FSDP's is not gathered (its norm is its shards' norms combined)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -295,8 +296,10 @@ def sharded_norm_job(rank: int, world: int, sizes: list[int]) -> list[dict]:
         whole = torch.randn(size, generator=torch.Generator().manual_seed(size)) * 3
         sharded = distribute_tensor(whole, mesh, [Shard(0)])
         expected = torch.linalg.vector_norm(whole, 2.0)
-        ours = _norms([sharded], 2.0, None)[0]
+        ours = _norms([sharded], 2.0, None, mesh)[0]  # sharded over the mesh FSDP shards over: gathered whole
+        elsewhere = _norms([sharded], 2.0, None)[0]  # over another mesh (ep's, tp's): from its shards' norms
         combined = torch.linalg.vector_norm(sharded, 2.0).full_tensor()
-        found.append({"equal": torch.equal(ours, expected), "shards_differ": not torch.equal(combined, expected)})
+        found.append({"equal": torch.equal(ours, expected), "shards_differ": not torch.equal(combined, expected),
+                      "elsewhere_from_shards": torch.equal(elsewhere, combined)})
     dist.barrier()
     return found

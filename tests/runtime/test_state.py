@@ -292,12 +292,13 @@ def test_extra_objects_are_checked_and_names_the_checkpoint_lacks_are_refused(tm
 
 @pytest.mark.timeout(180)
 def test_a_sharded_gradients_norm_is_the_whole_gradients():
-    """An FSDP-sharded gradient's norm is torch's of the whole gradient, bitwise: the norm of the shards' norms,
-    as the clip had computed it, differs from it in the last bits for most sizes (a new user's tiny LLaMA clipped
-    to 2.0099029541 under FSDP against 2.0099031925 under "replicate" and on one device)."""
+    """An FSDP-sharded gradient's norm is torch's of the whole gradient, bitwise: the norm of the shards' norms, as
+    the clip had computed it, differs from it in the last bits for most sizes (a new user's tiny LLaMA clipped to
+    2.0099029541 under FSDP against 2.0099031925 under "replicate" and on one device). One sharded over another mesh
+    (ep's experts, tp's shards) keeps the norm of its shards' norms: an expert gradient is too large to gather."""
     from state_jobs import sharded_norm_job
 
     sizes = [1000 + 37 * k for k in range(16)]
     for rank, found in _ok(run_ranks(2, sharded_norm_job, sizes, timeout=150)).items():
-        assert all(case["equal"] for case in found), (rank, found)
+        assert all(case["equal"] and case["elsewhere_from_shards"] for case in found), (rank, found)
         assert any(case["shards_differ"] for case in found), "no size tells the shards' norms apart: a weak test"

@@ -331,6 +331,7 @@ def test_a_tp_size_that_splits_a_head_is_refused_before_the_first_forward():
         check_head_counts(model, hf_plan(model), 4)
     check_head_counts(model, hf_plan(model), 2)
     check_head_counts(model, {"model.layers.*.mlp.up_proj": object()}, 4)  # the MLP alone: heads whole
+    check_head_counts(model, {"model.layers.*.post_attention_layernorm": object()}, 4)  # a norm, not a projection
     model.config.num_attention_heads = model.config.num_key_value_heads = 3
     with pytest.raises(PipelineError, match=r"3 heads evenly .* of 1 or 3"):
         check_head_counts(model, hf_plan(model), 2)

@@ -371,7 +371,8 @@ def _barred_text(job: Job, fixed: dict[str, Any], barred: Counter[str], said: di
     fix = "; change or drop the --layout keys that ask for it" if fixed else ""
     (top, count), = barred.most_common(1)
     if count == total:  # one problem stops every layout: it alone is said
-        return f"no layout of {job.spec.family} on {job.gpus} GPUs{keys} runs there: {said[top]}{fix}"
+        return (f"no layout of {job.spec.family} on {job.gpus} GPUs{keys} runs there: {said[top]}"
+                f"{_without(job, fixed, barred)}{fix}")
     shown = [f"{key} in {count:,} (e.g. {said[key]})" for key, count in barred.most_common(3)]
     more = f", and {len(barred) - 3} more" if len(barred) > 3 else ""
     return (f"no layout of {job.spec.family} on {job.gpus} GPUs{keys} runs there; what stops them, by layouts: "

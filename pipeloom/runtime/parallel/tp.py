@@ -204,16 +204,24 @@ def _called(stage: nn.Module) -> set[str] | None:
 
 def check_tied_untouched(stages: Sequence[nn.Module], plan: Mapping[str, Any], shared: Mapping[int, str]) -> None:
     """Refuse, the same way on every rank (every piece looked at, held or not), a plan that gives a style to a
-    module holding a parameter several pieces use (``shared``: id -> name): torch would shard or replicate it as a
-    DTensor, while its gradients are exchanged between ranks as plain tensors."""
+    module whose own parameters include one several pieces use (``shared``: id -> name): torch would shard or
+    replicate it as a DTensor, while its gradients are exchanged between ranks as plain tensors. Styles that
+    only prepare a module's inputs or outputs touch no parameter."""
+    from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleOutput
+
     for stage in stages:
-        for key in plan:
+        for key, style in plan.items():
+            if isinstance(style, (PrepareModuleInput, PrepareModuleOutput)):
+                continue
             for name in resolve(stage, key):
-                tied = next((shared[id(p)] for p in stage.get_submodule(name).parameters() if id(p) in shared), None)
+                own = stage.get_submodule(name).parameters(recurse=False)
+                tied = next((shared[id(p)] for p in own if id(p) in shared), None)
                 if tied is not None:
-                    raise PipelineError(f"parameter {tied!r} is used by several pieces (tied) and tp_plan shards it "
-                                        f"(key {key!r}); sharding a tied parameter is not built yet: leave its modules "
-                                        "out of tp_plan or split so that all its uses fall in one piece")
+                    raise PipelineError(
+                        f"parameter {tied!r} is used by several pieces (tied) and tp_plan shards it (key {key!r}); "
+                        f"sharding a tied parameter is not built yet: leave {key!r} out of tp_plan (for "
+                        "tp_plan='hf': pass pipeloom.runtime.parallel.tp.hf_plan(model) without it) or split so "
+                        "that all its uses fall in one piece")
 
 
 def apply_tp_plan(stages: Mapping[int, nn.Module], plan: Mapping[str, Any], tp: TensorParallel) -> None:

@@ -16,8 +16,10 @@ from pipeloom.runtime.errors import PipelineError
 __all__ = ["HEAD_NORM_FIX", "check_head_counts", "check_head_norms", "head_modules", "head_norm_style",
            "per_head_modules", "splits_heads"]
 
-_ATTENTION = ("attn", "attention", "q_proj", "k_proj", "v_proj", "qkv", "query_key_value")
-"""Plan keys holding one of these shard the attention's projections (transformers' and torchtitan's names)."""
+_PROJECTIONS = frozenset({"q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value", "c_attn", "wq", "wk", "wv",
+                          "wqkv", "qkv", "query", "key", "value"})
+"""The last name of a plan key that shards an attention's query, key or value projection (transformers' and
+torchtitan's names): such a plan splits the heads."""
 
 HEAD_NORM_FIX = ("pipeloom.runtime.parallel.tp_heads.head_norm_style(), i.e. torch's SequenceParallel("
                  "sequence_dim=-2, use_local_output=True); transformers calls it 'replicated_with_grad_allreduce', "
@@ -108,16 +110,18 @@ def check_head_norms(stage: nn.Module, resolved: Mapping[str, object], piece: in
 
 
 def check_head_counts(model: nn.Module, plan: Mapping[str, object], tp: int) -> None:
-    """Refuse a plan that shards the attention (a key naming it: :data:`_ATTENTION`) over ``tp`` ranks where ``tp``
-    does not divide the model's query or key-value heads (its config's ``num_attention_heads`` and
-    ``num_key_value_heads``): each rank must take whole heads of both."""
+    """Refuse a plan that shards an attention's projections (a key ending in one of :data:`_PROJECTIONS`) over ``tp``
+    ranks where ``tp`` does not divide the model's query or key-value heads (its config's, or its text config's,
+    ``num_attention_heads`` and ``num_key_value_heads`` or another name for them): each rank must take whole heads."""
     config = getattr(model, "config", None)
+    config = next((c for c in (config, getattr(config, "text_config", None))
+                   if isinstance(getattr(c, "num_attention_heads", None), int)), None)
     heads = getattr(config, "num_attention_heads", None)
     if not isinstance(heads, int) or heads < 1:
         return
-    groups = getattr(config, "num_key_value_heads", None)
-    groups = groups if isinstance(groups, int) and groups > 0 else heads
-    attention = next((key for key in plan if any(name in key.lower() for name in _ATTENTION)), None)
+    named = (getattr(config, name, None) for name in ("num_key_value_heads", "num_kv_heads", "multi_query_group_num"))
+    groups = next((value for value in named if isinstance(value, int) and value > 0), heads)
+    attention = next((key for key in plan if key.rsplit(".", 1)[-1].lower() in _PROJECTIONS), None)
     if attention is None or (heads % tp == 0 and groups % tp == 0):
         return
     fits = [size for size in range(1, min(heads, groups) + 1) if heads % size == 0 and groups % size == 0]

@@ -15,15 +15,19 @@ from pipeloom.runtime.errors import PipelineError
 from pipeloom.runtime.state.state_dict import Wait, plain_wait
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor
 
 __all__ = ["clip_grad_norm_", "is_sharded"]
 
 
-def _norms(grads: list[torch.Tensor], norm_type: float, foreach: bool | None) -> list[torch.Tensor]:
+def _norms(grads: list[torch.Tensor], norm_type: float, foreach: bool | None,
+           gather_over: DeviceMesh | None = None) -> list[torch.Tensor]:
     """Each gradient's norm computed as ``torch.nn.utils.get_total_norm`` computes it (the foreach kernel
-    where torch uses it: on a GPU its sums differ from ``vector_norm``'s in the last bits); a sharded gradient's
-    from the whole gradient, gathered (the shards' own norms combined round differently)."""
+    where torch uses it: on a GPU its sums differ from ``vector_norm``'s in the last bits). A gradient sharded over
+    ``gather_over`` (FSDP's "dp" mesh) is gathered whole for it, so the norm is "replicate"'s bitwise (the shards'
+    norms combined round differently); one sharded otherwise (ep's experts, tp's shards, sharded in every mode) from
+    its shards' norms."""
     from torch.utils._foreach_utils import (
         _device_has_foreach_support,
         _group_tensors_by_device_and_dtype,
@@ -41,10 +45,13 @@ def _norms(grads: list[torch.Tensor], norm_type: float, foreach: bool | None) ->
 
     norms: list = [None] * len(grads)
     plain = [i for i, g in enumerate(grads) if not is_sharded(g)]
-    for i in sorted(set(range(len(grads))) - set(plain)):  # FSDP's shards: gathered whole in turn (a collective)
+    for i in sorted(set(range(len(grads))) - set(plain)):  # DTensors: a collective each, in the model's order
         grad = grads[i]
         assert is_sharded(grad)
-        whole = grad.full_tensor()  # the norm of the shards' norms differs from the whole's in the last bits
+        if gather_over is None or grad.device_mesh != gather_over:  # ep's experts, tp's shards: their shards' norms
+            norms[i] = torch.linalg.vector_norm(grad, norm_type).full_tensor()
+            continue
+        whole = grad.full_tensor()  # FSDP's: the norm of the shards' norms differs from the whole's in the last bits
         norms[i] = kernel_norms([whole], whole.device)[0]
         del whole
     if not plain:
@@ -91,7 +98,7 @@ _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.co
 
 def _gathered_norms(named: list[tuple[str, nn.Parameter]], order: Sequence[str], norm_type: float,
                     foreach: bool | None, group: dist.ProcessGroup | None, device: torch.device,
-                    wait: Wait) -> torch.Tensor:
+                    wait: Wait, gather_over: DeviceMesh | None) -> torch.Tensor:
     """``[code; norm]`` (2 × parameters, float64) of every model parameter, each from the lowest rank
     holding it. Code 0: held by no rank, 1: no gradient, 2 + k: a gradient of dtype ``_DTYPES[k]``.
     float64 holds every norm exactly."""
@@ -109,7 +116,7 @@ def _gathered_norms(named: list[tuple[str, nn.Parameter]], order: Sequence[str],
     table = torch.zeros(2, len(order), dtype=torch.float64, device=device)
     table[0] = torch.tensor(codes, dtype=torch.float64)
     if local:
-        norms = _norms([grad for _, grad in local], norm_type, foreach)
+        norms = _norms([grad for _, grad in local], norm_type, foreach, gather_over)
         where = torch.tensor([i for i, _ in local], device=device)
         table[1].index_copy_(0, where, torch.stack([n.to(device, torch.float64) for n in norms]))
     if group is None:
@@ -124,19 +131,20 @@ def _gathered_norms(named: list[tuple[str, nn.Parameter]], order: Sequence[str],
 def clip_grad_norm_(named: Iterable[tuple[str, nn.Parameter]], order: Sequence[str], max_norm: float, *,
                     norm_type: float | str = 2.0, error_if_nonfinite: bool = False,
                     foreach: bool | None = None, group: dist.ProcessGroup | None, device: torch.device,
-                    wait: Wait = plain_wait) -> torch.Tensor:
+                    wait: Wait = plain_wait, gather_over: DeviceMesh | None = None) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` over the parameters of every rank, bitwise.
 
     ``named`` are this rank's parameters, ``order`` every parameter name of the model in its order.
     Each rank computes its gradients' norms as torch does; one all-gather gives every rank every
     parameter's norm, counted once (from the lowest rank holding it); the norms are stacked in the order
     torch stacks them and finished as torch finishes. Scales the local gradients; returns the total norm,
-    the same on every rank.
+    the same on every rank. ``gather_over``: the mesh FSDP shards the gradients over, whose gradients are gathered
+    whole for their norms (:func:`_norms`).
     """
     norm_type = float(norm_type)
     named = list(named)
     with torch.no_grad():
-        table = _gathered_norms(named, order, norm_type, foreach, group, device, wait)
+        table = _gathered_norms(named, order, norm_type, foreach, group, device, wait, gather_over)
         codes = [int(c) for c in table[0].tolist()]
         with_grad = [i for i, code in enumerate(codes) if code >= 2]  # model order, as torch lists the grads
         if not with_grad:

@@ -272,3 +272,9 @@ def test_where_no_layout_runs_the_refusal_says_what_stops_them_and_why_the_rest_
                  "need at least pp (lower dp or mbs); pick a global batch of at least 16)"):
         assert part in said, (part, said)
     plan_cluster(gpt2, "h100", gpus=16, global_batch=16, seq=1024, runs_on="pipeloom")  # the count it names runs
+    with pytest.raises(NoLayoutFits) as refused:  # one problem stops all: said alone, and why the rest cannot run
+        plan_cluster(gpt2, "h100", gpus=3, global_batch=1, seq=1024, runs_on="pipeloom")
+    said = str(refused.value)
+    assert said.startswith("no layout of gpt2 on 3 GPUs runs there: tp=3 on gpt2 (the tensor-parallel recipe"), said
+    assert said.endswith("1 micro-batches for pp=3: need at least pp (a larger global batch or a lower pp); pick a "
+                         "global batch of at least 3)"), said
