@@ -396,7 +396,7 @@ def test_bad_runs_raise_a_trace_format_error_naming_the_problem(tmp_path, case):
 
 
 def test_folders_without_trace_files_and_missing_paths(tmp_path):
-    with pytest.raises(TraceFormatError, match="no rank<N>.json files in this folder; record a run with trace="):
+    with pytest.raises(TraceFormatError, match="no rank<N>.json files in this folder; record a run with record="):
         load_run_trace(tmp_path)
     with pytest.raises(TraceFormatError, match="no such file or folder"):
         load_run_trace(tmp_path / "nope")
