@@ -77,6 +77,25 @@ def test_periodic_mode_reports_a_period_at_least_its_bound(capsys):
         assert report["period"] >= report["period_lower_bound"] - 1e-9
 
 
+def test_a_periodic_period_measured_on_few_microbatches_is_not_below_its_bound(capsys, tmp_path):
+    """A two-branch DAG (a new user's problem file) on 6 micro-batches: the period measured over the middle of so
+    short a run was 7.267, under the proven 8 (rank 1's own work per micro-batch); it is now measured on a run long
+    enough to reach the steady state."""
+    deps = {"0F": [], "1F": ["0F"], "2F": ["0F"], "3F": ["1F", "2F"], "3B": ["3F"], "1B": ["1F", "3B"],
+            "2B": ["2F", "3B"], "0B": ["0F", "1B", "2B"]}
+    durations = {"0F": 1, "1F": 3, "2F": 1, "3F": 1, "3B": 2, "1B": 5, "2B": 2, "0B": 2}
+    memory = {"0F": 1, "1F": 2, "2F": 1, "3F": 1, "3B": -1, "1B": -2, "2B": -1, "0B": -1}
+    tasks = [{"stage": int(key[0]), "kind": key[1], "ranks": [int(key[0])], "duration": durations[key],
+              "memory": memory[key], "deps": deps[key]} for key in deps]
+    path = tmp_path / "dag.json"
+    path.write_text(json.dumps({"num_ranks": 4, "tasks": tasks, "comm_latency": 0.2,
+                                "static_memory": [0, 1, 0, 0.5], "memory_limit": 5}))
+    report = run_json(capsys, "--problem", str(path), "--microbatches", "6", "--time-limit", "8", "--mode",
+                      "periodic")
+    assert report["mode"] == "periodic" and report["period_lower_bound"] == 8, report
+    assert report["period"] >= report["period_lower_bound"] - 1e-9, report
+
+
 def test_problem_file_search_is_never_worse_than_1f1b(capsys, tmp_path):
     """The problem file of 1F1B's own task graph: the search must match or beat 1F1B."""
     costs = Costs(f=1, b=2, w=0, comm=0.5)
@@ -242,3 +261,44 @@ def test_cost_flags_with_a_problem_file_are_refused(capsys, tmp_path):
     save_schedule(build_schedule("1f1b", 2, 2), path)
     assert_one_line_error(run(capsys, "search", "--problem", str(path), "--microbatches", "2", "--f", "2"),
                           2, "--f", "--placement")
+
+
+def test_a_problem_file_of_many_ranks_builds_no_built_in_and_too_many_are_refused(capsys, tmp_path, monkeypatch):
+    """A problem of one forward on rank 0 of 10,000 ranks took 80 s and 12.7 GB for --time-limit 5: each built-in
+    schedule was built on 10,000 ranks to compare its task graph (quadratic in the ranks), though no built-in has
+    those tasks. Now none is built, and a file of more ranks than the CLI's limit is refused in one line."""
+    from pipeloom.search import api
+
+    def built(*args, **kwargs):
+        raise AssertionError("a built-in was built for a problem whose tasks no built-in has")
+
+    monkeypatch.setattr(api, "_probe", built)
+    for ranks in (10_000, 100_000):
+        path = tmp_path / f"ranks{ranks}.json"
+        path.write_text(json.dumps({"num_ranks": ranks, "tasks": [{"stage": 0, "kind": "F", "ranks": [0],
+                                                                  "duration": 1.0, "memory": 0.0, "deps": []}]}))
+    report = run_json(capsys, "--problem", str(tmp_path / "ranks10000.json"), "--microbatches", "4",
+                      "--time-limit", "5")
+    assert report["makespan"] == 4.0, report
+    assert_one_line_error(run(capsys, "search", "--problem", str(tmp_path / "ranks100000.json"), "--microbatches",
+                              "4"), 2, "100,000 ranks is above the limit of 65,536 ranks; use fewer ranks")
+
+
+def test_a_file_given_where_another_command_reads_it_names_that_command(capsys, tmp_path):
+    """A new user gave `show` a schedule file and `simulate` a problem file: each now names the command that reads
+    it; search() refuses a negative memory limit as the argument it is (it had blamed the static memory)."""
+    from pipeloom.problem import ProblemError
+    from pipeloom.search import placement, search
+
+    schedule = tmp_path / "s.json"
+    save_schedule(build_schedule("1f1b", 2, 4), schedule)
+    assert_one_line_error(run(capsys, "show", str(schedule), "-p", "2", "-m", "4"), 2,
+                          "is a file, and this command takes a built-in schedule's name",
+                          f"`pipeloom simulate {schedule}`")
+    document = json.loads(schedule.read_text())
+    problem = tmp_path / "problem.json"
+    problem.write_text(json.dumps({key: document[key] for key in ("num_ranks", "tasks")}))
+    assert_one_line_error(run(capsys, "simulate", str(problem)), 1, "missing key 'format'",
+                          "a search problem: `pipeloom search --problem FILE`")
+    with pytest.raises(ProblemError, match=r"memory_limit must be >= 0 \(or None for no limit\), got -3.0"):
+        search(placement("linear", 2), 2, memory_limit=-3)

@@ -67,6 +67,9 @@ def _cost_flags(args: argparse.Namespace) -> dict[str, float | None]:
 
 def _check_name(name: str) -> None:
     if name not in REGISTRY:
+        if name.lower().endswith((".json", ".csv")):  # a schedule file: simulate reads it
+            raise UsageError(f"{name!r} is a file, and this command takes a built-in schedule's name; simulate a "
+                             f"schedule file with `pipeloom simulate {name}`")
         raise UsageError(f"unknown schedule {name!r}; choose one of: {', '.join(REGISTRY)}")
 
 

@@ -35,6 +35,9 @@ def _search_problem(args: argparse.Namespace):
             raise UsageError(f"{', '.join(flags)} {verb} to --placement; a problem file has its own tasks")
         check_flag_sums({"--comm": args.comm}, args.microbatches)
         problem = load_problem(args.problem)
+        if problem.num_ranks > MAX_RANKS:  # the per-rank tables and checks grow with the ranks
+            raise UsageError(f"{args.problem}: {problem.num_ranks:,} ranks is above the limit of {MAX_RANKS:,} "
+                             "ranks; use fewer ranks")
         problem = problem if args.comm is None else dataclasses.replace(problem, comm_latency=args.comm)
         check_totals(problem, args.microbatches, where=f"{args.problem}: problem")  # names the file's field
         return problem

@@ -83,7 +83,10 @@ def parse_object(text: str, *, error: type[PipeloomError], what: str, hint: str 
 def check_format(document: dict, *, fmt: str, keys: set[str], error: type[PipeloomError], what: str) -> None:
     """``error`` unless ``document`` holds ``"format": fmt`` and only ``keys``."""
     if "format" not in document:
-        raise error(f"the {what} is missing key 'format'; expected \"format\": \"{fmt}\"")
+        other = ("; a file of num_ranks and tasks alone is a search problem: `pipeloom search --problem FILE`"
+                 if fmt.startswith("pipeloom.schedule/") and {"num_ranks", "tasks"} <= set(document)
+                 and "ranks" not in document else "")
+        raise error(f"the {what} is missing key 'format'; expected \"format\": \"{fmt}\"{other}")
     if document["format"] != fmt:
         raise error(f"format {shown(document['format'])} is not supported; expected {fmt!r}")
     check_keys(document, keys, where=what, error=error)

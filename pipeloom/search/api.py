@@ -124,8 +124,9 @@ def search(
     started = time.perf_counter()
     budget = Budget(deadline=started + time_limit)
     limit = limit_of(problem, memory_limit)
-    _check_static(problem, limit)
+    # the problem's own checks first (a negative limit is a bad argument, not a limit the static memory is over)
     target = problem if limit == problem.memory_limit else dataclasses.replace(problem, memory_limit=limit)
+    _check_static(problem, limit)
     plan = search_plan(target, num_microbatches, mode)
     to_integers(target, num_microbatches=num_microbatches if "exact" in plan else 1)  # int64 range, up front
     run = _Search(target, num_microbatches, plan=plan, budget=budget, workers=workers, name=name,
@@ -391,6 +392,9 @@ def builtin_candidates(problem: Problem, num_microbatches: int, *, deadline: flo
         budget = Budget(deadline=math.inf if deadline is None else deadline)
     elif deadline is not None:
         budget = Budget(deadline=min(deadline, budget.deadline), seconds_per_action=budget.seconds_per_action)
+    kinds = ("F", "I", "W") if problem.splits_backward else ("F", "B")
+    if {task.key for task in problem.tasks} != {(s, kind) for s in range(problem.num_stages) for kind in kinds}:
+        return  # every built-in has these tasks and no others: none fits, and none is built to find out
     wanted = _structure(problem)
     stages_per_rank, extra = divmod(problem.num_stages, problem.num_ranks)
     actions = len(problem.tasks) * num_microbatches
