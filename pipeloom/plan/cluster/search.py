@@ -380,9 +380,8 @@ def _barred_text(job: Job, fixed: dict[str, Any], barred: Counter[str], said: di
 
 
 def _without(job: Job, fixed: dict[str, Any], barred: Counter[str]) -> str:
-    """Where no layout can run with the barred keys at their plain values (tp and cp 1, no FSDP, no recomputation;
-    ep is refused beside others, not alone), why not: the enumeration's own refusal and the count that avoids it;
-    else ``""``."""
+    """Where no layout can run with the barred keys at the values that ask nothing of a runtime (ep is refused beside
+    others, not alone), why not: the enumeration's own refusal and the count that avoids it; else ``""``."""
     plain = {key: value for key, value in _PLAIN.items() if key in barred and key not in fixed}
     refusals = Refusals()
     if not plain or next(enumerate_layouts(job, {**fixed, **plain}, refusals), None) is not None or not refusals:
@@ -391,8 +390,7 @@ def _without(job: Job, fixed: dict[str, Any], barred: Counter[str]) -> str:
     return f"; and with {_fixed_text(plain)} none can run ({refusals[0]}{counts})"
 
 
-_PLAIN: dict[str, Any] = {"tp": 1, "cp": 1, "fsdp": False, "recompute": "none"}
-"""The value of each layout key that asks nothing of a runtime (its default)."""
+_PLAIN: dict[str, Any] = {"tp": 1, "cp": 1, "fsdp": False, "recompute": "none"}  # ask nothing of a runtime
 
 
 def _fixed_text(fixed: dict[str, Any]) -> str:
