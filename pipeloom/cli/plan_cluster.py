@@ -94,17 +94,17 @@ def _runnable(args: argparse.Namespace, result, options: dict) -> tuple:
     runnable = dataclasses.replace(runnable, seconds=runnable.seconds + result.seconds)  # both searches
     assert job is not None and blocked is not None  # result is not None
     best, there = result.best, runnable.best.step_time
-    why = blocked(best.layout)
+    problems = blocked(best.layout)
     if str(runnable.best.layout) == str(best.layout):
         return runnable, plain
-    if why is None:
+    if not problems:
         priced, limit = Estimator(job).estimate(best.layout), result.memory_limit
         if priced.memory.total <= limit and priced.step_time <= there * 1.001:
             return runnable, plain  # as fast there as the plan: a tie the search broke otherwise
         why = (f"it needs {priced.memory.total / 2**30:.1f} GiB per GPU, over the {limit / 2**30:.1f} GiB limit"
                if priced.memory.total > limit else f"it takes {seconds_text(priced.step_time)} s a step")
     else:
-        why = f"it cannot run: {why}"
+        why = f"it cannot run: {'; '.join(problems)}"
     fast, slow = seconds_text(best.step_time), seconds_text(there)
     return runnable, [*plain, f"note: planned as asked, the fastest layout is {best.layout} ({fast} s a step); in "
                       f"{where} {why}; the plan above is the fastest there ({slow} s a step as {where} runs it)"]

@@ -215,8 +215,8 @@ _MODE_OF = {"selective": "selective", "recompute_layers": "full"}
 """The recomputation mode whose layouts each searched choice changes (it changes no other layout)."""
 
 
-def _only(allowed: tuple[str, ...] | None, runtime: Callable[[Layout], str | None] | None
-          ) -> Callable[[Layout], str | None] | None:
+def _only(allowed: tuple[str, ...] | None, runtime: Callable[[Layout], list[str]] | None
+          ) -> Callable[[Layout], list[str]] | None:
     """The search's filter: ``runtime``'s, and a schedule not among ``allowed`` (None: any)."""
     if allowed is None:
         return runtime
@@ -224,10 +224,10 @@ def _only(allowed: tuple[str, ...] | None, runtime: Callable[[Layout], str | Non
     who = next((f"{name} runs" for name, runs in FRAMEWORK_SCHEDULES.items()  # its own, or all but ON_REQUEST's
                 if set(runs) - set(ON_REQUEST) <= set(allowed) <= set(runs)), "the schedules given are")
 
-    def blocked(layout: Layout) -> str | None:  # one stage (1f1b) runs without a pipeline schedule
-        off = (f"schedule={layout.schedule} ({who} {', '.join(allowed)})"
-               if layout.schedule not in allowed and layout.pp > 1 else None)
-        return "; ".join(why for why in (runtime(layout) if runtime else None, off) if why) or None
+    def blocked(layout: Layout) -> list[str]:  # one stage (1f1b) runs without a pipeline schedule
+        off = ([f"schedule={layout.schedule} ({who} {', '.join(allowed)})"]
+               if layout.schedule not in allowed and layout.pp > 1 else [])
+        return (runtime(layout) if runtime else []) + off
     return blocked
 
 
@@ -327,14 +327,14 @@ def _variants(job: Job, searched: dict[str, list[Any]], fixed: dict[str, Any]) -
 
 
 def _plan(job: Job, fixed: dict[str, Any], limit: float, runners_up: int, progress: Callable[[str], None] | None,
-          start: float, blocked: Callable[[Layout], str | None] | None = None) -> ClusterPlan:
+          start: float, blocked: Callable[[Layout], list[str]] | None = None) -> ClusterPlan:
     """The plan of ``job``: the layout ``fixed`` gives whole, predicted, or the fastest that fits ``limit`` (of those
     ``blocked`` passes: a whole layout it blocks is refused)."""
     if set(fixed) >= set(LAYOUT_KEYS):
         layout = Layout(**fixed)
-        why = blocked(layout) if blocked is not None else None
-        if why is not None:
-            raise PlanError(f"{layout} cannot run there: {why}")
+        why = blocked(layout) if blocked is not None else []
+        if why:
+            raise PlanError(f"{layout} cannot run there: {'; '.join(why)}")
         return ClusterPlan(job=job, best=Estimator(job).estimate(layout), runners_up=(), memory_limit=limit,
                            seconds=time.perf_counter() - start, candidates=1, priced=1, simulated=1)
     result = search_layouts(job, fixed=fixed, memory_limit=limit, runners_up=runners_up, progress=progress,
@@ -346,7 +346,7 @@ def _plan(job: Job, fixed: dict[str, Any], limit: float, runners_up: int, progre
 
 def _best_variant(runs: list[tuple[Job, dict[str, Any]]], searched: tuple[str, ...], fixed: dict[str, Any],
                   limit: float, runners_up: int, progress: Callable[[str], None] | None, start: float,
-                  blocked: Callable[[Layout], str | None] | None = None) -> ClusterPlan:
+                  blocked: Callable[[Layout], list[str]] | None = None) -> ClusterPlan:
     """The searched choices (:func:`_variants`): the first run planned whole, each later one searched for a layout
     faster than the best so far (:func:`~pipeloom.plan.cluster.search.search_faster`), the fastest plan that fits
     kept (the earlier on a tie); the runners-up the fastest other layouts any run simulated. A whole layout given:

@@ -207,9 +207,10 @@ RUNTIMES = ("pipeloom", "torchtitan")
 _RUNTIME_NAMES = {"pipeloom": "pipeloom's runtime", "torchtitan": "torchtitan"}
 
 
-def for_runtime(job: Job, runs_on: str | None) -> tuple[Job, Callable[[Layout], str | None] | None]:
+def for_runtime(job: Job, runs_on: str | None) -> tuple[Job, Callable[[Layout], list[str]] | None]:
     """``job`` as ``runs_on`` (:data:`RUNTIMES`; None: as planned) holds and runs a layout, and the search's filter of
-    the layouts it cannot run: a layout's problems in one line (:func:`layout_problems`), None where it runs.
+    the layouts it cannot run: a layout's problems, each beginning ``key=value`` (:func:`layout_problems`), none
+    where it runs.
     pipeloom's runtime keeps every activation (a layout that recomputes is refused: its twin without recomputation is
     what the runtime would run, and is searched in its place) and exchanges experts with ``all_to_all_single``
     calls one after another (the plain all-to-all, exposed)."""
@@ -222,8 +223,8 @@ def for_runtime(job: Job, runs_on: str | None) -> tuple[Job, Callable[[Layout], 
     if family:  # no layout helps: said before the search, without a layout
         raise PlanError(family)
 
-    def blocked(layout: Layout) -> str | None:
-        return "; ".join(text for text, _ in layout_problems(job, layout, export=export)) or None
+    def blocked(layout: Layout) -> list[str]:
+        return [text for text, _ in layout_problems(job, layout, export=export)]
 
     return runtime_job(job, runs_on), blocked
 

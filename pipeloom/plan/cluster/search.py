@@ -34,7 +34,6 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-import re
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -157,9 +156,9 @@ def _group_key(job: Job, layout: Layout) -> tuple[Any, ...]:
 
 def search_layouts(job: Job, *, fixed: dict[str, Any] | None = None, memory_limit: float | None = None,
                    runners_up: int = 5, progress: Callable[[str], None] | None = None,
-                   blocked: Callable[[Layout], str | None] | None = None) -> SearchResult:
+                   blocked: Callable[[Layout], list[str]] | None = None) -> SearchResult:
     """The fastest layout of ``job`` within ``memory_limit`` bytes per GPU (default: the GPU's memory), with the
-    keys of ``fixed`` held and none that ``blocked`` gives a reason against (what a runtime cannot run:
+    keys of ``fixed`` held and none that ``blocked`` gives problems of (what a runtime cannot run:
     :func:`~pipeloom.plan.cluster.runtime_plan.for_runtime`); NoLayoutFits when none fits, with the least memory
     per GPU any layout needs and that layout (``smallest_limit``, ``smallest_layout``: planning again with that
     limit finds a plan)."""
@@ -170,7 +169,7 @@ def search_layouts(job: Job, *, fixed: dict[str, Any] | None = None, memory_limi
 
 def search_faster(job: Job, beat: float, *, fixed: dict[str, Any] | None = None, memory_limit: float | None = None,
                   runners_up: int = 5, progress: Callable[[str], None] | None = None,
-                  blocked: Callable[[Layout], str | None] | None = None) -> SearchResult | None:
+                  blocked: Callable[[Layout], list[str]] | None = None) -> SearchResult | None:
     """:func:`search_layouts` for a layout faster than ``beat`` seconds per step (another job's best, say): None
     when no fitting layout is. The bounds stop the search where they reach ``beat``, so a job none of whose
     layouts can beat it costs its group bounds and little else."""
@@ -179,7 +178,7 @@ def search_faster(job: Job, beat: float, *, fixed: dict[str, Any] | None = None,
 
 def _search(job: Job, fixed: dict[str, Any] | None, memory_limit: float | None, runners_up: int,
             progress: Callable[[str], None] | None, *, beat: float | None,
-            blocked: Callable[[Layout], str | None] | None) -> SearchResult | None:
+            blocked: Callable[[Layout], list[str]] | None) -> SearchResult | None:
     fixed = dict(fixed or {})
     limit = float(memory_limit if memory_limit is not None else job.hw.memory_bytes)
     estimator = Estimator(job)
@@ -189,10 +188,10 @@ def _search(job: Job, fixed: dict[str, Any] | None, memory_limit: float | None, 
     said: dict[str, str] = {}  # the first problem of each key
     stopped = 0
     for layout in enumerate_layouts(job, fixed, refusals):
-        why = blocked(layout) if blocked is not None else None
-        if why is not None:
+        why = blocked(layout) if blocked is not None else []
+        if why:
             stopped += 1
-            problems = {problem.split("=", 1)[0]: problem for problem in re.split(r"; (?=[a-z]+=)", why)}
+            problems = {problem.split("=", 1)[0]: problem for problem in why}
             barred.update(problems.keys())  # each problem starts "key=value"; a layout counted once per key
             for key, problem in problems.items():
                 said.setdefault(key, problem)

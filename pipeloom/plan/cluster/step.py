@@ -182,26 +182,31 @@ def runners_up_of(best: Estimate, done: list[Estimate], limit: float,
 def _distinct(ranked: list[Estimate], count: int) -> list[tuple[Estimate, str]]:
     """The first ``count`` groups of twins in ``ranked`` (:func:`twin_key`; a group's twins differ in one key, the
     same for all), each as its member of least memory with the others said: ``"; within 0.05 %: vp=3, 4 or 5"``."""
-    groups: list[tuple[list[Estimate], list[str]]] = []  # the members, and the one key they differ in (once known)
+    groups: list[list[Estimate]] = []
     for est in ranked:
-        for members, key in groups:
+        for members in groups:
             other = twin_key(est, members[0])
-            if other is not None and key in ([], [other]):
+            if other is not None and _shared_key(members) in (None, other):
                 members.append(est)
-                key[:] = [other]
                 break
         else:
             if len(groups) < count:
-                groups.append(([est], []))
+                groups.append([est])
     out = []
-    for members, key in groups:
+    for members in groups:
         shown = min(members, key=lambda e: (e.memory.total, dataclasses.astuple(e.layout)))
-        values = sorted(key_text(getattr(e.layout, key[0])) for e in members if e is not shown) if key else []
-        said = [str(value) for value in values]
+        key = _shared_key(members)
+        said = [str(value) for value in sorted(key_text(getattr(e.layout, key)) for e in members
+                                               if e is not shown)] if key is not None else []
         within = f"; within {TWIN:.2%} of its time with"
-        out.append((shown, f"{within} {key[0]}={', '.join(said[:-1])} or {said[-1]}" if len(said) > 1
-                    else f"{within} {key[0]}={said[0]}" if said else ""))
+        out.append((shown, f"{within} {key}={', '.join(said[:-1])} or {said[-1]}" if len(said) > 1
+                    else f"{within} {key}={said[0]}" if said else ""))
     return out
+
+
+def _shared_key(members: list[Estimate]) -> str | None:
+    """The key a group of twins differs in (None while it holds one layout)."""
+    return twin_key(members[1], members[0]) if len(members) > 1 else None
 
 
 def twin_key(a: Estimate, b: Estimate) -> str | None:
