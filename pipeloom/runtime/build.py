@@ -109,8 +109,6 @@ def pipeline(
     _check_arguments(schedule, loss_fn, microbatches)
     assert loss_fn is not None  # _check_arguments refused None
     layout = layout_of(parallel.process_group, parallel.mesh)
-    if planned_batch is not None:  # said by one rank of the job
-        planned_batch.speaks = layout.rank == 0 and layout.dp.rank == 0 and layout.tp.rank == 0
     sharding, tp_plan = _tensor_parallel(model, parallel, layout, microbatches, tracing)
     if layout.tp.group is not None:  # a TP all-reduce inside a forward ends within the engine's timeout
         set_group_timeout([layout.group, layout.dp.group, layout.tp.group], failures.timeout)

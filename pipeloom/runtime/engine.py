@@ -229,8 +229,8 @@ class PipelineEngine:
         self._agree(inputs, target, training)
         self.params = self.pieces.trainable()  # requires_grad may have changed since the last step
         chunks, targets = self.batch.step_inputs(inputs, target, training, self.staged.graph.input_names)
-        if training and self.planned_batch is not None:  # every step: replicas' shares may hide a new size
-            self.planned_batch.check(inputs)
+        if training and self.planned_batch is not None and not (self.rank or self.dp.rank or self.layout.tp.rank):
+            self.planned_batch.check(inputs)  # one rank says it, every step: replicas' shares may hide a new size
         shapes = signature(chunks, targets, training)
         cached = self._meta_cache.get(shapes)
         if cached is None:  # new sizes: refused here, before anything ran, when the trace does not hold for them

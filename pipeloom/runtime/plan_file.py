@@ -33,8 +33,6 @@ class PlannedBatch:
 
     path: str
     rows: int
-    speaks: bool = True
-    """Whether this rank says it (one rank of the job: the pipeline's first, of the first replica)."""
     told: set[int] = dataclasses.field(default_factory=set)
 
     def check(self, inputs: object) -> None:
@@ -43,7 +41,7 @@ class PlannedBatch:
         if not isinstance(first, torch.Tensor) or first.dim() == 0:
             return  # refused by the step itself
         rows = first.shape[0]
-        if rows == self.rows or rows in self.told or not self.speaks:
+        if rows == self.rows or rows in self.told:
             return
         self.told.add(rows)
         logger.warning("this step's batch has %d rows but %s was planned for a global batch of %d: the step runs, "
