@@ -283,6 +283,16 @@ class Problem:
                 work[rank] += task.duration
         return tuple(work)
 
+    def waits_for(self) -> dict[TaskKey, frozenset[TaskKey]]:
+        """Every task each task waits for, directly or through others (an edge implied by a path adds
+        nothing: two problems with equal ``waits_for`` admit the same orders)."""
+        preds = [[self._index[dep] for dep in task.deps] for task in self.tasks]
+        before: dict[TaskKey, frozenset[TaskKey]] = {}
+        for i in graph.topological_order(preds):
+            task = self.tasks[i]
+            before[task.key] = frozenset(task.deps).union(*(before[dep] for dep in task.deps))
+        return before
+
     @property
     def splits_backward(self) -> bool:
         """True when the backward is split into I and W tasks."""

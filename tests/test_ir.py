@@ -28,6 +28,7 @@ from pipeloom.ir import (
 )
 from pipeloom.problem import Costs, Problem, Stage, Task, stage_graph
 from pipeloom.schedules import REGISTRY, build_schedule
+from pipeloom.validate import validate
 
 # ------------------------------------------------------------------------------------ strategies
 
@@ -348,9 +349,9 @@ def _problem_with(**changes) -> Problem:
         (_problem_with(**{"1W": {"ranks": (0, 1)}}), ["task 1W runs on ranks [0, 1]", "one rank"]),
         (_problem_with(**{"1W": {"ranks": (0,)}}), ["stage 1 runs on ranks 1 and 0"]),
         (_problem_with(**{"1F": {"deps": ()}}), ["stage 1 does not depend on stage 0"]),
-        (_problem_with(**{"0I": {"deps": ((0, "F"),)}}), ["task 0I waits for 0F,", "wait for 0F, 1I"]),
-        (_problem_with(**{"1W": {"deps": ((1, "I"), (0, "F"))}}),
-         ["task 1W waits for 0F, 1I,", "wait for 1I"]),
+        (_problem_with(**{"0I": {"deps": ((0, "F"),)}}), ["task 0I waits for 0F,", "wait for 0F, 1F, 1I"]),
+        (_problem_with(**{"1W": {"deps": ((1, "I"), (0, "W"))}}),
+         ["task 1W waits for 0F, 0I, 0W, 1F, 1I,", "wait for 0F, 1F, 1I (directly or through others)"]),
         (_problem_with(**{"1W": {"kind": "B", "deps": ((1, "F"),)}}),
          ["stage 1 has tasks B, F, I and stage 0 has F, I, W", "one backward style"]),
         (Problem(num_ranks=2, tasks=(Task(stage=0, kind="F", ranks=(0,), duration=1),
@@ -374,6 +375,21 @@ def test_csv_export_names_what_the_csv_cannot_carry(problem, words):
     assert message.endswith("; save it as .json")
     for word in words:
         assert word in message
+
+
+def test_csv_export_takes_a_wait_implied_through_others():
+    """A search's problem may wait for less directly than the CSV reader's chain (0B waits for 1B alone,
+    not also for 0F, which 1B waits for already): the CSV holds it, and reads back as a valid schedule."""
+    for backward, kinds in (("full", "B"), ("split", "I")):
+        chain = stage_graph([Stage(ranks=0), Stage(ranks=1)], backward=backward)
+        tasks = [dataclasses.replace(t, deps=((1, kinds),)) if t.name == f"0{kinds}" else t for t in chain.tasks]
+        problem = dataclasses.replace(chain, tasks=tuple(tasks))
+        assert problem.task((0, kinds)).deps == ((1, kinds),)
+        ranks = [[Action(t.stage, t.kind, 0) for t in problem.tasks_on(r)] for r in range(2)]
+        text = schedule_to_csv(Schedule(name="v", problem=problem, num_microbatches=1, ranks=ranks))
+        back = schedule_from_csv(text)
+        validate(back)
+        assert back.problem.waits_for() == problem.waits_for()
 
 
 def test_save_and_load_reject_unknown_suffix_and_missing_file(tmp_path):
@@ -432,7 +448,6 @@ def test_csv_with_b_and_i_of_one_stage_loads_and_the_validator_names_the_duplica
     """With I or W in a CSV the backward is split and a B is its stage's I and W run together
     (docs/semantics.md), so B and I of one micro-batch run that I twice."""
     from pipeloom.errors import ScheduleError
-    from pipeloom.validate import validate
 
     schedule = schedule_from_csv("0F0,0B0,0I0\n")
     assert schedule.problem.splits_backward

@@ -76,11 +76,12 @@ def _csv_obstacle(schedule: Schedule) -> str | None:
     for s in range(1, count):
         if (s - 1, "F") not in problem.task((s, "F")).deps:
             return f"stage {s} does not depend on stage {s - 1} (a CSV chains stages 0 -> 1 -> ...)"
+    have, want = problem.waits_for(), chain.waits_for()
     for task in problem.tasks:
-        want = chain.task(task.key).deps
-        if set(task.deps) != set(want):
-            names = [", ".join(sorted(map(task_name, deps))) or "nothing" for deps in (task.deps, want)]
-            return f"task {task.name} waits for {names[0]}, but a CSV would make it wait for {names[1]}"
+        if have[task.key] != want.get(task.key, frozenset()):
+            names = [", ".join(sorted(map(task_name, graph[task.key]))) or "nothing" for graph in (have, want)]
+            return (f"task {task.name} waits for {names[0]}, but a CSV would make it wait for {names[1]} "
+                    "(directly or through others)")
     if not schedule.ranks[-1]:
         return (f"rank {schedule.num_ranks - 1}, the last, has no actions, and blank rows at the end of "
                 "a CSV are not ranks")

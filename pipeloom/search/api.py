@@ -22,7 +22,6 @@ from pipeloom.search.common import lower_bound, to_integers
 from pipeloom.search.constructions import BLOCK_PLACEMENTS, insert_all_rank_tasks, split_each_backward
 from pipeloom.search.errors import SearchError
 from pipeloom.search.memory_bounds import limit_of
-from pipeloom.search.paths import topological_order
 from pipeloom.search.problem_file import check_task_count
 from pipeloom.search.result import Mode, SearchProgress, SearchResult, Status
 from pipeloom.search.transforms import merge_backward, without_all_rank_tasks
@@ -350,10 +349,7 @@ def _status(makespan: float, bound: float) -> Status:
 def _structure(problem: Problem) -> dict:
     """What a schedule's validity depends on: each task's rank set and everything it transitively
     waits for (so an edge implied by a path does not matter; durations and memory do not either)."""
-    before: dict = {}
-    for i in topological_order(problem):
-        task = problem.tasks[i]
-        before[task.key] = frozenset(task.deps).union(*(before[dep] for dep in task.deps))
+    before = problem.waits_for()
     return {task.key: (frozenset(task.ranks), before[task.key]) for task in problem.tasks}
 
 
