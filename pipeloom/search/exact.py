@@ -392,13 +392,17 @@ def feasible_limit_note(problem: Problem, num_microbatches: int, *, periodic_lim
                         deadline: float | None = None) -> str:
     """The smallest memory limit known to work, for the error when none is met (exact and
     periodic mode alike): the least of ``periodic_limit`` (the least a repetend needs, when the
-    caller knows it) and the list scheduler's per-micro-batch peak (static memory included) when
-    the list scheduler meets it (by ``deadline``, a :func:`time.perf_counter` value); "unknown"
-    when neither is known."""
+    caller knows it) and what the list scheduler needs running micro-batches on each rank one after
+    another (per rank: static memory, what the micro-batches before the last leave held, and one
+    micro-batch's peak) when it meets that (by ``deadline``, a :func:`time.perf_counter` value);
+    "unknown" when neither is known. Where that is also what every schedule holds at its end (memory
+    never freed), it is the smallest feasible limit, said as such."""
     static = problem.static_memory or (0.0,) * problem.num_ranks
-    enough = max(s + h for s, h in zip(static, microbatch_peak_memory(problem)))
+    net = [sum(task.memory for task in problem.tasks_on(r)) for r in range(problem.num_ranks)]
+    enough = max(s + h + (num_microbatches - 1) * max(0.0, n)
+                 for s, h, n in zip(static, microbatch_peak_memory(problem), net))
     known = [] if periodic_limit is None else [(periodic_limit, "a periodic schedule")]
-    try:  # the list scheduler's own minimum is feasible unless memory grows per micro-batch
+    try:
         list_schedule(problem, num_microbatches, memory_limit=enough, deadline=deadline)
     except SearchError:
         pass
@@ -407,6 +411,10 @@ def feasible_limit_note(problem: Problem, num_microbatches: int, *, periodic_lim
     if not known:
         return "the smallest feasible limit is unknown"
     value, source = min(known)
+    held_at_end = max(s + num_microbatches * n for s, n in zip(static, net))
+    if value <= held_at_end * (1 + 1e-12):
+        return (f"the smallest feasible limit is {value:g} (every schedule holds that at its end, and "
+                f"{source} meets it)")
     return (f"the smallest limit known to work is {value:g} ({source} meets it), so the smallest "
             f"feasible limit is at most {value:g}")
 

@@ -115,7 +115,8 @@ def solve_periodic(
         try:
             timeline = validate(schedule, ordered=True)
         except ScheduleError as error:
-            failure = SearchError(f"the unrolled periodic schedule fails validation ({error})")
+            failure = SearchError(f"the unrolled periodic schedule fails validation "
+                                  f"({str(error).splitlines()[0].split('; raise')[0]})")
         else:
             period = repetend.period / repetend.copies / ip.time_scale
             if not ip.exact:  # a coarse grid: measure the real steady state instead, on a run long enough for one

@@ -12,7 +12,7 @@ import pytest
 
 from pipeloom.errors import PipeloomError, ScheduleFormatError
 from pipeloom.ir import schedule_to_json
-from pipeloom.problem import Costs, Stage, stage_graph
+from pipeloom.problem import Costs, Problem, Stage, Task, stage_graph
 from pipeloom.schedules import build_schedule
 from pipeloom.search import PLACEMENTS, SearchError, SearchResult, placement, problem_from_json, search
 from pipeloom.search.api import AUTO_EXACT_INTERVALS, builtin_candidates, search_plan
@@ -294,6 +294,22 @@ def test_exact_builds_no_model_above_its_interval_cap(monkeypatch):
 def test_both_modes_name_the_smallest_feasible_limit_alike(mode):
     with pytest.raises(SearchError, match=r"smallest limit known to work is 1 .*smallest feasible limit is at most 1"):
         search(linear(3, limit=0.5), 4, mode=mode, **FAST)
+
+
+@pytest.mark.parametrize("mode", ["periodic", "exact"])
+def test_memory_never_freed_names_the_smallest_feasible_limit_itself(mode):
+    """Forwards alone, each keeping 1 (static 0.5 on rank 0): every order ends holding M + static, and
+    the list schedule needs no more, so that is the smallest feasible limit, not an unknown one."""
+    problem = Problem(num_ranks=2, static_memory=(0.5, 0.0), tasks=(
+        Task(stage=0, kind="F", ranks=(0,), duration=1, memory=1),
+        Task(stage=1, kind="F", ranks=(1,), duration=1, memory=1, deps=((0, "F"),))))
+    with pytest.raises(SearchError) as caught:
+        search(problem, 4, mode=mode, memory_limit=2, **FAST)
+    message = str(caught.value)
+    assert "smallest feasible limit is 4.5 (every schedule holds that at its end" in message
+    assert "\n" not in message
+    result = search(problem, 4, mode=mode, memory_limit=4.5, **FAST)
+    assert max(result.peak_memory) == 4.5
 
 
 def test_a_limit_beyond_integer_range_is_no_limit_and_huge_durations_are_refused_up_front():

@@ -243,8 +243,10 @@ def test_unrolled_schedule_over_the_limit_falls_back_to_a_valid_schedule(num_mic
 
 
 def test_fallback_that_also_fails_still_raises() -> None:
-    """Limit M: rank 0 holds at least 3 when the last F0 adds 2, so nothing fits; no repetend
-    limit is named, since the repetend model does not bound rank 0."""
+    """Limit M: rank 0 holds M + 1 when the last F0 adds 2, so nothing fits; no repetend limit is
+    named, since the repetend model does not bound rank 0, but the list schedule's, running rank 0's
+    micro-batches one after another (3 left held, then one micro-batch's peak of 2), is."""
     with pytest.raises(SearchError, match="nor does the list schedule") as error:
         solve_periodic(growing(), 4, memory_limit=4, time_limit=2.0)
-    assert "smallest limit" not in str(error.value)
+    assert "smallest limit known to work is 5 (the list schedule meets it)" in str(error.value)
+    assert "a periodic schedule" not in str(error.value)
