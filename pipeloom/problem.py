@@ -283,15 +283,21 @@ class Problem:
                 work[rank] += task.duration
         return tuple(work)
 
-    def waits_for(self) -> dict[TaskKey, frozenset[TaskKey]]:
-        """Every task each task waits for, directly or through others (an edge implied by a path adds
-        nothing: two problems with equal ``waits_for`` admit the same orders)."""
-        preds = [[self._index[dep] for dep in task.deps] for task in self.tasks]
-        before: dict[TaskKey, frozenset[TaskKey]] = {}
-        for i in graph.topological_order(preds):
-            task = self.tasks[i]
-            before[task.key] = frozenset(task.deps).union(*(before[dep] for dep in task.deps))
-        return before
+    def waits_for(self) -> dict[TaskKey, int]:
+        """Per task, every task it waits for, directly or through others, as a bitset over the task
+        keys in sorted order (bit i: the i-th smallest key; :meth:`keys_in` lists them). An edge implied by
+        a path adds nothing, and the order of :attr:`tasks` does not matter: two problems of the same
+        tasks with equal ``waits_for`` admit the same orders."""
+        keys = sorted(self._index)
+        position = {key: i for i, key in enumerate(keys)}
+        preds = [[position[dep] for dep in self.task(key).deps] for key in keys]
+        bits = graph.ancestors(preds, graph.topological_order(preds))
+        return dict(zip(keys, bits))
+
+    def keys_in(self, bits: int) -> list[TaskKey]:
+        """The task keys of a :meth:`waits_for` bitset, in sorted order."""
+        keys = sorted(self._index)
+        return [keys[i] for i in graph.members(bits)]
 
     @property
     def splits_backward(self) -> bool:

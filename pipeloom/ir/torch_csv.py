@@ -78,8 +78,9 @@ def _csv_obstacle(schedule: Schedule) -> str | None:
             return f"stage {s} does not depend on stage {s - 1} (a CSV chains stages 0 -> 1 -> ...)"
     have, want = problem.waits_for(), chain.waits_for()
     for task in problem.tasks:
-        if have[task.key] != want.get(task.key, frozenset()):
-            names = [", ".join(sorted(map(task_name, graph[task.key]))) or "nothing" for graph in (have, want)]
+        if have[task.key] != want.get(task.key, 0):
+            names = [", ".join(map(task_name, graph.keys_in(bits[task.key]))) or "nothing"
+                     for graph, bits in ((problem, have), (chain, want))]
             return (f"task {task.name} waits for {names[0]}, but a CSV would make it wait for {names[1]} "
                     "(directly or through others)")
     if not schedule.ranks[-1]:

@@ -144,8 +144,11 @@ def lower_bound(problem: Problem, num_microbatches: int, *, memory_limit: float 
     bound = max(head[i] + task.duration + tail[i] for i, task in enumerate(problem.tasks))
     work = problem.work_per_microbatch()
     ancestry = _ancestry(problem)
-    for rank in range(problem.num_ranks):
-        on_rank = [i for i, task in enumerate(problem.tasks) if rank in task.ranks]
+    tasks_on: list[list[int]] = [[] for _ in range(problem.num_ranks)]
+    for i, task in enumerate(problem.tasks):
+        for rank in task.ranks:
+            tasks_on[rank].append(i)
+    for rank, on_rank in enumerate(tasks_on):
         if on_rank:
             ends = min(head[i] for i in on_rank) + min(tail[i] for i in on_rank)
             late = deadline is not None and time.perf_counter() > deadline
