@@ -98,6 +98,19 @@ def _shape(document: dict, names: list[str], config: ServeConfig, where: str) ->
     return ranks, microbatches, stages
 
 
+def _one_shape(document: dict, name: str, config: ServeConfig, where: str) -> tuple[int, int, int | None]:
+    """:func:`_shape` of the one schedule ``name``, which must take ``stages_per_rank`` where it is given (422 else,
+    as ``pipeloom show`` refuses it; ``compare`` gives it to the schedules that take it)."""
+    from pipeloom.schedules import REGISTRY
+
+    shape = _shape(document, [name], config, where)
+    if shape[2] is not None and "stages_per_rank" not in REGISTRY[name].options:
+        takers = [other for other, info in REGISTRY.items() if "stages_per_rank" in info.options]
+        raise RequestError(f"{where}: schedule {name!r} does not take stages_per_rank; drop it, or use one that "
+                           f"does: {', '.join(takers)}", 422)
+    return shape
+
+
 def _named(document: dict, name: str, where: str, shape: tuple[int, int, int | None]):
     """Build and validate the registered schedule ``name`` of ``shape`` (checked by :func:`_shape`); its timeline.
     A generator's refusal (ValueError: odd micro-batches for dualpipe, a memory limit below one micro-batch) is a
@@ -139,11 +152,14 @@ def simulate(document: dict, config: ServeConfig) -> dict:
     if isinstance(value, dict):
         check_keys(document, {"schedule"}, where=where, error=RequestError)
         timeline = _given(value, config)
+        report = timeline_report(timeline)
     else:
         check_keys(document, {"schedule"} | _SHAPE_KEYS | _COST_KEYS, where=where, error=RequestError)
         name = string(document, "schedule", where=where, error=RequestError)
-        timeline = _named(document, name, where, _shape(document, [name], config, where))
-    return {"report": timeline_report(timeline), "view": timeline_data(timeline),
+        shape = _one_shape(document, name, config, where)
+        timeline = _named(document, name, where, shape)
+        report = timeline_report(timeline, microbatches=shape[1], costs=_costs(document, where))
+    return {"report": report, "view": timeline_data(timeline),
             "schedule": json.loads(schedule_to_json(timeline.schedule))}
 
 
@@ -180,7 +196,7 @@ def schedule_file(name: str, fmt: str, document: dict, config: ServeConfig) -> s
     from pipeloom.ir import schedule_to_csv, schedule_to_json
 
     check_keys(document, _SHAPE_KEYS | _COST_KEYS, where="download", error=RequestError)
-    schedule = _named(document, name, "download", _shape(document, [name], config, "download")).schedule
+    schedule = _named(document, name, "download", _one_shape(document, name, config, "download")).schedule
     return schedule_to_json(schedule, indent=1) + "\n" if fmt == "json" else schedule_to_csv(schedule)
 
 

@@ -106,6 +106,23 @@ def test_downloads_are_the_projects_formats(server):
         assert r.headers["Content-Type"].startswith("text/csv") and r.read().decode().startswith("0F0,")
 
 
+def test_simulate_reports_as_show_json_does(server):
+    """The report is ``show --json``'s: the costs given and the user's micro-batches (dualpipe pairs them); a
+    schedule that takes no stages_per_rank refuses it, as ``show`` does (it was dropped unsaid)."""
+    from pipeloom.viz.report import timeline_report
+
+    request = {"schedule": "dualpipe", "ranks": 4, "microbatches": 8, "f": 2, "b": 3, "w": 1}
+    status, answer = call(f"{server}/api/simulate", request)
+    costs = Costs(f=2, b=3, w=1)
+    expected = timeline_report(simulate(build_schedule("dualpipe", 4, 8, costs=costs)), microbatches=8, costs=costs)
+    assert status == 200 and answer["report"] == json.loads(json.dumps(expected))
+    assert answer["report"]["costs"]["f"] == 2 and answer["report"]["num_microbatches"] == 8
+    status, answer = call(f"{server}/api/simulate", {"schedule": "1f1b", "ranks": 4, "microbatches": 8,
+                                                      "stages_per_rank": 2})
+    assert status == 422 and "schedule '1f1b' does not take stages_per_rank" in answer["error"]
+    assert "interleaved-1f1b" in answer["error"]
+
+
 def test_a_searched_schedule_without_a_csv_form_says_why(server):
     """An M-shape search's schedule has no torch CSV form: the 404 says why (it had said "ask for schedule.json or
     schedule.csv" to a request for schedule.csv); its JSON form is there."""

@@ -34,10 +34,13 @@
   function render(target, view) {
     var box = document.createElement("div"); $(target).appendChild(box); PipeloomTimeline.render(box, view);
   }
+  var takesStages = {};  // schedule name -> whether it takes stages_per_rank (the catalog's options)
   function update() {
-    var s = shape(), name = $("schedule").value, body = Object.assign({schedule: name}, s);
-    $("download-json").href = "/api/schedules/" + name + ".json?" + query(s);
-    $("download-csv").href = "/api/schedules/" + name + ".csv?" + query(s);
+    var s = shape(), name = $("schedule").value, one = Object.assign({}, s);
+    if (!takesStages[name]) delete one.stages_per_rank;  // the server refuses it for one schedule that does not take it
+    var body = Object.assign({schedule: name}, one);
+    $("download-json").href = "/api/schedules/" + name + ".json?" + query(one);
+    $("download-csv").href = "/api/schedules/" + name + ".csv?" + query(one);
     var names = Array.prototype.filter.call(document.querySelectorAll("#compare-names input"), function (c) { return c.checked; })
       .map(function (c) { return c.value; });
     if (names.indexOf(name) < 0) names.unshift(name);
@@ -127,6 +130,7 @@
 
   call("GET", "/api/schedules").then(function (catalog) {
     catalog.schedules.forEach(function (s) {
+      takesStages[s.name] = s.options.indexOf("stages_per_rank") >= 0;
       var o = document.createElement("option"); o.value = s.name; o.textContent = s.name; $("schedule").appendChild(o);
       var l = document.createElement("label"), c = document.createElement("input");
       c.type = "checkbox"; c.value = s.name; c.checked = ["1f1b", "zb-h1", "zbv"].indexOf(s.name) >= 0;
