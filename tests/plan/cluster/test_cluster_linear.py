@@ -74,7 +74,7 @@ def test_olmo_hybrid_reads_as_transformers_derives_it():
 
 @pytest.mark.parametrize(("fields", "match"), [
     ({"layer_types": ["linear_attention", "sliding_attention"] * 24}, "layer_types must give"),
-    ({"layer_types": ["linear_attention"] * 3}, "layer_types must give"),
+    ({"layer_types": ["linear_attention"] * 3}, "layer_types gives 3 entries for num_hidden_layers"),
     ({"linear_num_value_heads": 24}, "multiple of linear_num_key_heads"),
     ({"linear_conv_kernel_dim": 0}, "linear_conv_kernel_dim must be positive"),
 ])

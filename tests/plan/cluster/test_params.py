@@ -112,6 +112,19 @@ def test_reads_config_json(tmp_path):
     ({"model_type": "persimmon"}, r"not modelled; supported: .*copy its config.json with \"model_type\" set to it "
                                   r"\(e.g. \"llama\"\)"),
     ({"model_type": "exaone_moe", "num_experts": 16}, r"not modelled.*\"qwen3_moe\".*\"mixtral\".*not a dense"),
+    # the stand-in advice names the fields the family reads; a field under another family's name is named as such
+    ({"model_type": "persimmon"}, r"under that family's field names \(hidden_size, num_hidden_layers, "),
+    (dict(TINY["llama"], model_type="llama", num_attention_heads=None, n_head=4),
+     r"has no num_attention_heads \(it gives n_head, a name llama configs do not read: rename it num_attention_heads"),
+    # ALiBi attention: no stand-in, as Falcon's alibi=true
+    ({"model_type": "bloom", "n_head": 8}, r"'bloom' is not modelled: its attention adds ALiBi biases .*bloom always"),
+    ({"model_type": "mpt", "d_model": 64, "attn_config": {"alibi": True}}, r"ALiBi biases"),
+    # a multimodal config without its language model's config; a layer_types list of another length than the layers
+    ({"model_type": "gemma3", "vision_config": {}}, r"'gemma3' is a multimodal config .*text_config.* is missing"),
+    ({"model_type": "gemma3", "vision_config": {}, "text_config": "gemma3_text"}, r"is a str, not an object"),
+    (dict(TINY["gemma2"], model_type="gemma2", sliding_window=16,
+          layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+     r"layer_types gives 3 entries for num_hidden_layers \d+: give one per layer"),
     (dict(TINY["hunyuan_v1_moe"], model_type="hunyuan_v1_moe", moe_topk=[2, 1]),
      r"num_experts_per_tok / moe_topk must be one positive whole number, or the same one for every layer"),
     # layers that are not attention, in families not read: no stand-in offered (MiniMax-01's lightning attention,

@@ -61,8 +61,20 @@ def get_field(data: Mapping[str, Any], *names: str, default: Any = None) -> Any:
         if data.get(name) is not None:
             return data[name]
     if default is None:
-        raise ModelConfigError(f"model config ({data.get('model_type')}) has no {' / '.join(names)}")
+        given = [other for name in names for other in _OTHER_NAMES.get(name, ()) if data.get(other) is not None]
+        hint = (f" (it gives {' and '.join(given)}, a name {data.get('model_type')} configs do not read: rename it "
+                f"{names[0]})" if given else "")
+        raise ModelConfigError(f"model config ({data.get('model_type')}) has no {' / '.join(names)}{hint}")
     return default
+
+
+_OTHER_NAMES = {"num_attention_heads": ("n_head", "n_heads", "num_heads"),
+                "num_hidden_layers": ("n_layer", "n_layers", "num_layers"),
+                "hidden_size": ("n_embd", "n_embed", "d_model"),
+                "intermediate_size": ("n_inner", "ffn_hidden_size", "ffn_dim", "d_ff"),
+                "vocab_size": ("n_vocab", "padded_vocab_size")}
+"""Names other model families (GPT-2, BLOOM, Falcon, T5, OPT, Megatron) give a field, named where a family that reads
+the field by its own name finds only one of them."""
 
 
 def same_per_layer(data: Mapping[str, Any], *names: str) -> int:

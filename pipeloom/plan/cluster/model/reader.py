@@ -74,6 +74,10 @@ def model_spec(config: object) -> ModelSpec:
                                                          FAMILY_DEFAULTS[family].get("tie_word_embeddings", False)))))
     if family in _FLAT and not isinstance(text, Mapping):
         text = {**{key: value for key, value in data.items() if key != "vision_config"}, "model_type": _FLAT[family]}
+    if family not in SUPPORTED_FAMILIES and "vision_config" in data and not isinstance(text, Mapping):
+        raise ModelConfigError(f"model_type {family!r} is a multimodal config (it has a vision_config), and its "
+                               f"text_config, the language model's config the planner plans, is {_shown(text)}: give "
+                               "the text_config object as the model's own config.json has it")
     if family not in SUPPORTED_FAMILIES and isinstance(text, Mapping):
         inner = text.get("model_type")
         if inner in STAND_INS:
@@ -93,6 +97,7 @@ def model_spec(config: object) -> ModelSpec:
     _misspelled(data, family, left_out)
     data = {**left_out, **data}  # transformers' defaults for the fields left out
     check_fields(data)
+    _check_layer_types(data)
     spec = _family_spec(data, family)
     context = data.get("max_position_embeddings")
     spec = dataclasses.replace(spec, defaulted=tuple((key, value) for key, value in left_out.items() if key in _SIZES),
@@ -100,6 +105,21 @@ def model_spec(config: object) -> ModelSpec:
     spec = dataclasses.replace(spec, **_dropouts(data, family, spec.parallel_residual))
     window, layers = _windows(data, family, spec.layers)
     return dataclasses.replace(spec, window=window, window_layers=layers) if layers else spec
+
+
+def _shown(value: object) -> str:
+    """``value`` as an error names it: missing, null, or its type."""
+    return "missing or null" if value is None else f"a {type(value).__name__}, not an object"
+
+
+def _check_layer_types(data: Mapping[str, Any]) -> None:
+    """ModelConfigError where the config's ``layer_types`` is not one entry per layer (transformers refuses it: the
+    planner would read the windows of the layers it lists alone)."""
+    types, layers = data.get("layer_types"), data.get("num_hidden_layers", data.get("n_layer"))
+    if isinstance(types, (list, tuple)) and isinstance(layers, int) and len(types) != layers:
+        raise ModelConfigError(f"layer_types gives {len(types)} entries for num_hidden_layers {layers}: give one per "
+                               "layer (\"full_attention\", \"sliding_attention\", ...), or leave layer_types out for "
+                               "the family's own pattern")
 
 
 _SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",

@@ -58,6 +58,11 @@ def unmodelled(subject: str, data: Mapping[str, Any], supported_families: Sequen
                 "layers of other head sizes, per-layer input embeddings, layers that reuse another's keys and values "
                 "or several residual streams), and the planner prices every decoder layer of a kind alike, so no "
                 f"supported family stands in for it; {supported}")
+    alibi = _alibi(data)
+    if alibi:
+        return (f"{subject} is not modelled: its attention adds ALiBi biases to the scores ({alibi}), which the "
+                "planner's flash-attention pricing does not cover, so no supported family stands in for it (a Falcon "
+                f"config with alibi=true is refused alike); {supported}")
     kind = _not_a_decoder(data)
     if kind:
         return (f"{subject} is not modelled: it is {kind}, and the planner plans decoder-only language models (causal "
@@ -66,7 +71,22 @@ def unmodelled(subject: str, data: Mapping[str, Any], supported_families: Sequen
         return f"{subject} is not modelled; {supported}"
     return (f"{subject} is not modelled; {supported}. A decoder whose layers have one of these shapes (most "
             "LLaMA-like models) plans as that family: copy its config.json with \"model_type\" set to it "
-            f"({_like(data)})")
+            f"({_like(data)}) and its sizes under that family's field names (hidden_size, num_hidden_layers, "
+            "num_attention_heads, num_key_value_heads, intermediate_size, vocab_size)")
+
+
+def _alibi(data: Mapping[str, Any]) -> str:
+    """Where the config says its attention takes ALiBi biases (BLOOM and MPT always; ``alibi``, an ALiBi
+    ``position_embedding_type`` or MPT's ``attn_config``), else ''."""
+    family = str(data.get("model_type", ""))
+    if family in ("bloom", "mpt"):
+        return f"{family} always does"
+    attn = data.get("attn_config")
+    if data.get("alibi") or (isinstance(attn, Mapping) and attn.get("alibi")):
+        return "its config sets alibi"
+    if str(data.get("position_embedding_type", "")).lower() == "alibi":
+        return "its position_embedding_type is alibi"
+    return ""
 
 
 _NOT_DECODER_HEADS = {"ForMaskedLM": "an encoder", "ForSequenceClassification": "an encoder",
