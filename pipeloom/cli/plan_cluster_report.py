@@ -64,10 +64,12 @@ def _window(spec) -> str:
 
 
 def _dropout(spec) -> str:
-    """The header's note of the dropouts the config trains with, whose masks are counted ('' without)."""
+    """The header's note of the dropouts the config trains with, whose masks are counted, and of the logits' softcap
+    ('' without either)."""
     said = ([f"{spec.residual_dropouts} residual dropout{'s' if spec.residual_dropouts > 1 else ''} per layer"]
             if spec.residual_dropouts else []) + (["an embedding dropout"] if spec.embedding_dropout else [])
-    return f", {' and '.join(said)} (the config's: their masks kept)" if said else ""
+    capped = ", the logits softcapped (the config's final_logit_softcapping)" if spec.logit_softcap else ""
+    return (f", {' and '.join(said)} (the config's: their masks kept)" if said else "") + capped
 
 
 def _full(total: float, limit: float, alone: bool) -> list[str]:

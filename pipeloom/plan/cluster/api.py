@@ -89,6 +89,7 @@ class ClusterPlan:
                       "sparse_attention": _sparse(self.job.spec), "linear_attention": _linear(self.job.spec),
                       "residual_dropouts": self.job.spec.residual_dropouts,
                       "embedding_dropout": self.job.spec.embedding_dropout,
+                      "logit_softcap": self.job.spec.logit_softcap,
                       "defaulted": dict(self.job.spec.defaulted)},
             "gpus": self.job.gpus, "global_batch": self.job.global_batch, "seq": self.job.seq,
             "dtype": self.job.dtype, "selective": self.job.selective, "recompute_layers": self.job.recompute_layers,

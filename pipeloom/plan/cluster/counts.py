@@ -337,8 +337,10 @@ def layer_counts(spec: ModelSpec, kind: str, seq: int, *, width: int = 2) -> Lay
     if kind == "head":
         params = _norm(spec) + (0 if spec.tied else spec.vocab * h) + (spec.vocab if spec.head_bias else 0)
         mm = 2.0 * seq * h * spec.vocab
-        # the final norm's input and output (+ 1/rms); the fp32 logits the loss keeps (vocab split by tp)
-        keep = Activations(sequence=width * 2 * h + norm_stats(spec), tensor=4.0 * spec.vocab)
+        # the final norm's input and output (+ 1/rms); the fp32 logits the loss keeps (vocab split by tp), and the
+        # tanh's output where the logits are softcapped
+        keep = Activations(sequence=width * 2 * h + norm_stats(spec),
+                           tensor=4.0 * spec.vocab + (width * spec.vocab if spec.logit_softcap else 0))
         return LayerCounts(kind=kind, params=params, expert_params=0, f=mm, i=mm, w=mm, attention_f=0.0,
                            attended_f=0.0, activations={m: keep for m in ("none", "selective", "full")})
     attn_mm, attn_other = _attention_weights(spec, layer)

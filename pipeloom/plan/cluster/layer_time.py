@@ -97,6 +97,18 @@ def _price(job: Job, gemms: list[tuple[int, int]], m: int, count: int = 1) -> Ph
                       w=count * sum(seconds(n, k, m, w) for n, k in gemms))
 
 
+def _softcap(job: Job, logits: float) -> tuple[float, float]:
+    """Forward and backward seconds of softcapping ``logits`` bytes (0 without :attr:`ModelSpec.logit_softcap`): divide,
+    tanh and multiply each read and write them (fused: one kernel), backward too, the tanh reading its kept output
+    (fused: 3 passes), less the 2 passes of that output the head's ``elementwise`` prices with every kept byte."""
+    if not job.spec.logit_softcap:
+        return 0.0, 0.0
+    hw, fused = job.hw, job.kernels == "fused"
+    overhead = 0.0 if fused else 2 * hw.kernel_overhead  # three kernels: memory_seconds counts one overhead
+    forward, backward = (2, 1) if fused else (6, 5)
+    return memory_seconds(hw, forward * logits) + overhead, memory_seconds(hw, backward * logits) + overhead
+
+
 def layer_times(job: Job, layout: Layout, kind: str) -> PhaseTimes:
     """F, I and W seconds of one micro-batch through one layer of ``kind`` on one GPU of ``layout`` (a
     multi-token-prediction module, kind ``mtp``: :func:`pipeloom.plan.cluster.mtp.mtp_times`; a
@@ -132,8 +144,10 @@ def layer_times(job: Job, layout: Layout, kind: str) -> PhaseTimes:
         back = comm if sp else (collective_seconds(hw, "all_reduce", hidden_bytes, tp, ranks_per_domain=tp_ranks)
                                 if tp > 1 else 0.0)
         loss = memory_seconds(hw, 3.0 * 4 * tokens * spec.vocab / tp)  # fp32 logits: softmax, its gradient
-        work = named_work(GEMMs=gemm.f + gemm.i + gemm.w, elementwise=loss + elementwise, tp=comm + back)
-        return PhaseTimes(f=gemm.f + comm + loss, i=gemm.i + back + elementwise, w=gemm.w, parts=work)
+        cap_f, cap_b = _softcap(job, tokens * spec.vocab / tp * width)
+        work = named_work(GEMMs=gemm.f + gemm.i + gemm.w, elementwise=loss + elementwise + cap_f + cap_b,
+                          tp=comm + back)
+        return PhaseTimes(f=gemm.f + comm + loss + cap_f, i=gemm.i + back + elementwise + cap_b, w=gemm.w, parts=work)
     attention, core_f, core_b, beside_f, beside_b = _attention(job, layout, kind, tokens)
     linear = is_linear(kind)
     rotary, kind = not (is_nope(kind) or linear), block_kind(kind)

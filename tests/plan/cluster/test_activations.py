@@ -449,6 +449,24 @@ def test_an_embedding_dropout_keeps_a_mask_per_element_of_h():
         assert kept == MASK_BYTES * spec.hidden
 
 
+def test_the_logits_softcap_keeps_its_tanh_output():
+    """Gemma 2's final_logit_softcapping (c · tanh(logits / c) before the loss) keeps the tanh's output outside the
+    decoder layers, one logits-sized tensor, whatever the recomputation; priced in the head, each way."""
+    saved = []
+    for cap in (None, 30.0):
+        outside: dict[int, int] = {}
+        _saved_storages("gemma2", "none", attention="eager", outside=outside, final_logit_softcapping=cap)
+        saved.append(sum(outside.values()))
+    capped = model_spec(dict(TINY["gemma2"], model_type="gemma2", final_logit_softcapping=30.0))
+    plain = model_spec(dict(TINY["gemma2"], model_type="gemma2"))
+    assert capped.logit_softcap and not plain.logit_softcap
+    assert saved[1] - saved[0] == BATCH * SEQ * capped.vocab * WIDTH
+    for mode in ("none", "selective", "full"):
+        kept = [layer_counts(s, "head", SEQ, width=WIDTH).activations[mode].per_gpu(tp=1, cp=1, sp=False)
+                for s in (capped, plain)]
+        assert kept[0] - kept[1] == WIDTH * capped.vocab
+
+
 @pytest.mark.parametrize("mode", ["none", "selective"])
 def test_phimoe_input_jitter_keeps_its_two_noise_tensors(mode):
     """Phi-3.5-MoE's input_jitter_noise multiplies the MoE block's input by noise in training, in the block and

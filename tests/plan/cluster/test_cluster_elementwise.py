@@ -106,6 +106,30 @@ def test_an_embedding_dropout_is_priced_in_the_embedding():
     assert more.f - base.f == pytest.approx(more.w - base.w)
 
 
+@pytest.mark.parametrize(("kernels", "forward", "backward", "kernels_each_way"),
+                         [("fused", 2, 3, 1), ("eager", 6, 7, 3)])
+def test_the_logits_softcap_is_priced_in_the_head(kernels, forward, backward, kernels_each_way):
+    """Gemma 2's softcap over the logits (vocab split by tp): divide, tanh, multiply each reading and writing them
+    (fused: once); backward their gradients and the tanh's kept output, 2 of whose passes the head's kept bytes price
+    already."""
+    gemma = {"model_type": "gemma2", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 160, "vocab_size": 1000}
+    hw = hardware("h100")
+    layout = Layout(dp=1, tp=2, pp=1, mbs=2, recompute="none", schedule="1f1b")
+    plain, capped = (Job(spec=model_spec({**gemma, "final_logit_softcapping": cap}), hw=hw, gpus=2, global_batch=4,
+                         seq=512, kernels=kernels) for cap in (None, 30.0))
+    base, more = (layer_times(job, layout, "head") for job in (plain, capped))
+    logits = 2 * 512 * 1000 / 2 * 2  # tokens x vocab / tp, bf16
+    rate = hw.memory_bandwidth * hw.memory_efficiency
+    overhead = kernels_each_way * hw.kernel_overhead
+    kept = 2 * logits / rate  # the tanh's output, priced with the head's other kept bytes
+    assert more.f - base.f == pytest.approx(forward * logits / rate + overhead)
+    assert more.i - base.i == pytest.approx(backward * logits / rate + overhead - 2 * logits / rate + kept)
+    assert more.w == base.w
+    added = dict(more.parts)["elementwise"] - dict(base.parts)["elementwise"]
+    assert added == pytest.approx(more.f + more.i - base.f - base.i)
+
+
 def test_sequence_parallel_divides_only_the_residual_stream():
     spec = model_spec(LLAMA)
     one = layer_elementwise(spec, "dense")

@@ -102,9 +102,21 @@ def model_spec(config: object) -> ModelSpec:
     context = data.get("max_position_embeddings")
     spec = dataclasses.replace(spec, defaulted=tuple((key, value) for key, value in left_out.items() if key in _SIZES),
                                context=context if isinstance(context, int) and not spec.positions else 0)
-    spec = dataclasses.replace(spec, **_dropouts(data, family, spec.parallel_residual))
+    spec = dataclasses.replace(spec, **_dropouts(data, family, spec.parallel_residual),
+                               logit_softcap=_softcapped(data, family))
     window, layers = _windows(data, family, spec.layers)
     return dataclasses.replace(spec, window=window, window_layers=layers) if layers else spec
+
+
+def _softcapped(data: Mapping[str, Any], family: str) -> bool:
+    """Whether Gemma 2's or Gemma 3's ``final_logit_softcapping`` caps the logits (a positive number; null: off)."""
+    cap = data.get("final_logit_softcapping")
+    if family not in ("gemma2", "gemma3_text") or cap is None:
+        return False
+    if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0:
+        raise ModelConfigError(f"final_logit_softcapping must be a positive number or null, got {cap!r}: fix the "
+                               "config's \"final_logit_softcapping\"")
+    return True
 
 
 def _shown(value: object) -> str:

@@ -225,6 +225,10 @@ class ModelSpec:
     """The output head shares the embedding's weight."""
     head_bias: bool = False
     """A bias on the output head (ERNIE 4.5 MoE with ``use_bias``): ``vocab`` parameters, its own even when tied."""
+    logit_softcap: bool = False
+    """The logits capped as ``c · tanh(logits / c)`` before the loss (Gemma 2's and Gemma 3's
+    ``final_logit_softcapping``): the tanh's output kept for the backward, three elementwise kernels over the logits
+    each way (one fused)."""
     positions: int = 0
     """Rows of a learned position embedding (GPT-2), 0 for rotary models."""
     residual_dropouts: int = 0
