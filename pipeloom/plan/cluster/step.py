@@ -223,10 +223,12 @@ def key_text(value: Any) -> Any:
 
 def _why(est: Estimate, best: Estimate) -> str:
     """The parts of the step that grew against the best, most first, then those that shrank (each by at least a
-    twentieth of the largest change), so the gap adds up (a runner-up slower in both its compute and its exposed dp
-    exchange had been told the first alone)."""
+    twentieth of the largest change), and the rest where it shows, so the gap adds up (a runner-up slower in both its
+    compute and its exposed dp exchange had been told the first alone); the compute's part names the exchanges on
+    its critical path only where either layout has them."""
+    exchanged = "/".join(key for key in ("tp", "cp", "ep") if max(getattr(one.layout, key) for one in (est, best)) > 1)
     parts = {"bubble": est.bubble * est.pipeline_time - best.bubble * best.pipeline_time,
-             "compute and tp/ep communication": (1 - est.bubble) * est.pipeline_time
+             f"compute{f' and {exchanged} communication' if exchanged else ''}": (1 - est.bubble) * est.pipeline_time
              - (1 - best.bubble) * best.pipeline_time,
              "exposed dp communication": est.exposed_dp - best.exposed_dp,
              "optimizer step": est.optimizer_time - best.optimizer_time}
@@ -234,4 +236,6 @@ def _why(est: Estimate, best: Estimate) -> str:
     if largest <= 1e-9 * best.step_time:
         return "the same step within rounding"
     shown = sorted(((name, d) for name, d in parts.items() if abs(d) >= 0.05 * largest), key=lambda item: -item[1])
-    return ", ".join(f"{name} {d:+.3g} s" for name, d in shown)
+    rest = sum(parts.values()) - sum(d for _, d in shown)  # the small parts left out, said where they show
+    tail = [f"the rest {rest:+.2g} s"] if abs(rest) >= 1e-3 * best.step_time else []
+    return ", ".join([*(f"{name} {d:+.3g} s" for name, d in shown), *tail])

@@ -507,8 +507,15 @@ def test_a_runner_ups_reason_names_what_grew_and_what_shrank():
 
     best = _plan(layout="dp=8,tp=1,pp=1,vp=1,cp=1,ep=1,mbs=1,fsdp=0,recompute=none,schedule=1f1b").best
     other = dataclasses.replace(best, exposed_dp=best.exposed_dp + 0.05, pipeline_time=best.pipeline_time - 0.049)
-    assert _why(other, best) == "exposed dp communication +0.05 s, compute and tp/ep communication -0.049 s"
+    assert _why(other, best) == "exposed dp communication +0.05 s, compute -0.049 s"
     assert _why(dataclasses.replace(best, exposed_dp=best.exposed_dp + 1e-15), best) == "the same step within rounding"
+    # the compute's part names the exchanges either layout has; parts too small to list are summed where they show
+    tp = dataclasses.replace(other, layout=dataclasses.replace(best.layout, tp=2, dp=4))
+    assert _why(tp, best) == "exposed dp communication +0.05 s, compute and tp communication -0.049 s"
+    step = best.step_time
+    small = dataclasses.replace(best, exposed_dp=best.exposed_dp + 0.5 * step, optimizer_time=best.optimizer_time
+                                + 0.01 * step, pipeline_time=best.pipeline_time + 0.01 * step)
+    assert _why(small, best) == f"exposed dp communication {0.5 * step:+.3g} s, the rest {0.02 * step:+.2g} s"
 
 
 def test_the_report_says_which_peak_and_a_limit_above_the_gpu(config, capsys):
