@@ -44,7 +44,7 @@ def _experts(spec, layout) -> list[str]:
     return [f"experts: {count // ep} of {count} per GPU (ep {ep} consecutive GPUs within {where}; {held})"]
 
 
-def _window(spec) -> str:
+def _window(spec, seq: int) -> str:
     """The header's note of sliding-window, chunked or DeepSeek's sparse attention, or of Gated DeltaNet layers ('' for
     none)."""
     if spec.linear is not None:
@@ -60,7 +60,8 @@ def _window(spec) -> str:
         return ""
     local = (f"attention in chunks of {spec.window:,} tokens" if spec.chunked else
              f"sliding window {spec.window:,} tokens")
-    return f", {local} on {len(spec.window_layers)} of {spec.layers} layers"
+    moot = f" (no shorter than the {seq:,}-token sequence: full attention there)" if spec.window >= seq else ""
+    return f", {local} on {len(spec.window_layers)} of {spec.layers} layers{moot}"
 
 
 def _dropout(spec) -> str:
@@ -244,7 +245,7 @@ def report(result, *, framework: str | None = None) -> str:
     lines = [
         f"{job.spec.family}{text_of} ({job.spec.layers} layers, {_count(model_params(job.spec))} parameters) on "
         f"{job.gpus} x {job.hw.name}, global batch {job.global_batch} x {job.seq} "
-        f"tokens, {job.dtype}{_window(job.spec)}{_dropout(job.spec)}",
+        f"tokens, {job.dtype}{_window(job.spec, job.seq)}{_dropout(job.spec)}",
         f"layout: {best.layout}",
         _assumes(job, best.layout, framework, result.searched, result.variants),
         *([f"layers per stage: {_runs(best.stage_layers)}{_copies(best.layout)}"] if len(best.stage_layers) > 1

@@ -159,6 +159,10 @@ def test_the_command_says_which_layers_are_windowed(tmp_path, capsys):
     assert main([*argv, "--json"]) == 0
     model = json.loads(capsys.readouterr().out)["model"]
     assert (model["sliding_window"], model["sliding_window_layers"]) == (4096, list(range(8)))
+    argv[-1] = "4096"  # a window no shorter than the sequence: said to change nothing
+    assert main(argv) == 0
+    assert ("4,096 tokens on 8 of 8 layers (no shorter than the 4,096-token sequence: full attention there)"
+            in capsys.readouterr().out.splitlines()[0])
 
 
 def test_the_command_says_which_dropouts_the_config_trains_with(tmp_path, capsys):
