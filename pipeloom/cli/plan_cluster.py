@@ -153,7 +153,6 @@ def _save(args: argparse.Namespace, result) -> list[str]:
         recompute = saving.torchtitan_recompute(result.job, result.best.layout)
         assert recompute is not None, "runtime_plan refuses the export of a recomputation torchtitan has not"
         written.append(export_torchtitan(renamed, schedule, args.save, list(modules), recompute,
-                                         context_parallel=result.best.layout.cp,
                                          compiled=result.job.kernels == "fused",
                                          async_tp=result.job.tp_overlap and result.best.layout.tp > 1))
     outputs = getattr(args, "outputs", None)

@@ -101,7 +101,9 @@ def torchtitan_settings(plan: Plan, schedule: Schedule, csv_path: str | Path, *,
                         modules: Sequence[str]) -> dict[str, dict[str, object]]:
     """``{section: {key: value}}`` of torchtitan's configuration (0.2.x and 0.3.x alike) for ``plan`` run as
     ``schedule`` (the plan's simulated order), whose CSV is written at ``csv_path`` (made absolute); ``modules``:
-    the model's pieces in call order (see :func:`stage_modules`)."""
+    the model's pieces in call order (see :func:`stage_modules`); the plan's ``context_parallel`` above 1 as
+    ``parallelism.context_parallel_degree`` (the plan's data parallelism and batch per context-parallel group, each of
+    whose ranks holds 1/cp of the sequence)."""
     if plan.expert_parallel > 1:
         raise PlanError(f"the plan shares its experts over expert_parallel={plan.expert_parallel} ranks; the "
                         "torchtitan export is checked without expert parallelism only: export a plan saved with ep=1")
@@ -124,6 +126,8 @@ def torchtitan_settings(plan: Plan, schedule: Schedule, csv_path: str | Path, *,
         "data_parallel_shard_degree": plan.data_parallel if plan.sharding == "fsdp" else 1,
         "tensor_parallel_degree": plan.tensor_parallel,
     }
+    if plan.context_parallel > 1:  # the data parallelism and batch are per context-parallel group
+        parallelism["context_parallel_degree"] = plan.context_parallel
     # torchtitan splits a rank's local batch into micro-batches only under pipeline parallelism; without, it runs the
     # local batch whole and accumulates gradients over global / (local x dp) of them: one micro-batch each
     local = plan.global_batch // plan.data_parallel if plan.num_ranks > 1 else plan.microbatch_size
@@ -222,24 +226,17 @@ def torchtitan_args(settings: dict[str, dict[str, object]]) -> str:
 
 def write_torchtitan(plan: Plan, schedule: Schedule, toml_path: str | Path, csv_path: str | Path, *,
                      modules: Sequence[str], args_path: str | Path | None = None,
-                     activation_checkpoint: str | None = None,
-                     context_parallel: int = 1, compiled: bool = False,
+                     activation_checkpoint: str | None = None, compiled: bool = False,
                      async_tp: bool = False) -> dict[str, dict[str, object]]:
-    """Write the schedule CSV, the 0.2.x TOML fragment and (``args_path``) the command-line overrides; the
-    settings name the CSV by its absolute path, and with ``activation_checkpoint`` (a key of
-    :data:`ACTIVATION_CHECKPOINTS`) set torchtitan's recomputation (else torchtitan's own default runs); with
-    ``context_parallel`` above 1 its context parallelism (``parallelism.context_parallel_degree``: the plan's data
-    parallelism and batch are per context-parallel group, each of whose ranks holds 1/cp of the sequence); with
-    ``compiled``, ``torch.compile`` (``compile.enable``: the elementwise kernels fused, as a plan priced with
-    ``kernels="fused"`` assumes; torchtitan's default runs them eagerly); with ``async_tp`` (which needs
-    ``compiled``) its async tensor parallelism, the tp exchanges beside the GEMMs (0.2.x:
-    ``parallelism.enable_async_tensor_parallel``, 0.3.x: ``compile.enable_async_tensor_parallel``, both only under
-    ``torch.compile``). Returns the settings."""
+    """Write the schedule CSV (a plan of more than one pipeline rank: torchtitan builds no pipeline for one), the
+    0.2.x TOML fragment and (``args_path``) the command-line overrides (:func:`torchtitan_settings`); the settings
+    name the CSV by its absolute path, and with ``activation_checkpoint`` (a key of :data:`ACTIVATION_CHECKPOINTS`)
+    set torchtitan's recomputation (else torchtitan's own default runs); with ``compiled``, ``torch.compile``
+    (``compile.enable``: the elementwise kernels fused, as a plan priced with ``kernels="fused"`` assumes;
+    torchtitan's default runs them eagerly); with ``async_tp`` (which needs ``compiled``) its async tensor
+    parallelism, the tp exchanges beside the GEMMs (0.2.x: ``parallelism.enable_async_tensor_parallel``, 0.3.x:
+    ``compile.enable_async_tensor_parallel``, both only under ``torch.compile``). Returns the settings."""
     settings = torchtitan_settings(plan, schedule, csv_path, modules=modules)
-    if isinstance(context_parallel, bool) or not isinstance(context_parallel, int) or context_parallel < 1:
-        raise PlanError(f"context_parallel must be a whole number >= 1, got {context_parallel!r}")
-    if context_parallel > 1:
-        settings["parallelism"]["context_parallel_degree"] = context_parallel
     if async_tp and not compiled:
         raise PlanError("torchtitan's async tensor parallelism runs only under torch.compile: export it compiled")
     if async_tp:
@@ -251,7 +248,8 @@ def write_torchtitan(plan: Plan, schedule: Schedule, toml_path: str | Path, csv_
             raise PlanError(f"activation checkpointing {activation_checkpoint!r} for torchtitan: use one of "
                             f"{', '.join(ACTIVATION_CHECKPOINTS)}")
         settings["activation_checkpoint"] = dict(ACTIVATION_CHECKPOINTS[activation_checkpoint])
-    Path(csv_path).write_text(schedule_to_csv(schedule), encoding="utf-8")
+    if plan.num_ranks > 1:
+        Path(csv_path).write_text(schedule_to_csv(schedule), encoding="utf-8")
     Path(toml_path).write_text(torchtitan_toml(settings), encoding="utf-8")
     if args_path is not None:
         Path(args_path).write_text(torchtitan_args(settings), encoding="utf-8")
@@ -259,16 +257,17 @@ def write_torchtitan(plan: Plan, schedule: Schedule, toml_path: str | Path, csv_
 
 
 def export_torchtitan(plan: Plan, schedule: Schedule, save: Path, modules: Sequence[str],
-                      activation_checkpoint: str | None = None, *, context_parallel: int = 1,
-                      compiled: bool = False, async_tp: bool = False) -> str:
-    """Write ``<stem>.torchtitan.args``, ``.toml`` and ``.csv`` next to the plan file ``save``
-    (:func:`write_torchtitan`'s settings); the lines that say so, with the overrides of each torchtitan version."""
+                      activation_checkpoint: str | None = None, *, compiled: bool = False,
+                      async_tp: bool = False) -> str:
+    """Write ``<stem>.torchtitan.args``, ``.toml`` and (under pipeline parallelism) ``.csv`` next to the plan file
+    ``save`` (:func:`write_torchtitan`'s settings); the lines that say so, with the overrides of each torchtitan
+    version."""
     args, toml, csv = (save.with_name(f"{save.stem}.torchtitan.{ext}") for ext in ("args", "toml", "csv"))
     settings = write_torchtitan(plan, schedule, toml, csv, modules=modules, args_path=args,
-                                activation_checkpoint=activation_checkpoint, context_parallel=context_parallel,
-                                compiled=compiled, async_tp=async_tp)
+                                activation_checkpoint=activation_checkpoint, compiled=compiled, async_tp=async_tp)
     shared, older, newer = version_overrides(settings)
-    lines = [f"wrote torchtitan overrides {args}, 0.2.x TOML {toml} and schedule {csv}",
+    written = f" and schedule {csv}" if plan.num_ranks > 1 else ""
+    lines = [f"wrote torchtitan overrides {args}, 0.2.x TOML {toml}{written}",
              f"torchtitan 0.2.x and 0.3.x: {shlex.join(shared)}"]
     if older:
         lines.append(f"torchtitan 0.2.x also: {shlex.join(older)}")

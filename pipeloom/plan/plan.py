@@ -18,8 +18,8 @@ __all__ = ["PLAN_FORMAT", "PLAN_FORMAT_EP", "Plan", "load_plan", "model_stage_co
 
 PLAN_FORMAT = "pipeloom.plan/1"
 PLAN_FORMAT_EP = "pipeloom.plan/2"
-"""A plan with ``expert_parallel`` above 1 is written in this version (``/1`` plus that key), so that a pipeloom
-that cannot run it says so by the format; every other plan is still written and read as ``/1``."""
+"""A plan with ``expert_parallel`` or ``context_parallel`` above 1 is written in this version (``/1`` plus those keys),
+so that a pipeloom that cannot run it says so by the format; every other plan is still written and read as ``/1``."""
 
 _SCHEDULE_FILE_SUFFIXES = (".json", ".csv")
 
@@ -77,6 +77,10 @@ class Plan:
     """Ranks of one pipeline stage each MoE layer's experts are shared out over: the ``data_parallel`` replicas
     are ``data_parallel / expert_parallel`` groups of that many, a ``("dp", "pp", "ep")`` mesh (``"dp"`` left
     out when 1; docs/parallelism.md, expert parallelism)."""
+    context_parallel: int = 1
+    """Ranks each sequence is cut over (a layout exported for torchtitan, which runs it: ``pipeloom plan --save
+    --export torchtitan``); pipeloom's runtime has no context parallelism and refuses a plan with it above 1. The
+    job runs on ``world_size`` ranks."""
     tp_plan: dict | None = None
     """With ``tensor_parallel`` > 1: the tensor-parallel plan as JSON, a built-in recipe and its module names
     (:mod:`pipeloom.plan.tp.recipes`), turned into torch's ``ParallelStyle`` dict by ``pipeline(plan=)``."""
@@ -93,7 +97,7 @@ class Plan:
 
     def __post_init__(self) -> None:
         for name in ("num_ranks", "microbatches", "global_batch", "data_parallel", "tensor_parallel",
-                     "expert_parallel", "sequence_length"):
+                     "expert_parallel", "context_parallel", "sequence_length"):
             value = getattr(self, name)
             if value is None and name == "sequence_length":
                 continue
@@ -151,8 +155,8 @@ class Plan:
 
     @property
     def world_size(self) -> int:
-        """Ranks the plan runs on: the pipeline's times the replicas times the tensor-parallel ranks."""
-        return self.num_ranks * self.data_parallel * self.tensor_parallel
+        """Ranks the plan runs on: the pipeline's times the replicas times the tensor- and context-parallel ranks."""
+        return self.num_ranks * self.data_parallel * self.tensor_parallel * self.context_parallel
 
     @property
     def num_stages(self) -> int:
@@ -166,9 +170,10 @@ _KEYS = {"format", "num_ranks", "split_points", "schedule", "schedule_options", 
 
 
 def plan_to_json(plan: Plan, *, indent: int | None = 1) -> str:
-    """The ``pipeloom.plan/1`` JSON text of ``plan`` (``/2`` with ``expert_parallel`` above 1)."""
+    """The ``pipeloom.plan/1`` JSON text of ``plan`` (``/2`` with ``expert_parallel`` or ``context_parallel`` above
+    1)."""
     document = {
-        "format": PLAN_FORMAT if plan.expert_parallel == 1 else PLAN_FORMAT_EP,
+        "format": PLAN_FORMAT if plan.expert_parallel == plan.context_parallel == 1 else PLAN_FORMAT_EP,
         "num_ranks": plan.num_ranks,
         "split_points": list(plan.split_points),
         "schedule": plan.schedule,
@@ -191,6 +196,8 @@ def plan_to_json(plan: Plan, *, indent: int | None = 1) -> str:
         document["tp_plan"] = {k: v for k, v in (plan.tp_plan or {}).items() if k != "head_norm" or v}
     if plan.expert_parallel > 1:  # /2 only
         document["expert_parallel"] = plan.expert_parallel
+    if plan.context_parallel > 1:  # /2 only
+        document["context_parallel"] = plan.context_parallel
     if plan.sequence_length is not None:  # optional: a cluster plan's --seq
         document["sequence_length"] = plan.sequence_length
     if plan.trials:  # optional as well: written only for a plan chosen by measurement
@@ -230,8 +237,8 @@ def plan_from_json(text: str) -> Plan:
     if document["format"] not in (PLAN_FORMAT, PLAN_FORMAT_EP):
         raise PlanError(f"format {shown(document['format'])} is not supported; expected {PLAN_FORMAT!r} or "
                         f"{PLAN_FORMAT_EP!r}")
-    check_keys(document, _KEYS | {"expert_parallel"} if document["format"] == PLAN_FORMAT_EP else _KEYS,
-               where="plan", error=PlanError)
+    check_keys(document, _KEYS | {"expert_parallel", "context_parallel"} if document["format"] == PLAN_FORMAT_EP
+               else _KEYS, where="plan", error=PlanError)
     where = "plan"
     options = document.get("schedule_options") or {}
     if not isinstance(options, dict):
@@ -256,6 +263,7 @@ def plan_from_json(text: str) -> Plan:
         tensor_parallel=integer(document, "tensor_parallel", where=where, error=PlanError, default=1),
         tp_plan=document.get("tp_plan"),
         expert_parallel=integer(document, "expert_parallel", where=where, error=PlanError, default=1),
+        context_parallel=integer(document, "context_parallel", where=where, error=PlanError, default=1),
         sequence_length=(integer(document, "sequence_length", where=where, error=PlanError)
                          if document.get("sequence_length") is not None else None),
         trials=_trials(document.get("trials", [])),

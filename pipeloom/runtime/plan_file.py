@@ -57,6 +57,11 @@ def plan_arguments(plan: str | Path, schedule: object, split_points: Sequence[st
     be the plan's), its sharding as ``data_parallel`` unless given, and its saved tensor-parallel recipe becomes
     torch's ``ParallelStyle`` dict (:func:`pipeloom.runtime.parallel.tp.recipe_styles`)."""
     chosen = load_plan(plan)
+    if chosen.context_parallel > 1:
+        raise PipelineError(f"{plan} cuts each sequence over {chosen.context_parallel} ranks (context_parallel, a "
+                            "layout saved for torchtitan with --export torchtitan, which runs it), and pipeloom's "
+                            "runtime has no context parallelism; run it with torchtitan, or plan for pipeloom's "
+                            "runtime (--save without --export: it searches the layouts pipeloom runs)")
     mesh, tp_plan = parallel.mesh, parallel.tp_plan
     if chosen.data_parallel > 1 or chosen.tensor_parallel > 1:  # expert_parallel > 1 implies data_parallel > 1
         mesh = _plan_mesh(chosen, mesh, parallel.process_group, device)

@@ -198,7 +198,9 @@ def test_cli_plans_the_mesh_and_exports(tmp_path, capsys):
     assert code == 0 and "mesh (dp x pp)" in out and "--parallelism.pipeline_parallel_degree" in out
     plan = load_plan(tmp_path / "plan.json")
     assert plan.data_parallel * plan.num_ranks == 8
-    assert all((tmp_path / f"plan.torchtitan.{ext}").exists() for ext in ("toml", "csv", "args"))
+    assert all((tmp_path / f"plan.torchtitan.{ext}").exists() for ext in ("toml", "args"))
+    # the schedule's CSV only for a pipeline: torchtitan builds none for one stage, and nothing would read it
+    assert (tmp_path / "plan.torchtitan.csv").exists() == (plan.num_ranks > 1) == (" and schedule " in out)
     graphs = "--training.disable_cuda_graphs " if plan.num_ranks > 1 else ""  # CUDA graphs refuse a pipeline only
     assert f"torchtitan 0.3.x also: {graphs}activation_checkpoint:none" in out
     assert "torchtitan 0.2.x also: --activation_checkpoint.mode none" in out  # priced keeping every activation

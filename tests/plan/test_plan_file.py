@@ -101,6 +101,27 @@ def test_expert_parallel_is_written_as_version_2(tmp_path):
         plan_from_json(json.dumps(document))
 
 
+def test_context_parallel_is_written_as_version_2_and_the_runtime_refuses_it(tmp_path):
+    """A plan saved for torchtitan with cp 2 carries it (/2): its ranks count cp, and pipeline(plan=) names cp rather
+    than running the layout without it on the other ranks (it had: the file left cp out)."""
+    from pipeloom.runtime import Parallelism
+    from pipeloom.runtime.errors import PipelineError
+    from pipeloom.runtime.plan_file import plan_arguments
+
+    plan = _plan(data_parallel=2, context_parallel=2)
+    save_plan(plan, tmp_path / "plan.json")
+    document = json.loads((tmp_path / "plan.json").read_text())
+    assert document["format"] == "pipeloom.plan/2" and document["context_parallel"] == 2
+    assert load_plan(tmp_path / "plan.json") == plan and plan.world_size == 8
+    assert "context_parallel" not in json.loads(plan_to_json(_plan()))
+    with pytest.raises(PipelineError, match=r"cuts each sequence over 2 ranks \(context_parallel.*--export torchtitan"
+                                            r".*has no context parallelism"):
+        plan_arguments(tmp_path / "plan.json", None, None, None, None, parallel=Parallelism(), device="cpu")
+    document["format"] = PLAN_FORMAT  # a /1 file does not take the key
+    with pytest.raises(PlanError, match=r"unknown key\(s\) \['context_parallel'\]"):
+        plan_from_json(json.dumps(document))
+
+
 def test_a_saved_schedule_is_found_next_to_the_plan(tmp_path):
     plan = _plan(schedule="searched.json")
     save_plan(plan, tmp_path / "plan.json")

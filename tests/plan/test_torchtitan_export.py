@@ -130,8 +130,8 @@ def test_context_parallelism_reaches_torchtitan(tmp_path):
     result = plan_mesh(CostTable(pieces=pieces, microbatch_size=1), num_ranks=4, global_batch=16,
                        schedules=["1f1b"], data_parallel=[2], microbatches=[8])
     toml, csv, args = (tmp_path / f"plan.torchtitan.{ext}" for ext in ("toml", "csv", "args"))
-    settings = write_torchtitan(result.plan, result.schedule, toml, csv, modules=MODULES, args_path=args,
-                                context_parallel=2)
+    plan = dataclasses.replace(result.plan, context_parallel=2)
+    settings = write_torchtitan(plan, result.schedule, toml, csv, modules=MODULES, args_path=args)
     assert settings["parallelism"]["context_parallel_degree"] == 2
     overrides = shlex.split(args.read_text().splitlines()[1])
     if VERSION.startswith("0.2."):

@@ -277,7 +277,8 @@ def runtime_plan(result: ClusterPlan, *, export: str | None = None) -> Plan:
                 stage_times=_stage_times(estimator, layout),
                 memory_limit=result.memory_limit, bubble_ratio=best.bubble, device=job.hw.name,
                 data_parallel=layout.dp, sharding="fsdp" if layout.fsdp else "replicate",
-                tensor_parallel=layout.tp, tp_plan=tp_plan, expert_parallel=layout.ep, sequence_length=job.seq)
+                tensor_parallel=layout.tp, tp_plan=tp_plan, expert_parallel=layout.ep, context_parallel=layout.cp,
+                sequence_length=job.seq)
 
 
 def runtime_memory_note(result: ClusterPlan) -> tuple[str | None, bool]:
