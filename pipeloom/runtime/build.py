@@ -18,7 +18,7 @@ from torch import nn
 
 from pipeloom.ir import Schedule
 from pipeloom.runtime.engine import PipelineEngine
-from pipeloom.runtime.errors import NeedsExampleError, PipelineError
+from pipeloom.runtime.errors import NeedsExampleError, PipelineError, SplitError
 from pipeloom.runtime.first_step import FirstStepEngine, replaced_by
 from pipeloom.runtime.model.materialize import place_pieces
 from pipeloom.runtime.model.split import StagedModel
@@ -101,11 +101,12 @@ def pipeline(
     """
     tracing, parallel = tracing or Tracing(), parallel or Parallelism()
     weights, failures = weights or Weights(), failures or Failures()
-    planned_batch = None
+    planned_batch, planned_cuts = None, None
     if plan is not None:
         schedule, planned, schedule_options, microbatches, parallel, planned_batch = plan_arguments(
             plan, schedule, split_points, schedule_options, microbatches, parallel=parallel, device=device)
         split_points = planned if stages is None else split_points
+        planned_cuts = split_points if split_points is planned else None
     _check_arguments(schedule, loss_fn, microbatches)
     assert loss_fn is not None  # _check_arguments refused None
     layout = layout_of(parallel.process_group, parallel.mesh)
@@ -127,7 +128,12 @@ def pipeline(
 
     def cut(example: object = None) -> StagedModel:
         given = tracing if example is None else dataclasses.replace(tracing, example_inputs=example, tracer="export")
-        return _staged(model, split_points, stages, given, tp_plan, expert_names)
+        try:
+            return _staged(model, split_points, stages, given, tp_plan, expert_names)
+        except SplitError as error:  # the plan file's split points: say whose they are
+            if planned_cuts is None:
+                raise
+            raise type(error)(f"{plan}'s split_points {list(planned_cuts)}: {error}") from None
 
     try:
         staged = cut()

@@ -62,6 +62,8 @@ def plan_arguments(plan: str | Path, schedule: object, split_points: Sequence[st
                             "layout saved for torchtitan with --export torchtitan, which runs it), and pipeloom's "
                             "runtime has no context parallelism; run it with torchtitan, or plan for pipeloom's "
                             "runtime (--save without --export: it searches the layouts pipeloom runs)")
+    if schedule is None:
+        _check_schedule(plan, chosen.schedule)
     mesh, tp_plan = parallel.mesh, parallel.tp_plan
     if chosen.data_parallel > 1 or chosen.tensor_parallel > 1:  # expert_parallel > 1 implies data_parallel > 1
         mesh = _plan_mesh(chosen, mesh, parallel.process_group, device)
@@ -76,6 +78,15 @@ def plan_arguments(plan: str | Path, schedule: object, split_points: Sequence[st
             dict(chosen.schedule_options) if options is None else options,
             chosen.microbatches if microbatches is None else microbatches, parallel,
             PlannedBatch(str(plan), chosen.global_batch))
+
+
+def _check_schedule(plan: str | Path, name: str) -> None:
+    """PipelineError naming the plan file where its schedule is neither built in nor a schedule file (a hand edit)."""
+    from pipeloom.schedules import REGISTRY
+
+    if name not in REGISTRY and not (name.endswith((".json", ".csv")) and Path(name).is_file()):
+        raise PipelineError(f"{plan}: its schedule {name!r} is neither a built-in ({', '.join(REGISTRY)}) nor a "
+                            ".json/.csv schedule file next to it; fix the plan's \"schedule\"")
 
 
 def _plan_mesh(chosen: Plan, mesh: DeviceMesh | None, process_group: ProcessGroup | None,

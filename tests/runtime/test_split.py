@@ -236,6 +236,12 @@ def test_manual_chain_matches_sequential() -> None:
 def test_unknown_split_point_lists_valid_names() -> None:
     with pytest.raises(UnknownSplitPointError, match=r"layers\.9.*'layers\.0\.fc', 'layers\.1\.fc'"):
         split_model(MLP(), ["layers.9"])
+    # the nearest names first: its parent's called modules, else the closest spelling
+    layers = len(MLP().layers)
+    with pytest.raises(UnknownSplitPointError, match=rf"\['layers\.9'\] \(layers calls {layers}: layers\.0, "):
+        split_model(MLP(), ["layers.9"])
+    with pytest.raises(UnknownSplitPointError, match=r"\['haed'\] \(did you mean 'head'\?\)"):
+        split_model(MLP(), ["haed"])
 
 
 @pytest.mark.parametrize("points", [["head", "layers.2"], ["layers.2", "layers.2"],

@@ -7,6 +7,7 @@ stage consumes from which earlier stage (or from the model inputs), so stages ma
 from __future__ import annotations
 
 import contextlib
+import difflib
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -198,6 +199,19 @@ def _spans(graph: fx.Graph, names: Sequence[str]) -> dict[str, tuple[int, int]]:
     return spans
 
 
+def _nearest(name: str, called: list[str]) -> str:
+    """What the model calls nearest ``name``, for its error: the closest spellings of a misspelt name, else the called
+    modules of its parent (``model.layers.12`` on an 8-layer model: ``model.layers.0`` ... ``model.layers.7``); ''
+    where neither."""
+    parent, _, last = name.rpartition(".")
+    close = [] if last.isdigit() else difflib.get_close_matches(name, called, n=3)
+    if close:
+        return f" (did you mean {' or '.join(map(repr, close))}?)"
+    siblings = [other for other in called if other.rpartition(".")[0] == parent]
+    listed = siblings if len(siblings) <= 4 else [*siblings[:2], "...", siblings[-1]]
+    return f" ({parent or 'the model'} calls {len(siblings)}: {', '.join(listed)})" if siblings else ""
+
+
 def _stage_starts(graph: fx.Graph, split_points: Sequence[str], leaf_modules: Sequence[str] = ()) -> list[int]:
     """Node positions where stages 1.. start, checked against unknown names, order, emptiness and
     modules kept whole."""
@@ -211,10 +225,10 @@ def _stage_starts(graph: fx.Graph, split_points: Sequence[str], leaf_modules: Se
     targets = list(dict.fromkeys(str(n.target) for n in graph.nodes if n.op == "call_module")) or list(first)
     unknown = [name for name in split_points if name not in first]
     if unknown:
-        shown = targets if len(targets) <= 60 else [*targets[:60], f"... {len(targets) - 60} more"]
+        shown = targets if len(targets) <= 20 else [*targets[:20], f"... {len(targets) - 20} more"]
         raise UnknownSplitPointError(
-            f"unknown split point(s) {unknown}; valid names are the called modules, in call order: "
-            f"{shown} (or any parent of them, e.g. 'layers.4' for 'layers.4.fc')"
+            f"unknown split point(s) {unknown}{_nearest(unknown[0], list(first))}; valid names are the called "
+            f"modules, in call order: {shown} (or any parent of them, e.g. 'layers.4' for 'layers.4.fc')"
             + ("; modules inside leaf_modules are kept whole and cannot start a stage"
                if any(name.startswith(leaf + ".") for name in unknown for leaf in leaf_modules) else "")
         )
