@@ -382,7 +382,9 @@ class PipelineEngine:
 
     def _write_trace(self, start: int, end: int, events: list) -> None:
         self.trace_steps.append(step_record(self._step_count, start, end, events))
-        if self.trace_dir is not None:
+        # one pipeline's files: the first replica's, first tp rank's (each replica's pipeline rank r would write
+        # the same rank{r}.json, the replicas overwriting each other's steps)
+        if self.trace_dir is not None and not (self.dp.rank or self.layout.tp.rank):
             self.write_trace(rank_file(self.trace_dir, self.rank))
 
     def trace_document(self) -> dict:

@@ -157,10 +157,10 @@ def replica_fault(rank: int, world: int, linger: float) -> dict:
     return {"message": message, "seconds": seconds}
 
 
-def planned_mesh(rank: int, world: int, plan_path: str) -> dict:
+def planned_mesh(rank: int, world: int, plan_path: str, record: str) -> dict:
     """A plan with two replicas of a 2-rank pipeline, run by ``pipeline(model, plan=...)`` with no mesh
-    given, against the same settings on an explicit (dp 2, pp 2) mesh: each rank's gradients after one
-    step."""
+    given (recording to ``record``), against the same settings on an explicit (dp 2, pp 2) mesh: each rank's
+    gradients after one step, and its own trace."""
     import torch.nn.functional as F
     from models import SPLITS, batch, build
     from torch.distributed.device_mesh import init_device_mesh
@@ -168,7 +168,8 @@ def planned_mesh(rank: int, world: int, plan_path: str) -> dict:
     from pipeloom.runtime import pipeline
 
     inputs, target = batch("residual", rows=32)
-    planned = pipeline(build("residual"), plan=plan_path, loss_fn=F.cross_entropy, failures=Failures(timeout=60))
+    planned = pipeline(build("residual"), plan=plan_path, loss_fn=F.cross_entropy, failures=Failures(timeout=60),
+                       record=record)
     planned.step(inputs[0], target=target)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
     explicit = pipeline(
@@ -182,7 +183,7 @@ def planned_mesh(rank: int, world: int, plan_path: str) -> dict:
     )
     explicit.step(inputs[0], target=target)
     result = {"dp": (planned.dp.rank, planned.dp.size), "pp": planned.rank, "planned": _grads(planned),
-              "explicit": _grads(explicit)}
+              "explicit": _grads(explicit), "trace": planned.trace_document()}
     planned.close()
     explicit.close()
     return result

@@ -6,6 +6,7 @@ batch within the summation bound of docs/runtime.md."""
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 
@@ -360,8 +361,14 @@ def test_a_plan_with_replicas_runs_on_its_own_mesh(tmp_path):
     plan = Plan(num_ranks=2, split_points=tuple(SPLITS["residual"][2]), schedule="zb-h1", microbatches=4,
                 global_batch=32, predicted_step_time=1.0, data_parallel=2)
     save_plan(plan, tmp_path / "plan.json")
-    results = _ok(run_ranks(4, planned_mesh, str(tmp_path / "plan.json"), timeout=150))
+    results = _ok(run_ranks(4, planned_mesh, str(tmp_path / "plan.json"), str(tmp_path / "trace"), timeout=150))
     assert sorted(r["dp"] for r in results.values()) == [(0, 2), (0, 2), (1, 2), (1, 2)]
+    # record=: the first replica's pipeline writes the files (each replica's rank r had written rank{r}.json)
+    assert sorted(path.name for path in (tmp_path / "trace").iterdir()) == ["rank0.json", "rank1.json"]
+    for result in results.values():
+        if result["dp"][0] == 0:
+            written = json.loads((tmp_path / "trace" / f"rank{result['pp']}.json").read_text())
+            assert written == json.loads(json.dumps(result["trace"]))
     for result in results.values():
         assert result["planned"].keys() == result["explicit"].keys() and result["planned"]
         for name, grad in result["planned"].items():
