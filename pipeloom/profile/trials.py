@@ -162,21 +162,41 @@ def try_plans(result: PlanResult, *, build: Callable[[], nn.Module], inputs: Any
         raise PlanError(f"the plan runs on {result.plan.world_size} ranks but {world} are at hand; try the plans "
                         f"on {result.plan.world_size} ranks (torchrun --nproc-per-node {result.plan.world_size})")
     trials = _shared_trials(result, k, spread, process_group)
-    race, errors, engines = TrialRace(len(trials), budget), {}, {}
+    race, errors = TrialRace(len(trials), budget), {}
+    engines: dict[int, Any] = {}
+
+    def refuse(n: int, error: PipeloomError) -> None:
+        errors[n] = f"{type(error).__name__}: {error}"
+        race.refuse(n)
+        engine = engines.pop(n, None)
+        if engine is not None:
+            engine.close()
+
+    def steps(n: int, count: int) -> list[float] | None:
+        """``count`` timed steps of trial ``n``; None where its engine refused a step (a check only a step makes,
+        such as the two replicas' buffers after it: the same on every rank), the trial then out of the race."""
+        try:
+            return _steps(engines[n], count, inputs, target, process_group)
+        except PipeloomError as error:
+            refuse(n, error)
+            return None
+
     with tempfile.TemporaryDirectory(prefix="pipeloom-try-") as scratch:
         for n, trial in enumerate(trials):
             options = {**pipeline_options, **(options_for(trial.plan) if options_for is not None else {})}
             try:
                 engines[n] = _engine(trial, Path(scratch) / str(n), build, loss_fn, process_group, options)
             except PipeloomError as error:  # refused by the engine, the same way on every rank
-                errors[n] = f"{type(error).__name__}: {error}"
-                race.refuse(n)
+                refuse(n, error)
                 continue
-            race.spend(sum(_steps(engines[n], budget.warmup, inputs, target, process_group)))
+            race.spend(sum(steps(n, budget.warmup) or ()))
         while not race.done():
             for n in race.order():  # settling steps first: the first after another engine's find cold caches
-                race.spend(sum(_steps(engines[n], budget.settle, inputs, target, process_group)))
-                race.record(n, _steps(engines[n], budget.round_steps, inputs, target, process_group))
+                settled = steps(n, budget.settle)
+                timed = steps(n, budget.round_steps) if settled is not None else None
+                if timed is not None:
+                    race.spend(sum(settled or ()))
+                    race.record(n, timed)
             for n in race.end_round():
                 del engines[n]  # memory back as soon as a plan leaves the race
     records = [_record(trials[n], race, n, errors.get(n, "")) for n in race.ranking()]

@@ -31,6 +31,22 @@ def test_the_fastest_measured_of_the_best_plans_is_chosen_and_saved(tmp_path):
     assert mine["saved_trials"] == trials  # in the plan file
 
 
+def test_a_plan_whose_step_the_engine_refuses_leaves_the_race():
+    """A refusal only a step makes (chimera's two replicas updating BatchNorm's running statistics apart) is that
+    plan's error in the trials, and the race goes on (it had ended the whole command, no plan saved)."""
+    import trial_jobs
+
+    results = run_ranks(2, trial_jobs.try_a_refused_step, timeout=240)
+    assert all(status == "ok" for status, _ in results.values()), results
+    for _, result in results.values():
+        assert result["schedule"] == "1f1b"
+        by_schedule = {trial["schedule"]: trial for trial in result["trials"]}
+        assert by_schedule.keys() == {"chimera", "1f1b"} and by_schedule["1f1b"]["measured"] > 0
+        refused = by_schedule["chimera"]
+        assert refused["measured"] is None and "holds two replicas of each piece" in refused["error"]
+        assert result["trials"][-1]["schedule"] == "chimera"  # the refused one ranked last
+
+
 def test_trials_round_trip_through_the_plan_file_and_bad_ones_are_refused():
     trial = {"label": "1f1b, 4 micro-batches", "schedule": "1f1b", "schedule_options": {}, "microbatches": 4,
              "data_parallel": 1, "split_points": ["2"], "predicted": 0.5, "measured": 0.6, "step_times": [0.6]}

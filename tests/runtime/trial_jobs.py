@@ -47,3 +47,22 @@ def try_three(rank: int, world: int, folder: str) -> dict:
     return {"trials": list(tried.plan.trials), "schedule": tried.plan.schedule,
             "microbatches": tried.plan.microbatches, "saved_trials": list(saved.trials),
             "predicted_best": (result.plan.schedule, result.plan.microbatches)}
+
+
+def build_batchnorm() -> nn.Module:
+    """The four blocks with a BatchNorm each: its running statistics are updated by every training step."""
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH), nn.Tanh())
+                           for _ in range(LAYERS)))
+
+
+def try_a_refused_step(rank: int, world: int) -> dict:
+    """Try chimera and 1f1b on a BatchNorm model: chimera's two replicas update the running statistics apart, which
+    the engine refuses after the first step; the race goes on with 1f1b."""
+    result = plan_pipeline(table(), num_ranks=world, global_batch=BATCH, schedules=["chimera", "1f1b"],
+                           microbatches=[4])
+    torch.manual_seed(1)
+    inputs, target = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
+    tried = try_plans(result, build=build_batchnorm, inputs=inputs, target=target, loss_fn=loss, k=2,
+                      budget=TrialBudget(warmup=1, round_steps=2, steps=4, seconds=None))
+    return {"trials": list(tried.plan.trials), "schedule": tried.plan.schedule}
