@@ -191,11 +191,14 @@ class EngineProfiler:
                            process_group: ProcessGroup | None) -> PipelineEngine | None:
         """The two-replica pipeline whose replica-gradient exchange :meth:`table` prices, or None
         where there is none to run (an odd number of ranks, as two-replica schedules need an even one,
-        or of micro-batches; or a parameter shared by pieces on two ranks, which the runtime combines with
-        one-replica schedules only): each rank's run of pieces is one stage, and the replicas mirror each
-        other (:func:`profiling_schedule`)."""
+        or of micro-batches; a parameter shared by pieces on two ranks, which the runtime combines with
+        one-replica schedules only; or running statistics a training step updates, BatchNorm's, which two replicas
+        would update apart, as the runtime refuses): each rank's run of pieces is one stage, and the replicas mirror
+        each other (:func:`profiling_schedule`)."""
         rank_of = self.rank_of
         if self.world < 2 or self.world % 2 or microbatches % 2 or shared_across_stages(self.base, rank_of):
+            return None
+        if any(getattr(module, "track_running_stats", False) and module.training for module in self.model.modules()):
             return None
         cuts = [k for k in range(1, len(self.names)) if rank_of[k] != rank_of[k - 1]]
         bounds = [0, *cuts, len(self.names)]

@@ -277,6 +277,23 @@ def profile_in_engine_odd_job(rank: int, world: int) -> str:
                                            warmup_steps=1, steps=2))
 
 
+def profile_in_engine_batchnorm_job(rank: int, world: int) -> str:
+    """profile_in_engine on 2 ranks of a model with BatchNorm (no two-replica pipeline: its replicas would update
+    the running statistics apart, which the runtime refuses after a step)."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    from pipeloom.plan.costs.file import costs_to_json
+    from pipeloom.profile.in_engine import profile_in_engine
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU()) for _ in range(4)))
+    x, y = torch.randn(16, 8), torch.randint(0, 8, (16,))
+    return costs_to_json(profile_in_engine(model, x, loss_fn=F.cross_entropy, target=y, microbatches=4,
+                                           warmup_steps=1, steps=2))
+
+
 def profile_cli_job(rank: int, world: int, example: str, out: str) -> int:
     """``pipeloom profile ... --in-engine`` on every rank of an already started group; its exit code."""
     import contextlib
