@@ -9,10 +9,8 @@ import json
 import math
 from collections.abc import Iterator, Mapping
 
-from rich.console import Console
-
 from pipeloom.cli.errors import UsageError
-from pipeloom.cli.outputs import target
+from pipeloom.cli.outputs import report_console, target
 from pipeloom.errors import PipeloomError
 from pipeloom.ir import save_schedule
 from pipeloom.problem import Costs
@@ -121,7 +119,7 @@ def _write_files(args: argparse.Namespace, timeline: Timeline, report: dict) -> 
 def emit(args: argparse.Namespace, timeline: Timeline, report: dict, table=summary_table) -> int:
     """Write the requested files, then print the report (tables or JSON) and the terminal view."""
     written = _write_files(args, timeline, report)
-    console = Console(stderr=args.json, highlight=False)
+    console = report_console(stderr=args.json)
     if args.json:
         print(json.dumps(report))
     else:

@@ -6,9 +6,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from rich.console import Console
-
 from pipeloom.cli.errors import UsageError
+from pipeloom.cli.outputs import report_console
 from pipeloom.cli.schedules import compare_schedules
 from pipeloom.problem import Costs
 from pipeloom.schedules import REGISTRY
@@ -51,7 +50,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from pipeloom.viz.html import write_html
 
     write_html(timelines, files[4][0], title=title)
-    console = Console(highlight=False)
+    console = report_console()
     print_comparison(console, rows, title)
     console.print("Files:", markup=False, soft_wrap=True)
     for path, what in files:

@@ -1,4 +1,4 @@
-"""The files a command writes, all or none.
+"""The files a command writes, all or none, and the console its report is printed on (:func:`report_console`).
 
 Every output path a command was given (``--save``, ``-o``, ``--perfetto``, ``--png``: the flags parsed by
 ``_path_with``, whose values are :class:`OutputPath`) gets a temporary file in its own folder before
@@ -23,6 +23,8 @@ __all__ = ["OutputPath", "StagedOutputs", "target"]
 
 
 if TYPE_CHECKING:
+    from rich.console import Console
+
     _ConcretePath = Path
 else:
     _ConcretePath = type(Path())  # PosixPath or WindowsPath: Python < 3.12 cannot subclass Path itself
@@ -95,3 +97,19 @@ def target(args: argparse.Namespace, final: Path) -> Path:
     """Where a command writes output ``final``: its temporary file while ``main`` stages the outputs."""
     outputs = getattr(args, "outputs", None)
     return outputs.path(final) if outputs is not None else final
+
+
+PIPED_WIDTH = 160
+"""Columns of a report printed to a pipe or a file: rich's 80 (without ``COLUMNS``) cut the tables' numbers to
+``0.002…``, the figures a script reads."""
+
+
+def report_console(*, stderr: bool = False) -> Console:
+    """A rich console for a command's report on stdout (``stderr``: on stderr, as under ``--json``), as wide as the
+    terminal, or :data:`PIPED_WIDTH` columns where the stream is none and ``COLUMNS`` does not say."""
+    from rich.console import Console
+
+    console = Console(stderr=stderr, highlight=False)
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console = Console(stderr=stderr, highlight=False, width=PIPED_WIDTH)
+    return console

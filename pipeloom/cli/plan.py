@@ -9,11 +9,9 @@ import os
 import time
 from pathlib import Path
 
-from rich.console import Console
-
 from pipeloom.cli.argtypes import count, number, path_with
 from pipeloom.cli.errors import UsageError
-from pipeloom.cli.outputs import target
+from pipeloom.cli.outputs import report_console, target
 from pipeloom.cli.plan_cluster import cmd_plan_cluster
 from pipeloom.cli.plan_cluster_args import add_cluster_arguments, check_plan_mode
 from pipeloom.cli.plan_try import add_try_arguments, check_try, trial_lines, try_in_engine
@@ -301,7 +299,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         outputs = getattr(args, "outputs", None)
         result.save(outputs.direct(args.save) if outputs is not None else args.save)
         written.insert(0, f"wrote plan {args.save}")
-    console = Console(stderr=args.json, highlight=False)
+    console = report_console(stderr=args.json)
     if args.json:
         from pipeloom.plan.plan import plan_to_json
 
@@ -375,7 +373,7 @@ def _plan_on_server(args: argparse.Namespace) -> int:
             plan = dataclasses.replace(plan, schedule=companion.name)
         save_plan(plan, save)
         written.insert(0, f"wrote plan {args.save}")
-    console = Console(stderr=args.json, highlight=False)
+    console = report_console(stderr=args.json)
     if args.json:
         print(json.dumps({key: value for key, value in answer.items() if key not in ("view", "schedule")}))
     else:

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from rich.console import Console
-
 from pipeloom.cli.errors import UsageError
+from pipeloom.cli.outputs import report_console
 from pipeloom.cli.profile_output import print_tensor, show
 from pipeloom.cli.profile_user import (
     check_batch,
@@ -65,14 +64,14 @@ def run_in_engine(args: argparse.Namespace, module, function) -> int:
             fitted = table.runtime
             exchange = ("none (odd ranks or micro-batches, or parameters shared across ranks)"
                         if fitted.replica_link is None else f"{fitted.replica_link.latency * 1e3:.2f} ms per message")
-            Console(stderr=args.json, highlight=False).print(
+            report_console(stderr=args.json).print(
                 f"fitted: latency under load {table.link.latency * 1e3:.2f} ms, per step "
                 f"{fitted.step_overhead * 1e3:.2f} ms, per action {fitted.action_overhead * 1e6:.0f} us, per message "
                 f"{fitted.message_cost * 1e6:.0f} us, time spread "
                 f"{fitted.time_spread:.2f}, start skew {fitted.start_skew * 1e3:.2f} ms, replica exchange {exchange}",
                 markup=False, soft_wrap=True)
             if table.tensor is not None:
-                print_tensor(table, Console(stderr=args.json, highlight=False))
+                print_tensor(table, report_console(stderr=args.json))
         dist.barrier()
     finally:
         if created:

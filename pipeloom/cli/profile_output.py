@@ -4,10 +4,12 @@ piece, the shared parameters and the tensor-parallel profile."""
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
-from rich.console import Console
+from pipeloom.cli.outputs import report_console, target
 
-from pipeloom.cli.outputs import target
+if TYPE_CHECKING:
+    from rich.console import Console
 
 __all__ = ["print_tensor", "show"]
 
@@ -18,7 +20,7 @@ def show(table, args: argparse.Namespace) -> None:
 
     if args.save:
         save_costs(table, target(args, args.save))
-    console = Console(stderr=args.json, highlight=False)
+    console = report_console(stderr=args.json)
     if args.json:
         print(costs_to_json(table, indent=None))
     else:

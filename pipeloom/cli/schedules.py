@@ -9,8 +9,6 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from rich.console import Console
-
 from pipeloom.cli.common import (
     COST_FLAGS,
     check_flag_sums,
@@ -21,7 +19,7 @@ from pipeloom.cli.common import (
     limit_units,
 )
 from pipeloom.cli.errors import UsageError
-from pipeloom.cli.outputs import target
+from pipeloom.cli.outputs import report_console, target
 from pipeloom.errors import PipeloomError
 from pipeloom.ir import load_schedule
 from pipeloom.lowering import lower
@@ -119,7 +117,7 @@ def cmd_list(args: argparse.Namespace) -> int:
         ]
         print(json.dumps({"schedules": schedules, "placements": placements}))
         return 0
-    console = Console(highlight=False)
+    console = report_console()
     console.print(schedules_table(REGISTRY.values()))
     console.print("\nPlacements (task graphs for the search)", style="bold")
     console.print(placements_table(PLACEMENTS.values()))
@@ -216,7 +214,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
             from pipeloom import viz
 
             viz.draw_comparison(timelines, target(args, args.out), title=title)
-    console = Console(stderr=args.json, highlight=False)
+    console = report_console(stderr=args.json)
     if args.json:
         print(json.dumps({"num_ranks": args.ranks, "num_microbatches": args.microbatches,
                           "costs": costs_report(costs), "memory_limit": args.memory_limit,

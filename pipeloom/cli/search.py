@@ -7,10 +7,9 @@ import argparse
 import contextlib
 import dataclasses
 
-from rich.console import Console
-
 from pipeloom.cli.common import check_flag_sums, emit, limit_units
 from pipeloom.cli.errors import UsageError
+from pipeloom.cli.outputs import report_console
 from pipeloom.cli.schedules import MAX_RANKS
 from pipeloom.formatting import format_number
 from pipeloom.validate import validate
@@ -94,7 +93,7 @@ def _check_save(args: argparse.Namespace, problem) -> None:
 @contextlib.contextmanager
 def _search_status(enabled: bool):
     """A transient stderr line (best, bound, gap) once a search has run 1 s; only on a terminal."""
-    console = Console(stderr=True, highlight=False)
+    console = report_console(stderr=True)
     if not enabled or not console.is_terminal:
         yield None
         return

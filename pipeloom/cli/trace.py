@@ -6,11 +6,10 @@ from __future__ import annotations
 import argparse
 import json
 
-from rich.console import Console
 from rich.table import Table
 
 from pipeloom.cli.errors import UsageError
-from pipeloom.cli.outputs import target
+from pipeloom.cli.outputs import report_console, target
 from pipeloom.trace import StepSelectionError, compare_run, load_run_trace, trace_summary
 from pipeloom.viz.measured import draw_measured, write_merged_trace
 
@@ -27,7 +26,7 @@ def _steps_text(summary: dict) -> str:
     text = f"{len(used)} of {len(recorded)}"
     left = [step for step in recorded if step not in used]
     if left and len(left) <= 3:
-        text += f" (left out: {', '.join(map(str, left))})"
+        text += f" (left out: step{'s' if len(left) > 1 else ''} {', '.join(map(str, left))})"
     return text
 
 
@@ -99,7 +98,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
         draw_measured(comparison, target(args, args.png))
         written.append(f"wrote picture {args.png}")
     summary = trace_summary(comparison)
-    console = Console(stderr=args.json, highlight=False)
+    console = report_console(stderr=args.json)
     if args.json:
         print(json.dumps(summary))
     else:

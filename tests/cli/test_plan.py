@@ -63,6 +63,18 @@ def test_plan_prints_the_best_plan_and_writes_files(capsys, costs, tmp_path):
     assert plan == expected
 
 
+def test_a_piped_report_is_wide_enough_for_its_numbers(capsys, costs, monkeypatch):
+    """Printed to a pipe (here: captured), the runners-up table keeps its step times whole: rich's 80 columns had cut
+    them to '0.002…'; COLUMNS, where set, still decides."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    code, out, err = run(capsys, "plan", "--costs", str(costs), "--ranks", "4", "--global-batch", "16")
+    assert code == 0, err
+    assert "…" not in out and max(map(len, out.splitlines())) > 80
+    monkeypatch.setenv("COLUMNS", "70")
+    code, out, err = run(capsys, "plan", "--costs", str(costs), "--ranks", "4", "--global-batch", "16")
+    assert code == 0 and max(map(len, out.splitlines())) <= 70
+
+
 def test_plan_json(capsys, costs):
     code, out, err = run(capsys, "plan", "--costs", str(costs), "--ranks", "2", "--global-batch", "8",
                          "--schedules", "1f1b,zb-h1", "-m", "4", "8", "--json")

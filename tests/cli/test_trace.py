@@ -49,7 +49,7 @@ def test_table_shows_measured_and_predicted_step_time_and_their_ratio(capsys, ru
     assert code == 0, err
     assert "measured / predicted" in out and "1.000" in out
     assert f"{MAKESPAN_MS:,.3f} ms" in out  # measured and predicted step time
-    assert "2 of 3 (left out: 0)" in out  # the warm-up step
+    assert "2 of 3 (left out: step 0)" in out  # the warm-up step
     assert "0.500 ms" in out  # the comm latency the run was simulated with
     for header in ("recv wait", "pred. busy", "pred. idle", "median task time"):
         assert header in out
