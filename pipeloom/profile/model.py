@@ -323,6 +323,7 @@ def profile_model(
             param_bytes=_nbytes(own),
             output_bytes=_nbytes(_tensors(stage_outputs[k])),
             inputs=tuple(names[j] for j in sorted({ref.stage for ref in spec.inputs if ref.stage != MODEL_INPUT})),
+            running_stats=any(getattr(m, "track_running_stats", False) and m.training for m in module.modules()),
         ))
     size = next((t.size(0) for t in _tensors(inputs) if t.dim() > 0), 1)
     logger.info("profiled %d pieces on %s, micro-batch size %d", len(profiled), _device_name(device), size)

@@ -99,3 +99,30 @@ def test_profile_takes_given_pieces_and_options():
     with pytest.raises(PlanError, match=r"pieces \['layers.2', 'layers.1', 'out'\] are not in call order: the model "
                                         r"calls them as \['layers.1', 'layers.2', 'out'\]; give them in that order"):
         profile_model(model, torch.randn(2, 16), pieces=["layers.2", "layers.1", "out"], warmup=0, repeats=1)
+
+
+def test_a_piece_with_running_statistics_is_marked_and_planned_on_one_replica():
+    """BatchNorm's running statistics, updated by each training step: the profile marks its pieces, the cost file
+    keeps the mark (written only where true), and the planner leaves out two-replica schedules, whose replicas would
+    update them apart (the runtime refuses them after the first step; the planner had chosen chimera for a CNN)."""
+    import json
+
+    from pipeloom.plan import plan_pipeline
+    from pipeloom.plan.costs.file import costs_from_json, costs_to_json
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    table = profile_model(model, torch.randn(4, 8), warmup=0, repeats=1)
+    assert [p.name for p in table.pieces if p.running_stats] == ["1"]
+    document = json.loads(costs_to_json(table))
+    assert [piece.get("running_stats") for piece in document["pieces"]][:3] == [None, True, None]
+    assert costs_from_json(json.dumps(document)) == table
+    document["pieces"][1]["running_stats"] = "yes"
+    with pytest.raises(Exception, match=r"pieces\[1\]\.running_stats: expected true or false"):
+        costs_from_json(json.dumps(document))
+    result = plan_pipeline(table, num_ranks=2, global_batch=8, microbatches=[4], schedules=["chimera", "1f1b"])
+    chimera = next(c for c in result.candidates if c.schedule == "chimera")
+    assert not chimera.fits and "update running statistics (BatchNorm)" in chimera.reason
+    assert result.plan.schedule == "1f1b"
+    model[1].track_running_stats = False  # statistics of each batch alone: nothing kept, nothing to diverge
+    assert not any(p.running_stats for p in profile_model(model, torch.randn(4, 8), warmup=0, repeats=1).pieces)

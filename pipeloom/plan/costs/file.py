@@ -42,8 +42,8 @@ _TOP_KEYS_V1 = _TOP_KEYS - {"runtime"} | set(RUNTIME_FIELDS)
 _SHARED_KEYS = {"name", "bytes", "pieces"}
 _LINK_KEYS = {"latency", "bandwidth"}
 _PIECE_KEYS = {"name", "f", "i", "w", "measured_full_backward", "activation_bytes", "w_activation_bytes",
-               "param_bytes", "output_bytes", "inputs"}
-_PIECE_KEYS_V1 = _PIECE_KEYS - {"measured_full_backward"} | {"b"}
+               "param_bytes", "output_bytes", "inputs", "running_stats"}
+_PIECE_KEYS_V1 = _PIECE_KEYS - {"measured_full_backward", "running_stats"} | {"b"}
 
 
 def costs_to_json(table: CostTable, *, indent: int | None = 1) -> str:
@@ -61,7 +61,8 @@ def costs_to_json(table: CostTable, *, indent: int | None = 1) -> str:
         "pieces": [
             {"name": p.name, "f": p.f, "i": p.i, "w": p.w, "measured_full_backward": p.measured_full_backward,
              "activation_bytes": p.activation_bytes, "w_activation_bytes": p.w_activation_bytes,
-             "param_bytes": p.param_bytes, "output_bytes": p.output_bytes, "inputs": list(p.inputs or ())}
+             "param_bytes": p.param_bytes, "output_bytes": p.output_bytes, "inputs": list(p.inputs or ()),
+             **({"running_stats": True} if p.running_stats else {})}  # optional: written only where true
             for p in table.pieces
         ],
     }
@@ -90,8 +91,11 @@ def _piece_from_json(entry: object, k: int, *, old: bool) -> Piece:
     measured = number(entry, "b" if old else "measured_full_backward", where=where, error=CostTableError,
                       default=None, null=True)
     inputs = None if entry.get("inputs") is None else strings(entry, "inputs", where=where, error=CostTableError)
+    running = entry.get("running_stats", False)
+    if not isinstance(running, bool):
+        raise CostTableError(f"{where}.running_stats: expected true or false, got {shown(running)}")
     return Piece(name=string(entry, "name", where=where, error=CostTableError), inputs=inputs,
-                 measured_full_backward=measured, **values)
+                 measured_full_backward=measured, running_stats=running, **values)
 
 
 def _shared_from_json(entries: object) -> tuple[SharedParam, ...]:

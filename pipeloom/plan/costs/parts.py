@@ -83,10 +83,17 @@ class Piece:
     """Bytes of the values the piece passes on (sent when a stage boundary follows it)."""
     inputs: tuple[str, ...] | None = None
     """Pieces whose outputs it reads; None means the piece before it (a chain), () the model inputs only."""
+    running_stats: bool = False
+    """The piece updates buffers in a training step (BatchNorm's running statistics): the two replicas of a
+    two-replica schedule (DualPipe, Chimera) would update them apart, which the runtime refuses, so the planner
+    plans it on one-replica schedules only."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise CostTableError(f"a piece name must be a non-empty string, got {shown(self.name)}")
+        if not isinstance(self.running_stats, bool):
+            raise CostTableError(f"piece {self.name!r} running_stats must be true or false, got "
+                                 f"{shown(self.running_stats)}")
         for key in ("f", "i", "w", "activation_bytes", "w_activation_bytes", "param_bytes", "output_bytes"):
             object.__setattr__(self, key, check_number(f"piece {self.name!r} {key}", getattr(self, key)))
         if self.measured_full_backward is not None:
