@@ -141,6 +141,32 @@ def _shared_trials(result: PlanResult, k: int, spread: float, process_group: Pro
             for label, text, schedule in sent[0]]
 
 
+class _Entrants:
+    """The engines of the plans in a race, each one's steps, and why a plan left it refused."""
+
+    def __init__(self, race: TrialRace, inputs: Any, target: Any, process_group: ProcessGroup | None) -> None:
+        self.race, self.inputs, self.target, self.process_group = race, inputs, target, process_group
+        self.engines: dict[int, Any] = {}
+        self.errors: dict[int, str] = {}
+
+    def refuse(self, n: int, error: PipeloomError) -> None:
+        """Plan ``n`` out of the race with ``error`` (the engine refused it, the same way on every rank)."""
+        self.errors[n] = f"{type(error).__name__}: {error}"
+        self.race.refuse(n)
+        engine = self.engines.pop(n, None)
+        if engine is not None:
+            engine.close()
+
+    def steps(self, n: int, count: int) -> list[float] | None:
+        """``count`` timed steps of plan ``n``; None where its engine refused a step (a check only a step makes,
+        such as the two replicas' buffers after it: the same on every rank), the plan then out of the race."""
+        try:
+            return _steps(self.engines[n], count, self.inputs, self.target, self.process_group)
+        except PipeloomError as error:
+            self.refuse(n, error)
+            return None
+
+
 def try_plans(result: PlanResult, *, build: Callable[[], nn.Module], inputs: Any, target: Any,
               loss_fn: Callable[[Any, Any], torch.Tensor], k: int = 3, spread: float = SPREAD,
               budget: TrialBudget | None = None,
@@ -162,43 +188,27 @@ def try_plans(result: PlanResult, *, build: Callable[[], nn.Module], inputs: Any
         raise PlanError(f"the plan runs on {result.plan.world_size} ranks but {world} are at hand; try the plans "
                         f"on {result.plan.world_size} ranks (torchrun --nproc-per-node {result.plan.world_size})")
     trials = _shared_trials(result, k, spread, process_group)
-    race, errors = TrialRace(len(trials), budget), {}
-    engines: dict[int, Any] = {}
-
-    def refuse(n: int, error: PipeloomError) -> None:
-        errors[n] = f"{type(error).__name__}: {error}"
-        race.refuse(n)
-        engine = engines.pop(n, None)
-        if engine is not None:
-            engine.close()
-
-    def steps(n: int, count: int) -> list[float] | None:
-        """``count`` timed steps of trial ``n``; None where its engine refused a step (a check only a step makes,
-        such as the two replicas' buffers after it: the same on every rank), the trial then out of the race."""
-        try:
-            return _steps(engines[n], count, inputs, target, process_group)
-        except PipeloomError as error:
-            refuse(n, error)
-            return None
-
+    race = TrialRace(len(trials), budget)
+    entrants = _Entrants(race, inputs, target, process_group)
     with tempfile.TemporaryDirectory(prefix="pipeloom-try-") as scratch:
         for n, trial in enumerate(trials):
             options = {**pipeline_options, **(options_for(trial.plan) if options_for is not None else {})}
             try:
-                engines[n] = _engine(trial, Path(scratch) / str(n), build, loss_fn, process_group, options)
+                entrants.engines[n] = _engine(trial, Path(scratch) / str(n), build, loss_fn, process_group, options)
             except PipeloomError as error:  # refused by the engine, the same way on every rank
-                refuse(n, error)
+                entrants.refuse(n, error)
                 continue
-            race.spend(sum(steps(n, budget.warmup) or ()))
+            race.spend(sum(entrants.steps(n, budget.warmup) or ()))
         while not race.done():
             for n in race.order():  # settling steps first: the first after another engine's find cold caches
-                settled = steps(n, budget.settle)
-                timed = steps(n, budget.round_steps) if settled is not None else None
+                settled = entrants.steps(n, budget.settle)
+                timed = entrants.steps(n, budget.round_steps) if settled is not None else None
                 if timed is not None:
                     race.spend(sum(settled or ()))
                     race.record(n, timed)
             for n in race.end_round():
-                del engines[n]  # memory back as soon as a plan leaves the race
+                del entrants.engines[n]  # memory back as soon as a plan leaves the race
+    errors = entrants.errors
     records = [_record(trials[n], race, n, errors.get(n, "")) for n in race.ranking()]
     if not race.alive:
         reasons = "; ".join(f"{record['label']}: {record['error']}" for record in records) or "no plan fits"

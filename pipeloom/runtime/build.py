@@ -101,12 +101,11 @@ def pipeline(
     """
     tracing, parallel = tracing or Tracing(), parallel or Parallelism()
     weights, failures = weights or Weights(), failures or Failures()
-    planned_batch, planned_cuts = None, None
+    planned_batch, whose = None, ""  # whose: the plan file whose split points they are, for their errors
     if plan is not None:
         schedule, planned, schedule_options, microbatches, parallel, planned_batch = plan_arguments(
             plan, schedule, split_points, schedule_options, microbatches, parallel=parallel, device=device)
-        split_points = planned if stages is None else split_points
-        planned_cuts = split_points if split_points is planned else None
+        split_points, whose = (planned, str(plan)) if stages is None and split_points is None else (split_points, "")
     _check_arguments(schedule, loss_fn, microbatches)
     assert loss_fn is not None  # _check_arguments refused None
     layout = layout_of(parallel.process_group, parallel.mesh)
@@ -128,12 +127,7 @@ def pipeline(
 
     def cut(example: object = None) -> StagedModel:
         given = tracing if example is None else dataclasses.replace(tracing, example_inputs=example, tracer="export")
-        try:
-            return _staged(model, split_points, stages, given, tp_plan, expert_names)
-        except SplitError as error:  # the plan file's split points: say whose they are
-            if planned_cuts is None:
-                raise
-            raise type(error)(f"{plan}'s split_points {list(planned_cuts)}: {error}") from None
+        return _staged(model, split_points, stages, given, tp_plan, expert_names, whose=whose)
 
     try:
         staged = cut()
@@ -211,9 +205,10 @@ def _tensor_parallel(model: nn.Module | None, parallel: Parallelism, layout: Lay
 
 def _staged(model: nn.Module | None, split_points: Sequence[str] | None,
             stages: StagedModel | Sequence[nn.Module] | None, tracing: Tracing, tp_plan: dict | None,
-            expert_names: Sequence[str] = ()) -> StagedModel:
+            expert_names: Sequence[str] = (), *, whose: str = "") -> StagedModel:
     """The stages, with the modules a tensor-parallel plan needs whole kept whole (torch.export would bake
-    the trace's head counts in), and the experts modules of an "ep" mesh run as calls of the modules."""
+    the trace's head counts in), and the experts modules of an "ep" mesh run as calls of the modules; ``whose``: the
+    plan file the split points come from, named in their errors."""
     leaf_modules, blocks = list(tracing.leaf_modules), []
     if tp_plan is not None and model is not None and stages is None:
         leaf_modules = leaf_modules_for(model, tp_plan, leaf_modules)
@@ -222,8 +217,13 @@ def _staged(model: nn.Module | None, split_points: Sequence[str] | None,
         leaf_modules = [*leaf_modules, *(n for n in expert_names if n not in leaf_modules)]
         blocks += [layer for layer in moe_layers(expert_names)
                    if not any(layer == b or layer.startswith(b + ".") for b in blocks)]
-    return staged_model(model, split_points, stages, tracer=tracing.tracer, leaf_modules=leaf_modules,
-                        example_inputs=tracing.example_inputs, export_leaves=blocks)
+    try:
+        return staged_model(model, split_points, stages, tracer=tracing.tracer, leaf_modules=leaf_modules,
+                            example_inputs=tracing.example_inputs, export_leaves=blocks)
+    except SplitError as error:
+        if not whose:
+            raise
+        raise type(error)(f"{whose}'s split_points {list(split_points or ())}: {error}") from None
 
 
 def _held(lowering: Lowering, rank: int) -> list[int]:
