@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from pipeloom.cli.errors import UsageError
 
-__all__ = ["OutputPath", "StagedOutputs", "target"]
+__all__ = ["OutputPath", "PIPED_WIDTH", "StagedOutputs", "report_console", "target"]
 
 
 if TYPE_CHECKING:

@@ -64,7 +64,7 @@ def _window(spec, seq: int) -> str:
     return f", {local} on {len(spec.window_layers)} of {spec.layers} layers{moot}"
 
 
-def _dropout(spec) -> str:
+def _trained_with(spec) -> str:
     """The header's note of the dropouts the config trains with, whose masks are counted, and of the logits' softcap
     ('' without either)."""
     said = ([f"{spec.residual_dropouts} residual dropout{'s' if spec.residual_dropouts > 1 else ''} per layer"]
@@ -245,7 +245,7 @@ def report(result, *, framework: str | None = None) -> str:
     lines = [
         f"{job.spec.family}{text_of} ({job.spec.layers} layers, {_count(model_params(job.spec))} parameters) on "
         f"{job.gpus} x {job.hw.name}, global batch {job.global_batch} x {job.seq} "
-        f"tokens, {job.dtype}{_window(job.spec, job.seq)}{_dropout(job.spec)}",
+        f"tokens, {job.dtype}{_window(job.spec, job.seq)}{_trained_with(job.spec)}",
         f"layout: {best.layout}",
         _assumes(job, best.layout, framework, result.searched, result.variants),
         *([f"layers per stage: {_runs(best.stage_layers)}{_copies(best.layout)}"] if len(best.stage_layers) > 1

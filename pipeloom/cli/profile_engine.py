@@ -62,7 +62,8 @@ def run_in_engine(args: argparse.Namespace, module, function) -> int:
         if dist.get_rank() == 0:
             show(table, args)
             fitted = table.runtime
-            exchange = ("none (odd ranks or micro-batches, or parameters shared across ranks)"
+            exchange = ("none (odd ranks or micro-batches, parameters shared across ranks, or running statistics "
+                        "two replicas would update apart)"
                         if fitted.replica_link is None else f"{fitted.replica_link.latency * 1e3:.2f} ms per message")
             report_console(stderr=args.json).print(
                 f"fitted: latency under load {table.link.latency * 1e3:.2f} ms, per step "

@@ -97,7 +97,7 @@ class TrialRace:
         self.dropped: dict[int, int] = {}
         """Plan -> the round after which it was dropped as clearly slower."""
         self.refused: set[int] = set()
-        """Plans that could not run (out of the race from the start)."""
+        """Plans the engine refused, when it was built or at a step (out of the race from then on)."""
         self.times: list[list[list[float]]] = [[] for _ in range(count)]
         """Per plan, per round it ran (rounds 0, 1, ... in order), its timed steps' seconds."""
 

@@ -158,11 +158,16 @@ class _Entrants:
             engine.close()
 
     def steps(self, n: int, count: int) -> list[float] | None:
-        """``count`` timed steps of plan ``n``; None where its engine refused a step (a check only a step makes,
-        such as the two replicas' buffers after it: the same on every rank), the plan then out of the race."""
+        """``count`` timed steps of plan ``n``; None where its engine refused a step by a check every rank makes
+        alike after it (the two replicas' buffers: :class:`~pipeloom.runtime.errors.ReplicaBufferError`), the plan
+        then out of the race. Any other failure of a step ends the race: its ranks may have parted mid-step."""
+        from pipeloom.runtime.errors import ReplicaBufferError
+
         try:
             return _steps(self.engines[n], count, self.inputs, self.target, self.process_group)
         except PipeloomError as error:
+            if not isinstance(error, ReplicaBufferError) and not isinstance(error.__cause__, ReplicaBufferError):
+                raise
             self.refuse(n, error)
             return None
 
@@ -203,9 +208,11 @@ def try_plans(result: PlanResult, *, build: Callable[[], nn.Module], inputs: Any
             for n in race.order():  # settling steps first: the first after another engine's find cold caches
                 settled = entrants.steps(n, budget.settle)
                 timed = entrants.steps(n, budget.round_steps) if settled is not None else None
+                race.spend(sum(settled or ()))
                 if timed is not None:
-                    race.spend(sum(settled or ()))
                     race.record(n, timed)
+            if not race.alive:  # every plan left the race refused in this round
+                break
             for n in race.end_round():
                 del entrants.engines[n]  # memory back as soon as a plan leaves the race
     errors = entrants.errors

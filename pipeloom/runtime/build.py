@@ -18,7 +18,7 @@ from torch import nn
 
 from pipeloom.ir import Schedule
 from pipeloom.runtime.engine import PipelineEngine
-from pipeloom.runtime.errors import NeedsExampleError, PipelineError, SplitError
+from pipeloom.runtime.errors import NeedsExampleError, PipelineError, SplitOrderError, UnknownSplitPointError
 from pipeloom.runtime.first_step import FirstStepEngine, replaced_by
 from pipeloom.runtime.model.materialize import place_pieces
 from pipeloom.runtime.model.split import StagedModel
@@ -90,8 +90,9 @@ def pipeline(
     - ``device``: where this rank's pieces run (default: the rank's GPU, or the CPU).
     - ``seed``: every piece's forward draws its random numbers from it (default: rank 0's
       ``torch.initial_seed()``), so dropout draws the same on any number of ranks (docs/runtime.md).
-    - ``record``: a folder to write the run trace ``rank<R>.json`` to after every step, or True to keep the
-      steps in memory (``engine.trace_steps``); default: the ``PIPELOOM_TRACE`` environment variable.
+    - ``record``: a folder to write the run trace ``rank<R>.json`` to after every step (R the pipeline rank; with
+      replicas or tp the first pipeline's ranks alone write), or True to keep the steps in memory
+      (``engine.trace_steps``); default: the ``PIPELOOM_TRACE`` environment variable.
     - Without ``Tracing(example_inputs=...)``, a model only torch.export traces (every ``transformers`` model)
       is split at the first step, traced on its batch (:class:`~pipeloom.runtime.first_step.FirstStepEngine`);
       the checks that need the graph happen then, with the same errors.
@@ -220,10 +221,10 @@ def _staged(model: nn.Module | None, split_points: Sequence[str] | None,
     try:
         return staged_model(model, split_points, stages, tracer=tracing.tracer, leaf_modules=leaf_modules,
                             example_inputs=tracing.example_inputs, export_leaves=blocks)
-    except SplitError as error:
+    except (UnknownSplitPointError, SplitOrderError) as error:  # the split points' own faults, not the trace's
         if not whose:
             raise
-        raise type(error)(f"{whose}'s split_points {list(split_points or ())}: {error}") from None
+        raise type(error)(f"{whose}'s split_points {list(split_points or ())}: {error}") from error
 
 
 def _held(lowering: Lowering, rank: int) -> list[int]:

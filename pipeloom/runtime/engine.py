@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeloom.runtime.comm.messenger import FailureScope, Messenger
-from pipeloom.runtime.errors import PipelineError, StepMismatchError
+from pipeloom.runtime.errors import PipelineError, ReplicaBufferError, StepMismatchError
 from pipeloom.runtime.model.split import StagedModel
 from pipeloom.runtime.parallel.dp import GradientBuckets, Layout
 from pipeloom.runtime.parallel.ep import expert_groups
@@ -279,7 +279,7 @@ class PipelineEngine:
                 self._checked = True
                 diverged = diverged_buffers(self.modules, self.lowering, group, world, self.rank, self.device, wait)
                 if diverged:
-                    raise PipelineError(diverged)
+                    raise ReplicaBufferError(diverged)
             else:
                 run.model_outputs = replica_outputs(run.model_outputs, group, world, self.rank, self.device, wait)
         except PipelineError as error:

@@ -9,6 +9,7 @@ __all__ = [
     "ModelTraceError",
     "PipelineError",
     "RegionsNotFoundError",
+    "ReplicaBufferError",
     "NeedsExampleError",
     "SplitError",
     "SplitOrderError",
@@ -41,6 +42,12 @@ class StageValueError(SplitError):
 
 class PipelineError(PipeloomError, RuntimeError):
     """A pipeline cannot be built from these pieces, or a step failed on some rank."""
+
+
+class ReplicaBufferError(PipelineError):
+    """After a training step of a two-replica schedule, the two replicas of a piece hold a buffer differently
+    (BatchNorm's running statistics): the same answer on every rank of the pipeline, which stays usable for another
+    engine (``pipeloom plan --try`` goes on with the next plan)."""
 
 
 class StepMismatchError(PipelineError):

@@ -84,7 +84,7 @@ def _check_schedule(plan: str | Path, name: str) -> None:
     """PipelineError naming the plan file where its schedule is neither built in nor a schedule file (a hand edit)."""
     from pipeloom.schedules import REGISTRY
 
-    if name not in REGISTRY and not (name.endswith((".json", ".csv")) and Path(name).is_file()):
+    if name not in REGISTRY and not (name.lower().endswith((".json", ".csv")) and Path(name).is_file()):
         raise PipelineError(f"{plan}: its schedule {name!r} is neither a built-in ({', '.join(REGISTRY)}) nor a "
                             ".json/.csv schedule file next to it; fix the plan's \"schedule\"")
 

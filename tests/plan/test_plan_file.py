@@ -10,6 +10,7 @@ import json
 import pytest
 
 from pipeloom import build_schedule
+from pipeloom.ir import schedule_to_json
 from pipeloom.plan import PLAN_FORMAT, Plan, PlanError, load_plan, save_plan
 from pipeloom.plan.partitioning.shape import schedule_shape
 from pipeloom.plan.plan import model_stage_count, plan_from_json, plan_to_json
@@ -117,6 +118,10 @@ def test_context_parallel_is_written_as_version_2_and_the_runtime_refuses_it(tmp
     with pytest.raises(PipelineError, match=r"cuts each sequence over 2 ranks \(context_parallel.*--export torchtitan"
                                             r".*has no context parallelism"):
         plan_arguments(tmp_path / "plan.json", None, None, None, None, parallel=Parallelism(), device="cpu")
+    # a schedule file's suffix in any case (a plan of one rank: no process group to launch)
+    save_plan(_plan(num_ranks=1, schedule="S.JSON", peak_memory=(10.0,)), tmp_path / "upper.json")
+    (tmp_path / "S.JSON").write_text(schedule_to_json(build_schedule("zbv", 1, 8)))
+    assert plan_arguments(tmp_path / "upper.json", None, None, None, None, parallel=Parallelism(), device="cpu")
     document["format"] = PLAN_FORMAT  # a /1 file does not take the key
     with pytest.raises(PlanError, match=r"unknown key\(s\) \['context_parallel'\]"):
         plan_from_json(json.dumps(document))

@@ -36,8 +36,12 @@ def test_a_plan_whose_step_the_engine_refuses_leaves_the_race():
     plan's error in the trials, and the race goes on (it had ended the whole command, no plan saved)."""
     import trial_jobs
 
-    results = run_ranks(2, trial_jobs.try_a_refused_step, timeout=240)
-    assert all(status == "ok" for status, _ in results.values()), results
+    for warmup in (1, 0):  # refused in the warm-up, or in the first round
+        results = run_ranks(2, trial_jobs.try_a_refused_step, ["chimera", "1f1b"], warmup, timeout=240)
+        assert all(status == "ok" for status, _ in results.values()), results
+    refused = run_ranks(2, trial_jobs.try_a_refused_step, ["chimera"], 0, timeout=240)  # every plan refused
+    assert all(status == "ok" and "none of the 1 plans tried could run: " in value and "holds two replicas" in value
+               for status, value in refused.values()), refused
     for _, result in results.values():
         assert result["schedule"] == "1f1b"
         by_schedule = {trial["schedule"]: trial for trial in result["trials"]}

@@ -56,13 +56,18 @@ def build_batchnorm() -> nn.Module:
                            for _ in range(LAYERS)))
 
 
-def try_a_refused_step(rank: int, world: int) -> dict:
-    """Try chimera and 1f1b on a BatchNorm model: chimera's two replicas update the running statistics apart, which
-    the engine refuses after the first step; the race goes on with 1f1b."""
-    result = plan_pipeline(table(), num_ranks=world, global_batch=BATCH, schedules=["chimera", "1f1b"],
-                           microbatches=[4])
+def try_a_refused_step(rank: int, world: int, schedules: list[str], warmup: int) -> dict | str:
+    """Try ``schedules`` on a BatchNorm model: chimera's two replicas update the running statistics apart, which
+    the engine refuses after the first step (in the warm-up, or with none in the first round); the race goes on
+    with the others, or, where none is left, the error that says so."""
+    from pipeloom.plan.errors import PlanError
+
+    result = plan_pipeline(table(), num_ranks=world, global_batch=BATCH, schedules=schedules, microbatches=[4])
     torch.manual_seed(1)
     inputs, target = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
-    tried = try_plans(result, build=build_batchnorm, inputs=inputs, target=target, loss_fn=loss, k=2,
-                      budget=TrialBudget(warmup=1, round_steps=2, steps=4, seconds=None))
+    try:
+        tried = try_plans(result, build=build_batchnorm, inputs=inputs, target=target, loss_fn=loss,
+                          k=len(schedules), budget=TrialBudget(warmup=warmup, round_steps=2, steps=4, seconds=None))
+    except PlanError as error:
+        return str(error)
     return {"trials": list(tried.plan.trials), "schedule": tried.plan.schedule}

@@ -460,6 +460,9 @@ def test_the_logits_softcap_keeps_its_tanh_output():
     capped = model_spec(dict(TINY["gemma2"], model_type="gemma2", final_logit_softcapping=30.0))
     plain = model_spec(dict(TINY["gemma2"], model_type="gemma2"))
     assert capped.logit_softcap and not plain.logit_softcap
+    # transformers' defaults: Gemma 2 caps at 30, Gemma 3 does not
+    defaults = [model_spec({"model_type": family}).logit_softcap for family in ("gemma2", "gemma3_text")]
+    assert defaults == [True, False]
     assert saved[1] - saved[0] == BATCH * SEQ * capped.vocab * WIDTH
     for mode in ("none", "selective", "full"):
         kept = [layer_counts(s, "head", SEQ, width=WIDTH).activations[mode].per_gpu(tp=1, cp=1, sp=False)

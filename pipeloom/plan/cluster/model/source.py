@@ -132,7 +132,7 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
               "tie_word_embeddings": True},
     "gemma2": {"hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26, "num_attention_heads": 8,
                "num_key_value_heads": 4, "head_dim": 256, "vocab_size": 256000, "sliding_window": 4096,
-               "attention_bias": False, "tie_word_embeddings": True},
+               "attention_bias": False, "tie_word_embeddings": True, "final_logit_softcapping": 30.0},
     "gemma3_text": {"hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26, "num_attention_heads": 8,
                     "num_key_value_heads": 4, "head_dim": 256, "vocab_size": 262208, "sliding_window": 4096,
                     "attention_bias": False, "tie_word_embeddings": True},
