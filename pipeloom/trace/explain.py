@@ -76,7 +76,7 @@ def _steps_line(comparison: Comparison) -> str:
             f"steps {_numbers(list(times))}, which took {format_seconds(min(times.values()))} to "
             f"{format_seconds(max(times.values()))}")
     if left_out:
-        text += f"; left out: {_numbers(left_out)}"
+        text += f"; left out: step{'s' if len(left_out) > 1 else ''} {_numbers(left_out)}"
     slow = [step for step, time in times.items() if time > _SLOW_STEP * median]
     if slow:
         text += (f"; {_numbers(slow)} took over {_SLOW_STEP}x the median (warm-up?): "

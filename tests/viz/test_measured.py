@@ -431,6 +431,6 @@ def test_the_ratio_is_explained_and_idle_is_a_mean_like_the_waits(tmp_path):
     lines = summary["explanation"]
     assert lines[0].startswith("measured / predicted 1.00: ") and lines == summary["notes"][-len(lines):]
     assert any(line.startswith("- task-time variation") for line in lines)
-    assert "left out: 0" in lines[-1] and "3 took over 1.5x the median" in lines[-1]
+    assert "left out: step 0" in lines[-1] and "3 took over 1.5x the median" in lines[-1]
     for row in summary["ranks"]:
         assert row["wait"] <= row["idle"] + 1e-12
