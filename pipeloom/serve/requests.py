@@ -103,12 +103,12 @@ def _one_shape(document: dict, name: str, config: ServeConfig, where: str) -> tu
     as ``pipeloom show`` refuses it; ``compare`` gives it to the schedules that take it)."""
     from pipeloom.schedules import REGISTRY
 
-    shape = _shape(document, [name], config, where)
-    if shape[2] is not None and "stages_per_rank" not in REGISTRY[name].options:
+    taken = name not in REGISTRY or "stages_per_rank" in REGISTRY[name].options  # an unknown name: _shape's 404
+    if not taken and _count(document, "stages_per_rank", where, None) is not None:  # before the size check's 413
         takers = [other for other, info in REGISTRY.items() if "stages_per_rank" in info.options]
         raise RequestError(f"{where}: schedule {name!r} does not take stages_per_rank; drop it, or use one that "
                            f"does: {', '.join(takers)}", 422)
-    return shape
+    return _shape(document, [name], config, where)
 
 
 def _named(document: dict, name: str, where: str, shape: tuple[int, int, int | None]):

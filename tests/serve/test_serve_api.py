@@ -121,6 +121,9 @@ def test_simulate_reports_as_show_json_does(server):
                                                       "stages_per_rank": 2})
     assert status == 422 and "schedule '1f1b' does not take stages_per_rank" in answer["error"]
     assert "interleaved-1f1b" in answer["error"]
+    status, answer = call(f"{server}/api/simulate", {"schedule": "1f1b", "ranks": 64, "microbatches": 4096,
+                                                      "stages_per_rank": 2})  # refused as such, not as too big
+    assert status == 422 and "does not take stages_per_rank" in answer["error"]
 
 
 def test_a_searched_schedule_without_a_csv_form_says_why(server):
