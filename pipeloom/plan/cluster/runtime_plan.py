@@ -222,11 +222,27 @@ def for_runtime(job: Job, runs_on: str | None) -> tuple[Job, Callable[[Layout], 
     family = _torchtitan_family(job) if export == "torchtitan" else ""
     if family:  # no layout helps: said before the search, without a layout
         raise PlanError(family)
+    unsaid = _not_exported(job) if export == "torchtitan" else []
+    if unsaid:  # as the CLI refuses these flags with --export torchtitan (the defaults it reprices without a word)
+        raise ArgumentError(f"runs_on='torchtitan' cannot carry {' and '.join(unsaid)}: the export writes none of "
+                            "them and torchtitan runs its own; plan without them for torchtitan")
 
     def blocked(layout: Layout) -> list[str]:
         return [text for text, _ in layout_problems(job, layout, export=export)]
 
     return runtime_job(job, runs_on), blocked
+
+
+def _not_exported(job: Job) -> list[str]:
+    """The choices of ``job`` other than :class:`Job`'s defaults that the torchtitan export drops (``pipeloom plan
+    --export torchtitan`` refuses their flags, :func:`pipeloom.cli.plan_cluster_args.check_export`)."""
+    return [text for text, on in (
+        (f"recompute_layers={job.recompute_layers} (a recomputation depth)", bool(job.recompute_layers)),
+        ("dtype='fp8' (float8 training)", job.dtype == "fp8"),
+        ("adam_moments='bf16' (torch's AdamW keeps fp32 moments)", job.adam_moments == "bf16"),
+        ("shard_gradients=True (torch's pipelining holds gradients whole)", job.shard_gradients),
+        ("sequence_parallel=False", not job.sequence_parallel),
+        ("overlap_grad_reduce=False", not job.overlap_grad_reduce)) if on]
 
 
 def runtime_job(job: Job, runs_on: str) -> Job:

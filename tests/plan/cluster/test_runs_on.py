@@ -278,3 +278,16 @@ def test_where_no_layout_runs_the_refusal_says_what_stops_them_and_why_the_rest_
     assert said.startswith("no layout of gpt2 on 3 GPUs runs there: tp=3 on gpt2 (the tensor-parallel recipe"), said
     assert said.endswith("1 micro-batches for pp=3: need at least pp (a larger global batch or a lower pp); pick a "
                          "global batch of at least 3)"), said
+
+
+def test_the_api_refuses_for_torchtitan_what_the_export_drops():
+    """plan_cluster(runs_on="torchtitan") with a choice the export cannot carry is refused, as the CLI refuses its flag
+    with --export torchtitan (the API had repriced it as torchtitan runs without a word); its defaults are repriced."""
+    from pipeloom.errors import ArgumentError
+
+    for choice, said in (({"shard_gradients": True}, "shard_gradients=True"), ({"dtype": "fp8"}, "dtype='fp8'"),
+                         ({"adam_moments": "bf16", "recompute_layers": 2}, "recompute_layers=2 (a recomputation "
+                                                                            "depth) and adam_moments='bf16'")):
+        with pytest.raises(ArgumentError, match=rf"runs_on='torchtitan' cannot carry {re.escape(said)}"):
+            plan_cluster(LLAMA, "h100", **JOB, **choice, runs_on="torchtitan")
+    assert plan_cluster(LLAMA, "h100", **JOB, shard_gradients=True, runs_on="pipeloom").best
