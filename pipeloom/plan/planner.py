@@ -190,6 +190,11 @@ class _Search:
         except (ValueError, PipeloomError) as error:
             return dataclasses.replace(base, reason=f"not built: {error}")
         shape = schedule_shape(library)  # once: every split below is judged on it
+        updating = [p.name for p in table.pieces if p.running_stats]
+        if shape.replicas > 1 and updating:  # the replicas would update them apart (the runtime refuses it), any split
+            shown = ", ".join(updating[:3]) + (f" and {len(updating) - 3} more" if len(updating) > 3 else "")
+            return dataclasses.replace(base, reason=f"piece(s) {shown} update running statistics (BatchNorm) "
+                                                    "in training: they need a one-replica schedule")
         try:
             splits = partitioner.candidates(shape, memory_limit=limit)
         except MemoryTooSmall as error:
@@ -207,11 +212,6 @@ class _Search:
             names = ", ".join(p.name for p in shared_across_stages(table, found.stage_of))
             return dataclasses.replace(base, reason=f"shared parameter(s) {names} on several stages need a "
                                                     "one-replica schedule")
-        updating = [p.name for p in table.pieces if p.running_stats]
-        if shape.replicas > 1 and updating:  # the replicas would update them apart: the runtime refuses it
-            shown = ", ".join(updating[:3]) + (f" and {len(updating) - 3} more" if len(updating) > 3 else "")
-            return dataclasses.replace(base, reason=f"piece(s) {shown} update running statistics (BatchNorm) "
-                                                    "in training: they need a one-replica schedule")
         costed = dataclasses.replace(library, problem=recost(library, table, found, memory_limit=limit, shape=shape))
         timeline = simulate(costed)
         runtime = table.runtime

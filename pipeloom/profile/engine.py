@@ -23,7 +23,7 @@ from pipeloom.plan.errors import PlanError
 from pipeloom.plan.tp.collectives import Collective
 from pipeloom.problem import Costs, stage_graph
 from pipeloom.profile.fits import exchange_latency, fit_run, fitted_action_cost, start_skew, time_spread
-from pipeloom.profile.model import _default_pieces, _traced, profile_model
+from pipeloom.profile.model import _default_pieces, _traced, profile_model, updates_running_stats
 from pipeloom.runtime import Parallelism, PipelineEngine, Tracing, pipeline, split_model
 from pipeloom.schedules.common import chain_problem
 from pipeloom.trace.analysis import message_cost, task_durations
@@ -198,7 +198,7 @@ class EngineProfiler:
         rank_of = self.rank_of
         if self.world < 2 or self.world % 2 or microbatches % 2 or shared_across_stages(self.base, rank_of):
             return None
-        if any(getattr(module, "track_running_stats", False) and module.training for module in self.model.modules()):
+        if updates_running_stats(self.model):
             return None
         cuts = [k for k in range(1, len(self.names)) if rank_of[k] != rank_of[k - 1]]
         bounds = [0, *cuts, len(self.names)]

@@ -35,7 +35,7 @@ from pipeloom.runtime.model.tracing import TracedModel, module_scopes, trace_mod
 from pipeloom.runtime.step.backward import backward_full, backward_input
 from pipeloom.runtime.step.shared import shared_parameters
 
-__all__ = ["default_pieces", "profile_model"]
+__all__ = ["default_pieces", "profile_model", "updates_running_stats"]
 
 _FREE_LINK = Link()
 _R = TypeVar("_R")
@@ -323,7 +323,7 @@ def profile_model(
             param_bytes=_nbytes(own),
             output_bytes=_nbytes(_tensors(stage_outputs[k])),
             inputs=tuple(names[j] for j in sorted({ref.stage for ref in spec.inputs if ref.stage != MODEL_INPUT})),
-            running_stats=any(getattr(m, "track_running_stats", False) and m.training for m in module.modules()),
+            running_stats=updates_running_stats(module),
         ))
     size = next((t.size(0) for t in _tensors(inputs) if t.dim() > 0), 1)
     logger.info("profiled %d pieces on %s, micro-batch size %d", len(profiled), _device_name(device), size)
@@ -331,6 +331,12 @@ def profile_model(
                      optimizer_factor=optimizer_factor, source="profile",
                      shared=_shared(model, staged, names),
                      runtime=RuntimeCorrections(action_overhead=action_overhead, step_overhead=step_overhead))
+
+
+def updates_running_stats(module: nn.Module) -> bool:
+    """Whether a training step of ``module`` updates buffers of its own (a BatchNorm's running statistics, any module
+    with ``track_running_stats`` in training mode): two replicas of it would update them apart."""
+    return any(getattr(m, "track_running_stats", False) and m.training for m in module.modules())
 
 
 def _on_device(model: Model, example_inputs: torch.Tensor | tuple, target: object,

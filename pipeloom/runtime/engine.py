@@ -229,7 +229,7 @@ class PipelineEngine:
         self._agree(inputs, target, training)
         self.params = self.pieces.trainable()  # requires_grad may have changed since the last step
         chunks, targets = self.batch.step_inputs(inputs, target, training, self.staged.graph.input_names)
-        if training and self.planned_batch is not None and not (self.rank or self.dp.rank or self.layout.tp.rank):
+        if training and self.planned_batch is not None and self.rank == 0 and self._first_pipeline:
             self.planned_batch.check(inputs)  # one rank says it, every step: replicas' shares may hide a new size
         shapes = signature(chunks, targets, training)
         cached = self._meta_cache.get(shapes)
@@ -380,11 +380,16 @@ class PipelineEngine:
 
     # ------------------------------------------------------------------------------ trace
 
+    @property
+    def _first_pipeline(self) -> bool:
+        """Whether this rank is in the job's first pipeline (replica 0, tp rank 0): the one that speaks for all."""
+        return not (self.dp.rank or self.layout.tp.rank)
+
     def _write_trace(self, start: int, end: int, events: list) -> None:
         self.trace_steps.append(step_record(self._step_count, start, end, events))
-        # one pipeline's files: the first replica's, first tp rank's (each replica's pipeline rank r would write
-        # the same rank{r}.json, the replicas overwriting each other's steps)
-        if self.trace_dir is not None and not (self.dp.rank or self.layout.tp.rank):
+        # one pipeline's files (each replica's pipeline rank r would write the same rank{r}.json, the replicas
+        # overwriting each other's steps)
+        if self.trace_dir is not None and self._first_pipeline:
             self.write_trace(rank_file(self.trace_dir, self.rank))
 
     def trace_document(self) -> dict:
