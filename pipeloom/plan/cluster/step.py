@@ -173,10 +173,16 @@ def runners_up_of(best: Estimate, done: list[Estimate], limit: float,
                             key=lambda e: (e.step_time, e.memory.total)), max(1, count // 2))
     out = []
     for est, alike in fits:
-        out.append((est, f"{(est.step_time / best.step_time - 1) * 100:.1f}% slower ({_why(est, best)}){alike}"))
+        out.append((est, f"{_slower(est.step_time / best.step_time - 1)} slower ({_why(est, best)}){alike}"))
     for est, alike in over:
         out.append((est, f"needs {est.memory.total / 2**30:.1f} GiB per GPU > {limit / 2**30:.1f} GiB limit{alike}"))
     return tuple(out)
+
+
+def _slower(fraction: float) -> str:
+    """A runner-up's gap to the best as a percentage, to a thousandth of a percent under 0.1 % (a layout within
+    rounding of the best had read "0.0% slower")."""
+    return f"{fraction:.1%}" if fraction >= 0.001 else f"{fraction:.3%}" if fraction >= 1e-5 else "under 0.001%"
 
 
 def _distinct(ranked: list[Estimate], count: int) -> list[tuple[Estimate, str]]:

@@ -518,6 +518,17 @@ def test_a_runner_ups_reason_names_what_grew_and_what_shrank():
     assert _why(small, best) == f"exposed dp communication {0.5 * step:+.3g} s, the rest {0.02 * step:+.2g} s"
 
 
+def test_a_runner_up_within_rounding_of_the_best_says_by_how_much():
+    from pipeloom.plan.cluster.step import runners_up_of
+
+    best = _plan(layout="dp=8,tp=1,pp=1,vp=1,cp=1,ep=1,mbs=1,fsdp=0,recompute=none,schedule=1f1b").best
+    near = [dataclasses.replace(best, layout=dataclasses.replace(best.layout, **change), step_time=best.step_time
+                                * (1 + gap)) for change, gap in (({"mbs": 2}, 3e-4), ({"fsdp": True}, 2e-3),
+                                                                 ({"recompute": "full"}, 1e-7))]
+    said = [why.split(" (")[0] for _, why in runners_up_of(best, [best, *near], best.memory.total, 5)]
+    assert said == ["under 0.001% slower", "0.030% slower", "0.2% slower"]  # had read "0.0% slower" twice
+
+
 def test_the_report_says_which_peak_and_a_limit_above_the_gpu(config, capsys):
     assert main(["plan", "--model", str(config), "--hardware", "h100", "--gpus", "8", "--global-batch", "32", "--seq",
                  "4096", "--memory-limit", "100GiB"]) == 0
