@@ -31,6 +31,7 @@ memory is found the same way, in increasing memory-bound order.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import math
@@ -255,7 +256,7 @@ class _Run:
         queue: list[tuple[Any, ...]] = [(self.bounds.group(members[0]), 0, n) for n, members in enumerate(self.groups)]
         heapq.heapify(queue)
         best: Estimate | None = None
-        extra = 0  # fitting layouts simulated past the best's time, for the runners-up
+        counted: list[float] = []  # step times of the fitting layouts simulated, sorted, twins of earlier left out
         while queue:
             entry = heapq.heappop(queue)
             if best is None and beat is not None and entry[0] >= beat:  # nothing left can beat it
@@ -275,8 +276,9 @@ class _Run:
                         self.over.append(cand)
                 continue
             cand = entry[3]
-            past = best is not None and cand.time_bound >= best.step_time
-            if past and extra >= self.runners_up:
+            # past the best and the runners-up' times: no layout left is faster than the last runner-up
+            if best is not None and len(counted) > self.runners_up and cand.time_bound >= max(
+                    best.step_time, counted[self.runners_up]):
                 break
             if not self._fits(self._memory(cand)):
                 self.over.append(cand)
@@ -288,7 +290,8 @@ class _Run:
             except LayoutError:
                 continue
             # a runner-up found: one that fits, not named in a twin's line (runners_up_of)
-            extra += past and est.memory.total <= self.limit and not any(twin_key(est, twin) for twin in self.done)
+            if est.memory.total <= self.limit and not any(twin_key(est, twin) for twin in self.done):
+                bisect.insort(counted, est.step_time)
             self.done.append(est)
             if est.memory.total > self.limit:  # within the rounding of the limit
                 self.over.append(cand)

@@ -91,6 +91,23 @@ def test_pruned_search_returns_the_exhaustive_best(case):
         assert result.priced <= result.candidates == len(estimates)
 
 
+def test_runners_up_are_the_exhaustive_next_fastest(case):
+    """Each listed runner-up (twins of a listed one named in its line) is among the fastest fitting layouts of all:
+    none left out is faster than the last one listed. The search had stopped at the first runners-up it simulated
+    past the best, and a layout of a higher bound but a shorter step could be left out."""
+    from pipeloom.plan.cluster.step import twin_key
+
+    job, estimates = case
+    limit = sorted(e.memory.total for e in estimates)[len(estimates) // 4]
+    result = search_layouts(job, memory_limit=limit, runners_up=4)
+    listed = [est for est, why in result.runners_up if est.memory.total <= limit]
+    assert len(listed) == 4
+    shown = {result.best.layout, *(est.layout for est in listed)}
+    for est in estimates:  # a fitting layout faster than the last listed is listed, or a listed one's twin
+        if est.memory.total <= limit and est.step_time < listed[-1].step_time and est.layout not in shown:
+            assert any(twin_key(est, other) or twin_key(other, est) for other in [result.best, *listed]), est.layout
+
+
 def test_least_memory_is_exact_and_fits(case):
     job, estimates = case
     least = min(e.memory.total for e in estimates)
