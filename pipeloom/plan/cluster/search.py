@@ -276,9 +276,8 @@ class _Run:
                         self.over.append(cand)
                 continue
             cand = entry[3]
-            # past the best and the runners-up' times: no layout left is faster than the last runner-up
             if best is not None and len(counted) > self.runners_up and cand.time_bound >= max(
-                    best.step_time, counted[self.runners_up]):
+                    best.step_time, counted[self.runners_up]):  # none left beats the best or the last runner-up
                 break
             if not self._fits(self._memory(cand)):
                 self.over.append(cand)
