@@ -349,19 +349,22 @@ def hardware_names() -> list[str]:
 
 def hardware(name_or_path: str | Path | Hardware | dict) -> Hardware:
     """A built-in GPU by name (``"h100"``, case-insensitive; see :func:`hardware_names`), a ``pipeloom.hardware/1``
-    JSON file by path or its JSON object as a dict; a :class:`Hardware` is returned as it is."""
+    JSON file by path or its JSON object as a dict (the efficiency fields it leaves out: the built-in H100's,
+    :func:`~pipeloom.plan.cluster.hardware.hardware_from_dict`); a :class:`Hardware` is returned as it is."""
     if isinstance(name_or_path, Hardware):
         return name_or_path
     if isinstance(name_or_path, dict):
-        return hardware_from_dict(name_or_path)
+        return hardware_from_dict(name_or_path, priors=BUILTIN["h100"])
     if not isinstance(name_or_path, (str, Path)):
         raise HardwareError(f"hardware must be a GPU name, a JSON file path, its JSON object (a dict) or a Hardware, "
                             f"got {type(name_or_path).__name__}")
     text = str(name_or_path)
+    if not text.strip():
+        raise HardwareError(f"hardware is empty: use a built-in name ({', '.join(BUILTIN)}) or a {FORMAT} JSON file")
     if text.lower() in BUILTIN:
         return BUILTIN[text.lower()]
     if Path(text).is_file():
-        return load_hardware(text)
+        return load_hardware(text, priors=BUILTIN["h100"])
     hint = (" (a folder, not a file)" if Path(text).is_dir() else
             " (no such file)" if text.endswith(".json") or "/" in text else "")
     raise HardwareError(f"unknown hardware {text!r}{hint}: use a built-in name ({', '.join(BUILTIN)}) or a "

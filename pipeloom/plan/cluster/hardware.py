@@ -29,9 +29,10 @@ ATTENTION_HALF_SEQ = 256.0
 class Hardware:
     """One GPU type and the links around it; rates are per GPU, bandwidths one direction, in bytes/s.
 
-    The efficiency fields are the parameters of :mod:`pipeloom.plan.cluster.efficiency`; the defaults are
-    Hopper's (H100) values, the prior for a GPU described only by its datasheet. One description per GPU
-    type: nothing here is tuned to a model or a run."""
+    The efficiency fields are the parameters of :mod:`pipeloom.plan.cluster.efficiency`; the defaults are round
+    priors near Hopper's. A file or dict read by :func:`~pipeloom.plan.cluster.gpus.hardware` (the CLI's
+    ``--hardware``) takes the built-in H100's measured values for the GEMM and attention fields it leaves out
+    (:func:`hardware_from_dict`). One description per GPU type: nothing here is tuned to a model or a run."""
 
     name: str
     """Short name (``"h100"``)."""
@@ -206,6 +207,9 @@ def _flags(hw: Hardware) -> None:
                        ("fp8_any_layout", "whether FP8 GEMMs take either operand layout")):
         if not isinstance(getattr(hw, name), bool):
             raise HardwareError(f"hardware {hw.name!r}: {name} is true or false ({what}), got {getattr(hw, name)!r}")
+    if hw.mxfp8 and "fp8" not in hw.peak_flops:
+        raise HardwareError(f"hardware {hw.name!r}: mxfp8 is true but peak_flops has no 'fp8' rate: add the dense FP8 "
+                            "FLOP/s (MXFP8 GEMMs run at it), or set mxfp8 to false")
 
 
 def _number(value) -> bool:
@@ -217,20 +221,48 @@ def _positive(name: str, what: str, value) -> None:
         raise HardwareError(f"hardware {name!r}: {what} must be a number > 0, got {value!r}")
 
 
-def load_hardware(path: str | Path) -> Hardware:
-    """Read a ``pipeloom.hardware/1`` JSON file; every problem is a :class:`HardwareError` naming it."""
+def load_hardware(path: str | Path, *, priors: Hardware | None = None) -> Hardware:
+    """Read a ``pipeloom.hardware/1`` JSON file (``priors``: as :func:`hardware_from_dict`); every problem is a
+    :class:`HardwareError` naming it."""
     try:
-        data = json.loads(Path(path).read_text())
+        data = json.loads(Path(path).read_text(encoding="utf-8-sig"),  # a byte-order mark, as some editors write
+                          object_pairs_hook=_unique_keys)
     except OSError as err:
         raise HardwareError(f"cannot read hardware file {str(path)!r}: {err.strerror or err}") from None
     except json.JSONDecodeError as err:
         raise HardwareError(f"hardware file {str(path)!r} is not JSON: {err.msg} at line {err.lineno}") from None
-    return hardware_from_dict(data, where=str(path))
+    except _DuplicateKey as err:
+        raise HardwareError(f"hardware file {str(path)!r} gives {err.args[0]!r} twice; keep one") from None
+    except UnicodeDecodeError:
+        raise HardwareError(f"hardware file {str(path)!r} is not UTF-8 text; a pipeloom.hardware/1 file is "
+                            "JSON") from None
+    return hardware_from_dict(data, where=str(path), priors=priors)
 
 
-def hardware_from_dict(data, *, where: str = "hardware description") -> Hardware:
+class _DuplicateKey(ValueError):
+    """A JSON object naming one key twice (``json`` keeps the last without a word)."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
+PRIORED = ("gemm_efficiency", "fp8_gemm_efficiency", "attention_efficiency", "attention_backward_efficiency",
+           "attention_half_seq")
+"""The efficiency fields a description left without takes from ``priors`` (:func:`hardware_from_dict`)."""
+
+
+def hardware_from_dict(data, *, where: str = "hardware description", priors: Hardware | None = None) -> Hardware:
     """A :class:`Hardware` from the JSON form (``format`` tag, required spec fields, optional efficiency
-    fields and sources); unknown or missing keys name the fix."""
+    fields and sources); unknown or missing keys name the fix. With ``priors`` (a measured GPU: the CLI's and
+    :func:`~pipeloom.plan.cluster.gpus.hardware`'s H100), the :data:`PRIORED` fields left out are its, the FP8
+    GEMM ceiling scaled from the BF16 one as on it, each said in ``sources``; without, the dataclass's round
+    defaults."""
     if not isinstance(data, dict):
         raise HardwareError(f"{where}: expected a JSON object, got {type(data).__name__}")
     if data.get("format") != FORMAT:
@@ -253,12 +285,38 @@ def hardware_from_dict(data, *, where: str = "hardware description") -> Hardware
     for key in ("peak_flops", "sources"):
         if key in values and not isinstance(values[key], dict):
             raise HardwareError(f"{where}: {key!r} must be a JSON object, got {values[key]!r}")
+    if priors is not None:
+        values = _with_priors(values, priors)
     try:
         hw = Hardware(**values)
     except HardwareError as err:
         raise HardwareError(f"{where}: {err}") from None
     _plausible(hw, where)
     return hw
+
+
+def _with_priors(values: dict[str, Any], priors: Hardware) -> dict[str, Any]:
+    """``values`` with the :data:`PRIORED` fields it leaves out taken from ``priors`` and said in its sources. The
+    FP8 ceiling, where the file gives an FP8 peak, is the BF16 ceiling times ``priors``' FP8 / BF16 ratio (an H100's
+    FP8 GEMMs reach 0.709 of their peak where BF16's reach 0.803): a made-up GPU had been priced FP8 GEMMs at its
+    BF16 fraction, about 13 % faster than measured on Hopper."""
+    out, sources = dict(values), dict(values.get("sources", {}))
+    for name in PRIORED:
+        if name in values:
+            continue
+        if name == "fp8_gemm_efficiency":
+            if "fp8" not in values["peak_flops"] or priors.fp8_gemm_efficiency is None:
+                continue
+            ratio = priors.fp8_gemm_efficiency / priors.gemm_efficiency
+            out[name] = min(1.0, round(out["gemm_efficiency"] * ratio, 4)) if _number(out["gemm_efficiency"]) \
+                else out["gemm_efficiency"]  # not a number: the Hardware's own check names it
+            sources.setdefault(name, f"not given: gemm_efficiency x {ratio:.3f}, the built-in {priors.name}'s FP8 / "
+                                     "BF16 GEMM ceilings")
+        else:
+            out[name] = getattr(priors, name)
+            sources.setdefault(name, f"not given: the built-in {priors.name}'s")
+    out["sources"] = sources
+    return out
 
 
 _RANGES = {
@@ -270,9 +328,16 @@ _RANGES = {
     "scale_up_latency": (0.0, 1e-2, "seconds (NVLink: 1e-6)"),
     "scale_out_latency": (0.0, 1e-2, "seconds (InfiniBand: 5e-6)"),
     "kernel_overhead": (0.0, 1e-3, "seconds (a kernel launch: 2e-6)"),
+    "scale_up_size": (1, 2**16, "GPUs (an HGX node: 8, an NVL72 rack: 72)"),
+    "sm_count": (1, 2**14, "SMs or compute units (an H100: 132)"),
+    "gemm_half_dim": (1.0, 2**16, "elements of a GEMM dimension (128)"),
+    "attention_half_seq": (1.0, 2**20, "tokens (an H100: 1136)"),
+    "flash2_slowdown": (1.0, 10.0, "times as long (Hopper: 1.7)"),
+    "overlap_slowdown": (0.0, 10.0, "as a fraction (0.189: 18.9 % slower)"),
 }
 """What a file's numbers may be: orders of magnitude around every GPU and link described here, so that a value in
-the wrong unit (GiB for bytes, Gb/s for bytes/s, microseconds for seconds) is refused rather than planned with.
+the wrong unit (GiB for bytes, Gb/s for bytes/s, microseconds for seconds) or a typo (a GEMM half-rate dimension of
+1e12, which priced a step at 2.6e24 s) is refused rather than planned with.
 A :class:`Hardware` made in Python is not held to them (a what-if with links of no cost)."""
 
 
@@ -284,7 +349,7 @@ def _plausible(hw: Hardware, where: str) -> None:
             if not low <= value <= high:
                 label = f"{name}[{dtype!r}]" if dtype else name
                 raise HardwareError(f"{where}: {label} {value:g} is outside what any GPU has ({low:g} to {high:g} "
-                                    f"{unit}); check its unit")
+                                    f"{unit}); check its unit and digits")
 
 
 _WHOLE = ("memory_bytes", "scale_up_size", "scale_up_placed", "sm_count")

@@ -65,27 +65,51 @@ def test_json_round_trip(tmp_path, name):
     assert hardware(str(path)) == hardware(name)
 
 
-def test_a_minimal_file_takes_the_documented_priors(tmp_path):
-    data = {"format": FORMAT, "name": "my-gpu", "peak_flops": {"bf16": 500e12}, "memory_bytes": 64 * 2**30,
+def test_a_minimal_file_takes_the_h100s_measured_efficiencies(tmp_path):
+    """The GEMM and attention fields a file leaves out are the built-in H100's measured ones, each said in its
+    sources; the FP8 ceiling scaled from the file's BF16 one as on the H100. They had been the dataclass's round
+    priors (FP8 at the BF16 fraction), which priced a copy of the H100's required fields 9 % faster than the h100."""
+    from pipeloom.plan.cluster.hardware import PRIORED
+
+    data = {"format": FORMAT, "name": "my-gpu", "peak_flops": {"bf16": 500e12, "fp8": 1e15}, "memory_bytes": 64 * 2**30,
             "memory_bandwidth": 2e12, "scale_up_size": 4, "scale_up_bandwidth": 200e9,
             "scale_out_bandwidth": 25e9, "scale_up_latency": 1e-6, "scale_out_latency": 5e-6}
-    path = tmp_path / "gpu.json"
-    path.write_text(json.dumps(data))
-    hw = hardware(path)
-    assert hw.name == "my-gpu" and hw.gemm_efficiency == Hardware.__dataclass_fields__["gemm_efficiency"].default
+    h100 = hardware("h100")
+    hw = hardware(_write(tmp_path, data))
+    assert hw.name == "my-gpu" and all(getattr(hw, name) == getattr(h100, name) for name in PRIORED)
+    assert hw.sources["gemm_efficiency"] == "not given: the built-in h100's"
+    assert hw.sources["fp8_gemm_efficiency"].startswith("not given: gemm_efficiency x 0.883")
+    own = hardware({**data, "gemm_efficiency": 0.6, "sources": {"gemm_efficiency": "my sweep"}})
+    assert own.gemm_ceiling("fp8") == pytest.approx(0.6 * 0.709 / 0.803, abs=1e-4)
+    assert own.sources["gemm_efficiency"] == "my sweep"
+    no_fp8 = hardware({**data, "peak_flops": {"bf16": 500e12}})
+    assert no_fp8.fp8_gemm_efficiency is None and no_fp8.attention_half_seq == h100.attention_half_seq
+    # read without priors (load_hardware alone), the dataclass's defaults
+    assert load_hardware(_write(tmp_path, data)).gemm_efficiency == Hardware.__dataclass_fields__[
+        "gemm_efficiency"].default
+    # the H100's required fields alone price as the h100 does
+    required = {k: v for k, v in h100.to_dict().items() if k in data or k == "sm_count"}
+    alone = hardware(_write(tmp_path, required))
+    assert dataclasses.replace(alone, sources={}) == dataclasses.replace(h100, sources={})
 
 
-def test_an_fp8_ceiling_is_the_gpus_own_where_measured_else_the_bf16_one(tmp_path):
-    """H100: the FP8 MAMF fraction (0.709) is below BF16's (0.803), and FP8 GEMMs take it; a file written
-    before the field existed (no ``fp8_gemm_efficiency``) loads with FP8 at the BF16 fraction."""
+def test_an_fp8_ceiling_is_the_gpus_own_where_measured():
+    """H100: the FP8 MAMF fraction (0.709) is below BF16's (0.803), and FP8 GEMMs take it."""
     h100 = hardware("h100")
     assert h100.gemm_ceiling("bf16") == h100.gemm_efficiency == 0.803
     assert h100.gemm_ceiling("fp8") == h100.fp8_gemm_efficiency == 0.709
     assert "1,402.6 of 1,979" in h100.sources["fp8_gemm_efficiency"]
-    old = h100.to_dict()
-    del old["fp8_gemm_efficiency"], old["sources"]["fp8_gemm_efficiency"]
-    loaded = hardware(_write(tmp_path, old))
-    assert loaded.fp8_gemm_efficiency is None and loaded.gemm_ceiling("fp8") == 0.803
+
+
+def test_a_file_naming_a_key_twice_or_not_text_is_refused(tmp_path):
+    text = json.dumps(_good())
+    with pytest.raises(HardwareError, match="gives 'scale_up_latency' twice; keep one"):
+        hardware(_write(tmp_path, text[:-1] + ', "scale_up_latency": 0}'))
+    with pytest.raises(HardwareError, match="is not UTF-8 text"):
+        path = tmp_path / "binary.json"
+        path.write_bytes(b"\xff\xfe\x00")
+        hardware(path)
+    assert hardware(_write(tmp_path, "\ufeff" + text)) == hardware("h100")  # a byte-order mark, as editors write
 
 
 def test_a_job_takes_64_gpus_of_each_nvl72_rack(tmp_path):
@@ -196,6 +220,14 @@ def _good() -> dict:
     (lambda d: d.update(kernel_overhead=1.0), r"kernel_overhead 1 is outside .* \(a kernel launch: 2e-6\)"),
     (lambda d: d.update(scale_out_bandwidth=400), r"scale_out_bandwidth 400 is outside .*a 400 Gb/s NIC: 5e10"),
     (lambda d: d.update(peak_flops={"bf16": 989.4, "fp8": 1978.9}), r"peak_flops\['bf16'\] 989.4 is outside"),
+    (lambda d: d.update(gemm_half_dim=1e12), r"gemm_half_dim 1e\+12 is outside .* check its unit and digits"),
+    (lambda d: d.update(flash2_slowdown=1e9), r"flash2_slowdown 1e\+09 is outside .*Hopper: 1.7"),
+    (lambda d: d.update(sm_count=10**9), r"sm_count 1e\+09 is outside"),
+    (lambda d: d.update(scale_up_size=10**12, scale_up_placed=None), r"scale_up_size 1e\+12 is outside"),
+    (lambda d: d.update(attention_half_seq=1e9), r"attention_half_seq 1e\+09 is outside"),
+    (lambda d: d.update(overlap_slowdown=50.0), r"overlap_slowdown 50 is outside"),
+    (lambda d: d.update(mxfp8=True, peak_flops={"bf16": 1e15}, fp8_gemm_efficiency=None),
+     "mxfp8 is true but peak_flops has no 'fp8' rate"),
 ])
 def test_bad_files_name_the_problem(tmp_path, change, message):
     data = _good()
@@ -220,6 +252,8 @@ def test_unreadable_and_unknown(tmp_path):
     (tmp_path / "gpu.json").mkdir()
     with pytest.raises(HardwareError, match=r"gpu.json' \(a folder, not a file\)"):
         hardware(tmp_path / "gpu.json")
+    with pytest.raises(HardwareError, match=r"hardware is empty: use a built-in name \(a100-40gb"):
+        hardware("")  # not "a folder, not a file" (the empty path is the current folder)
     with pytest.raises(HardwareError, match="got int"):
         hardware(3)  # type: ignore[arg-type]
     assert issubclass(HardwareError, PipeloomError)
