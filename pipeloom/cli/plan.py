@@ -55,7 +55,8 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
                       help="bytes per rank, e.g. 80GiB or 512MiB (default: no limit; with --model the GPU's "
                            "memory)")
     plan.add_argument("--schedules", metavar="NAMES",
-                      help="comma-separated schedules to try (default: every built-in one; --model: not v-half, v-min)")
+                      help="comma-separated schedules to try (default: every built-in one; --model: not v-half, v-min; "
+                           "--model plans layouts of one stage, which run none, too)")
     plan.add_argument("--stages-per-rank", type=count, nargs="+", default=[2], metavar="V",
                       help="stages per rank for the looped schedules (default 2)")
     plan.add_argument("--microbatches", "-m", type=count, nargs="+", metavar="M",
@@ -132,12 +133,14 @@ def _add_output_arguments(plan: argparse.ArgumentParser) -> None:
 def _schedules(text: str | None) -> list[str] | None:
     if text is None:
         return None
-    from pipeloom.schedules import REGISTRY
+    from pipeloom.schedules import REGISTRY, meant_schedule
 
     names = [name.strip() for name in text.split(",") if name.strip()]
     unknown = [name for name in names if name not in REGISTRY]
     if unknown or not names:
-        raise UsageError(f"--schedules: unknown schedule(s) {unknown or [text]}; choose among: {', '.join(REGISTRY)}")
+        meant = "".join(meant_schedule(name) for name in unknown[:1])
+        raise UsageError(f"--schedules: unknown schedule(s) {unknown or [text]}{meant}; choose among: "
+                         f"{', '.join(REGISTRY)}")
     return names
 
 

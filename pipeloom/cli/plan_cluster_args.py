@@ -161,9 +161,13 @@ def check_plan_mode(args: argparse.Namespace) -> bool:
                                         ("--global-batch", args.global_batch), ("--seq", args.seq)) if value is None]
     if missing:
         raise UsageError(f"--model needs {', '.join(missing)}")
-    if args.memory_limit is not None and args.memory_limit < 2**20:
-        raise UsageError(f"--memory-limit {args.memory_limit:g} is {args.memory_limit:g} bytes per GPU; give a unit, "
-                         f"e.g. {args.memory_limit:g}GiB")
+    limit = args.memory_limit
+    if limit is not None and limit < 2**20:  # the unit that makes it a GPU's memory (80000: MiB, 80: GiB)
+        raise UsageError(f"--memory-limit {limit:g} is {limit:g} bytes per GPU; give a unit, e.g. {limit:g}"
+                         f"{'GiB' if limit <= 2**14 else 'MiB'}")
+    if limit is not None and limit > 2**44:  # 80TB for 80GB had planned 119 GiB a GPU as fitting "74,506 GiB"
+        raise UsageError(f"--memory-limit is {limit / 2**30:,.0f} GiB per GPU, more than any GPU holds (16 TiB); "
+                         "check its unit (80GiB)")
     for dest, (flag, instead) in _COST_TABLE_ONLY.items():
         if dest in defaults and getattr(args, dest, None) != defaults[dest]:
             raise UsageError(f"{flag} belongs to planning from a cost table (--costs); with --model {instead}")
@@ -249,7 +253,7 @@ def _schedules(args: argparse.Namespace) -> tuple[str, ...] | None:
     the planner's default."""
     from pipeloom.plan.cluster.api import parse_layout
     from pipeloom.plan.cluster.layout import FRAMEWORK_SCHEDULES, ON_REQUEST, SCHEDULES
-    from pipeloom.schedules import REGISTRY
+    from pipeloom.schedules import REGISTRY, meant_schedule
 
     runs = FRAMEWORK_SCHEDULES[args.framework] if args.framework else tuple(SCHEDULES)
     if args.schedules is None:
@@ -258,10 +262,11 @@ def _schedules(args: argparse.Namespace) -> tuple[str, ...] | None:
         except PipeloomError:  # the plan says what is wrong with --layout
             fixed = None
         return tuple(name for name in runs if name not in ON_REQUEST or name == fixed) if args.framework else None
-    names = [name.strip() for name in args.schedules.split(",") if name.strip()]
+    names = [name.strip().lower() for name in args.schedules.split(",") if name.strip()]  # ZBV as --layout takes it
     unknown = [name for name in names if name not in REGISTRY]
     if unknown or not names:
-        raise UsageError(f"--schedules: unknown schedule(s) {unknown or [args.schedules]}; the cluster planner "
+        meant = "".join(meant_schedule(name, SCHEDULES) for name in unknown[:1])
+        raise UsageError(f"--schedules: unknown schedule(s) {unknown or [args.schedules]}{meant}; the cluster planner "
                          f"prices {', '.join(SCHEDULES)}")
     unpriced = [name for name in names if name not in SCHEDULES]
     if unpriced:

@@ -73,25 +73,35 @@ def _trained_with(spec) -> str:
     return (f", {' and '.join(said)} (the config's: their masks kept)" if said else "") + capped
 
 
-def _full(total: float, limit: float, alone: bool) -> list[str]:
+def _full(result) -> list[str]:
     """A note where a plan that fits fills more than 95 % of the limit: what the estimate does not hold (the
     allocator's fragmentation, buffers beyond the 2 GiB priced) may not fit there; where other layouts were searched,
-    the limit that keeps a tenth free (whether one fits there is the plan's to say: a lower limit is searched again)."""
+    the fastest runner-up listed that keeps a tenth free, and the limit that does (whether one fits there is the
+    plan's to say: a lower limit is searched again)."""
+    total, limit = result.best.memory.total, result.memory_limit
     if not 0.95 * limit < total <= limit:
         return []
     from pipeloom.plan.cluster.estimate import WORKSPACE_BYTES  # the planner loads on use, not with the CLI
+    from pipeloom.plan.cluster.step import gap_text
 
-    free = ("fix fewer --layout keys to search layouts that hold less" if alone else
-            f"plan with --memory-limit {math.floor(0.9 * limit / 2**30 * 10) / 10:.1f}GiB to keep a tenth free (it "
-            f"searches again: a layout that holds less, or the least memory any needs)")
+    roomy = next((est for est, _ in result.runners_up if est.memory.total <= 0.9 * limit), None)
+    listed = (f"the runner-up {roomy.layout} holds {_gib(roomy.memory.total)}, "
+              f"{gap_text(roomy.step_time / result.best.step_time - 1)} slower; " if roomy else "")
+    free = ("fix fewer --layout keys to search layouts that hold less" if result.candidates == 1 else
+            f"{listed}plan with --memory-limit {math.floor(0.9 * limit / 2**30 * 10) / 10:.1f}GiB to keep a tenth free"
+            " (it searches again: a layout that holds less, or the least memory any needs)")
     return [f"note: the plan fills {total / limit:.0%} of the limit; the allocator's fragmentation and buffers beyond "
             f"the {_gib(WORKSPACE_BYTES)} priced may not fit in what is left: {free}"]
 
 
 def _above(result) -> str:
-    """The note of a memory limit above the GPU's memory ('' otherwise)."""
+    """The note of a memory limit above the GPU's memory ('' otherwise): whether the plan still fits the GPU."""
     have = result.job.hw.memory_bytes
-    return f"; the limit is above the {result.job.hw.name}'s {_gib(have)}" if result.memory_limit > float(have) else ""
+    if result.memory_limit <= float(have):
+        return ""
+    if result.best.memory.total > have:
+        return f"; over the {result.job.hw.name}'s {_gib(have)}: it cannot run on that GPU"
+    return f"; the limit is above the {result.job.hw.name}'s {_gib(have)}"
 
 
 def token_count(text: str) -> float:
@@ -212,9 +222,24 @@ def _batch_cap(job, dp: int) -> list[str]:
     if dp != cap or cap >= min(job.global_batch, job.gpus):
         return []
     wider = -(-job.global_batch // job.gpus) * job.gpus
+    steps: list[tuple[int, int]] = []  # the batches past the global batch where the cap rises
+    for batch in range(job.global_batch + 1, wider + 1):
+        if math.gcd(batch, job.gpus) > (steps[-1][1] if steps else cap):
+            steps.append((batch, math.gcd(batch, job.gpus)))
+    shown = steps if len(steps) <= 4 else [*steps[:3], steps[-1]]  # the nearest, and the GPU count's multiple
+    said = [f"{batch:,} ({'dp up to ' if not k else ''}{reach:,})" for k, (batch, reach) in enumerate(shown)]
     return [f"note: dp divides both the global batch ({job.global_batch:,}) and the GPU count ({job.gpus:,}), so it "
-            f"is at most {cap:,} here, where the chosen layout is; a global batch of {wider:,} lets the search "
-            "replicate the model more"]
+            f"is at most {cap:,} here, where the chosen layout is; a larger global batch lets the search replicate "
+            f"the model more: {', '.join(said[:-1]) + ' or ' if len(said) > 1 else ''}{said[-1]}"]
+
+
+def _unpipelined(job, layout) -> list[str]:
+    """The note of a layout of one pipeline stage chosen where --schedules named others: it runs no schedule."""
+    if layout.pp > 1 or not job.schedules or layout.schedule in job.schedules:
+        return []
+    return [f"note: the chosen layout has one pipeline stage (pp=1), which runs no pipeline schedule; --schedules "
+            f"({', '.join(job.schedules)}) chooses among the layouts of pp >= 2 (fix pp with --layout to plan only "
+            "those)"]
 
 
 def seconds_text(seconds: float) -> str:
@@ -261,10 +286,11 @@ def report(result, *, framework: str | None = None) -> str:
         f"{_gib(mem.weights)}, "
         f"gradients {_gib(mem.gradients)}, optimizer {_gib(mem.optimizer)}, activations {_gib(mem.activations)}, "
         f"buffers {_gib(mem.buffers)}",
-        *_full(mem.total, result.memory_limit, result.candidates == 1),
+        *_full(result),
         *_defaulted(job.spec),
         *_past_context(job),
         *_batch_cap(job, best.layout.dp),
+        *_unpipelined(job, best.layout),
     ]
     if result.runners_up:
         lines.append("runners-up:")

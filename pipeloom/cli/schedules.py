@@ -24,7 +24,7 @@ from pipeloom.errors import PipeloomError
 from pipeloom.ir import load_schedule
 from pipeloom.lowering import lower
 from pipeloom.problem import MAX_INTERVALS, Costs
-from pipeloom.schedules import REGISTRY, build_schedule
+from pipeloom.schedules import REGISTRY, build_schedule, meant_schedule
 from pipeloom.sim import Timeline
 from pipeloom.validate import validate
 from pipeloom.viz.report import (
@@ -68,7 +68,7 @@ def _check_name(name: str) -> None:
         if name.lower().endswith((".json", ".csv")):  # a schedule file: simulate reads it
             raise UsageError(f"{name!r} is a file, and this command takes a built-in schedule's name; simulate a "
                              f"schedule file with `pipeloom simulate {name}`")
-        raise UsageError(f"unknown schedule {name!r}; choose one of: {', '.join(REGISTRY)}")
+        raise UsageError(f"unknown schedule {name!r}{meant_schedule(name)}; choose one of: {', '.join(REGISTRY)}")
 
 
 def _check_size(name: str, ranks: int, microbatches: int, stages_per_rank: int | None = None, *,

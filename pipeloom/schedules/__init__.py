@@ -7,9 +7,10 @@ imported on first use, so listing names costs nothing.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Literal, get_args
@@ -19,8 +20,8 @@ from pipeloom.ir import Schedule
 from pipeloom.problem import Costs
 from pipeloom.schedules.common import MemoryLimit
 
-__all__ = ["PLACEMENT_KINDS", "MemoryLimit", "Placement", "ScheduleInfo", "REGISTRY", "build_schedule", "schedule_info",
-           "schedule_names"]
+__all__ = ["PLACEMENT_KINDS", "MemoryLimit", "Placement", "ScheduleInfo", "REGISTRY", "build_schedule",
+           "meant_schedule", "schedule_info", "schedule_names"]
 
 Placement = Literal["linear", "interleaved", "v", "bidirectional"]
 """A placement: the kind of stage layout, how a schedule's stages sit on the ranks (see
@@ -126,13 +127,28 @@ def schedule_names() -> tuple[str, ...]:
     return tuple(REGISTRY)
 
 
+def meant_schedule(name: str, names: Iterable[str] = REGISTRY) -> str:
+    """`` (did you mean 'zbv'?)`` for a name that is one of ``names`` spelt otherwise: the same letters and digits
+    (``zb-v``, ``ZBV``, ``interleaved_1f1b``) or close to one (``interleaved``, ``dualpipe-vee``); empty if none is."""
+    def bare(text: str) -> str:
+        return "".join(ch for ch in text.lower() if ch.isalnum())
+
+    by_bare, key = {bare(known): known for known in names}, bare(name)
+    if key in by_bare:
+        meant = [by_bare[key]]
+    else:  # the names it begins (interleaved: both interleaved schedules), else the closest spelling
+        meant = [known for b, known in by_bare.items() if key and b.startswith(key)] or [
+            by_bare[b] for b in difflib.get_close_matches(key, by_bare, n=1, cutoff=0.7)]
+    return f" (did you mean {' or '.join(map(repr, meant))}?)" if meant else ""
+
+
 def schedule_info(name: str) -> ScheduleInfo:
     """The registry entry for ``name``; PipeloomError listing the names if unknown."""
     try:
         return REGISTRY[name]
     except KeyError:
         raise PipeloomError(
-            f"unknown schedule {name!r}; choose one of: {', '.join(REGISTRY)}"
+            f"unknown schedule {name!r}{meant_schedule(name)}; choose one of: {', '.join(REGISTRY)}"
         ) from None
 
 

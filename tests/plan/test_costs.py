@@ -221,6 +221,11 @@ def test_parse_bytes_refuses_other_text(text):
         parse_bytes(text)
 
 
+def test_a_size_of_one_letter_asks_binary_or_decimal():
+    with pytest.raises(CostTableError, match=r"bad size '80G': write 80GiB \(powers of 1024.* or 80GB \(powers of"):
+        parse_bytes("80G")
+
+
 def test_format_bytes():
     assert format_bytes(80 * 2**30) == "80 GiB"
     assert format_bytes(1536) == "1.5 KiB"

@@ -26,7 +26,7 @@ from pipeloom.plan.cluster.search import search_faster, search_layouts
 from pipeloom.plan.cluster.step import Estimate, runners_up_of
 from pipeloom.plan.costs.parts import parse_bytes
 from pipeloom.plan.errors import CostTableError, LayoutError, NoLayoutFits, PlanError
-from pipeloom.schedules import REGISTRY
+from pipeloom.schedules import REGISTRY, meant_schedule
 
 __all__ = ["ClusterPlan", "FRAMEWORKS", "framework_options", "parse_layout", "plan_cluster"]
 
@@ -76,7 +76,8 @@ class ClusterPlan:
         """The ``--json`` object (seconds and bytes)."""
         hw = self.job.hw
         return {
-            "best": dict(self.best.as_dict(), fits=self.best.memory.total <= self.memory_limit),
+            "best": dict(self.best.as_dict(), fits=self.best.memory.total <= self.memory_limit,
+                         fits_gpu=self.best.memory.total <= hw.memory_bytes),
             "runners_up": [dict(est.as_dict(), why=why) for est, why in self.runners_up],
             "hardware": hw.to_dict(),  # the whole description as priced: hardware_from_dict reads it back
             "model": {"family": self.job.spec.family, "text_of": self.job.spec.text_of, "layers": self.job.spec.layers,
@@ -265,7 +266,7 @@ def parse_layout(text: str) -> dict[str, Any]:
                 other = key == "schedule" and fixed[key] in REGISTRY  # a pipeloom schedule this planner does not price
                 raise LayoutError(f"layout {key}={value} is not one of {', '.join(choices)}" + (
                     " (the cluster planner does not price it; pipeloom plan --costs searches every built-in schedule)"
-                    if other else ""))
+                    if other else meant_schedule(value, choices) if key == "schedule" else ""))
             continue
         try:
             number = int(value)

@@ -335,7 +335,7 @@ class _Run:
         memory they need)."""
         estimator = self.bounds.estimator
         faster = self._in_order([c for c in self.over if c.time_bound < best.step_time], "time_bound")
-        for cand in itertools.islice(faster, max(1, self.runners_up // 2)):
+        for cand in itertools.islice(faster, max(1, self.runners_up // 2) if self.runners_up else 0):
             if cand.time_bound >= best.step_time:
                 break
             try:

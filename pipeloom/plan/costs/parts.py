@@ -210,6 +210,10 @@ def parse_bytes(text: str | float) -> float:
         return check_number("a byte count", text)
     match = _SIZE.match(text) if isinstance(text, str) else None
     unit = match.group(2).lower() if match else ""
+    if match is not None and unit in ("k", "m", "g", "t"):  # 80G: binary or decimal, said rather than guessed
+        number, letter = match.group(1), match.group(2).upper()
+        raise CostTableError(f"bad size {shown(text)}: write {number}{letter}iB (powers of 1024, as GPU memory is "
+                             f"counted) or {number}{letter}B (powers of 1000)")
     if match is None or unit not in _UNITS:
         raise CostTableError(
             f"bad size {shown(text)}: write a number and a unit such as 80GiB, 512MiB, 16GB or 1e9 (bytes)"

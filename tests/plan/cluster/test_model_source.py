@@ -167,7 +167,8 @@ def test_a_sequence_past_the_trained_length_is_noted(tmp_path, capsys):
 
 def test_a_global_batch_that_caps_data_parallelism_is_noted(tmp_path, capsys):
     """dp divides both the global batch and the GPU count: where that caps it and the chosen layout sits at the cap,
-    a note says so and names a global batch that lifts it; none where the batch is a multiple of the GPU count."""
+    a note says so and names the nearest global batches that lift it; none where the batch is a multiple of the GPU
+    count."""
     path = tmp_path / "config.json"
     path.write_text(json.dumps(QWEN25_32B))
     argv = ["plan", "--model", str(path), "--hardware", "h100", "--gpus", "64", "--seq", "4096", "--global-batch"]
@@ -176,7 +177,8 @@ def test_a_global_batch_that_caps_data_parallelism_is_noted(tmp_path, capsys):
     assert main([*argv, "100"]) == 0
     out = capsys.readouterr().out
     assert ("note: dp divides both the global batch (100) and the GPU count (64), so it is at most 4 here, where the "
-            "chosen layout is; a global batch of 128 lets the search replicate the model more") in out
+            "chosen layout is; a larger global batch lets the search replicate the model more: 104 (dp up to 8), 112 "
+            "(16) or 128 (64)") in out  # the nearest that lift the cap (only 128, 2.6 times 37 at 96 GPUs, was said)
     assert main([*argv, "128"]) == 0
     assert "dp divides" not in capsys.readouterr().out
 

@@ -7,6 +7,7 @@ import dataclasses
 import itertools
 import json
 import re
+import types
 
 import pytest
 
@@ -22,6 +23,7 @@ from pipeloom.plan.cluster.layout import LAYOUT_KEYS, Layout
 from pipeloom.plan.cluster.model.reader import model_spec
 from pipeloom.plan.cluster.placement import work_bound
 from pipeloom.plan.cluster.recompute import kept_activations, op_activations
+from pipeloom.plan.cluster.step import Memory
 from pipeloom.plan.errors import LayoutError, NoLayoutFits
 
 SMALL = {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 16,
@@ -350,6 +352,11 @@ def test_top_0_shows_no_runners_up(config, capsys):
     assert json.loads(capsys.readouterr().out)["runners_up"] == []
     assert main(args) == 0
     assert "runners-up" not in capsys.readouterr().out
+    # nor a faster layout over the limit (one had been listed)
+    assert main([*args, "--memory-limit", "20GiB", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["runners_up"] == []
+    assert main([*args[:-1], "1", "--memory-limit", "20GiB", "--json"]) == 0
+    assert any(r["memory_per_gpu"]["total"] > 20 * GIB for r in json.loads(capsys.readouterr().out)["runners_up"])
 
 
 def test_a_refusal_by_the_models_shape_does_not_advise_other_gpu_counts():
@@ -516,6 +523,14 @@ def test_a_runner_ups_reason_names_what_grew_and_what_shrank():
     small = dataclasses.replace(best, exposed_dp=best.exposed_dp + 0.5 * step, optimizer_time=best.optimizer_time
                                 + 0.01 * step, pipeline_time=best.pipeline_time + 0.01 * step)
     assert _why(small, best) == f"exposed dp communication {0.5 * step:+.3g} s, the rest {0.02 * step:+.2g} s"
+    # a gap far below the step: the part left out that decides its sign is said (bubble +8.24, compute -1.95,
+    # exposed -6.38 and optimizer +0.14 units had been told without the optimizer, adding up to a faster step)
+    u, held = 1e-4 * step, best.bubble * best.pipeline_time
+    pipeline = best.pipeline_time + 6.29 * u
+    close = dataclasses.replace(best, pipeline_time=pipeline, bubble=(held + 8.24 * u) / pipeline,
+                                exposed_dp=best.exposed_dp - 6.38 * u, optimizer_time=best.optimizer_time + 0.14 * u)
+    said = [float(d) for d in re.findall(r" ([+-][0-9.e+-]+) s", _why(close, best))]
+    assert _why(close, best).endswith(f"the rest {0.14 * u:+.2g} s") and sum(said) > 0
 
 
 def test_a_runner_up_within_rounding_of_the_best_says_by_how_much():
@@ -535,6 +550,18 @@ def test_the_report_says_which_peak_and_a_limit_above_the_gpu(config, capsys):
     out = capsys.readouterr().out
     assert "% (of the bf16 peak)" in out and "(fits; the limit is above the h100's 79.6 GiB)" in out
     assert _plan(memory_limit="40GiB").memory_limit == 40 * GIB  # the Python API takes a size too
+    # a plan within a limit above the GPU but over the GPU's memory says so, and --json's fits_gpu (it read "fits")
+    args = ["plan", "--model", str(config), "--hardware", "h100", "--gpus", "1", "--global-batch", "32", "--seq",
+            "4096", "--memory-limit", "1TiB"]
+    assert main(args) == 0
+    assert "(fits; over the h100's 79.6 GiB: it cannot run on that GPU)" in capsys.readouterr().out
+    assert main([*args, "--json"]) == 0
+    best = json.loads(capsys.readouterr().out)["best"]
+    assert best["fits"] and not best["fits_gpu"]
+    assert main([*args[:-1], "80TB"]) == 2  # 80TB for 80GB: more than any GPU holds
+    assert "--memory-limit is 74,506 GiB per GPU, more than any GPU holds (16 TiB)" in capsys.readouterr().err
+    assert main([*args[:-1], "80000"]) == 2  # bytes: the unit that makes it a GPU's memory is named
+    assert "give a unit, e.g. 80000MiB" in capsys.readouterr().err
 
 
 def test_each_selective_policy_keeps_its_own_activations():
@@ -652,9 +679,19 @@ def test_a_plan_that_fills_the_memory_says_so(config, capsys):
     from pipeloom.cli.plan_cluster_report import _full
 
     limit = 3.75 / 0.9 * 2**30  # a tenth free is 3.75 GiB: said as 3.7, which keeps it
-    assert _full(0.98 * limit, limit, alone=False) == [
+    best = _plan(layout=layout).best
+    full = dataclasses.replace(best, memory=dataclasses.replace(best.memory, activations=best.memory.activations
+                                                                + 0.98 * limit - total))
+    result = types.SimpleNamespace(best=full, memory_limit=limit, candidates=9, runners_up=())
+    assert _full(result) == [
         start + "may not fit in what is left: plan with --memory-limit 3.7GiB to keep a tenth free (it searches again: "
         "a layout that holds less, or the least memory any needs)"]
+    # the fastest runner-up listed that keeps a tenth free is named (a Mistral 7B plan at 97 % had one 0.4 % slower)
+    roomy = dataclasses.replace(full, memory=Memory(weights=0.0, gradients=0.0, optimizer=0.0, activations=0.0,
+                                                    buffers=0.8 * limit), step_time=full.step_time * 1.004)
+    result.runners_up = ((dataclasses.replace(full, step_time=full.step_time * 1.001), ""), (roomy, ""))
+    assert f"the runner-up {roomy.layout} holds {roomy.memory.total / 2**30:.1f} GiB, 0.4% slower; plan with" in _full(
+        result)[0]
     assert main([*argv, f"{total / 0.9 / 2**30:.6f}GiB", "--layout", layout]) == 0
     assert "note: the plan fills" not in capsys.readouterr().out
 
@@ -852,3 +889,22 @@ def test_runners_up_that_take_the_same_time_are_named_in_one_line():
             twin = plan_cluster(qwen3, "h100", gpus=128, global_batch=512, seq=8192, layout=str(layout)).best
             assert twin.step_time == pytest.approx(est.step_time, rel=TWIN), (twin.layout, est.layout)
             assert twin.memory.total >= est.memory.total, (twin.layout, est.layout)
+
+
+def test_schedule_names_spelt_otherwise_are_taken_or_pointed_to(config, capsys):
+    """``--schedules`` takes names in any case as ``--layout`` does, and a name spelt otherwise is answered with the
+    one meant; a layout of one stage chosen where --schedules named others is said to run none."""
+    from pipeloom.schedules import meant_schedule
+
+    assert meant_schedule("zb-v") == " (did you mean 'zbv'?)"
+    assert meant_schedule("interleaved") == " (did you mean 'interleaved-1f1b' or 'interleaved-zb'?)"
+    assert meant_schedule("Dualpipe_V") == " (did you mean 'dualpipev'?)" and meant_schedule("nothing") == ""
+    args = ["plan", "--model", str(config), "--hardware", "h100", "--gpus", "8", "--global-batch", "32", "--seq",
+            "4096"]
+    assert main([*args, "--schedules", "ZBV"]) == 0
+    out = capsys.readouterr().out
+    assert "pp=1" in out.splitlines()[1] and "note: the chosen layout has one pipeline stage (pp=1)" in out
+    for flag, value, meant in (("--schedules", "zb-v", "'zbv'"), ("--layout", "schedule=interleaved",
+                                                                  "'interleaved-1f1b'")):
+        assert main([*args, flag, value]) == 2
+        assert f"(did you mean {meant}?)" in capsys.readouterr().err
