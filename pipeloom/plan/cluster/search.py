@@ -23,11 +23,10 @@ Exactness. Every bound below is a lower bound, so no layout that could win is sk
   unpriced, and priced only where the answer needs its bounds (the faster layouts over the limit named among
   the runners-up; the least memory when nothing fits), in the same order as if every one had been priced.
 
-Layouts are taken in increasing bound order (groups before their members) until the bound reaches the best
-fitting step time, so the answer is the fastest fitting layout of the whole space; as the fitting set only
-grows with the memory limit, more memory never gives a slower plan. When nothing fits, the layout of least
-memory is found the same way, in increasing memory-bound order.
-"""
+Layouts are taken in increasing bound order (groups before their members) until the bound reaches the best fitting
+step time and the last runner-up's, so the answer is the fastest fitting layout of the whole space and the runners-up
+the next fastest; as the fitting set only grows with the memory limit, more memory never gives a slower plan. When
+nothing fits, the layout of least memory is found the same way, in increasing memory-bound order."""
 
 from __future__ import annotations
 
@@ -52,8 +51,7 @@ from pipeloom.plan.errors import LayoutError, NoLayoutFits
 __all__ = ["Bounds", "Candidate", "SearchResult", "search_faster", "search_layouts"]
 
 _ROUNDING = 1e-9
-"""Relative slack for the memory computed from held counts against the replay's running sum (they add the
-same numbers in a different order)."""
+"""Relative slack for the memory from held counts against the replay's running sum (the same numbers, reordered)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -100,6 +98,7 @@ class Bounds:
         self._held = Counter((*e.kinds, "embedding", *e.tail))  # the model's layers, each on one rank (per copy)
         self._expert = sum(n * e.counts[kind].expert_params for kind, n in self._held.items())
         self._dense = sum(n * e.counts[kind].params for kind, n in self._held.items()) - self._expert
+        self._ends = sum(n * e.counts[kind].params for kind, n in self._held.items() if kind in ("embedding", "head"))
 
     def floor(self, layout: Layout) -> float:
         """A lower bound on the memory bound before the layout's cut is priced: the mean pipeline rank's weights,
@@ -107,7 +106,8 @@ class Bounds:
         two, at least half of both), counted as the estimate counts a rank's, and the workspace; the busiest
         rank holds at least the mean."""
         e, share = self.estimator, layout.copies / layout.pp
-        state = e.job.param_state(layout, self._dense * share / layout.tp, self._expert * share / layout.ep)
+        state = e.job.param_state(layout, self._dense * share / layout.tp, self._expert * share / layout.ep,
+                                  ends=self._ends * share / layout.tp)  # FP8: their weights keep no FP8 copy
         held = sum(n * e.activation(layout, kind) for kind, n in self._held.items()) / layout.pp
         return (sum(state) + held + WORKSPACE_BYTES) * (1 - _ROUNDING)
 

@@ -34,7 +34,8 @@ LLAMA_70B = {"model_type": "llama", "hidden_size": 8192, "intermediate_size": 28
              "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256}
 CASES = [(DENSE, 4, 16, 4096), (DENSE, 8, 32, 2048), (MOE, 8, 32, 4096), (MTP, 8, 32, 4096),
          (MOE, 8, 32, 4096, {"moe_overlap": True}), (DENSE, 8, 32, 4096, {"recompute_layers": 2}),
-         (DENSE, 8, 32, 4096, {"schedules": ("1f1b", "zbv", "v-half", "v-min")})]
+         (DENSE, 8, 32, 4096, {"schedules": ("1f1b", "zbv", "v-half", "v-min")}), (DENSE, 8, 32, 4096, {"dtype": "fp8"}),
+         (MTP, 8, 32, 4096, {"dtype": "fp8"})]
 GIB = 2**30
 
 
@@ -60,7 +61,8 @@ def _key(est):
 
 
 @pytest.fixture(scope="module", params=CASES, ids=["dense-4", "dense-8", "moe-8", "mtp-8", "moe-8-overlap",
-                                                             "dense-8-block", "dense-8-v-half"])
+                                                             "dense-8-block", "dense-8-v-half", "dense-8-fp8",
+                                                             "mtp-8-fp8"])
 def case(request):
     job = _job(*request.param)
     return job, _exhaustive(job)
