@@ -14,7 +14,8 @@ from typing import Any
 
 from pipeloom.plan.errors import HardwareError
 
-__all__ = ["ATTENTION_HALF_SEQ", "DTYPES", "FORMAT", "Hardware", "hardware_from_dict", "load_hardware", "save_hardware"]
+__all__ = ["ATTENTION_HALF_SEQ", "DTYPES", "FORMAT", "PRIORED", "Hardware", "hardware_from_dict", "load_hardware",
+           "save_hardware"]
 
 FORMAT = "pipeloom.hardware/1"
 """The ``format`` tag of a hardware JSON file."""
