@@ -18,7 +18,7 @@ from pipeloom.schedules.zbv_plan import VPlan, v_plan
 from pipeloom.schedules.zbv_rounds import round_candidates
 from pipeloom.validate import validate
 
-__all__ = ["zbv"]
+__all__ = ["first_stage_warmup", "zbv"]
 
 _INF = float("inf")
 _VARIANT_ACTIONS = 40_000
@@ -66,6 +66,20 @@ of all 24 without backfill. The last five were added greedily over the 324 cells
 benchmarks/data/zbv_reference.json (the authors' generator): with them the best of these eleven
 equals the best of all 48 in cells slower than the generator (73 of 324, down from 95 with six);
 zbv_rounds' construction closes those 73 (zbv() keeps it only where it is shorter)."""
+
+
+def first_stage_warmup(schedule: Schedule) -> int:
+    """The forwards of the first stage rank 0 runs before its first backward there, every one of them still held
+    then. Under the default memory limit every zbv order measured runs at least ``min(p, m)`` (3,256 cells: p 2-32,
+    m 1 to 3p, I / F 0.75-2, W / F 0.25-1, W holding 0 or half of F's memory), as 1F1B's first rank does; the
+    cluster planner's memory bound counts them before it builds a zbv (and refuses one that runs fewer)."""
+    forwards = 0
+    for action in schedule.ranks[0]:
+        if isinstance(action, Action) and action.stage == 0:
+            if action.kind != "F":
+                return forwards
+            forwards += 1
+    return forwards
 
 
 def _v_list_problem(plan: VPlan) -> ListProblem:

@@ -263,3 +263,15 @@ def test_an_order_at_the_floor_ends_the_tries(monkeypatch):
     schedule = zbv(8, 24, costs=Costs(f=1, b=1, w=1, w_memory=0.5))
     assert calls == [zbv_module._DEFAULT]
     assert simulate(schedule).makespan == 3 * 24 + 7 / 2
+
+
+@pytest.mark.parametrize("p", [2, 3, 5, 8, 12])
+def test_rank_0_warms_up_at_least_as_deep_as_1f1b(p):
+    """Under the default memory limit rank 0 runs at least min(p, m) forwards of its first stage before its first
+    backward there (the cluster planner's memory bound counts them before it builds a zbv), whatever the costs."""
+    from pipeloom.schedules.zbv import first_stage_warmup
+
+    for m in sorted({1, p - 1, p, p + 1, 2 * p, 3 * p} - {0}):
+        for b, w, held in ((1.0, 1.0, 0.0), (1.15, 0.45, 0.5), (2.0, 0.25, 0.0), (0.75, 1.0, 0.5)):
+            built = build_schedule("zbv", p, m, costs=Costs(f=1.0, b=b, w=w, memory=1.0, w_memory=held))
+            assert first_stage_warmup(built) >= min(p, m), (p, m, b, w, held)

@@ -39,6 +39,7 @@ from pipeloom.plan.cluster.step import Estimate, Memory, PhaseTimes, add_times, 
 from pipeloom.plan.errors import LayoutError
 from pipeloom.problem import Costs
 from pipeloom.schedules import build_schedule
+from pipeloom.schedules.zbv import first_stage_warmup
 from pipeloom.sim import compile_schedule
 from pipeloom.sim_replay import CompiledSchedule
 
@@ -190,9 +191,9 @@ class Estimator:
     def schedule(self, layout: Layout, m: int) -> Schedule:
         """The layout's schedule for ``m`` micro-batches (cached by name, pp, vp, m and zbv's cost ratios): the
         order of every schedule here but zbv does not depend on the costs (tested), so they are built with unit
-        costs; zbv's cost-aware order with mean I / F and W / F (:meth:`_zbv_ratios`): built for F = I = W, its
-        steady state ran 13 % slower than the busiest rank's work on Llama 3 8B at tp 8 x pp 8 (F : I : W = 1 :
-        1.15 : 0.45), and 1F1B overtook it at large micro-batch counts. W holds :attr:`w_fraction` of F's memory."""
+        costs; zbv's cost-aware order with mean I / F and W / F (:meth:`_zbv_ratios`: built for F = I = W, its
+        steady state ran 13 % slower than the busiest rank's work on Llama 3 8B at tp 8 x pp 8), refused should its
+        rank 0 warm up shallower than the search's bound counts (never seen). W holds :attr:`w_fraction` of F's."""
         key = self._schedule_key(layout, m)
         name, pp, vp, _, b, w, _ = key
         if key not in self._schedules:
@@ -201,6 +202,8 @@ class Estimator:
             options = {"stages_per_rank": vp} if SCHEDULES[name] == "interleaved" else {}
             try:
                 built = build_schedule(name, pp, m, costs=costs, **options)
+                if name == "zbv" and (depth := first_stage_warmup(built)) < min(pp, m):  # the memory bound's count
+                    raise PipeloomError(f"its rank 0 warms up with {depth} forwards, under {min(pp, m)}")
             except PipeloomError as error:
                 raise LayoutError(f"{name} cannot run pp={pp}, vp={vp} with {m} micro-batches: {error}") from None
             # Job.moe_overlap: interleaved 1F1B's backward-forward neighbours run as pairs (DualPipe's are built so)
@@ -310,11 +313,8 @@ class Estimator:
 
     def _static_state(self, layout: Layout, times: list[PhaseTimes], runs: int) -> tuple[Memory, float, float]:
         """:meth:`static_state` with ``runs`` the schedule's micro-batches (each runs all of a rank's stages)."""
-        states, tails = [], []
-        for stages, kinds in self._rank_shapes(layout):  # ranks holding the same layers priced once
-            state, tail = self._rank_state(layout, times, stages, kinds, runs)
-            states.append(state)
-            tails.append(tail)
+        states, tails = zip(*(self._rank_state(layout, times, stages, kinds, runs)  # ranks of the same layers: once
+                              for stages, kinds in self._rank_shapes(layout)), strict=True)
         # the rank with the most static memory (the activations' peak is the replay's maximum over ranks)
         memory = max(states, key=lambda state: state.total)
         _, exposed, optimizer = max(tails)

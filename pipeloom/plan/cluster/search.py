@@ -13,9 +13,9 @@ Exactness. Every bound below is a lower bound, so no layout that could win is sk
   micro-batch of each of a rank's stages: when a rank starts the forward of its last stage for a micro-batch,
   the forwards of its other stages for that micro-batch are held and none of their backwards can have begun
   (they wait for this forward; DualPipe's two stages on a rank belong to different copies: one micro-batch of
-  the larger); where the schedule's builder fixes its warm-up (every schedule but zbv), the larger of that and
-  the busiest rank's forwards before its first backward, all held then
-  (:func:`~pipeloom.schedules.warmup.warmup_forwards`). Before a layout is simulated its memory is computed
+  the larger); where the schedule's builder fixes its warm-up, the larger of that and the busiest rank's forwards
+  before its first backward, all held then (:func:`~pipeloom.schedules.warmup.warmup_forwards`; zbv: min(pp, m) on
+  rank 0, refused by the estimator where fewer). Before a layout is simulated its memory is computed
   exactly (the schedule's held counts, :mod:`.held`, the replay's peak up to rounding); over the limit, it is not
   simulated.
 - *memory floor* of a layout, below its memory bound and known before its cut is priced: the mean pipeline

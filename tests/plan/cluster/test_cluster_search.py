@@ -34,8 +34,8 @@ LLAMA_70B = {"model_type": "llama", "hidden_size": 8192, "intermediate_size": 28
              "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256}
 CASES = [(DENSE, 4, 16, 4096), (DENSE, 8, 32, 2048), (MOE, 8, 32, 4096), (MTP, 8, 32, 4096),
          (MOE, 8, 32, 4096, {"moe_overlap": True}), (DENSE, 8, 32, 4096, {"recompute_layers": 2}),
-         (DENSE, 8, 32, 4096, {"schedules": ("1f1b", "zbv", "v-half", "v-min")}), (DENSE, 8, 32, 4096, {"dtype": "fp8"}),
-         (MTP, 8, 32, 4096, {"dtype": "fp8"})]
+         (DENSE, 8, 32, 4096, {"schedules": ("1f1b", "zbv", "v-half", "v-min")}),
+         (DENSE, 8, 32, 4096, {"dtype": "fp8"}), (MTP, 8, 32, 4096, {"dtype": "fp8"})]
 GIB = 2**30
 
 
@@ -254,3 +254,18 @@ def test_v_half_and_v_min_are_searched_only_when_named():
 def test_a_schedule_list_the_planner_does_not_price_is_refused():
     with pytest.raises(LayoutError, match="schedules=\\('zb-h2',\\): the cluster planner prices 1f1b"):
         _job(DENSE, 8, 32, 4096, {"schedules": ("zb-h2",)})
+
+
+def test_a_zbv_shallower_than_the_memory_bound_counts_is_refused(monkeypatch):
+    """The memory bound counts min(pp, m) forwards of the first stage held on rank 0 before any zbv is built; the
+    estimator refuses a zbv that ran fewer (none measured does), so a layout the bound set aside cannot win."""
+    import pipeloom.plan.cluster.estimate as estimate
+    from pipeloom.plan.cluster.layout import Layout
+
+    job = _job(DENSE, 8, 32, 4096)
+    layout = Layout(dp=2, pp=4, vp=2, schedule="zbv")
+    bound = Bounds(Estimator(job)).candidate(layout).memory_bound
+    assert bound <= Estimator(job).estimate(layout).memory.total * (1 + 1e-12)
+    monkeypatch.setattr(estimate, "first_stage_warmup", lambda schedule: 1)
+    with pytest.raises(LayoutError, match=r"zbv cannot run pp=4, vp=2 .* rank 0 warms up with 1 forwards, under 4"):
+        Estimator(job).estimate(layout)
