@@ -55,8 +55,8 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
                       help="bytes per rank, e.g. 80GiB or 512MiB (default: no limit; with --model the GPU's "
                            "memory)")
     plan.add_argument("--schedules", metavar="NAMES",
-                      help="comma-separated schedules to try (default: every built-in one; --model: not v-half, v-min; "
-                           "--model plans layouts of one stage, which run none, too)")
+                      help="comma-separated schedules to try (default: every built-in one; --model: not v-half, v-min, "
+                           "and the layouts of one pipeline stage, which run no schedule, are planned as well)")
     plan.add_argument("--stages-per-rank", type=count, nargs="+", default=[2], metavar="V",
                       help="stages per rank for the looped schedules (default 2)")
     plan.add_argument("--microbatches", "-m", type=count, nargs="+", metavar="M",
@@ -135,8 +135,9 @@ def _schedules(text: str | None) -> list[str] | None:
         return None
     from pipeloom.schedules import REGISTRY, meant_schedule
 
-    names = [name.strip() for name in text.split(",") if name.strip()]
-    unknown = [name for name in names if name not in REGISTRY]
+    given = [name.strip() for name in text.split(",") if name.strip()]
+    names = [name.lower() for name in given]  # ZBV, as --layout takes it
+    unknown = [name for name, lower in zip(given, names, strict=True) if lower not in REGISTRY]
     if unknown or not names:
         meant = "".join(meant_schedule(name) for name in unknown[:1])
         raise UsageError(f"--schedules: unknown schedule(s) {unknown or [text]}{meant}; choose among: "

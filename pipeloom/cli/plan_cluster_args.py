@@ -262,10 +262,11 @@ def _schedules(args: argparse.Namespace) -> tuple[str, ...] | None:
         except PipeloomError:  # the plan says what is wrong with --layout
             fixed = None
         return tuple(name for name in runs if name not in ON_REQUEST or name == fixed) if args.framework else None
-    names = [name.strip().lower() for name in args.schedules.split(",") if name.strip()]  # ZBV as --layout takes it
-    unknown = [name for name in names if name not in REGISTRY]
+    given = [name.strip() for name in args.schedules.split(",") if name.strip()]
+    names = [name.lower() for name in given]  # ZBV as --layout takes it
+    unknown = [name for name, lower in zip(given, names, strict=True) if lower not in REGISTRY]
     if unknown or not names:
-        meant = "".join(meant_schedule(name, SCHEDULES) for name in unknown[:1])
+        meant = "".join(meant_schedule(name) for name in unknown[:1])
         raise UsageError(f"--schedules: unknown schedule(s) {unknown or [args.schedules]}{meant}; the cluster planner "
                          f"prices {', '.join(SCHEDULES)}")
     unpriced = [name for name in names if name not in SCHEDULES]

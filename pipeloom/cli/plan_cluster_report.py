@@ -238,8 +238,8 @@ def _unpipelined(job, layout) -> list[str]:
     if layout.pp > 1 or not job.schedules or layout.schedule in job.schedules:
         return []
     return [f"note: the chosen layout has one pipeline stage (pp=1), which runs no pipeline schedule; --schedules "
-            f"({', '.join(job.schedules)}) chooses among the layouts of pp >= 2 (fix pp with --layout to plan only "
-            "those)"]
+            f"({', '.join(job.schedules)}) chooses among the layouts of pp >= 2, slower here (fix pp=2 or more with "
+            "--layout to plan one of them)"]
 
 
 def seconds_text(seconds: float) -> str:

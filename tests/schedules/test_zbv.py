@@ -272,6 +272,8 @@ def test_rank_0_warms_up_at_least_as_deep_as_1f1b(p):
     from pipeloom.schedules.zbv import first_stage_warmup
 
     for m in sorted({1, p - 1, p, p + 1, 2 * p, 3 * p} - {0}):
-        for b, w, held in ((1.0, 1.0, 0.0), (1.15, 0.45, 0.5), (2.0, 0.25, 0.0), (0.75, 1.0, 0.5)):
+        # the planner's grid: I / F in steps of 0.5, W / F of 0.25, W holding any fraction of F's memory
+        for b, w, held in ((1.0, 1.0, 0.0), (1.15, 0.45, 0.5), (2.0, 0.25, 0.0), (0.75, 1.0, 0.5), (0.5, 0.25, 0.9),
+                           (3.0, 1.5, 0.1), (0.5, 1.5, 0.9), (3.0, 0.25, 0.1)):
             built = build_schedule("zbv", p, m, costs=Costs(f=1.0, b=b, w=w, memory=1.0, w_memory=held))
             assert first_stage_warmup(built) >= min(p, m), (p, m, b, w, held)

@@ -309,8 +309,8 @@ def _with_priors(values: dict[str, Any], priors: Hardware) -> dict[str, Any]:
             if "fp8" not in values["peak_flops"] or priors.fp8_gemm_efficiency is None:
                 continue
             ratio = priors.fp8_gemm_efficiency / priors.gemm_efficiency
-            out[name] = min(1.0, round(out["gemm_efficiency"] * ratio, 4)) if _number(out["gemm_efficiency"]) \
-                else out["gemm_efficiency"]  # not a number: the Hardware's own check names it
+            bf16 = out["gemm_efficiency"]  # not a number: the Hardware's own check names it
+            out[name] = min(1.0, bf16 * ratio) if _number(bf16) else bf16
             sources.setdefault(name, f"not given: gemm_efficiency x {ratio:.3f}, the built-in {priors.name}'s FP8 / "
                                      "BF16 GEMM ceilings")
         else:

@@ -1,32 +1,28 @@
 """Search of layouts for one job: every layout that can run (:func:`~pipeloom.plan.cluster.layout.enumerate_layouts`),
-then branch and bound on the simulated step time.
-
-Exactness. Every bound below is a lower bound, so no layout that could win is skipped:
+then branch and bound on the simulated step time. Every bound below is a lower bound, so no layout that could win is
+skipped:
 
 - *group bound*: layouts that differ only in vp, FSDP and schedule (DualPipe(V) apart) share a bound on step time,
-  the mean pipeline rank's work ``m W / pp`` (:meth:`Bounds.group`); a group is priced only when its bound is
-  below the best fitting step time found so far.
+  the mean pipeline rank's work ``m W / pp`` (:meth:`Bounds.group`), priced only when below the times sought.
 - *time bound* of a layout: every pipeline rank waits for micro-batch 0's forwards through the stages before
   its first one, then does all its own work (:func:`~pipeloom.plan.cluster.placement.work_bound`); plus the
   exposed data-parallel time and the optimizer step, which the estimate adds as they are.
 - *memory bound* of a layout: weights, gradients, optimizer and buffers exactly, and for the activations one
-  micro-batch of each of a rank's stages: when a rank starts the forward of its last stage for a micro-batch,
-  the forwards of its other stages for that micro-batch are held and none of their backwards can have begun
-  (they wait for this forward; DualPipe's two stages on a rank belong to different copies: one micro-batch of
-  the larger); where the schedule's builder fixes its warm-up, the larger of that and the busiest rank's forwards
-  before its first backward, all held then (:func:`~pipeloom.schedules.warmup.warmup_forwards`; zbv: min(pp, m) on
-  rank 0, refused by the estimator where fewer). Before a layout is simulated its memory is computed
-  exactly (the schedule's held counts, :mod:`.held`, the replay's peak up to rounding); over the limit, it is not
-  simulated.
+  micro-batch of each of a rank's stages (when a rank starts its last stage's forward of a micro-batch, its other
+  stages' forwards of it are held, their backwards waiting; DualPipe's two copies: the larger stage), or where
+  larger the forwards the busiest rank holds at the end of the warm-up its schedule's builder fixes
+  (:func:`~pipeloom.schedules.warmup.warmup_forwards`; zbv: min(pp, m) on rank 0, which the estimator checks).
+  Before a layout is simulated its exact memory is computed (the schedule's held counts, :mod:`.held`, the
+  replay's peak up to rounding); over the limit, it is not simulated.
 - *memory floor* of a layout, below its memory bound and known before its cut is priced: the mean pipeline
   rank's share of the same terms (:meth:`Bounds.floor`). A layout over the limit on its floor is set aside
   unpriced, and priced only where the answer needs its bounds (the faster layouts over the limit named among
   the runners-up; the least memory when nothing fits), in the same order as if every one had been priced.
 
 Layouts are taken in increasing bound order (groups before their members) until the bound reaches the best fitting
-step time and the last runner-up's, so the answer is the fastest fitting layout of the whole space and the runners-up
-the next fastest; as the fitting set only grows with the memory limit, more memory never gives a slower plan. When
-nothing fits, the layout of least memory is found the same way, in increasing memory-bound order."""
+step time and the last runner-up's (with its twins'), so the answer is the fastest fitting layout of the whole space
+and the runners-up the next fastest of this search; as the fitting set only grows with the memory limit, more memory
+never gives a slower plan. When nothing fits, the least memory is found alike, in increasing memory-bound order."""
 
 from __future__ import annotations
 
@@ -45,7 +41,7 @@ from pipeloom.plan.cluster.held import warmup_peak
 from pipeloom.plan.cluster.job import Job
 from pipeloom.plan.cluster.layout import LAYOUT_KEYS, Layout, Refusals, enumerate_layouts
 from pipeloom.plan.cluster.placement import rank_stages, work_bound
-from pipeloom.plan.cluster.step import Estimate, key_text, runners_up_of, twin_key
+from pipeloom.plan.cluster.step import TWIN, Estimate, key_text, runners_up_of, twin_key
 from pipeloom.plan.errors import LayoutError, NoLayoutFits
 
 __all__ = ["Bounds", "Candidate", "SearchResult", "search_faster", "search_layouts"]
@@ -239,12 +235,11 @@ class _Run:
 
     def __init__(self, bounds: Bounds, groups: list[list[Layout]], limit: float, runners_up: int,
                  progress: Callable[[str], None] | None) -> None:
-        self.bounds, self.groups, self.limit = bounds, groups, limit
+        self.bounds, self.groups, self.limit, self.priced = bounds, groups, limit, 0
         self.runners_up, self.progress = runners_up, progress
         self.done: list[Estimate] = []
         self.over: list[Candidate] = []  # layouts known or bounded (floor or bound) to need more than the limit
         self.memory: dict[Layout, float] = {}  # exact memory computed so far
-        self.priced = 0
 
     def _fits(self, bound: float) -> bool:
         return bound <= self.limit * (1 + _ROUNDING)
@@ -276,8 +271,7 @@ class _Run:
                         self.over.append(cand)
                 continue
             cand = entry[3]
-            if best is not None and len(counted) > self.runners_up and cand.time_bound >= max(
-                    best.step_time, counted[self.runners_up]):  # none left beats the best or the last runner-up
+            if best is not None and cand.time_bound >= self._listed_below(best, counted):
                 break
             if not self._fits(self._memory(cand)):
                 self.over.append(cand)
@@ -299,6 +293,12 @@ class _Run:
             elif best is None or (est.step_time, _key(est.layout)) < (best.step_time, _key(best.layout)):
                 best = est
         return best
+
+    def _listed_below(self, best: Estimate, counted: list[float]) -> float:
+        """The step time below which a layout may be listed: the best's, the last runner-up's and its twins' (within
+        :data:`TWIN` of it, named in its line); until as many runners-up as asked for fit, none."""
+        last = counted[self.runners_up] if len(counted) > self.runners_up else math.inf
+        return max(best.step_time, last * (1 + TWIN))
 
     def _memory(self, cand: Candidate) -> float:
         """The layout's exact memory (inf when its schedule cannot be built), cached."""

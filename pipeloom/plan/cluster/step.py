@@ -182,7 +182,7 @@ def runners_up_of(best: Estimate, done: list[Estimate], limit: float,
 def gap_text(fraction: float) -> str:
     """A runner-up's gap to the best as a percentage, to a thousandth of a percent under 0.1 % (a layout within
     rounding of the best had read "0.0% slower")."""
-    return f"{fraction:.1%}" if fraction >= 0.001 else f"{fraction:.3%}" if fraction >= 1e-5 else "under 0.001%"
+    return f"{fraction:.1%}" if fraction >= 0.00095 else f"{fraction:.3%}" if fraction >= 5e-6 else "under 0.001%"
 
 
 def _distinct(ranked: list[Estimate], count: int) -> list[tuple[Estimate, str]]:
@@ -244,7 +244,8 @@ def _why(est: Estimate, best: Estimate) -> str:
     shown = sorted(((name, d) for name, d in parts.items() if abs(d) >= 0.05 * largest), key=lambda item: -item[1])
     # the small parts left out, said where they show against the step or the gap (a 0.034 % gap had been told as
     # parts adding up to a faster step, the optimizer's +0.00014 s left out)
-    rest = sum(parts.values()) - sum(d for _, d in shown)
-    tail = [f"the rest {rest:+.2g} s"] if abs(rest) >= min(1e-3 * best.step_time, 0.1 * abs(sum(parts.values()))) \
-        and abs(rest) > 1e-9 * best.step_time else []
+    gap, step = sum(parts.values()), best.step_time
+    rest = gap - sum(d for _, d in shown)
+    shows = abs(rest) >= min(1e-3 * step, 0.1 * abs(gap)) and abs(rest) > 1e-9 * step
+    tail = [f"the rest {rest:+.2g} s"] if shows else []
     return ", ".join([*(f"{name} {d:+.3g} s" for name, d in shown), *tail])

@@ -94,20 +94,18 @@ def test_pruned_search_returns_the_exhaustive_best(case):
 
 
 def test_runners_up_are_the_exhaustive_next_fastest(case):
-    """Each listed runner-up (twins of a listed one named in its line) is among the fastest fitting layouts of all:
-    none left out is faster than the last one listed. The search had stopped at the first runners-up it simulated
-    past the best, and a layout of a higher bound but a shorter step could be left out."""
-    from pipeloom.plan.cluster.step import twin_key
+    """The fitting runners-up listed, each with the twins named in its line, are those that pricing every layout
+    lists: the search had stopped at the first runners-up it simulated past the best, and a layout of a higher bound
+    but a shorter step could be left out (and past the last runner-up's time, its twins)."""
+    from pipeloom.plan.cluster.step import runners_up_of
 
     job, estimates = case
     limit = sorted(e.memory.total for e in estimates)[len(estimates) // 4]
     result = search_layouts(job, memory_limit=limit, runners_up=4)
-    listed = [est for est, why in result.runners_up if est.memory.total <= limit]
-    assert len(listed) == 4
-    shown = {result.best.layout, *(est.layout for est in listed)}
-    for est in estimates:  # a fitting layout faster than the last listed is listed, or a listed one's twin
-        if est.memory.total <= limit and est.step_time < listed[-1].step_time and est.layout not in shown:
-            assert any(twin_key(est, other) or twin_key(other, est) for other in [result.best, *listed]), est.layout
+    every = runners_up_of(result.best, [e for e in estimates if e.layout != result.best.layout], limit, 4)
+    fitting = [(est.layout, why) for est, why in result.runners_up if est.memory.total <= limit]
+    assert len(fitting) == 4
+    assert fitting == [(est.layout, why) for est, why in every if est.memory.total <= limit]
 
 
 def test_least_memory_is_exact_and_fits(case):
@@ -260,12 +258,18 @@ def test_a_zbv_shallower_than_the_memory_bound_counts_is_refused(monkeypatch):
     """The memory bound counts min(pp, m) forwards of the first stage held on rank 0 before any zbv is built; the
     estimator refuses a zbv that ran fewer (none measured does), so a layout the bound set aside cannot win."""
     import pipeloom.plan.cluster.estimate as estimate
+    from pipeloom.plan.cluster.held import warmup_peak
     from pipeloom.plan.cluster.layout import Layout
 
     job = _job(DENSE, 8, 32, 4096)
     layout = Layout(dp=2, pp=4, vp=2, schedule="zbv")
-    bound = Bounds(Estimator(job)).candidate(layout).memory_bound
-    assert bound <= Estimator(job).estimate(layout).memory.total * (1 + 1e-12)
+    estimator = Estimator(job)
+    m, acts = estimator.check(layout), estimator.stages(layout)[1]
+    assert warmup_peak("zbv", 4, 2, m, acts) == 4 * acts[0] and warmup_peak("zbv", 4, 2, 3, acts) == 3 * acts[0]
+    memory, _, _ = estimator.static_state(layout, estimator.stages(layout)[0], m)
+    bound = Bounds(estimator).candidate(layout).memory_bound
+    assert memory.total + 4 * acts[0] <= bound <= estimator.estimate(layout).memory.total * (1 + 1e-12)
     monkeypatch.setattr(estimate, "first_stage_warmup", lambda schedule: 1)
-    with pytest.raises(LayoutError, match=r"zbv cannot run pp=4, vp=2 .* rank 0 warms up with 1 forwards, under 4"):
+    with pytest.raises(LayoutError, match=r"zbv \(pp=4, 8 micro-batches\) warms rank 0 up with 1 forwards, under "
+                                          r"the 4 the planner's memory bound counts: not priced"):
         Estimator(job).estimate(layout)

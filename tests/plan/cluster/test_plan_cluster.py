@@ -542,6 +542,9 @@ def test_a_runner_up_within_rounding_of_the_best_says_by_how_much():
                                                                  ({"recompute": "full"}, 1e-7))]
     said = [why.split(" (")[0] for _, why in runners_up_of(best, [best, *near], best.memory.total, 5)]
     assert said == ["under 0.001% slower", "0.030% slower", "0.2% slower"]  # had read "0.0% slower" twice
+    from pipeloom.plan.cluster.step import gap_text
+
+    assert [gap_text(x) for x in (0.000999, 0.0009, 0.001)] == ["0.1%", "0.090%", "0.1%"]  # not "0.100%"
 
 
 def test_the_report_says_which_peak_and_a_limit_above_the_gpu(config, capsys):
@@ -899,12 +902,13 @@ def test_schedule_names_spelt_otherwise_are_taken_or_pointed_to(config, capsys):
     assert meant_schedule("zb-v") == " (did you mean 'zbv'?)"
     assert meant_schedule("interleaved") == " (did you mean 'interleaved-1f1b' or 'interleaved-zb'?)"
     assert meant_schedule("Dualpipe_V") == " (did you mean 'dualpipev'?)" and meant_schedule("nothing") == ""
+    assert meant_schedule("zb_h2") == " (did you mean 'zb-h2'?)"  # the schedule meant, priced by --model or not
     args = ["plan", "--model", str(config), "--hardware", "h100", "--gpus", "8", "--global-batch", "32", "--seq",
             "4096"]
     assert main([*args, "--schedules", "ZBV"]) == 0
     out = capsys.readouterr().out
     assert "pp=1" in out.splitlines()[1] and "note: the chosen layout has one pipeline stage (pp=1)" in out
     for flag, value, meant in (("--schedules", "zb-v", "'zbv'"), ("--layout", "schedule=interleaved",
-                                                                  "'interleaved-1f1b'")):
+                                                                  "'interleaved-1f1b' or 'interleaved-zb'")):
         assert main([*args, flag, value]) == 2
         assert f"(did you mean {meant}?)" in capsys.readouterr().err
