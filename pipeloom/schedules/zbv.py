@@ -18,7 +18,7 @@ from pipeloom.schedules.zbv_plan import VPlan, v_plan
 from pipeloom.schedules.zbv_rounds import round_candidates
 from pipeloom.validate import validate
 
-__all__ = ["first_stage_warmup", "zbv"]
+__all__ = ["first_stage_warmups", "zbv"]
 
 _INF = float("inf")
 _VARIANT_ACTIONS = 40_000
@@ -68,18 +68,22 @@ equals the best of all 48 in cells slower than the generator (73 of 324, down fr
 zbv_rounds' construction closes those 73 (zbv() keeps it only where it is shorter)."""
 
 
-def first_stage_warmup(schedule: Schedule) -> int:
-    """The forwards of the first stage rank 0 runs before its first backward there, every one of them still held
-    then. Under the default memory limit every zbv order measured runs at least ``min(p, m)`` (3,256 cells: p 2-32,
-    m 1 to 3p, I / F 0.75-2, W / F 0.25-1, W holding 0 or half of F's memory), as 1F1B's first rank does; the
-    cluster planner's memory bound counts them before it builds a zbv (and refuses one that runs fewer)."""
-    forwards = 0
-    for action in schedule.ranks[0]:
-        if isinstance(action, Action) and action.stage == 0:
-            if action.kind != "F":
-                return forwards
-            forwards += 1
-    return forwards
+def first_stage_warmups(schedule: Schedule) -> tuple[int, ...]:
+    """Per rank r, the forwards of its first stage (stage r) it runs before its first backward there, every one of
+    them still held then. Under the default memory limit every zbv order measured runs at least
+    ``min(max(2 (p - r) - 2, p - 1), m)`` (about 4,000 cells: p 2-32, m 1 to 3p, I / F 0.5-3, W / F 0.25-1.5, W
+    holding 0-0.9 of F's memory), so at least ``min(p - r, m)``, as 1F1B's rank r does; the cluster planner's memory
+    bound counts that many before it builds a zbv (and refuses one that runs fewer)."""
+    out = []
+    for rank, actions in enumerate(schedule.ranks):
+        forwards = 0
+        for action in actions:
+            if isinstance(action, Action) and action.stage == rank:
+                if action.kind != "F":
+                    break
+                forwards += 1
+        out.append(forwards)
+    return tuple(out)
 
 
 def _v_list_problem(plan: VPlan) -> ListProblem:

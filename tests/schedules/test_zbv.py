@@ -266,14 +266,16 @@ def test_an_order_at_the_floor_ends_the_tries(monkeypatch):
 
 
 @pytest.mark.parametrize("p", [2, 3, 5, 8, 12])
-def test_rank_0_warms_up_at_least_as_deep_as_1f1b(p):
-    """Under the default memory limit rank 0 runs at least min(p, m) forwards of its first stage before its first
-    backward there (the cluster planner's memory bound counts them before it builds a zbv), whatever the costs."""
-    from pipeloom.schedules.zbv import first_stage_warmup
+def test_every_rank_warms_up_at_least_as_deep_as_1f1b(p):
+    """Under the default memory limit rank r runs at least min(p - r, m) forwards of its first stage before its first
+    backward there, as 1F1B's rank r (the cluster planner's memory bound counts them before it builds a zbv),
+    whatever the costs; measured, min(max(2 (p - r) - 2, p - 1), m)."""
+    from pipeloom.schedules.zbv import first_stage_warmups
 
     for m in sorted({1, p - 1, p, p + 1, 2 * p, 3 * p} - {0}):
         # the planner's grid: I / F in steps of 0.5, W / F of 0.25, W holding any fraction of F's memory
         for b, w, held in ((1.0, 1.0, 0.0), (1.15, 0.45, 0.5), (2.0, 0.25, 0.0), (0.75, 1.0, 0.5), (0.5, 0.25, 0.9),
                            (3.0, 1.5, 0.1), (0.5, 1.5, 0.9), (3.0, 0.25, 0.1)):
             built = build_schedule("zbv", p, m, costs=Costs(f=1.0, b=b, w=w, memory=1.0, w_memory=held))
-            assert first_stage_warmup(built) >= min(p, m), (p, m, b, w, held)
+            depths = first_stage_warmups(built)
+            assert all(n >= min(max(2 * (p - r) - 2, p - 1), m) for r, n in enumerate(depths)), (p, m, b, w, held)

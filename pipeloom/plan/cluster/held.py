@@ -139,11 +139,11 @@ def warmup_peak(schedule: str, pp: int, vp: int, m: int, acts: Sequence[float]) 
     """A lower bound on the peak of held activations of ``schedule`` over ``pp`` ranks (``vp`` stages each) for
     ``m`` micro-batches, without building it: the busiest rank's at the end of its warm-up, every forward of which
     is still held (:func:`~pipeloom.schedules.warmup.warmup_forwards`, for the :func:`profiled_microbatches`
-    schedule the peak is read from). zbv, whose order depends on its costs: the ``min(pp, m)`` forwards of the
-    first stage rank 0 holds before its first backward there (:func:`~pipeloom.schedules.zbv.first_stage_warmup`,
-    which the estimator checks on every zbv it builds); 0 for the other schedules."""
+    schedule the peak is read from). zbv, whose order depends on its costs: the ``min(pp - r, m)`` forwards of its
+    first stage each rank r holds before its first backward there, as 1F1B's
+    (:func:`~pipeloom.schedules.zbv.first_stage_warmups`, which the estimator checks on every zbv it builds)."""
     if pp > 1 and schedule == "zbv":
-        return min(pp, m) * acts[0]
+        return max(min(pp - r, m) * acts[r] for r in range(pp))
     if pp == 1 or schedule not in WARMUP_SCHEDULES:
         return 0.0
     ranks = _warmups(schedule, pp, vp, profiled_microbatches(pp, m))

@@ -11,7 +11,7 @@ skipped:
   micro-batch of each of a rank's stages (when a rank starts its last stage's forward of a micro-batch, its other
   stages' forwards of it are held, their backwards waiting; DualPipe's two copies: the larger stage), or where
   larger the forwards the busiest rank holds at the end of the warm-up its schedule's builder fixes
-  (:func:`~pipeloom.schedules.warmup.warmup_forwards`; zbv: min(pp, m) on rank 0, which the estimator checks).
+  (:func:`~pipeloom.schedules.warmup.warmup_forwards`; zbv: min(pp - r, m) on rank r, which the estimator checks).
   Before a layout is simulated its exact memory is computed (the schedule's held counts, :mod:`.held`, the
   replay's peak up to rounding); over the limit, it is not simulated.
 - *memory floor* of a layout, below its memory bound and known before its cut is priced: the mean pipeline

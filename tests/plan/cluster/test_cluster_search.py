@@ -255,8 +255,8 @@ def test_a_schedule_list_the_planner_does_not_price_is_refused():
 
 
 def test_a_zbv_shallower_than_the_memory_bound_counts_is_refused(monkeypatch):
-    """The memory bound counts min(pp, m) forwards of the first stage held on rank 0 before any zbv is built; the
-    estimator refuses a zbv that ran fewer (none measured does), so a layout the bound set aside cannot win."""
+    """The memory bound counts min(pp - r, m) forwards of its first stage held on each rank r before any zbv is built;
+    the estimator refuses a zbv that ran fewer (none measured does), so a layout the bound set aside cannot win."""
     import pipeloom.plan.cluster.estimate as estimate
     from pipeloom.plan.cluster.held import warmup_peak
     from pipeloom.plan.cluster.layout import Layout
@@ -265,11 +265,12 @@ def test_a_zbv_shallower_than_the_memory_bound_counts_is_refused(monkeypatch):
     layout = Layout(dp=2, pp=4, vp=2, schedule="zbv")
     estimator = Estimator(job)
     m, acts = estimator.check(layout), estimator.stages(layout)[1]
-    assert warmup_peak("zbv", 4, 2, m, acts) == 4 * acts[0] and warmup_peak("zbv", 4, 2, 3, acts) == 3 * acts[0]
+    held = max(min(4 - r, m) * acts[r] for r in range(4))
+    assert warmup_peak("zbv", 4, 2, m, acts) == held and warmup_peak("zbv", 4, 2, 1, acts) == max(acts[:4])
     memory, _, _ = estimator.static_state(layout, estimator.stages(layout)[0], m)
     bound = Bounds(estimator).candidate(layout).memory_bound
-    assert memory.total + 4 * acts[0] <= bound <= estimator.estimate(layout).memory.total * (1 + 1e-12)
-    monkeypatch.setattr(estimate, "first_stage_warmup", lambda schedule: 1)
-    with pytest.raises(LayoutError, match=r"zbv \(pp=4, 8 micro-batches\) warms rank 0 up with 1 forwards, under "
-                                          r"the 4 the planner's memory bound counts: not priced"):
+    assert memory.total + held <= bound <= estimator.estimate(layout).memory.total * (1 + 1e-12)
+    monkeypatch.setattr(estimate, "first_stage_warmups", lambda schedule: (4, 3, 2, 0))
+    with pytest.raises(LayoutError, match=r"zbv \(pp=4, 8 micro-batches\) warms a rank up shallower than 1F1B, which "
+                                          r"the planner's memory bound counts: not priced"):
         Estimator(job).estimate(layout)
