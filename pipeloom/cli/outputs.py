@@ -111,5 +111,5 @@ def report_console(*, stderr: bool = False) -> Console:
 
     console = Console(stderr=stderr, highlight=False)
     if not console.is_terminal and "COLUMNS" not in os.environ:
-        console = Console(stderr=stderr, highlight=False, width=PIPED_WIDTH)
+        console.width = PIPED_WIDTH
     return console

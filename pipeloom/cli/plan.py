@@ -9,7 +9,7 @@ import os
 import time
 from pathlib import Path
 
-from pipeloom.cli.argtypes import count, number, path_with
+from pipeloom.cli.argtypes import count, number, path_with, schedule_list
 from pipeloom.cli.errors import UsageError
 from pipeloom.cli.outputs import report_console, target
 from pipeloom.cli.plan_cluster import cmd_plan_cluster
@@ -131,18 +131,7 @@ def _add_output_arguments(plan: argparse.ArgumentParser) -> None:
 
 
 def _schedules(text: str | None) -> list[str] | None:
-    if text is None:
-        return None
-    from pipeloom.schedules import REGISTRY, meant_schedule
-
-    given = [name.strip() for name in text.split(",") if name.strip()]
-    names = [name.lower() for name in given]  # ZBV, as --layout takes it
-    unknown = [name for name, lower in zip(given, names, strict=True) if lower not in REGISTRY]
-    if unknown or not names:
-        meant = "".join(meant_schedule(name) for name in unknown[:1])
-        raise UsageError(f"--schedules: unknown schedule(s) {unknown or [text]}{meant}; choose among: "
-                         f"{', '.join(REGISTRY)}")
-    return names
+    return None if text is None else schedule_list(text)
 
 
 def _candidate_json(candidate) -> dict:

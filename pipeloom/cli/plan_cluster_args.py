@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from pipeloom.cli.argtypes import schedule_list
 from pipeloom.cli.errors import UsageError
 from pipeloom.cli.plan_cluster_report import token_count
 from pipeloom.errors import PipeloomError
@@ -253,7 +254,6 @@ def _schedules(args: argparse.Namespace) -> tuple[str, ...] | None:
     the planner's default."""
     from pipeloom.plan.cluster.api import parse_layout
     from pipeloom.plan.cluster.layout import FRAMEWORK_SCHEDULES, ON_REQUEST, SCHEDULES
-    from pipeloom.schedules import REGISTRY, meant_schedule
 
     runs = FRAMEWORK_SCHEDULES[args.framework] if args.framework else tuple(SCHEDULES)
     if args.schedules is None:
@@ -262,13 +262,7 @@ def _schedules(args: argparse.Namespace) -> tuple[str, ...] | None:
         except PipeloomError:  # the plan says what is wrong with --layout
             fixed = None
         return tuple(name for name in runs if name not in ON_REQUEST or name == fixed) if args.framework else None
-    given = [name.strip() for name in args.schedules.split(",") if name.strip()]
-    names = [name.lower() for name in given]  # ZBV as --layout takes it
-    unknown = [name for name, lower in zip(given, names, strict=True) if lower not in REGISTRY]
-    if unknown or not names:
-        meant = "".join(meant_schedule(name) for name in unknown[:1])
-        raise UsageError(f"--schedules: unknown schedule(s) {unknown or [args.schedules]}{meant}; the cluster planner "
-                         f"prices {', '.join(SCHEDULES)}")
+    names = schedule_list(args.schedules, f"the cluster planner prices {', '.join(SCHEDULES)}")
     unpriced = [name for name in names if name not in SCHEDULES]
     if unpriced:
         raise UsageError(f"--schedules: the cluster planner does not price {', '.join(unpriced)} (it prices "

@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Literal, get_args
@@ -127,13 +127,13 @@ def schedule_names() -> tuple[str, ...]:
     return tuple(REGISTRY)
 
 
-def meant_schedule(name: str, names: Iterable[str] = REGISTRY) -> str:
-    """`` (did you mean 'zbv'?)`` for a name that is one of ``names`` spelt otherwise: the same letters and digits
+def meant_schedule(name: str) -> str:
+    """`` (did you mean 'zbv'?)`` for a name that is a built-in schedule's spelt otherwise: the same letters and digits
     (``zb-v``, ``ZBV``, ``interleaved_1f1b``) or close to one (``interleaved``, ``dualpipe-vee``); empty if none is."""
     def bare(text: str) -> str:
         return "".join(ch for ch in text.lower() if ch.isalnum())
 
-    by_bare, key = {bare(known): known for known in names}, bare(name)
+    by_bare, key = {bare(known): known for known in REGISTRY}, bare(name)
     if key in by_bare:
         meant = [by_bare[key]]
     else:  # the names it begins (interleaved: both interleaved schedules), else the closest spelling
