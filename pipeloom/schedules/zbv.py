@@ -18,7 +18,7 @@ from pipeloom.schedules.zbv_plan import VPlan, v_plan
 from pipeloom.schedules.zbv_rounds import round_candidates
 from pipeloom.validate import validate
 
-__all__ = ["first_stage_warmups", "zbv"]
+__all__ = ["first_stage_warmups", "warmup_floor", "zbv"]
 
 _INF = float("inf")
 _VARIANT_ACTIONS = 40_000
@@ -84,6 +84,11 @@ def first_stage_warmups(schedule: Schedule) -> tuple[int, ...]:
                 forwards += 1
         out.append(forwards)
     return tuple(out)
+
+
+def warmup_floor(num_ranks: int, num_microbatches: int) -> tuple[int, ...]:
+    """Per rank r, the least :func:`first_stage_warmups` count the cluster planner counts on: ``min(p - r, m)``."""
+    return tuple(min(num_ranks - r, num_microbatches) for r in range(num_ranks))
 
 
 def _v_list_problem(plan: VPlan) -> ListProblem:

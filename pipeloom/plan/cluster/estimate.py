@@ -39,7 +39,7 @@ from pipeloom.plan.cluster.step import Estimate, Memory, PhaseTimes, add_times, 
 from pipeloom.plan.errors import LayoutError
 from pipeloom.problem import Costs
 from pipeloom.schedules import build_schedule
-from pipeloom.schedules.zbv import first_stage_warmups
+from pipeloom.schedules.zbv import first_stage_warmups, warmup_floor
 from pipeloom.sim import compile_schedule
 from pipeloom.sim_replay import CompiledSchedule
 
@@ -204,7 +204,7 @@ class Estimator:
                 built = build_schedule(name, pp, m, costs=costs, **options)
             except PipeloomError as error:
                 raise LayoutError(f"{name} cannot run pp={pp}, vp={vp} with {m} micro-batches: {error}") from None
-            if name == "zbv" and any(n < min(pp - r, m) for r, n in enumerate(first_stage_warmups(built))):
+            if name == "zbv" and any(n < least for n, least in zip(first_stage_warmups(built), warmup_floor(pp, m))):
                 raise LayoutError(f"zbv (pp={pp}, {m} micro-batches) warms a rank up shallower than 1F1B, which the "
                                   "planner's memory bound counts: not priced (please report it)")
             # Job.moe_overlap: interleaved 1F1B's backward-forward neighbours run as pairs (DualPipe's are built so)

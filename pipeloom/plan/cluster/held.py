@@ -16,6 +16,7 @@ from typing import Any
 from pipeloom.ir import Overlap, Schedule, task_actions
 from pipeloom.plan.cluster.step import PhaseTimes
 from pipeloom.schedules.warmup import WARMUP_SCHEDULES, RankWarmup, warmup_forwards
+from pipeloom.schedules.zbv import warmup_floor
 from pipeloom.sim_pricing import Pricing
 from pipeloom.sim_replay import CompiledSchedule, bubble_ratio
 
@@ -141,9 +142,9 @@ def warmup_peak(schedule: str, pp: int, vp: int, m: int, acts: Sequence[float]) 
     is still held (:func:`~pipeloom.schedules.warmup.warmup_forwards`, for the :func:`profiled_microbatches`
     schedule the peak is read from). zbv, whose order depends on its costs: the ``min(pp - r, m)`` forwards of its
     first stage each rank r holds before its first backward there, as 1F1B's
-    (:func:`~pipeloom.schedules.zbv.first_stage_warmups`, which the estimator checks on every zbv it builds)."""
+    (:func:`~pipeloom.schedules.zbv.warmup_floor`, which the estimator checks on every zbv it builds)."""
     if pp > 1 and schedule == "zbv":
-        return max(min(pp - r, m) * acts[r] for r in range(pp))
+        return max(n * acts[r] for r, n in enumerate(warmup_floor(pp, m)))
     if pp == 1 or schedule not in WARMUP_SCHEDULES:
         return 0.0
     ranks = _warmups(schedule, pp, vp, profiled_microbatches(pp, m))
