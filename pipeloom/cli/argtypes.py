@@ -11,7 +11,7 @@ from pathlib import Path
 from pipeloom.cli.errors import UsageError
 from pipeloom.cli.outputs import OutputPath
 
-__all__ = ["count", "number", "path_with", "schedule_list"]
+__all__ = ["count", "number", "path_with", "schedule_list", "sequence_length"]
 
 
 def number(kind: type, words: str, minimum: float, maximum: float = math.inf) -> Callable[[str], float]:
@@ -33,6 +33,19 @@ def number(kind: type, words: str, minimum: float, maximum: float = math.inf) ->
 
 count = number(int, "a positive integer", 1)
 """An argparse type for a positive integer (ranks, micro-batches, workers...)."""
+
+
+def sequence_length(text: str) -> int:
+    """``--seq``: tokens per sequence, a positive integer or one with a K suffix counting 1,024 (``8k`` = 8,192,
+    ``128K`` = 131,072, as context lengths are named)."""
+    kilo = text[-1:] in ("k", "K")
+    try:
+        value = int(text[:-1] if kilo else text) * (1024 if kilo else 1)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive token count such as 8192 or 8k, got {text!r}")
+    return value
 
 
 def path_with(*suffixes: str) -> Callable[[str], Path]:

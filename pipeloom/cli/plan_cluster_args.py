@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pipeloom.cli.argtypes import schedule_list
+from pipeloom.cli.argtypes import count, schedule_list, sequence_length
 from pipeloom.cli.errors import UsageError
 from pipeloom.cli.plan_cluster_report import token_count
 from pipeloom.errors import PipeloomError
@@ -26,8 +26,9 @@ def add_cluster_arguments(plan: argparse.ArgumentParser) -> None:
     group.add_argument("--hardware", metavar="NAME|FILE.json",
                        help="GPU type: a100-40gb, a100-80gb, h100, h200, b200, gb200, gb300, mi300x, or a "
                             "pipeloom.hardware/1 JSON file")
-    group.add_argument("--gpus", type=int, metavar="N", help="GPUs of the job")
-    group.add_argument("--seq", type=int, metavar="S", help="tokens per sequence")
+    group.add_argument("--gpus", type=count, metavar="N", help="GPUs of the job")
+    group.add_argument("--seq", type=sequence_length, metavar="S",
+                       help="tokens per sequence: a count, or with a K suffix counting 1,024 (8k = 8192)")
     group.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16", help="GEMM precision (default bf16)")
     group.add_argument("--tokens", type=token_count, metavar="N",
                        help="also say how long training N tokens takes with the chosen layout (steps, days, "

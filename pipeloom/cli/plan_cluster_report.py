@@ -114,6 +114,8 @@ def token_count(text: str) -> float:
         value = float("nan")
     if not 0 < value < float("inf") or not value.is_integer():
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole token count; give e.g. 2000000, 2M or 15T")
+    if value > 1e16:  # a thousand times the largest published runs' tokens: a typo's zeros, say
+        raise argparse.ArgumentTypeError(f"{text!r} is more than 10,000T tokens; give e.g. 15T")
     return value
 
 
@@ -121,10 +123,14 @@ def training_text(training: dict, gpus: int) -> str:
     """The ``--tokens`` line: steps, days and GPU-hours."""
     tokens = training["tokens"]
     suffix = next(((k, v) for k, v in reversed(TOKEN_SUFFIXES.items()) if tokens >= v), ("", 1.0))
-    seconds, steps = training["seconds"], training["steps"]
-    took = f"{seconds / 86400:,.1f} days" if seconds >= 86400 else f"{seconds / 3600:.2f} hours"
-    return (f"training {tokens / suffix[1]:.4g}{suffix[0]} tokens: {steps:,} step{'s' if steps != 1 else ''}, "
-            f"{took}, {training['gpu_hours']:,.0f} GPU-hours on {gpus:,} GPUs (at the predicted step time)")
+    seconds, steps, hours = training["seconds"], training["steps"], training["gpu_hours"]
+    units = ((86400, "days", 1), (3600, "hours", 2), (60, "minutes", 1))
+    unit, name, digits = next((u for u in units if seconds >= u[0]), (1, "s", 1))
+    took = f"{seconds / unit:,.{digits}f} {name}"
+    amount = tokens / suffix[1]  # up to 10,000T (token_count): no exponent
+    return (f"training {f'{amount:,.0f}' if amount >= 1000 else f'{amount:.4g}'}{suffix[0]} tokens: {steps:,} "
+            f"step{'s' if steps != 1 else ''}, {took}, {f'{hours:,.0f}' if hours >= 10 else f'{hours:.2g}'} GPU-hours "
+            f"on {gpus:,} GPUs (at the predicted step time)")
 
 
 _FP8_CASTS = {"cached": "Transformer Engine's delayed scaling", "dynamic": "torchao's per-tensor dynamic scaling",

@@ -150,7 +150,7 @@ class Job:
     cp_rotate: str = "ring"
     """How context parallelism exchanges K/V: ``ring`` (each block's K/V sent to the next rank beside the current
     block's compute: Megatron-Core / Transformer Engine) or ``allgather`` (PyTorch's ``context_parallel`` as
-    torchtitan ran it: :func:`pipeloom.plan.cluster.context.context_parallel_core`)."""
+    torchtitan ran it: :func:`pipeloom.plan.cluster.mixers.context_parallel_core`)."""
     moe_comm: str = "plain"
     """The expert all-to-all: ``plain`` (every routed copy of a token sent in bf16 to its expert's GPU), ``deepseek``
     (DeepSeek-V3's kernels, 20 SMs reserved: :func:`~pipeloom.plan.cluster.dispatch.deepseek_all_to_all`),

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from pipeloom.plan.cluster.context import context_parallel_core
 from pipeloom.plan.cluster.counts import layer_counts, sparse_core_dims
 from pipeloom.plan.cluster.dispatch import compute_hardware, deepseek_all_to_all, hybridep_all_to_all
 from pipeloom.plan.cluster.efficiency import (
@@ -26,6 +25,7 @@ from pipeloom.plan.cluster.job import Job
 from pipeloom.plan.cluster.layout import Layout
 from pipeloom.plan.cluster.mixers import (
     absorbed_gemms,
+    context_parallel_core,
     gdn_core_seconds,
     gdn_exchange_seconds,
     indexer_gemms,

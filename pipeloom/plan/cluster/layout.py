@@ -177,7 +177,7 @@ class Layout:
             raise LayoutError(refused)
         if self.pp > 1 and m < self.pp:
             fix = "lower dp or mbs" if self.dp * self.mbs > 1 else "a larger global batch or a lower pp"
-            raise LayoutError(f"{m} micro-batches for pp={self.pp}: need at least pp ({fix})",
+            raise LayoutError(f"{m} micro-batch{'es' if m != 1 else ''} for pp={self.pp}: need at least pp ({fix})",
                               counts=self._batch_of(self.pp))
         if self.schedule in PAIRED and m < 2 * self.pp:
             raise LayoutError(f"{self.schedule} needs at least 2 x pp = {2 * self.pp} micro-batches, got {m}",

@@ -41,7 +41,8 @@ from pipeloom.plan.cluster.held import warmup_peak
 from pipeloom.plan.cluster.job import Job
 from pipeloom.plan.cluster.layout import LAYOUT_KEYS, Layout, Refusals, enumerate_layouts
 from pipeloom.plan.cluster.placement import rank_stages, work_bound
-from pipeloom.plan.cluster.step import TWIN, Estimate, key_text, runners_up_of, twin_key
+from pipeloom.plan.cluster.step import TWIN, Estimate, keys_text, runners_up_of, twin_key
+from pipeloom.plan.cluster.unrunnable import barred_text, no_layout_runs
 from pipeloom.plan.errors import LayoutError, NoLayoutFits
 
 __all__ = ["Bounds", "Candidate", "SearchResult", "search_faster", "search_layouts"]
@@ -195,17 +196,9 @@ def _search(job: Job, fixed: dict[str, Any] | None, memory_limit: float | None, 
             continue
         groups.setdefault(_group_key(job, layout), []).append(layout)
     if not groups and barred:
-        raise NoLayoutFits(_barred_text(job, fixed, barred, said, stopped))
+        raise NoLayoutFits(barred_text(job, fixed, barred, said, stopped))
     if not groups:
-        first = f" (the first refused: {refusals[0]})" if refusals else ""
-        fixes = ["change the fixed keys"] * bool(fixed) + ["the stage cut"] * bool(job.cut())
-        # a refusal by the model's own shape (heads, experts, layers) or by the keys alone: no count fixes it
-        if not fixed or not refusals:
-            fixes.append("pick a GPU count or a global batch with more common divisors")
-        elif refusals.counts:
-            fixes.append(f"pick {refusals.counts}")
-        raise NoLayoutFits(f"no layout of {job.spec.family} on {job.gpus} GPUs can run with {_fixed_text(fixed)}"
-                           f" (global batch {job.global_batch}, sequence {job.seq}){first}; {', '.join(fixes)}")
+        raise no_layout_runs(job, fixed, refusals)
     run = _Run(Bounds(estimator), list(groups.values()), limit, runners_up, progress)
     best = run.search(beat)
     layouts = sum(map(len, run.groups))
@@ -214,7 +207,7 @@ def _search(job: Job, fixed: dict[str, Any] | None, memory_limit: float | None, 
     if best is None:
         least = run.smallest()
         tried = f"{layouts} layout{'s' if layouts != 1 else ''} tried"
-        tried += f" with {_fixed_text(fixed)}" if fixed else ""
+        tried += f" with {keys_text(fixed)}" if fixed else ""
         free = "fix fewer --layout keys, " if fixed else ""
         shown = f"{limit / 2**30:.1f} GiB" if limit >= 2**30 / 10 else format_bytes(limit)  # 10 MiB, not 0.0 GiB
         held = least.memory  # rounded up: that limit finds it; the part that sets it, and what lowers that part
@@ -362,39 +355,3 @@ class _Run:
 def _key(layout: Layout) -> tuple[Any, ...]:
     """A total order of layouts (ties of time broken the same way at every memory limit)."""
     return tuple(getattr(layout, key) for key in LAYOUT_KEYS)
-
-
-def _barred_text(job: Job, fixed: dict[str, Any], barred: Counter[str], said: dict[str, str], total: int) -> str:
-    """Why none of the ``total`` layouts runs where ``blocked`` looks: the problem that stops them all, or the
-    commonest problems by layout key, each with how many layouts it stops and its first instance (one layout's
-    problems named alone had read as the only obstacle)."""
-    keys = f" with {_fixed_text(fixed)}" if fixed else ""
-    fix = "; change or drop the --layout keys that ask for it" if fixed else ""
-    (top, count), = barred.most_common(1)
-    if count == total:  # one problem stops every layout: it alone is said
-        return (f"no layout of {job.spec.family} on {job.gpus} GPUs{keys} runs there: {said[top]}"
-                f"{_without(job, fixed, barred)}{fix}")
-    shown = [f"{key} in {count:,} (e.g. {said[key]})" for key, count in barred.most_common(3)]
-    more = f", and {len(barred) - 3} more" if len(barred) > 3 else ""
-    return (f"no layout of {job.spec.family} on {job.gpus} GPUs{keys} runs there; what stops them, by layouts: "
-            f"{'; '.join(shown)}{more}{_without(job, fixed, barred)}{fix}")
-
-
-def _without(job: Job, fixed: dict[str, Any], barred: Counter[str]) -> str:
-    """Where no layout can run with the barred keys at the values that ask nothing of a runtime (ep is refused beside
-    others, not alone), why not: the enumeration's own refusal and the count that avoids it; else ``""``."""
-    plain = {key: value for key, value in _PLAIN.items() if key in barred and key not in fixed}
-    refusals = Refusals()
-    if not plain or next(enumerate_layouts(job, {**fixed, **plain}, refusals), None) is not None or not refusals:
-        return ""
-    counts = f"; pick {refusals.counts}" if refusals.counts else ""
-    return f"; and with {_fixed_text(plain)} none can run ({refusals[0]}{counts})"
-
-
-_PLAIN: dict[str, Any] = {"tp": 1, "cp": 1, "fsdp": False, "recompute": "none"}  # ask nothing of a runtime
-
-
-def _fixed_text(fixed: dict[str, Any]) -> str:
-    """The fixed keys as ``--layout`` takes them (fsdp as 0 or 1)."""
-    return ",".join(f"{k}={key_text(v)}" for k, v in fixed.items()) or "no fixed keys"
-

@@ -227,6 +227,11 @@ def key_text(value: Any) -> Any:
     return int(value) if isinstance(value, bool) else value
 
 
+def keys_text(fixed: dict[str, Any]) -> str:
+    """Layout keys as ``--layout`` takes them, or ``no fixed keys``."""
+    return ",".join(f"{k}={key_text(v)}" for k, v in fixed.items()) or "no fixed keys"
+
+
 def _why(est: Estimate, best: Estimate) -> str:
     """The parts of the step that grew against the best, most first, then those that shrank (each by at least a
     twentieth of the largest change), and the rest where it shows, so the gap adds up (a runner-up slower in both its

@@ -368,8 +368,13 @@ def test_a_refusal_by_the_models_shape_does_not_advise_other_gpu_counts():
         with pytest.raises(NoLayoutFits, match=re.escape(why)) as info:
             plan_cluster(SMALL, "h100", gpus=64, global_batch=64, seq=4096, layout=fixed)
         assert str(info.value).endswith("; change the fixed keys"), info.value
-    with pytest.raises(NoLayoutFits, match="pick a GPU count or a global batch with more common divisors"):
-        plan_cluster(SMALL, "h100", gpus=128, global_batch=1, seq=4096)  # nothing fixed: no single key is the cause
+    # nothing fixed: no single key is the cause; the nearest counts that run are named (each tried and run below)
+    for gpus, batch, near in ((128, 1, "(e.g. 64 GPUs, or a global batch of 2)"),
+                              (1000, 32, "(e.g. 960 or 1,024 GPUs)")):
+        with pytest.raises(NoLayoutFits, match=re.escape(f"with more common divisors {near}")):
+            plan_cluster(SMALL, "h100", gpus=gpus, global_batch=batch, seq=4096)
+    for gpus, batch in ((64, 1), (128, 2), (960, 32), (1024, 32)):
+        assert plan_cluster(SMALL, "h100", gpus=gpus, global_batch=batch, seq=4096, runners_up=0).best.step_time > 0
 
 
 def test_a_refusal_by_the_jobs_counts_names_the_counts_that_avoid_it():
@@ -664,6 +669,30 @@ def test_time_to_train_a_token_count(config, capsys):
         assert main([*argv, f"--tokens={bad}"]) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and "not a positive whole token count" in err, err
+    # a count past 10,000T is a typo's zeros (1e30 had printed 1e+18T tokens and 10^24 steps); up to it, no exponent
+    assert main([*argv, "--tokens=1e30"]) == 2
+    assert "'1e30' is more than 10,000T tokens; give e.g. 15T" in capsys.readouterr().err
+    assert main([*argv, "--tokens=1e16"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("training 10,000T tokens: ")
+    # a short run in seconds and a fraction of a GPU-hour (both had read 0)
+    assert main([*argv, "--tokens=1M"]) == 0
+    assert re.search(r"steps, [0-9.]+ s, 0\.[0-9]+ GPU-hours", capsys.readouterr().out), "seconds and GPU-hours"
+
+
+def test_the_job_counts_are_checked_as_arguments(config, capsys):
+    """--gpus 0 is argparse's one line like any bad argument; --seq takes a K suffix counting 1,024 (8k), as
+    context lengths are named (4k had been refused as "invalid int value")."""
+    argv = ["plan", "--model", str(config), "--hardware", "h100", "--global-batch", "32", "--json"]
+    assert main([*argv, "--gpus", "0", "--seq", "4096"]) == 2
+    assert "argument --gpus: must be a positive integer, got '0'" in capsys.readouterr().err
+    plans = []
+    for seq in ("4k", "4096"):
+        assert main([*argv, "--gpus", "8", "--seq", seq]) == 0
+        plans.append(json.loads(capsys.readouterr().out)["best"])
+    assert plans[0] == plans[1] and plans[0]["tokens_per_gpu_per_second"] > 0
+    for bad in ("4x", "0", "-1k", "k", "1.5k"):
+        assert main([*argv, "--gpus", "8", f"--seq={bad}"]) == 2
+        assert f"must be a positive token count such as 8192 or 8k, got '{bad}'" in capsys.readouterr().err
 
 
 def test_a_plan_that_fills_the_memory_says_so(config, capsys):

@@ -276,7 +276,7 @@ def test_where_no_layout_runs_the_refusal_says_what_stops_them_and_why_the_rest_
         plan_cluster(gpt2, "h100", gpus=3, global_batch=1, seq=1024, runs_on="pipeloom")
     said = str(refused.value)
     assert said.startswith("no layout of gpt2 on 3 GPUs runs there: tp=3 on gpt2 (the tensor-parallel recipe"), said
-    assert said.endswith("1 micro-batches for pp=3: need at least pp (a larger global batch or a lower pp); pick a "
+    assert said.endswith("1 micro-batch for pp=3: need at least pp (a larger global batch or a lower pp); pick a "
                          "global batch of at least 3)"), said
 
 
