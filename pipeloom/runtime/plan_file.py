@@ -82,11 +82,12 @@ def plan_arguments(plan: str | Path, schedule: object, split_points: Sequence[st
 
 def _check_schedule(plan: str | Path, name: str) -> None:
     """PipelineError naming the plan file where its schedule is neither built in nor a schedule file (a hand edit)."""
-    from pipeloom.schedules import REGISTRY
+    from pipeloom.schedules import REGISTRY, meant_schedule
 
     if name not in REGISTRY and not (name.lower().endswith((".json", ".csv")) and Path(name).is_file()):
-        raise PipelineError(f"{plan}: its schedule {name!r} is neither a built-in ({', '.join(REGISTRY)}) nor a "
-                            ".json/.csv schedule file next to it; fix the plan's \"schedule\"")
+        raise PipelineError(f"{plan}: its schedule {name!r}{meant_schedule(name)} is neither a built-in "
+                            f"({', '.join(REGISTRY)}) nor a .json/.csv schedule file next to it; fix the plan's "
+                            "\"schedule\"")
 
 
 def _plan_mesh(chosen: Plan, mesh: DeviceMesh | None, process_group: ProcessGroup | None,

@@ -308,12 +308,13 @@ def test_a_plan_file_gives_split_points_schedule_and_microbatches(tmp_path):
 
 def test_a_hand_edited_plan_files_schedule_and_split_points_are_named_with_the_file(tmp_path):
     """A plan's schedule that is no built-in or file, and split points the model does not call, are refused naming
-    the plan file (they had been refused as the caller's own arguments)."""
+    the plan file (they had been refused as the caller's own arguments), a misspelt schedule with the name meant."""
     from pipeloom.plan import Plan, save_plan
     from pipeloom.runtime.errors import UnknownSplitPointError
 
     for name, schedule, points, error, words in (
-            ("typo", "zbvv", ("layers.4",), PipelineError, r"typo\.json: its schedule 'zbvv' is neither a built-in"),
+            ("typo", "zbvv", ("layers.4",), PipelineError,
+             r"typo\.json: its schedule 'zbvv' \(did you mean 'zbv'\?\) is neither a built-in"),
             ("deep", "zbv", ("layers.40",), UnknownSplitPointError,
              r"deep\.json's split_points \['layers\.40'\]: unknown split point\(s\) \['layers\.40'\] \(layers calls ")):
         plan = Plan(num_ranks=1, split_points=points, schedule=schedule, microbatches=4, global_batch=16,
