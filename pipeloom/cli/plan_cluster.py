@@ -36,12 +36,12 @@ def cmd_plan_cluster(args: argparse.Namespace) -> int:
     check_export(args, options)
     try:
         try:
-            result = plan_cluster(args.model, args.hardware, **options)
-        except NoLayoutFits:
+            result, planned = plan_cluster(args.model, args.hardware, **options), None
+        except NoLayoutFits as refusal:
             if not args.save:
                 raise
-            result = None  # none fits as planned: the runtime's own search says what it needs (_runnable)
-        result, moved = _runnable(args, result, options) if args.save else (result, [])
+            result, planned = None, refusal  # none fits as planned: the runtime's own search says what it needs
+        result, moved = _runnable(args, result, options, planned) if args.save else (result, [])
     except PipeloomError as error:
         raise UsageError(str(error).splitlines()[0]) from None
     finally:
@@ -62,11 +62,12 @@ def cmd_plan_cluster(args: argparse.Namespace) -> int:
     return 0
 
 
-def _runnable(args: argparse.Namespace, result, options: dict) -> tuple:
+def _runnable(args: argparse.Namespace, result, options: dict, planned: Exception | None) -> tuple:
     """``--save``: ``result``'s job planned again for the plan's runtime (pipeloom's, or torchtitan with ``--export``:
     :func:`~pipeloom.plan.cluster.runtime_plan.for_runtime`), the same keys held: the layouts it runs, priced as it
     holds and runs them; and, where that is not the fastest layout as planned, the note that says why. A whole layout
-    given that the runtime cannot run is left as planned (:func:`_save` refuses it, naming the keys that fix it)."""
+    given that the runtime cannot run is left as planned (:func:`_save` refuses it, naming the keys that fix it).
+    ``planned``: the refusal of the plan as asked, where it had none; said alone where the runtime's is the same."""
     from pipeloom.plan.cluster.api import parse_layout, plan_cluster
     from pipeloom.plan.cluster.estimate import Estimator
     from pipeloom.plan.cluster.layout import LAYOUT_KEYS
@@ -86,6 +87,8 @@ def _runnable(args: argparse.Namespace, result, options: dict) -> tuple:
     try:
         runnable = plan_cluster(args.model, args.hardware, **options, runs_on=runs_on)
     except NoLayoutFits as refusal:
+        if planned is not None and str(refusal) == str(planned):  # no runtime of any kind runs or fits it
+            raise
         fastest = (f" (planned for any runtime, the fastest layout is {result.best.layout}, "
                    f"{seconds_text(result.best.step_time)} s a step)" if result is not None else "")
         raise UsageError(f"cannot save a plan {where} runs: {str(refusal).splitlines()[0]}{fastest}") from None
@@ -107,7 +110,7 @@ def _runnable(args: argparse.Namespace, result, options: dict) -> tuple:
         why = f"it cannot run: {'; '.join(problems)}"
     fast, slow = seconds_text(best.step_time), seconds_text(there)
     return runnable, [*plain, f"note: planned as asked, the fastest layout is {best.layout} ({fast} s a step); in "
-                      f"{where} {why}; the plan above is the fastest there ({slow} s a step as {where} runs it)"]
+                      f"{where} {why}; the plan printed is the fastest there ({slow} s a step as {where} runs it)"]
 
 
 def _unused(args: argparse.Namespace, job, layout, alone: bool = False) -> list[str]:

@@ -103,7 +103,7 @@ def test_save_plans_for_the_runtime_and_says_what_was_faster(tmp_path, capsys, e
         assert (f"note: planned as asked, the fastest layout is {fastest.layout} ({fastest.step_time:.3f} s a step); "
                 "in pipeloom's runtime it cannot run: cp=2 (pipeloom's runtime does not run context parallelism yet)"
                 ) in out
-        assert (f"; the plan above is the fastest there ({runtime.step_time:.3f} s a step as pipeloom's runtime runs "
+        assert (f"; the plan printed is the fastest there ({runtime.step_time:.3f} s a step as pipeloom's runtime runs "
                 "it)") in out
     plan = load_plan(save)
     assert (plan.num_ranks, plan.data_parallel, plan.tensor_parallel) == (runtime.layout.pp, runtime.layout.dp,
@@ -120,6 +120,14 @@ def test_save_refuses_in_one_line_when_no_layout_the_runtime_runs_can(tmp_path, 
     fastest = plan_cluster(LLAMA, "h100", **JOB, layout="cp=2").best
     assert err[0].endswith(f"(planned for any runtime, the fastest layout is {fastest.layout}, "
                            f"{fastest.step_time:.3f} s a step)")
+    # keys no runtime can run are refused as without --save: the runtime is not the cause (it had been named)
+    command, save = _command(tmp_path, "--layout", "pp=3")
+    assert main(command) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"pipeloom: error: no layout of llama on {JOB['gpus']} GPUs can run with pp=3 (global batch "
+                   f"{JOB['global_batch']}, sequence {JOB['seq']}) (the first refused: tp=1 x cp=1 x pp=3 does not "
+                   f"divide the {JOB['gpus']} GPUs); change the fixed keys, pick a GPU count that is a multiple of 3"]
+    assert not save.exists()
 
 
 def test_fsdp_under_a_pipeline_is_searched_where_only_it_shards_the_optimizer():
