@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 from tests.plan.cluster.tiny import TINY, tiny_config, tiny_model
 
 from pipeloom.plan.cluster import ModelConfigError, model_params, model_spec
+from pipeloom.plan.cluster.model.reader import TEXT_TYPES
 from pipeloom.plan.cluster.model.source import FAMILY_DEFAULTS
 from pipeloom.plan.cluster.step import optimizer_bytes
 
@@ -169,6 +171,9 @@ def test_reads_config_json(tmp_path):
     (dict(TINY["deepseek_v32"], model_type="deepseek_v32", index_topk=0), "index_topk must be positive, got 0"),
     (42, "config.json path"),
     (dict(TINY["gemma3_text"], model_type="gemma3_text", use_bidirectional_attention=True), "causal decoders"),
+    # GPT-2 as an encoder-decoder's decoder: a cross-attention block per layer (it had been counted without)
+    ({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "add_cross_attention": True},
+     "gpt2 with add_cross_attention adds a cross-attention block to every layer .* set add_cross_attention to false"),
     # encoders, encoder-decoders and vision models are told so, with no decoder to stand in
     ({"model_type": "bert", "hidden_size": 768}, r"'bert' is not modelled: it is an encoder \(bert\), and the planner "
                                                  r"plans decoder-only language models"),
@@ -288,6 +293,16 @@ def test_a_multimodal_config_is_planned_as_its_language_model():
     spec = model_spec(whole)
     assert spec == dataclasses.replace(model_spec(text), text_of="gemma3") and model_spec(text).text_of == ""
     assert model_params(spec) == model_params(model_spec(text))
+
+
+@pytest.mark.parametrize("family", sorted(TEXT_TYPES))
+def test_a_text_config_without_its_model_type_is_told_the_one_transformers_reads(family):
+    """A multimodal config's text_config naming no model_type (transformers takes its configuration class's) is refused
+    with the type to add, the one transformers' class gives it (it had been "language model (None) is not modelled")."""
+    assert transformers.AutoConfig.for_model(family, text_config={}).text_config.model_type == TEXT_TYPES[family]
+    with pytest.raises(ModelConfigError, match=re.escape(f"text_config gives no model_type: add \"model_type\": "
+                                                         f"\"{TEXT_TYPES[family]}\" (transformers reads it so)")):
+        model_spec({"model_type": family, "text_config": {"hidden_size": 256}, "vision_config": {}})
 
 
 def test_a_text_config_takes_transformers_defaults_for_what_it_leaves_out():

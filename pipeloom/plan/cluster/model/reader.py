@@ -53,6 +53,12 @@ STAND_INS = {"qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2", "qwen3_vl_tex
 Qwen3 and Qwen3-MoE layers): read as that family, with their own configuration class's defaults
 (:data:`FAMILY_DEFAULTS`) and the tied head the whole model's config sets (transformers ties at the top level;
 Qwen2-VL's and Qwen2.5-VL's also where a pre-v5 text_config said so)."""
+TEXT_TYPES = {"gemma3": "gemma3_text", "mistral3": "mistral", "llava": "llama", "llava_next": "llama",
+              "llama4": "llama4_text", "paligemma": "gemma", "idefics3": "llama", "smolvlm": "llama",
+              "internvl": "qwen2", "aya_vision": "cohere2", "qwen3_vl": "qwen3_vl_text", "qwen3_vl_moe":
+              "qwen3_vl_moe_text", "qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+"""The language model's ``model_type`` transformers gives a multimodal config's ``text_config`` that names none (its
+configuration class's default), for the multimodal models most trained."""
 _FLAT = {"qwen2_vl": "qwen2_vl_text", "qwen2_5_vl": "qwen2_5_vl_text"}
 """Multimodal configs whose hub config.json gives the language model's fields at the top level, no text_config
 (transformers moves them into its text_config)."""
@@ -80,6 +86,10 @@ def model_spec(config: object) -> ModelSpec:
                                "the text_config object as the model's own config.json has it")
     if family not in SUPPORTED_FAMILIES and isinstance(text, Mapping):
         inner = text.get("model_type")
+        if not inner:  # transformers takes its configuration class's; the planner does not guess it
+            meant = f"\"{TEXT_TYPES[family]}\" (transformers reads it so)" if family in TEXT_TYPES else "its type"
+            raise ModelConfigError(f"model_type {family!r} is a multimodal config whose text_config gives no "
+                                   f"model_type: add \"model_type\": {meant} to the text_config")
         if inner in STAND_INS:
             tie = bool(data.get("tie_word_embeddings")) or (family in _FLAT and bool(text.get("tie_word_embeddings")))
             text, inner = _stand_in(text, tie), STAND_INS[inner]
@@ -89,6 +99,10 @@ def model_spec(config: object) -> ModelSpec:
                                           f"({inner})", text, SUPPORTED_FAMILIES, _HYBRID, stand_in=False))
     if family not in SUPPORTED_FAMILIES:
         raise ModelConfigError(unmodelled(f"model_type {family!r}", data, SUPPORTED_FAMILIES, _HYBRID))
+    if data.get("add_cross_attention"):
+        raise ModelConfigError(f"{family} with add_cross_attention adds a cross-attention block to every layer (the "
+                               "decoder of an encoder-decoder); the planner plans decoder-only models: set "
+                               "add_cross_attention to false")
     if data.get("use_bidirectional_attention"):
         raise ModelConfigError(f"{family} with use_bidirectional_attention is an encoder; the planner plans causal "
                                "decoders: set use_bidirectional_attention to false")
