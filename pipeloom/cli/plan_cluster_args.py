@@ -263,7 +263,7 @@ def _schedules(args: argparse.Namespace) -> tuple[str, ...] | None:
         except PipeloomError:  # the plan says what is wrong with --layout
             fixed = None
         return tuple(name for name in runs if name not in ON_REQUEST or name == fixed) if args.framework else None
-    names = schedule_list(args.schedules, f"the cluster planner prices {', '.join(SCHEDULES)}")
+    names = schedule_list(args.schedules, f"the cluster planner prices {', '.join(SCHEDULES)}", tuple(SCHEDULES))
     unpriced = [name for name in names if name not in SCHEDULES]
     if unpriced:
         raise UsageError(f"--schedules: the cluster planner does not price {', '.join(unpriced)} (it prices "

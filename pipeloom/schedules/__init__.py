@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Literal, get_args
@@ -127,13 +127,17 @@ def schedule_names() -> tuple[str, ...]:
     return tuple(REGISTRY)
 
 
-def meant_schedule(name: str) -> str:
-    """`` (did you mean 'zbv'?)`` for a name that is a built-in schedule's spelt otherwise: the same letters and digits
-    (``zb-v``, ``ZBV``, ``interleaved_1f1b``) or close to one (``interleaved``, ``dualpipe-vee``); empty if none is."""
+def meant_schedule(name: str, among: Iterable[str] | None = None) -> str:
+    """`` (did you mean 'zbv'?)`` for a name that is a built-in schedule's (or one of ``among``'s: those the caller
+    takes) spelt otherwise: the same letters and digits (``zb-v``, ``ZBV``, ``interleaved_1f1b``) or close to one
+    (``interleaved``, ``dualpipe-vee``); empty if none is."""
     def bare(text: str) -> str:
         return "".join(ch for ch in text.lower() if ch.isalnum())
 
-    by_bare, key = {bare(known): known for known in REGISTRY}, bare(name)
+    by_bare, key = {bare(known): known for known in (REGISTRY if among is None else among)}, bare(name)
+    spelt = next((known for known in REGISTRY if bare(known) == key), None)
+    if spelt is not None and spelt not in by_bare.values():  # zb_h2 where zb-h2 is not taken: not zb-h1
+        return f" (did you mean {spelt!r}? it is not among those taken here)"
     if key in by_bare:
         meant = [by_bare[key]]
     else:  # the names it begins (interleaved: both interleaved schedules), else the closest spelling

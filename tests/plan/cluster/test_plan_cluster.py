@@ -931,13 +931,19 @@ def test_schedule_names_spelt_otherwise_are_taken_or_pointed_to(config, capsys):
     assert meant_schedule("zb-v") == " (did you mean 'zbv'?)"
     assert meant_schedule("interleaved") == " (did you mean 'interleaved-1f1b' or 'interleaved-zb'?)"
     assert meant_schedule("Dualpipe_V") == " (did you mean 'dualpipev'?)" and meant_schedule("nothing") == ""
-    assert meant_schedule("zb_h2") == " (did you mean 'zb-h2'?)"  # the schedule meant, priced by --model or not
+    assert meant_schedule("zb_h2") == " (did you mean 'zb-h2'?)"
+    # among the names a caller takes: the planner's (interleaved-zb, which it then refused, had been pointed to);
+    # a name spelt as another built-in's is said to be that one, not taken (zb_h2 is not zb-h1)
+    priced = ("1f1b", "interleaved-1f1b", "zb-h1", "zbv")
+    assert meant_schedule("interleaved", priced) == " (did you mean 'interleaved-1f1b'?)"
+    assert meant_schedule("zb_h2", priced) == " (did you mean 'zb-h2'? it is not among those taken here)"
     args = ["plan", "--model", str(config), "--hardware", "h100", "--gpus", "8", "--global-batch", "32", "--seq",
             "4096"]
     assert main([*args, "--schedules", "ZBV"]) == 0
     out = capsys.readouterr().out
     assert "pp=1" in out.splitlines()[1] and "note: the chosen layout has one pipeline stage (pp=1)" in out
     for flag, value, meant in (("--schedules", "zb-v", "'zbv'"), ("--layout", "schedule=interleaved",
-                                                                  "'interleaved-1f1b' or 'interleaved-zb'")):
+                                                                  "'interleaved-1f1b'"),
+                               ("--schedules", "Interleaved", "'interleaved-1f1b'")):
         assert main([*args, flag, value]) == 2
         assert f"(did you mean {meant}?)" in capsys.readouterr().err
