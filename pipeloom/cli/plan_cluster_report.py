@@ -8,6 +8,8 @@ import argparse
 import math
 from itertools import groupby
 
+from pipeloom.formatting import format_bytes
+
 __all__ = ["TOKEN_SUFFIXES", "report", "seconds_text", "token_count", "training_text"]
 
 TOKEN_SUFFIXES = {"K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}
@@ -15,7 +17,8 @@ TOKEN_SUFFIXES = {"K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}
 
 
 def _gib(nbytes: float) -> str:
-    return f"{nbytes / 2**30:.1f} GiB"
+    """Bytes in GiB to a tenth, or below a tenth in their own unit (GPT-2 weights sharded 64 ways had read 0.0 GiB)."""
+    return format_bytes(nbytes) if 0 < nbytes < 2**30 / 10 else f"{nbytes / 2**30:.1f} GiB"
 
 
 def _runs(counts) -> str:
@@ -75,14 +78,13 @@ def _trained_with(spec) -> str:
 
 def _full(result) -> list[str]:
     """A note where a plan that fits fills more than 95 % of the limit: what the estimate does not hold (the
-    allocator's fragmentation, buffers beyond the 2 GiB priced) may not fit there; where other layouts were searched,
+    allocator's fragmentation, buffers beyond those priced) may not fit there; where other layouts were searched,
     the fastest runner-up listed that keeps a tenth free, and the limit that does (whether one fits there is the
     plan's to say: a lower limit is searched again)."""
     total, limit = result.best.memory.total, result.memory_limit
     if not 0.95 * limit < total <= limit:
         return []
-    from pipeloom.plan.cluster.estimate import WORKSPACE_BYTES  # the planner loads on use, not with the CLI
-    from pipeloom.plan.cluster.step import gap_text
+    from pipeloom.plan.cluster.step import gap_text  # the planner loads on use, not with the CLI
 
     roomy = next((est for est, _ in result.runners_up if est.memory.total <= 0.9 * limit), None)
     listed = (f"the runner-up {roomy.layout} holds {_gib(roomy.memory.total)}, "
@@ -91,7 +93,7 @@ def _full(result) -> list[str]:
             f"{listed}plan with --memory-limit {math.floor(0.9 * limit / 2**30 * 10) / 10:.1f}GiB to keep a tenth free"
             " (it searches again: a layout that holds less, or the least memory any needs)")
     return [f"note: the plan fills {total / limit:.0%} of the limit; the allocator's fragmentation and buffers beyond "
-            f"the {_gib(WORKSPACE_BYTES)} priced may not fit in what is left: {free}"]
+            f"the {_gib(result.best.memory.buffers)} priced may not fit in what is left: {free}"]
 
 
 def _above(result) -> str:

@@ -724,8 +724,21 @@ def test_a_plan_that_fills_the_memory_says_so(config, capsys):
     result.runners_up = ((dataclasses.replace(full, step_time=full.step_time * 1.001), ""), (roomy, ""))
     assert f"the runner-up {roomy.layout} holds {roomy.memory.total / 2**30:.1f} GiB, 0.4% slower; plan with" in _full(
         result)[0]
+    # the buffers priced are the plan's (an MoE's dispatch buffers among them), not the 2 GiB workspace alone
+    moved = 2**30 / 4  # a quarter GiB more buffers, as much less optimizer state: the same total
+    result.best = dataclasses.replace(full, memory=dataclasses.replace(
+        full.memory, buffers=full.memory.buffers + moved, optimizer=full.memory.optimizer - moved))
+    assert f"buffers beyond the {(full.memory.buffers + moved) / 2**30:.1f} GiB priced may not" in _full(result)[0]
+    assert full.memory.optimizer > moved and full.memory.buffers == 2 * 2**30
     assert main([*argv, f"{total / 0.9 / 2**30:.6f}GiB", "--layout", layout]) == 0
     assert "note: the plan fills" not in capsys.readouterr().out
+
+
+def test_memory_below_a_tenth_of_a_gib_is_said_in_its_own_unit():
+    """GPT-2 XL's weights under FSDP over 64 GPUs had read "weights 0.0 GiB"."""
+    from pipeloom.cli.plan_cluster_report import _gib
+
+    assert [_gib(n) for n in (0, 50 * 2**20, 2**30 / 10, 1.25 * 2**30)] == ["0.0 GiB", "50 MiB", "0.1 GiB", "1.2 GiB"]
 
 
 def test_a_framework_searches_only_the_schedules_it_runs(config, capsys):
