@@ -276,7 +276,8 @@ def report(result, *, framework: str | None = None) -> str:
     text_of = (f" (the language model of a {job.spec.text_of} config: its vision tower and image tokens are not "
                "planned)") if job.spec.text_of else ""
     lines = [
-        f"{job.spec.family}{text_of} ({job.spec.layers} layers, {_count(model_params(job.spec))} parameters) on "
+        f"{job.spec.family}{text_of} ({job.spec.layers} layers, {_count(model_params(job.spec))} parameters"
+        f"{f', {_count(model_params(job.spec, active=True))} active' if job.spec.experts else ''}) on "
         f"{job.gpus} x {job.hw.name}, global batch {job.global_batch} x {job.seq} "
         f"tokens, {job.dtype}{_window(job.spec, job.seq)}{_trained_with(job.spec)}",
         f"layout: {best.layout}",

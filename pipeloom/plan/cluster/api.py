@@ -82,6 +82,7 @@ class ClusterPlan:
             "hardware": hw.to_dict(),  # the whole description as priced: hardware_from_dict reads it back
             "model": {"family": self.job.spec.family, "text_of": self.job.spec.text_of, "layers": self.job.spec.layers,
                       "hidden": self.job.spec.hidden, "params": model_params(self.job.spec),
+                      "active_params": model_params(self.job.spec, active=True),
                       "experts": self.job.spec.experts.count if self.job.spec.experts else 0,
                       "experts_per_token": self.job.spec.experts.top_k if self.job.spec.experts else 0,
                       "sliding_window": self.job.spec.window,

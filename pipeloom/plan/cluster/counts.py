@@ -45,8 +45,7 @@ RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
 STAT_BYTES = 4
 """Bytes of one fp32 statistic (a norm's 1/rms or mean, the softmax's log-sum-exp, a routing probability)."""
 MASK_BYTES = 1
-"""Bytes of one element of a dropout's mask (PyTorch keeps a bool per element; Megatron's fused bias-dropout-add a
-uint8)."""
+"""Bytes of one element of a dropout's mask (PyTorch keeps a bool per element, Megatron's bias-dropout-add a uint8)."""
 _INDEX = 8  # bytes of one int64 index (a token's top-k expert choice, a routed copy's place in the permutation)
 _KEY_INDEX = 4  # bytes of one int32 index of a key that DeepSeek's sparse attention reads
 
@@ -81,8 +80,7 @@ class Activations:
     tensor: float
     """Divided by tp always (q, k, v, attention output, MLP intermediates, per-head statistics)."""
     replicated: float = 0.0
-    """Never divided by tp: MLA's low-rank latents, computed on every tp rank (its down-projections are
-    replicated)."""
+    """Never divided by tp: MLA's low-rank latents, computed on every tp rank (its down-projections replicated)."""
 
     def per_gpu(self, *, tp: int, cp: int, sp: bool) -> float:
         """Bytes per token of the micro-batch on one GPU of a tp x cp group."""
@@ -392,9 +390,11 @@ def _kept(spec: ModelSpec, layer: str, width: int, mlp_keep: float) -> tuple[Act
     return none, Activations(sequence=sequence, tensor=tensor_a + mlp_keep - statistics, replicated=latent)
 
 
-def model_params(spec: ModelSpec) -> int:
+def model_params(spec: ModelSpec, *, active: bool = False) -> int:
     """Parameters of the whole model (an untied head counted once; not its multi-token-prediction modules, which
-    DeepSeek-V3's 671 B leaves out too: ``spec.mtp * layer_counts(spec, "mtp", 1).params`` more)."""
-    layers = Counter(layer_kinds(spec))
-    return sum(count * layer_counts(spec, kind, 1).params for kind, count in (*layers.items(), ("embedding", 1),
-                                                                             ("head", 1)))
+    DeepSeek-V3's 671 B leaves out too: ``spec.mtp * layer_counts(spec, "mtp", 1).params`` more); ``active``: of the
+    routed experts only the top-k a token runs (an MoE's activated parameters)."""
+    idle = 1 - spec.experts.top_k / spec.experts.count if active and spec.experts else 0.0
+    kinds = (*Counter(layer_kinds(spec)).items(), ("embedding", 1), ("head", 1))
+    counted = [(n, layer_counts(spec, kind, 1)) for kind, n in kinds]
+    return sum(n * (c.params - round(idle * c.expert_params)) for n, c in counted)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from pathlib import Path
 
 import pytest
 from tests.plan.cluster.tiny import TINY, tiny_config, tiny_model
@@ -280,6 +281,25 @@ def test_a_bare_config_reads_as_its_config_object(family):
     field they leave out (GLM-4.5's and DeepSeek-V3's multi-token prediction, Mistral's window) takes
     transformers' default."""
     assert model_spec(dict(TINY[family], model_type=family)) == model_spec(tiny_config(family))
+
+
+def test_an_moe_counts_the_parameters_a_token_activates_as_its_makers_do():
+    """Of the routed experts a token runs its top-k: the activated parameters the model cards give (Mixtral 8x7B
+    12.9 B of 46.7 B, Qwen3-30B-A3B 3.3 B, Qwen3-235B-A22B 22 B, DeepSeek-V3 37 B, Llama 4 Scout 17 B; each counting
+    the embedding, as DeepSeek's 37 B does: OpenAI's 5.1 B for gpt-oss-120b leaves its 0.58 B out); a dense model's
+    are all of them."""
+    mixtral = {"model_type": "mixtral", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+               "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000, "num_local_experts": 8,
+               "num_experts_per_tok": 2}
+    configs = f"{Path(__file__).parents[3] / 'benchmarks' / 'data' / 'configs'}/"
+    for config, published in ((mixtral, 12.9), (configs + "qwen3-30b-a3b.json", 3.3),
+                              (configs + "qwen3-235b-a22b.json", 22), (configs + "deepseek-v3.json", 37),
+                              (configs + "llama4-scout.json", 17)):
+        spec = model_spec(config)
+        active = model_params(spec, active=True)
+        assert abs(active / 1e9 / published - 1) < 0.02, (config, active)  # the cards round: 3.35 B is "3.3B"
+    dense = model_spec(dict(TINY["llama"], model_type="llama"))
+    assert model_params(dense, active=True) == model_params(dense)
 
 
 def test_a_multimodal_config_is_planned_as_its_language_model():
