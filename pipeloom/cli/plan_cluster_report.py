@@ -311,4 +311,7 @@ def report(result, *, framework: str | None = None) -> str:
         plans = f"; {result.variants} plans for the searched choices" if result.variants > 1 else ""
         lines.append(f"searched {result.candidates} layouts ({result.priced} priced, {result.simulated} simulated"
                      f"{plans}) in {result.seconds:.1f} s")
+    lines.append("times, throughput and MFU are the cost model's predictions: most published runs ran slower than it "
+                 "predicts them, MoE models by the most (docs/cluster-plan.md, \"Validation against the published "
+                 "runs\")")
     return "\n".join(lines)

@@ -72,6 +72,9 @@ def test_text_report(config, capsys):
     for word in ("layout: dp=2,tp=2,pp=2", "layers per stage: ", "step time", "tokens/s per GPU", "MFU", "bubble",
                  "weights", "gradients", "optimizer", "activations", "buffers", "runners-up"):
         assert word in out
+    # the last line says the figures are predictions, and which way the published runs depart from them
+    assert out.splitlines()[-1].startswith("times, throughput and MFU are the cost model's predictions: most published "
+                                           "runs ran slower than it predicts them")
     # the framework choices priced for the chosen layout, each with its flag; those that do not apply left out
     assumes = out.splitlines()[2]
     assert assumes == ("assumes: fused elementwise kernels (--kernels); flash attention (--attention); gradients "
