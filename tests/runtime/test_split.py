@@ -242,6 +242,9 @@ def test_unknown_split_point_lists_valid_names() -> None:
         split_model(MLP(), ["layers.9"])
     with pytest.raises(UnknownSplitPointError, match=r"\['haed'\] \(did you mean 'head'\?\)"):
         split_model(MLP(), ["haed"])
+    # a misspelt parent: the same child of the parent meant (a user's model.layer.3 had been told no name)
+    with pytest.raises(UnknownSplitPointError, match=r"\['layer\.2'\] \(did you mean 'layers\.2'\?\)"):
+        split_model(MLP(), ["layer.2"])
 
 
 @pytest.mark.parametrize("points", [["head", "layers.2"], ["layers.2", "layers.2"],

@@ -201,13 +201,17 @@ def _spans(graph: fx.Graph, names: Sequence[str]) -> dict[str, tuple[int, int]]:
 
 def _nearest(name: str, called: list[str]) -> str:
     """What the model calls nearest ``name``, for its error: the closest spellings of a misspelt name, else the called
-    modules of its parent (``model.layers.12`` on an 8-layer model: ``model.layers.0`` ... ``model.layers.7``); ''
-    where neither."""
+    modules of its parent (``model.layers.12`` on an 8-layer model: ``model.layers.0`` ... ``model.layers.7``), or the
+    same child of the parent meant (``model.layer.3``: ``model.layers.3``); '' where none."""
     parent, _, last = name.rpartition(".")
     close = [] if last.isdigit() else difflib.get_close_matches(name, called, n=3)
     if close:
         return f" (did you mean {' or '.join(map(repr, close))}?)"
     siblings = [other for other in called if other.rpartition(".")[0] == parent]
+    if not siblings and parent:  # the parent misspelt (model.layer.3): the same child of the parent meant
+        meant = [f"{other}.{last}" for other in difflib.get_close_matches(parent, called, n=3) if f"{other}.{last}"
+                 in called]
+        return f" (did you mean {meant[0]!r}?)" if meant else ""
     listed = siblings if len(siblings) <= 4 else [*siblings[:2], "...", siblings[-1]]
     return f" ({parent or 'the model'} calls {len(siblings)}: {', '.join(listed)})" if siblings else ""
 
