@@ -28,25 +28,35 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class PlannedBatch:
-    """The global batch a plan file was made for. A training step on another size runs (the runtime takes any
-    size its micro-batches cut), but the plan's predicted time and memory are not for it: said once per size."""
+    """The global batch a plan file was made for, and its sequence length where it says one (a cluster plan's
+    ``--seq``). A training step on another size runs (the runtime takes any size its micro-batches cut), but the plan's
+    predicted time and memory are not for it: said once per size."""
 
     path: str
     rows: int
-    told: set[int] = dataclasses.field(default_factory=set)
+    tokens: int | None = None
+    told: set[tuple[str, int]] = dataclasses.field(default_factory=set)
 
     def check(self, inputs: object) -> None:
-        """Warn the first time a training step's batch has another number of rows."""
+        """Warn the first time a training step's batch has another number of rows, or its token ids (a 2-D integer
+        first input) another sequence length."""
         first = inputs[0] if isinstance(inputs, (tuple, list)) and inputs else inputs
         if not isinstance(first, torch.Tensor) or first.dim() == 0:
             return  # refused by the step itself
         rows = first.shape[0]
-        if rows == self.rows or rows in self.told:
+        if rows != self.rows and ("rows", rows) not in self.told:
+            self.told.add(("rows", rows))
+            logger.warning("this step's batch has %d rows but %s was planned for a global batch of %d: the step runs, "
+                           "but the plan's predicted step time and memory are for %d rows (plan again with "
+                           "--global-batch %d for this batch)", rows, self.path, self.rows, self.rows, rows)
+        if self.tokens is None or first.dim() != 2 or first.is_floating_point() or first.is_complex():
             return
-        self.told.add(rows)
-        logger.warning("this step's batch has %d rows but %s was planned for a global batch of %d: the step runs, "
-                       "but the plan's predicted step time and memory are for %d rows (plan again with "
-                       "--global-batch %d for this batch)", rows, self.path, self.rows, self.rows, rows)
+        tokens = first.shape[1]
+        if tokens != self.tokens and ("tokens", tokens) not in self.told:
+            self.told.add(("tokens", tokens))
+            logger.warning("this step's sequences have %d tokens but %s was planned for %d: the step runs, but the "
+                           "plan's predicted step time and memory are for %d tokens (plan again with --seq %d for "
+                           "these sequences)", tokens, self.path, self.tokens, self.tokens, tokens)
 
 
 def plan_arguments(plan: str | Path, schedule: object, split_points: Sequence[str] | None, options: dict | None,
@@ -77,7 +87,7 @@ def plan_arguments(plan: str | Path, schedule: object, split_points: Sequence[st
             chosen.split_points if split_points is None else split_points,
             dict(chosen.schedule_options) if options is None else options,
             chosen.microbatches if microbatches is None else microbatches, parallel,
-            PlannedBatch(str(plan), chosen.global_batch))
+            PlannedBatch(str(plan), chosen.global_batch, chosen.sequence_length))
 
 
 def _check_schedule(plan: str | Path, name: str) -> None:

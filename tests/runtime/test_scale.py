@@ -422,6 +422,28 @@ def test_a_plan_with_replicas_refuses_a_mesh_of_another_shape(tmp_path):
         )
 
 
+def test_token_ids_of_another_length_than_the_plans_are_told_once_per_length(tmp_path, caplog):
+    """A cluster plan says its --seq (``sequence_length``): a step whose token ids (a 2-D integer first input) have
+    another length runs, and is told once per length that the prediction is for the plan's (a new user's --seq 64
+    run of a 128-token plan had gone unsaid); float inputs have no sequence length to compare."""
+    from pipeloom.plan import Plan, save_plan
+    from pipeloom.runtime.plan_file import PlannedBatch, plan_arguments
+
+    save_plan(Plan(num_ranks=1, split_points=(), schedule="1f1b", microbatches=4, global_batch=8,
+                   predicted_step_time=1.0, sequence_length=12), tmp_path / "plan.json")
+    planned = plan_arguments(tmp_path / "plan.json", None, None, None, None, parallel=Parallelism(), device=None)[-1]
+    assert planned == PlannedBatch(str(tmp_path / "plan.json"), 8, 12)
+    with caplog.at_level("WARNING", logger="pipeloom.runtime.plan_file"):
+        for shape in ((8, 12), (8, 16), (8, 16), (8, 6)):
+            planned.check((torch.zeros(shape, dtype=torch.long),))
+        planned.check((torch.zeros(8, 20),))
+    told = [record.getMessage() for record in caplog.records]
+    assert [said.split(" but ")[0] for said in told] == ["this step's sequences have 16 tokens",
+                                                        "this step's sequences have 6 tokens"], told
+    assert told[0].endswith("plan.json was planned for 12: the step runs, but the plan's predicted step time and "
+                            "memory are for 12 tokens (plan again with --seq 16 for these sequences)"), told[0]
+
+
 def test_a_step_on_another_batch_than_the_plans_is_told_once_per_size(tmp_path, caplog):
     """A plan made for 32 samples trains on 16 (the runtime takes any size its micro-batches cut), and says once
     that the plan's predicted time and memory are for 32; evaluation batches are not told."""
