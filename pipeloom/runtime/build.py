@@ -224,7 +224,7 @@ def _staged(model: nn.Module | None, split_points: Sequence[str] | None,
     except (UnknownSplitPointError, SplitOrderError) as error:  # the split points' own faults, not the trace's
         if not whose:
             raise
-        raise type(error)(f"{whose}'s split_points {list(split_points or ())}: {error}") from error
+        raise type(error)(f"{whose}'s split_points {list(split_points or ())}: {error}") from None
 
 
 def _held(lowering: Lowering, rank: int) -> list[int]:
