@@ -26,9 +26,10 @@ __all__ = ["LAYER_PREFIX", "FINAL_NORM", "split_point", "TORCHTITAN_MODELS", "RU
            "layout_problems", "pipeloom_memory", "runtime_job", "runtime_memory_note", "runtime_plan", "runtime_notes",
            "save_blockers", "torchtitan_plan", "torchtitan_recompute"]
 
-LAYER_PREFIX = {"gpt2": "transformer.h", "falcon": "transformer.h", "gpt_neox": "gpt_neox.layers"}
+LAYER_PREFIX = {**dict.fromkeys(("gpt2", "falcon", "gptj"), "transformer.h"), "gpt_neox": "gpt_neox.layers"}
 """Where a ``transformers`` model of a family keeps its decoder layers (every other family: ``model.layers``)."""
-FINAL_NORM = {"gpt2": "transformer.ln_f", "falcon": "transformer.ln_f", "gpt_neox": "gpt_neox.final_layer_norm"}
+FINAL_NORM = {**dict.fromkeys(("gpt2", "falcon", "gptj"), "transformer.ln_f"), "phi": "model.final_layernorm",
+              "gpt_neox": "gpt_neox.final_layer_norm"}
 """The final norm of the families whose transformers model does not call it ``model.norm``: where a last stage that
 holds only the head begins."""
 _TP_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "granite", "smollm3")

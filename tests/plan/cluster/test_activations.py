@@ -96,10 +96,10 @@ _SPARSE = ("deepseek_v32", "glm_moe_dsa")  # DeepSeek's sparse attention: transf
 # work (its forward runs under no_grad, its top-k only masks the scores) and runs MLA as DeepSeek-V3 does, where the
 # model counts the sparse kernel's MQA mode and the top-k indices it reads again in the backward
 _STAT, _INDEX = 4, 8  # bytes of an fp32 statistic, of an int64 index
-_ROTARY_CAT = ("phi3", "glm4", "glm4_moe", "gpt_neox", "minimax_m2")
-_INTERLEAVED_ROTARY = {"ernie4_5": 1.0, "ernie4_5_moe": 1.0, "glm4": 0.5, "helium": 1.0}  # the share of qk_dim
-# rotated (GLM-4's transformers default partial_rotary_factor); _ROTARY_CAT: rotary through torch.cat, so q is
-# contiguous per head, and so is sdpa's output
+_ROTARY_CAT = ("phi3", "glm4", "glm4_moe", "gpt_neox", "minimax_m2", "phi")
+_INTERLEAVED_ROTARY = {"ernie4_5": 1.0, "ernie4_5_moe": 1.0, "glm4": 0.5, "helium": 1.0, "gptj": 1.0}  # the share of
+# qk_dim rotated (GLM-4's transformers default partial_rotary_factor; GPT-J's cos and sin, each rotary_dim wide: the
+# tiny's 8 of 16); _ROTARY_CAT: rotary through torch.cat, so q is contiguous per head, and so is sdpa's output
 
 
 def _checkpointed(family, attention):
@@ -686,3 +686,15 @@ def test_megatron_mla_up_proj_recompute_frees_q_k_and_v():
     spec = model_spec(config)
     kinds = ["moe" if n in spec.moe_layers else "dense" for n in range(spec.layers)]
     assert freed == [BATCH * SEQ * _fewer(spec, kind, ("mla_up_proj",)) for kind in kinds] and all(freed)
+
+
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+@pytest.mark.parametrize("family, gelu", [("phi", {"hidden_act": "gelu"}), ("gptj", {"activation_function": "gelu"})])
+def test_phi_and_gptj_keep_what_the_model_counts(family, gelu, mode):
+    """Phi-1/2 and GPT-J (one LayerNorm before attention and a GELU MLP side by side, their biases), with torch's own
+    GELU where their configs name "gelu_new" (transformers writes it out op by op, each op keeping a copy no kernel a
+    framework would train them with keeps: as GPT-2, left out of FAMILIES)."""
+    config, per_layer = _saved_per_layer(family, mode, "sdpa", **gelu)
+    spec = model_spec(config)
+    keep = layer_counts(spec, "dense", SEQ, width=WIDTH).activations[mode].per_gpu(tp=1, cp=1, sp=False)
+    assert per_layer == [BATCH * SEQ * (keep + _eager_extra(spec, mode, attention="sdpa"))] * spec.layers

@@ -220,6 +220,9 @@ def test_bad_configs(bad, match):
     ("starcoder2", {"residual_dropout": 0.1}, 2, False),
     ("starcoder2", {"embedding_dropout": 0.1}, 0, True),
     ("phi3", {"resid_pdrop": 0.1, "embd_pdrop": 0.1}, 2, False),  # transformers applies no embd_pdrop
+    ("phi", {"resid_pdrop": 0.1, "embd_pdrop": 0.1}, 2, True),  # on each branch and on the embedding
+    ("phi", {}, 0, False),  # transformers' defaults 0.0 (Phi-2's config.json sets resid_pdrop 0.1)
+    ("gptj", {"resid_pdrop": 0.1, "embd_pdrop": 0.1}, 2, True),
     ("seed_oss", {}, 2, False),  # transformers' default residual_dropout 0.1
     ("falcon", {"hidden_dropout": 0.1, "attention_dropout": 0.1}, 1, False),  # parallel: one on the branches' sum
     ("falcon", {"parallel_attn": False, "hidden_dropout": 0.1, "attention_dropout": 0.1}, 2, False),

@@ -2,7 +2,8 @@
 config.json path, a model folder, a Hugging Face model id in the local cache, a dict or a ``PretrainedConfig``:
 :func:`~pipeloom.plan.cluster.model.source.read_config`), without importing transformers: dense decoders (LLaMA,
 Mistral, Ministral, Ministral 3, Qwen2/3, Gemma 1/2/3, Granite, Phi-3, OLMo 2/3, SmolLM3, StarCoder2, Cohere's
-Command R / R7B / A, ERNIE 4.5, GLM-4, Seed-OSS, EXAONE 4, Helium, Arcee, Hunyuan dense, Falcon, GPT-2, GPT-NeoX) and
+Command R / R7B / A, ERNIE 4.5, GLM-4, Seed-OSS, EXAONE 4, Helium, Arcee, Hunyuan dense, GPT-NeoX; Falcon, GPT-2,
+GPT-J and Phi-1/2: :mod:`~pipeloom.plan.cluster.model.gpt_lineage`) and
 mixture-of-experts decoders (Mixtral, Phi-3.5-MoE, Granite MoE, Hunyuan MoE, OLMoE, MiniMax-M2, Qwen2-MoE, Qwen3-MoE,
 ERNIE 4.5 MoE, DeepSeek-V2/V3, GLM-4.7-Flash and Mistral 4 with multi-head latent attention, DeepSeek-V3.2 and GLM-5
 with DeepSeek's sparse attention beside it, GLM-4.5, dots.llm1,
@@ -21,6 +22,7 @@ from typing import Any
 
 from pipeloom.plan.cluster.model.deltanet import gated_deltanet_spec
 from pipeloom.plan.cluster.model.fields import check_fields, get_field, nope_layers, rate_on
+from pipeloom.plan.cluster.model.gpt_lineage import falcon_spec, gpt2_spec, parallel_gelu_spec
 from pipeloom.plan.cluster.model.moe import deepseek_spec, every_layer_sparse, gpt_oss_spec, llama4_spec, phimoe_spec
 from pipeloom.plan.cluster.model.refusal import guess, unmodelled
 from pipeloom.plan.cluster.model.source import FAMILY_DEFAULTS, read_config
@@ -31,7 +33,7 @@ __all__ = ["model_spec", "SUPPORTED_FAMILIES"]
 
 _DENSE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "granite", "phi3", "olmo2", "olmo3",
           "smollm3", "starcoder2", "cohere", "cohere2", "ernie4_5", "glm4", "seed_oss", "exaone4", "falcon",
-          "gpt2", "gpt_neox", "ministral", "ministral3", "helium", "arcee", "hunyuan_v1_dense")
+          "gpt2", "gpt_neox", "phi", "gptj", "ministral", "ministral3", "helium", "arcee", "hunyuan_v1_dense")
 _UNGATED = ("arcee",)
 """Families of the LLaMA layout whose MLP is two projections around one activation (Arcee's ReLU²)."""
 _OLMO = ("olmo2", "olmo3", "olmoe")
@@ -194,13 +196,14 @@ def _dropouts(data: Mapping[str, Any], family: str, parallel: bool) -> dict[str,
     """The dropouts that keep masks, as transformers' models apply them in training: GPT-2's ``resid_pdrop`` on
     each branch's output and ``embd_pdrop`` on the embedding; GPT-NeoX's ``hidden_dropout`` on both and on the
     embedding; StarCoder2's ``residual_dropout`` and ``embedding_dropout``; Phi-3's ``resid_pdrop`` (its
-    ``embd_pdrop`` is not applied); Seed-OSS's ``residual_dropout``; Falcon's one ``hidden_dropout`` on the sum of
-    its ``parallel`` branches, or in its sequential layout ``attention_dropout`` on the attention's output and
-    ``hidden_dropout`` on the MLP's. Attention dropout inside a flash kernel keeps no mask (it draws again from
-    its seed in the backward)."""
+    ``embd_pdrop`` is not applied); Phi's and GPT-J's ``resid_pdrop`` on each branch and ``embd_pdrop``; Seed-OSS's
+    ``residual_dropout``; Falcon's one ``hidden_dropout`` on the sum of its ``parallel`` branches, or in its
+    sequential layout ``attention_dropout`` on the attention's output and ``hidden_dropout`` on the MLP's. Attention
+    dropout inside a flash kernel keeps no mask (it draws again from its seed in the backward)."""
     residual = {"gpt2": "resid_pdrop", "gpt_neox": "hidden_dropout", "starcoder2": "residual_dropout",
-                "phi3": "resid_pdrop", "seed_oss": "residual_dropout"}
-    embedding = {"gpt2": "embd_pdrop", "gpt_neox": "hidden_dropout", "starcoder2": "embedding_dropout"}
+                "phi3": "resid_pdrop", "seed_oss": "residual_dropout", "phi": "resid_pdrop", "gptj": "resid_pdrop"}
+    embedding = {"gpt2": "embd_pdrop", "gpt_neox": "hidden_dropout", "starcoder2": "embedding_dropout",
+                 "phi": "embd_pdrop", "gptj": "embd_pdrop"}
     if family == "falcon":
         masks = (int(rate_on(data, "hidden_dropout")) if parallel else
                  int(rate_on(data, "attention_dropout")) + int(rate_on(data, "hidden_dropout")))
@@ -252,9 +255,11 @@ def _windows(data: Mapping[str, Any], family: str, layers: int) -> tuple[int, tu
 def _family_spec(data: Mapping[str, Any], family: str) -> ModelSpec:
     """The spec of ``family``'s config, without sliding windows."""
     if family == "gpt2":
-        return _gpt2(data)
+        return gpt2_spec(data)
     if family == "falcon":
-        return _falcon(data)
+        return falcon_spec(data)
+    if family in ("phi", "gptj"):
+        return parallel_gelu_spec(data, family)
     hidden = int(get_field(data, "hidden_size"))
     heads = int(get_field(data, "num_attention_heads"))
     layers = int(get_field(data, "num_hidden_layers"))
@@ -309,19 +314,6 @@ def _family_spec(data: Mapping[str, Any], family: str) -> ModelSpec:
     return ModelSpec(**dense, intermediate=int(get_field(data, "intermediate_size")), experts=experts, moe_layers=moe)
 
 
-def _gpt2(data: Mapping[str, Any]) -> ModelSpec:
-    """GPT-2: learned positions, LayerNorm, biased Conv1D projections, a 4h (or n_inner) GELU MLP, tied head."""
-    hidden = int(get_field(data, "n_embd", "hidden_size"))
-    heads = int(get_field(data, "n_head", "num_attention_heads"))
-    attention = Attention(heads=heads, kv_heads=heads, qk_dim=hidden // heads, v_dim=hidden // heads,
-                          qkv_bias=True, o_bias=True)
-    return ModelSpec(family="gpt2", hidden=hidden, layers=int(get_field(data, "n_layer", "num_hidden_layers")),
-                     vocab=int(get_field(data, "vocab_size")), attention=attention,
-                     intermediate=int(data.get("n_inner") or 4 * hidden), gated=False, mlp_bias=True,
-                     layer_norm=True, tied=bool(data.get("tie_word_embeddings", False)),
-                     positions=int(get_field(data, "n_positions", "max_position_embeddings")))
-
-
 def _cohere(data: Mapping[str, Any], common: dict[str, Any], heads: int, head_dim: int) -> ModelSpec:
     """Cohere's Command R (``cohere``) and R7B / A (``cohere2``, sliding windows on three layers of four): one
     LayerNorm without a bias before attention and the gated MLP side by side, whose outputs one add sums into the
@@ -333,34 +325,6 @@ def _cohere(data: Mapping[str, Any], common: dict[str, Any], heads: int, head_di
                           v_dim=head_dim, qkv_bias=bias, o_bias=bias, qk_norm=qk_norm, qk_norm_head_weights=qk_norm)
     return ModelSpec(**common, attention=attention, intermediate=int(get_field(data, "intermediate_size")),
                      layer_norm=True, norm_bias=False, parallel_residual=True, shared_norm=True)
-
-
-def _falcon(data: Mapping[str, Any]) -> ModelSpec:
-    """Falcon: LayerNorm, one fused q/k/v projection, a GELU MLP of ``ffn_hidden_size`` (4h), biases on every
-    projection under ``bias``, a tied head. Attention and MLP side by side under ``parallel_attn`` (or the new
-    decoder architecture of Falcon 40B / 180B), each after a LayerNorm of its own there (``num_ln_in_parallel_attn``
-    2, its default) or after one shared LayerNorm (1; the 7B's); one query-shared key/value head under
-    ``multi_query`` in the old architecture, ``num_kv_heads`` in the new. ALiBi (``alibi``) is refused: its
-    attention adds a bias per head to the scores, which the flash-attention pricing does not model."""
-    if data.get("alibi"):
-        raise ModelConfigError("a Falcon config with alibi=true is not modelled (its attention adds a bias per head to "
-                               "the scores, which the planner's flash-attention pricing does not cover); plan a "
-                               "rotary Falcon (alibi false) of the same sizes instead")
-    hidden = int(get_field(data, "hidden_size", "n_embed"))
-    heads = int(get_field(data, "num_attention_heads"))
-    new = bool(data.get("new_decoder_architecture", False))
-    # the old architecture's fused projection gives every head its key and value, or one for all (multi_query)
-    kv_heads = int(data.get("num_kv_heads") or heads) if new else 1 if data.get("multi_query", True) else heads
-    bias = bool(data.get("bias", False))
-    parallel = bool(data.get("parallel_attn", True)) or new
-    norms = int(data.get("num_ln_in_parallel_attn") or (2 if new else 1))
-    attention = Attention(heads=heads, kv_heads=kv_heads, qk_dim=hidden // heads, v_dim=hidden // heads,
-                          qkv_bias=bias, o_bias=bias)
-    return ModelSpec(family="falcon", hidden=hidden, layers=int(get_field(data, "num_hidden_layers")),
-                     vocab=int(get_field(data, "vocab_size")), attention=attention,
-                     intermediate=int(data.get("ffn_hidden_size") or 4 * hidden), gated=False, mlp_bias=bias,
-                     layer_norm=True, parallel_residual=parallel, shared_norm=parallel and norms == 1,
-                     tied=bool(data.get("tie_word_embeddings", True)))
 
 
 def _ernie(data: Mapping[str, Any], common: dict[str, Any], heads: int, head_dim: int) -> ModelSpec:
