@@ -67,7 +67,7 @@ def path_with(*suffixes: str) -> Callable[[str], Path]:
     return check
 
 
-def schedule_list(text: str, choices: str | None = None, among: tuple[str, ...] | None = None) -> list[str]:
+def schedule_list(text: str, choices: str | None = None, *, among: tuple[str, ...] | None = None) -> list[str]:
     """``--schedules``: built-in schedule names, comma-separated, in any case (as ``--layout schedule=`` takes them);
     UsageError naming the unknown ones, the name meant (among ``among``, default every built-in), and ``choices``
     (default: every built-in)."""
@@ -76,7 +76,7 @@ def schedule_list(text: str, choices: str | None = None, among: tuple[str, ...] 
     given = [name.strip() for name in text.split(",") if name.strip()]
     unknown = [name for name in given if name.lower() not in REGISTRY]
     if unknown or not given:
-        meant = "".join(meant_schedule(name, among) for name in unknown[:1])
+        meant = "".join(meant_schedule(name, among=among) for name in unknown[:1])
         raise UsageError(f"--schedules: unknown schedule(s) {unknown or [text]}{meant}; "
                          f"{choices or 'choose among: ' + ', '.join(REGISTRY)}")
     return [name.lower() for name in given]

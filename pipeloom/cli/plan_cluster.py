@@ -12,6 +12,7 @@ from pipeloom.cli.errors import UsageError
 from pipeloom.cli.plan_cluster_args import check_export, framework_options
 from pipeloom.cli.plan_cluster_report import report, seconds_text, training_text
 from pipeloom.errors import PipeloomError
+from pipeloom.plan.errors import NoLayoutFits
 
 __all__ = ["cmd_plan_cluster"]
 
@@ -19,7 +20,6 @@ __all__ = ["cmd_plan_cluster"]
 def cmd_plan_cluster(args: argparse.Namespace) -> int:
     """Plan, then print the text report or the JSON object."""
     from pipeloom.plan.cluster.api import plan_cluster
-    from pipeloom.plan.errors import NoLayoutFits
 
     if args.export == "torchtitan" and args.framework is None:  # priced as torchtitan runs it; a flag given still wins
         args.framework = "torchtitan"
@@ -62,17 +62,17 @@ def cmd_plan_cluster(args: argparse.Namespace) -> int:
     return 0
 
 
-def _runnable(args: argparse.Namespace, result, options: dict, planned: Exception | None) -> tuple:
+def _runnable(args: argparse.Namespace, result, options: dict, planned: NoLayoutFits | None) -> tuple:
     """``--save``: ``result``'s job planned again for the plan's runtime (pipeloom's, or torchtitan with ``--export``:
     :func:`~pipeloom.plan.cluster.runtime_plan.for_runtime`), the same keys held: the layouts it runs, priced as it
     holds and runs them; and, where that is not the fastest layout as planned, the note that says why. A whole layout
     given that the runtime cannot run is left as planned (:func:`_save` refuses it, naming the keys that fix it).
-    ``planned``: the refusal of the plan as asked, where it had none; said alone where the runtime's is the same."""
+    ``planned``: the refusal of the plan as asked, where it had none: said alone where no layout runs the job's counts
+    (the runtime is not the cause), beside the runtime's where none fits."""
     from pipeloom.plan.cluster.api import parse_layout, plan_cluster
     from pipeloom.plan.cluster.estimate import Estimator
     from pipeloom.plan.cluster.layout import LAYOUT_KEYS
     from pipeloom.plan.cluster.runtime_plan import for_runtime
-    from pipeloom.plan.errors import NoLayoutFits
 
     runs_on = args.export or "pipeloom"
     where = "torchtitan" if args.export else "pipeloom's runtime"
@@ -87,10 +87,15 @@ def _runnable(args: argparse.Namespace, result, options: dict, planned: Exceptio
     try:
         runnable = plan_cluster(args.model, args.hardware, **options, runs_on=runs_on)
     except NoLayoutFits as refusal:
-        if planned is not None and str(refusal) == str(planned):  # no runtime of any kind runs or fits it
-            raise
-        fastest = (f" (planned for any runtime, the fastest layout is {result.best.layout}, "
-                   f"{seconds_text(result.best.step_time)} s a step)" if result is not None else "")
+        if planned is not None:
+            if planned.smallest_limit is None:  # no runtime can run the job's counts
+                raise planned from None
+            # none fits in any runtime: the runtime's least memory, and any runtime's
+            fastest = (f" (planned for any runtime, none fits either: the least memory any layout needs is "
+                       f"{planned.smallest_limit / 2**30:.2f} GiB, by {planned.smallest_layout})")
+        else:
+            fastest = (f" (planned for any runtime, the fastest layout is {result.best.layout}, "
+                       f"{seconds_text(result.best.step_time)} s a step)")
         raise UsageError(f"cannot save a plan {where} runs: {str(refusal).splitlines()[0]}{fastest}") from None
     if result is None or whole:
         return runnable, plain

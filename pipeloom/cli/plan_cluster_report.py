@@ -122,17 +122,33 @@ def token_count(text: str) -> float:
 
 
 def training_text(training: dict, gpus: int) -> str:
-    """The ``--tokens`` line: steps, days and GPU-hours."""
-    tokens = training["tokens"]
-    suffix = next(((k, v) for k, v in reversed(TOKEN_SUFFIXES.items()) if tokens >= v), ("", 1.0))
-    seconds, steps, hours = training["seconds"], training["steps"], training["gpu_hours"]
-    units = ((86400, "days", 1), (3600, "hours", 2), (60, "minutes", 1))
-    unit, name, digits = next((u for u in units if seconds >= u[0]), (1, "s", 1))
-    took = f"{seconds / unit:,.{digits}f} {name}"
-    amount = tokens / suffix[1]  # up to 10,000T (token_count): no exponent
-    return (f"training {f'{amount:,.0f}' if amount >= 1000 else f'{amount:.4g}'}{suffix[0]} tokens: {steps:,} "
-            f"step{'s' if steps != 1 else ''}, {took}, {f'{hours:,.0f}' if hours >= 10 else f'{hours:.2g}'} GPU-hours "
-            f"on {gpus:,} GPUs (at the predicted step time)")
+    """The ``--tokens`` line: steps, the time they take and GPU-hours."""
+    steps = training["steps"]
+    return (f"training {_tokens_text(training['tokens'])} tokens: {steps:,} step{'s' if steps != 1 else ''}, "
+            f"{_duration_text(training['seconds'])}, {_hours_text(training['gpu_hours'])} GPU-hours on {gpus:,} "
+            f"GPU{'s' if gpus != 1 else ''} (at the predicted step time)")
+
+
+def _tokens_text(tokens: float) -> str:
+    """``1.5T``, ``2.5K``, ``10,000T`` (up to :func:`token_count`'s 10,000T: no exponent)."""
+    suffix, scale = next(((k, v) for k, v in reversed(TOKEN_SUFFIXES.items()) if tokens >= v), ("", 1.0))
+    amount = tokens / scale
+    return f"{amount:,.0f}{suffix}" if amount >= 1000 else f"{amount:.4g}{suffix}"
+
+
+def _duration_text(seconds: float) -> str:
+    """Seconds in the largest unit they fill once rounded: ``2.7 s``, ``1.0 minutes``, ``1.00 days``."""
+    for unit, name, digits in ((86400, "days", 1), (3600, "hours", 2), (60, "minutes", 1)):
+        if round(seconds / unit, digits) >= 1:
+            return f"{seconds / unit:,.{digits}f} {name}"
+    return f"{seconds:.1f} s"
+
+
+def _hours_text(hours: float) -> str:
+    """GPU-hours: whole from 10, two decimals from 0.01, two digits from 0.0001 (``0.0029``), no exponent below."""
+    if hours >= 0.01:
+        return f"{hours:,.0f}" if hours >= 10 else f"{hours:.2f}"
+    return f"{hours:.2g}" if hours >= 1e-4 else "under 0.0001"
 
 
 _FP8_CASTS = {"cached": "Transformer Engine's delayed scaling", "dynamic": "torchao's per-tensor dynamic scaling",
@@ -311,7 +327,6 @@ def report(result, *, framework: str | None = None) -> str:
         plans = f"; {result.variants} plans for the searched choices" if result.variants > 1 else ""
         lines.append(f"searched {result.candidates} layouts ({result.priced} priced, {result.simulated} simulated"
                      f"{plans}) in {result.seconds:.1f} s")
-    lines.append("times, throughput and MFU are the cost model's predictions: most published runs ran slower than it "
-                 "predicts them, MoE models by the most (docs/cluster-plan.md, \"Validation against the published "
-                 "runs\")")
+    lines.append("times, throughput and MFU are the cost model's predictions: most published runs ran slower than "
+                 "predicted, some by 2x or more (docs/cluster-plan.md, \"Validation against the published runs\")")
     return "\n".join(lines)

@@ -127,7 +127,7 @@ def schedule_names() -> tuple[str, ...]:
     return tuple(REGISTRY)
 
 
-def meant_schedule(name: str, among: Iterable[str] | None = None) -> str:
+def meant_schedule(name: str, *, among: Iterable[str] | None = None) -> str:
     """`` (did you mean 'zbv'?)`` for a name that is a built-in schedule's (or one of ``among``'s: those the caller
     takes) spelt otherwise: the same letters and digits (``zb-v``, ``ZBV``, ``interleaved_1f1b``) or close to one
     (``interleaved``, ``dualpipe-vee``); empty if none is."""

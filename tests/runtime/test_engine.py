@@ -320,8 +320,10 @@ def test_a_hand_edited_plan_files_schedule_and_split_points_are_named_with_the_f
         plan = Plan(num_ranks=1, split_points=points, schedule=schedule, microbatches=4, global_batch=16,
                     predicted_step_time=1.0)
         save_plan(plan, tmp_path / f"{name}.json")
-        with pytest.raises(error, match=words):
+        with pytest.raises(error, match=words) as info:
             pipeline(build("residual"), plan=tmp_path / f"{name}.json", loss_fn=F.cross_entropy)
+        said_once = info.value.__cause__ is None and (info.value.__context__ is None or info.value.__suppress_context__)
+        assert said_once, "chained under the same error without the file's name: each rank printed both"
 
 
 def test_a_parameter_unfrozen_after_pipeline_gets_its_gradient():

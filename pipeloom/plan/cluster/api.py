@@ -267,7 +267,7 @@ def parse_layout(text: str) -> dict[str, Any]:
                 other = key == "schedule" and fixed[key] in REGISTRY  # a pipeloom schedule this planner does not price
                 raise LayoutError(f"layout {key}={value} is not one of {', '.join(choices)}" + (
                     " (the cluster planner does not price it; pipeloom plan --costs searches every built-in schedule)"
-                    if other else meant_schedule(value, SCHEDULES) if key == "schedule" else ""))
+                    if other else meant_schedule(value, among=SCHEDULES) if key == "schedule" else ""))
             continue
         try:
             number = int(value)

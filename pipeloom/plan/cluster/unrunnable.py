@@ -60,19 +60,30 @@ def _without(job: Job, fixed: dict[str, Any], barred: Counter[str]) -> str:
     return f"; and with {keys_text(plain)} none can run ({refusals[0]}{counts})"
 
 
+_NEAR = 64
+"""Counts tried on each side of the job's GPU count and global batch for :func:`_runnable_near` (each costs an
+enumeration: every count up to twice 20,000 GPUs had taken over a minute)."""
+
+
 def _runnable_near(job: Job, fixed: dict[str, Any]) -> str:
-    """The GPU counts and global batches nearest the job's, one each side (up to half and twice), that some layout
-    with ``fixed`` runs, with the job's other count, as ``" (e.g. ...)"``; ``""`` when none."""
+    """The GPU counts and global batches nearest the job's, one each side (within :data:`_NEAR`, half and twice),
+    that some layout with ``fixed`` divides, with the job's other count, as ``" (some layout divides ...)"``; ``""``
+    when none. Whether a layout of them fits in memory is their plan's to say."""
     said = []
     for name, unit in (("gpus", "{} GPUs"), ("global_batch", "a global batch of {}")):
-        start = getattr(job, name)
-        sides = (range(start - 1, max(start // 2, 1) - 1, -1), range(start + 1, 2 * start + 1))
-        near = [n for n in (next((n for n in side if _runs(job, fixed, **{name: n})), None) for side in sides) if n]
+        near = [n for n in (_nearest(job, fixed, name, side) for side in (-1, 1)) if n is not None]
         if near:
             said.append(unit.format(" or ".join(f"{n:,}" for n in near)))
-    return f" (e.g. {', or '.join(said)})" if said else ""
+    return f" (some layout divides {', or '.join(said)})" if said else ""
 
 
-def _runs(job: Job, fixed: dict[str, Any], **counts: Any) -> bool:
-    """Whether some layout with ``fixed`` runs ``job`` with ``counts`` in place of its own."""
-    return next(enumerate_layouts(dataclasses.replace(job, **counts), fixed), None) is not None
+def _nearest(job: Job, fixed: dict[str, Any], name: str, side: int) -> int | None:
+    """The count of ``name`` nearest the job's on ``side`` (-1 below, 1 above) that some layout runs, or None."""
+    start = getattr(job, name)
+    for step in range(1, _NEAR + 1):
+        n = start + side * step
+        if not max(start // 2, 1) <= n <= 2 * start:
+            return None
+        if next(enumerate_layouts(dataclasses.replace(job, **{name: n}), fixed), None) is not None:
+            return n
+    return None

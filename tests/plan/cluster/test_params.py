@@ -213,6 +213,16 @@ def test_bad_configs(bad, match):
         model_spec(bad)
 
 
+def test_add_cross_attention_is_refused_only_where_transformers_builds_it():
+    """GPT-2 builds a cross-attention block per layer under the flag (refused above); LLaMA's class ignores it, and so
+    does the reader (it had been refused for every family)."""
+    llama = dict(TINY["llama"], model_type="llama")
+    spec = model_spec({**llama, "add_cross_attention": True})
+    assert spec == model_spec(llama)
+    model = tiny_model(transformers.AutoConfig.for_model("llama", **TINY["llama"], add_cross_attention=True))
+    assert model_params(spec) == sum(p.numel() for p in model.parameters())
+
+
 @pytest.mark.parametrize("family, fields, masks, embedding", [
     ("gpt2", {}, 2, True),  # transformers' defaults: resid_pdrop and embd_pdrop 0.1
     ("gpt2", {"resid_pdrop": 0.0, "embd_pdrop": 0.0}, 0, False),

@@ -74,7 +74,7 @@ def test_text_report(config, capsys):
         assert word in out
     # the last line says the figures are predictions, and which way the published runs depart from them
     assert out.splitlines()[-1].startswith("times, throughput and MFU are the cost model's predictions: most published "
-                                           "runs ran slower than it predicts them")
+                                           "runs ran slower than predicted, some by 2x or more")
     # the framework choices priced for the chosen layout, each with its flag; those that do not apply left out
     assumes = out.splitlines()[2]
     assert assumes == ("assumes: fused elementwise kernels (--kernels); flash attention (--attention); gradients "
@@ -372,8 +372,8 @@ def test_a_refusal_by_the_models_shape_does_not_advise_other_gpu_counts():
             plan_cluster(SMALL, "h100", gpus=64, global_batch=64, seq=4096, layout=fixed)
         assert str(info.value).endswith("; change the fixed keys"), info.value
     # nothing fixed: no single key is the cause; the nearest counts that run are named (each tried and run below)
-    for gpus, batch, near in ((128, 1, "(e.g. 64 GPUs, or a global batch of 2)"),
-                              (1000, 32, "(e.g. 960 or 1,024 GPUs)")):
+    for gpus, batch, near in ((128, 1, "(some layout divides 64 GPUs, or a global batch of 2)"),
+                              (1000, 32, "(some layout divides 960 or 1,024 GPUs)")):
         with pytest.raises(NoLayoutFits, match=re.escape(f"with more common divisors {near}")):
             plan_cluster(SMALL, "h100", gpus=gpus, global_batch=batch, seq=4096)
     for gpus, batch in ((64, 1), (128, 2), (960, 32), (1024, 32)):
@@ -679,7 +679,16 @@ def test_time_to_train_a_token_count(config, capsys):
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("training 10,000T tokens: ")
     # a short run in seconds and a fraction of a GPU-hour (both had read 0)
     assert main([*argv, "--tokens=1M"]) == 0
-    assert re.search(r"steps, [0-9.]+ s, 0\.[0-9]+ GPU-hours", capsys.readouterr().out), "seconds and GPU-hours"
+    assert re.search(r"steps, [0-9.]+ s, 0\.00[0-9]+ GPU-hours", capsys.readouterr().out), "seconds and GPU-hours"
+    from pipeloom.cli.plan_cluster_report import _duration_text, _hours_text, training_text
+
+    # rounded before the unit is picked (59.99 s had read "60.0 s"); no exponent (5.6e-05 GPU-hours); one GPU singular
+    assert [_duration_text(t) for t in (0.2, 59.99, 86399, 3.3 * 86400)] == ["0.2 s", "1.0 minutes", "1.0 days",
+                                                                              "3.3 days"]
+    assert [_hours_text(h) for h in (5.6e-5, 0.0029, 0.03, 9.99, 23.4)] == ["under 0.0001", "0.0029", "0.03",
+                                                                             "9.99", "23"]
+    assert training_text({"tokens": 4096, "steps": 1, "seconds": 0.2, "gpu_hours": 5.6e-5}, 1) == (
+        "training 4.096K tokens: 1 step, 0.2 s, under 0.0001 GPU-hours on 1 GPU (at the predicted step time)")
 
 
 def test_the_job_counts_are_checked_as_arguments(config, capsys):
@@ -951,8 +960,8 @@ def test_schedule_names_spelt_otherwise_are_taken_or_pointed_to(config, capsys):
     # among the names a caller takes: the planner's (interleaved-zb, which it then refused, had been pointed to);
     # a name spelt as another built-in's is said to be that one, not taken (zb_h2 is not zb-h1)
     priced = ("1f1b", "interleaved-1f1b", "zb-h1", "zbv")
-    assert meant_schedule("interleaved", priced) == " (did you mean 'interleaved-1f1b'?)"
-    assert meant_schedule("zb_h2", priced) == " (did you mean 'zb-h2'? it is not among those taken here)"
+    assert meant_schedule("interleaved", among=priced) == " (did you mean 'interleaved-1f1b'?)"
+    assert meant_schedule("zb_h2", among=priced) == " (did you mean 'zb-h2'? it is not among those taken here)"
     args = ["plan", "--model", str(config), "--hardware", "h100", "--gpus", "8", "--global-batch", "32", "--seq",
             "4096"]
     assert main([*args, "--schedules", "ZBV"]) == 0

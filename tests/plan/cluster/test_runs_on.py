@@ -151,6 +151,11 @@ def test_save_names_the_least_memory_its_runtime_needs_when_nothing_fits(tmp_pat
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("pipeloom: error: cannot save a plan pipeloom's runtime runs: no "
                                                "layout fits 3.0 GiB per GPU")
+    # and what any runtime would need (it had been left unsaid, as if the runtime alone were the cause)
+    with pytest.raises(NoLayoutFits) as planned:
+        plan_cluster(LLAMA, "h100", **{**JOB, "memory_limit": "3GiB"})
+    assert err[0].endswith(f" (planned for any runtime, none fits either: the least memory any layout needs is "
+                           f"{planned.value.smallest_limit / 2**30:.2f} GiB, by {planned.value.smallest_layout})")
     least = re.search(r"\((\d+) bytes\)", err[0]).group(1)
     command[command.index("3GiB")] = least
     assert main(command) == 0 and save.exists()

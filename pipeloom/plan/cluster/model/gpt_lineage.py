@@ -11,7 +11,7 @@ from pipeloom.plan.cluster.model.fields import get_field
 from pipeloom.plan.cluster.model.spec import Attention, ModelSpec
 from pipeloom.plan.errors import ModelConfigError
 
-__all__ = ["falcon_spec", "gpt2_spec", "parallel_gelu_spec"]
+__all__ = ["falcon_spec", "gpt2_spec", "gptj_spec", "phi_spec"]
 
 
 def gpt2_spec(data: Mapping[str, Any]) -> ModelSpec:
@@ -27,24 +27,37 @@ def gpt2_spec(data: Mapping[str, Any]) -> ModelSpec:
                      positions=int(get_field(data, "n_positions", "max_position_embeddings")))
 
 
-def parallel_gelu_spec(data: Mapping[str, Any], family: str) -> ModelSpec:
-    """Phi-1 / 1.5 / 2 (``phi``) and GPT-J (``gptj``): one LayerNorm before attention and a GELU MLP side by side,
-    both added to the residual stream; biased MLP projections (``fc1``/``fc2``, ``fc_in``/``fc_out``), Phi's biased
-    attention projections (GPT-J's have none), a final LayerNorm and a head with a bias of its own, untied unless
-    the config ties it; rotary on part of each head (no parameters). Phi's ``qk_layernorm`` (a LayerNorm over each
-    head's queries and keys, off in Phi-1.5 and Phi-2) is refused."""
-    if family == "phi" and data.get("qk_layernorm"):
+def phi_spec(data: Mapping[str, Any]) -> ModelSpec:
+    """Phi-1 / 1.5 / 2 (``phi``): :func:`_parallel_gelu` with biased q/k/v and dense projections, grouped-query
+    attention where ``num_key_value_heads`` says so, an MLP of ``intermediate_size``. Its ``qk_layernorm`` (a
+    LayerNorm over each head's queries and keys, off in Phi-1.5 and Phi-2) is refused."""
+    if data.get("qk_layernorm"):
         raise ModelConfigError("a phi config with qk_layernorm=true is not modelled (a LayerNorm with a bias over "
                                "each head's queries and keys); plan it with qk_layernorm false, as Phi-1.5 and Phi-2 "
                                "are, which leaves out 4 x head_dim parameters per layer")
+    heads = int(get_field(data, "num_attention_heads"))
+    return _parallel_gelu(data, "phi", kv_heads=int(data.get("num_key_value_heads") or heads), bias=True,
+                          intermediate=int(get_field(data, "intermediate_size")))
+
+
+def gptj_spec(data: Mapping[str, Any]) -> ModelSpec:
+    """GPT-J (``gptj``): :func:`_parallel_gelu` with unbiased q/k/v and output projections, every head its own key
+    and value, an MLP of ``n_inner`` (4h when null)."""
+    heads = int(get_field(data, "n_head", "num_attention_heads"))
+    hidden = int(get_field(data, "n_embd", "hidden_size"))
+    return _parallel_gelu(data, "gptj", kv_heads=heads, bias=False, intermediate=int(data.get("n_inner") or 4 * hidden))
+
+
+def _parallel_gelu(data: Mapping[str, Any], family: str, *, kv_heads: int, bias: bool,
+                   intermediate: int) -> ModelSpec:
+    """Phi's and GPT-J's layer: one LayerNorm before attention and a GELU MLP side by side, both added to the
+    residual stream; biased MLP projections (``fc1``/``fc2``, ``fc_in``/``fc_out``), the attention's under ``bias``,
+    a final LayerNorm and a head with a bias of its own, untied unless the config ties it; rotary on part of each head
+    (no parameters)."""
     hidden = int(get_field(data, "hidden_size", "n_embd"))
     heads = int(get_field(data, "num_attention_heads", "n_head"))
-    kv_heads = int(data.get("num_key_value_heads") or heads) if family == "phi" else heads
-    bias = family == "phi"
     attention = Attention(heads=heads, kv_heads=kv_heads, qk_dim=hidden // heads, v_dim=hidden // heads,
                           qkv_bias=bias, o_bias=bias)
-    intermediate = (int(get_field(data, "intermediate_size")) if family == "phi" else
-                    int(data.get("n_inner") or 4 * hidden))
     return ModelSpec(family=family, hidden=hidden, layers=int(get_field(data, "num_hidden_layers", "n_layer")),
                      vocab=int(get_field(data, "vocab_size")), attention=attention, intermediate=intermediate,
                      gated=False, mlp_bias=True, layer_norm=True, parallel_residual=True, shared_norm=True,

@@ -22,7 +22,7 @@ from typing import Any
 
 from pipeloom.plan.cluster.model.deltanet import gated_deltanet_spec
 from pipeloom.plan.cluster.model.fields import check_fields, get_field, nope_layers, rate_on
-from pipeloom.plan.cluster.model.gpt_lineage import falcon_spec, gpt2_spec, parallel_gelu_spec
+from pipeloom.plan.cluster.model.gpt_lineage import falcon_spec, gpt2_spec, gptj_spec, phi_spec
 from pipeloom.plan.cluster.model.moe import deepseek_spec, every_layer_sparse, gpt_oss_spec, llama4_spec, phimoe_spec
 from pipeloom.plan.cluster.model.refusal import guess, unmodelled
 from pipeloom.plan.cluster.model.source import FAMILY_DEFAULTS, read_config
@@ -89,7 +89,8 @@ def model_spec(config: object) -> ModelSpec:
     if family not in SUPPORTED_FAMILIES and isinstance(text, Mapping):
         inner = text.get("model_type")
         if not inner:  # transformers takes its configuration class's; the planner does not guess it
-            meant = f"\"{TEXT_TYPES[family]}\" (transformers reads it so)" if family in TEXT_TYPES else "its type"
+            meant = (f"\"{TEXT_TYPES[family]}\" (transformers reads it so)" if family in TEXT_TYPES else
+                     "the language model's model_type")
             raise ModelConfigError(f"model_type {family!r} is a multimodal config whose text_config gives no "
                                    f"model_type: add \"model_type\": {meant} to the text_config")
         if inner in STAND_INS:
@@ -101,8 +102,8 @@ def model_spec(config: object) -> ModelSpec:
                                           f"({inner})", text, SUPPORTED_FAMILIES, _HYBRID, stand_in=False))
     if family not in SUPPORTED_FAMILIES:
         raise ModelConfigError(unmodelled(f"model_type {family!r}", data, SUPPORTED_FAMILIES, _HYBRID))
-    if data.get("add_cross_attention"):
-        raise ModelConfigError(f"{family} with add_cross_attention adds a cross-attention block to every layer (the "
+    if family == "gpt2" and data.get("add_cross_attention"):  # the other families' classes ignore the flag
+        raise ModelConfigError("gpt2 with add_cross_attention adds a cross-attention block to every layer (the "
                                "decoder of an encoder-decoder); the planner plans decoder-only models: set "
                                "add_cross_attention to false")
     if data.get("use_bidirectional_attention"):
@@ -254,12 +255,9 @@ def _windows(data: Mapping[str, Any], family: str, layers: int) -> tuple[int, tu
 
 def _family_spec(data: Mapping[str, Any], family: str) -> ModelSpec:
     """The spec of ``family``'s config, without sliding windows."""
-    if family == "gpt2":
-        return gpt2_spec(data)
-    if family == "falcon":
-        return falcon_spec(data)
-    if family in ("phi", "gptj"):
-        return parallel_gelu_spec(data, family)
+    lineage = {"gpt2": gpt2_spec, "falcon": falcon_spec, "phi": phi_spec, "gptj": gptj_spec}
+    if family in lineage:
+        return lineage[family](data)
     hidden = int(get_field(data, "hidden_size"))
     heads = int(get_field(data, "num_attention_heads"))
     layers = int(get_field(data, "num_hidden_layers"))
