@@ -264,6 +264,8 @@ def _plan_tables(tables: object, where: str, *, read_tables: bool) -> tuple[list
     from pipeloom.plan.costs.file import costs_from_json
 
     tables = tables if isinstance(tables, list) else [tables]
+    if not tables:  # the planner's own refusal had surfaced as a 500 (an IndexError before it)
+        raise RequestError(f"{where}.costs: an empty list; give a pipeloom.costs/2 object or a list of them")
     if len(tables) > MAX_TABLES:
         raise RequestError(f"{where}.costs: {len(tables)} tables, above this server's limit of {MAX_TABLES}", 413)
     texts, pieces = [], 1

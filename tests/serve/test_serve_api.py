@@ -57,6 +57,8 @@ def finished_search(server: str, document: dict, seconds: float = 30) -> dict:
      "time_limit"),
     ("/api/plans", {"costs": {"format": "pipeloom.costs/1", "microbatch_size": 1, "pieces": [], "gpu": 1}, "ranks": 2,
                     "global_batch": 4}, None, 400, "unknown key(s) ['gpu']"),
+    # an empty list of tables (a 500 "internal error: IndexError" had answered it)
+    ("/api/plans", {"costs": [], "ranks": 2, "global_batch": 4}, None, 400, "plan.costs: an empty list"),
     ("/api/nothing", None, None, 404, "Not Found"),
 ])
 def test_bad_requests_get_a_4xx_with_one_clear_line(server, path, document, data, status, words):
