@@ -50,7 +50,8 @@ def check_try(args: argparse.Namespace) -> None:
     given = [flag for flag, value in flags if value is not None]
     if args.try_k is None:
         if given:
-            raise UsageError(f"{' and '.join(given)} go with --try K (the plans to run in the engine)")
+            raise UsageError(f"{' and '.join(given)} go{'es' if len(given) == 1 else ''} with --try K (the plans to "
+                             "run in the engine)")
         return
     if args.build is None or args.loss is None:
         raise UsageError("--try runs the plans in the engine: give --build FILE.py:FUNCTION and --loss NAME")
@@ -65,6 +66,8 @@ def check_try(args: argparse.Namespace) -> None:
 
 def try_in_engine(args: argparse.Namespace, result):
     """``result`` with the fastest measured of its ``--try`` best plans (every rank calls this)."""
+    import os
+
     import torch
     import torch.distributed as dist
 
@@ -76,7 +79,7 @@ def try_in_engine(args: argparse.Namespace, result):
         model_and_inputs,
         user_code,
     )
-    from pipeloom.profile.trials import try_plans
+    from pipeloom.profile.trials import check_world, try_plans
     from pipeloom.runtime.options import Tracing
 
     module, function = load_function(args.build)
@@ -85,6 +88,7 @@ def try_in_engine(args: argparse.Namespace, result):
     loss = loss_function(module, request)
     created = not dist.is_initialized()
     if created:
+        check_world(result, int(os.environ["WORLD_SIZE"]))  # before the group: no rank left waiting in it
         dist.init_process_group("gloo")
     try:
         torch.manual_seed(0)  # the same model and batch on every rank

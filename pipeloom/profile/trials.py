@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from torch import nn
     from torch.distributed import ProcessGroup
 
-__all__ = ["TrialPlan", "trial_plans", "try_plans"]
+__all__ = ["TrialPlan", "check_world", "trial_plans", "try_plans"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -172,6 +172,14 @@ class _Entrants:
             return None
 
 
+def check_world(result: PlanResult, world: int) -> None:
+    """PlanError where the ranks at hand are not the plans' (every rank says it alike, so a launcher can check the
+    ranks it starts before they join a group: one rank leaving early had crashed the others' rendezvous)."""
+    if result.plan.world_size != world:
+        raise PlanError(f"the plan runs on {result.plan.world_size} ranks but {world} are at hand; try the plans "
+                        f"on {result.plan.world_size} ranks (torchrun --nproc-per-node {result.plan.world_size})")
+
+
 def try_plans(result: PlanResult, *, build: Callable[[], nn.Module], inputs: Any, target: Any,
               loss_fn: Callable[[Any, Any], torch.Tensor], k: int = 3, spread: float = SPREAD,
               budget: TrialBudget | None = None,
@@ -188,10 +196,7 @@ def try_plans(result: PlanResult, *, build: Callable[[], nn.Module], inputs: Any
     import torch.distributed as dist
 
     budget = TrialBudget() if budget is None else budget
-    world = dist.get_world_size(process_group)
-    if result.plan.world_size != world:
-        raise PlanError(f"the plan runs on {result.plan.world_size} ranks but {world} are at hand; try the plans "
-                        f"on {result.plan.world_size} ranks (torchrun --nproc-per-node {result.plan.world_size})")
+    check_world(result, dist.get_world_size(process_group))
     trials = _shared_trials(result, k, spread, process_group)
     race = TrialRace(len(trials), budget)
     entrants = _Entrants(race, inputs, target, process_group)

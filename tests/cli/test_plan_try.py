@@ -80,14 +80,28 @@ def test_try_runs_the_best_plans_on_two_ranks_and_saves_what_it_measured(tmp_pat
 
 @pytest.mark.parametrize(("flags", "message"), [
     (["--try", "2"], "--try runs the plans in the engine: give --build FILE.py:FUNCTION and --loss NAME"),
-    (["--build", "m.py:f"], "--build go with --try K"),
-    (["--try-seconds", "5"], "--try-seconds go with --try K"),
+    (["--build", "m.py:f"], "--build goes with --try K"),
+    (["--try-seconds", "5"], "--try-seconds goes with --try K"),
     (["--try", "2", "--build", "m.py:f", "--loss", "l"], "--try runs on every rank of a launch: torchrun"),
 ])
 def test_try_usage_errors(tmp_path, capsys, monkeypatch, flags, message):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     code = main(["plan", "--costs", str(_costs(tmp_path)), "--ranks", "2", "--global-batch", "8", *flags])
     assert code == 2 and message in capsys.readouterr().err
+
+
+def test_ranks_other_than_the_plans_are_refused_before_any_group_is_joined(tmp_path, capsys, monkeypatch):
+    """Every rank of a launch of another size says so before it joins the process group (rank 0 had said it after,
+    and left the others to crash in the group's rendezvous with a traceback); no group is made: none is at hand."""
+    (tmp_path / "m.py").write_text(MODEL)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK"):
+        monkeypatch.delenv(name, raising=False)  # a process group could not form here
+    code = main(["plan", "--costs", str(_costs(tmp_path)), "--ranks", "4", "--global-batch", "8", "--try", "2",
+                 "--build", f"{tmp_path / 'm.py'}:build", "--loss", "mse"])
+    assert code == 1
+    assert capsys.readouterr().err.strip() == ("pipeloom: error: the plan runs on 4 ranks but 2 are at hand; try the "
+                                               "plans on 4 ranks (torchrun --nproc-per-node 4)")
 
 
 def test_trial_lines_say_how_each_plan_was_measured_and_which_left_early():
