@@ -513,6 +513,20 @@ def test_outputs_are_all_written_or_none(capsys, tmp_path, monkeypatch):
     assert oct(saved.stat().st_mode & 0o777) != oct(0o600)  # a new file's usual permissions, not mkstemp's
 
 
+def test_a_reader_that_goes_away_keeps_the_files_the_report_follows(tmp_path):
+    """`pipeloom show ... -o x.png | head -1`: the report's reader goes away (here before the report, so that its
+    first write fails); the picture and schedule, written before the report, are kept and the exit is 0 (rich had
+    exited 1 there, and the files were dropped)."""
+    picture, saved = tmp_path / "x.png", tmp_path / "s.json"
+    command = [sys.executable, "-m", "pipeloom", "show", "1f1b", "--ranks", "4", "--microbatches", "8", "-o",
+               str(picture), "--save", str(saved)]
+    shown = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert shown.stdout is not None
+    shown.stdout.close()  # the reader gone before the report is printed
+    assert shown.wait(timeout=120) == 0, shown.stderr.read() if shown.stderr else ""
+    assert picture.stat().st_size > 0 and json.loads(saved.read_text())["format"].startswith("pipeloom.schedule")
+
+
 def test_too_many_ranks_are_refused_before_building(capsys):
     assert main(["show", "1f1b", "--ranks", "1000000", "--microbatches", "1"]) == 2
     assert "above the limit of 65,536 ranks" in capsys.readouterr().err

@@ -87,7 +87,13 @@ class StagedOutputs:
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  trace: TracebackType | None) -> None:
-        if kind is None:
+        if kind is BrokenPipeError:  # the report's reader went away (`| head -1`): the files it followed stay
+            for final, temp in list(self._temps.items()):
+                if temp.stat().st_size == 0:  # never written: the command stopped before it
+                    temp.unlink(missing_ok=True)
+                    del self._temps[final]
+            self.commit()
+        elif kind is None:
             self.commit()
         else:
             self.discard()
@@ -109,7 +115,11 @@ def report_console(*, stderr: bool = False) -> Console:
     terminal, or :data:`PIPED_WIDTH` columns where the stream is none and ``COLUMNS`` does not say."""
     from rich.console import Console
 
-    console = Console(stderr=stderr, highlight=False)
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:  # rich exits 1 there, which dropped the files: main's own handling
+            raise BrokenPipeError("the report's reader went away")
+
+    console = _Console(stderr=stderr, highlight=False)
     if not console.is_terminal and "COLUMNS" not in os.environ:
         console.width = PIPED_WIDTH
     return console
