@@ -29,19 +29,23 @@ __all__ = ["default_time_unit_us", "flow_events", "perfetto_events", "write_perf
 _MAX_US = 2.0**53 / 1000  # keeps ts in nanoseconds (how Perfetto stores it) exact in int64 and float
 
 
-def default_time_unit_us(timeline: Timeline) -> int:
+def default_time_unit_us(timeline: Timeline) -> float:
     """Microseconds per schedule time unit: the smallest power of ten >= 1000 (1 unit = 1 ms)
-    that makes the shortest action at least 1000 us long, so integer rounding costs < 0.05%.
-    """
+    that makes the shortest action at least 1000 us long, so integer rounding costs < 0.05%; below 1000 where
+    the makespan would pass Perfetto's exact range at 1 ms a unit (a timeline of 1e15-unit tasks had written
+    timestamps above int64)."""
     shortest = min(
         (end - start for rank in range(timeline.num_ranks)
          for _, start, end in timeline.events(rank) if end > start),
         default=1.0,
     )
-    scale = 1000
+    power = 3  # 10**3 us a unit, lower where the makespan needs it
+    while timeline.makespan * 10.0**power > _MAX_US:
+        power -= 1
+    scale = 10.0**power
     while shortest * scale < 1000 and timeline.makespan * scale * 10 <= _MAX_US:
         scale *= 10
-    return scale
+    return int(scale) if scale >= 1 else scale
 
 
 def _metadata(timeline: Timeline, tids: dict[tuple[int, int], int]) -> list[dict[str, Any]]:
@@ -149,6 +153,9 @@ def perfetto_events(timeline: Timeline, *, time_unit_us: float | None = None) ->
     scale = default_time_unit_us(timeline) if time_unit_us is None else time_unit_us
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (0 < scale < math.inf):
         raise ValueError(f"time_unit_us must be a positive finite number of microseconds, got {scale!r}")
+    if timeline.makespan * scale > _MAX_US:
+        raise ValueError(f"time_unit_us {scale:g} makes the makespan {timeline.makespan * scale:.3g} us, past the "
+                         f"{_MAX_US:.3g} us Perfetto keeps exact; give a smaller time_unit_us")
     tids = _thread_ids(timeline)
     events = _metadata(timeline, tids)
     for rank in range(timeline.num_ranks):

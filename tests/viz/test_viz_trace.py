@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -88,6 +89,19 @@ def test_bad_time_unit():
     # 1F1B p=4: rank 1's first forward runs from 1 to 2 -> ts round(2.5) = 2, dur round(5) - 2 = 3
     first = next(e for e in _of(trace, "X") if e["name"] == "1F0")
     assert (first["ts"], first["dur"]) == (2, 3)
+
+
+def test_huge_times_keep_timestamps_in_perfettos_exact_range():
+    """Tasks of 1e15 units (1 ms each by default: 3.3e19 us, past int64) take a smaller unit, every timestamp within
+    2**53 / 1000 us; a unit given that passes it is refused."""
+    limit = 2.0**53 / 1000
+    for f in (1e15, 1e30):
+        timeline = _timeline(costs=Costs(f=f, b=2 * f))
+        trace = perfetto_events(timeline)
+        assert max(e["ts"] + e.get("dur", 0) for e in _of(trace, "X")) <= limit
+        assert trace["otherData"]["time_unit_us"] == 10.0 ** math.floor(math.log10(limit / timeline.makespan))
+    with pytest.raises(ValueError, match="past the .* us Perfetto keeps exact; give a smaller time_unit_us"):
+        perfetto_events(_timeline(costs=Costs(f=1e15, b=2e15)), time_unit_us=1000)
 
 
 def test_cross_rank_dependencies_are_flow_events():
