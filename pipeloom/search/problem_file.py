@@ -34,8 +34,11 @@ def problem_from_json(text: str) -> Problem:
         if key not in document:
             raise ScheduleFormatError(f"problem: missing key {key!r}")
     ranks = document["num_ranks"]
-    if isinstance(ranks, bool) or not isinstance(ranks, int) or not 1 <= ranks <= 1_000_000:
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
         raise ScheduleFormatError(f"problem.num_ranks: expected a positive integer, got {shown(ranks)}")
+    if ranks > 1_000_000:  # before any table per rank is built (the search's own limit is lower: said by its caller)
+        raise ScheduleFormatError(f"problem.num_ranks: {ranks:,} ranks is above the limit of 1,000,000 a problem "
+                                  "file may declare; use fewer ranks")
     return problem_from_document(document, where="problem")
 
 

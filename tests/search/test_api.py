@@ -258,6 +258,8 @@ def test_a_whole_schedule_file_is_also_a_problem_file():
     ({"tasks": [{"stage": 0, "kind": "F", "ranks": [0], "duration": 1, "deps": ["3F"]}]}, "3F"),
     ({"extra": 1}, "unknown key"),
     ({"num_ranks": "two"}, "num_ranks"),
+    # over the limit: said as a limit (it had read "expected a positive integer, got 1000000000")
+    ({"num_ranks": 10**9}, "1,000,000,000 ranks is above the limit of 1,000,000 a problem file may declare"),
     ({"comm_latency": "x"}, "problem.comm_latency"),
 ])
 def test_bad_problem_files_are_refused_with_the_fault_named(changes, fragment):
