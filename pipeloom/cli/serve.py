@@ -59,9 +59,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
                              worker_memory_bytes=memory, allowed_hosts=tuple(args.allow_host))
     except ValueError as error:
         raise UsageError(str(error)) from None
-    print(f"pipeloom playground on http://{args.host}:{config.port}/ (Ctrl-C stops it)", flush=True)
+    def listening() -> None:
+        print(f"pipeloom playground on http://{args.host}:{config.port}/ (Ctrl-C stops it)", flush=True)
+
     try:
-        run_server(config)
+        run_server(config, listening=listening)
     except KeyboardInterrupt:
         pass
+    except PipeloomError as error:  # a host or port it cannot have
+        raise UsageError(str(error)) from None
     return 0

@@ -5,6 +5,8 @@ Starlette and uvicorn). Nothing here imports them until an app is made, and :mod
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from pipeloom.serve.config import ServeConfig
 
 __all__ = ["ServeConfig", "create_app", "run_server"]
@@ -17,8 +19,9 @@ def create_app(config: ServeConfig | None = None):
     return make(config or ServeConfig())
 
 
-def run_server(config: ServeConfig | None = None) -> None:
-    """Serve the playground with uvicorn until interrupted."""
+def run_server(config: ServeConfig | None = None, *, listening: Callable[[], None] | None = None) -> None:
+    """Serve the playground with uvicorn until interrupted (``listening``: called once its socket is bound; a host or
+    port it cannot have is a PipeloomError)."""
     from pipeloom.serve.app import run_server as run
 
-    run(config or ServeConfig())
+    run(config or ServeConfig(), listening=listening)

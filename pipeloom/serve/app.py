@@ -264,8 +264,23 @@ def uvicorn_options(config: ServeConfig) -> dict[str, Any]:
             "server_header": False, "timeout_keep_alive": 5, "h11_max_incomplete_event_size": 64 * 1024}
 
 
-def run_server(config: ServeConfig) -> None:
-    """Serve ``config``'s app with uvicorn until interrupted."""
+def run_server(config: ServeConfig, *, listening: Callable[[], None] | None = None) -> None:
+    """Serve ``config``'s app with uvicorn until interrupted, on a socket bound here first: a host or port it cannot
+    have is one PipeloomError (uvicorn's own had come after the playground's address was printed, with exit 3);
+    ``listening`` runs once the socket is bound."""
+    import socket
+
     import uvicorn
 
-    uvicorn.run(create_app(config), **uvicorn_options(config))
+    try:
+        address = socket.getaddrinfo(config.host, config.port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(address[0], socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address[4])
+    except OSError as error:
+        raise PipeloomError(f"cannot listen on {config.host}:{config.port}: {error.strerror or error}; pick another "
+                            "--port, or a --host of this machine") from None
+    with sock:
+        if listening is not None:
+            listening()
+        uvicorn.Server(uvicorn.Config(create_app(config), **uvicorn_options(config))).run(sockets=[sock])

@@ -373,3 +373,19 @@ def test_quick_requests_compute_two_at_a_time(impatient):
             time.sleep(0.02)
         codes = [answer.result()[0] for answer in answers]
     assert codes == [504] * 6 and 1 <= most <= 2, (codes, most)
+
+
+def test_a_port_in_use_or_an_unknown_host_is_one_line_before_the_address_is_printed(capsys):
+    """`pipeloom serve` binds its socket before it prints where it listens: a port in use or a host that is not this
+    machine's is one `pipeloom: error:` line, exit 2 (uvicorn's own error had followed the printed address, exit 3)."""
+    from pipeloom.cli import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--port", str(port)]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err.startswith(f"pipeloom: error: cannot listen on 127.0.0.1:{port}: ")
+    assert main(["serve", "--host", "999.1.1.1", "--port", str(port)]) == 2
+    assert "pick another --port, or a --host of this machine" in capsys.readouterr().err
