@@ -14,8 +14,8 @@ from typing import Any, Literal, overload
 from pipeloom.errors import PipeloomError, ScheduleFormatError, shown
 
 __all__ = [
-    "MISSING", "check_format", "check_keys", "check_path", "check_text", "integer", "json_object", "number",
-    "parse_object", "read_json_file", "read_text", "string", "strings",
+    "MISSING", "check_format", "check_keys", "check_path", "check_text", "integer", "json_failure", "json_object",
+    "number", "parse_object", "read_json_file", "read_text", "string", "strings",
 ]
 
 MISSING = object()
@@ -66,6 +66,14 @@ def json_object(text: str, *, fmt: str, keys: set[str], error: type[PipeloomErro
     return document
 
 
+def json_failure(failure: BaseException) -> str:
+    """Why ``json.loads`` failed, as a reader of the file can act on it: Python's limit on an integer's digits said as
+    the number it is (its own text points at ``sys.set_int_max_str_digits``)."""
+    if isinstance(failure, ValueError) and "int_max_str_digits" in str(failure):
+        return "a number of more than 4,300 digits, surely a typo"
+    return str(failure)
+
+
 def parse_object(text: str, *, error: type[PipeloomError], what: str, hint: str = "") -> dict:
     """``text`` parsed: valid JSON holding an object (``hint`` says what it should hold); UTF-8 bytes are
     read as json.loads reads them, anything else but a str is ``error``."""
@@ -74,7 +82,7 @@ def parse_object(text: str, *, error: type[PipeloomError], what: str, hint: str 
     try:
         document = json.loads(text)
     except (ValueError, RecursionError) as failure:
-        raise error(f"malformed JSON in the {what}: {failure}") from None
+        raise error(f"malformed JSON in the {what}: {json_failure(failure)}") from None
     if not isinstance(document, dict):
         raise error(f"a {what} must hold a JSON object{hint}, got {shown(document)}")
     return document

@@ -9,7 +9,7 @@ import json
 from typing import Any
 
 from pipeloom.errors import PipeloomError
-from pipeloom.ir.jsonfields import check_keys, integer, number, string
+from pipeloom.ir.jsonfields import check_keys, integer, json_failure, number, string
 from pipeloom.plan.costs.file import MAX_PIECES
 from pipeloom.problem import Costs
 from pipeloom.serve.config import ServeConfig
@@ -53,7 +53,7 @@ def read_object(body: bytes, *, what: str = "request") -> dict:
     try:
         document = json.loads(body.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as error:
-        raise RequestError(f"malformed JSON in the {what}: {error}") from None
+        raise RequestError(f"malformed JSON in the {what}: {json_failure(error)}") from None
     if not isinstance(document, dict):
         raise RequestError(f"the {what} must be a JSON object, got {type(document).__name__}")
     return document

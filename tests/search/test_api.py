@@ -270,6 +270,9 @@ def test_bad_problem_files_are_refused_with_the_fault_named(changes, fragment):
 def test_malformed_or_incomplete_problem_json_is_refused():
     with pytest.raises(ScheduleFormatError, match="malformed JSON"):
         problem_from_json("{")
+    # a number past Python's 4,300 digits: said as the number (its own text names sys.set_int_max_str_digits)
+    with pytest.raises(ScheduleFormatError, match="a number of more than 4,300 digits, surely a typo$"):
+        problem_from_json('{"num_ranks": ' + "1" * 5000 + "}")
     with pytest.raises(ScheduleFormatError, match="'tasks'"):
         problem_from_json(json.dumps({"num_ranks": 2}))
     with pytest.raises(ScheduleFormatError, match="JSON object"):

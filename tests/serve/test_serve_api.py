@@ -46,6 +46,7 @@ def finished_search(server: str, document: dict, seconds: float = 30) -> dict:
 @pytest.mark.parametrize(("path", "document", "data", "status", "words"), [
     ("/api/simulate", None, b"{not json", 400, "malformed JSON"),
     ("/api/simulate", None, b"[1, 2]", 400, "must be a JSON object"),
+    ("/api/simulate", None, b'{"ranks": ' + b"1" * 5000 + b"}", 400, "a number of more than 4,300 digits"),
     ("/api/simulate", {"schedule": "nope", "ranks": 2, "microbatches": 2}, None, 404, "unknown schedule 'nope'"),
     ("/api/simulate", {"schedule": "1f1b", "ranks": 2, "microbatches": 2, "gpus": 1}, None, 400,
      "unknown key(s) ['gpus']"),

@@ -84,6 +84,18 @@ def test_what_is_neither_a_file_nor_cached_is_refused_with_the_fix(tmp_path, mon
         read_config("acme/moved")
 
 
+def test_a_config_json_that_does_not_parse_is_named_with_why(tmp_path):
+    """Not JSON, not UTF-8, or a number past Python's 4,300 digits: a ModelConfigError naming the file (the last two
+    had escaped as bare ValueErrors, one naming sys.set_int_max_str_digits)."""
+    for name, data, why in (("broken.json", b"{", "Expecting property name"),
+                            ("latin.json", b'{"model_type": "ll\xe1ma"}', "can't decode byte 0xe1"),
+                            ("digits.json", b'{"hidden_size": ' + b"1" * 5000 + b"}",
+                             "a number of more than 4,300 digits, surely a typo")):
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(ModelConfigError, match=rf"model config '.*{name}' is not JSON \(.*{why}"):
+            read_config(str(tmp_path / name))
+
+
 def test_the_command_plans_a_cached_hub_id_and_refuses_a_missing_one_in_one_line(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))

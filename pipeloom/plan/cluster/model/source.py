@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from pipeloom.ir.jsonfields import json_failure
 from pipeloom.plan.errors import ModelConfigError
 
 __all__ = ["FAMILY_DEFAULTS", "read_config", "hub_cache"]
@@ -41,8 +42,8 @@ def read_config(config: object) -> dict[str, Any]:
         except OSError as error:
             raise ModelConfigError(f"cannot read model config {str(path)!r}: {error.strerror}; pass the path of a "
                                    "transformers config.json") from None
-        except json.JSONDecodeError as error:
-            raise ModelConfigError(f"model config {str(path)!r} is not JSON ({error})") from None
+        except (ValueError, RecursionError) as error:  # not JSON, not UTF-8, a number past Python's digits
+            raise ModelConfigError(f"model config {str(path)!r} is not JSON ({json_failure(error)})") from None
     elif isinstance(config, Mapping):
         data = dict(config)
     elif callable(getattr(config, "to_dict", None)):
