@@ -527,6 +527,13 @@ def test_a_reader_that_goes_away_keeps_the_files_the_report_follows(tmp_path):
     assert picture.stat().st_size > 0 and json.loads(saved.read_text())["format"].startswith("pipeloom.schedule")
 
 
+def test_an_argument_no_option_takes_points_to_its_commands_help(capsys):
+    """It had pointed to `pipeloom --help`, which does not list show's options."""
+    assert main(["show", "1f1b", "--ranks", "2", "--microbatches", "4", "--bogus"]) == 2
+    assert capsys.readouterr().err.strip() == ("pipeloom: error: unrecognized arguments: --bogus (see `pipeloom show "
+                                               "--help`)")
+
+
 def test_too_many_ranks_are_refused_before_building(capsys):
     assert main(["show", "1f1b", "--ranks", "1000000", "--microbatches", "1"]) == 2
     assert "above the limit of 65,536 ranks" in capsys.readouterr().err

@@ -46,6 +46,15 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         raise UsageError(f"{message} (see `{self.prog} --help`)")
 
+    def parse_args(self, args: Any = None, namespace: Any = None) -> argparse.Namespace:  # type: ignore[override]
+        """As argparse's, but arguments no option takes point to their command's help, not the top level's."""
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            command = getattr(parsed, "command", None)
+            self.prog = f"{self.prog} {command}" if command else self.prog
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed
+
 
 # ------------------------------------------------------------------------------ argument types
 

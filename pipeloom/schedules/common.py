@@ -43,8 +43,8 @@ def check_counts(name: str, num_ranks: int, num_microbatches: int, *, min_microb
         )
     if num_microbatches < min_microbatches:
         raise ArgumentError(
-            f"{name} needs at least {min_microbatches} micro-batches with {num_ranks} ranks, "
-            f"got {num_microbatches}; use {min_microbatches} or more"
+            f"{name} needs at least {min_microbatches} micro-batches with {num_ranks} "
+            f"rank{'s' if num_ranks != 1 else ''}, got {num_microbatches}; use {min_microbatches} or more"
         )
 
 
