@@ -57,4 +57,6 @@ def load_problem(path: str | Path) -> Problem:
     try:
         return problem_from_json(text)
     except ScheduleFormatError as error:
-        raise ScheduleFormatError(f"{path}: {error}") from None
+        csv = ("; a problem file is JSON (num_ranks and tasks, or a pipeloom schedule), a torch CSV is not one"
+               if path.suffix.lower() == ".csv" and "malformed JSON" in str(error) else "")
+        raise ScheduleFormatError(f"{path}: {error}{csv}") from None

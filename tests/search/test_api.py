@@ -250,6 +250,17 @@ def test_a_whole_schedule_file_is_also_a_problem_file():
     assert problem_from_json(schedule_to_json(schedule)) == schedule.problem
 
 
+def test_a_torch_csv_given_as_a_problem_file_is_told_it_is_not_one(tmp_path):
+    """It had read as malformed JSON alone."""
+    from pipeloom.ir import schedule_to_csv
+    from pipeloom.search.problem_file import load_problem
+
+    path = tmp_path / "s.csv"
+    path.write_text(schedule_to_csv(build_schedule("1f1b", 2, 2)))
+    with pytest.raises(ScheduleFormatError, match=r"malformed JSON .*; a problem file is JSON .*a torch CSV is not"):
+        load_problem(path)
+
+
 @pytest.mark.parametrize("changes, fragment", [
     ({"tasks": [{"stage": 0, "kind": "F", "ranks": [0], "duration": 1, "deps": ["0B"]},
                  {"stage": 0, "kind": "B", "ranks": [0], "duration": 1, "deps": ["0F"]}]}, "cycle"),
