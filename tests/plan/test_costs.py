@@ -72,6 +72,8 @@ def test_pieces_default_to_a_chain_and_edges_follow_inputs():
     ((Piece(name="a", f=1, i=1, w=1), Piece(name="a", f=1, i=1, w=1)), "appears twice"),
     ((Piece(name="a", f=1, i=1, w=1, inputs=("b",)), Piece(name="b", f=1, i=1, w=1)), "a later piece"),
     ((Piece(name="a", f=1, i=1, w=1, inputs=("zz",)),), "no piece of the table"),
+    ((Piece(name="a", f=1, i=1, w=1), Piece(name="b", f=1, i=1, w=1, inputs=("b",))), "reads from 'b', which is "
+                                                                                     "itself"),
     ((), "no pieces"),
 ])
 def test_bad_tables_say_what_is_wrong(pieces, words):
@@ -107,6 +109,11 @@ def test_scaling_is_linear_except_parameters():
     assert table.scaled(4) is table
     per_action = _table(runtime=RuntimeCorrections(action_overhead=0.5))
     assert per_action.scaled(8).runtime.action_overhead == 0.5  # per action, not per sample
+    # costs a float cannot hold at the size asked: said with the factor (an inf had been blamed on the file's piece)
+    huge = _table(pieces=(Piece(name="a", f=1e307, i=1.0, w=1.0),))
+    with pytest.raises(CostTableError, match=r"times 256 \(micro-batches of 1024 sequences against the table's 4\) "
+                                             r"pass a float's range: its costs are up to 1e\+307"):
+        huge.scaled(1024)
 
 
 def test_json_round_trip(tmp_path):

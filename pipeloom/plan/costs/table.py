@@ -4,6 +4,7 @@ link, the runtime corrections) and the table for another micro-batch size (:func
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -73,7 +74,8 @@ class CostTable:
             inputs = piece.inputs if piece.inputs is not None else ((pieces[k - 1].name,) if k else ())
             for name in inputs:
                 if name not in seen:
-                    later = "a later piece" if any(p.name == name for p in pieces) else "no piece of the table"
+                    later = ("itself" if name == piece.name else "a later piece" if any(p.name == name for p in pieces)
+                             else "no piece of the table")
                     raise CostTableError(
                         f"piece {piece.name!r} reads from {name!r}, which is {later}; list pieces in call "
                         f"order and name only earlier pieces in inputs"
@@ -122,6 +124,12 @@ class CostTable:
         if microbatch_size == self.microbatch_size:
             return self
         factor = microbatch_size / self.microbatch_size
+        largest = max((max(p.f, p.i, p.w, p.measured_full_backward or 0.0, p.activation_bytes, p.w_activation_bytes,
+                            p.output_bytes) for p in self.pieces), default=0.0)
+        if not math.isfinite(largest * factor):
+            raise CostTableError(f"a piece's costs times {factor:g} (micro-batches of {microbatch_size} sequences "
+                                 f"against the table's {self.microbatch_size}) pass a float's range: its costs are "
+                                 f"up to {largest:.3g}; check the table's units")
         pieces = tuple(
             dataclasses.replace(
                 piece, f=piece.f * factor, i=piece.i * factor, w=piece.w * factor,
