@@ -24,7 +24,7 @@ from pipeloom.search.errors import SearchError
 from pipeloom.search.memory_bounds import limit_of
 from pipeloom.search.problem_file import check_task_count
 from pipeloom.search.result import Mode, SearchProgress, SearchResult, Status
-from pipeloom.search.transforms import merge_backward, without_all_rank_tasks
+from pipeloom.search.transforms import merge_backward, without_all_rank_tasks, without_idle_ranks
 from pipeloom.sim import Timeline
 from pipeloom.validate import validate
 
@@ -126,6 +126,11 @@ def search(
     # the problem's own checks first (a negative limit is a bad argument, not a limit the static memory is over)
     target = problem if limit == problem.memory_limit else dataclasses.replace(problem, memory_limit=limit)
     _check_static(problem, limit)
+    compact = without_idle_ranks(target)
+    if compact is not None:  # searched on the ranks that hold tasks, the others given back empty
+        found = search(compact[0], num_microbatches, mode=mode, time_limit=time_limit, workers=workers,
+                       progress=progress, name=name)
+        return found.on_ranks(target, compact[1])
     plan = search_plan(target, num_microbatches, mode)
     to_integers(target, num_microbatches=num_microbatches if "exact" in plan else 1)  # int64 range, up front
     run = _Search(target, num_microbatches, plan=plan, budget=budget, workers=workers, name=name,

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from pipeloom.ir import Schedule
+from pipeloom.problem import Problem
 
 __all__ = ["SearchResult", "SearchProgress", "Status", "Mode"]
 
@@ -51,6 +52,16 @@ class SearchResult:
         if self.lower_bound <= 0:
             return 0.0
         return max(0.0, (self.makespan - self.lower_bound) / self.lower_bound)
+
+    def on_ranks(self, problem: Problem, used: tuple[int, ...]) -> SearchResult:
+        """This result (a search of ``problem`` on its ``used`` ranks alone, renumbered in order) on all of
+        ``problem``'s ranks: the others run nothing and hold their static memory."""
+        actions, peaks = dict(zip(used, self.schedule.ranks)), dict(zip(used, self.peak_memory))
+        static = problem.static_memory or (0.0,) * problem.num_ranks
+        schedule = replace(self.schedule, problem=problem,
+                           ranks=tuple(actions.get(rank, ()) for rank in range(problem.num_ranks)))
+        return replace(self, schedule=schedule,
+                       peak_memory=tuple(peaks.get(rank, static[rank]) for rank in range(problem.num_ranks)))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

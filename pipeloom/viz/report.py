@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "COMPARE_COLUMNS",
+    "PER_RANK_ROWS",
     "compare_cells",
     "compare_markdown",
     "compare_table",
@@ -93,16 +94,36 @@ def summary_table(report: dict) -> Table:
     return table
 
 
+PER_RANK_ROWS = 64
+"""Rows of the per-rank table shown at most: the first and last halves, the ranks between counted in one row (a
+65,536-rank problem's table had taken half a minute to print and could not be read; ``--json`` has every rank)."""
+
+
 def per_rank_table(report: dict) -> Table:
-    """One row per rank of a ``timeline_report``: busy, idle (makespan - busy), peak memory."""
+    """A ``timeline_report``'s ranks: busy, idle (makespan - busy), peak memory, a row each; of more than
+    :data:`PER_RANK_ROWS` ranks, consecutive ranks alike in one row (``2-65535``), and past that many rows the middle
+    ones counted."""
     from rich.table import Table
 
     table = Table(title="per rank")
     for column in ("rank", "busy", "idle", "peak memory"):
         table.add_column(column, justify="right")
+    rows: list[list[Any]] = []  # [first rank, last rank, cells]
     for rank, (busy, peak) in enumerate(zip(report["busy"], report["peak_memory"])):
-        idle = max(0.0, report["makespan"] - busy)
-        table.add_row(str(rank), format_number(busy), format_number(idle), format_number(peak))
+        cells = (format_number(busy), format_number(max(0.0, report["makespan"] - busy)), format_number(peak))
+        if rows and rows[-1][2] == cells and len(report["busy"]) > PER_RANK_ROWS:
+            rows[-1][1] = rank
+        else:
+            rows.append([rank, rank, cells])
+    half = PER_RANK_ROWS // 2
+    shown = rows if len(rows) <= PER_RANK_ROWS else [*rows[:half], None, *rows[-half:]]
+    for row in shown:
+        if row is None:
+            hidden = rows[half:-half]
+            table.add_row(f"{hidden[0][0]}-{hidden[-1][1]}", "...", "...", f"({len(hidden):,} rows left out)")
+            continue
+        first, last, cells = row
+        table.add_row(str(first) if first == last else f"{first}-{last}", *cells)
     return table
 
 

@@ -245,6 +245,23 @@ def test_problem_file_reads_tasks_and_machine_facts():
     assert set(problem.tasks) == set(expected.tasks)  # the stage-graph builder's 2-stage chain
 
 
+def test_ranks_no_task_uses_are_searched_without_and_given_back_empty():
+    """A problem declaring 65,536 ranks whose tasks use two (0 and 40,000): searched as the two-rank problem and given
+    back on every rank, the others idle at their static memory (it had found no schedule and overrun its time limit
+    by 50 s, the solvers' work growing with the ranks declared)."""
+    ranks = 65_536
+    two = problem_from_json(json.dumps(problem_document(memory_limit=None)))
+    tasks = [dict(task, ranks=[40_000 if task["ranks"] == [1] else 0]) for task in problem_document()["tasks"]]
+    problem = problem_from_json(json.dumps(problem_document(num_ranks=ranks, tasks=tasks, memory_limit=None)))
+    problem = dataclasses.replace(problem, static_memory=(0.5,) * ranks)
+    found, alone = search(problem, 4, time_limit=20), search(two, 4, time_limit=20)
+    assert found.schedule.problem == problem and found.makespan == alone.makespan
+    assert [n for n, actions in enumerate(found.schedule.ranks) if actions] == [0, 40_000]
+    assert found.schedule.ranks[40_000] == alone.schedule.ranks[1]
+    assert found.peak_memory[1] == 0.5 and found.peak_memory[40_000] == alone.peak_memory[1] + 0.5
+    assert validate(found.schedule).makespan == found.makespan
+
+
 def test_a_whole_schedule_file_is_also_a_problem_file():
     schedule = build_schedule("1f1b", 3, 4)
     assert problem_from_json(schedule_to_json(schedule)) == schedule.problem

@@ -14,6 +14,7 @@ from pipeloom.schedules import REGISTRY, build_schedule
 from pipeloom.sim import simulate
 from pipeloom.viz.report import (
     COMPARE_COLUMNS,
+    PER_RANK_ROWS,
     compare_markdown,
     compare_table,
     comparison_rows,
@@ -69,6 +70,23 @@ def test_summary_and_per_rank_tables_of_gpipe():
         assert fragment in text
     rows = [line.split("│")[1:-1] for line in text.splitlines() if line.count("│") == 5]
     assert [[cell.strip() for cell in row] for row in rows] == [[str(r), "15", "6", "5"] for r in range(3)]
+
+
+def test_a_per_rank_table_of_many_ranks_folds_alike_ranks_and_counts_the_middle():
+    """Above PER_RANK_ROWS ranks: consecutive ranks alike share a row, and of more rows than that the middle ones are
+    counted in one (65,536 ranks had printed 65,536 rows in half a minute)."""
+    def rows(report):
+        text = plain(per_rank_table(report))
+        return [[cell.strip() for cell in line.split("│")[1:-1]] for line in text.splitlines() if line.count("│") == 5]
+
+    alike = timeline_report(simulate(build_schedule("gpipe", PER_RANK_ROWS + 1, 2)))
+    assert rows(alike) == [[f"0-{PER_RANK_ROWS}", "6", format_number(alike["makespan"] - 6), "2"]]  # f=b=1, m=2
+    ranks = 3 * PER_RANK_ROWS
+    differ = rows(timeline_report(simulate(build_schedule("1f1b", ranks, ranks))))  # every rank's peak its own
+    half = PER_RANK_ROWS // 2
+    assert len(differ) == PER_RANK_ROWS + 1 and differ[half] == [
+        f"{half}-{ranks - half - 1}", "...", "...", f"({2 * PER_RANK_ROWS:,} rows left out)"]
+    assert differ[0][0] == "0" and differ[-1][0] == str(ranks - 1)
 
 
 def _rows():
