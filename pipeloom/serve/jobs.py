@@ -112,8 +112,8 @@ class Jobs:
 
     async def quick(self, kind: str, request: Any) -> str:
         """The JSON text answering a quick request (``simulate``, ``compare``, ``schedule_file``) computed in a
-        worker process: RequestError 429 when ``max_quick_waiting`` already wait, 504 past ``request_seconds``
-        (the process is stopped), the worker's own refusal otherwise."""
+        worker process: RequestError 429 when ``max_quick_waiting`` already wait, 503 when no worker is free within
+        ``request_seconds``, 504 past it (the process is stopped), the worker's own refusal otherwise."""
         config = self._config
         if self._quick_waiting >= config.max_quick_waiting:
             raise RequestError(f"{self._quick_waiting} requests are waiting for a worker, this server's limit; "
@@ -126,9 +126,10 @@ class Jobs:
         try:  # wait for a slot, never past the deadline (a slot granted as the wait ends is kept, not leaked)
             acquire = asyncio.ensure_future(self._quick.acquire())
             await asyncio.wait({acquire}, timeout=config.request_seconds)
-            if not acquire.done():
+            if not acquire.done():  # it never ran: the server is busy, not the request too big
                 acquire.cancel()
-                raise _timed_out(config)
+                raise RequestError(f"no worker was free within this server's limit of {config.request_seconds:g} s "
+                                   "(the server is busy); try again later", 503)
         finally:
             self._quick_waiting -= 1
         try:

@@ -357,7 +357,8 @@ def test_cost_tables_are_checked_off_the_event_loop(guarded):
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads processes from Linux's /proc")
 def test_quick_requests_compute_two_at_a_time(impatient):
     """Six heavy simulates at once on a server of 2 quick workers: never more than 2 worker processes, and each
-    request, computing or waiting, is answered 504 at its 1 s deadline (a 40-thread pool ran them all before)."""
+    request is answered at its 1 s deadline (a 40-thread pool ran them all before): 504 where it ran (it was
+    stopped), 503 where no worker was free (it had been told 504 and to ask for fewer ranks)."""
     from concurrent.futures import ThreadPoolExecutor
 
     url, process = impatient
@@ -372,7 +373,8 @@ def test_quick_requests_compute_two_at_a_time(impatient):
                 break
             time.sleep(0.02)
         codes = [answer.result()[0] for answer in answers]
-    assert codes == [504] * 6 and 1 <= most <= 2, (codes, most)
+    assert set(codes) <= {503, 504} and codes.count(504) >= 2 and 1 <= most <= 2, (codes, most)
+    assert 503 in codes, codes  # four waited for the two workers
 
 
 def test_a_port_in_use_or_an_unknown_host_is_one_line_before_the_address_is_printed(capsys):
