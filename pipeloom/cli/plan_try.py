@@ -96,7 +96,7 @@ def try_in_engine(args: argparse.Namespace, result):
         check_batch(inputs, args.global_batch, "--global-batch")
         if target is None:
             with user_code(args.build.rpartition(":")[0], "running the model to make up a target"):
-                target = made_up_target(model, inputs)
+                target = made_up_target(model, inputs, loss, args.loss)
 
         def build():
             torch.manual_seed(0)

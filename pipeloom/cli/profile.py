@@ -113,7 +113,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     file = args.target.rpartition(":")[0]
     if loss is not None and target is None:
         with user_code(file, "running the model to make up a target"):
-            target = made_up_target(model, inputs)
+            target = made_up_target(model, inputs, loss, args.loss)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     with user_code(file, "profiling the model (its forward, backward and loss)"):
         table = profile_model(model, inputs, pieces=pieces(args), tracer=args.tracer,

@@ -51,7 +51,7 @@ def run_in_engine(args: argparse.Namespace, module, function) -> int:
         check_batch(inputs, samples, "--batch x --microbatches")
         if target is None:
             with user_code(args.target.rpartition(":")[0], "running the model to make up a target"):
-                target = made_up_target(model, inputs)
+                target = made_up_target(model, inputs, loss, args.loss)
         table = profile_in_engine(model, inputs, loss_fn=loss, target=target, microbatches=args.microbatches,
                                   pieces=pieces(args), warmup_steps=args.warmup, steps=args.repeats,
                                   bandwidth=args.bandwidth, tracer=args.tracer,

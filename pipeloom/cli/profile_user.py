@@ -206,9 +206,12 @@ def loss_function(module, args: argparse.Namespace):
     return loss
 
 
-def made_up_target(model, inputs):
+def made_up_target(model, inputs, loss=None, loss_name: str = ""):
     """Class targets for the model's output (its first tensor: a Hugging Face output's logits): integers
-    below its last dimension, one per other position."""
+    below its last dimension, one per other position; with ``loss`` (``--loss loss_name``), a UsageError where it
+    fails on them (profiling had blamed the model's last piece)."""
+    import warnings
+
     import torch
     import torch.utils._pytree as pytree
     from torch import nn
@@ -224,7 +227,19 @@ def made_up_target(model, inputs):
     if first is None or first.dim() == 0:
         raise UsageError("cannot make up a target: the model's output holds no tensor with a class dimension; "
                          "return (model, inputs, target) from the function")
-    return torch.randint(first.size(-1), first.shape[:-1])
+    target = torch.randint(first.size(-1), first.shape[:-1])
+    if loss is not None:
+        try:
+            with warnings.catch_warnings():  # its own, said again when it runs in the profile
+                warnings.simplefilter("ignore")
+                loss(out, target)
+        except Exception as error:  # the user's loss, on made-up class ids it may not take
+            detail = str(error).splitlines()[0] if str(error) else ""
+            raise UsageError(f"--loss {loss_name} fails on the model's output {tuple(first.shape)} and the made-up "
+                             f"target, class ids {tuple(target.shape)} ({type(error).__name__}: {detail}); return "
+                             "(model, inputs, target) from the function, or give a loss that takes class ids") \
+                from None
+    return target
 
 
 def names(text: str | None) -> list[str]:

@@ -186,6 +186,22 @@ USER_FILES = {  # what the user's file does wrong -> the words of the one line n
 }
 
 
+def test_a_loss_that_fails_on_the_made_up_target_is_named_not_the_last_piece(capsys, tmp_path):
+    """A regression model with --loss mse on class ids made up for it: the loss and the target are named, with the
+    fix (it had been "piece '2' fails when run on its own ... leave '2' out of the pieces")."""
+    pytest.importorskip("torch")
+    path = tmp_path / "model.py"
+    path.write_text("import torch\n"
+                    "def build():\n"
+                    "    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 10))\n"
+                    "def mse(out, target):\n"
+                    "    return torch.nn.functional.mse_loss(out, target)\n")
+    one_line_error(run(capsys, "profile", f"{path}:build", "--batch", "4", "--loss", "mse", "--warmup", "0",
+                       "--repeats", "1"), 2,
+                   "--loss mse fails on the model's output (4, 10) and the made-up target, class ids (4,)",
+                   "return (model, inputs, target) from the function, or give a loss that takes class ids")
+
+
 @pytest.mark.parametrize("case", sorted(USER_FILES))
 def test_an_error_in_the_users_file_is_one_line_naming_the_file_and_line(capsys, tmp_path, case):
     pytest.importorskip("torch")
