@@ -87,6 +87,10 @@ class Plan:
     sequence_length: int | None = None
     """Tokens per sample the plan was priced for (a cluster plan's ``--seq``), which its predicted step time and
     memory hold for; None where the plan does not say (a plan from a measured cost table)."""
+    model: dict | None = None
+    """The model the plan was made for, where it says: a cluster plan's ``{"model_type", "num_hidden_layers",
+    "hidden_size"}`` from the config it read (``pipeline(model, plan=)`` warns where a transformers model's config
+    differs); None where the plan does not say."""
     trials: tuple[dict, ...] = ()
     """The plans measured in the engine before this one was chosen (``pipeloom plan --try K``), the chosen
     first, then the others left in the race by median step, then those dropped (the last dropped first), then
@@ -103,6 +107,11 @@ class Plan:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise PlanError(f"plan {name} must be a positive integer, got {shown(value)}")
+        if self.model is not None and (not isinstance(self.model, dict) or not all(
+                isinstance(key, str) and isinstance(value, (str, int)) and not isinstance(value, bool)
+                for key, value in self.model.items())):
+            raise PlanError(f"plan model must be an object of names and counts, e.g. {{\"model_type\": \"llama\", "
+                            f"\"num_hidden_layers\": 32}}, got {shown(self.model)}")
         if self.sharding not in ("replicate", "fsdp"):
             raise PlanError(f"plan sharding must be 'replicate' or 'fsdp', got {shown(self.sharding)}")
         if self.global_batch % (self.microbatches * self.data_parallel):
@@ -166,7 +175,7 @@ class Plan:
 
 _KEYS = {"format", "num_ranks", "split_points", "schedule", "schedule_options", "microbatches", "global_batch",
          "microbatch_size", "predicted_step_time", "peak_memory", "memory_limit", "bubble_ratio", "stage_times",
-         "device", "data_parallel", "sharding", "tensor_parallel", "tp_plan", "sequence_length", "trials"}
+         "device", "data_parallel", "sharding", "tensor_parallel", "tp_plan", "sequence_length", "model", "trials"}
 
 
 def plan_to_json(plan: Plan, *, indent: int | None = 1) -> str:
@@ -200,6 +209,8 @@ def plan_to_json(plan: Plan, *, indent: int | None = 1) -> str:
         document["context_parallel"] = plan.context_parallel
     if plan.sequence_length is not None:  # optional: a cluster plan's --seq
         document["sequence_length"] = plan.sequence_length
+    if plan.model is not None:  # optional: a cluster plan's model
+        document["model"] = dict(plan.model)
     if plan.trials:  # optional as well: written only for a plan chosen by measurement
         document["trials"] = [dict(trial) for trial in plan.trials]
     return json.dumps(document, indent=indent)
@@ -228,8 +239,8 @@ def plan_from_json(text: str) -> Plan:
     Required: ``num_ranks``, ``split_points``, ``schedule``, ``microbatches``, ``global_batch``,
     ``predicted_step_time``; ``microbatch_size``, when present, must equal global_batch / (microbatches ×
     data_parallel). Optional: ``data_parallel`` (1), ``sharding`` (replicate), ``tensor_parallel`` (1),
-    ``tp_plan`` (a recipe, :mod:`pipeloom.plan.tp.recipes`; required when ``tensor_parallel`` > 1) and
-    ``sequence_length`` (null: not said).
+    ``tp_plan`` (a recipe, :mod:`pipeloom.plan.tp.recipes`; required when ``tensor_parallel`` > 1),
+    ``sequence_length`` (null: not said) and ``model`` (the model it was made for, where it says).
     """
     document = parse_object(text, error=PlanError, what="plan")
     if "format" not in document:
@@ -266,6 +277,7 @@ def plan_from_json(text: str) -> Plan:
         context_parallel=integer(document, "context_parallel", where=where, error=PlanError, default=1),
         sequence_length=(integer(document, "sequence_length", where=where, error=PlanError)
                          if document.get("sequence_length") is not None else None),
+        model=document.get("model"),
         trials=_trials(document.get("trials", [])),
     )
     size = document.get("microbatch_size", plan.microbatch_size)

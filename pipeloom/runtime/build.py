@@ -105,7 +105,7 @@ def pipeline(
     planned_batch, whose = None, ""  # whose: the plan file whose split points they are, for their errors
     if plan is not None:
         schedule, planned, schedule_options, microbatches, parallel, planned_batch = plan_arguments(
-            plan, schedule, split_points, schedule_options, microbatches, parallel=parallel, device=device)
+            plan, schedule, split_points, schedule_options, microbatches, parallel=parallel, device=device, model=model)
         split_points, whose = (planned, str(plan)) if stages is None and split_points is None else (split_points, "")
     _check_arguments(schedule, loss_fn, microbatches)
     assert loss_fn is not None  # _check_arguments refused None

@@ -60,13 +60,16 @@ class PlannedBatch:
 
 
 def plan_arguments(plan: str | Path, schedule: object, split_points: Sequence[str] | None, options: dict | None,
-                   microbatches: int | None, *, parallel: Parallelism, device: torch.device | str | None) -> tuple:
+                   microbatches: int | None, *, parallel: Parallelism, device: torch.device | str | None,
+                   model: object = None) -> tuple:
     """(schedule, split points, schedule options, micro-batches, parallelism, planned batch) from a plan file,
     explicit ones winning; a plan with replicas or tensor parallelism gets a ``("dp", "pp", "tp")`` mesh over every rank
     (``("dp", "pp", "ep")`` with expert parallelism; sizes of 1 left out) unless one is given (whose shape must
     be the plan's), its sharding as ``data_parallel`` unless given, and its saved tensor-parallel recipe becomes
-    torch's ``ParallelStyle`` dict (:func:`pipeloom.runtime.parallel.tp.recipe_styles`)."""
+    torch's ``ParallelStyle`` dict (:func:`pipeloom.runtime.parallel.tp.recipe_styles`). A warning where ``model``
+    is not the one the plan says it was made for (:func:`_check_model`)."""
     chosen = load_plan(plan)
+    _check_model(plan, chosen.model, model)
     if chosen.context_parallel > 1:
         raise PipelineError(f"{plan} cuts each sequence over {chosen.context_parallel} ranks (context_parallel, a "
                             "layout saved for torchtitan with --export torchtitan, which runs it), and pipeloom's "
@@ -88,6 +91,23 @@ def plan_arguments(plan: str | Path, schedule: object, split_points: Sequence[st
             dict(chosen.schedule_options) if options is None else options,
             chosen.microbatches if microbatches is None else microbatches, parallel,
             PlannedBatch(str(plan), chosen.global_batch, chosen.sequence_length))
+
+
+def _check_model(plan: str | Path, planned: dict | None, model: object) -> None:
+    """Warn where a transformers ``model``'s config (its language model's, for a multimodal one) has other layer or
+    hidden sizes than the plan says it was made for: its split points may still name modules of it, but its
+    predicted step time and memory are another model's (a plan for another model had run without a word)."""
+    config = getattr(model, "config", None)
+    text_config = getattr(config, "get_text_config", None)
+    text = text_config() if callable(text_config) else config
+    if planned is None or text is None:
+        return
+    differ = [f"{key} {getattr(text, key)} (the plan's {value:,})" for key, value in planned.items()
+              if key != "model_type" and isinstance(getattr(text, key, None), int) and getattr(text, key) != value]
+    if differ:
+        logger.warning("%s was planned for another model than this one, whose %s: it runs where its split points "
+                       "are this model's modules, but its predicted step time and memory are not this model's (plan "
+                       "again with this model's config)", plan, ", ".join(differ))
 
 
 def _check_schedule(plan: str | Path, name: str) -> None:

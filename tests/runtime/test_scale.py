@@ -444,6 +444,35 @@ def test_token_ids_of_another_length_than_the_plans_are_told_once_per_length(tmp
                             "memory are for 12 tokens (plan again with --seq 16 for these sequences)"), told[0]
 
 
+def test_a_plan_made_for_another_model_is_told_at_pipeline(tmp_path, caplog):
+    """A cluster plan says the model it was made for; a transformers model whose config (its language model's) has
+    other layer or hidden sizes is warned about once, at pipeline() (a plan for a 12-layer config had run a 6-layer
+    model's layers until a split point was missing, and one for another width had run without a word)."""
+    import types
+
+    from pipeloom.plan import Plan, load_plan, save_plan
+    from pipeloom.runtime.plan_file import plan_arguments
+
+    made_for = {"model_type": "llama", "num_hidden_layers": 12, "hidden_size": 256}
+    save_plan(Plan(num_ranks=1, split_points=(), schedule="1f1b", microbatches=4, global_batch=8,
+                   predicted_step_time=1.0, model=made_for), tmp_path / "plan.json")
+    assert load_plan(tmp_path / "plan.json").model == made_for  # read back as written
+
+    def warned(**sizes):
+        config = types.SimpleNamespace(get_text_config=lambda: types.SimpleNamespace(**sizes))
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="pipeloom.runtime.plan_file"):
+            plan_arguments(tmp_path / "plan.json", None, None, None, None, parallel=Parallelism(), device=None,
+                           model=types.SimpleNamespace(config=config))
+        return [record.getMessage() for record in caplog.records]
+
+    assert warned(num_hidden_layers=12, hidden_size=256) == []
+    said = warned(num_hidden_layers=6, hidden_size=256)
+    assert len(said) == 1 and said[0].startswith(f"{tmp_path / 'plan.json'} was planned for another model than this "
+                                                 "one, whose num_hidden_layers 6 (the plan's 12): it runs where")
+    assert "hidden_size 128 (the plan's 256)" in warned(num_hidden_layers=12, hidden_size=128)[0]
+
+
 def test_a_step_on_another_batch_than_the_plans_is_told_once_per_size(tmp_path, caplog):
     """A plan made for 32 samples trains on 16 (the runtime takes any size its micro-batches cut), and says once
     that the plan's predicted time and memory are for 32; evaluation batches are not told."""

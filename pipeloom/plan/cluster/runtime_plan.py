@@ -30,8 +30,7 @@ LAYER_PREFIX = {**dict.fromkeys(("gpt2", "falcon", "gptj"), "transformer.h"), "g
 """Where a ``transformers`` model of a family keeps its decoder layers (every other family: ``model.layers``)."""
 FINAL_NORM = {**dict.fromkeys(("gpt2", "falcon", "gptj"), "transformer.ln_f"), "phi": "model.final_layernorm",
               "gpt_neox": "gpt_neox.final_layer_norm"}
-"""The final norm of the families whose transformers model does not call it ``model.norm``: where a last stage that
-holds only the head begins."""
+"""Where a last stage that holds only the head begins: the final norm, where it is not ``model.norm``."""
 _TP_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "granite", "smollm3")
 """Families whose attention and MLP projections are plain ``nn.Linear`` modules under the names below (the runtime's
 tp tests run LLaMA, Qwen3, and Gemma 2 and 3, Granite and SmolLM3 from saved plans: Gemma's norms after each branch
@@ -295,7 +294,8 @@ def runtime_plan(result: ClusterPlan, *, export: str | None = None) -> Plan:
                 memory_limit=result.memory_limit, bubble_ratio=best.bubble, device=job.hw.name,
                 data_parallel=layout.dp, sharding="fsdp" if layout.fsdp else "replicate",
                 tensor_parallel=layout.tp, tp_plan=tp_plan, expert_parallel=layout.ep, context_parallel=layout.cp,
-                sequence_length=job.seq)
+                sequence_length=job.seq, model={"model_type": job.spec.family, "num_hidden_layers": job.spec.layers,
+                                                "hidden_size": job.spec.hidden})
 
 
 def runtime_memory_note(result: ClusterPlan) -> tuple[str | None, bool]:

@@ -109,6 +109,9 @@ def test_save_plans_for_the_runtime_and_says_what_was_faster(tmp_path, capsys, e
     assert (plan.num_ranks, plan.data_parallel, plan.tensor_parallel) == (runtime.layout.pp, runtime.layout.dp,
                                                                           runtime.layout.tp)
     assert max(plan.peak_memory) <= 12 * 2**30
+    # the model it was made for, as its config gives it (pipeline(model, plan=) warns for another)
+    assert plan.model == {"model_type": "llama", "num_hidden_layers": LLAMA["num_hidden_layers"],
+                          "hidden_size": LLAMA["hidden_size"]}
 
 
 def test_save_refuses_in_one_line_when_no_layout_the_runtime_runs_can(tmp_path, capsys):
