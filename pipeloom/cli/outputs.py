@@ -5,7 +5,8 @@ Every output path a command was given (``--save``, ``-o``, ``--perfetto``, ``--p
 the command does any work, which proves the folder writable and fails at once with one line naming
 the path. The command writes into the temporary files; when it ends well they are renamed over the
 real names (``os.replace``, atomic within a folder), and when anything fails they are removed, so a
-failure leaves no output half-written and none written.
+failure leaves no output half-written and none written. A report whose reader goes away (``| head -1``) is not a
+failure: the commands write their files before their report, so those written are kept and the empty ones removed.
 """
 
 from __future__ import annotations

@@ -233,7 +233,8 @@ def made_up_target(model, inputs, loss=None, loss_name: str = ""):
             with warnings.catch_warnings():  # its own, said again when it runs in the profile
                 warnings.simplefilter("ignore")
                 loss(out, target)
-        except Exception as error:  # the user's loss, on made-up class ids it may not take
+        except (RuntimeError, ValueError, IndexError, TypeError) as error:  # shapes or dtypes the ids do not fit
+            # (any other fault is the loss's own: said by user_code with its file and line)
             detail = str(error).splitlines()[0] if str(error) else ""
             raise UsageError(f"--loss {loss_name} fails on the model's output {tuple(first.shape)} and the made-up "
                              f"target, class ids {tuple(target.shape)} ({type(error).__name__}: {detail}); return "

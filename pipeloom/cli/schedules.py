@@ -84,8 +84,9 @@ def _check_size(name: str, ranks: int, microbatches: int, stages_per_rank: int |
     if estimate > limit:
         shape = f"p={ranks}, m={microbatches}" + (f", v={stages_per_rank}" if stages_per_rank else "")
         what = " compute actions to lower (--with-comms)" if with_comms else " actions"
+        fewer = "ranks, micro-batches or stages per rank" if stages_per_rank else "ranks or micro-batches"
         raise UsageError(f"{name} with {shape} would have about {estimate:,}{what}, above the limit "
-                         f"of {limit:,}; use fewer ranks, micro-batches or stages per rank")
+                         f"of {limit:,}; use fewer {fewer}")
 
 
 def _build(name: str, ranks: int, microbatches: int, costs: Costs, limit: float | None, *,

@@ -59,8 +59,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                              worker_memory_bytes=memory, allowed_hosts=tuple(args.allow_host))
     except ValueError as error:
         raise UsageError(str(error)) from None
-    def listening() -> None:
-        print(f"pipeloom playground on http://{args.host}:{config.port}/ (Ctrl-C stops it)", flush=True)
+    def listening(port: int) -> None:  # the port bound (the system's pick for --port 0)
+        host = f"[{args.host}]" if ":" in args.host else args.host or "0.0.0.0"
+        print(f"pipeloom playground on http://{host}:{port}/ (Ctrl-C stops it)", flush=True)
 
     try:
         run_server(config, listening=listening)

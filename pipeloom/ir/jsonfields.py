@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any, Literal, overload
 
@@ -70,7 +71,7 @@ def json_failure(failure: BaseException) -> str:
     """Why ``json.loads`` failed, as a reader of the file can act on it: Python's limit on an integer's digits said as
     the number it is (its own text points at ``sys.set_int_max_str_digits``)."""
     if isinstance(failure, ValueError) and "int_max_str_digits" in str(failure):
-        return "a number of more than 4,300 digits, surely a typo"
+        return f"a number of more than {sys.get_int_max_str_digits():,} digits, surely a typo"
     return str(failure)
 
 

@@ -19,9 +19,9 @@ def create_app(config: ServeConfig | None = None):
     return make(config or ServeConfig())
 
 
-def run_server(config: ServeConfig | None = None, *, listening: Callable[[], None] | None = None) -> None:
-    """Serve the playground with uvicorn until interrupted (``listening``: called once its socket is bound; a host or
-    port it cannot have is a PipeloomError)."""
+def run_server(config: ServeConfig | None = None, *, listening: Callable[[int], None] | None = None) -> None:
+    """Serve the playground with uvicorn until interrupted (``listening``: called with the port once its socket is
+    bound; a host or port it cannot have is a PipeloomError)."""
     from pipeloom.serve.app import run_server as run
 
     run(config or ServeConfig(), listening=listening)

@@ -264,23 +264,22 @@ def uvicorn_options(config: ServeConfig) -> dict[str, Any]:
             "server_header": False, "timeout_keep_alive": 5, "h11_max_incomplete_event_size": 64 * 1024}
 
 
-def run_server(config: ServeConfig, *, listening: Callable[[], None] | None = None) -> None:
+def run_server(config: ServeConfig, *, listening: Callable[[int], None] | None = None) -> None:
     """Serve ``config``'s app with uvicorn until interrupted, on a socket bound here first: a host or port it cannot
     have is one PipeloomError (uvicorn's own had come after the playground's address was printed, with exit 3);
-    ``listening`` runs once the socket is bound."""
+    ``listening`` gets the port once the socket is bound (the one the system picked for port 0)."""
     import socket
 
     import uvicorn
 
-    try:
-        address = socket.getaddrinfo(config.host, config.port, type=socket.SOCK_STREAM)[0]
-        sock = socket.socket(address[0], socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address[4])
-    except OSError as error:
-        raise PipeloomError(f"cannot listen on {config.host}:{config.port}: {error.strerror or error}; pick another "
-                            "--port, or a --host of this machine") from None
+    sock = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET)  # as uvicorn binds: "" is any
     with sock:
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((config.host, config.port))
+        except OSError as error:
+            raise PipeloomError(f"cannot listen on {config.host}:{config.port}: {error.strerror or error}; pick "
+                                "another --port, or a --host of this machine") from None
         if listening is not None:
-            listening()
+            listening(sock.getsockname()[1])
         uvicorn.Server(uvicorn.Config(create_app(config), **uvicorn_options(config))).run(sockets=[sock])

@@ -123,10 +123,12 @@ class Jobs:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + config.request_seconds
         self._quick_waiting += 1
-        try:  # wait for a slot, never past the deadline (a slot granted as the wait ends is kept, not leaked)
+        try:  # wait for a slot, never past the deadline (one granted as the wait ends is given back, not leaked)
             acquire = asyncio.ensure_future(self._quick.acquire())
             await asyncio.wait({acquire}, timeout=config.request_seconds)
-            if not acquire.done():  # it never ran: the server is busy, not the request too big
+            if not acquire.done() or loop.time() >= deadline:  # it never ran: the server is busy, not the request big
+                if acquire.done():  # granted as the wait ended, with no time left to run in
+                    self._quick.release()
                 acquire.cancel()
                 raise RequestError(f"no worker was free within this server's limit of {config.request_seconds:g} s "
                                    "(the server is busy); try again later", 503)

@@ -13,6 +13,7 @@ from typing import Any
 
 from pipeloom.errors import PipeloomError, shown
 from pipeloom.ir import Schedule, schedule_from_json
+from pipeloom.ir.jsonfields import json_failure
 from pipeloom.trace.errors import TraceFormatError
 from pipeloom.trace.format import CLOCK, EVENT_KINDS, TRACE_FORMAT, RunTrace, StepTrace, TraceEvent
 
@@ -100,7 +101,7 @@ def _read_document(path: Path) -> dict:
     try:
         document = json.loads(text)
     except (ValueError, RecursionError) as error:
-        raise TraceFormatError(f"{path}: malformed JSON ({error}); was the run stopped while it was "
+        raise TraceFormatError(f"{path}: malformed JSON ({json_failure(error)}); was the run stopped while it was "
                                f"writing? {_FIX}") from None
     return _check_document(path, document)
 

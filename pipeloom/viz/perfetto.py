@@ -42,10 +42,9 @@ def default_time_unit_us(timeline: Timeline) -> float:
     power = 3  # 10**3 us a unit, lower where the makespan needs it
     while timeline.makespan * 10.0**power > _MAX_US:
         power -= 1
-    scale = 10.0**power
-    while shortest * scale < 1000 and timeline.makespan * scale * 10 <= _MAX_US:
-        scale *= 10
-    return int(scale) if scale >= 1 else scale
+    while shortest * 10.0**power < 1000 and timeline.makespan * 10.0**(power + 1) <= _MAX_US:
+        power += 1
+    return 10**power if power >= 0 else 10.0**power  # an exact power of ten: an int from 1 us on
 
 
 def _metadata(timeline: Timeline, tids: dict[tuple[int, int], int]) -> list[dict[str, Any]]:

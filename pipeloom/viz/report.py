@@ -116,7 +116,7 @@ def per_rank_table(report: dict) -> Table:
         else:
             rows.append([rank, rank, cells])
     half = PER_RANK_ROWS // 2
-    shown = rows if len(rows) <= PER_RANK_ROWS else [*rows[:half], None, *rows[-half:]]
+    shown = rows if len(rows) <= PER_RANK_ROWS + 1 else [*rows[:half], None, *rows[-half:]]  # never one row for one
     for row in shown:
         if row is None:
             hidden = rows[half:-half]

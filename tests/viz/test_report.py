@@ -87,6 +87,9 @@ def test_a_per_rank_table_of_many_ranks_folds_alike_ranks_and_counts_the_middle(
     assert len(differ) == PER_RANK_ROWS + 1 and differ[half] == [
         f"{half}-{ranks - half - 1}", "...", "...", f"({2 * PER_RANK_ROWS:,} rows left out)"]
     assert differ[0][0] == "0" and differ[-1][0] == str(ranks - 1)
+    # one row more than the limit is shown, not replaced by a row counting it
+    one_more = rows(timeline_report(simulate(build_schedule("1f1b", PER_RANK_ROWS + 1, PER_RANK_ROWS + 1))))
+    assert [row[0] for row in one_more] == [str(rank) for rank in range(PER_RANK_ROWS + 1)]
 
 
 def _rows():

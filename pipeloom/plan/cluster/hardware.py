@@ -12,6 +12,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from pipeloom.ir.jsonfields import json_failure
 from pipeloom.plan.errors import HardwareError
 
 __all__ = ["ATTENTION_HALF_SEQ", "DTYPES", "FORMAT", "PRIORED", "Hardware", "hardware_from_dict", "load_hardware",
@@ -237,6 +238,8 @@ def load_hardware(path: str | Path, *, priors: Hardware | None = None) -> Hardwa
     except UnicodeDecodeError:
         raise HardwareError(f"hardware file {str(path)!r} is not UTF-8 text; a pipeloom.hardware/1 file is "
                             "JSON") from None
+    except (ValueError, RecursionError) as err:  # a number past Python's digits, nesting past its depth
+        raise HardwareError(f"hardware file {str(path)!r} is not JSON: {json_failure(err)}") from None
     return hardware_from_dict(data, where=str(path), priors=priors)
 
 

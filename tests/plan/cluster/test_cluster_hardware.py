@@ -241,6 +241,8 @@ def test_bad_files_name_the_problem(tmp_path, change, message):
 def test_unreadable_and_unknown(tmp_path):
     with pytest.raises(HardwareError, match="is not JSON"):
         load_hardware(_write(tmp_path, "{nope"))
+    with pytest.raises(HardwareError, match="is not JSON: a number of more than 4,300 digits, surely a typo"):
+        load_hardware(_write(tmp_path, '{"memory_bytes": ' + "9" * 5000 + "}"))  # had escaped as a bare ValueError
     with pytest.raises(HardwareError, match="expected a JSON object"):
         load_hardware(_write(tmp_path, "[1]"))
     with pytest.raises(HardwareError, match="cannot read hardware file"):

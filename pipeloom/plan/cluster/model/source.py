@@ -38,7 +38,7 @@ def read_config(config: object) -> dict[str, Any]:
     if isinstance(config, (str, Path)):
         path = _config_path(str(config))
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(path.read_text(encoding="utf-8"))
         except OSError as error:
             raise ModelConfigError(f"cannot read model config {str(path)!r}: {error.strerror}; pass the path of a "
                                    "transformers config.json") from None
