@@ -18,16 +18,16 @@ from pipeloom.arithmetic import divisors
 from pipeloom.errors import PipeloomError
 from pipeloom.formatting import format_bytes
 from pipeloom.ir import Schedule, save_schedule
-from pipeloom.plan.costs.file import MAX_PIECES
 from pipeloom.plan.costs.shared import shared_across_stages
 from pipeloom.plan.costs.table import CostTable, table_for_size
-from pipeloom.plan.errors import MemoryTooSmall, NoPlanFits, PartitionError, PlanError
+from pipeloom.plan.errors import MemoryTooSmall, PartitionError, PlanError
 from pipeloom.plan.noise import expected_makespan
 from pipeloom.plan.partitioning.partitioner import SchedulePartitioner, format_bytes_up
 from pipeloom.plan.partitioning.rules import MEMORY_SLACK, Partition
 from pipeloom.plan.partitioning.shape import ScheduleShape, library_schedule, schedule_shape
 from pipeloom.plan.plan import Plan, save_plan
 from pipeloom.plan.recost import recost, replica_sync_time, shared_time, stage_spreads
+from pipeloom.plan.refusals import check_request, nothing_fits
 from pipeloom.schedules import REGISTRY, build_schedule, schedule_names
 from pipeloom.sim import Timeline, simulate
 
@@ -267,7 +267,7 @@ def plan_pipeline(
     started = time.perf_counter()
     tables = [table] if isinstance(table, CostTable) else list(table)
     table = table_for_size(tables, tables[0].microbatch_size if tables else 1)  # checks they match
-    _check_request(table, num_ranks, global_batch, memory_limit, schedules)
+    check_request(table, num_ranks, global_batch, memory_limit, schedules)
     counts = _microbatch_counts(microbatches, global_batch)
     search = _Search(tables, num_ranks=num_ranks, memory_limit=memory_limit)
     jobs = [(name, options, m) for m in counts for name in (schedules or schedule_names())
@@ -293,7 +293,7 @@ def plan_pipeline(
             key=_rank)
     best = ranked[0]
     if not best.fits:
-        raise _nothing_fits(table, num_ranks, memory_limit, ranked)
+        raise nothing_fits(table, num_ranks, memory_limit, ranked)
     step_time, timeline, partition = best.simulation()
     logger.info("best plan: %s, %d micro-batches of %d: step %.4g s, peak %s (%d of %d candidates fit, %.1f s)",
                 best.label, best.microbatches, best.microbatch_size, step_time, format_bytes(max(timeline.peak_memory)),
@@ -370,42 +370,3 @@ def _rank(candidate: Candidate) -> tuple:
         return (0, candidate.step_time, candidate.peak_memory, candidate.microbatches)
     need = candidate.peak_memory if candidate.peak_memory is not None else float("inf")
     return (1, need, 0.0, candidate.microbatches)
-
-
-def _check_request(table: CostTable, num_ranks: int, global_batch: int, memory_limit: float | None,
-                   schedules: Sequence[str] | None) -> None:
-    for name, value in (("num_ranks", num_ranks), ("global_batch", global_batch)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise PlanError(f"{name} must be a positive integer, got {value!r}")
-    if len(table.pieces) > MAX_PIECES:
-        raise PlanError(f"the cost table has {len(table.pieces):,} pieces, above the planner's limit of "
-                        f"{MAX_PIECES:,}; profile coarser pieces (whole blocks) or merge them")
-    if memory_limit is not None and not memory_limit > 0:
-        raise PlanError(f"memory_limit must be a positive number of bytes, got {memory_limit!r}")
-    unknown = [name for name in schedules or () if name not in REGISTRY]
-    if unknown:
-        raise PlanError(f"unknown schedule(s) {unknown}; choose among: {', '.join(REGISTRY)}")
-    if not any(p.f > 0 or p.i > 0 or p.w > 0 for p in table.pieces):
-        raise PlanError("every piece of the cost table takes no time (f, i and w all 0): there is nothing to "
-                        "plan; profile the model (pipeloom profile) or fill in the pieces' times")
-    if num_ranks > len(table.pieces):
-        raise PlanError(
-            f"{num_ranks} ranks need at least {num_ranks} pieces (one stage each), but the cost table has "
-            f"{len(table.pieces)}; use at most {len(table.pieces)} ranks, or profile finer pieces"
-        )
-
-
-def _nothing_fits(table: CostTable, num_ranks: int, memory_limit: float | None,
-                  ranked: Sequence[Candidate]) -> NoPlanFits:
-    sized = [(c.peak_memory, c) for c in ranked if c.peak_memory is not None]
-    if memory_limit is not None and sized:
-        need, least = min(sized, key=lambda pair: pair[0])
-        return NoPlanFits(
-            f"no plan fits {format_bytes(memory_limit)} per rank on {num_ranks} ranks; the smallest that fits "
-            f"is about {format_bytes_up(need)} (rounded up; {least.label}, {least.microbatches} "
-            f"micro-batches of {least.microbatch_size}): raise the memory limit, or use more ranks",
-            smallest_limit=need,
-        )
-    reasons = "; ".join(dict.fromkeys(c.reason for c in ranked))
-    return NoPlanFits(f"no plan could be built for {len(table.pieces)} pieces on {num_ranks} ranks: {reasons}",
-                      smallest_limit=None)
