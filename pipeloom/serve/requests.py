@@ -64,6 +64,8 @@ def query_document(params: dict[str, str]) -> dict:
     document: dict[str, Any] = {}
     for key, text in params.items():
         try:
+            if "_" in text:  # Python reads 4_0 as 40: a typo here, not a digit separator
+                raise ValueError(text)
             document[key] = int(text) if key in _INTEGERS else float(text)
         except ValueError:
             raise RequestError(f"query {key}={text!r}: expected a number") from None

@@ -108,6 +108,13 @@ def test_downloads_are_the_projects_formats(server):
     with urllib.request.urlopen(f"{server}/api/schedules/zbv.csv?ranks=4&microbatches=8", timeout=30) as r:
         assert r.headers["Content-Type"].startswith("text/csv") and r.read().decode().startswith("0F0,")
 
+    # a digit separator is a typo in a query, not 40 ranks
+    from pipeloom.serve.errors import RequestError
+    from pipeloom.serve.requests import query_document
+
+    with pytest.raises(RequestError, match=r"query ranks='4_0': expected a number"):
+        query_document({"ranks": "4_0"})
+
 
 def test_simulate_reports_as_show_json_does(server):
     """The report is ``show --json``'s: the costs given and the user's micro-batches (dualpipe pairs them); a
