@@ -188,8 +188,10 @@ def build_schedule(
                                 f"{memory_limit!r}")
     total = (costs.f + costs.b + costs.w + costs.comm + abs(costs.memory)) * 4.0 * max(num_microbatches, 1)
     if not math.isfinite(total):
-        raise ArgumentError(f"{costs} over {num_microbatches} micro-batches overflow the float range when added "
-                            "up; scale the costs down (e.g. seconds to milliseconds, bytes to MiB)")
+        given = ", ".join(f"{name}={getattr(costs, name):g}" for name in ("f", "b", "w", "comm", "memory")
+                          if getattr(costs, name))  # the fields a user sets, not the dataclass's repr
+        raise ArgumentError(f"costs {given} over {num_microbatches} micro-batches overflow the float range when "
+                            "added up; scale the costs down (e.g. seconds to milliseconds, bytes to MiB)")
     unknown = sorted(set(options) - set(info.options))
     if unknown:
         takes = ", ".join(info.options) if info.options else "no extra options"

@@ -122,9 +122,9 @@ def _named(document: dict, name: str, where: str, shape: tuple[int, int, int | N
 
     ranks, microbatches, stages = shape
     options = {"stages_per_rank": stages} if stages is not None and "stages_per_rank" in REGISTRY[name].options else {}
+    costs, limit = _costs(document, where), _limit(document, where)  # the request's own faults: said as they are
     try:
-        schedule = build_schedule(name, ranks, microbatches, costs=_costs(document, where),
-                                  memory_limit=_limit(document, where), **options)
+        schedule = build_schedule(name, ranks, microbatches, costs=costs, memory_limit=limit, **options)
     except ValueError as error:
         raise RequestError(f"{where}: {(str(error).strip().splitlines() or ['refused'])[0]}", 422) from None
     return validate(schedule, ordered=True)

@@ -53,6 +53,9 @@ def finished_search(server: str, document: dict, seconds: float = 30) -> dict:
     ("/api/simulate", {"schedule": "1f1b", "ranks": 0, "microbatches": 2}, None, 400,
      "ranks: expected an integer >= 1"),
     ("/api/simulate", {"schedule": "1f1b", "ranks": 64, "microbatches": 4096}, None, 413, "above this server's limit"),
+    # a cost's own fault is the request's, said once (it had read "simulate: simulate.f: ...", a 422)
+    ("/api/simulate", {"schedule": "1f1b", "ranks": 2, "microbatches": 2, "f": -1}, None, 400,
+     "simulate.f: must be >= 0"),
     ("/api/simulate", {"schedule": {"format": "other"}}, None, 422, "format"),
     ("/api/searches", {"placement": "linear", "ranks": 2, "microbatches": 2, "time_limit": 1e6}, None, 400,
      "time_limit"),
