@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 
 import pytest
 
@@ -304,6 +305,24 @@ def test_a_plan_file_gives_split_points_schedule_and_microbatches(tmp_path):
     (x,), y = batch("residual")
     assert torch.equal(engine.step(x, target=y), reference_step(reference, (x,), y, 4))
     assert mismatches(model, reference, {id(p) for p in model.parameters()}) == []
+
+
+@pytest.mark.parametrize(("loss_fn", "words"), [
+    (lambda out, y: float(F.cross_entropy(out, y)), "loss_fn returned float "),
+    (lambda out, y: F.cross_entropy(out, y, reduction="none"),
+     "loss_fn returned a tensor of shape (2,); return a scalar"),
+    (lambda out, y: F.cross_entropy(out, y).reshape(1), "loss_fn returned a tensor of shape (1,)"),
+    (lambda out, y: F.cross_entropy(out.detach(), y), "loss_fn returned a loss that does not require grad"),
+    (lambda out, y: (out.argmax(-1) == y).sum().float(), "does not require grad"),
+])
+def test_a_loss_one_device_could_not_train_with_is_refused_naming_it(loss_fn, words):
+    """Not a tensor, not a scalar, or without a gradient: one device's .backward() refuses each or trains nothing; the
+    pipeline had run the step and trained nothing, or failed in its backward naming neither the loss nor its shape."""
+    engine = pipeline(build("residual"), schedule="1f1b", split_points=SPLITS["residual"][1], loss_fn=loss_fn,
+                      microbatches=4)
+    (x,), y = batch("residual", 8)
+    with pytest.raises(PipelineError, match=re.escape(words)):
+        engine.step(x, target=y)
 
 
 def test_a_hand_edited_plan_files_schedule_and_split_points_are_named_with_the_file(tmp_path):

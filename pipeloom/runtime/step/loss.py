@@ -19,12 +19,30 @@ import torch
 import torch.distributed as dist
 
 from pipeloom.runtime.comm.messenger import Messenger
+from pipeloom.runtime.errors import PipelineError
 from pipeloom.runtime.parallel.dp import Layout
 from pipeloom.runtime.step.backward import add_in_order
 
-__all__ = ["LossSum"]
+__all__ = ["LossSum", "checked_loss"]
 
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)  # codes agreed on across ranks
+
+
+def checked_loss(value: object, *, training: bool) -> torch.Tensor:
+    """``loss_fn``'s value for one micro-batch, refused with the fix where one device's ``.backward()`` would refuse
+    it or train nothing: not a tensor, not a scalar, or (training) without a gradient (it had run the step and
+    trained nothing, or failed in the backward naming neither the loss nor its shape)."""
+    if not isinstance(value, torch.Tensor):
+        raise PipelineError(f"loss_fn returned {type(value).__name__} {value!r:.60}; return a scalar tensor computed "
+                            "from the output (e.g. F.cross_entropy(output, target))")
+    if value.dim() != 0:
+        raise PipelineError(f"loss_fn returned a tensor of shape {tuple(value.shape)}; return a scalar (reduce it "
+                            "with .mean() or .sum(), or reduction='mean')")
+    if training and not value.requires_grad:
+        raise PipelineError("loss_fn returned a loss that does not require grad (the output detached, or a count "
+                            "such as (output.argmax(-1) == target).sum()): its backward would train nothing; return "
+                            "a loss computed from the output")
+    return value
 
 
 class LossSum:

@@ -20,6 +20,7 @@ from pipeloom.runtime.model.split import ValueRef, check_stage_value
 from pipeloom.runtime.parallel.tp import is_dtensor
 from pipeloom.runtime.program import MODEL_INPUT, Step, Unit, forward_unit
 from pipeloom.runtime.step.backward import PendingWeights, add_in_order, backward_full, backward_input
+from pipeloom.runtime.step.loss import checked_loss
 from pipeloom.runtime.step.pieces import RankPieces
 from pipeloom.runtime.step.replicas import ReplicaExchange
 from pipeloom.runtime.step.rng import seeded
@@ -220,10 +221,11 @@ class StepRun:
         if piece == pieces.last_piece:
             output = self._model_output(s, mb, outs, leaves)
             if self.targets:
-                loss = pieces.loss_fn(output, _pick(self.targets, mb)) / pieces.total_microbatches
+                loss = checked_loss(pieces.loss_fn(output, _pick(self.targets, mb)),
+                                    training=self.training) / pieces.total_microbatches
                 if is_dtensor(loss):  # loss_parallel: its backward runs under loss_parallel() too
                     self.dtensor_loss = True
-                    self.losses[mb] = loss.detach().full_tensor()
+                    self.losses[mb] = loss.detach().full_tensor()  # type: ignore[attr-defined]  # a DTensor
                 else:
                     self.losses[mb] = loss.detach()
                 if self.training:
