@@ -32,6 +32,18 @@ def test_bad_counts_are_pipeloom_errors(name):
         assert isinstance(caught.value, ValueError) and isinstance(caught.value, PipeloomError)
 
 
+@pytest.mark.parametrize(("name", "ranks", "microbatches", "options", "words"), [
+    ("dualpipe", 2, 3, {}, "dualpipe needs an even number of micro-batches"),
+    ("chimera", 2, 3, {}, "chimera feeds half of the micro-batches to each pipeline"),
+    ("interleaved-1f1b", 2, 4, {"stages_per_rank": 0}, "stages_per_rank"),
+])
+def test_every_schedules_own_refusals_are_pipeloom_errors(name, ranks, microbatches, options, words):
+    """dualpipe's, chimera's and the looped schedules' own checks had raised bare ValueErrors, which
+    `except PipeloomError` (examples/train_hf.py) did not catch."""
+    with pytest.raises(ArgumentError, match=words):
+        pipeloom.build_schedule(name, ranks, microbatches, **options)
+
+
 def test_costs_whose_sums_overflow_are_refused_naming_the_fix():
     from pipeloom import Costs
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+from pipeloom.errors import ArgumentError
 from pipeloom.ir import Action, Schedule
 from pipeloom.problem import Costs
 from pipeloom.schedules.common import (
@@ -177,12 +178,12 @@ def chimera(
     p, m = num_ranks, num_microbatches
     check_even_ranks("chimera", p, reason="its two pipelines interleave on alternate slots")
     if m % 2:
-        raise ValueError(
+        raise ArgumentError(
             f"chimera feeds half of the micro-batches to each pipeline, so their number must be even, "
             f"got {m}; {even_microbatches_hint(m, minimum=2)}"
         )
     if order not in ("best", "grid", "list"):
-        raise ValueError(f"chimera order must be 'best', 'grid' or 'list', got {order!r}")
+        raise ArgumentError(f"chimera order must be 'best', 'grid' or 'list', got {order!r}")
     problem = two_replica_problem(p, costs, split_backward=False, memory_limit=memory_limit)
     grid_ranks = [_in_slot_order(chimera_slots(p, r, m // 2)) for r in range(p)]
     grid = make_schedule("chimera", problem=problem, num_microbatches=m // 2, ranks=grid_ranks)

@@ -12,6 +12,7 @@ from collections import deque
 from collections.abc import Sequence
 from itertools import count, repeat
 
+from pipeloom.errors import ArgumentError
 from pipeloom.ir import Action, Overlap, Schedule
 from pipeloom.problem import Costs
 from pipeloom.schedules.common import (
@@ -51,7 +52,7 @@ def dualpipe_program(num_half_ranks: int, *, half_rank: int, num_microbatches: i
     """
     P, h, M = num_half_ranks, half_rank, num_microbatches
     if not 0 <= h < P <= M // 2:
-        raise ValueError(
+        raise ArgumentError(
             f"dualpipe_program needs 0 <= half_rank < num_half_ranks <= num_microbatches / 2, got "
             f"half_rank={h}, num_half_ranks={P}, num_microbatches={M}"
         )
@@ -173,7 +174,7 @@ def check_dualpipe(num_ranks: int, num_microbatches: int) -> None:
     p, m = num_ranks, num_microbatches
     check_even_ranks("dualpipe", p, reason="its two halves mirror each other")
     if m % 2 or m < 2 * p:
-        raise ValueError(
+        raise ArgumentError(
             f"dualpipe needs an even number of micro-batches (half enter at each end), at least "
             f"2p = {2 * p} with {p} ranks (the reference's requirement), got {m}; "
             f"{even_microbatches_hint(m, minimum=2 * p)}"

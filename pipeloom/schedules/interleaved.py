@@ -5,6 +5,7 @@ Also holds the looped placement (stage s on rank s % p) that looped BFS shares.
 
 from __future__ import annotations
 
+from pipeloom.errors import ArgumentError
 from pipeloom.ir import Action, Schedule
 from pipeloom.problem import Costs, Problem
 from pipeloom.schedules.common import MemoryLimit, chain_problem, check_counts, make_schedule, merge_one_f_one_b
@@ -16,7 +17,7 @@ __all__ = ["interleaved_1f1b", "check_stages_per_rank", "looped_problem", "group
 def check_stages_per_rank(name: str, stages_per_rank: object) -> int:
     """ValueError unless ``stages_per_rank`` is an integer >= 1; returns it."""
     if isinstance(stages_per_rank, bool) or not isinstance(stages_per_rank, int) or stages_per_rank < 1:
-        raise ValueError(
+        raise ArgumentError(
             f"{name}: stages_per_rank must be an integer >= 1 (the number of model stages each "
             f"rank holds, e.g. 2), got {stages_per_rank!r}"
         )

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Literal
 
+from pipeloom.errors import ArgumentError
 from pipeloom.ir import Action
 
 __all__ = ["BLOCK_PERIOD", "Variant", "block_offsets", "block_order"]
@@ -43,7 +44,7 @@ def block_offsets(num_ranks: int, variant: Variant) -> list[tuple[int, int, int,
     if variant == "half":
         g = 3 if p % 2 == 0 else 0
         return [(2 * r, 3 * p - 2 - r, 3 * p - 1 + g + 2 * r, 6 * p - 2 + g - r) for r in range(p)]
-    raise ValueError(f"unknown building block {variant!r}: use 'half' or 'min'")
+    raise ArgumentError(f"unknown building block {variant!r}: use 'half' or 'min'")
 
 
 Grid = list[list[list[int]]]

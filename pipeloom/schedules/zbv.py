@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeloom.errors import PipeloomError, ScheduleError
+from pipeloom.errors import ArgumentError, PipeloomError, ScheduleError
 from pipeloom.ir import Action, Schedule
 from pipeloom.problem import Costs, Problem
 from pipeloom.schedules.common import MemoryLimit, check_counts, make_schedule, v_problem
@@ -255,7 +255,7 @@ def zbv(
     limit = problem.memory_limit
     assert limit is not None, "v_problem keeps the limit it is given"
     if limit < costs.memory * (1 - 1e-12):
-        raise ValueError(
+        raise ArgumentError(
             f"zbv: memory_limit {limit:g} is below what one micro-batch needs on a rank "
             f"(the activations of both its stages, costs.memory = {costs.memory:g}); "
             f"the smallest workable limit is {costs.memory:g}"
