@@ -161,7 +161,7 @@ def check_pieces(schedule: Schedule, num_pieces: int, components: list[list[int]
         wanted = num_stages // replicas if num_stages % replicas == 0 else num_stages
         raise PipelineError(
             f"the schedule {schedule.name!r} has {per}, but the model is cut into {num_pieces} pieces "
-            f"({num_pieces - 1} split points); cut the model into {wanted} pieces ({wanted - 1} split points), or "
+            f"({_points(num_pieces - 1)}); cut the model into {wanted} pieces ({_points(wanted - 1)}), or "
             "choose a schedule with as many stages as pieces"
         )
 
@@ -350,3 +350,7 @@ def _receive_points(actions: Sequence[Action | Overlap | Comm], program: Sequenc
         else:
             done += len(compute_parts(action))  # a pair is two steps
     return tuple(dataclasses.replace(step, posts=tuple(posts[t])) for t, step in enumerate(program))
+
+
+def _points(count: int) -> str:
+    return f"{count} split point{'s' if count != 1 else ''}"

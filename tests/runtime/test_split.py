@@ -245,6 +245,24 @@ def test_unknown_split_point_lists_valid_names() -> None:
     # a misspelt parent: the same child of the parent meant (a user's model.layer.3 had been told no name)
     with pytest.raises(UnknownSplitPointError, match=r"\['layer\.2'\] \(did you mean 'layers\.2'\?\)"):
         split_model(MLP(), ["layer.2"])
+    # the parent example is the model's own (a fixed 'layers.4' had read as the very name a user got wrong)
+    with pytest.raises(UnknownSplitPointError, match=r"\(or any parent of them, e\.g\. 'layers\.0' for "
+                                                     r"'layers\.0\.fc'\)$"):
+        split_model(MLP(), ["layers.9"])
+
+
+def test_the_reference_step_refuses_a_batch_torch_chunk_cuts_short():
+    """6 rows for 4 micro-batches: torch.chunk makes 3; the reference says so, as the engine does (an IndexError)."""
+    from pipeloom.runtime.errors import PipelineError
+    from pipeloom.runtime.step.rng import reference_step
+
+    staged = split_model(MLP(), ["layers.2"])
+    with pytest.raises(PipelineError, match="torch.chunk cuts this batch into 3 pieces, not the 4 micro-batches"):
+        reference_step(staged, torch.randn(6, 8), torch.randn(6, 3), loss_fn=_loss2, microbatches=4, seed=0)
+
+
+def _loss2(out, target):
+    return ((out - target) ** 2).mean()
 
 
 @pytest.mark.parametrize("points", [["head", "layers.2"], ["layers.2", "layers.2"],

@@ -230,9 +230,11 @@ def _stage_starts(graph: fx.Graph, split_points: Sequence[str], leaf_modules: Se
     unknown = [name for name in split_points if name not in first]
     if unknown:
         shown = targets if len(targets) <= 20 else [*targets[:20], f"... {len(targets) - 20} more"]
+        child = next((name for name in targets if "." in name), None)  # the example: this model's own names
+        parent = f", e.g. {child.rpartition('.')[0]!r} for {child!r}" if child else ""
         raise UnknownSplitPointError(
             f"unknown split point(s) {unknown}{_nearest(unknown[0], list(first))}; valid names are the called "
-            f"modules, in call order: {shown} (or any parent of them, e.g. 'layers.4' for 'layers.4.fc')"
+            f"modules, in call order: {shown} (or any parent of them{parent})"
             + ("; modules inside leaf_modules are kept whole and cannot start a stage"
                if any(name.startswith(leaf + ".") for name in unknown for leaf in leaf_modules) else "")
         )

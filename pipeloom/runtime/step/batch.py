@@ -37,9 +37,10 @@ class BatchCut:
             if len(parts) != total:
                 per = f" ({m} per replica × {self.replicas} replicas)" if self.replicas > 1 else ""
                 fits = next(n for n in range(v.shape[0], v.shape[0] + total + 1) if -(-n // -(-n // total)) == total)
+                uneven = f"{fits} rows, uneven micro-batches, or " if fits % total else ""
                 raise PipelineError(f"{what} has {v.shape[0]} rows along dim 0, which torch.chunk cuts into "
                                     f"{len(parts)} pieces, not the {total} micro-batches{per}; use a row count it cuts "
-                                    f"into {total} (uneven ones run: {fits} rows, or a multiple of {total})")
+                                    f"into {total} ({uneven}a multiple of {total})")
             out.append([part.to(self.device) for part in parts[self.first:self.first + m]])
         return out
 

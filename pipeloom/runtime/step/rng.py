@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pipeloom.runtime.errors import PipelineError
+
 if TYPE_CHECKING:
     from pipeloom.runtime.model.split import StagedModel
 
@@ -74,6 +76,10 @@ def reference_step(staged: StagedModel, inputs: object, target: object, *, loss_
     targets = target if isinstance(target, (tuple, list)) else (target,)
     chunks = [torch.chunk(v, microbatches) for v in values]
     target_chunks = [torch.chunk(t, microbatches) for t in targets]
+    short = next((len(c) for c in (*chunks, *target_chunks) if len(c) != microbatches), None)
+    if short is not None:  # the engine refuses the same batch (it had been an IndexError here)
+        raise PipelineError(f"torch.chunk cuts this batch into {short} pieces, not the {microbatches} micro-batches; "
+                            f"use a row count it cuts into {microbatches}")
     losses = []
     for m in range(microbatches):
         def around(k: int, m: int = m) -> contextlib.AbstractContextManager[None]:
