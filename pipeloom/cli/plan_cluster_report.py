@@ -137,7 +137,7 @@ def _tokens_text(tokens: float) -> str:
 
 
 def _duration_text(seconds: float) -> str:
-    """Seconds in the largest unit they fill once rounded: ``2.7 s``, ``1.0 minutes``, ``1.00 days``."""
+    """Seconds in the largest unit they fill once rounded: ``2.7 s``, ``1.0 minutes``, ``2.50 hours``, ``1.0 days``."""
     for unit, name, digits in ((86400, "days", 1), (3600, "hours", 2), (60, "minutes", 1)):
         if round(seconds / unit, digits) >= 1:
             return f"{seconds / unit:,.{digits}f} {name}"

@@ -1,7 +1,7 @@
 """Why no layout of a job can run: the search's one-line refusals when the job's counts, the model's shape or the
 fixed keys leave no layout (:func:`no_layout_runs`), or when every layout has a problem where it must run
 (:func:`barred_text`), each with the fix: the keys or counts that avoid it, the nearest GPU counts and global batches
-that run."""
+some layout divides."""
 
 from __future__ import annotations
 
