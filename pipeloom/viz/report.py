@@ -109,9 +109,10 @@ def per_rank_table(report: dict) -> Table:
     for column in ("rank", "busy", "idle", "peak memory"):
         table.add_column(column, justify="right")
     rows: list[list[Any]] = []  # [first rank, last rank, cells]
+    fold = len(report["busy"]) > PER_RANK_ROWS
     for rank, (busy, peak) in enumerate(zip(report["busy"], report["peak_memory"])):
         cells = (format_number(busy), format_number(max(0.0, report["makespan"] - busy)), format_number(peak))
-        if rows and rows[-1][2] == cells and len(report["busy"]) > PER_RANK_ROWS:
+        if fold and rows and rows[-1][2] == cells:
             rows[-1][1] = rank
         else:
             rows.append([rank, rank, cells])
