@@ -43,20 +43,20 @@ class PlannedBatch:
         first = inputs[0] if isinstance(inputs, (tuple, list)) and inputs else inputs
         if not isinstance(first, torch.Tensor) or first.dim() == 0:
             return  # refused by the step itself
-        rows = first.shape[0]
-        if rows != self.rows and ("rows", rows) not in self.told:
-            self.told.add(("rows", rows))
-            logger.warning("this step's batch has %d rows but %s was planned for a global batch of %d: the step runs, "
-                           "but the plan's predicted step time and memory are for %d rows (plan again with "
-                           "--global-batch %d for this batch)", rows, self.path, self.rows, self.rows, rows)
-        if self.tokens is None or first.dim() != 2 or first.is_floating_point() or first.is_complex():
-            return
-        tokens = first.shape[1]
-        if tokens != self.tokens and ("tokens", tokens) not in self.told:
-            self.told.add(("tokens", tokens))
-            logger.warning("this step's sequences have %d tokens but %s was planned for %d: the step runs, but the "
-                           "plan's predicted step time and memory are for %d tokens (plan again with --seq %d for "
-                           "these sequences)", tokens, self.path, self.tokens, self.tokens, tokens)
+        self._tell("rows", first.shape[0], self.rows, "this step's batch has %d rows but %s was planned for a global "
+                   "batch of %d: the step runs, but the plan's predicted step time and memory are for %d rows (plan "
+                   "again with --global-batch %d for this batch)")
+        if self.tokens is not None and first.dim() == 2 and not (first.is_floating_point() or first.is_complex()):
+            self._tell("tokens", first.shape[1], self.tokens, "this step's sequences have %d tokens but %s was planned "
+                       "for %d: the step runs, but the plan's predicted step time and memory are for %d tokens (plan "
+                       "again with --seq %d for these sequences)")
+
+    def _tell(self, what: str, seen: int, planned: int, message: str) -> None:
+        """Warn once per ``seen`` size of ``what`` other than the plan's; ``message`` takes the sizes as
+        seen, path, planned, planned, seen."""
+        if seen != planned and (what, seen) not in self.told:
+            self.told.add((what, seen))
+            logger.warning(message, seen, self.path, planned, planned, seen)
 
 
 def plan_arguments(plan: str | Path, schedule: object, split_points: Sequence[str] | None, options: dict | None,
