@@ -102,8 +102,9 @@ def _check_model(plan: str | Path, planned: dict | None, model: object) -> None:
     text = text_config() if callable(text_config) else config
     if planned is None or text is None:
         return
-    differ = [f"{key} {getattr(text, key)} (the plan's {value:,})" for key, value in planned.items()
-              if key != "model_type" and isinstance(getattr(text, key, None), int) and getattr(text, key) != value]
+    seen = {key: getattr(text, key, None) for key in planned if key != "model_type"}
+    differ = [f"{key} {value} (the plan's {planned[key]:,})" for key, value in seen.items()
+              if isinstance(value, int) and isinstance(planned[key], int) and value != planned[key]]
     if differ:
         logger.warning("%s was planned for another model than this one, whose %s: it runs where its split points "
                        "are this model's modules, but its predicted step time and memory are not this model's (plan "

@@ -471,6 +471,10 @@ def test_a_plan_made_for_another_model_is_told_at_pipeline(tmp_path, caplog):
     assert len(said) == 1 and said[0].startswith(f"{tmp_path / 'plan.json'} was planned for another model than this "
                                                  "one, whose num_hidden_layers 6 (the plan's 12): it runs where")
     assert "hidden_size 128 (the plan's 256)" in warned(num_hidden_layers=12, hidden_size=128)[0]
+    # a hand-edited size that is not a count is not compared (formatting it had raised a ValueError)
+    save_plan(Plan(num_ranks=1, split_points=(), schedule="1f1b", microbatches=4, global_batch=8,
+                   predicted_step_time=1.0, model={**made_for, "hidden_size": "wide"}), tmp_path / "plan.json")
+    assert warned(num_hidden_layers=12, hidden_size=128) == []
 
 
 def test_a_step_on_another_batch_than_the_plans_is_told_once_per_size(tmp_path, caplog):
