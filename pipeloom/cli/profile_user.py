@@ -68,13 +68,17 @@ def _user_error(path: str, error: BaseException, doing: str, printed: io.StringI
     lines = _lines_in(path, error)
     place = f"{path}:{lines[-1]}" if lines else path
     if text is None:
-        detail = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        what = f"{type(error).__name__}: {detail}" if detail else type(error).__name__
-        text = f"{what} (while {doing}; fix it in your file)"
+        text = f"{_error_text(error)} (while {doing}; fix it in your file)"
     else:
         text = f"{text} (while {doing})"
     trace = printed.getvalue() + "".join(traceback.format_exception(type(error), error, error.__traceback__))
     return UserCodeError(f"{place}: {text}\n{trace}")
+
+
+def _error_text(error: BaseException) -> str:
+    """``TypeName: the message's first line``, or the type alone for an error without a message."""
+    detail = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return f"{type(error).__name__}: {detail}" if detail else type(error).__name__
 
 
 def load_function(target: str):
@@ -235,9 +239,8 @@ def made_up_target(model, inputs, loss=None, loss_name: str = ""):
                 loss(out, target)
         except (RuntimeError, ValueError, IndexError, TypeError) as error:  # shapes or dtypes the ids do not fit
             # (any other fault is the loss's own: said by user_code with its file and line)
-            detail = str(error).splitlines()[0] if str(error) else ""
             raise UsageError(f"--loss {loss_name} fails on the model's output {tuple(first.shape)} and the made-up "
-                             f"target, class ids {tuple(target.shape)} ({type(error).__name__}: {detail}); return "
+                             f"target, class ids {tuple(target.shape)} ({_error_text(error)}); return "
                              "(model, inputs, target) from the function, or give a loss that takes class ids") \
                 from None
     return target
