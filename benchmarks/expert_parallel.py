@@ -24,7 +24,7 @@ processes (gloo, one thread each) that build the same random-init Qwen3-MoE (``-
   same four stages, split backward, no pairs) traced with and without the link gives each stage's F, I (input
   gradient) and W; the link's share of F and of I (``f_comm``, ``b_comm``: the traced time with the link less the
   time without) is the communication a pair may hide (a stage whose input needs no gradient runs its backward
-  all-to-alls in W, which a :class:`pipeloom.problem.Stage` cannot price: reported, not credited). dualpipev's
+  all-to-alls in W, which a :class:`pipeloom.stages.Stage` cannot price: reported, not credited). dualpipev's
   schedule priced with those stages is simulated with the pairs at F + B less the hidden communication
   (:func:`pipeloom.ir.pair_duration`) and at F + B; the predicted on/off is the ratio of the two makespans.
   ``--link-only`` runs this part alone.
@@ -247,9 +247,9 @@ def predict(result: dict, options: dict) -> dict:
     communication, and at F + B (module doc)."""
     import dataclasses
 
-    from pipeloom.problem import Stage, stage_graph
     from pipeloom.schedules import build_schedule
     from pipeloom.sim import simulate
+    from pipeloom.stages import Stage, stage_graph
     from pipeloom.validate import validate
 
     slow, latency = _stage_costs(result["traces"]["zbv-link"], options["warmup"])

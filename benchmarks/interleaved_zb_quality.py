@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from pipeloom.ir import schedule_from_csv
-from pipeloom.problem import Costs
 from pipeloom.schedules.interleaved_zb import interleaved_zb
+from pipeloom.stages import Costs
 from pipeloom.validate import validate
 
 __all__ = ["COST_SETS", "Row", "interleaved_zb_vs_torch", "torch_interleaved_zb_csv", "torch_order_csv"]

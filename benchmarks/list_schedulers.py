@@ -20,11 +20,11 @@ import time
 from collections.abc import Callable
 
 from pipeloom.plan import parse_bytes, plan_pipeline
-from pipeloom.problem import Costs
 from pipeloom.schedules import build_schedule
 from pipeloom.schedules import zbv as zbv_module
 from pipeloom.schedules.common import v_problem
 from pipeloom.schedules.zbv_plan import v_plan
+from pipeloom.stages import Costs
 from plan_gpt import gpt_table
 
 __all__ = ["best_of", "cases", "main"]

@@ -30,9 +30,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from pipeloom.problem import Costs
 from pipeloom.schedules import build_schedule
 from pipeloom.sim import simulate
+from pipeloom.stages import Costs
 
 __all__ = ["SECTIONS", "catalog_section", "main", "torch_section", "v_memory_section", "zbv_search_section",
            "zbv_section"]

@@ -17,11 +17,12 @@ import time
 
 import ortools  # noqa: F401  (before anything that may load SciPy)
 
-from pipeloom.problem import Costs, Problem, stage_graph
+from pipeloom.problem import Problem
 from pipeloom.schedules import build_schedule
 from pipeloom.search import PLACEMENTS, placement, search
 from pipeloom.search.api import builtin_candidates
 from pipeloom.sim import simulate
+from pipeloom.stages import Costs, stage_graph
 from pipeloom.validate import validate
 
 __all__ = ["TESSEL", "ZB_COSTS", "main", "number", "print_table", "row"]

@@ -17,9 +17,10 @@ import time
 
 import ortools  # noqa: F401  (before anything that may load SciPy)
 
-from pipeloom.problem import Costs, Problem, stage_graph
+from pipeloom.problem import Problem
 from pipeloom.search import placement, search
 from pipeloom.search.api import builtin_candidates
+from pipeloom.stages import Costs, stage_graph
 from pipeloom.validate import validate
 
 __all__ = ["CASES", "COSTS", "main", "problem_for"]

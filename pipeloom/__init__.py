@@ -15,9 +15,10 @@ from pipeloom.errors import (
 )
 from pipeloom.ir import Action, Comm, Schedule, load_schedule, save_schedule
 from pipeloom.lowering import lower
-from pipeloom.problem import Costs, Problem, Stage, Task, stage_graph
+from pipeloom.problem import Problem, Task
 from pipeloom.schedules import build_schedule, schedule_names
 from pipeloom.sim import Timeline, simulate
+from pipeloom.stages import Costs, Stage, stage_graph
 from pipeloom.validate import validate
 
 __all__ = [

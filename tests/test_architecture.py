@@ -23,7 +23,7 @@ LOOKED_UP_ON_USE = {
 first used, so that importing it never imports the layer above (docs/architecture.md, "Looked up on
 use"). They are no import edges: left out of the cycle and direction checks, and each must be listed."""
 
-LAYERS = ("errors", "arithmetic", "formatting", "graph", "remote", "problem", "ir", "lowering", "sim_pricing",
+LAYERS = ("errors", "arithmetic", "formatting", "graph", "remote", "problem", "stages", "ir", "lowering", "sim_pricing",
           "sim_compile", "sim_replay", "sim", "validate", "schedules", "search", "trace", "viz", "plan", "runtime",
           "profile", "serve", "cli")
 """The top-level units of ``pipeloom`` from the bottom up (docs/architecture.md's table): each imports only

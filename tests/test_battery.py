@@ -19,11 +19,11 @@ from pipeloom.errors import PipeloomError, ScheduleFormatError
 from pipeloom.ir import load_schedule, save_schedule, schedule_from_csv, schedule_from_json
 from pipeloom.plan.costs.file import MAX_PIECES, load_costs
 from pipeloom.plan.planner import plan_pipeline
-from pipeloom.problem import Stage, stage_graph
 from pipeloom.schedules import build_schedule
 from pipeloom.search import search
 from pipeloom.search.problem_file import MAX_SEARCH_TASKS
 from pipeloom.sim import simulate
+from pipeloom.stages import Stage, stage_graph
 from pipeloom.viz import draw_timeline
 
 ROOT = Path(__file__).resolve().parent.parent

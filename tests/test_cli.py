@@ -12,10 +12,10 @@ import pytest
 
 from pipeloom.cli import DEMO_SCHEDULES, main
 from pipeloom.ir import save_schedule
-from pipeloom.problem import Costs
 from pipeloom.schedules import build_schedule, schedule_names
 from pipeloom.search.placements import PLACEMENTS
 from pipeloom.sim import simulate
+from pipeloom.stages import Costs
 
 
 def run(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:

@@ -10,10 +10,10 @@ import pytest
 
 from pipeloom.cli import main
 from pipeloom.ir import load_schedule, save_schedule, schedule_to_json
-from pipeloom.problem import Costs
 from pipeloom.schedules import build_schedule
 from pipeloom.search import PLACEMENTS
 from pipeloom.sim import simulate
+from pipeloom.stages import Costs
 from pipeloom.validate import validate
 
 JSON_KEYS = {"makespan", "lower_bound", "gap", "status", "mode", "period", "period_lower_bound",

@@ -26,8 +26,9 @@ from pipeloom.ir import (
     schedule_to_csv,
     schedule_to_json,
 )
-from pipeloom.problem import Costs, Problem, Stage, Task, stage_graph
+from pipeloom.problem import Problem, Task
 from pipeloom.schedules import REGISTRY, build_schedule
+from pipeloom.stages import Costs, Stage, stage_graph
 from pipeloom.validate import validate
 
 # ------------------------------------------------------------------------------------ strategies

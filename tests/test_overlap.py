@@ -25,10 +25,10 @@ from pipeloom.ir import (
     task_actions,
 )
 from pipeloom.lowering import lower
-from pipeloom.problem import Costs, Stage, stage_graph
 from pipeloom.schedules import build_schedule
 from pipeloom.schedules.dualpipe import dualpipev
 from pipeloom.sim import simulate
+from pipeloom.stages import Costs, Stage, stage_graph
 from pipeloom.validate import validate
 
 A = Action.parse

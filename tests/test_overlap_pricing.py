@@ -12,9 +12,10 @@ import pytest
 from pipeloom.cli import main
 from pipeloom.errors import ProblemError, ScheduleFormatError
 from pipeloom.ir import Overlap, pair_duration, schedule_from_json, schedule_to_json, without_overlap
-from pipeloom.problem import Costs, Stage, Task
+from pipeloom.problem import Task
 from pipeloom.schedules import build_schedule
 from pipeloom.sim import simulate
+from pipeloom.stages import Costs, Stage
 
 PAPER = Costs(f=18522, b=18086, w=9337, comm=601)
 """The zero-bubble paper's costs (``pipeloom demo``)."""

@@ -15,8 +15,9 @@ from hypothesis import strategies as st
 from pipeloom.errors import DeadlockError, ScheduleError
 from pipeloom.ir import Action, Schedule
 from pipeloom.plan.noise import expected_makespan, starting_ranks
-from pipeloom.problem import Problem, Stage, Task, stage_graph
+from pipeloom.problem import Problem, Task
 from pipeloom.sim import simulate
+from pipeloom.stages import Stage, stage_graph
 
 
 def _schedule(problem: Problem, rows: list[str], num_mb: int = 1) -> Schedule:
@@ -277,9 +278,9 @@ def _priced_anew(schedule: Schedule, seed: int, **fields) -> Schedule:
 def test_a_compiled_schedule_repriced_replays_as_one_compiled_anew(name, ranks, options, fields):
     """Compiling once and replaying with other costs (the cluster planner's way: one compilation per schedule,
     many layouts) gives the very timeline a fresh compilation does, pairs' pricing included."""
-    from pipeloom.problem import Costs
     from pipeloom.schedules import build_schedule
     from pipeloom.sim import compile_schedule
+    from pipeloom.stages import Costs
 
     built = build_schedule(name, ranks, 2 * ranks, costs=Costs(f=1, b=1.5, w=0.5, memory=1, w_memory=0.3), **options)
     compiled = compile_schedule(built)
@@ -341,8 +342,8 @@ def test_pairs_replay_alike_whatever_the_microbatch_numbers(name):
     backwards on split stages. In the hand schedule ``(0F3;0B0)`` and ``(0F7;0B5)``, renumbered ``(0F8;0B5)``,
     are then both three micro-batches apart as written and not in the replay's numbers, so no one template of
     the pair can stand for both (the replay then keeps one per action)."""
-    from pipeloom.problem import Costs
     from pipeloom.schedules import build_schedule
+    from pipeloom.stages import Costs
 
     if name == "hand":
         schedule = _pairs_of_two_offsets()
@@ -375,10 +376,10 @@ def test_a_multi_rank_action_beside_a_pair_joins_its_ranks():
 def test_a_pairs_action_scale_is_its_parts_factors(number):
     """Oracle: a composite action's factor is its parts' own factors applied to its duration
     (:meth:`Composite.scaled` on the action as written), whichever micro-batch each part is of."""
-    from pipeloom.problem import Costs
     from pipeloom.schedules import build_schedule
     from pipeloom.sim import compile_schedule
     from pipeloom.sim_pricing import Pricing, composite_of
+    from pipeloom.stages import Costs
 
     schedule = _renumbered(_priced_anew(build_schedule("dualpipev", 4, 8, costs=Costs(f=1, b=1.5, w=0.5)), 1),
                            number)

@@ -15,8 +15,9 @@ from hypothesis import strategies as st
 
 from pipeloom.errors import DeadlockError, MemoryLimitError, OrderError, ScheduleError
 from pipeloom.ir import Action, Schedule, schedule_from_csv, task_actions
-from pipeloom.problem import Costs, Problem, Task
+from pipeloom.problem import Problem, Task
 from pipeloom.schedules import REGISTRY, build_schedule
+from pipeloom.stages import Costs
 from pipeloom.validate import check_structure, is_valid, validate
 
 

@@ -13,8 +13,8 @@ from pipeloom.cli.errors import UsageError
 from pipeloom.cli.outputs import report_console, target
 from pipeloom.errors import PipeloomError
 from pipeloom.ir import save_schedule
-from pipeloom.problem import Costs
 from pipeloom.sim import Timeline
+from pipeloom.stages import Costs
 from pipeloom.viz.report import per_rank_table, summary_table, terminal_timeline
 
 __all__ = ["COST_FLAGS", "OVERLAP_FLAGS", "check_flag_sums", "check_picture", "costs_from_args", "emit", "first_line",

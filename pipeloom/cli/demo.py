@@ -9,8 +9,8 @@ from pathlib import Path
 from pipeloom.cli.errors import UsageError
 from pipeloom.cli.outputs import report_console
 from pipeloom.cli.schedules import compare_schedules
-from pipeloom.problem import Costs
 from pipeloom.schedules import REGISTRY
+from pipeloom.stages import Costs
 from pipeloom.viz.report import compare_markdown, print_comparison
 
 __all__ = ["DEMO_COSTS", "DEMO_RANKS", "DEMO_MICROBATCHES", "DEMO_SCHEDULES", "cmd_demo"]

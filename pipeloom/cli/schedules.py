@@ -23,9 +23,10 @@ from pipeloom.cli.outputs import report_console, target
 from pipeloom.errors import PipeloomError
 from pipeloom.ir import load_schedule
 from pipeloom.lowering import lower
-from pipeloom.problem import MAX_INTERVALS, Costs
+from pipeloom.problem import MAX_INTERVALS
 from pipeloom.schedules import REGISTRY, build_schedule, meant_schedule
 from pipeloom.sim import Timeline
+from pipeloom.stages import Costs
 from pipeloom.validate import validate
 from pipeloom.viz.report import (
     comparison_rows,

@@ -9,7 +9,7 @@ from pipeloom.ir.core import Schedule
 from pipeloom.ir.json_io import schedule_from_json, schedule_to_json
 from pipeloom.ir.jsonfields import check_path, read_text
 from pipeloom.ir.torch_csv import schedule_from_csv, schedule_to_csv
-from pipeloom.problem import Costs
+from pipeloom.stages import Costs
 
 __all__ = ["save_schedule", "load_schedule"]
 

@@ -12,7 +12,8 @@ from collections import Counter
 from pipeloom.errors import ScheduleFormatError, shown_list
 from pipeloom.ir.core import Action, Comm, Overlap, Schedule, compute_parts, parse_action
 from pipeloom.ir.jsonfields import check_text
-from pipeloom.problem import Backward, Costs, Problem, Stage, stage_graph, task_name
+from pipeloom.problem import Problem, task_name
+from pipeloom.stages import Backward, Costs, Stage, stage_graph
 
 __all__ = ["TORCH_ONLY_KINDS", "schedule_to_csv", "schedule_from_csv"]
 

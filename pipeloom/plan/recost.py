@@ -12,7 +12,8 @@ from pipeloom.plan.costs.shared import shared_static_bytes, shared_sync_time
 from pipeloom.plan.costs.table import CostTable
 from pipeloom.plan.partitioning.rules import Partition
 from pipeloom.plan.partitioning.shape import ScheduleShape, schedule_shape
-from pipeloom.problem import Problem, Stage, stage_graph
+from pipeloom.problem import Problem
+from pipeloom.stages import Stage, stage_graph
 
 __all__ = ["exchange_time", "piece_ranks", "recost", "replica_sync_time", "shared_time", "stage_spreads"]
 
@@ -21,7 +22,7 @@ def recost(schedule: Schedule, table: CostTable, found: Partition, *, memory_lim
            shape: ScheduleShape | None = None) -> Problem:
     """The problem of ``schedule``'s task graph with the real costs of ``found``'s stages.
 
-    Stage durations are F, I (the :class:`~pipeloom.problem.Stage`'s ``b``) and W of the stage's pieces
+    Stage durations are F, I (the :class:`~pipeloom.stages.Stage`'s ``b``) and W of the stage's pieces
     in seconds (for a schedule with a full backward, B is the pieces' full backward,
     :attr:`Piece.full_backward`), activations in bytes, static memory per rank the weights, gradients
     and optimizer state of its stages, and the communication latency the link time of the largest

@@ -21,11 +21,11 @@ from pipeloom.plan.costs.shared import shared_across_stages, shared_sync_time
 from pipeloom.plan.costs.table import CostTable
 from pipeloom.plan.errors import PlanError
 from pipeloom.plan.tp.collectives import Collective
-from pipeloom.problem import Costs, stage_graph
 from pipeloom.profile.fits import exchange_latency, fit_run, fitted_action_cost, start_skew, time_spread
 from pipeloom.profile.model import _default_pieces, _traced, profile_model, updates_running_stats
 from pipeloom.runtime import Parallelism, PipelineEngine, Tracing, pipeline, split_model
 from pipeloom.schedules.common import chain_problem
+from pipeloom.stages import Costs, stage_graph
 from pipeloom.trace.analysis import message_cost, task_durations
 from pipeloom.trace.format import RunTrace
 from pipeloom.trace.reader import run_trace_from_documents

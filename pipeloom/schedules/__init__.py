@@ -17,8 +17,8 @@ from typing import Literal, get_args
 
 from pipeloom.errors import ArgumentError, ArgumentTypeError, PipeloomError
 from pipeloom.ir import Schedule
-from pipeloom.problem import Costs
 from pipeloom.schedules.common import MemoryLimit
+from pipeloom.stages import Costs
 
 __all__ = ["PLACEMENT_KINDS", "MemoryLimit", "Placement", "ScheduleInfo", "REGISTRY", "build_schedule",
            "meant_schedule", "schedule_info", "schedule_names"]

@@ -11,7 +11,6 @@ from typing import Literal
 
 from pipeloom.errors import ArgumentError
 from pipeloom.ir import Action, Schedule
-from pipeloom.problem import Costs
 from pipeloom.schedules.common import (
     MemoryLimit,
     check_counts,
@@ -23,6 +22,7 @@ from pipeloom.schedules.common import (
 )
 from pipeloom.schedules.kernel import ListProblem, ListTask, list_schedule_kernel
 from pipeloom.sim import simulate
+from pipeloom.stages import Costs
 
 __all__ = ["chimera", "chimera_caps", "chimera_list_order", "chimera_slots"]
 

@@ -7,7 +7,8 @@ from typing import TypeAlias
 
 from pipeloom.errors import ArgumentError
 from pipeloom.ir import Action, Comm, Overlap, Schedule
-from pipeloom.problem import Costs, Problem, stage_graph
+from pipeloom.problem import Problem
+from pipeloom.stages import Costs, stage_graph
 
 __all__ = [
     "MemoryLimit",

@@ -14,7 +14,6 @@ from itertools import count, repeat
 
 from pipeloom.errors import ArgumentError
 from pipeloom.ir import Action, Overlap, Schedule
-from pipeloom.problem import Costs
 from pipeloom.schedules.common import (
     MemoryLimit,
     check_counts,
@@ -25,6 +24,7 @@ from pipeloom.schedules.common import (
     v_problem,
     v_rank_stages,
 )
+from pipeloom.stages import Costs
 
 __all__ = ["dualpipe", "dualpipev", "dualpipe_program", "check_dualpipe", "dualpipe_rank_program"]
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from pipeloom.ir import Action, Schedule
-from pipeloom.problem import Costs
 from pipeloom.schedules.common import MemoryLimit, chain_problem, check_counts, make_schedule
+from pipeloom.stages import Costs
 
 __all__ = ["gpipe"]
 

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from pipeloom.errors import ArgumentError
 from pipeloom.ir import Action, Schedule
-from pipeloom.problem import Costs, Problem
+from pipeloom.problem import Problem
 from pipeloom.schedules.common import MemoryLimit, chain_problem, check_counts, make_schedule, merge_one_f_one_b
+from pipeloom.stages import Costs
 
 __all__ = ["interleaved_1f1b", "check_stages_per_rank", "looped_problem", "group_sizes", "grouped_order",
            "interleaved_warmup"]

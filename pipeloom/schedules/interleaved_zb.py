@@ -10,11 +10,12 @@ from dataclasses import dataclass
 
 from pipeloom.errors import ArgumentError, DeadlockError, PipeloomError
 from pipeloom.ir import Action, Schedule
-from pipeloom.problem import Costs, Problem
+from pipeloom.problem import Problem
 from pipeloom.schedules.common import MemoryLimit, check_counts, make_schedule
 from pipeloom.schedules.interleaved import check_stages_per_rank, group_sizes, grouped_order, looped_problem
 from pipeloom.schedules.kernel import ListProblem, ListTask, RankState, rank_schedule_kernel
 from pipeloom.sim import simulate
+from pipeloom.stages import Costs
 
 __all__ = ["interleaved_zb"]
 

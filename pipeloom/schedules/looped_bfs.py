@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from pipeloom.ir import Action, Schedule
-from pipeloom.problem import Costs
 from pipeloom.schedules.common import MemoryLimit, check_counts, make_schedule
 from pipeloom.schedules.interleaved import check_stages_per_rank, looped_problem
+from pipeloom.stages import Costs
 
 __all__ = ["looped_bfs"]
 

@@ -21,11 +21,11 @@ import dataclasses
 
 from pipeloom.errors import ArgumentError
 from pipeloom.ir import Schedule
-from pipeloom.problem import Costs
 from pipeloom.schedules.common import MemoryLimit, check_counts, make_schedule
 from pipeloom.schedules.v_block import Variant, block_order
 from pipeloom.schedules.zbv import zbv
 from pipeloom.sim import simulate
+from pipeloom.stages import Costs
 
 __all__ = ["v_half", "v_half_memory", "v_min", "v_min_memory"]
 

@@ -11,11 +11,12 @@ from dataclasses import dataclass
 
 from pipeloom.errors import ArgumentError, PipeloomError, ScheduleError
 from pipeloom.ir import Action, Schedule
-from pipeloom.problem import Costs, Problem
+from pipeloom.problem import Problem
 from pipeloom.schedules.common import MemoryLimit, check_counts, make_schedule, v_problem
 from pipeloom.schedules.kernel import ListProblem, ListTask, RankState, rank_schedule_kernel
 from pipeloom.schedules.zbv_plan import VPlan, v_plan
 from pipeloom.schedules.zbv_rounds import round_candidates
+from pipeloom.stages import Costs
 from pipeloom.validate import validate
 
 __all__ = ["first_stage_warmups", "warmup_floor", "zbv"]

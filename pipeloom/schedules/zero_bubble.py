@@ -10,8 +10,8 @@ from collections.abc import Callable
 from functools import partial
 
 from pipeloom.ir import Action, Schedule
-from pipeloom.problem import Costs
 from pipeloom.schedules.common import MemoryLimit, chain_problem, check_counts, make_schedule
+from pipeloom.stages import Costs
 
 __all__ = ["zb_h1", "zb_h2"]
 

@@ -15,7 +15,7 @@ from typing import Literal
 
 from pipeloom.errors import PipeloomError, require_type
 from pipeloom.ir import Schedule
-from pipeloom.problem import MAX_INTERVALS, Costs, Problem
+from pipeloom.problem import MAX_INTERVALS, Problem
 from pipeloom.schedules import REGISTRY, build_schedule
 from pipeloom.search.budget import Budget
 from pipeloom.search.common import lower_bound, to_integers
@@ -26,6 +26,7 @@ from pipeloom.search.problem_file import check_task_count
 from pipeloom.search.result import Mode, SearchProgress, SearchResult, Status
 from pipeloom.search.transforms import merge_backward, without_all_rank_tasks, without_idle_ranks
 from pipeloom.sim import Timeline
+from pipeloom.stages import Costs
 from pipeloom.validate import validate
 
 __all__ = [

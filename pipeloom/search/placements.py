@@ -12,10 +12,11 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from pipeloom.errors import PipeloomError
-from pipeloom.problem import Costs, Problem, stage_graph
+from pipeloom.problem import Problem
 from pipeloom.schedules import REGISTRY
 from pipeloom.schedules.common import chain_problem, v_stage_ranks
 from pipeloom.search.blocks import Block, PlacementBuilder, split_span
+from pipeloom.stages import Costs, stage_graph
 
 __all__ = ["PLACEMENTS", "PlacementInfo", "placement", "placement_names"]
 
@@ -275,7 +276,7 @@ def placement(
     :func:`~pipeloom.search.blocks.split_span`: 3 -> 2 + 1, I releases the memory; classic ones by
     Costs(): I = b, W = w); ``inference`` keeps the forwards only, with memory 0.
 
-    ``f``, ``b``, ``w`` and ``w_memory`` are per-rank-share costs (as :class:`~pipeloom.problem.Costs`;
+    ``f``, ``b``, ``w`` and ``w_memory`` are per-rank-share costs (as :class:`~pipeloom.stages.Costs`;
     None keeps the placement's own). Classic shapes: ``Costs(f, b, w, comm, w_memory=w_memory)``
     spread over their stages. Tessel shapes: every single-rank block takes them (F = f; B = b + w,
     or I = b and W = w when split, an absent one keeping its part of the block's span; W releases

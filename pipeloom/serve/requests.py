@@ -11,7 +11,6 @@ from typing import Any
 from pipeloom.errors import PipeloomError
 from pipeloom.ir.jsonfields import check_keys, integer, json_failure, number, string
 from pipeloom.plan.costs.file import MAX_PIECES
-from pipeloom.problem import Costs
 from pipeloom.serve.config import ServeConfig
 from pipeloom.serve.errors import RequestError
 from pipeloom.serve.limits import (
@@ -24,6 +23,7 @@ from pipeloom.serve.limits import (
     schedule_work,
     uploaded_work,
 )
+from pipeloom.stages import Costs
 
 __all__ = [
     "compare",

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 from pipeloom.formatting import format_number
 from pipeloom.ir import has_pairs, priced_overlap, without_overlap
-from pipeloom.problem import Costs
 from pipeloom.sim import Timeline, simulate
+from pipeloom.stages import Costs
 
 if TYPE_CHECKING:
     from rich.console import Console

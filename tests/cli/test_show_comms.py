@@ -13,8 +13,8 @@ import pytest
 
 from pipeloom import lower, validate
 from pipeloom.cli import main
-from pipeloom.problem import Costs
 from pipeloom.schedules import build_schedule
+from pipeloom.stages import Costs
 
 
 def _run(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:

@@ -8,9 +8,9 @@ pytest.importorskip("torch")
 
 import pipeloom
 from pipeloom.ir import Action
-from pipeloom.problem import Costs, stage_graph
 from pipeloom.runtime.errors import PipelineError
 from pipeloom.runtime.program import MODEL_INPUT, build_programs, model_pieces
+from pipeloom.stages import Costs, stage_graph
 
 CHAIN = {n: [[(MODEL_INPUT, 0)]] + [[(k - 1, 0)] for k in range(1, n)] for n in (2, 4, 8)}
 OUT = {n: [(n - 1, 0)] for n in (2, 4, 8)}

@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeloom.ir import Schedule, schedule_from_json, schedule_to_json
-from pipeloom.problem import Costs
 from pipeloom.schedules import REGISTRY, build_schedule
+from pipeloom.stages import Costs
 from pipeloom.validate import validate
 
 RANKS = (1, 2, 3, 4, 5, 7, 8, 16)

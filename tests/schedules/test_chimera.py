@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from pipeloom.problem import Costs
 from pipeloom.schedules import build_schedule, schedule_info
 from pipeloom.schedules.chimera import chimera, chimera_caps, chimera_list_order, chimera_slots
 from pipeloom.schedules.one_f_one_b import one_f_one_b
 from pipeloom.sim import simulate
+from pipeloom.stages import Costs
 from pipeloom.validate import validate
 
 COSTS = [

@@ -9,11 +9,11 @@ import pytest
 
 from pipeloom.errors import MemoryLimitError
 from pipeloom.ir import Overlap
-from pipeloom.problem import Costs
 from pipeloom.schedules import build_schedule, schedule_info
 from pipeloom.schedules.dualpipe import dualpipe, dualpipe_program, dualpipev
 from pipeloom.schedules.one_f_one_b import one_f_one_b
 from pipeloom.sim import simulate
+from pipeloom.stages import Costs
 from pipeloom.validate import validate
 
 COSTS = [

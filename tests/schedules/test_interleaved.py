@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 
 from pipeloom.errors import MemoryLimitError
-from pipeloom.problem import Costs
 from pipeloom.schedules import build_schedule
 from pipeloom.schedules.interleaved import group_sizes, interleaved_1f1b
 from pipeloom.schedules.looped_bfs import looped_bfs
 from pipeloom.schedules.one_f_one_b import one_f_one_b
 from pipeloom.sim import simulate
+from pipeloom.stages import Costs
 from pipeloom.validate import validate
 
 COST_TRIPLES = [Costs(), Costs(f=1.0, b=2.0, w=1.0), Costs(f=3.0, b=1.0, w=0.5)]

@@ -19,11 +19,11 @@ import pytest
 import pipeloom.schedules.interleaved_zb as interleaved_zb_module
 from pipeloom.errors import MemoryLimitError, PipeloomError
 from pipeloom.ir import Schedule, schedule_from_csv, schedule_to_csv
-from pipeloom.problem import Costs
 from pipeloom.schedules.interleaved import group_sizes
 from pipeloom.schedules.interleaved_zb import interleaved_zb
 from pipeloom.schedules.zero_bubble import zb_h1
 from pipeloom.sim import simulate
+from pipeloom.stages import Costs
 from pipeloom.validate import validate
 from torch_pipelining import import_torch_schedules, torch_order_csv
 

@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 
 from pipeloom.errors import PipeloomError
-from pipeloom.problem import Costs
 from pipeloom.schedules import build_schedule
 from pipeloom.schedules import interleaved_zb as interleaved_zb_module
 from pipeloom.schedules import zbv as zbv_module
@@ -27,6 +26,7 @@ from pipeloom.schedules.interleaved import looped_problem
 from pipeloom.schedules.zbv_plan import VPlan, v_plan
 from pipeloom.search.greedy import list_schedule, microbatch_peak_memory
 from pipeloom.search.placements import placement
+from pipeloom.stages import Costs
 
 FIXTURE = Path(__file__).parent / "data" / "list_schedules_golden.json"
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import pytest
 
-from pipeloom.problem import Costs
 from pipeloom.schedules.common import make_schedule, v_problem
 from pipeloom.schedules.v_block import BLOCK_PERIOD, block_offsets, block_order
 from pipeloom.schedules.v_memory import v_half, v_half_memory, v_min, v_min_memory
 from pipeloom.schedules.zbv import zbv
 from pipeloom.sim import simulate
+from pipeloom.stages import Costs
 from pipeloom.validate import validate
 
 COSTS = [Costs(), Costs(f=18522, b=18086, w=9337, comm=601), Costs(f=1, b=2, w=0.5, comm=0.1, w_memory=0.43)]

@@ -17,7 +17,6 @@ import pytest
 import pipeloom.schedules.zbv as zbv_module
 from pipeloom.errors import MemoryLimitError, PipeloomError
 from pipeloom.ir import Schedule
-from pipeloom.problem import Costs
 from pipeloom.schedules import REGISTRY, build_schedule
 from pipeloom.schedules.common import make_schedule, v_problem
 from pipeloom.schedules.zbv import zbv
@@ -25,6 +24,7 @@ from pipeloom.schedules.zbv_plan import v_plan
 from pipeloom.schedules.zbv_rounds import round_candidates
 from pipeloom.schedules.zero_bubble import zb_h1
 from pipeloom.sim import simulate
+from pipeloom.stages import Costs
 from pipeloom.validate import validate
 
 PAPER = Costs(f=18522, b=18086, w=9337, comm=601)

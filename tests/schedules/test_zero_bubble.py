@@ -11,11 +11,11 @@ from __future__ import annotations
 import pytest
 
 from pipeloom.errors import MemoryLimitError
-from pipeloom.problem import Costs
 from pipeloom.schedules import build_schedule
 from pipeloom.schedules.one_f_one_b import one_f_one_b
 from pipeloom.schedules.zero_bubble import zb_h1, zb_h2
 from pipeloom.sim import simulate
+from pipeloom.stages import Costs
 from pipeloom.validate import validate
 
 PAPER = Costs(f=18522, b=18086, w=9337, comm=601)

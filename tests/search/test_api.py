@@ -12,11 +12,12 @@ import pytest
 
 from pipeloom.errors import PipeloomError, ScheduleFormatError
 from pipeloom.ir import schedule_to_json
-from pipeloom.problem import Costs, Problem, Stage, Task, stage_graph
+from pipeloom.problem import Problem, Task
 from pipeloom.schedules import build_schedule
 from pipeloom.search import PLACEMENTS, SearchError, SearchResult, placement, problem_from_json, search
 from pipeloom.search.api import AUTO_EXACT_INTERVALS, builtin_candidates, search_plan
 from pipeloom.sim import simulate
+from pipeloom.stages import Costs, Stage, stage_graph
 from pipeloom.validate import validate
 
 FAST = {"time_limit": 5.0, "workers": 2}

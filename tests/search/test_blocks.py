@@ -13,8 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeloom.errors import ProblemError
-from pipeloom.problem import Problem, Stage, stage_graph
+from pipeloom.problem import Problem
 from pipeloom.search.blocks import PlacementBuilder, split_span
+from pipeloom.stages import Stage, stage_graph
 
 
 def _deps(problem: Problem) -> dict[str, set[str]]:

@@ -6,12 +6,13 @@ import dataclasses
 
 import pytest
 
-from pipeloom.problem import Costs, Problem, Task
+from pipeloom.problem import Problem, Task
 from pipeloom.schedules import build_schedule
 from pipeloom.search.common import forced_idle, lower_bound, period_lower_bound, schedule_from_starts, to_integers
 from pipeloom.search.exact import solve_exact
 from pipeloom.search.memory_bounds import memory_bound, memory_time_per_microbatch, release_chain_bound
 from pipeloom.search.placements import placement
+from pipeloom.stages import Costs
 from pipeloom.validate import validate
 
 

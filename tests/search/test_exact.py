@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from pipeloom.errors import DeadlockError
 from pipeloom.ir import Action, Schedule
-from pipeloom.problem import Costs, Problem, Stage, Task, stage_graph
+from pipeloom.problem import Problem, Task
 from pipeloom.schedules import build_schedule
 from pipeloom.search.common import lower_bound, schedule_from_starts
 from pipeloom.search.errors import SearchError
@@ -23,6 +23,7 @@ from pipeloom.search.exact import solve_exact
 from pipeloom.search.memory_bounds import memory_bound
 from pipeloom.search.placements import placement
 from pipeloom.sim import simulate
+from pipeloom.stages import Costs, Stage, stage_graph
 from pipeloom.validate import validate
 
 

@@ -13,11 +13,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeloom.problem import Problem, Stage, Task, stage_graph
+from pipeloom.problem import Problem, Task
 from pipeloom.schedules import REGISTRY, build_schedule
 from pipeloom.search.errors import SearchError
 from pipeloom.search.greedy import list_schedule, microbatch_peak_memory
 from pipeloom.sim import simulate
+from pipeloom.stages import Stage, stage_graph
 from pipeloom.validate import validate
 
 # (name, ranks, micro-batches) for every registry entry, at sizes each one accepts.

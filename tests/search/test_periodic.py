@@ -12,7 +12,7 @@ import ortools  # noqa: F401  (before anything that may load SciPy)
 import pytest
 
 from pipeloom.errors import MemoryLimitError
-from pipeloom.problem import Costs, Problem, Stage, Task, stage_graph
+from pipeloom.problem import Problem, Task
 from pipeloom.schedules import build_schedule
 from pipeloom.search.common import lower_bound, period_lower_bound, to_integers
 from pipeloom.search.errors import SearchError
@@ -22,6 +22,7 @@ from pipeloom.search.repetend import Repetend, RepetendModel, coarsen, solver_pe
 from pipeloom.search.result import SearchProgress
 from pipeloom.search.steady import solve_repetend, unroll
 from pipeloom.sim import simulate
+from pipeloom.stages import Costs, Stage, stage_graph
 from pipeloom.validate import validate
 
 

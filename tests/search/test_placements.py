@@ -14,12 +14,13 @@ import pytest
 
 from pipeloom.errors import PipeloomError
 from pipeloom.ir import Schedule
-from pipeloom.problem import Costs, Problem
+from pipeloom.problem import Problem
 from pipeloom.schedules import REGISTRY, build_schedule
 from pipeloom.search.common import lower_bound, schedule_from_starts
 from pipeloom.search.paths import head_tail
 from pipeloom.search.placements import PLACEMENTS, placement, placement_names
 from pipeloom.sim import simulate
+from pipeloom.stages import Costs
 from pipeloom.validate import validate
 
 TESSEL = ("vshape", "xshape", "mshape", "nnshape", "mllm", "kshape", "finetune", "alphafold")

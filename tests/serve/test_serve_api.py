@@ -16,9 +16,9 @@ from pipeloom.ir import schedule_from_json
 from pipeloom.plan import load_costs, load_plan
 from pipeloom.plan.mesh import plan_mesh
 from pipeloom.plan.plan import plan_from_json
-from pipeloom.problem import Costs
 from pipeloom.schedules import build_schedule
 from pipeloom.sim import simulate
+from pipeloom.stages import Costs
 from pipeloom.validate import validate
 
 

@@ -9,9 +9,9 @@ import pytest
 from rich.console import Console
 
 from pipeloom.formatting import format_number
-from pipeloom.problem import Costs
 from pipeloom.schedules import REGISTRY, build_schedule
 from pipeloom.sim import simulate
+from pipeloom.stages import Costs
 from pipeloom.viz.report import (
     COMPARE_COLUMNS,
     PER_RANK_ROWS,

@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 from pipeloom import Comm, lower
-from pipeloom.problem import Costs
 from pipeloom.schedules import build_schedule
+from pipeloom.stages import Costs
 from pipeloom.validate import validate
 from pipeloom.viz import perfetto_events, render_timeline, timeline_figure
 from pipeloom.viz.style import COMM_COLORS, COMM_NAMES

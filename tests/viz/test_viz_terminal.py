@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipeloom.problem import Costs
 from pipeloom.schedules import build_schedule
+from pipeloom.stages import Costs
 from pipeloom.validate import validate
 from pipeloom.viz import KIND_COLORS, render_timeline, render_timeline_rich
 from pipeloom.viz.terminal import IDLE, timeline_cells

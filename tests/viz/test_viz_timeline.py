@@ -9,10 +9,10 @@ import sys
 import pytest
 
 from pipeloom.ir import Action
-from pipeloom.problem import Costs
 from pipeloom.schedules import build_schedule
 from pipeloom.schedules.common import chain_problem, make_schedule
 from pipeloom.sim import simulate
+from pipeloom.stages import Costs
 from pipeloom.validate import validate
 from pipeloom.viz import KIND_COLORS, draw_timeline, timeline_figure
 from pipeloom.viz.style import IDLE_COLOR, STAGE_HUES, real_microbatch, stage_color

@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from pipeloom.problem import Costs
 from pipeloom.schedules import build_schedule
+from pipeloom.stages import Costs
 from pipeloom.validate import validate
 from pipeloom.viz import perfetto_events, write_perfetto
 

@@ -37,11 +37,11 @@ from pipeloom.plan.cluster.placement import (
 from pipeloom.plan.cluster.recompute import kept_activations, kept_scores
 from pipeloom.plan.cluster.step import Estimate, Memory, PhaseTimes, add_times, work_parts
 from pipeloom.plan.errors import LayoutError
-from pipeloom.problem import Costs
 from pipeloom.schedules import build_schedule
 from pipeloom.schedules.zbv import first_stage_warmups, warmup_floor
 from pipeloom.sim import compile_schedule
 from pipeloom.sim_replay import CompiledSchedule
+from pipeloom.stages import Costs
 
 __all__ = ["Estimator", "WORKSPACE_BYTES", "BUCKET_BYTES", "ZBV_RATIO_STEPS"]
 

@@ -70,7 +70,7 @@ class Piece:
     """Full backward seconds (input and weight gradients in one ``autograd.backward``, as the engine runs a
     ``B``: ``pipeloom.runtime.step.backward.backward_full``); None means not measured, priced ``i + w``
     (:attr:`full_backward`). One backward pass is usually cheaper than the split's two. (Called ``b``
-    in ``pipeloom.costs/1`` files, which still load; in :class:`pipeloom.problem.Costs` and ``Stage``, ``b``
+    in ``pipeloom.costs/1`` files, which still load; in :class:`pipeloom.stages.Costs` and ``Stage``, ``b``
     is the input-gradient time, this table's ``i``.)"""
     activation_bytes: float = 0.0
     """Bytes the forward keeps for the backward (saved tensors), released by the backward."""

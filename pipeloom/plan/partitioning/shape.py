@@ -17,8 +17,8 @@ from pipeloom.ir import Schedule, compute_parts, sequential_pairs
 from pipeloom.plan.costs.table import CostTable
 from pipeloom.plan.errors import PartitionError
 from pipeloom.plan.partitioning.rules import MemoryRule, Partition, StageRule
-from pipeloom.problem import Costs
 from pipeloom.schedules import REGISTRY, build_schedule
+from pipeloom.stages import Costs
 
 __all__ = [
     "PARTITION_PROFILES",
@@ -212,7 +212,7 @@ def rank_time_objective(shape: ScheduleShape, stage_times: Sequence[float]) -> f
 
 
 def library_costs(table: CostTable, num_ranks: int) -> Costs:
-    """One rank's share of ``table`` as the schedule library's uniform :class:`~pipeloom.problem.Costs`
+    """One rank's share of ``table`` as the schedule library's uniform :class:`~pipeloom.stages.Costs`
     (seconds and bytes): what the cost- and memory-aware generators (ZB-V) order actions by."""
     pieces = table.pieces
     mean_out = sum(p.output_bytes for p in pieces[:-1]) / max(1, len(pieces) - 1)

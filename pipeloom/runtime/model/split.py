@@ -83,7 +83,7 @@ class StageGraph:
     def edges(self) -> list[tuple[int, int]]:
         """Forward edges ``(producer, consumer)`` between stages, sorted, each once.
 
-        The list fits ``pipeloom.problem.stage_graph(..., edges=...)``.
+        The list fits ``pipeloom.stages.stage_graph(..., edges=...)``.
         """
         pairs = {(ref.stage, spec.index) for spec in self.stages for ref in spec.inputs if ref.stage is not MODEL_INPUT}
         return sorted(pairs)

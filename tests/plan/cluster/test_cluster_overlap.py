@@ -329,9 +329,10 @@ def test_a_replay_at_stage_costs_is_the_simulators_replay_of_the_repriced_task_g
     import random
 
     from pipeloom.plan.cluster.held import replay_stages
-    from pipeloom.problem import Costs, Problem
+    from pipeloom.problem import Problem
     from pipeloom.schedules import build_schedule
     from pipeloom.sim import compile_schedule, simulate
+    from pipeloom.stages import Costs
 
     split = name not in ("interleaved-1f1b", "1f1b")
     built = build_schedule(name, 4, 12, costs=Costs(f=1.0, b=2.0, w=0.5 if split else 1.0, memory=1.0,

@@ -16,8 +16,8 @@ from pipeloom.plan.cluster.layout import LAYOUT_KEYS, enumerate_layouts
 from pipeloom.plan.cluster.model.reader import model_spec
 from pipeloom.plan.cluster.search import Bounds, search_layouts
 from pipeloom.plan.errors import LayoutError, NoLayoutFits
-from pipeloom.problem import Costs
 from pipeloom.schedules import build_schedule
+from pipeloom.stages import Costs
 
 DENSE = {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 16,
          "num_attention_heads": 16, "num_key_value_heads": 4, "vocab_size": 32000}
