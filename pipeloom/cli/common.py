@@ -74,8 +74,8 @@ def limit_units(args: argparse.Namespace, units: str) -> Iterator[None]:
 
 def check_picture(args: argparse.Namespace, ranks: int) -> None:
     """UsageError, before anything is built, when ``-o`` asks for a .png/.svg picture of more rank rows
-    than :data:`pipeloom.viz.timeline.MAX_PICTURE_RANKS`."""
-    from pipeloom.viz.timeline import MAX_PICTURE_RANKS
+    than :data:`pipeloom.viz.figure.MAX_PICTURE_RANKS`."""
+    from pipeloom.viz.figure import MAX_PICTURE_RANKS
 
     out = getattr(args, "out", None)
     if out is not None and out.suffix.lower() in (".png", ".svg") and ranks > MAX_PICTURE_RANKS:

@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipeloom.sim import Timeline
-from pipeloom.viz.timeline import check_figure_path, panels_figure, save_figure
+from pipeloom.viz.figure import check_figure_path, save_figure
+from pipeloom.viz.timeline import panels_figure
 from pipeloom.viz.units import COST_UNITS, Units
 
 if TYPE_CHECKING:

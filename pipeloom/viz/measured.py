@@ -96,7 +96,7 @@ def draw_measured(comparison: Comparison, path: str | Path) -> None:
     """Save the measured step above the predicted one on one time axis (seconds), PNG or SVG, with
     the ratio and what the prediction left out (:func:`~pipeloom.trace.explain_ratio`) on top."""
     from pipeloom.viz.compare import comparison_figure
-    from pipeloom.viz.timeline import check_figure_path, save_figure
+    from pipeloom.viz.figure import check_figure_path, save_figure
     from pipeloom.viz.units import MEASURED_UNITS
 
     path, fmt = check_figure_path(path)
