@@ -20,7 +20,7 @@ import ortools  # noqa: F401  (before anything that may load SciPy)
 from pipeloom.problem import Problem
 from pipeloom.schedules import build_schedule
 from pipeloom.search import PLACEMENTS, placement, search
-from pipeloom.search.api import builtin_candidates
+from pipeloom.search.builtins import builtin_candidates
 from pipeloom.sim import simulate
 from pipeloom.stages import Costs, stage_graph
 from pipeloom.validate import validate

@@ -19,7 +19,7 @@ import ortools  # noqa: F401  (before anything that may load SciPy)
 
 from pipeloom.problem import Problem
 from pipeloom.search import placement, search
-from pipeloom.search.api import builtin_candidates
+from pipeloom.search.builtins import builtin_candidates
 from pipeloom.stages import Costs, stage_graph
 from pipeloom.validate import validate
 

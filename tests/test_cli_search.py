@@ -267,12 +267,12 @@ def test_a_problem_file_of_many_ranks_builds_no_built_in_and_too_many_are_refuse
     """A problem of one forward on rank 0 of 10,000 ranks took 80 s and 12.7 GB for --time-limit 5: each built-in
     schedule was built on 10,000 ranks to compare its task graph (quadratic in the ranks), though no built-in has
     those tasks. Now none is built, and a file of more ranks than the CLI's limit is refused in one line."""
-    from pipeloom.search import api
+    import pipeloom.search.builtins as candidates
 
     def built(*args, **kwargs):
         raise AssertionError("a built-in was built for a problem whose tasks no built-in has")
 
-    monkeypatch.setattr(api, "_probe", built)
+    monkeypatch.setattr(candidates, "_probe", built)
     for ranks in (10_000, 100_000):
         path = tmp_path / f"ranks{ranks}.json"
         path.write_text(json.dumps({"num_ranks": ranks, "tasks": [{"stage": 0, "kind": "F", "ranks": [0],

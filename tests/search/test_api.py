@@ -15,7 +15,8 @@ from pipeloom.ir import schedule_to_json
 from pipeloom.problem import Problem, Task
 from pipeloom.schedules import build_schedule
 from pipeloom.search import PLACEMENTS, SearchError, SearchResult, placement, problem_from_json, search
-from pipeloom.search.api import AUTO_EXACT_INTERVALS, builtin_candidates, search_plan
+from pipeloom.search.api import AUTO_EXACT_INTERVALS, search_plan
+from pipeloom.search.builtins import builtin_candidates
 from pipeloom.sim import simulate
 from pipeloom.stages import Costs, Stage, stage_graph
 from pipeloom.validate import validate
@@ -91,17 +92,17 @@ def test_a_placement_no_builtin_has_gets_no_hints():
 
 
 def test_builtins_are_built_at_full_size_only_when_their_structure_matches(monkeypatch):
-    from pipeloom.search import api
+    import pipeloom.search.builtins as candidates
 
     calls = []
-    real = api._build
+    real = candidates._build
 
     def recording(name, problem, num_microbatches, *args, **kwargs):
         built = real(name, problem, num_microbatches, *args, **kwargs)
         calls.append((name, num_microbatches, built is not None))
         return built
 
-    monkeypatch.setattr(api, "_build", recording)
+    monkeypatch.setattr(candidates, "_build", recording)
     found = dict(builtin_candidates(linear(4), 40))
     full = {name for name, m, _ in calls if m == 40}
     probed = {name for name, m, ok in calls if m < 40 and ok}  # built at 8 or 16 micro-batches
