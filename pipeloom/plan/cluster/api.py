@@ -60,6 +60,12 @@ class ClusterPlan:
     runs_on: str | None = None
     """The runtime whose layouts alone were searched (``plan_cluster``'s ``runs_on``), None for every layout."""
 
+    @property
+    def fits(self) -> bool:
+        """Whether the chosen layout's memory per GPU is within :attr:`memory_limit` (a layout fixed whole is predicted
+        whether or not it fits; ``--json``'s ``best.fits``)."""
+        return self.best.memory.total <= self.memory_limit
+
     def training(self, tokens: float) -> dict[str, float]:
         """Training ``tokens`` tokens with the chosen layout: ``steps`` (whole steps of the global batch),
         ``seconds`` and ``gpu_hours`` (every GPU of the job for that time), as NeMo's performance tables give
@@ -76,23 +82,11 @@ class ClusterPlan:
         """The ``--json`` object (seconds and bytes)."""
         hw = self.job.hw
         return {
-            "best": dict(self.best.as_dict(), fits=self.best.memory.total <= self.memory_limit,
-                         fits_gpu=self.best.memory.total <= hw.memory_bytes),
+            "best": dict(self.best.as_dict(), fits=self.fits, fits_gpu=self.best.memory.total <= hw.memory_bytes),
             "runners_up": [dict(est.as_dict(), why=why) for est, why in self.runners_up],
             "hardware": hw.to_dict(),  # the whole description as priced: hardware_from_dict reads it back
-            "model": {"family": self.job.spec.family, "text_of": self.job.spec.text_of, "layers": self.job.spec.layers,
-                      "hidden": self.job.spec.hidden, "params": model_params(self.job.spec),
-                      "active_params": model_params(self.job.spec, active=True),
-                      "experts": self.job.spec.experts.count if self.job.spec.experts else 0,
-                      "experts_per_token": self.job.spec.experts.top_k if self.job.spec.experts else 0,
-                      "sliding_window": self.job.spec.window,
-                      "sliding_window_layers": list(self.job.spec.window_layers),
-                      "chunked_attention": self.job.spec.chunked, "nope_layers": list(self.job.spec.nope_layers),
-                      "sparse_attention": _sparse(self.job.spec), "linear_attention": _linear(self.job.spec),
-                      "residual_dropouts": self.job.spec.residual_dropouts,
-                      "embedding_dropout": self.job.spec.embedding_dropout,
-                      "logit_softcap": self.job.spec.logit_softcap,
-                      "defaulted": dict(self.job.spec.defaulted)},
+            "model": dict(self.job.spec.as_dict(), params=model_params(self.job.spec),
+                          active_params=model_params(self.job.spec, active=True)),
             "gpus": self.job.gpus, "global_batch": self.job.global_batch, "seq": self.job.seq,
             "dtype": self.job.dtype, "selective": self.job.selective, "recompute_layers": self.job.recompute_layers,
             "moe_comm": self.job.moe_comm, "moe_overlap": self.job.moe_overlap,
@@ -100,27 +94,6 @@ class ClusterPlan:
             "memory_limit": self.memory_limit, "candidates": self.candidates,
             "priced": self.priced, "simulated": self.simulated, "seconds": self.seconds,
         }
-
-
-def _linear(spec: ModelSpec) -> dict[str, Any] | None:
-    """The ``--json`` model's Gated DeltaNet (None without): its heads and head dimensions, its convolution's taps and
-    the layers it runs on (attention on the others), whether its write strength is doubled (OLMo hybrid)."""
-    g = spec.linear
-    if g is None:
-        return None
-    return {"kind": "gated_deltanet", "key_heads": g.key_heads, "value_heads": g.value_heads, "key_dim": g.key_dim,
-            "value_dim": g.value_dim, "conv_kernel": g.conv_kernel, "negative_eigenvalues": g.negative_eigenvalues,
-            "layers": list(spec.linear_layers)}
-
-
-def _sparse(spec: ModelSpec) -> dict[str, Any] | None:
-    """The ``--json`` model's DeepSeek sparse attention (None without): the keys per query, the indexer's heads and
-    head dimension, and the layers that run an indexer of their own."""
-    ix = spec.indexer
-    if ix is None:
-        return None
-    return {"topk": ix.topk, "index_heads": ix.heads, "index_head_dim": ix.dim,
-            "indexer_layers": list(spec.indexer_layers)}
 
 
 FRAMEWORKS: dict[str, dict[str, Any]] = {
@@ -192,13 +165,13 @@ def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: st
     listed = _checked_arguments(dtype, runners_up, schedules)
     spec = model_spec(model)
     depth: Any = 0 if recompute_layers == SEARCHED else recompute_layers  # Job refuses anything but a count
+    flags = _checked_flags(overlap_grad_reduce=overlap_grad_reduce, p2p_overlap=p2p_overlap,
+                           sequence_parallel=sequence_parallel, tp_overlap=tp_overlap, moe_overlap=moe_overlap,
+                           shard_gradients=shard_gradients, distributed_optimizer=distributed_optimizer)
     job = Job(spec=spec, hw=device, gpus=gpus, global_batch=global_batch, seq=seq, dtype=dtype,
-              kernels=kernels, attention=attention, overlap_grad_reduce=bool(overlap_grad_reduce),
-              p2p_overlap=bool(p2p_overlap), selective="core_attn" if selective == SEARCHED else selective,
+              kernels=kernels, attention=attention, selective="core_attn" if selective == SEARCHED else selective,
               cp_rotate=cp_rotate, moe_comm=moe_comm, grad_reduce=grad_reduce, schedules=listed or (),
-              sequence_parallel=bool(sequence_parallel), tp_overlap=bool(tp_overlap), fp8_cast=fp8_cast,
-              stage_cut=stage_cut, moe_overlap=bool(moe_overlap), shard_gradients=bool(shard_gradients),
-              adam_moments=adam_moments, recompute_layers=depth, distributed_optimizer=bool(distributed_optimizer))
+              fp8_cast=fp8_cast, stage_cut=stage_cut, adam_moments=adam_moments, recompute_layers=depth, **flags)
     fixed = parse_layout(layout if isinstance(layout, str) else _layout_text(layout))
     limit = _memory_limit(memory_limit, device)
     job, runtime = for_runtime(job, runs_on)
@@ -234,6 +207,14 @@ def _only(allowed: tuple[str, ...] | None, runtime: Callable[[Layout], list[str]
     return blocked
 
 
+def _checked_flags(**flags: Any) -> dict[str, bool]:
+    """``flags`` as they are; ArgumentError for one that is not True or False (``"false"`` had been read as true)."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise ArgumentError(f"{name} must be True or False, got {value!r}")
+    return flags
+
+
 def _checked_arguments(dtype: str, runners_up: int, schedules: Sequence[str] | None) -> tuple[str, ...] | None:
     """``schedules`` as a tuple (None: not given); ArgumentError for a dtype other than bf16 / fp8, a runners-up count
     that is not a whole number >= 0, or schedules naming none or one the planner does not price."""
@@ -243,9 +224,15 @@ def _checked_arguments(dtype: str, runners_up: int, schedules: Sequence[str] | N
         raise ArgumentError(f"runners_up must be a whole number >= 0 (0: the best layout alone), got {runners_up!r}")
     if schedules is None:
         return None
-    listed = tuple(dict.fromkeys((schedules,) if isinstance(schedules, str) else schedules))  # each once
-    if not listed or any(name not in SCHEDULES for name in listed):
-        raise ArgumentError(f"schedules must be some of {', '.join(SCHEDULES)}, got {list(listed)!r}")
+    given = (schedules,) if isinstance(schedules, str) else tuple(schedules)
+    if any(not isinstance(name, str) for name in given):
+        raise ArgumentError(f"schedules must be names, some of {', '.join(SCHEDULES)}, got {list(given)!r}")
+    listed = tuple(dict.fromkeys(name.strip().lower() for name in given))  # each once; ZBV as zbv, as --schedules
+    wrong = next((name for name in listed if name not in SCHEDULES), None)
+    if not listed or wrong is not None:
+        hint = ("" if wrong is None else " (give a list: ['zbv', '1f1b'])" if "," in wrong
+                else meant_schedule(wrong, among=SCHEDULES))
+        raise ArgumentError(f"schedules must be some of {', '.join(SCHEDULES)}, got {list(given)!r}{hint}")
     return listed
 
 
@@ -290,7 +277,10 @@ def _layout_text(layout: Mapping[str, Any] | None) -> str:
                           f"{type(layout).__name__}")
     items = []
     for key, value in layout.items():
-        if isinstance(value, bool) or (isinstance(value, int) and key not in ("recompute", "schedule")):
+        if isinstance(value, bool) and key != "fsdp":
+            raise LayoutError(f"layout {key} must be {'a name' if key in ('recompute', 'schedule') else 'an integer'}"
+                              f", got {value!r}")
+        if isinstance(value, int) and key not in ("recompute", "schedule"):
             value = int(value)
         elif not isinstance(value, str) or "," in value:
             raise LayoutError(f"layout {key} must be {'a name' if key in ('recompute', 'schedule') else 'an integer'}"

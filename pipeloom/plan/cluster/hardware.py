@@ -362,8 +362,14 @@ _MAPPINGS = {"peak_flops": "dtype -> dense FLOP/s", "sources": "field name -> wh
 
 
 def save_hardware(hw: Hardware, path: str | Path) -> None:
-    """Write ``hw`` as a ``pipeloom.hardware/1`` JSON file (:func:`load_hardware` reads it back equal)."""
+    """Write ``hw`` as a ``pipeloom.hardware/1`` JSON file (:func:`load_hardware` reads it back equal); HardwareError,
+    writing nothing, for a number outside the ranges a file may hold (a what-if made in Python)."""
     if not isinstance(hw, Hardware):
         raise HardwareError(f"save_hardware takes a Hardware (pipeloom.plan.cluster.gpus.hardware('h100') gives a "
                             f"built-in's), got {type(hw).__name__}")
+    try:
+        _plausible(hw, f"cannot save {str(path)!r}")
+    except HardwareError as err:  # a what-if of Python's that no file may hold: load_hardware would refuse it
+        raise HardwareError(f"{err}; a file holds only what load_hardware reads back (a what-if this far from any "
+                            "GPU stays in Python)") from None
     Path(path).write_text(json.dumps(hw.to_dict(), indent=2) + "\n")

@@ -279,7 +279,7 @@ class Job:
         if positions and self.seq > positions:
             raise LayoutError(f"seq={self.seq}: this {self.spec.family} model's learned position embedding has "
                               f"{positions} rows, so it takes sequences of at most {positions} tokens; use --seq "
-                              f"{positions} or less")
+                              f"{positions} or less (seq={positions} in Python)")
 
     def cut(self) -> tuple[int, ...] | None:
         """Decoder layers per pipeline stage of an explicit :attr:`stage_cut` (:func:`layout_cut`); None for
@@ -361,22 +361,23 @@ class Job:
                 (f"the {self.spec.family} model has no multi-head latent attention, whose up-projections it "
                  "recomputes", not self.spec.attention.latent),
                 (f"it caches activations in FP8, as DeepSeek-V3's FP8 training does, and the GEMMs are {self.dtype}: "
-                 "add --dtype fp8", self.dtype != "fp8")) if wrong]
+                 "add --dtype fp8 (dtype='fp8')", self.dtype != "fp8")) if wrong]
             if reasons:
                 raise LayoutError("selective='deepseek' is DeepSeek-V3's recipe: " + "; ".join(reasons)
                                   + "; use selective 'core_attn' or 'op' otherwise")
         if self.fp8_cast != "cached" and self.dtype != "fp8":
             raise LayoutError(f"fp8_cast={self.fp8_cast!r} prices FP8 GEMMs' casts; with dtype {self.dtype!r} there "
-                              "are none: add --dtype fp8 or leave --fp8-cast out")
+                              "are none: plan with --dtype fp8 (dtype='fp8' in Python) or leave --fp8-cast "
+                              "(fp8_cast) out")
         if self.fp8_cast == "mxfp8" and not self.hw.mxfp8:
             raise LayoutError(f"fp8_cast='mxfp8' needs tensor cores that scale FP8 per block of 32 (Blackwell: b200, "
                               f"gb200, gb300); {self.hw.name} has none (its hardware description's mxfp8 is false): "
-                              "use --fp8-cast current or cached there")
+                              "use --fp8-cast current or cached there (fp8_cast= in Python)")
         for flag, on, what in (("moe-overlap", self.moe_overlap, "moe_overlap overlaps"),
                                ("moe-comm", self.moe_comm != "plain", f"moe_comm={self.moe_comm!r} prices")):
             if on and self.spec.experts is None:
                 raise LayoutError(f"{what} the expert all-to-all; the {self.spec.family} model has no experts: "
-                                  f"leave --{flag} out")
+                                  f"leave --{flag} ({flag.replace('-', '_')}) out")
         if self.moe_comm != "plain" and self.hw.name in ("a100-40gb", "a100-80gb", "mi300x"):
             raise LayoutError(f"moe_comm={self.moe_comm!r}: DeepEP's and Hybrid-EP's kernels need NVIDIA Hopper or "
                               f"Blackwell GPUs (h100, h200, b200, gb200, gb300), not {self.hw.name}: use 'plain' there")

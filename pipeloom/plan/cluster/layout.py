@@ -91,6 +91,8 @@ class Layout:
         if placement is None:
             raise LayoutError(f"schedule {self.schedule!r} is not priced by the cluster planner; choose one of "
                               f"{', '.join(SCHEDULES)}")
+        if self.pp == 1 and self.schedule != "1f1b":  # before vp's checks, whose fixes would lead here
+            raise LayoutError(f"pp=1 has no pipeline to run {self.schedule}: use schedule=1f1b with vp=1, or pp >= 2")
         if placement == "v" and self.vp != 2:
             raise LayoutError(f"{self.schedule} places 2 stages per rank in a V: use vp=2, got vp={self.vp}")
         if placement == "interleaved" and self.vp < 2:
@@ -190,8 +192,6 @@ class Layout:
         if self.schedule == "interleaved-1f1b" and m % self.pp:
             raise LayoutError(f"interleaved-1f1b needs micro-batches ({m}) divisible by pp={self.pp}",
                               counts=self._batch_of(self.pp, multiple=True))
-        if self.pp == 1 and self.schedule != "1f1b":
-            raise LayoutError("pp=1 has no pipeline: use schedule=1f1b")
         return m
 
     def shape_problem(self, job: Job, *, cut: bool = True) -> str | None:

@@ -218,7 +218,7 @@ def test_fp8_casts_follow_the_framework():
     assert cached.f < every.f and cached.i < every.i and cached.w < every.w
     amax = layer_times(current, layout, "dense")  # the amax pass adds to F and I; W reuses F's and I's copies
     assert cached.f < amax.f and cached.i < amax.i and cached.w == amax.w
-    with pytest.raises(LayoutError, match="with dtype 'bf16' there are none: add --dtype fp8"):
+    with pytest.raises(LayoutError, match="with dtype 'bf16' there are none: plan with --dtype fp8"):
         dataclasses.replace(dynamic, dtype="bf16")  # BF16 GEMMs cast nothing: the choice would change nothing
     with pytest.raises(LayoutError, match="fp8_cast='delayed'"):
         dataclasses.replace(job, fp8_cast="delayed")

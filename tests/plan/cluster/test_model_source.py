@@ -153,11 +153,13 @@ def test_size_fields_left_out_are_named_with_the_defaults_planned(tmp_path, caps
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[0].startswith("llama (32 layers, 2.83B parameters) on 8 x h100"), out
-    assert ("note: the config leaves out intermediate_size, num_hidden_layers, vocab_size: transformers' llama "
-            "defaults were planned (intermediate_size 11008, num_hidden_layers 32, vocab_size 32000)") in out
+    assert ("note: the config leaves out intermediate_size, num_hidden_layers, vocab_size, num_key_value_heads: "
+            "transformers' llama defaults were planned (intermediate_size 11008, num_hidden_layers 32, vocab_size "
+            "32000, num_key_value_heads 16)") in out  # the key/value heads: the query heads, as the class sets them
     assert main([*argv, "--json"]) == 0
     model = json.loads(capsys.readouterr().out)["model"]
-    assert model["defaulted"] == {"intermediate_size": 11008, "num_hidden_layers": 32, "vocab_size": 32000}
+    assert model["defaulted"] == {"intermediate_size": 11008, "num_hidden_layers": 32, "vocab_size": 32000,
+                                  "num_key_value_heads": 16}
     path.write_text(json.dumps(QWEN25_32B))
     assert main(argv) == 0
     out = capsys.readouterr().out

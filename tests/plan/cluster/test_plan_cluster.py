@@ -229,7 +229,8 @@ def test_1f1b_bound_is_exact_for_even_stages():
     (["--model", "CONFIG", "--hardware", "h100", "--gpus", "8", "--seq", "4096", "--layout", "schedule=1f2b"],
      "layout schedule=1f2b is not one of 1f1b, interleaved-1f1b"),
     (["--model", "CONFIG", "--hardware", "h100", "--gpus", "8", "--seq", "4096", "--moe-overlap"],
-     "moe_overlap overlaps the expert all-to-all; the llama model has no experts: leave --moe-overlap out"),
+     "moe_overlap overlaps the expert all-to-all; the llama model has no experts: leave --moe-overlap "
+     "(moe_overlap) out"),
     (["--model", "CONFIG", "--hardware", "h100", "--gpus", "8", "--seq", "4096", "--memory-limit", "1GiB", "--layout",
       "tp=4,fsdp=0"], "tried with tp=4,fsdp=0; the least memory any needs is"),
     (["--model", "CONFIG", "--hardware", "h100", "--gpus", "8", "--seq", "4096", "--memory-limit", "1GiB", "--layout",

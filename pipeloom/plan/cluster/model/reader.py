@@ -117,6 +117,8 @@ def model_spec(config: object) -> ModelSpec:
     _check_layer_types(data)
     spec = _family_spec(data, family)
     context = data.get("max_position_embeddings")
+    if family not in _KV_UNREAD and data.get("num_key_value_heads") is None:  # the class's post-init: the query heads
+        left_out["num_key_value_heads"] = spec.attention.heads
     spec = dataclasses.replace(spec, defaulted=tuple((key, value) for key, value in left_out.items() if key in _SIZES),
                                context=context if isinstance(context, int) and not spec.positions else 0)
     spec = dataclasses.replace(spec, **_dropouts(data, family, spec.parallel_residual),
@@ -151,6 +153,8 @@ def _check_layer_types(data: Mapping[str, Any]) -> None:
                                "the family's own pattern")
 
 
+_KV_UNREAD = ("gpt2", "gptj", "gpt_neox", "falcon")
+"""The families whose configs have no ``num_key_value_heads`` (Falcon's is ``num_kv_heads``)."""
 _SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
           "head_dim", "vocab_size", "moe_intermediate_size", "shared_expert_intermediate_size", "num_experts",
           "num_local_experts", "num_experts_per_tok", "n_routed_experts", "n_shared_experts", "kv_lora_rank",

@@ -331,3 +331,25 @@ class ModelSpec:
     def dense_layers(self) -> int:
         """Layers with a dense MLP."""
         return self.layers - len(self.moe_layers)
+
+    def as_dict(self) -> dict:
+        """The ``--json`` model (its counts are the planner's to add): family, ``text_of`` (the multimodal model_type
+        whose language model it is, else empty), layers, hidden, experts, the attention variants, the dropouts and
+        the fields a config left out (``defaulted``). ``sparse_attention``: the indexer's keys per query, heads, head
+        dimension and layers (None without); ``linear_attention``: Gated DeltaNet's heads, head dimensions,
+        convolution taps, layers and doubled write strength (None without)."""
+        ix, g = self.indexer, self.linear
+        return {"family": self.family, "text_of": self.text_of, "layers": self.layers, "hidden": self.hidden,
+                "experts": self.experts.count if self.experts else 0,
+                "experts_per_token": self.experts.top_k if self.experts else 0,
+                "sliding_window": self.window, "sliding_window_layers": list(self.window_layers),
+                "chunked_attention": self.chunked, "nope_layers": list(self.nope_layers),
+                "sparse_attention": None if ix is None else {
+                    "topk": ix.topk, "index_heads": ix.heads, "index_head_dim": ix.dim,
+                    "indexer_layers": list(self.indexer_layers)},
+                "linear_attention": None if g is None else {
+                    "kind": "gated_deltanet", "key_heads": g.key_heads, "value_heads": g.value_heads,
+                    "key_dim": g.key_dim, "value_dim": g.value_dim, "conv_kernel": g.conv_kernel,
+                    "negative_eigenvalues": g.negative_eigenvalues, "layers": list(self.linear_layers)},
+                "residual_dropouts": self.residual_dropouts, "embedding_dropout": self.embedding_dropout,
+                "logit_softcap": self.logit_softcap, "defaulted": dict(self.defaulted)}
