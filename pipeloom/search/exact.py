@@ -20,7 +20,7 @@ from pipeloom.problem import Problem
 from pipeloom.search.common import IntegerProblem, lower_bound, schedule_from_starts, to_integers
 from pipeloom.search.cpsat import found_solution, meets_bound, status_word
 from pipeloom.search.errors import SearchError
-from pipeloom.search.greedy import list_schedule, microbatch_peak_memory
+from pipeloom.search.greedy import feasible_limit_note, list_schedule
 from pipeloom.search.memory_bounds import limit_of
 from pipeloom.search.paths import topological_order
 from pipeloom.search.repetend import coarsen
@@ -29,7 +29,7 @@ from pipeloom.search.steady import solve_repetend, unroll
 from pipeloom.sim import simulate
 from pipeloom.validate import validate
 
-__all__ = ["MAX_EXACT_INTERVALS", "PERIODIC_SHARE", "feasible_limit_note", "solve_exact"]
+__all__ = ["MAX_EXACT_INTERVALS", "PERIODIC_SHARE", "solve_exact"]
 
 MAX_EXACT_INTERVALS = 20_000
 """Above this many (task, micro-batch) intervals :func:`solve_exact` builds no CP-SAT model (it
@@ -370,10 +370,8 @@ def _serial_horizon(integer: IntegerProblem, num_microbatches: int) -> int:
     return num_microbatches * sum(d + latency for d in integer.durations)
 
 
-def _no_schedule_message(
-    problem: Problem, num_microbatches: int, status: cp_model.CpSolverStatus, time_limit: float,
-    greedy: SearchError | None, *, deadline: float,
-) -> str:
+def _no_schedule_message(problem: Problem, num_microbatches: int, status: cp_model.CpSolverStatus, time_limit: float,
+                         greedy: SearchError | None, *, deadline: float) -> str:
     """Why no schedule came back, with the smallest feasible limit as far as it is known."""
     limit = problem.memory_limit
     known = feasible_limit_note(problem, num_microbatches, deadline=deadline)
@@ -386,37 +384,6 @@ def _no_schedule_message(
         f"the exact search found no schedule within the memory limit {limit:g} in {time_limit:g} s "
         f"({greedy}); {known}; raise the limit or the time limit"
     )
-
-
-def feasible_limit_note(problem: Problem, num_microbatches: int, *, periodic_limit: float | None = None,
-                        deadline: float | None = None) -> str:
-    """The smallest memory limit known to work, for the error when none is met (exact and
-    periodic mode alike): the least of ``periodic_limit`` (the least a repetend needs, when the
-    caller knows it) and what the list scheduler needs running micro-batches on each rank one after
-    another (per rank: static memory, what the micro-batches before the last leave held, and one
-    micro-batch's peak) when it meets that (by ``deadline``, a :func:`time.perf_counter` value);
-    "unknown" when neither is known. Where that is also what every schedule holds at its end (memory
-    never freed), it is the smallest feasible limit, said as such."""
-    static = problem.static_memory or (0.0,) * problem.num_ranks
-    net = [sum(task.memory for task in problem.tasks_on(r)) for r in range(problem.num_ranks)]
-    enough = max(s + h + (num_microbatches - 1) * max(0.0, n)
-                 for s, h, n in zip(static, microbatch_peak_memory(problem), net))
-    known = [] if periodic_limit is None else [(periodic_limit, "a periodic schedule")]
-    try:
-        list_schedule(problem, num_microbatches, memory_limit=enough, deadline=deadline)
-    except SearchError:
-        pass
-    else:
-        known.append((enough, "the list schedule"))
-    if not known:
-        return "the smallest feasible limit is unknown"
-    value, source = min(known)
-    held_at_end = max(s + num_microbatches * n for s, n in zip(static, net))
-    if value <= held_at_end * (1 + 1e-12):
-        return (f"the smallest feasible limit is {value:g} (every schedule holds that at its end, and "
-                f"{source} meets it)")
-    return (f"the smallest limit known to work is {value:g} ({source} meets it), so the smallest "
-            f"feasible limit is at most {value:g}")
 
 
 def _result(schedule: Schedule, makespan: float, bound: float, began: float, integer: IntegerProblem) -> SearchResult:

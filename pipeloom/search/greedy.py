@@ -17,7 +17,7 @@ from pipeloom.search.errors import SearchError
 from pipeloom.search.memory_bounds import limit_of
 from pipeloom.search.paths import dep_indices, head_tail, topological_order
 
-__all__ = ["list_schedule", "microbatch_peak_memory"]
+__all__ = ["feasible_limit_note", "list_schedule", "microbatch_peak_memory"]
 
 _EPS = 1e-9
 
@@ -184,3 +184,34 @@ class _AdmissionRules:
             f"after {placed} of {total} actions{detail}; "
             "raise the limit or use fewer micro-batches"
         )
+
+
+def feasible_limit_note(problem: Problem, num_microbatches: int, *, periodic_limit: float | None = None,
+                        deadline: float | None = None) -> str:
+    """The smallest memory limit known to work, for the error when none is met (exact and
+    periodic mode alike): the least of ``periodic_limit`` (the least a repetend needs, when the
+    caller knows it) and what the list scheduler needs running micro-batches on each rank one after
+    another (per rank: static memory, what the micro-batches before the last leave held, and one
+    micro-batch's peak) when it meets that (by ``deadline``, a :func:`time.perf_counter` value);
+    "unknown" when neither is known. Where that is also what every schedule holds at its end (memory
+    never freed), it is the smallest feasible limit, said as such."""
+    static = problem.static_memory or (0.0,) * problem.num_ranks
+    net = [sum(task.memory for task in problem.tasks_on(r)) for r in range(problem.num_ranks)]
+    enough = max(s + h + (num_microbatches - 1) * max(0.0, n)
+                 for s, h, n in zip(static, microbatch_peak_memory(problem), net))
+    known = [] if periodic_limit is None else [(periodic_limit, "a periodic schedule")]
+    try:
+        list_schedule(problem, num_microbatches, memory_limit=enough, deadline=deadline)
+    except SearchError:
+        pass
+    else:
+        known.append((enough, "the list schedule"))
+    if not known:
+        return "the smallest feasible limit is unknown"
+    value, source = min(known)
+    held_at_end = max(s + num_microbatches * n for s, n in zip(static, net))
+    if value <= held_at_end * (1 + 1e-12):
+        return (f"the smallest feasible limit is {value:g} (every schedule holds that at its end, and "
+                f"{source} meets it)")
+    return (f"the smallest limit known to work is {value:g} ({source} meets it), so the smallest "
+            f"feasible limit is at most {value:g}")

@@ -16,8 +16,8 @@ from pipeloom.search.budget import SECONDS_PER_ACTION
 from pipeloom.search.common import IntegerProblem, lower_bound, period_lower_bound, to_integers
 from pipeloom.search.cpsat import meets_bound, status_word
 from pipeloom.search.errors import SearchError
-from pipeloom.search.exact import feasible_limit_note, solve_exact
-from pipeloom.search.greedy import list_schedule
+from pipeloom.search.exact import solve_exact
+from pipeloom.search.greedy import feasible_limit_note, list_schedule
 from pipeloom.search.memory_bounds import limit_of
 from pipeloom.search.repetend import coarsen
 from pipeloom.search.result import SearchResult
@@ -176,7 +176,7 @@ def _fallback(problem: Problem, num_microbatches: int, *, name: str, begin: floa
 def _no_schedule(ip: IntegerProblem, num_microbatches: int, failure: SearchError | None, *, begin: float,
                  time_limit: float, workers: int) -> SearchError:
     """The error when nothing fits: why, and the smallest limit known to work, as exact mode words
-    it (:func:`~pipeloom.search.exact.feasible_limit_note`): the least of the list scheduler's and,
+    it (:func:`~pipeloom.search.greedy.feasible_limit_note`): the least of the list scheduler's and,
     when every rank's memory per micro-batch sums to 0 (else the repetend bounds no other rank),
     the least a one-copy repetend needs."""
     problem, smallest = ip.problem, None
