@@ -182,7 +182,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--schedule", default="1f1b", help="built-in name, or a saved .json/.csv schedule")
     parser.add_argument("--stages-per-rank", type=int, default=2,
-                        help="stages per rank for the looped schedules (interleaved-1f1b, looped-bfs)")
+                        help="stages per rank for the looped schedules (interleaved-1f1b, interleaved-zb, looped-bfs)")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--microbatches", type=int, default=8,
                         help="micro-batches per step of each pipeline (a saved schedule's own count wins)")

@@ -34,8 +34,8 @@ TaskKey = tuple[int, str]
 _TASK_NAME = re.compile(r"^(\d+)([FBIW])$")
 MAX_INTERVALS = 10_000_000
 """The most (task, micro-batch) intervals (= actions of the schedule) a problem is expanded to:
-:func:`pipeloom.search.search` refuses more before building anything, and ``pipeloom show`` /
-``simulate`` / ``compare`` refuse a larger schedule (one that size already takes gigabytes to
+:func:`pipeloom.search.search` refuses more before building anything, and ``pipeloom show`` and
+``compare`` refuse to build a larger schedule (one that size already takes gigabytes to
 hold and simulate). Kept here, not with the search, so the CLI reads it without loading OR-Tools."""
 
 _MAX_DIGITS = 18
