@@ -22,7 +22,8 @@ from pipeloom.plan.costs.table import CostTable
 from pipeloom.plan.errors import PlanError
 from pipeloom.plan.tp.collectives import Collective
 from pipeloom.profile.fits import exchange_latency, fit_run, fitted_action_cost, start_skew, time_spread
-from pipeloom.profile.model import _default_pieces, _traced, profile_model, updates_running_stats
+from pipeloom.profile.model import profile_model, updates_running_stats
+from pipeloom.profile.pieces import pieces_in_trace, trace_for_pieces
 from pipeloom.runtime import Parallelism, PipelineEngine, Tracing, pipeline, split_model
 from pipeloom.schedules.common import chain_problem
 from pipeloom.stages import Costs, stage_graph
@@ -145,8 +146,8 @@ class EngineProfiler:
         args = inputs if isinstance(inputs, tuple) else (inputs,)
         first = tuple(t.chunk(microbatches)[0] if isinstance(t, torch.Tensor) else t for t in args)
         self.leaf_modules = tuple(leaf_modules)
-        self.traced = _traced(model, first, tracer=tracer, leaf_modules=self.leaf_modules)  # as the runtime cuts
-        self.names = list(pieces) if pieces is not None else _default_pieces(model, self.traced, self.leaf_modules)
+        self.traced = trace_for_pieces(model, first, tracer=tracer, leaf_modules=self.leaf_modules)  # as cut
+        self.names = list(pieces) if pieces is not None else pieces_in_trace(model, self.traced, self.leaf_modules)
         if base is None:
             first_target = target.chunk(microbatches)[0] if isinstance(target, torch.Tensor) else target
             base = profile_model(model, first, pieces=self.names, tracer=tracer, leaf_modules=self.leaf_modules,

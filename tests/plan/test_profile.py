@@ -12,7 +12,8 @@ import pytest
 torch = pytest.importorskip("torch")
 from torch import nn
 
-from pipeloom.profile.model import default_pieces, profile_model
+from pipeloom.profile.model import profile_model
+from pipeloom.profile.pieces import default_pieces
 
 
 class MLP(nn.Module):

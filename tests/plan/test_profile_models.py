@@ -19,7 +19,8 @@ from pipeloom.cli.profile_user import load_function
 from pipeloom.plan import load_costs
 from pipeloom.plan.costs.parts import SharedParam
 from pipeloom.profile.errors import PieceError
-from pipeloom.profile.model import default_pieces, profile_model
+from pipeloom.profile.model import profile_model
+from pipeloom.profile.pieces import default_pieces
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_hf.py"
 TINY = ["--arg", "layers=2", "--arg", "width=32", "--arg", "vocab=64", "--arg", "dropout=0.0"]
