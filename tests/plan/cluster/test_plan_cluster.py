@@ -234,7 +234,7 @@ def test_1f1b_bound_is_exact_for_even_stages():
     (["--model", "CONFIG", "--hardware", "h100", "--gpus", "8", "--seq", "4096", "--memory-limit", "1GiB", "--layout",
       "tp=4,fsdp=0"], "tried with tp=4,fsdp=0; the least memory any needs is"),
     (["--model", "CONFIG", "--hardware", "h100", "--gpus", "8", "--seq", "4096", "--memory-limit", "1GiB", "--layout",
-      "tp=4,fsdp=0"], "fix fewer --layout keys, use more GPUs"),
+      "tp=4,fsdp=0"], "fix fewer --layout (layout) keys, use more GPUs"),
     (["--model", "CONFIG", "--hardware", "h100", "--gpus", "8", "--seq", "4096", "--stage-cut", "Et*8|t*7L"],
      "stage cut 'Et*8|t*7L': it holds 15 decoder layers (t); the model has 16"),
     (["--model", "CONFIG", "--hardware", "h100", "--gpus", "8", "--seq", "4096", "--stage-cut", "Et*8|t*8L",
