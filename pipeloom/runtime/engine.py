@@ -360,14 +360,11 @@ class PipelineEngine:
         """The engine is broken: leave the message where the other ranks look, and raise it (``cause``
         itself when it is already a PipelineError)."""
         where = self.layout.where()
-        if where and where not in message:  # on a "tp" mesh: the global rank and its mesh coordinates
-            message = f"{where}: {message}"
-            self.broken = message
-            self.messenger.report(message)
-            raise PipelineError(message) from cause
+        placed = bool(where) and where not in message  # on a "tp" mesh: the global rank and its mesh coordinates
+        message = f"{where}: {message}" if placed else message
         self.broken = message
         self.messenger.report(message)
-        if isinstance(cause, PipelineError):
+        if isinstance(cause, PipelineError) and not placed:
             raise cause
         raise PipelineError(message) from cause
 
