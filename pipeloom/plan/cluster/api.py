@@ -85,8 +85,7 @@ class ClusterPlan:
             "best": dict(self.best.as_dict(), fits=self.fits, fits_gpu=self.best.memory.total <= hw.memory_bytes),
             "runners_up": [dict(est.as_dict(), why=why) for est, why in self.runners_up],
             "hardware": hw.to_dict(),  # the whole description as priced: hardware_from_dict reads it back
-            "model": dict(self.job.spec.as_dict(), params=model_params(self.job.spec),
-                          active_params=model_params(self.job.spec, active=True)),
+            "model": _model(self.job.spec),
             "gpus": self.job.gpus, "global_batch": self.job.global_batch, "seq": self.job.seq,
             "dtype": self.job.dtype, "selective": self.job.selective, "recompute_layers": self.job.recompute_layers,
             "moe_comm": self.job.moe_comm, "moe_overlap": self.job.moe_overlap,
@@ -94,6 +93,14 @@ class ClusterPlan:
             "memory_limit": self.memory_limit, "candidates": self.candidates,
             "priced": self.priced, "simulated": self.simulated, "seconds": self.seconds,
         }
+
+
+def _model(spec: ModelSpec) -> dict[str, Any]:
+    """``--json``'s ``model``: :meth:`ModelSpec.as_dict` with the parameter counts after its size (``params`` as
+    transformers counts them, ``active_params`` with only the top-k routed experts a token runs)."""
+    described = list(spec.as_dict().items())
+    counts = [("params", model_params(spec)), ("active_params", model_params(spec, active=True))]
+    return dict(described[:4] + counts + described[4:])
 
 
 FRAMEWORKS: dict[str, dict[str, Any]] = {
@@ -207,6 +214,10 @@ def _only(allowed: tuple[str, ...] | None, runtime: Callable[[Layout], list[str]
     return blocked
 
 
+_UNPRICED = " (the cluster planner does not price it; pipeloom plan --costs searches every built-in schedule)"
+"""Said of a built-in schedule the cluster planner does not price (gpipe, zb-h2, ...)."""
+
+
 def _checked_flags(**flags: Any) -> dict[str, bool]:
     """``flags`` as they are; ArgumentError for one that is not True or False (``"false"`` had been read as true)."""
     for name, value in flags.items():
@@ -230,8 +241,8 @@ def _checked_arguments(dtype: str, runners_up: int, schedules: Sequence[str] | N
     listed = tuple(dict.fromkeys(name.strip().lower() for name in given))  # each once; ZBV as zbv, as --schedules
     wrong = next((name for name in listed if name not in SCHEDULES), None)
     if not listed or wrong is not None:
-        hint = ("" if wrong is None else " (give a list: ['zbv', '1f1b'])" if "," in wrong
-                else meant_schedule(wrong, among=SCHEDULES))
+        hint = ("" if wrong is None else " (give a list: ['zbv', '1f1b'])" if "," in wrong else _UNPRICED
+                if wrong in REGISTRY else meant_schedule(wrong, among=SCHEDULES))
         raise ArgumentError(f"schedules must be some of {', '.join(SCHEDULES)}, got {list(given)!r}{hint}")
     return listed
 
@@ -253,8 +264,7 @@ def parse_layout(text: str) -> dict[str, Any]:
             if fixed[key] not in choices:
                 other = key == "schedule" and fixed[key] in REGISTRY  # a pipeloom schedule this planner does not price
                 raise LayoutError(f"layout {key}={value} is not one of {', '.join(choices)}" + (
-                    " (the cluster planner does not price it; pipeloom plan --costs searches every built-in schedule)"
-                    if other else meant_schedule(value, among=SCHEDULES) if key == "schedule" else ""))
+                    _UNPRICED if other else meant_schedule(value, among=SCHEDULES) if key == "schedule" else ""))
             continue
         try:
             number = int(value)
@@ -276,7 +286,8 @@ def _layout_text(layout: Mapping[str, Any] | None) -> str:
         raise LayoutError(f"layout must be a text such as 'tp=4,pp=8' or a mapping of its keys, got "
                           f"{type(layout).__name__}")
     items = []
-    for key, value in layout.items():
+    for given, value in layout.items():
+        key = str(given).strip().lower()  # FSDP as fsdp, as parse_layout reads the text's keys
         if isinstance(value, bool) and key != "fsdp":
             raise LayoutError(f"layout {key} must be {'a name' if key in ('recompute', 'schedule') else 'an integer'}"
                               f", got {value!r}")

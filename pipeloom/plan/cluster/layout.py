@@ -317,9 +317,9 @@ def _fixed_problem(job: Job, fixed: dict[str, Any]) -> tuple[str | None, str | N
     pp or ep the model or sequence refuses: :meth:`Layout.shape_problem`), and the counts that avoid it, or None."""
     schedule = fixed.get("schedule", "interleaved-1f1b" if fixed.get("vp", 1) > 1 else "1f1b")
     vp = fixed.get("vp", {"v": 2, "interleaved": 2}.get(SCHEDULES.get(schedule, ""), 1))
-    try:  # dp = ep: any ep divides tp x dp x cp
-        probe = Layout(tp=fixed.get("tp", 1), cp=fixed.get("cp", 1), pp=fixed.get("pp", 1), vp=vp,
-                       ep=fixed.get("ep", 1), dp=fixed.get("ep", 1), schedule=schedule)
+    try:  # dp = ep: any ep divides tp x dp x cp; a pipeline schedule's fewest stages, pp 2
+        probe = Layout(tp=fixed.get("tp", 1), cp=fixed.get("cp", 1), pp=fixed.get("pp", 1 if schedule == "1f1b" else 2),
+                       vp=vp, ep=fixed.get("ep", 1), dp=fixed.get("ep", 1), schedule=schedule)
         refused = probe.shape_problem(job, cut="pp" in fixed and "vp" in fixed)
     except LayoutError:  # the keys refuse each other: said where the layouts are made
         refused = None

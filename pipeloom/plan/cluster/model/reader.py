@@ -111,13 +111,15 @@ def model_spec(config: object) -> ModelSpec:
                                "decoders: set use_bidirectional_attention to false")
     left_out = {key: value for key, value in FAMILY_DEFAULTS.get(family, {}).items()
                 if not any(name in data for name in _ALIASES.get(key, (key,)))}
-    _misspelled(data, family, left_out)
+    kv_left = family not in _KV_UNREAD and "num_key_value_heads" not in data and "num_key_value_heads" not in left_out
+    heads = {"num_key_value_heads": data.get("num_attention_heads", left_out.get("num_attention_heads"))}
+    _misspelled(data, family, {**left_out, **heads} if kv_left else left_out)  # the class's: the query heads
     data = {**left_out, **data}  # transformers' defaults for the fields left out
     check_fields(data)
     _check_layer_types(data)
     spec = _family_spec(data, family)
     context = data.get("max_position_embeddings")
-    if family not in _KV_UNREAD and data.get("num_key_value_heads") is None:  # the class's post-init: the query heads
+    if kv_left:
         left_out["num_key_value_heads"] = spec.attention.heads
     spec = dataclasses.replace(spec, defaulted=tuple((key, value) for key, value in left_out.items() if key in _SIZES),
                                context=context if isinstance(context, int) and not spec.positions else 0)
