@@ -119,8 +119,7 @@ def model_spec(config: object) -> ModelSpec:
     _check_layer_types(data)
     spec = _family_spec(data, family)
     context = data.get("max_position_embeddings")
-    if kv_left:
-        left_out["num_key_value_heads"] = spec.attention.heads
+    left_out |= {"num_key_value_heads": spec.attention.heads} if kv_left else {}
     spec = dataclasses.replace(spec, defaulted=tuple((key, value) for key, value in left_out.items() if key in _SIZES),
                                context=context if isinstance(context, int) and not spec.positions else 0)
     spec = dataclasses.replace(spec, **_dropouts(data, family, spec.parallel_residual),
