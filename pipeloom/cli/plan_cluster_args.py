@@ -21,7 +21,7 @@ def add_cluster_arguments(plan: argparse.ArgumentParser) -> None:
     group.add_argument("--model", type=Path, metavar="CONFIG.json|DIR|ID",
                        help="a transformers config.json, a model folder holding one, or a Hugging Face model id "
                             "whose config is in the local cache (LLaMA, Mistral, Qwen2/3, Gemma 1-3, Granite, "
-                            "Phi-1/1.5/2/3/4, OLMo 2/3, StarCoder2, GPT-2, GPT-J, GPT-NeoX, Mixtral, Qwen2/3-MoE, "
+                            "Phi-1/1.5/2/3/4, OLMo 1/2/3, StarCoder2, GPT-2, GPT-J, GPT-NeoX, Mixtral, Qwen2/3-MoE, "
                             "DeepSeek-V2/V3, GLM-4.5, gpt-oss, and more: README lists them); see docs/cluster-plan.md")
     group.add_argument("--hardware", metavar="NAME|FILE.json",
                        help="GPU type: a100-40gb, a100-80gb, h100, h200, b200, gb200, gb300, mi300x, or a "

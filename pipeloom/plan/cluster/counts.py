@@ -126,8 +126,8 @@ class LayerCounts:
 
 
 def _norm(spec: ModelSpec) -> int:
-    """Parameters of one norm over h: its weight, and a LayerNorm's bias."""
-    return 2 * spec.hidden if spec.layer_norm and spec.norm_bias else spec.hidden
+    """Parameters of one norm over h: its weight, and a LayerNorm's bias (none without weights: OLMo 1)."""
+    return 0 if not spec.norm_weights else 2 * spec.hidden if spec.layer_norm and spec.norm_bias else spec.hidden
 
 
 def norm_stats(spec: ModelSpec) -> int:

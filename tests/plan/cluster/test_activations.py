@@ -71,11 +71,11 @@ transformers = pytest.importorskip("transformers")
 
 BATCH, SEQ, WIDTH = 2, 16, 4
 FAMILIES = {"llama": "sdpa", "mistral": "sdpa", "qwen2": "sdpa", "qwen3": "sdpa", "gemma": "sdpa",
-            "gemma2": "eager", "gemma3_text": "sdpa", "granite": "sdpa", "phi3": "sdpa", "olmo2": "sdpa",
-            "olmo3": "sdpa", "smollm3": "sdpa", "starcoder2": "sdpa", "cohere": "sdpa", "cohere2": "sdpa",
-            "ernie4_5": "sdpa", "glm4": "sdpa", "seed_oss": "sdpa", "exaone4": "sdpa", "falcon": "sdpa",
-            "gpt_neox": "sdpa", "ministral": "sdpa", "ministral3": "sdpa", "helium": "sdpa", "arcee": "sdpa",
-            "hunyuan_v1_dense": "sdpa"}  # the attention each
+            "gemma2": "eager", "gemma3_text": "sdpa", "granite": "sdpa", "phi3": "sdpa", "olmo": "sdpa",
+            "olmo2": "sdpa", "olmo3": "sdpa", "smollm3": "sdpa", "starcoder2": "sdpa", "cohere": "sdpa",
+            "cohere2": "sdpa", "ernie4_5": "sdpa", "glm4": "sdpa", "seed_oss": "sdpa", "exaone4": "sdpa",
+            "falcon": "sdpa", "gpt_neox": "sdpa", "ministral": "sdpa", "ministral3": "sdpa", "helium": "sdpa",
+            "arcee": "sdpa", "hunyuan_v1_dense": "sdpa"}  # the attention each
 # runs (Gemma 2 has no sdpa path; SmolLM3's tiny instance has rotary on both layers, so that its rotary's cos and
 # sin are shared as in the other families: a layer without keeps the same bytes less those); GPT-2 is left out:
 # its eager GELU ("gelu_new", written out op by op) and fused c_attn split keep several more copies than any kernel

@@ -387,3 +387,13 @@ def test_hunyuan_a13b_counts_80_b_with_13_b_active():
     with torch.device("meta"):
         model = tiny_model(transformers.AutoConfig.for_model(**data))
     assert total == sum(p.numel() for p in model.parameters())
+
+
+def test_olmo_1_norms_hold_no_parameters_and_clip_qkv_is_refused():
+    """OLMo 1's LayerNorms have neither weight nor bias (OLMo-7B's 6.89 B, transformers' count); its clip_qkv clamps
+    q, k and v in place, which keeps q and k before the rotary for the backward, uncounted: refused, naming that."""
+    seven_b = {"model_type": "olmo", "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+               "num_attention_heads": 32, "vocab_size": 50304}
+    assert model_params(model_spec(seven_b)) == 6_888_095_744
+    with pytest.raises(ModelConfigError, match=r"clip_qkv=8\.0 clamps q, k and v in place.*set clip_qkv to null"):
+        model_spec({**seven_b, "clip_qkv": 8.0})

@@ -25,6 +25,7 @@ TINY: dict[str, dict[str, Any]] = {
                     attention_multiplier=0.1, logits_scaling=4.0),
     "phi3": dict(_COMMON, num_key_value_heads=2, partial_rotary_factor=0.5, pad_token_id=0, bos_token_id=1,
                  eos_token_id=2),
+    "olmo": dict(_COMMON, num_key_value_heads=2, pad_token_id=0, eos_token_id=2),
     "olmo2": dict(_COMMON, num_key_value_heads=2, pad_token_id=0, eos_token_id=2),
     "olmo3": dict(_COMMON, num_key_value_heads=2, pad_token_id=0, eos_token_id=2, sliding_window=8,
                   layer_types=["sliding_attention", "full_attention"]),

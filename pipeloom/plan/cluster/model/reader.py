@@ -31,8 +31,8 @@ from pipeloom.plan.errors import ModelConfigError
 
 __all__ = ["model_spec", "SUPPORTED_FAMILIES"]
 
-_DENSE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "granite", "phi3", "olmo2", "olmo3",
-          "smollm3", "starcoder2", "cohere", "cohere2", "ernie4_5", "glm4", "seed_oss", "exaone4", "falcon",
+_DENSE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "granite", "phi3", "olmo", "olmo2",
+          "olmo3", "smollm3", "starcoder2", "cohere", "cohere2", "ernie4_5", "glm4", "seed_oss", "exaone4", "falcon",
           "gpt2", "gpt_neox", "phi", "gptj", "ministral", "ministral3", "helium", "arcee", "hunyuan_v1_dense")
 _UNGATED = ("arcee",)
 """Families of the LLaMA layout whose MLP is two projections around one activation (Arcee's ReLU²)."""
@@ -281,6 +281,8 @@ def _family_spec(data: Mapping[str, Any], family: str) -> ModelSpec:
                               v_dim=head_dim, qkv_bias=bias, o_bias=bias)
         return ModelSpec(**common, attention=attention, intermediate=int(get_field(data, "intermediate_size")),
                          gated=False, mlp_bias=bias, layer_norm=True)
+    if family == "olmo":
+        return _olmo(data, common, heads, head_dim)
     if family in ("cohere", "cohere2"):
         return _cohere(data, common, heads, head_dim)
     if family.startswith("ernie"):
@@ -315,6 +317,21 @@ def _family_spec(data: Mapping[str, Any], family: str) -> ModelSpec:
     dense_only = set(data.get("mlp_only_layers") or ())
     moe = tuple(i for i in range(layers) if i not in dense_only and experts.count > 0 and (i + 1) % step == 0)
     return ModelSpec(**dense, intermediate=int(get_field(data, "intermediate_size")), experts=experts, moe_layers=moe)
+
+
+def _olmo(data: Mapping[str, Any], common: dict[str, Any], heads: int, head_dim: int) -> ModelSpec:
+    """AI2's OLMo 1 (``olmo``): LLaMA's layer, grouped-query attention and a gated MLP, with LayerNorms that hold no
+    weight or bias, and biases on the four attention projections under ``attention_bias``. Its ``clip_qkv`` (each of
+    q, k and v clamped in place, which keeps a copy of q and k before the rotary for the backward) is refused."""
+    if data.get("clip_qkv") is not None:
+        raise ModelConfigError(f"olmo with clip_qkv={data['clip_qkv']!r} clamps q, k and v in place, which keeps q "
+                               "and k before the rotary embedding for the backward: the planner does not count them; "
+                               "set clip_qkv to null to plan the model without it")
+    bias = bool(data.get("attention_bias", False))
+    attention = Attention(heads=heads, kv_heads=int(data.get("num_key_value_heads") or heads), qk_dim=head_dim,
+                          v_dim=head_dim, qkv_bias=bias, o_bias=bias)
+    return ModelSpec(**common, attention=attention, intermediate=int(get_field(data, "intermediate_size")),
+                     layer_norm=True, norm_bias=False, norm_weights=False)
 
 
 def _cohere(data: Mapping[str, Any], common: dict[str, Any], heads: int, head_dim: int) -> ModelSpec:

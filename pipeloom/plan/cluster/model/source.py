@@ -141,6 +141,8 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                 "vocab_size": 32000, "attention_bias": False, "mlp_bias": False},
     "phi3": {"hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 32, "num_attention_heads": 32,
              "vocab_size": 32064, "resid_pdrop": 0.0},
+    "olmo": {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
+             "vocab_size": 50304, "attention_bias": False, "clip_qkv": None},
     "olmo2": {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
               "vocab_size": 50304, "attention_bias": False},
     "olmo3": {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,

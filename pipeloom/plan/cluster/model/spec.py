@@ -213,6 +213,8 @@ class ModelSpec:
     """LayerNorm (mean and variance: GPT-2, GPT-NeoX, StarCoder2, Cohere) rather than RMSNorm."""
     norm_bias: bool = True
     """A LayerNorm's bias (Cohere's LayerNorms have none)."""
+    norm_weights: bool = True
+    """The norms over h have weights (OLMo 1's LayerNorms have neither weight nor bias: no parameters)."""
     post_norms: bool = False
     """Norms after attention and after the MLP too, on each branch's output before the residual add (Gemma 2
     and 3: four norms per layer)."""
