@@ -25,8 +25,8 @@ from pipeloom.runtime.model.split import StagedModel
 from pipeloom.runtime.options import Failures, Parallelism, Tracing, Weights
 from pipeloom.runtime.parallel.dp import Layout, layout_of
 from pipeloom.runtime.parallel.ep import (
-    check_capacity_agrees,
     check_experts_agree,
+    check_options_agree,
     check_tp_with_experts,
     experts_for,
     moe_layers,
@@ -116,7 +116,8 @@ def pipeline(
     expert_names = experts_for(model, stages, layout.ep, parallel)
     if layout.ep.size > 1:  # an all-to-all inside a forward ends within the engine's timeout
         set_group_timeout([layout.group, layout.dp.group, layout.ep.group, layout.ep.dp_group], failures.timeout)
-        check_capacity_agrees(parallel.capacity_factor, layout.ep, stage_rank=layout.rank, everyone=layout.everyone)
+        check_options_agree({"capacity_factor": parallel.capacity_factor, "overlap_pairs": parallel.overlap_pairs},
+                            layout.ep, stage_rank=layout.rank, everyone=layout.everyone)
     if model is not None and stages is None and split_points is not None:  # refused before any tracing
         schedule = _for_pieces(schedule, layout, len(split_points) + 1, microbatches, schedule_options or {})
     seed = shared_seed(layout.everyone, layout.everyone_size, seed)  # here, whenever the model is split

@@ -418,10 +418,11 @@ def ep_capacity(rank: int, world: int, factor: float, steps: int = 2) -> dict:
     return {"none_equals_roomy": same, "losses_equal": equal, "worst": worst, "changed": changed}
 
 
-def ep_capacity_disagree(rank: int, world: int) -> str:
-    """Rank 3 passes capacity_factor 2.0, the others 1.0: what pipeline() raises on each. It is asked to trace
-    with torch.fx, which cannot trace Qwen3-MoE: the refusal comes before the model is traced, or the trace's
-    error would."""
+def ep_capacity_disagree(rank: int, world: int, field: str = "capacity_factor") -> str:
+    """Rank 3 passes capacity_factor 2.0, the others 1.0 (``field="overlap_pairs"``: rank 3 True, the others False,
+    which had aborted a process in gloo's all-to-all): what pipeline() raises on each. It is asked to trace with
+    torch.fx, which cannot trace Qwen3-MoE: the refusal comes before the model is traced, or the trace's error
+    would."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from pipeloom.runtime import PipelineError, pipeline
@@ -430,7 +431,8 @@ def ep_capacity_disagree(rank: int, world: int) -> str:
     try:
         pipeline(build_moe("qwen3_moe"), schedule="1f1b", split_points=["model.layers.2"], loss_fn=lm_loss,
                  microbatches=4, tracing=Tracing(tracer="fx"),
-                 parallel=Parallelism(mesh=mesh, capacity_factor=2.0 if rank == 3 else 1.0)).close()
+                 parallel=Parallelism(mesh=mesh, **{field: (2.0 if rank == 3 else 1.0) if field == "capacity_factor"
+                                                    else rank == 3})).close()
     except PipelineError as error:
         return f"{type(error).__name__}: {error}"
     return "no error"

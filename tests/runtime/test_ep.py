@@ -164,6 +164,10 @@ def test_capacity_with_ep_matches_the_same_drops_without_ep():
     for rank, message in told.items():
         assert message.startswith("PipelineError: the ranks disagree on Parallelism(capacity_factor=)"), (rank, message)
         assert "pipeline rank 1 ep rank 1: 2.0" in message, (rank, message)
+    told = _ok(run_ranks(4, ep_capacity_disagree, "overlap_pairs", timeout=300))
+    for rank, message in told.items():
+        assert message.startswith("PipelineError: the ranks disagree on Parallelism(overlap_pairs=)"), (rank, message)
+        assert "pipeline rank 1 ep rank 1: True" in message, (rank, message)
 
 
 def test_a_saved_cluster_plan_with_ep_runs(tmp_path):

@@ -52,7 +52,7 @@ if TYPE_CHECKING:
     from pipeloom.runtime.options import Parallelism
     from pipeloom.runtime.parallel.link import SimulatedLink
 
-__all__ = ["REPLICAS", "ExpertParallel", "check_capacity_agrees", "check_experts_agree", "check_tp_with_experts",
+__all__ = ["REPLICAS", "ExpertParallel", "check_options_agree", "check_experts_agree", "check_tp_with_experts",
            "expert_groups", "expert_layout", "experts_for", "find_experts", "is_expert", "is_experts_module",
            "moe_layers", "shard_experts"]
 
@@ -153,16 +153,20 @@ def _held(stages: Mapping[int, nn.Module], names: Sequence[str]) -> list[tuple[i
     return found
 
 
-def check_capacity_agrees(factor: float | None, ep: ExpertParallel, *, stage_rank: int,
-                          everyone: dist.ProcessGroup | None) -> None:
+def check_options_agree(options: Mapping[str, object], ep: ExpertParallel, *, stage_rank: int,
+                        everyone: dist.ProcessGroup | None) -> None:
     """Before the model is traced (a large model's trace takes long): every rank of the mesh passed the same
-    capacity factor; else every rank raises the same error (gathered over ``everyone``), naming each rank's."""
+    ``Parallelism`` fields that order the expert exchange (``capacity_factor``, ``overlap_pairs``: ranks that differ
+    would mismatch their all-to-alls, which gloo answers by aborting a process); else every rank raises the same
+    error (gathered over ``everyone``), naming each rank's value."""
     everything: list = [None] * dist.get_world_size(everyone)
-    dist.all_gather_object(everything, (stage_rank, ep.rank, factor), group=everyone)
-    if len({told for *_, told in everything}) > 1:
-        told = ", ".join(f"pipeline rank {where} ep rank {ep_rank}: {value}" for where, ep_rank, value in everything)
-        raise PipelineError(f"the ranks disagree on Parallelism(capacity_factor=) ({told}); pass the same value "
-                            "(or None) on every rank")
+    dist.all_gather_object(everything, (stage_rank, ep.rank, dict(options)), group=everyone)
+    for name in options:
+        if len({repr(told[name]) for *_, told in everything}) > 1:
+            told = ", ".join(f"pipeline rank {where} ep rank {ep_rank}: {value[name]}"
+                             for where, ep_rank, value in everything)
+            raise PipelineError(f"the ranks disagree on Parallelism({name}=) ({told}); pass the same value on every "
+                                "rank")
 
 
 def check_experts_agree(stages: Mapping[int, nn.Module], names: Sequence[str], ep: ExpertParallel, *,
