@@ -335,3 +335,37 @@ def test_a_tp_size_that_splits_a_head_is_refused_before_the_first_forward():
     model.config.num_attention_heads = model.config.num_key_value_heads = 3
     with pytest.raises(PipelineError, match=r"3 heads evenly .* of 1 or 3"):
         check_head_counts(model, hf_plan(model), 2)
+
+
+def test_the_hf_plan_of_an_all_sparse_moe_leaves_out_the_dense_mlp_it_lacks():
+    """transformers' Qwen2-MoE and Qwen3-MoE plans name mlp.gate_proj / up_proj / down_proj, which only their dense
+    (mlp_only_layers) layers have: tp_plan="hf" on an all-sparse model had been refused for a key the user never
+    wrote. The keys naming no module are left out, as transformers leaves them; the attention's stay."""
+    from ep_jobs import build_moe
+
+    from pipeloom.runtime.parallel.tp import hf_plan, leaf_modules_for
+
+    for name in ("qwen3_moe", "qwen2_moe"):
+        model = build_moe(name)
+        plan = hf_plan(model)
+        assert not any(".mlp." in key for key in plan), (name, sorted(plan))
+        assert {"model.layers.*.self_attn.q_proj", "model.layers.*.self_attn.o_proj"} <= set(plan), (name, plan)
+        leaf_modules_for(model, plan, [])  # every key names a module
+
+
+def test_a_column_or_row_style_on_a_module_torch_cannot_shard_is_refused_naming_it():
+    """ColwiseParallel on Mixtral's router (a MixtralTopKRouter) had raised torch's NotImplementedError from deep in
+    parallelize_module at the first forward, naming neither the key nor the module."""
+    import transformers as T
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    from pipeloom.runtime.parallel.tp import leaf_modules_for
+
+    config = T.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
+    model = T.MixtralForCausalLM(config)
+    router = type(model.model.layers[0].mlp.gate).__name__
+    with pytest.raises(PipelineError, match=rf"tp_plan key 'model.layers.\*.mlp.gate' gives 'model.layers.0.mlp.gate' "
+                                            rf"\({router}\) ColwiseParallel, which torch applies only to nn.Linear"):
+        leaf_modules_for(model, {"model.layers.*.mlp.gate": ColwiseParallel()}, [])
+    leaf_modules_for(model, {"model.layers.*.self_attn.q_proj": ColwiseParallel()}, [])

@@ -524,7 +524,12 @@ def hf_translations() -> dict:
 
     names = {"a": "colwise", "b": "rowwise", "c": "colwise_rep", "d": "rowwise_rep", "e": "sequence_parallel",
              "f": "embedding_rowwise", "g": "replicate"}
-    model = nn.Module()
+    model = nn.Module()  # a module for each key: a key naming none is left out, as transformers leaves it
+    for key in names:
+        model.add_module(key, nn.Linear(2, 2))
+    model.add_module("layers", nn.ModuleList([nn.Module()]))
+    model.layers[0].add_module("mlp", nn.Module())
+    model.layers[0].mlp.add_module("experts", nn.Linear(2, 2))
     model.config = SimpleNamespace(base_model_tp_plan=names)
     found = {"translated": {key: (type(style).__name__, str(getattr(style, "input_layouts", None)),
                                   str(getattr(style, "output_layouts", None)))

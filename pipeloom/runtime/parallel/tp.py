@@ -151,10 +151,23 @@ def leaf_modules_for(model: nn.Module, plan: Mapping[str, object], given: Sequen
                                 "names of model.named_modules() (fnmatch patterns per dot-separated part)")
         for name in names:
             module = model.get_submodule(name)
+            _check_shardable(key, name, module, plan[key])
             builtin = type(module).__module__.startswith(("torch.nn", "torch.ao.nn"))
             if not builtin and name not in leaves:
                 leaves.append(name)
     return leaves
+
+
+def _check_shardable(key: str, name: str, module: nn.Module, style: object) -> None:
+    """PipelineError where ``key`` gives ``name`` a column- or row-wise style that torch applies only to
+    ``nn.Linear`` and ``nn.Embedding`` (an MoE router, a custom module): torch had raised NotImplementedError from
+    deep inside ``parallelize_module`` at the first forward, naming neither."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if isinstance(style, (ColwiseParallel, RowwiseParallel)) and not isinstance(module, (nn.Linear, nn.Embedding)):
+        raise PipelineError(f"tp_plan key {key!r} gives {name!r} ({type(module).__name__}) {type(style).__name__}, "
+                            "which torch applies only to nn.Linear and nn.Embedding; name its Linear children "
+                            "instead, or leave it out of the plan (replicated)")
 
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)  # children of these are the repeated blocks
@@ -327,8 +340,8 @@ def hf_plan(model: nn.Module) -> dict[str, object]:
     named.update(getattr(type(model), "_tp_plan", None) or {})
     plan = {}
     for key, style in named.items():
-        if style in _HF_NO_OP:
-            continue
+        if style in _HF_NO_OP or not resolve(model, key):  # a module of another variant: Qwen3-MoE's plan names the
+            continue  # dense MLP its mlp_only_layers have, transformers skipping it where no module matches
         if style not in HF_STYLES:
             raise PipelineError(f"tp_plan='hf': {kind}'s plan gives {key!r} the style {style!r}, which pipeloom does "
                                 f"not translate to torch (it translates {sorted(HF_STYLES)}); pass torch's "
