@@ -39,7 +39,7 @@ from pipeloom.runtime.step.agree import agree_on_step
 from pipeloom.runtime.step.batch import BatchCut, signature
 from pipeloom.runtime.step.loss import LossSum
 from pipeloom.runtime.step.pieces import RankPieces
-from pipeloom.runtime.step.replicas import diverged_buffers, replica_outputs
+from pipeloom.runtime.step.replicas import data_parallel_outputs, diverged_buffers, replica_outputs
 from pipeloom.runtime.step.run import StepRun
 from pipeloom.runtime.step.timing import ActionClock
 
@@ -187,8 +187,8 @@ class PipelineEngine:
 
     def eval_step(self, inputs: object, *, target: object = None) -> object:
         """Forward only, without autograd. With ``target``: the loss, on every rank. Without: the model
-        outputs (concatenated over micro-batches when a tensor) on the rank(s) holding the last
-        piece, None elsewhere."""
+        outputs of the whole batch (concatenated over micro-batches when a tensor; with replicas, every replica's
+        gathered) on the rank(s) holding the last piece, None elsewhere."""
         modes = {s: module.training for s, module in self.modules.items()}
         for module in self.modules.values():
             module.eval()
@@ -258,6 +258,9 @@ class PipelineEngine:
         if self.lowering.replicas > 1 and self.layout.group is not None and (training and not self._checked or
                                                                              not training and target is None):
             self._replicas(run, training)
+        whole = not training and target is None and self.dp.size > 1
+        if whole:  # every replica's outputs, as one device returns the whole batch's
+            self._data_parallel_outputs(run)
         if cached is None:
             self._meta_cache[shapes] = (metas, specs)
         self.traffic = run.messages.traffic
@@ -266,7 +269,7 @@ class PipelineEngine:
             self._write_trace(step_start, time.time_ns(), events)
         self._step_count += 1
         self.training_steps += training
-        return loss, run.outputs()
+        return loss, run.outputs(self.total_microbatches if whole else self.num_microbatches)
 
     def _replicas(self, run: StepRun, training: bool) -> None:
         """Two-replica schedules: after the first training step, refuse buffers the replicas changed apart (a model
@@ -282,6 +285,15 @@ class PipelineEngine:
                     raise ReplicaBufferError(diverged)
             else:
                 run.model_outputs = replica_outputs(run.model_outputs, group, world, self.rank, self.device, wait)
+        except PipelineError as error:
+            self._fail(str(error), error)
+
+    def _data_parallel_outputs(self, run: StepRun) -> None:
+        """After an eval step without a target, with replicas: every replica's model outputs where this one's are."""
+        assert self.dp.group is not None  # replicas have their group
+        try:
+            run.model_outputs = data_parallel_outputs(run.model_outputs, self.dp.group, self.dp.size, self.dp.rank,
+                                                      self.num_microbatches, self.device, self.messenger.wait_work)
         except PipelineError as error:
             self._fail(str(error), error)
 

@@ -212,6 +212,38 @@ def two_replicas(rank: int, world: int) -> dict:
     return found
 
 
+def replicas_eval(rank: int, world: int) -> dict:
+    """On a ("dp", "pp") mesh of 2 x 2 (1f1b, and FSDP) and ("pp", "dp") with dualpipe (two replicas of each piece
+    in each data-parallel replica): what eval_step without a target returns on each rank: the whole batch's
+    outputs, equal to one device's, or None. Each replica had returned its own rows alone."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from pipeloom.runtime import Parallelism, pipeline
+
+    def mlp() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
+
+    x = torch.randn(16, 6, generator=torch.Generator().manual_seed(0))
+    reference = mlp().eval()
+    with torch.no_grad():  # micro-batch by micro-batch, as the engine runs them
+        expected = torch.cat([reference(part) for part in x.chunk(8)])
+    found: dict = {}
+    for name, schedule, names, sharding in (("dp pp", "1f1b", ("dp", "pp"), "replicate"),
+                                            ("fsdp", "1f1b", ("dp", "pp"), "fsdp"),
+                                            ("dualpipe", "dualpipe", ("pp", "dp"), "replicate")):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=names)
+        engine = pipeline(mlp(), schedule=schedule, split_points=["2"], loss_fn=F.cross_entropy, microbatches=4,
+                          parallel=Parallelism(mesh=mesh, data_parallel=sharding), failures=Failures(timeout=30))
+        out = engine.eval_step(x)
+        found[name] = "none" if out is None else bool(isinstance(out, torch.Tensor) and torch.equal(out, expected))
+        engine.close()
+    return found
+
+
 def waited_works(rank: int, world: int) -> list[int]:
     """After each of two steps: how many waited gloo works the messenger still holds (test_exit.py's guard:
     Python, not gloo's worker thread, must free the last collective, the loss all-reduce)."""

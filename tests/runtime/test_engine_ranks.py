@@ -8,7 +8,7 @@ import pytest
 pytest.importorskip("torch")
 
 from models import assert_bitwise_reports
-from rank_jobs import exactness, fault, float64_loss, shape_change, two_replicas
+from rank_jobs import exactness, fault, float64_loss, replicas_eval, shape_change, two_replicas
 from ranks import run_ranks
 
 from pipeloom.search import search
@@ -111,6 +111,17 @@ def test_a_float64_loss_is_the_same_float64_on_every_rank():
     for rank, (status, found) in results.items():
         assert status == "ok", found
         assert all(found.values()), (rank, found)
+
+
+@pytest.mark.timeout(180)
+def test_eval_step_with_data_parallel_replicas_returns_the_whole_batch():
+    """eval_step(x) without a target on a mesh with replicas had returned, on each rank holding a last piece, its
+    replica's rows alone (8 of 16) without a word; it returns the whole batch's outputs, one device's."""
+    results = run_ranks(4, replicas_eval, timeout=150)
+    assert all(status == "ok" for status, _ in results.values()), results
+    for name, holders in (("dp pp", 2), ("fsdp", 2), ("dualpipe", 4)):  # dualpipe: a last piece on both pp ranks
+        said = [found[name] for _, found in results.values()]
+        assert said.count(True) == holders and said.count("none") == 4 - holders, (name, said)
 
 
 @pytest.mark.timeout(180)

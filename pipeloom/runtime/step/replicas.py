@@ -29,7 +29,7 @@ from pipeloom.runtime.program import Lowering
 from pipeloom.runtime.step.backward import accumulate_grad
 from pipeloom.runtime.step.pieces import RankPieces
 
-__all__ = ["REPLICA_TAG", "ReplicaExchange", "diverged_buffers", "replica_outputs"]
+__all__ = ["REPLICA_TAG", "ReplicaExchange", "data_parallel_outputs", "diverged_buffers", "replica_outputs"]
 
 REPLICA_TAG = 1 << 24  # tags of these messages, clear of the step's own
 
@@ -150,14 +150,35 @@ def replica_outputs(outputs: dict[int, object], group: dist.ProcessGroup, world:
     """Under a two-replica schedule each replica's last piece holds the model outputs of its own micro-batches: every
     rank of the pipeline ``group`` gives its own (:func:`gather_objects`, from CPU), and a rank holding a last piece
     gets every micro-batch's, on ``device``; the others nothing."""
-    def moved(value: object, to: torch.device) -> object:
-        return pytree.tree_map(lambda t: t.to(to) if isinstance(t, torch.Tensor) else t, value)
-
-    mine = {mb: moved(out, torch.device("cpu")) for mb, out in outputs.items()}
-    every = gather_objects(mine, group, world, rank, device, wait, "exchanging the replicas' model outputs")
+    every = _gathered(outputs, group, world, rank, device, wait, "exchanging the replicas' model outputs")
     if not outputs:
         return {}
-    return {mb: moved(out, device) for part in every for mb, out in part.items()}
+    return {mb: _moved(out, device) for part in every for mb, out in part.items()}
+
+
+def _moved(value: object, to: torch.device) -> object:
+    return pytree.tree_map(lambda t: t.to(to) if isinstance(t, torch.Tensor) else t, value)
+
+
+def _gathered(outputs: dict[int, object], group: dist.ProcessGroup, world: int, rank: int, device: torch.device,
+              wait: Callable[[object, str], None], doing: str) -> list[dict[int, object]]:
+    """Every rank of ``group``'s model outputs by micro-batch, in the group's rank order (:func:`gather_objects`, on
+    the CPU)."""
+    mine = {mb: _moved(out, torch.device("cpu")) for mb, out in outputs.items()}
+    return gather_objects(mine, group, world, rank, device, wait, doing)
+
+
+def data_parallel_outputs(outputs: dict[int, object], group: dist.ProcessGroup, world: int, rank: int,
+                          microbatches: int, device: torch.device, wait: Callable[[object, str], None]
+                          ) -> dict[int, object]:
+    """With ``world`` data-parallel replicas, replica ``r`` holds the model outputs of micro-batches ``r·M`` …
+    ``r·M + M − 1`` under its own numbers 0 … M − 1: every rank of its ``"dp"`` ``group`` gives its own (from CPU), and
+    a rank holding outputs gets every replica's under the whole batch's numbers, on ``device``; the others nothing.
+    An eval step without a target had returned this replica's rows alone, without a word."""
+    every = _gathered(outputs, group, world, rank, device, wait, "gathering the data-parallel replicas' model outputs")
+    if not outputs:
+        return {}
+    return {r * microbatches + mb: _moved(out, device) for r, part in enumerate(every) for mb, out in part.items()}
 
 
 def diverged_buffers(modules: Mapping[int, nn.Module], lowering: Lowering, group: dist.ProcessGroup, world: int,

@@ -83,14 +83,14 @@ class StepRun:
         return (f"rank {self.pieces.rank}: stage {action.stage} (model piece {step.piece}) failed in action "
                 f"{action} (micro-batch {step.microbatch}): {type(error).__name__}: {error}")
 
-    def outputs(self) -> object:
-        """The model outputs of every micro-batch, joined along dim 0 when they all have one structure
-        (a tensor, a tuple, a ModelOutput...) of tensors with a batch dimension; else a list per
-        micro-batch."""
+    def outputs(self, microbatches: int) -> object:
+        """The model outputs of every micro-batch (``microbatches`` of them: with replicas' gathered, the whole
+        batch's), joined along dim 0 when they all have one structure (a tensor, a tuple, a ModelOutput...) of tensors
+        with a batch dimension; else a list per micro-batch."""
         if not self.model_outputs:
             return None
         values = [self.model_outputs[mb] for mb in sorted(self.model_outputs)]
-        if len(values) != self.low.num_microbatches:
+        if len(values) != microbatches:
             return values
         flat = [pytree.tree_flatten(v) for v in values]
         spec = flat[0][1]
