@@ -254,7 +254,7 @@ class PipelineEngine:
         except PipelineError as error:
             self._fail(str(error), error)
         except Exception as error:
-            self._fail(run.describe_failure(error), error)
+            self._fail(run.describe_failure(error, self._broken_off(error)), error)
         if self.lowering.replicas > 1 and self.layout.group is not None and (training and not self._checked or
                                                                              not training and target is None):
             self._replicas(run, training)
@@ -287,6 +287,15 @@ class PipelineEngine:
                 run.model_outputs = replica_outputs(run.model_outputs, group, world, self.rank, self.device, wait)
         except PipelineError as error:
             self._fail(str(error), error)
+
+    def _broken_off(self, error: Exception) -> str | None:
+        """Where a collective inside an action (a "tp" all-reduce, an "ep" all-to-all) broke off because another
+        rank failed: that rank's own failure, as the board holds it (None otherwise). Its peer had reported the
+        backend's 'Connection closed by peer' as its own failure."""
+        text = str(error).lower()
+        if not isinstance(error, dist.DistBackendError) and not any(w in text for w in ("gloo", "nccl", "connection")):
+            return None
+        return self.messenger.failure_reason(None)
 
     def _data_parallel_outputs(self, run: StepRun) -> None:
         """After an eval step without a target, with replicas: every replica's model outputs where this one's are."""

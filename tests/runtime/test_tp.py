@@ -23,6 +23,7 @@ from tp_jobs import (
     build,
     loss_fn,
     mesh3d,
+    tp_peer_fails,
     tp_pipelines,
     two_ranks,
 )
@@ -262,6 +263,19 @@ def test_a_hung_tp_peer_makes_every_rank_raise(pipelined_runs):
         taken = hang["after_waking"] if rank == 3 else hang["seconds"]
         assert taken < limit, (rank, taken, hang["error"])
         print(f"rank {rank}: raised after {hang['seconds']:.1f} s: {hang['error'][:160]}")
+
+
+@pytest.mark.timeout(120)
+def test_a_failing_tp_peer_is_named_by_the_rank_its_collective_broke_off_on():
+    """Global rank 3 raises inside a tensor-parallel region: its "tp" peer (global rank 1), waiting in the
+    row-parallel all-reduce, had reported gloo's 'Connection closed by peer' as its own failure; it names rank 3's
+    failure, and no message reads 'rank global rank'."""
+    said = {rank: message for rank, (status, message) in run_ranks(4, tp_peer_fails, timeout=100).items()}
+    assert all(message.startswith("PipelineError: ") for message in said.values()), said
+    assert "the user's layer failed" in said[3], said
+    assert ("a collective broke off because global rank 3 (tp 1, pp 1) failed: " in said[1]
+            and "the user's layer failed" in said[1]), said[1]
+    assert not any("rank global rank" in message for message in said.values()), said
 
 
 @pytest.mark.timeout(300)

@@ -325,6 +325,31 @@ def tp_hang(rank: int, mesh, *, timeout: float = 3.0, hung: int = 3) -> dict:
     return found
 
 
+def tp_peer_fails(rank: int, world: int, failing: int = 3) -> str:
+    """On a ("tp", "pp") mesh of 2 x 2, global rank ``failing`` raises inside a tensor-parallel region (before the
+    row-parallel ``layers.2.out``, whose all-reduce its "tp" peer then waits in): what each rank raises."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from pipeloom.runtime import pipeline
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "pp"))
+    engine = pipeline(build("tiny"), schedule="1f1b", split_points=SPLITS[2], microbatches=MICROBATCHES,
+                      loss_fn=loss_fn, parallel=Parallelism(mesh=mesh, tp_plan=megatron_plan("tiny")),
+                      failures=Failures(timeout=20))
+    if rank == failing:
+        def fail(module, args):
+            raise RuntimeError("the user's layer failed")
+
+        for module in engine.modules.values():
+            if "layers.2.out" in dict(module.named_modules()):
+                module.get_submodule("layers.2.out").register_forward_pre_hook(fail)
+    try:
+        engine.step(*batch(0)[:1], target=batch(0)[1])
+        return "stepped"
+    except Exception as error:  # noqa: BLE001 (the test reads the message)
+        return f"{type(error).__name__}: {error}"
+
+
 def tp_refusals(rank: int, world: int, mesh) -> dict:
     """What a (pp 2, tp 2) mesh refuses, by message (each raised on every rank before any tensor moves),
     and a model parallelized after pipeline(), refused at its next step."""

@@ -237,7 +237,10 @@ class Messenger:
             return f"rank {peer} failed: {message}"
         if found is None:
             found = self.board.first_failure(quick=False)
-        return f"rank {self.scope.name(found[0])} failed: {found[1]}" if found is not None else None
+        if found is None:
+            return None
+        who = self.scope.name(found[0])  # a pipeline rank's number, or "global rank G (pp, tp)"
+        return f"{who if who.startswith('global') else f'rank {who}'} failed: {found[1]}"
 
     def report(self, message: str) -> None:
         """Leave this rank's failure where the other ranks look while they wait."""

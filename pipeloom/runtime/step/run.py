@@ -75,13 +75,16 @@ class StepRun:
         """Which incoming units this run receives (forward only when not training)."""
         return self.training or unit.kind == "F"
 
-    def describe_failure(self, error: Exception) -> str:
+    def describe_failure(self, error: Exception, cause: str | None = None) -> str:
+        """This rank's failure in the action it ran; ``cause``: another rank's failure that broke a collective off
+        inside it, said in place of the backend's error."""
+        said = f"a collective broke off because {cause}" if cause else f"{type(error).__name__}: {error}"
         step = self.current
         if step is None:
-            return f"rank {self.pieces.rank}: {type(error).__name__}: {error}"
+            return f"rank {self.pieces.rank}: {said}"
         action = step.action
         return (f"rank {self.pieces.rank}: stage {action.stage} (model piece {step.piece}) failed in action "
-                f"{action} (micro-batch {step.microbatch}): {type(error).__name__}: {error}")
+                f"{action} (micro-batch {step.microbatch}): {said}")
 
     def outputs(self, microbatches: int) -> object:
         """The model outputs of every micro-batch (``microbatches`` of them: with replicas' gathered, the whole
