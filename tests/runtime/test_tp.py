@@ -25,6 +25,7 @@ from tp_jobs import (
     mesh3d,
     tp_peer_fails,
     tp_pipelines,
+    tp_plan_without_rows,
     two_ranks,
 )
 
@@ -263,6 +264,17 @@ def test_a_hung_tp_peer_makes_every_rank_raise(pipelined_runs):
         taken = hang["after_waking"] if rank == 3 else hang["seconds"]
         assert taken < limit, (rank, taken, hang["error"])
         print(f"rank {rank}: raised after {hang['seconds']:.1f} s: {hang['error'][:160]}")
+
+
+@pytest.mark.timeout(120)
+def test_a_plan_without_its_row_parallel_projections_is_pointed_at():
+    """A hand-written plan with q/k/v column-parallel and the out-projection left whole fails at the first forward
+    with torch's shape error, which named neither the plan nor the fix; the error now says what to look for."""
+    said = {rank: message for rank, (status, message) in run_ranks(2, tp_plan_without_rows, timeout=100).items()}
+    for message in said.values():
+        assert message.startswith("PipelineError: "), said
+        assert "under tp_plan this is most often the plan: each column-parallel projection needs the row-parallel" \
+            in message, message
 
 
 @pytest.mark.timeout(120)

@@ -325,6 +325,23 @@ def tp_hang(rank: int, mesh, *, timeout: float = 3.0, hung: int = 3) -> dict:
     return found
 
 
+def tp_plan_without_rows(rank: int, world: int) -> str:
+    """pp 1 x tp 2, the Megatron plan without its row-parallel out-projections: what the first step raises."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from pipeloom.runtime import pipeline
+
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("pp", "tp"))
+    plan = {key: style for key, style in megatron_plan("tiny").items() if key not in ("layers.*.out", "layers.*.down")}
+    engine = pipeline(build("tiny"), schedule="1f1b", split_points=[], microbatches=MICROBATCHES, loss_fn=loss_fn,
+                      parallel=Parallelism(mesh=mesh, tp_plan=plan), failures=Failures(timeout=20))
+    try:
+        engine.step(*batch(0)[:1], target=batch(0)[1])
+        return "stepped"
+    except Exception as error:  # noqa: BLE001 (the test reads the message)
+        return f"{type(error).__name__}: {error}"
+
+
 def tp_peer_fails(rank: int, world: int, failing: int = 3) -> str:
     """On a ("tp", "pp") mesh of 2 x 2, global rank ``failing`` raises inside a tensor-parallel region (before the
     row-parallel ``layers.2.out``, whose all-reduce its "tp" peer then waits in): what each rank raises."""
