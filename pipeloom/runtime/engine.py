@@ -37,6 +37,7 @@ from pipeloom.runtime.state.clip import clip_grad_norm_
 from pipeloom.runtime.state.state_dict import LoadResult, ModelNames
 from pipeloom.runtime.step.agree import agree_on_step
 from pipeloom.runtime.step.batch import BatchCut, signature
+from pipeloom.runtime.step.failure import broken_off, tp_shape_hint
 from pipeloom.runtime.step.loss import LossSum
 from pipeloom.runtime.step.pieces import RankPieces
 from pipeloom.runtime.step.replicas import data_parallel_outputs, diverged_buffers, replica_outputs
@@ -254,7 +255,8 @@ class PipelineEngine:
         except PipelineError as error:
             self._fail(str(error), error)
         except Exception as error:
-            self._fail(run.describe_failure(error, self._broken_off(error)) + self._shape_hint(error), error)
+            cause = broken_off(error, self.messenger)
+            self._fail(run.describe_failure(error, cause) + tp_shape_hint(error, self.layout.tp.size), error)
         if self.lowering.replicas > 1 and self.layout.group is not None and (training and not self._checked or
                                                                              not training and target is None):
             self._replicas(run, training)
@@ -287,26 +289,6 @@ class PipelineEngine:
                 run.model_outputs = replica_outputs(run.model_outputs, group, world, self.rank, self.device, wait)
         except PipelineError as error:
             self._fail(str(error), error)
-
-    def _broken_off(self, error: Exception) -> str | None:
-        """Where a collective inside an action (a "tp" all-reduce, an "ep" all-to-all) broke off because another
-        rank failed: that rank's own failure, as the board holds it (None otherwise). Its peer had reported the
-        backend's 'Connection closed by peer' as its own failure."""
-        text = str(error).lower()
-        if not isinstance(error, dist.DistBackendError) and not any(w in text for w in ("gloo", "nccl", "connection")):
-            return None
-        return self.messenger.failure_reason(None)
-
-    def _shape_hint(self, error: Exception) -> str:
-        """Under a tensor-parallel plan, a shape error inside an action is most often the plan's: a hand-written one
-        that splits a projection's output and leaves the next one whole (q/k/v column-parallel, o_proj left out)."""
-        text = str(error)
-        if self.layout.tp.size <= 1 or not any(w in text for w in ("shapes cannot be multiplied", "must match the size",
-                                                                       "is invalid for input of size")):
-            return ""
-        return ("; under tp_plan this is most often the plan: each column-parallel projection needs the row-parallel "
-                "one that takes its output (q/k/v_proj with o_proj, gate/up_proj with down_proj), and the modules "
-                "between them must take split inputs")
 
     def _data_parallel_outputs(self, run: StepRun) -> None:
         """After an eval step without a target, with replicas: every replica's model outputs where this one's are."""

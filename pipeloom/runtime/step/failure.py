@@ -1,0 +1,34 @@
+"""What a rank says when an action of its step fails: another rank's failure where a collective inside the action
+broke off because of it, and under a tensor-parallel plan what a shape error most often means."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from pipeloom.runtime.comm.messenger import Messenger
+
+__all__ = ["broken_off", "tp_shape_hint"]
+
+_SHAPE_ERRORS = ("shapes cannot be multiplied", "must match the size", "is invalid for input of size")
+"""torch's words for a matmul, a broadcast or a view given a tensor of another size."""
+
+
+def broken_off(error: Exception, messenger: Messenger) -> str | None:
+    """Where a collective inside an action (a "tp" all-reduce, an "ep" all-to-all) broke off because another rank
+    failed: that rank's own failure, as the failure board holds it (None otherwise). Its peer had reported the
+    backend's 'Connection closed by peer' as its own failure."""
+    text = str(error).lower()
+    if not isinstance(error, dist.DistBackendError) and not any(w in text for w in ("gloo", "nccl", "connection")):
+        return None
+    return messenger.failure_reason(None)
+
+
+def tp_shape_hint(error: Exception, tp_size: int) -> str:
+    """Under a tensor-parallel plan (``tp_size`` > 1), what a shape error inside an action most often is: a
+    hand-written plan that splits a projection's output and leaves the next one whole (q/k/v column-parallel,
+    o_proj left out); '' otherwise."""
+    if tp_size <= 1 or not any(words in str(error) for words in _SHAPE_ERRORS):
+        return ""
+    return ("; under tp_plan this is most often the plan: each column-parallel projection needs the row-parallel "
+            "one that takes its output (q/k/v_proj with o_proj, gate/up_proj with down_proj), and the modules "
+            "between them must take split inputs")
