@@ -241,7 +241,32 @@ def replicas_eval(rank: int, world: int) -> dict:
         out = engine.eval_step(x)
         found[name] = "none" if out is None else bool(isinstance(out, torch.Tensor) and torch.equal(out, expected))
         engine.close()
+    found["tp dtensor"] = _replicas_eval_dtensor()
     return found
+
+
+def _replicas_eval_dtensor() -> str | bool:
+    """("dp", "pp", "tp") = (2, 1, 2) with a head whose logits stay a sharded DTensor: each rank's eval_step output,
+    made whole, against one device's; the other replica's DTensors had kept their sender's process groups."""
+    import torch
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from tp_jobs import batch, build, megatron_plan
+
+    from pipeloom.runtime import Parallelism, pipeline
+
+    mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("dp", "pp", "tp"))
+    x = batch(0)[0]
+    reference = build("mlp").eval()
+    with torch.no_grad():
+        expected = torch.cat([reference(part) for part in x.chunk(8)])
+    engine = pipeline(build("mlp"), schedule="1f1b", split_points=[], microbatches=4, loss_fn=F.mse_loss,
+                      parallel=Parallelism(mesh=mesh, tp_plan=megatron_plan("mlp", parallel_loss=True)),
+                      failures=Failures(timeout=30))
+    out = engine.eval_step(x)
+    whole = out.full_tensor() if hasattr(out, "full_tensor") else out
+    engine.close()
+    return bool(torch.allclose(whole, expected)) if isinstance(whole, torch.Tensor) else type(out).__name__
 
 
 def waited_works(rank: int, world: int) -> list[int]:

@@ -119,6 +119,7 @@ def test_eval_step_with_data_parallel_replicas_returns_the_whole_batch():
     replica's rows alone (8 of 16) without a word; it returns the whole batch's outputs, one device's."""
     results = run_ranks(4, replicas_eval, timeout=150)
     assert all(status == "ok" for status, _ in results.values()), results
+    assert all(found["tp dtensor"] is True for _, found in results.values()), results  # every tp rank holds outputs
     for name, holders in (("dp pp", 2), ("fsdp", 2), ("dualpipe", 4)):  # dualpipe: a last piece on both pp ranks
         said = [found[name] for _, found in results.values()]
         assert said.count(True) == holders and said.count("none") == 4 - holders, (name, said)

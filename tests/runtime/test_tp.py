@@ -395,3 +395,50 @@ def test_a_column_or_row_style_on_a_module_torch_cannot_shard_is_refused_naming_
                                             rf"\({router}\) ColwiseParallel, which torch applies only to nn.Linear"):
         leaf_modules_for(model, {"model.layers.*.mlp.gate": ColwiseParallel()}, [])
     leaf_modules_for(model, {"model.layers.*.self_attn.q_proj": ColwiseParallel()}, [])
+
+
+def test_a_users_own_connection_error_is_not_taken_for_a_broken_collective():
+    """Only the backends' own words for a peer gone (gloo's transport, NCCL) are read as a collective broken off by
+    another rank's failure; a user's ConnectionError is said as it is (a review found it replaced by another
+    replica's failure)."""
+    from pipeloom.runtime.step.failure import broken_off
+
+    class Board:
+        def failure_reason(self, peer):
+            return "rank 0 failed: boom"
+
+    assert broken_off(ConnectionError("my feature store refused the connection"), Board()) is None
+    gloo = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer")
+    assert broken_off(gloo, Board()) == "rank 0 failed: boom"
+
+
+def test_the_hf_plan_is_refused_where_none_of_its_base_keys_names_a_module():
+    """Keys of another variant are left out, but a plan none of whose base keys names a module (the base model not
+    where base_model_prefix says) would shard nothing: refused, as before the variants were left out."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from pipeloom.runtime.parallel.tp import hf_plan
+
+    model = nn.Module()
+    model.add_module("body", nn.ModuleList([nn.Linear(2, 2)]))
+    model.config = SimpleNamespace(base_model_tp_plan={"layers.*.q_proj": "colwise"})
+    with pytest.raises(PipelineError, match=r"no key of Module's base_model_tp_plan names one of its modules"):
+        hf_plan(model)
+
+
+def test_a_style_subclass_with_its_own_apply_is_left_to_shard_what_it_takes():
+    from torch import nn
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    from pipeloom.runtime.parallel.tp import leaf_modules_for
+
+    class Own(ColwiseParallel):
+        def _apply(self, module, device_mesh):
+            return module
+
+    model = nn.Sequential(nn.LayerNorm(4))
+    leaf_modules_for(model, {"0": Own()}, [])
+    with pytest.raises(PipelineError, match=r"'0' \(LayerNorm\) ColwiseParallel, which torch applies only to"):
+        leaf_modules_for(model, {"0": ColwiseParallel()}, [])

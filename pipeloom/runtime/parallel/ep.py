@@ -162,7 +162,7 @@ def check_options_agree(options: Mapping[str, object], ep: ExpertParallel, *, st
     everything: list = [None] * dist.get_world_size(everyone)
     dist.all_gather_object(everything, (stage_rank, ep.rank, dict(options)), group=everyone)
     for name in options:
-        if len({repr(told[name]) for *_, told in everything}) > 1:
+        if any(told[name] != everything[0][2][name] for *_, told in everything):  # 1 and 1.0 agree
             told = ", ".join(f"pipeline rank {where} ep rank {ep_rank}: {value[name]}"
                              for where, ep_rank, value in everything)
             raise PipelineError(f"the ranks disagree on Parallelism({name}=) ({told}); pass the same value on every "

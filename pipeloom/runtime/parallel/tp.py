@@ -164,7 +164,10 @@ def _check_shardable(key: str, name: str, module: nn.Module, style: object) -> N
     deep inside ``parallelize_module`` at the first forward, naming neither."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    if isinstance(style, (ColwiseParallel, RowwiseParallel)) and not isinstance(module, (nn.Linear, nn.Embedding)):
+    # a subclass with an _apply of its own may take other modules: left to it
+    torch_own = getattr(type(style), "_apply", None) in (ColwiseParallel._apply, RowwiseParallel._apply)
+    if torch_own and isinstance(style, (ColwiseParallel, RowwiseParallel)) and not isinstance(
+            module, (nn.Linear, nn.Embedding)):
         raise PipelineError(f"tp_plan key {key!r} gives {name!r} ({type(module).__name__}) {type(style).__name__}, "
                             "which torch applies only to nn.Linear and nn.Embedding; name its Linear children "
                             "instead, or leave it out of the plan (replicated)")
@@ -340,13 +343,18 @@ def hf_plan(model: nn.Module) -> dict[str, object]:
     named.update(getattr(type(model), "_tp_plan", None) or {})
     plan = {}
     for key, style in named.items():
-        if style in _HF_NO_OP or not resolve(model, key):  # a module of another variant: Qwen3-MoE's plan names the
-            continue  # dense MLP its mlp_only_layers have, transformers skipping it where no module matches
+        if style in _HF_NO_OP:
+            continue
         if style not in HF_STYLES:
             raise PipelineError(f"tp_plan='hf': {kind}'s plan gives {key!r} the style {style!r}, which pipeloom does "
                                 f"not translate to torch (it translates {sorted(HF_STYLES)}); pass torch's "
                                 "parallelize_module plan as a dict")
-        plan[key] = HF_STYLES[style]()
+        if resolve(model, key):  # else a module of another variant: Qwen3-MoE's plan names the dense MLP its
+            plan[key] = HF_STYLES[style]()  # mlp_only_layers have, transformers skipping it where no module matches
+    base_keys = [key for key in plan if key not in (getattr(type(model), "_tp_plan", None) or {})]
+    if not base_keys:  # the base model not found where its prefix says: its whole plan dropped, not a variant's
+        raise PipelineError(f"tp_plan='hf': no key of {kind}'s base_model_tp_plan names one of its modules (e.g. "
+                            f"{next(iter(named))!r}); pass torch's parallelize_module plan as a dict")
     return plan
 
 

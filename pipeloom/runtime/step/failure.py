@@ -9,6 +9,9 @@ from pipeloom.runtime.comm.messenger import Messenger
 
 __all__ = ["broken_off", "tp_shape_hint"]
 
+_BACKEND = ("Connection closed by peer", "Connection reset by peer", "[gloo", "gloo/transport", "NCCL")
+"""The backends' own words for a collective whose peer went away (gloo's transport, NCCL's errors)."""
+
 _SHAPE_ERRORS = ("shapes cannot be multiplied", "must match the size", "is invalid for input of size")
 """torch's words for a matmul, a broadcast or a view given a tensor of another size."""
 
@@ -17,9 +20,8 @@ def broken_off(error: Exception, messenger: Messenger) -> str | None:
     """Where a collective inside an action (a "tp" all-reduce, an "ep" all-to-all) broke off because another rank
     failed: that rank's own failure, as the failure board holds it (None otherwise). Its peer had reported the
     backend's 'Connection closed by peer' as its own failure."""
-    text = str(error).lower()
-    if not isinstance(error, dist.DistBackendError) and not any(w in text for w in ("gloo", "nccl", "connection")):
-        return None
+    if not isinstance(error, dist.DistBackendError) and not any(words in str(error) for words in _BACKEND):
+        return None  # the rank's own error (a user's ConnectionError too): said as it is
     return messenger.failure_reason(None)
 
 

@@ -14,12 +14,14 @@ and sends the sums back (:meth:`ReplicaExchange.merge`).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Callable, Mapping
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.utils import _pytree as pytree
 
 from pipeloom.runtime.comm.messenger import Messenger
@@ -153,19 +155,53 @@ def replica_outputs(outputs: dict[int, object], group: dist.ProcessGroup, world:
     every = _gathered(outputs, group, world, rank, device, wait, "exchanging the replicas' model outputs")
     if not outputs:
         return {}
-    return {mb: _moved(out, device) for part in every for mb, out in part.items()}
+    mesh = _mesh_of(outputs)
+    return {mb: _moved(out, device, mesh) for part in every for mb, out in part.items()}
 
 
-def _moved(value: object, to: torch.device) -> object:
-    return pytree.tree_map(lambda t: t.to(to) if isinstance(t, torch.Tensor) else t, value)
+@dataclasses.dataclass(frozen=True)
+class _Sharded:
+    """A DTensor output as it travels: its local part (on the CPU) and layout, rebuilt on the receiver's own mesh (a
+    pickled DTensor keeps its sender's process groups, which the receiver's "tp" ranks are not in)."""
+
+    local: torch.Tensor
+    placements: tuple
+    shape: torch.Size
+    stride: tuple[int, ...]
+
+
+def _moved(value: object, to: torch.device, mesh: DeviceMesh | None = None) -> object:
+    """``value``'s tensors on ``to``; a :class:`_Sharded` made a DTensor again on ``mesh``."""
+    from torch.distributed.tensor import DTensor
+
+    def move(t: object) -> object:
+        if isinstance(t, _Sharded):
+            return DTensor.from_local(t.local.to(to), mesh, t.placements, run_check=False, shape=t.shape,
+                                      stride=t.stride)
+        return t.to(to) if isinstance(t, torch.Tensor) else t
+    return pytree.tree_map(move, value)
 
 
 def _gathered(outputs: dict[int, object], group: dist.ProcessGroup, world: int, rank: int, device: torch.device,
               wait: Callable[[object, str], None], doing: str) -> list[dict[int, object]]:
     """Every rank of ``group``'s model outputs by micro-batch, in the group's rank order (:func:`gather_objects`, on
-    the CPU)."""
-    mine = {mb: _moved(out, torch.device("cpu")) for mb, out in outputs.items()}
+    the CPU; a DTensor as its local part and layout, :class:`_Sharded`)."""
+    from torch.distributed.tensor import DTensor
+
+    def wire(t: object) -> object:
+        if isinstance(t, DTensor):
+            return _Sharded(t.to_local().to("cpu"), tuple(t.placements), t.shape, tuple(t.stride()))
+        return t.to("cpu") if isinstance(t, torch.Tensor) else t
+    mine = {mb: pytree.tree_map(wire, out) for mb, out in outputs.items()}
     return gather_objects(mine, group, world, rank, device, wait, doing)
+
+
+def _mesh_of(outputs: dict[int, object]) -> DeviceMesh | None:
+    """The device mesh of this rank's own DTensor outputs (None without): where received ones are rebuilt."""
+    from torch.distributed.tensor import DTensor
+
+    leaves = [t for out in outputs.values() for t in pytree.tree_leaves(out)]
+    return next((t.device_mesh for t in leaves if isinstance(t, DTensor)), None)
 
 
 def data_parallel_outputs(outputs: dict[int, object], group: dist.ProcessGroup, world: int, rank: int,
@@ -178,7 +214,9 @@ def data_parallel_outputs(outputs: dict[int, object], group: dist.ProcessGroup, 
     every = _gathered(outputs, group, world, rank, device, wait, "gathering the data-parallel replicas' model outputs")
     if not outputs:
         return {}
-    return {r * microbatches + mb: _moved(out, device) for r, part in enumerate(every) for mb, out in part.items()}
+    mesh = _mesh_of(outputs)
+    return {r * microbatches + mb: _moved(out, device, mesh)
+            for r, part in enumerate(every) for mb, out in part.items()}
 
 
 def diverged_buffers(modules: Mapping[int, nn.Module], lowering: Lowering, group: dist.ProcessGroup, world: int,

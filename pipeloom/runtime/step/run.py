@@ -78,7 +78,9 @@ class StepRun:
     def describe_failure(self, error: Exception, cause: str | None = None) -> str:
         """This rank's failure in the action it ran; ``cause``: another rank's failure that broke a collective off
         inside it, said in place of the backend's error."""
-        said = f"a collective broke off because {cause}" if cause else f"{type(error).__name__}: {error}"
+        said = f"{type(error).__name__}: {error}"
+        if cause:  # the backend's words after another rank's failure, which is what the user needs
+            said = f"a collective broke off because {cause} (here: {said.splitlines()[0][:200]})"
         step = self.current
         if step is None:
             return f"rank {self.pieces.rank}: {said}"
