@@ -73,6 +73,11 @@ def test_key_value_heads_left_out_are_said_as_defaulted():
     assert "num_key_value_heads" not in dict(model_spec(SMALL).defaulted)
     gpt2 = {"model_type": "gpt2", "n_embd": 256, "n_layer": 2, "n_head": 4, "vocab_size": 1000, "n_positions": 512}
     assert "num_key_value_heads" not in dict(model_spec(gpt2).defaulted)  # its config has no such field
+    falcon = {"model_type": "falcon", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "vocab_size": 128, "ffn_hidden_size": 96, "new_decoder_architecture": True}
+    assert dict(model_spec(falcon).defaulted) == {"num_kv_heads": 4}  # its new architecture's field
+    assert dict(model_spec({**falcon, "num_kv_heads": 2}).defaulted) == {}
+    assert dict(model_spec({**falcon, "new_decoder_architecture": False}).defaulted) == {}  # multi_query instead
 
 
 def test_fp8_casts_without_fp8_are_told_both_ways():

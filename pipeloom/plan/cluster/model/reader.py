@@ -111,15 +111,15 @@ def model_spec(config: object) -> ModelSpec:
                                "decoders: set use_bidirectional_attention to false")
     left_out = {key: value for key, value in FAMILY_DEFAULTS.get(family, {}).items()
                 if not any(name in data for name in _ALIASES.get(key, (key,)))}
-    kv_left = family not in _KV_UNREAD and "num_key_value_heads" not in data and "num_key_value_heads" not in left_out
-    heads = {"num_key_value_heads": data.get("num_attention_heads", left_out.get("num_attention_heads"))}
-    _misspelled(data, family, {**left_out, **heads} if kv_left else left_out)  # the class's: the query heads
+    kv_left = _kv_left(data, family, left_out)  # the class's default: the query heads
+    heads = {kv_left: data.get("num_attention_heads", left_out.get("num_attention_heads"))} if kv_left else {}
+    _misspelled(data, family, {**left_out, **heads})
     data = {**left_out, **data}  # transformers' defaults for the fields left out
     check_fields(data)
     _check_layer_types(data)
     spec = _family_spec(data, family)
     context = data.get("max_position_embeddings")
-    left_out |= {"num_key_value_heads": spec.attention.heads} if kv_left else {}
+    left_out |= {kv_left: spec.attention.heads} if kv_left else {}
     spec = dataclasses.replace(spec, defaulted=tuple((key, value) for key, value in left_out.items() if key in _SIZES),
                                context=context if isinstance(context, int) and not spec.positions else 0)
     spec = dataclasses.replace(spec, **_dropouts(data, family, spec.parallel_residual),
@@ -154,15 +154,25 @@ def _check_layer_types(data: Mapping[str, Any]) -> None:
                                "the family's own pattern")
 
 
-_KV_UNREAD = ("gpt2", "gptj", "gpt_neox", "falcon")
-"""The families whose configs have no ``num_key_value_heads`` (Falcon's is ``num_kv_heads``)."""
+_KV_UNREAD = ("gpt2", "gptj", "gpt_neox")
+"""The families whose configs have no key/value head count (Falcon's is ``num_kv_heads``, in its new architecture)."""
 _SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+          "num_kv_heads",
           "head_dim", "vocab_size", "moe_intermediate_size", "shared_expert_intermediate_size", "num_experts",
           "num_local_experts", "num_experts_per_tok", "n_routed_experts", "n_shared_experts", "kv_lora_rank",
           "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "first_k_dense_replace", "n_embd",
           "n_layer", "n_head", "n_inner", "moe_num_experts", "moe_k", "moe_topk", "intermediate_size_mlp",
           "linear_num_key_heads", "linear_num_value_heads")
 """The fields that size a model: one left out is named where the plan is reported (:attr:`ModelSpec.defaulted`)."""
+
+
+def _kv_left(data: Mapping[str, Any], family: str, left_out: Mapping[str, Any]) -> str | None:
+    """The field of the key/value head count where the config leaves it out and the class sets it to the query heads
+    (``num_key_value_heads``; Falcon's new architecture's ``num_kv_heads``), to be said as defaulted; else None."""
+    if family in _KV_UNREAD or (family == "falcon" and not data.get("new_decoder_architecture")):
+        return None  # no such field (Falcon's old architecture: multi_query)
+    key = "num_kv_heads" if family == "falcon" else "num_key_value_heads"
+    return None if key in data or key in left_out else key
 
 
 def _misspelled(data: Mapping[str, Any], family: str, left_out: Mapping[str, Any]) -> None:
