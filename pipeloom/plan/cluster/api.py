@@ -98,9 +98,12 @@ class ClusterPlan:
 def _model(spec: ModelSpec) -> dict[str, Any]:
     """``--json``'s ``model``: :meth:`ModelSpec.as_dict` with the parameter counts after its size (``params`` as
     transformers counts them, ``active_params`` with only the top-k routed experts a token runs)."""
-    described = list(spec.as_dict().items())
-    counts = [("params", model_params(spec)), ("active_params", model_params(spec, active=True))]
-    return dict(described[:4] + counts + described[4:])
+    out: dict[str, Any] = {}
+    for key, value in spec.as_dict().items():
+        out[key] = value
+        if key == "hidden":
+            out.update(params=model_params(spec), active_params=model_params(spec, active=True))
+    return out
 
 
 FRAMEWORKS: dict[str, dict[str, Any]] = {
@@ -214,8 +217,12 @@ def _only(allowed: tuple[str, ...] | None, runtime: Callable[[Layout], list[str]
     return blocked
 
 
-_UNPRICED = " (the cluster planner does not price it; pipeloom plan --costs searches every built-in schedule)"
-"""Said of a built-in schedule the cluster planner does not price (gpipe, zb-h2, ...)."""
+def _schedule_hint(name: str) -> str:
+    """What follows a schedule name the cluster planner does not take: that it does not price a built-in one (gpipe,
+    zb-h2, ...), else the name meant (``zb-v``: zbv)."""
+    if name in REGISTRY:
+        return " (the cluster planner does not price it; pipeloom plan --costs searches every built-in schedule)"
+    return meant_schedule(name, among=SCHEDULES)
 
 
 def _checked_flags(**flags: Any) -> dict[str, bool]:
@@ -241,8 +248,7 @@ def _checked_arguments(dtype: str, runners_up: int, schedules: Sequence[str] | N
     listed = tuple(dict.fromkeys(name.strip().lower() for name in given))  # each once; ZBV as zbv, as --schedules
     wrong = next((name for name in listed if name not in SCHEDULES), None)
     if not listed or wrong is not None:
-        hint = ("" if wrong is None else " (give a list: ['zbv', '1f1b'])" if "," in wrong else _UNPRICED
-                if wrong in REGISTRY else meant_schedule(wrong, among=SCHEDULES))
+        hint = "" if wrong is None else " (give a list: ['zbv', '1f1b'])" if "," in wrong else _schedule_hint(wrong)
         raise ArgumentError(f"schedules must be some of {', '.join(SCHEDULES)}, got {list(given)!r}{hint}")
     return listed
 
@@ -262,9 +268,8 @@ def parse_layout(text: str) -> dict[str, Any]:
             fixed[key] = value.lower()  # 1F1B, None: the names are lower-case
             choices = RECOMPUTE_MODES if key == "recompute" else tuple(SCHEDULES)
             if fixed[key] not in choices:
-                other = key == "schedule" and fixed[key] in REGISTRY  # a pipeloom schedule this planner does not price
-                raise LayoutError(f"layout {key}={value} is not one of {', '.join(choices)}" + (
-                    _UNPRICED if other else meant_schedule(value, among=SCHEDULES) if key == "schedule" else ""))
+                raise LayoutError(f"layout {key}={value} is not one of {', '.join(choices)}"
+                                  + (_schedule_hint(fixed[key]) if key == "schedule" else ""))
             continue
         try:
             number = int(value)
@@ -288,14 +293,11 @@ def _layout_text(layout: Mapping[str, Any] | None) -> str:
     items = []
     for given, value in layout.items():
         key = str(given).strip().lower()  # FSDP as fsdp, as parse_layout reads the text's keys
-        if isinstance(value, bool) and key != "fsdp":
-            raise LayoutError(f"layout {key} must be {'a name' if key in ('recompute', 'schedule') else 'an integer'}"
-                              f", got {value!r}")
-        if isinstance(value, int) and key not in ("recompute", "schedule"):
-            value = int(value)
-        elif not isinstance(value, str) or "," in value:
-            raise LayoutError(f"layout {key} must be {'a name' if key in ('recompute', 'schedule') else 'an integer'}"
-                              f", got {value!r}")
+        named = key in ("recompute", "schedule")
+        if isinstance(value, int) and not named and (key == "fsdp" or not isinstance(value, bool)):
+            value = int(value)  # fsdp also true or false
+        elif isinstance(value, bool) or not isinstance(value, str) or "," in value:
+            raise LayoutError(f"layout {key} must be {'a name' if named else 'an integer'}, got {value!r}")
         items.append(f"{key}={value}")
     return ",".join(items)
 
