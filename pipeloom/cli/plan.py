@@ -120,13 +120,16 @@ def _add_output_arguments(plan: argparse.ArgumentParser) -> None:
                            "planning here; the answer names the plan's URL for pipeline(model, plan=URL)")
     plan.add_argument("--save", type=path_with(".json"),
                       help="write the plan (pipeloom.plan/1 JSON); with --model, of the fastest layout the runtime "
-                           "that trains it runs (pipeloom's; torchtitan's with --export), said where another is faster")
-    plan.add_argument("--export", choices=("torchtitan",),
+                           "that trains it runs (pipeloom's; torchtitan's or Megatron-LM's with --export), said where "
+                           "another is faster")
+    plan.add_argument("--export", choices=("torchtitan", "megatron"),
                       help="also write the plan as torchtitan settings next to --save (checked with torchtitan 0.2.2 "
                            "and 0.3.0): <stem>.torchtitan.args (overrides: each stage's module names, the schedule "
                            "CSV by path, micro-batch size, degrees; 0.3.x also --training.disable_cuda_graphs), "
                            "<stem>.torchtitan.toml (the same for a 0.2.x TOML config), <stem>.torchtitan.csv (the "
-                           "schedule); a cost table's pieces must be torchtitan's modules (tok_embeddings, layers.N)")
+                           "schedule); a cost table's pieces must be torchtitan's modules (tok_embeddings, layers.N). "
+                           "megatron (with --model): <stem>.megatron.args, Megatron-LM's arguments for the layout "
+                           "(degrees, stage layout, batch, recomputation, optimizer sharding, precision)")
     plan.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
 
@@ -248,6 +251,12 @@ def _names(text: str) -> tuple[str, ...]:
     return tuple(name.strip() for name in text.split(",") if name.strip())
 
 
+def _check_cost_table_export(args: argparse.Namespace) -> None:
+    if args.export == "megatron":
+        raise UsageError("--export megatron writes the arguments of a cluster plan: plan with --model CONFIG.json "
+                         "--hardware NAME (a cost table's plan exports to torchtitan only)")
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     """``pipeloom plan``: search, write the requested files, then print the plan and runners-up."""
     from pipeloom.plan.costs.file import load_costs
@@ -257,6 +266,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise UsageError(f"--export {args.export} writes next to the plan file; give --save PLAN.json too")
     if check_plan_mode(args):
         return cmd_plan_cluster(args)
+    _check_cost_table_export(args)
     check_try(args)
     if args.server is not None:
         return _plan_on_server(args)
@@ -284,7 +294,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         written.append(_draw(args, result.timeline, title))
     if args.save:  # last: it names a companion schedule file after itself, so it is written in place
         if args.export == "torchtitan":  # first: a plan torchtitan cannot take is refused before anything is saved
-            from pipeloom.plan.export import export_torchtitan
+            from pipeloom.plan.export.torchtitan import export_torchtitan
 
             # the plan was measured and priced keeping every activation: torchtitan is told to recompute nothing
             written.append(export_torchtitan(result.plan, result.schedule, args.save,

@@ -75,7 +75,7 @@ def _runnable(args: argparse.Namespace, result, options: dict, planned: NoLayout
     from pipeloom.plan.cluster.runtime_plan import for_runtime
 
     runs_on = args.export or "pipeloom"
-    where = "torchtitan" if args.export else "pipeloom's runtime"
+    where = {"torchtitan": "torchtitan", "megatron": "Megatron-LM"}.get(args.export, "pipeloom's runtime")
     given = [flag for flag, on in ((f"--moe-comm {args.moe_comm}", args.moe_comm != "plain"),
                                    ("--moe-overlap", args.moe_overlap)) if on]
     plain = ([f"note: pipeloom's runtime exchanges the experts' tokens with all_to_all_single, one call after another: "
@@ -141,34 +141,67 @@ def _unused(args: argparse.Namespace, job, layout, alone: bool = False) -> list[
 
 
 def _save(args: argparse.Namespace, result) -> list[str]:
-    """``--save`` (and ``--export torchtitan``): the chosen layout as the runtime's plan file, the lines that say
-    so and what the runtime runs differently; a layout the runtime cannot run is refused before anything is written."""
+    """``--save`` (and ``--export``): the chosen layout as the runtime's plan file (and the framework's settings), the
+    lines that say so and what the runtime runs differently; a layout the runtime cannot run is refused before anything
+    is written."""
     from pipeloom.plan.cluster import runtime_plan as saving
     from pipeloom.plan.errors import PlanError
-    from pipeloom.plan.plan import save_plan
 
+    if args.export == "megatron":
+        return _save_megatron(args, result)
     try:
         plan = saving.runtime_plan(result, export=args.export)
     except PlanError as error:  # what the layout or the export cannot run: the user's --layout to change
         raise UsageError(str(error)) from None
     written = []
     if args.export == "torchtitan":
-        from pipeloom.plan.export import export_torchtitan
+        from pipeloom.plan.export.torchtitan import export_torchtitan, torchtitan_plan, torchtitan_recompute
         from pipeloom.schedules import build_schedule
 
-        renamed, modules = saving.torchtitan_plan(plan, result.job.spec.layers)
+        renamed, modules = torchtitan_plan(plan, result.job.spec.layers)
         schedule = build_schedule(plan.schedule, plan.num_ranks, plan.microbatches, **plan.schedule_options)
-        recompute = saving.torchtitan_recompute(result.job, result.best.layout)
+        recompute = torchtitan_recompute(result.job, result.best.layout)
         assert recompute is not None, "runtime_plan refuses the export of a recomputation torchtitan has not"
         written.append(export_torchtitan(renamed, schedule, args.save, list(modules), recompute,
                                          compiled=result.job.kernels == "fused",
                                          async_tp=result.job.tp_overlap and result.best.layout.tp > 1))
+    return _saved(args, result, plan, written)
+
+
+def _save_megatron(args: argparse.Namespace, result) -> list[str]:
+    """``--export megatron``: Megatron-LM's arguments next to ``--save``, and pipeloom's plan file there where its
+    format holds the layout (it holds ep only with tp 1 and ep dividing dp, as pipeloom's runtime runs it)."""
+    from pipeloom.plan.cluster import runtime_plan as saving
+    from pipeloom.plan.errors import PlanError
+    from pipeloom.plan.export.megatron import export_megatron
+
+    blockers = saving.save_blockers(result, export="megatron")
+    if blockers:  # what Megatron-LM cannot run: the user's --layout to change, before anything is written
+        raise UsageError(blockers)
+    try:
+        plan = saving.runtime_plan(result, export="megatron")
+    except PlanError as error:
+        outputs = getattr(args, "outputs", None)
+        if outputs is not None:  # its staged file goes unwritten
+            outputs.direct(args.save)
+        return [export_megatron(result, args.save), f"note: no pipeloom plan file written at {args.save}: {error}; "
+                                                    "the Megatron-LM arguments carry the plan"]
+    return _saved(args, result, plan, [export_megatron(result, args.save)])
+
+
+def _saved(args: argparse.Namespace, result, plan, written: list[str]) -> list[str]:
+    """Write ``plan`` at ``--save``; the lines that say so, then ``written``'s, then what the runtime runs
+    differently."""
+    from pipeloom.plan.cluster import runtime_plan as saving
+    from pipeloom.plan.plan import save_plan
+
     outputs = getattr(args, "outputs", None)
     save_plan(plan, outputs.path(args.save) if outputs is not None else args.save)
     memory = saving.runtime_memory_note(result)
     notes = [f"note: {note}" for note in saving.runtime_notes(result, memory=memory)]
     runs = "pipeline(model, plan=...) runs it"
     if not memory[1]:
-        runs = ("for torchtitan; pipeloom's runtime won't run it as planned" if args.export
+        framework = {"torchtitan": "torchtitan", "megatron": "Megatron-LM"}.get(args.export)
+        runs = (f"for {framework}; pipeloom's runtime won't run it as planned" if framework
                 else f"{runs}, not as planned: see the notes")
     return [f"wrote plan {args.save} ({runs})", *written, *notes]

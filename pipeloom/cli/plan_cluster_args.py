@@ -210,6 +210,9 @@ def check_export(args: argparse.Namespace, options: dict) -> None:
     only compiled), or where it is priced as another framework runs it."""
     if not args.export:
         return
+    if args.export == "megatron":
+        _check_megatron_export(args, options)
+        return
     if args.framework not in (None, "torchtitan"):
         raise UsageError(f"--export torchtitan prices the plan as torchtitan runs it, not as --framework "
                          f"{args.framework}; drop --framework (or use --framework torchtitan)")
@@ -232,6 +235,20 @@ def check_export(args: argparse.Namespace, options: dict) -> None:
     if unsaid:
         raise UsageError(f"cannot export for torchtitan a plan priced with {' and '.join(f for f, _ in unsaid)}: the "
                          f"export writes no {'; no '.join(w for _, w in unsaid)}; plan without "
+                         f"{'it' if len(unsaid) == 1 else 'them'} for the export")
+
+
+def _check_megatron_export(args: argparse.Namespace, options: dict) -> None:
+    """UsageError where ``--export megatron`` cannot carry what the plan would be priced with
+    (:func:`pipeloom.plan.export.megatron.unwritten`), or where it is priced as torchtitan runs it."""
+    from pipeloom.plan.export.megatron import unwritten
+
+    if args.framework == "torchtitan":
+        raise UsageError("--export megatron writes Megatron-LM's arguments, and --framework torchtitan prices the plan "
+                         "as torchtitan runs it; drop --framework (or use --framework megatron-bridge)")
+    unsaid = unwritten(options)
+    if unsaid:
+        raise UsageError(f"cannot export for Megatron-LM a plan priced with {' and '.join(unsaid)}; plan without "
                          f"{'it' if len(unsaid) == 1 else 'them'} for the export")
 
 

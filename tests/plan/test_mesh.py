@@ -16,7 +16,7 @@ import pytest
 
 from pipeloom.ir import schedule_from_csv
 from pipeloom.plan import CostTable, Link, Piece, PlanError, load_plan, plan_mesh, plan_pipeline
-from pipeloom.plan.export import torchtitan_settings, torchtitan_toml, write_torchtitan
+from pipeloom.plan.export.torchtitan import torchtitan_settings, torchtitan_toml, write_torchtitan
 from pipeloom.plan.mesh import BUCKET_BYTES, collective_time, reduction_time
 from pipeloom.plan.plan import Plan, plan_from_json, plan_to_json
 
@@ -174,7 +174,7 @@ def test_torchtitan_async_tp_goes_on_each_versions_own_line(tmp_path):
 
 
 def test_stage_modules_cut_the_pieces_and_refuse_what_torchtitan_cannot_split():
-    from pipeloom.plan.export import stage_modules
+    from pipeloom.plan.export.torchtitan import stage_modules
 
     modules = ["tok_embeddings", "layers.0", "layers.1", "layers.2", "norm", "output"]
     assert stage_modules(["layers.1", "norm"], modules) == [["tok_embeddings", "layers.0"], ["layers.1", "layers.2"],

@@ -19,7 +19,7 @@ torchtitan = pytest.importorskip("torchtitan")
 tyro = pytest.importorskip("tyro")
 
 from pipeloom.plan import CostTable, Piece, PlanError, plan_mesh  # noqa: E402 (after the skips)
-from pipeloom.plan.export import TORCHTITAN_03_SETTINGS, torchtitan_overrides, write_torchtitan  # noqa: E402
+from pipeloom.plan.export.torchtitan import TORCHTITAN_03_SETTINGS, torchtitan_overrides, write_torchtitan  # noqa: E402
 
 VERSION = importlib.metadata.version("torchtitan")
 MODULES = ["tok_embeddings", *(f"layers.{k}" for k in range(8)), "norm", "output"]  # torchtitan's LLaMA names
@@ -87,7 +87,7 @@ def test_the_activation_checkpointing_reaches_torchtitan(tmp_path, recompute):
     """The export's recomputation as torchtitan reads it: 0.2.x's ``activation_checkpoint`` section (TOML and its
     own overrides), 0.3.x's subcommand after its other overrides (``none``, ``FullAC``, the op-level
     ``SelectiveAC``)."""
-    from pipeloom.plan.export import ACTIVATION_CHECKPOINTS, version_overrides
+    from pipeloom.plan.export.torchtitan import ACTIVATION_CHECKPOINTS, version_overrides
 
     pieces = tuple(Piece(name=name, f=1.0, i=1.0, w=1.0, activation_bytes=100.0, w_activation_bytes=20.0,
                          param_bytes=10.0, output_bytes=8.0) for name in MODULES)
@@ -155,7 +155,7 @@ def test_the_sequence_compile_and_async_tp_reach_torchtitan(tmp_path):
     """A cluster plan's sequence length (``training.seq_len``), fused kernels (``compile.enable``) and async tensor
     parallelism as torchtitan reads them: 0.2.x's parser (TOML; overrides with its own line, where async TP is
     ``parallelism.enable_async_tensor_parallel``) or 0.3.x's (its sections, async TP under ``compile``)."""
-    from pipeloom.plan.export import version_overrides
+    from pipeloom.plan.export.torchtitan import version_overrides
 
     pieces = tuple(Piece(name=name, f=1.0, i=1.0, w=1.0, activation_bytes=100.0, w_activation_bytes=20.0,
                          param_bytes=10.0, output_bytes=8.0) for name in MODULES)

@@ -17,14 +17,15 @@ from pipeloom.plan.cluster.job import Job
 from pipeloom.plan.cluster.layout import PAIRED, Layout
 from pipeloom.plan.cluster.model.spec import GDN_CHUNK
 from pipeloom.plan.errors import PlanError
+from pipeloom.plan.export import megatron, torchtitan
 from pipeloom.plan.plan import Plan
 
 if TYPE_CHECKING:
     from pipeloom.plan.cluster.api import ClusterPlan
 
-__all__ = ["LAYER_PREFIX", "FINAL_NORM", "split_point", "TORCHTITAN_MODELS", "RUNTIMES", "for_runtime",
+__all__ = ["LAYER_PREFIX", "FINAL_NORM", "split_point", "RUNTIMES", "for_runtime",
            "layout_problems", "pipeloom_memory", "runtime_job", "runtime_memory_note", "runtime_plan", "runtime_notes",
-           "save_blockers", "torchtitan_plan", "torchtitan_recompute"]
+           "save_blockers"]
 
 LAYER_PREFIX = {**dict.fromkeys(("gpt2", "falcon", "gptj"), "transformer.h"), "gpt_neox": "gpt_neox.layers"}
 """Where a ``transformers`` model of a family keeps its decoder layers (every other family: ``model.layers``)."""
@@ -60,11 +61,6 @@ def split_point(family: str, layer: int, layers: int) -> str:
     return FINAL_NORM.get(family, "model.norm")
 
 
-TORCHTITAN_MODELS = {"llama": "llama3", "qwen3": "qwen3", "qwen3_moe": "qwen3", "deepseek_v3": "deepseek_v3"}
-"""Families torchtitan has a model of, with its module names (``tok_embeddings``, ``layers.N``, ``norm``,
-``output``): ``--export torchtitan`` writes only these."""
-
-
 def save_blockers(result: ClusterPlan, *, export: str | None = None) -> str | None:
     """Why ``result``'s chosen layout cannot be saved as a plan the runtime runs (or exported to ``export``): every
     reason in one line, then the ``--layout`` keys that fix those a key fixes; None when nothing stops it."""
@@ -90,7 +86,8 @@ def save_blockers(result: ClusterPlan, *, export: str | None = None) -> str | No
     keys = f"{keys}: --layout {_fixed(layout, fixes)}" if result.candidates == 1 and not over else f"--layout {keys}"
     which = "the others" if any(not fixed for _, fixed in problems) else ("them" if len(problems) > 1 else "it")
     fix = f"; fix {which} with {keys}{note}" if fixes else ""
-    return (f"cannot save the chosen layout {'for torchtitan' if export else 'as a plan the runtime runs'}: "
+    what = f"for {_RUNTIME_NAMES[export]}" if export else "as a plan the runtime runs"
+    return (f"cannot save the chosen layout {what}: "
             + "; ".join(text for text, _ in problems) + fix)
 
 
@@ -129,7 +126,9 @@ def layout_problems(job: Job, layout: Layout, *, export: str | None = None) -> l
     family = job.spec.family
     problems: list[tuple[str, dict[str, int | str]]] = []
     if export == "torchtitan":  # torchtitan runs context parallelism (all-gathering K/V): the export writes it
-        return _torchtitan_problems(job, layout)
+        return torchtitan.torchtitan_problems(job, layout)
+    if export == "megatron":
+        return megatron.megatron_problems(job, layout)
     if layout.cp > 1:
         problems.append((f"cp={layout.cp} (pipeloom's runtime does not run context parallelism yet)", {"cp": 1}))
     if layout.ep > 1 and (layout.tp > 1 or layout.fsdp):
@@ -147,7 +146,7 @@ def layout_problems(job: Job, layout: Layout, *, export: str | None = None) -> l
                          f"{', '.join(_TP_FAMILIES)}; or pass pipeline(..., parallel=Parallelism(tp_plan=...)) with a "
                          "plan of your own)", {"tp": 1}))
     if layout.recompute != "none":
-        there = not [text for text, _ in _torchtitan_problems(job, layout)]
+        there = not [text for text, _ in torchtitan.torchtitan_problems(job, layout)]
         problems.append((f"recompute={layout.recompute} (pipeloom's runtime keeps every activation"
                          + ("; --export torchtitan recomputes as planned)" if there else ")"), {"recompute": "none"}))
     return problems
@@ -174,37 +173,10 @@ def _composition_problems(job: Job, layout: Layout) -> list[tuple[str, dict[str,
     return problems
 
 
-def _torchtitan_family(job: Job) -> str:
-    """Why torchtitan cannot train ``job``'s model family ("" where it can)."""
-    if job.spec.family in TORCHTITAN_MODELS:
-        return ""
-    names = ", ".join(f"{k} ({v})" for k, v in TORCHTITAN_MODELS.items())
-    return (f"{job.spec.family} for torchtitan, which has no such model (the export covers {names}; save the plan "
-            "without --export)")
-
-
-def _torchtitan_problems(job: Job, layout: Layout) -> list[tuple[str, dict[str, int | str]]]:
-    """What the torchtitan export cannot take of ``layout``, each with the ``--layout`` keys that fix it."""
-    problems: list[tuple[str, dict[str, int | str]]] = []
-    family = _torchtitan_family(job)
-    if family:
-        problems.append((family, {}))
-    if layout.copies == 2:
-        problems.append(("schedule=dualpipe for torchtitan (two copies of the model, which it cannot place)",
-                         {"schedule": "dualpipev"}))
-    if layout.ep > 1:
-        problems.append((f"ep={layout.ep} for torchtitan (the export is checked without expert parallelism)",
-                         {"ep": 1}))
-    if torchtitan_recompute(job, layout) is None:
-        problems.append((f"recompute=selective with --selective {job.selective} for torchtitan, whose selective "
-                         "recomputation is its op-level policy (plan with --selective op, or with --layout "
-                         "recompute=full or none)", {}))
-    return problems
-
-
-RUNTIMES = ("pipeloom", "torchtitan")
-"""What a plan can be searched for (:func:`for_runtime`): pipeloom's runtime, or the torchtitan export."""
-_RUNTIME_NAMES = {"pipeloom": "pipeloom's runtime", "torchtitan": "torchtitan"}
+RUNTIMES = ("pipeloom", "torchtitan", "megatron")
+"""What a plan can be searched for (:func:`for_runtime`): pipeloom's runtime, or the torchtitan or Megatron-LM
+export."""
+_RUNTIME_NAMES = {"pipeloom": "pipeloom's runtime", "torchtitan": "torchtitan", "megatron": "Megatron-LM"}
 
 
 def for_runtime(job: Job, runs_on: str | None) -> tuple[Job, Callable[[Layout], list[str]] | None]:
@@ -219,30 +191,20 @@ def for_runtime(job: Job, runs_on: str | None) -> tuple[Job, Callable[[Layout], 
     if runs_on not in RUNTIMES:
         raise ArgumentError(f"runs_on must be one of {', '.join(RUNTIMES)}, got {runs_on!r}")
     export = None if runs_on == "pipeloom" else runs_on
-    family = _torchtitan_family(job) if export == "torchtitan" else ""
+    family = torchtitan.torchtitan_family(job) if export == "torchtitan" else ""
     if family:  # no layout helps: said before the search, without a layout
         raise PlanError(family)
-    unsaid = _not_exported(job) if export == "torchtitan" else []
+    unsaid = torchtitan.unwritten(job) if export == "torchtitan" else []
     if unsaid:  # as the CLI refuses these flags with --export torchtitan (the defaults it reprices without a word)
         raise ArgumentError(f"runs_on='torchtitan' cannot carry {' and '.join(unsaid)}: the export writes none of "
                             "them and torchtitan runs its own; plan without them for torchtitan")
+    if export == "megatron":
+        megatron.check_job(job)
 
     def blocked(layout: Layout) -> list[str]:
         return [text for text, _ in layout_problems(job, layout, export=export)]
 
     return runtime_job(job, runs_on), blocked
-
-
-def _not_exported(job: Job) -> list[str]:
-    """The choices of ``job`` other than :class:`Job`'s defaults that the torchtitan export drops (``pipeloom plan
-    --export torchtitan`` refuses their flags, :func:`pipeloom.cli.plan_cluster_args.check_export`)."""
-    return [text for text, on in (
-        (f"recompute_layers={job.recompute_layers} (a recomputation depth)", bool(job.recompute_layers)),
-        ("dtype='fp8' (float8 training)", job.dtype == "fp8"),
-        ("adam_moments='bf16' (torch's AdamW keeps fp32 moments)", job.adam_moments == "bf16"),
-        ("shard_gradients=True (torch's pipelining holds gradients whole)", job.shard_gradients),
-        ("sequence_parallel=False", not job.sequence_parallel),
-        ("overlap_grad_reduce=False", not job.overlap_grad_reduce)) if on]
 
 
 def runtime_job(job: Job, runs_on: str) -> Job:
@@ -255,6 +217,8 @@ def runtime_job(job: Job, runs_on: str) -> Job:
     if runs_on == "pipeloom":
         return dataclasses.replace(job, distributed_optimizer=False, fsdp_per_layer=False, shard_gradients=False,
                                    moe_comm="plain", moe_overlap=False)
+    if runs_on == "megatron":  # the planner's defaults are Megatron-Core's; the export writes the job's choices
+        return job
     return dataclasses.replace(job, distributed_optimizer=False, cp_rotate="allgather", grad_reduce="fp32",
                                shard_gradients=False)
 
@@ -341,15 +305,6 @@ def _stage_times(estimator: Estimator, layout: Layout) -> tuple[float, ...]:
     return tuple(t.f + t.i + t.w for t in times[:layout.stages])
 
 
-def torchtitan_recompute(job: Job, layout: Layout) -> str | None:
-    """``layout``'s recomputation as torchtitan's activation checkpointing
-    (:data:`pipeloom.plan.export.ACTIVATION_CHECKPOINTS`), None where torchtitan has no such setting (a selective
-    policy other than its op-level one: :func:`save_blockers` refuses the export)."""
-    if layout.recompute != "selective":
-        return layout.recompute
-    return "op" if job.selective == "op" else None
-
-
 def runtime_notes(result: ClusterPlan, *, memory: tuple[str | None, bool] | None = None) -> list[str]:
     """What the runtime runs differently from the plan's prediction (said next to a saved plan); ``memory``:
     :func:`runtime_memory_note` where the caller has it already."""
@@ -389,12 +344,3 @@ def runtime_notes(result: ClusterPlan, *, memory: tuple[str | None, bool] | None
                      f"that language model alone (the {spec.family} model of its text_config); the {spec.text_of} "
                      "model names its layers otherwise, and its vision tower is not planned")
     return notes
-
-
-def torchtitan_plan(plan: Plan, layers: int) -> tuple[Plan, Sequence[str]]:
-    """The plan in torchtitan's module names (``tok_embeddings``, ``layers.N``, ``norm``, ``output``) and the
-    model's modules in call order, for ``--export torchtitan``."""
-    ends = [point.rsplit(".", 1)[1] for point in plan.split_points]  # a layer's index, or the final norm's name
-    modules = ["tok_embeddings", *(f"layers.{k}" for k in range(layers)), "norm", "output"]
-    renamed = dataclasses.replace(plan, split_points=tuple(f"layers.{k}" if k.isdigit() else "norm" for k in ends))
-    return renamed, modules

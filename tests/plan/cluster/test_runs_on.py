@@ -75,8 +75,8 @@ def test_what_a_runtime_cannot_run_is_refused_when_the_keys_ask_for_it():
     qwen2 = dict(LLAMA, model_type="qwen2")  # a family torchtitan has no model of: said without a layout
     with pytest.raises(PlanError, match=r"^qwen2 for torchtitan, which has no such model \(the export covers llama"):
         plan_cluster(qwen2, "h100", **JOB, runs_on="torchtitan")
-    with pytest.raises(ArgumentError, match="runs_on must be one of pipeloom, torchtitan, got 'megatron'"):
-        plan_cluster(LLAMA, "h100", **JOB, runs_on="megatron")
+    with pytest.raises(ArgumentError, match="runs_on must be one of pipeloom, torchtitan, megatron, got 'deepspeed'"):
+        plan_cluster(LLAMA, "h100", **JOB, runs_on="deepspeed")
 
 
 def _command(tmp_path, *extra: str) -> tuple[list[str], object]:

@@ -18,9 +18,9 @@ from pipeloom.plan.cluster.runtime_plan import (
     runtime_plan,
     save_blockers,
     split_point,
-    torchtitan_plan,
 )
 from pipeloom.plan.errors import PlanError
+from pipeloom.plan.export.torchtitan import torchtitan_plan
 from pipeloom.plan.plan import load_plan, save_plan
 
 LLAMA = {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 16,

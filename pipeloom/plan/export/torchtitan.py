@@ -24,20 +24,25 @@ the settings both read as command-line overrides, the 0.3.x extra on its own lin
 
 from __future__ import annotations
 
+import dataclasses
 import shlex
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pipeloom.ir import Schedule, schedule_to_csv
 from pipeloom.plan.errors import PlanError
 from pipeloom.plan.partitioning.shape import schedule_shape
 from pipeloom.plan.plan import Plan
 
-__all__ = ["ACTIVATION_CHECKPOINTS", "EXPORT_FORMATS", "TORCHTITAN_03_MOVED", "TORCHTITAN_03_SETTINGS",
+if TYPE_CHECKING:
+    from pipeloom.plan.cluster.job import Job
+    from pipeloom.plan.cluster.layout import Layout
+
+__all__ = ["ACTIVATION_CHECKPOINTS", "TORCHTITAN_MODELS", "torchtitan_family", "torchtitan_plan", "torchtitan_problems",
+           "torchtitan_recompute", "unwritten", "TORCHTITAN_03_MOVED", "TORCHTITAN_03_SETTINGS",
            "TORCHTITAN_VERSIONS", "export_torchtitan", "stage_modules", "torchtitan_args", "torchtitan_overrides",
            "torchtitan_settings", "torchtitan_toml", "version_overrides", "write_torchtitan"]
-
-EXPORT_FORMATS = ("torchtitan",)
 
 TORCHTITAN_VERSIONS = ("0.2.2", "0.3.0")
 """The torchtitan releases whose configuration classes accept the exported settings."""
@@ -272,3 +277,66 @@ def export_torchtitan(plan: Plan, schedule: Schedule, save: Path, modules: Seque
     if older:
         lines.append(f"torchtitan 0.2.x also: {shlex.join(older)}")
     return "\n".join([*lines, f"torchtitan 0.3.x also: {shlex.join(newer)}"])
+
+
+TORCHTITAN_MODELS = {"llama": "llama3", "qwen3": "qwen3", "qwen3_moe": "qwen3", "deepseek_v3": "deepseek_v3"}
+"""Families torchtitan has a model of, with its module names (``tok_embeddings``, ``layers.N``, ``norm``,
+``output``): ``--export torchtitan`` writes only these."""
+
+
+def torchtitan_family(job: Job) -> str:
+    """Why torchtitan cannot train ``job``'s model family ("" where it can)."""
+    if job.spec.family in TORCHTITAN_MODELS:
+        return ""
+    names = ", ".join(f"{k} ({v})" for k, v in TORCHTITAN_MODELS.items())
+    return (f"{job.spec.family} for torchtitan, which has no such model (the export covers {names}; save the plan "
+            "without --export)")
+
+
+def torchtitan_problems(job: Job, layout: Layout) -> list[tuple[str, dict[str, int | str]]]:
+    """What the torchtitan export cannot take of ``layout``, each with the ``--layout`` keys that fix it."""
+    problems: list[tuple[str, dict[str, int | str]]] = []
+    family = torchtitan_family(job)
+    if family:
+        problems.append((family, {}))
+    if layout.copies == 2:
+        problems.append(("schedule=dualpipe for torchtitan (two copies of the model, which it cannot place)",
+                         {"schedule": "dualpipev"}))
+    if layout.ep > 1:
+        problems.append((f"ep={layout.ep} for torchtitan (the export is checked without expert parallelism)",
+                         {"ep": 1}))
+    if torchtitan_recompute(job, layout) is None:
+        problems.append((f"recompute=selective with --selective {job.selective} for torchtitan, whose selective "
+                         "recomputation is its op-level policy (plan with --selective op, or with --layout "
+                         "recompute=full or none)", {}))
+    return problems
+
+
+def unwritten(job: Job) -> list[str]:
+    """The choices of ``job`` other than :class:`Job`'s defaults that the torchtitan export drops (``pipeloom plan
+    --export torchtitan`` refuses their flags, :func:`pipeloom.cli.plan_cluster_args.check_export`)."""
+    return [text for text, on in (
+        (f"recompute_layers={job.recompute_layers} (a recomputation depth)", bool(job.recompute_layers)),
+        ("dtype='fp8' (float8 training)", job.dtype == "fp8"),
+        ("adam_moments='bf16' (torch's AdamW keeps fp32 moments)", job.adam_moments == "bf16"),
+        ("shard_gradients=True (torch's pipelining holds gradients whole)", job.shard_gradients),
+        ("sequence_parallel=False", not job.sequence_parallel),
+        ("overlap_grad_reduce=False", not job.overlap_grad_reduce)) if on]
+
+
+def torchtitan_recompute(job: Job, layout: Layout) -> str | None:
+    """``layout``'s recomputation as torchtitan's activation checkpointing (:data:`ACTIVATION_CHECKPOINTS`), None
+    where torchtitan has no such setting (a selective policy other than its op-level one:
+    :func:`~pipeloom.plan.cluster.runtime_plan.save_blockers` refuses the export)."""
+    if layout.recompute != "selective":
+        return layout.recompute
+    return "op" if job.selective == "op" else None
+
+
+def torchtitan_plan(plan: Plan, layers: int) -> tuple[Plan, Sequence[str]]:
+    """The plan in torchtitan's module names (``tok_embeddings``, ``layers.N``, ``norm``, ``output``) and the
+    model's modules in call order, for ``--export torchtitan``."""
+    ends = [point.rsplit(".", 1)[1] for point in plan.split_points]  # a layer's index, or the final norm's name
+    modules = ["tok_embeddings", *(f"layers.{k}" for k in range(layers)), "norm", "output"]
+    renamed = dataclasses.replace(plan, split_points=tuple(f"layers.{k}" if k.isdigit() else "norm" for k in ends))
+    return renamed, modules
