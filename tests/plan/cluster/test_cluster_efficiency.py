@@ -37,8 +37,16 @@ def test_wave_quantization_closed_form():
     assert wave_efficiency(ROUND, 4096, 4096) == pytest.approx(1024 / (132 * 8))
     # 4224 x 4096: 128x128 33 x 32 = 1056 tiles = exactly 8 waves of 132
     assert wave_efficiency(ROUND, 4224, 4096) == pytest.approx(1.0)
-    # 4900 x 4900: 128x128 39 x 39 = 1521 -> 12 waves (0.960); 256x128 20 x 39 = 780 -> 6 waves (0.985)
-    assert wave_efficiency(ROUND, 4900, 4900) == pytest.approx(780 / (132 * 6))
+    # 4900 x 4900: 128x128 39 x 39 = 1521 -> 12 waves; 256x128 20 x 39 = 780 -> 6 waves; either way the edge
+    # tiles run whole: 4900^2 / 128^2 = 1465.4 tiles' work in 12 waves of 132
+    assert wave_efficiency(ROUND, 4900, 4900) == pytest.approx(4900 * 4900 / (128 * 128) / (132 * 12))
+    # one row more never prices a GEMM faster: 4097 x 4096 fills 8 waves with 33 rows of tiles, the last one nearly
+    # empty (a partial row had counted as work: 1056 tiles, "exactly 8 waves", faster than 4096's 7.76 / 8)
+    assert wave_efficiency(ROUND, 4097, 4096) == pytest.approx(4097 * 4096 / (128 * 128) / (132 * 8))
+    rise = (4097 / (4097 + ROUND.gemm_half_dim)) / (4096 / (4096 + ROUND.gemm_half_dim))  # the smooth rate's alone
+    assert gemm_seconds(ROUND, 4097, 4096, 4096) * rise >= gemm_seconds(ROUND, 4096, 4096, 4096)
+    # a dimension under one tile counts as one tile (its short tiles are the smooth factor's): 64 x 16384 on 108 SMs
+    assert wave_efficiency(dataclasses.replace(ROUND, sm_count=108), 64, 16384) == pytest.approx(128 / (108 * 2))
     # under one wave split-K fills the SMs
     assert wave_efficiency(ROUND, 100, 100) == 1.0
     assert wave_efficiency(ROUND, 1, 8192) == 1.0
