@@ -24,7 +24,7 @@ from pipeloom.plan.errors import MemoryTooSmall, PartitionError, PlanError
 from pipeloom.plan.noise import expected_makespan
 from pipeloom.plan.partitioning.partitioner import SchedulePartitioner, format_bytes_up
 from pipeloom.plan.partitioning.rules import MEMORY_SLACK, Partition
-from pipeloom.plan.partitioning.shape import ScheduleShape, library_schedule, schedule_shape
+from pipeloom.plan.partitioning.shape import ScheduleShape, library_schedule, schedule_shape, unbounded_limit
 from pipeloom.plan.plan import Plan, save_plan
 from pipeloom.plan.recost import recost, replica_sync_time, shared_time, stage_spreads
 from pipeloom.plan.refusals import check_request, nothing_fits
@@ -168,8 +168,12 @@ class _Search:
         base = Candidate(schedule=name, schedule_options=options, microbatches=microbatches, microbatch_size=size)
         partitioner = self.partitioner(size)
         limit = self.memory_limit
-        # a memory-aware schedule (ZB-V) orders its actions for a limit: try the plan's and its default
-        limits = (limit, None) if REGISTRY[name].memory_aware and limit is not None else (None,)
+        # a memory-aware schedule (ZB-V) orders its actions for a limit: try the plan's and its default; without a
+        # limit its default and one it never reaches (no limit plans no slower than any limit does)
+        limits: tuple[float | None, ...] = (None,)
+        if REGISTRY[name].memory_aware:
+            limits = (limit, None) if limit is not None else (
+                None, unbounded_limit(partitioner.table, self.num_ranks, microbatches))
         tried = [self._try(base, partitioner, library_limit=lim) for lim in limits]
         best = min(tried, key=_rank)
         # nothing fits: say what the order built without the limit needs, as that order is the same

@@ -8,6 +8,7 @@ with the limit an error message suggests.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 
 import pytest
@@ -328,3 +329,22 @@ def test_the_smallest_limit_round_trip_is_exact_for_one_stage_per_rank(seed):
     plan_pipeline(table, memory_limit=parse_bytes(printed), **request)
     with pytest.raises(NoPlanFits):  # a bit less does not
         plan_pipeline(table, memory_limit=least * (1 - 1e-6), **request)
+
+
+def test_no_memory_limit_plans_no_slower_than_a_generous_one(tmp_path):
+    """Without a limit a memory-aware schedule (interleaved-zb) had been built only at its default memory, 1F1B's, and
+    the best plan was slower than with a 100 GiB limit, at which it was built for that limit (a new user's table)."""
+    from pipeloom.plan.costs.file import load_costs
+
+    layers = [(f"layers.{k}", 2e-3, 1e-3, 2e8) for k in range(8)]
+    rows = [("embed", 5e-4, 3e-4, 5e7), *layers, ("head", 5e-4, 3e-4, 5e7)]
+    pieces = [dict(name=name, f=f, i=f, w=w, activation_bytes=act, w_activation_bytes=0, param_bytes=1e8,
+                   output_bytes=8e6) for name, f, w, act in rows]
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps(dict(format="pipeloom.costs/2", microbatch_size=2,
+                                    link=dict(latency=1e-5, bandwidth=1e10), pieces=pieces)))
+    table = load_costs(path)
+    free = plan_pipeline(table, num_ranks=4, global_batch=16)
+    for limit in (100 * 2**30, 4 * 2**30):
+        assert free.plan.predicted_step_time <= plan_pipeline(table, num_ranks=4, global_batch=16,
+                                                              memory_limit=limit).plan.predicted_step_time

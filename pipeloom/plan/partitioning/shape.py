@@ -25,6 +25,7 @@ __all__ = [
     "PartitionPlacement",
     "ScheduleShape",
     "copy_memory",
+    "unbounded_limit",
     "in_flight",
     "library_costs",
     "library_schedule",
@@ -222,6 +223,15 @@ def library_costs(table: CostTable, num_ranks: int) -> Costs:
         memory=sum(p.activation_bytes for p in pieces) / num_ranks,
         w_memory=sum(p.w_activation_bytes for p in pieces) / num_ranks,
     )
+
+
+def unbounded_limit(table: CostTable, num_ranks: int, microbatches: int) -> float:
+    """A per-rank memory limit no order of ``table``'s schedules reaches (every micro-batch's activations of a rank's
+    share held at once, twice over, beside its static bytes): a memory-aware generator built for it orders for speed
+    alone, where its default keeps near 1F1B's memory."""
+    costs = library_costs(table, num_ranks)
+    static = sum(table.static_bytes(p) for p in table.pieces) / num_ranks
+    return static + 2.0 * (costs.memory + costs.w_memory) * microbatches
 
 
 def library_schedule(table: CostTable, name: str, num_ranks: int, microbatches: int, *,
