@@ -84,7 +84,9 @@ class ClusterPlan:
         return {
             "best": dict(self.best.as_dict(), fits=self.fits, fits_gpu=self.best.memory.total <= hw.memory_bytes),
             "runners_up": [dict(est.as_dict(), why=why) for est, why in self.runners_up],
-            "hardware": hw.to_dict(),  # the whole description as priced: hardware_from_dict reads it back
+            # the description as given (a small job's placement in one domain is the job's): hardware_from_dict reads
+            # it back, and the same job prices alike from it
+            "hardware": (self.job.described or hw).to_dict(),
             "model": _model(self.job.spec),
             "gpus": self.job.gpus, "global_batch": self.job.global_batch, "seq": self.job.seq,
             "dtype": self.job.dtype, "selective": self.job.selective, "recompute_layers": self.job.recompute_layers,
@@ -175,7 +177,7 @@ def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: st
     listed = _checked_arguments(dtype, runners_up, schedules)
     spec = model_spec(model)
     depth: Any = 0 if recompute_layers == SEARCHED else recompute_layers  # Job refuses anything but a count
-    flags = _checked_flags(overlap_grad_reduce=overlap_grad_reduce, p2p_overlap=p2p_overlap,
+    flags: dict[str, Any] = _checked_flags(overlap_grad_reduce=overlap_grad_reduce, p2p_overlap=p2p_overlap,
                            sequence_parallel=sequence_parallel, tp_overlap=tp_overlap, moe_overlap=moe_overlap,
                            shard_gradients=shard_gradients, distributed_optimizer=distributed_optimizer)
     job = Job(spec=spec, hw=device, gpus=gpus, global_batch=global_batch, seq=seq, dtype=dtype,

@@ -5,7 +5,7 @@ policy, exchanges, stage cut), checked when made."""
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from pipeloom.plan.cluster.efficiency import (
     ATTENTION_KINDS,
@@ -229,6 +229,10 @@ class Job:
     virtual stage under interleaving: Megatron-Core's model chunk), the stage's other layers keeping everything
     (Megatron-Core's ``recompute_method "block"`` with ``recompute_num_layers`` N, as Megatron-Bridge's
     ``recompute_num_layers`` sets it): :meth:`~pipeloom.plan.cluster.estimate.Estimator.stages`."""
+    described: Hardware | None = field(default=None, compare=False, repr=False)
+    """The GPU type as given, before a job smaller than a scale-up domain was placed in one (:attr:`hw`'s
+    ``scale_up_placed``): what the ``--json`` object writes, so that a larger job read from it is placed as the
+    description says (set when the job is made; kept by ``dataclasses.replace``)."""
 
     def __post_init__(self) -> None:
         modules = megatron_modules(self.selective)
@@ -272,6 +276,8 @@ class Job:
             raise LayoutError(f"recompute_layers must be a whole number of layers per stage >= 0 (0: every layer), "
                               f"got {layers!r}")
         self.hw.peak(self.dtype)
+        if self.described is None:
+            object.__setattr__(self, "described", self.hw)
         if self.gpus < self.hw.domain_gpus:  # a job smaller than a scale-up domain sits in one
             object.__setattr__(self, "hw", replace(self.hw, scale_up_placed=self.gpus))
         self._check_applies()

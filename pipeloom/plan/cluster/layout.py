@@ -158,8 +158,7 @@ class Layout:
             weights, gradients, states = optimizer_bytes(params, shards=group if shard_optimizer else 1, fsdp=reshards,
                                                          grad_bytes=grad_bytes, moment_bytes=moment_bytes)
             parts.append((weights, gradients / group if shard_gradients else gradients, states))
-        weights, gradients, optimizer = (a + b for a, b in zip(*parts))
-        return weights, gradients, optimizer
+        return tuple(a + b for a, b in zip(*parts))  # weights, gradients, optimizer
 
     def microbatches(self, global_batch: int) -> int:
         """Micro-batches per pipeline per step; LayoutError when the global batch does not split evenly."""
@@ -202,8 +201,9 @@ class Layout:
             fits = [t for t in range(1, self.tp) if a.splits(t)]
             return (f"tp={self.tp} does not split {a.heads} query / {a.kv_heads} key-value heads evenly (each tp rank "
                     f"holds whole heads); use tp={max(fits)}, the largest below {self.tp} that divides both")
-        if job.seq % (2 * self.cp) and self.cp > 1:
-            return f"sequence {job.seq} does not split into 2 x cp={self.cp} load-balanced chunks"
+        if job.seq % (2 * self.cp) and self.cp > 1:  # the fix: the largest cp below whose 2 x cp divides it, or 1
+            below = max(c for c in range(1, self.cp) if job.seq % (2 * c) == 0 or c == 1)
+            return f"sequence {job.seq} does not split into 2 x cp={self.cp} load-balanced chunks; use cp={below}"
         if g is not None and not g.splits(self.tp * self.cp):
             return (f"tp={self.tp} x cp={self.cp} does not split Gated DeltaNet's {g.key_heads} key heads evenly "
                     f"(Megatron-Core gives each tp x cp rank whole heads: its context parallelism runs the whole "
@@ -321,8 +321,8 @@ def _fixed_problem(job: Job, fixed: dict[str, Any]) -> tuple[str | None, str | N
         probe = Layout(tp=fixed.get("tp", 1), cp=fixed.get("cp", 1), pp=fixed.get("pp", 1 if schedule == "1f1b" else 2),
                        vp=vp, ep=fixed.get("ep", 1), dp=fixed.get("ep", 1), schedule=schedule)
         refused = probe.shape_problem(job, cut="pp" in fixed and "vp" in fixed)
-    except LayoutError:  # the keys refuse each other: said where the layouts are made
-        refused = None
+    except LayoutError as error:  # with a fixed schedule the probe's own choices agree with it: the fixed keys clash
+        return (str(error), None) if "schedule" in fixed else (None, None)
     if refused or fixed.get("mbs", 1) > job.global_batch:
         return refused or f"mbs={fixed['mbs']} is more sequences than the global batch {job.global_batch}", (
             None if refused else f"a global batch of at least {fixed['mbs']}")
@@ -340,7 +340,7 @@ def _sized(fixed: dict[str, Any]) -> tuple[list[str], int, str]:
     """With dp fixed: the fixed keys of dp, tp, cp, pp, their product and the GPUs they need (all four: exactly it)."""
     sized: list[str] = [key for key in ("dp", "tp", "cp", "pp") if key in fixed] if "dp" in fixed else []
     size = int(math.prod(fixed[key] for key in sized))
-    return sized, size, f"{size} GPUs" if len(sized) == 4 else _gpus(size)
+    return sized, size, f"{size} GPU{'s' * (size != 1)}" if len(sized) == 4 else _gpus(size)
 
 
 def _refuse(refusals: Refusals | None, reason: str, *, weak: bool = False, counts: str | None = None) -> None:
@@ -380,8 +380,8 @@ def _inner(job: Job, fixed: dict[str, Any], tp: int, cp: int, pp: int, dp: int,
                     weak="mbs" not in fixed or not {"tp", "cp", "pp"} <= set(fixed),
                     counts=f"a global batch that is a multiple of dp x mbs = {dp * mbs}")
             continue
-        if fsdp and pp > 1 and "fsdp" not in fixed and job.distributed_optimizer:  # priced as without it: not twice
-            continue  # (Layout.reshards; without a distributed optimizer only FSDP shards the optimizer state)
+        if fsdp and "fsdp" not in fixed and (dp * cp == 1 or pp > 1 and job.distributed_optimizer):
+            continue  # nothing to shard over, or priced as without it (Layout.reshards) where Adam's state is sharded
         placement = SCHEDULES.get(schedule)
         vps = {"interleaved": [v for v in VP_CHOICES if pp * v <= max_stages(spec)], "v": [2]}.get(placement or "",
                                                                                                    [1])

@@ -7,6 +7,7 @@ refused by name, and what it runs differently is said."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from itertools import accumulate
 from typing import TYPE_CHECKING, Any
@@ -253,7 +254,8 @@ def runtime_plan(result: ClusterPlan, *, export: str | None = None) -> Plan:
     estimator = Estimator(job)  # one for the ranks' memory and the stages' times: they share its stage pricing
     return Plan(num_ranks=layout.pp, split_points=split_points, schedule=layout.schedule, schedule_options=options,
                 microbatches=job.global_batch // samples, global_batch=job.global_batch,
-                predicted_step_time=best.step_time, peak_memory=estimator.rank_memory(layout),
+                predicted_step_time=best.step_time,
+                peak_memory=tuple(math.ceil(b) for b in estimator.rank_memory(layout)),  # whole bytes
                 stage_times=_stage_times(estimator, layout),
                 memory_limit=result.memory_limit, bubble_ratio=best.bubble, device=job.hw.name,
                 data_parallel=layout.dp, sharding="fsdp" if layout.fsdp else "replicate",

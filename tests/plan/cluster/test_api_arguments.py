@@ -4,6 +4,7 @@ mappings, schedule names in any case, and the refusals a new user of the Python 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
@@ -56,6 +57,18 @@ def test_a_schedule_without_a_pipeline_is_told_so_before_its_stage_count():
             Layout(dp=8, pp=1, vp=vp, schedule="zbv")
     with pytest.raises(LayoutError, match=r"pp=1 has no pipeline to run zbv"):
         _plan(layout="dp=8,tp=1,pp=1,vp=1,cp=1,ep=1,mbs=1,fsdp=0,recompute=none,schedule=zbv")
+
+
+@pytest.mark.parametrize(("keys", "told"), [
+    ("schedule=zbv,vp=3", "zbv places 2 stages per rank in a V: use vp=2, got vp=3"),
+    ("schedule=dualpipev,vp=1", "dualpipev places 2 stages per rank in a V: use vp=2, got vp=1"),
+    ("schedule=interleaved-1f1b,vp=1", "interleaved-1f1b needs vp >= 2 stages per rank, got vp=1"),
+])
+def test_a_fixed_schedule_and_its_stage_count_are_told_apart_first(keys, told):
+    """A fixed schedule and vp that refuse each other are named, not 'pp=1 has no pipeline' first: following that
+    (pp=2) had met the vp refusal next."""
+    with pytest.raises(NoLayoutFits, match=re.escape(f"(the first refused: {told}")):
+        _plan(layout=keys)
 
 
 def test_the_plan_says_whether_it_fits():
@@ -124,3 +137,26 @@ def test_a_misspelt_key_value_head_count_is_refused_for_every_family_that_reads_
     for family, default in (("llama", 16), ("granite", 16), ("mistral", 8)):  # mistral: its class default, 8
         with pytest.raises(ModelConfigError, match=rf"did you mean 'num_key_value_heads'\? .* = {default}\) would be"):
             model_spec({**typo, "model_type": family})
+
+
+def test_the_json_s_hardware_is_the_description_as_given():
+    """A 4-GPU job sits in one 8-GPU domain; its --json had written that placement into the hardware object, and a
+    64-GPU job planned from that object was placed 4 GPUs to a domain, slower, without a word."""
+    from pipeloom.plan.cluster.hardware import hardware_from_dict
+
+    small = _plan(gpus=4, global_batch=16)
+    assert small.job.hw.scale_up_placed == 4  # priced in one domain
+    described = small.as_dict()["hardware"]
+    assert described == hardware("h100").to_dict() and described["scale_up_placed"] is None
+    again = plan_cluster(SMALL, hardware_from_dict(described), gpus=4, global_batch=16, seq=4096)
+    assert again.best.step_time == small.best.step_time
+    large = {"gpus": 64, "global_batch": 256, "seq": 4096}
+    assert plan_cluster(SMALL, hardware_from_dict(described), **large).best.step_time == pytest.approx(
+        plan_cluster(SMALL, "h100", **large).best.step_time)
+
+
+def test_fsdp_is_not_searched_with_nothing_to_shard_over():
+    """On one GPU FSDP shards over nobody: a 1-GPU plan had listed its fsdp=1 twin as a runner-up, with more memory."""
+    one = _plan(gpus=1, global_batch=8, seq=2048)
+    assert not [est for est in (one.best, *(est for est, _ in one.runners_up)) if est.layout.fsdp]
+    assert _plan(gpus=1, global_batch=8, seq=2048, layout="fsdp=1").best.layout.fsdp  # asked for, it is priced

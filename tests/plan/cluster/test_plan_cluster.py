@@ -188,7 +188,7 @@ def test_1f1b_bound_is_exact_for_even_stages():
     (["--model", "CONFIG", "--hardware", "h100", "--gpus", "8", "--seq", "4096", "--layout", "pp=3"],
      "the first refused: tp=1 x cp=1 x pp=3 does not divide the 8 GPUs"),
     (["--model", "CONFIG", "--hardware", "h100", "--gpus", "8", "--seq", "4096", "--layout",
-      "pp=4,vp=2,schedule=dualpipe"], "schedule=dualpipe: dualpipe cuts the model into pp stages"),
+      "pp=4,vp=2,schedule=dualpipe"], "the first refused: dualpipe cuts the model into pp stages"),
     (["--model", "CONFIG", "--hardware", "h100", "--gpus", "8", "--seq", "4096", "--layout", "mbs=3"],
      "the first refused: mbs=3 does not divide the global batch 32); change the fixed keys, pick a global batch "
      "that is a multiple of 3"),
@@ -197,7 +197,7 @@ def test_1f1b_bound_is_exact_for_even_stages():
     (["--model", "CONFIG", "--hardware", "h100", "--gpus", "8", "--seq", "4096", "--layout", "tp=3"],
      "the first refused: tp=3 does not split 16 query / 4 key-value heads evenly"),
     (["--model", "CONFIG", "--hardware", "h100", "--gpus", "8", "--seq", "4096", "--layout", "cp=3"],
-     "the first refused: sequence 4096 does not split into 2 x cp=3 load-balanced chunks"),
+     "the first refused: sequence 4096 does not split into 2 x cp=3 load-balanced chunks; use cp=2"),
     (["--model", "CONFIG", "--hardware", "h100", "--gpus", "8", "--seq", "4096", "--layout", "pp=32"],
      "the first refused: pp=32 x vp=1 = 32 stages for 16 layers: at most one stage per layer, and one each for "
      "the embedding and the head; lower pp so that pp x vp <= 18"),
@@ -397,11 +397,13 @@ def test_a_refusal_by_the_jobs_counts_names_the_counts_that_avoid_it():
                               ("dp=3", 64, "a global batch that is a multiple of 3 and a GPU count that is a "
                                            "multiple of 3"),
                               ("dp=16,tp=2,pp=4,cp=1", 64, "pick 128 GPUs"),
+                              ("dp=1,tp=1,pp=1,cp=1", 64, "pick 1 GPU"),  # had read "1 GPUs"
                               # more sequences than the batch had been sent to a batch of 32,768 (dp=64 x 512)
                               ("mbs=512", 256, "a global batch of at least 512")):
         with pytest.raises(NoLayoutFits) as info:
             plan_cluster(SMALL, "h100", gpus=64, global_batch=batch, seq=4096, layout=fixed)
-        assert str(info.value).endswith(f"change the fixed keys, {'' if 'GPUs' in fix else 'pick '}{fix}"), info.value
+        assert str(info.value).endswith(f"change the fixed keys, {'' if fix.startswith('pick') else 'pick '}{fix}"), \
+            info.value
 
 
 def test_a_sequence_longer_than_learned_positions_is_refused():
