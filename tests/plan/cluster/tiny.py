@@ -37,6 +37,7 @@ TINY: dict[str, dict[str, Any]] = {
     "ernie4_5": dict(_COMMON, num_key_value_heads=2, head_dim=16, use_bias=True),
     "ernie4_5_moe": dict(_COMMON, num_hidden_layers=3, num_key_value_heads=2, use_bias=True, moe_num_experts=4,
                          moe_k=2, moe_intermediate_size=24, moe_num_shared_experts=1, moe_layer_start_index=1),
+    "glm": dict(_COMMON, num_key_value_heads=2, head_dim=16, pad_token_id=0, eos_token_id=2),
     "glm4": dict(_COMMON, num_key_value_heads=2, head_dim=16, pad_token_id=0, eos_token_id=2),
     "falcon": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=128, num_kv_heads=2,
                    new_decoder_architecture=True, ffn_hidden_size=96, bias=True, max_position_embeddings=64),

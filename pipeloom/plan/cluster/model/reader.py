@@ -32,8 +32,8 @@ from pipeloom.plan.errors import ModelConfigError
 __all__ = ["model_spec", "SUPPORTED_FAMILIES"]
 
 _DENSE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "granite", "phi3", "olmo", "olmo2",
-          "olmo3", "smollm3", "starcoder2", "cohere", "cohere2", "ernie4_5", "glm4", "seed_oss", "exaone4", "falcon",
-          "gpt2", "gpt_neox", "phi", "gptj", "ministral", "ministral3", "helium", "arcee", "hunyuan_v1_dense")
+          "olmo3", "smollm3", "starcoder2", "cohere", "cohere2", "ernie4_5", "glm", "glm4", "seed_oss", "exaone4",
+          "falcon", "gpt2", "gpt_neox", "phi", "gptj", "ministral", "ministral3", "helium", "arcee", "hunyuan_v1_dense")
 _UNGATED = ("arcee",)
 """Families of the LLaMA layout whose MLP is two projections around one activation (Arcee's ReLU²)."""
 _OLMO = ("olmo2", "olmo3", "olmoe")
@@ -308,7 +308,7 @@ def _family_spec(data: Mapping[str, Any], family: str) -> ModelSpec:
     qkv_bias = family == "qwen2" or (family == "qwen2_moe" and bool(data.get("qkv_bias", True))) or bias
     attention = Attention(heads=heads, kv_heads=kv_heads, qk_dim=head_dim, v_dim=head_dim, qkv_bias=qkv_bias,
                           o_bias=(bool(data.get("attention_out_bias", False)) if family == "seed_oss" else
-                                  bias and family not in ("qwen2", "qwen2_moe", "glm4", "helium")),
+                                  bias and family not in ("qwen2", "qwen2_moe", "glm", "glm4", "helium")),
                           qk_norm=family in _QK_NORM,
                           qk_norm_full=family in (*_OLMO, "minimax_m2"))
     dense: dict[str, Any] = dict(**common, attention=attention, mlp_bias=bool(data.get("mlp_bias", False)),
