@@ -40,6 +40,9 @@ hold and simulate). Kept here, not with the search, so the CLI reads it without 
 
 _MAX_DIGITS = 18
 """Digits of a stage index at most, as in action text (a larger one is a typo)."""
+MAX_STAGES = 1 << 20
+"""Stages a problem may hold (stage numbers 0 .. MAX_STAGES - 1): 16 stages for each of the most ranks a schedule has,
+and a bound on what stage-indexed tables cost (a one-task file at stage 10,000,000 had taken 2 GB to search)."""
 
 
 def task_name(key: TaskKey) -> str:
@@ -107,6 +110,9 @@ class Task:
 
     def __post_init__(self) -> None:
         _check_index("task stage", self.stage)
+        if self.stage >= MAX_STAGES:
+            raise ProblemError(f"task stage {self.stage} is above the {MAX_STAGES - 1:,} a problem may hold "
+                               "(pipeloom.problem.MAX_STAGES); number the stages from 0")
         if self.kind not in KINDS:
             raise ProblemError(f"task {self.stage}{self.kind}: kind must be one of F, B, I, W")
         name = f"{self.stage}{self.kind}"

@@ -265,6 +265,8 @@ def test_csv_blank_rows_after_the_last_action_row_are_not_ranks(tail):
         ("\n,\n", ["no actions"]),
         ("0F0,1F0\n1B0\n", ["row 2", "stage 1", "rank 0", "JSON"]),
         ("0F0,0B0\n2F0\n", ["stages [1] never run"]),
+        # the stages a stage number of 18 digits leaves are counted, not listed (that list had taken 4 GB)
+        ("123456789012345678F0\n", ["stages [0, 1, 2, 3, 4, 5, ... (123,456,789,012,345,672 more)] never run"]),
         ("0F0,0Z0\n", ["row 1, column 2", "0Z0"]),
         ('0F0,"0B0\n', ["malformed CSV", "line 1", "unexpected end of data", "quote"]),
         ('0F0,0B0\n"1F0,1B0\n\n', ["malformed CSV", "line 3", "unexpected end of data"]),

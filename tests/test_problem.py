@@ -216,3 +216,12 @@ def test_problem_lookup_helpers():
     assert problem.index((0, "B")) == 1
     with pytest.raises(ProblemError, match="no task 0W"):
         problem.task((0, "W"))
+
+
+def test_a_stage_number_past_the_most_stages_is_refused_before_any_table_is_made():
+    """A one-task file at stage 10,000,000 had taken 2 GB and 25 s to search (stage-indexed tables)."""
+    last = problem_module.MAX_STAGES - 1
+    assert Task(stage=last, kind="F", ranks=(0,), duration=1.0).stage == last
+    with pytest.raises(ProblemError, match=r"task stage 10000000 is above the 1,048,575 a problem may hold"):
+        Task(stage=10_000_000, kind="F", ranks=(0,), duration=1.0)
+

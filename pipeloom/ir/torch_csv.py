@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import io
+import itertools
 from collections import Counter
 
 from pipeloom.errors import ScheduleFormatError, shown_list
@@ -162,10 +163,13 @@ def _csv_problem(
     if not stage_rank:
         raise ScheduleFormatError("the CSV holds no actions")
     num_stages = 1 + max(stage_rank)
-    missing = [s for s in range(num_stages) if s not in stage_rank]
-    if missing:
+    absent = num_stages - len(stage_rank)
+    if absent:  # the first few named, without listing the rest (a stage of 18 digits leaves that many)
+        first = list(itertools.islice((s for s in range(num_stages) if s not in stage_rank), 6))
+        more = f", ... ({absent - len(first):,} more)" if absent > len(first) else ""
         raise ScheduleFormatError(
-            f"stages {shown_list(missing)} never run; a CSV schedule must run every stage 0..{num_stages - 1}"
+            f"stages [{', '.join(map(str, first))}{more}] never run; a CSV schedule must run every stage "
+            f"0..{num_stages - 1}"
         )
     kinds = {part.kind for actions in ranks for action in actions for part in compute_parts(action)}
     # With I or W anywhere the backward is split; a B then stands for its stage's I and W run together
