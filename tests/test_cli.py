@@ -338,6 +338,34 @@ def test_output_under_a_file_or_onto_a_folder_is_refused(capsys, tmp_path):
     assert_one_line_error(onto_folder, 2, "-o/--out", "is a folder")
 
 
+def test_two_outputs_naming_one_file_are_refused_before_anything_is_written(capsys, tmp_path, monkeypatch):
+    """``--save same.json --perfetto same.json`` had written both and kept the trace alone, the schedule lost."""
+    monkeypatch.chdir(tmp_path)
+    same = run(capsys, "show", "1f1b", "-p", "2", "-m", "2", "--save", "same.json", "--perfetto", "./same.json")
+    assert_one_line_error(same, 2, "both write 'same.json'", "give each output a file of its own")
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("name", ["dualpipe", "chimera"])
+def test_a_saved_two_replica_schedule_reports_as_show_did(capsys, tmp_path, name):
+    """The file counts pairs (docs/format.md); ``simulate`` had reported 4 micro-batches where ``show`` said 8."""
+    path = str(tmp_path / "s.json")
+    code, out, _ = run(capsys, "show", name, "-p", "4", "-m", "8", "--json", "--save", path)
+    shown = json.loads(out)
+    code, out, _ = run(capsys, "simulate", path, "--json")
+    again = json.loads(out)
+    assert code == 0 and (again["num_microbatches"], again["schedule_microbatches"]) == (8, 4)
+    assert {k: again[k] for k in ("num_microbatches", "schedule_microbatches", "makespan")} == {
+        k: shown[k] for k in ("num_microbatches", "schedule_microbatches", "makespan")}
+
+
+def test_width_without_the_terminal_view_is_refused(capsys):
+    """``--width`` alone had drawn nothing and said nothing."""
+    assert_one_line_error(run(capsys, "show", "1f1b", "-p", "3", "-m", "4", "--width", "50"), 2,
+                          "--width sets the --terminal view's width: add --terminal")
+    assert run(capsys, "show", "1f1b", "-p", "3", "-m", "4", "--width", "50", "--terminal")[0] == 0
+
+
 @pytest.mark.parametrize("folder", ["file/sub", "file"])
 def test_demo_folder_that_cannot_be_created_is_refused_first(capsys, tmp_path, monkeypatch, folder):
     (tmp_path / "file").write_text("")

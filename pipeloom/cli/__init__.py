@@ -37,6 +37,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = None
     try:
         args = build_parser().parse_args(argv)
+        if getattr(args, "width", None) is not None and not getattr(args, "terminal", False):  # had drawn nothing
+            raise UsageError("--width sets the --terminal view's width: add --terminal, or drop --width")
         with StagedOutputs.of(args) as outputs:  # each output proven writable now, renamed in at the end
             args.outputs = outputs
             status = args.handler(args)

@@ -53,8 +53,17 @@ class StagedOutputs:
 
     @classmethod
     def of(cls, args: argparse.Namespace) -> StagedOutputs:
-        """The outputs among the parsed arguments."""
-        return cls([value for value in vars(args).values() if isinstance(value, OutputPath)])
+        """The outputs among the parsed arguments; UsageError where two name one file (the second would overwrite
+        the first: ``--save same.json --perfetto same.json`` had kept only the trace, without a word)."""
+        given = [(dest, value) for dest, value in vars(args).items() if isinstance(value, OutputPath)]
+        seen: dict[str, str] = {}
+        for dest, value in given:
+            where = os.path.normcase(os.path.abspath(value))
+            if where in seen:
+                raise UsageError(f"--{seen[where].replace('_', '-')} and --{dest.replace('_', '-')} both write "
+                                 f"{str(value)!r}; give each output a file of its own")
+            seen[where] = dest
+        return cls([value for _, value in given])
 
     def path(self, final: Path) -> Path:
         """Where to write ``final`` now (its temporary file)."""

@@ -121,8 +121,8 @@ def cmd_list(args: argparse.Namespace) -> int:
         return 0
     console = report_console()
     console.print(schedules_table(REGISTRY.values()))
-    console.print("\nPlacements (task graphs for the search)", style="bold")
-    console.print(placements_table(PLACEMENTS.values()))
+    console.print()
+    console.print(placements_table(PLACEMENTS.values()))  # its title names them and the command that searches them
     return 0
 
 
@@ -174,7 +174,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     schedule = dataclasses.replace(schedule, problem=problem)
     with limit_units(args, ACTIVATIONS if is_csv else "the file's memory units"):
         timeline = validate(schedule, ordered=not args.allow_unordered)
-    return emit(args, timeline, timeline_report(timeline, costs=costs if is_csv else None))
+    entry = REGISTRY.get(schedule.name)  # a two-replica schedule's file counts pairs: reported as `show` reports them
+    pairs = entry is not None and entry.placement == "bidirectional"
+    return emit(args, timeline, timeline_report(timeline, costs=costs if is_csv else None,
+                                                microbatches=2 * schedule.num_microbatches if pairs else None))
 
 
 def compare_schedules(names: Sequence[str], ranks: int, microbatches: int, costs: Costs,
