@@ -156,7 +156,7 @@ class _Handlers:
         name, _, suffix = request.path_params["file"].rpartition(".")
         if suffix not in ("json", "csv") or not name:
             raise RequestError("ask for NAME.json (pipeloom.schedule/1) or NAME.csv (torch's CSV)", 404)
-        document = api.query_document(dict(request.query_params))
+        document = api.query_document(request.query_params.multi_items())
         text = await self.jobs.quick("schedule_file", {"name": name, "format": suffix, "document": document,
                                                   "config": self.config})
         return _file(text, f"{name}.{suffix}", "application/json" if suffix == "json" else "text/csv")

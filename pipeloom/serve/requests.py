@@ -6,6 +6,7 @@ that say how to fix them), JSON only, never pickle. Searches and plans run in wo
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from pipeloom.errors import PipeloomError
@@ -59,16 +60,21 @@ def read_object(body: bytes, *, what: str = "request") -> dict:
     return document
 
 
-def query_document(params: dict[str, str]) -> dict:
-    """A download's query string (``?ranks=4&microbatches=8&f=1``) as the JSON request it stands for."""
+def query_document(params: Mapping[str, str] | Iterable[tuple[str, str]]) -> dict:
+    """A download's query string (``?ranks=4&microbatches=8&f=1``: its pairs, or a mapping) as the JSON request it
+    stands for; RequestError for a key given twice (the last had won) or a value that is not a number (a whole number
+    for the counts)."""
     document: dict[str, Any] = {}
-    for key, text in params.items():
+    for key, text in (params.items() if isinstance(params, Mapping) else params):
+        if key in document:
+            raise RequestError(f"query {key} is given twice; give it once")
+        whole = key in _INTEGERS
         try:
             if "_" in text:  # Python reads 4_0 as 40: a typo here, not a digit separator
                 raise ValueError(text)
-            document[key] = int(text) if key in _INTEGERS else float(text)
+            document[key] = int(text) if whole else float(text)
         except ValueError:
-            raise RequestError(f"query {key}={text!r}: expected a number") from None
+            raise RequestError(f"query {key}={text!r}: expected {'a whole number' if whole else 'a number'}") from None
     return document
 
 
@@ -190,7 +196,8 @@ def compare(document: dict, config: ServeConfig) -> dict:
         except PipeloomError as error:
             outcomes.append((name, (str(error).strip().splitlines() or ["failed"])[0]))
     built = [outcome for _, outcome in outcomes if not isinstance(outcome, str)]
-    return {"rows": comparison_rows(outcomes), "views": [timeline_data(t, title=t.schedule.name) for t in built]}
+    rows = comparison_rows(outcomes, microbatches=shape[1], costs=_costs(document, where))  # each row's costs too
+    return {"rows": rows, "views": [timeline_data(t, title=t.schedule.name) for t in built]}
 
 
 def schedule_file(name: str, fmt: str, document: dict, config: ServeConfig) -> str:

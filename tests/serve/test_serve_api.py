@@ -115,8 +115,19 @@ def test_downloads_are_the_projects_formats(server):
     from pipeloom.serve.errors import RequestError
     from pipeloom.serve.requests import query_document
 
-    with pytest.raises(RequestError, match=r"query ranks='4_0': expected a number"):
+    with pytest.raises(RequestError, match=r"query ranks='4_0': expected a whole number"):
         query_document({"ranks": "4_0"})
+    # a count that is not whole is told so (it had read "expected a number"); a key given twice is refused (the last
+    # had won), through the server too
+    with pytest.raises(RequestError, match=r"query ranks='4.5': expected a whole number"):
+        query_document({"ranks": "4.5"})
+    with pytest.raises(RequestError, match=r"query f='x': expected a number$"):
+        query_document({"f": "x"})
+    with pytest.raises(RequestError, match=r"query ranks is given twice; give it once"):
+        query_document([("ranks", "4"), ("microbatches", "8"), ("ranks", "5")])
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(f"{server}/api/schedules/1f1b.json?ranks=4&microbatches=8&ranks=5", timeout=30)
+    assert refused.value.code == 400 and b"given twice" in refused.value.read()
 
 
 def test_simulate_reports_as_show_json_does(server):

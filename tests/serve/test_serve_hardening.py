@@ -315,6 +315,18 @@ def test_every_generator_refusal_is_a_4xx_json_answer(guarded):
     assert all(row.get("error") for row in answer["rows"]) and "memory_limit 0.5" in answer["rows"][2]["error"]
 
 
+def test_compare_rows_are_the_command_s_costs_included(guarded, capsys):
+    """docs/playground.md says the rows are as ``compare --json``'s; each had ``"costs": null``."""
+    from pipeloom.cli import main
+
+    code, answer = call(f"{guarded}/api/compare", {"names": ["1f1b", "zbv"], "ranks": 4, "microbatches": 8,
+                                                   "comm": 0.1})
+    assert code == 200
+    assert main(["compare", "1f1b", "zbv", "-p", "4", "-m", "8", "--comm", "0.1", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["schedules"]
+    assert rows[0]["costs"] is not None and [row["costs"] for row in answer["rows"]] == [row["costs"] for row in rows]
+
+
 def test_cost_tables_are_checked_off_the_event_loop(guarded):
     """Three uploads of a 7,000-piece cost table (bad in its last piece, so each is read whole, then refused):
     the server answers other requests meanwhile, each in less than twice the time one table takes to check here
