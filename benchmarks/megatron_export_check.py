@@ -66,6 +66,7 @@ def model_args(config: dict, spec, seq: int) -> list[str]:
             str(att.heads), "--ffn-hidden-size", str(spec.intermediate), "--max-position-embeddings", str(seq),
             "--vocab-size", str(spec.vocab), "--tokenizer-type", "NullTokenizer", "--kv-channels", str(att.v_dim),
             "--position-embedding-type", "learned_absolute" if spec.positions else "rope"]
+    args += [] if spec.positions else ["--no-rope-fusion"]  # its fused kernel needs Transformer Engine installed
     if att.kv_heads != att.heads and not att.latent:
         args += ["--group-query-attention", "--num-query-groups", str(att.kv_heads)]
     if att.latent:
