@@ -21,7 +21,7 @@ from pipeloom.plan.costs.shared import shared_across_stages, shared_sync_time
 from pipeloom.plan.costs.table import CostTable
 from pipeloom.plan.errors import PlanError
 from pipeloom.plan.tp.collectives import Collective
-from pipeloom.profile.fits import exchange_latency, fit_run, fitted_action_cost, start_skew, time_spread
+from pipeloom.profile.fits import fit_run, fitted_action_cost, fitted_replica_link, start_skew, time_spread
 from pipeloom.profile.model import profile_model, updates_running_stats
 from pipeloom.profile.pieces import pieces_in_trace, trace_for_pieces
 from pipeloom.runtime import Parallelism, PipelineEngine, Tracing, pipeline, split_model
@@ -301,10 +301,9 @@ class EngineProfiler:
         loss all-reduce, last sends; less the shared-parameter exchange as
         :func:`~pipeloom.plan.costs.shared.shared_sync_time` prices it, which a plan pays apart); both averaged
         over the two pipelines. Where the two-replica pipeline ran, its own cost outside the schedule beyond
-        that is its replica-gradient exchange: the table's ``runtime.replica_link`` is the per-message
-        latency that prices that exchange at the measured seconds
-        (:func:`~pipeloom.plan.recost.exchange_time`, with ``bandwidth``); and, as both its replicas start a
-        step at once, its ``start_skew`` (:func:`~pipeloom.profile.fits.start_skew`).
+        that is its replica-gradient exchange, priced by the table's ``runtime.replica_link``
+        (:func:`~pipeloom.profile.fits.fitted_replica_link`);
+        and, as both its replicas start a step at once, its ``start_skew`` (:func:`~pipeloom.profile.fits.start_skew`).
         ``bandwidth`` (bytes/s; None: unlimited) goes into the table's link.
         """
         if self.steps <= skip:
@@ -334,14 +333,12 @@ class EngineProfiler:
         spread = time_spread([(run, task_durations(run, steps=steps)) for run in runs], steps)
         where = self.base.device.split(" (")[0]
         replica_link, skew = self.base.runtime.replica_link, self.base.runtime.start_skew
+        link = Link(latency=statistics.fmean(latencies), bandwidth=bandwidth)
         if exchange is not None:
             skew = start_skew(exchange, steps)
-            _, exchange_outside = fit_run(exchange, steps)
-            exchanged = max(0.0, exchange_outside - statistics.fmean(outside))  # beyond the one-replica step cost
             params = [sum(p.param_bytes for p in self.base.pieces[a:b]) for a, b in pairwise(self.exchange_bounds)]
-            latency = exchange_latency(exchanged, params, exchange.schedule, bandwidth)
-            replica_link = Link(latency=latency, bandwidth=bandwidth)
-        link = Link(latency=statistics.fmean(latencies), bandwidth=bandwidth)
+            replica_link = fitted_replica_link(exchange, steps, statistics.fmean(outside), params, link,
+                                               speak=dist.get_rank(self.group) == 0)
         # the shared-parameter exchange after the step is priced apart (pipeloom.plan.costs.shared): take it off
         shared = shared_sync_time(self.base, self.rank_of, self.microbatches, link=replica_link or link)
         runtime = RuntimeCorrections(

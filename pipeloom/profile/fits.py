@@ -4,6 +4,7 @@ the replica-exchange latency (no torch: each reads a :class:`~pipeloom.trace.for
 
 from __future__ import annotations
 
+import logging
 import statistics
 from collections.abc import Callable
 from itertools import pairwise
@@ -15,7 +16,9 @@ from pipeloom.plan.recost import exchange_time
 from pipeloom.trace.analysis import comm_latency_estimate, step_times
 from pipeloom.trace.format import RunTrace
 
-__all__ = ["exchange_latency", "fit_run", "fitted_action_cost", "start_skew", "time_spread"]
+__all__ = ["exchange_latency", "fit_run", "fitted_action_cost", "fitted_replica_link", "start_skew", "time_spread"]
+
+logger = logging.getLogger(__name__)
 
 _NS = 1e-9
 
@@ -115,3 +118,19 @@ def exchange_latency(seconds: float, stage_params: list[float], schedule: Schedu
 def _engine_step_seconds(run: RunTrace, index: int) -> float:
     """The longest ``engine.step`` call of step ``index`` over the ranks."""
     return max(rank[index].end_ns - rank[index].start_ns for rank in run.ranks) * _NS
+
+
+def fitted_replica_link(exchange: RunTrace, steps: list[int], outside: float, params: list[float], link: Link, *,
+                        speak: bool) -> Link:
+    """The link that prices the two-replica run's gradient exchange (of ``params`` bytes per rank's run of pieces):
+    the per-message latency of its seconds beyond the one-replica step's ``outside``; where those are not above zero
+    (noise), the stage ``link``, said (``speak``) once: it had been fitted as free, and chimera then won."""
+    exchanged = fit_run(exchange, steps)[1] - outside
+    if exchanged > 0:
+        return Link(latency=exchange_latency(exchanged, params, exchange.schedule, link.bandwidth),
+                    bandwidth=link.bandwidth)
+    if speak:
+        logger.warning("the two-replica run's gradient exchange measured no longer than the one-replica step "
+                       "(%.2f ms: noise); it is priced with the stage link (%.2f ms a message); profile with more "
+                       "--repeats to measure it", exchanged * 1e3, link.latency * 1e3)
+    return link

@@ -27,7 +27,7 @@ from pipeloom.plan.noise import starting_ranks
 from pipeloom.plan.partitioning.shape import schedule_shape
 from pipeloom.plan.recost import exchange_time
 from pipeloom.profile.engine import profiling_schedule
-from pipeloom.profile.fits import exchange_latency, fitted_action_cost, start_skew, time_spread
+from pipeloom.profile.fits import exchange_latency, fitted_action_cost, fitted_replica_link, start_skew, time_spread
 from pipeloom.runtime.program import model_pieces
 from pipeloom.trace import TRACE_FORMAT, run_trace_from_documents, task_durations
 
@@ -228,3 +228,18 @@ def test_pipeloom_profile_in_engine_needs_a_loss(capsys, monkeypatch):
     code = main(["profile", f"{EXAMPLE}:build_model", "--batch", "2", "--seq", "8", "--in-engine"])
     err = capsys.readouterr().err
     assert code == 2 and "name the loss with --loss NAME" in err, err
+
+
+def test_an_exchange_lost_in_the_noise_is_priced_with_the_stage_link(caplog):
+    """The two-replica run measured no longer outside its schedule than the one-replica run: the exchange had been
+    fitted as free (0 ms a message), and the planner then chose chimera; it is priced with the stage link, said once."""
+    schedule = profiling_schedule(2, 2, 3, split_backward=False, replicas=2)
+    run = run_trace_from_documents(_documents(schedule, lambda step, a: 0.01))  # nothing outside its schedule
+    link = Link(latency=2e-3, bandwidth=1e9)
+    with caplog.at_level("WARNING", logger="pipeloom.profile.fits"):
+        assert fitted_replica_link(run, [0, 1], 1e-3, [400.0, 100.0], link, speak=True) == link
+        assert fitted_replica_link(run, [0, 1], 1e-3, [400.0, 100.0], link, speak=False) == link
+    [said] = [record.getMessage() for record in caplog.records]
+    assert "measured no longer than the one-replica step (-1.00 ms: noise)" in said and "more --repeats" in said
+    fitted = fitted_replica_link(run, [0, 1], -4e-3, [400.0, 100.0], link, speak=True)  # 4 ms beyond: measured
+    assert fitted.latency == pytest.approx(exchange_latency(4e-3, [400.0, 100.0], schedule, 1e9))
