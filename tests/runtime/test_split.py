@@ -257,7 +257,10 @@ def test_the_reference_step_refuses_a_batch_torch_chunk_cuts_short():
     from pipeloom.runtime.step.rng import reference_step
 
     staged = split_model(MLP(), ["layers.2"])
-    with pytest.raises(PipelineError, match="torch.chunk cuts this batch into 3 pieces, not the 4 micro-batches"):
+    # with the engine's fix: the next row count torch.chunk cuts into 4 (it had named none)
+    with pytest.raises(PipelineError, match=r"torch.chunk cuts this batch of 6 rows into 3 pieces, not the 4 "
+                                            r"micro-batches; use a row count it cuts into 4 \(7 rows, uneven "
+                                            r"micro-batches, or a multiple of 4\)"):
         reference_step(staged, torch.randn(6, 8), torch.randn(6, 3), loss_fn=_loss2, microbatches=4, seed=0)
 
 

@@ -10,7 +10,7 @@ import torch
 
 from pipeloom.runtime.errors import PipelineError
 
-__all__ = ["BatchCut", "signature"]
+__all__ = ["BatchCut", "row_count_fix", "signature"]
 
 
 class BatchCut:
@@ -36,11 +36,9 @@ class BatchCut:
             parts = list(torch.chunk(v, total, dim=0))
             if len(parts) != total:
                 per = f" ({m} per replica × {self.replicas} replicas)" if self.replicas > 1 else ""
-                fits = next(n for n in range(v.shape[0], v.shape[0] + total + 1) if -(-n // -(-n // total)) == total)
-                uneven = f"{fits} rows, uneven micro-batches, or " if fits % total else ""
                 raise PipelineError(f"{what} has {v.shape[0]} rows along dim 0, which torch.chunk cuts into "
-                                    f"{len(parts)} pieces, not the {total} micro-batches{per}; use a row count it cuts "
-                                    f"into {total} ({uneven}a multiple of {total})")
+                                    f"{len(parts)} pieces, not the {total} micro-batches{per}; "
+                                    f"{row_count_fix(v.shape[0], total)}")
             out.append([part.to(self.device) for part in parts[self.first:self.first + m]])
         return out
 
@@ -54,6 +52,14 @@ class BatchCut:
         if training and target is None:
             raise PipelineError("step() needs target= (passed to loss_fn with each micro-batch's output)")
         return chunks, self.cut(target, "target") if target is not None else []
+
+
+def row_count_fix(rows: int, microbatches: int) -> str:
+    """What to give where ``torch.chunk`` cuts ``rows`` into fewer than ``microbatches`` pieces: the next row count it
+    cuts into that many (uneven micro-batches), or a multiple of them."""
+    fits = next(n for n in range(rows, rows + microbatches + 1) if -(-n // -(-n // microbatches)) == microbatches)
+    uneven = f"{fits} rows, uneven micro-batches, or " if fits % microbatches else ""
+    return f"use a row count it cuts into {microbatches} ({uneven}a multiple of {microbatches})"
 
 
 def signature(chunks: list[list[torch.Tensor]], targets: list[list[torch.Tensor]], training: bool) -> tuple:

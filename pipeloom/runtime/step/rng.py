@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pipeloom.runtime.errors import PipelineError
+from pipeloom.runtime.step.batch import row_count_fix
 
 if TYPE_CHECKING:
     from pipeloom.runtime.model.split import StagedModel
@@ -76,10 +77,11 @@ def reference_step(staged: StagedModel, inputs: object, target: object, *, loss_
     targets = target if isinstance(target, (tuple, list)) else (target,)
     chunks = [torch.chunk(v, microbatches) for v in values]
     target_chunks = [torch.chunk(t, microbatches) for t in targets]
-    short = next((len(c) for c in (*chunks, *target_chunks) if len(c) != microbatches), None)
-    if short is not None:  # the engine refuses the same batch (it had been an IndexError here)
-        raise PipelineError(f"torch.chunk cuts this batch into {short} pieces, not the {microbatches} micro-batches; "
-                            f"use a row count it cuts into {microbatches}")
+    short = next(((len(c), v.shape[0]) for c, v in zip((*chunks, *target_chunks), (*values, *targets))
+                  if len(c) != microbatches), None)
+    if short is not None:  # the engine refuses the same batch (it had been an IndexError here), with the same fix
+        raise PipelineError(f"torch.chunk cuts this batch of {short[1]} rows into {short[0]} pieces, not the "
+                            f"{microbatches} micro-batches; {row_count_fix(short[1], microbatches)}")
     losses = []
     for m in range(microbatches):
         def around(k: int, m: int = m) -> contextlib.AbstractContextManager[None]:
