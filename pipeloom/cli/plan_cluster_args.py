@@ -77,6 +77,10 @@ def _add_framework_options(group) -> None:
                             "expert all-to-alls hidden under each other's compute (Megatron-Core's "
                             "overlap_moe_expert_parallel_comm: pp 1 or interleaved-1f1b; DualPipe(V) pair always); "
                             "default: exposed")
+    group.add_argument("--no-blocking-1f1b", dest="blocking_1f1b", action="store_false", default=None,
+                       help="1F1B without virtual stages sends beside the compute, as torch's pipelining does "
+                            "(torchtitan; --framework torchtitan sets it); default: blocking, as Megatron-Core runs it "
+                            "(it turns overlap_p2p_comm off without interleaving)")
     group.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
                        help="with tp > 1, every tp rank runs the norms and residual adds on all the tokens and the "
                             "tp exchanges are all-reduces (Megatron-LM before sequence parallelism)")

@@ -211,3 +211,46 @@ def test_a_cost_table_s_plan_is_not_exported_to_megatron(tmp_path, capsys):
     assert main(["plan", "--costs", str(tmp_path / "costs.json"), "--ranks", "2", "--global-batch", "4", "--save",
                  str(tmp_path / "plan.json"), "--export", "megatron"]) == 2
     assert "--export megatron writes the arguments of a cluster plan: plan with --model" in capsys.readouterr().err
+
+
+def test_what_megatron_refuses_beside_the_expert_overlap_is_named():
+    """Megatron-LM's TransformerConfig refuses, beside --overlap-moe-expert-parallel-comm, the moe module recomputed
+    and a multi-token-prediction module on one pipeline stage (a review ran core 0.17.1's checks on the exports)."""
+    moe = plan_cluster(QWEN3_MOE, "h100", gpus=8, global_batch=32, seq=4096, moe_overlap=True, selective="moe",
+                       layout="dp=8,tp=1,pp=1,vp=1,cp=1,ep=4,mbs=1,fsdp=0,recompute=none,schedule=1f1b").job
+    [(text, fix)] = megatron_problems(moe, Layout(dp=8, ep=4, recompute="selective"))
+    assert "the moe module recomputed beside --overlap-moe-expert-parallel-comm" in text
+    assert fix == {"recompute": "none"}
+    [(text, fix)] = megatron_problems(moe, Layout(dp=8, ep=4, recompute="full"))
+    assert "full recomputation" in text and fix == {"recompute": "none"}  # not into the moe module's refusal
+    mtp = plan_cluster(DEEPSEEK_MTP, "h100", gpus=8, global_batch=16, seq=2048, moe_overlap=True,
+                       layout="dp=8,tp=1,pp=1,vp=1,cp=1,ep=4,mbs=1,fsdp=0,recompute=none,schedule=1f1b").job
+    [(text, _)] = megatron_problems(mtp, Layout(dp=8, ep=4))
+    assert "1 multi-token-prediction module(s) with --moe-overlap" in text and "single pipeline stage" in text
+    assert not megatron_problems(mtp, Layout(dp=4, ep=4, pp=2, vp=2, schedule="interleaved-1f1b"))
+    assert unwritten({"adam_moments": "bf16", "distributed_optimizer": False}) == [
+        "adam_moments='bf16' without the distributed optimizer (Megatron's precision-aware optimizer runs with it "
+        "only)"]
+
+
+def test_a_layout_without_expert_parallelism_writes_no_flex_dispatcher():
+    """With ep=1 no all-to-all is priced; --moe-comm deepseek had still written DeepEP's flex dispatcher, which
+    Megatron's dispatcher refuses under tp x ep = 1."""
+    result = plan_cluster(QWEN3_MOE, "h100", gpus=8, global_batch=32, seq=4096, moe_comm="deepseek",
+                          layout="dp=8,tp=1,pp=1,vp=1,cp=1,ep=1,mbs=1,fsdp=0,recompute=none,schedule=1f1b")
+    flags = _flags(megatron_args(result.job, result.best.layout, result.best.stage_layers))
+    assert flags["--moe-token-dispatcher-type"] == ["alltoall"] and "--moe-flex-dispatcher-backend" not in flags
+
+
+def test_megatron_s_1f1b_sends_block_and_its_interleaved_sends_overlap():
+    """Megatron-Core turns overlap_p2p_comm off without virtual stages (validate_args, core 0.17.1): 1F1B over pp > 1
+    waits for each send; torch's pipelining (torchtitan, pipeloom's runtime) sends beside the compute."""
+    common = dict(gpus=8, global_batch=32, seq=4096)
+    for schedule, vp, blocks in (("1f1b", 1, True), ("interleaved-1f1b", 2, False)):
+        layout = f"dp=2,tp=1,pp=4,vp={vp},cp=1,ep=1,mbs=1,fsdp=0,recompute=none,schedule={schedule}"
+        megatron = plan_cluster(LLAMA, "h100", layout=layout, **common).best.step_time
+        torch_style = plan_cluster(LLAMA, "h100", layout=layout, blocking_1f1b=False, **common).best.step_time
+        assert (megatron > torch_style) if blocks else (megatron == torch_style), schedule
+    from pipeloom.plan.cluster.api import framework_options
+
+    assert framework_options("torchtitan")["blocking_1f1b"] is False

@@ -113,7 +113,7 @@ FRAMEWORKS: dict[str, dict[str, Any]] = {
                         "grad_reduce": "bf16", "stage_cut": "even", "tp_overlap": True, "fp8_cast": "current"},
     "torchtitan": {"kernels": "eager", "attention": "flash2", "selective": "op", "cp_rotate": "allgather",
                    "grad_reduce": "fp32", "stage_cut": "even", "tp_overlap": False, "fp8_cast": "dynamic",
-                   "distributed_optimizer": False},
+                   "distributed_optimizer": False, "blocking_1f1b": False},
 }
 """The :class:`Job` choices a framework makes as its users run it (:func:`framework_options`), each from its source:
 **megatron-bridge**, NVIDIA's Megatron-Bridge performance recipes at v0.4.2 (``scripts/performance/configs/``):
@@ -124,8 +124,7 @@ tp > 1, FP8 with current scaling (their FP8-CS); **torchtitan**, its job config'
 ``torch.compile`` (eager elementwise kernels), PyTorch SDPA (FlashAttention-2), the op-level selective policy,
 ``context_parallel_rotate_method = "allgather"``, ``mixed_precision_reduce = "float32"``, ``generate_split_points``'
 even cut, async TP off, torchao's per-tensor dynamic Float8, no distributed optimizer (Adam's state whole on each
-replica without FSDP). The recipes' per-model exceptions (an MoE recipe's ``moe_a2a_overlap``, ...) are the user's
-flags to give."""
+replica without FSDP), 1F1B's sends beside the compute (torch's pipelining). Per-model exceptions are flags."""
 
 
 def framework_options(name: str, *, dtype: str = "bf16") -> dict[str, Any]:
@@ -140,24 +139,25 @@ def framework_options(name: str, *, dtype: str = "bf16") -> dict[str, Any]:
 def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: str | Path | Hardware | dict, *,
                  gpus: int, global_batch: int, seq: int, dtype: str = "bf16",
                  layout: str | Mapping[str, Any] | None = None, kernels: str = "fused", attention: str = "flash",
-                 overlap_grad_reduce: bool = True, p2p_overlap: bool = True, selective: str = "core_attn",
-                 cp_rotate: str = "ring", moe_comm: str = "plain", grad_reduce: str = "bf16",
-                 sequence_parallel: bool = True, tp_overlap: bool = False, fp8_cast: str = "cached",
-                 stage_cut: str = "balanced", moe_overlap: bool = False, recompute_layers: int | str = 0,
-                 shard_gradients: bool = False, adam_moments: str = "fp32", distributed_optimizer: bool = True,
-                 memory_limit: float | str | None = None, runners_up: int = 5, runs_on: str | None = None,
-                 schedules: Sequence[str] | None = None, progress: Callable[[str], None] | None = None) -> ClusterPlan:
+                 overlap_grad_reduce: bool = True, p2p_overlap: bool = True, blocking_1f1b: bool = True,
+                 selective: str = "core_attn", cp_rotate: str = "ring", moe_comm: str = "plain",
+                 grad_reduce: str = "bf16", sequence_parallel: bool = True, tp_overlap: bool = False,
+                 fp8_cast: str = "cached", stage_cut: str = "balanced", moe_overlap: bool = False,
+                 recompute_layers: int | str = 0, shard_gradients: bool = False, adam_moments: str = "fp32",
+                 distributed_optimizer: bool = True, memory_limit: float | str | None = None, runners_up: int = 5,
+                 runs_on: str | None = None, schedules: Sequence[str] | None = None,
+                 progress: Callable[[str], None] | None = None) -> ClusterPlan:
     """The fastest layout of ``model`` (config.json path, dict, PretrainedConfig or ModelSpec) on ``gpus`` GPUs of type
     ``hw`` (a built-in name, a hardware JSON file or a Hardware) for ``global_batch`` sequences of ``seq`` tokens,
     within ``memory_limit`` per GPU (bytes, or a size such as ``"40GiB"``; default the GPU's memory). The framework
     choices are :class:`Job`'s fields of the same names: ``kernels`` ``fused`` or ``eager`` elementwise kernels;
     ``attention`` ``flash`` or ``materialized`` scores (Megatron-LM before flash attention); ``overlap_grad_reduce``
     False: the gradient all-reduce after the backward, exposed; ``p2p_overlap`` False: blocking pipeline sends (both
-    Megatron-LM 2021); ``selective``: what ``recompute=selective`` recomputes, Megatron-Core's ``recompute_modules``
-    comma-separated (default ``core_attn``, the attention core; :mod:`.recompute`), ``op`` (torchtitan's op-level
-    policy), ``layer`` (every second layer whole), ``deepseek`` (DeepSeek-V3's recipe) or ``search`` (each of
-    :func:`~pipeloom.plan.cluster.recompute.module_sets` tried, the fastest plan kept); ``cp_rotate`` ``ring``
-    (Megatron-Core) or ``allgather`` (PyTorch's ``context_parallel``); ``moe_comm`` ``plain``, ``deepseek`` or
+    Megatron-LM 2021), ``blocking_1f1b`` False: 1F1B's beside the compute (Megatron-Core's block); ``selective``:
+    what ``recompute=selective`` recomputes, Megatron-Core's ``recompute_modules`` comma-separated (default
+    ``core_attn``, the attention core; :mod:`.recompute`), ``op`` (torchtitan's op-level policy), ``layer`` (every
+    second layer whole), ``deepseek`` (DeepSeek-V3's) or ``search`` (each of :func:`.recompute.module_sets`);
+    ``cp_rotate`` ``ring`` (Megatron-Core) or ``allgather`` (PyTorch's); ``moe_comm`` ``plain``, ``deepseek`` or
     ``hybridep`` all-to-all kernels; ``grad_reduce`` the gradient reduce-scatter's dtype, ``bf16`` or ``fp32``;
     ``sequence_parallel`` False: Megatron-LM's tensor parallelism before 2022; ``tp_overlap``: tensor-parallel
     exchanges beside the GEMMs; ``fp8_cast``: how FP8 GEMMs cast their inputs (:attr:`Job.fp8_cast`);
@@ -167,19 +167,18 @@ def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: st
     :func:`~pipeloom.plan.cluster.recompute.recompute_depths` tried); ``shard_gradients``: ZeRO-2; ``adam_moments``
     ``fp32`` or ``bf16``; ``distributed_optimizer`` False: Adam's state whole on each replica without FSDP (as
     torchtitan holds it). ``layout``: keys held fixed (``"tp=4,pp=8"`` or a dict); with all of :data:`LAYOUT_KEYS`
-    it predicts that layout alone. ``runs_on``: only the layouts that runtime runs, ``pipeloom``
-    (``pipeline(model, plan=...)``) or ``torchtitan`` (the export), priced as it holds their state
-    (:func:`~pipeloom.plan.cluster.runtime_plan.for_runtime`); ``schedules``: only these pipeline schedules (a
-    framework's: :data:`~pipeloom.plan.cluster.layout.FRAMEWORK_SCHEDULES`; default every one the planner prices but
-    V-Half and V-Min, searched only where named: :data:`~pipeloom.plan.cluster.layout.ON_REQUEST`)."""
+    it predicts that layout alone. ``runs_on``: only the layouts that runtime runs, ``pipeloom`` (``pipeline(model,
+    plan=...)``), ``torchtitan`` or ``megatron`` (the exports), priced as it holds their state (:func:`.for_runtime`);
+    ``schedules``: only these (:data:`.FRAMEWORK_SCHEDULES`; default all but :data:`.ON_REQUEST`'s)."""
     start = time.perf_counter()
     device = hardware(hw)
     listed = _checked_arguments(dtype, runners_up, schedules)
     spec = model_spec(model)
     depth: Any = 0 if recompute_layers == SEARCHED else recompute_layers  # Job refuses anything but a count
-    flags: dict[str, Any] = _checked_flags(overlap_grad_reduce=overlap_grad_reduce, p2p_overlap=p2p_overlap,
-                           sequence_parallel=sequence_parallel, tp_overlap=tp_overlap, moe_overlap=moe_overlap,
-                           shard_gradients=shard_gradients, distributed_optimizer=distributed_optimizer)
+    flags: dict[str, Any] = _checked_flags(
+        overlap_grad_reduce=overlap_grad_reduce, p2p_overlap=p2p_overlap, blocking_1f1b=blocking_1f1b,
+        sequence_parallel=sequence_parallel, tp_overlap=tp_overlap, moe_overlap=moe_overlap,
+        shard_gradients=shard_gradients, distributed_optimizer=distributed_optimizer)
     job = Job(spec=spec, hw=device, gpus=gpus, global_batch=global_batch, seq=seq, dtype=dtype,
               kernels=kernels, attention=attention, selective="core_attn" if selective == SEARCHED else selective,
               cp_rotate=cp_rotate, moe_comm=moe_comm, grad_reduce=grad_reduce, schedules=listed or (),

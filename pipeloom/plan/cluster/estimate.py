@@ -133,7 +133,7 @@ class Estimator:
                 priced.append((add_times(*each), kept))
             self._stages[key] = ([priced[s][0] for s in shape_of], [priced[s][1] for s in shape_of], cut.layers)
         times, acts, layers = self._stages[key]
-        if not self.job.p2p_overlap and layout.stages > 1:
+        if self.job.blocking_sends(layout):
             times = with_blocking_sends(self.job, layout, times)
         return times, acts, layers
 
@@ -258,7 +258,7 @@ class Estimator:
                 busy -= (m - 1) * (t.f + t.i + t.w - pair_duration((t.f, t.i + t.w), (t.f_comm, t.i_comm),
                                                                    slowdown=pair_slowdown(job)))
             return busy, 0.0, acts[0]
-        latency = stage_send_seconds(job, layout) if job.p2p_overlap else 0.0  # blocking: inside the stages' F and I
+        latency = 0.0 if job.blocking_sends(layout) else stage_send_seconds(job, layout)  # blocking: in F and I
         key = (layout.schedule, layout.pp, layout.vp, m, latency, job.pairs(layout),
                tuple(tuple(round(x, 9) for x in (t.f, t.i, t.w, t.f_comm, t.i_comm)) for t in times),
                tuple(round(a) for a in acts))

@@ -158,10 +158,14 @@ class Job:
     hybridep_all_to_all`) or ``hybridep-sync-free`` (without its calls' host synchronization: Megatron-Core's
     sync-free experts, ``moe_expert_rank_capacity_factor``)."""
     p2p_overlap: bool = True
-    """Pipeline sends run beside the ranks' compute (Megatron-Core, torch.distributed.pipelining: the replay's
-    latency between stages); False: each stage's output and input-gradient exchange blocks the rank for the
-    transfer (Megatron-LM 2021's ``_communicate``: ``batch_isend_irecv``, wait, ``cuda.synchronize``), added
-    to the stage's F and I by the estimator."""
+    """Pipeline sends run beside the ranks' compute (Megatron-Core's interleaved 1F1B, torch.distributed.pipelining:
+    the replay's latency between stages); False: each stage's output and input-gradient exchange blocks the rank for
+    the transfer (Megatron-LM 2021's ``_communicate``: ``batch_isend_irecv``, wait, ``cuda.synchronize``), added
+    to the stage's F and I by the estimator (:meth:`blocking_sends`)."""
+    blocking_1f1b: bool = True
+    """Megatron-Core's 1F1B without virtual stages sends blocking, as above: its ``validate_args`` turns
+    ``overlap_p2p_comm`` off without interleaving (core 0.17.1). False: beside the compute (torchtitan's and pipeloom's
+    ``torch.distributed.pipelining``-style sends)."""
     overlap_grad_reduce: bool = True
     """The data-parallel gradient exchange overlaps the backward bucket by bucket (Megatron-Core's
     ``--overlap-grad-reduce``, FSDP, DDP); False: one all-reduce after the last backward (Megatron-LM 2021)."""
@@ -316,6 +320,10 @@ class Job:
         if self.dtype != "fp8" or self.fp8_cast == "dynamic":
             return None
         return (1 + 1 / 32 if self.fp8_cast == "mxfp8" else 1.0), self.fp8_cast == "cached"
+
+    def blocking_sends(self, layout: Layout) -> bool:
+        """Whether ``layout``'s stages wait for their sends (:attr:`p2p_overlap`, :attr:`blocking_1f1b`)."""
+        return layout.stages > 1 and (not self.p2p_overlap or self.blocking_1f1b and layout.schedule == "1f1b")
 
     def pairs(self, layout: Layout) -> bool:
         """Whether ``layout`` runs forward-backward pairs whose parts hide each other's expert all-to-all: DualPipe(V)

@@ -217,11 +217,11 @@ def runtime_job(job: Job, runs_on: str) -> Job:
     whole under a pipeline until the step's end (torch's ``PipelineStage``), none sharded per micro-batch."""
     if runs_on == "pipeloom":
         return dataclasses.replace(job, distributed_optimizer=False, fsdp_per_layer=False, shard_gradients=False,
-                                   moe_comm="plain", moe_overlap=False)
+                                   moe_comm="plain", moe_overlap=False, blocking_1f1b=False)
     if runs_on == "megatron":  # the planner's defaults are Megatron-Core's; the export writes the job's choices
         return job
     return dataclasses.replace(job, distributed_optimizer=False, cp_rotate="allgather", grad_reduce="fp32",
-                               shard_gradients=False)
+                               shard_gradients=False, blocking_1f1b=False)
 
 
 def pipeloom_memory(job: Job, layout: Layout) -> float:

@@ -52,7 +52,8 @@ _UNWRITTEN = (
                                                   "(tensorwise) and mxfp8"),
     ("moe_comm", "hybridep-sync-free", "--moe-comm hybridep-sync-free", "the sync-free experts are not exported"),
     ("shard_gradients", True, "--shard-gradients", "the distributed optimizer reduce-scatters once a step"),
-    ("p2p_overlap", False, "p2p_overlap=False", "Megatron-Core sends between stages beside the compute"),
+    ("p2p_overlap", False, "p2p_overlap=False", "Megatron-Core's interleaved 1F1B sends beside the compute"),
+    ("blocking_1f1b", False, "--no-blocking-1f1b", "Megatron-Core's 1F1B sends blocking"),
 )
 """Choices of a whole job the arguments cannot carry: (field, value, flag, why)."""
 
@@ -60,8 +61,12 @@ _UNWRITTEN = (
 def unwritten(choices: Mapping[str, object]) -> list[str]:
     """The choices (a :class:`~pipeloom.plan.cluster.job.Job`'s fields by name, those given) that Megatron-LM's
     arguments cannot carry, each as its flag and why."""
-    return [f"{flag} ({why})" for field, value, flag, why in _UNWRITTEN
-            if field in choices and choices[field] == value and type(choices[field]) is type(value)]
+    found = [f"{flag} ({why})" for field, value, flag, why in _UNWRITTEN
+             if field in choices and choices[field] == value and type(choices[field]) is type(value)]
+    if choices.get("adam_moments") == "bf16" and choices.get("distributed_optimizer") is False:
+        found.append("adam_moments='bf16' without the distributed optimizer (Megatron's precision-aware optimizer "
+                     "runs with it only)")
+    return found
 
 
 def model_problem(job: Job) -> str | None:
@@ -102,12 +107,28 @@ def megatron_problems(job: Job, layout: Layout) -> list[tuple[str, dict[str, int
         problems.append((f"recompute=selective with --selective {job.selective} for Megatron-LM, whose selective "
                          "recomputation is a set of recompute_modules (plan with --selective core_attn or another "
                          "set, or with --layout recompute=full or none)", {}))
-    if job.overlap_pairs(layout) and layout.recompute == "full":
-        problems.append(("recompute=full with --moe-overlap for Megatron-LM, which refuses full recomputation beside "
-                         "--overlap-moe-expert-parallel-comm", {"recompute": "selective"}))
-    if job.overlap_pairs(layout) and job.spec.mtp > 1:
-        problems.append((f"--moe-overlap with {job.spec.mtp} multi-token-prediction modules for Megatron-LM, which "
-                         "overlaps the expert all-to-all with one at most (plan without --moe-overlap)", {}))
+    if job.overlap_pairs(layout):
+        problems += _overlap_problems(job, layout)
+    return problems
+
+
+def _overlap_problems(job: Job, layout: Layout) -> list[tuple[str, dict[str, int | str]]]:
+    """What Megatron-LM refuses beside ``--overlap-moe-expert-parallel-comm`` (core 0.17.1's ``TransformerConfig``):
+    full recomputation, the ``moe`` module recomputed, more than one multi-token-prediction module, or one on one
+    pipeline stage."""
+    overlap = "--moe-overlap for Megatron-LM, which refuses"
+    moe = "moe" in megatron_modules(job.selective)
+    problems: list[tuple[str, dict[str, int | str]]] = []
+    if layout.recompute == "full":
+        problems.append((f"recompute=full with {overlap} full recomputation beside --overlap-moe-expert-parallel-comm",
+                         {"recompute": "none" if moe else "selective"}))
+    if layout.recompute == "selective" and moe:
+        problems.append((f"recompute=selective with --selective {job.selective} and {overlap} the moe module "
+                         "recomputed beside --overlap-moe-expert-parallel-comm (plan with a --selective set without "
+                         "moe)", {"recompute": "none"}))
+    if job.spec.mtp > 1 or job.spec.mtp and layout.pp == 1:
+        problems.append((f"{job.spec.mtp} multi-token-prediction module(s) with {overlap} more than one, or one on a "
+                         "single pipeline stage (plan without --moe-overlap, or with pp >= 2)", {}))
     return problems
 
 
@@ -149,7 +170,7 @@ def megatron_args(job: Job, layout: Layout, counts: Sequence[int]) -> list[str]:
     if job.spec.experts is not None:
         args += ["--expert-model-parallel-size", str(layout.ep), "--expert-tensor-parallel-size", "1",
                  "--moe-grouped-gemm"]
-        backend = _DISPATCHERS[job.moe_comm]
+        backend = _DISPATCHERS[job.moe_comm] if layout.ep > 1 else ()  # ep 1: no all-to-all priced, none written
         args += ["--moe-token-dispatcher-type", "flex" if backend else "alltoall"]
         args += ["--moe-flex-dispatcher-backend", *backend] if backend else []
         if job.overlap_pairs(layout):
@@ -181,11 +202,13 @@ def megatron_args(job: Job, layout: Layout, counts: Sequence[int]) -> list[str]:
 
 def megatron_text(args: Sequence[str], *, layout: Layout, gpus: int, hardware: str) -> str:
     """The ``.megatron.args`` file: what it is for and what to add, then the arguments on one line."""
-    return (f"# pipeloom plan for Megatron-LM (checked with {' and '.join(MEGATRON_VERSIONS)}; "
-            f"--moe-flex-dispatcher-backend needs core 0.16 or later): {layout} on {gpus} {hardware} GPUs\n"
+    flex = "; --moe-flex-dispatcher-backend needs core 0.16 or later" if "--moe-flex-dispatcher-backend" in args else ""
+    connections = ("; before Blackwell set CUDA_DEVICE_MAX_CONNECTIONS=1 (tp or cp > 1)"
+                   if max(layout.tp, layout.cp) > 1 else "")
+    return (f"# pipeloom plan for Megatron-LM (its argument checks accept it at {' and '.join(MEGATRON_VERSIONS)}"
+            f"{flex}): {layout} on {gpus} {hardware} GPUs\n"
             "# add the model's own arguments (--num-layers, --hidden-size, ...), the data's and the optimizer's; "
-            f"launch on {gpus} GPUs (dp={layout.dp} follows); set CUDA_DEVICE_MAX_CONNECTIONS=1 before Blackwell "
-            f"where tp or cp > 1\n{shlex.join(args)}\n")
+            f"launch on {gpus} GPUs (dp={layout.dp} follows){connections}\n{shlex.join(args)}\n")
 
 
 def export_megatron(result: ClusterPlan, save: str | Path) -> str:

@@ -119,9 +119,15 @@ def test_blocking_pipeline_sends_lengthen_the_stages_not_the_latency():
     latency between stages is then 0."""
     dense = {"model_type": "llama", "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8,
              "num_attention_heads": 8, "num_key_value_heads": 8, "vocab_size": 1000}
-    job = Job(spec=model_spec(dense), hw=hardware("a100-80gb"), gpus=32, global_batch=64, seq=SEQ)
+    # torch's pipelining sends 1F1B's beside the compute (Megatron-Core blocks there: blocking_1f1b, checked below)
+    job = Job(spec=model_spec(dense), hw=hardware("a100-80gb"), gpus=32, global_batch=64, seq=SEQ, blocking_1f1b=False)
     layout = Layout(dp=2, tp=4, pp=4)
     overlapped = Estimator(job).stages(layout)[0]
+    megatron = Estimator(dataclasses.replace(job, blocking_1f1b=True)).stages(layout)[0]  # its 1F1B blocks as 2021's
+    assert megatron == Estimator(dataclasses.replace(job, p2p_overlap=False)).stages(layout)[0]
+    interleaved = Layout(dp=2, tp=4, pp=4, vp=2, schedule="interleaved-1f1b")  # its interleaved 1F1B does not
+    assert (Estimator(dataclasses.replace(job, blocking_1f1b=True)).stages(interleaved)[0]
+            == Estimator(job).stages(interleaved)[0])
     blocking = Estimator(dataclasses.replace(job, p2p_overlap=False)).stages(layout)[0]
     hidden = layout.mbs * SEQ * 1024 * 2
     send = (p2p_seconds(job.hw, hidden / 4, same_domain=False)

@@ -798,7 +798,7 @@ def test_a_framework_sets_its_choices_and_a_flag_given_as_well_wins(config, caps
         return json.loads(capsys.readouterr().out)["best"]["step_time"]
 
     by_hand = ["--kernels", "eager", "--attention", "flash2", "--selective", "op", "--cp-rotate", "allgather",
-               "--grad-reduce", "fp32", "--stage-cut", "even", "--fp8-cast", "dynamic"]
+               "--grad-reduce", "fp32", "--stage-cut", "even", "--fp8-cast", "dynamic", "--no-blocking-1f1b"]
     titan = step("--framework", "torchtitan")
     assert titan == step(*by_hand) != step()
     assert step("--framework", "torchtitan", "--kernels", "fused") == step(*by_hand[2:], "--kernels", "fused") != titan

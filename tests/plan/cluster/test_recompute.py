@@ -190,7 +190,7 @@ def test_the_command_says_which_set_a_search_chose(tmp_path, capsys):
 
 def _block(n: int, recompute: str = "full"):
     job = Job(spec=model_spec(DENSE), hw=hardware("h100"), gpus=16, global_batch=64, seq=8192, stage_cut="even",
-              recompute_layers=n)
+              recompute_layers=n, blocking_1f1b=False)  # a stage's times are its layers' (no blocking sends in them)
     return Estimator(job), Layout(dp=4, pp=4, recompute=recompute, schedule="1f1b")  # 8 layers per stage
 
 
@@ -231,7 +231,7 @@ def test_the_command_takes_recompute_layers(tmp_path, capsys):
     path = tmp_path / "llama.json"
     path.write_text(json.dumps(DENSE))
     common = ["plan", "--model", str(path), "--hardware", "h100", "--gpus", "16", "--global-batch", "64", "--seq",
-              "8192", "--stage-cut", "even", "--recompute-layers", "2", "--layout"]
+              "8192", "--stage-cut", "even", "--recompute-layers", "2", "--no-blocking-1f1b", "--layout"]
     layout = "dp=4,tp=1,pp=4,vp=1,cp=1,ep=1,mbs=1,fsdp=0,recompute={},schedule=1f1b"
     assert main([*common, layout.format("full")]) == 0
     assert "full recomputation of the first 2 layers of each stage (--recompute-layers)" in capsys.readouterr().out
