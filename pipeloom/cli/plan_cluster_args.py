@@ -77,17 +77,7 @@ def _add_framework_options(group) -> None:
                             "expert all-to-alls hidden under each other's compute (Megatron-Core's "
                             "overlap_moe_expert_parallel_comm: pp 1 or interleaved-1f1b; DualPipe(V) pair always); "
                             "default: exposed")
-    group.add_argument("--no-blocking-1f1b", dest="blocking_1f1b", action="store_false", default=None,
-                       help="1F1B without virtual stages sends beside the compute, as torch's pipelining does "
-                            "(torchtitan; --framework torchtitan sets it); default: blocking, as Megatron-Core runs it "
-                            "(it turns overlap_p2p_comm off without interleaving)")
-    group.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
-                       help="with tp > 1, every tp rank runs the norms and residual adds on all the tokens and the "
-                            "tp exchanges are all-reduces (Megatron-LM before sequence parallelism)")
-    group.add_argument("--tp-overlap", action="store_true", default=None,
-                       help="tensor-parallel all-gathers and reduce-scatters run beside the GEMMs next to them "
-                            "(Transformer Engine's userbuffers: Megatron-Core / NeMo tp_comm_overlap; PyTorch's "
-                            "async TP); default: between them, exposed")
+    _add_exchange_options(group)
     group.add_argument("--fp8-cast", choices=("cached", "dynamic", "current", "mxfp8"),
                        help="with --dtype fp8, how the GEMMs' inputs are cast: cached (Transformer Engine's "
                             "delayed scaling, Megatron-Core's default: the amax in the cast kernel, FP8 weights "
@@ -108,6 +98,21 @@ def _add_framework_options(group) -> None:
                             "themselves as Megatron-Core's --pipeline-model-parallel-layout writes them, e.g. "
                             "'Et*4|(t*4|)*14tmL' (E embedding, t decoder layer, m multi-token prediction, L loss, | "
                             "between stages; then only layouts with pp x vp of that many stages are searched)")
+
+
+def _add_exchange_options(group) -> None:
+    """How the tensor-parallel and pipeline exchanges run beside the compute (defaults: Megatron-Core's)."""
+    group.add_argument("--no-blocking-1f1b", dest="blocking_1f1b", action="store_false", default=None,
+                       help="1F1B without virtual stages sends beside the compute, as torch's pipelining does "
+                            "(torchtitan; --framework torchtitan sets it); default: blocking, as Megatron-Core runs it "
+                            "(it turns overlap_p2p_comm off without interleaving)")
+    group.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
+                       help="with tp > 1, every tp rank runs the norms and residual adds on all the tokens and the "
+                            "tp exchanges are all-reduces (Megatron-LM before sequence parallelism)")
+    group.add_argument("--tp-overlap", action="store_true", default=None,
+                       help="tensor-parallel all-gathers and reduce-scatters run beside the GEMMs next to them "
+                            "(Transformer Engine's userbuffers: Megatron-Core / NeMo tp_comm_overlap; PyTorch's "
+                            "async TP); default: between them, exposed")
 
 
 def _add_gradient_options(group) -> None:
