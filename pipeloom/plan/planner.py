@@ -169,7 +169,7 @@ class _Search:
         partitioner = self.partitioner(size)
         limit = self.memory_limit
         # a memory-aware schedule (ZB-V) orders its actions for a limit: try the plan's and its default; without a
-        # limit its default and one it never reaches (no limit plans no slower than any limit does)
+        # limit its default and one it never reaches (as fast as any limit it never reaches: docs/plan.md)
         limits: tuple[float | None, ...] = (None,)
         if REGISTRY[name].memory_aware:
             limits = (limit, None) if limit is not None else (
