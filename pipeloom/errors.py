@@ -85,9 +85,10 @@ def shown(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def shown_list(items: Sequence[Any], most: int = 6) -> str:
+def shown_list(items: Sequence[Any], most: int = 6, *, total: int | None = None) -> str:
     """``[a, b, c, ...]`` with at most ``most`` items and how many were left out: a list in an error
-    message stays one short line however long the list is."""
+    message stays one short line however long the list is. ``total``: the whole list's length where ``items`` holds
+    only its first ones (a list too long to make)."""
     head = ", ".join(map(str, items[:most]))
-    more = len(items) - most
+    more = (len(items) if total is None else total) - most
     return f"[{head}, ... ({more:,} more)]" if more > 0 else f"[{head}]"

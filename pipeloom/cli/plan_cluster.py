@@ -72,10 +72,10 @@ def _runnable(args: argparse.Namespace, result, options: dict, planned: NoLayout
     from pipeloom.plan.cluster.api import parse_layout, plan_cluster
     from pipeloom.plan.cluster.estimate import Estimator
     from pipeloom.plan.cluster.layout import LAYOUT_KEYS
-    from pipeloom.plan.cluster.runtime_plan import for_runtime
+    from pipeloom.plan.cluster.runtime_plan import RUNTIME_NAMES, for_runtime
 
     runs_on = args.export or "pipeloom"
-    where = {"torchtitan": "torchtitan", "megatron": "Megatron-LM"}.get(args.export, "pipeloom's runtime")
+    where = RUNTIME_NAMES[runs_on]
     given = [flag for flag, on in ((f"--moe-comm {args.moe_comm}", args.moe_comm != "plain"),
                                    ("--moe-overlap", args.moe_overlap)) if on]
     plain = ([f"note: pipeloom's runtime exchanges the experts' tokens with all_to_all_single, one call after another: "
@@ -201,7 +201,6 @@ def _saved(args: argparse.Namespace, result, plan, written: list[str]) -> list[s
     notes = [f"note: {note}" for note in saving.runtime_notes(result, memory=memory)]
     runs = "pipeline(model, plan=...) runs it"
     if not memory[1]:
-        framework = {"torchtitan": "torchtitan", "megatron": "Megatron-LM"}.get(args.export)
-        runs = (f"for {framework}; pipeloom's runtime won't run it as planned" if framework
+        runs = (f"for {saving.RUNTIME_NAMES[args.export]}; pipeloom's runtime won't run it as planned" if args.export
                 else f"{runs}, not as planned: see the notes")
     return [f"wrote plan {args.save} ({runs})", *written, *notes]

@@ -175,9 +175,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     with limit_units(args, ACTIVATIONS if is_csv else "the file's memory units"):
         timeline = validate(schedule, ordered=not args.allow_unordered)
     entry = REGISTRY.get(schedule.name)  # a two-replica schedule's file counts pairs: reported as `show` reports them
-    pairs = entry is not None and entry.placement == "bidirectional"
-    return emit(args, timeline, timeline_report(timeline, costs=costs if is_csv else None,
-                                                microbatches=2 * schedule.num_microbatches if pairs else None))
+    real = schedule.num_microbatches * entry.replicas if entry is not None else None
+    return emit(args, timeline, timeline_report(timeline, costs=costs if is_csv else None, microbatches=real))
 
 
 def compare_schedules(names: Sequence[str], ranks: int, microbatches: int, costs: Costs,

@@ -166,9 +166,8 @@ def _csv_problem(
     absent = num_stages - len(stage_rank)
     if absent:  # the first few named, without listing the rest (a stage of 18 digits leaves that many)
         first = list(itertools.islice((s for s in range(num_stages) if s not in stage_rank), 6))
-        more = f", ... ({absent - len(first):,} more)" if absent > len(first) else ""
         raise ScheduleFormatError(
-            f"stages [{', '.join(map(str, first))}{more}] never run; a CSV schedule must run every stage "
+            f"stages {shown_list(first, total=absent)} never run; a CSV schedule must run every stage "
             f"0..{num_stages - 1}"
         )
     kinds = {part.kind for actions in ranks for action in actions for part in compute_parts(action)}

@@ -6,7 +6,7 @@ that say how to fix them), JSON only, never pickle. Searches and plans run in wo
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any
 
 from pipeloom.errors import PipeloomError
@@ -60,12 +60,12 @@ def read_object(body: bytes, *, what: str = "request") -> dict:
     return document
 
 
-def query_document(params: Mapping[str, str] | Iterable[tuple[str, str]]) -> dict:
-    """A download's query string (``?ranks=4&microbatches=8&f=1``: its pairs, or a mapping) as the JSON request it
-    stands for; RequestError for a key given twice (the last had won) or a value that is not a number (a whole number
-    for the counts)."""
+def query_document(params: Iterable[tuple[str, str]]) -> dict:
+    """A download's query string (``?ranks=4&microbatches=8&f=1``: its pairs) as the JSON request it stands for;
+    RequestError for a key given twice (the last had won) or a value that is not a number (a whole number for the
+    counts)."""
     document: dict[str, Any] = {}
-    for key, text in (params.items() if isinstance(params, Mapping) else params):
+    for key, text in params:
         if key in document:
             raise RequestError(f"query {key} is given twice; give it once")
         whole = key in _INTEGERS

@@ -116,13 +116,13 @@ def test_downloads_are_the_projects_formats(server):
     from pipeloom.serve.requests import query_document
 
     with pytest.raises(RequestError, match=r"query ranks='4_0': expected a whole number"):
-        query_document({"ranks": "4_0"})
+        query_document([("ranks", "4_0")])
     # a count that is not whole is told so (it had read "expected a number"); a key given twice is refused (the last
     # had won), through the server too
     with pytest.raises(RequestError, match=r"query ranks='4.5': expected a whole number"):
-        query_document({"ranks": "4.5"})
+        query_document([("ranks", "4.5")])
     with pytest.raises(RequestError, match=r"query f='x': expected a number$"):
-        query_document({"f": "x"})
+        query_document([("f", "x")])
     with pytest.raises(RequestError, match=r"query ranks is given twice; give it once"):
         query_document([("ranks", "4"), ("microbatches", "8"), ("ranks", "5")])
     with pytest.raises(urllib.error.HTTPError) as refused:

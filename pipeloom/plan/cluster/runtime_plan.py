@@ -24,7 +24,7 @@ from pipeloom.plan.plan import Plan
 if TYPE_CHECKING:
     from pipeloom.plan.cluster.api import ClusterPlan
 
-__all__ = ["LAYER_PREFIX", "FINAL_NORM", "split_point", "RUNTIMES", "for_runtime",
+__all__ = ["LAYER_PREFIX", "FINAL_NORM", "split_point", "RUNTIMES", "RUNTIME_NAMES", "for_runtime",
            "layout_problems", "pipeloom_memory", "runtime_job", "runtime_memory_note", "runtime_plan", "runtime_notes",
            "save_blockers"]
 
@@ -69,7 +69,7 @@ def save_blockers(result: ClusterPlan, *, export: str | None = None) -> str | No
     problems: list[tuple[str, dict[str, int | str]]] = []  # each with the layout keys that fix it ({}: none does)
     over = result.best.memory.total > result.memory_limit  # said first: leave keys to the search
     if over:
-        held = f" as {_RUNTIME_NAMES[result.runs_on]} holds its state" if result.runs_on else ""
+        held = f" as {RUNTIME_NAMES[result.runs_on]} holds its state" if result.runs_on else ""
         problems.append((f"it needs {result.best.memory.total / 2**30:.1f} GiB per GPU{held}, over the "
                          f"{result.memory_limit / 2**30:.1f} GiB limit, so a saved plan would not run (leave some "
                          "keys to the search, or raise --memory-limit)", {}))
@@ -87,7 +87,7 @@ def save_blockers(result: ClusterPlan, *, export: str | None = None) -> str | No
     keys = f"{keys}: --layout {_fixed(layout, fixes)}" if result.candidates == 1 and not over else f"--layout {keys}"
     which = "the others" if any(not fixed for _, fixed in problems) else ("them" if len(problems) > 1 else "it")
     fix = f"; fix {which} with {keys}{note}" if fixes else ""
-    what = f"for {_RUNTIME_NAMES[export]}" if export else "as a plan the runtime runs"
+    what = f"for {RUNTIME_NAMES[export]}" if export else "as a plan the runtime runs"
     return (f"cannot save the chosen layout {what}: "
             + "; ".join(text for text, _ in problems) + fix)
 
@@ -117,7 +117,7 @@ def _fix_memory(result: ClusterPlan, fixes: dict[str, int | str], export: str | 
     if over is None:
         return f" (that layout cannot run: {failed}; {retry})"
     fixes.update(over[0])
-    return (f" (that layout needs {over[1] / 2**30:.1f} GiB per GPU as {_RUNTIME_NAMES[export or 'pipeloom']} holds "
+    return (f" (that layout needs {over[1] / 2**30:.1f} GiB per GPU as {RUNTIME_NAMES[export or 'pipeloom']} holds "
             f"it, over the {result.memory_limit / 2**30:.1f} GiB limit: {retry})")
 
 
@@ -177,7 +177,8 @@ def _composition_problems(job: Job, layout: Layout) -> list[tuple[str, dict[str,
 RUNTIMES = ("pipeloom", "torchtitan", "megatron")
 """What a plan can be searched for (:func:`for_runtime`): pipeloom's runtime, or the torchtitan or Megatron-LM
 export."""
-_RUNTIME_NAMES = {"pipeloom": "pipeloom's runtime", "torchtitan": "torchtitan", "megatron": "Megatron-LM"}
+RUNTIME_NAMES = {"pipeloom": "pipeloom's runtime", "torchtitan": "torchtitan", "megatron": "Megatron-LM"}
+"""How messages name each of :data:`RUNTIMES`."""
 
 
 def for_runtime(job: Job, runs_on: str | None) -> tuple[Job, Callable[[Layout], list[str]] | None]:
@@ -192,15 +193,8 @@ def for_runtime(job: Job, runs_on: str | None) -> tuple[Job, Callable[[Layout], 
     if runs_on not in RUNTIMES:
         raise ArgumentError(f"runs_on must be one of {', '.join(RUNTIMES)}, got {runs_on!r}")
     export = None if runs_on == "pipeloom" else runs_on
-    family = torchtitan.torchtitan_family(job) if export == "torchtitan" else ""
-    if family:  # no layout helps: said before the search, without a layout
-        raise PlanError(family)
-    unsaid = torchtitan.unwritten(job) if export == "torchtitan" else []
-    if unsaid:  # as the CLI refuses these flags with --export torchtitan (the defaults it reprices without a word)
-        raise ArgumentError(f"runs_on='torchtitan' cannot carry {' and '.join(unsaid)}: the export writes none of "
-                            "them and torchtitan runs its own; plan without them for torchtitan")
-    if export == "megatron":
-        megatron.check_job(job)
+    if export is not None:  # what no layout helps: said before the search, without a layout
+        {"torchtitan": torchtitan.check_job, "megatron": megatron.check_job}[export](job)
 
     def blocked(layout: Layout) -> list[str]:
         return [text for text, _ in layout_problems(job, layout, export=export)]

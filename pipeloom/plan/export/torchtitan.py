@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pipeloom.errors import ArgumentError
 from pipeloom.ir import Schedule, schedule_to_csv
 from pipeloom.plan.errors import PlanError
 from pipeloom.plan.partitioning.shape import schedule_shape
@@ -39,8 +40,8 @@ if TYPE_CHECKING:
     from pipeloom.plan.cluster.job import Job
     from pipeloom.plan.cluster.layout import Layout
 
-__all__ = ["ACTIVATION_CHECKPOINTS", "TORCHTITAN_MODELS", "torchtitan_family", "torchtitan_plan", "torchtitan_problems",
-           "torchtitan_recompute", "unwritten", "TORCHTITAN_03_MOVED", "TORCHTITAN_03_SETTINGS",
+__all__ = ["ACTIVATION_CHECKPOINTS", "TORCHTITAN_MODELS", "check_job", "torchtitan_family", "torchtitan_plan",
+           "torchtitan_problems", "torchtitan_recompute", "unwritten", "TORCHTITAN_03_MOVED", "TORCHTITAN_03_SETTINGS",
            "TORCHTITAN_VERSIONS", "export_torchtitan", "stage_modules", "torchtitan_args", "torchtitan_overrides",
            "torchtitan_settings", "torchtitan_toml", "version_overrides", "write_torchtitan"]
 
@@ -310,6 +311,19 @@ def torchtitan_problems(job: Job, layout: Layout) -> list[tuple[str, dict[str, i
                          "recomputation is its op-level policy (plan with --selective op, or with --layout "
                          "recompute=full or none)", {}))
     return problems
+
+
+def check_job(job: Job) -> None:
+    """PlanError or ArgumentError where no layout of ``job`` can be exported to torchtitan: a family it has no model
+    of, or a choice other than :class:`Job`'s defaults that the export drops (:func:`unwritten`; the CLI refuses their
+    flags, the defaults it reprices without a word)."""
+    family = torchtitan_family(job)
+    if family:
+        raise PlanError(family)
+    unsaid = unwritten(job)
+    if unsaid:
+        raise ArgumentError(f"runs_on='torchtitan' cannot carry {' and '.join(unsaid)}: the export writes none of "
+                            "them and torchtitan runs its own; plan without them for torchtitan")
 
 
 def unwritten(job: Job) -> list[str]:
