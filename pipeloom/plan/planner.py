@@ -24,7 +24,13 @@ from pipeloom.plan.errors import MemoryTooSmall, PartitionError, PlanError
 from pipeloom.plan.noise import expected_makespan
 from pipeloom.plan.partitioning.partitioner import SchedulePartitioner, format_bytes_up
 from pipeloom.plan.partitioning.rules import MEMORY_SLACK, Partition
-from pipeloom.plan.partitioning.shape import ScheduleShape, library_schedule, schedule_shape, unbounded_limit
+from pipeloom.plan.partitioning.shape import (
+    ScheduleShape,
+    least_limit,
+    library_schedule,
+    schedule_shape,
+    unbounded_limit,
+)
 from pipeloom.plan.plan import Plan, save_plan
 from pipeloom.plan.recost import recost, replica_sync_time, shared_time, stage_spreads
 from pipeloom.plan.refusals import check_request, nothing_fits
@@ -176,9 +182,15 @@ class _Search:
                 None, unbounded_limit(partitioner.table, self.num_ranks, microbatches))
         tried = [self._try(base, partitioner, library_limit=lim) for lim in limits]
         best = min(tried, key=_rank)
-        # nothing fits: say what the order built without the limit needs, as that order is the same
-        # at any limit (the one built for the limit changes with it), so its need fits when passed back
-        return best if best.fits else tried[-1]
+        if best.fits or limit is None:
+            return best
+        # nothing fits: say the least that an order built alike at any limit needs (the one built for the limit
+        # changes with it), so that the need, passed back, fits: the order built without a limit, or the one built
+        # for the generator's least memory (its need can be far below the other's: 2.4 GiB against 3.98 GiB)
+        steady = [tried[-1]]
+        if REGISTRY[name].memory_aware:
+            steady.append(self._try(base, partitioner, library_limit=least_limit(partitioner.table, self.num_ranks)))
+        return min(steady, key=_rank)
 
     def _try(self, base: Candidate, partitioner: SchedulePartitioner, *, library_limit: float | None
              ) -> Candidate:

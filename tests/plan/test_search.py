@@ -348,3 +348,26 @@ def test_no_memory_limit_plans_no_slower_than_a_generous_one(tmp_path):
     for limit in (100 * 2**30, 4 * 2**30):
         assert free.plan.predicted_step_time <= plan_pipeline(table, num_ranks=4, global_batch=16,
                                                               memory_limit=limit).plan.predicted_step_time
+
+
+@pytest.mark.parametrize("name", ["zbv", "interleaved-zb", "v-half", "v-min"])
+def test_a_memory_aware_schedules_smallest_limit_is_the_least_its_generator_orders_for(name):
+    """Below every limit that fits, the smallest had been said from the order built without a limit (1F1B's memory):
+    zbv on a 24-layer GPT for 4 ranks said 3.98 GiB while 2.4 GiB fit. It is now the least of that order's need and the
+    need of the order built for the generator's least memory, and a limit a little below it fits no order."""
+    from pipeloom.plan.costs.analytical import analytical_gpt_costs
+
+    table = analytical_gpt_costs(layers=24, hidden=1024, heads=16, seq=1024, vocab=50257, microbatch_size=1,
+                                 flops_per_second=100e12, bytes_per_second=2e12,
+                                 link=Link(latency=2e-5, bandwidth=25e9))
+    request = dict(num_ranks=4, global_batch=16, schedules=[name], microbatches=[16])
+    with pytest.raises(NoPlanFits) as caught:
+        plan_pipeline(table, memory_limit=2 * 2**30, **request)
+    least = caught.value.smallest_limit
+    plan = plan_pipeline(table, memory_limit=least, **request).plan  # the value returned fits
+    assert max(plan.peak_memory) <= least * (1 + 1e-9)
+    unlimited = plan_pipeline(table, **request).plan
+    assert least < 0.8 * max(unlimited.peak_memory)
+    for fraction in (0.97, 0.9):  # no limit below it fits (each builds its own order)
+        with pytest.raises(NoPlanFits):
+            plan_pipeline(table, memory_limit=least * fraction, **request)

@@ -25,6 +25,7 @@ __all__ = [
     "PartitionPlacement",
     "ScheduleShape",
     "copy_memory",
+    "least_limit",
     "unbounded_limit",
     "in_flight",
     "library_costs",
@@ -225,13 +226,23 @@ def library_costs(table: CostTable, num_ranks: int) -> Costs:
     )
 
 
+def _static_share(table: CostTable, num_ranks: int) -> float:
+    """A rank's share of ``table``'s weights, gradients and optimizer state (bytes)."""
+    return sum(table.static_bytes(p) for p in table.pieces) / num_ranks
+
+
 def unbounded_limit(table: CostTable, num_ranks: int, microbatches: int) -> float:
     """A per-rank memory limit no order of ``table``'s schedules reaches (every micro-batch's activations of a rank's
     share held at once, twice over, beside its static bytes): a memory-aware generator built for it orders for speed
     alone, where its default keeps near 1F1B's memory."""
     costs = library_costs(table, num_ranks)
-    static = sum(table.static_bytes(p) for p in table.pieces) / num_ranks
-    return static + 2.0 * (costs.memory + costs.w_memory) * microbatches
+    return _static_share(table, num_ranks) + 2.0 * (costs.memory + costs.w_memory) * microbatches
+
+
+def least_limit(table: CostTable, num_ranks: int) -> float:
+    """The least per-rank memory limit a memory-aware generator orders for (a rank's static bytes and one
+    micro-batch's activations of its share): :func:`library_schedule` passes it on, where a smaller one is not."""
+    return _static_share(table, num_ranks) + library_costs(table, num_ranks).memory * (1 + 1e-9)  # over by rounding
 
 
 def library_schedule(table: CostTable, name: str, num_ranks: int, microbatches: int, *,
@@ -243,7 +254,7 @@ def library_schedule(table: CostTable, name: str, num_ranks: int, microbatches: 
     costs = library_costs(table, num_ranks)
     limit = None
     if REGISTRY[name].memory_aware and memory_limit is not None:
-        static = sum(table.static_bytes(p) for p in table.pieces) / num_ranks
+        static = _static_share(table, num_ranks)
         limit = memory_limit - static if memory_limit - static >= costs.memory else None
     built = build_schedule(name, num_ranks, microbatches, costs=costs, memory_limit=limit, **options)
     return sequential_pairs(built)  # the runtime runs an overlapped pair's parts one after the other
