@@ -9,11 +9,8 @@ action), runs F, B, I and W with autograd, and hands values between stages of on
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import dataclasses
 import time
-import weakref
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
@@ -22,7 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeloom.runtime.comm.messenger import FailureScope, Messenger
+from pipeloom.runtime.comm.messenger import Messenger
+from pipeloom.runtime.comm.threads import close_at_exit
 from pipeloom.runtime.errors import PipelineError, ReplicaBufferError, StepMismatchError
 from pipeloom.runtime.model.split import StagedModel
 from pipeloom.runtime.parallel.dp import GradientBuckets, Layout
@@ -37,7 +35,7 @@ from pipeloom.runtime.state.clip import clip_grad_norm_
 from pipeloom.runtime.state.state_dict import LoadResult, ModelNames
 from pipeloom.runtime.step.agree import agree_on_step
 from pipeloom.runtime.step.batch import BatchCut, signature
-from pipeloom.runtime.step.failure import broken_off, tp_shape_hint
+from pipeloom.runtime.step.failure import broken_off, mesh_failure_scope, tp_shape_hint
 from pipeloom.runtime.step.loss import LossSum
 from pipeloom.runtime.step.pieces import RankPieces
 from pipeloom.runtime.step.replicas import data_parallel_outputs, diverged_buffers, replica_outputs
@@ -51,41 +49,6 @@ if TYPE_CHECKING:
 from pipeloom.trace.format import rank_file, step_record, trace_document, write_trace_file
 
 __all__ = ["PipelineEngine"]
-
-_LIVE: weakref.WeakSet = weakref.WeakSet()  # engines not yet collected
-_BUILT = [False]  # whether this process built an engine (then exit also ends a forgotten process group)
-
-
-@atexit.register
-def _close_live_engines() -> None:
-    """Close every engine still alive at exit (their threads and group references), while the
-    interpreter is still whole; in a process that built an engine, also destroy the default process
-    group the script forgot to destroy: left to the interpreter's teardown, gloo's threads abort the
-    process ("terminate called without an active exception") in about one exit of five."""
-    for engine in list(_LIVE):
-        with contextlib.suppress(Exception):
-            engine.close()
-    if _BUILT[0] and dist.is_available() and dist.is_initialized():
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group()
-def _mesh_scope(layout: Layout) -> FailureScope | None:
-    """With data-parallel replicas or a "tp" dimension, one failure board over every rank of the mesh
-    (global numbers; a rank of another pipeline is named so, with its mesh coordinates on a "tp" mesh),
-    whose failures also wake waits on the "dp" group."""
-    if layout.dp.size <= 1 and layout.tp.size <= 1:
-        return None
-    group, dp = layout.group, layout.dp.group
-    mine = {dist.get_global_rank(group, r): r for r in range(layout.world)} if group is not None else {}
-
-    def name(number: int) -> str:
-        if layout.coordinates is not None:
-            return f"{mine[number]} ({layout.where(number)})" if number in mine else layout.where(number)
-        return str(mine[number]) if number in mine else f"{number} (global; another data-parallel replica)"
-
-    return FailureScope(rank=dist.get_rank(), world=dist.get_world_size(), name=name,
-                        wake=(dp,) if dp is not None else (),
-                        of_peer=(lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r))
-
 
 class PipelineEngine:
     """Runs one lowered schedule on this rank; see :func:`pipeline`."""
@@ -134,7 +97,7 @@ class PipelineEngine:
             rank=rank, group=group, to_global=(lambda r: dist.get_global_rank(group, r)) if group is not None
             else (lambda r: r), device=self.device, timeout=timeout, units=lowering.units,
             pair_order=lowering.pair_order, unit_of=lowering.unit_of, store=store, run_id=run_id,
-            scope=_mesh_scope(layout), tp=layout.tp, scatter=scatter_boundaries,
+            scope=mesh_failure_scope(layout), tp=layout.tp, scatter=scatter_boundaries,
         )
         self.traffic = Traffic()  # bytes the last step moved between stages (pipeloom.runtime.parallel.scatter)
         last = lowering.num_pieces - 1
@@ -142,10 +105,9 @@ class PipelineEngine:
                                 device=self.device, loss_ranks=len(
                                     {lowering.rank_of[lowering.stage_for[j][last]] for j in range(lowering.replicas)}))
         self._step_count = 0
-        _LIVE.add(self)  # closed at interpreter exit if the script does not close it
-        _BUILT[0] = True
+        close_at_exit(self)
         self.training_steps = 0  # training steps run: part of every forward's random seed
-        self._checked = False  # two-replica schedules: the first training step's buffers checked (diverged_buffers)
+        self._checked = False  # replicas: the first training step's buffers checked (diverged_buffers)
         self.training = True
         self.names = names  # the original model's names of the pieces' tensors (manual mode: stages.{k}.{name})
 
@@ -257,9 +219,10 @@ class PipelineEngine:
         except Exception as error:
             cause = broken_off(error, self.messenger)
             self._fail(run.describe_failure(error, cause) + tp_shape_hint(error, self.layout.tp.size), error)
-        if self.lowering.replicas > 1 and self.layout.group is not None and (training and not self._checked or
-                                                                             not training and target is None):
-            self._replicas(run, training)
+        if training and not self._checked:
+            self._check_buffers()
+        if self.lowering.replicas > 1 and self.layout.group is not None and not training and target is None:
+            self._replica_outputs(run)
         whole = not training and target is None and self.dp.size > 1
         if whole:  # every replica's outputs, as one device returns the whole batch's
             self._data_parallel_outputs(run)
@@ -273,20 +236,33 @@ class PipelineEngine:
         self.training_steps += training
         return loss, run.outputs(self.total_microbatches if whole else self.num_microbatches)
 
-    def _replicas(self, run: StepRun, training: bool) -> None:
-        """Two-replica schedules: after the first training step, refuse buffers the replicas changed apart (a model
-        whose training forward changes its buffers does so on its first step); after an eval step without a
-        target, join both replicas' outputs. A failure breaks the engine (on every rank)."""
+    def _check_buffers(self) -> None:
+        """After the first training step (a model whose training forward changes its buffers does so then): refuse
+        buffers that the replicas of a piece, a two-replica schedule's or the data-parallel ones, changed apart. A
+        failure breaks the engine (on every rank)."""
+        self._checked = True
+        wait = self.messenger.wait_work
+        try:
+            if self.lowering.replicas > 1 and self.layout.group is not None:
+                diverged = diverged_buffers(self.modules, self.lowering, self.layout.group, self.layout.world,
+                                            self.rank, self.device, wait)
+                if diverged:
+                    raise ReplicaBufferError(diverged)
+            if self.dp.size > 1:
+                assert self.dp.group is not None  # replicas have their group
+                diverged = diverged_buffers(self.modules, self.lowering, self.dp.group, self.dp.size, self.dp.rank,
+                                            self.device, wait, data_parallel=self.dp.size)
+                if diverged:
+                    raise ReplicaBufferError(diverged)
+        except PipelineError as error:
+            self._fail(str(error), error)
+
+    def _replica_outputs(self, run: StepRun) -> None:
+        """Two-replica schedules, after an eval step without a target: join both replicas' outputs."""
         group, world, wait = self.layout.group, self.layout.world, self.messenger.wait_work
         assert group is not None
         try:
-            if training:
-                self._checked = True
-                diverged = diverged_buffers(self.modules, self.lowering, group, world, self.rank, self.device, wait)
-                if diverged:
-                    raise ReplicaBufferError(diverged)
-            else:
-                run.model_outputs = replica_outputs(run.model_outputs, group, world, self.rank, self.device, wait)
+            run.model_outputs = replica_outputs(run.model_outputs, group, world, self.rank, self.device, wait)
         except PipelineError as error:
             self._fail(str(error), error)
 

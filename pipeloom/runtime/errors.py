@@ -11,6 +11,7 @@ __all__ = [
     "RegionsNotFoundError",
     "ReplicaBufferError",
     "NeedsExampleError",
+    "NotSplitYetError",
     "SplitError",
     "SplitOrderError",
     "StageValueError",
@@ -42,6 +43,12 @@ class StageValueError(SplitError):
 
 class PipelineError(PipeloomError, RuntimeError):
     """A pipeline cannot be built from these pieces, or a step failed on some rank."""
+
+
+class NotSplitYetError(PipelineError, AttributeError):
+    """An engine split at its first step was asked, before that step, for what only the split sets (its pieces,
+    lowering, micro-batches...). An AttributeError too, so ``hasattr`` and ``getattr(engine, name, default)`` say the
+    engine has no such attribute yet."""
 
 
 class ReplicaBufferError(PipelineError):

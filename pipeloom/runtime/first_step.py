@@ -20,7 +20,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from pipeloom.runtime.engine import PipelineEngine
-from pipeloom.runtime.errors import PipelineError
+from pipeloom.runtime.errors import NotSplitYetError, PipelineError
 
 if TYPE_CHECKING:
     from pipeloom.runtime.options import Parallelism
@@ -55,8 +55,8 @@ class FirstStepEngine(PipelineEngine):
     def __getattr__(self, name: str) -> object:
         """Only reached for what the split sets (the pieces, the lowering, the names...): before it, say why."""
         if self.__dict__.get("_pending") is not None and not name.startswith("__"):
-            raise PipelineError(f"engine.{name} is not known yet: {_BEFORE_SPLIT}; use it after the first step, "
-                                f"or pass tracing={_SPLIT_NOW} to pipeline() to split the model there")
+            raise NotSplitYetError(f"engine.{name} is not known yet: {_BEFORE_SPLIT}; use it after the first step, "
+                                   f"or pass tracing={_SPLIT_NOW} to pipeline() to split the model there")
         raise AttributeError(name)
 
     @property

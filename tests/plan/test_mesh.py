@@ -48,6 +48,22 @@ def test_replicas_are_chosen_when_the_predictor_says_they_are_faster():
                                                                         if c.fits)
 
 
+def test_pieces_that_update_running_statistics_are_planned_without_replicas():
+    """The runtime refuses data-parallel replicas that update BatchNorm's statistics apart after the first step; the
+    planner had chosen dp 2 for such a model (a new user's trial, 2026-12-06). Without replicas the same job plans
+    one pipeline; replicas asked for are refused, naming the pieces and the fix."""
+    table = _table()
+    table = dataclasses.replace(table, pieces=tuple(dataclasses.replace(p, running_stats=k == 1)
+                                                    for k, p in enumerate(table.pieces)))
+    request = dict(num_ranks=8, global_batch=16, schedules=["1f1b"], microbatches=[8, 4, 2])
+    assert plan_mesh(_table(), **request).plan.data_parallel > 1  # as the replicas test above
+    result = plan_mesh(table, **request)
+    assert result.plan.data_parallel == 1 and {c.data_parallel for c in result.candidates} == {1}
+    with pytest.raises(PlanError, match=r"data parallel size 2: piece\(s\) blocks.1 update running statistics.*"
+                                        r"use --dp 1"):
+        plan_mesh(table, data_parallel=[1, 2], **request)
+
+
 def test_one_pipeline_is_kept_when_the_replicas_link_is_slow():
     slow = Link(latency=1.0, bandwidth=1.0)  # one byte per second between replicas
     result = plan_mesh(_table(param_bytes=1e3), num_ranks=4, global_batch=16, schedules=["1f1b"], dp_link=slow)

@@ -176,12 +176,13 @@ def float64_loss(rank: int, world: int) -> dict:
 def two_replicas(rank: int, world: int) -> dict:
     """Under DualPipe and Chimera (two replicas of each piece) and, to compare, 1F1B and DualPipeV: what eval_step
     returns on each rank (the whole batch's outputs, equal to one device's, or None), and what a first training step
-    of a model with BatchNorm does (the replicas' running statistics differ: refused by name)."""
+    of a model with BatchNorm does (the replicas' running statistics differ: refused by name); the same step on two
+    data-parallel replicas (replicated and FSDP)."""
     import torch
     import torch.nn.functional as F
     from torch import nn
 
-    from pipeloom.runtime import PipelineError, pipeline
+    from pipeloom.runtime import pipeline
 
     def mlp(norm: bool) -> nn.Module:
         torch.manual_seed(0)
@@ -201,15 +202,32 @@ def two_replicas(rank: int, world: int) -> dict:
             expected = torch.cat([reference(part) for part in x.chunk(4)])
         found[name] = "none" if out is None else bool(isinstance(out, torch.Tensor) and torch.equal(out, expected))
         engine.close()
-        engine = pipeline(mlp(True), schedule=name, split_points=splits, loss_fn=F.cross_entropy, microbatches=4,
-                          failures=Failures(timeout=30))
-        try:
-            engine.step(x, target=y)
-            found[f"{name} batchnorm"] = "ran"
-        except PipelineError as error:
-            found[f"{name} batchnorm"] = str(error)
-        engine.close()
+        found[f"{name} batchnorm"] = _first_step(pipeline(mlp(True), schedule=name, split_points=splits,
+                                                          loss_fn=F.cross_entropy, microbatches=4,
+                                                          failures=Failures(timeout=30)), x, y)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from pipeloom.runtime import Parallelism
+
+    for sharding in ("replicate", "fsdp"):  # two data-parallel replicas of a one-rank pipeline
+        mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "pp"))
+        found[f"dp {sharding} batchnorm"] = _first_step(pipeline(
+            mlp(True), schedule="1f1b", split_points=[], loss_fn=F.cross_entropy, microbatches=2,
+            parallel=Parallelism(mesh=mesh, data_parallel=sharding), failures=Failures(timeout=30)), x, y)
     return found
+
+
+def _first_step(engine, x, y) -> str:
+    """"ran", or the refusal of the engine's first training step; the engine closed after it."""
+    from pipeloom.runtime import PipelineError
+
+    try:
+        engine.step(x, target=y)
+        return "ran"
+    except PipelineError as error:
+        return str(error)
+    finally:
+        engine.close()
 
 
 def replicas_eval(rank: int, world: int) -> dict:

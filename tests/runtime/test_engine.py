@@ -267,6 +267,35 @@ def test_weights_shared_by_two_pieces_get_the_reference_gradients(schedule, poin
         assert mismatches(model, reference, {id(p) for p in model.parameters()}) == []
 
 
+class Reused(nn.Module):
+    """One nn.Linear called twice in the first piece and once in the second (a new user's trial, 2026-12-06)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.shared, self.l1 = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+        self.out = nn.Linear(16, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.shared(torch.tanh(self.shared(torch.tanh(self.inp(x))))))
+        return self.out(torch.tanh(self.shared(torch.tanh(self.l1(h)))))
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zbv"])
+def test_a_reused_torch_nn_module_gets_the_reference_gradients(tracer, schedule):
+    """torch.fx keeps torch.nn's own modules whole, so the two uses in the first piece had been summed by autograd
+    inside one call and the weight's .grad differed from one device's in the last bits (torch.export was exact):
+    such a module whose parameters the graph uses more than once is traced into. Oracle: the for-loop reference."""
+    torch.manual_seed(0)
+    model = Reused()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 8), torch.randint(0, 3, (8,))
+    engine = pipeline(model, schedule=schedule, split_points=["l1"], loss_fn=F.cross_entropy, microbatches=4,
+                      tracing=Tracing(tracer=tracer, example_inputs=(x,)))
+    assert torch.equal(engine.step(x, target=y), reference_step(reference, (x,), y, 4))
+    assert mismatches(model, reference, {id(p) for p in model.parameters()}) == []
+
+
 def test_weights_shared_by_two_pieces_are_refused_with_two_replicas():
     from pipeloom import build_schedule
     from pipeloom.runtime.model.split import split_model

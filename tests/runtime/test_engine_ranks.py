@@ -131,7 +131,8 @@ def test_two_replicas_return_the_whole_batch_and_refuse_buffers_they_change_apar
     micro-batches; they return the whole batch's outputs, one device's, as 1F1B and DualPipeV do (on a rank without
     a last piece, None). A BatchNorm model's running statistics had been updated by each replica from its own
     micro-batches and silently kept apart; its first step is refused, naming the buffers, where one-replica schedules
-    run it."""
+    run it. Two data-parallel replicas had kept them apart too (a new user's trial, 2026-12-06, on the mesh the
+    planner chose): refused alike."""
     results = run_ranks(2, two_replicas, timeout=150)
     for rank, (status, found) in results.items():
         assert status == "ok", found
@@ -144,6 +145,10 @@ def test_two_replicas_return_the_whole_batch_and_refuse_buffers_they_change_apar
             assert "'1.running_mean'" in said and "'4.running_var'" in said, said
             assert "differently in each" in said and "choose a one-replica schedule" in said, said
         assert found["1f1b batchnorm"] == "ran" and found["dualpipev batchnorm"] == "ran", (rank, found)
+        for sharding in ("replicate", "fsdp"):  # data-parallel replicas had kept their statistics apart silently
+            said = found[f"dp {sharding} batchnorm"]
+            assert said.startswith("the step changed piece 0's '1.running_mean'"), said
+            assert "differently in each of the 2 data-parallel replicas" in said and "--dp 1" in said, said
 
 
 @pytest.mark.timeout(180)

@@ -27,6 +27,10 @@ def test_a_model_torch_fx_cannot_trace_is_split_at_its_first_step_bitwise():
     assert len(engine.parameters()) == len(list(model.parameters()))  # before the split: the whole model's
     with pytest.raises(PipelineError, match="split at the first step"):
         engine.state_dict()
+    # what only the split sets is an AttributeError too (hasattr had raised), with the same words
+    assert not hasattr(engine, "module") and getattr(engine, "lowering", None) is None
+    with pytest.raises(AttributeError, match="engine.lowering is not known yet"):
+        _ = engine.lowering
     x, y = tokens()
     loss = engine.step(x, target=y)
     assert engine.split and engine.staged.num_stages == 2 and len(engine.shared.params) == 1

@@ -4,10 +4,13 @@ watching the store for failed ranks (:class:`~pipeloom.runtime.comm.watch.PeerWa
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import queue
 import threading
+import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch.distributed as dist
 
@@ -16,7 +19,36 @@ from pipeloom.runtime.comm.watch import PeerWatch
 if TYPE_CHECKING:
     from pipeloom.runtime.comm.transport import Posted
 
-__all__ = ["STOP_JOIN_S", "HelperThreads", "SendThread"]
+__all__ = ["STOP_JOIN_S", "HelperThreads", "SendThread", "close_at_exit"]
+
+
+class _Closable(Protocol):
+    def close(self) -> None: ...
+
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # engines not yet collected
+_BUILT = [False]  # whether this process built an engine (then exit also ends a forgotten process group)
+
+
+def close_at_exit(engine: _Closable) -> None:
+    """Have ``engine`` closed at interpreter exit if the script does not close it (and the default process group
+    destroyed if the script forgets it)."""
+    _LIVE.add(engine)
+    _BUILT[0] = True
+
+
+@atexit.register
+def _close_live_engines() -> None:
+    """Close every engine still alive at exit (their threads and group references), while the
+    interpreter is still whole; in a process that built an engine, also destroy the default process
+    group the script forgot to destroy: left to the interpreter's teardown, gloo's threads abort the
+    process ("terminate called without an active exception") in about one exit of five."""
+    for engine in list(_LIVE):
+        with contextlib.suppress(Exception):
+            engine.close()
+    if _BUILT[0] and dist.is_available() and dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
 
 STOP_JOIN_S = 5.0  # how long stopping waits for a helper thread
 

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 from collections.abc import Iterator
 
 from torch import nn
 
-__all__ = ["EXPORT_SETTINGS", "export_settings", "EAGER_BRANCHES", "eager_branches"]
+__all__ = ["EXPORT_SETTINGS", "QUIET_LOGGERS", "export_settings", "EAGER_BRANCHES", "eager_branches"]
 
 
 EXPORT_SETTINGS = (("torch.fx.config", "do_not_emit_stack_traces", True),
@@ -18,6 +19,9 @@ no node keeps its Python stack (pipeloom never reads it, and taking it is costly
 cached (with every input dimension symbolic, hashing the arguments and rebuilding each cached output costs more
 than it saves). Together: the same graphs in 0.64-0.82 of the time on the test suite's tiny transformers models
 (``benchmarks/export_time.py``, docs/runtime.md)."""
+QUIET_LOGGERS = ("torch.fx.experimental.symbolic_shapes",)
+"""torch loggers at ERROR while pipeloom exports: where a trace stops at a branch on tensor values, the shape solver
+logs a warning with the whole graph (20 lines and more) before the error pipeloom raises names it and the way out."""
 
 
 @contextlib.contextmanager
@@ -33,11 +37,16 @@ def export_settings() -> Iterator[None]:
         if hasattr(config, name):
             saved.append((config, name, getattr(config, name)))
             setattr(config, name, value)
+    levels = [(logger, logger.level) for logger in map(logging.getLogger, QUIET_LOGGERS)]
+    for logger, _ in levels:
+        logger.setLevel(max(logger.level, logging.ERROR))
     try:
         yield
     finally:
         for config, name, value in reversed(saved):
             setattr(config, name, value)
+        for logger, level in levels:
+            logger.setLevel(level)
 
 
 EAGER_BRANCHES = ("transformers.models.qwen3_next.modeling_qwen3_next", "transformers.models.qwen3_5.modeling_qwen3_5",

@@ -7,7 +7,11 @@ node's module scopes (``nn_module_stack``), from which split points are found.
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import io
 import operator
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
@@ -87,7 +91,7 @@ def trace_model(model: nn.Module, *, tracer: str = "auto", leaf_modules: Sequenc
     if tracer == "export":
         return _export(model, example_inputs, kept)
     try:
-        return _symbolic(model, leaf_modules)
+        return _symbolic(model, leaf_modules, kept)
     except ModelTraceError as error:
         if tracer == "fx":
             raise
@@ -98,18 +102,46 @@ def trace_model(model: nn.Module, *, tracer: str = "auto", leaf_modules: Sequenc
 
 
 class _Tracer(fx.Tracer):
-    """torch.fx's tracer, keeping the named modules whole (as call_module nodes)."""
+    """torch.fx's tracer, keeping the named modules whole (as call_module nodes) and tracing into the ``opened``
+    ones, which torch.fx would keep whole (its own ``torch.nn`` modules)."""
 
-    def __init__(self, leaves: Sequence[str]) -> None:
+    def __init__(self, leaves: Sequence[str], opened: Sequence[str] = ()) -> None:
         super().__init__()
-        self.leaves = set(leaves)
+        self.leaves, self.opened = set(leaves), set(opened)
 
-    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return module_qualified_name in self.leaves or super().is_leaf_module(m, module_qualified_name)
+    def is_leaf_module(self, m: nn.Module, name: str) -> bool:
+        return name in self.leaves or name not in self.opened and super().is_leaf_module(m, name)
 
 
-def _symbolic(model: nn.Module, leaf_modules: Sequence[str]) -> TracedModel:
-    tracer = _Tracer(leaf_modules)
+def _symbolic(model: nn.Module, leaf_modules: Sequence[str], kept: Sequence[str]) -> TracedModel:
+    """torch.fx's graph of ``model``. A ``torch.nn`` module torch.fx keeps whole whose parameters the graph uses more
+    than once (called twice, a weight tied to another module's) is traced into, each use a node: the runtime adds a
+    shared parameter's uses in one device's order only where it sees them (docs/runtime.md). Not one of or inside
+    ``kept`` (leaf modules, a tensor-parallel plan's blocks: its styles act on the module's calls)."""
+    traced = _traced(model, _Tracer(leaf_modules))
+    opened = [name for name in _shared_builtins(traced)
+              if not any(name == outer or name.startswith(outer + ".") for outer in kept)]
+    if not opened:
+        return traced
+    try:
+        return _traced(model, _Tracer(leaf_modules, opened))
+    except ModelTraceError:  # a module torch.fx cannot trace into stays whole, as before
+        return traced
+
+
+def _shared_builtins(traced: TracedModel) -> list[str]:
+    """The modules torch.fx's graph calls that hold a parameter the graph uses more than once: by several calls of
+    modules or through their attributes."""
+    root = cast(fx.GraphModule, traced.root)
+    called = {str(n.target): root.get_submodule(str(n.target)) for n in traced.graph.nodes if n.op == "call_module"}
+    uses = collections.Counter(id(p) for n in traced.graph.nodes if n.op == "call_module"
+                               for p in called[str(n.target)].parameters())
+    params = dict(root.named_parameters(remove_duplicate=False))
+    uses.update(id(params[str(n.target)]) for n in traced.graph.nodes if n.op == "get_attr" and str(n.target) in params)
+    return [name for name, module in called.items() if any(uses[id(p)] > 1 for p in module.parameters())]
+
+
+def _traced(model: nn.Module, tracer: _Tracer) -> TracedModel:
     try:
         graph = tracer.trace(model)
     except Exception as error:  # fx raises TraceError, TypeError, NotImplementedError, ValueError... alike
@@ -275,16 +307,19 @@ def _exported(model: nn.Module, example_inputs: object, keep: Sequence[str] = ()
         raise ModelTraceError(f"example_inputs must be a tensor or a tuple of tensors (the model's positional "
                               f"inputs), got {type(example_inputs).__name__}")
     dynamic = tuple({d: Dim.AUTO for d in range(a.dim())} for a in args)
+    said = io.StringIO()  # what torch writes to stderr: passed on, but for the partial graph it prints on a failure
     try:
-        with export_settings(), eager_branches(model):
+        with export_settings(), eager_branches(model), contextlib.redirect_stderr(said):
             exported = torch.export.export(model, args, dynamic_shapes=dynamic, strict=False,
                                            preserve_module_call_signature=tuple(keep))
+        sys.stderr.write(said.getvalue())
     except Exception as error:  # export raises many kinds (Unsupported, UserError, RuntimeError...)
         kept = f" keeping {list(keep)} whole" if keep else ""
+        first, *rest = str(error).strip().splitlines() or [""]  # the way out on the first line, torch's text after
         raise ModelTraceError(
-            f"torch.export cannot trace {type(model).__name__}{kept}: {type(error).__name__}: {str(error)[:600]}. "
+            f"torch.export cannot trace {type(model).__name__}{kept}: {type(error).__name__}: {first[:300]}. "
             f"{_data_dependent_advice(model, error)}Split it by hand instead: "
-            "pipeloom.runtime.stages_from_modules([stage0, stage1, ...])"
+            "pipeloom.runtime.stages_from_modules([stage0, stage1, ...])" + "".join(f"\n{line}" for line in rest[:20])
         ) from error
     return exported
 

@@ -8,8 +8,8 @@ gloo) into receives posted at the start of the step; the first adds everything i
 and sends the sums back (:meth:`ReplicaExchange.merge`).
 
 ``eval_step``'s outputs, each replica's on its own last piece, are joined over the pipeline
-(:func:`replica_outputs`); buffers the replicas changed apart in a training step are refused
-(:func:`diverged_buffers`).
+(:func:`replica_outputs`); buffers the replicas (or data-parallel replicas) changed apart in a training step are
+refused (:func:`diverged_buffers`).
 """
 
 from __future__ import annotations
@@ -220,12 +220,14 @@ def data_parallel_outputs(outputs: dict[int, object], group: dist.ProcessGroup, 
 
 
 def diverged_buffers(modules: Mapping[int, nn.Module], lowering: Lowering, group: dist.ProcessGroup, world: int,
-                     rank: int, device: torch.device, wait: Callable[[object, str], None]) -> str | None:
-    """Why the engine cannot go on where, after a training step, the two replicas of a piece hold a buffer differently
-    (each replica updates its buffers from its own micro-batches, as BatchNorm's running statistics do, so neither
-    holds one device's values); None where it can. Every rank of the pipeline ``group`` gives a digest of each buffer
-    of its stages (a buffer no step changes stays equal on both: :func:`gather_objects`), and each gets the same
-    answer."""
+                     rank: int, device: torch.device, wait: Callable[[object, str], None], *,
+                     data_parallel: int = 1) -> str | None:
+    """Why the engine cannot go on where, after a training step, the replicas of a piece hold a buffer differently
+    (each replica updates its buffers from its own micro-batches, as BatchNorm's running statistics do, so none holds
+    one device's values); None where it can. The replicas are a two-replica schedule's, over the pipeline ``group``,
+    or with ``data_parallel`` > 1 the data-parallel ones, over their ``group``. Every rank of ``group`` gives a digest
+    of each buffer of its stages (a buffer no step changes stays equal on all: :func:`gather_objects`), and each gets
+    the same answer."""
     mine = {}
     for stage, module in modules.items():
         for name, buffer in module.named_buffers():
@@ -241,8 +243,11 @@ def diverged_buffers(modules: Mapping[int, nn.Module], lowering: Lowering, group
     if not diverged:
         return None
     names = ", ".join(f"piece {piece}'s {name!r}" for piece, name in sorted(diverged))
+    why = ("(each replica updates its buffers from its own micro-batches, as BatchNorm's running statistics do, so "
+           "none holds one device's values)")
+    fixed = "keep those buffers fixed (BatchNorm(track_running_stats=False), or the module in eval mode)"
+    if data_parallel > 1:
+        return (f"the step changed {names} differently in each of the {data_parallel} data-parallel replicas {why}: "
+                f"run one replica (a mesh without \"dp\"; pipeloom plan --dp 1), or {fixed}")
     return (f"schedule {lowering.schedule.name!r} holds two replicas of each piece, and the step changed {names} "
-            "differently in each (each replica updates its buffers from its own micro-batches, as BatchNorm's running "
-            "statistics do, so neither holds one device's values): choose a one-replica schedule (1f1b, zbv, "
-            "dualpipev, ...), or keep those buffers fixed (BatchNorm(track_running_stats=False), or the module in "
-            "eval mode)")
+            f"differently in each {why}: choose a one-replica schedule (1f1b, zbv, dualpipev, ...), or {fixed}")
