@@ -322,7 +322,8 @@ def report(result, *, framework: str | None = None) -> str:
         for est, why in result.runners_up:
             lines.append(f"  {est.layout}: {seconds_text(est.step_time)} s, {_gib(est.memory.total)}: {why}")
     if result.candidates == 1:  # a layout given whole, or the one the fixed keys leave
-        lines.append(f"predicted the one layout that can run in {result.seconds:.1f} s")
+        lines.append(f"predicted the one layout the keys given leave (no other searched), planning took "
+                     f"{result.seconds:.1f} s")
     else:
         plans = f"; {result.variants} plans for the searched choices" if result.variants > 1 else ""
         lines.append(f"searched {result.candidates} layouts ({result.priced} priced, {result.simulated} simulated"

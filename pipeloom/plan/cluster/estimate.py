@@ -31,6 +31,7 @@ from pipeloom.plan.cluster.placement import (
     rank_stages,
     schedule_microbatches,
     stage_send_seconds,
+    tied_copy,
     with_blocking_sends,
     work_bound,
 )
@@ -46,9 +47,8 @@ from pipeloom.stages import Costs
 __all__ = ["Estimator", "WORKSPACE_BYTES", "BUCKET_BYTES", "ZBV_RATIO_STEPS"]
 
 WORKSPACE_BYTES = 2 * 1024**3
-"""Memory every GPU holds besides the model: CUDA context, cuBLAS workspaces and NCCL buffers (about 1 GiB for
-the context and library kernels and 0.5-1 GiB for NCCL's channels at scale, per NVIDIA's NCCL docs on
-NCCL_BUFFSIZE x channels); a stated allowance, not fitted to any run."""
+"""Memory every GPU holds besides the model: the CUDA context and library kernels (about 1 GiB) and NCCL's buffers
+(0.5-1 GiB at scale: NVIDIA's NCCL docs, NCCL_BUFFSIZE x channels); a stated allowance, not fitted to any run."""
 BUCKET_BYTES = 40e6 * 2
 """Data-parallel gradient bucket: Megatron's default 40M parameters in bf16 (a backward's last overlaps nothing)."""
 ZBV_RATIO_STEPS = (0.5, 0.25)
@@ -337,10 +337,8 @@ class Estimator:
 
     def _kinds_of(self, layout: Layout, stages: Sequence[int]) -> tuple[tuple[str, int], ...]:
         """The layer kinds a rank holding these schedule stages holds, and how many of each."""
-        cut, kinds = self._cut(self.stage_counts(layout), layout.copies), Counter[str]()
-        for j in stages:
-            kinds.update(dict(cut.shapes[cut.shape_of[j]]))
-        return tuple(sorted(kinds.items()))
+        cut = self._cut(self.stage_counts(layout), layout.copies)
+        return tuple(sorted(sum((Counter(dict(cut.shapes[cut.shape_of[j]])) for j in stages), Counter[str]()).items()))
 
     def _rank_state(self, layout: Layout, times: list[PhaseTimes], stages: tuple[int, ...],
                     kinds: tuple[tuple[str, int], ...], m: int) -> tuple[Memory, tuple[float, float, float]]:
@@ -354,11 +352,13 @@ class Estimator:
             dense += count * (c.params - c.expert_params) / layout.tp
             expert += count * c.expert_params / layout.ep
             ends += count * c.params / layout.tp if kind in ("embedding", "head") else 0.0  # BF16 GEMMs in FP8 too
+        copy, exchange = tied_copy(self.job, layout, stages)  # a tied head's own weight, the two ends' exchange
+        dense, ends = dense + copy, ends + copy
         weights, gradients, states = self.job.param_state(layout, dense, expert, ends=ends)
         f1, b1 = sum(times[j].f for j in stages), sum(times[j].i + times[j].w for j in stages)
         # the dense replicas sit tp apart (Megatron's order tp, cp, dp); the experts' replicas ep apart (etp, ep, edp)
-        exposed = sum(self._dp_exposed(layout, params, group, stride, f1, b1, m)
-                      for params, group, stride in ((dense, dpcp, layout.tp), (expert, edp, layout.ep)))
+        exposed = exchange + sum(self._dp_exposed(layout, params, group, stride, f1, b1, m)
+                                 for params, group, stride in ((dense, dpcp, layout.tp), (expert, edp, layout.ep)))
         layers = max(1, sum(count for kind, count in kinds if kind not in ("embedding", "head")))
         buffers = WORKSPACE_BYTES + (2 * 2.0 * (dense + expert) / layers if self.job.reshards(layout) else
                                      2 * BUCKET_BYTES if self.job.zero2(layout) else 0.0)  # ZeRO-2's buckets

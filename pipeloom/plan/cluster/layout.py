@@ -171,8 +171,8 @@ class Layout:
     def check(self, job: Job) -> int:
         """LayoutError when this layout cannot run ``job``; else its micro-batches per pipeline."""
         if self.gpus != job.gpus:
-            raise LayoutError(f"dp x tp x pp x cp = {self.gpus} is not the job's {job.gpus} GPUs",
-                              counts=f"{self.gpus} GPUs")
+            raise LayoutError(f"dp x tp x pp x cp = {self.gpus} is not the job's {job.gpus} GPUs: give a layout of "
+                              f"{job.gpus}, or --gpus {self.gpus} (gpus={self.gpus})", counts=f"{self.gpus} GPUs")
         m = self.microbatches(job.global_batch)
         if refused := self.shape_problem(job):
             raise LayoutError(refused)

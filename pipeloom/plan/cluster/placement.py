@@ -12,11 +12,11 @@ from dataclasses import dataclass, replace
 from itertools import accumulate
 
 from pipeloom.plan.cluster.efficiency import collective_seconds, domain_ranks, p2p_seconds
-from pipeloom.plan.cluster.job import Job
+from pipeloom.plan.cluster.job import GRAD_REDUCE, Job
 from pipeloom.plan.cluster.layout import SCHEDULES, Layout
 from pipeloom.plan.cluster.step import PhaseTimes
 
-__all__ = ["Cut", "even_counts", "balanced_counts", "cut_of", "cut_ranks", "stage_layers", "rank_stages",
+__all__ = ["Cut", "even_counts", "balanced_counts", "cut_of", "cut_ranks", "stage_layers", "rank_stages", "tied_copy",
            "schedule_microbatches", "work_bound", "mode_shapes", "stage_send_seconds", "crossing_sends",
            "with_blocking_sends"]
 
@@ -28,8 +28,7 @@ class Cut:
     counts: tuple[int, ...]
     """Per model stage, its decoder layers."""
     layers: list[tuple[str, ...]]
-    """Per schedule stage (the model stages, twice over for DualPipe's two copies), its layer kinds in model
-    order."""
+    """Per schedule stage (the model stages; twice over for DualPipe's two copies), its layer kinds in model order."""
     shapes: tuple[tuple[tuple[str, int], ...], ...]
     """The distinct ``(kind, count)`` multisets of a stage's layers, the embedding and the head included."""
     shape_of: tuple[int, ...]
@@ -81,10 +80,24 @@ def stage_send_seconds(job: Job, layout: Layout) -> float:
     if spec.indexer is not None and len(spec.indexer_layers) < spec.layers:
         hidden += tokens * 4 * spec.indexer.topk / layout.tp
     crossing, sends = crossing_sends(layout, job.hw.domain_gpus)
-    if not sends:
-        return 0.0
     return (crossing * p2p_seconds(job.hw, hidden, same_domain=False)
-            + (sends - crossing) * p2p_seconds(job.hw, hidden, same_domain=True)) / sends
+            + (sends - crossing) * p2p_seconds(job.hw, hidden, same_domain=True)) / sends if sends else 0.0
+
+
+def tied_copy(job: Job, layout: Layout, stages: Sequence[int]) -> tuple[float, float]:
+    """For a tied embedding and head, a rank holding these schedule stages: parameters per GPU of its own copy of the
+    weight (a head whose embedding, of the same copy, another rank holds: Megatron's copy on the last stage), and the
+    seconds of the two ends' gradient all-reduce after the backward (ranks pp - 1 stages apart) where it holds one
+    end of a copy without the other."""
+    per_copy = (2 * layout.pp if SCHEDULES[layout.schedule] in ("v", "two-copy") else layout.stages) // layout.copies
+    ends = {(j // per_copy, j % per_copy) for j in stages if j % per_copy in (0, per_copy - 1)}
+    alone = [j for copy, j in ends if (copy, per_copy - 1 - j) not in ends]
+    if not job.spec.tied or not alone:
+        return 0.0, 0.0
+    tied, stride = job.spec.vocab * job.spec.hidden / layout.tp, (layout.pp - 1) * layout.tp * layout.cp * layout.dp
+    grads = GRAD_REDUCE[job.grad_reduce] * tied
+    return tied * (per_copy - 1 in alone), collective_seconds(job.hw, "all_reduce", grads, 2,
+                                                             ranks_per_domain=domain_ranks(2, stride, job.hw))
 
 
 def crossing_sends(layout: Layout, domain: int) -> tuple[int, int]:
@@ -117,10 +130,7 @@ def even_counts(layers: int, stages: int) -> tuple[int, ...]:
     the last hold only those)."""
     base, extra = divmod(layers, stages)
     order = list(range(1, stages - 1)) + [0, stages - 1] if stages > 2 else list(range(stages))
-    counts = [base] * stages
-    for j in order[:extra]:
-        counts[j] += 1
-    return tuple(counts)
+    return tuple(base + (j in order[:extra]) for j in range(stages))
 
 
 def balanced_counts(kinds: Sequence[str], ranks: Sequence[Sequence[int]], work: Mapping[str, float], *,
@@ -309,16 +319,12 @@ class _Balance:
 
 def stage_layers(kinds: Sequence[str], counts: Sequence[int]) -> list[tuple[str, ...]]:
     """The layer kinds of each stage in model order, ``counts[j]`` layers in stage ``j``."""
-    out, start = [], 0
-    for count in counts:
-        out.append(tuple(kinds[start:start + count]))
-        start += count
-    return out
+    starts = list(accumulate(counts, initial=0))
+    return [tuple(kinds[a:b]) for a, b in zip(starts, starts[1:])]
 
 
 def schedule_microbatches(layout: Layout, m: int) -> int:
-    """Micro-batches of the schedule for ``m`` per pipeline per step: DualPipe's schedule counts a pair, one
-    fed from each end, as one."""
+    """The schedule's micro-batches for ``m`` per pipeline per step: DualPipe's counts a pair (one per end) once."""
     return m // layout.copies
 
 

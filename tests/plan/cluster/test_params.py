@@ -207,6 +207,13 @@ def test_reads_config_json(tmp_path):
      "sliding_window_pattern must be a positive whole number of layers, got 0; give the config's layer_types"),
     ({"model_type": "llama", "hidden_size": 7680, "num_attention_heads": 60, "num_key_value_heads": 8},
      "60 query heads are not a multiple of 8 key/value heads .*check num_key_value_heads, e.g. 6, which divides 60"),
+    # a new user's config (2026-12-06) had been planned with heads of 2048 // 15 = 136, which transformers refuses
+    ({"model_type": "llama", "hidden_size": 2048, "num_attention_heads": 15, "num_key_value_heads": 5},
+     r"the hidden size 2048 is not a multiple of 15 attention heads, and the config gives no head_dim .*e\.g\. 8 or "
+     "16, which divide 2048, or give head_dim"),
+    ({"model_type": "gpt2", "n_embd": 100, "n_head": 3},
+     r"the hidden size 100 is not a multiple of 3 attention heads \(transformers refuses it too\).*e\.g\. 2 or 4, "
+     "which divide 100$"),
 ])
 def test_bad_configs(bad, match):
     with pytest.raises(ModelConfigError, match=match):

@@ -1,7 +1,8 @@
 """Reading one field of a transformers config dict: :func:`get_field` (the first of its names given, or a
 default), :func:`same_per_layer` (a number given once or per layer), :func:`rate_on` (whether a dropout or noise rate
-is on, checked), :func:`nope_layers` (the layers without rotary embeddings) and :func:`check_fields` (the sizes and
-switches every family reads, checked for their type before any is used)."""
+is on, checked), :func:`nope_layers` (the layers without rotary embeddings), :func:`head_size` (an attention head's
+width) and :func:`check_fields` (the sizes and switches every family reads, checked for their type before any is
+used)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 
 from pipeloom.plan.errors import ModelConfigError
 
-__all__ = ["get_field", "same_per_layer", "rate_on", "nope_layers", "check_fields"]
+__all__ = ["get_field", "same_per_layer", "rate_on", "nope_layers", "head_size", "check_fields"]
 
 _COUNTS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "num_key_value_heads", "head_dim",
            "n_embd", "n_head", "n_layer", "n_positions", "max_position_embeddings", "n_inner",
@@ -116,3 +117,18 @@ def nope_layers(data: Mapping[str, Any], layers: int, *, empty_is_default: bool 
         raise ModelConfigError(f"no_rope_layers must give 1 (rotary) or 0 (NoPE) for each of the {layers} layers, "
                                f"got {rope!r}")
     return tuple(n for n in range(layers) if not rope[n])
+
+
+def head_size(data: Mapping[str, Any], hidden: int, heads: int, *, field: bool = True) -> int:
+    """An attention head's width: the config's ``head_dim`` (where the family has the ``field``), or the hidden size
+    over the heads, which transformers refuses where it leaves a remainder: ModelConfigError naming the near counts."""
+    if field and data.get("head_dim"):
+        return int(data["head_dim"])
+    if hidden % heads:
+        fits = [k for k in range(1, hidden + 1) if hidden % k == 0]
+        near = sorted(sorted(fits, key=lambda k: (abs(k - heads), k))[:2])
+        raise ModelConfigError(f"the hidden size {hidden} is not a multiple of {heads} attention heads"
+                               f"{', and the config gives no head_dim' if field else ''} (transformers refuses it "
+                               f"too): check the attention heads' count, e.g. {' or '.join(map(str, near))}, which "
+                               f"divide {hidden}{', or give head_dim' if field else ''}")
+    return hidden // heads

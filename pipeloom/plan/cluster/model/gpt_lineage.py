@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pipeloom.plan.cluster.model.fields import get_field
+from pipeloom.plan.cluster.model.fields import get_field, head_size
 from pipeloom.plan.cluster.model.spec import Attention, ModelSpec
 from pipeloom.plan.errors import ModelConfigError
 
@@ -18,8 +18,8 @@ def gpt2_spec(data: Mapping[str, Any]) -> ModelSpec:
     """GPT-2: learned positions, LayerNorm, biased Conv1D projections, a 4h (or n_inner) GELU MLP, tied head."""
     hidden = int(get_field(data, "n_embd", "hidden_size"))
     heads = int(get_field(data, "n_head", "num_attention_heads"))
-    attention = Attention(heads=heads, kv_heads=heads, qk_dim=hidden // heads, v_dim=hidden // heads,
-                          qkv_bias=True, o_bias=True)
+    attention = Attention(heads=heads, kv_heads=heads, qk_dim=head_size(data, hidden, heads, field=False),
+                          v_dim=hidden // heads, qkv_bias=True, o_bias=True)
     return ModelSpec(family="gpt2", hidden=hidden, layers=int(get_field(data, "n_layer", "num_hidden_layers")),
                      vocab=int(get_field(data, "vocab_size")), attention=attention,
                      intermediate=int(data.get("n_inner") or 4 * hidden), gated=False, mlp_bias=True,
@@ -56,8 +56,8 @@ def _parallel_gelu(data: Mapping[str, Any], family: str, *, kv_heads: int, bias:
     (no parameters)."""
     hidden = int(get_field(data, "hidden_size", "n_embd"))
     heads = int(get_field(data, "num_attention_heads", "n_head"))
-    attention = Attention(heads=heads, kv_heads=kv_heads, qk_dim=hidden // heads, v_dim=hidden // heads,
-                          qkv_bias=bias, o_bias=bias)
+    attention = Attention(heads=heads, kv_heads=kv_heads, qk_dim=head_size(data, hidden, heads, field=False),
+                          v_dim=hidden // heads, qkv_bias=bias, o_bias=bias)
     return ModelSpec(family=family, hidden=hidden, layers=int(get_field(data, "num_hidden_layers", "n_layer")),
                      vocab=int(get_field(data, "vocab_size")), attention=attention, intermediate=intermediate,
                      gated=False, mlp_bias=True, layer_norm=True, parallel_residual=True, shared_norm=True,
@@ -83,8 +83,8 @@ def falcon_spec(data: Mapping[str, Any]) -> ModelSpec:
     bias = bool(data.get("bias", False))
     parallel = bool(data.get("parallel_attn", True)) or new
     norms = int(data.get("num_ln_in_parallel_attn") or (2 if new else 1))
-    attention = Attention(heads=heads, kv_heads=kv_heads, qk_dim=hidden // heads, v_dim=hidden // heads,
-                          qkv_bias=bias, o_bias=bias)
+    attention = Attention(heads=heads, kv_heads=kv_heads, qk_dim=head_size(data, hidden, heads, field=False),
+                          v_dim=hidden // heads, qkv_bias=bias, o_bias=bias)
     return ModelSpec(family="falcon", hidden=hidden, layers=int(get_field(data, "num_hidden_layers")),
                      vocab=int(get_field(data, "vocab_size")), attention=attention,
                      intermediate=int(data.get("ffn_hidden_size") or 4 * hidden), gated=False, mlp_bias=bias,

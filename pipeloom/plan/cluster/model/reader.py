@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from pipeloom.plan.cluster.model.deltanet import gated_deltanet_spec
-from pipeloom.plan.cluster.model.fields import check_fields, get_field, nope_layers, rate_on
+from pipeloom.plan.cluster.model.fields import check_fields, get_field, head_size, nope_layers, rate_on
 from pipeloom.plan.cluster.model.gpt_lineage import falcon_spec, gpt2_spec, gptj_spec, phi_spec
 from pipeloom.plan.cluster.model.moe import deepseek_spec, every_layer_sparse, gpt_oss_spec, llama4_spec, phimoe_spec
 from pipeloom.plan.cluster.model.refusal import guess, unmodelled
@@ -276,7 +276,7 @@ def _family_spec(data: Mapping[str, Any], family: str) -> ModelSpec:
     hidden = int(get_field(data, "hidden_size"))
     heads = int(get_field(data, "num_attention_heads"))
     layers = int(get_field(data, "num_hidden_layers"))
-    head_dim = int(data.get("head_dim") or hidden // heads)
+    head_dim = head_size(data, hidden, heads)
     common: dict[str, Any] = dict(family=family, hidden=hidden, layers=layers, vocab=int(get_field(data, "vocab_size")),
                   tied=bool(data.get("tie_word_embeddings", False)))
     if family == "gpt_neox":
