@@ -267,8 +267,8 @@ def _unpipelined(job, layout) -> list[str]:
 
 
 def seconds_text(seconds: float) -> str:
-    """Seconds to the millisecond, or to three significant digits below 10 ms (a tiny model's step)."""
-    return f"{seconds:.3f}" if seconds >= 0.01 or seconds == 0 else f"{seconds:.3g}"
+    """Seconds to the millisecond, or to three significant digits below 10 ms (a tiny model's step); none as 0."""
+    return "0" if seconds == 0 else f"{seconds:.3f}" if seconds >= 0.01 else f"{seconds:.3g}"
 
 
 def _work(best) -> list[str]:

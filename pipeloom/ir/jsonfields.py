@@ -15,8 +15,9 @@ from typing import Any, Literal, overload
 from pipeloom.errors import PipeloomError, ScheduleFormatError, shown
 
 __all__ = [
-    "MISSING", "check_format", "check_keys", "check_path", "check_text", "integer", "json_failure", "json_object",
-    "number", "parse_object", "read_json_file", "read_text", "string", "strings",
+    "MISSING", "DuplicateKeyError", "check_format", "check_keys", "check_path", "check_text", "integer",
+    "json_failure", "json_object", "number", "parse_object", "read_json_file", "read_text", "string", "strings",
+    "unique_keys",
 ]
 
 MISSING = object()
@@ -65,6 +66,20 @@ def json_object(text: str, *, fmt: str, keys: set[str], error: type[PipeloomErro
     document = parse_object(text, error=error, what=what)
     check_format(document, fmt=fmt, keys=keys, error=error, what=what)
     return document
+
+
+class DuplicateKeyError(ValueError):
+    """A JSON object naming one key twice (``json`` keeps the last without a word); ``args[0]`` is the key."""
+
+
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads``' ``object_pairs_hook`` that refuses a key given twice (:class:`DuplicateKeyError`)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise DuplicateKeyError(key)
+        out[key] = value
+    return out
 
 
 def json_failure(failure: BaseException) -> str:

@@ -309,8 +309,9 @@ def _memory_limit(limit: float | str | None, device: Hardware) -> float:
         return float(device.memory_bytes)
     try:
         value = parse_bytes(limit)
-    except CostTableError as err:
-        raise ArgumentError(f"memory_limit: {err}") from None
+    except CostTableError as err:  # a negative number is refused as 0 is, not as parse_bytes' ">= 0"
+        raise ArgumentError(f"memory_limit: {err}" if not isinstance(limit, (int, float)) or limit >= 0 else
+                            f"memory_limit must be more than 0 bytes, got {limit!r}") from None
     if value <= 0:
         raise ArgumentError(f"memory_limit must be more than 0 bytes, got {limit!r}")
     if value < 2**20:

@@ -12,7 +12,8 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from pipeloom.ir.jsonfields import json_failure
+from pipeloom.formatting import format_bytes
+from pipeloom.ir.jsonfields import DuplicateKeyError, json_failure, unique_keys
 from pipeloom.plan.errors import HardwareError
 
 __all__ = ["ATTENTION_HALF_SEQ", "DTYPES", "FORMAT", "PRIORED", "Hardware", "hardware_from_dict", "load_hardware",
@@ -228,12 +229,12 @@ def load_hardware(path: str | Path, *, priors: Hardware | None = None) -> Hardwa
     :class:`HardwareError` naming it."""
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8-sig"),  # a byte-order mark, as some editors write
-                          object_pairs_hook=_unique_keys)
+                          object_pairs_hook=unique_keys)
     except OSError as err:
         raise HardwareError(f"cannot read hardware file {str(path)!r}: {err.strerror or err}") from None
     except json.JSONDecodeError as err:
         raise HardwareError(f"hardware file {str(path)!r} is not JSON: {err.msg} at line {err.lineno}") from None
-    except _DuplicateKey as err:
+    except DuplicateKeyError as err:
         raise HardwareError(f"hardware file {str(path)!r} gives {err.args[0]!r} twice; keep one") from None
     except UnicodeDecodeError:
         raise HardwareError(f"hardware file {str(path)!r} is not UTF-8 text; a pipeloom.hardware/1 file is "
@@ -241,19 +242,6 @@ def load_hardware(path: str | Path, *, priors: Hardware | None = None) -> Hardwa
     except (ValueError, RecursionError) as err:  # a number past Python's digits, nesting past its depth
         raise HardwareError(f"hardware file {str(path)!r} is not JSON: {json_failure(err)}") from None
     return hardware_from_dict(data, where=str(path), priors=priors)
-
-
-class _DuplicateKey(ValueError):
-    """A JSON object naming one key twice (``json`` keeps the last without a word)."""
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise _DuplicateKey(key)
-        out[key] = value
-    return out
 
 
 PRIORED = ("gemm_efficiency", "fp8_gemm_efficiency", "attention_efficiency", "attention_backward_efficiency",
@@ -352,8 +340,10 @@ def _plausible(hw: Hardware, where: str) -> None:
         for dtype, value in values:
             if not low <= value <= high:
                 label = f"{name}[{dtype!r}]" if dtype else name
-                raise HardwareError(f"{where}: {label} {value:g} is outside what any GPU has ({low:g} to {high:g} "
-                                    f"{unit}); check its unit and digits")
+                span = (f"{format_bytes(low)} to {format_bytes(high)}: {unit}" if name == "memory_bytes"
+                        else f"{low:g} to {high:g} {unit}")  # 1 GiB, not 1.07374e+09 bytes
+                raise HardwareError(f"{where}: {label} {value:g} is outside what any GPU has ({span}); check its unit "
+                                    "and digits")
 
 
 _WHOLE = ("memory_bytes", "scale_up_size", "scale_up_placed", "sm_count")

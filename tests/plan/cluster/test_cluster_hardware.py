@@ -216,7 +216,7 @@ def _good() -> dict:
     (lambda d: d.update(sources={"nvlink": "x"}), "sources maps a field name to a string"),
     (lambda d: d.update(peak_flops=[1]), "'peak_flops' must be a JSON object"),
     (lambda d: d.update(memory_bytes=10**30), r"memory_bytes 1e\+30 is outside what any GPU has .* check its unit"),
-    (lambda d: d.update(memory_bytes=80), r"memory_bytes 80 is outside what any GPU has \(1.07374e\+09 to"),
+    (lambda d: d.update(memory_bytes=80), r"memory_bytes 80 is outside what any GPU has \(1 GiB to 16 TiB: bytes"),
     (lambda d: d.update(kernel_overhead=1.0), r"kernel_overhead 1 is outside .* \(a kernel launch: 2e-6\)"),
     (lambda d: d.update(scale_out_bandwidth=400), r"scale_out_bandwidth 400 is outside .*a 400 Gb/s NIC: 5e10"),
     (lambda d: d.update(peak_flops={"bf16": 989.4, "fp8": 1978.9}), r"peak_flops\['bf16'\] 989.4 is outside"),

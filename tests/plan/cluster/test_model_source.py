@@ -96,6 +96,18 @@ def test_a_config_json_that_does_not_parse_is_named_with_why(tmp_path):
             read_config(str(tmp_path / name))
 
 
+def test_a_byte_order_mark_is_read_and_a_key_given_twice_refused_as_in_hardware_files(tmp_path):
+    """A config.json with a UTF-8 byte-order mark had been refused with Python's words, and a key given twice planned
+    with the last value without a word (a new user's trial, 2026-12-06); hardware files read the first and refuse
+    the second."""
+    (tmp_path / "bom.json").write_bytes(b"\xef\xbb\xbf" + json.dumps(LLAMA).encode())
+    assert read_config(str(tmp_path / "bom.json")) == LLAMA
+    text = json.dumps(LLAMA)
+    (tmp_path / "twice.json").write_text(text[:-1] + ', "hidden_size": 4096}')
+    with pytest.raises(ModelConfigError, match=r"model config '.*twice.json' gives 'hidden_size' twice; keep one"):
+        read_config(str(tmp_path / "twice.json"))
+
+
 def test_the_command_plans_a_cached_hub_id_and_refuses_a_missing_one_in_one_line(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
@@ -208,3 +220,8 @@ def test_a_tiny_models_step_time_shows_its_digits(tmp_path, capsys):
                  "16"]) == 0
     line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("step time:"))
     assert re.fullmatch(r"step time: 0\.000[1-9]\d* s \(pipeline .*\)", line) and "0.000 s" not in line, line
+    # what is none is said as 0 (one replica's exposed data-parallel time had read 0.000 s beside 3-digit values)
+    main(["plan", "--model", str(path), "--hardware", "h100", "--gpus", "4", "--global-batch", "8", "--seq", "16",
+          "--layout", "dp=1,tp=1,pp=4,vp=1,cp=1,ep=1,mbs=1,fsdp=0,recompute=none,schedule=1f1b"])
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("step time:"))
+    assert ", exposed dp 0 s," in line, line

@@ -254,6 +254,7 @@ def test_the_api_refuses_what_the_command_refuses_as_argument_errors():
 
     layout = "dp=2,tp=2,pp=2,vp=1,cp=1,ep=1,mbs=1,fsdp=0,recompute=none,schedule=1f1b"
     for kw, message in ((dict(memory_limit="0"), "memory_limit must be more than 0 bytes, got '0'"),
+                        (dict(memory_limit=-1), "memory_limit must be more than 0 bytes, got -1"),  # had said ">= 0"
                         (dict(memory_limit="lots"), "memory_limit: bad size 'lots'"),
                         (dict(dtype="fp16"), "dtype must be 'bf16' or 'fp8'"),
                         (dict(memory_limit=80), "memory_limit 80 is 80 bytes per GPU; give bytes (80 * 2**30) or a "

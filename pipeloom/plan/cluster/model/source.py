@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from pipeloom.ir.jsonfields import json_failure
+from pipeloom.ir.jsonfields import DuplicateKeyError, json_failure, unique_keys
 from pipeloom.plan.errors import ModelConfigError
 
 __all__ = ["FAMILY_DEFAULTS", "read_config", "hub_cache"]
@@ -37,11 +37,13 @@ def read_config(config: object) -> dict[str, Any]:
     whose config is in the local cache (:func:`hub_cache`), a mapping, or anything with ``to_dict()``."""
     if isinstance(config, (str, Path)):
         path = _config_path(str(config))
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
+        try:  # a byte-order mark, as some editors write, allowed; a key given twice refused (json keeps the last)
+            data = json.loads(path.read_text(encoding="utf-8-sig"), object_pairs_hook=unique_keys)
         except OSError as error:
             raise ModelConfigError(f"cannot read model config {str(path)!r}: {error.strerror}; pass the path of a "
                                    "transformers config.json") from None
+        except DuplicateKeyError as error:
+            raise ModelConfigError(f"model config {str(path)!r} gives {error.args[0]!r} twice; keep one") from None
         except (ValueError, RecursionError) as error:  # not JSON, not UTF-8, a number past Python's digits
             raise ModelConfigError(f"model config {str(path)!r} is not JSON ({json_failure(error)})") from None
     elif isinstance(config, Mapping):
