@@ -311,11 +311,6 @@ def _replica_counts(table: CostTable, num_ranks: int, global_batch: int, asked: 
                  if global_batch % d == 0 and num_ranks // d <= len(table.pieces) and not (updating and d > 1)]
         return sizes or [1]  # one pipeline over every rank, whose check says what is wrong
     sizes = sorted(set(asked))
-    if updating and any(dp != 1 for dp in sizes):
-        shown = ", ".join(updating[:3]) + (f" and {len(updating) - 3} more" if len(updating) > 3 else "")
-        raise PlanError(f"data parallel size {max(sizes)!r}: piece(s) {shown} update running statistics (BatchNorm) in "
-                        "training, which replicas would update apart (the runtime refuses it after the first step): "
-                        "use --dp 1, or keep them fixed (BatchNorm(track_running_stats=False)) and profile again")
     for dp in sizes:
         if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1 or num_ranks % dp:
             raise PlanError(f"data parallel size {dp!r} does not divide {num_ranks} ranks; choose among "
@@ -323,6 +318,11 @@ def _replica_counts(table: CostTable, num_ranks: int, global_batch: int, asked: 
         if global_batch % dp:
             raise PlanError(f"data parallel size {dp} does not divide the global batch {global_batch}; each "
                             "replica runs an equal share")
+    if updating and any(dp != 1 for dp in sizes):
+        shown = ", ".join(updating[:3]) + (f" and {len(updating) - 3} more" if len(updating) > 3 else "")
+        raise PlanError(f"data parallel size {max(sizes)}: piece(s) {shown} update running statistics (BatchNorm) in "
+                        "training, which replicas would update apart (the runtime refuses it after the first step): "
+                        "use --dp 1, or keep them fixed (BatchNorm(track_running_stats=False)) and profile again")
     return sizes
 
 

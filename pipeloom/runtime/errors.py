@@ -53,8 +53,8 @@ class NotSplitYetError(PipelineError, AttributeError):
 
 class ReplicaBufferError(PipelineError):
     """After a training step of a two-replica schedule, the two replicas of a piece hold a buffer differently
-    (BatchNorm's running statistics): the same answer on every rank of the pipeline, which stays usable for another
-    engine (``pipeloom plan --try`` goes on with the next plan)."""
+    (BatchNorm's running statistics), or data-parallel replicas do: the same answer on every rank of the group, which
+    stays usable for another engine (``pipeloom plan --try`` goes on with the next plan)."""
 
 
 class StepMismatchError(PipelineError):

@@ -20,7 +20,7 @@ def _trace(width: int) -> bool:
     from pipeloom.runtime.model import tracing
 
     model, example = _model(width), (torch.randn(3, width),)
-    remembered = _model_key(model, example, []) in tracing._exported.programs
+    remembered = _model_key(model, example, []) in tracing.exported_program.programs
     tracing.trace_model(model, tracer="export", example_inputs=example)
     return remembered
 

@@ -121,7 +121,7 @@ def _leave_together(rank: int, world: int) -> None:
 
 
 def _remember_exports() -> None:
-    """Make this process's torch.export of a model (pipeloom's ``tracing._exported``) return the program it
+    """Make this process's torch.export of a model (pipeloom's ``tracing.exported_program``) return the program it
     returned before for a model of the same kind (``_model_key``: the same modules with the same attributes,
     parameter and buffer names, shapes and dtypes, example input shapes, and kept modules). torch.export traces
     with fake tensors, so the values of the tensors do not enter the graph; pipeloom builds its own graph from
@@ -129,9 +129,9 @@ def _remember_exports() -> None:
     that fails is not remembered. Forked processes inherit the programs remembered before the fork."""
     from pipeloom.runtime.model import tracing
 
-    if not _memo_on() or hasattr(tracing._exported, "programs"):
+    if not _memo_on() or hasattr(tracing.exported_program, "programs"):
         return  # off, or already on (a rank forked from the server inherits the server's)
-    original = tracing._exported
+    original = tracing.exported_program
     programs: dict[str, object] = {}
 
     def exported(model, example_inputs, keep=()):
@@ -142,7 +142,7 @@ def _remember_exports() -> None:
         return programs[key]
 
     exported.programs = programs
-    tracing._exported = exported
+    tracing.exported_program = exported
 
 
 def _memo_on() -> bool:
@@ -192,7 +192,7 @@ def _learn(launch: int, world: int) -> None:
             if before < 2 <= seen[digest]:  # tried once: one that fails here is left to the ranks
                 key, model, example_inputs, keep = pickle.loads(path.read_bytes())
                 if _model_key(model, example_inputs, keep) == key:  # else it would be remembered under another
-                    tracing._exported(model, example_inputs, keep)
+                    tracing.exported_program(model, example_inputs, keep)
         except Exception:  # noqa: BLE001 (the ranks trace it themselves, as before)
             pass
         finally:

@@ -146,7 +146,7 @@ def test_export_runs_under_its_settings_and_restores_them():
         patch.setattr(torch.export, "export", watching)
         split_model(Blocks(), ["blocks.1"], tracer="export", example_inputs=(torch.randn(5, 4),))
         with pytest.raises(ModelTraceError):  # a scalar is not an input torch.export takes: refused by pipeloom
-            tracing._exported(Blocks(), (torch.randn(5, 4), 3))
+            tracing.exported_program(Blocks(), (torch.randn(5, 4), 3))
         patch.setattr(torch.export, "export", lambda *args, **kwargs: 1 / 0)
         with pytest.raises(ModelTraceError, match="ZeroDivisionError"):
             split_model(Blocks(), ["blocks.1"], tracer="export", example_inputs=(torch.randn(5, 4),))

@@ -86,18 +86,20 @@ def stage_send_seconds(job: Job, layout: Layout) -> float:
 
 def tied_copy(job: Job, layout: Layout, stages: Sequence[int]) -> tuple[float, float]:
     """For a tied embedding and head, a rank holding these schedule stages: parameters per GPU of its own copy of the
-    weight (a head whose embedding, of the same copy, another rank holds: Megatron's copy on the last stage), and the
-    seconds of the two ends' gradient all-reduce after the backward (ranks pp - 1 stages apart) where it holds one
-    end of a copy without the other."""
+    weight (a head without the embedding: Megatron's copy on the last stage), and the seconds of the two ends'
+    gradient all-reduce after the backward (ranks pp - 1 stages apart) where it holds one end without the other (a
+    V's first rank holds both, and so do DualPipe's end ranks, one copy's embedding and the other's head: their
+    mirror ranks' reduce already sums the weight's gradients)."""
     per_copy = (2 * layout.pp if SCHEDULES[layout.schedule] in ("v", "two-copy") else layout.stages) // layout.copies
-    ends = {(j // per_copy, j % per_copy) for j in stages if j % per_copy in (0, per_copy - 1)}
-    alone = [j for copy, j in ends if (copy, per_copy - 1 - j) not in ends]
-    if not job.spec.tied or not alone:
+    ends = {j % per_copy for j in stages} & {0, per_copy - 1}  # DualPipe's copies are alike: one weight serves both
+    if not job.spec.tied or len(ends) != 1:
         return 0.0, 0.0
-    tied, stride = job.spec.vocab * job.spec.hidden / layout.tp, (layout.pp - 1) * layout.tp * layout.cp * layout.dp
-    grads = GRAD_REDUCE[job.grad_reduce] * tied
-    return tied * (per_copy - 1 in alone), collective_seconds(job.hw, "all_reduce", grads, 2,
-                                                             ranks_per_domain=domain_ranks(2, stride, job.hw))
+    tied, place = job.spec.vocab * job.spec.hidden / layout.tp, layout.tp * layout.cp * layout.dp
+    # the pair of each place of the first stage, GPU i and i + (pp - 1) x place: in one domain for every i, or not
+    apart = any(i // job.hw.domain_gpus != (i + (layout.pp - 1) * place) // job.hw.domain_gpus
+                for i in range(min(place, job.hw.domain_gpus)))
+    return tied * (per_copy - 1 in ends), collective_seconds(job.hw, "all_reduce", GRAD_REDUCE[job.grad_reduce] * tied,
+                                                            2, ranks_per_domain=1 if apart else 2)
 
 
 def crossing_sends(layout: Layout, domain: int) -> tuple[int, int]:

@@ -1,15 +1,21 @@
-"""What pipeloom's torch.export runs under (:func:`export_settings`, :func:`eager_branches`), each restored after it."""
+"""What pipeloom's torch.export runs under (:func:`export_settings`, :func:`eager_branches`), each restored after it,
+and the export itself (:func:`exported_program`)."""
 
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
+import torch
 from torch import nn
 
-__all__ = ["EXPORT_SETTINGS", "QUIET_LOGGERS", "export_settings", "EAGER_BRANCHES", "eager_branches"]
+from pipeloom.runtime.errors import ModelTraceError, NeedsExampleError
+
+__all__ = ["EXPORT_SETTINGS", "QUIET_LOGGERS", "export_settings", "exported_program", "EAGER_BRANCHES",
+           "eager_branches"]
 
 
 EXPORT_SETTINGS = (("torch.fx.config", "do_not_emit_stack_traces", True),
@@ -77,3 +83,49 @@ def eager_branches(model: nn.Module) -> Iterator[None]:
 
 
 _FLAG = "is_torchdynamo_exporting"
+
+
+def exported_program(model: nn.Module, example_inputs: object,
+                     keep: Sequence[str] = ()) -> torch.export.ExportedProgram:
+    """torch.export of ``model`` on ``example_inputs`` with every input dimension left to export (``Dim.AUTO``), under
+    these settings, the modules ``keep`` recorded whole; ModelTraceError naming the way out on its first line."""
+    from torch.export import Dim
+
+    if example_inputs is None:
+        raise NeedsExampleError("tracer='export' needs example_inputs=(a batch like the ones step() takes)")
+    args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    if not args or not all(isinstance(a, torch.Tensor) for a in args):
+        raise ModelTraceError(f"example_inputs must be a tensor or a tuple of tensors (the model's positional "
+                              f"inputs), got {type(example_inputs).__name__}")
+    dynamic = tuple({d: Dim.AUTO for d in range(a.dim())} for a in args)
+    said = io.StringIO()  # what is written to stderr meanwhile: passed on after, but the partial graph torch prints
+    try:
+        with export_settings(), eager_branches(model), contextlib.redirect_stderr(said):
+            exported = torch.export.export(model, args, dynamic_shapes=dynamic, strict=False,
+                                           preserve_module_call_signature=tuple(keep))
+    except Exception as error:  # export raises many kinds (Unsupported, UserError, RuntimeError...)
+        sys.stderr.write(said.getvalue().replace(f"{getattr(error, 'partial_fx_graph', None)}\n", ""))
+        kept = f" keeping {list(keep)} whole" if keep else ""
+        first, *rest = str(error).strip().splitlines() or [""]  # the way out on the first line, torch's text after
+        raise ModelTraceError(
+            f"torch.export cannot trace {type(model).__name__}{kept}: {type(error).__name__}: {first[:300]}. "
+            f"{_data_dependent_advice(model, error)}Split it by hand instead: "
+            "pipeloom.runtime.stages_from_modules([stage0, stage1, ...])" + "".join(f"\n{line}" for line in rest[:20])
+        ) from error
+    sys.stderr.write(said.getvalue())
+    return exported
+
+
+def _data_dependent_advice(model: nn.Module, error: Exception) -> str:
+    """What works when export stopped at Python control flow on tensor values (a loop over the experts a
+    batch routes to, as transformers' ``experts_implementation="eager"`` MoE blocks run)."""
+    text = f"{type(error).__name__}: {error}"
+    if "GuardOnDataDependentSymNode" not in text and "data-dependent" not in text:
+        return ""
+    advice = "The model branches or loops in Python on tensor values, which torch.export cannot follow. "
+    experts = getattr(getattr(model, "config", None), "_experts_implementation", None)
+    if experts == "eager":
+        advice += ("Its config has experts_implementation='eager' (a Python loop over the routed experts): leave "
+                   "experts_implementation unset for transformers' default experts kernel ('grouped_mm'), which "
+                   "torch.export traces and pipeloom splits bitwise. ")
+    return advice

@@ -8,10 +8,7 @@ node's module scopes (``nn_module_stack``), from which split points are found.
 from __future__ import annotations
 
 import collections
-import contextlib
-import io
 import operator
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
@@ -21,7 +18,7 @@ import torch.utils._pytree as pytree
 from torch import fx, nn
 
 from pipeloom.runtime.errors import ModelTraceError, NeedsExampleError, SplitError
-from pipeloom.runtime.model.export_env import eager_branches, export_settings
+from pipeloom.runtime.model.export_env import exported_program
 from pipeloom.runtime.model.sizes import TracedSizes, traced_sizes
 
 if TYPE_CHECKING:
@@ -121,12 +118,19 @@ def _symbolic(model: nn.Module, leaf_modules: Sequence[str], kept: Sequence[str]
     traced = _traced(model, _Tracer(leaf_modules))
     opened = [name for name in _shared_builtins(traced)
               if not any(name == outer or name.startswith(outer + ".") for outer in kept)]
-    if not opened:
-        return traced
+    found = _opened(model, leaf_modules, opened) if opened else traced
+    if found is None:  # each alone then: a module torch.fx cannot trace into stays whole, as before
+        opened = [name for name in opened if _opened(model, leaf_modules, [name]) is not None]
+        found = _opened(model, leaf_modules, opened) if opened else traced
+    return found or traced
+
+
+def _opened(model: nn.Module, leaf_modules: Sequence[str], names: Sequence[str]) -> TracedModel | None:
+    """torch.fx's graph of ``model`` with the modules ``names`` traced into (None where torch.fx cannot)."""
     try:
-        return _traced(model, _Tracer(leaf_modules, opened))
-    except ModelTraceError:  # a module torch.fx cannot trace into stays whole, as before
-        return traced
+        return _traced(model, _Tracer(leaf_modules, names))
+    except ModelTraceError:
+        return None
 
 
 def _shared_builtins(traced: TracedModel) -> list[str]:
@@ -165,7 +169,7 @@ def _export(model: nn.Module, example_inputs: object, keep: Sequence[str] = ()) 
         example_inputs = pytree.tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t,
                                          example_inputs)
     keep = [name for name in keep if not any(name.startswith(outer + ".") for outer in keep)]
-    exported = _exported(model, example_inputs, keep)
+    exported = exported_program(model, example_inputs, keep)
     region = _regions(model, exported, keep)
     by_name = {node.name: node for node in exported.graph.nodes}
     graph = fx.Graph()
@@ -295,48 +299,6 @@ def _call_kept(model: nn.Module, exported: torch.export.ExportedProgram, name: s
         assert node is not None  # checked above
         result.meta = {key: node.meta[key] for key in ("val", "tensor_meta") if key in node.meta}
         env[node] = result
-
-
-def _exported(model: nn.Module, example_inputs: object, keep: Sequence[str] = ()) -> torch.export.ExportedProgram:
-    from torch.export import Dim
-
-    if example_inputs is None:
-        raise NeedsExampleError("tracer='export' needs example_inputs=(a batch like the ones step() takes)")
-    args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-    if not args or not all(isinstance(a, torch.Tensor) for a in args):
-        raise ModelTraceError(f"example_inputs must be a tensor or a tuple of tensors (the model's positional "
-                              f"inputs), got {type(example_inputs).__name__}")
-    dynamic = tuple({d: Dim.AUTO for d in range(a.dim())} for a in args)
-    said = io.StringIO()  # what torch writes to stderr: passed on, but for the partial graph it prints on a failure
-    try:
-        with export_settings(), eager_branches(model), contextlib.redirect_stderr(said):
-            exported = torch.export.export(model, args, dynamic_shapes=dynamic, strict=False,
-                                           preserve_module_call_signature=tuple(keep))
-        sys.stderr.write(said.getvalue())
-    except Exception as error:  # export raises many kinds (Unsupported, UserError, RuntimeError...)
-        kept = f" keeping {list(keep)} whole" if keep else ""
-        first, *rest = str(error).strip().splitlines() or [""]  # the way out on the first line, torch's text after
-        raise ModelTraceError(
-            f"torch.export cannot trace {type(model).__name__}{kept}: {type(error).__name__}: {first[:300]}. "
-            f"{_data_dependent_advice(model, error)}Split it by hand instead: "
-            "pipeloom.runtime.stages_from_modules([stage0, stage1, ...])" + "".join(f"\n{line}" for line in rest[:20])
-        ) from error
-    return exported
-
-
-def _data_dependent_advice(model: nn.Module, error: Exception) -> str:
-    """What works when export stopped at Python control flow on tensor values (a loop over the experts a
-    batch routes to, as transformers' ``experts_implementation="eager"`` MoE blocks run)."""
-    text = f"{type(error).__name__}: {error}"
-    if "GuardOnDataDependentSymNode" not in text and "data-dependent" not in text:
-        return ""
-    advice = "The model branches or loops in Python on tensor values, which torch.export cannot follow. "
-    experts = getattr(getattr(model, "config", None), "_experts_implementation", None)
-    if experts == "eager":
-        advice += ("Its config has experts_implementation='eager' (a Python loop over the routed experts): leave "
-                   "experts_implementation unset for transformers' default experts kernel ('grouped_mm'), which "
-                   "torch.export traces and pipeloom splits bitwise. ")
-    return advice
 
 
 def _inputs(model: nn.Module, exported: torch.export.ExportedProgram, graph: fx.Graph,

@@ -111,6 +111,25 @@ def test_reads_config_json(tmp_path):
     assert model_spec(str(path)).hidden == 64
 
 
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "phi", "glm4_moe"])
+def test_heads_that_leave_a_remainder_are_counted_as_transformers_builds_them(family):
+    """Only some transformers classes refuse a hidden size the heads do not divide (those above); the others build
+    heads of hidden // heads, and so does the planner (a review of 2026-12-06 found GLM-4.5's default 4096 / 96 and
+    GLM-4.7-Flash's MLA refused by a check for every family)."""
+    import torch
+    import transformers
+
+    fields = dict(TINY[family], hidden_size=60, num_attention_heads=7)
+    fields.pop("head_dim", None)
+    if "num_key_value_heads" in fields:
+        fields["num_key_value_heads"] = 7
+    config = transformers.AutoConfig.for_model(family, **fields)
+    with torch.device("meta"):
+        model = tiny_model(config)
+    assert model_params(model_spec(config)) == sum(p.numel() for p in model.parameters())
+    model_spec({"model_type": "glm4_moe_lite"})  # MLA: no head of hidden // heads at all
+
+
 @pytest.mark.parametrize("bad, match", [
     ({"model_type": "persimmon"}, r"not modelled; supported: .*copy its config.json with \"model_type\" set to it "
                                   r"\(e.g. \"llama\"\)"),

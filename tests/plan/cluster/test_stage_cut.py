@@ -206,14 +206,17 @@ def test_dualpipe_refuses_what_it_cannot_run(layout, message):
 
 @pytest.mark.parametrize("schedule, cut, holds", [
     ("1f1b", "E|t*16L", True),  # the head with every layer on the last rank
-    ("dualpipe", "Et*8|t*8L", True),  # rank 0 holds the first copy's embedding and the second copy's head
+    # rank 0 holds the first copy's embedding and the second copy's head: the copies are alike, so one weight serves
+    # both, and the mirror ranks' reduce sums its gradients
+    ("dualpipe", "Et*8|t*8L", False),
     ("zbv", "Et*6|t*2|t*2|t*6L", False),  # a V: rank 0 holds both ends of the model (and is the fuller)
 ])
 def test_a_tied_head_on_another_rank_holds_its_own_copy_of_the_weight(schedule, cut, holds):
     """A tied embedding and head on different pipeline ranks: Megatron keeps a copy of the weight (with its gradient
     and optimizer state) on the head's rank and all-reduces the two ends' gradients after the backward. The head's
     rank had been priced without it (a new user's Llama-3.2-1B, 2026-12-06: 1.81 GiB of weights for 2.30 GiB);
-    now it holds as much as untied, a little slower for the exchange, where a V's first rank holds both ends."""
+    now it holds as much as untied, a little slower for the exchange, where a V's first rank (and DualPipe's end
+    ranks) hold both ends."""
     vp = 2 if schedule == "zbv" else 1
     layout = FIXED.replace("pp=4,vp=1", f"pp=2,vp={vp}").replace("1f1b", schedule)
     args = dict(gpus=2, global_batch=16, seq=2048, layout=layout, stage_cut=cut)
@@ -226,3 +229,20 @@ def test_a_tied_head_on_another_rank_holds_its_own_copy_of_the_weight(schedule, 
         head = LLAMA["vocab_size"] * LLAMA["hidden_size"]
         assert untied.memory.weights - tied.memory.weights == pytest.approx(2 * head, rel=1e-6)  # bf16 weights
         assert tied.step_time <= untied.step_time
+
+
+def test_the_tied_ends_exchange_goes_over_the_link_between_their_gpus():
+    """The two ends' gradient all-reduce between GPU i and i + (pp - 1) x tp x cp x dp: inside one 8-GPU domain for
+    pp 4 x dp 2 (GPUs 0 and 6, 1 and 7; it had been priced over the NIC, 12 ms more a step, as the domain count of a
+    group whose stride does not divide the domain said), across domains for pp 2 x dp 8 on 16 GPUs."""
+    def exposed(tied: bool, gpus: int, layout: str) -> float:
+        return plan_cluster(dict(LLAMA, tie_word_embeddings=tied), "h100", gpus=gpus, global_batch=32, seq=2048,
+                            layout=layout, stage_cut="even").best.exposed_dp
+
+    inside = "dp=2,tp=1,pp=4,vp=1,cp=1,ep=1,mbs=1,fsdp=0,recompute=none,schedule=1f1b"
+    across = "dp=8,tp=1,pp=2,vp=1,cp=1,ep=1,mbs=1,fsdp=0,recompute=none,schedule=1f1b"
+    head = LLAMA["vocab_size"] * LLAMA["hidden_size"] * 2.0  # its gradient in bf16
+    near = exposed(True, 8, inside) - exposed(False, 8, inside)
+    far = exposed(True, 16, across) - exposed(False, 16, across)
+    assert 0 < near < head / 100e9 < far  # faster than 100 GB/s inside the domain, slower across (an H100's NIC)
+

@@ -11,7 +11,7 @@ from typing import Any
 
 from pipeloom.plan.errors import ModelConfigError
 
-__all__ = ["get_field", "same_per_layer", "rate_on", "nope_layers", "head_size", "check_fields"]
+__all__ = ["get_field", "same_per_layer", "rate_on", "nope_layers", "head_size", "WHOLE_HEADS", "check_fields"]
 
 _COUNTS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "num_key_value_heads", "head_dim",
            "n_embd", "n_head", "n_layer", "n_positions", "max_position_embeddings", "n_inner",
@@ -119,12 +119,20 @@ def nope_layers(data: Mapping[str, Any], layers: int, *, empty_is_default: bool 
     return tuple(n for n in range(layers) if not rope[n])
 
 
-def head_size(data: Mapping[str, Any], hidden: int, heads: int, *, field: bool = True) -> int:
+WHOLE_HEADS = frozenset({"llama", "arcee", "gemma2", "gemma3_text", "gpt_neox", "deepseek_v2", "gpt2", "gptj",
+                         "falcon"})
+"""Families whose transformers classes (5.x: the config's checks or the attention's) refuse a hidden size the attention
+heads do not divide where no ``head_dim`` is given; the others build heads of ``hidden // heads`` (Mistral, Qwen2,
+Phi, GLM-4.5 with its default 4096 / 96), as the planner then counts them."""
+
+
+def head_size(data: Mapping[str, Any], hidden: int, heads: int, family: str, *, field: bool = True) -> int:
     """An attention head's width: the config's ``head_dim`` (where the family has the ``field``), or the hidden size
-    over the heads, which transformers refuses where it leaves a remainder: ModelConfigError naming the near counts."""
+    over the heads, refused where :data:`WHOLE_HEADS`' transformers classes refuse it: ModelConfigError naming the
+    near counts."""
     if field and data.get("head_dim"):
         return int(data["head_dim"])
-    if hidden % heads:
+    if hidden % heads and family in WHOLE_HEADS:
         fits = [k for k in range(1, hidden + 1) if hidden % k == 0]
         near = sorted(sorted(fits, key=lambda k: (abs(k - heads), k))[:2])
         raise ModelConfigError(f"the hidden size {hidden} is not a multiple of {heads} attention heads"

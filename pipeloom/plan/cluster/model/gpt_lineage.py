@@ -18,7 +18,7 @@ def gpt2_spec(data: Mapping[str, Any]) -> ModelSpec:
     """GPT-2: learned positions, LayerNorm, biased Conv1D projections, a 4h (or n_inner) GELU MLP, tied head."""
     hidden = int(get_field(data, "n_embd", "hidden_size"))
     heads = int(get_field(data, "n_head", "num_attention_heads"))
-    attention = Attention(heads=heads, kv_heads=heads, qk_dim=head_size(data, hidden, heads, field=False),
+    attention = Attention(heads=heads, kv_heads=heads, qk_dim=head_size(data, hidden, heads, "gpt2", field=False),
                           v_dim=hidden // heads, qkv_bias=True, o_bias=True)
     return ModelSpec(family="gpt2", hidden=hidden, layers=int(get_field(data, "n_layer", "num_hidden_layers")),
                      vocab=int(get_field(data, "vocab_size")), attention=attention,
@@ -56,7 +56,7 @@ def _parallel_gelu(data: Mapping[str, Any], family: str, *, kv_heads: int, bias:
     (no parameters)."""
     hidden = int(get_field(data, "hidden_size", "n_embd"))
     heads = int(get_field(data, "num_attention_heads", "n_head"))
-    attention = Attention(heads=heads, kv_heads=kv_heads, qk_dim=head_size(data, hidden, heads, field=False),
+    attention = Attention(heads=heads, kv_heads=kv_heads, qk_dim=head_size(data, hidden, heads, family, field=False),
                           v_dim=hidden // heads, qkv_bias=bias, o_bias=bias)
     return ModelSpec(family=family, hidden=hidden, layers=int(get_field(data, "num_hidden_layers", "n_layer")),
                      vocab=int(get_field(data, "vocab_size")), attention=attention, intermediate=intermediate,
@@ -83,7 +83,7 @@ def falcon_spec(data: Mapping[str, Any]) -> ModelSpec:
     bias = bool(data.get("bias", False))
     parallel = bool(data.get("parallel_attn", True)) or new
     norms = int(data.get("num_ln_in_parallel_attn") or (2 if new else 1))
-    attention = Attention(heads=heads, kv_heads=kv_heads, qk_dim=head_size(data, hidden, heads, field=False),
+    attention = Attention(heads=heads, kv_heads=kv_heads, qk_dim=head_size(data, hidden, heads, "falcon", field=False),
                           v_dim=hidden // heads, qkv_bias=bias, o_bias=bias)
     return ModelSpec(family="falcon", hidden=hidden, layers=int(get_field(data, "num_hidden_layers")),
                      vocab=int(get_field(data, "vocab_size")), attention=attention,

@@ -276,7 +276,7 @@ def _family_spec(data: Mapping[str, Any], family: str) -> ModelSpec:
     hidden = int(get_field(data, "hidden_size"))
     heads = int(get_field(data, "num_attention_heads"))
     layers = int(get_field(data, "num_hidden_layers"))
-    head_dim = head_size(data, hidden, heads)
+    head_dim = head_size(data, hidden, heads, family)
     common: dict[str, Any] = dict(family=family, hidden=hidden, layers=layers, vocab=int(get_field(data, "vocab_size")),
                   tied=bool(data.get("tie_word_embeddings", False)))
     if family == "gpt_neox":
