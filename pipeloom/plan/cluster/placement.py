@@ -91,14 +91,14 @@ def tied_copy(job: Job, layout: Layout, stages: Sequence[int]) -> tuple[float, f
     V's first rank holds both, and so do DualPipe's end ranks, one copy's embedding and the other's head: their
     mirror ranks' reduce already sums the weight's gradients)."""
     per_copy = (2 * layout.pp if SCHEDULES[layout.schedule] in ("v", "two-copy") else layout.stages) // layout.copies
-    ends = {j % per_copy for j in stages} & {0, per_copy - 1}  # DualPipe's copies are alike: one weight serves both
-    if not job.spec.tied or len(ends) != 1:
+    held = {j % per_copy for j in stages}  # DualPipe's copies are alike: one weight serves both
+    if not job.spec.tied or (0 in held) == (per_copy - 1 in held):
         return 0.0, 0.0
     tied, place = job.spec.vocab * job.spec.hidden / layout.tp, layout.tp * layout.cp * layout.dp
     # the pair of each place of the first stage, GPU i and i + (pp - 1) x place: in one domain for every i, or not
     apart = any(i // job.hw.domain_gpus != (i + (layout.pp - 1) * place) // job.hw.domain_gpus
                 for i in range(min(place, job.hw.domain_gpus)))
-    return tied * (per_copy - 1 in ends), collective_seconds(job.hw, "all_reduce", GRAD_REDUCE[job.grad_reduce] * tied,
+    return tied * (per_copy - 1 in held), collective_seconds(job.hw, "all_reduce", GRAD_REDUCE[job.grad_reduce] * tied,
                                                             2, ranks_per_domain=1 if apart else 2)
 
 

@@ -246,3 +246,14 @@ def test_the_tied_ends_exchange_goes_over_the_link_between_their_gpus():
     far = exposed(True, 16, across) - exposed(False, 16, across)
     assert 0 < near < head / 100e9 < far  # faster than 100 GB/s inside the domain, slower across (an H100's NIC)
 
+
+
+def test_one_pipeline_stage_holds_both_tied_ends():
+    """With pp 1 the one stage is both the first and the last: no copy of the tied weight and no exchange (a benchmark
+    rerun found the 2021 Megatron rows of pp 1 priced with both, one stage counted as a head without its embedding)."""
+    layout = FIXED.replace("pp=4", "pp=1")
+    tied, untied = (plan_cluster(dict(LLAMA, tie_word_embeddings=tie), "h100", gpus=1, global_batch=16, seq=2048,
+                                 layout=layout).best for tie in (True, False))
+    head = LLAMA["vocab_size"] * LLAMA["hidden_size"]
+    assert untied.memory.weights - tied.memory.weights == pytest.approx(2 * head, rel=1e-6)
+    assert tied.exposed_dp == 0 and tied.step_time < untied.step_time
