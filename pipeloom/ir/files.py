@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeloom.errors import ScheduleFormatError
+from pipeloom.errors import ScheduleFormatError, require_type
 from pipeloom.ir.core import Schedule
 from pipeloom.ir.json_io import schedule_from_json, schedule_to_json
 from pipeloom.ir.jsonfields import check_path, read_text
@@ -18,8 +18,11 @@ def save_schedule(schedule: Schedule, path: str | Path) -> None:
     """Write ``schedule`` as pipeloom JSON (``.json``) or torch CSV (``.csv``: ``compute_only``, or
     ``compute_comms`` for a lowered schedule, which JSON does not hold).
 
-    The suffix is matched case-insensitively; nothing is written when the format cannot carry it.
+    The suffix is matched case-insensitively; nothing is written when the format cannot carry it. A file that cannot
+    be written is a ScheduleFormatError naming it, as :func:`load_schedule`'s unreadable one is.
     """
+    require_type("schedule", schedule, Schedule, "a pipeloom Schedule (e.g. build_schedule('1f1b', 4, 8) or "
+                 "load_schedule(path))")
     path = check_path(path)
     suffix = path.suffix.lower()
     if suffix == ".csv":
@@ -28,7 +31,10 @@ def save_schedule(schedule: Schedule, path: str | Path) -> None:
         text = schedule_to_json(schedule, indent=1) + "\n"
     else:
         raise ScheduleFormatError(f"cannot save {path}: use a .json or .csv suffix")
-    path.write_text(text, encoding="utf-8")
+    try:
+        path.write_text(text, encoding="utf-8")
+    except OSError as error:
+        raise ScheduleFormatError(f"cannot write {path}: {error.strerror or error}") from None
 
 
 def load_schedule(path: str | Path, *, costs: Costs = Costs()) -> Schedule:

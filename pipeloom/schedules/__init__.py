@@ -156,6 +156,21 @@ def schedule_info(name: str) -> ScheduleInfo:
         ) from None
 
 
+def _check_size(info: ScheduleInfo, ranks: int, microbatches: int, per_rank: object) -> None:
+    """ArgumentError before building a schedule of more actions than a problem holds (:data:`~pipeloom.problem.
+    MAX_INTERVALS`): ``1f1b`` over 10**12 micro-batches had run the machine out of memory."""
+    from pipeloom.problem import MAX_INTERVALS
+
+    stages = per_rank if isinstance(per_rank, int) and not isinstance(per_rank, bool) else (
+        1 if info.placement == "linear" else 2)  # an option of the wrong kind: the generator says so
+    actions = ranks * microbatches * stages * (3 if info.splits_backward else 2)
+    if actions > MAX_INTERVALS:
+        shape = f"p={ranks}, m={microbatches}" + (f", stages_per_rank={per_rank}" if per_rank is not None else "")
+        raise ArgumentError(f"{info.name} with {shape} would have about {actions:,} actions, more than the "
+                            f"{MAX_INTERVALS:,} a schedule may hold (pipeloom.problem.MAX_INTERVALS): use fewer ranks, "
+                            "micro-batches or stages per rank")
+
+
 def build_schedule(
     name: str,
     num_ranks: int,
@@ -196,4 +211,5 @@ def build_schedule(
     if unknown:
         takes = ", ".join(info.options) if info.options else "no extra options"
         raise PipeloomError(f"schedule {name!r} does not take {', '.join(unknown)} (it takes {takes})")
+    _check_size(info, num_ranks, num_microbatches, options.get("stages_per_rank"))
     return info.generator(num_ranks, num_microbatches, costs=costs, memory_limit=memory_limit, **options)

@@ -112,6 +112,29 @@ def test_bad_counts_raise_value_error(name, options, ranks, microbatches):
         build_schedule(name, ranks, microbatches, **options)
 
 
+@pytest.mark.parametrize(("name", "ranks", "microbatches", "options"), [
+    ("1f1b", 4, 10**12, {}), ("1f1b", 10**7, 1, {}), ("interleaved-1f1b", 4, 8, {"stages_per_rank": 10**9}),
+    ("zbv", 2**12, 2**12, {})])
+def test_a_schedule_past_the_problem_size_is_refused_before_it_is_built(name, ranks, microbatches, options):
+    """1f1b over 10**12 micro-batches had run the machine out of memory, and 4 x 10**9 interleaved stages raised a
+    MemoryError after 18 s (a new user's trial, 2026-12-06): refused at once, as the command line refuses them."""
+    from pipeloom.errors import ArgumentError
+
+    with pytest.raises(ArgumentError, match=r"actions, more than the 10,000,000 a schedule may hold"):
+        build_schedule(name, ranks, microbatches, **options)
+
+
+def test_save_schedule_names_what_it_cannot_save(tmp_path):
+    """A string given as the schedule had raised AttributeError, a missing folder FileNotFoundError."""
+    from pipeloom.errors import ArgumentTypeError, ScheduleFormatError
+    from pipeloom.ir import save_schedule
+
+    with pytest.raises(ArgumentTypeError, match="schedule must be a pipeloom Schedule"):
+        save_schedule("1f1b", tmp_path / "x.json")
+    with pytest.raises(ScheduleFormatError, match="cannot write .*missing.*x.json"):
+        save_schedule(build_schedule("1f1b", 2, 2), tmp_path / "missing" / "x.json")
+
+
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("cost_name", ["equal", "skewed", "w0"])
 def test_gpipe_and_1f1b_makespan_closed_form(name, cost_name):
