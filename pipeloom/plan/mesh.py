@@ -41,6 +41,7 @@ from pipeloom.plan.partitioning.shape import schedule_shape
 from pipeloom.plan.plan import Plan
 from pipeloom.plan.planner import Candidate, PlanResult, plan_pipeline
 from pipeloom.plan.recost import piece_ranks
+from pipeloom.plan.refusals import running_stats_pieces
 from pipeloom.plan.tp.collectives import ring_steps_and_share
 from pipeloom.schedules import REGISTRY
 
@@ -305,7 +306,7 @@ def _prefixed(progress: Callable[[str], None], prefix: str) -> Callable[[str], N
 
 
 def _replica_counts(table: CostTable, num_ranks: int, global_batch: int, asked: Sequence[int] | None) -> list[int]:
-    updating = [p.name for p in table.pieces if p.running_stats]
+    updating = running_stats_pieces(table)
     if asked is None:
         sizes = [d for d in divisors(num_ranks)
                  if global_batch % d == 0 and num_ranks // d <= len(table.pieces) and not (updating and d > 1)]
@@ -319,9 +320,8 @@ def _replica_counts(table: CostTable, num_ranks: int, global_batch: int, asked: 
             raise PlanError(f"data parallel size {dp} does not divide the global batch {global_batch}; each "
                             "replica runs an equal share")
     if updating and any(dp != 1 for dp in sizes):
-        shown = ", ".join(updating[:3]) + (f" and {len(updating) - 3} more" if len(updating) > 3 else "")
-        raise PlanError(f"data parallel size {max(sizes)}: piece(s) {shown} update running statistics (BatchNorm) in "
-                        "training, which replicas would update apart (the runtime refuses it after the first step): "
+        raise PlanError(f"data parallel size {max(sizes)}: piece(s) {updating} update running statistics (BatchNorm) "
+                        "in training, which replicas would update apart (the runtime refuses it after the first step): "
                         "use --dp 1, or keep them fixed (BatchNorm(track_running_stats=False)) and profile again")
     return sizes
 

@@ -33,7 +33,7 @@ from pipeloom.plan.partitioning.shape import (
 )
 from pipeloom.plan.plan import Plan, save_plan
 from pipeloom.plan.recost import recost, replica_sync_time, shared_time, stage_spreads
-from pipeloom.plan.refusals import check_request, nothing_fits
+from pipeloom.plan.refusals import check_request, nothing_fits, running_stats_pieces
 from pipeloom.schedules import REGISTRY, build_schedule, schedule_names
 from pipeloom.sim import Timeline, simulate
 
@@ -206,9 +206,8 @@ class _Search:
         except (ValueError, PipeloomError) as error:
             return dataclasses.replace(base, reason=f"not built: {error}")
         shape = schedule_shape(library)  # once: every split below is judged on it
-        updating = [p.name for p in table.pieces if p.running_stats]
-        if shape.replicas > 1 and updating:  # the replicas would update them apart (the runtime refuses it), any split
-            shown = ", ".join(updating[:3]) + (f" and {len(updating) - 3} more" if len(updating) > 3 else "")
+        shown = running_stats_pieces(table)
+        if shape.replicas > 1 and shown:  # the replicas would update them apart (the runtime refuses it), any split
             return dataclasses.replace(base, reason=f"piece(s) {shown} update running statistics (BatchNorm) "
                                                     "in training: they need a one-replica schedule")
         try:

@@ -1,5 +1,6 @@
-"""What the plan search refuses: a request it cannot plan (:func:`check_request`), and the answer when no
-candidate plan fits the memory or none could be built (:func:`nothing_fits`)."""
+"""What the plan search refuses: a request it cannot plan (:func:`check_request`), the answer when no
+candidate plan fits the memory or none could be built (:func:`nothing_fits`), and the pieces replicas would update
+apart (:func:`running_stats_pieces`)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,14 @@ from pipeloom.schedules import REGISTRY
 if TYPE_CHECKING:
     from pipeloom.plan.planner import Candidate
 
-__all__ = ["check_request", "nothing_fits"]
+__all__ = ["check_request", "nothing_fits", "running_stats_pieces"]
+
+
+def running_stats_pieces(table: CostTable) -> str:
+    """The pieces of ``table`` whose training step updates their buffers (BatchNorm's running statistics), the first
+    three named ('' for none): two replicas of them, a schedule's or data-parallel ones, would update them apart."""
+    updating = [p.name for p in table.pieces if p.running_stats]
+    return ", ".join(updating[:3]) + (f" and {len(updating) - 3} more" if len(updating) > 3 else "")
 
 
 def check_request(table: CostTable, num_ranks: int, global_batch: int, memory_limit: float | None,

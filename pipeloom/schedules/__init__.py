@@ -158,12 +158,13 @@ def schedule_info(name: str) -> ScheduleInfo:
 
 def _check_size(info: ScheduleInfo, ranks: int, microbatches: int, per_rank: object) -> None:
     """ArgumentError before building a schedule of more actions than a problem holds (:data:`~pipeloom.problem.
-    MAX_INTERVALS`): ``1f1b`` over 10**12 micro-batches had run the machine out of memory."""
+    MAX_INTERVALS`), counted over the stages the ranks hold (a bidirectional rank holds a piece of each replica):
+    ``1f1b`` over 10**12 micro-batches had run the machine out of memory."""
     from pipeloom.problem import MAX_INTERVALS
 
-    stages = per_rank if isinstance(per_rank, int) and not isinstance(per_rank, bool) else (
-        1 if info.placement == "linear" else 2)  # an option of the wrong kind: the generator says so
-    actions = ranks * microbatches * stages * (3 if info.splits_backward else 2)
+    known = {"stages_per_rank": per_rank} if isinstance(per_rank, int) and not isinstance(per_rank, bool) else {}
+    stages = info.num_pieces(ranks, known) * info.replicas  # an option of the wrong kind: the generator says so
+    actions = microbatches * stages * (3 if info.splits_backward else 2)
     if actions > MAX_INTERVALS:
         shape = f"p={ranks}, m={microbatches}" + (f", stages_per_rank={per_rank}" if per_rank is not None else "")
         raise ArgumentError(f"{info.name} with {shape} would have about {actions:,} actions, more than the "
