@@ -103,7 +103,8 @@ def search(
        problem in ``CONSTRUCTION_SHARE`` of the time left: with all-rank tasks, that search's answer
        for the problem without them with them put back; with a split backward, the answer for the
        full-backward twin with each B split into I then W;
-    3. the solvers of :func:`search_plan` with the time left (exact gets every schedule so far as hints).
+    3. the solvers of :func:`search_plan` with the time left (exact gets every schedule so far as hints);
+    4. the built-ins step 1 had no time for, in the time the solvers left.
 
     Ties go to the solver. ``time_limit`` bounds the whole call, every phase included: steps that
     cannot be stopped half-way (building and validating a whole schedule) are skipped when their
@@ -133,11 +134,9 @@ def search(
     to_integers(target, num_microbatches=num_microbatches if "exact" in plan else 1)  # int64 range, up front
     run = _Search(target, num_microbatches, plan=plan, budget=budget, workers=workers, name=name,
                   mode=mode, progress=progress)
-    run.builtins()
-    if not run.done():
-        run.constructions()
-    if not run.done():
-        run.solvers()
+    for step in (run.builtins, run.constructions, run.solvers, run.late_builtins):
+        if not run.done():
+            step()
     return run.answer(seconds=time.perf_counter() - started, time_limit=time_limit)
 
 
@@ -156,6 +155,8 @@ class _Search:
         """Built-ins (``builtin:NAME``) and constructions by origin."""
         self.results: list[SearchResult] = []
         self.failure: SearchError | None = None
+        self.skipped: set[str] = set()
+        """Built-ins step 1 left unbuilt for time."""
 
     def best_makespan(self) -> float:
         return min([t.makespan for t in self.candidates.values()] + [r.makespan for r in self.results],
@@ -173,13 +174,25 @@ class _Search:
     def builtins(self) -> None:
         """Step 1: the fitting built-ins, until one meets the bound."""
         share = self.budget.sub(BUILTIN_SHARE)
-        for key, timeline in builtin_candidates(self.problem, self.num_mb, enough=self.bound, budget=share):
+        for key, timeline in builtin_candidates(self.problem, self.num_mb, enough=self.bound, budget=share,
+                                                skipped=self.skipped):
             self.offer(f"builtin:{key}", timeline)
             if self.done():
                 break
         self.budget.seconds_per_action = share.seconds_per_action
         if not self.done() and self.budget.fits(self.actions):  # the list schedule fits any placement
             self.offer("list", self._timed(self._list_schedule))
+
+    def late_builtins(self) -> None:
+        """Step 4: the built-ins step 1 left unbuilt for time, in the time the solvers left (a
+        solver that stops early, e.g. at its period's bound, must not answer slower than one)."""
+        if not self.skipped:
+            return
+        for key, timeline in builtin_candidates(self.problem, self.num_mb, enough=self.bound, budget=self.budget,
+                                                names=frozenset(self.skipped)):
+            self.offer(f"builtin:{key}", timeline)
+            if self.done():
+                break
 
     def _list_schedule(self) -> Timeline | None:
         """The time-aware list schedule (:func:`~pipeloom.search.greedy.list_schedule`) within the
@@ -230,13 +243,15 @@ class _Search:
         return timeline
 
     def solvers(self) -> None:
-        """Step 3: the solvers of the plan in turn, each keeping time to validate its schedule."""
+        """Step 3: the solvers of the plan in turn, each keeping time to validate its schedule (and
+        to build a built-in step 1 left for time)."""
         from pipeloom.search.exact import solve_exact
         from pipeloom.search.periodic import solve_periodic
 
         limit = self.problem.memory_limit
         for step, solver in enumerate(self.plan):
-            left = self.budget.left() - self.budget.schedule_cost(self.actions)
+            # time to validate the solver's schedule, and to build one built-in step 1 had no time for
+            left = self.budget.left() - self.budget.schedule_cost(self.actions, passes=1 + bool(self.skipped))
             share = left if step == len(self.plan) - 1 else left / 4  # periodic first: it is quick
             if share < MIN_INNER_SECONDS or self.done():
                 break

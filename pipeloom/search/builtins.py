@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
 from pipeloom.ir import Schedule
 from pipeloom.problem import Problem
@@ -42,8 +42,9 @@ def _costs_like(problem: Problem, stages_per_rank: int) -> Costs | None:
 
 
 def builtin_candidates(problem: Problem, num_microbatches: int, *, deadline: float | None = None,
-                       budget: Budget | None = None,
-                       enough: float | None = None) -> Iterator[tuple[str, Timeline]]:
+                       budget: Budget | None = None, enough: float | None = None,
+                       names: Collection[str] | None = None,
+                       skipped: set[str] | None = None) -> Iterator[tuple[str, Timeline]]:
     """``(name, timeline)`` of every built-in schedule whose task structure (rank sets and
     transitive deps, see :func:`_structure`) is ``problem``'s,
     re-targeted to ``problem`` (its durations, memory and limit) and valid in ordered mode.
@@ -54,7 +55,10 @@ def builtin_candidates(problem: Problem, num_microbatches: int, *, deadline: flo
     memory limit (memory-aware generators adapt to it); the fastest valid variant represents the
     entry, and no further variant is built once one reaches ``enough`` (e.g. the lower bound).
     Entries and variants not started by ``deadline`` (a :func:`time.perf_counter` value), or
-    whose estimated build-and-validate time does not fit ``budget``, are skipped.
+    whose estimated build-and-validate time does not fit ``budget``, are skipped; the estimate is
+    learnt from the matching probe's own build and validation. ``names`` restricts the entries;
+    ``skipped``, when given, collects the entries not started, or left with variants unbuilt, for
+    time (to try again when time is left, see :func:`pipeloom.search.api.search`).
     """
     if budget is None:
         budget = Budget(deadline=math.inf if deadline is None else deadline)
@@ -66,35 +70,42 @@ def builtin_candidates(problem: Problem, num_microbatches: int, *, deadline: flo
     wanted = _structure(problem)
     stages_per_rank, extra = divmod(problem.num_stages, problem.num_ranks)
     actions = len(problem.tasks) * num_microbatches
+    out_of_time = False
     for info in REGISTRY.values():
-        if budget.expired():
-            return
-        if info.splits_backward != problem.splits_backward:
+        if info.splits_backward != problem.splits_backward or (names is not None and info.name not in names):
+            continue
+        out_of_time = out_of_time or budget.expired()
+        if out_of_time:  # not started: a later call with more time may build it
+            if skipped is None:
+                return
+            skipped.add(info.name)
             continue
         options = {}
         if "stages_per_rank" in info.options:
             if extra or stages_per_rank < 1:
                 continue
             options["stages_per_rank"] = stages_per_rank
-        if not _probe(info.name, problem, num_microbatches, wanted, options):
+        if not _probe(info.name, problem, num_microbatches, wanted, options, budget):
             continue
-        valid = [t for t in _variants(info.name, problem, num_microbatches, wanted, options, budget, enough)
-                 if t is not None]
+        valid = [t for t in _variants(info.name, problem, num_microbatches, wanted, options, budget, enough,
+                                      skipped) if t is not None]
         if valid:
             yield info.name, min(valid, key=lambda timeline: timeline.makespan)
-        if not budget.fits(actions):
-            return
+        out_of_time = not budget.fits(actions)
 
 
 def _variants(name: str, problem: Problem, num_microbatches: int, wanted: dict, options: dict,
-              budget: Budget, enough: float | None) -> Iterator[Timeline | None]:
+              budget: Budget, enough: float | None, skipped: set[str] | None) -> Iterator[Timeline | None]:
     """Built-in ``name`` at full size with each cost set and cap (see :func:`builtin_candidates`),
-    re-targeted; stops at another structure, at ``enough``, or when the next one does not fit."""
+    re-targeted; stops at another structure, at ``enough``, or when the next one does not fit (then
+    adding ``name`` to ``skipped``)."""
     actions = len(problem.tasks) * num_microbatches
     costs_options = [Costs(), _costs_like(problem, (problem.num_stages // problem.num_ranks) or 1)]
     for costs in dict.fromkeys(c for c in costs_options if c is not None):
         for cap in dict.fromkeys((None, problem.memory_limit)):
             if not budget.fits(actions):
+                if skipped is not None:
+                    skipped.add(name)
                 return  # out of time: keep the variants built so far
             began = time.perf_counter()
             built = _build(name, problem, num_microbatches, costs, cap, options)
@@ -107,15 +118,23 @@ def _variants(name: str, problem: Problem, num_microbatches: int, wanted: dict, 
                 return
 
 
-def _probe(name: str, problem: Problem, num_microbatches: int, wanted: dict, options: dict) -> bool:
+def _probe(name: str, problem: Problem, num_microbatches: int, wanted: dict, options: dict,
+           budget: Budget) -> bool:
     """Whether built-in ``name`` may fit ``problem``: built at ``2p`` then ``4p`` micro-batches (at
     most ``num_microbatches``), its structure must be ``wanted``. True when neither size builds
-    (the family may only accept the full count; the full build decides)."""
+    (the family may only accept the full count; the full build decides). A matching probe is also
+    re-targeted, teaching ``budget`` what this entry's build and validation cost per action here."""
     p = problem.num_ranks
     for small in dict.fromkeys(min(num_microbatches, k * p) for k in (2, 4)):
+        began = time.perf_counter()
         built = _build(name, problem, small, Costs(), None, options)
-        if built is not None:
-            return _structure(built.problem) == wanted
+        if built is None:
+            continue
+        if _structure(built.problem) != wanted:
+            return False
+        if _retarget(built, problem) is not None:  # a pass cut short by the limit would teach too little
+            budget.observe(len(problem.tasks) * small, time.perf_counter() - began)
+        return True
     return True
 
 

@@ -116,6 +116,29 @@ def test_builtins_are_built_at_full_size_only_when_their_structure_matches(monke
 
 def test_builtins_not_started_by_the_deadline_are_skipped():
     assert not dict(builtin_candidates(linear(4), 8, deadline=0.0))
+    skipped: set[str] = set()
+    assert not dict(builtin_candidates(linear(4), 8, deadline=0.0, skipped=skipped))
+    assert {"1f1b", "gpipe"} <= skipped  # named, for a later call with time
+    assert set(dict(builtin_candidates(linear(4), 8, names=skipped))) == {"1f1b", "gpipe", "interleaved-1f1b",
+                                                                           "looped-bfs"} & skipped
+
+
+def test_a_matching_probe_teaches_the_budget_its_cost():
+    from pipeloom.search.budget import SECONDS_PER_ACTION, Budget
+
+    problem, m = placement("v", 32, split_backward=True), 256
+    seconds = 0.75 * len(problem.tasks) * m * SECONDS_PER_ACTION  # under the default estimate of a build
+    found = dict(builtin_candidates(problem, m, budget=Budget.of(seconds), names={"zbv"}))
+    assert "zbv" in found  # the probe showed the build takes a fraction of that
+
+
+def test_builtins_left_for_time_are_tried_when_the_solvers_stop_early(monkeypatch):
+    from pipeloom.search import api
+
+    monkeypatch.setattr(api, "BUILTIN_SHARE", 0.0)  # no time for the built-ins before the solvers
+    found = search(placement("v", 8, split_backward=True), 256, time_limit=10)
+    zbv = simulate(build_schedule("zbv", 8, 256))
+    assert found.makespan <= zbv.makespan  # the periodic schedule alone is slower here
 
 
 # ---------------------------------------------------------------------------------- search
