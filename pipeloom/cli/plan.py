@@ -39,6 +39,19 @@ def bytes_argument(text: str) -> float:
     return value
 
 
+def memory_argument(text: str) -> float:
+    """:func:`bytes_argument` refusing a bare number below 1 MiB: a size whose unit was left out (80 for 80GiB)."""
+    value = bytes_argument(text)
+    try:
+        bare = float(text)
+    except ValueError:  # it has a unit
+        return value
+    if bare < 2**20:
+        raise argparse.ArgumentTypeError(f"{text} is {bare:g} bytes; give a unit, e.g. {bare:g}"
+                                         f"{'GiB' if bare <= 2**14 else 'MiB'}")
+    return value
+
+
 def add_plan_parser(commands: argparse._SubParsersAction) -> None:
     """Register ``pipeloom plan``."""
     plan = commands.add_parser(
@@ -51,7 +64,7 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
     _add_table_arguments(plan)
     plan.add_argument("--global-batch", type=count, metavar="B",
                       help="samples per step (with --model: sequences); required")
-    plan.add_argument("--memory-limit", type=bytes_argument, metavar="SIZE",
+    plan.add_argument("--memory-limit", type=memory_argument, metavar="SIZE",
                       help="bytes per rank, e.g. 80GiB or 512MiB (default: no limit; with --model the GPU's "
                            "memory)")
     plan.add_argument("--schedules", metavar="NAMES",
@@ -260,6 +273,7 @@ def _check_cost_table_export(args: argparse.Namespace) -> None:
 def cmd_plan(args: argparse.Namespace) -> int:
     """``pipeloom plan``: search, write the requested files, then print the plan and runners-up."""
     from pipeloom.plan.costs.file import load_costs
+    from pipeloom.plan.errors import NoPlanFits, PlanArgumentError
     from pipeloom.plan.mesh import plan_mesh
 
     if args.export and not args.save:
@@ -272,13 +286,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return _plan_on_server(args)
     tables = _with_heads(args, [load_costs(path) for path in args.costs])
     written: list[str] = []
-    result = plan_mesh(
-        tables, num_ranks=args.ranks, global_batch=args.global_batch, memory_limit=args.memory_limit,
-        data_parallel=args.data_parallel, tensor_parallel=args.tensor_parallel or (1,), sharding=args.sharding,
-        dp_link=_dp_link(args, tables),
-        schedules=_schedules(args.schedules), stages_per_rank=args.stages_per_rank, microbatches=args.microbatches,
-        search_time=args.search, progress=_progress(args), deadline=time.perf_counter() + args.time_limit,
-    )
+    try:
+        result = plan_mesh(
+            tables, num_ranks=args.ranks, global_batch=args.global_batch, memory_limit=args.memory_limit,
+            data_parallel=args.data_parallel, tensor_parallel=args.tensor_parallel or (1,), sharding=args.sharding,
+            dp_link=_dp_link(args, tables), schedules=_schedules(args.schedules),
+            stages_per_rank=args.stages_per_rank, microbatches=args.microbatches, search_time=args.search,
+            progress=_progress(args), deadline=time.perf_counter() + args.time_limit,
+        )
+    except (PlanArgumentError, NoPlanFits) as error:  # flags the table cannot meet, as --model's "no layout fits"
+        raise UsageError(str(error)) from None
     if args.try_k is not None:  # every rank of the launch runs the trials; rank 0 alone writes and prints
         result = try_in_engine(args, result)
         if os.environ.get("RANK", "0") != "0":

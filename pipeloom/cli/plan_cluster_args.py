@@ -153,6 +153,7 @@ def check_plan_mode(args: argparse.Namespace) -> bool:
     if args.model is None and not args.costs:
         raise UsageError("give --costs FILE (plan from a cost table) or --model CONFIG.json --hardware NAME --gpus N "
                          "--global-batch B --seq S (plan for a cluster)")
+    _check_memory_limit(args.memory_limit, "GPU" if args.model is not None else "rank")
     defaults = getattr(args, "plan_defaults", {})
     if args.model is None:
         given = [flag for dest, flag in getattr(args, "cluster_flags", {}).items()
@@ -172,13 +173,6 @@ def check_plan_mode(args: argparse.Namespace) -> bool:
                                         ("--global-batch", args.global_batch), ("--seq", args.seq)) if value is None]
     if missing:
         raise UsageError(f"--model needs {', '.join(missing)}")
-    limit = args.memory_limit
-    if limit is not None and limit < 2**20:  # the unit that makes it a GPU's memory (80000: MiB, 80: GiB)
-        raise UsageError(f"--memory-limit {limit:g} is {limit:g} bytes per GPU; give a unit, e.g. {limit:g}"
-                         f"{'GiB' if limit <= 2**14 else 'MiB'}")
-    if limit is not None and limit > 2**44:  # 80TB for 80GB had planned 119 GiB a GPU as fitting "74,506 GiB"
-        raise UsageError(f"--memory-limit is {limit / 2**30:,.0f} GiB per GPU, more than any GPU holds (16 TiB); "
-                         "check its unit (80GiB)")
     for dest, (flag, instead) in _COST_TABLE_ONLY.items():
         if dest in defaults and getattr(args, dest, None) != defaults[dest]:
             raise UsageError(f"{flag} belongs to planning from a cost table (--costs); with --model {instead}")
@@ -210,6 +204,13 @@ _COST_TABLE_ONLY = {
         ("try_steps", "--try-steps"), ("try_seconds", "--try-seconds"))},
 }
 """The cost-table mode's flags (argparse dest -> the flag, what --model offers instead)."""
+
+
+def _check_memory_limit(limit: float | None, per: str) -> None:
+    """UsageError for a limit above any GPU's memory (80TB for 80GB); one without its unit is refused as read."""
+    if limit is not None and limit > 2**44:  # 80TB for 80GB had planned 119 GiB a GPU as fitting "74,506 GiB"
+        raise UsageError(f"--memory-limit is {limit / 2**30:,.0f} GiB per {per}, more than any GPU holds (16 TiB); "
+                         "check its unit (80GiB)")
 
 
 def check_export(args: argparse.Namespace, options: dict) -> None:

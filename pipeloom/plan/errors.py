@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pipeloom.errors import PipeloomError
+from pipeloom.errors import ArgumentError, PipeloomError
 
 __all__ = [
     "CostTableError",
@@ -13,6 +13,7 @@ __all__ = [
     "NoLayoutFits",
     "NoPlanFits",
     "PartitionError",
+    "PlanArgumentError",
     "PlanError",
     "RecipeError",
     "SolverMissingError",
@@ -22,6 +23,11 @@ __all__ = [
 
 class PlanError(PipeloomError):
     """A plan cannot be made or read (no plan fits the memory, too many stages, malformed file...)."""
+
+
+class PlanArgumentError(PlanError, ArgumentError):
+    """Planning arguments that disagree: a micro-batch count that does not divide the global batch, a data- or
+    tensor-parallel size that does not divide the ranks, the batch or the heads (the command line's usage error)."""
 
 
 class PartitionError(PlanError):

@@ -36,7 +36,7 @@ from pipeloom.ir.core import compute_parts
 from pipeloom.plan.costs.parts import Link
 from pipeloom.plan.costs.shared import shared_across_stages, shared_sync_time
 from pipeloom.plan.costs.table import CostTable
-from pipeloom.plan.errors import NoPlanFits, PlanError
+from pipeloom.plan.errors import NoPlanFits, PlanArgumentError, PlanError
 from pipeloom.plan.partitioning.shape import schedule_shape
 from pipeloom.plan.plan import Plan
 from pipeloom.plan.planner import Candidate, PlanResult, plan_pipeline
@@ -314,15 +314,16 @@ def _replica_counts(table: CostTable, num_ranks: int, global_batch: int, asked: 
     sizes = sorted(set(asked))
     for dp in sizes:
         if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1 or num_ranks % dp:
-            raise PlanError(f"data parallel size {dp!r} does not divide {num_ranks} ranks; choose among "
+            raise PlanArgumentError(f"data parallel size {dp!r} does not divide {num_ranks} ranks; choose among "
                             f"{divisors(num_ranks)}")
         if global_batch % dp:
-            raise PlanError(f"data parallel size {dp} does not divide the global batch {global_batch}; each "
+            raise PlanArgumentError(f"data parallel size {dp} does not divide the global batch {global_batch}; each "
                             "replica runs an equal share")
     if updating and any(dp != 1 for dp in sizes):
-        raise PlanError(f"data parallel size {max(sizes)}: piece(s) {updating} update running statistics (BatchNorm) "
-                        "in training, which replicas would update apart (the runtime refuses it after the first step): "
-                        "use --dp 1, or keep them fixed (BatchNorm(track_running_stats=False)) and profile again")
+        raise PlanArgumentError(
+            f"data parallel size {max(sizes)}: piece(s) {updating} update running statistics (BatchNorm) in training, "
+            "which replicas would update apart (the runtime refuses it after the first step): use --dp 1, or keep "
+            "them fixed (BatchNorm(track_running_stats=False)) and profile again")
     return sizes
 
 

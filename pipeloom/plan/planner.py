@@ -20,7 +20,7 @@ from pipeloom.formatting import format_bytes
 from pipeloom.ir import Schedule, save_schedule
 from pipeloom.plan.costs.shared import shared_across_stages
 from pipeloom.plan.costs.table import CostTable, table_for_size
-from pipeloom.plan.errors import MemoryTooSmall, PartitionError, PlanError
+from pipeloom.plan.errors import MemoryTooSmall, PartitionError, PlanArgumentError, PlanError
 from pipeloom.plan.noise import expected_makespan
 from pipeloom.plan.partitioning.partitioner import SchedulePartitioner, format_bytes_up
 from pipeloom.plan.partitioning.rules import MEMORY_SLACK, Partition
@@ -328,10 +328,10 @@ def _microbatch_counts(microbatches: Sequence[int] | None, global_batch: int) ->
     counts = sorted(set(microbatches)) if microbatches is not None else divisors(global_batch, MAX_PLAN_MICROBATCHES)
     for m in counts:
         if isinstance(m, int) and not isinstance(m, bool) and m > MAX_PLAN_MICROBATCHES:
-            raise PlanError(f"{m} micro-batches per step is more than the planner considers "
+            raise PlanArgumentError(f"{m} micro-batches per step is more than the planner considers "
                             f"({MAX_PLAN_MICROBATCHES}); choose at most {MAX_PLAN_MICROBATCHES}")
         if isinstance(m, bool) or not isinstance(m, int) or m < 1 or global_batch % m:
-            raise PlanError(f"micro-batch count {m!r} does not divide the global batch {global_batch}; "
+            raise PlanArgumentError(f"micro-batch count {m!r} does not divide the global batch {global_batch}; "
                             f"choose among {divisors(global_batch, MAX_PLAN_MICROBATCHES)}")
     return counts
 

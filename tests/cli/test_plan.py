@@ -91,13 +91,18 @@ def test_plan_json(capsys, costs):
     (["--memory-limit", "-5GiB"], 2, ["--memory-limit: must be more than 0 bytes, got '-5GiB'"]),
     (["--memory-limit", "-1e9"], 2, ["--memory-limit: must be more than 0 bytes, got '-1e9'"]),
     (["--top", "-1"], 2, ["--top: must be an integer >= 0, got '-1'"]),
-    (["--memory-limit", "1KiB"], 1, ["no plan fits 1 KiB per rank", "the smallest that fits is about"]),
+    (["--memory-limit", "2MiB"], 2, ["no plan fits 2 MiB per rank", "the smallest that fits is about"]),
+    (["--memory-limit", "4"], 2, ["--memory-limit: 4 is 4 bytes; give a unit, e.g. 4GiB"]),
+    (["--memory-limit", "512KiB"], 2, ["no plan fits 512 KiB per rank"]),  # a small size with its unit is planned
     (["--schedules", "1f1b,3f3b"], 2, ["unknown schedule(s) ['3f3b']"]),
-    (["-m", "3"], 1, ["does not divide the global batch 16"]),
+    # flags that disagree with the batch or the ranks are usage errors, as the README says (had exited 1)
+    (["-m", "3"], 2, ["does not divide the global batch 16"]),
+    (["--dp", "3"], 2, ["data parallel size 3 does not divide 4 ranks"]),
+    (["--tp", "3"], 2, ["tensor-parallel size 3 does not divide 4 ranks"]),
     (["--ranks", "9"], 1, ["9 ranks need at least 9 pieces"]),
     # a replica count leaving one rank, where the schedules given do not run (had been "min() arg is an empty
     # sequence")
-    (["--schedules", "zbv", "--dp", "4"], 1, ["dp 4 leaves a pipeline of one rank, where none of the schedules given "
+    (["--schedules", "zbv", "--dp", "4"], 2, ["dp 4 leaves a pipeline of one rank, where none of the schedules given "
                                               "(zbv) runs: give fewer replicas (--dp), or a schedule that runs there "
                                               "(gpipe, 1f1b, zb-h1, zb-h2)"]),
 ])

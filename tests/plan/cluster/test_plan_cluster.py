@@ -225,7 +225,7 @@ def test_1f1b_bound_is_exact_for_even_stages():
     (["--model", "CONFIG", "--hardware", "h100", "--gpus", "8", "--seq", "4096", "--sharding", "fsdp"],
      "--layout fsdp=0|1"),
     (["--model", "CONFIG", "--hardware", "h100", "--gpus", "8", "--seq", "4096", "--memory-limit", "80"],
-     "--memory-limit 80 is 80 bytes per GPU; give a unit, e.g. 80GiB"),
+     "--memory-limit: 80 is 80 bytes; give a unit, e.g. 80GiB"),
     (["--model", "CONFIG", "--hardware", "h100", "--gpus", "8", "--seq", "4096", "--layout", "schedule=1f2b"],
      "layout schedule=1f2b is not one of 1f1b, interleaved-1f1b"),
     (["--model", "CONFIG", "--hardware", "h100", "--gpus", "8", "--seq", "4096", "--moe-overlap"],
