@@ -61,14 +61,29 @@ def test_torch_loads_our_compute_comms_csv_action_by_action(tmp_path, name, opti
     runtime._load_csv(str(path), format="compute_comms")
     order = runtime.pipeline_order_with_comms
     assert sorted(order) == list(range(ranks))
+    compute_only = _runtime(ranks, stages, microbatches)  # torch's own lowering of the compute actions
+    (tmp_path / "compute.csv").write_text(schedule_to_csv(build_schedule(name, ranks, microbatches, **options)))
+    compute_only._load_csv(str(tmp_path / "compute.csv"), format="compute_only")
     for rank in range(ranks):
-        assert [repr(action) for action in order[rank]] == [str(action) for action in lowered.ranks[rank]]
+        cells = [repr(action) for action in order[rank]]
+        assert [c for c in cells if "REDUCE_GRAD" not in c] == [str(action) for action in lowered.ranks[rank]]
+        # one REDUCE_GRAD per stage (torch 2.10+ divides the gradients by M there), after the action torch puts it
+        assert _reduce_grads(cells) == _reduce_grads([repr(a) for a in compute_only.pipeline_order_with_comms[rank]])
+        assert sorted(stage for stage, _ in _reduce_grads(cells)) == sorted(
+            {action.stage for action in lowered.ranks[rank] if hasattr(action, "kind") and action.kind in "BW"})
     # torch's dry run finds no deadlock (it raises "Schedule is not progressing" on one)
-    ts._simulate_comms_compute(order, lambda s: runtime.stage_index_to_group_rank[s], stages)
+    comms = {rank: [a for a in actions if "REDUCE_GRAD" not in repr(a)] for rank, actions in order.items()}
+    ts._simulate_comms_compute(comms, lambda s: runtime.stage_index_to_group_rank[s], stages)  # knows no REDUCE_GRAD
     # and what torch dumps, we read back as the same schedule
     runtime._dump_csv(str(tmp_path / "dumped.csv"), format="compute_comms")
     back = schedule_from_csv((tmp_path / "dumped.csv").read_text())
     assert back.ranks == lowered.ranks and back.problem.tasks == lowered.problem.tasks
+
+
+def _reduce_grads(cells: list[str]) -> list[tuple[int, str]]:
+    """Each ``sREDUCE_GRAD`` cell's stage and the last compute cell before it."""
+    compute = [c for c in cells if "SEND" not in c and "RECV" not in c and "SHARD" not in c]
+    return [(int(c.removesuffix("REDUCE_GRAD")), compute[k - 1]) for k, c in enumerate(compute) if "REDUCE_GRAD" in c]
 
 
 def _torch_interleaved(ranks: int, microbatches: int, stages_per_rank: int) -> dict[int, list]:

@@ -9,6 +9,7 @@ import csv
 import io
 import itertools
 from collections import Counter
+from collections.abc import Sequence
 
 from pipeloom.errors import ScheduleFormatError, shown_list
 from pipeloom.ir.core import Action, Comm, Overlap, Schedule, compute_parts, parse_action
@@ -40,8 +41,29 @@ def schedule_to_csv(schedule: Schedule) -> str:
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     for actions in schedule.ranks:
-        writer.writerow([str(action) for action in actions])
+        writer.writerow(_with_reduce_grad(actions, schedule.num_microbatches) if schedule.lowered
+                        else [str(action) for action in actions])
     return out.getvalue()
+
+
+def _with_reduce_grad(actions: Sequence[Action | Overlap | Comm], num_microbatches: int) -> list[str]:
+    """One rank's cells with torch's ``sREDUCE_GRAD`` after each stage's last gradient action (its M-th
+    ``B`` or ``W``) and the sends right after it, where torch's own lowering puts it: torch 2.10 and later
+    divide the gradients by M only there, so a ``compute_comms`` file without it trains with gradients M
+    times too large."""
+    cells: list[str] = []
+    done: Counter[int] = Counter()
+    pending: list[int] = []
+    for action in actions:
+        if pending and not (type(action) is Comm and action.is_send):
+            cells += [f"{stage}REDUCE_GRAD" for stage in pending]
+            pending.clear()
+        cells.append(str(action))
+        for part in compute_parts(action):
+            if part.kind in ("B", "W"):
+                done[part.stage] += 1
+                pending += [part.stage] * (done[part.stage] == num_microbatches)
+    return cells + [f"{stage}REDUCE_GRAD" for stage in pending]
 
 
 _STYLES: dict[tuple[str, ...], Backward] = {("F",): "none", ("B", "F"): "full", ("F", "I", "W"): "split"}
