@@ -151,6 +151,55 @@ def test_saving_an_optimizer_that_never_stepped_is_refused_and_leaves_it_as_it_w
     assert fresh.param_groups[0]["lr"] == 0.1
 
 
+def _chain(width: int = 16, depth: int = 4) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Linear(width, width) for _ in range(depth)), nn.Linear(width, 3))
+
+
+def _chain_engine(model: nn.Module, **options):
+    return pipeline(model, schedule="1f1b", split_points=[], microbatches=2, loss_fn=F.cross_entropy, **options)
+
+
+def test_a_checkpoint_of_another_model_or_optimizer_is_refused_in_one_line(tmp_path):
+    """Each had raised torch's CheckpointException (a BaseException, every rank's traceback), a raw OS error, or
+    (keys the model lacks) loaded silently."""
+    from pipeloom.runtime import Weights
+
+    engine = _chain_engine(_chain())
+    adam = torch.optim.AdamW(engine.parameters())
+    x, y = torch.randn(4, 16), torch.randint(0, 3, (4,))
+    engine.step(x, target=y)
+    adam.step()
+    engine.save_checkpoint(tmp_path / "ck", optimizer=adam)
+    torch.save(_chain().state_dict(), tmp_path / "plain.pt")
+    cases = [
+        (_chain(width=24), {}, r"not a checkpoint of this model: it has other shapes: \[0.weight \(16, 16\) saved, "
+                               r"\(24, 24\) here"),
+        (_chain(depth=5), {}, r"not a checkpoint of this model: it lacks \[5.weight, 5.bias\]"),
+        (_chain(depth=3), {}, r"not a checkpoint of this model: it holds keys the model does not have: "
+                              r"\[4.weight, 4.bias\]"),
+    ]
+    for model, kwargs, message in cases:
+        with pytest.raises(PipelineError, match=message):
+            _chain_engine(model).load_checkpoint(tmp_path / "ck", **kwargs)
+    other = _chain_engine(_chain())
+    sgd = torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9)
+    with pytest.raises(PipelineError, match=r"holds optimizer state \[.*exp_avg.*\], and this optimizer needs "
+                                            r"\[.*momentum_buffer.*\]"):
+        other.load_checkpoint(tmp_path / "ck", optimizer=sgd)
+    for path, state in ((tmp_path / "nope", "does not exist"), (tmp_path / "plain.pt", "is a file")):
+        with pytest.raises(PipelineError, match=f"{state}, not a checkpoint folder"):
+            other.load_checkpoint(path)
+    with pytest.raises(PipelineError, match="is a file; a checkpoint is a folder"):
+        other.save_checkpoint(tmp_path / "plain.pt")
+    with torch.device("meta"):
+        smaller = _chain(depth=3)
+    with pytest.raises(PipelineError, match="holds keys the model does not have"):  # strict, as the docs say
+        _chain_engine(smaller, weights=Weights(state_dict=str(tmp_path / "ck")))
+    same = _chain_engine(_chain())
+    same.load_checkpoint(tmp_path / "ck", optimizer=torch.optim.AdamW(same.parameters()))  # the same model loads
+
+
 # ------------------------------------------------------------------------------ two ranks
 
 CLIP_CASES = [(model, schedule, norm)

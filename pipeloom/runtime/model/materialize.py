@@ -10,6 +10,7 @@ original model — so tied tensors stay tied and ``model`` itself holds this ran
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
@@ -177,19 +178,22 @@ def _read_checkpoint(path: Path, names: ModelNames, pieces: Mapping[int, nn.Modu
     (``dcp.save(model.state_dict())``) or by ``engine.save_checkpoint`` (keys under ``model.``)."""
     import torch.distributed.checkpoint as dcp
 
+    from pipeloom.runtime.state.checkpoint import check_saved_model, checkpoint_keys
     from pipeloom.runtime.state.state_dict import state_dict as local_state
 
-    try:
-        saved = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
-    except Exception as error:  # noqa: BLE001
-        raise PipelineError(f"state_dict={str(path)!r} is a folder but not a torch.distributed.checkpoint "
-                            f"({type(error).__name__}: {error})") from error
+    saved = checkpoint_keys(path, "Weights(state_dict=)")
     mine = local_state(names, pieces)
     prefixed = any(key.startswith("model.") for key in saved) and not any(key in saved for key in mine)
+    prefix = "model." if prefixed else ""
     content: dict = {"model": dict(mine)} if prefixed else dict(mine)
     table = content["model"] if prefixed else content
-    absent = [key for key in table if key not in saved and (f"model.{key}" not in saved)]
-    for key in absent:
+    absent = [key for key in table if prefix + key not in saved]
+    for key in absent:  # the strict load after this names them
         del table[key]
-    dcp.load(content, checkpoint_id=str(path), no_dist=True)
+    saved_model = saved if prefixed else {key: meta for key, meta in saved.items()
+                                          if not key.startswith(("optim.", "engine.", "extra."))}
+    check_saved_model(saved_model, table, names, prefix=prefix, what="Weights(state_dict=)", path=path)
+    with warnings.catch_warnings():  # one process reading a folder: what DCP's warning assumes
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(content, checkpoint_id=str(path), no_dist=True)
     return table

@@ -10,16 +10,17 @@ import io
 import os
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipeloom.errors import shown_list
 from pipeloom.runtime.errors import PipelineError
 from pipeloom.runtime.state.state_dict import ModelNames, load_state_dict, named_parameters, state_dict
 
-__all__ = ["Stateful", "load_checkpoint", "save_checkpoint"]
+__all__ = ["Stateful", "check_saved_model", "checkpoint_keys", "load_checkpoint", "save_checkpoint"]
 
 
 @runtime_checkable
@@ -135,6 +136,74 @@ def _extra_states(extra: dict[str, Stateful], group: dist.ProcessGroup | None) -
     return states
 
 
+@contextlib.contextmanager
+def _dcp_errors(what: str, path: str | os.PathLike) -> Iterator[None]:
+    """torch's ``CheckpointException`` (a ``BaseException``: ``except Exception`` misses it, and its text is
+    every rank's traceback) as a :class:`PipelineError` naming the first failure in one line."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as error:
+        failure = next(iter(error.failures.values()), (error, None))[0]
+        cause = str(failure).strip().splitlines()
+        raise PipelineError(f"{what} {str(path)!r}: {type(failure).__name__}: "
+                            f"{cause[0] if cause else 'failed'}") from None
+
+
+def checkpoint_keys(path: str | os.PathLike, what: str) -> dict:
+    """The checkpoint folder's saved keys and their storage metadata (a tensor's has its ``size``), read from
+    its metadata file; PipelineError naming the fix for a path that is not such a folder."""
+    import torch.distributed.checkpoint as dcp
+
+    if not os.path.isdir(path):
+        state = "is a file" if os.path.exists(path) else "does not exist"
+        raise PipelineError(f"{what}: {str(path)!r} {state}, not a checkpoint folder (save_checkpoint writes one); "
+                            "for a file of torch.save(model.state_dict()), use model.load_state_dict or "
+                            "Weights(state_dict=PATH)")
+    try:
+        return dict(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    except Exception as error:  # noqa: BLE001 - any unreadable metadata is the same fault
+        raise PipelineError(f"{what}: {str(path)!r} is a folder but not a torch.distributed.checkpoint "
+                            f"({type(error).__name__}: {error})") from None
+
+
+def check_saved_model(saved: Mapping[str, Any], mine: Mapping[str, Any], names: ModelNames, *,
+                      prefix: str, what: str, path: str | os.PathLike) -> None:
+    """PipelineError, before anything is loaded, for a checkpoint of another model: a key of this rank's
+    tensors (``mine``) it lacks, a model key the model does not have, or a tensor saved in another shape."""
+    model = {key[len(prefix):]: meta for key, meta in saved.items() if key.startswith(prefix)}
+    missing = [key for key in mine if key not in model]
+    unexpected = [key for key in model if key not in set(names.state_keys)]
+    shapes = [f"{key} {tuple(model[key].size)} saved, {tuple(tensor.shape)} here" for key, tensor in mine.items()
+              if key in model and hasattr(model[key], "size") and tuple(model[key].size) != tuple(tensor.shape)]
+    faults = [f"{label} {shown_list(keys, 3)}" for label, keys in (
+        ("lacks", missing), ("holds keys the model does not have:", unexpected), ("has other shapes:", shapes)) if keys]
+    if faults:
+        raise PipelineError(f"{what}: {str(path)!r} is not a checkpoint of this model: it {'; it '.join(faults)}; "
+                            "build the model the checkpoint was saved from (its config, layers and sizes)")
+
+
+def _check_saved_optimizer(saved: Mapping[str, object], mine: Mapping[str, object],
+                           path: str | os.PathLike) -> None:
+    """PipelineError for an optimizer whose state the checkpoint does not hold (another optimizer class, or
+    saved without optimizer=), naming the state each has."""
+    held = {key[len("optim."):] for key in saved if key.startswith("optim.")}
+    missing = [key for key in mine if key not in held]
+    if not missing:
+        return
+
+    def kinds(keys: Iterable[str]) -> list[str]:
+        return sorted({key.rsplit(".", 1)[-1] for key in keys})
+
+    if not held:
+        raise PipelineError(f"load_checkpoint: {str(path)!r} holds no optimizer state (saved without optimizer=); "
+                            "load without optimizer= and start the optimizer afresh")
+    raise PipelineError(f"load_checkpoint: {str(path)!r} holds optimizer state {kinds(held)}, and this optimizer "
+                        f"needs {kinds(mine)} (it lacks {shown_list(missing, 2)}); load with the optimizer class and "
+                        "parameter groups it was saved with")
+
+
 def save_checkpoint(path: str | os.PathLike, names: ModelNames, pieces: Mapping[int, nn.Module], *,
                     optimizer: torch.optim.Optimizer | None = None, group: dist.ProcessGroup | None = None,
                     counters: dict[str, int] | None = None, extra: Mapping[str, object] | None = None) -> None:
@@ -152,16 +221,15 @@ def save_checkpoint(path: str | os.PathLike, names: ModelNames, pieces: Mapping[
         content["engine"] = {key: torch.tensor(value, dtype=torch.int64) for key, value in counters.items()}
     if states:
         content["extra"] = states
-    with _one_process(group):
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise PipelineError(f"save_checkpoint: {str(path)!r} is a file; a checkpoint is a folder: give a new path")
+    with _one_process(group), _dcp_errors("save_checkpoint", path):
         dcp.save(content, checkpoint_id=path, process_group=group, no_dist=group is None)
 
 
-def _saved_keys(path: str | os.PathLike, prefix: str) -> set[str]:
-    """The names saved under ``prefix.`` in the checkpoint at ``path`` (its metadata only)."""
-    import torch.distributed.checkpoint as dcp
-
-    metadata = dcp.FileSystemReader(path).read_metadata()
-    return {key[len(prefix) + 1:] for key in metadata.state_dict_metadata if key.startswith(prefix + ".")}
+def _saved_keys(saved: Mapping[str, object], prefix: str) -> set[str]:
+    """The names saved under ``prefix.``."""
+    return {key[len(prefix) + 1:] for key in saved if key.startswith(prefix + ".")}
 
 
 def load_checkpoint(path: str | os.PathLike, names: ModelNames, pieces: Mapping[int, nn.Module], *,
@@ -175,24 +243,27 @@ def load_checkpoint(path: str | os.PathLike, names: ModelNames, pieces: Mapping[
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     objects = _checked_extra(extra)
+    saved = checkpoint_keys(path, "load_checkpoint")
     content: dict = {"model": state_dict(names, pieces)}
+    check_saved_model(saved, content["model"], names, prefix="model.", what="load_checkpoint", path=path)
     tree = None
     if optimizer is not None:
         tree = _tree(named_parameters(names, pieces))
         content["optim"] = _optimizer_state(tree, optimizer, saving=False)  # the state DCP loads into
+        _check_saved_optimizer(saved, content["optim"], path)
     found = dict(counters or {})
-    saved_counters = _saved_keys(path, "engine") if counters else set()
+    saved_counters = _saved_keys(saved, "engine") if counters else set()
     if saved_counters & found.keys():  # older checkpoints lack some counters: their defaults stay
         content["engine"] = {key: torch.tensor(0, dtype=torch.int64) for key in found if key in saved_counters}
     if objects:
-        saved = _saved_keys(path, "extra")
-        missing = sorted(objects.keys() - saved)
+        held = _saved_keys(saved, "extra")
+        missing = sorted(objects.keys() - held)
         if missing:
             raise PipelineError(f"load_checkpoint: {path} holds no state for extra {missing} (it holds "
-                                f"{sorted(saved) or 'none'}); save it with save_checkpoint(..., extra=...) "
+                                f"{sorted(held) or 'none'}); save it with save_checkpoint(..., extra=...) "
                                 "or leave it out of extra= here")
         content["extra"] = {name: b"" for name in objects}  # DCP replaces each with the saved bytes
-    with _one_process(group):
+    with _one_process(group), _dcp_errors("load_checkpoint", path):
         dcp.load(content, checkpoint_id=path, process_group=group, no_dist=group is None)
     found.update({key: int(value) for key, value in content.get("engine", {}).items()})
     load_state_dict(names, pieces, content["model"])  # DCP loads in place; this covers copies it made
