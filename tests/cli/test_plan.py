@@ -207,6 +207,31 @@ def test_a_loss_that_fails_on_the_made_up_target_is_named_not_the_last_piece(cap
                    "return (model, inputs, target) from the function, or give a loss that takes class ids")
 
 
+def test_a_tied_embedding_model_gets_token_ids_made_up(capsys, tmp_path):
+    """The tracer opens a tied embedding (its weight is used twice) into F.embedding, so the first module called
+    was a Dropout: "cannot make inputs for a model starting with Dropout". The lookup's weight names it."""
+    pytest.importorskip("torch")
+    path = tmp_path / "model.py"
+    path.write_text("import torch\n"
+                    "from torch import nn\n"
+                    "class Tied(nn.Module):\n"
+                    "    def __init__(self):\n"
+                    "        super().__init__()\n"
+                    "        self.emb, self.drop = nn.Embedding(50, 16), nn.Dropout(0.1)\n"
+                    "        self.body, self.head = nn.Linear(16, 16), nn.Linear(16, 50, bias=False)\n"
+                    "        self.head.weight = self.emb.weight\n"
+                    "    def forward(self, ids):\n"
+                    "        return self.head(self.body(self.drop(self.emb(ids))))\n"
+                    "def build():\n"
+                    "    return Tied()\n"
+                    "def lm(out, target):\n"
+                    "    return torch.nn.functional.cross_entropy(out.flatten(0, 1), target.flatten())\n")
+    code, out, err = run(capsys, "profile", f"{path}:build", "--batch", "4", "--seq", "8", "--loss", "lm",
+                         "--warmup", "0", "--repeats", "1", "--save", str(tmp_path / "costs.json"))
+    assert code == 0, err
+    assert "shared: emb.weight" in out and load_costs(tmp_path / "costs.json").pieces[0].name == "emb"
+
+
 @pytest.mark.parametrize("case", sorted(USER_FILES))
 def test_an_error_in_the_users_file_is_one_line_naming_the_file_and_line(capsys, tmp_path, case):
     pytest.importorskip("torch")
