@@ -157,12 +157,16 @@ def check_pieces(schedule: Schedule, num_pieces: int, components: list[list[int]
     replicas = len(components)
     if any(len(c) != num_pieces for c in components):
         sizes = sorted({len(c) for c in components})
-        per = f"{replicas} replicas of {sizes} stages" if replicas > 1 else f"{num_stages} stages"
+        per = f"{replicas} replicas of {sizes} stages" if replicas > 1 else _counted(num_stages, "stage")
         wanted = num_stages // replicas if num_stages % replicas == 0 else num_stages
+        ranks = schedule.num_ranks
+        holds = (f" (interleaved-1f1b, looped-bfs or interleaved-zb hold {num_pieces // ranks} stages a rank"
+                 f"{'; zbv, v-half and v-min 2' if num_pieces == 2 * ranks else ''})"
+                 if num_pieces % ranks == 0 and num_pieces > ranks else "")
         raise PipelineError(
-            f"the schedule {schedule.name!r} has {per}, but the model is cut into {num_pieces} pieces "
-            f"({_points(num_pieces - 1)}); cut the model into {wanted} pieces ({_points(wanted - 1)}), or "
-            "choose a schedule with as many stages as pieces"
+            f"the schedule {schedule.name!r} has {per}, but the model is cut into {_counted(num_pieces, 'piece')} "
+            f"({_points(num_pieces - 1)}); cut the model into {_counted(wanted, 'piece')} ({_points(wanted - 1)}), "
+            f"or choose a schedule with as many stages as pieces{holds}"
         )
 
 
@@ -353,4 +357,8 @@ def _receive_points(actions: Sequence[Action | Overlap | Comm], program: Sequenc
 
 
 def _points(count: int) -> str:
-    return f"{count} split point{'s' if count != 1 else ''}"
+    return _counted(count, "split point")
+
+
+def _counted(count: int, noun: str) -> str:
+    return f"{count} {noun}{'s' if count != 1 else ''}"

@@ -159,7 +159,9 @@ def _engine(**overrides):
     ({"split_points": None}, "split_points="),
     ({"schedule": "nope"}, "neither a built-in"),
     ({"schedule": "zbv"}, "cut the model into 2 pieces"),
-    ({"split_points": ["layers.4"]}, "cut the model into 1 pieces"),
+    ({"split_points": ["layers.4"]}, "cut the model into 1 piece \\(0 split points\\), or choose a schedule with as "
+                                     "many stages as pieces \\(interleaved-1f1b, looped-bfs or interleaved-zb hold 2 "
+                                     "stages a rank; zbv, v-half and v-min 2\\)"),
     ({"loss_fn": None}, "loss_fn="),
     ({"microbatches": 0}, "positive integer"),
 ])
@@ -182,7 +184,7 @@ def test_bad_options_say_what_to_do(make, words):
 @pytest.mark.parametrize(("overrides", "words"), [
     ({"schedule": "zbv"}, "cut the model into 2 pieces"),
     ({"schedule": "dualpipe"}, "dualpipe needs an even number of ranks"),  # one that cannot be built here
-    ({"schedule": pipeloom.build_schedule("1f1b", 1, 4), "split_points": ["layers.4"]}, "cut the model into 1 pieces"),
+    ({"schedule": pipeloom.build_schedule("1f1b", 1, 4), "split_points": ["layers.4"]}, "cut the model into 1 piece "),
 ])
 def test_pieces_a_schedule_cannot_run_are_refused_before_the_model_is_traced(overrides, words, monkeypatch):
     """The pieces are known from the split points: a large model's trace is not waited for to learn the
