@@ -75,6 +75,24 @@ def test_a_piped_report_is_wide_enough_for_its_numbers(capsys, costs, monkeypatc
     assert code == 0 and max(map(len, out.splitlines())) <= 70
 
 
+def test_a_weight_shared_across_stages_is_not_exported_to_torchtitan(capsys, tmp_path):
+    """torchtitan ties no weight across pipeline stages: a plan whose stages split a shared parameter's users is
+    refused before anything is written (it had been exported without a word)."""
+    from pipeloom.plan.costs.parts import SharedParam
+
+    pieces = tuple(Piece(name=f"blocks.{k}", f=0.01, i=0.01, w=0.008, activation_bytes=2**20, w_activation_bytes=2**18,
+                         param_bytes=2**19, output_bytes=2**16) for k in range(4))
+    path = tmp_path / "costs.json"
+    save_costs(CostTable(pieces=pieces, microbatch_size=1, link=Link(latency=1e-4, bandwidth=1e9),
+                         shared=(SharedParam(name="emb.weight", bytes=2**18, pieces=("blocks.0", "blocks.3")),)), path)
+    save = tmp_path / "plan.json"
+    one_line_error(run(capsys, "plan", "--costs", str(path), "--ranks", "2", "--global-batch", "8", "--dp", "1",
+                       "--schedules", "1f1b", "--save", str(save), "--export", "torchtitan"), 1,
+                   "the plan puts the pieces sharing emb.weight on different pipeline stages, and torchtitan ties no "
+                   "weight across stages")
+    assert not list(tmp_path.glob("plan*"))
+
+
 def test_plan_json(capsys, costs):
     code, out, err = run(capsys, "plan", "--costs", str(costs), "--ranks", "2", "--global-batch", "8",
                          "--schedules", "1f1b,zb-h1", "-m", "4", "8", "--json")

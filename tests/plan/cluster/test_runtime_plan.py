@@ -147,6 +147,20 @@ def test_a_multimodal_models_plan_says_it_cuts_the_language_model_alone():
         assert any(note in line for line in runtime_notes(result)) == said
 
 
+def test_a_tied_model_over_pipeline_stages_is_not_exported_to_torchtitan():
+    """torchtitan ties no weight across pipeline stages: the two ends would train copies apart. The export refuses
+    it with pp=1 as the fix, and a search for torchtitan keeps both ends on one stage."""
+    tied = dict(LLAMA, tie_word_embeddings=True)
+    fixed = "dp=2,tp=1,pp=2,vp=1,cp=1,ep=1,mbs=1,fsdp=0,recompute=none,schedule=1f1b"
+    message = save_blockers(plan_cluster(tied, "h100", gpus=4, global_batch=8, seq=512, layout=fixed),
+                            export="torchtitan")
+    assert "a tied embedding and head over pp=2 for torchtitan" in message and "pp=1" in message, message
+    assert save_blockers(plan_cluster(LLAMA, "h100", gpus=4, global_batch=8, seq=512, layout=fixed),
+                         export="torchtitan") is None  # untied: taken
+    best = plan_cluster(tied, "h100", gpus=4, global_batch=8, seq=512, runs_on="torchtitan").best
+    assert best.layout.pp == 1, best.layout
+
+
 def test_every_reason_a_layout_cannot_be_saved_is_named_at_once():
     """cp, ep with fsdp, fsdp and ep under DualPipe's two copies, and the export's own limits come in one message
     with one --layout fix (for torchtitan its own: it runs cp and ep with FSDP, which its export refuses as ep); a
