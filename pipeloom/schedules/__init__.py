@@ -114,7 +114,7 @@ _BY_NAME: dict[str, ScheduleInfo] = {info.name: info for info in (
                  in_demo=True, summary="DualPipeV: bidirectional V, 2 stages per rank, one model copy"),
     ScheduleInfo(name="dualpipe", module="dualpipe", function="dualpipe", splits_backward=True,
                  placement="bidirectional", summary="DualPipe: two model replicas fed from both ends; even ranks"),
-    ScheduleInfo(name="chimera", module="chimera", function="chimera", placement="bidirectional",
+    ScheduleInfo(name="chimera", module="chimera", function="chimera", placement="bidirectional", options=("order",),
                  summary="Chimera: two opposite 1F1B pipelines sharing the micro-batches"),
 )}
 REGISTRY: Mapping[str, ScheduleInfo] = MappingProxyType(_BY_NAME)

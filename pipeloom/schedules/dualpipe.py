@@ -125,7 +125,8 @@ def dualpipev(
     Bubble per rank, no communication latency: the reference counts (p-1)(F&B + B - 3W) with F,
     B = I + W and W the costs of one stage (half a rank share) and F&B an overlapped pair, there
     max(F, B) (``costs.overlap=1``; by default a pair costs F + B, docs/semantics.md); the idlest rank's
-    simulated bubble stays within it when F <= I, and is (p-1)F = (p-1)f/2 when f = b = w (1F1B: 3(p-1)f).
+    simulated bubble stays within it when F <= I, and is (p-1)F = (p-1)f/2 when f = b = w with overlapped pairs,
+    (p-1)f at the default pair cost (1F1B: 3(p-1)f).
     Activation memory: peak 2p+1 stage forwards = (p + 1/2) x ``costs.memory`` on the last rank (its
     first F&B runs F then B), p elsewhere (a pair frees as it takes), for any ``w_memory``; one model copy.
     """
@@ -156,7 +157,8 @@ def dualpipe(
 
     Bubble per rank, no communication latency: (p/2-1)(F&B + B - 3W) in the reference, F, B = b + w
     and W being rank-share costs, F&B = max(F, B) (``costs.overlap=1``; F + B by default); the
-    idlest rank's simulated bubble stays within it when F <= I, and is (p/2-1)f when f = b = w.
+    idlest rank's simulated bubble stays within it when F <= I, and is (p/2-1)f when f = b = w with overlapped
+    pairs, (p-2)f at the default pair cost.
     Activation memory: peak p+1 forwards (x ``costs.memory``) on the two middle ranks, p on the others,
     for any ``w_memory``; 2x weights (two replicas).
     """

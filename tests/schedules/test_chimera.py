@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from pipeloom.errors import ArgumentError
 from pipeloom.schedules import build_schedule, schedule_info
 from pipeloom.schedules.chimera import chimera, chimera_caps, chimera_list_order, chimera_slots
 from pipeloom.schedules.one_f_one_b import one_f_one_b
@@ -51,6 +52,14 @@ def test_chimera_is_valid_and_ordered(p, m, costs, order):
 def test_bad_inputs_raise_value_errors_that_say_what_is_needed(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_the_registry_passes_the_documented_order_option():
+    """build_schedule("chimera", ..., order=...) had been refused ("takes no extra options") though documented."""
+    grid = build_schedule("chimera", 4, 16, order="grid")
+    assert grid.ranks == chimera(4, 16, order="grid").ranks != build_schedule("chimera", 4, 16, order="list").ranks
+    with pytest.raises(ArgumentError, match="order must be 'best', 'grid' or 'list'"):
+        build_schedule("chimera", 4, 16, order="x")
 
 
 def test_registry_builds_chimera_with_full_backward():

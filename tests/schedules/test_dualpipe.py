@@ -195,6 +195,13 @@ def test_dualpipe_bubble_with_equal_costs_is_half_p_minus_1_forwards(p):
     assert _bubble(dualpipe(p, 4 * p, costs=costs)) == pytest.approx((p // 2 - 1) * 1.5)
 
 
+@pytest.mark.parametrize("p", [2, 4, 8, 16])
+def test_at_the_default_pair_cost_the_bubbles_are_twice_the_overlapped_ones(p):
+    # a pair priced F + B (the default): the docstrings' second figures, (p-1)f and (p-2)f for f = b = w
+    assert _bubble(dualpipev(p, 4 * p, costs=Costs(f=2, b=2, w=2))) == pytest.approx((p - 1) * 2.0)
+    assert _bubble(dualpipe(p, 4 * p, costs=Costs(f=1.5, b=1.5, w=1.5))) == pytest.approx((p - 2) * 1.5)
+
+
 @pytest.mark.parametrize(
     "f,b,w", [(1, 1, 1), (1, 2, 1), (2, 3, 1), (1, 3, 0.25), (2, 2, 2), (2, 1, 1), (1, 1, 0.5)]
 )
