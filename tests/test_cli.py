@@ -344,6 +344,11 @@ def test_two_outputs_naming_one_file_are_refused_before_anything_is_written(caps
     same = run(capsys, "show", "1f1b", "-p", "2", "-m", "2", "--save", "same.json", "--perfetto", "./same.json")
     assert_one_line_error(same, 2, "both write 'same.json'", "give each output a file of its own")
     assert not list(tmp_path.iterdir())
+    # one output option given twice had written only the last file, without a word
+    twice = run(capsys, "show", "1f1b", "-p", "2", "-m", "2", "-o", "a.png", "-o", "b.svg")
+    assert_one_line_error(twice, 2, "-o is given twice ('a.png' and 'b.svg') and writes one file; give it once")
+    assert not list(tmp_path.iterdir())
+    assert run(capsys, "show", "1f1b", "-p", "2", "-m", "2", "-p", "4")[0] == 0  # other options: the last counts
 
 
 @pytest.mark.parametrize("name", ["dualpipe", "chimera"])

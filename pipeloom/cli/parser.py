@@ -11,6 +11,7 @@ from typing import Any
 from pipeloom.cli.argtypes import count, number, path_with
 from pipeloom.cli.demo import cmd_demo
 from pipeloom.cli.errors import UsageError
+from pipeloom.cli.outputs import OutputPath
 from pipeloom.cli.plan import add_plan_parser
 from pipeloom.cli.profile import add_profile_parser
 from pipeloom.cli.schedules import ACTIVATIONS, cmd_compare, cmd_list, cmd_show, cmd_simulate
@@ -34,6 +35,19 @@ _NEGATIVE = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?[A-Za-z]*$")
 """A negative number, with an exponent or a unit or neither: no option of ``pipeloom`` looks like one."""
 
 
+class _StoreOnce(argparse._StoreAction):
+    """argparse's store, refusing an output file's option given twice (``-o a.png -o b.png`` had written only
+    b.png, without a word)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        earlier = getattr(namespace, self.dest, None)
+        if isinstance(values, OutputPath) and isinstance(earlier, OutputPath):
+            raise UsageError(f"{option_string} is given twice ({str(earlier)!r} and {str(values)!r}) and writes one "
+                             "file; give it once")
+        super().__call__(parser, namespace, values, option_string)
+
+
 class _Parser(argparse.ArgumentParser):
     """An ArgumentParser whose errors become one-line ``UsageError``s instead of usage dumps, and which reads a
     negative number with a unit (``--memory-limit -5GiB``) as a value, so its type says what is wrong with it
@@ -42,6 +56,8 @@ class _Parser(argparse.ArgumentParser):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._negative_number_matcher = _NEGATIVE
+        self.register("action", None, _StoreOnce)
+        self.register("action", "store", _StoreOnce)
 
     def error(self, message: str) -> None:  # type: ignore[override]
         raise UsageError(f"{message} (see `{self.prog} --help`)")
