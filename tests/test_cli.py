@@ -12,7 +12,7 @@ import pytest
 
 from pipeloom.cli import DEMO_SCHEDULES, main
 from pipeloom.ir import save_schedule
-from pipeloom.schedules import build_schedule, schedule_names
+from pipeloom.schedules import REGISTRY, build_schedule, schedule_names
 from pipeloom.search.placements import PLACEMENTS
 from pipeloom.sim import simulate
 from pipeloom.stages import Costs
@@ -389,14 +389,20 @@ def test_huge_inputs_are_refused_before_building(capsys, monkeypatch, argv):
 
 
 def test_size_limit_counts_ranks_microbatches_stages_and_kinds(capsys, monkeypatch):
-    # estimate p x m x v x kinds: 1f1b p=4, m=4 -> 4*4*2*2 = 64 (v = 2 unless given, F and B);
-    # zb-h1 splits the backward (F, I, W): 4*4*2*3 = 96; interleaved v=3: 4*4*3*2 = 96.
+    # the schedule's own count, stages x m x kinds: 1f1b p=4 holds 4 stages (it had been counted as 2 a rank),
+    # m=8 -> 4*8*2 = 64 (F and B); zb-h1 splits the backward (F, I, W): 4*8*3 = 96; interleaved v=3: 12*4*2 = 96;
+    # zbv holds 2 a rank: 8*4*3 = 96; dualpipe's two replicas take half the micro-batches each: 2*4*4*3 = 96.
     monkeypatch.setattr("pipeloom.cli.schedules.MAX_ACTIONS", 64)
-    assert run(capsys, "show", "1f1b", "-p", "4", "-m", "4")[0] == 0
-    assert_one_line_error(run(capsys, "show", "1f1b", "-p", "4", "-m", "5"), 2, "about 80 actions")
-    assert_one_line_error(run(capsys, "show", "zb-h1", "-p", "4", "-m", "4"), 2, "about 96 actions")
+    assert run(capsys, "show", "1f1b", "-p", "4", "-m", "8")[0] == 0
+    assert_one_line_error(run(capsys, "show", "1f1b", "-p", "4", "-m", "9"), 2, "about 72 actions")
+    assert_one_line_error(run(capsys, "show", "zb-h1", "-p", "4", "-m", "8"), 2, "about 96 actions")
     result = run(capsys, "show", "interleaved-1f1b", "-p", "4", "-m", "4", "--stages-per-rank", "3")
     assert_one_line_error(result, 2, "v=3", "about 96 actions")
+    assert_one_line_error(run(capsys, "show", "zbv", "-p", "4", "-m", "4"), 2, "about 96 actions")
+    assert_one_line_error(run(capsys, "show", "dualpipe", "-p", "4", "-m", "8"), 2, "about 96 actions")
+    for name, options in (("1f1b", {}), ("zbv", {}), ("dualpipe", {}), ("interleaved-1f1b", {"stages_per_rank": 3})):
+        built = build_schedule(name, 4, 8, **options)  # the count is exact: (task, micro-batch) pairs
+        assert len(built.problem.tasks) * built.num_microbatches == REGISTRY[name].num_actions(4, 8, options), name
 
 
 def test_out_of_memory_is_one_line(capsys, monkeypatch):

@@ -74,13 +74,12 @@ def _check_name(name: str) -> None:
 
 def _check_size(name: str, ranks: int, microbatches: int, stages_per_rank: int | None = None, *,
                 with_comms: bool = False) -> None:
-    """Refuse, before building, a schedule of more than about ``MAX_ACTIONS`` actions (``MAX_LOWERED_ACTIONS``
-    ``with_comms``), estimated as ranks x micro-batches x stages per rank (``stages_per_rank``, else 2,
-    the most a built-in uses by default) x kinds (3 with a split backward: F, I, W; else 2: F, B), a
-    rough upper bound."""
+    """Refuse, before building, a schedule of more than ``MAX_ACTIONS`` compute actions (``MAX_LOWERED_ACTIONS``
+    ``with_comms``), counted by :meth:`~pipeloom.schedules.ScheduleInfo.num_actions`."""
     if ranks > MAX_RANKS:
         raise UsageError(f"{name} on {ranks:,} ranks is above the limit of {MAX_RANKS:,} ranks; use fewer ranks")
-    estimate = ranks * microbatches * (stages_per_rank or 2) * (3 if REGISTRY[name].splits_backward else 2)
+    estimate = REGISTRY[name].num_actions(ranks, microbatches,
+                                          {"stages_per_rank": stages_per_rank} if stages_per_rank else None)
     limit = MAX_LOWERED_ACTIONS if with_comms else MAX_ACTIONS
     if estimate > limit:
         shape = f"p={ranks}, m={microbatches}" + (f", v={stages_per_rank}" if stages_per_rank else "")

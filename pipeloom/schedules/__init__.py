@@ -77,6 +77,13 @@ class ScheduleInfo:
             return num_ranks * int((options or {}).get("stages_per_rank", 2))
         return 2 * num_ranks if self.placement == "v" else num_ranks
 
+    def num_actions(self, num_ranks: int, num_microbatches: int, options: Mapping[str, int] | None = None) -> int:
+        """The schedule's (task, micro-batch) pairs, its compute actions before pairs or full backwards merge
+        any: every stage of every replica (:meth:`num_pieces` x :attr:`replicas`) runs F and B (or F, I and W)
+        of each of its micro-batches (a replica takes half of them)."""
+        stages = self.num_pieces(num_ranks, options) * self.replicas
+        return -(-num_microbatches // self.replicas) * stages * (3 if self.splits_backward else 2)
+
     @property
     def generator(self) -> Callable[..., Schedule]:
         """The generator function (imports its module on first use)."""
@@ -163,8 +170,7 @@ def _check_size(info: ScheduleInfo, ranks: int, microbatches: int, per_rank: obj
     from pipeloom.problem import MAX_INTERVALS
 
     known = {"stages_per_rank": per_rank} if isinstance(per_rank, int) and not isinstance(per_rank, bool) else {}
-    stages = info.num_pieces(ranks, known) * info.replicas  # an option of the wrong kind: the generator says so
-    actions = microbatches * stages * (3 if info.splits_backward else 2)
+    actions = info.num_actions(ranks, microbatches, known)  # an option of the wrong kind: the generator says so
     if actions > MAX_INTERVALS:
         shape = f"p={ranks}, m={microbatches}" + (f", stages_per_rank={per_rank}" if per_rank is not None else "")
         raise ArgumentError(f"{info.name} with {shape} would have about {actions:,} actions, more than the "

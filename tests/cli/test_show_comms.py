@@ -64,4 +64,4 @@ def test_with_comms_has_its_own_size_limit(capsys):
     assert MAX_LOWERED_ACTIONS < MAX_ACTIONS
     code, out, err = _run(capsys, "show", "1f1b", "-p", "64", "-m", "8192", "--with-comms")
     assert code == 2 and out == ""
-    assert "2,097,152 compute actions to lower (--with-comms), above the limit of 1,000,000" in err
+    assert "1,048,576 compute actions to lower (--with-comms), above the limit of 1,000,000" in err
