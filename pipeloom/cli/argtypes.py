@@ -36,15 +36,15 @@ count = number(int, "a positive integer", 1)
 
 
 def sequence_length(text: str) -> int:
-    """``--seq``: tokens per sequence, a positive integer or one with a K suffix counting 1,024 (``8k`` = 8,192,
-    ``128K`` = 131,072, as context lengths are named)."""
-    kilo = text[-1:] in ("k", "K")
+    """``--seq``: tokens per sequence, a positive integer or one with a K suffix counting 1,024 or an M suffix
+    counting 1,024 K (``8k`` = 8,192, ``128K`` = 131,072, ``1M`` = 1,048,576, as context lengths are named)."""
+    unit = {"k": 1024, "m": 1024**2}.get(text[-1:].lower(), 1)
     try:
-        value = int(text[:-1] if kilo else text) * (1024 if kilo else 1)
+        value = int(text[:-1] if unit > 1 else text) * unit
     except ValueError:
         value = 0
     if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive token count such as 8192 or 8k, got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be a positive token count such as 8192, 8k or 1M, got {text!r}")
     return value
 
 

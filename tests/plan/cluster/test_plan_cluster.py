@@ -706,9 +706,12 @@ def test_the_job_counts_are_checked_as_arguments(config, capsys):
         assert main([*argv, "--gpus", "8", "--seq", seq]) == 0
         plans.append(json.loads(capsys.readouterr().out)["best"])
     assert plans[0] == plans[1] and plans[0]["tokens_per_gpu_per_second"] > 0
-    for bad in ("4x", "0", "-1k", "k", "1.5k"):
+    for bad in ("4x", "0", "-1k", "k", "1.5k", "M"):
         assert main([*argv, "--gpus", "8", f"--seq={bad}"]) == 2
-        assert f"must be a positive token count such as 8192 or 8k, got '{bad}'" in capsys.readouterr().err
+        assert f"must be a positive token count such as 8192, 8k or 1M, got '{bad}'" in capsys.readouterr().err
+    from pipeloom.cli.argtypes import sequence_length
+
+    assert sequence_length("1M") == sequence_length("1024k") == 2**20  # a "1M context" (had been refused)
 
 
 def test_a_plan_that_fills_the_memory_says_so(config, capsys):
