@@ -28,7 +28,7 @@ def add_cluster_arguments(plan: argparse.ArgumentParser) -> None:
                             "pipeloom.hardware/1 JSON file")
     group.add_argument("--gpus", type=count, metavar="N", help="GPUs of the job")
     group.add_argument("--seq", type=sequence_length, metavar="S",
-                       help="tokens per sequence: a count, or with a K suffix counting 1,024 (8k = 8192)")
+                       help="tokens per sequence: a count, or with a K suffix counting 1,024 (8k = 8192) or M (1M)")
     group.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16", help="GEMM precision (default bf16)")
     group.add_argument("--tokens", type=token_count, metavar="N",
                        help="also say how long training N tokens takes with the chosen layout (steps, days, "
