@@ -66,6 +66,7 @@ def nothing_fits(table: CostTable, num_ranks: int, memory_limit: float | None,
             f"micro-batches of {least.microbatch_size}): raise the memory limit, or use more ranks",
             smallest_limit=need,
         )
-    reasons = "; ".join(dict.fromkeys(c.reason for c in ranked))
+    # the most micro-batches first: a count too small to build names itself, the largest meets the real obstacle
+    reasons = "; ".join(dict.fromkeys(c.reason for c in sorted(ranked, key=lambda c: -c.microbatches)))
     return NoPlanFits(f"no plan could be built for {len(table.pieces)} pieces on {num_ranks} ranks: {reasons}",
                       smallest_limit=None)

@@ -119,6 +119,17 @@ def test_too_many_stages_for_every_schedule():
                       microbatches=[4])
 
 
+def test_the_obstacle_of_the_most_microbatches_is_named_first():
+    """DualPipe with a tied weight: the micro-batch counts too small to build had come first, and the reason no
+    count could run (the shared weight) last."""
+    from pipeloom.plan.costs.parts import SharedParam
+
+    tied = _table(shared=(SharedParam(name="emb.weight", bytes=10.0, pieces=("blocks.0", "blocks.7")),))
+    with pytest.raises(PlanError, match=r"no plan could be built for 8 pieces on 2 ranks: shared parameter\(s\) "
+                                        r"emb.weight on several stages need a one-replica schedule; not built: "):
+        plan_pipeline(tied, num_ranks=2, global_batch=4, schedules=["dualpipe"])
+
+
 def test_bad_requests():
     with pytest.raises(PlanError, match="does not divide the global batch 8"):
         plan_pipeline(_table(), num_ranks=2, global_batch=8, microbatches=[3])
