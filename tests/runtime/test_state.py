@@ -200,6 +200,31 @@ def test_a_checkpoint_of_another_model_or_optimizer_is_refused_in_one_line(tmp_p
     same.load_checkpoint(tmp_path / "ck", optimizer=torch.optim.AdamW(same.parameters()))  # the same model loads
 
 
+def test_an_optimizer_grouped_otherwise_than_saved_is_refused(tmp_path):
+    """Two AdamW groups (weight decay 0.1 on the weights, 0 on the biases) saved, one group loaded: every parameter
+    had silently got weight decay 0.1."""
+    engine = _chain_engine(_chain())
+    params = dict(engine.named_parameters())
+
+    def grouped(by_kind: bool) -> torch.optim.Optimizer:
+        if not by_kind:
+            return torch.optim.AdamW(list(params.values()), weight_decay=0.1)
+        weights = [p for n, p in params.items() if n.endswith("weight")]
+        biases = [p for n, p in params.items() if n.endswith("bias")]
+        return torch.optim.AdamW([{"params": weights, "weight_decay": 0.1}, {"params": biases, "weight_decay": 0.0}])
+
+    adam = grouped(True)
+    engine.step(torch.randn(4, 16), target=torch.randint(0, 3, (4,)))
+    adam.step()
+    engine.save_checkpoint(tmp_path / "ck", optimizer=adam)
+    with pytest.raises(PipelineError, match=r"saved weight_decay 0.1 \(0.weight\), 0.0 \(0.bias\) for parameters "
+                                            r"this optimizer holds in one group \(param_groups\[0\]\)"):
+        engine.load_checkpoint(tmp_path / "ck", optimizer=grouped(False))
+    again = grouped(True)
+    engine.load_checkpoint(tmp_path / "ck", optimizer=again)  # grouped as saved: loads
+    assert [g["weight_decay"] for g in again.param_groups] == [0.1, 0.0]
+
+
 # ------------------------------------------------------------------------------ two ranks
 
 CLIP_CASES = [(model, schedule, norm)

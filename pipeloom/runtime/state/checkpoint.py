@@ -204,6 +204,33 @@ def _check_saved_optimizer(saved: Mapping[str, object], mine: Mapping[str, objec
                         "parameter groups it was saved with")
 
 
+def _check_groups(path: str | os.PathLike, group: dist.ProcessGroup | None, tree: nn.Module,
+                  optimizer: torch.optim.Optimizer, flat: Mapping[str, Any]) -> None:
+    """PipelineError, before anything is loaded, where the checkpoint's settings (``lr``, ``weight_decay``, ...)
+    differ between parameters that ``optimizer`` holds in one group: loading would give them all one value (weight
+    decay on the biases a group of their own had kept without). The settings are read first, on their own."""
+    import torch.distributed.checkpoint as dcp
+
+    settings = {"optim": {key: value for key, value in flat.items() if key.startswith("param_groups.")}}
+    if not settings["optim"]:
+        return
+    with _one_process(group), _dcp_errors("load_checkpoint", path):
+        dcp.load(settings, checkpoint_id=path, process_group=group, no_dist=group is None)
+    name_of = {id(param): name for name, param in tree.named_parameters()}
+    keys = sorted({key.rsplit(".", 1)[1] for key in settings["optim"]})
+    for index, held in enumerate(optimizer.param_groups):
+        names = [name_of[id(param)] for param in held["params"] if id(param) in name_of]
+        for key in keys:
+            values: dict[str, str] = {}
+            for name in names:
+                values.setdefault(repr(settings["optim"].get(f"param_groups.{name}.{key}")), name)
+            if len(values) > 1:
+                shown = ", ".join(f"{value} ({name})" for value, name in list(values.items())[:3])
+                raise PipelineError(f"load_checkpoint: {str(path)!r} saved {key} {shown} for parameters this "
+                                    f"optimizer holds in one group (param_groups[{index}]); build it with the groups "
+                                    "it was saved with, or load without optimizer= to start it afresh")
+
+
 def save_checkpoint(path: str | os.PathLike, names: ModelNames, pieces: Mapping[int, nn.Module], *,
                     optimizer: torch.optim.Optimizer | None = None, group: dist.ProcessGroup | None = None,
                     counters: dict[str, int] | None = None, extra: Mapping[str, object] | None = None) -> None:
@@ -251,6 +278,7 @@ def load_checkpoint(path: str | os.PathLike, names: ModelNames, pieces: Mapping[
         tree = _tree(named_parameters(names, pieces))
         content["optim"] = _optimizer_state(tree, optimizer, saving=False)  # the state DCP loads into
         _check_saved_optimizer(saved, content["optim"], path)
+        _check_groups(path, group, tree, optimizer, content["optim"])
     found = dict(counters or {})
     saved_counters = _saved_keys(saved, "engine") if counters else set()
     if saved_counters & found.keys():  # older checkpoints lack some counters: their defaults stay
