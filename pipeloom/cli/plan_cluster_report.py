@@ -217,6 +217,12 @@ def _assumes(job, layout, framework: str | None = None, searched: tuple[str, ...
     return f"assumes{f' ({framework})' if framework else ''}: " + "; ".join(said)
 
 
+def _mtp(spec) -> str:
+    """The multi-token-prediction modules a config trains (priced beside the layers, not counted in the parameters
+    named: DeepSeek-V3's 671 B are its main model's)."""
+    return f" + {spec.mtp} multi-token-prediction module{'s' * (spec.mtp > 1)}" if spec.mtp else ""
+
+
 def _count(n: int) -> str:
     """A parameter count as model cards write it: 70.55B, 124.4M, 5,120."""
     return f"{n / 1e9:,.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n:,}"
@@ -292,7 +298,8 @@ def report(result, *, framework: str | None = None) -> str:
     text_of = (f" (the language model of a {job.spec.text_of} config: its vision tower and image tokens are not "
                "planned)") if job.spec.text_of else ""
     lines = [
-        f"{job.spec.family}{text_of} ({job.spec.layers} layers, {_count(model_params(job.spec))} parameters"
+        f"{job.spec.family}{text_of} ({job.spec.layers} layers{_mtp(job.spec)}, {_count(model_params(job.spec))} "
+        "parameters"
         f"{f', {_count(model_params(job.spec, active=True))} active' if job.spec.experts else ''}) on "
         f"{job.gpus} x {job.hw.name}, global batch {job.global_batch} x {job.seq} "
         f"tokens, {job.dtype}{_window(job.spec, job.seq)}{_trained_with(job.spec)}",

@@ -96,3 +96,16 @@ def test_communication_sms_slow_the_compute():
     assert share.memory_bandwidth == hw.memory_bandwidth and share.scale_out_bandwidth == hw.scale_out_bandwidth
     assert layer_times(dataclasses.replace(job, moe_comm="deepseek"), dataclasses.replace(layout, ep=1, dp=128),
                        "dense") == layer_times(job, dataclasses.replace(layout, ep=1, dp=128), "dense")
+
+
+def test_the_report_names_the_multi_token_prediction_modules(capsys):
+    """They are priced beside the layers (not among the parameters named: 671 B are the main model's); the first line
+    had said only "61 layers"."""
+    from pipeloom.cli import main
+
+    layout = "tp=1,pp=16,vp=2,cp=1,ep=64,dp=64,mbs=1,fsdp=0,recompute=none,schedule=dualpipev"
+    config = Path(__file__).parents[3] / "benchmarks/data/configs/deepseek-v3.json"
+    assert main(["plan", "--model", str(config), "--hardware", "h100", "--gpus", "1024",
+                 "--global-batch", "4096", "--seq", "4096", "--layout", layout]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("deepseek_v3 (61 layers + 1 multi-token-prediction module, 671.03B parameters"), first
