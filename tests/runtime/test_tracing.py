@@ -332,3 +332,20 @@ def test_the_trace_device_is_replaced_by_the_device_a_stage_runs_on():
     outputs = first(x.to("meta"))
     assert all(t.device.type == "meta" for t in (outputs if isinstance(outputs, tuple) else (outputs,)))
     assert retarget_devices(first, torch.device("meta")) == 0  # once is enough
+
+
+def test_the_shape_solvers_warnings_are_quieted_unless_torch_logs_asks_for_them(monkeypatch):
+    """Its whole-graph warning is quieted while pipeloom exports; a user's TORCH_LOGS had been overridden too."""
+    import logging
+
+    from pipeloom.runtime.model.export_env import QUIET_LOGGERS, export_settings
+
+    logger = logging.getLogger(QUIET_LOGGERS[0])
+    monkeypatch.setattr(logger, "level", logging.INFO)
+    monkeypatch.delenv("TORCH_LOGS", raising=False)
+    with export_settings():
+        assert logger.level == logging.ERROR
+    assert logger.level == logging.INFO
+    monkeypatch.setenv("TORCH_LOGS", "+dynamic")
+    with export_settings():
+        assert logger.level == logging.INFO

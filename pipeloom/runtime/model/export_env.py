@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import os
 import sys
 from collections.abc import Iterator, Sequence
 
@@ -27,7 +28,8 @@ than it saves). Together: the same graphs in 0.64-0.82 of the time on the test s
 (``benchmarks/export_time.py``, docs/runtime.md)."""
 QUIET_LOGGERS = ("torch.fx.experimental.symbolic_shapes",)
 """torch loggers at ERROR while pipeloom exports: where a trace stops at a branch on tensor values, the shape solver
-logs a warning with the whole graph (20 lines and more) before the error pipeloom raises names it and the way out."""
+logs a warning with the whole graph (20 lines and more) before the error pipeloom raises names it and the way out.
+Left as they are where ``TORCH_LOGS`` is set: the user asked for torch's logs."""
 
 
 @contextlib.contextmanager
@@ -43,7 +45,8 @@ def export_settings() -> Iterator[None]:
         if hasattr(config, name):
             saved.append((config, name, getattr(config, name)))
             setattr(config, name, value)
-    levels = [(logger, logger.level) for logger in map(logging.getLogger, QUIET_LOGGERS)]
+    quiet = () if os.environ.get("TORCH_LOGS") else QUIET_LOGGERS
+    levels = [(logger, logger.level) for logger in map(logging.getLogger, quiet)]
     for logger, _ in levels:
         logger.setLevel(max(logger.level, logging.ERROR))
     try:
