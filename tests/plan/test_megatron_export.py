@@ -92,6 +92,12 @@ def test_the_arguments_carry_the_plan():
     assert "--use-precision-aware-optimizer" in flags and "--use-distributed-optimizer" in flags
     assert "--grad-reduce-in-bf16" in flags and "--bf16" in flags
     assert not {"--expert-model-parallel-size", "--recompute-method"} & set(flags)
+    # Megatron ties the head unless told: an untied config says so, a tied one does not
+    assert "--untie-embeddings-and-output-weights" in flags
+    tied = plan_cluster(dict(LLAMA, tie_word_embeddings=True), "h100", gpus=8, global_batch=16, seq=8192, dtype="fp8",
+                        layout=layout, adam_moments="bf16", runs_on="megatron")
+    assert "--untie-embeddings-and-output-weights" not in megatron_args(tied.job, tied.best.layout,
+                                                                        tied.best.stage_layers)
     # what the planner's defaults and other choices become
     plain = plan_cluster(LLAMA, "h100", gpus=8, global_batch=16, seq=4096, grad_reduce="fp32",
                          overlap_grad_reduce=False, recompute_layers=2,

@@ -177,6 +177,8 @@ def megatron_args(job: Job, layout: Layout, counts: Sequence[int]) -> list[str]:
             args.append("--overlap-moe-expert-parallel-comm")
     args += ["--micro-batch-size", str(layout.mbs), "--global-batch-size", str(job.global_batch),
              "--seq-length", str(job.seq)]
+    if not job.spec.tied:  # Megatron ties the head to the embedding unless told; the plan priced the config's
+        args.append("--untie-embeddings-and-output-weights")
     if layout.recompute == "full":
         depth = job.recompute_layers
         args += ["--recompute-granularity", "full", "--recompute-method", "block" if depth else "uniform",
@@ -207,7 +209,8 @@ def megatron_text(args: Sequence[str], *, layout: Layout, gpus: int, hardware: s
                    if max(layout.tp, layout.cp) > 1 else "")
     return (f"# pipeloom plan for Megatron-LM (its argument checks accept it at {' and '.join(MEGATRON_VERSIONS)}"
             f"{flex}): {layout} on {gpus} {hardware} GPUs\n"
-            "# add the model's own arguments (--num-layers, --hidden-size, ...), the data's and the optimizer's; "
+            "# add the model's own arguments (--num-layers, --hidden-size, ...; the head's tie is written), the "
+            "data's and the optimizer's; "
             f"launch on {gpus} GPUs (dp={layout.dp} follows){connections}\n{shlex.join(args)}\n")
 
 
