@@ -60,7 +60,8 @@ print("RESULTS" + json.dumps(out))
 
 
 def model_args(config: dict, spec, seq: int) -> list[str]:
-    """Megatron-LM's model arguments for ``spec`` (what its checks need: shapes, heads, experts, MTP)."""
+    """Megatron-LM's model arguments for ``spec`` (what its checks need: shapes, heads, experts, MTP; the head's tie
+    is the export's own)."""
     att = spec.attention
     args = ["--num-layers", str(spec.layers), "--hidden-size", str(spec.hidden), "--num-attention-heads",
             str(att.heads), "--ffn-hidden-size", str(spec.intermediate), "--max-position-embeddings", str(seq),
@@ -75,8 +76,6 @@ def model_args(config: dict, spec, seq: int) -> list[str]:
                  str(att.v_dim)] + (["--q-lora-rank", str(att.q_rank)] if att.q_rank else [])
     if spec.gated:
         args.append("--swiglu")
-    if not spec.tied:
-        args.append("--untie-embeddings-and-output-weights")
     ex = spec.experts
     if ex is not None:
         args += ["--num-experts", str(ex.count), "--moe-router-topk", str(ex.top_k), "--moe-ffn-hidden-size",
