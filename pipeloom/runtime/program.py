@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from pipeloom.ir import Action, Comm, Overlap, Schedule, compute_parts
 from pipeloom.runtime.errors import PipelineError
+from pipeloom.schedules import REGISTRY
 
 __all__ = ["MODEL_INPUT", "Lowering", "Source", "Step", "Unit", "build_programs", "check_pieces", "forward_unit",
            "model_pieces"]
@@ -159,10 +160,10 @@ def check_pieces(schedule: Schedule, num_pieces: int, components: list[list[int]
         sizes = sorted({len(c) for c in components})
         per = f"{replicas} replicas of {sizes} stages" if replicas > 1 else _counted(num_stages, "stage")
         wanted = num_stages // replicas if num_stages % replicas == 0 else num_stages
-        ranks = schedule.num_ranks
-        holds = (f" (interleaved-1f1b, looped-bfs or interleaved-zb hold {num_pieces // ranks} stages a rank"
-                 f"{'; zbv, v-half and v-min 2' if num_pieces == 2 * ranks else ''})"
-                 if num_pieces % ranks == 0 and num_pieces > ranks else "")
+        per_rank, extra = divmod(num_pieces, schedule.num_ranks)
+        takers = [name for name, info in REGISTRY.items()
+                  if info.placement == "interleaved" or (per_rank == 2 and info.placement == "v")]
+        holds = f" ({', '.join(takers)} hold {per_rank} stages a rank)" if per_rank > 1 and not extra else ""
         raise PipelineError(
             f"the schedule {schedule.name!r} has {per}, but the model is cut into {_counted(num_pieces, 'piece')} "
             f"({_points(num_pieces - 1)}); cut the model into {_counted(wanted, 'piece')} ({_points(wanted - 1)}), "

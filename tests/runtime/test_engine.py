@@ -160,8 +160,8 @@ def _engine(**overrides):
     ({"schedule": "nope"}, "neither a built-in"),
     ({"schedule": "zbv"}, "cut the model into 2 pieces"),
     ({"split_points": ["layers.4"]}, "cut the model into 1 piece \\(0 split points\\), or choose a schedule with as "
-                                     "many stages as pieces \\(interleaved-1f1b, looped-bfs or interleaved-zb hold 2 "
-                                     "stages a rank; zbv, v-half and v-min 2\\)"),
+                                     "many stages as pieces \\(interleaved-1f1b, looped-bfs, interleaved-zb, zbv, "
+                                     "v-half, v-min, dualpipev hold 2 stages a rank\\)"),
     ({"loss_fn": None}, "loss_fn="),
     ({"microbatches": 0}, "positive integer"),
 ])

@@ -8,10 +8,12 @@ node's module scopes (``nn_module_stack``), from which split points are found.
 from __future__ import annotations
 
 import collections
+import contextlib
 import operator
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.utils._pytree as pytree
@@ -146,17 +148,49 @@ def _shared_builtins(traced: TracedModel) -> list[str]:
 
 
 def _traced(model: nn.Module, tracer: _Tracer) -> TracedModel:
+    changes: list[str] = []
     try:
-        graph = tracer.trace(model)
+        with _mode_changes(changes):
+            graph = tracer.trace(model)
     except Exception as error:  # fx raises TraceError, TypeError, NotImplementedError, ValueError... alike
         raise ModelTraceError(
             f"torch.fx cannot trace {type(model).__name__}: {type(error).__name__}: {error}. Split it by hand "
             "instead: pipeloom.runtime.stages_from_modules([stage0, stage1, ...]) with one nn.Module per stage"
         ) from error
+    if changes:
+        raise ModelTraceError(
+            f"torch.fx cannot trace {type(model).__name__} as it runs: its forward enters "
+            f"{' and '.join(dict.fromkeys(changes))}, which a torch.fx graph does not record (the pieces would run "
+            "that code with gradients or in the outer dtype); trace it with tracer='export' and example_inputs")
     root = fx.GraphModule(tracer.root, graph, type(model).__name__)
     output = next(n for n in root.graph.nodes if n.op == "output")
     names = tuple(str(n.target) for n in root.graph.nodes if n.op == "placeholder")
     return TracedModel(root=root, graph=root.graph, input_names=names, output=output.args[0], tracer="fx")
+
+
+@contextlib.contextmanager
+def _mode_changes(found: list[str]) -> Iterator[None]:
+    """Note in ``found`` each grad-mode change (``torch.no_grad()``, ``enable_grad()``, ``set_grad_enabled``) and
+    autocast change the tracing thread makes meanwhile: a traced forward's own, which torch.fx drops from its graph."""
+    tracing = threading.get_ident()
+    set_grad: Any = torch._C._set_grad_enabled
+    set_autocast: Any = torch.set_autocast_enabled
+
+    def grad(*args: object) -> object:
+        if threading.get_ident() == tracing:
+            found.append("a grad-mode change (torch.no_grad(), enable_grad() or set_grad_enabled)")
+        return set_grad(*args)
+
+    def autocast(*args: object) -> object:
+        if threading.get_ident() == tracing:
+            found.append("torch.autocast")
+        return set_autocast(*args)
+
+    torch._C._set_grad_enabled, torch.set_autocast_enabled = grad, autocast  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch._C._set_grad_enabled, torch.set_autocast_enabled = set_grad, set_autocast
 
 
 def _export(model: nn.Module, example_inputs: object, keep: Sequence[str] = ()) -> TracedModel:
