@@ -303,3 +303,41 @@ def sharded_norm_job(rank: int, world: int, sizes: list[int]) -> list[dict]:
                       "elsewhere_from_shards": torch.equal(elsewhere, combined)})
     dist.barrier()
     return found
+
+
+def _chain(head: int = 3) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Linear(16, 16) for _ in range(4)), nn.Linear(16, head))
+
+
+def refused_on_one_rank_job(rank: int, world: int, folder: str) -> dict:
+    """A checkpoint only the last rank's stage cannot take (its head saved 3 wide, built 5 wide), then an optimizer
+    only the last rank's parameters regroup: each rank's error, and the seconds to it (every rank must hear it, none
+    left waiting in the load's collectives)."""
+    import time
+
+    from pipeloom.runtime import PipelineError, pipeline
+
+    def engine(model: nn.Module):
+        return pipeline(model, schedule="1f1b", split_points=["2"], loss_fn=F.cross_entropy, microbatches=2,
+                        failures=Failures(timeout=30))
+
+    saving = engine(_chain())
+    params = dict(saving.named_parameters())
+    late = [p for n, p in params.items() if n.startswith("4.")]
+    adam = torch.optim.AdamW([{"params": [p for n, p in params.items() if not n.startswith("4.")]},
+                              {"params": late, "weight_decay": 0.0}])
+    saving.step(torch.randn(4, 16), target=torch.randint(0, 3, (4,)))
+    adam.step()
+    saving.save_checkpoint(os.path.join(folder, "ck"), optimizer=adam)
+    found = {}
+    for case in ("shape", "groups"):
+        other = engine(_chain(head=5 if case == "shape" else 3))
+        optimizer = torch.optim.AdamW(other.parameters()) if case == "groups" else None
+        began = time.perf_counter()
+        try:
+            other.load_checkpoint(os.path.join(folder, "ck"), optimizer=optimizer)
+            found[case] = ("loaded", time.perf_counter() - began)
+        except PipelineError as error:
+            found[case] = (str(error), time.perf_counter() - began)
+    return found

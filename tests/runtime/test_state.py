@@ -26,6 +26,7 @@ from state_jobs import (
     full_state_job,
     model_for,
     names_job,
+    refused_on_one_rank_job,
     scheduler_job,
     train_scheduled,
     warmup_cosine,
@@ -226,6 +227,20 @@ def test_an_optimizer_grouped_otherwise_than_saved_is_refused(tmp_path):
 
 
 # ------------------------------------------------------------------------------ two ranks
+
+
+@pytest.mark.timeout(240)
+def test_a_checkpoint_one_rank_refuses_is_refused_on_every_rank(tmp_path):
+    """Only rank 1's stage differs (its head's shape; then its parameters' grouping): rank 1 had raised alone and
+    rank 0 waited in the collective load until the process group's timeout."""
+    results = run_ranks(2, refused_on_one_rank_job, str(tmp_path), timeout=180)
+    found = _ok(results)
+    for case, words in (("shape", "has other shapes: [4.weight (3, 16) saved, (5, 16) here"),
+                        ("groups", "saved weight_decay 0.01 (2.weight), 0.0 (4.weight)")):
+        mine, seconds = found[1][case]
+        assert words in mine and seconds < 20, (case, mine)
+        theirs, seconds = found[0][case]
+        assert theirs == f"rank 1: {mine}" and seconds < 20, (case, theirs)
 
 CLIP_CASES = [(model, schedule, norm)
               for model, schedule in [("residual", "1f1b"), ("residual", "zbv"), ("residual", "dualpipe"),

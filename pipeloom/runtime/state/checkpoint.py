@@ -9,8 +9,8 @@ import hashlib
 import io
 import os
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, Protocol, TypeVar, cast, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -19,6 +19,8 @@ from torch import nn
 from pipeloom.errors import shown_list
 from pipeloom.runtime.errors import PipelineError
 from pipeloom.runtime.state.state_dict import ModelNames, load_state_dict, named_parameters, state_dict
+
+T = TypeVar("T")
 
 __all__ = ["Stateful", "check_saved_model", "checkpoint_keys", "load_checkpoint", "save_checkpoint"]
 
@@ -174,7 +176,8 @@ def check_saved_model(saved: Mapping[str, Any], mine: Mapping[str, Any], names: 
     tensors (``mine``) it lacks, a model key the model does not have, or a tensor saved in another shape."""
     model = {key[len(prefix):]: meta for key, meta in saved.items() if key.startswith(prefix)}
     missing = [key for key in mine if key not in model]
-    unexpected = [key for key in model if key not in set(names.state_keys)]
+    known = set(names.state_keys)
+    unexpected = [key for key in model if key not in known]
     shapes = [f"{key} {tuple(model[key].size)} saved, {tuple(tensor.shape)} here" for key, tensor in mine.items()
               if key in model and hasattr(model[key], "size") and tuple(model[key].size) != tuple(tensor.shape)]
     faults = [f"{label} {shown_list(keys, 3)}" for label, keys in (
@@ -212,23 +215,45 @@ def _check_groups(path: str | os.PathLike, group: dist.ProcessGroup | None, tree
     import torch.distributed.checkpoint as dcp
 
     settings = {"optim": {key: value for key, value in flat.items() if key.startswith("param_groups.")}}
-    if not settings["optim"]:
-        return
-    with _one_process(group), _dcp_errors("load_checkpoint", path):
+    with _one_process(group), _dcp_errors("load_checkpoint", path):  # every rank, as every rank loads after
         dcp.load(settings, checkpoint_id=path, process_group=group, no_dist=group is None)
     name_of = {id(param): name for name, param in tree.named_parameters()}
     keys = sorted({key.rsplit(".", 1)[1] for key in settings["optim"]})
-    for index, held in enumerate(optimizer.param_groups):
-        names = [name_of[id(param)] for param in held["params"] if id(param) in name_of]
-        for key in keys:
-            values: dict[str, str] = {}
-            for name in names:
-                values.setdefault(repr(settings["optim"].get(f"param_groups.{name}.{key}")), name)
-            if len(values) > 1:
-                shown = ", ".join(f"{value} ({name})" for value, name in list(values.items())[:3])
-                raise PipelineError(f"load_checkpoint: {str(path)!r} saved {key} {shown} for parameters this "
-                                    f"optimizer holds in one group (param_groups[{index}]); build it with the groups "
-                                    "it was saved with, or load without optimizer= to start it afresh")
+
+    def same_in_each_group() -> None:
+        for index, held in enumerate(optimizer.param_groups):
+            names = [name_of[id(param)] for param in held["params"] if id(param) in name_of]
+            for key in keys:
+                values: dict[str, str] = {}
+                for name in names:
+                    values.setdefault(repr(settings["optim"].get(f"param_groups.{name}.{key}")), name)
+                if len(values) > 1:
+                    shown = ", ".join(f"{value} ({name})" for value, name in list(values.items())[:3])
+                    raise PipelineError(f"load_checkpoint: {str(path)!r} saved {key} {shown} for parameters this "
+                                        f"optimizer holds in one group (param_groups[{index}]); build it with the "
+                                        "groups it was saved with, or load without optimizer= to start it afresh")
+
+    _agreed(group, same_in_each_group)
+
+
+def _agreed(group: dist.ProcessGroup | None, check: Callable[[], T]) -> T:
+    """``check()`` on every rank of ``group``, its PipelineError raised on every rank where any rank's raised: a rank
+    refusing alone would leave the others waiting in the load's collectives."""
+    fault: PipelineError | None = None
+    value = None
+    try:
+        value = check()
+    except PipelineError as error:
+        fault = error
+    if group is not None and dist.get_world_size(group) > 1:
+        faults: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(faults, None if fault is None else str(fault), group=group)
+        failed = next(((rank, text) for rank, text in enumerate(faults) if text is not None), None)
+        if fault is None and failed is not None:
+            raise PipelineError(f"rank {failed[0]}: {failed[1]}")
+    if fault is not None:
+        raise fault
+    return cast(T, value)
 
 
 def save_checkpoint(path: str | os.PathLike, names: ModelNames, pieces: Mapping[int, nn.Module], *,
@@ -270,26 +295,32 @@ def load_checkpoint(path: str | os.PathLike, names: ModelNames, pieces: Mapping[
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     objects = _checked_extra(extra)
-    saved = checkpoint_keys(path, "load_checkpoint")
     content: dict = {"model": state_dict(names, pieces)}
-    check_saved_model(saved, content["model"], names, prefix="model.", what="load_checkpoint", path=path)
-    tree = None
-    if optimizer is not None:
-        tree = _tree(named_parameters(names, pieces))
-        content["optim"] = _optimizer_state(tree, optimizer, saving=False)  # the state DCP loads into
-        _check_saved_optimizer(saved, content["optim"], path)
-        _check_groups(path, group, tree, optimizer, content["optim"])
-    found = dict(counters or {})
-    saved_counters = _saved_keys(saved, "engine") if counters else set()
-    if saved_counters & found.keys():  # older checkpoints lack some counters: their defaults stay
-        content["engine"] = {key: torch.tensor(0, dtype=torch.int64) for key in found if key in saved_counters}
-    if objects:
+
+    def model_checks() -> dict:
+        saved = checkpoint_keys(path, "load_checkpoint")
+        check_saved_model(saved, content["model"], names, prefix="model.", what="load_checkpoint", path=path)
         held = _saved_keys(saved, "extra")
         missing = sorted(objects.keys() - held)
         if missing:
             raise PipelineError(f"load_checkpoint: {path} holds no state for extra {missing} (it holds "
                                 f"{sorted(held) or 'none'}); save it with save_checkpoint(..., extra=...) "
                                 "or leave it out of extra= here")
+        return saved
+
+    saved = _agreed(group, model_checks)
+    tree = None
+    if optimizer is not None:
+        tree = _tree(named_parameters(names, pieces))
+        content["optim"] = _optimizer_state(tree, optimizer, saving=False)  # the state DCP loads into
+        flat = content["optim"]
+        _agreed(group, lambda: _check_saved_optimizer(saved, flat, path))
+        _check_groups(path, group, tree, optimizer, flat)
+    found = dict(counters or {})
+    saved_counters = _saved_keys(saved, "engine") if counters else set()
+    if saved_counters & found.keys():  # older checkpoints lack some counters: their defaults stay
+        content["engine"] = {key: torch.tensor(0, dtype=torch.int64) for key in found if key in saved_counters}
+    if objects:
         content["extra"] = {name: b"" for name in objects}  # DCP replaces each with the saved bytes
     with _one_process(group), _dcp_errors("load_checkpoint", path):
         dcp.load(content, checkpoint_id=path, process_group=group, no_dist=group is None)
