@@ -139,26 +139,29 @@ def _first_module(model, args: argparse.Namespace):
             return next((n for n, m in model.named_modules() if m is found), "input embeddings"), found
         return next(((n, m) for n, m in model.named_modules() if isinstance(m, (nn.Embedding, nn.Linear))),
                     ("", model))
-    reader = _input_reader(traced.graph)
+    reader = _input_reader(model, traced.graph)
     if reader is not None:
         return reader, model.get_submodule(reader)
     first = next((str(node.target) for node in traced.graph.nodes if node.op == "call_module"), None)
     return (first, model.get_submodule(first)) if first is not None else ("", model)
 
 
-def _input_reader(graph) -> str | None:
-    """The module that first reads the model's first input: a module called on it, or the owner of the weight
-    an embedding lookup reads it with (a tied embedding is traced into, as ``F.embedding``); None if neither."""
+def _input_reader(model, graph) -> str | None:
+    """The module that first reads the model's first input (its other uses, ``ids.size(1)``, passed over): a module
+    called on it, or the embedding whose weight a lookup reads it with (a tied embedding is traced into, as
+    ``F.embedding``; the weight may be registered on the head first); None if neither."""
     import torch.nn.functional as F
+    from torch import nn
 
     inputs = [node for node in graph.nodes if node.op == "placeholder"]
-    user = next(iter(inputs[0].users), None) if inputs else None
-    if user is not None and user.op == "call_module":
-        return str(user.target)
-    if user is not None and user.op == "call_function" and user.target is F.embedding and len(user.args) > 1:
-        weight = user.args[1]
-        if getattr(weight, "op", None) == "get_attr" and "." in str(weight.target):
-            return str(weight.target).rsplit(".", 1)[0]
+    for user in inputs[0].users if inputs else ():
+        if user.op == "call_module":
+            return str(user.target)
+        weight = user.args[1] if user.op == "call_function" and user.target is F.embedding else None
+        if weight is not None and weight.op == "get_attr":
+            tensor = dict(model.named_parameters(remove_duplicate=False)).get(str(weight.target))
+            return next((name for name, module in model.named_modules()
+                         if isinstance(module, nn.Embedding) and tensor is not None and module.weight is tensor), None)
     return None
 
 

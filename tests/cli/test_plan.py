@@ -235,11 +235,13 @@ def test_a_tied_embedding_model_gets_token_ids_made_up(capsys, tmp_path):
                     "class Tied(nn.Module):\n"
                     "    def __init__(self):\n"
                     "        super().__init__()\n"
+                    "        self.head = nn.Linear(16, 50, bias=False)\n"  # registered before the embedding
                     "        self.emb, self.drop = nn.Embedding(50, 16), nn.Dropout(0.1)\n"
-                    "        self.body, self.head = nn.Linear(16, 16), nn.Linear(16, 50, bias=False)\n"
-                    "        self.head.weight = self.emb.weight\n"
+                    "        self.pos, self.body = nn.Embedding(8, 16), nn.Linear(16, 16)\n"
+                    "        self.emb.weight = self.head.weight\n"
                     "    def forward(self, ids):\n"
-                    "        return self.head(self.body(self.drop(self.emb(ids))))\n"
+                    "        where = torch.arange(ids.size(1))\n"  # the input's size read first
+                    "        return self.head(self.body(self.drop(self.emb(ids) + self.pos(where))))\n"
                     "def build():\n"
                     "    return Tied()\n"
                     "def lm(out, target):\n"
@@ -247,7 +249,17 @@ def test_a_tied_embedding_model_gets_token_ids_made_up(capsys, tmp_path):
     code, out, err = run(capsys, "profile", f"{path}:build", "--batch", "4", "--seq", "8", "--loss", "lm",
                          "--warmup", "0", "--repeats", "1", "--save", str(tmp_path / "costs.json"))
     assert code == 0, err
-    assert "shared: emb.weight" in out and load_costs(tmp_path / "costs.json").pieces[0].name == "emb"
+    assert "shared: head.weight" in out and load_costs(tmp_path / "costs.json").pieces[0].name == "emb"
+    import argparse
+    import importlib.util
+
+    from pipeloom.cli.profile_user import _first_module
+
+    spec = importlib.util.spec_from_file_location("tied_model", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    name, first = _first_module(module.build(), argparse.Namespace(leaf_modules=None))
+    assert name == "emb" and first.num_embeddings == 50  # not the positions' 8, nor the head
 
 
 @pytest.mark.parametrize("case", sorted(USER_FILES))
