@@ -120,6 +120,18 @@ def test_lowered_pairs_save_as_compute_comms_and_load_back():
         assert sum("REDUCE_GRAD" in c for c in cells) == 2  # one for each of the rank's stages
 
 
+def test_reduce_grad_cells_follow_the_torch_installed(monkeypatch):
+    """torch before 2.10 cannot read a REDUCE_GRAD cell (and scales the gradients without it): none is written
+    where such a torch is installed, or when asked."""
+    import importlib.metadata
+
+    lowered = lower(dualpipev(2, 4))
+    assert "REDUCE_GRAD" not in schedule_to_csv(lowered, reduce_grad=False)
+    for installed, cells in (("2.9.1+cpu", False), ("2.10.0", True), ("2.13.0+cu130", True)):
+        monkeypatch.setattr(importlib.metadata, "version", lambda name, v=installed: v)
+        assert ("REDUCE_GRAD" in schedule_to_csv(lowered)) == cells, installed
+
+
 def test_torch_dualpipev_order_loads_and_validates():
     torch_schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
     order = object.__new__(torch_schedules.ScheduleDualPipeV)

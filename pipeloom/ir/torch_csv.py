@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import io
 import itertools
+import re
 from collections import Counter
 from collections.abc import Sequence
 
@@ -24,12 +25,14 @@ TORCH_ONLY_KINDS: tuple[str, ...] = ("UNSHARD", "RESHARD", "REDUCE_GRAD")
 micro-batch); pipeloom's IR has no such actions, so the CSV reader skips these cells."""
 
 
-def schedule_to_csv(schedule: Schedule) -> str:
+def schedule_to_csv(schedule: Schedule, *, reduce_grad: bool | None = None) -> str:
     """torch.distributed.pipelining's CSV: one row per rank, one action per cell.
 
     A compute-only schedule gives torch's ``compute_only`` format; a lowered one (see
     :func:`pipeloom.lower`) its ``compute_comms`` format, which ``_PipelineScheduleRuntime._load_csv(
-    path, format="compute_comms")`` runs as it is. Only a schedule whose problem
+    path, format="compute_comms")`` runs as it is, with torch's ``sREDUCE_GRAD`` cells where
+    ``reduce_grad`` (default: unless the torch installed here is older than 2.10, which cannot read them;
+    2.10 and later divide the gradients by M there only). Only a schedule whose problem
     :func:`schedule_from_csv` would infer again can be written (ScheduleFormatError otherwise);
     durations, memory and static memory are not carried.
     """
@@ -38,12 +41,25 @@ def schedule_to_csv(schedule: Schedule) -> str:
         raise ScheduleFormatError(
             f"schedule {schedule.name!r} cannot be saved as torch CSV because {obstacle}; save it as .json"
         )
+    cells = schedule.lowered and (_torch_reads_reduce_grad() if reduce_grad is None else reduce_grad)
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     for actions in schedule.ranks:
-        writer.writerow(_with_reduce_grad(actions, schedule.num_microbatches) if schedule.lowered
+        writer.writerow(_with_reduce_grad(actions, schedule.num_microbatches) if cells
                         else [str(action) for action in actions])
     return out.getvalue()
+
+
+def _torch_reads_reduce_grad() -> bool:
+    """Whether the torch installed here reads ``REDUCE_GRAD`` cells: 2.10 and later, or none installed (the file is
+    then for a current torch). Read from the package's metadata: torch is not imported."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        numbers = re.findall(r"\d+", version("torch"))[:2]
+    except PackageNotFoundError:
+        return True
+    return len(numbers) < 2 or (int(numbers[0]), int(numbers[1])) >= (2, 10)
 
 
 def _with_reduce_grad(actions: Sequence[Action | Overlap | Comm], num_microbatches: int) -> list[str]:
