@@ -316,7 +316,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             # the plan was measured and priced keeping every activation: torchtitan is told to recompute nothing
             written.append(export_torchtitan(result.plan, result.schedule, args.save,
                                              [piece.name for piece in tables[0].pieces], "none",
-                                             shared_params=tables[0].shared))
+                                             table=tables[0]))
         outputs = getattr(args, "outputs", None)
         result.save(outputs.direct(args.save) if outputs is not None else args.save)
         written.insert(0, f"wrote plan {args.save}")

@@ -18,6 +18,7 @@ __all__ = [
     "RecipeError",
     "SolverMissingError",
     "TensorParallelError",
+    "TensorParallelSizeError",
 ]
 
 
@@ -36,6 +37,11 @@ class PartitionError(PlanError):
 
 class TensorParallelError(PipeloomError):
     """A tensor-parallel size or description that does not fit the model (heads, layers, fits)."""
+
+
+class TensorParallelSizeError(PlanArgumentError, TensorParallelError):
+    """A tensor-parallel size that does not divide the ranks or the model's heads: a planning argument (the command
+    line's usage error) and a tensor-parallel error alike."""
 
 
 class SolverMissingError(TensorParallelError):

@@ -169,6 +169,8 @@ def plan_mesh(
     try:
         sizes = tp_sizes(tables[0], num_ranks, tensor_parallel)
     except TensorParallelError as error:
+        if isinstance(error, PlanError):  # a size the ranks or heads refuse: the caller's argument
+            raise
         raise PlanError(str(error)) from None
     results, failures = [], []
     for tp in sizes:

@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING
 
 from pipeloom.errors import ArgumentError
 from pipeloom.ir import Schedule, schedule_to_csv
-from pipeloom.plan.costs.parts import SharedParam
+from pipeloom.plan.costs.shared import shared_across_stages
+from pipeloom.plan.costs.table import CostTable
 from pipeloom.plan.errors import PlanError
 from pipeloom.plan.partitioning.shape import schedule_shape
 from pipeloom.plan.plan import Plan
@@ -265,14 +266,15 @@ def write_torchtitan(plan: Plan, schedule: Schedule, toml_path: str | Path, csv_
 
 def export_torchtitan(plan: Plan, schedule: Schedule, save: Path, modules: Sequence[str],
                       activation_checkpoint: str | None = None, *, compiled: bool = False,
-                      async_tp: bool = False, shared_params: Sequence[SharedParam] = ()) -> str:
+                      async_tp: bool = False, table: CostTable | None = None) -> str:
     """Write ``<stem>.torchtitan.args``, ``.toml`` and (under pipeline parallelism) ``.csv`` next to the plan file
     ``save`` (:func:`write_torchtitan`'s settings); the lines that say so, with the overrides of each torchtitan
-    version. PlanError, before writing, where a parameter of ``shared_params`` has users on different stages."""
-    apart = _shared_apart(plan, modules, shared_params)
+    version. PlanError, before writing, where a parameter the cost ``table`` shares has users on different stages."""
+    stages = stage_modules(plan.split_points, modules)
+    apart = shared_across_stages(table, [k for k, stage in enumerate(stages) for _ in stage]) if table else ()
     if apart:
-        raise PlanError(f"the plan puts the pieces sharing {apart} on different pipeline stages, and torchtitan ties "
-                        "no weight across stages (each would train its own copy): run the plan with "
+        raise PlanError(f"the plan puts the pieces sharing {apart[0].name} on different pipeline stages, and "
+                        "torchtitan ties no weight across stages (each would train its own copy): run the plan with "
                         "pipeline(model, plan=...), which keeps one weight, or save it without --export torchtitan")
     args, toml, csv = (save.with_name(f"{save.stem}.torchtitan.{ext}") for ext in ("args", "toml", "csv"))
     settings = write_torchtitan(plan, schedule, toml, csv, modules=modules, args_path=args,
@@ -284,16 +286,6 @@ def export_torchtitan(plan: Plan, schedule: Schedule, save: Path, modules: Seque
     if older:
         lines.append(f"torchtitan 0.2.x also: {shlex.join(older)}")
     return "\n".join([*lines, f"torchtitan 0.3.x also: {shlex.join(newer)}"])
-
-
-def _shared_apart(plan: Plan, modules: Sequence[str], shared: Sequence[SharedParam]) -> str:
-    """The first shared parameter whose pieces the plan's split points put on different stages ("" if none)."""
-    stage_of, stage = {}, 0
-    for name in modules:
-        stage += name in plan.split_points
-        stage_of[name] = stage
-    apart = [param.name for param in shared if len({stage_of.get(piece) for piece in param.pieces}) > 1]
-    return apart[0] if apart else ""
 
 
 TORCHTITAN_MODELS = {"llama": "llama3", "qwen3": "qwen3", "qwen3_moe": "qwen3", "deepseek_v3": "deepseek_v3"}

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pipeloom.plan.errors import PlanArgumentError, TensorParallelError
+from pipeloom.plan.errors import TensorParallelError, TensorParallelSizeError
 from pipeloom.plan.tp.collectives import COLLECTIVES, Collective, CollectiveFit, collective_seconds
 from pipeloom.plan.tp.measured import (
     TensorProfile,
@@ -119,13 +119,13 @@ def tp_sizes(table: CostTable, num_ranks: int, asked: Sequence[int] | None = Non
     sizes = sorted(set(asked))
     for t in sizes:
         if isinstance(t, bool) or not isinstance(t, int) or t < 1 or num_ranks % t:
-            raise PlanArgumentError(f"tensor-parallel size {t!r} does not divide {num_ranks} ranks")
+            raise TensorParallelSizeError(f"tensor-parallel size {t!r} does not divide {num_ranks} ranks")
         if t > 1 and (info is None or not info.layers):
             raise TensorParallelError(
                 f"tensor-parallel size {t}: the cost table has no 'tensor' field (head count and the pieces that "
                 "are transformer layers); add one (docs/format.md) or use analytical_gpt_costs")
         if t > 1 and info is not None and info.heads % t:
-            raise PlanArgumentError(f"tensor-parallel size {t} does not divide the model's {info.heads} heads; "
+            raise TensorParallelSizeError(f"tensor-parallel size {t} does not divide the model's {info.heads} heads; "
                                       f"choose among {[d for d in range(1, info.heads + 1) if info.heads % d == 0]}")
     return sizes
 
