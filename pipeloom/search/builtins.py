@@ -74,17 +74,19 @@ def builtin_candidates(problem: Problem, num_microbatches: int, *, deadline: flo
     for info in REGISTRY.values():
         if info.splits_backward != problem.splits_backward or (names is not None and info.name not in names):
             continue
+        options = {}
+        if "stages_per_rank" in info.options:
+            if extra or stages_per_rank < 1:
+                continue
+            options["stages_per_rank"] = stages_per_rank
+        if info.num_pieces(problem.num_ranks, options) * info.replicas != problem.num_stages:
+            continue  # another stage count: not this structure, and nothing built to find out
         out_of_time = out_of_time or budget.expired()
         if out_of_time:  # not started: a later call with more time may build it
             if skipped is None:
                 return
             skipped.add(info.name)
             continue
-        options = {}
-        if "stages_per_rank" in info.options:
-            if extra or stages_per_rank < 1:
-                continue
-            options["stages_per_rank"] = stages_per_rank
         if not _probe(info.name, problem, num_microbatches, wanted, options, budget):
             continue
         valid = [t for t in _variants(info.name, problem, num_microbatches, wanted, options, budget, enough,
