@@ -47,7 +47,8 @@ def memory_argument(text: str) -> float:
     except ValueError:  # it has a unit
         return value
     if bare < 2**20:
-        raise argparse.ArgumentTypeError(f"{text} is {bare:g} bytes; give a unit, e.g. {bare:g}"
+        shown = f"{bare:.0f}" if bare.is_integer() else f"{bare:g}"  # 1e6 as 1000000, not 1e+06
+        raise argparse.ArgumentTypeError(f"{text} is {shown} bytes; give a unit, e.g. {shown}"
                                          f"{'GiB' if bare <= 2**14 else 'MiB'}")
     return value
 
