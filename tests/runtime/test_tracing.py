@@ -395,3 +395,30 @@ def test_a_forward_that_changes_grad_mode_or_autocast_is_not_traced_by_fx():
     inputs = torch.randn(4, 16)
     with torch.no_grad():
         assert torch.equal(split_model(cast, ["b"], example_inputs=(inputs,)).run(inputs), cast(inputs))
+
+
+class _Reentrant(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def inner(self, x):
+        return torch.tanh(self.a(x))
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return self.b(x + checkpoint(self.inner, x, use_reentrant=True))
+
+
+def test_a_reentrant_checkpoint_is_traced_by_fx_and_refused_by_export():
+    """Its torch.no_grad(): torch.fx drops it (the graph is the function's, exact), torch.export records it, and
+    everything after it had been traced without gradients (the engine then blamed loss_fn)."""
+    x = torch.randn(4, 8)
+    model = _Reentrant()
+    staged = split_model(model, ["b"], tracer="fx")  # the checkpoint's own no_grad is not the model's
+    out = staged.run(x)
+    assert out.requires_grad and torch.equal(out, model(x))
+    with pytest.raises(ModelTraceError, match=r"reentrant activation checkpoint \(_Reentrant.inner, "
+                                              r"use_reentrant=True\).*use_reentrant=False"):
+        split_model(model, ["b"], tracer="export", example_inputs=(x,))

@@ -15,8 +15,8 @@ from torch import nn
 
 from pipeloom.runtime.errors import ModelTraceError, NeedsExampleError
 
-__all__ = ["EXPORT_SETTINGS", "QUIET_LOGGERS", "export_settings", "exported_program", "EAGER_BRANCHES",
-           "eager_branches"]
+__all__ = ["EXPORT_SETTINGS", "QUIET_LOGGERS", "export_settings", "exported_program", "reentrant_checkpoints",
+           "EAGER_BRANCHES", "eager_branches"]
 
 
 EXPORT_SETTINGS = (("torch.fx.config", "do_not_emit_stack_traces", True),
@@ -102,8 +102,10 @@ def exported_program(model: nn.Module, example_inputs: object,
                               f"inputs), got {type(example_inputs).__name__}")
     dynamic = tuple({d: Dim.AUTO for d in range(a.dim())} for a in args)
     said = io.StringIO()  # what is written to stderr meanwhile: passed on after, but the partial graph torch prints
+    reentrant: list[str] = []
     try:
-        with export_settings(), eager_branches(model), contextlib.redirect_stderr(said):
+        with export_settings(), eager_branches(model), contextlib.redirect_stderr(said), \
+                reentrant_checkpoints(reentrant):
             exported = torch.export.export(model, args, dynamic_shapes=dynamic, strict=False,
                                            preserve_module_call_signature=tuple(keep))
     except Exception as error:  # export raises many kinds (Unsupported, UserError, RuntimeError...)
@@ -116,7 +118,40 @@ def exported_program(model: nn.Module, example_inputs: object,
             "pipeloom.runtime.stages_from_modules([stage0, stage1, ...])" + "".join(f"\n{line}" for line in rest[:20])
         ) from error
     sys.stderr.write(said.getvalue())
+    if reentrant:
+        raise ModelTraceError(
+            f"torch.export cannot trace {type(model).__name__} with gradients: it runs a reentrant activation "
+            f"checkpoint ({reentrant[0]}, use_reentrant=True), whose torch.no_grad() torch.export records, so "
+            "nothing after it would get a gradient; use checkpoint(..., use_reentrant=False) (transformers: "
+            "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})), or tracer='fx'")
     return exported
+
+
+@contextlib.contextmanager
+def reentrant_checkpoints(found: list[str], depth: list[int] | None = None) -> Iterator[None]:
+    """Note in ``found`` each reentrant activation checkpoint (``checkpoint(..., use_reentrant=True)``) run meanwhile,
+    and count in ``depth[0]`` those running now: it runs its function under ``torch.no_grad()``, which torch.export
+    records (everything after it would be traced without gradients) and torch.fx drops (its graph is the function's,
+    as without the checkpoint)."""
+    from torch.utils import checkpoint
+
+    function = checkpoint.CheckpointFunction
+    forward = function.__dict__["forward"]
+    inside = depth if depth is not None else [0]
+
+    def noted(ctx: object, run: object, *args: object) -> object:
+        found.append(getattr(run, "__qualname__", type(run).__name__))
+        inside[0] += 1
+        try:
+            return forward.__func__(ctx, run, *args)
+        finally:
+            inside[0] -= 1
+
+    function.forward = staticmethod(noted)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        function.forward = forward  # type: ignore[method-assign]
 
 
 def _data_dependent_advice(model: nn.Module, error: Exception) -> str:

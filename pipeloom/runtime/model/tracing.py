@@ -20,7 +20,7 @@ import torch.utils._pytree as pytree
 from torch import fx, nn
 
 from pipeloom.runtime.errors import ModelTraceError, NeedsExampleError, SplitError
-from pipeloom.runtime.model.export_env import exported_program
+from pipeloom.runtime.model.export_env import exported_program, reentrant_checkpoints
 from pipeloom.runtime.model.sizes import TracedSizes, traced_sizes
 
 if TYPE_CHECKING:
@@ -175,9 +175,10 @@ def _mode_changes(found: list[str]) -> Iterator[None]:
     tracing = threading.get_ident()
     set_grad: Any = torch._C._set_grad_enabled
     set_autocast: Any = torch.set_autocast_enabled
+    checkpointing = [0]  # a reentrant checkpoint's own no_grad: the graph of its function is right without it
 
     def grad(*args: object) -> object:
-        if threading.get_ident() == tracing:
+        if threading.get_ident() == tracing and not checkpointing[0]:
             found.append("a grad-mode change (torch.no_grad(), enable_grad() or set_grad_enabled)")
         return set_grad(*args)
 
@@ -188,7 +189,8 @@ def _mode_changes(found: list[str]) -> Iterator[None]:
 
     torch._C._set_grad_enabled, torch.set_autocast_enabled = grad, autocast  # type: ignore[assignment]
     try:
-        yield
+        with reentrant_checkpoints([], checkpointing):
+            yield
     finally:
         torch._C._set_grad_enabled, torch.set_autocast_enabled = set_grad, set_autocast
 
