@@ -422,3 +422,31 @@ def test_a_reentrant_checkpoint_is_traced_by_fx_and_refused_by_export():
     with pytest.raises(ModelTraceError, match=r"reentrant activation checkpoint \(_Reentrant.inner, "
                                               r"use_reentrant=True\).*use_reentrant=False"):
         split_model(model, ["b"], tracer="export", example_inputs=(x,))
+
+
+class _DictOut(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.a(x)
+        return {"logits": self.b(h), "hidden": [h, h * 2]}
+
+
+def test_a_dict_output_reaches_the_loss_as_the_model_returns_it():
+    """torch.fx's graph holds immutable dicts and lists: a loss_fn popping a key had failed (torch.fx's message about
+    node.args) and broken the engine."""
+    def popping(out, target):
+        out.pop("hidden")
+        return F.cross_entropy(out["logits"], target)
+
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    torch.manual_seed(0)
+    model = _DictOut()
+    out = split_model(model, ["b"], tracer="fx").run(x)
+    assert type(out) is dict and type(out["hidden"]) is list
+    engine = pipeline(model, schedule="zbv", split_points=["b"], loss_fn=popping, microbatches=2,
+                      tracing=Tracing(tracer="fx"))
+    reference = sum(popping(copy.deepcopy(model)(a), b) / 2 for a, b in zip(x.chunk(2), y.chunk(2)))
+    assert torch.equal(engine.step(x, target=y), reference)

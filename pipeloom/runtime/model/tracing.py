@@ -165,7 +165,21 @@ def _traced(model: nn.Module, tracer: _Tracer) -> TracedModel:
     root = fx.GraphModule(tracer.root, graph, type(model).__name__)
     output = next(n for n in root.graph.nodes if n.op == "output")
     names = tuple(str(n.target) for n in root.graph.nodes if n.op == "placeholder")
-    return TracedModel(root=root, graph=root.graph, input_names=names, output=output.args[0], tracer="fx")
+    return TracedModel(root=root, graph=root.graph, input_names=names, output=_mutable(output.args[0]), tracer="fx")
+
+
+def _mutable(structure: object) -> object:
+    """torch.fx's output structure with its immutable dicts and lists made plain ones, as the model returns them (a
+    ``loss_fn`` that pops a key from the output had failed with torch.fx's message about ``node.args``)."""
+    from torch.fx.immutable_collections import immutable_dict, immutable_list
+
+    if isinstance(structure, immutable_dict):
+        return {key: _mutable(value) for key, value in structure.items()}
+    if isinstance(structure, immutable_list):
+        return [_mutable(value) for value in structure]
+    if type(structure) is tuple:
+        return tuple(_mutable(value) for value in structure)
+    return structure
 
 
 @contextlib.contextmanager
