@@ -107,7 +107,7 @@ def pipeline(
         schedule, planned, schedule_options, microbatches, parallel, planned_batch = plan_arguments(
             plan, schedule, split_points, schedule_options, microbatches, parallel=parallel, device=device, model=model)
         split_points, whose = (planned, str(plan)) if stages is None and split_points is None else (split_points, "")
-    _check_arguments(schedule, loss_fn, microbatches)
+    _check_arguments(schedule, loss_fn, microbatches, split_points, record)
     assert loss_fn is not None  # _check_arguments refused None
     layout = layout_of(parallel.process_group, parallel.mesh)
     sharding, tp_plan = _tensor_parallel(model, parallel, layout, microbatches, tracing)
@@ -265,11 +265,21 @@ def _auto_plan(model: nn.Module | None, tp_plan: object, mesh: DeviceMesh | None
     return found
 
 
-def _check_arguments(schedule: object, loss_fn: object, microbatches: object) -> None:
+def _check_arguments(schedule: object, loss_fn: object, microbatches: object, split_points: object,
+                     record: object) -> None:
     if schedule is None:
         raise PipelineError("say which schedule to run: schedule='1f1b' (see `pipeloom list`), a Schedule or a file")
     if loss_fn is None:
         raise PipelineError("give loss_fn=, called as loss_fn(output, target) for every micro-batch")
+    if not callable(loss_fn):
+        raise PipelineError(f"loss_fn must be a function called as loss_fn(output, target), got {loss_fn!r}; e.g. "
+                            "loss_fn=torch.nn.functional.cross_entropy")
+    if split_points is not None and (isinstance(split_points, str) or not isinstance(split_points, Sequence)
+                                     or not all(isinstance(point, str) for point in split_points)):
+        raise PipelineError(f"split_points must be a list of module names where stages start, e.g. ['layers.4'], got "
+                            f"{split_points!r}")
+    if record is not None and not isinstance(record, (str, os.PathLike, bool)):
+        raise PipelineError(f"record must be a folder to write the run trace to (or True), got {record!r}")
     if microbatches is not None and (isinstance(microbatches, bool) or not isinstance(microbatches, int)
                                      or microbatches < 1):
         raise PipelineError(f"microbatches must be a positive integer, got {microbatches!r}")

@@ -163,6 +163,12 @@ def _engine(**overrides):
                                      "many stages as pieces \\(interleaved-1f1b, looped-bfs, interleaved-zb, zbv, "
                                      "v-half, v-min, dualpipev hold 2 stages a rank\\)"),
     ({"loss_fn": None}, "loss_fn="),
+    # each had been accepted (a string cut into characters, "cross_entropy" failing at the first step) or had
+    # raised AttributeError
+    ({"loss_fn": "cross_entropy"}, "loss_fn must be a function"),
+    ({"split_points": "layers.4"}, r"split_points must be a list of module names .*got 'layers.4'"),
+    ({"split_points": [2]}, r"split_points must be a list of module names .*got \[2\]"),
+    ({"record": 123}, "record must be a folder"),
     ({"microbatches": 0}, "positive integer"),
 ])
 def test_bad_arguments_say_what_to_do(overrides, words):
