@@ -90,6 +90,32 @@ def test_eval_step_returns_outputs_and_loss_without_touching_gradients():
     assert all(p.grad is None for p in model.parameters())
 
 
+class _SequenceFirst(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
+
+    def forward(self, x):  # x: (batch, 5, 3) -> (5, batch, 3), the sequence first
+        return self.b(self.a(x)).transpose(0, 1)
+
+
+def test_eval_step_joins_along_the_batch_only():
+    """An output whose dim 0 is not the batch's (sequence first) had been joined along it: 4 micro-batches of 2 rows
+    gave (20, 2, 3) for (5, 8, 3). It comes back per micro-batch; a flattened output (rows x tokens) is joined."""
+    from pipeloom.runtime.step.batch import joined_outputs
+
+    torch.manual_seed(0)
+    model = _SequenceFirst()
+    engine = pipeline(model, schedule="1f1b", split_points=[], loss_fn=F.mse_loss, microbatches=4)
+    x = torch.randn(8, 5, 3)
+    out = engine.eval_step(x)
+    with torch.no_grad():
+        assert isinstance(out, list) and all(torch.equal(o, model(c)) for o, c in zip(out, x.chunk(4)))
+    flat = [torch.ones(2 * 5, 3), torch.ones(2 * 5, 3)]
+    assert joined_outputs(flat, 2, [2, 2]).shape == (20, 3)
+    assert isinstance(joined_outputs([torch.ones(5, 2), torch.ones(5, 2)], 2, [2, 2]), list)
+
+
 def test_trace_files_hold_every_action_in_order(tmp_path, monkeypatch):
     monkeypatch.setenv("PIPELOOM_TRACE", str(tmp_path / "env"))
     engine = pipeline(build("residual"), schedule="zbv", split_points=SPLITS["residual"][2],

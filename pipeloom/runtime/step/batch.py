@@ -10,7 +10,7 @@ import torch
 
 from pipeloom.runtime.errors import PipelineError
 
-__all__ = ["BatchCut", "row_count_fix", "signature"]
+__all__ = ["BatchCut", "joined_outputs", "row_count_fix", "signature"]
 
 
 class BatchCut:
@@ -52,6 +52,30 @@ class BatchCut:
         if training and target is None:
             raise PipelineError("step() needs target= (passed to loss_fn with each micro-batch's output)")
         return chunks, self.cut(target, "target") if target is not None else []
+
+
+def joined_outputs(values: list, microbatches: int, rows: Sequence[int] | None) -> object:
+    """The micro-batches' model outputs (``values``) joined along dim 0 when all ``microbatches`` of them have one
+    structure (a tensor, a tuple, a ModelOutput...) whose tensors have a batch dimension first: with ``rows[k]`` the
+    rows of micro-batch k where known, a dim 0 that is a multiple of them (the rows, or rows x tokens flattened);
+    else the list (an output whose dim 0 is a sequence's, batch second, had been joined along the sequence)."""
+    import torch.utils._pytree as pytree
+
+    if len(values) != microbatches:
+        return values
+    flat = [pytree.tree_flatten(v) for v in values]
+    spec = flat[0][1]
+    columns = list(zip(*(leaves for leaves, _ in flat)))  # each leaf position over the micro-batches
+
+    def joinable(parts: tuple) -> bool:  # tensors with a batch dimension, or the same non-tensor
+        if all(isinstance(t, torch.Tensor) for t in parts):
+            return all(t.dim() > 0 and (rows is None or t.shape[0] % n == 0) for t, n in zip(parts, rows or parts))
+        return all(not isinstance(t, torch.Tensor) and t == parts[0] for t in parts)
+
+    if not all(s == spec for _, s in flat) or not all(joinable(parts) for parts in columns):
+        return values
+    joined = [torch.cat(parts, dim=0) if isinstance(parts[0], torch.Tensor) else parts[0] for parts in columns]
+    return pytree.tree_unflatten(joined, spec)
 
 
 def row_count_fix(rows: int, microbatches: int) -> str:

@@ -20,6 +20,7 @@ from pipeloom.runtime.model.split import ValueRef, check_stage_value
 from pipeloom.runtime.parallel.tp import is_dtensor
 from pipeloom.runtime.program import MODEL_INPUT, Step, Unit, forward_unit
 from pipeloom.runtime.step.backward import PendingWeights, add_in_order, backward_full, backward_input
+from pipeloom.runtime.step.batch import joined_outputs
 from pipeloom.runtime.step.loss import checked_loss
 from pipeloom.runtime.step.pieces import RankPieces
 from pipeloom.runtime.step.replicas import ReplicaExchange
@@ -90,26 +91,13 @@ class StepRun:
 
     def outputs(self, microbatches: int) -> object:
         """The model outputs of every micro-batch (``microbatches`` of them: with replicas' gathered, the whole
-        batch's), joined along dim 0 when they all have one structure (a tensor, a tuple, a ModelOutput...) of tensors
-        with a batch dimension; else a list per micro-batch."""
+        batch's), joined as :func:`~pipeloom.runtime.step.batch.joined_outputs` joins them."""
         if not self.model_outputs:
             return None
         values = [self.model_outputs[mb] for mb in sorted(self.model_outputs)]
-        if len(values) != microbatches:
-            return values
-        flat = [pytree.tree_flatten(v) for v in values]
-        spec = flat[0][1]
-        columns = list(zip(*(leaves for leaves, _ in flat)))  # each leaf position over the micro-batches
-
-        def joinable(parts: tuple) -> bool:  # tensors with a batch dimension, or the same non-tensor
-            if all(isinstance(t, torch.Tensor) for t in parts):
-                return all(t.dim() > 0 for t in parts)
-            return all(not isinstance(t, torch.Tensor) and t == parts[0] for t in parts)
-
-        if not all(s == spec for _, s in flat) or not all(joinable(parts) for parts in columns):
-            return values
-        joined = [torch.cat(parts, dim=0) if isinstance(parts[0], torch.Tensor) else parts[0] for parts in columns]
-        return pytree.tree_unflatten(joined, spec)
+        cut = self.chunks[0] if self.chunks else []
+        rows = [len(part) for part in cut] if len(cut) == len(values) else None  # this rank's own micro-batches
+        return joined_outputs(values, microbatches, rows)
 
     def execute(self) -> None:
         pieces, messages, clock = self.pieces, self.messages, self.clock
