@@ -143,3 +143,12 @@ def test_named_parameters_before_the_split_are_the_models():
     assert [p for _, p in named] == engine.parameters()
     with pytest.raises(PipelineError, match=r"or pass tracing=pipeloom\.runtime\.Tracing\(example_inputs="):
         engine.clip_grad_norm_(1.0)
+
+
+def test_a_none_among_the_inputs_is_named_with_the_way_to_pass_optional_ones():
+    """``step((ids, None, mask))`` (GPT-2's mask comes after its cache) had said only "got tuple"."""
+    engine = pipeline(build_hf("gpt2"), schedule="1f1b", split_points=[], loss_fn=lm_loss, microbatches=2)
+    x, y = tokens()
+    with pytest.raises(PipelineError, match=r"got tuple whose item 1 is NoneType; for keyword or optional inputs.*"
+                                            r"wrap the model"):
+        engine.step((x, None, torch.ones_like(x)), target=y)

@@ -48,7 +48,8 @@ class BatchCut:
         chunks = self.cut(inputs, "inputs")
         if len(chunks) != len(input_names):
             raise PipelineError(f"the model takes {len(input_names)} input(s) ({', '.join(input_names)}), step() got "
-                                f"{len(chunks)}; pass a tuple with one tensor per input")
+                                f"{len(chunks)}; pass a tuple with one tensor per input (for optional or non-tensor "
+                                "parameters, wrap the model in a module whose forward takes the tensors you pass)")
         if training and target is None:
             raise PipelineError("step() needs target= (passed to loss_fn with each micro-batch's output)")
         return chunks, self.cut(target, "target") if target is not None else []
