@@ -11,6 +11,7 @@ import collections
 import contextlib
 import operator
 import threading
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
@@ -150,7 +151,9 @@ def _shared_builtins(traced: TracedModel) -> list[str]:
 def _traced(model: nn.Module, tracer: _Tracer) -> TracedModel:
     changes: list[str] = []
     try:
-        with _mode_changes(changes):
+        with _mode_changes(changes), warnings.catch_warnings():
+            # a reentrant checkpoint's warning about proxies (its inputs "do not require grad" while traced)
+            warnings.filterwarnings("ignore", message="None of the inputs have requires_grad=True")
             graph = tracer.trace(model)
     except Exception as error:  # fx raises TraceError, TypeError, NotImplementedError, ValueError... alike
         raise ModelTraceError(
