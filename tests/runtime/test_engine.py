@@ -99,21 +99,23 @@ class _SequenceFirst(nn.Module):
         return self.b(self.a(x)).transpose(0, 1)
 
 
-def test_eval_step_joins_along_the_batch_only():
+@pytest.mark.parametrize("tokens", [5, 8])
+def test_eval_step_joins_along_the_batch_only(tokens):
     """An output whose dim 0 is not the batch's (sequence first) had been joined along it: 4 micro-batches of 2 rows
-    gave (20, 2, 3) for (5, 8, 3). It comes back per micro-batch; a flattened output (rows x tokens) is joined."""
+    gave (20, 2, 3) for (5, 8, 3). It comes back per micro-batch, also where the sequence is a multiple of the rows
+    (a first version joined (8, 2, 3) parts); a flattened output (rows x tokens) is joined."""
     from pipeloom.runtime.step.batch import joined_outputs
 
     torch.manual_seed(0)
     model = _SequenceFirst()
     engine = pipeline(model, schedule="1f1b", split_points=[], loss_fn=F.mse_loss, microbatches=4)
-    x = torch.randn(8, 5, 3)
+    x = torch.randn(8, tokens, 3)
     out = engine.eval_step(x)
     with torch.no_grad():
         assert isinstance(out, list) and all(torch.equal(o, model(c)) for o, c in zip(out, x.chunk(4)))
-    flat = [torch.ones(2 * 5, 3), torch.ones(2 * 5, 3)]
-    assert joined_outputs(flat, 2, [2, 2]).shape == (20, 3)
-    assert isinstance(joined_outputs([torch.ones(5, 2), torch.ones(5, 2)], 2, [2, 2]), list)
+    allowed = [{2, 2 * tokens}] * 2
+    assert joined_outputs([torch.ones(2 * tokens, 3)] * 2, 2, allowed).shape == (4 * tokens, 3)
+    assert joined_outputs([torch.ones(2, tokens, 3)] * 2, 2, allowed).shape == (4, tokens, 3)
 
 
 def test_trace_files_hold_every_action_in_order(tmp_path, monkeypatch):

@@ -450,3 +450,38 @@ def test_a_dict_output_reaches_the_loss_as_the_model_returns_it():
                       tracing=Tracing(tracer="fx"))
     reference = sum(popping(copy.deepcopy(model)(a), b) / 2 for a, b in zip(x.chunk(2), y.chunk(2)))
     assert torch.equal(engine.step(x, target=y), reference)
+
+
+class _HarmlessModes(nn.Module):
+    """A table computed from a buffer under no_grad (a rotary cache) and an enable_grad() that changes nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.register_buffer("freq", torch.arange(4.0))
+
+    def forward(self, x):
+        with torch.no_grad():
+            table = torch.cos(self.freq * x.size(0))
+        with torch.enable_grad():
+            h = self.a(x) * table
+        return self.b(h)
+
+
+class _NoGradInCheckpoint(_Reentrant):
+    def inner(self, x):
+        with torch.no_grad():
+            mean = x.mean()
+        return torch.tanh(self.a(x)) - mean
+
+
+def test_only_mode_changes_that_matter_keep_torch_fx_away():
+    """A no_grad over values without a gradient, and an enable_grad() already in force, trace with torch.fx (a first
+    version had refused every grad-mode call); a no_grad inside a reentrant checkpoint's function is refused (a
+    first version had passed over the whole function, the checkpoint's own no_grad with it)."""
+    x = torch.randn(4, 4)
+    model = _HarmlessModes()
+    out = split_model(model, ["b"], tracer="fx").run(x)
+    assert torch.equal(out, model(x)) and out.requires_grad
+    with pytest.raises(ModelTraceError, match=r"no_grad\(\) .* over a value with a gradient"):
+        split_model(_NoGradInCheckpoint(), ["b"], tracer="fx")

@@ -14,9 +14,10 @@ import torch
 from torch import nn
 
 from pipeloom.runtime.errors import ModelTraceError, NeedsExampleError
+from pipeloom.runtime.model.grad_modes import reentrant_checkpoints
 
-__all__ = ["EXPORT_SETTINGS", "QUIET_LOGGERS", "export_settings", "exported_program", "reentrant_checkpoints",
-           "EAGER_BRANCHES", "eager_branches"]
+__all__ = ["EXPORT_SETTINGS", "QUIET_LOGGERS", "export_settings", "exported_program", "EAGER_BRANCHES",
+           "eager_branches"]
 
 
 EXPORT_SETTINGS = (("torch.fx.config", "do_not_emit_stack_traces", True),
@@ -125,33 +126,6 @@ def exported_program(model: nn.Module, example_inputs: object,
             "nothing after it would get a gradient; use checkpoint(..., use_reentrant=False) (transformers: "
             "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})), or tracer='fx'")
     return exported
-
-
-@contextlib.contextmanager
-def reentrant_checkpoints(found: list[str], depth: list[int] | None = None) -> Iterator[None]:
-    """Note in ``found`` each reentrant activation checkpoint (``checkpoint(..., use_reentrant=True)``) run meanwhile,
-    and count in ``depth[0]`` those running now: it runs its function under ``torch.no_grad()``, which torch.export
-    records (everything after it would be traced without gradients) and torch.fx drops (its graph is the function's,
-    as without the checkpoint)."""
-    from torch.utils import checkpoint
-
-    function = checkpoint.CheckpointFunction
-    forward = function.__dict__["forward"]
-    inside = depth if depth is not None else [0]
-
-    def noted(ctx: object, run: object, *args: object) -> object:
-        found.append(getattr(run, "__qualname__", type(run).__name__))
-        inside[0] += 1
-        try:
-            return forward.__func__(ctx, run, *args)
-        finally:
-            inside[0] -= 1
-
-    function.forward = staticmethod(noted)  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        function.forward = forward  # type: ignore[method-assign]
 
 
 def _data_dependent_advice(model: nn.Module, error: Exception) -> str:

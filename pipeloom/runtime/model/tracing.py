@@ -8,11 +8,8 @@ node's module scopes (``nn_module_stack``), from which split points are found.
 from __future__ import annotations
 
 import collections
-import contextlib
 import operator
-import threading
-import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -21,7 +18,8 @@ import torch.utils._pytree as pytree
 from torch import fx, nn
 
 from pipeloom.runtime.errors import ModelTraceError, NeedsExampleError, SplitError
-from pipeloom.runtime.model.export_env import exported_program, reentrant_checkpoints
+from pipeloom.runtime.model.export_env import exported_program
+from pipeloom.runtime.model.grad_modes import mode_change, modes, reentrant_checkpoints
 from pipeloom.runtime.model.sizes import TracedSizes, traced_sizes
 
 if TYPE_CHECKING:
@@ -112,6 +110,11 @@ class _Tracer(fx.Tracer):
     def is_leaf_module(self, m: nn.Module, name: str) -> bool:
         return name in self.leaves or name not in self.opened and super().is_leaf_module(m, name)
 
+    def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
+        node = super().create_node(*args, **kwargs)
+        node.meta["modes"] = modes()  # the grad mode and autocast, which the graph does not record
+        return node
+
 
 def _symbolic(model: nn.Module, leaf_modules: Sequence[str], kept: Sequence[str]) -> TracedModel:
     """torch.fx's graph of ``model``. A ``torch.nn`` module torch.fx keeps whole whose parameters the graph uses more
@@ -149,22 +152,21 @@ def _shared_builtins(traced: TracedModel) -> list[str]:
 
 
 def _traced(model: nn.Module, tracer: _Tracer) -> TracedModel:
-    changes: list[str] = []
     try:
-        with _mode_changes(changes), warnings.catch_warnings():
-            # a reentrant checkpoint's warning about proxies (its inputs "do not require grad" while traced)
-            warnings.filterwarnings("ignore", message="None of the inputs have requires_grad=True")
+        with torch.enable_grad(), reentrant_checkpoints([], bypass=True):  # a checkpoint's function, as it computes
+            outer = modes()
             graph = tracer.trace(model)
     except Exception as error:  # fx raises TraceError, TypeError, NotImplementedError, ValueError... alike
         raise ModelTraceError(
             f"torch.fx cannot trace {type(model).__name__}: {type(error).__name__}: {error}. Split it by hand "
             "instead: pipeloom.runtime.stages_from_modules([stage0, stage1, ...]) with one nn.Module per stage"
         ) from error
-    if changes:
+    dropped = mode_change(graph, model, outer)
+    if dropped:
         raise ModelTraceError(
-            f"torch.fx cannot trace {type(model).__name__} as it runs: its forward enters "
-            f"{' and '.join(dict.fromkeys(changes))}, which a torch.fx graph does not record (the pieces would run "
-            "that code with gradients or in the outer dtype); trace it with tracer='export' and example_inputs")
+            f"torch.fx cannot trace {type(model).__name__} as it runs: its forward enters {dropped}, which a "
+            "torch.fx graph does not record (the pieces would run that code with gradients or in the outer dtype); "
+            "trace it with tracer='export' and example_inputs")
     root = fx.GraphModule(tracer.root, graph, type(model).__name__)
     output = next(n for n in root.graph.nodes if n.op == "output")
     names = tuple(str(n.target) for n in root.graph.nodes if n.op == "placeholder")
@@ -183,33 +185,6 @@ def _mutable(structure: object) -> object:
     if type(structure) is tuple:
         return tuple(_mutable(value) for value in structure)
     return structure
-
-
-@contextlib.contextmanager
-def _mode_changes(found: list[str]) -> Iterator[None]:
-    """Note in ``found`` each grad-mode change (``torch.no_grad()``, ``enable_grad()``, ``set_grad_enabled``) and
-    autocast change the tracing thread makes meanwhile: a traced forward's own, which torch.fx drops from its graph."""
-    tracing = threading.get_ident()
-    set_grad: Any = torch._C._set_grad_enabled
-    set_autocast: Any = torch.set_autocast_enabled
-    checkpointing = [0]  # a reentrant checkpoint's own no_grad: the graph of its function is right without it
-
-    def grad(*args: object) -> object:
-        if threading.get_ident() == tracing and not checkpointing[0]:
-            found.append("a grad-mode change (torch.no_grad(), enable_grad() or set_grad_enabled)")
-        return set_grad(*args)
-
-    def autocast(*args: object) -> object:
-        if threading.get_ident() == tracing:
-            found.append("torch.autocast")
-        return set_autocast(*args)
-
-    torch._C._set_grad_enabled, torch.set_autocast_enabled = grad, autocast  # type: ignore[assignment]
-    try:
-        with reentrant_checkpoints([], checkpointing):
-            yield
-    finally:
-        torch._C._set_grad_enabled, torch.set_autocast_enabled = set_grad, set_autocast
 
 
 def _export(model: nn.Module, example_inputs: object, keep: Sequence[str] = ()) -> TracedModel:

@@ -55,11 +55,11 @@ class BatchCut:
         return chunks, self.cut(target, "target") if target is not None else []
 
 
-def joined_outputs(values: list, microbatches: int, rows: Sequence[int] | None) -> object:
+def joined_outputs(values: list, microbatches: int, rows: Sequence[set[int]] | None) -> object:
     """The micro-batches' model outputs (``values``) joined along dim 0 when all ``microbatches`` of them have one
-    structure (a tensor, a tuple, a ModelOutput...) whose tensors have a batch dimension first: with ``rows[k]`` the
-    rows of micro-batch k where known, a dim 0 that is a multiple of them (the rows, or rows x tokens flattened);
-    else the list (an output whose dim 0 is a sequence's, batch second, had been joined along the sequence)."""
+    structure (a tensor, a tuple, a ModelOutput...) whose tensors have a batch dimension first: where known, a dim 0
+    among ``rows[k]`` (micro-batch k's rows, or rows x tokens flattened); else the list (an output whose dim 0 is a
+    sequence's, batch second, had been joined along the sequence)."""
     import torch.utils._pytree as pytree
 
     if len(values) != microbatches:
@@ -70,7 +70,7 @@ def joined_outputs(values: list, microbatches: int, rows: Sequence[int] | None) 
 
     def joinable(parts: tuple) -> bool:  # tensors with a batch dimension, or the same non-tensor
         if all(isinstance(t, torch.Tensor) for t in parts):
-            return all(t.dim() > 0 and (rows is None or t.shape[0] % n == 0) for t, n in zip(parts, rows or parts))
+            return all(t.dim() > 0 and (rows is None or t.shape[0] in rows[k]) for k, t in enumerate(parts))
         return all(not isinstance(t, torch.Tensor) and t == parts[0] for t in parts)
 
     if not all(s == spec for _, s in flat) or not all(joinable(parts) for parts in columns):

@@ -96,7 +96,8 @@ class StepRun:
             return None
         values = [self.model_outputs[mb] for mb in sorted(self.model_outputs)]
         cut = self.chunks[0] if self.chunks else []
-        rows = [len(part) for part in cut] if len(cut) == len(values) else None  # this rank's own micro-batches
+        rows = ([{len(part), part.shape[:2].numel()} for part in cut]  # the rows, or rows x tokens flattened
+                if len(cut) == len(values) else None)  # with replicas' gathered, not this rank's to say
         return joined_outputs(values, microbatches, rows)
 
     def execute(self) -> None:
