@@ -10,8 +10,9 @@ from pathlib import Path
 
 from pipeloom.cli.errors import UsageError
 from pipeloom.cli.outputs import OutputPath
+from pipeloom.errors import PipeloomError
 
-__all__ = ["count", "number", "path_with", "schedule_list", "sequence_length"]
+__all__ = ["bytes_argument", "count", "memory_argument", "number", "path_with", "schedule_list", "sequence_length"]
 
 
 def number(kind: type, words: str, minimum: float, maximum: float = math.inf) -> Callable[[str], float]:
@@ -80,3 +81,32 @@ def schedule_list(text: str, choices: str | None = None, *, among: tuple[str, ..
         raise UsageError(f"--schedules: unknown schedule(s) {unknown or [text]}{meant}; "
                          f"{choices or 'choose among: ' + ', '.join(REGISTRY)}")
     return [name.lower() for name in given]
+
+
+def bytes_argument(text: str) -> float:
+    """An argparse type for sizes such as ``80GiB``, ``512MiB``, ``16GB`` or a number of bytes."""
+    from pipeloom.plan.costs.parts import parse_bytes
+
+    if text.strip().startswith("-"):
+        raise argparse.ArgumentTypeError(f"must be more than 0 bytes, got {text!r}")
+    try:
+        value = parse_bytes(text)
+    except PipeloomError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 bytes, got {text!r}")
+    return value
+
+
+def memory_argument(text: str) -> float:
+    """:func:`bytes_argument` refusing a bare number below 1 MiB: a size whose unit was left out (80 for 80GiB)."""
+    value = bytes_argument(text)
+    try:
+        bare = float(text)
+    except ValueError:  # it has a unit
+        return value
+    if bare < 2**20:
+        shown = f"{bare:.0f}" if bare.is_integer() else f"{bare:g}"  # 1e6 as 1000000, not 1e+06
+        raise argparse.ArgumentTypeError(f"{text} is {shown} bytes; give a unit, e.g. {shown}"
+                                         f"{'GiB' if bare <= 2**14 else 'MiB'}")
+    return value

@@ -9,48 +9,18 @@ import os
 import time
 from pathlib import Path
 
-from pipeloom.cli.argtypes import count, number, path_with, schedule_list
+from pipeloom.cli.argtypes import bytes_argument, count, memory_argument, number, path_with, schedule_list
 from pipeloom.cli.errors import UsageError
 from pipeloom.cli.outputs import report_console, target
 from pipeloom.cli.plan_cluster import cmd_plan_cluster
 from pipeloom.cli.plan_cluster_args import add_cluster_arguments, check_plan_mode
 from pipeloom.cli.plan_try import add_try_arguments, check_try, trial_lines, try_in_engine
-from pipeloom.errors import PipeloomError
 
-__all__ = ["PLAN_TIME_LIMIT", "add_plan_parser", "bytes_argument", "cmd_plan"]
+__all__ = ["PLAN_TIME_LIMIT", "add_plan_parser", "cmd_plan"]
 
 PLAN_TIME_LIMIT = 15.0
 """Seconds ``pipeloom plan`` tries candidates by default (``--time-limit``): with reading the table and
 printing, a plan ends within about 20 s whatever the global batch or the table's size."""
-
-
-def bytes_argument(text: str) -> float:
-    """An argparse type for sizes such as ``80GiB``, ``512MiB``, ``16GB`` or a number of bytes."""
-    from pipeloom.plan.costs.parts import parse_bytes
-
-    if text.strip().startswith("-"):
-        raise argparse.ArgumentTypeError(f"must be more than 0 bytes, got {text!r}")
-    try:
-        value = parse_bytes(text)
-    except PipeloomError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be more than 0 bytes, got {text!r}")
-    return value
-
-
-def memory_argument(text: str) -> float:
-    """:func:`bytes_argument` refusing a bare number below 1 MiB: a size whose unit was left out (80 for 80GiB)."""
-    value = bytes_argument(text)
-    try:
-        bare = float(text)
-    except ValueError:  # it has a unit
-        return value
-    if bare < 2**20:
-        shown = f"{bare:.0f}" if bare.is_integer() else f"{bare:g}"  # 1e6 as 1000000, not 1e+06
-        raise argparse.ArgumentTypeError(f"{text} is {shown} bytes; give a unit, e.g. {shown}"
-                                         f"{'GiB' if bare <= 2**14 else 'MiB'}")
-    return value
 
 
 def add_plan_parser(commands: argparse._SubParsersAction) -> None:
@@ -271,11 +241,26 @@ def _check_cost_table_export(args: argparse.Namespace) -> None:
                          "--hardware NAME (a cost table's plan exports to torchtitan only)")
 
 
+def _plan_mesh(args: argparse.Namespace, tables: list):
+    """:func:`~pipeloom.plan.mesh.plan_mesh` of the flags; UsageError for flags the tables cannot meet."""
+    from pipeloom.plan.errors import NoPlanFits, PlanArgumentError
+    from pipeloom.plan.mesh import plan_mesh
+
+    try:
+        return plan_mesh(
+            tables, num_ranks=args.ranks, global_batch=args.global_batch, memory_limit=args.memory_limit,
+            data_parallel=args.data_parallel, tensor_parallel=args.tensor_parallel or (1,), sharding=args.sharding,
+            dp_link=_dp_link(args, tables), schedules=_schedules(args.schedules),
+            stages_per_rank=args.stages_per_rank, microbatches=args.microbatches, search_time=args.search,
+            progress=_progress(args), deadline=time.perf_counter() + args.time_limit,
+        )
+    except (PlanArgumentError, NoPlanFits) as error:  # flags the table cannot meet, as --model's "no layout fits"
+        raise UsageError(str(error)) from None
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     """``pipeloom plan``: search, write the requested files, then print the plan and runners-up."""
     from pipeloom.plan.costs.file import load_costs
-    from pipeloom.plan.errors import NoPlanFits, PlanArgumentError
-    from pipeloom.plan.mesh import plan_mesh
 
     if args.export and not args.save:
         raise UsageError(f"--export {args.export} writes next to the plan file; give --save PLAN.json too")
@@ -287,16 +272,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return _plan_on_server(args)
     tables = _with_heads(args, [load_costs(path) for path in args.costs])
     written: list[str] = []
-    try:
-        result = plan_mesh(
-            tables, num_ranks=args.ranks, global_batch=args.global_batch, memory_limit=args.memory_limit,
-            data_parallel=args.data_parallel, tensor_parallel=args.tensor_parallel or (1,), sharding=args.sharding,
-            dp_link=_dp_link(args, tables), schedules=_schedules(args.schedules),
-            stages_per_rank=args.stages_per_rank, microbatches=args.microbatches, search_time=args.search,
-            progress=_progress(args), deadline=time.perf_counter() + args.time_limit,
-        )
-    except (PlanArgumentError, NoPlanFits) as error:  # flags the table cannot meet, as --model's "no layout fits"
-        raise UsageError(str(error)) from None
+    result = _plan_mesh(args, tables)
     if args.try_k is not None:  # every rank of the launch runs the trials; rank 0 alone writes and prints
         result = try_in_engine(args, result)
         if os.environ.get("RANK", "0") != "0":

@@ -34,7 +34,7 @@ __all__ = ["add_profile_parser", "cmd_profile"]
 
 def add_profile_parser(commands: argparse._SubParsersAction) -> None:
     """Register ``pipeloom profile``."""
-    from pipeloom.cli.plan import bytes_argument
+    from pipeloom.cli.argtypes import bytes_argument
 
     profile = commands.add_parser(
         "profile", help="measure a model's cost table (needs torch)",

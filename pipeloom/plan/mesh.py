@@ -168,10 +168,8 @@ def plan_mesh(
     tables = [table] if isinstance(table, CostTable) else list(table)
     try:
         sizes = tp_sizes(tables[0], num_ranks, tensor_parallel)
-    except TensorParallelError as error:
-        if isinstance(error, PlanError):  # a size the ranks or heads refuse: the caller's argument
-            raise
-        raise PlanError(str(error)) from None
+    except TensorParallelError as error:  # a size the ranks or heads refuse stays the caller's argument's error
+        raise (error if isinstance(error, PlanError) else PlanError(str(error))) from None
     results, failures = [], []
     for tp in sizes:
         report = None if progress is None or len(sizes) == 1 else _prefixed(progress, f"tp {tp}: ")
