@@ -21,6 +21,7 @@ from torch import nn
 
 from pipeloom.runtime.engine import PipelineEngine
 from pipeloom.runtime.errors import NotSplitYetError, PipelineError
+from pipeloom.runtime.step.batch import tensors
 
 if TYPE_CHECKING:
     from pipeloom.runtime.options import Parallelism
@@ -118,14 +119,7 @@ class FirstStepEngine(PipelineEngine):
             return
         if self._closed_early:
             raise PipelineError("this engine was closed (close()); build a new one to take more steps")
-        example = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
-        if not example or not all(isinstance(t, torch.Tensor) for t in example):
-            odd = next((f" whose item {k} is {type(t).__name__}" for k, t in enumerate(example)
-                        if not isinstance(t, torch.Tensor)), "") if isinstance(inputs, (tuple, list)) else ""
-            raise PipelineError(f"step() takes a tensor or a tuple of tensors (the model's positional inputs), got "
-                                f"{type(inputs).__name__}{odd}; for keyword or optional inputs (an attention mask "
-                                "after a cache argument), wrap the model in a module whose forward takes tensors "
-                                "and calls it: forward(ids, mask): return model(input_ids=ids, attention_mask=mask)")
+        example = tensors(inputs, "inputs")
         where = next((t.device for t in self._model.parameters() if not t.is_meta), None)
         if where is not None:  # a batch on the host traced with a model on a GPU: export refuses mixed devices
             example = pytree.tree_map(lambda t: t.to(where) if isinstance(t, torch.Tensor) else t, example)

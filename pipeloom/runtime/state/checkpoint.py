@@ -239,18 +239,20 @@ def _check_groups(path: str | os.PathLike, group: dist.ProcessGroup | None, tree
 def _agreed(group: dist.ProcessGroup | None, check: Callable[[], T]) -> T:
     """``check()`` on every rank of ``group``, its PipelineError raised on every rank where any rank's raised: a rank
     refusing alone would leave the others waiting in the load's collectives."""
-    fault: PipelineError | None = None
+    fault: Exception | None = None
     value = None
     try:
         value = check()
-    except PipelineError as error:
+    except Exception as error:  # noqa: BLE001 - any failure: the other ranks must hear of it, not wait
         fault = error
     if group is not None and dist.get_world_size(group) > 1:
         faults: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(faults, None if fault is None else str(fault), group=group)
+        said = None if fault is None else str(fault) if isinstance(fault, PipelineError) else \
+            f"{type(fault).__name__}: {fault}"
+        dist.all_gather_object(faults, said, group=group)
         failed = next(((rank, text) for rank, text in enumerate(faults) if text is not None), None)
         if fault is None and failed is not None:
-            raise PipelineError(f"rank {failed[0]}: {failed[1]}")
+            raise PipelineError(f"rank {failed[0]} of the checkpoint's group: {failed[1]}")
     if fault is not None:
         raise fault
     return cast(T, value)

@@ -10,7 +10,7 @@ import torch
 
 from pipeloom.runtime.errors import PipelineError
 
-__all__ = ["BatchCut", "joined_outputs", "row_count_fix", "signature"]
+__all__ = ["BatchCut", "joined_outputs", "row_count_fix", "signature", "tensors"]
 
 
 class BatchCut:
@@ -24,12 +24,10 @@ class BatchCut:
 
     def cut(self, value: object, what: str) -> list[list[torch.Tensor]]:
         """``value`` (a tensor or a tuple of tensors) -> per tensor, this replica's micro-batches."""
-        values = value if isinstance(value, (tuple, list)) else (value,)
+        values = tensors(value, what)
         m, total = self.per_replica, self.total
         out = []
         for i, v in enumerate(values):
-            if not isinstance(v, torch.Tensor):
-                raise PipelineError(f"{what}[{i}] is {type(v).__name__}; step() takes tensors (or a tuple of tensors)")
             if v.dim() == 0:
                 raise PipelineError(f"{what}[{i}] is a 0-d tensor; micro-batches are cut along dim 0, so give one "
                                     "row per sample")
@@ -53,6 +51,20 @@ class BatchCut:
         if training and target is None:
             raise PipelineError("step() needs target= (passed to loss_fn with each micro-batch's output)")
         return chunks, self.cut(target, "target") if target is not None else []
+
+
+def tensors(value: object, what: str) -> tuple[torch.Tensor, ...]:
+    """``value`` (a tensor, or a tuple or list of them: the model's positional inputs, or the target) as a tuple;
+    PipelineError naming an item of another type, and how to pass optional inputs."""
+    values = tuple(value) if isinstance(value, (tuple, list)) else (value,)
+    odd = next(((k, v) for k, v in enumerate(values) if not isinstance(v, torch.Tensor)), None)
+    if not values or odd is not None:
+        item = f" whose item {odd[0]} is {type(odd[1]).__name__}" if odd and isinstance(value, (tuple, list)) else ""
+        raise PipelineError(f"step()'s {what} must be a tensor or a tuple of tensors, got {type(value).__name__}"
+                            f"{item}; for keyword or optional inputs (an attention mask after a cache argument), wrap "
+                            "the model in a module whose forward takes tensors and calls it: forward(ids, mask): "
+                            "return model(input_ids=ids, attention_mask=mask)")
+    return values
 
 
 def joined_outputs(values: list, microbatches: int, rows: Sequence[set[int]] | None) -> object:
