@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from pipeloom.ir import Schedule
+from pipeloom.runtime.comm.threads import end_group_at_exit
 from pipeloom.runtime.engine import PipelineEngine
 from pipeloom.runtime.errors import NeedsExampleError, PipelineError, SplitOrderError, UnknownSplitPointError
 from pipeloom.runtime.first_step import FirstStepEngine, replaced_by
@@ -100,6 +101,7 @@ def pipeline(
       :class:`~pipeloom.runtime.options.Parallelism`, :class:`~pipeloom.runtime.options.Weights`,
       :class:`~pipeloom.runtime.options.Failures` (each field documented there).
     """
+    end_group_at_exit()  # whether or not an engine is built: a refusal must not leave gloo to the teardown
     tracing, parallel = tracing or Tracing(), parallel or Parallelism()
     weights, failures = weights or Weights(), failures or Failures()
     planned_batch, whose = None, ""  # whose: the plan file whose split points they are, for their errors

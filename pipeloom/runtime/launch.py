@@ -7,6 +7,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from pipeloom.runtime.comm.threads import end_group_at_exit
+
 __all__ = ["init_ranks"]
 
 
@@ -24,4 +26,5 @@ def init_ranks() -> tuple[dist.ProcessGroup | None, torch.device]:
         device, backend = torch.device("cpu"), "gloo"
     if not dist.is_initialized():
         dist.init_process_group(backend)
+        end_group_at_exit()
     return dist.group.WORLD, device

@@ -19,7 +19,7 @@ from pipeloom.runtime.comm.watch import PeerWatch
 if TYPE_CHECKING:
     from pipeloom.runtime.comm.transport import Posted
 
-__all__ = ["STOP_JOIN_S", "HelperThreads", "SendThread", "close_at_exit"]
+__all__ = ["STOP_JOIN_S", "HelperThreads", "SendThread", "close_at_exit", "end_group_at_exit"]
 
 
 class _Closable(Protocol):
@@ -34,6 +34,13 @@ def close_at_exit(engine: _Closable) -> None:
     """Have ``engine`` closed at interpreter exit if the script does not close it (and the default process group
     destroyed if the script forgets it)."""
     _LIVE.add(engine)
+    _BUILT[0] = True
+
+
+def end_group_at_exit() -> None:
+    """Have the default process group destroyed at interpreter exit if the script forgets it: this process runs
+    pipeloom's runtime on it (``init_ranks`` made it, or ``pipeline()`` was called, whether or not it built an
+    engine: one refused before any engine existed had exited aborted about one time in six)."""
     _BUILT[0] = True
 
 
