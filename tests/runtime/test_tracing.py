@@ -485,3 +485,48 @@ def test_only_mode_changes_that_matter_keep_torch_fx_away():
     assert torch.equal(out, model(x)) and out.requires_grad
     with pytest.raises(ModelTraceError, match=r"no_grad\(\) .* over a value with a gradient"):
         split_model(_NoGradInCheckpoint(), ["b"], tracer="fx")
+
+
+class _Cases(nn.Module):
+    """One forward per case of the second review: the module's ``case`` picks it."""
+
+    def __init__(self, case: str) -> None:
+        super().__init__()
+        self.case = case
+        self.a, self.b, self.pos = nn.Linear(4, 4), nn.Linear(4, 4), nn.Embedding(8, 4)
+
+    def forward(self, x):
+        if self.case == "module":  # a trained module called under no_grad on values without a gradient
+            with torch.no_grad():
+                table = self.pos(torch.arange(4))
+            return self.b(self.a(x) + table)
+        if self.case == "in-place":  # a gradient written into a fresh tensor in place, then read under no_grad
+            out = torch.zeros_like(x.detach())  # a detached copy's zeros: no gradient until add_
+            out.add_(self.a(x))
+            with torch.no_grad():
+                mean = out.mean()
+            return self.b(out - mean)
+        if self.case == "checkpoint":  # a reentrant checkpoint called under the caller's no_grad
+            from torch.utils.checkpoint import checkpoint
+
+            with torch.no_grad():
+                side = checkpoint(self.a, x, use_reentrant=True)
+            return self.b(x + side)
+        with torch.no_grad():  # "sizes": the shape and device read under no_grad, buffers only
+            ramp = torch.arange(x.shape[0], device=x.device, dtype=x.dtype).unsqueeze(1)
+        return self.b(self.a(x) * ramp)
+
+
+@pytest.mark.parametrize("case, refused", [("module", True), ("in-place", True), ("checkpoint", True),
+                                           ("sizes", False)])
+def test_the_grad_mode_check_on_the_second_reviews_cases(case, refused):
+    """Each of the first three had been traced by torch.fx with other gradients than eager (the module's weight, a's
+    through the in-place write, a's under the caller's no_grad); the fourth had been refused (x.shape read)."""
+    model = _Cases(case)
+    if refused:
+        with pytest.raises(ModelTraceError, match="over a value with a gradient"):
+            split_model(model, ["b"], tracer="fx")
+        return
+    x = torch.randn(4, 4)
+    out = split_model(model, ["b"], tracer="fx").run(x)
+    assert torch.equal(out, model(x))

@@ -14,68 +14,101 @@ from torch import fx, nn
 
 __all__ = ["mode_change", "modes", "reentrant_checkpoints"]
 
-_SIZES = frozenset({"size", "dim", "numel", "get_device", "type", "element_size"})
-"""Tensor methods whose results carry no gradient (sizes, counts): they may read an input under ``no_grad``."""
+_SIZES = frozenset({"size", "dim", "numel", "get_device", "element_size", "detach", "nelement"})
+"""Tensor methods whose results carry no gradient (sizes, counts, a detached copy): they may read an input under
+``no_grad``; so may ``type()`` without arguments and the attributes of :data:`_ATTRIBUTES`."""
+_ATTRIBUTES = frozenset({"shape", "device", "dtype", "ndim", "is_cuda", "requires_grad", "layout"})
 _TRACING = threading.local()
 """This thread's reentrant-checkpoint handling while it traces: ``"found"`` (a list the checkpoints' functions are
 noted in) and ``"bypass"`` (run the function without the checkpoint: torch.fx), absent while it does not."""
 _LOCK = threading.Lock()
 
 
-def modes() -> tuple[bool, tuple[bool, ...]]:
-    """The grad mode and the autocast state (CPU, CUDA) now: what :func:`mode_change` notes on each node."""
-    return torch.is_grad_enabled(), tuple(torch.is_autocast_enabled(device) for device in ("cpu", "cuda"))
+_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")
 
 
-def mode_change(graph: fx.Graph, root: nn.Module, outer: tuple[bool, tuple[bool, ...]]) -> str:
+def modes() -> tuple[bool, tuple[object, ...]]:
+    """The grad mode and the autocast state (on or off, and its dtype, per device type) now: what
+    :func:`mode_change` notes on each node."""
+    state: list[object] = []
+    for device in _DEVICES:
+        try:
+            state += [torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)]
+        except (RuntimeError, TypeError, AttributeError):  # a device type this torch does not know
+            state += [None, None]
+    return torch.is_grad_enabled(), tuple(state)
+
+
+def _no_gradient(node: fx.Node) -> bool:
+    """Whether ``node``'s value carries no gradient whatever it reads: a size, a count, a device, a detached copy."""
+    if node.op == "call_method":
+        return node.target in _SIZES or (node.target == "type" and len(node.args) + len(node.kwargs) == 1)
+    return node.op == "call_function" and node.target is getattr and node.args[1] in _ATTRIBUTES
+
+
+def _trained(node: fx.Node, root: nn.Module) -> bool:
+    """Whether ``node`` calls a module holding a parameter that requires a gradient."""
+    return node.op == "call_module" and any(p.requires_grad for p in root.get_submodule(str(node.target)).parameters())
+
+
+def _in_place(node: fx.Node) -> bool:
+    name = str(node.target) if node.op == "call_method" else getattr(node.target, "__name__", "")
+    return node.op in ("call_method", "call_function") and (
+        (name.endswith("_") and not name.endswith("__")) or name in ("setitem", "iadd", "imul", "isub", "itruediv"))
+
+
+def mode_change(graph: fx.Graph, root: nn.Module, outer: tuple[bool, tuple[object, ...]]) -> str:
     """What torch.fx's ``graph`` (each node's ``meta["modes"]`` the :func:`modes` it was traced under; traced from
     ``root`` under ``outer``, grad enabled) drops of its forward ("" if nothing): an operation under another autocast,
     or one under ``no_grad`` that reads a value with a gradient (an input, a parameter that requires one, or what is
-    computed from them; sizes read are not)."""
-    calls = [node for node in graph.nodes if node.op in ("call_function", "call_method", "call_module")]
-    if any(node.meta["modes"][1] != outer[1] for node in calls):
-        return "torch.autocast"
+    computed from them, an in-place change included; sizes, devices and detached copies are not) or calls a module
+    with such a parameter."""
     params = {name for name, p in root.named_parameters(remove_duplicate=False) if p.requires_grad}
     graded: set[fx.Node] = set()
     for node in graph.nodes:
-        reads = any(n in graded for n in node.all_input_nodes)
-        if node.op == "placeholder" or (node.op == "get_attr" and str(node.target) in params):
-            graded.add(node)
-        elif node in calls and not (node.op == "call_method" and node.target in _SIZES):
-            if not node.meta["modes"][0]:
-                if reads:
-                    return "torch.no_grad() (or set_grad_enabled(False)) over a value with a gradient"
-            elif reads or (node.op == "call_module" and any(
-                    p.requires_grad for p in root.get_submodule(str(node.target)).parameters())):
+        if node.op not in ("call_function", "call_method", "call_module"):
+            if node.op == "placeholder" or (node.op == "get_attr" and str(node.target) in params):
                 graded.add(node)
+            continue
+        if node.meta["modes"][1] != outer[1]:
+            return "torch.autocast"
+        if _no_gradient(node):
+            continue
+        reads = any(n in graded for n in node.all_input_nodes)
+        if not node.meta["modes"][0]:
+            if reads or _trained(node, root):
+                return "torch.no_grad() (or set_grad_enabled(False)) over a value with a gradient"
+        elif reads or _trained(node, root):
+            graded.add(node)
+            if _in_place(node) and node.args and isinstance(node.args[0], fx.Node):
+                graded.add(node.args[0])  # what it changed is read again through its first argument
     return ""
+
 
 
 @contextlib.contextmanager
 def reentrant_checkpoints(found: list[str], *, bypass: bool = False) -> Iterator[None]:
     """Note in ``found`` each reentrant activation checkpoint (``checkpoint(..., use_reentrant=True)``) this thread
-    runs meanwhile; with ``bypass`` run its function directly, without the checkpoint's ``no_grad`` (torch.fx's
-    graph of it is the function's). Other threads' checkpoints run as ever."""
+    runs meanwhile; with ``bypass`` call its function directly, in the caller's grad mode, without the checkpoint
+    (torch.fx's graph of it is the function's; the checkpoint would run it under ``no_grad``). Other threads'
+    checkpoints, and this thread's outside these blocks, run as ever."""
     from torch.utils import checkpoint
 
     function = checkpoint.CheckpointFunction
     with _LOCK:
-        if "forward" not in function.__dict__ or not hasattr(function.__dict__["forward"], "pipeloom_original"):
-            original = function.__dict__["forward"]
+        if not getattr(function.apply, "pipeloom_hook", False):
+            inherited = function.apply
 
-            def forward(ctx: object, run: object, preserve: object, *args: object) -> object:
+            def apply(run: object, preserve: object, *args: object) -> object:
                 state = getattr(_TRACING, "state", None)
-                if state is None:
-                    return original.__func__(ctx, run, preserve, *args)
-                state["found"].append(getattr(run, "__qualname__", type(run).__name__))
-                if state["bypass"]:  # grad on again: an autograd Function's forward runs without
-                    with torch.enable_grad():
+                if state is not None:
+                    state["found"].append(getattr(run, "__qualname__", type(run).__name__))
+                    if state["bypass"]:
                         return run(*args)  # type: ignore[operator]
-                return original.__func__(ctx, run, preserve, *args)
+                return inherited(run, preserve, *args)
 
-            patched = staticmethod(forward)
-            patched.pipeloom_original = original  # type: ignore[attr-defined]
-            function.forward = patched  # type: ignore[method-assign]
+            apply.pipeloom_hook = True  # type: ignore[attr-defined]
+            function.apply = apply  # type: ignore[method-assign]
     saved = getattr(_TRACING, "state", None)
     _TRACING.state = {"found": found, "bypass": bypass}
     try:

@@ -237,8 +237,9 @@ def _check_groups(path: str | os.PathLike, group: dist.ProcessGroup | None, tree
 
 
 def _agreed(group: dist.ProcessGroup | None, check: Callable[[], T]) -> T:
-    """``check()`` on every rank of ``group``, its PipelineError raised on every rank where any rank's raised: a rank
-    refusing alone would leave the others waiting in the load's collectives."""
+    """``check()`` on every rank of ``group``; where it fails on any rank, each rank raises (its own error, or a
+    PipelineError naming the rank that failed and why): a rank refusing alone would leave the others waiting in the
+    load's collectives."""
     fault: Exception | None = None
     value = None
     try:
