@@ -10,7 +10,6 @@ original model — so tied tensors stay tied and ``model`` itself holds this ran
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
@@ -178,7 +177,7 @@ def _read_checkpoint(path: Path, names: ModelNames, pieces: Mapping[int, nn.Modu
     (``dcp.save(model.state_dict())``) or by ``engine.save_checkpoint`` (keys under ``model.``)."""
     import torch.distributed.checkpoint as dcp
 
-    from pipeloom.runtime.state.checkpoint import check_saved_model, checkpoint_keys
+    from pipeloom.runtime.state.checkpoint import check_saved_model, checkpoint_keys, one_process
     from pipeloom.runtime.state.state_dict import state_dict as local_state
 
     saved = checkpoint_keys(path, "Weights(state_dict=)")
@@ -193,7 +192,6 @@ def _read_checkpoint(path: Path, names: ModelNames, pieces: Mapping[int, nn.Modu
     saved_model = saved if prefixed else {key: meta for key, meta in saved.items()
                                           if not key.startswith(("optim.", "engine.", "extra."))}
     check_saved_model(saved_model, table, names, prefix=prefix, what="Weights(state_dict=)", path=path)
-    with warnings.catch_warnings():  # one process reading a folder: what DCP's warning assumes
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    with one_process(None):  # one process reading a folder: what DCP's warning assumes
         dcp.load(content, checkpoint_id=str(path), no_dist=True)
     return table

@@ -22,7 +22,7 @@ from pipeloom.runtime.state.state_dict import ModelNames, load_state_dict, named
 
 T = TypeVar("T")
 
-__all__ = ["Stateful", "check_saved_model", "checkpoint_keys", "load_checkpoint", "save_checkpoint"]
+__all__ = ["Stateful", "check_saved_model", "checkpoint_keys", "load_checkpoint", "one_process", "save_checkpoint"]
 
 
 @runtime_checkable
@@ -90,7 +90,7 @@ def _optimizer_state(tree: nn.Module, optimizer: torch.optim.Optimizer, *, savin
 
 
 @contextlib.contextmanager
-def _one_process(group: dist.ProcessGroup | None) -> Iterator[None]:
+def one_process(group: dist.ProcessGroup | None) -> Iterator[None]:
     """Without a process group DCP warns that it assumes one process, which is what is meant here."""
     with warnings.catch_warnings():
         if group is None:
@@ -215,7 +215,7 @@ def _check_groups(path: str | os.PathLike, group: dist.ProcessGroup | None, tree
     import torch.distributed.checkpoint as dcp
 
     settings = {"optim": {key: value for key, value in flat.items() if key.startswith("param_groups.")}}
-    with _one_process(group), _dcp_errors("load_checkpoint", path):  # every rank, as every rank loads after
+    with one_process(group), _dcp_errors("load_checkpoint", path):  # every rank, as every rank loads after
         dcp.load(settings, checkpoint_id=path, process_group=group, no_dist=group is None)
     name_of = {id(param): name for name, param in tree.named_parameters()}
     keys = sorted({key.rsplit(".", 1)[1] for key in settings["optim"]})
@@ -278,7 +278,7 @@ def save_checkpoint(path: str | os.PathLike, names: ModelNames, pieces: Mapping[
         content["extra"] = states
     if os.path.exists(path) and not os.path.isdir(path):
         raise PipelineError(f"save_checkpoint: {str(path)!r} is a file; a checkpoint is a folder: give a new path")
-    with _one_process(group), _dcp_errors("save_checkpoint", path):
+    with one_process(group), _dcp_errors("save_checkpoint", path):
         dcp.save(content, checkpoint_id=path, process_group=group, no_dist=group is None)
 
 
@@ -325,7 +325,7 @@ def load_checkpoint(path: str | os.PathLike, names: ModelNames, pieces: Mapping[
         content["engine"] = {key: torch.tensor(0, dtype=torch.int64) for key in found if key in saved_counters}
     if objects:
         content["extra"] = {name: b"" for name in objects}  # DCP replaces each with the saved bytes
-    with _one_process(group), _dcp_errors("load_checkpoint", path):
+    with one_process(group), _dcp_errors("load_checkpoint", path):
         dcp.load(content, checkpoint_id=path, process_group=group, no_dist=group is None)
     found.update({key: int(value) for key, value in content.get("engine", {}).items()})
     load_state_dict(names, pieces, content["model"])  # DCP loads in place; this covers copies it made
