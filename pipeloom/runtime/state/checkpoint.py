@@ -282,6 +282,22 @@ def save_checkpoint(path: str | os.PathLike, names: ModelNames, pieces: Mapping[
         dcp.save(content, checkpoint_id=path, process_group=group, no_dist=group is None)
 
 
+def _warn_left_behind(path: str | os.PathLike, saved: Mapping[str, object], group: dist.ProcessGroup | None, *,
+                      optimizer: bool, extra: Iterable[str]) -> None:
+    """Warn (once, on the group's first rank) that ``path`` holds state this load leaves behind: an optimizer's
+    state without ``optimizer=``, or ``extra`` objects not asked for. Loading the model alone is meant for
+    evaluation or a fresh fine-tune; a resumed run that forgot them would quietly restart its optimizer."""
+    left = []
+    if not optimizer and _saved_keys(saved, "optim"):
+        left.append("an optimizer's state (pass optimizer=)")
+    unasked = sorted({key.split(".", 1)[0] for key in _saved_keys(saved, "extra")} - set(extra))
+    if unasked:
+        left.append(f"extra {unasked} (pass extra={{name: object}})")
+    if left and (group is None or dist.get_rank(group) == 0):
+        warnings.warn(f"load_checkpoint: {str(path)!r} also holds {' and '.join(left)}, not loaded: the model "
+                      "alone was; to resume training, load them too", UserWarning, stacklevel=4)
+
+
 def _saved_keys(saved: Mapping[str, object], prefix: str) -> set[str]:
     """The names saved under ``prefix.``."""
     return {key[len(prefix) + 1:] for key in saved if key.startswith(prefix + ".")}
@@ -312,6 +328,7 @@ def load_checkpoint(path: str | os.PathLike, names: ModelNames, pieces: Mapping[
         return saved
 
     saved = _agreed(group, model_checks)
+    _warn_left_behind(path, saved, group, optimizer=optimizer is not None, extra=objects.keys())
     tree = None
     if optimizer is not None:
         tree = _tree(named_parameters(names, pieces))
