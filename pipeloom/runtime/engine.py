@@ -34,7 +34,7 @@ from pipeloom.runtime.state.checkpoint import load_checkpoint, save_checkpoint
 from pipeloom.runtime.state.clip import clip_grad_norm_
 from pipeloom.runtime.state.state_dict import LoadResult, ModelNames
 from pipeloom.runtime.step.agree import agree_on_step
-from pipeloom.runtime.step.batch import BatchCut, signature
+from pipeloom.runtime.step.batch import BatchCut, batch_rows, signature
 from pipeloom.runtime.step.failure import broken_off, mesh_failure_scope, tp_shape_hint
 from pipeloom.runtime.step.loss import LossSum
 from pipeloom.runtime.step.pieces import RankPieces
@@ -234,7 +234,9 @@ class PipelineEngine:
             self._write_trace(step_start, time.time_ns(), events)
         self._step_count += 1
         self.training_steps += training
-        return loss, run.outputs(self.total_microbatches if whole else self.num_microbatches)
+        count = self.total_microbatches if whole else self.num_microbatches
+        gathered = whole or (self.lowering.replicas > 1 and not training)  # other ranks' outputs among them
+        return loss, run.outputs(count, batch_rows(inputs, count) if gathered else None)
 
     def _check_buffers(self) -> None:
         """After the first training step (a model whose training forward changes its buffers does so then): refuse

@@ -260,6 +260,42 @@ def replicas_eval(rank: int, world: int) -> dict:
         found[name] = "none" if out is None else bool(isinstance(out, torch.Tensor) and torch.equal(out, expected))
         engine.close()
     found["tp dtensor"] = _replicas_eval_dtensor()
+    found.update(_replicas_eval_sequence_first())
+    return found
+
+
+def _replicas_eval_sequence_first() -> dict:
+    """Outputs (tokens, rows, 3), the sequence first, gathered from the other replicas: had been joined along the
+    sequence unchecked (the rows of other replicas' micro-batches were not this rank's to read); they come back per
+    micro-batch, one device's, as on one replica."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from pipeloom.runtime import Parallelism, pipeline
+
+    class Transposed(nn.Module):
+        def forward(self, x):
+            return x.transpose(0, 1)
+
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3), Transposed())
+
+    x = torch.randn(16, 4, 3, generator=torch.Generator().manual_seed(0))  # 8 micro-batches of 2 rows, 4 tokens
+    reference = model().eval()
+    with torch.no_grad():
+        expected = [reference(part) for part in x.chunk(8)]
+    found: dict = {}
+    for name, schedule, names in (("dp pp", "1f1b", ("dp", "pp")), ("dualpipe", "dualpipe", ("pp", "dp"))):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=names)
+        engine = pipeline(model(), schedule=schedule, split_points=["1"], loss_fn=F.mse_loss, microbatches=4,
+                          parallel=Parallelism(mesh=mesh), failures=Failures(timeout=30))
+        out = engine.eval_step(x)
+        found[f"{name} sequence first"] = "none" if out is None else bool(
+            isinstance(out, list) and len(out) == 8 and all(torch.equal(o, e) for o, e in zip(out, expected)))
+        engine.close()
     return found
 
 

@@ -91,6 +91,19 @@ def joined_outputs(values: list, microbatches: int, rows: Sequence[set[int]] | N
     return pytree.tree_unflatten(joined, spec)
 
 
+def batch_rows(inputs: object, microbatches: int) -> list[set[int]] | None:
+    """Each of ``microbatches`` micro-batches' rows (and rows x tokens flattened) as ``torch.chunk`` cuts the whole
+    batch's first input tensor (``inputs``, the same on every rank): what :func:`joined_outputs` accepts as a batch
+    dimension where outputs of other ranks (replicas) were gathered. None without such a tensor."""
+    import torch.utils._pytree as pytree
+
+    first = next((t for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.dim() > 0), None)
+    parts = [] if first is None else torch.chunk(first, microbatches, dim=0)
+    if len(parts) != microbatches:
+        return None
+    return [{len(part), part.shape[:2].numel()} for part in parts]
+
+
 def row_count_fix(rows: int, microbatches: int) -> str:
     """What to give where ``torch.chunk`` cuts ``rows`` into fewer than ``microbatches`` pieces: the next row count it
     cuts into that many (uneven micro-batches), or a multiple of them."""

@@ -89,15 +89,16 @@ class StepRun:
         return (f"rank {self.pieces.rank}: stage {action.stage} (model piece {step.piece}) failed in action "
                 f"{action} (micro-batch {step.microbatch}): {said}")
 
-    def outputs(self, microbatches: int) -> object:
+    def outputs(self, microbatches: int, rows: list[set[int]] | None = None) -> object:
         """The model outputs of every micro-batch (``microbatches`` of them: with replicas' gathered, the whole
-        batch's), joined as :func:`~pipeloom.runtime.step.batch.joined_outputs` joins them."""
+        batch's, whose ``rows`` the caller gives), joined as :func:`~pipeloom.runtime.step.batch.joined_outputs`
+        joins them."""
         if not self.model_outputs:
             return None
         values = [self.model_outputs[mb] for mb in sorted(self.model_outputs)]
         cut = self.chunks[0] if self.chunks else []
-        rows = ([{len(part), part.shape[:2].numel()} for part in cut]  # the rows, or rows x tokens flattened
-                if len(cut) == len(values) else None)  # with replicas' gathered, not this rank's to say
+        if rows is None and len(cut) == len(values):  # the rows, or rows x tokens flattened
+            rows = [{len(part), part.shape[:2].numel()} for part in cut]
         return joined_outputs(values, microbatches, rows)
 
     def execute(self) -> None:
