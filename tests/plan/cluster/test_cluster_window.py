@@ -68,6 +68,9 @@ def test_windowed_layers_are_transformers_own(family):
 def test_families_without_windows_ignore_sliding_window_fields():
     spec = model_spec(dict(TINY["llama"], model_type="llama", sliding_window=8))
     assert (spec.window, spec.window_layers) == (0, ())
+    layers = TINY["llama"].get("num_hidden_layers", 2)
+    typed = dict(TINY["llama"], model_type="llama", sliding_window=8, layer_types=["sliding_attention"] * layers)
+    assert model_spec(typed).window_layers == ()  # Llama never reads layer_types: they had been windowed
     qwen = model_spec(dict(TINY["qwen2"], model_type="qwen2", sliding_window=8))  # use_sliding_window not set
     assert qwen.window_layers == ()
 

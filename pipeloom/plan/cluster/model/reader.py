@@ -228,9 +228,15 @@ def _dropouts(data: Mapping[str, Any], family: str, parallel: bool) -> dict[str,
                 embedding_dropout=family in embedding and rate_on(data, embedding[family]))
 
 
+_LAYER_TYPES_WINDOW = frozenset({"cohere2", "dots1", "exaone4", "gemma2", "gemma3_text", "gpt_oss", "ministral", "olmo3",
+                                 "qwen2", "qwen2_moe", "qwen3", "smollm3"})
+"""The families whose transformers model windows the layers its config's ``layer_types`` name (the others ignore
+the field: a Llama config carrying it runs full attention on every layer)."""
+
+
 def _windows(data: Mapping[str, Any], family: str, layers: int) -> tuple[int, tuple[int, ...]]:
     """``(window, layers)`` of sliding-window attention as transformers builds the model: the config's ``layer_types``
-    where it has them (``"sliding_attention"`` layers); otherwise Mistral, Ministral, Ministral 3, Mixtral, Phi-3,
+    where it has them in a family that reads them (``"sliding_attention"`` layers); otherwise Mistral, Ministral, Ministral 3, Mixtral, Phi-3,
     Phi-3.5-MoE and StarCoder2 window every layer when ``sliding_window`` is set, OLMo 3 three layers of every four
     (its default ``layer_types``), Gemma 2 and gpt-oss every second layer from the first, Gemma 3, Cohere 2 and
     EXAONE 4 all but every ``sliding_window_pattern``-th (6, 4 and 4), Qwen3-MoE every layer with
@@ -240,7 +246,7 @@ def _windows(data: Mapping[str, Any], family: str, layers: int) -> tuple[int, tu
     if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
         return 0, ()
     types = data.get("layer_types")
-    if isinstance(types, (list, tuple)):
+    if isinstance(types, (list, tuple)) and family in _LAYER_TYPES_WINDOW:
         return size, tuple(n for n, kind in enumerate(types[:layers]) if kind == "sliding_attention")
     if family in ("mistral", "mixtral", "phimoe", "phi3", "starcoder2", "ministral", "ministral3"):
         return size, tuple(range(layers))
