@@ -79,6 +79,22 @@ def test_a_cohere2_head_dim_the_file_gives_is_the_models():
     assert model_params(model_spec(data)) == sum(p.numel() for p in model.parameters())
 
 
+@pytest.mark.parametrize("family, fields", [
+    ("qwen3_moe", dict(shared_expert_intermediate_size=48)),  # Qwen3-MoE builds no shared expert: had been counted
+    ("qwen2_moe", dict(shared_expert_intermediate_size=0)),  # its shared expert's gate stays: had been left out
+    ("gpt_neox", dict(head_dim=24)),  # GPT-NeoX's heads are hidden / heads whatever head_dim says: had been read
+    ("phi", dict(head_dim=24)),  # Phi's attention reads head_dim: had been left out
+])
+def test_fields_a_family_reads_or_ignores_count_as_transformers_builds_them(family, fields):
+    """Found by a new user's trial (2026-12-06): the planner's count had followed a field the family's model
+    ignores, or ignored one it reads."""
+    data = dict(TINY[family], model_type=family, **fields)
+    config = transformers.AutoConfig.for_model(**data)
+    torch.manual_seed(0)
+    model = tiny_model(config)
+    assert model_params(model_spec(data)) == sum(p.numel() for p in model.parameters())
+
+
 @pytest.mark.parametrize("variant", [
     dict(new_decoder_architecture=False, multi_query=True, parallel_attn=True),  # Falcon 7B: one norm, one kv head
     dict(new_decoder_architecture=False, multi_query=False, parallel_attn=False),  # sequential, every head its kv

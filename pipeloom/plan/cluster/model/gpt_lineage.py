@@ -56,8 +56,8 @@ def _parallel_gelu(data: Mapping[str, Any], family: str, *, kv_heads: int, bias:
     (no parameters)."""
     hidden = int(get_field(data, "hidden_size", "n_embd"))
     heads = int(get_field(data, "num_attention_heads", "n_head"))
-    attention = Attention(heads=heads, kv_heads=kv_heads, qk_dim=head_size(data, hidden, heads, family, field=False),
-                          v_dim=hidden // heads, qkv_bias=bias, o_bias=bias)
+    width = head_size(data, hidden, heads, family, field=family == "phi")  # Phi reads head_dim, GPT-J does not
+    attention = Attention(heads=heads, kv_heads=kv_heads, qk_dim=width, v_dim=width, qkv_bias=bias, o_bias=bias)
     return ModelSpec(family=family, hidden=hidden, layers=int(get_field(data, "num_hidden_layers", "n_layer")),
                      vocab=int(get_field(data, "vocab_size")), attention=attention, intermediate=intermediate,
                      gated=False, mlp_bias=True, layer_norm=True, parallel_residual=True, shared_norm=True,

@@ -282,7 +282,7 @@ def _family_spec(data: Mapping[str, Any], family: str) -> ModelSpec:
     hidden = int(get_field(data, "hidden_size"))
     heads = int(get_field(data, "num_attention_heads"))
     layers = int(get_field(data, "num_hidden_layers"))
-    head_dim = head_size(data, hidden, heads, family)
+    head_dim = head_size(data, hidden, heads, family, field=family != "gpt_neox")  # GPT-NeoX's are hidden / heads
     common: dict[str, Any] = dict(family=family, hidden=hidden, layers=layers, vocab=int(get_field(data, "vocab_size")),
                   tied=bool(data.get("tie_word_embeddings", False)))
     if family == "gpt_neox":
@@ -327,8 +327,10 @@ def _family_spec(data: Mapping[str, Any], family: str) -> ModelSpec:
     experts = Experts(count=int(get_field(data, "num_experts", "num_local_experts")),
                       top_k=int(get_field(data, "num_experts_per_tok")),
                       intermediate=int(get_field(data, "moe_intermediate_size")),
-                      shared_intermediate=int(data.get("shared_expert_intermediate_size") or 0),
-                      shared_gate=family == "qwen2_moe" and bool(data.get("shared_expert_intermediate_size")))
+                      # Qwen3-MoE builds no shared expert whatever its config says; Qwen2-MoE builds its gate even
+                      # around a shared expert of width 0
+                      shared_intermediate=int(data.get("shared_expert_intermediate_size") or 0)
+                      if family == "qwen2_moe" else 0, shared_gate=family == "qwen2_moe")
     step = int(data.get("decoder_sparse_step") or 1)
     dense_only = set(data.get("mlp_only_layers") or ())
     moe = tuple(i for i in range(layers) if i not in dense_only and experts.count > 0 and (i + 1) % step == 0)
