@@ -18,6 +18,7 @@ from torch import nn
 
 from pipeloom.ir import Schedule
 from pipeloom.runtime.comm.threads import end_group_at_exit
+from pipeloom.runtime.comm.watch import closed_by
 from pipeloom.runtime.engine import PipelineEngine
 from pipeloom.runtime.errors import NeedsExampleError, PipelineError, SplitOrderError, UnknownSplitPointError
 from pipeloom.runtime.first_step import FirstStepEngine, replaced_by
@@ -45,7 +46,7 @@ from pipeloom.runtime.parallel.tp import (
 from pipeloom.runtime.parallel.tp_auto import AutoPlan, AutoSharding, auto_tp_plan, is_auto
 from pipeloom.runtime.plan_file import PlannedBatch, plan_arguments
 from pipeloom.runtime.program import Lowering, check_pieces
-from pipeloom.runtime.setup import device_for, lower_for, resolve_schedule, shared_seed, staged_model
+from pipeloom.runtime.setup import default_store, device_for, lower_for, resolve_schedule, shared_seed, staged_model
 from pipeloom.runtime.state.state_dict import model_names
 from pipeloom.runtime.step.pieces import RankPieces
 from pipeloom.runtime.step.shared import SharedParameters, check_placement, shared_parameters
@@ -112,6 +113,7 @@ def pipeline(
     _check_arguments(schedule, loss_fn, microbatches, split_points, record)
     assert loss_fn is not None  # _check_arguments refused None
     layout = layout_of(parallel.process_group, parallel.mesh)
+    _refuse_broken_groups(layout)
     sharding, tp_plan = _tensor_parallel(model, parallel, layout, microbatches, tracing)
     if layout.tp.group is not None:  # a TP all-reduce inside a forward ends within the engine's timeout
         set_group_timeout([layout.group, layout.dp.group, layout.tp.group], failures.timeout)
@@ -265,6 +267,19 @@ def _auto_plan(model: nn.Module | None, tp_plan: object, mesh: DeviceMesh | None
     logger.info("tp_plan='auto' chose %s (predicted %.3g s per step, %.3g bytes per rank)", found.result.choice,
                 found.predicted_step_time, found.predicted_memory)
     return found
+
+
+def _refuse_broken_groups(layout: Layout) -> None:
+    """PipelineError for a process group an engine that failed in this process left broken: gloo closed its
+    connections then, so a new engine on it had died of gloo's own errors ("Connection closed by peer")."""
+    store = default_store() if layout.everyone_size > 1 else None
+    for group in layout.groups():
+        why = closed_by(group, store)
+        if why is not None:
+            raise PipelineError(
+                f"pipeline(): an engine failed on this process group earlier ({why.splitlines()[0][:200]}), which "
+                "closed its connections; build the next engine on a new group: "
+                "parallel=Parallelism(process_group=torch.distributed.new_group()), or a DeviceMesh made anew")
 
 
 def _check_arguments(schedule: object, loss_fn: object, microbatches: object, split_points: object,

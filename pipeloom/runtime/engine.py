@@ -21,6 +21,7 @@ from torch import nn
 
 from pipeloom.runtime.comm.messenger import Messenger
 from pipeloom.runtime.comm.threads import close_at_exit
+from pipeloom.runtime.comm.watch import failed_on
 from pipeloom.runtime.errors import PipelineError, ReplicaBufferError, StepMismatchError
 from pipeloom.runtime.model.split import StagedModel
 from pipeloom.runtime.parallel.dp import GradientBuckets, Layout
@@ -215,10 +216,11 @@ class PipelineEngine:
                 run.execute()
             loss = self._settle(run, buckets, events)
         except PipelineError as error:
-            self._fail(str(error), error)
+            self._fail(str(error), error, alone=True)
         except Exception as error:
             cause = broken_off(error, self.messenger)
-            self._fail(run.describe_failure(error, cause) + tp_shape_hint(error, self.layout.tp.size), error)
+            self._fail(run.describe_failure(error, cause) + tp_shape_hint(error, self.layout.tp.size), error,
+                       alone=True)
         if training and not self._checked:
             self._check_buffers()
         if self.lowering.replicas > 1 and self.layout.group is not None and not training and target is None:
@@ -348,14 +350,17 @@ class PipelineEngine:
                     events.append((name, "sync", start, time.time_ns()))
         return loss
 
-    def _fail(self, message: str, cause: Exception) -> NoReturn:
+    def _fail(self, message: str, cause: Exception, *, alone: bool = False) -> NoReturn:
         """The engine is broken: leave the message where the other ranks look, and raise it (``cause``
-        itself when it is already a PipelineError)."""
+        itself when it is already a PipelineError). ``alone``: a failure inside the step, which peers waiting on
+        this rank hear of and answer by closing their connections (a new engine then needs a new group)."""
         where = self.layout.where()
         placed = bool(where) and where not in message  # on a "tp" mesh: the global rank and its mesh coordinates
         message = f"{where}: {message}" if placed else message
         self.broken = message
         self.messenger.report(message)
+        if alone and self.layout.everyone_size > 1:
+            failed_on(self.messenger.closed_on_failure(), message)
         if isinstance(cause, PipelineError) and not placed:
             raise cause
         raise PipelineError(message) from cause

@@ -97,8 +97,35 @@ def fault(rank: int, world: int, mode: str, fail_rank: int) -> object:
     try:
         engine.step(x, target=y)
     except PipelineError as error:
-        return {"seconds": time.monotonic() - start, "message": str(error)}
+        report = {"seconds": time.monotonic() - start, "message": str(error)}
+        if mode == "raise":
+            report.update(_after_a_failure(engine, model, world, x, y))
+        return report
     return {"seconds": time.monotonic() - start, "message": None}
+
+
+def _after_a_failure(engine, model, world: int, x, y) -> dict:
+    """A new engine on the group the failed one broke (gloo closed its connections): refused by name, where it had
+    died of gloo's "Connection closed by peer"; on a new group, as the refusal says, it trains. (Destroying the
+    default group and initializing it again raced: a rank could meet the old store and wait forever.)"""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from models import SPLITS
+
+    from pipeloom.runtime import Parallelism, PipelineError, pipeline
+
+    engine.close()
+    again = dict(schedule="1f1b", split_points=SPLITS["residual"][world], loss_fn=F.cross_entropy, microbatches=8,
+                 failures=Failures(timeout=5))
+    try:
+        pipeline(model, **again)
+        said = None
+    except PipelineError as error:
+        said = str(error)
+    fresh = pipeline(model, **again, parallel=Parallelism(process_group=dist.new_group(backend="gloo")))
+    loss = fresh.step(x, target=y)
+    fresh.close()
+    return {"same group": said, "new group": None if loss is None else float(loss)}
 
 
 def shape_change(rank: int, world: int) -> object:

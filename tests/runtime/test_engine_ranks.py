@@ -90,6 +90,12 @@ def test_a_failing_rank_makes_every_rank_fail_quickly(mode):
         assert report["message"] is not None, f"rank {rank} finished although rank 1 failed"
         assert "rank 1" in report["message"] or "rank 2" in report["message"], report["message"]
         assert report["seconds"] < 30  # bounded by the 10 s timeout (plus teardown); never a hang
+    if mode == "raise":  # a new engine on the broken group is refused by name; on a new group it trains
+        for rank, (_, report) in results.items():
+            said = report["same group"] or ""
+            assert said.startswith("pipeline(): an engine failed on this process group earlier (rank"), (rank, said)
+            assert "new group: parallel=Parallelism(process_group=torch.distributed.new_group())" in said, (rank, said)
+        assert isinstance(results[2][1]["new group"], float)  # the last stage's rank holds the loss
 
 
 @pytest.mark.timeout(120)

@@ -176,8 +176,18 @@ class Messenger:
 
     def _close_connections(self) -> None:
         """Fail every pending operation of this rank on its groups (after another rank's failure)."""
-        for group in (self.group, *self.scope.wake):
-            close_connections(group)
+        watch = self._helpers.watch
+        found = watch.failure if watch is not None else None
+        who = self.scope.name(found[0]) if found is not None else ""  # a pipeline rank, or "global rank G (...)"
+        why = f"{who if who.startswith('global') else f'rank {who}'} failed: {found[1]}" if found is not None \
+            else "another rank failed"
+        for group in self.closed_on_failure():
+            close_connections(group, store=self.store, why=why.splitlines()[0][:300])
+
+    def closed_on_failure(self) -> list[dist.ProcessGroup]:
+        """The groups whose connections a failure closes (this rank's after another's failure, and the peers'
+        after this rank's)."""
+        return [group for group in (self.group, *self.scope.wake) if group is not None]
 
     def sends_posted(self) -> None:
         """Wait until the transport has posted every queued send; a failed post raises here."""

@@ -62,6 +62,11 @@ class Layout:
     coordinates: dict[int, str] | None = None  # with "tp": every global rank -> its mesh coordinates
     ep: ExpertParallel = ExpertParallel()  # the "ep" dimension (pipeloom.runtime.parallel.ep); size 1 without one
 
+    def groups(self) -> list[dist.ProcessGroup]:
+        """Every process group the engine communicates on."""
+        found = (self.group, self.everyone, self.dp.group, self.tp.group, self.ep.group, self.ep.dp_group)
+        return list({id(g): g for g in found if g is not None}.values())
+
     def where(self, number: int | None = None) -> str:
         """``global rank G (pp 1, tp 0)`` for global rank ``number`` (this one by default) on a mesh with
         "tp"; ``""`` elsewhere (messages there name pipeline ranks, as before)."""
