@@ -10,7 +10,7 @@ import sys
 
 from pipeloom.cli.errors import UsageError
 from pipeloom.cli.plan_cluster_args import check_export, framework_options
-from pipeloom.cli.plan_cluster_report import report, seconds_text, training_text
+from pipeloom.cli.plan_cluster_report import json_notes, report, seconds_text, training_text
 from pipeloom.errors import PipeloomError
 from pipeloom.plan.errors import NoLayoutFits
 
@@ -53,7 +53,8 @@ def cmd_plan_cluster(args: argparse.Namespace) -> int:
     written = [*moved, *unused, *(_save(args, result) if args.save else [])]
     training = result.training(args.tokens) if args.tokens else None
     if args.json:
-        print(json.dumps({**result.as_dict(), **({"training": training} if training else {})}, indent=2))
+        print(json.dumps({**result.as_dict(), **json_notes(result, framework=args.framework),
+                          **({"training": training} if training else {})}, indent=2))
     else:
         print(report(result, framework=args.framework)
               + (f"\n{training_text(training, result.job.gpus)}" if training else ""))

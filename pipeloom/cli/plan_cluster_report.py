@@ -287,6 +287,17 @@ def _work(best) -> list[str]:
         f"{name} {seconds / total * 100:.0f} %" for name, seconds in parts if seconds / total >= 0.005)]
 
 
+def json_notes(result, *, framework: str | None = None) -> dict[str, list[str]]:
+    """What the text report says beside its numbers, for ``--json``: ``assumes`` (the framework choices priced, as the
+    report's ``assumes:`` line gives them) and ``notes`` (its other remarks: experts placed, the limit nearly full,
+    defaulted fields, a sequence past the model's positions, ...)."""
+    best, job = result.best, result.job
+    said = _assumes(job, best.layout, framework, result.searched, result.variants).split(": ", 1)[1]
+    notes = [*_experts(job.spec, best.layout), *_full(result), *_defaulted(job.spec), *_past_context(job),
+             *_batch_cap(job, best.layout.dp), *_unpipelined(job, best.layout)]
+    return {"assumes": said.split("; "), "notes": notes}
+
+
 def report(result, *, framework: str | None = None) -> str:
     """The text report: the layout, the framework choices it assumes (``framework``: the --framework given), its
     step, throughput, MFU, memory, bubble and the runners-up."""

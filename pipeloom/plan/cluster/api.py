@@ -84,17 +84,19 @@ class ClusterPlan:
         return {
             "best": dict(self.best.as_dict(), fits=self.fits, fits_gpu=self.best.memory.total <= hw.memory_bytes),
             "runners_up": [dict(est.as_dict(), why=why) for est, why in self.runners_up],
-            # the description as given (a small job's placement in one domain is the job's): hardware_from_dict reads
-            # it back, and the same job prices alike from it
+            # as given (a small job's placement in one domain is the job's): read back, the same job prices alike
             "hardware": (self.job.described or hw).to_dict(),
             "model": _model(self.job.spec),
             "gpus": self.job.gpus, "global_batch": self.job.global_batch, "seq": self.job.seq,
-            "dtype": self.job.dtype, "selective": self.job.selective, "recompute_layers": self.job.recompute_layers,
-            "moe_comm": self.job.moe_comm, "moe_overlap": self.job.moe_overlap,
+            "dtype": self.job.dtype, **{name: getattr(self.job, name) for name in _JOB_CHOICES},  # what it assumes
             "searched": list(self.searched), "variants": self.variants, "runs_on": self.runs_on,
-            "memory_limit": self.memory_limit, "candidates": self.candidates,
-            "priced": self.priced, "simulated": self.simulated, "seconds": self.seconds,
+            "memory_limit": self.memory_limit, "candidates": self.candidates, "priced": self.priced,
+            "simulated": self.simulated, "seconds": self.seconds,
         }
+
+
+_JOB_CHOICES = tuple(f.name for f in dataclasses.fields(Job) if f.name not in  # the framework's choices it assumes
+                     ("spec", "hw", "gpus", "global_batch", "seq", "dtype", "schedules", "described"))
 
 
 def _model(spec: ModelSpec) -> dict[str, Any]:
@@ -198,8 +200,7 @@ def plan_cluster(model: str | Path | Mapping[str, Any] | ModelSpec | Any, hw: st
                                              runners_up, progress, start, blocked), runs_on=runs_on)
 
 
-_MODE_OF = {"selective": "selective", "recompute_layers": "full"}
-"""The recomputation mode whose layouts each searched choice changes (it changes no other layout)."""
+_MODE_OF = {"selective": "selective", "recompute_layers": "full"}  # the recompute mode whose layouts each changes
 
 
 def _only(allowed: tuple[str, ...] | None, runtime: Callable[[Layout], list[str]] | None

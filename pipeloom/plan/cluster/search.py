@@ -208,7 +208,7 @@ def _search(job: Job, fixed: dict[str, Any] | None, memory_limit: float | None, 
         least = run.smallest()
         tried = f"{layouts} layout{'s' if layouts != 1 else ''} tried"
         tried += f" with {keys_text(fixed)}" if fixed else ""
-        free = "fix fewer --layout (layout) keys, " if fixed else ""
+        free = "fix fewer --layout keys, " if fixed else ""
         shown = f"{limit / 2**30:.1f} GiB" if limit >= 2**30 / 10 else format_bytes(limit)  # 10 MiB, not 0.0 GiB
         held = least.memory  # rounded up: that limit finds it; the part that sets it, and what lowers that part
         state, acts = held.weights + held.gradients + held.optimizer, held.activations + held.buffers - WORKSPACE_BYTES
@@ -216,7 +216,7 @@ def _search(job: Job, fixed: dict[str, Any] | None, memory_limit: float | None, 
                                    f"optimizer state are {state / 2**30:.2f} GiB of it)")
         raise NoLayoutFits(f"no layout fits {shown} per GPU ({tried}; the least memory any needs is "
                            f"{math.ceil(held.total / 2**30 * 100) / 100:.2f} GiB ({math.ceil(held.total)} bytes), by "
-                           f"{least.layout}); {free}{lower}, or raise --memory-limit (memory_limit)",
+                           f"{least.layout}); {free}{lower}, or raise --memory-limit",
                            smallest_limit=held.total, smallest_layout=str(least.layout))
     run.price_faster_over(best)
     return SearchResult(best=best, runners_up=runners_up_of(best, run.done, limit, runners_up), candidates=layouts,

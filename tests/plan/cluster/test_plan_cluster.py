@@ -63,6 +63,17 @@ def test_json_schema(config, capsys):
     assert data["best"]["tokens_per_gpu_per_second"] == pytest.approx(tokens)
     assert sum(data["best"]["stage_layers"]) == 16 and len(data["best"]["stage_layers"]) == layout["pp"] * layout["vp"]
     assert data["model"]["params"] == model_params(model_spec(SMALL)) and data["model"]["experts"] == 0
+    # what the prediction assumed, as values and as the text report says it (a trial found both missing: a script
+    # could not tell a --framework torchtitan prediction from the default one)
+    assert (data["kernels"], data["attention"], data["grad_reduce"], data["stage_cut"]) == ("fused", "flash", "bf16",
+                                                                                          "balanced")
+    assert data["assumes"][:2] == ["fused elementwise kernels (--kernels)", "flash attention (--attention)"]
+    assert isinstance(data["notes"], list)
+    assert main(["plan", "--model", str(config), "--hardware", "h100", "--gpus", "8", "--global-batch", "32",
+                 "--seq", "4096", "--json", "--framework", "torchtitan"]) == 0
+    titan = json.loads(capsys.readouterr().out)
+    assert (titan["kernels"], titan["attention"], titan["grad_reduce"]) == ("eager", "flash2", "fp32")
+    assert titan["assumes"][0] == "eager elementwise kernels (--kernels)"
 
 
 def test_text_report(config, capsys):
@@ -234,7 +245,7 @@ def test_1f1b_bound_is_exact_for_even_stages():
     (["--model", "CONFIG", "--hardware", "h100", "--gpus", "8", "--seq", "4096", "--memory-limit", "1GiB", "--layout",
       "tp=4,fsdp=0"], "tried with tp=4,fsdp=0; the least memory any needs is"),
     (["--model", "CONFIG", "--hardware", "h100", "--gpus", "8", "--seq", "4096", "--memory-limit", "1GiB", "--layout",
-      "tp=4,fsdp=0"], "fix fewer --layout (layout) keys, use more GPUs"),
+      "tp=4,fsdp=0"], "fix fewer --layout keys, use more GPUs"),
     (["--model", "CONFIG", "--hardware", "h100", "--gpus", "8", "--seq", "4096", "--stage-cut", "Et*8|t*7L"],
      "stage cut 'Et*8|t*7L': it holds 15 decoder layers (t); the model has 16"),
     (["--model", "CONFIG", "--hardware", "h100", "--gpus", "8", "--seq", "4096", "--stage-cut", "Et*8|t*8L",

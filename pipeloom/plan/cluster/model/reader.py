@@ -228,20 +228,20 @@ def _dropouts(data: Mapping[str, Any], family: str, parallel: bool) -> dict[str,
                 embedding_dropout=family in embedding and rate_on(data, embedding[family]))
 
 
-_LAYER_TYPES_WINDOW = frozenset({"cohere2", "dots1", "exaone4", "gemma2", "gemma3_text", "gpt_oss", "ministral", "olmo3",
-                                 "qwen2", "qwen2_moe", "qwen3", "smollm3"})
+_LAYER_TYPES_WINDOW = frozenset({"cohere2", "dots1", "exaone4", "gemma2", "gemma3_text", "gpt_oss", "ministral",
+                                 "olmo3", "qwen2", "qwen2_moe", "qwen3", "smollm3"})
 """The families whose transformers model windows the layers its config's ``layer_types`` name (the others ignore
 the field: a Llama config carrying it runs full attention on every layer)."""
 
 
 def _windows(data: Mapping[str, Any], family: str, layers: int) -> tuple[int, tuple[int, ...]]:
     """``(window, layers)`` of sliding-window attention as transformers builds the model: the config's ``layer_types``
-    where it has them in a family that reads them (``"sliding_attention"`` layers); otherwise Mistral, Ministral, Ministral 3, Mixtral, Phi-3,
-    Phi-3.5-MoE and StarCoder2 window every layer when ``sliding_window`` is set, OLMo 3 three layers of every four
-    (its default ``layer_types``), Gemma 2 and gpt-oss every second layer from the first, Gemma 3, Cohere 2 and
-    EXAONE 4 all but every ``sliding_window_pattern``-th (6, 4 and 4), Qwen3-MoE every layer with
-    ``use_sliding_window``, Qwen2 and Qwen3 the layers from ``max_window_layers`` on, Qwen2-MoE every second layer
-    below it; the other families never."""
+    where it has them in a family that reads them (``"sliding_attention"`` layers); otherwise Mistral, Ministral,
+    Ministral 3, Mixtral, Phi-3, Phi-3.5-MoE and StarCoder2 window every layer when ``sliding_window`` is set, OLMo 3
+    three layers of every four (its default ``layer_types``), Gemma 2 and gpt-oss every second layer from the first,
+    Gemma 3, Cohere 2 and EXAONE 4 all but every ``sliding_window_pattern``-th (6, 4 and 4), Qwen3-MoE every layer
+    with ``use_sliding_window``, Qwen2 and Qwen3 the layers from ``max_window_layers`` on, Qwen2-MoE every second
+    layer below it; the other families never."""
     size = data.get("sliding_window")
     if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
         return 0, ()
@@ -327,10 +327,8 @@ def _family_spec(data: Mapping[str, Any], family: str) -> ModelSpec:
     experts = Experts(count=int(get_field(data, "num_experts", "num_local_experts")),
                       top_k=int(get_field(data, "num_experts_per_tok")),
                       intermediate=int(get_field(data, "moe_intermediate_size")),
-                      # Qwen3-MoE builds no shared expert whatever its config says; Qwen2-MoE builds its gate even
-                      # around a shared expert of width 0
-                      shared_intermediate=int(data.get("shared_expert_intermediate_size") or 0)
-                      if family == "qwen2_moe" else 0, shared_gate=family == "qwen2_moe")
+                      shared_intermediate=int(data.get("shared_expert_intermediate_size") or 0)  # Qwen3-MoE: none,
+                      if family == "qwen2_moe" else 0, shared_gate=family == "qwen2_moe")  # a gate even at width 0
     step = int(data.get("decoder_sparse_step") or 1)
     dense_only = set(data.get("mlp_only_layers") or ())
     moe = tuple(i for i in range(layers) if i not in dense_only and experts.count > 0 and (i + 1) % step == 0)
