@@ -150,6 +150,15 @@ def test_heads_that_leave_a_remainder_are_counted_as_transformers_builds_them(fa
     ({"model_type": "persimmon"}, r"not modelled; supported: .*copy its config.json with \"model_type\" set to it "
                                   r"\(e.g. \"llama\"\)"),
     ({"model_type": "exaone_moe", "num_experts": 16}, r"not modelled.*\"qwen3_moe\".*\"mixtral\".*not a dense"),
+    # the stand-in follows the layer's shape (a trial, 2026-12-06: DBRX's experts in ffn_config, Nemotron's ReLU² MLP
+    # and StarCoder's GELU one of two projections, MiniCPM3's latent attention had all been told "llama")
+    ({"model_type": "dbrx", "ffn_config": {"moe_num_experts": 16, "moe_top_k": 4}}, r"\(e.g. \"qwen3_moe\""),
+    ({"model_type": "nemotron", "hidden_act": "relu2"}, r"\(e.g. \"arcee\": its MLP is two projections around ReLU²"),
+    ({"model_type": "gpt_bigcode", "activation_function": "gelu_pytorch_tanh"},
+     r"\(e.g. \"starcoder2\" if its MLP is two projections .*\"llama\" if it is gated"),
+    ({"model_type": "minicpm3", "kv_lora_rank": 256, "q_lora_rank": 768}, r"\(e.g. \"deepseek_v2\" for its multi-head "
+                                                                          r"latent attention"),
+    ({"model_type": "longcat_flash", "kv_lora_rank": 512, "n_routed_experts": 512}, r"\(e.g. \"deepseek_v3\""),
     # the stand-in advice names the fields the family reads; a field under another family's name is named as such
     ({"model_type": "persimmon"}, r"under that family's field names \(hidden_size, num_hidden_layers, "),
     (dict(TINY["llama"], model_type="llama", num_attention_heads=None, n_head=4),

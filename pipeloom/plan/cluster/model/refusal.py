@@ -125,12 +125,32 @@ def _not_a_decoder(data: Mapping[str, Any]) -> str:
 
 
 def _like(data: Mapping[str, Any]) -> str:
-    """An example family for an unmodelled config to stand in as: a mixture of experts' (its routed experts would
-    be planned as one dense MLP under LLaMA's) or LLaMA's."""
-    if any(data.get(name) for name in _EXPERT_FIELDS):
+    """An example family for an unmodelled config to stand in as, from what its layers hold: a mixture of experts'
+    (its routed experts would be planned as one dense MLP under LLaMA's; experts a sub-config holds, as DBRX's
+    ``ffn_config``, count), DeepSeek's for multi-head latent attention (``kv_lora_rank``), an MLP of two projections
+    for a ReLU² or GELU activation (LLaMA's gated MLP has three: Nemotron planned as LLaMA had 26 % more parameters,
+    StarCoder 39 %), else LLaMA's."""
+    parts = [data, *(value for value in data.values() if isinstance(value, Mapping))]
+    latent = any(part.get("kv_lora_rank") for part in parts)
+    if any(part.get(name) for part in parts for name in _EXPERT_FIELDS):
+        if latent:
+            return ("e.g. \"deepseek_v3\": multi-head latent attention (q_lora_rank, kv_lora_rank, qk_nope_head_dim, "
+                    "qk_rope_head_dim, v_head_dim) and routed experts (n_routed_experts, num_experts_per_tok, "
+                    "moe_intermediate_size)")
         return ("e.g. \"qwen3_moe\": num_experts, num_experts_per_tok and moe_intermediate_size per expert, or "
                 "\"mixtral\": num_local_experts, num_experts_per_tok and intermediate_size per expert; it has experts, "
                 "so not a dense family")
+    if latent:
+        return ("e.g. \"deepseek_v2\" for its multi-head latent attention (q_lora_rank, kv_lora_rank, "
+                "qk_nope_head_dim, qk_rope_head_dim, v_head_dim); for dense layers alone, first_k_dense_replace = "
+                "num_hidden_layers (n_routed_experts 1 then holds no layer)")
+    keys = ("hidden_act", "activation_function", "hidden_activation", "ffn_act_fn")
+    act = str(next((part[key] for part in parts for key in keys if part.get(key)), "")).lower()
+    if act in ("relu2", "relu_squared", "squared_relu"):
+        return "e.g. \"arcee\": its MLP is two projections around ReLU², where \"llama\"'s is gated, of three"
+    if act == "relu" or act.startswith("gelu"):
+        return ("e.g. \"starcoder2\" if its MLP is two projections around the activation (use_bias for their biases), "
+                "\"llama\" if it is gated, of three (gate, up, down)")
     return "e.g. \"llama\""
 
 
