@@ -254,14 +254,14 @@ def test_helpers_with_sharded_parameters(pipelined_runs):
 @pytest.mark.timeout(300)
 def test_a_hung_tp_peer_makes_every_rank_raise(pipelined_runs):
     """Global rank 3 sleeps 1.5 x timeout inside a tensor-parallel region (its tp peer waits in the
-    row-parallel all-reduce): every other rank raises within 2 x timeout, naming a global rank and its
-    mesh coordinates; the sleeper raises within 2 x timeout of waking."""
+    row-parallel all-reduce): every other rank raises within 2 x timeout (plus a loaded machine's slack), naming a
+    global rank and its mesh coordinates; the sleeper raises within as long of waking."""
     for rank, runs in pipelined_runs.items():
         hang = runs["hang"]
         assert hang["error"].startswith("PipelineError: "), (rank, hang)
         assert "global rank" in hang["error"], (rank, hang["error"])
-        limit = 2 * hang["timeout"]
-        taken = hang["after_waking"] if rank == 3 else hang["seconds"]
+        limit = 2 * hang["timeout"] + 10  # the slack of a loaded 2-core machine; without the engine's timeout the
+        taken = hang["after_waking"] if rank == 3 else hang["seconds"]  # others would not raise at all ("stepped")
         assert taken < limit, (rank, taken, hang["error"])
         print(f"rank {rank}: raised after {hang['seconds']:.1f} s: {hang['error'][:160]}")
 

@@ -329,10 +329,8 @@ def test_compare_rows_are_the_command_s_costs_included(guarded, capsys):
 
 def test_cost_tables_are_checked_off_the_event_loop(guarded):
     """Three uploads of a 7,000-piece cost table (bad in its last piece, so each is read whole, then refused):
-    the server answers other requests meanwhile, each in less than twice the time one table takes to check here
-    (on the event loop a request waits behind all three checks, three times that; every request waited behind the
-    uploads before: 6.5 s behind six). Within one table's time, the bound until 2026-12-05, failed in a fresh-clone
-    CI run at 0.164 s against 0.149 s: the machine's own jitter, not the loop."""
+    the server answers other requests meanwhile, most at once (on the event loop a request waits behind all three
+    checks, three times one table's time; every request waited behind the uploads before: 6.5 s behind six)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from pipeloom.errors import PipeloomError
@@ -362,8 +360,11 @@ def test_cost_tables_are_checked_off_the_event_loop(guarded):
         answers = [upload.result() for upload in uploads]
     for code, _, answer in answers:
         assert code == 400 and "costs[0]" in json.loads(answer)["error"], answer
-    # on the loop, the first health request waits behind all three checks (4.3 s against 1.1 s for one)
-    assert max(latencies) < 2 * one, (max(latencies), one, len(latencies))
+    # on the loop, the first health request waits behind all three checks (4.3 s against 1.1 s for one), and only a
+    # few are made while they run; off it, most answer at once however loaded the machine (a bound on the slowest
+    # answer measured the machine's jitter: 0.164 s against one table's 0.149 s failed a CI run)
+    latencies.sort()
+    assert len(latencies) >= 10 and latencies[len(latencies) // 2] < one / 2, (latencies[-5:], one, len(latencies))
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads processes from Linux's /proc")
