@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from pipeloom.ir import Schedule
@@ -46,7 +47,7 @@ from pipeloom.runtime.parallel.tp import (
 from pipeloom.runtime.parallel.tp_auto import AutoPlan, AutoSharding, auto_tp_plan, is_auto
 from pipeloom.runtime.plan_file import PlannedBatch, plan_arguments
 from pipeloom.runtime.program import Lowering, check_pieces
-from pipeloom.runtime.setup import default_store, device_for, lower_for, resolve_schedule, shared_seed, staged_model
+from pipeloom.runtime.setup import device_for, lower_for, resolve_schedule, shared_seed, staged_model
 from pipeloom.runtime.state.state_dict import model_names
 from pipeloom.runtime.step.pieces import RankPieces
 from pipeloom.runtime.step.shared import SharedParameters, check_placement, shared_parameters
@@ -270,16 +271,19 @@ def _auto_plan(model: nn.Module | None, tp_plan: object, mesh: DeviceMesh | None
 
 
 def _refuse_broken_groups(layout: Layout) -> None:
-    """PipelineError for a process group an engine that failed in this process left broken: gloo closed its
-    connections then, so a new engine on it had died of gloo's own errors ("Connection closed by peer")."""
-    store = default_store() if layout.everyone_size > 1 else None
+    """PipelineError for a process group whose connections a failed engine of this process closed (or saw closed):
+    a new engine on it had died of gloo's own errors ("Connection closed by peer")."""
     for group in layout.groups():
-        why = closed_by(group, store)
-        if why is not None:
-            raise PipelineError(
-                f"pipeline(): an engine failed on this process group earlier ({why.splitlines()[0][:200]}), which "
-                "closed its connections; build the next engine on a new group: "
-                "parallel=Parallelism(process_group=torch.distributed.new_group()), or a DeviceMesh made anew")
+        why = closed_by(group)
+        if why is None:
+            continue
+        world = group is dist.group.WORLD  # a mesh's groups include it (one dimension, or every rank's agreement)
+        fix = ("the default group is one of them, and a DeviceMesh uses it too: pass parallel=Parallelism("
+               "process_group=torch.distributed.new_group()), or restart the processes" if world else
+               "build the next engine on a new group: parallel=Parallelism(process_group=torch.distributed."
+               "new_group()), or a DeviceMesh made anew")
+        raise PipelineError(f"pipeline(): an engine failed on this process group earlier ({why}), which closed its "
+                            f"connections; {fix}")
 
 
 def _check_arguments(schedule: object, loss_fn: object, microbatches: object, split_points: object,

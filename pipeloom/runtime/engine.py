@@ -21,7 +21,7 @@ from torch import nn
 
 from pipeloom.runtime.comm.messenger import Messenger
 from pipeloom.runtime.comm.threads import close_at_exit
-from pipeloom.runtime.comm.watch import failed_on
+from pipeloom.runtime.comm.watch import closed_by, mark_closed
 from pipeloom.runtime.errors import PipelineError, ReplicaBufferError, StepMismatchError
 from pipeloom.runtime.model.split import StagedModel
 from pipeloom.runtime.parallel.dp import GradientBuckets, Layout
@@ -223,11 +223,7 @@ class PipelineEngine:
                        alone=True)
         if training and not self._checked:
             self._check_buffers()
-        if self.lowering.replicas > 1 and self.layout.group is not None and not training and target is None:
-            self._replica_outputs(run)
-        whole = not training and target is None and self.dp.size > 1
-        if whole:  # every replica's outputs, as one device returns the whole batch's
-            self._data_parallel_outputs(run)
+        gathered = not training and target is None and self._gather_outputs(run)  # as one device returns them
         if cached is None:
             self._meta_cache[shapes] = (metas, specs)
         self.traffic = run.messages.traffic
@@ -236,8 +232,7 @@ class PipelineEngine:
             self._write_trace(step_start, time.time_ns(), events)
         self._step_count += 1
         self.training_steps += training
-        count = self.total_microbatches if whole else self.num_microbatches
-        gathered = whole or (self.lowering.replicas > 1 and not training)  # other ranks' outputs among them
+        count = self.total_microbatches if gathered and self.dp.size > 1 else self.num_microbatches
         return loss, run.outputs(count, batch_rows(inputs, count) if gathered else None)
 
     def _check_buffers(self) -> None:
@@ -261,23 +256,21 @@ class PipelineEngine:
         except PipelineError as error:
             self._fail(str(error), error)
 
-    def _replica_outputs(self, run: StepRun) -> None:
-        """Two-replica schedules, after an eval step without a target: join both replicas' outputs."""
-        group, world, wait = self.layout.group, self.layout.world, self.messenger.wait_work
-        assert group is not None
+    def _gather_outputs(self, run: StepRun) -> bool:
+        """After an eval step without a target: the other replicas' model outputs (a two-replica schedule's, the
+        data-parallel ones') joined with this rank's, where it holds some; whether there are other replicas."""
+        wait = self.messenger.wait_work
         try:
-            run.model_outputs = replica_outputs(run.model_outputs, group, world, self.rank, self.device, wait)
+            if self.lowering.replicas > 1 and self.layout.group is not None:
+                run.model_outputs = replica_outputs(run.model_outputs, self.layout.group, self.layout.world,
+                                                    self.rank, self.device, wait)
+            if self.dp.size > 1:
+                assert self.dp.group is not None  # replicas have their group
+                run.model_outputs = data_parallel_outputs(run.model_outputs, self.dp.group, self.dp.size,
+                                                          self.dp.rank, self.num_microbatches, self.device, wait)
         except PipelineError as error:
             self._fail(str(error), error)
-
-    def _data_parallel_outputs(self, run: StepRun) -> None:
-        """After an eval step without a target, with replicas: every replica's model outputs where this one's are."""
-        assert self.dp.group is not None  # replicas have their group
-        try:
-            run.model_outputs = data_parallel_outputs(run.model_outputs, self.dp.group, self.dp.size, self.dp.rank,
-                                                      self.num_microbatches, self.device, self.messenger.wait_work)
-        except PipelineError as error:
-            self._fail(str(error), error)
+        return self.dp.size > 1 or (self.lowering.replicas > 1 and self.layout.group is not None)
 
     def _agree(self, inputs: object, target: object, training: bool) -> None:
         """Refuse a step on a broken or closed engine; every rank was given the same step (checked before
@@ -286,6 +279,10 @@ class PipelineEngine:
             raise PipelineError(f"this engine failed earlier ({self.broken}); build a new one (and process group)")
         if self.messenger.closed:
             raise PipelineError("this engine was closed (close()); build a new one to take more steps")
+        closed = next((why for group in self.layout.groups() if (why := closed_by(group))), None)
+        if closed is not None:  # another engine's failure on these groups closed their connections
+            self._fail(f"this engine's process group was closed by an engine that failed on it ({closed}); build a "
+                       "new engine on a new group (see pipeline()'s refusal)", ConnectionError(closed))
         try:
             agree_on_step(inputs, target, training=training, microbatches=self.num_microbatches,
                           group=self.layout.everyone, world=self.layout.everyone_size, rank=self.rank,
@@ -359,8 +356,8 @@ class PipelineEngine:
         message = f"{where}: {message}" if placed else message
         self.broken = message
         self.messenger.report(message)
-        if alone and self.layout.everyone_size > 1:
-            failed_on(self.messenger.closed_on_failure(), message)
+        if alone and self.layout.everyone_size > 1:  # the peers waiting on this rank close their connections
+            mark_closed(self.messenger.closed_on_failure(), message.splitlines()[0][:300])
         if isinstance(cause, PipelineError) and not placed:
             raise cause
         raise PipelineError(message) from cause

@@ -249,9 +249,12 @@ class _Search:
         from pipeloom.search.periodic import solve_periodic
 
         limit = self.problem.memory_limit
+        p, m = self.problem.num_ranks, self.num_mb
+        probes = sum(min(m, k * p) for k in (2, 4)) / m * len(self.skipped)  # each left entry's probe builds first
         for step, solver in enumerate(self.plan):
-            # time to validate the solver's schedule, and to build one built-in step 1 had no time for
-            left = self.budget.left() - self.budget.schedule_cost(self.actions, passes=1 + bool(self.skipped))
+            # time to validate the solver's schedule, and to probe the built-ins step 1 had no time for and build one
+            left = self.budget.left() - self.budget.schedule_cost(self.actions, passes=1 + bool(self.skipped)
+                                                                   * (1 + probes))
             share = left if step == len(self.plan) - 1 else left / 4  # periodic first: it is quick
             if share < MIN_INNER_SECONDS or self.done():
                 break

@@ -97,35 +97,51 @@ def fault(rank: int, world: int, mode: str, fail_rank: int) -> object:
     try:
         engine.step(x, target=y)
     except PipelineError as error:
-        report = {"seconds": time.monotonic() - start, "message": str(error)}
-        if mode == "raise":
-            report.update(_after_a_failure(engine, model, world, x, y))
-        return report
+        return {"seconds": time.monotonic() - start, "message": str(error)}
     return {"seconds": time.monotonic() - start, "message": None}
 
 
-def _after_a_failure(engine, model, world: int, x, y) -> dict:
-    """A new engine on the group the failed one broke (gloo closed its connections): refused by name, where it had
-    died of gloo's "Connection closed by peer"; on a new group, as the refusal says, it trains. (Destroying the
-    default group and initializing it again raced: a rank could meet the old store and wait forever.)"""
+def group_after_a_failure(rank: int, world: int, how: str) -> dict:
+    """Rank 1 raises in a forward (``how="raise"``) or sleeps past the engine's timeout in one (``"hang"``: gloo
+    closes the connections itself); then, on every rank: what an engine built earlier on the same group says at its
+    next step, what pipeline() says on that group (both had died of gloo's "Connection closed by peer"), and whether
+    an engine on a new group, as the refusal says, trains."""
+    import torch
     import torch.distributed as dist
     import torch.nn.functional as F
-    from models import SPLITS
+    from models import SPLITS, build
 
     from pipeloom.runtime import Parallelism, PipelineError, pipeline
 
-    engine.close()
-    again = dict(schedule="1f1b", split_points=SPLITS["residual"][world], loss_fn=F.cross_entropy, microbatches=8,
-                 failures=Failures(timeout=5))
-    try:
-        pipeline(model, **again)
-        said = None
-    except PipelineError as error:
-        said = str(error)
-    fresh = pipeline(model, **again, parallel=Parallelism(process_group=dist.new_group(backend="gloo")))
+    options = dict(schedule="1f1b", split_points=SPLITS["residual"][world], loss_fn=F.cross_entropy, microbatches=8,
+                   failures=Failures(timeout=2))
+    x, y = torch.randn(16, 16, generator=torch.Generator().manual_seed(0)), torch.arange(16) % 3
+    bystander = pipeline(build("residual"), **options)
+    failing = pipeline(build("residual"), **options)
+
+    def hook(module, args):
+        if how == "hang":
+            time.sleep(5)
+        else:
+            raise ValueError("injected fault")
+
+    if rank == 1:
+        failing.modules[failing.local_stages[0]].register_forward_pre_hook(hook)
+    found: dict = {}
+    for name, act in (("failed", lambda: failing.step(x, target=y)), ("bystander", lambda: bystander.step(x, target=y)),
+                      ("same group", lambda: pipeline(build("residual"), **options))):
+        try:
+            act()
+            found[name] = None
+        except PipelineError as error:
+            found[name] = str(error)
+    failing.close()
+    bystander.close()
+    fresh = pipeline(build("residual"), **options, parallel=Parallelism(process_group=dist.new_group(backend="gloo")))
     loss = fresh.step(x, target=y)
     fresh.close()
-    return {"same group": said, "new group": None if loss is None else float(loss)}
+    found["new group"] = None if loss is None else float(loss)
+    return found
 
 
 def shape_change(rank: int, world: int) -> object:

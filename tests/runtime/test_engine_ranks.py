@@ -8,7 +8,7 @@ import pytest
 pytest.importorskip("torch")
 
 from models import assert_bitwise_reports
-from rank_jobs import exactness, fault, float64_loss, replicas_eval, shape_change, two_replicas
+from rank_jobs import exactness, fault, float64_loss, group_after_a_failure, replicas_eval, shape_change, two_replicas
 from ranks import run_ranks
 
 from pipeloom.search import search
@@ -90,12 +90,24 @@ def test_a_failing_rank_makes_every_rank_fail_quickly(mode):
         assert report["message"] is not None, f"rank {rank} finished although rank 1 failed"
         assert "rank 1" in report["message"] or "rank 2" in report["message"], report["message"]
         assert report["seconds"] < 30  # bounded by the 10 s timeout (plus teardown); never a hang
-    if mode == "raise":  # a new engine on the broken group is refused by name; on a new group it trains
-        for rank, (_, report) in results.items():
-            said = report["same group"] or ""
-            assert said.startswith("pipeline(): an engine failed on this process group earlier (rank"), (rank, said)
-            assert "new group: parallel=Parallelism(process_group=torch.distributed.new_group())" in said, (rank, said)
-        assert isinstance(results[2][1]["new group"], float)  # the last stage's rank holds the loss
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["raise", "hang"])
+def test_a_group_a_failed_engine_closed_is_refused_by_name(how):
+    """After rank 1 raised in a step (its peers closed their connections) or hung past the timeout (gloo closed them
+    itself), another engine of the same group and a new one on it had died of gloo's "Connection closed by peer" (or
+    "Application timeout caused pair closure"); each is refused by name, and an engine on a new group trains."""
+    results = run_ranks(2, group_after_a_failure, how, timeout=100)
+    for rank, (status, found) in results.items():
+        assert status == "ok", found
+        assert found["failed"] is not None, (rank, found)
+        assert (found["bystander"] or "").startswith("this engine's process group was closed by an engine that "
+                                                     "failed on it"), (rank, found["bystander"])
+        said = found["same group"] or ""
+        assert said.startswith("pipeline(): an engine failed on this process group earlier ("), (rank, said)
+        assert "the default group is one of them" in said and "process_group=torch.distributed.new_group()" in said
+    assert isinstance(results[1][1]["new group"], float)  # the last stage's rank holds the loss
 
 
 @pytest.mark.timeout(120)

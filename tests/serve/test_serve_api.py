@@ -176,7 +176,7 @@ def test_a_cancelled_search_frees_its_worker(server):
 
 
 def test_fifty_concurrent_mixed_requests(server, costs_file):
-    """Simulate, search (up to 2 s, optimal sooner) and plan at once: every answer right, none refused, in 40 s."""
+    """Simulate, search (up to 2 s, optimal sooner) and plan at once: every answer right, none refused."""
     costs = costs_file
     table = json.loads(costs.read_text())
     request = {"ranks": 2, "global_batch": 4, "schedules": ["1f1b", "zb-h1"], "microbatches": [4]}

@@ -26,6 +26,7 @@ from pipeloom.runtime.comm.watch import (
     PeerWatch,
     close_connections,
     completes_alone,
+    mark_closed,
     poll_work,
     wait_in_slices,
 )
@@ -161,6 +162,8 @@ class Messenger:
         except Exception as error:  # noqa: BLE001 (gloo raises on timeouts and on a closed connection alike)
             if watch is not None and watch.failure is not None:  # the watch closed the connections
                 return "stopped on another rank's failure", error
+            # gloo closed the group's connections: on a timeout itself, or a peer closed its side
+            mark_closed(self.closed_on_failure(), f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
             return f"{type(error).__name__}: {error}", error
         finally:
             if watch is not None:
@@ -182,7 +185,7 @@ class Messenger:
         why = f"{who if who.startswith('global') else f'rank {who}'} failed: {found[1]}" if found is not None \
             else "another rank failed"
         for group in self.closed_on_failure():
-            close_connections(group, store=self.store, why=why.splitlines()[0][:300])
+            close_connections(group, why=why.splitlines()[0][:300])
 
     def closed_on_failure(self) -> list[dist.ProcessGroup]:
         """The groups whose connections a failure closes (this rank's after another's failure, and the peers'

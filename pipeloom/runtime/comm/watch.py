@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["PEER_POLL_S", "FailureBoard", "PeerWatch", "close_connections", "closed_by", "completes_alone",
-           "failed_on", "poll_work", "wait_in_slices"]
+           "mark_closed", "poll_work", "wait_in_slices"]
 
 ERROR_KEY = "pipeloom/error/{run}/{rank}"  # a failed rank's message
 COUNT_KEY = "pipeloom/failed/{run}"  # ranks that reported so far: one store round trip per look
@@ -122,41 +122,24 @@ class PeerWatch:
             self._thread.join(timeout)
 
 
-CLOSED_KEY = "pipeloom/closed/{group}"  # a rank closed its connections of this group (after a failure)
-SUSPECT_WAIT_S = 4 * PEER_POLL_S  # how long pipeline() looks for it after this process's own step failed
-_CLOSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> why this process closed it
-_FAILED_ON: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> a step that failed here on it
+_CLOSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> the failure that closed its connections
 
 
-def failed_on(groups: list[dist.ProcessGroup], why: str) -> None:
-    """Remember that a step of this process failed on ``groups`` (its peers, hearing of it while they wait, close
-    their connections: :func:`closed_by` then looks for their word a little while)."""
+def mark_closed(groups: list[dist.ProcessGroup], why: str) -> None:
+    """Remember that ``groups``' connections are gone (by the group object: a new group, even of the same name, is
+    another): this rank closed them after another's failure, gloo closed them on a wait that failed or timed out, or
+    this rank's own step failed while its peers waited on it (they close theirs on hearing of it)."""
     for group in groups:
-        _FAILED_ON[group] = why
+        _CLOSED.setdefault(group, why)
 
 
-def closed_by(group: dist.ProcessGroup, store: dist.Store | None) -> str | None:
-    """Why ``group``'s connections were closed after a failure (by this process or, as the store says, another
-    rank), or None: gloo's pairs are gone then, and nothing sent on the group arrives again. After a step of
-    this process failed on it, the peers' word is awaited up to ``SUSPECT_WAIT_S`` seconds (they close within
-    ``PEER_POLL_S`` of hearing of it; where no peer was waiting, none closes and the group stays usable)."""
-    if group in _CLOSED:
-        return _CLOSED[group]
-    if store is None:
-        return None
-    key = CLOSED_KEY.format(group=group.group_name)
-    deadline = time.monotonic() + (SUSPECT_WAIT_S if group in _FAILED_ON else 0.0)
-    while True:
-        with contextlib.suppress(Exception):  # a store that is gone cannot tell
-            if store.check([key]):
-                return _FAILED_ON.get(group) or store.get(key).decode()
-        if time.monotonic() >= deadline:
-            return None
-        time.sleep(PEER_POLL_S / 5)
+def closed_by(group: dist.ProcessGroup) -> str | None:
+    """Why ``group``'s connections were closed in this process (:func:`mark_closed`), or None: nothing sent on it
+    arrives again."""
+    return _CLOSED.get(group)
 
 
-def close_connections(group: dist.ProcessGroup | None, *, store: dist.Store | None = None,
-                      why: str = "another rank failed") -> None:
+def close_connections(group: dist.ProcessGroup | None, *, why: str = "another rank failed") -> None:
     """Make every pending operation of this rank on ``group`` (gloo) fail now, as if the process had
     exited: a receive that times out makes gloo close all of the group's connections ("Application
     timeout caused pair closure"), which also tells the peers.
@@ -166,10 +149,7 @@ def close_connections(group: dist.ProcessGroup | None, *, store: dist.Store | No
     group in turn; after the first timeout the remaining receives fail at once too."""
     if group is None:
         return
-    _CLOSED[group] = why
-    if store is not None:  # for the ranks that did not close theirs (the failed one)
-        with contextlib.suppress(Exception):
-            store.set(CLOSED_KEY.format(group=group.group_name), why)
+    mark_closed([group], why)
     buffer = torch.empty(1)
     me = dist.get_rank()
     for peer in dist.get_process_group_ranks(group):

@@ -143,7 +143,7 @@ def _like(data: Mapping[str, Any]) -> str:
     if latent:
         return ("e.g. \"deepseek_v2\" for its multi-head latent attention (q_lora_rank, kv_lora_rank, "
                 "qk_nope_head_dim, qk_rope_head_dim, v_head_dim); for dense layers alone, first_k_dense_replace = "
-                "num_hidden_layers (n_routed_experts 1 then holds no layer)")
+                "num_hidden_layers (n_routed_experts and num_experts_per_tok 1 then hold no layer)")
     keys = ("hidden_act", "activation_function", "hidden_activation", "ffn_act_fn")
     act = str(next((part[key] for part in parts for key in keys if part.get(key)), "")).lower()
     if act in ("relu2", "relu_squared", "squared_relu"):
