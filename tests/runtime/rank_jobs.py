@@ -144,6 +144,46 @@ def group_after_a_failure(rank: int, world: int, how: str) -> dict:
     return found
 
 
+def freezing_between_steps(rank: int, world: int, schedule: str) -> dict:
+    """Three SGD steps beside the single-device reference: the first piece (layers 0-3) frozen before the second
+    step and unfrozen before the third, on the engine's model and the reference alike. Its output then crosses to
+    the next rank without a gradient, which the engine had expected from the first step: the second step had died
+    ("stage 1 expects ... requiring grad") though docs/runtime.md says freezing between steps is picked up. Per
+    step: whether the loss is the reference's, and the owned parameters whose gradient or value is not."""
+    import copy
+
+    import torch
+    import torch.nn.functional as F
+    from models import SPLITS, batch, build, mismatches, reference_step
+
+    from pipeloom.runtime import pipeline
+
+    model = build("residual")
+    reference = copy.deepcopy(model)
+    pieces = 2 * world if schedule in ("zbv", "interleaved-1f1b") else world
+    engine = pipeline(model, schedule=schedule, split_points=SPLITS["residual"][pieces], loss_fn=F.cross_entropy,
+                      microbatches=4, failures=Failures(timeout=30))
+    owned = {id(p) for p in engine.parameters()}
+    found: dict = {"losses": [], "mismatches": []}
+    for step in range(3):
+        for net in (model, reference):
+            for layer in list(net.layers)[:4]:
+                layer.requires_grad_(step != 1)
+        (x,), y = batch("residual", seed=step)
+        loss = engine.step(x, target=y)
+        expected = reference_step(reference, (x,), y, 4)
+        found["losses"].append(loss is None or bool(torch.equal(loss, expected)))
+        with torch.no_grad():
+            for net in (model, reference):
+                for p in net.parameters():
+                    if p.grad is not None:
+                        p.sub_(0.1 * p.grad)
+                        p.grad = None
+        found["mismatches"].append(mismatches(model, reference, owned))
+    engine.close()
+    return found
+
+
 def shape_change(rank: int, world: int) -> object:
     """The first stage's output shape changes in the second step although the inputs' do not."""
     import torch

@@ -8,7 +8,16 @@ import pytest
 pytest.importorskip("torch")
 
 from models import assert_bitwise_reports
-from rank_jobs import exactness, fault, float64_loss, group_after_a_failure, replicas_eval, shape_change, two_replicas
+from rank_jobs import (
+    exactness,
+    fault,
+    float64_loss,
+    freezing_between_steps,
+    group_after_a_failure,
+    replicas_eval,
+    shape_change,
+    two_replicas,
+)
 from ranks import run_ranks
 
 from pipeloom.search import search
@@ -108,6 +117,17 @@ def test_a_group_a_failed_engine_closed_is_refused_by_name(how):
         assert said.startswith("pipeline(): an engine failed on this process group earlier ("), (rank, said)
         assert "the default group is one of them" in said and "process_group=torch.distributed.new_group()" in said
     assert isinstance(results[1][1]["new group"], float)  # the last stage's rank holds the loss
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_a_piece_frozen_and_unfrozen_between_steps_trains_as_one_device(schedule):
+    """A new user's trial (2026-12-07): freezing the first piece after a step (fine-tuning's usual move) had killed
+    the run, its output no longer requiring a gradient where the first step had learnt one."""
+    results = run_ranks(2, freezing_between_steps, schedule, timeout=100)
+    for rank, (status, found) in results.items():
+        assert status == "ok", found
+        assert found["losses"] == [True] * 3 and found["mismatches"] == [[]] * 3, (rank, found)
 
 
 @pytest.mark.timeout(120)

@@ -78,6 +78,34 @@ def test_engine_eval_turns_dropout_off_in_step_and_train_back_on():
     assert not torch.equal(engine.step(x, target=y), plain)
 
 
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+@pytest.mark.parametrize("first", ["traced in eval mode", "eval_step first"])
+def test_a_model_traced_in_eval_mode_still_drops_out_when_it_trains(tracer, first):
+    """A model in eval mode when it is traced (from_pretrained returns one; or an eval_step before any training
+    step) had been traced without its dropout: engine.train() had nothing to switch on, and every training loss was
+    the no-dropout one (a new user's trial, 2026-12-07). Traced in train mode, it draws what the reference draws."""
+    torch.manual_seed(0)
+    model = Dropper()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 8), torch.randint(0, 3, (8,))
+    if first == "traced in eval mode":
+        model.eval()
+        engine = pipeline(model, schedule="interleaved-1f1b", split_points=["b"], loss_fn=F.cross_entropy,
+                          microbatches=4, seed=3, tracing=Tracing(tracer=tracer, example_inputs=(x,)))
+    else:
+        engine = pipeline(model, schedule="interleaved-1f1b", split_points=["b"], loss_fn=F.cross_entropy,
+                          microbatches=4, seed=3, tracing=Tracing(tracer=tracer))
+        engine.eval()
+        plain = copy.deepcopy(reference).eval()
+        with torch.no_grad():  # micro-batch by micro-batch, as the engine runs them
+            assert torch.equal(engine.eval_step(x), torch.cat([plain(part) for part in x.chunk(4)]))
+    assert not any(module.training for module in model.modules()) or first != "traced in eval mode"
+    engine.train()
+    staged = split_model(reference, ["b"], tracer=tracer, example_inputs=(x,))
+    assert torch.equal(engine.step(x, target=y), reference_step(staged, x, y, loss_fn=F.cross_entropy,
+                                                                microbatches=4, seed=3))
+
+
 def test_a_training_step_leaves_the_callers_random_state_alone():
     torch.manual_seed(0)
     engine = pipeline(Dropper(), schedule="interleaved-1f1b", split_points=["b"], loss_fn=F.cross_entropy,

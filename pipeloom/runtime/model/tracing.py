@@ -8,8 +8,9 @@ node's module scopes (``nn_module_stack``), from which split points are found.
 from __future__ import annotations
 
 import collections
+import contextlib
 import operator
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -86,17 +87,32 @@ def trace_model(model: nn.Module, *, tracer: str = "auto", leaf_modules: Sequenc
         raise SplitError(f"leaf module(s) {unknown} are not submodules of {type(model).__name__}; give names "
                          "from model.named_modules(), e.g. 'layers.3'")
     kept = list(dict.fromkeys((*leaf_modules, *export_leaves)))
-    if tracer == "export":
-        return _export(model, example_inputs, kept)
+    with _in_train_mode(model):
+        if tracer == "export":
+            return _export(model, example_inputs, kept)
+        try:
+            return _symbolic(model, leaf_modules, kept)
+        except ModelTraceError as error:
+            if tracer == "fx":
+                raise
+            if example_inputs is None:
+                raise NeedsExampleError(f"{error}. Or give example_inputs=(a batch like the ones step() takes) so "
+                                      "pipeloom traces it with torch.export instead") from error.__cause__
+            return _export(model, example_inputs, kept)
+
+
+@contextlib.contextmanager
+def _in_train_mode(model: nn.Module) -> Iterator[None]:
+    """``model`` in train mode while it is traced, each module's own mode restored after: the graph holds the
+    train-mode code (dropout, batch statistics), which the stages switch off in eval mode (``modes``). Traced in
+    eval mode, a model (``from_pretrained`` returns one) had no dropout for ``engine.train()`` to switch on."""
+    flags = {module: module.training for module in model.modules()}
+    model.train()
     try:
-        return _symbolic(model, leaf_modules, kept)
-    except ModelTraceError as error:
-        if tracer == "fx":
-            raise
-        if example_inputs is None:
-            raise NeedsExampleError(f"{error}. Or give example_inputs=(a batch like the ones step() takes) so "
-                                  "pipeloom traces it with torch.export instead") from error.__cause__
-        return _export(model, example_inputs, kept)
+        yield
+    finally:
+        for module, training in flags.items():
+            module.training = training
 
 
 class _Tracer(fx.Tracer):

@@ -66,13 +66,16 @@ def _who(values: list[str]) -> str:
 
 
 def agree_on_step(inputs: object, target: object, *, training: bool, microbatches: int, group: object,
-                  world: int, rank: int, device: torch.device, wait: Callable[[object, str], None]) -> None:
+                  world: int, rank: int, device: torch.device, wait: Callable[[object, str], None],
+                  local: str = "") -> tuple[int, ...]:
     """Raise :class:`StepMismatchError` on every rank of ``group`` (``world`` ranks) unless all describe this
-    step alike (:func:`describe_step`); a failed exchange raises ``wait``'s PipelineError."""
+    step alike (:func:`describe_step`); a failed exchange raises ``wait``'s PipelineError. Returns every rank's
+    digest of its ``local`` text, which may differ between ranks (in the same all-gather: what each rank's stages
+    train, so that all learn of a piece frozen on one)."""
     if world <= 1:
-        return
+        return tuple(_digest((local,), torch.device("cpu")).tolist())
     mine = describe_step(microbatches=microbatches, training=training, inputs=inputs, target=target)
-    digest = _digest(mine, device)
+    digest = _digest((*mine, local), device)
     gathered = [torch.empty_like(digest) for _ in range(world)]
     doing = "comparing this step's inputs across ranks"
     try:
@@ -80,12 +83,13 @@ def agree_on_step(inputs: object, target: object, *, training: bool, microbatche
     except Exception as error:  # noqa: BLE001 (a broken group can refuse the post itself)
         raise PipelineError(f"rank {rank}: {doing} failed: {type(error).__name__}: {error}") from error
     wait(work, doing)
-    rows = [row.tolist() for row in gathered]
+    rows = [row.tolist()[:-1] for row in gathered]
     if all(row == rows[0] for row in rows):
-        return
+        return tuple(int(row[-1]) for row in gathered)
     texts = gather_objects(list(mine), group, world, rank, device, wait, doing)  # every rank saw the mismatch
     for index, field in enumerate(FIELDS):
         values = [t[index] for t in texts]
         if any(v != values[0] for v in values):
             raise StepMismatchError(f"ranks disagree on this step's {field}: {_who(values)}; {_FIXES[field]} "
                                     "(nothing was sent)")
+    return tuple(int(row[-1]) for row in gathered)  # digests differed, texts not: nothing to refuse
