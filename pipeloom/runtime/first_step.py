@@ -13,7 +13,8 @@ anything else that needs the split says so.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.utils._pytree as pytree
@@ -52,6 +53,7 @@ class FirstStepEngine(PipelineEngine):
         self.tp_sharding = sharding  # tp_plan="auto": chosen at pipeline(), as for a split engine
         self._mode: bool | None = None  # train()/eval() before the split, applied to the engine after it
         self._closed_early = False
+        self.training = True  # as after the split: engine.training had raised NotSplitYetError before it
 
     def __getattr__(self, name: str) -> object:
         """Only reached for what the split sets (the pieces, the lowering, the names...): before it, say why."""
@@ -104,7 +106,23 @@ class FirstStepEngine(PipelineEngine):
             return super().train(mode)
         self._mode = bool(mode)
         self._model.train(self._mode)
+        self.training = self._mode
         return self
+
+    def save_checkpoint(self, path: str | Path, **kwargs: Any) -> None:
+        self._checkpoint_before_split("save_checkpoint")
+        super().save_checkpoint(path, **kwargs)
+
+    def load_checkpoint(self, path: str | Path, **kwargs: Any) -> None:
+        self._checkpoint_before_split("load_checkpoint")
+        super().load_checkpoint(path, **kwargs)
+
+    def _checkpoint_before_split(self, what: str) -> None:
+        """PipelineError naming the fix for a checkpoint call before the split (it had named ``engine.names``)."""
+        if self._pending is not None:
+            raise PipelineError(f"{what}: the model is split at the first step, so no rank holds its pieces yet; "
+                                f"pass tracing={_SPLIT_NOW} to pipeline() to split it there (then {what} before "
+                                "training: the way to resume)")
 
     def close(self) -> None:
         if self._pending is None:

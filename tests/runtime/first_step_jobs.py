@@ -62,3 +62,43 @@ def planned_first_step(rank: int, world: int, name: str, path: str) -> dict:
     torch.optim.SGD(params, lr=0.1).step()
     return {"before": before, "unchanged": sum(bool(torch.equal(a, b)) for a, b in zip(start, params)),
             "after": len(params), "split": engine.split}
+
+
+def optimizer_before_split_checkpoint(rank: int, world: int, folder: str) -> dict:
+    """GPT-2 without example_inputs under 1f1b, AdamW built before the first step on engine.named_parameters() in
+    the usual two weight-decay groups (docs/runtime.md allows it: it then holds every parameter of the model, the
+    other ranks' never stepped): two steps, save_checkpoint (it had been refused: "the optimizer holds 18
+    parameter(s) that this rank's stages do not"), then an engine split at pipeline() loads it into an optimizer
+    built the same way and takes the third step: whether its loss is the uninterrupted run's."""
+    import torch
+    from hf_models import build_hf, hf_splits, lm_loss, tokens
+
+    from pipeloom.runtime import Tracing, pipeline
+
+    def grouped(engine) -> torch.optim.Optimizer:
+        named = list(engine.named_parameters())
+        return torch.optim.AdamW([{"params": [p for n, p in named if p.dim() >= 2], "weight_decay": 0.1},
+                                  {"params": [p for n, p in named if p.dim() < 2], "weight_decay": 0.0}], lr=1e-3)
+
+    def run(engine, optimizer, steps) -> list[float | None]:
+        losses = []
+        for step in steps:
+            x, y = tokens(seed=step)
+            loss = engine.step(x, target=y)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(None if loss is None else float(loss))
+        return losses
+
+    options = dict(schedule="1f1b", split_points=hf_splits("gpt2", world), loss_fn=lm_loss, microbatches=4,
+                   failures=Failures(timeout=60))
+    engine = pipeline(build_hf("gpt2"), **options)
+    optimizer = grouped(engine)
+    first = run(engine, optimizer, range(2))
+    engine.save_checkpoint(folder, optimizer=optimizer)
+    third = run(engine, optimizer, [2])
+    x, _ = tokens(seed=2)
+    resumed = pipeline(build_hf("gpt2", seed=5), **options, tracing=Tracing(example_inputs=(x,)))
+    again = grouped(resumed)
+    resumed.load_checkpoint(folder, optimizer=again)
+    return {"first": first, "third": third, "resumed": run(resumed, again, [2])}

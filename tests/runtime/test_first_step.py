@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from first_step_jobs import hf_first_step
+from first_step_jobs import hf_first_step, optimizer_before_split_checkpoint
 from hf_models import build_hf, lm_loss, tokens
 from models import assert_bitwise_reports, mismatches
 from ranks import run_ranks
@@ -24,6 +24,9 @@ def test_a_model_torch_fx_cannot_trace_is_split_at_its_first_step_bitwise():
     reference = copy.deepcopy(model)
     engine = pipeline(model, schedule="zbv", split_points=["transformer.h.2"], loss_fn=lm_loss, microbatches=4)
     assert isinstance(engine, PipelineEngine) and not engine.split
+    assert engine.training is True  # it had raised NotSplitYetError before the split
+    with pytest.raises(PipelineError, match="load_checkpoint: the model is split at the first step.*example_inputs"):
+        engine.load_checkpoint("anywhere")  # it had named engine.names, an attribute the user never used
     assert len(engine.parameters()) == len(list(model.parameters()))  # before the split: the whole model's
     with pytest.raises(PipelineError, match="split at the first step"):
         engine.state_dict()
@@ -155,3 +158,15 @@ def test_a_none_among_the_inputs_is_named_with_the_way_to_pass_optional_ones():
     engine.step(x, target=y)  # split now: the traced engine's own check says the same
     with pytest.raises(PipelineError, match=r"step\(\)'s inputs must be a tensor .*got tuple whose item 1 is NoneType"):
         engine.step((x, None, torch.ones_like(x)), target=y)
+
+
+@pytest.mark.timeout(400)
+def test_an_optimizer_built_before_the_split_saves_and_resumes(tmp_path):
+    """A new user's trial (2026-12-07): an optimizer built before the first step, as docs/runtime.md allows, holds
+    every parameter of the model; save_checkpoint had refused it. It saves this rank's share, and another engine
+    resumes from it with the uninterrupted run's loss."""
+    results = run_ranks(2, optimizer_before_split_checkpoint, str(tmp_path / "ck"), timeout=360)
+    for rank, (status, found) in results.items():
+        assert status == "ok", found
+        assert found["resumed"] == found["third"], (rank, found)
+    assert results[1][1]["third"][0] is not None  # the last stage's rank holds the loss

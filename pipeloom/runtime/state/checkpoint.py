@@ -73,12 +73,7 @@ def _optimizer_state(tree: nn.Module, optimizer: torch.optim.Optimizer, *, savin
 
     options = StateDictOptions(flatten_optimizer_state_dict=True)
 
-    mine = {id(p) for p in tree.parameters()}
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    foreign = sum(id(p) not in mine for p in params)
-    if foreign:
-        raise PipelineError(f"the optimizer holds {foreign} parameter(s) that this rank's stages do not; "
-                            "build it from engine.parameters()")
     fresh = not optimizer.state
     with _no_grads(params):
         flat = get_optimizer_state_dict(tree, optimizer, options=options)
@@ -87,6 +82,37 @@ def _optimizer_state(tree: nn.Module, optimizer: torch.optim.Optimizer, *, savin
         raise PipelineError("save_checkpoint: the optimizer has no state yet (it has not stepped); save "
                             "after optimizer.step(), or without optimizer= and build a fresh one to resume")
     return flat
+
+
+def _check_own(tree: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """PipelineError where ``optimizer`` holds state for a parameter this rank's stages (``tree``) do not (it was
+    stepped elsewhere: another rank's optimizer), or none of this rank's trainable parameters."""
+    mine = {id(p) for p in tree.parameters()}
+    held = [p for group in optimizer.param_groups for p in group["params"]]
+    stepped = sum(id(p) not in mine and bool(optimizer.state.get(p)) for p in held)
+    if stepped or (any(p.requires_grad for p in tree.parameters()) and not any(id(p) in mine for p in held)):
+        said = f"state for {stepped} parameter(s)" if stepped else "none of the parameters"
+        raise PipelineError(f"the optimizer holds {said} that this rank's stages hold; build it from "
+                            "engine.parameters()")
+
+
+@contextlib.contextmanager
+def own_parameters(tree: nn.Module | None, optimizer: torch.optim.Optimizer | None) -> Iterator[None]:
+    """``optimizer``'s groups holding only this rank's parameters (``tree``'s) meanwhile, their lists restored
+    after: one built before the first step on every parameter of the model (as docs/runtime.md allows; the others
+    never get a gradient, so it never steps them) had been refused (:func:`_check_own` refuses the rest)."""
+    if optimizer is None or tree is None:
+        yield
+        return
+    mine = {id(p) for p in tree.parameters()}
+    kept = [group["params"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["params"] = [p for p in group["params"] if id(p) in mine]
+    try:
+        yield
+    finally:
+        for group, params in zip(optimizer.param_groups, kept):
+            group["params"] = params
 
 
 @contextlib.contextmanager
@@ -271,7 +297,10 @@ def save_checkpoint(path: str | os.PathLike, names: ModelNames, pieces: Mapping[
     states = _extra_states(_checked_extra(extra), group)
     content: dict = {"model": state_dict(names, pieces)}
     if optimizer is not None:
-        content["optim"] = _optimizer_state(_tree(named_parameters(names, pieces)), optimizer, saving=True)
+        tree = _tree(named_parameters(names, pieces))
+        _agreed(group, lambda: _check_own(tree, optimizer))
+        with own_parameters(tree, optimizer):
+            content["optim"] = _optimizer_state(tree, optimizer, saving=True)
     if counters:  # the engine's own state (its training-step count and seed make the random numbers)
         content["engine"] = {key: torch.tensor(value, dtype=torch.int64) for key, value in counters.items()}
     if states:
@@ -310,8 +339,6 @@ def load_checkpoint(path: str | os.PathLike, names: ModelNames, pieces: Mapping[
     """Load what :func:`save_checkpoint` saved into this rank's tensors, ``optimizer`` and each of ``extra``'s
     objects (``load_state_dict``; a name the checkpoint lacks is refused before anything is loaded); returns
     the saved ``counters`` (those named in ``counters``, whose values are the defaults when absent)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     objects = _checked_extra(extra)
     content: dict = {"model": state_dict(names, pieces)}
@@ -332,23 +359,37 @@ def load_checkpoint(path: str | os.PathLike, names: ModelNames, pieces: Mapping[
     tree = None
     if optimizer is not None:
         tree = _tree(named_parameters(names, pieces))
+        _agreed(group, lambda: _check_own(tree, optimizer))
+    with own_parameters(tree, optimizer):
+        _load_all(path, group, names, pieces, content, saved, tree, optimizer, counters, objects)
+    return dict(counters or {}, **{key: int(value) for key, value in content.get("engine", {}).items()})
+
+
+def _load_all(path: str | os.PathLike, group: dist.ProcessGroup | None, names: ModelNames,
+              pieces: Mapping[int, nn.Module], content: dict, saved: Mapping[str, object], tree: nn.Module | None,
+              optimizer: torch.optim.Optimizer | None, counters: dict[str, int] | None,
+              objects: Mapping[str, Stateful]) -> None:
+    """:func:`load_checkpoint`'s load, its checks passed: the model's tensors, the optimizer's state (of this rank's
+    parameters), the engine's counters into ``content["engine"]`` and ``objects``' states."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    if optimizer is not None and tree is not None:
         content["optim"] = _optimizer_state(tree, optimizer, saving=False)  # the state DCP loads into
         flat = content["optim"]
         _agreed(group, lambda: _check_saved_optimizer(saved, flat, path))
         _check_groups(path, group, tree, optimizer, flat)
-    found = dict(counters or {})
+    wanted = dict(counters or {})
     saved_counters = _saved_keys(saved, "engine") if counters else set()
-    if saved_counters & found.keys():  # older checkpoints lack some counters: their defaults stay
-        content["engine"] = {key: torch.tensor(0, dtype=torch.int64) for key in found if key in saved_counters}
+    if saved_counters & wanted.keys():  # older checkpoints lack some counters: their defaults stay
+        content["engine"] = {key: torch.tensor(0, dtype=torch.int64) for key in wanted if key in saved_counters}
     if objects:
         content["extra"] = {name: b"" for name in objects}  # DCP replaces each with the saved bytes
     with one_process(group), _dcp_errors("load_checkpoint", path):
         dcp.load(content, checkpoint_id=path, process_group=group, no_dist=group is None)
-    found.update({key: int(value) for key, value in content.get("engine", {}).items()})
     load_state_dict(names, pieces, content["model"])  # DCP loads in place; this covers copies it made
     if optimizer is not None and tree is not None:  # tree: built with the optimizer above
         set_optimizer_state_dict(tree, optimizer, content["optim"],
                                  options=StateDictOptions(flatten_optimizer_state_dict=True))
     for name, value in objects.items():  # the user's own pickled state: loaded as torch.save wrote it
         value.load_state_dict(torch.load(io.BytesIO(content["extra"][name]), weights_only=False))
-    return found
