@@ -9,14 +9,15 @@ call, the same random numbers) and the operation's own eval value in eval mode.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-__all__ = ["MODE_ARGUMENTS", "ModeArgument", "TrainOnly", "switch_modes"]
+__all__ = ["MODE_ARGUMENTS", "ModeArgument", "TrainOnly", "switch_modes", "train_mode"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,3 +83,18 @@ def switch_modes(module: fx.GraphModule) -> int:
     if count:
         module.recompile()
     return count
+
+
+@contextlib.contextmanager
+def train_mode(model: nn.Module) -> Iterator[None]:
+    """``model`` in train mode while it is traced, each module's own mode restored after: the graph holds the
+    train-mode code (dropout, batch statistics), which the stages switch off in eval mode (:func:`switch_modes`).
+    Traced in eval mode, a model (``from_pretrained`` returns one) had no dropout for ``engine.train()`` to switch
+    on."""
+    flags = {module: module.training for module in model.modules()}
+    model.train()
+    try:
+        yield
+    finally:
+        for module, training in flags.items():
+            module.training = training

@@ -8,9 +8,8 @@ node's module scopes (``nn_module_stack``), from which split points are found.
 from __future__ import annotations
 
 import collections
-import contextlib
 import operator
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -21,6 +20,7 @@ from torch import fx, nn
 from pipeloom.runtime.errors import ModelTraceError, NeedsExampleError, SplitError
 from pipeloom.runtime.model.export_env import exported_program
 from pipeloom.runtime.model.grad_modes import mode_change, modes, reentrant_checkpoints
+from pipeloom.runtime.model.modes import train_mode
 from pipeloom.runtime.model.sizes import TracedSizes, traced_sizes
 
 if TYPE_CHECKING:
@@ -87,7 +87,7 @@ def trace_model(model: nn.Module, *, tracer: str = "auto", leaf_modules: Sequenc
         raise SplitError(f"leaf module(s) {unknown} are not submodules of {type(model).__name__}; give names "
                          "from model.named_modules(), e.g. 'layers.3'")
     kept = list(dict.fromkeys((*leaf_modules, *export_leaves)))
-    with _in_train_mode(model):
+    with train_mode(model):
         if tracer == "export":
             return _export(model, example_inputs, kept)
         try:
@@ -99,20 +99,6 @@ def trace_model(model: nn.Module, *, tracer: str = "auto", leaf_modules: Sequenc
                 raise NeedsExampleError(f"{error}. Or give example_inputs=(a batch like the ones step() takes) so "
                                       "pipeloom traces it with torch.export instead") from error.__cause__
             return _export(model, example_inputs, kept)
-
-
-@contextlib.contextmanager
-def _in_train_mode(model: nn.Module) -> Iterator[None]:
-    """``model`` in train mode while it is traced, each module's own mode restored after: the graph holds the
-    train-mode code (dropout, batch statistics), which the stages switch off in eval mode (``modes``). Traced in
-    eval mode, a model (``from_pretrained`` returns one) had no dropout for ``engine.train()`` to switch on."""
-    flags = {module: module.training for module in model.modules()}
-    model.train()
-    try:
-        yield
-    finally:
-        for module, training in flags.items():
-            module.training = training
 
 
 class _Tracer(fx.Tracer):
