@@ -122,6 +122,20 @@ def test_load_state_dict_checks_before_copying_and_loads_a_single_device_state_d
         engine.load_state_dict(dict(other, **{"head.bias": torch.zeros(4)}))
 
 
+def test_a_tied_weight_loads_from_either_of_its_keys():
+    """Hugging Face's save_pretrained leaves out a tied head's key (lm_head.weight): such a state dict had been
+    refused as missing it, in Weights(state_dict=) too, whose refusal said to pass strict=False, which Weights
+    does not take (a new user's trial, 2026-12-07)."""
+    model = model_for("tied")
+    engine = engine_for(model, "1f1b", 1)
+    other = model_for("tied", seed=5).state_dict()
+    for left_out in ("head.weight", "embed.weight"):
+        assert engine.load_state_dict({k: v for k, v in other.items() if k != left_out}) == LoadResult([], [])
+        assert torch.equal(model.embed.weight, other["embed.weight"]) and model.head.weight is model.embed.weight
+    with pytest.raises(PipelineError, match=r"missing keys \['embed.weight', 'head.weight'\]"):
+        engine.load_state_dict({k: v for k, v in other.items() if k not in ("head.weight", "embed.weight")})
+
+
 def test_full_state_dict_on_one_rank_is_the_model_state_dict():
     model = model_for("tied")
     engine = engine_for(model, "zbv", 1)

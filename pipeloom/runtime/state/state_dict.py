@@ -166,13 +166,17 @@ def load_state_dict(names: ModelNames, pieces: Mapping[int, nn.Module], values: 
     """Copy ``values`` into this rank's tensors (a tied tensor from the first of its keys present).
 
     Keys of tensors other ranks hold are skipped, so a whole single-device state dict loads on every
-    rank; ``missing_keys`` are this rank's keys absent from ``values``, ``unexpected_keys`` the keys the
-    model does not have. With ``strict`` either raises before anything is copied.
+    rank; ``missing_keys`` are the keys of this rank's tensors none of whose keys ``values`` holds (a tied
+    tensor with one key present is not missing: a Hugging Face checkpoint of a tied model leaves out the
+    head's key), ``unexpected_keys`` the keys the model does not have. With ``strict`` either raises before
+    anything is copied.
     """
     known = {key for tensor in names.tensors for key in tensor.keys}
     unexpected = [key for key in values if key not in known]
     held = _held(names, pieces)
-    missing = [key for i in held for key in names.tensors[i].keys if key not in values]
+    # a tied tensor loads from any of its keys: Hugging Face's save_pretrained leaves out the tied head's
+    missing = [key for i in held if not any(k in values for k in names.tensors[i].keys)
+               for key in names.tensors[i].keys]
     if strict and (missing or unexpected):
         raise PipelineError(f"load_state_dict(strict=True): missing keys {missing}, unexpected keys "
                             f"{unexpected}; pass strict=False to load the keys that match")
