@@ -37,3 +37,18 @@ def test_a_mixture_of_experts_looping_in_python_is_told_what_works():
     assert "stages_from_modules" in str(refused.value) and "grouped_mm" in str(refused.value)
     staged = split_model(mixtral(), ["model.layers.1"], example_inputs=(x,))  # what the advice says works
     assert staged.num_stages == 2
+
+
+def test_a_dense_model_looping_in_python_is_not_told_about_experts():
+    """transformers 5 sets experts_implementation on every model: a dense Llama whose dynamic RoPE branches on the
+    sequence length had been told to change its (absent) experts' kernel (a new user's trial, 2026-12-07)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=16, use_cache=False,
+        rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}))
+    x = torch.randint(1, 96, (4, 12))
+    with pytest.raises(ModelTraceError, match="loops in Python on tensor values") as refused:
+        split_model(model, ["model.layers.1"], example_inputs=(x,))
+    assert "experts" not in str(refused.value).split("Split it by hand")[0]

@@ -135,8 +135,11 @@ def _data_dependent_advice(model: nn.Module, error: Exception) -> str:
     if "GuardOnDataDependentSymNode" not in text and "data-dependent" not in text:
         return ""
     advice = "The model branches or loops in Python on tensor values, which torch.export cannot follow. "
-    experts = getattr(getattr(model, "config", None), "_experts_implementation", None)
-    if experts == "eager":
+    config = getattr(model, "config", None)
+    experts = getattr(config, "_experts_implementation", None)  # transformers 5 sets it on every model
+    routed = any(isinstance(n, int) and n > 1 for n in (getattr(config, key, None) for key in (
+        "num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")))
+    if experts == "eager" and routed:
         advice += ("Its config has experts_implementation='eager' (a Python loop over the routed experts): leave "
                    "experts_implementation unset for transformers' default experts kernel ('grouped_mm'), which "
                    "torch.export traces and pipeloom splits bitwise. ")
