@@ -52,3 +52,16 @@ def test_a_dense_model_looping_in_python_is_not_told_about_experts():
     with pytest.raises(ModelTraceError, match="loops in Python on tensor values") as refused:
         split_model(model, ["model.layers.1"], example_inputs=(x,))
     assert "experts" not in str(refused.value).split("Split it by hand")[0]
+
+
+def test_inputs_passed_by_position_are_named_with_the_parameters_they_reach():
+    """GPT-2 given (ids, mask) takes the mask as its cache: the refusal had offered a hand split alone (a new
+    user's trial, 2026-12-07); it names where the inputs went and how to pass a mask."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=96,
+                                                                 n_positions=32, bos_token_id=0, eos_token_id=0))
+    x = torch.randint(1, 96, (4, 12))
+    with pytest.raises(ModelTraceError, match=r"The inputs go to forward's input_ids, \w+ by position; to pass "
+                                              r"others \(an attention mask\), wrap the model"):
+        split_model(model, ["transformer.h.1"], example_inputs=(x, torch.ones_like(x)))

@@ -115,7 +115,7 @@ def exported_program(model: nn.Module, example_inputs: object,
         first, *rest = str(error).strip().splitlines() or [""]  # the way out on the first line, torch's text after
         raise ModelTraceError(
             f"torch.export cannot trace {type(model).__name__}{kept}: {type(error).__name__}: {first[:300]}. "
-            f"{_data_dependent_advice(model, error)}Split it by hand instead: "
+            f"{_data_dependent_advice(model, error)}{_bound(model, len(args))}Split it by hand instead: "
             "pipeloom.runtime.stages_from_modules([stage0, stage1, ...])" + "".join(f"\n{line}" for line in rest[:20])
         ) from error
     sys.stderr.write(said.getvalue())
@@ -126,6 +126,21 @@ def exported_program(model: nn.Module, example_inputs: object,
             "nothing after it would get a gradient; use checkpoint(..., use_reentrant=False) (transformers: "
             "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})), or tracer='fx'")
     return exported
+
+
+def _bound(model: nn.Module, count: int) -> str:
+    """Which of ``model.forward``'s parameters ``count`` (> 1) positional inputs go to, and how to pass others: GPT-2
+    given ``(ids, mask)`` had failed on the mask as its ``past_key_values`` with only a hand split offered."""
+    import inspect
+
+    try:
+        names = list(inspect.signature(model.forward).parameters)[:count]
+    except (TypeError, ValueError):
+        return ""
+    if count < 2 or len(names) < count:
+        return ""
+    return (f"The inputs go to forward's {', '.join(names)} by position; to pass others (an attention mask), wrap "
+            f"the model: forward(ids, mask): return model(input_ids=ids, attention_mask=mask). ")
 
 
 def _data_dependent_advice(model: nn.Module, error: Exception) -> str:
