@@ -124,7 +124,8 @@ def exported_program(model: nn.Module, example_inputs: object,
             f"torch.export cannot trace {type(model).__name__} with gradients: it runs a reentrant activation "
             f"checkpoint ({reentrant[0]}, use_reentrant=True), whose torch.no_grad() torch.export records, so "
             "nothing after it would get a gradient; use checkpoint(..., use_reentrant=False) (transformers: "
-            "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})), or tracer='fx'")
+            "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})), or tracer='fx' "
+            "where torch.fx traces the model (it traces no transformers model)")
     return exported
 
 
