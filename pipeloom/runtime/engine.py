@@ -190,8 +190,9 @@ class PipelineEngine:
 
     def _run(self, inputs: object, target: object, *, training: bool) -> tuple[torch.Tensor | None, object]:
         self._check_parameters()
-        trained = self._agree(inputs, target, training)  # what every rank's stages train: a piece frozen since
-        self.params = self.pieces.trainable()  # the last step sends values without gradients, learnt anew
+        self.params = self.pieces.trainable()  # requires_grad may have changed since the last step
+        trained = self._agree(inputs, target, training)  # every rank's digest of them: a piece frozen since the
+        # last step sends values without gradients, learnt anew
         chunks, targets = self.batch.step_inputs(inputs, target, training, self.staged.graph.input_names)
         if training and self.planned_batch is not None and self.rank == 0 and self._first_pipeline:
             self.planned_batch.check(inputs)  # one rank says it, every step: replicas' shares may hide a new size
@@ -274,8 +275,8 @@ class PipelineEngine:
 
     def _agree(self, inputs: object, target: object, training: bool) -> tuple[int, ...]:
         """Refuse a step on a broken or closed engine; every rank was given the same step (checked before
-        any tensor moves, so a mismatch leaves the engine usable). Returns a digest of which parameters each
-        rank's stages train."""
+        any tensor moves, so a mismatch leaves the engine usable). Returns each rank's digest of the parameters
+        its stages train (``self.params``)."""
         if self.broken:
             raise PipelineError(f"this engine failed earlier ({self.broken}); build a new one (and process group)")
         if self.messenger.closed:
@@ -284,7 +285,7 @@ class PipelineEngine:
         if closed is not None:  # another engine's failure on these groups closed their connections
             self._fail(f"this engine's process group was closed by an engine that failed on it ({closed}); build a "
                        "new engine on a new group (see pipeline()'s refusal)", ConnectionError(closed))
-        trains = "".join("1" if p.requires_grad else "0" for m in self.modules.values() for p in m.parameters())
+        trains = str(hash(tuple((s, *map(id, ps)) for s, ps in sorted(self.params.items()))))  # this step's
         try:
             return agree_on_step(inputs, target, training=training, microbatches=self.num_microbatches,
                                  group=self.layout.everyone, world=self.layout.everyone_size, rank=self.rank,

@@ -16,7 +16,7 @@ from typing import Literal
 from pipeloom.errors import PipeloomError, require_type
 from pipeloom.problem import MAX_INTERVALS, Problem
 from pipeloom.search.budget import Budget
-from pipeloom.search.builtins import builtin_candidates
+from pipeloom.search.builtins import PROBE_SIZES, builtin_candidates
 from pipeloom.search.common import lower_bound, to_integers
 from pipeloom.search.constructions import BLOCK_PLACEMENTS, insert_all_rank_tasks, split_each_backward
 from pipeloom.search.errors import SearchError
@@ -250,7 +250,7 @@ class _Search:
 
         limit = self.problem.memory_limit
         p, m = self.problem.num_ranks, self.num_mb
-        probes = sum(min(m, k * p) for k in (2, 4)) / m * len(self.skipped)  # each left entry's probe builds first
+        probes = sum(min(m, k * p) for k in PROBE_SIZES) / m * len(self.skipped)  # each left entry's probes first
         for step, solver in enumerate(self.plan):
             # time to validate the solver's schedule, and to probe the built-ins step 1 had no time for and build one
             left = self.budget.left() - self.budget.schedule_cost(self.actions, passes=1 + bool(self.skipped)

@@ -16,7 +16,7 @@ from pipeloom.sim import Timeline
 from pipeloom.stages import Costs
 from pipeloom.validate import validate
 
-__all__ = ["builtin_candidates"]
+__all__ = ["PROBE_SIZES", "builtin_candidates"]
 
 def _structure(problem: Problem) -> dict:
     """What a schedule's validity depends on: each task's rank set and everything it transitively
@@ -120,6 +120,10 @@ def _variants(name: str, problem: Problem, num_microbatches: int, wanted: dict, 
                 return
 
 
+PROBE_SIZES = (2, 4)
+"""A probe builds a built-in at these multiples of the ranks' count of micro-batches (at most the problem's)."""
+
+
 def _probe(name: str, problem: Problem, num_microbatches: int, wanted: dict, options: dict,
            budget: Budget) -> bool:
     """Whether built-in ``name`` may fit ``problem``: built at ``2p`` then ``4p`` micro-batches (at
@@ -127,7 +131,7 @@ def _probe(name: str, problem: Problem, num_microbatches: int, wanted: dict, opt
     (the family may only accept the full count; the full build decides). A matching probe is also
     re-targeted, teaching ``budget`` what this entry's build and validation cost per action here."""
     p = problem.num_ranks
-    for small in dict.fromkeys(min(num_microbatches, k * p) for k in (2, 4)):
+    for small in dict.fromkeys(min(num_microbatches, k * p) for k in PROBE_SIZES):
         began = time.perf_counter()
         built = _build(name, problem, small, Costs(), None, options)
         if built is None:

@@ -181,9 +181,7 @@ class Messenger:
         """Fail every pending operation of this rank on its groups (after another rank's failure)."""
         watch = self._helpers.watch
         found = watch.failure if watch is not None else None
-        who = self.scope.name(found[0]) if found is not None else ""  # a pipeline rank, or "global rank G (...)"
-        why = f"{who if who.startswith('global') else f'rank {who}'} failed: {found[1]}" if found is not None \
-            else "another rank failed"
+        why = f"{self._named(found[0])} failed: {found[1]}" if found is not None else "another rank failed"
         for group in self.closed_on_failure():
             close_connections(group, why=why.splitlines()[0][:300])
 
@@ -252,8 +250,12 @@ class Messenger:
             found = self.board.first_failure(quick=False)
         if found is None:
             return None
-        who = self.scope.name(found[0])  # a pipeline rank's number, or "global rank G (pp, tp)"
-        return f"{who if who.startswith('global') else f'rank {who}'} failed: {found[1]}"
+        return f"{self._named(found[0])} failed: {found[1]}"
+
+    def _named(self, rank: int) -> str:
+        """``rank R`` (a pipeline rank), or ``global rank G (pp, tp)`` on a mesh with "tp"."""
+        who = self.scope.name(rank)
+        return who if who.startswith("global") else f"rank {who}"
 
     def report(self, message: str) -> None:
         """Leave this rank's failure where the other ranks look while they wait."""

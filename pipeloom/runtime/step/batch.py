@@ -10,7 +10,7 @@ import torch
 
 from pipeloom.runtime.errors import PipelineError
 
-__all__ = ["BatchCut", "joined_outputs", "row_count_fix", "signature", "tensors"]
+__all__ = ["BatchCut", "batch_rows", "joined_outputs", "part_rows", "row_count_fix", "signature", "tensors"]
 
 
 class BatchCut:
@@ -99,8 +99,12 @@ def batch_rows(inputs: object, microbatches: int) -> list[set[int]] | None:
 
     first = next((t for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.dim() > 0), None)
     parts = [] if first is None else torch.chunk(first, microbatches, dim=0)
-    if len(parts) != microbatches:
-        return None
+    return part_rows(parts) if len(parts) == microbatches else None
+
+
+def part_rows(parts: Sequence[torch.Tensor]) -> list[set[int]]:
+    """Each micro-batch's (``parts``, of the first input) batch dimension as :func:`joined_outputs` takes it: its rows,
+    or rows x tokens flattened."""
     return [{len(part), part.shape[:2].numel()} for part in parts]
 
 

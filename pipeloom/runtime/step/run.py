@@ -20,7 +20,7 @@ from pipeloom.runtime.model.split import ValueRef, check_stage_value
 from pipeloom.runtime.parallel.tp import is_dtensor
 from pipeloom.runtime.program import MODEL_INPUT, Step, Unit, forward_unit
 from pipeloom.runtime.step.backward import PendingWeights, add_in_order, backward_full, backward_input
-from pipeloom.runtime.step.batch import joined_outputs
+from pipeloom.runtime.step.batch import joined_outputs, part_rows
 from pipeloom.runtime.step.loss import checked_loss
 from pipeloom.runtime.step.pieces import RankPieces
 from pipeloom.runtime.step.replicas import ReplicaExchange
@@ -97,8 +97,8 @@ class StepRun:
             return None
         values = [self.model_outputs[mb] for mb in sorted(self.model_outputs)]
         cut = self.chunks[0] if self.chunks else []
-        if rows is None and len(cut) == len(values):  # the rows, or rows x tokens flattened
-            rows = [{len(part), part.shape[:2].numel()} for part in cut]
+        if rows is None and len(cut) == len(values):
+            rows = part_rows(cut)
         return joined_outputs(values, microbatches, rows)
 
     def execute(self) -> None:
